@@ -1,0 +1,1 @@
+//! kura-bench
