@@ -1,0 +1,399 @@
+//! `KvLayout`: the shape of a model's KV cache and every byte computation made on it.
+//!
+//! This is the one source of truth for sizes: `kura plan`, the engine's pool sizing and the metrics all call
+//! it, so the planner and the running server always agree. Everything here is O(layers).
+//!
+//! What one token costs, per layer ([`LayerKv::bytes_per_token`]):
+//!
+//! ```text
+//! full or sliding-window attention:  2 (K and V) × kv_heads × bytes_per_vector(head_dim)
+//! MLA (DeepSeek-V2/V3):              1 latent    × bytes_per_vector(kv_lora_rank + qk_rope_head_dim)
+//! ```
+//!
+//! What a sequence of `context` tokens holds, with paging (blocks of `block_size_tokens`):
+//!
+//! ```text
+//! block_size 16, context 40:   [16][16][8 used, 8 empty]  -> 3 blocks = 48 token slots
+//! sliding window 32, same:     only the last 32 tokens matter -> min(40, 32) = 32 -> 2 blocks
+//! ```
+//!
+//! A windowed layer holds at most `window` tokens, rounded up to whole blocks; a full layer holds all of
+//! them. The pool of a running server gives every block all layers (one block id spans the model), so for a
+//! model without windowed layers `bytes_for_sequence` is exactly `blocks × bytes_per_block`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::codec::KvDtype;
+
+/// How a layer attends, which decides what it must keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// Every earlier token: keeps the whole context.
+    Full,
+    /// Only the last `window_tokens` tokens (Mistral, Gemma-2/3 local layers, Phi-3).
+    SlidingWindow { window_tokens: usize },
+    /// Multi-head latent attention: one compressed latent of `latent_dim` elements per token instead of K
+    /// and V per head (`kv_lora_rank + qk_rope_head_dim` in DeepSeek-V2/V3).
+    Mla { latent_dim: usize },
+}
+
+/// The KV shape of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerKv {
+    /// KV heads of this layer (ignored for MLA, whose latent is shared by all heads).
+    pub kv_heads: usize,
+    /// Elements of one head's K (and V) vector.
+    pub head_dim: usize,
+    pub attention: AttentionKind,
+}
+
+impl LayerKv {
+    pub fn full(kv_heads: usize, head_dim: usize) -> Self {
+        LayerKv {
+            kv_heads,
+            head_dim,
+            attention: AttentionKind::Full,
+        }
+    }
+
+    /// Bytes one token costs in this layer, in `dtype`.
+    pub fn bytes_per_token(&self, dtype: KvDtype) -> u64 {
+        match self.attention {
+            AttentionKind::Mla { latent_dim } => dtype.bytes_per_vector(latent_dim) as u64,
+            AttentionKind::Full | AttentionKind::SlidingWindow { .. } => {
+                2 * self.kv_heads as u64 * dtype.bytes_per_vector(self.head_dim) as u64
+            }
+        }
+    }
+
+    /// Tokens of a `context`-token sequence this layer must keep.
+    pub fn tokens_kept(&self, context: u64) -> u64 {
+        match self.attention {
+            AttentionKind::SlidingWindow { window_tokens } => context.min(window_tokens as u64),
+            AttentionKind::Full | AttentionKind::Mla { .. } => context,
+        }
+    }
+}
+
+/// The KV cache shape of a whole model (or of one rank of it, see [`KvLayout::shard`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub layers: Vec<LayerKv>,
+    pub dtype: KvDtype,
+    /// Tokens per block; any of 1..=256 (see [`LayoutError`]).
+    pub block_size_tokens: usize,
+}
+
+/// A layout that cannot exist.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("block size must be between 1 and 256 tokens, got {0}")]
+    BlockSize(usize),
+    #[error("a model needs at least one layer")]
+    NoLayers,
+    #[error("layer {layer}: {what} must be at least 1")]
+    ZeroDimension { layer: usize, what: &'static str },
+    #[error("tensor parallelism must be at least 1, got {0}")]
+    TensorParallel(usize),
+    #[error(
+        "pipeline parallelism must be between 1 and the number of layers ({layers}), got {pp}"
+    )]
+    PipelineParallel { pp: usize, layers: usize },
+}
+
+impl KvLayout {
+    pub const MAX_BLOCK_SIZE: usize = 256;
+
+    pub fn new(
+        layers: Vec<LayerKv>,
+        dtype: KvDtype,
+        block_size_tokens: usize,
+    ) -> Result<Self, LayoutError> {
+        if block_size_tokens == 0 || block_size_tokens > Self::MAX_BLOCK_SIZE {
+            return Err(LayoutError::BlockSize(block_size_tokens));
+        }
+        if layers.is_empty() {
+            return Err(LayoutError::NoLayers);
+        }
+        for (i, l) in layers.iter().enumerate() {
+            let zero = match l.attention {
+                AttentionKind::Mla { latent_dim: 0 } => Some("latent_dim"),
+                AttentionKind::SlidingWindow { window_tokens: 0 } => Some("window"),
+                AttentionKind::Mla { .. } => None,
+                _ if l.kv_heads == 0 => Some("kv_heads"),
+                _ if l.head_dim == 0 => Some("head_dim"),
+                _ => None,
+            };
+            if let Some(what) = zero {
+                return Err(LayoutError::ZeroDimension { layer: i, what });
+            }
+        }
+        Ok(KvLayout {
+            layers,
+            dtype,
+            block_size_tokens,
+        })
+    }
+
+    /// The same full-attention shape in every layer: the common case (Llama, Qwen2, SmolLM2).
+    pub fn uniform(
+        num_layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+        block_size_tokens: usize,
+    ) -> Result<Self, LayoutError> {
+        Self::new(
+            vec![LayerKv::full(kv_heads, head_dim); num_layers],
+            dtype,
+            block_size_tokens,
+        )
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether any layer keeps less than the whole context.
+    pub fn has_sliding_window(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(l.attention, AttentionKind::SlidingWindow { .. }))
+    }
+
+    /// Bytes one token costs across all layers, before paging.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| l.bytes_per_token(self.dtype))
+            .sum()
+    }
+
+    /// Bytes one block holds in one layer.
+    pub fn layer_bytes_per_block(&self, layer: usize) -> u64 {
+        self.layers[layer].bytes_per_token(self.dtype) * self.block_size_tokens as u64
+    }
+
+    /// Bytes of one pool block spanning every layer.
+    pub fn bytes_per_block(&self) -> u64 {
+        self.bytes_per_token() * self.block_size_tokens as u64
+    }
+
+    /// Blocks that hold `tokens` tokens: never loses a token, wastes less than one block.
+    pub fn blocks_for_tokens(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.block_size_tokens as u64)
+    }
+
+    /// Bytes a sequence of `context` tokens holds, paged, windowed layers capped at their window.
+    pub fn bytes_for_sequence(&self, context: u64) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| {
+                self.blocks_for_tokens(l.tokens_kept(context))
+                    * self.block_size_tokens as u64
+                    * l.bytes_per_token(self.dtype)
+            })
+            .sum()
+    }
+
+    /// Bytes `batch` sequences of `context` tokens each hold.
+    pub fn bytes_for_batch(&self, context: u64, batch: u64) -> u64 {
+        self.bytes_for_sequence(context) * batch
+    }
+
+    /// Pool blocks that fit in `budget_bytes` (each spanning every layer).
+    pub fn num_blocks_for_budget(&self, budget_bytes: u64) -> u64 {
+        budget_bytes / self.bytes_per_block()
+    }
+
+    /// Sequences of `context` tokens that fit in `budget_bytes` at once.
+    pub fn max_concurrency(&self, budget_bytes: u64, context: u64) -> u64 {
+        match self.bytes_for_sequence(context.max(1)) {
+            0 => 0,
+            per_seq => budget_bytes / per_seq,
+        }
+    }
+
+    /// The longest context (a whole number of blocks) such that `batch` sequences of it fit in
+    /// `budget_bytes`; 0 when not even one block each fits. O(layers × log context).
+    pub fn max_context_for_batch(&self, budget_bytes: u64, batch: u64, context_limit: u64) -> u64 {
+        let batch = batch.max(1);
+        let fits = |ctx: u64| self.bytes_for_batch(ctx, batch) <= budget_bytes;
+        let bs = self.block_size_tokens as u64;
+        // Search over whole blocks: bytes are monotone in context.
+        let (mut lo, mut hi) = (0u64, context_limit.div_ceil(bs));
+        if fits(hi * bs) {
+            return context_limit;
+        }
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if fits(mid * bs) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo * bs
+    }
+
+    /// The layout one rank holds under tensor parallelism `tp` (kv heads per rank = max(1, kv_heads / tp):
+    /// heads are split, or replicated when fewer than ranks; an MLA latent is replicated on every rank) and
+    /// pipeline parallelism `pp` (the first stage, which holds ceil(layers / pp) layers, the most of any).
+    pub fn shard(&self, tp: usize, pp: usize) -> Result<KvLayout, LayoutError> {
+        if tp == 0 {
+            return Err(LayoutError::TensorParallel(tp));
+        }
+        if pp == 0 || pp > self.layers.len() {
+            return Err(LayoutError::PipelineParallel {
+                pp,
+                layers: self.layers.len(),
+            });
+        }
+        let layers_per_stage = self.layers.len().div_ceil(pp);
+        let layers = self.layers[..layers_per_stage]
+            .iter()
+            .map(|l| LayerKv {
+                kv_heads: (l.kv_heads / tp).max(1),
+                ..*l
+            })
+            .collect();
+        Ok(KvLayout {
+            layers,
+            dtype: self.dtype,
+            block_size_tokens: self.block_size_tokens,
+        })
+    }
+
+    /// The same shape in another element format.
+    pub fn with_dtype(&self, dtype: KvDtype) -> KvLayout {
+        KvLayout {
+            dtype,
+            ..self.clone()
+        }
+    }
+
+    /// The same shape with another block size.
+    pub fn with_block_size(&self, block_size_tokens: usize) -> Result<KvLayout, LayoutError> {
+        KvLayout::new(self.layers.clone(), self.dtype, block_size_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn qwen25_32b_one_request_at_32k_f16_is_8_gib() {
+        // 2 × 64 layers × 8 kv heads × 128 head dim × 2 bytes × 32,768 tokens
+        let l = KvLayout::uniform(64, 8, 128, KvDtype::F16, 16).unwrap();
+        assert_eq!(l.bytes_for_sequence(32_768), 2 * 64 * 8 * 128 * 2 * 32_768);
+        assert_eq!(l.bytes_for_sequence(32_768), 8_589_934_592);
+    }
+
+    #[test]
+    fn mha_32_layers_f32_batch_32_context_2048_is_64_gib() {
+        let l = KvLayout::uniform(32, 32, 128, KvDtype::F32, 16).unwrap();
+        assert_eq!(l.bytes_for_batch(2048, 32), 64 * GIB);
+    }
+
+    #[test]
+    fn paging_rounds_up_to_whole_blocks() {
+        let l = KvLayout::uniform(2, 1, 4, KvDtype::F32, 16).unwrap();
+        let per_token = 2 * 2 * 4 * 4;
+        assert_eq!(l.bytes_per_token(), per_token);
+        assert_eq!(l.bytes_for_sequence(40), 48 * per_token);
+        assert_eq!(l.bytes_for_sequence(48), 48 * per_token);
+        assert_eq!(l.bytes_for_sequence(49), 64 * per_token);
+        assert_eq!(l.blocks_for_tokens(0), 0);
+    }
+
+    #[test]
+    fn sliding_window_layers_keep_at_most_the_window() {
+        // Two layers: one full, one with a 32-token window, block size 16.
+        let layers = vec![
+            LayerKv::full(1, 4),
+            LayerKv {
+                kv_heads: 1,
+                head_dim: 4,
+                attention: AttentionKind::SlidingWindow { window_tokens: 32 },
+            },
+        ];
+        let l = KvLayout::new(layers, KvDtype::F32, 16).unwrap();
+        let per_layer_token = 2 * 4 * 4;
+        assert_eq!(l.bytes_for_sequence(20), (32 + 32) * per_layer_token);
+        assert_eq!(l.bytes_for_sequence(1000), (1008 + 32) * per_layer_token);
+    }
+
+    #[test]
+    fn mla_keeps_one_latent_not_k_and_v() {
+        // DeepSeek-V3: 61 layers × (512 + 64) elements × 2 bytes (bf16) = 70,272 bytes per token.
+        let layers = vec![
+            LayerKv {
+                kv_heads: 128,
+                head_dim: 192,
+                attention: AttentionKind::Mla { latent_dim: 576 }
+            };
+            61
+        ];
+        let l = KvLayout::new(layers, KvDtype::Bf16, 64).unwrap();
+        assert_eq!(l.bytes_per_token(), 70_272);
+        // Replicated, not split, across tensor-parallel ranks.
+        assert_eq!(l.shard(8, 1).unwrap().bytes_per_token(), 70_272);
+    }
+
+    #[test]
+    fn tensor_and_pipeline_parallel_shards() {
+        let l = KvLayout::uniform(80, 8, 128, KvDtype::F16, 16).unwrap();
+        assert_eq!(
+            l.shard(4, 1).unwrap().bytes_per_token() * 4,
+            l.bytes_per_token()
+        );
+        // 16 ranks for 8 heads: each rank keeps one replicated head.
+        assert_eq!(l.shard(16, 1).unwrap().layers[0].kv_heads, 1);
+        // 80 layers over 3 stages: the first holds 27.
+        assert_eq!(l.shard(1, 3).unwrap().num_layers(), 27);
+        assert!(matches!(l.shard(0, 1), Err(LayoutError::TensorParallel(0))));
+        assert!(matches!(
+            l.shard(1, 81),
+            Err(LayoutError::PipelineParallel { pp: 81, layers: 80 })
+        ));
+    }
+
+    #[test]
+    fn max_context_for_batch_is_the_largest_that_fits() {
+        let l = KvLayout::uniform(30, 3, 64, KvDtype::F16, 16).unwrap();
+        let budget = 100 << 20;
+        let ctx = l.max_context_for_batch(budget, 4, 1 << 20);
+        assert_eq!(ctx % 16, 0);
+        assert!(l.bytes_for_batch(ctx, 4) <= budget);
+        assert!(l.bytes_for_batch(ctx + 16, 4) > budget);
+        // A limit that already fits is returned as is.
+        assert_eq!(l.max_context_for_batch(budget, 1, 100), 100);
+    }
+
+    #[test]
+    fn invalid_layouts_are_named() {
+        assert_eq!(
+            KvLayout::uniform(1, 1, 1, KvDtype::F16, 0),
+            Err(LayoutError::BlockSize(0))
+        );
+        assert_eq!(
+            KvLayout::uniform(1, 1, 1, KvDtype::F16, 257),
+            Err(LayoutError::BlockSize(257))
+        );
+        assert_eq!(
+            KvLayout::uniform(0, 1, 1, KvDtype::F16, 16),
+            Err(LayoutError::NoLayers)
+        );
+        assert_eq!(
+            KvLayout::uniform(2, 0, 64, KvDtype::F16, 16),
+            Err(LayoutError::ZeroDimension {
+                layer: 0,
+                what: "kv_heads"
+            })
+        );
+    }
+}

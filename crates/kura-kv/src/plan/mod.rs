@@ -1,0 +1,530 @@
+//! The capacity planner behind `kura plan`: how much KV cache a model gets on given memory, and how many
+//! requests of a given context fit in it.
+//!
+//! ```text
+//! memory × utilization                                  usable, per device
+//!   − weights / (tp × pp)                               exact for a GGUF file, else params × bytes/param
+//!   − runtime overhead                                  estimate, --overhead overrides
+//!   − activation peak                                   estimate, --activation overrides
+//!   = KV budget  →  num_blocks = budget / bytes_per_block      (KvLayout, the same math as the server)
+//!                →  max_concurrency = budget / bytes_for_sequence(context)
+//! ```
+//!
+//! The estimates, and what they stand on:
+//! - Runtime overhead: on an accelerator 1 GiB (the CUDA/ROCm context, about 0.5 GiB, plus BLAS and
+//!   collective-communication workspaces and captured graphs, which vLLM measures at a few hundred MiB);
+//!   on the CPU 256 MiB (Kura's threads, tokenizer, request buffers and per-step scratch).
+//! - Activation peak: the largest forward step, `max_batched_tokens` tokens (default 8,192, vLLM's
+//!   chunked-prefill budget) through one layer at a time: the residual stream and its normed copy, Q/K/V,
+//!   attention output and the gated FFN's two intermediate tensors, in the activation format (2 bytes, or 4
+//!   for f32 weights); plus f32 logits for up to 256 sequences. Attention scores are not materialised
+//!   (flash-style kernels), so context length does not enter.
+//!
+//! All of it is O(layers).
+
+pub mod catalog;
+pub mod spec;
+pub mod units;
+
+use serde::Serialize;
+
+use crate::codec::KvDtype;
+use crate::layout::{KvLayout, LayoutError};
+use spec::ModelSpec;
+use units::format_bytes;
+
+/// Storage format of the weights, for the weight-size estimate when the file size is not known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightsDtype {
+    F32,
+    F16,
+    Bf16,
+    Fp8,
+    /// 8-bit with a 2-byte scale per 32 weights (GGUF Q8_0): 8.5 bits per weight.
+    Int8,
+    /// 4-bit with a 2-byte scale per 32 weights (GGUF Q4_0, GPTQ/AWQ with group 32): 4.5 bits per weight.
+    Int4,
+}
+
+impl WeightsDtype {
+    pub fn bits_per_weight(self) -> f64 {
+        match self {
+            WeightsDtype::F32 => 32.0,
+            WeightsDtype::F16 | WeightsDtype::Bf16 => 16.0,
+            WeightsDtype::Fp8 => 8.0,
+            WeightsDtype::Int8 => 8.5,
+            WeightsDtype::Int4 => 4.5,
+        }
+    }
+}
+
+impl std::str::FromStr for WeightsDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" => WeightsDtype::F32,
+            "f16" | "fp16" => WeightsDtype::F16,
+            "bf16" => WeightsDtype::Bf16,
+            "fp8" => WeightsDtype::Fp8,
+            "int8" | "q8_0" => WeightsDtype::Int8,
+            "int4" | "q4_0" | "awq" | "gptq" => WeightsDtype::Int4,
+            _ => {
+                return Err(format!(
+                    "unknown weights format '{s}': expected f32, f16, bf16, fp8, int8 or int4"
+                ))
+            }
+        })
+    }
+}
+
+/// Where the model runs, for the default overhead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    Accelerator,
+    Cpu,
+}
+
+/// What the user asked.
+#[derive(Clone, Debug)]
+pub struct PlanRequest {
+    pub spec: ModelSpec,
+    /// Exact weight bytes (a GGUF file's size); `None` = params × `weights_dtype`.
+    pub weights_bytes: Option<u64>,
+    pub weights_dtype: WeightsDtype,
+    pub kv_dtype: KvDtype,
+    pub block_size_tokens: usize,
+    /// Tokens per request; `None` = the model's maximum context.
+    pub context: Option<u64>,
+    pub batch: u64,
+    pub tp: usize,
+    pub pp: usize,
+    pub device: Device,
+    /// Memory of one device; with `kv_cache_memory` set it is not needed.
+    pub memory_bytes: Option<u64>,
+    pub memory_utilization: f64,
+    /// A KV budget given directly (as `kura serve --kv-cache-memory`): skips the memory arithmetic.
+    pub kv_cache_memory: Option<u64>,
+    pub overhead_bytes: Option<u64>,
+    pub activation_bytes: Option<u64>,
+    pub max_batched_tokens: u64,
+}
+
+/// A plan that cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(
+        "give the memory (--memory SIZE or --gpu NAME) or a KV budget (--kv-cache-memory SIZE)"
+    )]
+    NoMemory,
+    #[error("--memory-utilization must be in (0, 1], got {0}")]
+    Utilization(f64),
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    #[error(
+        "the model does not fit: weights {weights} + overhead {overhead} + activations {activation} = {needed} \
+         per device, but only {usable} is usable ({memory} × {utilization}); short by {short}. Try a larger \
+         --tp/--pp, a smaller --weights-dtype, or --memory-utilization closer to 1"
+    )]
+    DoesNotFit {
+        weights: String,
+        overhead: String,
+        activation: String,
+        needed: String,
+        usable: String,
+        memory: String,
+        utilization: f64,
+        short: String,
+        short_bytes: u64,
+    },
+}
+
+/// The answer, every byte count exact (per device unless named otherwise).
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanReport {
+    pub model: String,
+    pub source: String,
+    pub params: u64,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub attention: String,
+    pub kv_dtype: KvDtype,
+    pub block_size: usize,
+    pub context: u64,
+    pub model_max_context: Option<u64>,
+    pub batch: u64,
+    pub tp: usize,
+    pub pp: usize,
+    /// Whole model, all ranks.
+    pub kv_bytes_per_token: u64,
+    /// Whole model, all ranks, paged.
+    pub kv_bytes_per_request: u64,
+    /// `batch` requests, whole model.
+    pub kv_bytes_total: u64,
+    pub kv_bytes_per_token_per_device: u64,
+    pub kv_bytes_per_request_per_device: u64,
+    pub bytes_per_block_per_device: u64,
+    pub memory_bytes: Option<u64>,
+    pub memory_utilization: Option<f64>,
+    pub weights_bytes: u64,
+    pub weights_exact: bool,
+    pub overhead_bytes: u64,
+    pub activation_bytes: u64,
+    pub kv_budget_bytes: u64,
+    pub num_blocks: u64,
+    pub max_tokens_in_pool: u64,
+    pub max_concurrency: u64,
+    /// The longest context at which `batch` requests still fit.
+    pub max_context_for_batch: u64,
+    pub fits_batch: bool,
+    pub warnings: Vec<String>,
+}
+
+pub const DEFAULT_CONTEXT: u64 = 4096;
+pub const DEFAULT_MAX_BATCHED_TOKENS: u64 = 8192;
+const MAX_SEQS_FOR_LOGITS: u64 = 256;
+
+impl PlanRequest {
+    /// A request with the defaults of `kura plan`.
+    pub fn new(spec: ModelSpec) -> Self {
+        PlanRequest {
+            spec,
+            weights_bytes: None,
+            weights_dtype: WeightsDtype::Bf16,
+            kv_dtype: KvDtype::F16,
+            block_size_tokens: 16,
+            context: None,
+            batch: 1,
+            tp: 1,
+            pp: 1,
+            device: Device::Accelerator,
+            memory_bytes: None,
+            memory_utilization: 0.9,
+            kv_cache_memory: None,
+            overhead_bytes: None,
+            activation_bytes: None,
+            max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
+        }
+    }
+
+    fn default_overhead(&self) -> u64 {
+        match self.device {
+            Device::Accelerator => 1 << 30,
+            Device::Cpu => 256 << 20,
+        }
+    }
+
+    /// The activation-peak estimate of the module docs, per device.
+    pub fn estimate_activation(&self) -> u64 {
+        let s = &self.spec;
+        let act_bytes: u64 = if self.weights_dtype == WeightsDtype::F32 {
+            4
+        } else {
+            2
+        };
+        let tp = self.tp as u64;
+        let q_dim = (s.num_heads * s.head_dim) as u64;
+        let kv_dim = (s.num_kv_heads * s.head_dim) as u64;
+        let sharded = (q_dim + 2 * kv_dim + q_dim + 2 * s.active_ffn_width() as u64) / tp;
+        let per_token = 2 * s.hidden_size as u64 + sharded;
+        let logits =
+            self.max_batched_tokens.min(MAX_SEQS_FOR_LOGITS) * s.vocab_size as u64 / tp * 4;
+        self.max_batched_tokens * per_token * act_bytes + logits
+    }
+
+    pub fn plan(&self) -> Result<PlanReport, PlanError> {
+        if self.batch == 0 {
+            return Err(PlanError::Zero("--batch"));
+        }
+        if !(self.memory_utilization > 0.0 && self.memory_utilization <= 1.0) {
+            return Err(PlanError::Utilization(self.memory_utilization));
+        }
+        let s = &self.spec;
+        let mut warnings = Vec::new();
+        let context = self
+            .context
+            .unwrap_or(s.max_context.unwrap_or(DEFAULT_CONTEXT));
+        if context == 0 {
+            return Err(PlanError::Zero("--context"));
+        }
+        if let Some(max) = s.max_context {
+            if context > max {
+                warnings.push(format!(
+                    "context {context} exceeds the model's maximum of {max} tokens; computed anyway"
+                ));
+            }
+        }
+        let layout = s.kv_layout(self.kv_dtype, self.block_size_tokens)?;
+        let rank = layout.shard(self.tp, self.pp)?;
+        if layout.has_sliding_window() {
+            warnings.push(
+                "sliding-window layers keep at most their window; the figures assume a pool per layer group \
+                 (a single pool of whole-model blocks holds fewer requests)"
+                    .into(),
+            );
+        }
+        if self.tp > s.num_kv_heads && s.mla.is_none() {
+            warnings.push(format!(
+                "--tp {} exceeds the {} KV heads: each rank keeps a replicated head",
+                self.tp, s.num_kv_heads
+            ));
+        }
+
+        let devices = (self.tp * self.pp) as u64;
+        let (weights_total, weights_exact) = match self.weights_bytes {
+            Some(b) => (b, true),
+            None => (
+                (s.params() as f64 * self.weights_dtype.bits_per_weight() / 8.0).ceil() as u64,
+                false,
+            ),
+        };
+        let weights = weights_total.div_ceil(devices);
+        let overhead = self
+            .overhead_bytes
+            .unwrap_or_else(|| self.default_overhead());
+        let activation = self
+            .activation_bytes
+            .unwrap_or_else(|| self.estimate_activation());
+
+        let (kv_budget, memory) = match (self.kv_cache_memory, self.memory_bytes) {
+            (Some(kv), mem) => (kv, mem),
+            (None, None) => return Err(PlanError::NoMemory),
+            (None, Some(mem)) => {
+                let usable = (mem as f64 * self.memory_utilization).floor() as u64;
+                let needed = weights + overhead + activation;
+                if needed > usable {
+                    return Err(PlanError::DoesNotFit {
+                        weights: format_bytes(weights),
+                        overhead: format_bytes(overhead),
+                        activation: format_bytes(activation),
+                        needed: format_bytes(needed),
+                        usable: format_bytes(usable),
+                        memory: format_bytes(mem),
+                        utilization: self.memory_utilization,
+                        short: format_bytes(needed - usable),
+                        short_bytes: needed - usable,
+                    });
+                }
+                (usable - needed, Some(mem))
+            }
+        };
+
+        let num_blocks = rank.num_blocks_for_budget(kv_budget);
+        let max_concurrency = rank.max_concurrency(kv_budget, context);
+        let limit = s.max_context.unwrap_or(context).max(context);
+        let max_context_for_batch = rank.max_context_for_batch(kv_budget, self.batch, limit);
+        let fits_batch = max_concurrency >= self.batch;
+        if !fits_batch {
+            warnings.push(format!(
+                "{} requests of {context} tokens do not fit: at most {max_concurrency} do; {} requests fit at up to \
+                 {max_context_for_batch} tokens each",
+                self.batch, self.batch
+            ));
+        }
+        let per_request = layout.bytes_for_sequence(context) * rank_copies(&layout, &rank, self.tp);
+        Ok(PlanReport {
+            model: s.name.clone(),
+            source: s.source.clone(),
+            params: s.params(),
+            num_layers: s.num_layers,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            attention: describe_attention(s, &layout),
+            kv_dtype: self.kv_dtype,
+            block_size: self.block_size_tokens,
+            context,
+            model_max_context: s.max_context,
+            batch: self.batch,
+            tp: self.tp,
+            pp: self.pp,
+            kv_bytes_per_token: layout.bytes_per_token() * rank_copies(&layout, &rank, self.tp),
+            kv_bytes_per_request: per_request,
+            kv_bytes_total: per_request * self.batch,
+            kv_bytes_per_token_per_device: rank.bytes_per_token(),
+            kv_bytes_per_request_per_device: rank.bytes_for_sequence(context),
+            bytes_per_block_per_device: rank.bytes_per_block(),
+            memory_bytes: memory,
+            memory_utilization: memory.map(|_| self.memory_utilization),
+            weights_bytes: weights,
+            weights_exact,
+            overhead_bytes: overhead,
+            activation_bytes: activation,
+            kv_budget_bytes: kv_budget,
+            num_blocks,
+            max_tokens_in_pool: num_blocks * self.block_size_tokens as u64,
+            max_concurrency,
+            max_context_for_batch,
+            fits_batch,
+            warnings,
+        })
+    }
+}
+
+/// How many copies of the model's KV exist across tensor-parallel ranks: 1 when heads are split exactly,
+/// more when heads (or an MLA latent) are replicated.
+fn rank_copies(layout: &KvLayout, rank: &KvLayout, tp: usize) -> u64 {
+    let first = &layout.layers[0];
+    let kept = rank.layers[0].kv_heads * tp;
+    if matches!(first.attention, crate::layout::AttentionKind::Mla { .. }) {
+        tp as u64
+    } else {
+        (kept / first.kv_heads).max(1) as u64
+    }
+}
+
+fn describe_attention(s: &ModelSpec, layout: &KvLayout) -> String {
+    use crate::layout::AttentionKind::*;
+    if let Some(m) = &s.mla {
+        return format!(
+            "MLA (latent {} + rope {})",
+            m.kv_lora_rank, m.qk_rope_head_dim
+        );
+    }
+    let kind = match s.num_kv_heads {
+        1 => "MQA".to_string(),
+        k if k == s.num_heads => "MHA".to_string(),
+        k => format!("GQA ({} query heads per KV head)", s.num_heads / k),
+    };
+    let windowed: Vec<usize> = layout
+        .layers
+        .iter()
+        .filter_map(|l| match l.attention {
+            SlidingWindow { window_tokens } => Some(window_tokens),
+            _ => None,
+        })
+        .collect();
+    match windowed.first() {
+        None => kind,
+        Some(w) => format!(
+            "{kind}, {} of {} layers sliding window {w}",
+            windowed.len(),
+            layout.num_layers()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    fn req(name: &str) -> PlanRequest {
+        PlanRequest::new(catalog::find_model(name).unwrap().spec())
+    }
+
+    #[test]
+    fn qwen25_32b_request_at_32k_f16_is_8_gib() {
+        let mut r = req("qwen2.5-32b");
+        r.context = Some(32_768);
+        r.kv_cache_memory = Some(100 * GIB);
+        let p = r.plan().unwrap();
+        assert_eq!(p.kv_bytes_per_request, 8_589_934_592);
+        assert_eq!(p.kv_bytes_per_token, 2 * 64 * 8 * 128 * 2);
+    }
+
+    #[test]
+    fn llama31_8b_request_at_8k_f16_is_1_gib() {
+        // 2 × 32 layers × 8 kv heads × 128 × 2 bytes = 128 KiB per token; × 8,192 = 1,024 MiB.
+        let mut r = req("llama-3.1-8b");
+        r.context = Some(8192);
+        r.kv_cache_memory = Some(10 * GIB);
+        let p = r.plan().unwrap();
+        assert_eq!(p.kv_bytes_per_token, 128 * 1024);
+        assert_eq!(p.kv_bytes_per_request, 1024 * MIB);
+        assert_eq!(p.max_concurrency, 10);
+        assert_eq!(p.num_blocks, 10 * GIB / (128 * 1024 * 16));
+    }
+
+    #[test]
+    fn deepseek_v3_mla_is_one_latent_per_layer() {
+        // 61 layers × (512 + 64) × 2 bytes = 70,272 bytes per token; 4,096 tokens = 287,834,112 bytes.
+        let mut r = req("deepseek-v3");
+        r.context = Some(4096);
+        r.kv_cache_memory = Some(GIB);
+        let p = r.plan().unwrap();
+        assert_eq!(p.kv_bytes_per_token, 61 * 576 * 2);
+        assert_eq!(p.kv_bytes_per_request, 61 * 576 * 2 * 4096);
+        assert!(p.attention.starts_with("MLA"));
+    }
+
+    #[test]
+    fn gemma2_9b_sliding_layers_cap_at_the_window() {
+        // 42 layers, 21 sliding (window 4,096), 21 global; 8 kv heads × 256 × 2 (K,V) × 2 bytes = 8 KiB
+        // per layer per token. At 8,192 tokens: 21 × 8,192 + 21 × 4,096 token-layers.
+        let mut r = req("gemma-2-9b");
+        r.context = Some(8192);
+        r.kv_cache_memory = Some(10 * GIB);
+        let p = r.plan().unwrap();
+        let per_layer_token = 8 * 256 * 2 * 2;
+        assert_eq!(
+            p.kv_bytes_per_request,
+            (21 * 8192 + 21 * 4096) * per_layer_token
+        );
+        // Below the window both kinds of layer hold everything.
+        r.context = Some(2048);
+        assert_eq!(
+            r.plan().unwrap().kv_bytes_per_request,
+            42 * 2048 * per_layer_token
+        );
+    }
+
+    #[test]
+    fn memory_breakdown_adds_up() {
+        let mut r = req("llama-3.1-8b");
+        r.memory_bytes = Some(80 * GIB);
+        r.context = Some(8192);
+        let p = r.plan().unwrap();
+        let usable = (80.0 * GIB as f64 * 0.9) as u64;
+        assert_eq!(
+            p.kv_budget_bytes + p.weights_bytes + p.overhead_bytes + p.activation_bytes,
+            usable
+        );
+        assert_eq!(p.weights_bytes, 8_030_000_000 * 2);
+        assert_eq!(p.max_concurrency, p.kv_budget_bytes / (1024 * MIB));
+        assert!(p.max_tokens_in_pool >= p.max_concurrency * 8192);
+    }
+
+    #[test]
+    fn weights_that_do_not_fit_say_by_how_much() {
+        let mut r = req("llama-3.1-70b");
+        r.memory_bytes = Some(80 * GIB);
+        let err = r.plan().unwrap_err();
+        let PlanError::DoesNotFit { short_bytes, .. } = &err else {
+            panic!("{err}")
+        };
+        // 141 GB of bf16 weights alone exceed 72 GiB usable.
+        assert!(*short_bytes > 60 * GIB, "{err}");
+        assert!(err.to_string().contains("short by"));
+        r.tp = 4;
+        assert!(r.plan().is_ok());
+    }
+
+    #[test]
+    fn context_beyond_the_maximum_is_computed_with_a_warning() {
+        let mut r = req("llama-2-7b");
+        r.context = Some(8192);
+        r.kv_cache_memory = Some(100 * GIB);
+        let p = r.plan().unwrap();
+        assert_eq!(p.kv_bytes_per_request, 4 * GIB);
+        assert!(p
+            .warnings
+            .iter()
+            .any(|w| w.contains("exceeds the model's maximum of 4096")));
+    }
+
+    #[test]
+    fn reverse_question_longest_context_for_batch() {
+        let mut r = req("llama-3.1-8b");
+        r.kv_cache_memory = Some(16 * GIB);
+        r.batch = 4;
+        let p = r.plan().unwrap();
+        // 16 GiB / 4 requests / 128 KiB per token = 32,768 tokens each.
+        assert_eq!(p.max_context_for_batch, 32_768);
+    }
+}
