@@ -1,1 +1,47 @@
-fn main() {}
+//! `kura`: the command-line binary. Argument parsing and wiring only; the work is in the library crates.
+
+use clap::{Parser, Subcommand};
+
+mod plan;
+mod serve;
+
+#[derive(Parser)]
+#[command(
+    name = "kura",
+    version,
+    about = "Kura: a KV-cache-centred LLM inference server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// KV cache size and maximum concurrency for a model on given memory.
+    Plan(plan::PlanArgs),
+    /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
+    Serve(serve::ServeArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KURA_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(args) => plan::run(args),
+        Command::Serve(args) => serve::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs all of Kura's tests: the Rust workspace (unit, property, scenario and real-model tests) and the
+# Python tests that drive `kura serve` with the official `openai` client. Installs what they need: the
+# default model (scripts/fetch-model.sh) and a Python virtual environment with tests/python/requirements.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+KURA_MODEL=$(scripts/fetch-model.sh)
+export KURA_MODEL
+
+# One optimised profile for everything: the real-model tests need it, and the server the Python tests
+# start is the same build.
+cargo test --release --workspace
+
+if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 2>&1; then
+  venv="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/venv-test"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+  cargo build --release -p kura
+  KURA_BIN="$PWD/target/release/kura" "$venv/bin/python" -m pytest -q tests/python
+fi
