@@ -1,1 +1,59 @@
-//! kura-model
+//! `kura-model` — Kura's model runtime on the CPU: loading (GGUF, HF safetensors directories), the
+//! tokenizer and chat template, SIMD kernels chosen at run time, the Llama-family forward pass over the
+//! paged KV cache of `kura-kv`, and sampling.
+//!
+//! The model owns no cache state: [`Model::forward`] takes a batch of sequences (new tokens, first
+//! position, block table) and a [`kura_kv::storage::KvStorage`], writes the new tokens' K and V into their
+//! blocks and returns the last position's logits of each sequence.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod hf;
+pub mod kernels;
+pub mod model;
+pub mod quant;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::ModelConfig;
+pub use error::ModelError;
+pub use model::{LoadOptions, Logits, Model, SeqBatchItem};
+pub use sampling::{Sampled, Sampler, SamplingParams, StopChecker, StopReason};
+pub use tokenizer::{IncrementalDecoder, Tokenizer};
+pub use weights::WeightsDtype;
+
+/// The default model's path: `$KURA_MODEL`, else where `scripts/fetch-model.sh` puts it.
+pub fn default_model_path() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KURA_MODEL") {
+        return p.into();
+    }
+    let cache = std::env::var_os("KURA_CACHE_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| {
+                    std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache")
+                });
+            base.join("kura")
+        });
+    cache.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// Sets the number of threads of the compute pool (once, before the first forward pass).
+pub fn set_threads(n: usize) -> Result<(), String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| e.to_string())
+}
+
+/// Threads of the compute pool.
+pub fn num_threads() -> usize {
+    rayon::current_num_threads()
+}

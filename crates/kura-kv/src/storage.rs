@@ -1,0 +1,360 @@
+//! `KvStorage`: the bytes of the KV cache, one contiguous K region and one V region per layer.
+//!
+//! Each region is laid out block-major, then head, then token slot, then element, so that an attention
+//! kernel reads one head's tokens of a block as one contiguous run (the layout of vLLM's paged cache with
+//! the head moved outside the slot, which keeps GQA reads sequential):
+//!
+//! ```text
+//! layer l, K region:  [num_blocks][kv_heads][block_size_tokens][head_dim]
+//!
+//! block 7, head 1, block size 4, head_dim 3:
+//!   ... | h0: s0 s1 s2 s3 | h1: [e0 e1 e2][e0 e1 e2][e0 e1 e2][e0 e1 e2] | ...
+//!                               slot 0     slot 1    slot 2    slot 3
+//! offset(block, head, slot) = ((block × kv_heads + head) × block_size + slot) × head_dim
+//! ```
+//!
+//! Element formats are those of [`KvDtype`] that store plain floats (f32, f16, bf16); the quantised formats
+//! of [`crate::codec`] are refused at construction with [`StorageError::UnsupportedDtype`] until their
+//! kernels exist, so the seam is the [`KvRegion`] enum. Sizes come from [`KvLayout`]: a storage of
+//! `num_blocks` blocks holds exactly `num_blocks × layout.bytes_per_block()` bytes.
+//!
+//! Costs: construction O(bytes) (zeroed), writing a token O(kv_heads × head_dim), copying a block prefix
+//! O(layers × kv_heads × tokens × head_dim).
+
+use half::{bf16, f16};
+
+use crate::codec::KvDtype;
+use crate::layout::{AttentionKind, KvLayout};
+
+/// Misuse of a [`KvStorage`] by its caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StorageError {
+    #[error("KV element format {0} has no storage kernels yet (supported: f32, f16, bf16)")]
+    UnsupportedDtype(KvDtype),
+    #[error("layer {layer} uses multi-head latent attention, which KvStorage does not store yet")]
+    UnsupportedAttention { layer: usize },
+    #[error("block {block} is out of range: the storage holds {num_blocks} blocks")]
+    BlockOutOfRange { block: usize, num_blocks: usize },
+    #[error("{tokens} tokens do not fit in a block of {block_size_tokens} tokens")]
+    TooManyTokens {
+        tokens: usize,
+        block_size_tokens: usize,
+    },
+}
+
+/// One layer's K or V region in its element format.
+#[derive(Clone)]
+pub enum KvRegion {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+/// A read-only view of the vectors of one head in one block: `block_size_tokens × head_dim` elements.
+#[derive(Clone, Copy)]
+pub enum KvSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl KvRegion {
+    fn zeroed(dtype: KvDtype, elements: usize) -> Result<Self, StorageError> {
+        Ok(match dtype {
+            KvDtype::F32 => KvRegion::F32(vec![0.0; elements]),
+            KvDtype::F16 => KvRegion::F16(vec![f16::ZERO; elements]),
+            KvDtype::Bf16 => KvRegion::Bf16(vec![bf16::ZERO; elements]),
+            other => return Err(StorageError::UnsupportedDtype(other)),
+        })
+    }
+
+    fn slice(&self, start: usize, len: usize) -> KvSlice<'_> {
+        match self {
+            KvRegion::F32(v) => KvSlice::F32(&v[start..start + len]),
+            KvRegion::F16(v) => KvSlice::F16(&v[start..start + len]),
+            KvRegion::Bf16(v) => KvSlice::Bf16(&v[start..start + len]),
+        }
+    }
+
+    fn write(&mut self, start: usize, src: &[f32]) {
+        match self {
+            KvRegion::F32(v) => v[start..start + src.len()].copy_from_slice(src),
+            KvRegion::F16(v) => {
+                for (d, s) in v[start..start + src.len()].iter_mut().zip(src) {
+                    *d = f16::from_f32(*s);
+                }
+            }
+            KvRegion::Bf16(v) => {
+                for (d, s) in v[start..start + src.len()].iter_mut().zip(src) {
+                    *d = bf16::from_f32(*s);
+                }
+            }
+        }
+    }
+
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
+        match self {
+            KvRegion::F32(v) => v.copy_within(src..src + len, dst),
+            KvRegion::F16(v) => v.copy_within(src..src + len, dst),
+            KvRegion::Bf16(v) => v.copy_within(src..src + len, dst),
+        }
+    }
+}
+
+/// The K and V regions of one layer, with the shape needed to index them.
+#[derive(Clone)]
+pub struct LayerStorage {
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size_tokens: usize,
+    k: KvRegion,
+    v: KvRegion,
+}
+
+impl LayerStorage {
+    /// Element offset of `(block, head, slot)` in either region.
+    #[inline]
+    pub fn offset(&self, block: usize, head: usize, slot: usize) -> usize {
+        ((block * self.kv_heads + head) * self.block_size_tokens + slot) * self.head_dim
+    }
+
+    /// K vectors of every slot of `head` in `block` (`block_size_tokens × head_dim` elements).
+    #[inline]
+    pub fn k_head_block(&self, block: usize, head: usize) -> KvSlice<'_> {
+        self.k.slice(
+            self.offset(block, head, 0),
+            self.block_size_tokens * self.head_dim,
+        )
+    }
+
+    /// V vectors of every slot of `head` in `block`.
+    #[inline]
+    pub fn v_head_block(&self, block: usize, head: usize) -> KvSlice<'_> {
+        self.v.slice(
+            self.offset(block, head, 0),
+            self.block_size_tokens * self.head_dim,
+        )
+    }
+
+    /// Stores one token's K and V (`kv_heads × head_dim` each, heads consecutive) at `slot` of `block`.
+    pub fn write_token(&mut self, block: usize, slot: usize, k: &[f32], v: &[f32]) {
+        assert_eq!(
+            k.len(),
+            self.kv_heads * self.head_dim,
+            "K of one token has kv_heads × head_dim elements"
+        );
+        assert_eq!(
+            v.len(),
+            k.len(),
+            "V of one token has kv_heads × head_dim elements"
+        );
+        assert!(
+            slot < self.block_size_tokens,
+            "slot {slot} outside a block of {}",
+            self.block_size_tokens
+        );
+        for head in 0..self.kv_heads {
+            let at = self.offset(block, head, slot);
+            let src = head * self.head_dim..(head + 1) * self.head_dim;
+            self.k.write(at, &k[src.clone()]);
+            self.v.write(at, &v[src]);
+        }
+    }
+}
+
+/// The KV bytes of a pool of `num_blocks` blocks; every block spans all layers.
+#[derive(Clone)]
+pub struct KvStorage {
+    layout: KvLayout,
+    num_blocks: usize,
+    layers: Vec<LayerStorage>,
+}
+
+impl KvStorage {
+    /// Allocates zeroed regions for `num_blocks` blocks of `layout`.
+    pub fn new(layout: &KvLayout, num_blocks: usize) -> Result<Self, StorageError> {
+        let block_size_tokens = layout.block_size_tokens;
+        let mut layers = Vec::with_capacity(layout.num_layers());
+        for (i, l) in layout.layers.iter().enumerate() {
+            if matches!(l.attention, AttentionKind::Mla { .. }) {
+                return Err(StorageError::UnsupportedAttention { layer: i });
+            }
+            let elements = num_blocks * l.kv_heads * block_size_tokens * l.head_dim;
+            layers.push(LayerStorage {
+                kv_heads: l.kv_heads,
+                head_dim: l.head_dim,
+                block_size_tokens,
+                k: KvRegion::zeroed(layout.dtype, elements)?,
+                v: KvRegion::zeroed(layout.dtype, elements)?,
+            });
+        }
+        Ok(KvStorage {
+            layout: layout.clone(),
+            num_blocks,
+            layers,
+        })
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size_tokens(&self) -> usize {
+        self.layout.block_size_tokens
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.layout.dtype
+    }
+
+    /// Bytes held by the regions: `num_blocks × layout.bytes_per_block()`.
+    pub fn bytes(&self) -> u64 {
+        self.num_blocks as u64 * self.layout.bytes_per_block()
+    }
+
+    pub fn layer(&self, layer: usize) -> &LayerStorage {
+        &self.layers[layer]
+    }
+
+    pub fn layer_mut(&mut self, layer: usize) -> &mut LayerStorage {
+        &mut self.layers[layer]
+    }
+
+    /// Checks that a block id addresses this storage.
+    pub fn check_block(&self, block: usize) -> Result<(), StorageError> {
+        if block < self.num_blocks {
+            Ok(())
+        } else {
+            Err(StorageError::BlockOutOfRange {
+                block,
+                num_blocks: self.num_blocks,
+            })
+        }
+    }
+
+    /// Copies the first `num_tokens` token slots of block `src` into block `dst`, in every layer, head, K
+    /// and V: the copy-on-write of a partially filled shared block. Slots after `num_tokens` in `dst` are
+    /// left as they were. Copying a block onto itself is a no-op.
+    pub fn copy_block_prefix(
+        &mut self,
+        src: usize,
+        dst: usize,
+        num_tokens: usize,
+    ) -> Result<(), StorageError> {
+        self.check_block(src)?;
+        self.check_block(dst)?;
+        if num_tokens > self.layout.block_size_tokens {
+            return Err(StorageError::TooManyTokens {
+                tokens: num_tokens,
+                block_size_tokens: self.layout.block_size_tokens,
+            });
+        }
+        if src == dst || num_tokens == 0 {
+            return Ok(());
+        }
+        for layer in &mut self.layers {
+            let len = num_tokens * layer.head_dim;
+            for head in 0..layer.kv_heads {
+                let (from, to) = (layer.offset(src, head, 0), layer.offset(dst, head, 0));
+                layer.k.copy_within(from, to, len);
+                layer.v.copy_within(from, to, len);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(s: KvSlice<'_>) -> Vec<f32> {
+        match s {
+            KvSlice::F32(v) => v.to_vec(),
+            KvSlice::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            KvSlice::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    #[test]
+    fn size_matches_layout() {
+        let layout = KvLayout::uniform(3, 2, 8, KvDtype::F16, 4).unwrap();
+        let s = KvStorage::new(&layout, 5).unwrap();
+        assert_eq!(s.bytes(), 5 * layout.bytes_per_block());
+        let elements = match &s.layer(0).k {
+            KvRegion::F16(v) => v.len(),
+            _ => unreachable!(),
+        };
+        // K and V of one layer together are that layer's share of the bytes.
+        assert_eq!(2 * elements as u64 * 2, 5 * layout.layer_bytes_per_block(0));
+    }
+
+    #[test]
+    fn token_lands_in_its_head_and_slot() {
+        let layout = KvLayout::uniform(1, 2, 3, KvDtype::F32, 4).unwrap();
+        let mut s = KvStorage::new(&layout, 2).unwrap();
+        let k = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let v = [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0];
+        s.layer_mut(0).write_token(1, 2, &k, &v);
+        let h1 = read(s.layer(0).k_head_block(1, 1));
+        assert_eq!(&h1[6..9], &[4.0, 5.0, 6.0]);
+        let h0v = read(s.layer(0).v_head_block(1, 0));
+        assert_eq!(&h0v[6..9], &[-1.0, -2.0, -3.0]);
+        assert!(read(s.layer(0).k_head_block(0, 0))
+            .iter()
+            .all(|x| *x == 0.0));
+    }
+
+    #[test]
+    fn copy_block_prefix_copies_only_the_prefix() {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+            let layout = KvLayout::uniform(2, 2, 2, dtype, 4).unwrap();
+            let mut s = KvStorage::new(&layout, 3).unwrap();
+            for layer in 0..2 {
+                for slot in 0..4 {
+                    let x = (layer * 10 + slot) as f32;
+                    s.layer_mut(layer)
+                        .write_token(0, slot, &[x, x, -x, -x], &[x + 0.5; 4]);
+                }
+            }
+            s.copy_block_prefix(0, 2, 3).unwrap();
+            for layer in 0..2 {
+                let dst = read(s.layer(layer).k_head_block(2, 1));
+                let src = read(s.layer(layer).k_head_block(0, 1));
+                assert_eq!(&dst[..6], &src[..6], "{dtype} layer {layer}");
+                assert_eq!(&dst[6..], &[0.0, 0.0], "slot 3 must stay untouched");
+                let dv = read(s.layer(layer).v_head_block(2, 0));
+                assert_eq!(dv[4], (layer * 10 + 2) as f32 + 0.5);
+            }
+        }
+    }
+
+    #[test]
+    fn misuse_is_a_typed_error() {
+        let layout = KvLayout::uniform(1, 1, 4, KvDtype::F32, 4).unwrap();
+        let mut s = KvStorage::new(&layout, 2).unwrap();
+        assert_eq!(
+            s.copy_block_prefix(0, 2, 1),
+            Err(StorageError::BlockOutOfRange {
+                block: 2,
+                num_blocks: 2
+            })
+        );
+        assert_eq!(
+            s.copy_block_prefix(0, 1, 5),
+            Err(StorageError::TooManyTokens {
+                tokens: 5,
+                block_size_tokens: 4
+            })
+        );
+        let int8 = layout.with_dtype(KvDtype::Int8);
+        assert!(matches!(
+            KvStorage::new(&int8, 1),
+            Err(StorageError::UnsupportedDtype(KvDtype::Int8))
+        ));
+    }
+}

@@ -1,0 +1,61 @@
+//! Errors of loading and running a model. Every variant names what was wrong (a file, a key, a tensor).
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a GGUF file (magic {magic:#010x}, expected 0x46554747 'GGUF')")]
+    NotGguf { path: PathBuf, magic: u32 },
+    #[error("{path}: GGUF version {version} is not supported (supported: 2, 3)")]
+    GgufVersion { path: PathBuf, version: u32 },
+    #[error("{path}: truncated or malformed GGUF at byte {offset}: {what}")]
+    GgufMalformed {
+        path: PathBuf,
+        offset: u64,
+        what: String,
+    },
+    #[error("metadata key '{key}' is missing")]
+    MissingKey { key: String },
+    #[error("metadata key '{key}' has the wrong type: expected {expected}")]
+    KeyType { key: String, expected: &'static str },
+    #[error("tensor '{name}' is missing")]
+    MissingTensor { name: String },
+    #[error("tensor '{name}' has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("tensor '{name}' has element type {dtype}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    TensorType { name: String, dtype: String },
+    #[error("tensor '{name}' lies outside the file (bytes {start}..{end}, file has {file_len})")]
+    TensorBounds {
+        name: String,
+        start: u64,
+        end: u64,
+        file_len: u64,
+    },
+    #[error("architecture '{0}' is not supported (supported: llama, qwen2, mistral)")]
+    Architecture(String),
+    #[error("invalid model configuration: {0}")]
+    Config(String),
+    #[error("{path}: {what}")]
+    Format { path: PathBuf, what: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("forward: {0}")]
+    Forward(String),
+    #[error(transparent)]
+    Storage(#[from] kura_kv::storage::StorageError),
+    #[error(transparent)]
+    Layout(#[from] kura_kv::layout::LayoutError),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;

@@ -1,0 +1,198 @@
+//! HF checkpoint directories: `config.json`, `*.safetensors` (memory-mapped; one file or a sharded
+//! `model.safetensors.index.json`), `tokenizer.json`, and `tokenizer_config.json` (chat template, BOS/EOS).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::Metadata;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{ModelError, Result};
+use crate::weights::TensorSource;
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    meta: Metadata,
+}
+
+/// All safetensors shards of a directory, by tensor name.
+pub struct SafetensorsDir {
+    shards: Vec<Shard>,
+    index: HashMap<String, usize>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+pub fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(io(path))
+}
+
+impl SafetensorsDir {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let text = read_text(&index_path)?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::Format {
+                    path: index_path.clone(),
+                    what: e.to_string(),
+                })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| ModelError::Format {
+                    path: index_path.clone(),
+                    what: "no 'weight_map' object".into(),
+                })?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else {
+            let single = dir.join("model.safetensors");
+            if !single.exists() {
+                return Err(ModelError::Format {
+                    path: dir.to_path_buf(),
+                    what: "no model.safetensors or model.safetensors.index.json".into(),
+                });
+            }
+            vec![single]
+        };
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        for path in files {
+            let file = File::open(&path).map_err(io(&path))?;
+            // SAFETY: read-only mapping of a model file that Kura never writes.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(io(&path))?;
+            let (header_len, meta) =
+                SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Format {
+                    path: path.clone(),
+                    what: format!("safetensors header: {e}"),
+                })?;
+            for name in meta.offset_keys() {
+                index.insert(name, shards.len());
+            }
+            shards.push(Shard {
+                path,
+                mmap,
+                header_len,
+                meta,
+            });
+        }
+        Ok(SafetensorsDir { shards, index })
+    }
+}
+
+impl TensorSource for SafetensorsDir {
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let shard = &self.shards[*self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?];
+        let info = shard
+            .meta
+            .info(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
+        // read_metadata checked that the offsets lie inside the buffer.
+        let start = 8 + shard.header_len + info.data_offsets.0;
+        let end = 8 + shard.header_len + info.data_offsets.1;
+        let bytes = shard
+            .mmap
+            .get(start..end)
+            .ok_or_else(|| ModelError::TensorBounds {
+                name: name.into(),
+                start: start as u64,
+                end: end as u64,
+                file_len: shard.mmap.len() as u64,
+            })?;
+        let data: Vec<f32> = match info.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::TensorType {
+                    name: format!("{name} in {}", shard.path.display()),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        Ok((info.shape.clone(), data))
+    }
+}
+
+/// What `tokenizer_config.json` says about the chat template and special tokens.
+#[derive(Debug, Default)]
+pub struct TokenizerConfig {
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl TokenizerConfig {
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&read_text(&path)?).map_err(|e| ModelError::Format {
+                path: path.clone(),
+                what: e.to_string(),
+            })?;
+        // A token is either a string or an object with "content".
+        let token = |key: &str| match v.get(key) {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Object(o)) => {
+                o.get("content").and_then(|c| c.as_str()).map(String::from)
+            }
+            _ => None,
+        };
+        // A template is a string, or a list of named templates of which "default" is used.
+        let chat_template = match v.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template").and_then(|s| s.as_str()).map(String::from)),
+            _ => None,
+        };
+        let chat_template = match chat_template {
+            Some(t) => Some(t),
+            // Newer checkpoints keep the template in its own file.
+            None if dir.join("chat_template.jinja").exists() => {
+                Some(read_text(&dir.join("chat_template.jinja"))?)
+            }
+            None => None,
+        };
+        Ok(TokenizerConfig {
+            chat_template,
+            bos_token: token("bos_token"),
+            eos_token: token("eos_token"),
+        })
+    }
+}

@@ -1,0 +1,366 @@
+//! `Model`: a loaded Llama-family model (weights, tokenizer, chat template) and its forward step over a
+//! batch of sequences whose KV lives in a [`KvStorage`]. The model keeps no cache state: every call says,
+//! per sequence, which tokens are new, where they start and which blocks hold the sequence.
+//!
+//! One step for a batch of `T` new tokens (all sequences concatenated), per layer:
+//!
+//! ```text
+//! x[T, hidden] ─ RMSNorm ─ ·Wqkvᵀ (+bias) ─ RoPE(q, k) ─ write k, v to blocks ─ paged attention ─ ·Woᵀ ─ + x
+//!              ─ RMSNorm ─ ·W_gate_upᵀ ─ SiLU(gate)·up ─ ·W_downᵀ ─ + x
+//! ```
+//!
+//! then RMSNorm and the output head on the last token of each sequence only.
+
+use std::path::Path;
+
+use kura_kv::codec::KvDtype;
+use kura_kv::layout::KvLayout;
+use kura_kv::storage::KvStorage;
+
+use crate::chat::{ChatMessage, ChatTemplate, CHATML};
+use crate::config::{rope_inv_freq, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::hf::{read_text, SafetensorsDir, TokenizerConfig};
+use crate::kernels::attention::{paged_attention, AttnSeq, AttnShape};
+use crate::kernels::matmul::matmul;
+use crate::kernels::ops::{add_in_place, rms_norm, rope, rope_angles, silu_mul};
+use crate::tokenizer::Tokenizer;
+use crate::weights::{Naming, TensorSource, Weights, WeightsDtype};
+
+/// One sequence's part of a forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqBatchItem<'a> {
+    /// The new tokens (a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]` in the sequence; positions `0..start_pos` are already in the blocks.
+    pub start_pos: usize,
+    /// Block ids of the sequence in order; must cover positions `0..start_pos + tokens.len()`.
+    pub block_table: &'a [u32],
+}
+
+/// Last-position logits of each sequence of a step: `rows × vocab`.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    pub vocab: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn num_rows(&self) -> usize {
+        self.data.len() / self.vocab.max(1)
+    }
+}
+
+/// Options of loading.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadOptions {
+    pub weights_dtype: WeightsDtype,
+}
+
+pub struct Model {
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    chat_template: ChatTemplate,
+    weights: Weights,
+    inv_freq: Vec<f32>,
+}
+
+impl GgufFile {
+    fn torch_shape(&self, name: &str) -> Result<Vec<usize>> {
+        Ok(self.tensor_info(name)?.dims.iter().rev().copied().collect())
+    }
+}
+
+impl TensorSource for GgufFile {
+    fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        Ok((self.torch_shape(name)?, self.tensor_f32(name)?))
+    }
+}
+
+impl Model {
+    /// Loads a GGUF file or an HF directory with the default options (bf16 weights).
+    pub fn load(path: &Path) -> Result<Self> {
+        Self::load_with(path, LoadOptions::default())
+    }
+
+    pub fn load_with(path: &Path, opts: LoadOptions) -> Result<Self> {
+        if path.is_dir() {
+            Self::load_hf_dir(path, opts)
+        } else {
+            Self::load_gguf(path, opts)
+        }
+    }
+
+    fn load_gguf(path: &Path, opts: LoadOptions) -> Result<Self> {
+        let g = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        let tokenizer = Tokenizer::from_gguf(&g)?;
+        let template = match g.metadata.get("tokenizer.chat_template") {
+            Some(crate::gguf::Value::String(s)) => s.clone(),
+            _ => CHATML.to_string(),
+        };
+        let name = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let chat_template = ChatTemplate::new(
+            &template,
+            &name(tokenizer.bos_token_id),
+            &name(tokenizer.eos_token_id),
+        )?;
+        let weights = Weights::load(&g, Naming::Gguf, &config, opts.weights_dtype)?;
+        Ok(Self::assemble(config, tokenizer, chat_template, weights))
+    }
+
+    fn load_hf_dir(dir: &Path, opts: LoadOptions) -> Result<Self> {
+        let config = ModelConfig::from_hf_json(&read_text(&dir.join("config.json"))?)?;
+        let tcfg = TokenizerConfig::read(dir)?;
+        let tokenizer = Tokenizer::from_hf_files(
+            &dir.join("tokenizer.json"),
+            tcfg.bos_token.as_deref(),
+            tcfg.eos_token.as_deref(),
+        )?;
+        let chat_template = ChatTemplate::new(
+            tcfg.chat_template.as_deref().unwrap_or(CHATML),
+            tcfg.bos_token.as_deref().unwrap_or(""),
+            tcfg.eos_token.as_deref().unwrap_or(""),
+        )?;
+        let st = SafetensorsDir::open(dir)?;
+        let weights = Weights::load(&st, Naming::Hf, &config, opts.weights_dtype)?;
+        Ok(Self::assemble(config, tokenizer, chat_template, weights))
+    }
+
+    fn assemble(
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        weights: Weights,
+    ) -> Self {
+        let inv_freq = rope_inv_freq(&config);
+        Model {
+            config,
+            tokenizer,
+            chat_template,
+            weights,
+            inv_freq,
+        }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn chat_template(&self) -> &ChatTemplate {
+        &self.chat_template
+    }
+
+    pub fn weights_dtype(&self) -> WeightsDtype {
+        self.weights.dtype
+    }
+
+    /// Bytes of weights a decode step reads: the numerator of the memory-bandwidth bound.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.weights.bytes_per_token()
+    }
+
+    /// The KV layout of this model.
+    pub fn kv_layout(&self, dtype: KvDtype, block_size_tokens: usize) -> Result<KvLayout> {
+        self.config.kv_layout(dtype, block_size_tokens)
+    }
+
+    /// Renders `messages` with the chat template and tokenizes the result (special tokens in the text are
+    /// recognised; nothing else is added, as HF's `apply_chat_template(tokenize=True)`).
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.chat_template.render(messages, add_generation_prompt)?;
+        self.tokenizer.encode(&text, false)
+    }
+
+    fn check_batch(&self, batch: &[SeqBatchItem<'_>], kv: &KvStorage) -> Result<()> {
+        let c = &self.config;
+        let layout = kv.layout();
+        if layout.num_layers() != c.num_layers
+            || layout
+                .layers
+                .iter()
+                .any(|l| l.kv_heads != c.num_kv_heads || l.head_dim != c.head_dim)
+        {
+            return Err(ModelError::Forward(format!(
+                "KV storage shape does not match the model ({} layers × {} kv heads × head_dim {})",
+                c.num_layers, c.num_kv_heads, c.head_dim
+            )));
+        }
+        let bs = kv.block_size_tokens();
+        for (i, item) in batch.iter().enumerate() {
+            if item.tokens.is_empty() {
+                return Err(ModelError::Forward(format!(
+                    "sequence {i} of the batch has no new tokens"
+                )));
+            }
+            let end = item.start_pos + item.tokens.len();
+            if end > c.max_context {
+                return Err(ModelError::Forward(format!(
+                    "sequence {i} reaches position {end}, beyond the model's context of {}",
+                    c.max_context
+                )));
+            }
+            if item.block_table.len() * bs < end {
+                return Err(ModelError::Forward(format!(
+                    "sequence {i}: {} blocks of {bs} tokens cannot hold {end} positions",
+                    item.block_table.len()
+                )));
+            }
+            if let Some(b) = item.block_table[..end.div_ceil(bs)]
+                .iter()
+                .find(|b| **b as usize >= kv.num_blocks())
+            {
+                return Err(ModelError::Forward(format!(
+                    "sequence {i}: block {b} is outside the storage of {} blocks",
+                    kv.num_blocks()
+                )));
+            }
+            if let Some(t) = item.tokens.iter().find(|t| **t as usize >= c.vocab_size) {
+                return Err(ModelError::Forward(format!(
+                    "sequence {i}: token id {t} is outside the vocabulary of {}",
+                    c.vocab_size
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the new tokens of every sequence through the model, writing their K and V into `kv` at their
+    /// positions, and returns the logits of each sequence's last new token.
+    pub fn forward(&self, batch: &[SeqBatchItem<'_>], kv: &mut KvStorage) -> Result<Logits> {
+        self.check_batch(batch, kv)?;
+        let c = &self.config;
+        let (h, d, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (q_dim, kv_dim) = (c.num_heads * d, c.num_kv_heads * d);
+        let qkv_dim = q_dim + 2 * kv_dim;
+        let t_total: usize = batch.iter().map(|b| b.tokens.len()).sum();
+        let bs = kv.block_size_tokens();
+
+        // Embeddings, positions and RoPE angles of every new token.
+        let mut x = vec![0f32; t_total * h];
+        let mut seqs = Vec::with_capacity(batch.len());
+        let mut positions = Vec::with_capacity(t_total);
+        for item in batch {
+            seqs.push(AttnSeq {
+                first_token: positions.len(),
+                n_tokens: item.tokens.len(),
+                start_pos: item.start_pos,
+                block_table: item.block_table,
+            });
+            for (i, tok) in item.tokens.iter().enumerate() {
+                let t = positions.len();
+                self.weights
+                    .embed
+                    .row_into(*tok as usize, &mut x[t * h..(t + 1) * h]);
+                positions.push(item.start_pos + i);
+            }
+        }
+        let half = d / 2;
+        let mut cos = vec![0f32; t_total * half];
+        let mut sin = vec![0f32; t_total * half];
+        for (t, pos) in positions.iter().enumerate() {
+            rope_angles(
+                *pos,
+                &self.inv_freq,
+                &mut cos[t * half..(t + 1) * half],
+                &mut sin[t * half..(t + 1) * half],
+            );
+        }
+        // Where each token's K/V goes: (block id, slot).
+        let slots: Vec<(usize, usize)> = batch
+            .iter()
+            .flat_map(|item| {
+                (0..item.tokens.len()).map(move |i| {
+                    let p = item.start_pos + i;
+                    (item.block_table[p / bs] as usize, p % bs)
+                })
+            })
+            .collect();
+
+        let mut xn = vec![0f32; t_total * h];
+        let mut qkv = vec![0f32; t_total * qkv_dim];
+        let mut q = vec![0f32; t_total * q_dim];
+        let mut attn = vec![0f32; t_total * q_dim];
+        let mut proj = vec![0f32; t_total * h];
+        let mut gate_up = vec![0f32; t_total * 2 * inter];
+        let mut act = vec![0f32; t_total * inter];
+        let shape = AttnShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: d,
+            window: c.sliding_window,
+        };
+
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            rms_norm(&x, &lw.attn_norm, c.rms_norm_eps, &mut xn);
+            matmul(&xn, t_total, &lw.wqkv, &mut qkv);
+            let layer_kv = kv.layer_mut(li);
+            for t in 0..t_total {
+                let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
+                if let Some(b) = &lw.bqkv {
+                    add_in_place(row, b);
+                }
+                let (cs, sn) = (
+                    &cos[t * half..(t + 1) * half],
+                    &sin[t * half..(t + 1) * half],
+                );
+                let (qr, rest) = row.split_at_mut(q_dim);
+                let (kr, vr) = rest.split_at_mut(kv_dim);
+                rope(qr, d, c.rope_style, cs, sn);
+                rope(kr, d, c.rope_style, cs, sn);
+                q[t * q_dim..(t + 1) * q_dim].copy_from_slice(qr);
+                let (block, slot) = slots[t];
+                layer_kv.write_token(block, slot, kr, vr);
+            }
+            paged_attention(&q, &seqs, kv.layer(li), shape, &mut attn);
+            matmul(&attn, t_total, &lw.wo, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm(&x, &lw.ffn_norm, c.rms_norm_eps, &mut xn);
+            matmul(&xn, t_total, &lw.w_gate_up, &mut gate_up);
+            silu_mul(&gate_up, inter, &mut act);
+            matmul(&act, t_total, &lw.w_down, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+
+        // The output head only for each sequence's last token.
+        let n = batch.len();
+        let mut last = vec![0f32; n * h];
+        for (i, s) in seqs.iter().enumerate() {
+            let t = s.first_token + s.n_tokens - 1;
+            rms_norm(
+                &x[t * h..(t + 1) * h],
+                &self.weights.final_norm,
+                c.rms_norm_eps,
+                &mut last[i * h..(i + 1) * h],
+            );
+        }
+        let head = self.weights.lm_head();
+        let mut logits = vec![0f32; n * head.rows];
+        matmul(&last, n, head, &mut logits);
+        Ok(Logits {
+            vocab: head.rows,
+            data: logits,
+        })
+    }
+}

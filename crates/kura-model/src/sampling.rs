@@ -1,0 +1,432 @@
+//! Choosing the next token from logits: penalties, temperature, top-k, top-p, min-p, a seeded RNG per
+//! request, logprobs with top alternatives, and stop tokens / stop strings.
+//!
+//! Order of operations (that of vLLM and HF): penalties on the raw logits → greedy if temperature is 0 →
+//! divide by temperature → top-k → softmax → top-p → min-p → draw. Logprobs are those of the unmodified
+//! distribution (log-softmax of the raw logits), as the OpenAI API reports them. O(vocab log k) per token.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// How to sample one request. `temperature == 0` is greedy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (1 = all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p × p(most likely)` (0 = none).
+    pub min_p: f32,
+    /// Divides positive (multiplies negative) logits of tokens already seen (1 = off).
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated (0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of every token already generated (0 = off).
+    pub frequency_penalty: f32,
+    pub seed: Option<u64>,
+    /// Return this many top alternatives with each token's logprob (`None` = no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
+    }
+
+    /// Checks the ranges; the message names the parameter and the value given.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
+            return Err("presence_penalty and frequency_penalty must be finite".into());
+        }
+        Ok(())
+    }
+}
+
+/// A token's logprob and the most likely alternatives at its position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The sampled token and, when asked, its logprobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Per-request sampler: its parameters, its RNG and the counts of tokens seen so far.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// Occurrences of each generated token, for presence/frequency penalties.
+    generated: std::collections::HashMap<u32, u32>,
+    /// Prompt and generated tokens, for the repetition penalty.
+    seen: std::collections::HashSet<u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let rng = match params.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        Sampler {
+            params,
+            rng,
+            generated: Default::default(),
+            seen: prompt.iter().copied().collect(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from one row of logits and records it as generated.
+    pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        let p = &self.params;
+        let logprob_of = p.logprobs.map(|k| (k, log_softmax(logits)));
+        let mut l = logits.to_vec();
+        if p.repetition_penalty != 1.0 {
+            for &t in &self.seen {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &n) in &self.generated {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
+        let token = if p.temperature == 0.0 {
+            argmax(&l)
+        } else {
+            self.draw(&mut l)
+        };
+        *self.generated.entry(token).or_insert(0) += 1;
+        self.seen.insert(token);
+        let logprob = logprob_of.map(|(k, lp)| TokenLogprob {
+            token,
+            logprob: lp[token as usize],
+            top: top_k_indices(&lp, k)
+                .into_iter()
+                .map(|i| (i as u32, lp[i]))
+                .collect(),
+        });
+        Sampled { token, logprob }
+    }
+
+    fn draw(&mut self, l: &mut [f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        // Candidates sorted by logit, truncated to top-k.
+        let k = if p.top_k == 0 {
+            l.len()
+        } else {
+            p.top_k.min(l.len())
+        };
+        let mut idx = top_k_indices(l, k);
+        let max = l[idx[0]];
+        let mut probs: Vec<f32> = idx.iter().map(|&i| ((l[i] - max) * inv_t).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= sum);
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (j, pr) in probs.iter().enumerate() {
+                acc += pr;
+                if acc >= p.top_p {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            let keep = probs.iter().take_while(|x| **x >= floor).count().max(1);
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        let total: f32 = probs.iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for (i, pr) in idx.iter().zip(&probs) {
+            if r < *pr {
+                return *i as u32;
+            }
+            r -= pr;
+        }
+        idx[idx.len() - 1] as u32
+    }
+}
+
+/// Index of the largest logit (the first on ties).
+pub fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in l.iter().enumerate() {
+        if *v > l[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn log_softmax(l: &[f32]) -> Vec<f32> {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = l.iter().map(|v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+    l.iter().map(|v| v - lse).collect()
+}
+
+/// Indices of the `k` largest values, largest first (ties by lower index).
+pub fn top_k_indices(l: &[f32], k: usize) -> Vec<usize> {
+    let k = k.min(l.len());
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    let cmp = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
+    if k < l.len() && k > 0 {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token (EOS, end of turn, or one the request named).
+    Token(u32),
+    /// A stop string; the text up to it is kept, the string itself is not.
+    String(String),
+}
+
+/// Watches generated text for stop strings, holding back any tail that could still become one, so that
+/// a stop string never reaches the client even when it arrives split across tokens.
+#[derive(Debug, Clone, Default)]
+pub struct StopChecker {
+    stop_tokens: Vec<u32>,
+    stop_strings: Vec<String>,
+    /// Text received but not yet released.
+    pending: String,
+}
+
+impl StopChecker {
+    pub fn new(stop_tokens: Vec<u32>, stop_strings: Vec<String>) -> Self {
+        let stop_strings = stop_strings.into_iter().filter(|s| !s.is_empty()).collect();
+        StopChecker {
+            stop_tokens,
+            stop_strings,
+            pending: String::new(),
+        }
+    }
+
+    pub fn is_stop_token(&self, id: u32) -> bool {
+        self.stop_tokens.contains(&id)
+    }
+
+    /// Feeds the text of a new token; returns the text safe to release and whether a stop string ended it.
+    pub fn push(&mut self, text: &str) -> (String, Option<StopReason>) {
+        self.pending.push_str(text);
+        if let Some((at, s)) = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()).map(|i| (i, s)))
+            .min_by_key(|(i, _)| *i)
+        {
+            let out = self.pending[..at].to_string();
+            let reason = StopReason::String(s.clone());
+            self.pending.clear();
+            return (out, Some(reason));
+        }
+        // Hold back the longest suffix that is a prefix of some stop string.
+        let mut hold = 0;
+        for s in &self.stop_strings {
+            for n in (1..s.len().min(self.pending.len() + 1)).rev() {
+                if s.is_char_boundary(n) && self.pending.ends_with(&s[..n]) {
+                    hold = hold.max(n);
+                    break;
+                }
+            }
+        }
+        let cut = self.pending.len() - hold;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, None)
+    }
+
+    /// Releases whatever was held back (generation ended for another reason).
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_picks_argmax_and_reports_logprobs() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                logprobs: Some(2),
+                ..SamplingParams::greedy()
+            },
+            &[],
+        );
+        let out = s.sample(&[0.0, 3.0, 1.0]);
+        assert_eq!(out.token, 1);
+        let lp = out.logprob.unwrap();
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        let total: f32 = [0.0f32, 3.0, 1.0].iter().map(|v| (v - 3.0f32).exp()).sum();
+        assert!((lp.logprob + total.ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_respects_top_k() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
+        let p = SamplingParams {
+            temperature: 1.5,
+            top_k: 3,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let top3 = top_k_indices(&logits, 3);
+        let run = || {
+            let mut s = Sampler::new(p.clone(), &[]);
+            (0..40).map(|_| s.sample(&logits).token).collect::<Vec<_>>()
+        };
+        let a = run();
+        assert_eq!(a, run());
+        assert!(a.iter().all(|t| top3.contains(&(*t as usize))));
+        assert!(
+            a.iter().collect::<std::collections::HashSet<_>>().len() > 1,
+            "temperature 1.5 over 3 tokens varies"
+        );
+    }
+
+    #[test]
+    fn penalties_move_greedy_away_from_repeats() {
+        let logits = [2.0f32, 1.9, 0.0];
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..SamplingParams::greedy()
+            },
+            &[],
+        );
+        assert_eq!(s.sample(&logits).token, 0);
+        assert_eq!(
+            s.sample(&logits).token,
+            1,
+            "token 0 now pays the presence penalty"
+        );
+        let mut r = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 1.2,
+                ..SamplingParams::greedy()
+            },
+            &[0],
+        );
+        assert_eq!(r.sample(&logits).token, 1, "2.0 / 1.2 < 1.9");
+    }
+
+    #[test]
+    fn min_p_and_top_p_cut_the_tail() {
+        let logits = [10.0f32, 0.0, 0.0, 0.0];
+        for p in [
+            SamplingParams {
+                min_p: 0.1,
+                seed: Some(1),
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.5,
+                seed: Some(1),
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(p, &[]);
+            assert!((0..50).all(|_| s.sample(&logits).token == 0));
+        }
+    }
+
+    #[test]
+    fn stop_string_split_across_tokens_is_never_released() {
+        let mut c = StopChecker::new(vec![], vec!["END".into()]);
+        assert_eq!(c.push("hello E"), ("hello ".to_string(), None));
+        assert_eq!(c.push("N"), (String::new(), None));
+        assert_eq!(
+            c.push("D tail"),
+            (String::new(), Some(StopReason::String("END".into())))
+        );
+        let mut c = StopChecker::new(vec![], vec!["END".into()]);
+        assert_eq!(c.push("E"), (String::new(), None));
+        assert_eq!(c.push("x"), ("Ex".to_string(), None));
+        assert_eq!(c.flush(), "");
+    }
+
+    #[test]
+    fn invalid_params_are_named() {
+        assert!(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .contains("top_p"));
+        assert!(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .contains("temperature"));
+    }
+}

@@ -1,0 +1,277 @@
+//! Tokenizer: byte-level BPE built with the HF `tokenizers` crate, from GGUF metadata (vocabulary,
+//! merges, token types) or from an HF `tokenizer.json`; BOS/EOS/stop tokens; incremental detokenization
+//! for streaming.
+//!
+//! GGUF stores the pre-tokenizer only as a name (`tokenizer.ggml.pre`); the regexes each name stands for
+//! are those of llama.cpp's `llama-vocab.cpp`, expressed here as `tokenizers` pre-tokenizers.
+
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::{GgufFile, Value};
+
+/// Names of tokens that end a turn in the chat formats Kura knows; those present become stop tokens.
+const END_OF_TURN: [&str; 6] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "</s>",
+];
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+    /// Prepend BOS when encoding with `add_special_tokens` (GGUF `tokenizer.ggml.add_bos_token`); HF
+    /// tokenizers do this through their own post-processor instead.
+    add_bos: bool,
+    /// Tokens that end generation: EOS and the end-of-turn markers of the vocabulary.
+    pub stop_token_ids: Vec<u32>,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(ModelError::Tokenizer(format!(
+                "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, byte-level BPE)"
+            )));
+        }
+        let strings = |key: &str| -> Result<Vec<String>> {
+            g.get_array(key)?
+                .iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    _ => Err(ModelError::KeyType {
+                        key: key.into(),
+                        expected: "an array of strings",
+                    }),
+                })
+                .collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| match m.split_once(' ') {
+                Some((a, b)) => Ok((a.to_string(), b.to_string())),
+                None => Err(ModelError::Tokenizer(format!(
+                    "merge '{m}' is not two tokens separated by a space"
+                ))),
+            })
+            .collect::<Result<_>>()?;
+        let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| match v {
+            Value::String(s) => Some(s.as_str()),
+            _ => None,
+        });
+        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre.unwrap_or("default"))?));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control (3) and user-defined (4) tokens are matched whole, before BPE.
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, t)| **t == 3 || **t == 4)
+            .map(|(s, t)| AddedToken::from(s.clone(), *t == 3))
+            .collect();
+        inner.add_special_tokens(&added);
+        let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|v| v as u32)) };
+        let add_bos = matches!(
+            g.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        Ok(Self::finish(
+            inner,
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+            add_bos,
+        ))
+    }
+
+    /// From an HF `tokenizer.json`, with BOS/EOS named by `tokenizer_config.json` when given.
+    pub fn from_hf_files(
+        tokenizer_json: &Path,
+        bos: Option<&str>,
+        eos: Option<&str>,
+    ) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tokenizer_json.display())))?;
+        let bos_id = bos.and_then(|t| inner.token_to_id(t));
+        let eos_id = eos.and_then(|t| inner.token_to_id(t));
+        Ok(Self::finish(inner, bos_id, eos_id, false))
+    }
+
+    fn finish(
+        inner: tokenizers::Tokenizer,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+    ) -> Self {
+        let mut stop: Vec<u32> = eos.into_iter().collect();
+        for name in END_OF_TURN {
+            if let Some(id) = inner.token_to_id(name) {
+                if !stop.contains(&id) {
+                    stop.push(id);
+                }
+            }
+        }
+        Tokenizer {
+            inner,
+            bos_token_id: bos,
+            eos_token_id: eos,
+            add_bos,
+            stop_token_ids: stop,
+        }
+    }
+
+    /// Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) are recognised.
+    /// `add_special_tokens` adds BOS when the model asks for it.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(tok_err)?;
+        let mut ids = enc.get_ids().to_vec();
+        if add_special_tokens && self.add_bos {
+            if let Some(bos) = self.bos_token_id {
+                if ids.first() != Some(&bos) {
+                    ids.insert(0, bos);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special_tokens).map_err(tok_err)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn is_stop_token(&self, id: u32) -> bool {
+        self.stop_token_ids.contains(&id)
+    }
+}
+
+/// The pre-tokenizer that a GGUF `tokenizer.ggml.pre` name stands for.
+fn pre_tokenizer_for(name: &str) -> Result<PreTokenizerWrapper> {
+    let byte_level =
+        |use_regex: bool| PreTokenizerWrapper::from(ByteLevel::new(false, true, use_regex));
+    let split = |re: &str| -> Result<PreTokenizerWrapper> {
+        let s = Split::new(
+            SplitPattern::Regex(re.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tok_err)?;
+        Ok(s.into())
+    };
+    Ok(match name {
+        // GPT-2's regex after splitting every digit on its own (SmolLM, StarCoder).
+        "smollm" | "starcoder" | "refact" | "codeshell" => {
+            Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into()
+        }
+        "llama-bpe" | "llama3" => Sequence::new(vec![
+            split(
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            )?,
+            byte_level(false),
+        ])
+        .into(),
+        "qwen2" => Sequence::new(vec![
+            split(
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            )?,
+            byte_level(false),
+        ])
+        .into(),
+        "default" | "gpt-2" | "gpt2" => byte_level(true),
+        other => {
+            return Err(ModelError::Tokenizer(format!(
+                "tokenizer.ggml.pre '{other}' is not supported (supported: smollm, starcoder, llama-bpe, qwen2, gpt-2)"
+            )))
+        }
+    })
+}
+
+/// Turns a stream of token ids into text pieces, holding back bytes that do not yet form whole UTF-8
+/// characters. Each step decodes a short window (the previous few tokens and the new ones), so it is
+/// O(window) per token, not O(sequence).
+#[derive(Debug, Default, Clone)]
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    /// Tokens before this index have been fully emitted and only serve as left context.
+    prefix_offset: usize,
+    /// Tokens before this index have been emitted.
+    read_offset: usize,
+}
+
+impl IncrementalDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a token; returns the text it completes (possibly empty while a character is incomplete).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            let text = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(text)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Whatever is still held back (an incomplete character at the end of generation).
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+    }
+}

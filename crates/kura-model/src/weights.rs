@@ -1,0 +1,286 @@
+//! The model's weights in the compute format (bf16 by default, f32 on request), with Q/K/V and gate/up
+//! fused into one matrix each so that a layer reads its input once per projection group.
+//!
+//! Tensors come from a [`TensorSource`] (GGUF or safetensors) dequantized to f32, then are converted.
+//! Loading is O(parameters), parallel over layers.
+
+use std::str::FromStr;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// The element format weights are kept in for compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightsDtype {
+    #[default]
+    Bf16,
+    F32,
+}
+
+impl FromStr for WeightsDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Ok(WeightsDtype::Bf16),
+            "f32" | "fp32" | "float32" => Ok(WeightsDtype::F32),
+            other => Err(format!(
+                "unknown weights dtype '{other}': expected bf16 or f32"
+            )),
+        }
+    }
+}
+
+impl WeightsDtype {
+    pub fn bytes_per_element(self) -> usize {
+        match self {
+            WeightsDtype::Bf16 => 2,
+            WeightsDtype::F32 => 4,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub enum MatData {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+/// A row-major `[rows, cols]` matrix: row `r` holds the weights of output `r` (PyTorch's `[out, in]`).
+#[derive(Clone)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: MatData,
+}
+
+impl Matrix {
+    pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>, dtype: WeightsDtype) -> Self {
+        debug_assert_eq!(data.len(), rows * cols);
+        let data = match dtype {
+            WeightsDtype::F32 => MatData::F32(data),
+            WeightsDtype::Bf16 => MatData::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+        };
+        Matrix { rows, cols, data }
+    }
+
+    /// Row `r` as f32 into `out` (an embedding lookup).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            MatData::F32(d) => out.copy_from_slice(&d[span]),
+            MatData::Bf16(d) => {
+                for (o, x) in out.iter_mut().zip(&d[span]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            MatData::F32(d) => d.len() * 4,
+            MatData::Bf16(d) => d.len() * 2,
+        }
+    }
+}
+
+/// One transformer layer.
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    /// Rows: Q (heads × head_dim), then K, then V (kv_heads × head_dim each).
+    pub wqkv: Matrix,
+    pub bqkv: Option<Vec<f32>>,
+    pub wo: Matrix,
+    pub ffn_norm: Vec<f32>,
+    /// Rows: gate (intermediate), then up (intermediate).
+    pub w_gate_up: Matrix,
+    pub w_down: Matrix,
+}
+
+pub struct Weights {
+    pub embed: Matrix,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    pub lm_head: Option<Matrix>,
+    pub dtype: WeightsDtype,
+}
+
+impl Weights {
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of weights one decode step reads (every matrix once, the embedding only as the output head).
+    pub fn bytes_per_token(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.wqkv.bytes() + l.wo.bytes() + l.w_gate_up.bytes() + l.w_down.bytes())
+            .sum();
+        layers + self.lm_head().bytes()
+    }
+}
+
+/// The tensor names of a checkpoint format.
+#[derive(Debug, Clone, Copy)]
+pub enum Naming {
+    Gguf,
+    Hf,
+}
+
+impl Naming {
+    fn global(self, what: &str) -> String {
+        match (self, what) {
+            (Naming::Gguf, "embed") => "token_embd.weight".into(),
+            (Naming::Gguf, "norm") => "output_norm.weight".into(),
+            (Naming::Gguf, "lm_head") => "output.weight".into(),
+            (Naming::Hf, "embed") => "model.embed_tokens.weight".into(),
+            (Naming::Hf, "norm") => "model.norm.weight".into(),
+            (Naming::Hf, "lm_head") => "lm_head.weight".into(),
+            _ => unreachable!("unknown global tensor {what}"),
+        }
+    }
+
+    fn layer(self, i: usize, what: &str) -> String {
+        match self {
+            Naming::Gguf => {
+                let n = match what {
+                    "attn_norm" => "attn_norm.weight",
+                    "q" => "attn_q.weight",
+                    "k" => "attn_k.weight",
+                    "v" => "attn_v.weight",
+                    "q_bias" => "attn_q.bias",
+                    "k_bias" => "attn_k.bias",
+                    "v_bias" => "attn_v.bias",
+                    "o" => "attn_output.weight",
+                    "ffn_norm" => "ffn_norm.weight",
+                    "gate" => "ffn_gate.weight",
+                    "up" => "ffn_up.weight",
+                    "down" => "ffn_down.weight",
+                    _ => unreachable!("unknown layer tensor {what}"),
+                };
+                format!("blk.{i}.{n}")
+            }
+            Naming::Hf => {
+                let n = match what {
+                    "attn_norm" => "input_layernorm.weight",
+                    "q" => "self_attn.q_proj.weight",
+                    "k" => "self_attn.k_proj.weight",
+                    "v" => "self_attn.v_proj.weight",
+                    "q_bias" => "self_attn.q_proj.bias",
+                    "k_bias" => "self_attn.k_proj.bias",
+                    "v_bias" => "self_attn.v_proj.bias",
+                    "o" => "self_attn.o_proj.weight",
+                    "ffn_norm" => "post_attention_layernorm.weight",
+                    "gate" => "mlp.gate_proj.weight",
+                    "up" => "mlp.up_proj.weight",
+                    "down" => "mlp.down_proj.weight",
+                    _ => unreachable!("unknown layer tensor {what}"),
+                };
+                format!("model.layers.{i}.{n}")
+            }
+        }
+    }
+}
+
+/// Where tensors come from: each is returned dequantized to f32 with its PyTorch-order shape.
+pub trait TensorSource: Sync {
+    fn contains(&self, name: &str) -> bool;
+    /// `(shape outermost first, values)`.
+    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
+}
+
+fn load_shaped(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+    let (shape, data) = src.load(name)?;
+    // A vector may be stored as [n] or [1, n]; anything else must match exactly.
+    let squeeze = |s: &[usize]| s.iter().copied().filter(|d| *d != 1).collect::<Vec<_>>();
+    if shape != expected && squeeze(&shape) != squeeze(expected) {
+        return Err(ModelError::TensorShape {
+            name: name.into(),
+            got: shape,
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(data)
+}
+
+impl Weights {
+    pub fn load(
+        src: &dyn TensorSource,
+        naming: Naming,
+        cfg: &ModelConfig,
+        dtype: WeightsDtype,
+    ) -> Result<Self> {
+        let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let layers = (0..cfg.num_layers)
+            .into_par_iter()
+            .map(|i| -> Result<LayerWeights> {
+                let name = |w: &str| naming.layer(i, w);
+                let mut qkv = load_shaped(src, &name("q"), &[q_rows, h])?;
+                qkv.extend(load_shaped(src, &name("k"), &[kv_rows, h])?);
+                qkv.extend(load_shaped(src, &name("v"), &[kv_rows, h])?);
+                let bqkv = if cfg.qkv_bias {
+                    let mut b = load_shaped(src, &name("q_bias"), &[q_rows])?;
+                    b.extend(load_shaped(src, &name("k_bias"), &[kv_rows])?);
+                    b.extend(load_shaped(src, &name("v_bias"), &[kv_rows])?);
+                    Some(b)
+                } else {
+                    None
+                };
+                let mut gate_up = load_shaped(src, &name("gate"), &[inter, h])?;
+                gate_up.extend(load_shaped(src, &name("up"), &[inter, h])?);
+                Ok(LayerWeights {
+                    attn_norm: load_shaped(src, &name("attn_norm"), &[h])?,
+                    wqkv: Matrix::from_f32(q_rows + 2 * kv_rows, h, qkv, dtype),
+                    bqkv,
+                    wo: Matrix::from_f32(
+                        h,
+                        q_rows,
+                        load_shaped(src, &name("o"), &[h, q_rows])?,
+                        dtype,
+                    ),
+                    ffn_norm: load_shaped(src, &name("ffn_norm"), &[h])?,
+                    w_gate_up: Matrix::from_f32(2 * inter, h, gate_up, dtype),
+                    w_down: Matrix::from_f32(
+                        h,
+                        inter,
+                        load_shaped(src, &name("down"), &[h, inter])?,
+                        dtype,
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed_name = naming.global("embed");
+        let embed = Matrix::from_f32(
+            cfg.vocab_size,
+            h,
+            load_shaped(src, &embed_name, &[cfg.vocab_size, h])?,
+            dtype,
+        );
+        let head_name = naming.global("lm_head");
+        let lm_head = if !cfg.tie_word_embeddings && src.contains(&head_name) {
+            Some(Matrix::from_f32(
+                cfg.vocab_size,
+                h,
+                load_shaped(src, &head_name, &[cfg.vocab_size, h])?,
+                dtype,
+            ))
+        } else if !cfg.tie_word_embeddings {
+            return Err(ModelError::MissingTensor { name: head_name });
+        } else {
+            None
+        };
+        Ok(Weights {
+            embed,
+            layers,
+            final_norm: load_shaped(src, &naming.global("norm"), &[h])?,
+            lm_head,
+            dtype,
+        })
+    }
+}

@@ -1,0 +1,62 @@
+//! Helpers shared by the integration tests: the default model and a greedy generation loop.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use kura_kv::codec::KvDtype;
+use kura_kv::storage::KvStorage;
+use kura_model::{Model, SeqBatchItem};
+
+/// The default model, which CI fetches with scripts/fetch-model.sh before the tests.
+pub fn default_model_path() -> PathBuf {
+    let p = kura_model::default_model_path();
+    assert!(
+        p.exists(),
+        "default model missing at {}: run scripts/fetch-model.sh (or set KURA_MODEL)",
+        p.display()
+    );
+    p
+}
+
+pub fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data")
+}
+
+/// Greedy generation of `n` tokens; returns the new tokens and the logits of the prompt's last position.
+pub fn greedy(
+    model: &Model,
+    prompt: &[u32],
+    n: usize,
+    block_size: usize,
+    kv_cache: bool,
+) -> (Vec<u32>, Vec<f32>) {
+    let layout = model.kv_layout(KvDtype::F32, block_size).unwrap();
+    let blocks = (prompt.len() + n).div_ceil(block_size);
+    let mut kv = KvStorage::new(&layout, blocks).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut seq = prompt.to_vec();
+    let mut first_logits = Vec::new();
+    for i in 0..n {
+        let (tokens, start_pos) = if kv_cache && i > 0 {
+            (&seq[seq.len() - 1..], seq.len() - 1)
+        } else {
+            (&seq[..], 0)
+        };
+        let logits = model
+            .forward(
+                &[SeqBatchItem {
+                    tokens,
+                    start_pos,
+                    block_table: &table,
+                }],
+                &mut kv,
+            )
+            .unwrap();
+        if i == 0 {
+            first_logits = logits.row(0).to_vec();
+        }
+        seq.push(kura_model::sampling::argmax(logits.row(0)));
+    }
+    (seq[prompt.len()..].to_vec(), first_logits)
+}
