@@ -1,0 +1,384 @@
+//! The HTTP side: one streamed completion, timed; the server's tokenizer; the checks made before a run.
+//!
+//! A request is timed from just before it is sent: TTFT is the arrival of the first chunk carrying text,
+//! each inter-token latency (ITL) the gap between two consecutive text chunks, E2E the end of the stream.
+//! Servers that stream one token per chunk (llama.cpp, vLLM, Kura) give one gap per token; the output
+//! token count comes from `usage.completion_tokens` when the server reports it (we ask for it with
+//! `stream_options.include_usage`), else from the number of text chunks.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::report::{ErrorKind, RequestError};
+use crate::sse::{parse_chunk, snippet, Chunk, SseDecoder, Usage};
+use crate::BenchError;
+
+/// Which OpenAI endpoint the requests go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `POST /v1/chat/completions` with `messages` (the server applies its chat template).
+    Chat,
+    /// `POST /v1/completions` with the messages' contents joined into one `prompt`.
+    Completions,
+}
+
+/// Where and how to send requests.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// Server root, e.g. `http://127.0.0.1:8080` (a trailing `/v1` is accepted and removed).
+    pub base_url: String,
+    pub api_key: Option<String>,
+    pub model: String,
+    pub api: Api,
+    /// Send `ignore_eos: true` so that every request generates exactly `max_tokens` (llama.cpp, vLLM,
+    /// SGLang and Kura accept it); without it output lengths depend on the model's choices.
+    pub ignore_eos: bool,
+    pub request_timeout: Duration,
+}
+
+impl Endpoint {
+    pub fn normalize_base(url: &str) -> String {
+        let trimmed = url.trim().trim_end_matches('/');
+        trimmed.strip_suffix("/v1").unwrap_or(trimmed).to_string()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base_url)
+    }
+
+    fn post(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
+        let req = http.post(self.url(path));
+        match &self.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Message {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// The timed result of one streamed request.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: f64,
+    pub itl_ms: Vec<f64>,
+    pub output_tokens: u64,
+    pub usage: Option<Usage>,
+    /// The generated text (a multi-turn conversation sends it back as the assistant's turn).
+    pub text: String,
+    pub error: Option<RequestError>,
+}
+
+fn request_body(ep: &Endpoint, messages: &[Message], max_tokens: u32) -> Value {
+    let mut body = match ep.api {
+        Api::Chat => json!({ "model": ep.model, "messages": messages }),
+        Api::Completions => {
+            let prompt: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+            json!({ "model": ep.model, "prompt": prompt.join("\n\n") })
+        }
+    };
+    let obj = body.as_object_mut().expect("json! object literal");
+    obj.insert("max_tokens".into(), json!(max_tokens));
+    obj.insert("temperature".into(), json!(0.0));
+    obj.insert("stream".into(), json!(true));
+    obj.insert("stream_options".into(), json!({ "include_usage": true }));
+    if ep.ignore_eos {
+        obj.insert("ignore_eos".into(), json!(true));
+    }
+    body
+}
+
+fn path_of(api: Api) -> &'static str {
+    match api {
+        Api::Chat => "/v1/chat/completions",
+        Api::Completions => "/v1/completions",
+    }
+}
+
+/// The error and its causes on one line ("error sending request: … : Connection refused").
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = s.source();
+    }
+    parts.join(": ")
+}
+
+fn classify(e: &reqwest::Error) -> ErrorKind {
+    if e.is_timeout() {
+        ErrorKind::Timeout
+    } else if e.is_connect() {
+        ErrorKind::Connect
+    } else if e.is_body() || e.is_decode() {
+        ErrorKind::Disconnected
+    } else {
+        ErrorKind::Connect
+    }
+}
+
+/// Sends one streamed completion and times it. Never fails: a failure is recorded in `Outcome::error`
+/// with what was measured up to that point.
+pub async fn stream_completion(
+    http: &reqwest::Client,
+    ep: &Endpoint,
+    messages: &[Message],
+    max_tokens: u32,
+) -> Outcome {
+    let start = Instant::now();
+    let mut out = Outcome::default();
+    let result = tokio::time::timeout(
+        ep.request_timeout,
+        stream_into(http, ep, messages, max_tokens, start, &mut out),
+    )
+    .await;
+    let error = match result {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(_) => Some(RequestError {
+            kind: ErrorKind::Timeout,
+            message: format!(
+                "no complete response within {:.0} s (--request-timeout-s)",
+                ep.request_timeout.as_secs_f64()
+            ),
+        }),
+    };
+    out.e2e_ms = start.elapsed().as_secs_f64() * 1e3;
+    out.error = error;
+    // Without usage from the server, one text chunk counts as one token.
+    out.output_tokens = out
+        .usage
+        .and_then(|u| u.completion_tokens)
+        .unwrap_or((out.itl_ms.len() + usize::from(out.ttft_ms.is_some())) as u64);
+    out
+}
+
+async fn stream_into(
+    http: &reqwest::Client,
+    ep: &Endpoint,
+    messages: &[Message],
+    max_tokens: u32,
+    start: Instant,
+    out: &mut Outcome,
+) -> Result<(), RequestError> {
+    let path = path_of(ep.api);
+    let response = ep
+        .post(http, path)
+        .json(&request_body(ep, messages, max_tokens))
+        .send()
+        .await
+        .map_err(|e| RequestError {
+            kind: classify(&e),
+            message: format!("POST {}: {}", ep.url(path), error_chain(&e)),
+        })?;
+    let status = response.status();
+    if !status.is_success() {
+        let body = response.text().await.unwrap_or_default();
+        return Err(RequestError {
+            kind: ErrorKind::Http {
+                status: status.as_u16(),
+            },
+            message: format!("POST {path} answered {status}: {}", snippet(body.trim())),
+        });
+    }
+    let malformed = |message: String| RequestError {
+        kind: ErrorKind::MalformedStream,
+        message,
+    };
+    let mut decoder = SseDecoder::new();
+    let mut body = response.bytes_stream();
+    let mut last_token: Option<Instant> = None;
+    let mut done = false;
+    let mut handle =
+        |event: crate::sse::SseEvent, out: &mut Outcome| -> Result<bool, RequestError> {
+            match parse_chunk(&event).map_err(malformed)? {
+                Chunk::Done => Ok(true),
+                Chunk::Error(message) => Err(RequestError {
+                    kind: ErrorKind::ServerError,
+                    message: format!("error event in stream: {message}"),
+                }),
+                Chunk::Delta { text, usage, .. } => {
+                    if !text.is_empty() {
+                        let now = Instant::now();
+                        match last_token {
+                            None => out.ttft_ms = Some((now - start).as_secs_f64() * 1e3),
+                            Some(prev) => out.itl_ms.push((now - prev).as_secs_f64() * 1e3),
+                        }
+                        last_token = Some(now);
+                        out.text.push_str(&text);
+                    }
+                    if let Some(u) = usage {
+                        out.usage = Some(u);
+                    }
+                    Ok(false)
+                }
+            }
+        };
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(|e| RequestError {
+            kind: ErrorKind::Disconnected,
+            message: format!(
+                "stream broke after {} chunks: {}",
+                out.itl_ms.len(),
+                error_chain(&e)
+            ),
+        })?;
+        for event in decoder.feed(&piece).map_err(|e| malformed(e.to_string()))? {
+            if handle(event, out)? {
+                done = true;
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    if !done {
+        if let Some(event) = decoder.finish().map_err(|e| malformed(e.to_string()))? {
+            done = handle(event, out)?;
+        }
+    }
+    if !done {
+        return Err(malformed(
+            "stream ended without `data: [DONE]` (connection closed early?)".to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// The model id to send: the first one `GET /v1/models` lists.
+pub async fn discover_model(
+    http: &reqwest::Client,
+    base_url: &str,
+) -> Result<Option<String>, BenchError> {
+    let url = format!("{base_url}/v1/models");
+    let response = http
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| unreachable(base_url, &e))?;
+    if !response.status().is_success() {
+        return Ok(None);
+    }
+    let value: Value = response.json().await.unwrap_or(Value::Null);
+    Ok(value
+        .get("data")
+        .and_then(Value::as_array)
+        .and_then(|d| d.first())
+        .and_then(|m| m.get("id"))
+        .and_then(Value::as_str)
+        .map(str::to_string))
+}
+
+pub(crate) fn unreachable(base_url: &str, e: &reqwest::Error) -> BenchError {
+    BenchError::Unreachable {
+        url: base_url.to_string(),
+        detail: error_chain(e),
+    }
+}
+
+/// Sends one tiny request before the run: an unreachable server ends the run here with a clear error; a
+/// server that answers with an error is reported as a warning and the run goes on (its failures are counted).
+pub async fn preflight(
+    http: &reqwest::Client,
+    ep: &Endpoint,
+) -> Result<Option<String>, BenchError> {
+    let messages = [Message {
+        role: "user",
+        content: "Say hello.".to_string(),
+    }];
+    let out = stream_completion(http, ep, &messages, 1).await;
+    match out.error {
+        None => Ok(None),
+        Some(e) if e.kind == ErrorKind::Connect => Err(BenchError::Unreachable {
+            url: ep.base_url.clone(),
+            detail: e.message,
+        }),
+        Some(e) => Ok(Some(format!(
+            "the first test request failed ({}): {}",
+            e.kind.label(),
+            e.message
+        ))),
+    }
+}
+
+/// How the server's `POST /tokenize` wants its text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TokenizeField {
+    /// Kura: `{"prompt": "..."}`.
+    Prompt,
+    /// llama.cpp: `{"content": "..."}`.
+    Content,
+}
+
+/// The server's own tokenizer, reached over `POST /tokenize` (Kura and llama.cpp's server expose it).
+#[derive(Debug, Clone)]
+pub struct RemoteTokenizer {
+    http: reqwest::Client,
+    url: String,
+    api_key: Option<String>,
+    field: TokenizeField,
+}
+
+impl RemoteTokenizer {
+    /// Finds the endpoint: `None` when the server has none (lengths are then approximate).
+    pub async fn probe(http: &reqwest::Client, ep: &Endpoint) -> Option<RemoteTokenizer> {
+        for field in [TokenizeField::Prompt, TokenizeField::Content] {
+            let tok = RemoteTokenizer {
+                http: http.clone(),
+                url: ep.url("/tokenize"),
+                api_key: ep.api_key.clone(),
+                field,
+            };
+            // llama.cpp answers a body without `content` with an empty list: only a non-empty answer counts.
+            if matches!(tok.count("hello world").await, Ok(n) if n > 0) {
+                return Some(tok);
+            }
+        }
+        None
+    }
+
+    /// The number of tokens of `text`, without special tokens (BOS, template) added.
+    pub async fn count(&self, text: &str) -> Result<usize, BenchError> {
+        let body = match self.field {
+            TokenizeField::Prompt => json!({ "prompt": text, "add_special": false }),
+            TokenizeField::Content => json!({ "content": text, "add_special": false }),
+        };
+        let mut req = self.http.post(&self.url).json(&body);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let fail = |detail: String| BenchError::Tokenize {
+            url: self.url.clone(),
+            detail,
+        };
+        let response = req.send().await.map_err(|e| fail(error_chain(&e)))?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(fail(format!("answered {status}")));
+        }
+        let value: Value = response.json().await.map_err(|e| fail(error_chain(&e)))?;
+        value
+            .get("tokens")
+            .and_then(Value::as_array)
+            .map(Vec::len)
+            .ok_or_else(|| {
+                fail(format!(
+                    "no `tokens` list in {}",
+                    snippet(&value.to_string())
+                ))
+            })
+    }
+}
