@@ -5,4 +5,26 @@
 //! deterministic (a logical clock, seeded hashing) so that the simulator and the tests can replay it.
 
 pub mod codec;
+pub mod error;
+pub mod events;
+pub mod evict;
+pub mod hash;
 pub mod layout;
+pub mod manager;
+pub mod plan;
+pub mod pool;
+pub mod prefix;
+pub mod stats;
+pub mod storage;
+
+pub use error::KvError;
+pub use events::{EvictedBlock, EvictionHook, KvEvent};
+pub use evict::EvictionPolicy;
+pub use hash::{BlockHash, CacheKey};
+pub use manager::{
+    Allocation, BlockCopy, KvCacheConfig, KvCacheManager, PendingStatus, PinId, RetentionRange,
+    SeqId,
+};
+pub use pool::{BlockId, DEFAULT_PRIORITY, MAX_PRIORITY};
+pub use prefix::PrefixHit;
+pub use stats::{KvStats, KvUsage};

@@ -1,0 +1,43 @@
+//! Errors of the cache manager: misuse by a caller, reported with what was wrong. Running out of blocks is
+//! not an error (see `KvCacheManager::allocate_slots`).
+
+use thiserror::Error;
+
+use crate::manager::SeqId;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum KvError {
+    #[error("invalid KV cache configuration: {0}")]
+    Config(String),
+    #[error("unknown or freed sequence {0:?}")]
+    UnknownSequence(SeqId),
+    #[error(
+        "a prefix hit can only start an empty sequence; {seq:?} already holds {num_tokens} tokens"
+    )]
+    HitOnNonEmptySequence { seq: SeqId, num_tokens: usize },
+    #[error("the prefix hit was looked up under another cache key than {seq:?} was created with")]
+    HitKeyMismatch { seq: SeqId },
+    #[error("the prefix hit is stale: block {block} changed since the lookup (look up again)")]
+    StaleHit { block: u32 },
+    #[error("{seq:?} marked {upto} tokens computed but holds only {num_tokens}")]
+    ComputedBeyondEnd {
+        seq: SeqId,
+        upto: usize,
+        num_tokens: usize,
+    },
+    #[error(
+        "{seq:?} marked block {block} computed, but another sequence is computing it (wait for it)"
+    )]
+    NotWriter { seq: SeqId, block: u32 },
+    #[error("{seq:?} cannot be forked with {uncomputed} uncomputed tokens")]
+    ForkUncomputed { seq: SeqId, uncomputed: usize },
+    #[error("unknown or released pin {0}")]
+    UnknownPin(u32),
+    #[error("retention range [{start}, {end}) is empty or priority {priority} exceeds {max}")]
+    BadRetention {
+        start: usize,
+        end: usize,
+        priority: u8,
+        max: u8,
+    },
+}

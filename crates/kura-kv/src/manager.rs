@@ -1,0 +1,1063 @@
+//! The KV cache manager: the small, opaque API the scheduler uses (after vLLM v1's `KVCacheManager`), over
+//! the block pool, the prefix index and the eviction order.
+//!
+//! One scheduler step, for a new request and then a decode step:
+//!
+//! ```
+//! use kura_kv::{CacheKey, KvCacheConfig, KvCacheManager};
+//!
+//! let mut kv = KvCacheManager::new(KvCacheConfig::new(64, 16)).unwrap();
+//! let key = CacheKey::new().with_salt("tenant-a");
+//! let prompt: Vec<u32> = (0..40).collect();
+//!
+//! let seq = kv.add_sequence(&key);
+//! // Keep at least one prompt token to compute: its logits give the first output token.
+//! let hit = kv.find_cached_prefix(&prompt[..prompt.len() - 1], &key);
+//! let new_tokens = &prompt[hit.num_cached_tokens()..];
+//! let Some(alloc) = kv.allocate_slots(seq, new_tokens, Some(&hit)).unwrap() else {
+//!     return; // out of blocks: a normal state; wait, or preempt someone and retry
+//! };
+//! for copy in &alloc.copies {
+//!     // The engine copies KV tokens [0, copy.num_tokens) of block copy.src into block copy.dst
+//!     // before the step's forward pass writes any KV.
+//! }
+//! let status = kv.pending_status(seq).unwrap();
+//! assert_eq!(status.waiting_blocks, 0); // else: other requests are computing part of this prefix
+//! let table: &[u32] = kv.block_table(seq).unwrap(); // the attention reads and writes these blocks
+//! assert_eq!(table.len(), 3);
+//! // ... forward pass over tokens [status.computed_tokens, status.computable_tokens) ...
+//! kv.mark_computed(seq, prompt.len()).unwrap();
+//!
+//! // Decode: one slot for the sampled token, which is the next step's input.
+//! kv.allocate_slots(seq, &[7], None).unwrap().expect("enough blocks");
+//! kv.mark_computed(seq, prompt.len() + 1).unwrap();
+//! kv.free(seq).unwrap(); // its full blocks stay cached until evicted
+//!
+//! let again = kv.find_cached_prefix(&prompt[..prompt.len() - 1], &key);
+//! assert_eq!(again.num_cached_tokens(), 39); // 2 full blocks + 7 tokens of the third, by copy
+//! ```
+//!
+//! Sequences are identified by [`SeqId`]s handed out here. A sequence's tokens are appended by
+//! [`KvCacheManager::allocate_slots`] (prompt tokens, then each step's input token) and its KV is declared
+//! written by [`KvCacheManager::mark_computed`]. A full block is entered in the prefix index as soon as its
+//! tokens are known, "pending" until computed, so that identical prompts arriving meanwhile attach to it
+//! instead of computing it twice (early reuse).
+//!
+//! Cost: lookups are O(prompt blocks); allocation, release and fork are O(blocks touched); eviction is
+//! O(log cached blocks).
+
+use crate::error::KvError;
+use crate::events::{EvictedBlock, EvictionHook, KvEvent};
+use crate::evict::{EvictionPolicy, Evictor};
+use crate::hash::{BlockHash, BlockHasher, CacheKey};
+use crate::pool::{BlockId, BlockPool, MAX_PRIORITY, NO_BLOCK, NO_WRITER, ORPHAN};
+use crate::prefix::{Insert, PrefixHit, PrefixIndex};
+use crate::stats::{KvStats, KvUsage};
+
+/// Largest block size in tokens.
+pub const MAX_BLOCK_SIZE: usize = 256;
+
+/// How the manager is built.
+#[derive(Clone, Debug)]
+pub struct KvCacheConfig {
+    /// Blocks in the pool (the KV storage arena has as many).
+    pub num_blocks: u32,
+    /// Tokens per block, 1..=256.
+    pub block_size: usize,
+    /// When false: no lookup ever hits and nothing is entered in the index.
+    pub enable_prefix_caching: bool,
+    pub eviction_policy: EvictionPolicy,
+    /// Hash seed; `None` draws a random one (the production choice).
+    pub hash_seed: Option<u64>,
+    /// Significant bits of block hashes, 1..=128. 128 in production; fewer only to force collisions in tests.
+    pub hash_bits: u32,
+    /// Buffer [`KvEvent`]s for [`KvCacheManager::drain_events`].
+    pub record_events: bool,
+}
+
+impl KvCacheConfig {
+    /// Prefix caching on, leaf-first LRU, random seed, full hashes, no event buffer.
+    pub fn new(num_blocks: u32, block_size: usize) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            enable_prefix_caching: true,
+            eviction_policy: EvictionPolicy::LeafLru,
+            hash_seed: None,
+            hash_bits: 128,
+            record_events: false,
+        }
+    }
+
+    fn validate(&self) -> Result<(), KvError> {
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(KvError::Config(format!(
+                "block_size {} is outside 1..={MAX_BLOCK_SIZE}",
+                self.block_size
+            )));
+        }
+        if self.num_blocks == 0 || self.num_blocks >= ORPHAN {
+            return Err(KvError::Config(format!(
+                "num_blocks {} is outside 1..{ORPHAN}",
+                self.num_blocks
+            )));
+        }
+        if self.hash_bits == 0 || self.hash_bits > 128 {
+            return Err(KvError::Config(format!(
+                "hash_bits {} is outside 1..=128",
+                self.hash_bits
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A sequence known to the manager.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqId {
+    index: u32,
+    generation: u32,
+}
+
+/// "Copy KV tokens `[0, num_tokens)` of block `src` into block `dst`": the engine executes these on the KV
+/// storage before the step's forward pass writes any KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: BlockId,
+    pub dst: BlockId,
+    pub num_tokens: usize,
+}
+
+/// What an allocation asks of the engine.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Allocation {
+    /// Copies to execute before the forward pass (copy-on-write, partial reuse).
+    pub copies: Vec<BlockCopy>,
+    /// Blocks newly taken from the pool (the hit's blocks not counted).
+    pub num_new_blocks: usize,
+}
+
+/// Which of a sequence's tokens have KV, which it must compute itself, and whether it waits for others.
+///
+/// ```text
+///   tokens:  [0 ........ computed) [computed ..... computable) [computable ... num_tokens)
+///             KV present             this sequence computes      being computed by others (wait)
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingStatus {
+    pub computed_tokens: usize,
+    pub computable_tokens: usize,
+    pub num_tokens: usize,
+    /// Blocks after `computable_tokens` that other sequences are still computing.
+    pub waiting_blocks: usize,
+}
+
+/// Retention for the blocks covering tokens `[start, end)` of a sequence: evicted only after lower classes
+/// while retained; back to the default class after `duration_ms` (forever when `None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetentionRange {
+    pub start: usize,
+    pub end: usize,
+    /// 0..=100; the default class is 35.
+    pub priority: u8,
+    pub duration_ms: Option<u64>,
+}
+
+/// A pinned prefix (see [`KvCacheManager::pin_prefix`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PinId(u32);
+
+#[derive(Debug)]
+struct Pin {
+    blocks: Vec<BlockId>,
+    expires_at_ms: Option<u64>,
+}
+
+#[derive(Debug)]
+struct Sequence {
+    key_id: u32,
+    table: Vec<BlockId>,
+    num_tokens: usize,
+    /// Prefix of the tokens known to have KV (a lower bound; `pending_status` advances it).
+    num_computed: usize,
+    /// Hash of the last full block of `table` (the key hash before the first).
+    last_hash: BlockHash,
+    /// Every full block so far is indexed, so the next full one may be.
+    chain_indexed: bool,
+    /// New full blocks of this sequence are entered in the index.
+    cacheable: bool,
+    retention: Vec<RetentionRange>,
+}
+
+#[derive(Debug, Default)]
+struct SeqSlot {
+    generation: u32,
+    seq: Option<Sequence>,
+}
+
+/// The KV cache manager. See the module documentation for the flow.
+pub struct KvCacheManager {
+    config: KvCacheConfig,
+    pool: BlockPool,
+    index: PrefixIndex,
+    evictor: Evictor,
+    hasher: BlockHasher,
+    seqs: Vec<SeqSlot>,
+    free_seq_slots: Vec<u32>,
+    spare_tables: Vec<Vec<BlockId>>,
+    pins: Vec<Option<Pin>>,
+    /// Indexed, computed, unreferenced, unpinned blocks: all reclaimable by eviction.
+    num_idle: u32,
+    /// Logical clock: one tick per allocation or release; orders LRU.
+    clock: u64,
+    /// The caller's time in ms, for retention and pin expiry.
+    now_ms: u64,
+    stats: KvStats,
+    events: Vec<KvEvent>,
+    hook: Option<Box<dyn EvictionHook>>,
+}
+
+impl std::fmt::Debug for KvCacheManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCacheManager")
+            .field("config", &self.config)
+            .field("usage", &self.usage())
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvCacheManager {
+    pub fn new(config: KvCacheConfig) -> Result<Self, KvError> {
+        config.validate()?;
+        let seed = config.hash_seed.unwrap_or_else(BlockHasher::random_seed);
+        Ok(Self {
+            pool: BlockPool::new(config.num_blocks, config.block_size),
+            index: PrefixIndex::default(),
+            evictor: Evictor::new(config.eviction_policy, config.num_blocks),
+            hasher: BlockHasher::new(seed, config.hash_bits),
+            seqs: Vec::new(),
+            free_seq_slots: Vec::new(),
+            spare_tables: Vec::new(),
+            pins: Vec::new(),
+            num_idle: 0,
+            clock: 0,
+            now_ms: 0,
+            stats: KvStats::default(),
+            events: Vec::new(),
+            hook: None,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.config
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    /// Installs the receiver of evicted blocks (replacing any earlier one).
+    pub fn set_eviction_hook(&mut self, hook: Box<dyn EvictionHook>) {
+        self.hook = Some(hook);
+    }
+
+    /// Advances the caller's clock (ms, monotonic): retentions and pins whose time has come expire.
+    pub fn set_time_ms(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        self.evictor.expire(&mut self.pool.meta, self.now_ms);
+        let now = self.now_ms;
+        let expired: Vec<u32> = (0..self.pins.len() as u32)
+            .filter(|&i| {
+                self.pins[i as usize]
+                    .as_ref()
+                    .and_then(|p| p.expires_at_ms)
+                    .is_some_and(|t| t <= now)
+            })
+            .collect();
+        for i in expired {
+            self.release_pin(i);
+        }
+    }
+
+    /// A new, empty sequence under `key`.
+    pub fn add_sequence(&mut self, key: &CacheKey) -> SeqId {
+        let key_id = self.index.intern(key, &mut self.hasher);
+        let seq = Sequence {
+            key_id,
+            table: self.spare_tables.pop().unwrap_or_default(),
+            num_tokens: 0,
+            num_computed: 0,
+            last_hash: self.index.key_hash(key_id),
+            chain_indexed: self.config.enable_prefix_caching,
+            cacheable: true,
+            retention: Vec::new(),
+        };
+        self.insert_seq(seq)
+    }
+
+    fn insert_seq(&mut self, seq: Sequence) -> SeqId {
+        let index = match self.free_seq_slots.pop() {
+            Some(i) => i,
+            None => {
+                self.seqs.push(SeqSlot::default());
+                (self.seqs.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.seqs[index as usize];
+        slot.seq = Some(seq);
+        SeqId {
+            index,
+            generation: slot.generation,
+        }
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence, KvError> {
+        self.seqs
+            .get(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.seq.as_ref())
+            .ok_or(KvError::UnknownSequence(id))
+    }
+
+    fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence, KvError> {
+        self.seqs
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.seq.as_mut())
+            .ok_or(KvError::UnknownSequence(id))
+    }
+
+    /// Stops (or resumes) entering this sequence's new full blocks in the index, e.g. for output whose reuse
+    /// is not expected.
+    pub fn set_caching(&mut self, id: SeqId, cacheable: bool) -> Result<(), KvError> {
+        self.seq_mut(id)?.cacheable = cacheable;
+        Ok(())
+    }
+
+    /// Sets the retention of this sequence's token ranges; applied to its blocks now and as they are
+    /// allocated or attached.
+    pub fn set_retention(&mut self, id: SeqId, ranges: &[RetentionRange]) -> Result<(), KvError> {
+        for r in ranges {
+            if r.start >= r.end || r.priority > MAX_PRIORITY {
+                return Err(KvError::BadRetention {
+                    start: r.start,
+                    end: r.end,
+                    priority: r.priority,
+                    max: MAX_PRIORITY,
+                });
+            }
+        }
+        let seq = self.seq_mut(id)?;
+        seq.retention = ranges.to_vec();
+        let table = std::mem::take(&mut seq.table);
+        for (i, &b) in table.iter().enumerate() {
+            self.apply_retention(id, i, b)?;
+        }
+        self.seq_mut(id)?.table = table;
+        Ok(())
+    }
+
+    fn apply_retention(
+        &mut self,
+        id: SeqId,
+        block_index: usize,
+        b: BlockId,
+    ) -> Result<(), KvError> {
+        let pos = block_index * self.config.block_size;
+        let Some(r) = self
+            .seq(id)?
+            .retention
+            .iter()
+            .find(|r| r.start <= pos && pos < r.end)
+            .copied()
+        else {
+            return Ok(());
+        };
+        let until = r
+            .duration_ms
+            .map_or(u64::MAX, |d| self.now_ms.saturating_add(d));
+        let m = &mut self.pool.meta[b as usize];
+        let current = m.effective_priority(self.now_ms);
+        if r.priority > current || (r.priority == current && until > m.retained_until_ms) {
+            m.priority = r.priority;
+            m.retained_until_ms = until;
+            self.evictor.note_retention(b, m.identity, until);
+        }
+        Ok(())
+    }
+
+    /// The longest cached prefix of `tokens` under `key`: full blocks (some possibly still pending) and the
+    /// matching tokens of one more cached block, reusable by copy. Pass the prompt minus its last token to
+    /// always leave one token to compute.
+    pub fn find_cached_prefix(&mut self, tokens: &[u32], key: &CacheKey) -> PrefixHit {
+        let bs = self.config.block_size;
+        self.stats.prefix_query_tokens += tokens.len() as u64;
+        self.stats.prefix_query_blocks += (tokens.len() / bs) as u64;
+        let mut hit = PrefixHit {
+            block_size: bs,
+            ..PrefixHit::default()
+        };
+        if !self.config.enable_prefix_caching {
+            return hit;
+        }
+        let Some(key_id) = self.index.key_id(key) else {
+            return hit;
+        };
+        self.index
+            .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+        self.stats.prefix_hit_tokens += hit.num_cached_tokens() as u64;
+        self.stats.prefix_hit_blocks += hit.blocks.len() as u64;
+        if hit.partial.is_some() {
+            self.stats.partial_hits += 1;
+        }
+        hit
+    }
+
+    /// Appends `new_tokens` to the sequence, taking the blocks they need; for an empty sequence, `hit`
+    /// (from [`Self::find_cached_prefix`] with the same key, with no allocation in between) first attaches
+    /// its cached blocks, so that the sequence holds `hit` tokens followed by `new_tokens`.
+    ///
+    /// ```text
+    ///  block_size 4, sequence of 6 tokens, 5 new:   |a b c d|e f . .|          (2 blocks)
+    ///                                               |a b c d|e f g h|i j k .|  (1 new block)
+    ///  if |e f . .| is shared with a fork, it is first copied (copy-on-write) into a fresh block.
+    /// ```
+    ///
+    /// Returns `Ok(None)`, changing nothing, when the pool cannot supply the blocks (the scheduler waits or
+    /// preempts); `Err` only for misuse (unknown sequence, stale or foreign hit).
+    pub fn allocate_slots(
+        &mut self,
+        id: SeqId,
+        new_tokens: &[u32],
+        hit: Option<&PrefixHit>,
+    ) -> Result<Option<Allocation>, KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let hit = hit.filter(|h| !h.blocks.is_empty() || h.partial.is_some());
+        if let Some(h) = hit {
+            self.validate_hit(id, seq, h)?;
+        }
+        let seq = self.seq(id)?;
+        // Blocks to take from the pool, and how many reclaimable blocks this call itself will pin down.
+        let (held_blocks, len_before) = match hit {
+            Some(h) => (h.blocks.len(), h.num_cached_tokens()),
+            None => (seq.table.len(), seq.num_tokens),
+        };
+        let total_blocks = (len_before + new_tokens.len()).div_ceil(bs);
+        let mut needed = total_blocks - held_blocks;
+        let mut pinned_down = 0u32;
+        if let Some(h) = hit {
+            for &(b, _) in &h.blocks {
+                pinned_down += u32::from(self.pool.meta[b as usize].is_idle());
+            }
+            if let Some((src, _, _)) = h.partial {
+                pinned_down += u32::from(self.pool.meta[src as usize].is_idle());
+            }
+        } else if len_before % bs != 0 && !new_tokens.is_empty() {
+            let last = *seq.table.last().expect("a partial block exists");
+            if self.pool.meta[last as usize].ref_count > 1 {
+                needed += 1; // copy-on-write of the shared partial last block
+            }
+        }
+        let available = self.pool.free.len() + (self.num_idle - pinned_down) as usize;
+        if needed > available {
+            return Ok(None);
+        }
+
+        self.clock += 1;
+        let mut alloc = Allocation::default();
+        if let Some(h) = hit {
+            self.attach_hit(id, h, &mut alloc)?;
+        } else {
+            self.copy_on_write_last(id, &mut alloc)?;
+        }
+        self.append_tokens(id, new_tokens, &mut alloc)?;
+        self.stats.block_copies += alloc.copies.len() as u64;
+        Ok(Some(alloc))
+    }
+
+    fn validate_hit(&self, id: SeqId, seq: &Sequence, h: &PrefixHit) -> Result<(), KvError> {
+        if seq.num_tokens != 0 {
+            return Err(KvError::HitOnNonEmptySequence {
+                seq: id,
+                num_tokens: seq.num_tokens,
+            });
+        }
+        if h.key_id != Some(seq.key_id) || h.block_size != self.config.block_size {
+            return Err(KvError::HitKeyMismatch { seq: id });
+        }
+        let partial = h.partial.map(|(b, identity, _)| (b, identity));
+        for (b, identity) in h.blocks.iter().copied().chain(partial) {
+            let m = &self.pool.meta[b as usize];
+            if m.identity != identity || !m.indexed {
+                return Err(KvError::StaleHit { block: b });
+            }
+        }
+        Ok(())
+    }
+
+    fn attach_hit(
+        &mut self,
+        id: SeqId,
+        h: &PrefixHit,
+        alloc: &mut Allocation,
+    ) -> Result<(), KvError> {
+        let bs = self.config.block_size;
+        for (i, &(b, _)) in h.blocks.iter().enumerate() {
+            if self.pool.incref(b) {
+                self.num_idle -= 1;
+            }
+            if usize::from(self.pool.meta[b as usize].computed) < bs {
+                self.stats.pending_waits += 1;
+            }
+            self.apply_retention(id, i, b)?;
+        }
+        self.stats.block_ops += h.blocks.len() as u64;
+        let seq = self.seq_mut(id)?;
+        seq.table.extend(h.block_ids());
+        seq.num_tokens = h.blocks.len() * bs;
+        seq.last_hash = h.last_hash;
+        if h.num_pending == 0 {
+            seq.num_computed = seq.num_tokens;
+        }
+        if let Some((src, _, n)) = h.partial {
+            // Hold the source while taking the destination, so that this very allocation cannot evict it.
+            if self.pool.incref(src) {
+                self.num_idle -= 1;
+            }
+            let dst = self.take_block();
+            self.pool.copy_tokens(src, dst, n);
+            let m = &mut self.pool.meta[dst as usize];
+            m.filled = n as u16;
+            m.computed = n as u16; // by the copy, which precedes the forward pass
+            m.writer = id.index;
+            self.release_block(src, id.index);
+            alloc.copies.push(BlockCopy {
+                src,
+                dst,
+                num_tokens: n,
+            });
+            alloc.num_new_blocks += 1;
+            let index = h.blocks.len();
+            self.apply_retention(id, index, dst)?;
+            let seq = self.seq_mut(id)?;
+            seq.table.push(dst);
+            seq.num_tokens += n;
+            if h.num_pending == 0 {
+                seq.num_computed = seq.num_tokens;
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_on_write_last(&mut self, id: SeqId, alloc: &mut Allocation) -> Result<(), KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let fill = seq.num_tokens % bs;
+        let Some(&last) = seq.table.last() else {
+            return Ok(());
+        };
+        if fill == 0 || self.pool.meta[last as usize].ref_count <= 1 {
+            return Ok(());
+        }
+        let dst = self.take_block();
+        self.pool.copy_tokens(last, dst, fill);
+        let computed = self.pool.meta[last as usize].computed;
+        let m = &mut self.pool.meta[dst as usize];
+        m.filled = fill as u16;
+        m.computed = computed;
+        m.writer = id.index;
+        let remaining = self.pool.decref(last);
+        debug_assert!(remaining > 0, "copy-on-write of an unshared block");
+        let shared = &mut self.pool.meta[last as usize];
+        if shared.writer == id.index {
+            shared.writer = NO_WRITER;
+        }
+        let seq = self.seq_mut(id)?;
+        let i = seq.table.len() - 1;
+        seq.table[i] = dst;
+        alloc.copies.push(BlockCopy {
+            src: last,
+            dst,
+            num_tokens: fill,
+        });
+        alloc.num_new_blocks += 1;
+        self.apply_retention(id, i, dst)
+    }
+
+    fn append_tokens(
+        &mut self,
+        id: SeqId,
+        mut tokens: &[u32],
+        alloc: &mut Allocation,
+    ) -> Result<(), KvError> {
+        let bs = self.config.block_size;
+        while !tokens.is_empty() {
+            let seq = self.seq(id)?;
+            let fill = seq.num_tokens % bs;
+            let block_index = seq.num_tokens / bs;
+            let b = if fill == 0 {
+                let b = self.take_block();
+                self.seq_mut(id)?.table.push(b);
+                alloc.num_new_blocks += 1;
+                self.stats.block_ops += 1;
+                self.apply_retention(id, block_index, b)?;
+                b
+            } else {
+                seq.table[block_index]
+            };
+            let n = tokens.len().min(bs - fill);
+            self.pool.slots_mut(b)[fill..fill + n].copy_from_slice(&tokens[..n]);
+            let m = &mut self.pool.meta[b as usize];
+            m.filled = (fill + n) as u16;
+            m.writer = id.index;
+            tokens = &tokens[n..];
+            let seq = self.seq_mut(id)?;
+            seq.num_tokens += n;
+            if fill + n == bs {
+                self.index_full_block(id, block_index)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Enters the sequence's newly full block `i` in the index (pending until computed).
+    fn index_full_block(&mut self, id: SeqId, i: usize) -> Result<(), KvError> {
+        let seq = self.seq(id)?;
+        if !seq.cacheable || !seq.chain_indexed {
+            self.seq_mut(id)?.chain_indexed = false;
+            return Ok(());
+        }
+        let b = seq.table[i];
+        let parent = if i == 0 { NO_BLOCK } else { seq.table[i - 1] };
+        let (parent_hash, key_id) = (seq.last_hash, seq.key_id);
+        let hash = self.hasher.chain(parent_hash, self.pool.tokens_of(b));
+        let mut outcome = self
+            .index
+            .insert(&mut self.pool, b, hash, parent_hash, parent, key_id);
+        if let Insert::Occupied(other) = outcome {
+            // An unreachable orphan (plain LRU) with the same identity is garbage: replace it.
+            let o = &self.pool.meta[other as usize];
+            if o.parent == ORPHAN && o.is_idle() && o.parent_hash == parent_hash {
+                self.drop_cached(other);
+                self.pool.push_free(other);
+                outcome = self
+                    .index
+                    .insert(&mut self.pool, b, hash, parent_hash, parent, key_id);
+            }
+        }
+        let seq = self.seq_mut(id)?;
+        match outcome {
+            Insert::Inserted => {
+                seq.last_hash = hash;
+                self.stats.blocks_indexed += 1;
+                if usize::from(self.pool.meta[b as usize].computed) == self.config.block_size {
+                    self.announce(b);
+                }
+            }
+            Insert::Occupied(_) => {
+                seq.chain_indexed = false;
+                self.stats.index_conflicts += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Declares the KV of tokens `[0, upto)` of the sequence written (by this sequence, by a copy, or by the
+    /// writers it waited for). Full blocks become hittable as computed.
+    pub fn mark_computed(&mut self, id: SeqId, upto: usize) -> Result<(), KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        if upto > seq.num_tokens {
+            return Err(KvError::ComputedBeyondEnd {
+                seq: id,
+                upto,
+                num_tokens: seq.num_tokens,
+            });
+        }
+        let first = seq.num_computed / bs;
+        let last = upto.div_ceil(bs);
+        for i in first..last {
+            let b = seq.table[i];
+            let m = &self.pool.meta[b as usize];
+            let want = (upto - i * bs).min(bs) as u16;
+            if m.computed < want && m.writer != id.index && m.writer != NO_WRITER {
+                return Err(KvError::NotWriter { seq: id, block: b });
+            }
+        }
+        for i in first..last {
+            let b = self.seq(id)?.table[i];
+            let m = &mut self.pool.meta[b as usize];
+            let want = (upto - i * bs).min(bs) as u16;
+            if m.computed < want {
+                m.computed = want;
+                m.writer = id.index;
+                if usize::from(want) == bs {
+                    m.writer = NO_WRITER;
+                    if m.indexed {
+                        self.announce(b);
+                    }
+                }
+            }
+        }
+        let seq = self.seq_mut(id)?;
+        seq.num_computed = seq.num_computed.max(upto);
+        Ok(())
+    }
+
+    /// Where the sequence stands: which tokens have KV, which it must compute itself (claiming blocks whose
+    /// writer was cancelled: "compute them yourself"), and how many blocks it waits for.
+    pub fn pending_status(&mut self, id: SeqId) -> Result<PendingStatus, KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let n = seq.num_tokens;
+        let mut p = seq.num_computed;
+        let mut i = p / bs;
+        while i < seq.table.len() {
+            let m = &self.pool.meta[seq.table[i] as usize];
+            let needed = (n - i * bs).min(bs);
+            let have = usize::from(m.computed).min(needed);
+            p = p.max(i * bs + have);
+            if have < needed {
+                break;
+            }
+            i += 1;
+        }
+        let computed = p;
+        let mut computable = computed;
+        let mut waiting = 0;
+        let mut claims = Vec::new();
+        for (j, &b) in seq.table.iter().enumerate().skip(i) {
+            let m = &self.pool.meta[b as usize];
+            let needed = (n - j * bs).min(bs);
+            if usize::from(m.computed) >= needed {
+                continue;
+            }
+            let own = m.writer == id.index || m.writer == NO_WRITER;
+            if !own {
+                waiting += 1;
+            } else if waiting == 0 {
+                if m.writer == NO_WRITER {
+                    claims.push(b);
+                }
+                computable = j * bs + needed;
+            }
+        }
+        for b in claims {
+            self.pool.meta[b as usize].writer = id.index;
+        }
+        self.seq_mut(id)?.num_computed = computed;
+        Ok(PendingStatus {
+            computed_tokens: computed,
+            computable_tokens: computable,
+            num_tokens: n,
+            waiting_blocks: waiting,
+        })
+    }
+
+    /// A new sequence sharing all of this one's blocks (n > 1 samples, beams); a shared partially filled
+    /// last block is copied by whichever sequence appends to it first. The sequence must be fully computed.
+    pub fn fork(&mut self, id: SeqId) -> Result<SeqId, KvError> {
+        let status = self.pending_status(id)?;
+        if status.computed_tokens < status.num_tokens {
+            return Err(KvError::ForkUncomputed {
+                seq: id,
+                uncomputed: status.num_tokens - status.computed_tokens,
+            });
+        }
+        let mut table = self.spare_tables.pop().unwrap_or_default();
+        let seq = self.seq(id)?;
+        table.extend_from_slice(&seq.table);
+        let child = Sequence {
+            key_id: seq.key_id,
+            table,
+            num_tokens: seq.num_tokens,
+            num_computed: seq.num_computed,
+            last_hash: seq.last_hash,
+            chain_indexed: seq.chain_indexed,
+            cacheable: seq.cacheable,
+            retention: seq.retention.clone(),
+        };
+        self.index.retain_key(child.key_id);
+        for &b in &child.table {
+            let was_idle = self.pool.incref(b);
+            debug_assert!(!was_idle, "a referenced block cannot be idle");
+        }
+        self.stats.block_ops += child.table.len() as u64;
+        Ok(self.insert_seq(child))
+    }
+
+    /// Releases the sequence: its computed full blocks stay cached (until evicted), the rest go back to the
+    /// free list; blocks it was computing for others are withdrawn, and their waiters compute them.
+    pub fn free(&mut self, id: SeqId) -> Result<(), KvError> {
+        self.seq(id)?;
+        let slot = &mut self.seqs[id.index as usize];
+        let mut seq = slot.seq.take().expect("checked above");
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free_seq_slots.push(id.index);
+        self.clock += 1;
+        // Tail first: a child is released before its parent, and under plain LRU the tail is evicted first.
+        for &b in seq.table.iter().rev() {
+            self.release_block(b, id.index);
+        }
+        self.stats.block_ops += seq.table.len() as u64;
+        self.index.release_key(seq.key_id);
+        seq.table.clear();
+        self.spare_tables.push(seq.table);
+        Ok(())
+    }
+
+    /// Drops one reference to `b` held by sequence slot `holder`.
+    fn release_block(&mut self, b: BlockId, holder: u32) {
+        let bs = self.config.block_size;
+        let remaining = self.pool.decref(b);
+        let m = &mut self.pool.meta[b as usize];
+        m.last_used = self.clock;
+        if m.writer == holder {
+            m.writer = NO_WRITER;
+            if remaining > 0 && m.indexed && m.computed < m.filled {
+                self.stats.withdrawn_blocks += 1;
+            }
+        }
+        if remaining > 0 {
+            return;
+        }
+        if m.indexed && usize::from(m.computed) == bs {
+            if m.pin_count == 0 {
+                self.num_idle += 1;
+                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
+            }
+        } else if m.indexed {
+            // Pending and abandoned: there is no KV to keep.
+            assert!(m.pin_count == 0, "pending block {b} was pinned");
+            let parent = self.index.remove(&mut self.pool, b);
+            self.pool.push_free(b);
+            if parent != NO_BLOCK {
+                self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
+            }
+        } else {
+            self.pool.push_free(b);
+        }
+    }
+
+    /// A block for a new owner, referenced once: from the free list, else by evicting the next candidate.
+    fn take_block(&mut self) -> BlockId {
+        let b = match self.pool.pop_free() {
+            Some(b) => b,
+            None => {
+                self.evictor.expire(&mut self.pool.meta, self.now_ms);
+                let b = self
+                    .evictor
+                    .pop(&mut self.pool.meta)
+                    .expect("capacity was checked: an idle block must be evictable");
+                self.drop_cached(b);
+                self.stats.evictions += 1;
+                self.pool.reset(b);
+                b
+            }
+        };
+        self.pool.incref(b);
+        b
+    }
+
+    /// Removes idle cached block `b` from the cache (hook, event, index, tree), leaving it unowned.
+    fn drop_cached(&mut self, b: BlockId) {
+        let m = &self.pool.meta[b as usize];
+        debug_assert!(m.is_idle(), "dropping block {b}, which is not idle");
+        if let Some(hook) = self.hook.as_mut() {
+            hook.on_evict(&EvictedBlock {
+                block: b,
+                hash: m.hash,
+                parent_hash: (m.parent != NO_BLOCK).then_some(m.parent_hash),
+                tokens: self.pool.tokens_of(b),
+                priority: m.effective_priority(self.now_ms),
+            });
+        }
+        if m.announced && self.config.record_events {
+            self.events.push(KvEvent::Removed {
+                hash: m.hash,
+                block: b,
+            });
+        }
+        self.pool.meta[b as usize].announced = false;
+        if self.pool.meta[b as usize].num_children > 0 {
+            self.index.orphan_children(&mut self.pool, b);
+        }
+        let parent = self.index.remove(&mut self.pool, b);
+        self.num_idle -= 1;
+        if parent != NO_BLOCK {
+            self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
+        }
+    }
+
+    fn announce(&mut self, b: BlockId) {
+        let m = &mut self.pool.meta[b as usize];
+        if m.announced {
+            return;
+        }
+        m.announced = true;
+        if self.config.record_events {
+            let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
+            self.events.push(KvEvent::Stored {
+                hash: m.hash,
+                parent,
+                block: b,
+            });
+        }
+    }
+
+    /// Pins the computed cached prefix of `tokens` under `key` against eviction, until [`Self::unpin`] or
+    /// until `ttl_ms` has passed on the caller's clock. Returns the pin and the number of tokens pinned
+    /// (whole blocks; 0 if nothing is cached).
+    pub fn pin_prefix(
+        &mut self,
+        tokens: &[u32],
+        key: &CacheKey,
+        ttl_ms: Option<u64>,
+    ) -> (PinId, usize) {
+        let bs = self.config.block_size;
+        let mut blocks = Vec::new();
+        if let Some(key_id) = self
+            .index
+            .key_id(key)
+            .filter(|_| self.config.enable_prefix_caching)
+        {
+            let mut hit = PrefixHit::default();
+            self.index
+                .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+            for b in hit.block_ids() {
+                let m = &mut self.pool.meta[b as usize];
+                if usize::from(m.computed) < bs {
+                    break;
+                }
+                if m.is_idle() {
+                    self.num_idle -= 1;
+                }
+                m.pin_count += 1;
+                m.heap_token = 0;
+                blocks.push(b);
+            }
+        }
+        let pinned = blocks.len() * bs;
+        let pin = Pin {
+            blocks,
+            expires_at_ms: ttl_ms.map(|t| self.now_ms.saturating_add(t)),
+        };
+        let id = match self.pins.iter().position(Option::is_none) {
+            Some(i) => {
+                self.pins[i] = Some(pin);
+                i
+            }
+            None => {
+                self.pins.push(Some(pin));
+                self.pins.len() - 1
+            }
+        };
+        (PinId(id as u32), pinned)
+    }
+
+    /// Releases a pin.
+    pub fn unpin(&mut self, pin: PinId) -> Result<(), KvError> {
+        if self.pins.get(pin.0 as usize).is_none_or(Option::is_none) {
+            return Err(KvError::UnknownPin(pin.0));
+        }
+        self.release_pin(pin.0);
+        Ok(())
+    }
+
+    fn release_pin(&mut self, i: u32) {
+        let Some(pin) = self.pins[i as usize].take() else {
+            return;
+        };
+        for &b in pin.blocks.iter().rev() {
+            let m = &mut self.pool.meta[b as usize];
+            m.pin_count -= 1;
+            if m.is_idle() {
+                self.num_idle += 1;
+                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
+            }
+        }
+    }
+
+    /// Drops every idle cached block (pinned and referenced ones stay). Returns how many were dropped.
+    pub fn clear_cache(&mut self) -> usize {
+        let events_before = self.events.len();
+        let mut dropped = 0;
+        while let Some(b) = self.evictor.pop(&mut self.pool.meta) {
+            self.drop_cached(b);
+            self.pool.push_free(b);
+            dropped += 1;
+        }
+        if self.config.record_events && self.index.len() == 0 {
+            self.events.truncate(events_before);
+            self.events.push(KvEvent::Cleared);
+        }
+        dropped
+    }
+
+    /// The sequence's block table: block `i` holds its tokens `[i * block_size, (i + 1) * block_size)`.
+    pub fn block_table(&self, id: SeqId) -> Result<&[BlockId], KvError> {
+        Ok(&self.seq(id)?.table)
+    }
+
+    /// Tokens the sequence holds (hit + appended).
+    pub fn num_tokens(&self, id: SeqId) -> Result<usize, KvError> {
+        Ok(self.seq(id)?.num_tokens)
+    }
+
+    /// Blocks that `num_new_tokens` more tokens would take from the pool for this sequence (copy-on-write
+    /// included), for the scheduler's budget.
+    pub fn blocks_needed(&self, id: SeqId, num_new_tokens: usize) -> Result<usize, KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let mut needed = (seq.num_tokens + num_new_tokens).div_ceil(bs) - seq.table.len();
+        if seq.num_tokens % bs != 0 && num_new_tokens > 0 {
+            let last = *seq.table.last().expect("a partial block exists");
+            needed += usize::from(self.pool.meta[last as usize].ref_count > 1);
+        }
+        Ok(needed)
+    }
+
+    /// Blocks obtainable now without touching referenced or pinned ones.
+    pub fn num_available_blocks(&self) -> usize {
+        self.pool.free.len() + self.num_idle as usize
+    }
+
+    pub fn stats(&self) -> &KvStats {
+        &self.stats
+    }
+
+    pub fn usage(&self) -> KvUsage {
+        let total_blocks = self.pool.num_blocks();
+        let free_blocks = self.pool.free.len() as u32;
+        let used_blocks = self.pool.num_referenced;
+        KvUsage {
+            total_blocks,
+            used_blocks,
+            cached_idle_blocks: self.num_idle,
+            // Neither referenced, nor reclaimable, nor free: cached and pinned.
+            pinned_idle_blocks: total_blocks - free_blocks - used_blocks - self.num_idle,
+            free_blocks,
+        }
+    }
+
+    /// Buffered events since the last drain (empty unless `record_events`).
+    pub fn drain_events(&mut self) -> std::vec::Drain<'_, KvEvent> {
+        self.events.drain(..)
+    }
+
+    /// Number of distinct cache keys in use by sequences or cached blocks.
+    pub fn num_cache_keys(&self) -> usize {
+        self.index.num_keys()
+    }
+
+    /// Number of blocks in the prefix index.
+    pub fn num_indexed_blocks(&self) -> usize {
+        self.index.len()
+    }
+}
+
+#[path = "manager_check.rs"]
+mod check;

@@ -1,0 +1,77 @@
+//! Counters of the cache's work, cheap enough to be always on (plain integer increments), and the usage
+//! snapshot that the server exports as gauges.
+
+/// Monotonic counters since the manager was created.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KvStats {
+    /// Prompt tokens looked up in the prefix index.
+    pub prefix_query_tokens: u64,
+    /// Of those, tokens found cached (full blocks and partially reused blocks).
+    pub prefix_hit_tokens: u64,
+    /// Full prompt blocks looked up.
+    pub prefix_query_blocks: u64,
+    /// Of those, blocks found cached.
+    pub prefix_hit_blocks: u64,
+    /// Lookups that reused part of a cached block by copy.
+    pub partial_hits: u64,
+    /// Blocks attached while another sequence was still computing them (early reuse: a wait, not a recompute).
+    pub pending_waits: u64,
+    /// Pending blocks whose writer was cancelled while others waited on them.
+    pub withdrawn_blocks: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+    /// Blocks entered in the prefix index.
+    pub blocks_indexed: u64,
+    /// Full blocks left out of the index because their hash was taken (same content computed twice, or a
+    /// hash collision).
+    pub index_conflicts: u64,
+    /// Block copies handed to the engine (copy-on-write and partial reuse).
+    pub block_copies: u64,
+    /// Block operations: allocations, attachments and releases of one block each.
+    pub block_ops: u64,
+}
+
+/// Where the blocks are right now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvUsage {
+    pub total_blocks: u32,
+    /// Referenced by at least one sequence.
+    pub used_blocks: u32,
+    /// Cached, unreferenced and unpinned: reusable on a hit, reclaimable by eviction.
+    pub cached_idle_blocks: u32,
+    /// Cached, unreferenced and pinned.
+    pub pinned_idle_blocks: u32,
+    /// On the free list: no identity.
+    pub free_blocks: u32,
+}
+
+impl KvUsage {
+    /// Fraction of blocks referenced by sequences (what vLLM calls KV cache usage).
+    pub fn used_fraction(&self) -> f64 {
+        if self.total_blocks == 0 {
+            0.0
+        } else {
+            f64::from(self.used_blocks) / f64::from(self.total_blocks)
+        }
+    }
+}
+
+impl KvStats {
+    /// Hit ratio over looked-up tokens (0 when nothing was looked up).
+    pub fn token_hit_ratio(&self) -> f64 {
+        ratio(self.prefix_hit_tokens, self.prefix_query_tokens)
+    }
+
+    /// Hit ratio over looked-up full blocks.
+    pub fn block_hit_ratio(&self) -> f64 {
+        ratio(self.prefix_hit_blocks, self.prefix_query_blocks)
+    }
+}
+
+fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        0.0
+    } else {
+        num as f64 / den as f64
+    }
+}

@@ -1,0 +1,665 @@
+//! Named scenarios, one per feature of the cache manager.
+
+use std::sync::{Arc, Mutex};
+
+use kura_kv::hash::BlockHasher;
+use kura_kv::{
+    BlockCopy, CacheKey, EvictedBlock, EvictionHook, EvictionPolicy, KvCacheConfig, KvCacheManager,
+    KvError, KvEvent, RetentionRange, SeqId,
+};
+
+const BS: usize = 4;
+
+fn manager(num_blocks: u32) -> KvCacheManager {
+    let mut c = KvCacheConfig::new(num_blocks, BS);
+    c.hash_seed = Some(42);
+    c.record_events = true;
+    KvCacheManager::new(c).unwrap()
+}
+
+fn manager_with(num_blocks: u32, f: impl FnOnce(&mut KvCacheConfig)) -> KvCacheManager {
+    let mut c = KvCacheConfig::new(num_blocks, BS);
+    c.hash_seed = Some(42);
+    c.record_events = true;
+    f(&mut c);
+    KvCacheManager::new(c).unwrap()
+}
+
+/// Runs a prompt to completion the way the scheduler would: lookup, allocate, compute, optionally free.
+fn run(kv: &mut KvCacheManager, key: &CacheKey, prompt: &[u32], free: bool) -> SeqId {
+    let seq = kv.add_sequence(key);
+    let hit = kv.find_cached_prefix(prompt, key);
+    kv.allocate_slots(seq, &prompt[hit.num_cached_tokens()..], Some(&hit))
+        .unwrap()
+        .expect("enough blocks");
+    kv.mark_computed(seq, prompt.len()).unwrap();
+    kv.check_invariants().unwrap();
+    if free {
+        kv.free(seq).unwrap();
+        kv.check_invariants().unwrap();
+    }
+    seq
+}
+
+fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+    range.collect()
+}
+
+#[test]
+fn full_blocks_hit_after_the_sequence_is_freed() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let prompt = toks(0..10); // 2 full blocks + 2 tokens
+    let seq = run(&mut kv, &key, &prompt, false);
+    let table = kv.block_table(seq).unwrap().to_vec();
+    kv.free(seq).unwrap();
+    let hit = kv.find_cached_prefix(&prompt, &key);
+    assert_eq!(hit.num_full_blocks(), 2);
+    assert_eq!(hit.block_ids().collect::<Vec<_>>(), table[..2]);
+    assert_eq!(hit.num_pending_blocks(), 0);
+    assert_eq!(kv.usage().cached_idle_blocks, 2);
+    assert_eq!(kv.usage().used_blocks, 0);
+    assert_eq!(kv.stats().prefix_hit_blocks, 2);
+}
+
+#[test]
+fn a_partly_shared_block_is_reused_by_copy() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    // Shares block 0 fully and 3 tokens of block 1.
+    let mut prompt = toks(0..7);
+    prompt.extend([100, 101, 102]);
+    let hit = kv.find_cached_prefix(&prompt, &key);
+    assert_eq!((hit.num_full_blocks(), hit.partial_tokens()), (1, 3));
+    assert_eq!(hit.num_cached_tokens(), 7);
+    let seq = kv.add_sequence(&key);
+    let cached_src = kv
+        .find_cached_prefix(&toks(0..8), &key)
+        .block_ids()
+        .nth(1)
+        .unwrap();
+    let alloc = kv
+        .allocate_slots(seq, &prompt[7..], Some(&hit))
+        .unwrap()
+        .unwrap();
+    let table = kv.block_table(seq).unwrap().to_vec();
+    assert_eq!(
+        alloc.copies,
+        vec![BlockCopy {
+            src: cached_src,
+            dst: table[1],
+            num_tokens: 3
+        }]
+    );
+    assert_ne!(
+        table[1], cached_src,
+        "the cached block itself is never written"
+    );
+    let status = kv.pending_status(seq).unwrap();
+    assert_eq!(status.computed_tokens, 7, "copied tokens count as computed");
+    assert_eq!(status.computable_tokens, 10);
+    assert_eq!(kv.stats().partial_hits, 1);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_forced_hash_collision_never_hits() {
+    // One significant hash bit: every other block collides with whatever is indexed.
+    let mut kv = manager_with(64, |c| c.hash_bits = 1);
+    let mut hasher = BlockHasher::new(42, 1);
+    let key = CacheKey::new();
+    let cached = toks(0..4);
+    run(&mut kv, &key, &cached, true);
+    let root = hasher.key_hash(&key);
+    let cached_hash = hasher.chain(root, &cached);
+    let mut collisions = 0;
+    for i in 1..40u32 {
+        let other: Vec<u32> = (0..4).map(|t| 1000 * i + t).collect();
+        if hasher.chain(root, &other) == cached_hash {
+            collisions += 1;
+        }
+        let hit = kv.find_cached_prefix(&other, &key);
+        assert_eq!(hit.num_cached_tokens(), 0, "prompt {other:?} must not hit");
+        kv.check_invariants().unwrap();
+    }
+    assert!(
+        collisions > 0,
+        "the test must actually produce colliding hashes"
+    );
+    // The true prefix still hits.
+    assert_eq!(kv.find_cached_prefix(&cached, &key).num_full_blocks(), 1);
+}
+
+#[test]
+fn colliding_blocks_stay_private_and_correct() {
+    let mut kv = manager_with(64, |c| c.hash_bits = 1);
+    let key = CacheKey::new();
+    for i in 0..20u32 {
+        let prompt: Vec<u32> = (0..12).map(|t| 100 * i + t).collect();
+        run(&mut kv, &key, &prompt, true);
+    }
+    assert!(kv.stats().index_conflicts > 0);
+    assert!(kv.num_indexed_blocks() <= 2, "only two hash values exist");
+    for i in 0..20u32 {
+        let prompt: Vec<u32> = (0..12).map(|t| 100 * i + t).collect();
+        let hit = kv.find_cached_prefix(&prompt, &key);
+        let reference = kv.reference_lookup(&prompt, &key);
+        assert_eq!(hit.num_full_blocks(), reference.full_blocks);
+    }
+}
+
+#[test]
+fn two_salts_never_share_even_when_their_hashes_collide() {
+    for bits in [128, 1] {
+        let mut kv = manager_with(64, |c| c.hash_bits = bits);
+        let a = CacheKey::new().with_salt("tenant-a");
+        let b = CacheKey::new().with_salt("tenant-b");
+        let prompt = toks(0..16);
+        run(&mut kv, &a, &prompt, true);
+        let seq_b = kv.add_sequence(&b);
+        let hit = kv.find_cached_prefix(&prompt, &b);
+        assert_eq!(hit.num_cached_tokens(), 0, "bits {bits}");
+        kv.allocate_slots(seq_b, &prompt, Some(&hit))
+            .unwrap()
+            .unwrap();
+        kv.mark_computed(seq_b, 16).unwrap();
+        kv.free(seq_b).unwrap();
+        // Each tenant hits only its own blocks.
+        let ha = kv
+            .find_cached_prefix(&prompt, &a)
+            .block_ids()
+            .collect::<Vec<_>>();
+        let hb = kv
+            .find_cached_prefix(&prompt, &b)
+            .block_ids()
+            .collect::<Vec<_>>();
+        assert!(
+            ha.iter().all(|x| !hb.contains(x)),
+            "bits {bits}: {ha:?} vs {hb:?}"
+        );
+        if bits == 128 {
+            assert_eq!(ha.len(), 4);
+        }
+        kv.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_hit_from_another_key_is_refused() {
+    let mut kv = manager(16);
+    let a = CacheKey::new().with_salt("a");
+    run(&mut kv, &a, &toks(0..8), true);
+    let hit = kv.find_cached_prefix(&toks(0..8), &a);
+    let seq = kv.add_sequence(&CacheKey::new().with_salt("b"));
+    assert_eq!(
+        kv.allocate_slots(seq, &[], Some(&hit)),
+        Err(KvError::HitKeyMismatch { seq })
+    );
+}
+
+#[test]
+fn early_reuse_attaches_to_pending_blocks_and_waits() {
+    let mut kv = manager(32);
+    let key = CacheKey::new();
+    let prompt = toks(0..12);
+    let writer = kv.add_sequence(&key);
+    kv.allocate_slots(writer, &prompt, None).unwrap().unwrap();
+    // Not computed yet, but already in the index.
+    let reader = kv.add_sequence(&key);
+    let hit = kv.find_cached_prefix(&prompt[..11], &key);
+    assert_eq!(hit.num_full_blocks(), 2);
+    assert_eq!(hit.num_pending_blocks(), 2);
+    kv.allocate_slots(reader, &prompt[8..], Some(&hit))
+        .unwrap()
+        .unwrap();
+    let st = kv.pending_status(reader).unwrap();
+    assert_eq!(
+        (st.computed_tokens, st.computable_tokens, st.waiting_blocks),
+        (0, 0, 2)
+    );
+    assert_eq!(kv.stats().pending_waits, 2);
+    // The writer computes its first block: the reader advances but still waits for the second.
+    kv.mark_computed(writer, 4).unwrap();
+    let st = kv.pending_status(reader).unwrap();
+    assert_eq!((st.computed_tokens, st.waiting_blocks), (4, 1));
+    assert_eq!(
+        kv.mark_computed(reader, 12),
+        Err(KvError::NotWriter {
+            seq: reader,
+            block: kv.block_table(reader).unwrap()[1]
+        })
+    );
+    kv.mark_computed(writer, 12).unwrap();
+    let st = kv.pending_status(reader).unwrap();
+    assert_eq!(
+        (st.computed_tokens, st.computable_tokens, st.waiting_blocks),
+        (8, 12, 0)
+    );
+    kv.mark_computed(reader, 12).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cancelled_writer_withdraws_and_the_waiter_computes() {
+    let mut kv = manager(32);
+    let key = CacheKey::new();
+    let prompt = toks(0..12);
+    let writer = kv.add_sequence(&key);
+    kv.allocate_slots(writer, &prompt, None).unwrap().unwrap();
+    kv.mark_computed(writer, 4).unwrap();
+    let reader = kv.add_sequence(&key);
+    let hit = kv.find_cached_prefix(&prompt, &key);
+    assert_eq!((hit.num_full_blocks(), hit.num_pending_blocks()), (3, 2));
+    kv.allocate_slots(reader, &[], Some(&hit)).unwrap().unwrap();
+    kv.free(writer).unwrap();
+    assert_eq!(kv.stats().withdrawn_blocks, 2);
+    kv.check_invariants().unwrap();
+    let st = kv.pending_status(reader).unwrap();
+    assert_eq!(
+        (st.computed_tokens, st.computable_tokens, st.waiting_blocks),
+        (4, 12, 0),
+        "the waiter is told to compute the withdrawn blocks"
+    );
+    kv.mark_computed(reader, 12).unwrap();
+    kv.free(reader).unwrap();
+    assert_eq!(kv.find_cached_prefix(&prompt, &key).num_full_blocks(), 3);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn an_abandoned_pending_block_is_dropped_not_cached() {
+    let mut kv = manager(8);
+    let key = CacheKey::new();
+    let seq = kv.add_sequence(&key);
+    kv.allocate_slots(seq, &toks(0..8), None).unwrap().unwrap();
+    kv.mark_computed(seq, 4).unwrap();
+    kv.free(seq).unwrap();
+    let hit = kv.find_cached_prefix(&toks(0..8), &key);
+    assert_eq!(
+        hit.num_full_blocks(),
+        1,
+        "only the computed block stays cached"
+    );
+    assert_eq!(kv.usage().free_blocks, 7);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_the_partial_last_block_on_write() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let parent = run(&mut kv, &key, &toks(0..6), false);
+    let child = kv.fork(parent).unwrap();
+    assert_eq!(
+        kv.block_table(child).unwrap(),
+        kv.block_table(parent).unwrap()
+    );
+    let shared_last = kv.block_table(parent).unwrap()[1];
+    let alloc = kv.allocate_slots(child, &[50], None).unwrap().unwrap();
+    let child_last = kv.block_table(child).unwrap()[1];
+    assert_eq!(
+        alloc.copies,
+        vec![BlockCopy {
+            src: shared_last,
+            dst: child_last,
+            num_tokens: 2
+        }]
+    );
+    assert_eq!(kv.block_table(parent).unwrap()[1], shared_last);
+    // The parent now holds its last block alone: it appends in place, no copy.
+    let alloc = kv.allocate_slots(parent, &[60], None).unwrap().unwrap();
+    assert!(alloc.copies.is_empty());
+    assert_eq!(kv.block_table(parent).unwrap()[1], shared_last);
+    kv.check_invariants().unwrap();
+    kv.mark_computed(child, 7).unwrap();
+    kv.mark_computed(parent, 7).unwrap();
+    kv.free(parent).unwrap();
+    kv.free(child).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.usage().used_blocks, 0);
+}
+
+#[test]
+fn fork_of_an_uncomputed_sequence_is_refused() {
+    let mut kv = manager(16);
+    let seq = kv.add_sequence(&CacheKey::new());
+    kv.allocate_slots(seq, &toks(0..6), None).unwrap().unwrap();
+    assert_eq!(
+        kv.fork(seq),
+        Err(KvError::ForkUncomputed { seq, uncomputed: 6 })
+    );
+}
+
+/// Builds two branches under a shared 2-block prefix and frees them (branch b last), in a 6-block pool:
+/// prefix [p0 p1], branch a [a2], branch b [b2].
+fn two_branches(kv: &mut KvCacheManager, key: &CacheKey) -> (Vec<u32>, Vec<u32>) {
+    let mut a = toks(0..8);
+    a.extend(100..104);
+    let mut b = toks(0..8);
+    b.extend(200..204);
+    run(kv, key, &a, true);
+    run(kv, key, &b, true);
+    (a, b)
+}
+
+#[test]
+fn leaf_first_eviction_keeps_every_cached_block_reachable() {
+    let mut kv = manager(6);
+    let key = CacheKey::new();
+    let (a, b) = two_branches(&mut kv, &key);
+    assert_eq!(kv.usage().cached_idle_blocks, 4);
+    // Needs 3 blocks: 2 free + 1 eviction. The prefix is older than nothing: only leaves go, LRU first (a).
+    run(&mut kv, &key, &toks(500..512), true);
+    assert_eq!(kv.stats().evictions, 1);
+    assert_eq!(kv.find_cached_prefix(&a, &key).num_full_blocks(), 2);
+    assert_eq!(kv.find_cached_prefix(&b, &key).num_full_blocks(), 3);
+    // Every cached block is still reachable: cached blocks == blocks a lookup can find.
+    kv.check_invariants().unwrap();
+}
+
+/// A retained child under a default-priority parent: plain LRU evicts the parent and strands the child
+/// (cached, unreachable); leaf-first eviction takes another block and keeps the prefix whole.
+#[test]
+fn plain_lru_strands_children_and_leaf_first_does_not() {
+    for policy in [EvictionPolicy::PlainLru, EvictionPolicy::LeafLru] {
+        let mut kv = manager_with(3, |c| c.eviction_policy = policy);
+        let key = CacheKey::new();
+        let seq = kv.add_sequence(&key);
+        let retained = RetentionRange {
+            start: 4,
+            end: 8,
+            priority: 80,
+            duration_ms: None,
+        };
+        kv.set_retention(seq, &[retained]).unwrap();
+        kv.allocate_slots(seq, &toks(0..8), None).unwrap().unwrap();
+        kv.mark_computed(seq, 8).unwrap();
+        kv.free(seq).unwrap();
+        run(&mut kv, &key, &toks(100..104), true);
+        run(&mut kv, &key, &toks(200..204), true); // one eviction
+        assert_eq!(kv.stats().evictions, 1);
+        let hit = kv.find_cached_prefix(&toks(0..8), &key).num_full_blocks();
+        match policy {
+            EvictionPolicy::PlainLru => {
+                assert_eq!(hit, 0, "the root went first");
+                assert_eq!(
+                    kv.num_indexed_blocks(),
+                    3,
+                    "its child is still cached, unreachable"
+                );
+            }
+            EvictionPolicy::LeafLru => {
+                assert_eq!(hit, 2);
+                assert_eq!(
+                    kv.find_cached_prefix(&toks(100..104), &key)
+                        .num_full_blocks(),
+                    0
+                );
+            }
+        }
+        kv.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn lru_order_follows_the_logical_clock() {
+    let mut kv = manager(4);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..4), true);
+    run(&mut kv, &key, &toks(10..14), true);
+    run(&mut kv, &key, &toks(0..4), true); // touches the first again
+    run(&mut kv, &key, &toks(20..32), true); // 3 blocks: 2 free, 1 evicted: the older of the two
+    assert_eq!(
+        kv.find_cached_prefix(&toks(0..4), &key).num_full_blocks(),
+        1
+    );
+    assert_eq!(
+        kv.find_cached_prefix(&toks(10..14), &key).num_full_blocks(),
+        0
+    );
+}
+
+#[test]
+fn retention_outlives_lru_until_it_expires() {
+    let mut kv = manager(3);
+    let key = CacheKey::new();
+    let kept = kv.add_sequence(&key);
+    kv.set_retention(
+        kept,
+        &[RetentionRange {
+            start: 0,
+            end: 4,
+            priority: 80,
+            duration_ms: Some(1000),
+        }],
+    )
+    .unwrap();
+    kv.allocate_slots(kept, &toks(0..4), None).unwrap().unwrap();
+    kv.mark_computed(kept, 4).unwrap();
+    kv.free(kept).unwrap();
+    run(&mut kv, &key, &toks(10..14), true);
+    run(&mut kv, &key, &toks(20..28), true); // needs 2: 1 free, 1 evicted: the newer, unretained block
+    assert_eq!(
+        kv.find_cached_prefix(&toks(0..4), &key).num_full_blocks(),
+        1
+    );
+    assert_eq!(
+        kv.find_cached_prefix(&toks(10..14), &key).num_full_blocks(),
+        0
+    );
+    kv.set_time_ms(1000); // retention over: back to plain LRU, and it is the oldest
+    run(&mut kv, &key, &toks(30..34), true);
+    assert_eq!(
+        kv.find_cached_prefix(&toks(0..4), &key).num_full_blocks(),
+        0
+    );
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_bad_retention_range_is_refused() {
+    let mut kv = manager(3);
+    let seq = kv.add_sequence(&CacheKey::new());
+    let bad = RetentionRange {
+        start: 4,
+        end: 4,
+        priority: 50,
+        duration_ms: None,
+    };
+    assert!(matches!(
+        kv.set_retention(seq, &[bad]),
+        Err(KvError::BadRetention { .. })
+    ));
+}
+
+#[test]
+fn pinned_prefixes_survive_pressure_until_unpinned_or_expired() {
+    let mut kv = manager(4);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    let (pin, pinned) = kv.pin_prefix(&toks(0..8), &key, None);
+    assert_eq!(pinned, 8);
+    assert_eq!(kv.usage().pinned_idle_blocks, 2);
+    kv.check_invariants().unwrap();
+    let seq = kv.add_sequence(&key);
+    assert_eq!(
+        kv.allocate_slots(seq, &toks(50..62), None),
+        Ok(None),
+        "only 2 blocks reclaimable"
+    );
+    kv.unpin(pin).unwrap();
+    assert_eq!(kv.unpin(pin), Err(KvError::UnknownPin(0)));
+    assert!(kv
+        .allocate_slots(seq, &toks(50..62), None)
+        .unwrap()
+        .is_some());
+    kv.free(seq).unwrap();
+    // With a time to live.
+    run(&mut kv, &key, &toks(0..4), true);
+    let (_, pinned) = kv.pin_prefix(&toks(0..4), &key, Some(50));
+    assert_eq!(pinned, 4);
+    assert_eq!(kv.num_available_blocks(), 3);
+    kv.set_time_ms(50);
+    assert_eq!(kv.num_available_blocks(), 4);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn out_of_blocks_is_a_value_and_changes_nothing() {
+    let mut kv = manager(4);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    let before = (kv.usage(), kv.stats().clone());
+    let seq = kv.add_sequence(&key);
+    assert_eq!(kv.allocate_slots(seq, &toks(100..120), None), Ok(None));
+    assert_eq!((kv.usage(), kv.stats().clone()), before);
+    assert_eq!(kv.num_tokens(seq).unwrap(), 0);
+    kv.check_invariants().unwrap();
+}
+
+struct Recorder(Arc<Mutex<Vec<(u32, Vec<u32>, bool)>>>);
+
+impl EvictionHook for Recorder {
+    fn on_evict(&mut self, block: &EvictedBlock<'_>) {
+        self.0.lock().unwrap().push((
+            block.block,
+            block.tokens.to_vec(),
+            block.parent_hash.is_some(),
+        ));
+    }
+}
+
+#[test]
+fn the_eviction_hook_sees_each_evicted_block_with_its_tokens() {
+    let mut kv = manager(2);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    kv.set_eviction_hook(Box::new(Recorder(seen.clone())));
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    run(&mut kv, &key, &toks(10..18), true);
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].1, toks(4..8), "the leaf first");
+    assert!(seen[0].2);
+    assert_eq!(seen[1].1, toks(0..4));
+    assert!(!seen[1].2, "a root has no parent hash");
+}
+
+#[test]
+fn events_announce_stored_removed_and_cleared() {
+    let mut kv = manager(2);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    let stored: Vec<_> = kv.drain_events().collect();
+    let [KvEvent::Stored {
+        hash: h0,
+        parent: None,
+        ..
+    }, KvEvent::Stored {
+        parent: Some(p1),
+        hash: h1,
+        ..
+    }] = stored[..]
+    else {
+        panic!("unexpected events {stored:?}")
+    };
+    assert_eq!(p1, h0);
+    run(&mut kv, &key, &toks(10..14), true);
+    let removed: Vec<_> = kv.drain_events().collect();
+    assert!(matches!(removed[0], KvEvent::Removed { hash, .. } if hash == h1));
+    assert_eq!(kv.clear_cache(), 2);
+    assert_eq!(
+        kv.drain_events().collect::<Vec<_>>(),
+        vec![KvEvent::Cleared]
+    );
+    assert_eq!(kv.num_indexed_blocks(), 0);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn without_prefix_caching_nothing_is_indexed_or_hit() {
+    let mut kv = manager_with(16, |c| c.enable_prefix_caching = false);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    assert_eq!(kv.num_indexed_blocks(), 0);
+    assert_eq!(
+        kv.find_cached_prefix(&toks(0..8), &key).num_cached_tokens(),
+        0
+    );
+    assert_eq!(kv.usage().free_blocks, 16);
+    assert_eq!(kv.stats().prefix_query_tokens, 16);
+}
+
+#[test]
+fn a_stale_hit_is_refused() {
+    let mut kv = manager(2);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    let hit = kv.find_cached_prefix(&toks(0..8), &key);
+    run(&mut kv, &key, &toks(10..18), true); // evicts both
+    let seq = kv.add_sequence(&key);
+    assert!(matches!(
+        kv.allocate_slots(seq, &[], Some(&hit)),
+        Err(KvError::StaleHit { .. })
+    ));
+}
+
+#[test]
+fn freed_sequences_and_bad_arguments_are_typed_errors() {
+    let mut kv = manager(4);
+    let seq = kv.add_sequence(&CacheKey::new());
+    kv.allocate_slots(seq, &[1, 2], None).unwrap().unwrap();
+    assert_eq!(
+        kv.mark_computed(seq, 3),
+        Err(KvError::ComputedBeyondEnd {
+            seq,
+            upto: 3,
+            num_tokens: 2
+        })
+    );
+    kv.free(seq).unwrap();
+    assert_eq!(kv.free(seq), Err(KvError::UnknownSequence(seq)));
+    assert!(kv.block_table(seq).is_err());
+    assert!(KvCacheManager::new(KvCacheConfig::new(4, 0)).is_err());
+    assert!(KvCacheManager::new(KvCacheConfig::new(4, 257)).is_err());
+    assert!(KvCacheManager::new(KvCacheConfig::new(0, 16)).is_err());
+}
+
+#[test]
+fn counters_and_usage_add_up() {
+    let mut kv = manager(8);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..10), true);
+    let seq = run(&mut kv, &key, &toks(0..10), false);
+    let s = kv.stats();
+    assert_eq!(s.prefix_query_tokens, 20);
+    assert_eq!(s.prefix_hit_tokens, 8);
+    assert_eq!((s.prefix_query_blocks, s.prefix_hit_blocks), (4, 2));
+    let u = kv.usage();
+    assert_eq!(
+        (u.used_blocks, u.cached_idle_blocks, u.free_blocks),
+        (3, 0, 5)
+    );
+    kv.free(seq).unwrap();
+    assert_eq!(kv.num_cache_keys(), 1, "the key stays while blocks use it");
+    kv.clear_cache();
+    assert_eq!(kv.num_cache_keys(), 0, "and goes with them");
+}
+
+#[test]
+fn decode_tokens_fill_and_index_blocks() {
+    let mut kv = manager(8);
+    let key = CacheKey::new();
+    let seq = run(&mut kv, &key, &toks(0..3), false);
+    for (i, t) in (3..9u32).enumerate() {
+        kv.allocate_slots(seq, &[t], None).unwrap().unwrap();
+        kv.mark_computed(seq, 4 + i).unwrap();
+    }
+    kv.free(seq).unwrap();
+    assert_eq!(
+        kv.find_cached_prefix(&toks(0..9), &key).num_full_blocks(),
+        2
+    );
+    kv.check_invariants().unwrap();
+}
