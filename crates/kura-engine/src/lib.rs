@@ -1,1 +1,26 @@
-//! kura-engine
+//! `kura-engine` — the one place that decides who runs: a continuous-batching scheduler over the
+//! shared KV cache ([`scheduler`]), the engine loop on its own thread ([`engine`]), request handles
+//! over channels ([`handle`]), and metrics ([`metrics`]).
+//!
+//! A caller submits a tokenized [`GenerateRequest`] with an [`EventSink`] and gets a [`RequestGuard`];
+//! the engine streams [`EngineEvent`]s (text deltas, finish reasons, usage with cached tokens) into the
+//! sink. Dropping the guard cancels the request and frees its KV blocks at once.
+
+mod backend;
+mod engine;
+mod handle;
+mod metrics;
+mod model_backend;
+mod request;
+mod scheduler;
+mod seq;
+
+pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
+pub use engine::{start_engine, EngineConfig, EngineStartError};
+pub use handle::{EngineHandle, EngineInfo, RequestGuard};
+pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
+pub use model_backend::{ModelCodec, ModelExecutor};
+pub use request::{
+    EngineEvent, EventSink, FinishReason, GenerateRequest, RequestError, SamplingOptions,
+    SubmitError, TokenCandidate, TokenLogprob, Usage,
+};

@@ -1,0 +1,44 @@
+//! The two seams between the engine and a model: [`TextCodec`] (tokenizer and chat template, shared
+//! with the HTTP threads) and [`Executor`] (the forward pass over paged KV, owned by the engine thread).
+//!
+//! The engine never looks inside a model: it hands the executor a batch of (new tokens, first position,
+//! block table) and gets back the logits of each item's last position. [`crate::model_backend`] adapts
+//! `kura-model` to these traits; tests adapt small deterministic models.
+
+/// One chat message after the caller has flattened its content parts to text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Tokenizer and chat template of the served model. Shared by every thread.
+pub trait TextCodec: Send + Sync + 'static {
+    /// Token ids of `text`; special-token markers in it (as a chat template writes them) become their ids.
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String>;
+    /// Text of `ids`, skipping special tokens. Incomplete UTF-8 at the end shows as U+FFFD.
+    fn decode(&self, ids: &[u32]) -> String;
+    /// The chat template applied to `messages`, ending with the assistant's generation prompt.
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String>;
+    /// Tokens that end generation unless the request ignores end-of-sequence.
+    fn eos_token_ids(&self) -> &[u32];
+    fn vocab_size(&self) -> usize;
+}
+
+/// One sequence's part of a forward step: `tokens` sit at positions `start_pos..start_pos + len`, and
+/// `block_table` already covers every one of them.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+}
+
+/// The forward pass over paged KV, and the block copies that copy-on-write needs.
+pub trait Executor: Send + 'static {
+    /// Writes K/V of every item's tokens into its blocks and returns, per item, the logits of its last
+    /// token (`vocab_size` values each).
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String>;
+    /// Copies the K/V of the first `num_tokens` token slots of block `src` into block `dst`.
+    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize);
+}

@@ -1,0 +1,501 @@
+//! The engine loop: one thread that owns the KV cache manager and the executor, takes commands from
+//! [`EngineHandle`]s, and repeats schedule → copy blocks → forward → sample → emit. It blocks when there
+//! is nothing to do, and never holds a lock: its state is its own.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kura_kv::{CacheKey, KvCacheConfig, KvCacheManager, KvError};
+use kura_model::Sampled;
+
+use crate::backend::{Executor, SeqInput, TextCodec};
+use crate::handle::{Command, EngineHandle, EngineInfo, Shared};
+use crate::metrics::EngineMetrics;
+use crate::request::{
+    EngineEvent, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
+};
+use crate::scheduler::{Item, Plan};
+use crate::seq::{Group, Seq, SeqKey};
+
+/// How the engine is sized and limited; resolved by the caller (pool size from `KvLayout`).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model_name: String,
+    pub max_model_len: usize,
+    pub block_size_tokens: usize,
+    pub num_blocks: usize,
+    /// Most sequences holding KV blocks at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step: prefill chunks plus decode tokens.
+    pub max_num_batched_tokens: usize,
+    /// Most requests waiting for their first step before new ones get `QueueFull`.
+    pub max_queue: usize,
+    pub enable_prefix_caching: bool,
+    /// Extra identity of the cached KV (model and KV format), so that caches of different models or
+    /// formats can never be confused by a later persistent tier.
+    pub model_fingerprint: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineStartError {
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    #[error("could not create the KV cache manager: {0}")]
+    Kv(#[from] KvError),
+    #[error("could not start the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// Starts the engine thread and returns its handle.
+pub fn start_engine(
+    config: EngineConfig,
+    executor: Box<dyn Executor>,
+    codec: Arc<dyn TextCodec>,
+) -> Result<EngineHandle, EngineStartError> {
+    if config.max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
+        return Err(EngineStartError::Config(format!(
+            "max_num_seqs ({}) and max_num_batched_tokens ({}) must be at least 1",
+            config.max_num_seqs, config.max_num_batched_tokens
+        )));
+    }
+    let num_blocks = u32::try_from(config.num_blocks).map_err(|_| {
+        EngineStartError::Config(format!("{} KV blocks is too many", config.num_blocks))
+    })?;
+    let mut kv_config = KvCacheConfig::new(num_blocks, config.block_size_tokens);
+    kv_config.enable_prefix_caching = config.enable_prefix_caching;
+    let kv = KvCacheManager::new(kv_config)?;
+    let info = EngineInfo {
+        model_name: config.model_name.clone(),
+        max_model_len: config.max_model_len,
+        vocab_size: codec.vocab_size(),
+        block_size_tokens: config.block_size_tokens,
+        num_blocks: config.num_blocks,
+        max_queue: config.max_queue,
+        prefix_caching: config.enable_prefix_caching,
+    };
+    let metrics = Arc::new(EngineMetrics::default());
+    metrics.kv_blocks_total.set(config.num_blocks as f64);
+    let shared = Arc::new(Shared::new(info, metrics.clone()));
+    let (tx, rx) = mpsc::channel();
+    let core = Core {
+        eos: codec.eos_token_ids().to_vec(),
+        config,
+        kv,
+        executor,
+        codec: codec.clone(),
+        shared: shared.clone(),
+        metrics,
+        groups: HashMap::new(),
+        seqs: HashMap::new(),
+        running: Vec::new(),
+        waiting: Vec::new(),
+        next_seq: 0,
+        next_order: 0,
+        started: Instant::now(),
+        kv_evictions_seen: 0,
+    };
+    let thread = std::thread::Builder::new()
+        .name("kura-engine".into())
+        .spawn(move || core.run(rx))?;
+    Ok(EngineHandle::new(tx, shared, codec, thread))
+}
+
+/// The engine thread's state.
+pub(crate) struct Core {
+    pub(crate) config: EngineConfig,
+    pub(crate) kv: KvCacheManager,
+    executor: Box<dyn Executor>,
+    codec: Arc<dyn TextCodec>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) metrics: Arc<EngineMetrics>,
+    pub(crate) groups: HashMap<u64, Group>,
+    pub(crate) seqs: HashMap<SeqKey, Seq>,
+    /// Sequences holding KV blocks.
+    pub(crate) running: Vec<SeqKey>,
+    /// Sequences without blocks: new, or preempted.
+    pub(crate) waiting: Vec<SeqKey>,
+    next_seq: SeqKey,
+    pub(crate) next_order: u64,
+    eos: Vec<u32>,
+    started: Instant,
+    kv_evictions_seen: u64,
+}
+
+impl Core {
+    fn run(mut self, rx: Receiver<Command>) {
+        'outer: loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(c) => {
+                        if !self.handle(c) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            while let Ok(c) = rx.try_recv() {
+                if !self.handle(c) {
+                    break 'outer;
+                }
+            }
+            if !self.step() {
+                // Nothing could run (waiting for blocks held by nobody who runs, or for pending blocks):
+                // wait for a command rather than spin.
+                match rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok(c) => {
+                        if !self.handle(c) {
+                            break;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+        }
+        self.fail_all(RequestError::ShuttingDown);
+        self.update_gauges();
+    }
+
+    /// Applies a command; `false` = leave the loop.
+    fn handle(&mut self, command: Command) -> bool {
+        match command {
+            Command::Submit { id, request, sink } => {
+                let n = request.n;
+                let seq_key = self.next_seq;
+                self.next_seq += 1;
+                let seq = Seq::new(id, 0, &request, &self.eos);
+                let mut key =
+                    CacheKey::new().with_model_fingerprint(self.config.model_fingerprint.clone());
+                if let Some(salt) = &request.cache_salt {
+                    key = key.with_salt(salt.clone());
+                }
+                let group = Group {
+                    sink,
+                    sink_open: true,
+                    usage: Usage {
+                        prompt_tokens: request.prompt_tokens.len() as u32,
+                        ..Usage::default()
+                    },
+                    request: *request,
+                    key,
+                    arrival: Instant::now(),
+                    forked: n <= 1,
+                    live_choices: n,
+                    admitted_once: false,
+                    first_token_at: None,
+                };
+                self.groups.insert(id, group);
+                self.seqs.insert(seq_key, seq);
+                self.waiting.push(seq_key);
+            }
+            Command::Cancel { id } => {
+                if self.groups.contains_key(&id) {
+                    self.metrics.requests_cancelled.add(1);
+                    self.remove_group(id);
+                }
+            }
+            Command::AbortAll => self.fail_all(RequestError::ShuttingDown),
+            Command::Stop => return false,
+        }
+        true
+    }
+
+    /// Frees every sequence of the group and forgets it.
+    fn remove_group(&mut self, group_id: u64) {
+        let keys: Vec<SeqKey> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.group == group_id)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in keys {
+            if let Some(seq) = self.seqs.remove(&k) {
+                if let Some(id) = seq.kv {
+                    self.kv.free(id).expect("running sequence is known");
+                }
+            }
+            self.running.retain(|&r| r != k);
+            self.waiting.retain(|&w| w != k);
+        }
+        if let Some(group) = self.groups.remove(&group_id) {
+            if !group.admitted_once {
+                self.shared
+                    .queued
+                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub(crate) fn fail_group(&mut self, group_id: u64, error: RequestError) {
+        if let Some(group) = self.groups.get_mut(&group_id) {
+            tracing::warn!(request = group_id, %error, "request failed");
+            group.emit(EngineEvent::Failed(error));
+            self.metrics.requests_failed.add(1);
+        }
+        self.remove_group(group_id);
+    }
+
+    fn fail_all(&mut self, error: RequestError) {
+        let ids: Vec<u64> = self.groups.keys().copied().collect();
+        for id in ids {
+            if let Some(group) = self.groups.get_mut(&id) {
+                group.emit(EngineEvent::Failed(error.clone()));
+                self.metrics.requests_cancelled.add(1);
+            }
+            self.remove_group(id);
+        }
+    }
+
+    /// One engine step; `false` when nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        self.kv
+            .set_time_ms(self.started.elapsed().as_millis() as u64);
+        let plan = self.schedule();
+        let progressed = !plan.items.is_empty();
+        if progressed {
+            self.execute(plan);
+        }
+        self.cancel_closed();
+        self.update_gauges();
+        progressed
+    }
+
+    fn execute(&mut self, plan: Plan) {
+        for c in &plan.copies {
+            self.executor.copy_block_prefix(c.src, c.dst, c.num_tokens);
+        }
+        let batch: Vec<SeqInput<'_>> = plan
+            .items
+            .iter()
+            .map(|it| {
+                let seq = &self.seqs[&it.seq];
+                let id = seq.kv.expect("scheduled sequence holds blocks");
+                SeqInput {
+                    tokens: &seq.tokens[it.start..it.end],
+                    start_pos: it.start,
+                    block_table: self.kv.block_table(id).expect("running sequence is known"),
+                }
+            })
+            .collect();
+        let result = self.executor.forward(&batch);
+        drop(batch);
+        self.metrics.steps.add(1);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                let mut groups: Vec<u64> = plan
+                    .items
+                    .iter()
+                    .map(|it| self.seqs[&it.seq].group)
+                    .collect();
+                groups.dedup();
+                for g in groups {
+                    self.fail_group(g, RequestError::Model(e.clone()));
+                }
+                return;
+            }
+        };
+        for (item, row) in plan.items.iter().zip(&logits) {
+            self.after_forward(*item, row);
+        }
+    }
+
+    fn after_forward(&mut self, item: Item, logits: &[f32]) {
+        let Some(seq) = self.seqs.get_mut(&item.seq) else {
+            return; // its group failed earlier in this loop
+        };
+        let id = seq.kv.expect("scheduled sequence holds blocks");
+        self.kv
+            .mark_computed(id, item.end)
+            .expect("the scheduled range was computable");
+        let computed = (item.end - item.start) as u64;
+        if seq.prefilling {
+            self.metrics.prompt_tokens_computed.add(computed);
+        }
+        if item.end < seq.tokens.len() {
+            return; // a prefill chunk: more to compute before sampling
+        }
+        seq.prefilling = false;
+        let group_id = seq.group;
+        let mut choices = vec![item.seq];
+        let group = self
+            .groups
+            .get_mut(&group_id)
+            .expect("sequence's group exists");
+        if !group.forked {
+            // n > 1: the other choices share this prompt's blocks (forked, not recomputed) and sample
+            // from the same logits with their own seeds.
+            group.forked = true;
+            let request = group.request.clone();
+            let tokens = self.seqs[&item.seq].tokens.clone();
+            for choice in 1..request.n {
+                let child = self.kv.fork(id).expect("a computed sequence can be forked");
+                let key = self.next_seq;
+                self.next_seq += 1;
+                let mut seq = Seq::new(group_id, choice, &request, &self.eos);
+                seq.tokens = tokens.clone();
+                seq.kv = Some(child);
+                seq.prefilling = false;
+                seq.admitted_order = self.next_order;
+                self.next_order += 1;
+                self.seqs.insert(key, seq);
+                self.running.push(key);
+                choices.push(key);
+            }
+        }
+        for key in choices {
+            self.sample(key, logits);
+        }
+    }
+
+    /// Samples the next token of one choice and emits what it completes.
+    fn sample(&mut self, key: SeqKey, logits: &[f32]) {
+        let now = Instant::now();
+        let seq = self.seqs.get_mut(&key).expect("sampled sequence exists");
+        let group = self
+            .groups
+            .get_mut(&seq.group)
+            .expect("sequence's group exists");
+        let Sampled { token, logprob } = seq.sampler.sample(logits);
+        self.metrics.generation_tokens.add(1);
+        group.usage.completion_tokens += 1;
+        match seq.last_token_at {
+            Some(t) => self.metrics.itl.observe(now.saturating_duration_since(t)),
+            None => {
+                if group.first_token_at.is_none() {
+                    group.first_token_at = Some(now);
+                    self.metrics
+                        .ttft
+                        .observe(now.saturating_duration_since(group.arrival));
+                }
+            }
+        }
+        seq.last_token_at = Some(now);
+        let codec = &self.codec;
+        let candidate = |token_id: u32, logprob: f32| TokenCandidate {
+            token_id,
+            text: codec.decode(&[token_id]),
+            logprob,
+        };
+        let logprobs: Vec<TokenLogprob> = logprob
+            .map(|lp| TokenLogprob {
+                sampled: candidate(lp.token, lp.logprob),
+                top: lp.top.iter().map(|&(t, l)| candidate(t, l)).collect(),
+            })
+            .into_iter()
+            .collect();
+
+        let (text, finish) = if seq.stop.is_stop_token(token) {
+            // The stop token's own text is not part of the output; release what was held back.
+            let rest = seq.detok.flush(&self.codec);
+            let (mut out, _) = seq.stop.push(&rest);
+            out.push_str(&seq.stop.flush());
+            (out, Some(FinishReason::Stop))
+        } else {
+            seq.tokens.push(token);
+            let piece = seq.detok.push(&self.codec, token);
+            let (mut out, stopped) = seq.stop.push(&piece);
+            if stopped.is_some() {
+                (out, Some(FinishReason::Stop))
+            } else if seq.num_generated() >= group.request.max_tokens as usize
+                || seq.tokens.len() >= self.config.max_model_len
+            {
+                let rest = seq.detok.flush(&self.codec);
+                let (more, stopped) = seq.stop.push(&rest);
+                out.push_str(&more);
+                if stopped.is_some() {
+                    (out, Some(FinishReason::Stop))
+                } else {
+                    out.push_str(&seq.stop.flush());
+                    (out, Some(FinishReason::Length))
+                }
+            } else {
+                (out, None)
+            }
+        };
+        let choice = seq.choice;
+        group.emit(EngineEvent::Delta {
+            choice,
+            text,
+            token_ids: vec![token],
+            logprobs,
+        });
+        if let Some(reason) = finish {
+            self.finish_seq(key, reason);
+        }
+    }
+
+    fn finish_seq(&mut self, key: SeqKey, reason: FinishReason) {
+        let Some(seq) = self.seqs.remove(&key) else {
+            return;
+        };
+        if let Some(id) = seq.kv {
+            self.kv.free(id).expect("running sequence is known");
+        }
+        self.running.retain(|&k| k != key);
+        self.waiting.retain(|&k| k != key);
+        let group = self
+            .groups
+            .get_mut(&seq.group)
+            .expect("sequence's group exists");
+        group.emit(EngineEvent::Finished {
+            choice: seq.choice,
+            reason,
+        });
+        group.live_choices -= 1;
+        if group.live_choices == 0 {
+            let usage = group.usage;
+            group.emit(EngineEvent::Done { usage });
+            self.metrics.e2e.observe(group.arrival.elapsed());
+            match reason {
+                FinishReason::Stop => self.metrics.requests_finished_stop.add(1),
+                FinishReason::Length => self.metrics.requests_finished_length.add(1),
+            }
+            self.groups.remove(&seq.group);
+        }
+    }
+
+    /// Cancels groups whose reader went away during this step.
+    fn cancel_closed(&mut self) {
+        let closed: Vec<u64> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.sink_open)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in closed {
+            self.metrics.requests_cancelled.add(1);
+            self.remove_group(id);
+        }
+    }
+
+    fn update_gauges(&mut self) {
+        let usage = self.kv.usage();
+        let m = &self.metrics;
+        m.kv_blocks_used.set(f64::from(usage.used_blocks));
+        m.kv_blocks_cached.set(f64::from(
+            usage.cached_idle_blocks + usage.pinned_idle_blocks,
+        ));
+        m.kv_usage_perc.set(usage.used_fraction());
+        m.requests_running.set(self.running.len() as f64);
+        m.requests_waiting.set(self.waiting.len() as f64);
+        let preempted = self
+            .waiting
+            .iter()
+            .filter(|k| {
+                self.seqs
+                    .get(k)
+                    .and_then(|s| self.groups.get(&s.group))
+                    .is_some_and(|g| g.admitted_once)
+            })
+            .count();
+        m.requests_preempted_waiting.set(preempted as f64);
+        let evictions = self.kv.stats().evictions;
+        m.kv_evictions
+            .add(evictions.saturating_sub(self.kv_evictions_seen));
+        self.kv_evictions_seen = evictions;
+    }
+}

@@ -1,0 +1,240 @@
+//! [`EngineHandle`]: the thread-safe front door of the engine. Submitting checks everything that can be
+//! checked without the scheduler (sizes against the context and the KV pool, queue length, shutdown)
+//! and hands the request to the engine thread over a channel; the returned [`RequestGuard`] cancels the
+//! request when dropped, so a caller that goes away (client disconnect, timeout) frees its KV blocks at
+//! once without doing anything.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::backend::TextCodec;
+use crate::metrics::EngineMetrics;
+use crate::request::{EventSink, GenerateRequest, SubmitError};
+
+/// What the engine serves and how big it is; fixed at start.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// The model's name as clients address it (`model` in requests).
+    pub model_name: String,
+    /// Longest sequence (prompt + generation) the model accepts.
+    pub max_model_len: usize,
+    pub vocab_size: usize,
+    pub block_size_tokens: usize,
+    pub num_blocks: usize,
+    /// Longest waiting queue before new requests are refused.
+    pub max_queue: usize,
+    pub prefix_caching: bool,
+}
+
+pub(crate) enum Command {
+    Submit {
+        id: u64,
+        request: Box<GenerateRequest>,
+        sink: Box<dyn EventSink>,
+    },
+    Cancel {
+        id: u64,
+    },
+    /// Fail every request with `ShuttingDown` and refuse nothing new (the handle already does).
+    AbortAll,
+    /// Leave the loop; pending requests are failed first.
+    Stop,
+}
+
+pub(crate) struct Shared {
+    pub(crate) info: EngineInfo,
+    pub(crate) metrics: Arc<EngineMetrics>,
+    /// Requests submitted and not yet scheduled for the first time (the queue that `max_queue` bounds).
+    pub(crate) queued: AtomicUsize,
+    pub(crate) shutting_down: AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn new(info: EngineInfo, metrics: Arc<EngineMetrics>) -> Self {
+        Self {
+            info,
+            metrics,
+            queued: AtomicUsize::new(0),
+            shutting_down: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    shared: Arc<Shared>,
+    codec: Arc<dyn TextCodec>,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("info", &self.shared.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineHandle {
+    pub(crate) fn new(
+        commands: Sender<Command>,
+        shared: Arc<Shared>,
+        codec: Arc<dyn TextCodec>,
+        thread: JoinHandle<()>,
+    ) -> Self {
+        Self {
+            commands,
+            shared,
+            codec,
+            thread: Arc::new(Mutex::new(Some(thread))),
+        }
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.shared.info
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.shared.metrics
+    }
+
+    pub fn codec(&self) -> &Arc<dyn TextCodec> {
+        &self.codec
+    }
+
+    /// Requests waiting for their first step.
+    pub fn queued(&self) -> usize {
+        self.shared.queued.load(Ordering::Relaxed)
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shared.shutting_down.load(Ordering::Relaxed)
+    }
+
+    /// Checks `request` and queues it; its events go to `sink`. Dropping the guard cancels it.
+    pub fn submit(
+        &self,
+        request: GenerateRequest,
+        sink: impl EventSink,
+    ) -> Result<RequestGuard, SubmitError> {
+        if self.is_shutting_down() {
+            return Err(SubmitError::ShuttingDown);
+        }
+        check_request(&self.shared.info, &request).inspect_err(|e| {
+            if matches!(e, SubmitError::CannotFit { .. }) {
+                self.shared.metrics.requests_rejected_too_large.add(1);
+            }
+        })?;
+        let max_queue = self.shared.info.max_queue;
+        // Reserve a queue slot; a concurrent submit may race us past the limit by at most its own slot.
+        let waiting = self.shared.queued.fetch_add(1, Ordering::Relaxed);
+        if waiting >= max_queue {
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            self.shared.metrics.requests_rejected_queue_full.add(1);
+            return Err(SubmitError::QueueFull { waiting, max_queue });
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let command = Command::Submit {
+            id,
+            request: Box::new(request),
+            sink: Box::new(sink),
+        };
+        if self.commands.send(command).is_err() {
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(RequestGuard {
+            id,
+            commands: self.commands.clone(),
+        })
+    }
+
+    /// Refuses new requests from now on; running ones continue.
+    pub fn begin_shutdown(&self) {
+        self.shared.shutting_down.store(true, Ordering::Relaxed);
+    }
+
+    /// Fails every queued and running request with `ShuttingDown`, freeing their blocks.
+    pub fn abort_all(&self) {
+        let _ = self.commands.send(Command::AbortAll);
+    }
+
+    /// Stops the engine thread (failing anything still in it) and waits for it to exit.
+    pub fn stop(&self) {
+        self.begin_shutdown();
+        let _ = self.commands.send(Command::Stop);
+        let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Checks that hold for a request whatever else is running.
+fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitError> {
+    if r.prompt_tokens.is_empty() {
+        return Err(SubmitError::EmptyPrompt);
+    }
+    if r.n == 0 {
+        return Err(SubmitError::ZeroChoices);
+    }
+    if let Some(&token_id) = r
+        .prompt_tokens
+        .iter()
+        .find(|&&t| t as usize >= info.vocab_size)
+    {
+        return Err(SubmitError::TokenOutOfVocab {
+            token_id,
+            vocab_size: info.vocab_size,
+        });
+    }
+    let prompt_tokens = r.prompt_tokens.len();
+    let max_tokens = r.max_tokens as usize;
+    let total = prompt_tokens + max_tokens;
+    if total > info.max_model_len {
+        return Err(SubmitError::ContextExceeded {
+            prompt_tokens,
+            max_tokens,
+            max_model_len: info.max_model_len,
+            excess: total - info.max_model_len,
+        });
+    }
+    // One choice must fit in the pool on its own; choices beyond the first can wait or be preempted.
+    // The last generated token never needs a slot (it is never fed back), hence `total - 1`.
+    let needed_tokens = total - 1;
+    let needed_blocks = needed_tokens.div_ceil(info.block_size_tokens);
+    if needed_blocks > info.num_blocks {
+        return Err(SubmitError::CannotFit {
+            needed_tokens,
+            needed_blocks,
+            capacity_tokens: info.num_blocks * info.block_size_tokens,
+            total_blocks: info.num_blocks,
+        });
+    }
+    Ok(())
+}
+
+/// Cancels its request when dropped (no-op when the request already finished).
+#[derive(Debug)]
+pub struct RequestGuard {
+    id: u64,
+    commands: Sender<Command>,
+}
+
+impl RequestGuard {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Cancel { id: self.id });
+    }
+}

@@ -1,0 +1,337 @@
+//! The engine's counters, gauges and latency histograms, written by the engine thread and read by
+//! `/metrics` (Prometheus text exposition format). Everything is a relaxed atomic: a scrape may see one
+//! counter a step ahead of another, never a torn value. Cost per update: one atomic add.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A monotonically increasing count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down, stored as f64 bits.
+#[derive(Debug, Default)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub fn set(&self, v: f64) {
+        self.0.store(v.to_bits(), Ordering::Relaxed);
+    }
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+/// Latency buckets in seconds, from 1 ms to 5 min (the span between a cached decode step and a long
+/// queued prefill on a CPU).
+const LATENCY_BUCKETS_S: [f64; 18] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+    80.0, 300.0,
+];
+
+/// A cumulative histogram of durations with fixed buckets.
+#[derive(Debug)]
+pub struct Histogram {
+    /// `counts[i]` = observations ≤ `LATENCY_BUCKETS_S[i]` and > the bucket before (not cumulative).
+    counts: [AtomicU64; LATENCY_BUCKETS_S.len()],
+    overflow: AtomicU64,
+    sum_us: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self {
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            overflow: AtomicU64::new(0),
+            sum_us: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        match LATENCY_BUCKETS_S.iter().position(|&b| s <= b) {
+            Some(i) => self.counts[i].fetch_add(1, Ordering::Relaxed),
+            None => self.overflow.fetch_add(1, Ordering::Relaxed),
+        };
+        self.sum_us
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum::<u64>()
+            + self.overflow.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, c) in LATENCY_BUCKETS_S.iter().zip(&self.counts) {
+            cumulative += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        cumulative += self.overflow.load(Ordering::Relaxed);
+        let sum_s = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {cumulative}\n{name}_sum {sum_s}\n{name}_count {cumulative}"
+        );
+    }
+}
+
+/// Every metric the engine exports. Names follow vLLM's `vllm:` style under the `kura:` prefix.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    // KV cache
+    pub kv_blocks_total: Gauge,
+    /// Blocks referenced by at least one live request.
+    pub kv_blocks_used: Gauge,
+    /// Unreferenced blocks that still hold a cached prefix (reusable until evicted).
+    pub kv_blocks_cached: Gauge,
+    pub kv_usage_perc: Gauge,
+    pub prefix_queries_tokens: Counter,
+    pub prefix_hits_tokens: Counter,
+    /// Hits on blocks another request was still computing: tokens that were waited for, not recomputed.
+    pub prefix_pending_hit_tokens: Counter,
+    /// Steps in which a request was held back waiting for another request's pending blocks.
+    pub pending_waits: Counter,
+    pub kv_evictions: Counter,
+    // scheduling
+    pub requests_running: Gauge,
+    pub requests_waiting: Gauge,
+    pub requests_preempted_waiting: Gauge,
+    pub preemptions: Counter,
+    pub steps: Counter,
+    // tokens
+    pub prompt_tokens: Counter,
+    /// Prompt tokens whose K/V this engine actually computed (prompt minus cache hits and waits).
+    pub prompt_tokens_computed: Counter,
+    pub generation_tokens: Counter,
+    // requests
+    pub requests_finished_stop: Counter,
+    pub requests_finished_length: Counter,
+    pub requests_cancelled: Counter,
+    pub requests_failed: Counter,
+    pub requests_rejected_queue_full: Counter,
+    pub requests_rejected_too_large: Counter,
+    // latency
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+}
+
+impl EngineMetrics {
+    /// Prometheus text exposition of every metric.
+    pub fn render_prometheus(&self) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        };
+        gauge(
+            &mut out,
+            "kura:kv_cache_usage_perc",
+            "Fraction of KV blocks referenced by live requests (1 = full).",
+            self.kv_usage_perc.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_cache_blocks_total",
+            "KV blocks in the pool.",
+            self.kv_blocks_total.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_cache_blocks_used",
+            "KV blocks referenced by live requests.",
+            self.kv_blocks_used.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_cache_blocks_cached",
+            "Unreferenced KV blocks still holding a reusable cached prefix.",
+            self.kv_blocks_cached.get(),
+        );
+        counter(
+            &mut out,
+            "kura:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            self.prefix_queries_tokens.get(),
+        );
+        counter(
+            &mut out,
+            "kura:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache (computed or still being computed).",
+            self.prefix_hits_tokens.get(),
+        );
+        counter(
+            &mut out,
+            "kura:prefix_cache_pending_hits_total",
+            "Prompt tokens reused from blocks another request was still computing.",
+            self.prefix_pending_hit_tokens.get(),
+        );
+        counter(
+            &mut out,
+            "kura:prefix_cache_pending_waits_total",
+            "Scheduler steps in which a request waited for another request's pending blocks.",
+            self.pending_waits.get(),
+        );
+        counter(
+            &mut out,
+            "kura:kv_cache_evictions_total",
+            "Cached KV blocks evicted to make room.",
+            self.kv_evictions.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:num_requests_running",
+            "Requests scheduled (holding KV blocks).",
+            self.requests_running.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:num_requests_waiting",
+            "Requests queued, including preempted ones.",
+            self.requests_waiting.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:num_requests_preempted_waiting",
+            "Preempted requests waiting to resume.",
+            self.requests_preempted_waiting.get(),
+        );
+        counter(
+            &mut out,
+            "kura:num_preemptions_total",
+            "Requests preempted because KV blocks ran out.",
+            self.preemptions.get(),
+        );
+        counter(
+            &mut out,
+            "kura:engine_steps_total",
+            "Forward steps run by the engine.",
+            self.steps.get(),
+        );
+        counter(
+            &mut out,
+            "kura:prompt_tokens_total",
+            "Prompt tokens of admitted requests.",
+            self.prompt_tokens.get(),
+        );
+        counter(
+            &mut out,
+            "kura:prompt_tokens_computed_total",
+            "Prompt tokens whose KV was computed (not reused); recomputation after preemption included.",
+            self.prompt_tokens_computed.get(),
+        );
+        counter(
+            &mut out,
+            "kura:generation_tokens_total",
+            "Tokens generated.",
+            self.generation_tokens.get(),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kura:request_success_total Requests finished, by finish reason.\n\
+             # TYPE kura:request_success_total counter\n\
+             kura:request_success_total{{finished_reason=\"stop\"}} {}\n\
+             kura:request_success_total{{finished_reason=\"length\"}} {}",
+            self.requests_finished_stop.get(),
+            self.requests_finished_length.get()
+        );
+        counter(
+            &mut out,
+            "kura:request_cancelled_total",
+            "Requests cancelled before finishing (client gone, shutdown).",
+            self.requests_cancelled.get(),
+        );
+        counter(
+            &mut out,
+            "kura:request_failed_total",
+            "Requests that failed in the engine.",
+            self.requests_failed.get(),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kura:request_rejected_total Requests refused at admission, by reason.\n\
+             # TYPE kura:request_rejected_total counter\n\
+             kura:request_rejected_total{{reason=\"queue_full\"}} {}\n\
+             kura:request_rejected_total{{reason=\"cannot_fit\"}} {}",
+            self.requests_rejected_queue_full.get(),
+            self.requests_rejected_too_large.get()
+        );
+        self.ttft.render(
+            &mut out,
+            "kura:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+        );
+        self.itl.render(
+            &mut out,
+            "kura:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a choice.",
+        );
+        self.e2e.render(
+            &mut out,
+            "kura:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+        );
+        self.queue_time.render(
+            &mut out,
+            "kura:request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_count_overflow() {
+        let h = Histogram::default();
+        h.observe(Duration::from_micros(500));
+        h.observe(Duration::from_millis(30));
+        h.observe(Duration::from_secs(1000));
+        let mut out = String::new();
+        h.render(&mut out, "x", "help");
+        assert!(out.contains("x_bucket{le=\"0.001\"} 1\n"));
+        assert!(out.contains("x_bucket{le=\"0.05\"} 2\n"));
+        assert!(out.contains("x_bucket{le=\"300\"} 2\n"));
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"));
+        assert!(out.contains("x_count 3\n"));
+        assert_eq!(h.count(), 3);
+    }
+
+    #[test]
+    fn exposition_names_the_documented_metrics() {
+        let m = EngineMetrics::default();
+        m.prefix_hits_tokens.add(32);
+        m.kv_usage_perc.set(0.25);
+        let text = m.render_prometheus();
+        assert!(text.contains("kura:prefix_cache_hits_total 32\n"));
+        assert!(text.contains("kura:kv_cache_usage_perc 0.25\n"));
+        assert!(text.contains("# TYPE kura:time_to_first_token_seconds histogram"));
+    }
+}

@@ -1,0 +1,95 @@
+//! `kura-model` behind the engine's seams: [`ModelCodec`] (tokenizer and chat template) and
+//! [`ModelExecutor`] (the forward pass over a [`KvStorage`] sized by the engine's pool).
+
+use std::sync::Arc;
+
+use kura_kv::storage::KvStorage;
+use kura_model::{Model, SeqBatchItem};
+
+use crate::backend::{ChatMessage, Executor, SeqInput, TextCodec};
+
+/// The served model's tokenizer and chat template.
+pub struct ModelCodec {
+    model: Arc<Model>,
+}
+
+impl ModelCodec {
+    pub fn new(model: Arc<Model>) -> Self {
+        Self { model }
+    }
+}
+
+impl TextCodec for ModelCodec {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.model
+            .tokenizer()
+            .encode(text, true)
+            .map_err(|e| e.to_string())
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        // A decoding failure (an id the vocabulary lacks) shows as the replacement character rather
+        // than failing a request that the model itself produced.
+        self.model
+            .tokenizer()
+            .decode(ids, true)
+            .unwrap_or_else(|_| "\u{FFFD}".to_string())
+    }
+
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        let messages: Vec<kura_model::ChatMessage> = messages
+            .iter()
+            .map(|m| kura_model::ChatMessage::new(m.role.clone(), m.content.clone()))
+            .collect();
+        self.model
+            .chat_template()
+            .render(&messages, true)
+            .map_err(|e| e.to_string())
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.model.tokenizer().stop_token_ids
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+}
+
+/// The model's forward pass over the engine's KV storage.
+pub struct ModelExecutor {
+    model: Arc<Model>,
+    storage: KvStorage,
+}
+
+impl ModelExecutor {
+    pub fn new(model: Arc<Model>, storage: KvStorage) -> Self {
+        Self { model, storage }
+    }
+}
+
+impl Executor for ModelExecutor {
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String> {
+        let items: Vec<SeqBatchItem<'_>> = batch
+            .iter()
+            .map(|s| SeqBatchItem {
+                tokens: s.tokens,
+                start_pos: s.start_pos,
+                block_table: s.block_table,
+            })
+            .collect();
+        let logits = self
+            .model
+            .forward(&items, &mut self.storage)
+            .map_err(|e| e.to_string())?;
+        Ok((0..logits.num_rows())
+            .map(|i| logits.row(i).to_vec())
+            .collect())
+    }
+
+    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
+        self.storage
+            .copy_block_prefix(src as usize, dst as usize, num_tokens)
+            .expect("the KV manager hands out block ids within the pool");
+    }
+}

@@ -1,0 +1,218 @@
+//! What a caller hands the engine (a [`GenerateRequest`]) and what comes back (a stream of
+//! [`EngineEvent`]s through an [`EventSink`]).
+//!
+//! The engine is synchronous and owns no async runtime: a caller (the HTTP server) gives it a sink, a
+//! closure that forwards each event into whatever channel the caller reads. A sink that reports the
+//! reader gone (`false`) cancels the request, exactly as dropping its [`crate::RequestGuard`] does.
+
+use serde::Serialize;
+
+/// How the next token is chosen. Neutral values (temperature 1, top_p 1, no top_k, min_p 0, no
+/// penalties) leave the model's distribution unchanged; temperature 0 is greedy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingOptions {
+    pub temperature: f32,
+    pub top_p: f32,
+    /// `None` keeps every token.
+    pub top_k: Option<u32>,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Multiplicative penalty on tokens already in prompt or output (1 = none), as in HF transformers.
+    pub repetition_penalty: f32,
+    /// With a seed, the same request yields the same tokens; choice `i` of `n` uses `seed + i`.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingOptions {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+        }
+    }
+}
+
+/// One generation request, already tokenized and validated by the caller.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt_tokens: Vec<u32>,
+    pub sampling: SamplingOptions,
+    /// Upper bound on generated tokens per choice.
+    pub max_tokens: u32,
+    /// Number of choices; choices 1.. fork the prompt's blocks of choice 0 instead of recomputing them.
+    pub n: u32,
+    /// Generation stops before any of these strings; the string itself is not returned.
+    pub stop: Vec<String>,
+    /// Generation also stops after any of these token ids (in addition to the model's end-of-sequence).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// Lower runs first (vLLM's convention); 0 is the default. Ties are served first come, first served.
+    pub priority: i32,
+    /// Requests share cached blocks only when their salts are equal (tenant isolation).
+    pub cache_salt: Option<String>,
+    /// `Some(k)`: report the sampled token's logprob and the `k` most likely alternatives.
+    pub logprobs: Option<u32>,
+}
+
+impl GenerateRequest {
+    /// A greedy request with defaults for everything else; handy for tests and tools.
+    pub fn greedy(prompt_tokens: Vec<u32>, max_tokens: u32) -> Self {
+        Self {
+            prompt_tokens,
+            sampling: SamplingOptions {
+                temperature: 0.0,
+                ..SamplingOptions::default()
+            },
+            max_tokens,
+            n: 1,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            priority: 0,
+            cache_salt: None,
+            logprobs: None,
+        }
+    }
+}
+
+/// Why a choice stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End-of-sequence token, stop token or stop string.
+    Stop,
+    /// `max_tokens` reached, or the model's context is full.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Log-probability of one candidate token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenCandidate {
+    pub token_id: u32,
+    pub text: String,
+    pub logprob: f32,
+}
+
+/// The sampled token's log-probability and the most likely alternatives at that position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub sampled: TokenCandidate,
+    pub top: Vec<TokenCandidate>,
+}
+
+/// Token accounting of a whole request (all choices).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// Prompt tokens whose KV came from the prefix cache (or from another request's blocks in flight)
+    /// instead of being computed for this request.
+    pub cached_tokens: u32,
+}
+
+/// Everything the engine reports about a request, in order: any number of `Delta`s and one
+/// `Finished` per choice, then one `Done` — or a single `Failed` at any point, after which nothing follows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// New text of one choice. `text` may be empty while a multi-byte character or a possible stop
+    /// string is still incomplete; `token_ids` then still lists the tokens.
+    Delta {
+        choice: u32,
+        text: String,
+        token_ids: Vec<u32>,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finished {
+        choice: u32,
+        reason: FinishReason,
+    },
+    Done {
+        usage: Usage,
+    },
+    Failed(RequestError),
+}
+
+/// Why a running request ended without finishing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("the server is shutting down; the request was cancelled before it finished")]
+    ShuttingDown,
+    #[error("the model failed while running this request: {0}")]
+    Model(String),
+    #[error(
+        "the request needs {needed_blocks} KV blocks at once but the pool has only {total_blocks}; \
+         lower max_tokens or n, or raise --kv-cache-memory"
+    )]
+    CannotFit {
+        needed_blocks: usize,
+        total_blocks: usize,
+    },
+}
+
+/// Where the engine sends a request's events. Returns `false` when the reader is gone, which cancels
+/// the request.
+pub trait EventSink: Send + 'static {
+    fn send(&mut self, event: EngineEvent) -> bool;
+}
+
+impl<F> EventSink for F
+where
+    F: FnMut(EngineEvent) -> bool + Send + 'static,
+{
+    fn send(&mut self, event: EngineEvent) -> bool {
+        self(event)
+    }
+}
+
+/// Why the engine refused a request at the door. Each variant is the caller's to act on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("n must be at least 1")]
+    ZeroChoices,
+    #[error("token id {token_id} is outside the vocabulary of {vocab_size} tokens")]
+    TokenOutOfVocab { token_id: u32, vocab_size: usize },
+    #[error(
+        "this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens} \
+         and max_tokens asks for {max_tokens} more, {excess} tokens too many"
+    )]
+    ContextExceeded {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        max_model_len: usize,
+        excess: usize,
+    },
+    #[error(
+        "the request needs {needed_tokens} tokens of KV cache ({needed_blocks} blocks) but the whole pool \
+         holds {capacity_tokens} tokens ({total_blocks} blocks); lower max_tokens or n, or raise \
+         --kv-cache-memory"
+    )]
+    CannotFit {
+        needed_tokens: usize,
+        needed_blocks: usize,
+        capacity_tokens: usize,
+        total_blocks: usize,
+    },
+    #[error("the queue is full ({waiting} requests waiting, limit {max_queue}); retry later")]
+    QueueFull { waiting: usize, max_queue: usize },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}

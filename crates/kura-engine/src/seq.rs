@@ -1,0 +1,138 @@
+//! Per-request and per-choice state kept by the engine thread: a [`Group`] is one submitted request
+//! (its sink, its parameters, its usage), a [`Seq`] is one of its choices as the scheduler sees it (its
+//! tokens, its KV sequence while it holds blocks, its sampler, detokenizer and stop checker).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kura_kv::{CacheKey, SeqId};
+use kura_model::{Sampler, SamplingParams, StopChecker};
+
+use crate::backend::TextCodec;
+use crate::request::{EngineEvent, EventSink, GenerateRequest, Usage};
+
+/// Key of a sequence in the engine's tables (never reused).
+pub(crate) type SeqKey = u64;
+
+/// One submitted request and everything shared by its choices.
+pub(crate) struct Group {
+    pub sink: Box<dyn EventSink>,
+    /// `false` once the sink reported its reader gone; the group is then cancelled.
+    pub sink_open: bool,
+    pub request: GenerateRequest,
+    pub key: CacheKey,
+    pub arrival: Instant,
+    /// Choices 1.. are forked from choice 0 once its prompt is computed.
+    pub forked: bool,
+    /// Choices not yet finished (counts unforked ones too).
+    pub live_choices: u32,
+    pub usage: Usage,
+    /// Prefix-cache accounting is done at the first admission only (recomputation is not a client hit).
+    pub admitted_once: bool,
+    pub first_token_at: Option<Instant>,
+}
+
+impl Group {
+    /// Sends an event; a closed sink marks the group for cancellation.
+    pub fn emit(&mut self, event: EngineEvent) {
+        if self.sink_open && !self.sink.send(event) {
+            self.sink_open = false;
+        }
+    }
+}
+
+/// One choice of a request.
+pub(crate) struct Seq {
+    pub group: u64,
+    pub choice: u32,
+    /// The KV sequence while this choice holds blocks (running); `None` while waiting or preempted.
+    pub kv: Option<SeqId>,
+    /// Prompt followed by every generated token. The KV of all but possibly the last are computed; when all
+    /// are, the last position's logits give the next token.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Order of (re)admission; among equal priorities the most recent is preempted first.
+    pub admitted_order: u64,
+    /// Computing tokens that are not a single decode step (a prompt, or recomputation after preemption).
+    pub prefilling: bool,
+    pub sampler: Sampler,
+    pub stop: StopChecker,
+    pub detok: Detokenizer,
+    pub last_token_at: Option<Instant>,
+}
+
+impl Seq {
+    pub fn new(group: u64, choice: u32, request: &GenerateRequest, eos: &[u32]) -> Self {
+        let s = &request.sampling;
+        let params = SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k.map_or(0, |k| k as usize),
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            seed: s.seed.map(|seed| seed.wrapping_add(u64::from(choice))),
+            logprobs: request.logprobs.map(|k| k as usize),
+        };
+        let mut stop_tokens = request.stop_token_ids.clone();
+        if !request.ignore_eos {
+            stop_tokens.extend_from_slice(eos);
+        }
+        Self {
+            group,
+            choice,
+            kv: None,
+            tokens: request.prompt_tokens.clone(),
+            prompt_len: request.prompt_tokens.len(),
+            admitted_order: 0,
+            prefilling: true,
+            sampler: Sampler::new(params, &request.prompt_tokens),
+            stop: StopChecker::new(stop_tokens, request.stop.clone()),
+            detok: Detokenizer::default(),
+            last_token_at: None,
+        }
+    }
+
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// Incremental detokenization over [`TextCodec::decode`]: decodes a short window of recent tokens and
+/// releases text only once it no longer ends in an incomplete UTF-8 character (the approach of HF TGI
+/// and vLLM). O(window) per token.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Detokenizer {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl Detokenizer {
+    pub fn push(&mut self, codec: &Arc<dyn TextCodec>, id: u32) -> String {
+        self.ids.push(id);
+        let prefix = codec.decode(&self.ids[self.prefix_offset..self.read_offset]);
+        let full = codec.decode(&self.ids[self.prefix_offset..]);
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            let text = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            text
+        } else {
+            String::new()
+        }
+    }
+
+    /// Whatever is still held back (an incomplete character at the end of generation).
+    pub fn flush(&mut self, codec: &Arc<dyn TextCodec>) -> String {
+        let prefix = codec.decode(&self.ids[self.prefix_offset..self.read_offset]);
+        let full = codec.decode(&self.ids[self.prefix_offset..]);
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        full.get(prefix.len()..).unwrap_or_default().to_string()
+    }
+}

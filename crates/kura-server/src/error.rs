@@ -1,0 +1,143 @@
+//! Every error the API returns, and the one place where errors become HTTP responses
+//! (`IntoResponse for ApiError`). Bodies have OpenAI's shape:
+//! `{"error": {"message", "type", "param", "code"}}`. Client errors are logged at debug level, server
+//! errors at error level.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use kura_engine::{RequestError, SubmitError};
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// A request the client must change: bad JSON, wrong types, values out of range, prompt too long.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<&'static str>,
+        code: Option<&'static str>,
+    },
+    #[error("the model `{requested}` does not exist; this server serves `{served}`")]
+    ModelNotFound { requested: String, served: String },
+    #[error("invalid API key; send `Authorization: Bearer <key>` with one of the server's keys")]
+    Unauthorized,
+    #[error("the request body is larger than the limit of {limit_bytes} bytes")]
+    BodyTooLarge { limit_bytes: usize },
+    #[error("{0}")]
+    QueueFull(String),
+    #[error("the server is shutting down and accepts no new requests")]
+    ShuttingDown,
+    #[error("no route for {0}")]
+    NotFound(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param,
+            code: None,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound { .. } | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn kind_and_code(&self) -> (&'static str, Option<&'static str>, Option<&'static str>) {
+        match self {
+            ApiError::InvalidRequest { param, code, .. } => {
+                ("invalid_request_error", *param, *code)
+            }
+            ApiError::ModelNotFound { .. } => (
+                "invalid_request_error",
+                Some("model"),
+                Some("model_not_found"),
+            ),
+            ApiError::Unauthorized => ("authentication_error", None, Some("invalid_api_key")),
+            ApiError::BodyTooLarge { .. } => {
+                ("invalid_request_error", None, Some("request_too_large"))
+            }
+            ApiError::QueueFull(_) => ("rate_limit_error", None, Some("queue_full")),
+            ApiError::ShuttingDown => ("service_unavailable_error", None, Some("shutting_down")),
+            ApiError::NotFound(_) => ("invalid_request_error", None, Some("unknown_url")),
+            ApiError::Internal(_) => ("server_error", None, None),
+        }
+    }
+
+    /// The OpenAI-shaped JSON body, also used as the payload of an error event inside an SSE stream.
+    pub fn body(&self) -> serde_json::Value {
+        let (kind, param, code) = self.kind_and_code();
+        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::QueueFull { .. } => ApiError::QueueFull(e.to_string()),
+            SubmitError::ShuttingDown => ApiError::ShuttingDown,
+            SubmitError::ContextExceeded { .. } => ApiError::InvalidRequest {
+                message: e.to_string(),
+                param: Some("max_tokens"),
+                code: Some("context_length_exceeded"),
+            },
+            SubmitError::CannotFit { .. } => ApiError::InvalidRequest {
+                message: e.to_string(),
+                param: Some("max_tokens"),
+                code: Some("kv_cache_capacity_exceeded"),
+            },
+            SubmitError::EmptyPrompt | SubmitError::TokenOutOfVocab { .. } => {
+                ApiError::invalid(e.to_string(), Some("prompt"))
+            }
+            SubmitError::ZeroChoices => ApiError::invalid(e.to_string(), Some("n")),
+        }
+    }
+}
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        match e {
+            RequestError::ShuttingDown => ApiError::ShuttingDown,
+            RequestError::CannotFit { .. } => ApiError::InvalidRequest {
+                message: e.to_string(),
+                param: Some("max_tokens"),
+                code: Some("kv_cache_capacity_exceeded"),
+            },
+            RequestError::Model(_) => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
+            tracing::error!(%status, error = %self, "request failed");
+        } else {
+            tracing::debug!(%status, error = %self, "request rejected");
+        }
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if matches!(self, ApiError::QueueFull(_) | ApiError::ShuttingDown) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if matches!(self, ApiError::Unauthorized) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
