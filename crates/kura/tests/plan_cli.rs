@@ -1,0 +1,251 @@
+//! `kura plan` end to end: the real binary on the default model file, catalog names, config files, and every
+//! kind of bad input getting a clear error.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn kura(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kura"))
+        .args(args)
+        .output()
+        .expect("run kura");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let (ok, out, err) = kura(args);
+    assert!(ok, "kura {args:?} failed: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
+fn default_model() -> PathBuf {
+    let p = kura_model::default_model_path();
+    assert!(
+        p.is_file(),
+        "default model missing at {}: run scripts/fetch-model.sh",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn plans_the_default_gguf_model_from_its_metadata() {
+    let model = default_model();
+    let r = json(&[
+        "plan",
+        "--model",
+        model.to_str().unwrap(),
+        "--kv-cache-memory",
+        "512MiB",
+        "--context",
+        "2048",
+        "--json",
+    ]);
+    assert_eq!(r["num_layers"], 30);
+    assert_eq!(r["num_kv_heads"], 3);
+    assert_eq!(r["head_dim"], 64);
+    // 2 (K, V) × 30 layers × 3 heads × 64 × 2 bytes (f16)
+    assert_eq!(r["kv_bytes_per_token"], 23_040);
+    assert_eq!(r["kv_bytes_per_request"], 23_040 * 2048);
+    assert_eq!(r["num_blocks"], (512u64 << 20) / (23_040 * 16));
+    assert_eq!(r["max_concurrency"], (512u64 << 20) / (23_040 * 2048));
+    assert_eq!(r["model_max_context"], 8192);
+    // Weights: the file's tensor bytes, exactly (the file is 98,362,432 bytes including its header).
+    assert_eq!(r["weights_exact"], true);
+    let w = r["weights_bytes"].as_u64().unwrap();
+    assert!(w > 90_000_000 && w < 98_362_432, "{w}");
+}
+
+#[test]
+fn the_table_names_every_term_of_the_breakdown() {
+    let (ok, out, err) = kura(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "L40S",
+        "--context",
+        "8192",
+    ]);
+    assert!(ok, "{err}");
+    for term in [
+        "KV per token",
+        "128.00 KiB",
+        "1.00 GiB",
+        "− weights",
+        "runtime overhead",
+        "activation peak",
+        "= KV budget",
+        "max concurrency",
+        "longest context",
+    ] {
+        assert!(out.contains(term), "missing '{term}' in:\n{out}");
+    }
+}
+
+#[test]
+fn config_files_and_directories_are_read() {
+    let dir = std::env::temp_dir().join(format!("kura-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, r#"{"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "head_dim": 128, "vocab_size": 32000, "intermediate_size": 11008}"#).unwrap();
+    // 32 layers, 32 kv heads, head dim 128, f32, batch 32, context 2,048: 64 GiB.
+    for model in [cfg.to_str().unwrap(), dir.to_str().unwrap()] {
+        let r = json(&[
+            "plan",
+            "--model",
+            model,
+            "--kv-dtype",
+            "f32",
+            "--batch",
+            "32",
+            "--context",
+            "2048",
+            "--kv-cache-memory",
+            "100GiB",
+            "--json",
+        ]);
+        assert_eq!(r["kv_bytes_total"], 64u64 << 30);
+    }
+    std::fs::write(&cfg, "{\"num_hidden_layers\": 2,").unwrap();
+    let (ok, _, err) = kura(&["plan", "--model", cfg.to_str().unwrap(), "--memory", "1GiB"]);
+    assert!(!ok && err.contains("not valid JSON"), "{err}");
+    std::fs::write(
+        &cfg,
+        r#"{"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = kura(&["plan", "--model", cfg.to_str().unwrap(), "--memory", "1GiB"]);
+    assert!(!ok && err.contains("'num_hidden_layers'"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "plan",
+                "--model",
+                "qwen2.5-32",
+                "--kv-cache-memory",
+                "1GiB",
+                "--context",
+                "10",
+            ],
+            "",
+        ),
+        (
+            &["plan", "--model", "lama-3.1-8b", "--memory", "80GiB"],
+            "closest: llama-3.1-8b",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "/no/such/config.json",
+                "--memory",
+                "80GiB",
+            ],
+            "no such file",
+        ),
+        (
+            &["plan", "--model", "llama-3.1-70b", "--gpu", "A100-80GB"],
+            "short by",
+        ),
+        (
+            &["plan", "--model", "llama-3.1-8b", "--gpu", "H1OO"],
+            "unknown accelerator 'H1OO'",
+        ),
+        (
+            &["plan", "--model", "llama-3.1-8b", "--memory", "12 parsecs"],
+            "cannot read '12 parsecs' as a size",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--memory",
+                "80GiB",
+                "--kv-dtype",
+                "f12",
+            ],
+            "unknown KV element format 'f12'",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--memory",
+                "80GiB",
+                "--block-size",
+                "0",
+            ],
+            "block size must be between 1 and 256",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--memory",
+                "80GiB",
+                "--tp",
+                "0",
+            ],
+            "tensor parallelism must be at least 1",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--memory",
+                "80GiB",
+                "--memory-utilization",
+                "1.5",
+            ],
+            "--memory-utilization must be in (0, 1]",
+        ),
+    ];
+    for (args, expected) in cases {
+        let (ok, _, err) = kura(args);
+        if expected.is_empty() {
+            // A unique prefix of a catalog name is accepted.
+            assert!(ok, "{args:?}: {err}");
+        } else {
+            assert!(!ok, "{args:?} should fail");
+            assert!(
+                err.contains(expected),
+                "{args:?}: expected '{expected}' in: {err}"
+            );
+            assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        }
+    }
+}
+
+#[test]
+fn context_beyond_the_model_maximum_warns_and_still_computes() {
+    let r = json(&[
+        "plan",
+        "--model",
+        "llama-2-7b",
+        "--context",
+        "8192",
+        "--kv-cache-memory",
+        "40GiB",
+        "--json",
+    ]);
+    assert_eq!(r["kv_bytes_per_request"], 4u64 << 30);
+    assert!(r["warnings"][0]
+        .as_str()
+        .unwrap()
+        .contains("exceeds the model's maximum of 4096"));
+}
