@@ -165,7 +165,10 @@ pub struct RetentionRange {
 
 /// A pinned prefix (see [`KvCacheManager::pin_prefix`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PinId(u32);
+pub struct PinId {
+    index: u32,
+    generation: u32,
+}
 
 #[derive(Debug)]
 struct Pin {
@@ -205,7 +208,8 @@ pub struct KvCacheManager {
     seqs: Vec<SeqSlot>,
     free_seq_slots: Vec<u32>,
     spare_tables: Vec<Vec<BlockId>>,
-    pins: Vec<Option<Pin>>,
+    /// Pin slots: (generation, pin); a slot's generation changes when its pin is released.
+    pins: Vec<(u32, Option<Pin>)>,
     /// Indexed, computed, unreferenced, unpinned blocks: all reclaimable by eviction.
     num_idle: u32,
     /// Logical clock: one tick per allocation or release; orders LRU.
@@ -271,6 +275,7 @@ impl KvCacheManager {
         let expired: Vec<u32> = (0..self.pins.len() as u32)
             .filter(|&i| {
                 self.pins[i as usize]
+                    .1
                     .as_ref()
                     .and_then(|p| p.expires_at_ms)
                     .is_some_and(|t| t <= now)
@@ -945,32 +950,40 @@ impl KvCacheManager {
             blocks,
             expires_at_ms: ttl_ms.map(|t| self.now_ms.saturating_add(t)),
         };
-        let id = match self.pins.iter().position(Option::is_none) {
+        let index = match self.pins.iter().position(|(_, p)| p.is_none()) {
             Some(i) => {
-                self.pins[i] = Some(pin);
+                self.pins[i].1 = Some(pin);
                 i
             }
             None => {
-                self.pins.push(Some(pin));
+                self.pins.push((0, Some(pin)));
                 self.pins.len() - 1
             }
         };
-        (PinId(id as u32), pinned)
+        let id = PinId {
+            index: index as u32,
+            generation: self.pins[index].0,
+        };
+        (id, pinned)
     }
 
-    /// Releases a pin.
+    /// Releases a pin. A pin that expired or was released already is an [`KvError::UnknownPin`].
     pub fn unpin(&mut self, pin: PinId) -> Result<(), KvError> {
-        if self.pins.get(pin.0 as usize).is_none_or(Option::is_none) {
-            return Err(KvError::UnknownPin(pin.0));
+        match self.pins.get(pin.index as usize) {
+            Some((generation, Some(_))) if *generation == pin.generation => {
+                self.release_pin(pin.index);
+                Ok(())
+            }
+            _ => Err(KvError::UnknownPin(pin.index)),
         }
-        self.release_pin(pin.0);
-        Ok(())
     }
 
     fn release_pin(&mut self, i: u32) {
-        let Some(pin) = self.pins[i as usize].take() else {
+        let slot = &mut self.pins[i as usize];
+        let Some(pin) = slot.1.take() else {
             return;
         };
+        slot.0 = slot.0.wrapping_add(1);
         for &b in pin.blocks.iter().rev() {
             let m = &mut self.pool.meta[b as usize];
             m.pin_count -= 1;

@@ -95,6 +95,19 @@ impl KvCacheManager {
         best
     }
 
+    /// The token ids a sequence's block table holds, read back block by block.
+    #[doc(hidden)]
+    pub fn sequence_tokens(&self, id: super::SeqId) -> Result<Vec<u32>, crate::KvError> {
+        let seq = self.seq(id)?;
+        let bs = self.config.block_size;
+        let mut out = Vec::with_capacity(seq.num_tokens);
+        for (i, &b) in seq.table.iter().enumerate() {
+            let n = (seq.num_tokens - i * bs).min(bs);
+            out.extend_from_slice(&self.pool.tokens_of(b)[..n]);
+        }
+        Ok(out)
+    }
+
     /// Checks every invariant of the manager's state; returns the first violation found.
     #[doc(hidden)]
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -118,7 +131,7 @@ impl KvCacheManager {
             }
         }
         let mut pins = vec![0u32; n];
-        for p in self.pins.iter().flatten() {
+        for p in self.pins.iter().filter_map(|(_, p)| p.as_ref()) {
             for &b in &p.blocks {
                 pins[b as usize] += 1;
             }

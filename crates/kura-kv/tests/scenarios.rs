@@ -518,7 +518,10 @@ fn out_of_blocks_is_a_value_and_changes_nothing() {
     kv.check_invariants().unwrap();
 }
 
-struct Recorder(Arc<Mutex<Vec<(u32, Vec<u32>, bool)>>>);
+/// (block, tokens, has a parent) of each evicted block.
+type Seen = Arc<Mutex<Vec<(u32, Vec<u32>, bool)>>>;
+
+struct Recorder(Seen);
 
 impl EvictionHook for Recorder {
     fn on_evict(&mut self, block: &EvictedBlock<'_>) {
