@@ -1,0 +1,272 @@
+//! The engine on the real default model: reuse, early reuse, forking, preemption, cancellation and
+//! leak freedom, observed through events and metrics. Skipped (with a message) when the model file is
+//! absent; CI fetches it first.
+
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kura_engine::{
+    start_engine, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateRequest,
+    ModelCodec, ModelExecutor, RequestGuard, SubmitError, Usage,
+};
+use kura_kv::codec::KvDtype;
+use kura_kv::storage::KvStorage;
+use kura_model::Model;
+
+const BLOCK: usize = 16;
+
+fn model() -> Option<Arc<Model>> {
+    let path = kura_model::default_model_path();
+    if !path.exists() {
+        eprintln!(
+            "skipping: model {} not found (run scripts/fetch-model.sh)",
+            path.display()
+        );
+        return None;
+    }
+    Some(Arc::new(Model::load(&path).expect("default model loads")))
+}
+
+fn engine(model: &Arc<Model>, num_blocks: usize, max_num_batched_tokens: usize) -> EngineHandle {
+    let layout = model.kv_layout(KvDtype::F32, BLOCK).unwrap();
+    let storage = KvStorage::new(&layout, num_blocks).unwrap();
+    start_engine(
+        EngineConfig {
+            model_name: "test".into(),
+            max_model_len: model.config().max_context,
+            block_size_tokens: BLOCK,
+            num_blocks,
+            max_num_seqs: 64,
+            max_num_batched_tokens,
+            max_queue: 1000,
+            enable_prefix_caching: true,
+            model_fingerprint: "test".into(),
+        },
+        Box::new(ModelExecutor::new(model.clone(), storage)),
+        Arc::new(ModelCodec::new(model.clone())),
+    )
+    .unwrap()
+}
+
+fn submit(e: &EngineHandle, r: GenerateRequest) -> (RequestGuard, Receiver<EngineEvent>) {
+    let (tx, rx) = mpsc::channel();
+    let guard = e.submit(r, move |ev| tx.send(ev).is_ok()).unwrap();
+    (guard, rx)
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    texts: Vec<String>,
+    tokens: Vec<Vec<u32>>,
+    finish: Vec<Option<FinishReason>>,
+    usage: Usage,
+}
+
+fn wait(rx: &Receiver<EngineEvent>, n: usize) -> Outcome {
+    let mut o = Outcome {
+        texts: vec![String::new(); n],
+        tokens: vec![Vec::new(); n],
+        finish: vec![None; n],
+        ..Outcome::default()
+    };
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("engine answers")
+        {
+            EngineEvent::Delta {
+                choice,
+                text,
+                token_ids,
+                ..
+            } => {
+                o.texts[choice as usize].push_str(&text);
+                o.tokens[choice as usize].extend(token_ids);
+            }
+            EngineEvent::Finished { choice, reason } => o.finish[choice as usize] = Some(reason),
+            EngineEvent::Done { usage } => {
+                o.usage = usage;
+                return o;
+            }
+            EngineEvent::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+}
+
+fn metric(e: &EngineHandle, name: &str) -> f64 {
+    let text = e.metrics().render_prometheus();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing"))
+}
+
+fn prompt(model: &Model, words: usize, seed: usize) -> Vec<u32> {
+    let text: String = (0..words)
+        .map(|i| format!("item{} ", (i * 7919 + seed * 104729) % 1000))
+        .collect();
+    model.tokenizer().encode(&text, true).unwrap()
+}
+
+/// Waits until the engine thread has updated its gauges after the last request.
+fn settle(e: &EngineHandle) {
+    for _ in 0..200 {
+        if metric(e, "kura:num_requests_running") == 0.0
+            && metric(e, "kura:kv_cache_blocks_used") == 0.0
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn same_prompt_twice_reuses_whole_blocks_and_gives_the_same_tokens() {
+    let Some(model) = model() else { return };
+    let e = engine(&model, 256, 512);
+    let p = prompt(&model, 150, 1);
+    let (_g, rx) = submit(&e, GenerateRequest::greedy(p.clone(), 12));
+    let cold = wait(&rx, 1);
+    let (_g, rx) = submit(&e, GenerateRequest::greedy(p.clone(), 12));
+    let warm = wait(&rx, 1);
+    assert_eq!(cold.usage.cached_tokens, 0);
+    let whole_blocks = (p.len() - 1) / BLOCK * BLOCK;
+    assert!(
+        warm.usage.cached_tokens as usize >= whole_blocks,
+        "cached {} < whole blocks {whole_blocks}",
+        warm.usage.cached_tokens
+    );
+    assert_eq!(cold.tokens, warm.tokens);
+    assert_eq!(cold.texts, warm.texts);
+    assert_eq!(warm.usage.prompt_tokens as usize, p.len());
+    assert_eq!(warm.usage.completion_tokens, 12);
+    settle(&e);
+    assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
+    e.stop();
+}
+
+#[test]
+fn different_salts_share_nothing() {
+    let Some(model) = model() else { return };
+    let e = engine(&model, 256, 512);
+    let p = prompt(&model, 80, 2);
+    let mut a = GenerateRequest::greedy(p.clone(), 2);
+    a.cache_salt = Some("a".into());
+    let mut b = a.clone();
+    b.cache_salt = Some("b".into());
+    let (_g, rx) = submit(&e, a);
+    wait(&rx, 1);
+    let (_g, rx) = submit(&e, b);
+    assert_eq!(wait(&rx, 1).usage.cached_tokens, 0);
+    e.stop();
+}
+
+#[test]
+fn concurrent_requests_compute_a_shared_prefix_once() {
+    let Some(model) = model() else { return };
+    // A small step budget makes the first request's prefill span many steps, so the others arrive
+    // while its blocks are still pending.
+    let e = engine(&model, 1024, 128);
+    let shared = prompt(&model, 200, 3);
+    let mut guards = Vec::new();
+    for i in 0..8 {
+        let mut p = shared.clone();
+        p.extend(prompt(&model, 3, 100 + i));
+        guards.push(submit(&e, GenerateRequest::greedy(p, 4)));
+    }
+    let mut total_prompt = 0;
+    let mut cached = 0;
+    for (_, rx) in &guards {
+        let o = wait(rx, 1);
+        total_prompt += o.usage.prompt_tokens as usize;
+        cached += o.usage.cached_tokens as usize;
+    }
+    let computed = metric(&e, "kura:prompt_tokens_computed_total") as usize;
+    let shared_blocks = shared.len() / BLOCK * BLOCK;
+    // Everything but the shared prefix's whole blocks is computed per request; those blocks once.
+    assert!(
+        computed <= total_prompt - 7 * shared_blocks,
+        "computed {computed} prompt tokens of {total_prompt}; shared prefix {shared_blocks}"
+    );
+    assert_eq!(computed, total_prompt - cached);
+    e.stop();
+}
+
+#[test]
+fn n_choices_fork_the_prompt_and_seeded_sampling_repeats() {
+    let Some(model) = model() else { return };
+    let e = engine(&model, 256, 512);
+    let p = prompt(&model, 40, 4);
+    let mut r = GenerateRequest::greedy(p.clone(), 8);
+    r.n = 3;
+    r.sampling.temperature = 0.9;
+    r.sampling.seed = Some(7);
+    let before = metric(&e, "kura:prompt_tokens_computed_total");
+    let (_g, rx) = submit(&e, r.clone());
+    let first = wait(&rx, 3);
+    assert_eq!(
+        metric(&e, "kura:prompt_tokens_computed_total") - before,
+        p.len() as f64,
+        "the prompt is computed once for all choices"
+    );
+    assert_eq!(
+        first.usage.completion_tokens as usize,
+        first.tokens.iter().map(Vec::len).sum::<usize>()
+    );
+    assert!(first.finish.iter().all(Option::is_some));
+    let mut again = r.clone();
+    again.cache_salt = Some("fresh".into());
+    let (_g, rx) = submit(&e, again);
+    assert_eq!(wait(&rx, 3).tokens, first.tokens, "same seed, same tokens");
+    e.stop();
+}
+
+#[test]
+fn a_full_pool_preempts_and_everything_completes_without_leaks() {
+    let Some(model) = model() else { return };
+    // 24 blocks of 16 = 384 tokens for 6 requests of ~60 + 60 tokens each: not all fit at once.
+    let e = engine(&model, 24, 256);
+    let mut guards = Vec::new();
+    for i in 0..6 {
+        let mut r = GenerateRequest::greedy(prompt(&model, 25, 10 + i), 60);
+        r.ignore_eos = true;
+        guards.push(submit(&e, r));
+    }
+    for (_, rx) in &guards {
+        let o = wait(rx, 1);
+        assert_eq!(o.usage.completion_tokens, 60);
+    }
+    assert!(metric(&e, "kura:num_preemptions_total") > 0.0);
+    settle(&e);
+    assert_eq!(
+        metric(&e, "kura:kv_cache_blocks_used"),
+        0.0,
+        "no block leaks"
+    );
+    e.stop();
+}
+
+#[test]
+fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
+    let Some(model) = model() else { return };
+    let e = engine(&model, 64, 256);
+    let mut r = GenerateRequest::greedy(prompt(&model, 30, 20), 400);
+    r.ignore_eos = true;
+    let (guard, rx) = submit(&e, r);
+    // Wait for the first token, then walk away.
+    loop {
+        if let EngineEvent::Delta { .. } = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            break;
+        }
+    }
+    assert!(metric(&e, "kura:kv_cache_blocks_used") > 0.0);
+    drop(guard);
+    settle(&e);
+    assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
+    assert_eq!(metric(&e, "kura:request_cancelled_total"), 1.0);
+
+    let too_big = GenerateRequest::greedy(prompt(&model, 30, 21), 64 * BLOCK as u32);
+    let err = e.submit(too_big, |_| true).unwrap_err();
+    assert!(matches!(err, SubmitError::CannotFit { .. }), "{err}");
+    e.stop();
+}
