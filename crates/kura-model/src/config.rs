@@ -70,14 +70,16 @@ impl ModelConfig {
                 self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
             ));
         }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return bad(format!(
                 "{} attention heads must be a non-zero multiple of {} kv heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim {} must be even and non-zero (RoPE rotates pairs)",
                 self.head_dim
@@ -181,7 +183,15 @@ impl ModelConfig {
             "mistral" => Arch::Mistral,
             other => return Err(ModelError::Architecture(other.to_string())),
         };
-        let rope_scaling = match &raw.rope_scaling {
+        // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
+        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        let rope_theta = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_theta)
+            .or(raw.rope_theta)
+            .unwrap_or(10_000.0);
+        let rope_scaling = match rope {
             None => None,
             Some(s) => {
                 let kind = s
@@ -208,11 +218,11 @@ impl ModelConfig {
             }
         };
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        let head_dim = raw.head_dim.unwrap_or(if raw.num_attention_heads > 0 {
-            raw.hidden_size / raw.num_attention_heads
-        } else {
-            0
-        });
+        let head_dim = raw.head_dim.unwrap_or(
+            raw.hidden_size
+                .checked_div(raw.num_attention_heads)
+                .unwrap_or(0),
+        );
         // Qwen2 configs carry `sliding_window` but only apply it when `use_sliding_window` is set.
         let sliding_window = match arch {
             Arch::Qwen2 if !raw.use_sliding_window.unwrap_or(false) => None,
@@ -229,7 +239,7 @@ impl ModelConfig {
             vocab_size: raw.vocab_size,
             max_context: raw.max_position_embeddings.unwrap_or(2048),
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            rope_theta,
             rope_style: RopeStyle::Half,
             rope_scaling,
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
@@ -249,6 +259,8 @@ struct HfRopeScaling {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
+    /// Newer checkpoints (`rope_parameters`) keep the base here.
+    rope_theta: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -265,6 +277,7 @@ struct HfConfig {
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
     rope_scaling: Option<HfRopeScaling>,
+    rope_parameters: Option<HfRopeScaling>,
     attention_bias: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,

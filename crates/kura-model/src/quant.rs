@@ -54,7 +54,8 @@ impl GgmlType {
 
     /// Bytes of `n` elements; `None` for unsupported types or a count that is not whole blocks.
     pub fn byte_size(self, n: usize) -> Option<usize> {
-        let blocks = |bytes_per_block: usize| (n % QK == 0).then_some(n / QK * bytes_per_block);
+        let blocks =
+            |bytes_per_block: usize| n.is_multiple_of(QK).then_some(n / QK * bytes_per_block);
         match self {
             GgmlType::F32 => Some(n * 4),
             GgmlType::F16 | GgmlType::Bf16 => Some(n * 2),

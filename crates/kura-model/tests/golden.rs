@@ -1,0 +1,160 @@
+//! Kura against HF transformers (float32, eager attention): last-position logits within 1e-3 and greedy
+//! tokens exactly, for the default model and tiny random Llama (llama3 RoPE scaling), Qwen2 (QKV bias,
+//! tied embeddings) and Mistral (sliding window) checkpoints. The vectors come from
+//! scripts/golden/make_golden.py.
+
+mod common;
+
+use kura_model::{ChatMessage, LoadOptions, Model, WeightsDtype};
+use serde_json::Value;
+
+const LOGIT_TOL: f32 = 1e-3;
+
+fn golden(name: &str) -> Value {
+    let path = common::golden_dir()
+        .join("golden")
+        .join(format!("{name}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// Max abs difference between Kura's logits and the reference's, over what the golden file stores
+/// (the full vector, or the top-64 and a strided sample).
+fn logit_diff(ours: &[f32], want: &Value) -> f32 {
+    assert_eq!(ours.len() as u64, want["vocab"].as_u64().unwrap());
+    let mut max = 0f32;
+    if let Some(full) = want.get("full") {
+        for (a, b) in ours.iter().zip(floats(full)) {
+            max = max.max((a - b).abs());
+        }
+    }
+    for (i, v) in ids(&want["top_ids"])
+        .into_iter()
+        .zip(floats(&want["top_values"]))
+    {
+        max = max.max((ours[i as usize] - v).abs());
+    }
+    let stride = want["sample_stride"].as_u64().unwrap() as usize;
+    for (k, v) in floats(&want["sample_values"]).into_iter().enumerate() {
+        max = max.max((ours[k * stride] - v).abs());
+    }
+    let mean = ours.iter().map(|x| *x as f64).sum::<f64>() / ours.len() as f64;
+    assert!(
+        (mean - want["mean"].as_f64().unwrap()).abs() < 1e-4,
+        "mean {mean} vs {}",
+        want["mean"]
+    );
+    max
+}
+
+fn check_cases(model: &Model, g: &Value, label: &str) -> f32 {
+    let mut worst = 0f32;
+    for case in g["cases"].as_array().unwrap() {
+        let prompt = ids(&case["ids"]);
+        let want = ids(&case["greedy"]);
+        let (got, logits) = common::greedy(model, &prompt, want.len(), 16, true);
+        let diff = logit_diff(&logits, &case["logits"]);
+        eprintln!(
+            "{label}: prompt of {} tokens, max |Δlogit| = {diff:.2e}",
+            prompt.len()
+        );
+        assert!(diff <= LOGIT_TOL, "{label}: logits differ by {diff}");
+        assert_eq!(got, want, "{label}: greedy tokens for prompt {prompt:?}");
+        worst = worst.max(diff);
+    }
+    worst
+}
+
+#[test]
+fn tiny_models_match_transformers() {
+    for name in ["llama", "qwen2", "mistral"] {
+        let dir = common::golden_dir().join(format!("tiny-{name}"));
+        // The checkpoints are stored in bf16, so f32 and bf16 compute weights hold the same values.
+        for dtype in [WeightsDtype::F32, WeightsDtype::Bf16] {
+            let model = Model::load_with(
+                &dir,
+                LoadOptions {
+                    weights_dtype: dtype,
+                },
+            )
+            .unwrap();
+            let g = golden(&format!("tiny-{name}"));
+            check_cases(&model, &g, &format!("tiny-{name} {dtype:?}"));
+            // The HF tokenizer.json path encodes as the reference did.
+            let text_case = &g["cases"].as_array().unwrap()[2];
+            let text = text_case["prompt"].as_str().unwrap();
+            assert_eq!(
+                model.tokenizer().encode(text, false).unwrap(),
+                ids(&text_case["ids"])
+            );
+        }
+    }
+}
+
+#[test]
+fn default_model_matches_transformers_f32() {
+    let model = Model::load_with(
+        &common::default_model_path(),
+        LoadOptions {
+            weights_dtype: WeightsDtype::F32,
+        },
+    )
+    .unwrap();
+    let g = golden("default_model");
+    // The text prompts tokenize as the reference tokenizer does.
+    for case in g["cases"].as_array().unwrap() {
+        if let Some(p) = case["prompt"].as_str() {
+            assert_eq!(
+                model.tokenizer().encode(p, true).unwrap(),
+                ids(&case["ids"]),
+                "prompt {p:?}"
+            );
+        }
+    }
+    check_cases(&model, &g, "SmolLM2 f32");
+}
+
+#[test]
+fn default_model_chat_template_matches_reference_ids() {
+    let model = Model::load(&common::default_model_path()).unwrap();
+    for t in golden("default_model")["chat_templates"]
+        .as_array()
+        .unwrap()
+    {
+        let messages: Vec<ChatMessage> = serde_json::from_value(t["messages"].clone()).unwrap();
+        let text = model.chat_template().render(&messages, true).unwrap();
+        assert_eq!(text, t["text"].as_str().unwrap());
+        assert_eq!(model.encode_chat(&messages, true).unwrap(), ids(&t["ids"]));
+    }
+}
+
+#[test]
+fn default_model_bf16_greedy_matches_reference() {
+    // bf16 weights round the dequantized values, so only the greedy path is compared (first 8 tokens).
+    let model = Model::load(&common::default_model_path()).unwrap();
+    for case in golden("default_model")["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(2)
+    {
+        let want = ids(&case["greedy"]);
+        let (got, _) = common::greedy(&model, &ids(&case["ids"]), 8, 16, true);
+        assert_eq!(got, want[..8], "bf16 greedy");
+    }
+}
