@@ -54,15 +54,16 @@ use crate::pool::{BlockId, BlockPool, MAX_PRIORITY, NO_BLOCK, NO_WRITER, ORPHAN}
 use crate::prefix::{Insert, PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
 
-/// Largest block size in tokens.
-pub const MAX_BLOCK_SIZE: usize = 256;
+/// Largest block size in tokens. Serving uses 1..=256; larger blocks (up to 1024) let the simulator replay
+/// traces at their own granularity (Mooncake's hash ids cover 512 tokens).
+pub const MAX_BLOCK_SIZE: usize = 1024;
 
 /// How the manager is built.
 #[derive(Clone, Debug)]
 pub struct KvCacheConfig {
     /// Blocks in the pool (the KV storage arena has as many).
     pub num_blocks: u32,
-    /// Tokens per block, 1..=256.
+    /// Tokens per block, 1..=[`MAX_BLOCK_SIZE`].
     pub block_size: usize,
     /// When false: no lookup ever hits and nothing is entered in the index.
     pub enable_prefix_caching: bool,
@@ -113,7 +114,7 @@ impl KvCacheConfig {
 }
 
 /// A sequence known to the manager.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId {
     index: u32,
     generation: u32,

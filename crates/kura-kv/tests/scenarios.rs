@@ -625,7 +625,7 @@ fn freed_sequences_and_bad_arguments_are_typed_errors() {
     assert_eq!(kv.free(seq), Err(KvError::UnknownSequence(seq)));
     assert!(kv.block_table(seq).is_err());
     assert!(KvCacheManager::new(KvCacheConfig::new(4, 0)).is_err());
-    assert!(KvCacheManager::new(KvCacheConfig::new(4, 257)).is_err());
+    assert!(KvCacheManager::new(KvCacheConfig::new(4, 1025)).is_err());
     assert!(KvCacheManager::new(KvCacheConfig::new(0, 16)).is_err());
 }
 

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod plan;
 mod serve;
+mod sim;
 
 #[derive(Parser)]
 #[command(
@@ -22,6 +23,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
     Serve(serve::ServeArgs),
+    /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
+    Sim(sim::SimArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -36,6 +39,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Sim(args) => sim::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
