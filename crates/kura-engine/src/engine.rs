@@ -200,6 +200,8 @@ impl Core {
             Command::AbortAll => self.fail_all(RequestError::ShuttingDown),
             Command::Stop => return false,
         }
+        // A cancellation may leave the engine idle (it then blocks without stepping): publish now.
+        self.update_gauges();
         true
     }
 

@@ -184,8 +184,10 @@ async fn authenticate(
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| {
+                let (scheme, key) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
+            });
         match presented.and_then(|k| s.api_keys.iter().position(|x| same_key(x, k))) {
             Some(i) => Tenant(Some(i)),
             None => return Err(ApiError::Unauthorized),
@@ -212,6 +214,45 @@ fn shape_hint(path: &str) -> Option<&'static str> {
     }
 }
 
+/// serde names Rust types ("expected i64"); clients think in JSON types.
+fn json_type_names(message: &str) -> String {
+    let mut m = message.to_string();
+    for (rust, json) in [
+        ("expected i64", "expected an integer"),
+        ("expected i32", "expected an integer"),
+        ("expected u32", "expected a non-negative integer"),
+        ("expected f32", "expected a number"),
+        ("expected a sequence", "expected an array"),
+        ("expected a boolean", "expected true or false"),
+    ] {
+        m = m.replace(rust, json);
+    }
+    m
+}
+
+fn parse_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    let message = match inner.classify() {
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+            format!("the request body is not valid JSON: {inner}")
+        }
+        _ if path == "." => format!("invalid request body: {inner}"),
+        _ => match shape_hint(&path) {
+            Some(hint) => format!("invalid value for `{path}`: {hint}"),
+            None => format!(
+                "invalid value for `{path}`: {}",
+                json_type_names(&inner.to_string())
+            ),
+        },
+    };
+    ApiError::invalid(message, None)
+}
+
+fn from_value<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(parse_error)
+}
+
 impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
     type Rejection = ApiError;
 
@@ -229,23 +270,33 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
             }
         })?;
         let mut de = serde_json::Deserializer::from_slice(&bytes);
-        serde_path_to_error::deserialize(&mut de)
-            .map(JsonBody)
-            .map_err(|e| {
-                let path = e.path().to_string();
-                let inner = e.into_inner();
-                let message = match inner.classify() {
-                    serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
-                        format!("the request body is not valid JSON: {inner}")
-                    }
-                    _ if path == "." => format!("invalid request body: {inner}"),
-                    _ => match shape_hint(&path) {
-                        Some(hint) => format!("invalid value for `{path}`: {hint}"),
-                        None => format!("invalid value for `{path}`: {inner}"),
-                    },
-                };
-                ApiError::invalid(message, None)
-            })
+        let value: serde_json::Value =
+            serde_path_to_error::deserialize(&mut de).map_err(parse_error)?;
+        if !value.is_object() {
+            return Err(ApiError::invalid(
+                "the request body must be a JSON object",
+                None,
+            ));
+        }
+        from_value(&value).map(JsonBody)
+    }
+}
+
+/// A generation request body: the endpoint's own fields and the shared ones, from one JSON object.
+struct ApiRequest<T> {
+    common: CommonParams,
+    own: T,
+}
+
+impl<T: DeserializeOwned> FromRequest<AppState> for ApiRequest<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let JsonBody(value) = JsonBody::<serde_json::Value>::from_request(req, state).await?;
+        Ok(ApiRequest {
+            common: from_value(&value)?,
+            own: from_value(&value)?,
+        })
     }
 }
 
@@ -317,11 +368,11 @@ fn response_id(prefix: &str) -> String {
 async fn completions(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    JsonBody(req): JsonBody<CompletionRequest>,
+    ApiRequest { common, own: req }: ApiRequest<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let model = s.engine.info().model_name.clone();
-    let user = req.common.user.clone();
-    let checked = validate::check_common(&req.common, &model, req.common.max_tokens)?;
+    let user = common.user.clone();
+    let checked = validate::check_common(&common, &model, common.max_tokens, "max_tokens")?;
     if req.echo {
         return Err(ApiError::invalid(
             "echo is not supported by this server",
@@ -382,12 +433,14 @@ fn one_prompt(got: usize) -> ApiError {
 async fn chat_completions(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    JsonBody(req): JsonBody<ChatCompletionRequest>,
+    ApiRequest { common, own: req }: ApiRequest<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let model = s.engine.info().model_name.clone();
-    let user = req.common.user.clone();
-    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
-    let checked = validate::check_common(&req.common, &model, max_tokens)?;
+    let user = common.user.clone();
+    let checked = match req.max_completion_tokens {
+        Some(m) => validate::check_common(&common, &model, Some(m), "max_completion_tokens")?,
+        None => validate::check_common(&common, &model, common.max_tokens, "max_tokens")?,
+    };
     let top = validate::check_logprobs("top_logprobs", req.top_logprobs)?;
     let logprobs = match (req.logprobs, top) {
         (true, top) => Some(top.unwrap_or(0)),

@@ -30,7 +30,8 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Fields shared by both endpoints.
+/// Fields shared by both endpoints, parsed from the same JSON object as the endpoint's own fields
+/// (two passes rather than `serde(flatten)`, which would lose the field names in type errors).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct CommonParams {
     pub model: Option<String>,
@@ -68,8 +69,6 @@ pub struct CompletionRequest {
     pub echo: bool,
     pub suffix: Option<String>,
     pub best_of: Option<i64>,
-    #[serde(flatten)]
-    pub common: CommonParams,
 }
 
 /// Message content: a string or a list of typed parts.
@@ -101,8 +100,6 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
-    #[serde(flatten)]
-    pub common: CommonParams,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -73,6 +73,7 @@ pub fn check_common(
     c: &CommonParams,
     served_model: &str,
     max_tokens: Option<i64>,
+    max_tokens_name: &'static str,
 ) -> Result<Checked, ApiError> {
     if let Some(model) = &c.model {
         if model != served_model {
@@ -87,8 +88,8 @@ pub fn check_common(
         Some(m) if (1..=u32::MAX as i64).contains(&m) => Some(m as u32),
         Some(m) => {
             return Err(ApiError::invalid(
-                format!("max_tokens must be at least 1, got {m}"),
-                Some("max_tokens"),
+                format!("{max_tokens_name} must be at least 1, got {m}"),
+                Some(max_tokens_name),
             ))
         }
     };
@@ -279,7 +280,7 @@ mod tests {
 
     #[test]
     fn defaults_are_neutral() {
-        let c = check_common(&common("{}"), "m", None).unwrap();
+        let c = check_common(&common("{}"), "m", None, "max_tokens").unwrap();
         assert_eq!(c.n, 1);
         assert_eq!(c.sampling, SamplingOptions::default());
         assert!(c.max_tokens.is_none());
@@ -295,18 +296,18 @@ mod tests {
             (r#"{"presence_penalty": -2.5}"#, "presence_penalty"),
             (r#"{"stop": [""]}"#, "stop"),
         ] {
-            let e = check_common(&common(body), "m", None).unwrap_err();
+            let e = check_common(&common(body), "m", None, "max_tokens").unwrap_err();
             match e {
                 ApiError::InvalidRequest { param: Some(p), .. } => assert_eq!(p, param, "{body}"),
                 other => panic!("{body}: {other:?}"),
             }
         }
         assert!(matches!(
-            check_common(&common("{}"), "m", Some(0)),
+            check_common(&common("{}"), "m", Some(0), "max_tokens"),
             Err(ApiError::InvalidRequest { .. })
         ));
         assert!(matches!(
-            check_common(&common(r#"{"model": "x"}"#), "m", None),
+            check_common(&common(r#"{"model": "x"}"#), "m", None, "max_tokens"),
             Err(ApiError::ModelNotFound { .. })
         ));
     }

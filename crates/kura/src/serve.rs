@@ -36,8 +36,9 @@ pub struct ServeArgs {
     /// KV pool size: bytes (`512MiB`, `2GB`) or a fraction of this machine's memory (`0.25`, `25%`).
     #[arg(long, default_value = "1GiB")]
     kv_cache_memory: String,
-    /// KV element format: f32, f16 or bf16.
-    #[arg(long, default_value = "f16")]
+    /// KV element format: f32, f16 or bf16. f32 keeps a request served from cached blocks bit-identical
+    /// to a cold one (seeded sampling included); f16/bf16 halve the memory.
+    #[arg(long, default_value = "f32")]
     kv_dtype: KvDtype,
     /// Most requests holding KV blocks at once.
     #[arg(long, default_value_t = 64)]

@@ -1,0 +1,116 @@
+"""The OpenAI API of `kura serve`, driven by the official `openai` client."""
+
+import httpx
+
+from conftest import long_text
+
+
+def test_models_health_and_tokenize(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.model()]
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"})
+    body = r.json()
+    assert r.status_code == 200
+    assert body["count"] == len(body["tokens"]) > 0
+
+
+def test_completion_non_streaming(server):
+    c = server.client().completions.create(
+        model=server.model(), prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    choice = c.choices[0]
+    assert "Paris" in choice.text
+    assert choice.finish_reason in ("stop", "length")
+    assert c.usage.prompt_tokens > 0
+    assert c.usage.completion_tokens <= 8
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert c.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_completion_streaming_matches_non_streaming(server):
+    client = server.client()
+    kw = dict(model=server.model(), prompt="Once upon a time", max_tokens=24, temperature=0)
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens > 0
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+
+
+def test_chat_non_streaming_and_streaming(server):
+    client = server.client()
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    r = client.chat.completions.create(model=server.model(), messages=messages, max_tokens=20, temperature=0)
+    answer = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert "Paris" in answer
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(
+        model=server.model(), messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == answer
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_n_choices(server):
+    r = server.client().completions.create(
+        model=server.model(), prompt="My favourite colour is", max_tokens=10, temperature=1.0, n=3, seed=5
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason for c in r.choices)
+    assert r.usage.completion_tokens >= 3
+    chat = server.client().chat.completions.create(
+        model=server.model(), messages=[{"role": "user", "content": "Say something."}], max_tokens=8, n=2,
+        temperature=1.0, seed=9,
+    )
+    assert len(chat.choices) == 2
+
+
+def test_stop_strings(server):
+    client = server.client()
+    kw = dict(model=server.model(), prompt="Count: 1, 2, 3, 4, 5, 6,", max_tokens=30, temperature=0)
+    free = client.completions.create(**kw).choices[0].text
+    # Stop at the first comma that the model writes: the text ends right before it.
+    assert "," in free, free
+    r = client.completions.create(stop=[","], **kw)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == free[: free.index(",")]
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stop=",", stream=True, **kw) if c.choices
+    )
+    assert streamed == r.choices[0].text
+
+
+def test_seed_reproducibility(server):
+    client = server.client()
+    kw = dict(model=server.model(), prompt=long_text(20, 3), max_tokens=20, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = client.completions.create(seed=4321, **kw).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_logprobs(server):
+    r = server.client().chat.completions.create(
+        model=server.model(), messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    c = server.client().completions.create(
+        model=server.model(), prompt="Hello", max_tokens=3, temperature=0, logprobs=1
+    )
+    assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens

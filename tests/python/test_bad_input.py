@@ -1,0 +1,110 @@
+"""Every bad input we could think of, with the status and the OpenAI-shaped error it gets. The table is
+printed (run pytest with -s to see it) and each row asserts its status; the server must stay healthy."""
+
+import json
+
+import httpx
+
+from conftest import KuraServer
+
+OK_PROMPT = {"prompt": "Hello", "max_tokens": 2}
+
+
+def cases(model: str, max_len: int):
+    big = "word " * 20000
+    c = "/v1/completions"
+    ch = "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        # (what, path, raw body or JSON, expected status)
+        ("malformed JSON", c, b'{"prompt": "x", ', 400),
+        ("empty body", c, b"", 400),
+        ("body is a JSON array", c, b"[1, 2]", 400),
+        ("missing prompt", c, {"model": model}, 400),
+        ("prompt is a number", c, {"prompt": 5}, 400),
+        ("prompt is an empty string", c, {"prompt": ""}, 400),
+        ("two prompts", c, {"prompt": ["a", "b"]}, 400),
+        ("token id outside the vocabulary", c, {"prompt": [1, 2, 99999999]}, 400),
+        ("negative token id", c, {"prompt": [-1]}, 400),
+        ("max_tokens is a string", c, {**OK_PROMPT, "max_tokens": "ten"}, 400),
+        ("max_tokens 0", c, {**OK_PROMPT, "max_tokens": 0}, 400),
+        ("max_tokens negative", c, {**OK_PROMPT, "max_tokens": -5}, 400),
+        ("prompt plus max_tokens beyond the context", c, {"prompt": "Hello", "max_tokens": max_len}, 400),
+        ("temperature is a string", c, {**OK_PROMPT, "temperature": "hot"}, 400),
+        ("temperature 5", c, {**OK_PROMPT, "temperature": 5}, 400),
+        ("top_p 0", c, {**OK_PROMPT, "top_p": 0}, 400),
+        ("top_p 1.5", c, {**OK_PROMPT, "top_p": 1.5}, 400),
+        ("top_k -7", c, {**OK_PROMPT, "top_k": -7}, 400),
+        ("min_p 2", c, {**OK_PROMPT, "min_p": 2}, 400),
+        ("n 0", c, {**OK_PROMPT, "n": 0}, 400),
+        ("n 1000", c, {**OK_PROMPT, "n": 1000}, 400),
+        ("presence_penalty 3", c, {**OK_PROMPT, "presence_penalty": 3}, 400),
+        ("frequency_penalty -9", c, {**OK_PROMPT, "frequency_penalty": -9}, 400),
+        ("stop is a number", c, {**OK_PROMPT, "stop": 3}, 400),
+        ("empty stop string", c, {**OK_PROMPT, "stop": [""]}, 400),
+        ("seventeen stop strings", c, {**OK_PROMPT, "stop": [str(i) for i in range(17)]}, 400),
+        ("logprobs 50", c, {**OK_PROMPT, "logprobs": 50}, 400),
+        ("echo", c, {**OK_PROMPT, "echo": True}, 400),
+        ("best_of unlike n", c, {**OK_PROMPT, "best_of": 3}, 400),
+        ("logit_bias", c, {**OK_PROMPT, "logit_bias": {"1": 5}}, 400),
+        ("stream_options without stream", c, {**OK_PROMPT, "stream_options": {"include_usage": True}}, 400),
+        ("seed is a string", c, {**OK_PROMPT, "seed": "abc"}, 400),
+        ("priority is a float", c, {**OK_PROMPT, "priority": 1.5}, 400),
+        ("empty cache_salt", c, {**OK_PROMPT, "cache_salt": ""}, 400),
+        ("unknown model", c, {**OK_PROMPT, "model": "gpt-4"}, 404),
+        ("missing messages", ch, {"model": model}, 400),
+        ("empty messages", ch, {"messages": []}, 400),
+        ("messages is a string", ch, {"messages": "hi"}, 400),
+        ("unknown role", ch, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+        ("image content part", ch, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+        ("content is a number", ch, {"messages": [{"role": "user", "content": 7}]}, 400),
+        ("top_logprobs without logprobs", ch, {"messages": msgs, "top_logprobs": 2}, 400),
+        ("max_completion_tokens 0", ch, {"messages": msgs, "max_completion_tokens": 0}, 400),
+        ("chat prompt beyond the context", ch, {"messages": [{"role": "user", "content": big}]}, 400),
+        ("body over the size limit", c, {"prompt": "x" * 300_000}, 413),
+        ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
+    ]
+
+
+def test_bad_inputs_get_clear_errors(capsys):
+    s = KuraServer("--kv-cache-memory", "64MiB", "--max-body-size", "256KiB")
+    try:
+        model = s.model()
+        max_len = httpx.post(s.url + "/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+        rows = []
+        for what, path, body, want in cases(model, max_len):
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = httpx.post(s.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+            try:
+                err = r.json()["error"]
+                message = err["message"]
+                assert err["type"] and "code" in err and "param" in err
+            except (ValueError, KeyError, TypeError):
+                message = f"<not an OpenAI error body: {r.text[:80]!r}>"
+            rows.append((what, r.status_code, want, message))
+        with capsys.disabled():
+            print("\n| bad input | status | message |\n|---|---|---|")
+            for what, status, _, message in rows:
+                print(f"| {what} | {status} | {message} |")
+        for what, status, want, message in rows:
+            assert status == want, f"{what}: got {status}, want {want}: {message}"
+            assert not message.startswith("<not"), f"{what}: {message}"
+        # Wrong key handling needs keys; the server is still healthy after all of the above.
+        assert httpx.get(s.url + "/health").status_code == 200
+        ok = httpx.post(s.url + "/v1/completions", json=OK_PROMPT)
+        assert ok.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_bad_api_keys_get_401():
+    s = KuraServer("--kv-cache-memory", "32MiB", "--api-key", "key-one", api_key="key-one")
+    try:
+        for header in [None, "Bearer nope", "Basic a2V5LW9uZQ==", "Bearer", "Bearer key-one-and-more"]:
+            headers = {"authorization": header} if header else {}
+            r = httpx.post(s.url + "/v1/completions", json=OK_PROMPT, headers=headers)
+            assert r.status_code == 401, header
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(s.url + "/v1/completions", json=OK_PROMPT, headers=s.headers()).status_code == 200
+    finally:
+        s.stop()

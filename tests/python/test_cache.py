@@ -1,0 +1,58 @@
+"""Prefix reuse through the API: cached_tokens, equal greedy output, cache_salt and per-key tenants."""
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import BLOCK, KuraServer, long_text
+
+
+def test_same_long_prompt_twice_is_served_from_cache(server):
+    client = server.client()
+    prompt = long_text(700, seed=11)
+    n = len(server.tokenize(prompt))
+    kw = dict(model=server.model(), prompt=prompt, max_tokens=16, temperature=0)
+    t0 = time.perf_counter()
+    cold = client.completions.create(**kw)
+    cold_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    warm = client.completions.create(**kw)
+    warm_s = time.perf_counter() - t0
+    print(f"\nprompt {n} tokens: cold {cold_s * 1000:.0f} ms, warm {warm_s * 1000:.0f} ms")
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens >= (n - 1) // BLOCK * BLOCK
+    assert warm.choices[0].text == cold.choices[0].text
+
+
+def test_different_cache_salt_shares_nothing(server):
+    client = server.client()
+    prompt = long_text(300, seed=12)
+    kw = dict(model=server.model(), prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(extra_body={"cache_salt": "tenant-a"}, **kw)
+    other = client.completions.create(extra_body={"cache_salt": "tenant-b"}, **kw)
+    same = client.completions.create(extra_body={"cache_salt": "tenant-a"}, **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_api_keys_are_tenants(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# tenants\nkey-two\n")
+    s = KuraServer("--kv-cache-memory", "64MiB", "--api-key", "key-one", "--api-key-file", str(keys),
+                   api_key="key-one")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong").models.list()
+        assert httpx.get(s.url + "/health").status_code == 200
+        prompt = long_text(200, seed=13)
+        kw = dict(model=s.model(), prompt=prompt, max_tokens=2, temperature=0)
+        one = s.client("key-one")
+        two = s.client("key-two")
+        assert one.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+        assert two.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+        assert one.completions.create(**kw).usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        s.stop()

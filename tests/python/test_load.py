@@ -1,0 +1,158 @@
+"""Many clients at once: a shared system prompt computed once, and overload against a small KV pool."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+
+from conftest import BLOCK, KuraServer, long_text
+
+
+def test_sixteen_concurrent_requests_compute_a_shared_system_prompt_once():
+    s = KuraServer("--kv-cache-memory", "256MiB", "--max-num-batched-tokens", "512")
+    try:
+        model = s.model()
+        system = long_text(1010, seed=21)
+        sys_tokens = len(s.tokenize(system))
+        assert sys_tokens >= 1000, sys_tokens
+        questions = [f"Question {i}: name one {w}." for i, w in enumerate(["colour", "city", "animal", "fruit"] * 4)]
+
+        def ask(q, client):
+            return client.completions.create(model=model, prompt=system + "\n" + q, max_tokens=8, temperature=0)
+
+        before = s.metrics()
+
+        async def all_at_once():
+            client = s.async_client()
+            return await asyncio.gather(*[
+                client.completions.create(model=model, prompt=system + "\n" + q, max_tokens=8, temperature=0)
+                for q in questions
+            ])
+
+        results = asyncio.run(all_at_once())
+        after = s.wait_idle()
+        computed = after["kura:prompt_tokens_computed_total"] - before["kura:prompt_tokens_computed_total"]
+        total = sum(r.usage.prompt_tokens for r in results)
+        shared_blocks = sys_tokens // BLOCK * BLOCK
+        print(f"\n16 requests, {total} prompt tokens, system prompt {sys_tokens} tokens: computed {computed:.0f}")
+        # The system prompt's whole blocks are computed by one request; the 15 others reuse them (cached
+        # or while still pending), computing only their own suffix.
+        assert computed <= total - 15 * shared_blocks, (computed, total, shared_blocks)
+        assert after["kura:prefix_cache_hits_total"] - before["kura:prefix_cache_hits_total"] >= 15 * shared_blocks
+        # Correct: each answer equals the same request sent alone afterwards.
+        client = s.client()
+        for q, r in zip(questions, results):
+            assert r.choices[0].finish_reason in ("stop", "length")
+            assert ask(q, client).choices[0].text == r.choices[0].text
+    finally:
+        s.stop()
+
+
+def overload_server() -> KuraServer:
+    # Each request: ~60 prompt tokens + 64 generated ≈ 8 blocks of 16; the pool holds 32 blocks (4 requests).
+    return KuraServer("--kv-cache-memory", str(32 * BLOCK * 23040), "--kv-dtype", "f16", "--max-queue", "40")
+
+
+def run_overload(s: KuraServer, disconnect_every: int = 0):
+    model = s.model()
+    prompt_of = lambda i: long_text(20, seed=100 + i)  # noqa: E731
+    outcomes = {"done": 0, "429": 0, "disconnected": 0, "other": []}
+    health_ms = []
+    stop = threading.Event()
+
+    def watch_health():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            r = httpx.get(s.url + "/health", timeout=10)
+            health_ms.append((time.perf_counter() - t0) * 1000)
+            assert r.status_code == 200
+            time.sleep(0.2)
+
+    async def one(i, client):
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=prompt_of(i), max_tokens=64, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = 0
+            async for chunk in stream:
+                chunks += 1
+                if disconnect_every and i % disconnect_every == 0 and chunks == 5:
+                    await stream.close()
+                    outcomes["disconnected"] += 1
+                    return
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    assert chunk.choices[0].finish_reason == "length"
+            outcomes["done"] += 1
+        except openai.RateLimitError as e:
+            assert e.status_code == 429
+            assert e.response.headers.get("retry-after")
+            outcomes["429"] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            outcomes["other"].append(repr(e))
+
+    async def all_clients():
+        client = s.async_client(timeout=600)
+        await asyncio.gather(*[one(i, client) for i in range(64)])
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    try:
+        asyncio.run(all_clients())
+    finally:
+        stop.set()
+        watcher.join()
+    return outcomes, health_ms
+
+
+def test_overload_completes_or_429s_preempts_and_leaks_nothing():
+    s = overload_server()
+    try:
+        assert "KV cache: 32 blocks of 16 tokens" in s.log(), s.log()
+        outcomes, health_ms = run_overload(s)
+        print(f"\noverload: {outcomes}, /health max {max(health_ms):.0f} ms over {len(health_ms)} probes")
+        assert outcomes["other"] == []
+        assert outcomes["done"] + outcomes["429"] == 64
+        assert outcomes["done"] >= 4
+        m = s.wait_idle()
+        assert m["kura:num_preemptions_total"] > 0
+        assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
+        assert m["kura:kv_cache_usage_perc"] == 0
+        assert m["kura:kv_cache_blocks_cached"] <= 32
+    finally:
+        s.stop()
+
+
+def test_overload_with_clients_disconnecting_mid_stream():
+    s = overload_server()
+    try:
+        outcomes, _ = run_overload(s, disconnect_every=3)
+        print(f"\noverload with disconnects: {outcomes}")
+        assert outcomes["other"] == []
+        assert outcomes["done"] + outcomes["429"] + outcomes["disconnected"] == 64
+        assert outcomes["disconnected"] > 0
+        m = s.wait_idle()
+        assert m["kura:request_cancelled_total"] >= 1
+        assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
+    finally:
+        s.stop()
+
+
+def test_graceful_shutdown_finishes_in_flight_requests():
+    s = KuraServer("--kv-cache-memory", "64MiB")
+    try:
+        client = s.client()
+        stream = client.completions.create(
+            model=s.model(), prompt="Tell me a story.", max_tokens=48, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        first = next(iter(stream))
+        assert first.choices
+        s.proc.send_signal(15)
+        rest = list(stream)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
