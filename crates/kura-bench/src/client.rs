@@ -123,10 +123,9 @@ fn classify(e: &reqwest::Error) -> ErrorKind {
         ErrorKind::Timeout
     } else if e.is_connect() {
         ErrorKind::Connect
-    } else if e.is_body() || e.is_decode() {
-        ErrorKind::Disconnected
     } else {
-        ErrorKind::Connect
+        // Connected, then the connection closed or broke before a complete response.
+        ErrorKind::Disconnected
     }
 }
 

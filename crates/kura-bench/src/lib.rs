@@ -29,6 +29,7 @@ pub use client::{Api, Endpoint};
 pub use plot::Mark;
 pub use report::{terminal_table, BenchRun};
 pub use runner::{run, Load, RunConfig};
+pub use text::TokenCounting;
 pub use trace::TraceFormat;
 pub use workload::WorkloadSpec;
 
@@ -59,6 +60,18 @@ pub enum BenchError {
     RunFile { path: PathBuf, detail: String },
     #[error("drawing plot {plot}: {detail}")]
     Plot { plot: String, detail: String },
+}
+
+/// [`run`] on a runtime of its own, for callers that are not async (the `kura` binary).
+pub fn run_blocking(cfg: RunConfig) -> Result<BenchRun, BenchError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| BenchError::Io {
+            what: "starting the async runtime".into(),
+            source: e,
+        })?;
+    runtime.block_on(run(cfg))
 }
 
 /// Writes `run.json`, `summary.md` and `plots/` for one run into `dir`; returns the summary's path.

@@ -80,6 +80,18 @@ fn err<E: std::fmt::Debug>(e: E) -> String {
     format!("{e:?}")
 }
 
+/// Axis labels without noise digits: 1200, 45, 3.5, 0.25.
+fn tick(v: &f64) -> String {
+    let a = v.abs();
+    if a >= 10.0 || a == 0.0 {
+        format!("{v:.0}")
+    } else if a >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
 fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> (f64, f64) {
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for v in values.filter(|v| v.is_finite()) {
@@ -126,6 +138,8 @@ impl Chart for LineChart {
             .configure_mesh()
             .x_desc(&self.x_label)
             .y_desc(&self.y_label)
+            .x_label_formatter(&tick)
+            .y_label_formatter(&tick)
             .label_style(("sans-serif", 14))
             .axis_desc_style(("sans-serif", 16))
             .light_line_style(RGBColor(235, 235, 235))
@@ -203,6 +217,8 @@ impl Chart for BarChart {
             .y_labels(n.max(1) * 2 + 1)
             .y_label_formatter(&label_of)
             .disable_y_mesh()
+            .x_label_formatter(&tick)
+            .light_line_style(WHITE)
             .label_style(("sans-serif", 14))
             .axis_desc_style(("sans-serif", 16))
             .draw()
@@ -283,12 +299,12 @@ fn cdf_series(
             // At most ~400 points per curve keeps the SVG small without changing the picture.
             let step = v.len().div_ceil(400).max(1);
             let n = v.len() as f64;
-            let mut points: Vec<(f64, f64)> = v
-                .iter()
-                .enumerate()
-                .step_by(step)
-                .map(|(i, x)| (*x, (i + 1) as f64 / n))
-                .collect();
+            // A step curve from (first, 0) to (last, 1).
+            let mut points: Vec<(f64, f64)> = Vec::with_capacity(2 * v.len().min(400) + 2);
+            for (i, x) in v.iter().enumerate().step_by(step) {
+                points.push((*x, i as f64 / n));
+                points.push((*x, (i + step).min(v.len()) as f64 / n));
+            }
             points.push((*v.last().unwrap_or(&0.0), 1.0));
             let label = if run.points.len() > 1 {
                 format!("{} @ {}", run.label, p.load.describe())

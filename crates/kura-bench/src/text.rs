@@ -326,6 +326,18 @@ impl TokenCounter {
         }
     }
 
+    /// The length of a fixed text (exact with the server's tokenizer, else its word count).
+    pub async fn sized(&self, text: &str) -> Result<Sized, BenchError> {
+        let tokens = match self {
+            TokenCounter::Server(tok) => tok.count(text).await?,
+            TokenCounter::Approximate => text.split_whitespace().count(),
+        };
+        Ok(Sized {
+            text: text.to_string(),
+            tokens,
+        })
+    }
+
     /// Text of `target` tokens drawn from the seeded stream `rng`. The text is a prefix-extension of the
     /// stream: two calls with equal streams and targets give equal text, and a shorter target gives
     /// (approximately) a prefix of a longer one.

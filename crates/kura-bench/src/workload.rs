@@ -12,6 +12,13 @@
 //! ```
 //!
 //! A session is a sequence of turns sent one after another; all workloads but multi-turn have one turn.
+//!
+//! Prompts without a system prompt of their own (unique, trace) are sent as the system message, followed
+//! by the fixed user turn [`CONTINUE`]: otherwise chat templates that insert a default system prompt
+//! (SmolLM2's does) would put a shared head in front of every "unique" prompt.
+
+/// The user turn after a prompt sent as the system message.
+pub const CONTINUE: &str = "Continue.";
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -195,6 +202,7 @@ pub async fn build(
     let mut sessions = Vec::new();
     let mut notes = Vec::new();
     let mut burst = false;
+    let cont = counter.sized(CONTINUE).await?;
     match spec {
         WorkloadSpec::SharedPrefix {
             groups,
@@ -282,9 +290,9 @@ pub async fn build(
                     id: i,
                     group: None,
                     arrival_ms: None,
-                    system: None,
+                    system: Some(text(&[tag::UNIQUE, i as u64], *prompt_tokens).await?),
                     turns: vec![Turn {
-                        user: text(&[tag::UNIQUE, i as u64], *prompt_tokens).await?,
+                        user: cont.clone(),
                         max_tokens: output_tokens,
                     }],
                 });
@@ -348,9 +356,9 @@ pub async fn build(
                     id: i,
                     group: None,
                     arrival_ms: Some(r.arrival_ms * time_scale),
-                    system: None,
+                    system: Some(prompt),
                     turns: vec![Turn {
-                        user: prompt,
+                        user: cont.clone(),
                         max_tokens: u32::try_from(output).unwrap_or(u32::MAX),
                     }],
                 });
@@ -487,8 +495,10 @@ mod tests {
             .sessions
             .iter()
             .map(|s| {
-                s.turns[0]
-                    .user
+                assert_eq!(s.turns[0].user.text, CONTINUE);
+                s.system
+                    .as_ref()
+                    .expect("unique prompts go in the system message")
                     .text
                     .split_whitespace()
                     .take(4)
@@ -521,8 +531,8 @@ mod tests {
             max_output_tokens: None,
         };
         let w = block_on(build(&spec, 0, 3, &TokenCounter::Approximate)).unwrap();
-        let a = &w.sessions[0].turns[0].user;
-        let b = &w.sessions[1].turns[0].user;
+        let a = w.sessions[0].system.as_ref().unwrap();
+        let b = w.sessions[1].system.as_ref().unwrap();
         assert_eq!((a.tokens, b.tokens), (1024, 700));
         let a_words: Vec<&str> = a.text.split_whitespace().collect();
         let b_words: Vec<&str> = b.text.split_whitespace().collect();

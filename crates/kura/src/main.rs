@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod plan;
 mod serve;
 mod sim;
@@ -39,6 +40,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Bench(args) => bench::run(args),
         Command::Sim(args) => sim::run(args),
     };
     match result {
