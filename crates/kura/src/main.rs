@@ -26,6 +26,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
     Sim(sim::SimArgs),
+    /// Measure an OpenAI-compatible server (Kura or another) on KV-cache workloads; reports and plots.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
