@@ -270,3 +270,57 @@ fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
     assert!(matches!(err, SubmitError::CannotFit { .. }), "{err}");
     e.stop();
 }
+
+#[test]
+fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_same_output() {
+    let Some(model) = model() else { return };
+    let low_prompt = prompt(&model, 25, 30);
+    let high_prompt = prompt(&model, 25, 31);
+    let request = |p: &Vec<u32>, priority: i32| {
+        let mut r = GenerateRequest::greedy(p.clone(), 120);
+        r.ignore_eos = true;
+        r.priority = priority;
+        r
+    };
+    // Alone, on a roomy pool: the reference output.
+    let roomy = engine(&model, 256, 256);
+    let (_g, rx) = submit(&roomy, request(&low_prompt, 0));
+    let alone = wait(&rx, 1);
+    roomy.stop();
+
+    // 16 blocks = 256 tokens; each request needs about 14 blocks by its end: they cannot both finish
+    // without one being preempted, and the low-priority one (priority 5 vs -10) is the one.
+    let e = engine(&model, 16, 256);
+    let (_gl, low_rx) = submit(&e, request(&low_prompt, 5));
+    let mut low_text = String::new();
+    loop {
+        match low_rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            EngineEvent::Delta { text, .. } => {
+                low_text.push_str(&text);
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let (_gh, high_rx) = submit(&e, request(&high_prompt, -10));
+    let high = wait(&high_rx, 1);
+    assert_eq!(high.usage.completion_tokens, 120);
+    // The low-priority request is still unfinished when the high one is done (the engine emits in
+    // order, so a low `Done` sent before the high one would already be in the channel).
+    for event in low_rx.try_iter() {
+        match event {
+            EngineEvent::Delta { text, .. } => low_text.push_str(&text),
+            other => panic!("the low-priority request ended before the high one: {other:?}"),
+        }
+    }
+    let rest = wait(&low_rx, 1);
+    low_text.push_str(&rest.texts[0]);
+    assert!(metric(&e, "kura:num_preemptions_total") >= 1.0);
+    assert_eq!(
+        low_text, alone.texts[0],
+        "same greedy output after preemption and recomputation"
+    );
+    settle(&e);
+    assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
+    e.stop();
+}
