@@ -165,19 +165,219 @@ pub fn paged_attention(
                 ),
             }
         };
-    let chunk = group * head_dim;
-    let n_units = token_pos.len() * num_kv_heads;
-    let ctx_work: usize =
-        token_pos.iter().map(|(_, p)| p + 1).sum::<usize>() * num_heads * head_dim;
-    if rayon::current_num_threads() <= 1 || ctx_work < 1 << 15 {
-        out.chunks_exact_mut(chunk)
-            .enumerate()
-            .for_each(|(u, o)| unit(u, o));
+    // Sequences with many new tokens (prefill chunks) go through the tiled gemm path, one unit per
+    // (sequence, KV head, tile of query tokens); the others one unit per (token, KV head).
+    let mut units = Vec::new();
+    let mut ctx_work = 0usize;
+    for (s, seq) in seqs.iter().enumerate() {
+        ctx_work += seq.n_tokens * (seq.start_pos + seq.n_tokens);
+        if seq.n_tokens >= PREFILL_MIN_TOKENS {
+            for kvh in 0..num_kv_heads {
+                for i0 in (0..seq.n_tokens).step_by(PREFILL_TILE) {
+                    units.push(Unit::Tile {
+                        s,
+                        kvh,
+                        i0,
+                        i1: (i0 + PREFILL_TILE).min(seq.n_tokens),
+                    });
+                }
+            }
+        } else {
+            for i in 0..seq.n_tokens {
+                for kvh in 0..num_kv_heads {
+                    units.push(Unit::Token {
+                        t: seq.first_token + i,
+                        kvh,
+                    });
+                }
+            }
+        }
+    }
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let row = num_heads * head_dim;
+    let run = |u: &Unit| match *u {
+        Unit::Token { t, kvh } => {
+            // SAFETY: the group of heads of (t, kvh) is written by this unit only; the range lies inside
+            // `out` (t < tokens, kvh < kv heads).
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(
+                    out_ptr.get().add(t * row + kvh * group * head_dim),
+                    group * head_dim,
+                )
+            };
+            unit(t * num_kv_heads + kvh, o)
+        }
+        Unit::Tile { s, kvh, i0, i1 } => tile(q, &seqs[s], kv, shape, kvh, i0, i1, scale, out_ptr),
+    };
+    if rayon::current_num_threads() <= 1 || ctx_work * num_heads * head_dim < 1 << 15 {
+        units.iter().for_each(run);
     } else {
-        debug_assert_eq!(out.len(), n_units * chunk);
-        out.par_chunks_exact_mut(chunk)
-            .enumerate()
-            .for_each(|(u, o)| unit(u, o));
+        units.par_iter().for_each(run);
+    }
+}
+
+/// Query tokens per prefill tile, and the fewest new tokens for which a sequence takes the tiled path.
+const PREFILL_TILE: usize = 32;
+const PREFILL_MIN_TOKENS: usize = 16;
+
+enum Unit {
+    Token {
+        t: usize,
+        kvh: usize,
+    },
+    Tile {
+        s: usize,
+        kvh: usize,
+        i0: usize,
+        i1: usize,
+    },
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: units write disjoint parts of the output (their own tokens' heads), which outlives the region.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    #[inline]
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Copies the K (or V) vectors of `kvh` at positions `lo..=hi` of a sequence into `dst` as f32 rows.
+fn gather(
+    kv: &LayerStorage,
+    seq: &AttnSeq<'_>,
+    kvh: usize,
+    lo: usize,
+    hi: usize,
+    values: bool,
+    dst: &mut Vec<f32>,
+) {
+    let (bs, d) = (kv.block_size_tokens, kv.head_dim);
+    dst.clear();
+    for b in lo / bs..=hi / bs {
+        let block = seq.block_table[b] as usize;
+        let first = lo.max(b * bs) - b * bs;
+        let last = hi.min(b * bs + bs - 1) - b * bs;
+        let src = if values {
+            kv.v_head_block(block, kvh)
+        } else {
+            kv.k_head_block(block, kvh)
+        };
+        let span = first * d..(last + 1) * d;
+        match src {
+            KvSlice::F32(x) => dst.extend_from_slice(&x[span]),
+            KvSlice::Bf16(x) => dst.extend(x[span].iter().map(|v| v.to_f32())),
+            KvSlice::F16(x) => dst.extend(x[span].iter().map(|v| v.to_f32())),
+        }
+    }
+}
+
+/// Attention of query tokens `i0..i1` of one sequence, all heads of KV head `kvh`, as two products:
+/// `S = Q·Kᵀ` (masked causally and by the window, softmaxed per row), then `O = S·V`.
+#[allow(clippy::too_many_arguments)]
+fn tile(
+    q: &[f32],
+    seq: &AttnSeq<'_>,
+    kv: &LayerStorage,
+    shape: AttnShape,
+    kvh: usize,
+    i0: usize,
+    i1: usize,
+    scale: f32,
+    out: OutPtr,
+) {
+    let AttnShape {
+        num_heads,
+        num_kv_heads,
+        head_dim: d,
+        window,
+    } = shape;
+    let group = num_heads / num_kv_heads;
+    let lo_of = |pos: usize| match window {
+        Some(w) if pos + 1 > w => pos + 1 - w,
+        _ => 0,
+    };
+    let (p0, p1) = (seq.start_pos + i0, seq.start_pos + i1 - 1);
+    let klo = lo_of(p0);
+    let n_k = p1 + 1 - klo;
+    let m = (i1 - i0) * group;
+    let mut k = Vec::with_capacity(n_k * d);
+    let mut v = Vec::with_capacity(n_k * d);
+    gather(kv, seq, kvh, klo, p1, false, &mut k);
+    gather(kv, seq, kvh, klo, p1, true, &mut v);
+    let mut qt = Vec::with_capacity(m * d);
+    for i in i0..i1 {
+        let base = (seq.first_token + i) * num_heads * d + kvh * group * d;
+        qt.extend_from_slice(&q[base..base + group * d]);
+    }
+    let mut s = vec![0f32; m * n_k];
+    // SAFETY: S is m × n_k row-major; Q is m × d row-major; Kᵀ (d × n_k) reads K (n_k × d row-major)
+    // with row stride 1 and column stride d. All buffers have exactly these sizes.
+    unsafe {
+        gemm::gemm(
+            m,
+            n_k,
+            d,
+            s.as_mut_ptr(),
+            1,
+            n_k as isize,
+            false,
+            qt.as_ptr(),
+            1,
+            d as isize,
+            k.as_ptr(),
+            d as isize,
+            1,
+            0.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+    for (r, row) in s.chunks_exact_mut(n_k).enumerate() {
+        let pos = p0 + r / group;
+        let (lo, hi) = (lo_of(pos) - klo, pos - klo);
+        row[..lo].fill(f32::NEG_INFINITY);
+        row[hi + 1..].fill(f32::NEG_INFINITY);
+        softmax(row);
+    }
+    let mut o = vec![0f32; m * d];
+    // SAFETY: O is m × d row-major; P (= S) is m × n_k row-major; V is n_k × d row-major.
+    unsafe {
+        gemm::gemm(
+            m,
+            d,
+            n_k,
+            o.as_mut_ptr(),
+            1,
+            d as isize,
+            false,
+            s.as_ptr(),
+            1,
+            n_k as isize,
+            v.as_ptr(),
+            1,
+            d as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+    for (i, rows) in (i0..i1).zip(o.chunks_exact(group * d)) {
+        let at = (seq.first_token + i) * num_heads * d + kvh * group * d;
+        // SAFETY: the heads of kvh for tokens i0..i1 of this sequence are written by this unit only, and
+        // lie inside the output (tokens × heads × head_dim).
+        unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), out.get().add(at), group * d) };
     }
 }
 
