@@ -156,3 +156,29 @@ def test_graceful_shutdown_finishes_in_flight_requests():
         assert s.proc.wait(60) == 0
     finally:
         s.stop()
+
+
+def test_request_timeout_cancels_and_frees_blocks():
+    s = KuraServer("--kv-cache-memory", "256MiB", "--request-timeout-s", "2")
+    try:
+        model = s.model()
+        kw = dict(model=model, prompt="Tell me everything.", max_tokens=4000, temperature=0,
+                  extra_body={"ignore_eos": True})
+        try:
+            s.client().completions.create(**kw)
+            raise AssertionError("a 4000-token generation finished within 2 s")
+        except openai.APIStatusError as e:
+            assert e.status_code == 504
+            body = e.body if isinstance(e.body, dict) else {}
+            assert body.get("code", body.get("error", {}).get("code")) == "request_timeout", e.body
+        try:
+            for _ in s.client().completions.create(stream=True, **kw):
+                pass
+            raise AssertionError("the stream ended without a timeout error")
+        except openai.APIError as e:
+            assert "limit of 2 s" in str(e)
+        m = s.wait_idle()
+        assert m["kura:request_cancelled_total"] >= 2
+        assert m["kura:kv_cache_blocks_used"] == 0
+    finally:
+        s.stop()

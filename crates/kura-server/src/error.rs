@@ -27,6 +27,10 @@ pub enum ApiError {
     QueueFull(String),
     #[error("the server is shutting down and accepts no new requests")]
     ShuttingDown,
+    #[error(
+        "the request did not finish within the server's limit of {seconds} s and was cancelled"
+    )]
+    Timeout { seconds: u64 },
     #[error("no route for {0}")]
     NotFound(String),
     #[error("internal error: {0}")]
@@ -50,6 +54,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -70,6 +75,7 @@ impl ApiError {
             }
             ApiError::QueueFull(_) => ("rate_limit_error", None, Some("queue_full")),
             ApiError::ShuttingDown => ("service_unavailable_error", None, Some("shutting_down")),
+            ApiError::Timeout { .. } => ("timeout_error", None, Some("request_timeout")),
             ApiError::NotFound(_) => ("invalid_request_error", None, Some("unknown_url")),
             ApiError::Internal(_) => ("server_error", None, None),
         }
@@ -122,7 +128,7 @@ impl From<RequestError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
+        if matches!(self, ApiError::Internal(_)) {
             tracing::error!(%status, error = %self, "request failed");
         } else {
             tracing::debug!(%status, error = %self, "request rejected");
@@ -139,5 +145,65 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_an_openai_body_and_its_status() {
+        let cases = [
+            (
+                ApiError::invalid("bad", Some("n")),
+                400,
+                "invalid_request_error",
+            ),
+            (
+                ApiError::ModelNotFound {
+                    requested: "a".into(),
+                    served: "b".into(),
+                },
+                404,
+                "invalid_request_error",
+            ),
+            (ApiError::Unauthorized, 401, "authentication_error"),
+            (
+                ApiError::BodyTooLarge { limit_bytes: 1 },
+                413,
+                "invalid_request_error",
+            ),
+            (ApiError::QueueFull("full".into()), 429, "rate_limit_error"),
+            (ApiError::ShuttingDown, 503, "service_unavailable_error"),
+            (ApiError::Timeout { seconds: 3 }, 504, "timeout_error"),
+            (ApiError::Internal("x".into()), 500, "server_error"),
+        ];
+        for (e, status, kind) in cases {
+            assert_eq!(e.status().as_u16(), status, "{e}");
+            let body = e.body();
+            assert_eq!(body["error"]["type"], kind);
+            assert_eq!(body["error"]["message"], e.to_string());
+        }
+        let r = ApiError::QueueFull("full".into()).into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn engine_refusals_map_to_client_errors_naming_the_parameter() {
+        let e = ApiError::from(SubmitError::ContextExceeded {
+            prompt_tokens: 10,
+            max_tokens: 20,
+            max_model_len: 25,
+            excess: 5,
+        });
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert!(e.to_string().contains("5 tokens too many"), "{e}");
+        assert_eq!(e.body()["error"]["param"], "max_tokens");
+        let e = ApiError::from(SubmitError::QueueFull {
+            waiting: 3,
+            max_queue: 3,
+        });
+        assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
     }
 }

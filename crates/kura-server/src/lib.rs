@@ -42,6 +42,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// After a shutdown signal, how long in-flight requests may run before they are cancelled.
     pub shutdown_grace: Duration,
+    /// Longest a request may take from arrival to its last token; past it, it is cancelled (its KV
+    /// blocks freed) and the client gets 504 (or an error event in a stream). `None`: no limit.
+    pub request_timeout: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +53,7 @@ impl Default for ServerConfig {
             api_keys: Vec::new(),
             max_body_bytes: 8 * 1024 * 1024,
             shutdown_grace: Duration::from_secs(30),
+            request_timeout: None,
         }
     }
 }
@@ -59,6 +63,7 @@ struct AppState {
     engine: EngineHandle,
     api_keys: Arc<Vec<String>>,
     max_body_bytes: usize,
+    request_timeout: Option<Duration>,
     started: u64,
 }
 
@@ -79,6 +84,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         engine,
         api_keys: Arc::new(config.api_keys.clone()),
         max_body_bytes: config.max_body_bytes,
+        request_timeout: config.request_timeout,
         started: unix_now(),
     };
     let api = Router::new()
@@ -342,13 +348,24 @@ async fn start(
     let guard = s
         .engine
         .submit(request, move |event| tx.send(event).is_ok())?;
+    let deadline = s
+        .request_timeout
+        .map(|t| (tokio::time::Instant::now() + t, t.as_secs()));
     if stream {
-        let events = output::sse_stream(meta, n, include_usage, rx, guard);
+        let events = output::sse_stream(meta, n, include_usage, rx, guard, deadline);
         Ok(Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response())
     } else {
-        Ok(Json(output::collect(&meta, n, rx, guard).await?).into_response())
+        let body = output::collect(&meta, n, rx, guard);
+        let body = match deadline {
+            // On timeout the collecting future is dropped with the guard: the request is cancelled.
+            Some((at, seconds)) => tokio::time::timeout_at(at, body)
+                .await
+                .map_err(|_| ApiError::Timeout { seconds })??,
+            None => body.await?,
+        };
+        Ok(Json(body).into_response())
     }
 }
 

@@ -168,6 +168,8 @@ struct SseState {
     offsets: Vec<usize>,
     queue: VecDeque<Event>,
     finished: bool,
+    /// When the stream is cut with a timeout error (and the request cancelled), with the limit in s.
+    deadline: Option<(tokio::time::Instant, u64)>,
 }
 
 impl SseState {
@@ -290,6 +292,7 @@ pub fn sse_stream(
     include_usage: bool,
     rx: UnboundedReceiver<EngineEvent>,
     guard: RequestGuard,
+    deadline: Option<(tokio::time::Instant, u64)>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut state = SseState {
         meta,
@@ -299,6 +302,7 @@ pub fn sse_stream(
         offsets: vec![0; n as usize],
         queue: VecDeque::new(),
         finished: false,
+        deadline,
     };
     if state.meta.shape == Shape::Chat {
         for choice in 0..n {
@@ -330,7 +334,22 @@ pub fn sse_stream(
             if state.finished {
                 return None;
             }
-            match state.rx.recv().await {
+            let next = match state.deadline {
+                Some((at, seconds)) => match tokio::time::timeout_at(at, state.rx.recv()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        let body = ApiError::Timeout { seconds }.body();
+                        state
+                            .queue
+                            .push_back(Event::default().data(body.to_string()));
+                        state.queue.push_back(Event::default().data("[DONE]"));
+                        state.finished = true;
+                        continue;
+                    }
+                },
+                None => state.rx.recv().await,
+            };
+            match next {
                 Some(event) => state.push(event),
                 None => {
                     let body = ApiError::Internal(

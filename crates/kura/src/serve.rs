@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run after a shutdown signal before they are cancelled.
     #[arg(long, default_value_t = 30)]
     shutdown_grace_s: u64,
+    /// Seconds a request may take from arrival to its last token before it is cancelled (504);
+    /// 0 = no limit.
+    #[arg(long, default_value_t = 0)]
+    request_timeout_s: u64,
 }
 
 /// `--kv-cache-memory`: bytes, or a fraction / percentage of total memory.
@@ -225,6 +229,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_keys,
         max_body_bytes: max_body_bytes as usize,
         shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
+        request_timeout: (args.request_timeout_s > 0)
+            .then(|| Duration::from_secs(args.request_timeout_s)),
     };
     let addr = format!("{}:{}", args.host, args.port);
     let result = kura_server::serve_blocking(&addr, engine.clone(), server_config)
