@@ -117,10 +117,13 @@ impl BlockHasher {
     /// The hash of a full block of `tokens` whose parent has hash `parent`.
     pub fn chain(&mut self, parent: BlockHash, tokens: &[u32]) -> BlockHash {
         let len = 16 + 4 * tokens.len();
-        self.scratch.clear();
-        self.scratch.resize(len, 0);
-        self.scratch[..16].copy_from_slice(&parent.0.to_le_bytes());
-        for (dst, t) in self.scratch[16..].chunks_exact_mut(4).zip(tokens) {
+        // Every byte is overwritten below, so the buffer is only resized, never cleared.
+        if self.scratch.len() != len {
+            self.scratch.resize(len, 0);
+        }
+        let (head, body) = self.scratch.split_at_mut(16);
+        head.copy_from_slice(&parent.0.to_le_bytes());
+        for (dst, t) in body.chunks_exact_mut(4).zip(tokens) {
             dst.copy_from_slice(&t.to_le_bytes());
         }
         BlockHash(xxh3_128_with_seed(&self.scratch, self.seed) & self.mask)

@@ -34,7 +34,7 @@
 //! kv.free(seq).unwrap(); // its full blocks stay cached until evicted
 //!
 //! let again = kv.find_cached_prefix(&prompt[..prompt.len() - 1], &key);
-//! assert_eq!(again.num_cached_tokens(), 39); // 2 full blocks + 7 tokens of the third, by copy
+//! assert_eq!(again.num_cached_tokens(), 32); // the 2 full blocks; the third never filled, never cached
 //! ```
 //!
 //! Sequences are identified by [`SeqId`]s handed out here. A sequence's tokens are appended by
@@ -511,6 +511,7 @@ impl KvCacheManager {
         alloc: &mut Allocation,
     ) -> Result<(), KvError> {
         let bs = self.config.block_size;
+        let retained = !self.seq(id)?.retention.is_empty();
         for (i, &(b, _)) in h.blocks.iter().enumerate() {
             if self.pool.incref(b) {
                 self.num_idle -= 1;
@@ -518,7 +519,9 @@ impl KvCacheManager {
             if usize::from(self.pool.meta[b as usize].computed) < bs {
                 self.stats.pending_waits += 1;
             }
-            self.apply_retention(id, i, b)?;
+            if retained {
+                self.apply_retention(id, i, b)?;
+            }
         }
         self.stats.block_ops += h.blocks.len() as u64;
         let seq = self.seq_mut(id)?;
@@ -600,6 +603,7 @@ impl KvCacheManager {
         alloc: &mut Allocation,
     ) -> Result<(), KvError> {
         let bs = self.config.block_size;
+        let retained = !self.seq(id)?.retention.is_empty();
         while !tokens.is_empty() {
             let seq = self.seq(id)?;
             let fill = seq.num_tokens % bs;
@@ -609,7 +613,9 @@ impl KvCacheManager {
                 self.seq_mut(id)?.table.push(b);
                 alloc.num_new_blocks += 1;
                 self.stats.block_ops += 1;
-                self.apply_retention(id, block_index, b)?;
+                if retained {
+                    self.apply_retention(id, block_index, b)?;
+                }
                 b
             } else {
                 seq.table[block_index]

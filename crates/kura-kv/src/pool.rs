@@ -31,47 +31,53 @@ pub const DEFAULT_PRIORITY: u8 = 35;
 pub const MAX_PRIORITY: u8 = 100;
 
 /// Everything the manager knows about one block besides its tokens.
+///
+/// Laid out by hand in two cache lines: the first holds what a lookup, an attach and a release read (the
+/// hot path of a prefix hit touches no other line); the second, the tree links and LRU/retention times.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 pub(crate) struct BlockMeta {
+    // --- first cache line: lookup, attach, release ---
     /// Chained hash of this block; meaningful only while `indexed`.
     pub hash: BlockHash,
-    /// Hash of the parent block (the key hash for a root); meaningful only while `indexed`.
-    pub parent_hash: BlockHash,
-    /// Logical time of the last release; orders idle blocks for LRU.
-    pub last_used: u64,
-    /// Token of this block's live entry in the eviction heap; 0 = none. Stale heap entries carry another.
-    pub heap_token: u64,
-    /// Retention: `priority` applies while the manager's time (ms) is below this; 0 = no retention.
-    pub retained_until_ms: u64,
-    /// Number of sequence block tables holding this block. Never negative by type; a decrement below zero
-    /// is a bug and panics.
-    pub ref_count: u32,
-    /// Number of live pins; a pinned block is never evicted.
-    pub pin_count: u32,
     /// Parent in the prefix tree: `NO_BLOCK` for a root, `ORPHAN` after the parent was evicted (plain LRU).
     pub parent: BlockId,
-    pub first_child: BlockId,
-    pub next_sibling: BlockId,
-    pub prev_sibling: BlockId,
-    /// Number of indexed children; a block with children is never evicted by leaf-first eviction.
-    pub num_children: u32,
     /// Interned cache key of the sequence that filled this block.
     pub key_id: u32,
-    /// Sequence slot computing the block's missing tokens, or `NO_WRITER`.
-    pub writer: u32,
     /// Bumped every time the block loses its identity (evicted, withdrawn, freed), so that a prefix hit taken
     /// earlier can tell that the block it names is no longer the same content.
     pub identity: u32,
+    /// Number of sequence block tables holding this block. Never negative by type; a decrement below zero
+    /// is a bug and panics.
+    pub ref_count: u32,
     /// Number of token ids written into the block (`filled <= block_size`).
     pub filled: u16,
     /// Number of leading tokens whose KV is present (`computed <= filled`).
     pub computed: u16,
-    /// Retention priority; the eviction order is by effective priority class first.
-    pub priority: u8,
     /// Entered in the prefix index (hittable).
     pub indexed: bool,
     /// A `Stored` event was emitted for it (so its removal must be announced too).
     pub announced: bool,
+    /// Retention priority; the eviction order is by effective priority class first.
+    pub priority: u8,
+    /// Number of live pins; a pinned block is never evicted.
+    pub pin_count: u32,
+    /// Token of this block's live entry in the eviction heap; 0 = none. Stale heap entries carry another.
+    pub heap_token: u64,
+    /// Number of indexed children; a block with children is never evicted by leaf-first eviction.
+    pub num_children: u32,
+    /// Sequence slot computing the block's missing tokens, or `NO_WRITER`.
+    pub writer: u32,
+    // --- second cache line: tree links, times ---
+    /// Hash of the parent block (the key hash for a root); meaningful only while `indexed`.
+    pub parent_hash: BlockHash,
+    /// Logical time of the last release; orders idle blocks for LRU.
+    pub last_used: u64,
+    /// Retention: `priority` applies while the manager's time (ms) is below this; 0 = no retention.
+    pub retained_until_ms: u64,
+    pub first_child: BlockId,
+    pub next_sibling: BlockId,
+    pub prev_sibling: BlockId,
 }
 
 impl BlockMeta {
@@ -221,6 +227,12 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metadata_fills_two_cache_lines_with_the_hot_fields_in_the_first() {
+        assert_eq!(std::mem::size_of::<BlockMeta>(), 128);
+        assert_eq!(std::mem::offset_of!(BlockMeta, parent_hash), 64);
+    }
 
     #[test]
     fn free_list_hands_out_every_block_once() {
