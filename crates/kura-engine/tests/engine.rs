@@ -292,16 +292,11 @@ fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_sa
     // without one being preempted, and the low-priority one (priority 5 vs -10) is the one.
     let e = engine(&model, 16, 256);
     let (_gl, low_rx) = submit(&e, request(&low_prompt, 5));
-    let mut low_text = String::new();
-    loop {
-        match low_rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            EngineEvent::Delta { text, .. } => {
-                low_text.push_str(&text);
-                break;
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    // Wait until it runs (its first token), then the high-priority request arrives.
+    let mut low_text = match low_rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+        EngineEvent::Delta { text, .. } => text,
+        other => panic!("unexpected {other:?}"),
+    };
     let (_gh, high_rx) = submit(&e, request(&high_prompt, -10));
     let high = wait(&high_rx, 1);
     assert_eq!(high.usage.completion_tokens, 120);
