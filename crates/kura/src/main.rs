@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod generate;
 mod plan;
 mod serve;
 mod sim;
@@ -22,6 +23,8 @@ struct Cli {
 enum Command {
     /// KV cache size and maximum concurrency for a model on given memory.
     Plan(plan::PlanArgs),
+    /// Generate text from one prompt on the CPU and report load time, TTFT, ITL and tokens/s.
+    Generate(generate::GenerateArgs),
     /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
     Serve(serve::ServeArgs),
     /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
@@ -41,6 +44,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => plan::run(args),
+        Command::Generate(args) => generate::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sim(args) => sim::run(args),

@@ -1,0 +1,262 @@
+//! `kura generate`: runs one prompt through the model on the CPU, streams the text, and reports load
+//! time, time to first token, inter-token latency and prompt/decode throughput (`--json` for machines).
+//!
+//! With `--no-kv-cache` every step recomputes the whole sequence from scratch (the classic comparison
+//! that shows what the KV cache buys); otherwise the prompt is prefilled once and each new token is one
+//! decode step over the cached blocks.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use kura_kv::codec::KvDtype;
+use kura_kv::storage::KvStorage;
+use kura_model::{
+    ChatMessage, IncrementalDecoder, LoadOptions, Model, Sampler, SamplingParams, SeqBatchItem,
+    WeightsDtype,
+};
+use serde::Serialize;
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A GGUF file or an HF directory (default: the model fetched by scripts/fetch-model.sh, or $KURA_MODEL).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The prompt text.
+    #[arg(long)]
+    pub prompt: String,
+    /// Wrap the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Recompute the whole sequence at every step instead of reusing K/V.
+    #[arg(long)]
+    pub no_kv_cache: bool,
+    /// Tokens per KV block (1..=256).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Element format of stored K/V: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub kv_dtype: KvDtype,
+    /// Weights in bf16 (default) or f32.
+    #[arg(long, default_value = "bf16")]
+    pub weights_dtype: WeightsDtype,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Keep generating past end-of-sequence tokens (for fixed-length measurements).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print the figures as one JSON object on stdout instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    weights_dtype: String,
+    kv_dtype: String,
+    threads: usize,
+    kv_cache: bool,
+    block_size: usize,
+    load_ms: f64,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+    ttft_ms: f64,
+    itl_ms_median: f64,
+    itl_ms_mean: f64,
+    prompt_tok_per_s: f64,
+    decode_tok_per_s: f64,
+    total_ms: f64,
+    text: String,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    if let Some(n) = args.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        kura_model::set_threads(n)
+            .map_err(anyhow::Error::msg)
+            .context("setting up the thread pool")?;
+    }
+    let path = args
+        .model
+        .clone()
+        .unwrap_or_else(kura_model::default_model_path);
+    if !path.exists() {
+        bail!(
+            "model {} not found (run scripts/fetch-model.sh, or pass --model)",
+            path.display()
+        );
+    }
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    sampling.validate().map_err(anyhow::Error::msg)?;
+
+    let t_load = Instant::now();
+    let model = Model::load_with(
+        &path,
+        LoadOptions {
+            weights_dtype: args.weights_dtype,
+        },
+    )
+    .with_context(|| format!("loading {}", path.display()))?;
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+
+    let tok = model.tokenizer();
+    let prompt = if args.chat {
+        model.encode_chat(&[ChatMessage::new("user", args.prompt.clone())], true)?
+    } else {
+        tok.encode(&args.prompt, true)?
+    };
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let total = prompt.len() + args.max_tokens;
+    let max_ctx = model.config().max_context;
+    if total > max_ctx {
+        bail!(
+            "prompt ({} tokens) + --max-tokens {} exceeds the model's context of {max_ctx}",
+            prompt.len(),
+            args.max_tokens
+        );
+    }
+    let layout = model.kv_layout(args.kv_dtype, args.block_size)?;
+    let num_blocks = total.div_ceil(args.block_size);
+    let mut kv = KvStorage::new(&layout, num_blocks)?;
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+
+    let mut sampler = Sampler::new(sampling, &prompt);
+    let mut decoder = IncrementalDecoder::new();
+    let mut seq = prompt.clone();
+    let mut text = String::new();
+    let mut stdout = std::io::stdout();
+    if !args.json {
+        eprintln!(
+            "loaded {} in {load_ms:.0} ms; prompt {} tokens",
+            path.display(),
+            prompt.len()
+        );
+    }
+
+    let t_start = Instant::now();
+    let mut step_ms = Vec::with_capacity(args.max_tokens);
+    let mut ttft_ms = 0.0;
+    for i in 0..args.max_tokens {
+        let t_step = Instant::now();
+        let logits = if args.no_kv_cache || i == 0 {
+            let item = SeqBatchItem {
+                tokens: &seq,
+                start_pos: 0,
+                block_table: &table,
+            };
+            model.forward(&[item], &mut kv)?
+        } else {
+            let pos = seq.len() - 1;
+            let item = SeqBatchItem {
+                tokens: &seq[pos..],
+                start_pos: pos,
+                block_table: &table,
+            };
+            model.forward(&[item], &mut kv)?
+        };
+        let next = sampler.sample(logits.row(0)).token;
+        let ms = t_step.elapsed().as_secs_f64() * 1e3;
+        if i == 0 {
+            ttft_ms = ms;
+        } else {
+            step_ms.push(ms);
+        }
+        if !args.ignore_eos && tok.is_stop_token(next) {
+            break;
+        }
+        seq.push(next);
+        let piece = decoder.push(tok, next)?;
+        text.push_str(&piece);
+        if !args.json {
+            write!(stdout, "{piece}")?;
+            stdout.flush()?;
+        }
+    }
+    let tail = decoder.flush(tok)?;
+    text.push_str(&tail);
+    let total_ms = t_start.elapsed().as_secs_f64() * 1e3;
+    if !args.json {
+        writeln!(stdout, "{tail}")?;
+    }
+
+    let generated = seq.len() - prompt.len();
+    let decode_ms: f64 = step_ms.iter().sum();
+    let mut sorted = step_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = if sorted.is_empty() {
+        0.0
+    } else {
+        sorted[sorted.len() / 2]
+    };
+    let report = Report {
+        model: path.display().to_string(),
+        weights_dtype: format!("{:?}", args.weights_dtype).to_lowercase(),
+        kv_dtype: args.kv_dtype.to_string(),
+        threads: kura_model::num_threads(),
+        kv_cache: !args.no_kv_cache,
+        block_size: args.block_size,
+        load_ms,
+        prompt_tokens: prompt.len(),
+        generated_tokens: generated,
+        ttft_ms,
+        itl_ms_median: median,
+        itl_ms_mean: if step_ms.is_empty() {
+            0.0
+        } else {
+            decode_ms / step_ms.len() as f64
+        },
+        prompt_tok_per_s: prompt.len() as f64 / (ttft_ms / 1e3),
+        decode_tok_per_s: if decode_ms > 0.0 {
+            step_ms.len() as f64 / (decode_ms / 1e3)
+        } else {
+            0.0
+        },
+        total_ms,
+        text,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        eprintln!(
+            "load {:.0} ms | prompt {} tok, TTFT {:.1} ms ({:.1} tok/s) | {} tok generated, ITL median {:.2} ms, decode {:.1} tok/s | {} threads, weights {}, kv {}{}",
+            report.load_ms,
+            report.prompt_tokens,
+            report.ttft_ms,
+            report.prompt_tok_per_s,
+            report.generated_tokens,
+            report.itl_ms_median,
+            report.decode_tok_per_s,
+            report.threads,
+            report.weights_dtype,
+            report.kv_dtype,
+            if report.kv_cache { "" } else { ", no KV cache" },
+        );
+    }
+    Ok(())
+}
