@@ -250,6 +250,7 @@ impl KvCacheManager {
                 self.pool.num_referenced
             ));
         }
+        self.index.check_groups(&self.pool)?;
         if indexed != self.index.len() {
             return Err(format!(
                 "index holds {} entries but {indexed} blocks are indexed",

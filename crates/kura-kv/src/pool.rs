@@ -78,6 +78,10 @@ pub(crate) struct BlockMeta {
     pub first_child: BlockId,
     pub next_sibling: BlockId,
     pub prev_sibling: BlockId,
+    /// Links among indexed blocks with the same parent hash and first token (the candidates of a partial
+    /// match; see `prefix`).
+    pub next_in_group: BlockId,
+    pub prev_in_group: BlockId,
 }
 
 impl BlockMeta {
@@ -94,6 +98,8 @@ impl BlockMeta {
             first_child: NO_BLOCK,
             next_sibling: NO_BLOCK,
             prev_sibling: NO_BLOCK,
+            next_in_group: NO_BLOCK,
+            prev_in_group: NO_BLOCK,
             num_children: 0,
             key_id: 0,
             writer: NO_WRITER,

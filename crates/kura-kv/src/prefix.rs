@@ -13,11 +13,13 @@
 //! A lookup walks the prompt block by block, hashing each full block onto its parent's hash, and accepts a
 //! hit only if the indexed block also has exactly these tokens, this parent block and this cache key: a hash
 //! collision (forced in tests by narrowing the hash) is a miss, never wrong KV. After the last full hit, the
-//! children of the last hit (or the key's roots) are scanned for the longest common token prefix with the
-//! rest of the prompt: those tokens are reused by copying them into a fresh block.
+//! children of the last hit (or the key's roots) that start with the prompt's next token are scanned for the
+//! longest common token prefix with the rest of the prompt: those tokens are reused by copying them into a
+//! fresh block. Children are grouped by (parent hash, first token) for that, so that a parent with
+//! thousands of children (a shared system prompt) costs a lookup nothing more.
 //!
 //! Cost: O(1) expected per full block (one hash, one probe, one compare of `block_size` tokens); the partial
-//! scan is O(children of the last hit), stopping at the first differing token of each.
+//! scan is O(children of the last hit that share the next token).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -101,10 +103,19 @@ impl PrefixHit {
     }
 }
 
+/// The key of the group of children of `parent_hash` whose first token is `first`.
+fn group_key(parent_hash: BlockHash, first: u32) -> u128 {
+    parent_hash.0.rotate_left(17)
+        ^ u128::from(first).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835)
+}
+
 /// The hash map and the key table.
 #[derive(Debug, Default)]
 pub(crate) struct PrefixIndex {
     map: FoldMap<BlockId>,
+    /// Head of each (parent hash, first token) group; groups whose keys collide share a list, which is
+    /// harmless since every candidate is verified.
+    groups: FoldMap<BlockId>,
     keys: Vec<Option<KeyEntry>>,
     key_ids: HashMap<CacheKey, u32>,
     free_key_ids: Vec<u32>,
@@ -223,7 +234,14 @@ impl PrefixIndex {
         if head != NO_BLOCK {
             pool.meta[head as usize].prev_sibling = b;
         }
+        let gk = group_key(parent_hash, pool.tokens_of(b)[0]);
+        let group_head = self.groups.insert(gk, b).unwrap_or(NO_BLOCK);
+        if group_head != NO_BLOCK {
+            pool.meta[group_head as usize].prev_in_group = b;
+        }
         let m = &mut pool.meta[b as usize];
+        m.next_in_group = group_head;
+        m.prev_in_group = NO_BLOCK;
         m.hash = hash;
         m.parent_hash = parent_hash;
         m.parent = parent;
@@ -247,6 +265,18 @@ impl PrefixIndex {
             (m.hash, m.parent, m.prev_sibling, m.next_sibling, m.key_id);
         let removed = self.map.remove(&hash.0);
         debug_assert_eq!(removed, Some(b));
+        let (gprev, gnext) = (m.prev_in_group, m.next_in_group);
+        let gk = group_key(m.parent_hash, pool.tokens_of(b)[0]);
+        if gprev != NO_BLOCK {
+            pool.meta[gprev as usize].next_in_group = gnext;
+        } else if gnext != NO_BLOCK {
+            self.groups.insert(gk, gnext);
+        } else {
+            self.groups.remove(&gk);
+        }
+        if gnext != NO_BLOCK {
+            pool.meta[gnext as usize].prev_in_group = gprev;
+        }
         if parent != ORPHAN {
             if prev != NO_BLOCK {
                 pool.meta[prev as usize].next_sibling = next;
@@ -273,6 +303,37 @@ impl PrefixIndex {
         } else {
             parent
         }
+    }
+
+    /// Checks the partial-match groups: every indexed block is in exactly the group of its parent hash and
+    /// first token, with consistent back links. For the invariant tests.
+    pub fn check_groups(&self, pool: &BlockPool) -> Result<(), String> {
+        let mut seen = 0;
+        for (&gk, &head) in &self.groups {
+            let mut prev = NO_BLOCK;
+            let mut c = head;
+            while c != NO_BLOCK {
+                let m = &pool.meta[c as usize];
+                if !m.indexed || m.prev_in_group != prev {
+                    return Err(format!("block {c}: bad partial-match group links"));
+                }
+                if group_key(m.parent_hash, pool.tokens_of(c)[0]) != gk {
+                    return Err(format!(
+                        "block {c} is in another partial-match group than its own"
+                    ));
+                }
+                seen += 1;
+                prev = c;
+                c = m.next_in_group;
+            }
+        }
+        if seen != self.map.len() {
+            return Err(format!(
+                "{seen} blocks in partial-match groups, {} indexed",
+                self.map.len()
+            ));
+        }
+        Ok(())
     }
 
     /// Cuts every child of `b` loose (plain LRU evicting a parent): they become unreachable orphans.
@@ -343,18 +404,19 @@ impl PrefixIndex {
         if rest.is_empty() {
             return;
         }
-        // Partial reuse: the child (or root) sharing the longest token prefix with the rest of the prompt.
-        let mut c = if parent == NO_BLOCK {
-            self.entry(key_id).first_root
-        } else {
-            pool.meta[parent as usize].first_child
-        };
+        // Partial reuse: the child (or root) sharing the longest token prefix with the rest of the prompt;
+        // only those starting with the rest's first token can share anything.
+        let mut c = self
+            .groups
+            .get(&group_key(parent_hash, rest[0]))
+            .copied()
+            .unwrap_or(NO_BLOCK);
         let limit = rest.len().min(bs);
         let mut best: Option<(BlockId, usize)> = None;
         while c != NO_BLOCK {
             let m = &pool.meta[c as usize];
             // Only computed KV can be copied; a pending block's bytes are not there yet.
-            if usize::from(m.computed) == bs {
+            if m.parent == parent && m.key_id == key_id && usize::from(m.computed) == bs {
                 let n = pool.tokens_of(c)[..limit]
                     .iter()
                     .zip(&rest[..limit])
@@ -364,7 +426,7 @@ impl PrefixIndex {
                     best = Some((c, n));
                 }
             }
-            c = m.next_sibling;
+            c = m.next_in_group;
         }
         hit.partial = best.map(|(b, n)| (b, pool.meta[b as usize].identity, n));
     }
