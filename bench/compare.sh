@@ -16,8 +16,10 @@
 #   CONVERSATIONS [8] TURNS [4]                                                  multi-turn
 #   UNIQUE_REQUESTS [32] UNIQUE_TOKENS [1050]                                    unique
 #   KURA_PORT [8000] LLAMA_PORT [8090] KURA_ARGS [] (extra `kura serve` flags)
-#   SWEEP ["" or e.g. "1,2,4,8,16,32"]: also a concurrency sweep of shared-prefix on kura, marked with
-#   MARK_CONCURRENCY (the max concurrency `kura plan` predicts) when given.
+#   LLAMA_THREADS [THREADS] (llama.cpp's spinning thread barriers suffer badly on a busy machine: 1 helps)
+#   SWEEP ["" or e.g. "1,2,4,8,12,16,24"]: also a concurrency sweep of `unique` (SWEEP_REQUESTS [24]
+#   requests of UNIQUE_TOKENS) on a kura server with a small KV pool (SWEEP_KV [512MiB], f32), with the
+#   max concurrency `kura plan` predicts for that pool marked on the plots.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -64,20 +66,24 @@ wait_healthy() { # url pid log
   return 1
 }
 
-start_server() { # name -> prints url
+start_server() { # name; sets URL (and SERVER_PID for kura). Not in a subshell: stop_server needs the pid.
   case "$1" in
     kura | kura-nocache)
+      if curl -fsS -m 2 "http://127.0.0.1:$KURA_PORT/health" >/dev/null 2>&1; then
+        echo "compare: another server already answers on port $KURA_PORT; stop it or set KURA_PORT" >&2
+        return 1
+      fi
       local extra=""
       [ "$1" = kura-nocache ] && extra="--no-prefix-cache"
       # shellcheck disable=SC2086
       "$KURA" serve --model "$MODEL" --host 127.0.0.1 --port "$KURA_PORT" --threads "$THREADS" \
         $extra ${KURA_ARGS:-} >"$OUT/$1.log" 2>&1 &
       SERVER_PID=$!
-      wait_healthy "http://127.0.0.1:$KURA_PORT" "$SERVER_PID" "$OUT/$1.log" || return 1
-      echo "http://127.0.0.1:$KURA_PORT"
+      URL="http://127.0.0.1:$KURA_PORT"
+      wait_healthy "$URL" "$SERVER_PID" "$OUT/$1.log" || return 1
       ;;
     llama.cpp)
-      PORT="$LLAMA_PORT" THREADS="$THREADS" MODEL="$MODEL" "$HERE/peers/llama-server.sh"
+      URL=$(PORT="$LLAMA_PORT" THREADS="${LLAMA_THREADS:-$THREADS}" MODEL="$MODEL" "$HERE/peers/llama-server.sh")
       ;;
     *) echo "compare: unknown server $1 (kura, kura-nocache, llama.cpp)" >&2; return 1 ;;
   esac
@@ -95,7 +101,8 @@ workload_args() {
 }
 
 for server in $SERVERS; do
-  url=$(start_server "$server")
+  start_server "$server"
+  url="$URL"
   echo "compare: $server at $url" >&2
   for wl in $WORKLOADS; do
     # shellcheck disable=SC2046
@@ -103,16 +110,24 @@ for server in $SERVERS; do
       --concurrency "$CONCURRENCY" --output-tokens "$OUTPUT_TOKENS" --out "$OUT/$wl/$server" ||
       echo "compare: $wl on $server reported failures (see $OUT/$wl/$server)" >&2
   done
-  if [ -n "${SWEEP:-}" ] && [ "$server" = kura ]; then
-    mark=()
-    [ -n "${MARK_CONCURRENCY:-}" ] && mark=(--mark-concurrency "$MARK_CONCURRENCY" --mark-label "KV pool (kura plan)")
-    # shellcheck disable=SC2046
-    "$KURA" bench shared-prefix $(workload_args shared-prefix) --url "$url" --label kura --seed "$SEED" \
-      --sweep-concurrency "$SWEEP" --output-tokens "$OUTPUT_TOKENS" --out "$OUT/sweep/kura" "${mark[@]}" ||
-      echo "compare: the sweep reported failures" >&2
-  fi
   stop_server
 done
+
+if [ -n "${SWEEP:-}" ]; then
+  SWEEP_KV="${SWEEP_KV:-512MiB}"
+  context=$(( ${UNIQUE_TOKENS:-1050} + OUTPUT_TOKENS + 32 ))
+  mark=$("$KURA" plan --model "$MODEL" --context "$context" --kv-dtype f32 --kv-cache-memory "$SWEEP_KV" --json |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["max_concurrency"])')
+  echo "compare: sweep on kura with a $SWEEP_KV KV pool; kura plan predicts $mark requests of $context tokens" >&2
+  KURA_ARGS="${KURA_ARGS:-} --kv-cache-memory $SWEEP_KV --kv-dtype f32"
+  start_server kura
+  url="$URL"
+  "$KURA" bench unique --requests "${SWEEP_REQUESTS:-24}" --prompt-tokens "${UNIQUE_TOKENS:-1050}" --url "$url" \
+    --label "kura ($SWEEP_KV KV)" --seed "$SEED" --sweep-concurrency "$SWEEP" --output-tokens "$OUTPUT_TOKENS" \
+    --out "$OUT/sweep/kura" --mark-concurrency "$mark" --mark-label "KV pool (kura plan)" ||
+    echo "compare: the sweep reported failures" >&2
+  stop_server
+fi
 
 {
   echo "# Kura comparison"
@@ -131,7 +146,7 @@ for wl in $WORKLOADS; do
   { echo "## $wl"; echo; sed -n '/^| run/,/^$/p' "$OUT/$wl/compare.md"; echo "Plots: [$wl/plots]($wl/plots), details: [$wl/compare.md]($wl/compare.md)"; echo; } >>"$OUT/README.md"
 done
 if [ -f "$OUT/sweep/kura/summary.md" ]; then
-  { echo "## concurrency sweep (kura, shared-prefix)"; echo; sed -n '/^| run/,/^$/p' "$OUT/sweep/kura/summary.md"; echo "Plots: [sweep/kura/plots](sweep/kura/plots)"; } >>"$OUT/README.md"
+  { echo "## concurrency sweep (kura, unique, small KV pool)"; echo; sed -n '/^| run/,/^$/p' "$OUT/sweep/kura/summary.md"; echo "Plots: [sweep/kura/plots](sweep/kura/plots)"; } >>"$OUT/README.md"
 fi
 echo "compare: report $OUT/README.md" >&2
 cat "$OUT/README.md"

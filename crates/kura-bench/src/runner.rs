@@ -284,13 +284,17 @@ async fn run_point(
             failed: AtomicUsize::new(0),
         },
     });
-    let ticker = (show_progress && std::io::stderr().is_terminal()).then(|| {
+    // On a terminal a progress bar redrawn in place; elsewhere (logs, CI) a line every 10 s.
+    let tty = std::io::stderr().is_terminal();
+    let title = format!("{label} {} {}", workload.name, shape.describe());
+    let ticker = show_progress.then(|| {
         let ctx = ctx.clone();
-        let title = format!("{label} {} {}", workload.name, shape.describe());
+        let title = title.clone();
         tokio::spawn(async move {
+            let period = Duration::from_millis(if tty { 200 } else { 10_000 });
             loop {
-                draw_progress(&title, &ctx);
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                tokio::time::sleep(period).await;
+                draw_progress(&title, &ctx, tty);
             }
         })
     });
@@ -354,11 +358,10 @@ async fn run_point(
     }
     if let Some(t) = ticker {
         t.abort();
-        draw_progress(
-            &format!("{label} {} {}", workload.name, shape.describe()),
-            &ctx,
-        );
-        eprintln!();
+        draw_progress(&title, &ctx, tty);
+        if tty {
+            eprintln!();
+        }
     }
     let mut requests = std::mem::take(&mut *ctx.records.lock().unwrap_or_else(|p| p.into_inner()));
     requests.sort_by_key(|r| r.id);
@@ -370,7 +373,7 @@ async fn run_point(
     }
 }
 
-fn draw_progress(title: &str, ctx: &PointCtx) {
+fn draw_progress(title: &str, ctx: &PointCtx, tty: bool) {
     let p = &ctx.progress;
     let done = p.done.load(Ordering::Relaxed);
     let failed = p.failed.load(Ordering::Relaxed);
@@ -379,14 +382,18 @@ fn draw_progress(title: &str, ctx: &PointCtx) {
         .checked_div(p.total)
         .unwrap_or(WIDTH)
         .min(WIDTH);
-    let mut err = std::io::stderr().lock();
-    let _ = write!(
-        err,
-        "\r{title} [{}{}] {done}/{} done, {failed} failed, {:.1} s ",
+    let line = format!(
+        "{title} [{}{}] {done}/{} done, {failed} failed, {:.1} s",
         "#".repeat(filled),
         ".".repeat(WIDTH - filled),
         p.total,
         ctx.t0.elapsed().as_secs_f64()
     );
+    let mut err = std::io::stderr().lock();
+    let _ = if tty {
+        write!(err, "\r{line} ")
+    } else {
+        writeln!(err, "{line}")
+    };
     let _ = err.flush();
 }
