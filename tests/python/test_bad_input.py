@@ -89,6 +89,8 @@ def test_bad_inputs_get_clear_errors(capsys):
         for what, status, want, message in rows:
             assert status == want, f"{what}: got {status}, want {want}: {message}"
             assert not message.startswith("<not"), f"{what}: {message}"
+        r = httpx.get(s.url + "/v1/completions")
+        assert r.status_code == 405 and "method not allowed" in r.json()["error"]["message"]
         # Wrong key handling needs keys; the server is still healthy after all of the above.
         assert httpx.get(s.url + "/health").status_code == 200
         ok = httpx.post(s.url + "/v1/completions", json=OK_PROMPT)

@@ -195,6 +195,13 @@ fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitErr
         });
     }
     let prompt_tokens = r.prompt_tokens.len();
+    if prompt_tokens >= info.max_model_len {
+        return Err(SubmitError::PromptTooLong {
+            prompt_tokens,
+            max_model_len: info.max_model_len,
+            excess: prompt_tokens + 1 - info.max_model_len,
+        });
+    }
     let max_tokens = r.max_tokens as usize;
     let total = prompt_tokens + max_tokens;
     if total > info.max_model_len {

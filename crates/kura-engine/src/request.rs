@@ -191,6 +191,15 @@ pub enum SubmitError {
     #[error("token id {token_id} is outside the vocabulary of {vocab_size} tokens")]
     TokenOutOfVocab { token_id: u32, vocab_size: usize },
     #[error(
+        "the prompt has {prompt_tokens} tokens but this model's maximum context length is \
+         {max_model_len} tokens, at least one generated token included: {excess} tokens too many"
+    )]
+    PromptTooLong {
+        prompt_tokens: usize,
+        max_model_len: usize,
+        excess: usize,
+    },
+    #[error(
         "this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens} \
          and max_tokens asks for {max_tokens} more, {excess} tokens too many"
     )]

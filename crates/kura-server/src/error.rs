@@ -33,6 +33,8 @@ pub enum ApiError {
     Timeout { seconds: u64 },
     #[error("no route for {0}")]
     NotFound(String),
+    #[error("method not allowed: {0}")]
+    MethodNotAllowed(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -55,6 +57,7 @@ impl ApiError {
             ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -77,6 +80,9 @@ impl ApiError {
             ApiError::ShuttingDown => ("service_unavailable_error", None, Some("shutting_down")),
             ApiError::Timeout { .. } => ("timeout_error", None, Some("request_timeout")),
             ApiError::NotFound(_) => ("invalid_request_error", None, Some("unknown_url")),
+            ApiError::MethodNotAllowed(_) => {
+                ("invalid_request_error", None, Some("method_not_allowed"))
+            }
             ApiError::Internal(_) => ("server_error", None, None),
         }
     }
@@ -102,6 +108,11 @@ impl From<SubmitError> for ApiError {
                 message: e.to_string(),
                 param: Some("max_tokens"),
                 code: Some("kv_cache_capacity_exceeded"),
+            },
+            SubmitError::PromptTooLong { .. } => ApiError::InvalidRequest {
+                message: e.to_string(),
+                param: Some("prompt"),
+                code: Some("context_length_exceeded"),
             },
             SubmitError::EmptyPrompt | SubmitError::TokenOutOfVocab { .. } => {
                 ApiError::invalid(e.to_string(), Some("prompt"))

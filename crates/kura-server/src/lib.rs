@@ -98,6 +98,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .with_state(state)
 }
@@ -555,6 +556,10 @@ async fn metrics(State(s): State<AppState>) -> Response {
         s.engine.metrics().render_prometheus(),
     )
         .into_response()
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
 }
 
 async fn not_found(uri: Uri) -> ApiError {
