@@ -125,21 +125,37 @@ pub enum PlanError {
     #[error("{0} must be at least 1")]
     Zero(&'static str),
     #[error(
-        "the model does not fit: weights {weights} + overhead {overhead} + activations {activation} = {needed} \
-         per device, but only {usable} is usable ({memory} × {utilization}); short by {short}. Try a larger \
-         --tp/--pp, a smaller --weights-dtype, or --memory-utilization closer to 1"
+        "the model does not fit: weights {} + overhead {} + activations {} = {} per device, but only {} is \
+         usable ({} × {utilization}); short by {}. Try a larger --tp/--pp, a smaller --weights-dtype, or \
+         --memory-utilization closer to 1",
+        format_bytes(*weights), format_bytes(*overhead), format_bytes(*activation),
+        format_bytes(weights + overhead + activation), format_bytes(*usable), format_bytes(*memory),
+        format_bytes(self.short_bytes())
     )]
     DoesNotFit {
-        weights: String,
-        overhead: String,
-        activation: String,
-        needed: String,
-        usable: String,
-        memory: String,
+        weights: u64,
+        overhead: u64,
+        activation: u64,
+        usable: u64,
+        memory: u64,
         utilization: f64,
-        short: String,
-        short_bytes: u64,
     },
+}
+
+impl PlanError {
+    /// For [`PlanError::DoesNotFit`]: the bytes missing; 0 for other errors.
+    pub fn short_bytes(&self) -> u64 {
+        match self {
+            PlanError::DoesNotFit {
+                weights,
+                overhead,
+                activation,
+                usable,
+                ..
+            } => (weights + overhead + activation).saturating_sub(*usable),
+            _ => 0,
+        }
+    }
 }
 
 /// The answer, every byte count exact (per device unless named otherwise).
@@ -298,15 +314,12 @@ impl PlanRequest {
                 let needed = weights + overhead + activation;
                 if needed > usable {
                     return Err(PlanError::DoesNotFit {
-                        weights: format_bytes(weights),
-                        overhead: format_bytes(overhead),
-                        activation: format_bytes(activation),
-                        needed: format_bytes(needed),
-                        usable: format_bytes(usable),
-                        memory: format_bytes(mem),
+                        weights,
+                        overhead,
+                        activation,
+                        usable,
+                        memory: mem,
                         utilization: self.memory_utilization,
-                        short: format_bytes(needed - usable),
-                        short_bytes: needed - usable,
                     });
                 }
                 (usable - needed, Some(mem))
@@ -495,11 +508,9 @@ mod tests {
         let mut r = req("llama-3.1-70b");
         r.memory_bytes = Some(80 * GIB);
         let err = r.plan().unwrap_err();
-        let PlanError::DoesNotFit { short_bytes, .. } = &err else {
-            panic!("{err}")
-        };
+        assert!(matches!(err, PlanError::DoesNotFit { .. }), "{err}");
         // 141 GB of bf16 weights alone exceed 72 GiB usable.
-        assert!(*short_bytes > 60 * GIB, "{err}");
+        assert!(err.short_bytes() > 60 * GIB, "{err}");
         assert!(err.to_string().contains("short by"));
         r.tp = 4;
         assert!(r.plan().is_ok());
