@@ -253,11 +253,11 @@ fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
     let mut r = GenerateRequest::greedy(prompt(&model, 30, 20), 400);
     r.ignore_eos = true;
     let (guard, rx) = submit(&e, r);
-    // Wait for the first token, then walk away.
-    loop {
-        if let EngineEvent::Delta { .. } = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            break;
-        }
+    // Wait for two tokens (the gauges are published at the end of the step that emitted the first),
+    // then walk away.
+    for _ in 0..2 {
+        let event = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert!(matches!(event, EngineEvent::Delta { .. }), "{event:?}");
     }
     assert!(metric(&e, "kura:kv_cache_blocks_used") > 0.0);
     drop(guard);
