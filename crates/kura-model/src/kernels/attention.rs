@@ -209,7 +209,7 @@ pub fn paged_attention(
         }
         Unit::Tile { s, kvh, i0, i1 } => tile(q, &seqs[s], kv, shape, kvh, i0, i1, scale, out_ptr),
     };
-    if rayon::current_num_threads() <= 1 || ctx_work * num_heads * head_dim < 1 << 15 {
+    if rayon::current_num_threads() <= 1 || ctx_work * num_heads * head_dim < 1 << 18 {
         units.iter().for_each(run);
     } else {
         units.par_iter().for_each(run);
@@ -344,9 +344,10 @@ fn tile(
     for (r, row) in s.chunks_exact_mut(n_k).enumerate() {
         let pos = p0 + r / group;
         let (lo, hi) = (lo_of(pos) - klo, pos - klo);
-        row[..lo].fill(f32::NEG_INFINITY);
-        row[hi + 1..].fill(f32::NEG_INFINITY);
-        softmax(row);
+        // Positions outside the window or after the query get weight 0 (no exp of -inf needed).
+        softmax(&mut row[lo..=hi]);
+        row[..lo].fill(0.0);
+        row[hi + 1..].fill(0.0);
     }
     let mut o = vec![0f32; m * d];
     // SAFETY: O is m × d row-major; P (= S) is m × n_k row-major; V is n_k × d row-major.

@@ -13,7 +13,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::dot::{Isa, WeightElem, MAX_GROUP};
+use super::dot::{Bf16Act, F32Act, GroupDot, Isa, MAX_GROUP};
 use crate::weights::{MatData, Matrix};
 
 /// Largest token count served by the row kernel.
@@ -47,22 +47,31 @@ pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
         return;
     }
     match &w.data {
-        MatData::F32(d) if t <= SMALL_BATCH => rows_kernel(x, t, d, w.rows, w.cols, out),
-        MatData::Bf16(d) if t <= SMALL_BATCH => rows_kernel(x, t, d, w.rows, w.cols, out),
+        MatData::F32(d) if t <= SMALL_BATCH => {
+            rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect()))
+        }
+        MatData::Bf16(d) if t <= SMALL_BATCH => match Bf16Act::detect() {
+            // bf16 × bf16 products with f32 sums: the activations are rounded to bf16 once per call.
+            Some(dp) => {
+                let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
+                rows_kernel(&xb, t, d, w.rows, w.cols, out, &dp)
+            }
+            None => rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect())),
+        },
         MatData::F32(d) => gemm_f32(x, t, d, w.rows, w.cols, out),
         MatData::Bf16(d) => gemm_bf16_panels(x, t, d, w.rows, w.cols, out),
     }
 }
 
-fn rows_kernel<T: WeightElem>(
-    x: &[f32],
+fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
+    x: &[X],
     t: usize,
     w: &[T],
     rows: usize,
     cols: usize,
     out: &mut [f32],
+    dot: &D,
 ) {
-    let isa = Isa::detect();
     let out_ptr = OutPtr(out.as_mut_ptr());
     let do_rows = |r0: usize, r1: usize| {
         for r in r0..r1 {
@@ -74,10 +83,10 @@ fn rows_kernel<T: WeightElem>(
                 // written by exactly one task.
                 unsafe {
                     match g {
-                        1 => dot_into::<T, 1>(isa, row, x, t0, cols, out_ptr, rows, r),
-                        2 => dot_into::<T, 2>(isa, row, x, t0, cols, out_ptr, rows, r),
-                        3 => dot_into::<T, 3>(isa, row, x, t0, cols, out_ptr, rows, r),
-                        _ => dot_into::<T, 4>(isa, row, x, t0, cols, out_ptr, rows, r),
+                        1 => dot_into::<T, X, D, 1>(dot, row, x, t0, cols, out_ptr, rows, r),
+                        2 => dot_into::<T, X, D, 2>(dot, row, x, t0, cols, out_ptr, rows, r),
+                        3 => dot_into::<T, X, D, 3>(dot, row, x, t0, cols, out_ptr, rows, r),
+                        _ => dot_into::<T, X, D, 4>(dot, row, x, t0, cols, out_ptr, rows, r),
                     }
                 }
                 t0 += g;
@@ -90,7 +99,7 @@ fn rows_kernel<T: WeightElem>(
         return;
     }
     // A few chunks per thread evens out imbalance without paying for many tiny tasks.
-    let chunk = rows.div_ceil(threads * 4).max(16);
+    let chunk = rows.div_ceil(threads * 2).max(16);
     (0..rows.div_ceil(chunk))
         .into_par_iter()
         .for_each(|c| do_rows(c * chunk, ((c + 1) * chunk).min(rows)));
@@ -102,18 +111,18 @@ fn rows_kernel<T: WeightElem>(
 /// `out` points at a `t × rows` buffer with `t0 + N ≤ t`, `r < rows`, and no other thread writes row `r`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-unsafe fn dot_into<T: WeightElem, const N: usize>(
-    isa: Isa,
+unsafe fn dot_into<T, X, D: GroupDot<T, X>, const N: usize>(
+    dot: &D,
     row: &[T],
-    x: &[f32],
+    x: &[X],
     t0: usize,
     cols: usize,
     out: OutPtr,
     rows: usize,
     r: usize,
 ) {
-    let xs: [&[f32]; N] = std::array::from_fn(|j| &x[(t0 + j) * cols..(t0 + j + 1) * cols]);
-    let vals = T::dot_group(isa, row, &xs);
+    let xs: [&[X]; N] = std::array::from_fn(|j| &x[(t0 + j) * cols..(t0 + j + 1) * cols]);
+    let vals = dot.dot(row, &xs);
     for (j, v) in vals.into_iter().enumerate() {
         // SAFETY: guaranteed by the caller.
         unsafe { *out.get().add((t0 + j) * rows + r) = v };
@@ -229,8 +238,16 @@ mod tests {
             .collect();
         for t in [1, 3, 5, 8, 9, 40] {
             let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.013).sin()).collect();
-            let want = naive(&x, t, &w, rows, cols);
             for dtype in [WeightsDtype::F32, WeightsDtype::Bf16] {
+                // With vdpbf16ps, decode rounds the activations to bf16: the reference does the same.
+                let rounded =
+                    dtype == WeightsDtype::Bf16 && t <= SMALL_BATCH && Bf16Act::detect().is_some();
+                let xr: Vec<f32> = if rounded {
+                    x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
+                } else {
+                    x.clone()
+                };
+                let want = naive(&xr, t, &w, rows, cols);
                 let m = Matrix::from_f32(rows, cols, w.clone(), dtype);
                 let mut out = vec![0f32; t * rows];
                 matmul(&x, t, &m, &mut out);
