@@ -18,7 +18,7 @@ pub const TRACE_BLOCK_TOKENS: u32 = 512;
 /// A trace that could not be read.
 #[derive(Debug, Error)]
 pub enum TraceError {
-    #[error("cannot read trace {path}: {source}")]
+    #[error("cannot read trace {path}")]
     Io {
         path: PathBuf,
         #[source]
@@ -196,6 +196,13 @@ mod tests {
     #[test]
     fn a_missing_file_is_an_io_error_naming_it() {
         let err = load_trace(Path::new("/nonexistent/trace.jsonl")).unwrap_err();
-        assert!(err.to_string().contains("/nonexistent/trace.jsonl"));
+        assert_eq!(
+            err.to_string(),
+            "cannot read trace /nonexistent/trace.jsonl"
+        );
+        assert!(
+            std::error::Error::source(&err).is_some(),
+            "the OS error stays in the chain"
+        );
     }
 }
