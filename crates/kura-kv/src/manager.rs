@@ -47,11 +47,11 @@
 //! O(log cached blocks).
 
 use crate::error::KvError;
-use crate::events::{EvictedBlock, EvictionHook, KvEvent};
+use crate::events::{EvictionHook, KvEvent};
 use crate::evict::{EvictionPolicy, Evictor};
 use crate::hash::{BlockHash, BlockHasher, CacheKey};
-use crate::pool::{BlockId, BlockPool, MAX_PRIORITY, NO_BLOCK, NO_WRITER, ORPHAN};
-use crate::prefix::{Insert, PrefixHit, PrefixIndex};
+use crate::pool::{BlockId, BlockPool, NO_WRITER, ORPHAN};
+use crate::prefix::{PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
 
 /// Largest block size in tokens. Serving uses 1..=256; larger blocks (up to 1024) let the simulator replay
@@ -268,25 +268,6 @@ impl KvCacheManager {
         self.hook = Some(hook);
     }
 
-    /// Advances the caller's clock (ms, monotonic): retentions and pins whose time has come expire.
-    pub fn set_time_ms(&mut self, now_ms: u64) {
-        self.now_ms = self.now_ms.max(now_ms);
-        self.evictor.expire(&mut self.pool.meta, self.now_ms);
-        let now = self.now_ms;
-        let expired: Vec<u32> = (0..self.pins.len() as u32)
-            .filter(|&i| {
-                self.pins[i as usize]
-                    .1
-                    .as_ref()
-                    .and_then(|p| p.expires_at_ms)
-                    .is_some_and(|t| t <= now)
-            })
-            .collect();
-        for i in expired {
-            self.release_pin(i);
-        }
-    }
-
     /// A new, empty sequence under `key`.
     pub fn add_sequence(&mut self, key: &CacheKey) -> SeqId {
         let key_id = self.index.intern(key, &mut self.hasher);
@@ -339,58 +320,6 @@ impl KvCacheManager {
     /// is not expected.
     pub fn set_caching(&mut self, id: SeqId, cacheable: bool) -> Result<(), KvError> {
         self.seq_mut(id)?.cacheable = cacheable;
-        Ok(())
-    }
-
-    /// Sets the retention of this sequence's token ranges; applied to its blocks now and as they are
-    /// allocated or attached.
-    pub fn set_retention(&mut self, id: SeqId, ranges: &[RetentionRange]) -> Result<(), KvError> {
-        for r in ranges {
-            if r.start >= r.end || r.priority > MAX_PRIORITY {
-                return Err(KvError::BadRetention {
-                    start: r.start,
-                    end: r.end,
-                    priority: r.priority,
-                    max: MAX_PRIORITY,
-                });
-            }
-        }
-        let seq = self.seq_mut(id)?;
-        seq.retention = ranges.to_vec();
-        let table = std::mem::take(&mut seq.table);
-        for (i, &b) in table.iter().enumerate() {
-            self.apply_retention(id, i, b)?;
-        }
-        self.seq_mut(id)?.table = table;
-        Ok(())
-    }
-
-    fn apply_retention(
-        &mut self,
-        id: SeqId,
-        block_index: usize,
-        b: BlockId,
-    ) -> Result<(), KvError> {
-        let pos = block_index * self.config.block_size;
-        let Some(r) = self
-            .seq(id)?
-            .retention
-            .iter()
-            .find(|r| r.start <= pos && pos < r.end)
-            .copied()
-        else {
-            return Ok(());
-        };
-        let until = r
-            .duration_ms
-            .map_or(u64::MAX, |d| self.now_ms.saturating_add(d));
-        let m = &mut self.pool.meta[b as usize];
-        let current = m.effective_priority(self.now_ms);
-        if r.priority > current || (r.priority == current && until > m.retained_until_ms) {
-            m.priority = r.priority;
-            m.retained_until_ms = until;
-            self.evictor.note_retention(b, m.identity, until);
-        }
         Ok(())
     }
 
@@ -482,199 +411,6 @@ impl KvCacheManager {
         self.append_tokens(id, new_tokens, &mut alloc)?;
         self.stats.block_copies += alloc.copies.len() as u64;
         Ok(Some(alloc))
-    }
-
-    fn validate_hit(&self, id: SeqId, seq: &Sequence, h: &PrefixHit) -> Result<(), KvError> {
-        if seq.num_tokens != 0 {
-            return Err(KvError::HitOnNonEmptySequence {
-                seq: id,
-                num_tokens: seq.num_tokens,
-            });
-        }
-        if h.key_id != Some(seq.key_id) || h.block_size != self.config.block_size {
-            return Err(KvError::HitKeyMismatch { seq: id });
-        }
-        let partial = h.partial.map(|(b, identity, _)| (b, identity));
-        for (b, identity) in h.blocks.iter().copied().chain(partial) {
-            let m = &self.pool.meta[b as usize];
-            if m.identity != identity || !m.indexed {
-                return Err(KvError::StaleHit { block: b });
-            }
-        }
-        Ok(())
-    }
-
-    fn attach_hit(
-        &mut self,
-        id: SeqId,
-        h: &PrefixHit,
-        alloc: &mut Allocation,
-    ) -> Result<(), KvError> {
-        let bs = self.config.block_size;
-        let retained = !self.seq(id)?.retention.is_empty();
-        for (i, &(b, _)) in h.blocks.iter().enumerate() {
-            if self.pool.incref(b) {
-                self.num_idle -= 1;
-            }
-            if usize::from(self.pool.meta[b as usize].computed) < bs {
-                self.stats.pending_waits += 1;
-            }
-            if retained {
-                self.apply_retention(id, i, b)?;
-            }
-        }
-        self.stats.block_ops += h.blocks.len() as u64;
-        let seq = self.seq_mut(id)?;
-        seq.table.extend(h.block_ids());
-        seq.num_tokens = h.blocks.len() * bs;
-        seq.last_hash = h.last_hash;
-        if h.num_pending == 0 {
-            seq.num_computed = seq.num_tokens;
-        }
-        if let Some((src, _, n)) = h.partial {
-            // Hold the source while taking the destination, so that this very allocation cannot evict it.
-            if self.pool.incref(src) {
-                self.num_idle -= 1;
-            }
-            let dst = self.take_block();
-            self.pool.copy_tokens(src, dst, n);
-            let m = &mut self.pool.meta[dst as usize];
-            m.filled = n as u16;
-            m.computed = n as u16; // by the copy, which precedes the forward pass
-            m.writer = id.index;
-            self.release_block(src, id.index);
-            alloc.copies.push(BlockCopy {
-                src,
-                dst,
-                num_tokens: n,
-            });
-            alloc.num_new_blocks += 1;
-            let index = h.blocks.len();
-            self.apply_retention(id, index, dst)?;
-            let seq = self.seq_mut(id)?;
-            seq.table.push(dst);
-            seq.num_tokens += n;
-            if h.num_pending == 0 {
-                seq.num_computed = seq.num_tokens;
-            }
-        }
-        Ok(())
-    }
-
-    fn copy_on_write_last(&mut self, id: SeqId, alloc: &mut Allocation) -> Result<(), KvError> {
-        let bs = self.config.block_size;
-        let seq = self.seq(id)?;
-        let fill = seq.num_tokens % bs;
-        let Some(&last) = seq.table.last() else {
-            return Ok(());
-        };
-        if fill == 0 || self.pool.meta[last as usize].ref_count <= 1 {
-            return Ok(());
-        }
-        let dst = self.take_block();
-        self.pool.copy_tokens(last, dst, fill);
-        let computed = self.pool.meta[last as usize].computed;
-        let m = &mut self.pool.meta[dst as usize];
-        m.filled = fill as u16;
-        m.computed = computed;
-        m.writer = id.index;
-        let remaining = self.pool.decref(last);
-        debug_assert!(remaining > 0, "copy-on-write of an unshared block");
-        let shared = &mut self.pool.meta[last as usize];
-        if shared.writer == id.index {
-            shared.writer = NO_WRITER;
-        }
-        let seq = self.seq_mut(id)?;
-        let i = seq.table.len() - 1;
-        seq.table[i] = dst;
-        alloc.copies.push(BlockCopy {
-            src: last,
-            dst,
-            num_tokens: fill,
-        });
-        alloc.num_new_blocks += 1;
-        self.apply_retention(id, i, dst)
-    }
-
-    fn append_tokens(
-        &mut self,
-        id: SeqId,
-        mut tokens: &[u32],
-        alloc: &mut Allocation,
-    ) -> Result<(), KvError> {
-        let bs = self.config.block_size;
-        let retained = !self.seq(id)?.retention.is_empty();
-        while !tokens.is_empty() {
-            let seq = self.seq(id)?;
-            let fill = seq.num_tokens % bs;
-            let block_index = seq.num_tokens / bs;
-            let b = if fill == 0 {
-                let b = self.take_block();
-                self.seq_mut(id)?.table.push(b);
-                alloc.num_new_blocks += 1;
-                self.stats.block_ops += 1;
-                if retained {
-                    self.apply_retention(id, block_index, b)?;
-                }
-                b
-            } else {
-                seq.table[block_index]
-            };
-            let n = tokens.len().min(bs - fill);
-            self.pool.slots_mut(b)[fill..fill + n].copy_from_slice(&tokens[..n]);
-            let m = &mut self.pool.meta[b as usize];
-            m.filled = (fill + n) as u16;
-            m.writer = id.index;
-            tokens = &tokens[n..];
-            let seq = self.seq_mut(id)?;
-            seq.num_tokens += n;
-            if fill + n == bs {
-                self.index_full_block(id, block_index)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Enters the sequence's newly full block `i` in the index (pending until computed).
-    fn index_full_block(&mut self, id: SeqId, i: usize) -> Result<(), KvError> {
-        let seq = self.seq(id)?;
-        if !seq.cacheable || !seq.chain_indexed {
-            self.seq_mut(id)?.chain_indexed = false;
-            return Ok(());
-        }
-        let b = seq.table[i];
-        let parent = if i == 0 { NO_BLOCK } else { seq.table[i - 1] };
-        let (parent_hash, key_id) = (seq.last_hash, seq.key_id);
-        let hash = self.hasher.chain(parent_hash, self.pool.tokens_of(b));
-        let mut outcome = self
-            .index
-            .insert(&mut self.pool, b, hash, parent_hash, parent, key_id);
-        if let Insert::Occupied(other) = outcome {
-            // An unreachable orphan (plain LRU) with the same identity is garbage: replace it.
-            let o = &self.pool.meta[other as usize];
-            if o.parent == ORPHAN && o.is_idle() && o.parent_hash == parent_hash {
-                self.drop_cached(other);
-                self.pool.push_free(other);
-                outcome = self
-                    .index
-                    .insert(&mut self.pool, b, hash, parent_hash, parent, key_id);
-            }
-        }
-        let seq = self.seq_mut(id)?;
-        match outcome {
-            Insert::Inserted => {
-                seq.last_hash = hash;
-                self.stats.blocks_indexed += 1;
-                if usize::from(self.pool.meta[b as usize].computed) == self.config.block_size {
-                    self.announce(b);
-                }
-            }
-            Insert::Occupied(_) => {
-                seq.chain_indexed = false;
-                self.stats.index_conflicts += 1;
-            }
-        }
-        Ok(())
     }
 
     /// Declares the KV of tokens `[0, upto)` of the sequence written (by this sequence, by a copy, or by the
@@ -821,202 +557,6 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Drops one reference to `b` held by sequence slot `holder`.
-    fn release_block(&mut self, b: BlockId, holder: u32) {
-        let bs = self.config.block_size;
-        let remaining = self.pool.decref(b);
-        let m = &mut self.pool.meta[b as usize];
-        m.last_used = self.clock;
-        if m.writer == holder {
-            m.writer = NO_WRITER;
-            if remaining > 0 && m.indexed && m.computed < m.filled {
-                self.stats.withdrawn_blocks += 1;
-            }
-        }
-        if remaining > 0 {
-            return;
-        }
-        if m.indexed && usize::from(m.computed) == bs {
-            if m.pin_count == 0 {
-                self.num_idle += 1;
-                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
-            }
-        } else if m.indexed {
-            // Pending and abandoned: there is no KV to keep.
-            assert!(m.pin_count == 0, "pending block {b} was pinned");
-            let parent = self.index.remove(&mut self.pool, b);
-            self.pool.push_free(b);
-            if parent != NO_BLOCK {
-                self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
-            }
-        } else {
-            self.pool.push_free(b);
-        }
-    }
-
-    /// A block for a new owner, referenced once: from the free list, else by evicting the next candidate.
-    fn take_block(&mut self) -> BlockId {
-        let b = match self.pool.pop_free() {
-            Some(b) => b,
-            None => {
-                self.evictor.expire(&mut self.pool.meta, self.now_ms);
-                let b = self
-                    .evictor
-                    .pop(&mut self.pool.meta)
-                    .expect("capacity was checked: an idle block must be evictable");
-                self.drop_cached(b);
-                self.stats.evictions += 1;
-                self.pool.reset(b);
-                b
-            }
-        };
-        self.pool.incref(b);
-        b
-    }
-
-    /// Removes idle cached block `b` from the cache (hook, event, index, tree), leaving it unowned.
-    fn drop_cached(&mut self, b: BlockId) {
-        let m = &self.pool.meta[b as usize];
-        debug_assert!(m.is_idle(), "dropping block {b}, which is not idle");
-        if let Some(hook) = self.hook.as_mut() {
-            hook.on_evict(&EvictedBlock {
-                block: b,
-                hash: m.hash,
-                parent_hash: (m.parent != NO_BLOCK).then_some(m.parent_hash),
-                tokens: self.pool.tokens_of(b),
-                priority: m.effective_priority(self.now_ms),
-            });
-        }
-        if m.announced && self.config.record_events {
-            self.events.push(KvEvent::Removed {
-                hash: m.hash,
-                block: b,
-            });
-        }
-        self.pool.meta[b as usize].announced = false;
-        if self.pool.meta[b as usize].num_children > 0 {
-            self.index.orphan_children(&mut self.pool, b);
-        }
-        let parent = self.index.remove(&mut self.pool, b);
-        self.num_idle -= 1;
-        if parent != NO_BLOCK {
-            self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
-        }
-    }
-
-    fn announce(&mut self, b: BlockId) {
-        let m = &mut self.pool.meta[b as usize];
-        if m.announced {
-            return;
-        }
-        m.announced = true;
-        if self.config.record_events {
-            let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
-            self.events.push(KvEvent::Stored {
-                hash: m.hash,
-                parent,
-                block: b,
-            });
-        }
-    }
-
-    /// Pins the computed cached prefix of `tokens` under `key` against eviction, until [`Self::unpin`] or
-    /// until `ttl_ms` has passed on the caller's clock. Returns the pin and the number of tokens pinned
-    /// (whole blocks; 0 if nothing is cached).
-    pub fn pin_prefix(
-        &mut self,
-        tokens: &[u32],
-        key: &CacheKey,
-        ttl_ms: Option<u64>,
-    ) -> (PinId, usize) {
-        let bs = self.config.block_size;
-        let mut blocks = Vec::new();
-        if let Some(key_id) = self
-            .index
-            .key_id(key)
-            .filter(|_| self.config.enable_prefix_caching)
-        {
-            let mut hit = PrefixHit::default();
-            self.index
-                .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
-            for b in hit.block_ids() {
-                let m = &mut self.pool.meta[b as usize];
-                if usize::from(m.computed) < bs {
-                    break;
-                }
-                if m.is_idle() {
-                    self.num_idle -= 1;
-                }
-                m.pin_count += 1;
-                m.heap_token = 0;
-                blocks.push(b);
-            }
-        }
-        let pinned = blocks.len() * bs;
-        let pin = Pin {
-            blocks,
-            expires_at_ms: ttl_ms.map(|t| self.now_ms.saturating_add(t)),
-        };
-        let index = match self.pins.iter().position(|(_, p)| p.is_none()) {
-            Some(i) => {
-                self.pins[i].1 = Some(pin);
-                i
-            }
-            None => {
-                self.pins.push((0, Some(pin)));
-                self.pins.len() - 1
-            }
-        };
-        let id = PinId {
-            index: index as u32,
-            generation: self.pins[index].0,
-        };
-        (id, pinned)
-    }
-
-    /// Releases a pin. A pin that expired or was released already is an [`KvError::UnknownPin`].
-    pub fn unpin(&mut self, pin: PinId) -> Result<(), KvError> {
-        match self.pins.get(pin.index as usize) {
-            Some((generation, Some(_))) if *generation == pin.generation => {
-                self.release_pin(pin.index);
-                Ok(())
-            }
-            _ => Err(KvError::UnknownPin(pin.index)),
-        }
-    }
-
-    fn release_pin(&mut self, i: u32) {
-        let slot = &mut self.pins[i as usize];
-        let Some(pin) = slot.1.take() else {
-            return;
-        };
-        slot.0 = slot.0.wrapping_add(1);
-        for &b in pin.blocks.iter().rev() {
-            let m = &mut self.pool.meta[b as usize];
-            m.pin_count -= 1;
-            if m.is_idle() {
-                self.num_idle += 1;
-                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
-            }
-        }
-    }
-
-    /// Drops every idle cached block (pinned and referenced ones stay). Returns how many were dropped.
-    pub fn clear_cache(&mut self) -> usize {
-        let events_before = self.events.len();
-        let mut dropped = 0;
-        while let Some(b) = self.evictor.pop(&mut self.pool.meta) {
-            self.drop_cached(b);
-            self.pool.push_free(b);
-            dropped += 1;
-        }
-        if self.config.record_events && self.index.len() == 0 {
-            self.events.truncate(events_before);
-            self.events.push(KvEvent::Cleared);
-        }
-        dropped
-    }
-
     /// The sequence's block table: block `i` holds its tokens `[i * block_size, (i + 1) * block_size)`.
     pub fn block_table(&self, id: SeqId) -> Result<&[BlockId], KvError> {
         Ok(&self.seq(id)?.table)
@@ -1079,5 +619,11 @@ impl KvCacheManager {
     }
 }
 
+#[path = "manager_alloc.rs"]
+mod alloc;
 #[path = "manager_check.rs"]
 mod check;
+#[path = "manager_release.rs"]
+mod release;
+#[path = "manager_retain.rs"]
+mod retain;

@@ -1,0 +1,126 @@
+//! Releasing blocks and taking them back: the release of a sequence's references, eviction of idle cached
+//! blocks (hook, events, index and tree upkeep), and clearing the cache.
+//!
+//! Release is O(1) per block (an O(log n) heap push when a block becomes an eviction candidate); taking a
+//! block is O(1) from the free list, O(log n) by eviction.
+
+use super::KvCacheManager;
+use crate::events::{EvictedBlock, KvEvent};
+use crate::pool::{BlockId, NO_BLOCK, NO_WRITER};
+
+impl KvCacheManager {
+    /// Drops one reference to `b` held by sequence slot `holder`.
+    pub(super) fn release_block(&mut self, b: BlockId, holder: u32) {
+        let bs = self.config.block_size;
+        let remaining = self.pool.decref(b);
+        let m = &mut self.pool.meta[b as usize];
+        m.last_used = self.clock;
+        if m.writer == holder {
+            m.writer = NO_WRITER;
+            if remaining > 0 && m.indexed && m.computed < m.filled {
+                self.stats.withdrawn_blocks += 1;
+            }
+        }
+        if remaining > 0 {
+            return;
+        }
+        if m.indexed && usize::from(m.computed) == bs {
+            if m.pin_count == 0 {
+                self.num_idle += 1;
+                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
+            }
+        } else if m.indexed {
+            // Pending and abandoned: there is no KV to keep.
+            assert!(m.pin_count == 0, "pending block {b} was pinned");
+            let parent = self.index.remove(&mut self.pool, b);
+            self.pool.push_free(b);
+            if parent != NO_BLOCK {
+                self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
+            }
+        } else {
+            self.pool.push_free(b);
+        }
+    }
+
+    /// A block for a new owner, referenced once: from the free list, else by evicting the next candidate.
+    pub(super) fn take_block(&mut self) -> BlockId {
+        let b = match self.pool.pop_free() {
+            Some(b) => b,
+            None => {
+                self.evictor.expire(&mut self.pool.meta, self.now_ms);
+                let b = self
+                    .evictor
+                    .pop(&mut self.pool.meta)
+                    .expect("capacity was checked: an idle block must be evictable");
+                self.drop_cached(b);
+                self.stats.evictions += 1;
+                self.pool.reset(b);
+                b
+            }
+        };
+        self.pool.incref(b);
+        b
+    }
+
+    /// Removes idle cached block `b` from the cache (hook, event, index, tree), leaving it unowned.
+    pub(super) fn drop_cached(&mut self, b: BlockId) {
+        let m = &self.pool.meta[b as usize];
+        debug_assert!(m.is_idle(), "dropping block {b}, which is not idle");
+        if let Some(hook) = self.hook.as_mut() {
+            hook.on_evict(&EvictedBlock {
+                block: b,
+                hash: m.hash,
+                parent_hash: (m.parent != NO_BLOCK).then_some(m.parent_hash),
+                tokens: self.pool.tokens_of(b),
+                priority: m.effective_priority(self.now_ms),
+            });
+        }
+        if m.announced && self.config.record_events {
+            self.events.push(KvEvent::Removed {
+                hash: m.hash,
+                block: b,
+            });
+        }
+        self.pool.meta[b as usize].announced = false;
+        if self.pool.meta[b as usize].num_children > 0 {
+            self.index.orphan_children(&mut self.pool, b);
+        }
+        let parent = self.index.remove(&mut self.pool, b);
+        self.num_idle -= 1;
+        if parent != NO_BLOCK {
+            self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
+        }
+    }
+
+    pub(super) fn announce(&mut self, b: BlockId) {
+        let m = &mut self.pool.meta[b as usize];
+        if m.announced {
+            return;
+        }
+        m.announced = true;
+        if self.config.record_events {
+            let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
+            self.events.push(KvEvent::Stored {
+                hash: m.hash,
+                parent,
+                block: b,
+            });
+        }
+    }
+
+    /// Drops every idle cached block (pinned and referenced ones stay). Returns how many were dropped.
+    pub fn clear_cache(&mut self) -> usize {
+        let events_before = self.events.len();
+        let mut dropped = 0;
+        while let Some(b) = self.evictor.pop(&mut self.pool.meta) {
+            self.drop_cached(b);
+            self.pool.push_free(b);
+            dropped += 1;
+        }
+        if self.config.record_events && self.index.len() == 0 {
+            self.events.truncate(events_before);
+            self.events.push(KvEvent::Cleared);
+        }
+        dropped
+    }
+}

@@ -1,0 +1,165 @@
+//! Retention, pins and the caller's clock: what keeps cached blocks longer than LRU alone would.
+//!
+//! A retention range raises the priority class of a sequence's blocks until its expiry; a pin exempts a
+//! cached prefix from eviction until released or expired. Both are O(blocks touched); expiry is checked
+//! when the caller advances the clock (`set_time_ms`) and before each eviction.
+
+use super::{KvCacheManager, Pin, PinId, RetentionRange, SeqId};
+use crate::error::KvError;
+use crate::hash::CacheKey;
+use crate::pool::{BlockId, MAX_PRIORITY};
+use crate::prefix::PrefixHit;
+
+impl KvCacheManager {
+    /// Advances the caller's clock (ms, monotonic): retentions and pins whose time has come expire.
+    pub fn set_time_ms(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        self.evictor.expire(&mut self.pool.meta, self.now_ms);
+        let now = self.now_ms;
+        let expired: Vec<u32> = (0..self.pins.len() as u32)
+            .filter(|&i| {
+                self.pins[i as usize]
+                    .1
+                    .as_ref()
+                    .and_then(|p| p.expires_at_ms)
+                    .is_some_and(|t| t <= now)
+            })
+            .collect();
+        for i in expired {
+            self.release_pin(i);
+        }
+    }
+
+    /// Sets the retention of this sequence's token ranges; applied to its blocks now and as they are
+    /// allocated or attached.
+    pub fn set_retention(&mut self, id: SeqId, ranges: &[RetentionRange]) -> Result<(), KvError> {
+        for r in ranges {
+            if r.start >= r.end || r.priority > MAX_PRIORITY {
+                return Err(KvError::BadRetention {
+                    start: r.start,
+                    end: r.end,
+                    priority: r.priority,
+                    max: MAX_PRIORITY,
+                });
+            }
+        }
+        let seq = self.seq_mut(id)?;
+        seq.retention = ranges.to_vec();
+        let table = std::mem::take(&mut seq.table);
+        for (i, &b) in table.iter().enumerate() {
+            self.apply_retention(id, i, b)?;
+        }
+        self.seq_mut(id)?.table = table;
+        Ok(())
+    }
+
+    pub(super) fn apply_retention(
+        &mut self,
+        id: SeqId,
+        block_index: usize,
+        b: BlockId,
+    ) -> Result<(), KvError> {
+        let pos = block_index * self.config.block_size;
+        let Some(r) = self
+            .seq(id)?
+            .retention
+            .iter()
+            .find(|r| r.start <= pos && pos < r.end)
+            .copied()
+        else {
+            return Ok(());
+        };
+        let until = r
+            .duration_ms
+            .map_or(u64::MAX, |d| self.now_ms.saturating_add(d));
+        let m = &mut self.pool.meta[b as usize];
+        let current = m.effective_priority(self.now_ms);
+        if r.priority > current || (r.priority == current && until > m.retained_until_ms) {
+            m.priority = r.priority;
+            m.retained_until_ms = until;
+            self.evictor.note_retention(b, m.identity, until);
+        }
+        Ok(())
+    }
+
+    /// Pins the computed cached prefix of `tokens` under `key` against eviction, until [`Self::unpin`] or
+    /// until `ttl_ms` has passed on the caller's clock. Returns the pin and the number of tokens pinned
+    /// (whole blocks; 0 if nothing is cached).
+    pub fn pin_prefix(
+        &mut self,
+        tokens: &[u32],
+        key: &CacheKey,
+        ttl_ms: Option<u64>,
+    ) -> (PinId, usize) {
+        let bs = self.config.block_size;
+        let mut blocks = Vec::new();
+        if let Some(key_id) = self
+            .index
+            .key_id(key)
+            .filter(|_| self.config.enable_prefix_caching)
+        {
+            let mut hit = PrefixHit::default();
+            self.index
+                .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+            for b in hit.block_ids() {
+                let m = &mut self.pool.meta[b as usize];
+                if usize::from(m.computed) < bs {
+                    break;
+                }
+                if m.is_idle() {
+                    self.num_idle -= 1;
+                }
+                m.pin_count += 1;
+                m.heap_token = 0;
+                blocks.push(b);
+            }
+        }
+        let pinned = blocks.len() * bs;
+        let pin = Pin {
+            blocks,
+            expires_at_ms: ttl_ms.map(|t| self.now_ms.saturating_add(t)),
+        };
+        let index = match self.pins.iter().position(|(_, p)| p.is_none()) {
+            Some(i) => {
+                self.pins[i].1 = Some(pin);
+                i
+            }
+            None => {
+                self.pins.push((0, Some(pin)));
+                self.pins.len() - 1
+            }
+        };
+        let id = PinId {
+            index: index as u32,
+            generation: self.pins[index].0,
+        };
+        (id, pinned)
+    }
+
+    /// Releases a pin. A pin that expired or was released already is an [`KvError::UnknownPin`].
+    pub fn unpin(&mut self, pin: PinId) -> Result<(), KvError> {
+        match self.pins.get(pin.index as usize) {
+            Some((generation, Some(_))) if *generation == pin.generation => {
+                self.release_pin(pin.index);
+                Ok(())
+            }
+            _ => Err(KvError::UnknownPin(pin.index)),
+        }
+    }
+
+    pub(super) fn release_pin(&mut self, i: u32) {
+        let slot = &mut self.pins[i as usize];
+        let Some(pin) = slot.1.take() else {
+            return;
+        };
+        slot.0 = slot.0.wrapping_add(1);
+        for &b in pin.blocks.iter().rev() {
+            let m = &mut self.pool.meta[b as usize];
+            m.pin_count -= 1;
+            if m.is_idle() {
+                self.num_idle += 1;
+                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
+            }
+        }
+    }
+}
