@@ -3,7 +3,7 @@
 //!
 //! - [`trace`]: the Mooncake trace format (one JSON request a line, prompts as chains of 512-token block
 //!   hash ids) and its mapping to token ids.
-//! - [`replay`]: the replay loop (lookup, allocate, hold for the request's duration, free) and its
+//! - [`mod@replay`]: the replay loop (lookup, allocate, hold for the request's duration, free) and its
 //!   configuration.
 //! - [`report`]: hit ratios, evictions and throughput, as a table or JSON.
 
