@@ -666,3 +666,44 @@ fn decode_tokens_fill_and_index_blocks() {
     );
     kv.check_invariants().unwrap();
 }
+
+#[test]
+fn a_pending_block_is_never_a_copy_source() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let writer = kv.add_sequence(&key);
+    kv.allocate_slots(writer, &toks(0..8), None)
+        .unwrap()
+        .unwrap();
+    kv.mark_computed(writer, 4).unwrap(); // block 1 still pending
+    let mut prompt = toks(0..6);
+    prompt.push(99);
+    let hit = kv.find_cached_prefix(&prompt, &key);
+    assert_eq!(
+        (hit.num_full_blocks(), hit.partial_tokens()),
+        (1, 0),
+        "no copy of bytes not yet written"
+    );
+    kv.mark_computed(writer, 8).unwrap();
+    let hit = kv.find_cached_prefix(&prompt, &key);
+    assert_eq!((hit.num_full_blocks(), hit.partial_tokens()), (1, 2));
+}
+
+#[test]
+fn a_sequence_with_caching_off_enters_nothing_new_in_the_index() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let seq = kv.add_sequence(&key);
+    kv.allocate_slots(seq, &toks(0..4), None).unwrap().unwrap();
+    kv.set_caching(seq, false).unwrap();
+    kv.allocate_slots(seq, &toks(4..12), None).unwrap().unwrap();
+    kv.mark_computed(seq, 12).unwrap();
+    kv.free(seq).unwrap();
+    assert_eq!(kv.num_indexed_blocks(), 1);
+    assert_eq!(
+        kv.find_cached_prefix(&toks(0..12), &key).num_full_blocks(),
+        1
+    );
+    assert_eq!(kv.usage().free_blocks, 15);
+    kv.check_invariants().unwrap();
+}
