@@ -18,6 +18,8 @@ use crate::weights::{MatData, Matrix};
 
 /// Largest token count served by the row kernel.
 pub const SMALL_BATCH: usize = 8;
+/// Largest token count served by the row kernel with `vdpbf16ps` (bf16 weights).
+pub const DP_BATCH: usize = 32;
 const PANEL_ROWS: usize = 64;
 /// Multiply-adds below which a product stays on one thread.
 const PARALLEL_MIN_MACS: usize = 1 << 16;
@@ -50,14 +52,16 @@ pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
         MatData::F32(d) if t <= SMALL_BATCH => {
             rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect()))
         }
-        MatData::Bf16(d) if t <= SMALL_BATCH => match Bf16Act::detect() {
-            // bf16 × bf16 products with f32 sums: the activations are rounded to bf16 once per call.
-            Some(dp) => {
-                let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
-                rows_kernel(&xb, t, d, w.rows, w.cols, out, &dp)
-            }
-            None => rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect())),
-        },
+        // bf16 × bf16 products with f32 sums (the activations rounded to bf16 once per call): twice the
+        // multiply-adds per instruction of f32 FMA and no widening, so it beats gemm up to larger batches.
+        MatData::Bf16(d) if t <= DP_BATCH && Bf16Act::detect().is_some() => {
+            let dp = Bf16Act::detect().expect("checked above");
+            let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
+            rows_kernel(&xb, t, d, w.rows, w.cols, out, &dp)
+        }
+        MatData::Bf16(d) if t <= SMALL_BATCH => {
+            rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect()))
+        }
         MatData::F32(d) => gemm_f32(x, t, d, w.rows, w.cols, out),
         MatData::Bf16(d) => gemm_bf16_panels(x, t, d, w.rows, w.cols, out),
     }
