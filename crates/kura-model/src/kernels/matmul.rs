@@ -245,7 +245,7 @@ mod tests {
             for dtype in [WeightsDtype::F32, WeightsDtype::Bf16] {
                 // With vdpbf16ps, decode rounds the activations to bf16: the reference does the same.
                 let rounded =
-                    dtype == WeightsDtype::Bf16 && t <= SMALL_BATCH && Bf16Act::detect().is_some();
+                    dtype == WeightsDtype::Bf16 && t <= DP_BATCH && Bf16Act::detect().is_some();
                 let xr: Vec<f32> = if rounded {
                     x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
                 } else {
