@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BLOCK, KuraServer, long_text
+from conftest import BLOCK, EXACT, KuraServer, long_text
 
 
 def test_same_long_prompt_twice_is_served_from_cache(server):
@@ -41,7 +41,7 @@ def test_different_cache_salt_shares_nothing(server):
 def test_api_keys_are_tenants(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("# tenants\nkey-two\n")
-    s = KuraServer("--kv-cache-memory", "64MiB", "--api-key", "key-one", "--api-key-file", str(keys),
+    s = KuraServer("--kv-cache-memory", "64MiB", *EXACT, "--api-key", "key-one", "--api-key-file", str(keys),
                    api_key="key-one")
     try:
         with pytest.raises(openai.AuthenticationError):

@@ -7,11 +7,11 @@ import time
 import httpx
 import openai
 
-from conftest import BLOCK, KuraServer, long_text
+from conftest import BLOCK, EXACT, KuraServer, long_text
 
 
 def test_sixteen_concurrent_requests_compute_a_shared_system_prompt_once():
-    s = KuraServer("--kv-cache-memory", "256MiB", "--max-num-batched-tokens", "512")
+    s = KuraServer("--kv-cache-memory", "256MiB", "--max-num-batched-tokens", "512", *EXACT)
     try:
         model = s.model()
         system = long_text(1010, seed=21)

@@ -12,7 +12,7 @@ use kura_engine::{
 };
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
-use kura_model::Model;
+use kura_model::{LoadOptions, Model, WeightsDtype};
 
 const BLOCK: usize = 16;
 
@@ -25,7 +25,14 @@ fn model() -> Option<Arc<Model>> {
         );
         return None;
     }
-    Some(Arc::new(Model::load(&path).expect("default model loads")))
+    // f32 weights: a position gets the same logits whether computed alone or inside a prefill chunk,
+    // which the comparisons across cache paths below rely on (bf16 decode and prefill kernels differ).
+    let options = LoadOptions {
+        weights_dtype: WeightsDtype::F32,
+    };
+    Some(Arc::new(
+        Model::load_with(&path, options).expect("default model loads"),
+    ))
 }
 
 fn engine(model: &Arc<Model>, num_blocks: usize, max_num_batched_tokens: usize) -> EngineHandle {

@@ -12,7 +12,7 @@ use kura_kv::codec::KvDtype;
 use kura_kv::plan::units::{format_bytes, parse_bytes};
 use kura_kv::plan::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_kv::storage::KvStorage;
-use kura_model::Model;
+use kura_model::{LoadOptions, Model, WeightsDtype};
 use kura_server::ServerConfig;
 
 #[derive(Args, Debug)]
@@ -40,6 +40,9 @@ pub struct ServeArgs {
     /// to a cold one (seeded sampling included); f16/bf16 halve the memory.
     #[arg(long, default_value = "f32")]
     kv_dtype: KvDtype,
+    /// Weights format of the forward pass: bf16 (default, faster) or f32.
+    #[arg(long, default_value = "bf16")]
+    weights_dtype: WeightsDtype,
     /// Most requests holding KV blocks at once.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
@@ -151,7 +154,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     let load_start = Instant::now();
     let model = Arc::new(
-        Model::load(&path).with_context(|| format!("loading the model {}", path.display()))?,
+        Model::load_with(
+            &path,
+            LoadOptions {
+                weights_dtype: args.weights_dtype,
+            },
+        )
+        .with_context(|| format!("loading the model {}", path.display()))?,
     );
     tracing::info!(
         model = %path.display(),
