@@ -299,6 +299,22 @@ fn markdown_table(runs: &[&BenchRun]) -> String {
     out
 }
 
+/// `groups=4, users_per_group=8, …` from the workload's parameters.
+fn params_text(params: &Value) -> String {
+    match params {
+        Value::Object(map) => map
+            .iter()
+            .filter(|(k, _)| k.as_str() != "workload")
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        other => other.to_string(),
+    }
+}
+
 fn counting(c: TokenCounting) -> &'static str {
     match c {
         TokenCounting::Exact => "exact (the server's own tokenizer, `POST /tokenize`)",
@@ -315,13 +331,13 @@ pub fn markdown(title: &str, runs: &[&BenchRun], plots: &[(String, String)]) -> 
     for run in runs {
         let _ = writeln!(
             out,
-            "- **{}**: {}, model `{}`, {:?} API, workload `{}` {}; token counts {}.",
+            "- **{}**: {}, model `{}`, {:?} API, workload `{}` ({}); token counts {}.",
             run.label,
             run.url,
             run.model,
             run.api,
             run.workload,
-            serde_json::to_string(&run.params).unwrap_or_default(),
+            params_text(&run.params),
             counting(run.token_counting)
         );
         for note in &run.notes {

@@ -69,7 +69,11 @@ pub async fn run(mut cfg: RunConfig) -> Result<BenchRun, BenchError> {
         }
     }
     cfg.spec.validate()?;
+    // A fresh connection per request: a pooled keep-alive connection that the server closed while idle
+    // (llama.cpp's closes after 5 s) fails the next request sent on it, which is the client's fault,
+    // not the server's. On loopback a connect costs well under a millisecond of the TTFT.
     let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
         .connect_timeout(Duration::from_secs(10))
         .tcp_nodelay(true)
         .build()

@@ -351,74 +351,84 @@ impl TokenCounter {
             }
             TokenCounter::Server(tok) => tok,
         };
-        if target == 0 {
+        calibrate(async |text: &str| tok.count(text).await, rng, target).await
+    }
+}
+
+/// Text of exactly `target` tokens by `count` where whole words and one-token padding allow (see the
+/// module doc), else the closest found. At most ~28 calls of `count`.
+async fn calibrate(
+    count: impl AsyncFn(&str) -> Result<usize, BenchError>,
+    rng: Rng,
+    target: usize,
+) -> Result<Sized, BenchError> {
+    if target == 0 {
+        return Ok(Sized {
+            text: String::new(),
+            tokens: 0,
+        });
+    }
+    // Word i of the stream must not depend on how many words were asked for: generate once, slice.
+    let pool: Vec<String> = {
+        let mut stream = WordStream::new(rng);
+        (0..target * 2 + 16).map(|_| stream.take(1)).collect()
+    };
+    let text_of_words = |n: usize| pool[..n.min(pool.len())].concat();
+    // lo: most words known to give <= target tokens; hi: fewest known to give > target.
+    let (mut lo, mut lo_tokens) = (0usize, 0usize);
+    let mut hi = pool.len() + 1;
+    let mut words = target.min(pool.len());
+    for _ in 0..24 {
+        let n = count(&text_of_words(words)).await?;
+        if n == target {
             return Ok(Sized {
-                text: String::new(),
-                tokens: 0,
+                text: text_of_words(words),
+                tokens: n,
             });
         }
-        // Word i of the stream must not depend on how many words were asked for: generate once, slice.
-        let pool: Vec<String> = {
-            let mut stream = WordStream::new(rng);
-            (0..target * 2 + 16).map(|_| stream.take(1)).collect()
-        };
-        let text_of_words = |n: usize| pool[..n.min(pool.len())].concat();
-        // lo: most words known to give <= target tokens; hi: fewest known to give > target.
-        let (mut lo, mut lo_tokens) = (0usize, 0usize);
-        let mut hi = pool.len() + 1;
-        let mut words = target.min(pool.len());
-        for _ in 0..24 {
-            let n = tok.count(&text_of_words(words)).await?;
-            if n == target {
-                return Ok(Sized {
-                    text: text_of_words(words),
-                    tokens: n,
-                });
-            }
-            if n < target {
-                (lo, lo_tokens) = (words, n);
-            } else {
-                hi = words;
-            }
-            if hi - lo <= 1 {
-                break;
-            }
-            // Step by the remaining difference (each word is at least one token), kept inside (lo, hi).
-            let guess = if n < target {
-                words + (target - n)
-            } else {
-                words.saturating_sub(n - target)
-            };
-            words = if guess > lo && guess < hi {
-                guess
-            } else {
-                lo + (hi - lo) / 2
-            };
+        if n < target {
+            (lo, lo_tokens) = (words, n);
+        } else {
+            hi = words;
         }
-        // No whole-word prefix lands on the target: pad the longest one below it with one-token words.
-        let base = text_of_words(lo);
-        let mut pad = target - lo_tokens;
-        let mut best = Sized {
-            text: base.clone(),
-            tokens: lo_tokens,
-        };
-        for _ in 0..4 {
-            let text = format!("{base}{}", PAD_WORD.repeat(pad));
-            let n = tok.count(&text).await?;
-            if n.abs_diff(target) < best.tokens.abs_diff(target) || n == target {
-                best = Sized { text, tokens: n };
-            }
-            if n == target || pad == 0 {
-                break;
-            }
-            pad = if n < target {
-                pad + (target - n)
-            } else {
-                pad.saturating_sub(n - target)
-            };
+        if hi - lo <= 1 {
+            break;
         }
-        Ok(best)
+        // Step by the remaining difference (each word is at least one token), kept inside (lo, hi).
+        let guess = if n < target {
+            words + (target - n)
+        } else {
+            words.saturating_sub(n - target)
+        };
+        words = if guess > lo && guess < hi {
+            guess
+        } else {
+            lo + (hi - lo) / 2
+        };
     }
+    // No whole-word prefix lands on the target: pad the longest one below it with one-token words.
+    let base = text_of_words(lo);
+    let mut pad = target - lo_tokens;
+    let mut best = Sized {
+        text: base.clone(),
+        tokens: lo_tokens,
+    };
+    for _ in 0..4 {
+        let text = format!("{base}{}", PAD_WORD.repeat(pad));
+        let n = count(&text).await?;
+        if n.abs_diff(target) < best.tokens.abs_diff(target) || n == target {
+            best = Sized { text, tokens: n };
+        }
+        if n == target || pad == 0 {
+            break;
+        }
+        pad = if n < target {
+            pad + (target - n)
+        } else {
+            pad.saturating_sub(n - target)
+        };
+    }
+    Ok(best)
 }
 
 #[cfg(test)]
@@ -434,6 +444,45 @@ mod tests {
         assert_ne!(a, c);
         assert_eq!(a.split_whitespace().count(), 50);
         assert!(a.starts_with(' '));
+    }
+
+    /// A stand-in tokenizer for the search logic only: words of more than 5 letters cost two tokens,
+    /// and a text costs one extra (as if a prefix token were added).
+    async fn uneven(text: &str) -> Result<usize, BenchError> {
+        Ok(1 + text
+            .split_whitespace()
+            .map(|w| if w.len() > 5 { 2 } else { 1 })
+            .sum::<usize>())
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+            .block_on(f)
+    }
+
+    #[test]
+    fn calibration_hits_exact_counts_with_uneven_tokens() {
+        for target in [1, 2, 7, 50, 512, 1000] {
+            for seed in 0..5 {
+                let s = block_on(calibrate(uneven, Rng::stream(seed, &[9]), target)).unwrap();
+                assert_eq!(s.tokens, target, "target {target} seed {seed}");
+                assert_eq!(block_on(uneven(&s.text)).unwrap(), target);
+            }
+        }
+        // Deterministic, and a shorter target is a prefix of a longer one (up to padding).
+        let a = block_on(calibrate(uneven, Rng::new(3), 300)).unwrap();
+        let b = block_on(calibrate(uneven, Rng::new(3), 300)).unwrap();
+        assert_eq!(a, b);
+        let short = block_on(calibrate(uneven, Rng::new(3), 100)).unwrap();
+        let head: String = short
+            .text
+            .split(" the")
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        assert!(a.text.starts_with(&head));
     }
 
     #[test]
