@@ -56,3 +56,16 @@ def test_api_keys_are_tenants(tmp_path):
         assert one.completions.create(**kw).usage.prompt_tokens_details.cached_tokens > 0
     finally:
         s.stop()
+
+
+def test_no_prefix_cache_reuses_nothing():
+    s = KuraServer("--kv-cache-memory", "64MiB", "--no-prefix-cache")
+    try:
+        kw = dict(model=s.model(), prompt=long_text(200, seed=14), max_tokens=2, temperature=0)
+        for _ in range(2):
+            assert s.client().completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+        m = s.metrics()
+        assert m["kura:prefix_cache_hits_total"] == 0
+        assert m["kura:prompt_tokens_computed_total"] == m["kura:prompt_tokens_total"]
+    finally:
+        s.stop()
