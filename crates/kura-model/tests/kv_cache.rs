@@ -142,3 +142,47 @@ fn bad_batches_are_errors_not_panics() {
         assert!(err.is_err(), "{tokens:?} {block_table:?}");
     }
 }
+
+#[test]
+fn prefill_and_decode_give_bit_identical_logits_with_bf16_dot_products() {
+    // With vdpbf16ps every product is batch-invariant; elsewhere gemm (prefill) and the row kernel
+    // (decode) sum in different orders and only agree to rounding.
+    if kura_model::kernels::dot::Bf16Act::detect().is_none() {
+        return;
+    }
+    let model = Model::load(&common::default_model_path()).unwrap();
+    let prompt = model
+        .tokenizer()
+        .encode("The quick brown fox jumps over the lazy dog because", true)
+        .unwrap();
+    let (_, whole) = common::greedy(&model, &prompt, 1, 16, true);
+    let layout = model.kv_layout(KvDtype::F32, 16).unwrap();
+    let mut kv = KvStorage::new(&layout, 4).unwrap();
+    let table = [0u32, 1, 2, 3];
+    let n = prompt.len();
+    model
+        .forward(
+            &[SeqBatchItem {
+                tokens: &prompt[..n - 3],
+                start_pos: 0,
+                block_table: &table,
+            }],
+            &mut kv,
+        )
+        .unwrap();
+    let mut last = Vec::new();
+    for p in n - 3..n {
+        let out = model
+            .forward(
+                &[SeqBatchItem {
+                    tokens: &prompt[p..p + 1],
+                    start_pos: p,
+                    block_table: &table,
+                }],
+                &mut kv,
+            )
+            .unwrap();
+        last = out.row(0).to_vec();
+    }
+    assert_eq!(last, whole);
+}

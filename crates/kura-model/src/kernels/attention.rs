@@ -11,12 +11,15 @@
 //! One task handles one (token, KV head) pair and all the query heads of its GQA group, so a K or V vector
 //! is read from the cache once per group and never copied. Scores of all context positions are kept (one
 //! row per query head) and softmaxed exactly, so the result does not depend on the block size: positions are
-//! visited in the same order whatever the paging. Cost: O(tokens × heads × context × head_dim).
+//! visited in the same order whatever the paging. Each token is computed the same way whether it comes in a
+//! prefill chunk or alone in a decode step, so a token's output does not depend on its batch. The loops
+//! are compiled for AVX-512 where the CPU has it. Cost: O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
 use kura_kv::storage::{KvSlice, LayerStorage};
 use rayon::prelude::*;
 
+use super::dot::Isa;
 use super::ops::softmax;
 
 /// An element of stored K/V.
@@ -45,7 +48,7 @@ impl KvElem for f16 {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn dot<E: KvElem>(q: &[f32], k: &[E]) -> f32 {
     let mut acc = [0f32; 16];
     let n = q.len() / 16 * 16;
@@ -61,7 +64,7 @@ fn dot<E: KvElem>(q: &[f32], k: &[E]) -> f32 {
     s
 }
 
-#[inline]
+#[inline(always)]
 fn axpy<E: KvElem>(out: &mut [f32], w: f32, v: &[E]) {
     for (o, x) in out.iter_mut().zip(v) {
         *o += w * x.f32();
@@ -111,92 +114,91 @@ pub fn paged_attention(
         }
     }
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let unit =
-        |u: usize, out: &mut [f32]| {
-            let (t, kvh) = (u / num_kv_heads, u % num_kv_heads);
-            let (s, pos) = token_pos[t];
-            let seq = &seqs[s];
-            let lo = match window {
-                Some(w) if pos + 1 > w => pos + 1 - w,
-                _ => 0,
-            };
-            let q_base = t * num_heads * head_dim + kvh * group * head_dim;
-            let q = &q[q_base..q_base + group * head_dim];
-            match kv.k_head_block(0, 0) {
-                KvSlice::F32(_) => attend::<f32>(
-                    q,
-                    seq,
-                    kv,
-                    kvh,
-                    lo,
-                    pos,
-                    group,
-                    head_dim,
-                    scale,
-                    out,
-                    |s| match s {
-                        KvSlice::F32(x) => x,
-                        _ => unreachable!("one storage has one element format"),
-                    },
-                ),
-                KvSlice::Bf16(_) => {
-                    attend::<bf16>(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, |s| {
-                        match s {
-                            KvSlice::Bf16(x) => x,
-                            _ => unreachable!("one storage has one element format"),
-                        }
-                    })
-                }
-                KvSlice::F16(_) => attend::<f16>(
-                    q,
-                    seq,
-                    kv,
-                    kvh,
-                    lo,
-                    pos,
-                    group,
-                    head_dim,
-                    scale,
-                    out,
-                    |s| match s {
-                        KvSlice::F16(x) => x,
-                        _ => unreachable!("one storage has one element format"),
-                    },
-                ),
-            }
+    let use_avx512 = Isa::detect() == Isa::Avx512;
+    let unit = |u: usize, out: &mut [f32]| {
+        let (t, kvh) = (u / num_kv_heads, u % num_kv_heads);
+        let (s, pos) = token_pos[t];
+        let seq = &seqs[s];
+        let lo = match window {
+            Some(w) if pos + 1 > w => pos + 1 - w,
+            _ => 0,
         };
-    // Sequences with many new tokens (prefill chunks) go through the tiled gemm path, one unit per
-    // (sequence, KV head, tile of query tokens); the others one unit per (token, KV head).
+        let q_base = t * num_heads * head_dim + kvh * group * head_dim;
+        let q = &q[q_base..q_base + group * head_dim];
+        match kv.k_head_block(0, 0) {
+            KvSlice::F32(_) => attend_any::<f32>(
+                use_avx512,
+                q,
+                seq,
+                kv,
+                kvh,
+                lo,
+                pos,
+                group,
+                head_dim,
+                scale,
+                out,
+                |s| match s {
+                    KvSlice::F32(x) => x,
+                    _ => unreachable!("one storage has one element format"),
+                },
+            ),
+            KvSlice::Bf16(_) => attend_any::<bf16>(
+                use_avx512,
+                q,
+                seq,
+                kv,
+                kvh,
+                lo,
+                pos,
+                group,
+                head_dim,
+                scale,
+                out,
+                |s| match s {
+                    KvSlice::Bf16(x) => x,
+                    _ => unreachable!("one storage has one element format"),
+                },
+            ),
+            KvSlice::F16(_) => attend_any::<f16>(
+                use_avx512,
+                q,
+                seq,
+                kv,
+                kvh,
+                lo,
+                pos,
+                group,
+                head_dim,
+                scale,
+                out,
+                |s| match s {
+                    KvSlice::F16(x) => x,
+                    _ => unreachable!("one storage has one element format"),
+                },
+            ),
+        }
+    };
+    // One unit per (token, KV head), prefill and decode alike: a token's result never depends on what
+    // else is in the batch, so prefill, chunked prefill and decode give bit-identical outputs.
     let mut units = Vec::new();
     let mut ctx_work = 0usize;
-    for (s, seq) in seqs.iter().enumerate() {
+    for seq in seqs {
         ctx_work += seq.n_tokens * (seq.start_pos + seq.n_tokens);
-        if seq.n_tokens >= PREFILL_MIN_TOKENS {
+        for i in 0..seq.n_tokens {
             for kvh in 0..num_kv_heads {
-                for i0 in (0..seq.n_tokens).step_by(PREFILL_TILE) {
-                    units.push(Unit::Tile {
-                        s,
-                        kvh,
-                        i0,
-                        i1: (i0 + PREFILL_TILE).min(seq.n_tokens),
-                    });
-                }
-            }
-        } else {
-            for i in 0..seq.n_tokens {
-                for kvh in 0..num_kv_heads {
-                    units.push(Unit::Token {
-                        t: seq.first_token + i,
-                        kvh,
-                    });
-                }
+                units.push(Unit {
+                    t: seq.first_token + i,
+                    kvh,
+                });
             }
         }
     }
     let out_ptr = OutPtr(out.as_mut_ptr());
     let row = num_heads * head_dim;
-    let run = |u: &Unit| match *u {
-        Unit::Token { t, kvh } => {
+    let run = |u: &Unit| {
+        let Unit { t, kvh } = *u;
+        {
             // SAFETY: the group of heads of (t, kvh) is written by this unit only; the range lies inside
             // `out` (t < tokens, kvh < kv heads).
             let o = unsafe {
@@ -207,7 +209,6 @@ pub fn paged_attention(
             };
             unit(t * num_kv_heads + kvh, o)
         }
-        Unit::Tile { s, kvh, i0, i1 } => tile(q, &seqs[s], kv, shape, kvh, i0, i1, scale, out_ptr),
     };
     if rayon::current_num_threads() <= 1 || ctx_work * num_heads * head_dim < 1 << 18 {
         units.iter().for_each(run);
@@ -216,21 +217,9 @@ pub fn paged_attention(
     }
 }
 
-/// Query tokens per prefill tile, and the fewest new tokens for which a sequence takes the tiled path.
-const PREFILL_TILE: usize = 32;
-const PREFILL_MIN_TOKENS: usize = 16;
-
-enum Unit {
-    Token {
-        t: usize,
-        kvh: usize,
-    },
-    Tile {
-        s: usize,
-        kvh: usize,
-        i0: usize,
-        i1: usize,
-    },
+struct Unit {
+    t: usize,
+    kvh: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -247,142 +236,58 @@ impl OutPtr {
     }
 }
 
-/// Copies the K (or V) vectors of `kvh` at positions `lo..=hi` of a sequence into `dst` as f32 rows.
-fn gather(
-    kv: &LayerStorage,
-    seq: &AttnSeq<'_>,
-    kvh: usize,
-    lo: usize,
-    hi: usize,
-    values: bool,
-    dst: &mut Vec<f32>,
-) {
-    let (bs, d) = (kv.block_size_tokens, kv.head_dim);
-    dst.clear();
-    for b in lo / bs..=hi / bs {
-        let block = seq.block_table[b] as usize;
-        let first = lo.max(b * bs) - b * bs;
-        let last = hi.min(b * bs + bs - 1) - b * bs;
-        let src = if values {
-            kv.v_head_block(block, kvh)
-        } else {
-            kv.k_head_block(block, kvh)
-        };
-        let span = first * d..(last + 1) * d;
-        match src {
-            KvSlice::F32(x) => dst.extend_from_slice(&x[span]),
-            KvSlice::Bf16(x) => dst.extend(x[span].iter().map(|v| v.to_f32())),
-            KvSlice::F16(x) => dst.extend(x[span].iter().map(|v| v.to_f32())),
-        }
-    }
-}
-
-/// Attention of query tokens `i0..i1` of one sequence, all heads of KV head `kvh`, as two products:
-/// `S = Q·Kᵀ` (masked causally and by the window, softmaxed per row), then `O = S·V`.
+/// [`attend`] with the widest vectors the CPU has.
 #[allow(clippy::too_many_arguments)]
-fn tile(
+fn attend_any<'a, E: KvElem + 'a>(
+    use_avx512: bool,
     q: &[f32],
     seq: &AttnSeq<'_>,
-    kv: &LayerStorage,
-    shape: AttnShape,
+    kv: &'a LayerStorage,
     kvh: usize,
-    i0: usize,
-    i1: usize,
+    lo: usize,
+    pos: usize,
+    group: usize,
+    head_dim: usize,
     scale: f32,
-    out: OutPtr,
+    out: &mut [f32],
+    typed: impl Fn(KvSlice<'a>) -> &'a [E],
 ) {
-    let AttnShape {
-        num_heads,
-        num_kv_heads,
-        head_dim: d,
-        window,
-    } = shape;
-    let group = num_heads / num_kv_heads;
-    let lo_of = |pos: usize| match window {
-        Some(w) if pos + 1 > w => pos + 1 - w,
-        _ => 0,
-    };
-    let (p0, p1) = (seq.start_pos + i0, seq.start_pos + i1 - 1);
-    let klo = lo_of(p0);
-    let n_k = p1 + 1 - klo;
-    let m = (i1 - i0) * group;
-    let mut k = Vec::with_capacity(n_k * d);
-    let mut v = Vec::with_capacity(n_k * d);
-    gather(kv, seq, kvh, klo, p1, false, &mut k);
-    gather(kv, seq, kvh, klo, p1, true, &mut v);
-    let mut qt = Vec::with_capacity(m * d);
-    for i in i0..i1 {
-        let base = (seq.first_token + i) * num_heads * d + kvh * group * d;
-        qt.extend_from_slice(&q[base..base + group * d]);
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512 {
+        // SAFETY: use_avx512 comes from Isa::detect, which checked avx512f.
+        return unsafe {
+            attend_avx512(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, typed)
+        };
     }
-    let mut s = vec![0f32; m * n_k];
-    // SAFETY: S is m × n_k row-major; Q is m × d row-major; Kᵀ (d × n_k) reads K (n_k × d row-major)
-    // with row stride 1 and column stride d. All buffers have exactly these sizes.
-    unsafe {
-        gemm::gemm(
-            m,
-            n_k,
-            d,
-            s.as_mut_ptr(),
-            1,
-            n_k as isize,
-            false,
-            qt.as_ptr(),
-            1,
-            d as isize,
-            k.as_ptr(),
-            d as isize,
-            1,
-            0.0,
-            scale,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-    for (r, row) in s.chunks_exact_mut(n_k).enumerate() {
-        let pos = p0 + r / group;
-        let (lo, hi) = (lo_of(pos) - klo, pos - klo);
-        // Positions outside the window or after the query get weight 0 (no exp of -inf needed).
-        softmax(&mut row[lo..=hi]);
-        row[..lo].fill(0.0);
-        row[hi + 1..].fill(0.0);
-    }
-    let mut o = vec![0f32; m * d];
-    // SAFETY: O is m × d row-major; P (= S) is m × n_k row-major; V is n_k × d row-major.
-    unsafe {
-        gemm::gemm(
-            m,
-            d,
-            n_k,
-            o.as_mut_ptr(),
-            1,
-            d as isize,
-            false,
-            s.as_ptr(),
-            1,
-            n_k as isize,
-            v.as_ptr(),
-            1,
-            d as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-    for (i, rows) in (i0..i1).zip(o.chunks_exact(group * d)) {
-        let at = (seq.first_token + i) * num_heads * d + kvh * group * d;
-        // SAFETY: the heads of kvh for tokens i0..i1 of this sequence are written by this unit only, and
-        // lie inside the output (tokens × heads × head_dim).
-        unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), out.get().add(at), group * d) };
-    }
+    let _ = use_avx512;
+    attend(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, typed)
+}
+
+/// [`attend`] compiled for AVX-512, so that its loops over `head_dim` use 16-lane vectors.
+///
+/// # Safety
+/// The CPU supports avx512f.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_avx512<'a, E: KvElem + 'a>(
+    q: &[f32],
+    seq: &AttnSeq<'_>,
+    kv: &'a LayerStorage,
+    kvh: usize,
+    lo: usize,
+    pos: usize,
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+    typed: impl Fn(KvSlice<'a>) -> &'a [E],
+) {
+    attend(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, typed)
 }
 
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn attend<'a, E: KvElem + 'a>(
     q: &[f32],
     seq: &AttnSeq<'_>,

@@ -1,6 +1,8 @@
 //! `out[t, r] = Σ_c x[t, c] · W[r, c]`: every projection of the model.
 //!
-//! Two paths:
+//! With bf16 weights on a CPU with AVX-512 BF16, every product goes through the row kernel with
+//! `vdpbf16ps` (blocked for cache reuse at large batches): each (row, token) dot product is computed the
+//! same way whatever the batch, so prefill and decode agree bit for bit. Otherwise, two paths:
 //! - **few tokens** (decode, `t ≤ SMALL_BATCH`): our own kernel ([`super::dot`]) walks the weight rows
 //!   once and multiplies each into all `t` activations; rows are split across threads. This is memory
 //!   bound: the cost is reading W once.
@@ -18,9 +20,21 @@ use crate::weights::{MatData, Matrix};
 
 /// Largest token count served by the row kernel.
 pub const SMALL_BATCH: usize = 8;
-/// Largest token count served by the row kernel with `vdpbf16ps` (bf16 weights).
-pub const DP_BATCH: usize = 32;
+/// Largest token count served by the row kernel with `vdpbf16ps` (bf16 weights): all of them by
+/// default (it is as fast as widening to f32 for gemm, and batch-invariant); `KURA_BF16_GEMM_FROM=n`
+/// sends batches above `n` tokens to gemm instead.
+pub fn dp_batch() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("KURA_BF16_GEMM_FROM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(usize::MAX)
+    })
+}
 const PANEL_ROWS: usize = 64;
+const ROW_BLOCK: usize = 16;
+const TOKEN_TILE: usize = 16;
 /// Multiply-adds below which a product stays on one thread.
 const PARALLEL_MIN_MACS: usize = 1 << 16;
 
@@ -54,7 +68,7 @@ pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
         }
         // bf16 × bf16 products with f32 sums (the activations rounded to bf16 once per call): twice the
         // multiply-adds per instruction of f32 FMA and no widening, so it beats gemm up to larger batches.
-        MatData::Bf16(d) if t <= DP_BATCH && Bf16Act::detect().is_some() => {
+        MatData::Bf16(d) if t <= dp_batch() && Bf16Act::detect().is_some() => {
             let dp = Bf16Act::detect().expect("checked above");
             let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
             rows_kernel(&xb, t, d, w.rows, w.cols, out, &dp)
@@ -77,23 +91,39 @@ fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
     dot: &D,
 ) {
     let out_ptr = OutPtr(out.as_mut_ptr());
+    // Blocked so that a tile of TOKEN_TILE activation rows stays in L1 while ROW_BLOCK weight rows are
+    // reused from L2; every (row, token) dot product is computed the same way whatever the blocking or
+    // the batch, so a token's result does not depend on what else is in the batch.
     let do_rows = |r0: usize, r1: usize| {
-        for r in r0..r1 {
-            let row = &w[r * cols..(r + 1) * cols];
-            let mut t0 = 0;
-            while t0 < t {
-                let g = (t - t0).min(MAX_GROUP);
-                // SAFETY: (t0 + j) < t and r < rows keep every write inside `out`; each row r is
-                // written by exactly one task.
-                unsafe {
-                    match g {
-                        1 => dot_into::<T, X, D, 1>(dot, row, x, t0, cols, out_ptr, rows, r),
-                        2 => dot_into::<T, X, D, 2>(dot, row, x, t0, cols, out_ptr, rows, r),
-                        3 => dot_into::<T, X, D, 3>(dot, row, x, t0, cols, out_ptr, rows, r),
-                        _ => dot_into::<T, X, D, 4>(dot, row, x, t0, cols, out_ptr, rows, r),
+        for rb in (r0..r1).step_by(ROW_BLOCK) {
+            for tt in (0..t).step_by(TOKEN_TILE) {
+                let t_end = (tt + TOKEN_TILE).min(t);
+                for r in rb..(rb + ROW_BLOCK).min(r1) {
+                    let row = &w[r * cols..(r + 1) * cols];
+                    let mut t0 = tt;
+                    while t0 < t_end {
+                        let g = (t_end - t0).min(MAX_GROUP);
+                        // SAFETY: (t0 + j) < t and r < rows keep every write inside `out`; each row r
+                        // is written by exactly one task.
+                        unsafe {
+                            match g {
+                                1 => {
+                                    dot_into::<T, X, D, 1>(dot, row, x, t0, cols, out_ptr, rows, r)
+                                }
+                                2 => {
+                                    dot_into::<T, X, D, 2>(dot, row, x, t0, cols, out_ptr, rows, r)
+                                }
+                                3 => {
+                                    dot_into::<T, X, D, 3>(dot, row, x, t0, cols, out_ptr, rows, r)
+                                }
+                                _ => {
+                                    dot_into::<T, X, D, 4>(dot, row, x, t0, cols, out_ptr, rows, r)
+                                }
+                            }
+                        }
+                        t0 += g;
                     }
                 }
-                t0 += g;
             }
         }
     };
@@ -245,7 +275,7 @@ mod tests {
             for dtype in [WeightsDtype::F32, WeightsDtype::Bf16] {
                 // With vdpbf16ps, decode rounds the activations to bf16: the reference does the same.
                 let rounded =
-                    dtype == WeightsDtype::Bf16 && t <= DP_BATCH && Bf16Act::detect().is_some();
+                    dtype == WeightsDtype::Bf16 && t <= dp_batch() && Bf16Act::detect().is_some();
                 let xr: Vec<f32> = if rounded {
                     x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
                 } else {
