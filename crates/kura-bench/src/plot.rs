@@ -83,7 +83,7 @@ fn err<E: std::fmt::Debug>(e: E) -> String {
 /// Axis labels without noise digits: 1200, 45, 3.5, 0.25.
 fn tick(v: &f64) -> String {
     let a = v.abs();
-    if a >= 10.0 || a == 0.0 {
+    if a >= 10.0 || v.fract() == 0.0 {
         format!("{v:.0}")
     } else if a >= 1.0 {
         format!("{v:.1}")
@@ -151,11 +151,16 @@ impl Chart for LineChart {
             let legend =
                 move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 20, y)], style);
             if s.dashed {
+                let dashes = move |(x, y): (i32, i32)| {
+                    EmptyElement::at((x, y))
+                        + PathElement::new(vec![(0, 0), (6, 0)], style)
+                        + PathElement::new(vec![(10, 0), (16, 0)], style)
+                };
                 chart
                     .draw_series(DashedLineSeries::new(s.points.iter().copied(), 6, 4, style))
                     .map_err(err)?
                     .label(&s.label)
-                    .legend(legend);
+                    .legend(dashes);
             } else {
                 chart
                     .draw_series(LineSeries::new(s.points.iter().copied(), style))
@@ -385,6 +390,7 @@ pub fn write_plots(
             None
         };
         let mut latency = Vec::new();
+        let mut itl = Vec::new();
         let mut throughput = Vec::new();
         for (i, run) in swept.iter().enumerate() {
             let pts: Vec<(f64, &crate::stats::Summary)> = run
@@ -413,6 +419,12 @@ pub fn write_plots(
             latency.push(line(format!("{} TTFT p99", run.label), true, &|s| {
                 s.ttft_ms.map(|d| d.p99)
             }));
+            itl.push(line(format!("{} ITL p50", run.label), false, &|s| {
+                s.itl_ms.map(|d| d.p50)
+            }));
+            itl.push(line(format!("{} ITL p99", run.label), true, &|s| {
+                s.itl_ms.map(|d| d.p99)
+            }));
             throughput.push(line(format!("{} output tok/s", run.label), false, &|s| {
                 Some(s.output_tok_per_s)
             }));
@@ -429,6 +441,15 @@ pub fn write_plots(
             format!("latency_vs_{stem}"),
             format!("TTFT p50/p99 vs {axis}"),
         ));
+        let chart = LineChart {
+            title: format!("Inter-token latency vs {axis}"),
+            x_label: axis.into(),
+            y_label: "ITL (ms)".into(),
+            series: itl,
+            mark: mark.clone(),
+        };
+        save(&chart, dir, &format!("itl_vs_{stem}"))?;
+        written.push((format!("itl_vs_{stem}"), format!("ITL p50/p99 vs {axis}")));
         let chart = LineChart {
             title: format!("Output throughput vs {axis}"),
             x_label: axis.into(),
