@@ -385,7 +385,10 @@ pub async fn build(
     }
     let mut params = spec.params();
     if let Value::Object(map) = &mut params {
-        map.insert("output_tokens".into(), json!(output_tokens));
+        if !matches!(spec, WorkloadSpec::Trace { .. }) {
+            // A trace carries its own output lengths.
+            map.insert("output_tokens".into(), json!(output_tokens));
+        }
         map.insert("seed".into(), json!(seed));
     }
     Ok(Workload {

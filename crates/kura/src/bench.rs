@@ -356,3 +356,50 @@ fn workload_spec(w: WorkloadCmd) -> Result<(WorkloadSpec, CommonArgs)> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn arguments_are_consistent_and_parse() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "kura-bench",
+            "shared-prefix",
+            "--groups",
+            "2",
+            "--sweep-concurrency",
+            "1,2,4",
+            "--mark-concurrency",
+            "10",
+        ])
+        .unwrap();
+        let Some(WorkloadCmd::SharedPrefix { groups, common, .. }) = cli.bench.workload else {
+            panic!("expected shared-prefix");
+        };
+        assert_eq!(groups, 2);
+        assert_eq!(
+            common.loads(),
+            [
+                Load::Concurrency(1),
+                Load::Concurrency(2),
+                Load::Concurrency(4)
+            ]
+        );
+        assert_eq!(common.mark.mark().map(|m| m.concurrency), Some(10.0));
+        let cli = Cli::try_parse_from(["kura-bench", "--compare", "a.json", "b.json"]).unwrap();
+        assert_eq!(cli.bench.compare.len(), 2);
+        assert!(
+            Cli::try_parse_from(["kura-bench", "unique", "--rate", "1", "--concurrency", "2"])
+                .is_err()
+        );
+    }
+}
