@@ -20,3 +20,22 @@ fn capital_of_france_is_paris() {
         assert_eq!(tok.decode(&out, false).unwrap(), " Paris", "{dtype:?}");
     }
 }
+
+#[test]
+fn incremental_detokenization_streams_the_same_text() {
+    let model = Model::load(&common::default_model_path()).unwrap();
+    let tok = model.tokenizer();
+    // Multi-byte characters split across byte-level tokens must be held back, never emitted broken.
+    let text = "Héllo, wörld! 🙂 Ünïcode — ok? 日本語のテキスト";
+    let ids = tok.encode(text, false).unwrap();
+    let mut dec = kura_model::IncrementalDecoder::new();
+    let mut streamed = String::new();
+    for id in &ids {
+        let piece = dec.push(tok, *id).unwrap();
+        assert!(!piece.contains('\u{FFFD}'), "broken character in {piece:?}");
+        streamed.push_str(&piece);
+    }
+    streamed.push_str(&dec.flush(tok).unwrap());
+    assert_eq!(streamed, text);
+    assert_eq!(tok.decode(&ids, false).unwrap(), text);
+}
