@@ -86,24 +86,8 @@ struct Report {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    if let Some(n) = args.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        kura_model::set_threads(n)
-            .map_err(anyhow::Error::msg)
-            .context("setting up the thread pool")?;
-    }
-    let path = args
-        .model
-        .clone()
-        .unwrap_or_else(kura_model::default_model_path);
-    if !path.exists() {
-        bail!(
-            "model {} not found (run scripts/fetch-model.sh, or pass --model)",
-            path.display()
-        );
-    }
+    crate::setup::threads(args.threads)?;
+    let path = crate::setup::model_path(args.model.as_ref())?;
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,

@@ -6,6 +6,7 @@ mod bench;
 mod generate;
 mod plan;
 mod serve;
+mod setup;
 mod sim;
 
 #[derive(Parser)]
@@ -27,10 +28,10 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
     Serve(serve::ServeArgs),
-    /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
-    Sim(sim::SimArgs),
     /// Measure an OpenAI-compatible server (Kura or another) on KV-cache workloads; reports and plots.
     Bench(bench::BenchArgs),
+    /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
+    Sim(sim::SimArgs),
 }
 
 fn main() -> std::process::ExitCode {

@@ -130,28 +130,12 @@ fn read_api_keys(args: &ServeArgs) -> Result<Vec<String>> {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    if let Some(n) = args.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        kura_model::set_threads(n)
-            .map_err(anyhow::Error::msg)
-            .context("setting up the thread pool")?;
-    }
+    crate::setup::threads(args.threads)?;
     let api_keys = read_api_keys(&args)?;
     let max_body_bytes = parse_bytes(&args.max_body_size)
         .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
     let budget = kv_budget_bytes(&args.kv_cache_memory)?;
-    let path = args
-        .model
-        .clone()
-        .unwrap_or_else(kura_model::default_model_path);
-    if !path.exists() {
-        bail!(
-            "model {} does not exist; run scripts/fetch-model.sh for the default model or pass --model",
-            path.display()
-        );
-    }
+    let path = crate::setup::model_path(args.model.as_ref())?;
     let load_start = Instant::now();
     let model = Arc::new(
         Model::load_with(
