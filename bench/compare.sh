@@ -16,6 +16,7 @@
 #   CONVERSATIONS [8] TURNS [4]                                                  multi-turn
 #   UNIQUE_REQUESTS [32] UNIQUE_TOKENS [1050]                                    unique
 #   KURA_PORT [8000] LLAMA_PORT [8090] KURA_ARGS [] (extra `kura serve` flags)
+#   KURA_BIN [] a kura binary to use instead of building target/release/kura
 #   LLAMA_THREADS [THREADS] (llama.cpp's spinning thread barriers suffer badly on a busy machine: 1 helps)
 #   SWEEP ["" or e.g. "1,2,4,8,12,16,24"]: also a concurrency sweep of `unique` (SWEEP_REQUESTS [24]
 #   requests of UNIQUE_TOKENS) on a kura server with a small KV pool (SWEEP_KV [512MiB], f32), with the
@@ -38,8 +39,15 @@ KURA="$REPO/target/release/kura"
 
 mkdir -p "$OUT"
 echo "compare: model $MODEL, results in $OUT" >&2
-echo "compare: building target/release/kura" >&2
-(cd "$REPO" && cargo build --release -p kura >&2)
+if [ -z "${KURA_BIN:-}" ]; then
+  echo "compare: building target/release/kura" >&2
+  if ! (cd "$REPO" && cargo build --release -p kura >&2); then
+    [ -x "$KURA" ] || exit 1
+    echo "compare: the build failed; using the existing $KURA" >&2
+  fi
+else
+  KURA="$KURA_BIN"
+fi
 
 SERVER_PID=""
 stop_server() {
