@@ -20,6 +20,7 @@ use kura_kv::storage::{KvSlice, LayerStorage};
 use rayon::prelude::*;
 
 use super::dot::Isa;
+use super::matmul::OutPtr;
 use super::ops::softmax;
 
 /// An element of stored K/V.
@@ -220,20 +221,6 @@ pub fn paged_attention(
 struct Unit {
     t: usize,
     kvh: usize,
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: units write disjoint parts of the output (their own tokens' heads), which outlives the region.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    #[inline]
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// [`attend`] with the widest vectors the CPU has.

@@ -38,10 +38,12 @@ const TOKEN_TILE: usize = 16;
 /// Multiply-adds below which a product stays on one thread.
 const PARALLEL_MIN_MACS: usize = 1 << 16;
 
-/// A raw output pointer shared by tasks that write disjoint elements.
+/// A raw output pointer shared by tasks that write disjoint elements (matmul rows or columns, attention
+/// units' own tokens and heads).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of elements (its own rows or columns), and the owning slice
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: every task writes a disjoint set of elements (its own rows or columns; in attention, its own
+// tokens and heads), and the owning slice
 // outlives the parallel region that uses the pointer.
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
@@ -50,7 +52,7 @@ unsafe impl Sync for OutPtr {}
 impl OutPtr {
     /// The pointer, through a method so that closures capture the whole (Send) wrapper, not its field.
     #[inline]
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
