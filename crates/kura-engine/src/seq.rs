@@ -2,11 +2,12 @@
 //! (its sink, its parameters, its usage), a [`Seq`] is one of its choices as the scheduler sees it (its
 //! tokens, its KV sequence while it holds blocks, its sampler, detokenizer and stop checker).
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kura_kv::{CacheKey, SeqId};
-use kura_model::{Sampler, SamplingParams, StopChecker};
+use kura_model::{IncrementalDecoder, Sampler, SamplingParams, StopChecker};
 
 use crate::backend::TextCodec;
 use crate::request::{EngineEvent, EventSink, GenerateRequest, Usage};
@@ -99,40 +100,25 @@ impl Seq {
     }
 }
 
-/// Incremental detokenization over [`TextCodec::decode`]: decodes a short window of recent tokens and
-/// releases text only once it no longer ends in an incomplete UTF-8 character (the approach of HF TGI
-/// and vLLM). O(window) per token.
+/// Incremental detokenization over [`TextCodec::decode`]: kura-model's [`IncrementalDecoder`] (a short
+/// window of recent tokens, text released only once it no longer ends in an incomplete UTF-8 character)
+/// driven through the engine's codec interface. O(window) per token.
 #[derive(Debug, Default, Clone)]
-pub(crate) struct Detokenizer {
-    ids: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
-}
+pub(crate) struct Detokenizer(IncrementalDecoder);
 
 impl Detokenizer {
     pub fn push(&mut self, codec: &Arc<dyn TextCodec>, id: u32) -> String {
-        self.ids.push(id);
-        let prefix = codec.decode(&self.ids[self.prefix_offset..self.read_offset]);
-        let full = codec.decode(&self.ids[self.prefix_offset..]);
-        if full.len() > prefix.len()
-            && !full.ends_with('\u{FFFD}')
-            && full.is_char_boundary(prefix.len())
-        {
-            let text = full[prefix.len()..].to_string();
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.ids.len();
-            text
-        } else {
-            String::new()
-        }
+        let Ok(text) = self
+            .0
+            .push_with(id, |ids| Ok::<_, Infallible>(codec.decode(ids)));
+        text
     }
 
     /// Whatever is still held back (an incomplete character at the end of generation).
     pub fn flush(&mut self, codec: &Arc<dyn TextCodec>) -> String {
-        let prefix = codec.decode(&self.ids[self.prefix_offset..self.read_offset]);
-        let full = codec.decode(&self.ids[self.prefix_offset..]);
-        self.prefix_offset = self.ids.len();
-        self.read_offset = self.ids.len();
-        full.get(prefix.len()..).unwrap_or_default().to_string()
+        let Ok(text) = self
+            .0
+            .flush_with(|ids| Ok::<_, Infallible>(codec.decode(ids)));
+        text
     }
 }

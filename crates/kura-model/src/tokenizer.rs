@@ -250,9 +250,24 @@ impl IncrementalDecoder {
 
     /// Adds a token; returns the text it completes (possibly empty while a character is incomplete).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.push_with(id, |ids| tok.decode(ids, false))
+    }
+
+    /// Whatever is still held back (an incomplete character at the end of generation).
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        self.flush_with(|ids| tok.decode(ids, false))
+    }
+
+    /// [`IncrementalDecoder::push`] over any decoder of ids to text (one that shows incomplete UTF-8 at
+    /// the end as U+FFFD), for callers that hold a tokenizer behind their own interface.
+    pub fn push_with<E>(
+        &mut self,
+        id: u32,
+        mut decode: impl FnMut(&[u32]) -> std::result::Result<String, E>,
+    ) -> std::result::Result<String, E> {
         self.ids.push(id);
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
-        let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
+        let prefix = decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = decode(&self.ids[self.prefix_offset..])?;
         if full.len() > prefix.len()
             && !full.ends_with('\u{FFFD}')
             && full.is_char_boundary(prefix.len())
@@ -266,10 +281,13 @@ impl IncrementalDecoder {
         }
     }
 
-    /// Whatever is still held back (an incomplete character at the end of generation).
-    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
-        let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
+    /// [`IncrementalDecoder::flush`] over any decoder of ids to text.
+    pub fn flush_with<E>(
+        &mut self,
+        mut decode: impl FnMut(&[u32]) -> std::result::Result<String, E>,
+    ) -> std::result::Result<String, E> {
+        let prefix = decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = decode(&self.ids[self.prefix_offset..])?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
