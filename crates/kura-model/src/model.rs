@@ -22,9 +22,10 @@ use crate::config::{rope_inv_freq, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::{read_text, SafetensorsDir, TokenizerConfig};
-use crate::kernels::attention::{paged_attention, AttnSeq, AttnShape};
-use crate::kernels::matmul::matmul;
+use crate::kernels::attention::{attention_part, AttnSeq, AttnShape};
+use crate::kernels::matmul::{matmul_part, ActBuf};
 use crate::kernels::ops::{add_in_place, rms_norm, rope, rope_angles, silu_mul};
+use crate::kernels::team::{self, SharedMut};
 use crate::tokenizer::Tokenizer;
 use crate::weights::{Naming, TensorSource, Weights, WeightsDtype};
 
@@ -297,70 +298,152 @@ impl Model {
             })
             .collect();
 
-        let mut xn = vec![0f32; t_total * h];
+        let head = self.weights.lm_head();
+        let kind = head.act_kind();
+        let n = batch.len();
+        let mut xn = ActBuf::new(kind, t_total, h);
         let mut qkv = vec![0f32; t_total * qkv_dim];
-        let mut q = vec![0f32; t_total * q_dim];
-        let mut attn = vec![0f32; t_total * q_dim];
-        let mut proj = vec![0f32; t_total * h];
+        let mut attn = ActBuf::new(kind, t_total, q_dim);
         let mut gate_up = vec![0f32; t_total * 2 * inter];
-        let mut act = vec![0f32; t_total * inter];
+        let mut act = ActBuf::new(kind, t_total, inter);
+        let mut last = ActBuf::new(kind, n, h);
+        let mut logits = vec![0f32; n * head.rows];
         let shape = AttnShape {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: d,
             window: c.sliding_window,
         };
+        let (xs, xns, qkvs, attns) = (
+            SharedMut::new(&mut x),
+            xn.shared(),
+            SharedMut::new(&mut qkv),
+            attn.shared(),
+        );
+        let (gus, acts, lasts, logits_s) = (
+            SharedMut::new(&mut gate_up),
+            act.shared(),
+            last.shared(),
+            SharedMut::new(&mut logits),
+        );
+        let kvs = KvShared(kv);
+        let eps = c.rms_norm_eps;
 
-        for (li, lw) in self.weights.layers.iter().enumerate() {
-            rms_norm(&x, &lw.attn_norm, c.rms_norm_eps, &mut xn);
-            matmul(&xn, t_total, &lw.wqkv, &mut qkv);
-            let layer_kv = kv.layer_mut(li);
-            for t in 0..t_total {
-                let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
-                if let Some(b) = &lw.bqkv {
-                    add_in_place(row, b);
+        // One parallel region for the whole step: each thread takes its share of every operation (its
+        // tokens for the row-wise ones, its rows or tiles of each product, its attention units), with a
+        // barrier between operations. SAFETY (for every access below): between two barriers each buffer
+        // is either only read, or written in parts that no two threads share (a thread's own tokens,
+        // the output rows `matmul_part` gives it, the heads of its attention units, or everything on
+        // thread 0 alone); all buffers outlive the region.
+        team::run(|tm| {
+            let mine = tm.range(t_total);
+            let mut row = vec![0f32; h.max(inter)];
+            for (li, lw) in self.weights.layers.iter().enumerate() {
+                for t in mine.clone() {
+                    let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
+                    rms_norm(xr, &lw.attn_norm, eps, &mut row[..h]);
+                    unsafe { xns.write(t, 0, &row[..h]) };
                 }
-                let (cs, sn) = (
-                    &cos[t * half..(t + 1) * half],
-                    &sin[t * half..(t + 1) * half],
+                tm.sync();
+                matmul_part(tm, unsafe { xns.read() }, t_total, &lw.wqkv, qkvs, false);
+                tm.sync();
+                if tm.index() == 0 {
+                    let layer_kv = unsafe { kvs.get_mut() }.layer_mut(li);
+                    for t in 0..t_total {
+                        let row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
+                        if let Some(b) = &lw.bqkv {
+                            add_in_place(row, b);
+                        }
+                        let (cs, sn) = (
+                            &cos[t * half..(t + 1) * half],
+                            &sin[t * half..(t + 1) * half],
+                        );
+                        let (qr, rest) = row.split_at_mut(q_dim);
+                        let (kr, vr) = rest.split_at_mut(kv_dim);
+                        rope(qr, d, c.rope_style, cs, sn);
+                        rope(kr, d, c.rope_style, cs, sn);
+                        let (block, slot) = slots[t];
+                        layer_kv.write_token(block, slot, kr, vr);
+                    }
+                }
+                tm.sync();
+                let layer_kv = unsafe { kvs.get() }.layer(li);
+                attention_part(
+                    tm,
+                    unsafe { qkvs.all() },
+                    qkv_dim,
+                    &seqs,
+                    layer_kv,
+                    shape,
+                    attns,
                 );
-                let (qr, rest) = row.split_at_mut(q_dim);
-                let (kr, vr) = rest.split_at_mut(kv_dim);
-                rope(qr, d, c.rope_style, cs, sn);
-                rope(kr, d, c.rope_style, cs, sn);
-                q[t * q_dim..(t + 1) * q_dim].copy_from_slice(qr);
-                let (block, slot) = slots[t];
-                layer_kv.write_token(block, slot, kr, vr);
+                tm.sync();
+                matmul_part(tm, unsafe { attns.read() }, t_total, &lw.wo, xs, true);
+                tm.sync();
+                for t in mine.clone() {
+                    let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
+                    rms_norm(xr, &lw.ffn_norm, eps, &mut row[..h]);
+                    unsafe { xns.write(t, 0, &row[..h]) };
+                }
+                tm.sync();
+                matmul_part(
+                    tm,
+                    unsafe { xns.read() },
+                    t_total,
+                    &lw.w_gate_up,
+                    gus,
+                    false,
+                );
+                tm.sync();
+                for t in mine.clone() {
+                    let gu = unsafe { gus.part_mut(t * 2 * inter..(t + 1) * 2 * inter) };
+                    silu_mul(gu, inter, &mut row[..inter]);
+                    unsafe { acts.write(t, 0, &row[..inter]) };
+                }
+                tm.sync();
+                matmul_part(tm, unsafe { acts.read() }, t_total, &lw.w_down, xs, true);
+                tm.sync();
             }
-            paged_attention(&q, &seqs, kv.layer(li), shape, &mut attn);
-            matmul(&attn, t_total, &lw.wo, &mut proj);
-            add_in_place(&mut x, &proj);
-
-            rms_norm(&x, &lw.ffn_norm, c.rms_norm_eps, &mut xn);
-            matmul(&xn, t_total, &lw.w_gate_up, &mut gate_up);
-            silu_mul(&gate_up, inter, &mut act);
-            matmul(&act, t_total, &lw.w_down, &mut proj);
-            add_in_place(&mut x, &proj);
-        }
-
-        // The output head only for each sequence's last token.
-        let n = batch.len();
-        let mut last = vec![0f32; n * h];
-        for (i, s) in seqs.iter().enumerate() {
-            let t = s.first_token + s.n_tokens - 1;
-            rms_norm(
-                &x[t * h..(t + 1) * h],
-                &self.weights.final_norm,
-                c.rms_norm_eps,
-                &mut last[i * h..(i + 1) * h],
-            );
-        }
-        let head = self.weights.lm_head();
-        let mut logits = vec![0f32; n * head.rows];
-        matmul(&last, n, head, &mut logits);
+            // The output head only for each sequence's last token.
+            for i in tm.range(n) {
+                let t = seqs[i].first_token + seqs[i].n_tokens - 1;
+                let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
+                rms_norm(xr, &self.weights.final_norm, eps, &mut row[..h]);
+                unsafe { lasts.write(i, 0, &row[..h]) };
+            }
+            tm.sync();
+            matmul_part(tm, unsafe { lasts.read() }, n, head, logits_s, false);
+        });
         Ok(Logits {
             vocab: head.rows,
             data: logits,
         })
+    }
+}
+
+/// The KV storage, shared by the threads of a step: written by thread 0 alone between two barriers, read
+/// by all between others.
+#[derive(Clone, Copy)]
+struct KvShared(*mut KvStorage);
+
+// SAFETY: see `Model::forward`: writes (thread 0 only) and reads are separated by barriers.
+unsafe impl Send for KvShared {}
+// SAFETY: as above.
+unsafe impl Sync for KvShared {}
+
+impl KvShared {
+    /// # Safety
+    /// No other thread uses the storage until the next barrier.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get_mut(&self) -> &mut KvStorage {
+        // SAFETY: the caller's guarantee; the storage outlives the step.
+        unsafe { &mut *self.0 }
+    }
+
+    /// # Safety
+    /// No thread writes the storage until the next barrier.
+    unsafe fn get(&self) -> &KvStorage {
+        // SAFETY: the caller's guarantee; the storage outlives the step.
+        unsafe { &*self.0 }
     }
 }

@@ -11,6 +11,8 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::kernels::dot::Bf16Act;
+use crate::kernels::packed::PackedBf16;
 
 /// The element format weights are kept in for compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -45,7 +47,10 @@ impl WeightsDtype {
 #[derive(Clone)]
 pub enum MatData {
     F32(Vec<f32>),
+    /// Row-major bf16, for CPUs without AVX-512 BF16 (widened to f32 in the products).
     Bf16(Vec<bf16>),
+    /// bf16 packed for `vdpbf16ps`, on CPUs that have it.
+    Packed(PackedBf16),
 }
 
 /// A row-major `[rows, cols]` matrix: row `r` holds the weights of output `r` (PyTorch's `[out, in]`).
@@ -61,6 +66,9 @@ impl Matrix {
         debug_assert_eq!(data.len(), rows * cols);
         let data = match dtype {
             WeightsDtype::F32 => MatData::F32(data),
+            WeightsDtype::Bf16 if Bf16Act::detect().is_some() => {
+                MatData::Packed(PackedBf16::from_f32(rows, cols, &data))
+            }
             WeightsDtype::Bf16 => MatData::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
         };
         Matrix { rows, cols, data }
@@ -76,6 +84,7 @@ impl Matrix {
                     *o = x.to_f32();
                 }
             }
+            MatData::Packed(p) => p.row_into(r, out),
         }
     }
 
@@ -83,6 +92,7 @@ impl Matrix {
         match &self.data {
             MatData::F32(d) => d.len() * 4,
             MatData::Bf16(d) => d.len() * 2,
+            MatData::Packed(p) => p.bytes(),
         }
     }
 }

@@ -15,23 +15,34 @@
 //! prefill chunk or alone in a decode step, so a token's output does not depend on its batch. The loops
 //! are compiled for AVX-512 where the CPU has it. Cost: O(tokens × heads × context × head_dim).
 
+use super::dot::Isa;
+use super::matmul::ActShared;
+use super::ops::softmax;
+use super::team::Team;
 use half::{bf16, f16};
 use kura_kv::storage::{KvSlice, LayerStorage};
-use rayon::prelude::*;
-
-use super::dot::Isa;
-use super::matmul::OutPtr;
-use super::ops::softmax;
 
 /// An element of stored K/V.
 trait KvElem: Copy {
     fn f32(self) -> f32;
+    /// Loads 16 stored elements as f32.
+    ///
+    /// # Safety
+    /// avx512f is present and 16 elements are readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl KvElem for f32 {
     #[inline(always)]
     fn f32(self) -> f32 {
         self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's guarantee.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -40,12 +51,29 @@ impl KvElem for bf16 {
     fn f32(self) -> f32 {
         self.to_f32()
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's guarantee; bf16 widens to f32 by a 16-bit shift.
+        unsafe {
+            let raw = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+        }
+    }
 }
 
 impl KvElem for f16 {
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's guarantee.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
     }
 }
 
@@ -92,14 +120,18 @@ pub struct AttnShape {
     pub window: Option<usize>,
 }
 
-/// `out` (`tokens × heads × head_dim`) = attention of `q` (same shape) over each token's context in `kv`.
-/// The new tokens' own K and V must already be written to `kv`.
-pub fn paged_attention(
+/// This thread's share of `out` (`tokens × heads × head_dim`) = attention of `q` (rows `q_stride` apart,
+/// each starting with the token's `heads × head_dim` query) over each token's context in `kv`. The new
+/// tokens' own K and V must already be written to `kv`. Every thread of the team calls it with the same
+/// arguments.
+pub fn attention_part(
+    tm: &Team<'_>,
     q: &[f32],
+    q_stride: usize,
     seqs: &[AttnSeq<'_>],
     kv: &LayerStorage,
     shape: AttnShape,
-    out: &mut [f32],
+    out: ActShared,
 ) {
     let AttnShape {
         num_heads,
@@ -108,127 +140,71 @@ pub fn paged_attention(
         window,
     } = shape;
     let group = num_heads / num_kv_heads;
-    let mut token_pos = Vec::new();
-    for (s, seq) in seqs.iter().enumerate() {
-        for i in 0..seq.n_tokens {
-            token_pos.push((s, seq.start_pos + i));
-        }
-    }
     let scale = 1.0 / (head_dim as f32).sqrt();
     let use_avx512 = Isa::detect() == Isa::Avx512;
-    let unit = |u: usize, out: &mut [f32]| {
-        let (t, kvh) = (u / num_kv_heads, u % num_kv_heads);
-        let (s, pos) = token_pos[t];
-        let seq = &seqs[s];
-        let lo = match window {
-            Some(w) if pos + 1 > w => pos + 1 - w,
-            _ => 0,
-        };
-        let q_base = t * num_heads * head_dim + kvh * group * head_dim;
-        let q = &q[q_base..q_base + group * head_dim];
-        match kv.k_head_block(0, 0) {
-            KvSlice::F32(_) => attend_any::<f32>(
-                use_avx512,
-                q,
-                seq,
-                kv,
-                kvh,
-                lo,
-                pos,
-                group,
-                head_dim,
-                scale,
-                out,
-                |s| match s {
-                    KvSlice::F32(x) => x,
-                    _ => unreachable!("one storage has one element format"),
-                },
-            ),
-            KvSlice::Bf16(_) => attend_any::<bf16>(
-                use_avx512,
-                q,
-                seq,
-                kv,
-                kvh,
-                lo,
-                pos,
-                group,
-                head_dim,
-                scale,
-                out,
-                |s| match s {
-                    KvSlice::Bf16(x) => x,
-                    _ => unreachable!("one storage has one element format"),
-                },
-            ),
-            KvSlice::F16(_) => attend_any::<f16>(
-                use_avx512,
-                q,
-                seq,
-                kv,
-                kvh,
-                lo,
-                pos,
-                group,
-                head_dim,
-                scale,
-                out,
-                |s| match s {
-                    KvSlice::F16(x) => x,
-                    _ => unreachable!("one storage has one element format"),
-                },
-            ),
-        }
-    };
+    let mut o = vec![0f32; group * head_dim];
+    let mut scores = Vec::new();
     // One unit per (token, KV head), prefill and decode alike: a token's result never depends on what
-    // else is in the batch, so prefill, chunked prefill and decode give bit-identical outputs.
-    let mut units = Vec::new();
-    let mut ctx_work = 0usize;
+    // else is in the batch, so prefill, chunked prefill and decode give bit-identical outputs. Units are
+    // dealt out in turn, which evens out prefill's growing contexts.
+    let mut u = 0usize;
     for seq in seqs {
-        ctx_work += seq.n_tokens * (seq.start_pos + seq.n_tokens);
         for i in 0..seq.n_tokens {
             for kvh in 0..num_kv_heads {
-                units.push(Unit {
-                    t: seq.first_token + i,
+                u += 1;
+                if (u - 1) % tm.size() != tm.index() {
+                    continue;
+                }
+                let t = seq.first_token + i;
+                let pos = seq.start_pos + i;
+                let lo = match window {
+                    Some(w) if pos + 1 > w => pos + 1 - w,
+                    _ => 0,
+                };
+                let q_base = t * q_stride + kvh * group * head_dim;
+                let qg = &q[q_base..q_base + group * head_dim];
+                let job = Job {
+                    q: qg,
+                    seq,
+                    kv,
                     kvh,
-                });
+                    lo,
+                    pos,
+                    group,
+                    head_dim,
+                    scale,
+                };
+                match kv.k_head_block(0, 0) {
+                    KvSlice::F32(_) => {
+                        attend_any::<f32>(use_avx512, &job, &mut scores, &mut o, |s| match s {
+                            KvSlice::F32(x) => x,
+                            _ => unreachable!("one storage has one element format"),
+                        })
+                    }
+                    KvSlice::Bf16(_) => {
+                        attend_any::<bf16>(use_avx512, &job, &mut scores, &mut o, |s| match s {
+                            KvSlice::Bf16(x) => x,
+                            _ => unreachable!("one storage has one element format"),
+                        })
+                    }
+                    KvSlice::F16(_) => {
+                        attend_any::<f16>(use_avx512, &job, &mut scores, &mut o, |s| match s {
+                            KvSlice::F16(x) => x,
+                            _ => unreachable!("one storage has one element format"),
+                        })
+                    }
+                }
+                // SAFETY: the heads of (t, kvh) are written by this unit only, until the barrier.
+                unsafe { out.write(t, kvh * group * head_dim, &o) };
             }
         }
     }
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let row = num_heads * head_dim;
-    let run = |u: &Unit| {
-        let Unit { t, kvh } = *u;
-        {
-            // SAFETY: the group of heads of (t, kvh) is written by this unit only; the range lies inside
-            // `out` (t < tokens, kvh < kv heads).
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(
-                    out_ptr.get().add(t * row + kvh * group * head_dim),
-                    group * head_dim,
-                )
-            };
-            unit(t * num_kv_heads + kvh, o)
-        }
-    };
-    if rayon::current_num_threads() <= 1 || ctx_work * num_heads * head_dim < 1 << 18 {
-        units.iter().for_each(run);
-    } else {
-        units.par_iter().for_each(run);
-    }
 }
 
-struct Unit {
-    t: usize,
-    kvh: usize,
-}
-
-/// [`attend`] with the widest vectors the CPU has.
-#[allow(clippy::too_many_arguments)]
-fn attend_any<'a, E: KvElem + 'a>(
-    use_avx512: bool,
-    q: &[f32],
-    seq: &AttnSeq<'_>,
+/// One (token, KV head) unit.
+struct Job<'a, 'b> {
+    q: &'a [f32],
+    seq: &'a AttnSeq<'b>,
     kv: &'a LayerStorage,
     kvh: usize,
     lo: usize,
@@ -236,69 +212,69 @@ fn attend_any<'a, E: KvElem + 'a>(
     group: usize,
     head_dim: usize,
     scale: f32,
+}
+
+/// [`attend`], or on AVX-512 with a head size of 64 or 128 the vector kernel [`x86::attend`].
+fn attend_any<'a, E: KvElem + 'a>(
+    use_avx512: bool,
+    job: &Job<'a, '_>,
+    scores: &mut Vec<f32>,
     out: &mut [f32],
     typed: impl Fn(KvSlice<'a>) -> &'a [E],
 ) {
     #[cfg(target_arch = "x86_64")]
     if use_avx512 {
         // SAFETY: use_avx512 comes from Isa::detect, which checked avx512f.
-        return unsafe {
-            attend_avx512(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, typed)
-        };
+        unsafe {
+            match job.head_dim {
+                64 => return x86::attend::<E, 4>(job, scores, out, typed),
+                128 => return x86::attend::<E, 8>(job, scores, out, typed),
+                _ => {}
+            }
+        }
     }
     let _ = use_avx512;
-    attend(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, typed)
+    attend(job, scores, out, typed)
 }
 
-/// [`attend`] compiled for AVX-512, so that its loops over `head_dim` use 16-lane vectors.
-///
-/// # Safety
-/// The CPU supports avx512f.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx512<'a, E: KvElem + 'a>(
-    q: &[f32],
-    seq: &AttnSeq<'_>,
-    kv: &'a LayerStorage,
-    kvh: usize,
+/// Visits the context positions `lo..=pos` block by block: (block id, first slot, last slot, index of
+/// the first slot among the context positions).
+fn spans<'s>(
+    seq: &'s AttnSeq<'_>,
+    bs: usize,
     lo: usize,
     pos: usize,
-    group: usize,
-    head_dim: usize,
-    scale: f32,
-    out: &mut [f32],
-    typed: impl Fn(KvSlice<'a>) -> &'a [E],
-) {
-    attend(q, seq, kv, kvh, lo, pos, group, head_dim, scale, out, typed)
-}
-
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn attend<'a, E: KvElem + 'a>(
-    q: &[f32],
-    seq: &AttnSeq<'_>,
-    kv: &'a LayerStorage,
-    kvh: usize,
-    lo: usize,
-    pos: usize,
-    group: usize,
-    head_dim: usize,
-    scale: f32,
-    out: &mut [f32],
-    typed: impl Fn(KvSlice<'a>) -> &'a [E],
-) {
-    let bs = kv.block_size_tokens;
-    let n_ctx = pos + 1 - lo;
-    let mut scores = vec![0f32; group * n_ctx];
-    // Visits the context positions lo..=pos block by block: (block id, first slot, last slot, index of the
-    // first slot among the context positions).
-    let spans = (lo / bs..=pos / bs).map(|b| {
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + Clone + 's {
+    (lo / bs..=pos / bs).map(move |b| {
         let block = seq.block_table[b] as usize;
         let first = lo.max(b * bs) - b * bs;
         let last = pos.min(b * bs + bs - 1) - b * bs;
         (block, first, last, b * bs + first - lo)
-    });
+    })
+}
+
+/// The portable kernel: scores of every context position, an exact softmax, then the weighted sum of V.
+fn attend<'a, E: KvElem + 'a>(
+    job: &Job<'a, '_>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    typed: impl Fn(KvSlice<'a>) -> &'a [E],
+) {
+    let Job {
+        q,
+        seq,
+        kv,
+        kvh,
+        lo,
+        pos,
+        group,
+        head_dim,
+        scale,
+    } = *job;
+    let n_ctx = pos + 1 - lo;
+    scores.clear();
+    scores.resize(group * n_ctx, 0.0);
+    let spans = spans(seq, kv.block_size_tokens, lo, pos);
     for (block, first, last, at) in spans.clone() {
         let k = typed(kv.k_head_block(block, kvh));
         for slot in first..=last {
@@ -323,6 +299,195 @@ fn attend<'a, E: KvElem + 'a>(
                     scores[g * n_ctx + at + slot - first],
                     vrow,
                 );
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The AVX-512 kernel, for head sizes of `16 · CH`. Scores come 16 keys at a time: each key's 16
+    //! partial sums are reduced by a fixed tree of shuffles and adds shared by the 16 keys (not 15
+    //! dependent scalar adds per key), so every key's score is computed the same way wherever it sits in
+    //! its group of 16; the softmax uses a vector exp; V is accumulated in registers, in position order.
+
+    use std::arch::x86_64::*;
+
+    use kura_kv::storage::KvSlice;
+
+    use super::{spans, Job, KvElem};
+
+    /// `[Σ a0, Σ a1, …, Σ a15]`: the lane sums of 16 vectors, in order, by the same tree for each.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn transpose_sum(v: &[__m512; 16]) -> __m512 {
+        // Level 1: pairs (a, b) → per 128-bit quarter [a0+a2, b0+b2, a1+a3, b1+b3].
+        let l1: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+        });
+        // Level 2: (ab, cd) → per quarter [a, b, c, d] sums of the quarter.
+        let l2: [__m512; 4] = std::array::from_fn(|i| {
+            let (x, y) = (l1[2 * i], l1[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+            )
+        });
+        // Level 3: quarters (0 + 1) and (2 + 3) of two vectors.
+        let l3: [__m512; 2] = std::array::from_fn(|i| {
+            let (x, y) = (l2[2 * i], l2[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        });
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(l3[0], l3[1]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(l3[0], l3[1]),
+        )
+    }
+
+    /// e^x, lane-wise, for x ≤ 0 (a softmax's shifted scores): x = n·ln 2 + r with |r| ≤ ln 2 / 2, a
+    /// degree-6 Taylor polynomial for e^r (relative error below 2e-7), scaled by 2^n.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn exp(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
+        let mut p = _mm512_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        _mm512_scalef_ps(p, n)
+    }
+
+    /// Softmax of one row in place.
+    #[target_feature(enable = "avx512f")]
+    fn softmax(x: &mut [f32]) {
+        let n = x.len();
+        let mask = |i: usize| -> __mmask16 {
+            let k = (n - i).min(16);
+            if k == 16 {
+                0xFFFF
+            } else {
+                (1u16 << k) - 1
+            }
+        };
+        let p = x.as_mut_ptr();
+        let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n).step_by(16) {
+            // SAFETY: the mask keeps the read inside x.
+            let v = unsafe {
+                _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), mask(i), p.add(i))
+            };
+            mx = _mm512_max_ps(mx, v);
+        }
+        let mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        let mut sum = _mm512_setzero_ps();
+        for i in (0..n).step_by(16) {
+            let m = mask(i);
+            // SAFETY: the mask keeps the access inside x.
+            unsafe {
+                let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), mx));
+                let e = _mm512_maskz_mov_ps(m, e);
+                sum = _mm512_add_ps(sum, e);
+                _mm512_mask_storeu_ps(p.add(i), m, e);
+            }
+        }
+        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
+        for i in (0..n).step_by(16) {
+            let m = mask(i);
+            // SAFETY: the mask keeps the access inside x.
+            unsafe {
+                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), inv);
+                _mm512_mask_storeu_ps(p.add(i), m, v);
+            }
+        }
+    }
+
+    /// One (token, KV head) unit for head size `16 · CH`.
+    ///
+    /// # Safety
+    /// avx512f is present; `job.head_dim == 16 · CH`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attend<'a, E: KvElem + 'a, const CH: usize>(
+        job: &Job<'a, '_>,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+        typed: impl Fn(KvSlice<'a>) -> &'a [E],
+    ) {
+        let Job {
+            q,
+            seq,
+            kv,
+            kvh,
+            lo,
+            pos,
+            group,
+            head_dim,
+            scale,
+        } = *job;
+        debug_assert_eq!(head_dim, 16 * CH);
+        let n_ctx = pos + 1 - lo;
+        scores.clear();
+        scores.resize(group * n_ctx, 0.0);
+        let spans = spans(seq, kv.block_size_tokens, lo, pos);
+        let scale_v = _mm512_set1_ps(scale);
+        for g in 0..group {
+            // SAFETY: q holds group × head_dim values.
+            let qv: [__m512; CH] = std::array::from_fn(|c| unsafe {
+                _mm512_loadu_ps(q.as_ptr().add(g * head_dim + 16 * c))
+            });
+            let row = &mut scores[g * n_ctx..(g + 1) * n_ctx];
+            for (block, first, last, at) in spans.clone() {
+                let k = typed(kv.k_head_block(block, kvh));
+                let mut s0 = first;
+                while s0 <= last {
+                    let keys = (last + 1 - s0).min(16);
+                    let mut acc = [_mm512_setzero_ps(); 16];
+                    for (j, a) in acc.iter_mut().enumerate().take(keys) {
+                        let kp = k[(s0 + j) * head_dim..(s0 + j + 1) * head_dim].as_ptr();
+                        for (c, qc) in qv.iter().enumerate() {
+                            // SAFETY: 16 · CH = head_dim elements are readable from kp.
+                            *a = _mm512_fmadd_ps(*qc, unsafe { E::load16(kp.add(16 * c)) }, *a);
+                        }
+                    }
+                    let sums = _mm512_mul_ps(transpose_sum(&acc), scale_v);
+                    let m: __mmask16 = if keys == 16 {
+                        0xFFFF
+                    } else {
+                        (1u16 << keys) - 1
+                    };
+                    let dst = &mut row[at + s0 - first..at + s0 - first + keys];
+                    // SAFETY: the mask writes `keys` values, all inside dst.
+                    unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), m, sums) };
+                    s0 += keys;
+                }
+            }
+            softmax(row);
+        }
+        for g in 0..group {
+            let row = &scores[g * n_ctx..(g + 1) * n_ctx];
+            let mut acc = [_mm512_setzero_ps(); CH];
+            for (block, first, last, at) in spans.clone() {
+                let v = typed(kv.v_head_block(block, kvh));
+                for slot in first..=last {
+                    let p = _mm512_set1_ps(row[at + slot - first]);
+                    let vp = v[slot * head_dim..(slot + 1) * head_dim].as_ptr();
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: head_dim elements are readable from vp.
+                        *a = _mm512_fmadd_ps(p, unsafe { E::load16(vp.add(16 * c)) }, *a);
+                    }
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                // SAFETY: out holds group × head_dim values.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(g * head_dim + 16 * c), *a) };
             }
         }
     }

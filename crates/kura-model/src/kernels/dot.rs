@@ -140,8 +140,8 @@ impl<T: WeightElem> GroupDot<T, f32> for F32Act {
     }
 }
 
-/// bf16 activations × bf16 weights with `vdpbf16ps` (AVX-512 BF16): two products per f32 lane per
-/// instruction, and half the activation bytes. Exists only where the CPU has the instruction.
+/// Proof that the CPU has `vdpbf16ps` (AVX-512 BF16): bf16 activations × bf16 weights, two products per
+/// f32 lane per instruction (see [`super::packed`]). Exists only where the CPU has the instruction.
 pub struct Bf16Act(());
 
 impl Bf16Act {
@@ -160,24 +160,6 @@ impl Bf16Act {
             }
         });
         has.then_some(Bf16Act(()))
-    }
-}
-
-impl GroupDot<bf16, bf16> for Bf16Act {
-    #[inline]
-    fn dot<const N: usize>(&self, w: &[bf16], xs: &[&[bf16]; N]) -> [f32; N] {
-        debug_assert!(xs.iter().all(|x| x.len() >= w.len()));
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: a Bf16Act exists only when `detect` found avx512f and avx512bf16; every x is at
-            // least as long as w.
-            unsafe { x86::dot_bf16_dp(w, xs) }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (w, xs);
-            unreachable!("Bf16Act is never constructed off x86_64")
-        }
     }
 }
 
@@ -265,50 +247,6 @@ mod x86 {
         };
     }
 
-    /// # Safety
-    /// The CPU supports avx512f and avx512bf16, and every `xs[j]` holds at least `w.len()` elements.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn dot_bf16_dp<const N: usize>(w: &[bf16], xs: &[&[bf16]; N]) -> [f32; N] {
-        let n = w.len();
-        let wp = w.as_ptr();
-        let mut acc0 = [_mm512_setzero_ps(); N];
-        let mut acc1 = [_mm512_setzero_ps(); N];
-        let load = |p: *const bf16| -> __m512bh {
-            // SAFETY: the callers below pass pointers with 32 readable bf16; __m512bh and __m512i are
-            // both 64 plain bytes.
-            unsafe {
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i))
-            }
-        };
-        let mut i = 0;
-        while i + 64 <= n {
-            let w0 = load(wp.wrapping_add(i));
-            let w1 = load(wp.wrapping_add(i + 32));
-            for j in 0..N {
-                let xp = xs[j].as_ptr();
-                acc0[j] = _mm512_dpbf16_ps(acc0[j], w0, load(xp.wrapping_add(i)));
-                acc1[j] = _mm512_dpbf16_ps(acc1[j], w1, load(xp.wrapping_add(i + 32)));
-            }
-            i += 64;
-        }
-        if i + 32 <= n {
-            let w0 = load(wp.wrapping_add(i));
-            for j in 0..N {
-                acc0[j] = _mm512_dpbf16_ps(acc0[j], w0, load(xs[j].as_ptr().wrapping_add(i)));
-            }
-            i += 32;
-        }
-        let mut out = [0f32; N];
-        for j in 0..N {
-            let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j]));
-            for k in i..n {
-                s += w[k].to_f32() * xs[j][k].to_f32();
-            }
-            out[j] = s;
-        }
-        out
-    }
-
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn load_f32_512(p: *const f32) -> __m512 {
@@ -386,23 +324,6 @@ mod tests {
             .zip(x)
             .map(|(a, b)| (*a as f64) * (*b as f64))
             .sum::<f64>() as f32
-    }
-
-    #[test]
-    fn bf16_dot_product_instruction_matches_when_present() {
-        let Some(dp) = Bf16Act::detect() else { return };
-        for n in [1usize, 31, 32, 63, 64, 100, 576] {
-            // Values exact in bf16 with short mantissas: every product and sum is exact in f32.
-            let w: Vec<bf16> = (0..n)
-                .map(|i| bf16::from_f32(((i % 7) as f32 - 3.0) / 4.0))
-                .collect();
-            let x: Vec<bf16> = (0..n)
-                .map(|i| bf16::from_f32(((i % 5) as f32 - 2.0) / 2.0))
-                .collect();
-            let want: f32 = w.iter().zip(&x).map(|(a, b)| a.to_f32() * b.to_f32()).sum();
-            let got = dp.dot(&w, &[&x[..], &x[..]]);
-            assert_eq!(got, [want, want], "n={n}");
-        }
     }
 
     #[test]

@@ -1,256 +1,390 @@
-//! `out[t, r] = Σ_c x[t, c] · W[r, c]`: every projection of the model.
+//! `out[t, r] (+)= Σ_c x[t, c] · W[r, c]`: every projection of the model, as one thread's share of a
+//! parallel region ([`super::team`]).
 //!
-//! With bf16 weights on a CPU with AVX-512 BF16, every product goes through the row kernel with
-//! `vdpbf16ps` (blocked for cache reuse at large batches): each (row, token) dot product is computed the
-//! same way whatever the batch, so prefill and decode agree bit for bit. Otherwise, two paths:
+//! With bf16 weights on a CPU with AVX-512 BF16, matrices are packed for `vdpbf16ps` and every product
+//! goes through [`super::packed`]: one kernel for all batch sizes, so prefill and decode agree bit for
+//! bit. Otherwise (f32 weights, or a CPU without the instruction) two paths:
 //! - **few tokens** (decode, `t ≤ SMALL_BATCH`): our own kernel ([`super::dot`]) walks the weight rows
-//!   once and multiplies each into all `t` activations; rows are split across threads. This is memory
-//!   bound: the cost is reading W once.
-//! - **many tokens** (prefill, large batches): the `gemm` crate. f32 weights are passed as they are; bf16
-//!   weights are widened panel by panel (`PANEL_ROWS` rows at a time, into a per-thread buffer) and each
-//!   panel is one `gemm` call, so widening costs `1 / t` of the multiply.
+//!   once and multiplies each into all `t` activations; threads split the rows. This is memory bound: the
+//!   cost is reading W once.
+//! - **many tokens** (prefill, large batches): the `gemm` crate on each thread's block of rows. f32
+//!   weights are passed as they are; bf16 weights are widened panel by panel (`PANEL_ROWS` rows at a
+//!   time, into a per-thread buffer) and each panel is one `gemm` call, so widening costs `1 / t` of the
+//!   multiply.
 //!
-//! Products smaller than `PARALLEL_MIN_MACS` run on the calling thread: waking the pool costs more.
+//! With `add`, the product is added to what `out` holds (a residual connection fused into the product).
 
 use half::bf16;
-use rayon::prelude::*;
 
-use super::dot::{Bf16Act, F32Act, GroupDot, Isa, MAX_GROUP};
+use super::dot::{F32Act, GroupDot, Isa, MAX_GROUP};
+use super::packed::{self, pack_act_row};
+use super::team::{self, split, SharedMut, Team};
 use crate::weights::{MatData, Matrix};
 
 /// Largest token count served by the row kernel.
 pub const SMALL_BATCH: usize = 8;
-/// Largest token count served by the row kernel with `vdpbf16ps` (bf16 weights): all of them by
-/// default (it is as fast as widening to f32 for gemm, and batch-invariant); `KURA_BF16_GEMM_FROM=n`
-/// sends batches above `n` tokens to gemm instead.
-pub fn dp_batch() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("KURA_BF16_GEMM_FROM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(usize::MAX)
-    })
-}
 const PANEL_ROWS: usize = 64;
 const ROW_BLOCK: usize = 16;
 const TOKEN_TILE: usize = 16;
-/// Multiply-adds below which a product stays on one thread.
-const PARALLEL_MIN_MACS: usize = 1 << 16;
 
-/// A raw output pointer shared by tasks that write disjoint elements (matmul rows or columns, attention
-/// units' own tokens and heads).
+/// The activation format a matrix multiplies: f32, or bf16 pairs for packed bf16 weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActKind {
+    F32,
+    Bf16Pairs,
+}
+
+/// Activations (`t` rows) in the format of the matrix they multiply.
 #[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-// SAFETY: every task writes a disjoint set of elements (its own rows or columns; in attention, its own
-// tokens and heads), and the owning slice
-// outlives the parallel region that uses the pointer.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
+pub enum Act<'a> {
+    F32(&'a [f32]),
+    Bf16Pairs(&'a [u32]),
+}
 
-impl OutPtr {
-    /// The pointer, through a method so that closures capture the whole (Send) wrapper, not its field.
-    #[inline]
-    pub(crate) fn get(self) -> *mut f32 {
-        self.0
+/// An activation buffer of `t × cols` values, kept in one [`ActKind`].
+pub struct ActBuf {
+    kind: ActKind,
+    cols: usize,
+    f32s: Vec<f32>,
+    pairs: Vec<u32>,
+}
+
+impl ActBuf {
+    pub fn new(kind: ActKind, t: usize, cols: usize) -> Self {
+        let (f32s, pairs) = match kind {
+            ActKind::F32 => (vec![0f32; t * cols], Vec::new()),
+            ActKind::Bf16Pairs => (Vec::new(), vec![0u32; t * cols.div_ceil(2)]),
+        };
+        ActBuf {
+            kind,
+            cols,
+            f32s,
+            pairs,
+        }
+    }
+
+    /// A handle through which the threads of a region write disjoint rows or column ranges, and then
+    /// read the whole.
+    pub fn shared(&mut self) -> ActShared {
+        ActShared {
+            kind: self.kind,
+            cols: self.cols,
+            f32s: SharedMut::new(&mut self.f32s),
+            pairs: SharedMut::new(&mut self.pairs),
+        }
     }
 }
 
-/// `out` (`t × w.rows`) = `x` (`t × w.cols`) · Wᵀ.
+/// See [`ActBuf::shared`].
+#[derive(Clone, Copy)]
+pub struct ActShared {
+    kind: ActKind,
+    cols: usize,
+    f32s: SharedMut<f32>,
+    pairs: SharedMut<u32>,
+}
+
+impl ActShared {
+    /// Writes `vals` to row `t` from column `col0` (even, for bf16 pairs), converting to the buffer's format.
+    ///
+    /// # Safety
+    /// No other thread touches these elements until the next barrier; the buffer outlives the use.
+    pub unsafe fn write(&self, t: usize, col0: usize, vals: &[f32]) {
+        match self.kind {
+            ActKind::F32 => {
+                let at = t * self.cols + col0;
+                // SAFETY: the caller's guarantee.
+                unsafe { self.f32s.part_mut(at..at + vals.len()) }.copy_from_slice(vals);
+            }
+            ActKind::Bf16Pairs => {
+                debug_assert!(col0.is_multiple_of(2), "pairs start at even columns");
+                let at = t * self.cols.div_ceil(2) + col0 / 2;
+                // SAFETY: the caller's guarantee.
+                pack_act_row(vals, unsafe {
+                    self.pairs.part_mut(at..at + vals.len().div_ceil(2))
+                });
+            }
+        }
+    }
+
+    /// The whole buffer, to multiply.
+    ///
+    /// # Safety
+    /// Nobody writes it until the next barrier; the buffer outlives the use.
+    pub unsafe fn read(&self) -> Act<'_> {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            match self.kind {
+                ActKind::F32 => Act::F32(self.f32s.all()),
+                ActKind::Bf16Pairs => Act::Bf16Pairs(self.pairs.all()),
+            }
+        }
+    }
+}
+
+impl Matrix {
+    /// The activation format this matrix multiplies.
+    pub fn act_kind(&self) -> ActKind {
+        match self.data {
+            MatData::Packed(_) => ActKind::Bf16Pairs,
+            _ => ActKind::F32,
+        }
+    }
+}
+
+/// `out` (`t × w.rows`) = `x` (`t × w.cols`) · Wᵀ, in a parallel region of its own (the whole-step
+/// region of the model calls [`matmul_part`] instead).
 pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols, "x is t × cols");
+    let mut buf = ActBuf::new(w.act_kind(), t, w.cols);
+    let xs = buf.shared();
+    for i in 0..t {
+        // SAFETY: single-threaded here.
+        unsafe { xs.write(i, 0, &x[i * w.cols..(i + 1) * w.cols]) };
+    }
+    let out = SharedMut::new(out);
+    // SAFETY: nothing writes the activations during the region; every thread passes the same arguments.
+    team::run(|tm| matmul_part(tm, unsafe { xs.read() }, t, w, out, false));
+}
+
+/// This thread's share of `out` (`t × w.rows`) (+)= `x` · Wᵀ. Every thread of the team calls it with the
+/// same arguments; `out` must not be touched by anything else until the next barrier.
+pub fn matmul_part(
+    tm: &Team<'_>,
+    x: Act<'_>,
+    t: usize,
+    w: &Matrix,
+    out: SharedMut<f32>,
+    add: bool,
+) {
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
     if t == 0 {
         return;
     }
-    match &w.data {
-        MatData::F32(d) if t <= SMALL_BATCH => {
-            rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect()))
+    match (&w.data, x) {
+        // SAFETY: packed matrices exist only where Bf16Act::detect found the features; every thread
+        // passes the same arguments (the caller's contract).
+        (MatData::Packed(p), Act::Bf16Pairs(x)) => unsafe {
+            packed::matmul_part(tm, x, t, p, out, add)
+        },
+        (MatData::F32(d), Act::F32(x)) => {
+            assert_eq!(x.len(), t * w.cols, "x is t × cols");
+            let rows = split(w.rows, tm.size(), tm.index());
+            if t <= SMALL_BATCH {
+                rows_kernel(
+                    x,
+                    t,
+                    d,
+                    w.rows,
+                    w.cols,
+                    out,
+                    rows,
+                    add,
+                    &F32Act(Isa::detect()),
+                )
+            } else {
+                gemm_f32(x, t, d, w.rows, w.cols, out, rows, add)
+            }
         }
-        // bf16 × bf16 products with f32 sums (the activations rounded to bf16 once per call): twice the
-        // multiply-adds per instruction of f32 FMA and no widening, so it beats gemm up to larger batches.
-        MatData::Bf16(d) if t <= dp_batch() && Bf16Act::detect().is_some() => {
-            let dp = Bf16Act::detect().expect("checked above");
-            let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
-            rows_kernel(&xb, t, d, w.rows, w.cols, out, &dp)
+        (MatData::Bf16(d), Act::F32(x)) => {
+            assert_eq!(x.len(), t * w.cols, "x is t × cols");
+            if t <= SMALL_BATCH {
+                let rows = split(w.rows, tm.size(), tm.index());
+                rows_kernel(
+                    x,
+                    t,
+                    d,
+                    w.rows,
+                    w.cols,
+                    out,
+                    rows,
+                    add,
+                    &F32Act(Isa::detect()),
+                )
+            } else {
+                let panels = split(w.rows.div_ceil(PANEL_ROWS), tm.size(), tm.index());
+                gemm_bf16_panels(x, t, d, w.rows, w.cols, out, panels, add)
+            }
         }
-        MatData::Bf16(d) if t <= SMALL_BATCH => {
-            rows_kernel(x, t, d, w.rows, w.cols, out, &F32Act(Isa::detect()))
-        }
-        MatData::F32(d) => gemm_f32(x, t, d, w.rows, w.cols, out),
-        MatData::Bf16(d) => gemm_bf16_panels(x, t, d, w.rows, w.cols, out),
+        _ => panic!("activation format does not match the matrix (ActBuf::new(w.act_kind(), ..))"),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
     x: &[X],
     t: usize,
     w: &[T],
     rows: usize,
     cols: usize,
-    out: &mut [f32],
+    out: SharedMut<f32>,
+    range: std::ops::Range<usize>,
+    add: bool,
     dot: &D,
 ) {
-    let out_ptr = OutPtr(out.as_mut_ptr());
     // Blocked so that a tile of TOKEN_TILE activation rows stays in L1 while ROW_BLOCK weight rows are
     // reused from L2; every (row, token) dot product is computed the same way whatever the blocking or
-    // the batch, so a token's result does not depend on what else is in the batch.
-    let do_rows = |r0: usize, r1: usize| {
-        for rb in (r0..r1).step_by(ROW_BLOCK) {
-            for tt in (0..t).step_by(TOKEN_TILE) {
-                let t_end = (tt + TOKEN_TILE).min(t);
-                for r in rb..(rb + ROW_BLOCK).min(r1) {
-                    let row = &w[r * cols..(r + 1) * cols];
-                    let mut t0 = tt;
-                    while t0 < t_end {
-                        let g = (t_end - t0).min(MAX_GROUP);
-                        // SAFETY: (t0 + j) < t and r < rows keep every write inside `out`; each row r
-                        // is written by exactly one task.
-                        unsafe {
-                            match g {
-                                1 => {
-                                    dot_into::<T, X, D, 1>(dot, row, x, t0, cols, out_ptr, rows, r)
-                                }
-                                2 => {
-                                    dot_into::<T, X, D, 2>(dot, row, x, t0, cols, out_ptr, rows, r)
-                                }
-                                3 => {
-                                    dot_into::<T, X, D, 3>(dot, row, x, t0, cols, out_ptr, rows, r)
-                                }
-                                _ => {
-                                    dot_into::<T, X, D, 4>(dot, row, x, t0, cols, out_ptr, rows, r)
-                                }
-                            }
+    // the batch.
+    for rb in range.clone().step_by(ROW_BLOCK) {
+        for tt in (0..t).step_by(TOKEN_TILE) {
+            let t_end = (tt + TOKEN_TILE).min(t);
+            for r in rb..(rb + ROW_BLOCK).min(range.end) {
+                let row = &w[r * cols..(r + 1) * cols];
+                let mut t0 = tt;
+                while t0 < t_end {
+                    let g = (t_end - t0).min(MAX_GROUP);
+                    let args = (row, x, t0, cols, out, rows, r, add);
+                    // SAFETY: (t0 + j) < t and r < rows keep every write inside `out`; row r belongs to
+                    // this thread's range only.
+                    unsafe {
+                        match g {
+                            1 => dot_into::<T, X, D, 1>(dot, args),
+                            2 => dot_into::<T, X, D, 2>(dot, args),
+                            3 => dot_into::<T, X, D, 3>(dot, args),
+                            _ => dot_into::<T, X, D, 4>(dot, args),
                         }
-                        t0 += g;
                     }
+                    t0 += g;
                 }
             }
         }
-    };
-    let threads = rayon::current_num_threads();
-    if threads <= 1 || rows * cols * t < PARALLEL_MIN_MACS {
-        do_rows(0, rows);
-        return;
     }
-    // A few chunks per thread evens out imbalance without paying for many tiny tasks.
-    let chunk = rows.div_ceil(threads * 2).max(16);
-    (0..rows.div_ceil(chunk))
-        .into_par_iter()
-        .for_each(|c| do_rows(c * chunk, ((c + 1) * chunk).min(rows)));
 }
 
-/// Writes `row · x[t0 + j]` to `out[t0 + j, r]` for `j < N`.
+/// (weight row, x, first token, cols, out, rows, row index, add).
+type DotArgs<'a, T, X> = (
+    &'a [T],
+    &'a [X],
+    usize,
+    usize,
+    SharedMut<f32>,
+    usize,
+    usize,
+    bool,
+);
+
+/// Writes (or adds) `row · x[t0 + j]` to `out[t0 + j, r]` for `j < N`.
 ///
 /// # Safety
-/// `out` points at a `t × rows` buffer with `t0 + N ≤ t`, `r < rows`, and no other thread writes row `r`.
-#[allow(clippy::too_many_arguments)]
+/// `out` is a `t × rows` buffer with `t0 + N ≤ t`, `r < rows`, and no other thread touches row `r`.
 #[inline]
 unsafe fn dot_into<T, X, D: GroupDot<T, X>, const N: usize>(
     dot: &D,
-    row: &[T],
-    x: &[X],
-    t0: usize,
-    cols: usize,
-    out: OutPtr,
-    rows: usize,
-    r: usize,
+    (row, x, t0, cols, out, rows, r, add): DotArgs<'_, T, X>,
 ) {
     let xs: [&[X]; N] = std::array::from_fn(|j| &x[(t0 + j) * cols..(t0 + j + 1) * cols]);
     let vals = dot.dot(row, &xs);
     for (j, v) in vals.into_iter().enumerate() {
         // SAFETY: guaranteed by the caller.
-        unsafe { *out.get().add((t0 + j) * rows + r) = v };
+        unsafe {
+            let p = out.ptr().add((t0 + j) * rows + r);
+            *p = if add { *p + v } else { v };
+        }
     }
 }
 
-fn gemm_f32(x: &[f32], t: usize, w: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 && rows * cols * t >= PARALLEL_MIN_MACS {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: dst is t × rows row-major (row stride rows, column stride 1); lhs x is t × cols row-major;
-    // rhs is Wᵀ (cols × rows): element (c, r) at r·cols + c, so row stride 1 and column stride cols. All
-    // three slices have exactly these sizes (asserted by `matmul`).
+/// `gemm` over rows `range` of W: columns `range` of the output.
+#[allow(clippy::too_many_arguments)]
+fn gemm_f32(
+    x: &[f32],
+    t: usize,
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    out: SharedMut<f32>,
+    range: std::ops::Range<usize>,
+    add: bool,
+) {
+    if range.is_empty() {
+        return;
+    }
+    // SAFETY: the rows `range` of W lie inside w; the output columns `range` of every token lie inside
+    // `out` (t × rows) and are this thread's alone.
+    unsafe {
+        gemm_block(
+            x,
+            t,
+            cols,
+            w[range.start * cols..range.end * cols].as_ptr(),
+            range.len(),
+            out.ptr().add(range.start),
+            rows,
+            add,
+        )
+    }
+}
+
+/// `dst[i, j] (+)= Σ_c x[i, c] · rhs[j, c]` for `i < t`, `j < n`, with `dst` rows `ldd` apart.
+///
+/// # Safety
+/// `rhs` holds `n × cols` values; `dst` has `t` rows of `n` writable values `ldd` apart that no other
+/// thread touches.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_block(
+    x: &[f32],
+    t: usize,
+    cols: usize,
+    rhs: *const f32,
+    n: usize,
+    dst: *mut f32,
+    ldd: usize,
+    add: bool,
+) {
+    // SAFETY: dst is t × n with row stride ldd and column stride 1; lhs x is t × cols row-major; rhs is
+    // the transpose of an n × cols row-major block (element (c, j) at j·cols + c). With `add`, gemm
+    // computes dst = 1·dst + 1·x·rhs.
     unsafe {
         gemm::gemm(
             t,
-            rows,
+            n,
             cols,
-            out.as_mut_ptr(),
+            dst,
             1,
-            rows as isize,
-            false,
+            ldd as isize,
+            add,
             x.as_ptr(),
             1,
             cols as isize,
-            w.as_ptr(),
+            rhs,
             cols as isize,
             1,
-            0.0,
+            1.0,
             1.0,
             false,
             false,
             false,
-            par,
+            gemm::Parallelism::None,
         );
     }
 }
 
-fn gemm_bf16_panels(x: &[f32], t: usize, w: &[bf16], rows: usize, cols: usize, out: &mut [f32]) {
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let panels = rows.div_ceil(PANEL_ROWS);
-    let panel = |p: usize, buf: &mut Vec<f32>| {
+#[allow(clippy::too_many_arguments)]
+fn gemm_bf16_panels(
+    x: &[f32],
+    t: usize,
+    w: &[bf16],
+    rows: usize,
+    cols: usize,
+    out: SharedMut<f32>,
+    panels: std::ops::Range<usize>,
+    add: bool,
+) {
+    let mut buf = Vec::with_capacity(PANEL_ROWS * cols);
+    for p in panels {
         let r0 = p * PANEL_ROWS;
         let n = PANEL_ROWS.min(rows - r0);
         buf.clear();
         buf.extend(w[r0 * cols..(r0 + n) * cols].iter().map(|v| v.to_f32()));
-        // SAFETY: dst is the column block r0..r0+n of the t × rows output (row stride rows, column stride 1),
-        // written only by this panel; lhs is x (t × cols); rhs is the widened panel transposed
-        // (cols × n: element (c, r) at r·cols + c).
-        unsafe {
-            gemm::gemm(
-                t,
-                n,
-                cols,
-                out_ptr.get().add(r0),
-                1,
-                rows as isize,
-                false,
-                x.as_ptr(),
-                1,
-                cols as isize,
-                buf.as_ptr(),
-                cols as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-    };
-    if rayon::current_num_threads() <= 1 || rows * cols * t < PARALLEL_MIN_MACS {
-        let mut buf = Vec::with_capacity(PANEL_ROWS * cols);
-        for p in 0..panels {
-            panel(p, &mut buf);
-        }
-    } else {
-        (0..panels).into_par_iter().for_each_init(
-            || Vec::with_capacity(PANEL_ROWS * cols),
-            |buf, p| panel(p, buf),
-        );
+        // SAFETY: buf holds n × cols values; output columns r0..r0+n of every token lie inside `out`
+        // and belong to this thread's panels alone.
+        unsafe { gemm_block(x, t, cols, buf.as_ptr(), n, out.ptr().add(r0), rows, add) };
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::dot::Bf16Act;
     use crate::weights::WeightsDtype;
 
     fn naive(x: &[f32], t: usize, w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -275,9 +409,8 @@ mod tests {
         for t in [1, 3, 5, 8, 9, 40] {
             let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.013).sin()).collect();
             for dtype in [WeightsDtype::F32, WeightsDtype::Bf16] {
-                // With vdpbf16ps, decode rounds the activations to bf16: the reference does the same.
-                let rounded =
-                    dtype == WeightsDtype::Bf16 && t <= dp_batch() && Bf16Act::detect().is_some();
+                // With vdpbf16ps, the products round the activations to bf16: the reference does the same.
+                let rounded = dtype == WeightsDtype::Bf16 && Bf16Act::detect().is_some();
                 let xr: Vec<f32> = if rounded {
                     x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
                 } else {

@@ -4,3 +4,5 @@ pub mod attention;
 pub mod dot;
 pub mod matmul;
 pub mod ops;
+pub mod packed;
+pub mod team;
