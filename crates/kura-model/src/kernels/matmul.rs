@@ -384,7 +384,6 @@ fn gemm_bf16_panels(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::dot::Bf16Act;
     use crate::weights::WeightsDtype;
 
     fn naive(x: &[f32], t: usize, w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -408,24 +407,40 @@ mod tests {
             .collect();
         for t in [1, 3, 5, 8, 9, 40] {
             let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.013).sin()).collect();
-            for dtype in [WeightsDtype::F32, WeightsDtype::Bf16] {
-                // With vdpbf16ps, the products round the activations to bf16: the reference does the same.
-                let rounded = dtype == WeightsDtype::Bf16 && Bf16Act::detect().is_some();
-                let xr: Vec<f32> = if rounded {
+            // f32, bf16 as this CPU keeps it (packed where it has vdpbf16ps), and row-major bf16 (the
+            // path of CPUs without it) whatever this CPU has.
+            let row_major = Matrix {
+                rows,
+                cols,
+                data: MatData::Bf16(w.iter().map(|v| bf16::from_f32(*v)).collect()),
+            };
+            let cases = [
+                (
+                    Matrix::from_f32(rows, cols, w.clone(), WeightsDtype::F32),
+                    "f32",
+                ),
+                (
+                    Matrix::from_f32(rows, cols, w.clone(), WeightsDtype::Bf16),
+                    "bf16",
+                ),
+                (row_major, "bf16 row-major"),
+            ];
+            for (m, name) in &cases {
+                // Packed products round the activations to bf16: the reference does the same.
+                let xr: Vec<f32> = if m.act_kind() == ActKind::Bf16Pairs {
                     x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
                 } else {
                     x.clone()
                 };
                 let want = naive(&xr, t, &w, rows, cols);
-                let m = Matrix::from_f32(rows, cols, w.clone(), dtype);
                 let mut out = vec![0f32; t * rows];
-                matmul(&x, t, &m, &mut out);
+                matmul(&x, t, m, &mut out);
                 let err = out
                     .iter()
                     .zip(&want)
                     .map(|(a, b)| (a - b).abs())
                     .fold(0f32, f32::max);
-                assert!(err < 1e-3, "t={t} {dtype:?} err={err}");
+                assert!(err < 1e-3, "t={t} {name} err={err}");
             }
         }
     }
