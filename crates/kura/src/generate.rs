@@ -69,6 +69,8 @@ pub struct GenerateArgs {
 struct Report {
     model: String,
     weights_dtype: String,
+    /// Bytes of weights a decode step reads: with the measured memory bandwidth, the bound on decode.
+    weight_bytes_per_token: usize,
     kv_dtype: String,
     threads: usize,
     kv_cache: bool,
@@ -201,6 +203,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let report = Report {
         model: path.display().to_string(),
         weights_dtype: format!("{:?}", args.weights_dtype).to_lowercase(),
+        weight_bytes_per_token: model.weight_bytes_per_token(),
         kv_dtype: args.kv_dtype.to_string(),
         threads: kura_model::num_threads(),
         kv_cache: !args.no_kv_cache,
