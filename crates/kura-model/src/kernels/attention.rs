@@ -8,23 +8,28 @@
 //!                        [0 1 2 3]     [4 5 6 7]     [8 9 · ·]     slots after p are never read
 //! ```
 //!
-//! One task handles one (token, KV head) pair and all the query heads of its GQA group, so a K or V vector
-//! is read from the cache once per group and never copied. Scores of all context positions are kept (one
-//! row per query head) and softmaxed exactly, so the result does not depend on the block size: positions are
-//! visited in the same order whatever the paging. Each token is computed the same way whether it comes in a
-//! prefill chunk or alone in a decode step, so a token's output does not depend on its batch. The loops
-//! are compiled for AVX-512 where the CPU has it. Cost: O(tokens × heads × context × head_dim).
+//! One unit handles one (token, KV head) pair and all the query heads of its GQA group, so a K or V
+//! vector is read from the cache once per group and never copied; the threads of the step's region
+//! ([`super::team`]) deal the units out in turn. Scores of all context positions are kept (one row per
+//! query head) and softmaxed exactly, so the result does not depend on the block size: positions are
+//! visited in the same order whatever the paging. Each token is computed the same way whether it comes in
+//! a prefill chunk or alone in a decode step, so a token's output does not depend on its batch. With
+//! AVX-512 and a head size of 64 or 128 a vector kernel computes 16 scores at a time (see [`x86`]); other
+//! shapes and CPUs take a portable loop. Cost: O(tokens × heads × context × head_dim).
+
+use half::{bf16, f16};
+use kura_kv::storage::{KvSlice, LayerStorage};
 
 use super::dot::Isa;
 use super::matmul::ActShared;
 use super::ops::softmax;
 use super::team::Team;
-use half::{bf16, f16};
-use kura_kv::storage::{KvSlice, LayerStorage};
 
 /// An element of stored K/V.
 trait KvElem: Copy {
     fn f32(self) -> f32;
+    /// The elements of a slice of this storage's format.
+    fn typed(s: KvSlice<'_>) -> &[Self];
     /// Loads 16 stored elements as f32.
     ///
     /// # Safety
@@ -34,6 +39,13 @@ trait KvElem: Copy {
 }
 
 impl KvElem for f32 {
+    #[inline(always)]
+    fn typed(s: KvSlice<'_>) -> &[f32] {
+        match s {
+            KvSlice::F32(x) => x,
+            _ => unreachable!("one storage has one element format"),
+        }
+    }
     #[inline(always)]
     fn f32(self) -> f32 {
         self
@@ -47,6 +59,13 @@ impl KvElem for f32 {
 }
 
 impl KvElem for bf16 {
+    #[inline(always)]
+    fn typed(s: KvSlice<'_>) -> &[bf16] {
+        match s {
+            KvSlice::Bf16(x) => x,
+            _ => unreachable!("one storage has one element format"),
+        }
+    }
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
@@ -64,6 +83,13 @@ impl KvElem for bf16 {
 }
 
 impl KvElem for f16 {
+    #[inline(always)]
+    fn typed(s: KvSlice<'_>) -> &[f16] {
+        match s {
+            KvSlice::F16(x) => x,
+            _ => unreachable!("one storage has one element format"),
+        }
+    }
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
@@ -175,24 +201,9 @@ pub fn attention_part(
                     scale,
                 };
                 match kv.k_head_block(0, 0) {
-                    KvSlice::F32(_) => {
-                        attend_any::<f32>(use_avx512, &job, &mut scores, &mut o, |s| match s {
-                            KvSlice::F32(x) => x,
-                            _ => unreachable!("one storage has one element format"),
-                        })
-                    }
-                    KvSlice::Bf16(_) => {
-                        attend_any::<bf16>(use_avx512, &job, &mut scores, &mut o, |s| match s {
-                            KvSlice::Bf16(x) => x,
-                            _ => unreachable!("one storage has one element format"),
-                        })
-                    }
-                    KvSlice::F16(_) => {
-                        attend_any::<f16>(use_avx512, &job, &mut scores, &mut o, |s| match s {
-                            KvSlice::F16(x) => x,
-                            _ => unreachable!("one storage has one element format"),
-                        })
-                    }
+                    KvSlice::F32(_) => attend_any::<f32>(use_avx512, &job, &mut scores, &mut o),
+                    KvSlice::Bf16(_) => attend_any::<bf16>(use_avx512, &job, &mut scores, &mut o),
+                    KvSlice::F16(_) => attend_any::<f16>(use_avx512, &job, &mut scores, &mut o),
                 }
                 // SAFETY: the heads of (t, kvh) are written by this unit only, until the barrier.
                 unsafe { out.write(t, kvh * group * head_dim, &o) };
@@ -220,21 +231,20 @@ fn attend_any<'a, E: KvElem + 'a>(
     job: &Job<'a, '_>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
-    typed: impl Fn(KvSlice<'a>) -> &'a [E],
 ) {
     #[cfg(target_arch = "x86_64")]
     if use_avx512 {
         // SAFETY: use_avx512 comes from Isa::detect, which checked avx512f.
         unsafe {
             match job.head_dim {
-                64 => return x86::attend::<E, 4>(job, scores, out, typed),
-                128 => return x86::attend::<E, 8>(job, scores, out, typed),
+                64 => return x86::attend::<E, 4>(job, scores, out),
+                128 => return x86::attend::<E, 8>(job, scores, out),
                 _ => {}
             }
         }
     }
     let _ = use_avx512;
-    attend(job, scores, out, typed)
+    attend::<E>(job, scores, out)
 }
 
 /// Visits the context positions `lo..=pos` block by block: (block id, first slot, last slot, index of
@@ -254,12 +264,7 @@ fn spans<'s>(
 }
 
 /// The portable kernel: scores of every context position, an exact softmax, then the weighted sum of V.
-fn attend<'a, E: KvElem + 'a>(
-    job: &Job<'a, '_>,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-    typed: impl Fn(KvSlice<'a>) -> &'a [E],
-) {
+fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let Job {
         q,
         seq,
@@ -276,7 +281,7 @@ fn attend<'a, E: KvElem + 'a>(
     scores.resize(group * n_ctx, 0.0);
     let spans = spans(seq, kv.block_size_tokens, lo, pos);
     for (block, first, last, at) in spans.clone() {
-        let k = typed(kv.k_head_block(block, kvh));
+        let k = E::typed(kv.k_head_block(block, kvh));
         for slot in first..=last {
             let krow = &k[slot * head_dim..(slot + 1) * head_dim];
             for g in 0..group {
@@ -290,7 +295,7 @@ fn attend<'a, E: KvElem + 'a>(
     }
     out.fill(0.0);
     for (block, first, last, at) in spans {
-        let v = typed(kv.v_head_block(block, kvh));
+        let v = E::typed(kv.v_head_block(block, kvh));
         for slot in first..=last {
             let vrow = &v[slot * head_dim..(slot + 1) * head_dim];
             for g in 0..group {
@@ -312,8 +317,6 @@ mod x86 {
     //! its group of 16; the softmax uses a vector exp; V is accumulated in registers, in position order.
 
     use std::arch::x86_64::*;
-
-    use kura_kv::storage::KvSlice;
 
     use super::{spans, Job, KvElem};
 
@@ -419,7 +422,6 @@ mod x86 {
         job: &Job<'a, '_>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
-        typed: impl Fn(KvSlice<'a>) -> &'a [E],
     ) {
         let Job {
             q,
@@ -445,7 +447,7 @@ mod x86 {
             });
             let row = &mut scores[g * n_ctx..(g + 1) * n_ctx];
             for (block, first, last, at) in spans.clone() {
-                let k = typed(kv.k_head_block(block, kvh));
+                let k = E::typed(kv.k_head_block(block, kvh));
                 let mut s0 = first;
                 while s0 <= last {
                     let keys = (last + 1 - s0).min(16);
@@ -475,7 +477,7 @@ mod x86 {
             let row = &scores[g * n_ctx..(g + 1) * n_ctx];
             let mut acc = [_mm512_setzero_ps(); CH];
             for (block, first, last, at) in spans.clone() {
-                let v = typed(kv.v_head_block(block, kvh));
+                let v = E::typed(kv.v_head_block(block, kvh));
                 for slot in first..=last {
                     let p = _mm512_set1_ps(row[at + slot - first]);
                     let vp = v[slot * head_dim..(slot + 1) * head_dim].as_ptr();

@@ -89,7 +89,7 @@ pub struct SpinBarrier {
 }
 
 /// Spins before a waiting thread starts yielding its core.
-const SPINS_BEFORE_YIELD: u32 = 20_000;
+const SPINS_BEFORE_YIELD: u32 = 1_000;
 
 impl SpinBarrier {
     pub fn new(n: usize) -> Self {
