@@ -96,6 +96,11 @@ if wb:
     print(f"\nKura reads {wb/1e6:.0f} MB of weights per decoded token.")
 EOF
 
+echo
+echo "Memory read bandwidth (\`cargo bench -p kura-model --bench bandwidth\`), the numerator of the decode bound:"
+echo
+(cd "$REPO" && cargo bench -q -p kura-model --bench bandwidth 2>/dev/null) | sed 's/^/- /'
+
 if [ "$BATCHED" = 1 ]; then
     echo
     echo "Batched decode (\`cargo bench -p kura-model --bench forward\`, 128 tokens of context each), tokens/s:"

@@ -9,7 +9,10 @@
 //!              ─ RMSNorm ─ ·W_gate_upᵀ ─ SiLU(gate)·up ─ ·W_downᵀ ─ + x
 //! ```
 //!
-//! then RMSNorm and the output head on the last token of each sequence only.
+//! then RMSNorm and the output head on the last token of each sequence only. The whole step is one
+//! parallel region ([`crate::kernels::team`]): every thread takes its share of each operation and the
+//! threads meet at a barrier between operations; the residual adds are fused into the products that
+//! precede them.
 
 use std::path::Path;
 
