@@ -248,18 +248,19 @@ fn attend_any<'a, E: KvElem + 'a>(
 }
 
 /// Visits the context positions `lo..=pos` block by block: (block id, first slot, last slot, index of
-/// the first slot among the context positions).
+/// the first slot among the context positions, the next block's id if the context goes on).
 fn spans<'s>(
     seq: &'s AttnSeq<'_>,
     bs: usize,
     lo: usize,
     pos: usize,
-) -> impl Iterator<Item = (usize, usize, usize, usize)> + Clone + 's {
+) -> impl Iterator<Item = (usize, usize, usize, usize, Option<usize>)> + Clone + 's {
     (lo / bs..=pos / bs).map(move |b| {
         let block = seq.block_table[b] as usize;
         let first = lo.max(b * bs) - b * bs;
         let last = pos.min(b * bs + bs - 1) - b * bs;
-        (block, first, last, b * bs + first - lo)
+        let next = (b < pos / bs).then(|| seq.block_table[b + 1] as usize);
+        (block, first, last, b * bs + first - lo, next)
     })
 }
 
@@ -280,7 +281,7 @@ fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mu
     scores.clear();
     scores.resize(group * n_ctx, 0.0);
     let spans = spans(seq, kv.block_size_tokens, lo, pos);
-    for (block, first, last, at) in spans.clone() {
+    for (block, first, last, at, _) in spans.clone() {
         let k = E::typed(kv.k_head_block(block, kvh));
         for slot in first..=last {
             let krow = &k[slot * head_dim..(slot + 1) * head_dim];
@@ -294,7 +295,7 @@ fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mu
         softmax(&mut scores[g * n_ctx..(g + 1) * n_ctx]);
     }
     out.fill(0.0);
-    for (block, first, last, at) in spans {
+    for (block, first, last, at, _) in spans {
         let v = E::typed(kv.v_head_block(block, kvh));
         for slot in first..=last {
             let vrow = &v[slot * head_dim..(slot + 1) * head_dim];
@@ -319,6 +320,17 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{spans, Job, KvElem};
+
+    /// Asks for the cache lines of one stored row (`n` elements from `p`) ahead of use. A hint: it reads
+    /// nothing and cannot fault, so `p` may come from `wrapping_add`.
+    #[inline(always)]
+    fn prefetch_row<E>(p: *const E, n: usize) {
+        let bytes = n * std::mem::size_of::<E>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
+        }
+    }
 
     /// `[Σ a0, Σ a1, …, Σ a15]`: the lane sums of 16 vectors, in order, by the same tree for each.
     #[target_feature(enable = "avx512f")]
@@ -446,13 +458,22 @@ mod x86 {
                 _mm512_loadu_ps(q.as_ptr().add(g * head_dim + 16 * c))
             });
             let row = &mut scores[g * n_ctx..(g + 1) * n_ctx];
-            for (block, first, last, at) in spans.clone() {
+            for (block, first, last, at, next) in spans.clone() {
                 let k = E::typed(kv.k_head_block(block, kvh));
+                // A head's block is a few KiB on its own pages, where hardware prefetchers stop: fetch
+                // the next block's rows while this one is computed (first head of the group only; the
+                // others find them in cache).
+                let next_k = next
+                    .filter(|_| g == 0)
+                    .map(|b| E::typed(kv.k_head_block(b, kvh)).as_ptr());
                 let mut s0 = first;
                 while s0 <= last {
                     let keys = (last + 1 - s0).min(16);
                     let mut acc = [_mm512_setzero_ps(); 16];
                     for (j, a) in acc.iter_mut().enumerate().take(keys) {
+                        if let Some(nk) = next_k {
+                            prefetch_row::<E>(nk.wrapping_add((s0 + j) * head_dim), head_dim);
+                        }
                         let kp = k[(s0 + j) * head_dim..(s0 + j + 1) * head_dim].as_ptr();
                         for (c, qc) in qv.iter().enumerate() {
                             // SAFETY: 16 · CH = head_dim elements are readable from kp.
@@ -515,9 +536,15 @@ mod x86 {
             ..
         } = *job;
         let mut acc = [[_mm512_setzero_ps(); CH]; G];
-        for (block, first, last, at) in spans(seq, kv.block_size_tokens, lo, pos) {
+        for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
             let v = E::typed(kv.v_head_block(block, kvh));
+            let next_v = next
+                .filter(|_| g0 == 0)
+                .map(|b| E::typed(kv.v_head_block(b, kvh)).as_ptr());
             for slot in first..=last {
+                if let Some(nv) = next_v {
+                    prefetch_row::<E>(nv.wrapping_add(slot * head_dim), head_dim);
+                }
                 let vp = v[slot * head_dim..(slot + 1) * head_dim].as_ptr();
                 // SAFETY: head_dim = 16 · CH elements are readable from vp.
                 let vv: [__m512; CH] =
