@@ -31,7 +31,7 @@ pub enum ModelError {
         got: Vec<usize>,
         expected: Vec<usize>,
     },
-    #[error("tensor '{name}' has element type {dtype}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    #[error("tensor '{name}' has element type {dtype}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
     TensorType { name: String, dtype: String },
     #[error("tensor '{name}' lies outside the file (bytes {start}..{end}, file has {file_len})")]
     TensorBounds {
