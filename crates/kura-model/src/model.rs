@@ -246,6 +246,20 @@ impl Model {
                 )));
             }
         }
+        // Every new token writes its own (block, slot): two writes to one slot would leave one token's
+        // K/V under another's position.
+        let mut slots = std::collections::HashSet::new();
+        for (i, item) in batch.iter().enumerate() {
+            for p in item.start_pos..item.start_pos + item.tokens.len() {
+                let (block, slot) = (item.block_table[p / bs], p % bs);
+                if !slots.insert((block, slot)) {
+                    return Err(ModelError::Forward(format!(
+                        "sequence {i}: position {p} writes block {block} slot {slot}, which another new \
+                         token of the batch also writes"
+                    )));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -348,7 +362,7 @@ impl Model {
                     unsafe { xns.write(t, 0, &row[..h]) };
                 }
                 tm.sync();
-                matmul_part(tm, unsafe { xns.read() }, t_total, &lw.wqkv, qkvs, false);
+                unsafe { matmul_part(tm, xns.read(), t_total, &lw.wqkv, qkvs, false) };
                 tm.sync();
                 if tm.index() == 0 {
                     let layer_kv = unsafe { kvs.get_mut() }.layer_mut(li);
@@ -371,17 +385,9 @@ impl Model {
                 }
                 tm.sync();
                 let layer_kv = unsafe { kvs.get() }.layer(li);
-                attention_part(
-                    tm,
-                    unsafe { qkvs.all() },
-                    qkv_dim,
-                    &seqs,
-                    layer_kv,
-                    shape,
-                    attns,
-                );
+                unsafe { attention_part(tm, qkvs.all(), qkv_dim, &seqs, layer_kv, shape, attns) };
                 tm.sync();
-                matmul_part(tm, unsafe { attns.read() }, t_total, &lw.wo, xs, true);
+                unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) };
                 tm.sync();
                 for t in mine.clone() {
                     let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
@@ -389,14 +395,7 @@ impl Model {
                     unsafe { xns.write(t, 0, &row[..h]) };
                 }
                 tm.sync();
-                matmul_part(
-                    tm,
-                    unsafe { xns.read() },
-                    t_total,
-                    &lw.w_gate_up,
-                    gus,
-                    false,
-                );
+                unsafe { matmul_part(tm, xns.read(), t_total, &lw.w_gate_up, gus, false) };
                 tm.sync();
                 for t in mine.clone() {
                     let gu = unsafe { gus.part_mut(t * 2 * inter..(t + 1) * 2 * inter) };
@@ -404,7 +403,7 @@ impl Model {
                     unsafe { acts.write(t, 0, &row[..inter]) };
                 }
                 tm.sync();
-                matmul_part(tm, unsafe { acts.read() }, t_total, &lw.w_down, xs, true);
+                unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) };
                 tm.sync();
             }
             // The output head only for each sequence's last token.
@@ -415,7 +414,7 @@ impl Model {
                 unsafe { lasts.write(i, 0, &row[..h]) };
             }
             tm.sync();
-            matmul_part(tm, unsafe { lasts.read() }, n, head, logits_s, false);
+            unsafe { matmul_part(tm, lasts.read(), n, head, logits_s, false) };
         });
         Ok(Logits {
             vocab: head.rows,

@@ -66,10 +66,10 @@ impl Matrix {
         debug_assert_eq!(data.len(), rows * cols);
         let data = match dtype {
             WeightsDtype::F32 => MatData::F32(data),
-            WeightsDtype::Bf16 if Bf16Act::detect().is_some() => {
-                MatData::Packed(PackedBf16::from_f32(rows, cols, &data))
-            }
-            WeightsDtype::Bf16 => MatData::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+            WeightsDtype::Bf16 => match Bf16Act::detect() {
+                Some(cpu) => MatData::Packed(PackedBf16::from_f32(&cpu, rows, cols, &data)),
+                None => MatData::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+            },
         };
         Matrix { rows, cols, data }
     }

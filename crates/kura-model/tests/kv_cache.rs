@@ -141,6 +141,21 @@ fn bad_batches_are_errors_not_panics() {
         );
         assert!(err.is_err(), "{tokens:?} {block_table:?}");
     }
+    // Two sequences whose new tokens land in the same block and slot.
+    let both = [
+        SeqBatchItem {
+            tokens: &[1, 2],
+            start_pos: 0,
+            block_table: &[0],
+        },
+        SeqBatchItem {
+            tokens: &[3],
+            start_pos: 1,
+            block_table: &[0],
+        },
+    ];
+    let err = model.forward(&both, &mut kv).expect_err("a shared slot");
+    assert!(err.to_string().contains("block 0 slot 1"), "{err}");
 }
 
 #[test]

@@ -148,16 +148,19 @@ pub struct AttnShape {
 
 /// This thread's share of `out` (`tokens × heads × head_dim`) = attention of `q` (rows `q_stride` apart,
 /// each starting with the token's `heads × head_dim` query) over each token's context in `kv`. The new
-/// tokens' own K and V must already be written to `kv`. Every thread of the team calls it with the same
-/// arguments.
-pub fn attention_part(
+/// tokens' own K and V must already be written to `kv`.
+///
+/// # Safety
+/// Every thread of the team calls it with the same arguments, and nothing else touches `out` until the
+/// next barrier.
+pub unsafe fn attention_part(
     tm: &Team<'_>,
     q: &[f32],
     q_stride: usize,
     seqs: &[AttnSeq<'_>],
     kv: &LayerStorage,
     shape: AttnShape,
-    out: ActShared,
+    out: ActShared<'_>,
 ) {
     let AttnShape {
         num_heads,
@@ -623,7 +626,10 @@ mod tests {
         };
         let mut vector = ActBuf::new(ActKind::F32, tokens, heads * head_dim);
         let out = vector.shared();
-        team::run(|tm| attention_part(tm, &q, heads * head_dim, &seqs, kv.layer(0), shape, out));
+        // SAFETY: every thread passes the same arguments; nothing else uses `out` during the region.
+        team::run(|tm| unsafe {
+            attention_part(tm, &q, heads * head_dim, &seqs, kv.layer(0), shape, out)
+        });
         // SAFETY: the region is over.
         let Act::F32(vector) = (unsafe { out.read() }) else {
             unreachable!()

@@ -24,16 +24,14 @@ impl Isa {
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            if let Ok(forced) = std::env::var("KURA_ISA") {
-                match forced.as_str() {
-                    "scalar" => return Isa::Scalar,
-                    "avx2" => return Isa::Avx2Fma,
-                    _ => {}
-                }
+            let forced = std::env::var("KURA_ISA").ok();
+            if forced.as_deref() == Some("scalar") {
+                return Isa::Scalar;
             }
             #[cfg(target_arch = "x86_64")]
             {
-                if is_x86_feature_detected!("avx512f") {
+                // `KURA_ISA=avx2` narrows to AVX2 on a CPU that has AVX-512; it never widens.
+                if is_x86_feature_detected!("avx512f") && forced.as_deref() != Some("avx2") {
                     return Isa::Avx512;
                 }
                 if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {

@@ -65,7 +65,7 @@ impl ActBuf {
 
     /// A handle through which the threads of a region write disjoint rows or column ranges, and then
     /// read the whole.
-    pub fn shared(&mut self) -> ActShared {
+    pub fn shared(&mut self) -> ActShared<'_> {
         ActShared {
             kind: self.kind,
             cols: self.cols,
@@ -77,19 +77,23 @@ impl ActBuf {
 
 /// See [`ActBuf::shared`].
 #[derive(Clone, Copy)]
-pub struct ActShared {
+pub struct ActShared<'a> {
     kind: ActKind,
     cols: usize,
-    f32s: SharedMut<f32>,
-    pairs: SharedMut<u32>,
+    f32s: SharedMut<'a, f32>,
+    pairs: SharedMut<'a, u32>,
 }
 
-impl ActShared {
-    /// Writes `vals` to row `t` from column `col0` (even, for bf16 pairs), converting to the buffer's format.
+impl<'a> ActShared<'a> {
+    /// Writes `vals` to row `t` from column `col0`, converting to the buffer's format. For bf16 pairs,
+    /// `col0` is even and the write ends on an even column or at the row's end, so that no pair is shared
+    /// with another write.
     ///
     /// # Safety
-    /// No other thread touches these elements until the next barrier; the buffer outlives the use.
+    /// No other thread touches these elements until the next barrier.
     pub unsafe fn write(&self, t: usize, col0: usize, vals: &[f32]) {
+        let end = col0 + vals.len();
+        assert!(end <= self.cols, "write past the end of the row");
         match self.kind {
             ActKind::F32 => {
                 let at = t * self.cols + col0;
@@ -97,7 +101,10 @@ impl ActShared {
                 unsafe { self.f32s.part_mut(at..at + vals.len()) }.copy_from_slice(vals);
             }
             ActKind::Bf16Pairs => {
-                debug_assert!(col0.is_multiple_of(2), "pairs start at even columns");
+                assert!(
+                    col0.is_multiple_of(2) && (end.is_multiple_of(2) || end == self.cols),
+                    "a bf16-pair write must cover whole pairs"
+                );
                 let at = t * self.cols.div_ceil(2) + col0 / 2;
                 // SAFETY: the caller's guarantee.
                 pack_act_row(vals, unsafe {
@@ -110,8 +117,8 @@ impl ActShared {
     /// The whole buffer, to multiply.
     ///
     /// # Safety
-    /// Nobody writes it until the next barrier; the buffer outlives the use.
-    pub unsafe fn read(&self) -> Act<'_> {
+    /// Nobody writes it until the next barrier.
+    pub unsafe fn read(&self) -> Act<'a> {
         // SAFETY: the caller's guarantee.
         unsafe {
             match self.kind {
@@ -144,7 +151,7 @@ pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     }
     let out = SharedMut::new(out);
     // SAFETY: nothing writes the activations during the region; every thread passes the same arguments.
-    team::run(|tm| matmul_part(tm, unsafe { xs.read() }, t, w, out, false));
+    team::run(|tm| unsafe { matmul_part(tm, xs.read(), t, w, out, false) });
 }
 
 /// This thread's share of `out` (`t × w.rows`) (+)= `x` · Wᵀ. Every thread of the team calls it with the
@@ -154,7 +161,7 @@ pub fn matmul_part(
     x: Act<'_>,
     t: usize,
     w: &Matrix,
-    out: SharedMut<f32>,
+    out: SharedMut<'_, f32>,
     add: bool,
 ) {
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
@@ -162,8 +169,8 @@ pub fn matmul_part(
         return;
     }
     match (&w.data, x) {
-        // SAFETY: packed matrices exist only where Bf16Act::detect found the features; every thread
-        // passes the same arguments (the caller's contract).
+        // SAFETY: a PackedBf16 can only be made with a Bf16Act, which proves the CPU features; every
+        // thread passes the same arguments (this function's contract).
         (MatData::Packed(p), Act::Bf16Pairs(x)) => unsafe {
             packed::matmul_part(tm, x, t, p, out, add)
         },
@@ -217,7 +224,7 @@ fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
     w: &[T],
     rows: usize,
     cols: usize,
-    out: SharedMut<f32>,
+    out: SharedMut<'_, f32>,
     range: std::ops::Range<usize>,
     add: bool,
     dot: &D,
@@ -257,7 +264,7 @@ type DotArgs<'a, T, X> = (
     &'a [X],
     usize,
     usize,
-    SharedMut<f32>,
+    SharedMut<'a, f32>,
     usize,
     usize,
     bool,
@@ -291,7 +298,7 @@ fn gemm_f32(
     w: &[f32],
     rows: usize,
     cols: usize,
-    out: SharedMut<f32>,
+    out: SharedMut<'_, f32>,
     range: std::ops::Range<usize>,
     add: bool,
 ) {
@@ -365,7 +372,7 @@ fn gemm_bf16_panels(
     w: &[bf16],
     rows: usize,
     cols: usize,
-    out: SharedMut<f32>,
+    out: SharedMut<'_, f32>,
     panels: std::ops::Range<usize>,
     add: bool,
 ) {

@@ -19,6 +19,7 @@
 
 use half::bf16;
 
+use super::dot::Bf16Act;
 use super::team::{split, SharedMut, Team};
 
 /// Rows per panel.
@@ -47,12 +48,22 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
 }
 
 impl PackedBf16 {
-    /// Packs a row-major f32 matrix, rounding each value to bf16 (to nearest, ties to even).
-    pub fn from_f32(rows: usize, cols: usize, w: &[f32]) -> Self {
+    /// Packs a row-major f32 matrix, rounding each value to bf16 (to nearest, ties to even). Takes the
+    /// proof that this CPU can multiply it.
+    pub fn from_f32(_cpu: &Bf16Act, rows: usize, cols: usize, w: &[f32]) -> Self {
         assert_eq!(w.len(), rows * cols, "w is rows × cols");
         let pairs = cols.div_ceil(2);
         let panels = rows.div_ceil(PANEL_ROWS);
         let mut data = vec![0u32; panels * pairs * PANEL_ROWS];
+        if data.is_empty() {
+            return PackedBf16 {
+                rows,
+                cols,
+                pairs,
+                panels,
+                data,
+            };
+        }
         let at = |r: usize, c: usize| {
             if c < cols {
                 bf16::from_f32(w[r * cols + c])
@@ -117,14 +128,14 @@ pub fn pack_act_row(src: &[f32], dst: &mut [u32]) {
 /// is added to what `out` holds (a residual connection), else it replaces it.
 ///
 /// # Safety
-/// The CPU has avx512f and avx512bf16 (see [`super::dot::Bf16Act::detect`]); every thread of the team
-/// calls this with the same arguments, and nothing else touches `out` until the next barrier.
+/// Every thread of the team calls this with the same arguments, and nothing else touches `out` until the
+/// next barrier. (The CPU features are proven by the matrix: a `PackedBf16` is made with a `Bf16Act`.)
 pub unsafe fn matmul_part(
     tm: &Team<'_>,
     x: &[u32],
     t: usize,
     w: &PackedBf16,
-    out: SharedMut<f32>,
+    out: SharedMut<'_, f32>,
     add: bool,
 ) {
     assert_eq!(x.len(), t * w.pairs, "x is t × pairs");
@@ -143,7 +154,7 @@ pub unsafe fn matmul_part(
             let xp = x[t0 * w.pairs..].as_ptr();
             // SAFETY: rows r0..r0+valid of tokens t0..t0+m lie inside `out` (t0 + m ≤ t, r0 + valid ≤
             // rows) and belong to this work item alone; the panel holds pairs × 64 words and x holds m
-            // rows of pairs words from t0. The CPU features are the caller's guarantee.
+            // rows of pairs words from t0. The CPU features: `w` was made with a Bf16Act.
             unsafe {
                 let op = out.ptr().add(t0 * w.rows + r0);
                 let args = (panel.as_ptr(), w.pairs, xp, op, w.rows, valid, add);
@@ -249,7 +260,6 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::dot::Bf16Act;
     use crate::kernels::team;
 
     fn naive_bf16(x: &[f32], t: usize, w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -277,9 +287,10 @@ mod tests {
 
     #[test]
     fn packing_keeps_every_element() {
+        let Some(cpu) = Bf16Act::detect() else { return };
         let (rows, cols) = (70, 9);
         let w: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
-        let p = PackedBf16::from_f32(rows, cols, &w);
+        let p = PackedBf16::from_f32(&cpu, rows, cols, &w);
         for r in 0..rows {
             for c in 0..cols {
                 assert_eq!(
@@ -292,14 +303,12 @@ mod tests {
 
     #[test]
     fn odd_shapes_match_reference_and_add_mode_adds() {
-        if Bf16Act::detect().is_none() {
-            return;
-        }
+        let Some(cpu) = Bf16Act::detect() else { return };
         for (rows, cols) in [(1, 1), (17, 3), (64, 64), (130, 77), (200, 150)] {
             let w: Vec<f32> = (0..rows * cols)
                 .map(|i| ((i * 7919 % 61) as f32 - 30.0) / 32.0)
                 .collect();
-            let p = PackedBf16::from_f32(rows, cols, &w);
+            let p = PackedBf16::from_f32(&cpu, rows, cols, &w);
             for t in [1, 2, 5, 6, 7, 13, 17, 40, 200] {
                 let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.013).sin()).collect();
                 let want = naive_bf16(&x, t, &w, rows, cols);
@@ -322,12 +331,10 @@ mod tests {
 
     #[test]
     fn a_token_gets_the_same_bits_in_any_batch() {
-        if Bf16Act::detect().is_none() {
-            return;
-        }
+        let Some(cpu) = Bf16Act::detect() else { return };
         let (rows, cols) = (192, 96);
         let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-        let p = PackedBf16::from_f32(rows, cols, &w);
+        let p = PackedBf16::from_f32(&cpu, rows, cols, &w);
         let t = 150;
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.011).cos()).collect();
         let mut all = vec![0f32; t * rows];

@@ -56,36 +56,67 @@ pub fn split(items: usize, n: usize, i: usize) -> Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
+thread_local! {
+    /// Whether this thread is running a region's closure: a region opened from inside one runs solo, as
+    /// only some threads of the outer region would take part in it and the others would never arrive.
+    static IN_REGION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The payload of the panic a thread raises when another thread of its region panicked: it only wakes
+/// the thread; the first real panic is the one handed to the caller.
+struct Poisoned;
+
 /// Runs `f` on every thread of the current rayon pool (on the calling thread alone when the pool has one
-/// thread) and returns when all are done.
+/// thread, or when called from inside a region) and returns when all are done.
 pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
     let n = rayon::current_num_threads();
-    if n <= 1 {
+    if n <= 1 || IN_REGION.with(|r| r.get()) {
         f(&Team::solo());
         return;
     }
     let barrier = SpinBarrier::new(n);
+    let first_panic = std::sync::Mutex::new(None);
     rayon::broadcast(|ctx| {
         let team = Team {
             tid: ctx.index(),
             n: ctx.num_threads(),
             barrier: Some(&barrier),
         };
+        IN_REGION.with(|r| r.set(true));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&team)));
+        IN_REGION.with(|r| r.set(false));
         // A thread that panics must not leave the others waiting at a barrier forever: it poisons the
-        // barrier, they panic in turn, and rayon hands the panic to the caller.
-        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&team))) {
+        // barrier, they stop waiting, and the first real panic goes to the caller.
+        if let Err(payload) = result {
             barrier.poisoned.store(true, Ordering::Release);
-            std::panic::resume_unwind(panic);
+            if !payload.is::<Poisoned>() {
+                let mut first = first_panic.lock().unwrap_or_else(|e| e.into_inner());
+                first.get_or_insert(payload);
+            }
         }
     });
+    if let Some(payload) = first_panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        std::panic::resume_unwind(payload);
+    }
 }
 
-/// A reusable barrier for a fixed number of threads that spins briefly, then yields.
+/// A reusable barrier for a fixed number of threads that spins briefly, then yields. The counter that
+/// arrivals write and the generation that waiters poll sit on separate cache lines.
 pub struct SpinBarrier {
     n: usize,
-    arrived: AtomicUsize,
-    generation: AtomicUsize,
+    arrived: CacheLine<AtomicUsize>,
+    generation: CacheLine<AtomicUsize>,
     poisoned: AtomicBool,
+}
+
+#[repr(align(64))]
+struct CacheLine<T>(T);
+
+impl<T> std::ops::Deref for CacheLine<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 /// Spins before a waiting thread starts yielding its core.
@@ -95,8 +126,8 @@ impl SpinBarrier {
     pub fn new(n: usize) -> Self {
         SpinBarrier {
             n,
-            arrived: AtomicUsize::new(0),
-            generation: AtomicUsize::new(0),
+            arrived: CacheLine(AtomicUsize::new(0)),
+            generation: CacheLine(AtomicUsize::new(0)),
             poisoned: AtomicBool::new(false),
         }
     }
@@ -113,7 +144,7 @@ impl SpinBarrier {
         let mut spins = 0u32;
         while self.generation.load(Ordering::Acquire) == generation {
             if self.poisoned.load(Ordering::Acquire) {
-                panic!("another thread of the parallel region panicked");
+                std::panic::resume_unwind(Box::new(Poisoned));
             }
             if spins < SPINS_BEFORE_YIELD {
                 spins += 1;
@@ -125,24 +156,33 @@ impl SpinBarrier {
     }
 }
 
-/// A slice that the threads of a region write in disjoint parts.
-#[derive(Clone, Copy)]
-pub struct SharedMut<T> {
+/// A slice that the threads of a region write in disjoint parts; it borrows the slice for `'a`.
+pub struct SharedMut<'a, T> {
     ptr: *mut T,
     len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
 }
+
+impl<T> Clone for SharedMut<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SharedMut<'_, T> {}
 
 // SAFETY: a SharedMut only hands out parts through `unsafe` methods whose callers guarantee that no two
 // threads touch the same element between two barriers unless both only read.
-unsafe impl<T: Send> Send for SharedMut<T> {}
-// SAFETY: as above.
-unsafe impl<T: Send> Sync for SharedMut<T> {}
+unsafe impl<T: Send> Send for SharedMut<'_, T> {}
+// SAFETY: as above; reading from several threads at once needs `T: Sync`.
+unsafe impl<T: Send + Sync> Sync for SharedMut<'_, T> {}
 
-impl<T> SharedMut<T> {
-    pub fn new(s: &mut [T]) -> Self {
+impl<'a, T> SharedMut<'a, T> {
+    pub fn new(s: &'a mut [T]) -> Self {
         SharedMut {
             ptr: s.as_mut_ptr(),
             len: s.len(),
+            _borrow: std::marker::PhantomData,
         }
     }
 
@@ -157,10 +197,9 @@ impl<T> SharedMut<T> {
     /// The elements `r`, to write.
     ///
     /// # Safety
-    /// No other thread reads or writes any of them until the next barrier; the slice this was made from
-    /// outlives the use.
+    /// No other thread reads or writes any of them until the next barrier.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn part_mut(&self, r: Range<usize>) -> &mut [T] {
+    pub unsafe fn part_mut(&self, r: Range<usize>) -> &'a mut [T] {
         assert!(
             r.start <= r.end && r.end <= self.len,
             "part outside the slice"
@@ -172,8 +211,8 @@ impl<T> SharedMut<T> {
     /// The whole slice, to read.
     ///
     /// # Safety
-    /// No thread writes any element until the next barrier; the slice outlives the use.
-    pub unsafe fn all(&self) -> &[T] {
+    /// No thread writes any element until the next barrier.
+    pub unsafe fn all(&self) -> &'a [T] {
         // SAFETY: by the caller's guarantee.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
@@ -247,6 +286,28 @@ mod tests {
                 })
             })
         }));
-        assert!(result.is_err());
+        // The caller gets the worker's own panic, not the one that woke the waiting thread.
+        let payload = result.expect_err("the region must panic");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"worker fails"));
+    }
+
+    #[test]
+    fn a_region_opened_inside_a_region_runs_solo() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let inner_sizes = std::sync::Mutex::new(Vec::new());
+        pool.install(|| {
+            run(|tm| {
+                if tm.index() == 0 {
+                    // Only thread 0 opens it: were it a real region, thread 1 (waiting at the outer
+                    // barrier below) would never join, and both would wait forever.
+                    run(|inner| inner_sizes.lock().unwrap().push(inner.size()));
+                }
+                tm.sync();
+            })
+        });
+        assert_eq!(*inner_sizes.lock().unwrap(), vec![1]);
     }
 }
