@@ -37,9 +37,9 @@ short=$(python3 -c "print(' '.join(['The quick brown fox jumps over the lazy dog
 long=$(python3 -c "print(' '.join(['The quick brown fox jumps over the lazy dog.']*104))")
 for t in $THREADS; do
     for r in $(seq "$REPS"); do
-        "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$short" --max-tokens 64 --ignore-eos \
+        "$KURA" generate --model "$MODEL" --kv-dtype f32 --threads "$t" --prompt "$short" --max-tokens 64 --ignore-eos \
             --json >"$TMP/kura-$t-short-$r.json" 2>/dev/null
-        "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$long" --max-tokens 16 --ignore-eos \
+        "$KURA" generate --model "$MODEL" --kv-dtype f32 --threads "$t" --prompt "$long" --max-tokens 16 --ignore-eos \
             --json >"$TMP/kura-$t-long-$r.json" 2>/dev/null
     done
 done
@@ -115,9 +115,9 @@ if [ "$NO_CACHE" = 1 ]; then
     echo
     echo "With vs without the KV cache, 256 tokens after \"Once upon a time\", 1 thread:"
     echo
-    with=$("$KURA" generate --model "$MODEL" --threads 1 --prompt "Once upon a time" --max-tokens 256 \
+    with=$("$KURA" generate --model "$MODEL" --kv-dtype f32 --threads 1 --prompt "Once upon a time" --max-tokens 256 \
         --ignore-eos --json 2>/dev/null)
-    without=$("$KURA" generate --model "$MODEL" --threads 1 --prompt "Once upon a time" --max-tokens 256 \
+    without=$("$KURA" generate --model "$MODEL" --kv-dtype f32 --threads 1 --prompt "Once upon a time" --max-tokens 256 \
         --ignore-eos --json --no-kv-cache 2>/dev/null)
     python3 - "$with" "$without" <<'EOF'
 import json, sys

@@ -128,9 +128,8 @@ class KuraServer:
 
 
 # Tests that compare outputs across cache paths (cold vs cached, stream vs not, seeds) run with f32
-# weights, which compute a cold and a cached request the same way on any x86 CPU. bf16 weights do too on
-# CPUs with AVX-512 BF16 (one kernel for every batch size), but elsewhere they fall back to kernels whose
-# sums differ slightly between prefill and decode.
+# weights: on any CPU with AVX-512 one packed kernel serves every batch size, so a cold and a cached
+# request compute each position the same way. bf16 weights need AVX-512 BF16 for the same guarantee.
 EXACT = ("--weights-dtype", "f32")
 
 

@@ -11,8 +11,8 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kernels::dot::Bf16Act;
-use crate::kernels::packed::PackedBf16;
+use crate::kernels::dot::{Avx512, Bf16Act};
+use crate::kernels::packed::{PackedBf16, PackedF32};
 
 /// The element format weights are kept in for compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -51,6 +51,8 @@ pub enum MatData {
     Bf16(Vec<bf16>),
     /// bf16 packed for `vdpbf16ps`, on CPUs that have it.
     Packed(PackedBf16),
+    /// f32 packed for AVX-512 FMA, on CPUs that have it.
+    PackedF32(PackedF32),
 }
 
 /// A row-major `[rows, cols]` matrix: row `r` holds the weights of output `r` (PyTorch's `[out, in]`).
@@ -65,7 +67,10 @@ impl Matrix {
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>, dtype: WeightsDtype) -> Self {
         debug_assert_eq!(data.len(), rows * cols);
         let data = match dtype {
-            WeightsDtype::F32 => MatData::F32(data),
+            WeightsDtype::F32 => match Avx512::detect() {
+                Some(cpu) => MatData::PackedF32(PackedF32::from_f32(&cpu, rows, cols, &data)),
+                None => MatData::F32(data),
+            },
             WeightsDtype::Bf16 => match Bf16Act::detect() {
                 Some(cpu) => MatData::Packed(PackedBf16::from_f32(&cpu, rows, cols, &data)),
                 None => MatData::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
@@ -85,6 +90,7 @@ impl Matrix {
                 }
             }
             MatData::Packed(p) => p.row_into(r, out),
+            MatData::PackedF32(p) => p.row_into(r, out),
         }
     }
 
@@ -93,6 +99,7 @@ impl Matrix {
             MatData::F32(d) => d.len() * 4,
             MatData::Bf16(d) => d.len() * 2,
             MatData::Packed(p) => p.bytes(),
+            MatData::PackedF32(p) => p.bytes(),
         }
     }
 }

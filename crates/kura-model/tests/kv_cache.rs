@@ -5,7 +5,7 @@ mod common;
 
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
-use kura_model::{Model, SeqBatchItem};
+use kura_model::{LoadOptions, Model, SeqBatchItem, WeightsDtype};
 
 #[test]
 fn with_and_without_cache_and_any_block_size_give_the_same_tokens() {
@@ -159,45 +159,68 @@ fn bad_batches_are_errors_not_panics() {
 }
 
 #[test]
-fn prefill_and_decode_give_bit_identical_logits_with_bf16_dot_products() {
-    // With vdpbf16ps every product is batch-invariant; elsewhere gemm (prefill) and the row kernel
-    // (decode) sum in different orders and only agree to rounding.
-    if kura_model::kernels::dot::Bf16Act::detect().is_none() {
-        return;
+fn prefill_chunks_and_decode_give_bit_identical_logits_on_packed_weights() {
+    // With packed weights (bf16 with vdpbf16ps, f32 with AVX-512) one kernel serves every batch size and
+    // attention reads every K/V from the cache, so a position's logits are the same bits whether it is
+    // computed in a whole prefill, in a later chunk after a cached prefix, or alone in a decode step, in
+    // any KV format. Elsewhere gemm (prefill) and the row kernel (decode) sum in different orders and only
+    // agree to rounding.
+    use kura_model::kernels::dot::{Avx512, Bf16Act};
+    let mut dtypes = Vec::new();
+    if Bf16Act::detect().is_some() {
+        dtypes.push(WeightsDtype::Bf16);
     }
-    let model = Model::load(&common::default_model_path()).unwrap();
+    if Avx512::detect().is_some() {
+        dtypes.push(WeightsDtype::F32);
+    }
+    for weights_dtype in dtypes {
+        let model =
+            Model::load_with(&common::default_model_path(), LoadOptions { weights_dtype }).unwrap();
+        check_invariance(&model, weights_dtype);
+    }
+}
+
+fn check_invariance(model: &Model, weights_dtype: WeightsDtype) {
     let prompt = model
         .tokenizer()
-        .encode("The quick brown fox jumps over the lazy dog because", true)
-        .unwrap();
-    let (_, whole) = common::greedy(&model, &prompt, 1, 16, true);
-    let layout = model.kv_layout(KvDtype::F32, 16).unwrap();
-    let mut kv = KvStorage::new(&layout, 4).unwrap();
-    let table = [0u32, 1, 2, 3];
-    let n = prompt.len();
-    model
-        .forward(
-            &[SeqBatchItem {
-                tokens: &prompt[..n - 3],
-                start_pos: 0,
-                block_table: &table,
-            }],
-            &mut kv,
+        .encode(
+            "The quick brown fox jumps over the lazy dog because it wanted to see what was on the \
+             other side of the old stone wall at the edge of the quiet village",
+            true,
         )
         .unwrap();
-    let mut last = Vec::new();
-    for p in n - 3..n {
-        let out = model
-            .forward(
-                &[SeqBatchItem {
-                    tokens: &prompt[p..p + 1],
-                    start_pos: p,
-                    block_table: &table,
-                }],
-                &mut kv,
-            )
-            .unwrap();
-        last = out.row(0).to_vec();
+    let n = prompt.len();
+    assert!(n > 30, "{n} tokens");
+    for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::F16] {
+        let layout = model.kv_layout(dtype, 16).unwrap();
+        let table = [0u32, 1, 2, 3];
+        let run = |parts: &[(usize, usize)]| -> Vec<f32> {
+            let mut kv = KvStorage::new(&layout, 4).unwrap();
+            let mut last = Vec::new();
+            for &(a, b) in parts {
+                let out = model
+                    .forward(
+                        &[SeqBatchItem {
+                            tokens: &prompt[a..b],
+                            start_pos: a,
+                            block_table: &table,
+                        }],
+                        &mut kv,
+                    )
+                    .unwrap();
+                last = out.row(0).to_vec();
+            }
+            last
+        };
+        let whole = run(&[(0, n)]);
+        // A cached prefix, a 10-token chunk, then three single-token steps.
+        let pieces = run(&[
+            (0, n - 13),
+            (n - 13, n - 3),
+            (n - 3, n - 2),
+            (n - 2, n - 1),
+            (n - 1, n),
+        ]);
+        assert_eq!(pieces, whole, "{weights_dtype:?} weights, {dtype:?} KV");
     }
-    assert_eq!(last, whole);
 }

@@ -42,8 +42,8 @@ pub struct GenerateArgs {
     /// Tokens per KV block (1..=256).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Element format of stored K/V: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
+    /// Element format of stored K/V: bf16 (default, like the weights), f16 or f32.
+    #[arg(long, default_value = "bf16")]
     pub kv_dtype: KvDtype,
     /// Weights in bf16 (default) or f32.
     #[arg(long, default_value = "bf16")]

@@ -36,9 +36,10 @@ pub struct ServeArgs {
     /// KV pool size: bytes (`512MiB`, `2GB`) or a fraction of this machine's memory (`0.25`, `25%`).
     #[arg(long, default_value = "1GiB")]
     kv_cache_memory: String,
-    /// KV element format: f32, f16 or bf16. f32 keeps a request served from cached blocks bit-identical
-    /// to a cold one (seeded sampling included); f16/bf16 halve the memory.
-    #[arg(long, default_value = "f32")]
+    /// KV element format: bf16 (default, like the weights), f16 or f32 (twice the bytes). On a CPU with
+    /// AVX-512 (AVX-512 BF16 for bf16 weights), a request served from cached blocks is bit-identical to a
+    /// cold one in every format (seeded sampling included).
+    #[arg(long, default_value = "bf16")]
     kv_dtype: KvDtype,
     /// Weights format of the forward pass: bf16 (default, faster) or f32.
     #[arg(long, default_value = "bf16")]

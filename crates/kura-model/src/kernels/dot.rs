@@ -138,6 +138,16 @@ impl<T: WeightElem> GroupDot<T, f32> for F32Act {
     }
 }
 
+/// Proof that the CPU has AVX-512F (and that `KURA_ISA` does not narrow it): what [`super::packed`]'s f32
+/// kernel needs.
+pub struct Avx512(());
+
+impl Avx512 {
+    pub fn detect() -> Option<Avx512> {
+        (Isa::detect() == Isa::Avx512).then_some(Avx512(()))
+    }
+}
+
 /// Proof that the CPU has `vdpbf16ps` (AVX-512 BF16): bf16 activations × bf16 weights, two products per
 /// f32 lane per instruction (see [`super::packed`]). Exists only where the CPU has the instruction.
 pub struct Bf16Act(());

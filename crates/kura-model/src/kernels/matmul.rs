@@ -174,6 +174,10 @@ pub fn matmul_part(
         (MatData::Packed(p), Act::Bf16Pairs(x)) => unsafe {
             packed::matmul_part(tm, x, t, p, out, add)
         },
+        // SAFETY: as above, with the Avx512 proof.
+        (MatData::PackedF32(p), Act::F32(x)) => unsafe {
+            packed::matmul_part(tm, x, t, p, out, add)
+        },
         (MatData::F32(d), Act::F32(x)) => {
             assert_eq!(x.len(), t * w.cols, "x is t × cols");
             let rows = split(w.rows, tm.size(), tm.index());
@@ -414,12 +418,17 @@ mod tests {
             .collect();
         for t in [1, 3, 5, 8, 9, 40] {
             let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.013).sin()).collect();
-            // f32, bf16 as this CPU keeps it (packed where it has vdpbf16ps), and row-major bf16 (the
-            // path of CPUs without it) whatever this CPU has.
+            // f32 and bf16 as this CPU keeps them (packed where it has AVX-512 / vdpbf16ps), and the
+            // row-major layouts (the paths of CPUs without them) whatever this CPU has.
             let row_major = Matrix {
                 rows,
                 cols,
                 data: MatData::Bf16(w.iter().map(|v| bf16::from_f32(*v)).collect()),
+            };
+            let row_major_f32 = Matrix {
+                rows,
+                cols,
+                data: MatData::F32(w.clone()),
             };
             let cases = [
                 (
@@ -431,6 +440,7 @@ mod tests {
                     "bf16",
                 ),
                 (row_major, "bf16 row-major"),
+                (row_major_f32, "f32 row-major"),
             ];
             for (m, name) in &cases {
                 // Packed products round the activations to bf16: the reference does the same.

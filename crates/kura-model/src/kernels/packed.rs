@@ -1,5 +1,6 @@
-//! bf16 weights packed for `vdpbf16ps` (AVX-512 BF16), and the one kernel that multiplies them, for
-//! decode and prefill alike.
+//! Weights packed in panels of 64 rows for AVX-512, and the one kernel per format that multiplies them,
+//! for decode and prefill alike: bf16 pairs for `vdpbf16ps` (AVX-512 BF16), or f32 for FMA (one column
+//! per step instead of a pair, otherwise the same).
 //!
 //! Layout: rows in panels of [`PANEL_ROWS`]; within a panel, for each pair of columns `(2j, 2j+1)`, the 64
 //! rows' two values side by side as one 32-bit word (the low half holds column `2j`):
@@ -19,7 +20,7 @@
 
 use half::bf16;
 
-use super::dot::Bf16Act;
+use super::dot::{Avx512, Bf16Act};
 use super::team::{split, SharedMut, Team};
 
 /// Rows per panel.
@@ -31,20 +32,64 @@ const CHUNK_TOKENS: usize = 96;
 /// Up to this many tokens, threads split rows only, so that each weight is read from memory once.
 const ROWS_ONLY_UP_TO: usize = 16;
 
-/// A `[rows, cols]` matrix in the panel layout.
+/// A `[rows, cols]` matrix in the panel layout, as bf16 pairs (`W = u32`, see [`PackedBf16`]) or f32
+/// (`W = f32`, see [`PackedF32`]).
 #[derive(Clone)]
-pub struct PackedBf16 {
+pub struct Packed<W> {
     pub rows: usize,
     pub cols: usize,
-    /// Column pairs: `cols.div_ceil(2)`.
-    pub pairs: usize,
+    /// Steps along a row: column pairs for bf16 (`cols.div_ceil(2)`), columns for f32.
+    pub steps: usize,
     panels: usize,
-    data: Vec<u32>,
+    data: Vec<W>,
 }
+
+/// bf16 weights for `vdpbf16ps` (AVX-512 BF16).
+pub type PackedBf16 = Packed<u32>;
+/// f32 weights for AVX-512 FMA: the same panels with one column per step.
+pub type PackedF32 = Packed<f32>;
 
 #[inline]
 fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
+}
+
+impl<W: Copy + Default> Packed<W> {
+    /// Lays out `steps` values per row, `value(r, j)` for row `r` and step `j`, in panels of 64 rows.
+    fn pack(rows: usize, cols: usize, steps: usize, value: impl Fn(usize, usize) -> W) -> Self {
+        let panels = rows.div_ceil(PANEL_ROWS);
+        let mut data = vec![W::default(); panels * steps * PANEL_ROWS];
+        if !data.is_empty() {
+            for (p, panel) in data.chunks_exact_mut(steps * PANEL_ROWS).enumerate() {
+                for lane in 0..PANEL_ROWS.min(rows - p * PANEL_ROWS) {
+                    for j in 0..steps {
+                        panel[j * PANEL_ROWS + lane] = value(p * PANEL_ROWS + lane, j);
+                    }
+                }
+            }
+        }
+        Packed {
+            rows,
+            cols,
+            steps,
+            panels,
+            data,
+        }
+    }
+
+    fn word(&self, r: usize, j: usize) -> W {
+        let (p, lane) = (r / PANEL_ROWS, r % PANEL_ROWS);
+        self.data[(p * self.steps + j) * PANEL_ROWS + lane]
+    }
+
+    /// Bytes held, padding included: what a decode step reads.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * std::mem::size_of::<W>()
+    }
+
+    fn panel(&self, p: usize) -> &[W] {
+        &self.data[p * self.steps * PANEL_ROWS..(p + 1) * self.steps * PANEL_ROWS]
+    }
 }
 
 impl PackedBf16 {
@@ -52,18 +97,6 @@ impl PackedBf16 {
     /// proof that this CPU can multiply it.
     pub fn from_f32(_cpu: &Bf16Act, rows: usize, cols: usize, w: &[f32]) -> Self {
         assert_eq!(w.len(), rows * cols, "w is rows × cols");
-        let pairs = cols.div_ceil(2);
-        let panels = rows.div_ceil(PANEL_ROWS);
-        let mut data = vec![0u32; panels * pairs * PANEL_ROWS];
-        if data.is_empty() {
-            return PackedBf16 {
-                rows,
-                cols,
-                pairs,
-                panels,
-                data,
-            };
-        }
         let at = |r: usize, c: usize| {
             if c < cols {
                 bf16::from_f32(w[r * cols + c])
@@ -71,28 +104,14 @@ impl PackedBf16 {
                 bf16::ZERO
             }
         };
-        for (p, panel) in data.chunks_exact_mut(pairs * PANEL_ROWS).enumerate() {
-            for lane in 0..PANEL_ROWS.min(rows - p * PANEL_ROWS) {
-                let r = p * PANEL_ROWS + lane;
-                for j in 0..pairs {
-                    panel[j * PANEL_ROWS + lane] = pair(at(r, 2 * j), at(r, 2 * j + 1));
-                }
-            }
-        }
-        PackedBf16 {
-            rows,
-            cols,
-            pairs,
-            panels,
-            data,
-        }
+        Self::pack(rows, cols, cols.div_ceil(2), |r, j| {
+            pair(at(r, 2 * j), at(r, 2 * j + 1))
+        })
     }
 
     /// Element `(r, c)`.
     pub fn get(&self, r: usize, c: usize) -> bf16 {
-        let (p, lane) = (r / PANEL_ROWS, r % PANEL_ROWS);
-        let word = self.data[(p * self.pairs + c / 2) * PANEL_ROWS + lane];
-        bf16::from_bits((word >> (16 * (c % 2))) as u16)
+        bf16::from_bits((self.word(r, c / 2) >> (16 * (c % 2))) as u16)
     }
 
     /// Row `r` as f32 into `out` (an embedding lookup).
@@ -101,14 +120,20 @@ impl PackedBf16 {
             *o = self.get(r, c).to_f32();
         }
     }
+}
 
-    /// Bytes held, padding included: what a decode step reads.
-    pub fn bytes(&self) -> usize {
-        self.data.len() * 4
+impl PackedF32 {
+    /// Packs a row-major f32 matrix. Takes the proof that this CPU can multiply it.
+    pub fn from_f32(_cpu: &Avx512, rows: usize, cols: usize, w: &[f32]) -> Self {
+        assert_eq!(w.len(), rows * cols, "w is rows × cols");
+        Self::pack(rows, cols, cols, |r, c| w[r * cols + c])
     }
 
-    fn panel(&self, p: usize) -> &[u32] {
-        &self.data[p * self.pairs * PANEL_ROWS..(p + 1) * self.pairs * PANEL_ROWS]
+    /// Row `r` into `out` (an embedding lookup).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        for (c, o) in out.iter_mut().enumerate().take(self.cols) {
+            *o = self.word(r, c);
+        }
     }
 }
 
@@ -124,21 +149,23 @@ pub fn pack_act_row(src: &[f32], dst: &mut [u32]) {
     }
 }
 
-/// This thread's share of `out (t × w.rows) (+)= x (t × pairs, bf16 pairs) · Wᵀ`: with `add`, the product
-/// is added to what `out` holds (a residual connection), else it replaces it.
+/// This thread's share of `out (t × w.rows) (+)= x · Wᵀ`, with `x` as `t` rows of `w.steps` values (bf16
+/// pairs for [`PackedBf16`], f32 for [`PackedF32`]): with `add`, the product is added to what `out` holds
+/// (a residual connection), else it replaces it.
 ///
 /// # Safety
 /// Every thread of the team calls this with the same arguments, and nothing else touches `out` until the
-/// next barrier. (The CPU features are proven by the matrix: a `PackedBf16` is made with a `Bf16Act`.)
-pub unsafe fn matmul_part(
+/// next barrier. (The CPU features are proven by the matrix: a `Packed` is made with a `Bf16Act` or an
+/// `Avx512`.)
+pub unsafe fn matmul_part<W: Tile>(
     tm: &Team<'_>,
-    x: &[u32],
+    x: &[W::X],
     t: usize,
-    w: &PackedBf16,
+    w: &Packed<W>,
     out: SharedMut<'_, f32>,
     add: bool,
 ) {
-    assert_eq!(x.len(), t * w.pairs, "x is t × pairs");
+    assert_eq!(x.len(), t * w.steps, "x is t × steps");
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
     let chunk = chunk_tokens(t, w.panels, tm.size());
     let chunks = t.div_ceil(chunk.max(1));
@@ -151,24 +178,56 @@ pub unsafe fn matmul_part(
         let mut t0 = t_lo;
         while t0 < t_hi {
             let m = (t_hi - t0).min(TILE_TOKENS);
-            let xp = x[t0 * w.pairs..].as_ptr();
+            let xp = x[t0 * w.steps..].as_ptr();
             // SAFETY: rows r0..r0+valid of tokens t0..t0+m lie inside `out` (t0 + m ≤ t, r0 + valid ≤
-            // rows) and belong to this work item alone; the panel holds pairs × 64 words and x holds m
-            // rows of pairs words from t0. The CPU features: `w` was made with a Bf16Act.
+            // rows) and belong to this work item alone; the panel holds steps × 64 words and x holds m
+            // rows of steps values from t0. The CPU features: `w` was made with their proof.
             unsafe {
                 let op = out.ptr().add(t0 * w.rows + r0);
-                let args = (panel.as_ptr(), w.pairs, xp, op, w.rows, valid, add);
+                let args = (panel.as_ptr(), w.steps, xp, op, w.rows, valid, add);
                 match m {
-                    1 => x86::tile::<1>(args),
-                    2 => x86::tile::<2>(args),
-                    3 => x86::tile::<3>(args),
-                    4 => x86::tile::<4>(args),
-                    5 => x86::tile::<5>(args),
-                    _ => x86::tile::<6>(args),
+                    1 => W::tile::<1>(args),
+                    2 => W::tile::<2>(args),
+                    3 => W::tile::<3>(args),
+                    4 => W::tile::<4>(args),
+                    5 => W::tile::<5>(args),
+                    _ => W::tile::<6>(args),
                 }
             }
             t0 += m;
         }
+    }
+}
+
+/// (panel, steps, x at the tile's first token, out at (first token, first row), out row stride, valid
+/// rows of the panel, add).
+pub type TileArgs<W, X> = (*const W, usize, *const X, *mut f32, usize, usize, bool);
+
+/// A panel element type and its register tile.
+pub trait Tile: Copy + Default + Sync {
+    /// The activation element it multiplies.
+    type X: Copy + Sync;
+    /// One tile: `M` tokens × 64 rows.
+    ///
+    /// # Safety
+    /// The CPU has the features the matrix was made with; the panel holds `steps × 64` words; `x` holds
+    /// `M` rows of `steps` values; `out` has `M` rows (stride `ldo`) with `valid` writable columns each.
+    unsafe fn tile<const M: usize>(args: TileArgs<Self, Self::X>);
+}
+
+impl Tile for u32 {
+    type X = u32;
+    unsafe fn tile<const M: usize>(args: TileArgs<u32, u32>) {
+        // SAFETY: the caller's guarantee (a PackedBf16 exists only with AVX-512 BF16).
+        unsafe { x86::tile_bf16::<M>(args) }
+    }
+}
+
+impl Tile for f32 {
+    type X = f32;
+    unsafe fn tile<const M: usize>(args: TileArgs<f32, f32>) {
+        // SAFETY: the caller's guarantee (a PackedF32 exists only with AVX-512).
+        unsafe { x86::tile_f32::<M>(args) }
     }
 }
 
@@ -191,20 +250,19 @@ fn chunk_tokens(t: usize, panels: usize, threads: usize) -> usize {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// (panel, pairs, x at the tile's first token, out at (first token, first row), out row stride,
-    /// valid rows of the panel, add).
-    pub type TileArgs = (*const u32, usize, *const u32, *mut f32, usize, usize, bool);
+    use super::TileArgs;
 
-    /// One tile: `M` tokens × 64 rows.
+    /// bf16 pairs: one `vdpbf16ps` per (token, 16 rows) and column pair.
     ///
     /// # Safety
-    /// avx512f and avx512bf16 are present; the panel holds `pairs × 64` words; `x` holds `M` rows of
-    /// `pairs` words; `out` has `M` rows (stride `ldo`) with `valid` writable columns each.
+    /// See [`super::Tile::tile`]; avx512f and avx512bf16 are present.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn tile<const M: usize>((w, pairs, x, out, ldo, valid, add): TileArgs) {
+    pub unsafe fn tile_bf16<const M: usize>(
+        (w, steps, x, out, ldo, valid, add): TileArgs<u32, u32>,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); 4]; M];
-        for j in 0..pairs {
-            // SAFETY: j < pairs keeps every read inside the panel and the activation rows.
+        for j in 0..steps {
+            // SAFETY: j < steps keeps every read inside the panel and the activation rows.
             unsafe {
                 let wp = w.add(j * 64) as *const __m512i;
                 let b: [__m512bh; 4] = [
@@ -215,7 +273,7 @@ mod x86 {
                 ];
                 for (m, accm) in acc.iter_mut().enumerate() {
                     let a = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
-                        *x.add(m * pairs + j) as i32,
+                        *x.add(m * steps + j) as i32,
                     ));
                     for s in 0..4 {
                         accm[s] = _mm512_dpbf16_ps(accm[s], b[s], a);
@@ -223,6 +281,53 @@ mod x86 {
                 }
             }
         }
+        // SAFETY: the caller's guarantee on `out`.
+        unsafe { store::<M>(&acc, out, ldo, valid, add) }
+    }
+
+    /// f32: one fused multiply-add per (token, 16 rows) and column.
+    ///
+    /// # Safety
+    /// See [`super::Tile::tile`]; avx512f is present.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_f32<const M: usize>(
+        (w, steps, x, out, ldo, valid, add): TileArgs<f32, f32>,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 4]; M];
+        for j in 0..steps {
+            // SAFETY: j < steps keeps every read inside the panel and the activation rows.
+            unsafe {
+                let wp = w.add(j * 64);
+                let b = [
+                    _mm512_loadu_ps(wp),
+                    _mm512_loadu_ps(wp.add(16)),
+                    _mm512_loadu_ps(wp.add(32)),
+                    _mm512_loadu_ps(wp.add(48)),
+                ];
+                for (m, accm) in acc.iter_mut().enumerate() {
+                    let a = _mm512_set1_ps(*x.add(m * steps + j));
+                    for s in 0..4 {
+                        accm[s] = _mm512_fmadd_ps(b[s], a, accm[s]);
+                    }
+                }
+            }
+        }
+        // SAFETY: the caller's guarantee on `out`.
+        unsafe { store::<M>(&acc, out, ldo, valid, add) }
+    }
+
+    /// Writes (or adds) the tile's sums to the first `valid` of 64 columns of `M` rows.
+    ///
+    /// # Safety
+    /// avx512f is present; `out` has `M` rows (stride `ldo`) with `valid` writable columns each.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<const M: usize>(
+        acc: &[[__m512; 4]; M],
+        out: *mut f32,
+        ldo: usize,
+        valid: usize,
+        add: bool,
+    ) {
         for (m, accm) in acc.iter().enumerate() {
             for (s, v) in accm.iter().enumerate() {
                 let lanes = valid.saturating_sub(s * 16).min(16);
@@ -251,9 +356,14 @@ mod x86 {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    pub type TileArgs = (*const u32, usize, *const u32, *mut f32, usize, usize, bool);
-    pub unsafe fn tile<const M: usize>(_: TileArgs) {
-        unreachable!("packed bf16 weights exist only on CPUs with AVX-512 BF16")
+    use super::TileArgs;
+
+    pub unsafe fn tile_bf16<const M: usize>(_: TileArgs<u32, u32>) {
+        unreachable!("packed weights exist only on CPUs with AVX-512")
+    }
+
+    pub unsafe fn tile_f32<const M: usize>(_: TileArgs<f32, f32>) {
+        unreachable!("packed weights exist only on CPUs with AVX-512")
     }
 }
 
@@ -276,8 +386,8 @@ mod tests {
     }
 
     fn run_packed(x: &[f32], t: usize, w: &PackedBf16, out: &mut [f32], add: bool) {
-        let mut xp = vec![0u32; t * w.pairs];
-        for (src, dst) in x.chunks_exact(w.cols).zip(xp.chunks_exact_mut(w.pairs)) {
+        let mut xp = vec![0u32; t * w.steps];
+        for (src, dst) in x.chunks_exact(w.cols).zip(xp.chunks_exact_mut(w.steps)) {
             pack_act_row(src, dst);
         }
         let shared = SharedMut::new(out);
@@ -331,18 +441,45 @@ mod tests {
 
     #[test]
     fn a_token_gets_the_same_bits_in_any_batch() {
-        let Some(cpu) = Bf16Act::detect() else { return };
         let (rows, cols) = (192, 96);
         let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-        let p = PackedBf16::from_f32(&cpu, rows, cols, &w);
         let t = 150;
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.011).cos()).collect();
-        let mut all = vec![0f32; t * rows];
-        run_packed(&x, t, &p, &mut all, false);
-        for i in [0, 5, 6, 77, 149] {
-            let mut one = vec![0f32; rows];
-            run_packed(&x[i * cols..(i + 1) * cols], 1, &p, &mut one, false);
-            assert_eq!(one, all[i * rows..(i + 1) * rows], "token {i}");
+        if let Some(cpu) = Bf16Act::detect() {
+            let p = PackedBf16::from_f32(&cpu, rows, cols, &w);
+            let mut all = vec![0f32; t * rows];
+            run_packed(&x, t, &p, &mut all, false);
+            for i in [0, 5, 6, 77, 149] {
+                let mut one = vec![0f32; rows];
+                run_packed(&x[i * cols..(i + 1) * cols], 1, &p, &mut one, false);
+                assert_eq!(one, all[i * rows..(i + 1) * rows], "bf16 token {i}");
+            }
+        }
+        if let Some(cpu) = Avx512::detect() {
+            let p = PackedF32::from_f32(&cpu, rows, cols, &w);
+            let run = |x: &[f32], t: usize, out: &mut [f32]| {
+                let shared = SharedMut::new(out);
+                // SAFETY: every thread passes the same arguments.
+                team::run(|tm| unsafe { matmul_part(tm, x, t, &p, shared, false) });
+            };
+            let mut all = vec![0f32; t * rows];
+            run(&x, t, &mut all);
+            let naive = |i: usize, r: usize| -> f64 {
+                (0..cols)
+                    .map(|c| x[i * cols + c] as f64 * w[r * cols + c] as f64)
+                    .sum()
+            };
+            for i in [0, 5, 6, 77, 149] {
+                let mut one = vec![0f32; rows];
+                run(&x[i * cols..(i + 1) * cols], 1, &mut one);
+                assert_eq!(one, all[i * rows..(i + 1) * rows], "f32 token {i}");
+                for r in [0, 63, 64, 191] {
+                    assert!(
+                        (one[r] as f64 - naive(i, r)).abs() < 1e-4,
+                        "f32 token {i} row {r}"
+                    );
+                }
+            }
         }
     }
 }
