@@ -1,9 +1,9 @@
 //! `out[t, r] (+)= Σ_c x[t, c] · W[r, c]`: every projection of the model, as one thread's share of a
 //! parallel region ([`super::team`]).
 //!
-//! With bf16 weights on a CPU with AVX-512 BF16, matrices are packed for `vdpbf16ps` and every product
-//! goes through [`super::packed`]: one kernel for all batch sizes, so prefill and decode agree bit for
-//! bit. Otherwise (f32 weights, or a CPU without the instruction) two paths:
+//! On a CPU with AVX-512, matrices are packed in 64-row panels and every product goes through
+//! [`super::packed`]: bf16 weights with `vdpbf16ps` (where the CPU has AVX-512 BF16), f32 weights with
+//! FMA; one kernel for all batch sizes, so prefill and decode agree bit for bit. Otherwise two paths:
 //! - **few tokens** (decode, `t ≤ SMALL_BATCH`): our own kernel ([`super::dot`]) walks the weight rows
 //!   once and multiplies each into all `t` activations; threads split the rows. This is memory bound: the
 //!   cost is reading W once.
