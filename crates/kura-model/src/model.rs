@@ -25,7 +25,7 @@ use crate::config::{rope_inv_freq, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::{read_text, SafetensorsDir, TokenizerConfig};
-use crate::kernels::attention::{attention_part, AttnSeq, AttnShape};
+use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
 use crate::kernels::matmul::{matmul_part, ActBuf};
 use crate::kernels::ops::{add_in_place, rms_norm, rope, rope_angles, silu_mul};
 use crate::kernels::team::{self, SharedMut};
@@ -343,6 +343,8 @@ impl Model {
             last.shared(),
             SharedMut::new(&mut logits),
         );
+        let mut partials = vec![0f32; partials_len(&seqs, shape)];
+        let parts = SharedMut::new(&mut partials);
         let kvs = KvShared(kv);
         let eps = c.rms_norm_eps;
 
@@ -385,7 +387,18 @@ impl Model {
                 }
                 tm.sync();
                 let layer_kv = unsafe { kvs.get() }.layer(li);
-                unsafe { attention_part(tm, qkvs.all(), qkv_dim, &seqs, layer_kv, shape, attns) };
+                unsafe {
+                    attention_part(
+                        tm,
+                        qkvs.all(),
+                        qkv_dim,
+                        &seqs,
+                        layer_kv,
+                        shape,
+                        parts,
+                        attns,
+                    )
+                };
                 tm.sync();
                 unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) };
                 tm.sync();

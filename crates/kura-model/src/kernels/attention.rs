@@ -8,22 +8,24 @@
 //!                        [0 1 2 3]     [4 5 6 7]     [8 9 · ·]     slots after p are never read
 //! ```
 //!
-//! One unit handles one (token, KV head) pair and all the query heads of its GQA group, so a K or V
-//! vector is read from the cache once per group and never copied; the threads of the step's region
-//! ([`super::team`]) deal the units out in turn. Scores of all context positions are kept (one row per
-//! query head) and softmaxed exactly, so the result does not depend on the block size: positions are
-//! visited in the same order whatever the paging. Each token is computed the same way whether it comes in
-//! a prefill chunk or alone in a decode step, so a token's output does not depend on its batch. With
-//! AVX-512 and a head size of 64 or 128 a vector kernel computes 16 scores at a time (see [`x86`]); other
-//! shapes and CPUs take a portable loop. Cost: O(tokens × heads × context × head_dim).
+//! One unit handles one token's query heads of one KV head (its GQA group), so a K or V vector is read
+//! from the cache once per group and never copied, over one segment of the token's context: positions
+//! are cut at multiples of [`SEGMENT`] (absolute positions), so a long-context decode spreads over the
+//! threads of the step's region ([`super::team`]), which deal the units out in turn. A unit keeps the
+//! scores of its positions, their max `m`, the sum `l` of `e^(score − m)` and the unnormalised output
+//! `o = Σ e^(score − m) · V`; the segments of a token are merged in order (`Σ e^(m_s − M) o_s / Σ e^(m_s −
+//! M) l_s`). Positions are visited in the same order whatever the paging, so the result does not depend
+//! on the block size, and each token is computed the same way whether it comes in a prefill chunk or alone
+//! in a decode step, so a token's output does not depend on its batch. With AVX-512 and a head size of 64
+//! or 128 a vector kernel computes 16 scores at a time (see [`x86`]); other shapes and CPUs take a
+//! portable loop. Cost: O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
 use kura_kv::storage::{KvSlice, LayerStorage};
 
 use super::dot::Isa;
 use super::matmul::ActShared;
-use super::ops::softmax;
-use super::team::Team;
+use super::team::{SharedMut, Team};
 
 /// An element of stored K/V.
 trait KvElem: Copy {
@@ -146,13 +148,54 @@ pub struct AttnShape {
     pub window: Option<usize>,
 }
 
+/// Positions per attention segment. A token's context is cut at multiples of `SEGMENT` (absolute
+/// positions, so the cut does not depend on the batch); each piece is a unit of its own, which spreads a
+/// long-context decode over the threads, and the pieces are merged in order.
+pub const SEGMENT: usize = 1024;
+
+/// Floats of one unit's partial result: per query head of the group, its running max, its sum of
+/// exponentials, and its unnormalised output.
+fn partial_len(shape: AttnShape) -> usize {
+    shape.num_heads / shape.num_kv_heads * (shape.head_dim + 2)
+}
+
+/// The first position a token at `pos` attends to.
+fn context_start(pos: usize, window: Option<usize>) -> usize {
+    match window {
+        Some(w) if pos + 1 > w => pos + 1 - w,
+        _ => 0,
+    }
+}
+
+/// Segments of the context of a token at `pos`.
+fn segments(pos: usize, window: Option<usize>) -> usize {
+    pos / SEGMENT - context_start(pos, window) / SEGMENT + 1
+}
+
+/// Length of the scratch buffer [`attention_part`] needs for this batch: the partials of the tokens whose
+/// context spans more than one segment.
+pub fn partials_len(seqs: &[AttnSeq<'_>], shape: AttnShape) -> usize {
+    let mut n = 0;
+    for seq in seqs {
+        for pos in seq.start_pos..seq.start_pos + seq.n_tokens {
+            let k = segments(pos, shape.window);
+            if k > 1 {
+                n += k;
+            }
+        }
+    }
+    n * shape.num_kv_heads * partial_len(shape)
+}
+
 /// This thread's share of `out` (`tokens × heads × head_dim`) = attention of `q` (rows `q_stride` apart,
 /// each starting with the token's `heads × head_dim` query) over each token's context in `kv`. The new
-/// tokens' own K and V must already be written to `kv`.
+/// tokens' own K and V must already be written to `kv`. `partials` (of [`partials_len`]) is scratch.
+/// When some token's context spans several segments, meets the other threads at a barrier inside.
 ///
 /// # Safety
-/// Every thread of the team calls it with the same arguments, and nothing else touches `out` until the
-/// next barrier.
+/// Every thread of the team calls it with the same arguments, and nothing else touches `out` or
+/// `partials` until the next barrier after it returns.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn attention_part(
     tm: &Team<'_>,
     q: &[f32],
@@ -160,6 +203,7 @@ pub unsafe fn attention_part(
     seqs: &[AttnSeq<'_>],
     kv: &LayerStorage,
     shape: AttnShape,
+    partials: SharedMut<'_, f32>,
     out: ActShared<'_>,
 ) {
     let AttnShape {
@@ -171,51 +215,133 @@ pub unsafe fn attention_part(
     let group = num_heads / num_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let use_avx512 = Isa::detect() == Isa::Avx512;
-    let mut o = vec![0f32; group * head_dim];
+    let plen = partial_len(shape);
+    assert_eq!(
+        partials.len(),
+        partials_len(seqs, shape),
+        "partials sized by partials_len"
+    );
     let mut scores = Vec::new();
-    // One unit per (token, KV head), prefill and decode alike: a token's result never depends on what
-    // else is in the batch, so prefill, chunked prefill and decode give bit-identical outputs. Units are
-    // dealt out in turn, which evens out prefill's growing contexts.
-    let mut u = 0usize;
+    let mut own = vec![0f32; plen];
+    let mut o = vec![0f32; group * head_dim];
+    // Phase 1: one unit per (token, segment of its context, KV head), prefill and decode alike, dealt
+    // out in turn (which evens out prefill's growing contexts). A token with one segment is finished at
+    // once (the same arithmetic as a merge of one); the others leave their partials for phase 2.
+    let (mut u, mut first) = (0usize, 0usize);
     for seq in seqs {
         for i in 0..seq.n_tokens {
+            let t = seq.first_token + i;
+            let pos = seq.start_pos + i;
+            let lo = context_start(pos, window);
+            let n_seg = segments(pos, window);
+            for (j, k) in (lo / SEGMENT..=pos / SEGMENT).enumerate() {
+                for kvh in 0..num_kv_heads {
+                    u += 1;
+                    if (u - 1) % tm.size() != tm.index() {
+                        continue;
+                    }
+                    let q_base = t * q_stride + kvh * group * head_dim;
+                    let job = Job {
+                        q: &q[q_base..q_base + group * head_dim],
+                        seq,
+                        kv,
+                        kvh,
+                        lo: lo.max(k * SEGMENT),
+                        pos: pos.min(k * SEGMENT + SEGMENT - 1),
+                        group,
+                        head_dim,
+                        scale,
+                    };
+                    let part: &mut [f32] = if n_seg == 1 {
+                        &mut own
+                    } else {
+                        let at = ((first + j) * num_kv_heads + kvh) * plen;
+                        // SAFETY: this unit alone writes this partial, until the barrier below.
+                        unsafe { partials.part_mut(at..at + plen) }
+                    };
+                    match kv.k_head_block(0, 0) {
+                        KvSlice::F32(_) => attend_any::<f32>(use_avx512, &job, &mut scores, part),
+                        KvSlice::Bf16(_) => attend_any::<bf16>(use_avx512, &job, &mut scores, part),
+                        KvSlice::F16(_) => attend_any::<f16>(use_avx512, &job, &mut scores, part),
+                    }
+                    if n_seg == 1 {
+                        merge(std::iter::once(&own[..]), group, head_dim, &mut o);
+                        // SAFETY: the heads of (t, kvh) are written by this unit only, until the
+                        // barrier.
+                        unsafe { out.write(t, kvh * group * head_dim, &o) };
+                    }
+                }
+            }
+            if n_seg > 1 {
+                first += n_seg;
+            }
+        }
+    }
+    if partials.is_empty() {
+        return;
+    }
+    tm.sync();
+    // Phase 2: one unit per (token with several segments, KV head) merges its segments in order.
+    // SAFETY: nobody writes the partials until the next barrier.
+    let all = unsafe { partials.all() };
+    let (mut first, mut v) = (0usize, 0usize);
+    for seq in seqs {
+        for i in 0..seq.n_tokens {
+            let t = seq.first_token + i;
+            let n_seg = segments(seq.start_pos + i, window);
+            if n_seg == 1 {
+                continue;
+            }
             for kvh in 0..num_kv_heads {
-                u += 1;
-                if (u - 1) % tm.size() != tm.index() {
+                v += 1;
+                if (v - 1) % tm.size() != tm.index() {
                     continue;
                 }
-                let t = seq.first_token + i;
-                let pos = seq.start_pos + i;
-                let lo = match window {
-                    Some(w) if pos + 1 > w => pos + 1 - w,
-                    _ => 0,
-                };
-                let q_base = t * q_stride + kvh * group * head_dim;
-                let qg = &q[q_base..q_base + group * head_dim];
-                let job = Job {
-                    q: qg,
-                    seq,
-                    kv,
-                    kvh,
-                    lo,
-                    pos,
-                    group,
-                    head_dim,
-                    scale,
-                };
-                match kv.k_head_block(0, 0) {
-                    KvSlice::F32(_) => attend_any::<f32>(use_avx512, &job, &mut scores, &mut o),
-                    KvSlice::Bf16(_) => attend_any::<bf16>(use_avx512, &job, &mut scores, &mut o),
-                    KvSlice::F16(_) => attend_any::<f16>(use_avx512, &job, &mut scores, &mut o),
-                }
+                let parts = (0..n_seg).map(|j| {
+                    let at = ((first + j) * num_kv_heads + kvh) * plen;
+                    &all[at..at + plen]
+                });
+                merge(parts, group, head_dim, &mut o);
                 // SAFETY: the heads of (t, kvh) are written by this unit only, until the barrier.
                 unsafe { out.write(t, kvh * group * head_dim, &o) };
             }
+            first += n_seg;
         }
     }
 }
 
-/// One (token, KV head) unit.
+/// Combines the partials of a token's segments, in order, into its `group × head_dim` output:
+/// `out = Σ_s e^(m_s − M) · o_s / Σ_s e^(m_s − M) · l_s` with `M` the largest `m_s`.
+fn merge<'p>(
+    parts: impl Iterator<Item = &'p [f32]> + Clone,
+    group: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    for g in 0..group {
+        let at = g * (d + 2);
+        let m = parts
+            .clone()
+            .map(|p| p[at])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let o = &mut out[g * d..(g + 1) * d];
+        o.fill(0.0);
+        let mut l = 0f32;
+        for p in parts.clone() {
+            let w = (p[at] - m).exp();
+            l += w * p[at + 1];
+            for (x, y) in o.iter_mut().zip(&p[at + 2..at + 2 + d]) {
+                *x += w * y;
+            }
+        }
+        let inv = 1.0 / l;
+        for x in o.iter_mut() {
+            *x *= inv;
+        }
+    }
+}
+
+/// One unit: a token's query heads of one KV head, over the context positions `lo..=pos`.
 struct Job<'a, 'b> {
     q: &'a [f32],
     seq: &'a AttnSeq<'b>,
@@ -267,7 +393,8 @@ fn spans<'s>(
     })
 }
 
-/// The portable kernel: scores of every context position, an exact softmax, then the weighted sum of V.
+/// The portable kernel. Writes, per query head, the partial `[m, l, o]`: the largest score `m`, the sum
+/// `l` of `e^(score − m)`, and `o = Σ e^(score − m) · V`, all in position order.
 fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let Job {
         q,
@@ -294,17 +421,26 @@ fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mu
             }
         }
     }
+    let d2 = head_dim + 2;
     for g in 0..group {
-        softmax(&mut scores[g * n_ctx..(g + 1) * n_ctx]);
+        let row = &mut scores[g * n_ctx..(g + 1) * n_ctx];
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut l = 0f32;
+        for x in row.iter_mut() {
+            *x = (*x - m).exp();
+            l += *x;
+        }
+        out[g * d2] = m;
+        out[g * d2 + 1] = l;
+        out[g * d2 + 2..(g + 1) * d2].fill(0.0);
     }
-    out.fill(0.0);
     for (block, first, last, at, _) in spans {
         let v = E::typed(kv.v_head_block(block, kvh));
         for slot in first..=last {
             let vrow = &v[slot * head_dim..(slot + 1) * head_dim];
             for g in 0..group {
                 axpy(
-                    &mut out[g * head_dim..(g + 1) * head_dim],
+                    &mut out[g * d2 + 2..(g + 1) * d2],
                     scores[g * n_ctx + at + slot - first],
                     vrow,
                 );
@@ -384,9 +520,9 @@ mod x86 {
         _mm512_scalef_ps(p, n)
     }
 
-    /// Softmax of one row in place.
+    /// Replaces a row of scores by `e^(score − m)` and returns `(m, Σ e^(score − m))`, `m` the largest.
     #[target_feature(enable = "avx512f")]
-    fn softmax(x: &mut [f32]) {
+    fn exp_sum(x: &mut [f32]) -> (f32, f32) {
         let n = x.len();
         let mask = |i: usize| -> __mmask16 {
             let k = (n - i).min(16);
@@ -405,33 +541,27 @@ mod x86 {
             };
             mx = _mm512_max_ps(mx, v);
         }
-        let mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        let m = _mm512_reduce_max_ps(mx);
+        let mv = _mm512_set1_ps(m);
         let mut sum = _mm512_setzero_ps();
         for i in (0..n).step_by(16) {
-            let m = mask(i);
+            let k = mask(i);
             // SAFETY: the mask keeps the access inside x.
             unsafe {
-                let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), mx));
-                let e = _mm512_maskz_mov_ps(m, e);
+                let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.add(i)), mv));
+                let e = _mm512_maskz_mov_ps(k, e);
                 sum = _mm512_add_ps(sum, e);
-                _mm512_mask_storeu_ps(p.add(i), m, e);
+                _mm512_mask_storeu_ps(p.add(i), k, e);
             }
         }
-        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
-        for i in (0..n).step_by(16) {
-            let m = mask(i);
-            // SAFETY: the mask keeps the access inside x.
-            unsafe {
-                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), inv);
-                _mm512_mask_storeu_ps(p.add(i), m, v);
-            }
-        }
+        (m, _mm512_reduce_add_ps(sum))
     }
 
-    /// One (token, KV head) unit for head size `16 · CH`.
+    /// One unit for head size `16 · CH`: writes the partial `[m, l, o]` of each query head (see
+    /// [`super::attend`]).
     ///
     /// # Safety
-    /// avx512f is present; `job.head_dim == 16 · CH`.
+    /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn attend<'a, E: KvElem + 'a, const CH: usize>(
         job: &Job<'a, '_>,
@@ -495,7 +625,9 @@ mod x86 {
                     s0 += keys;
                 }
             }
-            softmax(row);
+            let (m, l) = exp_sum(row);
+            out[g * (head_dim + 2)] = m;
+            out[g * (head_dim + 2) + 1] = l;
         }
         // V: heads in blocks of up to 4 (2 for head size 128), whose sums stay in registers while each
         // V row is loaded once per block. Each (head, lane) still sums the positions in order, one fused
@@ -518,10 +650,11 @@ mod x86 {
         }
     }
 
-    /// Heads `g0..g0 + G` of the weighted sum of V: `out[g] = Σ_pos scores[g][pos] · V[pos]`.
+    /// Heads `g0..g0 + G` of the weighted sum of V: `o[g] = Σ_pos scores[g][pos] · V[pos]`, into the
+    /// `o` part of each head's `[m, l, o]` in `out`.
     ///
     /// # Safety
-    /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × head_dim` values and
+    /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values and
     /// `g0 + G ≤ group`.
     #[target_feature(enable = "avx512f")]
     unsafe fn pv<'a, E: KvElem + 'a, const CH: usize, const G: usize>(
@@ -562,8 +695,8 @@ mod x86 {
         }
         for (g, ag) in acc.iter().enumerate() {
             for (c, a) in ag.iter().enumerate() {
-                // SAFETY: head g0 + g < group, so the 16 values lie inside out.
-                unsafe { _mm512_storeu_ps(out.add((g0 + g) * head_dim + 16 * c), *a) };
+                // SAFETY: head g0 + g < group, so the 16 values lie inside out (its [m, l, o] triple).
+                unsafe { _mm512_storeu_ps(out.add((g0 + g) * (head_dim + 2) + 2 + 16 * c), *a) };
             }
         }
     }
@@ -577,7 +710,7 @@ mod tests {
 
     use super::*;
     use crate::kernels::matmul::{Act, ActBuf, ActKind};
-    use crate::kernels::team;
+    use crate::kernels::team::{self, SharedMut};
 
     /// Attention of `tokens` new tokens after `past` cached ones, every head, through the vector kernel
     /// (when the CPU has it) and the portable loop.
@@ -626,42 +759,59 @@ mod tests {
         };
         let mut vector = ActBuf::new(ActKind::F32, tokens, heads * head_dim);
         let out = vector.shared();
+        let mut partials = vec![0f32; partials_len(&seqs, shape)];
+        let parts = SharedMut::new(&mut partials);
         // SAFETY: every thread passes the same arguments; nothing else uses `out` during the region.
         team::run(|tm| unsafe {
-            attention_part(tm, &q, heads * head_dim, &seqs, kv.layer(0), shape, out)
+            attention_part(
+                tm,
+                &q,
+                heads * head_dim,
+                &seqs,
+                kv.layer(0),
+                shape,
+                parts,
+                out,
+            )
         });
         // SAFETY: the region is over.
         let Act::F32(vector) = (unsafe { out.read() }) else {
             unreachable!()
         };
+        // The portable loop, one unit after another: every segment, then the merge.
         let mut portable = vec![0f32; tokens * heads * head_dim];
         let group = heads / kv_heads;
+        let plen = group * (head_dim + 2);
         let mut scores = Vec::new();
         for t in 0..tokens {
             let pos = past + t;
-            let lo = match window {
-                Some(w) if pos + 1 > w => pos + 1 - w,
-                _ => 0,
-            };
+            let lo = context_start(pos, window);
             for kvh in 0..kv_heads {
                 let at = t * heads * head_dim + kvh * group * head_dim;
-                let job = Job {
-                    q: &q[at..at + group * head_dim],
-                    seq: &seqs[0],
-                    kv: kv.layer(0),
-                    kvh,
-                    lo,
-                    pos,
-                    group,
-                    head_dim,
-                    scale: 1.0 / (head_dim as f32).sqrt(),
-                };
+                let segments: Vec<Vec<f32>> = (lo / SEGMENT..=pos / SEGMENT)
+                    .map(|k| {
+                        let job = Job {
+                            q: &q[at..at + group * head_dim],
+                            seq: &seqs[0],
+                            kv: kv.layer(0),
+                            kvh,
+                            lo: lo.max(k * SEGMENT),
+                            pos: pos.min(k * SEGMENT + SEGMENT - 1),
+                            group,
+                            head_dim,
+                            scale: 1.0 / (head_dim as f32).sqrt(),
+                        };
+                        let mut part = vec![0f32; plen];
+                        match dtype {
+                            KvDtype::F32 => attend::<f32>(&job, &mut scores, &mut part),
+                            KvDtype::Bf16 => attend::<bf16>(&job, &mut scores, &mut part),
+                            _ => attend::<f16>(&job, &mut scores, &mut part),
+                        }
+                        part
+                    })
+                    .collect();
                 let o = &mut portable[at..at + group * head_dim];
-                match dtype {
-                    KvDtype::F32 => attend::<f32>(&job, &mut scores, o),
-                    KvDtype::Bf16 => attend::<bf16>(&job, &mut scores, o),
-                    _ => attend::<f16>(&job, &mut scores, o),
-                }
+                merge(segments.iter().map(|p| &p[..]), group, head_dim, o);
             }
         }
         (vector.to_vec(), portable)
@@ -678,6 +828,10 @@ mod tests {
             (KvDtype::F16, 7, 6, 2, 128, 33, 9, None),
             (KvDtype::F32, 16, 8, 8, 64, 50, 30, Some(20)),
             (KvDtype::F32, 16, 4, 2, 16, 10, 5, None),
+            // Contexts across segment boundaries (SEGMENT = 1024), with and without a window.
+            (KvDtype::F32, 16, 9, 3, 64, 1000, 40, None),
+            (KvDtype::Bf16, 32, 6, 2, 128, 1030, 3, Some(700)),
+            (KvDtype::F32, 16, 4, 2, 16, 1020, 8, None),
         ];
         for (i, &(dtype, block, heads, kv_heads, dim, past, tokens, window)) in
             cases.iter().enumerate()
