@@ -168,12 +168,25 @@ def main():
     gguf_path = sys.argv[1] if len(sys.argv) > 1 else os.environ.get(
         "KURA_MODEL", os.path.expanduser("~/.cache/kura/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     (DATA / "golden").mkdir(parents=True, exist_ok=True)
-    tiny_model("llama", LlamaConfig, tie_word_embeddings=False, rope_theta=500000.0,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    tiny_model("qwen2", Qwen2Config, tie_word_embeddings=True, rope_theta=1000000.0)
-    tiny_model("mistral", MistralConfig, tie_word_embeddings=False, sliding_window=8, rope_theta=10000.0)
-    if os.environ.get("GOLDEN_SKIP_DEFAULT") != "1":
+    # GOLDEN_ONLY=name makes just that tiny model and leaves the other files as they are.
+    only = os.environ.get("GOLDEN_ONLY")
+    tiny = {
+        "llama": lambda: tiny_model(
+            "llama", LlamaConfig, tie_word_embeddings=False, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "qwen2": lambda: tiny_model("qwen2", Qwen2Config, tie_word_embeddings=True, rope_theta=1000000.0),
+        "mistral": lambda: tiny_model("mistral", MistralConfig, tie_word_embeddings=False, sliding_window=8,
+                                      rope_theta=10000.0),
+        # Qwen2 slides only the layers from max_window_layers on: layer 0 full, layer 1 a window of 8.
+        "qwen2-swa": lambda: tiny_model("qwen2-swa", Qwen2Config, tie_word_embeddings=True,
+                                        rope_theta=1000000.0, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1),
+    }
+    for name, make in tiny.items():
+        if only is None or only == name:
+            make()
+    if only is None and os.environ.get("GOLDEN_SKIP_DEFAULT") != "1":
         default_model(gguf_path)
 
 

@@ -52,8 +52,11 @@ pub struct ModelConfig {
     pub rope_scaling: Option<Llama3RopeScaling>,
     /// Q, K and V projections carry a bias (Qwen2).
     pub qkv_bias: bool,
-    /// Every layer attends to at most this many tokens (Mistral).
+    /// The window of the layers that slide: each attends to at most this many tokens.
     pub sliding_window: Option<usize>,
+    /// Which layers slide (all of them for Mistral; from `max_window_layers` on for Qwen2; as
+    /// `layer_types` says where the config has it). Empty when nothing slides.
+    pub sliding_layers: Vec<bool>,
     pub tie_word_embeddings: bool,
 }
 
@@ -88,25 +91,37 @@ impl ModelConfig {
         if self.sliding_window == Some(0) {
             return bad("sliding_window 0".into());
         }
+        if !self.sliding_layers.is_empty() && self.sliding_layers.len() != self.num_layers {
+            return bad(format!(
+                "layer_types has {} entries for {} layers",
+                self.sliding_layers.len(),
+                self.num_layers
+            ));
+        }
         Ok(self)
+    }
+
+    /// The window of layer `layer`, if it slides.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
     }
 
     /// The KV cache shape of this model in `dtype` with blocks of `block_size_tokens`.
     pub fn kv_layout(&self, dtype: KvDtype, block_size_tokens: usize) -> Result<KvLayout> {
-        let attention = match self.sliding_window {
-            Some(w) if w < self.max_context => AttentionKind::SlidingWindow { window_tokens: w },
-            _ => AttentionKind::Full,
-        };
-        let layer = LayerKv {
-            kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
-            attention,
-        };
-        Ok(KvLayout::new(
-            vec![layer; self.num_layers],
-            dtype,
-            block_size_tokens,
-        )?)
+        let layers = (0..self.num_layers)
+            .map(|i| LayerKv {
+                kv_heads: self.num_kv_heads,
+                head_dim: self.head_dim,
+                attention: match self.layer_window(i) {
+                    Some(w) if w < self.max_context => {
+                        AttentionKind::SlidingWindow { window_tokens: w }
+                    }
+                    _ => AttentionKind::Full,
+                },
+            })
+            .collect();
+        Ok(KvLayout::new(layers, dtype, block_size_tokens)?)
     }
 
     /// Parameters of the weights (embedding counted once when tied).
@@ -147,11 +162,12 @@ impl ModelConfig {
         let sliding_window = g
             .opt_u64(&k("attention.sliding_window"))?
             .map(|v| v as usize);
+        let num_layers = u("block_count")?;
         ModelConfig {
             arch,
             hidden_size,
             intermediate_size: u("feed_forward_length")?,
-            num_layers: u("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -168,6 +184,11 @@ impl ModelConfig {
             rope_scaling: None,
             qkv_bias: arch == Arch::Qwen2,
             sliding_window,
+            sliding_layers: if sliding_window.is_some() {
+                vec![true; num_layers]
+            } else {
+                Vec::new()
+            },
             tie_word_embeddings: tie,
         }
         .validate()
@@ -223,10 +244,22 @@ impl ModelConfig {
                 .checked_div(raw.num_attention_heads)
                 .unwrap_or(0),
         );
-        // Qwen2 configs carry `sliding_window` but only apply it when `use_sliding_window` is set.
+        // Qwen2 configs carry `sliding_window` but only apply it when `use_sliding_window` is set, and then
+        // only from layer `max_window_layers` on (transformers' default: 28); `layer_types`, where a
+        // config has it, names each layer's kind.
         let sliding_window = match arch {
             Arch::Qwen2 if !raw.use_sliding_window.unwrap_or(false) => None,
             _ => raw.sliding_window,
+        };
+        let n = raw.num_hidden_layers;
+        let sliding_layers = match (&sliding_window, &raw.layer_types) {
+            (None, _) => Vec::new(),
+            (Some(_), Some(types)) => types.iter().map(|t| t.contains("sliding")).collect(),
+            (Some(_), None) if arch == Arch::Qwen2 => {
+                let from = raw.max_window_layers.unwrap_or(28);
+                (0..n).map(|i| i >= from).collect()
+            }
+            (Some(_), None) => vec![true; n],
         };
         ModelConfig {
             arch,
@@ -244,6 +277,7 @@ impl ModelConfig {
             rope_scaling,
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
             sliding_window,
+            sliding_layers,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
         }
         .validate()
@@ -281,6 +315,8 @@ struct HfConfig {
     attention_bias: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
     tie_word_embeddings: Option<bool>,
 }
 
@@ -350,5 +386,29 @@ mod tests {
         let l = c.kv_layout(KvDtype::F32, 16).unwrap();
         assert!(l.has_sliding_window());
         assert_eq!(l.bytes_per_token(), 2 * 2 * 2 * 16 * 4);
+    }
+
+    #[test]
+    fn qwen2_slides_only_from_max_window_layers_and_layer_types_must_fit() {
+        let base = r#""model_type":"qwen2","hidden_size":64,"intermediate_size":128,"num_hidden_layers":3,
+            "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"sliding_window":8"#;
+        let cfg = |extra: &str| ModelConfig::from_hf_json(&format!("{{{base}{extra}}}"));
+        let windows = |c: &ModelConfig| (0..3).map(|i| c.layer_window(i)).collect::<Vec<_>>();
+        // Without use_sliding_window nothing slides.
+        assert_eq!(windows(&cfg("").unwrap()), [None, None, None]);
+        let c = cfg(r#","use_sliding_window":true,"max_window_layers":1"#).unwrap();
+        assert_eq!(windows(&c), [None, Some(8), Some(8)]);
+        let c = cfg(
+            r#","use_sliding_window":true,"layer_types":["sliding_attention","full_attention","sliding_attention"]"#,
+        )
+        .unwrap();
+        assert_eq!(windows(&c), [Some(8), None, Some(8)]);
+        let err =
+            cfg(r#","use_sliding_window":true,"layer_types":["full_attention"]"#).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("layer_types has 1 entries for 3 layers"),
+            "{err}"
+        );
     }
 }

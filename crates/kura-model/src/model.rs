@@ -343,7 +343,12 @@ impl Model {
             last.shared(),
             SharedMut::new(&mut logits),
         );
-        let mut partials = vec![0f32; partials_len(&seqs, shape)];
+        // Sized for a full-context layer, the most segments any layer has.
+        let full = AttnShape {
+            window: None,
+            ..shape
+        };
+        let mut partials = vec![0f32; partials_len(&seqs, full)];
         let parts = SharedMut::new(&mut partials);
         let kvs = KvShared(kv);
         let eps = c.rms_norm_eps;
@@ -387,6 +392,10 @@ impl Model {
                 }
                 tm.sync();
                 let layer_kv = unsafe { kvs.get() }.layer(li);
+                let shape = AttnShape {
+                    window: c.layer_window(li),
+                    ..shape
+                };
                 unsafe {
                     attention_part(
                         tm,

@@ -84,7 +84,7 @@ fn check_cases(model: &Model, g: &Value, label: &str, tol: f32, exact_greedy: bo
 
 #[test]
 fn tiny_models_match_transformers() {
-    for name in ["llama", "qwen2", "mistral"] {
+    for name in ["llama", "qwen2", "mistral", "qwen2-swa"] {
         let dir = common::golden_dir().join(format!("tiny-{name}"));
         // The checkpoints are stored in bf16, so f32 and bf16 compute weights hold the same values; with
         // bf16 weights, decode may round activations to bf16 (vdpbf16ps), hence the looser bound, and
