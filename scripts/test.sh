@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Runs all of Kura's tests: the Rust workspace (unit, property, scenario and real-model tests) and the
 # Python tests that drive `kura serve` with the official `openai` client. Installs what they need: the
-# default model (scripts/fetch-model.sh) and a Python virtual environment with tests/python/requirements.txt.
+# default model (scripts/fetch-model.sh), llama.cpp's tokenizer conformance files
+# (scripts/fetch-vocab-tests.sh) and a Python virtual environment with tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 KURA_MODEL=$(scripts/fetch-model.sh)
 export KURA_MODEL
+KURA_VOCAB_DIR=$(scripts/fetch-vocab-tests.sh)
+export KURA_VOCAB_DIR
 
 # One optimised profile for everything: the real-model tests need it, and the server the Python tests
 # start is the same build.

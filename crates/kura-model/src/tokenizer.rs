@@ -83,15 +83,19 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
         let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| match v {
             Value::String(s) => Some(s.as_str()),
             _ => None,
         });
+        // Llama 3's BPE takes a pre-token that is a whole vocabulary entry as it is, before any merge
+        // (llama.cpp's `ignore_merges`, HF's `"ignore_merges": true`).
+        let ignore_merges = matches!(pre, Some("llama-bpe" | "llama3" | "llama-v3"));
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(ignore_merges)
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre.unwrap_or("default"))?));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
         // Control (3) and user-defined (4) tokens are matched whole, before BPE.
@@ -208,7 +212,7 @@ fn pre_tokenizer_for(name: &str) -> Result<PreTokenizerWrapper> {
         "smollm" | "starcoder" | "refact" | "codeshell" => {
             Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into()
         }
-        "llama-bpe" | "llama3" => Sequence::new(vec![
+        "llama-bpe" | "llama3" | "llama-v3" => Sequence::new(vec![
             split(
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
             )?,
