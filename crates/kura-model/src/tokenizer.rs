@@ -7,13 +7,20 @@
 
 use std::path::Path;
 
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::NormalizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{ModelError, Result};
@@ -47,25 +54,17 @@ fn tok_err(e: impl std::fmt::Display) -> ModelError {
 impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let model = g.get_str("tokenizer.ggml.model")?;
+        if model == "llama" {
+            return Self::spm_from_gguf(g);
+        }
         if model != "gpt2" {
             return Err(ModelError::Tokenizer(format!(
-                "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, byte-level BPE)"
+                "tokenizer.ggml.model '{model}' is not supported (supported: gpt2 (byte-level BPE), llama \
+                 (SentencePiece BPE))"
             )));
         }
-        let strings = |key: &str| -> Result<Vec<String>> {
-            g.get_array(key)?
-                .iter()
-                .map(|v| match v {
-                    Value::String(s) => Ok(s.clone()),
-                    _ => Err(ModelError::KeyType {
-                        key: key.into(),
-                        expected: "an array of strings",
-                    }),
-                })
-                .collect()
-        };
-        let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+        let tokens = string_array(g, "tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = string_array(g, "tokenizer.ggml.merges")?
             .into_iter()
             .map(|m| match m.split_once(' ') {
                 Some((a, b)) => Ok((a.to_string(), b.to_string())),
@@ -74,10 +73,7 @@ impl Tokenizer {
                 ))),
             })
             .collect::<Result<_>>()?;
-        let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
-            _ => vec![1; tokens.len()],
-        };
+        let types = token_types(g, tokens.len());
         let vocab: Vocab = tokens
             .iter()
             .enumerate()
@@ -98,18 +94,92 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre.unwrap_or("default"))?));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
-        // Control (3) and user-defined (4) tokens are matched whole, before BPE.
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, t)| **t == 3 || **t == 4)
-            .map(|(s, t)| AddedToken::from(s.clone(), *t == 3))
-            .collect();
-        inner.add_special_tokens(&added);
+        add_special(&mut inner, &tokens, &types);
         let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|v| v as u32)) };
         let add_bos = matches!(
             g.metadata.get("tokenizer.ggml.add_bos_token"),
             Some(Value::Bool(true))
+        );
+        Ok(Self::finish(
+            inner,
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+            add_bos,
+        ))
+    }
+
+    /// A SentencePiece BPE vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Mistral): pieces with
+    /// scores, `▁` for spaces, a `▁` before the text, bytes as `<0xXX>` pieces when no piece covers them.
+    /// GGUF keeps scores, not merges; the merges are rebuilt as SentencePiece applies them: any two pieces
+    /// whose concatenation is a piece, the highest-scoring result first (as transformers does for such
+    /// vocabularies).
+    fn spm_from_gguf(g: &GgufFile) -> Result<Self> {
+        let tokens = string_array(g, "tokenizer.ggml.tokens")?;
+        let scores: Vec<f64> = match g.metadata.get("tokenizer.ggml.scores") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
+            _ => vec![0.0; tokens.len()],
+        };
+        let types = token_types(g, tokens.len());
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let mut merges: Vec<(f64, u32, u32, String, String)> = Vec::new();
+        for (id, piece) in tokens.iter().enumerate() {
+            if types.get(id) != Some(&1) {
+                continue; // only normal pieces are made by merging
+            }
+            for (split, _) in piece.char_indices().skip(1) {
+                let (l, r) = piece.split_at(split);
+                if let (Some(&li), Some(&ri)) = (vocab.get(l), vocab.get(r)) {
+                    merges.push((
+                        scores.get(id).copied().unwrap_or(0.0),
+                        li,
+                        ri,
+                        l.into(),
+                        r.into(),
+                    ));
+                }
+            }
+        }
+        merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let merges = merges.into_iter().map(|(_, _, _, l, r)| (l, r)).collect();
+        let unk = g
+            .opt_u64("tokenizer.ggml.unknown_token_id")?
+            .and_then(|i| tokens.get(i as usize).cloned());
+        let mut builder = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .byte_fallback(true)
+            .fuse_unk(true);
+        if let Some(u) = unk {
+            builder = builder.unk_token(u);
+        }
+        let mut inner = tokenizers::Tokenizer::new(builder.build().map_err(tok_err)?);
+        let add_space_prefix = !matches!(
+            g.metadata.get("tokenizer.ggml.add_space_prefix"),
+            Some(Value::Bool(false))
+        );
+        let mut norm: Vec<NormalizerWrapper> = Vec::new();
+        if add_space_prefix {
+            norm.push(Prepend::new("▁".into()).into());
+        }
+        norm.push(Replace::new(" ", "▁").map_err(tok_err)?.into());
+        inner.with_normalizer(Some(NormalizerSequence::new(norm)));
+        let mut dec: Vec<DecoderWrapper> = vec![
+            Replace::new("▁", " ").map_err(tok_err)?.into(),
+            ByteFallback::default().into(),
+            Fuse::default().into(),
+        ];
+        if add_space_prefix {
+            dec.push(Strip::new(' ', 1, 0).into());
+        }
+        inner.with_decoder(Some(DecoderSequence::new(dec)));
+        add_special(&mut inner, &tokens, &types);
+        let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|v| v as u32)) };
+        let add_bos = !matches!(
+            g.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(false))
         );
         Ok(Self::finish(
             inner,
@@ -192,6 +262,39 @@ impl Tokenizer {
     pub fn is_stop_token(&self, id: u32) -> bool {
         self.stop_token_ids.contains(&id)
     }
+}
+
+fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>> {
+    g.get_array(key)?
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => Ok(s.clone()),
+            _ => Err(ModelError::KeyType {
+                key: key.into(),
+                expected: "an array of strings",
+            }),
+        })
+        .collect()
+}
+
+/// GGUF token types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte); normal when
+/// absent.
+fn token_types(g: &GgufFile, n: usize) -> Vec<i64> {
+    match g.metadata.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(a)) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
+        _ => vec![1; n],
+    }
+}
+
+/// Control (3) and user-defined (4) tokens are matched whole, before the model.
+fn add_special(inner: &mut tokenizers::Tokenizer, tokens: &[String], types: &[i64]) {
+    let added: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, t)| **t == 3 || **t == 4)
+        .map(|(s, t)| AddedToken::from(s.clone(), *t == 3))
+        .collect();
+    inner.add_special_tokens(&added);
 }
 
 /// The pre-tokenizer that a GGUF `tokenizer.ggml.pre` name stands for.

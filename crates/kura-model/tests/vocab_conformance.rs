@@ -13,7 +13,7 @@ fn vocab_dir() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| kura_model::cache_dir().join("vocab"));
     assert!(
-        dir.join("ggml-vocab-gpt-2.gguf").exists(),
+        dir.join("ggml-vocab-llama-spm.gguf.out").exists(),
         "llama.cpp vocabulary tests missing in {}: run scripts/fetch-vocab-tests.sh",
         dir.display()
     );
@@ -58,5 +58,26 @@ fn byte_level_bpe_vocabularies_encode_as_llama_cpp() {
         "{} mismatches:\n{}",
         report.len(),
         report.join("\n")
+    );
+}
+
+#[test]
+fn sentencepiece_vocabulary_encodes_as_llama_cpp() {
+    let (n, failures) = check("llama-spm");
+    assert!(n > 30, "only {n} cases");
+    // And back: pieces to text, `▁` to spaces, byte pieces to their bytes, the added space dropped.
+    let g = GgufFile::open(&vocab_dir().join("ggml-vocab-llama-spm.gguf")).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    for text in ["Hello world", "Cửa Việt", "3333333", "🦙 llama ½"] {
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text, "{ids:?}");
+    }
+    // With special tokens: BOS first, as the vocabulary asks.
+    assert_eq!(tok.encode("Hello", true).unwrap()[0], 1);
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
     );
 }
