@@ -94,18 +94,8 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre.unwrap_or("default"))?));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
-        add_special(&mut inner, &tokens, &types);
-        let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|v| v as u32)) };
-        let add_bos = matches!(
-            g.metadata.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(true))
-        );
-        Ok(Self::finish(
-            inner,
-            id("tokenizer.ggml.bos_token_id")?,
-            id("tokenizer.ggml.eos_token_id")?,
-            add_bos,
-        ))
+        // Byte-level BPE vocabularies add BOS only when the file says so.
+        Self::finish_gguf(g, inner, &tokens, &types, false)
     }
 
     /// A SentencePiece BPE vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Mistral): pieces with
@@ -175,12 +165,25 @@ impl Tokenizer {
             dec.push(Strip::new(' ', 1, 0).into());
         }
         inner.with_decoder(Some(DecoderSequence::new(dec)));
-        add_special(&mut inner, &tokens, &types);
+        // SentencePiece vocabularies add BOS unless the file says not to.
+        Self::finish_gguf(g, inner, &tokens, &types, true)
+    }
+
+    /// The part both GGUF vocabularies share: control and user-defined tokens matched whole, BOS/EOS ids,
+    /// and whether to add BOS (`tokenizer.ggml.add_bos_token`, else `add_bos_default`).
+    fn finish_gguf(
+        g: &GgufFile,
+        mut inner: tokenizers::Tokenizer,
+        tokens: &[String],
+        types: &[i64],
+        add_bos_default: bool,
+    ) -> Result<Self> {
+        add_special(&mut inner, tokens, types);
         let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|v| v as u32)) };
-        let add_bos = !matches!(
-            g.metadata.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(false))
-        );
+        let add_bos = match g.metadata.get("tokenizer.ggml.add_bos_token") {
+            Some(Value::Bool(b)) => *b,
+            _ => add_bos_default,
+        };
         Ok(Self::finish(
             inner,
             id("tokenizer.ggml.bos_token_id")?,

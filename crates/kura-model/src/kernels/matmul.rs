@@ -16,7 +16,7 @@
 
 use half::bf16;
 
-use super::dot::{F32Act, GroupDot, Isa, MAX_GROUP};
+use super::dot::{F32Act, GroupDot, Isa, WeightElem, MAX_GROUP};
 use super::packed::{self, pack_act_row};
 use super::team::{self, split, SharedMut, Team};
 use crate::weights::{MatData, Matrix};
@@ -178,47 +178,36 @@ pub fn matmul_part(
         (MatData::PackedF32(p), Act::F32(x)) => unsafe {
             packed::matmul_part(tm, x, t, p, out, add)
         },
+        (MatData::F32(d), Act::F32(x)) if t <= SMALL_BATCH => rows_part(tm, x, t, d, w, out, add),
+        (MatData::Bf16(d), Act::F32(x)) if t <= SMALL_BATCH => rows_part(tm, x, t, d, w, out, add),
         (MatData::F32(d), Act::F32(x)) => {
             assert_eq!(x.len(), t * w.cols, "x is t × cols");
             let rows = split(w.rows, tm.size(), tm.index());
-            if t <= SMALL_BATCH {
-                rows_kernel(
-                    x,
-                    t,
-                    d,
-                    w.rows,
-                    w.cols,
-                    out,
-                    rows,
-                    add,
-                    &F32Act(Isa::detect()),
-                )
-            } else {
-                gemm_f32(x, t, d, w.rows, w.cols, out, rows, add)
-            }
+            gemm_f32(x, t, d, w.rows, w.cols, out, rows, add)
         }
         (MatData::Bf16(d), Act::F32(x)) => {
             assert_eq!(x.len(), t * w.cols, "x is t × cols");
-            if t <= SMALL_BATCH {
-                let rows = split(w.rows, tm.size(), tm.index());
-                rows_kernel(
-                    x,
-                    t,
-                    d,
-                    w.rows,
-                    w.cols,
-                    out,
-                    rows,
-                    add,
-                    &F32Act(Isa::detect()),
-                )
-            } else {
-                let panels = split(w.rows.div_ceil(PANEL_ROWS), tm.size(), tm.index());
-                gemm_bf16_panels(x, t, d, w.rows, w.cols, out, panels, add)
-            }
+            let panels = split(w.rows.div_ceil(PANEL_ROWS), tm.size(), tm.index());
+            gemm_bf16_panels(x, t, d, w.rows, w.cols, out, panels, add)
         }
         _ => panic!("activation format does not match the matrix (ActBuf::new(w.act_kind(), ..))"),
     }
+}
+
+/// This thread's rows of a row-major matrix through the row kernel (few tokens).
+fn rows_part<T: WeightElem>(
+    tm: &Team<'_>,
+    x: &[f32],
+    t: usize,
+    d: &[T],
+    w: &Matrix,
+    out: SharedMut<'_, f32>,
+    add: bool,
+) {
+    assert_eq!(x.len(), t * w.cols, "x is t × cols");
+    let rows = split(w.rows, tm.size(), tm.index());
+    let dot = F32Act(Isa::detect());
+    rows_kernel(x, t, d, w.rows, w.cols, out, rows, add, &dot)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -1,4 +1,4 @@
-//! Element-wise and row-wise kernels: RMSNorm, RoPE, SiLU·mul, softmax, residual add. Each is O(n) and
+//! Element-wise and row-wise kernels: RMSNorm, RoPE, SiLU·mul, residual add. Each is O(n) and
 //! written as plain loops over slices with independent accumulators, which the compiler vectorises for
 //! the target's SIMD width; all accumulate in f32 like the PyTorch reference.
 
@@ -73,20 +73,6 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
     }
 }
 
-/// In-place softmax of one row.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
-
 /// `x += y`.
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
@@ -125,14 +111,6 @@ mod tests {
         let mut b = inter;
         rope(&mut b, 4, RopeStyle::Half, &c, &s);
         assert_eq!(b, inter);
-    }
-
-    #[test]
-    fn softmax_sums_to_one_and_survives_large_values() {
-        let mut x = [1000.0f32, 1001.0, 999.0];
-        softmax(&mut x);
-        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        assert!(x[1] > x[0] && x[0] > x[2]);
     }
 
     #[test]
