@@ -11,9 +11,10 @@ export KURA_MODEL
 KURA_VOCAB_DIR=$(scripts/fetch-vocab-tests.sh)
 export KURA_VOCAB_DIR
 
-# One optimised profile for everything: the real-model tests need it, and the server the Python tests
-# start is the same build.
-cargo test --release --workspace
+# Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
+# overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the
+# Python tests start is the same build.
+cargo test --workspace
 
 if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   venv="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/venv-test"
@@ -21,6 +22,6 @@ if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 
     python3 -m venv "$venv"
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-  cargo build --release -p kura
-  KURA_BIN="$PWD/target/release/kura" "$venv/bin/python" -m pytest -q tests/python
+  cargo build -p kura
+  KURA_BIN="$PWD/target/debug/kura" "$venv/bin/python" -m pytest -q tests/python
 fi
