@@ -11,6 +11,6 @@ pub mod replay;
 pub mod report;
 pub mod trace;
 
-pub use replay::{replay, Policy, SimConfig};
+pub use replay::{replay, Policy, SimConfig, SimError};
 pub use report::SimReport;
-pub use trace::{load_trace, TraceError, TraceRequest};
+pub use trace::{load_trace, load_trace_limited, parse_line, LineError, TraceError, TraceRequest};

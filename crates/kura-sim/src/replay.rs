@@ -13,7 +13,7 @@
 //! as the next turn's hash ids.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
 use kura_kv::{CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, SeqId};
@@ -57,6 +57,42 @@ pub struct SimConfig {
     pub hash_seed: u64,
 }
 
+impl SimConfig {
+    /// Checks the settings on their own (before a trace is read); errors name the `kura sim` flag.
+    pub fn validate(&self) -> Result<(), SimError> {
+        let max_bs = kura_kv::manager::MAX_BLOCK_SIZE;
+        if self.block_size == 0 || self.block_size > max_bs {
+            return Err(SimError::Config(format!(
+                "--block-size {} is outside 1..={max_bs}",
+                self.block_size
+            )));
+        }
+        if let Some(tokens) = self.capacity_tokens {
+            if tokens < self.block_size as u64 {
+                return Err(SimError::Config(format!(
+                    "--capacity-tokens {tokens} holds no block of {} tokens: give at least {} \
+                     (or leave it out for a cache that never evicts)",
+                    self.block_size, self.block_size
+                )));
+            }
+        }
+        if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s > 0.0) {
+            return Err(SimError::Config(format!(
+                "--prefill-tokens-per-s {} must be a positive, finite number of tokens per second",
+                self.prefill_tokens_per_s
+            )));
+        }
+        if !(self.decode_ms_per_token.is_finite() && self.decode_ms_per_token >= 0.0) {
+            return Err(SimError::Config(format!(
+                "--decode-ms-per-token {} must be a finite number of milliseconds, 0 or more \
+                 (0: output takes no time)",
+                self.decode_ms_per_token
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for SimConfig {
     fn default() -> Self {
         Self {
@@ -83,14 +119,22 @@ pub enum SimError {
 /// cached plus what can be held at once).
 fn unbounded_blocks(trace: &[TraceRequest], cfg: &SimConfig) -> u64 {
     let bs = cfg.block_size as u64;
-    let distinct: HashSet<u32> = trace
-        .iter()
-        .flat_map(|r| r.hash_ids.iter().copied())
-        .collect();
-    // Each distinct 512-token block lies in at most 512/bs + 2 blocks of the replay.
-    let cached = distinct.len() as u64 * (u64::from(TRACE_BLOCK_TOKENS) / bs + 2);
+    // Distinct id chains (prefixes of hash_ids), not distinct ids: a trace may reuse an id after different
+    // prefixes, and the replay's blocks are keyed by the whole prefix. Nodes of the chains' trie.
+    let mut chains: HashMap<(u64, u32), u64> = HashMap::new();
+    for r in trace {
+        let mut node = 0u64;
+        for &h in r.hash_ids() {
+            let next = chains.len() as u64 + 1;
+            node = *chains.entry((node, h)).or_insert(next);
+        }
+    }
+    // A full replay block is keyed by the chain of the 512-token block holding its last token: at most
+    // 512/bs + 1 of them end in one chain block. Each request adds at most one partial block.
+    let cached =
+        chains.len() as u64 * (u64::from(TRACE_BLOCK_TOKENS) / bs + 2) + trace.len() as u64;
     let request_blocks = |r: &TraceRequest| {
-        (u64::from(r.input_length) + u64::from(r.output_length)).div_ceil(bs) + 1
+        (u64::from(r.input_length()) + u64::from(r.output_length())).div_ceil(bs) + 1
     };
     let held = if cfg.overlap {
         // Peak of concurrently held blocks with no hits at all (hits only shorten requests).
@@ -98,7 +142,7 @@ fn unbounded_blocks(trace: &[TraceRequest], cfg: &SimConfig) -> u64 {
         let (mut now, mut peak) = (0u64, 0u64);
         for r in trace {
             while let Some(&Reverse((end, blocks))) = ends.peek() {
-                if end > r.timestamp_ms {
+                if end > r.timestamp_ms() {
                     break;
                 }
                 ends.pop();
@@ -107,10 +151,11 @@ fn unbounded_blocks(trace: &[TraceRequest], cfg: &SimConfig) -> u64 {
             let blocks = request_blocks(r);
             now += blocks;
             peak = peak.max(now);
-            ends.push(Reverse((
-                r.timestamp_ms + duration_ms(cfg, r.input_length as usize, r) + 1,
-                blocks,
-            )));
+            let end = r
+                .timestamp_ms()
+                .saturating_add(duration_ms(cfg, r.input_length() as usize, r))
+                .saturating_add(1);
+            ends.push(Reverse((end, blocks)));
         }
         peak
     } else {
@@ -121,39 +166,37 @@ fn unbounded_blocks(trace: &[TraceRequest], cfg: &SimConfig) -> u64 {
 
 fn duration_ms(cfg: &SimConfig, uncached_tokens: usize, r: &TraceRequest) -> u64 {
     let prefill = uncached_tokens as f64 / cfg.prefill_tokens_per_s * 1000.0;
-    let decode = f64::from(r.output_length) * cfg.decode_ms_per_token;
+    let decode = f64::from(r.output_length()) * cfg.decode_ms_per_token;
+    // `as` saturates: an absurdly slow cost model gives u64::MAX, which the callers add saturating.
     (prefill + decode).ceil() as u64
 }
 
 /// Replays `trace` and reports what the cache did.
 pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
-    if cfg.block_size == 0 || cfg.block_size > kura_kv::manager::MAX_BLOCK_SIZE {
-        return Err(SimError::Config(format!(
-            "--block-size {} is outside 1..={}",
-            cfg.block_size,
-            kura_kv::manager::MAX_BLOCK_SIZE
-        )));
-    }
-    let rate_ok = cfg.prefill_tokens_per_s.is_finite() && cfg.prefill_tokens_per_s > 0.0;
-    let decode_ok = cfg.decode_ms_per_token.is_finite() && cfg.decode_ms_per_token >= 0.0;
-    if !rate_ok || !decode_ok {
-        return Err(SimError::Config(format!(
-            "prefill rate {} tokens/s must be positive and decode time {} ms/token not negative",
-            cfg.prefill_tokens_per_s, cfg.decode_ms_per_token
-        )));
+    cfg.validate()?;
+    if trace.is_empty() {
+        return Err(SimError::Config(
+            "the trace holds no request to replay".into(),
+        ));
     }
     let bs = cfg.block_size;
-    let num_blocks = match cfg.capacity_tokens {
+    // What this trace can ever occupy: a larger cache never evicts either, so it is replayed with this
+    // many blocks and gives the same figures without allocating the rest.
+    let usable = unbounded_blocks(trace, cfg);
+    let capacity_blocks = match cfg.capacity_tokens {
         Some(tokens) => tokens / bs as u64,
-        None => unbounded_blocks(trace, cfg),
+        None => usable,
     };
-    let num_blocks = u32::try_from(num_blocks)
+    let allocated = capacity_blocks.min(usable);
+    // The manager's block ids stop below its two sentinels (u32::MAX - 1 and u32::MAX).
+    let max_blocks = u64::from(u32::MAX - 2);
+    let num_blocks = u32::try_from(allocated)
         .ok()
-        .filter(|&n| n > 0 && n < u32::MAX - 1)
+        .filter(|&n| n > 0 && u64::from(n) <= max_blocks)
         .ok_or_else(|| {
             SimError::Config(format!(
-                "capacity of {num_blocks} blocks of {bs} tokens is outside 1..{}",
-                u32::MAX - 1
+                "this trace needs up to {allocated} blocks of {bs} tokens, more than the {max_blocks} \
+                 the cache manager addresses: give a larger --block-size or a smaller --capacity-tokens"
             ))
         })?;
     let mut kv_cfg = KvCacheConfig::new(num_blocks, bs);
@@ -165,27 +208,28 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
     };
     let mut kv = KvCacheManager::new(kv_cfg)?;
     let key = CacheKey::new();
-    let max_output = trace.iter().map(|r| r.output_length).max().unwrap_or(0) as usize;
+    let max_output = trace.iter().map(|r| r.output_length()).max().unwrap_or(0) as usize;
     // Output token ids are never looked up (output blocks are not indexed); any value will do.
     let output = vec![u32::MAX; max_output];
 
     let mut report = SimReport {
         policy: cfg.policy.name().to_owned(),
         block_size: bs,
-        capacity_blocks: u64::from(num_blocks),
+        capacity_blocks,
+        allocated_blocks: u64::from(num_blocks),
         infinite_capacity: cfg.capacity_tokens.is_none(),
         overlap: cfg.overlap,
         ..SimReport::default()
     };
     let mut prompt = Vec::new();
-    let mut running: BinaryHeap<Reverse<(u64, u32, SeqId)>> = BinaryHeap::new();
+    let mut running: BinaryHeap<Reverse<(u64, usize, SeqId)>> = BinaryHeap::new();
     let mut clock_ms = 0u64;
     let mut total_delay_ms = 0u64;
     let started = Instant::now();
     for (i, r) in trace.iter().enumerate() {
         prompt.clear();
         r.prompt_tokens(&mut prompt);
-        clock_ms = clock_ms.max(r.timestamp_ms);
+        clock_ms = clock_ms.max(r.timestamp_ms());
         release_until(&mut kv, &mut running, clock_ms)?;
         kv.set_time_ms(clock_ms);
         report.requests += 1;
@@ -195,7 +239,7 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
         let seq = kv.add_sequence(&key);
         let hit = kv.find_cached_prefix(&prompt, &key);
         let cached = hit.num_cached_tokens();
-        let need_output = r.output_length as usize;
+        let need_output = r.output_length() as usize;
         if (prompt.len() + need_output).div_ceil(bs) > num_blocks as usize {
             // Larger than the whole cache: it would never fit.
             kv.free(seq)?;
@@ -229,9 +273,9 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
             kv.free(done)?;
             kv.set_time_ms(clock_ms);
         }
-        if clock_ms > r.timestamp_ms {
+        if clock_ms > r.timestamp_ms() {
             report.delayed_requests += 1;
-            total_delay_ms += clock_ms - r.timestamp_ms;
+            total_delay_ms = total_delay_ms.saturating_add(clock_ms - r.timestamp_ms());
         }
         if !prompt_done {
             kv.free(seq)?;
@@ -247,8 +291,8 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
             .peak_used_blocks
             .max(u64::from(kv.usage().used_blocks));
         if cfg.overlap {
-            let end = clock_ms + duration_ms(cfg, prompt.len() - cached, r);
-            running.push(Reverse((end, i as u32, seq)));
+            let end = clock_ms.saturating_add(duration_ms(cfg, prompt.len() - cached, r));
+            running.push(Reverse((end, i, seq)));
         } else {
             kv.free(seq)?;
         }
@@ -275,7 +319,7 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
 
 fn release_until(
     kv: &mut KvCacheManager,
-    running: &mut BinaryHeap<Reverse<(u64, u32, SeqId)>>,
+    running: &mut BinaryHeap<Reverse<(u64, usize, SeqId)>>,
     now_ms: u64,
 ) -> Result<(), KvError> {
     while let Some(&Reverse((end, _, seq))) = running.peek() {

@@ -9,7 +9,11 @@ use serde::Serialize;
 pub struct SimReport {
     pub policy: String,
     pub block_size: usize,
+    /// The capacity asked for (with `infinite_capacity`, what the trace can occupy).
     pub capacity_blocks: u64,
+    /// Blocks given to the cache manager: the capacity, or less when the trace could never fill it (a
+    /// larger cache would not evict either, so the figures are the same).
+    pub allocated_blocks: u64,
     pub infinite_capacity: bool,
     pub overlap: bool,
     pub requests: u64,
@@ -41,11 +45,18 @@ impl fmt::Display for SimReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let capacity = if self.infinite_capacity {
             format!("unbounded ({} blocks)", self.capacity_blocks)
+        } else if self.allocated_blocks < self.capacity_blocks {
+            format!(
+                "{} blocks ({} tokens; the trace fills at most {}, never evicts)",
+                self.capacity_blocks,
+                self.capacity_blocks.saturating_mul(self.block_size as u64),
+                self.allocated_blocks
+            )
         } else {
             format!(
                 "{} blocks ({} tokens)",
                 self.capacity_blocks,
-                self.capacity_blocks * self.block_size as u64
+                self.capacity_blocks.saturating_mul(self.block_size as u64)
             )
         };
         let rows: [(&str, String); 14] = [

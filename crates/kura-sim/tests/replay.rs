@@ -32,12 +32,16 @@ fn synthetic(n: usize, seed: u64) -> Vec<TraceRequest> {
         }
         let input_length = ids.len() as u32 * 512 - next() % 300;
         chains.push(ids.clone());
-        out.push(TraceRequest {
-            timestamp_ms: i as u64 * 50,
-            input_length,
-            output_length: next() % 400,
-            hash_ids: ids,
-        });
+        let output_length = next() % 400;
+        out.push(
+            TraceRequest::new(
+                i as u64 * 50,
+                input_length.into(),
+                output_length.into(),
+                ids,
+            )
+            .unwrap(),
+        );
     }
     out
 }
@@ -48,11 +52,11 @@ fn reference_unbounded(trace: &[TraceRequest]) -> (u64, u64) {
     let mut seen: HashSet<Vec<u32>> = HashSet::new();
     let (mut hit_tokens, mut prompt_tokens) = (0, 0);
     for r in trace {
-        prompt_tokens += u64::from(r.input_length);
-        let full = (r.input_length / 512) as usize;
+        prompt_tokens += u64::from(r.input_length());
+        let full = (r.input_length() / 512) as usize;
         let mut prefix = true;
         for k in 1..=full {
-            let key = r.hash_ids[..k].to_vec();
+            let key = r.hash_ids()[..k].to_vec();
             if prefix && seen.contains(&key) {
                 hit_tokens += 512;
             } else {
@@ -158,6 +162,88 @@ fn bad_settings_are_errors() {
     assert!(replay(&trace, &cfg).is_err());
     let err = parse_trace("{\"timestamp\": 1}".as_bytes(), &PathBuf::from("x.jsonl")).unwrap_err();
     assert!(err.to_string().starts_with("x.jsonl:1:"));
+}
+
+#[test]
+fn degenerate_settings_name_their_flag() {
+    let trace = synthetic(5, 1);
+    let err = |cfg: SimConfig| replay(&trace, &cfg).unwrap_err().to_string();
+    let base = SimConfig::default;
+    assert!(err(SimConfig {
+        capacity_tokens: Some(0),
+        ..base()
+    })
+    .contains("--capacity-tokens 0 holds no block of 16 tokens"));
+    assert!(err(SimConfig {
+        capacity_tokens: Some(15),
+        ..base()
+    })
+    .contains("--capacity-tokens 15"));
+    assert!(err(SimConfig {
+        block_size: 5000,
+        ..base()
+    })
+    .contains("--block-size 5000 is outside 1..=1024"));
+    for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(err(SimConfig {
+            prefill_tokens_per_s: rate,
+            ..base()
+        })
+        .contains("--prefill-tokens-per-s"));
+    }
+    for ms in [-1.0, f64::NAN, f64::INFINITY] {
+        assert!(err(SimConfig {
+            decode_ms_per_token: ms,
+            ..base()
+        })
+        .contains("--decode-ms-per-token"));
+    }
+    // No request (`--limit 0` once truncated the trace to this) is named as such, not as "0 blocks".
+    let empty = replay(&[], &base()).unwrap_err().to_string();
+    assert!(empty.contains("no request"), "{empty}");
+    assert!(!empty.contains("0 blocks"), "{empty}");
+}
+
+#[test]
+fn a_capacity_beyond_what_the_trace_fills_replays_like_an_unbounded_one() {
+    let trace = synthetic(300, 9);
+    for overlap in [false, true] {
+        let run = |capacity_tokens| {
+            let cfg = SimConfig {
+                capacity_tokens,
+                overlap,
+                ..SimConfig::default()
+            };
+            replay(&trace, &cfg).unwrap()
+        };
+        // u64::MAX tokens once asked the manager for 2^60 blocks (an error, or an abort when it fit u32).
+        let huge = run(Some(u64::MAX));
+        let unbounded = run(None);
+        assert_eq!(huge.capacity_blocks, u64::MAX / 16);
+        assert_eq!(huge.allocated_blocks, unbounded.allocated_blocks);
+        assert_eq!(huge.hit_tokens, unbounded.hit_tokens);
+        assert_eq!((huge.evictions, huge.rejected), (0, 0));
+        assert!(huge.to_string().contains("never evicts"));
+    }
+}
+
+#[test]
+fn extreme_but_valid_requests_replay_without_overflow() {
+    use kura_sim::trace::{MAX_HASH_ID, MAX_TIMESTAMP_MS};
+    let max = TraceRequest::new(MAX_TIMESTAMP_MS - 1, 512, 3, vec![MAX_HASH_ID]).unwrap();
+    let again = TraceRequest::new(MAX_TIMESTAMP_MS, 512, 3, vec![MAX_HASH_ID]).unwrap();
+    let trace = [max, again];
+    let cfg = SimConfig {
+        block_size: 16,
+        // Durations of u64::MAX ms on a clock at 2^53 ms.
+        prefill_tokens_per_s: f64::MIN_POSITIVE,
+        decode_ms_per_token: 1e300,
+        ..SimConfig::default()
+    };
+    let r = replay(&trace, &cfg).unwrap();
+    assert_eq!(r.prompt_tokens, 1024);
+    // The second request finds the first one's blocks: the largest id keeps all 512 of its tokens.
+    assert_eq!(r.hit_blocks, 32);
 }
 
 fn mooncake() -> Vec<TraceRequest> {
