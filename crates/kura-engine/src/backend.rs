@@ -14,12 +14,19 @@ pub struct ChatMessage {
 
 /// Tokenizer and chat template of the served model. Shared by every thread.
 pub trait TextCodec: Send + Sync + 'static {
-    /// Token ids of `text`; special-token markers in it (as a chat template writes them) become their ids.
+    /// Token ids of a raw prompt `text`, with the special tokens the tokenizer adds to a text (BOS where the
+    /// model wants one); special-token markers in the text become their ids. Not for chat prompts: see
+    /// [`TextCodec::encode_chat`].
     fn encode(&self, text: &str) -> Result<Vec<u32>, String>;
     /// Text of `ids`, skipping special tokens. Incomplete UTF-8 at the end shows as U+FFFD.
     fn decode(&self, ids: &[u32]) -> String;
-    /// The chat template applied to `messages`, ending with the assistant's generation prompt.
+    /// The chat template applied to `messages`, ending with the assistant's generation prompt (text, for
+    /// display; encode chat prompts with [`TextCodec::encode_chat`]).
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String>;
+    /// Prompt tokens of `messages`: the rendered template tokenized with nothing added, because the
+    /// template writes every special token itself (as HF's `apply_chat_template(tokenize=True)`).
+    /// `encode(render_chat(..))` would add a second BOS for templates that write `bos_token` (Llama 3).
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String>;
     /// Tokens that end generation unless the request ignores end-of-sequence.
     fn eos_token_ids(&self) -> &[u32];
     fn vocab_size(&self) -> usize;

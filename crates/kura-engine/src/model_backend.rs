@@ -37,13 +37,16 @@ impl TextCodec for ModelCodec {
     }
 
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
-        let messages: Vec<kura_model::ChatMessage> = messages
-            .iter()
-            .map(|m| kura_model::ChatMessage::new(m.role.clone(), m.content.clone()))
-            .collect();
         self.model
             .chat_template()
-            .render(&messages, true)
+            .render(&model_messages(messages), true)
+            .map_err(|e| e.to_string())
+    }
+
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        self.model
+            .chat_template()
+            .encode(self.model.tokenizer(), &model_messages(messages), true)
             .map_err(|e| e.to_string())
     }
 
@@ -54,6 +57,13 @@ impl TextCodec for ModelCodec {
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
     }
+}
+
+fn model_messages(messages: &[ChatMessage]) -> Vec<kura_model::ChatMessage> {
+    messages
+        .iter()
+        .map(|m| kura_model::ChatMessage::new(m.role.clone(), m.content.clone()))
+        .collect()
 }
 
 /// The model's forward pass over the engine's KV storage.

@@ -76,6 +76,9 @@ impl TextCodec for Letters {
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         Ok(messages.iter().map(|m| m.content.as_str()).collect())
     }
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        self.encode(&self.render_chat(messages)?)
+    }
     fn eos_token_ids(&self) -> &[u32] {
         &[0]
     }

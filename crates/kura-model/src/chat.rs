@@ -1,11 +1,17 @@
 //! Chat templates: the model's Jinja template (GGUF `tokenizer.chat_template`, or `chat_template` of
 //! `tokenizer_config.json`) rendered with minijinja and its Python-compatibility methods, taking
 //! OpenAI-style messages. A model without a template gets ChatML.
+//!
+//! [`ChatTemplate::encode`] is the one way from messages to prompt tokens: the template writes every
+//! special token the model expects (BOS included), so the rendered text is tokenized without adding any,
+//! as HF's `apply_chat_template(tokenize=True)` does. Encoding the rendered text *with* special tokens
+//! would put a second BOS in front of templates that write `bos_token` (Llama 3).
 
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
+use crate::tokenizer::Tokenizer;
 
 /// ChatML, the format of SmolLM2 and Qwen2, used when a model ships no template.
 pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -66,6 +72,18 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
         })
         .map_err(|e| ModelError::ChatTemplate(format!("rendering failed: {e}")))
+    }
+
+    /// Prompt tokens of `messages`: the rendered template tokenized with its special-token markers
+    /// recognised and nothing added (the template already wrote BOS if the model wants one).
+    pub fn encode(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.render(messages, add_generation_prompt)?;
+        tokenizer.encode(&text, false)
     }
 }
 
