@@ -237,7 +237,7 @@ impl KvCacheManager {
         config.validate()?;
         let seed = config.hash_seed.unwrap_or_else(BlockHasher::random_seed);
         Ok(Self {
-            pool: BlockPool::new(config.num_blocks, config.block_size),
+            pool: BlockPool::try_new(config.num_blocks, config.block_size)?,
             index: PrefixIndex::default(),
             evictor: Evictor::new(config.eviction_policy, config.num_blocks),
             hasher: BlockHasher::new(seed, config.hash_bits),

@@ -13,6 +13,7 @@
 //! The tree links (`parent`, `first_child`/`next_sibling`/`prev_sibling`, `num_children`) describe the prefix
 //! tree of indexed blocks and are kept by `prefix`; the pool only stores them. All operations here are O(1).
 
+use crate::error::KvError;
 use crate::hash::BlockHash;
 
 /// A block's index in the pool (and in the KV storage arena).
@@ -141,15 +142,51 @@ pub(crate) struct BlockPool {
 }
 
 impl BlockPool {
+    /// A pool of `num_blocks` free blocks; panics where [`BlockPool::try_new`] fails (tests only).
+    #[cfg(test)]
     pub fn new(num_blocks: u32, block_size: usize) -> Self {
-        Self {
+        Self::try_new(num_blocks, block_size).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A pool of `num_blocks` free blocks, allocated fallibly: its metadata takes
+    /// `num_blocks × (128 + 4 × block_size + 4)` bytes, and a count from outside (a simulator's capacity,
+    /// a memory budget) must give an error, not abort the process, when that cannot be had.
+    pub fn try_new(num_blocks: u32, block_size: usize) -> Result<Self, KvError> {
+        let n = num_blocks as usize;
+        let per_block = std::mem::size_of::<BlockMeta>()
+            + block_size.saturating_mul(std::mem::size_of::<u32>())
+            + std::mem::size_of::<BlockId>();
+        let refuse = |why: String| {
+            KvError::Config(format!(
+                "cannot allocate the metadata of {num_blocks} blocks of {block_size} tokens \
+                 ({} bytes): {why}",
+                (n as u64).saturating_mul(per_block as u64)
+            ))
+        };
+        let num_tokens = n
+            .checked_mul(block_size)
+            .ok_or_else(|| refuse("the token count overflows".into()))?;
+        let mut meta = Vec::new();
+        meta.try_reserve_exact(n)
+            .map_err(|e| refuse(e.to_string()))?;
+        meta.resize(n, BlockMeta::empty());
+        let mut tokens = Vec::new();
+        tokens
+            .try_reserve_exact(num_tokens)
+            .map_err(|e| refuse(e.to_string()))?;
+        tokens.resize(num_tokens, 0);
+        let mut free = Vec::new();
+        free.try_reserve_exact(n)
+            .map_err(|e| refuse(e.to_string()))?;
+        // Reversed so that block 0 is handed out first (easier to read in tests and traces).
+        free.extend((0..num_blocks).rev());
+        Ok(Self {
             block_size,
-            meta: vec![BlockMeta::empty(); num_blocks as usize],
-            tokens: vec![0; num_blocks as usize * block_size],
-            // Reversed so that block 0 is handed out first (easier to read in tests and traces).
-            free: (0..num_blocks).rev().collect(),
+            meta,
+            tokens,
+            free,
             num_referenced: 0,
-        }
+        })
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -262,6 +299,18 @@ mod tests {
         let b2 = pool.pop_free().unwrap();
         assert_eq!(b, b2);
         assert_ne!(pool.meta[b as usize].identity, id);
+    }
+
+    #[test]
+    fn a_pool_the_allocator_refuses_is_an_error_not_an_abort() {
+        // (2^32 - 3) × 1024 token slots: 16 TiB of u32, far more than any test machine (this aborted).
+        let err = BlockPool::try_new(u32::MAX - 2, 1024).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("cannot allocate the metadata of 4294967293 blocks of 1024 tokens"),
+            "{msg}"
+        );
+        assert_eq!(BlockPool::try_new(3, 16).unwrap().free.len(), 3);
     }
 
     #[test]

@@ -18,8 +18,16 @@
 //! kernels exist, so the seam is the [`KvRegion`] enum. Sizes come from [`KvLayout`]: a storage of
 //! `num_blocks` blocks holds exactly `num_blocks × layout.bytes_per_block()` bytes.
 //!
+//! Construction allocates fallibly (`Vec::try_reserve_exact`): a pool larger than the allocator can give
+//! is [`StorageError::OutOfMemory`], never an abort, and a size that overflows `usize` is
+//! [`StorageError::TooLarge`]. The regions are then written with zeros, which faults every page in at
+//! start-up: memory the machine does not have fails there, not in the middle of serving (callers check
+//! the size against the memory available first, since the kernel may grant more than it can back).
+//!
 //! Costs: construction O(bytes) (zeroed), writing a token O(kv_heads × head_dim), copying a block prefix
 //! O(layers × kv_heads × tokens × head_dim).
+
+use std::collections::TryReserveError;
 
 use half::{bf16, f16};
 
@@ -40,6 +48,20 @@ pub enum StorageError {
         tokens: usize,
         block_size_tokens: usize,
     },
+    #[error("a KV cache of {num_blocks} blocks does not fit in this machine's address space")]
+    TooLarge { num_blocks: usize },
+    #[error(
+        "cannot allocate the KV cache: {num_blocks} blocks take {bytes} bytes and the allocator refused \
+         {region_bytes} of them (layer {layer})"
+    )]
+    OutOfMemory {
+        num_blocks: usize,
+        bytes: u64,
+        layer: usize,
+        region_bytes: u64,
+        #[source]
+        source: std::collections::TryReserveError,
+    },
 }
 
 /// One layer's K or V region in its element format.
@@ -58,14 +80,38 @@ pub enum KvSlice<'a> {
     Bf16(&'a [bf16]),
 }
 
+/// `elements` zeros, or the allocator's refusal.
+fn try_zeroed<T: Clone>(zero: T, elements: usize) -> Result<Vec<T>, TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(elements)?;
+    v.resize(elements, zero);
+    Ok(v)
+}
+
+/// Bytes of one stored element, for the formats that have storage kernels.
+fn element_bytes(dtype: KvDtype) -> Result<usize, StorageError> {
+    match dtype {
+        KvDtype::F32 => Ok(std::mem::size_of::<f32>()),
+        KvDtype::F16 => Ok(std::mem::size_of::<f16>()),
+        KvDtype::Bf16 => Ok(std::mem::size_of::<bf16>()),
+        other => Err(StorageError::UnsupportedDtype(other)),
+    }
+}
+
 impl KvRegion {
-    fn zeroed(dtype: KvDtype, elements: usize) -> Result<Self, StorageError> {
-        Ok(match dtype {
-            KvDtype::F32 => KvRegion::F32(vec![0.0; elements]),
-            KvDtype::F16 => KvRegion::F16(vec![f16::ZERO; elements]),
-            KvDtype::Bf16 => KvRegion::Bf16(vec![bf16::ZERO; elements]),
+    /// A zeroed region; `oom` turns the allocator's refusal into the caller's error.
+    fn zeroed(
+        dtype: KvDtype,
+        elements: usize,
+        oom: impl Fn(TryReserveError) -> StorageError,
+    ) -> Result<Self, StorageError> {
+        match dtype {
+            KvDtype::F32 => try_zeroed(0.0, elements).map(KvRegion::F32),
+            KvDtype::F16 => try_zeroed(f16::ZERO, elements).map(KvRegion::F16),
+            KvDtype::Bf16 => try_zeroed(bf16::ZERO, elements).map(KvRegion::Bf16),
             other => return Err(StorageError::UnsupportedDtype(other)),
-        })
+        }
+        .map_err(oom)
     }
 
     fn slice(&self, start: usize, len: usize) -> KvSlice<'_> {
@@ -171,21 +217,46 @@ pub struct KvStorage {
 }
 
 impl KvStorage {
-    /// Allocates zeroed regions for `num_blocks` blocks of `layout`.
+    /// Allocates zeroed regions for `num_blocks` blocks of `layout`: [`StorageError::TooLarge`] or
+    /// [`StorageError::OutOfMemory`] when they cannot be had.
     pub fn new(layout: &KvLayout, num_blocks: usize) -> Result<Self, StorageError> {
         let block_size_tokens = layout.block_size_tokens;
-        let mut layers = Vec::with_capacity(layout.num_layers());
+        let too_large = || StorageError::TooLarge { num_blocks };
+        let elem_bytes = element_bytes(layout.dtype)?;
+        // Every layer's element count, and the whole size, checked before anything is allocated.
+        let mut shapes = Vec::with_capacity(layout.num_layers());
         for (i, l) in layout.layers.iter().enumerate() {
             if matches!(l.attention, AttentionKind::Mla { .. }) {
                 return Err(StorageError::UnsupportedAttention { layer: i });
             }
-            let elements = num_blocks * l.kv_heads * block_size_tokens * l.head_dim;
+            let elements = num_blocks
+                .checked_mul(l.kv_heads)
+                .and_then(|n| n.checked_mul(block_size_tokens))
+                .and_then(|n| n.checked_mul(l.head_dim))
+                .filter(|&n| n.checked_mul(elem_bytes).is_some())
+                .ok_or_else(too_large)?;
+            shapes.push(elements);
+        }
+        let bytes = (num_blocks as u64)
+            .checked_mul(layout.bytes_per_block())
+            .ok_or_else(too_large)?;
+        let mut layers = Vec::with_capacity(shapes.len());
+        for (i, (l, &elements)) in layout.layers.iter().zip(&shapes).enumerate() {
+            let oom = |source| StorageError::OutOfMemory {
+                num_blocks,
+                bytes,
+                layer: i,
+                region_bytes: (elements * elem_bytes) as u64,
+                source,
+            };
+            let k = KvRegion::zeroed(layout.dtype, elements, oom)?;
+            let v = KvRegion::zeroed(layout.dtype, elements, oom)?;
             layers.push(LayerStorage {
                 kv_heads: l.kv_heads,
                 head_dim: l.head_dim,
                 block_size_tokens,
-                k: KvRegion::zeroed(layout.dtype, elements)?,
-                v: KvRegion::zeroed(layout.dtype, elements)?,
+                k,
+                v,
             });
         }
         Ok(KvStorage {
@@ -353,8 +424,49 @@ mod tests {
         );
         let int8 = layout.with_dtype(KvDtype::Int8);
         assert!(matches!(
+            KvStorage::new(&int8, usize::MAX),
+            Err(StorageError::UnsupportedDtype(KvDtype::Int8))
+        ));
+        assert!(matches!(
             KvStorage::new(&int8, 1),
             Err(StorageError::UnsupportedDtype(KvDtype::Int8))
         ));
+    }
+
+    #[test]
+    fn a_pool_too_large_for_the_machine_is_an_error_not_an_abort() {
+        let layout = KvLayout::uniform(2, 4, 64, KvDtype::Bf16, 16).unwrap();
+        // The element count overflows usize: this used to panic ("capacity overflow").
+        assert_eq!(
+            KvStorage::new(&layout, usize::MAX / 8).err(),
+            Some(StorageError::TooLarge {
+                num_blocks: usize::MAX / 8
+            })
+        );
+        // 2^41 blocks × 32 KiB = 64 PiB: representable, never allocatable (this used to abort with
+        // "memory allocation of … failed").
+        let num_blocks = 1usize << 41;
+        match KvStorage::new(&layout, num_blocks) {
+            Err(e @ StorageError::OutOfMemory { .. }) => {
+                let StorageError::OutOfMemory {
+                    bytes,
+                    layer,
+                    region_bytes,
+                    ..
+                } = &e
+                else {
+                    unreachable!()
+                };
+                assert_eq!(*bytes, num_blocks as u64 * layout.bytes_per_block());
+                assert_eq!((*layer, *region_bytes), (0, *bytes / 4));
+                assert!(
+                    e.to_string().starts_with("cannot allocate the KV cache"),
+                    "{e}"
+                );
+                assert!(std::error::Error::source(&e).is_some());
+            }
+            Err(other) => panic!("expected OutOfMemory, got {other}"),
+            Ok(_) => panic!("64 PiB were allocated"),
+        }
     }
 }
