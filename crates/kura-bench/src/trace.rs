@@ -2,7 +2,9 @@
 //! (CSV of timestamp, context tokens, generated tokens).
 //!
 //! A bad line is an error naming `file:line` and what was wrong with it; nothing is skipped silently.
-//! Cost: O(file size), one pass.
+//! Everything read is bounded: lines ([`MAX_LINE_BYTES`], no NUL bytes, UTF-8), token counts
+//! ([`MAX_REQUEST_TOKENS`]), timestamps (2^53 ms; Azure years 1..=9999).
+//! Cost: O(bytes read), one pass; reading stops after the requests asked for.
 
 use std::path::{Path, PathBuf};
 
@@ -60,17 +62,42 @@ fn bad(path: &Path, line: usize, reason: impl Into<String>) -> BenchError {
     }
 }
 
-/// Reads the first `max_requests` requests (all when `None`) of a trace file.
+/// Reads the first `max_requests` requests (all when `None`) of a trace file, a line at a time: the rest
+/// of the file is not read, and no line may exceed [`MAX_LINE_BYTES`] or hold a NUL byte, so that a
+/// wrong file (`/dev/zero`, a binary) fails at once instead of being read into memory whole.
 pub fn read_trace(
     path: &Path,
     format: TraceFormat,
     max_requests: Option<usize>,
 ) -> Result<Vec<TraceRequest>, BenchError> {
-    let text = std::fs::read_to_string(path).map_err(|e| BenchError::Io {
+    let io = |e| BenchError::Io {
         what: format!("reading trace {}", path.display()),
         source: e,
-    })?;
-    parse_trace(path, &text, format, max_requests)
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut parser = Parser::new(path, format, max_requests);
+    let mut buf = Vec::new();
+    let mut line_no = 0usize;
+    while !parser.full() {
+        line_no += 1;
+        let more = read_line_bounded(&mut reader, &mut buf).map_err(|e| match e {
+            LineRead::Io(e) => io(e),
+            LineRead::Bad(reason) => bad(path, line_no, reason),
+        })?;
+        if !more {
+            break;
+        }
+        let line = std::str::from_utf8(&buf).map_err(|e| {
+            bad(
+                path,
+                line_no,
+                format!("not UTF-8 text (bad byte at offset {})", e.valid_up_to()),
+            )
+        })?;
+        parser.line(line_no, line)?;
+    }
+    parser.finish()
 }
 
 /// Parses trace text; `path` only names the source in errors.
@@ -80,26 +107,135 @@ pub fn parse_trace(
     format: TraceFormat,
     max_requests: Option<usize>,
 ) -> Result<Vec<TraceRequest>, BenchError> {
-    let limit = max_requests.unwrap_or(usize::MAX);
-    let mut out = Vec::new();
-    let mut first_s: Option<f64> = None;
+    let mut parser = Parser::new(path, format, max_requests);
     for (idx, line) in text.lines().enumerate() {
-        let line_no = idx + 1;
-        if out.len() >= limit {
+        if parser.full() {
             break;
         }
+        if line.len() > MAX_LINE_BYTES {
+            return Err(bad(path, idx + 1, TOO_LONG));
+        }
+        if line.contains('\0') {
+            return Err(bad(path, idx + 1, BINARY));
+        }
+        parser.line(idx + 1, line)?;
+    }
+    parser.finish()
+}
+
+/// The longest line read (real traces' lines are at most a few KiB).
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// The most prompt or output tokens of one request (16 Mi; real traces stay below 200 K): the prompt
+/// text of a request is built at its length.
+pub const MAX_REQUEST_TOKENS: usize = 1 << 24;
+/// The latest Mooncake timestamp, 2^53 ms (exact in f64; about 285,000 years).
+pub const MAX_TIMESTAMP_MS: f64 = 9_007_199_254_740_992.0;
+
+const TOO_LONG: &str = "the line is longer than 1 MiB (is this a trace?)";
+const BINARY: &str = "binary data (a NUL byte): not a text trace";
+
+enum LineRead {
+    Io(std::io::Error),
+    Bad(&'static str),
+}
+
+/// Reads one line into `buf` without its `\n` (and `\r`), holding at most [`MAX_LINE_BYTES`] and refusing
+/// a NUL byte as soon as it arrives. `Ok(false)` at the end of the input.
+fn read_line_bounded(
+    reader: &mut impl std::io::BufRead,
+    buf: &mut Vec<u8>,
+) -> Result<bool, LineRead> {
+    buf.clear();
+    let mut read_any = false;
+    loop {
+        let chunk = match reader.fill_buf() {
+            Ok(chunk) => chunk,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(LineRead::Io(e)),
+        };
+        if chunk.is_empty() {
+            break;
+        }
+        read_any = true;
+        let newline = chunk.iter().position(|&b| b == b'\n');
+        let take = newline.unwrap_or(chunk.len());
+        if chunk[..take].contains(&0) {
+            return Err(LineRead::Bad(BINARY));
+        }
+        if buf.len() + take > MAX_LINE_BYTES {
+            return Err(LineRead::Bad(TOO_LONG));
+        }
+        buf.extend_from_slice(&chunk[..take]);
+        reader.consume(take + usize::from(newline.is_some()));
+        if newline.is_some() {
+            break;
+        }
+    }
+    if buf.last() == Some(&b'\r') {
+        buf.pop();
+    }
+    Ok(read_any)
+}
+
+/// A token count from a trace, within [`MAX_REQUEST_TOKENS`].
+fn tokens(path: &Path, line_no: usize, what: &str, n: usize) -> Result<usize, BenchError> {
+    if n > MAX_REQUEST_TOKENS {
+        return Err(bad(
+            path,
+            line_no,
+            format!("{what} {n} exceeds the limit of {MAX_REQUEST_TOKENS} tokens"),
+        ));
+    }
+    Ok(n)
+}
+
+/// Line-by-line parsing state: the format, the first arrival, the requests so far.
+struct Parser<'a> {
+    path: &'a Path,
+    format: TraceFormat,
+    limit: usize,
+    first_s: Option<f64>,
+    out: Vec<TraceRequest>,
+}
+
+impl<'a> Parser<'a> {
+    fn new(path: &'a Path, format: TraceFormat, max_requests: Option<usize>) -> Self {
+        Self {
+            path,
+            format,
+            limit: max_requests.unwrap_or(usize::MAX),
+            first_s: None,
+            out: Vec::new(),
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.out.len() >= self.limit
+    }
+
+    fn finish(self) -> Result<Vec<TraceRequest>, BenchError> {
+        if self.out.is_empty() {
+            return Err(BenchError::EmptyTrace(PathBuf::from(self.path)));
+        }
+        Ok(self.out)
+    }
+
+    fn line(&mut self, line_no: usize, line: &str) -> Result<(), BenchError> {
+        let path = self.path;
         let line = line.trim();
         if line.is_empty() {
-            continue;
+            return Ok(());
         }
-        match format {
+        match self.format {
             TraceFormat::Mooncake => {
                 let m: MooncakeLine = serde_json::from_str(line)
                     .map_err(|e| bad(path, line_no, format!("not a Mooncake record ({e})")))?;
                 if m.input_length == 0 {
                     return Err(bad(path, line_no, "input_length is 0"));
                 }
-                let needed = m.input_length.div_ceil(MOONCAKE_BLOCK_TOKENS);
+                let input_tokens = tokens(path, line_no, "input_length", m.input_length)?;
+                let output_tokens = tokens(path, line_no, "output_length", m.output_length)?;
+                let needed = input_tokens.div_ceil(MOONCAKE_BLOCK_TOKENS);
                 if m.hash_ids.len() != needed {
                     return Err(bad(
                         path,
@@ -111,24 +247,24 @@ pub fn parse_trace(
                         ),
                     ));
                 }
-                if !m.timestamp.is_finite() || m.timestamp < 0.0 {
+                if !m.timestamp.is_finite() || !(0.0..=MAX_TIMESTAMP_MS).contains(&m.timestamp) {
                     return Err(bad(
                         path,
                         line_no,
-                        format!("timestamp {} is not a time", m.timestamp),
+                        format!("timestamp {:?} is not a time in 0..=2^53 ms", m.timestamp),
                     ));
                 }
-                let t0 = *first_s.get_or_insert(m.timestamp);
-                out.push(TraceRequest {
+                let t0 = *self.first_s.get_or_insert(m.timestamp);
+                self.out.push(TraceRequest {
                     arrival_ms: (m.timestamp - t0).max(0.0),
-                    input_tokens: m.input_length,
-                    output_tokens: m.output_length,
+                    input_tokens,
+                    output_tokens,
                     hash_ids: m.hash_ids,
                 });
             }
             TraceFormat::Azure => {
-                if idx == 0 && line.to_ascii_uppercase().starts_with("TIMESTAMP") {
-                    continue;
+                if line_no == 1 && line.to_ascii_uppercase().starts_with("TIMESTAMP") {
+                    return Ok(());
                 }
                 let fields: Vec<&str> = line.split(',').map(str::trim).collect();
                 let [ts, ctx, gen] = fields[..] else {
@@ -145,7 +281,9 @@ pub fn parse_trace(
                     bad(
                         path,
                         line_no,
-                        format!("timestamp `{ts}` is not YYYY-MM-DD HH:MM:SS[.frac]"),
+                        format!(
+                            "timestamp `{ts}` is not YYYY-MM-DD HH:MM:SS[.frac] (years 1..=9999)"
+                        ),
                     )
                 })?;
                 let input_tokens: usize = ctx.parse().map_err(|_| {
@@ -165,8 +303,10 @@ pub fn parse_trace(
                 if input_tokens == 0 {
                     return Err(bad(path, line_no, "ContextTokens is 0"));
                 }
-                let t0 = *first_s.get_or_insert(secs);
-                out.push(TraceRequest {
+                let input_tokens = tokens(path, line_no, "ContextTokens", input_tokens)?;
+                let output_tokens = tokens(path, line_no, "GeneratedTokens", output_tokens)?;
+                let t0 = *self.first_s.get_or_insert(secs);
+                self.out.push(TraceRequest {
                     arrival_ms: ((secs - t0) * 1e3).max(0.0),
                     input_tokens,
                     output_tokens,
@@ -174,11 +314,8 @@ pub fn parse_trace(
                 });
             }
         }
+        Ok(())
     }
-    if out.is_empty() {
-        return Err(BenchError::EmptyTrace(PathBuf::from(path)));
-    }
-    Ok(out)
 }
 
 /// Seconds since 1970-01-01 of `YYYY-MM-DD HH:MM:SS[.fraction]` (UTC assumed; only differences matter).
@@ -186,7 +323,12 @@ fn parse_azure_timestamp(ts: &str) -> Option<f64> {
     let (date, time) = ts.split_once([' ', 'T'])?;
     let mut d = date.split('-').map(|p| p.parse::<i64>().ok());
     let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    if d.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&day) {
+    // Years bounded so that the day arithmetic cannot overflow (and no trace predates the calendar).
+    if d.next().is_some()
+        || !(1..=9999).contains(&y)
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+    {
         return None;
     }
     let mut t = time.split(':');
@@ -286,6 +428,109 @@ mod tests {
             .unwrap_err()
             .to_string();
             assert!(err.contains("a.csv:4") && err.contains(why), "{err}");
+        }
+    }
+
+    /// A file in a fresh temporary directory.
+    fn temp_file(name: &str, bytes: &[u8]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kura-bench-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn binary_and_endless_lines_are_refused_while_reading() {
+        // Zeros (what /dev/zero gives without end) were read whole, then reported as a bad record.
+        let zeros = temp_file("zeros.jsonl", &vec![0u8; 3 << 20]);
+        let err = read_trace(&zeros, TraceFormat::Mooncake, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with("zeros.jsonl:1: binary data (a NUL byte): not a text trace"),
+            "{err}"
+        );
+        // 2 MiB of spaces were one blank line; now the line limit stops them.
+        let spaces = temp_file("spaces.csv", &vec![b' '; 2 << 20]);
+        let err = read_trace(&spaces, TraceFormat::Azure, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with("spaces.csv:1: the line is longer than 1 MiB (is this a trace?)"),
+            "{err}"
+        );
+        let mut bytes = b"TIMESTAMP,ContextTokens,GeneratedTokens\n".to_vec();
+        bytes.extend_from_slice(b"2023-11-16 18:15:46,374,44\n2023-11-16 18:15:47,3\xff4,44\n");
+        let utf = temp_file("utf.csv", &bytes);
+        let err = read_trace(&utf, TraceFormat::Azure, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with("utf.csv:3: not UTF-8 text (bad byte at offset 21)"),
+            "{err}"
+        );
+        // Reading stops after the requests asked for: the bad line after them is never read.
+        assert_eq!(
+            read_trace(&utf, TraceFormat::Azure, Some(1)).unwrap().len(),
+            1
+        );
+        let err = parse_trace(p(), "{\"timestamp\": \0}", TraceFormat::Mooncake, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("t.jsonl:1: binary data"), "{err}");
+        std::fs::remove_dir_all(zeros.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn every_number_of_a_line_is_bounded() {
+        let mooncake = |ts: &str, input: u64, output: u64, ids: usize| {
+            format!(
+                "{{\"timestamp\": {ts}, \"input_length\": {input}, \"output_length\": {output}, \"hash_ids\": [{}]}}",
+                vec!["0"; ids].join(",")
+            )
+        };
+        let over = MAX_REQUEST_TOKENS as u64 + 1;
+        for (line, why) in [
+            (
+                mooncake("0", over, 1, 32_769),
+                "input_length 16777217 exceeds the limit",
+            ),
+            (
+                mooncake("0", 1, over, 1),
+                "output_length 16777217 exceeds the limit",
+            ),
+            (mooncake("1e300", 1, 1, 1), "timestamp 1e300 is not a time"),
+            (mooncake("-1", 1, 1, 1), "timestamp -1.0 is not a time"),
+        ] {
+            let err = parse_trace(p(), &line, TraceFormat::Mooncake, None)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("t.jsonl:1: ") && err.contains(why), "{err}");
+        }
+        let ok = mooncake("9007199254740992", MAX_REQUEST_TOKENS as u64, 0, 32_768);
+        assert!(parse_trace(p(), &ok, TraceFormat::Mooncake, None).is_ok());
+        for (line, why) in [
+            // The day arithmetic overflowed i64 (a panic) on this year.
+            ("9000000000000000000-01-01 00:00:00,1,1", "timestamp"),
+            ("0-01-01 00:00:00,1,1", "years 1..=9999"),
+            (
+                "2023-11-16 18:15:46,16777217,1",
+                "ContextTokens 16777217 exceeds",
+            ),
+            (
+                "2023-11-16 18:15:46,1,16777217",
+                "GeneratedTokens 16777217 exceeds",
+            ),
+            ("2023-11-16 18:15:NaN,1,1", "timestamp"),
+        ] {
+            let err = parse_trace(Path::new("a.csv"), line, TraceFormat::Azure, None)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("a.csv:1: ") && err.contains(why),
+                "{line}: {err}"
+            );
         }
     }
 
