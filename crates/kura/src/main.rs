@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod generate;
+mod memory;
 mod plan;
 mod serve;
 mod setup;

@@ -15,6 +15,8 @@ use kura_kv::storage::KvStorage;
 use kura_model::{LoadOptions, Model, WeightsDtype};
 use kura_server::ServerConfig;
 
+use crate::memory::{kv_budget_bytes, KvMemoryRequest};
+
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// A GGUF file or an HF model directory. Default: Kura's default model (scripts/fetch-model.sh).
@@ -33,7 +35,9 @@ pub struct ServeArgs {
     /// Tokens per KV block (1..=256).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// KV pool size: bytes (`512MiB`, `2GB`) or a fraction of this machine's memory (`0.25`, `25%`).
+    /// KV pool size: bytes (`512MiB`, `2GB`) or a share of the memory available once the model is loaded
+    /// (`0.25`, `25%`); checked against MemAvailable, cgroup and rlimit limits, leaving 5 % (at least
+    /// 256 MiB) for the rest of the server.
     #[arg(long, default_value = "1GiB")]
     kv_cache_memory: String,
     /// KV element format: bf16 (default, like the weights), f16 or f32 (twice the bytes). On a CPU with
@@ -78,40 +82,6 @@ pub struct ServeArgs {
     request_timeout_s: u64,
 }
 
-/// `--kv-cache-memory`: bytes, or a fraction / percentage of total memory.
-fn kv_budget_bytes(given: &str) -> Result<u64> {
-    let t = given.trim();
-    let fraction = if let Some(p) = t.strip_suffix('%') {
-        Some(p.trim().parse::<f64>().map(|v| v / 100.0))
-    } else if t.contains('.') && !t.chars().any(|c| c.is_ascii_alphabetic()) {
-        Some(t.parse::<f64>())
-    } else {
-        None
-    };
-    match fraction {
-        Some(Ok(f)) if f > 0.0 && f <= 1.0 => {
-            let total = total_memory_bytes()?;
-            Ok((total as f64 * f) as u64)
-        }
-        Some(_) => bail!(
-            "--kv-cache-memory {given:?}: a fraction must be in (0, 1] (or 0%..100%), e.g. 0.25 or 25%"
-        ),
-        None => parse_bytes(t).with_context(|| format!("--kv-cache-memory {given:?}")),
-    }
-}
-
-fn total_memory_bytes() -> Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo")
-        .context("reading /proc/meminfo to size the KV cache as a fraction of memory")?;
-    text.lines()
-        .find_map(|l| {
-            let rest = l.strip_prefix("MemTotal:")?;
-            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            Some(kib * 1024)
-        })
-        .context("/proc/meminfo has no MemTotal line; give --kv-cache-memory in bytes")
-}
-
 fn read_api_keys(args: &ServeArgs) -> Result<Vec<String>> {
     let mut keys: Vec<String> = args.api_keys.iter().map(|k| k.trim().to_string()).collect();
     if let Some(path) = &args.api_key_file {
@@ -135,7 +105,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let api_keys = read_api_keys(&args)?;
     let max_body_bytes = parse_bytes(&args.max_body_size)
         .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
-    let budget = kv_budget_bytes(&args.kv_cache_memory)?;
+    let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
+    // Checked before the model loads too, so that a size this machine cannot hold fails at once.
+    kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
     let path = crate::setup::model_path(args.model.as_ref())?;
     let load_start = Instant::now();
     let model = Arc::new(
@@ -170,6 +142,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 args.block_size
             )
         })?;
+    // Resolved after the weights are loaded: a share is a share of what they left (see `memory`).
+    let budget = kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
     let num_blocks = layout.num_blocks_for_budget(budget);
     if num_blocks == 0 {
         bail!(

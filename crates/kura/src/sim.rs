@@ -3,9 +3,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kura_sim::{load_trace, replay, Policy, SimConfig};
+use kura_sim::{load_trace_limited, replay, Policy, SimConfig};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum PolicyArg {
@@ -28,7 +28,8 @@ pub struct SimArgs {
     /// Tokens per KV block (1..=1024); each 512-token hash id of the trace is mapped to its tokens.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Cache capacity in tokens. Default: unbounded (nothing is ever evicted).
+    /// Cache capacity in tokens, at least one block (rounded down to whole blocks). Default: unbounded
+    /// (nothing is ever evicted).
     #[arg(long)]
     capacity_tokens: Option<u64>,
     /// Eviction policy.
@@ -37,13 +38,13 @@ pub struct SimArgs {
     /// Free each request as soon as it is allocated instead of holding it for its duration.
     #[arg(long)]
     no_overlap: bool,
-    /// Cost model: prefill speed for uncached prompt tokens.
+    /// Cost model: prefill speed for uncached prompt tokens (positive).
     #[arg(long, default_value_t = 10_000.0)]
     prefill_tokens_per_s: f64,
-    /// Cost model: time per output token.
+    /// Cost model: time per output token (0 or more; 0: output takes no time).
     #[arg(long, default_value_t = 20.0)]
     decode_ms_per_token: f64,
-    /// Replay only the first N requests.
+    /// Replay only the first N requests (N >= 1); the rest of the trace is not read.
     #[arg(long)]
     limit: Option<usize>,
     /// Hash seed (results do not depend on it unless hashes collide).
@@ -55,9 +56,8 @@ pub struct SimArgs {
 }
 
 pub fn run(args: SimArgs) -> Result<()> {
-    let mut trace = load_trace(&args.trace)?;
-    if let Some(n) = args.limit {
-        trace.truncate(n);
+    if args.limit == Some(0) {
+        bail!("--limit 0 replays no request: give at least 1, or leave it out to replay the whole trace");
     }
     let cfg = SimConfig {
         block_size: args.block_size,
@@ -72,6 +72,9 @@ pub fn run(args: SimArgs) -> Result<()> {
         decode_ms_per_token: args.decode_ms_per_token,
         hash_seed: args.seed,
     };
+    // Flags first: a bad one is reported before a large trace is read.
+    cfg.validate()?;
+    let trace = load_trace_limited(&args.trace, args.limit)?;
     let report =
         replay(&trace, &cfg).with_context(|| format!("replaying {}", args.trace.display()))?;
     if args.json {

@@ -1,0 +1,104 @@
+//! `kura sim` end to end on bad flags and on input that is not a trace: each is a clear error naming the
+//! flag or the line, never a report of nonsense, a panic or unbounded reading.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn kura_sim(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kura"))
+        .arg("sim")
+        .args(args)
+        .output()
+        .expect("run kura sim");
+    (
+        out.status.code().expect("kura sim was killed by a signal"),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+/// A trace file in a fresh temporary directory.
+fn trace_file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kura-sim-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("trace.jsonl");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+const LINE: &str =
+    "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [1, 2]}\n";
+
+#[test]
+fn degenerate_flags_name_the_flag() {
+    let trace = trace_file("flags", LINE);
+    let t = trace.to_str().unwrap();
+    for (args, why) in [
+        (vec!["--limit", "0"], "--limit 0 replays no request"),
+        (
+            vec!["--block-size", "0"],
+            "--block-size 0 is outside 1..=1024",
+        ),
+        (
+            vec!["--capacity-tokens", "0"],
+            "--capacity-tokens 0 holds no block of 16 tokens",
+        ),
+        (
+            vec!["--capacity-tokens", "8"],
+            "--capacity-tokens 8 holds no block",
+        ),
+        (
+            vec!["--prefill-tokens-per-s", "0"],
+            "--prefill-tokens-per-s 0 must be a positive",
+        ),
+        (
+            vec!["--prefill-tokens-per-s", "NaN"],
+            "--prefill-tokens-per-s NaN",
+        ),
+        (
+            vec!["--decode-ms-per-token=-1"],
+            "--decode-ms-per-token -1 must be",
+        ),
+    ] {
+        let mut all = vec!["--trace", t];
+        all.extend(&args);
+        let (code, out, err) = kura_sim(&all);
+        assert_eq!(code, 1, "{args:?}: {out}{err}");
+        assert!(err.contains(why), "{args:?}: {err}");
+        assert!(!err.contains("capacity of 0 blocks"), "{err}");
+    }
+    let (code, out, err) = kura_sim(&[
+        "--trace",
+        t,
+        "--limit",
+        "1",
+        "--capacity-tokens",
+        "1000000000000",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("62500000000 blocks"), "{out}");
+}
+
+#[test]
+fn dev_zero_is_refused_at_once() {
+    // It read 5 GB in 12 s before; now the first buffer shows the NUL bytes.
+    let (code, _, err) = kura_sim(&["--trace", "/dev/zero"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("/dev/zero:1: binary data (a NUL byte): not a Mooncake JSONL trace"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_largest_hash_id_is_replayed_in_full() {
+    let text = "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [8388607]}\n\
+                {\"timestamp\": 1, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [8388607]}\n";
+    let trace = trace_file("maxid", text);
+    let (code, out, err) =
+        kura_sim(&["--trace", trace.to_str().unwrap(), "--json", "--no-overlap"]);
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["prompt_tokens"], 1024, "{out}");
+    assert_eq!(report["hit_tokens"], 512, "{out}");
+}
