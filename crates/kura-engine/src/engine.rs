@@ -1,8 +1,18 @@
 //! The engine loop: one thread that owns the KV cache manager and the executor, takes commands from
 //! [`EngineHandle`]s, and repeats schedule → copy blocks → forward → sample → emit. It blocks when there
 //! is nothing to do, and never holds a lock: its state is its own.
+//!
+//! A panic anywhere in the loop (scheduler invariant, kernel, sink) is caught on the engine thread: it is
+//! logged with its message, recorded in [`Shared`] (so that [`EngineHandle::is_alive`] turns false and
+//! [`EngineHandle::wait_exit`] returns), every request in the engine fails with
+//! [`RequestError::EngineFailed`], and the thread stays behind as a tombstone that fails every command
+//! still arriving, so no request is left without an answer. The KV state is not trusted after a panic:
+//! the tombstone touches only the sinks.
 
+use std::any::Any;
 use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +21,7 @@ use kura_kv::{CacheKey, KvCacheConfig, KvCacheManager, KvError};
 use kura_model::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
-use crate::handle::{Command, EngineHandle, EngineInfo, Shared};
+use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::metrics::EngineMetrics;
 use crate::request::{
     EngineEvent, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
@@ -123,8 +133,82 @@ pub(crate) struct Core {
     kv_evictions_seen: u64,
 }
 
+/// The text of a panic payload (`panic!` with a literal gives `&str`, with arguments `String`).
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
+
 impl Core {
     fn run(mut self, rx: Receiver<Command>) {
+        match panic::catch_unwind(AssertUnwindSafe(|| self.serve(&rx))) {
+            Ok(()) => {
+                self.fail_all(RequestError::ShuttingDown);
+                self.update_gauges();
+                self.shared.set_exit(EngineExit::Stopped);
+            }
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                tracing::error!(
+                    panic = %message,
+                    "the engine thread panicked; failing every request and refusing new ones"
+                );
+                let reason = format!("engine thread panicked: {message}");
+                // Recorded first, so that a submit racing with the failure is refused at the door.
+                self.shared.set_exit(EngineExit::Failed(reason.clone()));
+                self.fail_all_dead(&reason);
+                self.tombstone(&rx, &reason);
+            }
+        }
+    }
+
+    /// Fails every request after a panic without touching the KV manager (its state may be torn).
+    fn fail_all_dead(&mut self, reason: &str) {
+        for (_, mut group) in self.groups.drain() {
+            if !group.admitted_once {
+                self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            }
+            let error = RequestError::EngineFailed(reason.to_string());
+            // A sink that panics again (it may be what failed) must not stop the others being told.
+            let _ = panic::catch_unwind(AssertUnwindSafe(|| {
+                group.emit(EngineEvent::Failed(error));
+            }));
+            self.metrics.requests_failed.add(1);
+        }
+        self.seqs.clear();
+        self.running.clear();
+        self.waiting.clear();
+        self.metrics.requests_running.set(0.0);
+        self.metrics.requests_waiting.set(0.0);
+        self.metrics.requests_preempted_waiting.set(0.0);
+    }
+
+    /// After a failure: answers every request still arriving (submitted before the failure was recorded)
+    /// with the failure, until `stop` or until every handle and guard is gone.
+    fn tombstone(&mut self, rx: &Receiver<Command>, reason: &str) {
+        for command in rx.iter() {
+            match command {
+                Command::Submit { mut sink, .. } => {
+                    self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+                    let error = RequestError::EngineFailed(reason.to_string());
+                    let _ = panic::catch_unwind(AssertUnwindSafe(|| {
+                        sink.send(EngineEvent::Failed(error));
+                    }));
+                    self.metrics.requests_failed.add(1);
+                }
+                Command::Stop => break,
+                Command::Cancel { .. } | Command::AbortAll => {}
+            }
+        }
+    }
+
+    /// The loop proper; returns on `Stop` or when every sender is gone.
+    fn serve(&mut self, rx: &Receiver<Command>) {
         'outer: loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.recv() {
@@ -155,8 +239,6 @@ impl Core {
                 }
             }
         }
-        self.fail_all(RequestError::ShuttingDown);
-        self.update_gauges();
     }
 
     /// Applies a command; `false` = leave the loop.
@@ -224,9 +306,7 @@ impl Core {
         }
         if let Some(group) = self.groups.remove(&group_id) {
             if !group.admitted_once {
-                self.shared
-                    .queued
-                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                self.shared.queued.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }

@@ -3,11 +3,17 @@
 //! and hands the request to the engine thread over a channel; the returned [`RequestGuard`] cancels the
 //! request when dropped, so a caller that goes away (client disconnect, timeout) frees its KV blocks at
 //! once without doing anything.
+//!
+//! The handle also tells whether the engine thread is alive: a panic in the engine (scheduler, kernel,
+//! sink) is caught on its thread, recorded here, every request in it fails with
+//! [`crate::RequestError::EngineFailed`], and later submits get [`SubmitError::EngineFailed`]. A server
+//! learns of it by polling [`EngineHandle::is_alive`] or blocking in [`EngineHandle::wait_exit`].
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crate::backend::TextCodec;
 use crate::metrics::EngineMetrics;
@@ -43,6 +49,15 @@ pub(crate) enum Command {
     Stop,
 }
 
+/// How the engine thread's loop ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineExit {
+    /// [`EngineHandle::stop`], or every handle dropped.
+    Stopped,
+    /// The loop panicked; the panic's message. Every request in the engine was failed.
+    Failed(String),
+}
+
 pub(crate) struct Shared {
     pub(crate) info: EngineInfo,
     pub(crate) metrics: Arc<EngineMetrics>,
@@ -50,6 +65,9 @@ pub(crate) struct Shared {
     pub(crate) queued: AtomicUsize,
     pub(crate) shutting_down: AtomicBool,
     next_id: AtomicU64,
+    /// `Some` once the loop has ended; `exit_changed` wakes [`EngineHandle::wait_exit`].
+    exit: Mutex<Option<EngineExit>>,
+    exit_changed: Condvar,
 }
 
 impl Shared {
@@ -60,6 +78,30 @@ impl Shared {
             queued: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            exit: Mutex::new(None),
+            exit_changed: Condvar::new(),
+        }
+    }
+
+    /// The exit state; a poisoned lock still holds a valid `Option` (nothing panics while holding it).
+    fn exit(&self) -> MutexGuard<'_, Option<EngineExit>> {
+        self.exit.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records how the loop ended (the first record wins) and wakes every waiter.
+    pub(crate) fn set_exit(&self, exit: EngineExit) {
+        let mut state = self.exit();
+        if state.is_none() {
+            *state = Some(exit);
+        }
+        drop(state);
+        self.exit_changed.notify_all();
+    }
+
+    pub(crate) fn failure(&self) -> Option<String> {
+        match &*self.exit() {
+            Some(EngineExit::Failed(reason)) => Some(reason.clone()),
+            _ => None,
         }
     }
 }
@@ -117,12 +159,52 @@ impl EngineHandle {
         self.shared.shutting_down.load(Ordering::Relaxed)
     }
 
+    /// Whether the engine loop still runs (`false` after a failure, and after [`EngineHandle::stop`]).
+    pub fn is_alive(&self) -> bool {
+        self.shared.exit().is_none()
+    }
+
+    /// Why the engine died, if it did (the panic's message); `None` while it runs and after a normal stop.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure()
+    }
+
+    /// Blocks until the engine loop has ended, or `timeout` (if any) has passed (`None`). A server calls
+    /// this on a thread of its own to learn of an engine failure at once.
+    pub fn wait_exit(&self, timeout: Option<Duration>) -> Option<EngineExit> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut state = self.shared.exit();
+        loop {
+            if let Some(exit) = &*state {
+                return Some(exit.clone());
+            }
+            state = match deadline {
+                None => self
+                    .shared
+                    .exit_changed
+                    .wait(state)
+                    .unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let left = deadline.checked_duration_since(Instant::now())?;
+                    self.shared
+                        .exit_changed
+                        .wait_timeout(state, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
     /// Checks `request` and queues it; its events go to `sink`. Dropping the guard cancels it.
     pub fn submit(
         &self,
         request: GenerateRequest,
         sink: impl EventSink,
     ) -> Result<RequestGuard, SubmitError> {
+        if let Some(reason) = self.failure() {
+            return Err(SubmitError::EngineFailed(reason));
+        }
         if self.is_shutting_down() {
             return Err(SubmitError::ShuttingDown);
         }
@@ -147,7 +229,10 @@ impl EngineHandle {
         };
         if self.commands.send(command).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::Relaxed);
-            return Err(SubmitError::ShuttingDown);
+            return Err(match self.failure() {
+                Some(reason) => SubmitError::EngineFailed(reason),
+                None => SubmitError::ShuttingDown,
+            });
         }
         Ok(RequestGuard {
             id,

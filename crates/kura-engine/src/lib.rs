@@ -17,7 +17,7 @@ mod seq;
 
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError};
-pub use handle::{EngineHandle, EngineInfo, RequestGuard};
+pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};
 pub use request::{

@@ -156,6 +156,11 @@ pub enum RequestError {
     ShuttingDown,
     #[error("the model failed while running this request: {0}")]
     Model(String),
+    /// The engine thread died (a panic in the scheduler or a kernel); nothing more will run.
+    #[error(
+        "the engine failed and can serve no more requests; the server must be restarted ({0})"
+    )]
+    EngineFailed(String),
     #[error(
         "the request needs {needed_blocks} KV blocks at once but the pool has only {total_blocks}; \
          lower max_tokens or n, or raise --kv-cache-memory"
@@ -224,4 +229,9 @@ pub enum SubmitError {
     QueueFull { waiting: usize, max_queue: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The engine thread died earlier (see [`crate::EngineHandle::failure`]).
+    #[error(
+        "the engine failed and can serve no more requests; the server must be restarted ({0})"
+    )]
+    EngineFailed(String),
 }

@@ -1,0 +1,286 @@
+//! A deterministic stand-in model for the engine tests: milliseconds per test, no download. Its next token
+//! depends on every earlier token as read back through the block table and on the position, so any mix-up
+//! of positions, block tables or copied blocks changes the output. A [`Control`] lets a test hold the
+//! engine inside a chosen forward call (to submit something while a request is known to be running) or
+//! make a chosen call panic (a kernel fault).
+
+#![allow(dead_code)]
+
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use kura_engine::{
+    start_engine, ChatMessage, EngineConfig, EngineEvent, EngineHandle, Executor, GenerateRequest,
+    RequestError, RequestGuard, SeqInput, TextCodec, Usage,
+};
+
+pub const VOCAB: usize = 64;
+pub const BLOCK: usize = 4;
+/// How long a test waits for the engine before it fails (a hang is a failure, not a timing check).
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// What one forward call contained: per item, (first position, number of tokens).
+pub type Batch = Vec<(usize, usize)>;
+
+#[derive(Default)]
+struct ControlState {
+    calls: usize,
+    hold_at: Option<usize>,
+    holding: bool,
+    panic_at: Option<usize>,
+}
+
+/// Steers the fake model's forward calls (numbered from 1).
+#[derive(Default)]
+pub struct Control {
+    state: Mutex<ControlState>,
+    changed: Condvar,
+}
+
+impl Control {
+    /// Forward call `call` panics.
+    pub fn panic_at(&self, call: usize) {
+        self.state.lock().unwrap().panic_at = Some(call);
+    }
+
+    /// Forward call `call` waits (before computing) until [`Control::release`].
+    pub fn hold_at(&self, call: usize) {
+        self.state.lock().unwrap().hold_at = Some(call);
+    }
+
+    /// Blocks until the engine sits in the held call.
+    pub fn wait_held(&self) {
+        let state = self.state.lock().unwrap();
+        let (state, timeout) = self
+            .changed
+            .wait_timeout_while(state, PATIENCE, |s| !s.holding)
+            .unwrap();
+        assert!(
+            !timeout.timed_out(),
+            "the engine never reached forward call {:?}",
+            state.hold_at
+        );
+    }
+
+    pub fn release(&self) {
+        self.state.lock().unwrap().hold_at = None;
+        self.changed.notify_all();
+    }
+
+    /// Forward calls so far.
+    pub fn calls(&self) -> usize {
+        self.state.lock().unwrap().calls
+    }
+
+    fn enter(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.calls += 1;
+        let call = state.calls;
+        if state.panic_at == Some(call) {
+            drop(state);
+            panic!("fake kernel fault in forward call {call}");
+        }
+        if state.hold_at == Some(call) {
+            state.holding = true;
+            self.changed.notify_all();
+            let mut state = self
+                .changed
+                .wait_while(state, |s| s.hold_at == Some(call))
+                .unwrap();
+            state.holding = false;
+        }
+    }
+}
+
+pub struct FakeModel {
+    batches: Arc<Mutex<Vec<Batch>>>,
+    control: Arc<Control>,
+    /// The token written at each (block, slot), to check that reads see what was written.
+    kv: Vec<Option<u32>>,
+}
+
+impl Executor for FakeModel {
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String> {
+        self.control.enter();
+        self.batches.lock().unwrap().push(
+            batch
+                .iter()
+                .map(|s| (s.start_pos, s.tokens.len()))
+                .collect(),
+        );
+        Ok(batch
+            .iter()
+            .map(|s| {
+                for (i, &t) in s.tokens.iter().enumerate() {
+                    let pos = s.start_pos + i;
+                    let slot = s.block_table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
+                    self.kv[slot] = Some(t);
+                }
+                // "Attention": the sum of every earlier token as read back through the block table.
+                let last = s.start_pos + s.tokens.len() - 1;
+                let sum: u32 = (0..=last)
+                    .map(|p| {
+                        let slot = s.block_table[p / BLOCK] as usize * BLOCK + p % BLOCK;
+                        self.kv[slot].expect("every earlier position was written")
+                    })
+                    .sum();
+                let mut logits = vec![0.0; VOCAB];
+                logits[(sum as usize * 7 + last) % (VOCAB - 1) + 1] = 1.0;
+                logits
+            })
+            .collect())
+    }
+
+    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
+        for i in 0..num_tokens {
+            self.kv[dst as usize * BLOCK + i] = self.kv[src as usize * BLOCK + i];
+        }
+    }
+}
+
+/// One character per token; token 0 is end-of-sequence.
+pub struct Letters;
+
+impl TextCodec for Letters {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        Ok(text.bytes().map(|b| u32::from(b) % VOCAB as u32).collect())
+    }
+    fn decode(&self, ids: &[u32]) -> String {
+        ids.iter()
+            .map(|&i| char::from(b'0' + (i % 64) as u8))
+            .collect()
+    }
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        Ok(messages.iter().map(|m| m.content.as_str()).collect())
+    }
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        self.encode(&self.render_chat(messages)?)
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        &[0]
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+}
+
+pub fn config(num_blocks: usize, budget: usize, max_num_seqs: usize) -> EngineConfig {
+    EngineConfig {
+        model_name: "fake".into(),
+        max_model_len: 4096,
+        block_size_tokens: BLOCK,
+        num_blocks,
+        max_num_seqs,
+        max_num_batched_tokens: budget,
+        max_queue: 100,
+        enable_prefix_caching: true,
+        model_fingerprint: "fake".into(),
+    }
+}
+
+/// The engine on the fake model, what its forward calls contained, and its control.
+pub struct Fake {
+    pub engine: EngineHandle,
+    pub batches: Arc<Mutex<Vec<Batch>>>,
+    pub control: Arc<Control>,
+}
+
+pub fn start(config: EngineConfig) -> Fake {
+    let batches = Arc::new(Mutex::new(Vec::new()));
+    let control = Arc::new(Control::default());
+    let model = FakeModel {
+        batches: batches.clone(),
+        control: control.clone(),
+        kv: vec![None; config.num_blocks * BLOCK],
+    };
+    let engine = start_engine(config, Box::new(model), Arc::new(Letters)).unwrap();
+    Fake {
+        engine,
+        batches,
+        control,
+    }
+}
+
+pub fn engine(
+    num_blocks: usize,
+    budget: usize,
+    max_num_seqs: usize,
+) -> (EngineHandle, Arc<Mutex<Vec<Batch>>>) {
+    let fake = start(config(num_blocks, budget, max_num_seqs));
+    (fake.engine, fake.batches)
+}
+
+pub fn submit(e: &EngineHandle, r: GenerateRequest) -> (RequestGuard, Receiver<EngineEvent>) {
+    let (tx, rx) = mpsc::channel();
+    let guard = e.submit(r, move |ev| tx.send(ev).is_ok()).unwrap();
+    (guard, rx)
+}
+
+/// How a request ended, with every token it produced.
+#[derive(Debug)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub result: Result<Usage, RequestError>,
+}
+
+pub fn outcome(rx: &Receiver<EngineEvent>) -> Outcome {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv_timeout(PATIENCE).expect("the engine answers") {
+            EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
+            EngineEvent::Finished { .. } => {}
+            EngineEvent::Done { usage } => {
+                return Outcome {
+                    tokens,
+                    result: Ok(usage),
+                }
+            }
+            EngineEvent::Failed(e) => {
+                return Outcome {
+                    tokens,
+                    result: Err(e),
+                }
+            }
+        }
+    }
+}
+
+/// The tokens and usage of a request that must succeed.
+pub fn wait(rx: &Receiver<EngineEvent>) -> (Vec<u32>, Usage) {
+    let o = outcome(rx);
+    match o.result {
+        Ok(usage) => (o.tokens, usage),
+        Err(e) => panic!("request failed: {e}"),
+    }
+}
+
+/// A greedy request that ignores end-of-sequence (so it runs exactly `max_tokens` steps).
+pub fn request(prompt_len: u32, max_tokens: u32) -> GenerateRequest {
+    let mut r = GenerateRequest::greedy((1..=prompt_len).map(|i| i % 60 + 1).collect(), max_tokens);
+    r.ignore_eos = true;
+    r
+}
+
+pub fn metric(e: &EngineHandle, name: &str) -> f64 {
+    let text = e.metrics().render_prometheus();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing"))
+}
+
+/// Waits until the engine thread has published its gauges with nothing running and no block held.
+pub fn settle(e: &EngineHandle) {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while metric(e, "kura:num_requests_running") != 0.0
+        || metric(e, "kura:num_requests_waiting") != 0.0
+        || metric(e, "kura:kv_cache_blocks_used") != 0.0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine never went idle: {}",
+            e.metrics().render_prometheus()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}

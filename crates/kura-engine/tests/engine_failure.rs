@@ -1,0 +1,76 @@
+//! Engine death is visible: a panic on the engine thread (here a kernel fault of the fake model) fails
+//! every request in the engine with `EngineFailed`, marks the engine dead for the server
+//! (`is_alive`, `failure`, `wait_exit`) and refuses later submits with a distinct error.
+
+mod common;
+
+use common::{config, metric, outcome, request, start, submit, PATIENCE};
+use kura_engine::{EngineExit, RequestError, SubmitError};
+use std::time::Duration;
+
+#[test]
+fn a_panicking_forward_call_fails_every_request_and_marks_the_engine_dead() {
+    // One sequence at a time: A runs, B waits in the queue when the third forward call panics.
+    let fake = start(config(64, 16, 1));
+    let e = &fake.engine;
+    fake.control.panic_at(3);
+    let (_a, a_rx) = submit(e, request(6, 100));
+    let (_b, b_rx) = submit(e, request(6, 100));
+
+    let a = outcome(&a_rx);
+    // Calls 1 (prefill) and 2 (decode) each produced a token before call 3 panicked.
+    assert_eq!(a.tokens.len(), 2, "{a:?}");
+    match a.result {
+        Err(RequestError::EngineFailed(reason)) => assert!(
+            reason.contains("fake kernel fault in forward call 3"),
+            "the panic's message is reported: {reason}"
+        ),
+        other => panic!("running request: {other:?}"),
+    }
+    let b = outcome(&b_rx);
+    assert!(b.tokens.is_empty());
+    assert!(
+        matches!(b.result, Err(RequestError::EngineFailed(_))),
+        "queued request: {:?}",
+        b.result
+    );
+
+    let exit = e.wait_exit(Some(PATIENCE)).expect("the engine loop ended");
+    match &exit {
+        EngineExit::Failed(reason) => assert!(reason.contains("fake kernel fault"), "{reason}"),
+        EngineExit::Stopped => panic!("a panic is not a normal stop"),
+    }
+    assert!(!e.is_alive());
+    assert!(e
+        .failure()
+        .is_some_and(|r| r.contains("fake kernel fault in forward call 3")));
+    assert!(!e.is_shutting_down(), "death is not a shutdown");
+
+    let err = e.submit(request(6, 4), |_| true).unwrap_err();
+    assert!(matches!(err, SubmitError::EngineFailed(_)), "{err:?}");
+    assert!(err.to_string().contains("fake kernel fault"), "{err}");
+    assert_eq!(e.queued(), 0, "failed requests leave the queue");
+    assert_eq!(metric(e, "kura:request_failed_total"), 2.0);
+    assert_eq!(metric(e, "kura:num_requests_running"), 0.0);
+    assert_eq!(fake.control.calls(), 3);
+    // Stopping a dead engine still joins its thread.
+    e.stop();
+    assert_eq!(e.wait_exit(None), Some(exit));
+}
+
+#[test]
+fn wait_exit_times_out_while_the_engine_runs_and_reports_a_normal_stop() {
+    let fake = start(config(64, 16, 4));
+    let e = &fake.engine;
+    let (_g, rx) = submit(e, request(6, 3));
+    common::wait(&rx);
+    assert!(e.is_alive());
+    assert_eq!(e.failure(), None);
+    assert_eq!(e.wait_exit(Some(Duration::from_millis(1))), None);
+    e.stop();
+    assert!(!e.is_alive());
+    assert_eq!(e.wait_exit(None), Some(EngineExit::Stopped));
+    assert_eq!(e.failure(), None);
+    let err = e.submit(request(6, 3), |_| true).unwrap_err();
+    assert_eq!(err, SubmitError::ShuttingDown);
+}
