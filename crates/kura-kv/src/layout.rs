@@ -104,6 +104,9 @@ pub enum LayoutError {
 
 impl KvLayout {
     pub const MAX_BLOCK_SIZE: usize = 256;
+    /// The most layers a model may have (the largest models have a few hundred): readers check a
+    /// config's layer count against it before allocating per-layer tables.
+    pub const MAX_LAYERS: usize = 1 << 16;
 
     pub fn new(
         layers: Vec<LayerKv>,

@@ -3,10 +3,11 @@
 
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::{AttentionKind, KvLayout, LayerKv};
-use serde::Deserialize;
+use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::weights::{shape_matches, Naming};
 
 /// Which architecture family (decides biases and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,41 +61,205 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
 }
 
+/// The longest context a model may declare: positions and token counts are 32-bit in the engine and the
+/// API (block tables, `max_tokens`, usage), so a longer one could never be served.
+pub const MAX_CONTEXT: usize = u32::MAX as usize;
+/// The largest vocabulary: token ids are `u32`.
+pub const MAX_VOCAB: usize = u32::MAX as usize;
+
+/// What each field is called in the source, so that an error names the key the user can fix.
+struct Keys {
+    layers: String,
+    hidden: String,
+    intermediate: String,
+    heads: String,
+    kv_heads: String,
+    head_dim: String,
+    vocab: String,
+    context: String,
+    window: String,
+    eps: String,
+    theta: String,
+}
+
+impl Keys {
+    fn hf() -> Self {
+        Keys {
+            layers: "num_hidden_layers".into(),
+            hidden: "hidden_size".into(),
+            intermediate: "intermediate_size".into(),
+            heads: "num_attention_heads".into(),
+            kv_heads: "num_key_value_heads".into(),
+            head_dim: "head_dim".into(),
+            vocab: "vocab_size".into(),
+            context: "max_position_embeddings".into(),
+            window: "sliding_window".into(),
+            eps: "rms_norm_eps".into(),
+            theta: "rope_theta".into(),
+        }
+    }
+
+    fn gguf(arch: &str, vocab: &str) -> Self {
+        let k = |s: &str| format!("{arch}.{s}");
+        Keys {
+            layers: k("block_count"),
+            hidden: k("embedding_length"),
+            intermediate: k("feed_forward_length"),
+            heads: k("attention.head_count"),
+            kv_heads: k("attention.head_count_kv"),
+            head_dim: k("attention.key_length"),
+            vocab: vocab.into(),
+            context: k("context_length"),
+            window: k("attention.sliding_window"),
+            eps: k("attention.layer_norm_rms_epsilon"),
+            theta: k("rope.freq_base"),
+        }
+    }
+}
+
+/// `a × b × …` of named sizes, or an error naming them when the product exceeds `limit` (or `usize`).
+fn product(factors: &[(&str, usize)], limit: usize) -> Result<usize> {
+    match factors
+        .iter()
+        .try_fold(1usize, |acc, (_, v)| acc.checked_mul(*v))
+    {
+        Some(n) if n <= limit => Ok(n),
+        _ => {
+            let names: Vec<String> = factors.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            Err(ModelError::Config(format!(
+                "{} exceeds {limit}: the sizes are too large",
+                names.join(" × ")
+            )))
+        }
+    }
+}
+
 impl ModelConfig {
+    /// Checks every field and the sizes they imply, naming the keys of an HF `config.json`.
     pub fn validate(self) -> Result<Self> {
+        self.check(&Keys::hf())
+    }
+
+    fn check(self, k: &Keys) -> Result<Self> {
         let bad = |m: String| Err(ModelError::Config(m));
-        if self.num_layers == 0
-            || self.hidden_size == 0
-            || self.vocab_size == 0
-            || self.intermediate_size == 0
-        {
+        for (key, v) in [
+            (&k.layers, self.num_layers),
+            (&k.hidden, self.hidden_size),
+            (&k.intermediate, self.intermediate_size),
+            (&k.heads, self.num_heads),
+            (&k.kv_heads, self.num_kv_heads),
+            (&k.head_dim, self.head_dim),
+            (&k.vocab, self.vocab_size),
+            (&k.context, self.max_context),
+        ] {
+            if v == 0 {
+                return bad(format!("{key} is 0; it must be at least 1"));
+            }
+        }
+        let limits = [
+            (&k.layers, self.num_layers, KvLayout::MAX_LAYERS, "layers"),
+            (
+                &k.vocab,
+                self.vocab_size,
+                MAX_VOCAB,
+                "tokens (ids are 32-bit)",
+            ),
+            (
+                &k.context,
+                self.max_context,
+                MAX_CONTEXT,
+                "tokens (positions are 32-bit)",
+            ),
+        ];
+        for (key, v, max, unit) in limits {
+            if v > max {
+                return bad(format!("{key} is {v}; at most {max} {unit} are supported"));
+            }
+        }
+        if self.num_kv_heads > self.num_heads {
             return bad(format!(
-                "layers {}, hidden {}, intermediate {}, vocab {} must all be at least 1",
-                self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
+                "{} {} exceeds {} {}",
+                k.kv_heads, self.num_kv_heads, k.heads, self.num_heads
             ));
         }
-        if self.num_heads == 0
-            || self.num_kv_heads == 0
-            || !self.num_heads.is_multiple_of(self.num_kv_heads)
-        {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
-                "{} attention heads must be a non-zero multiple of {} kv heads",
-                self.num_heads, self.num_kv_heads
+                "{} attention heads ({}) must be a multiple of {} kv heads ({})",
+                self.num_heads, k.heads, self.num_kv_heads, k.kv_heads
             ));
         }
-        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
-                "head_dim {} must be even and non-zero (RoPE rotates pairs)",
-                self.head_dim
+                "{} {} must be even (RoPE rotates pairs)",
+                k.head_dim, self.head_dim
             ));
         }
         if self.sliding_window == Some(0) {
-            return bad("sliding_window 0".into());
+            return bad(format!("{} is 0; it must be at least 1", k.window));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return bad(format!(
+                "{} {} must be a positive number",
+                k.eps, self.rms_norm_eps
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!(
+                "{} {} must be a positive number",
+                k.theta, self.rope_theta
+            ));
+        }
+        if let Some(r) = &self.rope_scaling {
+            let positive = [
+                ("factor", r.factor),
+                ("low_freq_factor", r.low_freq_factor),
+                ("high_freq_factor", r.high_freq_factor),
+                (
+                    "original_max_position_embeddings",
+                    r.original_max_position_embeddings,
+                ),
+            ];
+            for (key, v) in positive {
+                if !(v.is_finite() && v > 0.0) {
+                    return bad(format!("rope_scaling.{key} {v} must be a positive number"));
+                }
+            }
+            if r.high_freq_factor <= r.low_freq_factor {
+                return bad(format!(
+                    "rope_scaling.high_freq_factor {} must exceed low_freq_factor {}",
+                    r.high_freq_factor, r.low_freq_factor
+                ));
+            }
         }
         if !self.sliding_layers.is_empty() && self.sliding_layers.len() != self.num_layers {
             return bad(format!(
                 "layer_types has {} entries for {} layers",
                 self.sliding_layers.len(),
+                self.num_layers
+            ));
+        }
+        // Every weight matrix is dequantized to f32 at load: its bytes must be addressable.
+        let f32_bytes = ("f32 bytes", 4);
+        let heads = (k.heads.as_str(), self.num_heads);
+        let kv_heads = (k.kv_heads.as_str(), self.num_kv_heads);
+        let head_dim = (k.head_dim.as_str(), self.head_dim);
+        let hidden = (k.hidden.as_str(), self.hidden_size);
+        for factors in [
+            &[heads, head_dim, hidden, f32_bytes][..],
+            &[kv_heads, head_dim, hidden, f32_bytes],
+            &[
+                (k.intermediate.as_str(), self.intermediate_size),
+                hidden,
+                ("gate and up", 2),
+                f32_bytes,
+            ],
+            &[(k.vocab.as_str(), self.vocab_size), hidden, f32_bytes],
+        ] {
+            product(factors, isize::MAX as usize)?;
+        }
+        if self.checked_parameters().is_none() {
+            return bad(format!(
+                "the parameter count of {} layers of these shapes overflows",
                 self.num_layers
             ));
         }
@@ -126,13 +291,35 @@ impl ModelConfig {
 
     /// Parameters of the weights (embedding counted once when tied).
     pub fn num_parameters(&self) -> usize {
-        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
-        let qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d;
-        let per_layer = qkv + self.num_heads * d * h + 3 * h * i + 2 * h;
-        let emb = self.vocab_size * h * if self.tie_word_embeddings { 1 } else { 2 };
-        per_layer * self.num_layers + emb + h
+        // `validate` checked that the count fits.
+        self.checked_parameters().unwrap_or(usize::MAX)
     }
 
+    fn checked_parameters(&self) -> Option<usize> {
+        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let heads = self
+            .num_kv_heads
+            .checked_mul(2)?
+            .checked_add(self.num_heads)?;
+        let qkv = h.checked_mul(heads)?.checked_mul(d)?;
+        let o = self.num_heads.checked_mul(d)?.checked_mul(h)?;
+        let ffn = h.checked_mul(i)?.checked_mul(3)?;
+        let per_layer = qkv
+            .checked_add(o)?
+            .checked_add(ffn)?
+            .checked_add(h.checked_mul(2)?)?;
+        let tables = if self.tie_word_embeddings { 1 } else { 2 };
+        let emb = self.vocab_size.checked_mul(h)?.checked_mul(tables)?;
+        per_layer
+            .checked_mul(self.num_layers)?
+            .checked_add(emb)?
+            .checked_add(h)
+    }
+
+    /// The configuration a GGUF's metadata describes. Every key is checked (a 0, an absurd size or
+    /// products that overflow are errors naming the key), and so are the shapes of the tensors the file
+    /// holds against it: a file whose directory disagrees with its metadata fails here, before any
+    /// tensor is read.
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let arch_name = g.get_str("general.architecture")?.to_string();
         let arch = match arch_name.as_str() {
@@ -142,37 +329,71 @@ impl ModelConfig {
             other => return Err(ModelError::Architecture(other.to_string())),
         };
         let k = |s: &str| format!("{arch_name}.{s}");
-        let u = |s: &str| g.get_u64(&k(s)).map(|v| v as usize);
-        let hidden_size = u("embedding_length")?;
-        let num_heads = u("attention.head_count")?;
-        let num_kv_heads = g
-            .opt_u64(&k("attention.head_count_kv"))?
-            .map(|v| v as usize)
-            .unwrap_or(num_heads);
-        let head_dim = match g.opt_u64(&k("attention.key_length"))? {
-            Some(d) => d as usize,
-            None if num_heads > 0 => hidden_size / num_heads,
-            None => 0,
+        let size = |key: String, v: u64| {
+            usize::try_from(v).map_err(|_| ModelError::BadValue {
+                key,
+                what: format!("is {v}, beyond this machine's sizes"),
+            })
         };
-        let vocab_size = match g.opt_u64(&k("vocab_size"))? {
-            Some(v) => v as usize,
-            None => g.get_array("tokenizer.ggml.tokens")?.len(),
+        let opt = |s: &str| -> Result<Option<usize>> {
+            g.opt_u64(&k(s))?.map(|v| size(k(s), v)).transpose()
+        };
+        let req = |s: &str| -> Result<usize> { size(k(s), g.get_u64(&k(s))?) };
+        let hidden_size = req("embedding_length")?;
+        let num_heads = req("attention.head_count")?;
+        let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
+        let head_dim = match opt("attention.key_length")? {
+            Some(d) => d,
+            None if num_heads > 0 && !hidden_size.is_multiple_of(num_heads) => {
+                return Err(ModelError::BadValue {
+                    key: k("embedding_length"),
+                    what: format!(
+                        "{hidden_size} is not a multiple of {} {num_heads}, and no {} is given",
+                        k("attention.head_count"),
+                        k("attention.key_length")
+                    ),
+                })
+            }
+            None => hidden_size.checked_div(num_heads).unwrap_or(0),
+        };
+        if let Some(v) = opt("attention.value_length")? {
+            if v != head_dim {
+                return Err(ModelError::BadValue {
+                    key: k("attention.value_length"),
+                    what: format!("is {v}, but Kura needs it equal to the key length {head_dim}"),
+                });
+            }
+        }
+        let (vocab_size, vocab_key) = match opt("vocab_size")? {
+            Some(v) => (v, k("vocab_size")),
+            None => (
+                g.get_array("tokenizer.ggml.tokens")?.len(),
+                "tokenizer.ggml.tokens (its length)".to_string(),
+            ),
         };
         let tie = !g.tensors.contains_key("output.weight");
-        let sliding_window = g
-            .opt_u64(&k("attention.sliding_window"))?
-            .map(|v| v as usize);
-        let num_layers = u("block_count")?;
-        ModelConfig {
+        let sliding_window = opt("attention.sliding_window")?;
+        let num_layers = req("block_count")?;
+        if num_layers > KvLayout::MAX_LAYERS {
+            // Checked before `vec![…; num_layers]` below allocates by it.
+            return Err(ModelError::BadValue {
+                key: k("block_count"),
+                what: format!(
+                    "is {num_layers}; at most {} layers are supported",
+                    KvLayout::MAX_LAYERS
+                ),
+            });
+        }
+        let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: u("feed_forward_length")?,
+            intermediate_size: req("feed_forward_length")?,
             num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size,
-            max_context: u("context_length")?,
+            max_context: req("context_length")?,
             rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
             rope_theta: g.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0),
             // llama.cpp runs Llama/Mistral with NORM rope on permuted Q/K rows, Qwen2 with NEOX on HF rows.
@@ -191,43 +412,84 @@ impl ModelConfig {
             },
             tie_word_embeddings: tie,
         }
-        .validate()
+        .check(&Keys::gguf(&arch_name, &vocab_key))?;
+        cfg.check_gguf_tensors(g, &k("block_count"))?;
+        Ok(cfg)
     }
 
+    /// The tensors a GGUF holds against this configuration: each one the model reads has the shape it
+    /// implies, and no layer tensor lies beyond the layer count. Missing tensors are left to the loader,
+    /// which names them. O(tensors).
+    fn check_gguf_tensors(&self, g: &GgufFile, layers_key: &str) -> Result<()> {
+        for (name, expected) in crate::weights::expected_shapes(Naming::Gguf, self) {
+            if let Some(info) = g.tensors.get(&name) {
+                let got: Vec<usize> = info.dims.iter().rev().copied().collect();
+                if !shape_matches(&got, &expected) {
+                    return Err(ModelError::TensorShape {
+                        name,
+                        got,
+                        expected,
+                    });
+                }
+            }
+        }
+        for name in g.tensors.keys() {
+            let layer = name
+                .strip_prefix("blk.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok());
+            if let Some(i) = layer.filter(|i| *i >= self.num_layers) {
+                return Err(ModelError::Config(format!(
+                    "tensor '{name}' is for layer {i}, but {layers_key} is {}",
+                    self.num_layers
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The configuration an HF `config.json` describes; every field is checked and an error names it.
+    /// Never panics, whatever the text (an entry point for fuzzing).
     pub fn from_hf_json(text: &str) -> Result<Self> {
-        let raw: HfConfig = serde_json::from_str(text)
-            .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
-        let model_type = raw.model_type.clone().unwrap_or_else(|| "llama".into());
-        let arch = match model_type.as_str() {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| ModelError::Config(format!("config.json is not valid JSON: {e}")))?;
+        let raw = Json::new(&v)?;
+        let model_type = raw.str("model_type")?.unwrap_or("llama");
+        let arch = match model_type {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "mistral" => Arch::Mistral,
             other => return Err(ModelError::Architecture(other.to_string())),
         };
         // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
-        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
-        let rope_theta = raw
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.rope_theta)
-            .or(raw.rope_theta)
-            .unwrap_or(10_000.0);
+        let params = raw.object("rope_parameters")?;
+        let rope = match params {
+            Some(p) => Some(p),
+            None => raw.object("rope_scaling")?,
+        };
+        let rope_theta = match params {
+            Some(p) => p.float("rope_theta")?,
+            None => None,
+        };
+        let rope_theta = match rope_theta {
+            Some(t) => t,
+            None => raw.float("rope_theta")?.unwrap_or(10_000.0),
+        };
         let rope_scaling = match rope {
             None => None,
             Some(s) => {
-                let kind = s
-                    .rope_type
-                    .as_deref()
-                    .or(s.kind.as_deref())
-                    .unwrap_or("default");
+                let kind = match s.str("rope_type")? {
+                    Some(t) => t,
+                    None => s.str("type")?.unwrap_or("default"),
+                };
                 match kind {
                     "default" => None,
                     "llama3" => Some(Llama3RopeScaling {
-                        factor: s.factor.unwrap_or(8.0),
-                        low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
-                        high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
+                        factor: s.float("factor")?.unwrap_or(8.0),
+                        low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
+                        high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
                         original_max_position_embeddings: s
-                            .original_max_position_embeddings
+                            .float("original_max_position_embeddings")?
                             .unwrap_or(8192.0),
                     }),
                     other => {
@@ -238,86 +500,173 @@ impl ModelConfig {
                 }
             }
         };
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        let head_dim = raw.head_dim.unwrap_or(
-            raw.hidden_size
-                .checked_div(raw.num_attention_heads)
-                .unwrap_or(0),
-        );
+        let hidden_size = raw.req_size("hidden_size")?;
+        let num_heads = raw.req_size("num_attention_heads")?;
+        let num_layers = raw.req_size("num_hidden_layers")?;
+        let num_kv_heads = raw.size("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = match raw.size("head_dim")? {
+            Some(d) => d,
+            None if num_heads > 0 && !hidden_size.is_multiple_of(num_heads) => {
+                return Err(ModelError::Config(format!(
+                    "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}, and no \
+                     head_dim is given"
+                )))
+            }
+            None => hidden_size.checked_div(num_heads).unwrap_or(0),
+        };
         // Qwen2 configs carry `sliding_window` but only apply it when `use_sliding_window` is set, and then
         // only from layer `max_window_layers` on (transformers' default: 28); `layer_types`, where a
         // config has it, names each layer's kind.
         let sliding_window = match arch {
-            Arch::Qwen2 if !raw.use_sliding_window.unwrap_or(false) => None,
-            _ => raw.sliding_window,
+            Arch::Qwen2 if !raw.bool("use_sliding_window")?.unwrap_or(false) => None,
+            _ => raw.size("sliding_window")?,
         };
-        let n = raw.num_hidden_layers;
-        let sliding_layers = match (&sliding_window, &raw.layer_types) {
+        if num_layers > KvLayout::MAX_LAYERS {
+            // Checked before the per-layer list below allocates by it.
+            return Err(ModelError::Config(format!(
+                "num_hidden_layers is {num_layers}; at most {} layers are supported",
+                KvLayout::MAX_LAYERS
+            )));
+        }
+        let sliding_layers = match (&sliding_window, raw.strings("layer_types")?) {
             (None, _) => Vec::new(),
             (Some(_), Some(types)) => types.iter().map(|t| t.contains("sliding")).collect(),
             (Some(_), None) if arch == Arch::Qwen2 => {
-                let from = raw.max_window_layers.unwrap_or(28);
-                (0..n).map(|i| i >= from).collect()
+                let from = raw.size("max_window_layers")?.unwrap_or(28);
+                (0..num_layers).map(|i| i >= from).collect()
             }
-            (Some(_), None) => vec![true; n],
+            (Some(_), None) => vec![true; num_layers],
         };
         ModelConfig {
             arch,
-            hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
-            num_layers: raw.num_hidden_layers,
-            num_heads: raw.num_attention_heads,
+            hidden_size,
+            intermediate_size: raw.req_size("intermediate_size")?,
+            num_layers,
+            num_heads,
             num_kv_heads,
             head_dim,
-            vocab_size: raw.vocab_size,
-            max_context: raw.max_position_embeddings.unwrap_or(2048),
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            vocab_size: raw.req_size("vocab_size")?,
+            max_context: raw.size("max_position_embeddings")?.unwrap_or(2048),
+            rms_norm_eps: raw.float("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta,
             rope_style: RopeStyle::Half,
             rope_scaling,
-            qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
             sliding_window,
             sliding_layers,
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            tie_word_embeddings: raw.bool("tie_word_embeddings")?.unwrap_or(false),
         }
         .validate()
     }
 }
 
-#[derive(Deserialize)]
-struct HfRopeScaling {
-    rope_type: Option<String>,
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    factor: Option<f64>,
-    low_freq_factor: Option<f64>,
-    high_freq_factor: Option<f64>,
-    original_max_position_embeddings: Option<f64>,
-    /// Newer checkpoints (`rope_parameters`) keep the base here.
-    rope_theta: Option<f64>,
+/// A JSON object of a config, read field by field so that a wrong type names its key (serde's derived
+/// errors name only the line and column). A `null` field counts as absent, as transformers reads it.
+#[derive(Clone, Copy)]
+struct Json<'a> {
+    obj: &'a serde_json::Map<String, Value>,
+    /// The key of this object inside its parent, for nested errors (`rope_scaling.factor`).
+    prefix: &'a str,
 }
 
-#[derive(Deserialize)]
-struct HfConfig {
-    model_type: Option<String>,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    vocab_size: usize,
-    max_position_embeddings: Option<usize>,
-    rms_norm_eps: Option<f64>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<HfRopeScaling>,
-    rope_parameters: Option<HfRopeScaling>,
-    attention_bias: Option<bool>,
-    sliding_window: Option<usize>,
-    use_sliding_window: Option<bool>,
-    max_window_layers: Option<usize>,
-    layer_types: Option<Vec<String>>,
-    tie_word_embeddings: Option<bool>,
+impl<'a> Json<'a> {
+    fn new(v: &'a Value) -> Result<Self> {
+        match v {
+            Value::Object(obj) => Ok(Json { obj, prefix: "" }),
+            _ => Err(ModelError::Config(
+                "config.json is not a JSON object".into(),
+            )),
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn wrong(&self, key: &str, expected: &str, got: &Value) -> ModelError {
+        let mut shown = got.to_string();
+        if shown.len() > 60 {
+            let cut = (0..=60)
+                .rev()
+                .find(|i| shown.is_char_boundary(*i))
+                .unwrap_or(0);
+            shown.truncate(cut);
+            shown.push('…');
+        }
+        ModelError::Config(format!(
+            "config.json: '{}{key}' must be {expected}, got {shown}",
+            self.prefix
+        ))
+    }
+
+    /// A size: a non-negative integer (also written as a whole float, `4096.0`) that fits `usize`.
+    fn size(&self, key: &str) -> Result<Option<usize>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let n = match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => Some(n),
+            // Whole floats up to 2^53 are exact; beyond that the text meant something else.
+            (None, Some(f)) if f >= 0.0 && f.fract() == 0.0 && f <= (1u64 << 53) as f64 => {
+                Some(f as u64)
+            }
+            _ => None,
+        };
+        n.and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, "a non-negative integer", v))
+    }
+
+    fn req_size(&self, key: &str) -> Result<usize> {
+        self.size(key)?
+            .ok_or_else(|| ModelError::Config(format!("config.json has no '{key}'")))
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>> {
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| self.wrong(key, "a number", v)))
+            .transpose()
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| self.wrong(key, "true or false", v))
+            })
+            .transpose()
+    }
+
+    fn str(&self, key: &str) -> Result<Option<&'a str>> {
+        self.get(key)
+            .map(|v| v.as_str().ok_or_else(|| self.wrong(key, "a string", v)))
+            .transpose()
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_array()
+            .and_then(|a| a.iter().map(Value::as_str).collect::<Option<Vec<_>>>())
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, "a list of strings", v))
+    }
+
+    fn object(&self, key: &'a str) -> Result<Option<Json<'a>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Object(obj)) => Ok(Some(Json {
+                obj,
+                prefix: match key {
+                    "rope_scaling" => "rope_scaling.",
+                    "rope_parameters" => "rope_parameters.",
+                    _ => "",
+                },
+            })),
+            Some(v) => Err(self.wrong(key, "an object", v)),
+        }
+    }
 }
 
 /// Inverse frequencies of RoPE for one head (`head_dim / 2` values), Llama-3 scaling applied.
@@ -410,5 +759,64 @@ mod tests {
                 .contains("layer_types has 1 entries for 3 layers"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn absurd_hf_values_are_named() {
+        let base = r#""model_type":"llama","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100"#;
+        let with = |extra: &str| ModelConfig::from_hf_json(&format!("{{{base}{extra}}}"));
+        assert!(with("").is_ok());
+        let max = u64::MAX;
+        for (extra, expected) in [
+            (r#","num_hidden_layers":0"#.to_string(), "num_hidden_layers is 0"),
+            (r#","num_attention_heads":0"#.into(), "num_attention_heads is 0"),
+            (r#","num_key_value_heads":0"#.into(), "num_key_value_heads is 0"),
+            (r#","head_dim":0"#.into(), "head_dim is 0"),
+            (r#","vocab_size":0"#.into(), "vocab_size is 0"),
+            (r#","max_position_embeddings":0"#.into(), "max_position_embeddings is 0"),
+            (
+                format!(r#","max_position_embeddings":{max}"#),
+                "max_position_embeddings is 18446744073709551615",
+            ),
+            (
+                r#","num_key_value_heads":8"#.into(),
+                "num_key_value_heads 8 exceeds num_attention_heads 4",
+            ),
+            (
+                r#","num_attention_heads":3,"num_key_value_heads":1"#.into(),
+                "hidden_size 64 is not a multiple of num_attention_heads 3",
+            ),
+            (r#","sliding_window":0"#.into(), "sliding_window is 0"),
+            (
+                format!(r#","num_hidden_layers":{max}"#),
+                "num_hidden_layers is 18446744073709551615",
+            ),
+            (
+                r#","hidden_size":4294967296,"head_dim":16,"vocab_size":4294967295"#.into(),
+                "vocab_size 4294967295 × hidden_size 4294967296",
+            ),
+            (r#","hidden_size":-1"#.into(), "'hidden_size' must be a non-negative integer, got -1"),
+            (r#","vocab_size":1e300"#.into(), "'vocab_size' must be a non-negative integer"),
+            (r#","hidden_size":"64""#.into(), "'hidden_size' must be a non-negative integer"),
+            (r#","rms_norm_eps":-1.0"#.into(), "rms_norm_eps -1 must be a positive number"),
+            (r#","rope_theta":0"#.into(), "rope_theta 0 must be a positive number"),
+            (
+                r#","rope_scaling":{"rope_type":"llama3","low_freq_factor":4,"high_freq_factor":4}"#.into(),
+                "rope_scaling.high_freq_factor 4 must exceed low_freq_factor 4",
+            ),
+            (r#","rope_scaling":{"factor":"x","rope_type":"llama3"}"#.into(), "'rope_scaling.factor' must be a number"),
+            (r#","layer_types":[1],"sliding_window":4"#.into(), "'layer_types' must be a list of strings"),
+        ] {
+            // A later key wins in serde_json's map, so `extra` overrides the base.
+            let err = with(&extra).unwrap_err().to_string();
+            assert!(err.contains(expected), "{extra}: expected '{expected}' in: {err}");
+        }
+        let err = ModelConfig::from_hf_json("[1]").unwrap_err().to_string();
+        assert!(err.contains("not a JSON object"), "{err}");
+        let err = ModelConfig::from_hf_json(r#"{"hidden_size":64}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no 'num_attention_heads'"), "{err}");
     }
 }

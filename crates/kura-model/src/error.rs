@@ -9,8 +9,8 @@ pub enum ModelError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: not a GGUF file (magic {magic:#010x}, expected 0x46554747 'GGUF')")]
-    NotGguf { path: PathBuf, magic: u32 },
+    #[error("{path}: not a GGUF file: {what}")]
+    NotGguf { path: PathBuf, what: String },
     #[error("{path}: GGUF version {version} is not supported (supported: 2, 3)")]
     GgufVersion { path: PathBuf, version: u32 },
     #[error("{path}: truncated or malformed GGUF at byte {offset}: {what}")]
@@ -23,6 +23,8 @@ pub enum ModelError {
     MissingKey { key: String },
     #[error("metadata key '{key}' has the wrong type: expected {expected}")]
     KeyType { key: String, expected: &'static str },
+    #[error("metadata key '{key}' {what}")]
+    BadValue { key: String, what: String },
     #[error("tensor '{name}' is missing")]
     MissingTensor { name: String },
     #[error("tensor '{name}' has shape {got:?}, expected {expected:?}")]

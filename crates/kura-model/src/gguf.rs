@@ -81,12 +81,33 @@ pub struct TensorInfo {
     pub dtype: GgmlType,
     /// Absolute byte offset in the file.
     pub offset: u64,
+    /// Bytes of the data; 0 for an element type Kura cannot read (its size is unknown).
     pub n_bytes: u64,
 }
 
 impl TensorInfo {
+    /// Elements of the tensor (the reader checked that the product fits).
     pub fn n_elements(&self) -> usize {
-        self.dims.iter().product()
+        self.dims
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d))
+            .unwrap_or(usize::MAX)
+    }
+}
+
+/// The bytes of a GGUF: a read-only mapping of a file, or a buffer given by the caller.
+enum Data {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Data {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Data::Mapped(m) => m,
+            Data::Owned(v) => v,
+        }
     }
 }
 
@@ -96,8 +117,32 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: HashMap<String, Value>,
     pub tensors: HashMap<String, TensorInfo>,
-    mmap: Mmap,
+    /// `general.alignment` (32 when absent): every tensor offset is a multiple of it.
+    pub alignment: u64,
+    /// Where tensor data begins: the end of the directory rounded up to the alignment.
+    pub data_start: u64,
+    data: Data,
 }
+
+/// Fewest bytes a metadata value of GGUF type `ty` takes (strings: their length; arrays: element type and
+/// count); `None` for an unknown type. A declared count times this must fit in the bytes left.
+fn min_value_bytes(ty: u32) -> Option<usize> {
+    Some(match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => return None,
+    })
+}
+
+/// Fewest bytes of one tensor-directory entry: empty name (8), n_dims (4), one dim (8), type (4), offset (8).
+const MIN_TENSOR_INFO_BYTES: usize = 32;
+/// Fewest bytes of one metadata entry: empty key (8), type (4), a one-byte value.
+const MIN_KV_BYTES: usize = 13;
+/// GGML_MAX_DIMS.
+const MAX_DIMS: usize = 4;
 
 struct Cursor<'a> {
     data: &'a [u8],
@@ -114,15 +159,24 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    fn remaining(&self) -> usize {
+        self.data.len().saturating_sub(self.pos)
+    }
+
     fn bytes(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|e| *e <= self.data.len());
-        match end {
-            Some(end) => {
-                let s = &self.data[self.pos..end];
-                self.pos = end;
+        match self
+            .pos
+            .checked_add(n)
+            .and_then(|end| self.data.get(self.pos..end))
+        {
+            Some(s) => {
+                self.pos += n;
                 Ok(s)
             }
-            None => Err(self.err(format!("file ends inside {what} ({n} bytes needed)"))),
+            None => Err(self.err(format!(
+                "file ends inside {what} ({n} bytes needed, {} left)",
+                self.remaining()
+            ))),
         }
     }
 
@@ -141,12 +195,23 @@ impl<'a> Cursor<'a> {
         Ok(u64::from_le_bytes(self.arr(what)?))
     }
 
+    /// A declared count of items of at least `each` bytes: an error when the rest of the file cannot hold
+    /// that many, so that the count can size an allocation.
+    fn count(&self, n: u64, each: usize, what: &str) -> Result<usize> {
+        let room = self.remaining() / each.max(1);
+        match usize::try_from(n) {
+            Ok(n) if n <= room => Ok(n),
+            _ => Err(self.err(format!(
+                "{what}: {n} declared, but the {} bytes left hold at most {room}",
+                self.remaining()
+            ))),
+        }
+    }
+
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
-        if len > self.data.len() as u64 {
-            return Err(self.err(format!("{what}: string length {len} exceeds the file")));
-        }
-        let b = self.bytes(len as usize, what)?;
+        let len = self.count(len, 1, &format!("{what}: string length"))?;
+        let b = self.bytes(len, what)?;
         String::from_utf8(b.to_vec()).map_err(|_| self.err(format!("{what}: string is not UTF-8")))
     }
 
@@ -166,14 +231,14 @@ impl<'a> Cursor<'a> {
                     return Err(self.err(format!("key '{key}': arrays nested too deeply")));
                 }
                 let elem_ty = self.u32(key)?;
+                let Some(each) = min_value_bytes(elem_ty) else {
+                    return Err(
+                        self.err(format!("key '{key}': unknown array element type {elem_ty}"))
+                    );
+                };
                 let n = self.u64(key)?;
-                // Every element takes at least one byte: a count beyond the file is malformed.
-                if n > (self.data.len() - self.pos) as u64 {
-                    return Err(self.err(format!(
-                        "key '{key}': array of {n} elements exceeds the file"
-                    )));
-                }
-                let mut out = Vec::with_capacity(n as usize);
+                let n = self.count(n, each, &format!("key '{key}': array elements"))?;
+                let mut out = Vec::with_capacity(n);
                 for _ in 0..n {
                     out.push(self.value(elem_ty, key, depth + 1)?);
                 }
@@ -187,6 +252,25 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// One entry of the tensor directory as read, before its data is placed.
+struct RawTensor {
+    name: String,
+    dims: Vec<usize>,
+    ty: u32,
+    offset: u64,
+    /// Where the entry starts in the file, for errors.
+    at: u64,
+}
+
+/// Parses a GGUF held in memory: header, metadata, tensor directory (every size and offset checked) and the
+/// model configuration derived from them, tensor shapes included. Never panics, whatever the bytes; the
+/// entry point for fuzzing. Errors name the file as `<memory>`.
+pub fn parse_bytes(bytes: &[u8]) -> Result<(GgufFile, crate::config::ModelConfig)> {
+    let file = GgufFile::from_bytes("<memory>", bytes.to_vec())?;
+    let config = crate::config::ModelConfig::from_gguf(&file)?;
+    Ok((file, config))
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let io = |source| ModelError::Io {
@@ -197,106 +281,121 @@ impl GgufFile {
         // SAFETY: the mapping is read-only and Kura never writes model files; a concurrent truncation by
         // another process is outside what any mmap-based loader can defend against.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Self::parse(path.to_path_buf(), Data::Mapped(mmap))
+    }
+
+    /// A GGUF from a buffer; `path` only names it in errors.
+    pub fn from_bytes(path: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
+        Self::parse(path.into(), Data::Owned(bytes))
+    }
+
+    fn parse(path: PathBuf, data: Data) -> Result<Self> {
         let mut c = Cursor {
-            data: &mmap,
+            data: &data,
             pos: 0,
-            path,
+            path: &path,
         };
-        let magic = c.u32("magic")?;
-        if magic != 0x4655_4747 {
-            return Err(ModelError::NotGguf {
-                path: path.to_path_buf(),
-                magic,
-            });
+        let not_gguf = |what: String| ModelError::NotGguf {
+            path: path.clone(),
+            what,
+        };
+        match data.get(..4) {
+            None => {
+                return Err(not_gguf(format!(
+                    "the file is {} bytes, too short for the 4-byte magic 'GGUF'",
+                    data.len()
+                )))
+            }
+            Some(m) if m != b"GGUF" => {
+                return Err(not_gguf(format!(
+                    "it starts with bytes {:02x} {:02x} {:02x} {:02x}, not the magic 'GGUF'",
+                    m[0], m[1], m[2], m[3]
+                )))
+            }
+            Some(_) => c.pos = 4,
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(ModelError::GgufVersion {
-                path: path.to_path_buf(),
-                version,
-            });
+            return Err(ModelError::GgufVersion { path, version });
         }
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
-        let mut metadata = HashMap::new();
+        let n_kv = c.count(n_kv, MIN_KV_BYTES, "metadata entries")?;
+        let mut metadata = HashMap::with_capacity(n_kv);
         for i in 0..n_kv {
             let key = c.string(&format!("metadata key #{i}"))?;
             let ty = c.u32(&key)?;
             let v = c.value(ty, &key, 0)?;
-            metadata.insert(key, v);
+            if metadata.insert(key.clone(), v).is_some() {
+                return Err(c.err(format!("metadata key '{key}' appears twice")));
+            }
         }
-        let mut infos = Vec::new();
+        let n_tensors = c.count(n_tensors, MIN_TENSOR_INFO_BYTES, "tensor entries")?;
+        let mut raw = Vec::with_capacity(n_tensors);
         for i in 0..n_tensors {
+            let at = c.pos as u64;
             let name = c.string(&format!("tensor name #{i}"))?;
-            let n_dims = c.u32(&name)? as usize;
-            if n_dims == 0 || n_dims > 4 {
+            let n_dims = c.u32(&name)?;
+            if n_dims == 0 || n_dims as usize > MAX_DIMS {
                 return Err(c.err(format!(
-                    "tensor '{name}': {n_dims} dimensions (1..=4 allowed)"
+                    "tensor '{name}': {n_dims} dimensions (1..={MAX_DIMS} allowed)"
                 )));
             }
-            let mut dims = Vec::with_capacity(n_dims);
+            let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
                 let d = c.u64(&name)?;
-                if d > u32::MAX as u64 {
-                    return Err(c.err(format!("tensor '{name}': dimension {d} too large")));
+                match usize::try_from(d) {
+                    Ok(d) if d > 0 => dims.push(d),
+                    _ => {
+                        return Err(c.err(format!(
+                            "tensor '{name}': dimension {d} (must be 1..={})",
+                            usize::MAX
+                        )))
+                    }
                 }
-                dims.push(d as usize);
             }
             let ty = c.u32(&name)?;
             let offset = c.u64(&name)?;
-            infos.push((name, dims, ty, offset));
+            raw.push(RawTensor {
+                name,
+                dims,
+                ty,
+                offset,
+                at,
+            });
         }
         let alignment = match metadata.get("general.alignment") {
-            Some(v) => v
-                .as_u64()
-                .filter(|a| *a > 0 && a.is_power_of_two())
-                .ok_or_else(|| ModelError::KeyType {
-                    key: "general.alignment".into(),
-                    expected: "a power of two",
-                })?,
             None => 32,
-        };
-        let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-        let file_len = mmap.len() as u64;
-        let mut tensors = HashMap::new();
-        for (name, dims, ty, offset) in infos {
-            let n: usize = dims.iter().product();
-            let dtype = GgmlType::from_id(ty);
-            let n_bytes = match dtype.byte_size(n) {
-                Some(b) => b as u64,
-                None => {
-                    // Unsupported types are kept in the directory so that the error names the tensor only
-                    // if the model actually needs it.
-                    0
+            Some(v) => match v.as_u64() {
+                Some(a) if a.is_power_of_two() => a,
+                _ => {
+                    return Err(ModelError::BadValue {
+                        key: "general.alignment".into(),
+                        what: format!(
+                            "is {}; it must be a power of two (1, 2, 4, …, 32, …)",
+                            v.as_u64()
+                                .map_or_else(|| format!("{v:?}"), |a| a.to_string())
+                        ),
+                    })
                 }
-            };
-            let start = data_start + offset;
-            let end = start + n_bytes;
-            if end > file_len {
-                return Err(ModelError::TensorBounds {
-                    name,
-                    start,
-                    end,
-                    file_len,
-                });
-            }
-            tensors.insert(
-                name.clone(),
-                TensorInfo {
-                    name,
-                    dims,
-                    dtype,
-                    offset: start,
-                    n_bytes,
-                },
-            );
-        }
+            },
+        };
+        let directory_end = c.pos as u64;
+        let data_start = directory_end
+            .checked_next_multiple_of(alignment)
+            .ok_or_else(|| ModelError::BadValue {
+                key: "general.alignment".into(),
+                what: format!("{alignment} puts the tensor data beyond 2^64 bytes"),
+            })?;
+        let tensors = place_tensors(&path, raw, data_start, alignment, data.len() as u64)?;
         Ok(GgufFile {
-            path: path.to_path_buf(),
+            path,
             version,
             metadata,
             tensors,
-            mmap,
+            alignment,
+            data_start,
+            data,
         })
     }
 
@@ -370,13 +469,27 @@ impl GgufFile {
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
         let info = self.tensor_info(name)?;
         let n = info.n_elements();
-        if info.dtype.byte_size(n).is_none() {
+        if info
+            .dtype
+            .byte_size(n)
+            .is_none_or(|b| b as u64 != info.n_bytes)
+        {
             return Err(ModelError::TensorType {
                 name: name.into(),
                 dtype: info.dtype.name(),
             });
         }
-        let bytes = &self.mmap[info.offset as usize..(info.offset + info.n_bytes) as usize];
+        // The reader placed every tensor inside the file; `get` keeps a hand-made TensorInfo panic-free.
+        let bytes = usize::try_from(info.offset)
+            .ok()
+            .zip(usize::try_from(info.n_bytes).ok())
+            .and_then(|(start, len)| self.data.get(start..start.checked_add(len)?))
+            .ok_or_else(|| ModelError::TensorBounds {
+                name: name.into(),
+                start: info.offset,
+                end: info.offset.saturating_add(info.n_bytes),
+                file_len: self.data.len() as u64,
+            })?;
         let mut out = vec![0f32; n];
         quant::dequantize(info.dtype, bytes, &mut out).map_err(|what| ModelError::Format {
             path: self.path.clone(),
@@ -384,6 +497,130 @@ impl GgufFile {
         })?;
         Ok(out)
     }
+}
+
+/// Places each directory entry in the file: its element count and byte size (checked products), the
+/// offset a multiple of `alignment`, the data inside the file and overlapping no other tensor, each name
+/// once. Tensors of a type Kura cannot read keep a size of 0 so that only a model that needs them fails.
+fn place_tensors(
+    path: &Path,
+    raw: Vec<RawTensor>,
+    data_start: u64,
+    alignment: u64,
+    file_len: u64,
+) -> Result<HashMap<String, TensorInfo>> {
+    let bad = |at: u64, what: String| ModelError::GgufMalformed {
+        path: path.to_path_buf(),
+        offset: at,
+        what,
+    };
+    let mut tensors: HashMap<String, TensorInfo> = HashMap::with_capacity(raw.len());
+    for t in raw {
+        let name = &t.name;
+        let n = t
+            .dims
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d))
+            .ok_or_else(|| {
+                bad(
+                    t.at,
+                    format!(
+                        "tensor '{name}': dimensions {:?} overflow an element count",
+                        t.dims
+                    ),
+                )
+            })?;
+        let dtype = GgmlType::from_id(t.ty);
+        let n_bytes = match dtype.block() {
+            None => 0,
+            Some((elems, _)) => {
+                // ggml stores whole blocks per row: the innermost dimension is a whole number of them.
+                if !t.dims[0].is_multiple_of(elems) {
+                    return Err(bad(
+                        t.at,
+                        format!(
+                            "tensor '{name}': innermost dimension {} is not a whole number of {elems}-element {} blocks",
+                            t.dims[0],
+                            dtype.name()
+                        ),
+                    ));
+                }
+                dtype
+                    .byte_size(n)
+                    .and_then(|b| u64::try_from(b).ok())
+                    .ok_or_else(|| {
+                        bad(
+                            t.at,
+                            format!(
+                                "tensor '{name}': {n} {} elements overflow a byte size",
+                                dtype.name()
+                            ),
+                        )
+                    })?
+            }
+        };
+        if !t.offset.is_multiple_of(alignment) {
+            return Err(bad(
+                t.at,
+                format!(
+                    "tensor '{name}': offset {} is not a multiple of the alignment {alignment}",
+                    t.offset
+                ),
+            ));
+        }
+        let Some(start) = data_start.checked_add(t.offset) else {
+            return Err(bad(
+                t.at,
+                format!(
+                    "tensor '{name}': offset {} past the data start {data_start} overflows 64 bits, outside the file",
+                    t.offset
+                ),
+            ));
+        };
+        match start.checked_add(n_bytes) {
+            Some(end) if end <= file_len => {
+                let info = TensorInfo {
+                    name: t.name.clone(),
+                    dims: t.dims,
+                    dtype,
+                    offset: start,
+                    n_bytes,
+                };
+                if tensors.insert(t.name.clone(), info).is_some() {
+                    return Err(bad(t.at, format!("tensor '{name}' appears twice")));
+                }
+            }
+            end => {
+                return Err(ModelError::TensorBounds {
+                    name: t.name,
+                    start,
+                    end: end.unwrap_or(u64::MAX),
+                    file_len,
+                })
+            }
+        }
+    }
+    // Overlap: sorted by start, each tensor must begin at or after the end of the one before.
+    let mut spans: Vec<&TensorInfo> = tensors.values().filter(|t| t.n_bytes > 0).collect();
+    spans.sort_by_key(|t| (t.offset, t.n_bytes));
+    for w in spans.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if b.offset < a.offset + a.n_bytes {
+            return Err(ModelError::Format {
+                path: path.to_path_buf(),
+                what: format!(
+                    "tensor '{}' (bytes {}..{}) overlaps tensor '{}' (bytes {}..{})",
+                    b.name,
+                    b.offset,
+                    b.offset + b.n_bytes,
+                    a.name,
+                    a.offset,
+                    a.offset + a.n_bytes
+                ),
+            });
+        }
+    }
+    Ok(tensors)
 }
 
 #[cfg(test)]

@@ -59,6 +59,17 @@ impl SafetensorsDir {
                 .collect();
             names.sort();
             names.dedup();
+            // A shard is a file of this directory: a name with a separator or `..` would read elsewhere.
+            if let Some(bad) = names.iter().find(|n| {
+                Path::new(n.as_str()).file_name() != Some(std::ffi::OsStr::new(n.as_str()))
+            }) {
+                return Err(ModelError::Format {
+                    path: index_path.clone(),
+                    what: format!(
+                        "weight_map names '{bad}', which is not a file of the model directory"
+                    ),
+                });
+            }
             names.into_iter().map(|n| dir.join(n)).collect()
         } else {
             let single = dir.join("model.safetensors");
@@ -109,16 +120,17 @@ impl TensorSource for SafetensorsDir {
             .meta
             .info(name)
             .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
-        // read_metadata checked that the offsets lie inside the buffer.
-        let start = 8 + shard.header_len + info.data_offsets.0;
-        let end = 8 + shard.header_len + info.data_offsets.1;
-        let bytes = shard
-            .mmap
-            .get(start..end)
+        // read_metadata checked that the offsets lie inside the buffer; checked sums keep it so here.
+        let base = shard.header_len.checked_add(8);
+        let start = base.and_then(|b| b.checked_add(info.data_offsets.0));
+        let end = base.and_then(|b| b.checked_add(info.data_offsets.1));
+        let bytes = start
+            .zip(end)
+            .and_then(|(s, e)| shard.mmap.get(s..e))
             .ok_or_else(|| ModelError::TensorBounds {
                 name: name.into(),
-                start: start as u64,
-                end: end as u64,
+                start: start.unwrap_or(usize::MAX) as u64,
+                end: end.unwrap_or(usize::MAX) as u64,
                 file_len: shard.mmap.len() as u64,
             })?;
         let data: Vec<f32> = match info.dtype {

@@ -90,27 +90,34 @@ impl GgmlType {
         }
     }
 
-    /// Bytes of `n` elements; `None` for unsupported types or a count that is not whole blocks.
+    /// `(elements, bytes)` of one block: a single element for the plain float types, 32 elements for the
+    /// legacy quants, 256 for the K-quants; `None` for unsupported types.
+    pub fn block(self) -> Option<(usize, usize)> {
+        Some(match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::Bf16 => (1, 2),
+            GgmlType::Q8_0 => (QK, 2 + QK),
+            GgmlType::Q4_0 => (QK, 2 + QK / 2),
+            GgmlType::Q4_1 => (QK, 4 + QK / 2),
+            GgmlType::Q5_0 => (QK, 6 + QK / 2),
+            GgmlType::Q5_1 => (QK, 8 + QK / 2),
+            GgmlType::Q2K => (QK_K, Q2K_BYTES),
+            GgmlType::Q3K => (QK_K, Q3K_BYTES),
+            GgmlType::Q4K => (QK_K, Q4K_BYTES),
+            GgmlType::Q5K => (QK_K, Q5K_BYTES),
+            GgmlType::Q6K => (QK_K, Q6K_BYTES),
+            GgmlType::Other(_) => return None,
+        })
+    }
+
+    /// Bytes of `n` elements; `None` for unsupported types, a count that is not whole blocks, or a size
+    /// beyond `usize` (counts come from files, so the product is checked).
     pub fn byte_size(self, n: usize) -> Option<usize> {
-        let blocks =
-            |bytes_per_block: usize| n.is_multiple_of(QK).then_some(n / QK * bytes_per_block);
-        let super_blocks =
-            |bytes_per_block: usize| n.is_multiple_of(QK_K).then_some(n / QK_K * bytes_per_block);
-        match self {
-            GgmlType::F32 => Some(n * 4),
-            GgmlType::F16 | GgmlType::Bf16 => Some(n * 2),
-            GgmlType::Q8_0 => blocks(2 + QK),
-            GgmlType::Q4_0 => blocks(2 + QK / 2),
-            GgmlType::Q4_1 => blocks(4 + QK / 2),
-            GgmlType::Q5_0 => blocks(6 + QK / 2),
-            GgmlType::Q5_1 => blocks(8 + QK / 2),
-            GgmlType::Q2K => super_blocks(Q2K_BYTES),
-            GgmlType::Q3K => super_blocks(Q3K_BYTES),
-            GgmlType::Q4K => super_blocks(Q4K_BYTES),
-            GgmlType::Q5K => super_blocks(Q5K_BYTES),
-            GgmlType::Q6K => super_blocks(Q6K_BYTES),
-            GgmlType::Other(_) => None,
+        let (elems, bytes) = self.block()?;
+        if !n.is_multiple_of(elems) {
+            return None;
         }
+        (n / elems).checked_mul(bytes)
     }
 }
 
@@ -202,7 +209,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
         GgmlType::Q4K => super_blocks(bytes, out, Q4K_BYTES, q4_k),
         GgmlType::Q5K => super_blocks(bytes, out, Q5K_BYTES, q5_k),
         GgmlType::Q6K => super_blocks(bytes, out, Q6K_BYTES, q6_k),
-        GgmlType::Other(_) => unreachable!("byte_size rejected it"),
+        // byte_size returned None for it above; an error keeps this path panic-free all the same.
+        GgmlType::Other(_) => return Err(format!("{} is not supported", ty.name())),
     }
     Ok(())
 }

@@ -211,11 +211,48 @@ pub trait TensorSource: Sync {
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
 }
 
+/// Whether a stored shape is the expected one: exactly, or up to axes of size 1 (a vector may be stored
+/// as `[n]` or `[1, n]`).
+pub fn shape_matches(got: &[usize], expected: &[usize]) -> bool {
+    let squeeze = |s: &[usize]| s.iter().copied().filter(|d| *d != 1).collect::<Vec<_>>();
+    got == expected || squeeze(got) == squeeze(expected)
+}
+
+/// Every tensor [`Weights::load`] reads, with the PyTorch-order shape it must have: Q/K/V biases only with
+/// `qkv_bias`, the output head only when untied. `cfg` is validated, so the products fit. Lets a reader
+/// check a file's directory against its configuration before loading anything.
+pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+    let mut out = Vec::new();
+    for i in 0..cfg.num_layers {
+        let mut add = |w: &str, shape: &[usize]| out.push((naming.layer(i, w), shape.to_vec()));
+        add("q", &[q_rows, h]);
+        add("k", &[kv_rows, h]);
+        add("v", &[kv_rows, h]);
+        if cfg.qkv_bias {
+            add("q_bias", &[q_rows]);
+            add("k_bias", &[kv_rows]);
+            add("v_bias", &[kv_rows]);
+        }
+        add("o", &[h, q_rows]);
+        add("attn_norm", &[h]);
+        add("ffn_norm", &[h]);
+        add("gate", &[inter, h]);
+        add("up", &[inter, h]);
+        add("down", &[h, inter]);
+    }
+    out.push((naming.global("embed"), vec![cfg.vocab_size, h]));
+    if !cfg.tie_word_embeddings {
+        out.push((naming.global("lm_head"), vec![cfg.vocab_size, h]));
+    }
+    out.push((naming.global("norm"), vec![h]));
+    out
+}
+
 fn load_shaped(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
     let (shape, data) = src.load(name)?;
-    // A vector may be stored as [n] or [1, n]; anything else must match exactly.
-    let squeeze = |s: &[usize]| s.iter().copied().filter(|d| *d != 1).collect::<Vec<_>>();
-    if shape != expected && squeeze(&shape) != squeeze(expected) {
+    if !shape_matches(&shape, expected) {
         return Err(ModelError::TensorShape {
             name: name.into(),
             got: shape,

@@ -1,0 +1,599 @@
+//! Crafted GGUF files: a tiny writer builds a valid Llama model (which must load, so the checks below
+//! are proven against a writer that works), then each test breaks one thing (an offset, a count, a
+//! dimension, a metadata value) and expects an error that names the problem, never a panic, a huge
+//! allocation or a silent load.
+
+use std::path::PathBuf;
+
+use kura_model::config::ModelConfig;
+use kura_model::gguf::{self, GgufFile};
+use kura_model::{Model, ModelError};
+
+const T_U32: u32 = 4;
+const T_F32: u32 = 6;
+const T_STRING: u32 = 8;
+const T_ARRAY: u32 = 9;
+const T_U64: u32 = 10;
+const GGML_F32: u32 = 0;
+const GGML_Q4_0: u32 = 2;
+
+struct Tensor {
+    name: String,
+    /// Innermost first, as GGUF stores them.
+    dims: Vec<u64>,
+    ty: u32,
+    data: Vec<u8>,
+    /// Written instead of the offset the writer computed (the data still goes where it computed).
+    offset: Option<u64>,
+}
+
+/// A GGUF under construction: metadata entries as raw `(key, type, payload)` so that a test can write
+/// anything, tensors laid out one after the other at `alignment`.
+struct Gguf {
+    kvs: Vec<(String, u32, Vec<u8>)>,
+    tensors: Vec<Tensor>,
+    alignment: usize,
+    /// Written instead of the real counts.
+    n_tensors: Option<u64>,
+    n_kv: Option<u64>,
+}
+
+fn string_bytes(s: &str) -> Vec<u8> {
+    let mut b = (s.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(s.as_bytes());
+    b
+}
+
+impl Gguf {
+    fn new() -> Self {
+        Gguf {
+            kvs: Vec::new(),
+            tensors: Vec::new(),
+            alignment: 32,
+            n_tensors: None,
+            n_kv: None,
+        }
+    }
+
+    fn raw(&mut self, key: &str, ty: u32, payload: Vec<u8>) -> &mut Self {
+        self.kvs.retain(|(k, _, _)| k != key);
+        self.kvs.push((key.into(), ty, payload));
+        self
+    }
+
+    fn u32(&mut self, key: &str, v: u32) -> &mut Self {
+        self.raw(key, T_U32, v.to_le_bytes().to_vec())
+    }
+
+    fn u64(&mut self, key: &str, v: u64) -> &mut Self {
+        self.raw(key, T_U64, v.to_le_bytes().to_vec())
+    }
+
+    fn f32(&mut self, key: &str, v: f32) -> &mut Self {
+        self.raw(key, T_F32, v.to_le_bytes().to_vec())
+    }
+
+    fn str(&mut self, key: &str, v: &str) -> &mut Self {
+        self.raw(key, T_STRING, string_bytes(v))
+    }
+
+    fn strs(&mut self, key: &str, v: &[&str]) -> &mut Self {
+        let mut b = T_STRING.to_le_bytes().to_vec();
+        b.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        for s in v {
+            b.extend(string_bytes(s));
+        }
+        self.raw(key, T_ARRAY, b)
+    }
+
+    fn tensor(&mut self, name: &str, torch_shape: &[u64]) -> &mut Self {
+        let n: u64 = torch_shape.iter().product();
+        let data = (0..n)
+            .flat_map(|i| (((i * 37 % 17) as f32 - 8.0) / 16.0).to_le_bytes())
+            .collect();
+        self.tensors.push(Tensor {
+            name: name.into(),
+            dims: torch_shape.iter().rev().copied().collect(),
+            ty: GGML_F32,
+            data,
+            offset: None,
+        });
+        self
+    }
+
+    fn get(&mut self, name: &str) -> &mut Tensor {
+        self.tensors.iter_mut().find(|t| t.name == name).unwrap()
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let a = self.alignment;
+        let pad = |b: &mut Vec<u8>| {
+            while !b.len().is_multiple_of(a) {
+                b.push(0);
+            }
+        };
+        let mut b = b"GGUF".to_vec();
+        b.extend_from_slice(&3u32.to_le_bytes());
+        let n_tensors = self.n_tensors.unwrap_or(self.tensors.len() as u64);
+        b.extend_from_slice(&n_tensors.to_le_bytes());
+        b.extend_from_slice(&self.n_kv.unwrap_or(self.kvs.len() as u64).to_le_bytes());
+        for (k, ty, payload) in &self.kvs {
+            b.extend(string_bytes(k));
+            b.extend_from_slice(&ty.to_le_bytes());
+            b.extend_from_slice(payload);
+        }
+        let mut offset = 0u64;
+        for t in &self.tensors {
+            b.extend(string_bytes(&t.name));
+            b.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+            for d in &t.dims {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+            b.extend_from_slice(&t.ty.to_le_bytes());
+            b.extend_from_slice(&t.offset.unwrap_or(offset).to_le_bytes());
+            offset = (offset + t.data.len() as u64).next_multiple_of(a as u64);
+        }
+        pad(&mut b);
+        for t in &self.tensors {
+            b.extend_from_slice(&t.data);
+            pad(&mut b);
+        }
+        b
+    }
+}
+
+/// A complete one-layer Llama: hidden 8, two heads of 4, one KV head, FFN 16, a four-token BPE vocabulary.
+fn tiny_model() -> Gguf {
+    let mut g = Gguf::new();
+    g.str("general.architecture", "llama")
+        .u32("llama.block_count", 1)
+        .u32("llama.embedding_length", 8)
+        .u32("llama.feed_forward_length", 16)
+        .u32("llama.attention.head_count", 2)
+        .u32("llama.attention.head_count_kv", 1)
+        .u32("llama.context_length", 64)
+        .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        .str("tokenizer.ggml.model", "gpt2")
+        .strs("tokenizer.ggml.tokens", &["a", "b", "ab", "<|end|>"])
+        .strs("tokenizer.ggml.merges", &["a b"])
+        .u32("tokenizer.ggml.eos_token_id", 3);
+    g.tensor("token_embd.weight", &[4, 8])
+        .tensor("output_norm.weight", &[8])
+        .tensor("blk.0.attn_norm.weight", &[8])
+        .tensor("blk.0.attn_q.weight", &[8, 8])
+        .tensor("blk.0.attn_k.weight", &[4, 8])
+        .tensor("blk.0.attn_v.weight", &[4, 8])
+        .tensor("blk.0.attn_output.weight", &[8, 8])
+        .tensor("blk.0.ffn_norm.weight", &[8])
+        .tensor("blk.0.ffn_gate.weight", &[16, 8])
+        .tensor("blk.0.ffn_up.weight", &[16, 8])
+        .tensor("blk.0.ffn_down.weight", &[8, 16]);
+    g
+}
+
+fn write(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kura-bad-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Loads the bytes as a model from a file and from memory; both must fail, and the file's error must
+/// contain every one of `expected`.
+#[track_caller]
+fn rejects(name: &str, g: &Gguf, expected: &[&str]) -> ModelError {
+    let bytes = g.bytes();
+    let path = write(name, &bytes);
+    let err = match Model::load(&path) {
+        Ok(_) => panic!("{name}: loaded, expected an error containing {expected:?}"),
+        Err(e) => e,
+    };
+    let text = err.to_string();
+    for e in expected {
+        assert!(text.contains(e), "{name}: expected '{e}' in: {text}");
+    }
+    assert!(
+        gguf::parse_bytes(&bytes).is_err(),
+        "{name}: parse_bytes accepted it"
+    );
+    std::fs::remove_file(path).ok();
+    err
+}
+
+#[test]
+fn the_tiny_model_loads_and_its_tensors_read_back() {
+    let g = tiny_model();
+    let bytes = g.bytes();
+    let path = write("ok.gguf", &bytes);
+    let model = Model::load(&path).unwrap();
+    assert_eq!(model.config().num_layers, 1);
+    assert_eq!(model.config().head_dim, 4);
+    assert_eq!(model.config().vocab_size, 4);
+    let file = GgufFile::open(&path).unwrap();
+    let q = file.tensor_f32("blk.0.attn_q.weight").unwrap();
+    let expected: Vec<f32> = g.tensors[3]
+        .data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(q, expected);
+    let (mem, cfg) = gguf::parse_bytes(&bytes).unwrap();
+    assert_eq!(mem.tensors.len(), 11);
+    assert_eq!(&cfg, model.config());
+    std::fs::remove_file(path).ok();
+}
+
+#[test]
+fn a_larger_alignment_is_honoured() {
+    let mut g = tiny_model();
+    g.alignment = 64;
+    g.u32("general.alignment", 64);
+    let bytes = g.bytes();
+    let file = GgufFile::from_bytes("a64", bytes).unwrap();
+    assert_eq!(file.alignment, 64);
+    assert_eq!(file.data_start % 64, 0);
+    assert_eq!(
+        file.tensor_f32("output_norm.weight").unwrap().len(),
+        8,
+        "second tensor read at its 64-aligned offset"
+    );
+}
+
+#[test]
+fn offsets_that_wrap_or_point_past_the_end_are_rejected() {
+    // 2^64 − 32 is aligned: data_start + offset wraps to 32 bytes before the data, inside the header;
+    // unchecked, the tensor was read from the directory and the model served garbage.
+    let mut g = tiny_model();
+    g.get("blk.0.attn_q.weight").offset = Some(u64::MAX - 31);
+    rejects(
+        "wrap.gguf",
+        &g,
+        &["blk.0.attn_q.weight", "outside the file"],
+    );
+    // An aligned offset far past the end (unchecked, a range panic in `kura serve`).
+    let mut g = tiny_model();
+    g.get("blk.0.ffn_down.weight").offset = Some(1 << 40);
+    rejects(
+        "far.gguf",
+        &g,
+        &["blk.0.ffn_down.weight", "outside the file"],
+    );
+    // Data that runs past the end of a truncated file.
+    let mut bytes = tiny_model().bytes();
+    bytes.truncate(bytes.len() - 40);
+    let err = GgufFile::from_bytes("cut", bytes)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("blk.0.ffn_down.weight") && err.contains("outside the file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn misaligned_offsets_and_bad_alignments_are_rejected() {
+    let mut g = tiny_model();
+    g.get("blk.0.attn_k.weight").offset = Some(u64::MAX);
+    rejects(
+        "max.gguf",
+        &g,
+        &["blk.0.attn_k.weight", "not a multiple of the alignment 32"],
+    );
+    let mut g = tiny_model();
+    let at = g.tensors[0].data.len() as u64 + 4;
+    g.get("output_norm.weight").offset = Some(at);
+    rejects(
+        "misaligned.gguf",
+        &g,
+        &[
+            "output_norm.weight",
+            &format!("offset {at} is not a multiple"),
+        ],
+    );
+    for a in [0u32, 48] {
+        let mut g = tiny_model();
+        g.u32("general.alignment", a);
+        rejects(
+            &format!("align{a}.gguf"),
+            &g,
+            &["general.alignment", &format!("is {a}"), "power of two"],
+        );
+    }
+}
+
+#[test]
+fn overlapping_and_duplicate_tensors_are_rejected() {
+    let mut g = tiny_model();
+    g.get("blk.0.attn_v.weight").offset = Some(0);
+    rejects("overlap.gguf", &g, &["overlaps", "token_embd.weight"]);
+    let mut g = tiny_model();
+    g.tensor("blk.0.attn_norm.weight", &[8]);
+    rejects(
+        "dup.gguf",
+        &g,
+        &["tensor 'blk.0.attn_norm.weight' appears twice"],
+    );
+    // The block count a second time (the builder's setters keep keys unique, so push it by hand).
+    let mut g = tiny_model();
+    g.kvs.push((
+        "llama.block_count".into(),
+        T_U32,
+        1u32.to_le_bytes().to_vec(),
+    ));
+    let b = g.bytes();
+    let err = GgufFile::from_bytes("dupkey", b).err().unwrap().to_string();
+    assert!(
+        err.contains("metadata key 'llama.block_count' appears twice"),
+        "{err}"
+    );
+}
+
+#[test]
+fn dimensions_are_checked() {
+    for (i, (dims, what)) in [
+        (vec![], "0 dimensions"),
+        (vec![1, 1, 1, 1, 1], "5 dimensions"),
+        (vec![8, 0], "dimension 0"),
+        (vec![1 << 32, 1 << 32, 1 << 32], "overflow an element count"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut g = tiny_model();
+        g.get("output_norm.weight").dims = dims;
+        rejects(&format!("dims{i}.gguf"), &g, &["output_norm.weight", what]);
+    }
+    // Q4_0 stores rows of whole 32-element blocks.
+    let mut g = tiny_model();
+    let t = g.get("blk.0.ffn_down.weight");
+    t.ty = GGML_Q4_0;
+    t.dims = vec![16, 8];
+    rejects(
+        "q4.gguf",
+        &g,
+        &[
+            "blk.0.ffn_down.weight",
+            "not a whole number of 32-element Q4_0 blocks",
+        ],
+    );
+}
+
+#[test]
+fn huge_declared_counts_fail_without_allocating() {
+    // An array of 2^60 strings: sized by the count, the Vec would abort the process.
+    let mut g = tiny_model();
+    let mut payload = T_STRING.to_le_bytes().to_vec();
+    payload.extend_from_slice(&(1u64 << 60).to_le_bytes());
+    g.raw("tokenizer.ggml.tokens", T_ARRAY, payload);
+    rejects(
+        "arr.gguf",
+        &g,
+        &["tokenizer.ggml.tokens", "1152921504606846976 declared"],
+    );
+    let mut g = tiny_model();
+    g.raw(
+        "general.name",
+        T_STRING,
+        (1u64 << 62).to_le_bytes().to_vec(),
+    );
+    rejects("str.gguf", &g, &["general.name", "string length"]);
+    let mut g = tiny_model();
+    g.n_kv = Some(u64::MAX);
+    rejects("nkv.gguf", &g, &["metadata entries", "declared"]);
+    let mut g = tiny_model();
+    g.n_tensors = Some(1 << 59);
+    rejects("nt.gguf", &g, &["tensor entries", "declared"]);
+    let mut g = tiny_model();
+    g.raw("general.x", 99, vec![0; 8]);
+    rejects("ty.gguf", &g, &["general.x", "unknown value type 99"]);
+    let mut g = tiny_model();
+    let mut payload = 77u32.to_le_bytes().to_vec();
+    payload.extend_from_slice(&1u64.to_le_bytes());
+    g.raw("general.y", T_ARRAY, payload);
+    rejects(
+        "ety.gguf",
+        &g,
+        &["general.y", "unknown array element type 77"],
+    );
+}
+
+#[test]
+fn degenerate_metadata_is_rejected_at_load_naming_the_key() {
+    let cases: &[(&str, u64, &[&str])] = &[
+        ("llama.context_length", 0, &["llama.context_length is 0"]),
+        ("llama.block_count", 0, &["llama.block_count is 0"]),
+        (
+            "llama.attention.head_count",
+            0,
+            &["llama.attention.head_count is 0"],
+        ),
+        (
+            "llama.attention.head_count_kv",
+            0,
+            &["llama.attention.head_count_kv is 0"],
+        ),
+        (
+            "llama.embedding_length",
+            0,
+            &["llama.embedding_length is 0"],
+        ),
+        (
+            "llama.feed_forward_length",
+            0,
+            &["llama.feed_forward_length is 0"],
+        ),
+        (
+            "llama.attention.head_count_kv",
+            4,
+            &["llama.attention.head_count_kv 4 exceeds llama.attention.head_count 2"],
+        ),
+        (
+            "llama.embedding_length",
+            9,
+            &["llama.embedding_length", "not a multiple"],
+        ),
+        (
+            "llama.attention.key_length",
+            0,
+            &["llama.attention.key_length is 0"],
+        ),
+        (
+            "llama.attention.sliding_window",
+            0,
+            &["llama.attention.sliding_window is 0"],
+        ),
+        (
+            "llama.context_length",
+            u64::MAX,
+            &["llama.context_length is 18446744073709551615"],
+        ),
+        (
+            "llama.block_count",
+            1 << 40,
+            &["'llama.block_count' is 1099511627776"],
+        ),
+        ("llama.vocab_size", 0, &["llama.vocab_size is 0"]),
+        (
+            "llama.embedding_length",
+            1 << 40,
+            &["llama.embedding_length 1099511627776", "too large"],
+        ),
+    ];
+    for (key, v, expected) in cases {
+        let mut g = tiny_model();
+        g.u64(key, *v);
+        rejects(&format!("{key}-{v}.gguf"), &g, expected);
+    }
+    let mut g = tiny_model();
+    g.f32("llama.attention.layer_norm_rms_epsilon", f32::NAN);
+    rejects("eps.gguf", &g, &["llama.attention.layer_norm_rms_epsilon"]);
+}
+
+#[test]
+fn tensor_shapes_must_agree_with_the_metadata() {
+    // A head count that disagrees with the Q projection is caught from the directory, before loading.
+    let mut g = tiny_model();
+    g.u32("llama.attention.head_count_kv", 2);
+    let err = rejects(
+        "kv.gguf",
+        &g,
+        &["blk.0.attn_k.weight", "shape [4, 8], expected [8, 8]"],
+    );
+    assert!(matches!(err, ModelError::TensorShape { .. }), "{err}");
+    let bytes = g.bytes();
+    let err = ModelConfig::from_gguf(&GgufFile::from_bytes("kv", bytes).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blk.0.attn_k.weight"), "{err}");
+    // A layer tensor beyond block_count.
+    let mut g = tiny_model();
+    g.tensor("blk.1.attn_norm.weight", &[8]);
+    rejects(
+        "extra.gguf",
+        &g,
+        &[
+            "blk.1.attn_norm.weight",
+            "layer 1",
+            "llama.block_count is 1",
+        ],
+    );
+}
+
+#[test]
+fn short_or_foreign_files_are_not_gguf() {
+    for (name, bytes) in [
+        ("empty.gguf", &b""[..]),
+        ("three.gguf", &b"GGU"[..]),
+        ("json.gguf", &b"{\"hidden_size\": 1}"[..]),
+    ] {
+        let path = write(name, bytes);
+        let err = Model::load(&path).err().unwrap().to_string();
+        assert!(
+            err.contains(name) && err.contains("not a GGUF file"),
+            "{name}: {err}"
+        );
+        std::fs::remove_file(path).ok();
+    }
+    let err = GgufFile::from_bytes("x", Vec::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("0 bytes, too short"), "{err}");
+}
+
+#[test]
+fn every_prefix_of_the_tiny_model_is_an_error_not_a_panic() {
+    let bytes = tiny_model().bytes();
+    for len in 0..bytes.len() {
+        assert!(
+            gguf::parse_bytes(&bytes[..len]).is_err(),
+            "prefix of {len} bytes accepted"
+        );
+    }
+}
+
+/// An HF directory copied from the tiny Llama of the test data, with `edit` applied.
+fn hf_dir(name: &str, edit: impl FnOnce(&std::path::Path)) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama");
+    let dir = std::env::temp_dir().join(format!("kura-bad-hf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    edit(&dir);
+    dir
+}
+
+#[test]
+fn hf_directories_with_bad_configs_or_shard_names_are_rejected() {
+    let ok = hf_dir("ok", |_| {});
+    assert!(Model::load(&ok).is_ok(), "the unedited copy must load");
+    std::fs::remove_dir_all(ok).ok();
+    // A shard named outside the directory.
+    let dir = hf_dir("escape", |d| {
+        std::fs::rename(
+            d.join("model.safetensors"),
+            d.join("../kura-escape.safetensors"),
+        )
+        .ok();
+        std::fs::write(
+            d.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"model.embed_tokens.weight": "../kura-escape.safetensors"}}"#,
+        )
+        .unwrap();
+    });
+    let err = Model::load(&dir).err().unwrap().to_string();
+    assert!(
+        err.contains("'../kura-escape.safetensors', which is not a file of the model directory"),
+        "{err}"
+    );
+    std::fs::remove_file(dir.join("../kura-escape.safetensors")).ok();
+    std::fs::remove_dir_all(dir).ok();
+    // Absurd config values name the field.
+    for (key, value, expected) in [
+        ("num_hidden_layers", "0", "num_hidden_layers is 0"),
+        (
+            "max_position_embeddings",
+            "18446744073709551615",
+            "max_position_embeddings is 18446744073709551615",
+        ),
+    ] {
+        let dir = hf_dir(key, |d| {
+            let text = std::fs::read_to_string(d.join("config.json")).unwrap();
+            let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            v[key] = serde_json::from_str(value).unwrap();
+            std::fs::write(d.join("config.json"), v.to_string()).unwrap();
+        });
+        let err = Model::load(&dir).err().unwrap().to_string();
+        assert!(err.contains(expected), "{key}: {err}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
