@@ -57,13 +57,20 @@ impl LayerKv {
         }
     }
 
-    /// Bytes one token costs in this layer, in `dtype`.
-    pub fn bytes_per_token(&self, dtype: KvDtype) -> u64 {
+    /// Bytes one token costs in this layer, in `dtype`; `None` when the sizes overflow 64 bits (shapes come
+    /// from config files, so every product is checked).
+    pub fn bytes_per_token(&self, dtype: KvDtype) -> Option<u64> {
+        // `bytes_per_vector` multiplies elements by bits and adds at most one scale per group: with the
+        // bit count checked, the rest stays below it.
+        let vector = |elements: usize| -> Option<u64> {
+            elements.checked_mul(dtype.bits_per_element())?;
+            u64::try_from(dtype.bytes_per_vector(elements)).ok()
+        };
         match self.attention {
-            AttentionKind::Mla { latent_dim } => dtype.bytes_per_vector(latent_dim) as u64,
-            AttentionKind::Full | AttentionKind::SlidingWindow { .. } => {
-                2 * self.kv_heads as u64 * dtype.bytes_per_vector(self.head_dim) as u64
-            }
+            AttentionKind::Mla { latent_dim } => vector(latent_dim),
+            AttentionKind::Full | AttentionKind::SlidingWindow { .. } => vector(self.head_dim)?
+                .checked_mul(u64::try_from(self.kv_heads).ok()?)?
+                .checked_mul(2),
         }
     }
 
@@ -100,6 +107,10 @@ pub enum LayoutError {
         "pipeline parallelism must be between 1 and the number of layers ({layers}), got {pp}"
     )]
     PipelineParallel { pp: usize, layers: usize },
+    #[error("{0} layers; at most {max} are supported", max = KvLayout::MAX_LAYERS)]
+    TooManyLayers(usize),
+    #[error("KV sizes overflow 64-bit byte counts: {0}")]
+    TooLarge(String),
 }
 
 impl KvLayout {
@@ -132,11 +143,57 @@ impl KvLayout {
                 return Err(LayoutError::ZeroDimension { layer: i, what });
             }
         }
-        Ok(KvLayout {
+        if layers.len() > Self::MAX_LAYERS {
+            return Err(LayoutError::TooManyLayers(layers.len()));
+        }
+        let layout = KvLayout {
             layers,
             dtype,
             block_size_tokens,
+        };
+        // A whole-model block must have a byte count in every element format (so that `with_dtype` and
+        // the per-token, per-block sizes below never overflow); sequences are checked per call.
+        for d in KvDtype::ALL {
+            if layout.with_dtype(d).checked_bytes_per_block().is_none() {
+                let bs = block_size_tokens as u64;
+                let what = match layout.layers.iter().enumerate().find(|(_, l)| {
+                    l.bytes_per_token(d)
+                        .and_then(|b| b.checked_mul(bs))
+                        .is_none()
+                }) {
+                    Some((i, l)) => match l.attention {
+                        AttentionKind::Mla { latent_dim } => format!(
+                            "layer {i}: latent_dim {latent_dim} × {bs} tokens in {}",
+                            d.name()
+                        ),
+                        _ => format!(
+                            "layer {i}: {} kv heads × head_dim {} × {bs} tokens in {}",
+                            l.kv_heads,
+                            l.head_dim,
+                            d.name()
+                        ),
+                    },
+                    None => format!(
+                        "{} layers × {bs} tokens in {}",
+                        layout.layers.len(),
+                        d.name()
+                    ),
+                };
+                return Err(LayoutError::TooLarge(what));
+            }
+        }
+        Ok(layout)
+    }
+
+    fn checked_bytes_per_token(&self) -> Option<u64> {
+        self.layers.iter().try_fold(0u64, |sum, l| {
+            sum.checked_add(l.bytes_per_token(self.dtype)?)
         })
+    }
+
+    fn checked_bytes_per_block(&self) -> Option<u64> {
+        self.checked_bytes_per_token()?
+            .checked_mul(self.block_size_tokens as u64)
     }
 
     /// The same full-attention shape in every layer: the common case (Llama, Qwen2, SmolLM2).
@@ -165,22 +222,24 @@ impl KvLayout {
             .any(|l| matches!(l.attention, AttentionKind::SlidingWindow { .. }))
     }
 
-    /// Bytes one token costs across all layers, before paging.
+    /// Bytes one token costs across all layers, before paging. [`KvLayout::new`] checked that it fits;
+    /// a layout whose public fields were edited past that saturates instead of wrapping.
     pub fn bytes_per_token(&self) -> u64 {
-        self.layers
-            .iter()
-            .map(|l| l.bytes_per_token(self.dtype))
-            .sum()
+        self.checked_bytes_per_token().unwrap_or(u64::MAX)
     }
 
-    /// Bytes one block holds in one layer.
+    /// Bytes one block holds in one layer (0 for a layer the layout does not have).
     pub fn layer_bytes_per_block(&self, layer: usize) -> u64 {
-        self.layers[layer].bytes_per_token(self.dtype) * self.block_size_tokens as u64
+        self.layers
+            .get(layer)
+            .and_then(|l| l.bytes_per_token(self.dtype))
+            .and_then(|b| b.checked_mul(self.block_size_tokens as u64))
+            .unwrap_or(0)
     }
 
-    /// Bytes of one pool block spanning every layer.
+    /// Bytes of one pool block spanning every layer (checked by [`KvLayout::new`], as `bytes_per_token`).
     pub fn bytes_per_block(&self) -> u64 {
-        self.bytes_per_token() * self.block_size_tokens as u64
+        self.checked_bytes_per_block().unwrap_or(u64::MAX)
     }
 
     /// Blocks that hold `tokens` tokens: never loses a token, wastes less than one block.
@@ -188,33 +247,35 @@ impl KvLayout {
         tokens.div_ceil(self.block_size_tokens as u64)
     }
 
-    /// Bytes a sequence of `context` tokens holds, paged, windowed layers capped at their window.
-    pub fn bytes_for_sequence(&self, context: u64) -> u64 {
-        self.layers
-            .iter()
-            .map(|l| {
-                self.blocks_for_tokens(l.tokens_kept(context))
-                    * self.block_size_tokens as u64
-                    * l.bytes_per_token(self.dtype)
-            })
-            .sum()
+    /// Bytes a sequence of `context` tokens holds, paged, windowed layers capped at their window; `None`
+    /// when that is beyond 64 bits.
+    pub fn bytes_for_sequence(&self, context: u64) -> Option<u64> {
+        self.layers.iter().try_fold(0u64, |sum, l| {
+            let slots = self
+                .blocks_for_tokens(l.tokens_kept(context))
+                .checked_mul(self.block_size_tokens as u64)?;
+            sum.checked_add(slots.checked_mul(l.bytes_per_token(self.dtype)?)?)
+        })
     }
 
-    /// Bytes `batch` sequences of `context` tokens each hold.
-    pub fn bytes_for_batch(&self, context: u64, batch: u64) -> u64 {
-        self.bytes_for_sequence(context) * batch
+    /// Bytes `batch` sequences of `context` tokens each hold; `None` beyond 64 bits.
+    pub fn bytes_for_batch(&self, context: u64, batch: u64) -> Option<u64> {
+        self.bytes_for_sequence(context)?.checked_mul(batch)
     }
 
     /// Pool blocks that fit in `budget_bytes` (each spanning every layer).
     pub fn num_blocks_for_budget(&self, budget_bytes: u64) -> u64 {
-        budget_bytes / self.bytes_per_block()
+        budget_bytes
+            .checked_div(self.bytes_per_block())
+            .unwrap_or(0)
     }
 
-    /// Sequences of `context` tokens that fit in `budget_bytes` at once.
+    /// Sequences of `context` tokens that fit in `budget_bytes` at once (none when one sequence is
+    /// beyond 64 bits of bytes).
     pub fn max_concurrency(&self, budget_bytes: u64, context: u64) -> u64 {
         match self.bytes_for_sequence(context.max(1)) {
-            0 => 0,
-            per_seq => budget_bytes / per_seq,
+            None | Some(0) => 0,
+            Some(per_seq) => budget_bytes / per_seq,
         }
     }
 
@@ -222,13 +283,17 @@ impl KvLayout {
     /// `budget_bytes`; 0 when not even one block each fits. O(layers × log context).
     pub fn max_context_for_batch(&self, budget_bytes: u64, batch: u64, context_limit: u64) -> u64 {
         let batch = batch.max(1);
-        let fits = |ctx: u64| self.bytes_for_batch(ctx, batch) <= budget_bytes;
-        let bs = self.block_size_tokens as u64;
-        // Search over whole blocks: bytes are monotone in context.
-        let (mut lo, mut hi) = (0u64, context_limit.div_ceil(bs));
-        if fits(hi * bs) {
+        let fits = |ctx: u64| {
+            self.bytes_for_batch(ctx, batch)
+                .is_some_and(|b| b <= budget_bytes)
+        };
+        if fits(context_limit) {
             return context_limit;
         }
+        // Search over whole blocks (bytes are monotone in context) below the limit, which does not fit:
+        // `hi` blocks hold fewer than `context_limit` tokens, so `mid * bs` cannot overflow.
+        let bs = self.block_size_tokens as u64;
+        let (mut lo, mut hi) = (0u64, context_limit.div_ceil(bs).saturating_sub(1));
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
             if fits(mid * bs) {
@@ -292,14 +357,17 @@ mod tests {
     fn qwen25_32b_one_request_at_32k_f16_is_8_gib() {
         // 2 × 64 layers × 8 kv heads × 128 head dim × 2 bytes × 32,768 tokens
         let l = KvLayout::uniform(64, 8, 128, KvDtype::F16, 16).unwrap();
-        assert_eq!(l.bytes_for_sequence(32_768), 2 * 64 * 8 * 128 * 2 * 32_768);
-        assert_eq!(l.bytes_for_sequence(32_768), 8_589_934_592);
+        assert_eq!(
+            l.bytes_for_sequence(32_768),
+            Some(2 * 64 * 8 * 128 * 2 * 32_768)
+        );
+        assert_eq!(l.bytes_for_sequence(32_768), Some(8_589_934_592));
     }
 
     #[test]
     fn mha_32_layers_f32_batch_32_context_2048_is_64_gib() {
         let l = KvLayout::uniform(32, 32, 128, KvDtype::F32, 16).unwrap();
-        assert_eq!(l.bytes_for_batch(2048, 32), 64 * GIB);
+        assert_eq!(l.bytes_for_batch(2048, 32), Some(64 * GIB));
     }
 
     #[test]
@@ -307,9 +375,9 @@ mod tests {
         let l = KvLayout::uniform(2, 1, 4, KvDtype::F32, 16).unwrap();
         let per_token = 2 * 2 * 4 * 4;
         assert_eq!(l.bytes_per_token(), per_token);
-        assert_eq!(l.bytes_for_sequence(40), 48 * per_token);
-        assert_eq!(l.bytes_for_sequence(48), 48 * per_token);
-        assert_eq!(l.bytes_for_sequence(49), 64 * per_token);
+        assert_eq!(l.bytes_for_sequence(40), Some(48 * per_token));
+        assert_eq!(l.bytes_for_sequence(48), Some(48 * per_token));
+        assert_eq!(l.bytes_for_sequence(49), Some(64 * per_token));
         assert_eq!(l.blocks_for_tokens(0), 0);
     }
 
@@ -326,8 +394,11 @@ mod tests {
         ];
         let l = KvLayout::new(layers, KvDtype::F32, 16).unwrap();
         let per_layer_token = 2 * 4 * 4;
-        assert_eq!(l.bytes_for_sequence(20), (32 + 32) * per_layer_token);
-        assert_eq!(l.bytes_for_sequence(1000), (1008 + 32) * per_layer_token);
+        assert_eq!(l.bytes_for_sequence(20), Some((32 + 32) * per_layer_token));
+        assert_eq!(
+            l.bytes_for_sequence(1000),
+            Some((1008 + 32) * per_layer_token)
+        );
     }
 
     #[test]
@@ -371,8 +442,8 @@ mod tests {
         let budget = 100 << 20;
         let ctx = l.max_context_for_batch(budget, 4, 1 << 20);
         assert_eq!(ctx % 16, 0);
-        assert!(l.bytes_for_batch(ctx, 4) <= budget);
-        assert!(l.bytes_for_batch(ctx + 16, 4) > budget);
+        assert!(l.bytes_for_batch(ctx, 4).unwrap() <= budget);
+        assert!(l.bytes_for_batch(ctx + 16, 4).unwrap() > budget);
         // A limit that already fits is returned as is.
         assert_eq!(l.max_context_for_batch(budget, 1, 100), 100);
     }
@@ -397,6 +468,31 @@ mod tests {
                 layer: 0,
                 what: "kv_heads"
             })
+        );
+    }
+
+    #[test]
+    fn sizes_beyond_64_bits_are_none_or_errors_never_wrapped() {
+        let l = KvLayout::uniform(30, 3, 64, KvDtype::F16, 16).unwrap();
+        assert_eq!(l.bytes_for_sequence(u64::MAX), None);
+        assert_eq!(l.bytes_for_batch(4096, u64::MAX), None);
+        assert_eq!(l.max_concurrency(1 << 40, u64::MAX), 0);
+        // The longest context for an absurd batch: nothing fits, and nothing overflows finding that out.
+        assert_eq!(l.max_context_for_batch(1 << 40, u64::MAX, u64::MAX), 0);
+        let one = l.bytes_for_sequence(16).unwrap();
+        assert_eq!(l.max_context_for_batch(one, 1, u64::MAX), 16);
+        for (layers, kv, hd) in [
+            (1, usize::MAX, 128),
+            (1, 1, usize::MAX / 2),
+            (1 << 16, 1 << 20, 1 << 22),
+        ] {
+            let err = KvLayout::uniform(layers, kv, hd, KvDtype::F16, 16).unwrap_err();
+            assert!(matches!(err, LayoutError::TooLarge(_)), "{err}");
+            assert!(err.to_string().contains("overflow"), "{err}");
+        }
+        assert_eq!(
+            KvLayout::uniform(KvLayout::MAX_LAYERS + 1, 1, 2, KvDtype::F16, 16),
+            Err(LayoutError::TooManyLayers(KvLayout::MAX_LAYERS + 1))
         );
     }
 }

@@ -24,13 +24,13 @@ proptest! {
     #[test]
     fn whole_blocks_grow_linearly_in_context(l in full_layout(), blocks in 1u64..2000, k in 1u64..8) {
         let ctx = blocks * l.block_size_tokens as u64;
-        prop_assert_eq!(l.bytes_for_sequence(ctx * k), k * l.bytes_for_sequence(ctx));
-        prop_assert_eq!(l.bytes_for_sequence(ctx), ctx * l.bytes_per_token());
+        prop_assert_eq!(l.bytes_for_sequence(ctx * k).unwrap(), k * l.bytes_for_sequence(ctx).unwrap());
+        prop_assert_eq!(l.bytes_for_sequence(ctx).unwrap(), ctx * l.bytes_per_token());
     }
 
     #[test]
     fn bytes_grow_linearly_in_batch(l in full_layout(), ctx in 1u64..200_000, batch in 1u64..512) {
-        prop_assert_eq!(l.bytes_for_batch(ctx, batch), batch * l.bytes_for_sequence(ctx));
+        prop_assert_eq!(l.bytes_for_batch(ctx, batch).unwrap(), batch * l.bytes_for_sequence(ctx).unwrap());
     }
 
     #[test]
@@ -38,7 +38,7 @@ proptest! {
         let slots = l.blocks_for_tokens(ctx) * l.block_size_tokens as u64;
         prop_assert!(slots >= ctx);
         prop_assert!(slots < ctx + l.block_size_tokens as u64);
-        prop_assert!(l.bytes_for_sequence(ctx) >= ctx * l.bytes_per_token());
+        prop_assert!(l.bytes_for_sequence(ctx).unwrap() >= ctx * l.bytes_per_token());
     }
 
     #[test]
@@ -49,17 +49,17 @@ proptest! {
         let l = KvLayout::uniform(layers, kv, 128, d, 16).unwrap();
         let shard = l.shard(tp, 1).unwrap();
         if kv % tp == 0 {
-            prop_assert_eq!(shard.bytes_for_sequence(ctx) * tp as u64, l.bytes_for_sequence(ctx));
+            prop_assert_eq!(shard.bytes_for_sequence(ctx).unwrap() * tp as u64, l.bytes_for_sequence(ctx).unwrap());
         } else {
             // Fewer heads than ranks: each rank keeps one replicated head.
             prop_assert_eq!(shard.layers[0].kv_heads, 1);
-            prop_assert!(shard.bytes_for_sequence(ctx) * tp as u64 > l.bytes_for_sequence(ctx));
+            prop_assert!(shard.bytes_for_sequence(ctx).unwrap() * tp as u64 > l.bytes_for_sequence(ctx).unwrap());
         }
     }
 
     #[test]
     fn int4_lt_int8_lt_f16_lt_f32(l in full_layout(), ctx in 1u64..100_000) {
-        let at = |d: KvDtype| l.with_dtype(d).bytes_for_sequence(ctx);
+        let at = |d: KvDtype| l.with_dtype(d).bytes_for_sequence(ctx).unwrap();
         prop_assert!(at(KvDtype::Int4) < at(KvDtype::Int8));
         prop_assert!(at(KvDtype::Int8) < at(KvDtype::F16));
         prop_assert_eq!(at(KvDtype::F16), at(KvDtype::Bf16));
@@ -73,15 +73,15 @@ proptest! {
         let sw = LayerKv { kv_heads: 8, head_dim: 128, attention: AttentionKind::SlidingWindow { window_tokens: window } };
         let windowed = KvLayout::new(vec![sw; 4], KvDtype::F16, bs).unwrap();
         let full = KvLayout::uniform(4, 8, 128, KvDtype::F16, bs).unwrap();
-        prop_assert!(windowed.bytes_for_sequence(ctx) <= full.bytes_for_sequence(ctx));
-        prop_assert_eq!(windowed.bytes_for_sequence(ctx), full.bytes_for_sequence(ctx.min(window as u64)));
+        prop_assert!(windowed.bytes_for_sequence(ctx).unwrap() <= full.bytes_for_sequence(ctx).unwrap());
+        prop_assert_eq!(windowed.bytes_for_sequence(ctx).unwrap(), full.bytes_for_sequence(ctx.min(window as u64)).unwrap());
     }
 
     #[test]
     fn max_concurrency_fits_and_one_more_does_not(l in full_layout(), ctx in 1u64..100_000, budget_gib in 1u64..200) {
         let budget = budget_gib << 30;
         let n = l.max_concurrency(budget, ctx);
-        prop_assert!(n * l.bytes_for_sequence(ctx) <= budget);
-        prop_assert!((n + 1) * l.bytes_for_sequence(ctx) > budget);
+        prop_assert!(n * l.bytes_for_sequence(ctx).unwrap() <= budget);
+        prop_assert!((n + 1) * l.bytes_for_sequence(ctx).unwrap() > budget);
     }
 }

@@ -108,12 +108,25 @@ fn load_spec(model: &str) -> Result<LoadedSpec> {
         return Ok(loaded);
     }
     if path.is_file() {
-        let mut magic = [0u8; 4];
+        let mut magic = Vec::with_capacity(4);
         use std::io::Read;
-        let n = std::fs::File::open(path)
+        std::fs::File::open(path)
             .with_context(|| format!("opening {}", path.display()))?
-            .read(&mut magic)?;
-        return if n == 4 && &magic == b"GGUF" {
+            .take(4)
+            .read_to_end(&mut magic)
+            .with_context(|| format!("reading {}", path.display()))?;
+        // A `.gguf` name goes to the GGUF reader even when the magic is wrong, so that a truncated or
+        // empty file is reported as the GGUF it was meant to be.
+        let named_gguf = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        if magic.is_empty() && !named_gguf {
+            bail!(
+                "{} is empty: expected a GGUF file or an HF config.json",
+                path.display()
+            );
+        }
+        return if magic == b"GGUF" || named_gguf {
             load_gguf(path)
         } else {
             load_config(path)
@@ -200,7 +213,12 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
         "tie_word_embeddings".into(),
         json!(!file.tensors.contains_key("output.weight")),
     );
-    let params: u64 = file.tensors.values().map(|t| t.n_elements() as u64).sum();
+    // Tensors do not overlap inside the file, so these sums are bounded by its size; checked anyway.
+    let params = file
+        .tensors
+        .values()
+        .try_fold(0u64, |sum, t| sum.checked_add(t.n_elements() as u64))
+        .context("GGUF tensor element counts overflow 64 bits")?;
     cfg.insert("num_parameters".into(), json!(params));
     let name = match meta.get("general.name") {
         Some(kura_model::gguf::Value::String(s)) => s.clone(),
@@ -211,7 +229,11 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
     };
     let spec = ModelSpec::from_hf_config(&Value::Object(cfg), &name, &path.display().to_string())
         .with_context(|| format!("GGUF metadata of {}", path.display()))?;
-    let weights_bytes = file.tensors.values().map(|t| t.n_bytes).sum();
+    let weights_bytes = file
+        .tensors
+        .values()
+        .try_fold(0u64, |sum, t| sum.checked_add(t.n_bytes))
+        .context("GGUF tensor sizes overflow 64 bits")?;
     Ok(LoadedSpec {
         spec,
         weights_bytes: Some(weights_bytes),
@@ -353,10 +375,18 @@ fn print_table(r: &PlanReport, memory_note: &str) {
             "  − activation peak    {:>12}  estimate (--activation)",
             format_bytes(r.activation_bytes)
         );
-        println!(
-            "  = KV budget          {:>12}",
-            format_bytes(r.kv_budget_bytes)
-        );
+        if r.fits {
+            println!(
+                "  = KV budget          {:>12}",
+                format_bytes(r.kv_budget_bytes)
+            );
+        } else {
+            println!(
+                "  = does not fit       short by {} ({} B): no KV budget",
+                format_bytes(r.short_bytes),
+                r.short_bytes
+            );
+        }
     } else {
         println!(
             "  KV budget            {:>12}  (--kv-cache-memory)",

@@ -124,39 +124,18 @@ pub enum PlanError {
     Utilization(f64),
     #[error("{0} must be at least 1")]
     Zero(&'static str),
-    #[error(
-        "the model does not fit: weights {} + overhead {} + activations {} = {} per device, but only {} is \
-         usable ({} × {utilization}); short by {}. Try a larger --tp/--pp, a smaller --weights-dtype, or \
-         --memory-utilization closer to 1",
-        format_bytes(*weights), format_bytes(*overhead), format_bytes(*activation),
-        format_bytes(weights + overhead + activation), format_bytes(*usable), format_bytes(*memory),
-        format_bytes(self.short_bytes())
-    )]
-    DoesNotFit {
-        weights: u64,
-        overhead: u64,
-        activation: u64,
-        usable: u64,
-        memory: u64,
-        utilization: f64,
+    #[error("{flag} {got} is beyond what Kura plans for (at most {max})")]
+    OutOfRange {
+        flag: &'static str,
+        got: u64,
+        max: u64,
     },
+    #[error("{0} overflows 64-bit byte counts; ask for less")]
+    TooLarge(String),
 }
 
-impl PlanError {
-    /// For [`PlanError::DoesNotFit`]: the bytes missing; 0 for other errors.
-    pub fn short_bytes(&self) -> u64 {
-        match self {
-            PlanError::DoesNotFit {
-                weights,
-                overhead,
-                activation,
-                usable,
-                ..
-            } => (weights + overhead + activation).saturating_sub(*usable),
-            _ => 0,
-        }
-    }
-}
+/// The largest `--tp` and `--pp` (devices a plan spans).
+pub const MAX_PARALLEL: usize = 4096;
 
 /// The answer, every byte count exact (per device unless named otherwise).
 #[derive(Clone, Debug, Serialize)]
@@ -196,6 +175,11 @@ pub struct PlanReport {
     pub max_concurrency: u64,
     /// The longest context at which `batch` requests still fit.
     pub max_context_for_batch: u64,
+    /// Whether weights, overhead and activations fit in the usable memory at all; when they do not, the
+    /// KV figures above are still exact and the budget, blocks and concurrency are 0.
+    pub fits: bool,
+    /// Bytes missing for the model to fit (0 when it fits).
+    pub short_bytes: u64,
     pub fits_batch: bool,
     pub warnings: Vec<String>,
 }
@@ -234,27 +218,51 @@ impl PlanRequest {
         }
     }
 
-    /// The activation-peak estimate of the module docs, per device.
-    pub fn estimate_activation(&self) -> u64 {
+    /// The activation-peak estimate of the module docs, per device; `None` when it leaves 64 bits.
+    pub fn estimate_activation(&self) -> Option<u64> {
         let s = &self.spec;
-        let act_bytes: u64 = if self.weights_dtype == WeightsDtype::F32 {
+        let act_bytes: u128 = if self.weights_dtype == WeightsDtype::F32 {
             4
         } else {
             2
         };
-        let tp = self.tp as u64;
-        let q_dim = (s.num_heads * s.head_dim) as u64;
-        let kv_dim = (s.num_kv_heads * s.head_dim) as u64;
-        let sharded = (q_dim + 2 * kv_dim + q_dim + 2 * s.active_ffn_width() as u64) / tp;
-        let per_token = 2 * s.hidden_size as u64 + sharded;
+        let tp = self.tp.max(1) as u128;
+        // Every factor is below 2^64, so each product of two fits u128; the sums are checked.
+        let q_dim = s.num_heads as u128 * s.head_dim as u128;
+        let kv_dim = s.num_kv_heads as u128 * s.head_dim as u128;
+        let sharded = q_dim
+            .checked_mul(2)?
+            .checked_add(kv_dim.checked_mul(2)?)?
+            .checked_add((s.active_ffn_width() as u128).checked_mul(2)?)?
+            / tp;
+        let per_token = (s.hidden_size as u128)
+            .checked_mul(2)?
+            .checked_add(sharded)?;
+        let tokens = self.max_batched_tokens as u128;
         let logits =
-            self.max_batched_tokens.min(MAX_SEQS_FOR_LOGITS) * s.vocab_size as u64 / tp * 4;
-        self.max_batched_tokens * per_token * act_bytes + logits
+            (tokens.min(MAX_SEQS_FOR_LOGITS as u128)).checked_mul(s.vocab_size as u128)? / tp * 4;
+        let total = tokens
+            .checked_mul(per_token)?
+            .checked_mul(act_bytes)?
+            .checked_add(logits)?;
+        u64::try_from(total).ok()
     }
 
     pub fn plan(&self) -> Result<PlanReport, PlanError> {
         if self.batch == 0 {
             return Err(PlanError::Zero("--batch"));
+        }
+        if self.max_batched_tokens == 0 {
+            return Err(PlanError::Zero("--max-batched-tokens"));
+        }
+        for (flag, v) in [("--tp", self.tp), ("--pp", self.pp)] {
+            if v > MAX_PARALLEL {
+                return Err(PlanError::OutOfRange {
+                    flag,
+                    got: v as u64,
+                    max: MAX_PARALLEL as u64,
+                });
+            }
         }
         if !(self.memory_utilization > 0.0 && self.memory_utilization <= 1.0) {
             return Err(PlanError::Utilization(self.memory_utilization));
@@ -266,6 +274,13 @@ impl PlanRequest {
             .unwrap_or(s.max_context.unwrap_or(DEFAULT_CONTEXT));
         if context == 0 {
             return Err(PlanError::Zero("--context"));
+        }
+        if context > spec::MAX_CONTEXT {
+            return Err(PlanError::OutOfRange {
+                flag: "--context",
+                got: context,
+                max: spec::MAX_CONTEXT,
+            });
         }
         if let Some(max) = s.max_context {
             if context > max {
@@ -290,10 +305,32 @@ impl PlanRequest {
             ));
         }
 
+        // The KV figures: the answer to the question asked, whether or not the model fits.
+        let too_large = |what: String| PlanError::TooLarge(what);
+        let copies = rank_copies(&layout, &rank, self.tp);
+        let kv_bytes_per_token = layout
+            .bytes_per_token()
+            .checked_mul(copies)
+            .ok_or_else(|| too_large(format!("KV per token across --tp {}", self.tp)))?;
+        let per_request = layout
+            .bytes_for_sequence(context)
+            .and_then(|b| b.checked_mul(copies))
+            .ok_or_else(|| too_large(format!("KV for one request of {context} tokens")))?;
+        let kv_bytes_total = per_request.checked_mul(self.batch).ok_or_else(|| {
+            too_large(format!(
+                "KV for --batch {} requests of {context} tokens",
+                self.batch
+            ))
+        })?;
+        let per_request_per_device = rank
+            .bytes_for_sequence(context)
+            .ok_or_else(|| too_large(format!("KV for one request of {context} tokens")))?;
+
         let devices = (self.tp * self.pp) as u64;
         let (weights_total, weights_exact) = match self.weights_bytes {
             Some(b) => (b, true),
             None => (
+                // A float-to-integer cast saturates; params are checked at 64 bits.
                 (s.params() as f64 * self.weights_dtype.bits_per_weight() / 8.0).ceil() as u64,
                 false,
             ),
@@ -302,43 +339,64 @@ impl PlanRequest {
         let overhead = self
             .overhead_bytes
             .unwrap_or_else(|| self.default_overhead());
-        let activation = self
-            .activation_bytes
-            .unwrap_or_else(|| self.estimate_activation());
+        let activation = match self.activation_bytes {
+            Some(a) => a,
+            None => self.estimate_activation().ok_or_else(|| {
+                too_large(format!(
+                    "the activation estimate for --max-batched-tokens {}",
+                    self.max_batched_tokens
+                ))
+            })?,
+        };
 
-        let (kv_budget, memory) = match (self.kv_cache_memory, self.memory_bytes) {
-            (Some(kv), mem) => (kv, mem),
+        let (kv_budget, memory, short_bytes) = match (self.kv_cache_memory, self.memory_bytes) {
+            (Some(kv), mem) => (kv, mem, 0),
             (None, None) => return Err(PlanError::NoMemory),
             (None, Some(mem)) => {
                 let usable = (mem as f64 * self.memory_utilization).floor() as u64;
-                let needed = weights + overhead + activation;
-                if needed > usable {
-                    return Err(PlanError::DoesNotFit {
-                        weights,
-                        overhead,
-                        activation,
-                        usable,
-                        memory: mem,
-                        utilization: self.memory_utilization,
-                    });
+                // Three sizes from flags or estimates: the sum is taken wide, so it cannot wrap.
+                let needed = weights as u128 + overhead as u128 + activation as u128;
+                match u64::try_from(needed)
+                    .ok()
+                    .and_then(|n| usable.checked_sub(n))
+                {
+                    Some(budget) => (budget, Some(mem), 0),
+                    None => {
+                        let short = u64::try_from(needed - usable as u128).unwrap_or(u64::MAX);
+                        warnings.insert(
+                            0,
+                            format!(
+                                "the model does not fit: weights {} + overhead {} + activations {} per \
+                                 device exceed the {} usable ({} × {}); short by {}. Try a larger \
+                                 --tp/--pp, a smaller --weights-dtype, or --memory-utilization closer to 1",
+                                format_bytes(weights),
+                                format_bytes(overhead),
+                                format_bytes(activation),
+                                format_bytes(usable),
+                                format_bytes(mem),
+                                self.memory_utilization,
+                                format_bytes(short)
+                            ),
+                        );
+                        (0, Some(mem), short)
+                    }
                 }
-                (usable - needed, Some(mem))
             }
         };
+        let fits = short_bytes == 0;
 
         let num_blocks = rank.num_blocks_for_budget(kv_budget);
         let max_concurrency = rank.max_concurrency(kv_budget, context);
         let limit = s.max_context.unwrap_or(context).max(context);
         let max_context_for_batch = rank.max_context_for_batch(kv_budget, self.batch, limit);
         let fits_batch = max_concurrency >= self.batch;
-        if !fits_batch {
+        if fits && !fits_batch {
             warnings.push(format!(
                 "{} requests of {context} tokens do not fit: at most {max_concurrency} do; {} requests fit at up to \
                  {max_context_for_batch} tokens each",
                 self.batch, self.batch
             ));
         }
-        let per_request = layout.bytes_for_sequence(context) * rank_copies(&layout, &rank, self.tp);
         Ok(PlanReport {
             model: s.name.clone(),
             source: s.source.clone(),
@@ -354,11 +412,11 @@ impl PlanRequest {
             batch: self.batch,
             tp: self.tp,
             pp: self.pp,
-            kv_bytes_per_token: layout.bytes_per_token() * rank_copies(&layout, &rank, self.tp),
+            kv_bytes_per_token,
             kv_bytes_per_request: per_request,
-            kv_bytes_total: per_request * self.batch,
+            kv_bytes_total,
             kv_bytes_per_token_per_device: rank.bytes_per_token(),
-            kv_bytes_per_request_per_device: rank.bytes_for_sequence(context),
+            kv_bytes_per_request_per_device: per_request_per_device,
             bytes_per_block_per_device: rank.bytes_per_block(),
             memory_bytes: memory,
             memory_utilization: memory.map(|_| self.memory_utilization),
@@ -371,6 +429,8 @@ impl PlanRequest {
             max_tokens_in_pool: num_blocks * self.block_size_tokens as u64,
             max_concurrency,
             max_context_for_batch,
+            fits,
+            short_bytes,
             fits_batch,
             warnings,
         })
@@ -504,16 +564,67 @@ mod tests {
     }
 
     #[test]
-    fn weights_that_do_not_fit_say_by_how_much() {
+    fn weights_that_do_not_fit_say_by_how_much_and_keep_the_kv_figures() {
         let mut r = req("llama-3.1-70b");
         r.memory_bytes = Some(80 * GIB);
-        let err = r.plan().unwrap_err();
-        assert!(matches!(err, PlanError::DoesNotFit { .. }), "{err}");
+        r.context = Some(8192);
+        let p = r.plan().unwrap();
+        assert!(!p.fits);
         // 141 GB of bf16 weights alone exceed 72 GiB usable.
-        assert!(err.short_bytes() > 60 * GIB, "{err}");
-        assert!(err.to_string().contains("short by"));
+        assert!(p.short_bytes > 60 * GIB, "{}", p.short_bytes);
+        assert!(p.warnings[0].contains("short by"), "{:?}", p.warnings);
+        // 2 × 80 layers × 8 kv heads × 128 × 2 bytes × 8,192 tokens: the answer the user asked for.
+        assert_eq!(p.kv_bytes_per_request, 2 * 80 * 8 * 128 * 2 * 8192);
+        assert_eq!(
+            (p.kv_budget_bytes, p.num_blocks, p.max_concurrency),
+            (0, 0, 0)
+        );
         r.tp = 4;
-        assert!(r.plan().is_ok());
+        let p = r.plan().unwrap();
+        assert!(p.fits && p.short_bytes == 0 && p.max_concurrency > 0);
+    }
+
+    #[test]
+    fn sizes_from_flags_that_leave_64_bits_are_errors_not_wrapped() {
+        let mut r = req("llama-3.1-8b");
+        r.kv_cache_memory = Some(GIB);
+        r.context = Some(u64::MAX);
+        let e = r.plan().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PlanError::OutOfRange {
+                    flag: "--context",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        r.context = Some(8192);
+        r.batch = u64::MAX;
+        let e = r.plan().unwrap_err();
+        assert!(
+            e.to_string().contains("--batch") && e.to_string().contains("overflows"),
+            "{e}"
+        );
+        r.batch = 1;
+        r.max_batched_tokens = u64::MAX;
+        r.kv_cache_memory = None;
+        r.memory_bytes = Some(80 * GIB);
+        let e = r.plan().unwrap_err();
+        assert!(e.to_string().contains("--max-batched-tokens"), "{e}");
+        r.max_batched_tokens = 8192;
+        r.tp = usize::MAX;
+        assert!(matches!(
+            r.plan().unwrap_err(),
+            PlanError::OutOfRange { flag: "--tp", .. }
+        ));
+        r.tp = 1;
+        r.overhead_bytes = Some(u64::MAX);
+        r.activation_bytes = Some(u64::MAX);
+        let p = r.plan().unwrap();
+        assert!(!p.fits);
+        assert_eq!(p.short_bytes, u64::MAX);
     }
 
     #[test]

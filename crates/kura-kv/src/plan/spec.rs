@@ -69,8 +69,39 @@ pub enum SpecError {
     },
     #[error("config key '{key}' must be a positive integer, got {got}")]
     BadNumber { key: String, got: String },
+    #[error("config key '{key}' is {got}; {why}")]
+    OutOfRange {
+        key: String,
+        got: u64,
+        why: &'static str,
+    },
     #[error("config: {0}")]
     Inconsistent(String),
+    #[error("config: {0} overflows 64 bits: the sizes are too large")]
+    Overflow(String),
+}
+
+/// The longest context a config may declare: positions are 32-bit in Kura's engine and API, and no model
+/// comes near it.
+pub const MAX_CONTEXT: u64 = u32::MAX as u64;
+
+/// `a × b × …` of named sizes, or an error naming them when the product leaves 64 bits.
+fn product(factors: &[(&str, u64)]) -> Result<u64, SpecError> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, (_, v)| acc.checked_mul(*v))
+        .ok_or_else(|| {
+            let names: Vec<String> = factors.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            SpecError::Overflow(names.join(" × "))
+        })
+}
+
+/// `a + b + …` of named terms, or an error naming what they add up to.
+fn sum(what: &str, terms: &[u64]) -> Result<u64, SpecError> {
+    terms
+        .iter()
+        .try_fold(0u64, |acc, t| acc.checked_add(*t))
+        .ok_or_else(|| SpecError::Overflow(what.to_string()))
 }
 
 fn get<'a>(cfg: &'a Value, keys: &[&str]) -> Option<(&'a Value, String)> {
@@ -84,28 +115,35 @@ fn get<'a>(cfg: &'a Value, keys: &[&str]) -> Option<(&'a Value, String)> {
 fn opt_usize(cfg: &Value, keys: &[&str]) -> Result<Option<usize>, SpecError> {
     match get(cfg, keys) {
         None => Ok(None),
-        Some((v, key)) => match v.as_u64() {
-            Some(n) => Ok(Some(n as usize)),
-            None => match v.as_f64() {
-                // Some configs write integers as floats (1e4, 4096.0).
-                Some(f) if f >= 0.0 && f.fract() == 0.0 => Ok(Some(f as usize)),
-                _ => Err(SpecError::BadNumber {
+        Some((v, key)) => {
+            let n = match (v.as_u64(), v.as_f64()) {
+                (Some(n), _) => Some(n),
+                // Some configs write integers as floats (1e4, 4096.0); beyond 2^53 a float is not exact.
+                (None, Some(f)) if f >= 0.0 && f.fract() == 0.0 && f <= (1u64 << 53) as f64 => {
+                    Some(f as u64)
+                }
+                _ => None,
+            };
+            n.and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| SpecError::BadNumber {
                     key,
                     got: v.to_string(),
-                }),
-            },
-        },
+                })
+        }
     }
 }
 
 fn req_usize(cfg: &Value, keys: &[&'static str], why: &'static str) -> Result<usize, SpecError> {
-    match opt_usize(cfg, keys)? {
-        Some(0) => Err(SpecError::BadNumber {
-            key: keys[0].to_string(),
-            got: "0".into(),
-        }),
-        Some(n) => Ok(n),
+    match get(cfg, keys).map(|(_, k)| k) {
         None => Err(SpecError::Missing { key: keys[0], why }),
+        Some(key) => match opt_usize(cfg, keys)? {
+            Some(0) | None => Err(SpecError::BadNumber {
+                key,
+                got: "0".into(),
+            }),
+            Some(n) => Ok(n),
+        },
     }
 }
 
@@ -141,6 +179,14 @@ impl ModelSpec {
             &["num_hidden_layers", "n_layer", "num_layers"],
             "the number of layers",
         )?;
+        if num_layers > KvLayout::MAX_LAYERS {
+            // Checked before the per-layer tables below allocate by it.
+            return Err(SpecError::OutOfRange {
+                key: "num_hidden_layers".into(),
+                got: num_layers as u64,
+                why: "more layers than Kura supports (65,536)",
+            });
+        }
         let hidden_size = req_usize(
             cfg,
             &["hidden_size", "n_embd", "d_model"],
@@ -167,14 +213,25 @@ impl ModelSpec {
                 None if multi_query => 1,
                 None => num_heads,
             };
+        if num_kv_heads > num_heads {
+            return Err(SpecError::Inconsistent(format!(
+                "num_key_value_heads ({num_kv_heads}) exceeds num_attention_heads ({num_heads})"
+            )));
+        }
         if num_heads % num_kv_heads != 0 {
             return Err(SpecError::Inconsistent(format!(
                 "num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
             )));
         }
         let head_dim = match opt_usize(cfg, &["head_dim"])? {
-            Some(d) if d > 0 => d,
-            _ => {
+            Some(0) => {
+                return Err(SpecError::BadNumber {
+                    key: "head_dim".into(),
+                    got: "0".into(),
+                })
+            }
+            Some(d) => d,
+            None => {
                 if hidden_size % num_heads != 0 {
                     return Err(SpecError::Inconsistent(format!(
                         "no head_dim given and hidden_size ({hidden_size}) is not a multiple of \
@@ -184,8 +241,15 @@ impl ModelSpec {
                 hidden_size / num_heads
             }
         };
-        let intermediate_size = opt_usize(cfg, &["intermediate_size", "ffn_dim", "n_inner"])?
-            .unwrap_or(4 * hidden_size);
+        let intermediate_size = match opt_usize(cfg, &["intermediate_size", "ffn_dim", "n_inner"])?
+        {
+            Some(n) => n,
+            None => hidden_size.checked_mul(4).ok_or_else(|| {
+                SpecError::Overflow(format!(
+                    "4 × hidden_size {hidden_size} (the default FFN width)"
+                ))
+            })?,
+        };
         let vocab_size = req_usize(cfg, &["vocab_size"], "the embedding size")?;
         let max_context = opt_usize(
             cfg,
@@ -197,6 +261,23 @@ impl ModelSpec {
             ],
         )?
         .map(|n| n as u64);
+        if let Some(n) = max_context.filter(|n| *n == 0 || *n > MAX_CONTEXT) {
+            let key = get(
+                cfg,
+                &[
+                    "max_position_embeddings",
+                    "n_positions",
+                    "seq_length",
+                    "max_seq_len",
+                ],
+            )
+            .map_or_else(|| "max_position_embeddings".to_string(), |(_, k)| k);
+            return Err(SpecError::OutOfRange {
+                key,
+                got: n,
+                why: "a model's context must be 1 to 4,294,967,295 tokens",
+            });
+        }
         let tied_embeddings = cfg
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
@@ -230,7 +311,14 @@ impl ModelSpec {
                 opt_usize(cfg, &["moe_intermediate_size"])?.unwrap_or(intermediate_size);
             let shared_intermediate = match opt_usize(cfg, &["shared_expert_intermediate_size"])? {
                 Some(n) => n,
-                None => opt_usize(cfg, &["n_shared_experts"])?.unwrap_or(0) * expert_intermediate,
+                None => {
+                    let n = opt_usize(cfg, &["n_shared_experts"])?.unwrap_or(0);
+                    n.checked_mul(expert_intermediate).ok_or_else(|| {
+                        SpecError::Overflow(format!(
+                            "n_shared_experts {n} × moe_intermediate_size {expert_intermediate}"
+                        ))
+                    })?
+                }
             };
             let first_dense_layers = opt_usize(cfg, &["first_k_dense_replace"])?
                 .unwrap_or(0)
@@ -246,7 +334,7 @@ impl ModelSpec {
             None
         };
 
-        Ok(ModelSpec {
+        let spec = ModelSpec {
             name: name.to_string(),
             source: source.to_string(),
             num_layers,
@@ -262,7 +350,40 @@ impl ModelSpec {
             moe,
             mla,
             params_given: opt_usize(cfg, &["num_parameters", "params"])?.map(|n| n as u64),
-        })
+        };
+        spec.check_sizes()?;
+        Ok(spec)
+    }
+
+    /// The products the planner takes of the shapes fit in 64 bits: the parameter estimate, the FFN width
+    /// of a token, and a whole-model KV block in the widest format at the largest block size (so that
+    /// `kv_layout` cannot overflow either). Errors name the fields.
+    fn check_sizes(&self) -> Result<(), SpecError> {
+        self.try_estimate_params()?;
+        self.try_active_ffn_width()?;
+        let latent = match &self.mla {
+            Some(m) => m
+                .kv_lora_rank
+                .checked_add(m.qk_rope_head_dim)
+                .ok_or_else(|| SpecError::Overflow("kv_lora_rank + qk_rope_head_dim".into()))?,
+            None => 0,
+        };
+        let per_layer: &[(&str, u64)] = if self.mla.is_some() {
+            &[("kv_lora_rank + qk_rope_head_dim", latent as u64)]
+        } else {
+            &[
+                ("K and V", 2),
+                ("num_key_value_heads", self.num_kv_heads as u64),
+                ("head_dim", self.head_dim as u64),
+            ]
+        };
+        let fixed = [
+            ("num_hidden_layers", self.num_layers as u64),
+            ("f32 bytes", 4),
+            ("tokens per block", KvLayout::MAX_BLOCK_SIZE as u64),
+        ];
+        product(&[per_layer, &fixed[..]].concat())?;
+        Ok(())
     }
 
     /// Which layers slide, from the config's own words:
@@ -278,16 +399,29 @@ impl ModelSpec {
         mla: Option<&MlaSpec>,
     ) -> Result<Vec<AttentionKind>, SpecError> {
         if let Some(m) = mla {
-            return Ok(vec![
-                AttentionKind::Mla {
-                    latent_dim: m.kv_lora_rank + m.qk_rope_head_dim
-                };
-                num_layers
-            ]);
+            let latent_dim = m
+                .kv_lora_rank
+                .checked_add(m.qk_rope_head_dim)
+                .ok_or_else(|| SpecError::Overflow("kv_lora_rank + qk_rope_head_dim".into()))?;
+            return Ok(vec![AttentionKind::Mla { latent_dim }; num_layers]);
         }
-        let window = opt_usize(cfg, &["sliding_window"])?.filter(|&w| w > 0);
-        let Some(window_tokens) = window else {
-            return Ok(vec![AttentionKind::Full; num_layers]);
+        let qwen_off = model_type.starts_with("qwen")
+            && !cfg
+                .get("use_sliding_window")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+        let window = opt_usize(cfg, &["sliding_window"])?;
+        let window_tokens = match window {
+            None => return Ok(vec![AttentionKind::Full; num_layers]),
+            // Qwen configs carry a window they do not use: its value does not matter.
+            Some(_) if qwen_off => return Ok(vec![AttentionKind::Full; num_layers]),
+            Some(0) => {
+                return Err(SpecError::BadNumber {
+                    key: "sliding_window".into(),
+                    got: "0".into(),
+                })
+            }
+            Some(w) => w,
         };
         let slide = AttentionKind::SlidingWindow { window_tokens };
         if let Some(types) = cfg.get("layer_types").and_then(Value::as_array) {
@@ -321,17 +455,10 @@ impl ModelSpec {
                     .max(1);
                 per_layer(&|i| (i + 1) % pattern != 0)
             }
+            // `use_sliding_window` is set (checked above).
             t if t.starts_with("qwen") => {
-                if cfg
-                    .get("use_sliding_window")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false)
-                {
-                    let from = opt_usize(cfg, &["max_window_layers"])?.unwrap_or(0);
-                    per_layer(&|i| i >= from)
-                } else {
-                    vec![AttentionKind::Full; num_layers]
-                }
+                let from = opt_usize(cfg, &["max_window_layers"])?.unwrap_or(0);
+                per_layer(&|i| i >= from)
             }
             _ => vec![slide; num_layers],
         })
@@ -362,50 +489,133 @@ impl ModelSpec {
         self.params_given.unwrap_or_else(|| self.estimate_params())
     }
 
+    /// The estimate of [`ModelSpec::params`]. A spec from [`ModelSpec::from_hf_config`] was checked to
+    /// give one; fields edited past that saturate rather than wrap.
     pub fn estimate_params(&self) -> u64 {
-        let h = self.hidden_size as u64;
-        let heads = self.num_heads as u64;
-        let embed = self.vocab_size as u64 * h * if self.tied_embeddings { 1 } else { 2 };
+        self.try_estimate_params().unwrap_or(u64::MAX)
+    }
+
+    /// The estimate with every product checked; an overflow names the fields.
+    pub fn try_estimate_params(&self) -> Result<u64, SpecError> {
+        let h = ("hidden_size", self.hidden_size as u64);
+        let heads = ("num_attention_heads", self.num_heads as u64);
+        let layers = self.num_layers as u64;
+        let tables = if self.tied_embeddings { 1 } else { 2 };
+        let embed = product(&[
+            ("vocab_size", self.vocab_size as u64),
+            h,
+            ("tables", tables),
+        ])?;
         let attention = match &self.mla {
             Some(m) => {
-                let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
+                let qk = (m.qk_nope_head_dim as u64)
+                    .checked_add(m.qk_rope_head_dim as u64)
+                    .ok_or_else(|| {
+                        SpecError::Overflow("qk_nope_head_dim + qk_rope_head_dim".into())
+                    })?;
+                let qk = ("qk_nope_head_dim + qk_rope_head_dim", qk);
                 let q = if m.q_lora_rank > 0 {
-                    h * m.q_lora_rank as u64 + m.q_lora_rank as u64 * heads * qk
+                    let rank = ("q_lora_rank", m.q_lora_rank as u64);
+                    sum(
+                        "the Q projection",
+                        &[product(&[h, rank])?, product(&[rank, heads, qk])?],
+                    )?
                 } else {
-                    h * heads * qk
+                    product(&[h, heads, qk])?
                 };
-                let kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim) as u64;
-                let kv_b =
-                    m.kv_lora_rank as u64 * heads * (m.qk_nope_head_dim + m.v_head_dim) as u64;
-                let o = heads * m.v_head_dim as u64 * h;
-                q + kv_a + kv_b + o
+                let latent = (m.kv_lora_rank as u64)
+                    .checked_add(m.qk_rope_head_dim as u64)
+                    .ok_or_else(|| SpecError::Overflow("kv_lora_rank + qk_rope_head_dim".into()))?;
+                let kv_a = product(&[h, ("kv_lora_rank + qk_rope_head_dim", latent)])?;
+                let nope_v = (m.qk_nope_head_dim as u64)
+                    .checked_add(m.v_head_dim as u64)
+                    .ok_or_else(|| SpecError::Overflow("qk_nope_head_dim + v_head_dim".into()))?;
+                let kv_b = product(&[
+                    ("kv_lora_rank", m.kv_lora_rank as u64),
+                    heads,
+                    ("qk_nope_head_dim + v_head_dim", nope_v),
+                ])?;
+                let o = product(&[heads, ("v_head_dim", m.v_head_dim as u64), h])?;
+                sum("the attention parameters", &[q, kv_a, kv_b, o])?
             }
             None => {
-                let hd = self.head_dim as u64;
-                h * heads * hd + 2 * h * self.num_kv_heads as u64 * hd + heads * hd * h
+                let hd = ("head_dim", self.head_dim as u64);
+                let qo = product(&[h, heads, hd, ("Q and O", 2)])?;
+                let kv = product(&[
+                    h,
+                    ("num_key_value_heads", self.num_kv_heads as u64),
+                    hd,
+                    ("K and V", 2),
+                ])?;
+                sum("the attention parameters", &[qo, kv])?
             }
         };
-        let dense_ffn = 3 * h * self.intermediate_size as u64;
-        let ffn_total: u64 = match &self.moe {
-            None => dense_ffn * self.num_layers as u64,
+        let dense_ffn = product(&[
+            ("gate, up, down", 3),
+            h,
+            ("intermediate_size", self.intermediate_size as u64),
+        ])?;
+        let ffn_total = match &self.moe {
+            None => product(&[("FFN", dense_ffn), ("num_hidden_layers", layers)])?,
             Some(m) => {
-                let moe_layer = m.num_experts as u64 * 3 * h * m.expert_intermediate as u64
-                    + 3 * h * m.shared_intermediate as u64
-                    + h * m.num_experts as u64;
-                dense_ffn * m.first_dense_layers as u64
-                    + moe_layer * (self.num_layers - m.first_dense_layers) as u64
+                let experts = ("num_experts", m.num_experts as u64);
+                let moe_layer = sum(
+                    "an MoE layer",
+                    &[
+                        product(&[
+                            experts,
+                            ("gate, up, down", 3),
+                            h,
+                            ("moe_intermediate_size", m.expert_intermediate as u64),
+                        ])?,
+                        product(&[
+                            ("gate, up, down", 3),
+                            h,
+                            ("shared experts' width", m.shared_intermediate as u64),
+                        ])?,
+                        product(&[h, experts])?,
+                    ],
+                )?;
+                let moe_layers = layers.saturating_sub(m.first_dense_layers as u64);
+                sum(
+                    "the FFN parameters",
+                    &[
+                        product(&[
+                            ("FFN", dense_ffn),
+                            ("first_k_dense_replace", m.first_dense_layers as u64),
+                        ])?,
+                        product(&[("MoE layer", moe_layer), ("MoE layers", moe_layers)])?,
+                    ],
+                )?
             }
         };
-        let norms = (2 * self.num_layers as u64 + 1) * h;
-        embed + attention * self.num_layers as u64 + ffn_total + norms
+        let norms = product(&[("norms", 2 * layers + 1), h])?;
+        let attention_total = product(&[("attention", attention), ("num_hidden_layers", layers)])?;
+        sum(
+            "the parameter count",
+            &[embed, attention_total, ffn_total, norms],
+        )
     }
 
     /// FFN width a token passes through (for the activation estimate): the dense width, or the routed
-    /// experts' plus the shared ones'.
+    /// experts' plus the shared ones'. Checked at construction, as [`ModelSpec::estimate_params`].
     pub fn active_ffn_width(&self) -> usize {
+        self.try_active_ffn_width().unwrap_or(usize::MAX)
+    }
+
+    fn try_active_ffn_width(&self) -> Result<usize, SpecError> {
         match &self.moe {
-            None => self.intermediate_size,
-            Some(m) => m.experts_per_token * m.expert_intermediate + m.shared_intermediate,
+            None => Ok(self.intermediate_size),
+            Some(m) => m
+                .experts_per_token
+                .checked_mul(m.expert_intermediate)
+                .and_then(|w| w.checked_add(m.shared_intermediate))
+                .ok_or_else(|| {
+                    SpecError::Overflow(format!(
+                        "num_experts_per_tok {} × moe_intermediate_size {} + shared {}",
+                        m.experts_per_token, m.expert_intermediate, m.shared_intermediate
+                    ))
+                }),
         }
     }
 }
