@@ -2,9 +2,16 @@
 //! merges, token types) or from an HF `tokenizer.json`; BOS/EOS/stop tokens; incremental detokenization
 //! for streaming.
 //!
+//! [`Tokenizer::token_bytes`] gives a token's own bytes (what OpenAI's logprob `bytes` report): decoding a
+//! single token cannot, because a token that holds part of a UTF-8 character decodes to U+FFFD. The
+//! bytes come from the vocabulary piece through the piece format the decoder implies: byte-level BPE
+//! pieces back through GPT-2's byte-to-character table, SentencePiece pieces with `▁` as a space and
+//! `<0xNN>` byte-fallback pieces as that byte; special and added tokens are their text.
+//!
 //! GGUF stores the pre-tokenizer only as a name (`tokenizer.ggml.pre`); the regexes each name stands for
 //! are those of llama.cpp's `llama-vocab.cpp`, expressed here as `tokenizers` pre-tokenizers.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use tokenizers::decoders::byte_fallback::ByteFallback;
@@ -36,8 +43,22 @@ const END_OF_TURN: [&str; 6] = [
     "</s>",
 ];
 
+/// How vocabulary pieces spell bytes (from the decoder the vocabulary comes with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PieceFormat {
+    /// GPT-2 byte-level BPE: every byte is one printable character of [`byte_level_char`].
+    ByteLevel,
+    /// SentencePiece: `▁` for a space, `<0xNN>` for a byte no piece covers, text otherwise.
+    SentencePiece,
+    /// Pieces are their text.
+    Plain,
+}
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    pieces: PieceFormat,
+    /// Text of the added (special and user-defined) tokens, by id: matched whole, never byte-encoded.
+    added: HashMap<u32, String>,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<u32>,
     /// Prepend BOS when encoding with `add_special_tokens` (GGUF `tokenizer.ggml.add_bos_token`); HF
@@ -219,8 +240,16 @@ impl Tokenizer {
                 }
             }
         }
+        let pieces = piece_format(inner.get_decoder());
+        let added = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| (id, t.content))
+            .collect();
         Tokenizer {
             inner,
+            pieces,
+            added,
             bos_token_id: bos,
             eos_token_id: eos,
             add_bos,
@@ -258,6 +287,33 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The token's own bytes, which may be part of a UTF-8 character (see the module docs); `None` for
+    /// an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if let Some(text) = self.added.get(&id) {
+            return Some(text.as_bytes().to_vec());
+        }
+        let piece = self.inner.id_to_token(id)?;
+        Some(match self.pieces {
+            PieceFormat::ByteLevel => {
+                let mut bytes = Vec::with_capacity(piece.len());
+                for c in piece.chars() {
+                    match byte_level_byte(c) {
+                        Some(b) => bytes.push(b),
+                        // Not in the table (a vocabulary that breaks the scheme): its text, not nothing.
+                        None => bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                    }
+                }
+                bytes
+            }
+            PieceFormat::SentencePiece => match byte_fallback_byte(&piece) {
+                Some(b) => vec![b],
+                None => piece.replace('▁', " ").into_bytes(),
+            },
+            PieceFormat::Plain => piece.into_bytes(),
+        })
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -265,6 +321,60 @@ impl Tokenizer {
     pub fn is_stop_token(&self, id: u32) -> bool {
         self.stop_token_ids.contains(&id)
     }
+}
+
+/// The piece format a decoder implies: a byte-level decoder means byte-level pieces; `▁` replacement,
+/// byte fallback or Metaspace mean SentencePiece pieces.
+fn piece_format(decoder: Option<&DecoderWrapper>) -> PieceFormat {
+    fn find(d: &DecoderWrapper) -> Option<PieceFormat> {
+        match d {
+            DecoderWrapper::ByteLevel(_) => Some(PieceFormat::ByteLevel),
+            DecoderWrapper::Metaspace(_)
+            | DecoderWrapper::ByteFallback(_)
+            | DecoderWrapper::Replace(_) => Some(PieceFormat::SentencePiece),
+            DecoderWrapper::Sequence(seq) => seq.get_decoders().iter().find_map(find),
+            _ => None,
+        }
+    }
+    decoder.and_then(find).unwrap_or(PieceFormat::Plain)
+}
+
+/// GPT-2's byte-to-character table (`bytes_to_unicode` of its encoder.py): printable Latin-1 bytes stand
+/// for themselves, the other 68 bytes for U+0100.. in byte order. (Decoding goes the other way; this
+/// direction checks the inverse.)
+#[cfg(test)]
+fn byte_level_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(b) {
+        char::from(b)
+    } else {
+        let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+        char::from_u32(0x100 + rank).expect("U+0100..U+0143 are characters")
+    }
+}
+
+/// The byte a byte-level character stands for (the inverse of [`byte_level_char`]).
+fn byte_level_byte(c: char) -> Option<u8> {
+    let code = u32::from(c);
+    match code {
+        0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF => Some(code as u8),
+        0x100..=0x143 => {
+            let rank = (code - 0x100) as usize;
+            (0..=u8::MAX)
+                .filter(|&b| !matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF))
+                .nth(rank)
+        }
+        _ => None,
+    }
+}
+
+/// The byte of a SentencePiece byte-fallback piece `<0xNN>`.
+fn byte_fallback_byte(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
 }
 
 fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>> {
@@ -401,5 +511,34 @@ impl IncrementalDecoder {
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_table_is_a_bijection_matching_gpt2() {
+        // Known points of GPT-2's table: space is 'Ġ', newline 'Ċ', 0x00 'Ā', 0xAD 'Ń'.
+        assert_eq!(byte_level_char(b' '), 'Ġ');
+        assert_eq!(byte_level_char(b'\n'), 'Ċ');
+        assert_eq!(byte_level_char(0), 'Ā');
+        assert_eq!(byte_level_char(0xAD), 'Ń');
+        assert_eq!(byte_level_char(b'a'), 'a');
+        for b in 0..=u8::MAX {
+            assert_eq!(byte_level_byte(byte_level_char(b)), Some(b), "byte {b:#x}");
+        }
+        assert_eq!(byte_level_byte('é'), Some(0xE9));
+        assert_eq!(byte_level_byte('日'), None);
+    }
+
+    #[test]
+    fn byte_fallback_pieces_parse_only_in_their_exact_form() {
+        assert_eq!(byte_fallback_byte("<0x0A>"), Some(0x0A));
+        assert_eq!(byte_fallback_byte("<0xF0>"), Some(0xF0));
+        for piece in ["<0x>", "<0x123>", "<0xZZ>", "0x0A", "<0x0A", "▁<0x0A>"] {
+            assert_eq!(byte_fallback_byte(piece), None, "{piece}");
+        }
     }
 }
