@@ -20,6 +20,10 @@ pub trait TextCodec: Send + Sync + 'static {
     fn encode(&self, text: &str) -> Result<Vec<u32>, String>;
     /// Text of `ids`, skipping special tokens. Incomplete UTF-8 at the end shows as U+FFFD.
     fn decode(&self, ids: &[u32]) -> String;
+    /// The token's own bytes (possibly part of a UTF-8 character; a special token's text), as logprobs
+    /// report them. Unlike `decode(&[id])`, distinct tokens never collapse into U+FFFD. Empty for an id
+    /// outside the vocabulary.
+    fn token_bytes(&self, id: u32) -> Vec<u8>;
     /// The chat template applied to `messages`, ending with the assistant's generation prompt (text, for
     /// display; encode chat prompts with [`TextCodec::encode_chat`]).
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String>;

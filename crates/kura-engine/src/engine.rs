@@ -26,7 +26,7 @@ use crate::metrics::EngineMetrics;
 use crate::request::{
     EngineEvent, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
 };
-use crate::scheduler::{Item, Plan};
+use crate::scheduler::{Item, Plan, SchedulingPolicy};
 use crate::seq::{Group, Seq, SeqKey};
 
 /// How the engine is sized and limited; resolved by the caller (pool size from `KvLayout`).
@@ -46,6 +46,30 @@ pub struct EngineConfig {
     /// Extra identity of the cached KV (model and KV format), so that caches of different models or
     /// formats can never be confused by a later persistent tier.
     pub model_fingerprint: String,
+    /// Whether requests' `priority` counts (default: no, first come first served).
+    pub scheduling_policy: SchedulingPolicy,
+    /// How long a request's sink may report itself full (a client that stopped reading) before the
+    /// request is cancelled and its blocks freed. Measured on the engine loop's clock.
+    pub stalled_client_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    /// `kura serve`'s defaults for a small pool; callers set the pool and the model's limits.
+    fn default() -> Self {
+        Self {
+            model_name: "model".into(),
+            max_model_len: 2048,
+            block_size_tokens: 16,
+            num_blocks: 1024,
+            max_num_seqs: 64,
+            max_num_batched_tokens: kura_kv::plan::DEFAULT_MAX_BATCHED_TOKENS as usize,
+            max_queue: 256,
+            enable_prefix_caching: true,
+            model_fingerprint: String::new(),
+            scheduling_policy: SchedulingPolicy::default(),
+            stalled_client_timeout: Duration::from_secs(30),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +108,8 @@ pub fn start_engine(
         num_blocks: config.num_blocks,
         max_queue: config.max_queue,
         prefix_caching: config.enable_prefix_caching,
+        scheduling_policy: config.scheduling_policy,
+        stalled_client_timeout: config.stalled_client_timeout,
     };
     let metrics = Arc::new(EngineMetrics::default());
     metrics.kv_blocks_total.set(config.num_blocks as f64);
@@ -132,6 +158,11 @@ pub(crate) struct Core {
     started: Instant,
     kv_evictions_seen: u64,
 }
+
+/// First wait of the engine loop when nothing can run; it doubles while nothing runs.
+const MIN_IDLE_WAIT: Duration = Duration::from_millis(1);
+/// Longest wait of an idle loop that still has requests (the delay before a drained client resumes).
+const MAX_IDLE_WAIT: Duration = Duration::from_millis(50);
 
 /// The text of a panic payload (`panic!` with a literal gives `&str`, with arguments `String`).
 fn panic_message(payload: &(dyn Any + Send)) -> String {
@@ -209,6 +240,7 @@ impl Core {
 
     /// The loop proper; returns on `Stop` or when every sender is gone.
     fn serve(&mut self, rx: &Receiver<Command>) {
+        let mut idle_wait = MIN_IDLE_WAIT;
         'outer: loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.recv() {
@@ -225,10 +257,15 @@ impl Core {
                     break 'outer;
                 }
             }
-            if !self.step() {
-                // Nothing could run (waiting for blocks held by nobody who runs, or for pending blocks):
-                // wait for a command rather than spin.
-                match rx.recv_timeout(Duration::from_millis(5)) {
+            if self.step() {
+                idle_wait = MIN_IDLE_WAIT;
+            } else {
+                // Nothing could run (every request's client is behind, or waiting for blocks): wait for
+                // a command rather than spin. Nothing signals a sink that drains, so the wait doubles up
+                // to MAX_IDLE_WAIT: a drained client resumes within that, an idle loop costs nothing.
+                let wait = idle_wait;
+                idle_wait = (idle_wait * 2).min(MAX_IDLE_WAIT);
+                match rx.recv_timeout(wait) {
                     Ok(c) => {
                         if !self.handle(c) {
                             break;
@@ -268,6 +305,8 @@ impl Core {
                     live_choices: n,
                     admitted_once: false,
                     first_token_at: None,
+                    full: false,
+                    full_since: None,
                 };
                 self.groups.insert(id, group);
                 self.seqs.insert(seq_key, seq);
@@ -335,6 +374,8 @@ impl Core {
     fn step(&mut self) -> bool {
         self.kv
             .set_time_ms(self.started.elapsed().as_millis() as u64);
+        self.metrics.scheduler_passes.add(1);
+        self.check_backlogs();
         let plan = self.schedule();
         let progressed = !plan.items.is_empty();
         if progressed {
@@ -460,6 +501,7 @@ impl Core {
         let candidate = |token_id: u32, logprob: f32| TokenCandidate {
             token_id,
             text: codec.decode(&[token_id]),
+            bytes: codec.token_bytes(token_id),
             logprob,
         };
         let logprobs: Vec<TokenLogprob> = logprob
@@ -537,6 +579,42 @@ impl Core {
                 FinishReason::Length => self.metrics.requests_finished_length.add(1),
             }
             self.groups.remove(&seq.group);
+        }
+    }
+
+    /// Notes which sinks are full (those groups are not stepped) and cancels the groups whose sink has
+    /// been full for longer than `stalled_client_timeout`, freeing their blocks.
+    fn check_backlogs(&mut self) {
+        let now = Instant::now();
+        let timeout = self.config.stalled_client_timeout;
+        let mut stalled = Vec::new();
+        for (&id, group) in &mut self.groups {
+            group.full = group.sink_open && group.sink.is_full();
+            if !group.full {
+                group.full_since = None;
+                continue;
+            }
+            let since = *group.full_since.get_or_insert(now);
+            let waited = now.saturating_duration_since(since);
+            if waited >= timeout {
+                stalled.push((id, waited));
+            }
+        }
+        for (id, waited) in stalled {
+            let waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+            tracing::warn!(
+                request = id,
+                waited_ms,
+                "client stopped reading; request cancelled"
+            );
+            if let Some(group) = self.groups.get_mut(&id) {
+                group.emit(EngineEvent::Failed(RequestError::ClientStalled {
+                    waited_ms,
+                }));
+            }
+            self.metrics.requests_cancelled.add(1);
+            self.metrics.requests_cancelled_stalled.add(1);
+            self.remove_group(id);
         }
     }
 

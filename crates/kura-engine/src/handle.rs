@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use crate::backend::TextCodec;
 use crate::metrics::EngineMetrics;
 use crate::request::{EventSink, GenerateRequest, SubmitError};
+use crate::scheduler::SchedulingPolicy;
 
 /// What the engine serves and how big it is; fixed at start.
 #[derive(Debug, Clone)]
@@ -32,6 +33,10 @@ pub struct EngineInfo {
     /// Longest waiting queue before new requests are refused.
     pub max_queue: usize,
     pub prefix_caching: bool,
+    /// Whether requests' `priority` counts.
+    pub scheduling_policy: SchedulingPolicy,
+    /// How long a client may stop reading before its request is cancelled.
+    pub stalled_client_timeout: Duration,
 }
 
 pub(crate) enum Command {

@@ -24,3 +24,4 @@ pub use request::{
     EngineEvent, EventSink, FinishReason, GenerateRequest, RequestError, SamplingOptions,
     SubmitError, TokenCandidate, TokenLogprob, Usage,
 };
+pub use scheduler::SchedulingPolicy;

@@ -116,6 +116,9 @@ pub struct EngineMetrics {
     pub requests_preempted_waiting: Gauge,
     pub preemptions: Counter,
     pub steps: Counter,
+    /// Scheduling passes of the engine loop, including those that found nothing to run (a loop that
+    /// waits properly makes few of those).
+    pub scheduler_passes: Counter,
     // tokens
     pub prompt_tokens: Counter,
     /// Prompt tokens whose K/V this engine actually computed (prompt minus cache hits and waits).
@@ -125,6 +128,8 @@ pub struct EngineMetrics {
     pub requests_finished_stop: Counter,
     pub requests_finished_length: Counter,
     pub requests_cancelled: Counter,
+    /// Of `requests_cancelled`: those whose client stopped reading (sink full past the timeout).
+    pub requests_cancelled_stalled: Counter,
     pub requests_failed: Counter,
     pub requests_rejected_queue_full: Counter,
     pub requests_rejected_too_large: Counter,
@@ -234,6 +239,12 @@ impl EngineMetrics {
         );
         counter(
             &mut out,
+            "kura:scheduler_passes_total",
+            "Scheduling passes of the engine loop, idle ones (nothing could run) included.",
+            self.scheduler_passes.get(),
+        );
+        counter(
+            &mut out,
             "kura:prompt_tokens_total",
             "Prompt tokens of admitted requests.",
             self.prompt_tokens.get(),
@@ -264,6 +275,13 @@ impl EngineMetrics {
             "kura:request_cancelled_total",
             "Requests cancelled before finishing (client gone, shutdown).",
             self.requests_cancelled.get(),
+        );
+        counter(
+            &mut out,
+            "kura:request_cancelled_stalled_total",
+            "Requests cancelled because their client stopped reading for longer than the stalled-client \
+             timeout (also counted in kura:request_cancelled_total).",
+            self.requests_cancelled_stalled.get(),
         );
         counter(
             &mut out,

@@ -36,6 +36,10 @@ impl TextCodec for ModelCodec {
             .unwrap_or_else(|_| "\u{FFFD}".to_string())
     }
 
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.model.tokenizer().token_bytes(id).unwrap_or_default()
+    }
+
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         self.model
             .chat_template()

@@ -4,6 +4,10 @@
 //! The engine is synchronous and owns no async runtime: a caller (the HTTP server) gives it a sink, a
 //! closure that forwards each event into whatever channel the caller reads. A sink that reports the
 //! reader gone (`false`) cancels the request, exactly as dropping its [`crate::RequestGuard`] does.
+//!
+//! Output is bounded per request: a sink that says it is full ([`EventSink::is_full`]) gets no further
+//! steps until it drains, and one that stays full longer than `EngineConfig::stalled_client_timeout` is
+//! cancelled with [`RequestError::ClientStalled`].
 
 use serde::Serialize;
 
@@ -106,7 +110,10 @@ impl FinishReason {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenCandidate {
     pub token_id: u32,
+    /// The token decoded alone (U+FFFD where it holds part of a character).
     pub text: String,
+    /// The token's own bytes ([`crate::TextCodec::token_bytes`]): what OpenAI's `bytes` field reports.
+    pub bytes: Vec<u8>,
     pub logprob: f32,
 }
 
@@ -156,6 +163,12 @@ pub enum RequestError {
     ShuttingDown,
     #[error("the model failed while running this request: {0}")]
     Model(String),
+    /// The request's sink stayed full (its client stopped reading) for longer than the engine's
+    /// `stalled_client_timeout`; the request was cancelled and its KV blocks freed.
+    #[error(
+        "the client stopped reading the response for {waited_ms} ms; the request was cancelled"
+    )]
+    ClientStalled { waited_ms: u64 },
     /// The engine thread died (a panic in the scheduler or a kernel); nothing more will run.
     #[error(
         "the engine failed and can serve no more requests; the server must be restarted ({0})"
@@ -171,10 +184,20 @@ pub enum RequestError {
     },
 }
 
-/// Where the engine sends a request's events. Returns `false` when the reader is gone, which cancels
-/// the request.
+/// Where the engine sends a request's events. `send` returns `false` when the reader is gone, which
+/// cancels the request. Any `FnMut(EngineEvent) -> bool` closure is a sink that is never full.
 pub trait EventSink: Send + 'static {
     fn send(&mut self, event: EngineEvent) -> bool;
+
+    /// Whether the reader is behind and the sink wants no more output for now. The engine checks it
+    /// before each step: a full sink's request is not stepped (it keeps its KV blocks, and may still be
+    /// preempted), and one full for longer than `EngineConfig::stalled_client_timeout` is cancelled
+    /// with [`RequestError::ClientStalled`]. A bounded sink must keep headroom below its hard limit:
+    /// the step that fills it may add up to two events per choice plus `Done`, and a cancellation sends
+    /// one `Failed` to the full sink.
+    fn is_full(&self) -> bool {
+        false
+    }
 }
 
 impl<F> EventSink for F

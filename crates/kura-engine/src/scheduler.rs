@@ -3,6 +3,7 @@
 //!
 //! ```text
 //!  order: effective priority (priority − age / PRIORITY_AGING_S), then running before waiting, then age
+//!         (priority is a request's own under `SchedulingPolicy::Priority`, 0 for all under `Fcfs`)
 //!  ┌────────────┬──────────────────────────────────────────────────────────────────────────────────┐
 //!  │ running    │ slot for its newly sampled token; if the pool is empty, preempt the worst running │
 //!  │            │ sequence after it in the order (or itself); then its next chunk within the budget │
@@ -10,6 +11,8 @@
 //!  │            │ empty, preempt strictly worse running sequences; else stop admitting (FCFS)       │
 //!  └────────────┴──────────────────────────────────────────────────────────────────────────────────┘
 //! ```
+//!
+//! A request whose sink is full (its client is behind) is skipped: not admitted, not stepped.
 //!
 //! A chunk is the range `[computed, computable)` that the KV manager reports, cut to the step's token
 //! budget: tokens that another request is computing right now (pending blocks) are waited for, never
@@ -25,6 +28,45 @@ use kura_kv::{BlockCopy, SeqId};
 use crate::engine::Core;
 use crate::request::RequestError;
 use crate::seq::SeqKey;
+
+/// Whose order counts. Under `Fcfs` (the default) every request has priority 0, so requests run in
+/// arrival order and none can preempt an older one; under `Priority` a request's `priority` field is
+/// honoured (lower first) and may preempt others: give it only to trusted clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SchedulingPolicy {
+    #[default]
+    Fcfs,
+    Priority,
+}
+
+impl SchedulingPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SchedulingPolicy::Fcfs => "fcfs",
+            SchedulingPolicy::Priority => "priority",
+        }
+    }
+}
+
+impl std::fmt::Display for SchedulingPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SchedulingPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fcfs" => Ok(SchedulingPolicy::Fcfs),
+            "priority" => Ok(SchedulingPolicy::Priority),
+            other => Err(format!(
+                "unknown scheduling policy '{other}' (expected fcfs or priority)"
+            )),
+        }
+    }
+}
 
 /// Seconds of waiting that improve a request's effective priority by one level.
 pub(crate) const PRIORITY_AGING_S: f64 = 10.0;
@@ -65,7 +107,11 @@ impl Core {
         let Some(g) = self.seqs.get(&seq).and_then(|s| self.groups.get(&s.group)) else {
             return f64::INFINITY;
         };
-        f64::from(g.request.priority)
+        let priority = match self.config.scheduling_policy {
+            SchedulingPolicy::Fcfs => 0,
+            SchedulingPolicy::Priority => g.request.priority,
+        };
+        f64::from(priority)
             - now.saturating_duration_since(g.arrival).as_secs_f64() / PRIORITY_AGING_S
     }
 
@@ -105,6 +151,11 @@ impl Core {
             let Some(seq) = self.seqs.get(&c.seq) else {
                 continue;
             };
+            // A client that is behind gets no output for now; a running sequence keeps its blocks
+            // (and stays a possible victim for those after it).
+            if self.groups.get(&seq.group).is_some_and(|g| g.full) {
+                continue;
+            }
             if c.waiting {
                 if !admitting || self.running.len() >= self.config.max_num_seqs {
                     continue;

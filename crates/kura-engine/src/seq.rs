@@ -31,6 +31,10 @@ pub(crate) struct Group {
     /// Prefix-cache accounting is done at the first admission only (recomputation is not a client hit).
     pub admitted_once: bool,
     pub first_token_at: Option<Instant>,
+    /// The sink reported full at the start of this step: the group is not stepped.
+    pub full: bool,
+    /// Since when the sink has been full without a break (for `stalled_client_timeout`).
+    pub full_since: Option<Instant>,
 }
 
 impl Group {

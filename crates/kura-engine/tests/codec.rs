@@ -1,5 +1,6 @@
 //! [`ModelCodec`], the tokenizer seam the server uses: chat prompts carry exactly the special tokens the
-//! template writes (one BOS for a Llama-3-style checkpoint whose tokenizer would add another).
+//! template writes (one BOS for a Llama-3-style checkpoint whose tokenizer would add another), and a
+//! token's bytes are its own, not those of its lossy decoded text.
 
 #[path = "../../kura-model/tests/support/llama3.rs"]
 mod llama3;
@@ -69,4 +70,21 @@ fn chat_prompt_of_the_default_model_has_no_double_bos() {
     if let Some(bos) = model.tokenizer().bos_token_id {
         assert!(ids[..2] != [bos, bos], "double BOS: {ids:?}");
     }
+}
+
+#[test]
+fn token_bytes_of_a_split_character_are_its_own_bytes_not_u_fffd() {
+    let model = default_model();
+    let codec = ModelCodec::new(model.clone());
+    let text = "🙂";
+    let ids = model.tokenizer().encode(text, false).unwrap();
+    assert!(ids.len() > 1, "{ids:?}");
+    let bytes: Vec<Vec<u8>> = ids.iter().map(|&id| codec.token_bytes(id)).collect();
+    assert_eq!(bytes.concat(), text.as_bytes());
+    for (&id, b) in ids.iter().zip(&bytes) {
+        if codec.decode(&[id]) == "\u{FFFD}" {
+            assert_ne!(b.as_slice(), "\u{FFFD}".as_bytes(), "token {id}");
+        }
+    }
+    assert!(codec.token_bytes(u32::MAX).is_empty());
 }

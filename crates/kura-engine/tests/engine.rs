@@ -1,6 +1,7 @@
 //! The engine on the real default model: reuse, early reuse, forking, preemption, cancellation and
-//! leak freedom, observed through events and metrics. Skipped (with a message) when the model file is
-//! absent; CI fetches it first.
+//! leak freedom, observed through events and metrics. The model file must be there (CI fetches it with
+//! scripts/fetch-model.sh); a missing model fails the tests. The same rules on a fake model, without a
+//! download, are in `fake_engine.rs`.
 
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use kura_engine::{
     start_engine, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateRequest,
-    ModelCodec, ModelExecutor, RequestGuard, SubmitError, Usage,
+    ModelCodec, ModelExecutor, RequestGuard, SchedulingPolicy, SubmitError, Usage,
 };
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
@@ -16,26 +17,36 @@ use kura_model::{LoadOptions, Model, WeightsDtype};
 
 const BLOCK: usize = 16;
 
-fn model() -> Option<Arc<Model>> {
+fn model() -> Arc<Model> {
     let path = kura_model::default_model_path();
-    if !path.exists() {
-        eprintln!(
-            "skipping: model {} not found (run scripts/fetch-model.sh)",
-            path.display()
-        );
-        return None;
-    }
+    assert!(
+        path.exists(),
+        "default model missing at {}: run scripts/fetch-model.sh (or set KURA_MODEL)",
+        path.display()
+    );
     // f32 weights: a position gets the same logits whether computed alone or inside a prefill chunk,
     // which the comparisons across cache paths below rely on (bf16 decode and prefill kernels differ).
     let options = LoadOptions {
         weights_dtype: WeightsDtype::F32,
     };
-    Some(Arc::new(
-        Model::load_with(&path, options).expect("default model loads"),
-    ))
+    Arc::new(Model::load_with(&path, options).expect("default model loads"))
 }
 
 fn engine(model: &Arc<Model>, num_blocks: usize, max_num_batched_tokens: usize) -> EngineHandle {
+    engine_with(
+        model,
+        num_blocks,
+        max_num_batched_tokens,
+        SchedulingPolicy::Fcfs,
+    )
+}
+
+fn engine_with(
+    model: &Arc<Model>,
+    num_blocks: usize,
+    max_num_batched_tokens: usize,
+    scheduling_policy: SchedulingPolicy,
+) -> EngineHandle {
     let layout = model.kv_layout(KvDtype::F32, BLOCK).unwrap();
     let storage = KvStorage::new(&layout, num_blocks).unwrap();
     start_engine(
@@ -49,6 +60,8 @@ fn engine(model: &Arc<Model>, num_blocks: usize, max_num_batched_tokens: usize) 
             max_queue: 1000,
             enable_prefix_caching: true,
             model_fingerprint: "test".into(),
+            scheduling_policy,
+            ..EngineConfig::default()
         },
         Box::new(ModelExecutor::new(model.clone(), storage)),
         Arc::new(ModelCodec::new(model.clone())),
@@ -129,7 +142,7 @@ fn settle(e: &EngineHandle) {
 
 #[test]
 fn same_prompt_twice_reuses_whole_blocks_and_gives_the_same_tokens() {
-    let Some(model) = model() else { return };
+    let model = model();
     let e = engine(&model, 256, 512);
     let p = prompt(&model, 150, 1);
     let (_g, rx) = submit(&e, GenerateRequest::greedy(p.clone(), 12));
@@ -154,7 +167,7 @@ fn same_prompt_twice_reuses_whole_blocks_and_gives_the_same_tokens() {
 
 #[test]
 fn different_salts_share_nothing() {
-    let Some(model) = model() else { return };
+    let model = model();
     let e = engine(&model, 256, 512);
     let p = prompt(&model, 80, 2);
     let mut a = GenerateRequest::greedy(p.clone(), 2);
@@ -170,7 +183,7 @@ fn different_salts_share_nothing() {
 
 #[test]
 fn concurrent_requests_compute_a_shared_prefix_once() {
-    let Some(model) = model() else { return };
+    let model = model();
     // A small step budget makes the first request's prefill span many steps, so the others arrive
     // while its blocks are still pending.
     let e = engine(&model, 1024, 128);
@@ -201,7 +214,7 @@ fn concurrent_requests_compute_a_shared_prefix_once() {
 
 #[test]
 fn n_choices_fork_the_prompt_and_seeded_sampling_repeats() {
-    let Some(model) = model() else { return };
+    let model = model();
     let e = engine(&model, 256, 512);
     let p = prompt(&model, 40, 4);
     let mut r = GenerateRequest::greedy(p.clone(), 8);
@@ -230,7 +243,7 @@ fn n_choices_fork_the_prompt_and_seeded_sampling_repeats() {
 
 #[test]
 fn a_full_pool_preempts_and_everything_completes_without_leaks() {
-    let Some(model) = model() else { return };
+    let model = model();
     // 24 blocks of 16 = 384 tokens for 6 requests of ~60 + 60 tokens each: not all fit at once.
     let e = engine(&model, 24, 256);
     let mut guards = Vec::new();
@@ -255,7 +268,7 @@ fn a_full_pool_preempts_and_everything_completes_without_leaks() {
 
 #[test]
 fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
-    let Some(model) = model() else { return };
+    let model = model();
     let e = engine(&model, 64, 256);
     let mut r = GenerateRequest::greedy(prompt(&model, 30, 20), 400);
     r.ignore_eos = true;
@@ -280,7 +293,7 @@ fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
 
 #[test]
 fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_same_output() {
-    let Some(model) = model() else { return };
+    let model = model();
     let low_prompt = prompt(&model, 25, 30);
     let high_prompt = prompt(&model, 25, 31);
     let request = |p: &Vec<u32>, priority: i32| {
@@ -297,7 +310,7 @@ fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_sa
 
     // 16 blocks = 256 tokens; each request needs about 14 blocks by its end: they cannot both finish
     // without one being preempted, and the low-priority one (priority 5 vs -10) is the one.
-    let e = engine(&model, 16, 256);
+    let e = engine_with(&model, 16, 256, SchedulingPolicy::Priority);
     let (_gl, low_rx) = submit(&e, request(&low_prompt, 5));
     // Wait until it runs (its first token), then the high-priority request arrives.
     let mut low_text = match low_rx.recv_timeout(Duration::from_secs(60)).unwrap() {

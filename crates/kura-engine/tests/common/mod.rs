@@ -151,6 +151,10 @@ impl TextCodec for Letters {
             .map(|&i| char::from(b'0' + (i % 64) as u8))
             .collect()
     }
+    /// Deliberately not the decoded text (and not UTF-8), so that tests see which one the engine reports.
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        vec![0xFF, id as u8]
+    }
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         Ok(messages.iter().map(|m| m.content.as_str()).collect())
     }
@@ -176,6 +180,7 @@ pub fn config(num_blocks: usize, budget: usize, max_num_seqs: usize) -> EngineCo
         max_queue: 100,
         enable_prefix_caching: true,
         model_fingerprint: "fake".into(),
+        ..EngineConfig::default()
     }
 }
 
@@ -258,6 +263,16 @@ pub fn wait(rx: &Receiver<EngineEvent>) -> (Vec<u32>, Usage) {
 /// A greedy request that ignores end-of-sequence (so it runs exactly `max_tokens` steps).
 pub fn request(prompt_len: u32, max_tokens: u32) -> GenerateRequest {
     let mut r = GenerateRequest::greedy((1..=prompt_len).map(|i| i % 60 + 1).collect(), max_tokens);
+    r.ignore_eos = true;
+    r
+}
+
+/// Like [`request`], with a prompt of its own for each `seed` (no prefix shared with other seeds).
+pub fn distinct_request(seed: u32, prompt_len: u32, max_tokens: u32) -> GenerateRequest {
+    let prompt = (0..prompt_len)
+        .map(|i| (i * 7 + seed * 13) % 60 + 1)
+        .collect();
+    let mut r = GenerateRequest::greedy(prompt, max_tokens);
     r.ignore_eos = true;
     r
 }

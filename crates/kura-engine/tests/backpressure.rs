@@ -1,0 +1,145 @@
+//! Output is bounded per request: a sink that reports itself full gets no further steps (its client is
+//! behind), resumes when it drains, and is cancelled with `ClientStalled` (blocks freed, metric counted)
+//! once it has been full for longer than `stalled_client_timeout`. A stalled client never makes the
+//! engine loop spin.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{config, metric, request, settle, start, PATIENCE};
+use kura_engine::{EngineConfig, EngineEvent, EventSink, RequestError};
+
+/// A sink that reports full once it holds `limit` deltas, until the test drains it.
+struct BoundedSink {
+    tx: Sender<EngineEvent>,
+    deltas: Arc<AtomicUsize>,
+    limit: usize,
+    drained: Arc<AtomicBool>,
+}
+
+impl EventSink for BoundedSink {
+    fn send(&mut self, event: EngineEvent) -> bool {
+        if matches!(event, EngineEvent::Delta { .. }) {
+            self.deltas.fetch_add(1, Ordering::SeqCst);
+        }
+        self.tx.send(event).is_ok()
+    }
+    fn is_full(&self) -> bool {
+        !self.drained.load(Ordering::SeqCst) && self.deltas.load(Ordering::SeqCst) >= self.limit
+    }
+}
+
+struct Client {
+    rx: Receiver<EngineEvent>,
+    deltas: Arc<AtomicUsize>,
+    drained: Arc<AtomicBool>,
+}
+
+fn bounded(limit: usize) -> (BoundedSink, Client) {
+    let (tx, rx) = mpsc::channel();
+    let deltas = Arc::new(AtomicUsize::new(0));
+    let drained = Arc::new(AtomicBool::new(false));
+    let sink = BoundedSink {
+        tx,
+        deltas: deltas.clone(),
+        limit,
+        drained: drained.clone(),
+    };
+    (
+        sink,
+        Client {
+            rx,
+            deltas,
+            drained,
+        },
+    )
+}
+
+/// Waits until the engine loop has made `n` more scheduling passes.
+fn passes_later(e: &kura_engine::EngineHandle, n: f64) {
+    let target = metric(e, "kura:scheduler_passes_total") + n;
+    let deadline = Instant::now() + PATIENCE;
+    while metric(e, "kura:scheduler_passes_total") < target {
+        assert!(Instant::now() < deadline, "the engine loop stopped passing");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_full_sink_pauses_its_request_without_spinning_and_resumes_when_drained() {
+    let fake = start(EngineConfig {
+        stalled_client_timeout: Duration::from_secs(3600),
+        ..config(64, 64, 8)
+    });
+    let e = &fake.engine;
+    let (sink, client) = bounded(1);
+    let _guard = e.submit(request(6, 20), sink).unwrap();
+    // The first step (the prefill) fills the sink; the engine must then stop stepping the request.
+    let first = client.rx.recv_timeout(PATIENCE).unwrap();
+    assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
+    passes_later(e, 3.0);
+    let calls = fake.control.calls();
+    let passes_before = metric(e, "kura:scheduler_passes_total");
+    let stalled_since = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    let passes = metric(e, "kura:scheduler_passes_total") - passes_before;
+    let elapsed_ms = stalled_since.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(
+        fake.control.calls(),
+        calls,
+        "no forward call for a full sink"
+    );
+    assert_eq!(client.deltas.load(Ordering::SeqCst), 1);
+    assert!(
+        metric(e, "kura:kv_cache_blocks_used") > 0.0,
+        "a paused request keeps its blocks"
+    );
+    // The loop waits (backing off to tens of milliseconds) instead of spinning: a bound on its rate,
+    // loose enough for any load (a spinning loop makes thousands of passes per millisecond).
+    assert!(
+        passes <= 20.0 + elapsed_ms / 10.0,
+        "{passes} scheduling passes in {elapsed_ms:.0} ms with only a stalled request"
+    );
+
+    client.drained.store(true, Ordering::SeqCst);
+    let (tokens, usage) = common::wait(&client.rx);
+    assert_eq!(usage.completion_tokens, 20);
+    assert_eq!(tokens.len(), 19, "the other 19 tokens follow once drained");
+    assert_eq!(metric(e, "kura:request_cancelled_stalled_total"), 0.0);
+    settle(e);
+    e.stop();
+}
+
+#[test]
+fn a_sink_full_past_the_timeout_is_cancelled_and_its_blocks_freed() {
+    let fake = start(EngineConfig {
+        stalled_client_timeout: Duration::from_millis(20),
+        ..config(64, 64, 8)
+    });
+    let e = &fake.engine;
+    assert_eq!(e.info().stalled_client_timeout, Duration::from_millis(20));
+    let (sink, client) = bounded(1);
+    let _guard = e.submit(request(6, 20), sink).unwrap();
+    let first = client.rx.recv_timeout(PATIENCE).unwrap();
+    assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
+    match client.rx.recv_timeout(PATIENCE).unwrap() {
+        EngineEvent::Failed(RequestError::ClientStalled { waited_ms }) => {
+            assert!(waited_ms >= 20, "cancelled after {waited_ms} ms");
+        }
+        other => panic!("expected a stalled-client failure, got {other:?}"),
+    }
+    assert_eq!(client.deltas.load(Ordering::SeqCst), 1);
+    settle(e);
+    assert_eq!(metric(e, "kura:kv_cache_blocks_used"), 0.0);
+    assert_eq!(metric(e, "kura:request_cancelled_stalled_total"), 1.0);
+    assert_eq!(metric(e, "kura:request_cancelled_total"), 1.0);
+
+    // Others are unaffected: a closure sink is never full.
+    let (_g, rx) = common::submit(e, request(6, 5));
+    assert_eq!(common::wait(&rx).1.completion_tokens, 5);
+    e.stop();
+}
