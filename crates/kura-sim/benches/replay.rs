@@ -8,7 +8,7 @@ use kura_sim::{load_trace, replay, Policy, SimConfig};
 
 fn bench_replay(c: &mut Criterion) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/traces/mooncake_conversation_trace.jsonl");
+        .join("../../data/traces/mooncake_conversation_trace.jsonl");
     let mut trace = load_trace(&path).unwrap_or_else(|e| panic!("{e}"));
     trace.truncate(2000);
     let mut group = c.benchmark_group("mooncake_replay_2000");

@@ -1,5 +1,5 @@
 //! Replays checked against brute force on synthetic traces, and the acceptance figures on the real
-//! Mooncake trace (`../shared/data/traces/`, read in place, never copied).
+//! Mooncake trace (vendored in `data/traces/`).
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -248,7 +248,7 @@ fn extreme_but_valid_requests_replay_without_overflow() {
 
 fn mooncake() -> Vec<TraceRequest> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/traces/mooncake_conversation_trace.jsonl");
+        .join("../../data/traces/mooncake_conversation_trace.jsonl");
     load_trace(&path)
         .unwrap_or_else(|e| panic!("the Mooncake trace is needed beside the repository: {e}"))
 }

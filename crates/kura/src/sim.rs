@@ -22,7 +22,7 @@ pub struct SimArgs {
     /// A Mooncake-format trace (JSONL: timestamp, input_length, output_length, hash_ids).
     #[arg(
         long,
-        default_value = "../shared/data/traces/mooncake_conversation_trace.jsonl"
+        default_value = "data/traces/mooncake_conversation_trace.jsonl"
     )]
     trace: PathBuf,
     /// Tokens per KV block (1..=1024); each 512-token hash id of the trace is mapped to its tokens.
