@@ -23,12 +23,17 @@ def cases(model: str, max_len: int):
         ("missing prompt", c, {"model": model}, 400),
         ("prompt is a number", c, {"prompt": 5}, 400),
         ("prompt is an empty string", c, {"prompt": ""}, 400),
-        ("two prompts", c, {"prompt": ["a", "b"]}, 400),
+        ("empty list of prompts", c, {"prompt": []}, 400),
+        ("300 prompts", c, {"prompt": ["a"] * 300}, 400),
+        ("trailing garbage after the object", c, b'{"prompt": "x"} garbage', 400),
+        ("two concatenated objects", c, b'{"prompt": "x"}{"prompt": "y"}', 400),
+        ("trailing NUL byte", c, b'{"prompt": "x"}\x00', 400),
         ("token id outside the vocabulary", c, {"prompt": [1, 2, 99999999]}, 400),
         ("negative token id", c, {"prompt": [-1]}, 400),
         ("max_tokens is a string", c, {**OK_PROMPT, "max_tokens": "ten"}, 400),
         ("max_tokens 0", c, {**OK_PROMPT, "max_tokens": 0}, 400),
         ("max_tokens negative", c, {**OK_PROMPT, "max_tokens": -5}, 400),
+        ("max_tokens 2^32", c, {**OK_PROMPT, "max_tokens": 2**32}, 400),
         ("prompt plus max_tokens beyond the context", c, {"prompt": "Hello", "max_tokens": max_len}, 400),
         ("temperature is a string", c, {**OK_PROMPT, "temperature": "hot"}, 400),
         ("temperature 5", c, {**OK_PROMPT, "temperature": 5}, 400),
@@ -50,6 +55,7 @@ def cases(model: str, max_len: int):
         ("stream_options without stream", c, {**OK_PROMPT, "stream_options": {"include_usage": True}}, 400),
         ("seed is a string", c, {**OK_PROMPT, "seed": "abc"}, 400),
         ("priority is a float", c, {**OK_PROMPT, "priority": 1.5}, 400),
+        ("priority without --scheduling-policy priority", c, {**OK_PROMPT, "priority": -10}, 400),
         ("empty cache_salt", c, {**OK_PROMPT, "cache_salt": ""}, 400),
         ("unknown model", c, {**OK_PROMPT, "model": "gpt-4"}, 404),
         ("missing messages", ch, {"model": model}, 400),
@@ -91,6 +97,14 @@ def test_bad_inputs_get_clear_errors(capsys):
             assert not message.startswith("<not"), f"{what}: {message}"
         r = httpx.get(s.url + "/v1/completions")
         assert r.status_code == 405 and "method not allowed" in r.json()["error"]["message"]
+        # A page's "simple" cross-origin POST (no preflight) cannot drive the server: JSON routes take
+        # only application/json.
+        for ctype in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]:
+            r = httpx.post(s.url + "/v1/completions", content=json.dumps(OK_PROMPT), headers={"content-type": ctype})
+            assert r.status_code == 415, (ctype, r.text)
+            assert "application/json" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", content=json.dumps(OK_PROMPT))
+        assert r.status_code == 415, r.text
         # Wrong key handling needs keys; the server is still healthy after all of the above.
         assert httpx.get(s.url + "/health").status_code == 200
         ok = httpx.post(s.url + "/v1/completions", json=OK_PROMPT)

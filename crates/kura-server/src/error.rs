@@ -24,13 +24,24 @@ pub enum ApiError {
     #[error("the request body is larger than the limit of {limit_bytes} bytes")]
     BodyTooLarge { limit_bytes: usize },
     #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("the request body did not arrive within the server's limit of {seconds} s")]
+    BodyTimeout { seconds: f64 },
+    #[error("{0}")]
     QueueFull(String),
     #[error("the server is shutting down and accepts no new requests")]
     ShuttingDown,
+    #[error("the request was cancelled because the server's shutdown grace period ended before it finished")]
+    CancelledAtShutdown,
+    #[error("the inference engine has failed ({0}); the server is stopping")]
+    EngineFailed(String),
     #[error(
         "the request did not finish within the server's limit of {seconds} s and was cancelled"
     )]
     Timeout { seconds: u64 },
+    /// The client stopped reading a response for longer than the server's stalled-client timeout.
+    #[error("{0}")]
+    ClientStalled(String),
     #[error("no route for {0}")]
     NotFound(String),
     #[error("method not allowed: {0}")]
@@ -54,6 +65,13 @@ impl ApiError {
             ApiError::ModelNotFound { .. } | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::BodyTimeout { .. } | ApiError::ClientStalled(_) => {
+                StatusCode::REQUEST_TIMEOUT
+            }
+            ApiError::CancelledAtShutdown | ApiError::EngineFailed(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -76,6 +94,19 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => {
                 ("invalid_request_error", None, Some("request_too_large"))
             }
+            ApiError::UnsupportedMediaType(_) => (
+                "invalid_request_error",
+                None,
+                Some("unsupported_media_type"),
+            ),
+            ApiError::BodyTimeout { .. } => ("invalid_request_error", None, Some("body_timeout")),
+            ApiError::ClientStalled(_) => ("timeout_error", None, Some("client_stalled")),
+            ApiError::CancelledAtShutdown => (
+                "service_unavailable_error",
+                None,
+                Some("cancelled_at_shutdown"),
+            ),
+            ApiError::EngineFailed(_) => ("server_error", None, Some("engine_failed")),
             ApiError::QueueFull(_) => ("rate_limit_error", None, Some("queue_full")),
             ApiError::ShuttingDown => ("service_unavailable_error", None, Some("shutting_down")),
             ApiError::Timeout { .. } => ("timeout_error", None, Some("request_timeout")),
@@ -99,6 +130,7 @@ impl From<SubmitError> for ApiError {
         match e {
             SubmitError::QueueFull { .. } => ApiError::QueueFull(e.to_string()),
             SubmitError::ShuttingDown => ApiError::ShuttingDown,
+            SubmitError::EngineFailed(m) => ApiError::EngineFailed(m),
             SubmitError::ContextExceeded { .. } => ApiError::InvalidRequest {
                 message: e.to_string(),
                 param: Some("max_tokens"),
@@ -125,13 +157,16 @@ impl From<SubmitError> for ApiError {
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {
         match e {
-            RequestError::ShuttingDown => ApiError::ShuttingDown,
+            // The request was accepted and then cut at the end of the shutdown grace.
+            RequestError::ShuttingDown => ApiError::CancelledAtShutdown,
+            RequestError::EngineFailed(m) => ApiError::EngineFailed(m),
             RequestError::CannotFit { .. } => ApiError::InvalidRequest {
                 message: e.to_string(),
                 param: Some("max_tokens"),
                 code: Some("kv_cache_capacity_exceeded"),
             },
             RequestError::Model(_) => ApiError::Internal(e.to_string()),
+            RequestError::ClientStalled { .. } => ApiError::ClientStalled(e.to_string()),
         }
     }
 }
@@ -139,7 +174,7 @@ impl From<RequestError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if matches!(self, ApiError::Internal(_)) {
+        if matches!(self, ApiError::Internal(_) | ApiError::EngineFailed(_)) {
             tracing::error!(%status, error = %self, "request failed");
         } else {
             tracing::debug!(%status, error = %self, "request rejected");
@@ -189,6 +224,22 @@ mod tests {
             (ApiError::ShuttingDown, 503, "service_unavailable_error"),
             (ApiError::Timeout { seconds: 3 }, 504, "timeout_error"),
             (ApiError::Internal("x".into()), 500, "server_error"),
+            (
+                ApiError::UnsupportedMediaType("x".into()),
+                415,
+                "invalid_request_error",
+            ),
+            (
+                ApiError::BodyTimeout { seconds: 1.0 },
+                408,
+                "invalid_request_error",
+            ),
+            (
+                ApiError::CancelledAtShutdown,
+                503,
+                "service_unavailable_error",
+            ),
+            (ApiError::EngineFailed("x".into()), 503, "server_error"),
         ];
         for (e, status, kind) in cases {
             assert_eq!(e.status().as_u16(), status, "{e}");

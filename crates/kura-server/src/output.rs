@@ -1,15 +1,25 @@
 //! Engine events → OpenAI response bodies: collected into one response, or turned into SSE chunks as
 //! they come. The two endpoints differ only in the JSON shape of a choice, so one [`Shape`] carries
 //! the difference.
+//!
+//! A completions request with several prompts is one engine request per prompt; [`Events`] merges
+//! their events into one stream, numbering choices prompt-major (prompt `i`'s choice `j` is
+//! `i * n + j`, as OpenAI numbers them) and summing usage into one `Done`.
+//!
+//! The queue between the engine and the response is bounded in bytes: past [`MAX_BACKLOG_BYTES`] the
+//! sink tells the engine it is full, and the engine stops generating for that request until the client
+//! reads (and cancels it if the client never does).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use axum::response::sse::Event;
 use futures::Stream;
-use kura_engine::{EngineEvent, FinishReason, RequestGuard, TokenLogprob, Usage};
+use kura_engine::{EngineEvent, EventSink, FinishReason, RequestGuard, TokenLogprob, Usage};
 use serde_json::{Map, Value};
-use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
 use crate::error::ApiError;
 use crate::types::*;
@@ -32,14 +42,166 @@ pub struct ResponseMeta {
     pub logprobs: bool,
 }
 
+/// Bytes of output a request may have queued for its client before the engine pauses it.
+pub const MAX_BACKLOG_BYTES: usize = 4 << 20;
+
+/// Roughly what an event will take once serialized; what the backlog counts.
+fn event_bytes(event: &EngineEvent) -> usize {
+    match event {
+        EngineEvent::Delta { text, logprobs, .. } => {
+            let lps: usize = logprobs
+                .iter()
+                .map(|lp| {
+                    // `bytes` is a JSON array: up to four characters a byte.
+                    let candidate =
+                        |c: &kura_engine::TokenCandidate| 64 + c.text.len() + 4 * c.bytes.len();
+                    candidate(&lp.sampled) + lp.top.iter().map(candidate).sum::<usize>()
+                })
+                .sum();
+            128 + text.len() + lps
+        }
+        _ => 128,
+    }
+}
+
+/// One prompt's sink: forwards events, tagged with the prompt, and counts the bytes not yet read.
+struct PromptSink {
+    prompt: u32,
+    tx: UnboundedSender<(u32, EngineEvent)>,
+    backlog: Arc<AtomicUsize>,
+}
+
+impl EventSink for PromptSink {
+    fn send(&mut self, event: EngineEvent) -> bool {
+        self.backlog
+            .fetch_add(event_bytes(&event), Ordering::AcqRel);
+        self.tx.send((self.prompt, event)).is_ok()
+    }
+
+    fn is_full(&self) -> bool {
+        self.backlog.load(Ordering::Acquire) >= MAX_BACKLOG_BYTES
+    }
+}
+
+/// The merged events of one API request (one engine request per prompt).
+pub struct Events {
+    rx: UnboundedReceiver<(u32, EngineEvent)>,
+    guards: Vec<RequestGuard>,
+    backlog: Arc<AtomicUsize>,
+    /// Choices per prompt.
+    n: u32,
+    prompts: u32,
+    prompts_done: u32,
+    usage: Usage,
+}
+
+impl Events {
+    /// A merged stream for `prompts` engine requests of `n` choices each; submit prompt `i` with
+    /// [`EventsSender::sink`]`(i)` and hand its guard to [`Events::add_guard`].
+    pub fn new(prompts: u32, n: u32) -> (Self, EventsSender) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let backlog = Arc::new(AtomicUsize::new(0));
+        (
+            Self {
+                rx,
+                guards: Vec::new(),
+                backlog: backlog.clone(),
+                n,
+                prompts,
+                prompts_done: 0,
+                usage: Usage::default(),
+            },
+            EventsSender { tx, backlog },
+        )
+    }
+
+    pub fn add_guard(&mut self, guard: RequestGuard) {
+        self.guards.push(guard);
+    }
+
+    /// Choices over all prompts.
+    pub fn total_choices(&self) -> u32 {
+        self.prompts.saturating_mul(self.n)
+    }
+
+    /// The next event with choices renumbered; `Done` once every prompt is done (usage summed). `None`
+    /// when an engine request ended without a last event (its sink was dropped).
+    pub async fn next(&mut self) -> Option<EngineEvent> {
+        loop {
+            let (prompt, event) = self.rx.recv().await?;
+            let size = event_bytes(&event);
+            let _ = self
+                .backlog
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                    Some(b.saturating_sub(size))
+                });
+            let base = prompt.saturating_mul(self.n);
+            return Some(match event {
+                EngineEvent::Delta {
+                    choice,
+                    text,
+                    token_ids,
+                    logprobs,
+                } => EngineEvent::Delta {
+                    choice: base.saturating_add(choice),
+                    text,
+                    token_ids,
+                    logprobs,
+                },
+                EngineEvent::Finished { choice, reason } => EngineEvent::Finished {
+                    choice: base.saturating_add(choice),
+                    reason,
+                },
+                EngineEvent::Done { usage } => {
+                    let u = &mut self.usage;
+                    u.prompt_tokens = u.prompt_tokens.saturating_add(usage.prompt_tokens);
+                    u.completion_tokens =
+                        u.completion_tokens.saturating_add(usage.completion_tokens);
+                    u.cached_tokens = u.cached_tokens.saturating_add(usage.cached_tokens);
+                    self.prompts_done += 1;
+                    if self.prompts_done < self.prompts {
+                        continue;
+                    }
+                    EngineEvent::Done { usage: self.usage }
+                }
+                failed @ EngineEvent::Failed(_) => failed,
+            });
+        }
+    }
+}
+
+/// Makes the sinks of an [`Events`] stream.
+pub struct EventsSender {
+    tx: UnboundedSender<(u32, EngineEvent)>,
+    backlog: Arc<AtomicUsize>,
+}
+
+impl EventsSender {
+    pub fn sink(&self, prompt: u32) -> impl EventSink {
+        PromptSink {
+            prompt,
+            tx: self.tx.clone(),
+            backlog: self.backlog.clone(),
+        }
+    }
+}
+
 fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for lp in lps {
         out.tokens.push(lp.sampled.text.clone());
         out.token_logprobs.push(lp.sampled.logprob);
+        // Legacy completions key alternatives by their text. Distinct tokens can decode to the same
+        // text (or to the same replacement character); a later one then keys by its id, as vLLM's
+        // `token_id:N` does, so that no alternative is lost.
         let mut top = Map::new();
         for c in &lp.top {
-            top.insert(c.text.clone(), Value::from(c.logprob));
+            let key = if top.contains_key(&c.text) {
+                format!("token_id:{}", c.token_id)
+            } else {
+                c.text.clone()
+            };
+            top.insert(key, Value::from(c.logprob));
         }
         out.top_logprobs.push(top);
         out.text_offset.push(*offset);
@@ -55,14 +217,14 @@ fn chat_logprobs(lps: &[TokenLogprob]) -> ChatLogprobs {
             .map(|lp| ChatTokenLogprob {
                 token: lp.sampled.text.clone(),
                 logprob: lp.sampled.logprob,
-                bytes: lp.sampled.text.as_bytes().to_vec(),
+                bytes: lp.sampled.bytes.clone(),
                 top_logprobs: lp
                     .top
                     .iter()
                     .map(|c| TopLogprob {
                         token: c.text.clone(),
                         logprob: c.logprob,
-                        bytes: c.text.as_bytes().to_vec(),
+                        bytes: c.bytes.clone(),
                     })
                     .collect(),
             })
@@ -78,15 +240,12 @@ struct ChoiceAcc {
 }
 
 /// Waits for the whole request and builds the non-streaming response body.
-pub async fn collect(
-    meta: &ResponseMeta,
-    n: u32,
-    mut rx: UnboundedReceiver<EngineEvent>,
-    _guard: RequestGuard,
-) -> Result<Value, ApiError> {
-    let mut choices: Vec<ChoiceAcc> = (0..n).map(|_| ChoiceAcc::default()).collect();
+pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, ApiError> {
+    let mut choices: Vec<ChoiceAcc> = (0..events.total_choices())
+        .map(|_| ChoiceAcc::default())
+        .collect();
     let usage = loop {
-        let Some(event) = rx.recv().await else {
+        let Some(event) = events.next().await else {
             return Err(ApiError::Internal(
                 "the engine dropped the request without finishing it".into(),
             ));
@@ -161,8 +320,7 @@ pub async fn collect(
 /// drops the stream).
 struct SseState {
     meta: ResponseMeta,
-    rx: UnboundedReceiver<EngineEvent>,
-    _guard: RequestGuard,
+    events: Events,
     include_usage: bool,
     /// Per choice: bytes of text sent so far (completions' `text_offset`).
     offsets: Vec<usize>,
@@ -288,16 +446,14 @@ impl SseState {
 /// The SSE event stream of a request. Chat streams open with one role chunk per choice, as OpenAI's.
 pub fn sse_stream(
     meta: ResponseMeta,
-    n: u32,
     include_usage: bool,
-    rx: UnboundedReceiver<EngineEvent>,
-    guard: RequestGuard,
+    events: Events,
     deadline: Option<(tokio::time::Instant, u64)>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
+    let n = events.total_choices();
     let mut state = SseState {
         meta,
-        rx,
-        _guard: guard,
+        events,
         include_usage,
         offsets: vec![0; n as usize],
         queue: VecDeque::new(),
@@ -335,7 +491,8 @@ pub fn sse_stream(
                 return None;
             }
             let next = match state.deadline {
-                Some((at, seconds)) => match tokio::time::timeout_at(at, state.rx.recv()).await {
+                Some((at, seconds)) => match tokio::time::timeout_at(at, state.events.next()).await
+                {
                     Ok(next) => next,
                     Err(_) => {
                         let body = ApiError::Timeout { seconds }.body();
@@ -347,7 +504,7 @@ pub fn sse_stream(
                         continue;
                     }
                 },
-                None => state.rx.recv().await,
+                None => state.events.next().await,
             };
             match next {
                 Some(event) => state.push(event),

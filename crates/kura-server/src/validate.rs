@@ -3,8 +3,12 @@
 
 use kura_engine::{GenerateRequest, SamplingOptions};
 
+use crate::body::from_value;
 use crate::error::ApiError;
-use crate::types::{CommonParams, MessageContent, RequestMessage, Stop};
+use crate::types::{
+    ChatCompletionRequest, CommonParams, CompletionRequest, MessageContent, Prompt, RequestMessage,
+    Stop,
+};
 
 /// Most choices one request may ask for.
 pub const MAX_N: i64 = 64;
@@ -12,6 +16,17 @@ pub const MAX_N: i64 = 64;
 pub const MAX_STOP: usize = 16;
 /// Most alternatives reported per token (OpenAI's limit).
 pub const MAX_LOGPROBS: i64 = 20;
+/// Most prompts in one `/v1/completions` request, and most choices over all of them (prompts × n).
+pub const MAX_PROMPTS: usize = 256;
+
+/// What validation needs to know about the server.
+#[derive(Debug, Clone, Copy)]
+pub struct Ctx<'a> {
+    /// The only accepted `model`.
+    pub served_model: &'a str,
+    /// Whether `priority` is honoured (`--scheduling-policy priority`); otherwise a non-zero one is refused.
+    pub priority_scheduling: bool,
+}
 
 /// Everything about a request except its prompt, checked.
 #[derive(Debug, Clone)]
@@ -68,28 +83,51 @@ fn in_range(
     }
 }
 
-/// Checks the parameters both endpoints share. `served_model` is the only accepted `model`.
+/// Checks the parameters both endpoints share.
 pub fn check_common(
     c: &CommonParams,
-    served_model: &str,
+    ctx: Ctx<'_>,
     max_tokens: Option<i64>,
     max_tokens_name: &'static str,
 ) -> Result<Checked, ApiError> {
     if let Some(model) = &c.model {
-        if model != served_model {
+        if model != ctx.served_model {
             return Err(ApiError::ModelNotFound {
                 requested: model.clone(),
-                served: served_model.to_string(),
+                served: ctx.served_model.to_string(),
             });
         }
     }
     let max_tokens = match max_tokens {
         None => None,
         Some(m) if (1..=u32::MAX as i64).contains(&m) => Some(m as u32),
-        Some(m) => {
+        Some(m) if m < 1 => {
             return Err(ApiError::invalid(
                 format!("{max_tokens_name} must be at least 1, got {m}"),
                 Some(max_tokens_name),
+            ))
+        }
+        Some(m) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "{max_tokens_name} must be at most {} (and prompt plus output must fit the \
+                     model's context), got {m}",
+                    u32::MAX
+                ),
+                Some(max_tokens_name),
+            ))
+        }
+    };
+    let priority = match c.priority {
+        None | Some(0) => 0,
+        Some(p) if ctx.priority_scheduling => p,
+        Some(p) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "priority is honoured only when the server runs with --scheduling-policy \
+                     priority; this server schedules first come, first served (got priority {p})"
+                ),
+                Some("priority"),
             ))
         }
     };
@@ -186,7 +224,7 @@ pub fn check_common(
         stop,
         stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: c.ignore_eos,
-        priority: c.priority.unwrap_or(0),
+        priority,
         cache_salt: c.cache_salt.clone(),
         stream: c.stream,
         include_usage,
@@ -270,6 +308,123 @@ pub fn flatten_messages(
         .collect()
 }
 
+/// One prompt of a completions request, before tokenization.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// A `/v1/completions` body, checked; only tokenization and the engine's own checks remain.
+#[derive(Debug, Clone)]
+pub struct CompletionPlan {
+    pub checked: Checked,
+    /// One or more prompts; each gets `n` choices, numbered prompt-major as OpenAI numbers them.
+    pub prompts: Vec<PromptInput>,
+    pub logprobs: Option<u32>,
+    pub user: Option<String>,
+}
+
+/// A `/v1/chat/completions` body, checked.
+#[derive(Debug, Clone)]
+pub struct ChatPlan {
+    pub checked: Checked,
+    pub messages: Vec<kura_engine::ChatMessage>,
+    pub logprobs: Option<u32>,
+    pub user: Option<String>,
+}
+
+/// Checks a completions body (already known to be one JSON object).
+pub fn prepare_completion(
+    value: &serde_json::Value,
+    ctx: Ctx<'_>,
+) -> Result<CompletionPlan, ApiError> {
+    let common: CommonParams = from_value(value)?;
+    let req: CompletionRequest = from_value(value)?;
+    let checked = check_common(&common, ctx, common.max_tokens, "max_tokens")?;
+    if req.echo {
+        return Err(ApiError::invalid(
+            "echo is not supported by this server",
+            Some("echo"),
+        ));
+    }
+    if req.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
+        return Err(ApiError::invalid(
+            "suffix is not supported by this server",
+            Some("suffix"),
+        ));
+    }
+    if let Some(b) = req.best_of {
+        if b != i64::from(checked.n) {
+            return Err(ApiError::invalid(
+                format!(
+                    "best_of must equal n ({}) on this server, got {b}",
+                    checked.n
+                ),
+                Some("best_of"),
+            ));
+        }
+    }
+    let logprobs = check_logprobs("logprobs", req.logprobs)?;
+    let prompts: Vec<PromptInput> = match req.prompt {
+        Prompt::Text(t) => vec![PromptInput::Text(t)],
+        Prompt::Tokens(t) if t.is_empty() => {
+            return Err(ApiError::invalid(
+                "prompt must not be empty",
+                Some("prompt"),
+            ))
+        }
+        Prompt::Tokens(t) => vec![PromptInput::Tokens(t)],
+        Prompt::TextBatch(v) => v.into_iter().map(PromptInput::Text).collect(),
+        Prompt::TokensBatch(v) => v.into_iter().map(PromptInput::Tokens).collect(),
+    };
+    let choices = prompts.len().saturating_mul(checked.n as usize);
+    if choices > MAX_PROMPTS {
+        return Err(ApiError::invalid(
+            format!(
+                "at most {MAX_PROMPTS} choices per request (prompts × n); got {} prompts × n = {}",
+                prompts.len(),
+                checked.n
+            ),
+            Some("prompt"),
+        ));
+    }
+    Ok(CompletionPlan {
+        checked,
+        prompts,
+        logprobs,
+        user: common.user,
+    })
+}
+
+/// Checks a chat completions body (already known to be one JSON object).
+pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan, ApiError> {
+    let common: CommonParams = from_value(value)?;
+    let req: ChatCompletionRequest = from_value(value)?;
+    let checked = match req.max_completion_tokens {
+        Some(m) => check_common(&common, ctx, Some(m), "max_completion_tokens")?,
+        None => check_common(&common, ctx, common.max_tokens, "max_tokens")?,
+    };
+    let top = check_logprobs("top_logprobs", req.top_logprobs)?;
+    let logprobs = match (req.logprobs, top) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, None) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs requires logprobs to be true",
+                Some("top_logprobs"),
+            ))
+        }
+    };
+    let messages = flatten_messages(&req.messages)?;
+    Ok(ChatPlan {
+        checked,
+        messages,
+        logprobs,
+        user: common.user,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,9 +433,64 @@ mod tests {
         serde_json::from_str(json).unwrap()
     }
 
+    const CTX: Ctx<'static> = Ctx {
+        served_model: "m",
+        priority_scheduling: false,
+    };
+
+    fn param_of(e: ApiError) -> &'static str {
+        match e {
+            ApiError::InvalidRequest { param: Some(p), .. } => p,
+            other => panic!("not a parameter error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn max_tokens_beyond_u32_says_at_most_not_at_least() {
+        let e = check_common(&common("{}"), CTX, Some(1 << 32), "max_tokens").unwrap_err();
+        assert!(e.to_string().contains("at most 4294967295"), "{e}");
+        let e = check_common(&common("{}"), CTX, Some(-3), "max_tokens").unwrap_err();
+        assert!(e.to_string().contains("at least 1"), "{e}");
+    }
+
+    #[test]
+    fn priority_needs_the_priority_policy() {
+        let e = check_common(&common(r#"{"priority": -5}"#), CTX, None, "max_tokens").unwrap_err();
+        assert!(
+            e.to_string().contains("--scheduling-policy priority"),
+            "{e}"
+        );
+        assert_eq!(param_of(e), "priority");
+        // Zero is the default and means nothing either way.
+        assert!(check_common(&common(r#"{"priority": 0}"#), CTX, None, "max_tokens").is_ok());
+        let ctx = Ctx {
+            priority_scheduling: true,
+            ..CTX
+        };
+        let c = check_common(&common(r#"{"priority": -5}"#), ctx, None, "max_tokens").unwrap();
+        assert_eq!(c.priority, -5);
+    }
+
+    #[test]
+    fn completions_take_a_batch_of_prompts() {
+        let v = serde_json::json!({"prompt": ["a", "b", "c"], "n": 2});
+        let plan = prepare_completion(&v, CTX).unwrap();
+        assert_eq!(plan.prompts.len(), 3);
+        assert_eq!(plan.prompts[1], PromptInput::Text("b".into()));
+        let v = serde_json::json!({"prompt": [[1, 2], [3]]});
+        let plan = prepare_completion(&v, CTX).unwrap();
+        assert_eq!(plan.prompts[1], PromptInput::Tokens(vec![3]));
+        let v = serde_json::json!({"prompt": []});
+        assert_eq!(param_of(prepare_completion(&v, CTX).unwrap_err()), "prompt");
+        let many: Vec<String> = (0..200).map(|i| i.to_string()).collect();
+        let v = serde_json::json!({"prompt": many, "n": 2});
+        let e = prepare_completion(&v, CTX).unwrap_err();
+        assert!(e.to_string().contains("at most 256 choices"), "{e}");
+    }
+
     #[test]
     fn defaults_are_neutral() {
-        let c = check_common(&common("{}"), "m", None, "max_tokens").unwrap();
+        let c = check_common(&common("{}"), CTX, None, "max_tokens").unwrap();
         assert_eq!(c.n, 1);
         assert_eq!(c.sampling, SamplingOptions::default());
         assert!(c.max_tokens.is_none());
@@ -296,18 +506,18 @@ mod tests {
             (r#"{"presence_penalty": -2.5}"#, "presence_penalty"),
             (r#"{"stop": [""]}"#, "stop"),
         ] {
-            let e = check_common(&common(body), "m", None, "max_tokens").unwrap_err();
+            let e = check_common(&common(body), CTX, None, "max_tokens").unwrap_err();
             match e {
                 ApiError::InvalidRequest { param: Some(p), .. } => assert_eq!(p, param, "{body}"),
                 other => panic!("{body}: {other:?}"),
             }
         }
         assert!(matches!(
-            check_common(&common("{}"), "m", Some(0), "max_tokens"),
+            check_common(&common("{}"), CTX, Some(0), "max_tokens"),
             Err(ApiError::InvalidRequest { .. })
         ));
         assert!(matches!(
-            check_common(&common(r#"{"model": "x"}"#), "m", None, "max_tokens"),
+            check_common(&common(r#"{"model": "x"}"#), CTX, None, "max_tokens"),
             Err(ApiError::ModelNotFound { .. })
         ));
     }

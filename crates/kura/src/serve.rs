@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kura_engine::{start_engine, EngineConfig, ModelCodec, ModelExecutor};
+use kura_engine::{start_engine, EngineConfig, ModelCodec, ModelExecutor, SchedulingPolicy};
 use kura_kv::codec::KvDtype;
 use kura_kv::plan::units::{format_bytes, parse_bytes};
 use kura_kv::plan::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_kv::storage::KvStorage;
 use kura_model::{LoadOptions, Model, WeightsDtype};
-use kura_server::ServerConfig;
+use kura_server::{ConnLimits, ServerConfig};
 
 use crate::memory::{kv_budget_bytes, KvMemoryRequest};
 
@@ -27,6 +27,7 @@ pub struct ServeArgs {
     served_model_name: Option<String>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// TCP port; 0 picks a free one (the log says which).
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Worker threads of the forward pass (default: all cores).
@@ -57,9 +58,14 @@ pub struct ServeArgs {
     /// Longest context (prompt + output) accepted. Default: the model's.
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// Requests allowed to wait for their first step; beyond it new requests get 429.
-    #[arg(long, default_value_t = 256)]
-    max_queue: usize,
+    /// Requests allowed to wait for their first step (at least 1); beyond it new requests get 429.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_queue: u64,
+    /// Who runs first: `fcfs` (arrival order; a request that sets `priority` gets 400) or `priority`
+    /// (a request's `priority` is honoured, lower first, and may preempt others: give it only to
+    /// trusted clients).
+    #[arg(long, value_enum, default_value_t = PolicyArg::Fcfs)]
+    scheduling_policy: PolicyArg,
     /// An accepted API key (repeatable). With keys, every request needs `Authorization: Bearer <key>`,
     /// and each key is its own tenant: tenants never share cached KV.
     #[arg(long = "api-key")]
@@ -70,34 +76,137 @@ pub struct ServeArgs {
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Largest accepted request body, e.g. `8MiB`.
+    /// Largest accepted request body, e.g. `8MiB` (at most 1GiB).
     #[arg(long, default_value = "8MiB")]
     max_body_size: String,
-    /// Seconds in-flight requests may run after a shutdown signal before they are cancelled.
-    #[arg(long, default_value_t = 30)]
+    /// Seconds in-flight requests may run after a shutdown signal before they are cancelled (0..=3600).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=MAX_GRACE_S))]
     shutdown_grace_s: u64,
     /// Seconds a request may take from arrival to its last token before it is cancelled (504);
-    /// 0 = no limit.
-    #[arg(long, default_value_t = 0)]
+    /// 0 = no limit (at most a week).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=MAX_REQUEST_TIMEOUT_S))]
     request_timeout_s: u64,
+    /// Most open HTTP connections. At the limit, the oldest connection without a request in flight is
+    /// closed to admit a new one. Default: 4096, or less where the open-file limit is lower.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections: Option<u64>,
+    /// Seconds a client has to send a request's head (request line and headers) (1..=3600).
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_header_timeout_s: u64,
+    /// Seconds a connection may stay open with no request in flight and nothing received (1..=3600).
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_idle_timeout_s: u64,
+    /// Seconds a client has to send a request's body once its head has arrived (408 after) (1..=3600).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_body_timeout_s: u64,
+    /// Seconds a client may stop reading its response (a full socket or output queue) before the request
+    /// is cancelled and its connection closed (1..=3600).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    stalled_client_timeout_s: u64,
+}
+
+/// `--scheduling-policy`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum PolicyArg {
+    Fcfs,
+    Priority,
+}
+
+impl From<PolicyArg> for SchedulingPolicy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::Fcfs => SchedulingPolicy::Fcfs,
+            PolicyArg::Priority => SchedulingPolicy::Priority,
+        }
+    }
+}
+
+/// Longest `--shutdown-grace-s`.
+const MAX_GRACE_S: u64 = 3600;
+/// Longest `--request-timeout-s`: a week.
+const MAX_REQUEST_TIMEOUT_S: u64 = 7 * 24 * 3600;
+/// Largest `--max-body-size`.
+const MAX_BODY_BYTES: u64 = 1 << 30;
+/// Default `--max-connections`.
+const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
+/// File descriptors kept free of connections (model file, logs, the engine, the blocking pool).
+const RESERVED_FDS: u64 = 64;
+
+/// `--max-connections`, or the default bounded by the open-file limit, so that a flood meets the
+/// connection cap (which evicts idle connections) before it meets `Too many open files`.
+fn max_connections(given: Option<u64>) -> Result<usize> {
+    let fd_room = open_file_limit().map(|limit| limit.saturating_sub(RESERVED_FDS));
+    let n = match (given, fd_room) {
+        (Some(n), Some(room)) if n > room => bail!(
+            "--max-connections {n} is more than this process may open: its open-file limit leaves \
+             room for {room} connections; lower --max-connections or raise the limit (ulimit -n)"
+        ),
+        (Some(n), _) => n,
+        (None, Some(0)) => bail!(
+            "the open-file limit (ulimit -n) leaves no room for connections; raise it above {RESERVED_FDS}"
+        ),
+        (None, Some(room)) => DEFAULT_MAX_CONNECTIONS.min(room),
+        (None, None) => DEFAULT_MAX_CONNECTIONS,
+    };
+    usize::try_from(n).context("--max-connections does not fit this platform")
+}
+
+/// The soft limit on open files (`/proc/self/limits`), where the platform says it.
+fn open_file_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line.split_whitespace().nth(3)?;
+    soft.parse().ok()
 }
 
 fn read_api_keys(args: &ServeArgs) -> Result<Vec<String>> {
     let mut keys: Vec<String> = args.api_keys.iter().map(|k| k.trim().to_string()).collect();
+    if keys.iter().any(|k| k.is_empty()) {
+        bail!("--api-key must not be empty");
+    }
     if let Some(path) = &args.api_key_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading --api-key-file {}", path.display()))?;
-        keys.extend(
-            text.lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(String::from),
-        );
-    }
-    if keys.iter().any(|k| k.is_empty()) {
-        bail!("an API key must not be empty");
+        let from_file = keys_of_file(&text);
+        // A key file that names no key would start the server with no authentication at all.
+        if from_file.is_empty() {
+            bail!(
+                "--api-key-file {} holds no API key (only blank lines or # comments); the server \
+                 would run without authentication. Put one key per line, or drop the flag to run \
+                 without keys on purpose",
+                path.display()
+            );
+        }
+        keys.extend(from_file);
     }
     Ok(keys)
+}
+
+/// Keys of an API key file: one per line, blank lines and `#` comments ignored.
+fn keys_of_file(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect()
+}
+
+/// `--served-model-name`, or the model file's stem.
+fn served_model_name(given: Option<&str>, path: &std::path::Path) -> Result<String> {
+    match given {
+        Some(name) if name.trim().is_empty() => {
+            bail!("--served-model-name must not be empty: clients send it as `model`")
+        }
+        Some(name) if name.chars().any(char::is_control) => {
+            bail!("--served-model-name {name:?} contains control characters")
+        }
+        Some(name) => Ok(name.to_string()),
+        None => Ok(path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .filter(|s| !s.trim().is_empty())
+            .unwrap_or_else(|| "model".into())),
+    }
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -105,6 +214,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let api_keys = read_api_keys(&args)?;
     let max_body_bytes = parse_bytes(&args.max_body_size)
         .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
+    if max_body_bytes == 0 || max_body_bytes > MAX_BODY_BYTES {
+        bail!(
+            "--max-body-size {:?} must be between 1 byte and {}",
+            args.max_body_size,
+            format_bytes(MAX_BODY_BYTES)
+        );
+    }
+    let max_connections = max_connections(args.max_connections)?;
     let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
     // Checked before the model loads too, so that a size this machine cannot hold fails at once.
     kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
@@ -165,11 +282,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     let storage =
         KvStorage::new(&layout, num_blocks as usize).context("allocating the KV cache")?;
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
-        path.file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    });
+    let model_name = served_model_name(args.served_model_name.as_deref(), &path)?;
     let config = EngineConfig {
         model_fingerprint: format!("{model_name}/{}", args.kv_dtype.name()),
         model_name,
@@ -178,8 +291,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         num_blocks: num_blocks as usize,
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
-        max_queue: args.max_queue,
+        max_queue: args.max_queue as usize,
         enable_prefix_caching: !args.no_prefix_cache,
+        scheduling_policy: args.scheduling_policy.into(),
+        stalled_client_timeout: Duration::from_secs(args.stalled_client_timeout_s),
     };
     let engine = start_engine(
         config,
@@ -195,15 +310,69 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     let server_config = ServerConfig {
         api_keys,
-        max_body_bytes: max_body_bytes as usize,
+        max_body_bytes: usize::try_from(max_body_bytes).context("--max-body-size")?,
+        body_timeout: Duration::from_secs(args.http_body_timeout_s),
         shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
         request_timeout: (args.request_timeout_s > 0)
             .then(|| Duration::from_secs(args.request_timeout_s)),
+        priority_scheduling: args.scheduling_policy == PolicyArg::Priority,
+        conn: ConnLimits {
+            max_connections,
+            header_timeout: Duration::from_secs(args.http_header_timeout_s),
+            idle_timeout: Duration::from_secs(args.http_idle_timeout_s),
+            write_stall_timeout: Duration::from_secs(args.stalled_client_timeout_s),
+        },
     };
     let addr = format!("{}:{}", args.host, args.port);
-    let result = kura_server::serve_blocking(&addr, engine.clone(), server_config)
-        .with_context(|| format!("serving HTTP on {addr}"));
+    // Tokenizing a large prompt takes a core for a while: as many at once as there are cores (and at
+    // least 2), so that tokenization cannot starve the forward pass of every core.
+    let tokenizer_threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .max(2);
+    let result =
+        kura_server::serve_blocking(&addr, engine.clone(), server_config, tokenizer_threads)
+            .with_context(|| format!("serving HTTP on {addr}"));
     engine.stop();
     tracing::info!("stopped");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn a_key_file_of_comments_and_blank_lines_holds_no_key() {
+        assert!(keys_of_file("").is_empty());
+        assert!(keys_of_file("# only a comment\n\n   \n#another").is_empty());
+        assert_eq!(keys_of_file(" k1 \n# c\nk2\n"), vec!["k1", "k2"]);
+    }
+
+    #[test]
+    fn the_served_model_name_must_say_something() {
+        let p = Path::new("/m/model.gguf");
+        assert!(served_model_name(Some(""), p).is_err());
+        assert!(served_model_name(Some("  "), p).is_err());
+        assert!(served_model_name(Some("a\nb"), p).is_err());
+        assert_eq!(served_model_name(Some("x"), p).unwrap(), "x");
+        assert_eq!(served_model_name(None, p).unwrap(), "model");
+    }
+
+    #[test]
+    fn max_connections_stays_within_the_open_file_limit() {
+        let Some(limit) = open_file_limit() else {
+            panic!("/proc/self/limits has no open-file limit on this machine");
+        };
+        let room = limit.saturating_sub(RESERVED_FDS);
+        let default = max_connections(None).unwrap() as u64;
+        assert!(
+            default <= room && default <= DEFAULT_MAX_CONNECTIONS,
+            "{default}"
+        );
+        let e = max_connections(Some(room + 1)).unwrap_err().to_string();
+        assert!(e.contains("ulimit -n"), "{e}");
+        assert_eq!(max_connections(Some(1)).unwrap(), 1);
+    }
 }

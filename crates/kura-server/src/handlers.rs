@@ -1,0 +1,247 @@
+//! The generation routes: validate (sync, [`crate::validate`]), tokenize on the blocking pool (a
+//! 200 KB prompt must not stall the two async workers that serve every stream and `/health`), submit
+//! one engine request per prompt, then collect or stream the merged events ([`crate::output`]).
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use kura_engine::{ChatMessage, EngineHandle, GenerateRequest};
+
+use crate::body::JsonBody;
+use crate::error::ApiError;
+use crate::output::{self, Events, ResponseMeta, Shape};
+use crate::types::{TokenizeRequest, TokenizeResponse};
+use crate::validate::{self, Checked, PromptInput};
+use crate::{AppState, Tenant};
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn response_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}-{:x}{nanos:08x}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The engine's cache salt for a request: the tenant's key (when keys are configured) and the
+/// request's own `cache_salt`, so that neither tenants nor salts ever share blocks.
+fn effective_salt(tenant: Tenant, salt: Option<String>) -> Option<String> {
+    match (tenant.0, salt) {
+        (None, salt) => salt,
+        (Some(t), None) => Some(format!("key{t}")),
+        (Some(t), Some(s)) => Some(format!("key{t}\u{1f}{s}")),
+    }
+}
+
+fn tokenize_error(e: String) -> ApiError {
+    ApiError::invalid(
+        format!("could not tokenize the prompt: {e}"),
+        Some("prompt"),
+    )
+}
+
+fn template_error(e: String) -> ApiError {
+    ApiError::invalid(
+        format!("could not apply the chat template: {e}"),
+        Some("messages"),
+    )
+}
+
+/// Runs tokenizer work on the blocking pool, so that the async workers stay free.
+async fn off_the_workers<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// Token ids of every prompt, tokenized off the async workers.
+async fn encode_prompts(
+    engine: &EngineHandle,
+    prompts: Vec<PromptInput>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let codec = engine.codec().clone();
+    off_the_workers(move || {
+        prompts
+            .into_iter()
+            .map(|p| match p {
+                PromptInput::Text(t) => codec.encode(&t).map_err(tokenize_error),
+                PromptInput::Tokens(t) => Ok(t),
+            })
+            .collect()
+    })
+    .await
+}
+
+/// The chat template applied and tokenized in one step, off the async workers: the template writes
+/// the special tokens, so none are added again (no second BOS).
+async fn encode_chat(
+    engine: &EngineHandle,
+    messages: Vec<ChatMessage>,
+) -> Result<Vec<u32>, ApiError> {
+    let codec = engine.codec().clone();
+    off_the_workers(move || codec.encode_chat(&messages).map_err(template_error)).await
+}
+
+/// Default `max_tokens` when the client gives none: whatever fits in the context and in the pool.
+fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 {
+    let info = engine.info();
+    let pool_tokens = info.num_blocks.saturating_mul(info.block_size_tokens);
+    let room = info
+        .max_model_len
+        .min(pool_tokens)
+        .saturating_sub(prompt_len);
+    room.clamp(1, u32::MAX as usize) as u32
+}
+
+/// Submits one engine request per prompt and answers with the merged events, as JSON or SSE.
+async fn start(
+    s: &AppState,
+    requests: Vec<GenerateRequest>,
+    meta: ResponseMeta,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let n = requests.first().map(|r| r.n).unwrap_or(1);
+    let (mut events, sender) = Events::new(requests.len() as u32, n);
+    for (i, request) in requests.into_iter().enumerate() {
+        // A refusal drops the guards of the prompts already submitted: they are cancelled.
+        let guard = s.engine.submit(request, sender.sink(i as u32))?;
+        events.add_guard(guard);
+    }
+    drop(sender);
+    let deadline = s.request_timeout.and_then(|t| {
+        tokio::time::Instant::now()
+            .checked_add(t)
+            .map(|at| (at, t.as_secs()))
+    });
+    if stream {
+        let body = output::sse_stream(meta, include_usage, events, deadline);
+        Ok(Sse::new(body)
+            .keep_alive(KeepAlive::default())
+            .into_response())
+    } else {
+        let body = output::collect(&meta, events);
+        let body = match deadline {
+            // On timeout the collecting future is dropped with the guards: the requests are cancelled.
+            Some((at, seconds)) => tokio::time::timeout_at(at, body)
+                .await
+                .map_err(|_| ApiError::Timeout { seconds })??,
+            None => body.await?,
+        };
+        Ok(Json(body).into_response())
+    }
+}
+
+fn request_for(
+    checked: &Checked,
+    tenant: Tenant,
+    prompt_tokens: Vec<u32>,
+    max_tokens: u32,
+    logprobs: Option<u32>,
+) -> GenerateRequest {
+    let mut request = checked
+        .clone()
+        .into_request(prompt_tokens, max_tokens, logprobs);
+    request.cache_salt = effective_salt(tenant, request.cache_salt);
+    request
+}
+
+pub async fn completions(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(value): JsonBody,
+) -> Result<Response, ApiError> {
+    let info = s.engine.info();
+    let plan = validate::prepare_completion(&value, s.ctx())?;
+    drop(value);
+    let prompts = encode_prompts(&s.engine, plan.prompts).await?;
+    // OpenAI's default for the legacy endpoint.
+    let max_tokens = plan.checked.max_tokens.unwrap_or(16);
+    let requests: Vec<GenerateRequest> = prompts
+        .into_iter()
+        .map(|p| request_for(&plan.checked, tenant, p, max_tokens, plan.logprobs))
+        .collect();
+    tracing::debug!(user = ?plan.user, prompts = requests.len(), max_tokens, "completion request");
+    let meta = ResponseMeta {
+        id: response_id("cmpl"),
+        created: unix_now(),
+        model: info.model_name.clone(),
+        shape: Shape::Completion,
+        logprobs: plan.logprobs.is_some(),
+    };
+    let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
+    start(&s, requests, meta, stream, include_usage).await
+}
+
+pub async fn chat_completions(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(value): JsonBody,
+) -> Result<Response, ApiError> {
+    let info = s.engine.info();
+    let plan = validate::prepare_chat(&value, s.ctx())?;
+    drop(value);
+    let prompt_tokens = encode_chat(&s.engine, plan.messages).await?;
+    let max_tokens = plan
+        .checked
+        .max_tokens
+        .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len()));
+    let request = request_for(
+        &plan.checked,
+        tenant,
+        prompt_tokens,
+        max_tokens,
+        plan.logprobs,
+    );
+    tracing::debug!(user = ?plan.user, prompt_tokens = request.prompt_tokens.len(), max_tokens, "chat request");
+    let meta = ResponseMeta {
+        id: response_id("chatcmpl"),
+        created: unix_now(),
+        model: info.model_name.clone(),
+        shape: Shape::Chat,
+        logprobs: plan.logprobs.is_some(),
+    };
+    let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
+    start(&s, vec![request], meta, stream, include_usage).await
+}
+
+pub async fn tokenize(
+    State(s): State<AppState>,
+    JsonBody(value): JsonBody,
+) -> Result<Json<TokenizeResponse>, ApiError> {
+    let req: TokenizeRequest = crate::body::from_value(&value)?;
+    drop(value);
+    let tokens = match (req.prompt, req.messages) {
+        (Some(p), None) => encode_prompts(&s.engine, vec![PromptInput::Text(p)])
+            .await?
+            .swap_remove(0),
+        (None, Some(m)) => encode_chat(&s.engine, validate::flatten_messages(&m)?).await?,
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of prompt (a string) or messages",
+                Some("prompt"),
+            ))
+        }
+    };
+    Ok(Json(TokenizeResponse {
+        count: tokens.len(),
+        tokens,
+        max_model_len: s.engine.info().max_model_len,
+    }))
+}

@@ -1,0 +1,647 @@
+//! The HTTP layer over real sockets: authentication, body checks (413, 415, trailing data), error
+//! shapes, SSE framing, batched prompts, priority, and what a hostile or broken client can do to the
+//! server (silent floods, slow heads and bodies, clients that stop reading, disconnects, shutdown).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kura_server::{ConnLimits, ServeError, ServerConfig};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+async fn post(url: &str, body: &Value) -> reqwest::Response {
+    client().post(url).json(body).send().await.unwrap()
+}
+
+fn assert_openai_error(body: &Value) {
+    let e = &body["error"];
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    assert!(e["type"].is_string(), "{body}");
+    assert!(
+        e.get("param").is_some() && e.get("code").is_some(),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn keys_are_required_on_the_api_but_not_on_health() {
+    let s = TestServer::start(Setup {
+        server: ServerConfig {
+            api_keys: vec!["k1".into(), "k2".into()],
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let body = json!({"prompt": "hi", "max_tokens": 2});
+    let url = s.url("/v1/completions");
+    let r = client().post(&url).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["www-authenticate"], "Bearer");
+    assert_openai_error(&r.json().await.unwrap());
+    let r = client()
+        .post(&url)
+        .bearer_auth("k3")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client()
+        .post(&url)
+        .bearer_auth("k2")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = client().get(s.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn bodies_must_be_one_json_object_sent_as_json_within_the_limit() {
+    let s = TestServer::start(Setup {
+        server: ServerConfig {
+            max_body_bytes: 1024,
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let url = s.url("/v1/completions");
+    let send = |ct: Option<&'static str>, body: Vec<u8>| {
+        let mut r = client().post(&url).body(body);
+        if let Some(ct) = ct {
+            r = r.header("content-type", ct);
+        }
+        r.send()
+    };
+    let ok = br#"{"prompt": "hi", "max_tokens": 1}"#.to_vec();
+    assert_eq!(
+        send(Some("application/json"), ok.clone())
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        send(Some("application/json; charset=utf-8"), ok.clone())
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    for ct in [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+    ] {
+        let r = send(ct, ok.clone()).await.unwrap();
+        assert_eq!(r.status(), 415, "{ct:?}");
+        assert_openai_error(&r.json().await.unwrap());
+    }
+    for bad in [
+        &br#"{"prompt": "hi"} trailing"#[..],
+        br#"{"prompt": "hi"}{"prompt": "again"}"#,
+        b"{\"prompt\": \"hi\"}\0",
+    ] {
+        let r = send(Some("application/json"), bad.to_vec()).await.unwrap();
+        assert_eq!(r.status(), 400, "{:?}", String::from_utf8_lossy(bad));
+    }
+    let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(2000));
+    let r = send(Some("application/json"), big.into_bytes())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_openai_error(&r.json().await.unwrap());
+}
+
+#[tokio::test]
+async fn unknown_routes_methods_and_bad_values_get_openai_shaped_errors() {
+    let s = TestServer::start(Setup::default()).await;
+    let r = client().get(s.url("/v1/nothing")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_openai_error(&r.json().await.unwrap());
+    let r = client().get(s.url("/v1/completions")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_openai_error(&r.json().await.unwrap());
+    let r = post(
+        &s.url("/v1/completions"),
+        &json!({"prompt": "hi", "max_tokens": 4294967296u64}),
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_openai_error(&body);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most"),
+        "{body}"
+    );
+    let r = post(
+        &s.url("/v1/completions"),
+        &json!({"prompt": "hi", "priority": -1}),
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "priority");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--scheduling-policy priority"));
+}
+
+#[tokio::test]
+async fn priority_is_accepted_under_the_priority_policy() {
+    let s = TestServer::start(Setup {
+        policy: kura_engine::SchedulingPolicy::Priority,
+        server: ServerConfig {
+            priority_scheduling: true,
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let r = post(
+        &s.url("/v1/completions"),
+        &json!({"prompt": "hi", "max_tokens": 2, "priority": -1}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+}
+
+/// The `data:` payloads of an SSE body, checking the framing on the way.
+fn sse_payloads(text: &str) -> Vec<String> {
+    assert!(
+        text.ends_with("\n\n"),
+        "an SSE body ends with a blank line: {text:?}"
+    );
+    let mut out = Vec::new();
+    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+        let data: Vec<&str> = event
+            .lines()
+            .filter(|l| !l.starts_with(':'))
+            .map(|l| {
+                l.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not a data line: {l:?}"))
+            })
+            .collect();
+        if !data.is_empty() {
+            out.push(data.join("\n"));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn streams_are_framed_as_server_sent_events_ending_with_done() {
+    let s = TestServer::start(Setup::default()).await;
+    let r = post(
+        &s.url("/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": true,
+                "n": 2, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let payloads = sse_payloads(&r.text().await.unwrap());
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1]
+        .iter()
+        .map(|p| serde_json::from_str(p).unwrap())
+        .collect();
+    // One role chunk per choice first, then content, one finish per choice, then usage alone.
+    for (i, c) in chunks[..2].iter().enumerate() {
+        assert_eq!(c["choices"][0]["index"], i);
+        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
+    }
+    let finishes = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"]
+                .get(0)
+                .is_some_and(|ch| !ch["finish_reason"].is_null())
+        })
+        .count();
+    assert_eq!(finishes, 2);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 10);
+    assert!(chunks.last().unwrap()["choices"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+}
+
+#[tokio::test]
+async fn a_list_of_prompts_gets_choices_numbered_prompt_major() {
+    let s = TestServer::start(Setup::default()).await;
+    let prompts = ["one", "two two", "three three three"];
+    let r = post(
+        &s.url("/v1/completions"),
+        &json!({"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    // Each prompt alone (same n, on a fresh server so that no cached prefix changes what the stand-in
+    // computes) gives its choices' text: the batch is the same as separate requests.
+    let mut prompt_tokens = 0;
+    for (p, prompt) in prompts.iter().enumerate() {
+        let fresh = TestServer::start(Setup::default()).await;
+        let alone: Value = post(
+            &fresh.url("/v1/completions"),
+            &json!({"prompt": prompt, "n": 2, "max_tokens": 3, "temperature": 0}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+        for j in 0..2 {
+            assert_eq!(
+                choices[p * 2 + j]["text"],
+                alone["choices"][j]["text"],
+                "prompt {p}"
+            );
+        }
+        prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(
+        body["usage"]["prompt_tokens"].as_u64().unwrap(),
+        prompt_tokens
+    );
+    assert_eq!(body["usage"]["completion_tokens"], 18);
+
+    // Streaming: the same numbering, one [DONE].
+    let r = post(
+        &s.url("/v1/completions"),
+        &json!({"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "stream": true}),
+    )
+    .await;
+    let payloads = sse_payloads(&r.text().await.unwrap());
+    assert_eq!(payloads.iter().filter(|p| *p == "[DONE]").count(), 1);
+    let mut seen = std::collections::BTreeSet::new();
+    for p in &payloads[..payloads.len() - 1] {
+        let v: Value = serde_json::from_str(p).unwrap();
+        seen.insert(v["choices"][0]["index"].as_u64().unwrap());
+    }
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+}
+
+#[tokio::test]
+async fn tokenization_runs_off_the_async_workers() {
+    // Tokenization blocks until released: four requests would hold both async workers if it ran on
+    // them, and /health could not answer.
+    let gate = Gate::closed();
+    let s = TestServer::start_gated(Setup::default(), gate.clone()).await;
+    let mut pending = Vec::new();
+    for _ in 0..4 {
+        let url = s.url("/v1/completions");
+        pending.push(tokio::spawn(async move {
+            post(&url, &json!({"prompt": "x".repeat(4000), "max_tokens": 1}))
+                .await
+                .status()
+        }));
+    }
+    while gate.waiting.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = client().get(s.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        gate.waiting.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "health answered first"
+    );
+    gate.release();
+    for p in pending {
+        assert_eq!(p.await.unwrap(), 200);
+    }
+}
+
+fn quick_limits() -> ConnLimits {
+    ConnLimits {
+        max_connections: 4096,
+        header_timeout: Duration::from_millis(500),
+        idle_timeout: Duration::from_millis(500),
+        write_stall_timeout: Duration::from_secs(1),
+    }
+}
+
+/// Reads until the server closes the connection; the bytes read.
+async fn read_to_close(stream: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    tokio::time::timeout(within, stream.read_to_end(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    Some(out)
+}
+
+#[tokio::test]
+async fn silent_slow_and_idle_connections_are_closed() {
+    let s = TestServer::start(Setup {
+        server: ServerConfig {
+            conn: quick_limits(),
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    // Silent: nothing sent at all.
+    let mut silent = TcpStream::connect(s.addr).await.unwrap();
+    // Slow head: the request line and a header, never the blank line, a byte now and then.
+    let mut slow = TcpStream::connect(s.addr).await.unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..40 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if slow.write_all(b"X").await.is_err() {
+                return true;
+            }
+        }
+        false
+    });
+    // Idle after one request on a kept-alive connection.
+    let mut idle = TcpStream::connect(s.addr).await.unwrap();
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = idle.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+
+    assert!(
+        read_to_close(&mut silent, Duration::from_secs(5))
+            .await
+            .is_some(),
+        "silent stays open"
+    );
+    assert!(
+        read_to_close(&mut idle, Duration::from_secs(5))
+            .await
+            .is_some(),
+        "idle stays open"
+    );
+    assert!(
+        trickle.await.unwrap(),
+        "a head trickled for 4 s was not cut"
+    );
+}
+
+#[tokio::test]
+async fn a_body_shorter_than_its_length_gets_408() {
+    let s = TestServer::start(Setup {
+        server: ServerConfig {
+            body_timeout: Duration::from_millis(300),
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"prompt\": ",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+}
+
+#[tokio::test]
+async fn a_flood_of_silent_connections_does_not_stop_health() {
+    let mut limits = quick_limits();
+    limits.max_connections = 300;
+    // Long timeouts: the flood is evicted by the cap, not by timeouts.
+    limits.header_timeout = Duration::from_secs(60);
+    limits.idle_timeout = Duration::from_secs(60);
+    let s = TestServer::start(Setup {
+        server: ServerConfig {
+            conn: limits,
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let mut flood = Vec::new();
+    for _ in 0..2000 {
+        flood.push(TcpStream::connect(s.addr).await.unwrap());
+    }
+    for _ in 0..5 {
+        let r = client().get(s.url("/health")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // The oldest silent connections were closed to make room.
+    let mut closed = 0;
+    for c in flood.iter_mut().take(100) {
+        if read_to_close(c, Duration::from_millis(200)).await.is_some() {
+            closed += 1;
+        }
+    }
+    assert!(
+        closed >= 90,
+        "only {closed} of the 100 oldest silent connections were closed"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cancelled_and_its_blocks_freed() {
+    let s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            token_text_bytes: 4096,
+            ..Behaviour::default()
+        },
+        stalled_client_timeout: Duration::from_secs(1),
+        server: ServerConfig {
+            conn: quick_limits(),
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    let body = r#"{"prompt": "never read", "max_tokens": 6000, "stream": true, "logprobs": 20}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    // Never read. The engine pauses the request once its output queue is full; the server closes the
+    // connection once its writes have been blocked for the stall timeout.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        s.metric("kura:kv_cache_blocks_used") > 0.0,
+        "the request should be holding blocks"
+    );
+    assert!(
+        s.wait_blocks_free(Duration::from_secs(15)).await,
+        "blocks still held"
+    );
+    drop(c);
+}
+
+#[tokio::test]
+async fn a_non_streaming_client_that_disconnects_frees_its_blocks() {
+    let s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            step_delay: Duration::from_millis(5),
+            ..Behaviour::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    let body = r#"{"prompt": "a long answer please", "max_tokens": 5000}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while s.metric("kura:kv_cache_blocks_used") == 0.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the request never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(c);
+    assert!(
+        s.wait_blocks_free(Duration::from_secs(5)).await,
+        "blocks still held after disconnect"
+    );
+    assert!(s.metric("kura:request_cancelled_total") >= 1.0);
+}
+
+#[tokio::test]
+async fn shutdown_closes_partial_requests_and_unread_streams_after_the_grace() {
+    let mut s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            step_delay: Duration::from_millis(2),
+            ..Behaviour::default()
+        },
+        server: ServerConfig {
+            shutdown_grace: Duration::from_millis(500),
+            conn: ConnLimits {
+                header_timeout: Duration::from_secs(600),
+                idle_timeout: Duration::from_secs(600),
+                write_stall_timeout: Duration::from_secs(600),
+                ..ConnLimits::default()
+            },
+            body_timeout: Duration::from_secs(600),
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    // A head without its blank line, a body shorter than its length, a stream never read.
+    let mut partial_head = TcpStream::connect(s.addr).await.unwrap();
+    partial_head
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut short_body = TcpStream::connect(s.addr).await.unwrap();
+    short_body
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 50\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let mut unread = TcpStream::connect(s.addr).await.unwrap();
+    let body = r#"{"prompt": "x", "max_tokens": 100000, "stream": true}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    unread.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stopped = tokio::time::timeout(Duration::from_secs(10), s.shutdown()).await;
+    assert!(
+        matches!(stopped, Ok(Ok(()))),
+        "serve did not return after the grace"
+    );
+    for c in [&mut partial_head, &mut short_body, &mut unread] {
+        assert!(
+            read_to_close(c, Duration::from_secs(5)).await.is_some(),
+            "a connection stayed open"
+        );
+    }
+}
+
+#[tokio::test]
+async fn engine_death_turns_health_to_503_fails_requests_and_ends_serve_with_an_error() {
+    let mut s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            panic_at_forward: Some(3),
+            ..Behaviour::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    assert_eq!(
+        client()
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let r = post(
+        &s.url("/v1/completions"),
+        &json!({"prompt": "hi", "max_tokens": 50}),
+    )
+    .await;
+    assert!(r.status().is_server_error(), "{}", r.status());
+    let body: Value = r.json().await.unwrap();
+    assert_openai_error(&body);
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("stand-in model failure"), "{message}");
+    let result = tokio::time::timeout(Duration::from_secs(10), s.done.take().unwrap())
+        .await
+        .expect("serve returns after the engine dies")
+        .unwrap();
+    match result {
+        Err(ServeError::EngineFailed(m)) => assert!(m.contains("stand-in model failure"), "{m}"),
+        other => panic!("serve returned {other:?}"),
+    }
+    assert!(s.engine.failure().is_some());
+    // Whatever still reaches the router now hears that the engine is gone.
+    use tower::ServiceExt;
+    let app = kura_server::router(s.engine.clone(), &ServerConfig::default());
+    let health = app
+        .oneshot(
+            axum::http::Request::get("/health")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 503);
+}

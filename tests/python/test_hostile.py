@@ -1,0 +1,204 @@
+"""What a hostile or careless user can do to a real `kura serve` process on the default model: bad flags
+and key files at start-up, floods of silent connections, partial requests and unread streams at shutdown,
+large prompts while /health is probed, batched prompts and logprobs through the official client."""
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import EXACT, KuraServer, kura_bin, model_path
+
+
+def start_fails(*args: str, timeout: float = 120) -> str:
+    """Runs `kura serve` with `args`; it must exit non-zero by itself (not by a signal). Returns its output."""
+    p = subprocess.run(
+        [kura_bin(), "serve", "--model", model_path(), "--port", "0", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert p.returncode > 0, f"rc {p.returncode}: {p.stdout}{p.stderr}"
+    return p.stdout + p.stderr
+
+
+def test_bad_startup_flags_are_refused_with_the_flag_named(tmp_path):
+    empty = tmp_path / "keys"
+    empty.write_text("# no keys here\n\n   \n")
+    out = start_fails("--api-key-file", str(empty))
+    assert "holds no API key" in out and "without authentication" in out, out
+    out = start_fails("--request-timeout-s", "9223372036854775807")
+    assert "--request-timeout-s" in out, out
+    out = start_fails("--shutdown-grace-s", "18446744073709551615")
+    assert "--shutdown-grace-s" in out, out
+    out = start_fails("--max-queue", "0")
+    assert "--max-queue" in out, out
+    out = start_fails("--served-model-name", "")
+    assert "--served-model-name" in out, out
+    out = start_fails("--max-body-size", "0")
+    assert "--max-body-size" in out, out
+    out = start_fails("--max-connections", "100000000")
+    assert "--max-connections" in out, out
+
+
+def test_port_zero_logs_the_bound_port():
+    p = subprocess.Popen(
+        [kura_bin(), "serve", "--model", model_path(), "--port", "0", "--kv-cache-memory", "32MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        port = None
+        while time.time() < deadline and port is None:
+            line = p.stdout.readline()
+            assert line, "kura serve exited before it listened"
+            m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            if m:
+                port = int(m.group(1))
+        assert port and port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+
+
+def test_health_answers_through_a_flood_of_silent_connections():
+    s = KuraServer("--kv-cache-memory", "32MiB", "--max-connections", "500")
+    flood = []
+    try:
+        for _ in range(3000):
+            c = socket.create_connection(("127.0.0.1", s.port))
+            flood.append(c)
+        for _ in range(5):
+            assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        assert s.proc.poll() is None
+        assert "connection limit reached" in s.log(), s.log()[-2000:]
+        # The oldest silent connections were closed to make room: reading them gives end of file.
+        closed = 0
+        for c in flood[:200]:
+            c.settimeout(0.5)
+            try:
+                if c.recv(1) == b"":
+                    closed += 1
+            except (socket.timeout, ConnectionResetError):
+                pass
+        assert closed >= 150, closed
+    finally:
+        for c in flood:
+            c.close()
+        s.stop()
+
+
+def test_sigterm_exits_after_the_grace_despite_partial_requests_and_unread_streams():
+    s = KuraServer("--kv-cache-memory", "64MiB", "--shutdown-grace-s", "2")
+    held = []
+    try:
+        partial_head = socket.create_connection(("127.0.0.1", s.port))
+        partial_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        short_body = socket.create_connection(("127.0.0.1", s.port))
+        short_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 500\r\n\r\n{\"prompt\": ")
+        unread = socket.create_connection(("127.0.0.1", s.port))
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True,
+                           "logprobs": 20, "extra": "x", "ignore_eos": True}).encode()
+        unread.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        held += [partial_head, short_body, unread]
+        time.sleep(1.0)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(timeout=30)
+        took = time.time() - t0
+        print(f"\nexit {rc} {took:.1f} s after SIGTERM (grace 2 s)")
+        assert rc == 0, s.log()[-3000:]
+        assert "shutdown grace period over" in s.log(), s.log()[-3000:]
+    finally:
+        for c in held:
+            c.close()
+        s.stop()
+
+
+def test_health_stays_fast_while_large_prompts_are_tokenized():
+    s = KuraServer("--kv-cache-memory", "64MiB", "--max-body-size", "4MiB")
+    try:
+        big = ("The quick brown fox jumps over the lazy dog near the river bank. " * 3200)[:200_000]
+        results = []
+
+        def send():
+            r = httpx.post(s.url + "/tokenize", json={"prompt": big}, timeout=300)
+            results.append(r.status_code)
+
+        threads = [threading.Thread(target=send) for _ in range(4)]
+        for t in threads:
+            t.start()
+        health_ms = []
+        while any(t.is_alive() for t in threads):
+            t0 = time.perf_counter()
+            assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+            health_ms.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        assert results == [200] * 4
+        health_ms.sort()
+        print(f"\n/health during 4 x 200 KB tokenization: {len(health_ms)} probes, "
+              f"median {health_ms[len(health_ms) // 2]:.1f} ms, max {health_ms[-1]:.1f} ms")
+        assert len(health_ms) >= 3, "tokenization finished before /health could be probed"
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def exact_server():
+    s = KuraServer("--kv-cache-memory", "128MiB", *EXACT)
+    yield s
+    s.stop()
+
+
+def test_a_list_of_prompts_through_the_openai_client(exact_server):
+    s = exact_server
+    client = s.client()
+    model = s.model()
+    prompts = ["The capital of France is", "One, two, three,"]
+    r = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    completion_tokens = 0
+    for p, prompt in enumerate(prompts):
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        assert r.choices[2 * p].text == alone.choices[0].text
+        assert r.choices[2 * p + 1].text == alone.choices[0].text
+        completion_tokens += 2 * alone.usage.completion_tokens
+    assert r.usage.completion_tokens == completion_tokens
+    assert r.usage.prompt_tokens == sum(len(s.tokenize(p)) for p in prompts)
+
+
+def test_logprob_alternatives_are_never_collapsed_and_bytes_are_the_tokens_own(exact_server):
+    s = exact_server
+    client = s.client()
+    model = s.model()
+    # Non-Latin text makes the model produce tokens that are parts of a character (byte tokens), many of
+    # which decode alone to the same replacement character.
+    prompt = "日本語の文章です。東京は日本の首都です。京都は古い都です。"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=20)
+    tops = r.choices[0].logprobs.top_logprobs
+    assert tops and all(len(t) == 20 for t in tops), [len(t) for t in tops]
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Repeat exactly: " + prompt}],
+        max_tokens=24, temperature=0, logprobs=True, top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    partial = [t for t in content if "\ufffd" in t.token]
+    assert partial, "the answer has no token that is part of a character: " + chat.choices[0].message.content
+    # A token that is part of a character reports its own byte(s), not U+FFFD's three bytes, so the
+    # tokens' bytes put together are the answer's bytes (a final end-of-turn token may follow).
+    for t in partial:
+        assert b"\xef\xbf\xbd" not in bytes(t.bytes), t
+    joined = b"".join(bytes(t.bytes) for t in content)
+    assert joined.startswith(chat.choices[0].message.content.encode()), (joined, chat.choices[0].message.content)
