@@ -39,6 +39,12 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
+/// Template instructions one render may run. A chat template comes from the model file, so a hostile or
+/// broken one could loop without end (nested `range`s, recursive macros): past this budget the render
+/// fails. Real templates spend tens of instructions a message; this covers far more messages than the
+/// largest request body holds.
+pub const RENDER_FUEL: u64 = 20_000_000;
+
 fn raise_exception(msg: String) -> std::result::Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
@@ -50,6 +56,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.set_trim_blocks(false);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::ChatTemplate(format!("template does not compile: {e}")))?;
         Ok(ChatTemplate {
@@ -104,5 +111,24 @@ mod tests {
         let e = t.render(&[], false).unwrap_err().to_string();
         assert!(e.contains("roles must alternate"), "{e}");
         assert!(ChatTemplate::new("{% for %}", "", "").is_err());
+    }
+
+    #[test]
+    fn a_template_that_runs_without_end_fails_instead_of_hanging() {
+        // 10^8 iterations (range allows at most 10,000 items a call) if nothing stopped it.
+        let t = ChatTemplate::new(
+            "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let e = t.render(&[], false).unwrap_err().to_string();
+        assert!(e.contains("fuel"), "{e}");
+        // A long conversation through a real template stays well inside the budget.
+        let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
+        let messages: Vec<_> = (0..10_000)
+            .map(|i| ChatMessage::new("user", format!("m{i}")))
+            .collect();
+        assert!(t.render(&messages, true).is_ok());
     }
 }
