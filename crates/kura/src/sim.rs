@@ -20,10 +20,7 @@ enum PolicyArg {
 #[derive(Args, Debug)]
 pub struct SimArgs {
     /// A Mooncake-format trace (JSONL: timestamp, input_length, output_length, hash_ids).
-    #[arg(
-        long,
-        default_value = "data/traces/mooncake_conversation_trace.jsonl"
-    )]
+    #[arg(long, default_value = "data/traces/mooncake_conversation_trace.jsonl")]
     trace: PathBuf,
     /// Tokens per KV block (1..=1024); each 512-token hash id of the trace is mapped to its tokens.
     #[arg(long, default_value_t = 16)]
