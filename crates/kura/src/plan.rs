@@ -240,17 +240,6 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
     })
 }
 
-fn machine_memory() -> Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo")
-        .context("reading /proc/meminfo (give --memory)")?;
-    let kib: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no MemTotal in /proc/meminfo (give --memory)")?;
-    Ok(kib * 1024)
-}
-
 pub fn run(args: PlanArgs) -> Result<()> {
     if args.list_models {
         println!("{:<26} {:>10}  source", "model", "params");
@@ -308,7 +297,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
         (None, None) => {
             req.device = Device::Cpu;
             if args.kv_cache_memory.is_none() {
-                req.memory_bytes = Some(machine_memory()?);
+                req.memory_bytes = Some(
+                    crate::memory::total_memory_bytes()
+                        .context("this machine's memory (give --memory)")?,
+                );
                 memory_note = " (this machine's RAM)".into();
             }
         }

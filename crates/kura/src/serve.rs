@@ -154,9 +154,7 @@ fn max_connections(given: Option<u64>) -> Result<usize> {
 /// The soft limit on open files (`/proc/self/limits`), where the platform says it.
 fn open_file_limit() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
-    let soft = line.split_whitespace().nth(3)?;
-    soft.parse().ok()
+    crate::memory::soft_limit(&text, "Max open files")
 }
 
 fn read_api_keys(args: &ServeArgs) -> Result<Vec<String>> {
