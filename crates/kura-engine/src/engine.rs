@@ -53,6 +53,10 @@ pub struct EngineConfig {
     pub stalled_client_timeout: Duration,
 }
 
+/// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
+/// activation estimate with the same figure.
+pub const DEFAULT_MAX_BATCHED_TOKENS: usize = 8192;
+
 impl Default for EngineConfig {
     /// `kura serve`'s defaults for a small pool; callers set the pool and the model's limits.
     fn default() -> Self {
@@ -62,7 +66,7 @@ impl Default for EngineConfig {
             block_size_tokens: 16,
             num_blocks: 1024,
             max_num_seqs: 64,
-            max_num_batched_tokens: kura_kv::plan::DEFAULT_MAX_BATCHED_TOKENS as usize,
+            max_num_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             max_queue: 256,
             enable_prefix_caching: true,
             model_fingerprint: String::new(),

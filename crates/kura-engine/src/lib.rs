@@ -16,7 +16,7 @@ mod scheduler;
 mod seq;
 
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
-pub use engine::{start_engine, EngineConfig, EngineStartError};
+pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};

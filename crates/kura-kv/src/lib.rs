@@ -11,11 +11,11 @@ pub mod evict;
 pub mod hash;
 pub mod layout;
 pub mod manager;
-pub mod plan;
 pub mod pool;
 pub mod prefix;
 pub mod stats;
 pub mod storage;
+pub mod units;
 
 pub use error::KvError;
 pub use events::{EvictedBlock, EvictionHook, KvEvent};

@@ -22,7 +22,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use kura_kv::plan::units::{format_bytes, parse_bytes};
+use kura_kv::units::{format_bytes, parse_bytes};
 
 /// The least memory kept free besides the KV cache.
 pub const MIN_RESERVE_BYTES: u64 = 256 << 20;

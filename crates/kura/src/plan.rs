@@ -1,16 +1,16 @@
 //! `kura plan`: reads a model (catalog name, HF `config.json` or directory, GGUF file), wires the flags into
-//! `kura_kv::plan::PlanRequest`, and prints the answer as a table or JSON.
+//! `kura_plan::PlanRequest`, and prints the answer as a table or JSON.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kura_kv::codec::KvDtype;
-use kura_kv::plan::catalog::{self, find_gpu, find_model};
-use kura_kv::plan::spec::ModelSpec;
-use kura_kv::plan::units::{format_bytes, parse_bytes};
-use kura_kv::plan::{Device, PlanReport, PlanRequest, WeightsDtype, DEFAULT_MAX_BATCHED_TOKENS};
+use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::gguf::GgufFile;
+use kura_plan::catalog::{self, find_gpu, find_model};
+use kura_plan::spec::ModelSpec;
+use kura_plan::{Device, PlanReport, PlanRequest, WeightsDtype, DEFAULT_MAX_BATCHED_TOKENS};
 use serde_json::{json, Map, Value};
 
 #[derive(Args, Debug)]
@@ -243,7 +243,7 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
 pub fn run(args: PlanArgs) -> Result<()> {
     if args.list_models {
         println!("{:<26} {:>10}  source", "model", "params");
-        for m in catalog::MODELS {
+        for m in catalog::models() {
             println!(
                 "{:<26} {:>9.2}B  {}",
                 m.name,
@@ -254,7 +254,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return Ok(());
     }
     if args.list_gpus {
-        for g in catalog::GPUS {
+        for g in catalog::gpus() {
             println!("{:<16} {}", g.name, format_bytes(g.memory_bytes));
         }
         return Ok(());

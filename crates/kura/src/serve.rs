@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kura_engine::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_engine::{start_engine, EngineConfig, ModelCodec, ModelExecutor, SchedulingPolicy};
 use kura_kv::codec::KvDtype;
-use kura_kv::plan::units::{format_bytes, parse_bytes};
-use kura_kv::plan::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_kv::storage::KvStorage;
+use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::{LoadOptions, Model, WeightsDtype};
 use kura_server::{ConnLimits, ServerConfig};
 
@@ -53,7 +53,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
     /// Token budget of one engine step (prefill chunks plus decode tokens).
-    #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS as usize)]
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
     max_num_batched_tokens: usize,
     /// Longest context (prompt + output) accepted. Default: the model's.
     #[arg(long)]
@@ -340,6 +340,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn plan_sizes_activations_with_the_servers_step_budget() {
+        assert_eq!(
+            kura_plan::DEFAULT_MAX_BATCHED_TOKENS,
+            DEFAULT_MAX_BATCHED_TOKENS as u64
+        );
+    }
 
     #[test]
     fn a_key_file_of_comments_and_blank_lines_holds_no_key() {

@@ -6,8 +6,8 @@
 
 use serde_json::Value;
 
-use crate::codec::KvDtype;
-use crate::layout::{AttentionKind, KvLayout, LayerKv, LayoutError};
+use kura_kv::codec::KvDtype;
+use kura_kv::layout::{AttentionKind, KvLayout, LayerKv, LayoutError};
 
 /// Mixture-of-experts shape.
 #[derive(Clone, Debug, PartialEq, Eq)]

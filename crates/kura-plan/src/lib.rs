@@ -24,14 +24,13 @@
 
 pub mod catalog;
 pub mod spec;
-pub mod units;
 
 use serde::Serialize;
 
-use crate::codec::KvDtype;
-use crate::layout::{KvLayout, LayoutError};
+use kura_kv::codec::KvDtype;
+use kura_kv::layout::{KvLayout, LayoutError};
+use kura_kv::units::format_bytes;
 use spec::ModelSpec;
-use units::format_bytes;
 
 /// Storage format of the weights, for the weight-size estimate when the file size is not known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -185,6 +184,8 @@ pub struct PlanReport {
 }
 
 pub const DEFAULT_CONTEXT: u64 = 4096;
+/// `kura serve`'s default step budget (`kura_engine::DEFAULT_MAX_BATCHED_TOKENS`; the kura binary's tests
+/// check that the two agree).
 pub const DEFAULT_MAX_BATCHED_TOKENS: u64 = 8192;
 const MAX_SEQS_FOR_LOGITS: u64 = 256;
 
@@ -442,7 +443,7 @@ impl PlanRequest {
 fn rank_copies(layout: &KvLayout, rank: &KvLayout, tp: usize) -> u64 {
     let first = &layout.layers[0];
     let kept = rank.layers[0].kv_heads * tp;
-    if matches!(first.attention, crate::layout::AttentionKind::Mla { .. }) {
+    if matches!(first.attention, kura_kv::layout::AttentionKind::Mla { .. }) {
         tp as u64
     } else {
         (kept / first.kv_heads).max(1) as u64
@@ -450,7 +451,7 @@ fn rank_copies(layout: &KvLayout, rank: &KvLayout, tp: usize) -> u64 {
 }
 
 fn describe_attention(s: &ModelSpec, layout: &KvLayout) -> String {
-    use crate::layout::AttentionKind::*;
+    use kura_kv::layout::AttentionKind::*;
     if let Some(m) = &s.mla {
         return format!(
             "MLA (latent {} + rope {})",
