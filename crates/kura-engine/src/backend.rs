@@ -5,12 +5,9 @@
 //! block table) and gets back the logits of each item's last position. [`crate::model_backend`] adapts
 //! `kura-model` to these traits; tests adapt small deterministic models.
 
-/// One chat message after the caller has flattened its content parts to text.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
+/// One chat message after the caller has flattened its content parts to text (the model's own type: one
+/// definition from the HTTP layer to the template).
+pub use kura_model::ChatMessage;
 
 /// Tokenizer and chat template of the served model. Shared by every thread.
 pub trait TextCodec: Send + Sync + 'static {

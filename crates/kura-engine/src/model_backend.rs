@@ -43,14 +43,14 @@ impl TextCodec for ModelCodec {
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         self.model
             .chat_template()
-            .render(&model_messages(messages), true)
+            .render(messages, true)
             .map_err(|e| e.to_string())
     }
 
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
         self.model
             .chat_template()
-            .encode(self.model.tokenizer(), &model_messages(messages), true)
+            .encode(self.model.tokenizer(), messages, true)
             .map_err(|e| e.to_string())
     }
 
@@ -61,13 +61,6 @@ impl TextCodec for ModelCodec {
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
     }
-}
-
-fn model_messages(messages: &[ChatMessage]) -> Vec<kura_model::ChatMessage> {
-    messages
-        .iter()
-        .map(|m| kura_model::ChatMessage::new(m.role.clone(), m.content.clone()))
-        .collect()
 }
 
 /// The model's forward pass over the engine's KV storage.

@@ -88,14 +88,14 @@ impl LayerKv {
 pub struct KvLayout {
     pub layers: Vec<LayerKv>,
     pub dtype: KvDtype,
-    /// Tokens per block; any of 1..=256 (see [`LayoutError`]).
+    /// Tokens per block; any of 1..=[`MAX_BLOCK_SIZE`] (see [`LayoutError`]).
     pub block_size_tokens: usize,
 }
 
 /// A layout that cannot exist.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
-    #[error("block size must be between 1 and 256 tokens, got {0}")]
+    #[error("block size must be between 1 and {MAX_BLOCK_SIZE} tokens, got {0}")]
     BlockSize(usize),
     #[error("a model needs at least one layer")]
     NoLayers,
@@ -113,8 +113,12 @@ pub enum LayoutError {
     TooLarge(String),
 }
 
+/// The most tokens a block may hold, everywhere in Kura (the server's pool, the planner, the manager and
+/// the simulator, which replays Mooncake's 512-token blocks).
+pub const MAX_BLOCK_SIZE: usize = 1024;
+
 impl KvLayout {
-    pub const MAX_BLOCK_SIZE: usize = 256;
+    pub const MAX_BLOCK_SIZE: usize = MAX_BLOCK_SIZE;
     /// The most layers a model may have (the largest models have a few hundred): readers check a
     /// config's layer count against it before allocating per-layer tables.
     pub const MAX_LAYERS: usize = 1 << 16;
@@ -455,8 +459,8 @@ mod tests {
             Err(LayoutError::BlockSize(0))
         );
         assert_eq!(
-            KvLayout::uniform(1, 1, 1, KvDtype::F16, 257),
-            Err(LayoutError::BlockSize(257))
+            KvLayout::uniform(1, 1, 1, KvDtype::F16, 1025),
+            Err(LayoutError::BlockSize(1025))
         );
         assert_eq!(
             KvLayout::uniform(0, 1, 1, KvDtype::F16, 16),

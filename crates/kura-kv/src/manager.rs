@@ -54,9 +54,7 @@ use crate::pool::{BlockId, BlockPool, NO_WRITER, ORPHAN};
 use crate::prefix::{PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
 
-/// Largest block size in tokens. Serving uses 1..=256; larger blocks (up to 1024) let the simulator replay
-/// traces at their own granularity (Mooncake's hash ids cover 512 tokens).
-pub const MAX_BLOCK_SIZE: usize = 1024;
+pub use crate::layout::MAX_BLOCK_SIZE;
 
 /// How the manager is built.
 #[derive(Clone, Debug)]

@@ -39,7 +39,7 @@ pub struct GenerateArgs {
     /// Recompute the whole sequence at every step instead of reusing K/V.
     #[arg(long)]
     pub no_kv_cache: bool,
-    /// Tokens per KV block (1..=256).
+    /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// Element format of stored K/V: bf16 (default, like the weights), f16 or f32.

@@ -38,7 +38,7 @@ pub struct PlanArgs {
     /// Pipeline-parallel stages (layers are split across them).
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// Tokens per KV block (1..=256).
+    /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// An accelerator of the catalog (see --list-gpus), for its memory.

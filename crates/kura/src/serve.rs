@@ -33,7 +33,7 @@ pub struct ServeArgs {
     /// Worker threads of the forward pass (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Tokens per KV block (1..=256).
+    /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// KV pool size: bytes (`512MiB`, `2GB`) or a share of the memory available once the model is loaded

@@ -184,7 +184,7 @@ fn bad_input_gets_a_clear_error() {
                 "--block-size",
                 "0",
             ],
-            "block size must be between 1 and 256",
+            "block size must be between 1 and 1024",
         ),
         (
             &[
