@@ -226,6 +226,28 @@ impl KvLayout {
             .any(|l| matches!(l.attention, AttentionKind::SlidingWindow { .. }))
     }
 
+    /// The layout Kura's pool really holds: a pool block spans every layer, so a windowed layer keeps as
+    /// many tokens as a full one (its blocks outside the window are not freed on their own). Capacity
+    /// figures of the server come from this; the windowed layout is what a pool per layer group would
+    /// hold.
+    pub fn whole_model_pool(&self) -> KvLayout {
+        KvLayout {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerKv {
+                    attention: match l.attention {
+                        AttentionKind::SlidingWindow { .. } => AttentionKind::Full,
+                        other => other,
+                    },
+                    ..*l
+                })
+                .collect(),
+            dtype: self.dtype,
+            block_size_tokens: self.block_size_tokens,
+        }
+    }
+
     /// Bytes one token costs across all layers, before paging. [`KvLayout::new`] checked that it fits;
     /// a layout whose public fields were edited past that saturates instead of wrapping.
     pub fn bytes_per_token(&self) -> u64 {

@@ -180,6 +180,10 @@ pub struct PlanReport {
     /// Bytes missing for the model to fit (0 when it fits).
     pub short_bytes: u64,
     pub fits_batch: bool,
+    /// For models with sliding-window layers: the bytes of one request and the concurrency if each layer
+    /// kept only its window (a pool per layer group); Kura's pool holds the figures above.
+    pub windowed_kv_bytes_per_request: Option<u64>,
+    pub windowed_max_concurrency: Option<u64>,
     pub warnings: Vec<String>,
 }
 
@@ -290,15 +294,11 @@ impl PlanRequest {
                 ));
             }
         }
-        let layout = s.kv_layout(self.kv_dtype, self.block_size_tokens)?;
-        let rank = layout.shard(self.tp, self.pp)?;
-        if layout.has_sliding_window() {
-            warnings.push(
-                "sliding-window layers keep at most their window; the figures assume a pool per layer group \
-                 (a single pool of whole-model blocks holds fewer requests)"
-                    .into(),
-            );
-        }
+        let windowed = s.kv_layout(self.kv_dtype, self.block_size_tokens)?;
+        let windowed_rank = windowed.shard(self.tp, self.pp)?;
+        // Every figure is what Kura's pool holds: whole-model blocks, windowed layers included.
+        let layout = windowed.whole_model_pool();
+        let rank = windowed_rank.whole_model_pool();
         if self.tp > s.num_kv_heads && s.mla.is_none() {
             warnings.push(format!(
                 "--tp {} exceeds the {} KV heads: each rank keeps a replicated head",
@@ -398,14 +398,33 @@ impl PlanRequest {
                 self.batch, self.batch
             ));
         }
+        let (windowed_kv_bytes_per_request, windowed_max_concurrency) = if windowed
+            .has_sliding_window()
+        {
+            let per_request = windowed
+                .bytes_for_sequence(context)
+                .and_then(|b| b.checked_mul(copies));
+            let concurrency = windowed_rank.max_concurrency(kv_budget, context);
+            warnings.push(format!(
+                "sliding-window layers keep at most their window, but Kura's pool pages whole-model blocks: \
+                 these figures count every layer at the full context, as `kura serve` holds it. A pool per \
+                 layer group would need {} per request and hold {concurrency} requests of {context} tokens",
+                per_request.map_or_else(|| "more than 2^64 bytes".into(), format_bytes)
+            ));
+            (per_request, Some(concurrency))
+        } else {
+            (None, None)
+        };
         Ok(PlanReport {
+            windowed_kv_bytes_per_request,
+            windowed_max_concurrency,
             model: s.name.clone(),
             source: s.source.clone(),
             params: s.params(),
             num_layers: s.num_layers,
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
-            attention: describe_attention(s, &layout),
+            attention: describe_attention(s, &windowed),
             kv_dtype: self.kv_dtype,
             block_size: self.block_size_tokens,
             context,
@@ -528,23 +547,34 @@ mod tests {
     }
 
     #[test]
-    fn gemma2_9b_sliding_layers_cap_at_the_window() {
+    fn gemma2_9b_sliding_layers_cap_at_the_window_only_in_a_per_group_pool() {
         // 42 layers, 21 sliding (window 4,096), 21 global; 8 kv heads × 256 × 2 (K,V) × 2 bytes = 8 KiB
-        // per layer per token. At 8,192 tokens: 21 × 8,192 + 21 × 4,096 token-layers.
+        // per layer per token.
         let mut r = req("gemma-2-9b");
         r.context = Some(8192);
         r.kv_cache_memory = Some(10 * GIB);
         let p = r.plan().unwrap();
         let per_layer_token = 8 * 256 * 2 * 2;
-        assert_eq!(
-            p.kv_bytes_per_request,
-            (21 * 8192 + 21 * 4096) * per_layer_token
+        // Kura's pool pages whole-model blocks: every layer holds the whole context.
+        assert_eq!(p.kv_bytes_per_request, 42 * 8192 * per_layer_token);
+        assert_eq!(p.max_concurrency, 10 * GIB / (42 * 8192 * per_layer_token));
+        // A pool per layer group: 21 × 8,192 + 21 × 4,096 token-layers, said in the report.
+        let windowed = (21 * 8192 + 21 * 4096) * per_layer_token;
+        assert_eq!(p.windowed_kv_bytes_per_request, Some(windowed));
+        assert_eq!(p.windowed_max_concurrency, Some(10 * GIB / windowed));
+        assert!(p.warnings.iter().any(|w| w.contains("whole-model blocks")));
+        assert!(
+            p.attention.contains("sliding window 4096"),
+            "{}",
+            p.attention
         );
         // Below the window both kinds of layer hold everything.
         r.context = Some(2048);
+        let p = r.plan().unwrap();
+        assert_eq!(p.kv_bytes_per_request, 42 * 2048 * per_layer_token);
         assert_eq!(
-            r.plan().unwrap().kv_bytes_per_request,
-            42 * 2048 * per_layer_token
+            p.windowed_kv_bytes_per_request,
+            Some(42 * 2048 * per_layer_token)
         );
     }
 

@@ -455,9 +455,9 @@ impl ModelSpec {
                     .max(1);
                 per_layer(&|i| (i + 1) % pattern != 0)
             }
-            // `use_sliding_window` is set (checked above).
+            // `use_sliding_window` is set (checked above); transformers' Qwen2 default is 28.
             t if t.starts_with("qwen") => {
-                let from = opt_usize(cfg, &["max_window_layers"])?.unwrap_or(0);
+                let from = opt_usize(cfg, &["max_window_layers"])?.unwrap_or(28);
                 per_layer(&|i| i >= from)
             }
             _ => vec![slide; num_layers],
@@ -476,7 +476,17 @@ impl ModelSpec {
             .map(|&attention| LayerKv {
                 kv_heads: self.num_kv_heads,
                 head_dim: self.head_dim,
-                attention,
+                attention: match attention {
+                    // A window as long as the model's context never slides (as the runtime reads it).
+                    AttentionKind::SlidingWindow { window_tokens }
+                        if self
+                            .max_context
+                            .is_some_and(|max| window_tokens as u64 >= max) =>
+                    {
+                        AttentionKind::Full
+                    }
+                    other => other,
+                },
             })
             .collect();
         KvLayout::new(layers, dtype, block_size_tokens)

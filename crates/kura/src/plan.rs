@@ -204,6 +204,11 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
             cfg.insert(hf.into(), json!(v));
         }
     }
+    if arch.starts_with("qwen") && cfg.contains_key("sliding_window") {
+        // A GGUF's window applies to every layer (as the runtime reads it); the HF keys that say so.
+        cfg.insert("use_sliding_window".into(), json!(true));
+        cfg.insert("max_window_layers".into(), json!(0));
+    }
     if !cfg.contains_key("vocab_size") {
         if let Some(kura_model::gguf::Value::Array(tokens)) = meta.get("tokenizer.ggml.tokens") {
             cfg.insert("vocab_size".into(), json!(tokens.len()));

@@ -269,7 +269,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
             format_bytes(layout.bytes_per_block())
         );
     }
-    let concurrency = layout.max_concurrency(budget, max_model_len as u64);
+    // The pool pages whole-model blocks, so a windowed layer holds the whole context too: the figure is
+    // what the pool really holds (and what `kura plan` prints for the same flags).
+    let concurrency = layout
+        .whole_model_pool()
+        .max_concurrency(budget, max_model_len as u64);
     tracing::info!(
         "KV cache: {num_blocks} blocks of {} tokens = {} tokens, max concurrency for {max_model_len} tokens per request: {concurrency} ({} of {} KV, {} per token)",
         args.block_size,

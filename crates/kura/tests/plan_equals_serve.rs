@@ -1,0 +1,204 @@
+//! Plan equals serve: for the same model and flags, `kura plan` and `kura serve` give the same KV layout
+//! and the same pool (blocks, tokens, max concurrency). The planner reads shapes with
+//! `kura_plan::spec::ModelSpec`, the runtime with `kura_model::ModelConfig`: for every config the runtime
+//! can load, the two readers must agree layer by layer; and on the default GGUF the real binary's two
+//! commands must print the same pool.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kura_kv::codec::KvDtype;
+use kura_model::ModelConfig;
+use kura_plan::spec::ModelSpec;
+use kura_plan::PlanRequest;
+
+/// A Llama-family config of `layers` layers with `extra` keys added.
+fn config(model_type: &str, layers: usize, extra: &str) -> String {
+    format!(
+        r#"{{"model_type":"{model_type}","architectures":["X"],"hidden_size":256,"intermediate_size":512,
+            "num_hidden_layers":{layers},"num_attention_heads":8,"num_key_value_heads":2,"vocab_size":1000,
+            "max_position_embeddings":4096,"rms_norm_eps":1e-6,"rope_theta":10000.0{extra}}}"#
+    )
+}
+
+#[test]
+fn the_planner_and_the_runtime_read_the_same_layout_and_pool() {
+    let cases = [
+        ("llama", config("llama", 4, "")),
+        (
+            "qwen2 without use_sliding_window",
+            config("qwen2", 4, r#","sliding_window":1024"#),
+        ),
+        (
+            "qwen2 sliding from max_window_layers",
+            config(
+                "qwen2",
+                4,
+                r#","sliding_window":1024,"use_sliding_window":true,"max_window_layers":2"#,
+            ),
+        ),
+        (
+            "qwen2 sliding with the default max_window_layers (28)",
+            config(
+                "qwen2",
+                30,
+                r#","sliding_window":1024,"use_sliding_window":true"#,
+            ),
+        ),
+        (
+            "qwen2 layer_types",
+            config(
+                "qwen2",
+                3,
+                r#","sliding_window":1024,"use_sliding_window":true,
+                   "layer_types":["full_attention","sliding_attention","full_attention"]"#,
+            ),
+        ),
+        (
+            "mistral window below the context",
+            config("mistral", 4, r#","sliding_window":1024"#),
+        ),
+        (
+            "mistral window of the whole context",
+            config("mistral", 4, r#","sliding_window":4096"#),
+        ),
+    ];
+    for (what, text) in cases {
+        let runtime = ModelConfig::from_hf_json(&text)
+            .unwrap_or_else(|e| panic!("{what}: runtime refuses: {e}"))
+            .kv_layout(KvDtype::F16, 16)
+            .unwrap();
+        let spec = ModelSpec::from_hf_config_str(&text, what, "test")
+            .unwrap_or_else(|e| panic!("{what}: planner refuses: {e}"));
+        let planned = spec.kv_layout(KvDtype::F16, 16).unwrap();
+        assert_eq!(planned.layers, runtime.layers, "{what}");
+
+        // The pool for 64 MiB at 4,096 tokens a request, as each side computes it.
+        let budget = 64u64 << 20;
+        let mut req = PlanRequest::new(spec);
+        req.kv_cache_memory = Some(budget);
+        req.context = Some(4096);
+        let plan = req.plan().unwrap();
+        let pool = runtime.whole_model_pool();
+        assert_eq!(
+            plan.num_blocks,
+            pool.num_blocks_for_budget(budget),
+            "{what}"
+        );
+        assert_eq!(
+            plan.max_concurrency,
+            pool.max_concurrency(budget, 4096),
+            "{what}"
+        );
+        assert_eq!(
+            plan.kv_bytes_per_request,
+            pool.bytes_for_sequence(4096).unwrap(),
+            "{what}"
+        );
+    }
+}
+
+/// The `KV cache: …` line `kura serve` logs at start, and the process (killed by the caller).
+fn serve_pool_line(args: &[&str]) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kura"))
+        .arg("serve")
+        .args(["--port", "0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kura serve");
+    let stderr = child.stderr.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for stream in [
+        Box::new(stderr) as Box<dyn std::io::Read + Send>,
+        Box::new(stdout),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut seen = Vec::new();
+    let found = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains("KV cache:") => break Some(line),
+            Ok(line) => seen.push(line),
+            Err(_) => break None,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    found.unwrap_or_else(|| panic!("kura serve logged no KV cache line:\n{}", seen.join("\n")))
+}
+
+/// The number before `word` in `line` (`123 blocks` → 123).
+fn number_before(line: &str, word: &str) -> u64 {
+    let head = &line[..line
+        .find(word)
+        .unwrap_or_else(|| panic!("no '{word}' in: {line}"))];
+    head.split_whitespace()
+        .last()
+        .and_then(|n| n.trim_end_matches(':').parse().ok())
+        .unwrap_or_else(|| panic!("no number before '{word}' in: {line}"))
+}
+
+#[test]
+fn kura_plan_and_kura_serve_print_the_same_pool_for_the_default_model() {
+    let model = kura_model::default_model_path();
+    assert!(
+        model.is_file(),
+        "default model missing at {}: run scripts/fetch-model.sh",
+        model.display()
+    );
+    let model = model.to_str().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kura"))
+        .args(["plan", "--model", model, "--kv-cache-memory", "96MiB"])
+        .args(["--context", "2048", "--kv-dtype", "bf16", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let line = serve_pool_line(&[
+        "--model",
+        model,
+        "--kv-cache-memory",
+        "96MiB",
+        "--max-model-len",
+        "2048",
+        "--kv-dtype",
+        "bf16",
+    ]);
+    assert_eq!(
+        plan["num_blocks"].as_u64().unwrap(),
+        number_before(&line, "blocks of"),
+        "{line}"
+    );
+    assert_eq!(
+        plan["max_tokens_in_pool"].as_u64().unwrap(),
+        number_before(&line, "tokens, max concurrency"),
+        "{line}"
+    );
+    let concurrency: u64 = line
+        .split("per request: ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no concurrency in: {line}"));
+    assert_eq!(
+        plan["max_concurrency"].as_u64().unwrap(),
+        concurrency,
+        "{line}"
+    );
+}
