@@ -194,25 +194,31 @@ impl Core {
                     "the engine thread panicked; failing every request and refusing new ones"
                 );
                 let reason = format!("engine thread panicked: {message}");
-                // Recorded first, so that a submit racing with the failure is refused at the door.
+                // Counted first, so that the metrics are final when the failure is visible; then
+                // recorded, so that a submit racing with the failure is refused at the door; then told.
+                let groups = self.take_all_dead();
                 self.shared.set_exit(EngineExit::Failed(reason.clone()));
-                self.fail_all_dead(&reason);
+                for mut group in groups {
+                    let error = RequestError::EngineFailed(reason.clone());
+                    // A sink that panics again (it may be what failed) must not stop the others being
+                    // told.
+                    let _ = panic::catch_unwind(AssertUnwindSafe(|| {
+                        group.emit(EngineEvent::Failed(error));
+                    }));
+                }
                 self.tombstone(&rx, &reason);
             }
         }
     }
 
-    /// Fails every request after a panic without touching the KV manager (its state may be torn).
-    fn fail_all_dead(&mut self, reason: &str) {
-        for (_, mut group) in self.groups.drain() {
+    /// After a panic: takes every request out of the engine, counted as failed, without touching the KV
+    /// manager (its state may be torn); the caller tells their clients.
+    fn take_all_dead(&mut self) -> Vec<Group> {
+        let groups: Vec<Group> = self.groups.drain().map(|(_, g)| g).collect();
+        for group in &groups {
             if !group.admitted_once {
                 self.shared.queued.fetch_sub(1, Ordering::Relaxed);
             }
-            let error = RequestError::EngineFailed(reason.to_string());
-            // A sink that panics again (it may be what failed) must not stop the others being told.
-            let _ = panic::catch_unwind(AssertUnwindSafe(|| {
-                group.emit(EngineEvent::Failed(error));
-            }));
             self.metrics.requests_failed.add(1);
         }
         self.seqs.clear();
@@ -221,6 +227,7 @@ impl Core {
         self.metrics.requests_running.set(0.0);
         self.metrics.requests_waiting.set(0.0);
         self.metrics.requests_preempted_waiting.set(0.0);
+        groups
     }
 
     /// After a failure: answers every request still arriving (submitted before the failure was recorded)
@@ -231,10 +238,10 @@ impl Core {
                 Command::Submit { mut sink, .. } => {
                     self.shared.queued.fetch_sub(1, Ordering::Relaxed);
                     let error = RequestError::EngineFailed(reason.to_string());
+                    self.metrics.requests_failed.add(1);
                     let _ = panic::catch_unwind(AssertUnwindSafe(|| {
                         sink.send(EngineEvent::Failed(error));
                     }));
-                    self.metrics.requests_failed.add(1);
                 }
                 Command::Stop => break,
                 Command::Cancel { .. } | Command::AbortAll => {}
@@ -357,8 +364,8 @@ impl Core {
     pub(crate) fn fail_group(&mut self, group_id: u64, error: RequestError) {
         if let Some(group) = self.groups.get_mut(&group_id) {
             tracing::warn!(request = group_id, %error, "request failed");
-            group.emit(EngineEvent::Failed(error));
             self.metrics.requests_failed.add(1);
+            group.emit(EngineEvent::Failed(error));
         }
         self.remove_group(group_id);
     }

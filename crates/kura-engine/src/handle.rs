@@ -274,6 +274,8 @@ fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitErr
     if r.n == 0 {
         return Err(SubmitError::ZeroChoices);
     }
+    // The sampler's own domain (the HTTP API checks its narrower, OpenAI ranges first).
+    r.sampling.validate().map_err(SubmitError::BadSampling)?;
     if let Some(&token_id) = r
         .prompt_tokens
         .iter()

@@ -21,7 +21,7 @@ pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};
 pub use request::{
-    EngineEvent, EventSink, FinishReason, GenerateRequest, RequestError, SamplingOptions,
+    EngineEvent, EventSink, FinishReason, GenerateRequest, RequestError, SamplingParams,
     SubmitError, TokenCandidate, TokenLogprob, Usage,
 };
 pub use scheduler::SchedulingPolicy;

@@ -11,43 +11,16 @@
 
 use serde::Serialize;
 
-/// How the next token is chosen. Neutral values (temperature 1, top_p 1, no top_k, min_p 0, no
-/// penalties) leave the model's distribution unchanged; temperature 0 is greedy.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingOptions {
-    pub temperature: f32,
-    pub top_p: f32,
-    /// `None` keeps every token.
-    pub top_k: Option<u32>,
-    pub min_p: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    /// Multiplicative penalty on tokens already in prompt or output (1 = none), as in HF transformers.
-    pub repetition_penalty: f32,
-    /// With a seed, the same request yields the same tokens; choice `i` of `n` uses `seed + i`.
-    pub seed: Option<u64>,
-}
-
-impl Default for SamplingOptions {
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: None,
-            min_p: 0.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            repetition_penalty: 1.0,
-            seed: None,
-        }
-    }
-}
+/// How the next token is chosen: the model's own sampling parameters (temperature 0 is greedy; with a
+/// seed, choice `i` of `n` uses `seed + i`; `logprobs: Some(k)` reports the sampled token's logprob and
+/// the `k` most likely alternatives).
+pub use kura_model::SamplingParams;
 
 /// One generation request, already tokenized and validated by the caller.
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub prompt_tokens: Vec<u32>,
-    pub sampling: SamplingOptions,
+    pub sampling: SamplingParams,
     /// Upper bound on generated tokens per choice.
     pub max_tokens: u32,
     /// Number of choices; choices 1.. fork the prompt's blocks of choice 0 instead of recomputing them.
@@ -62,8 +35,6 @@ pub struct GenerateRequest {
     pub priority: i32,
     /// Requests share cached blocks only when their salts are equal (tenant isolation).
     pub cache_salt: Option<String>,
-    /// `Some(k)`: report the sampled token's logprob and the `k` most likely alternatives.
-    pub logprobs: Option<u32>,
 }
 
 impl GenerateRequest {
@@ -71,10 +42,7 @@ impl GenerateRequest {
     pub fn greedy(prompt_tokens: Vec<u32>, max_tokens: u32) -> Self {
         Self {
             prompt_tokens,
-            sampling: SamplingOptions {
-                temperature: 0.0,
-                ..SamplingOptions::default()
-            },
+            sampling: SamplingParams::greedy(),
             max_tokens,
             n: 1,
             stop: Vec::new(),
@@ -82,7 +50,6 @@ impl GenerateRequest {
             ignore_eos: false,
             priority: 0,
             cache_salt: None,
-            logprobs: None,
         }
     }
 }
@@ -216,6 +183,9 @@ pub enum SubmitError {
     EmptyPrompt,
     #[error("n must be at least 1")]
     ZeroChoices,
+    /// Sampling parameters outside the sampler's domain (the message names the parameter).
+    #[error("{0}")]
+    BadSampling(String),
     #[error("token id {token_id} is outside the vocabulary of {vocab_size} tokens")]
     TokenOutOfVocab { token_id: u32, vocab_size: usize },
     #[error(

@@ -68,17 +68,12 @@ pub(crate) struct Seq {
 
 impl Seq {
     pub fn new(group: u64, choice: u32, request: &GenerateRequest, eos: &[u32]) -> Self {
-        let s = &request.sampling;
         let params = SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k.map_or(0, |k| k as usize),
-            top_p: s.top_p,
-            min_p: s.min_p,
-            repetition_penalty: s.repetition_penalty,
-            presence_penalty: s.presence_penalty,
-            frequency_penalty: s.frequency_penalty,
-            seed: s.seed.map(|seed| seed.wrapping_add(u64::from(choice))),
-            logprobs: request.logprobs.map(|k| k as usize),
+            seed: request
+                .sampling
+                .seed
+                .map(|seed| seed.wrapping_add(u64::from(choice))),
+            ..request.sampling.clone()
         };
         let mut stop_tokens = request.stop_token_ids.clone();
         if !request.ignore_eos {

@@ -139,7 +139,7 @@ fn under_fcfs_request_priority_is_ignored() {
 fn logprob_candidates_carry_the_codecs_token_bytes() {
     let fake = start(config(64, 64, 8));
     let mut r = distinct_request(0, 6, 5);
-    r.logprobs = Some(3);
+    r.sampling.logprobs = Some(3);
     let (_g, rx) = submit(&fake.engine, r);
     let mut candidates = 0;
     loop {
@@ -178,4 +178,29 @@ fn fcfs_is_the_default_policy() {
         .unwrap_err()
         .contains("lifo"));
     let _ = outcome; // shared helper, used by other test files
+}
+
+#[test]
+fn sampling_outside_the_samplers_domain_is_refused_at_submit() {
+    let fake = start(config(64, 64, 8));
+    for (edit, name) in [
+        (
+            (|r: &mut GenerateRequest| r.sampling.top_p = 0.0) as fn(&mut GenerateRequest),
+            "top_p",
+        ),
+        (|r| r.sampling.temperature = f32::NAN, "temperature"),
+        (
+            |r| r.sampling.repetition_penalty = 0.0,
+            "repetition_penalty",
+        ),
+    ] {
+        let mut r = distinct_request(0, 4, 4);
+        edit(&mut r);
+        match fake.engine.submit(r, |_: EngineEvent| true) {
+            Err(kura_engine::SubmitError::BadSampling(m)) => assert!(m.contains(name), "{m}"),
+            Err(other) => panic!("{name}: wrong error {other}"),
+            Ok(_) => panic!("{name}: accepted"),
+        }
+    }
+    fake.engine.stop();
 }

@@ -150,6 +150,7 @@ impl From<SubmitError> for ApiError {
                 ApiError::invalid(e.to_string(), Some("prompt"))
             }
             SubmitError::ZeroChoices => ApiError::invalid(e.to_string(), Some("n")),
+            SubmitError::BadSampling(m) => ApiError::invalid(m, None),
         }
     }
 }

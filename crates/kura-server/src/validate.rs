@@ -1,7 +1,7 @@
 //! Raw OpenAI request bodies → checked engine parameters. Every check names the parameter and the
 //! value it got; nothing here panics on any input.
 
-use kura_engine::{GenerateRequest, SamplingOptions};
+use kura_engine::{GenerateRequest, SamplingParams};
 
 use crate::body::from_value;
 use crate::error::ApiError;
@@ -34,7 +34,7 @@ pub struct Checked {
     /// `None`: the caller picks a default once the prompt length is known.
     pub max_tokens: Option<u32>,
     pub n: u32,
-    pub sampling: SamplingOptions,
+    pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -53,7 +53,10 @@ impl Checked {
     ) -> GenerateRequest {
         GenerateRequest {
             prompt_tokens,
-            sampling: self.sampling,
+            sampling: SamplingParams {
+                logprobs: logprobs.map(|k| k as usize),
+                ..self.sampling
+            },
             max_tokens,
             n: self.n,
             stop: self.stop,
@@ -61,7 +64,6 @@ impl Checked {
             ignore_eos: self.ignore_eos,
             priority: self.priority,
             cache_salt: self.cache_salt,
-            logprobs,
         }
     }
 }
@@ -149,9 +151,10 @@ pub fn check_common(
             Some("top_p"),
         ));
     }
+    // 0 keeps every token, as in the sampler.
     let top_k = match c.top_k {
-        None | Some(-1) | Some(0) => None,
-        Some(k) if (1..=u32::MAX as i64).contains(&k) => Some(k as u32),
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if (1..=u32::MAX as i64).contains(&k) => k as usize,
         Some(k) => {
             return Err(ApiError::invalid(
                 format!("top_k must be -1 or 0 (disabled) or at least 1, got {k}"),
@@ -210,7 +213,7 @@ pub fn check_common(
     Ok(Checked {
         max_tokens,
         n,
-        sampling: SamplingOptions {
+        sampling: SamplingParams {
             temperature,
             top_p,
             top_k,
@@ -220,6 +223,8 @@ pub fn check_common(
             repetition_penalty,
             // Negative seeds are valid in OpenAI's API; any 64-bit pattern is a fine seed.
             seed: c.seed.map(|s| s as u64),
+            // Set per request from the route's own logprob fields (`into_request`).
+            logprobs: None,
         },
         stop,
         stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
@@ -492,7 +497,7 @@ mod tests {
     fn defaults_are_neutral() {
         let c = check_common(&common("{}"), CTX, None, "max_tokens").unwrap();
         assert_eq!(c.n, 1);
-        assert_eq!(c.sampling, SamplingOptions::default());
+        assert_eq!(c.sampling, SamplingParams::default());
         assert!(c.max_tokens.is_none());
     }
 
