@@ -1,6 +1,8 @@
 //! Reading request traces: Mooncake (JSON lines with prefix-block hash ids) and Azure LLM inference
 //! (CSV of timestamp, context tokens, generated tokens).
 //!
+//! Mooncake lines are read by kura-sim's parser (`kura_sim::trace::parse_line`: one reading of the
+//! format and its bounds for the simulator and the benchmark), every line by its bounded line reader.
 //! A bad line is an error naming `file:line` and what was wrong with it; nothing is skipped silently.
 //! Everything read is bounded: lines ([`MAX_LINE_BYTES`], no NUL bytes, UTF-8), token counts
 //! ([`MAX_REQUEST_TOKENS`]), timestamps (2^53 ms; Azure years 1..=9999).
@@ -8,12 +10,13 @@
 
 use std::path::{Path, PathBuf};
 
+use kura_sim::trace::{self as mooncake, LineError, ReadError};
 use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
 
 /// Tokens per Mooncake hash id (the trace's block size).
-pub const MOONCAKE_BLOCK_TOKENS: usize = 512;
+pub const MOONCAKE_BLOCK_TOKENS: usize = mooncake::TRACE_BLOCK_TOKENS as usize;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -45,15 +48,6 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct MooncakeLine {
-    timestamp: f64,
-    input_length: usize,
-    output_length: usize,
-    hash_ids: Vec<u64>,
-}
-
 fn bad(path: &Path, line: usize, reason: impl Into<String>) -> BenchError {
     BenchError::TraceLine {
         path: PathBuf::from(path),
@@ -81,9 +75,9 @@ pub fn read_trace(
     let mut line_no = 0usize;
     while !parser.full() {
         line_no += 1;
-        let more = read_line_bounded(&mut reader, &mut buf).map_err(|e| match e {
-            LineRead::Io(e) => io(e),
-            LineRead::Bad(reason) => bad(path, line_no, reason),
+        let more = mooncake::read_line_bounded(&mut reader, &mut buf).map_err(|e| match e {
+            ReadError::Io(e) => io(e),
+            ReadError::Line(problem) => bad(path, line_no, problem.to_string()),
         })?;
         if !more {
             break;
@@ -113,69 +107,21 @@ pub fn parse_trace(
             break;
         }
         if line.len() > MAX_LINE_BYTES {
-            return Err(bad(path, idx + 1, TOO_LONG));
+            return Err(bad(path, idx + 1, LineError::TooLong.to_string()));
         }
         if line.contains('\0') {
-            return Err(bad(path, idx + 1, BINARY));
+            return Err(bad(path, idx + 1, LineError::Binary.to_string()));
         }
         parser.line(idx + 1, line)?;
     }
     parser.finish()
 }
 
-/// The longest line read (real traces' lines are at most a few KiB).
-pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// The longest line read (kura-sim's limit: every trace reader shares it).
+pub const MAX_LINE_BYTES: usize = mooncake::MAX_LINE_BYTES;
 /// The most prompt or output tokens of one request (16 Mi; real traces stay below 200 K): the prompt
 /// text of a request is built at its length.
-pub const MAX_REQUEST_TOKENS: usize = 1 << 24;
-/// The latest Mooncake timestamp, 2^53 ms (exact in f64; about 285,000 years).
-pub const MAX_TIMESTAMP_MS: f64 = 9_007_199_254_740_992.0;
-
-const TOO_LONG: &str = "the line is longer than 1 MiB (is this a trace?)";
-const BINARY: &str = "binary data (a NUL byte): not a text trace";
-
-enum LineRead {
-    Io(std::io::Error),
-    Bad(&'static str),
-}
-
-/// Reads one line into `buf` without its `\n` (and `\r`), holding at most [`MAX_LINE_BYTES`] and refusing
-/// a NUL byte as soon as it arrives. `Ok(false)` at the end of the input.
-fn read_line_bounded(
-    reader: &mut impl std::io::BufRead,
-    buf: &mut Vec<u8>,
-) -> Result<bool, LineRead> {
-    buf.clear();
-    let mut read_any = false;
-    loop {
-        let chunk = match reader.fill_buf() {
-            Ok(chunk) => chunk,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(LineRead::Io(e)),
-        };
-        if chunk.is_empty() {
-            break;
-        }
-        read_any = true;
-        let newline = chunk.iter().position(|&b| b == b'\n');
-        let take = newline.unwrap_or(chunk.len());
-        if chunk[..take].contains(&0) {
-            return Err(LineRead::Bad(BINARY));
-        }
-        if buf.len() + take > MAX_LINE_BYTES {
-            return Err(LineRead::Bad(TOO_LONG));
-        }
-        buf.extend_from_slice(&chunk[..take]);
-        reader.consume(take + usize::from(newline.is_some()));
-        if newline.is_some() {
-            break;
-        }
-    }
-    if buf.last() == Some(&b'\r') {
-        buf.pop();
-    }
-    Ok(read_any)
-}
+pub const MAX_REQUEST_TOKENS: usize = mooncake::MAX_REQUEST_TOKENS as usize;
 
 /// A token count from a trace, within [`MAX_REQUEST_TOKENS`].
 fn tokens(path: &Path, line_no: usize, what: &str, n: usize) -> Result<usize, BenchError> {
@@ -228,38 +174,16 @@ impl<'a> Parser<'a> {
         }
         match self.format {
             TraceFormat::Mooncake => {
-                let m: MooncakeLine = serde_json::from_str(line)
-                    .map_err(|e| bad(path, line_no, format!("not a Mooncake record ({e})")))?;
-                if m.input_length == 0 {
-                    return Err(bad(path, line_no, "input_length is 0"));
-                }
-                let input_tokens = tokens(path, line_no, "input_length", m.input_length)?;
-                let output_tokens = tokens(path, line_no, "output_length", m.output_length)?;
-                let needed = input_tokens.div_ceil(MOONCAKE_BLOCK_TOKENS);
-                if m.hash_ids.len() != needed {
-                    return Err(bad(
-                        path,
-                        line_no,
-                        format!(
-                            "{} hash_ids for input_length {} (expected {needed}, one per {MOONCAKE_BLOCK_TOKENS} tokens)",
-                            m.hash_ids.len(),
-                            m.input_length
-                        ),
-                    ));
-                }
-                if !m.timestamp.is_finite() || !(0.0..=MAX_TIMESTAMP_MS).contains(&m.timestamp) {
-                    return Err(bad(
-                        path,
-                        line_no,
-                        format!("timestamp {:?} is not a time in 0..=2^53 ms", m.timestamp),
-                    ));
-                }
-                let t0 = *self.first_s.get_or_insert(m.timestamp);
+                // kura-sim's parser: one reading of the format, its bounds and its messages.
+                let m = mooncake::parse_line(line)
+                    .map_err(|e| bad(path, line_no, format!("not a Mooncake record: {e}")))?;
+                let ts = m.timestamp_ms() as f64;
+                let t0 = *self.first_s.get_or_insert(ts);
                 self.out.push(TraceRequest {
-                    arrival_ms: (m.timestamp - t0).max(0.0),
-                    input_tokens,
-                    output_tokens,
-                    hash_ids: m.hash_ids,
+                    arrival_ms: (ts - t0).max(0.0),
+                    input_tokens: m.input_length() as usize,
+                    output_tokens: m.output_length() as usize,
+                    hash_ids: m.hash_ids().iter().map(|&h| u64::from(h)).collect(),
                 });
             }
             TraceFormat::Azure => {
@@ -448,7 +372,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.ends_with("zeros.jsonl:1: binary data (a NUL byte): not a text trace"),
+            err.ends_with("zeros.jsonl:1: binary data (a NUL byte): not a Mooncake JSONL trace"),
             "{err}"
         );
         // 2 MiB of spaces were one blank line; now the line limit stops them.
@@ -457,7 +381,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.ends_with("spaces.csv:1: the line is longer than 1 MiB (is this a trace?)"),
+            err.ends_with(&format!(
+                "spaces.csv:1: the line is longer than {MAX_LINE_BYTES} bytes (is this a Mooncake JSONL trace?)"
+            )),
             "{err}"
         );
         let mut bytes = b"TIMESTAMP,ContextTokens,GeneratedTokens\n".to_vec();
@@ -500,8 +426,13 @@ mod tests {
                 mooncake("0", 1, over, 1),
                 "output_length 16777217 exceeds the limit",
             ),
-            (mooncake("1e300", 1, 1, 1), "timestamp 1e300 is not a time"),
-            (mooncake("-1", 1, 1, 1), "timestamp -1.0 is not a time"),
+            // Timestamps are whole milliseconds up to 2^53.
+            (mooncake("1e300", 1, 1, 1), "expected u64"),
+            (mooncake("-1", 1, 1, 1), "expected u64"),
+            (
+                mooncake("9007199254740993", 1, 1, 1),
+                "timestamp 9007199254740993 exceeds the limit",
+            ),
         ] {
             let err = parse_trace(p(), &line, TraceFormat::Mooncake, None)
                 .unwrap_err()

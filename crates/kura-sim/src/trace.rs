@@ -290,14 +290,18 @@ pub fn parse_trace_limited(
     Ok(out)
 }
 
-enum ReadError {
+/// Why [`read_line_bounded`] stopped: the line itself ([`LineError::TooLong`], [`LineError::Binary`]) or
+/// the reader.
+#[derive(Debug)]
+pub enum ReadError {
     Line(LineError),
     Io(std::io::Error),
 }
 
 /// Reads one line into `buf` without its `\n` (and `\r`), never holding more than [`MAX_LINE_BYTES`]
-/// and refusing a NUL byte as soon as it arrives. `Ok(false)` at the end of the input.
-fn read_line_bounded(reader: &mut impl BufRead, buf: &mut Vec<u8>) -> Result<bool, ReadError> {
+/// and refusing a NUL byte as soon as it arrives. `Ok(false)` at the end of the input. Every trace reader
+/// of Kura (this one and kura-bench's) reads its lines with it.
+pub fn read_line_bounded(reader: &mut impl BufRead, buf: &mut Vec<u8>) -> Result<bool, ReadError> {
     buf.clear();
     let mut read_any = false;
     loop {
