@@ -1,6 +1,7 @@
-//! The engine loop: one thread that owns the KV cache manager and the executor, takes commands from
-//! [`EngineHandle`]s, and repeats schedule → copy blocks → forward → sample → emit. It blocks when there
-//! is nothing to do, and never holds a lock: its state is its own.
+//! The engine loop: one thread that owns the [`Scheduler`] (and through it the KV cache manager) and the
+//! executor, takes commands from [`EngineHandle`]s, and repeats schedule → copy blocks → forward → sample
+//! → emit. It gives the scheduler the wall clock since the engine started. It blocks when there is
+//! nothing to do, and never holds a lock: its state is its own.
 //!
 //! A panic anywhere in the loop (scheduler invariant, kernel, sink) is caught on the engine thread: it is
 //! logged with its message, recorded in [`Shared`] (so that [`EngineHandle::is_alive`] turns false and
@@ -17,7 +18,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kura_kv::{CacheKey, KvCacheConfig, KvCacheManager, KvError};
+use kura_kv::{CacheKey, EvictionPolicy, KvError};
 use kura_model::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
@@ -26,8 +27,10 @@ use crate::metrics::EngineMetrics;
 use crate::request::{
     EngineEvent, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
 };
-use crate::scheduler::{Item, Plan, SchedulingPolicy};
-use crate::seq::{Group, Seq, SeqKey};
+use crate::scheduler::{
+    Item, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
+};
+use crate::seq::{Group, Seq};
 
 /// How the engine is sized and limited; resolved by the caller (pool size from `KvLayout`).
 #[derive(Debug, Clone)]
@@ -98,12 +101,22 @@ pub fn start_engine(
             config.max_num_seqs, config.max_num_batched_tokens
         )));
     }
-    let num_blocks = u32::try_from(config.num_blocks).map_err(|_| {
-        EngineStartError::Config(format!("{} KV blocks is too many", config.num_blocks))
+    if u32::try_from(config.num_blocks).is_err() {
+        return Err(EngineStartError::Config(format!(
+            "{} KV blocks is too many",
+            config.num_blocks
+        )));
+    }
+    let sched = Scheduler::new(SchedulerConfig {
+        block_size_tokens: config.block_size_tokens,
+        num_blocks: config.num_blocks,
+        max_num_seqs: config.max_num_seqs,
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        enable_prefix_caching: config.enable_prefix_caching,
+        policy: config.scheduling_policy,
+        eviction_policy: EvictionPolicy::LeafLru,
+        hash_seed: None,
     })?;
-    let mut kv_config = KvCacheConfig::new(num_blocks, config.block_size_tokens);
-    kv_config.enable_prefix_caching = config.enable_prefix_caching;
-    let kv = KvCacheManager::new(kv_config)?;
     let info = EngineInfo {
         model_name: config.model_name.clone(),
         max_model_len: config.max_model_len,
@@ -122,17 +135,13 @@ pub fn start_engine(
     let core = Core {
         eos: codec.eos_token_ids().to_vec(),
         config,
-        kv,
+        sched,
         executor,
         codec: codec.clone(),
         shared: shared.clone(),
         metrics,
         groups: HashMap::new(),
         seqs: HashMap::new(),
-        running: Vec::new(),
-        waiting: Vec::new(),
-        next_seq: 0,
-        next_order: 0,
         started: Instant::now(),
         kv_evictions_seen: 0,
     };
@@ -143,21 +152,16 @@ pub fn start_engine(
 }
 
 /// The engine thread's state.
-pub(crate) struct Core {
-    pub(crate) config: EngineConfig,
-    pub(crate) kv: KvCacheManager,
+struct Core {
+    config: EngineConfig,
+    sched: Scheduler,
     executor: Box<dyn Executor>,
     codec: Arc<dyn TextCodec>,
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) metrics: Arc<EngineMetrics>,
-    pub(crate) groups: HashMap<u64, Group>,
-    pub(crate) seqs: HashMap<SeqKey, Seq>,
-    /// Sequences holding KV blocks.
-    pub(crate) running: Vec<SeqKey>,
-    /// Sequences without blocks: new, or preempted.
-    pub(crate) waiting: Vec<SeqKey>,
-    next_seq: SeqKey,
-    pub(crate) next_order: u64,
+    shared: Arc<Shared>,
+    metrics: Arc<EngineMetrics>,
+    groups: HashMap<u64, Group>,
+    /// The output side of each choice the scheduler holds, by the scheduler's key.
+    seqs: HashMap<SeqKey, Seq>,
     eos: Vec<u32>,
     started: Instant,
     kv_evictions_seen: u64,
@@ -222,8 +226,6 @@ impl Core {
             self.metrics.requests_failed.add(1);
         }
         self.seqs.clear();
-        self.running.clear();
-        self.waiting.clear();
         self.metrics.requests_running.set(0.0);
         self.metrics.requests_waiting.set(0.0);
         self.metrics.requests_preempted_waiting.set(0.0);
@@ -253,7 +255,7 @@ impl Core {
     fn serve(&mut self, rx: &Receiver<Command>) {
         let mut idle_wait = MIN_IDLE_WAIT;
         'outer: loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.sched.is_idle() {
                 match rx.recv() {
                     Ok(c) => {
                         if !self.handle(c) {
@@ -294,8 +296,6 @@ impl Core {
         match command {
             Command::Submit { id, request, sink } => {
                 let n = request.n;
-                let seq_key = self.next_seq;
-                self.next_seq += 1;
                 let seq = Seq::new(id, 0, &request, &self.eos);
                 let mut key =
                     CacheKey::new().with_model_fingerprint(self.config.model_fingerprint.clone());
@@ -319,9 +319,15 @@ impl Core {
                     full: false,
                     full_since: None,
                 };
+                let seq_key = self.sched.add_request(
+                    id,
+                    group.key.clone(),
+                    group.request.priority,
+                    self.started.elapsed(),
+                    group.request.prompt_tokens.clone(),
+                );
                 self.groups.insert(id, group);
                 self.seqs.insert(seq_key, seq);
-                self.waiting.push(seq_key);
             }
             Command::Cancel { id } => {
                 if self.groups.contains_key(&id) {
@@ -339,20 +345,8 @@ impl Core {
 
     /// Frees every sequence of the group and forgets it.
     fn remove_group(&mut self, group_id: u64) {
-        let keys: Vec<SeqKey> = self
-            .seqs
-            .iter()
-            .filter(|(_, s)| s.group == group_id)
-            .map(|(&k, _)| k)
-            .collect();
-        for k in keys {
-            if let Some(seq) = self.seqs.remove(&k) {
-                if let Some(id) = seq.kv {
-                    self.kv.free(id).expect("running sequence is known");
-                }
-            }
-            self.running.retain(|&r| r != k);
-            self.waiting.retain(|&w| w != k);
+        for k in self.sched.remove_request(group_id) {
+            self.seqs.remove(&k);
         }
         if let Some(group) = self.groups.remove(&group_id) {
             if !group.admitted_once {
@@ -361,7 +355,7 @@ impl Core {
         }
     }
 
-    pub(crate) fn fail_group(&mut self, group_id: u64, error: RequestError) {
+    fn fail_group(&mut self, group_id: u64, error: RequestError) {
         if let Some(group) = self.groups.get_mut(&group_id) {
             tracing::warn!(request = group_id, %error, "request failed");
             self.metrics.requests_failed.add(1);
@@ -383,11 +377,13 @@ impl Core {
 
     /// One engine step; `false` when nothing could be scheduled.
     fn step(&mut self) -> bool {
-        self.kv
-            .set_time_ms(self.started.elapsed().as_millis() as u64);
         self.metrics.scheduler_passes.add(1);
         self.check_backlogs();
-        let plan = self.schedule();
+        let mut plan = self.sched.schedule(self.started.elapsed());
+        self.metrics.pending_waits.add(plan.pending_waits);
+        for event in std::mem::take(&mut plan.events) {
+            self.on_sched_event(event);
+        }
         let progressed = !plan.items.is_empty();
         if progressed {
             self.execute(plan);
@@ -397,6 +393,55 @@ impl Core {
         progressed
     }
 
+    /// Metrics and clients of what a scheduling pass did.
+    fn on_sched_event(&mut self, event: SchedEvent) {
+        match event {
+            SchedEvent::Admitted {
+                request,
+                first,
+                query_tokens,
+                cached_tokens,
+                pending_tokens,
+                ..
+            } => {
+                self.metrics.prefix_queries_tokens.add(query_tokens as u64);
+                self.metrics.prefix_hits_tokens.add(cached_tokens as u64);
+                self.metrics
+                    .prefix_pending_hit_tokens
+                    .add(pending_tokens as u64);
+                if !first {
+                    return;
+                }
+                let group = self
+                    .groups
+                    .get_mut(&request)
+                    .expect("admitted request's group exists");
+                group.admitted_once = true;
+                group.usage.cached_tokens = cached_tokens as u32;
+                self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+                self.metrics
+                    .prompt_tokens
+                    .add(group.request.prompt_tokens.len() as u64);
+                self.metrics.queue_time.observe(group.arrival.elapsed());
+            }
+            SchedEvent::Preempted { seq, request } => {
+                self.metrics.preemptions.add(1);
+                tracing::debug!(seq, request, "preempted: out of KV blocks");
+            }
+            SchedEvent::CannotFit {
+                request,
+                needed_blocks,
+                total_blocks,
+            } => self.fail_group(
+                request,
+                RequestError::CannotFit {
+                    needed_blocks,
+                    total_blocks,
+                },
+            ),
+        }
+    }
+
     fn execute(&mut self, plan: Plan) {
         for c in &plan.copies {
             self.executor.copy_block_prefix(c.src, c.dst, c.num_tokens);
@@ -404,14 +449,10 @@ impl Core {
         let batch: Vec<SeqInput<'_>> = plan
             .items
             .iter()
-            .map(|it| {
-                let seq = &self.seqs[&it.seq];
-                let id = seq.kv.expect("scheduled sequence holds blocks");
-                SeqInput {
-                    tokens: &seq.tokens[it.start..it.end],
-                    start_pos: it.start,
-                    block_table: self.kv.block_table(id).expect("running sequence is known"),
-                }
+            .map(|it| SeqInput {
+                tokens: &self.sched.tokens(it.seq)[it.start..it.end],
+                start_pos: it.start,
+                block_table: self.sched.block_table(it.seq),
             })
             .collect();
         let result = self.executor.forward(&batch);
@@ -423,7 +464,7 @@ impl Core {
                 let mut groups: Vec<u64> = plan
                     .items
                     .iter()
-                    .map(|it| self.seqs[&it.seq].group)
+                    .filter_map(|it| self.sched.request_of(it.seq))
                     .collect();
                 groups.dedup();
                 for g in groups {
@@ -438,22 +479,18 @@ impl Core {
     }
 
     fn after_forward(&mut self, item: Item, logits: &[f32]) {
-        let Some(seq) = self.seqs.get_mut(&item.seq) else {
+        let Some(group_id) = self.seqs.get(&item.seq).map(|s| s.group) else {
             return; // its group failed earlier in this loop
         };
-        let id = seq.kv.expect("scheduled sequence holds blocks");
-        self.kv
-            .mark_computed(id, item.end)
-            .expect("the scheduled range was computable");
-        let computed = (item.end - item.start) as u64;
-        if seq.prefilling {
-            self.metrics.prompt_tokens_computed.add(computed);
+        let done = self.sched.computed(item);
+        if done.prefill {
+            self.metrics
+                .prompt_tokens_computed
+                .add((item.end - item.start) as u64);
         }
-        if item.end < seq.tokens.len() {
+        if !done.complete {
             return; // a prefill chunk: more to compute before sampling
         }
-        seq.prefilling = false;
-        let group_id = seq.group;
         let mut choices = vec![item.seq];
         let group = self
             .groups
@@ -463,20 +500,10 @@ impl Core {
             // n > 1: the other choices share this prompt's blocks (forked, not recomputed) and sample
             // from the same logits with their own seeds.
             group.forked = true;
-            let request = group.request.clone();
-            let tokens = self.seqs[&item.seq].tokens.clone();
-            for choice in 1..request.n {
-                let child = self.kv.fork(id).expect("a computed sequence can be forked");
-                let key = self.next_seq;
-                self.next_seq += 1;
-                let mut seq = Seq::new(group_id, choice, &request, &self.eos);
-                seq.tokens = tokens.clone();
-                seq.kv = Some(child);
-                seq.prefilling = false;
-                seq.admitted_order = self.next_order;
-                self.next_order += 1;
+            for choice in 1..group.request.n {
+                let key = self.sched.fork(item.seq);
+                let seq = Seq::new(group_id, choice, &group.request, &self.eos);
                 self.seqs.insert(key, seq);
-                self.running.push(key);
                 choices.push(key);
             }
         }
@@ -523,6 +550,8 @@ impl Core {
             .into_iter()
             .collect();
 
+        let generated = self.sched.num_generated(key);
+        let total = self.sched.tokens(key).len();
         let (text, finish) = if seq.stop.is_stop_token(token) {
             // The stop token's own text is not part of the output; release what was held back.
             let rest = seq.detok.flush(&self.codec);
@@ -530,13 +559,13 @@ impl Core {
             out.push_str(&seq.stop.flush());
             (out, Some(FinishReason::Stop))
         } else {
-            seq.tokens.push(token);
+            self.sched.push_token(key, token);
             let piece = seq.detok.push(&self.codec, token);
             let (mut out, stopped) = seq.stop.push(&piece);
             if stopped.is_some() {
                 (out, Some(FinishReason::Stop))
-            } else if seq.num_generated() >= group.request.max_tokens as usize
-                || seq.tokens.len() >= self.config.max_model_len
+            } else if generated + 1 >= group.request.max_tokens as usize
+                || total + 1 >= self.config.max_model_len
             {
                 let rest = seq.detok.flush(&self.codec);
                 let (more, stopped) = seq.stop.push(&rest);
@@ -567,11 +596,7 @@ impl Core {
         let Some(seq) = self.seqs.remove(&key) else {
             return;
         };
-        if let Some(id) = seq.kv {
-            self.kv.free(id).expect("running sequence is known");
-        }
-        self.running.retain(|&k| k != key);
-        self.waiting.retain(|&k| k != key);
+        self.sched.finish(key);
         let group = self
             .groups
             .get_mut(&seq.group)
@@ -601,6 +626,7 @@ impl Core {
         let mut stalled = Vec::new();
         for (&id, group) in &mut self.groups {
             group.full = group.sink_open && group.sink.is_full();
+            self.sched.set_blocked(id, group.full);
             if !group.full {
                 group.full_since = None;
                 continue;
@@ -644,27 +670,18 @@ impl Core {
     }
 
     fn update_gauges(&mut self) {
-        let usage = self.kv.usage();
+        let usage = self.sched.kv().usage();
         let m = &self.metrics;
         m.kv_blocks_used.set(f64::from(usage.used_blocks));
         m.kv_blocks_cached.set(f64::from(
             usage.cached_idle_blocks + usage.pinned_idle_blocks,
         ));
         m.kv_usage_perc.set(usage.used_fraction());
-        m.requests_running.set(self.running.len() as f64);
-        m.requests_waiting.set(self.waiting.len() as f64);
-        let preempted = self
-            .waiting
-            .iter()
-            .filter(|k| {
-                self.seqs
-                    .get(k)
-                    .and_then(|s| self.groups.get(&s.group))
-                    .is_some_and(|g| g.admitted_once)
-            })
-            .count();
-        m.requests_preempted_waiting.set(preempted as f64);
-        let evictions = self.kv.stats().evictions;
+        m.requests_running.set(self.sched.num_running() as f64);
+        m.requests_waiting.set(self.sched.num_waiting() as f64);
+        m.requests_preempted_waiting
+            .set(self.sched.num_preempted_waiting() as f64);
+        let evictions = self.sched.kv().stats().evictions;
         m.kv_evictions
             .add(evictions.saturating_sub(self.kv_evictions_seen));
         self.kv_evictions_seen = evictions;

@@ -1,5 +1,6 @@
-//! `kura-engine` — the one place that decides who runs: a continuous-batching scheduler over the
-//! shared KV cache ([`scheduler`]), the engine loop on its own thread ([`engine`]), request handles
+//! `kura-engine` — the one place that decides who runs: a continuous-batching [`Scheduler`] over the
+//! shared KV cache, driven by a clock it is given (the engine loop's wall clock, or `kura sim`'s trace
+//! clock), the engine loop on its own thread ([`engine`]), request handles
 //! over channels ([`handle`]), and metrics ([`metrics`]).
 //!
 //! A caller submits a tokenized [`GenerateRequest`] with an [`EventSink`] and gets a [`RequestGuard`];
@@ -24,4 +25,7 @@ pub use request::{
     EngineEvent, EventSink, FinishReason, GenerateRequest, RequestError, SamplingParams,
     SubmitError, TokenCandidate, TokenLogprob, Usage,
 };
-pub use scheduler::SchedulingPolicy;
+pub use scheduler::{
+    Computed, Item, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
+    PRIORITY_AGING_S,
+};

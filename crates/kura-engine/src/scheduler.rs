@@ -1,5 +1,11 @@
-//! The scheduling decision of one engine step: who runs, how many tokens each computes, who is
-//! admitted, who is preempted. One pass over all sequences, best first:
+//! The scheduling decision of one engine step, as a [`Scheduler`] that owns the KV cache manager and
+//! the sequences' tokens and knows nothing of models, threads or wall time: whoever drives it gives it
+//! the time (`kura serve`'s engine loop the wall clock since start, `kura sim` the trace's clock), runs
+//! the forward pass it plans (the real model, or a cost model) and reports back what was computed and
+//! sampled. The same decisions follow from the same calls, so the simulator replays the server's
+//! admission, chunked prefill, early reuse of pending blocks, preemption and priorities.
+//!
+//! [`Scheduler::schedule`] makes one pass over all sequences, best first:
 //!
 //! ```text
 //!  order: effective priority (priority − age / PRIORITY_AGING_S), then running before waiting, then age
@@ -12,7 +18,7 @@
 //!  └────────────┴──────────────────────────────────────────────────────────────────────────────────┘
 //! ```
 //!
-//! A request whose sink is full (its client is behind) is skipped: not admitted, not stepped.
+//! A request marked blocked (its client is behind) is skipped: not admitted, not stepped.
 //!
 //! A chunk is the range `[computed, computable)` that the KV manager reports, cut to the step's token
 //! budget: tokens that another request is computing right now (pending blocks) are waited for, never
@@ -20,14 +26,16 @@
 //! priority falls linearly with age for everyone alike, the order of two requests never flips, so
 //! preemption cannot cycle, and a low-priority request eventually overtakes fresh higher-priority ones
 //! (no starvation). Cost: O(sequences · log sequences) per step plus the KV manager's calls.
+//!
+//! What the pass did besides planning (admissions with their prefix hits, preemptions, a request that
+//! can never fit) comes back as [`SchedEvent`]s in the [`Plan`], for the caller's metrics and clients.
 
-use std::time::Instant;
+use std::collections::HashMap;
+use std::time::Duration;
 
-use kura_kv::{BlockCopy, SeqId};
-
-use crate::engine::Core;
-use crate::request::RequestError;
-use crate::seq::SeqKey;
+use kura_kv::{
+    BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, SeqId,
+};
 
 /// Whose order counts. Under `Fcfs` (the default) every request has priority 0, so requests run in
 /// arrival order and none can preempt an older one; under `Priority` a request's `priority` field is
@@ -69,21 +77,105 @@ impl std::str::FromStr for SchedulingPolicy {
 }
 
 /// Seconds of waiting that improve a request's effective priority by one level.
-pub(crate) const PRIORITY_AGING_S: f64 = 10.0;
+pub const PRIORITY_AGING_S: f64 = 10.0;
+
+/// Key of a sequence (one choice of a request) in the scheduler; never reused.
+pub type SeqKey = u64;
+
+/// How the scheduler is sized and limited.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub block_size_tokens: usize,
+    pub num_blocks: usize,
+    /// Most sequences holding KV blocks at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step: prefill chunks plus decode tokens.
+    pub max_num_batched_tokens: usize,
+    pub enable_prefix_caching: bool,
+    pub policy: SchedulingPolicy,
+    pub eviction_policy: EvictionPolicy,
+    /// Hash seed of the KV manager; `None` draws a random one (the production choice).
+    pub hash_seed: Option<u64>,
+}
 
 /// One sequence's share of a step: compute the KV of `tokens[start..end]`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Item {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Item {
     pub seq: SeqKey,
     pub start: usize,
     pub end: usize,
 }
 
+/// What a scheduling pass did besides planning the step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SchedEvent {
+    /// A sequence got blocks. `first`: its request's first admission (a resumption after preemption is
+    /// not); `query_tokens` were looked up, `cached_tokens` found computed, `pending_tokens` found being
+    /// computed by another sequence.
+    Admitted {
+        seq: SeqKey,
+        request: u64,
+        first: bool,
+        query_tokens: usize,
+        cached_tokens: usize,
+        pending_tokens: usize,
+    },
+    /// A running sequence was sent back to the waiting queue to make room (its computed full blocks stay
+    /// cached for its resumption).
+    Preempted { seq: SeqKey, request: u64 },
+    /// A request that can never fit (alone, it still runs out of blocks) was removed.
+    CannotFit {
+        request: u64,
+        needed_blocks: usize,
+        total_blocks: usize,
+    },
+}
+
+/// One step's plan: the block copies to run first, then one forward pass over `items`.
 #[derive(Debug, Default)]
-pub(crate) struct Plan {
+pub struct Plan {
     pub items: Vec<Item>,
     /// Block copies (copy-on-write, partial prefix reuse) to execute before the forward pass.
     pub copies: Vec<BlockCopy>,
+    pub events: Vec<SchedEvent>,
+    /// Running sequences that had nothing to compute because another sequence is computing blocks
+    /// they reuse.
+    pub pending_waits: u64,
+}
+
+/// What [`Scheduler::computed`] learnt about a planned item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Computed {
+    /// The item was prompt (or recomputed) tokens, not a decode step.
+    pub prefill: bool,
+    /// Every token of the sequence is computed: its last position's logits give the next token.
+    pub complete: bool,
+}
+
+/// Scheduling state of one request (its choices share it).
+#[derive(Debug)]
+struct Request {
+    key: CacheKey,
+    priority: i32,
+    arrival: Duration,
+    admitted_once: bool,
+    blocked: bool,
+}
+
+/// One choice of a request as the scheduler sees it.
+#[derive(Debug)]
+struct SeqState {
+    request: u64,
+    /// The KV sequence while this choice holds blocks (running); `None` while waiting or preempted.
+    kv: Option<SeqId>,
+    /// Prompt followed by every generated token. The KV of all but possibly the last are computed; when
+    /// all are, the last position's logits give the next token.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Order of (re)admission; among equal priorities the most recent is preempted first.
+    admitted_order: u64,
+    /// Computing tokens that are not a single decode step (a prompt, or recomputation after preemption).
+    prefilling: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -98,25 +190,249 @@ enum Admit {
     Admitted,
     /// The pool cannot hold it now and nobody may be preempted for it.
     NoRoom,
-    /// Its group was cancelled or failed meanwhile.
+    /// Its request was removed meanwhile.
     Gone,
 }
 
-impl Core {
-    fn effective_priority(&self, seq: SeqKey, now: Instant) -> f64 {
-        let Some(g) = self.seqs.get(&seq).and_then(|s| self.groups.get(&s.group)) else {
-            return f64::INFINITY;
-        };
-        let priority = match self.config.scheduling_policy {
-            SchedulingPolicy::Fcfs => 0,
-            SchedulingPolicy::Priority => g.request.priority,
-        };
-        f64::from(priority)
-            - now.saturating_duration_since(g.arrival).as_secs_f64() / PRIORITY_AGING_S
+/// The continuous-batching scheduler over one KV cache manager; see the module documentation.
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<u64, Request>,
+    seqs: HashMap<SeqKey, SeqState>,
+    /// Sequences holding KV blocks.
+    running: Vec<SeqKey>,
+    /// Sequences without blocks: new, or preempted.
+    waiting: Vec<SeqKey>,
+    next_seq: SeqKey,
+    next_order: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self, KvError> {
+        if config.max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
+            return Err(KvError::Config(format!(
+                "max_num_seqs ({}) and max_num_batched_tokens ({}) must be at least 1",
+                config.max_num_seqs, config.max_num_batched_tokens
+            )));
+        }
+        let num_blocks = u32::try_from(config.num_blocks)
+            .map_err(|_| KvError::Config(format!("{} KV blocks is too many", config.num_blocks)))?;
+        let mut kv_config = KvCacheConfig::new(num_blocks, config.block_size_tokens);
+        kv_config.enable_prefix_caching = config.enable_prefix_caching;
+        kv_config.eviction_policy = config.eviction_policy;
+        kv_config.hash_seed = config.hash_seed;
+        let kv = KvCacheManager::new(kv_config)?;
+        Ok(Self {
+            config,
+            kv,
+            requests: HashMap::new(),
+            seqs: HashMap::new(),
+            running: Vec::new(),
+            waiting: Vec::new(),
+            next_seq: 0,
+            next_order: 0,
+        })
     }
 
-    pub(crate) fn schedule(&mut self) -> Plan {
-        let now = Instant::now();
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The KV cache manager, for its usage and statistics.
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// Queues a request's first choice. `id` orders waiting requests (lower first among equals) and must
+    /// be new; `arrival` is on the caller's clock, the one later given to [`Scheduler::schedule`].
+    pub fn add_request(
+        &mut self,
+        id: u64,
+        key: CacheKey,
+        priority: i32,
+        arrival: Duration,
+        prompt: Vec<u32>,
+    ) -> SeqKey {
+        let priority = match self.config.policy {
+            SchedulingPolicy::Fcfs => 0,
+            SchedulingPolicy::Priority => priority,
+        };
+        self.requests.insert(
+            id,
+            Request {
+                key,
+                priority,
+                arrival,
+                admitted_once: false,
+                blocked: false,
+            },
+        );
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.seqs.insert(
+            seq,
+            SeqState {
+                request: id,
+                kv: None,
+                prompt_len: prompt.len(),
+                tokens: prompt,
+                admitted_order: 0,
+                prefilling: true,
+            },
+        );
+        self.waiting.push(seq);
+        seq
+    }
+
+    /// Whether a request is skipped by the next passes (its client is behind). A running sequence keeps
+    /// its blocks meanwhile.
+    pub fn set_blocked(&mut self, id: u64, blocked: bool) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.blocked = blocked;
+        }
+    }
+
+    /// Frees every sequence of a request and forgets it; returns the keys it had.
+    pub fn remove_request(&mut self, id: u64) -> Vec<SeqKey> {
+        let keys: Vec<SeqKey> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.request == id)
+            .map(|(&k, _)| k)
+            .collect();
+        for &k in &keys {
+            self.drop_seq(k);
+        }
+        self.requests.remove(&id);
+        keys
+    }
+
+    fn drop_seq(&mut self, key: SeqKey) {
+        if let Some(seq) = self.seqs.remove(&key) {
+            if let Some(id) = seq.kv {
+                self.kv.free(id).expect("running sequence is known");
+            }
+        }
+        self.running.retain(|&k| k != key);
+        self.waiting.retain(|&k| k != key);
+    }
+
+    /// The request a sequence belongs to.
+    pub fn request_of(&self, seq: SeqKey) -> Option<u64> {
+        self.seqs.get(&seq).map(|s| s.request)
+    }
+
+    /// Prompt and generated tokens of a sequence (empty for an unknown one).
+    pub fn tokens(&self, seq: SeqKey) -> &[u32] {
+        self.seqs.get(&seq).map_or(&[], |s| &s.tokens)
+    }
+
+    /// Tokens generated so far by a sequence.
+    pub fn num_generated(&self, seq: SeqKey) -> usize {
+        self.seqs
+            .get(&seq)
+            .map_or(0, |s| s.tokens.len() - s.prompt_len)
+    }
+
+    /// The blocks of a running sequence, in token order.
+    pub fn block_table(&self, seq: SeqKey) -> &[BlockId] {
+        let id = self.seqs[&seq].kv.expect("a planned sequence holds blocks");
+        self.kv.block_table(id).expect("running sequence is known")
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Waiting sequences of requests admitted before (preempted, to be resumed).
+    pub fn num_preempted_waiting(&self) -> usize {
+        self.waiting
+            .iter()
+            .filter(|k| {
+                self.seqs
+                    .get(k)
+                    .and_then(|s| self.requests.get(&s.request))
+                    .is_some_and(|r| r.admitted_once)
+            })
+            .count()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Records that the forward pass computed a planned item's KV.
+    pub fn computed(&mut self, item: Item) -> Computed {
+        let seq = self
+            .seqs
+            .get_mut(&item.seq)
+            .expect("a planned sequence exists until its step is reported");
+        let id = seq.kv.expect("a planned sequence holds blocks");
+        self.kv
+            .mark_computed(id, item.end)
+            .expect("the scheduled range was computable");
+        let prefill = seq.prefilling;
+        let complete = item.end >= seq.tokens.len();
+        if complete {
+            seq.prefilling = false;
+        }
+        Computed { prefill, complete }
+    }
+
+    /// Appends a sampled token to a sequence; the next pass gives it a slot.
+    pub fn push_token(&mut self, seq: SeqKey, token: u32) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.tokens.push(token);
+        }
+    }
+
+    /// A new choice of `parent`'s request sharing its computed blocks (copy-on-write): for `n > 1`.
+    pub fn fork(&mut self, parent: SeqKey) -> SeqKey {
+        let p = &self.seqs[&parent];
+        let id = p.kv.expect("a forked sequence holds blocks");
+        let child_kv = self.kv.fork(id).expect("a computed sequence can be forked");
+        let child = SeqState {
+            request: p.request,
+            kv: Some(child_kv),
+            tokens: p.tokens.clone(),
+            prompt_len: p.prompt_len,
+            admitted_order: self.next_order,
+            prefilling: false,
+        };
+        self.next_order += 1;
+        let key = self.next_seq;
+        self.next_seq += 1;
+        self.seqs.insert(key, child);
+        self.running.push(key);
+        key
+    }
+
+    /// A sequence is done: frees its blocks (its computed full blocks stay cached) and forgets it. Its
+    /// request stays until [`Scheduler::remove_request`].
+    pub fn finish(&mut self, seq: SeqKey) {
+        self.drop_seq(seq);
+    }
+
+    fn effective_priority(&self, seq: SeqKey, now: Duration) -> f64 {
+        let Some(r) = self
+            .seqs
+            .get(&seq)
+            .and_then(|s| self.requests.get(&s.request))
+        else {
+            return f64::INFINITY;
+        };
+        f64::from(r.priority) - now.saturating_sub(r.arrival).as_secs_f64() / PRIORITY_AGING_S
+    }
+
+    /// Plans one step at time `now` (on the clock of the requests' arrivals).
+    pub fn schedule(&mut self, now: Duration) -> Plan {
+        self.kv
+            .set_time_ms(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
         let mut cands: Vec<Candidate> = self
             .running
             .iter()
@@ -126,7 +442,7 @@ impl Core {
                 priority: self.effective_priority(seq, now),
                 waiting,
                 order: if waiting {
-                    self.seqs[&seq].group
+                    self.seqs[&seq].request
                 } else {
                     self.seqs[&seq].admitted_order
                 },
@@ -153,14 +469,14 @@ impl Core {
             };
             // A client that is behind gets no output for now; a running sequence keeps its blocks
             // (and stays a possible victim for those after it).
-            if self.groups.get(&seq.group).is_some_and(|g| g.full) {
+            if self.requests.get(&seq.request).is_some_and(|r| r.blocked) {
                 continue;
             }
             if c.waiting {
                 if !admitting || self.running.len() >= self.config.max_num_seqs {
                     continue;
                 }
-                match self.admit(c, &cands[i + 1..], &mut plan.copies) {
+                match self.admit(c, &cands[i + 1..], &mut plan) {
                     Admit::Admitted => {}
                     Admit::NoRoom => {
                         admitting = false;
@@ -171,7 +487,7 @@ impl Core {
             } else {
                 // Preempted earlier in this pass as someone's victim.
                 let Some(id) = seq.kv else { continue };
-                if !self.grow(c.seq, id, &cands[i + 1..], &mut plan.copies) {
+                if !self.grow(c.seq, id, &cands[i + 1..], &mut plan) {
                     continue;
                 }
             }
@@ -191,7 +507,7 @@ impl Core {
                 });
                 budget -= end - start;
             } else if status.waiting_blocks > 0 {
-                self.metrics.pending_waits.add(1);
+                plan.pending_waits += 1;
             }
         }
         plan
@@ -200,13 +516,7 @@ impl Core {
     /// Gives a running sequence the slots of its tokens not yet in the KV sequence (the token sampled in
     /// the last step), preempting worse sequences (after it in `rest`) or itself when the pool is full.
     /// Returns whether it is still running.
-    fn grow(
-        &mut self,
-        key: SeqKey,
-        id: SeqId,
-        rest: &[Candidate],
-        copies: &mut Vec<BlockCopy>,
-    ) -> bool {
+    fn grow(&mut self, key: SeqKey, id: SeqId, rest: &[Candidate], plan: &mut Plan) -> bool {
         loop {
             let kv_len = self.kv.num_tokens(id).expect("running sequence is known");
             let seq = &self.seqs[&key];
@@ -215,31 +525,29 @@ impl Core {
             }
             match self.kv.allocate_slots(id, &seq.tokens[kv_len..], None) {
                 Ok(Some(alloc)) => {
-                    copies.extend(alloc.copies);
+                    plan.copies.extend(alloc.copies);
                     return true;
                 }
                 Ok(None) => {}
                 Err(e) => panic!("allocating slots of a running sequence: {e}"),
             }
             if let Some(victim) = self.pick_victim(rest, None) {
-                self.preempt(victim);
+                self.preempt(victim, plan);
                 continue;
             }
-            let group = seq.group;
+            let request = seq.request;
             if self.running.len() == 1 {
                 // Alone and still out of blocks: it can never fit (admission checks make this rare:
                 // only when the pool is smaller than one request's prompt plus output).
-                let bs = self.kv.block_size();
-                let needed_blocks = (self.seqs[&key].tokens.len()).div_ceil(bs);
-                self.fail_group(
-                    group,
-                    RequestError::CannotFit {
-                        needed_blocks,
-                        total_blocks: self.config.num_blocks,
-                    },
-                );
+                let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
+                self.remove_request(request);
+                plan.events.push(SchedEvent::CannotFit {
+                    request,
+                    needed_blocks,
+                    total_blocks: self.config.num_blocks,
+                });
             } else {
-                self.preempt(key);
+                self.preempt(key, plan);
             }
             return false;
         }
@@ -257,26 +565,27 @@ impl Core {
 
     /// Takes a waiting sequence into the running set: looks up its prefix (cached or pending blocks),
     /// allocates the rest, preempting strictly worse running sequences when needed.
-    fn admit(&mut self, c: Candidate, rest: &[Candidate], copies: &mut Vec<BlockCopy>) -> Admit {
+    fn admit(&mut self, c: Candidate, rest: &[Candidate], plan: &mut Plan) -> Admit {
         loop {
             let Some(seq) = self.seqs.get(&c.seq) else {
                 return Admit::Gone;
             };
-            let Some(group) = self.groups.get(&seq.group) else {
+            let Some(request) = self.requests.get(&seq.request) else {
                 return Admit::Gone;
             };
-            let id = self.kv.add_sequence(&group.key);
+            let id = self.kv.add_sequence(&request.key);
             let lookup = &seq.tokens[..seq.tokens.len() - 1];
-            let hit = self.kv.find_cached_prefix(lookup, &group.key);
+            let hit = self.kv.find_cached_prefix(lookup, &request.key);
             let cached = hit.num_cached_tokens();
             match self
                 .kv
                 .allocate_slots(id, &seq.tokens[cached..], Some(&hit))
             {
                 Ok(Some(alloc)) => {
-                    copies.extend(alloc.copies);
+                    plan.copies.extend(alloc.copies);
                     let pending_tokens = hit.num_pending_blocks() * self.kv.block_size();
-                    self.on_admitted(c.seq, id, lookup.len(), cached, pending_tokens);
+                    let query_tokens = lookup.len();
+                    self.on_admitted(c.seq, id, query_tokens, cached, pending_tokens, plan);
                     return Admit::Admitted;
                 }
                 Ok(None) => {
@@ -285,7 +594,7 @@ impl Core {
                 Err(e) => panic!("allocating a fresh sequence with its own hit: {e}"),
             }
             match self.pick_victim(rest, Some(c.priority)) {
-                Some(victim) => self.preempt(victim),
+                Some(victim) => self.preempt(victim, plan),
                 None => return Admit::NoRoom,
             }
         }
@@ -296,45 +605,38 @@ impl Core {
         key: SeqKey,
         id: SeqId,
         query_tokens: usize,
-        cached: usize,
+        cached_tokens: usize,
         pending_tokens: usize,
+        plan: &mut Plan,
     ) {
-        let now = Instant::now();
         let order = self.next_order;
         self.next_order += 1;
         let seq = self.seqs.get_mut(&key).expect("admitted sequence exists");
         seq.kv = Some(id);
         seq.admitted_order = order;
         seq.prefilling = true;
-        let prompt_len = seq.prompt_len;
-        let group_id = seq.group;
+        let request_id = seq.request;
         self.waiting.retain(|&k| k != key);
         self.running.push(key);
-        self.metrics.prefix_queries_tokens.add(query_tokens as u64);
-        self.metrics.prefix_hits_tokens.add(cached as u64);
-        self.metrics
-            .prefix_pending_hit_tokens
-            .add(pending_tokens as u64);
-        let group = self
-            .groups
-            .get_mut(&group_id)
-            .expect("sequence's group exists");
-        if !group.admitted_once {
-            group.admitted_once = true;
-            group.usage.cached_tokens = cached as u32;
-            self.shared
-                .queued
-                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            self.metrics.prompt_tokens.add(prompt_len as u64);
-            self.metrics
-                .queue_time
-                .observe(now.saturating_duration_since(group.arrival));
-        }
+        let request = self
+            .requests
+            .get_mut(&request_id)
+            .expect("sequence's request exists");
+        let first = !request.admitted_once;
+        request.admitted_once = true;
+        plan.events.push(SchedEvent::Admitted {
+            seq: key,
+            request: request_id,
+            first,
+            query_tokens,
+            cached_tokens,
+            pending_tokens,
+        });
     }
 
     /// Sends a running sequence back to the waiting queue. Its computed full blocks stay cached, so
     /// that its resumption finds them by prefix lookup and recomputes only what was evicted meanwhile.
-    pub(crate) fn preempt(&mut self, key: SeqKey) {
+    fn preempt(&mut self, key: SeqKey, plan: &mut Plan) {
         let Some(seq) = self.seqs.get_mut(&key) else {
             return;
         };
@@ -342,9 +644,10 @@ impl Core {
             self.kv.free(id).expect("running sequence is known");
         }
         seq.prefilling = true;
+        let request = seq.request;
         self.running.retain(|&k| k != key);
         self.waiting.push(key);
-        self.metrics.preemptions.add(1);
-        tracing::debug!(seq = key, "preempted: out of KV blocks");
+        plan.events
+            .push(SchedEvent::Preempted { seq: key, request });
     }
 }

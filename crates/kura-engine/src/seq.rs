@@ -1,19 +1,18 @@
 //! Per-request and per-choice state kept by the engine thread: a [`Group`] is one submitted request
-//! (its sink, its parameters, its usage), a [`Seq`] is one of its choices as the scheduler sees it (its
-//! tokens, its KV sequence while it holds blocks, its sampler, detokenizer and stop checker).
+//! (its sink, its parameters, its usage), a [`Seq`] is the output side of one of its choices (its
+//! sampler, detokenizer and stop checker); its tokens and blocks are the [`Scheduler`]'s.
+//!
+//! [`Scheduler`]: crate::scheduler::Scheduler
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kura_kv::{CacheKey, SeqId};
+use kura_kv::CacheKey;
 use kura_model::{IncrementalDecoder, Sampler, SamplingParams, StopChecker};
 
 use crate::backend::TextCodec;
 use crate::request::{EngineEvent, EventSink, GenerateRequest, Usage};
-
-/// Key of a sequence in the engine's tables (never reused).
-pub(crate) type SeqKey = u64;
 
 /// One submitted request and everything shared by its choices.
 pub(crate) struct Group {
@@ -50,16 +49,6 @@ impl Group {
 pub(crate) struct Seq {
     pub group: u64,
     pub choice: u32,
-    /// The KV sequence while this choice holds blocks (running); `None` while waiting or preempted.
-    pub kv: Option<SeqId>,
-    /// Prompt followed by every generated token. The KV of all but possibly the last are computed; when all
-    /// are, the last position's logits give the next token.
-    pub tokens: Vec<u32>,
-    pub prompt_len: usize,
-    /// Order of (re)admission; among equal priorities the most recent is preempted first.
-    pub admitted_order: u64,
-    /// Computing tokens that are not a single decode step (a prompt, or recomputation after preemption).
-    pub prefilling: bool,
     pub sampler: Sampler,
     pub stop: StopChecker,
     pub detok: Detokenizer,
@@ -82,20 +71,11 @@ impl Seq {
         Self {
             group,
             choice,
-            kv: None,
-            tokens: request.prompt_tokens.clone(),
-            prompt_len: request.prompt_tokens.len(),
-            admitted_order: 0,
-            prefilling: true,
             sampler: Sampler::new(params, &request.prompt_tokens),
             stop: StopChecker::new(stop_tokens, request.stop.clone()),
             detok: Detokenizer::default(),
             last_token_at: None,
         }
-    }
-
-    pub fn num_generated(&self) -> usize {
-        self.tokens.len() - self.prompt_len
     }
 }
 
