@@ -6,11 +6,18 @@
 //! - [`mod@replay`]: the replay loop (lookup, allocate, hold for the request's duration, free) and its
 //!   configuration.
 //! - [`report`]: hit ratios, evictions and throughput, as a table or JSON.
+//! - [`serve`]: the server simulated: `kura bench`'s workloads under a closed loop of clients, through the
+//!   engine's own [`kura_engine::Scheduler`] on the simulator's clock, with a [`cost`] model calibrated on
+//!   the real model in place of the forward pass.
 
+pub mod cost;
 pub mod replay;
 pub mod report;
+pub mod serve;
 pub mod trace;
 
+pub use cost::{CostModel, StepItem};
 pub use replay::{replay, Policy, SimConfig, SimError};
 pub use report::SimReport;
+pub use serve::{simulate, ServeReport, ServeSim, Workload};
 pub use trace::{load_trace, load_trace_limited, parse_line, LineError, TraceError, TraceRequest};

@@ -1,11 +1,30 @@
 //! `kura sim`: replays a Mooncake-format trace through the KV cache manager (no model) and prints hit
-//! ratios, evictions and the manager's throughput as a table or JSON.
+//! ratios, evictions and the manager's throughput as a table or JSON; with `--workload`, simulates the
+//! server (the engine's scheduler and a cost model) under one of `kura bench`'s workloads; with
+//! `--calibrate`, times forward steps of the real model and fits that cost model.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kura_sim::{load_trace_limited, replay, Policy, SimConfig};
+use kura_engine::{SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS};
+use kura_kv::codec::KvDtype;
+use kura_kv::storage::KvStorage;
+use kura_kv::EvictionPolicy;
+use kura_model::{LoadOptions, Model, SeqBatchItem, WeightsDtype};
+use kura_sim::{
+    load_trace_limited, replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem,
+    Workload,
+};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum WorkloadArg {
+    SharedPrefix,
+    MultiTurn,
+    Unique,
+}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum PolicyArg {
@@ -50,9 +69,82 @@ pub struct SimArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+
+    /// Simulate the server instead of the cache alone: one of `kura bench`'s workloads, sent by a closed
+    /// loop of `--concurrency` clients, through the engine's scheduler with the `--cost` model.
+    #[arg(long, value_enum)]
+    workload: Option<WorkloadArg>,
+    /// Clients in flight (closed loop), one or more values: `1,2,4,8`.
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    concurrency: Vec<usize>,
+    /// The cost model (`kura sim --calibrate` writes one).
+    #[arg(long, default_value = "data/cost/smollm2-135m-q4_1-2t-f32kv.json")]
+    cost: PathBuf,
+    /// KV blocks of the simulated server's pool (`kura serve` logs its own; `kura plan` gives it).
+    #[arg(long, default_value_t = 1024)]
+    kv_blocks: usize,
+    /// The server's limits, as `kura serve`'s flags of the same names.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
+    max_num_batched_tokens: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_model_len: usize,
+    /// Turn prefix caching off in the simulated server.
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Tokens generated per request (as `kura bench --output-tokens`).
+    #[arg(long, default_value_t = 64)]
+    output_tokens: usize,
+    /// shared-prefix: groups, users per group, system and question tokens.
+    #[arg(long, default_value_t = 4)]
+    groups: usize,
+    #[arg(long, default_value_t = 8)]
+    users_per_group: usize,
+    #[arg(long)]
+    system_tokens: Option<usize>,
+    #[arg(long, default_value_t = 50)]
+    question_tokens: usize,
+    /// multi-turn: conversations, turns, user tokens per turn (system tokens: --system-tokens, 200).
+    #[arg(long, default_value_t = 8)]
+    conversations: usize,
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    #[arg(long, default_value_t = 100)]
+    user_tokens: usize,
+    /// unique: requests and prompt tokens.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    #[arg(long, default_value_t = 1050)]
+    prompt_tokens: usize,
+
+    /// Time forward steps of the real model and write the fitted cost model to `--cost` (or print it).
+    #[arg(long)]
+    calibrate: bool,
+    /// Calibration: the model (default: the default model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Calibration: worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Calibration: K/V element format, as `kura serve --kv-dtype`.
+    #[arg(long, default_value = "bf16")]
+    kv_dtype: KvDtype,
+    /// Calibration: weights format, as `kura serve --weights-dtype`.
+    #[arg(long, default_value = "bf16")]
+    weights_dtype: WeightsDtype,
+    /// Calibration: timed runs of each step shape (the median counts).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
 }
 
 pub fn run(args: SimArgs) -> Result<()> {
+    if args.calibrate {
+        return calibrate(&args);
+    }
+    if let Some(w) = args.workload {
+        return serve_sim(&args, w);
+    }
     if args.limit == Some(0) {
         bail!("--limit 0 replays no request: give at least 1, or leave it out to replay the whole trace");
     }
@@ -79,6 +171,224 @@ pub fn run(args: SimArgs) -> Result<()> {
     } else {
         println!("trace                {}", args.trace.display());
         print!("{report}");
+    }
+    Ok(())
+}
+
+fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
+    let workload = match w {
+        WorkloadArg::SharedPrefix => Workload::SharedPrefix {
+            groups: args.groups,
+            users_per_group: args.users_per_group,
+            system_tokens: args.system_tokens.unwrap_or(1000),
+            question_tokens: args.question_tokens,
+        },
+        WorkloadArg::MultiTurn => Workload::MultiTurn {
+            conversations: args.conversations,
+            turns: args.turns,
+            system_tokens: args.system_tokens.unwrap_or(200),
+            user_tokens: args.user_tokens,
+        },
+        WorkloadArg::Unique => Workload::Unique {
+            requests: args.requests,
+            prompt_tokens: args.prompt_tokens,
+        },
+    };
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        bail!("--concurrency takes one or more counts of at least 1");
+    }
+    let cost = CostModel::load(&args.cost)?;
+    let mut reports = Vec::new();
+    for &concurrency in &args.concurrency {
+        let sim = ServeSim {
+            scheduler: SchedulerConfig {
+                block_size_tokens: args.block_size,
+                num_blocks: args.kv_blocks,
+                max_num_seqs: args.max_num_seqs,
+                max_num_batched_tokens: args.max_num_batched_tokens,
+                enable_prefix_caching: !args.no_prefix_cache,
+                policy: SchedulingPolicy::Fcfs,
+                eviction_policy: EvictionPolicy::LeafLru,
+                hash_seed: Some(args.seed),
+            },
+            cost: cost.clone(),
+            concurrency,
+            output_tokens: args.output_tokens,
+            max_model_len: args.max_model_len,
+        };
+        reports.push(simulate(&workload, &sim)?);
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "workload": workload,
+                "cost_model": cost,
+                "kv_blocks": args.kv_blocks,
+                "block_size": args.block_size,
+                "points": reports,
+            }))?
+        );
+        return Ok(());
+    }
+    println!(
+        "simulated {} on {} blocks of {} tokens, cost model {} ({})",
+        workload.name(),
+        args.kv_blocks,
+        args.block_size,
+        args.cost.display(),
+        cost.measured_on
+    );
+    println!("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | out tok/s | cached | preemptions |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &reports {
+        println!(
+            "| {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} % | {} |",
+            r.concurrency,
+            r.requests,
+            r.ttft_ms.p50,
+            r.ttft_ms.p99,
+            r.itl_ms.p50,
+            r.itl_ms.p99,
+            r.e2e_ms.p50,
+            r.output_tokens_per_s,
+            r.cached_ratio * 100.0,
+            r.preemptions
+        );
+    }
+    Ok(())
+}
+
+/// The step shapes timed by `--calibrate`: prompts of several lengths and offsets, decode batches at
+/// several contexts, and prompts mixed with decode tokens, as the scheduler makes them.
+fn calibration_shapes() -> Vec<Vec<StepItem>> {
+    let item = |start, tokens| StepItem { start, tokens };
+    let mut shapes = Vec::new();
+    for n in [16, 64, 128, 256, 512, 1024] {
+        shapes.push(vec![item(0, n)]);
+    }
+    for start in [256, 512, 1024, 1536] {
+        shapes.push(vec![item(start, 256)]);
+    }
+    for batch in [1, 2, 4, 8, 16] {
+        for context in [64, 512, 1024, 2048] {
+            shapes.push(vec![item(context, 1); batch]);
+        }
+    }
+    for (decode, context, chunk) in [(7, 512, 256), (3, 256, 64), (7, 1100, 1024), (15, 300, 128)] {
+        let mut s = vec![item(context, 1); decode];
+        s.push(item(0, chunk));
+        shapes.push(s);
+    }
+    shapes
+}
+
+fn calibrate(args: &SimArgs) -> Result<()> {
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    crate::setup::threads(args.threads)?;
+    let path = crate::setup::model_path(args.model.as_ref())?;
+    let model = Arc::new(
+        Model::load_with(
+            &path,
+            LoadOptions {
+                weights_dtype: args.weights_dtype,
+            },
+        )
+        .with_context(|| format!("loading the model {}", path.display()))?,
+    );
+    let shapes = calibration_shapes();
+    let bs = args.block_size;
+    let blocks_of =
+        |s: &[StepItem]| -> usize { s.iter().map(|i| (i.start + i.tokens).div_ceil(bs)).sum() };
+    let num_blocks = shapes.iter().map(|s| blocks_of(s)).max().unwrap_or(1);
+    let layout = model.kv_layout(args.kv_dtype, bs)?;
+    let mut kv = KvStorage::new(&layout, num_blocks).context("allocating the KV cache")?;
+    let mut samples = Vec::new();
+    for shape in &shapes {
+        // Each item its own blocks; the tokens are any ids, their values do not change the time.
+        let mut next = 0u32;
+        let tables: Vec<Vec<u32>> = shape
+            .iter()
+            .map(|i| {
+                let n = (i.start + i.tokens).div_ceil(bs) as u32;
+                let t = (next..next + n).collect();
+                next += n;
+                t
+            })
+            .collect();
+        let tokens: Vec<Vec<u32>> = shape
+            .iter()
+            .map(|i| (0..i.tokens as u32).map(|t| 100 + t % 1000).collect())
+            .collect();
+        let batch: Vec<SeqBatchItem<'_>> = shape
+            .iter()
+            .zip(&tables)
+            .zip(&tokens)
+            .map(|((i, table), tokens)| SeqBatchItem {
+                tokens,
+                start_pos: i.start,
+                block_table: table,
+            })
+            .collect();
+        let mut times = Vec::new();
+        for run in 0..=args.repeats {
+            let t0 = Instant::now();
+            let logits = model.forward(&batch, &mut kv)?;
+            // The engine samples each row: greedy here.
+            let mut chosen = 0usize;
+            for r in 0..logits.num_rows() {
+                let row = logits.row(r);
+                chosen ^= (0..row.len())
+                    .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                    .unwrap_or(0);
+            }
+            std::hint::black_box(chosen);
+            if run > 0 {
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let ms = times[times.len() / 2];
+        eprintln!(
+            "{:>3} items, {:>5} tokens, contexts up to {:>5}: {ms:8.2} ms",
+            shape.len(),
+            shape.iter().map(|i| i.tokens).sum::<usize>(),
+            shape.iter().map(|i| i.start + i.tokens).max().unwrap_or(0)
+        );
+        samples.push((shape.clone(), ms));
+    }
+    let measured_on = format!(
+        "{}, {} threads, {} weights, {} KV, blocks of {bs}",
+        path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned()
+        ),
+        kura_model::num_threads(),
+        format!("{:?}", args.weights_dtype).to_lowercase(),
+        args.kv_dtype,
+    );
+    let cost = CostModel::fit(&samples, measured_on)?;
+    let worst = samples
+        .iter()
+        .map(|(s, ms)| (cost.step_ms(s) - ms).abs() / ms)
+        .fold(0.0, f64::max);
+    eprintln!(
+        "fit: largest relative error over the timed shapes {:.1} %",
+        worst * 100.0
+    );
+    let json = serde_json::to_string_pretty(&cost)?;
+    if args.cost.as_os_str().is_empty() || args.json {
+        println!("{json}");
+    }
+    if !args.cost.as_os_str().is_empty() {
+        if let Some(dir) = args.cost.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        std::fs::write(&args.cost, json + "\n")
+            .with_context(|| format!("writing {}", args.cost.display()))?;
+        eprintln!("cost model written to {}", args.cost.display());
     }
     Ok(())
 }

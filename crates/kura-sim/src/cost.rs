@@ -1,0 +1,285 @@
+//! The cost model of one engine step, in place of the model's forward pass: a linear function of the
+//! step's shape, fitted by least squares on steps timed with the real model (`kura sim --calibrate`).
+//!
+//! ```text
+//!  step ms = base_ms + per_token_ms · Σ tokens + per_seq_ms · items
+//!          + per_prefill_attention_ms · Σ_prefill tokens · (start + tokens / 2) / 10⁶
+//!          + per_decode_context_ms · Σ_decode (start + 1) / 10⁶
+//! ```
+//!
+//! The token term is the weights' matrix products (proportional to the tokens of the step), the item term
+//! the per-sequence work (logits of its last token, sampling, the engine's bookkeeping), the attention
+//! terms the scores against the context, and the base the rest (one pass over the weights for a small
+//! batch is in the base and the token term together). Attention is two terms because a prompt chunk reads
+//! each K/V row once for all its tokens, while each decode token reads its whole context for itself: per
+//! (token, position) pair, decode costs several times what prefill does.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::replay::SimError;
+
+/// A step's shape, as the cost model reads it: per item, the tokens computed and the position of the
+/// first of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepItem {
+    pub start: usize,
+    pub tokens: usize,
+}
+
+/// The fitted coefficients, and where they were measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostModel {
+    pub base_ms: f64,
+    pub per_token_ms: f64,
+    pub per_seq_ms: f64,
+    /// Per million (token, context position) pairs of items of more than one token.
+    pub per_prefill_attention_ms: f64,
+    /// Per million context positions read by items of one token (decode steps).
+    pub per_decode_context_ms: f64,
+    /// What was measured: model, threads, KV type, machine.
+    #[serde(default)]
+    pub measured_on: String,
+}
+
+/// Number of coefficients.
+const N: usize = 5;
+
+/// The features of a step, in the order of the coefficients.
+pub fn features(items: &[StepItem]) -> [f64; N] {
+    let tokens: usize = items.iter().map(|i| i.tokens).sum();
+    let prefill: f64 = items
+        .iter()
+        .filter(|i| i.tokens > 1)
+        .map(|i| i.tokens as f64 * (i.start as f64 + i.tokens as f64 / 2.0))
+        .sum();
+    let decode: f64 = items
+        .iter()
+        .filter(|i| i.tokens == 1)
+        .map(|i| i.start as f64 + 1.0)
+        .sum();
+    [
+        1.0,
+        tokens as f64,
+        items.len() as f64,
+        prefill / 1e6,
+        decode / 1e6,
+    ]
+}
+
+impl CostModel {
+    /// Milliseconds of one step.
+    pub fn step_ms(&self, items: &[StepItem]) -> f64 {
+        let f = features(items);
+        let c = self.coefficients();
+        (0..N).map(|k| f[k] * c[k]).sum::<f64>().max(0.0)
+    }
+
+    fn coefficients(&self) -> [f64; N] {
+        [
+            self.base_ms,
+            self.per_token_ms,
+            self.per_seq_ms,
+            self.per_prefill_attention_ms,
+            self.per_decode_context_ms,
+        ]
+    }
+
+    /// Least-squares fit of timed steps. Coefficients come out non-negative: a term that the fit drives
+    /// below zero is dropped and the rest refitted.
+    pub fn fit(samples: &[(Vec<StepItem>, f64)], measured_on: String) -> Result<Self, SimError> {
+        let rows: Vec<([f64; N], f64)> = samples
+            .iter()
+            .map(|(items, ms)| (features(items), *ms))
+            .collect();
+        // A feature no sample exercises is left out (its coefficient 0), not a singular system.
+        let mut active = [true; N];
+        for (k, a) in active.iter_mut().enumerate().skip(1) {
+            *a = rows.iter().any(|(f, _)| f[k] != 0.0);
+        }
+        loop {
+            let c = least_squares(&rows, &active).ok_or_else(|| {
+                SimError::Config(
+                    "the timed steps do not determine the cost model (too few distinct shapes)"
+                        .into(),
+                )
+            })?;
+            // The base stays even if negative fits better: a step always costs something.
+            match (1..N).find(|&k| active[k] && c[k] < 0.0) {
+                Some(k) => active[k] = false,
+                None => {
+                    return Ok(Self {
+                        base_ms: c[0].max(0.0),
+                        per_token_ms: c[1],
+                        per_seq_ms: c[2],
+                        per_prefill_attention_ms: c[3],
+                        per_decode_context_ms: c[4],
+                        measured_on,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Reads a cost model written by `kura sim --calibrate`.
+    pub fn load(path: &Path) -> Result<Self, SimError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| SimError::Config(format!("reading {}: {e}", path.display())))?;
+        let model: CostModel = serde_json::from_str(&text).map_err(|e| {
+            SimError::Config(format!("{} is not a cost model: {e}", path.display()))
+        })?;
+        model.validate().map_err(|e| match e {
+            SimError::Config(m) => SimError::Config(format!("{}: {m}", path.display())),
+            other => other,
+        })?;
+        Ok(model)
+    }
+
+    pub fn validate(&self) -> Result<(), SimError> {
+        for (name, v) in [
+            ("base_ms", self.base_ms),
+            ("per_token_ms", self.per_token_ms),
+            ("per_seq_ms", self.per_seq_ms),
+            ("per_prefill_attention_ms", self.per_prefill_attention_ms),
+            ("per_decode_context_ms", self.per_decode_context_ms),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(SimError::Config(format!(
+                    "cost model {name} is {v}: every coefficient is a finite number of milliseconds, 0 or more"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Solves the normal equations over the active features (Gaussian elimination with partial pivoting);
+/// inactive coefficients are 0. `None` when the system is singular.
+fn least_squares(rows: &[([f64; N], f64)], active: &[bool; N]) -> Option<[f64; N]> {
+    let idx: Vec<usize> = (0..N).filter(|&k| active[k]).collect();
+    let n = idx.len();
+    // Scale each feature to unit size, so that milliseconds per token and per million pairs condition
+    // the system alike.
+    let scale: Vec<f64> = idx
+        .iter()
+        .map(|&k| {
+            rows.iter()
+                .map(|(f, _)| f[k].abs())
+                .fold(0.0, f64::max)
+                .max(1e-12)
+        })
+        .collect();
+    let mut a = vec![vec![0.0; n + 1]; n];
+    for (f, y) in rows {
+        for i in 0..n {
+            let fi = f[idx[i]] / scale[i];
+            for j in 0..n {
+                a[i][j] += fi * f[idx[j]] / scale[j];
+            }
+            a[i][n] += fi * y;
+        }
+    }
+    for col in 0..n {
+        let pivot = (col..n).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))?;
+        if a[pivot][col].abs() < 1e-9 {
+            return None;
+        }
+        a.swap(col, pivot);
+        for row in 0..n {
+            if row != col {
+                let factor = a[row][col] / a[col][col];
+                for k in col..=n {
+                    a[row][k] -= factor * a[col][k];
+                }
+            }
+        }
+    }
+    let mut c = [0.0; N];
+    for i in 0..n {
+        c[idx[i]] = a[i][n] / a[i][i] / scale[i];
+    }
+    Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(start: usize, tokens: usize) -> StepItem {
+        StepItem { start, tokens }
+    }
+
+    #[test]
+    fn a_fit_recovers_the_coefficients_of_exact_samples() {
+        let truth = CostModel {
+            base_ms: 3.0,
+            per_token_ms: 0.5,
+            per_seq_ms: 0.25,
+            per_prefill_attention_ms: 2.0,
+            per_decode_context_ms: 7.0,
+            measured_on: String::new(),
+        };
+        let shapes = vec![
+            vec![item(0, 128)],
+            vec![item(0, 512)],
+            vec![item(1024, 256)],
+            vec![item(100, 1); 8],
+            vec![item(900, 1); 16],
+            vec![item(0, 64), item(300, 1), item(400, 1)],
+            vec![item(2000, 1); 4],
+        ];
+        let samples: Vec<_> = shapes
+            .into_iter()
+            .map(|s| {
+                let ms = truth.step_ms(&s);
+                (s, ms)
+            })
+            .collect();
+        let fitted = CostModel::fit(&samples, "test".into()).unwrap();
+        for (a, b) in [
+            (fitted.base_ms, truth.base_ms),
+            (fitted.per_token_ms, truth.per_token_ms),
+            (fitted.per_seq_ms, truth.per_seq_ms),
+            (
+                fitted.per_prefill_attention_ms,
+                truth.per_prefill_attention_ms,
+            ),
+            (fitted.per_decode_context_ms, truth.per_decode_context_ms),
+        ] {
+            assert!((a - b).abs() < 1e-6, "{fitted:?}");
+        }
+    }
+
+    #[test]
+    fn a_term_that_would_be_negative_is_dropped() {
+        // Times that fall with more sequences: the per-sequence term is dropped, not made negative.
+        let samples = vec![
+            (vec![item(0, 100)], 60.0),
+            (vec![item(0, 50), item(0, 50)], 50.0),
+            (vec![item(0, 200)], 110.0),
+            (vec![item(0, 10)], 15.0),
+        ];
+        let fitted = CostModel::fit(&samples, String::new()).unwrap();
+        assert_eq!(fitted.per_seq_ms, 0.0);
+        assert!(fitted.validate().is_ok());
+    }
+
+    #[test]
+    fn a_bad_cost_model_file_is_named() {
+        let dir = std::env::temp_dir().join(format!("kura-cost-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cost.json");
+        std::fs::write(&path, r#"{"base_ms": -1, "per_token_ms": 0, "per_seq_ms": 0, "per_prefill_attention_ms": 0, "per_decode_context_ms": 0}"#).unwrap();
+        let err = CostModel::load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("cost.json") && err.contains("base_ms"),
+            "{err}"
+        );
+        std::fs::write(&path, "not json").unwrap();
+        let err = CostModel::load(&path).unwrap_err().to_string();
+        assert!(err.contains("is not a cost model"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

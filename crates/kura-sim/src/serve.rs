@@ -1,0 +1,424 @@
+//! The server simulated: `kura bench`'s workloads and load shapes replayed through the engine's own
+//! [`Scheduler`] (admission, chunked prefill, early reuse of pending blocks, preemption, priorities), on
+//! the simulator's clock, with a [`CostModel`] for the time of each step instead of the model.
+//!
+//! ```text
+//!  clients (closed loop: at most `concurrency` requests in flight, FIFO; a session's turns in order)
+//!     │ add_request(t)
+//!     ▼
+//!  Scheduler::schedule(t) ─► plan ─► t += cost.step_ms(plan) ─► computed(item) ─► first/next token at t
+//!     ▲                                                                            │ max_tokens reached
+//!     └──────────────────────── request done at t: its session sends the next turn ◄┘
+//! ```
+//!
+//! Prompts are token ids with the structure of the workload and the chat template: every message is
+//! `[start, role, newline] content [end, newline]` and the prompt ends with the generation prompt, as in
+//! the ChatML templates of the default model; equal texts are equal ids, so the cache sees what the
+//! server sees. Output tokens are ids no prompt holds, and a conversation's next turn carries them as the
+//! assistant's message. The figures are what `kura bench` reports for the same workload: TTFT, ITL, E2E,
+//! output tokens per second of the run, cached prompt tokens.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use kura_engine::{SchedEvent, Scheduler, SchedulerConfig};
+use kura_kv::CacheKey;
+use serde::Serialize;
+
+use crate::cost::{CostModel, StepItem};
+use crate::replay::SimError;
+
+/// Template tokens of a ChatML message: `<|im_start|>role\n` … `<|im_end|>\n`.
+const IM_START: u32 = 1;
+const IM_END: u32 = 2;
+const NEWLINE: u32 = 3;
+const ROLE_SYSTEM: u32 = 4;
+const ROLE_USER: u32 = 5;
+const ROLE_ASSISTANT: u32 = 6;
+/// `Continue.`: the user turn after a prompt sent as the system message (`kura bench unique`).
+const CONTINUE: [u32; 2] = [7, 8];
+/// Ids of content start here (below: template tokens).
+const FIRST_CONTENT_ID: u32 = 100;
+
+/// A workload of `kura bench`, by the same parameters.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "workload", rename_all = "kebab-case")]
+pub enum Workload {
+    SharedPrefix {
+        groups: usize,
+        users_per_group: usize,
+        system_tokens: usize,
+        question_tokens: usize,
+    },
+    MultiTurn {
+        conversations: usize,
+        turns: usize,
+        system_tokens: usize,
+        user_tokens: usize,
+    },
+    Unique {
+        requests: usize,
+        prompt_tokens: usize,
+    },
+}
+
+/// One client session: an optional system message, then user turns sent one after another.
+#[derive(Debug, Clone)]
+struct Session {
+    system: Option<Vec<u32>>,
+    turns: Vec<Vec<u32>>,
+}
+
+struct Ids(u32);
+
+impl Ids {
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        let first = self.0;
+        self.0 += n as u32;
+        (first..self.0).collect()
+    }
+}
+
+impl Workload {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Workload::SharedPrefix { .. } => "shared-prefix",
+            Workload::MultiTurn { .. } => "multi-turn",
+            Workload::Unique { .. } => "unique",
+        }
+    }
+
+    fn validate(&self) -> Result<(), SimError> {
+        let bad = |what: &str| Err(SimError::Config(format!("{what} must be at least 1")));
+        const LIMIT: usize = 1 << 24;
+        let (counts, tokens): (Vec<usize>, Vec<usize>) = match *self {
+            Workload::SharedPrefix {
+                groups,
+                users_per_group,
+                system_tokens,
+                question_tokens,
+            } => (
+                vec![groups, users_per_group],
+                vec![system_tokens, question_tokens],
+            ),
+            Workload::MultiTurn {
+                conversations,
+                turns,
+                system_tokens,
+                user_tokens,
+            } => (vec![conversations, turns], vec![system_tokens, user_tokens]),
+            Workload::Unique {
+                requests,
+                prompt_tokens,
+            } => (vec![requests], vec![prompt_tokens]),
+        };
+        if counts.contains(&0) {
+            return bad(
+                "every count of the workload (groups, users, conversations, turns, requests)",
+            );
+        }
+        if tokens.iter().chain(&counts).any(|&n| n > LIMIT)
+            || counts.iter().product::<usize>() > LIMIT
+        {
+            return Err(SimError::Config(format!(
+                "the workload is larger than the simulator takes ({LIMIT} requests or tokens per text)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The sessions, in the order their first requests queue.
+    fn sessions(&self) -> Vec<Session> {
+        let mut ids = Ids(FIRST_CONTENT_ID);
+        match *self {
+            Workload::SharedPrefix {
+                groups,
+                users_per_group,
+                system_tokens,
+                question_tokens,
+            } => {
+                let systems: Vec<Vec<u32>> = (0..groups).map(|_| ids.take(system_tokens)).collect();
+                // The groups interleaved, as `kura bench` shuffles them.
+                let mut out = Vec::new();
+                for _u in 0..users_per_group {
+                    for system in &systems {
+                        out.push(Session {
+                            system: Some(system.clone()),
+                            turns: vec![ids.take(question_tokens)],
+                        });
+                    }
+                }
+                out
+            }
+            Workload::MultiTurn {
+                conversations,
+                turns,
+                system_tokens,
+                user_tokens,
+            } => (0..conversations)
+                .map(|_| Session {
+                    system: (system_tokens > 0).then(|| ids.take(system_tokens)),
+                    turns: (0..turns).map(|_| ids.take(user_tokens)).collect(),
+                })
+                .collect(),
+            Workload::Unique {
+                requests,
+                prompt_tokens,
+            } => (0..requests)
+                .map(|_| Session {
+                    system: Some(ids.take(prompt_tokens)),
+                    turns: vec![CONTINUE.to_vec()],
+                })
+                .collect(),
+        }
+    }
+}
+
+fn message(out: &mut Vec<u32>, role: u32, content: &[u32]) {
+    out.extend_from_slice(&[IM_START, role, NEWLINE]);
+    out.extend_from_slice(content);
+    out.extend_from_slice(&[IM_END, NEWLINE]);
+}
+
+/// Summary of one distribution, as `kura bench` computes it (numpy's linear percentiles).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Dist {
+    pub p50: f64,
+    pub p99: f64,
+    pub mean: f64,
+}
+
+impl Dist {
+    fn of(values: &mut [f64]) -> Dist {
+        if values.is_empty() {
+            return Dist::default();
+        }
+        values.sort_by(f64::total_cmp);
+        let pct = |q: f64| {
+            let rank = q / 100.0 * (values.len() - 1) as f64;
+            let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+            values[lo] + (values[hi] - values[lo]) * (rank - lo as f64)
+        };
+        Dist {
+            p50: pct(50.0),
+            p99: pct(99.0),
+            mean: values.iter().sum::<f64>() / values.len() as f64,
+        }
+    }
+}
+
+/// What one simulated run gives: `kura bench`'s figures for the same workload and load.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ServeReport {
+    pub workload: String,
+    pub concurrency: usize,
+    pub requests: usize,
+    pub failed: usize,
+    pub ttft_ms: Dist,
+    pub itl_ms: Dist,
+    pub e2e_ms: Dist,
+    pub output_tokens: u64,
+    pub output_tokens_per_s: f64,
+    /// Prompt tokens served from the prefix cache at first admission, over all prompt tokens.
+    pub cached_ratio: f64,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub duration_s: f64,
+}
+
+/// The settings of one simulated run.
+#[derive(Debug, Clone)]
+pub struct ServeSim {
+    pub scheduler: SchedulerConfig,
+    pub cost: CostModel,
+    pub concurrency: usize,
+    pub output_tokens: usize,
+    pub max_model_len: usize,
+}
+
+struct InFlight {
+    session: usize,
+    turn: usize,
+    prompt: Vec<u32>,
+    sent_at: f64,
+    first_at: Option<f64>,
+    last_at: f64,
+    output: Vec<u32>,
+}
+
+/// Runs `workload` under a closed loop of `sim.concurrency` clients through the engine's scheduler.
+pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimError> {
+    workload.validate()?;
+    sim.cost.validate()?;
+    if sim.concurrency == 0 || sim.output_tokens == 0 {
+        return Err(SimError::Config(
+            "concurrency and output tokens must be at least 1".into(),
+        ));
+    }
+    let sessions = workload.sessions();
+    let mut sched = Scheduler::new(sim.scheduler.clone())?;
+    let mut next_output_id = u32::MAX / 2;
+    // A session's next request waits here (FIFO) for one of the `concurrency` permits.
+    let mut queue: VecDeque<(usize, usize)> = (0..sessions.len()).map(|s| (s, 0)).collect();
+    // The history sent so far per session (prompt of its last turn, then the answer).
+    let mut history: Vec<Vec<u32>> = sessions
+        .iter()
+        .map(|s| {
+            let mut h = Vec::new();
+            if let Some(system) = &s.system {
+                message(&mut h, ROLE_SYSTEM, system);
+            }
+            h
+        })
+        .collect();
+    let mut inflight: HashMap<u64, InFlight> = HashMap::new();
+    let mut next_request = 0u64;
+    let mut report = ServeReport {
+        workload: workload.name().to_owned(),
+        concurrency: sim.concurrency,
+        ..ServeReport::default()
+    };
+    let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
+    let mut now_ms = 0.0f64;
+    let mut idle_passes = 0u32;
+    loop {
+        while inflight.len() < sim.concurrency {
+            let Some((s, t)) = queue.pop_front() else {
+                break;
+            };
+            let mut prompt = history[s].clone();
+            message(&mut prompt, ROLE_USER, &sessions[s].turns[t]);
+            prompt.extend_from_slice(&[IM_START, ROLE_ASSISTANT, NEWLINE]);
+            let id = next_request;
+            next_request += 1;
+            prompt_tokens += prompt.len() as u64;
+            if prompt.len() + sim.output_tokens > sim.max_model_len {
+                return Err(SimError::Config(format!(
+                    "a {} request of {} prompt tokens and {} output tokens is longer than the \
+                     model's {} tokens",
+                    workload.name(),
+                    prompt.len(),
+                    sim.output_tokens,
+                    sim.max_model_len
+                )));
+            }
+            sched.add_request(id, CacheKey::new(), 0, at(now_ms), prompt.clone());
+            inflight.insert(
+                id,
+                InFlight {
+                    session: s,
+                    turn: t,
+                    prompt,
+                    sent_at: now_ms,
+                    first_at: None,
+                    last_at: now_ms,
+                    output: Vec::new(),
+                },
+            );
+        }
+        if inflight.is_empty() {
+            break;
+        }
+        let plan = sched.schedule(at(now_ms));
+        for event in &plan.events {
+            match *event {
+                SchedEvent::Admitted {
+                    first: true,
+                    cached_tokens: c,
+                    ..
+                } => cached_tokens += c as u64,
+                SchedEvent::Preempted { .. } => report.preemptions += 1,
+                SchedEvent::CannotFit { request, .. } => {
+                    report.failed += 1;
+                    inflight.remove(&request);
+                }
+                _ => {}
+            }
+        }
+        if plan.items.is_empty() {
+            // A pass may only admit or preempt (its events change the next one); two in a row that
+            // compute nothing mean that nothing ever will.
+            idle_passes += 1;
+            if idle_passes > 2 && !inflight.is_empty() {
+                return Err(SimError::Config(format!(
+                    "the scheduler planned nothing with {} requests in flight: the KV pool of {} \
+                     blocks cannot hold one of them",
+                    inflight.len(),
+                    sim.scheduler.num_blocks
+                )));
+            }
+            continue;
+        }
+        idle_passes = 0;
+        let shape: Vec<StepItem> = plan
+            .items
+            .iter()
+            .map(|i| StepItem {
+                start: i.start,
+                tokens: i.end - i.start,
+            })
+            .collect();
+        now_ms += sim.cost.step_ms(&shape);
+        report.steps += 1;
+        for &item in &plan.items {
+            if !sched.computed(item).complete {
+                continue;
+            }
+            let request = sched
+                .request_of(item.seq)
+                .expect("a planned sequence is known");
+            let r = inflight
+                .get_mut(&request)
+                .expect("a planned request is in flight");
+            match r.first_at {
+                None => {
+                    r.first_at = Some(now_ms);
+                    ttft.push(now_ms - r.sent_at);
+                }
+                Some(_) => itl.push(now_ms - r.last_at),
+            }
+            r.last_at = now_ms;
+            let token = next_output_id;
+            next_output_id += 1;
+            r.output.push(token);
+            report.output_tokens += 1;
+            if r.output.len() < sim.output_tokens {
+                sched.push_token(item.seq, token);
+                continue;
+            }
+            sched.remove_request(request);
+            let r = inflight.remove(&request).expect("in flight");
+            e2e.push(now_ms - r.sent_at);
+            report.requests += 1;
+            let s = r.session;
+            if r.turn + 1 < sessions[s].turns.len() {
+                // The next turn resends the history with this answer as the assistant's message.
+                let mut h = r.prompt;
+                h.truncate(h.len() - 3);
+                message(&mut h, ROLE_ASSISTANT, &r.output);
+                history[s] = h;
+                queue.push_back((s, r.turn + 1));
+            }
+        }
+    }
+    report.ttft_ms = Dist::of(&mut ttft);
+    report.itl_ms = Dist::of(&mut itl);
+    report.e2e_ms = Dist::of(&mut e2e);
+    report.duration_s = now_ms / 1e3;
+    report.output_tokens_per_s = if now_ms > 0.0 {
+        report.output_tokens as f64 / report.duration_s
+    } else {
+        0.0
+    };
+    report.cached_ratio = if prompt_tokens == 0 {
+        0.0
+    } else {
+        cached_tokens as f64 / prompt_tokens as f64
+    };
+    Ok(report)
+}
+
+fn at(ms: f64) -> Duration {
+    Duration::from_secs_f64(ms / 1e3)
+}

@@ -1,0 +1,127 @@
+//! The server simulated through the engine's scheduler: every request of a workload completes with its
+//! output, a shared system prompt is served from the cache (and TTFT falls with it), a pool too small for
+//! the clients preempts, and the same settings give the same figures.
+
+use kura_engine::{SchedulerConfig, SchedulingPolicy};
+use kura_kv::EvictionPolicy;
+use kura_sim::{simulate, CostModel, ServeSim, Workload};
+
+fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim {
+    ServeSim {
+        scheduler: SchedulerConfig {
+            block_size_tokens: 16,
+            num_blocks,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 8192,
+            enable_prefix_caching: prefix_caching,
+            policy: SchedulingPolicy::Fcfs,
+            eviction_policy: EvictionPolicy::LeafLru,
+            hash_seed: Some(0),
+        },
+        // About the default model on two threads: 0.5 ms a prompt token, 8 ms a step.
+        cost: CostModel {
+            base_ms: 8.0,
+            per_token_ms: 0.5,
+            per_seq_ms: 0.3,
+            per_prefill_attention_ms: 1.0,
+            per_decode_context_ms: 3.0,
+            measured_on: "test".into(),
+        },
+        concurrency,
+        output_tokens: 64,
+        max_model_len: 8192,
+    }
+}
+
+const SHARED: Workload = Workload::SharedPrefix {
+    groups: 4,
+    users_per_group: 8,
+    system_tokens: 1000,
+    question_tokens: 50,
+};
+
+#[test]
+fn every_request_completes_with_its_output() {
+    for w in [
+        SHARED,
+        Workload::MultiTurn {
+            conversations: 8,
+            turns: 4,
+            system_tokens: 200,
+            user_tokens: 100,
+        },
+        Workload::Unique {
+            requests: 32,
+            prompt_tokens: 1050,
+        },
+    ] {
+        let r = simulate(&w, &sim(4096, 8, true)).unwrap();
+        assert_eq!(r.requests, 32, "{w:?}");
+        assert_eq!(r.failed, 0);
+        assert_eq!(r.output_tokens, 32 * 64);
+        assert!(r.ttft_ms.p50 > 0.0 && r.itl_ms.p50 > 0.0 && r.output_tokens_per_s > 0.0);
+        assert!(r.ttft_ms.p50 <= r.ttft_ms.p99 && r.itl_ms.p50 <= r.itl_ms.p99);
+    }
+}
+
+#[test]
+fn a_shared_system_prompt_is_served_from_the_cache() {
+    let cached = simulate(&SHARED, &sim(4096, 8, true)).unwrap();
+    let cold = simulate(&SHARED, &sim(4096, 8, false)).unwrap();
+    assert_eq!(cold.cached_ratio, 0.0);
+    // 28 of 32 requests find their group's 1,000-token system prompt (whole blocks) cached or pending.
+    assert!(cached.cached_ratio > 0.7, "{}", cached.cached_ratio);
+    assert!(
+        cached.ttft_ms.p50 * 3.0 < cold.ttft_ms.p50,
+        "{cached:?} vs {cold:?}"
+    );
+    assert!(cached.output_tokens_per_s > 2.0 * cold.output_tokens_per_s);
+    // A conversation's next turn finds its history.
+    let multi = Workload::MultiTurn {
+        conversations: 8,
+        turns: 4,
+        system_tokens: 200,
+        user_tokens: 100,
+    };
+    assert!(simulate(&multi, &sim(4096, 8, true)).unwrap().cached_ratio > 0.5);
+}
+
+#[test]
+fn a_pool_too_small_for_the_clients_preempts() {
+    let unique = Workload::Unique {
+        requests: 24,
+        prompt_tokens: 1050,
+    };
+    // A request is 1,065 prompt tokens (67 blocks of 16) and grows to 1,129 (71 blocks). 700 blocks admit
+    // 10 prompts, which then outgrow the pool (710 blocks): 8 clients fit, 16 do not.
+    let fits = simulate(&unique, &sim(700, 8, true)).unwrap();
+    let over = simulate(&unique, &sim(700, 16, true)).unwrap();
+    assert_eq!(fits.preemptions, 0);
+    assert!(over.preemptions > 0);
+    assert_eq!(over.requests, 24);
+    assert_eq!(over.output_tokens, fits.output_tokens);
+    // Past the pool, more clients only wait longer: throughput stays, latency grows.
+    assert!(over.e2e_ms.p50 > fits.e2e_ms.p50, "{over:?} vs {fits:?}");
+}
+
+#[test]
+fn the_same_settings_give_the_same_figures() {
+    let a = simulate(&SHARED, &sim(600, 12, true)).unwrap();
+    let b = simulate(&SHARED, &sim(600, 12, true)).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn a_pool_that_cannot_hold_one_request_is_an_error() {
+    let unique = Workload::Unique {
+        requests: 2,
+        prompt_tokens: 1050,
+    };
+    let err = simulate(&unique, &sim(10, 1, true))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("cannot hold") || err.contains("blocks"),
+        "{err}"
+    );
+}
