@@ -1,8 +1,14 @@
 //! The model's shape and hyper-parameters, resolved from GGUF metadata or an HF `config.json`, validated
 //! once (raw → validated, with cross-field checks that say what was given).
+//!
+//! The shape (layers, heads, widths, vocabulary, context, which layers slide) comes from `kura-shape`'s
+//! [`ModelSpec`], the reader `kura plan` uses too; what it describes and the runtime cannot run (latent
+//! attention, experts, windows of several sizes) is refused here with an error naming it. The numbers that
+//! do not decide memory (RoPE, norm epsilon, biases) are read here.
 
 use kura_kv::codec::KvDtype;
-use kura_kv::layout::{AttentionKind, KvLayout, LayerKv};
+use kura_kv::layout::{AttentionKind, KvLayout};
+use kura_shape::{GgufMetadata, ModelSpec};
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
@@ -274,19 +280,20 @@ impl ModelConfig {
 
     /// The KV cache shape of this model in `dtype` with blocks of `block_size_tokens`.
     pub fn kv_layout(&self, dtype: KvDtype, block_size_tokens: usize) -> Result<KvLayout> {
-        let layers = (0..self.num_layers)
-            .map(|i| LayerKv {
-                kv_heads: self.num_kv_heads,
-                head_dim: self.head_dim,
-                attention: match self.layer_window(i) {
-                    Some(w) if w < self.max_context => {
-                        AttentionKind::SlidingWindow { window_tokens: w }
-                    }
-                    _ => AttentionKind::Full,
-                },
+        let attention: Vec<AttentionKind> = (0..self.num_layers)
+            .map(|i| match self.layer_window(i) {
+                Some(window_tokens) => AttentionKind::SlidingWindow { window_tokens },
+                None => AttentionKind::Full,
             })
             .collect();
-        Ok(KvLayout::new(layers, dtype, block_size_tokens)?)
+        Ok(kura_shape::kv_layout(
+            self.num_kv_heads,
+            self.head_dim,
+            &attention,
+            Some(self.max_context as u64),
+            dtype,
+            block_size_tokens,
+        )?)
     }
 
     /// Parameters of the weights (embedding counted once when tied).
@@ -329,71 +336,61 @@ impl ModelConfig {
             other => return Err(ModelError::Architecture(other.to_string())),
         };
         let k = |s: &str| format!("{arch_name}.{s}");
-        let size = |key: String, v: u64| {
-            usize::try_from(v).map_err(|_| ModelError::BadValue {
-                key,
-                what: format!("is {v}, beyond this machine's sizes"),
-            })
+        // One value per key: a per-layer array (layers of different shapes) is not something the runtime
+        // runs, and `opt_u64` refuses it with the key's name.
+        let number = |key: &str| -> std::result::Result<Option<u64>, String> {
+            g.opt_u64(key).map_err(|e| e.to_string())
         };
-        let opt = |s: &str| -> Result<Option<usize>> {
-            g.opt_u64(&k(s))?.map(|v| size(k(s), v)).transpose()
+        let token_count = match g.metadata.get("tokenizer.ggml.tokens") {
+            Some(crate::gguf::Value::Array(tokens)) => Some(tokens.len()),
+            _ => None,
         };
-        let req = |s: &str| -> Result<usize> { size(k(s), g.get_u64(&k(s))?) };
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-        let head_dim = match opt("attention.key_length")? {
-            Some(d) => d,
-            None if num_heads > 0 && !hidden_size.is_multiple_of(num_heads) => {
-                return Err(ModelError::BadValue {
-                    key: k("embedding_length"),
-                    what: format!(
-                        "{hidden_size} is not a multiple of {} {num_heads}, and no {} is given",
-                        k("attention.head_count"),
-                        k("attention.key_length")
-                    ),
-                })
-            }
-            None => hidden_size.checked_div(num_heads).unwrap_or(0),
-        };
-        if let Some(v) = opt("attention.value_length")? {
-            if v != head_dim {
+        let spec = ModelSpec::from_gguf(
+            &GgufMetadata {
+                arch: &arch_name,
+                number: &number,
+                token_count,
+                has_output_weight: g.tensors.contains_key("output.weight"),
+                num_parameters: None,
+            },
+            &arch_name,
+            "GGUF",
+        )
+        .map_err(|e| ModelError::Config(e.to_string()))?;
+        let shape = RuntimeShape::of(&spec, &k("attention.sliding_window"))?;
+        let head_dim = spec.head_dim;
+        if let Some(v) = g.opt_u64(&k("attention.value_length"))? {
+            if v != head_dim as u64 {
                 return Err(ModelError::BadValue {
                     key: k("attention.value_length"),
                     what: format!("is {v}, but Kura needs it equal to the key length {head_dim}"),
                 });
             }
         }
-        let (vocab_size, vocab_key) = match opt("vocab_size")? {
-            Some(v) => (v, k("vocab_size")),
-            None => (
-                g.get_array("tokenizer.ggml.tokens")?.len(),
-                "tokenizer.ggml.tokens (its length)".to_string(),
-            ),
+        let vocab_key = if g.metadata.contains_key(&k("vocab_size")) {
+            k("vocab_size")
+        } else {
+            "tokenizer.ggml.tokens (its length)".to_string()
         };
-        let tie = !g.tensors.contains_key("output.weight");
-        let sliding_window = opt("attention.sliding_window")?;
-        let num_layers = req("block_count")?;
-        if num_layers > KvLayout::MAX_LAYERS {
-            // Checked before `vec![…; num_layers]` below allocates by it.
-            return Err(ModelError::BadValue {
-                key: k("block_count"),
-                what: format!(
-                    "is {num_layers}; at most {} layers are supported",
-                    KvLayout::MAX_LAYERS
-                ),
-            });
-        }
+        let max_context = match spec.max_context {
+            Some(n) => n as usize,
+            None => {
+                return Err(ModelError::Config(format!(
+                    "GGUF metadata has no '{}'",
+                    k("context_length")
+                )))
+            }
+        };
         let cfg = ModelConfig {
             arch,
-            hidden_size,
-            intermediate_size: req("feed_forward_length")?,
-            num_layers,
-            num_heads,
-            num_kv_heads,
+            hidden_size: spec.hidden_size,
+            intermediate_size: spec.intermediate_size,
+            num_layers: spec.num_layers,
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
             head_dim,
-            vocab_size,
-            max_context: req("context_length")?,
+            vocab_size: spec.vocab_size,
+            max_context,
             rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
             rope_theta: g.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0),
             // llama.cpp runs Llama/Mistral with NORM rope on permuted Q/K rows, Qwen2 with NEOX on HF rows.
@@ -404,13 +401,9 @@ impl ModelConfig {
             },
             rope_scaling: None,
             qkv_bias: arch == Arch::Qwen2,
-            sliding_window,
-            sliding_layers: if sliding_window.is_some() {
-                vec![true; num_layers]
-            } else {
-                Vec::new()
-            },
-            tie_word_embeddings: tie,
+            sliding_window: shape.sliding_window,
+            sliding_layers: shape.sliding_layers,
+            tie_word_embeddings: spec.tied_embeddings,
         }
         .check(&Keys::gguf(&arch_name, &vocab_key))?;
         cfg.check_gguf_tensors(g, &k("block_count"))?;
@@ -500,63 +493,79 @@ impl ModelConfig {
                 }
             }
         };
-        let hidden_size = raw.req_size("hidden_size")?;
-        let num_heads = raw.req_size("num_attention_heads")?;
-        let num_layers = raw.req_size("num_hidden_layers")?;
-        let num_kv_heads = raw.size("num_key_value_heads")?.unwrap_or(num_heads);
-        let head_dim = match raw.size("head_dim")? {
-            Some(d) => d,
-            None if num_heads > 0 && !hidden_size.is_multiple_of(num_heads) => {
-                return Err(ModelError::Config(format!(
-                    "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}, and no \
-                     head_dim is given"
-                )))
-            }
-            None => hidden_size.checked_div(num_heads).unwrap_or(0),
-        };
-        // Qwen2 configs carry `sliding_window` but only apply it when `use_sliding_window` is set, and then
-        // only from layer `max_window_layers` on (transformers' default: 28); `layer_types`, where a
-        // config has it, names each layer's kind.
-        let sliding_window = match arch {
-            Arch::Qwen2 if !raw.bool("use_sliding_window")?.unwrap_or(false) => None,
-            _ => raw.size("sliding_window")?,
-        };
-        if num_layers > KvLayout::MAX_LAYERS {
-            // Checked before the per-layer list below allocates by it.
-            return Err(ModelError::Config(format!(
-                "num_hidden_layers is {num_layers}; at most {} layers are supported",
-                KvLayout::MAX_LAYERS
-            )));
-        }
-        let sliding_layers = match (&sliding_window, raw.strings("layer_types")?) {
-            (None, _) => Vec::new(),
-            (Some(_), Some(types)) => types.iter().map(|t| t.contains("sliding")).collect(),
-            (Some(_), None) if arch == Arch::Qwen2 => {
-                let from = raw.size("max_window_layers")?.unwrap_or(28);
-                (0..num_layers).map(|i| i >= from).collect()
-            }
-            (Some(_), None) => vec![true; num_layers],
-        };
+        let spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        let shape = RuntimeShape::of(&spec, "sliding_window")?;
         ModelConfig {
             arch,
-            hidden_size,
-            intermediate_size: raw.req_size("intermediate_size")?,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            vocab_size: raw.req_size("vocab_size")?,
-            max_context: raw.size("max_position_embeddings")?.unwrap_or(2048),
+            hidden_size: spec.hidden_size,
+            intermediate_size: spec.intermediate_size,
+            num_layers: spec.num_layers,
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            vocab_size: spec.vocab_size,
+            max_context: spec.max_context.map_or(2048, |n| n as usize),
             rms_norm_eps: raw.float("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta,
             rope_style: RopeStyle::Half,
             rope_scaling,
             qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
-            sliding_window,
-            sliding_layers,
+            sliding_window: shape.sliding_window,
+            sliding_layers: shape.sliding_layers,
             tie_word_embeddings: raw.bool("tie_word_embeddings")?.unwrap_or(false),
         }
         .validate()
+    }
+}
+
+/// What of a [`ModelSpec`] the runtime runs: its attention as one window and the layers that slide.
+struct RuntimeShape {
+    sliding_window: Option<usize>,
+    sliding_layers: Vec<bool>,
+}
+
+impl RuntimeShape {
+    /// Refuses what the runtime lacks (latent attention, experts, windows of several sizes), naming it.
+    fn of(spec: &ModelSpec, window_key: &str) -> Result<Self> {
+        if let Some(m) = &spec.mla {
+            return Err(ModelError::Config(format!(
+                "multi-head latent attention (kv_lora_rank {}) is not supported by Kura's runtime \
+                 (`kura plan` sizes such models)",
+                m.kv_lora_rank
+            )));
+        }
+        if let Some(m) = &spec.moe {
+            return Err(ModelError::Config(format!(
+                "mixture of experts ({} experts) is not supported by Kura's runtime \
+                 (`kura plan` sizes such models)",
+                m.num_experts
+            )));
+        }
+        let mut windows = spec.layer_attention.iter().filter_map(|a| match a {
+            AttentionKind::SlidingWindow { window_tokens } => Some(*window_tokens),
+            _ => None,
+        });
+        let Some(window) = windows.next() else {
+            return Ok(Self {
+                sliding_window: None,
+                sliding_layers: Vec::new(),
+            });
+        };
+        if let Some(other) = windows.find(|w| *w != window) {
+            return Err(ModelError::Config(format!(
+                "{window_key}: layers slide with windows of {window} and {other} tokens; Kura's \
+                 runtime runs one window size"
+            )));
+        }
+        Ok(Self {
+            sliding_window: Some(window),
+            sliding_layers: spec
+                .layer_attention
+                .iter()
+                .map(|a| matches!(a, AttentionKind::SlidingWindow { .. }))
+                .collect(),
+        })
     }
 }
 
@@ -599,29 +608,6 @@ impl<'a> Json<'a> {
         ))
     }
 
-    /// A size: a non-negative integer (also written as a whole float, `4096.0`) that fits `usize`.
-    fn size(&self, key: &str) -> Result<Option<usize>> {
-        let Some(v) = self.get(key) else {
-            return Ok(None);
-        };
-        let n = match (v.as_u64(), v.as_f64()) {
-            (Some(n), _) => Some(n),
-            // Whole floats up to 2^53 are exact; beyond that the text meant something else.
-            (None, Some(f)) if f >= 0.0 && f.fract() == 0.0 && f <= (1u64 << 53) as f64 => {
-                Some(f as u64)
-            }
-            _ => None,
-        };
-        n.and_then(|n| usize::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| self.wrong(key, "a non-negative integer", v))
-    }
-
-    fn req_size(&self, key: &str) -> Result<usize> {
-        self.size(key)?
-            .ok_or_else(|| ModelError::Config(format!("config.json has no '{key}'")))
-    }
-
     fn float(&self, key: &str) -> Result<Option<f64>> {
         self.get(key)
             .map(|v| v.as_f64().ok_or_else(|| self.wrong(key, "a number", v)))
@@ -641,16 +627,6 @@ impl<'a> Json<'a> {
         self.get(key)
             .map(|v| v.as_str().ok_or_else(|| self.wrong(key, "a string", v)))
             .transpose()
-    }
-
-    fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
-        let Some(v) = self.get(key) else {
-            return Ok(None);
-        };
-        v.as_array()
-            .and_then(|a| a.iter().map(Value::as_str).collect::<Option<Vec<_>>>())
-            .map(Some)
-            .ok_or_else(|| self.wrong(key, "a list of strings", v))
     }
 
     fn object(&self, key: &'a str) -> Result<Option<Json<'a>>> {
@@ -721,7 +697,7 @@ mod tests {
         let bad = json.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
         let err = ModelConfig::from_hf_json(&bad).unwrap_err().to_string();
         assert!(
-            err.contains("4 attention heads") && err.contains("3 kv heads"),
+            err.contains("num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
             "{err}"
         );
     }
@@ -769,36 +745,36 @@ mod tests {
         assert!(with("").is_ok());
         let max = u64::MAX;
         for (extra, expected) in [
-            (r#","num_hidden_layers":0"#.to_string(), "num_hidden_layers is 0"),
-            (r#","num_attention_heads":0"#.into(), "num_attention_heads is 0"),
-            (r#","num_key_value_heads":0"#.into(), "num_key_value_heads is 0"),
-            (r#","head_dim":0"#.into(), "head_dim is 0"),
-            (r#","vocab_size":0"#.into(), "vocab_size is 0"),
-            (r#","max_position_embeddings":0"#.into(), "max_position_embeddings is 0"),
+            (r#","num_hidden_layers":0"#.to_string(), "'num_hidden_layers' must be a positive integer, got 0"),
+            (r#","num_attention_heads":0"#.into(), "'num_attention_heads' must be a positive integer, got 0"),
+            (r#","num_key_value_heads":0"#.into(), "'num_key_value_heads' must be a positive integer, got 0"),
+            (r#","head_dim":0"#.into(), "'head_dim' must be a positive integer, got 0"),
+            (r#","vocab_size":0"#.into(), "'vocab_size' must be a positive integer, got 0"),
+            (r#","max_position_embeddings":0"#.into(), "'max_position_embeddings' is 0"),
             (
                 format!(r#","max_position_embeddings":{max}"#),
-                "max_position_embeddings is 18446744073709551615",
+                "'max_position_embeddings' is 18446744073709551615",
             ),
             (
                 r#","num_key_value_heads":8"#.into(),
-                "num_key_value_heads 8 exceeds num_attention_heads 4",
+                "num_key_value_heads (8) exceeds num_attention_heads (4)",
             ),
             (
                 r#","num_attention_heads":3,"num_key_value_heads":1"#.into(),
-                "hidden_size 64 is not a multiple of num_attention_heads 3",
+                "hidden_size (64) is not a multiple of num_attention_heads (3)",
             ),
-            (r#","sliding_window":0"#.into(), "sliding_window is 0"),
+            (r#","sliding_window":0"#.into(), "'sliding_window' must be a positive integer, got 0"),
             (
                 format!(r#","num_hidden_layers":{max}"#),
-                "num_hidden_layers is 18446744073709551615",
+                "'num_hidden_layers' is 18446744073709551615",
             ),
             (
                 r#","hidden_size":4294967296,"head_dim":16,"vocab_size":4294967295"#.into(),
                 "vocab_size 4294967295 × hidden_size 4294967296",
             ),
-            (r#","hidden_size":-1"#.into(), "'hidden_size' must be a non-negative integer, got -1"),
-            (r#","vocab_size":1e300"#.into(), "'vocab_size' must be a non-negative integer"),
-            (r#","hidden_size":"64""#.into(), "'hidden_size' must be a non-negative integer"),
+            (r#","hidden_size":-1"#.into(), "'hidden_size' must be a positive integer, got -1"),
+            (r#","vocab_size":1e300"#.into(), "'vocab_size' must be a positive integer"),
+            (r#","hidden_size":"64""#.into(), "'hidden_size' must be a positive integer"),
             (r#","rms_norm_eps":-1.0"#.into(), "rms_norm_eps -1 must be a positive number"),
             (r#","rope_theta":0"#.into(), "rope_theta 0 must be a positive number"),
             (
@@ -806,7 +782,7 @@ mod tests {
                 "rope_scaling.high_freq_factor 4 must exceed low_freq_factor 4",
             ),
             (r#","rope_scaling":{"factor":"x","rope_type":"llama3"}"#.into(), "'rope_scaling.factor' must be a number"),
-            (r#","layer_types":[1],"sliding_window":4"#.into(), "'layer_types' must be a list of strings"),
+            (r#","layer_types":[1],"sliding_window":4"#.into(), "layer_types must be a list of strings, got [1]"),
         ] {
             // A later key wins in serde_json's map, so `extra` overrides the base.
             let err = with(&extra).unwrap_err().to_string();
@@ -817,6 +793,6 @@ mod tests {
         let err = ModelConfig::from_hf_json(r#"{"hidden_size":64}"#)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("no 'num_attention_heads'"), "{err}");
+        assert!(err.contains("no 'num_hidden_layers'"), "{err}");
     }
 }

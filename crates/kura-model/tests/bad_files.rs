@@ -402,22 +402,26 @@ fn huge_declared_counts_fail_without_allocating() {
 #[test]
 fn degenerate_metadata_is_rejected_at_load_naming_the_key() {
     let cases: &[(&str, u64, &[&str])] = &[
-        ("llama.context_length", 0, &["llama.context_length is 0"]),
-        ("llama.block_count", 0, &["llama.block_count is 0"]),
+        ("llama.context_length", 0, &["'llama.context_length' is 0"]),
+        (
+            "llama.block_count",
+            0,
+            &["'llama.block_count' must be a positive integer, got 0"],
+        ),
         (
             "llama.attention.head_count",
             0,
-            &["llama.attention.head_count is 0"],
+            &["'llama.attention.head_count' must be a positive integer, got 0"],
         ),
         (
             "llama.attention.head_count_kv",
             0,
-            &["llama.attention.head_count_kv is 0"],
+            &["'llama.attention.head_count_kv' must be a positive integer, got 0"],
         ),
         (
             "llama.embedding_length",
             0,
-            &["llama.embedding_length is 0"],
+            &["'llama.embedding_length' must be a positive integer, got 0"],
         ),
         (
             "llama.feed_forward_length",
@@ -427,7 +431,7 @@ fn degenerate_metadata_is_rejected_at_load_naming_the_key() {
         (
             "llama.attention.head_count_kv",
             4,
-            &["llama.attention.head_count_kv 4 exceeds llama.attention.head_count 2"],
+            &["llama.attention.head_count_kv (4) exceeds llama.attention.head_count (2)"],
         ),
         (
             "llama.embedding_length",
@@ -437,24 +441,28 @@ fn degenerate_metadata_is_rejected_at_load_naming_the_key() {
         (
             "llama.attention.key_length",
             0,
-            &["llama.attention.key_length is 0"],
+            &["'llama.attention.key_length' must be a positive integer, got 0"],
         ),
         (
             "llama.attention.sliding_window",
             0,
-            &["llama.attention.sliding_window is 0"],
+            &["'llama.attention.sliding_window' must be a positive integer, got 0"],
         ),
         (
             "llama.context_length",
             u64::MAX,
-            &["llama.context_length is 18446744073709551615"],
+            &["'llama.context_length' is 18446744073709551615"],
         ),
         (
             "llama.block_count",
             1 << 40,
             &["'llama.block_count' is 1099511627776"],
         ),
-        ("llama.vocab_size", 0, &["llama.vocab_size is 0"]),
+        (
+            "llama.vocab_size",
+            0,
+            &["'llama.vocab_size' must be a positive integer, got 0"],
+        ),
         (
             "llama.embedding_length",
             1 << 40,
@@ -579,11 +587,15 @@ fn hf_directories_with_bad_configs_or_shard_names_are_rejected() {
     std::fs::remove_dir_all(dir).ok();
     // Absurd config values name the field.
     for (key, value, expected) in [
-        ("num_hidden_layers", "0", "num_hidden_layers is 0"),
+        (
+            "num_hidden_layers",
+            "0",
+            "'num_hidden_layers' must be a positive integer, got 0",
+        ),
         (
             "max_position_embeddings",
             "18446744073709551615",
-            "max_position_embeddings is 18446744073709551615",
+            "'max_position_embeddings' is 18446744073709551615",
         ),
     ] {
         let dir = hf_dir(key, |d| {

@@ -23,7 +23,8 @@
 //! All of it is O(layers).
 
 pub mod catalog;
-pub mod spec;
+/// The model shape reader, shared with the runtime (`kura-shape`).
+pub use kura_shape as spec;
 
 use serde::Serialize;
 

@@ -155,50 +155,57 @@ impl CostModel {
     }
 }
 
-/// Solves the normal equations over the active features (Gaussian elimination with partial pivoting);
-/// inactive coefficients are 0. `None` when the system is singular.
+/// Least squares of the relative error (each timed step weighs by its own time, so that a 10 ms decode
+/// step is fitted as closely as a 1 s prefill): the normal equations over the active features, solved by
+/// Gaussian elimination with partial pivoting; inactive coefficients are 0. `None` when singular.
 fn least_squares(rows: &[([f64; N], f64)], active: &[bool; N]) -> Option<[f64; N]> {
     let idx: Vec<usize> = (0..N).filter(|&k| active[k]).collect();
     let n = idx.len();
-    // Scale each feature to unit size, so that milliseconds per token and per million pairs condition
-    // the system alike.
-    let scale: Vec<f64> = idx
+    // Rows divided by their time: residuals become relative. Features scaled to unit size, so that
+    // milliseconds per token and per million pairs condition the system alike.
+    let weighted: Vec<(Vec<f64>, f64)> = rows
         .iter()
-        .map(|&k| {
-            rows.iter()
-                .map(|(f, _)| f[k].abs())
+        .filter(|(_, y)| *y > 0.0)
+        .map(|(f, y)| (idx.iter().map(|&k| f[k] / y).collect(), 1.0))
+        .collect();
+    let scale: Vec<f64> = (0..n)
+        .map(|i| {
+            weighted
+                .iter()
+                .map(|(f, _)| f[i].abs())
                 .fold(0.0, f64::max)
                 .max(1e-12)
         })
         .collect();
     let mut a = vec![vec![0.0; n + 1]; n];
-    for (f, y) in rows {
-        for i in 0..n {
-            let fi = f[idx[i]] / scale[i];
-            for j in 0..n {
-                a[i][j] += fi * f[idx[j]] / scale[j];
+    for (f, y) in &weighted {
+        for (i, row) in a.iter_mut().enumerate() {
+            let fi = f[i] / scale[i];
+            for (j, cell) in row.iter_mut().take(n).enumerate() {
+                *cell += fi * f[j] / scale[j];
             }
-            a[i][n] += fi * y;
+            row[n] += fi * y;
         }
     }
     for col in 0..n {
         let pivot = (col..n).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))?;
-        if a[pivot][col].abs() < 1e-9 {
+        if a[pivot][col].abs() < 1e-12 {
             return None;
         }
         a.swap(col, pivot);
-        for row in 0..n {
-            if row != col {
-                let factor = a[row][col] / a[col][col];
-                for k in col..=n {
-                    a[row][k] -= factor * a[col][k];
+        let pivot_row = a[col].clone();
+        for (r, row) in a.iter_mut().enumerate() {
+            if r != col {
+                let factor = row[col] / pivot_row[col];
+                for (cell, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *cell -= factor * p;
                 }
             }
         }
     }
     let mut c = [0.0; N];
-    for i in 0..n {
-        c[idx[i]] = a[i][n] / a[i][i] / scale[i];
+    for (i, &k) in idx.iter().enumerate() {
+        c[k] = a[i][n] / a[i][i] / scale[i];
     }
     Some(c)
 }

@@ -9,9 +9,8 @@ use kura_kv::codec::KvDtype;
 use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::gguf::GgufFile;
 use kura_plan::catalog::{self, find_gpu, find_model};
-use kura_plan::spec::ModelSpec;
+use kura_plan::spec::{GgufMetadata, ModelSpec};
 use kura_plan::{Device, PlanReport, PlanRequest, WeightsDtype, DEFAULT_MAX_BATCHED_TOKENS};
-use serde_json::{json, Map, Value};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -162,69 +161,37 @@ fn load_config(path: &Path) -> Result<LoadedSpec> {
     })
 }
 
-/// Turns a GGUF file's metadata into the keys of an HF config, so that one parser serves both.
+/// A GGUF file's shape through the shape reader the runtime uses (`ModelSpec::from_gguf`); a per-layer
+/// array (layers of different widths) is sized by its largest element.
 fn load_gguf(path: &Path) -> Result<LoadedSpec> {
     let file = GgufFile::open(path)?;
     let meta = &file.metadata;
-    let arch = meta
-        .get("general.architecture")
-        .and_then(|v| {
-            if let kura_model::gguf::Value::String(s) = v {
-                Some(s.clone())
-            } else {
-                None
+    let arch = match meta.get("general.architecture") {
+        Some(kura_model::gguf::Value::String(s)) => s.clone(),
+        _ => bail!("GGUF has no general.architecture string"),
+    };
+    let number = |key: &str| -> Result<Option<u64>, String> {
+        match meta.get(key) {
+            None => Ok(None),
+            Some(kura_model::gguf::Value::Array(a)) => {
+                Ok(a.iter().filter_map(|v| v.as_u64()).max())
             }
-        })
-        .context("GGUF has no general.architecture")?;
-    let num = |key: &str| -> Option<u64> {
-        match meta.get(&format!("{arch}.{key}"))? {
-            kura_model::gguf::Value::Array(a) => a.iter().filter_map(|v| v.as_u64()).max(),
-            v => v.as_u64(),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| format!("GGUF metadata '{key}' is not an unsigned integer")),
         }
     };
-    let mut cfg = Map::new();
-    cfg.insert("model_type".into(), json!(arch));
-    for (hf, gguf) in [
-        ("num_hidden_layers", "block_count"),
-        ("hidden_size", "embedding_length"),
-        ("num_attention_heads", "attention.head_count"),
-        ("num_key_value_heads", "attention.head_count_kv"),
-        ("head_dim", "attention.key_length"),
-        ("intermediate_size", "feed_forward_length"),
-        ("max_position_embeddings", "context_length"),
-        ("vocab_size", "vocab_size"),
-        ("sliding_window", "attention.sliding_window"),
-        ("num_local_experts", "expert_count"),
-        ("num_experts_per_tok", "expert_used_count"),
-        ("moe_intermediate_size", "expert_feed_forward_length"),
-        ("kv_lora_rank", "attention.kv_lora_rank"),
-        ("qk_rope_head_dim", "rope.dimension_count"),
-    ] {
-        if let Some(v) = num(gguf) {
-            cfg.insert(hf.into(), json!(v));
-        }
-    }
-    if arch.starts_with("qwen") && cfg.contains_key("sliding_window") {
-        // A GGUF's window applies to every layer (as the runtime reads it); the HF keys that say so.
-        cfg.insert("use_sliding_window".into(), json!(true));
-        cfg.insert("max_window_layers".into(), json!(0));
-    }
-    if !cfg.contains_key("vocab_size") {
-        if let Some(kura_model::gguf::Value::Array(tokens)) = meta.get("tokenizer.ggml.tokens") {
-            cfg.insert("vocab_size".into(), json!(tokens.len()));
-        }
-    }
-    cfg.insert(
-        "tie_word_embeddings".into(),
-        json!(!file.tensors.contains_key("output.weight")),
-    );
+    let token_count = match meta.get("tokenizer.ggml.tokens") {
+        Some(kura_model::gguf::Value::Array(tokens)) => Some(tokens.len()),
+        _ => None,
+    };
     // Tensors do not overlap inside the file, so these sums are bounded by its size; checked anyway.
     let params = file
         .tensors
         .values()
         .try_fold(0u64, |sum, t| sum.checked_add(t.n_elements() as u64))
         .context("GGUF tensor element counts overflow 64 bits")?;
-    cfg.insert("num_parameters".into(), json!(params));
     let name = match meta.get("general.name") {
         Some(kura_model::gguf::Value::String(s)) => s.clone(),
         _ => path
@@ -232,8 +199,18 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default(),
     };
-    let spec = ModelSpec::from_hf_config(&Value::Object(cfg), &name, &path.display().to_string())
-        .with_context(|| format!("GGUF metadata of {}", path.display()))?;
+    let spec = ModelSpec::from_gguf(
+        &GgufMetadata {
+            arch: &arch,
+            number: &number,
+            token_count,
+            has_output_weight: file.tensors.contains_key("output.weight"),
+            num_parameters: Some(params),
+        },
+        &name,
+        &path.display().to_string(),
+    )
+    .with_context(|| format!("GGUF metadata of {}", path.display()))?;
     let weights_bytes = file
         .tensors
         .values()

@@ -79,6 +79,9 @@ pub enum SpecError {
     Inconsistent(String),
     #[error("config: {0} overflows 64 bits: the sizes are too large")]
     Overflow(String),
+    /// An error of GGUF metadata, naming its keys.
+    #[error("{0}")]
+    Gguf(String),
 }
 
 /// The longest context a config may declare: positions are 32-bit in Kura's engine and API, and no model
@@ -102,6 +105,20 @@ fn sum(what: &str, terms: &[u64]) -> Result<u64, SpecError> {
         .iter()
         .try_fold(0u64, |acc, t| acc.checked_add(*t))
         .ok_or_else(|| SpecError::Overflow(what.to_string()))
+}
+
+/// A value as shown in an error: its JSON, cut to 60 bytes.
+fn short(v: &Value) -> String {
+    let mut shown = v.to_string();
+    if shown.len() > 60 {
+        let cut = (0..=60)
+            .rev()
+            .find(|i| shown.is_char_boundary(*i))
+            .unwrap_or(0);
+        shown.truncate(cut);
+        shown.push('…');
+    }
+    shown
 }
 
 fn get<'a>(cfg: &'a Value, keys: &[&str]) -> Option<(&'a Value, String)> {
@@ -145,6 +162,34 @@ fn req_usize(cfg: &Value, keys: &[&'static str], why: &'static str) -> Result<us
             Some(n) => Ok(n),
         },
     }
+}
+
+/// The KV layout of layers of `kv_heads × head_dim` with the given attention kinds: the one rule for the
+/// planner and the runtime. A window at least as long as the model's context never slides.
+pub fn kv_layout(
+    kv_heads: usize,
+    head_dim: usize,
+    layer_attention: &[AttentionKind],
+    max_context: Option<u64>,
+    dtype: KvDtype,
+    block_size_tokens: usize,
+) -> Result<KvLayout, LayoutError> {
+    let layers = layer_attention
+        .iter()
+        .map(|&attention| LayerKv {
+            kv_heads,
+            head_dim,
+            attention: match attention {
+                AttentionKind::SlidingWindow { window_tokens }
+                    if max_context.is_some_and(|max| window_tokens as u64 >= max) =>
+                {
+                    AttentionKind::Full
+                }
+                other => other,
+            },
+        })
+        .collect();
+    KvLayout::new(layers, dtype, block_size_tokens)
 }
 
 impl ModelSpec {
@@ -424,7 +469,16 @@ impl ModelSpec {
             Some(w) => w,
         };
         let slide = AttentionKind::SlidingWindow { window_tokens };
-        if let Some(types) = cfg.get("layer_types").and_then(Value::as_array) {
+        if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
+            let types: Vec<&str> = types
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_str).collect())
+                .ok_or_else(|| {
+                    SpecError::Inconsistent(format!(
+                        "layer_types must be a list of strings, got {}",
+                        short(types)
+                    ))
+                })?;
             if types.len() != num_layers {
                 return Err(SpecError::Inconsistent(format!(
                     "layer_types has {} entries for {num_layers} layers",
@@ -434,7 +488,7 @@ impl ModelSpec {
             return Ok(types
                 .iter()
                 .map(|t| {
-                    if t.as_str().is_some_and(|s| s.contains("sliding")) {
+                    if t.contains("sliding") {
                         slide
                     } else {
                         AttentionKind::Full
@@ -470,26 +524,14 @@ impl ModelSpec {
         dtype: KvDtype,
         block_size_tokens: usize,
     ) -> Result<KvLayout, LayoutError> {
-        let layers = self
-            .layer_attention
-            .iter()
-            .map(|&attention| LayerKv {
-                kv_heads: self.num_kv_heads,
-                head_dim: self.head_dim,
-                attention: match attention {
-                    // A window as long as the model's context never slides (as the runtime reads it).
-                    AttentionKind::SlidingWindow { window_tokens }
-                        if self
-                            .max_context
-                            .is_some_and(|max| window_tokens as u64 >= max) =>
-                    {
-                        AttentionKind::Full
-                    }
-                    other => other,
-                },
-            })
-            .collect();
-        KvLayout::new(layers, dtype, block_size_tokens)
+        kv_layout(
+            self.num_kv_heads,
+            self.head_dim,
+            &self.layer_attention,
+            self.max_context,
+            dtype,
+            block_size_tokens,
+        )
     }
 
     /// Parameters: the source's count when it gives one, else estimated from the shapes (embeddings, an
