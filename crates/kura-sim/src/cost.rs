@@ -39,6 +39,10 @@ pub struct CostModel {
     pub per_prefill_attention_ms: f64,
     /// Per million context positions read by items of one token (decode steps).
     pub per_decode_context_ms: f64,
+    /// The front end's time per prompt token (chat template and tokenizer), before a request reaches the
+    /// scheduler; requests pass the front end one at a time.
+    #[serde(default)]
+    pub frontend_ms_per_token: f64,
     /// What was measured: model, threads, KV type, machine.
     #[serde(default)]
     pub measured_on: String,
@@ -70,6 +74,11 @@ pub fn features(items: &[StepItem]) -> [f64; N] {
 }
 
 impl CostModel {
+    /// Milliseconds a prompt of `tokens` spends in the front end.
+    pub fn frontend_ms(&self, tokens: usize) -> f64 {
+        self.frontend_ms_per_token * tokens as f64
+    }
+
     /// Milliseconds of one step.
     pub fn step_ms(&self, items: &[StepItem]) -> f64 {
         let f = features(items);
@@ -116,6 +125,7 @@ impl CostModel {
                         per_seq_ms: c[2],
                         per_prefill_attention_ms: c[3],
                         per_decode_context_ms: c[4],
+                        frontend_ms_per_token: 0.0,
                         measured_on,
                     })
                 }
@@ -144,6 +154,7 @@ impl CostModel {
             ("per_seq_ms", self.per_seq_ms),
             ("per_prefill_attention_ms", self.per_prefill_attention_ms),
             ("per_decode_context_ms", self.per_decode_context_ms),
+            ("frontend_ms_per_token", self.frontend_ms_per_token),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(SimError::Config(format!(
@@ -226,6 +237,7 @@ mod tests {
             per_seq_ms: 0.25,
             per_prefill_attention_ms: 2.0,
             per_decode_context_ms: 7.0,
+            frontend_ms_per_token: 0.0,
             measured_on: String::new(),
         };
         let shapes = vec![

@@ -282,6 +282,10 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
     let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
     let mut now_ms = 0.0f64;
     let mut idle_passes = 0u32;
+    // The server's front end (chat template and tokenizer) takes requests one at a time: a request reaches
+    // the scheduler once it is through, and a step that has started does not see it.
+    let mut frontend_free_ms = 0.0f64;
+    let mut arriving: Vec<(f64, u64)> = Vec::new();
     loop {
         while inflight.len() < sim.concurrency {
             let Some((s, t)) = queue.pop_front() else {
@@ -303,7 +307,9 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
                     sim.max_model_len
                 )));
             }
-            sched.add_request(id, CacheKey::new(), 0, at(now_ms), prompt.clone());
+            let ready = frontend_free_ms.max(now_ms) + sim.cost.frontend_ms(prompt.len());
+            frontend_free_ms = ready;
+            arriving.push((ready, id));
             inflight.insert(
                 id,
                 InFlight {
@@ -319,6 +325,23 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
         }
         if inflight.is_empty() {
             break;
+        }
+        if sched.is_idle() {
+            // Nothing to step: the clock moves to the next request through the front end.
+            if let Some(first) = arriving.iter().map(|a| a.0).min_by(f64::total_cmp) {
+                now_ms = now_ms.max(first);
+            }
+        }
+        let mut k = 0;
+        while k < arriving.len() {
+            let (ready, id) = arriving[k];
+            if ready <= now_ms {
+                arriving.swap_remove(k);
+                let prompt = inflight[&id].prompt.clone();
+                sched.add_request(id, CacheKey::new(), 0, at(ready), prompt);
+            } else {
+                k += 1;
+            }
         }
         let plan = sched.schedule(at(now_ms));
         for event in &plan.events {

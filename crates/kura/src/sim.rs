@@ -13,7 +13,7 @@ use kura_engine::{SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS}
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
 use kura_kv::EvictionPolicy;
-use kura_model::{LoadOptions, Model, SeqBatchItem, WeightsDtype};
+use kura_model::{ChatMessage, LoadOptions, Model, SeqBatchItem, WeightsDtype};
 use kura_sim::{
     load_trace_limited, replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem,
     Workload,
@@ -283,6 +283,37 @@ fn calibration_shapes() -> Vec<Vec<StepItem>> {
     shapes
 }
 
+/// Times the server's front end on a prompt of about 1,000 tokens: the chat template rendered and the
+/// result tokenized, as `kura serve` does for each chat request (median of `repeats`).
+fn frontend_ms_per_token(model: &Model, repeats: usize) -> Result<f64> {
+    let words = [
+        "the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "so", "that",
+        "later", "requests", "with", "a", "shared", "prefix", "skip", "its", "prefill",
+    ];
+    let text: Vec<&str> = (0..900)
+        .map(|i| words[(i * 7 + i / 20) % words.len()])
+        .collect();
+    let messages = [
+        ChatMessage::new("system", text.join(" ")),
+        ChatMessage::new("user", "Continue."),
+    ];
+    let mut times = Vec::new();
+    let mut tokens = 0;
+    for run in 0..=repeats {
+        let t0 = Instant::now();
+        let ids = model
+            .chat_template()
+            .encode(model.tokenizer(), &messages, true)
+            .context("timing the chat template and tokenizer")?;
+        if run > 0 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        tokens = ids.len();
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2] / tokens.max(1) as f64)
+}
+
 fn calibrate(args: &SimArgs) -> Result<()> {
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
@@ -369,7 +400,12 @@ fn calibrate(args: &SimArgs) -> Result<()> {
         format!("{:?}", args.weights_dtype).to_lowercase(),
         args.kv_dtype,
     );
-    let cost = CostModel::fit(&samples, measured_on)?;
+    let mut cost = CostModel::fit(&samples, measured_on)?;
+    cost.frontend_ms_per_token = frontend_ms_per_token(&model, args.repeats)?;
+    eprintln!(
+        "front end (chat template + tokenizer): {:.4} ms per prompt token",
+        cost.frontend_ms_per_token
+    );
     let worst = samples
         .iter()
         .map(|(s, ms)| (cost.step_ms(s) - ms).abs() / ms)

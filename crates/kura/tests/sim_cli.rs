@@ -102,3 +102,76 @@ fn the_largest_hash_id_is_replayed_in_full() {
     assert_eq!(report["prompt_tokens"], 1024, "{out}");
     assert_eq!(report["hit_tokens"], 512, "{out}");
 }
+
+/// `--calibrate` on the real default model writes a cost model, and `--workload` simulates a server with
+/// it: every request completes, the figures are those of a run that happened (positive times, the
+/// prompts' shared prefix cached), and the same flags give the same report.
+#[test]
+fn calibrate_then_simulate_the_server() {
+    let model = kura_model::default_model_path();
+    assert!(
+        model.is_file(),
+        "default model missing at {}: run scripts/fetch-model.sh",
+        model.display()
+    );
+    let dir = std::env::temp_dir().join(format!("kura-sim-cli-{}-cost", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cost = dir.join("cost.json");
+    let (code, _, err) = kura_sim(&[
+        "--calibrate",
+        "--model",
+        model.to_str().unwrap(),
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+        "--cost",
+        cost.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let fitted: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cost).unwrap()).unwrap();
+    assert!(fitted["per_token_ms"].as_f64().unwrap() > 0.0, "{fitted}");
+    assert!(fitted["measured_on"]
+        .as_str()
+        .unwrap()
+        .contains("1 threads"));
+
+    let args = [
+        "--workload",
+        "shared-prefix",
+        "--groups",
+        "2",
+        "--users-per-group",
+        "3",
+        "--system-tokens",
+        "200",
+        "--concurrency",
+        "1,3",
+        "--cost",
+        cost.to_str().unwrap(),
+        "--json",
+    ];
+    let (code, out, err) = kura_sim(&args);
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let points = report["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    for p in points {
+        assert_eq!(p["requests"], 6);
+        assert_eq!(p["output_tokens"], 6 * 64);
+        assert!(p["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{p}");
+        assert!(p["itl_ms"]["p50"].as_f64().unwrap() > 0.0, "{p}");
+        // 4 of 6 requests find their group's 200-token system prompt.
+        assert!(p["cached_ratio"].as_f64().unwrap() > 0.5, "{p}");
+    }
+    assert_eq!(kura_sim(&args).1, out, "deterministic");
+    std::fs::remove_dir_all(&dir).ok();
+
+    let (code, _, err) = kura_sim(&["--workload", "unique", "--cost", "/nonexistent/cost.json"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("/nonexistent/cost.json"), "{err}");
+    let (code, _, err) = kura_sim(&["--workload", "unique", "--concurrency", "0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--concurrency"), "{err}");
+}
