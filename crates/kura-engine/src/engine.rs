@@ -377,6 +377,7 @@ impl Core {
 
     /// One engine step; `false` when nothing could be scheduled.
     fn step(&mut self) -> bool {
+        let started = Instant::now();
         self.metrics.scheduler_passes.add(1);
         self.check_backlogs();
         let mut plan = self.sched.schedule(self.started.elapsed());
@@ -385,11 +386,19 @@ impl Core {
             self.on_sched_event(event);
         }
         let progressed = !plan.items.is_empty();
+        let mut forward = Duration::ZERO;
         if progressed {
-            self.execute(plan);
+            forward = self.execute(plan);
         }
         self.cancel_closed();
         self.update_gauges();
+        if progressed {
+            let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+            self.metrics.step_forward_us.add(micros(forward));
+            self.metrics
+                .step_other_us
+                .add(micros(started.elapsed().saturating_sub(forward)));
+        }
         progressed
     }
 
@@ -442,7 +451,9 @@ impl Core {
         }
     }
 
-    fn execute(&mut self, plan: Plan) {
+    /// Runs the planned step; returns the time spent in the executor.
+    fn execute(&mut self, plan: Plan) -> Duration {
+        let forward_started = Instant::now();
         for c in &plan.copies {
             self.executor.copy_block_prefix(c.src, c.dst, c.num_tokens);
         }
@@ -456,6 +467,7 @@ impl Core {
             })
             .collect();
         let result = self.executor.forward(&batch);
+        let forward = forward_started.elapsed();
         drop(batch);
         self.metrics.steps.add(1);
         let logits = match result {
@@ -470,12 +482,13 @@ impl Core {
                 for g in groups {
                     self.fail_group(g, RequestError::Model(e.clone()));
                 }
-                return;
+                return forward;
             }
         };
         for (item, row) in plan.items.iter().zip(&logits) {
             self.after_forward(*item, row);
         }
+        forward
     }
 
     fn after_forward(&mut self, item: Item, logits: &[f32]) {

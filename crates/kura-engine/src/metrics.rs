@@ -138,6 +138,11 @@ pub struct EngineMetrics {
     pub itl: Histogram,
     pub e2e: Histogram,
     pub queue_time: Histogram,
+    /// Time of the engine loop's steps inside the executor (block copies and the forward pass), µs.
+    pub step_forward_us: Counter,
+    /// Time of the engine loop's steps outside the executor (scheduling, sampling, detokenization, stop
+    /// checks, logprob texts, emitting), µs.
+    pub step_other_us: Counter,
 }
 
 impl EngineMetrics {
@@ -236,6 +241,26 @@ impl EngineMetrics {
             "kura:engine_steps_total",
             "Forward steps run by the engine.",
             self.steps.get(),
+        );
+        let seconds = |out: &mut String, name: &str, help: &str, us: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                us as f64 / 1e6
+            );
+        };
+        seconds(
+            &mut out,
+            "kura:engine_forward_seconds_total",
+            "Time of the engine's steps in the forward pass and block copies.",
+            self.step_forward_us.get(),
+        );
+        seconds(
+            &mut out,
+            "kura:engine_step_other_seconds_total",
+            "Time of the engine's steps outside the forward pass: scheduling, sampling, detokenization, \
+             stop checks, logprob texts and emitting.",
+            self.step_other_us.get(),
         );
         counter(
             &mut out,

@@ -162,6 +162,19 @@ fn same_prompt_twice_reuses_whole_blocks_and_gives_the_same_tokens() {
     assert_eq!(warm.usage.completion_tokens, 12);
     settle(&e);
     assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
+    // Every step's time is split between the forward pass (real model: milliseconds a step) and the
+    // rest of the loop (sampling and detokenizing 24 tokens at least).
+    let steps = metric(&e, "kura:engine_steps_total");
+    let forward = metric(&e, "kura:engine_forward_seconds_total");
+    let other = metric(&e, "kura:engine_step_other_seconds_total");
+    assert!(
+        steps >= 24.0 && forward > steps * 1e-4,
+        "{steps} steps, {forward} s"
+    );
+    assert!(
+        other > 0.0 && other < forward,
+        "{other} s outside vs {forward} s in the forward pass"
+    );
     e.stop();
 }
 

@@ -163,49 +163,139 @@ impl Sampler {
         Sampled { token, logprob }
     }
 
+    /// Draws from the softmax of `l / temperature` over the top-k logits, cut to the nucleus (`top_p`)
+    /// and to `min_p` of the most likely token, walking candidates from the most likely down. Only the
+    /// candidates the walk reaches are sorted, a chunk at a time (selection, then a sort of the chunk), so
+    /// the usual case (no top-k, a peaked distribution) costs O(vocabulary) rather than a sort of it.
     fn draw(&mut self, l: &mut [f32]) -> u32 {
-        let p = &self.params;
-        let inv_t = 1.0 / p.temperature;
-        // Candidates sorted by logit, truncated to top-k.
-        let k = if p.top_k == 0 {
-            l.len()
-        } else {
-            p.top_k.min(l.len())
-        };
-        let mut idx = top_k_indices(l, k);
-        let max = l[idx[0]];
-        let mut probs: Vec<f32> = idx.iter().map(|&i| ((l[i] - max) * inv_t).exp()).collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= sum);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (j, pr) in probs.iter().enumerate() {
-                acc += pr;
-                if acc >= p.top_p {
-                    keep = j + 1;
-                    break;
-                }
-            }
-            idx.truncate(keep);
-            probs.truncate(keep);
-        }
-        if p.min_p > 0.0 {
-            let floor = p.min_p * probs[0];
-            let keep = probs.iter().take_while(|x| **x >= floor).count().max(1);
-            idx.truncate(keep);
-            probs.truncate(keep);
-        }
-        let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, pr) in idx.iter().zip(&probs) {
-            if r < *pr {
-                return *i as u32;
-            }
-            r -= pr;
-        }
-        idx[idx.len() - 1] as u32
+        let u = self.rng.random::<f32>();
+        draw(&self.params, l, u)
     }
+}
+
+/// The token that the uniform draw `u` in [0, 1) picks; see [`Sampler::draw`].
+///
+/// The walk visits candidates in tiers of weight (relative to the most likely: ≥ 1e-3, ≥ 1e-6, ≥ 1e-9,
+/// the rest), each found by one pass and sorted alone; tiers follow each other in the global order, so
+/// the walk is that of a full sort, and it rarely goes past the first tier.
+fn draw(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
+    let inv_t = 1.0 / p.temperature;
+    let n = l.len();
+    let k = if p.top_k == 0 { n } else { p.top_k.min(n) };
+    let cmp = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
+    // The top-k candidates (all of them without top-k).
+    let topk: Option<Vec<usize>> = (k < n).then(|| {
+        let mut idx: Vec<usize> = (0..n).collect();
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+        idx
+    });
+    let max = match &topk {
+        Some(idx) => idx.iter().map(|&i| l[i]).fold(f32::NEG_INFINITY, f32::max),
+        None => l.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    };
+    let weight = |i: usize| ((l[i] - max) * inv_t).exp();
+    let sum: f32 = match &topk {
+        Some(idx) => idx.iter().map(|&i| weight(i)).sum(),
+        None => l.iter().map(|&v| ((v - max) * inv_t).exp()).sum(),
+    };
+    let prob = |i: usize| weight(i) / sum;
+    // Tier bounds on the weight, from the top: [1e-3, 1], [1e-6, 1e-3), [1e-9, 1e-6), [0, 1e-9).
+    const BOUNDS: [f32; 4] = [1e-3, 1e-6, 1e-9, 0.0];
+    let mut order: Vec<usize> = Vec::new();
+    let mut tiers = 0;
+    let mut next_tier = |order: &mut Vec<usize>| -> bool {
+        if tiers == BOUNDS.len() {
+            return false;
+        }
+        let lo = BOUNDS[tiers];
+        let hi = if tiers == 0 {
+            f32::INFINITY
+        } else {
+            BOUNDS[tiers - 1]
+        };
+        tiers += 1;
+        let start = order.len();
+        // On the logits, without an exp: weight ≥ b ⟺ logit ≥ max + ln(b) · temperature.
+        let at_least = |b: f32| {
+            if b == 0.0 {
+                f32::NEG_INFINITY
+            } else {
+                max + b.ln() / inv_t
+            }
+        };
+        let (lo_logit, hi_logit) = (at_least(lo), at_least(hi));
+        let in_tier = |i: usize| l[i] >= lo_logit && (hi == f32::INFINITY || l[i] < hi_logit);
+        match &topk {
+            Some(idx) => order.extend(idx.iter().copied().filter(|&i| in_tier(i))),
+            None => order.extend((0..n).filter(|&i| in_tier(i))),
+        }
+        order[start..].sort_by(cmp);
+        true
+    };
+    // Whether the order reaches position `j` (more tiers sorted as needed).
+    let mut reach = |order: &mut Vec<usize>, j: usize| -> bool {
+        while order.len() <= j {
+            if !next_tier(order) {
+                return false;
+            }
+        }
+        true
+    };
+    // The survivors: a prefix of the order, `keep` long (`None`: every candidate).
+    let mut keep: Option<usize> = None;
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut j = 0;
+        while reach(&mut order, j) {
+            acc += prob(order[j]);
+            j += 1;
+            if acc >= p.top_p {
+                keep = Some(j);
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        // The most likely candidate has weight 1: the survivors weigh at least min_p.
+        let mut j = 0;
+        loop {
+            if keep.is_some_and(|kp| j >= kp) {
+                break;
+            }
+            if !reach(&mut order, j) {
+                break;
+            }
+            if j > 0 && weight(order[j]) < p.min_p {
+                keep = Some(j);
+                break;
+            }
+            j += 1;
+        }
+    }
+    let total: f32 = match keep {
+        Some(kp) => order[..kp].iter().map(|&i| prob(i)).sum(),
+        None => 1.0,
+    };
+    let mut r = u * total;
+    let mut j = 0;
+    loop {
+        if keep.is_some_and(|kp| j >= kp) {
+            break;
+        }
+        if !reach(&mut order, j) {
+            break;
+        }
+        let pr = prob(order[j]);
+        if r < pr {
+            return order[j] as u32;
+        }
+        r -= pr;
+        j += 1;
+    }
+    // Rounding left `r` past the last survivor: the least likely one.
+    let last = keep.unwrap_or(order.len());
+    order[last - 1] as u32
 }
 
 /// Index of the largest logit (the first on ties).
@@ -375,6 +465,78 @@ mod tests {
             &[0],
         );
         assert_eq!(r.sample(&logits).token, 1, "2.0 / 1.2 < 1.9");
+    }
+
+    /// The draw as a sort of the whole candidate list walks it (the reference the chunked walk must
+    /// agree with).
+    fn draw_by_full_sort(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
+        let k = if p.top_k == 0 {
+            l.len()
+        } else {
+            p.top_k.min(l.len())
+        };
+        let mut idx = top_k_indices(l, k);
+        let max = l[idx[0]];
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((l[i] - max) / p.temperature).exp())
+            .collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= sum);
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = probs
+                .iter()
+                .position(|pr| {
+                    acc += pr;
+                    acc >= p.top_p
+                })
+                .map_or(probs.len(), |j| j + 1);
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            let keep = probs.iter().take_while(|x| **x >= floor).count().max(1);
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        let total: f32 = probs.iter().sum();
+        let mut r = u * total;
+        for (i, pr) in idx.iter().zip(&probs) {
+            if r < *pr {
+                return *i as u32;
+            }
+            r -= pr;
+        }
+        idx[idx.len() - 1] as u32
+    }
+
+    #[test]
+    fn the_chunked_walk_draws_what_a_full_sort_draws() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (mut same, mut total) = (0, 0);
+        for case in 0..400 {
+            let n = [50, 300, 2000, 49152][case % 4];
+            // Peaked and flat distributions alike.
+            let scale = [0.5f32, 3.0, 10.0][case % 3];
+            let l: Vec<f32> = (0..n).map(|_| rng.random::<f32>() * scale).collect();
+            let p = SamplingParams {
+                temperature: [0.7, 1.0, 1.5][case % 3],
+                top_k: [0, 0, 40, 1000][(case / 4) % 4],
+                top_p: [1.0, 0.9, 0.5][(case / 3) % 3],
+                min_p: [0.0, 0.0, 0.1][(case / 5) % 3],
+                ..SamplingParams::default()
+            };
+            for _ in 0..5 {
+                let u = rng.random::<f32>();
+                total += 1;
+                same += usize::from(draw(&p, &l, u) == draw_by_full_sort(&p, &l, u));
+            }
+        }
+        // Sums taken in another order may move a boundary by one rounding step, nothing more.
+        assert!(same * 1000 >= total * 995, "{same} of {total}");
     }
 
     #[test]

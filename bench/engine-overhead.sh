@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The engine loop's time outside the forward pass (scheduling, sampling, detokenization, stop checks,
+# logprob texts, emitting), per step, from `kura serve`'s own counters: 8 concurrent chat requests of 64
+# tokens, first plain, then with 20 top logprobs each and a stop string that never matches.
+#
+#   bench/engine-overhead.sh          (THREADS=2 PORT=8012 KURA_BIN=...)
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+THREADS=${THREADS:-2}
+PORT=${PORT:-8012}
+KURA=${KURA_BIN:-$REPO/target/release/kura}
+if [ -z "${KURA_BIN:-}" ]; then
+  (cd "$REPO" && cargo build --release -p kura >&2)
+fi
+URL="http://127.0.0.1:$PORT"
+LOG=$(mktemp)
+"$KURA" serve --host 127.0.0.1 --port "$PORT" --threads "$THREADS" >"$LOG" 2>&1 &
+PID=$!
+trap 'kill $PID 2>/dev/null || true; wait $PID 2>/dev/null || true; rm -f "$LOG"' EXIT
+for _ in $(seq 1 600); do
+  curl -fsS -m 2 "$URL/health" >/dev/null 2>&1 && break
+  kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; exit 1; }
+  sleep 0.5
+done
+
+metric() { curl -fsS "$URL/metrics" | awk -v n="$1" '$1 == n { print $2 }'; }
+
+run() { # label extra-json
+  local steps0 fwd0 other0
+  steps0=$(metric kura:engine_steps_total)
+  fwd0=$(metric kura:engine_forward_seconds_total)
+  other0=$(metric kura:engine_step_other_seconds_total)
+  for i in $(seq 1 8); do
+    curl -fsS "$URL/v1/chat/completions" -H 'content-type: application/json' -d "{
+      \"messages\": [{\"role\": \"user\", \"content\": \"Tell story number $i about a cache.\"}],
+      \"max_tokens\": 64, \"ignore_eos\": true $2}" >/dev/null &
+  done
+  wait $(jobs -p | grep -v "^$PID\$") 2>/dev/null || true
+  local steps fwd other
+  steps=$(metric kura:engine_steps_total)
+  fwd=$(metric kura:engine_forward_seconds_total)
+  other=$(metric kura:engine_step_other_seconds_total)
+  awk -v l="$1" -v s="$steps" -v s0="$steps0" -v f="$fwd" -v f0="$fwd0" -v o="$other" -v o0="$other0" 'BEGIN {
+    n = s - s0; printf "%-40s %4d steps, forward %.2f ms/step, outside the forward pass %.0f us/step (%.1f %%)\n",
+      l, n, (f - f0) * 1e3 / n, (o - o0) * 1e6 / n, 100 * (o - o0) / ((f - f0) + (o - o0)) }'
+}
+
+echo "load $(cut -d' ' -f1-3 /proc/loadavg), $THREADS threads"
+for r in 1 2 3; do
+  run "plain (run $r)" ""
+  run "20 top logprobs + stop string (run $r)" ', "logprobs": true, "top_logprobs": 20, "stop": ["never-in-the-output"]'
+done
