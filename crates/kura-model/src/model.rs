@@ -97,6 +97,7 @@ impl Model {
     }
 
     pub fn load_with(path: &Path, opts: LoadOptions) -> Result<Self> {
+        crate::weights::check_compute_dtype(opts.weights_dtype)?;
         if path.is_dir() {
             Self::load_hf_dir(path, opts)
         } else {

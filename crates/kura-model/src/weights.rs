@@ -4,8 +4,6 @@
 //! Tensors come from a [`TensorSource`] (GGUF or safetensors) dequantized to f32, then are converted.
 //! Loading is O(parameters), parallel over layers.
 
-use std::str::FromStr;
-
 use half::bf16;
 use rayon::prelude::*;
 
@@ -14,33 +12,18 @@ use crate::error::{ModelError, Result};
 use crate::kernels::dot::{Avx512, Bf16Act};
 use crate::kernels::packed::{PackedBf16, PackedF32};
 
-/// The element format weights are kept in for compute.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WeightsDtype {
-    #[default]
-    Bf16,
-    F32,
-}
+pub use kura_shape::WeightsDtype;
 
-impl FromStr for WeightsDtype {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "bf16" | "bfloat16" => Ok(WeightsDtype::Bf16),
-            "f32" | "fp32" | "float32" => Ok(WeightsDtype::F32),
-            other => Err(format!(
-                "unknown weights dtype '{other}': expected bf16 or f32"
-            )),
-        }
-    }
-}
-
-impl WeightsDtype {
-    pub fn bytes_per_element(self) -> usize {
-        match self {
-            WeightsDtype::Bf16 => 2,
-            WeightsDtype::F32 => 4,
-        }
+/// The formats the runtime computes in: the weights are kept in `dtype` (bf16 or f32) whatever the file
+/// holds; any other format is refused by name.
+pub fn check_compute_dtype(dtype: WeightsDtype) -> Result<()> {
+    match dtype {
+        WeightsDtype::Bf16 | WeightsDtype::F32 => Ok(()),
+        other => Err(ModelError::Config(format!(
+            "weights dtype {}: Kura's runtime keeps weights in bf16 or f32 (quantized files are \
+             dequantized at load); give bf16 or f32",
+            other.name()
+        ))),
     }
 }
 
@@ -71,7 +54,8 @@ impl Matrix {
                 Some(cpu) => MatData::PackedF32(PackedF32::from_f32(&cpu, rows, cols, &data)),
                 None => MatData::F32(data),
             },
-            WeightsDtype::Bf16 => match Bf16Act::detect() {
+            // Every other format is refused at load (`check_compute_dtype`): bf16.
+            _ => match Bf16Act::detect() {
                 Some(cpu) => MatData::Packed(PackedBf16::from_f32(&cpu, rows, cols, &data)),
                 None => MatData::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
             },
@@ -336,5 +320,28 @@ impl Weights {
             lm_head,
             dtype,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_computes_in_bf16_or_f32_and_names_what_it_refuses() {
+        assert!(check_compute_dtype(WeightsDtype::Bf16).is_ok());
+        assert!(check_compute_dtype(WeightsDtype::F32).is_ok());
+        for d in [
+            WeightsDtype::F16,
+            WeightsDtype::Fp8,
+            WeightsDtype::Int8,
+            WeightsDtype::Int4,
+        ] {
+            let err = check_compute_dtype(d).unwrap_err().to_string();
+            assert!(
+                err.contains(d.name()) && err.contains("bf16 or f32"),
+                "{err}"
+            );
+        }
     }
 }

@@ -33,50 +33,7 @@ use kura_kv::layout::{KvLayout, LayoutError};
 use kura_kv::units::format_bytes;
 use spec::ModelSpec;
 
-/// Storage format of the weights, for the weight-size estimate when the file size is not known.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WeightsDtype {
-    F32,
-    F16,
-    Bf16,
-    Fp8,
-    /// 8-bit with a 2-byte scale per 32 weights (GGUF Q8_0): 8.5 bits per weight.
-    Int8,
-    /// 4-bit with a 2-byte scale per 32 weights (GGUF Q4_0, GPTQ/AWQ with group 32): 4.5 bits per weight.
-    Int4,
-}
-
-impl WeightsDtype {
-    pub fn bits_per_weight(self) -> f64 {
-        match self {
-            WeightsDtype::F32 => 32.0,
-            WeightsDtype::F16 | WeightsDtype::Bf16 => 16.0,
-            WeightsDtype::Fp8 => 8.0,
-            WeightsDtype::Int8 => 8.5,
-            WeightsDtype::Int4 => 4.5,
-        }
-    }
-}
-
-impl std::str::FromStr for WeightsDtype {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "f32" | "fp32" => WeightsDtype::F32,
-            "f16" | "fp16" => WeightsDtype::F16,
-            "bf16" => WeightsDtype::Bf16,
-            "fp8" => WeightsDtype::Fp8,
-            "int8" | "q8_0" => WeightsDtype::Int8,
-            "int4" | "q4_0" | "awq" | "gptq" => WeightsDtype::Int4,
-            _ => {
-                return Err(format!(
-                    "unknown weights format '{s}': expected f32, f16, bf16, fp8, int8 or int4"
-                ))
-            }
-        })
-    }
-}
+pub use kura_shape::WeightsDtype;
 
 /// Where the model runs, for the default overhead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

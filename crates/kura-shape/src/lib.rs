@@ -14,6 +14,8 @@
 
 mod gguf;
 pub mod spec;
+mod weights;
 
 pub use gguf::{GgufMetadata, GGUF_TO_HF};
 pub use spec::{kv_layout, MlaSpec, ModelSpec, MoeSpec, SpecError, MAX_CONTEXT};
+pub use weights::WeightsDtype;
