@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod model;
 pub mod quant;
 pub mod sampling;
+pub mod solo;
 pub mod tokenizer;
 pub mod weights;
 
@@ -23,6 +24,7 @@ pub use config::ModelConfig;
 pub use error::ModelError;
 pub use model::{LoadOptions, Logits, Model, SeqBatchItem};
 pub use sampling::{Sampled, Sampler, SamplingParams, StopChecker, StopReason};
+pub use solo::SoloRun;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::WeightsDtype;
 

@@ -12,9 +12,8 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Args;
 use kura_kv::codec::KvDtype;
-use kura_kv::storage::KvStorage;
 use kura_model::{
-    ChatMessage, IncrementalDecoder, LoadOptions, Model, Sampler, SamplingParams, SeqBatchItem,
+    ChatMessage, IncrementalDecoder, LoadOptions, Model, Sampler, SamplingParams, SoloRun,
     WeightsDtype,
 };
 use serde::Serialize;
@@ -118,23 +117,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let total = prompt.len() + args.max_tokens;
-    let max_ctx = model.config().max_context;
-    if total > max_ctx {
-        bail!(
-            "prompt ({} tokens) + --max-tokens {} exceeds the model's context of {max_ctx}",
-            prompt.len(),
-            args.max_tokens
-        );
-    }
-    let layout = model.kv_layout(args.kv_dtype, args.block_size)?;
-    let num_blocks = total.div_ceil(args.block_size);
-    let mut kv = KvStorage::new(&layout, num_blocks)?;
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-
+    let mut run = SoloRun::new(
+        &model,
+        &prompt,
+        args.max_tokens,
+        args.kv_dtype,
+        args.block_size,
+        !args.no_kv_cache,
+    )?;
     let mut sampler = Sampler::new(sampling, &prompt);
     let mut decoder = IncrementalDecoder::new();
-    let mut seq = prompt.clone();
     let mut text = String::new();
     let mut stdout = std::io::stdout();
     if !args.json {
@@ -150,22 +142,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut ttft_ms = 0.0;
     for i in 0..args.max_tokens {
         let t_step = Instant::now();
-        let logits = if args.no_kv_cache || i == 0 {
-            let item = SeqBatchItem {
-                tokens: &seq,
-                start_pos: 0,
-                block_table: &table,
-            };
-            model.forward(&[item], &mut kv)?
-        } else {
-            let pos = seq.len() - 1;
-            let item = SeqBatchItem {
-                tokens: &seq[pos..],
-                start_pos: pos,
-                block_table: &table,
-            };
-            model.forward(&[item], &mut kv)?
-        };
+        let logits = run.next_logits()?;
         let next = sampler.sample(logits.row(0)).token;
         let ms = t_step.elapsed().as_secs_f64() * 1e3;
         if i == 0 {
@@ -176,7 +153,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         if !args.ignore_eos && tok.is_stop_token(next) {
             break;
         }
-        seq.push(next);
+        run.push(next)?;
         let piece = decoder.push(tok, next)?;
         text.push_str(&piece);
         if !args.json {
@@ -191,7 +168,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         writeln!(stdout, "{tail}")?;
     }
 
-    let generated = seq.len() - prompt.len();
+    let generated = run.tokens().len() - prompt.len();
     let decode_ms: f64 = step_ms.iter().sum();
     let mut sorted = step_ms.clone();
     sorted.sort_by(f64::total_cmp);

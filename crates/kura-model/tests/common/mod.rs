@@ -5,8 +5,7 @@
 use std::path::PathBuf;
 
 use kura_kv::codec::KvDtype;
-use kura_kv::storage::KvStorage;
-use kura_model::{Model, SeqBatchItem};
+use kura_model::{Model, SoloRun};
 
 /// The default model, which CI fetches with scripts/fetch-model.sh before the tests.
 pub fn default_model_path() -> PathBuf {
@@ -31,32 +30,15 @@ pub fn greedy(
     block_size: usize,
     kv_cache: bool,
 ) -> (Vec<u32>, Vec<f32>) {
-    let layout = model.kv_layout(KvDtype::F32, block_size).unwrap();
-    let blocks = (prompt.len() + n).div_ceil(block_size);
-    let mut kv = KvStorage::new(&layout, blocks).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let mut seq = prompt.to_vec();
+    let mut run = SoloRun::new(model, prompt, n, KvDtype::F32, block_size, kv_cache).unwrap();
     let mut first_logits = Vec::new();
     for i in 0..n {
-        let (tokens, start_pos) = if kv_cache && i > 0 {
-            (&seq[seq.len() - 1..], seq.len() - 1)
-        } else {
-            (&seq[..], 0)
-        };
-        let logits = model
-            .forward(
-                &[SeqBatchItem {
-                    tokens,
-                    start_pos,
-                    block_table: &table,
-                }],
-                &mut kv,
-            )
-            .unwrap();
+        let logits = run.next_logits().unwrap();
         if i == 0 {
             first_logits = logits.row(0).to_vec();
         }
-        seq.push(kura_model::sampling::argmax(logits.row(0)));
+        run.push(kura_model::sampling::argmax(logits.row(0)))
+            .unwrap();
     }
-    (seq[prompt.len()..].to_vec(), first_logits)
+    (run.tokens()[prompt.len()..].to_vec(), first_logits)
 }
