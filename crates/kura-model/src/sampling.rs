@@ -125,8 +125,15 @@ impl Sampler {
     /// Picks the next token from one row of logits and records it as generated.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
         let p = &self.params;
-        let logprob_of = p.logprobs.map(|k| (k, log_softmax(logits)));
-        let mut l = logits.to_vec();
+        // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
+        let logprob_of = p.logprobs.map(|k| (k, log_sum_exp(logits)));
+        let penalized =
+            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let mut owned = Vec::new();
+        if penalized {
+            owned = logits.to_vec();
+        }
+        let l: &mut [f32] = &mut owned;
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen {
                 if let Some(v) = l.get_mut(t as usize) {
@@ -145,35 +152,31 @@ impl Sampler {
                 }
             }
         }
+        let l: &[f32] = if penalized { l } else { logits };
         let token = if p.temperature == 0.0 {
-            argmax(&l)
+            argmax(l)
         } else {
-            self.draw(&mut l)
+            let u = self.rng.random::<f32>();
+            draw(&self.params, l, u)
         };
         *self.generated.entry(token).or_insert(0) += 1;
         self.seen.insert(token);
-        let logprob = logprob_of.map(|(k, lp)| TokenLogprob {
+        let logprob = logprob_of.map(|(k, lse)| TokenLogprob {
             token,
-            logprob: lp[token as usize],
-            top: top_k_indices(&lp, k)
+            logprob: logits[token as usize] - lse,
+            // The order of the logits is that of their log-probabilities.
+            top: top_k_indices(logits, k)
                 .into_iter()
-                .map(|i| (i as u32, lp[i]))
+                .map(|i| (i as u32, logits[i] - lse))
                 .collect(),
         });
         Sampled { token, logprob }
     }
-
-    /// Draws from the softmax of `l / temperature` over the top-k logits, cut to the nucleus (`top_p`)
-    /// and to `min_p` of the most likely token, walking candidates from the most likely down. Only the
-    /// candidates the walk reaches are sorted, a chunk at a time (selection, then a sort of the chunk), so
-    /// the usual case (no top-k, a peaked distribution) costs O(vocabulary) rather than a sort of it.
-    fn draw(&mut self, l: &mut [f32]) -> u32 {
-        let u = self.rng.random::<f32>();
-        draw(&self.params, l, u)
-    }
 }
 
-/// The token that the uniform draw `u` in [0, 1) picks; see [`Sampler::draw`].
+/// The token that the uniform draw `u` in [0, 1) picks: the softmax of `l / temperature` over the top-k
+/// logits, cut to the nucleus (`top_p`) and to `min_p` of the most likely token, walked from the most
+/// likely down.
 ///
 /// The walk visits candidates in tiers of weight (relative to the most likely: ≥ 1e-3, ≥ 1e-6, ≥ 1e-9,
 /// the rest), each found by one pass and sorted alone; tiers follow each other in the global order, so
@@ -309,10 +312,11 @@ pub fn argmax(l: &[f32]) -> u32 {
     best as u32
 }
 
-fn log_softmax(l: &[f32]) -> Vec<f32> {
+/// `log Σ exp(l)`, the terms in f32 and their sum in f64.
+fn log_sum_exp(l: &[f32]) -> f32 {
     let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = l.iter().map(|v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
-    l.iter().map(|v| v - lse).collect()
+    let sum: f64 = l.iter().map(|v| f64::from((v - max).exp())).sum();
+    sum.ln() as f32 + max
 }
 
 /// Indices of the `k` largest values, largest first (ties by lower index).
