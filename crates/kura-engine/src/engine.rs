@@ -1,7 +1,8 @@
 //! The engine loop: one thread that owns the [`Scheduler`] (and through it the KV cache manager) and the
 //! executor, takes commands from [`EngineHandle`]s, and repeats schedule → copy blocks → forward → sample
-//! → emit. It gives the scheduler the wall clock since the engine started. It blocks when there is
-//! nothing to do, and never holds a lock: its state is its own.
+//! → hand token ids to the output stage ([`crate::output`], a thread of its own that makes the text). It
+//! gives the scheduler the wall clock since the engine started. It blocks when there is nothing to do; the
+//! only lock it takes is a request's sink, to ask whether its client is behind.
 //!
 //! A panic anywhere in the loop (scheduler invariant, kernel, sink) is caught on the engine thread: it is
 //! logged with its message, recorded in [`Shared`] (so that [`EngineHandle::is_alive`] turns false and
@@ -13,8 +14,8 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,9 +25,8 @@ use kura_model::Sampled;
 use crate::backend::{Executor, SeqInput, TextCodec};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::metrics::EngineMetrics;
-use crate::request::{
-    EngineEvent, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
-};
+use crate::output::{OutMsg, SinkSlot};
+use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
     Item, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
 };
@@ -132,12 +132,26 @@ pub fn start_engine(
     metrics.kv_blocks_total.set(config.num_blocks as f64);
     let shared = Arc::new(Shared::new(info, metrics.clone()));
     let (tx, rx) = mpsc::channel();
+    let (out_tx, out_rx) = mpsc::channel();
+    let (finished_tx, finished_rx) = mpsc::channel();
+    let output_codec = codec.clone();
+    let out_done = Arc::new(AtomicU64::new(0));
+    let done = out_done.clone();
+    std::thread::Builder::new()
+        .name("kura-output".into())
+        .spawn(move || crate::output::run(out_rx, output_codec, finished_tx, done))?;
     let core = Core {
+        out: Outbox {
+            tx: out_tx,
+            sent: 0,
+            marks: [0, 0],
+            done: out_done,
+        },
+        finished_choices: finished_rx,
         eos: codec.eos_token_ids().to_vec(),
         config,
         sched,
         executor,
-        codec: codec.clone(),
         shared: shared.clone(),
         metrics,
         groups: HashMap::new(),
@@ -156,8 +170,11 @@ struct Core {
     config: EngineConfig,
     sched: Scheduler,
     executor: Box<dyn Executor>,
-    codec: Arc<dyn TextCodec>,
     shared: Arc<Shared>,
+    /// To the output stage, which turns token ids into the requests' events.
+    out: Outbox,
+    /// Choices the output stage ended on a stop string.
+    finished_choices: Receiver<(u64, u32)>,
     metrics: Arc<EngineMetrics>,
     groups: HashMap<u64, Group>,
     /// The output side of each choice the scheduler holds, by the scheduler's key.
@@ -165,6 +182,43 @@ struct Core {
     eos: Vec<u32>,
     started: Instant,
     kv_evictions_seen: u64,
+}
+
+/// The engine's side of the output stage's channel, counting what it sent so that a step can wait for
+/// the output of the step before last (see [`crate::output`]).
+struct Outbox {
+    tx: Sender<OutMsg>,
+    sent: u64,
+    /// Messages sent by the end of the step before last and of the last step.
+    marks: [u64; 2],
+    done: Arc<AtomicU64>,
+}
+
+/// Longest wait for the output stage before a step goes on regardless (a sink that blocks in `send`).
+const OUTPUT_WAIT: Duration = Duration::from_secs(1);
+
+impl Outbox {
+    fn send(&mut self, msg: OutMsg) {
+        if self.tx.send(msg).is_ok() {
+            self.sent += 1;
+        }
+    }
+
+    /// Waits until the output stage has handled the messages of the step before last.
+    fn catch_up(&self) {
+        let target = self.marks[0];
+        if self.done.load(Ordering::Acquire) >= target {
+            return;
+        }
+        let deadline = Instant::now() + OUTPUT_WAIT;
+        while self.done.load(Ordering::Acquire) < target && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+    }
+
+    fn end_step(&mut self) {
+        self.marks = [self.marks[1], self.sent];
+    }
 }
 
 /// First wait of the engine loop when nothing can run; it doubles while nothing runs.
@@ -202,13 +256,9 @@ impl Core {
                 // recorded, so that a submit racing with the failure is refused at the door; then told.
                 let groups = self.take_all_dead();
                 self.shared.set_exit(EngineExit::Failed(reason.clone()));
-                for mut group in groups {
+                for id in groups {
                     let error = RequestError::EngineFailed(reason.clone());
-                    // A sink that panics again (it may be what failed) must not stop the others being
-                    // told.
-                    let _ = panic::catch_unwind(AssertUnwindSafe(|| {
-                        group.emit(EngineEvent::Failed(error));
-                    }));
+                    self.out.send(OutMsg::Failed { id, error });
                 }
                 self.tombstone(&rx, &reason);
             }
@@ -217,9 +267,9 @@ impl Core {
 
     /// After a panic: takes every request out of the engine, counted as failed, without touching the KV
     /// manager (its state may be torn); the caller tells their clients.
-    fn take_all_dead(&mut self) -> Vec<Group> {
-        let groups: Vec<Group> = self.groups.drain().map(|(_, g)| g).collect();
-        for group in &groups {
+    fn take_all_dead(&mut self) -> Vec<u64> {
+        let groups: Vec<(u64, Group)> = self.groups.drain().collect();
+        for (_, group) in &groups {
             if !group.admitted_once {
                 self.shared.queued.fetch_sub(1, Ordering::Relaxed);
             }
@@ -229,7 +279,7 @@ impl Core {
         self.metrics.requests_running.set(0.0);
         self.metrics.requests_waiting.set(0.0);
         self.metrics.requests_preempted_waiting.set(0.0);
-        groups
+        groups.into_iter().map(|(id, _)| id).collect()
     }
 
     /// After a failure: answers every request still arriving (submitted before the failure was recorded)
@@ -237,12 +287,13 @@ impl Core {
     fn tombstone(&mut self, rx: &Receiver<Command>, reason: &str) {
         for command in rx.iter() {
             match command {
-                Command::Submit { mut sink, .. } => {
+                Command::Submit { sink, .. } => {
                     self.shared.queued.fetch_sub(1, Ordering::Relaxed);
                     let error = RequestError::EngineFailed(reason.to_string());
                     self.metrics.requests_failed.add(1);
+                    let slot = SinkSlot::new(sink);
                     let _ = panic::catch_unwind(AssertUnwindSafe(|| {
-                        sink.send(EngineEvent::Failed(error));
+                        slot.send(EngineEvent::Failed(error));
                     }));
                 }
                 Command::Stop => break,
@@ -269,6 +320,9 @@ impl Core {
                 if !self.handle(c) {
                     break 'outer;
                 }
+            }
+            while let Ok((id, choice)) = self.finished_choices.try_recv() {
+                self.finish_choice(id, choice);
             }
             if self.step() {
                 idle_wait = MIN_IDLE_WAIT;
@@ -297,14 +351,19 @@ impl Core {
             Command::Submit { id, request, sink } => {
                 let n = request.n;
                 let seq = Seq::new(id, 0, &request, &self.eos);
+                let slot = SinkSlot::new(sink);
+                self.out.send(OutMsg::Open {
+                    id,
+                    slot: slot.clone(),
+                    stop: request.stop.clone(),
+                });
                 let mut key =
                     CacheKey::new().with_model_fingerprint(self.config.model_fingerprint.clone());
                 if let Some(salt) = &request.cache_salt {
                     key = key.with_salt(salt.clone());
                 }
                 let group = Group {
-                    sink,
-                    sink_open: true,
+                    slot,
                     usage: Usage {
                         prompt_tokens: request.prompt_tokens.len() as u32,
                         ..Usage::default()
@@ -318,6 +377,7 @@ impl Core {
                     first_token_at: None,
                     full: false,
                     full_since: None,
+                    reason: None,
                 };
                 let seq_key = self.sched.add_request(
                     id,
@@ -333,6 +393,7 @@ impl Core {
                 if self.groups.contains_key(&id) {
                     self.metrics.requests_cancelled.add(1);
                     self.remove_group(id);
+                    self.out.send(OutMsg::Forget { id });
                 }
             }
             Command::AbortAll => self.fail_all(RequestError::ShuttingDown),
@@ -356,10 +417,13 @@ impl Core {
     }
 
     fn fail_group(&mut self, group_id: u64, error: RequestError) {
-        if let Some(group) = self.groups.get_mut(&group_id) {
+        if self.groups.contains_key(&group_id) {
             tracing::warn!(request = group_id, %error, "request failed");
             self.metrics.requests_failed.add(1);
-            group.emit(EngineEvent::Failed(error));
+            self.out.send(OutMsg::Failed {
+                id: group_id,
+                error,
+            });
         }
         self.remove_group(group_id);
     }
@@ -367,8 +431,11 @@ impl Core {
     fn fail_all(&mut self, error: RequestError) {
         let ids: Vec<u64> = self.groups.keys().copied().collect();
         for id in ids {
-            if let Some(group) = self.groups.get_mut(&id) {
-                group.emit(EngineEvent::Failed(error.clone()));
+            if self.groups.contains_key(&id) {
+                self.out.send(OutMsg::Failed {
+                    id,
+                    error: error.clone(),
+                });
                 self.metrics.requests_cancelled.add(1);
             }
             self.remove_group(id);
@@ -379,6 +446,7 @@ impl Core {
     fn step(&mut self) -> bool {
         let started = Instant::now();
         self.metrics.scheduler_passes.add(1);
+        self.out.catch_up();
         self.check_backlogs();
         let mut plan = self.sched.schedule(self.started.elapsed());
         self.metrics.pending_waits.add(plan.pending_waits);
@@ -392,6 +460,7 @@ impl Core {
         }
         self.cancel_closed();
         self.update_gauges();
+        self.out.end_step();
         if progressed {
             let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
             self.metrics.step_forward_us.add(micros(forward));
@@ -525,13 +594,15 @@ impl Core {
         }
     }
 
-    /// Samples the next token of one choice and emits what it completes.
+    /// Samples the next token of one choice and hands it to the output stage; ends the choice on a stop
+    /// token, at `max_tokens` or at the context limit.
     fn sample(&mut self, key: SeqKey, logits: &[f32]) {
         let now = Instant::now();
         let seq = self.seqs.get_mut(&key).expect("sampled sequence exists");
+        let group_id = seq.group;
         let group = self
             .groups
-            .get_mut(&seq.group)
+            .get_mut(&group_id)
             .expect("sequence's group exists");
         let Sampled { token, logprob } = seq.sampler.sample(logits);
         self.metrics.generation_tokens.add(1);
@@ -548,60 +619,38 @@ impl Core {
             }
         }
         seq.last_token_at = Some(now);
-        let codec = &self.codec;
-        let candidate = |token_id: u32, logprob: f32| TokenCandidate {
-            token_id,
-            text: codec.decode(&[token_id]),
-            bytes: codec.token_bytes(token_id),
+        let stop_token = seq.stop_tokens.contains(&token);
+        let last = !stop_token
+            && (self.sched.num_generated(key) + 1 >= group.request.max_tokens as usize
+                || self.sched.tokens(key).len() + 1 >= self.config.max_model_len);
+        let choice = seq.choice;
+        self.out.send(OutMsg::Token {
+            id: group_id,
+            choice,
+            token,
             logprob,
-        };
-        let logprobs: Vec<TokenLogprob> = logprob
-            .map(|lp| TokenLogprob {
-                sampled: candidate(lp.token, lp.logprob),
-                top: lp.top.iter().map(|&(t, l)| candidate(t, l)).collect(),
-            })
-            .into_iter()
-            .collect();
-
-        let generated = self.sched.num_generated(key);
-        let total = self.sched.tokens(key).len();
-        let (text, finish) = if seq.stop.is_stop_token(token) {
-            // The stop token's own text is not part of the output; release what was held back.
-            let rest = seq.detok.flush(&self.codec);
-            let (mut out, _) = seq.stop.push(&rest);
-            out.push_str(&seq.stop.flush());
-            (out, Some(FinishReason::Stop))
+            stop_token,
+            last,
+        });
+        if stop_token {
+            self.finish_seq(key, FinishReason::Stop);
         } else {
             self.sched.push_token(key, token);
-            let piece = seq.detok.push(&self.codec, token);
-            let (mut out, stopped) = seq.stop.push(&piece);
-            if stopped.is_some() {
-                (out, Some(FinishReason::Stop))
-            } else if generated + 1 >= group.request.max_tokens as usize
-                || total + 1 >= self.config.max_model_len
-            {
-                let rest = seq.detok.flush(&self.codec);
-                let (more, stopped) = seq.stop.push(&rest);
-                out.push_str(&more);
-                if stopped.is_some() {
-                    (out, Some(FinishReason::Stop))
-                } else {
-                    out.push_str(&seq.stop.flush());
-                    (out, Some(FinishReason::Length))
-                }
-            } else {
-                (out, None)
+            if last {
+                self.finish_seq(key, FinishReason::Length);
             }
-        };
-        let choice = seq.choice;
-        group.emit(EngineEvent::Delta {
-            choice,
-            text,
-            token_ids: vec![token],
-            logprobs,
-        });
-        if let Some(reason) = finish {
-            self.finish_seq(key, reason);
+        }
+    }
+
+    /// A choice the output stage ended on a stop string: its blocks are freed now.
+    fn finish_choice(&mut self, group_id: u64, choice: u32) {
+        let key = self
+            .seqs
+            .iter()
+            .find(|(_, s)| s.group == group_id && s.choice == choice)
+            .map(|(&k, _)| k);
+        if let Some(key) = key {
+            self.finish_seq(key, FinishReason::Stop);
         }
     }
 
@@ -614,20 +663,22 @@ impl Core {
             .groups
             .get_mut(&seq.group)
             .expect("sequence's group exists");
-        group.emit(EngineEvent::Finished {
-            choice: seq.choice,
-            reason,
-        });
         group.live_choices -= 1;
+        group.reason = Some(reason);
         if group.live_choices == 0 {
             let usage = group.usage;
-            group.emit(EngineEvent::Done { usage });
+            self.out.send(OutMsg::Done {
+                id: seq.group,
+                usage,
+            });
             self.metrics.e2e.observe(group.arrival.elapsed());
             match reason {
                 FinishReason::Stop => self.metrics.requests_finished_stop.add(1),
                 FinishReason::Length => self.metrics.requests_finished_length.add(1),
             }
             self.groups.remove(&seq.group);
+            // Its other choices (n > 1 not yet forked cannot remain: all choices are counted).
+            let _ = self.sched.remove_request(seq.group);
         }
     }
 
@@ -638,7 +689,7 @@ impl Core {
         let timeout = self.config.stalled_client_timeout;
         let mut stalled = Vec::new();
         for (&id, group) in &mut self.groups {
-            group.full = group.sink_open && group.sink.is_full();
+            group.full = group.slot.is_full();
             self.sched.set_blocked(id, group.full);
             if !group.full {
                 group.full_since = None;
@@ -657,10 +708,11 @@ impl Core {
                 waited_ms,
                 "client stopped reading; request cancelled"
             );
-            if let Some(group) = self.groups.get_mut(&id) {
-                group.emit(EngineEvent::Failed(RequestError::ClientStalled {
-                    waited_ms,
-                }));
+            if self.groups.contains_key(&id) {
+                self.out.send(OutMsg::Failed {
+                    id,
+                    error: RequestError::ClientStalled { waited_ms },
+                });
             }
             self.metrics.requests_cancelled.add(1);
             self.metrics.requests_cancelled_stalled.add(1);
@@ -673,12 +725,13 @@ impl Core {
         let closed: Vec<u64> = self
             .groups
             .iter()
-            .filter(|(_, g)| !g.sink_open)
+            .filter(|(_, g)| !g.slot.is_open())
             .map(|(&id, _)| id)
             .collect();
         for id in closed {
             self.metrics.requests_cancelled.add(1);
             self.remove_group(id);
+            self.out.send(OutMsg::Forget { id });
         }
     }
 

@@ -12,6 +12,7 @@ mod engine;
 mod handle;
 mod metrics;
 mod model_backend;
+mod output;
 mod request;
 mod scheduler;
 mod seq;

@@ -160,8 +160,10 @@ pub trait EventSink: Send + 'static {
     /// before each step: a full sink's request is not stepped (it keeps its KV blocks, and may still be
     /// preempted), and one full for longer than `EngineConfig::stalled_client_timeout` is cancelled
     /// with [`RequestError::ClientStalled`]. A bounded sink must keep headroom below its hard limit:
-    /// the step that fills it may add up to two events per choice plus `Done`, and a cancellation sends
-    /// one `Failed` to the full sink.
+    /// the output of a step is made while the next one is computed, so the step that fills it and the one
+    /// after may add up to four events per choice plus `Done`, and a cancellation sends one `Failed` to
+    /// the full sink. `send` and `is_full` are called from the output stage's thread and the engine's
+    /// thread respectively, never at once (the sink sits behind a lock).
     fn is_full(&self) -> bool {
         false
     }

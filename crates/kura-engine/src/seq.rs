@@ -1,6 +1,7 @@
 //! Per-request and per-choice state kept by the engine thread: a [`Group`] is one submitted request
-//! (its sink, its parameters, its usage), a [`Seq`] is the output side of one of its choices (its
-//! sampler, detokenizer and stop checker); its tokens and blocks are the [`Scheduler`]'s.
+//! (its sink, its parameters, its usage), a [`Seq`] is the sampling side of one of its choices (its
+//! sampler and stop tokens); its tokens and blocks are the [`Scheduler`]'s, its text the output
+//! stage's ([`crate::output`]), which also holds the [`Detokenizer`].
 //!
 //! [`Scheduler`]: crate::scheduler::Scheduler
 
@@ -9,16 +10,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kura_kv::CacheKey;
-use kura_model::{IncrementalDecoder, Sampler, SamplingParams, StopChecker};
+use kura_model::{IncrementalDecoder, Sampler, SamplingParams};
 
 use crate::backend::TextCodec;
-use crate::request::{EngineEvent, EventSink, GenerateRequest, Usage};
+use crate::output::SinkSlot;
+use crate::request::{FinishReason, GenerateRequest, Usage};
 
 /// One submitted request and everything shared by its choices.
 pub(crate) struct Group {
-    pub sink: Box<dyn EventSink>,
-    /// `false` once the sink reported its reader gone; the group is then cancelled.
-    pub sink_open: bool,
+    /// Where its events go (through the output stage); closed once its reader is gone, and the group
+    /// is then cancelled.
+    pub slot: Arc<SinkSlot>,
     pub request: GenerateRequest,
     pub key: CacheKey,
     pub arrival: Instant,
@@ -34,15 +36,8 @@ pub(crate) struct Group {
     pub full: bool,
     /// Since when the sink has been full without a break (for `stalled_client_timeout`).
     pub full_since: Option<Instant>,
-}
-
-impl Group {
-    /// Sends an event; a closed sink marks the group for cancellation.
-    pub fn emit(&mut self, event: EngineEvent) {
-        if self.sink_open && !self.sink.send(event) {
-            self.sink_open = false;
-        }
-    }
+    /// How its last choice to finish ended (for the finish counters).
+    pub reason: Option<FinishReason>,
 }
 
 /// One choice of a request.
@@ -50,8 +45,8 @@ pub(crate) struct Seq {
     pub group: u64,
     pub choice: u32,
     pub sampler: Sampler,
-    pub stop: StopChecker,
-    pub detok: Detokenizer,
+    /// Tokens that end the choice (EOS unless ignored, and the request's own).
+    pub stop_tokens: Vec<u32>,
     pub last_token_at: Option<Instant>,
 }
 
@@ -72,8 +67,7 @@ impl Seq {
             group,
             choice,
             sampler: Sampler::new(params, &request.prompt_tokens),
-            stop: StopChecker::new(stop_tokens, request.stop.clone()),
-            detok: Detokenizer::default(),
+            stop_tokens,
             last_token_at: None,
         }
     }

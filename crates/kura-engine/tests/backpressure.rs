@@ -78,7 +78,8 @@ fn a_full_sink_pauses_its_request_without_spinning_and_resumes_when_drained() {
     let e = &fake.engine;
     let (sink, client) = bounded(1);
     let _guard = e.submit(request(6, 20), sink).unwrap();
-    // The first step (the prefill) fills the sink; the engine must then stop stepping the request.
+    // The first step (the prefill) fills the sink; the engine must then stop stepping the request (after
+    // at most one more step: the output of a step is made while the next is computed).
     let first = client.rx.recv_timeout(PATIENCE).unwrap();
     assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
     passes_later(e, 3.0);
@@ -93,7 +94,8 @@ fn a_full_sink_pauses_its_request_without_spinning_and_resumes_when_drained() {
         calls,
         "no forward call for a full sink"
     );
-    assert_eq!(client.deltas.load(Ordering::SeqCst), 1);
+    let delivered = client.deltas.load(Ordering::SeqCst);
+    assert!((1..=2).contains(&delivered), "{delivered} deltas");
     assert!(
         metric(e, "kura:kv_cache_blocks_used") > 0.0,
         "a paused request keeps its blocks"
@@ -126,13 +128,18 @@ fn a_sink_full_past_the_timeout_is_cancelled_and_its_blocks_freed() {
     let _guard = e.submit(request(6, 20), sink).unwrap();
     let first = client.rx.recv_timeout(PATIENCE).unwrap();
     assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
-    match client.rx.recv_timeout(PATIENCE).unwrap() {
+    let mut last = client.rx.recv_timeout(PATIENCE).unwrap();
+    if matches!(last, EngineEvent::Delta { .. }) {
+        // The one step the engine may run before it sees the sink full.
+        last = client.rx.recv_timeout(PATIENCE).unwrap();
+    }
+    match last {
         EngineEvent::Failed(RequestError::ClientStalled { waited_ms }) => {
             assert!(waited_ms >= 20, "cancelled after {waited_ms} ms");
         }
         other => panic!("expected a stalled-client failure, got {other:?}"),
     }
-    assert_eq!(client.deltas.load(Ordering::SeqCst), 1);
+    assert!(client.deltas.load(Ordering::SeqCst) <= 2);
     settle(e);
     assert_eq!(metric(e, "kura:kv_cache_blocks_used"), 0.0);
     assert_eq!(metric(e, "kura:request_cancelled_stalled_total"), 1.0);

@@ -187,12 +187,7 @@ fn draw(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
     let k = if p.top_k == 0 { n } else { p.top_k.min(n) };
     let cmp = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
     // The top-k candidates (all of them without top-k).
-    let topk: Option<Vec<usize>> = (k < n).then(|| {
-        let mut idx: Vec<usize> = (0..n).collect();
-        idx.select_nth_unstable_by(k - 1, cmp);
-        idx.truncate(k);
-        idx
-    });
+    let topk: Option<Vec<usize>> = (k < n).then(|| top_k_indices(l, k));
     let max = match &topk {
         Some(idx) => idx.iter().map(|&i| l[i]).fold(f32::NEG_INFINITY, f32::max),
         None => l.iter().copied().fold(f32::NEG_INFINITY, f32::max),
@@ -322,6 +317,22 @@ fn log_sum_exp(l: &[f32]) -> f32 {
 /// Indices of the `k` largest values, largest first (ties by lower index).
 pub fn top_k_indices(l: &[f32], k: usize) -> Vec<usize> {
     let k = k.min(l.len());
+    if k <= 64 {
+        // One pass keeping the best k in order: most values lose to the k-th at once.
+        let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+        for (i, &v) in l.iter().enumerate() {
+            if best.len() == k {
+                // Ties go to the lower index, which is already in.
+                if k == 0 || v.total_cmp(&l[best[k - 1]]).is_le() {
+                    continue;
+                }
+            }
+            let at = best.partition_point(|&j| l[j].total_cmp(&v).is_ge());
+            best.insert(at, i);
+            best.truncate(k);
+        }
+        return best;
+    }
     let mut idx: Vec<usize> = (0..l.len()).collect();
     let cmp = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
     if k < l.len() && k > 0 {
@@ -541,6 +552,26 @@ mod tests {
         }
         // Sums taken in another order may move a boundary by one rounding step, nothing more.
         assert!(same * 1000 >= total * 995, "{same} of {total}");
+    }
+
+    #[test]
+    fn top_k_by_one_pass_equals_a_full_sort() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for case in 0..200 {
+            let n = [1, 5, 64, 1000, 49152][case % 5];
+            // Few distinct values in some cases, so that ties are common.
+            let levels = [3u32, 1000, u32::MAX][case % 3];
+            let l: Vec<f32> = (0..n)
+                .map(|_| (rng.random::<u32>() % levels) as f32 * 0.5)
+                .collect();
+            for k in [0, 1, 2, 20, 64, 65, 200] {
+                let mut full: Vec<usize> = (0..n).collect();
+                full.sort_by(|a, b| l[*b].total_cmp(&l[*a]).then(a.cmp(b)));
+                full.truncate(k.min(n));
+                assert_eq!(top_k_indices(&l, k), full, "n {n} k {k}");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,250 @@
+//! The output stage: a thread beside the engine loop that turns sampled token ids into what clients read
+//! (incremental detokenization, stop strings, the texts and bytes of logprob candidates) and hands the
+//! events to the requests' sinks, so that the engine loop spends its time between forward passes on
+//! scheduling and sampling only.
+//!
+//! ```text
+//!  engine loop ──OutMsg──► output thread ──EngineEvent──► request's sink (the server's stream)
+//!       ▲                        │ stop string matched: the choice is finished here, and
+//!       └──── finished choices ◄─┘ the engine frees its blocks at its next step
+//! ```
+//!
+//! Every event of a request passes through the one channel, so clients see them in the order the engine
+//! made them. The engine loop checks its sinks for backpressure only once this stage has handled every
+//! message of the step before last: the text of one step is made while the next is computed, and a
+//! request whose sink fills is stepped at most once more. Stop tokens, `max_tokens` and the context limit are the engine's (token decisions); stop
+//! strings are this stage's. A choice finished by a stop string may have sampled a token or two more
+//! before the engine hears of it: those are dropped here, and the request's usage counts the tokens its
+//! client received.
+
+use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+
+use kura_model::StopChecker;
+
+use crate::backend::TextCodec;
+use crate::request::{
+    EngineEvent, EventSink, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
+};
+use crate::seq::Detokenizer;
+
+/// A request's sink, shared by the output thread (which sends) and the engine loop (which asks whether
+/// the client is behind before each step).
+pub(crate) struct SinkSlot {
+    sink: Mutex<Box<dyn EventSink>>,
+    open: AtomicBool,
+}
+
+impl SinkSlot {
+    pub fn new(sink: Box<dyn EventSink>) -> Arc<Self> {
+        Arc::new(Self {
+            sink: Mutex::new(sink),
+            open: AtomicBool::new(true),
+        })
+    }
+
+    /// Sends one event; a sink whose reader is gone is marked closed (the engine then cancels).
+    pub fn send(&self, event: EngineEvent) {
+        if !self.is_open() {
+            return;
+        }
+        let mut sink = self.sink.lock().unwrap_or_else(|e| e.into_inner());
+        if !sink.send(event) {
+            self.open.store(false, Ordering::Release);
+        }
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.open.load(Ordering::Acquire)
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.is_open()
+            && self
+                .sink
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_full()
+    }
+}
+
+/// What the engine loop tells the output stage.
+pub(crate) enum OutMsg {
+    /// A new request: where its events go and the stop strings of its choices.
+    Open {
+        id: u64,
+        slot: Arc<SinkSlot>,
+        stop: Vec<String>,
+    },
+    /// A sampled token of one choice. `stop_token`: it ends the choice and is not part of the text;
+    /// `last`: the engine ends the choice after it (`max_tokens` or the context).
+    Token {
+        id: u64,
+        choice: u32,
+        token: u32,
+        logprob: Option<kura_model::sampling::TokenLogprob>,
+        stop_token: bool,
+        last: bool,
+    },
+    /// Every choice has finished in the engine.
+    Done { id: u64, usage: Usage },
+    /// The request failed or was cancelled with a reason its client is told.
+    Failed { id: u64, error: RequestError },
+    /// The request is gone without a word (its client went away).
+    Forget { id: u64 },
+}
+
+#[derive(Default)]
+struct ChoiceState {
+    detok: Detokenizer,
+    stop: StopChecker,
+    finished: bool,
+    /// Tokens the client received.
+    tokens: u32,
+}
+
+struct RequestState {
+    slot: Arc<SinkSlot>,
+    stop: Vec<String>,
+    choices: HashMap<u32, ChoiceState>,
+}
+
+/// The output thread's loop: until the engine drops its sender.
+/// `done` counts the messages handled, for the engine loop's backpressure check.
+pub(crate) fn run(
+    rx: Receiver<OutMsg>,
+    codec: Arc<dyn TextCodec>,
+    finished: Sender<(u64, u32)>,
+    done: Arc<AtomicU64>,
+) {
+    let mut requests: HashMap<u64, RequestState> = HashMap::new();
+    for msg in rx {
+        // A sink that panics must not take the other requests' output with it.
+        let _ = panic::catch_unwind(AssertUnwindSafe(|| {
+            handle(msg, &mut requests, &codec, &finished)
+        }));
+        done.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn handle(
+    msg: OutMsg,
+    requests: &mut HashMap<u64, RequestState>,
+    codec: &Arc<dyn TextCodec>,
+    finished: &Sender<(u64, u32)>,
+) {
+    match msg {
+        OutMsg::Open { id, slot, stop } => {
+            requests.insert(
+                id,
+                RequestState {
+                    slot,
+                    stop,
+                    choices: HashMap::new(),
+                },
+            );
+        }
+        OutMsg::Token {
+            id,
+            choice,
+            token,
+            logprob,
+            stop_token,
+            last,
+        } => {
+            let Some(r) = requests.get_mut(&id) else {
+                return;
+            };
+            let stop = &r.stop;
+            let c = r.choices.entry(choice).or_insert_with(|| ChoiceState {
+                stop: StopChecker::new(Vec::new(), stop.clone()),
+                ..ChoiceState::default()
+            });
+            if c.finished {
+                return;
+            }
+            c.tokens += 1;
+            let (text, finish) = text_of(c, codec, token, stop_token, last);
+            if finish.is_some() {
+                c.finished = true;
+                if !stop_token && !last {
+                    // A stop string: the engine has not ended this choice; it frees it at its next step.
+                    let _ = finished.send((id, choice));
+                }
+            }
+            let candidate = |token_id: u32, logprob: f32| TokenCandidate {
+                token_id,
+                text: codec.decode(&[token_id]),
+                bytes: codec.token_bytes(token_id),
+                logprob,
+            };
+            let logprobs: Vec<TokenLogprob> = logprob
+                .map(|lp| TokenLogprob {
+                    sampled: candidate(lp.token, lp.logprob),
+                    top: lp.top.iter().map(|&(t, l)| candidate(t, l)).collect(),
+                })
+                .into_iter()
+                .collect();
+            r.slot.send(EngineEvent::Delta {
+                choice,
+                text,
+                token_ids: vec![token],
+                logprobs,
+            });
+            if let Some(reason) = finish {
+                r.slot.send(EngineEvent::Finished { choice, reason });
+            }
+        }
+        OutMsg::Done { id, mut usage } => {
+            if let Some(r) = requests.remove(&id) {
+                usage.completion_tokens = r.choices.values().map(|c| c.tokens).sum();
+                r.slot.send(EngineEvent::Done { usage });
+            }
+        }
+        OutMsg::Failed { id, error } => {
+            if let Some(r) = requests.remove(&id) {
+                r.slot.send(EngineEvent::Failed(error));
+            }
+        }
+        OutMsg::Forget { id } => {
+            requests.remove(&id);
+        }
+    }
+}
+
+/// The text a token adds to its choice, and whether it ends it.
+fn text_of(
+    c: &mut ChoiceState,
+    codec: &Arc<dyn TextCodec>,
+    token: u32,
+    stop_token: bool,
+    last: bool,
+) -> (String, Option<FinishReason>) {
+    if stop_token {
+        // The stop token's own text is not part of the output; release what was held back.
+        let rest = c.detok.flush(codec);
+        let (mut out, _) = c.stop.push(&rest);
+        out.push_str(&c.stop.flush());
+        return (out, Some(FinishReason::Stop));
+    }
+    let piece = c.detok.push(codec, token);
+    let (mut out, stopped) = c.stop.push(&piece);
+    if stopped.is_some() {
+        return (out, Some(FinishReason::Stop));
+    }
+    if !last {
+        return (out, None);
+    }
+    let rest = c.detok.flush(codec);
+    let (more, stopped) = c.stop.push(&rest);
+    out.push_str(&more);
+    if stopped.is_some() {
+        (out, Some(FinishReason::Stop))
+    } else {
+        out.push_str(&c.stop.flush());
+        (out, Some(FinishReason::Length))
+    }
+}
