@@ -352,3 +352,44 @@ fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_sa
     assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
     e.stop();
 }
+
+/// A stop string ends a choice where it starts, even though the output stage finds it beside the engine
+/// loop: the text stops before it, the reason is `Stop`, usage counts the tokens the client received,
+/// the choice's blocks are freed, and the other choices run on.
+#[test]
+fn a_stop_string_ends_its_choice_where_it_starts_and_frees_its_blocks() {
+    let model = model();
+    let e = engine(&model, 256, 512);
+    let p = prompt(&model, 20, 6);
+    // What the model says greedily, unstopped.
+    let (_g, rx) = submit(&e, GenerateRequest::greedy(p.clone(), 24));
+    let full = wait(&rx, 1);
+    let text = &full.texts[0];
+    // A stop string from the middle of that text (a few characters that start after the first token).
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() > 12, "{text:?}");
+    let stop: String = chars[8..11].iter().collect();
+    let expected: String = text[..text.find(&stop).unwrap()].to_string();
+
+    let mut r = GenerateRequest::greedy(p.clone(), 24);
+    r.stop = vec![stop.clone()];
+    r.n = 2;
+    r.sampling.temperature = 0.0;
+    let (_g, rx) = submit(&e, r);
+    let stopped = wait(&rx, 2);
+    for c in 0..2 {
+        assert_eq!(stopped.texts[c], expected, "stop {stop:?}");
+        assert_eq!(stopped.finish[c], Some(FinishReason::Stop));
+        assert!(stopped.tokens[c].len() < full.tokens[0].len());
+        assert_eq!(stopped.tokens[c], full.tokens[0][..stopped.tokens[c].len()]);
+    }
+    assert_eq!(
+        stopped.usage.completion_tokens as usize,
+        stopped.tokens.iter().map(Vec::len).sum::<usize>(),
+        "usage counts what the client received"
+    );
+    settle(&e);
+    assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
+    assert_eq!(metric(&e, "kura:num_requests_running"), 0.0);
+    e.stop();
+}
