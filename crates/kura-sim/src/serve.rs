@@ -1,4 +1,5 @@
-//! The server simulated: `kura bench`'s workloads and load shapes replayed through the engine's own
+//! The server simulated: `kura bench`'s workloads (closed loop) and traces (open loop, at their times)
+//! replayed through the engine's own
 //! [`Scheduler`] (admission, chunked prefill, early reuse of pending blocks, preemption, priorities), on
 //! the simulator's clock, with a [`CostModel`] for the time of each step instead of the model.
 //!
@@ -27,6 +28,7 @@ use serde::Serialize;
 
 use crate::cost::{CostModel, StepItem};
 use crate::replay::SimError;
+use crate::trace::TraceRequest;
 
 /// Template tokens of a ChatML message: `<|im_start|>role\n` … `<|im_end|>\n`.
 const IM_START: u32 = 1;
@@ -60,13 +62,28 @@ pub enum Workload {
         requests: usize,
         prompt_tokens: usize,
     },
+    /// A Mooncake-format trace replayed open loop: each request sent at its timestamp (times
+    /// `time_scale`), its prompt the trace's token ids (cut to `max_prompt_tokens`, no chat template),
+    /// its output the trace's length (cut to `max_output_tokens`).
+    Trace {
+        source: String,
+        #[serde(skip)]
+        requests: Vec<TraceRequest>,
+        time_scale: f64,
+        max_prompt_tokens: Option<usize>,
+        max_output_tokens: Option<usize>,
+    },
 }
 
-/// One client session: an optional system message, then user turns sent one after another.
+/// One client session: an optional system message, then user turns sent one after another; or, from a
+/// trace, one raw prompt sent at its time.
 #[derive(Debug, Clone)]
 struct Session {
     system: Option<Vec<u32>>,
     turns: Vec<Vec<u32>>,
+    /// Trace requests: when it is sent, and its output length (the prompt is the one turn, as is).
+    arrival_ms: Option<f64>,
+    output_tokens: Option<usize>,
 }
 
 struct Ids(u32);
@@ -85,6 +102,7 @@ impl Workload {
             Workload::SharedPrefix { .. } => "shared-prefix",
             Workload::MultiTurn { .. } => "multi-turn",
             Workload::Unique { .. } => "unique",
+            Workload::Trace { .. } => "trace",
         }
     }
 
@@ -111,6 +129,23 @@ impl Workload {
                 requests,
                 prompt_tokens,
             } => (vec![requests], vec![prompt_tokens]),
+            Workload::Trace {
+                ref requests,
+                time_scale,
+                max_prompt_tokens,
+                max_output_tokens,
+                ..
+            } => {
+                if !(time_scale.is_finite() && time_scale >= 0.0) {
+                    return Err(SimError::Config(format!(
+                        "--time-scale {time_scale} must be a finite number, 0 or more"
+                    )));
+                }
+                if max_prompt_tokens == Some(0) || max_output_tokens == Some(0) {
+                    return bad("--max-prompt-tokens and --max-output-tokens");
+                }
+                (vec![requests.len()], vec![])
+            }
         };
         if counts.contains(&0) {
             return bad(
@@ -145,6 +180,8 @@ impl Workload {
                         out.push(Session {
                             system: Some(system.clone()),
                             turns: vec![ids.take(question_tokens)],
+                            arrival_ms: None,
+                            output_tokens: None,
                         });
                     }
                 }
@@ -159,6 +196,8 @@ impl Workload {
                 .map(|_| Session {
                     system: (system_tokens > 0).then(|| ids.take(system_tokens)),
                     turns: (0..turns).map(|_| ids.take(user_tokens)).collect(),
+                    arrival_ms: None,
+                    output_tokens: None,
                 })
                 .collect(),
             Workload::Unique {
@@ -168,6 +207,31 @@ impl Workload {
                 .map(|_| Session {
                     system: Some(ids.take(prompt_tokens)),
                     turns: vec![CONTINUE.to_vec()],
+                    arrival_ms: None,
+                    output_tokens: None,
+                })
+                .collect(),
+            Workload::Trace {
+                ref requests,
+                time_scale,
+                max_prompt_tokens,
+                max_output_tokens,
+                ..
+            } => requests
+                .iter()
+                .map(|r| {
+                    let mut prompt = Vec::new();
+                    r.prompt_tokens(&mut prompt);
+                    if let Some(max) = max_prompt_tokens {
+                        prompt.truncate(max);
+                    }
+                    let output = r.output_length().max(1) as usize;
+                    Session {
+                        system: None,
+                        turns: vec![prompt],
+                        arrival_ms: Some(r.timestamp_ms() as f64 * time_scale),
+                        output_tokens: Some(max_output_tokens.map_or(output, |m| output.min(m))),
+                    }
                 })
                 .collect(),
         }
@@ -211,6 +275,7 @@ impl Dist {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ServeReport {
     pub workload: String,
+    /// Clients of the closed loop; 0 for a trace (open loop).
     pub concurrency: usize,
     pub requests: usize,
     pub failed: usize,
@@ -239,6 +304,7 @@ pub struct ServeSim {
 struct InFlight {
     session: usize,
     turn: usize,
+    output_tokens: usize,
     prompt: Vec<u32>,
     sent_at: f64,
     first_at: Option<f64>,
@@ -286,28 +352,50 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
     // the scheduler once it is through, and a step that has started does not see it.
     let mut frontend_free_ms = 0.0f64;
     let mut arriving: Vec<(f64, u64)> = Vec::new();
+    // Trace requests are sent at their times, whatever is in flight (open loop, as `kura bench trace`).
+    let open_loop = sessions.iter().any(|s| s.arrival_ms.is_some());
+    if open_loop {
+        report.concurrency = 0;
+    }
     loop {
-        while inflight.len() < sim.concurrency {
-            let Some((s, t)) = queue.pop_front() else {
+        while open_loop || inflight.len() < sim.concurrency {
+            let Some(&(s, t)) = queue.front() else {
                 break;
             };
-            let mut prompt = history[s].clone();
-            message(&mut prompt, ROLE_USER, &sessions[s].turns[t]);
-            prompt.extend_from_slice(&[IM_START, ROLE_ASSISTANT, NEWLINE]);
+            if sessions[s].arrival_ms.is_some_and(|at| at > now_ms) {
+                break;
+            }
+            queue.pop_front();
+            let session = &sessions[s];
+            let prompt = if session.arrival_ms.is_some() {
+                session.turns[t].clone()
+            } else {
+                let mut prompt = history[s].clone();
+                message(&mut prompt, ROLE_USER, &session.turns[t]);
+                prompt.extend_from_slice(&[IM_START, ROLE_ASSISTANT, NEWLINE]);
+                prompt
+            };
+            let output_tokens = session.output_tokens.unwrap_or(sim.output_tokens);
             let id = next_request;
             next_request += 1;
             prompt_tokens += prompt.len() as u64;
-            if prompt.len() + sim.output_tokens > sim.max_model_len {
+            if prompt.len() + output_tokens > sim.max_model_len {
                 return Err(SimError::Config(format!(
-                    "a {} request of {} prompt tokens and {} output tokens is longer than the \
-                     model's {} tokens",
+                    "a {} request of {} prompt tokens and {output_tokens} output tokens is longer than \
+                     the model's {} tokens{}",
                     workload.name(),
                     prompt.len(),
-                    sim.output_tokens,
-                    sim.max_model_len
+                    sim.max_model_len,
+                    if session.arrival_ms.is_some() {
+                        ": give --max-prompt-tokens and --max-output-tokens"
+                    } else {
+                        ""
+                    }
                 )));
             }
-            let ready = frontend_free_ms.max(now_ms) + sim.cost.frontend_ms(prompt.len());
+            // A trace request was sent at its time, which may lie inside the step just simulated.
+            let sent = session.arrival_ms.unwrap_or(now_ms);
+            let ready = frontend_free_ms.max(sent) + sim.cost.frontend_ms(prompt.len());
             frontend_free_ms = ready;
             arriving.push((ready, id));
             inflight.insert(
@@ -315,16 +403,24 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
                 InFlight {
                     session: s,
                     turn: t,
+                    output_tokens,
                     prompt,
-                    sent_at: now_ms,
+                    sent_at: sent,
                     first_at: None,
-                    last_at: now_ms,
+                    last_at: sent,
                     output: Vec::new(),
                 },
             );
         }
         if inflight.is_empty() {
-            break;
+            match queue.front() {
+                None => break,
+                // Idle until the next trace request is sent.
+                Some(&(s, _)) => {
+                    now_ms = now_ms.max(sessions[s].arrival_ms.unwrap_or(now_ms));
+                    continue;
+                }
+            }
         }
         if sched.is_idle() {
             // Nothing to step: the clock moves to the next request through the front end.
@@ -406,7 +502,7 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
             next_output_id += 1;
             r.output.push(token);
             report.output_tokens += 1;
-            if r.output.len() < sim.output_tokens {
+            if r.output.len() < r.output_tokens {
                 sched.push_token(item.seq, token);
                 continue;
             }

@@ -126,3 +126,40 @@ fn a_pool_that_cannot_hold_one_request_is_an_error() {
         "{err}"
     );
 }
+
+/// A trace replayed open loop: every request is sent at its time (an idle server waits for it), prompts
+/// with shared hash ids share cached blocks, and a faster replay of the same trace queues more.
+#[test]
+fn a_trace_is_sent_open_loop_at_its_times() {
+    use kura_sim::parse_line;
+    let lines = [
+        r#"{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}"#,
+        r#"{"timestamp": 60000, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}"#,
+        r#"{"timestamp": 60010, "input_length": 600, "output_length": 10, "hash_ids": [3, 4]}"#,
+    ];
+    let requests: Vec<_> = lines.iter().map(|l| parse_line(l).unwrap()).collect();
+    let trace = |time_scale: f64| Workload::Trace {
+        source: "test".into(),
+        requests: requests.clone(),
+        time_scale,
+        max_prompt_tokens: None,
+        max_output_tokens: Some(8),
+    };
+    let r = simulate(&trace(1.0), &sim(4096, 1, true)).unwrap();
+    assert_eq!((r.requests, r.concurrency), (3, 0));
+    assert_eq!(r.output_tokens, 3 * 8);
+    // The second request, a minute later, finds the first one's 62 whole blocks (992 tokens).
+    assert!(
+        (r.cached_ratio - 992.0 / 2600.0).abs() < 1e-9,
+        "{}",
+        r.cached_ratio
+    );
+    // The run lasts as long as the trace: the server idles until the second request.
+    assert!(r.duration_s > 60.0, "{}", r.duration_s);
+    // Sent at once, the three queue behind each other.
+    let fast = simulate(&trace(0.0), &sim(4096, 1, true)).unwrap();
+    assert!(
+        fast.duration_s < 10.0 && fast.ttft_ms.p99 > r.ttft_ms.p99,
+        "{fast:?} vs {r:?}"
+    );
+}

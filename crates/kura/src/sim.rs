@@ -24,6 +24,8 @@ enum WorkloadArg {
     SharedPrefix,
     MultiTurn,
     Unique,
+    /// The `--trace` file, open loop: each request sent at its timestamp (times `--time-scale`).
+    Trace,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -118,6 +120,16 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1050)]
     prompt_tokens: usize,
 
+    /// trace: arrival times are multiplied by this (0.1 replays ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// trace: prompts are cut to this many tokens (for models with short contexts).
+    #[arg(long)]
+    max_prompt_tokens: Option<usize>,
+    /// trace: outputs are cut to this many tokens.
+    #[arg(long)]
+    max_output_tokens: Option<usize>,
+
     /// Time forward steps of the real model and write the fitted cost model to `--cost` (or print it).
     #[arg(long)]
     calibrate: bool,
@@ -193,13 +205,30 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
             requests: args.requests,
             prompt_tokens: args.prompt_tokens,
         },
+        WorkloadArg::Trace => {
+            if args.limit == Some(0) {
+                bail!("--limit 0 replays no request: give at least 1, or leave it out");
+            }
+            Workload::Trace {
+                source: args.trace.display().to_string(),
+                requests: load_trace_limited(&args.trace, args.limit)?,
+                time_scale: args.time_scale,
+                max_prompt_tokens: args.max_prompt_tokens,
+                max_output_tokens: args.max_output_tokens,
+            }
+        }
     };
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         bail!("--concurrency takes one or more counts of at least 1");
     }
     let cost = CostModel::load(&args.cost)?;
     let mut reports = Vec::new();
-    for &concurrency in &args.concurrency {
+    // A trace is open loop: one run, whatever --concurrency says.
+    let loads = match w {
+        WorkloadArg::Trace => &args.concurrency[..1],
+        _ => &args.concurrency[..],
+    };
+    for &concurrency in loads {
         let sim = ServeSim {
             scheduler: SchedulerConfig {
                 block_size_tokens: args.block_size,
@@ -242,9 +271,12 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
     println!("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | out tok/s | cached | preemptions |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &reports {
+        let clients = match r.concurrency {
+            0 => "open loop".to_string(),
+            n => n.to_string(),
+        };
         println!(
-            "| {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} % | {} |",
-            r.concurrency,
+            "| {clients} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} % | {} |",
             r.requests,
             r.ttft_ms.p50,
             r.ttft_ms.p99,
