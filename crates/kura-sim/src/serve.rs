@@ -1,7 +1,7 @@
 //! The server simulated: `kura bench`'s workloads (closed loop) and traces (open loop, at their times)
-//! replayed through the engine's own
-//! [`Scheduler`] (admission, chunked prefill, early reuse of pending blocks, preemption, priorities), on
-//! the simulator's clock, with a [`CostModel`] for the time of each step instead of the model.
+//! replayed through the engine's own [`Scheduler`] (admission, chunked prefill, early reuse of pending
+//! blocks, preemption, priorities), on the simulator's clock, with a [`CostModel`] for the time of each
+//! step instead of the model.
 //!
 //! ```text
 //!  clients (closed loop: at most `concurrency` requests in flight, FIFO; a session's turns in order)
