@@ -216,6 +216,14 @@ impl Outbox {
         }
     }
 
+    /// Waits until the output stage has handled everything sent.
+    fn flush(&self) {
+        let deadline = Instant::now() + OUTPUT_WAIT;
+        while self.done.load(Ordering::Acquire) < self.sent && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+    }
+
     fn end_step(&mut self) {
         self.marks = [self.marks[1], self.sent];
     }
@@ -243,6 +251,8 @@ impl Core {
             Ok(()) => {
                 self.fail_all(RequestError::ShuttingDown);
                 self.update_gauges();
+                // Every client has its last event before the exit is visible.
+                self.out.flush();
                 self.shared.set_exit(EngineExit::Stopped);
             }
             Err(payload) => {
