@@ -4,7 +4,8 @@
 //! ```text
 //!  step ms = base_ms + per_token_ms · Σ tokens + per_seq_ms · items
 //!          + per_prefill_attention_ms · Σ_prefill tokens · (start + tokens / 2) / 10⁶
-//!          + per_decode_context_ms · Σ_decode (start + 1) / 10⁶
+//!          + per_decode_context_ms · Σ_decode (start + 1 − shared) / 10⁶
+//!          + per_shared_context_ms · Σ_decode shared / 10⁶
 //! ```
 //!
 //! The token term is the weights' matrix products (proportional to the tokens of the step), the item term
@@ -12,7 +13,9 @@
 //! terms the scores against the context, and the base the rest (one pass over the weights for a small
 //! batch is in the base and the token term together). Attention is two terms because a prompt chunk reads
 //! each K/V row once for all its tokens, while each decode token reads its whole context for itself: per
-//! (token, position) pair, decode costs several times what prefill does.
+//! (token, position) pair, decode costs several times what prefill does. A decode token's context splits in
+//! two: positions in blocks no earlier item of the step reads, and positions in blocks another item has
+//! just read (a shared prefix), which the CPU's caches still hold and which cost less.
 
 use std::path::Path;
 
@@ -20,12 +23,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::replay::SimError;
 
-/// A step's shape, as the cost model reads it: per item, the tokens computed and the position of the
-/// first of them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A step's shape, as the cost model reads it: per item, the tokens computed, the position of the first
+/// of them, and how many of its context positions lie in blocks an earlier item of the step also reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StepItem {
     pub start: usize,
     pub tokens: usize,
+    pub shared: usize,
 }
 
 /// The fitted coefficients, and where they were measured.
@@ -37,8 +41,13 @@ pub struct CostModel {
     pub per_seq_ms: f64,
     /// Per million (token, context position) pairs of items of more than one token.
     pub per_prefill_attention_ms: f64,
-    /// Per million context positions read by items of one token (decode steps).
+    /// Per million context positions read by items of one token (decode steps), in blocks no earlier
+    /// item of the step reads.
     pub per_decode_context_ms: f64,
+    /// Per million context positions of decode steps in blocks an earlier item of the step read; absent:
+    /// as `per_decode_context_ms` (a model calibrated without shared blocks).
+    #[serde(default)]
+    pub per_shared_context_ms: Option<f64>,
     /// The front end's time per prompt token (chat template and tokenizer), before a request reaches the
     /// scheduler; requests pass the front end one at a time.
     #[serde(default)]
@@ -49,7 +58,7 @@ pub struct CostModel {
 }
 
 /// Number of coefficients.
-const N: usize = 5;
+const N: usize = 6;
 
 /// The features of a step, in the order of the coefficients.
 pub fn features(items: &[StepItem]) -> [f64; N] {
@@ -59,17 +68,18 @@ pub fn features(items: &[StepItem]) -> [f64; N] {
         .filter(|i| i.tokens > 1)
         .map(|i| i.tokens as f64 * (i.start as f64 + i.tokens as f64 / 2.0))
         .sum();
-    let decode: f64 = items
-        .iter()
-        .filter(|i| i.tokens == 1)
-        .map(|i| i.start as f64 + 1.0)
+    let decode = items.iter().filter(|i| i.tokens == 1);
+    let shared: f64 = decode.clone().map(|i| i.shared.min(i.start) as f64).sum();
+    let distinct: f64 = decode
+        .map(|i| (i.start - i.shared.min(i.start)) as f64 + 1.0)
         .sum();
     [
         1.0,
         tokens as f64,
         items.len() as f64,
         prefill / 1e6,
-        decode / 1e6,
+        distinct / 1e6,
+        shared / 1e6,
     ]
 }
 
@@ -93,6 +103,8 @@ impl CostModel {
             self.per_seq_ms,
             self.per_prefill_attention_ms,
             self.per_decode_context_ms,
+            self.per_shared_context_ms
+                .unwrap_or(self.per_decode_context_ms),
         ]
     }
 
@@ -125,6 +137,7 @@ impl CostModel {
                         per_seq_ms: c[2],
                         per_prefill_attention_ms: c[3],
                         per_decode_context_ms: c[4],
+                        per_shared_context_ms: active[5].then_some(c[5]),
                         frontend_ms_per_token: 0.0,
                         measured_on,
                     })
@@ -154,6 +167,10 @@ impl CostModel {
             ("per_seq_ms", self.per_seq_ms),
             ("per_prefill_attention_ms", self.per_prefill_attention_ms),
             ("per_decode_context_ms", self.per_decode_context_ms),
+            (
+                "per_shared_context_ms",
+                self.per_shared_context_ms.unwrap_or(0.0),
+            ),
             ("frontend_ms_per_token", self.frontend_ms_per_token),
         ] {
             if !(v.is_finite() && v >= 0.0) {
@@ -226,7 +243,11 @@ mod tests {
     use super::*;
 
     fn item(start: usize, tokens: usize) -> StepItem {
-        StepItem { start, tokens }
+        StepItem {
+            start,
+            tokens,
+            shared: 0,
+        }
     }
 
     #[test]
@@ -237,6 +258,7 @@ mod tests {
             per_seq_ms: 0.25,
             per_prefill_attention_ms: 2.0,
             per_decode_context_ms: 7.0,
+            per_shared_context_ms: Some(1.5),
             frontend_ms_per_token: 0.0,
             measured_on: String::new(),
         };
@@ -248,6 +270,27 @@ mod tests {
             vec![item(900, 1); 16],
             vec![item(0, 64), item(300, 1), item(400, 1)],
             vec![item(2000, 1); 4],
+            // One item reads a 1,000-token prefix, three more read it again.
+            std::iter::once(item(1000, 1))
+                .chain(std::iter::repeat_n(
+                    StepItem {
+                        start: 1000,
+                        tokens: 1,
+                        shared: 992,
+                    },
+                    3,
+                ))
+                .collect(),
+            std::iter::once(item(300, 1))
+                .chain(std::iter::repeat_n(
+                    StepItem {
+                        start: 300,
+                        tokens: 1,
+                        shared: 288,
+                    },
+                    7,
+                ))
+                .collect(),
         ];
         let samples: Vec<_> = shapes
             .into_iter()
@@ -266,6 +309,10 @@ mod tests {
                 truth.per_prefill_attention_ms,
             ),
             (fitted.per_decode_context_ms, truth.per_decode_context_ms),
+            (
+                fitted.per_shared_context_ms.unwrap(),
+                truth.per_shared_context_ms.unwrap(),
+            ),
         ] {
             assert!((a - b).abs() < 1e-6, "{fitted:?}");
         }

@@ -19,7 +19,7 @@
 //! assistant's message. The figures are what `kura bench` reports for the same workload: TTFT, ITL, E2E,
 //! output tokens per second of the run, cached prompt tokens.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use kura_engine::{SchedEvent, Scheduler, SchedulerConfig};
@@ -470,12 +470,22 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
             continue;
         }
         idle_passes = 0;
+        // Context blocks an earlier item of the step already read (a shared prefix) are counted apart.
+        let bs = sim.scheduler.block_size_tokens;
+        let mut read: HashSet<u32> = HashSet::new();
         let shape: Vec<StepItem> = plan
             .items
             .iter()
-            .map(|i| StepItem {
-                start: i.start,
-                tokens: i.end - i.start,
+            .map(|i| {
+                let table = sched.block_table(i.seq);
+                let context_blocks = &table[..(i.start / bs).min(table.len())];
+                let shared = context_blocks.iter().filter(|b| read.contains(b)).count() * bs;
+                read.extend(context_blocks.iter().copied());
+                StepItem {
+                    start: i.start,
+                    tokens: i.end - i.start,
+                    shared,
+                }
             })
             .collect();
         now_ms += sim.cost.step_ms(&shape);

@@ -25,6 +25,7 @@ fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim 
             per_seq_ms: 0.3,
             per_prefill_attention_ms: 1.0,
             per_decode_context_ms: 3.0,
+            per_shared_context_ms: Some(1.0),
             frontend_ms_per_token: 0.005,
             measured_on: "test".into(),
         },

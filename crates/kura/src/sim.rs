@@ -294,7 +294,11 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
 /// The step shapes timed by `--calibrate`: prompts of several lengths and offsets, decode batches at
 /// several contexts, and prompts mixed with decode tokens, as the scheduler makes them.
 fn calibration_shapes() -> Vec<Vec<StepItem>> {
-    let item = |start, tokens| StepItem { start, tokens };
+    let item = |start, tokens| StepItem {
+        start,
+        tokens,
+        shared: 0,
+    };
     let mut shapes = Vec::new();
     for n in [16, 64, 128, 256, 512, 1024] {
         shapes.push(vec![item(0, n)]);
@@ -305,6 +309,20 @@ fn calibration_shapes() -> Vec<Vec<StepItem>> {
     for batch in [1, 2, 4, 8, 16] {
         for context in [64, 512, 1024, 2048] {
             shapes.push(vec![item(context, 1); batch]);
+        }
+    }
+    for batch in [4, 8, 16] {
+        for context in [512, 1024, 2048] {
+            let mut s = vec![item(context, 1)];
+            s.extend(std::iter::repeat_n(
+                StepItem {
+                    start: context,
+                    tokens: 1,
+                    shared: context,
+                },
+                batch - 1,
+            ));
+            shapes.push(s);
         }
     }
     for (decode, context, chunk) in [(7, 512, 256), (3, 256, 64), (7, 1100, 1024), (15, 300, 128)] {
@@ -371,16 +389,26 @@ fn calibrate(args: &SimArgs) -> Result<()> {
     let mut samples = Vec::new();
     for shape in &shapes {
         // Each item its own blocks; the tokens are any ids, their values do not change the time.
+        // (A shared item's context is the first item's blocks; its own token goes to a block of its own:
+        // the shapes' contexts are whole blocks.)
         let mut next = 0u32;
-        let tables: Vec<Vec<u32>> = shape
-            .iter()
-            .map(|i| {
-                let n = (i.start + i.tokens).div_ceil(bs) as u32;
+        let mut tables: Vec<Vec<u32>> = Vec::new();
+        for i in shape {
+            let n = (i.start + i.tokens).div_ceil(bs) as u32;
+            let table: Vec<u32> = if i.shared > 0 {
+                let keep = (i.shared / bs).min(tables[0].len());
+                let own = n - keep as u32;
+                let mut t = tables[0][..keep].to_vec();
+                t.extend(next..next + own);
+                next += own;
+                t
+            } else {
                 let t = (next..next + n).collect();
                 next += n;
                 t
-            })
-            .collect();
+            };
+            tables.push(table);
+        }
         let tokens: Vec<Vec<u32>> = shape
             .iter()
             .map(|i| (0..i.tokens as u32).map(|t| 100 + t % 1000).collect())
