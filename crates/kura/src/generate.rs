@@ -9,13 +9,10 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Args;
 use kura_kv::codec::KvDtype;
-use kura_model::{
-    ChatMessage, IncrementalDecoder, LoadOptions, Model, Sampler, SamplingParams, SoloRun,
-    WeightsDtype,
-};
+use kura_model::{ChatMessage, IncrementalDecoder, Sampler, SamplingParams, SoloRun, WeightsDtype};
 use serde::Serialize;
 
 #[derive(Debug, Args)]
@@ -99,13 +96,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     sampling.validate().map_err(anyhow::Error::msg)?;
 
     let t_load = Instant::now();
-    let model = Model::load_with(
-        &path,
-        LoadOptions {
-            weights_dtype: args.weights_dtype,
-        },
-    )
-    .with_context(|| format!("loading {}", path.display()))?;
+    let model = crate::setup::load_model(&path, args.weights_dtype)?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
 
     let tok = model.tokenizer();

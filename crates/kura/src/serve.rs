@@ -12,7 +12,7 @@ use kura_engine::{start_engine, EngineConfig, ModelCodec, ModelExecutor, Schedul
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
 use kura_kv::units::{format_bytes, parse_bytes};
-use kura_model::{LoadOptions, Model, WeightsDtype};
+use kura_model::WeightsDtype;
 use kura_server::{ConnLimits, ServerConfig};
 
 use crate::memory::{kv_budget_bytes, KvMemoryRequest};
@@ -225,15 +225,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
     let path = crate::setup::model_path(args.model.as_ref())?;
     let load_start = Instant::now();
-    let model = Arc::new(
-        Model::load_with(
-            &path,
-            LoadOptions {
-                weights_dtype: args.weights_dtype,
-            },
-        )
-        .with_context(|| format!("loading the model {}", path.display()))?,
-    );
+    let model = Arc::new(crate::setup::load_model(&path, args.weights_dtype)?);
     tracing::info!(
         model = %path.display(),
         load_ms = load_start.elapsed().as_millis() as u64,

@@ -1,8 +1,9 @@
-//! Start-up steps shared by the subcommands that run the model (`generate`, `serve`).
+//! Start-up steps shared by the subcommands that run the model (`generate`, `serve`, `sim --calibrate`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use kura_model::{LoadOptions, Model, WeightsDtype};
 
 /// Sizes the forward pass's thread pool when `--threads` is given.
 pub fn threads(threads: Option<usize>) -> Result<()> {
@@ -29,4 +30,10 @@ pub fn model_path(model: Option<&PathBuf>) -> Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+/// Loads the model at `path` with its weights kept in `weights_dtype`; the error names the file.
+pub fn load_model(path: &Path, weights_dtype: WeightsDtype) -> Result<Model> {
+    Model::load_with(path, LoadOptions { weights_dtype })
+        .with_context(|| format!("loading the model {}", path.display()))
 }

@@ -4,7 +4,6 @@
 //! `--calibrate`, times forward steps of the real model and fits that cost model.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -13,7 +12,7 @@ use kura_engine::{SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS}
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
 use kura_kv::EvictionPolicy;
-use kura_model::{ChatMessage, LoadOptions, Model, SeqBatchItem, WeightsDtype};
+use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
 use kura_sim::{
     load_trace_limited, replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem,
     Workload,
@@ -370,15 +369,7 @@ fn calibrate(args: &SimArgs) -> Result<()> {
     }
     crate::setup::threads(args.threads)?;
     let path = crate::setup::model_path(args.model.as_ref())?;
-    let model = Arc::new(
-        Model::load_with(
-            &path,
-            LoadOptions {
-                weights_dtype: args.weights_dtype,
-            },
-        )
-        .with_context(|| format!("loading the model {}", path.display()))?,
-    );
+    let model = crate::setup::load_model(&path, args.weights_dtype)?;
     let shapes = calibration_shapes();
     let bs = args.block_size;
     let blocks_of =
