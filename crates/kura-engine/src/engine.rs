@@ -206,7 +206,11 @@ impl Outbox {
 
     /// Waits until the output stage has handled the messages of the step before last.
     fn catch_up(&self) {
-        let target = self.marks[0];
+        self.wait_for(self.marks[0]);
+    }
+
+    /// Waits (at most `OUTPUT_WAIT`) until the output stage has handled `target` messages.
+    fn wait_for(&self, target: u64) {
         if self.done.load(Ordering::Acquire) >= target {
             return;
         }
@@ -218,10 +222,7 @@ impl Outbox {
 
     /// Waits until the output stage has handled everything sent.
     fn flush(&self) {
-        let deadline = Instant::now() + OUTPUT_WAIT;
-        while self.done.load(Ordering::Acquire) < self.sent && Instant::now() < deadline {
-            std::thread::yield_now();
-        }
+        self.wait_for(self.sent);
     }
 
     fn end_step(&mut self) {

@@ -257,13 +257,7 @@ fn draw(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
     if p.min_p > 0.0 {
         // The most likely candidate has weight 1: the survivors weigh at least min_p.
         let mut j = 0;
-        loop {
-            if keep.is_some_and(|kp| j >= kp) {
-                break;
-            }
-            if !reach(&mut order, j) {
-                break;
-            }
+        while keep.is_none_or(|kp| j < kp) && reach(&mut order, j) {
             if j > 0 && weight(order[j]) < p.min_p {
                 keep = Some(j);
                 break;
@@ -277,13 +271,7 @@ fn draw(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
     };
     let mut r = u * total;
     let mut j = 0;
-    loop {
-        if keep.is_some_and(|kp| j >= kp) {
-            break;
-        }
-        if !reach(&mut order, j) {
-            break;
-        }
+    while keep.is_none_or(|kp| j < kp) && reach(&mut order, j) {
         let pr = prob(order[j]);
         if r < pr {
             return order[j] as u32;

@@ -32,6 +32,22 @@ pub struct StepItem {
     pub shared: usize,
 }
 
+impl StepItem {
+    /// A decode step of `batch` sequences at `context`: the first reads its context alone, the others
+    /// read again `shared` of those positions (a common prefix).
+    pub fn decode_sharing(context: usize, shared: usize, batch: usize) -> Vec<StepItem> {
+        let first = StepItem {
+            start: context,
+            tokens: 1,
+            shared: 0,
+        };
+        let again = StepItem { shared, ..first };
+        std::iter::once(first)
+            .chain(std::iter::repeat_n(again, batch.saturating_sub(1)))
+            .collect()
+    }
+}
+
 /// The fitted coefficients, and where they were measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -271,26 +287,8 @@ mod tests {
             vec![item(0, 64), item(300, 1), item(400, 1)],
             vec![item(2000, 1); 4],
             // One item reads a 1,000-token prefix, three more read it again.
-            std::iter::once(item(1000, 1))
-                .chain(std::iter::repeat_n(
-                    StepItem {
-                        start: 1000,
-                        tokens: 1,
-                        shared: 992,
-                    },
-                    3,
-                ))
-                .collect(),
-            std::iter::once(item(300, 1))
-                .chain(std::iter::repeat_n(
-                    StepItem {
-                        start: 300,
-                        tokens: 1,
-                        shared: 288,
-                    },
-                    7,
-                ))
-                .collect(),
+            StepItem::decode_sharing(1000, 992, 4),
+            StepItem::decode_sharing(300, 288, 8),
         ];
         let samples: Vec<_> = shapes
             .into_iter()

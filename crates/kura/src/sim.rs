@@ -312,16 +312,7 @@ fn calibration_shapes() -> Vec<Vec<StepItem>> {
     }
     for batch in [4, 8, 16] {
         for context in [512, 1024, 2048] {
-            let mut s = vec![item(context, 1)];
-            s.extend(std::iter::repeat_n(
-                StepItem {
-                    start: context,
-                    tokens: 1,
-                    shared: context,
-                },
-                batch - 1,
-            ));
-            shapes.push(s);
+            shapes.push(StepItem::decode_sharing(context, context, batch));
         }
     }
     for (decode, context, chunk) in [(7, 512, 256), (3, 256, 64), (7, 1100, 1024), (15, 300, 128)] {
