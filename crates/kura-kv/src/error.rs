@@ -31,6 +31,10 @@ pub enum KvError {
     NotWriter { seq: SeqId, block: u32 },
     #[error("{seq:?} cannot be forked with {uncomputed} uncomputed tokens")]
     ForkUncomputed { seq: SeqId, uncomputed: usize },
+    #[error("the prefix hit is stale: the {tier} tier's slot {slot} changed since the lookup (look up again)")]
+    StaleTierHit { tier: &'static str, slot: u32 },
+    #[error("block {0} is not being loaded from a tier")]
+    UnknownLoad(u32),
     #[error("unknown or released pin {0}")]
     UnknownPin(u32),
     #[error("retention range [{start}, {end}) is empty or priority {priority} exceeds {max}")]

@@ -15,6 +15,7 @@ pub mod pool;
 pub mod prefix;
 pub mod stats;
 pub mod storage;
+pub mod tier;
 pub mod units;
 
 pub use error::KvError;
@@ -27,4 +28,5 @@ pub use manager::{
 };
 pub use pool::{BlockId, DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use prefix::PrefixHit;
-pub use stats::{KvStats, KvUsage};
+pub use stats::{KvStats, KvUsage, TierUsage};
+pub use tier::{OffloadPolicy, Tier, TierBlock, TierConfig, TierMove};

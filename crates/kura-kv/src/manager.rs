@@ -53,6 +53,7 @@ use crate::hash::{BlockHash, BlockHasher, CacheKey};
 use crate::pool::{BlockId, BlockPool, NO_WRITER, ORPHAN};
 use crate::prefix::{PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
+use crate::tier::{Tier, TierConfig, TierIndex, TierMove};
 
 pub use crate::layout::MAX_BLOCK_SIZE;
 
@@ -72,6 +73,8 @@ pub struct KvCacheConfig {
     pub hash_bits: u32,
     /// Buffer [`KvEvent`]s for [`KvCacheManager::drain_events`].
     pub record_events: bool,
+    /// Lower tiers (host memory, disk) that evicted blocks go down to; off by default.
+    pub tiers: TierConfig,
 }
 
 impl KvCacheConfig {
@@ -85,6 +88,7 @@ impl KvCacheConfig {
             hash_seed: None,
             hash_bits: 128,
             record_events: false,
+            tiers: TierConfig::default(),
         }
     }
 
@@ -218,6 +222,16 @@ pub struct KvCacheManager {
     stats: KvStats,
     events: Vec<KvEvent>,
     hook: Option<Box<dyn EvictionHook>>,
+    /// The host tier's (L2) and the disk tier's (L3) indexes, when configured.
+    host: Option<TierIndex>,
+    disk: Option<TierIndex>,
+    /// Moves of block bytes decided since the last drain, in the order they must run.
+    moves: Vec<TierMove>,
+    /// Blocks of the pool being loaded from a tier: block → (tier, slot, load group).
+    loads: std::collections::HashMap<BlockId, (Tier, u32, u32)>,
+    /// The loader's references, per allocation that issued loads (see `manager_tier`).
+    load_groups: std::collections::HashMap<u32, tier::LoadGroup>,
+    next_load_group: u32,
 }
 
 impl std::fmt::Debug for KvCacheManager {
@@ -249,6 +263,14 @@ impl KvCacheManager {
             stats: KvStats::default(),
             events: Vec::new(),
             hook: None,
+            host: (config.tiers.host_blocks > 0)
+                .then(|| TierIndex::new(Tier::Host, config.tiers.host_blocks)),
+            disk: (config.tiers.disk_blocks > 0)
+                .then(|| TierIndex::new(Tier::Disk, config.tiers.disk_blocks)),
+            moves: Vec::new(),
+            loads: std::collections::HashMap::new(),
+            load_groups: std::collections::HashMap::new(),
+            next_load_group: 0,
             config,
         })
     }
@@ -340,6 +362,7 @@ impl KvCacheManager {
         };
         self.index
             .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+        self.lookup_tiers(key_id, tokens, &mut hit);
         self.stats.prefix_hit_tokens += hit.num_cached_tokens() as u64;
         self.stats.prefix_hit_blocks += hit.blocks.len() as u64;
         if hit.partial.is_some() {
@@ -368,7 +391,7 @@ impl KvCacheManager {
     ) -> Result<Option<Allocation>, KvError> {
         let bs = self.config.block_size;
         let seq = self.seq(id)?;
-        let hit = hit.filter(|h| !h.blocks.is_empty() || h.partial.is_some());
+        let hit = hit.filter(|h| !h.blocks.is_empty() || h.partial.is_some() || !h.tier.is_empty());
         if let Some(h) = hit {
             self.validate_hit(id, seq, h)?;
         }
@@ -402,7 +425,10 @@ impl KvCacheManager {
         self.clock += 1;
         let mut alloc = Allocation::default();
         if let Some(h) = hit {
+            // The tier blocks first: attaching the pool's blocks may write through and evict below.
+            self.reserve_tier(h);
             self.attach_hit(id, h, &mut alloc)?;
+            self.attach_tier(id, h, &mut alloc)?;
         } else {
             self.copy_on_write_last(id, &mut alloc)?;
         }
@@ -625,3 +651,5 @@ mod check;
 mod release;
 #[path = "manager_retain.rs"]
 mod retain;
+#[path = "manager_tier.rs"]
+mod tier;

@@ -32,7 +32,7 @@ impl KvCacheManager {
                 return Err(KvError::StaleHit { block: b });
             }
         }
-        Ok(())
+        self.validate_tier_hit(h)
     }
 
     pub(super) fn attach_hit(
@@ -47,8 +47,13 @@ impl KvCacheManager {
             if self.pool.incref(b) {
                 self.num_idle -= 1;
             }
-            if usize::from(self.pool.meta[b as usize].computed) < bs {
+            let m = &mut self.pool.meta[b as usize];
+            if usize::from(m.computed) < bs {
                 self.stats.pending_waits += 1;
+            } else {
+                m.hits = m.hits.saturating_add(1);
+                let hits = m.hits;
+                self.on_block_used(b, hits);
             }
             if retained {
                 self.apply_retention(id, i, b)?;

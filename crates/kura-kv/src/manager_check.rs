@@ -130,6 +130,11 @@ impl KvCacheManager {
                 }
             }
         }
+        for g in self.load_groups.values() {
+            for &b in &g.blocks {
+                refs[b as usize] += 1; // the loader's references
+            }
+        }
         let mut pins = vec![0u32; n];
         for p in self.pins.iter().filter_map(|(_, p)| p.as_ref()) {
             for &b in &p.blocks {
@@ -172,7 +177,8 @@ impl KvCacheManager {
                     m.computed, m.filled
                 ));
             }
-            if m.writer != NO_WRITER && !writers.contains_key(&m.writer) {
+            let loading = m.writer == super::tier::LOADER && self.loads.contains_key(&(b as u32));
+            if m.writer != NO_WRITER && !loading && !writers.contains_key(&m.writer) {
                 return Err(format!(
                     "block {b}: writer {} is not a live sequence",
                     m.writer
@@ -213,7 +219,8 @@ impl KvCacheManager {
                 if cm.ref_count > 0 && m.ref_count == 0 {
                     return Err(format!("child {c} referenced while its parent {b} is not"));
                 }
-                if cm.computed > 0 && usize::from(m.computed) < bs {
+                // (With tiers, a loaded child may arrive before its parent, whose load may fail.)
+                if cm.computed > 0 && usize::from(m.computed) < bs && !self.config.tiers.enabled() {
                     return Err(format!("child {c} computed before its parent {b}"));
                 }
                 count += 1;
@@ -228,7 +235,10 @@ impl KvCacheManager {
             match m.parent {
                 NO_BLOCK => {}
                 ORPHAN => {
-                    if self.config.eviction_policy == EvictionPolicy::LeafLru {
+                    // (A failed load abandoned by its requester orphans the children loaded after it.)
+                    if self.config.eviction_policy == EvictionPolicy::LeafLru
+                        && !self.config.tiers.enabled()
+                    {
                         return Err(format!("block {b} orphaned under leaf-first eviction"));
                     }
                 }
@@ -251,6 +261,7 @@ impl KvCacheManager {
             ));
         }
         self.index.check_groups(&self.pool)?;
+        self.check_tiers()?;
         if indexed != self.index.len() {
             return Err(format!(
                 "index holds {} entries but {indexed} blocks are indexed",

@@ -32,6 +32,10 @@ impl KvCacheManager {
         } else if m.indexed {
             // Pending and abandoned: there is no KV to keep.
             assert!(m.pin_count == 0, "pending block {b} was pinned");
+            if m.num_children > 0 {
+                // Only after a failed load: its children (loaded) become unreachable orphans.
+                self.index.orphan_children(&mut self.pool, b);
+            }
             let parent = self.index.remove(&mut self.pool, b);
             self.pool.push_free(b);
             if parent != NO_BLOCK {
@@ -52,6 +56,7 @@ impl KvCacheManager {
                     .evictor
                     .pop(&mut self.pool.meta)
                     .expect("capacity was checked: an idle block must be evictable");
+                self.demote(b);
                 self.drop_cached(b);
                 self.stats.evictions += 1;
                 self.pool.reset(b);
@@ -98,6 +103,7 @@ impl KvCacheManager {
             return;
         }
         m.announced = true;
+        let hits = m.hits;
         if self.config.record_events {
             let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
             self.events.push(KvEvent::Stored {
@@ -106,6 +112,7 @@ impl KvCacheManager {
                 block: b,
             });
         }
+        self.on_block_used(b, hits);
     }
 
     /// Drops every idle cached block (pinned and referenced ones stay). Returns how many were dropped.

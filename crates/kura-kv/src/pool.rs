@@ -83,6 +83,8 @@ pub(crate) struct BlockMeta {
     /// match; see `prefix`).
     pub next_in_group: BlockId,
     pub prev_in_group: BlockId,
+    /// Times a lookup attached this block while it was cached (for write-through after N hits).
+    pub hits: u32,
 }
 
 impl BlockMeta {
@@ -101,6 +103,7 @@ impl BlockMeta {
             prev_sibling: NO_BLOCK,
             next_in_group: NO_BLOCK,
             prev_in_group: NO_BLOCK,
+            hits: 0,
             num_children: 0,
             key_id: 0,
             writer: NO_WRITER,

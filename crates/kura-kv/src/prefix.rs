@@ -26,6 +26,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::hash::{BlockHash, BlockHasher, CacheKey};
 use crate::pool::{BlockId, BlockPool, NO_BLOCK, ORPHAN};
+use crate::tier::Tier;
 
 /// Hashes a key that is already a uniformly random 128-bit hash by folding it to 64 bits.
 #[derive(Default)]
@@ -73,15 +74,23 @@ pub struct PrefixHit {
     pub(crate) num_pending: usize,
     /// A cached block whose first `num_tokens` tokens equal the prompt's next tokens: (block, identity, n).
     pub(crate) partial: Option<(BlockId, u32, usize)>,
+    /// Full blocks after `blocks` found in a lower tier: (tier, slot, hash). They are loaded into fresh
+    /// blocks, which the sequence waits for as for pending ones.
+    pub(crate) tier: Vec<(Tier, u32, BlockHash)>,
 }
 
 impl PrefixHit {
     /// Tokens served from the cache: full blocks plus the partially reused block's matching tokens.
     pub fn num_cached_tokens(&self) -> usize {
-        self.blocks.len() * self.block_size + self.partial_tokens()
+        (self.blocks.len() + self.tier.len()) * self.block_size + self.partial_tokens()
     }
 
-    /// Number of full blocks hit.
+    /// Number of full blocks found in `tier` (to be loaded), after the blocks found in the pool.
+    pub fn num_tier_blocks(&self, tier: Tier) -> usize {
+        self.tier.iter().filter(|(t, _, _)| *t == tier).count()
+    }
+
+    /// Number of full blocks hit in the pool (those of lower tiers not counted).
     pub fn num_full_blocks(&self) -> usize {
         self.blocks.len()
     }
@@ -379,6 +388,7 @@ impl PrefixIndex {
         hit.blocks.clear();
         hit.num_pending = 0;
         hit.partial = None;
+        hit.tier.clear();
         let mut parent_hash = self.key_hash(key_id);
         let mut parent = NO_BLOCK;
         for chunk in tokens.chunks_exact(bs) {

@@ -29,6 +29,30 @@ pub struct KvStats {
     pub block_copies: u64,
     /// Block operations: allocations, attachments and releases of one block each.
     pub block_ops: u64,
+    /// Full blocks found in the host tier (L2) and attached by a load.
+    pub host_hit_blocks: u64,
+    /// Full blocks found on disk (L3) and attached by a load.
+    pub disk_hit_blocks: u64,
+    /// Blocks copied from the pool into the host tier (on eviction, write-through or swap).
+    pub host_stores: u64,
+    /// Blocks written to disk.
+    pub disk_stores: u64,
+    /// Blocks evicted from the host tier (written to disk first when there is one).
+    pub host_evictions: u64,
+    /// Blocks evicted from disk.
+    pub disk_evictions: u64,
+    /// Blocks that could not go down because the tier was full of blocks being loaded.
+    pub tier_full_drops: u64,
+    /// Loads that failed (a stored block that did not verify: checksum, header, missing file); the
+    /// block was removed from its tier and computed instead.
+    pub load_failures: u64,
+}
+
+/// Blocks held by a lower tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    pub capacity_blocks: u32,
+    pub used_blocks: u32,
 }
 
 /// Where the blocks are right now.
