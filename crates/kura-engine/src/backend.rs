@@ -49,4 +49,20 @@ pub trait Executor: Send + 'static {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String>;
     /// Copies the K/V of the first `num_tokens` token slots of block `src` into block `dst`.
     fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize);
+    /// Bytes of one block's KV as [`Executor::export_block`] writes them; 0 (the default) for an executor
+    /// that keeps no KV bytes the engine could move, which then refuses lower tiers at start.
+    fn block_bytes(&self) -> usize {
+        0
+    }
+    /// Copies block `block`'s KV into `out` (`block_bytes()` long): the one seam through which a block
+    /// leaves the pool for a lower tier (on an accelerator, a device-to-host copy).
+    fn export_block(&self, block: u32, out: &mut [u8]) {
+        let _ = (block, out);
+        unreachable!("export_block called on an executor whose block_bytes() is 0");
+    }
+    /// Overwrites block `block`'s KV with `bytes`, as [`Executor::export_block`] wrote them.
+    fn import_block(&mut self, block: u32, bytes: &[u8]) {
+        let _ = (block, bytes);
+        unreachable!("import_block called on an executor whose block_bytes() is 0");
+    }
 }

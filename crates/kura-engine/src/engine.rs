@@ -19,7 +19,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kura_kv::{CacheKey, EvictionPolicy, KvError};
+use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier, TierConfig};
 use kura_model::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
@@ -28,9 +28,10 @@ use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
-    Item, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
+    Item, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
 };
 use crate::seq::{Group, Seq};
+use crate::tiers::{LoadDone, TierIo, TierSetup};
 
 /// How the engine is sized and limited; resolved by the caller (pool size from `KvLayout`).
 #[derive(Debug, Clone)]
@@ -54,6 +55,10 @@ pub struct EngineConfig {
     /// How long a request's sink may report itself full (a client that stopped reading) before the
     /// request is cancelled and its blocks freed. Measured on the engine loop's clock.
     pub stalled_client_timeout: Duration,
+    /// Lower KV tiers (host memory, disk) below the pool; none by default.
+    pub tiers: TierSetup,
+    /// What preemption does with a sequence's blocks (swap needs a host tier).
+    pub preemption: PreemptionMode,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -75,6 +80,8 @@ impl Default for EngineConfig {
             model_fingerprint: String::new(),
             scheduling_policy: SchedulingPolicy::default(),
             stalled_client_timeout: Duration::from_secs(30),
+            tiers: TierSetup::default(),
+            preemption: PreemptionMode::Recompute,
         }
     }
 }
@@ -87,6 +94,8 @@ pub enum EngineStartError {
     Kv(#[from] KvError),
     #[error("could not start the engine thread: {0}")]
     Thread(#[from] std::io::Error),
+    #[error("could not open the lower KV tiers: {0}")]
+    Tiers(String),
 }
 
 /// Starts the engine thread and returns its handle.
@@ -107,7 +116,22 @@ pub fn start_engine(
             config.num_blocks
         )));
     }
-    let sched = Scheduler::new(SchedulerConfig {
+    let metrics = Arc::new(EngineMetrics::default());
+    let (tiers, restored) = if config.tiers.enabled() {
+        let block_bytes = executor.block_bytes();
+        if block_bytes == 0 {
+            return Err(EngineStartError::Tiers(
+                "this executor keeps no KV bytes that could move to a lower tier".into(),
+            ));
+        }
+        let (io, restored) =
+            TierIo::open(&config.tiers, block_bytes, &metrics).map_err(EngineStartError::Tiers)?;
+        (Some(io), restored)
+    } else {
+        (None, None)
+    };
+    let disk_blocks = config.tiers.disk.as_ref().map_or(0, |d| d.blocks);
+    let mut sched = Scheduler::new(SchedulerConfig {
         block_size_tokens: config.block_size_tokens,
         num_blocks: config.num_blocks,
         max_num_seqs: config.max_num_seqs,
@@ -115,8 +139,37 @@ pub fn start_engine(
         enable_prefix_caching: config.enable_prefix_caching,
         policy: config.scheduling_policy,
         eviction_policy: EvictionPolicy::LeafLru,
-        hash_seed: None,
+        // Blocks on disk are named by hashes of this seed: the same one after a restart finds them.
+        hash_seed: restored.as_ref().map(|r| r.seed),
+        tiers: TierConfig {
+            host_blocks: config.tiers.host_blocks,
+            disk_blocks,
+            policy: config.tiers.policy,
+        },
+        preemption: config.preemption,
     })?;
+    if let Some(r) = restored {
+        let found = r.blocks.len();
+        let kept = sched.restore_disk(r.blocks);
+        tracing::info!(
+            blocks_found = found,
+            blocks_kept = kept,
+            "disk KV tier: blocks from earlier runs are cached again"
+        );
+    }
+    if let Some(io) = &tiers {
+        let bs = config.block_size_tokens as u64;
+        let host = u64::from(config.tiers.host_blocks);
+        let disk = u64::from(disk_blocks);
+        tracing::info!(
+            "KV tiers: host (L2) {host} blocks = {} tokens, disk (L3) {disk} blocks = {} tokens, {} bytes per block, offload {:?}, preemption {}",
+            host * bs,
+            disk * bs,
+            io.block_bytes(),
+            config.tiers.policy,
+            config.preemption.as_str(),
+        );
+    }
     let info = EngineInfo {
         model_name: config.model_name.clone(),
         max_model_len: config.max_model_len,
@@ -128,8 +181,12 @@ pub fn start_engine(
         scheduling_policy: config.scheduling_policy,
         stalled_client_timeout: config.stalled_client_timeout,
     };
-    let metrics = Arc::new(EngineMetrics::default());
     metrics.kv_blocks_total.set(config.num_blocks as f64);
+    metrics
+        .host
+        .blocks_total
+        .set(f64::from(config.tiers.host_blocks));
+    metrics.disk.blocks_total.set(f64::from(disk_blocks));
     let shared = Arc::new(Shared::new(info, metrics.clone()));
     let (tx, rx) = mpsc::channel();
     let (out_tx, out_rx) = mpsc::channel();
@@ -158,6 +215,8 @@ pub fn start_engine(
         seqs: HashMap::new(),
         started: Instant::now(),
         kv_evictions_seen: 0,
+        tiers,
+        loads_done: Vec::new(),
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -182,6 +241,10 @@ struct Core {
     eos: Vec<u32>,
     started: Instant,
     kv_evictions_seen: u64,
+    /// The lower tiers' bytes, when configured.
+    tiers: Option<TierIo>,
+    /// Loads finished and not yet reported to the scheduler (a buffer kept between steps).
+    loads_done: Vec<LoadDone>,
 }
 
 /// The engine's side of the output stage's channel, counting what it sent so that a step can wait for
@@ -234,6 +297,8 @@ impl Outbox {
 const MIN_IDLE_WAIT: Duration = Duration::from_millis(1);
 /// Longest wait of an idle loop that still has requests (the delay before a drained client resumes).
 const MAX_IDLE_WAIT: Duration = Duration::from_millis(50);
+/// Longest wait for a disk read when nothing else can run (then commands are looked at again).
+const LOAD_POLL: Duration = Duration::from_millis(2);
 
 /// The text of a panic payload (`panic!` with a literal gives `&str`, with arguments `String`).
 fn panic_message(payload: &(dyn Any + Send)) -> String {
@@ -251,6 +316,7 @@ impl Core {
         match panic::catch_unwind(AssertUnwindSafe(|| self.serve(&rx))) {
             Ok(()) => {
                 self.fail_all(RequestError::ShuttingDown);
+                self.shutdown_tiers();
                 self.update_gauges();
                 // Every client has its last event before the exit is visible.
                 self.out.flush();
@@ -317,7 +383,8 @@ impl Core {
     fn serve(&mut self, rx: &Receiver<Command>) {
         let mut idle_wait = MIN_IDLE_WAIT;
         'outer: loop {
-            if self.sched.is_idle() {
+            // Loads still in flight (of cancelled requests) hold blocks until they are reported.
+            if self.sched.is_idle() && self.sched.num_loads() == 0 {
                 match rx.recv() {
                     Ok(c) => {
                         if !self.handle(c) {
@@ -337,6 +404,10 @@ impl Core {
             }
             if self.step() {
                 idle_wait = MIN_IDLE_WAIT;
+            } else if self.tiers.as_ref().is_some_and(|t| t.reads_in_flight() > 0) {
+                // Waiting for blocks read from disk: wait on the reads, not on commands (the loop
+                // looks at commands again right after).
+                self.poll_loads(LOAD_POLL);
             } else {
                 // Nothing could run (every request's client is behind, or waiting for blocks): wait for
                 // a command rather than spin. Nothing signals a sink that drains, so the wait doubles up
@@ -457,6 +528,7 @@ impl Core {
     fn step(&mut self) -> bool {
         let started = Instant::now();
         self.metrics.scheduler_passes.add(1);
+        self.poll_loads(Duration::ZERO);
         self.out.catch_up();
         self.check_backlogs();
         let mut plan = self.sched.schedule(self.started.elapsed());
@@ -464,10 +536,15 @@ impl Core {
         for event in std::mem::take(&mut plan.events) {
             self.on_sched_event(event);
         }
+        // Blocks the pass sent down are copied before anything (block copies, the forward pass)
+        // writes the pool.
+        self.run_tier_moves();
         let progressed = !plan.items.is_empty();
         let mut forward = Duration::ZERO;
         if progressed {
             forward = self.execute(plan);
+            // Write-through of blocks this step completed.
+            self.run_tier_moves();
         }
         self.cancel_closed();
         self.update_gauges();
@@ -513,9 +590,14 @@ impl Core {
                     .add(group.request.prompt_tokens.len() as u64);
                 self.metrics.queue_time.observe(group.arrival.elapsed());
             }
-            SchedEvent::Preempted { seq, request } => {
+            SchedEvent::Preempted {
+                seq,
+                request,
+                swapped_blocks,
+            } => {
                 self.metrics.preemptions.add(1);
-                tracing::debug!(seq, request, "preempted: out of KV blocks");
+                self.metrics.swapped_out_blocks.add(swapped_blocks as u64);
+                tracing::debug!(seq, request, swapped_blocks, "preempted: out of KV blocks");
             }
             SchedEvent::CannotFit {
                 request,
@@ -746,6 +828,61 @@ impl Core {
         }
     }
 
+    /// Runs the block moves the scheduler decided since the last call, and reports the loads they
+    /// finished (host loads finish at once).
+    fn run_tier_moves(&mut self) {
+        let Some(io) = self.tiers.as_mut() else {
+            return;
+        };
+        let moves = self.sched.take_tier_moves();
+        if moves.is_empty() {
+            return;
+        }
+        io.run(moves, self.executor.as_mut(), &mut self.loads_done);
+        self.report_loads();
+    }
+
+    /// Imports the disk reads that came back (waiting at most `wait` for one) and reports them.
+    fn poll_loads(&mut self, wait: Duration) {
+        let Some(io) = self.tiers.as_mut() else {
+            return;
+        };
+        io.poll(self.executor.as_mut(), wait, &mut self.loads_done);
+        self.report_loads();
+    }
+
+    fn report_loads(&mut self) {
+        for d in self.loads_done.drain(..) {
+            self.sched.complete_load(d.block, d.ok);
+            let m = match d.tier {
+                Tier::Host => &self.metrics.host,
+                Tier::Disk => &self.metrics.disk,
+            };
+            m.loads.add(1);
+            if !d.ok {
+                m.load_failures.add(1);
+            }
+            m.load_latency.observe(d.elapsed);
+        }
+    }
+
+    /// At a clean stop: every cached block not on disk yet is written there (what a restart should find),
+    /// and the disk thread finishes its queue.
+    fn shutdown_tiers(&mut self) {
+        if self.tiers.is_none() {
+            return;
+        }
+        // Reads still in flight belong to requests that are gone: let them land first.
+        while self.tiers.as_ref().is_some_and(|t| t.reads_in_flight() > 0) {
+            self.poll_loads(LOAD_POLL);
+        }
+        self.sched.flush_to_disk();
+        self.run_tier_moves();
+        if let Some(io) = &self.tiers {
+            io.flush();
+        }
+    }
+
     fn update_gauges(&mut self) {
         let usage = self.sched.kv().usage();
         let m = &self.metrics;
@@ -762,5 +899,41 @@ impl Core {
         m.kv_evictions
             .add(evictions.saturating_sub(self.kv_evictions_seen));
         self.kv_evictions_seen = evictions;
+        if let Some(io) = &self.tiers {
+            let kv = self.sched.kv();
+            let st = kv.stats();
+            let block_bytes = io.block_bytes() as f64;
+            for (tier, tm, hits, stores, evictions) in [
+                (
+                    Tier::Host,
+                    &m.host,
+                    st.host_hit_blocks,
+                    st.host_stores,
+                    st.host_evictions,
+                ),
+                (
+                    Tier::Disk,
+                    &m.disk,
+                    st.disk_hit_blocks,
+                    st.disk_stores,
+                    st.disk_evictions,
+                ),
+            ] {
+                let used = kv.tier_usage(tier).map_or(0, |u| u.used_blocks);
+                tm.blocks_used.set(f64::from(used));
+                tm.bytes_used.set(f64::from(used) * block_bytes);
+                tm.hit_blocks.set_total(hits);
+                tm.stores.set_total(stores);
+                tm.evictions.set_total(evictions);
+            }
+            m.tier_full_drops.set_total(st.tier_full_drops);
+            m.tier_checksum_failures.set_total(io.corrupt_found);
+            if let Some(d) = io.disk_stats() {
+                m.disk_reads.set_total(d.reads + d.read_errors);
+                m.disk_writes.set_total(d.writes);
+                m.disk_write_errors.set_total(d.write_errors);
+            }
+            m.disk_queue.set(io.disk_queue() as f64);
+        }
     }
 }

@@ -16,10 +16,12 @@ mod output;
 mod request;
 mod scheduler;
 mod seq;
+mod tiers;
 
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
+pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};
 pub use request::{
@@ -27,6 +29,7 @@ pub use request::{
     SubmitError, TokenCandidate, TokenLogprob, Usage,
 };
 pub use scheduler::{
-    Computed, Item, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
-    PRIORITY_AGING_S,
+    Computed, Item, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy,
+    SeqKey, PRIORITY_AGING_S,
 };
+pub use tiers::{DiskSetup, TierSetup};

@@ -17,6 +17,11 @@ impl Counter {
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+    /// Sets the count to a total kept elsewhere (a monotonic counter of the KV manager or the disk
+    /// thread, mirrored here once per step).
+    pub fn set_total(&self, n: u64) {
+        self.0.store(n, Ordering::Relaxed);
+    }
 }
 
 /// A value that goes up and down, stored as f64 bits.
@@ -79,16 +84,29 @@ impl Histogram {
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        self.render_series(out, name, "");
+    }
+
+    /// The histogram's lines, each with `labels` (`tier="host"`) besides `le`.
+    fn render_series(&self, out: &mut String, name: &str, labels: &str) {
+        let (sep, bare) = if labels.is_empty() {
+            ("", String::new())
+        } else {
+            (",", format!("{{{labels}}}"))
+        };
         let mut cumulative = 0;
         for (bound, c) in LATENCY_BUCKETS_S.iter().zip(&self.counts) {
             cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}"
+            );
         }
         cumulative += self.overflow.load(Ordering::Relaxed);
         let sum_s = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
         let _ = writeln!(
             out,
-            "{name}_bucket{{le=\"+Inf\"}} {cumulative}\n{name}_sum {sum_s}\n{name}_count {cumulative}"
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}\n{name}_sum{bare} {sum_s}\n{name}_count{bare} {cumulative}"
         );
     }
 }
@@ -143,6 +161,43 @@ pub struct EngineMetrics {
     /// Time of the engine loop's steps outside the executor (scheduling, sampling, detokenization, stop
     /// checks, logprob texts, emitting), µs.
     pub step_other_us: Counter,
+    /// The lower tiers: host memory (L2) and disk (L3).
+    pub host: TierMetrics,
+    pub disk: TierMetrics,
+    /// Blocks that could not go down because their tier was full of blocks being loaded.
+    pub tier_full_drops: Counter,
+    /// Stored blocks that failed a check when read (checksum, header, identity) or when the disk tier was
+    /// opened; each was removed and never served.
+    pub tier_checksum_failures: Counter,
+    /// Intact block files of another model or KV format removed when the disk tier was opened.
+    pub disk_removed_foreign: Counter,
+    /// Block files read from disk (one read serves every request waiting for that block).
+    pub disk_reads: Counter,
+    pub disk_writes: Counter,
+    pub disk_write_errors: Counter,
+    /// Jobs queued for the disk thread.
+    pub disk_queue: Gauge,
+    /// Blocks copied to the host tier when their sequence was preempted (swap).
+    pub swapped_out_blocks: Counter,
+}
+
+/// One lower tier's gauges and counters.
+#[derive(Debug, Default)]
+pub struct TierMetrics {
+    pub blocks_total: Gauge,
+    pub blocks_used: Gauge,
+    pub bytes_used: Gauge,
+    /// Full prompt blocks found in this tier (each loaded into the pool once per admission).
+    pub hit_blocks: Counter,
+    /// Loads into the pool finished (failed ones included).
+    pub loads: Counter,
+    /// Loads whose stored copy did not verify (the block was recomputed).
+    pub load_failures: Counter,
+    pub load_latency: Histogram,
+    /// Blocks stored into this tier (demotions).
+    pub stores: Counter,
+    /// Blocks evicted from this tier to make room.
+    pub evictions: Counter,
 }
 
 impl EngineMetrics {
@@ -343,7 +398,130 @@ impl EngineMetrics {
             "kura:request_queue_time_seconds",
             "Time from arrival to first scheduling.",
         );
+        self.render_tiers(&mut out);
         out
+    }
+
+    fn render_tiers(&self, out: &mut String) {
+        let tiers = [("host", &self.host), ("disk", &self.disk)];
+        let family = |out: &mut String,
+                      name: &str,
+                      kind: &str,
+                      help: &str,
+                      v: &dyn Fn(&TierMetrics) -> f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (tier, m) in tiers {
+                let _ = writeln!(out, "{name}{{tier=\"{tier}\"}} {}", v(m));
+            }
+        };
+        family(
+            out,
+            "kura:kv_tier_blocks_total",
+            "gauge",
+            "Blocks a lower KV tier holds at most (0: off).",
+            &|m| m.blocks_total.get(),
+        );
+        family(
+            out,
+            "kura:kv_tier_blocks_used",
+            "gauge",
+            "Blocks held by a lower KV tier.",
+            &|m| m.blocks_used.get(),
+        );
+        family(
+            out,
+            "kura:kv_tier_bytes_used",
+            "gauge",
+            "KV bytes held by a lower KV tier.",
+            &|m| m.bytes_used.get(),
+        );
+        family(
+            out,
+            "kura:kv_tier_hit_blocks_total",
+            "counter",
+            "Prompt blocks found in a lower KV tier and loaded into the pool.",
+            &|m| m.hit_blocks.get() as f64,
+        );
+        family(
+            out,
+            "kura:kv_tier_loads_total",
+            "counter",
+            "Loads from a lower KV tier into the pool finished.",
+            &|m| m.loads.get() as f64,
+        );
+        family(
+            out,
+            "kura:kv_tier_load_failures_total",
+            "counter",
+            "Loads whose stored block failed its checks (recomputed instead).",
+            &|m| m.load_failures.get() as f64,
+        );
+        family(
+            out,
+            "kura:kv_tier_stores_total",
+            "counter",
+            "Blocks stored into a lower KV tier (demotions, write-through, swap).",
+            &|m| m.stores.get() as f64,
+        );
+        family(
+            out,
+            "kura:kv_tier_evictions_total",
+            "counter",
+            "Blocks evicted from a lower KV tier to make room.",
+            &|m| m.evictions.get() as f64,
+        );
+        let _ = writeln!(out, "# HELP kura:kv_tier_load_seconds Time of a block's load from a lower tier, queueing included.\n# TYPE kura:kv_tier_load_seconds histogram");
+        for (tier, m) in tiers {
+            m.load_latency.render_series(
+                out,
+                "kura:kv_tier_load_seconds",
+                &format!("tier=\"{tier}\""),
+            );
+        }
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        };
+        counter(
+            out,
+            "kura:kv_tier_full_drops_total",
+            "Blocks that could not go down because their tier was full of blocks being loaded.",
+            self.tier_full_drops.get(),
+        );
+        counter(out, "kura:kv_tier_checksum_failures_total", "Stored KV blocks that failed a check (checksum, header, identity) and were removed, never served.", self.tier_checksum_failures.get());
+        counter(
+            out,
+            "kura:kv_disk_removed_foreign_total",
+            "Block files of another model or KV format removed when the disk tier was opened.",
+            self.disk_removed_foreign.get(),
+        );
+        counter(
+            out,
+            "kura:kv_disk_reads_total",
+            "Block files read from disk (one read serves every request waiting for the block).",
+            self.disk_reads.get(),
+        );
+        counter(
+            out,
+            "kura:kv_disk_writes_total",
+            "Block files written to disk.",
+            self.disk_writes.get(),
+        );
+        counter(
+            out,
+            "kura:kv_disk_write_errors_total",
+            "Block file writes that failed (logged).",
+            self.disk_write_errors.get(),
+        );
+        counter(
+            out,
+            "kura:kv_swapped_out_blocks_total",
+            "Blocks copied to the host tier when their request was preempted.",
+            self.swapped_out_blocks.get(),
+        );
+        let _ = writeln!(out, "# HELP kura:kv_disk_queue_jobs Jobs queued for the disk thread.\n# TYPE kura:kv_disk_queue_jobs gauge\nkura:kv_disk_queue_jobs {}", self.disk_queue.get());
     }
 }
 

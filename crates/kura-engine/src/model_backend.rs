@@ -99,4 +99,21 @@ impl Executor for ModelExecutor {
             .copy_block_prefix(src as usize, dst as usize, num_tokens)
             .expect("the KV manager hands out block ids within the pool");
     }
+
+    fn block_bytes(&self) -> usize {
+        // The pool was allocated with this many bytes per block, so it fits in usize.
+        self.storage.layout().bytes_per_block() as usize
+    }
+
+    fn export_block(&self, block: u32, out: &mut [u8]) {
+        self.storage.export_block(block as usize, out).expect(
+            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
+        );
+    }
+
+    fn import_block(&mut self, block: u32, bytes: &[u8]) {
+        self.storage.import_block(block as usize, bytes).expect(
+            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
+        );
+    }
 }

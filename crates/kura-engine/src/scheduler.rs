@@ -35,6 +35,7 @@ use std::time::Duration;
 
 use kura_kv::{
     BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, SeqId,
+    TierBlock, TierConfig, TierMove,
 };
 
 /// Whose order counts. Under `Fcfs` (the default) every request has priority 0, so requests run in
@@ -76,6 +77,28 @@ impl std::str::FromStr for SchedulingPolicy {
     }
 }
 
+/// What happens to a preempted sequence's computed blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PreemptionMode {
+    /// They stay cached in the pool, where eviction may take them; what was evicted is recomputed on
+    /// resumption.
+    #[default]
+    Recompute,
+    /// They are also copied into the host tier (L2) before the pool may evict them, and loaded back on
+    /// resumption instead of being recomputed (without a host tier this is `Recompute`).
+    Swap,
+}
+
+impl PreemptionMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PreemptionMode::Recompute => "recompute",
+            PreemptionMode::Swap => "swap",
+        }
+    }
+}
+
 /// Seconds of waiting that improve a request's effective priority by one level.
 pub const PRIORITY_AGING_S: f64 = 10.0;
 
@@ -94,8 +117,12 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     pub policy: SchedulingPolicy,
     pub eviction_policy: EvictionPolicy,
-    /// Hash seed of the KV manager; `None` draws a random one (the production choice).
+    /// Hash seed of the KV manager; `None` draws a random one (the production choice). A disk tier
+    /// kept across restarts gives its own, so that its blocks are found again.
     pub hash_seed: Option<u64>,
+    /// Lower tiers (sizes in blocks) that evicted blocks go down to; off by default.
+    pub tiers: TierConfig,
+    pub preemption: PreemptionMode,
 }
 
 /// One sequence's share of a step: compute the KV of `tokens[start..end]`.
@@ -121,8 +148,13 @@ pub enum SchedEvent {
         pending_tokens: usize,
     },
     /// A running sequence was sent back to the waiting queue to make room (its computed full blocks stay
-    /// cached for its resumption).
-    Preempted { seq: SeqKey, request: u64 },
+    /// cached for its resumption; `swapped_blocks` of them were copied to the host tier, under
+    /// [`PreemptionMode::Swap`]).
+    Preempted {
+        seq: SeqKey,
+        request: u64,
+        swapped_blocks: usize,
+    },
     /// A request that can never fit (alone, it still runs out of blocks) was removed.
     CannotFit {
         request: u64,
@@ -222,6 +254,7 @@ impl Scheduler {
         kv_config.enable_prefix_caching = config.enable_prefix_caching;
         kv_config.eviction_policy = config.eviction_policy;
         kv_config.hash_seed = config.hash_seed;
+        kv_config.tiers = config.tiers;
         let kv = KvCacheManager::new(kv_config)?;
         Ok(Self {
             config,
@@ -242,6 +275,35 @@ impl Scheduler {
     /// The KV cache manager, for its usage and statistics.
     pub fn kv(&self) -> &KvCacheManager {
         &self.kv
+    }
+
+    /// The block moves between the pool and the lower tiers decided since the last call, in the order
+    /// they must run (before the next forward pass).
+    pub fn take_tier_moves(&mut self) -> Vec<TierMove> {
+        self.kv.drain_tier_moves().collect()
+    }
+
+    /// Reports a load from a lower tier done: `ok`, its KV is in place and its waiters go on; not `ok`,
+    /// the stored copy failed its checks and the waiters compute the block themselves.
+    pub fn complete_load(&mut self, block: BlockId, ok: bool) {
+        if let Err(e) = self.kv.complete_load(block, ok) {
+            panic!("a load the KV manager issued was reported unknown: {e}");
+        }
+    }
+
+    /// Blocks being loaded from a lower tier.
+    pub fn num_loads(&self) -> usize {
+        self.kv.num_loads()
+    }
+
+    /// Writes every cached block not on disk yet to the disk tier (moves; for a clean shutdown).
+    pub fn flush_to_disk(&mut self) {
+        self.kv.flush_to_disk();
+    }
+
+    /// Enters the blocks a disk tier held at start (oldest first); returns how many it keeps.
+    pub fn restore_disk(&mut self, blocks: Vec<TierBlock>) -> usize {
+        self.kv.restore_disk(blocks)
     }
 
     /// Queues a request's first choice. `id` orders waiting requests (lower first among equals) and must
@@ -640,14 +702,21 @@ impl Scheduler {
         let Some(seq) = self.seqs.get_mut(&key) else {
             return;
         };
+        let mut swapped_blocks = 0;
         if let Some(id) = seq.kv.take() {
+            if self.config.preemption == PreemptionMode::Swap {
+                swapped_blocks = self.kv.swap_out(id).expect("running sequence is known");
+            }
             self.kv.free(id).expect("running sequence is known");
         }
         seq.prefilling = true;
         let request = seq.request;
         self.running.retain(|&k| k != key);
         self.waiting.push(key);
-        plan.events
-            .push(SchedEvent::Preempted { seq: key, request });
+        plan.events.push(SchedEvent::Preempted {
+            seq: key,
+            request,
+            swapped_blocks,
+        });
     }
 }

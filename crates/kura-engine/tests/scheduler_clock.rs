@@ -18,6 +18,8 @@ fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig 
         policy: SchedulingPolicy::Priority,
         eviction_policy: EvictionPolicy::LeafLru,
         hash_seed: Some(7),
+        tiers: Default::default(),
+        preemption: Default::default(),
     }
 }
 

@@ -48,6 +48,8 @@ pub enum StorageError {
         tokens: usize,
         block_size_tokens: usize,
     },
+    #[error("a block's KV is {expected} bytes, not {got}")]
+    BlockBytes { expected: u64, got: usize },
     #[error("a KV cache of {num_blocks} blocks does not fit in this machine's address space")]
     TooLarge { num_blocks: usize },
     #[error(
@@ -138,6 +140,41 @@ impl KvRegion {
         }
     }
 
+    /// Writes elements `[start, start + len)` little-endian at the front of `out`; returns the bytes written.
+    fn export(&self, start: usize, len: usize, out: &mut [u8]) -> usize {
+        fn put<T: Copy, const N: usize>(
+            src: &[T],
+            out: &mut [u8],
+            le: impl Fn(T) -> [u8; N],
+        ) -> usize {
+            for (d, &x) in out.chunks_exact_mut(N).zip(src) {
+                d.copy_from_slice(&le(x));
+            }
+            src.len() * N
+        }
+        match self {
+            KvRegion::F32(v) => put(&v[start..start + len], out, f32::to_le_bytes),
+            KvRegion::F16(v) => put(&v[start..start + len], out, f16::to_le_bytes),
+            KvRegion::Bf16(v) => put(&v[start..start + len], out, bf16::to_le_bytes),
+        }
+    }
+
+    /// Reads elements `[start, start + len)` from the front of `src` (as `export` wrote them); returns the
+    /// bytes read.
+    fn import(&mut self, start: usize, len: usize, src: &[u8]) -> usize {
+        fn get<T, const N: usize>(dst: &mut [T], src: &[u8], from: impl Fn([u8; N]) -> T) -> usize {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(N)) {
+                *d = from(s.try_into().expect("chunks of N bytes"));
+            }
+            dst.len() * N
+        }
+        match self {
+            KvRegion::F32(v) => get(&mut v[start..start + len], src, f32::from_le_bytes),
+            KvRegion::F16(v) => get(&mut v[start..start + len], src, f16::from_le_bytes),
+            KvRegion::Bf16(v) => get(&mut v[start..start + len], src, bf16::from_le_bytes),
+        }
+    }
+
     fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
         match self {
             KvRegion::F32(v) => v.copy_within(src..src + len, dst),
@@ -162,6 +199,14 @@ impl LayerStorage {
     #[inline]
     pub fn offset(&self, block: usize, head: usize, slot: usize) -> usize {
         ((block * self.kv_heads + head) * self.block_size_tokens + slot) * self.head_dim
+    }
+
+    /// The element range of `block` in either region: every head's slots, contiguous.
+    fn block_run(&self, block: usize) -> (usize, usize) {
+        (
+            self.offset(block, 0, 0),
+            self.kv_heads * self.block_size_tokens * self.head_dim,
+        )
     }
 
     /// K vectors of every slot of `head` in `block` (`block_size_tokens × head_dim` elements).
@@ -304,6 +349,52 @@ impl KvStorage {
                 block,
                 num_blocks: self.num_blocks,
             })
+        }
+    }
+
+    /// Writes every byte of block `block`'s KV into `out` (exactly `layout.bytes_per_block()` bytes): layer
+    /// by layer, the block's K run (`kv_heads × block_size_tokens × head_dim` elements) then its V run,
+    /// each element little-endian. This is how a block leaves the pool for a lower tier; the same bytes
+    /// given to [`KvStorage::import_block`] restore it exactly.
+    ///
+    /// ```text
+    /// out: | L0 K (heads, slots, dims) | L0 V | L1 K | L1 V | ... |
+    /// ```
+    pub fn export_block(&self, block: usize, out: &mut [u8]) -> Result<(), StorageError> {
+        self.check_block(block)?;
+        self.check_block_bytes(out.len())?;
+        let mut at = 0;
+        for layer in &self.layers {
+            let (start, len) = layer.block_run(block);
+            for region in [&layer.k, &layer.v] {
+                at += region.export(start, len, &mut out[at..]);
+            }
+        }
+        debug_assert_eq!(at, out.len());
+        Ok(())
+    }
+
+    /// Overwrites block `block`'s KV with `bytes`, as [`KvStorage::export_block`] wrote them.
+    pub fn import_block(&mut self, block: usize, bytes: &[u8]) -> Result<(), StorageError> {
+        self.check_block(block)?;
+        self.check_block_bytes(bytes.len())?;
+        let mut at = 0;
+        for layer in &mut self.layers {
+            let (start, len) = layer.block_run(block);
+            for region in [&mut layer.k, &mut layer.v] {
+                at += region.import(start, len, &bytes[at..]);
+            }
+        }
+        debug_assert_eq!(at, bytes.len());
+        Ok(())
+    }
+
+    fn check_block_bytes(&self, got: usize) -> Result<(), StorageError> {
+        let expected = self.layout.bytes_per_block();
+        if got as u64 == expected {
+            Ok(())
+        } else {
+            Err(StorageError::BlockBytes { expected, got })
         }
     }
 
@@ -467,6 +558,45 @@ mod tests {
             }
             Err(other) => panic!("expected OutOfMemory, got {other}"),
             Ok(_) => panic!("64 PiB were allocated"),
+        }
+    }
+
+    #[test]
+    fn a_block_exported_and_imported_elsewhere_is_the_same_block() {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+            let layout = KvLayout::uniform(3, 2, 8, dtype, 4).unwrap();
+            let mut s = KvStorage::new(&layout, 4).unwrap();
+            for layer in 0..3 {
+                for slot in 0..4 {
+                    let k: Vec<f32> = (0..16)
+                        .map(|i| (layer * 100 + slot * 10 + i) as f32)
+                        .collect();
+                    let v: Vec<f32> = k.iter().map(|x| -x - 0.5).collect();
+                    s.layer_mut(layer).write_token(1, slot, &k, &v);
+                }
+            }
+            let mut bytes = vec![0u8; layout.bytes_per_block() as usize];
+            s.export_block(1, &mut bytes).unwrap();
+            s.import_block(3, &bytes).unwrap();
+            for layer in 0..3 {
+                for head in 0..2 {
+                    let l = s.layer(layer);
+                    assert_eq!(read(l.k_head_block(1, head)), read(l.k_head_block(3, head)));
+                    assert_eq!(read(l.v_head_block(1, head)), read(l.v_head_block(3, head)));
+                }
+            }
+            // Blocks 0 and 2 untouched.
+            assert!(read(s.layer(2).k_head_block(2, 1))
+                .iter()
+                .all(|&x| x == 0.0));
+            assert_eq!(
+                s.export_block(1, &mut bytes[1..]),
+                Err(StorageError::BlockBytes {
+                    expected: layout.bytes_per_block(),
+                    got: bytes.len() - 1
+                })
+            );
+            assert!(s.import_block(4, &bytes).is_err());
         }
     }
 }

@@ -176,6 +176,12 @@ impl Model {
         self.weights.dtype
     }
 
+    /// Digest of the weights as read from the model file (every tensor's name, shape and values): the
+    /// identity of the model that cached KV is tied to, whatever name it is served under.
+    pub fn weights_fingerprint(&self) -> u128 {
+        self.weights.fingerprint
+    }
+
     /// Bytes of weights a decode step reads: the numerator of the memory-bandwidth bound.
     pub fn weight_bytes_per_token(&self) -> usize {
         self.weights.bytes_per_token()

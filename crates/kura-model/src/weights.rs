@@ -4,8 +4,11 @@
 //! Tensors come from a [`TensorSource`] (GGUF or safetensors) dequantized to f32, then are converted.
 //! Loading is O(parameters), parallel over layers.
 
+use std::sync::Mutex;
+
 use half::bf16;
 use rayon::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -108,6 +111,9 @@ pub struct Weights {
     /// `None` when tied to the embedding.
     pub lm_head: Option<Matrix>,
     pub dtype: WeightsDtype,
+    /// Digest of every tensor as read from the model file (names, shapes, values): two loads share it
+    /// exactly when they compute with the same weights.
+    pub fingerprint: u128,
 }
 
 impl Weights {
@@ -234,7 +240,15 @@ pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<us
     out
 }
 
-fn load_shaped(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+/// Digests of the tensors loaded so far, by name: the weights' fingerprint is made of them.
+type Digests = Mutex<Vec<(String, u128)>>;
+
+fn load_shaped(
+    src: &dyn TensorSource,
+    name: &str,
+    expected: &[usize],
+    digests: &Digests,
+) -> Result<Vec<f32>> {
     let (shape, data) = src.load(name)?;
     if !shape_matches(&shape, expected) {
         return Err(ModelError::TensorShape {
@@ -243,7 +257,33 @@ fn load_shaped(src: &dyn TensorSource, name: &str, expected: &[usize]) -> Result
             expected: expected.to_vec(),
         });
     }
+    let mut h = Xxh3::new();
+    for d in &shape {
+        h.update(&(*d as u64).to_le_bytes());
+    }
+    // SAFETY: any f32 is 4 initialised bytes and u8 has no alignment; the view lives only as long as
+    // `data`'s borrow.
+    let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4) };
+    h.update(bytes);
+    digests
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((name.to_string(), h.digest128()));
     Ok(data)
+}
+
+/// One 128-bit digest of every tensor's name, shape and values as loaded (before conversion to the
+/// compute format), independent of the order they were loaded in.
+fn fingerprint(digests: Digests) -> u128 {
+    let mut all = digests.into_inner().unwrap_or_else(|e| e.into_inner());
+    all.sort();
+    let mut h = Xxh3::new();
+    for (name, d) in &all {
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update(&d.to_le_bytes());
+    }
+    h.digest128()
 }
 
 impl Weights {
@@ -255,39 +295,40 @@ impl Weights {
     ) -> Result<Self> {
         let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let dg: Digests = Mutex::new(Vec::new());
         let layers = (0..cfg.num_layers)
             .into_par_iter()
             .map(|i| -> Result<LayerWeights> {
                 let name = |w: &str| naming.layer(i, w);
-                let mut qkv = load_shaped(src, &name("q"), &[q_rows, h])?;
-                qkv.extend(load_shaped(src, &name("k"), &[kv_rows, h])?);
-                qkv.extend(load_shaped(src, &name("v"), &[kv_rows, h])?);
+                let mut qkv = load_shaped(src, &name("q"), &[q_rows, h], &dg)?;
+                qkv.extend(load_shaped(src, &name("k"), &[kv_rows, h], &dg)?);
+                qkv.extend(load_shaped(src, &name("v"), &[kv_rows, h], &dg)?);
                 let bqkv = if cfg.qkv_bias {
-                    let mut b = load_shaped(src, &name("q_bias"), &[q_rows])?;
-                    b.extend(load_shaped(src, &name("k_bias"), &[kv_rows])?);
-                    b.extend(load_shaped(src, &name("v_bias"), &[kv_rows])?);
+                    let mut b = load_shaped(src, &name("q_bias"), &[q_rows], &dg)?;
+                    b.extend(load_shaped(src, &name("k_bias"), &[kv_rows], &dg)?);
+                    b.extend(load_shaped(src, &name("v_bias"), &[kv_rows], &dg)?);
                     Some(b)
                 } else {
                     None
                 };
-                let mut gate_up = load_shaped(src, &name("gate"), &[inter, h])?;
-                gate_up.extend(load_shaped(src, &name("up"), &[inter, h])?);
+                let mut gate_up = load_shaped(src, &name("gate"), &[inter, h], &dg)?;
+                gate_up.extend(load_shaped(src, &name("up"), &[inter, h], &dg)?);
                 Ok(LayerWeights {
-                    attn_norm: load_shaped(src, &name("attn_norm"), &[h])?,
+                    attn_norm: load_shaped(src, &name("attn_norm"), &[h], &dg)?,
                     wqkv: Matrix::from_f32(q_rows + 2 * kv_rows, h, qkv, dtype),
                     bqkv,
                     wo: Matrix::from_f32(
                         h,
                         q_rows,
-                        load_shaped(src, &name("o"), &[h, q_rows])?,
+                        load_shaped(src, &name("o"), &[h, q_rows], &dg)?,
                         dtype,
                     ),
-                    ffn_norm: load_shaped(src, &name("ffn_norm"), &[h])?,
+                    ffn_norm: load_shaped(src, &name("ffn_norm"), &[h], &dg)?,
                     w_gate_up: Matrix::from_f32(2 * inter, h, gate_up, dtype),
                     w_down: Matrix::from_f32(
                         h,
                         inter,
-                        load_shaped(src, &name("down"), &[h, inter])?,
+                        load_shaped(src, &name("down"), &[h, inter], &dg)?,
                         dtype,
                     ),
                 })
@@ -297,7 +338,7 @@ impl Weights {
         let embed = Matrix::from_f32(
             cfg.vocab_size,
             h,
-            load_shaped(src, &embed_name, &[cfg.vocab_size, h])?,
+            load_shaped(src, &embed_name, &[cfg.vocab_size, h], &dg)?,
             dtype,
         );
         let head_name = naming.global("lm_head");
@@ -305,7 +346,7 @@ impl Weights {
             Some(Matrix::from_f32(
                 cfg.vocab_size,
                 h,
-                load_shaped(src, &head_name, &[cfg.vocab_size, h])?,
+                load_shaped(src, &head_name, &[cfg.vocab_size, h], &dg)?,
                 dtype,
             ))
         } else if !cfg.tie_word_embeddings {
@@ -313,12 +354,14 @@ impl Weights {
         } else {
             None
         };
+        let final_norm = load_shaped(src, &naming.global("norm"), &[h], &dg)?;
         Ok(Weights {
             embed,
             layers,
-            final_norm: load_shaped(src, &naming.global("norm"), &[h])?,
+            final_norm,
             lm_head,
             dtype,
+            fingerprint: fingerprint(dg),
         })
     }
 }

@@ -17,6 +17,8 @@ fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim 
             policy: SchedulingPolicy::Fcfs,
             eviction_policy: EvictionPolicy::LeafLru,
             hash_seed: Some(0),
+            tiers: Default::default(),
+            preemption: Default::default(),
         },
         // About the default model on two threads: 0.5 ms a prompt token, 8 ms a step.
         cost: CostModel {

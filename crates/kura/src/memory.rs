@@ -132,6 +132,37 @@ pub fn kv_budget_bytes(request: KvMemoryRequest, given: &str) -> Result<u64> {
     }
 }
 
+/// Checks that `bytes` more (asked by `flag`, written `given`) fit in the memory available now with the
+/// server's reserve left over; where that cannot be read, warns and goes on.
+pub fn check_fits_in_memory(flag: &str, given: &str, bytes: u64) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let available = match available_now() {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(
+                "cannot tell how much memory is available ({e:#}); {flag} {given} is not checked"
+            );
+            return Ok(());
+        }
+    };
+    let reserve = reserve_bytes(available.bytes);
+    let usable = available.bytes.saturating_sub(reserve);
+    if bytes > usable {
+        bail!(
+            "{flag} {given} asks for {} but {} is available once the model and the KV pool are loaded \
+             ({}), and {} of it must stay free for the server: give at most {flag} {}MiB",
+            format_bytes(bytes),
+            format_bytes(available.bytes),
+            available.limited_by,
+            format_bytes(reserve),
+            usable >> 20
+        );
+    }
+    Ok(())
+}
+
 /// Memory this process can still get, and what limits it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Available {

@@ -238,6 +238,8 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
                 policy: SchedulingPolicy::Fcfs,
                 eviction_policy: EvictionPolicy::LeafLru,
                 hash_seed: Some(args.seed),
+                tiers: Default::default(),
+                preemption: Default::default(),
             },
             cost: cost.clone(),
             concurrency,

@@ -202,6 +202,7 @@ impl TestServer {
                 model_fingerprint: "fake".into(),
                 scheduling_policy: setup.policy,
                 stalled_client_timeout: setup.stalled_client_timeout,
+                ..EngineConfig::default()
             },
             Box::new(FakeModel {
                 behaviour: setup.behaviour,

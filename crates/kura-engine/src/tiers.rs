@@ -1,0 +1,293 @@
+//! The engine's side of the lower KV tiers: their bytes. The KV manager decides every move (which block
+//! goes down, which is loaded back, which is dropped) and hands the moves over in order
+//! ([`kura_kv::TierMove`]); this module carries them out over the executor's pool, the host arena (L2)
+//! and the disk store (L3), and reports each load back when its bytes are in place.
+//!
+//! ```text
+//!   scheduler pass ─▶ moves, in order ─▶ TierIo::run ─┬─ Demote / LoadHost: memcpy on the engine thread
+//!                                                     ├─ HostToDisk / BlockToDisk / DropDisk: queued to the
+//!                                                     │  disk thread (`kura-kv-disk`), never waited for
+//!                                                     └─ LoadDisk: read queued; its completion, verified,
+//!   next steps ◀─ complete_load(block, ok) ◀─ TierIo::poll ◀─┘  is imported into the block then
+//! ```
+//!
+//! Moves run before the step's forward pass and block copies, in the order given: a block the pool hands
+//! out again in the same pass is copied down before anything writes it. A block being loaded from disk is
+//! held by the manager's loader until its completion is reported, so nothing else writes it meanwhile; the
+//! requests that want it wait for it like for a block another request is computing (one read, any number
+//! of waiters). A read that fails its checks (checksum, header, tokens, parent, key) is reported failed:
+//! the manager drops the block from the tier and the waiters compute it.
+//!
+//! Costs: a host move is one block copy (`block_bytes`); a disk write copies the block once into the
+//! queued job; a disk read one `block_bytes` buffer.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kura_kv::{BlockHash, OffloadPolicy, Tier, TierBlock, TierMove};
+use kura_tiers::{BlockRecord, DiskJob, DiskStats, DiskStore, DiskWorker, HostArena, ReadError};
+
+use crate::backend::Executor;
+use crate::metrics::EngineMetrics;
+
+/// The lower tiers `kura serve` was given (sizes in blocks; 0 host blocks and no disk: none).
+#[derive(Debug, Clone, Default)]
+pub struct TierSetup {
+    /// Blocks of the host tier (L2); 0 = off.
+    pub host_blocks: u32,
+    /// The disk tier (L3), if any.
+    pub disk: Option<DiskSetup>,
+    pub policy: OffloadPolicy,
+}
+
+impl TierSetup {
+    pub fn enabled(&self) -> bool {
+        self.host_blocks > 0 || self.disk.is_some()
+    }
+}
+
+/// Where the disk tier lives and what it may hold.
+#[derive(Debug, Clone)]
+pub struct DiskSetup {
+    pub dir: PathBuf,
+    /// Most blocks kept on disk (the budget holds across restarts: blocks found beyond it are dropped).
+    pub blocks: u32,
+    /// Identity of the model and KV format the blocks were computed with (weights digest, KV dtype and
+    /// layout): a file of another fingerprint is never served, and is removed at start.
+    pub fingerprint: u128,
+}
+
+/// What opening the tiers found: the hash seed the KV manager must use (so that blocks written before a
+/// restart are found again) and the blocks on disk, oldest first.
+#[derive(Debug)]
+pub(crate) struct Restored {
+    pub seed: u64,
+    pub blocks: Vec<TierBlock>,
+}
+
+/// A load reported done: the block, whether its bytes are in place, its tier and how long it took.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LoadDone {
+    pub block: u32,
+    pub ok: bool,
+    pub tier: Tier,
+    pub elapsed: Duration,
+}
+
+/// The bytes of the lower tiers, owned by the engine thread.
+pub(crate) struct TierIo {
+    host: Option<HostArena>,
+    disk: Option<DiskWorker>,
+    block_bytes: usize,
+    /// Disk reads in flight: pool block → when the read was queued.
+    reads: HashMap<u32, Instant>,
+    /// Stored blocks found failing a check: at open, and by reads since (each file was deleted).
+    pub corrupt_found: u64,
+}
+
+fn record(b: &TierBlock) -> BlockRecord {
+    BlockRecord {
+        hash: b.hash.0,
+        parent_hash: b.parent_hash.0,
+        key_digest: b.key_digest.0,
+        tokens: b.tokens.clone(),
+    }
+}
+
+impl TierIo {
+    /// Allocates the host arena and opens the disk store (rebuilding its index from the files' headers;
+    /// damaged and foreign files are removed and counted in the log line and the metrics).
+    pub fn open(
+        setup: &TierSetup,
+        block_bytes: usize,
+        metrics: &EngineMetrics,
+    ) -> Result<(TierIo, Option<Restored>), String> {
+        let host = if setup.host_blocks > 0 {
+            Some(
+                HostArena::new(setup.host_blocks as usize, block_bytes)
+                    .map_err(|e| format!("host KV tier: {e}"))?,
+            )
+        } else {
+            None
+        };
+        let mut restored = None;
+        let mut corrupt_found = 0;
+        let disk = match &setup.disk {
+            Some(d) => {
+                let (store, report) = DiskStore::open(&d.dir, d.fingerprint, block_bytes)
+                    .map_err(|e| format!("disk KV tier: {e}"))?;
+                tracing::info!(
+                    dir = %d.dir.display(),
+                    blocks_found = report.blocks.len(),
+                    bytes_found = report.bytes,
+                    removed_corrupt = report.removed_corrupt,
+                    removed_foreign = report.removed_foreign,
+                    removed_tmp = report.removed_tmp,
+                    scan_ms = report.elapsed.as_millis() as u64,
+                    "disk KV tier opened"
+                );
+                corrupt_found = report.removed_corrupt;
+                metrics.disk_removed_foreign.add(report.removed_foreign);
+                restored = Some(Restored {
+                    seed: store.seed(),
+                    blocks: report
+                        .blocks
+                        .into_iter()
+                        .map(|(r, _)| TierBlock {
+                            hash: BlockHash(r.hash),
+                            parent_hash: BlockHash(r.parent_hash),
+                            key_digest: BlockHash(r.key_digest),
+                            tokens: r.tokens,
+                        })
+                        .collect(),
+                });
+                Some(DiskWorker::start(Arc::new(store)))
+            }
+            None => None,
+        };
+        Ok((
+            TierIo {
+                host,
+                disk,
+                block_bytes,
+                reads: HashMap::new(),
+                corrupt_found,
+            },
+            restored,
+        ))
+    }
+
+    /// Runs `moves` in order; loads from the host tier finish here and are pushed onto `done`.
+    pub fn run(
+        &mut self,
+        moves: impl IntoIterator<Item = TierMove>,
+        exec: &mut dyn Executor,
+        done: &mut Vec<LoadDone>,
+    ) {
+        for m in moves {
+            match m {
+                TierMove::Demote { block, slot } => {
+                    exec.export_block(block, self.host_mut().slot_mut(slot));
+                }
+                TierMove::HostToDisk { slot, record: r } => {
+                    let payload = self.host_mut().slot(slot).to_vec();
+                    self.submit(DiskJob::Write {
+                        rec: record(&r),
+                        payload,
+                    });
+                }
+                TierMove::BlockToDisk { block, record: r } => {
+                    let mut payload = vec![0u8; self.block_bytes];
+                    exec.export_block(block, &mut payload);
+                    self.submit(DiskJob::Write {
+                        rec: record(&r),
+                        payload,
+                    });
+                }
+                TierMove::DropDisk { hash } => self.submit(DiskJob::Remove { hash: hash.0 }),
+                TierMove::LoadHost { slot, block } => {
+                    let started = Instant::now();
+                    let host = self
+                        .host
+                        .as_ref()
+                        .expect("the manager loads from the host tier only when it exists");
+                    exec.import_block(block, host.slot(slot));
+                    done.push(LoadDone {
+                        block,
+                        ok: true,
+                        tier: Tier::Host,
+                        elapsed: started.elapsed(),
+                    });
+                }
+                TierMove::LoadDisk { record: r, block } => {
+                    self.reads.insert(block, Instant::now());
+                    self.submit(DiskJob::Read {
+                        rec: record(&r),
+                        tag: u64::from(block),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Imports the disk reads that have come back (waiting at most `wait` for the first when some are in
+    /// flight) and pushes them onto `done`.
+    pub fn poll(&mut self, exec: &mut dyn Executor, wait: Duration, done: &mut Vec<LoadDone>) {
+        let Some(disk) = &self.disk else { return };
+        if self.reads.is_empty() {
+            return;
+        }
+        let mut next = if wait.is_zero() {
+            disk.try_done()
+        } else {
+            disk.wait_done(wait)
+        };
+        while let Some(read) = next {
+            let block = u32::try_from(read.tag).expect("read tags are pool block ids");
+            let queued = self
+                .reads
+                .remove(&block)
+                .expect("a read completes once, for a block that was queued");
+            let ok = match read.result {
+                Ok(payload) => {
+                    exec.import_block(block, &payload);
+                    true
+                }
+                Err(ReadError::Corrupt { .. }) => {
+                    self.corrupt_found += 1;
+                    false
+                }
+                Err(_) => false,
+            };
+            done.push(LoadDone {
+                block,
+                ok,
+                tier: Tier::Disk,
+                elapsed: queued.elapsed(),
+            });
+            next = disk.try_done();
+        }
+    }
+
+    /// Bytes of one block in every tier.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Disk reads queued and not reported yet.
+    pub fn reads_in_flight(&self) -> usize {
+        self.reads.len()
+    }
+
+    /// The disk thread's counters (`None` without a disk tier).
+    pub fn disk_stats(&self) -> Option<DiskStats> {
+        self.disk.as_ref().map(|d| d.stats())
+    }
+
+    /// Disk jobs queued and not finished.
+    pub fn disk_queue(&self) -> usize {
+        self.disk.as_ref().map_or(0, |d| d.queued_jobs())
+    }
+
+    /// Waits until every disk job queued so far has run (shutdown, tests).
+    pub fn flush(&self) {
+        if let Some(d) = &self.disk {
+            d.flush();
+        }
+    }
+
+    fn host_mut(&mut self) -> &mut HostArena {
+        self.host
+            .as_mut()
+            .expect("the manager moves blocks through the host tier only when it exists")
+    }
+
+    fn submit(&self, job: DiskJob) {
+        self.disk
+            .as_ref()
+            .expect("the manager moves blocks to disk only when the disk tier exists")
+            .submit(job);
+    }
+}
