@@ -137,6 +137,26 @@ impl Executor for FakeModel {
             self.kv[dst as usize * BLOCK + i] = self.kv[src as usize * BLOCK + i];
         }
     }
+
+    /// A slot as 5 bytes: written or not, then the token (little-endian).
+    fn block_bytes(&self) -> usize {
+        BLOCK * 5
+    }
+
+    fn export_block(&self, block: u32, out: &mut [u8]) {
+        for (i, o) in out.chunks_exact_mut(5).enumerate() {
+            let slot = self.kv[block as usize * BLOCK + i];
+            o[0] = u8::from(slot.is_some());
+            o[1..].copy_from_slice(&slot.unwrap_or(0).to_le_bytes());
+        }
+    }
+
+    fn import_block(&mut self, block: u32, bytes: &[u8]) {
+        for (i, b) in bytes.chunks_exact(5).enumerate() {
+            let token = u32::from_le_bytes(b[1..].try_into().unwrap());
+            self.kv[block as usize * BLOCK + i] = (b[0] == 1).then_some(token);
+        }
+    }
 }
 
 /// One character per token; token 0 is end-of-sequence.

@@ -1,0 +1,244 @@
+//! The lower KV tiers through the engine, on the fake model (whose output depends on every K/V slot it
+//! reads back, and which panics on a slot never written): blocks evicted from the pool come back from the
+//! host tier and from disk with the same tokens as computed cold; the disk tier survives a restart and
+//! refuses another model's blocks; damaged files are recomputed; a prefix only on disk is read once for
+//! any number of concurrent requests; swap preemption loads a preempted request's blocks back.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::*;
+use kura_engine::{DiskSetup, EngineConfig, PreemptionMode, TierSetup};
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TestDir(PathBuf);
+
+impl TestDir {
+    fn new(name: &str) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!(
+            "kura-engine-tiers-{}-{n}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        TestDir(p)
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn with_tiers(num_blocks: usize, host_blocks: u32, disk: Option<(&TestDir, u128)>) -> EngineConfig {
+    let mut c = config(num_blocks, 64, 8);
+    c.tiers = TierSetup {
+        host_blocks,
+        disk: disk.map(|(dir, fingerprint)| DiskSetup {
+            dir: dir.0.clone(),
+            blocks: 1000,
+            fingerprint,
+        }),
+        ..TierSetup::default()
+    };
+    c
+}
+
+fn run(e: &kura_engine::EngineHandle, r: kura_engine::GenerateRequest) -> (Vec<u32>, u32) {
+    let (_guard, rx) = submit(e, r);
+    let (tokens, usage) = wait(&rx);
+    (tokens, usage.cached_tokens)
+}
+
+/// Tokens of five distinct 24-token prompts (6 blocks each, 30 in all) computed cold, one at a time.
+fn cold_outputs() -> Vec<Vec<u32>> {
+    let fake = start(config(64, 64, 8));
+    let out = (0..5)
+        .map(|s| run(&fake.engine, distinct_request(s, 24, 6)).0)
+        .collect();
+    fake.engine.stop();
+    out
+}
+
+fn tier_metric(e: &kura_engine::EngineHandle, name: &str, tier: &str) -> f64 {
+    metric(e, &format!("{name}{{tier=\"{tier}\"}}"))
+}
+
+fn block_files(dir: &TestDir) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for fan in std::fs::read_dir(dir.0.join("blocks")).unwrap() {
+        for f in std::fs::read_dir(fan.unwrap().path()).unwrap() {
+            files.push(f.unwrap().path());
+        }
+    }
+    files
+}
+
+#[test]
+fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
+    let cold = cold_outputs();
+    // A pool of 12 blocks holds two prompts' blocks at most: the others are evicted into the host tier.
+    let fake = start(with_tiers(12, 64, None));
+    for s in 0..5 {
+        let (tokens, _) = run(&fake.engine, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize]);
+    }
+    let forwards_before = fake.control.calls();
+    for s in 0..5 {
+        let (tokens, cached) = run(&fake.engine, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "prompt {s} from the tiers");
+        // Every full block of the 23 tokens looked up: 5 blocks of 4.
+        assert_eq!(cached, 20, "prompt {s}");
+    }
+    settle(&fake.engine);
+    let e = &fake.engine;
+    assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "host") >= 15.0);
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_loads_total", "host"),
+        tier_metric(e, "kura:kv_tier_hit_blocks_total", "host")
+    );
+    assert_eq!(tier_metric(e, "kura:kv_tier_load_failures_total", "host"), 0.0);
+    assert!(tier_metric(e, "kura:kv_tier_stores_total", "host") >= 15.0);
+    // Revisits computed only their last block's tokens: 6 decode steps plus a 4-token chunk each.
+    assert!(fake.control.calls() - forwards_before <= 5 * 7);
+    fake.engine.stop();
+}
+
+#[test]
+fn the_disk_tier_survives_a_restart_and_refuses_another_models_blocks() {
+    let cold = cold_outputs();
+    let dir = TestDir::new("restart");
+    let a = start(with_tiers(12, 0, Some((&dir, 7))));
+    for s in 0..5 {
+        assert_eq!(run(&a.engine, distinct_request(s, 24, 6)).0, cold[s as usize]);
+    }
+    // A clean stop writes every cached block down.
+    a.engine.stop();
+    assert!(block_files(&dir).len() >= 25, "{:?}", block_files(&dir));
+
+    let b = start(with_tiers(12, 0, Some((&dir, 7))));
+    for s in 0..5 {
+        let (tokens, cached) = run(&b.engine, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "prompt {s} after the restart");
+        assert_eq!(cached, 20, "prompt {s} after the restart");
+    }
+    settle(&b.engine);
+    assert!(tier_metric(&b.engine, "kura:kv_tier_hit_blocks_total", "disk") >= 25.0);
+    assert_eq!(metric(&b.engine, "kura:kv_tier_checksum_failures_total"), 0.0);
+    b.engine.stop();
+
+    // Another fingerprint (other weights or KV format): nothing is served, the files are removed.
+    let c = start(with_tiers(12, 0, Some((&dir, 8))));
+    assert!(metric(&c.engine, "kura:kv_disk_removed_foreign_total") >= 25.0);
+    let (tokens, cached) = run(&c.engine, distinct_request(0, 24, 6));
+    assert_eq!((tokens, cached), (cold[0].clone(), 0));
+    c.engine.stop();
+}
+
+#[test]
+fn a_damaged_block_on_disk_is_dropped_and_recomputed() {
+    let cold = cold_outputs();
+    let dir = TestDir::new("damaged");
+    let a = start(with_tiers(12, 0, Some((&dir, 7))));
+    for s in 0..5 {
+        run(&a.engine, distinct_request(s, 24, 6));
+    }
+    a.engine.stop();
+    // Flip the last payload byte of every block file: headers stay valid, so the damage is found when
+    // a block is read.
+    let files = block_files(&dir);
+    for f in &files {
+        let mut bytes = std::fs::read(f).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x5a;
+        std::fs::write(f, bytes).unwrap();
+    }
+    let b = start(with_tiers(12, 0, Some((&dir, 7))));
+    for s in 0..5 {
+        let (tokens, _) = run(&b.engine, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "prompt {s} over damaged blocks");
+    }
+    settle(&b.engine);
+    let failures = tier_metric(&b.engine, "kura:kv_tier_load_failures_total", "disk");
+    assert!(failures >= 5.0, "{failures}");
+    assert_eq!(
+        metric(&b.engine, "kura:kv_tier_checksum_failures_total"),
+        failures
+    );
+    b.engine.stop();
+}
+
+#[test]
+fn a_prefix_only_on_disk_is_read_once_for_sixteen_concurrent_requests() {
+    let dir = TestDir::new("convoy");
+    let fake = start(with_tiers(96, 0, Some((&dir, 7))));
+    let e = &fake.engine;
+    // A 32-token (8-block) shared prefix, computed once, then pushed out of the pool by other prompts.
+    let prefix: Vec<u32> = (0..32).map(|i| (i * 5 + 3) % 60 + 1).collect();
+    let with_suffix = |k: u32| {
+        let mut p = prefix.clone();
+        p.extend((0..3).map(|i| (k * 11 + i) % 60 + 1));
+        let mut r = kura_engine::GenerateRequest::greedy(p, 4);
+        r.ignore_eos = true;
+        r
+    };
+    let alone = run(e, with_suffix(99)).0;
+    for s in 0..30 {
+        run(e, distinct_request(100 + s, 24, 1));
+    }
+    settle(e);
+    let reads_before = metric(e, "kura:kv_disk_reads_total");
+    // Hold the engine inside a forward pass while the 16 arrive, so that one scheduling pass sees them.
+    let calls = fake.control.calls();
+    fake.control.hold_at(calls + 1);
+    let (_blocker, blocker_rx) = submit(e, distinct_request(999, 8, 2));
+    fake.control.wait_held();
+    let rxs: Vec<_> = (0..16).map(|k| submit(e, with_suffix(k))).collect();
+    fake.control.release();
+    wait(&blocker_rx);
+    for (k, (_guard, rx)) in rxs.iter().enumerate() {
+        let (tokens, usage) = wait(rx);
+        assert_eq!(usage.cached_tokens, 32, "request {k}");
+        assert_eq!(tokens.len(), 4);
+    }
+    // The request alone before and the one with the same suffix now agree.
+    let (_g, rx) = submit(e, with_suffix(99));
+    assert_eq!(wait(&rx).0, alone);
+    settle(e);
+    let reads = metric(e, "kura:kv_disk_reads_total") - reads_before;
+    assert_eq!(reads, 8.0, "the 8 prefix blocks are read once each");
+    fake.engine.stop();
+}
+
+#[test]
+fn swap_preemption_loads_a_preempted_requests_blocks_back() {
+    // Alone: the reference tokens.
+    let reference: Vec<Vec<u32>> = {
+        let fake = start(config(64, 64, 8));
+        let out = (0..3)
+            .map(|s| run(&fake.engine, distinct_request(s, 20, 24)).0)
+            .collect();
+        fake.engine.stop();
+        out
+    };
+    // Three requests growing to 44 tokens (11 blocks) each in a pool of 24 blocks: someone is preempted.
+    let mut c = with_tiers(24, 64, None);
+    c.preemption = PreemptionMode::Swap;
+    let fake = start(c);
+    let rxs: Vec<_> = (0..3)
+        .map(|s| submit(&fake.engine, distinct_request(s, 20, 24)))
+        .collect();
+    for (s, (_g, rx)) in rxs.iter().enumerate() {
+        assert_eq!(wait(rx).0, reference[s], "request {s}");
+    }
+    settle(&fake.engine);
+    let e = &fake.engine;
+    assert!(metric(e, "kura:num_preemptions_total") >= 1.0);
+    assert!(metric(e, "kura:kv_swapped_out_blocks_total") >= 1.0);
+    assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "host") >= 1.0);
+    fake.engine.stop();
+}
