@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kura_engine::{
-    start_engine, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerateRequest,
-    ModelCodec, ModelExecutor, RequestGuard, SchedulingPolicy, SubmitError, Usage,
+    start_engine, DiskSetup, EngineConfig, EngineEvent, EngineHandle, FinishReason,
+    GenerateRequest, ModelCodec, ModelExecutor, PreemptionMode, RequestGuard, SchedulingPolicy,
+    SubmitError, TierSetup, Usage,
 };
 use kura_kv::codec::KvDtype;
 use kura_kv::storage::KvStorage;
@@ -33,36 +34,35 @@ fn model() -> Arc<Model> {
 }
 
 fn engine(model: &Arc<Model>, num_blocks: usize, max_num_batched_tokens: usize) -> EngineHandle {
-    engine_with(
-        model,
-        num_blocks,
-        max_num_batched_tokens,
-        SchedulingPolicy::Fcfs,
-    )
+    engine_with(model, num_blocks, max_num_batched_tokens, |c| {
+        c.scheduling_policy = SchedulingPolicy::Fcfs
+    })
 }
 
+/// An engine over f32 KV, its configuration adjusted by `tweak`.
 fn engine_with(
     model: &Arc<Model>,
     num_blocks: usize,
     max_num_batched_tokens: usize,
-    scheduling_policy: SchedulingPolicy,
+    tweak: impl FnOnce(&mut EngineConfig),
 ) -> EngineHandle {
     let layout = model.kv_layout(KvDtype::F32, BLOCK).unwrap();
     let storage = KvStorage::new(&layout, num_blocks).unwrap();
+    let mut config = EngineConfig {
+        model_name: "test".into(),
+        max_model_len: model.config().max_context,
+        block_size_tokens: BLOCK,
+        num_blocks,
+        max_num_seqs: 64,
+        max_num_batched_tokens,
+        max_queue: 1000,
+        enable_prefix_caching: true,
+        model_fingerprint: "test".into(),
+        ..EngineConfig::default()
+    };
+    tweak(&mut config);
     start_engine(
-        EngineConfig {
-            model_name: "test".into(),
-            max_model_len: model.config().max_context,
-            block_size_tokens: BLOCK,
-            num_blocks,
-            max_num_seqs: 64,
-            max_num_batched_tokens,
-            max_queue: 1000,
-            enable_prefix_caching: true,
-            model_fingerprint: "test".into(),
-            scheduling_policy,
-            ..EngineConfig::default()
-        },
+        config,
         Box::new(ModelExecutor::new(model.clone(), storage)),
         Arc::new(ModelCodec::new(model.clone())),
     )
@@ -323,7 +323,9 @@ fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_sa
 
     // 16 blocks = 256 tokens; each request needs about 14 blocks by its end: they cannot both finish
     // without one being preempted, and the low-priority one (priority 5 vs -10) is the one.
-    let e = engine_with(&model, 16, 256, SchedulingPolicy::Priority);
+    let e = engine_with(&model, 16, 256, |c| {
+        c.scheduling_policy = SchedulingPolicy::Priority
+    });
     let (_gl, low_rx) = submit(&e, request(&low_prompt, 5));
     // Wait until it runs (its first token), then the high-priority request arrives.
     let mut low_text = match low_rx.recv_timeout(Duration::from_secs(60)).unwrap() {
@@ -392,4 +394,76 @@ fn a_stop_string_ends_its_choice_where_it_starts_and_frees_its_blocks() {
     assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
     assert_eq!(metric(&e, "kura:num_requests_running"), 0.0);
     e.stop();
+}
+
+/// Blocks evicted from a small pool into the host tier and onward to disk come back bit-identical: the
+/// revisits give the cold tokens, and a restart on the same directory does too, with swap preemption in
+/// the mix.
+#[test]
+fn blocks_from_the_host_and_disk_tiers_give_the_cold_tokens() {
+    let model = model();
+    let dir = std::env::temp_dir().join(format!("kura-engine-model-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let tiered = |c: &mut EngineConfig| {
+        c.tiers = TierSetup {
+            host_blocks: 40,
+            disk: Some(DiskSetup {
+                dir: dir.clone(),
+                blocks: 400,
+                fingerprint: 1,
+            }),
+            ..TierSetup::default()
+        };
+        c.preemption = PreemptionMode::Swap;
+    };
+    let request = |seed: usize| {
+        let mut r = GenerateRequest::greedy(prompt(&model, 40, 300 + seed), 24);
+        r.ignore_eos = true;
+        r
+    };
+    let cold: Vec<Vec<u32>> = {
+        let e = engine(&model, 64, 512);
+        let out = (0..4)
+            .map(|s| wait(&submit(&e, request(s)).1, 1).tokens.remove(0))
+            .collect();
+        e.stop();
+        out
+    };
+    // Room for two prompts and a little more: the four do not fit at once, and two running together
+    // outgrow the pool as they decode (preemption).
+    let longest = (0..4)
+        .map(|s| request(s).prompt_tokens.len())
+        .max()
+        .unwrap();
+    let num_blocks = 2 * longest.div_ceil(BLOCK) + 2;
+    // A revisit finds every full block before its last prompt token.
+    let full_blocks = |s: usize| (request(s).prompt_tokens.len() - 1) / BLOCK * BLOCK;
+    let e = engine_with(&model, num_blocks, 512, tiered);
+    for (s, want) in cold.iter().enumerate() {
+        assert_eq!(&wait(&submit(&e, request(s)).1, 1).tokens[0], want);
+    }
+    for (s, want) in cold.iter().enumerate() {
+        let o = wait(&submit(&e, request(s)).1, 1);
+        assert_eq!(&o.tokens[0], want, "revisit of prompt {s}");
+        assert_eq!(o.usage.cached_tokens as usize, full_blocks(s), "prompt {s}");
+    }
+    // Concurrent: preemption swaps to the host tier.
+    let guards: Vec<_> = (0..4).map(|s| submit(&e, request(s))).collect();
+    for (s, (_, rx)) in guards.iter().enumerate() {
+        assert_eq!(&wait(rx, 1).tokens[0], &cold[s], "concurrent prompt {s}");
+    }
+    settle(&e);
+    assert!(metric(&e, "kura:kv_tier_hit_blocks_total{tier=\"host\"}") > 0.0);
+    assert!(metric(&e, "kura:kv_swapped_out_blocks_total") > 0.0);
+    e.stop();
+    let e = engine_with(&model, num_blocks, 512, tiered);
+    for (s, want) in cold.iter().enumerate() {
+        let o = wait(&submit(&e, request(s)).1, 1);
+        assert_eq!(&o.tokens[0], want, "prompt {s} after a restart");
+        assert_eq!(o.usage.cached_tokens as usize, full_blocks(s), "prompt {s}");
+    }
+    settle(&e);
+    assert!(metric(&e, "kura:kv_tier_hit_blocks_total{tier=\"disk\"}") > 0.0);
+    e.stop();
+    let _ = std::fs::remove_dir_all(&dir);
 }
