@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""The lower KV tiers measured against recompute, each figure from real `kura serve` processes on the
+default model (standard library only; run through bench/tiers.sh, which builds the release binary).
+
+  revisit   TTFT of a prompt revisited after its blocks left the pool, loaded from the host tier (L2) or
+            from disk (L3), against the same prompt computed cold, across prompt lengths (64 to 4,096).
+  workset   A working set several times the pool: documents of ~2,000 tokens visited, then revisited,
+            with a 64 MiB pool and a 1 GiB host tier (then a disk tier): revisit TTFT against cold.
+  restart   A 4,000-token prompt, the server stopped and started again on the same --kv-disk-path:
+            cached_tokens, TTFT against cold, the same greedy output.
+  convoy    16 concurrent requests sharing a 2,000-token prefix that is only on disk: disk reads, and
+            every TTFT against one such request alone.
+
+Every revisit's output is compared with its cold output (greedy): a difference is an error. Medians of
+`--reps` runs; the machine's load average is printed with each section.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "river", "stone", "cloud", "light", "north",
+         "amber", "cedar", "ember", "frost", "grove", "harbor", "iris", "jade", "kite", "lotus"]
+
+
+def text(seed, n_words):
+    """About 2 tokens per word; distinct seeds share no prefix."""
+    return f"Record {seed}: " + " ".join(
+        WORDS[(seed * 7 + j * j + j) % len(WORDS)] + str((seed * 31 + j) % 89) for j in range(n_words))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load():
+    return os.getloadavg()[0]
+
+
+class Server:
+    def __init__(self, kura, model, threads, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="kura-tiers-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [kura, "serve", "--model", model, "--port", str(self.port), "--threads", str(threads), *args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                break
+            except Exception:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    sys.exit(f"kura serve did not start: {open(self.log.name).read()[-3000:]}")
+                time.sleep(0.2)
+        models = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())
+        self.model = models["data"][0]["id"]
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        if self.proc.wait(timeout=120) != 0:
+            sys.exit(f"kura serve exited {self.proc.returncode}: {open(self.log.name).read()[-3000:]}")
+
+    def tokens(self, prompt):
+        body = json.dumps({"model": self.model, "prompt": prompt}).encode()
+        req = urllib.request.Request(self.url + "/tokenize", body, {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req).read())["count"]
+
+    def ask(self, prompt, max_tokens=8):
+        """(TTFT s, output text, prompt tokens, cached tokens), streamed, greedy."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True, "stream_options": {"include_usage": True}}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        ttft, out, usage = None, "", None
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("choices"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    out += ev["choices"][0]["text"]
+                if ev.get("usage"):
+                    usage = ev["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return ttft, out, usage["prompt_tokens"], cached
+
+    def metric(self, name):
+        for line in urllib.request.urlopen(self.url + "/metrics").read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        sys.exit(f"metric {name} missing")
+
+
+def words_for(server, tokens):
+    """Words of `text` that make about `tokens` tokens (measured with the server's tokenizer)."""
+    per_word = server.tokens(text(0, 200)) / 200
+    return max(1, int(tokens / per_word))
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def check_same(label, cold, again):
+    if cold != again:
+        sys.exit(f"{label}: output differs from the cold run: {cold!r} vs {again!r}")
+
+
+def revisit(a, tmp):
+    """TTFT from L2 and from L3 against recompute, across prompt lengths."""
+    lengths = [64, 256, 1024, 2048, 4096]
+    pool = "100MiB"  # 4,551 tokens: a 4,096-token prompt fits, and 4,700 tokens of others evict it
+    rows = []
+    for tier, extra in (("L2 host", ["--kv-host-memory", "1GiB", "--preemption-mode", "recompute"]),
+                        ("L3 disk", ["--kv-disk-path", os.path.join(tmp, "revisit-disk"), "--kv-disk-size", "4GiB"])):
+        s = Server(a.kura, a.model, a.threads, "--kv-cache-memory", pool, *extra)
+        fill_words = words_for(s, 2350)
+        seed = 1000
+        for n in lengths:
+            words = words_for(s, n)
+            cold, hot = [], []
+            for rep in range(a.reps):
+                seed += 1
+                p = text(seed, words)
+                t_cold, out_cold, ptoks, _ = s.ask(p)
+                # Push it out of the pool: two unrelated prompts of ~2,350 tokens.
+                for k in range(2):
+                    seed += 1
+                    s.ask(text(seed, fill_words), max_tokens=1)
+                t_hot, out_hot, _, cached = s.ask(p)
+                check_same(f"{tier} {n}", out_cold, out_hot)
+                if cached < (ptoks - 1) // 16 * 16:
+                    sys.exit(f"{tier} {n}: cached {cached} of {ptoks}: the revisit was not served from the tier")
+                cold.append(t_cold)
+                hot.append(t_hot)
+            rows.append((tier, ptoks, med(cold) * 1e3, med(hot) * 1e3))
+            print(f"  {tier} {ptoks:5d} tokens: cold {med(cold)*1e3:8.1f} ms, revisit {med(hot)*1e3:7.1f} ms, "
+                  f"{med(cold)/med(hot):6.1f}x  (load {load():.1f})", flush=True)
+        s.stop()
+    return rows
+
+
+def workset(a, tmp):
+    """Documents of ~2,000 tokens, a working set several times the 64 MiB pool, visited then revisited."""
+    out = []
+    for tier, extra in (("L2 host", ["--kv-host-memory", "1GiB", "--preemption-mode", "recompute"]),
+                        ("L3 disk", ["--kv-disk-path", os.path.join(tmp, "workset-disk"), "--kv-disk-size", "4GiB"])):
+        s = Server(a.kura, a.model, a.threads, "--kv-cache-memory", "64MiB", *extra)
+        words = words_for(s, 2000)
+        docs = [text(5000 + i, words) for i in range(a.docs)]
+        cold, hot, first, toks = [], [], {}, 0
+        for i, d in enumerate(docs):
+            t, o, ptoks, _ = s.ask(d)
+            cold.append(t)
+            first[i] = o
+            toks += ptoks
+        for rnd in range(a.reps):
+            for i, d in enumerate(docs):
+                t, o, ptoks, cached = s.ask(d)
+                check_same(f"{tier} doc {i}", first[i], o)
+                hot.append(t)
+        hits = s.metric(f'kura:kv_tier_hit_blocks_total{{tier="{tier[3:]}"}}')
+        print(f"  {tier}: {a.docs} documents, {toks} tokens (pool 2,912): cold {med(cold)*1e3:.1f} ms, "
+              f"revisit {med(hot)*1e3:.1f} ms, {med(cold)/med(hot):.1f}x; {hits:.0f} blocks loaded from the tier "
+              f"(load {load():.1f})", flush=True)
+        out.append((tier, toks, med(cold) * 1e3, med(hot) * 1e3))
+        s.stop()
+    return out
+
+
+def restart(a, tmp):
+    disk = os.path.join(tmp, "restart-disk")
+    args = ["--kv-cache-memory", "256MiB", "--kv-disk-path", disk, "--kv-disk-size", "2GiB"]
+    ref = Server(a.kura, a.model, a.threads, "--kv-cache-memory", "256MiB")
+    words = words_for(ref, 4000)
+    colds, outs = [], []
+    prompts = [text(9000 + r, words) for r in range(a.reps)]
+    for p in prompts:
+        t, o, ptoks, _ = ref.ask(p)
+        colds.append(t)
+        outs.append(o)
+    ref.stop()
+    s = Server(a.kura, a.model, a.threads, *args)
+    for p in prompts:
+        s.ask(p)
+    s.stop()
+    s = Server(a.kura, a.model, a.threads, *args)
+    hots, cached_all = [], []
+    for p, o in zip(prompts, outs):
+        t, o2, ptoks, cached = s.ask(p)
+        check_same("restart", o, o2)
+        hots.append(t)
+        cached_all.append((cached, ptoks))
+    s.stop()
+    print(f"  restart: prompts of {cached_all[0][1]} tokens, cached after restart {[c for c, _ in cached_all]}, "
+          f"cold {med(colds)*1e3:.1f} ms, after restart {med(hots)*1e3:.1f} ms, {med(colds)/med(hots):.1f}x, same output "
+          f"(load {load():.1f})", flush=True)
+    return cached_all[0], med(colds) * 1e3, med(hots) * 1e3
+
+
+def convoy(a, tmp):
+    disk = os.path.join(tmp, "convoy-disk")
+    args = ["--kv-cache-memory", "256MiB", "--kv-disk-path", disk, "--kv-disk-size", "2GiB", "--max-num-seqs", "32"]
+    s = Server(a.kura, a.model, a.threads, *args)
+    prefix = text(7777, words_for(s, 2000))
+    s.ask(prefix + " Question 0?", max_tokens=1)
+    s.stop()
+    singles, results = [], []
+    for rep in range(a.reps):
+        # Alone: the prefix only on disk (a restart empties the pool; a clean stop wrote it down).
+        s = Server(a.kura, a.model, a.threads, *args)
+        t, _, ptoks, cached = s.ask(prefix + f" Question {100 + rep}?", max_tokens=4)
+        singles.append(t)
+        s.stop()
+        s = Server(a.kura, a.model, a.threads, *args)
+        reads0 = s.metric("kura:kv_disk_reads_total")
+        ttfts = [None] * 16
+
+        def one(k):
+            ttfts[k] = s.ask(prefix + f" Question {k + 1}?", max_tokens=4)[0]
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        reads = s.metric("kura:kv_disk_reads_total") - reads0
+        from_disk = list(ttfts)
+        # The same 16 again with other questions, the prefix now in the pool: what 16 concurrent
+        # requests cost here without any load.
+        pool_ttfts = [None] * 16
+
+        def hot(k):
+            pool_ttfts[k] = s.ask(prefix + f" Question {k + 200}?", max_tokens=4)[0]
+
+        threads = [threading.Thread(target=hot, args=(k,)) for k in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        s.stop()
+        results.append((reads, max(from_disk), med(from_disk), max(pool_ttfts)))
+        print(f"  convoy run {rep}: prefix {cached} cached tokens of {ptoks}; alone {t*1e3:.1f} ms; 16 at once "
+              f"from disk: {reads:.0f} block reads, TTFT median {med(from_disk)*1e3:.1f} ms, max "
+              f"{max(from_disk)*1e3:.1f} ms; 16 at once from the pool: max {max(pool_ttfts)*1e3:.1f} ms "
+              f"(load {load():.1f})", flush=True)
+    single = med(singles)
+    worst = med([r[1] for r in results])
+    worst_pool = med([r[3] for r in results])
+    print(f"  convoy: alone {single*1e3:.1f} ms, worst of 16 from disk {worst*1e3:.1f} ms ({worst/single:.2f}x), "
+          f"worst of 16 from the pool {worst_pool*1e3:.1f} ms; block reads per run {[int(r[0]) for r in results]}",
+          flush=True)
+    return single * 1e3, worst * 1e3, worst_pool * 1e3, [int(r[0]) for r in results]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kura", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--only", default="revisit,workset,restart,convoy")
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="kura-tiers-bench-")
+    results = {"threads": a.threads, "reps": a.reps}
+    try:
+        for name in a.only.split(","):
+            print(f"{name} (threads {a.threads}, load {load():.1f})", flush=True)
+            results[name] = globals()[name](a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
