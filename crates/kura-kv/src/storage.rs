@@ -82,6 +82,65 @@ pub enum KvSlice<'a> {
     Bf16(&'a [bf16]),
 }
 
+/// An element format whose values are plain bytes: no padding, every bit pattern valid.
+trait Element: Copy {
+    const BYTES: usize;
+    fn to_le(self, out: &mut [u8]);
+    fn from_le(b: &[u8]) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $n:expr) => {
+        impl Element for $t {
+            const BYTES: usize = $n;
+            fn to_le(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
+            }
+            fn from_le(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().expect("chunks of the element's size"))
+            }
+        }
+    };
+}
+element!(f32, 4);
+element!(f16, 2);
+element!(bf16, 2);
+
+/// Copies `src` little-endian into the front of `out`; returns the bytes written. On a little-endian
+/// machine the memory is already that: one memcpy.
+fn export_le<T: Element>(src: &[T], out: &mut [u8]) -> usize {
+    let n = src.len() * T::BYTES;
+    let out = &mut out[..n];
+    if cfg!(target_endian = "little") {
+        // SAFETY: T is f32, f16 or bf16 (the `Element` impls): `n` initialised bytes without padding,
+        // read through a shared borrow of `src` that outlives the view.
+        let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), n) };
+        out.copy_from_slice(bytes);
+    } else {
+        for (o, &x) in out.chunks_exact_mut(T::BYTES).zip(src) {
+            x.to_le(o);
+        }
+    }
+    n
+}
+
+/// Fills `dst` from the little-endian bytes at the front of `src`; returns the bytes read.
+fn import_le<T: Element>(dst: &mut [T], src: &[u8]) -> usize {
+    let n = dst.len() * T::BYTES;
+    let src = &src[..n];
+    if cfg!(target_endian = "little") {
+        // SAFETY: as in `export_le`; every bit pattern is a valid f32, f16 or bf16, and `dst` is borrowed
+        // mutably for the view's life.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), n) };
+        bytes.copy_from_slice(src);
+    } else {
+        for (d, b) in dst.iter_mut().zip(src.chunks_exact(T::BYTES)) {
+            *d = T::from_le(b);
+        }
+    }
+    n
+}
+
 /// `elements` zeros, or the allocator's refusal.
 fn try_zeroed<T: Clone>(zero: T, elements: usize) -> Result<Vec<T>, TryReserveError> {
     let mut v = Vec::new();
@@ -142,36 +201,20 @@ impl KvRegion {
 
     /// Writes elements `[start, start + len)` little-endian at the front of `out`; returns the bytes written.
     fn export(&self, start: usize, len: usize, out: &mut [u8]) -> usize {
-        fn put<T: Copy, const N: usize>(
-            src: &[T],
-            out: &mut [u8],
-            le: impl Fn(T) -> [u8; N],
-        ) -> usize {
-            for (d, &x) in out.chunks_exact_mut(N).zip(src) {
-                d.copy_from_slice(&le(x));
-            }
-            src.len() * N
-        }
         match self {
-            KvRegion::F32(v) => put(&v[start..start + len], out, f32::to_le_bytes),
-            KvRegion::F16(v) => put(&v[start..start + len], out, f16::to_le_bytes),
-            KvRegion::Bf16(v) => put(&v[start..start + len], out, bf16::to_le_bytes),
+            KvRegion::F32(v) => export_le(&v[start..start + len], out),
+            KvRegion::F16(v) => export_le(&v[start..start + len], out),
+            KvRegion::Bf16(v) => export_le(&v[start..start + len], out),
         }
     }
 
     /// Reads elements `[start, start + len)` from the front of `src` (as `export` wrote them); returns the
     /// bytes read.
     fn import(&mut self, start: usize, len: usize, src: &[u8]) -> usize {
-        fn get<T, const N: usize>(dst: &mut [T], src: &[u8], from: impl Fn([u8; N]) -> T) -> usize {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(N)) {
-                *d = from(s.try_into().expect("chunks of N bytes"));
-            }
-            dst.len() * N
-        }
         match self {
-            KvRegion::F32(v) => get(&mut v[start..start + len], src, f32::from_le_bytes),
-            KvRegion::F16(v) => get(&mut v[start..start + len], src, f16::from_le_bytes),
-            KvRegion::Bf16(v) => get(&mut v[start..start + len], src, bf16::from_le_bytes),
+            KvRegion::F32(v) => import_le(&mut v[start..start + len], src),
+            KvRegion::F16(v) => import_le(&mut v[start..start + len], src),
+            KvRegion::Bf16(v) => import_le(&mut v[start..start + len], src),
         }
     }
 

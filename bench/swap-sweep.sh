@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The cliff past the KV pool's knee, swap against recompute in one run: the `unique` workload swept over
+# concurrency against two `kura serve`s that differ only in --preemption-mode, one after the other, then
+# overlaid (compare.md and plots).
+#
+#   bench/swap-sweep.sh     (THREADS=2 POOL=128MiB HOST=1GiB SWEEP=1,2,4,8,12,16 REQUESTS=16
+#                            BATCH=512 OUT=bench-out/swap-sweep KURA_BIN=...)
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+THREADS=${THREADS:-2}
+PORT=${PORT:-8013}
+POOL=${POOL:-128MiB}
+HOST=${HOST:-1GiB}
+SWEEP=${SWEEP:-1,2,4,8,12,16}
+REQUESTS=${REQUESTS:-16}
+BATCH=${BATCH:-512}
+OUT=${OUT:-$REPO/bench-out/swap-sweep}
+KURA=${KURA_BIN:-$REPO/target/release/kura}
+if [ -z "${KURA_BIN:-}" ]; then
+  (cd "$REPO" && cargo build --release -p kura >&2)
+fi
+URL="http://127.0.0.1:$PORT"
+mkdir -p "$OUT"
+for mode in recompute swap; do
+  LOG="$OUT/serve-$mode.log"
+  "$KURA" serve --host 127.0.0.1 --port "$PORT" --threads "$THREADS" --kv-cache-memory "$POOL" \
+    --kv-host-memory "$HOST" --preemption-mode "$mode" --max-num-batched-tokens "$BATCH" >"$LOG" 2>&1 &
+  PID=$!
+  trap 'kill $PID 2>/dev/null || true' EXIT
+  for _ in $(seq 1 600); do
+    curl -fsS -m 2 "$URL/health" >/dev/null 2>&1 && break
+    kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "== $mode (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+  "$KURA" bench unique --url "$URL" --requests "$REQUESTS" --sweep-concurrency "$SWEEP" \
+    --label "preemption $mode" --out "$OUT/$mode" >&2
+  curl -fsS "$URL/metrics" | grep -E '^kura:(num_preemptions_total|kv_swapped_out_blocks_total|prompt_tokens_computed_total|kv_tier_hit_blocks_total)' \
+    >"$OUT/metrics-$mode.txt"
+  kill -INT "$PID"
+  wait "$PID" || true
+done
+trap - EXIT
+"$KURA" bench --compare "$OUT/recompute/run.json" "$OUT/swap/run.json" --out "$OUT/compare"
+cat "$OUT"/metrics-*.txt
