@@ -101,7 +101,10 @@ fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
         tier_metric(e, "kura:kv_tier_loads_total", "host"),
         tier_metric(e, "kura:kv_tier_hit_blocks_total", "host")
     );
-    assert_eq!(tier_metric(e, "kura:kv_tier_load_failures_total", "host"), 0.0);
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_load_failures_total", "host"),
+        0.0
+    );
     assert!(tier_metric(e, "kura:kv_tier_stores_total", "host") >= 15.0);
     // Revisits computed only their last block's tokens: 6 decode steps plus a 4-token chunk each.
     assert!(fake.control.calls() - forwards_before <= 5 * 7);
@@ -114,7 +117,10 @@ fn the_disk_tier_survives_a_restart_and_refuses_another_models_blocks() {
     let dir = TestDir::new("restart");
     let a = start(with_tiers(12, 0, Some((&dir, 7))));
     for s in 0..5 {
-        assert_eq!(run(&a.engine, distinct_request(s, 24, 6)).0, cold[s as usize]);
+        assert_eq!(
+            run(&a.engine, distinct_request(s, 24, 6)).0,
+            cold[s as usize]
+        );
     }
     // A clean stop writes every cached block down.
     a.engine.stop();
@@ -128,7 +134,10 @@ fn the_disk_tier_survives_a_restart_and_refuses_another_models_blocks() {
     }
     settle(&b.engine);
     assert!(tier_metric(&b.engine, "kura:kv_tier_hit_blocks_total", "disk") >= 25.0);
-    assert_eq!(metric(&b.engine, "kura:kv_tier_checksum_failures_total"), 0.0);
+    assert_eq!(
+        metric(&b.engine, "kura:kv_tier_checksum_failures_total"),
+        0.0
+    );
     b.engine.stop();
 
     // Another fingerprint (other weights or KV format): nothing is served, the files are removed.
