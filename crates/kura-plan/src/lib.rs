@@ -6,6 +6,7 @@
 //!   − weights / (tp × pp)                               exact for a GGUF file, else params × bytes/param
 //!   − runtime overhead                                  estimate, --overhead overrides
 //!   − activation peak                                   estimate, --activation overrides
+//!   − host KV tier (L2)                                 on the CPU only: the same RAM as the pool
 //!   = KV budget  →  num_blocks = budget / bytes_per_block      (KvLayout, the same math as the server)
 //!                →  max_concurrency = budget / bytes_for_sequence(context)
 //! ```
@@ -20,9 +21,13 @@
 //!   for f32 weights); plus f32 logits for up to 256 sequences. Attention scores are not materialised
 //!   (flash-style kernels), so context length does not enter.
 //!
+//! The lower KV tiers (a host-memory tier and a disk tier, see [`tiers`]) are reported beside the pool;
+//! the host tier is host memory on top of the pool, so on the CPU it is a term of the breakdown.
+//!
 //! All of it is O(layers).
 
 pub mod catalog;
+pub mod tiers;
 /// The model shape reader, shared with the runtime (`kura-shape`).
 pub use kura_shape as spec;
 
@@ -34,6 +39,7 @@ use kura_kv::units::format_bytes;
 use spec::ModelSpec;
 
 pub use kura_shape::WeightsDtype;
+pub use tiers::{DiskTier, LowerTiers, Preemption, TierReport};
 
 /// Where the model runs, for the default overhead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -66,6 +72,8 @@ pub struct PlanRequest {
     pub overhead_bytes: Option<u64>,
     pub activation_bytes: Option<u64>,
     pub max_batched_tokens: u64,
+    /// The lower KV tiers, in blocks of [`PlanRequest::pool_layout`] as `kura serve` counts them.
+    pub tiers: LowerTiers,
 }
 
 /// A plan that cannot be made.
@@ -111,6 +119,8 @@ pub struct PlanReport {
     pub batch: u64,
     pub tp: usize,
     pub pp: usize,
+    /// Where the KV pool is: an accelerator's memory or the CPU's RAM.
+    pub device: Device,
     /// Whole model, all ranks.
     pub kv_bytes_per_token: u64,
     /// Whole model, all ranks, paged.
@@ -132,8 +142,9 @@ pub struct PlanReport {
     pub max_concurrency: u64,
     /// The longest context at which `batch` requests still fit.
     pub max_context_for_batch: u64,
-    /// Whether weights, overhead and activations fit in the usable memory at all; when they do not, the
-    /// KV figures above are still exact and the budget, blocks and concurrency are 0.
+    /// Whether weights, overhead and activations (and the host KV tier, where it is a term of the
+    /// breakdown) fit in the usable memory at all; when they do not, the KV figures above are still exact
+    /// and the budget, blocks and concurrency are 0.
     pub fits: bool,
     /// Bytes missing for the model to fit (0 when it fits).
     pub short_bytes: u64,
@@ -142,6 +153,8 @@ pub struct PlanReport {
     /// kept only its window (a pool per layer group); Kura's pool holds the figures above.
     pub windowed_kv_bytes_per_request: Option<u64>,
     pub windowed_max_concurrency: Option<u64>,
+    /// The lower KV tiers beside the pool, per device.
+    pub kv_tiers: TierReport,
     pub warnings: Vec<String>,
 }
 
@@ -171,7 +184,32 @@ impl PlanRequest {
             overhead_bytes: None,
             activation_bytes: None,
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
+            tiers: LowerTiers::default(),
         }
+    }
+
+    /// The layout of one device's pool, whole-model blocks (windowed layers at the full context, as
+    /// `kura serve` holds them): what the KV figures and the lower tiers' blocks are counted in.
+    pub fn pool_layout(&self) -> Result<KvLayout, PlanError> {
+        self.check_parallel()?;
+        Ok(self
+            .spec
+            .kv_layout(self.kv_dtype, self.block_size_tokens)?
+            .shard(self.tp, self.pp)?
+            .whole_model_pool())
+    }
+
+    fn check_parallel(&self) -> Result<(), PlanError> {
+        for (flag, v) in [("--tp", self.tp), ("--pp", self.pp)] {
+            if v > MAX_PARALLEL {
+                return Err(PlanError::OutOfRange {
+                    flag,
+                    got: v as u64,
+                    max: MAX_PARALLEL as u64,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn default_overhead(&self) -> u64 {
@@ -218,15 +256,7 @@ impl PlanRequest {
         if self.max_batched_tokens == 0 {
             return Err(PlanError::Zero("--max-batched-tokens"));
         }
-        for (flag, v) in [("--tp", self.tp), ("--pp", self.pp)] {
-            if v > MAX_PARALLEL {
-                return Err(PlanError::OutOfRange {
-                    flag,
-                    got: v as u64,
-                    max: MAX_PARALLEL as u64,
-                });
-            }
-        }
+        self.check_parallel()?;
         if !(self.memory_utilization > 0.0 && self.memory_utilization <= 1.0) {
             return Err(PlanError::Utilization(self.memory_utilization));
         }
@@ -308,13 +338,30 @@ impl PlanRequest {
             })?,
         };
 
+        // The lower tiers, in the pool's blocks. On the CPU the host tier is the same RAM as the pool, so
+        // it is a term of the breakdown when the budget comes from the memory.
+        let host_in_breakdown = self.device == Device::Cpu && self.kv_cache_memory.is_none();
+        let kv_tiers = TierReport::new(
+            &self.tiers,
+            rank.bytes_per_block(),
+            self.block_size_tokens as u64,
+            host_in_breakdown,
+        )
+        .ok_or_else(|| too_large("the lower KV tiers' bytes".into()))?;
+        let host_term = if kv_tiers.host_in_breakdown {
+            kv_tiers.host_bytes
+        } else {
+            0
+        };
+
         let (kv_budget, memory, short_bytes) = match (self.kv_cache_memory, self.memory_bytes) {
             (Some(kv), mem) => (kv, mem, 0),
             (None, None) => return Err(PlanError::NoMemory),
             (None, Some(mem)) => {
                 let usable = (mem as f64 * self.memory_utilization).floor() as u64;
-                // Three sizes from flags or estimates: the sum is taken wide, so it cannot wrap.
-                let needed = weights as u128 + overhead as u128 + activation as u128;
+                // Sizes from flags or estimates: the sums are taken wide, so they cannot wrap.
+                let model_needs = weights as u128 + overhead as u128 + activation as u128;
+                let needed = model_needs + host_term as u128;
                 match u64::try_from(needed)
                     .ok()
                     .and_then(|n| usable.checked_sub(n))
@@ -322,12 +369,39 @@ impl PlanRequest {
                     Some(budget) => (budget, Some(mem), 0),
                     None => {
                         let short = u64::try_from(needed - usable as u128).unwrap_or(u64::MAX);
-                        warnings.insert(
-                            0,
+                        let warning = if model_needs <= usable as u128 {
+                            // The model fits: the host tier is what leaves no room for the pool.
                             format!(
-                                "the model does not fit: weights {} + overhead {} + activations {} per \
-                                 device exceed the {} usable ({} × {}); short by {}. Try a larger \
-                                 --tp/--pp, a smaller --weights-dtype, or --memory-utilization closer to 1",
+                                "the host KV tier does not fit: --kv-host-memory takes {} ({} blocks), \
+                                 host memory on top of the KV pool and on the CPU the same RAM, but \
+                                 weights {} + overhead {} + activations {} per device leave {} of the {} \
+                                 usable ({} × {}); short by {}. Give a smaller --kv-host-memory (what is \
+                                 left must hold the KV pool too) or more memory",
+                                format_bytes(host_term),
+                                kv_tiers.host_blocks,
+                                format_bytes(weights),
+                                format_bytes(overhead),
+                                format_bytes(activation),
+                                format_bytes(usable - model_needs as u64),
+                                format_bytes(usable),
+                                format_bytes(mem),
+                                self.memory_utilization,
+                                format_bytes(short)
+                            )
+                        } else {
+                            let (host, smaller_host) = if host_term > 0 {
+                                (
+                                    format!(" + host KV tier {}", format_bytes(host_term)),
+                                    ", a smaller --kv-host-memory",
+                                )
+                            } else {
+                                (String::new(), "")
+                            };
+                            format!(
+                                "the model does not fit: weights {} + overhead {} + activations {}{host} \
+                                 per device exceed the {} usable ({} × {}); short by {}. Try a larger \
+                                 --tp/--pp, a smaller --weights-dtype{smaller_host}, or \
+                                 --memory-utilization closer to 1",
                                 format_bytes(weights),
                                 format_bytes(overhead),
                                 format_bytes(activation),
@@ -335,8 +409,9 @@ impl PlanRequest {
                                 format_bytes(mem),
                                 self.memory_utilization,
                                 format_bytes(short)
-                            ),
-                        );
+                            )
+                        };
+                        warnings.insert(0, warning);
                         (0, Some(mem), short)
                     }
                 }
@@ -390,6 +465,7 @@ impl PlanRequest {
             batch: self.batch,
             tp: self.tp,
             pp: self.pp,
+            device: self.device,
             kv_bytes_per_token,
             kv_bytes_per_request: per_request,
             kv_bytes_total,
@@ -410,6 +486,7 @@ impl PlanRequest {
             fits,
             short_bytes,
             fits_batch,
+            kv_tiers,
             warnings,
         })
     }
@@ -627,6 +704,105 @@ mod tests {
             .warnings
             .iter()
             .any(|w| w.contains("exceeds the model's maximum of 4096")));
+    }
+
+    /// A host tier of `blocks` blocks and a disk tier of `disk_blocks` files of `file` bytes.
+    fn tiers(blocks: u32, disk_blocks: u32, file: u64) -> LowerTiers {
+        LowerTiers {
+            host_memory_bytes: GIB,
+            host_blocks: blocks,
+            disk: Some(DiskTier {
+                path: "/kv".into(),
+                size_bytes: 10 * GIB,
+                block_file_bytes: file,
+                blocks: disk_blocks,
+            }),
+            policy: kura_kv::OffloadPolicy::WriteThrough { min_hits: 2 },
+            preemption: Preemption::Swap,
+        }
+    }
+
+    #[test]
+    fn the_lower_tiers_are_reported_in_bytes_and_tokens_of_the_pools_blocks() {
+        let mut r = req("llama-3.1-8b");
+        r.kv_cache_memory = Some(GIB);
+        let block = r.pool_layout().unwrap().bytes_per_block();
+        assert_eq!(block, 128 * 1024 * 16);
+        r.tiers = tiers(512, 100, block + 180);
+        let p = r.plan().unwrap();
+        assert_eq!(p.bytes_per_block_per_device, block);
+        let t = &p.kv_tiers;
+        assert_eq!((t.host_blocks, t.host_tokens), (512, 512 * 16));
+        assert_eq!(t.host_bytes, 512 * block);
+        assert_eq!((t.disk_blocks, t.disk_tokens), (100, 1600));
+        assert_eq!(t.disk_bytes, 100 * (block + 180));
+        assert_eq!(t.disk_path.as_deref(), Some("/kv"));
+        assert_eq!(
+            (t.offload_policy, t.offload_min_hits),
+            ("write-through", Some(2))
+        );
+        assert_eq!(t.preemption_mode, Preemption::Swap);
+        // A budget given directly skips the memory arithmetic: the host tier is beside it.
+        assert!(!t.host_in_breakdown);
+        // The pool itself is what it was without tiers.
+        r.tiers = LowerTiers::default();
+        let without = r.plan().unwrap();
+        assert_eq!(without.num_blocks, p.num_blocks);
+        assert_eq!(without.kv_tiers.host_blocks, 0);
+        assert_eq!(without.kv_tiers.offload_policy, "write-back");
+        assert_eq!(without.kv_tiers.preemption_mode, Preemption::Recompute);
+    }
+
+    #[test]
+    fn on_the_cpu_the_host_tier_comes_out_of_the_same_memory_as_the_pool() {
+        let mut r = req("llama-3.1-8b");
+        r.device = Device::Cpu;
+        r.memory_bytes = Some(64 * GIB);
+        r.context = Some(8192);
+        let block = r.pool_layout().unwrap().bytes_per_block();
+        let before = r.plan().unwrap();
+        r.tiers = tiers(4096, 0, 0);
+        let p = r.plan().unwrap();
+        let host = 4096 * block;
+        assert!(p.fits && p.kv_tiers.host_in_breakdown);
+        assert_eq!(p.kv_tiers.host_bytes, host);
+        assert_eq!(p.kv_budget_bytes, before.kv_budget_bytes - host);
+        let usable = (64.0 * GIB as f64 * 0.9) as u64;
+        assert_eq!(
+            p.kv_budget_bytes + p.weights_bytes + p.overhead_bytes + p.activation_bytes + host,
+            usable
+        );
+        // A host tier larger than what the model leaves: no pool, and the warning says which term.
+        let left = before.kv_budget_bytes;
+        r.tiers = tiers(u32::try_from(left / block + 1).unwrap(), 0, 0);
+        let p = r.plan().unwrap();
+        assert!(!p.fits);
+        assert_eq!(p.short_bytes, (left / block + 1) * block - left);
+        assert_eq!((p.kv_budget_bytes, p.num_blocks), (0, 0));
+        assert!(
+            p.warnings[0].starts_with("the host KV tier does not fit")
+                && p.warnings[0].contains("--kv-host-memory"),
+            "{:?}",
+            p.warnings
+        );
+        // On an accelerator the pool is in the device's memory and the host tier in the host's.
+        r.device = Device::Accelerator;
+        r.memory_bytes = Some(80 * GIB);
+        r.tiers = tiers(1 << 20, 0, 0);
+        let p = r.plan().unwrap();
+        assert!(p.fits && !p.kv_tiers.host_in_breakdown);
+        r.tiers = LowerTiers::default();
+        assert_eq!(r.plan().unwrap().kv_budget_bytes, p.kv_budget_bytes);
+    }
+
+    #[test]
+    fn tier_bytes_that_leave_64_bits_are_errors() {
+        let mut r = req("llama-3.1-405b");
+        r.kv_cache_memory = Some(GIB);
+        r.block_size_tokens = 1024;
+        r.tiers = tiers(u32::MAX, u32::MAX, u64::MAX);
+        let e = r.plan().unwrap_err();
+        assert!(e.to_string().contains("lower KV tiers"), "{e}");
     }
 
     #[test]

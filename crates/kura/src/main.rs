@@ -9,6 +9,7 @@ mod plan;
 mod serve;
 mod setup;
 mod sim;
+mod tiers;
 
 #[derive(Parser)]
 #[command(

@@ -1,5 +1,7 @@
 //! `kura plan`: reads a model (catalog name, HF `config.json` or directory, GGUF file), wires the flags into
-//! `kura_plan::PlanRequest`, and prints the answer as a table or JSON.
+//! `kura_plan::PlanRequest`, and prints the answer as a table or JSON. The lower KV tiers take `kura
+//! serve`'s own flags ([`TierArgs`]) and are counted in blocks by the server's own code
+//! ([`crate::tiers::TierSizes`]) over the planner's pool layout.
 
 use std::path::Path;
 
@@ -10,7 +12,12 @@ use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::gguf::GgufFile;
 use kura_plan::catalog::{self, find_gpu, find_model};
 use kura_plan::spec::{GgufMetadata, ModelSpec};
-use kura_plan::{Device, PlanReport, PlanRequest, WeightsDtype, DEFAULT_MAX_BATCHED_TOKENS};
+use kura_plan::{
+    Device, DiskTier, LowerTiers, PlanReport, PlanRequest, Preemption, WeightsDtype,
+    DEFAULT_MAX_BATCHED_TOKENS,
+};
+
+use crate::tiers::{TierArgs, TierSizes};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -70,6 +77,9 @@ pub struct PlanArgs {
     /// List the accelerator catalog and exit.
     #[arg(long)]
     list_gpus: bool,
+    /// The lower KV tiers, as `kura serve` takes them.
+    #[command(flatten)]
+    tiers: TierArgs,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -222,6 +232,29 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
     })
 }
 
+/// The lower tiers of `sizes` in blocks of `layout` (one device's pool), counted as `kura serve` counts
+/// them.
+fn lower_tiers(sizes: &TierSizes, layout: &kura_kv::layout::KvLayout) -> Result<LowerTiers> {
+    Ok(LowerTiers {
+        host_memory_bytes: sizes.host_bytes,
+        host_blocks: sizes.host_blocks(layout.bytes_per_block())?,
+        disk: match &sizes.disk {
+            Some((dir, bytes)) => Some(DiskTier {
+                path: dir.display().to_string(),
+                size_bytes: *bytes,
+                block_file_bytes: crate::tiers::block_file_bytes(layout)?,
+                blocks: sizes.disk_blocks(layout)?,
+            }),
+            None => None,
+        },
+        policy: sizes.policy,
+        preemption: match sizes.preemption {
+            kura_engine::PreemptionMode::Swap => Preemption::Swap,
+            kura_engine::PreemptionMode::Recompute => Preemption::Recompute,
+        },
+    })
+}
+
 pub fn run(args: PlanArgs) -> Result<()> {
     if args.list_models {
         println!("{:<26} {:>10}  source", "model", "params");
@@ -241,6 +274,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
         return Ok(());
     }
+    let (report, memory_note) = plan(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report, &memory_note);
+    }
+    Ok(())
+}
+
+/// The plan for `args`, and a note on where the memory figure comes from.
+fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
+    // The tier flags alone first, as `kura serve` checks them before it loads the model.
+    let tier_sizes = args.tiers.sizes()?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => kura_model::default_model_path().display().to_string(),
@@ -287,13 +333,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
             }
         }
     }
-    let report = req.plan()?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_table(&report, &memory_note);
-    }
-    Ok(())
+    req.tiers = lower_tiers(&tier_sizes, &req.pool_layout()?)?;
+    Ok((req.plan()?, memory_note))
 }
 
 fn print_table(r: &PlanReport, memory_note: &str) {
@@ -349,6 +390,12 @@ fn print_table(r: &PlanReport, memory_note: &str) {
             "  − activation peak    {:>12}  estimate (--activation)",
             format_bytes(r.activation_bytes)
         );
+        if r.kv_tiers.host_in_breakdown {
+            println!(
+                "  − host KV tier (L2)  {:>12}  --kv-host-memory: on the CPU the same RAM as the pool",
+                format_bytes(r.kv_tiers.host_bytes)
+            );
+        }
         if r.fits {
             println!(
                 "  = KV budget          {:>12}",
@@ -381,7 +428,226 @@ fn print_table(r: &PlanReport, memory_note: &str) {
         "  longest context      {} tokens for {} concurrent requests",
         r.max_context_for_batch, r.batch
     );
+    println!();
+    print_tiers(r);
     for w in &r.warnings {
         println!("warning: {w}");
+    }
+}
+
+/// The lower KV tiers, as `kura serve` would hold them with the same flags.
+fn print_tiers(r: &PlanReport) {
+    let t = &r.kv_tiers;
+    println!("Lower KV tiers (per device)");
+    if t.host_blocks > 0 {
+        println!(
+            "  host (L2)            {} blocks = {} tokens, {} (--kv-host-memory {} in whole blocks)",
+            t.host_blocks,
+            t.host_tokens,
+            format_bytes(t.host_bytes),
+            format_bytes(t.host_memory_bytes)
+        );
+        let memory = if t.host_in_breakdown {
+            "host memory on top of the KV pool; on this CPU build both are RAM (counted above)"
+        } else if r.device == Device::Accelerator {
+            "host memory on top of the KV pool, which is in the device's memory (not counted above)"
+        } else {
+            "host memory on top of the KV pool; on this CPU build both are RAM"
+        };
+        println!("                       {memory}");
+    } else {
+        println!("  host (L2)            off (--kv-host-memory SIZE)");
+    }
+    match &t.disk_path {
+        Some(path) => {
+            println!(
+                "  disk (L3)            {} blocks = {} tokens, {} in {path} (--kv-disk-size {})",
+                t.disk_blocks,
+                t.disk_tokens,
+                format_bytes(t.disk_bytes),
+                format_bytes(t.disk_size_bytes)
+            );
+            println!(
+                "                       one file per block: {} = a {}-byte header + the block's {}",
+                format_bytes(t.disk_block_file_bytes),
+                t.disk_block_file_bytes
+                    .saturating_sub(r.bytes_per_block_per_device),
+                format_bytes(r.bytes_per_block_per_device)
+            );
+        }
+        None => println!("  disk (L3)            off (--kv-disk-path DIR)"),
+    }
+    match t.offload_min_hits {
+        Some(n) => println!(
+            "  offload policy       {} (after {n} hits)",
+            t.offload_policy
+        ),
+        None => println!("  offload policy       {}", t.offload_policy),
+    }
+    println!("  preemption           {}", t.preemption_mode.as_str());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use kura_kv::layout::KvLayout;
+
+    #[derive(Parser)]
+    struct PlanCli {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+
+    /// `kura serve`'s tier flags alone, parsed by the same clap arguments as in `ServeArgs`.
+    #[derive(Parser)]
+    struct ServeTierCli {
+        #[command(flatten)]
+        tiers: TierArgs,
+    }
+
+    /// What `kura serve` computes for `flags` over the runtime's layout: the host tier's blocks, the
+    /// disk tier's blocks and the preemption mode, by the calls `serve::run` makes.
+    fn serve_tiers(flags: &[&str], layout: &KvLayout) -> Result<(u32, u32, &'static str)> {
+        let cli =
+            ServeTierCli::try_parse_from(std::iter::once("serve").chain(flags.iter().copied()))?;
+        let sizes = cli.tiers.sizes()?;
+        let host = sizes.host_blocks(layout.bytes_per_block())?;
+        let disk = match &sizes.disk {
+            Some(_) => sizes.disk_blocks(layout)?,
+            None => 0,
+        };
+        Ok((host, disk, sizes.preemption.as_str()))
+    }
+
+    fn plan_of(flags: &[&str]) -> Result<PlanReport> {
+        let cli = PlanCli::try_parse_from(std::iter::once("plan").chain(flags.iter().copied()))?;
+        Ok(plan(&cli.args)?.0)
+    }
+
+    const CONFIGS: [(&str, &str); 3] = [
+        (
+            "llama",
+            r#"{"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,
+                "num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,
+                "max_position_embeddings":8192}"#,
+        ),
+        (
+            "mistral with a sliding window",
+            r#"{"model_type":"mistral","hidden_size":256,"intermediate_size":512,"num_hidden_layers":4,
+                "num_attention_heads":8,"num_key_value_heads":2,"vocab_size":1000,
+                "max_position_embeddings":4096,"sliding_window":1024}"#,
+        ),
+        (
+            "qwen2 with an explicit head_dim",
+            r#"{"model_type":"qwen2","hidden_size":512,"intermediate_size":1024,"num_hidden_layers":6,
+                "num_attention_heads":8,"num_key_value_heads":1,"head_dim":128,"vocab_size":1000,
+                "max_position_embeddings":4096}"#,
+        ),
+    ];
+
+    #[test]
+    fn the_planners_tiers_are_the_servers_for_the_same_flags() {
+        let dir = std::env::temp_dir().join(format!("kura-plan-tiers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let flag_sets: [&[&str]; 5] = [
+            &[
+                "--kv-host-memory",
+                "256MiB",
+                "--kv-disk-path",
+                "/kv",
+                "--kv-disk-size",
+                "1GiB",
+            ],
+            &["--kv-host-memory", "1GB", "--preemption-mode", "recompute"],
+            &[
+                "--kv-disk-path",
+                "/kv",
+                "--kv-disk-size",
+                "3GiB",
+                "--kv-offload-policy",
+                "write-through",
+            ],
+            &[
+                "--kv-host-memory",
+                "123456789",
+                "--kv-disk-path",
+                "/kv",
+                "--kv-disk-size",
+                "987654321",
+            ],
+            &[],
+        ];
+        for (what, text) in CONFIGS {
+            let config = dir.join(format!("{}.json", what.replace(' ', "-")));
+            std::fs::write(&config, text).unwrap();
+            let runtime = kura_model::ModelConfig::from_hf_json(text).unwrap();
+            for (dtype, block) in [(KvDtype::Bf16, 16), (KvDtype::F32, 16), (KvDtype::F16, 64)] {
+                // The layout `kura serve` sizes its tiers with: the loaded model's.
+                let layout = runtime.kv_layout(dtype, block).unwrap();
+                for flags in flag_sets {
+                    let (host, disk, preemption) = serve_tiers(flags, &layout).unwrap();
+                    let block_s = block.to_string();
+                    let mut args = vec![
+                        "--model",
+                        config.to_str().unwrap(),
+                        "--kv-cache-memory",
+                        "64MiB",
+                    ];
+                    args.extend(["--kv-dtype", dtype.name(), "--block-size", &block_s]);
+                    args.extend(flags);
+                    let t = plan_of(&args).unwrap().kv_tiers;
+                    let case = format!("{what}, {dtype:?}, blocks of {block}, {flags:?}");
+                    assert_eq!(t.host_blocks, u64::from(host), "{case}");
+                    assert_eq!(
+                        t.host_bytes,
+                        u64::from(host) * layout.bytes_per_block(),
+                        "{case}"
+                    );
+                    assert_eq!(t.host_tokens, u64::from(host) * block as u64, "{case}");
+                    assert_eq!(t.disk_blocks, u64::from(disk), "{case}");
+                    assert_eq!(t.disk_tokens, u64::from(disk) * block as u64, "{case}");
+                    if disk > 0 {
+                        let file =
+                            kura_tiers::block_file_bytes(block, layout.bytes_per_block() as usize);
+                        assert_eq!(t.disk_block_file_bytes, file, "{case}");
+                        assert_eq!(t.disk_bytes, u64::from(disk) * file, "{case}");
+                    }
+                    assert_eq!(t.preemption_mode.as_str(), preemption, "{case}");
+                }
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_tier_flags_get_the_servers_errors() {
+        let layout = kura_model::ModelConfig::from_hf_json(CONFIGS[0].1)
+            .unwrap()
+            .kv_layout(KvDtype::Bf16, 16)
+            .unwrap();
+        for flags in [
+            &["--kv-disk-path", "/kv", "--kv-disk-size", "0"][..],
+            &["--kv-disk-path", "/kv", "--kv-disk-size", "100"],
+            &["--kv-disk-path", ""],
+            &["--preemption-mode", "swap"],
+            &["--preemption-mode", "swap", "--kv-disk-path", "/kv"],
+            &["--kv-offload-policy", "write-through"],
+            &["--kv-host-memory", "lots"],
+            &["--kv-host-memory", "15EiB"],
+        ] {
+            let serve = serve_tiers(flags, &layout).unwrap_err();
+            let mut args = vec![
+                "--model",
+                "smollm2-135m",
+                "--kv-cache-memory",
+                "64MiB",
+                "--kv-dtype",
+                "bf16",
+            ];
+            args.extend(flags);
+            let plan = plan_of(&args).unwrap_err();
+            assert_eq!(format!("{plan:#}"), format!("{serve:#}"), "{flags:?}");
+        }
     }
 }
