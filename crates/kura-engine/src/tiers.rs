@@ -32,6 +32,9 @@ use kura_tiers::{BlockRecord, DiskJob, DiskStats, DiskStore, DiskWorker, HostAre
 use crate::backend::Executor;
 use crate::metrics::EngineMetrics;
 
+/// Bytes of block writes that may wait in the disk thread's queue before the engine waits for it.
+const MAX_QUEUED_WRITE_BYTES: usize = 256 << 20;
+
 /// The lower tiers `kura serve` was given (sizes in blocks; 0 host blocks and no disk: none).
 #[derive(Debug, Clone, Default)]
 pub struct TierSetup {
@@ -285,9 +288,18 @@ impl TierIo {
     }
 
     fn submit(&self, job: DiskJob) {
-        self.disk
+        let disk = self
+            .disk
             .as_ref()
-            .expect("the manager moves blocks to disk only when the disk tier exists")
-            .submit(job);
+            .expect("the manager moves blocks to disk only when the disk tier exists");
+        if matches!(job, DiskJob::Write { .. }) {
+            // Every queued write holds a block's bytes: past the bound, the engine waits for the disk
+            // rather than grow without limit (or drop a block the manager counts as stored).
+            let max_jobs = (MAX_QUEUED_WRITE_BYTES / self.block_bytes.max(1)).max(16);
+            while disk.queued_jobs() >= max_jobs {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        disk.submit(job);
     }
 }
