@@ -381,6 +381,8 @@ impl Core {
 
     /// The loop proper; returns on `Stop` or when every sender is gone.
     fn serve(&mut self, rx: &Receiver<Command>) {
+        // What the start found (a disk tier's blocks and damaged files) is visible before any request.
+        self.update_gauges();
         let mut idle_wait = MIN_IDLE_WAIT;
         'outer: loop {
             // Loads still in flight (of cancelled requests) hold blocks until they are reported.
@@ -460,6 +462,7 @@ impl Core {
                     full: false,
                     full_since: None,
                     reason: None,
+                    prompt_computed: Default::default(),
                 };
                 let seq_key = self.sched.add_request(
                     id,
@@ -583,7 +586,6 @@ impl Core {
                     .get_mut(&request)
                     .expect("admitted request's group exists");
                 group.admitted_once = true;
-                group.usage.cached_tokens = cached_tokens as u32;
                 self.shared.queued.fetch_sub(1, Ordering::Relaxed);
                 self.metrics
                     .prompt_tokens
@@ -658,19 +660,32 @@ impl Core {
             return; // its group failed earlier in this loop
         };
         let done = self.sched.computed(item);
-        if done.prefill {
-            self.metrics
-                .prompt_tokens_computed
-                .add((item.end - item.start) as u64);
-        }
-        if !done.complete {
-            return; // a prefill chunk: more to compute before sampling
-        }
-        let mut choices = vec![item.seq];
         let group = self
             .groups
             .get_mut(&group_id)
             .expect("sequence's group exists");
+        if done.prefill {
+            self.metrics
+                .prompt_tokens_computed
+                .add((item.end - item.start) as u64);
+            let prompt_len = group.request.prompt_tokens.len();
+            if group.first_token_at.is_none() {
+                group
+                    .prompt_computed
+                    .add(item.start.min(prompt_len), item.end.min(prompt_len));
+            }
+        }
+        if !done.complete {
+            return; // a prefill chunk: more to compute before sampling
+        }
+        if group.first_token_at.is_none() {
+            // What the client is told was cached: every prompt token it did not compute itself (a block
+            // whose load from a tier failed was computed, so it is not among them).
+            let prompt_len = group.request.prompt_tokens.len();
+            group.usage.cached_tokens =
+                prompt_len.saturating_sub(group.prompt_computed.count()) as u32;
+        }
+        let mut choices = vec![item.seq];
         if !group.forked {
             // n > 1: the other choices share this prompt's blocks (forked, not recomputed) and sample
             // from the same logits with their own seeds.

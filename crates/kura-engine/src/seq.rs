@@ -38,6 +38,31 @@ pub(crate) struct Group {
     pub full_since: Option<Instant>,
     /// How its last choice to finish ended (for the finish counters).
     pub reason: Option<FinishReason>,
+    /// Prompt positions this request computed itself before its first token; the rest were served
+    /// from the cache (any tier) or computed by another request it waited for.
+    pub prompt_computed: PromptCoverage,
+}
+
+/// A set of prompt positions, one bit each (positions computed twice, after a preemption, count once).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PromptCoverage {
+    words: Vec<u64>,
+}
+
+impl PromptCoverage {
+    /// Adds positions `[start, end)`.
+    pub fn add(&mut self, start: usize, end: usize) {
+        if end > start && self.words.len() * 64 < end {
+            self.words.resize(end.div_ceil(64), 0);
+        }
+        for p in start..end {
+            self.words[p / 64] |= 1 << (p % 64);
+        }
+    }
+
+    pub fn count(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
 }
 
 /// One choice of a request.

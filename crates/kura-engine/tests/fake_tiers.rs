@@ -168,8 +168,10 @@ fn a_damaged_block_on_disk_is_dropped_and_recomputed() {
     }
     let b = start(with_tiers(12, 0, Some((&dir, 7))));
     for s in 0..5 {
-        let (tokens, _) = run(&b.engine, distinct_request(s, 24, 6));
+        let (tokens, cached) = run(&b.engine, distinct_request(s, 24, 6));
         assert_eq!(tokens, cold[s as usize], "prompt {s} over damaged blocks");
+        // Every block it found on disk failed its check and was computed: none was served cached.
+        assert_eq!(cached, 0, "prompt {s} over damaged blocks");
     }
     settle(&b.engine);
     let failures = tier_metric(&b.engine, "kura:kv_tier_load_failures_total", "disk");
