@@ -4,14 +4,16 @@
 //! can load, the two readers must agree layer by layer; and on the default GGUF the real binary's two
 //! commands must print the same pool.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::process::Command;
 
 use kura_kv::codec::KvDtype;
 use kura_model::ModelConfig;
 use kura_plan::spec::ModelSpec;
 use kura_plan::PlanRequest;
+
+use common::{number_before, serve_line, start_serve};
 
 /// A Llama-family config of `layers` layers with `extra` keys added.
 fn config(model_type: &str, layers: usize, extra: &str) -> String {
@@ -99,54 +101,10 @@ fn the_planner_and_the_runtime_read_the_same_layout_and_pool() {
     }
 }
 
-/// The `KV cache: …` line `kura serve` logs at start, and the process (killed by the caller).
+/// The `KV cache: …` line `kura serve` logs at start (the process is killed once it is read).
 fn serve_pool_line(args: &[&str]) -> String {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kura"))
-        .arg("serve")
-        .args(["--port", "0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start kura serve");
-    let stderr = child.stderr.take().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    for stream in [
-        Box::new(stderr) as Box<dyn std::io::Read + Send>,
-        Box::new(stdout),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut seen = Vec::new();
-    let found = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) if line.contains("KV cache:") => break Some(line),
-            Ok(line) => seen.push(line),
-            Err(_) => break None,
-        }
-    };
-    let _ = child.kill();
-    let _ = child.wait();
-    found.unwrap_or_else(|| panic!("kura serve logged no KV cache line:\n{}", seen.join("\n")))
-}
-
-/// The number before `word` in `line` (`123 blocks` → 123).
-fn number_before(line: &str, word: &str) -> u64 {
-    let head = &line[..line
-        .find(word)
-        .unwrap_or_else(|| panic!("no '{word}' in: {line}"))];
-    head.split_whitespace()
-        .last()
-        .and_then(|n| n.trim_end_matches(':').parse().ok())
-        .unwrap_or_else(|| panic!("no number before '{word}' in: {line}"))
+    serve_line(start_serve(args), "KV cache:")
+        .unwrap_or_else(|seen| panic!("kura serve logged no KV cache line:\n{}", seen.join("\n")))
 }
 
 #[test]
