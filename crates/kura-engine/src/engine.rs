@@ -1,6 +1,7 @@
 //! The engine loop: one thread that owns the [`Scheduler`] (and through it the KV cache manager) and the
-//! executor, takes commands from [`EngineHandle`]s, and repeats schedule → copy blocks → forward → sample
-//! → hand token ids to the output stage ([`crate::output`], a thread of its own that makes the text). It
+//! executor, takes commands from [`EngineHandle`]s, and repeats schedule → move blocks between the pool
+//! and the lower tiers ([`crate::tiers`]) → copy blocks → forward → sample → hand token ids to the output
+//! stage ([`crate::output`], a thread of its own that makes the text). It
 //! gives the scheduler the wall clock since the engine started. It blocks when there is nothing to do; the
 //! only lock it takes is a request's sink, to ask whether its client is behind.
 //!

@@ -20,6 +20,11 @@
 //!
 //! A request marked blocked (its client is behind) is skipped: not admitted, not stepped.
 //!
+//! A preempted sequence's computed blocks stay cached; under [`PreemptionMode::Swap`] they are also
+//! copied into the host tier first, so that its resumption loads them instead of recomputing what the
+//! pool evicted meanwhile. Blocks found in a lower tier at admission are loads the sequence waits for,
+//! like blocks another sequence is computing.
+//!
 //! A chunk is the range `[computed, computable)` that the KV manager reports, cut to the step's token
 //! budget: tokens that another request is computing right now (pending blocks) are waited for, never
 //! computed twice. Prefill chunks and decode tokens go into the same forward call. Because effective
