@@ -253,3 +253,30 @@ fn swap_preemption_loads_a_preempted_requests_blocks_back() {
     assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "host") >= 1.0);
     fake.engine.stop();
 }
+
+#[test]
+fn the_disk_budget_holds_across_restarts() {
+    let dir = TestDir::new("budget");
+    let a = start(with_tiers(12, 0, Some((&dir, 7))));
+    for s in 0..5 {
+        run(&a.engine, distinct_request(s, 24, 6));
+    }
+    a.engine.stop();
+    let written = block_files(&dir).len();
+    assert!(written >= 25, "{written}");
+    // Started again with room for 10 blocks: the oldest files beyond that are deleted.
+    let mut c = with_tiers(12, 0, Some((&dir, 7)));
+    c.tiers.disk.as_mut().unwrap().blocks = 10;
+    let b = start(c);
+    // The engine thread publishes its gauges as it starts.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while metric(&b.engine, "kura:kv_tier_blocks_used{tier=\"disk\"}") != 10.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the disk tier never showed 10 blocks"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    b.engine.stop();
+    assert_eq!(block_files(&dir).len(), 10);
+}
