@@ -20,7 +20,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier, TierConfig};
+use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
 use kura_model::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
@@ -118,7 +118,8 @@ pub fn start_engine(
         )));
     }
     let metrics = Arc::new(EngineMetrics::default());
-    let (tiers, restored) = if config.tiers.enabled() {
+    let tier_config = config.tiers.kv_config();
+    let (tiers, restored) = if tier_config.enabled() {
         let block_bytes = executor.block_bytes();
         if block_bytes == 0 {
             return Err(EngineStartError::Tiers(
@@ -131,7 +132,6 @@ pub fn start_engine(
     } else {
         (None, None)
     };
-    let disk_blocks = config.tiers.disk.as_ref().map_or(0, |d| d.blocks);
     let mut sched = Scheduler::new(SchedulerConfig {
         block_size_tokens: config.block_size_tokens,
         num_blocks: config.num_blocks,
@@ -142,11 +142,7 @@ pub fn start_engine(
         eviction_policy: EvictionPolicy::LeafLru,
         // Blocks on disk are named by hashes of this seed: the same one after a restart finds them.
         hash_seed: restored.as_ref().map(|r| r.seed),
-        tiers: TierConfig {
-            host_blocks: config.tiers.host_blocks,
-            disk_blocks,
-            policy: config.tiers.policy,
-        },
+        tiers: tier_config,
         preemption: config.preemption,
     })?;
     if let Some(r) = restored {
@@ -160,8 +156,8 @@ pub fn start_engine(
     }
     if let Some(io) = &tiers {
         let bs = config.block_size_tokens as u64;
-        let host = u64::from(config.tiers.host_blocks);
-        let disk = u64::from(disk_blocks);
+        let host = u64::from(tier_config.host_blocks);
+        let disk = u64::from(tier_config.disk_blocks);
         tracing::info!(
             "KV tiers: host (L2) {host} blocks = {} tokens, disk (L3) {disk} blocks = {} tokens, {} bytes per block, offload {:?}, preemption {}",
             host * bs,
@@ -186,8 +182,11 @@ pub fn start_engine(
     metrics
         .host
         .blocks_total
-        .set(f64::from(config.tiers.host_blocks));
-    metrics.disk.blocks_total.set(f64::from(disk_blocks));
+        .set(f64::from(tier_config.host_blocks));
+    metrics
+        .disk
+        .blocks_total
+        .set(f64::from(tier_config.disk_blocks));
     let shared = Arc::new(Shared::new(info, metrics.clone()));
     let (tx, rx) = mpsc::channel();
     let (out_tx, out_rx) = mpsc::channel();

@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kura_kv::{BlockHash, OffloadPolicy, Tier, TierBlock, TierMove};
+use kura_kv::{BlockHash, OffloadPolicy, Tier, TierBlock, TierConfig, TierMove};
 use kura_tiers::{BlockRecord, DiskJob, DiskStats, DiskStore, DiskWorker, HostArena, ReadError};
 
 use crate::backend::Executor;
@@ -46,8 +46,13 @@ pub struct TierSetup {
 }
 
 impl TierSetup {
-    pub fn enabled(&self) -> bool {
-        self.host_blocks > 0 || self.disk.is_some()
+    /// The sizes and policy as the KV manager takes them.
+    pub fn kv_config(&self) -> TierConfig {
+        TierConfig {
+            host_blocks: self.host_blocks,
+            disk_blocks: self.disk.as_ref().map_or(0, |d| d.blocks),
+            policy: self.policy,
+        }
     }
 }
 
@@ -90,12 +95,13 @@ pub(crate) struct TierIo {
     pub corrupt_found: u64,
 }
 
-fn record(b: &TierBlock) -> BlockRecord {
+/// The manager's record of a block as the disk store names it (the move owned it: its tokens move too).
+fn record(b: TierBlock) -> BlockRecord {
     BlockRecord {
         hash: b.hash.0,
         parent_hash: b.parent_hash.0,
         key_digest: b.key_digest.0,
-        tokens: b.tokens.clone(),
+        tokens: b.tokens,
     }
 }
 
@@ -177,7 +183,7 @@ impl TierIo {
                 TierMove::HostToDisk { slot, record: r } => {
                     let payload = self.host_mut().slot(slot).to_vec();
                     self.submit(DiskJob::Write {
-                        rec: record(&r),
+                        rec: record(r),
                         payload,
                     });
                 }
@@ -185,7 +191,7 @@ impl TierIo {
                     let mut payload = vec![0u8; self.block_bytes];
                     exec.export_block(block, &mut payload);
                     self.submit(DiskJob::Write {
-                        rec: record(&r),
+                        rec: record(r),
                         payload,
                     });
                 }
@@ -207,7 +213,7 @@ impl TierIo {
                 TierMove::LoadDisk { record: r, block } => {
                     self.reads.insert(block, Instant::now());
                     self.submit(DiskJob::Read {
-                        rec: record(&r),
+                        rec: record(r),
                         tag: u64::from(block),
                     });
                 }
