@@ -31,6 +31,7 @@ use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
     Item, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
 };
+use crate::pins::PinTable;
 use crate::seq::{Group, Seq};
 use crate::tiers::{LoadDone, TierIo, TierSetup};
 
@@ -60,6 +61,9 @@ pub struct EngineConfig {
     pub tiers: TierSetup,
     /// What preemption does with a sequence's blocks (swap needs a host tier).
     pub preemption: PreemptionMode,
+    /// Most pool blocks that pinned prefixes may hold (`None`: a quarter of the pool); pins past it are
+    /// demoted to the lower tiers, never refused.
+    pub pin_budget_blocks: Option<usize>,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -83,6 +87,7 @@ impl Default for EngineConfig {
             stalled_client_timeout: Duration::from_secs(30),
             tiers: TierSetup::default(),
             preemption: PreemptionMode::Recompute,
+            pin_budget_blocks: None,
         }
     }
 }
@@ -177,6 +182,7 @@ pub fn start_engine(
         prefix_caching: config.enable_prefix_caching,
         scheduling_policy: config.scheduling_policy,
         stalled_client_timeout: config.stalled_client_timeout,
+        model_fingerprint: config.model_fingerprint.clone(),
     };
     metrics.kv_blocks_total.set(config.num_blocks as f64);
     metrics
@@ -187,6 +193,11 @@ pub fn start_engine(
         .disk
         .blocks_total
         .set(f64::from(tier_config.disk_blocks));
+    let pin_budget = config
+        .pin_budget_blocks
+        .unwrap_or(config.num_blocks / 4)
+        .min(config.num_blocks);
+    metrics.pin_budget_blocks.set(pin_budget as f64);
     let shared = Arc::new(Shared::new(info, metrics.clone()));
     let (tx, rx) = mpsc::channel();
     let (out_tx, out_rx) = mpsc::channel();
@@ -197,6 +208,7 @@ pub fn start_engine(
     std::thread::Builder::new()
         .name("kura-output".into())
         .spawn(move || crate::output::run(out_rx, output_codec, finished_tx, done))?;
+    let config_block_size = config.block_size_tokens;
     let core = Core {
         out: Outbox {
             tx: out_tx,
@@ -217,6 +229,7 @@ pub fn start_engine(
         kv_evictions_seen: 0,
         tiers,
         loads_done: Vec::new(),
+        pins: PinTable::new(pin_budget, config_block_size),
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -245,6 +258,8 @@ struct Core {
     tiers: Option<TierIo>,
     /// Loads finished and not yet reported to the scheduler (a buffer kept between steps).
     loads_done: Vec<LoadDone>,
+    /// Pinned prefixes (context caching).
+    pins: PinTable,
 }
 
 /// The engine's side of the output stage's channel, counting what it sent so that a step can wait for
@@ -374,7 +389,10 @@ impl Core {
                     }));
                 }
                 Command::Stop => break,
-                Command::Cancel { .. } | Command::AbortAll => {}
+                Command::Cancel { .. }
+                | Command::AbortAll
+                | Command::ClockMoved
+                | Command::Unpin { .. } => {}
             }
         }
     }
@@ -441,11 +459,7 @@ impl Core {
                     slot: slot.clone(),
                     stop: request.stop.clone(),
                 });
-                let mut key =
-                    CacheKey::new().with_model_fingerprint(self.config.model_fingerprint.clone());
-                if let Some(salt) = &request.cache_salt {
-                    key = key.with_salt(salt.clone());
-                }
+                let key = self.cache_key(&request.cache_salt);
                 let group = Group {
                     slot,
                     usage: Usage {
@@ -482,11 +496,27 @@ impl Core {
                 }
             }
             Command::AbortAll => self.fail_all(RequestError::ShuttingDown),
+            Command::ClockMoved => self.expire_pins(),
+            Command::Unpin { cache_salt, tokens } => {
+                let key = self.cache_key(&cache_salt);
+                if self.pins.release(&mut self.sched, &key, &tokens) {
+                    self.update_pin_gauges();
+                }
+            }
             Command::Stop => return false,
         }
         // A cancellation may leave the engine idle (it then blocks without stepping): publish now.
         self.update_gauges();
         true
+    }
+
+    /// The cache key of a tenant's blocks: the model's fingerprint and the tenant's salt.
+    fn cache_key(&self, salt: &Option<String>) -> CacheKey {
+        let key = CacheKey::new().with_model_fingerprint(self.config.model_fingerprint.clone());
+        match salt {
+            Some(salt) => key.with_salt(salt.clone()),
+            None => key,
+        }
     }
 
     /// Frees every sequence of the group and forgets it.
@@ -531,6 +561,7 @@ impl Core {
     fn step(&mut self) -> bool {
         let started = Instant::now();
         self.metrics.scheduler_passes.add(1);
+        self.expire_pins();
         self.poll_loads(Duration::ZERO);
         self.out.catch_up();
         self.check_backlogs();
@@ -684,7 +715,14 @@ impl Core {
             let prompt_len = group.request.prompt_tokens.len();
             group.usage.cached_tokens =
                 prompt_len.saturating_sub(group.prompt_computed.count()) as u32;
+            if !group.request.pins.is_empty() {
+                self.pin_prefixes(group_id);
+            }
         }
+        let group = self
+            .groups
+            .get_mut(&group_id)
+            .expect("sequence's group exists");
         let mut choices = vec![item.seq];
         if !group.forked {
             // n > 1: the other choices share this prompt's blocks (forked, not recomputed) and sample
@@ -700,6 +738,46 @@ impl Core {
         for key in choices {
             self.sample(key, logits);
         }
+    }
+
+    /// Pins the prefixes a request asked to keep, now that its prompt is computed, and counts the
+    /// tokens it wrote into the cache for them.
+    fn pin_prefixes(&mut self, group_id: u64) {
+        let group = self.groups.get(&group_id).expect("group exists");
+        let (key, specs) = (group.key.clone(), group.request.pins.clone());
+        let prompt = group.request.prompt_tokens.clone();
+        let cached = group.usage.cached_tokens as usize;
+        let mut written = 0usize;
+        for spec in specs {
+            let done = self.pins.pin(&mut self.sched, &key, &prompt, spec);
+            self.metrics.pins_demoted.add(done.demoted as u64);
+            written = written.max(done.tokens.saturating_sub(cached));
+        }
+        if let Some(group) = self.groups.get_mut(&group_id) {
+            group.usage.cache_write_tokens = u32::try_from(written).unwrap_or(u32::MAX);
+        }
+        self.update_pin_gauges();
+    }
+
+    /// Releases the pins whose time has come on the cache clock.
+    fn expire_pins(&mut self) {
+        if self.pins.len() == 0 {
+            return;
+        }
+        let expired = self
+            .pins
+            .expire(&mut self.sched, self.shared.cache_now_ms());
+        if expired > 0 {
+            self.metrics.pins_expired.add(expired as u64);
+            self.update_pin_gauges();
+        }
+    }
+
+    fn update_pin_gauges(&self) {
+        self.metrics.pins.set(self.pins.len() as f64);
+        self.metrics
+            .pinned_blocks
+            .set(self.pins.pinned_blocks() as f64);
     }
 
     /// Samples the next token of one choice and hands it to the output stage; ends the choice on a stop

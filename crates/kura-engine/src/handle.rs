@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::backend::TextCodec;
 use crate::metrics::EngineMetrics;
@@ -37,6 +37,8 @@ pub struct EngineInfo {
     pub scheduling_policy: SchedulingPolicy,
     /// How long a client may stop reading before its request is cancelled.
     pub stalled_client_timeout: Duration,
+    /// The model and KV format's fingerprint (what saved contexts are checked against).
+    pub model_fingerprint: String,
 }
 
 pub(crate) enum Command {
@@ -50,6 +52,13 @@ pub(crate) enum Command {
     },
     /// Fail every request with `ShuttingDown` and refuse nothing new (the handle already does).
     AbortAll,
+    /// The cache clock moved: release the pins that expired.
+    ClockMoved,
+    /// Release the pin of this prefix (a deleted saved context).
+    Unpin {
+        cache_salt: Option<String>,
+        tokens: Vec<u32>,
+    },
     /// Leave the loop; pending requests are failed first.
     Stop,
 }
@@ -69,6 +78,8 @@ pub(crate) struct Shared {
     /// Requests submitted and not yet scheduled for the first time (the queue that `max_queue` bounds).
     pub(crate) queued: AtomicUsize,
     pub(crate) shutting_down: AtomicBool,
+    /// Added to the wall clock to make the cache clock (see [`EngineHandle::cache_now_ms`]).
+    clock_offset_ms: AtomicU64,
     next_id: AtomicU64,
     /// `Some` once the loop has ended; `exit_changed` wakes [`EngineHandle::wait_exit`].
     exit: Mutex<Option<EngineExit>>,
@@ -82,6 +93,7 @@ impl Shared {
             metrics,
             queued: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
+            clock_offset_ms: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             exit: Mutex::new(None),
             exit_changed: Condvar::new(),
@@ -101,6 +113,16 @@ impl Shared {
         }
         drop(state);
         self.exit_changed.notify_all();
+    }
+
+    /// Unix time in ms on the cache clock: the wall clock plus every advance made by
+    /// [`EngineHandle::advance_cache_clock`].
+    pub(crate) fn cache_now_ms(&self) -> u64 {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        wall.saturating_add(self.clock_offset_ms.load(Ordering::Relaxed))
     }
 
     pub(crate) fn failure(&self) -> Option<String> {
@@ -153,6 +175,31 @@ impl EngineHandle {
 
     pub fn codec(&self) -> &Arc<dyn TextCodec> {
         &self.codec
+    }
+
+    /// Unix time in ms on the cache clock, which times pinned prefixes and saved contexts: the wall clock
+    /// plus every [`EngineHandle::advance_cache_clock`].
+    pub fn cache_now_ms(&self) -> u64 {
+        self.shared.cache_now_ms()
+    }
+
+    /// Moves the cache clock `ms` forward (never back), so that expiry can be tested without waiting;
+    /// pins whose time has come are released at once. Returns the new time.
+    pub fn advance_cache_clock(&self, ms: u64) -> u64 {
+        let _ = self
+            .shared
+            .clock_offset_ms
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |o| {
+                Some(o.saturating_add(ms))
+            });
+        let _ = self.commands.send(Command::ClockMoved);
+        self.shared.cache_now_ms()
+    }
+
+    /// Releases the pin of the prefix `tokens` of tenant `cache_salt`, if there is one (a saved context
+    /// deleted before its expiry): its blocks become ordinary cached blocks.
+    pub fn release_pin(&self, cache_salt: Option<String>, tokens: Vec<u32>) {
+        let _ = self.commands.send(Command::Unpin { cache_salt, tokens });
     }
 
     /// Requests waiting for their first step.

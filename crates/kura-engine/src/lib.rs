@@ -13,6 +13,7 @@ mod handle;
 mod metrics;
 mod model_backend;
 mod output;
+mod pins;
 mod request;
 mod scheduler;
 mod seq;
@@ -25,7 +26,7 @@ pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};
 pub use request::{
-    EngineEvent, EventSink, FinishReason, GenerateRequest, RequestError, SamplingParams,
+    EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,
     SubmitError, TokenCandidate, TokenLogprob, Usage,
 };
 pub use scheduler::{

@@ -179,6 +179,13 @@ pub struct EngineMetrics {
     pub disk_queue: Gauge,
     /// Blocks copied to the host tier when their sequence was preempted (swap).
     pub swapped_out_blocks: Counter,
+    /// Context caching: live pinned prefixes, the pool blocks they hold, and pins demoted to the lower
+    /// tiers because the pin budget was spent.
+    pub pins: Gauge,
+    pub pinned_blocks: Gauge,
+    pub pin_budget_blocks: Gauge,
+    pub pins_demoted: Counter,
+    pub pins_expired: Counter,
 }
 
 /// One lower tier's gauges and counters.
@@ -236,6 +243,36 @@ impl EngineMetrics {
             "kura:kv_cache_blocks_cached",
             "Unreferenced KV blocks still holding a reusable cached prefix.",
             self.kv_blocks_cached.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_pins",
+            "Live pinned prefixes (cache_control breakpoints, prompt_cache_retention, saved contexts).",
+            self.pins.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_pinned_blocks",
+            "KV blocks of the pool held by pinned prefixes.",
+            self.pinned_blocks.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_pin_budget_blocks",
+            "Most KV blocks of the pool that pinned prefixes may hold (--kv-pin-budget).",
+            self.pin_budget_blocks.get(),
+        );
+        counter(
+            &mut out,
+            "kura:kv_pins_demoted_total",
+            "Pinned prefixes moved out of the pool to the lower tiers because the pin budget was spent.",
+            self.pins_demoted.get(),
+        );
+        counter(
+            &mut out,
+            "kura:kv_pins_expired_total",
+            "Pinned prefixes released because their time to live ended.",
+            self.pins_expired.get(),
         );
         counter(
             &mut out,

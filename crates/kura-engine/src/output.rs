@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
-use kura_model::StopChecker;
+use kura_model::{StopChecker, StopReason};
 
 use crate::backend::TextCodec;
 use crate::request::{
@@ -194,8 +194,12 @@ fn handle(
                 token_ids: vec![token],
                 logprobs,
             });
-            if let Some(reason) = finish {
-                r.slot.send(EngineEvent::Finished { choice, reason });
+            if let Some((reason, stop_sequence)) = finish {
+                r.slot.send(EngineEvent::Finished {
+                    choice,
+                    reason,
+                    stop_sequence,
+                });
             }
         }
         OutMsg::Done { id, mut usage } => {
@@ -215,25 +219,29 @@ fn handle(
     }
 }
 
-/// The text a token adds to its choice, and whether it ends it.
+/// The text a token adds to its choice, and whether it ends it (with the stop string that ended it).
 fn text_of(
     c: &mut ChoiceState,
     codec: &Arc<dyn TextCodec>,
     token: u32,
     stop_token: bool,
     last: bool,
-) -> (String, Option<FinishReason>) {
+) -> (String, Option<(FinishReason, Option<String>)>) {
+    let matched = |s: Option<StopReason>| match s {
+        Some(StopReason::String(s)) => Some(s),
+        _ => None,
+    };
     if stop_token {
         // The stop token's own text is not part of the output; release what was held back.
         let rest = c.detok.flush(codec);
         let (mut out, _) = c.stop.push(&rest);
         out.push_str(&c.stop.flush());
-        return (out, Some(FinishReason::Stop));
+        return (out, Some((FinishReason::Stop, None)));
     }
     let piece = c.detok.push(codec, token);
     let (mut out, stopped) = c.stop.push(&piece);
     if stopped.is_some() {
-        return (out, Some(FinishReason::Stop));
+        return (out, Some((FinishReason::Stop, matched(stopped))));
     }
     if !last {
         return (out, None);
@@ -242,9 +250,9 @@ fn text_of(
     let (more, stopped) = c.stop.push(&rest);
     out.push_str(&more);
     if stopped.is_some() {
-        (out, Some(FinishReason::Stop))
+        (out, Some((FinishReason::Stop, matched(stopped))))
     } else {
         out.push_str(&c.stop.flush());
-        (out, Some(FinishReason::Length))
+        (out, Some((FinishReason::Length, None)))
     }
 }

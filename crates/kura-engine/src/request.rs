@@ -35,6 +35,20 @@ pub struct GenerateRequest {
     pub priority: i32,
     /// Requests share cached blocks only when their salts are equal (tenant isolation).
     pub cache_salt: Option<String>,
+    /// Prefixes of the prompt to keep cached once it is computed (context caching): each is pinned in
+    /// the pool until its expiry, or kept in the lower tiers when the pin budget is spent.
+    pub pins: Vec<PinSpec>,
+}
+
+/// A prefix of a request's prompt to keep: the first `tokens` tokens (whole blocks of them), until
+/// `expires_at_ms` on the engine's cache clock ([`crate::EngineHandle::cache_now_ms`]). Pinning a prefix
+/// that is pinned already (same tenant, same tokens) refreshes its expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinSpec {
+    pub tokens: usize,
+    pub expires_at_ms: u64,
+    /// Also write the prefix through to the lower tiers at once (kept across restarts on disk).
+    pub persist: bool,
 }
 
 impl GenerateRequest {
@@ -50,6 +64,7 @@ impl GenerateRequest {
             ignore_eos: false,
             priority: 0,
             cache_salt: None,
+            pins: Vec::new(),
         }
     }
 }
@@ -99,6 +114,9 @@ pub struct Usage {
     /// Prompt tokens whose KV came from the prefix cache (or from another request's blocks in flight)
     /// instead of being computed for this request.
     pub cached_tokens: u32,
+    /// Prompt tokens of the request's pinned prefixes ([`GenerateRequest::pins`]) that it computed and
+    /// wrote into the cache itself (Anthropic's `cache_creation_input_tokens`).
+    pub cache_write_tokens: u32,
 }
 
 /// Everything the engine reports about a request, in order: any number of `Delta`s and one
@@ -116,6 +134,8 @@ pub enum EngineEvent {
     Finished {
         choice: u32,
         reason: FinishReason,
+        /// The stop string that ended the choice, if one did.
+        stop_sequence: Option<String>,
     },
     Done {
         usage: Usage,

@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use kura_kv::{
-    BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, SeqId,
+    BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, PinId, SeqId,
     TierBlock, TierConfig, TierMove,
 };
 
@@ -309,6 +309,23 @@ impl Scheduler {
     /// Enters the blocks a disk tier held at start (oldest first); returns how many it keeps.
     pub fn restore_disk(&mut self, blocks: Vec<TierBlock>) -> usize {
         self.kv.restore_disk(blocks)
+    }
+
+    /// Pins the computed cached prefix of `tokens` under `key` against eviction until [`Self::unpin`];
+    /// returns the pin and the tokens it covers (whole blocks).
+    pub fn pin_prefix(&mut self, tokens: &[u32], key: &CacheKey) -> (PinId, usize) {
+        self.kv.pin_prefix(tokens, key, None)
+    }
+
+    /// Releases a pin (one already released is ignored).
+    pub fn unpin(&mut self, pin: PinId) {
+        let _ = self.kv.unpin(pin);
+    }
+
+    /// Copies the cached prefix of `tokens` under `key` into the lower tiers at `priority` (see
+    /// [`KvCacheManager::store_prefix_down`]); returns the tokens covered.
+    pub fn store_prefix_down(&mut self, tokens: &[u32], key: &CacheKey, priority: u8) -> usize {
+        self.kv.store_prefix_down(tokens, key, priority)
     }
 
     /// Queues a request's first choice. `id` orders waiting requests (lower first among equals) and must

@@ -92,27 +92,14 @@ impl KvCacheManager {
         ttl_ms: Option<u64>,
     ) -> (PinId, usize) {
         let bs = self.config.block_size;
-        let mut blocks = Vec::new();
-        if let Some(key_id) = self
-            .index
-            .key_id(key)
-            .filter(|_| self.config.enable_prefix_caching)
-        {
-            let mut hit = PrefixHit::default();
-            self.index
-                .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
-            for b in hit.block_ids() {
-                let m = &mut self.pool.meta[b as usize];
-                if usize::from(m.computed) < bs {
-                    break;
-                }
-                if m.is_idle() {
-                    self.num_idle -= 1;
-                }
-                m.pin_count += 1;
-                m.heap_token = 0;
-                blocks.push(b);
+        let blocks = self.cached_prefix_blocks(tokens, key);
+        for &b in &blocks {
+            let m = &mut self.pool.meta[b as usize];
+            if m.is_idle() {
+                self.num_idle -= 1;
             }
+            m.pin_count += 1;
+            m.heap_token = 0;
         }
         let pinned = blocks.len() * bs;
         let pin = Pin {
@@ -134,6 +121,30 @@ impl KvCacheManager {
             generation: self.pins[index].0,
         };
         (id, pinned)
+    }
+
+    /// The pool blocks holding the computed, cached full blocks of the prefix `tokens` under `key`, from
+    /// the first on, up to the first that is missing or still being computed.
+    pub(super) fn cached_prefix_blocks(&mut self, tokens: &[u32], key: &CacheKey) -> Vec<BlockId> {
+        let bs = self.config.block_size;
+        let mut blocks = Vec::new();
+        if let Some(key_id) = self
+            .index
+            .key_id(key)
+            .filter(|_| self.config.enable_prefix_caching)
+        {
+            let mut hit = PrefixHit::default();
+            self.index
+                .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+            for b in hit.block_ids() {
+                let m = &self.pool.meta[b as usize];
+                if usize::from(m.computed) < bs || m.writer != crate::pool::NO_WRITER {
+                    break;
+                }
+                blocks.push(b);
+            }
+        }
+        blocks
     }
 
     /// Releases a pin. A pin that expired or was released already is an [`KvError::UnknownPin`].

@@ -14,7 +14,7 @@
 
 use super::{Allocation, KvCacheManager, SeqId};
 use crate::error::KvError;
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, CacheKey};
 use crate::pool::{BlockId, DEFAULT_PRIORITY, NO_WRITER};
 use crate::prefix::PrefixHit;
 use crate::stats::TierUsage;
@@ -310,6 +310,20 @@ impl KvCacheManager {
             let priority = self.pool.meta[b as usize].effective_priority(self.now_ms);
             self.store_down(b, priority, true, true);
         }
+    }
+
+    /// Copies the computed cached full blocks of the prefix `tokens` under `key` into the host and disk
+    /// tiers (where they exist and do not hold them already) at `priority`, so that the prefix outlives
+    /// the pool: a pin demoted for lack of pin budget, a prompt kept for 24 h, a saved context. Returns
+    /// the tokens covered (whole blocks, from the start of `tokens`, as far as the pool holds them).
+    pub fn store_prefix_down(&mut self, tokens: &[u32], key: &CacheKey, priority: u8) -> usize {
+        let blocks = self.cached_prefix_blocks(tokens, key);
+        if self.host.is_some() || self.disk.is_some() {
+            for &b in &blocks {
+                self.store_down(b, priority, true, true);
+            }
+        }
+        blocks.len() * self.config.block_size
     }
 
     /// Swap-out of a sequence about to be preempted: its computed, cached full blocks are copied into the

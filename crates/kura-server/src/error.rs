@@ -44,6 +44,10 @@ pub enum ApiError {
     ClientStalled(String),
     #[error("no route for {0}")]
     NotFound(String),
+    #[error(
+        "no saved context {0:?}: it does not exist, has expired, or belongs to another API key"
+    )]
+    CacheNotFound(String),
     #[error("method not allowed: {0}")]
     MethodNotAllowed(String),
     #[error("internal error: {0}")]
@@ -62,7 +66,9 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound { .. } | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound { .. } | ApiError::NotFound(_) | ApiError::CacheNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -111,6 +117,11 @@ impl ApiError {
             ApiError::ShuttingDown => ("service_unavailable_error", None, Some("shutting_down")),
             ApiError::Timeout { .. } => ("timeout_error", None, Some("request_timeout")),
             ApiError::NotFound(_) => ("invalid_request_error", None, Some("unknown_url")),
+            ApiError::CacheNotFound(_) => (
+                "invalid_request_error",
+                Some("cached_content"),
+                Some("cache_not_found"),
+            ),
             ApiError::MethodNotAllowed(_) => {
                 ("invalid_request_error", None, Some("method_not_allowed"))
             }

@@ -11,6 +11,8 @@ use axum::{Extension, Json};
 use kura_engine::{ChatMessage, EngineHandle, GenerateRequest};
 
 use crate::body::JsonBody;
+use crate::caches;
+use crate::caching::{self, SavedContext};
 use crate::error::ApiError;
 use crate::output::{self, Events, ResponseMeta, Shape};
 use crate::types::{TokenizeRequest, TokenizeResponse};
@@ -24,7 +26,7 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-fn response_id(prefix: &str) -> String {
+pub(crate) fn response_id(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now()
@@ -37,13 +39,13 @@ fn response_id(prefix: &str) -> String {
     )
 }
 
-/// The engine's cache salt for a request: the tenant's key (when keys are configured) and the
-/// request's own `cache_salt`, so that neither tenants nor salts ever share blocks.
-fn effective_salt(tenant: Tenant, salt: Option<String>) -> Option<String> {
-    match (tenant.0, salt) {
+/// The engine's cache salt for a request: the tenant (a digest of its key, when keys are configured)
+/// and the request's own `cache_salt`, so that neither tenants nor salts ever share blocks.
+pub(crate) fn effective_salt(tenant: &Tenant, salt: Option<String>) -> Option<String> {
+    match (&tenant.0, salt) {
         (None, salt) => salt,
-        (Some(t), None) => Some(format!("key{t}")),
-        (Some(t), Some(s)) => Some(format!("key{t}\u{1f}{s}")),
+        (Some(t), None) => Some(t.to_string()),
+        (Some(t), Some(s)) => Some(format!("{t}\u{1f}{s}")),
     }
 }
 
@@ -62,7 +64,7 @@ fn template_error(e: String) -> ApiError {
 }
 
 /// Runs tokenizer work on the blocking pool, so that the async workers stay free.
-async fn off_the_workers<T: Send + 'static>(
+pub(crate) async fn off_the_workers<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f)
@@ -149,17 +151,42 @@ async fn start(
 }
 
 fn request_for(
+    s: &AppState,
     checked: &Checked,
-    tenant: Tenant,
+    tenant: &Tenant,
     prompt_tokens: Vec<u32>,
     max_tokens: u32,
     logprobs: Option<u32>,
-) -> GenerateRequest {
+    context: Option<&SavedContext>,
+) -> Result<GenerateRequest, ApiError> {
+    let now = s.engine.cache_now_ms();
+    let retention = caching::retention_pin(
+        checked.prompt_cache_retention.as_deref(),
+        prompt_tokens.len(),
+        now,
+    )?;
     let mut request = checked
         .clone()
         .into_request(prompt_tokens, max_tokens, logprobs);
     request.cache_salt = effective_salt(tenant, request.cache_salt);
-    request
+    request.pins.extend(context.map(SavedContext::pin_spec));
+    request.pins.extend(retention);
+    Ok(request)
+}
+
+/// The saved context a request names (`cached_content`), checked against its tenant and the model.
+fn saved_context(
+    s: &AppState,
+    checked: &Checked,
+    tenant: &Tenant,
+) -> Result<Option<SavedContext>, ApiError> {
+    match &checked.cached_content {
+        Some(id) => {
+            let salt = effective_salt(tenant, checked.cache_salt.clone());
+            s.contexts.use_context(id, &salt, &s.engine).map(Some)
+        }
+        None => Ok(None),
+    }
 }
 
 pub async fn completions(
@@ -170,13 +197,39 @@ pub async fn completions(
     let info = s.engine.info();
     let plan = validate::prepare_completion(&value, s.ctx())?;
     drop(value);
-    let prompts = encode_prompts(&s.engine, plan.prompts).await?;
+    let context = saved_context(&s, &plan.checked, &tenant)?;
+    let prompts = match &context {
+        None => encode_prompts(&s.engine, plan.prompts).await?,
+        Some(c) => {
+            let (codec, c) = (s.engine.codec().clone(), c.clone());
+            off_the_workers(move || {
+                plan.prompts
+                    .into_iter()
+                    .map(|p| match p {
+                        PromptInput::Text(t) => caches::completion_tokens(codec.as_ref(), &c, &t),
+                        PromptInput::Tokens(t) => Ok([c.tokens.as_slice(), &t].concat()),
+                    })
+                    .collect()
+            })
+            .await?
+        }
+    };
     // OpenAI's default for the legacy endpoint.
     let max_tokens = plan.checked.max_tokens.unwrap_or(16);
     let requests: Vec<GenerateRequest> = prompts
         .into_iter()
-        .map(|p| request_for(&plan.checked, tenant, p, max_tokens, plan.logprobs))
-        .collect();
+        .map(|p| {
+            request_for(
+                &s,
+                &plan.checked,
+                &tenant,
+                p,
+                max_tokens,
+                plan.logprobs,
+                context.as_ref(),
+            )
+        })
+        .collect::<Result<_, _>>()?;
     tracing::debug!(user = ?plan.user, prompts = requests.len(), max_tokens, "completion request");
     let meta = ResponseMeta {
         id: response_id("cmpl"),
@@ -197,18 +250,31 @@ pub async fn chat_completions(
     let info = s.engine.info();
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
-    let prompt_tokens = encode_chat(&s.engine, plan.messages).await?;
+    let context = saved_context(&s, &plan.checked, &tenant)?;
+    let prompt_tokens = match &context {
+        None => encode_chat(&s.engine, plan.messages).await?,
+        Some(c) => {
+            let (codec, c, messages) = (s.engine.codec().clone(), c.clone(), plan.messages);
+            off_the_workers(move || {
+                caching::encode_with_breakpoints(codec.as_ref(), &messages, &[], Some(&c))
+                    .map(|(tokens, _)| tokens)
+            })
+            .await?
+        }
+    };
     let max_tokens = plan
         .checked
         .max_tokens
         .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len()));
     let request = request_for(
+        &s,
         &plan.checked,
-        tenant,
+        &tenant,
         prompt_tokens,
         max_tokens,
         plan.logprobs,
-    );
+        context.as_ref(),
+    )?;
     tracing::debug!(user = ?plan.user, prompt_tokens = request.prompt_tokens.len(), max_tokens, "chat request");
     let meta = ResponseMeta {
         id: response_id("chatcmpl"),

@@ -14,9 +14,12 @@
 //! process exits non-zero and a supervisor restarts it.
 
 mod body;
+mod caches;
+pub mod caching;
 mod conn;
 mod error;
 mod handlers;
+mod messages;
 mod output;
 mod types;
 mod validate;
@@ -58,6 +61,10 @@ pub struct ServerConfig {
     pub priority_scheduling: bool,
     /// Connection limits and timeouts.
     pub conn: ConnLimits,
+    /// Saved contexts (`/v1/caches`); `None`: kept in memory only.
+    pub contexts: Option<Arc<caching::ContextStore>>,
+    /// Route `POST /debug/clock`, which moves the cache clock forward (for tests of expiry).
+    pub debug_clock: bool,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +77,8 @@ impl Default for ServerConfig {
             request_timeout: None,
             priority_scheduling: false,
             conn: ConnLimits::default(),
+            contexts: None,
+            debug_clock: false,
         }
     }
 }
@@ -83,6 +92,7 @@ struct AppState {
     request_timeout: Option<Duration>,
     priority_scheduling: bool,
     started: u64,
+    contexts: Arc<caching::ContextStore>,
 }
 
 impl AppState {
@@ -94,9 +104,16 @@ impl AppState {
     }
 }
 
-/// Which API key a request authenticated with (index into the configured keys), if keys are configured.
-#[derive(Debug, Clone, Copy)]
-struct Tenant(Option<usize>);
+/// Which tenant a request belongs to: a digest of the API key it authenticated with (stable across
+/// restarts and key reordering, so that saved contexts and disk blocks keep their owner), if keys are
+/// configured.
+#[derive(Debug, Clone)]
+struct Tenant(Option<Arc<str>>);
+
+/// The tenant name of an API key.
+fn tenant_of_key(key: &str) -> Arc<str> {
+    format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes())).into()
+}
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -115,13 +132,28 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         request_timeout: config.request_timeout,
         priority_scheduling: config.priority_scheduling,
         started: unix_now(),
+        contexts: config
+            .contexts
+            .clone()
+            .unwrap_or_else(|| Arc::new(caching::ContextStore::in_memory())),
     };
-    let api = Router::new()
+    let mut api = Router::new()
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/caches", post(caches::create).get(caches::list))
+        .route(
+            "/v1/caches/{id}",
+            get(caches::get)
+                .patch(caches::patch)
+                .delete(caches::delete),
+        )
         .route("/v1/models", get(models))
-        .route("/tokenize", post(handlers::tokenize))
-        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+        .route("/tokenize", post(handlers::tokenize));
+    if config.debug_clock {
+        api = api.route("/debug/clock", post(caches::advance_clock));
+    }
+    let api = api.route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(api)
         .route("/health", get(health))
@@ -284,7 +316,8 @@ async fn authenticate(
     let tenant = if s.api_keys.is_empty() {
         Tenant(None)
     } else {
-        let presented = req
+        // `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
+        let bearer = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -292,8 +325,17 @@ async fn authenticate(
                 let (scheme, key) = v.split_once(' ')?;
                 scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
             });
-        match presented.and_then(|k| s.api_keys.iter().position(|x| same_key(x, k))) {
-            Some(i) => Tenant(Some(i)),
+        let presented = bearer.or_else(|| {
+            req.headers()
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+        });
+        match presented.and_then(|k| s.api_keys.iter().find(|x| same_key(x, k))) {
+            Some(key) => Tenant(Some(tenant_of_key(key))),
+            None if req.uri().path() == "/v1/messages" => {
+                return Ok(messages::AnthropicError(ApiError::Unauthorized).into_response())
+            }
             None => return Err(ApiError::Unauthorized),
         }
     };

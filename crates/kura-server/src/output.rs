@@ -148,9 +148,14 @@ impl Events {
                     token_ids,
                     logprobs,
                 },
-                EngineEvent::Finished { choice, reason } => EngineEvent::Finished {
+                EngineEvent::Finished {
+                    choice,
+                    reason,
+                    stop_sequence,
+                } => EngineEvent::Finished {
                     choice: base.saturating_add(choice),
                     reason,
+                    stop_sequence,
                 },
                 EngineEvent::Done { usage } => {
                     let u = &mut self.usage;
@@ -158,6 +163,8 @@ impl Events {
                     u.completion_tokens =
                         u.completion_tokens.saturating_add(usage.completion_tokens);
                     u.cached_tokens = u.cached_tokens.saturating_add(usage.cached_tokens);
+                    u.cache_write_tokens =
+                        u.cache_write_tokens.saturating_add(usage.cache_write_tokens);
                     self.prompts_done += 1;
                     if self.prompts_done < self.prompts {
                         continue;
@@ -262,7 +269,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
                     c.logprobs.extend(logprobs);
                 }
             }
-            EngineEvent::Finished { choice, reason } => {
+            EngineEvent::Finished { choice, reason, .. } => {
                 if let Some(c) = choices.get_mut(choice as usize) {
                     c.finish = Some(reason);
                 }
@@ -416,7 +423,7 @@ impl SseState {
                 }
                 self.queue.push_back(e);
             }
-            EngineEvent::Finished { choice, reason } => {
+            EngineEvent::Finished { choice, reason, .. } => {
                 let text = match self.meta.shape {
                     Shape::Completion => Some(String::new()),
                     Shape::Chat => None,

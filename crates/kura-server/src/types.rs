@@ -55,6 +55,13 @@ pub struct CommonParams {
     pub priority: Option<i32>,
     /// Requests share cached KV only with requests of the same salt (vLLM's `cache_salt`).
     pub cache_salt: Option<String>,
+    /// OpenAI's: `"in_memory"` (the default) or `"24h"` (the prompt is pinned for a day and written
+    /// through to the lower tiers).
+    pub prompt_cache_retention: Option<String>,
+    /// OpenAI's routing hint; accepted (a fleet router may use it).
+    pub prompt_cache_key: Option<String>,
+    /// A saved context (`/v1/caches`) whose tokens start the prompt.
+    pub cached_content: Option<String>,
     #[serde(default)]
     pub ignore_eos: bool,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
@@ -121,6 +128,9 @@ pub struct TokenizeResponse {
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct PromptTokensDetails {
     pub cached_tokens: u32,
+    /// Prompt tokens this request computed for the prefixes it pinned (`prompt_cache_retention`,
+    /// `cached_content`).
+    pub cache_write_tokens: u32,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -139,6 +149,7 @@ impl From<kura_engine::Usage> for UsageBody {
             total_tokens: u.prompt_tokens + u.completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_tokens,
+                cache_write_tokens: u.cache_write_tokens,
             },
         }
     }

@@ -40,6 +40,8 @@ pub struct Checked {
     pub ignore_eos: bool,
     pub priority: i32,
     pub cache_salt: Option<String>,
+    pub prompt_cache_retention: Option<String>,
+    pub cached_content: Option<String>,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -64,6 +66,7 @@ impl Checked {
             ignore_eos: self.ignore_eos,
             priority: self.priority,
             cache_salt: self.cache_salt,
+            pins: Vec::new(),
         }
     }
 }
@@ -120,6 +123,12 @@ pub fn check_common(
             ))
         }
     };
+    if c.prompt_cache_key.as_ref().is_some_and(|k| k.len() > 1024) {
+        return Err(ApiError::invalid(
+            "prompt_cache_key must be at most 1024 bytes",
+            Some("prompt_cache_key"),
+        ));
+    }
     let priority = match c.priority {
         None | Some(0) => 0,
         Some(p) if ctx.priority_scheduling => p,
@@ -231,6 +240,8 @@ pub fn check_common(
         ignore_eos: c.ignore_eos,
         priority,
         cache_salt: c.cache_salt.clone(),
+        prompt_cache_retention: c.prompt_cache_retention.clone(),
+        cached_content: c.cached_content.clone(),
         stream: c.stream,
         include_usage,
     })

@@ -9,13 +9,15 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kura_engine::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_engine::{
-    start_engine, DiskSetup, EngineConfig, ModelCodec, ModelExecutor, SchedulingPolicy, TierSetup,
+    start_engine, DiskSetup, EngineConfig, EngineHandle, ModelCodec, ModelExecutor, SchedulingPolicy,
+    TierSetup,
 };
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_kv::storage::KvStorage;
 use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::WeightsDtype;
+use kura_server::caching::ContextStore;
 use kura_server::{ConnLimits, ServerConfig};
 
 use crate::memory::{check_fits_in_memory, kv_budget_bytes, KvMemoryRequest};
@@ -107,8 +109,42 @@ pub struct ServeArgs {
     /// is cancelled and its connection closed (1..=3600).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     stalled_client_timeout_s: u64,
+    /// Most of the KV pool that pinned prefixes may hold (cache_control breakpoints,
+    /// prompt_cache_retention "24h", saved contexts): a share of the pool (`25%`, `0.25`) or bytes
+    /// (`256MiB`). Pins past it are demoted to the host and disk tiers, never refused. Default: 25%.
+    #[arg(long, default_value = "25%")]
+    kv_pin_budget: String,
+    /// Route `POST /debug/clock {"advance_s": N}`, which moves the cache clock forward so that pin and
+    /// saved-context expiry can be tested without waiting. Not for production.
+    #[arg(long)]
+    debug_clock: bool,
     #[command(flatten)]
-    tiers: TierArgs,
+    pub(crate) tiers: TierArgs,
+}
+
+/// `--kv-pin-budget` in blocks of a pool of `num_blocks` blocks of `block_bytes` bytes.
+fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<usize> {
+    let t = text.trim();
+    let share = if let Some(p) = t.strip_suffix('%') {
+        Some(p.trim().parse::<f64>().map(|x| x / 100.0))
+    } else if t.contains('.') && !t.chars().any(|c| c.is_ascii_alphabetic()) {
+        Some(t.parse::<f64>())
+    } else {
+        None
+    };
+    let blocks = match share {
+        Some(Ok(x)) if (0.0..=1.0).contains(&x) => (num_blocks as f64 * x).floor() as u64,
+        Some(_) => bail!(
+            "--kv-pin-budget {text:?}: a share of the pool must be from 0% to 100% (or 0.0 to 1.0)"
+        ),
+        None => {
+            let bytes = parse_bytes(t).with_context(|| {
+                format!("--kv-pin-budget {text:?}: give a share of the pool (25%) or bytes (256MiB)")
+            })?;
+            (bytes / block_bytes.max(1)).min(num_blocks)
+        }
+    };
+    usize::try_from(blocks).context("--kv-pin-budget does not fit this platform")
 }
 
 /// The identity of KV computed by this model in this format: the weights' digest, the compute format
@@ -222,19 +258,10 @@ fn served_model_name(given: Option<&str>, path: &std::path::Path) -> Result<Stri
     }
 }
 
-pub fn run(args: ServeArgs) -> Result<()> {
+/// Loads the model and starts the engine as `kura serve` would with these flags (also what `kura cache
+/// build` computes saved contexts with, so that their blocks carry the same fingerprint).
+pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
     crate::setup::threads(args.threads)?;
-    let api_keys = read_api_keys(&args)?;
-    let max_body_bytes = parse_bytes(&args.max_body_size)
-        .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
-    if max_body_bytes == 0 || max_body_bytes > MAX_BODY_BYTES {
-        bail!(
-            "--max-body-size {:?} must be between 1 byte and {}",
-            args.max_body_size,
-            format_bytes(MAX_BODY_BYTES)
-        );
-    }
-    let max_connections = max_connections(args.max_connections)?;
     let tier_sizes = args.tiers.sizes()?;
     let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
     // Checked before the model loads too, so that a size this machine cannot hold fails at once.
@@ -310,6 +337,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         policy: tier_sizes.policy,
     };
     let model_name = served_model_name(args.served_model_name.as_deref(), &path)?;
+    let pin_budget = pin_budget_blocks(&args.kv_pin_budget, num_blocks, layout.bytes_per_block())?;
     let config = EngineConfig {
         model_fingerprint: format!("{fingerprint:032x}"),
         tiers,
@@ -324,6 +352,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         enable_prefix_caching: !args.no_prefix_cache,
         scheduling_policy: args.scheduling_policy.into(),
         stalled_client_timeout: Duration::from_secs(args.stalled_client_timeout_s),
+        pin_budget_blocks: Some(pin_budget),
     };
     let engine = start_engine(
         config,
@@ -331,6 +360,41 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Arc::new(ModelCodec::new(model)),
     )
     .context("starting the engine")?;
+    Ok(engine)
+}
+
+/// The saved contexts of the disk tier's directory (in memory only without one).
+pub fn open_contexts(args: &ServeArgs) -> Result<Option<Arc<ContextStore>>> {
+    let Some(dir) = &args.tiers.kv_disk_path else {
+        return Ok(None);
+    };
+    let (store, warnings) = ContextStore::open(dir)
+        .map_err(|e| anyhow::anyhow!("opening the saved contexts of --kv-disk-path: {e}"))?;
+    for w in warnings {
+        tracing::warn!("{w}");
+    }
+    tracing::info!(
+        contexts = store.all().len(),
+        "saved contexts found in {}",
+        dir.display()
+    );
+    Ok(Some(Arc::new(store)))
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let api_keys = read_api_keys(&args)?;
+    let max_body_bytes = parse_bytes(&args.max_body_size)
+        .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
+    if max_body_bytes == 0 || max_body_bytes > MAX_BODY_BYTES {
+        bail!(
+            "--max-body-size {:?} must be between 1 byte and {}",
+            args.max_body_size,
+            format_bytes(MAX_BODY_BYTES)
+        );
+    }
+    let max_connections = max_connections(args.max_connections)?;
+    let engine = start(&args)?;
+    let contexts = open_contexts(&args)?;
     if !api_keys.is_empty() {
         tracing::info!(
             keys = api_keys.len(),
@@ -351,6 +415,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
             idle_timeout: Duration::from_secs(args.http_idle_timeout_s),
             write_stall_timeout: Duration::from_secs(args.stalled_client_timeout_s),
         },
+        contexts,
+        debug_clock: args.debug_clock,
     };
     let addr = format!("{}:{}", args.host, args.port);
     // Tokenizing a large prompt takes a core for a while: as many at once as there are cores (and at
@@ -371,6 +437,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn the_pin_budget_is_a_share_or_bytes() {
+        assert_eq!(pin_budget_blocks("25%", 100, 10).unwrap(), 25);
+        assert_eq!(pin_budget_blocks("0.5", 100, 10).unwrap(), 50);
+        assert_eq!(pin_budget_blocks("100B", 100, 10).unwrap(), 10);
+        assert_eq!(pin_budget_blocks("1GiB", 100, 10).unwrap(), 100);
+        assert_eq!(pin_budget_blocks("0%", 100, 10).unwrap(), 0);
+        for bad in ["150%", "-1%", "1.5", "lots", ""] {
+            let e = pin_budget_blocks(bad, 100, 10).unwrap_err();
+            assert!(format!("{e:#}").contains("--kv-pin-budget"), "{bad}: {e:#}");
+        }
+    }
 
     #[test]
     fn plan_sizes_activations_with_the_servers_step_budget() {

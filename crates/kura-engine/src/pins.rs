@@ -1,0 +1,201 @@
+//! Pinned prefixes: what context caching keeps (Anthropic `cache_control` breakpoints, OpenAI's
+//! `prompt_cache_retention`, saved contexts).
+//!
+//! A request names prefixes of its prompt to keep ([`PinSpec`]); once its prompt is computed, the engine
+//! pins each one's blocks in the pool until its expiry on the cache clock. A prefix is known by its tenant
+//! (the request's cache key) and its tokens, so pinning it again refreshes its expiry (never shortens it)
+//! instead of pinning twice.
+//!
+//! Pins share a budget of pool blocks (`--kv-pin-budget`). A pin that does not fit is never refused: the
+//! least recently used pins are demoted until it fits (or, when it alone is over the budget, it is
+//! demoted itself). A demoted pin's blocks are written to the lower tiers at the highest priority and
+//! become ordinary cached blocks of the pool; the next request that names the prefix finds them (in the
+//! pool or below), and pins them again. Expired pins are released when the engine next looks at the
+//! clock: their blocks become ordinary cached blocks, evicted in LRU order.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kura_kv::{CacheKey, PinId, MAX_PRIORITY};
+
+use crate::request::PinSpec;
+use crate::scheduler::Scheduler;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct PinKey {
+    key: CacheKey,
+    digest: u64,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct PinEntry {
+    /// `None` once demoted to the lower tiers.
+    pin: Option<PinId>,
+    blocks: usize,
+    expires_at_ms: u64,
+    last_used: u64,
+    tokens: Arc<[u32]>,
+}
+
+/// What pinning one prefix did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pinned {
+    /// Tokens of the prefix found cached (whole blocks), pinned or demoted.
+    pub tokens: usize,
+    /// Pins demoted to make room (this one included, when it did not fit at all).
+    pub demoted: usize,
+}
+
+/// Every live pin of the engine.
+#[derive(Debug)]
+pub(crate) struct PinTable {
+    budget_blocks: usize,
+    block_size: usize,
+    pinned_blocks: usize,
+    entries: HashMap<PinKey, PinEntry>,
+    tick: u64,
+}
+
+impl PinTable {
+    pub fn new(budget_blocks: usize, block_size: usize) -> Self {
+        Self {
+            budget_blocks,
+            block_size,
+            pinned_blocks: 0,
+            entries: HashMap::new(),
+            tick: 0,
+        }
+    }
+
+    /// Live pins (demoted ones included).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Pool blocks held by pins.
+    pub fn pinned_blocks(&self) -> usize {
+        self.pinned_blocks
+    }
+
+    /// Pins (or refreshes) the prefix `spec.tokens` of `prompt` under `key`.
+    pub fn pin(
+        &mut self,
+        sched: &mut Scheduler,
+        key: &CacheKey,
+        prompt: &[u32],
+        spec: PinSpec,
+    ) -> Pinned {
+        let len = spec.tokens.min(prompt.len());
+        let tokens = &prompt[..len];
+        let pk = PinKey {
+            key: key.clone(),
+            digest: xxhash_rust::xxh3::xxh3_64(token_bytes(tokens).as_slice()),
+            len,
+        };
+        self.tick += 1;
+        let mut expires_at_ms = spec.expires_at_ms;
+        if let Some(old) = self.entries.remove(&pk) {
+            expires_at_ms = expires_at_ms.max(old.expires_at_ms);
+            if let Some(p) = old.pin {
+                sched.unpin(p);
+                self.pinned_blocks -= old.blocks;
+            }
+        }
+        let (pin, pinned_tokens) = sched.pin_prefix(tokens, key);
+        let blocks = pinned_tokens / self.block_size;
+        let mut demoted = 0;
+        let pin = if blocks > self.budget_blocks {
+            sched.unpin(pin);
+            sched.store_prefix_down(tokens, key, MAX_PRIORITY);
+            demoted += 1;
+            None
+        } else {
+            while self.pinned_blocks + blocks > self.budget_blocks {
+                if !self.demote_oldest(sched) {
+                    break;
+                }
+                demoted += 1;
+            }
+            self.pinned_blocks += blocks;
+            Some(pin)
+        };
+        if spec.persist && pin.is_some() {
+            sched.store_prefix_down(tokens, key, MAX_PRIORITY);
+        }
+        self.entries.insert(
+            pk,
+            PinEntry {
+                pin,
+                blocks,
+                expires_at_ms,
+                last_used: self.tick,
+                tokens: tokens.into(),
+            },
+        );
+        Pinned {
+            tokens: pinned_tokens,
+            demoted,
+        }
+    }
+
+    /// Demotes the least recently used pin still in the pool; false when there is none.
+    fn demote_oldest(&mut self, sched: &mut Scheduler) -> bool {
+        let Some((pk, _)) = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.pin.is_some())
+            .min_by_key(|(_, e)| e.last_used)
+        else {
+            return false;
+        };
+        let pk = pk.clone();
+        let e = self.entries.get_mut(&pk).expect("found above");
+        if let Some(p) = e.pin.take() {
+            sched.unpin(p);
+            self.pinned_blocks -= e.blocks;
+            let tokens = e.tokens.clone();
+            sched.store_prefix_down(&tokens, &pk.key, MAX_PRIORITY);
+        }
+        true
+    }
+
+    /// Releases the pin of the prefix `tokens` under `key`; false when there is none.
+    pub fn release(&mut self, sched: &mut Scheduler, key: &CacheKey, tokens: &[u32]) -> bool {
+        let pk = PinKey {
+            key: key.clone(),
+            digest: xxhash_rust::xxh3::xxh3_64(&token_bytes(tokens)),
+            len: tokens.len(),
+        };
+        let Some(e) = self.entries.remove(&pk) else {
+            return false;
+        };
+        if let Some(p) = e.pin {
+            sched.unpin(p);
+            self.pinned_blocks -= e.blocks;
+        }
+        true
+    }
+
+    /// Releases every pin whose expiry is at or before `now_ms`; returns how many.
+    pub fn expire(&mut self, sched: &mut Scheduler, now_ms: u64) -> usize {
+        let before = self.entries.len();
+        let pinned = &mut self.pinned_blocks;
+        self.entries.retain(|_, e| {
+            if e.expires_at_ms > now_ms {
+                return true;
+            }
+            if let Some(p) = e.pin.take() {
+                sched.unpin(p);
+                *pinned -= e.blocks;
+            }
+            false
+        });
+        before - self.entries.len()
+    }
+}
+
+/// The little-endian bytes of `tokens`, for hashing.
+fn token_bytes(tokens: &[u32]) -> Vec<u8> {
+    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+}

@@ -1,0 +1,250 @@
+//! `/v1/caches`: saved contexts as resources (create, list, get, change TTL, delete), and
+//! `POST /debug/clock`, which moves the cache clock forward when the server runs with `--debug-clock`.
+//!
+//! Creating a context computes its KV at once (a one-token generation over its prompt), pins its blocks
+//! until it expires and writes them through to the lower tiers; the reply reports how many tokens were
+//! computed and how many were found cached already.
+
+use axum::extract::{Path, State};
+use axum::{Extension, Json};
+use kura_engine::{EngineEvent, GenerateRequest};
+use serde_json::{json, Value};
+
+use crate::body::JsonBody;
+use crate::caching::{
+    self, context_tokens, new_context_id, parse_context_ttl, ContextKind, SavedContext,
+};
+use crate::error::ApiError;
+use crate::output::Events;
+use crate::types::RequestMessage;
+use crate::{handlers, validate, AppState, Tenant};
+
+/// Default time to live of a saved context: one hour.
+const DEFAULT_TTL_S: u64 = 3600;
+
+pub async fn create(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(value): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let info = s.engine.info().clone();
+    let o = value.as_object().expect("JsonBody is an object");
+    if let Some(m) = o.get("model").filter(|v| !v.is_null()) {
+        match m.as_str() {
+            Some(m) if m == info.model_name => {}
+            Some(m) => {
+                return Err(ApiError::ModelNotFound {
+                    requested: m.to_string(),
+                    served: info.model_name.clone(),
+                })
+            }
+            None => return Err(ApiError::invalid("model must be a string", Some("model"))),
+        }
+    }
+    let kind = match (
+        o.get("messages").filter(|v| !v.is_null()),
+        o.get("prompt").filter(|v| !v.is_null()),
+    ) {
+        (Some(m), None) => {
+            let messages: Vec<RequestMessage> = serde_json::from_value(m.clone()).map_err(|e| {
+                ApiError::invalid(
+                    format!("messages must be an array of chat messages: {e}"),
+                    Some("messages"),
+                )
+            })?;
+            ContextKind::Messages {
+                messages: validate::flatten_messages(&messages)?,
+            }
+        }
+        (None, Some(Value::String(p))) if !p.is_empty() => ContextKind::Prompt { text: p.clone() },
+        (None, Some(_)) => {
+            return Err(ApiError::invalid(
+                "prompt must be a non-empty string",
+                Some("prompt"),
+            ))
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of messages (chat messages) or prompt (text) to save",
+                Some("messages"),
+            ))
+        }
+    };
+    let ttl_s = match o.get("ttl").filter(|v| !v.is_null()) {
+        Some(v) => parse_context_ttl(v)?,
+        None => DEFAULT_TTL_S,
+    };
+    let display_name = match o.get("display_name").filter(|v| !v.is_null()) {
+        Some(Value::String(d)) if d.len() <= 128 => Some(d.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "display_name must be a string of at most 128 bytes",
+                Some("display_name"),
+            ))
+        }
+        None => None,
+    };
+    drop(value);
+    let engine = s.engine.clone();
+    let kind_for_encode = kind.clone();
+    let tokens = handlers::off_the_workers(move || {
+        context_tokens(engine.codec().as_ref(), &kind_for_encode)
+    })
+    .await?;
+    if tokens.is_empty() {
+        return Err(ApiError::invalid(
+            "the context to save has no tokens",
+            Some("messages"),
+        ));
+    }
+    let now = s.engine.cache_now_ms();
+    let salt = handlers::effective_salt(&tenant, None);
+    let context = SavedContext {
+        id: new_context_id(),
+        model: info.model_name.clone(),
+        fingerprint: info.model_fingerprint.clone(),
+        tenant: salt.clone(),
+        display_name,
+        kind,
+        tokens: tokens.clone(),
+        created_at_ms: now,
+        expires_at_ms: now.saturating_add(ttl_s.saturating_mul(1000)),
+    };
+    // Compute the context's KV now: one token generated over it, its blocks pinned and written down.
+    let mut request = GenerateRequest::greedy(tokens, 1);
+    request.cache_salt = salt;
+    request.pins = vec![context.pin_spec()];
+    let (mut events, sender) = Events::new(1, 1);
+    let guard = s.engine.submit(request, sender.sink(0))?;
+    events.add_guard(guard);
+    drop(sender);
+    let usage = loop {
+        match events.next().await {
+            Some(EngineEvent::Done { usage }) => break usage,
+            Some(EngineEvent::Failed(e)) => return Err(e.into()),
+            Some(_) => {}
+            None => {
+                return Err(ApiError::Internal(
+                    "the engine dropped the request without finishing it".into(),
+                ))
+            }
+        }
+    };
+    s.contexts.insert(context.clone())?;
+    tracing::info!(id = %context.id, tokens = context.tokens.len(), ttl_s, "saved context created");
+    let mut body = context.to_json();
+    body["usage"] = json!({
+        "computed_tokens": usage.prompt_tokens.saturating_sub(usage.cached_tokens),
+        "cached_tokens": usage.cached_tokens,
+        "pinned_tokens": usage.cache_write_tokens.saturating_add(usage.cached_tokens)
+            .min(usage.prompt_tokens),
+    });
+    Ok(Json(body))
+}
+
+pub async fn list(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+) -> Json<Value> {
+    let salt = handlers::effective_salt(&tenant, None);
+    let data: Vec<Value> = s
+        .contexts
+        .list(&salt, s.engine.cache_now_ms())
+        .iter()
+        .map(SavedContext::to_json)
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+pub async fn get(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let salt = handlers::effective_salt(&tenant, None);
+    let c = s.contexts.get(&id, &salt, s.engine.cache_now_ms())?;
+    Ok(Json(c.to_json()))
+}
+
+pub async fn patch(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+    JsonBody(value): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let salt = handlers::effective_salt(&tenant, None);
+    let now = s.engine.cache_now_ms();
+    let Some(ttl) = value.get("ttl").filter(|v| !v.is_null()) else {
+        return Err(ApiError::invalid(
+            "give ttl, the context's new time to live from now",
+            Some("ttl"),
+        ));
+    };
+    let ttl_s = parse_context_ttl(ttl)?;
+    let c = s
+        .contexts
+        .set_expiry(&id, &salt, now, now.saturating_add(ttl_s.saturating_mul(1000)))?;
+    // A shorter life takes effect at once: the old pin goes, the next use pins to the new expiry.
+    s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
+    Ok(Json(c.to_json()))
+}
+
+pub async fn delete(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let salt = handlers::effective_salt(&tenant, None);
+    let c = s.contexts.delete(&id, &salt, s.engine.cache_now_ms())?;
+    s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
+    Ok(Json(
+        json!({"id": c.id, "object": "cached_content.deleted", "deleted": true}),
+    ))
+}
+
+/// `POST /debug/clock {"advance_s": N}`: moves the cache clock N seconds forward (pins and saved
+/// contexts expire as if that time had passed). Only routed under `--debug-clock`.
+pub async fn advance_clock(
+    State(s): State<AppState>,
+    JsonBody(value): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let Some(seconds) = value.get("advance_s").and_then(Value::as_u64) else {
+        return Err(ApiError::invalid(
+            "advance_s must be a non-negative integer (seconds)",
+            Some("advance_s"),
+        ));
+    };
+    let now = s
+        .engine
+        .advance_cache_clock(seconds.saturating_mul(1000));
+    s.contexts.expire(now);
+    Ok(Json(json!({"now_ms": now})))
+}
+
+/// Tokens of a completions prompt after a saved context: for a text context, the two texts tokenized as
+/// one (kept to the context's own tokens at the seam); for a messages context, the context's tokens
+/// followed by the prompt's (without the tokens the tokenizer puts before any text, such as BOS).
+pub fn completion_tokens(
+    codec: &dyn kura_engine::TextCodec,
+    context: &SavedContext,
+    prompt: &str,
+) -> Result<Vec<u32>, ApiError> {
+    let encode = |t: &str| {
+        codec.encode(t).map_err(|e| {
+            ApiError::invalid(format!("could not tokenize the prompt: {e}"), Some("prompt"))
+        })
+    };
+    match &context.kind {
+        ContextKind::Prompt { text } => Ok(caching::join_prefix(
+            &context.tokens,
+            encode(&format!("{text}{prompt}"))?,
+        )),
+        ContextKind::Messages { .. } => {
+            let lead = encode("")?.len();
+            let own = encode(prompt)?;
+            let mut tokens = context.tokens.clone();
+            tokens.extend_from_slice(own.get(lead..).unwrap_or_default());
+            Ok(tokens)
+        }
+    }
+}

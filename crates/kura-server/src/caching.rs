@@ -1,0 +1,531 @@
+//! Context caching shared by the routes: cache TTLs, where a breakpoint falls in the prompt's tokens,
+//! and saved contexts (`/v1/caches`), kept in memory and, with a disk tier, as one JSON file each under
+//! `<kv-disk-path>/contexts/` so that they outlive the server (their KV blocks are in the disk tier).
+//!
+//! A saved context is a prompt prefix with an owner (the tenant that made it), a model fingerprint and
+//! an expiry on the engine's cache clock. A request that names it (`cached_content`) gets the context's
+//! tokens as the start of its prompt and pins them until the context expires; the blocks come from the
+//! pool when they are there, else from the lower tiers (promoted on use), else they are computed again.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kura_engine::{ChatMessage, EngineHandle, PinSpec, TextCodec};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// Anthropic's limit of `cache_control` breakpoints per request.
+pub const MAX_BREAKPOINTS: usize = 4;
+
+/// Longest time to live of a saved context.
+pub const MAX_CONTEXT_TTL_S: u64 = 365 * 24 * 3600;
+
+/// A `cache_control` time to live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheTtl {
+    FiveMinutes,
+    OneHour,
+}
+
+impl CacheTtl {
+    pub fn millis(self) -> u64 {
+        match self {
+            CacheTtl::FiveMinutes => 5 * 60 * 1000,
+            CacheTtl::OneHour => 60 * 60 * 1000,
+        }
+    }
+
+    /// `{"type": "ephemeral", "ttl": "5m" | "1h"}` (ttl optional, 5 minutes by default).
+    pub fn parse_control(v: &Value, at: &str) -> Result<Self, ApiError> {
+        let Some(o) = v.as_object() else {
+            return Err(ApiError::invalid(
+                format!("{at} must be an object like {{\"type\": \"ephemeral\"}}"),
+                None,
+            ));
+        };
+        match o.get("type").and_then(Value::as_str) {
+            Some("ephemeral") => {}
+            other => {
+                return Err(ApiError::invalid(
+                    format!("{at}.type must be \"ephemeral\", got {other:?}"),
+                    None,
+                ))
+            }
+        }
+        match o.get("ttl") {
+            None | Some(Value::Null) => Ok(CacheTtl::FiveMinutes),
+            Some(Value::String(s)) if s == "5m" => Ok(CacheTtl::FiveMinutes),
+            Some(Value::String(s)) if s == "1h" => Ok(CacheTtl::OneHour),
+            Some(other) => Err(ApiError::invalid(
+                format!("{at}.ttl must be \"5m\" or \"1h\", got {other}"),
+                None,
+            )),
+        }
+    }
+}
+
+/// A saved context's `ttl`: seconds as a number, or a string `"<n>s"`, `"<n>m"`, `"<n>h"`, `"<n>d"`;
+/// 1 s to [`MAX_CONTEXT_TTL_S`].
+pub fn parse_context_ttl(v: &Value) -> Result<u64, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            format!(
+                "ttl must be a number of seconds or a string like \"300s\", \"30m\", \"1h\" or \
+                 \"7d\", from 1 second to {} days; got {v}",
+                MAX_CONTEXT_TTL_S / 86400
+            ),
+            Some("ttl"),
+        )
+    };
+    let seconds = match v {
+        Value::Number(n) => n.as_u64().ok_or_else(bad)?,
+        Value::String(s) => {
+            let (digits, unit) = s.split_at(s.len().saturating_sub(1));
+            let scale = match unit {
+                "s" => 1,
+                "m" => 60,
+                "h" => 3600,
+                "d" => 86400,
+                _ => return Err(bad()),
+            };
+            let n: u64 = digits.parse().map_err(|_| bad())?;
+            n.checked_mul(scale).ok_or_else(bad)?
+        }
+        _ => return Err(bad()),
+    };
+    if seconds == 0 || seconds > MAX_CONTEXT_TTL_S {
+        return Err(bad());
+    }
+    Ok(seconds)
+}
+
+/// `prompt_cache_retention` of the OpenAI routes: `"in_memory"` (the default: ordinary prefix caching) or
+/// `"24h"` (the whole prompt pinned for a day and written through to the lower tiers). Returns the pin
+/// for a prompt of `len` tokens, if any.
+pub fn retention_pin(v: Option<&str>, len: usize, now_ms: u64) -> Result<Option<PinSpec>, ApiError> {
+    match v {
+        None | Some("in_memory") | Some("in-memory") => Ok(None),
+        Some("24h") => Ok(Some(PinSpec {
+            tokens: len,
+            expires_at_ms: now_ms.saturating_add(24 * 3600 * 1000),
+            persist: true,
+        })),
+        Some(other) => Err(ApiError::invalid(
+            format!("prompt_cache_retention must be \"in_memory\" or \"24h\", got {other:?}"),
+            Some("prompt_cache_retention"),
+        )),
+    }
+}
+
+fn lcp(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// `full` with `prefix` as its start: `full` itself when it starts with `prefix` (the usual case), else
+/// `prefix` followed by what `full` has after their common part (a tokenization that differs at the
+/// seam must not cost the saved context its cache hit).
+pub fn join_prefix(prefix: &[u32], full: Vec<u32>) -> Vec<u32> {
+    let common = lcp(prefix, &full);
+    if common == prefix.len() {
+        return full;
+    }
+    let mut out = prefix.to_vec();
+    out.extend_from_slice(&full[common..]);
+    out
+}
+
+fn template_error(e: String) -> ApiError {
+    ApiError::invalid(format!("could not apply the chat template: {e}"), Some("messages"))
+}
+
+fn tokenize_error(e: String) -> ApiError {
+    ApiError::invalid(format!("could not tokenize the prompt: {e}"), Some("prompt"))
+}
+
+/// The prompt tokens of `messages` (after a saved context, if any) and, per breakpoint (message index,
+/// byte offset in its content), the number of prompt tokens up to it.
+///
+/// A breakpoint's position is found in the rendered template text (each message's content is searched
+/// in order) and mapped to tokens as the longest common prefix of the whole prompt's tokens and those of
+/// the text up to the breakpoint, so a token that straddles it is not counted.
+pub fn encode_with_breakpoints(
+    codec: &dyn TextCodec,
+    messages: &[ChatMessage],
+    breakpoints: &[(usize, usize, CacheTtl)],
+    saved: Option<&SavedContext>,
+) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
+    let (all, text_prefix, offset) = match saved.map(|c| &c.kind) {
+        Some(ContextKind::Messages { messages: before }) => {
+            let mut all = before.clone();
+            all.extend_from_slice(messages);
+            (all, None, before.len())
+        }
+        Some(ContextKind::Prompt { text }) => (messages.to_vec(), Some(text.as_str()), 0),
+        None => (messages.to_vec(), None, 0),
+    };
+    let rendered = codec.render_chat(&all).map_err(template_error)?;
+    let (full_text, tokens, bos_extra) = match text_prefix {
+        Some(prefix) => {
+            let text = format!("{prefix}{rendered}");
+            let tokens = codec.encode(&text).map_err(tokenize_error)?;
+            (text, tokens, 0)
+        }
+        None => {
+            let tokens = codec.encode_chat(&all).map_err(template_error)?;
+            let plain = codec.encode(&rendered).map_err(tokenize_error)?;
+            let extra = plain.len().saturating_sub(tokens.len());
+            (rendered, tokens, extra)
+        }
+    };
+    let tokens = match saved {
+        Some(c) => join_prefix(&c.tokens, tokens),
+        None => tokens,
+    };
+    let mut positions = Vec::with_capacity(breakpoints.len());
+    if !breakpoints.is_empty() {
+        let whole = codec.encode(&full_text).map_err(tokenize_error)?;
+        // Where each message's content starts in the text.
+        let mut starts = Vec::with_capacity(all.len());
+        let mut cursor = text_prefix.map_or(0, str::len);
+        for (i, m) in all.iter().enumerate() {
+            match full_text[cursor..].find(m.content.as_str()) {
+                Some(at) => {
+                    starts.push(cursor + at);
+                    cursor += at + m.content.len();
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "could not place the cache_control breakpoint: the chat template does \
+                             not reproduce message {} verbatim",
+                            i.saturating_sub(offset)
+                        ),
+                        Some("messages"),
+                    ))
+                }
+            }
+        }
+        for &(message, at, _) in breakpoints {
+            let end = starts[message + offset] + at;
+            let part = codec
+                .encode(&full_text[..end])
+                .map_err(tokenize_error)?;
+            positions.push(lcp(&part, &whole).saturating_sub(bos_extra).min(tokens.len()));
+        }
+    }
+    Ok((tokens, positions))
+}
+
+/// What a saved context holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ContextKind {
+    /// Chat messages: requests' own messages follow them in one chat template.
+    Messages { messages: Vec<ChatMessage> },
+    /// Raw text: requests' prompts (or rendered messages) follow it.
+    Prompt { text: String },
+}
+
+/// A saved context: its record in memory and its file on disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedContext {
+    pub id: String,
+    pub model: String,
+    /// The engine's model fingerprint (weights and KV format) when it was saved.
+    pub fingerprint: String,
+    /// The owning tenant's cache salt (`None`: the server has no API keys).
+    pub tenant: Option<String>,
+    pub display_name: Option<String>,
+    pub kind: ContextKind,
+    pub tokens: Vec<u32>,
+    pub created_at_ms: u64,
+    pub expires_at_ms: u64,
+}
+
+impl SavedContext {
+    /// The pin a request using this context asks for: its tokens until it expires, written through to
+    /// the lower tiers.
+    pub fn pin_spec(&self) -> PinSpec {
+        PinSpec {
+            tokens: self.tokens.len(),
+            expires_at_ms: self.expires_at_ms,
+            persist: true,
+        }
+    }
+
+    /// The API's view of it.
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "id": self.id,
+            "object": "cached_content",
+            "model": self.model,
+            "display_name": self.display_name,
+            "token_count": self.tokens.len(),
+            "kind": match self.kind { ContextKind::Messages { .. } => "messages", ContextKind::Prompt { .. } => "prompt" },
+            "created_at": self.created_at_ms / 1000,
+            "expires_at": self.expires_at_ms / 1000,
+        })
+    }
+}
+
+/// The tokens a saved context stands for: for messages, those the template gives them whatever follows
+/// (the common start of the messages alone and of the messages followed by another turn), so that every
+/// request that uses it starts with exactly these tokens.
+pub fn context_tokens(codec: &dyn TextCodec, kind: &ContextKind) -> Result<Vec<u32>, ApiError> {
+    match kind {
+        ContextKind::Prompt { text } => codec.encode(text).map_err(tokenize_error),
+        ContextKind::Messages { messages } => {
+            let alone = codec.encode_chat(messages).map_err(template_error)?;
+            let mut more = messages.clone();
+            more.push(ChatMessage {
+                role: "user".into(),
+                content: "?".into(),
+            });
+            let followed = codec.encode_chat(&more).map_err(template_error)?;
+            let n = lcp(&alone, &followed);
+            Ok(alone[..n].to_vec())
+        }
+    }
+}
+
+/// Every saved context of the server, with their files.
+#[derive(Debug)]
+pub struct ContextStore {
+    dir: Option<PathBuf>,
+    contexts: Mutex<HashMap<String, SavedContext>>,
+}
+
+/// Why a saved context could not be used.
+fn not_found(id: &str) -> ApiError {
+    ApiError::CacheNotFound(id.to_string())
+}
+
+impl ContextStore {
+    /// A store kept in memory only.
+    pub fn in_memory() -> Self {
+        Self {
+            dir: None,
+            contexts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The store of a disk tier's directory: reads every context file (`<dir>/contexts/*.json`);
+    /// unreadable ones are reported and set aside as `.bad`, never served. Returns the store and
+    /// warnings, one per file set aside.
+    pub fn open(disk_dir: &Path) -> Result<(Self, Vec<String>), String> {
+        let dir = disk_dir.join("contexts");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("could not create {}: {e}", dir.display()))?;
+        let mut contexts = HashMap::new();
+        let mut warnings = Vec::new();
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| format!("could not read {}: {e}", dir.display()))?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("json") {
+                continue;
+            }
+            let parsed = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<SavedContext>(&b).map_err(|e| e.to_string()))
+                .and_then(|c| {
+                    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+                    if c.id == stem && valid_id(&c.id) {
+                        Ok(c)
+                    } else {
+                        Err(format!("its id {:?} does not match its file name", c.id))
+                    }
+                });
+            match parsed {
+                Ok(c) => {
+                    contexts.insert(c.id.clone(), c);
+                }
+                Err(e) => {
+                    let aside = path.with_extension("json.bad");
+                    let _ = std::fs::rename(&path, &aside);
+                    warnings.push(format!(
+                        "saved context file {} is damaged ({e}); moved to {}",
+                        path.display(),
+                        aside.display()
+                    ));
+                }
+            }
+        }
+        Ok((
+            Self {
+                dir: Some(dir),
+                contexts: Mutex::new(contexts),
+            },
+            warnings,
+        ))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, SavedContext>> {
+        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn path_of(&self, id: &str) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join(format!("{id}.json")))
+    }
+
+    /// Writes a context's file (a temporary file renamed into place).
+    fn write(&self, c: &SavedContext) -> Result<(), ApiError> {
+        let Some(path) = self.path_of(&c.id) else {
+            return Ok(());
+        };
+        let tmp = path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec(c)
+            .map_err(|e| ApiError::Internal(format!("serializing a saved context: {e}")))?;
+        std::fs::write(&tmp, bytes)
+            .and_then(|_| std::fs::rename(&tmp, &path))
+            .map_err(|e| {
+                ApiError::Internal(format!("could not write {}: {e}", path.display()))
+            })
+    }
+
+    fn remove_file(&self, id: &str) {
+        if let Some(path) = self.path_of(id) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// Adds a new context (and its file).
+    pub fn insert(&self, c: SavedContext) -> Result<(), ApiError> {
+        self.write(&c)?;
+        self.lock().insert(c.id.clone(), c);
+        Ok(())
+    }
+
+    /// Drops every context expired at `now_ms` (and their files).
+    pub fn expire(&self, now_ms: u64) {
+        let mut map = self.lock();
+        let gone: Vec<String> = map
+            .values()
+            .filter(|c| c.expires_at_ms <= now_ms)
+            .map(|c| c.id.clone())
+            .collect();
+        for id in gone {
+            map.remove(&id);
+            self.remove_file(&id);
+        }
+    }
+
+    /// The live context `id` of `tenant`; another tenant's, an expired or an unknown one is a 404.
+    pub fn get(&self, id: &str, tenant: &Option<String>, now_ms: u64) -> Result<SavedContext, ApiError> {
+        self.expire(now_ms);
+        self.lock()
+            .get(id)
+            .filter(|c| &c.tenant == tenant)
+            .cloned()
+            .ok_or_else(|| not_found(id))
+    }
+
+    /// The context `id` for a request: as [`Self::get`], and built for the model the engine serves.
+    pub fn use_context(
+        &self,
+        id: &str,
+        tenant: &Option<String>,
+        engine: &EngineHandle,
+    ) -> Result<SavedContext, ApiError> {
+        let c = self.get(id, tenant, engine.cache_now_ms())?;
+        let info = engine.info();
+        if c.fingerprint != info.model_fingerprint || c.model != info.model_name {
+            return Err(ApiError::InvalidRequest {
+                message: format!(
+                    "saved context {id} was built for model {:?} (fingerprint {}); this server \
+                     serves {:?} (fingerprint {}): save it again on this model",
+                    c.model, c.fingerprint, info.model_name, info.model_fingerprint
+                ),
+                param: Some("cached_content"),
+                code: Some("cache_model_mismatch"),
+            });
+        }
+        Ok(c)
+    }
+
+    /// The live contexts of `tenant`, oldest first.
+    pub fn list(&self, tenant: &Option<String>, now_ms: u64) -> Vec<SavedContext> {
+        self.expire(now_ms);
+        let mut out: Vec<SavedContext> = self
+            .lock()
+            .values()
+            .filter(|c| &c.tenant == tenant)
+            .cloned()
+            .collect();
+        out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        out
+    }
+
+    /// Sets a context's expiry.
+    pub fn set_expiry(
+        &self,
+        id: &str,
+        tenant: &Option<String>,
+        now_ms: u64,
+        expires_at_ms: u64,
+    ) -> Result<SavedContext, ApiError> {
+        let mut c = self.get(id, tenant, now_ms)?;
+        c.expires_at_ms = expires_at_ms;
+        self.write(&c)?;
+        self.lock().insert(c.id.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// Deletes a context (and its file).
+    pub fn delete(&self, id: &str, tenant: &Option<String>, now_ms: u64) -> Result<SavedContext, ApiError> {
+        let c = self.get(id, tenant, now_ms)?;
+        self.lock().remove(id);
+        self.remove_file(id);
+        Ok(c)
+    }
+
+    /// Deletes a context whatever its tenant (the operator's `kura cache rm`).
+    pub fn delete_any(&self, id: &str) -> Option<SavedContext> {
+        let c = self.lock().remove(id)?;
+        self.remove_file(id);
+        Some(c)
+    }
+
+    /// Every context, whatever its tenant or expiry (the operator's `kura cache list`).
+    pub fn all(&self) -> Vec<SavedContext> {
+        let mut out: Vec<SavedContext> = self.lock().values().cloned().collect();
+        out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        out
+    }
+}
+
+/// A new context id: `ctx_` and 24 hex digits of a random 96-bit value (the process's random hasher
+/// seeds, the time and a counter, mixed).
+pub fn new_context_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut words = [0u64; 2];
+    for (i, w) in words.iter_mut().enumerate() {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(nanos);
+        h.write_u64(n);
+        h.write_usize(i);
+        h.write_u32(std::process::id());
+        *w = h.finish();
+    }
+    format!("ctx_{:016x}{:08x}", words[0], words[1] as u32)
+}
+
+/// Whether `id` is a well-formed context id (what may name a file).
+pub fn valid_id(id: &str) -> bool {
+    id.len() == 28
+        && id.starts_with("ctx_")
+        && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+/// Shared handle to the store.
+pub type Contexts = Arc<ContextStore>;

@@ -1,0 +1,656 @@
+//! `POST /v1/messages`: Anthropic's Messages API over the same engine, with `cache_control`
+//! breakpoints.
+//!
+//! A request's `system` (a string or text blocks) and `messages` (text blocks) become chat messages for
+//! the model's template. A block with `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` is a
+//! breakpoint: the prompt's tokens up to the end of that block are pinned for the TTL once the prompt is
+//! computed (the engine's [`kura_engine::PinSpec`]), and a later request with the same prefix refreshes
+//! the pin. A top-level `cache_control` puts a breakpoint at the end of the last message. Usage reports
+//! Anthropic's split: `cache_read_input_tokens` (prompt tokens served from the cache),
+//! `cache_creation_input_tokens` (tokens of the breakpoints' prefixes this request computed and wrote)
+//! and `input_tokens` (the rest), which add up to the prompt.
+//!
+//! Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, and so do the
+//! error events of a stream.
+
+use std::convert::Infallible;
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures::Stream;
+use kura_engine::{
+    ChatMessage, EngineEvent, FinishReason, GenerateRequest, PinSpec, SamplingParams, Usage,
+};
+use serde_json::{json, Map, Value};
+
+use crate::caching::{self, CacheTtl, MAX_BREAKPOINTS};
+use crate::error::ApiError;
+use crate::output::Events;
+use crate::{body, handlers, AppState, Tenant};
+
+/// An error in Anthropic's shape.
+pub struct AnthropicError(pub ApiError);
+
+impl From<ApiError> for AnthropicError {
+    fn from(e: ApiError) -> Self {
+        Self(e)
+    }
+}
+
+/// Anthropic's error type of an [`ApiError`].
+fn anthropic_kind(e: &ApiError) -> &'static str {
+    match e.status().as_u16() {
+        400 | 405 | 408 | 415 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        504 => "timeout_error",
+        _ => "api_error",
+    }
+}
+
+/// `{"type": "error", "error": {"type", "message"}}`.
+pub fn anthropic_body(e: &ApiError) -> Value {
+    json!({"type": "error", "error": {"type": anthropic_kind(e), "message": e.to_string()}})
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        let status = self.0.status();
+        let body = anthropic_body(&self.0);
+        // The OpenAI-shaped response carries the headers (Retry-After, WWW-Authenticate) and the log line.
+        let mut response = self.0.into_response();
+        let headers = std::mem::take(response.headers_mut());
+        let mut out = (status, Json(body)).into_response();
+        for (name, value) in headers.iter() {
+            if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH
+            {
+                out.headers_mut().insert(name.clone(), value.clone());
+            }
+        }
+        out
+    }
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(message, None)
+}
+
+/// A text block's text and breakpoint, checked. `at`: where the block is, for messages.
+fn text_block(v: &Value, at: &str) -> Result<(String, Option<CacheTtl>), ApiError> {
+    let Some(o) = v.as_object() else {
+        return Err(invalid(format!("{at} must be an object (a content block)")));
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => {}
+        Some(other) => {
+            return Err(invalid(format!(
+                "{at}.type is {other:?}; this server accepts only text blocks"
+            )))
+        }
+        None => return Err(invalid(format!("{at}.type is missing; give \"text\""))),
+    }
+    let Some(text) = o.get("text").and_then(Value::as_str) else {
+        return Err(invalid(format!("{at}.text must be a string")));
+    };
+    let ttl = match o.get("cache_control") {
+        None | Some(Value::Null) => None,
+        Some(cc) => {
+            if text.is_empty() {
+                return Err(invalid(format!(
+                    "{at}.cache_control is set on an empty text block; a breakpoint needs text \
+                     before it"
+                )));
+            }
+            Some(CacheTtl::parse_control(cc, &format!("{at}.cache_control"))?)
+        }
+    };
+    Ok((text.to_string(), ttl))
+}
+
+/// Text blocks (or one string) → the message text and, per breakpoint, the byte offset inside that text
+/// where it ends.
+fn content_of(v: &Value, at: &str) -> Result<(String, Vec<(usize, CacheTtl)>), ApiError> {
+    match v {
+        Value::String(s) => Ok((s.clone(), Vec::new())),
+        Value::Array(blocks) => {
+            let mut text = String::new();
+            let mut marks = Vec::new();
+            for (j, b) in blocks.iter().enumerate() {
+                let (t, ttl) = text_block(b, &format!("{at}[{j}]"))?;
+                text.push_str(&t);
+                if let Some(ttl) = ttl {
+                    marks.push((text.len(), ttl));
+                }
+            }
+            Ok((text, marks))
+        }
+        _ => Err(invalid(format!(
+            "{at} must be a string or an array of content blocks"
+        ))),
+    }
+}
+
+/// A checked Messages request.
+struct MessagesPlan {
+    messages: Vec<ChatMessage>,
+    /// (message index, byte offset of the breakpoint in its content, TTL).
+    breakpoints: Vec<(usize, usize, CacheTtl)>,
+    max_tokens: u32,
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    stream: bool,
+    cached_content: Option<String>,
+}
+
+fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
+    match o.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite())
+            .map(Some)
+            .ok_or_else(|| invalid(format!("{name} must be a number, got {v}"))),
+    }
+}
+
+fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
+    let o = value.as_object().expect("parse_json_object gives objects");
+    for unsupported in ["tools", "tool_choice", "thinking", "mcp_servers", "container"] {
+        if o.get(unsupported).is_some_and(|v| !v.is_null()) {
+            return Err(invalid(format!(
+                "{unsupported} is not supported by this server (text generation only)"
+            )));
+        }
+    }
+    match o.get("model").and_then(Value::as_str) {
+        Some(m) if m == served_model => {}
+        Some(m) => {
+            return Err(ApiError::ModelNotFound {
+                requested: m.to_string(),
+                served: served_model.to_string(),
+            })
+        }
+        None => return Err(invalid("model is required (a string)")),
+    }
+    let max_tokens = match o.get("max_tokens") {
+        Some(v) => match v.as_i64() {
+            Some(m) if m >= 1 && m <= i64::from(u32::MAX) => m as u32,
+            _ => {
+                return Err(invalid(format!(
+                    "max_tokens must be an integer from 1 to {}, got {v}",
+                    u32::MAX
+                )))
+            }
+        },
+        None => return Err(invalid("max_tokens is required")),
+    };
+    let mut messages = Vec::new();
+    let mut breakpoints = Vec::new();
+    match o.get("system") {
+        None | Some(Value::Null) => {}
+        Some(v) => {
+            let (text, marks) = content_of(v, "system")?;
+            for (at, ttl) in marks {
+                breakpoints.push((0, at, ttl));
+            }
+            messages.push(ChatMessage {
+                role: "system".into(),
+                content: text,
+            });
+        }
+    }
+    let Some(list) = o.get("messages").and_then(Value::as_array) else {
+        return Err(invalid("messages is required (an array of messages)"));
+    };
+    if list.is_empty() {
+        return Err(invalid("messages must contain at least one message"));
+    }
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let role = m.get("role").and_then(Value::as_str);
+        let role = match role {
+            Some(r @ ("user" | "assistant")) => r,
+            Some(r) => {
+                return Err(invalid(format!(
+                    "{at}.role must be \"user\" or \"assistant\", got {r:?} (the system prompt \
+                     goes in the top-level system field)"
+                )))
+            }
+            None => return Err(invalid(format!("{at}.role is missing"))),
+        };
+        let Some(content) = m.get("content") else {
+            return Err(invalid(format!("{at}.content is missing")));
+        };
+        let (text, marks) = content_of(content, &format!("{at}.content"))?;
+        let index = messages.len();
+        for (off, ttl) in marks {
+            breakpoints.push((index, off, ttl));
+        }
+        messages.push(ChatMessage {
+            role: role.into(),
+            content: text,
+        });
+    }
+    if let Some(cc) = o.get("cache_control").filter(|v| !v.is_null()) {
+        let ttl = CacheTtl::parse_control(cc, "cache_control")?;
+        let last = messages.len() - 1;
+        breakpoints.push((last, messages[last].content.len(), ttl));
+    }
+    if breakpoints.len() > MAX_BREAKPOINTS {
+        return Err(invalid(format!(
+            "a request may have at most {MAX_BREAKPOINTS} cache_control breakpoints, this one has {}",
+            breakpoints.len()
+        )));
+    }
+    let temperature = number(o, "temperature")?.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&temperature) {
+        return Err(invalid(format!(
+            "temperature must be between 0 and 1, got {temperature}"
+        )));
+    }
+    let top_p = number(o, "top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(invalid(format!(
+            "top_p must be greater than 0 and at most 1, got {top_p}"
+        )));
+    }
+    let top_k = match o.get("top_k") {
+        None | Some(Value::Null) => 0,
+        Some(v) => match v.as_i64() {
+            Some(k) if (0..=i64::from(u32::MAX)).contains(&k) => k as usize,
+            _ => {
+                return Err(invalid(format!(
+                    "top_k must be a non-negative integer, got {v}"
+                )))
+            }
+        },
+    };
+    let stop = match o.get("stop_sequences") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => {
+            let mut out = Vec::new();
+            for (i, s) in a.iter().enumerate() {
+                match s.as_str() {
+                    Some(s) if !s.is_empty() => out.push(s.to_string()),
+                    _ => {
+                        return Err(invalid(format!(
+                            "stop_sequences[{i}] must be a non-empty string"
+                        )))
+                    }
+                }
+            }
+            if out.len() > crate::validate::MAX_STOP {
+                return Err(invalid(format!(
+                    "stop_sequences may hold at most {} strings, got {}",
+                    crate::validate::MAX_STOP,
+                    out.len()
+                )));
+            }
+            out
+        }
+        Some(v) => {
+            return Err(invalid(format!(
+                "stop_sequences must be an array of strings, got {v}"
+            )))
+        }
+    };
+    let stream = match o.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(invalid(format!("stream must be a boolean, got {v}"))),
+    };
+    let cached_content = match o.get("cached_content") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => {
+            return Err(invalid(format!(
+                "cached_content must be the id of a saved context (a string), got {v}"
+            )))
+        }
+    };
+    let sampling = SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        ..SamplingParams::default()
+    };
+    Ok(MessagesPlan {
+        messages,
+        breakpoints,
+        max_tokens,
+        sampling,
+        stop,
+        stream,
+        cached_content,
+    })
+}
+
+/// The Messages route: Anthropic-shaped errors around [`messages_inner`].
+pub async fn messages(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    req: Request,
+) -> Response {
+    match messages_inner(s, tenant, req).await {
+        Ok(r) => r,
+        Err(e) => AnthropicError(e).into_response(),
+    }
+}
+
+async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Response, ApiError> {
+    body::check_json_content_type(req.headers())?;
+    let bytes = body::read_body(req, &s, s.body_timeout, s.max_body_bytes).await?;
+    let value = body::parse_json_object(&bytes)?;
+    drop(bytes);
+    let info = s.engine.info().clone();
+    let plan = prepare(&value, &info.model_name)?;
+    drop(value);
+    let salt = handlers::effective_salt(&tenant, None);
+    let saved = match &plan.cached_content {
+        Some(id) => Some(s.contexts.use_context(id, &salt, &s.engine)?),
+        None => None,
+    };
+    let (messages, breakpoints) = (plan.messages.clone(), plan.breakpoints.clone());
+    let engine = s.engine.clone();
+    let saved_for_encode = saved.clone();
+    let (prompt_tokens, positions) = handlers::off_the_workers(move || {
+        caching::encode_with_breakpoints(
+            engine.codec().as_ref(),
+            &messages,
+            &breakpoints,
+            saved_for_encode.as_ref(),
+        )
+    })
+    .await?;
+    let now = s.engine.cache_now_ms();
+    let mut pins: Vec<PinSpec> = positions
+        .iter()
+        .zip(&plan.breakpoints)
+        .map(|(&tokens, &(_, _, ttl))| PinSpec {
+            tokens,
+            expires_at_ms: now.saturating_add(ttl.millis()),
+            persist: false,
+        })
+        .collect();
+    if let Some(ctx) = &saved {
+        pins.push(ctx.pin_spec());
+    }
+    let mut request = GenerateRequest::greedy(prompt_tokens, plan.max_tokens);
+    request.sampling = plan.sampling.clone();
+    request.stop = plan.stop.clone();
+    request.cache_salt = salt;
+    request.pins = pins;
+    let (mut events, sender) = Events::new(1, 1);
+    let guard = s.engine.submit(request, sender.sink(0))?;
+    events.add_guard(guard);
+    drop(sender);
+    let id = handlers::response_id("msg");
+    let deadline = s.request_timeout.and_then(|t| {
+        tokio::time::Instant::now()
+            .checked_add(t)
+            .map(|at| (at, t.as_secs()))
+    });
+    if plan.stream {
+        let body = stream(id, info.model_name.clone(), events, deadline);
+        let mut response = Sse::new(body)
+            .keep_alive(KeepAlive::default())
+            .into_response();
+        response
+            .headers_mut()
+            .insert("x-accel-buffering", HeaderValue::from_static("no"));
+        return Ok(response);
+    }
+    let body = collect(id, info.model_name.clone(), events);
+    let body = match deadline {
+        Some((at, seconds)) => tokio::time::timeout_at(at, body)
+            .await
+            .map_err(|_| ApiError::Timeout { seconds })??,
+        None => body.await?,
+    };
+    Ok((StatusCode::OK, Json(body)).into_response())
+}
+
+/// Anthropic's usage object of an engine usage.
+pub fn usage_body(u: &Usage) -> Value {
+    let read = u.cached_tokens.min(u.prompt_tokens);
+    let created = u.cache_write_tokens.min(u.prompt_tokens - read);
+    json!({
+        "input_tokens": u.prompt_tokens - read - created,
+        "output_tokens": u.completion_tokens,
+        "cache_creation_input_tokens": created,
+        "cache_read_input_tokens": read,
+    })
+}
+
+fn stop_reason(reason: Option<FinishReason>, stop_sequence: &Option<String>) -> &'static str {
+    match (reason, stop_sequence) {
+        (Some(FinishReason::Length), _) => "max_tokens",
+        (_, Some(_)) => "stop_sequence",
+        _ => "end_turn",
+    }
+}
+
+async fn collect(id: String, model: String, mut events: Events) -> Result<Value, ApiError> {
+    let mut text = String::new();
+    let mut reason = None;
+    let mut stop_sequence = None;
+    let usage = loop {
+        match events.next().await {
+            Some(EngineEvent::Delta { text: t, .. }) => text.push_str(&t),
+            Some(EngineEvent::Finished {
+                reason: r,
+                stop_sequence: s,
+                ..
+            }) => {
+                reason = Some(r);
+                stop_sequence = s;
+            }
+            Some(EngineEvent::Done { usage }) => break usage,
+            Some(EngineEvent::Failed(e)) => return Err(e.into()),
+            None => {
+                return Err(ApiError::Internal(
+                    "the engine dropped the request without finishing it".into(),
+                ))
+            }
+        }
+    };
+    Ok(json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": stop_reason(reason, &stop_sequence),
+        "stop_sequence": stop_sequence,
+        "usage": usage_body(&usage),
+    }))
+}
+
+fn event(name: &str, data: Value) -> Event {
+    Event::default().event(name).data(data.to_string())
+}
+
+/// Anthropic's event sequence: `message_start`, `content_block_start`, `ping`, `content_block_delta`s,
+/// `content_block_stop`, `message_delta` (stop reason and the whole usage), `message_stop`; an `error`
+/// event when the request fails midway.
+fn stream(
+    id: String,
+    model: String,
+    events: Events,
+    deadline: Option<(tokio::time::Instant, u64)>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    struct St {
+        events: Events,
+        queue: std::collections::VecDeque<Event>,
+        done: bool,
+        reason: Option<FinishReason>,
+        stop_sequence: Option<String>,
+        deadline: Option<(tokio::time::Instant, u64)>,
+    }
+    let mut queue = std::collections::VecDeque::new();
+    queue.push_back(event(
+        "message_start",
+        json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": 0, "output_tokens": 0,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        }}),
+    ));
+    queue.push_back(event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0,
+               "content_block": {"type": "text", "text": ""}}),
+    ));
+    queue.push_back(event("ping", json!({"type": "ping"})));
+    let st = St {
+        events,
+        queue,
+        done: false,
+        reason: None,
+        stop_sequence: None,
+        deadline,
+    };
+    futures::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.queue.pop_front() {
+                return Some((Ok(e), st));
+            }
+            if st.done {
+                return None;
+            }
+            let next = match st.deadline {
+                Some((at, seconds)) => tokio::time::timeout_at(at, st.events.next())
+                    .await
+                    .unwrap_or(Some(EngineEvent::Failed(
+                        kura_engine::RequestError::Model(format!(
+                            "the request did not finish within the server's limit of {seconds} s"
+                        )),
+                    ))),
+                None => st.events.next().await,
+            };
+            match next {
+                Some(EngineEvent::Delta { text, .. }) => {
+                    if !text.is_empty() {
+                        st.queue.push_back(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": 0,
+                                   "delta": {"type": "text_delta", "text": text}}),
+                        ));
+                    }
+                }
+                Some(EngineEvent::Finished {
+                    reason,
+                    stop_sequence,
+                    ..
+                }) => {
+                    st.reason = Some(reason);
+                    st.stop_sequence = stop_sequence;
+                }
+                Some(EngineEvent::Done { usage }) => {
+                    st.queue.push_back(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": 0}),
+                    ));
+                    st.queue.push_back(event(
+                        "message_delta",
+                        json!({"type": "message_delta",
+                               "delta": {"stop_reason": stop_reason(st.reason, &st.stop_sequence),
+                                         "stop_sequence": st.stop_sequence},
+                               "usage": usage_body(&usage)}),
+                    ));
+                    st.queue
+                        .push_back(event("message_stop", json!({"type": "message_stop"})));
+                    st.done = true;
+                }
+                Some(EngineEvent::Failed(e)) => {
+                    st.queue
+                        .push_back(event("error", anthropic_body(&ApiError::from(e))));
+                    st.done = true;
+                }
+                None => {
+                    let e = ApiError::Internal(
+                        "the engine dropped the request without finishing it".into(),
+                    );
+                    st.queue.push_back(event("error", anthropic_body(&e)));
+                    st.done = true;
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(body: Value) -> Result<MessagesPlan, ApiError> {
+        prepare(&body, "m")
+    }
+
+    #[test]
+    fn breakpoints_are_found_in_system_and_message_blocks() {
+        let p = plan(json!({
+            "model": "m", "max_tokens": 8,
+            "system": [{"type": "text", "text": "abc", "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": "de"}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "q1", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                {"type": "text", "text": "q2"}]}],
+        }))
+        .unwrap();
+        assert_eq!(p.messages[0].content, "abcde");
+        assert_eq!(p.messages[1].content, "q1q2");
+        assert_eq!(
+            p.breakpoints,
+            vec![(0, 3, CacheTtl::FiveMinutes), (1, 2, CacheTtl::OneHour)]
+        );
+    }
+
+    #[test]
+    fn bad_requests_name_the_problem() {
+        let cc = json!({"type": "ephemeral"});
+        let block = json!({"type": "text", "text": "x", "cache_control": cc});
+        let cases = [
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), "max_tokens is required"),
+            (json!({"model": "other", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}), "does not exist"),
+            (json!({"model": "m", "max_tokens": 1, "messages": []}), "at least one message"),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}), "top-level system"),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]}), "only text blocks"),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [block, block, block, block, block]}]}), "at most 4"),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]}), "\"5m\" or \"1h\""),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]}]}), "ephemeral"),
+            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "", "cache_control": cc}]}]}), "empty text block"),
+            (json!({"model": "m", "max_tokens": 1, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]}), "temperature"),
+            (json!({"model": "m", "max_tokens": 1, "tools": [], "messages": [{"role": "user", "content": "x"}]}), "tools is not supported"),
+        ];
+        for (body, needle) in cases {
+            match plan(body.clone()) {
+                Ok(_) => panic!("accepted {body}"),
+                Err(e) => assert!(e.to_string().contains(needle), "{e} (wanted {needle:?})"),
+            }
+        }
+    }
+
+    #[test]
+    fn usage_adds_up_to_the_prompt() {
+        let u = Usage {
+            prompt_tokens: 100,
+            completion_tokens: 5,
+            cached_tokens: 32,
+            cache_write_tokens: 48,
+        };
+        let b = usage_body(&u);
+        assert_eq!(b["input_tokens"], 20);
+        assert_eq!(b["cache_read_input_tokens"], 32);
+        assert_eq!(b["cache_creation_input_tokens"], 48);
+        assert_eq!(b["output_tokens"], 5);
+    }
+}

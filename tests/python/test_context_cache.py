@@ -1,0 +1,332 @@
+"""Context caching through the real server: the Anthropic Messages API with cache_control (the official
+`anthropic` client), saved contexts (/v1/caches) that outlive a restart, pins that survive pressure
+until their TTL, tenancy, prompt_cache_retention, and a table of bad inputs."""
+
+import time
+
+import anthropic
+import httpx
+import pytest
+
+from conftest import EXACT, KuraServer, long_text
+
+BLOCK = 16
+# The anthropic client has no sampling parameters of its own; the server takes them from the body.
+GREEDY = {"temperature": 0}
+
+
+def anthropic_client(server: KuraServer, api_key: str | None = None) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=api_key or server.api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = KuraServer("--kv-cache-memory", "256MiB", "--debug-clock", *EXACT)
+    yield s
+    s.stop()
+
+
+def system_of(tokens_wanted: int, server: KuraServer, seed: int) -> str:
+    """A system text of at least `tokens_wanted` tokens."""
+    words = tokens_wanted
+    while True:
+        text = long_text(words, seed=seed)
+        if len(server.tokenize(text)) >= tokens_wanted:
+            return text
+        words += tokens_wanted // 4
+
+
+def test_messages_cache_control_reports_creation_then_read_with_the_same_text(srv):
+    client = anthropic_client(srv)
+    model = srv.model()
+    system = system_of(2000, srv, seed=1)
+    blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": "Name one word from the list."}]
+    first = client.messages.create(model=model, max_tokens=12, extra_body=GREEDY, system=blocks, messages=messages)
+    assert first.type == "message" and first.role == "assistant"
+    assert first.content[0].type == "text" and first.content[0].text
+    assert first.stop_reason in ("end_turn", "max_tokens")
+    u1 = first.usage
+    assert u1.cache_creation_input_tokens >= 1984, u1
+    assert u1.cache_read_input_tokens == 0, u1
+    second = client.messages.create(model=model, max_tokens=12, extra_body=GREEDY, system=blocks, messages=messages)
+    u2 = second.usage
+    assert u2.cache_read_input_tokens >= 1984, u2
+    assert u2.cache_creation_input_tokens == 0, u2
+    assert second.content[0].text == first.content[0].text
+    # The three input fields add up to the prompt, both times.
+    total1 = u1.input_tokens + u1.cache_creation_input_tokens + u1.cache_read_input_tokens
+    total2 = u2.input_tokens + u2.cache_creation_input_tokens + u2.cache_read_input_tokens
+    assert total1 == total2 > 2000
+    m = srv.metrics()
+    assert m["kura:kv_pins"] >= 1 and m["kura:kv_pinned_blocks"] >= 124
+
+
+def test_messages_stream_has_anthropics_event_sequence_and_usage(srv):
+    client = anthropic_client(srv)
+    model = srv.model()
+    system = system_of(600, srv, seed=2)
+    blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}]
+    whole = client.messages.create(model=model, max_tokens=10, extra_body=GREEDY, system=blocks, messages=messages)
+    kinds = []
+    with client.messages.stream(model=model, max_tokens=10, extra_body=GREEDY, system=blocks, messages=messages) as s:
+        for event in s:
+            kinds.append(event.type)
+        final = s.get_final_message()
+    assert kinds[0] == "message_start"
+    assert "content_block_start" in kinds and "content_block_stop" in kinds
+    assert kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.cache_read_input_tokens >= 576, final.usage
+
+
+def test_stop_sequences_report_the_sequence(srv):
+    client = anthropic_client(srv)
+    model = srv.model()
+    free = client.messages.create(model=model, max_tokens=20, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": "Count from 1 to 10."}])
+    text = free.content[0].text
+    assert len(text) > 4, text
+    stop = text[2:4]
+    cut = client.messages.create(model=model, max_tokens=20, extra_body=GREEDY, stop_sequences=[stop],
+                                 messages=[{"role": "user", "content": "Count from 1 to 10."}])
+    assert cut.stop_reason == "stop_sequence"
+    assert cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A pool of 182 blocks, half of which pins may hold."""
+    s = KuraServer("--kv-cache-memory", "64MiB", "--kv-pin-budget", "50%", "--debug-clock", *EXACT)
+    yield s
+    s.stop()
+
+
+def test_a_pin_over_the_budget_is_demoted_not_refused(small):
+    client = anthropic_client(small)
+    system = system_of(1600, small, seed=9)  # 100 blocks > 91
+    blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+    r = client.messages.create(model=small.model(), max_tokens=1, extra_body=GREEDY, system=blocks,
+                               messages=[{"role": "user", "content": "Hi."}])
+    assert r.usage.cache_creation_input_tokens >= 1584
+    m = small.metrics()
+    assert m["kura:kv_pins_demoted_total"] >= 1
+    assert m["kura:kv_pinned_blocks"] <= m["kura:kv_pin_budget_blocks"] == 91
+
+
+def test_pinned_prefix_survives_ten_pools_of_traffic_until_its_ttl(small):
+    srv = small
+    client = anthropic_client(srv)
+    model = srv.model()
+    system = system_of(800, srv, seed=3)
+    blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "5m"}}]
+    ask = [{"role": "user", "content": "Hello."}]
+    r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
+    assert r.usage.cache_creation_input_tokens >= 784
+    pool_tokens = srv.metrics()["kura:kv_cache_blocks_total"] * BLOCK
+
+    def flood():
+        # Unique prompts of ~1,900 tokens until ten pools' worth has gone through.
+        sent, i = 0, 0
+        oa = srv.client()
+        while sent < 10 * pool_tokens:
+            prompt = long_text(1500, seed=1000 + i + int(time.time() * 1000) % 100000)
+            out = oa.completions.create(model=model, prompt=f"{i} {prompt}", max_tokens=1, temperature=0)
+            sent += out.usage.prompt_tokens
+            i += 1
+
+    flood()
+    r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
+    assert r.usage.cache_read_input_tokens >= 784, r.usage
+    # Past its TTL (the cache clock moved 6 minutes), the pin is released and the flood evicts it.
+    httpx.post(srv.url + "/debug/clock", json={"advance_s": 360}, headers=srv.headers()).raise_for_status()
+    flood()
+    r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
+    assert r.usage.cache_read_input_tokens < 784, r.usage
+    assert srv.metrics()["kura:kv_pins_expired_total"] >= 1
+
+
+def test_saved_context_is_used_by_chat_completions_and_messages(srv):
+    doc = system_of(700, srv, seed=4)
+    r = httpx.post(srv.url + "/v1/caches", headers=srv.headers(), timeout=120,
+                   json={"model": srv.model(), "messages": [{"role": "system", "content": doc}],
+                         "ttl": "600s", "display_name": "doc"})
+    assert r.status_code == 200, r.text
+    ctx = r.json()
+    assert ctx["id"].startswith("ctx_") and ctx["token_count"] >= 700
+    assert ctx["expires_at"] - ctx["created_at"] == 600
+    listed = httpx.get(srv.url + "/v1/caches", headers=srv.headers()).json()["data"]
+    assert ctx["id"] in [c["id"] for c in listed]
+    oa = srv.client()
+    chat = oa.chat.completions.create(model=srv.model(), max_tokens=5, temperature=0,
+                                      messages=[{"role": "user", "content": "Summarise."}],
+                                      extra_body={"cached_content": ctx["id"]})
+    assert chat.usage.prompt_tokens_details.cached_tokens >= ctx["token_count"] - BLOCK
+    # The same prompt sent in full gives the same text.
+    full = oa.chat.completions.create(model=srv.model(), max_tokens=5, temperature=0,
+                                      messages=[{"role": "system", "content": doc},
+                                                {"role": "user", "content": "Summarise."}])
+    assert full.choices[0].message.content == chat.choices[0].message.content
+    msg = anthropic_client(srv).messages.create(
+        model=srv.model(), max_tokens=5,
+        messages=[{"role": "user", "content": "Summarise."}], extra_body={"cached_content": ctx["id"], **GREEDY})
+    assert msg.usage.cache_read_input_tokens >= ctx["token_count"] - BLOCK
+    # PATCH changes the expiry; DELETE removes it.
+    p = httpx.patch(srv.url + f"/v1/caches/{ctx['id']}", headers=srv.headers(), json={"ttl": "2h"})
+    assert p.status_code == 200 and p.json()["expires_at"] - ctx["created_at"] >= 7200
+    d = httpx.delete(srv.url + f"/v1/caches/{ctx['id']}", headers=srv.headers())
+    assert d.status_code == 200 and d.json()["deleted"] is True
+    g = httpx.get(srv.url + f"/v1/caches/{ctx['id']}", headers=srv.headers())
+    assert g.status_code == 404
+
+
+def test_saved_context_expires_on_the_cache_clock(srv):
+    r = httpx.post(srv.url + "/v1/caches", headers=srv.headers(), timeout=120,
+                   json={"prompt": long_text(100, seed=5), "ttl": 60})
+    assert r.status_code == 200, r.text
+    cid = r.json()["id"]
+    assert httpx.get(srv.url + f"/v1/caches/{cid}", headers=srv.headers()).status_code == 200
+    httpx.post(srv.url + "/debug/clock", json={"advance_s": 61}, headers=srv.headers()).raise_for_status()
+    g = httpx.get(srv.url + f"/v1/caches/{cid}", headers=srv.headers())
+    assert g.status_code == 404 and "expired" in g.json()["error"]["message"]
+
+
+def test_prompt_cache_retention_24h_pins_the_prompt(srv):
+    oa = srv.client()
+    prompt = long_text(400, seed=6)
+    before = srv.metrics()["kura:kv_pins"]
+    out = oa.completions.create(model=srv.model(), prompt=prompt, max_tokens=1, temperature=0,
+                                extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "doc-6"})
+    assert out.usage.prompt_tokens >= 400
+    assert out.usage.prompt_tokens_details.cache_write_tokens >= 384
+    assert srv.metrics()["kura:kv_pins"] == before + 1
+    again = oa.completions.create(model=srv.model(), prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_cache_retention": "24h"})
+    assert again.usage.prompt_tokens_details.cached_tokens >= 384
+    assert again.usage.prompt_tokens_details.cache_write_tokens == 0
+    assert srv.metrics()["kura:kv_pins"] == before + 1  # refreshed, not pinned twice
+
+
+def test_tenants_neither_see_nor_hit_each_others_contexts():
+    s = KuraServer("--kv-cache-memory", "128MiB", "--api-key", "key-a", "--api-key", "key-b", *EXACT,
+                   api_key="key-a")
+    try:
+        doc = long_text(600, seed=7)
+        a = {"Authorization": "Bearer key-a"}
+        b = {"x-api-key": "key-b"}
+        r = httpx.post(s.url + "/v1/caches", headers=a, timeout=120, json={"prompt": doc, "ttl": "1h"})
+        assert r.status_code == 200, r.text
+        cid = r.json()["id"]
+        assert httpx.get(s.url + f"/v1/caches/{cid}", headers=b).status_code == 404
+        assert httpx.delete(s.url + f"/v1/caches/{cid}", headers=b).status_code == 404
+        assert cid not in [c["id"] for c in httpx.get(s.url + "/v1/caches", headers=b).json()["data"]]
+        used = httpx.post(s.url + "/v1/completions", headers=b, timeout=60,
+                          json={"prompt": " tail", "max_tokens": 1, "cached_content": cid})
+        assert used.status_code == 404
+        # Tenant B sending A's document as text computes it: no hit on A's pinned blocks.
+        cold = httpx.post(s.url + "/v1/completions", headers=b, timeout=120,
+                          json={"prompt": doc + " tail", "max_tokens": 1}).json()
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Tenant A does hit (through its context).
+        warm = httpx.post(s.url + "/v1/completions", headers=a, timeout=120,
+                          json={"prompt": " tail", "max_tokens": 1, "cached_content": cid}).json()
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 560
+        # Anthropic's client authenticates with x-api-key; a wrong key gets Anthropic's error shape.
+        bad = httpx.post(s.url + "/v1/messages", headers={"x-api-key": "nope"},
+                         json={"model": s.model(), "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+        assert bad.status_code == 401 and bad.json()["type"] == "error"
+        assert bad.json()["error"]["type"] == "authentication_error"
+    finally:
+        s.stop()
+
+
+BAD = [
+    # (route, body, status, words in the message)
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 400, "model is required"),
+    ("/v1/messages", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens is required"),
+    ("/v1/messages", {"model": "other", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5, "messages": []}, 400, "at least one message"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                                 "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]},
+     400, "\"5m\" or \"1h\""),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                                 "cache_control": {"type": "forever"}}]}]},
+     400, "ephemeral"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": [
+                          {"type": "text", "text": f"p{i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]}]},
+     400, "at most 4"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "",
+                                                                 "cache_control": {"type": "ephemeral"}}]}]},
+     400, "empty text block"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5, "cached_content": "ctx_000000000000000000000000",
+                      "messages": [{"role": "user", "content": "x"}]}, 404, "no saved context"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     400, "only text blocks"),
+    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                              "cached_content": "ctx_nope"}, 404, "no saved context"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "x", "prompt_cache_retention": "forever"}, 400,
+     "prompt_cache_retention"),
+    ("/v1/caches", {"prompt": "x", "ttl": "0s"}, 400, "ttl must be"),
+    ("/v1/caches", {"prompt": "x", "ttl": "soon"}, 400, "ttl must be"),
+    ("/v1/caches", {"prompt": "x", "ttl": -5}, 400, "ttl must be"),
+    ("/v1/caches", {"prompt": "x", "ttl": "9999d"}, 400, "ttl must be"),
+    ("/v1/caches", {"ttl": "1h"}, 400, "exactly one of messages"),
+    ("/v1/caches", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "exactly one of messages"),
+    ("/v1/caches", {"prompt": ""}, 400, "non-empty"),
+    ("/v1/caches", {"model": "other", "prompt": "x"}, 404, "does not exist"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,words", BAD, ids=[f"{r}:{w}" for r, _, _, w in BAD])
+def test_bad_inputs_get_a_status_and_a_message_naming_the_problem(srv, route, body, status, words):
+    body = {k: (srv.model() if v == "MODEL" else v) for k, v in body.items()}
+    r = httpx.post(srv.url + route, json=body, headers=srv.headers(), timeout=60)
+    assert r.status_code == status, r.text
+    j = r.json()
+    message = j["error"]["message"]
+    assert words in message, message
+    if route == "/v1/messages":
+        assert j["type"] == "error" and j["error"]["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_a_saved_context_of_another_model_is_refused_and_survives_a_restart(tmp_path):
+    disk = str(tmp_path / "kv")
+    s = KuraServer("--kv-cache-memory", "128MiB", "--kv-disk-path", disk, *EXACT)
+    try:
+        doc = long_text(300, seed=8)
+        r = httpx.post(s.url + "/v1/caches", headers=s.headers(), timeout=120, json={"prompt": doc, "ttl": "1h"})
+        assert r.status_code == 200, r.text
+        cid = r.json()["id"]
+        other = httpx.post(s.url + "/v1/caches", headers=s.headers(), timeout=120, json={"prompt": doc + " x"})
+        oid = other.json()["id"]
+    finally:
+        assert s.stop() == 0
+    # Another model's context: the file says so.
+    import json, pathlib
+    f = pathlib.Path(disk) / "contexts" / f"{oid}.json"
+    rec = json.loads(f.read_text())
+    rec["fingerprint"] = "0" * 32
+    rec["model"] = "some-other-model"
+    f.write_text(json.dumps(rec))
+    # A damaged file is set aside, not served.
+    (pathlib.Path(disk) / "contexts" / "ctx_ffffffffffffffffffffffff.json").write_text("{not json")
+    s = KuraServer("--kv-cache-memory", "128MiB", "--kv-disk-path", disk, *EXACT)
+    try:
+        warm = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=120,
+                          json={"prompt": " tail", "max_tokens": 1, "cached_content": cid}).json()
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288, warm
+        bad = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=60,
+                         json={"prompt": " tail", "max_tokens": 1, "cached_content": oid})
+        assert bad.status_code == 400 and "was built for model" in bad.json()["error"]["message"]
+        assert "damaged" in s.log()
+        assert (pathlib.Path(disk) / "contexts" / "ctx_ffffffffffffffffffffffff.json.bad").exists()
+    finally:
+        s.stop()
