@@ -746,7 +746,10 @@ impl Core {
         let group = self.groups.get(&group_id).expect("group exists");
         let (key, specs) = (group.key.clone(), group.request.pins.clone());
         let prompt = group.request.prompt_tokens.clone();
-        let cached = group.usage.cached_tokens as usize;
+        // A prompt found whole in the cache still computes its last token (for its logits): that
+        // block was cached all the same, so the cached count is taken to its block's end.
+        let bs = self.config.block_size_tokens;
+        let cached = (group.usage.cached_tokens as usize).div_ceil(bs) * bs;
         let mut written = 0usize;
         for spec in specs {
             let done = self.pins.pin(&mut self.sched, &key, &prompt, spec);
