@@ -29,7 +29,8 @@ use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
-    Item, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
+    AdmissionMode, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig,
+    SchedulingPolicy, SeqKey,
 };
 use crate::seq::{Group, Seq};
 use crate::tiers::{LoadDone, TierIo, TierSetup};
@@ -60,6 +61,8 @@ pub struct EngineConfig {
     pub tiers: TierSetup,
     /// What preemption does with a sequence's blocks (swap needs a host tier).
     pub preemption: PreemptionMode,
+    /// Whether a request is admitted only with every block it may need reserved (never preempted).
+    pub admission: AdmissionMode,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -83,6 +86,7 @@ impl Default for EngineConfig {
             stalled_client_timeout: Duration::from_secs(30),
             tiers: TierSetup::default(),
             preemption: PreemptionMode::Recompute,
+            admission: AdmissionMode::MaxUtilization,
         }
     }
 }
@@ -144,6 +148,7 @@ pub fn start_engine(
         hash_seed: restored.as_ref().map(|r| r.seed),
         tiers: tier_config,
         preemption: config.preemption,
+        admission: config.admission,
     })?;
     if let Some(r) = restored {
         let found = r.blocks.len();
@@ -470,6 +475,15 @@ impl Core {
                     group.request.priority,
                     self.started.elapsed(),
                     group.request.prompt_tokens.clone(),
+                    OutputLimit {
+                        // Generation also ends at the context limit.
+                        max_tokens: (group.request.max_tokens as usize).min(
+                            self.config
+                                .max_model_len
+                                .saturating_sub(group.request.prompt_tokens.len()),
+                        ),
+                        n: n as usize,
+                    },
                 );
                 self.groups.insert(id, group);
                 self.seqs.insert(seq_key, seq);
@@ -910,6 +924,8 @@ impl Core {
         m.requests_waiting.set(self.sched.num_waiting() as f64);
         m.requests_preempted_waiting
             .set(self.sched.num_preempted_waiting() as f64);
+        m.kv_reserved_blocks
+            .set(self.sched.reserved_blocks() as f64);
         let evictions = self.sched.kv().stats().evictions;
         m.kv_evictions
             .add(evictions.saturating_sub(self.kv_evictions_seen));
