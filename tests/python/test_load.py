@@ -50,9 +50,9 @@ def test_sixteen_concurrent_requests_compute_a_shared_system_prompt_once():
         s.stop()
 
 
-def overload_server() -> KuraServer:
+def overload_server(*extra: str) -> KuraServer:
     # Each request: ~60 prompt tokens + 64 generated ≈ 8 blocks of 16; the pool holds 32 blocks (4 requests).
-    return KuraServer("--kv-cache-memory", str(32 * BLOCK * 23040), "--kv-dtype", "f16", "--max-queue", "40")
+    return KuraServer("--kv-cache-memory", str(32 * BLOCK * 23040), "--kv-dtype", "f16", "--max-queue", "40", *extra)
 
 
 def run_overload(s: KuraServer, disconnect_every: int = 0):
@@ -126,6 +126,27 @@ def test_overload_completes_or_429s_preempts_and_leaks_nothing():
         assert outcomes["done"] >= 4
         m = s.wait_idle()
         assert m["kura:num_preemptions_total"] > 0
+        assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
+        assert m["kura:kv_cache_usage_perc"] == 0
+        assert m["kura:kv_cache_blocks_cached"] <= 32
+    finally:
+        s.stop()
+
+
+def test_guaranteed_mode_overload_never_preempts():
+    s = overload_server("--scheduling", "guaranteed")
+    try:
+        assert "KV cache: 32 blocks of 16 tokens" in s.log(), s.log()
+        assert "scheduling: guaranteed" in s.log(), s.log()
+        outcomes, health_ms = run_overload(s)
+        print(f"\nguaranteed overload: {outcomes}, /health max {max(health_ms):.0f} ms over {len(health_ms)} probes")
+        assert outcomes["other"] == []
+        assert outcomes["done"] + outcomes["429"] == 64
+        assert outcomes["done"] >= 4
+        m = s.wait_idle()
+        # Every admitted request had its blocks reserved up to max_tokens: none was ever preempted.
+        assert m["kura:num_preemptions_total"] == 0
+        assert m["kura:kv_reserved_blocks"] == 0, "blocks still reserved after all requests ended"
         assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
         assert m["kura:kv_cache_usage_perc"] == 0
         assert m["kura:kv_cache_blocks_cached"] <= 32

@@ -29,7 +29,8 @@ use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
-    Item, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
+    AdmissionMode, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig,
+    SchedulingPolicy, SeqKey,
 };
 use crate::pins::PinTable;
 use crate::seq::{Group, Seq};
@@ -64,6 +65,8 @@ pub struct EngineConfig {
     /// Most pool blocks that pinned prefixes may hold (`None`: a quarter of the pool); pins past it are
     /// demoted to the lower tiers, never refused.
     pub pin_budget_blocks: Option<usize>,
+    /// Whether a request is admitted only with every block it may need reserved (never preempted).
+    pub admission: AdmissionMode,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -88,6 +91,7 @@ impl Default for EngineConfig {
             tiers: TierSetup::default(),
             preemption: PreemptionMode::Recompute,
             pin_budget_blocks: None,
+            admission: AdmissionMode::MaxUtilization,
         }
     }
 }
@@ -149,6 +153,7 @@ pub fn start_engine(
         hash_seed: restored.as_ref().map(|r| r.seed),
         tiers: tier_config,
         preemption: config.preemption,
+        admission: config.admission,
     })?;
     if let Some(r) = restored {
         let found = r.blocks.len();
@@ -484,6 +489,15 @@ impl Core {
                     group.request.priority,
                     self.started.elapsed(),
                     group.request.prompt_tokens.clone(),
+                    OutputLimit {
+                        // Generation also ends at the context limit.
+                        max_tokens: (group.request.max_tokens as usize).min(
+                            self.config
+                                .max_model_len
+                                .saturating_sub(group.request.prompt_tokens.len()),
+                        ),
+                        n: n as usize,
+                    },
                 );
                 self.groups.insert(id, group);
                 self.seqs.insert(seq_key, seq);
@@ -991,6 +1005,8 @@ impl Core {
         m.requests_waiting.set(self.sched.num_waiting() as f64);
         m.requests_preempted_waiting
             .set(self.sched.num_preempted_waiting() as f64);
+        m.kv_reserved_blocks
+            .set(self.sched.reserved_blocks() as f64);
         let evictions = self.sched.kv().stats().evictions;
         m.kv_evictions
             .add(evictions.saturating_sub(self.kv_evictions_seen));

@@ -30,7 +30,7 @@ pub use request::{
     SubmitError, TokenCandidate, TokenLogprob, Usage,
 };
 pub use scheduler::{
-    Computed, Item, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy,
-    SeqKey, PRIORITY_AGING_S,
+    AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,
+    SchedulerConfig, SchedulingPolicy, SeqKey, PRIORITY_AGING_S,
 };
 pub use tiers::{DiskSetup, TierSetup};

@@ -120,6 +120,9 @@ pub struct EngineMetrics {
     pub kv_blocks_used: Gauge,
     /// Unreferenced blocks that still hold a cached prefix (reusable until evicted).
     pub kv_blocks_cached: Gauge,
+    /// Blocks running requests will still take to reach their full length (prompt plus `max_tokens`,
+    /// every choice): what guaranteed admission keeps free for them.
+    pub kv_reserved_blocks: Gauge,
     pub kv_usage_perc: Gauge,
     pub prefix_queries_tokens: Counter,
     pub prefix_hits_tokens: Counter,
@@ -273,6 +276,12 @@ impl EngineMetrics {
             "kura:kv_pins_expired_total",
             "Pinned prefixes released because their time to live ended.",
             self.pins_expired.get(),
+        );
+        gauge(
+            &mut out,
+            "kura:kv_reserved_blocks",
+            "KV blocks running requests will still take to reach prompt + max_tokens (every choice).",
+            self.kv_reserved_blocks.get(),
         );
         counter(
             &mut out,

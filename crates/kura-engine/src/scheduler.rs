@@ -20,6 +20,15 @@
 //!
 //! A request marked blocked (its client is behind) is skipped: not admitted, not stepped.
 //!
+//! Under [`AdmissionMode::Guaranteed`] a waiting request is admitted only when the blocks it will take
+//! until every choice reaches its full length (prompt plus `max_tokens`: [`OutputLimit`]), less the
+//! blocks of its prefix that running sequences already hold, fit in the available blocks (free plus
+//! reclaimable cached) beyond what the running requests still have reserved
+//! ([`Scheduler::reserved_blocks`]). A running sequence then always finds its next block, so nothing is
+//! ever preempted, and admission never preempts either; a request whose choices at full length outgrow
+//! the pool is refused ([`SchedEvent::CannotFit`]). The default [`AdmissionMode::MaxUtilization`]
+//! admits on the prompt's blocks alone and preempts when the pool runs out.
+//!
 //! A preempted sequence's computed blocks stay cached; under [`PreemptionMode::Swap`] they are also
 //! copied into the host tier first, so that its resumption loads them instead of recomputing what the
 //! pool evicted meanwhile. Blocks found in a lower tier at admission are loads the sequence waits for,
@@ -39,8 +48,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use kura_kv::{
-    BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, PinId, SeqId,
-    TierBlock, TierConfig, TierMove,
+    BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, PinId,
+    PrefixHit, SeqId, TierBlock, TierConfig, TierMove,
 };
 
 /// Whose order counts. Under `Fcfs` (the default) every request has priority 0, so requests run in
@@ -104,6 +113,59 @@ impl PreemptionMode {
     }
 }
 
+/// When a waiting request may take KV blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionMode {
+    /// As soon as its prompt's blocks are free: running requests grow into the rest of the pool, and
+    /// when it runs out the most recent one is preempted. The most requests at once.
+    #[default]
+    MaxUtilization,
+    /// Only when the blocks of its whole length (prompt plus `max_tokens`, for every choice), less those
+    /// it shares with running sequences, can be reserved on top of what the running requests still have
+    /// reserved: an admitted request always finds its blocks and is never preempted; fewer requests run
+    /// at once.
+    Guaranteed,
+}
+
+impl AdmissionMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdmissionMode::MaxUtilization => "max-utilization",
+            AdmissionMode::Guaranteed => "guaranteed",
+        }
+    }
+}
+
+impl std::fmt::Display for AdmissionMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for AdmissionMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "max-utilization" => Ok(AdmissionMode::MaxUtilization),
+            "guaranteed" => Ok(AdmissionMode::Guaranteed),
+            other => Err(format!(
+                "unknown admission mode '{other}' (expected max-utilization or guaranteed)"
+            )),
+        }
+    }
+}
+
+/// How much a request may generate: what [`AdmissionMode::Guaranteed`] reserves blocks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutputLimit {
+    /// Tokens each choice generates at most (the caller cuts it to the context limit). The last one is
+    /// never fed back, so a choice holds at most `prompt + max_tokens - 1` tokens of KV.
+    pub max_tokens: usize,
+    /// Choices of the request; they share the prompt's full blocks, each needs its own for the rest.
+    pub n: usize,
+}
+
 /// Seconds of waiting that improve a request's effective priority by one level.
 pub const PRIORITY_AGING_S: f64 = 10.0;
 
@@ -128,6 +190,8 @@ pub struct SchedulerConfig {
     /// Lower tiers (sizes in blocks) that evicted blocks go down to; off by default.
     pub tiers: TierConfig,
     pub preemption: PreemptionMode,
+    /// Whether admission reserves every block a request may need (no preemption) or not.
+    pub admission: AdmissionMode,
 }
 
 /// One sequence's share of a step: compute the KV of `tokens[start..end]`.
@@ -197,6 +261,10 @@ struct Request {
     arrival: Duration,
     admitted_once: bool,
     blocked: bool,
+    prompt_len: usize,
+    limit: OutputLimit,
+    /// Choices that have a sequence so far (1, then `n` once forked).
+    choices: usize,
 }
 
 /// One choice of a request as the scheduler sees it.
@@ -329,7 +397,8 @@ impl Scheduler {
     }
 
     /// Queues a request's first choice. `id` orders waiting requests (lower first among equals) and must
-    /// be new; `arrival` is on the caller's clock, the one later given to [`Scheduler::schedule`].
+    /// be new; `arrival` is on the caller's clock, the one later given to [`Scheduler::schedule`]; `limit`
+    /// is what guaranteed admission reserves for (the caller ends each choice within it).
     pub fn add_request(
         &mut self,
         id: u64,
@@ -337,6 +406,7 @@ impl Scheduler {
         priority: i32,
         arrival: Duration,
         prompt: Vec<u32>,
+        limit: OutputLimit,
     ) -> SeqKey {
         let priority = match self.config.policy {
             SchedulingPolicy::Fcfs => 0,
@@ -350,6 +420,9 @@ impl Scheduler {
                 arrival,
                 admitted_once: false,
                 blocked: false,
+                prompt_len: prompt.len(),
+                limit,
+                choices: 1,
             },
         );
         let seq = self.next_seq;
@@ -489,6 +562,9 @@ impl Scheduler {
             prefilling: false,
         };
         self.next_order += 1;
+        if let Some(r) = self.requests.get_mut(&child.request) {
+            r.choices += 1;
+        }
         let key = self.next_seq;
         self.next_seq += 1;
         self.seqs.insert(key, child);
@@ -648,8 +724,11 @@ impl Scheduler {
     }
 
     /// Takes a waiting sequence into the running set: looks up its prefix (cached or pending blocks),
-    /// allocates the rest, preempting strictly worse running sequences when needed.
+    /// allocates the rest, preempting strictly worse running sequences when needed. Under
+    /// [`AdmissionMode::Guaranteed`] it first checks that the request's whole need can be reserved, and
+    /// never preempts.
     fn admit(&mut self, c: Candidate, rest: &[Candidate], plan: &mut Plan) -> Admit {
+        let guaranteed = self.config.admission == AdmissionMode::Guaranteed;
         loop {
             let Some(seq) = self.seqs.get(&c.seq) else {
                 return Admit::Gone;
@@ -661,6 +740,29 @@ impl Scheduler {
             let lookup = &seq.tokens[..seq.tokens.len() - 1];
             let hit = self.kv.find_cached_prefix(lookup, &request.key);
             let cached = hit.num_cached_tokens();
+            if guaranteed {
+                let (need, alone) = self.admission_need(seq, request, &hit);
+                let request_id = seq.request;
+                if alone > self.config.num_blocks {
+                    // Its choices at full length outgrow the whole pool: it could never be admitted.
+                    self.kv.free(id).expect("fresh sequence is known");
+                    self.remove_request(request_id);
+                    plan.events.push(SchedEvent::CannotFit {
+                        request: request_id,
+                        needed_blocks: alone,
+                        total_blocks: self.config.num_blocks,
+                    });
+                    return Admit::Gone;
+                }
+                let room = self
+                    .kv
+                    .num_available_blocks()
+                    .saturating_sub(self.reserved_blocks());
+                if need > room {
+                    self.kv.free(id).expect("fresh sequence is known");
+                    return Admit::NoRoom;
+                }
+            }
             match self
                 .kv
                 .allocate_slots(id, &seq.tokens[cached..], Some(&hit))
@@ -677,11 +779,67 @@ impl Scheduler {
                 }
                 Err(e) => panic!("allocating a fresh sequence with its own hit: {e}"),
             }
+            if guaranteed {
+                return Admit::NoRoom;
+            }
             match self.pick_victim(rest, Some(c.priority)) {
                 Some(victim) => self.preempt(victim, plan),
                 None => return Admit::NoRoom,
             }
         }
+    }
+
+    /// Tokens of KV a choice of `r` holds at its full length: the prompt and every output token but the
+    /// last (which is never fed back).
+    fn full_slots(r: &Request) -> usize {
+        (r.prompt_len + r.limit.max_tokens)
+            .saturating_sub(1)
+            .max(r.prompt_len)
+    }
+
+    /// Blocks that the choices of `r` not forked yet will take: each its own blocks at full length, all
+    /// but the prompt's full blocks, which they share.
+    fn unforked_blocks(&self, r: &Request) -> usize {
+        let bs = self.kv.block_size();
+        let own = Self::full_slots(r).div_ceil(bs) - r.prompt_len / bs;
+        r.limit.n.saturating_sub(r.choices) * own
+    }
+
+    /// Blocks a running sequence will still take from the pool to reach its full length (copy-on-write
+    /// of a shared last block included), plus those of its request's choices not forked yet.
+    fn reservation(&self, key: SeqKey) -> usize {
+        let Some(seq) = self.seqs.get(&key) else {
+            return 0;
+        };
+        let (Some(id), Some(r)) = (seq.kv, self.requests.get(&seq.request)) else {
+            return 0;
+        };
+        let held = self.kv.num_tokens(id).expect("running sequence is known");
+        let full = Self::full_slots(r).max(seq.tokens.len());
+        let own = self
+            .kv
+            .blocks_needed(id, full.saturating_sub(held))
+            .expect("running sequence is known");
+        // Before the fork a request has one sequence: its other choices are counted with it.
+        own + self.unforked_blocks(r)
+    }
+
+    /// Blocks the running requests will still take from the pool to reach their full length (prompt plus
+    /// `max_tokens` for every choice): what [`AdmissionMode::Guaranteed`] keeps for them. O(running).
+    pub fn reserved_blocks(&self) -> usize {
+        self.running.iter().map(|&k| self.reservation(k)).sum()
+    }
+
+    /// What admitting `seq` with `hit` takes from the available blocks, now and until every choice is at
+    /// full length (blocks of the hit that running sequences hold cost nothing); and the blocks its
+    /// request holds at full length with nothing shared.
+    fn admission_need(&self, seq: &SeqState, r: &Request, hit: &PrefixHit) -> (usize, usize) {
+        let bs = self.kv.block_size();
+        let len = seq.tokens.len();
+        let now = self.kv.blocks_to_take(hit, len - hit.num_cached_tokens());
+        let full = Self::full_slots(r).max(len).div_ceil(bs);
+        let others = self.unforked_blocks(r);
+        (now + full - len.div_ceil(bs) + others, full + others)
     }
 
     fn on_admitted(

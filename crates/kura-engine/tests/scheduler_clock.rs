@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use kura_engine::{Item, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey};
+use kura_engine::{
+    Item, OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
+};
 use kura_kv::{CacheKey, EvictionPolicy};
 
 fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig {
@@ -20,8 +22,15 @@ fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig 
         hash_seed: Some(7),
         tiers: Default::default(),
         preemption: Default::default(),
+        admission: Default::default(),
     }
 }
+
+/// What the requests of these tests may generate (they are stepped for fewer tokens).
+const LIMIT: OutputLimit = OutputLimit {
+    max_tokens: 64,
+    n: 1,
+};
 
 fn prompt(first: u32, len: u32) -> Vec<u32> {
     (first..first + len).collect()
@@ -60,6 +69,7 @@ fn the_same_calls_give_the_same_plans() {
                 (r % 3) as i32,
                 Duration::from_millis(r * 5),
                 p,
+                LIMIT,
             );
         }
         for t in 0..40u64 {
@@ -89,13 +99,14 @@ fn priorities_age_on_the_given_clock() {
     let admitted_first = |now_s: u64| {
         let mut s = Scheduler::new(config(64, 64, 1)).unwrap();
         // A: priority 5, arrived at 0 s; B: priority 0, arrived at `now_s`.
-        let a = s.add_request(0, CacheKey::new(), 5, Duration::ZERO, prompt(0, 8));
+        let a = s.add_request(0, CacheKey::new(), 5, Duration::ZERO, prompt(0, 8), LIMIT);
         let b = s.add_request(
             1,
             CacheKey::new(),
             0,
             Duration::from_secs(now_s),
             prompt(50, 8),
+            LIMIT,
         );
         let plan = s.schedule(Duration::from_secs(now_s));
         assert_eq!(plan.items.len(), 1);
@@ -115,10 +126,17 @@ fn priorities_age_on_the_given_clock() {
 #[test]
 fn prompts_are_chunked_within_the_budget_and_decode_joins_them() {
     let mut s = Scheduler::new(config(64, 8, 4)).unwrap();
-    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 3));
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 3), LIMIT);
     let plan = step(&mut s, Duration::ZERO);
     assert_eq!(items(&plan), vec![(a, 0, 3)]);
-    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, prompt(100, 20));
+    let b = s.add_request(
+        1,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        prompt(100, 20),
+        LIMIT,
+    );
     // A decodes one token a step; B's prompt fills the rest of the budget of 8.
     let plan = step(&mut s, Duration::from_millis(1));
     assert_eq!(items(&plan), vec![(a, 3, 4), (b, 0, 7)]);
@@ -134,10 +152,10 @@ fn prompts_are_chunked_within_the_budget_and_decode_joins_them() {
 fn a_second_request_waits_for_blocks_being_computed_instead_of_computing_them() {
     let mut s = Scheduler::new(config(64, 20, 4)).unwrap();
     let shared = prompt(0, 16);
-    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, shared.clone());
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, shared.clone(), LIMIT);
     let mut b_prompt = shared.clone();
     b_prompt.extend(prompt(500, 2));
-    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, b_prompt);
+    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, b_prompt, LIMIT);
     let plan = step(&mut s, Duration::ZERO);
     // A computes its 16 tokens; B, admitted in the same pass, found A's 4 blocks pending and has nothing
     // it may compute yet.
@@ -170,8 +188,8 @@ fn a_second_request_waits_for_blocks_being_computed_instead_of_computing_them() 
 fn a_full_pool_preempts_the_most_recent_and_resumes_it_from_its_cached_blocks() {
     // 6 blocks of 4 tokens; two requests of 8-token prompts, each growing by a block every 4 tokens.
     let mut s = Scheduler::new(config(6, 64, 4)).unwrap();
-    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 8));
-    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, prompt(100, 8));
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 8), LIMIT);
+    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, prompt(100, 8), LIMIT);
     let mut preempted = Vec::new();
     let mut b_resumed = Vec::new();
     for t in 0..12u64 {

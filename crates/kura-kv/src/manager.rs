@@ -604,6 +604,20 @@ impl KvCacheManager {
         Ok(needed)
     }
 
+    /// Blocks of [`Self::num_available_blocks`] that a fresh sequence takes when `hit` is attached to it
+    /// and `num_new_tokens` are appended after it: its new blocks (blocks of lower tiers are loaded into
+    /// new ones) plus the idle cached blocks of the hit, which it then references. Blocks of the hit that
+    /// other sequences reference cost nothing. For admission control that reserves blocks ahead.
+    pub fn blocks_to_take(&self, hit: &PrefixHit, num_new_tokens: usize) -> usize {
+        let total = (hit.num_cached_tokens() + num_new_tokens).div_ceil(self.config.block_size);
+        let idle = hit
+            .blocks
+            .iter()
+            .filter(|&&(b, _)| self.pool.meta[b as usize].is_idle())
+            .count();
+        total - hit.blocks.len() + idle
+    }
+
     /// Blocks obtainable now without touching referenced or pinned ones.
     pub fn num_available_blocks(&self) -> usize {
         self.pool.free.len() + self.num_idle as usize

@@ -9,6 +9,7 @@
 //!   − host KV tier (L2)                                 on the CPU only: the same RAM as the pool
 //!   = KV budget  →  num_blocks = budget / bytes_per_block      (KvLayout, the same math as the server)
 //!                →  max_concurrency = budget / bytes_for_sequence(context)
+//!                →  under `--scheduling guaranteed`: num_blocks / blocks of (context − 1) tokens
 //! ```
 //!
 //! The estimates, and what they stand on:
@@ -49,6 +50,37 @@ pub enum Device {
     Cpu,
 }
 
+/// How `kura serve --scheduling` admits requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scheduling {
+    /// On the prompt's blocks; the pool is shared as requests grow, and preemption makes room.
+    #[default]
+    MaxUtilization,
+    /// Only with blocks for the whole request (prompt plus output) reserved; never preempted.
+    Guaranteed,
+}
+
+impl Scheduling {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scheduling::MaxUtilization => "max-utilization",
+            Scheduling::Guaranteed => "guaranteed",
+        }
+    }
+}
+
+/// What `kura serve --scheduling guaranteed` admits at once: requests of the planned context, each with
+/// every block of its full length reserved and no prefix shared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct GuaranteedAdmission {
+    /// Blocks one request of `context` tokens (prompt + output) reserves: its KV holds every token but
+    /// the last, which is never fed back, so `ceil((context − 1) / block_size)`.
+    pub blocks_per_request: u64,
+    /// `num_blocks / blocks_per_request`: requests admitted at once with their blocks reserved.
+    pub max_concurrency: u64,
+}
+
 /// What the user asked.
 #[derive(Clone, Debug)]
 pub struct PlanRequest {
@@ -74,6 +106,9 @@ pub struct PlanRequest {
     pub max_batched_tokens: u64,
     /// The lower KV tiers, in blocks of [`PlanRequest::pool_layout`] as `kura serve` counts them.
     pub tiers: LowerTiers,
+    /// `--scheduling`: under `Guaranteed` the report says how many requests are admitted with every
+    /// block reserved.
+    pub scheduling: Scheduling,
 }
 
 /// A plan that cannot be made.
@@ -155,6 +190,10 @@ pub struct PlanReport {
     pub windowed_max_concurrency: Option<u64>,
     /// The lower KV tiers beside the pool, per device.
     pub kv_tiers: TierReport,
+    pub scheduling: Scheduling,
+    /// Under `--scheduling guaranteed`: requests of `context` tokens admitted at once with every block
+    /// reserved (`null` otherwise).
+    pub guaranteed_admission: Option<GuaranteedAdmission>,
     pub warnings: Vec<String>,
 }
 
@@ -185,6 +224,7 @@ impl PlanRequest {
             activation_bytes: None,
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             tiers: LowerTiers::default(),
+            scheduling: Scheduling::default(),
         }
     }
 
@@ -423,6 +463,17 @@ impl PlanRequest {
         let max_concurrency = rank.max_concurrency(kv_budget, context);
         let limit = s.max_context.unwrap_or(context).max(context);
         let max_context_for_batch = rank.max_context_for_batch(kv_budget, self.batch, limit);
+        let guaranteed_admission = (self.scheduling == Scheduling::Guaranteed).then(|| {
+            // As `kura serve` reserves: prompt + max_tokens − 1 tokens, in whole blocks, nothing shared.
+            let blocks_per_request = context
+                .saturating_sub(1)
+                .max(1)
+                .div_ceil(self.block_size_tokens as u64);
+            GuaranteedAdmission {
+                blocks_per_request,
+                max_concurrency: num_blocks / blocks_per_request,
+            }
+        });
         let fits_batch = max_concurrency >= self.batch;
         if fits && !fits_batch {
             warnings.push(format!(
@@ -487,6 +538,8 @@ impl PlanRequest {
             short_bytes,
             fits_batch,
             kv_tiers,
+            scheduling: self.scheduling,
+            guaranteed_admission,
             warnings,
         })
     }

@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use kura_engine::{SchedEvent, Scheduler, SchedulerConfig};
+use kura_engine::{OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
 use kura_kv::CacheKey;
 use serde::Serialize;
 
@@ -433,8 +433,12 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
             let (ready, id) = arriving[k];
             if ready <= now_ms {
                 arriving.swap_remove(k);
-                let prompt = inflight[&id].prompt.clone();
-                sched.add_request(id, CacheKey::new(), 0, at(ready), prompt);
+                let r = &inflight[&id];
+                let limit = OutputLimit {
+                    max_tokens: r.output_tokens,
+                    n: 1,
+                };
+                sched.add_request(id, CacheKey::new(), 0, at(ready), r.prompt.clone(), limit);
             } else {
                 k += 1;
             }

@@ -17,6 +17,7 @@ use kura_plan::{
     DEFAULT_MAX_BATCHED_TOKENS,
 };
 
+use crate::serve::SchedulingArg;
 use crate::tiers::{TierArgs, TierSizes};
 
 #[derive(Args, Debug)]
@@ -68,6 +69,10 @@ pub struct PlanArgs {
     /// Tokens of the largest forward step, for the activation estimate.
     #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
     max_batched_tokens: u64,
+    /// Admission, as `kura serve --scheduling`: with `guaranteed` the plan also says how many requests
+    /// of `--context` tokens are admitted at once with every KV block of their full length reserved.
+    #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
+    scheduling: SchedulingArg,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -310,6 +315,7 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
     req.overhead_bytes = args.overhead;
     req.activation_bytes = args.activation;
     req.max_batched_tokens = args.max_batched_tokens;
+    req.scheduling = args.scheduling.into();
     let mut memory_note = String::new();
     match (&args.gpu, args.memory) {
         (Some(name), _) => {
@@ -428,6 +434,13 @@ fn print_table(r: &PlanReport, memory_note: &str) {
         "  longest context      {} tokens for {} concurrent requests",
         r.max_context_for_batch, r.batch
     );
+    if let Some(g) = &r.guaranteed_admission {
+        println!(
+            "  guaranteed admission {} requests of {} tokens at once (--scheduling guaranteed: {} blocks \
+             reserved per request, none preempted)",
+            g.max_concurrency, r.context, g.blocks_per_request
+        );
+    }
     println!();
     print_tiers(r);
     for w in &r.warnings {

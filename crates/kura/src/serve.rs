@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kura_engine::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_engine::{
-    start_engine, DiskSetup, EngineConfig, EngineHandle, ModelCodec, ModelExecutor, SchedulingPolicy,
-    TierSetup,
+    start_engine, AdmissionMode, DiskSetup, EngineConfig, EngineHandle, ModelCodec, ModelExecutor,
+    SchedulingPolicy, TierSetup,
 };
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
@@ -72,6 +72,14 @@ pub struct ServeArgs {
     /// trusted clients).
     #[arg(long, value_enum, default_value_t = PolicyArg::Fcfs)]
     scheduling_policy: PolicyArg,
+    /// Admission: `max-utilization` admits a request as soon as its prompt's KV blocks are free and,
+    /// when the pool runs out, preempts the most recent request (recomputed or swapped back later);
+    /// `guaranteed` admits a request only when KV blocks for its prompt plus `max_tokens` (for each of
+    /// its `n` choices; a prefix that running requests hold is not counted again) can be reserved beside
+    /// what running requests have reserved: it never preempts, and admits fewer requests at once (the
+    /// others wait in the queue, FCFS).
+    #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
+    scheduling: SchedulingArg,
     /// An accepted API key (repeatable). With keys, every request needs `Authorization: Bearer <key>`,
     /// and each key is its own tenant: tenants never share cached KV.
     #[arg(long = "api-key")]
@@ -168,6 +176,31 @@ impl From<PolicyArg> for SchedulingPolicy {
         match p {
             PolicyArg::Fcfs => SchedulingPolicy::Fcfs,
             PolicyArg::Priority => SchedulingPolicy::Priority,
+        }
+    }
+}
+
+/// `--scheduling` of `kura serve`, `kura plan` and `kura sim`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SchedulingArg {
+    MaxUtilization,
+    Guaranteed,
+}
+
+impl From<SchedulingArg> for AdmissionMode {
+    fn from(s: SchedulingArg) -> Self {
+        match s {
+            SchedulingArg::MaxUtilization => AdmissionMode::MaxUtilization,
+            SchedulingArg::Guaranteed => AdmissionMode::Guaranteed,
+        }
+    }
+}
+
+impl From<SchedulingArg> for kura_plan::Scheduling {
+    fn from(s: SchedulingArg) -> Self {
+        match s {
+            SchedulingArg::MaxUtilization => kura_plan::Scheduling::MaxUtilization,
+            SchedulingArg::Guaranteed => kura_plan::Scheduling::Guaranteed,
         }
     }
 }
@@ -353,6 +386,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         scheduling_policy: args.scheduling_policy.into(),
         stalled_client_timeout: Duration::from_secs(args.stalled_client_timeout_s),
         pin_budget_blocks: Some(pin_budget),
+        admission: args.scheduling.into(),
     };
     let engine = start_engine(
         config,
@@ -360,6 +394,18 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         Arc::new(ModelCodec::new(model)),
     )
     .context("starting the engine")?;
+    let admission = AdmissionMode::from(args.scheduling);
+    match admission {
+        AdmissionMode::Guaranteed => tracing::info!(
+            "scheduling: {admission}: a request is admitted only when KV blocks for its prompt and max_tokens \
+             (every choice) can be reserved; admitted requests are never preempted"
+        ),
+        AdmissionMode::MaxUtilization => tracing::info!(
+            "scheduling: {admission}: requests are admitted on their prompt's KV blocks; when the pool runs \
+             out the most recent is preempted ({})",
+            tier_sizes.preemption.as_str()
+        ),
+    }
     Ok(engine)
 }
 

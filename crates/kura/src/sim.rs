@@ -18,6 +18,8 @@ use kura_sim::{
     Workload,
 };
 
+use crate::serve::SchedulingArg;
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum WorkloadArg {
     SharedPrefix,
@@ -94,6 +96,10 @@ pub struct SimArgs {
     /// Turn prefix caching off in the simulated server.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Admission, as `kura serve --scheduling`: `max-utilization` or `guaranteed` (every request's KV
+    /// reserved at admission, no preemption).
+    #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
+    scheduling: SchedulingArg,
     /// Tokens generated per request (as `kura bench --output-tokens`).
     #[arg(long, default_value_t = 64)]
     output_tokens: usize,
@@ -240,6 +246,7 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
                 hash_seed: Some(args.seed),
                 tiers: Default::default(),
                 preemption: Default::default(),
+                admission: args.scheduling.into(),
             },
             cost: cost.clone(),
             concurrency,

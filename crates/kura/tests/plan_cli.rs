@@ -380,3 +380,63 @@ fn context_beyond_the_model_maximum_warns_and_still_computes() {
         .unwrap()
         .contains("exceeds the model's maximum of 4096"));
 }
+
+/// The number just after `label` on the table line that starts with it.
+fn figure_after(table: &str, label: &str) -> u64 {
+    let line = table
+        .lines()
+        .find(|l| l.trim_start().starts_with(label))
+        .unwrap_or_else(|| panic!("no '{label}' line in:\n{table}"));
+    line.trim_start()[label.len()..]
+        .split_whitespace()
+        .next()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no number after '{label}' in: {line}"))
+}
+
+#[test]
+fn guaranteed_scheduling_reports_the_requests_admitted_with_every_block_reserved() {
+    // Contexts around block boundaries: a request of C tokens holds C − 1 of KV (its last token is never
+    // fed back), so 1025 tokens reserve 64 blocks of 16, and 17 tokens one.
+    for (context, block) in [(1000u64, 16u64), (1025, 16), (17, 16), (3000, 32)] {
+        let (context_s, block_s) = (context.to_string(), block.to_string());
+        let args = [
+            "plan",
+            "--model",
+            "smollm2-135m",
+            "--kv-cache-memory",
+            "64MiB",
+            "--context",
+            &context_s,
+            "--block-size",
+            &block_s,
+        ];
+        let (ok, out, err) = kura(&[&args[..], &["--scheduling", "guaranteed"]].concat());
+        assert!(ok, "{err}");
+        let num_blocks = figure_after(&out, "KV cache");
+        let per_request = (context - 1).div_ceil(block);
+        let admitted = figure_after(&out, "guaranteed admission");
+        assert_eq!(admitted, num_blocks / per_request, "{out}");
+        assert!(
+            out.contains(&format!(
+                "{admitted} requests of {context} tokens at once (--scheduling guaranteed: \
+                 {per_request} blocks reserved per request"
+            )),
+            "{out}"
+        );
+
+        let r = json(&[&args[..], &["--scheduling", "guaranteed", "--json"]].concat());
+        assert_eq!(r["scheduling"], "guaranteed");
+        assert_eq!(r["num_blocks"], num_blocks);
+        assert_eq!(r["guaranteed_admission"]["blocks_per_request"], per_request);
+        assert_eq!(r["guaranteed_admission"]["max_concurrency"], admitted);
+
+        // The default says nothing of it.
+        let (ok, out, err) = kura(&args);
+        assert!(ok, "{err}");
+        assert!(!out.contains("guaranteed"), "{out}");
+        let r = json(&[&args[..], &["--json"]].concat());
+        assert_eq!(r["scheduling"], "max-utilization");
+        assert!(r["guaranteed_admission"].is_null());
+    }
+}
