@@ -27,12 +27,12 @@ use crate::backend::{Executor, SeqInput, TextCodec};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
+use crate::pins::PinTable;
 use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
     AdmissionMode, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig,
     SchedulingPolicy, SeqKey,
 };
-use crate::pins::PinTable;
 use crate::seq::{Group, Seq};
 use crate::tiers::{LoadDone, TierIo, TierSetup};
 

@@ -186,12 +186,12 @@ impl EngineHandle {
     /// Moves the cache clock `ms` forward (never back), so that expiry can be tested without waiting;
     /// pins whose time has come are released at once. Returns the new time.
     pub fn advance_cache_clock(&self, ms: u64) -> u64 {
-        let _ = self
-            .shared
-            .clock_offset_ms
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |o| {
-                Some(o.saturating_add(ms))
-            });
+        let _ =
+            self.shared
+                .clock_offset_ms
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |o| {
+                    Some(o.saturating_add(ms))
+                });
         let _ = self.commands.send(Command::ClockMoved);
         self.shared.cache_now_ms()
     }

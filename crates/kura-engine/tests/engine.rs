@@ -104,7 +104,9 @@ fn wait(rx: &Receiver<EngineEvent>, n: usize) -> Outcome {
                 o.texts[choice as usize].push_str(&text);
                 o.tokens[choice as usize].extend(token_ids);
             }
-            EngineEvent::Finished { choice, reason, .. } => o.finish[choice as usize] = Some(reason),
+            EngineEvent::Finished { choice, reason, .. } => {
+                o.finish[choice as usize] = Some(reason)
+            }
             EngineEvent::Done { usage } => {
                 o.usage = usage;
                 return o;

@@ -142,10 +142,7 @@ pub async fn create(
     Ok(Json(body))
 }
 
-pub async fn list(
-    State(s): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-) -> Json<Value> {
+pub async fn list(State(s): State<AppState>, Extension(tenant): Extension<Tenant>) -> Json<Value> {
     let salt = handlers::effective_salt(&tenant, None);
     let data: Vec<Value> = s
         .contexts
@@ -181,9 +178,12 @@ pub async fn patch(
         ));
     };
     let ttl_s = parse_context_ttl(ttl)?;
-    let c = s
-        .contexts
-        .set_expiry(&id, &salt, now, now.saturating_add(ttl_s.saturating_mul(1000)))?;
+    let c = s.contexts.set_expiry(
+        &id,
+        &salt,
+        now,
+        now.saturating_add(ttl_s.saturating_mul(1000)),
+    )?;
     // A shorter life takes effect at once: the old pin goes, the next use pins to the new expiry.
     s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
     Ok(Json(c.to_json()))
@@ -214,9 +214,7 @@ pub async fn advance_clock(
             Some("advance_s"),
         ));
     };
-    let now = s
-        .engine
-        .advance_cache_clock(seconds.saturating_mul(1000));
+    let now = s.engine.advance_cache_clock(seconds.saturating_mul(1000));
     s.contexts.expire(now);
     Ok(Json(json!({"now_ms": now})))
 }
@@ -231,7 +229,10 @@ pub fn completion_tokens(
 ) -> Result<Vec<u32>, ApiError> {
     let encode = |t: &str| {
         codec.encode(t).map_err(|e| {
-            ApiError::invalid(format!("could not tokenize the prompt: {e}"), Some("prompt"))
+            ApiError::invalid(
+                format!("could not tokenize the prompt: {e}"),
+                Some("prompt"),
+            )
         })
     };
     match &context.kind {

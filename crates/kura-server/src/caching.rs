@@ -105,7 +105,11 @@ pub fn parse_context_ttl(v: &Value) -> Result<u64, ApiError> {
 /// `prompt_cache_retention` of the OpenAI routes: `"in_memory"` (the default: ordinary prefix caching) or
 /// `"24h"` (the whole prompt pinned for a day and written through to the lower tiers). Returns the pin
 /// for a prompt of `len` tokens, if any.
-pub fn retention_pin(v: Option<&str>, len: usize, now_ms: u64) -> Result<Option<PinSpec>, ApiError> {
+pub fn retention_pin(
+    v: Option<&str>,
+    len: usize,
+    now_ms: u64,
+) -> Result<Option<PinSpec>, ApiError> {
     match v {
         None | Some("in_memory") | Some("in-memory") => Ok(None),
         Some("24h") => Ok(Some(PinSpec {
@@ -138,11 +142,17 @@ pub fn join_prefix(prefix: &[u32], full: Vec<u32>) -> Vec<u32> {
 }
 
 fn template_error(e: String) -> ApiError {
-    ApiError::invalid(format!("could not apply the chat template: {e}"), Some("messages"))
+    ApiError::invalid(
+        format!("could not apply the chat template: {e}"),
+        Some("messages"),
+    )
 }
 
 fn tokenize_error(e: String) -> ApiError {
-    ApiError::invalid(format!("could not tokenize the prompt: {e}"), Some("prompt"))
+    ApiError::invalid(
+        format!("could not tokenize the prompt: {e}"),
+        Some("prompt"),
+    )
 }
 
 /// The prompt tokens of `messages` (after a saved context, if any) and, per breakpoint (message index,
@@ -210,10 +220,12 @@ pub fn encode_with_breakpoints(
         }
         for &(message, at, _) in breakpoints {
             let end = starts[message + offset] + at;
-            let part = codec
-                .encode(&full_text[..end])
-                .map_err(tokenize_error)?;
-            positions.push(lcp(&part, &whole).saturating_sub(bos_extra).min(tokens.len()));
+            let part = codec.encode(&full_text[..end]).map_err(tokenize_error)?;
+            positions.push(
+                lcp(&part, &whole)
+                    .saturating_sub(bos_extra)
+                    .min(tokens.len()),
+            );
         }
     }
     Ok((tokens, positions))
@@ -321,8 +333,8 @@ impl ContextStore {
             .map_err(|e| format!("could not create {}: {e}", dir.display()))?;
         let mut contexts = HashMap::new();
         let mut warnings = Vec::new();
-        let entries =
-            std::fs::read_dir(&dir).map_err(|e| format!("could not read {}: {e}", dir.display()))?;
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| format!("could not read {}: {e}", dir.display()))?;
         for entry in entries.flatten() {
             let path = entry.path();
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
@@ -381,9 +393,7 @@ impl ContextStore {
             .map_err(|e| ApiError::Internal(format!("serializing a saved context: {e}")))?;
         std::fs::write(&tmp, bytes)
             .and_then(|_| std::fs::rename(&tmp, &path))
-            .map_err(|e| {
-                ApiError::Internal(format!("could not write {}: {e}", path.display()))
-            })
+            .map_err(|e| ApiError::Internal(format!("could not write {}: {e}", path.display())))
     }
 
     fn remove_file(&self, id: &str) {
@@ -414,7 +424,12 @@ impl ContextStore {
     }
 
     /// The live context `id` of `tenant`; another tenant's, an expired or an unknown one is a 404.
-    pub fn get(&self, id: &str, tenant: &Option<String>, now_ms: u64) -> Result<SavedContext, ApiError> {
+    pub fn get(
+        &self,
+        id: &str,
+        tenant: &Option<String>,
+        now_ms: u64,
+    ) -> Result<SavedContext, ApiError> {
         self.expire(now_ms);
         self.lock()
             .get(id)
@@ -475,7 +490,12 @@ impl ContextStore {
     }
 
     /// Deletes a context (and its file).
-    pub fn delete(&self, id: &str, tenant: &Option<String>, now_ms: u64) -> Result<SavedContext, ApiError> {
+    pub fn delete(
+        &self,
+        id: &str,
+        tenant: &Option<String>,
+        now_ms: u64,
+    ) -> Result<SavedContext, ApiError> {
         let c = self.get(id, tenant, now_ms)?;
         self.lock().remove(id);
         self.remove_file(id);
@@ -524,7 +544,9 @@ pub fn new_context_id() -> String {
 pub fn valid_id(id: &str) -> bool {
     id.len() == 28
         && id.starts_with("ctx_")
-        && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && id[4..]
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// Shared handle to the store.

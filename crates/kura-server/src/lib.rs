@@ -110,8 +110,9 @@ impl AppState {
 #[derive(Debug, Clone)]
 struct Tenant(Option<Arc<str>>);
 
-/// The tenant name of an API key.
-fn tenant_of_key(key: &str) -> Arc<str> {
+/// The tenant name of an API key: what its requests' blocks are salted with and what owns its saved
+/// contexts.
+pub fn tenant_of_key(key: &str) -> Arc<str> {
     format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes())).into()
 }
 
@@ -144,9 +145,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         .route("/v1/caches", post(caches::create).get(caches::list))
         .route(
             "/v1/caches/{id}",
-            get(caches::get)
-                .patch(caches::patch)
-                .delete(caches::delete),
+            get(caches::get).patch(caches::patch).delete(caches::delete),
         )
         .route("/v1/models", get(models))
         .route("/tokenize", post(handlers::tokenize));

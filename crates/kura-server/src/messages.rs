@@ -69,7 +69,8 @@ impl IntoResponse for AnthropicError {
         let headers = std::mem::take(response.headers_mut());
         let mut out = (status, Json(body)).into_response();
         for (name, value) in headers.iter() {
-            if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH
+            if name != axum::http::header::CONTENT_TYPE
+                && name != axum::http::header::CONTENT_LENGTH
             {
                 out.headers_mut().insert(name.clone(), value.clone());
             }
@@ -162,7 +163,13 @@ fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
 
 fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
-    for unsupported in ["tools", "tool_choice", "thinking", "mcp_servers", "container"] {
+    for unsupported in [
+        "tools",
+        "tool_choice",
+        "thinking",
+        "mcp_servers",
+        "container",
+    ] {
         if o.get(unsupported).is_some_and(|v| !v.is_null()) {
             return Err(invalid(format!(
                 "{unsupported} is not supported by this server (text generation only)"
@@ -529,11 +536,11 @@ fn stream(
             let next = match st.deadline {
                 Some((at, seconds)) => tokio::time::timeout_at(at, st.events.next())
                     .await
-                    .unwrap_or(Some(EngineEvent::Failed(
-                        kura_engine::RequestError::Model(format!(
+                    .unwrap_or(Some(EngineEvent::Failed(kura_engine::RequestError::Model(
+                        format!(
                             "the request did not finish within the server's limit of {seconds} s"
-                        )),
-                    ))),
+                        ),
+                    )))),
                 None => st.events.next().await,
             };
             match next {
@@ -619,17 +626,50 @@ mod tests {
         let cc = json!({"type": "ephemeral"});
         let block = json!({"type": "text", "text": "x", "cache_control": cc});
         let cases = [
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}), "max_tokens is required"),
-            (json!({"model": "other", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}), "does not exist"),
-            (json!({"model": "m", "max_tokens": 1, "messages": []}), "at least one message"),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}), "top-level system"),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]}), "only text blocks"),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [block, block, block, block, block]}]}), "at most 4"),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]}), "\"5m\" or \"1h\""),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]}]}), "ephemeral"),
-            (json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "", "cache_control": cc}]}]}), "empty text block"),
-            (json!({"model": "m", "max_tokens": 1, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]}), "temperature"),
-            (json!({"model": "m", "max_tokens": 1, "tools": [], "messages": [{"role": "user", "content": "x"}]}), "tools is not supported"),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+                "max_tokens is required",
+            ),
+            (
+                json!({"model": "other", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}),
+                "does not exist",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": []}),
+                "at least one message",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}),
+                "top-level system",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
+                "only text blocks",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [block, block, block, block, block]}]}),
+                "at most 4",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]}),
+                "\"5m\" or \"1h\"",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]}]}),
+                "ephemeral",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "", "cache_control": cc}]}]}),
+                "empty text block",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]}),
+                "temperature",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "tools": [], "messages": [{"role": "user", "content": "x"}]}),
+                "tools is not supported",
+            ),
         ];
         for (body, needle) in cases {
             match plan(body.clone()) {

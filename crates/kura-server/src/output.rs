@@ -163,8 +163,9 @@ impl Events {
                     u.completion_tokens =
                         u.completion_tokens.saturating_add(usage.completion_tokens);
                     u.cached_tokens = u.cached_tokens.saturating_add(usage.cached_tokens);
-                    u.cache_write_tokens =
-                        u.cache_write_tokens.saturating_add(usage.cache_write_tokens);
+                    u.cache_write_tokens = u
+                        .cache_write_tokens
+                        .saturating_add(usage.cache_write_tokens);
                     self.prompts_done += 1;
                     if self.prompts_done < self.prompts {
                         continue;

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod cache;
 mod generate;
 mod memory;
 mod plan;
@@ -32,6 +33,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure an OpenAI-compatible server (Kura or another) on KV-cache workloads; reports and plots.
     Bench(bench::BenchArgs),
+    /// Saved contexts without a server: build a document's KV into the disk tier, list, remove.
+    Cache(cache::CacheArgs),
     /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
     Sim(sim::SimArgs),
 }
@@ -51,6 +54,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sim(args) => sim::run(args),
+        Command::Cache(args) => cache::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

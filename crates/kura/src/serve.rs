@@ -130,6 +130,13 @@ pub struct ServeArgs {
     pub(crate) tiers: TierArgs,
 }
 
+impl ServeArgs {
+    /// The keys given with `--api-key`.
+    pub fn api_keys(&self) -> &[String] {
+        &self.api_keys
+    }
+}
+
 /// `--kv-pin-budget` in blocks of a pool of `num_blocks` blocks of `block_bytes` bytes.
 fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<usize> {
     let t = text.trim();
@@ -147,7 +154,9 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
         ),
         None => {
             let bytes = parse_bytes(t).with_context(|| {
-                format!("--kv-pin-budget {text:?}: give a share of the pool (25%) or bytes (256MiB)")
+                format!(
+                    "--kv-pin-budget {text:?}: give a share of the pool (25%) or bytes (256MiB)"
+                )
             })?;
             (bytes / block_bytes.max(1)).min(num_blocks)
         }

@@ -1,0 +1,157 @@
+//! Pinned prefixes on the deterministic fake model: a pinned prefix survives traffic worth ten pools
+//! until its expiry on the cache clock and is evicted after it; pins share a budget, and one over it is
+//! demoted (never refused); pinning the same prefix again refreshes it; a released pin frees its blocks.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{config, distinct_request, metric, start, submit, wait, BLOCK, PATIENCE};
+use kura_engine::{EngineConfig, EngineHandle, GenerateRequest, PinSpec};
+
+fn with_budget(num_blocks: usize, budget: usize) -> EngineConfig {
+    EngineConfig {
+        pin_budget_blocks: Some(budget),
+        ..config(num_blocks, 64, 8)
+    }
+}
+
+/// `r` with its whole prompt pinned for `ttl_ms` on the engine's cache clock.
+fn pinned(e: &EngineHandle, mut r: GenerateRequest, ttl_ms: u64) -> GenerateRequest {
+    r.pins = vec![PinSpec {
+        tokens: r.prompt_tokens.len(),
+        expires_at_ms: e.cache_now_ms() + ttl_ms,
+        persist: false,
+    }];
+    r
+}
+
+/// Distinct requests whose prompts add up to `tokens`.
+fn flood(e: &EngineHandle, tokens: usize, seed: u32) {
+    let mut sent = 0;
+    let mut i = 0;
+    while sent < tokens {
+        let (_g, rx) = submit(e, distinct_request(seed + i, 40, 1));
+        wait(&rx);
+        sent += 40;
+        i += 1;
+    }
+}
+
+fn eventually(e: &EngineHandle, name: &str, want: f64) {
+    let deadline = Instant::now() + PATIENCE;
+    while metric(e, name) != want {
+        assert!(Instant::now() < deadline, "{name} never became {want}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Cached prompt tokens of `r` now.
+fn cached(e: &EngineHandle, r: GenerateRequest) -> u32 {
+    let (_g, rx) = submit(e, r);
+    wait(&rx).1.cached_tokens
+}
+
+#[test]
+fn a_pinned_prefix_survives_ten_pools_of_traffic_until_it_expires() {
+    let fake = start(with_budget(32, 16));
+    let e = &fake.engine;
+    let doc = distinct_request(1000, 40, 1);
+    let (_g, rx) = submit(e, pinned(e, doc.clone(), 60_000));
+    let usage = wait(&rx).1;
+    assert_eq!(
+        usage.cache_write_tokens, 40,
+        "the pin computed its 40 tokens"
+    );
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
+    flood(e, 10 * 32 * BLOCK, 0);
+    assert_eq!(
+        cached(e, doc.clone()),
+        39,
+        "pinned: every token but the last is a hit"
+    );
+    // Its time runs out on the cache clock: no waiting.
+    e.advance_cache_clock(61_000);
+    eventually(e, "kura:kv_pins", 0.0);
+    assert_eq!(metric(e, "kura:kv_pins_expired_total"), 1.0);
+    flood(e, 10 * 32 * BLOCK, 500);
+    assert_eq!(cached(e, doc), 0, "expired: evicted like any block");
+    e.stop();
+}
+
+#[test]
+fn without_a_pin_the_same_traffic_evicts_the_prefix() {
+    let fake = start(with_budget(32, 16));
+    let e = &fake.engine;
+    let doc = distinct_request(1000, 40, 1);
+    let (_g, rx) = submit(e, doc.clone());
+    assert_eq!(wait(&rx).1.cache_write_tokens, 0);
+    flood(e, 10 * 32 * BLOCK, 0);
+    assert_eq!(cached(e, doc), 0);
+    e.stop();
+}
+
+#[test]
+fn pins_share_a_budget_and_the_oldest_is_demoted_not_refused() {
+    let fake = start(with_budget(64, 8));
+    let e = &fake.engine;
+    // 10 blocks alone are over the budget of 8: demoted at once, still served.
+    let big = distinct_request(1, 40, 1);
+    let (_g, rx) = submit(e, pinned(e, big, 60_000));
+    assert_eq!(wait(&rx).1.cache_write_tokens, 40);
+    assert_eq!(metric(e, "kura:kv_pins_demoted_total"), 1.0);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 0.0);
+    // Two of 6 blocks: the second makes the first (least recently used) go.
+    let a = distinct_request(2, 24, 1);
+    let b = distinct_request(3, 24, 1);
+    let (_ga, rx) = submit(e, pinned(e, a.clone(), 60_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 6.0);
+    let (_gb, rx) = submit(e, pinned(e, b, 60_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 6.0);
+    assert_eq!(metric(e, "kura:kv_pins_demoted_total"), 2.0);
+    assert_eq!(
+        metric(e, "kura:kv_pins"),
+        3.0,
+        "demoted pins are still tracked"
+    );
+    // Using A again pins it again (and demotes B).
+    let (_ga2, rx) = submit(e, pinned(e, a, 60_000));
+    let usage = wait(&rx).1;
+    assert_eq!(usage.cached_tokens, 23);
+    assert_eq!(usage.cache_write_tokens, 0, "a hit writes nothing");
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 6.0);
+    assert_eq!(metric(e, "kura:kv_pins_demoted_total"), 3.0);
+    e.stop();
+}
+
+#[test]
+fn pinning_a_prefix_again_refreshes_it_and_release_frees_it() {
+    let fake = start(with_budget(64, 32));
+    let e = &fake.engine;
+    let doc = distinct_request(7, 40, 1);
+    let (_g, rx) = submit(e, pinned(e, doc.clone(), 1_000));
+    wait(&rx);
+    // A second pin of the same prefix, for longer: one pin, expiring later.
+    let (_g, rx) = submit(e, pinned(e, doc.clone(), 100_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pins"), 1.0);
+    e.advance_cache_clock(2_000);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        metric(e, "kura:kv_pins"),
+        1.0,
+        "refreshed past the first expiry"
+    );
+    // Another tenant's pin of the same tokens is its own.
+    let mut other = pinned(e, doc.clone(), 100_000);
+    other.cache_salt = Some("tenant-b".into());
+    let (_g, rx) = submit(e, other);
+    assert_eq!(wait(&rx).1.cached_tokens, 0, "tenants never share blocks");
+    assert_eq!(metric(e, "kura:kv_pins"), 2.0);
+    e.release_pin(None, doc.prompt_tokens.clone());
+    eventually(e, "kura:kv_pins", 1.0);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
+    e.stop();
+}
