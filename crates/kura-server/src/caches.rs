@@ -7,13 +7,11 @@
 
 use axum::extract::{Path, State};
 use axum::{Extension, Json};
-use kura_engine::{EngineEvent, GenerateRequest};
+use kura_engine::EngineEvent;
 use serde_json::{json, Value};
 
 use crate::body::JsonBody;
-use crate::caching::{
-    self, context_tokens, new_context_id, parse_context_ttl, ContextKind, SavedContext,
-};
+use crate::caching::{self, context_tokens, parse_context_ttl, ContextKind, SavedContext};
 use crate::error::ApiError;
 use crate::output::Events;
 use crate::types::RequestMessage;
@@ -99,21 +97,8 @@ pub async fn create(
     }
     let now = s.engine.cache_now_ms();
     let salt = handlers::effective_salt(&tenant, None);
-    let context = SavedContext {
-        id: new_context_id(),
-        model: info.model_name.clone(),
-        fingerprint: info.model_fingerprint.clone(),
-        tenant: salt.clone(),
-        display_name,
-        kind,
-        tokens: tokens.clone(),
-        created_at_ms: now,
-        expires_at_ms: now.saturating_add(ttl_s.saturating_mul(1000)),
-    };
-    // Compute the context's KV now: one token generated over it, its blocks pinned and written down.
-    let mut request = GenerateRequest::greedy(tokens, 1);
-    request.cache_salt = salt;
-    request.pins = vec![context.pin_spec()];
+    let context = SavedContext::new(&info, salt, display_name, kind, tokens, now, ttl_s);
+    let request = context.build_request();
     let (mut events, sender) = Events::new(1, 1);
     let guard = s.engine.submit(request, sender.sink(0))?;
     events.add_guard(guard);

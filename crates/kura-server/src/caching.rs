@@ -258,6 +258,39 @@ pub struct SavedContext {
 }
 
 impl SavedContext {
+    /// A new context of `tokens` for the engine's model, owned by `tenant`, living `ttl_s` seconds from
+    /// `now_ms` on the cache clock.
+    pub fn new(
+        info: &kura_engine::EngineInfo,
+        tenant: Option<String>,
+        display_name: Option<String>,
+        kind: ContextKind,
+        tokens: Vec<u32>,
+        now_ms: u64,
+        ttl_s: u64,
+    ) -> Self {
+        Self {
+            id: new_context_id(),
+            model: info.model_name.clone(),
+            fingerprint: info.model_fingerprint.clone(),
+            tenant,
+            display_name,
+            kind,
+            tokens,
+            created_at_ms: now_ms,
+            expires_at_ms: now_ms.saturating_add(ttl_s.saturating_mul(1000)),
+        }
+    }
+
+    /// The request that computes the context's KV: one token generated over it, its blocks pinned and
+    /// written through to the lower tiers.
+    pub fn build_request(&self) -> kura_engine::GenerateRequest {
+        let mut request = kura_engine::GenerateRequest::greedy(self.tokens.clone(), 1);
+        request.cache_salt = self.tenant.clone();
+        request.pins = vec![self.pin_spec()];
+        request
+    }
+
     /// The pin a request using this context asks for: its tokens until it expires, written through to
     /// the lower tiers.
     pub fn pin_spec(&self) -> PinSpec {

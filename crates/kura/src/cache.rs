@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use kura_engine::{ChatMessage, EngineEvent, GenerateRequest};
+use kura_engine::{ChatMessage, EngineEvent};
 use kura_server::caching::{
-    context_tokens, new_context_id, parse_context_ttl, ContextKind, ContextStore, SavedContext,
+    context_tokens, parse_context_ttl, ContextKind, ContextStore, SavedContext,
 };
 
 use crate::serve::ServeArgs;
@@ -204,20 +204,16 @@ fn build(b: BuildArgs) -> Result<()> {
         );
     }
     let now = engine.cache_now_ms();
-    let context = SavedContext {
-        id: new_context_id(),
-        model: info.model_name.clone(),
-        fingerprint: info.model_fingerprint.clone(),
-        tenant: tenant.clone(),
-        display_name: b.display_name.clone(),
+    let context = SavedContext::new(
+        &info,
+        tenant,
+        b.display_name.clone(),
         kind,
-        tokens: tokens.clone(),
-        created_at_ms: now,
-        expires_at_ms: now.saturating_add(ttl_s.saturating_mul(1000)),
-    };
-    let mut request = GenerateRequest::greedy(tokens, 1);
-    request.cache_salt = tenant;
-    request.pins = vec![context.pin_spec()];
+        tokens,
+        now,
+        ttl_s,
+    );
+    let request = context.build_request();
     let (tx, rx) = mpsc::channel();
     let guard = engine
         .submit(request, move |e: EngineEvent| tx.send(e).is_ok())
