@@ -47,6 +47,11 @@ pub(crate) struct Pinned {
     pub demoted: usize,
 }
 
+/// Most demoted pins remembered (beyond the budget's worth): a demoted pin holds no block, only its
+/// tokens and expiry, so the least recently used ones are forgotten past this many (their blocks stay in
+/// the lower tiers at the highest priority; their next use pins them again).
+const MIN_DEMOTED_KEPT: usize = 1024;
+
 /// Every live pin of the engine.
 #[derive(Debug)]
 pub(crate) struct PinTable {
@@ -55,6 +60,8 @@ pub(crate) struct PinTable {
     pinned_blocks: usize,
     entries: HashMap<PinKey, PinEntry>,
     tick: u64,
+    /// No entry expires before this (so that a step with nothing due costs one comparison).
+    next_expiry_ms: u64,
 }
 
 impl PinTable {
@@ -65,6 +72,7 @@ impl PinTable {
             pinned_blocks: 0,
             entries: HashMap::new(),
             tick: 0,
+            next_expiry_ms: u64::MAX,
         }
     }
 
@@ -105,7 +113,11 @@ impl PinTable {
         let (pin, pinned_tokens) = sched.pin_prefix(tokens, key);
         let blocks = pinned_tokens / self.block_size;
         let mut demoted = 0;
-        let pin = if blocks > self.budget_blocks {
+        let pin = if blocks == 0 {
+            // Nothing cached to hold (a prefix shorter than a block, or prefix caching off).
+            sched.unpin(pin);
+            None
+        } else if blocks > self.budget_blocks {
             sched.unpin(pin);
             sched.store_prefix_down(tokens, key, MAX_PRIORITY);
             demoted += 1;
@@ -123,6 +135,7 @@ impl PinTable {
         if spec.persist && pin.is_some() {
             sched.store_prefix_down(tokens, key, MAX_PRIORITY);
         }
+        self.next_expiry_ms = self.next_expiry_ms.min(expires_at_ms);
         self.entries.insert(
             pk,
             PinEntry {
@@ -133,6 +146,7 @@ impl PinTable {
                 tokens: tokens.into(),
             },
         );
+        self.forget_demoted_past_cap();
         Pinned {
             tokens: pinned_tokens,
             demoted,
@@ -177,8 +191,31 @@ impl PinTable {
         true
     }
 
+    /// Forgets the least recently used demoted pins beyond `max(MIN_DEMOTED_KEPT, budget)`.
+    fn forget_demoted_past_cap(&mut self) {
+        let cap = MIN_DEMOTED_KEPT.max(self.budget_blocks);
+        let demoted =
+            self.entries.len() - self.entries.values().filter(|e| e.pin.is_some()).count();
+        if demoted <= cap {
+            return;
+        }
+        let mut old: Vec<(u64, PinKey)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.pin.is_none())
+            .map(|(k, e)| (e.last_used, k.clone()))
+            .collect();
+        old.sort_unstable_by_key(|(t, _)| *t);
+        for (_, k) in old.into_iter().take(demoted - cap) {
+            self.entries.remove(&k);
+        }
+    }
+
     /// Releases every pin whose expiry is at or before `now_ms`; returns how many.
     pub fn expire(&mut self, sched: &mut Scheduler, now_ms: u64) -> usize {
+        if now_ms < self.next_expiry_ms {
+            return 0;
+        }
         let before = self.entries.len();
         let pinned = &mut self.pinned_blocks;
         self.entries.retain(|_, e| {
@@ -191,6 +228,12 @@ impl PinTable {
             }
             false
         });
+        self.next_expiry_ms = self
+            .entries
+            .values()
+            .map(|e| e.expires_at_ms)
+            .min()
+            .unwrap_or(u64::MAX);
         before - self.entries.len()
     }
 }
@@ -198,4 +241,50 @@ impl PinTable {
 /// The little-endian bytes of `tokens`, for hashing.
 fn token_bytes(tokens: &[u32]) -> Vec<u8> {
     tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::SchedulerConfig;
+
+    #[test]
+    fn demoted_and_empty_pins_are_forgotten_past_the_cap() {
+        let mut sched = Scheduler::new(SchedulerConfig {
+            block_size_tokens: 4,
+            num_blocks: 16,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            enable_prefix_caching: true,
+            policy: crate::scheduler::SchedulingPolicy::Fcfs,
+            eviction_policy: kura_kv::EvictionPolicy::LeafLru,
+            hash_seed: Some(1),
+            tiers: kura_kv::TierConfig::default(),
+            preemption: crate::scheduler::PreemptionMode::Recompute,
+            admission: crate::scheduler::AdmissionMode::MaxUtilization,
+        })
+        .unwrap();
+        let mut pins = PinTable::new(4, 4);
+        let key = CacheKey::new();
+        for i in 0..(MIN_DEMOTED_KEPT as u32 + 100) {
+            let spec = PinSpec {
+                tokens: 8,
+                expires_at_ms: 1_000 + u64::from(i),
+                persist: false,
+            };
+            // Nothing is cached: each pin holds no block.
+            let done = pins.pin(
+                &mut sched,
+                &key,
+                &[i, i + 1, i + 2, i + 3, 1, 2, 3, 4],
+                spec,
+            );
+            assert_eq!(done.tokens, 0);
+        }
+        assert_eq!(pins.len(), MIN_DEMOTED_KEPT);
+        assert_eq!(pins.pinned_blocks(), 0);
+        assert_eq!(pins.expire(&mut sched, 999), 0, "nothing due yet");
+        assert_eq!(pins.expire(&mut sched, u64::MAX), MIN_DEMOTED_KEPT);
+        assert_eq!(pins.len(), 0);
+    }
 }

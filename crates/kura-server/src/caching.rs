@@ -201,10 +201,22 @@ pub fn encode_with_breakpoints(
         let mut starts = Vec::with_capacity(all.len());
         let mut cursor = text_prefix.map_or(0, str::len);
         for (i, m) in all.iter().enumerate() {
-            match full_text[cursor..].find(m.content.as_str()) {
-                Some(at) => {
-                    starts.push(cursor + at);
-                    cursor += at + m.content.len();
+            // Templates that trim a message's content (`| trim`) are matched on the trimmed text, and the
+            // start is taken back by what was trimmed (a breakpoint then ends at most that much early).
+            let trimmed = m.content.trim();
+            let lead = m.content.len() - m.content.trim_start().len();
+            let found = full_text[cursor..]
+                .find(m.content.as_str())
+                .map(|at| (cursor + at, m.content.len()))
+                .or_else(|| {
+                    full_text[cursor..]
+                        .find(trimmed)
+                        .map(|at| ((cursor + at).saturating_sub(lead), lead + trimmed.len()))
+                });
+            match found {
+                Some((start, len)) => {
+                    starts.push(start);
+                    cursor = (start + len).min(full_text.len()).max(cursor);
                 }
                 None => {
                     return Err(ApiError::invalid(
@@ -219,7 +231,10 @@ pub fn encode_with_breakpoints(
             }
         }
         for &(message, at, _) in breakpoints {
-            let end = starts[message + offset] + at;
+            let mut end = (starts[message + offset] + at).min(full_text.len());
+            while !full_text.is_char_boundary(end) {
+                end -= 1;
+            }
             let part = codec.encode(&full_text[..end]).map_err(tokenize_error)?;
             positions.push(
                 lcp(&part, &whole)

@@ -534,13 +534,16 @@ fn stream(
                 return None;
             }
             let next = match st.deadline {
-                Some((at, seconds)) => tokio::time::timeout_at(at, st.events.next())
-                    .await
-                    .unwrap_or(Some(EngineEvent::Failed(kura_engine::RequestError::Model(
-                        format!(
-                            "the request did not finish within the server's limit of {seconds} s"
-                        ),
-                    )))),
+                Some((at, seconds)) => match tokio::time::timeout_at(at, st.events.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        // Dropping the stream state drops the guard: the request is cancelled.
+                        let e = ApiError::Timeout { seconds };
+                        st.queue.push_back(event("error", anthropic_body(&e)));
+                        st.done = true;
+                        continue;
+                    }
+                },
                 None => st.events.next().await,
             };
             match next {
