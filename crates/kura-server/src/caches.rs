@@ -96,6 +96,8 @@ pub async fn create(
         ));
     }
     let now = s.engine.cache_now_ms();
+    s.contexts.expire(now);
+    s.contexts.check_room()?;
     let salt = handlers::effective_salt(&tenant, None);
     let context = SavedContext::new(&info, salt, display_name, kind, tokens, now, ttl_s);
     let request = context.build_request();

@@ -20,6 +20,9 @@ use crate::error::ApiError;
 /// Anthropic's limit of `cache_control` breakpoints per request.
 pub const MAX_BREAKPOINTS: usize = 4;
 
+/// Most saved contexts one server keeps.
+pub const MAX_CONTEXTS: usize = 10_000;
+
 /// Longest time to live of a saved context.
 pub const MAX_CONTEXT_TTL_S: u64 = 365 * 24 * 3600;
 
@@ -452,8 +455,25 @@ impl ContextStore {
 
     /// Adds a new context (and its file).
     pub fn insert(&self, c: SavedContext) -> Result<(), ApiError> {
+        self.check_room()?;
         self.write(&c)?;
         self.lock().insert(c.id.clone(), c);
+        Ok(())
+    }
+
+    /// Whether another context may be saved ([`MAX_CONTEXTS`] at most, expired ones not counted).
+    pub fn check_room(&self) -> Result<(), ApiError> {
+        let n = self.lock().len();
+        if n >= MAX_CONTEXTS {
+            return Err(ApiError::InvalidRequest {
+                message: format!(
+                    "this server holds {n} saved contexts, its limit; delete some (DELETE \
+                     /v1/caches/{{id}}) or let them expire"
+                ),
+                param: None,
+                code: Some("too_many_caches"),
+            });
+        }
         Ok(())
     }
 
@@ -599,3 +619,89 @@ pub fn valid_id(id: &str) -> bool {
 
 /// Shared handle to the store.
 pub type Contexts = Arc<ContextStore>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn context(i: usize, tenant: Option<&str>, expires_at_ms: u64) -> SavedContext {
+        SavedContext {
+            id: format!("ctx_{i:024x}"),
+            model: "m".into(),
+            fingerprint: "f".into(),
+            tenant: tenant.map(String::from),
+            display_name: None,
+            kind: ContextKind::Prompt { text: "x".into() },
+            tokens: vec![1, 2, 3],
+            created_at_ms: 0,
+            expires_at_ms,
+        }
+    }
+
+    #[test]
+    fn ttls_parse_as_documented() {
+        for (v, s) in [
+            (serde_json::json!(60), 60),
+            (serde_json::json!("300s"), 300),
+            (serde_json::json!("30m"), 1800),
+            (serde_json::json!("1h"), 3600),
+            (serde_json::json!("7d"), 7 * 86400),
+        ] {
+            assert_eq!(parse_context_ttl(&v).unwrap(), s, "{v}");
+        }
+        for v in [
+            "0s",
+            "-1h",
+            "1.5h",
+            "h",
+            "",
+            "366d",
+            "99999999999999999999d",
+        ] {
+            assert!(parse_context_ttl(&serde_json::json!(v)).is_err(), "{v}");
+        }
+        assert!(parse_context_ttl(&serde_json::json!(-5)).is_err());
+        assert!(parse_context_ttl(&serde_json::json!(true)).is_err());
+    }
+
+    #[test]
+    fn contexts_belong_to_their_tenant_expire_and_are_bounded() {
+        let store = ContextStore::in_memory();
+        store.insert(context(1, Some("a"), 1_000)).unwrap();
+        let a = Some("a".to_string());
+        let b = Some("b".to_string());
+        assert!(store.get("ctx_000000000000000000000001", &a, 0).is_ok());
+        let e = store
+            .get("ctx_000000000000000000000001", &b, 0)
+            .unwrap_err();
+        assert_eq!(e.status().as_u16(), 404);
+        assert!(store.list(&b, 0).is_empty());
+        assert_eq!(store.list(&a, 0).len(), 1);
+        // Past its expiry it is gone.
+        assert!(store
+            .get("ctx_000000000000000000000001", &a, 1_000)
+            .is_err());
+        for i in 0..MAX_CONTEXTS {
+            store.insert(context(i + 10, None, u64::MAX)).unwrap();
+        }
+        let e = store.insert(context(1, None, u64::MAX)).unwrap_err();
+        assert!(e.to_string().contains("its limit"), "{e}");
+        assert!(store.delete_any(&format!("ctx_{:024x}", 10)).is_some());
+        store.insert(context(1, None, u64::MAX)).unwrap();
+    }
+
+    #[test]
+    fn ids_name_files_safely() {
+        let id = new_context_id();
+        assert!(valid_id(&id), "{id}");
+        assert_ne!(id, new_context_id());
+        for bad in [
+            "ctx_../../etc/passwd000000",
+            "ctx_ABCDEF0123456789abcdef01",
+            "x",
+            "",
+        ] {
+            assert!(!valid_id(bad), "{bad}");
+        }
+    }
+}
