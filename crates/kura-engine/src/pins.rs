@@ -136,6 +136,12 @@ impl PinTable {
             sched.store_prefix_down(tokens, key, MAX_PRIORITY);
         }
         self.next_expiry_ms = self.next_expiry_ms.min(expires_at_ms);
+        // Only a pin in the pool needs its tokens (to be demoted later).
+        let tokens: Arc<[u32]> = if pin.is_some() {
+            tokens.into()
+        } else {
+            Arc::from(Vec::new())
+        };
         self.entries.insert(
             pk,
             PinEntry {
@@ -143,7 +149,7 @@ impl PinTable {
                 blocks,
                 expires_at_ms,
                 last_used: self.tick,
-                tokens: tokens.into(),
+                tokens,
             },
         );
         self.forget_demoted_past_cap();
@@ -168,7 +174,7 @@ impl PinTable {
         if let Some(p) = e.pin.take() {
             sched.unpin(p);
             self.pinned_blocks -= e.blocks;
-            let tokens = e.tokens.clone();
+            let tokens = std::mem::replace(&mut e.tokens, Arc::from(Vec::new()));
             sched.store_prefix_down(&tokens, &pk.key, MAX_PRIORITY);
         }
         true

@@ -101,6 +101,12 @@ pub async fn create(
     let salt = handlers::effective_salt(&tenant, None);
     let context = SavedContext::new(&info, salt, display_name, kind, tokens, now, ttl_s);
     let request = context.build_request();
+    // Until the context is stored, any way out (an error, the client gone) releases its pin.
+    let mut unpin = UnpinOnDrop(Some((
+        s.engine.clone(),
+        context.tenant.clone(),
+        context.tokens.clone(),
+    )));
     let (mut events, sender) = Events::new(1, 1);
     let guard = s.engine.submit(request, sender.sink(0))?;
     events.add_guard(guard);
@@ -118,6 +124,7 @@ pub async fn create(
         }
     };
     s.contexts.insert(context.clone())?;
+    unpin.0 = None;
     tracing::info!(id = %context.id, tokens = context.tokens.len(), ttl_s, "saved context created");
     let mut body = context.to_json();
     body["usage"] = json!({
@@ -127,6 +134,17 @@ pub async fn create(
             .min(usage.prompt_tokens),
     });
     Ok(Json(body))
+}
+
+/// Releases a context's pin when dropped while still armed.
+struct UnpinOnDrop(Option<(kura_engine::EngineHandle, Option<String>, Vec<u32>)>);
+
+impl Drop for UnpinOnDrop {
+    fn drop(&mut self) {
+        if let Some((engine, tenant, tokens)) = self.0.take() {
+            engine.release_pin(tenant, tokens);
+        }
+    }
 }
 
 pub async fn list(State(s): State<AppState>, Extension(tenant): Extension<Tenant>) -> Json<Value> {

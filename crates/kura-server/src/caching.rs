@@ -86,7 +86,10 @@ pub fn parse_context_ttl(v: &Value) -> Result<u64, ApiError> {
     let seconds = match v {
         Value::Number(n) => n.as_u64().ok_or_else(bad)?,
         Value::String(s) => {
-            let (digits, unit) = s.split_at(s.len().saturating_sub(1));
+            if !s.is_ascii() || s.is_empty() {
+                return Err(bad());
+            }
+            let (digits, unit) = s.split_at(s.len() - 1);
             let scale = match unit {
                 "s" => 1,
                 "m" => 60,
@@ -210,16 +213,19 @@ pub fn encode_with_breakpoints(
             let lead = m.content.len() - m.content.trim_start().len();
             let found = full_text[cursor..]
                 .find(m.content.as_str())
-                .map(|at| (cursor + at, m.content.len()))
+                .map(|at| (cursor + at, cursor + at + m.content.len()))
                 .or_else(|| {
-                    full_text[cursor..]
-                        .find(trimmed)
-                        .map(|at| ((cursor + at).saturating_sub(lead), lead + trimmed.len()))
+                    full_text[cursor..].find(trimmed).map(|at| {
+                        // The start is taken back by what was trimmed; the search goes on from the
+                        // real end of the match.
+                        let found_at = cursor + at;
+                        (found_at.saturating_sub(lead), found_at + trimmed.len())
+                    })
                 });
             match found {
-                Some((start, len)) => {
+                Some((start, end)) => {
                     starts.push(start);
-                    cursor = (start + len).min(full_text.len()).max(cursor);
+                    cursor = end;
                 }
                 None => {
                     return Err(ApiError::invalid(
@@ -651,6 +657,8 @@ mod tests {
         }
         for v in [
             "0s",
+            "1é",
+            "é",
             "-1h",
             "1.5h",
             "h",

@@ -324,13 +324,13 @@ async fn authenticate(
                 let (scheme, key) = v.split_once(' ')?;
                 scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
             });
-        let presented = bearer.or_else(|| {
-            req.headers()
-                .get("x-api-key")
-                .and_then(|v| v.to_str().ok())
-                .map(str::trim)
-        });
-        match presented.and_then(|k| s.api_keys.iter().find(|x| same_key(x, k))) {
+        let x_api_key = req
+            .headers()
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim);
+        let known = |k: Option<&str>| k.and_then(|k| s.api_keys.iter().find(|x| same_key(x, k)));
+        match known(bearer).or_else(|| known(x_api_key)) {
             Some(key) => Tenant(Some(tenant_of_key(key))),
             None if req.uri().path() == "/v1/messages" => {
                 return Ok(messages::AnthropicError(ApiError::Unauthorized).into_response())

@@ -389,6 +389,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     if let Some(ctx) = &saved {
         pins.push(ctx.pin_spec());
     }
+    let prompt_len = prompt_tokens.len();
     let mut request = GenerateRequest::greedy(prompt_tokens, plan.max_tokens);
     request.sampling = plan.sampling.clone();
     request.stop = plan.stop.clone();
@@ -405,7 +406,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
             .map(|at| (at, t.as_secs()))
     });
     if plan.stream {
-        let body = stream(id, info.model_name.clone(), events, deadline);
+        let body = stream(id, info.model_name.clone(), prompt_len, events, deadline);
         let mut response = Sse::new(body)
             .keep_alive(KeepAlive::default())
             .into_response();
@@ -490,6 +491,7 @@ fn event(name: &str, data: Value) -> Event {
 fn stream(
     id: String,
     model: String,
+    prompt_len: usize,
     events: Events,
     deadline: Option<(tokio::time::Instant, u64)>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
@@ -507,7 +509,8 @@ fn stream(
         json!({"type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": 0, "output_tokens": 0,
+            // The cache split is known once the prompt is computed: message_delta carries it.
+            "usage": {"input_tokens": prompt_len, "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
         }}),
     ));
