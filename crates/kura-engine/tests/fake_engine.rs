@@ -67,7 +67,12 @@ fn dropping_the_guard_frees_the_blocks_of_a_running_and_a_queued_request() {
     assert_eq!(e.queued(), 0, "the queued request gave its queue slot back");
     // A got its two tokens and the one of the step in flight when it was cancelled, nothing after; B
     // never started. Neither gets a terminal event: the reader is the one who left.
-    let a_events: Vec<EngineEvent> = a_rx.try_iter().collect();
+    // The output stage delivers on its own thread: collect until it has been quiet for a while.
+    let a_events: Vec<EngineEvent> = std::iter::from_fn(|| {
+        a_rx.recv_timeout(std::time::Duration::from_millis(500))
+            .ok()
+    })
+    .collect();
     assert_eq!(a_events.len(), 3, "{a_events:?}");
     assert!(a_events
         .iter()
