@@ -757,22 +757,25 @@ impl Core {
     /// Pins the prefixes a request asked to keep, now that its prompt is computed, and counts the
     /// tokens it wrote into the cache for them.
     fn pin_prefixes(&mut self, group_id: u64) {
-        let group = self.groups.get(&group_id).expect("group exists");
-        let (key, specs) = (group.key.clone(), group.request.pins.clone());
-        let prompt = group.request.prompt_tokens.clone();
+        let Some(group) = self.groups.get_mut(&group_id) else {
+            return;
+        };
         // A prompt found whole in the cache still computes its last token (for its logits): that
         // block was cached all the same, so the cached count is taken to its block's end.
         let bs = self.config.block_size_tokens;
         let cached = (group.usage.cached_tokens as usize).div_ceil(bs) * bs;
         let mut written = 0usize;
-        for spec in specs {
-            let done = self.pins.pin(&mut self.sched, &key, &prompt, spec);
+        for &spec in &group.request.pins {
+            let done = self.pins.pin(
+                &mut self.sched,
+                &group.key,
+                &group.request.prompt_tokens,
+                spec,
+            );
             self.metrics.pins_demoted.add(done.demoted as u64);
             written = written.max(done.tokens.saturating_sub(cached));
         }
-        if let Some(group) = self.groups.get_mut(&group_id) {
-            group.usage.cache_write_tokens = u32::try_from(written).unwrap_or(u32::MAX);
-        }
+        group.usage.cache_write_tokens = u32::try_from(written).unwrap_or(u32::MAX);
         self.update_pin_gauges();
     }
 

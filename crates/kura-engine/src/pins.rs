@@ -28,6 +28,16 @@ struct PinKey {
     len: usize,
 }
 
+impl PinKey {
+    fn new(key: &CacheKey, tokens: &[u32]) -> Self {
+        Self {
+            key: key.clone(),
+            digest: xxhash_rust::xxh3::xxh3_64(&token_bytes(tokens)),
+            len: tokens.len(),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct PinEntry {
     /// `None` once demoted to the lower tiers.
@@ -96,19 +106,12 @@ impl PinTable {
     ) -> Pinned {
         let len = spec.tokens.min(prompt.len());
         let tokens = &prompt[..len];
-        let pk = PinKey {
-            key: key.clone(),
-            digest: xxhash_rust::xxh3::xxh3_64(token_bytes(tokens).as_slice()),
-            len,
-        };
+        let pk = PinKey::new(key, tokens);
         self.tick += 1;
         let mut expires_at_ms = spec.expires_at_ms;
-        if let Some(old) = self.entries.remove(&pk) {
+        if let Some(mut old) = self.entries.remove(&pk) {
             expires_at_ms = expires_at_ms.max(old.expires_at_ms);
-            if let Some(p) = old.pin {
-                sched.unpin(p);
-                self.pinned_blocks -= old.blocks;
-            }
+            unhold(sched, &mut self.pinned_blocks, &mut old);
         }
         let (pin, pinned_tokens) = sched.pin_prefix(tokens, key);
         let blocks = pinned_tokens / self.block_size;
@@ -171,29 +174,19 @@ impl PinTable {
         };
         let pk = pk.clone();
         let e = self.entries.get_mut(&pk).expect("found above");
-        if let Some(p) = e.pin.take() {
-            sched.unpin(p);
-            self.pinned_blocks -= e.blocks;
-            let tokens = std::mem::replace(&mut e.tokens, Arc::from(Vec::new()));
-            sched.store_prefix_down(&tokens, &pk.key, MAX_PRIORITY);
-        }
+        unhold(sched, &mut self.pinned_blocks, e);
+        let tokens = std::mem::replace(&mut e.tokens, Arc::from(Vec::new()));
+        sched.store_prefix_down(&tokens, &pk.key, MAX_PRIORITY);
         true
     }
 
     /// Releases the pin of the prefix `tokens` under `key`; false when there is none.
     pub fn release(&mut self, sched: &mut Scheduler, key: &CacheKey, tokens: &[u32]) -> bool {
-        let pk = PinKey {
-            key: key.clone(),
-            digest: xxhash_rust::xxh3::xxh3_64(&token_bytes(tokens)),
-            len: tokens.len(),
-        };
-        let Some(e) = self.entries.remove(&pk) else {
+        let pk = PinKey::new(key, tokens);
+        let Some(mut e) = self.entries.remove(&pk) else {
             return false;
         };
-        if let Some(p) = e.pin {
-            sched.unpin(p);
-            self.pinned_blocks -= e.blocks;
-        }
+        unhold(sched, &mut self.pinned_blocks, &mut e);
         true
     }
 
@@ -228,10 +221,7 @@ impl PinTable {
             if e.expires_at_ms > now_ms {
                 return true;
             }
-            if let Some(p) = e.pin.take() {
-                sched.unpin(p);
-                *pinned -= e.blocks;
-            }
+            unhold(sched, pinned, e);
             false
         });
         self.next_expiry_ms = self
@@ -241,6 +231,14 @@ impl PinTable {
             .min()
             .unwrap_or(u64::MAX);
         before - self.entries.len()
+    }
+}
+
+/// Releases an entry's pin in the pool, if it holds one, and takes its blocks off the count.
+fn unhold(sched: &mut Scheduler, pinned_blocks: &mut usize, e: &mut PinEntry) {
+    if let Some(p) = e.pin.take() {
+        sched.unpin(p);
+        *pinned_blocks -= e.blocks;
     }
 }
 

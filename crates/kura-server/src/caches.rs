@@ -232,14 +232,7 @@ pub fn completion_tokens(
     context: &SavedContext,
     prompt: &str,
 ) -> Result<Vec<u32>, ApiError> {
-    let encode = |t: &str| {
-        codec.encode(t).map_err(|e| {
-            ApiError::invalid(
-                format!("could not tokenize the prompt: {e}"),
-                Some("prompt"),
-            )
-        })
-    };
+    let encode = |t: &str| codec.encode(t).map_err(handlers::tokenize_error);
     match &context.kind {
         ContextKind::Prompt { text } => Ok(caching::join_prefix(
             &context.tokens,

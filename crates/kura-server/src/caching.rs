@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::handlers::{template_error, tokenize_error};
 
 /// Anthropic's limit of `cache_control` breakpoints per request.
 pub const MAX_BREAKPOINTS: usize = 4;
@@ -147,20 +148,6 @@ pub fn join_prefix(prefix: &[u32], full: Vec<u32>) -> Vec<u32> {
     out
 }
 
-fn template_error(e: String) -> ApiError {
-    ApiError::invalid(
-        format!("could not apply the chat template: {e}"),
-        Some("messages"),
-    )
-}
-
-fn tokenize_error(e: String) -> ApiError {
-    ApiError::invalid(
-        format!("could not tokenize the prompt: {e}"),
-        Some("prompt"),
-    )
-}
-
 /// The prompt tokens of `messages` (after a saved context, if any) and, per breakpoint (message index,
 /// byte offset in its content), the number of prompt tokens up to it.
 ///
@@ -183,26 +170,31 @@ pub fn encode_with_breakpoints(
         None => (messages.to_vec(), None, 0),
     };
     let rendered = codec.render_chat(&all).map_err(template_error)?;
-    let (full_text, tokens, bos_extra) = match text_prefix {
-        Some(prefix) => {
-            let text = format!("{prefix}{rendered}");
-            let tokens = codec.encode(&text).map_err(tokenize_error)?;
-            (text, tokens, 0)
-        }
+    // A prompt context's tokens are the plain tokenization of its text; a chat prompt's come from the
+    // template. Breakpoints need the plain tokenization of the whole text too, and how many tokens
+    // (BOS) plain encoding puts before the template's own.
+    let (full_text, chat_tokens) = match text_prefix {
+        Some(prefix) => (format!("{prefix}{rendered}"), None),
         None => {
             let tokens = codec.encode_chat(&all).map_err(template_error)?;
-            let plain = codec.encode(&rendered).map_err(tokenize_error)?;
-            let extra = plain.len().saturating_sub(tokens.len());
-            (rendered, tokens, extra)
+            (rendered, Some(tokens))
         }
     };
+    let whole = if chat_tokens.is_none() || !breakpoints.is_empty() {
+        codec.encode(&full_text).map_err(tokenize_error)?
+    } else {
+        Vec::new()
+    };
+    let bos_extra = chat_tokens
+        .as_ref()
+        .map_or(0, |t| whole.len().saturating_sub(t.len()));
+    let tokens = chat_tokens.unwrap_or_else(|| whole.clone());
     let tokens = match saved {
         Some(c) => join_prefix(&c.tokens, tokens),
         None => tokens,
     };
     let mut positions = Vec::with_capacity(breakpoints.len());
     if !breakpoints.is_empty() {
-        let whole = codec.encode(&full_text).map_err(tokenize_error)?;
         // Where each message's content starts in the text.
         let mut starts = Vec::with_capacity(all.len());
         let mut cursor = text_prefix.map_or(0, str::len);

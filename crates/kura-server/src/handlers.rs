@@ -49,14 +49,14 @@ pub(crate) fn effective_salt(tenant: &Tenant, salt: Option<String>) -> Option<St
     }
 }
 
-fn tokenize_error(e: String) -> ApiError {
+pub(crate) fn tokenize_error(e: String) -> ApiError {
     ApiError::invalid(
         format!("could not tokenize the prompt: {e}"),
         Some("prompt"),
     )
 }
 
-fn template_error(e: String) -> ApiError {
+pub(crate) fn template_error(e: String) -> ApiError {
     ApiError::invalid(
         format!("could not apply the chat template: {e}"),
         Some("messages"),
