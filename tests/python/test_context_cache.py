@@ -277,6 +277,8 @@ BAD = [
                       "messages": [{"role": "user", "content": "x"}]}, 400, "stop_sequences must be an array"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
                               "cached_content": "ctx_nope"}, 404, "no saved context"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "x", "cache_salt": "s",
+                         "cached_content": "ctx_000000000000000000000000"}, 400, "cannot be combined"),
     ("/v1/completions", {"model": "MODEL", "prompt": "x", "prompt_cache_retention": "forever"}, 400,
      "prompt_cache_retention"),
     ("/v1/caches", {"prompt": "x", "ttl": "0s"}, 400, "ttl must be"),

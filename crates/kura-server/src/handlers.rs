@@ -181,8 +181,15 @@ fn saved_context(
     tenant: &Tenant,
 ) -> Result<Option<SavedContext>, ApiError> {
     match &checked.cached_content {
+        // A context is owned, and its blocks are salted, by its tenant alone (as it was created): a
+        // request salt would look for another owner and put the request's blocks under another key.
+        Some(_) if checked.cache_salt.is_some() => Err(ApiError::invalid(
+            "cache_salt cannot be combined with cached_content: a saved context's KV belongs to \
+             its API key, not to a salt",
+            Some("cache_salt"),
+        )),
         Some(id) => {
-            let salt = effective_salt(tenant, checked.cache_salt.clone());
+            let salt = effective_salt(tenant, None);
             s.contexts.use_context(id, &salt, &s.engine).map(Some)
         }
         None => Ok(None),
