@@ -29,13 +29,7 @@ pub async fn create(
     let o = value.as_object().expect("JsonBody is an object");
     if let Some(m) = o.get("model").filter(|v| !v.is_null()) {
         match m.as_str() {
-            Some(m) if m == info.model_name => {}
-            Some(m) => {
-                return Err(ApiError::ModelNotFound {
-                    requested: m.to_string(),
-                    served: info.model_name.clone(),
-                })
-            }
+            Some(m) => validate::check_model(m, &info.model_name)?,
             None => return Err(ApiError::invalid("model must be a string", Some("model"))),
         }
     }

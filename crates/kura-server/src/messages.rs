@@ -177,13 +177,7 @@ fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> 
         }
     }
     match o.get("model").and_then(Value::as_str) {
-        Some(m) if m == served_model => {}
-        Some(m) => {
-            return Err(ApiError::ModelNotFound {
-                requested: m.to_string(),
-                served: served_model.to_string(),
-            })
-        }
+        Some(m) => crate::validate::check_model(m, served_model)?,
         None => return Err(invalid("model is required (a string)")),
     }
     let max_tokens = match o.get("max_tokens") {

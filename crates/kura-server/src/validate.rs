@@ -88,6 +88,18 @@ fn in_range(
     }
 }
 
+/// A request's `model` must be the one served.
+pub fn check_model(requested: &str, served: &str) -> Result<(), ApiError> {
+    if requested == served {
+        Ok(())
+    } else {
+        Err(ApiError::ModelNotFound {
+            requested: requested.to_string(),
+            served: served.to_string(),
+        })
+    }
+}
+
 /// Checks the parameters both endpoints share.
 pub fn check_common(
     c: &CommonParams,
@@ -96,12 +108,7 @@ pub fn check_common(
     max_tokens_name: &'static str,
 ) -> Result<Checked, ApiError> {
     if let Some(model) = &c.model {
-        if model != ctx.served_model {
-            return Err(ApiError::ModelNotFound {
-                requested: model.clone(),
-                served: ctx.served_model.to_string(),
-            });
-        }
+        check_model(model, ctx.served_model)?;
     }
     let max_tokens = match max_tokens {
         None => None,
