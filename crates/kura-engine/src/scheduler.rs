@@ -114,8 +114,7 @@ impl PreemptionMode {
 }
 
 /// When a waiting request may take KV blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AdmissionMode {
     /// As soon as its prompt's blocks are free: running requests grow into the rest of the pool, and
     /// when it runs out the most recent one is preempted. The most requests at once.
@@ -140,19 +139,6 @@ impl AdmissionMode {
 impl std::fmt::Display for AdmissionMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for AdmissionMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "max-utilization" => Ok(AdmissionMode::MaxUtilization),
-            "guaranteed" => Ok(AdmissionMode::Guaranteed),
-            other => Err(format!(
-                "unknown admission mode '{other}' (expected max-utilization or guaranteed)"
-            )),
-        }
     }
 }
 
