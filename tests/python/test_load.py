@@ -115,20 +115,27 @@ def run_overload(s: KuraServer, disconnect_every: int = 0):
     return outcomes, health_ms
 
 
+def overload_and_settle(s: KuraServer, label: str) -> dict[str, float]:
+    """64 clients against the 32-block pool: every one completes or gets 429, and once idle no block is
+    referenced. Returns the metrics then."""
+    assert "KV cache: 32 blocks of 16 tokens" in s.log(), s.log()
+    outcomes, health_ms = run_overload(s)
+    print(f"\n{label}: {outcomes}, /health max {max(health_ms):.0f} ms over {len(health_ms)} probes")
+    assert outcomes["other"] == []
+    assert outcomes["done"] + outcomes["429"] == 64
+    assert outcomes["done"] >= 4
+    m = s.wait_idle()
+    assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
+    assert m["kura:kv_cache_usage_perc"] == 0
+    assert m["kura:kv_cache_blocks_cached"] <= 32
+    return m
+
+
 def test_overload_completes_or_429s_preempts_and_leaks_nothing():
     s = overload_server()
     try:
-        assert "KV cache: 32 blocks of 16 tokens" in s.log(), s.log()
-        outcomes, health_ms = run_overload(s)
-        print(f"\noverload: {outcomes}, /health max {max(health_ms):.0f} ms over {len(health_ms)} probes")
-        assert outcomes["other"] == []
-        assert outcomes["done"] + outcomes["429"] == 64
-        assert outcomes["done"] >= 4
-        m = s.wait_idle()
+        m = overload_and_settle(s, "overload")
         assert m["kura:num_preemptions_total"] > 0
-        assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
-        assert m["kura:kv_cache_usage_perc"] == 0
-        assert m["kura:kv_cache_blocks_cached"] <= 32
     finally:
         s.stop()
 
@@ -136,20 +143,11 @@ def test_overload_completes_or_429s_preempts_and_leaks_nothing():
 def test_guaranteed_mode_overload_never_preempts():
     s = overload_server("--scheduling", "guaranteed")
     try:
-        assert "KV cache: 32 blocks of 16 tokens" in s.log(), s.log()
         assert "scheduling: guaranteed" in s.log(), s.log()
-        outcomes, health_ms = run_overload(s)
-        print(f"\nguaranteed overload: {outcomes}, /health max {max(health_ms):.0f} ms over {len(health_ms)} probes")
-        assert outcomes["other"] == []
-        assert outcomes["done"] + outcomes["429"] == 64
-        assert outcomes["done"] >= 4
-        m = s.wait_idle()
+        m = overload_and_settle(s, "guaranteed overload")
         # Every admitted request had its blocks reserved up to max_tokens: none was ever preempted.
         assert m["kura:num_preemptions_total"] == 0
         assert m["kura:kv_reserved_blocks"] == 0, "blocks still reserved after all requests ended"
-        assert m["kura:kv_cache_blocks_used"] == 0, "blocks still referenced after all requests ended"
-        assert m["kura:kv_cache_usage_perc"] == 0
-        assert m["kura:kv_cache_blocks_cached"] <= 32
     finally:
         s.stop()
 
