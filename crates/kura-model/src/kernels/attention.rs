@@ -21,110 +21,243 @@
 //! portable loop. Cost: O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
+use kura_kv::codec::{self, KvDtype, QUANT_GROUP};
 use kura_kv::storage::{KvSlice, LayerStorage};
 
 use super::dot::Isa;
 use super::matmul::ActShared;
 use super::team::{SharedMut, Team};
 
-/// An element of stored K/V.
-trait KvElem: Copy {
-    fn f32(self) -> f32;
-    /// The elements of a slice of this storage's format.
-    fn typed(s: KvSlice<'_>) -> &[Self];
-    /// Loads 16 stored elements as f32.
+/// How one stored K or V row (one token's vector of one head) is read: its units (elements of a plain
+/// format, bytes of an encoded one), its decoding to f32 for the portable loop, and for AVX-512 its 16
+/// lanes at a time, dequantised in registers.
+trait KvRow {
+    type Unit: Copy;
+    /// What a row's lanes need besides its units: its scales (and minimums), read once per row.
+    #[cfg(target_arch = "x86_64")]
+    type Params: Copy;
+    /// The units of a slice of this storage's format.
+    fn typed(s: KvSlice<'_>) -> &[Self::Unit];
+    /// Decodes a row (its units) into `out` (`head_dim` values, in the stored basis).
+    fn decode(row: &[Self::Unit], out: &mut [f32]);
+    /// The row's scales.
     ///
     /// # Safety
-    /// avx512f is present and 16 elements are readable at `p`.
+    /// A whole row of a `head_dim`-element vector is readable at `row`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    unsafe fn params(row: *const Self::Unit, head_dim: usize) -> Self::Params;
+    /// Elements `16c..16c + 16` of the row, as f32.
+    ///
+    /// # Safety
+    /// avx512f is present; a whole row of a `head_dim`-element vector, `head_dim` a multiple of 64, is
+    /// readable at `row`, and `16c < head_dim`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(row: *const Self::Unit, c: usize, p: &Self::Params) -> std::arch::x86_64::__m512;
 }
 
-impl KvElem for f32 {
-    #[inline(always)]
-    fn typed(s: KvSlice<'_>) -> &[f32] {
-        match s {
-            KvSlice::F32(x) => x,
-            _ => unreachable!("one storage has one element format"),
+macro_rules! plain_row {
+    ($t:ty, $variant:ident, |$p:ident| $load:expr) => {
+        impl KvRow for $t {
+            type Unit = $t;
+            #[cfg(target_arch = "x86_64")]
+            type Params = ();
+            #[inline(always)]
+            fn typed(s: KvSlice<'_>) -> &[$t] {
+                match s {
+                    KvSlice::$variant(x) => x,
+                    _ => unreachable!("one storage has one element format"),
+                }
+            }
+            #[inline(always)]
+            fn decode(row: &[$t], out: &mut [f32]) {
+                for (o, x) in out.iter_mut().zip(row) {
+                    *o = f32::from(*x);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn params(_: *const $t, _: usize) {}
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load16(row: *const $t, c: usize, _: &()) -> std::arch::x86_64::__m512 {
+                #[allow(unused_imports)]
+                use std::arch::x86_64::*;
+                // SAFETY: the caller's guarantee (16 elements readable at 16c, avx512f present).
+                unsafe {
+                    let $p = row.add(16 * c);
+                    $load
+                }
+            }
         }
-    }
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's guarantee.
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
-    }
+    };
 }
 
-impl KvElem for bf16 {
-    #[inline(always)]
-    fn typed(s: KvSlice<'_>) -> &[bf16] {
-        match s {
-            KvSlice::Bf16(x) => x,
-            _ => unreachable!("one storage has one element format"),
-        }
-    }
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's guarantee; bf16 widens to f32 by a 16-bit shift.
-        unsafe {
-            let raw = _mm256_loadu_si256(p as *const __m256i);
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
-        }
-    }
-}
+plain_row!(f32, F32, |p| _mm512_loadu_ps(p));
+// bf16 widens to f32 by a 16-bit shift.
+plain_row!(bf16, Bf16, |p| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))
+)));
+plain_row!(f16, F16, |p| _mm512_cvtph_ps(_mm256_loadu_si256(
+    p as *const __m256i
+)));
 
-impl KvElem for f16 {
-    #[inline(always)]
-    fn typed(s: KvSlice<'_>) -> &[f16] {
-        match s {
-            KvSlice::F16(x) => x,
-            _ => unreachable!("one storage has one element format"),
-        }
-    }
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's guarantee.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
-    }
-}
+/// Rows of int8, fp8 and int4 ([`kura_kv::codec`]'s encodings).
+struct Int8Row;
+struct Fp8Row;
+struct Int4Row;
 
+/// The f16 at `p` (little-endian), as f32.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn dot<E: KvElem>(q: &[f32], k: &[E]) -> f32 {
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller's guarantee that two bytes are readable at p.
+    f16::from_bits(u16::from_le_bytes(unsafe { [*p, *p.add(1)] })).to_f32()
+}
+
+/// Scales of the groups (one for head size 64, two for 128) of a row whose payload is `payload` bytes,
+/// each group's scale `stride` bytes after the last; `mul` folded in. A single group's scale stands in
+/// for the second.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn group_scales(row: *const u8, payload: usize, stride: usize, groups: usize, mul: f32) -> [f32; 2] {
+    // SAFETY: the caller's guarantee that the row is readable.
+    unsafe {
+        let s0 = f16_at(row.add(payload)) * mul;
+        let s1 = if groups > 1 {
+            f16_at(row.add(payload + stride)) * mul
+        } else {
+            s0
+        };
+        [s0, s1]
+    }
+}
+
+impl KvRow for Int8Row {
+    type Unit = u8;
+    #[cfg(target_arch = "x86_64")]
+    type Params = [f32; 2];
+    fn typed(s: KvSlice<'_>) -> &[u8] {
+        match s {
+            KvSlice::Quant(x) => x,
+            _ => unreachable!("one storage has one element format"),
+        }
+    }
+    fn decode(row: &[u8], out: &mut [f32]) {
+        codec::decode_stored(KvDtype::Int8, row, out);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 2] {
+        // SAFETY: the caller's guarantee.
+        unsafe { group_scales(row, head_dim, 2, head_dim / QUANT_GROUP, 1.0) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(row: *const u8, c: usize, p: &[f32; 2]) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
+        unsafe {
+            let b = _mm_loadu_si128(row.add(16 * c) as *const __m128i);
+            let x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+            _mm512_mul_ps(x, _mm512_set1_ps(p[c / 4]))
+        }
+    }
+}
+
+impl KvRow for Fp8Row {
+    type Unit = u8;
+    #[cfg(target_arch = "x86_64")]
+    type Params = [f32; 2];
+    fn typed(s: KvSlice<'_>) -> &[u8] {
+        Int8Row::typed(s)
+    }
+    fn decode(row: &[u8], out: &mut [f32]) {
+        codec::decode_stored(KvDtype::Fp8, row, out);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 2] {
+        // e4m3 is read as an f16 whose exponent is 8 short (bias 15, not 7): 2^8 goes into the scale.
+        // SAFETY: the caller's guarantee.
+        unsafe { group_scales(row, head_dim, 2, head_dim / QUANT_GROUP, 256.0) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(row: *const u8, c: usize, p: &[f32; 2]) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
+        unsafe {
+            let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(row.add(16 * c) as *const __m128i));
+            // s eeee mmm → f16 s 0eeee mmm0000000: magnitude bits shifted left 7, sign to bit 15.
+            let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)));
+            let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
+            let x = _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+            _mm512_mul_ps(x, _mm512_set1_ps(p[c / 4]))
+        }
+    }
+}
+
+impl KvRow for Int4Row {
+    type Unit = u8;
+    #[cfg(target_arch = "x86_64")]
+    type Params = [[f32; 2]; 2];
+    fn typed(s: KvSlice<'_>) -> &[u8] {
+        Int8Row::typed(s)
+    }
+    fn decode(row: &[u8], out: &mut [f32]) {
+        codec::decode_stored(KvDtype::Int4, row, out);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn params(row: *const u8, head_dim: usize) -> [[f32; 2]; 2] {
+        let payload = head_dim / 2;
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            let groups = head_dim / QUANT_GROUP;
+            let scale = group_scales(row, payload, 4, groups, 1.0);
+            let min = group_scales(row.add(2), payload, 4, groups, 1.0);
+            [scale, min]
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(row: *const u8, c: usize, p: &[[f32; 2]; 2]) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // Group c / 4 has 32 bytes; its chunks 0, 1 are the low nibbles of bytes 0..16, 16..32 and its
+        // chunks 2, 3 the high nibbles of the same bytes.
+        let (g, cc) = (c / 4, c % 4);
+        // SAFETY: the caller's guarantee: the group's 32 payload bytes are readable.
+        unsafe {
+            let b = _mm_loadu_si128(row.add(g * 32 + (cc % 2) * 16) as *const __m128i);
+            let b = if cc >= 2 { _mm_srli_epi16::<4>(b) } else { b };
+            let q = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+            let x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+            _mm512_fmadd_ps(x, _mm512_set1_ps(p[0][g]), _mm512_set1_ps(p[1][g]))
+        }
+    }
+}
+
+/// `q · k` over f32 rows, 16 lanes of partial sums added in order.
+#[inline(always)]
+fn dot(q: &[f32], k: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let n = q.len() / 16 * 16;
     for (qc, kc) in q[..n].chunks_exact(16).zip(k[..n].chunks_exact(16)) {
         for l in 0..16 {
-            acc[l] += qc[l] * kc[l].f32();
+            acc[l] += qc[l] * kc[l];
         }
     }
     let mut s: f32 = acc.iter().sum();
     for i in n..q.len() {
-        s += q[i] * k[i].f32();
+        s += q[i] * k[i];
     }
     s
 }
 
 #[inline(always)]
-fn axpy<E: KvElem>(out: &mut [f32], w: f32, v: &[E]) {
+fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
     for (o, x) in out.iter_mut().zip(v) {
-        *o += w * x.f32();
+        *o += w * x;
     }
 }
 
@@ -221,6 +354,7 @@ pub unsafe fn attention_part(
     let mut scores = Vec::new();
     let mut own = vec![0f32; plen];
     let mut o = vec![0f32; group * head_dim];
+    let mut qrot = vec![0f32; group * head_dim];
     // Phase 1: one unit per (token, segment of its context, KV head), prefill and decode alike, dealt
     // out in turn (which evens out prefill's growing contexts). A token with one segment is finished at
     // once (the same arithmetic as a merge of one); the others leave their partials for phase 2.
@@ -238,8 +372,9 @@ pub unsafe fn attention_part(
                         continue;
                     }
                     let q_base = t * q_stride + kvh * group * head_dim;
+                    let q = rotated_query(kv.dtype(), head_dim, &q[q_base..q_base + group * head_dim], &mut qrot);
                     let job = Job {
-                        q: &q[q_base..q_base + group * head_dim],
+                        q,
                         seq,
                         kv,
                         kvh,
@@ -256,13 +391,10 @@ pub unsafe fn attention_part(
                         // SAFETY: this unit alone writes this partial, until the barrier below.
                         unsafe { partials.part_mut(at..at + plen) }
                     };
-                    match kv.k_head_block(0, 0) {
-                        KvSlice::F32(_) => attend_any::<f32>(use_avx512, &job, &mut scores, part),
-                        KvSlice::Bf16(_) => attend_any::<bf16>(use_avx512, &job, &mut scores, part),
-                        KvSlice::F16(_) => attend_any::<f16>(use_avx512, &job, &mut scores, part),
-                    }
+                    attend_dtype(kv.dtype(), use_avx512, &job, &mut scores, part);
                     if n_seg == 1 {
                         merge(std::iter::once(&own[..]), group, head_dim, &mut o);
+                        unrotate(kv.dtype(), head_dim, &mut o);
                         // SAFETY: the heads of (t, kvh) are written by this unit only, until the
                         // barrier.
                         unsafe { out.write(t, kvh * group * head_dim, &o) };
@@ -299,11 +431,47 @@ pub unsafe fn attention_part(
                     &all[at..at + plen]
                 });
                 merge(parts, group, head_dim, &mut o);
+                unrotate(kv.dtype(), head_dim, &mut o);
                 // SAFETY: the heads of (t, kvh) are written by this unit only, until the barrier.
                 unsafe { out.write(t, kvh * group * head_dim, &o) };
             }
             first += n_seg;
         }
+    }
+}
+
+/// A unit's query heads as attention over `dtype` reads them: for a rotated format each head's groups
+/// rotated like the stored K ([`codec::hadamard_groups`]) into `buf`, otherwise `q` itself.
+fn rotated_query<'q>(dtype: KvDtype, head_dim: usize, q: &'q [f32], buf: &'q mut [f32]) -> &'q [f32] {
+    if !dtype.is_rotated() {
+        return q;
+    }
+    buf.copy_from_slice(q);
+    for head in buf.chunks_exact_mut(head_dim) {
+        codec::hadamard_groups(head);
+    }
+    buf
+}
+
+/// Rotates each head of a merged output back to the original basis, for rotated formats (the output is
+/// a weighted sum of rotated V rows, and the rotation is its own inverse).
+fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
+    if dtype.is_rotated() {
+        for head in o.chunks_exact_mut(head_dim) {
+            codec::hadamard_groups(head);
+        }
+    }
+}
+
+/// One unit's partials through the kernel of `dtype`'s rows.
+fn attend_dtype(dtype: KvDtype, use_avx512: bool, job: &Job<'_, '_>, scores: &mut Vec<f32>, part: &mut [f32]) {
+    match dtype {
+        KvDtype::F32 => attend_any::<f32>(use_avx512, job, scores, part),
+        KvDtype::Bf16 => attend_any::<bf16>(use_avx512, job, scores, part),
+        KvDtype::F16 => attend_any::<f16>(use_avx512, job, scores, part),
+        KvDtype::Int8 => attend_any::<Int8Row>(use_avx512, job, scores, part),
+        KvDtype::Fp8 => attend_any::<Fp8Row>(use_avx512, job, scores, part),
+        KvDtype::Int4 => attend_any::<Int4Row>(use_avx512, job, scores, part),
     }
 }
 
@@ -352,7 +520,7 @@ struct Job<'a, 'b> {
 }
 
 /// [`attend`], or on AVX-512 with a head size of 64 or 128 the vector kernel [`x86::attend`].
-fn attend_any<'a, E: KvElem + 'a>(
+fn attend_any<'a, R: KvRow + 'a>(
     use_avx512: bool,
     job: &Job<'a, '_>,
     scores: &mut Vec<f32>,
@@ -363,14 +531,14 @@ fn attend_any<'a, E: KvElem + 'a>(
         // SAFETY: use_avx512 comes from Isa::detect, which checked avx512f.
         unsafe {
             match job.head_dim {
-                64 => return x86::attend::<E, 4>(job, scores, out),
-                128 => return x86::attend::<E, 8>(job, scores, out),
+                64 => return x86::attend::<R, 4>(job, scores, out),
+                128 => return x86::attend::<R, 8>(job, scores, out),
                 _ => {}
             }
         }
     }
     let _ = use_avx512;
-    attend::<E>(job, scores, out)
+    attend::<R>(job, scores, out)
 }
 
 /// Visits the context positions `lo..=pos` block by block: (block id, first slot, last slot, index of
@@ -392,7 +560,7 @@ fn spans<'s>(
 
 /// The portable kernel. Writes, per query head, the partial `[m, l, o]`: the largest score `m`, the sum
 /// `l` of `e^(score − m)`, and `o = Σ e^(score − m) · V`, all in position order.
-fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn attend<'a, R: KvRow + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let Job {
         q,
         seq,
@@ -408,13 +576,15 @@ fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mu
     scores.clear();
     scores.resize(group * n_ctx, 0.0);
     let spans = spans(seq, kv.block_size_tokens, lo, pos);
+    let ru = kv.vector_units();
+    let mut row = vec![0f32; head_dim];
     for (block, first, last, at, _) in spans.clone() {
-        let k = E::typed(kv.k_head_block(block, kvh));
+        let k = R::typed(kv.k_head_block(block, kvh));
         for slot in first..=last {
-            let krow = &k[slot * head_dim..(slot + 1) * head_dim];
+            R::decode(&k[slot * ru..(slot + 1) * ru], &mut row);
             for g in 0..group {
                 scores[g * n_ctx + at + slot - first] =
-                    dot(&q[g * head_dim..(g + 1) * head_dim], krow) * scale;
+                    dot(&q[g * head_dim..(g + 1) * head_dim], &row) * scale;
             }
         }
     }
@@ -432,14 +602,14 @@ fn attend<'a, E: KvElem + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mu
         out[g * d2 + 2..(g + 1) * d2].fill(0.0);
     }
     for (block, first, last, at, _) in spans {
-        let v = E::typed(kv.v_head_block(block, kvh));
+        let v = R::typed(kv.v_head_block(block, kvh));
         for slot in first..=last {
-            let vrow = &v[slot * head_dim..(slot + 1) * head_dim];
+            R::decode(&v[slot * ru..(slot + 1) * ru], &mut row);
             for g in 0..group {
                 axpy(
                     &mut out[g * d2 + 2..(g + 1) * d2],
                     scores[g * n_ctx + at + slot - first],
-                    vrow,
+                    &row,
                 );
             }
         }
@@ -455,13 +625,13 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{spans, Job, KvElem};
+    use super::{spans, Job, KvRow};
 
-    /// Asks for the cache lines of one stored row (`n` elements from `p`) ahead of use. A hint: it reads
+    /// Asks for the cache lines of one stored row (`n` units from `p`) ahead of use. A hint: it reads
     /// nothing and cannot fault, so `p` may come from `wrapping_add`.
     #[inline(always)]
-    fn prefetch_row<E>(p: *const E, n: usize) {
-        let bytes = n * std::mem::size_of::<E>();
+    fn prefetch_row<U>(p: *const U, n: usize) {
+        let bytes = n * std::mem::size_of::<U>();
         for off in (0..bytes).step_by(64) {
             // SAFETY: a prefetch is a hint that never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
@@ -560,7 +730,7 @@ mod x86 {
     /// # Safety
     /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend<'a, E: KvElem + 'a, const CH: usize>(
+    pub unsafe fn attend<'a, R: KvRow + 'a, const CH: usize>(
         job: &Job<'a, '_>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -581,6 +751,7 @@ mod x86 {
         scores.clear();
         scores.resize(group * n_ctx, 0.0);
         let spans = spans(seq, kv.block_size_tokens, lo, pos);
+        let ru = kv.vector_units();
         let scale_v = _mm512_set1_ps(scale);
         for g in 0..group {
             // SAFETY: q holds group × head_dim values.
@@ -589,25 +760,27 @@ mod x86 {
             });
             let row = &mut scores[g * n_ctx..(g + 1) * n_ctx];
             for (block, first, last, at, next) in spans.clone() {
-                let k = E::typed(kv.k_head_block(block, kvh));
+                let k = R::typed(kv.k_head_block(block, kvh));
                 // A head's block is a few KiB on its own pages, where hardware prefetchers stop: fetch
                 // the next block's rows while this one is computed (first head of the group only; the
                 // others find them in cache).
                 let next_k = next
                     .filter(|_| g == 0)
-                    .map(|b| E::typed(kv.k_head_block(b, kvh)).as_ptr());
+                    .map(|b| R::typed(kv.k_head_block(b, kvh)).as_ptr());
                 let mut s0 = first;
                 while s0 <= last {
                     let keys = (last + 1 - s0).min(16);
                     let mut acc = [_mm512_setzero_ps(); 16];
                     for (j, a) in acc.iter_mut().enumerate().take(keys) {
                         if let Some(nk) = next_k {
-                            prefetch_row::<E>(nk.wrapping_add((s0 + j) * head_dim), head_dim);
+                            prefetch_row(nk.wrapping_add((s0 + j) * ru), ru);
                         }
-                        let kp = k[(s0 + j) * head_dim..(s0 + j + 1) * head_dim].as_ptr();
+                        let kp = k[(s0 + j) * ru..(s0 + j + 1) * ru].as_ptr();
+                        // SAFETY: a whole row (head_dim = 16 · CH elements) is readable from kp.
+                        let pr = unsafe { R::params(kp, head_dim) };
                         for (c, qc) in qv.iter().enumerate() {
-                            // SAFETY: 16 · CH = head_dim elements are readable from kp.
-                            *a = _mm512_fmadd_ps(*qc, unsafe { E::load16(kp.add(16 * c)) }, *a);
+                            // SAFETY: as above, and 16c < head_dim.
+                            *a = _mm512_fmadd_ps(*qc, unsafe { R::load16(kp, c, &pr) }, *a);
                         }
                     }
                     let sums = _mm512_mul_ps(transpose_sum(&acc), scale_v);
@@ -637,10 +810,10 @@ mod x86 {
             // SAFETY: avx512f is present (this function's contract); pv writes heads g0..g0+gb of out.
             unsafe {
                 match gb {
-                    1 => pv::<E, CH, 1>(job, args, out.as_mut_ptr()),
-                    2 => pv::<E, CH, 2>(job, args, out.as_mut_ptr()),
-                    3 => pv::<E, CH, 3>(job, args, out.as_mut_ptr()),
-                    _ => pv::<E, CH, 4>(job, args, out.as_mut_ptr()),
+                    1 => pv::<R, CH, 1>(job, args, out.as_mut_ptr()),
+                    2 => pv::<R, CH, 2>(job, args, out.as_mut_ptr()),
+                    3 => pv::<R, CH, 3>(job, args, out.as_mut_ptr()),
+                    _ => pv::<R, CH, 4>(job, args, out.as_mut_ptr()),
                 }
             }
             g0 += gb;
@@ -654,7 +827,7 @@ mod x86 {
     /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values and
     /// `g0 + G ≤ group`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn pv<'a, E: KvElem + 'a, const CH: usize, const G: usize>(
+    unsafe fn pv<'a, R: KvRow + 'a, const CH: usize, const G: usize>(
         job: &Job<'a, '_>,
         (scores, n_ctx, g0): (&[f32], usize, usize),
         out: *mut f32,
@@ -669,19 +842,22 @@ mod x86 {
             ..
         } = *job;
         let mut acc = [[_mm512_setzero_ps(); CH]; G];
+        let ru = kv.vector_units();
         for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
-            let v = E::typed(kv.v_head_block(block, kvh));
+            let v = R::typed(kv.v_head_block(block, kvh));
             let next_v = next
                 .filter(|_| g0 == 0)
-                .map(|b| E::typed(kv.v_head_block(b, kvh)).as_ptr());
+                .map(|b| R::typed(kv.v_head_block(b, kvh)).as_ptr());
             for slot in first..=last {
                 if let Some(nv) = next_v {
-                    prefetch_row::<E>(nv.wrapping_add(slot * head_dim), head_dim);
+                    prefetch_row(nv.wrapping_add(slot * ru), ru);
                 }
-                let vp = v[slot * head_dim..(slot + 1) * head_dim].as_ptr();
-                // SAFETY: head_dim = 16 · CH elements are readable from vp.
+                let vp = v[slot * ru..(slot + 1) * ru].as_ptr();
+                // SAFETY: a whole row (head_dim = 16 · CH elements) is readable from vp.
+                let pr = unsafe { R::params(vp, head_dim) };
+                // SAFETY: as above, and 16c < head_dim.
                 let vv: [__m512; CH] =
-                    std::array::from_fn(|c| unsafe { E::load16(vp.add(16 * c)) });
+                    std::array::from_fn(|c| unsafe { R::load16(vp, c, &pr) });
                 for (g, ag) in acc.iter_mut().enumerate() {
                     let p = _mm512_set1_ps(scores[(g0 + g) * n_ctx + at + slot - first]);
                     for (a, x) in ag.iter_mut().zip(&vv) {
@@ -780,15 +956,17 @@ mod tests {
         let group = heads / kv_heads;
         let plen = group * (head_dim + 2);
         let mut scores = Vec::new();
+        let mut qrot = vec![0f32; group * head_dim];
         for t in 0..tokens {
             let pos = past + t;
             let lo = context_start(pos, window);
             for kvh in 0..kv_heads {
                 let at = t * heads * head_dim + kvh * group * head_dim;
+                let qu = rotated_query(dtype, head_dim, &q[at..at + group * head_dim], &mut qrot);
                 let segments: Vec<Vec<f32>> = (lo / SEGMENT..=pos / SEGMENT)
                     .map(|k| {
                         let job = Job {
-                            q: &q[at..at + group * head_dim],
+                            q: qu,
                             seq: &seqs[0],
                             kv: kv.layer(0),
                             kvh,
@@ -799,16 +977,13 @@ mod tests {
                             scale: 1.0 / (head_dim as f32).sqrt(),
                         };
                         let mut part = vec![0f32; plen];
-                        match dtype {
-                            KvDtype::F32 => attend::<f32>(&job, &mut scores, &mut part),
-                            KvDtype::Bf16 => attend::<bf16>(&job, &mut scores, &mut part),
-                            _ => attend::<f16>(&job, &mut scores, &mut part),
-                        }
+                        attend_dtype(dtype, false, &job, &mut scores, &mut part);
                         part
                     })
                     .collect();
                 let o = &mut portable[at..at + group * head_dim];
                 merge(segments.iter().map(|p| &p[..]), group, head_dim, o);
+                unrotate(dtype, head_dim, o);
             }
         }
         (vector.to_vec(), portable)
@@ -829,6 +1004,18 @@ mod tests {
             (KvDtype::F32, 16, 9, 3, 64, 1000, 40, None),
             (KvDtype::Bf16, 32, 6, 2, 128, 1030, 3, Some(700)),
             (KvDtype::F32, 16, 4, 2, 16, 1020, 8, None),
+            // Quantised rows: the vector kernel's in-register dequantisation against the scalar decode
+            // of kura_kv::codec, at both head sizes, across segments and blocks out of order.
+            (KvDtype::Int8, 16, 9, 3, 64, 0, 40, None),
+            (KvDtype::Int8, 16, 4, 1, 128, 1000, 30, None),
+            (KvDtype::Fp8, 16, 9, 3, 64, 17, 20, None),
+            (KvDtype::Fp8, 5, 4, 2, 128, 1030, 3, Some(700)),
+            (KvDtype::Int4, 16, 9, 3, 64, 5, 40, None),
+            (KvDtype::Int4, 7, 6, 2, 128, 1020, 8, None),
+            // Head sizes the vector kernel does not take: the portable loop alone (and rotation of a
+            // short group for int4: 80 = 64 + 16).
+            (KvDtype::Int8, 16, 4, 2, 80, 10, 5, None),
+            (KvDtype::Int4, 16, 4, 2, 80, 10, 5, None),
         ];
         for (i, &(dtype, block, heads, kv_heads, dim, past, tokens, window)) in
             cases.iter().enumerate()
@@ -851,6 +1038,9 @@ mod tests {
             (KvDtype::F32, 16, 64),
             (KvDtype::Bf16, 5, 128),
             (KvDtype::F16, 3, 16),
+            (KvDtype::Int8, 16, 64),
+            (KvDtype::Fp8, 5, 128),
+            (KvDtype::Int4, 16, 64),
         ] {
             let n = 37;
             let (prefill, _) = both(dtype, block, 6, 2, dim, 0, n, None);
