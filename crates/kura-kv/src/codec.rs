@@ -225,7 +225,10 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
 /// gives back the sum of the originals. O(n log n).
 pub fn hadamard(x: &mut [f32]) {
     let n = x.len();
-    debug_assert!(n.is_power_of_two(), "the Hadamard transform needs a power of two");
+    debug_assert!(
+        n.is_power_of_two(),
+        "the Hadamard transform needs a power of two"
+    );
     let mut h = 1;
     while h < n {
         for i in (0..n).step_by(2 * h) {
@@ -454,7 +457,11 @@ mod tests {
                 continue;
             }
             let x = e4m3_to_f32(b);
-            assert_eq!(f32_to_e4m3(x), if x == 0.0 { b & 0x80 } else { b }, "code {b:#x}");
+            assert_eq!(
+                f32_to_e4m3(x),
+                if x == 0.0 { b & 0x80 } else { b },
+                "code {b:#x}"
+            );
         }
         assert_eq!(e4m3_to_f32(0x7E), 448.0);
         assert_eq!(e4m3_to_f32(0x01), 1.0 / 512.0);
@@ -494,9 +501,15 @@ mod tests {
                         encode_vector(dtype, &x, &mut bytes, &mut scratch);
                         let mut y = vec![0f32; n];
                         decode_vector(dtype, &bytes, &mut y);
-                        for (g, (xs, ys)) in x.chunks(QUANT_GROUP).zip(y.chunks(QUANT_GROUP)).enumerate() {
+                        for (g, (xs, ys)) in
+                            x.chunks(QUANT_GROUP).zip(y.chunks(QUANT_GROUP)).enumerate()
+                        {
                             let amax = xs.iter().fold(0f32, |m, a| m.max(a.abs()));
-                            let err = xs.iter().zip(ys).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                            let err = xs
+                                .iter()
+                                .zip(ys)
+                                .map(|(a, b)| (a - b).abs())
+                                .fold(0f32, f32::max);
                             // The scale is rounded to f16 (relative 2^-11) before use.
                             let bound = match dtype {
                                 // Half a step of max|x| / 127.
@@ -508,7 +521,10 @@ mod tests {
                                 // ≤ 2 · √n · max|x|... bounded in the L2 norm instead, below).
                                 _ => f32::INFINITY,
                             };
-                            assert!(err <= bound, "{dtype} n {n} group {g} seed {seed}: {err} > {bound}");
+                            assert!(
+                                err <= bound,
+                                "{dtype} n {n} group {g} seed {seed}: {err} > {bound}"
+                            );
                             if dtype == KvDtype::Int4 {
                                 // Per rotated element the error is at most half a step; the rotation
                                 // keeps the L2 norm, so ‖x − y‖ ≤ √len · step / 2.
@@ -516,9 +532,18 @@ mod tests {
                                 hadamard(&mut r);
                                 let range = r.iter().fold(f32::NEG_INFINITY, |m, a| m.max(*a))
                                     - r.iter().fold(f32::INFINITY, |m, a| m.min(*a));
-                                let l2 = xs.iter().zip(ys).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
-                                let bound = (xs.len() as f32).sqrt() * range / 15.0 * 0.5 * 1.02 + 1e-3;
-                                assert!(l2 <= bound, "int4 n {n} group {g} seed {seed}: {l2} > {bound}");
+                                let l2 = xs
+                                    .iter()
+                                    .zip(ys)
+                                    .map(|(a, b)| (a - b) * (a - b))
+                                    .sum::<f32>()
+                                    .sqrt();
+                                let bound =
+                                    (xs.len() as f32).sqrt() * range / 15.0 * 0.5 * 1.02 + 1e-3;
+                                assert!(
+                                    l2 <= bound,
+                                    "int4 n {n} group {g} seed {seed}: {l2} > {bound}"
+                                );
                             }
                         }
                     }

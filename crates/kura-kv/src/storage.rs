@@ -578,7 +578,11 @@ mod tests {
                         };
                     }
                 }
-                assert_eq!(held, 5 * layout.bytes_per_block(), "{dtype} head_dim {head_dim}");
+                assert_eq!(
+                    held,
+                    5 * layout.bytes_per_block(),
+                    "{dtype} head_dim {head_dim}"
+                );
                 assert_eq!(s.bytes(), held);
             }
         }
@@ -608,7 +612,9 @@ mod tests {
                 assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");
             }
             // Other slots and blocks untouched.
-            assert!(decoded(l, l.k_head_block(1, 1))[..128].iter().all(|x| *x == 0.0));
+            assert!(decoded(l, l.k_head_block(1, 1))[..128]
+                .iter()
+                .all(|x| *x == 0.0));
             assert!(decoded(l, l.k_head_block(0, 0)).iter().all(|x| *x == 0.0));
         }
     }
@@ -619,7 +625,10 @@ mod tests {
         assert!(KvStorage::new(&layout, 1).is_ok(), "72 = 64 + 8");
         let layout = KvLayout::uniform(1, 1, 70, KvDtype::Int4, 4).unwrap();
         let err = KvStorage::new(&layout, 1).err().unwrap();
-        assert!(matches!(err, StorageError::UnsupportedHeadDim { head_dim: 70, .. }));
+        assert!(matches!(
+            err,
+            StorageError::UnsupportedHeadDim { head_dim: 70, .. }
+        ));
         assert!(err.to_string().contains("head_dim 70"), "{err}");
         // The unrotated formats take any head size.
         let layout = KvLayout::uniform(1, 1, 70, KvDtype::Int8, 4).unwrap();
@@ -676,7 +685,11 @@ mod tests {
                 assert_eq!(&dst[6..], &[0.0, 0.0], "slot 3 must stay untouched");
                 let dv = decoded(l, l.v_head_block(2, 0));
                 let want = (layer * 10 + 2) as f32 + 0.5;
-                assert!((dv[4] - want).abs() <= want * 0.07, "{dtype}: {} vs {want}", dv[4]);
+                assert!(
+                    (dv[4] - want).abs() <= want * 0.07,
+                    "{dtype}: {} vs {want}",
+                    dv[4]
+                );
             }
         }
     }

@@ -32,7 +32,8 @@ pub struct PlanArgs {
     /// Concurrent requests to size for.
     #[arg(long, default_value_t = 1)]
     batch: u64,
-    /// KV element format: f32, f16, bf16, fp8, int8, int4.
+    /// KV element format: f32, f16, bf16, fp8, int8 or int4 (the quantised ones as `kura serve` stores
+    /// them: scales included).
     #[arg(long, default_value = "f16")]
     kv_dtype: KvDtype,
     /// Weights format for the size estimate: f32, f16, bf16, fp8, int8, int4. Default: a GGUF file's exact
@@ -629,6 +630,65 @@ mod tests {
                     assert_eq!(t.preemption_mode.as_str(), preemption, "{case}");
                 }
             }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Every KV format, quantised ones included: the planner's bytes per token and blocks are the pool
+    /// `kura serve` allocates for the same flags, byte for byte, and the quantised formats hold the
+    /// tokens they promise against bf16 in the same memory.
+    #[test]
+    fn the_planners_blocks_are_the_storage_the_server_allocates() {
+        let dir = std::env::temp_dir().join(format!("kura-plan-storage-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (what, text) in CONFIGS {
+            let config = dir.join(format!("{}.json", what.replace(' ', "-")));
+            std::fs::write(&config, text).unwrap();
+            let runtime = kura_model::ModelConfig::from_hf_json(text).unwrap();
+            let mut tokens = std::collections::HashMap::new();
+            for dtype in KvDtype::ALL {
+                let r = plan_of(&[
+                    "--model",
+                    config.to_str().unwrap(),
+                    "--kv-cache-memory",
+                    "64MiB",
+                    "--kv-dtype",
+                    dtype.name(),
+                ])
+                .unwrap();
+                let layout = runtime.kv_layout(dtype, r.block_size).unwrap();
+                // `serve::run`'s sizing of the pool, then the pool itself.
+                let blocks = layout.num_blocks_for_budget(64 << 20);
+                let storage = kura_kv::storage::KvStorage::new(&layout, blocks as usize).unwrap();
+                let case = format!("{what}, {dtype}");
+                assert_eq!(r.num_blocks, blocks, "{case}");
+                assert_eq!(r.kv_bytes_per_token, layout.bytes_per_token(), "{case}");
+                assert_eq!(storage.bytes(), blocks * layout.bytes_per_block(), "{case}");
+                assert!(storage.bytes() <= 64 << 20, "{case}");
+                assert_eq!(r.max_tokens_in_pool, blocks * r.block_size as u64, "{case}");
+                tokens.insert(dtype, r.max_tokens_in_pool as f64);
+            }
+            // One f16 scale per vector costs 2 bytes: at head_dim 32 (the mistral config) int8 holds
+            // 64 / 34 = 1.88× bf16; from head_dim 64 on the promised gains hold.
+            if runtime.head_dim < 64 {
+                continue;
+            }
+            let gain = |d| tokens[&d] / tokens[&KvDtype::Bf16];
+            assert!(
+                gain(KvDtype::Int8) >= 1.9,
+                "{what}: int8 {}",
+                gain(KvDtype::Int8)
+            );
+            assert!(
+                gain(KvDtype::Fp8) >= 1.9,
+                "{what}: fp8 {}",
+                gain(KvDtype::Fp8)
+            );
+            assert!(
+                gain(KvDtype::Int4) >= 3.5,
+                "{what}: int4 {}",
+                gain(KvDtype::Int4)
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -47,7 +47,8 @@ pub struct ServeArgs {
     /// 256 MiB) for the rest of the server.
     #[arg(long, default_value = "1GiB")]
     kv_cache_memory: String,
-    /// KV element format: bf16 (default, like the weights), f16 or f32 (twice the bytes). On a CPU with
+    /// KV element format: bf16 (default, like the weights), f16, f32 (twice the bytes), or quantised
+    /// int8 and fp8 (e4m3) (about half of bf16's bytes) or int4 (about 2/7). On a CPU with
     /// AVX-512 (AVX-512 BF16 for bf16 weights), a request served from cached blocks is bit-identical to a
     /// cold one in every format (seeded sampling included).
     #[arg(long, default_value = "bf16")]
@@ -359,6 +360,18 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         args.kv_dtype.name(),
         format_bytes(layout.bytes_per_token()),
     );
+    if args.kv_dtype.is_quantized() {
+        let bf16_blocks = layout
+            .with_dtype(KvDtype::Bf16)
+            .num_blocks_for_budget(budget);
+        tracing::info!(
+            "KV cache in {}: {:.2}× the tokens bf16 would hold in the same {} ({} blocks instead of {bf16_blocks})",
+            args.kv_dtype.name(),
+            num_blocks as f64 / bf16_blocks.max(1) as f64,
+            format_bytes(budget),
+            num_blocks,
+        );
+    }
     let storage =
         KvStorage::new(&layout, num_blocks as usize).context("allocating the KV cache")?;
     let fingerprint = kv_fingerprint(model.weights_fingerprint(), args.weights_dtype, &layout);

@@ -52,7 +52,11 @@ trait KvRow {
     /// avx512f is present; a whole row of a `head_dim`-element vector, `head_dim` a multiple of 64, is
     /// readable at `row`, and `16c < head_dim`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(row: *const Self::Unit, c: usize, p: &Self::Params) -> std::arch::x86_64::__m512;
+    unsafe fn load16(
+        row: *const Self::Unit,
+        c: usize,
+        p: &Self::Params,
+    ) -> std::arch::x86_64::__m512;
 }
 
 macro_rules! plain_row {
@@ -94,9 +98,11 @@ macro_rules! plain_row {
 
 plain_row!(f32, F32, |p| _mm512_loadu_ps(p));
 // bf16 widens to f32 by a 16-bit shift.
-plain_row!(bf16, Bf16, |p| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
-    _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))
-)));
+plain_row!(bf16, Bf16, |p| _mm512_castsi512_ps(
+    _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        p as *const __m256i
+    )))
+));
 plain_row!(f16, F16, |p| _mm512_cvtph_ps(_mm256_loadu_si256(
     p as *const __m256i
 )));
@@ -119,7 +125,13 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 /// for the second.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn group_scales(row: *const u8, payload: usize, stride: usize, groups: usize, mul: f32) -> [f32; 2] {
+unsafe fn group_scales(
+    row: *const u8,
+    payload: usize,
+    stride: usize,
+    groups: usize,
+    mul: f32,
+) -> [f32; 2] {
     // SAFETY: the caller's guarantee that the row is readable.
     unsafe {
         let s0 = f16_at(row.add(payload)) * mul;
@@ -372,7 +384,12 @@ pub unsafe fn attention_part(
                         continue;
                     }
                     let q_base = t * q_stride + kvh * group * head_dim;
-                    let q = rotated_query(kv.dtype(), head_dim, &q[q_base..q_base + group * head_dim], &mut qrot);
+                    let q = rotated_query(
+                        kv.dtype(),
+                        head_dim,
+                        &q[q_base..q_base + group * head_dim],
+                        &mut qrot,
+                    );
                     let job = Job {
                         q,
                         seq,
@@ -442,7 +459,12 @@ pub unsafe fn attention_part(
 
 /// A unit's query heads as attention over `dtype` reads them: for a rotated format each head's groups
 /// rotated like the stored K ([`codec::hadamard_groups`]) into `buf`, otherwise `q` itself.
-fn rotated_query<'q>(dtype: KvDtype, head_dim: usize, q: &'q [f32], buf: &'q mut [f32]) -> &'q [f32] {
+fn rotated_query<'q>(
+    dtype: KvDtype,
+    head_dim: usize,
+    q: &'q [f32],
+    buf: &'q mut [f32],
+) -> &'q [f32] {
     if !dtype.is_rotated() {
         return q;
     }
@@ -464,7 +486,13 @@ fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
 }
 
 /// One unit's partials through the kernel of `dtype`'s rows.
-fn attend_dtype(dtype: KvDtype, use_avx512: bool, job: &Job<'_, '_>, scores: &mut Vec<f32>, part: &mut [f32]) {
+fn attend_dtype(
+    dtype: KvDtype,
+    use_avx512: bool,
+    job: &Job<'_, '_>,
+    scores: &mut Vec<f32>,
+    part: &mut [f32],
+) {
     match dtype {
         KvDtype::F32 => attend_any::<f32>(use_avx512, job, scores, part),
         KvDtype::Bf16 => attend_any::<bf16>(use_avx512, job, scores, part),
@@ -856,8 +884,7 @@ mod x86 {
                 // SAFETY: a whole row (head_dim = 16 · CH elements) is readable from vp.
                 let pr = unsafe { R::params(vp, head_dim) };
                 // SAFETY: as above, and 16c < head_dim.
-                let vv: [__m512; CH] =
-                    std::array::from_fn(|c| unsafe { R::load16(vp, c, &pr) });
+                let vv: [__m512; CH] = std::array::from_fn(|c| unsafe { R::load16(vp, c, &pr) });
                 for (g, ag) in acc.iter_mut().enumerate() {
                     let p = _mm512_set1_ps(scores[(g0 + g) * n_ctx + at + slot - first]);
                     for (a, x) in ag.iter_mut().zip(&vv) {
