@@ -273,6 +273,25 @@ impl Model {
     /// Runs the new tokens of every sequence through the model, writing their K and V into `kv` at their
     /// positions, and returns the logits of each sequence's last new token.
     pub fn forward(&self, batch: &[SeqBatchItem<'_>], kv: &mut KvStorage) -> Result<Logits> {
+        self.forward_rows(batch, kv, false)
+    }
+
+    /// As [`Model::forward`], but returns the logits of every new token, in batch order (`kura
+    /// perplexity` scores each position of a text).
+    pub fn forward_every_position(
+        &self,
+        batch: &[SeqBatchItem<'_>],
+        kv: &mut KvStorage,
+    ) -> Result<Logits> {
+        self.forward_rows(batch, kv, true)
+    }
+
+    fn forward_rows(
+        &self,
+        batch: &[SeqBatchItem<'_>],
+        kv: &mut KvStorage,
+        every_position: bool,
+    ) -> Result<Logits> {
         self.check_batch(batch, kv)?;
         let c = &self.config;
         let (h, d, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
@@ -324,7 +343,8 @@ impl Model {
 
         let head = self.weights.lm_head();
         let kind = head.act_kind();
-        let n = batch.len();
+        // Rows of the output head: each sequence's last token, or every token.
+        let n = if every_position { t_total } else { batch.len() };
         let mut xn = ActBuf::new(kind, t_total, h);
         let mut qkv = vec![0f32; t_total * qkv_dim];
         let mut attn = ActBuf::new(kind, t_total, q_dim);
@@ -435,9 +455,13 @@ impl Model {
                 unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) };
                 tm.sync();
             }
-            // The output head only for each sequence's last token.
+            // The output head only for each sequence's last token (or for every token).
             for i in tm.range(n) {
-                let t = seqs[i].first_token + seqs[i].n_tokens - 1;
+                let t = if every_position {
+                    i
+                } else {
+                    seqs[i].first_token + seqs[i].n_tokens - 1
+                };
                 let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
                 rms_norm(xr, &self.weights.final_norm, eps, &mut row[..h]);
                 unsafe { lasts.write(i, 0, &row[..h]) };

@@ -6,6 +6,7 @@ mod bench;
 mod cache;
 mod generate;
 mod memory;
+mod perplexity;
 mod plan;
 mod serve;
 mod setup;
@@ -29,6 +30,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Generate text from one prompt on the CPU and report load time, TTFT, ITL and tokens/s.
     Generate(generate::GenerateArgs),
+    /// Perplexity of a text with each KV format, against f32 KV: KL divergence and top-1 agreement.
+    Perplexity(perplexity::PerplexityArgs),
     /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
     Serve(serve::ServeArgs),
     /// Measure an OpenAI-compatible server (Kura or another) on KV-cache workloads; reports and plots.
@@ -51,6 +54,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sim(args) => sim::run(args),
