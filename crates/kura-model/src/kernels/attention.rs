@@ -458,7 +458,7 @@ pub unsafe fn attention_part(
 }
 
 /// A unit's query heads as attention over `dtype` reads them: for a rotated format each head's groups
-/// rotated like the stored K ([`codec::hadamard_groups`]) into `buf`, otherwise `q` itself.
+/// rotated like the stored K ([`codec::rotate_groups`]) into `buf`, otherwise `q` itself.
 fn rotated_query<'q>(
     dtype: KvDtype,
     head_dim: usize,
@@ -470,17 +470,17 @@ fn rotated_query<'q>(
     }
     buf.copy_from_slice(q);
     for head in buf.chunks_exact_mut(head_dim) {
-        codec::hadamard_groups(head);
+        codec::rotate_groups(head);
     }
     buf
 }
 
 /// Rotates each head of a merged output back to the original basis, for rotated formats (the output is
-/// a weighted sum of rotated V rows, and the rotation is its own inverse).
+/// a weighted sum of rotated V rows).
 fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
     if dtype.is_rotated() {
         for head in o.chunks_exact_mut(head_dim) {
-            codec::hadamard_groups(head);
+            codec::unrotate_groups(head);
         }
     }
 }
