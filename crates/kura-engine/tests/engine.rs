@@ -46,7 +46,24 @@ fn engine_with(
     max_num_batched_tokens: usize,
     tweak: impl FnOnce(&mut EngineConfig),
 ) -> EngineHandle {
-    let layout = model.kv_layout(KvDtype::F32, BLOCK).unwrap();
+    engine_in(
+        KvDtype::F32,
+        model,
+        num_blocks,
+        max_num_batched_tokens,
+        tweak,
+    )
+}
+
+/// An engine over KV of `dtype`, its configuration adjusted by `tweak`.
+fn engine_in(
+    dtype: KvDtype,
+    model: &Arc<Model>,
+    num_blocks: usize,
+    max_num_batched_tokens: usize,
+    tweak: impl FnOnce(&mut EngineConfig),
+) -> EngineHandle {
+    let layout = model.kv_layout(dtype, BLOCK).unwrap();
     let storage = KvStorage::new(&layout, num_blocks).unwrap();
     let mut config = EngineConfig {
         model_name: "test".into(),
@@ -403,8 +420,25 @@ fn a_stop_string_ends_its_choice_where_it_starts_and_frees_its_blocks() {
 /// the mix.
 #[test]
 fn blocks_from_the_host_and_disk_tiers_give_the_cold_tokens() {
+    tiers_give_the_cold_tokens(KvDtype::F32);
+}
+
+/// The same in each quantised format: a request served from cached int8 (fp8, int4) blocks, from the
+/// pool, the host tier or the disk, is bit-identical to a cold run in that format, since a block's
+/// scales travel inside its bytes.
+#[test]
+fn quantised_blocks_from_the_pool_and_the_tiers_give_the_cold_tokens() {
+    for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Int4] {
+        tiers_give_the_cold_tokens(dtype);
+    }
+}
+
+fn tiers_give_the_cold_tokens(dtype: KvDtype) {
     let model = model();
-    let dir = std::env::temp_dir().join(format!("kura-engine-model-tiers-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "kura-engine-model-tiers-{dtype}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     let tiered = |c: &mut EngineConfig| {
         c.tiers = TierSetup {
@@ -424,7 +458,9 @@ fn blocks_from_the_host_and_disk_tiers_give_the_cold_tokens() {
         r
     };
     let cold: Vec<Vec<u32>> = {
-        let e = engine(&model, 64, 512);
+        let e = engine_in(dtype, &model, 64, 512, |c| {
+            c.scheduling_policy = SchedulingPolicy::Fcfs
+        });
         let out = (0..4)
             .map(|s| wait(&submit(&e, request(s)).1, 1).tokens.remove(0))
             .collect();
@@ -440,29 +476,45 @@ fn blocks_from_the_host_and_disk_tiers_give_the_cold_tokens() {
     let num_blocks = 2 * longest.div_ceil(BLOCK) + 2;
     // A revisit finds every full block before its last prompt token.
     let full_blocks = |s: usize| (request(s).prompt_tokens.len() - 1) / BLOCK * BLOCK;
-    let e = engine_with(&model, num_blocks, 512, tiered);
+    let e = engine_in(dtype, &model, num_blocks, 512, tiered);
     for (s, want) in cold.iter().enumerate() {
-        assert_eq!(&wait(&submit(&e, request(s)).1, 1).tokens[0], want);
+        assert_eq!(
+            &wait(&submit(&e, request(s)).1, 1).tokens[0],
+            want,
+            "{dtype}"
+        );
     }
     for (s, want) in cold.iter().enumerate() {
         let o = wait(&submit(&e, request(s)).1, 1);
-        assert_eq!(&o.tokens[0], want, "revisit of prompt {s}");
-        assert_eq!(o.usage.cached_tokens as usize, full_blocks(s), "prompt {s}");
+        assert_eq!(&o.tokens[0], want, "{dtype}: revisit of prompt {s}");
+        assert_eq!(
+            o.usage.cached_tokens as usize,
+            full_blocks(s),
+            "{dtype}: prompt {s}"
+        );
     }
     // Concurrent: preemption swaps to the host tier.
     let guards: Vec<_> = (0..4).map(|s| submit(&e, request(s))).collect();
     for (s, (_, rx)) in guards.iter().enumerate() {
-        assert_eq!(&wait(rx, 1).tokens[0], &cold[s], "concurrent prompt {s}");
+        assert_eq!(
+            &wait(rx, 1).tokens[0],
+            &cold[s],
+            "{dtype}: concurrent prompt {s}"
+        );
     }
     settle(&e);
     assert!(metric(&e, "kura:kv_tier_hit_blocks_total{tier=\"host\"}") > 0.0);
     assert!(metric(&e, "kura:kv_swapped_out_blocks_total") > 0.0);
     e.stop();
-    let e = engine_with(&model, num_blocks, 512, tiered);
+    let e = engine_in(dtype, &model, num_blocks, 512, tiered);
     for (s, want) in cold.iter().enumerate() {
         let o = wait(&submit(&e, request(s)).1, 1);
-        assert_eq!(&o.tokens[0], want, "prompt {s} after a restart");
-        assert_eq!(o.usage.cached_tokens as usize, full_blocks(s), "prompt {s}");
+        assert_eq!(&o.tokens[0], want, "{dtype}: prompt {s} after a restart");
+        assert_eq!(
+            o.usage.cached_tokens as usize,
+            full_blocks(s),
+            "{dtype}: prompt {s}"
+        );
     }
     settle(&e);
     assert!(metric(&e, "kura:kv_tier_hit_blocks_total{tier=\"disk\"}") > 0.0);

@@ -576,17 +576,34 @@ mod tests {
                                 _ => range / 15.0 * 0.5,
                             } * 1.01
                                 + 1e-5;
-                            let case = format!("{dtype} n {n} group {g} seed {seed} outlier {outlier}");
+                            let case =
+                                format!("{dtype} n {n} group {g} seed {seed} outlier {outlier}");
                             if dtype != KvDtype::Int4 {
-                                let err = rs.iter().zip(ss).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                                let err = rs
+                                    .iter()
+                                    .zip(ss)
+                                    .map(|(a, b)| (a - b).abs())
+                                    .fold(0f32, f32::max);
                                 assert!(err <= half_step, "{case}: {err} > {half_step}");
                             }
                             let l2 = |a: &[f32], b: &[f32]| {
-                                a.iter().zip(b).map(|(p, q)| (p - q) * (p - q)).sum::<f32>().sqrt()
+                                a.iter()
+                                    .zip(b)
+                                    .map(|(p, q)| (p - q) * (p - q))
+                                    .sum::<f32>()
+                                    .sqrt()
                             };
                             let bound = (xs.len() as f32).sqrt() * half_step * 1.01 + 1e-4;
-                            assert!(l2(rs, ss) <= bound, "{case}: rotated {} > {bound}", l2(rs, ss));
-                            assert!(l2(xs, ys) <= bound, "{case}: decoded {} > {bound}", l2(xs, ys));
+                            assert!(
+                                l2(rs, ss) <= bound,
+                                "{case}: rotated {} > {bound}",
+                                l2(rs, ss)
+                            );
+                            assert!(
+                                l2(xs, ys) <= bound,
+                                "{case}: decoded {} > {bound}",
+                                l2(xs, ys)
+                            );
                         }
                     }
                 }

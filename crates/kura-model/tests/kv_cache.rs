@@ -163,7 +163,7 @@ fn prefill_chunks_and_decode_give_bit_identical_logits_on_packed_weights() {
     // With packed weights (bf16 with vdpbf16ps, f32 with AVX-512) one kernel serves every batch size and
     // attention reads every K/V from the cache, so a position's logits are the same bits whether it is
     // computed in a whole prefill, in a later chunk after a cached prefix, or alone in a decode step, in
-    // any KV format. Elsewhere gemm (prefill) and the row kernel (decode) sum in different orders and only
+    // any KV format (int8, fp8 and int4 included). Elsewhere gemm (prefill) and the row kernel (decode) sum in different orders and only
     // agree to rounding.
     use kura_model::kernels::dot::{Avx512, Bf16Act};
     let mut dtypes = Vec::new();
@@ -191,7 +191,9 @@ fn check_invariance(model: &Model, weights_dtype: WeightsDtype) {
         .unwrap();
     let n = prompt.len();
     assert!(n > 30, "{n} tokens");
-    for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::F16] {
+    // Quantised formats too: a token's stored bytes depend on that token alone, and attention reads
+    // them the same way in a prefill chunk or a decode step.
+    for dtype in KvDtype::ALL {
         let layout = model.kv_layout(dtype, 16).unwrap();
         let table = [0u32, 1, 2, 3];
         let run = |parts: &[(usize, usize)]| -> Vec<f32> {

@@ -130,7 +130,10 @@ impl Run {
 pub fn run(args: PerplexityArgs) -> Result<()> {
     crate::setup::threads(args.threads)?;
     if args.context < 2 {
-        bail!("--context {} is too short: a chunk needs at least 2 tokens", args.context);
+        bail!(
+            "--context {} is too short: a chunk needs at least 2 tokens",
+            args.context
+        );
     }
     if args.kv_dtype.is_empty() {
         bail!("--kv-dtype names no format");
