@@ -2,7 +2,8 @@
 # Runs all of Kura's tests: the Rust workspace (unit, property, scenario and real-model tests) and the
 # Python tests that drive `kura serve` with the official `openai` client. Installs what they need: the
 # default model (scripts/fetch-model.sh), llama.cpp's tokenizer conformance files
-# (scripts/fetch-vocab-tests.sh) and a Python virtual environment with tests/python/requirements.txt.
+# (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is tested on (scripts/fetch-eval-text.sh) and a
+# Python virtual environment with tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,8 @@ KURA_MODEL=$(scripts/fetch-model.sh)
 export KURA_MODEL
 KURA_VOCAB_DIR=$(scripts/fetch-vocab-tests.sh)
 export KURA_VOCAB_DIR
+KURA_EVAL_TEXT=$(scripts/fetch-eval-text.sh)
+export KURA_EVAL_TEXT
 
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
 # overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the
