@@ -64,7 +64,7 @@ fn engine_in(
     tweak: impl FnOnce(&mut EngineConfig),
 ) -> EngineHandle {
     let layout = model.kv_layout(dtype, BLOCK).unwrap();
-    let storage = KvStorage::new(&layout, num_blocks).unwrap();
+    let storage = model.kv_storage(&layout, num_blocks).unwrap();
     let mut config = EngineConfig {
         model_name: "test".into(),
         max_model_len: model.config().max_context,

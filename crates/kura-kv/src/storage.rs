@@ -58,6 +58,8 @@ pub enum StorageError {
         tokens: usize,
         block_size_tokens: usize,
     },
+    #[error("key offsets: {0}")]
+    KeyOffsets(String),
     #[error("a block's KV is {expected} bytes, not {got}")]
     BlockBytes { expected: u64, got: usize },
     #[error("a KV cache of {num_blocks} blocks does not fit in this machine's address space")]
@@ -85,6 +87,9 @@ pub enum KvRegion {
     /// Encoded vectors of a quantised format ([`codec::encode_vector`]).
     Quant(Vec<u8>),
 }
+
+/// The largest head size whose K can be centred ([`KvStorage::set_key_offsets`]).
+const MAX_CENTRED_HEAD_DIM: usize = 512;
 
 /// A read-only view of the vectors of one head in one block: `block_size_tokens × head_dim` elements, or
 /// for a quantised format `block_size_tokens` encoded vectors of `bytes_per_vector(head_dim)` bytes.
@@ -267,6 +272,9 @@ pub struct LayerStorage {
     v: KvRegion,
     /// Room for one vector while it is encoded.
     scratch: Vec<f32>,
+    /// Subtracted from every K vector before it is encoded, per head (`kv_heads × head_dim`); empty for
+    /// none. See [`KvStorage::set_key_offsets`].
+    key_offset: Vec<f32>,
 }
 
 impl LayerStorage {
@@ -330,11 +338,25 @@ impl LayerStorage {
             "slot {slot} outside a block of {}",
             self.block_size_tokens
         );
+        let hd = self.head_dim;
         for head in 0..self.kv_heads {
             let at = self.offset(block, head, slot);
-            let src = head * self.head_dim..(head + 1) * self.head_dim;
+            let src = head * hd..(head + 1) * hd;
             let (dtype, scratch) = (self.dtype, &mut self.scratch[..]);
-            self.k.write(at, &k[src.clone()], dtype, scratch);
+            if self.key_offset.is_empty() {
+                self.k.write(at, &k[src.clone()], dtype, scratch);
+            } else {
+                let mut centred = [0f32; MAX_CENTRED_HEAD_DIM];
+                let centred = &mut centred[..hd];
+                for ((c, x), m) in centred
+                    .iter_mut()
+                    .zip(&k[src.clone()])
+                    .zip(&self.key_offset[src.clone()])
+                {
+                    *c = x - m;
+                }
+                self.k.write(at, centred, dtype, scratch);
+            }
             self.v.write(at, &v[src], dtype, scratch);
         }
     }
@@ -402,6 +424,7 @@ impl KvStorage {
                 k,
                 v,
                 scratch: vec![0.0; l.head_dim],
+                key_offset: Vec::new(),
             });
         }
         Ok(KvStorage {
@@ -450,6 +473,49 @@ impl KvStorage {
                 num_blocks: self.num_blocks,
             })
         }
+    }
+
+    /// Sets the vector subtracted from every K written from now on, per layer and head (`offsets[layer]`
+    /// holds `kv_heads × head_dim` values). Attention is unchanged by it: a query's scores all move by the
+    /// same `q · offset`, which the softmax cancels. What it buys is precision: K of a head shares a large
+    /// common part across tokens (its mean), and a quantised K spends its steps on that common part unless
+    /// it is taken out first (SageAttention's smoothing of K, with a mean fixed per head instead of per
+    /// block, so that a token's bytes still depend on that token alone). The offsets shape the stored
+    /// bytes: blocks written under other offsets must not be mixed in (the server's KV fingerprint covers
+    /// them). Only quantised formats take offsets; head sizes up to 512.
+    pub fn set_key_offsets(&mut self, offsets: Vec<Vec<f32>>) -> Result<(), StorageError> {
+        if !self.layout.dtype.is_quantized() {
+            return Err(StorageError::KeyOffsets(format!(
+                "{} KV stores K as it is; only quantised formats take key offsets",
+                self.layout.dtype
+            )));
+        }
+        if offsets.len() != self.layers.len() {
+            return Err(StorageError::KeyOffsets(format!(
+                "{} layers of offsets for {} layers",
+                offsets.len(),
+                self.layers.len()
+            )));
+        }
+        for (i, (layer, o)) in self.layers.iter().zip(&offsets).enumerate() {
+            if o.len() != layer.kv_heads * layer.head_dim || layer.head_dim > MAX_CENTRED_HEAD_DIM {
+                return Err(StorageError::KeyOffsets(format!(
+                    "layer {i}: {} offsets for {} heads of {}",
+                    o.len(),
+                    layer.kv_heads,
+                    layer.head_dim
+                )));
+            }
+            if o.iter().any(|x| !x.is_finite()) {
+                return Err(StorageError::KeyOffsets(format!(
+                    "layer {i}: an offset is not finite"
+                )));
+            }
+        }
+        for (layer, o) in self.layers.iter_mut().zip(offsets) {
+            layer.key_offset = o;
+        }
+        Ok(())
     }
 
     /// Writes every byte of block `block`'s KV into `out` (exactly `layout.bytes_per_block()` bytes): layer
@@ -618,6 +684,51 @@ mod tests {
                 .all(|x| *x == 0.0));
             assert!(decoded(l, l.k_head_block(0, 0)).iter().all(|x| *x == 0.0));
         }
+    }
+
+    #[test]
+    fn key_offsets_are_taken_out_of_k_only_and_checked() {
+        let layout = KvLayout::uniform(2, 2, 64, KvDtype::Int8, 4).unwrap();
+        let mut s = KvStorage::new(&layout, 2).unwrap();
+        let offsets: Vec<Vec<f32>> = (0..2)
+            .map(|l| (0..128).map(|i| (l * 128 + i) as f32 * 0.1).collect())
+            .collect();
+        s.set_key_offsets(offsets.clone()).unwrap();
+        let k: Vec<f32> = (0..128).map(|i| i as f32 * 0.1 + 1.0).collect();
+        let v = k.clone();
+        s.layer_mut(1).write_token(1, 3, &k, &v);
+        let l = s.layer(1);
+        for head in 0..2 {
+            let kd = decoded(l, l.k_head_block(1, head));
+            let vd = decoded(l, l.v_head_block(1, head));
+            for i in 0..64 {
+                let (want_k, want_v) = (
+                    k[head * 64 + i] - offsets[1][head * 64 + i],
+                    v[head * 64 + i],
+                );
+                assert!(
+                    (kd[192 + i] - want_k).abs() < 0.05,
+                    "K {i}: {} vs {want_k}",
+                    kd[192 + i]
+                );
+                assert!(
+                    (vd[192 + i] - want_v).abs() < 0.2,
+                    "V {i}: {} vs {want_v}",
+                    vd[192 + i]
+                );
+            }
+        }
+        // Shapes, values and formats are checked.
+        let err = |r: Result<(), StorageError>| r.unwrap_err().to_string();
+        assert!(err(s.set_key_offsets(vec![vec![0.0; 128]])).contains("1 layers of offsets for 2"));
+        assert!(err(s.set_key_offsets(vec![vec![0.0; 128], vec![0.0; 64]]))
+            .contains("layer 1: 64 offsets"));
+        assert!(
+            err(s.set_key_offsets(vec![vec![0.0; 128], vec![f32::NAN; 128]]))
+                .contains("not finite")
+        );
+        let mut plain = KvStorage::new(&layout.with_dtype(KvDtype::Bf16), 1).unwrap();
+        assert!(err(plain.set_key_offsets(offsets)).contains("only quantised formats"));
     }
 
     #[test]

@@ -29,7 +29,7 @@ struct Case {
 fn filled(model: &Model, dtype: KvDtype, case: &Case) -> (KvStorage, Vec<Vec<u32>>) {
     let per_seq = (case.ctx + 1).div_ceil(BLOCK);
     let layout = model.kv_layout(dtype, BLOCK).unwrap();
-    let mut kv = KvStorage::new(&layout, per_seq * case.batch).unwrap();
+    let mut kv = model.kv_storage(&layout, per_seq * case.batch).unwrap();
     let tables: Vec<Vec<u32>> = (0..case.batch)
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
@@ -48,12 +48,8 @@ fn filled(model: &Model, dtype: KvDtype, case: &Case) -> (KvStorage, Vec<Vec<u32
             for layer in 0..c.num_layers {
                 k.iter_mut().for_each(|e| *e = next());
                 v.iter_mut().for_each(|e| *e = next());
-                kv.layer_mut(layer).write_token(
-                    table[pos / BLOCK] as usize,
-                    pos % BLOCK,
-                    &k,
-                    &v,
-                );
+                kv.layer_mut(layer)
+                    .write_token(table[pos / BLOCK] as usize, pos % BLOCK, &k, &v);
             }
         }
     }
@@ -66,11 +62,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let model = Model::load(&kura_model::default_model_path()).expect("run scripts/fetch-model.sh first");
+    let model =
+        Model::load(&kura_model::default_model_path()).expect("run scripts/fetch-model.sh first");
     let formats: Vec<KvDtype> = std::env::var("KURA_BENCH_KV")
         .unwrap_or_else(|_| "bf16,int8,fp8,int4".into())
         .split(',')
-        .map(|s| s.parse().expect("KURA_BENCH_KV: formats separated by commas"))
+        .map(|s| {
+            s.parse()
+                .expect("KURA_BENCH_KV: formats separated by commas")
+        })
         .collect();
     let rounds: usize = std::env::var("KURA_BENCH_ROUNDS")
         .ok()

@@ -72,7 +72,17 @@ pub struct Model {
     chat_template: ChatTemplate,
     weights: Weights,
     inv_freq: Vec<f32>,
+    /// The mean K of each layer and KV head over [`CALIBRATION_TEXT`], computed on first use.
+    key_means: std::sync::OnceLock<std::result::Result<Vec<Vec<f32>>, String>>,
 }
+
+/// A paragraph of ordinary English prose that the model reads once to find each KV head's mean K
+/// ([`Model::key_means`]).
+const CALIBRATION_TEXT: &str = include_str!("calibration.txt");
+
+/// Positions at the start of the calibration text left out of the mean: the first tokens of a sequence
+/// (attention sinks) have K unlike the rest.
+const CALIBRATION_SKIP: usize = 4;
 
 impl GgufFile {
     fn torch_shape(&self, name: &str) -> Result<Vec<usize>> {
@@ -157,7 +167,90 @@ impl Model {
             chat_template,
             weights,
             inv_freq,
+            key_means: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The mean K (after RoPE) of each layer and KV head over a fixed paragraph of English
+    /// ([`CALIBRATION_TEXT`]), skipping its first positions: `[layer][head × head_dim + i]`. Computed once
+    /// per model (one forward pass over about 300 tokens with f32 KV) and the same bits every time for the
+    /// same weights. Quantised KV stores K minus this mean ([`KvStorage::set_key_offsets`]).
+    pub fn key_means(&self) -> Result<&[Vec<f32>]> {
+        self.key_means
+            .get_or_init(|| self.compute_key_means().map_err(|e| e.to_string()))
+            .as_deref()
+            .map_err(|e| ModelError::Config(format!("computing the mean K of each head: {e}")))
+    }
+
+    fn compute_key_means(&self) -> Result<Vec<Vec<f32>>> {
+        const BLOCK: usize = 16;
+        let mut tokens = self.tokenizer.encode(CALIBRATION_TEXT, false)?;
+        tokens.truncate(self.config.max_context);
+        if tokens.len() <= CALIBRATION_SKIP {
+            return Err(ModelError::Config(format!(
+                "the calibration text is {} tokens for this tokenizer",
+                tokens.len()
+            )));
+        }
+        let layout = self.kv_layout(KvDtype::F32, BLOCK)?;
+        let blocks = tokens.len().div_ceil(BLOCK);
+        let mut kv = KvStorage::new(&layout, blocks)?;
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        self.forward(
+            &[SeqBatchItem {
+                tokens: &tokens,
+                start_pos: 0,
+                block_table: &table,
+            }],
+            &mut kv,
+        )?;
+        let n = (tokens.len() - CALIBRATION_SKIP) as f64;
+        let means = (0..self.config.num_layers)
+            .map(|layer| {
+                let l = kv.layer(layer);
+                let d = l.head_dim;
+                let mut sum = vec![0f64; l.kv_heads * d];
+                for pos in CALIBRATION_SKIP..tokens.len() {
+                    for head in 0..l.kv_heads {
+                        let kura_kv::storage::KvSlice::F32(k) = l.k_head_block(pos / BLOCK, head)
+                        else {
+                            unreachable!("f32 storage")
+                        };
+                        let row = &k[(pos % BLOCK) * d..(pos % BLOCK + 1) * d];
+                        for (s, x) in sum[head * d..(head + 1) * d].iter_mut().zip(row) {
+                            *s += f64::from(*x);
+                        }
+                    }
+                }
+                sum.iter().map(|s| (s / n) as f32).collect()
+            })
+            .collect();
+        Ok(means)
+    }
+
+    /// A KV storage of `num_blocks` blocks of `layout` for this model: for a quantised format, one that
+    /// stores K minus each head's mean ([`Model::key_means`]).
+    pub fn kv_storage(&self, layout: &KvLayout, num_blocks: usize) -> Result<KvStorage> {
+        let mut kv = KvStorage::new(layout, num_blocks)?;
+        if layout.dtype.is_quantized() {
+            kv.set_key_offsets(self.key_means()?.to_vec())?;
+        }
+        Ok(kv)
+    }
+
+    /// Digest of what shapes this model's stored KV beyond the weights: for quantised formats, the key
+    /// offsets their blocks were written under (0 for plain formats).
+    pub fn kv_encoding_fingerprint(&self, dtype: KvDtype) -> Result<u128> {
+        if !dtype.is_quantized() {
+            return Ok(0);
+        }
+        let mut bytes = Vec::new();
+        for layer in self.key_means()? {
+            for x in layer {
+                bytes.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        Ok(xxhash_rust::xxh3::xxh3_128(&bytes))
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -46,7 +46,7 @@ impl<'m> SoloRun<'m> {
             })?;
         let layout = model.kv_layout(kv_dtype, block_size)?;
         let blocks = capacity.div_ceil(block_size);
-        let kv = KvStorage::new(&layout, blocks)?;
+        let kv = model.kv_storage(&layout, blocks)?;
         Ok(Self {
             model,
             kv,

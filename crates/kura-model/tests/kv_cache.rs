@@ -197,7 +197,7 @@ fn check_invariance(model: &Model, weights_dtype: WeightsDtype) {
         let layout = model.kv_layout(dtype, 16).unwrap();
         let table = [0u32, 1, 2, 3];
         let run = |parts: &[(usize, usize)]| -> Vec<f32> {
-            let mut kv = KvStorage::new(&layout, 4).unwrap();
+            let mut kv = model.kv_storage(&layout, 4).unwrap();
             let mut last = Vec::new();
             for &(a, b) in parts {
                 let out = model

@@ -20,6 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kura_kv::codec::KvDtype;
+
 use kura_kv::storage::KvStorage;
 use kura_model::{Model, SeqBatchItem, WeightsDtype};
 use serde::Serialize;
@@ -120,7 +121,8 @@ impl Run {
         let layout = model.kv_layout(dtype, block_size)?;
         let blocks = context.div_ceil(block_size);
         Ok(Run {
-            kv: KvStorage::new(&layout, blocks)
+            kv: model
+                .kv_storage(&layout, blocks)
                 .with_context(|| format!("allocating {dtype} KV for {context} tokens"))?,
             table: (0..blocks as u32).collect(),
         })

@@ -14,7 +14,6 @@ use kura_engine::{
 };
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
-use kura_kv::storage::KvStorage;
 use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::WeightsDtype;
 use kura_server::caching::ContextStore;
@@ -168,9 +167,16 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 /// The identity of KV computed by this model in this format: the weights' digest, the compute format
 /// and the KV layout (element format, block size, every layer's shape). Cached blocks of one
 /// fingerprint are never served under another, in the pool or on disk.
-fn kv_fingerprint(weights: u128, weights_dtype: WeightsDtype, layout: &KvLayout) -> u128 {
-    let text =
-        format!("kura-kv 1; weights {weights:032x}; compute {weights_dtype:?}; layout {layout:?}");
+fn kv_fingerprint(
+    weights: u128,
+    weights_dtype: WeightsDtype,
+    layout: &KvLayout,
+    encoding: u128,
+) -> u128 {
+    let text = format!(
+        "kura-kv 1; weights {weights:032x}; compute {weights_dtype:?}; layout {layout:?}; \
+         encoding {encoding:032x}"
+    );
     xxhash_rust::xxh3::xxh3_128(text.as_bytes())
 }
 
@@ -372,9 +378,15 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
             num_blocks,
         );
     }
-    let storage =
-        KvStorage::new(&layout, num_blocks as usize).context("allocating the KV cache")?;
-    let fingerprint = kv_fingerprint(model.weights_fingerprint(), args.weights_dtype, &layout);
+    let storage = model
+        .kv_storage(&layout, num_blocks as usize)
+        .context("allocating the KV cache")?;
+    let fingerprint = kv_fingerprint(
+        model.weights_fingerprint(),
+        args.weights_dtype,
+        &layout,
+        model.kv_encoding_fingerprint(args.kv_dtype)?,
+    );
     let host_blocks = tier_sizes.host_blocks(layout.bytes_per_block())?;
     // The pool is allocated by now: what remains must hold the host tier too.
     let host_bytes = u64::from(host_blocks) * layout.bytes_per_block();

@@ -10,7 +10,6 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kura_engine::{SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS};
 use kura_kv::codec::KvDtype;
-use kura_kv::storage::KvStorage;
 use kura_kv::EvictionPolicy;
 use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
 use kura_sim::{
@@ -376,7 +375,9 @@ fn calibrate(args: &SimArgs) -> Result<()> {
         |s: &[StepItem]| -> usize { s.iter().map(|i| (i.start + i.tokens).div_ceil(bs)).sum() };
     let num_blocks = shapes.iter().map(|s| blocks_of(s)).max().unwrap_or(1);
     let layout = model.kv_layout(args.kv_dtype, bs)?;
-    let mut kv = KvStorage::new(&layout, num_blocks).context("allocating the KV cache")?;
+    let mut kv = model
+        .kv_storage(&layout, num_blocks)
+        .context("allocating the KV cache")?;
     let mut samples = Vec::new();
     for shape in &shapes {
         // Each item its own blocks; the tokens are any ids, their values do not change the time.

@@ -15,20 +15,26 @@ fn kura_perplexity(args: &[&str]) -> (i32, String, String) {
         .output()
         .expect("run kura perplexity");
     (
-        out.status.code().expect("kura perplexity was killed by a signal"),
+        out.status
+            .code()
+            .expect("kura perplexity was killed by a signal"),
         String::from_utf8_lossy(&out.stdout).into(),
         String::from_utf8_lossy(&out.stderr).into(),
     )
 }
 
 fn eval_text() -> PathBuf {
-    let path = std::env::var_os("KURA_EVAL_TEXT").map(PathBuf::from).unwrap_or_else(|| {
-        let cache = std::env::var_os("KURA_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").expect("HOME is set");
-            PathBuf::from(home).join(".cache/kura")
+    let path = std::env::var_os("KURA_EVAL_TEXT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("KURA_CACHE_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    let home = std::env::var_os("HOME").expect("HOME is set");
+                    PathBuf::from(home).join(".cache/kura")
+                });
+            cache.join("text/canterbury-alice29-lcet10.txt")
         });
-        cache.join("text/canterbury-alice29-lcet10.txt")
-    });
     assert!(
         path.exists(),
         "evaluation text missing at {}: run scripts/fetch-eval-text.sh (or set KURA_EVAL_TEXT)",
@@ -56,7 +62,11 @@ fn formats_are_measured_against_the_f32_reference() {
     // Second halves of 2 chunks of 128 tokens.
     assert_eq!(r["scored_tokens"], 128);
     assert_eq!(r["chunks"], 2);
-    assert!(r["text_tokens"].as_u64().unwrap() >= 100_000, "{}", r["text_tokens"]);
+    assert!(
+        r["text_tokens"].as_u64().unwrap() >= 100_000,
+        "{}",
+        r["text_tokens"]
+    );
     let reference = r["reference_perplexity"].as_f64().unwrap();
     assert!(reference > 1.0 && reference < 1000.0, "{reference}");
     let f = &r["formats"];
@@ -91,11 +101,26 @@ fn bad_input_is_a_clear_error() {
     for (args, want) in [
         (vec!["--text", missing.to_str().unwrap()], "reading --text"),
         (vec!["--text", binary.to_str().unwrap()], "is not UTF-8"),
-        (vec!["--text", short.to_str().unwrap()], "fewer than one chunk"),
-        (vec!["--text", text, "--context", "1"], "--context 1 is too short"),
-        (vec!["--text", text, "--context", "100000"], "longer than the model's context"),
-        (vec!["--text", text, "--chunks", "0"], "--chunks must be at least 1"),
-        (vec!["--text", text, "--kv-dtype", "int3"], "unknown KV element format 'int3'"),
+        (
+            vec!["--text", short.to_str().unwrap()],
+            "fewer than one chunk",
+        ),
+        (
+            vec!["--text", text, "--context", "1"],
+            "--context 1 is too short",
+        ),
+        (
+            vec!["--text", text, "--context", "100000"],
+            "longer than the model's context",
+        ),
+        (
+            vec!["--text", text, "--chunks", "0"],
+            "--chunks must be at least 1",
+        ),
+        (
+            vec!["--text", text, "--kv-dtype", "int3"],
+            "unknown KV element format 'int3'",
+        ),
     ] {
         let (code, _, err) = kura_perplexity(&args);
         assert_ne!(code, 0, "{args:?}");
