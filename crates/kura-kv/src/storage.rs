@@ -707,7 +707,7 @@ mod tests {
                     v[head * 64 + i],
                 );
                 assert!(
-                    (kd[192 + i] - want_k).abs() < 0.05,
+                    (kd[192 + i] - want_k).abs() < 0.15,
                     "K {i}: {} vs {want_k}",
                     kd[192 + i]
                 );
