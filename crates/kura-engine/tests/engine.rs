@@ -13,7 +13,6 @@ use kura_engine::{
     SubmitError, TierSetup, Usage,
 };
 use kura_kv::codec::KvDtype;
-use kura_kv::storage::KvStorage;
 use kura_model::{LoadOptions, Model, WeightsDtype};
 
 const BLOCK: usize = 16;

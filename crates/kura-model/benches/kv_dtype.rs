@@ -8,7 +8,8 @@
 //! alike; the report gives each format's median step time and its speed-up over bf16.
 //!
 //! `cargo bench -p kura-model --bench kv_dtype` (threads: `RAYON_NUM_THREADS`; formats:
-//! `KURA_BENCH_KV=bf16,int8,fp8,int4`; rounds: `KURA_BENCH_ROUNDS`, default 7).
+//! `KURA_BENCH_KV=bf16,int8,fp8,int4`; rounds: `KURA_BENCH_ROUNDS`, default 7; the batch of 8's context:
+//! `KURA_BENCH_CTX`, default 4096).
 
 use std::time::Instant;
 
@@ -81,7 +82,10 @@ fn main() {
     for case in [
         Case {
             batch: 8,
-            ctx: 4096,
+            ctx: std::env::var("KURA_BENCH_CTX")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(4096),
             steps: 4,
         },
         Case {

@@ -148,6 +148,29 @@ impl Avx512 {
     }
 }
 
+/// Proof that the CPU has `vpdpbusd` on 512-bit vectors (AVX-512 VNNI, with AVX-512 BW for byte
+/// operations): what the int8 attention kernel needs.
+pub struct Vnni(());
+
+impl Vnni {
+    pub fn detect() -> Option<Vnni> {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        let has = *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                Isa::detect() == Isa::Avx512
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                false
+            }
+        });
+        has.then_some(Vnni(()))
+    }
+}
+
 /// Proof that the CPU has `vdpbf16ps` (AVX-512 BF16): bf16 activations × bf16 weights, two products per
 /// f32 lane per instruction (see [`super::packed`]). Exists only where the CPU has the instruction.
 pub struct Bf16Act(());
