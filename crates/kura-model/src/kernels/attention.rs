@@ -693,7 +693,8 @@ fn attend_any<'a, R: KvRow + 'a>(
 }
 
 /// Visits the context positions `lo..=pos` block by block: (block id, first slot, last slot, index of
-/// the first slot among the context positions, the next block's id if the context goes on).
+/// the first slot among the context positions, and while the context goes on the id of the block to
+/// prefetch: 4 blocks ahead, or the last one).
 fn spans<'s>(
     seq: &'s AttnSeq<'_>,
     bs: usize,
@@ -704,7 +705,7 @@ fn spans<'s>(
         let block = seq.block_table[b] as usize;
         let first = lo.max(b * bs) - b * bs;
         let last = pos.min(b * bs + bs - 1) - b * bs;
-        let next = (b < pos / bs).then(|| seq.block_table[(b + 2).min(pos / bs)] as usize);
+        let next = (b < pos / bs).then(|| seq.block_table[(b + 4).min(pos / bs)] as usize);
         (block, first, last, b * bs + first - lo, next)
     })
 }
@@ -924,7 +925,7 @@ mod x86 {
         for (block, first, last, at, next) in spans.clone() {
             let k = R::typed(kv.k_head_block(block, kvh));
             // A head's block is a few KiB on its own pages, where hardware prefetchers stop: fetch the
-            // next block's rows while this one is computed.
+            // rows of a block ahead while this one is computed.
             let next_k = next.map(|b| R::typed(kv.k_head_block(b, kvh)).as_ptr());
             let mut s0 = first;
             while s0 <= last {
