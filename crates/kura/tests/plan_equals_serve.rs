@@ -107,6 +107,8 @@ fn serve_pool_line(args: &[&str]) -> String {
         .unwrap_or_else(|seen| panic!("kura serve logged no KV cache line:\n{}", seen.join("\n")))
 }
 
+/// In every KV format the server stores (the quantised ones included), the real binary's `kura plan` and
+/// `kura serve` print the same pool, and a quantised pool's start-up log says what it gained over bf16.
 #[test]
 fn kura_plan_and_kura_serve_print_the_same_pool_for_the_default_model() {
     let model = kura_model::default_model_path();
@@ -116,47 +118,67 @@ fn kura_plan_and_kura_serve_print_the_same_pool_for_the_default_model() {
         model.display()
     );
     let model = model.to_str().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kura"))
-        .args(["plan", "--model", model, "--kv-cache-memory", "96MiB"])
-        .args(["--context", "2048", "--kv-dtype", "bf16", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-
-    let line = serve_pool_line(&[
-        "--model",
-        model,
-        "--kv-cache-memory",
-        "96MiB",
-        "--max-model-len",
-        "2048",
-        "--kv-dtype",
-        "bf16",
-    ]);
-    assert_eq!(
-        plan["num_blocks"].as_u64().unwrap(),
-        number_before(&line, "blocks of"),
-        "{line}"
-    );
-    assert_eq!(
-        plan["max_tokens_in_pool"].as_u64().unwrap(),
-        number_before(&line, "tokens, max concurrency"),
-        "{line}"
-    );
-    let concurrency: u64 = line
-        .split("per request: ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no concurrency in: {line}"));
-    assert_eq!(
-        plan["max_concurrency"].as_u64().unwrap(),
-        concurrency,
-        "{line}"
-    );
+    let mut bf16_blocks = 0;
+    for dtype in ["bf16", "int8", "fp8", "int4"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kura"))
+            .args(["plan", "--model", model, "--kv-cache-memory", "96MiB"])
+            .args(["--context", "2048", "--kv-dtype", dtype, "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let flags = [
+            "--model",
+            model,
+            "--kv-cache-memory",
+            "96MiB",
+            "--max-model-len",
+            "2048",
+            "--kv-dtype",
+            dtype,
+        ];
+        let line = serve_pool_line(&flags);
+        let blocks = number_before(&line, "blocks of");
+        assert_eq!(
+            plan["num_blocks"].as_u64().unwrap(),
+            blocks,
+            "{dtype}: {line}"
+        );
+        assert_eq!(
+            plan["max_tokens_in_pool"].as_u64().unwrap(),
+            number_before(&line, "tokens, max concurrency"),
+            "{dtype}: {line}"
+        );
+        let concurrency: u64 = line
+            .split("per request: ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no concurrency in: {line}"));
+        assert_eq!(
+            plan["max_concurrency"].as_u64().unwrap(),
+            concurrency,
+            "{dtype}: {line}"
+        );
+        if dtype == "bf16" {
+            bf16_blocks = blocks;
+            continue;
+        }
+        let gain = serve_line(start_serve(&flags), "the tokens bf16 would hold")
+            .unwrap_or_else(|seen| panic!("{dtype}: no capacity line:\n{}", seen.join("\n")));
+        assert!(
+            gain.contains(&format!("{blocks} blocks instead of {bf16_blocks}")),
+            "{dtype}: {gain}"
+        );
+        let ratio = blocks as f64 / bf16_blocks as f64;
+        assert!(gain.contains(&format!("{ratio:.2}×")), "{dtype}: {gain}");
+        assert!(
+            ratio >= if dtype == "int4" { 3.5 } else { 1.9 },
+            "{dtype}: {ratio}"
+        );
+    }
 }
