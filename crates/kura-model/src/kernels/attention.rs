@@ -165,99 +165,79 @@ unsafe fn group_scales(
     }
 }
 
-impl KvRow for Int8Row {
-    type Unit = u8;
-    #[cfg(target_arch = "x86_64")]
-    type Params = [f32; 2];
-    fn typed(s: KvSlice<'_>) -> &[u8] {
-        match s {
-            KvSlice::Quant(x) => x,
-            _ => unreachable!("one storage has one element format"),
-        }
-    }
-    fn decode(row: &[u8], out: &mut [f32]) {
-        codec::decode_stored(KvDtype::Int8, row, out);
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 2] {
-        // SAFETY: the caller's guarantee.
-        unsafe { group_scales(row, head_dim, 2, head_dim / QUANT_GROUP, 1.0) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(row: *const u8, c: usize, p: &[f32; 2]) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
-        unsafe { _mm512_mul_ps(Self::load16_unscaled(row, c), _mm512_set1_ps(p[c / 4])) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn single_scale(p: &[f32; 2]) -> Option<f32> {
-        Some(p[0])
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16_unscaled(row: *const u8, c: usize) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
-        unsafe {
-            let b = _mm_loadu_si128(row.add(16 * c) as *const __m128i);
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
-        }
+/// The units of an encoded storage.
+fn quant_units(s: KvSlice<'_>) -> &[u8] {
+    match s {
+        KvSlice::Quant(x) => x,
+        _ => unreachable!("one storage has one element format"),
     }
 }
 
-impl KvRow for Fp8Row {
-    type Unit = u8;
-    #[cfg(target_arch = "x86_64")]
-    type Params = [f32; 2];
-    fn typed(s: KvSlice<'_>) -> &[u8] {
-        Int8Row::typed(s)
-    }
-    fn decode(row: &[u8], out: &mut [f32]) {
-        codec::decode_stored(KvDtype::Fp8, row, out);
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 2] {
-        // e4m3 is read as an f16 whose exponent is 8 short (bias 15, not 7): 2^8 goes into the scale.
-        // SAFETY: the caller's guarantee.
-        unsafe { group_scales(row, head_dim, 2, head_dim / QUANT_GROUP, 256.0) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(row: *const u8, c: usize, p: &[f32; 2]) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
-        unsafe { _mm512_mul_ps(Self::load16_unscaled(row, c), _mm512_set1_ps(p[c / 4])) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn single_scale(p: &[f32; 2]) -> Option<f32> {
-        Some(p[0])
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16_unscaled(row: *const u8, c: usize) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
-        unsafe {
-            let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(row.add(16 * c) as *const __m128i));
-            // s eeee mmm → f16 s 0eeee mmm0000000: magnitude bits shifted left 7, sign to bit 15.
-            let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)));
-            let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
-            _mm512_cvtph_ps(_mm256_or_si256(mag, sign))
+/// A format of one byte an element and one f16 scale per group (int8, fp8): its lanes are the raw
+/// values (`$unscaled`, 16 payload bytes at `$p`) times the group's scale, `$mul` folded into the scale.
+macro_rules! byte_row {
+    ($row:ident, $dtype:expr, $mul:expr, |$p:ident| $unscaled:expr) => {
+        impl KvRow for $row {
+            type Unit = u8;
+            #[cfg(target_arch = "x86_64")]
+            type Params = [f32; 2];
+            fn typed(s: KvSlice<'_>) -> &[u8] {
+                quant_units(s)
+            }
+            fn decode(row: &[u8], out: &mut [f32]) {
+                codec::decode_stored($dtype, row, out);
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 2] {
+                // SAFETY: the caller's guarantee.
+                unsafe { group_scales(row, head_dim, 2, head_dim / QUANT_GROUP, $mul) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load16(row: *const u8, c: usize, p: &[f32; 2]) -> std::arch::x86_64::__m512 {
+                use std::arch::x86_64::*;
+                // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
+                unsafe { _mm512_mul_ps(Self::load16_unscaled(row, c), _mm512_set1_ps(p[c / 4])) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            fn single_scale(p: &[f32; 2]) -> Option<f32> {
+                Some(p[0])
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load16_unscaled(row: *const u8, c: usize) -> std::arch::x86_64::__m512 {
+                #[allow(unused_imports)]
+                use std::arch::x86_64::*;
+                // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
+                unsafe {
+                    let $p = _mm_loadu_si128(row.add(16 * c) as *const __m128i);
+                    $unscaled
+                }
+            }
         }
-    }
+    };
 }
+
+byte_row!(Int8Row, KvDtype::Int8, 1.0, |b| _mm512_cvtepi32_ps(
+    _mm512_cvtepi8_epi32(b)
+));
+// e4m3 is read as an f16 whose exponent is 8 short (bias 15, not 7): 2^8 goes into the scale. Each byte
+// s eeee mmm becomes the f16 s 0eeee mmm0000000: magnitude bits shifted left 7, the sign to bit 15.
+byte_row!(Fp8Row, KvDtype::Fp8, 256.0, |b| {
+    let b = _mm256_cvtepu8_epi16(b);
+    let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)));
+    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
+    _mm512_cvtph_ps(_mm256_or_si256(mag, sign))
+});
 
 impl KvRow for Int4Row {
     type Unit = u8;
     #[cfg(target_arch = "x86_64")]
     type Params = [[f32; 2]; 2];
     fn typed(s: KvSlice<'_>) -> &[u8] {
-        Int8Row::typed(s)
+        quant_units(s)
     }
     fn decode(row: &[u8], out: &mut [f32]) {
         codec::decode_stored(KvDtype::Int4, row, out);
