@@ -293,7 +293,8 @@ fn write_f16(out: &mut [u8], x: f32) -> f32 {
     h.to_f32()
 }
 
-fn read_f16(b: &[u8]) -> f32 {
+/// The little-endian f16 at the front of `b`, as f32 (how scales are read back).
+pub fn read_f16(b: &[u8]) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
 }
 

@@ -22,7 +22,7 @@ use clap::Args;
 use kura_kv::codec::KvDtype;
 
 use kura_kv::storage::KvStorage;
-use kura_model::{Model, SeqBatchItem, WeightsDtype};
+use kura_model::{Logits, Model, SeqBatchItem, WeightsDtype};
 use serde::Serialize;
 
 /// Tokens per forward call within a chunk.
@@ -127,6 +127,18 @@ impl Run {
             table: (0..blocks as u32).collect(),
         })
     }
+
+    /// Computes `piece` at positions `start..` over this format's KV; the logits of every position.
+    fn forward(&mut self, model: &Model, piece: &[u32], start: usize) -> Result<Logits> {
+        Ok(model.forward_every_position(
+            &[SeqBatchItem {
+                tokens: piece,
+                start_pos: start,
+                block_table: &self.table,
+            }],
+            &mut self.kv,
+        )?)
+    }
 }
 
 pub fn run(args: PerplexityArgs) -> Result<()> {
@@ -180,7 +192,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let mut sums = vec![Sums::default(); runs.len()];
     let mut scored = 0u64;
     // Log-probabilities and probabilities of the reference at the scored positions of a piece.
-    let mut ref_lp: Vec<f32> = Vec::new();
+    let (mut ref_lp, mut ref_p): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
     let first_scored = args.context / 2;
     for c in 0..chunks {
         let chunk = &tokens[c * args.context..(c + 1) * args.context];
@@ -188,19 +200,13 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         while start < args.context {
             let end = (start + PIECE).min(args.context);
             let piece = &chunk[start..end];
-            let logits = model.forward_every_position(
-                &[SeqBatchItem {
-                    tokens: piece,
-                    start_pos: start,
-                    block_table: &reference.table,
-                }],
-                &mut reference.kv,
-            )?;
+            let logits = reference.forward(&model, piece, start)?;
             // Position p's logits predict chunk[p + 1]; scored: first_scored ≤ p + 1 < context.
             let rows: Vec<usize> = (start..end)
                 .filter(|&p| p + 1 >= first_scored && p + 1 < args.context)
                 .collect();
             ref_lp.clear();
+            ref_p.clear();
             let mut ref_top = Vec::with_capacity(rows.len());
             for &p in &rows {
                 let row = logits.row(p - start);
@@ -209,26 +215,21 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
                 ref_top.push(top);
                 ref_lp.extend(row.iter().map(|x| x - lse));
             }
+            ref_p.extend(ref_lp.iter().map(|a| a.exp()));
             scored += rows.len() as u64;
             for (run, sum) in runs.iter_mut().zip(&mut sums) {
-                let logits = model.forward_every_position(
-                    &[SeqBatchItem {
-                        tokens: piece,
-                        start_pos: start,
-                        block_table: &run.table,
-                    }],
-                    &mut run.kv,
-                )?;
+                let logits = run.forward(&model, piece, start)?;
                 for (i, &p) in rows.iter().enumerate() {
                     let row = logits.row(p - start);
                     let (lse, top) = log_sum_exp(row);
                     sum.nll += f64::from(lse - row[chunk[p + 1] as usize]);
                     sum.agree += u64::from(top == ref_top[i]);
-                    let lp_ref = &ref_lp[i * vocab..(i + 1) * vocab];
-                    let kl: f64 = lp_ref
+                    let at = i * vocab..(i + 1) * vocab;
+                    let kl: f64 = ref_p[at.clone()]
                         .iter()
+                        .zip(&ref_lp[at])
                         .zip(row)
-                        .map(|(&a, &x)| f64::from(a.exp() * (a - (x - lse))))
+                        .map(|((&p, &a), &x)| f64::from(p * (a - (x - lse))))
                         .sum();
                     sum.kl += kl;
                     sum.kl_max = sum.kl_max.max(kl);

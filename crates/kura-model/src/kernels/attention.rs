@@ -33,6 +33,9 @@ use super::team::{SharedMut, Team};
 /// lanes at a time, dequantised in registers.
 trait KvRow {
     type Unit: Copy;
+    /// Whether scores against these rows are integer dot products with the query quantised
+    /// ([`QuantQuery`]) rather than f32 ones.
+    const INTEGER_SCORES: bool = false;
     /// What a row's lanes need besides its units: its scales (and minimums), read once per row.
     #[cfg(target_arch = "x86_64")]
     type Params: Copy;
@@ -174,11 +177,13 @@ fn quant_units(s: KvSlice<'_>) -> &[u8] {
 }
 
 /// A format of one byte an element and one f16 scale per group (int8, fp8): its lanes are the raw
-/// values (`$unscaled`, 16 payload bytes at `$p`) times the group's scale, `$mul` folded into the scale.
+/// values (`$unscaled`, 16 payload bytes at `$p`) times the group's scale, `$mul` folded into the scale;
+/// `$integer`: whether its scores are integer dot products ([`KvRow::INTEGER_SCORES`]).
 macro_rules! byte_row {
-    ($row:ident, $dtype:expr, $mul:expr, |$p:ident| $unscaled:expr) => {
+    ($row:ident, $dtype:expr, $integer:expr, $mul:expr, |$p:ident| $unscaled:expr) => {
         impl KvRow for $row {
             type Unit = u8;
+            const INTEGER_SCORES: bool = $integer;
             #[cfg(target_arch = "x86_64")]
             type Params = [f32; 2];
             fn typed(s: KvSlice<'_>) -> &[u8] {
@@ -220,12 +225,12 @@ macro_rules! byte_row {
     };
 }
 
-byte_row!(Int8Row, KvDtype::Int8, 1.0, |b| _mm512_cvtepi32_ps(
+byte_row!(Int8Row, KvDtype::Int8, true, 1.0, |b| _mm512_cvtepi32_ps(
     _mm512_cvtepi8_epi32(b)
 ));
 // e4m3 is read as an f16 whose exponent is 8 short (bias 15, not 7): 2^8 goes into the scale. Each byte
 // s eeee mmm becomes the f16 s 0eeee mmm0000000: magnitude bits shifted left 7, the sign to bit 15.
-byte_row!(Fp8Row, KvDtype::Fp8, 256.0, |b| {
+byte_row!(Fp8Row, KvDtype::Fp8, false, 256.0, |b| {
     let b = _mm256_cvtepu8_epi16(b);
     let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)));
     let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
@@ -613,7 +618,7 @@ impl QuantQuery {
                 .map(|(q, k)| i32::from(*q) * i32::from(*k as i8))
                 .sum();
             let at = head_dim + 2 * gr;
-            let sk = f16::from_bits(u16::from_le_bytes([row[at], row[at + 1]])).to_f32();
+            let sk = codec::read_f16(&row[at..]);
             let term = d as f32 * (sk * self.scale[g * groups + gr]);
             acc = if gr == 0 { term } else { acc + term };
         }
@@ -645,8 +650,8 @@ fn attend_any<'a, R: KvRow + 'a>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if use_avx512 {
-        if job.kv.dtype() == KvDtype::Int8 {
-            // Int8 scores are integer dot products (the portable loop computes the same bits).
+        if R::INTEGER_SCORES {
+            // Integer dot products (the portable loop computes the same bits).
             if super::dot::Vnni::detect().is_some() {
                 // SAFETY: Vnni::detect checked avx512f, avx512bw and avx512vnni; the storage is int8.
                 unsafe {
@@ -711,15 +716,11 @@ fn attend<'a, R: KvRow + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut
     let spans = spans(seq, kv.block_size_tokens, lo, pos);
     let ru = kv.vector_units();
     let mut row = vec![0f32; head_dim];
-    let int8 = kv.dtype() == KvDtype::Int8;
     for (block, first, last, at, _) in spans.clone() {
         let k = R::typed(kv.k_head_block(block, kvh));
         for slot in first..=last {
-            if int8 {
-                let bytes = match kv.k_head_block(block, kvh) {
-                    KvSlice::Quant(b) => &b[slot * ru..(slot + 1) * ru],
-                    _ => unreachable!("int8 rows are bytes"),
-                };
+            if R::INTEGER_SCORES {
+                let bytes = &quant_units(kv.k_head_block(block, kvh))[slot * ru..(slot + 1) * ru];
                 for g in 0..group {
                     scores[g * n_ctx + at + slot - first] =
                         job.qq.score(g, head_dim, bytes) * scale;
