@@ -44,4 +44,13 @@ pub enum KvError {
         priority: u8,
         max: u8,
     },
+    #[error("{seq:?} would compute tokens {start}..{end} but holds {num_tokens}")]
+    ComputeRange {
+        seq: SeqId,
+        start: usize,
+        end: usize,
+        num_tokens: usize,
+    },
+    #[error("block {block} has KV but lost its sliding layers' pages, which {seq:?} still reads")]
+    WindowLost { seq: SeqId, block: u32 },
 }

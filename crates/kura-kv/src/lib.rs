@@ -24,7 +24,7 @@ pub use evict::EvictionPolicy;
 pub use hash::{BlockHash, CacheKey};
 pub use manager::{
     Allocation, BlockCopy, KvCacheConfig, KvCacheManager, PendingStatus, PinId, RetentionRange,
-    SeqId,
+    SeqId, WindowPool, NO_PAGE,
 };
 pub use pool::{BlockId, DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use prefix::PrefixHit;

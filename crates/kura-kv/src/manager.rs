@@ -55,6 +55,9 @@ use crate::prefix::{PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
 use crate::tier::{Tier, TierConfig, TierIndex, TierMove};
 
+use window::Pages;
+pub use window::{WindowPool, NO_PAGE};
+
 pub use crate::layout::MAX_BLOCK_SIZE;
 
 /// How the manager is built.
@@ -75,6 +78,9 @@ pub struct KvCacheConfig {
     pub record_events: bool,
     /// Lower tiers (host memory, disk) that evicted blocks go down to; off by default.
     pub tiers: TierConfig,
+    /// Sliding layers paged apart (a hybrid pool, see `manager_window`); `num_blocks` is then the number
+    /// of logical blocks ([`WindowPool::logical_blocks`]) and pages are what run out.
+    pub window: Option<WindowPool>,
 }
 
 impl KvCacheConfig {
@@ -89,6 +95,7 @@ impl KvCacheConfig {
             hash_bits: 128,
             record_events: false,
             tiers: TierConfig::default(),
+            window: None,
         }
     }
 
@@ -104,6 +111,14 @@ impl KvCacheConfig {
                 "num_blocks {} is outside 1..{ORPHAN}",
                 self.num_blocks
             )));
+        }
+        if let Some(w) = &self.window {
+            w.validate(self.block_size)?;
+            if self.tiers.enabled() {
+                return Err(KvError::Config(
+                    "lower tiers (host, disk) are not available with sliding layers paged apart".into(),
+                ));
+            }
         }
         if self.hash_bits == 0 || self.hash_bits > 128 {
             return Err(KvError::Config(format!(
@@ -193,6 +208,9 @@ struct Sequence {
     /// New full blocks of this sequence are entered in the index.
     cacheable: bool,
     retention: Vec<RetentionRange>,
+    /// First block of `table` this sequence holds a window reference on (hybrid pool; see
+    /// `manager_window`).
+    win_from: usize,
 }
 
 #[derive(Debug, Default)]
@@ -232,6 +250,8 @@ pub struct KvCacheManager {
     /// The loader's references, per allocation that issued loads (see `manager_tier`).
     load_groups: std::collections::HashMap<u32, tier::LoadGroup>,
     next_load_group: u32,
+    /// The pages of a hybrid pool.
+    pages: Option<Pages>,
 }
 
 impl std::fmt::Debug for KvCacheManager {
@@ -248,7 +268,12 @@ impl KvCacheManager {
     pub fn new(config: KvCacheConfig) -> Result<Self, KvError> {
         config.validate()?;
         let seed = config.hash_seed.unwrap_or_else(BlockHasher::random_seed);
+        let pages = match &config.window {
+            Some(w) => Some(Pages::new(w, config.num_blocks)?),
+            None => None,
+        };
         Ok(Self {
+            pages,
             pool: BlockPool::try_new(config.num_blocks, config.block_size)?,
             index: PrefixIndex::default(),
             evictor: Evictor::new(config.eviction_policy, config.num_blocks),
@@ -300,6 +325,7 @@ impl KvCacheManager {
             chain_indexed: self.config.enable_prefix_caching,
             cacheable: true,
             retention: Vec::new(),
+            win_from: 0,
         };
         self.insert_seq(seq)
     }
@@ -360,8 +386,17 @@ impl KvCacheManager {
         let Some(key_id) = self.index.key_id(key) else {
             return hit;
         };
+        let pages = &self.pages;
         self.index
-            .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+            .lookup(
+                &self.pool,
+                &mut self.hasher,
+                key_id,
+                tokens,
+                &mut hit,
+                |b| pages.as_ref().is_none_or(|p| p.attached(b)),
+            );
+        self.fit_hit_to_window(&mut hit);
         self.lookup_tiers(key_id, tokens, &mut hit);
         self.stats.prefix_hit_tokens += hit.num_cached_tokens() as u64;
         self.stats.prefix_hit_blocks += hit.blocks.len() as u64;
@@ -403,6 +438,8 @@ impl KvCacheManager {
         };
         let total_blocks = (len_before + new_tokens.len()).div_ceil(bs);
         let mut needed = total_blocks - held_blocks;
+        // New blocks that receive copied KV, and so their window part at once (hybrid pool).
+        let mut copied = 0;
         let mut pinned_down = 0u32;
         if let Some(h) = hit {
             for &(b, _) in &h.blocks {
@@ -410,16 +447,26 @@ impl KvCacheManager {
             }
             if let Some((src, _, _)) = h.partial {
                 pinned_down += u32::from(self.pool.meta[src as usize].is_idle());
+                copied += 1;
             }
         } else if len_before % bs != 0 && !new_tokens.is_empty() {
             let last = *seq.table.last().expect("a partial block exists");
             if self.pool.meta[last as usize].ref_count > 1 {
                 needed += 1; // copy-on-write of the shared partial last block
+                copied += 1;
             }
         }
         let available = self.pool.free.len() + (self.num_idle - pinned_down) as usize;
         if needed > available {
             return Ok(None);
+        }
+        if self.pages.is_some() {
+            let taken = pinned_down as usize * self.pages_for_blocks(1, 0)
+                + hit.map_or(0, |h| self.hit_window_pages(h));
+            let reclaimable = self.reclaimable_pages().saturating_sub(taken);
+            if self.pages_for_blocks(needed, copied) > reclaimable {
+                return Ok(None);
+            }
         }
 
         self.clock += 1;
@@ -551,11 +598,16 @@ impl KvCacheManager {
             chain_indexed: seq.chain_indexed,
             cacheable: seq.cacheable,
             retention: seq.retention.clone(),
+            win_from: seq.win_from,
         };
         self.index.retain_key(child.key_id);
         for &b in &child.table {
             let was_idle = self.pool.incref(b);
             debug_assert!(!was_idle, "a referenced block cannot be idle");
+        }
+        let windowed: Vec<BlockId> = child.table[child.win_from.min(child.table.len())..].to_vec();
+        for b in windowed {
+            self.win_ref(b);
         }
         self.stats.block_ops += child.table.len() as u64;
         Ok(self.insert_seq(child))
@@ -570,6 +622,9 @@ impl KvCacheManager {
         slot.generation = slot.generation.wrapping_add(1);
         self.free_seq_slots.push(id.index);
         self.clock += 1;
+        for &b in &seq.table[seq.win_from.min(seq.table.len())..] {
+            self.win_unref(b);
+        }
         // Tail first: a child is released before its parent, and under plain LRU the tail is evicted first.
         for &b in seq.table.iter().rev() {
             self.release_block(b, id.index);
@@ -667,3 +722,5 @@ mod release;
 mod retain;
 #[path = "manager_tier.rs"]
 mod tier;
+#[path = "manager_window.rs"]
+mod window;

@@ -4,7 +4,7 @@
 //!
 //! All O(blocks touched); entering a block costs one hash.
 
-use super::{Allocation, BlockCopy, KvCacheManager, SeqId, Sequence};
+use super::{Allocation, KvCacheManager, SeqId, Sequence};
 use crate::error::KvError;
 use crate::pool::{NO_BLOCK, NO_WRITER, ORPHAN};
 use crate::prefix::{Insert, PrefixHit};
@@ -67,25 +67,25 @@ impl KvCacheManager {
         if h.num_pending == 0 {
             seq.num_computed = seq.num_tokens;
         }
+        self.ref_hit_window(id, h)?;
         if let Some((src, _, n)) = h.partial {
             // Hold the source while taking the destination, so that this very allocation cannot evict it.
             if self.pool.incref(src) {
                 self.num_idle -= 1;
             }
+            self.win_ref(src);
             let dst = self.take_block();
+            let index = h.blocks.len();
+            self.new_block_window(dst, index, true);
             self.pool.copy_tokens(src, dst, n);
             let m = &mut self.pool.meta[dst as usize];
             m.filled = n as u16;
             m.computed = n as u16; // by the copy, which precedes the forward pass
             m.writer = id.index;
+            self.push_copy(alloc, src, dst, n);
+            self.win_unref(src);
             self.release_block(src, id.index);
-            alloc.copies.push(BlockCopy {
-                src,
-                dst,
-                num_tokens: n,
-            });
             alloc.num_new_blocks += 1;
-            let index = h.blocks.len();
             self.apply_retention(id, index, dst)?;
             let seq = self.seq_mut(id)?;
             seq.table.push(dst);
@@ -111,13 +111,19 @@ impl KvCacheManager {
         if fill == 0 || self.pool.meta[last as usize].ref_count <= 1 {
             return Ok(());
         }
+        let i = seq.table.len() - 1;
         let dst = self.take_block();
+        self.new_block_window(dst, i, true);
         self.pool.copy_tokens(last, dst, fill);
         let computed = self.pool.meta[last as usize].computed;
         let m = &mut self.pool.meta[dst as usize];
         m.filled = fill as u16;
         m.computed = computed;
         m.writer = id.index;
+        self.push_copy(alloc, last, dst, fill);
+        if self.seq(id)?.win_from <= i {
+            self.win_unref(last);
+        }
         let remaining = self.pool.decref(last);
         debug_assert!(remaining > 0, "copy-on-write of an unshared block");
         let shared = &mut self.pool.meta[last as usize];
@@ -125,13 +131,7 @@ impl KvCacheManager {
             shared.writer = NO_WRITER;
         }
         let seq = self.seq_mut(id)?;
-        let i = seq.table.len() - 1;
         seq.table[i] = dst;
-        alloc.copies.push(BlockCopy {
-            src: last,
-            dst,
-            num_tokens: fill,
-        });
         alloc.num_new_blocks += 1;
         self.apply_retention(id, i, dst)
     }
@@ -150,6 +150,7 @@ impl KvCacheManager {
             let block_index = seq.num_tokens / bs;
             let b = if fill == 0 {
                 let b = self.take_block();
+                self.new_block_window(b, block_index, false);
                 self.seq_mut(id)?.table.push(b);
                 alloc.num_new_blocks += 1;
                 self.stats.block_ops += 1;
@@ -194,7 +195,7 @@ impl KvCacheManager {
             let o = &self.pool.meta[other as usize];
             if o.parent == ORPHAN && o.is_idle() && o.parent_hash == parent_hash {
                 self.drop_cached(other);
-                self.pool.push_free(other);
+                self.free_to_pool(other);
                 outcome = self
                     .index
                     .insert(&mut self.pool, b, hash, parent_hash, parent, key_id);

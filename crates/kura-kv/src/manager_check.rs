@@ -79,6 +79,9 @@ impl KvCacheManager {
             if !m.indexed || m.key_id != key_id || usize::from(m.computed) < bs {
                 continue;
             }
+            if self.pages.as_ref().is_some_and(|p| !p.attached(b)) {
+                continue; // a hybrid pool copies the sliding layers too
+            }
             let Some(path) = self.path_of(b) else {
                 continue;
             };
@@ -92,7 +95,39 @@ impl KvCacheManager {
                 .count();
             best.partial_tokens = best.partial_tokens.max(n);
         }
-        best
+        self.reference_window_cut(best, &full_hit_paths)
+    }
+
+    /// A hybrid pool's rule, checked directly: a hit of `k` blocks (and `n` partial tokens) stands only if
+    /// every block the next token's sliding window reads has its window part, or is still pending.
+    fn reference_window_cut(&self, best: ReferenceHit, path_blocks: &[BlockId]) -> ReferenceHit {
+        let Some(p) = &self.pages else { return best };
+        let bs = self.config.block_size;
+        let mut by_depth = vec![NO_BLOCK; best.full_blocks];
+        for &b in path_blocks {
+            let depth = self.path_of(b).map_or(0, |path| path.len() / bs);
+            if (1..=best.full_blocks).contains(&depth) {
+                by_depth[depth - 1] = b;
+            }
+        }
+        let pending = |b: BlockId| usize::from(self.pool.meta[b as usize].computed) < bs;
+        let fits = |k: usize, n: usize| {
+            // The sequence computes from its first pending block should that block's writer give up.
+            let next = (0..k)
+                .find(|&i| pending(by_depth[i]))
+                .map_or(k * bs + n, |i| i * bs);
+            let first = (next + 1).saturating_sub(p.window) / bs;
+            (first..k).all(|i| p.attached(by_depth[i]) || pending(by_depth[i]))
+        };
+        let k = best.full_blocks;
+        if best.partial_tokens > 0 && fits(k, best.partial_tokens) {
+            return best;
+        }
+        let keep = (0..=k).rev().find(|&k| fits(k, 0)).unwrap_or(0);
+        ReferenceHit {
+            full_blocks: keep,
+            partial_tokens: 0,
+        }
     }
 
     /// The token ids a sequence's block table holds, read back block by block.
@@ -262,6 +297,7 @@ impl KvCacheManager {
         }
         self.index.check_groups(&self.pool)?;
         self.check_tiers()?;
+        self.check_pages()?;
         if indexed != self.index.len() {
             return Err(format!(
                 "index holds {} entries but {indexed} blocks are indexed",

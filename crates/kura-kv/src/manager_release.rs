@@ -37,13 +37,19 @@ impl KvCacheManager {
                 self.index.orphan_children(&mut self.pool, b);
             }
             let parent = self.index.remove(&mut self.pool, b);
-            self.pool.push_free(b);
+            self.free_to_pool(b);
             if parent != NO_BLOCK {
                 self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
             }
         } else {
-            self.pool.push_free(b);
+            self.free_to_pool(b);
         }
+    }
+
+    /// Returns unreferenced, unindexed block `b` to the free list, with its pages (hybrid pool).
+    pub(super) fn free_to_pool(&mut self, b: BlockId) {
+        self.free_block_pages(b);
+        self.pool.push_free(b);
     }
 
     /// A block for a new owner, referenced once: from the free list, else by evicting the next candidate.
@@ -59,11 +65,13 @@ impl KvCacheManager {
                 self.demote(b);
                 self.drop_cached(b);
                 self.stats.evictions += 1;
+                self.free_block_pages(b);
                 self.pool.reset(b);
                 b
             }
         };
         self.pool.incref(b);
+        self.take_full_pages(b);
         b
     }
 
@@ -121,9 +129,10 @@ impl KvCacheManager {
         let mut dropped = 0;
         while let Some(b) = self.evictor.pop(&mut self.pool.meta) {
             self.drop_cached(b);
-            self.pool.push_free(b);
+            self.free_to_pool(b);
             dropped += 1;
         }
+        self.drop_idle_window_parts();
         if self.config.record_events && self.index.len() == 0 {
             self.events.truncate(events_before);
             self.events.push(KvEvent::Cleared);

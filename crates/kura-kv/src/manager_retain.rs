@@ -134,8 +134,16 @@ impl KvCacheManager {
             .filter(|_| self.config.enable_prefix_caching)
         {
             let mut hit = PrefixHit::default();
+            let pages = &self.pages;
             self.index
-                .lookup(&self.pool, &mut self.hasher, key_id, tokens, &mut hit);
+                .lookup(
+                &self.pool,
+                &mut self.hasher,
+                key_id,
+                tokens,
+                &mut hit,
+                |b| pages.as_ref().is_none_or(|p| p.attached(b)),
+            );
             for b in hit.block_ids() {
                 let m = &self.pool.meta[b as usize];
                 if usize::from(m.computed) < bs || m.writer != crate::pool::NO_WRITER {

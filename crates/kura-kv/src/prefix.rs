@@ -374,6 +374,8 @@ impl PrefixIndex {
     }
 
     /// Finds the longest cached prefix of `tokens` under `key_id` into `hit` (which is cleared first).
+    /// Only blocks `copyable` accepts are candidates for partial reuse (a hybrid pool copies a block's
+    /// sliding layers too, so it needs them).
     pub fn lookup(
         &self,
         pool: &BlockPool,
@@ -381,6 +383,7 @@ impl PrefixIndex {
         key_id: u32,
         tokens: &[u32],
         hit: &mut PrefixHit,
+        copyable: impl Fn(BlockId) -> bool,
     ) {
         let bs = pool.block_size;
         hit.key_id = Some(key_id);
@@ -426,7 +429,11 @@ impl PrefixIndex {
         while c != NO_BLOCK {
             let m = &pool.meta[c as usize];
             // Only computed KV can be copied; a pending block's bytes are not there yet.
-            if m.parent == parent && m.key_id == key_id && usize::from(m.computed) == bs {
+            if m.parent == parent
+                && m.key_id == key_id
+                && usize::from(m.computed) == bs
+                && copyable(c)
+            {
                 let n = pool.tokens_of(c)[..limit]
                     .iter()
                     .zip(&rest[..limit])

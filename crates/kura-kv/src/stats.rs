@@ -46,6 +46,8 @@ pub struct KvStats {
     /// Loads that failed (a stored block that did not verify: checksum, header, missing file); the
     /// block was removed from its tier and computed instead.
     pub load_failures: u64,
+    /// Window parts of cached blocks (a hybrid pool's sliding layers) dropped to make room.
+    pub window_part_drops: u64,
 }
 
 /// Blocks held by a lower tier.

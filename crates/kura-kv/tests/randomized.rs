@@ -3,12 +3,16 @@
 //! After every operation: no leak, no double free, reference counts equal the block tables holding each
 //! block, no referenced block without its tokens, no cached child without its parent (leaf-first), every
 //! lookup equal to the brute-force reference, and every sequence reading back exactly its own tokens.
+//! The same with a hybrid pool (sliding layers paged apart): every page owned once or free, window
+//! references equal to the sequences whose window covers each block, and lookups cut back to the
+//! prefixes whose next token finds its window.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use kura_kv::{
     CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvStats, PinId, RetentionRange, SeqId,
+    WindowPool,
 };
 
 struct Live {
@@ -164,7 +168,14 @@ impl Driver {
             let upto = self
                 .rng
                 .random_range(st.computed_tokens + 1..=st.computable_tokens);
-            self.kv.mark_computed(seq, upto).unwrap();
+            // The sliding layers' pages for the step, as the scheduler asks before each forward pass.
+            if self
+                .kv
+                .prepare_window(seq, st.computed_tokens, upto)
+                .unwrap()
+            {
+                self.kv.mark_computed(seq, upto).unwrap();
+            }
         }
     }
 
@@ -184,7 +195,10 @@ impl Driver {
         };
         if self.kv.allocate_slots(seq, &[t], None).unwrap().is_some() {
             self.live[i].tokens.push(t);
-            self.kv.mark_computed(seq, st.num_tokens + 1).unwrap();
+            let n = st.num_tokens;
+            if self.kv.prepare_window(seq, n, n + 1).unwrap() {
+                self.kv.mark_computed(seq, n + 1).unwrap();
+            }
         }
     }
 
@@ -233,7 +247,29 @@ fn run(
     hash_bits: u32,
     steps: usize,
 ) -> KvStats {
-    let mut config = KvCacheConfig::new(48, block_size);
+    run_with(KvCacheConfig::new(48, block_size), seed, policy, hash_bits, steps)
+}
+
+/// A hybrid pool: `sliding` says which layers slide with a window of `window` tokens; as many pages as
+/// `pages_per_layer` blocks of every layer would take.
+fn run_hybrid(seed: u64, block_size: usize, sliding: &[bool], window: usize, steps: usize) -> KvStats {
+    let pool = WindowPool {
+        sliding: sliding.to_vec(),
+        window_tokens: window,
+        num_pages: 40 * sliding.len() as u32,
+    };
+    let mut config = KvCacheConfig::new(pool.logical_blocks(), block_size);
+    config.window = Some(pool);
+    run_with(config, seed, EvictionPolicy::LeafLru, 128, steps)
+}
+
+fn run_with(
+    mut config: KvCacheConfig,
+    seed: u64,
+    policy: EvictionPolicy,
+    hash_bits: u32,
+    steps: usize,
+) -> KvStats {
     config.eviction_policy = policy;
     config.hash_seed = Some(seed);
     config.hash_bits = hash_bits;
@@ -256,6 +292,9 @@ fn run(
     assert_eq!(u.free_blocks + u.cached_idle_blocks, u.total_blocks);
     d.kv.clear_cache();
     assert_eq!(d.kv.usage().free_blocks, u.total_blocks);
+    if let Some((total, free, idle)) = d.kv.page_usage() {
+        assert_eq!((free, idle), (total, 0), "pages left held after clearing the cache");
+    }
     assert_eq!(d.kv.num_cache_keys(), 0);
     d.kv.stats().clone()
 }
@@ -310,4 +349,23 @@ fn random_operations_with_forced_hash_collisions_stay_exact() {
     }
     assert_exercised(&all);
     assert!(all.iter().map(|s| s.index_conflicts).sum::<u64>() > 0);
+}
+
+#[test]
+fn hybrid_pool_random_operations_keep_every_invariant() {
+    let mut all = Vec::new();
+    for seed in 0..5 {
+        for (bs, sliding, window) in [
+            (4, &[false, true, true, true, true, true][..], 9),
+            (3, &[true, false][..], 4),
+            (2, &[true, true][..], 7),
+            (4, &[false, true][..], 16),
+        ] {
+            all.push(run_hybrid(seed, bs, sliding, window, 1500));
+        }
+    }
+    assert_exercised(&all);
+    let drops: u64 = all.iter().map(|s| s.window_part_drops).sum();
+    eprintln!("window parts dropped {drops}");
+    assert!(drops > 0, "no window part was ever reclaimed");
 }
