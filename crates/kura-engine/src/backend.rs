@@ -40,6 +40,9 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
     pub block_table: &'a [u32],
+    /// A hybrid pool's pages per layer, layer-major (see `kura_model::SeqBatchItem::layer_pages`); empty
+    /// for a pool addressed by block ids.
+    pub layer_pages: &'a [u32],
 }
 
 /// The forward pass over paged KV, and the block copies that copy-on-write needs.

@@ -67,6 +67,9 @@ pub struct EngineConfig {
     pub pin_budget_blocks: Option<usize>,
     /// Whether a request is admitted only with every block it may need reserved (never preempted).
     pub admission: AdmissionMode,
+    /// Sliding layers paged apart (a hybrid pool, see `kura_kv::WindowPool`): `num_blocks` is then the
+    /// number of logical blocks, and the executor's storage holds the pool's pages.
+    pub window: Option<kura_kv::WindowPool>,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -92,6 +95,7 @@ impl Default for EngineConfig {
             preemption: PreemptionMode::Recompute,
             pin_budget_blocks: None,
             admission: AdmissionMode::MaxUtilization,
+            window: None,
         }
     }
 }
@@ -154,6 +158,7 @@ pub fn start_engine(
         tiers: tier_config,
         preemption: config.preemption,
         admission: config.admission,
+        window: config.window.clone(),
     })?;
     if let Some(r) = restored {
         let found = r.blocks.len();
@@ -666,13 +671,25 @@ impl Core {
         for c in &plan.copies {
             self.executor.copy_block_prefix(c.src, c.dst, c.num_tokens);
         }
+        // A hybrid pool's layers address pages of their own.
+        let pages: Vec<Vec<u32>> = plan
+            .items
+            .iter()
+            .map(|it| {
+                let mut out = Vec::new();
+                self.sched.layer_pages(it.seq, &mut out);
+                out
+            })
+            .collect();
         let batch: Vec<SeqInput<'_>> = plan
             .items
             .iter()
-            .map(|it| SeqInput {
+            .zip(&pages)
+            .map(|(it, pages)| SeqInput {
                 tokens: &self.sched.tokens(it.seq)[it.start..it.end],
                 start_pos: it.start,
                 block_table: self.sched.block_table(it.seq),
+                layer_pages: pages,
             })
             .collect();
         let result = self.executor.forward(&batch);

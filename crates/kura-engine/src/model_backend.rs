@@ -83,6 +83,7 @@ impl Executor for ModelExecutor {
                 tokens: s.tokens,
                 start_pos: s.start_pos,
                 block_table: s.block_table,
+                layer_pages: s.layer_pages,
             })
             .collect();
         let logits = self

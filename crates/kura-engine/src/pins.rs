@@ -266,6 +266,7 @@ mod tests {
             tiers: kura_kv::TierConfig::default(),
             preemption: crate::scheduler::PreemptionMode::Recompute,
             admission: crate::scheduler::AdmissionMode::MaxUtilization,
+            window: None,
         })
         .unwrap();
         let mut pins = PinTable::new(4, 4);

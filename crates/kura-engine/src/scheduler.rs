@@ -49,7 +49,7 @@ use std::time::Duration;
 
 use kura_kv::{
     BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, PinId,
-    PrefixHit, SeqId, TierBlock, TierConfig, TierMove,
+    PrefixHit, SeqId, TierBlock, TierConfig, TierMove, WindowPool,
 };
 
 /// Whose order counts. Under `Fcfs` (the default) every request has priority 0, so requests run in
@@ -178,6 +178,9 @@ pub struct SchedulerConfig {
     pub preemption: PreemptionMode,
     /// Whether admission reserves every block a request may need (no preemption) or not.
     pub admission: AdmissionMode,
+    /// Sliding layers paged apart (a hybrid pool): `num_blocks` is then the number of logical blocks and
+    /// the pages of the pool are what runs out.
+    pub window: Option<WindowPool>,
 }
 
 /// One sequence's share of a step: compute the KV of `tokens[start..end]`.
@@ -314,6 +317,14 @@ impl Scheduler {
         kv_config.eviction_policy = config.eviction_policy;
         kv_config.hash_seed = config.hash_seed;
         kv_config.tiers = config.tiers;
+        kv_config.window = config.window.clone();
+        if config.window.is_some() && config.admission == AdmissionMode::Guaranteed {
+            return Err(KvError::Config(
+                "guaranteed admission counts whole blocks; with sliding layers paged apart use \
+                 max-utilization"
+                    .into(),
+            ));
+        }
         let kv = KvCacheManager::new(kv_config)?;
         Ok(Self {
             config,
@@ -645,6 +656,14 @@ impl Scheduler {
             };
             let start = status.computed_tokens;
             let end = status.computable_tokens.min(start + budget);
+            let end = if end > start {
+                match self.fit_window(c.seq, id, start, end, &cands[i + 1..], &mut plan) {
+                    Some(end) => end,
+                    None => continue,
+                }
+            } else {
+                end
+            };
             if end > start {
                 plan.items.push(Item {
                     seq: c.seq,
@@ -697,6 +716,57 @@ impl Scheduler {
             }
             return false;
         }
+    }
+
+    /// Gives the sliding layers of a hybrid pool the pages for computing tokens `[start, end)` of the
+    /// sequence, computing fewer tokens (down to one) when the pool is short, then preempting worse
+    /// sequences (after it in `rest`). Returns the end that fits, or `None` when the sequence waits this
+    /// step (or can never fit: then its request fails with `CannotFit`).
+    fn fit_window(
+        &mut self,
+        key: SeqKey,
+        id: SeqId,
+        start: usize,
+        end: usize,
+        rest: &[Candidate],
+        plan: &mut Plan,
+    ) -> Option<usize> {
+        loop {
+            let mut e = end;
+            loop {
+                match self.kv.prepare_window(id, start, e) {
+                    Ok(true) => return Some(e),
+                    Ok(false) if e > start + 1 => e = start + (e - start) / 2,
+                    Ok(false) => break,
+                    Err(err) => panic!("window pages of a running sequence: {err}"),
+                }
+            }
+            if let Some(victim) = self.pick_victim(rest, None) {
+                self.preempt(victim, plan);
+                continue;
+            }
+            if self.running.len() == 1 && self.kv.page_usage().is_some() {
+                // Alone, and not even one token's window fits: the pool is smaller than one window.
+                let request = self.seqs[&key].request;
+                let needed_blocks = self.seqs[&key].tokens.len().div_ceil(self.kv.block_size());
+                self.remove_request(request);
+                plan.events.push(SchedEvent::CannotFit {
+                    request,
+                    needed_blocks,
+                    total_blocks: self.config.num_blocks,
+                });
+            }
+            return None;
+        }
+    }
+
+    /// The layer pages of a running sequence's blocks (see `KvCacheManager::layer_pages`), into `out`;
+    /// false for a pool without sliding layers paged apart.
+    pub fn layer_pages(&self, seq: SeqKey, out: &mut Vec<u32>) -> bool {
+        let id = self.seqs[&seq].kv.expect("a planned sequence holds blocks");
+        self.kv
+            .layer_pages(id, out)
+            .expect("running sequence is known")
     }
 
     /// The worst running sequence among `rest` that is strictly worse than `than` (any when `None`).

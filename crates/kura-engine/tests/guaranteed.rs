@@ -30,6 +30,7 @@ fn config(num_blocks: usize, admission: AdmissionMode, prefix_caching: bool) -> 
         tiers: Default::default(),
         preemption: Default::default(),
         admission,
+        window: None,
     }
 }
 

@@ -23,6 +23,7 @@ fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig 
         tiers: Default::default(),
         preemption: Default::default(),
         admission: Default::default(),
+        window: None,
     }
 }
 

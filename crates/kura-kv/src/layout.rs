@@ -81,6 +81,20 @@ impl LayerKv {
             AttentionKind::Full | AttentionKind::Mla { .. } => context,
         }
     }
+
+    /// Blocks of `block_size` tokens this layer holds for a `context`-token sequence, paged: every
+    /// block of the context, or for a sliding layer the blocks a window can overlap
+    /// ([`crate::WindowPool::window_blocks`]: a window that does not start on a block boundary spans one
+    /// block more than its length).
+    pub fn blocks_kept(&self, context: u64, block_size: usize) -> u64 {
+        let all = context.div_ceil(block_size as u64);
+        match self.attention {
+            AttentionKind::SlidingWindow { window_tokens } => {
+                all.min(crate::WindowPool::window_blocks(window_tokens, block_size) as u64)
+            }
+            AttentionKind::Full | AttentionKind::Mla { .. } => all,
+        }
+    }
 }
 
 /// The KV cache shape of a whole model (or of one rank of it, see [`KvLayout::shard`]).
@@ -273,14 +287,48 @@ impl KvLayout {
         tokens.div_ceil(self.block_size_tokens as u64)
     }
 
-    /// Bytes a sequence of `context` tokens holds, paged, windowed layers capped at their window; `None`
-    /// when that is beyond 64 bits.
+    /// Bytes a sequence of `context` tokens holds, paged, windowed layers capped at the blocks their
+    /// window overlaps ([`LayerKv::blocks_kept`]); `None` when that is beyond 64 bits.
     pub fn bytes_for_sequence(&self, context: u64) -> Option<u64> {
         self.layers.iter().try_fold(0u64, |sum, l| {
-            let slots = self
-                .blocks_for_tokens(l.tokens_kept(context))
+            let slots = l
+                .blocks_kept(context, self.block_size_tokens)
                 .checked_mul(self.block_size_tokens as u64)?;
             sum.checked_add(slots.checked_mul(l.bytes_per_token(self.dtype)?)?)
+        })
+    }
+
+    /// The hybrid pool `budget_bytes` holds for this layout, when it has one: some layers slide, all
+    /// with one window, and every layer has the same KV shape (a page is one layer of one block). Its
+    /// concurrency is this layout's [`KvLayout::max_concurrency`]: a sequence takes
+    /// `bytes_for_sequence / page bytes` pages.
+    pub fn window_pool(&self, budget_bytes: u64) -> Option<crate::WindowPool> {
+        let mut windows = self.layers.iter().filter_map(|l| match l.attention {
+            AttentionKind::SlidingWindow { window_tokens } => Some(window_tokens),
+            _ => None,
+        });
+        let window_tokens = windows.next()?;
+        let first = self.layers[0];
+        let uniform = self.layers.iter().all(|l| {
+            (l.kv_heads, l.head_dim) == (first.kv_heads, first.head_dim)
+                && !matches!(l.attention, AttentionKind::Mla { .. })
+        });
+        if !uniform || windows.any(|w| w != window_tokens) {
+            return None;
+        }
+        let page = self.layer_bytes_per_block(0);
+        let num_pages = budget_bytes.checked_div(page)?;
+        let num_pages = u32::try_from(num_pages)
+            .unwrap_or(u32::MAX - 1)
+            .min(u32::MAX - 1);
+        Some(crate::WindowPool {
+            sliding: self
+                .layers
+                .iter()
+                .map(|l| matches!(l.attention, AttentionKind::SlidingWindow { .. }))
+                .collect(),
+            window_tokens,
+            num_pages,
         })
     }
 

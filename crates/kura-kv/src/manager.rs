@@ -116,7 +116,8 @@ impl KvCacheConfig {
             w.validate(self.block_size)?;
             if self.tiers.enabled() {
                 return Err(KvError::Config(
-                    "lower tiers (host, disk) are not available with sliding layers paged apart".into(),
+                    "lower tiers (host, disk) are not available with sliding layers paged apart"
+                        .into(),
                 ));
             }
         }
@@ -387,15 +388,14 @@ impl KvCacheManager {
             return hit;
         };
         let pages = &self.pages;
-        self.index
-            .lookup(
-                &self.pool,
-                &mut self.hasher,
-                key_id,
-                tokens,
-                &mut hit,
-                |b| pages.as_ref().is_none_or(|p| p.attached(b)),
-            );
+        self.index.lookup(
+            &self.pool,
+            &mut self.hasher,
+            key_id,
+            tokens,
+            &mut hit,
+            |b| pages.as_ref().is_none_or(|p| p.attached(b)),
+        );
         self.fit_hit_to_window(&mut hit);
         self.lookup_tiers(key_id, tokens, &mut hit);
         self.stats.prefix_hit_tokens += hit.num_cached_tokens() as u64;

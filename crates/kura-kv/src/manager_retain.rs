@@ -135,8 +135,7 @@ impl KvCacheManager {
         {
             let mut hit = PrefixHit::default();
             let pages = &self.pages;
-            self.index
-                .lookup(
+            self.index.lookup(
                 &self.pool,
                 &mut self.hasher,
                 key_id,

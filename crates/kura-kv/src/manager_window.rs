@@ -226,7 +226,10 @@ impl KvCacheManager {
     /// Returns every page of block `b`, which is leaving the pool's blocks (free list or eviction).
     pub(super) fn free_block_pages(&mut self, b: BlockId) {
         let Some(p) = self.pages.as_mut() else { return };
-        debug_assert_eq!(p.refs[b as usize], 0, "block {b} freed with window references");
+        debug_assert_eq!(
+            p.refs[b as usize], 0,
+            "block {b} freed with window references"
+        );
         if p.attached(b) {
             p.num_idle -= 1;
         }
@@ -409,9 +412,8 @@ impl KvCacheManager {
     pub(super) fn fit_hit_to_window(&self, hit: &mut PrefixHit) {
         let Some(p) = &self.pages else { return };
         let bs = self.config.block_size;
-        let ready = |b: BlockId| {
-            p.attached(b) || usize::from(self.pool.meta[b as usize].computed) < bs
-        };
+        let ready =
+            |b: BlockId| p.attached(b) || usize::from(self.pool.meta[b as usize].computed) < bs;
         // run[i]: ready blocks ending at block i.
         let mut run = Vec::with_capacity(hit.blocks.len());
         for (i, &(b, _)) in hit.blocks.iter().enumerate() {
@@ -472,7 +474,12 @@ impl KvCacheManager {
         let bs = self.config.block_size;
         let first = p.window_start(self.hit_next_position(hit), bs);
         let idle = |b: BlockId| p.refs[b as usize] == 0 && p.attached(b);
-        let parts = hit.blocks.iter().skip(first).filter(|&&(b, _)| idle(b)).count()
+        let parts = hit
+            .blocks
+            .iter()
+            .skip(first)
+            .filter(|&&(b, _)| idle(b))
+            .count()
             + hit.partial.map_or(0, |(src, _, _)| usize::from(idle(src)));
         parts * p.sliding.len()
     }
@@ -628,7 +635,9 @@ impl KvCacheManager {
             }
             let attached = pages[p.sliding[0]] != NO_PAGE;
             if p.sliding.iter().any(|&l| (pages[l] != NO_PAGE) != attached) {
-                return Err(format!("block {b}: window part attached in some layers only"));
+                return Err(format!(
+                    "block {b}: window part attached in some layers only"
+                ));
             }
             if attached && p.refs[b] == 0 {
                 if !m.indexed || usize::from(m.computed) < self.config.block_size {
@@ -643,7 +652,10 @@ impl KvCacheManager {
             }
         }
         if idle != p.num_idle {
-            return Err(format!("{} idle window parts counted, {idle} found", p.num_idle));
+            return Err(format!(
+                "{} idle window parts counted, {idle} found",
+                p.num_idle
+            ));
         }
         if let Some(page) = owner.iter().position(|o| !o) {
             return Err(format!("page {page} leaked: neither free nor owned"));

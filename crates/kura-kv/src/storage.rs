@@ -35,7 +35,7 @@ use std::collections::TryReserveError;
 use half::{bf16, f16};
 
 use crate::codec::{self, KvDtype};
-use crate::layout::{AttentionKind, KvLayout};
+use crate::layout::{AttentionKind, KvLayout, LayerKv};
 
 /// Misuse of a [`KvStorage`] by its caller.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -60,6 +60,12 @@ pub enum StorageError {
     },
     #[error("key offsets: {0}")]
     KeyOffsets(String),
+    #[error(
+        "layer {layer}'s KV shape differs from layer 0's; a paged pool needs one shape for every layer"
+    )]
+    MixedLayers { layer: usize },
+    #[error("a paged KV storage has no whole blocks to export or import (lower tiers need whole blocks)")]
+    Paged,
     #[error("a block's KV is {expected} bytes, not {got}")]
     BlockBytes { expected: u64, got: usize },
     #[error("a KV cache of {num_blocks} blocks does not fit in this machine's address space")]
@@ -323,6 +329,20 @@ impl LayerStorage {
 
     /// Stores one token's K and V (`kv_heads × head_dim` each, heads consecutive) at `slot` of `block`.
     pub fn write_token(&mut self, block: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let offset = std::mem::take(&mut self.key_offset);
+        self.write_token_centred(block, slot, k, v, &offset);
+        self.key_offset = offset;
+    }
+
+    /// [`LayerStorage::write_token`] with K stored minus `key_offset` (empty for none).
+    fn write_token_centred(
+        &mut self,
+        block: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+        key_offset: &[f32],
+    ) {
         assert_eq!(
             k.len(),
             self.kv_heads * self.head_dim,
@@ -343,7 +363,7 @@ impl LayerStorage {
             let at = self.offset(block, head, slot);
             let src = head * hd..(head + 1) * hd;
             let (dtype, scratch) = (self.dtype, &mut self.scratch[..]);
-            if self.key_offset.is_empty() {
+            if key_offset.is_empty() {
                 self.k.write(at, &k[src.clone()], dtype, scratch);
             } else {
                 let mut centred = [0f32; MAX_CENTRED_HEAD_DIM];
@@ -351,7 +371,7 @@ impl LayerStorage {
                 for ((c, x), m) in centred
                     .iter_mut()
                     .zip(&k[src.clone()])
-                    .zip(&self.key_offset[src.clone()])
+                    .zip(&key_offset[src.clone()])
                 {
                     *c = x - m;
                 }
@@ -362,12 +382,16 @@ impl LayerStorage {
     }
 }
 
-/// The KV bytes of a pool of `num_blocks` blocks; every block spans all layers.
+/// The KV bytes of a pool of `num_blocks` blocks; every block spans all layers. Or, paged
+/// ([`KvStorage::new_paged`]), one arena of `num_blocks` pages of one layer each, which a hybrid pool's
+/// manager hands out per layer (`kura_kv::manager` `WindowPool`): the ids given to it are then pages.
 #[derive(Clone)]
 pub struct KvStorage {
     layout: KvLayout,
     num_blocks: usize,
     layers: Vec<LayerStorage>,
+    /// Paged: `layers` is one arena shared by every layer, and these are the key offsets per layer.
+    paged: Option<Vec<Vec<f32>>>,
 }
 
 impl KvStorage {
@@ -431,7 +455,51 @@ impl KvStorage {
             layout: layout.clone(),
             num_blocks,
             layers,
+            paged: None,
         })
+    }
+
+    /// An arena of `num_pages` pages, one layer of one block each, for a hybrid pool whose manager gives
+    /// every layer of a block its own page. Every layer must have the same KV shape.
+    pub fn new_paged(layout: &KvLayout, num_pages: usize) -> Result<Self, StorageError> {
+        let first = layout.layers[0];
+        if let Some(i) = layout
+            .layers
+            .iter()
+            .position(|l| (l.kv_heads, l.head_dim) != (first.kv_heads, first.head_dim))
+        {
+            return Err(StorageError::MixedLayers { layer: i });
+        }
+        let one = KvLayout {
+            layers: vec![LayerKv {
+                attention: AttentionKind::Full,
+                ..first
+            }],
+            dtype: layout.dtype,
+            block_size_tokens: layout.block_size_tokens,
+        };
+        let arena = KvStorage::new(&one, num_pages)?;
+        Ok(KvStorage {
+            layout: layout.clone(),
+            num_blocks: num_pages,
+            layers: arena.layers,
+            paged: Some(vec![Vec::new(); layout.num_layers()]),
+        })
+    }
+
+    /// Whether ids address pages of one layer ([`KvStorage::new_paged`]) rather than whole blocks.
+    pub fn is_paged(&self) -> bool {
+        self.paged.is_some()
+    }
+
+    /// Stores one token's K and V for layer `layer` at `slot` of `block` (a page when paged).
+    pub fn write_token(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) {
+        match &self.paged {
+            None => self.layers[layer].write_token(block, slot, k, v),
+            Some(offsets) => {
+                self.layers[0].write_token_centred(block, slot, k, v, &offsets[layer]);
+            }
+        }
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -450,17 +518,24 @@ impl KvStorage {
         self.layout.dtype
     }
 
-    /// Bytes held by the regions: `num_blocks × layout.bytes_per_block()`.
+    /// Bytes held by the regions: `num_blocks × layout.bytes_per_block()` (pages of one layer when
+    /// paged).
     pub fn bytes(&self) -> u64 {
-        self.num_blocks as u64 * self.layout.bytes_per_block()
+        let per = if self.paged.is_some() {
+            self.layout.layer_bytes_per_block(0)
+        } else {
+            self.layout.bytes_per_block()
+        };
+        self.num_blocks as u64 * per
     }
 
+    /// Layer `layer`'s storage (the shared arena when paged).
     pub fn layer(&self, layer: usize) -> &LayerStorage {
-        &self.layers[layer]
-    }
-
-    pub fn layer_mut(&mut self, layer: usize) -> &mut LayerStorage {
-        &mut self.layers[layer]
+        if self.paged.is_some() {
+            &self.layers[0]
+        } else {
+            &self.layers[layer]
+        }
     }
 
     /// Checks that a block id addresses this storage.
@@ -490,14 +565,15 @@ impl KvStorage {
                 self.layout.dtype
             )));
         }
-        if offsets.len() != self.layers.len() {
+        let layers = self.layout.num_layers();
+        if offsets.len() != layers {
             return Err(StorageError::KeyOffsets(format!(
-                "{} layers of offsets for {} layers",
-                offsets.len(),
-                self.layers.len()
+                "{} layers of offsets for {layers} layers",
+                offsets.len()
             )));
         }
-        for (i, (layer, o)) in self.layers.iter().zip(&offsets).enumerate() {
+        for (i, o) in offsets.iter().enumerate() {
+            let layer = self.layer(i);
             if o.len() != layer.kv_heads * layer.head_dim || layer.head_dim > MAX_CENTRED_HEAD_DIM {
                 return Err(StorageError::KeyOffsets(format!(
                     "layer {i}: {} offsets for {} heads of {}",
@@ -512,8 +588,13 @@ impl KvStorage {
                 )));
             }
         }
-        for (layer, o) in self.layers.iter_mut().zip(offsets) {
-            layer.key_offset = o;
+        match &mut self.paged {
+            Some(per_layer) => *per_layer = offsets,
+            None => {
+                for (layer, o) in self.layers.iter_mut().zip(offsets) {
+                    layer.key_offset = o;
+                }
+            }
         }
         Ok(())
     }
@@ -527,6 +608,7 @@ impl KvStorage {
     /// out: | L0 K (heads, slots, dims) | L0 V | L1 K | L1 V | ... |
     /// ```
     pub fn export_block(&self, block: usize, out: &mut [u8]) -> Result<(), StorageError> {
+        self.check_whole_blocks()?;
         self.check_block(block)?;
         self.check_block_bytes(out.len())?;
         let mut at = 0;
@@ -542,6 +624,7 @@ impl KvStorage {
 
     /// Overwrites block `block`'s KV with `bytes`, as [`KvStorage::export_block`] wrote them.
     pub fn import_block(&mut self, block: usize, bytes: &[u8]) -> Result<(), StorageError> {
+        self.check_whole_blocks()?;
         self.check_block(block)?;
         self.check_block_bytes(bytes.len())?;
         let mut at = 0;
@@ -553,6 +636,14 @@ impl KvStorage {
         }
         debug_assert_eq!(at, bytes.len());
         Ok(())
+    }
+
+    fn check_whole_blocks(&self) -> Result<(), StorageError> {
+        if self.paged.is_some() {
+            Err(StorageError::Paged)
+        } else {
+            Ok(())
+        }
     }
 
     fn check_block_bytes(&self, got: usize) -> Result<(), StorageError> {
@@ -661,7 +752,7 @@ mod tests {
             let mut s = KvStorage::new(&layout, 3).unwrap();
             let k: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
             let v: Vec<f32> = k.iter().map(|x| -x * 0.5).collect();
-            s.layer_mut(0).write_token(1, 2, &k, &v);
+            s.write_token(0, 1, 2, &k, &v);
             let l = s.layer(0);
             let h1 = decoded(l, l.k_head_block(1, 1));
             let tol = match dtype {
@@ -696,7 +787,7 @@ mod tests {
         s.set_key_offsets(offsets.clone()).unwrap();
         let k: Vec<f32> = (0..128).map(|i| i as f32 * 0.1 + 1.0).collect();
         let v = k.clone();
-        s.layer_mut(1).write_token(1, 3, &k, &v);
+        s.write_token(1, 1, 3, &k, &v);
         let l = s.layer(1);
         for head in 0..2 {
             let kd = decoded(l, l.k_head_block(1, head));
@@ -766,7 +857,7 @@ mod tests {
         let mut s = KvStorage::new(&layout, 2).unwrap();
         let k = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         let v = [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0];
-        s.layer_mut(0).write_token(1, 2, &k, &v);
+        s.write_token(0, 1, 2, &k, &v);
         let h1 = read(s.layer(0).k_head_block(1, 1));
         assert_eq!(&h1[6..9], &[4.0, 5.0, 6.0]);
         let h0v = read(s.layer(0).v_head_block(1, 0));
@@ -784,8 +875,7 @@ mod tests {
             for layer in 0..2 {
                 for slot in 0..4 {
                     let x = (layer * 10 + slot) as f32;
-                    s.layer_mut(layer)
-                        .write_token(0, slot, &[x, x, -x, -x], &[x + 0.5; 4]);
+                    s.write_token(layer, 0, slot, &[x, x, -x, -x], &[x + 0.5; 4]);
                 }
             }
             s.copy_block_prefix(0, 2, 3).unwrap();
@@ -879,7 +969,7 @@ mod tests {
                         .map(|i| (layer * 100 + slot * 10 + i) as f32)
                         .collect();
                     let v: Vec<f32> = k.iter().map(|x| -x - 0.5).collect();
-                    s.layer_mut(layer).write_token(1, slot, &k, &v);
+                    s.write_token(layer, 1, slot, &k, &v);
                 }
             }
             let mut bytes = vec![0u8; layout.bytes_per_block() as usize];

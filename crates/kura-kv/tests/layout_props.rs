@@ -74,7 +74,9 @@ proptest! {
         let windowed = KvLayout::new(vec![sw; 4], KvDtype::F16, bs).unwrap();
         let full = KvLayout::uniform(4, 8, 128, KvDtype::F16, bs).unwrap();
         prop_assert!(windowed.bytes_for_sequence(ctx).unwrap() <= full.bytes_for_sequence(ctx).unwrap());
-        prop_assert_eq!(windowed.bytes_for_sequence(ctx).unwrap(), full.bytes_for_sequence(ctx.min(window as u64)).unwrap());
+        // A window overlaps at most ceil((window - 1) / bs) + 1 blocks, never more than the context's.
+        let overlap = ((window as u64 - 1).div_ceil(bs as u64) + 1) * bs as u64;
+        prop_assert_eq!(windowed.bytes_for_sequence(ctx).unwrap(), full.bytes_for_sequence(ctx.min(overlap)).unwrap());
     }
 
     #[test]

@@ -247,12 +247,24 @@ fn run(
     hash_bits: u32,
     steps: usize,
 ) -> KvStats {
-    run_with(KvCacheConfig::new(48, block_size), seed, policy, hash_bits, steps)
+    run_with(
+        KvCacheConfig::new(48, block_size),
+        seed,
+        policy,
+        hash_bits,
+        steps,
+    )
 }
 
 /// A hybrid pool: `sliding` says which layers slide with a window of `window` tokens; as many pages as
 /// `pages_per_layer` blocks of every layer would take.
-fn run_hybrid(seed: u64, block_size: usize, sliding: &[bool], window: usize, steps: usize) -> KvStats {
+fn run_hybrid(
+    seed: u64,
+    block_size: usize,
+    sliding: &[bool],
+    window: usize,
+    steps: usize,
+) -> KvStats {
     let pool = WindowPool {
         sliding: sliding.to_vec(),
         window_tokens: window,
@@ -293,7 +305,11 @@ fn run_with(
     d.kv.clear_cache();
     assert_eq!(d.kv.usage().free_blocks, u.total_blocks);
     if let Some((total, free, idle)) = d.kv.page_usage() {
-        assert_eq!((free, idle), (total, 0), "pages left held after clearing the cache");
+        assert_eq!(
+            (free, idle),
+            (total, 0),
+            "pages left held after clearing the cache"
+        );
     }
     assert_eq!(d.kv.num_cache_keys(), 0);
     d.kv.stats().clone()

@@ -37,6 +37,7 @@ fn bench(c: &mut Criterion) {
                     tokens: &tokens[..n],
                     start_pos: 0,
                     block_table: &table,
+                    layer_pages: &[],
                 };
                 model.forward(&[item], &mut kv).unwrap()
             })
@@ -58,6 +59,7 @@ fn bench(c: &mut Criterion) {
                         tokens: &tokens[..ctx],
                         start_pos: 0,
                         block_table: t,
+                        layer_pages: &[],
                     }],
                     &mut kv,
                 )
@@ -73,6 +75,7 @@ fn bench(c: &mut Criterion) {
                         tokens: &tokens[ctx + s..ctx + s + 1],
                         start_pos: ctx,
                         block_table: t,
+                        layer_pages: &[],
                     })
                     .collect();
                 model.forward(&items, &mut kv).unwrap()

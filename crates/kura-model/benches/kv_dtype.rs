@@ -49,8 +49,7 @@ fn filled(model: &Model, dtype: KvDtype, case: &Case) -> (KvStorage, Vec<Vec<u32
             for layer in 0..c.num_layers {
                 k.iter_mut().for_each(|e| *e = next());
                 v.iter_mut().for_each(|e| *e = next());
-                kv.layer_mut(layer)
-                    .write_token(table[pos / BLOCK] as usize, pos % BLOCK, &k, &v);
+                kv.write_token(layer, table[pos / BLOCK] as usize, pos % BLOCK, &k, &v);
             }
         }
     }
@@ -111,6 +110,7 @@ fn main() {
                             tokens: std::slice::from_ref(tok),
                             start_pos: case.ctx,
                             block_table: table,
+                            layer_pages: &[],
                         })
                         .collect();
                     model.forward(&items, kv).unwrap();

@@ -41,6 +41,32 @@ pub struct SeqBatchItem<'a> {
     pub start_pos: usize,
     /// Block ids of the sequence in order; must cover positions `0..start_pos + tokens.len()`.
     pub block_table: &'a [u32],
+    /// For a paged storage ([`KvStorage::new_paged`]), the page of every layer for each block of
+    /// `block_table`, layer-major (`layer_pages[l * n + i]`, `n = block_table.len()`); a sliding layer's
+    /// blocks before its window may be `kura_kv::NO_PAGE`. Empty otherwise.
+    pub layer_pages: &'a [u32],
+}
+
+impl<'a> SeqBatchItem<'a> {
+    /// An item over a storage addressed by block ids (not paged).
+    pub fn new(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> Self {
+        SeqBatchItem {
+            tokens,
+            start_pos,
+            block_table,
+            layer_pages: &[],
+        }
+    }
+
+    /// Where layer `layer` finds this sequence's blocks: its pages when paged, else the block table.
+    fn table(&self, layer: usize, paged: bool) -> &'a [u32] {
+        if paged {
+            let n = self.block_table.len();
+            &self.layer_pages[layer * n..(layer + 1) * n]
+        } else {
+            self.block_table
+        }
+    }
 }
 
 /// Last-position logits of each sequence of a step: `rows × vocab`.
@@ -201,6 +227,7 @@ impl Model {
                 tokens: &tokens,
                 start_pos: 0,
                 block_table: &table,
+                layer_pages: &[],
             }],
             &mut kv,
         )?;
@@ -232,6 +259,17 @@ impl Model {
     /// stores K minus each head's mean ([`Model::key_means`]).
     pub fn kv_storage(&self, layout: &KvLayout, num_blocks: usize) -> Result<KvStorage> {
         let mut kv = KvStorage::new(layout, num_blocks)?;
+        if layout.dtype.is_quantized() {
+            kv.set_key_offsets(self.key_means()?.to_vec())?;
+        }
+        Ok(kv)
+    }
+
+    /// A paged KV storage of `num_pages` pages (one layer of one block each) of `layout`, for a hybrid
+    /// pool (`kura_kv::WindowPool`); quantised formats store K minus each head's mean, as
+    /// [`Model::kv_storage`].
+    pub fn kv_storage_paged(&self, layout: &KvLayout, num_pages: usize) -> Result<KvStorage> {
+        let mut kv = KvStorage::new_paged(layout, num_pages)?;
         if layout.dtype.is_quantized() {
             kv.set_key_offsets(self.key_means()?.to_vec())?;
         }
@@ -330,14 +368,30 @@ impl Model {
                     item.block_table.len()
                 )));
             }
-            if let Some(b) = item.block_table[..end.div_ceil(bs)]
-                .iter()
-                .find(|b| **b as usize >= kv.num_blocks())
-            {
+            let paged = kv.is_paged();
+            if paged && item.layer_pages.len() != c.num_layers * item.block_table.len() {
                 return Err(ModelError::Forward(format!(
-                    "sequence {i}: block {b} is outside the storage of {} blocks",
-                    kv.num_blocks()
+                    "sequence {i}: {} layer pages for {} layers of {} blocks",
+                    item.layer_pages.len(),
+                    c.num_layers,
+                    item.block_table.len()
                 )));
+            }
+            for layer in 0..if paged { c.num_layers } else { 1 } {
+                // The blocks this step reads: from the window's start for a sliding layer.
+                let first = match c.layer_window(layer) {
+                    Some(w) if paged => (item.start_pos + 1).saturating_sub(w) / bs,
+                    _ => 0,
+                };
+                if let Some(b) = item.table(layer, paged)[first..end.div_ceil(bs)]
+                    .iter()
+                    .find(|b| **b as usize >= kv.num_blocks())
+                {
+                    return Err(ModelError::Forward(format!(
+                        "sequence {i}: block {b} (layer {layer}) is outside the storage of {} blocks",
+                        kv.num_blocks()
+                    )));
+                }
             }
             if let Some(t) = item.tokens.iter().find(|t| **t as usize >= c.vocab_size) {
                 return Err(ModelError::Forward(format!(
@@ -349,10 +403,13 @@ impl Model {
         // Every new token writes its own (block, slot): two writes to one slot would leave one token's
         // K/V under another's position.
         let mut slots = std::collections::HashSet::new();
+        let paged = kv.is_paged();
         for (i, item) in batch.iter().enumerate() {
             for p in item.start_pos..item.start_pos + item.tokens.len() {
+                let written = (0..if paged { c.num_layers } else { 1 })
+                    .map(|layer| item.table(layer, paged)[p / bs]);
                 let (block, slot) = (item.block_table[p / bs], p % bs);
-                if !slots.insert((block, slot)) {
+                if written.into_iter().any(|page| !slots.insert((page, slot))) {
                     return Err(ModelError::Forward(format!(
                         "sequence {i}: position {p} writes block {block} slot {slot}, which another new \
                          token of the batch also writes"
@@ -395,15 +452,20 @@ impl Model {
 
         // Embeddings, positions and RoPE angles of every new token.
         let mut x = vec![0f32; t_total * h];
-        let mut seqs = Vec::with_capacity(batch.len());
+        let paged = kv.is_paged();
+        // The attention's view of the sequences: one per layer when the storage is paged.
+        let mut seqs_of: Vec<Vec<AttnSeq>> =
+            vec![Vec::with_capacity(batch.len()); if paged { c.num_layers } else { 1 }];
         let mut positions = Vec::with_capacity(t_total);
         for item in batch {
-            seqs.push(AttnSeq {
-                first_token: positions.len(),
-                n_tokens: item.tokens.len(),
-                start_pos: item.start_pos,
-                block_table: item.block_table,
-            });
+            for (layer, seqs) in seqs_of.iter_mut().enumerate() {
+                seqs.push(AttnSeq {
+                    first_token: positions.len(),
+                    n_tokens: item.tokens.len(),
+                    start_pos: item.start_pos,
+                    block_table: item.table(layer, paged),
+                });
+            }
             for (i, tok) in item.tokens.iter().enumerate() {
                 let t = positions.len();
                 self.weights
@@ -423,16 +485,22 @@ impl Model {
                 &mut sin[t * half..(t + 1) * half],
             );
         }
-        // Where each token's K/V goes: (block id, slot).
-        let slots: Vec<(usize, usize)> = batch
-            .iter()
-            .flat_map(|item| {
-                (0..item.tokens.len()).map(move |i| {
-                    let p = item.start_pos + i;
-                    (item.block_table[p / bs] as usize, p % bs)
-                })
+        // Where each token's K/V goes: (block id or page, slot), per layer when paged.
+        let slots_of: Vec<Vec<(usize, usize)>> = (0..seqs_of.len())
+            .map(|layer| {
+                batch
+                    .iter()
+                    .flat_map(|item| {
+                        let table = item.table(layer, paged);
+                        (0..item.tokens.len()).map(move |i| {
+                            let p = item.start_pos + i;
+                            (table[p / bs] as usize, p % bs)
+                        })
+                    })
+                    .collect()
             })
             .collect();
+        let seqs = &seqs_of[0];
 
         let head = self.weights.lm_head();
         let kind = head.act_kind();
@@ -468,7 +536,7 @@ impl Model {
             window: None,
             ..shape
         };
-        let mut partials = vec![0f32; partials_len(&seqs, full)];
+        let mut partials = vec![0f32; partials_len(seqs, full)];
         let parts = SharedMut::new(&mut partials);
         let kvs = KvShared(kv);
         let eps = c.rms_norm_eps;
@@ -492,7 +560,8 @@ impl Model {
                 unsafe { matmul_part(tm, xns.read(), t_total, &lw.wqkv, qkvs, false) };
                 tm.sync();
                 if tm.index() == 0 {
-                    let layer_kv = unsafe { kvs.get_mut() }.layer_mut(li);
+                    let kv = unsafe { kvs.get_mut() };
+                    let slots = &slots_of[if paged { li } else { 0 }];
                     for t in 0..t_total {
                         let row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
                         if let Some(b) = &lw.bqkv {
@@ -507,7 +576,7 @@ impl Model {
                         rope(qr, d, c.rope_style, cs, sn);
                         rope(kr, d, c.rope_style, cs, sn);
                         let (block, slot) = slots[t];
-                        layer_kv.write_token(block, slot, kr, vr);
+                        kv.write_token(li, block, slot, kr, vr);
                     }
                 }
                 tm.sync();
@@ -521,7 +590,7 @@ impl Model {
                         tm,
                         qkvs.all(),
                         qkv_dim,
-                        &seqs,
+                        &seqs_of[if paged { li } else { 0 }],
                         layer_kv,
                         shape,
                         parts,

@@ -5,7 +5,8 @@
 
 mod common;
 
-use kura_model::{ChatMessage, LoadOptions, Model, WeightsDtype};
+use kura_kv::codec::KvDtype;
+use kura_model::{ChatMessage, LoadOptions, Model, SoloRun, WeightsDtype};
 use serde_json::Value;
 
 const LOGIT_TOL: f32 = 1e-3;
@@ -63,11 +64,22 @@ fn logit_diff(ours: &[f32], want: &Value) -> f32 {
 
 /// Compares logits within `tol` and, when `exact_greedy`, the greedy continuation token for token.
 fn check_cases(model: &Model, g: &Value, label: &str, tol: f32, exact_greedy: bool) -> f32 {
+    check_cases_in_blocks(model, g, label, tol, exact_greedy, 16)
+}
+
+fn check_cases_in_blocks(
+    model: &Model,
+    g: &Value,
+    label: &str,
+    tol: f32,
+    exact_greedy: bool,
+    block_size: usize,
+) -> f32 {
     let mut worst = 0f32;
     for case in g["cases"].as_array().unwrap() {
         let prompt = ids(&case["ids"]);
         let want = ids(&case["greedy"]);
-        let (got, logits) = common::greedy(model, &prompt, want.len(), 16, true);
+        let (got, logits) = common::greedy(model, &prompt, want.len(), block_size, true);
         let diff = logit_diff(&logits, &case["logits"]);
         eprintln!(
             "{label}: prompt of {} tokens, max |Δlogit| = {diff:.2e}",
@@ -108,6 +120,36 @@ fn tiny_models_match_transformers() {
                 tol,
                 dtype == WeightsDtype::F32,
             );
+            if model.config().sliding_window.is_some() {
+                // Windowed models run on the hybrid pool; in blocks of 2 tokens a window of 8 spans 5
+                // blocks, so the sliding layer's pages are given back as the sequences grow.
+                check_cases_in_blocks(
+                    &model,
+                    &g,
+                    &format!("tiny-{name} {dtype:?} hybrid pool, blocks of 2"),
+                    tol,
+                    dtype == WeightsDtype::F32,
+                    2,
+                );
+                let prompt = ids(&g["cases"].as_array().unwrap()[0]["ids"]);
+                let mut run = SoloRun::new(&model, &prompt, 24, KvDtype::F32, 2, true).unwrap();
+                assert!(run.is_hybrid(), "tiny-{name} runs on a whole-model pool");
+                for _ in 0..24 {
+                    let next = kura_model::sampling::argmax(run.next_logits().unwrap().row(0));
+                    run.push(next).unwrap();
+                }
+                run.next_logits().unwrap();
+                let layers = model.config().num_layers as u32;
+                let full =
+                    layers - model.config().sliding_layers.iter().filter(|s| **s).count() as u32;
+                let blocks = run.tokens().len().div_ceil(2) as u32;
+                // Full layers hold every block; sliding ones at most the 5 blocks a window of 8 overlaps.
+                assert!(
+                    run.pages_in_use().unwrap() <= full * blocks + (layers - full) * 5,
+                    "tiny-{name}: {:?} pages in use for {blocks} blocks",
+                    run.pages_in_use()
+                );
+            }
             // The HF tokenizer.json path encodes as the reference did.
             let text_case = &g["cases"].as_array().unwrap()[2];
             let text = text_case["prompt"].as_str().unwrap();

@@ -47,6 +47,7 @@ fn batched_sequences_and_chunked_prefill_match_single_runs() {
                 tokens: &b[..split],
                 start_pos: 0,
                 block_table: &table_b,
+                layer_pages: &[],
             }],
             &mut kv,
         )
@@ -58,11 +59,13 @@ fn batched_sequences_and_chunked_prefill_match_single_runs() {
                     tokens: &a,
                     start_pos: 0,
                     block_table: &table_a,
+                    layer_pages: &[],
                 },
                 SeqBatchItem {
                     tokens: &b[split..],
                     start_pos: split,
                     block_table: &table_b,
+                    layer_pages: &[],
                 },
             ],
             &mut kv,
@@ -99,6 +102,7 @@ fn copy_block_prefix_reuses_a_shared_prefix() {
                 tokens: &prompt[..6],
                 start_pos: 0,
                 block_table: &table_a,
+                layer_pages: &[],
             }],
             &mut kv,
         )
@@ -111,6 +115,7 @@ fn copy_block_prefix_reuses_a_shared_prefix() {
                 tokens: &prompt[6..],
                 start_pos: 6,
                 block_table: &table_b,
+                layer_pages: &[],
             }],
             &mut kv,
         )
@@ -136,6 +141,7 @@ fn bad_batches_are_errors_not_panics() {
                 tokens,
                 start_pos,
                 block_table,
+                layer_pages: &[],
             }],
             &mut kv,
         );
@@ -147,11 +153,13 @@ fn bad_batches_are_errors_not_panics() {
             tokens: &[1, 2],
             start_pos: 0,
             block_table: &[0],
+            layer_pages: &[],
         },
         SeqBatchItem {
             tokens: &[3],
             start_pos: 1,
             block_table: &[0],
+            layer_pages: &[],
         },
     ];
     let err = model.forward(&both, &mut kv).expect_err("a shared slot");
@@ -206,6 +214,7 @@ fn check_invariance(model: &Model, weights_dtype: WeightsDtype) {
                             tokens: &prompt[a..b],
                             start_pos: a,
                             block_table: &table,
+                            layer_pages: &[],
                         }],
                         &mut kv,
                     )

@@ -184,10 +184,15 @@ pub struct PlanReport {
     /// Bytes missing for the model to fit (0 when it fits).
     pub short_bytes: u64,
     pub fits_batch: bool,
-    /// For models with sliding-window layers: the bytes of one request and the concurrency if each layer
-    /// kept only its window (a pool per layer group); Kura's pool holds the figures above.
+    /// For models with sliding-window layers: the bytes of one request and the concurrency when each
+    /// sliding layer holds only the blocks its window overlaps (Kura's hybrid pool).
     pub windowed_kv_bytes_per_request: Option<u64>,
     pub windowed_max_concurrency: Option<u64>,
+    /// The hybrid pool `kura serve` runs with the same flags (sliding layers paged apart), when it does:
+    /// then `max_concurrency` and `kv_bytes_per_request` are its figures.
+    pub hybrid_pool: Option<HybridPoolReport>,
+    /// Requests of `context` tokens a whole-model pool (every layer holding the whole context) would hold.
+    pub whole_model_max_concurrency: u64,
     /// The lower KV tiers beside the pool, per device.
     pub kv_tiers: TierReport,
     pub scheduling: Scheduling,
@@ -195,6 +200,21 @@ pub struct PlanReport {
     /// reserved (`null` otherwise).
     pub guaranteed_admission: Option<GuaranteedAdmission>,
     pub warnings: Vec<String>,
+}
+
+/// The hybrid pool of a model with sliding layers, per device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HybridPoolReport {
+    /// Pages of one layer of one block.
+    pub num_pages: u64,
+    pub page_bytes: u64,
+    pub full_layers: usize,
+    pub sliding_layers: usize,
+    pub window_tokens: usize,
+    /// Blocks a sliding layer holds per request at most (those a window overlaps).
+    pub window_blocks: u64,
+    /// Pages one request of `context` tokens holds.
+    pub pages_per_request: u64,
 }
 
 pub const DEFAULT_CONTEXT: u64 = 4096;
@@ -460,9 +480,38 @@ impl PlanRequest {
         let fits = short_bytes == 0;
 
         let num_blocks = rank.num_blocks_for_budget(kv_budget);
-        let max_concurrency = rank.max_concurrency(kv_budget, context);
+        let whole_model_max_concurrency = rank.max_concurrency(kv_budget, context);
+        // `kura serve` pages sliding layers apart unless lower tiers or guaranteed admission need whole
+        // blocks (`hybrid_pool_for`).
+        let hybrid = hybrid_pool_for(
+            &windowed_rank,
+            kv_budget,
+            self.tiers.host_blocks > 0 || self.tiers.disk.is_some(),
+            self.scheduling == Scheduling::Guaranteed,
+        );
+        let pool_rank = if hybrid.is_some() {
+            &windowed_rank
+        } else {
+            &rank
+        };
+        let max_concurrency = pool_rank.max_concurrency(kv_budget, context);
         let limit = s.max_context.unwrap_or(context).max(context);
-        let max_context_for_batch = rank.max_context_for_batch(kv_budget, self.batch, limit);
+        let max_context_for_batch = pool_rank.max_context_for_batch(kv_budget, self.batch, limit);
+        let page_bytes = windowed_rank.layer_bytes_per_block(0);
+        let hybrid_pool = hybrid.map(|pool| HybridPoolReport {
+            num_pages: u64::from(pool.num_pages),
+            page_bytes,
+            full_layers: pool.full_layers(),
+            sliding_layers: pool.sliding_layers(),
+            window_tokens: pool.window_tokens,
+            window_blocks: kura_kv::WindowPool::window_blocks(
+                pool.window_tokens,
+                self.block_size_tokens,
+            ) as u64,
+            pages_per_request: windowed_rank
+                .bytes_for_sequence(context)
+                .map_or(0, |b| b / page_bytes.max(1)),
+        });
         let guaranteed_admission = (self.scheduling == Scheduling::Guaranteed).then(|| {
             // As `kura serve` reserves: prompt + max_tokens − 1 tokens, in whole blocks, nothing shared.
             let blocks_per_request = context
@@ -489,19 +538,39 @@ impl PlanRequest {
                 .bytes_for_sequence(context)
                 .and_then(|b| b.checked_mul(copies));
             let concurrency = windowed_rank.max_concurrency(kv_budget, context);
-            warnings.push(format!(
-                "sliding-window layers keep at most their window, but Kura's pool pages whole-model blocks: \
-                 these figures count every layer at the full context, as `kura serve` holds it. A pool per \
-                 layer group would need {} per request and hold {concurrency} requests of {context} tokens",
-                per_request.map_or_else(|| "more than 2^64 bytes".into(), format_bytes)
-            ));
+            if hybrid_pool.is_none() {
+                warnings.push(format!(
+                    "sliding-window layers keep at most their window, but this pool pages whole-model \
+                     blocks (lower tiers and guaranteed admission need whole blocks; so do layers of \
+                     several shapes or windows): these figures count every layer at the full context. \
+                     The hybrid pool would need {} per request and hold {concurrency} requests of \
+                     {context} tokens",
+                    per_request.map_or_else(|| "more than 2^64 bytes".into(), format_bytes)
+                ));
+            }
             (per_request, Some(concurrency))
         } else {
             (None, None)
         };
+        // With the hybrid pool, what a request holds is its windowed figure.
+        let (per_request, per_request_per_device, kv_bytes_total) =
+            match (&hybrid_pool, windowed_kv_bytes_per_request) {
+                (Some(_), Some(windowed)) => (
+                    windowed,
+                    windowed_rank.bytes_for_sequence(context).ok_or_else(|| {
+                        too_large(format!("KV for one request of {context} tokens"))
+                    })?,
+                    windowed.checked_mul(self.batch).ok_or_else(|| {
+                        too_large(format!("KV for --batch {} requests", self.batch))
+                    })?,
+                ),
+                _ => (per_request, per_request_per_device, kv_bytes_total),
+            };
         Ok(PlanReport {
             windowed_kv_bytes_per_request,
             windowed_max_concurrency,
+            hybrid_pool,
+            whole_model_max_concurrency,
             model: s.name.clone(),
             source: s.source.clone(),
             params: s.params(),
@@ -643,14 +712,29 @@ mod tests {
         r.kv_cache_memory = Some(10 * GIB);
         let p = r.plan().unwrap();
         let per_layer_token = 8 * 256 * 2 * 2;
-        // Kura's pool pages whole-model blocks: every layer holds the whole context.
-        assert_eq!(p.kv_bytes_per_request, 42 * 8192 * per_layer_token);
-        assert_eq!(p.max_concurrency, 10 * GIB / (42 * 8192 * per_layer_token));
-        // A pool per layer group: 21 × 8,192 + 21 × 4,096 token-layers, said in the report.
-        let windowed = (21 * 8192 + 21 * 4096) * per_layer_token;
+        // The hybrid pool: 21 layers × 8,192 tokens + 21 sliding layers × the 257 blocks of 16 tokens a
+        // window of 4,096 can overlap.
+        let windowed = (21 * 8192 + 21 * 257 * 16) * per_layer_token;
+        assert_eq!(p.kv_bytes_per_request, windowed);
+        assert_eq!(p.max_concurrency, 10 * GIB / windowed);
         assert_eq!(p.windowed_kv_bytes_per_request, Some(windowed));
         assert_eq!(p.windowed_max_concurrency, Some(10 * GIB / windowed));
-        assert!(p.warnings.iter().any(|w| w.contains("whole-model blocks")));
+        let hybrid = p.hybrid_pool.as_ref().unwrap();
+        assert_eq!((hybrid.full_layers, hybrid.sliding_layers), (21, 21));
+        assert_eq!(hybrid.pages_per_request, 21 * 512 + 21 * 257);
+        // A whole-model pool: every layer holds the whole context.
+        assert_eq!(
+            p.whole_model_max_concurrency,
+            10 * GIB / (42 * 8192 * per_layer_token)
+        );
+        // Guaranteed admission counts whole blocks: the whole-model pool, said in a warning.
+        r.scheduling = Scheduling::Guaranteed;
+        let g = r.plan().unwrap();
+        assert!(g.hybrid_pool.is_none());
+        assert_eq!(g.max_concurrency, g.whole_model_max_concurrency);
+        assert_eq!(g.kv_bytes_per_request, 42 * 8192 * per_layer_token);
+        assert!(g.warnings.iter().any(|w| w.contains("whole-model")));
+        r.scheduling = Scheduling::MaxUtilization;
         assert!(
             p.attention.contains("sliding window 4096"),
             "{}",
@@ -867,4 +951,19 @@ mod tests {
         // 16 GiB / 4 requests / 128 KiB per token = 32,768 tokens each.
         assert_eq!(p.max_context_for_batch, 32_768);
     }
+}
+
+/// The hybrid pool `kura serve` runs for `layout` (one device's, windowed layers as they are) with
+/// `budget_bytes` of KV: `None` when nothing slides, when the layers differ in shape or window
+/// (`KvLayout::window_pool`), or when lower tiers or guaranteed admission need whole blocks.
+pub fn hybrid_pool_for(
+    layout: &KvLayout,
+    budget_bytes: u64,
+    tiers: bool,
+    guaranteed: bool,
+) -> Option<kura_kv::WindowPool> {
+    if tiers || guaranteed {
+        return None;
+    }
+    layout.window_pool(budget_bytes)
 }

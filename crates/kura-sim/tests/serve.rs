@@ -20,6 +20,7 @@ fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim 
             tiers: Default::default(),
             preemption: Default::default(),
             admission: Default::default(),
+            window: None,
         },
         // About the default model on two threads: 0.5 ms a prompt token, 8 ms a step.
         cost: CostModel {

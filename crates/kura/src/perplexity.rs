@@ -135,6 +135,7 @@ impl Run {
                 tokens: piece,
                 start_pos: start,
                 block_table: &self.table,
+                layer_pages: &[],
             }],
             &mut self.kv,
         )?)

@@ -431,6 +431,21 @@ fn print_table(r: &PlanReport, memory_note: &str) {
         "  max concurrency      {} requests of {} tokens",
         r.max_concurrency, r.context
     );
+    if let Some(h) = &r.hybrid_pool {
+        println!(
+            "  hybrid pool          {} pages of one layer ({} each): {} full-attention layers hold every block, \
+             {} sliding layers at most {} blocks (window {}); {} pages a request (a whole-model pool holds {} \
+             requests)",
+            h.num_pages,
+            format_bytes(h.page_bytes),
+            h.full_layers,
+            h.sliding_layers,
+            h.window_blocks,
+            h.window_tokens,
+            h.pages_per_request,
+            r.whole_model_max_concurrency
+        );
+    }
     println!(
         "  longest context      {} tokens for {} concurrent requests",
         r.max_context_for_batch, r.batch

@@ -353,11 +353,43 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
             format_bytes(layout.bytes_per_block())
         );
     }
-    // The pool pages whole-model blocks, so a windowed layer holds the whole context too: the figure is
-    // what the pool really holds (and what `kura plan` prints for the same flags).
-    let concurrency = layout
+    // A model with sliding layers gets the hybrid pool (its sliding layers paged apart, holding only
+    // their window) unless lower tiers or guaranteed admission need whole blocks; `kura plan` decides
+    // the same way (`hybrid_pool_for`) and prints the same figures.
+    let whole_concurrency = layout
         .whole_model_pool()
         .max_concurrency(budget, max_model_len as u64);
+    let tiers_on =
+        tier_sizes.host_blocks(layout.bytes_per_block())? > 0 || tier_sizes.disk.is_some();
+    let window = kura_plan::hybrid_pool_for(
+        &layout,
+        budget,
+        tiers_on,
+        AdmissionMode::from(args.scheduling) == AdmissionMode::Guaranteed,
+    );
+    let concurrency = match &window {
+        Some(_) => layout.max_concurrency(budget, max_model_len as u64),
+        None => whole_concurrency,
+    };
+    if let Some(w) = &window {
+        tracing::info!(
+            "KV cache: hybrid pool of {} pages (one layer of {} tokens, {} each): {} full-attention layers hold \
+             every block, {} sliding layers only the {} blocks a {}-token window overlaps; max concurrency for \
+             {max_model_len} tokens per request: {concurrency} (a whole-model pool: {whole_concurrency})",
+            w.num_pages,
+            args.block_size,
+            format_bytes(layout.layer_bytes_per_block(0)),
+            w.full_layers(),
+            w.sliding_layers(),
+            kura_kv::WindowPool::window_blocks(w.window_tokens, args.block_size),
+            w.window_tokens,
+        );
+    } else if layout.has_sliding_window() {
+        tracing::info!(
+            "KV cache: whole-model blocks (lower tiers or guaranteed admission need them, or the layers \
+             differ in shape or window): sliding layers hold the whole context too"
+        );
+    }
     tracing::info!(
         "KV cache: {num_blocks} blocks of {} tokens = {} tokens, max concurrency for {max_model_len} tokens per request: {concurrency} ({} of {} KV, {} per token)",
         args.block_size,
@@ -378,9 +410,11 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
             num_blocks,
         );
     }
-    let storage = model
-        .kv_storage(&layout, num_blocks as usize)
-        .context("allocating the KV cache")?;
+    let storage = match &window {
+        Some(w) => model.kv_storage_paged(&layout, w.num_pages as usize),
+        None => model.kv_storage(&layout, num_blocks as usize),
+    }
+    .context("allocating the KV cache")?;
     let fingerprint = kv_fingerprint(
         model.weights_fingerprint(),
         args.weights_dtype,
@@ -412,7 +446,9 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         model_name,
         max_model_len,
         block_size_tokens: args.block_size,
-        num_blocks: num_blocks as usize,
+        num_blocks: window
+            .as_ref()
+            .map_or(num_blocks as usize, |w| w.logical_blocks() as usize),
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_queue: args.max_queue as usize,
@@ -421,6 +457,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         stalled_client_timeout: Duration::from_secs(args.stalled_client_timeout_s),
         pin_budget_blocks: Some(pin_budget),
         admission: args.scheduling.into(),
+        window,
     };
     let engine = start_engine(
         config,

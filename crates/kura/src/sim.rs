@@ -246,6 +246,7 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
                 tiers: Default::default(),
                 preemption: Default::default(),
                 admission: args.scheduling.into(),
+                window: None,
             },
             cost: cost.clone(),
             concurrency,
@@ -413,6 +414,7 @@ fn calibrate(args: &SimArgs) -> Result<()> {
                 tokens,
                 start_pos: i.start,
                 block_table: table,
+                layer_pages: &[],
             })
             .collect();
         let mut times = Vec::new();

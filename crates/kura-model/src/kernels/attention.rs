@@ -1194,8 +1194,7 @@ mod tests {
             let v: Vec<f32> = (0..kv_heads * head_dim)
                 .map(|i| val(p * 131 + i + 7))
                 .collect();
-            kv.layer_mut(0)
-                .write_token(table[p / block] as usize, p % block, &k, &v);
+            kv.write_token(0, table[p / block] as usize, p % block, &k, &v);
         }
         // Each query depends on its position only, so a token has the same query in any batch.
         let row = heads * head_dim;
