@@ -1031,6 +1031,13 @@ impl Core {
         m.kv_evictions
             .add(evictions.saturating_sub(self.kv_evictions_seen));
         self.kv_evictions_seen = evictions;
+        if let Some((total, free, idle)) = self.sched.kv().page_usage() {
+            m.kv_pages_total.set(f64::from(total));
+            m.kv_pages_free.set(f64::from(free));
+            m.kv_pages_idle_window.set(f64::from(idle));
+            m.kv_window_part_drops
+                .set_total(self.sched.kv().stats().window_part_drops);
+        }
         if let Some(io) = &self.tiers {
             let kv = self.sched.kv();
             let st = kv.stats();

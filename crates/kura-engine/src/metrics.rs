@@ -131,6 +131,13 @@ pub struct EngineMetrics {
     /// Steps in which a request was held back waiting for another request's pending blocks.
     pub pending_waits: Counter,
     pub kv_evictions: Counter,
+    /// A hybrid pool's pages (one layer of one block): all of them, free ones, and those held by idle
+    /// window parts of cached blocks; 0 without a hybrid pool (then not exported).
+    pub kv_pages_total: Gauge,
+    pub kv_pages_free: Gauge,
+    pub kv_pages_idle_window: Gauge,
+    /// Window parts of cached blocks dropped to make room.
+    pub kv_window_part_drops: Counter,
     // scheduling
     pub requests_running: Gauge,
     pub requests_waiting: Gauge,
@@ -313,6 +320,32 @@ impl EngineMetrics {
             "Cached KV blocks evicted to make room.",
             self.kv_evictions.get(),
         );
+        if self.kv_pages_total.get() > 0.0 {
+            gauge(
+                &mut out,
+                "kura:kv_pages_total",
+                "Pages of the hybrid pool (one layer of one block each).",
+                self.kv_pages_total.get(),
+            );
+            gauge(
+                &mut out,
+                "kura:kv_pages_free",
+                "Pages of the hybrid pool on its free list.",
+                self.kv_pages_free.get(),
+            );
+            gauge(
+                &mut out,
+                "kura:kv_pages_idle_window",
+                "Pages of sliding layers kept for cached blocks no request reads now (reclaimed first).",
+                self.kv_pages_idle_window.get(),
+            );
+            counter(
+                &mut out,
+                "kura:kv_window_part_drops_total",
+                "Sliding layers' pages of cached blocks dropped to make room.",
+                self.kv_window_part_drops.get(),
+            );
+        }
         gauge(
             &mut out,
             "kura:num_requests_running",

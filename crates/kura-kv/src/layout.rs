@@ -469,9 +469,10 @@ mod tests {
         let l = KvLayout::new(layers, KvDtype::F32, 16).unwrap();
         let per_layer_token = 2 * 4 * 4;
         assert_eq!(l.bytes_for_sequence(20), Some((32 + 32) * per_layer_token));
+        // A window of 32 that does not start on a block boundary overlaps 3 blocks of 16.
         assert_eq!(
             l.bytes_for_sequence(1000),
-            Some((1008 + 32) * per_layer_token)
+            Some((1008 + 48) * per_layer_token)
         );
     }
 

@@ -76,11 +76,9 @@ impl WindowPool {
     /// block id per block of its context).
     pub fn logical_blocks(&self) -> u32 {
         let full = self.full_layers() as u32;
-        if full == 0 {
-            self.num_pages.saturating_mul(2)
-        } else {
-            self.num_pages / full
-        }
+        self.num_pages
+            .checked_div(full)
+            .unwrap_or_else(|| self.num_pages.saturating_mul(2))
     }
 
     pub(crate) fn validate(&self, block_size: usize) -> Result<(), KvError> {
@@ -606,12 +604,12 @@ impl KvCacheManager {
         }
         let on_free: std::collections::HashSet<BlockId> = self.pool.free.iter().copied().collect();
         let mut idle = 0;
-        for b in 0..n {
+        for (b, &held) in refs.iter().enumerate() {
             let m = &self.pool.meta[b];
-            if p.refs[b] != refs[b] {
+            if p.refs[b] != held {
                 return Err(format!(
-                    "block {b}: {} window references but {} sequences hold its window",
-                    p.refs[b], refs[b]
+                    "block {b}: {} window references but {held} sequences hold its window",
+                    p.refs[b]
                 ));
             }
             let pages = &p.of_block[b * p.layers..(b + 1) * p.layers];

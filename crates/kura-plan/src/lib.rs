@@ -657,6 +657,21 @@ fn describe_attention(s: &ModelSpec, layout: &KvLayout) -> String {
     }
 }
 
+/// The hybrid pool `kura serve` runs for `layout` (one device's, windowed layers as they are) with
+/// `budget_bytes` of KV: `None` when nothing slides, when the layers differ in shape or window
+/// (`KvLayout::window_pool`), or when lower tiers or guaranteed admission need whole blocks.
+pub fn hybrid_pool_for(
+    layout: &KvLayout,
+    budget_bytes: u64,
+    tiers: bool,
+    guaranteed: bool,
+) -> Option<kura_kv::WindowPool> {
+    if tiers || guaranteed {
+        return None;
+    }
+    layout.window_pool(budget_bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -951,19 +966,4 @@ mod tests {
         // 16 GiB / 4 requests / 128 KiB per token = 32,768 tokens each.
         assert_eq!(p.max_context_for_batch, 32_768);
     }
-}
-
-/// The hybrid pool `kura serve` runs for `layout` (one device's, windowed layers as they are) with
-/// `budget_bytes` of KV: `None` when nothing slides, when the layers differ in shape or window
-/// (`KvLayout::window_pool`), or when lower tiers or guaranteed admission need whole blocks.
-pub fn hybrid_pool_for(
-    layout: &KvLayout,
-    budget_bytes: u64,
-    tiers: bool,
-    guaranteed: bool,
-) -> Option<kura_kv::WindowPool> {
-    if tiers || guaranteed {
-        return None;
-    }
-    layout.window_pool(budget_bytes)
 }

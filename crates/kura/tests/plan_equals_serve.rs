@@ -89,13 +89,28 @@ fn the_planner_and_the_runtime_read_the_same_layout_and_pool() {
             "{what}"
         );
         assert_eq!(
-            plan.max_concurrency,
+            plan.whole_model_max_concurrency,
             pool.max_concurrency(budget, 4096),
+            "{what}"
+        );
+        // A model with sliding layers is served from the hybrid pool (sliding layers paged apart), which
+        // the planner counts the same way; the others from whole-model blocks.
+        let hybrid = kura_plan::hybrid_pool_for(&runtime, budget, false, false);
+        assert_eq!(hybrid.is_some(), runtime.has_sliding_window(), "{what}");
+        let served = if hybrid.is_some() { &runtime } else { &pool };
+        assert_eq!(
+            plan.max_concurrency,
+            served.max_concurrency(budget, 4096),
             "{what}"
         );
         assert_eq!(
             plan.kv_bytes_per_request,
-            pool.bytes_for_sequence(4096).unwrap(),
+            served.bytes_for_sequence(4096).unwrap(),
+            "{what}"
+        );
+        assert_eq!(
+            plan.hybrid_pool.as_ref().map(|h| h.num_pages),
+            hybrid.map(|w| u64::from(w.num_pages)),
             "{what}"
         );
     }
@@ -180,5 +195,71 @@ fn kura_plan_and_kura_serve_print_the_same_pool_for_the_default_model() {
             ratio >= if dtype == "int4" { 3.5 } else { 1.9 },
             "{dtype}: {ratio}"
         );
+    }
+}
+
+/// For a model with sliding layers (the tiny Qwen2 with one full and one sliding layer), the real
+/// binary's `kura plan` and `kura serve` give the same hybrid pool: its pages, and the requests of the
+/// context it holds next to what a whole-model pool would.
+#[test]
+fn kura_plan_and_kura_serve_print_the_same_hybrid_pool() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../kura-model/tests/data/tiny-qwen2-swa");
+    let dir = dir.to_str().unwrap();
+    for (memory, block) in [("256KiB", "2"), ("1MiB", "16")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kura"))
+            .args(["plan", "--model", dir, "--kv-cache-memory", memory])
+            .args(["--context", "256", "--block-size", block, "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let flags = [
+            "--model",
+            dir,
+            "--kv-cache-memory",
+            memory,
+            "--max-model-len",
+            "256",
+            "--block-size",
+            block,
+        ];
+        let line = serve_line(start_serve(&flags), "hybrid pool of")
+            .unwrap_or_else(|seen| panic!("no hybrid pool line:\n{}", seen.join("\n")));
+        let pages = number_before(&line, "pages (one layer");
+        assert_eq!(
+            plan["hybrid_pool"]["num_pages"].as_u64(),
+            Some(pages),
+            "{line}"
+        );
+        let after = |marker: &str| -> u64 {
+            line.split(marker)
+                .nth(1)
+                .and_then(|r| {
+                    r.split(|c: char| !c.is_ascii_digit())
+                        .find(|s| !s.is_empty())
+                })
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no '{marker}' in: {line}"))
+        };
+        let concurrency = after("per request: ");
+        let whole = after("a whole-model pool: ");
+        assert_eq!(
+            plan["max_concurrency"].as_u64(),
+            Some(concurrency),
+            "{line}"
+        );
+        assert_eq!(
+            plan["whole_model_max_concurrency"].as_u64(),
+            Some(whole),
+            "{line}"
+        );
+        // One full layer of two: at 256 tokens the sliding layer holds a window of 8, so the hybrid pool
+        // holds nearly twice the requests.
+        assert!(concurrency * 10 >= whole * 17, "{line}");
     }
 }

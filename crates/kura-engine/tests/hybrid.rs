@@ -1,0 +1,210 @@
+//! The engine on a hybrid pool (sliding layers paged apart), with real windowed models: the tiny Mistral
+//! (every layer slides, window 8) and the tiny Qwen2 with one full and one sliding layer (window 8),
+//! checkpoints of `kura-model`'s golden tests. Cached and cold runs give the same tokens for prefixes
+//! shorter and longer than the window, shared prefixes hit where their window parts were kept, a pool
+//! too small to keep them still gives the cold tokens, and nothing leaks.
+
+use std::path::PathBuf;
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kura_engine::{
+    start_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, ModelCodec,
+    ModelExecutor, RequestGuard, Usage,
+};
+use kura_kv::codec::KvDtype;
+use kura_model::{LoadOptions, Model, WeightsDtype};
+
+fn tiny(name: &str) -> Arc<Model> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../kura-model/tests/data")
+        .join(name);
+    let options = LoadOptions {
+        weights_dtype: WeightsDtype::F32,
+    };
+    Arc::new(Model::load_with(&dir, options).expect("tiny windowed model loads"))
+}
+
+/// An engine over a hybrid pool of `pages` pages (one layer of `block` tokens each), f32 KV.
+fn engine(model: &Arc<Model>, block: usize, pages: u64, batched: usize) -> EngineHandle {
+    let layout = model.kv_layout(KvDtype::F32, block).unwrap();
+    let window = layout
+        .window_pool(pages * layout.layer_bytes_per_block(0))
+        .expect("a windowed model gets a hybrid pool");
+    assert_eq!(u64::from(window.num_pages), pages);
+    let storage = model
+        .kv_storage_paged(&layout, window.num_pages as usize)
+        .unwrap();
+    let config = EngineConfig {
+        model_name: "test".into(),
+        max_model_len: model.config().max_context,
+        block_size_tokens: block,
+        num_blocks: window.logical_blocks() as usize,
+        max_num_seqs: 16,
+        max_num_batched_tokens: batched,
+        max_queue: 1000,
+        enable_prefix_caching: true,
+        model_fingerprint: "test".into(),
+        window: Some(window),
+        ..EngineConfig::default()
+    };
+    start_engine(
+        config,
+        Box::new(ModelExecutor::new(model.clone(), storage)),
+        Arc::new(ModelCodec::new(model.clone())),
+    )
+    .unwrap()
+}
+
+fn submit(e: &EngineHandle, r: GenerateRequest) -> (RequestGuard, Receiver<EngineEvent>) {
+    let (tx, rx) = mpsc::channel();
+    let guard = e.submit(r, move |ev| tx.send(ev).is_ok()).unwrap();
+    (guard, rx)
+}
+
+fn wait(rx: &Receiver<EngineEvent>) -> (Vec<u32>, Usage) {
+    let mut tokens = Vec::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("engine answers")
+        {
+            EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
+            EngineEvent::Done { usage } => return (tokens, usage),
+            EngineEvent::Failed(e) => panic!("request failed: {e}"),
+            _ => {}
+        }
+    }
+}
+
+fn run(e: &EngineHandle, prompt: &[u32], salt: &str, n: u32) -> (Vec<u32>, Usage) {
+    let mut r = GenerateRequest::greedy(prompt.to_vec(), n);
+    r.cache_salt = Some(salt.into());
+    r.ignore_eos = true;
+    let (_g, rx) = submit(e, r);
+    wait(&rx)
+}
+
+/// Token ids below the tiny vocabulary (256 byte tokens), a different run for each seed.
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503) >> 7) % 250 + 3)
+        .collect()
+}
+
+fn metric(e: &EngineHandle, name: &str) -> f64 {
+    let text = e.metrics().render_prometheus();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing"))
+}
+
+fn settle(e: &EngineHandle) {
+    for _ in 0..300 {
+        if metric(e, "kura:num_requests_running") == 0.0
+            && metric(e, "kura:kv_cache_blocks_used") == 0.0
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("blocks still in use after every request finished");
+}
+
+#[test]
+fn cached_runs_give_the_cold_tokens_for_prefixes_shorter_and_longer_than_the_window() {
+    for name in ["tiny-mistral", "tiny-qwen2-swa"] {
+        let model = tiny(name);
+        assert_eq!(model.config().sliding_window, Some(8), "{name}");
+        // Blocks of 2 tokens: a window of 8 overlaps 5 of them.
+        let e = engine(&model, 2, 4096, 16);
+        for (len, seed) in [(6, 1), (7, 2), (31, 3), (64, 4), (101, 5)] {
+            let p = prompt(len, seed);
+            let (cold, u) = run(&e, &p, &format!("cold-{seed}"), 10);
+            assert_eq!(u.cached_tokens, 0);
+            let (warm, u) = run(&e, &p, &format!("cold-{seed}"), 10);
+            let whole = (len - 1) / 2 * 2;
+            assert!(
+                u.cached_tokens as usize >= whole,
+                "{name}, prompt of {len}: {} cached, {whole} expected",
+                u.cached_tokens
+            );
+            assert_eq!(cold, warm, "{name}, prompt of {len}");
+            // A longer prompt sharing it: hit at the old prompt's end, where a window was kept.
+            let mut longer = p.clone();
+            longer.extend(prompt(9, seed + 50));
+            let (shared, u) = run(&e, &longer, &format!("cold-{seed}"), 6);
+            assert!(u.cached_tokens as usize >= whole, "{name}, {len}+9");
+            let (alone, _) = run(&e, &longer, &format!("fresh-{seed}"), 6);
+            assert_eq!(shared, alone, "{name}, prompt of {len} + 9");
+        }
+        settle(&e);
+        e.stop();
+    }
+}
+
+#[test]
+fn a_prefix_shared_from_the_middle_of_a_cached_chain_hits_and_matches_cold() {
+    let model = tiny("tiny-qwen2-swa");
+    let e = engine(&model, 2, 4096, 16);
+    // A 60-token document, then two questions after it: the second hits at the document's end, inside
+    // the first request's chain, where only the window parts its window left behind can serve.
+    let doc = prompt(60, 7);
+    let ask = |q: u32| {
+        let mut p = doc.clone();
+        p.extend(prompt(12, q));
+        p
+    };
+    let (_, u) = run(&e, &ask(100), "t", 8);
+    assert_eq!(u.cached_tokens, 0);
+    let (second, u) = run(&e, &ask(200), "t", 8);
+    assert!(
+        u.cached_tokens >= 60,
+        "the document's blocks were not reused: {} cached",
+        u.cached_tokens
+    );
+    let (cold, _) = run(&e, &ask(200), "other", 8);
+    assert_eq!(second, cold);
+    settle(&e);
+    e.stop();
+}
+
+#[test]
+fn a_pool_too_small_to_keep_windows_still_gives_the_cold_tokens() {
+    let model = tiny("tiny-mistral");
+    // 2 layers, blocks of 2: 60 pages hold the windows of a few sequences only, so window parts of
+    // cached blocks are reclaimed between requests and hits are cut back to what remains.
+    let e = engine(&model, 2, 60, 8);
+    let prompts: Vec<Vec<u32>> = (0..6).map(|s| prompt(40 + 5 * s as usize, s)).collect();
+    let mut cold = Vec::new();
+    for p in &prompts {
+        cold.push(run(&e, p, "x", 8).0);
+    }
+    for (p, want) in prompts.iter().zip(&cold).rev() {
+        let (got, _) = run(&e, p, "x", 8);
+        assert_eq!(&got, want, "prompt of {}", p.len());
+    }
+    // Several at once: the step shrinks or preempts when windows do not fit.
+    let guards: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut r = GenerateRequest::greedy(p.clone(), 8);
+            r.cache_salt = Some("x".into());
+            r.ignore_eos = true;
+            submit(&e, r)
+        })
+        .collect();
+    for ((_, rx), want) in guards.iter().zip(&cold) {
+        assert_eq!(&wait(rx).0, want);
+    }
+    settle(&e);
+    assert!(
+        metric(&e, "kura:kv_window_part_drops_total") > 0.0,
+        "no window part was reclaimed: the pool was not small"
+    );
+    assert_eq!(metric(&e, "kura:kv_pages_total"), 60.0);
+    // Idle, every page is free or kept for a cached block (full pages of cached blocks, idle windows).
+    assert!(metric(&e, "kura:kv_pages_free") + metric(&e, "kura:kv_pages_idle_window") <= 60.0);
+    e.stop();
+}
