@@ -438,8 +438,10 @@ impl KvCacheManager {
         };
         let total_blocks = (len_before + new_tokens.len()).div_ceil(bs);
         let mut needed = total_blocks - held_blocks;
-        // New blocks that receive copied KV, and so their window part at once (hybrid pool).
-        let mut copied = 0;
+        // Hybrid pool: the window parts the sequence will hold when these tokens are in (new blocks
+        // within the last window of its table), and copies' destinations, which take theirs at once.
+        let final_window = total_blocks.saturating_sub(self.window_blocks());
+        let mut window_parts = total_blocks - held_blocks.max(final_window).min(total_blocks);
         let mut pinned_down = 0u32;
         if let Some(h) = hit {
             for &(b, _) in &h.blocks {
@@ -447,13 +449,13 @@ impl KvCacheManager {
             }
             if let Some((src, _, _)) = h.partial {
                 pinned_down += u32::from(self.pool.meta[src as usize].is_idle());
-                copied += 1;
+                window_parts += usize::from(held_blocks < final_window);
             }
         } else if len_before % bs != 0 && !new_tokens.is_empty() {
             let last = *seq.table.last().expect("a partial block exists");
             if self.pool.meta[last as usize].ref_count > 1 {
                 needed += 1; // copy-on-write of the shared partial last block
-                copied += 1;
+                window_parts += 1;
             }
         }
         let available = self.pool.free.len() + (self.num_idle - pinned_down) as usize;
@@ -464,7 +466,7 @@ impl KvCacheManager {
             let taken = pinned_down as usize * self.pages_for_blocks(1, 0)
                 + hit.map_or(0, |h| self.hit_window_pages(h));
             let reclaimable = self.reclaimable_pages().saturating_sub(taken);
-            if self.pages_for_blocks(needed, copied) > reclaimable {
+            if self.pages_for_blocks(needed, window_parts) > reclaimable {
                 return Ok(None);
             }
         }

@@ -420,7 +420,10 @@ impl KvCacheManager {
         }
         let pending = self.first_pending(hit);
         let fits = |k: usize, n: usize| {
-            let next = (k * bs + n).min(pending * bs);
+            let next = match pending {
+                Some(i) if i < k => i * bs,
+                _ => k * bs + n,
+            };
             k == 0 || run[k - 1] >= k - p.window_start(next, bs)
         };
         let k = hit.blocks.len();
@@ -448,20 +451,21 @@ impl KvCacheManager {
         };
     }
 
-    /// Index of the first pending block of `hit` (the number of its blocks when none is).
-    fn first_pending(&self, hit: &PrefixHit) -> usize {
+    /// Index of the first pending block of `hit`, if one is.
+    fn first_pending(&self, hit: &PrefixHit) -> Option<usize> {
         let bs = self.config.block_size;
         hit.blocks
             .iter()
             .position(|&(b, _)| usize::from(self.pool.meta[b as usize].computed) < bs)
-            .unwrap_or(hit.blocks.len())
     }
 
     /// The first position a sequence starting with `hit` may compute: after the hit, or at its first
     /// pending block should that block's writer give it up.
     fn hit_next_position(&self, hit: &PrefixHit) -> usize {
-        hit.num_cached_tokens()
-            .min(self.first_pending(hit) * self.config.block_size)
+        match self.first_pending(hit) {
+            Some(i) => i * self.config.block_size,
+            None => hit.num_cached_tokens(),
+        }
     }
 
     /// Window pages a hit attached to a fresh sequence takes from the reclaimable ones: its idle parts
@@ -546,6 +550,14 @@ impl KvCacheManager {
         self.pages
             .as_ref()
             .map_or(0, |p| needed * p.full.len() + with_part * p.sliding.len())
+    }
+
+    /// Blocks a sliding layer holds for one sequence at most ([`WindowPool::window_blocks`]); 0 without
+    /// a hybrid pool.
+    pub(super) fn window_blocks(&self) -> usize {
+        self.pages.as_ref().map_or(0, |p| {
+            WindowPool::window_blocks(p.window, self.config.block_size)
+        })
     }
 
     /// Whether the pool has a sliding window paged apart.

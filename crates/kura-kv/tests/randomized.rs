@@ -370,7 +370,7 @@ fn random_operations_with_forced_hash_collisions_stay_exact() {
 #[test]
 fn hybrid_pool_random_operations_keep_every_invariant() {
     let mut all = Vec::new();
-    for seed in 0..5 {
+    for seed in 0..16 {
         for (bs, sliding, window) in [
             (4, &[false, true, true, true, true, true][..], 9),
             (3, &[true, false][..], 4),
