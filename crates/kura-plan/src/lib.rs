@@ -109,6 +109,8 @@ pub struct PlanRequest {
     /// `--scheduling`: under `Guaranteed` the report says how many requests are admitted with every
     /// block reserved.
     pub scheduling: Scheduling,
+    /// A model with sliding layers gets the hybrid pool (`kura serve` without `--no-hybrid-pool`).
+    pub hybrid_pool: bool,
 }
 
 /// A plan that cannot be made.
@@ -245,6 +247,7 @@ impl PlanRequest {
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             tiers: LowerTiers::default(),
             scheduling: Scheduling::default(),
+            hybrid_pool: true,
         }
     }
 
@@ -488,7 +491,8 @@ impl PlanRequest {
             kv_budget,
             self.tiers.host_blocks > 0 || self.tiers.disk.is_some(),
             self.scheduling == Scheduling::Guaranteed,
-        );
+        )
+        .filter(|_| self.hybrid_pool);
         let pool_rank = if hybrid.is_some() {
             &windowed_rank
         } else {

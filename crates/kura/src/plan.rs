@@ -74,6 +74,9 @@ pub struct PlanArgs {
     /// of `--context` tokens are admitted at once with every KV block of their full length reserved.
     #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
     scheduling: SchedulingArg,
+    /// As `kura serve --no-hybrid-pool`: a model with sliding layers gets whole-model blocks.
+    #[arg(long)]
+    no_hybrid_pool: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -317,6 +320,7 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
     req.activation_bytes = args.activation;
     req.max_batched_tokens = args.max_batched_tokens;
     req.scheduling = args.scheduling.into();
+    req.hybrid_pool = !args.no_hybrid_pool;
     let mut memory_note = String::new();
     match (&args.gpu, args.memory) {
         (Some(name), _) => {

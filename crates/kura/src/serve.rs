@@ -90,6 +90,11 @@ pub struct ServeArgs {
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Give a model with sliding-window layers whole-model blocks (every layer holding the whole
+    /// context) instead of the hybrid pool, whose sliding layers hold only their window: for
+    /// comparisons.
+    #[arg(long)]
+    no_hybrid_pool: bool,
     /// Largest accepted request body, e.g. `8MiB` (at most 1GiB).
     #[arg(long, default_value = "8MiB")]
     max_body_size: String,
@@ -366,7 +371,8 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         budget,
         tiers_on,
         AdmissionMode::from(args.scheduling) == AdmissionMode::Guaranteed,
-    );
+    )
+    .filter(|_| !args.no_hybrid_pool);
     let concurrency = match &window {
         Some(_) => layout.max_concurrency(budget, max_model_len as u64),
         None => whole_concurrency,
@@ -386,7 +392,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         );
     } else if layout.has_sliding_window() {
         tracing::info!(
-            "KV cache: whole-model blocks (lower tiers or guaranteed admission need them, or the layers \
+            "KV cache: whole-model blocks (--no-hybrid-pool, lower tiers or guaranteed admission need them, or the layers \
              differ in shape or window): sliding layers hold the whole context too"
         );
     }
