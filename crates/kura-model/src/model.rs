@@ -20,14 +20,16 @@ use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_kv::storage::KvStorage;
 
-use crate::chat::{ChatMessage, ChatTemplate, CHATML};
-use crate::config::{rope_inv_freq, ModelConfig};
+use crate::chat::{ChatMessage, ChatTemplate, CHATML, GEMMA3};
+use crate::config::{rope_inv_freq, rope_inv_freq_sliding, Activation, Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::{read_text, SafetensorsDir, TokenizerConfig};
 use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
 use crate::kernels::matmul::{matmul_part, ActBuf};
-use crate::kernels::ops::{add_in_place, rms_norm, rope, rope_angles, silu_mul};
+use crate::kernels::ops::{
+    add_in_place, gelu_tanh_mul, rms_norm, rope, rope_angles, scale_in_place, silu_mul,
+};
 use crate::kernels::team::{self, SharedMut};
 use crate::tokenizer::Tokenizer;
 use crate::weights::{Naming, TensorSource, Weights, WeightsDtype};
@@ -72,6 +74,8 @@ pub struct Model {
     chat_template: ChatTemplate,
     weights: Weights,
     inv_freq: Vec<f32>,
+    /// RoPE of the sliding layers when their base differs (Gemma 3).
+    inv_freq_sliding: Option<Vec<f32>>,
     /// The mean K of each layer and KV head over [`CALIBRATION_TEXT`], computed on first use.
     key_means: std::sync::OnceLock<std::result::Result<Vec<Vec<f32>>, String>>,
 }
@@ -121,6 +125,7 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&g)?;
         let template = match g.metadata.get("tokenizer.chat_template") {
             Some(crate::gguf::Value::String(s)) => s.clone(),
+            _ if config.arch == Arch::Gemma3 => GEMMA3.to_string(),
             _ => CHATML.to_string(),
         };
         let name = |id: Option<u32>| {
@@ -161,12 +166,14 @@ impl Model {
         weights: Weights,
     ) -> Self {
         let inv_freq = rope_inv_freq(&config);
+        let inv_freq_sliding = rope_inv_freq_sliding(&config);
         Model {
             config,
             tokenizer,
             chat_template,
             weights,
             inv_freq,
+            inv_freq_sliding,
             key_means: std::sync::OnceLock::new(),
         }
     }
@@ -406,23 +413,23 @@ impl Model {
             });
             for (i, tok) in item.tokens.iter().enumerate() {
                 let t = positions.len();
-                self.weights
-                    .embed
-                    .row_into(*tok as usize, &mut x[t * h..(t + 1) * h]);
+                let xr = &mut x[t * h..(t + 1) * h];
+                self.weights.embed.row_into(*tok as usize, xr);
+                if let Some(s) = c.embedding_scale() {
+                    scale_in_place(xr, s);
+                }
                 positions.push(item.start_pos + i);
             }
         }
         let half = d / 2;
-        let mut cos = vec![0f32; t_total * half];
-        let mut sin = vec![0f32; t_total * half];
-        for (t, pos) in positions.iter().enumerate() {
-            rope_angles(
-                *pos,
-                &self.inv_freq,
-                &mut cos[t * half..(t + 1) * half],
-                &mut sin[t * half..(t + 1) * half],
-            );
-        }
+        let (cos, sin) = angles(&positions, &self.inv_freq, half);
+        // The sliding layers' own angles, when their RoPE base differs.
+        let sliding_angles = self
+            .inv_freq_sliding
+            .as_ref()
+            .map(|f| angles(&positions, f, half));
+        let q_scale = c.query_scale();
+        let activation = c.activation();
         // Where each token's K/V goes: (block id, slot).
         let slots: Vec<(usize, usize)> = batch
             .iter()
@@ -442,6 +449,9 @@ impl Model {
         let mut qkv = vec![0f32; t_total * qkv_dim];
         let mut attn = ActBuf::new(kind, t_total, q_dim);
         let mut gate_up = vec![0f32; t_total * 2 * inter];
+        // The attention and FFN outputs before their post-norms (models that have them).
+        let post_norms = self.weights.layers.iter().any(|l| l.gemma.is_some());
+        let mut proj = vec![0f32; if post_norms { t_total * h } else { 0 }];
         let mut act = ActBuf::new(kind, t_total, inter);
         let mut last = ActBuf::new(kind, n, h);
         let mut logits = vec![0f32; n * head.rows];
@@ -463,6 +473,7 @@ impl Model {
             last.shared(),
             SharedMut::new(&mut logits),
         );
+        let projs = SharedMut::new(&mut proj);
         // Sized for a full-context layer, the most segments any layer has.
         let full = AttnShape {
             window: None,
@@ -481,7 +492,7 @@ impl Model {
         // thread 0 alone); all buffers outlive the region.
         team::run(|tm| {
             let mine = tm.range(t_total);
-            let mut row = vec![0f32; h.max(inter)];
+            let mut row = vec![0f32; h.max(inter).max(q_dim)];
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 for t in mine.clone() {
                     let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
@@ -493,19 +504,30 @@ impl Model {
                 tm.sync();
                 if tm.index() == 0 {
                     let layer_kv = unsafe { kvs.get_mut() }.layer_mut(li);
+                    let (cos, sin) = match (&sliding_angles, c.layer_window(li)) {
+                        (Some((cs, sn)), Some(_)) => (cs, sn),
+                        _ => (&cos, &sin),
+                    };
                     for t in 0..t_total {
-                        let row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
+                        let qkv_row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
                         if let Some(b) = &lw.bqkv {
-                            add_in_place(row, b);
+                            add_in_place(qkv_row, b);
                         }
                         let (cs, sn) = (
                             &cos[t * half..(t + 1) * half],
                             &sin[t * half..(t + 1) * half],
                         );
-                        let (qr, rest) = row.split_at_mut(q_dim);
+                        let (qr, rest) = qkv_row.split_at_mut(q_dim);
                         let (kr, vr) = rest.split_at_mut(kv_dim);
+                        if let Some(g) = &lw.gemma {
+                            norm_heads(qr, &g.q_norm, eps, &mut row);
+                            norm_heads(kr, &g.k_norm, eps, &mut row);
+                        }
                         rope(qr, d, c.rope_style, cs, sn);
                         rope(kr, d, c.rope_style, cs, sn);
+                        if let Some(s) = q_scale {
+                            scale_in_place(qr, s);
+                        }
                         let (block, slot) = slots[t];
                         layer_kv.write_token(block, slot, kr, vr);
                     }
@@ -529,7 +551,16 @@ impl Model {
                     )
                 };
                 tm.sync();
-                unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) };
+                match &lw.gemma {
+                    Some(g) => {
+                        unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, projs, false) };
+                        tm.sync();
+                        unsafe {
+                            add_normed(mine.clone(), projs, xs, &g.post_attn_norm, eps, &mut row)
+                        };
+                    }
+                    None => unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) },
+                }
                 tm.sync();
                 for t in mine.clone() {
                     let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
@@ -541,11 +572,23 @@ impl Model {
                 tm.sync();
                 for t in mine.clone() {
                     let gu = unsafe { gus.part_mut(t * 2 * inter..(t + 1) * 2 * inter) };
-                    silu_mul(gu, inter, &mut row[..inter]);
+                    match activation {
+                        Activation::Silu => silu_mul(gu, inter, &mut row[..inter]),
+                        Activation::GeluTanh => gelu_tanh_mul(gu, inter, &mut row[..inter]),
+                    }
                     unsafe { acts.write(t, 0, &row[..inter]) };
                 }
                 tm.sync();
-                unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) };
+                match &lw.gemma {
+                    Some(g) => {
+                        unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, projs, false) };
+                        tm.sync();
+                        unsafe {
+                            add_normed(mine.clone(), projs, xs, &g.post_ffn_norm, eps, &mut row)
+                        };
+                    }
+                    None => unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) },
+                }
                 tm.sync();
             }
             // The output head only for each sequence's last token (or for every token).
@@ -566,6 +609,55 @@ impl Model {
             vocab: head.rows,
             data: logits,
         })
+    }
+}
+
+/// Cosines and sines of every position's RoPE angles: `(cos, sin)`, `positions × half` each.
+fn angles(positions: &[usize], inv_freq: &[f32], half: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = vec![0f32; positions.len() * half];
+    let mut sin = vec![0f32; positions.len() * half];
+    for (t, pos) in positions.iter().enumerate() {
+        rope_angles(
+            *pos,
+            inv_freq,
+            &mut cos[t * half..(t + 1) * half],
+            &mut sin[t * half..(t + 1) * half],
+        );
+    }
+    (cos, sin)
+}
+
+/// RMSNorm over each head of `x` (`heads × weight.len()`), in place; `scratch` at least as long as `x`.
+fn norm_heads(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
+    let out = &mut scratch[..x.len()];
+    rms_norm(x, weight, eps, out);
+    x.copy_from_slice(out);
+}
+
+/// `x[t] += RMSNorm(y[t])` for this thread's tokens `mine` (Gemma's post-attention and post-FFN norms,
+/// applied to a sublayer's output before its residual add); `row` at least `weight.len()` long.
+///
+/// # Safety
+/// Until the next barrier no other thread touches tokens `mine` of `x` and `y`.
+unsafe fn add_normed(
+    mine: std::ops::Range<usize>,
+    y: SharedMut<'_, f32>,
+    x: SharedMut<'_, f32>,
+    weight: &[f32],
+    eps: f32,
+    row: &mut [f32],
+) {
+    let h = weight.len();
+    for t in mine {
+        // SAFETY: the caller's guarantee.
+        let (yr, xr) = unsafe {
+            (
+                y.part_mut(t * h..(t + 1) * h),
+                x.part_mut(t * h..(t + 1) * h),
+            )
+        };
+        rms_norm(yr, weight, eps, &mut row[..h]);
+        add_in_place(xr, &row[..h]);
     }
 }
 

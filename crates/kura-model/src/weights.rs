@@ -10,7 +10,7 @@ use half::bf16;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::kernels::dot::{Avx512, Bf16Act};
 use crate::kernels::packed::{PackedBf16, PackedF32};
@@ -102,6 +102,21 @@ pub struct LayerWeights {
     /// Rows: gate (intermediate), then up (intermediate).
     pub w_gate_up: Matrix,
     pub w_down: Matrix,
+    /// Gemma 3's extra norms; `None` for the Llama family.
+    pub gemma: Option<GemmaNorms>,
+}
+
+/// The norms a Gemma 3 layer has beyond the Llama family's two, as stored in GGUF (weights with the 1 of
+/// Gemma's `x · (1 + w)` already added, so each is a plain RMSNorm).
+pub struct GemmaNorms {
+    /// Over each Q head (`head_dim`), before RoPE.
+    pub q_norm: Vec<f32>,
+    /// Over each K head (`head_dim`), before RoPE.
+    pub k_norm: Vec<f32>,
+    /// On the attention output, before its residual add.
+    pub post_attn_norm: Vec<f32>,
+    /// On the FFN output, before its residual add.
+    pub post_ffn_norm: Vec<f32>,
 }
 
 pub struct Weights {
@@ -168,6 +183,10 @@ impl Naming {
                     "gate" => "ffn_gate.weight",
                     "up" => "ffn_up.weight",
                     "down" => "ffn_down.weight",
+                    "q_norm" => "attn_q_norm.weight",
+                    "k_norm" => "attn_k_norm.weight",
+                    "post_attn_norm" => "post_attention_norm.weight",
+                    "post_ffn_norm" => "post_ffw_norm.weight",
                     _ => unreachable!("unknown layer tensor {what}"),
                 };
                 format!("blk.{i}.{n}")
@@ -186,6 +205,10 @@ impl Naming {
                     "gate" => "mlp.gate_proj.weight",
                     "up" => "mlp.up_proj.weight",
                     "down" => "mlp.down_proj.weight",
+                    "q_norm" => "self_attn.q_norm.weight",
+                    "k_norm" => "self_attn.k_norm.weight",
+                    "post_attn_norm" => "post_attention_layernorm.weight",
+                    "post_ffn_norm" => "post_feedforward_layernorm.weight",
                     _ => unreachable!("unknown layer tensor {what}"),
                 };
                 format!("model.layers.{i}.{n}")
@@ -231,6 +254,12 @@ pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<us
         add("gate", &[inter, h]);
         add("up", &[inter, h]);
         add("down", &[h, inter]);
+        if cfg.arch == Arch::Gemma3 {
+            add("q_norm", &[d]);
+            add("k_norm", &[d]);
+            add("post_attn_norm", &[h]);
+            add("post_ffn_norm", &[h]);
+        }
     }
     out.push((naming.global("embed"), vec![cfg.vocab_size, h]));
     if !cfg.tie_word_embeddings {
@@ -311,6 +340,16 @@ impl Weights {
                 } else {
                     None
                 };
+                let gemma = if cfg.arch == Arch::Gemma3 {
+                    Some(GemmaNorms {
+                        q_norm: load_shaped(src, &name("q_norm"), &[d], &dg)?,
+                        k_norm: load_shaped(src, &name("k_norm"), &[d], &dg)?,
+                        post_attn_norm: load_shaped(src, &name("post_attn_norm"), &[h], &dg)?,
+                        post_ffn_norm: load_shaped(src, &name("post_ffn_norm"), &[h], &dg)?,
+                    })
+                } else {
+                    None
+                };
                 let mut gate_up = load_shaped(src, &name("gate"), &[inter, h], &dg)?;
                 gate_up.extend(load_shaped(src, &name("up"), &[inter, h], &dg)?);
                 Ok(LayerWeights {
@@ -331,6 +370,7 @@ impl Weights {
                         load_shaped(src, &name("down"), &[h, inter], &dg)?,
                         dtype,
                     ),
+                    gemma,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

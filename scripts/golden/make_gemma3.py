@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Golden vectors for Kura's Gemma 3 runtime, computed with HF transformers (float32, eager attention).
+
+Writes crates/kura-model/tests/data/golden/gemma3-270m.json for Gemma 3 270M (Q4_K_M GGUF, fetched by
+scripts/fetch-gemma.sh and dequantized by transformers):
+  tokenization    texts (plain, whitespace runs, digits, code, markup, emoji, special-token markers) and
+                  the ids the reference tokenizer gives them (BOS added);
+  chat_templates  conversations rendered by transformers' apply_chat_template with the Gemma 3 chat
+                  template (the GGUF carries none; this is the template Kura falls back to for gemma3),
+                  and the ids of the rendered text;
+  cases           a chat-formatted prompt, a plain text and a prompt longer than the 512-token sliding
+                  window: their ids, last-position logits (top-64 ids and values, every 97th id, mean and
+                  std) and 16 greedy tokens, each recomputed over the whole sequence (no cache).
+
+Before computing anything the script checks transformers' reading of the GGUF: the norm weights the
+converter stored with 1 added must come back as the HF weights (GGUF − 1), since Gemma3RMSNorm
+multiplies by (1 + w).
+
+Run with the reference environment:  /work/ref/venv/bin/python scripts/golden/make_gemma3.py [MODEL.gguf]
+(the GGUF path defaults to $KURA_GEMMA_MODEL).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "crates" / "kura-model" / "tests" / "data" / "golden" / "gemma3-270m.json"
+CALIBRATION = ROOT / "crates" / "kura-model" / "src" / "calibration.txt"
+TOP = 64
+STRIDE = 97
+GREEDY = 16
+
+# The Gemma 3 instruction-tuned chat template, as published with the model's tokenizer_config.json.
+GEMMA3_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+TEXTS = [
+    "The capital of France is",
+    "Hello world",
+    " leading space and  two  spaces,   three, and a tab\there",
+    "Line one\nLine two\n\n\nafter three newlines",
+    "Numbers: 3.14159, 1,000,000 and 2024-06-01.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "<h1>Title</h1><table><tr><td>cell</td></tr></table>",
+    "Émoji 🙂, naïve café, 日本語のテキスト, Ελληνικά, русский.",
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+    "Rare bytes: \u0001\u007f and a zero-width\u200bspace.",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "  2+2? Émoji 🙂 ok\n"}],
+]
+
+torch.set_num_threads(os.cpu_count() or 1)
+
+
+def check_norms(gguf_path, model):
+    """The GGUF stores Gemma's norm weights with 1 added; transformers must read them back as HF's."""
+    r = GGUFReader(gguf_path)
+    t = {x.name: x for x in r.tensors}
+    sd = model.state_dict()
+    for gname, hname in [
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+        ("blk.3.post_ffw_norm.weight", "model.layers.3.post_feedforward_layernorm.weight"),
+        ("blk.5.attn_q_norm.weight", "model.layers.5.self_attn.q_norm.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+    ]:
+        g = dequantize(t[gname].data, t[gname].tensor_type).astype(np.float32).reshape(-1)
+        h = sd[hname].float().numpy().reshape(-1)
+        err = float(np.abs((g - 1.0) - h).max())
+        assert err < 1e-6, f"{gname}: transformers' weight is not GGUF − 1 (max error {err})"
+    print("norm weights: transformers reads GGUF − 1 (Gemma3RMSNorm multiplies by 1 + w)")
+
+
+def greedy(model, ids, n):
+    seq = list(ids)
+    first = None
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            if first is None:
+                first = logits
+            seq.append(int(torch.argmax(logits)))
+    return seq[len(ids):], first
+
+
+def summarize(logits):
+    top = torch.topk(logits, TOP)
+    return {
+        "top_ids": top.indices.tolist(),
+        "top_values": top.values.tolist(),
+        "sample_stride": STRIDE,
+        "sample_values": logits[::STRIDE].tolist(),
+        "mean": float(logits.double().mean()),
+        "std": float(logits.double().std()),
+        "vocab": logits.numel(),
+    }
+
+
+def render(tok, messages):
+    text = tok.apply_chat_template(messages, chat_template=GEMMA3_TEMPLATE, add_generation_prompt=True,
+                                   tokenize=False)
+    return text, [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+
+
+def long_prompt(tok):
+    """The calibration paragraph three times, cut at a word so that the prompt is past the window."""
+    base = CALIBRATION.read_text()
+    words = "\n\n".join([base] * 3).split(" ")
+    for n in range(len(words)):
+        text = " ".join(words[:n])
+        if len(tok(text)["input_ids"]) >= 700:
+            return text
+    raise SystemExit("the calibration text is too short for a 700-token prompt")
+
+
+def main():
+    gguf_path = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("KURA_GEMMA_MODEL")
+    if not gguf_path:
+        raise SystemExit("give the Gemma 3 GGUF path (or set KURA_GEMMA_MODEL; scripts/fetch-gemma.sh)")
+    d, f = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    cfg = model.config
+    print("config:", {k: getattr(cfg, k, None) for k in [
+        "model_type", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types", "rope_parameters",
+        "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "rms_norm_eps"]})
+    check_norms(gguf_path, model)
+
+    tokenization = [{"text": t, "ids": [int(i) for i in tok(t, add_special_tokens=True)["input_ids"]]}
+                    for t in TEXTS]
+    templates = []
+    for msgs in CONVERSATIONS:
+        text, ids = render(tok, msgs)
+        templates.append({"messages": msgs, "text": text, "ids": ids})
+
+    cases = []
+    chat_text, chat_ids = render(tok, CONVERSATIONS[0])
+    prompts = [
+        ("chat", CONVERSATIONS[0], chat_ids),
+        ("plain", "Once upon a time, there was a little", None),
+        ("long", long_prompt(tok), None),
+    ]
+    for kind, prompt, ids in prompts:
+        if ids is None:
+            ids = [int(i) for i in tok(prompt, add_special_tokens=True)["input_ids"]]
+        gen, logits = greedy(model, ids, GREEDY)
+        cases.append({"kind": kind, "prompt": prompt, "ids": ids, "greedy": gen, "logits": summarize(logits)})
+        print(f"{kind}: {len(ids)} tokens -> {tok.decode(gen)!r}")
+
+    out = {
+        "source": f,
+        "transformers_dtype": "float32",
+        "chat_template": GEMMA3_TEMPLATE,
+        "tokenization": tokenization,
+        "chat_templates": templates,
+        "cases": cases,
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(out, indent=1, ensure_ascii=False))
+    print("wrote", OUT)
+
+
+if __name__ == "__main__":
+    main()
