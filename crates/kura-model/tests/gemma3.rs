@@ -91,7 +91,13 @@ fn logit_diff(ours: &[f32], want: &Value) -> f32 {
 fn gemma3_reads_its_shape_from_the_gguf() {
     let c = model().config();
     assert_eq!(
-        (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim),
+        (
+            c.num_layers,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim
+        ),
         (18, 640, 4, 1, 256)
     );
     assert_eq!(c.vocab_size, 262_144);
@@ -153,7 +159,11 @@ fn gemma3_chat_template_renders_as_transformers() {
     assert_eq!(m.encode_chat(&messages, true).unwrap(), ids(&chat["ids"]));
     // Roles that do not alternate are the template's error, not a panic.
     let bad = [ChatMessage::new("user", "a"), ChatMessage::new("user", "b")];
-    let err = m.chat_template().render(&bad, true).unwrap_err().to_string();
+    let err = m
+        .chat_template()
+        .render(&bad, true)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("Conversation roles must alternate"), "{err}");
 }
 
@@ -176,4 +186,29 @@ fn gemma3_f32_matches_transformers() {
         worst = worst.max(diff);
     }
     eprintln!("gemma3: worst max |Δlogit| = {worst:.2e} (bound {LOGIT_TOL:.0e})");
+}
+
+#[test]
+fn gemma3_recompute_and_cached_kv_agree() {
+    // Without a KV cache every step runs the whole sequence again (the reference's own method); the
+    // greedy path is the same as through the cache.
+    let m = model();
+    let g = golden();
+    let case = &g["cases"].as_array().unwrap()[1];
+    let prompt = ids(&case["ids"]);
+    let (got, _) = common::greedy(m, &prompt, 16, 16, false);
+    assert_eq!(got, ids(&case["greedy"]));
+}
+
+#[test]
+fn gemma3_bf16_greedy_matches_reference() {
+    // Kura's default bf16 weights round the dequantized values, so only the greedy paths of the short
+    // prompts are compared.
+    let m = Model::load(&gemma_path()).unwrap();
+    let g = golden();
+    for case in g["cases"].as_array().unwrap().iter().take(2) {
+        let want = ids(&case["greedy"]);
+        let (got, _) = common::greedy(&m, &ids(&case["ids"]), want.len(), 16, true);
+        assert_eq!(got, want, "{}: bf16 greedy", case["kind"]);
+    }
 }
