@@ -145,4 +145,18 @@ mod tests {
         assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
         assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
     }
+
+    #[test]
+    fn gelu_tanh_mul_matches_pytorch() {
+        // torch.nn.functional.gelu(x, approximate="tanh") at 1, −1 and 3.
+        let gu = [1.0f32, -1.0, 3.0, 2.0, 0.5, 1.0];
+        let mut out = [0f32; 3];
+        gelu_tanh_mul(&gu, 3, &mut out);
+        for (o, want) in out
+            .iter()
+            .zip([0.841_192 * 2.0, -0.158_808 * 0.5, 2.996_363])
+        {
+            assert!((o - want).abs() < 1e-5, "{o} vs {want}");
+        }
+    }
 }
