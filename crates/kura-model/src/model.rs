@@ -1,6 +1,6 @@
-//! `Model`: a loaded Llama-family model (weights, tokenizer, chat template) and its forward step over a
-//! batch of sequences whose KV lives in a [`KvStorage`]. The model keeps no cache state: every call says,
-//! per sequence, which tokens are new, where they start and which blocks hold the sequence.
+//! `Model`: a loaded Llama-family or Gemma 3 model (weights, tokenizer, chat template) and its forward
+//! step over a batch of sequences whose KV lives in a [`KvStorage`]. The model keeps no cache state: every
+//! call says, per sequence, which tokens are new, where they start and which blocks hold the sequence.
 //!
 //! One step for a batch of `T` new tokens (all sequences concatenated), per layer:
 //!
@@ -13,6 +13,11 @@
 //! parallel region ([`crate::kernels::team`]): every thread takes its share of each operation and the
 //! threads meet at a barrier between operations; the residual adds are fused into the products that
 //! precede them.
+//!
+//! Gemma 3 differs in a few places: the embeddings are scaled by √hidden, Q and K get an RMSNorm per head
+//! before RoPE, the sliding layers use a RoPE base of their own, the FFN gates with GELU (tanh), and the
+//! outputs of attention and of the FFN are normalised before their residual adds (so those adds are not
+//! fused: the product goes to a buffer, then each thread normalises and adds its tokens).
 
 use std::path::Path;
 
