@@ -454,9 +454,10 @@ impl Model {
         let mut qkv = vec![0f32; t_total * qkv_dim];
         let mut attn = ActBuf::new(kind, t_total, q_dim);
         let mut gate_up = vec![0f32; t_total * 2 * inter];
-        // The attention and FFN outputs before their post-norms (models that have them).
+        // The attention and FFN outputs before their post-norms (Gemma 3).
         let post_norms = self.weights.layers.iter().any(|l| l.gemma.is_some());
         let mut proj = vec![0f32; if post_norms { t_total * h } else { 0 }];
+        let heads_len = if post_norms { q_dim.max(kv_dim) } else { 0 };
         let mut act = ActBuf::new(kind, t_total, inter);
         let mut last = ActBuf::new(kind, n, h);
         let mut logits = vec![0f32; n * head.rows];
@@ -497,7 +498,9 @@ impl Model {
         // thread 0 alone); all buffers outlive the region.
         team::run(|tm| {
             let mine = tm.range(t_total);
-            let mut row = vec![0f32; h.max(inter).max(q_dim)];
+            let mut row = vec![0f32; h.max(inter)];
+            // Scratch of the per-head Q/K norms (models that have them).
+            let mut heads = vec![0f32; heads_len];
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 for t in mine.clone() {
                     let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
@@ -514,19 +517,19 @@ impl Model {
                         _ => (&cos, &sin),
                     };
                     for t in 0..t_total {
-                        let qkv_row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
+                        let row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
                         if let Some(b) = &lw.bqkv {
-                            add_in_place(qkv_row, b);
+                            add_in_place(row, b);
                         }
                         let (cs, sn) = (
                             &cos[t * half..(t + 1) * half],
                             &sin[t * half..(t + 1) * half],
                         );
-                        let (qr, rest) = qkv_row.split_at_mut(q_dim);
+                        let (qr, rest) = row.split_at_mut(q_dim);
                         let (kr, vr) = rest.split_at_mut(kv_dim);
                         if let Some(g) = &lw.gemma {
-                            norm_heads(qr, &g.q_norm, eps, &mut row);
-                            norm_heads(kr, &g.k_norm, eps, &mut row);
+                            norm_heads(qr, &g.q_norm, eps, &mut heads);
+                            norm_heads(kr, &g.k_norm, eps, &mut heads);
                         }
                         rope(qr, d, c.rope_style, cs, sn);
                         rope(kr, d, c.rope_style, cs, sn);
