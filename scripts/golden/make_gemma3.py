@@ -12,16 +12,23 @@ scripts/fetch-gemma.sh and dequantized by transformers):
                   window: their ids, last-position logits (top-64 ids and values, every 97th id, mean and
                   std) and 16 greedy tokens, each recomputed over the whole sequence (no cache).
 
+It also writes tests/data/tiny-gemma3/ (a random-weight Gemma 3 HF directory in bf16 safetensors: 4 layers,
+a sliding window of 8 tokens on layers 0, 1 and 3, query_pre_attn_scalar 24 with head_dim 16, linear RoPE
+scaling ×4 on the full-attention layers, a byte-level BPE tokenizer) and golden/tiny-gemma3.json (its full
+last-position logits and 12 greedy tokens for prompts of 5 and 23 tokens): the paths the 270M model does
+not take.
+
 Before computing anything the script checks transformers' reading of the GGUF: the norm weights the
 converter stored with 1 added must come back as the HF weights (GGUF − 1), since Gemma3RMSNorm
 multiplies by (1 + w).
 
 Run with the reference environment:  /work/ref/venv/bin/python scripts/golden/make_gemma3.py [MODEL.gguf]
-(the GGUF path defaults to $KURA_GEMMA_MODEL).
+(the GGUF path defaults to $KURA_GEMMA_MODEL; GOLDEN_ONLY=tiny makes only the tiny model).
 """
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,10 +36,14 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_golden import byte_tokenizer  # noqa: E402  (the tiny models' shared tokenizer)
 
 ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "crates" / "kura-model" / "tests" / "data" / "golden" / "gemma3-270m.json"
+DATA = ROOT / "crates" / "kura-model" / "tests" / "data"
+OUT = DATA / "golden" / "gemma3-270m.json"
 CALIBRATION = ROOT / "crates" / "kura-model" / "src" / "calibration.txt"
 TOP = 64
 STRIDE = 97
@@ -163,7 +174,45 @@ def long_prompt(tok):
     raise SystemExit("the calibration text is too short for a 700-token prompt")
 
 
+def tiny_gemma3():
+    path = DATA / "tiny-gemma3"
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    vocab = byte_tokenizer(path)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=256,
+        rms_norm_eps=1e-6, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            # Gemma's norms multiply by (1 + w): weights near 0 are norms near 1.
+            p.copy_(0.1 * torch.randn_like(p) if "norm" in n else 0.15 * torch.randn_like(p))
+            p.copy_(p.to(torch.bfloat16).float())
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for length in [5, 23]:
+        ids = torch.randint(0, vocab - 3, (length,), generator=g).tolist()
+        gen, logits = greedy(model, ids, 12)
+        out = summarize(logits)
+        out["full"] = logits.tolist()
+        cases.append({"ids": ids, "greedy": gen, "logits": out})
+    (DATA / "golden" / "tiny-gemma3.json").write_text(json.dumps({"config": "gemma3_text", "cases": cases}, indent=1))
+    print(f"tiny-gemma3: greedy {[c['greedy'][:4] for c in cases]}")
+
+
 def main():
+    tiny_gemma3()
+    if os.environ.get("GOLDEN_ONLY") == "tiny":
+        return
     gguf_path = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("KURA_GEMMA_MODEL")
     if not gguf_path:
         raise SystemExit("give the Gemma 3 GGUF path (or set KURA_GEMMA_MODEL; scripts/fetch-gemma.sh)")

@@ -526,45 +526,17 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "mistral" => Arch::Mistral,
+            "gemma3_text" => Arch::Gemma3,
             other => return Err(ModelError::Architecture(other.to_string())),
         };
-        // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
-        let params = raw.object("rope_parameters")?;
-        let rope = match params {
-            Some(p) => Some(p),
-            None => raw.object("rope_scaling")?,
-        };
-        let rope_theta = match params {
-            Some(p) => p.float("rope_theta")?,
-            None => None,
-        };
-        let rope_theta = match rope_theta {
-            Some(t) => t,
-            None => raw.float("rope_theta")?.unwrap_or(10_000.0),
-        };
-        let rope_scaling = match rope {
-            None => None,
-            Some(s) => {
-                let kind = match s.str("rope_type")? {
-                    Some(t) => t,
-                    None => s.str("type")?.unwrap_or("default"),
-                };
-                match kind {
-                    "default" => None,
-                    "llama3" => Some(Llama3RopeScaling {
-                        factor: s.float("factor")?.unwrap_or(8.0),
-                        low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
-                        high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
-                        original_max_position_embeddings: s
-                            .float("original_max_position_embeddings")?
-                            .unwrap_or(8192.0),
-                    }),
-                    other => {
-                        return Err(ModelError::Config(format!(
-                            "rope_scaling type '{other}' is not supported (supported: llama3)"
-                        )))
-                    }
-                }
+        let (rope_theta, rope_scaling, gemma) = match arch {
+            Arch::Gemma3 => {
+                let g = GemmaHf::read(&raw)?;
+                (g.rope_theta, None, Some(g))
+            }
+            _ => {
+                let (theta, scaling) = llama_rope(&raw)?;
+                (theta, scaling, None)
             }
         };
         let spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
@@ -584,15 +556,149 @@ impl ModelConfig {
             rope_theta,
             rope_style: RopeStyle::Half,
             rope_scaling,
-            rope_theta_sliding: None,
-            rope_linear_factor: None,
-            query_pre_attn_scalar: None,
+            rope_theta_sliding: gemma.map(|g| g.rope_theta_sliding),
+            rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
+            query_pre_attn_scalar: gemma.map(|g| g.query_pre_attn_scalar),
             qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
             sliding_window: shape.sliding_window,
             sliding_layers: shape.sliding_layers,
-            tie_word_embeddings: raw.bool("tie_word_embeddings")?.unwrap_or(false),
+            // transformers ties Gemma's output head to the embedding unless told otherwise.
+            tie_word_embeddings: raw
+                .bool("tie_word_embeddings")?
+                .unwrap_or(arch == Arch::Gemma3),
         }
         .validate()
+    }
+}
+
+/// RoPE of a Llama-family `config.json`: its base and Llama-3 scaling.
+fn llama_rope(raw: &Json<'_>) -> Result<(f64, Option<Llama3RopeScaling>)> {
+    // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
+    let params = raw.object("rope_parameters")?;
+    let rope = match params {
+        Some(p) => Some(p),
+        None => raw.object("rope_scaling")?,
+    };
+    let rope_theta = match params {
+        Some(p) => p.float("rope_theta")?,
+        None => None,
+    };
+    let rope_theta = match rope_theta {
+        Some(t) => t,
+        None => raw.float("rope_theta")?.unwrap_or(10_000.0),
+    };
+    let rope_scaling = match rope {
+        None => None,
+        Some(s) => {
+            let kind = match s.str("rope_type")? {
+                Some(t) => t,
+                None => s.str("type")?.unwrap_or("default"),
+            };
+            match kind {
+                "default" => None,
+                "llama3" => Some(Llama3RopeScaling {
+                    factor: s.float("factor")?.unwrap_or(8.0),
+                    low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
+                    high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
+                    original_max_position_embeddings: s
+                        .float("original_max_position_embeddings")?
+                        .unwrap_or(8192.0),
+                }),
+                other => {
+                    return Err(ModelError::Config(format!(
+                        "rope_scaling type '{other}' is not supported (supported: llama3)"
+                    )))
+                }
+            }
+        }
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
+/// What a Gemma 3 `config.json` says beyond the common keys. Newer transformers write one RoPE object
+/// per attention kind (`rope_parameters.full_attention`, `.sliding_attention`); older ones `rope_theta`,
+/// `rope_local_base_freq` and `rope_scaling` (for the full-attention layers). Soft-capping and
+/// activations other than GELU (tanh) are refused by name.
+#[derive(Debug, Clone, Copy)]
+struct GemmaHf {
+    rope_theta: f64,
+    rope_theta_sliding: f64,
+    rope_linear_factor: Option<f64>,
+    query_pre_attn_scalar: f64,
+}
+
+impl GemmaHf {
+    fn read(raw: &Json<'_>) -> Result<Self> {
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if let Some(v) = raw.float(key)? {
+                return Err(ModelError::Config(format!(
+                    "config.json: '{key}' is {v}; logit soft-capping is not supported by Kura's runtime"
+                )));
+            }
+        }
+        if raw.bool("use_bidirectional_attention")? == Some(true) {
+            return Err(ModelError::Config(
+                "config.json: 'use_bidirectional_attention' is true; Kura's runtime runs causal \
+                 attention only"
+                    .into(),
+            ));
+        }
+        let act = raw.str("hidden_activation")?.unwrap_or("gelu_pytorch_tanh");
+        if act != "gelu_pytorch_tanh" {
+            return Err(ModelError::Config(format!(
+                "config.json: 'hidden_activation' is '{act}'; Kura runs Gemma 3 with gelu_pytorch_tanh"
+            )));
+        }
+        let (full, sliding) = match raw.object("rope_parameters")? {
+            Some(p) => (p.object("full_attention")?, p.object("sliding_attention")?),
+            None => (None, None),
+        };
+        let rope_theta = match full {
+            Some(f) => f.float("rope_theta")?,
+            None => raw.float("rope_theta")?,
+        }
+        .unwrap_or(1_000_000.0);
+        let rope_theta_sliding = match sliding {
+            Some(s) => {
+                if let Some(kind) = s.str("rope_type")?.filter(|k| *k != "default") {
+                    return Err(ModelError::Config(format!(
+                        "config.json: 'rope_parameters.sliding_attention.rope_type' is '{kind}'; \
+                         Kura scales only the full-attention layers' RoPE"
+                    )));
+                }
+                s.float("rope_theta")?
+            }
+            None => raw.float("rope_local_base_freq")?,
+        }
+        .unwrap_or(GEMMA3_SLIDING_ROPE_THETA);
+        let scaling = match full {
+            Some(f) => Some(f),
+            None => raw.object("rope_scaling")?,
+        };
+        let rope_linear_factor = match scaling {
+            None => None,
+            Some(s) => {
+                let kind = match s.str("rope_type")? {
+                    Some(t) => t,
+                    None => s.str("type")?.unwrap_or("default"),
+                };
+                match kind {
+                    "default" => None,
+                    "linear" => s.float("factor")?.filter(|f| *f != 1.0),
+                    other => {
+                        return Err(ModelError::Config(format!(
+                            "rope_scaling type '{other}' is not supported for Gemma 3 (supported: linear)"
+                        )))
+                    }
+                }
+            }
+        };
+        Ok(GemmaHf {
+            rope_theta,
+            rope_theta_sliding,
+            rope_linear_factor,
+            query_pre_attn_scalar: raw.float("query_pre_attn_scalar")?.unwrap_or(256.0),
+        })
     }
 }
 
@@ -714,6 +820,8 @@ impl<'a> Json<'a> {
                 prefix: match key {
                     "rope_scaling" => "rope_scaling.",
                     "rope_parameters" => "rope_parameters.",
+                    "full_attention" => "rope_parameters.full_attention.",
+                    "sliding_attention" => "rope_parameters.sliding_attention.",
                     _ => "",
                 },
             })),
@@ -909,6 +1017,89 @@ mod tests {
                 .contains("layer_types has 1 entries for 3 layers"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn gemma3_configs_old_and_new_read_alike_and_refusals_name_the_key() {
+        let base = r#""model_type":"gemma3_text","hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,
+            "vocab_size":100,"sliding_window":8,"query_pre_attn_scalar":24"#;
+        let cfg = |extra: &str| ModelConfig::from_hf_json(&format!("{{{base}{extra}}}"));
+        let new = cfg(r#","rope_parameters":{"full_attention":{"rope_type":"linear","factor":4.0,
+            "rope_theta":100000.0},"sliding_attention":{"rope_type":"default","rope_theta":20000.0}}"#)
+        .unwrap();
+        let old = cfg(r#","rope_theta":100000.0,"rope_local_base_freq":20000.0,
+            "rope_scaling":{"rope_type":"linear","factor":4.0}"#)
+        .unwrap();
+        assert_eq!(new, old);
+        assert_eq!(new.arch, Arch::Gemma3);
+        assert_eq!(
+            (
+                new.rope_theta,
+                new.rope_theta_sliding,
+                new.rope_linear_factor
+            ),
+            (100_000.0, Some(20_000.0), Some(4.0))
+        );
+        assert!(new.tie_word_embeddings);
+        assert_eq!(new.activation(), Activation::GeluTanh);
+        // The sixth layer attends to everything (sliding_window_pattern's default of 6).
+        let windows: Vec<_> = (0..6).map(|i| new.layer_window(i)).collect();
+        assert_eq!(windows, [Some(8), Some(8), Some(8), Some(8), Some(8), None]);
+        // Scores divided by √24, attention divides by √16: Q is scaled by √(16/24).
+        let s = new.query_scale().unwrap();
+        assert!((s - (16f32 / 24.0).sqrt()).abs() < 1e-7);
+        // Defaults: the bases of transformers' Gemma 3, no scaling, query_pre_attn_scalar 256.
+        let plain = ModelConfig::from_hf_json(&format!(
+            "{{{}}}",
+            base.replace(r#","query_pre_attn_scalar":24"#, "")
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                plain.rope_theta,
+                plain.rope_theta_sliding,
+                plain.rope_linear_factor
+            ),
+            (1e6, Some(10_000.0), None)
+        );
+        assert_eq!(plain.query_pre_attn_scalar, Some(256.0));
+        for (extra, expected) in [
+            (
+                r#","final_logit_softcapping":30.0"#,
+                "'final_logit_softcapping' is 30",
+            ),
+            (
+                r#","attn_logit_softcapping":50.0"#,
+                "'attn_logit_softcapping' is 50",
+            ),
+            (
+                r#","hidden_activation":"gelu""#,
+                "'hidden_activation' is 'gelu'",
+            ),
+            (
+                r#","use_bidirectional_attention":true"#,
+                "'use_bidirectional_attention' is true",
+            ),
+            (
+                r#","rope_parameters":{"sliding_attention":{"rope_type":"linear","factor":2.0}}"#,
+                "'rope_parameters.sliding_attention.rope_type' is 'linear'",
+            ),
+            (
+                r#","rope_scaling":{"rope_type":"yarn","factor":2.0}"#,
+                "rope_scaling type 'yarn' is not supported for Gemma 3",
+            ),
+            (
+                r#","query_pre_attn_scalar":0"#,
+                "query_pre_attn_scalar 0 must be a positive number",
+            ),
+        ] {
+            let err = cfg(extra).unwrap_err().to_string();
+            assert!(
+                err.contains(expected),
+                "{extra}: expected '{expected}' in: {err}"
+            );
+        }
     }
 
     #[test]

@@ -130,8 +130,7 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&g)?;
         let template = match g.metadata.get("tokenizer.chat_template") {
             Some(crate::gguf::Value::String(s)) => s.clone(),
-            _ if config.arch == Arch::Gemma3 => GEMMA3.to_string(),
-            _ => CHATML.to_string(),
+            _ => default_template(config.arch).to_string(),
         };
         let name = |id: Option<u32>| {
             id.and_then(|i| tokenizer.id_to_token(i))
@@ -155,12 +154,14 @@ impl Model {
             tcfg.eos_token.as_deref(),
         )?;
         let chat_template = ChatTemplate::new(
-            tcfg.chat_template.as_deref().unwrap_or(CHATML),
+            tcfg.chat_template
+                .as_deref()
+                .unwrap_or(default_template(config.arch)),
             tcfg.bos_token.as_deref().unwrap_or(""),
             tcfg.eos_token.as_deref().unwrap_or(""),
         )?;
         let st = SafetensorsDir::open(dir)?;
-        let weights = Weights::load(&st, Naming::Hf, &config, opts.weights_dtype)?;
+        let weights = Weights::load(&st, Naming::hf(config.arch), &config, opts.weights_dtype)?;
         Ok(Self::assemble(config, tokenizer, chat_template, weights))
     }
 
@@ -617,6 +618,14 @@ impl Model {
             vocab: head.rows,
             data: logits,
         })
+    }
+}
+
+/// The chat template of a model that ships none: Gemma 3's own for Gemma 3, else ChatML.
+fn default_template(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Gemma3 => GEMMA3,
+        _ => CHATML,
     }
 }
 
