@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Runs all of Kura's tests: the Rust workspace (unit, property, scenario and real-model tests) and the
 # Python tests that drive `kura serve` with the official `openai` client. Installs what they need: the
-# default model (scripts/fetch-model.sh), llama.cpp's tokenizer conformance files
-# (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is tested on (scripts/fetch-eval-text.sh) and a
-# Python virtual environment with tests/python/requirements.txt.
+# default model (scripts/fetch-model.sh), Gemma 3 270M for the Gemma 3 tests (scripts/fetch-gemma.sh),
+# llama.cpp's tokenizer conformance files (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is
+# tested on (scripts/fetch-eval-text.sh) and a Python virtual environment with
+# tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 KURA_MODEL=$(scripts/fetch-model.sh)
 export KURA_MODEL
+KURA_GEMMA_MODEL=$(scripts/fetch-gemma.sh)
+export KURA_GEMMA_MODEL
 KURA_VOCAB_DIR=$(scripts/fetch-vocab-tests.sh)
 export KURA_VOCAB_DIR
 KURA_EVAL_TEXT=$(scripts/fetch-eval-text.sh)

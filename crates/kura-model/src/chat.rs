@@ -1,6 +1,6 @@
 //! Chat templates: the model's Jinja template (GGUF `tokenizer.chat_template`, or `chat_template` of
 //! `tokenizer_config.json`) rendered with minijinja and its Python-compatibility methods, taking
-//! OpenAI-style messages. A model without a template gets ChatML.
+//! OpenAI-style messages. A model without a template gets its architecture's ([`GEMMA3`]) or ChatML.
 //!
 //! [`ChatTemplate::encode`] is the one way from messages to prompt tokens: the template writes every
 //! special token the model expects (BOS included), so the rendered text is tokenized without adding any,
@@ -15,6 +15,11 @@ use crate::tokenizer::Tokenizer;
 
 /// ChatML, the format of SmolLM2 and Qwen2, used when a model ships no template.
 pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Gemma 3's chat template (as published with the instruction-tuned models), used for a gemma3 model
+/// that ships none: the system message folded into the first user turn, contents trimmed, the assistant
+/// called `model`, turns closed by `<end_of_turn>`.
+pub const GEMMA3: &str = include_str!("gemma3_chat_template.jinja");
 
 /// One OpenAI-style chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

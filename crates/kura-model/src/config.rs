@@ -21,6 +21,19 @@ pub enum Arch {
     Llama,
     Qwen2,
     Mistral,
+    /// Gemma 3 (text): embeddings scaled by √hidden, RMSNorm on each Q and K head, norms after attention
+    /// and after the FFN (before their residual adds), GELU (tanh) gating, and sliding layers with a
+    /// RoPE base of their own.
+    Gemma3,
+}
+
+/// The activation of the gated FFN: `act(gate) · up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (Llama, Qwen2, Mistral).
+    Silu,
+    /// GELU, tanh approximation (PyTorch's `gelu(approximate="tanh")`; Gemma).
+    GeluTanh,
 }
 
 /// How RoPE pairs the elements of a head.
@@ -57,6 +70,15 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub rope_style: RopeStyle,
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// The RoPE base of the sliding layers when it differs from `rope_theta` (Gemma 3: 10,000, while
+    /// its full-attention layers use `rope_theta`).
+    pub rope_theta_sliding: Option<f64>,
+    /// Linear RoPE scaling of the full-attention layers (positions divided by this factor; Gemma 3's
+    /// larger models).
+    pub rope_linear_factor: Option<f64>,
+    /// Attention scores are `q·k / sqrt(query_pre_attn_scalar)` when set (Gemma), else
+    /// `q·k / sqrt(head_dim)`.
+    pub query_pre_attn_scalar: Option<f64>,
     /// Q, K and V projections carry a bias (Qwen2).
     pub qkv_bias: bool,
     /// The window of the layers that slide: each attends to at most this many tokens.
@@ -215,6 +237,15 @@ impl ModelConfig {
                 k.theta, self.rope_theta
             ));
         }
+        for (key, v) in [
+            ("sliding layers' RoPE base", self.rope_theta_sliding),
+            ("rope.scaling.factor", self.rope_linear_factor),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+        ] {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return bad(format!("{key} {v} must be a positive number"));
+            }
+        }
         if let Some(r) = &self.rope_scaling {
             let positive = [
                 ("factor", r.factor),
@@ -272,6 +303,31 @@ impl ModelConfig {
         Ok(self)
     }
 
+    /// The activation of the gated FFN.
+    pub fn activation(&self) -> Activation {
+        match self.arch {
+            Arch::Gemma3 => Activation::GeluTanh,
+            _ => Activation::Silu,
+        }
+    }
+
+    /// The factor the token embeddings are multiplied by before the first layer: √hidden for Gemma
+    /// (in f32, as the reference computes in f32), none for the Llama family.
+    pub fn embedding_scale(&self) -> Option<f32> {
+        match self.arch {
+            Arch::Gemma3 => Some((self.hidden_size as f64).sqrt() as f32),
+            _ => None,
+        }
+    }
+
+    /// The factor Q is multiplied by so that attention, which divides scores by √head_dim, divides
+    /// them by √query_pre_attn_scalar instead; `None` when the two agree.
+    pub fn query_scale(&self) -> Option<f32> {
+        self.query_pre_attn_scalar
+            .filter(|s| *s != self.head_dim as f64)
+            .map(|s| (self.head_dim as f64 / s).sqrt() as f32)
+    }
+
     /// The window of layer `layer`, if it slides.
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
         self.sliding_window
@@ -311,10 +367,12 @@ impl ModelConfig {
         let qkv = h.checked_mul(heads)?.checked_mul(d)?;
         let o = self.num_heads.checked_mul(d)?.checked_mul(h)?;
         let ffn = h.checked_mul(i)?.checked_mul(3)?;
-        let per_layer = qkv
-            .checked_add(o)?
-            .checked_add(ffn)?
-            .checked_add(h.checked_mul(2)?)?;
+        // Two norms a layer; Gemma 3 adds two after attention and the FFN and two over a head.
+        let norms = match self.arch {
+            Arch::Gemma3 => h.checked_mul(4)?.checked_add(d.checked_mul(2)?)?,
+            _ => h.checked_mul(2)?,
+        };
+        let per_layer = qkv.checked_add(o)?.checked_add(ffn)?.checked_add(norms)?;
         let tables = if self.tie_word_embeddings { 1 } else { 2 };
         let emb = self.vocab_size.checked_mul(h)?.checked_mul(tables)?;
         per_layer
@@ -333,9 +391,14 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "mistral" => Arch::Mistral,
+            "gemma3" => Arch::Gemma3,
             other => return Err(ModelError::Architecture(other.to_string())),
         };
         let k = |s: &str| format!("{arch_name}.{s}");
+        let gemma = match arch {
+            Arch::Gemma3 => Some(GemmaGguf::read(g, &arch_name)?),
+            _ => None,
+        };
         // One value per key: a per-layer array (layers of different shapes) is not something the runtime
         // runs, and `opt_u64` refuses it with the key's name.
         let number = |key: &str| -> std::result::Result<Option<u64>, String> {
@@ -393,13 +456,24 @@ impl ModelConfig {
             max_context,
             rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
             rope_theta: g.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0),
-            // llama.cpp runs Llama/Mistral with NORM rope on permuted Q/K rows, Qwen2 with NEOX on HF rows.
-            rope_style: if arch == Arch::Qwen2 {
+            // llama.cpp runs Llama/Mistral with NORM rope on permuted Q/K rows, Qwen2 and Gemma with NEOX
+            // on HF rows.
+            rope_style: if matches!(arch, Arch::Qwen2 | Arch::Gemma3) {
                 RopeStyle::Half
             } else {
                 RopeStyle::Interleaved
             },
             rope_scaling: None,
+            rope_theta_sliding: gemma.map(|_| GEMMA3_SLIDING_ROPE_THETA),
+            rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
+            query_pre_attn_scalar: gemma.map(|_| {
+                gemma3_query_pre_attn_scalar(
+                    spec.num_layers,
+                    spec.hidden_size,
+                    spec.num_heads,
+                    head_dim,
+                )
+            }),
             qkv_bias: arch == Arch::Qwen2,
             sliding_window: shape.sliding_window,
             sliding_layers: shape.sliding_layers,
@@ -452,45 +526,17 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "mistral" => Arch::Mistral,
+            "gemma3_text" => Arch::Gemma3,
             other => return Err(ModelError::Architecture(other.to_string())),
         };
-        // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
-        let params = raw.object("rope_parameters")?;
-        let rope = match params {
-            Some(p) => Some(p),
-            None => raw.object("rope_scaling")?,
-        };
-        let rope_theta = match params {
-            Some(p) => p.float("rope_theta")?,
-            None => None,
-        };
-        let rope_theta = match rope_theta {
-            Some(t) => t,
-            None => raw.float("rope_theta")?.unwrap_or(10_000.0),
-        };
-        let rope_scaling = match rope {
-            None => None,
-            Some(s) => {
-                let kind = match s.str("rope_type")? {
-                    Some(t) => t,
-                    None => s.str("type")?.unwrap_or("default"),
-                };
-                match kind {
-                    "default" => None,
-                    "llama3" => Some(Llama3RopeScaling {
-                        factor: s.float("factor")?.unwrap_or(8.0),
-                        low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
-                        high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
-                        original_max_position_embeddings: s
-                            .float("original_max_position_embeddings")?
-                            .unwrap_or(8192.0),
-                    }),
-                    other => {
-                        return Err(ModelError::Config(format!(
-                            "rope_scaling type '{other}' is not supported (supported: llama3)"
-                        )))
-                    }
-                }
+        let (rope_theta, rope_scaling, gemma) = match arch {
+            Arch::Gemma3 => {
+                let g = GemmaHf::read(&raw)?;
+                (g.rope_theta, None, Some(g))
+            }
+            _ => {
+                let (theta, scaling) = llama_rope(&raw)?;
+                (theta, scaling, None)
             }
         };
         let spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
@@ -510,12 +556,149 @@ impl ModelConfig {
             rope_theta,
             rope_style: RopeStyle::Half,
             rope_scaling,
+            rope_theta_sliding: gemma.map(|g| g.rope_theta_sliding),
+            rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
+            query_pre_attn_scalar: gemma.map(|g| g.query_pre_attn_scalar),
             qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
             sliding_window: shape.sliding_window,
             sliding_layers: shape.sliding_layers,
-            tie_word_embeddings: raw.bool("tie_word_embeddings")?.unwrap_or(false),
+            // transformers ties Gemma's output head to the embedding unless told otherwise.
+            tie_word_embeddings: raw
+                .bool("tie_word_embeddings")?
+                .unwrap_or(arch == Arch::Gemma3),
         }
         .validate()
+    }
+}
+
+/// RoPE of a Llama-family `config.json`: its base and Llama-3 scaling.
+fn llama_rope(raw: &Json<'_>) -> Result<(f64, Option<Llama3RopeScaling>)> {
+    // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
+    let params = raw.object("rope_parameters")?;
+    let rope = match params {
+        Some(p) => Some(p),
+        None => raw.object("rope_scaling")?,
+    };
+    let rope_theta = match params {
+        Some(p) => p.float("rope_theta")?,
+        None => None,
+    };
+    let rope_theta = match rope_theta {
+        Some(t) => t,
+        None => raw.float("rope_theta")?.unwrap_or(10_000.0),
+    };
+    let rope_scaling = match rope {
+        None => None,
+        Some(s) => {
+            let kind = match s.str("rope_type")? {
+                Some(t) => t,
+                None => s.str("type")?.unwrap_or("default"),
+            };
+            match kind {
+                "default" => None,
+                "llama3" => Some(Llama3RopeScaling {
+                    factor: s.float("factor")?.unwrap_or(8.0),
+                    low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
+                    high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
+                    original_max_position_embeddings: s
+                        .float("original_max_position_embeddings")?
+                        .unwrap_or(8192.0),
+                }),
+                other => {
+                    return Err(ModelError::Config(format!(
+                        "rope_scaling type '{other}' is not supported (supported: llama3)"
+                    )))
+                }
+            }
+        }
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
+/// What a Gemma 3 `config.json` says beyond the common keys. Newer transformers write one RoPE object
+/// per attention kind (`rope_parameters.full_attention`, `.sliding_attention`); older ones `rope_theta`,
+/// `rope_local_base_freq` and `rope_scaling` (for the full-attention layers). Soft-capping and
+/// activations other than GELU (tanh) are refused by name.
+#[derive(Debug, Clone, Copy)]
+struct GemmaHf {
+    rope_theta: f64,
+    rope_theta_sliding: f64,
+    rope_linear_factor: Option<f64>,
+    query_pre_attn_scalar: f64,
+}
+
+impl GemmaHf {
+    fn read(raw: &Json<'_>) -> Result<Self> {
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if let Some(v) = raw.float(key)? {
+                return Err(ModelError::Config(format!(
+                    "config.json: '{key}' is {v}; logit soft-capping is not supported by Kura's runtime"
+                )));
+            }
+        }
+        if raw.bool("use_bidirectional_attention")? == Some(true) {
+            return Err(ModelError::Config(
+                "config.json: 'use_bidirectional_attention' is true; Kura's runtime runs causal \
+                 attention only"
+                    .into(),
+            ));
+        }
+        let act = raw.str("hidden_activation")?.unwrap_or("gelu_pytorch_tanh");
+        if act != "gelu_pytorch_tanh" {
+            return Err(ModelError::Config(format!(
+                "config.json: 'hidden_activation' is '{act}'; Kura runs Gemma 3 with gelu_pytorch_tanh"
+            )));
+        }
+        let (full, sliding) = match raw.object("rope_parameters")? {
+            Some(p) => (p.object("full_attention")?, p.object("sliding_attention")?),
+            None => (None, None),
+        };
+        let rope_theta = match full {
+            Some(f) => f.float("rope_theta")?,
+            None => raw.float("rope_theta")?,
+        }
+        .unwrap_or(1_000_000.0);
+        let rope_theta_sliding = match sliding {
+            Some(s) => {
+                if let Some(kind) = s.str("rope_type")?.filter(|k| *k != "default") {
+                    return Err(ModelError::Config(format!(
+                        "config.json: 'rope_parameters.sliding_attention.rope_type' is '{kind}'; \
+                         Kura scales only the full-attention layers' RoPE"
+                    )));
+                }
+                s.float("rope_theta")?
+            }
+            None => raw.float("rope_local_base_freq")?,
+        }
+        .unwrap_or(GEMMA3_SLIDING_ROPE_THETA);
+        let scaling = match full {
+            Some(f) => Some(f),
+            None => raw.object("rope_scaling")?,
+        };
+        let rope_linear_factor = match scaling {
+            None => None,
+            Some(s) => {
+                let kind = match s.str("rope_type")? {
+                    Some(t) => t,
+                    None => s.str("type")?.unwrap_or("default"),
+                };
+                match kind {
+                    "default" => None,
+                    "linear" => s.float("factor")?.filter(|f| *f != 1.0),
+                    other => {
+                        return Err(ModelError::Config(format!(
+                            "rope_scaling type '{other}' is not supported for Gemma 3 (supported: linear)"
+                        )))
+                    }
+                }
+            }
+        };
+        Ok(GemmaHf {
+            rope_theta,
+            rope_theta_sliding,
+            rope_linear_factor,
+            query_pre_attn_scalar: raw.float("query_pre_attn_scalar")?.unwrap_or(256.0),
+        })
     }
 }
 
@@ -637,6 +820,8 @@ impl<'a> Json<'a> {
                 prefix: match key {
                     "rope_scaling" => "rope_scaling.",
                     "rope_parameters" => "rope_parameters.",
+                    "full_attention" => "rope_parameters.full_attention.",
+                    "sliding_attention" => "rope_parameters.sliding_attention.",
                     _ => "",
                 },
             })),
@@ -645,32 +830,129 @@ impl<'a> Json<'a> {
     }
 }
 
-/// Inverse frequencies of RoPE for one head (`head_dim / 2` values), Llama-3 scaling applied.
+/// Inverse frequencies of RoPE for one head (`head_dim / 2` values) of the full-attention layers (every
+/// layer, unless [`rope_inv_freq_sliding`] gives the sliding ones their own), Llama-3 or linear scaling
+/// applied.
 pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let d = cfg.head_dim;
+    inv_freq(cfg.head_dim, cfg.rope_theta, |f| {
+        let mut f = match cfg.rope_scaling {
+            Some(s) => llama3_scaled(f, &s),
+            None => f,
+        };
+        if let Some(factor) = cfg.rope_linear_factor {
+            f = (f as f64 / factor) as f32;
+        }
+        f
+    })
+}
+
+/// The inverse frequencies of the sliding layers when their RoPE base differs (Gemma 3); unscaled.
+pub fn rope_inv_freq_sliding(cfg: &ModelConfig) -> Option<Vec<f32>> {
+    cfg.rope_theta_sliding
+        .map(|theta| inv_freq(cfg.head_dim, theta, |f| f))
+}
+
+fn inv_freq(d: usize, theta: f64, scale: impl Fn(f32) -> f32) -> Vec<f32> {
     (0..d / 2)
         .map(|i| {
             // HF computes the exponent in f32 and the power in f32: do the same so angles agree.
             let exponent = (2 * i) as f32 / d as f32;
-            let mut f = 1.0f32 / (cfg.rope_theta as f32).powf(exponent);
-            if let Some(s) = cfg.rope_scaling {
-                let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
-                let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
-                let wavelen = 2.0 * std::f64::consts::PI / f as f64;
-                let fd = f as f64;
-                f = if wavelen < high_wavelen {
-                    f
-                } else if wavelen > low_wavelen {
-                    (fd / s.factor) as f32
-                } else {
-                    let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-                        / (s.high_freq_factor - s.low_freq_factor);
-                    ((1.0 - smooth) * fd / s.factor + smooth * fd) as f32
-                };
-            }
-            f
+            scale(1.0f32 / (theta as f32).powf(exponent))
         })
         .collect()
+}
+
+/// Llama-3's frequency-dependent scaling of one inverse frequency.
+fn llama3_scaled(f: f32, s: &Llama3RopeScaling) -> f32 {
+    let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+    let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+    let wavelen = 2.0 * std::f64::consts::PI / f as f64;
+    let fd = f as f64;
+    if wavelen < high_wavelen {
+        f
+    } else if wavelen > low_wavelen {
+        (fd / s.factor) as f32
+    } else {
+        let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor);
+        ((1.0 - smooth) * fd / s.factor + smooth * fd) as f32
+    }
+}
+
+/// The RoPE base of Gemma 3's sliding layers. GGUF does not store it: llama.cpp fixes it for the
+/// architecture, as transformers' `rope_local_base_freq` default does.
+pub const GEMMA3_SLIDING_ROPE_THETA: f64 = 10_000.0;
+
+/// Gemma 3's `query_pre_attn_scalar`, which GGUF does not store: `hidden / heads` for the 27B model (62
+/// layers), `head_dim` for the others (llama.cpp's rule, matching each model's HF config).
+fn gemma3_query_pre_attn_scalar(
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+) -> f64 {
+    if layers == 62 {
+        hidden as f64 / heads as f64
+    } else {
+        head_dim as f64
+    }
+}
+
+/// What a Gemma 3 GGUF says beyond the common keys: its RoPE scaling (linear only), and that it uses
+/// no logit soft-capping (which Kura's runtime does not implement).
+#[derive(Debug, Clone, Copy)]
+struct GemmaGguf {
+    rope_linear_factor: Option<f64>,
+}
+
+impl GemmaGguf {
+    fn read(g: &GgufFile, arch: &str) -> Result<Self> {
+        let k = |s: &str| format!("{arch}.{s}");
+        for key in [k("final_logit_softcapping"), k("attn_logit_softcapping")] {
+            if let Some(v) = g.opt_f64(&key)? {
+                if v != 0.0 {
+                    return Err(ModelError::BadValue {
+                        key,
+                        what: format!(
+                            "is {v}; logit soft-capping is not supported by Kura's runtime"
+                        ),
+                    });
+                }
+            }
+        }
+        let kind_key = k("rope.scaling.type");
+        let kind = match g.metadata.get(&kind_key) {
+            None => None,
+            Some(crate::gguf::Value::String(s)) => Some(s.as_str()),
+            Some(_) => {
+                return Err(ModelError::BadValue {
+                    key: kind_key,
+                    what: "is not a string".into(),
+                })
+            }
+        };
+        let factor_key = k("rope.scaling.factor");
+        let factor = g.opt_f64(&factor_key)?;
+        let rope_linear_factor = match (kind, factor) {
+            (None | Some("none"), _) => None,
+            (Some("linear"), Some(f)) if f.is_finite() && f > 0.0 => (f != 1.0).then_some(f),
+            (Some("linear"), f) => {
+                return Err(ModelError::BadValue {
+                    key: factor_key,
+                    what: format!("is {f:?}; linear RoPE scaling needs a positive factor"),
+                })
+            }
+            (Some(other), _) => {
+                return Err(ModelError::BadValue {
+                    key: kind_key,
+                    what: format!(
+                        "is '{other}'; Kura runs Gemma 3 with linear RoPE scaling or none"
+                    ),
+                })
+            }
+        };
+        Ok(GemmaGguf { rope_linear_factor })
+    }
 }
 
 #[cfg(test)]
@@ -735,6 +1017,89 @@ mod tests {
                 .contains("layer_types has 1 entries for 3 layers"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn gemma3_configs_old_and_new_read_alike_and_refusals_name_the_key() {
+        let base = r#""model_type":"gemma3_text","hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,
+            "vocab_size":100,"sliding_window":8,"query_pre_attn_scalar":24"#;
+        let cfg = |extra: &str| ModelConfig::from_hf_json(&format!("{{{base}{extra}}}"));
+        let new = cfg(r#","rope_parameters":{"full_attention":{"rope_type":"linear","factor":4.0,
+            "rope_theta":100000.0},"sliding_attention":{"rope_type":"default","rope_theta":20000.0}}"#)
+        .unwrap();
+        let old = cfg(r#","rope_theta":100000.0,"rope_local_base_freq":20000.0,
+            "rope_scaling":{"rope_type":"linear","factor":4.0}"#)
+        .unwrap();
+        assert_eq!(new, old);
+        assert_eq!(new.arch, Arch::Gemma3);
+        assert_eq!(
+            (
+                new.rope_theta,
+                new.rope_theta_sliding,
+                new.rope_linear_factor
+            ),
+            (100_000.0, Some(20_000.0), Some(4.0))
+        );
+        assert!(new.tie_word_embeddings);
+        assert_eq!(new.activation(), Activation::GeluTanh);
+        // The sixth layer attends to everything (sliding_window_pattern's default of 6).
+        let windows: Vec<_> = (0..6).map(|i| new.layer_window(i)).collect();
+        assert_eq!(windows, [Some(8), Some(8), Some(8), Some(8), Some(8), None]);
+        // Scores divided by √24, attention divides by √16: Q is scaled by √(16/24).
+        let s = new.query_scale().unwrap();
+        assert!((s - (16f32 / 24.0).sqrt()).abs() < 1e-7);
+        // Defaults: the bases of transformers' Gemma 3, no scaling, query_pre_attn_scalar 256.
+        let plain = ModelConfig::from_hf_json(&format!(
+            "{{{}}}",
+            base.replace(r#","query_pre_attn_scalar":24"#, "")
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                plain.rope_theta,
+                plain.rope_theta_sliding,
+                plain.rope_linear_factor
+            ),
+            (1e6, Some(10_000.0), None)
+        );
+        assert_eq!(plain.query_pre_attn_scalar, Some(256.0));
+        for (extra, expected) in [
+            (
+                r#","final_logit_softcapping":30.0"#,
+                "'final_logit_softcapping' is 30",
+            ),
+            (
+                r#","attn_logit_softcapping":50.0"#,
+                "'attn_logit_softcapping' is 50",
+            ),
+            (
+                r#","hidden_activation":"gelu""#,
+                "'hidden_activation' is 'gelu'",
+            ),
+            (
+                r#","use_bidirectional_attention":true"#,
+                "'use_bidirectional_attention' is true",
+            ),
+            (
+                r#","rope_parameters":{"sliding_attention":{"rope_type":"linear","factor":2.0}}"#,
+                "'rope_parameters.sliding_attention.rope_type' is 'linear'",
+            ),
+            (
+                r#","rope_scaling":{"rope_type":"yarn","factor":2.0}"#,
+                "rope_scaling type 'yarn' is not supported for Gemma 3",
+            ),
+            (
+                r#","query_pre_attn_scalar":0"#,
+                "query_pre_attn_scalar 0 must be a positive number",
+            ),
+        ] {
+            let err = cfg(extra).unwrap_err().to_string();
+            assert!(
+                err.contains(expected),
+                "{extra}: expected '{expected}' in: {err}"
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `kura-model` — Kura's model runtime on the CPU: loading (GGUF, HF safetensors directories), the
-//! tokenizer and chat template, SIMD kernels chosen at run time, the Llama-family forward pass over the
-//! paged KV cache of `kura-kv`, and sampling.
+//! tokenizer and chat template, SIMD kernels chosen at run time, the Llama-family and Gemma 3 forward pass
+//! over the paged KV cache of `kura-kv`, and sampling.
 //!
 //! The model owns no cache state: [`Model::forward`] takes a batch of sequences (new tokens, first
 //! position, block table) and a [`kura_kv::storage::KvStorage`], writes the new tokens' K and V into their

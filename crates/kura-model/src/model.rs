@@ -1,6 +1,6 @@
-//! `Model`: a loaded Llama-family model (weights, tokenizer, chat template) and its forward step over a
-//! batch of sequences whose KV lives in a [`KvStorage`]. The model keeps no cache state: every call says,
-//! per sequence, which tokens are new, where they start and which blocks hold the sequence.
+//! `Model`: a loaded Llama-family or Gemma 3 model (weights, tokenizer, chat template) and its forward
+//! step over a batch of sequences whose KV lives in a [`KvStorage`]. The model keeps no cache state: every
+//! call says, per sequence, which tokens are new, where they start and which blocks hold the sequence.
 //!
 //! One step for a batch of `T` new tokens (all sequences concatenated), per layer:
 //!
@@ -13,6 +13,11 @@
 //! parallel region ([`crate::kernels::team`]): every thread takes its share of each operation and the
 //! threads meet at a barrier between operations; the residual adds are fused into the products that
 //! precede them.
+//!
+//! Gemma 3 differs in a few places: the embeddings are scaled by √hidden, Q and K get an RMSNorm per head
+//! before RoPE, the sliding layers use a RoPE base of their own, the FFN gates with GELU (tanh), and the
+//! outputs of attention and of the FFN are normalised before their residual adds (so those adds are not
+//! fused: the product goes to a buffer, then each thread normalises and adds its tokens).
 
 use std::path::Path;
 
@@ -20,14 +25,16 @@ use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_kv::storage::KvStorage;
 
-use crate::chat::{ChatMessage, ChatTemplate, CHATML};
-use crate::config::{rope_inv_freq, ModelConfig};
+use crate::chat::{ChatMessage, ChatTemplate, CHATML, GEMMA3};
+use crate::config::{rope_inv_freq, rope_inv_freq_sliding, Activation, Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::{read_text, SafetensorsDir, TokenizerConfig};
 use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
 use crate::kernels::matmul::{matmul_part, ActBuf};
-use crate::kernels::ops::{add_in_place, rms_norm, rope, rope_angles, silu_mul};
+use crate::kernels::ops::{
+    add_in_place, gelu_tanh_mul, rms_norm, rope, rope_angles, scale_in_place, silu_mul,
+};
 use crate::kernels::team::{self, SharedMut};
 use crate::tokenizer::Tokenizer;
 use crate::weights::{Naming, TensorSource, Weights, WeightsDtype};
@@ -98,6 +105,8 @@ pub struct Model {
     chat_template: ChatTemplate,
     weights: Weights,
     inv_freq: Vec<f32>,
+    /// RoPE of the sliding layers when their base differs (Gemma 3).
+    inv_freq_sliding: Option<Vec<f32>>,
     /// The mean K of each layer and KV head over [`CALIBRATION_TEXT`], computed on first use.
     key_means: std::sync::OnceLock<std::result::Result<Vec<Vec<f32>>, String>>,
 }
@@ -147,7 +156,7 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&g)?;
         let template = match g.metadata.get("tokenizer.chat_template") {
             Some(crate::gguf::Value::String(s)) => s.clone(),
-            _ => CHATML.to_string(),
+            _ => default_template(config.arch).to_string(),
         };
         let name = |id: Option<u32>| {
             id.and_then(|i| tokenizer.id_to_token(i))
@@ -171,12 +180,14 @@ impl Model {
             tcfg.eos_token.as_deref(),
         )?;
         let chat_template = ChatTemplate::new(
-            tcfg.chat_template.as_deref().unwrap_or(CHATML),
+            tcfg.chat_template
+                .as_deref()
+                .unwrap_or(default_template(config.arch)),
             tcfg.bos_token.as_deref().unwrap_or(""),
             tcfg.eos_token.as_deref().unwrap_or(""),
         )?;
         let st = SafetensorsDir::open(dir)?;
-        let weights = Weights::load(&st, Naming::Hf, &config, opts.weights_dtype)?;
+        let weights = Weights::load(&st, Naming::hf(config.arch), &config, opts.weights_dtype)?;
         Ok(Self::assemble(config, tokenizer, chat_template, weights))
     }
 
@@ -187,12 +198,14 @@ impl Model {
         weights: Weights,
     ) -> Self {
         let inv_freq = rope_inv_freq(&config);
+        let inv_freq_sliding = rope_inv_freq_sliding(&config);
         Model {
             config,
             tokenizer,
             chat_template,
             weights,
             inv_freq,
+            inv_freq_sliding,
             key_means: std::sync::OnceLock::new(),
         }
     }
@@ -468,23 +481,23 @@ impl Model {
             }
             for (i, tok) in item.tokens.iter().enumerate() {
                 let t = positions.len();
-                self.weights
-                    .embed
-                    .row_into(*tok as usize, &mut x[t * h..(t + 1) * h]);
+                let xr = &mut x[t * h..(t + 1) * h];
+                self.weights.embed.row_into(*tok as usize, xr);
+                if let Some(s) = c.embedding_scale() {
+                    scale_in_place(xr, s);
+                }
                 positions.push(item.start_pos + i);
             }
         }
         let half = d / 2;
-        let mut cos = vec![0f32; t_total * half];
-        let mut sin = vec![0f32; t_total * half];
-        for (t, pos) in positions.iter().enumerate() {
-            rope_angles(
-                *pos,
-                &self.inv_freq,
-                &mut cos[t * half..(t + 1) * half],
-                &mut sin[t * half..(t + 1) * half],
-            );
-        }
+        let (cos, sin) = angles(&positions, &self.inv_freq, half);
+        // The sliding layers' own angles, when their RoPE base differs.
+        let sliding_angles = self
+            .inv_freq_sliding
+            .as_ref()
+            .map(|f| angles(&positions, f, half));
+        let q_scale = c.query_scale();
+        let activation = c.activation();
         // Where each token's K/V goes: (block id or page, slot), per layer when paged.
         let slots_of: Vec<Vec<(usize, usize)>> = (0..seqs_of.len())
             .map(|layer| {
@@ -510,6 +523,10 @@ impl Model {
         let mut qkv = vec![0f32; t_total * qkv_dim];
         let mut attn = ActBuf::new(kind, t_total, q_dim);
         let mut gate_up = vec![0f32; t_total * 2 * inter];
+        // The attention and FFN outputs before their post-norms (Gemma 3).
+        let post_norms = self.weights.layers.iter().any(|l| l.gemma.is_some());
+        let mut proj = vec![0f32; if post_norms { t_total * h } else { 0 }];
+        let heads_len = if post_norms { q_dim.max(kv_dim) } else { 0 };
         let mut act = ActBuf::new(kind, t_total, inter);
         let mut last = ActBuf::new(kind, n, h);
         let mut logits = vec![0f32; n * head.rows];
@@ -531,6 +548,7 @@ impl Model {
             last.shared(),
             SharedMut::new(&mut logits),
         );
+        let projs = SharedMut::new(&mut proj);
         // Sized for a full-context layer, the most segments any layer has.
         let full = AttnShape {
             window: None,
@@ -550,6 +568,8 @@ impl Model {
         team::run(|tm| {
             let mine = tm.range(t_total);
             let mut row = vec![0f32; h.max(inter)];
+            // Scratch of the per-head Q/K norms (models that have them).
+            let mut heads = vec![0f32; heads_len];
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 for t in mine.clone() {
                     let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
@@ -562,6 +582,10 @@ impl Model {
                 if tm.index() == 0 {
                     let kv = unsafe { kvs.get_mut() };
                     let slots = &slots_of[if paged { li } else { 0 }];
+                    let (cos, sin) = match (&sliding_angles, c.layer_window(li)) {
+                        (Some((cs, sn)), Some(_)) => (cs, sn),
+                        _ => (&cos, &sin),
+                    };
                     for t in 0..t_total {
                         let row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
                         if let Some(b) = &lw.bqkv {
@@ -573,8 +597,15 @@ impl Model {
                         );
                         let (qr, rest) = row.split_at_mut(q_dim);
                         let (kr, vr) = rest.split_at_mut(kv_dim);
+                        if let Some(g) = &lw.gemma {
+                            norm_heads(qr, &g.q_norm, eps, &mut heads);
+                            norm_heads(kr, &g.k_norm, eps, &mut heads);
+                        }
                         rope(qr, d, c.rope_style, cs, sn);
                         rope(kr, d, c.rope_style, cs, sn);
+                        if let Some(s) = q_scale {
+                            scale_in_place(qr, s);
+                        }
                         let (block, slot) = slots[t];
                         kv.write_token(li, block, slot, kr, vr);
                     }
@@ -598,7 +629,16 @@ impl Model {
                     )
                 };
                 tm.sync();
-                unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) };
+                match &lw.gemma {
+                    Some(g) => {
+                        unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, projs, false) };
+                        tm.sync();
+                        unsafe {
+                            add_normed(mine.clone(), projs, xs, &g.post_attn_norm, eps, &mut row)
+                        };
+                    }
+                    None => unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) },
+                }
                 tm.sync();
                 for t in mine.clone() {
                     let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
@@ -610,11 +650,23 @@ impl Model {
                 tm.sync();
                 for t in mine.clone() {
                     let gu = unsafe { gus.part_mut(t * 2 * inter..(t + 1) * 2 * inter) };
-                    silu_mul(gu, inter, &mut row[..inter]);
+                    match activation {
+                        Activation::Silu => silu_mul(gu, inter, &mut row[..inter]),
+                        Activation::GeluTanh => gelu_tanh_mul(gu, inter, &mut row[..inter]),
+                    }
                     unsafe { acts.write(t, 0, &row[..inter]) };
                 }
                 tm.sync();
-                unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) };
+                match &lw.gemma {
+                    Some(g) => {
+                        unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, projs, false) };
+                        tm.sync();
+                        unsafe {
+                            add_normed(mine.clone(), projs, xs, &g.post_ffn_norm, eps, &mut row)
+                        };
+                    }
+                    None => unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) },
+                }
                 tm.sync();
             }
             // The output head only for each sequence's last token (or for every token).
@@ -635,6 +687,63 @@ impl Model {
             vocab: head.rows,
             data: logits,
         })
+    }
+}
+
+/// The chat template of a model that ships none: Gemma 3's own for Gemma 3, else ChatML.
+fn default_template(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Gemma3 => GEMMA3,
+        _ => CHATML,
+    }
+}
+
+/// Cosines and sines of every position's RoPE angles: `(cos, sin)`, `positions × half` each.
+fn angles(positions: &[usize], inv_freq: &[f32], half: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = vec![0f32; positions.len() * half];
+    let mut sin = vec![0f32; positions.len() * half];
+    for (t, pos) in positions.iter().enumerate() {
+        rope_angles(
+            *pos,
+            inv_freq,
+            &mut cos[t * half..(t + 1) * half],
+            &mut sin[t * half..(t + 1) * half],
+        );
+    }
+    (cos, sin)
+}
+
+/// RMSNorm over each head of `x` (`heads × weight.len()`), in place; `scratch` at least as long as `x`.
+fn norm_heads(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
+    let out = &mut scratch[..x.len()];
+    rms_norm(x, weight, eps, out);
+    x.copy_from_slice(out);
+}
+
+/// `x[t] += RMSNorm(y[t])` for this thread's tokens `mine` (Gemma's post-attention and post-FFN norms,
+/// applied to a sublayer's output before its residual add); `row` at least `weight.len()` long.
+///
+/// # Safety
+/// Until the next barrier no other thread touches tokens `mine` of `x` and `y`.
+unsafe fn add_normed(
+    mine: std::ops::Range<usize>,
+    y: SharedMut<'_, f32>,
+    x: SharedMut<'_, f32>,
+    weight: &[f32],
+    eps: f32,
+    row: &mut [f32],
+) {
+    let h = weight.len();
+    for t in mine {
+        // SAFETY: the caller's guarantee.
+        let (yr, xr) = unsafe {
+            (
+                y.part_mut(t * h..(t + 1) * h),
+                x.part_mut(t * h..(t + 1) * h),
+            )
+        };
+        rms_norm(yr, weight, eps, &mut row[..h]);
+        add_in_place(xr, &row[..h]);
     }
 }
 

@@ -34,13 +34,14 @@ use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, Value};
 
 /// Names of tokens that end a turn in the chat formats Kura knows; those present become stop tokens.
-const END_OF_TURN: [&str; 6] = [
+const END_OF_TURN: [&str; 7] = [
     "<|im_end|>",
     "<|endoftext|>",
     "<|eot_id|>",
     "<|end_of_text|>",
     "<|end|>",
     "</s>",
+    "<end_of_turn>",
 ];
 
 /// How vocabulary pieces spell bytes (from the decoder the vocabulary comes with).

@@ -10,7 +10,7 @@ use half::bf16;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::kernels::dot::{Avx512, Bf16Act};
 use crate::kernels::packed::{PackedBf16, PackedF32};
@@ -102,6 +102,21 @@ pub struct LayerWeights {
     /// Rows: gate (intermediate), then up (intermediate).
     pub w_gate_up: Matrix,
     pub w_down: Matrix,
+    /// Gemma 3's extra norms; `None` for the Llama family.
+    pub gemma: Option<GemmaNorms>,
+}
+
+/// The norms a Gemma 3 layer has beyond the Llama family's two, as stored in GGUF (weights with the 1 of
+/// Gemma's `x · (1 + w)` already added, so each is a plain RMSNorm).
+pub struct GemmaNorms {
+    /// Over each Q head (`head_dim`), before RoPE.
+    pub q_norm: Vec<f32>,
+    /// Over each K head (`head_dim`), before RoPE.
+    pub k_norm: Vec<f32>,
+    /// On the attention output, before its residual add.
+    pub post_attn_norm: Vec<f32>,
+    /// On the FFN output, before its residual add.
+    pub post_ffn_norm: Vec<f32>,
 }
 
 pub struct Weights {
@@ -137,17 +152,37 @@ impl Weights {
 pub enum Naming {
     Gguf,
     Hf,
+    /// HF names of Gemma 3, whose norm after attention is `post_attention_layernorm` and whose norm
+    /// before the FFN is `pre_feedforward_layernorm`; its norm weights are stored as `w` of `x · (1 + w)`.
+    HfGemma3,
 }
 
 impl Naming {
+    /// The naming of `arch`'s HF checkpoints.
+    pub fn hf(arch: Arch) -> Self {
+        match arch {
+            Arch::Gemma3 => Naming::HfGemma3,
+            _ => Naming::Hf,
+        }
+    }
+
+    /// Whether RMSNorm weights are stored minus one (Gemma's `x · (1 + w)`); GGUF stores them with the
+    /// one added.
+    fn norm_offset(self) -> f32 {
+        match self {
+            Naming::HfGemma3 => 1.0,
+            _ => 0.0,
+        }
+    }
+
     fn global(self, what: &str) -> String {
         match (self, what) {
             (Naming::Gguf, "embed") => "token_embd.weight".into(),
             (Naming::Gguf, "norm") => "output_norm.weight".into(),
             (Naming::Gguf, "lm_head") => "output.weight".into(),
-            (Naming::Hf, "embed") => "model.embed_tokens.weight".into(),
-            (Naming::Hf, "norm") => "model.norm.weight".into(),
-            (Naming::Hf, "lm_head") => "lm_head.weight".into(),
+            (Naming::Hf | Naming::HfGemma3, "embed") => "model.embed_tokens.weight".into(),
+            (Naming::Hf | Naming::HfGemma3, "norm") => "model.norm.weight".into(),
+            (Naming::Hf | Naming::HfGemma3, "lm_head") => "lm_head.weight".into(),
             _ => unreachable!("unknown global tensor {what}"),
         }
     }
@@ -168,10 +203,19 @@ impl Naming {
                     "gate" => "ffn_gate.weight",
                     "up" => "ffn_up.weight",
                     "down" => "ffn_down.weight",
+                    "q_norm" => "attn_q_norm.weight",
+                    "k_norm" => "attn_k_norm.weight",
+                    "post_attn_norm" => "post_attention_norm.weight",
+                    "post_ffn_norm" => "post_ffw_norm.weight",
                     _ => unreachable!("unknown layer tensor {what}"),
                 };
                 format!("blk.{i}.{n}")
             }
+            Naming::HfGemma3 => match what {
+                "ffn_norm" => format!("model.layers.{i}.pre_feedforward_layernorm.weight"),
+                "post_attn_norm" => format!("model.layers.{i}.post_attention_layernorm.weight"),
+                _ => Naming::Hf.layer(i, what),
+            },
             Naming::Hf => {
                 let n = match what {
                     "attn_norm" => "input_layernorm.weight",
@@ -186,6 +230,10 @@ impl Naming {
                     "gate" => "mlp.gate_proj.weight",
                     "up" => "mlp.up_proj.weight",
                     "down" => "mlp.down_proj.weight",
+                    "q_norm" => "self_attn.q_norm.weight",
+                    "k_norm" => "self_attn.k_norm.weight",
+                    "post_attn_norm" => "post_attention_layernorm.weight",
+                    "post_ffn_norm" => "post_feedforward_layernorm.weight",
                     _ => unreachable!("unknown layer tensor {what}"),
                 };
                 format!("model.layers.{i}.{n}")
@@ -231,6 +279,12 @@ pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<us
         add("gate", &[inter, h]);
         add("up", &[inter, h]);
         add("down", &[h, inter]);
+        if cfg.arch == Arch::Gemma3 {
+            add("q_norm", &[d]);
+            add("k_norm", &[d]);
+            add("post_attn_norm", &[h]);
+            add("post_ffn_norm", &[h]);
+        }
     }
     out.push((naming.global("embed"), vec![cfg.vocab_size, h]));
     if !cfg.tie_word_embeddings {
@@ -272,6 +326,25 @@ fn load_shaped(
     Ok(data)
 }
 
+/// An RMSNorm weight of `len` elements as the plain `x / rms · w` the runtime computes: the naming's
+/// stored offset added (Gemma's HF weights are `w − 1`).
+fn load_norm(
+    src: &dyn TensorSource,
+    naming: Naming,
+    name: &str,
+    len: usize,
+    digests: &Digests,
+) -> Result<Vec<f32>> {
+    let mut w = load_shaped(src, name, &[len], digests)?;
+    let offset = naming.norm_offset();
+    if offset != 0.0 {
+        for x in &mut w {
+            *x += offset;
+        }
+    }
+    Ok(w)
+}
+
 /// One 128-bit digest of every tensor's name, shape and values as loaded (before conversion to the
 /// compute format), independent of the order they were loaded in.
 fn fingerprint(digests: Digests) -> u128 {
@@ -311,10 +384,21 @@ impl Weights {
                 } else {
                     None
                 };
+                let norm = |w: &str, len: usize| load_norm(src, naming, &name(w), len, &dg);
+                let gemma = if cfg.arch == Arch::Gemma3 {
+                    Some(GemmaNorms {
+                        q_norm: norm("q_norm", d)?,
+                        k_norm: norm("k_norm", d)?,
+                        post_attn_norm: norm("post_attn_norm", h)?,
+                        post_ffn_norm: norm("post_ffn_norm", h)?,
+                    })
+                } else {
+                    None
+                };
                 let mut gate_up = load_shaped(src, &name("gate"), &[inter, h], &dg)?;
                 gate_up.extend(load_shaped(src, &name("up"), &[inter, h], &dg)?);
                 Ok(LayerWeights {
-                    attn_norm: load_shaped(src, &name("attn_norm"), &[h], &dg)?,
+                    attn_norm: norm("attn_norm", h)?,
                     wqkv: Matrix::from_f32(q_rows + 2 * kv_rows, h, qkv, dtype),
                     bqkv,
                     wo: Matrix::from_f32(
@@ -323,7 +407,7 @@ impl Weights {
                         load_shaped(src, &name("o"), &[h, q_rows], &dg)?,
                         dtype,
                     ),
-                    ffn_norm: load_shaped(src, &name("ffn_norm"), &[h], &dg)?,
+                    ffn_norm: norm("ffn_norm", h)?,
                     w_gate_up: Matrix::from_f32(2 * inter, h, gate_up, dtype),
                     w_down: Matrix::from_f32(
                         h,
@@ -331,6 +415,7 @@ impl Weights {
                         load_shaped(src, &name("down"), &[h, inter], &dg)?,
                         dtype,
                     ),
+                    gemma,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -354,7 +439,7 @@ impl Weights {
         } else {
             None
         };
-        let final_norm = load_shaped(src, &naming.global("norm"), &[h], &dg)?;
+        let final_norm = load_norm(src, naming, &naming.global("norm"), h, &dg)?;
         Ok(Weights {
             embed,
             layers,

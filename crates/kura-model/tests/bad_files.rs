@@ -609,3 +609,112 @@ fn hf_directories_with_bad_configs_or_shard_names_are_rejected() {
         std::fs::remove_dir_all(dir).ok();
     }
 }
+
+/// A one-layer Gemma 3 (tied embeddings, per-head Q/K norms, post-norms), shaped like [`tiny_model`]
+/// with SentencePiece pieces.
+fn tiny_gemma3() -> Gguf {
+    let mut g = Gguf::new();
+    g.str("general.architecture", "gemma3")
+        .u32("gemma3.block_count", 1)
+        .u32("gemma3.embedding_length", 8)
+        .u32("gemma3.feed_forward_length", 16)
+        .u32("gemma3.attention.head_count", 2)
+        .u32("gemma3.attention.head_count_kv", 1)
+        .u32("gemma3.attention.key_length", 4)
+        .u32("gemma3.attention.value_length", 4)
+        .u32("gemma3.context_length", 64)
+        .u32("gemma3.attention.sliding_window", 8)
+        .f32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+        .f32("gemma3.rope.freq_base", 1e6)
+        .str("tokenizer.ggml.model", "llama")
+        .strs("tokenizer.ggml.tokens", &["<pad>", "<eos>", "<bos>", "a"])
+        .u32("tokenizer.ggml.bos_token_id", 2)
+        .u32("tokenizer.ggml.eos_token_id", 1);
+    g.tensor("token_embd.weight", &[4, 8])
+        .tensor("output_norm.weight", &[8])
+        .tensor("blk.0.attn_norm.weight", &[8])
+        .tensor("blk.0.attn_q.weight", &[8, 8])
+        .tensor("blk.0.attn_k.weight", &[4, 8])
+        .tensor("blk.0.attn_v.weight", &[4, 8])
+        .tensor("blk.0.attn_q_norm.weight", &[4])
+        .tensor("blk.0.attn_k_norm.weight", &[4])
+        .tensor("blk.0.attn_output.weight", &[8, 8])
+        .tensor("blk.0.post_attention_norm.weight", &[8])
+        .tensor("blk.0.ffn_norm.weight", &[8])
+        .tensor("blk.0.ffn_gate.weight", &[16, 8])
+        .tensor("blk.0.ffn_up.weight", &[16, 8])
+        .tensor("blk.0.ffn_down.weight", &[8, 16])
+        .tensor("blk.0.post_ffw_norm.weight", &[8]);
+    g
+}
+
+/// Loads `g` as a model file and returns the error it must give.
+#[track_caller]
+fn load_error(name: &str, g: &Gguf) -> String {
+    let path = write(name, &g.bytes());
+    let err = match Model::load(&path) {
+        Ok(_) => panic!("{name}: loaded, expected an error"),
+        Err(e) => e.to_string(),
+    };
+    std::fs::remove_file(path).ok();
+    err
+}
+
+#[test]
+fn gemma3_files_name_what_is_missing_or_unsupported() {
+    let path = write("gemma3.gguf", &tiny_gemma3().bytes());
+    let model = Model::load(&path).unwrap();
+    let c = model.config();
+    // One layer, the sixth-layer rule: layer 0 slides; the sliding layers' own RoPE base.
+    assert_eq!(c.layer_window(0), Some(8));
+    assert_eq!(c.rope_theta_sliding, Some(10_000.0));
+    std::fs::remove_file(path).ok();
+
+    for missing in [
+        "blk.0.attn_q_norm.weight",
+        "blk.0.attn_k_norm.weight",
+        "blk.0.post_attention_norm.weight",
+        "blk.0.post_ffw_norm.weight",
+    ] {
+        let mut g = tiny_gemma3();
+        g.tensors.retain(|t| t.name != missing);
+        let err = load_error("gemma3-missing.gguf", &g);
+        assert!(err.contains(missing), "{missing}: {err}");
+    }
+    let mut g = tiny_gemma3();
+    g.tensors.retain(|t| t.name != "blk.0.attn_k_norm.weight");
+    g.tensor("blk.0.attn_k_norm.weight", &[8]);
+    let err = load_error("gemma3-shape.gguf", &g);
+    assert!(err.contains("blk.0.attn_k_norm.weight"), "{err}");
+
+    let mut g = tiny_gemma3();
+    g.f32("gemma3.final_logit_softcapping", 30.0);
+    let err = load_error("gemma3-softcap.gguf", &g);
+    assert!(
+        err.contains("gemma3.final_logit_softcapping") && err.contains("soft-capping"),
+        "{err}"
+    );
+    let mut g = tiny_gemma3();
+    g.str("gemma3.rope.scaling.type", "yarn");
+    let err = load_error("gemma3-yarn.gguf", &g);
+    assert!(
+        err.contains("gemma3.rope.scaling.type") && err.contains("yarn"),
+        "{err}"
+    );
+    let mut g = tiny_gemma3();
+    g.str("gemma3.rope.scaling.type", "linear");
+    let err = load_error("gemma3-linear.gguf", &g);
+    assert!(err.contains("gemma3.rope.scaling.factor"), "{err}");
+
+    // Linear scaling divides the full-attention layers' frequencies, not the sliding ones'.
+    let mut g = tiny_gemma3();
+    g.str("gemma3.rope.scaling.type", "linear")
+        .f32("gemma3.rope.scaling.factor", 8.0);
+    let path = write("gemma3-linear-ok.gguf", &g.bytes());
+    let c = Model::load(&path).unwrap().config().clone();
+    let full = kura_model::config::rope_inv_freq(&c);
+    let sliding = kura_model::config::rope_inv_freq_sliding(&c).unwrap();
+    assert_eq!(full[1], 1.0 / 1e6f32.powf(0.5) / 8.0);
+    assert_eq!(sliding[1], 1.0 / 1e4f32.powf(0.5));
+    std::fs::remove_file(path).ok();
+}

@@ -1,7 +1,8 @@
 //! Kura against HF transformers (float32, eager attention): last-position logits within 1e-3 and greedy
 //! tokens exactly, for the default model and tiny random Llama (llama3 RoPE scaling), Qwen2 (QKV bias,
-//! tied embeddings) and Mistral (sliding window) checkpoints. The vectors come from
-//! scripts/golden/make_golden.py.
+//! tied embeddings), Mistral (sliding window) and Gemma 3 checkpoints. The vectors come from
+//! scripts/golden/make_golden.py and scripts/golden/make_gemma3.py (Gemma 3, whose real model is checked
+//! in tests/gemma3.rs).
 
 mod common;
 
@@ -158,6 +159,36 @@ fn tiny_models_match_transformers() {
                 ids(&text_case["ids"])
             );
         }
+    }
+}
+
+#[test]
+fn tiny_gemma3_matches_transformers() {
+    // HF names and `1 + w` norms, a window of 8 on three of four layers (prompts of 5 and 23 tokens),
+    // query_pre_attn_scalar 24 with head_dim 16, linear RoPE scaling on the full-attention layer.
+    let dir = common::golden_dir().join("tiny-gemma3");
+    for (dtype, tol) in [
+        (WeightsDtype::F32, LOGIT_TOL),
+        (WeightsDtype::Bf16, BF16_LOGIT_TOL),
+    ] {
+        let model = Model::load_with(
+            &dir,
+            LoadOptions {
+                weights_dtype: dtype,
+            },
+        )
+        .unwrap();
+        let c = model.config();
+        assert_eq!(c.rope_linear_factor, Some(4.0));
+        assert_eq!(c.rope_theta_sliding, Some(10_000.0));
+        assert!(c.query_scale().is_some());
+        check_cases(
+            &model,
+            &golden("tiny-gemma3"),
+            &format!("tiny-gemma3 {dtype:?}"),
+            tol,
+            dtype == WeightsDtype::F32,
+        );
     }
 }
 

@@ -73,6 +73,29 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
     }
 }
 
+/// `out[i] = gelu_tanh(gate[i]) · up[i]` for each token (`[gate | up]` rows as in [`silu_mul`]), with
+/// GELU's tanh approximation `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))` as PyTorch computes it.
+pub fn gelu_tanh_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (gu, o) in gate_up
+        .chunks_exact(2 * inter)
+        .zip(out.chunks_exact_mut(inter))
+    {
+        let (g, u) = gu.split_at(inter);
+        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+            let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
+            *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+        }
+    }
+}
+
+/// `x *= s`.
+pub fn scale_in_place(x: &mut [f32], s: f32) {
+    for a in x {
+        *a *= s;
+    }
+}
+
 /// `x += y`.
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
@@ -121,5 +144,19 @@ mod tests {
         let silu = |v: f32| v / (1.0 + (-v).exp());
         assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
         assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_tanh_mul_matches_pytorch() {
+        // torch.nn.functional.gelu(x, approximate="tanh") at 1, −1 and 3.
+        let gu = [1.0f32, -1.0, 3.0, 2.0, 0.5, 1.0];
+        let mut out = [0f32; 3];
+        gelu_tanh_mul(&gu, 3, &mut out);
+        for (o, want) in out
+            .iter()
+            .zip([0.841_192 * 2.0, -0.158_808 * 0.5, 2.996_363])
+        {
+            assert!((o - want).abs() < 1e-5, "{o} vs {want}");
+        }
     }
 }
