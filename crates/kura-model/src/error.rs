@@ -42,7 +42,7 @@ pub enum ModelError {
         end: u64,
         file_len: u64,
     },
-    #[error("architecture '{0}' is not supported (supported: llama, qwen2, mistral)")]
+    #[error("architecture '{0}' is not supported (supported: llama, qwen2, mistral, gemma3 / gemma3_text)")]
     Architecture(String),
     #[error("invalid model configuration: {0}")]
     Config(String),

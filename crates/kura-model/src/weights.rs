@@ -106,8 +106,8 @@ pub struct LayerWeights {
     pub gemma: Option<GemmaNorms>,
 }
 
-/// The norms a Gemma 3 layer has beyond the Llama family's two, as stored in GGUF (weights with the 1 of
-/// Gemma's `x · (1 + w)` already added, so each is a plain RMSNorm).
+/// The norms a Gemma 3 layer has beyond the Llama family's two, as plain RMSNorm weights (the 1 of Gemma's
+/// `x · (1 + w)` added: by the GGUF converter, or at load for HF checkpoints).
 pub struct GemmaNorms {
     /// Over each Q head (`head_dim`), before RoPE.
     pub q_norm: Vec<f32>,
@@ -166,8 +166,8 @@ impl Naming {
         }
     }
 
-    /// Whether RMSNorm weights are stored minus one (Gemma's `x · (1 + w)`); GGUF stores them with the
-    /// one added.
+    /// What is added to stored RMSNorm weights: 1 for Gemma's HF weights (`x · (1 + w)`), else 0 (GGUF
+    /// stores Gemma's with the one added).
     fn norm_offset(self) -> f32 {
         match self {
             Naming::HfGemma3 => 1.0,
@@ -211,11 +211,17 @@ impl Naming {
                 };
                 format!("blk.{i}.{n}")
             }
-            Naming::HfGemma3 => match what {
-                "ffn_norm" => format!("model.layers.{i}.pre_feedforward_layernorm.weight"),
-                "post_attn_norm" => format!("model.layers.{i}.post_attention_layernorm.weight"),
-                _ => Naming::Hf.layer(i, what),
-            },
+            Naming::HfGemma3 => {
+                let n = match what {
+                    "ffn_norm" => "pre_feedforward_layernorm.weight",
+                    "post_attn_norm" => "post_attention_layernorm.weight",
+                    "post_ffn_norm" => "post_feedforward_layernorm.weight",
+                    "q_norm" => "self_attn.q_norm.weight",
+                    "k_norm" => "self_attn.k_norm.weight",
+                    _ => return Naming::Hf.layer(i, what),
+                };
+                format!("model.layers.{i}.{n}")
+            }
             Naming::Hf => {
                 let n = match what {
                     "attn_norm" => "input_layernorm.weight",
@@ -230,10 +236,6 @@ impl Naming {
                     "gate" => "mlp.gate_proj.weight",
                     "up" => "mlp.up_proj.weight",
                     "down" => "mlp.down_proj.weight",
-                    "q_norm" => "self_attn.q_norm.weight",
-                    "k_norm" => "self_attn.k_norm.weight",
-                    "post_attn_norm" => "post_attention_layernorm.weight",
-                    "post_ffn_norm" => "post_feedforward_layernorm.weight",
                     _ => unreachable!("unknown layer tensor {what}"),
                 };
                 format!("model.layers.{i}.{n}")

@@ -9,7 +9,8 @@ mod common;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use kura_model::{ChatMessage, LoadOptions, Model, WeightsDtype};
+use kura_kv::codec::KvDtype;
+use kura_model::{ChatMessage, LoadOptions, Model, SeqBatchItem, WeightsDtype};
 use serde_json::Value;
 
 /// f32 weights and f32 KV against the f32 reference: the logits (magnitudes up to ~30) agree to this
@@ -212,5 +213,52 @@ fn gemma3_bf16_greedy_matches_reference() {
         let want = ids(&case["greedy"]);
         let (got, _) = common::greedy(&m, &ids(&case["ids"]), want.len(), 16, true);
         assert_eq!(got, want, "{}: bf16 greedy", case["kind"]);
+    }
+}
+
+#[test]
+fn gemma3_chunked_and_batched_prefill_matches_reference() {
+    // The 700-token prompt in chunks of 128 (chunks that straddle the 512-token window), with the plain
+    // prompt batched beside its last chunk: each sequence's logits are the reference's.
+    const BLOCK: usize = 16;
+    const CHUNK: usize = 128;
+    let m = model();
+    let g = golden();
+    let cases = g["cases"].as_array().unwrap();
+    let (long, plain) = (ids(&cases[2]["ids"]), ids(&cases[1]["ids"]));
+    let (a_blocks, b_blocks) = (long.len().div_ceil(BLOCK), plain.len().div_ceil(BLOCK));
+    let layout = m.kv_layout(KvDtype::F32, BLOCK).unwrap();
+    let mut kv = m.kv_storage(&layout, a_blocks + b_blocks).unwrap();
+    let table_a: Vec<u32> = (0..a_blocks as u32).collect();
+    let table_b: Vec<u32> = (a_blocks as u32..(a_blocks + b_blocks) as u32).collect();
+    let mut start = 0;
+    let logits = loop {
+        let end = (start + CHUNK).min(long.len());
+        let mut batch = vec![SeqBatchItem {
+            tokens: &long[start..end],
+            start_pos: start,
+            block_table: &table_a,
+        }];
+        if end == long.len() {
+            batch.push(SeqBatchItem {
+                tokens: &plain,
+                start_pos: 0,
+                block_table: &table_b,
+            });
+        }
+        let logits = m.forward(&batch, &mut kv).unwrap();
+        if end == long.len() {
+            break logits;
+        }
+        start = end;
+    };
+    for (row, case) in [(0, &cases[2]), (1, &cases[1])] {
+        let diff = logit_diff(logits.row(row), &case["logits"]);
+        eprintln!("gemma3 chunked {}: max |Δlogit| = {diff:.2e}", case["kind"]);
+        assert!(
+            diff <= LOGIT_TOL,
+            "{}: logits differ by {diff}",
+            case["kind"]
+        );
     }
 }
