@@ -76,7 +76,7 @@ def run(model, label, flags, predicted):
     log = open(OUT / f"serve-{label}.log", "w")
     server = subprocess.Popen(
         [KURA, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(PORT), "--threads", THREADS,
-         "--kv-cache-memory", POOL, "--max-model-len", str(CONTEXT)] + flags,
+         "--kv-cache-memory", POOL, "--max-model-len", str(CONTEXT), "--served-model-name", "m"] + flags,
         stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{PORT}"
