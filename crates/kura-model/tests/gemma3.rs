@@ -234,17 +234,9 @@ fn gemma3_chunked_and_batched_prefill_matches_reference() {
     let mut start = 0;
     let logits = loop {
         let end = (start + CHUNK).min(long.len());
-        let mut batch = vec![SeqBatchItem {
-            tokens: &long[start..end],
-            start_pos: start,
-            block_table: &table_a,
-        }];
+        let mut batch = vec![SeqBatchItem::new(&long[start..end], start, &table_a)];
         if end == long.len() {
-            batch.push(SeqBatchItem {
-                tokens: &plain,
-                start_pos: 0,
-                block_table: &table_b,
-            });
+            batch.push(SeqBatchItem::new(&plain, 0, &table_b));
         }
         let logits = m.forward(&batch, &mut kv).unwrap();
         if end == long.len() {
