@@ -51,12 +51,12 @@ def free_port() -> int:
 class KuraServer:
     """One `kura serve` process on a free port."""
 
-    def __init__(self, *args: str, api_key: str = "unused"):
+    def __init__(self, *args: str, api_key: str = "unused", model: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_file = tempfile.NamedTemporaryFile(prefix="kura-serve-", suffix=".log", delete=False)
-        cmd = [kura_bin(), "serve", "--model", model_path(), "--port", str(self.port), *args]
+        cmd = [kura_bin(), "serve", "--model", model or model_path(), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT)
         deadline = time.time() + 180
         while time.time() < deadline:
