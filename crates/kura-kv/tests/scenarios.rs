@@ -707,3 +707,65 @@ fn a_sequence_with_caching_off_enters_nothing_new_in_the_index() {
     assert_eq!(kv.usage().free_blocks, 15);
     kv.check_invariants().unwrap();
 }
+
+/// A hybrid pool (one full layer, one sliding layer with a window of 8 tokens: 3 blocks of 4) under
+/// pressure drops the window parts no likely hit needs first — those in the middle of a chain — and keeps
+/// the first window (a short shared prefix) and the window before the chain's end (a continued
+/// conversation); no whole block is evicted while such parts remain. Lookups are cut back to what the
+/// next token's window finds.
+#[test]
+fn a_hybrid_pool_drops_the_window_parts_no_hit_needs_first() {
+    let mut kv = manager_with(0, |c| {
+        let pool = kura_kv::WindowPool {
+            sliding: vec![false, true],
+            window_tokens: 8,
+            num_pages: 48,
+        };
+        c.num_blocks = pool.logical_blocks();
+        c.window = Some(pool);
+    });
+    let key = CacheKey::new();
+    let chain: Vec<u32> = (0..80).collect();
+    let a = kv.add_sequence(&key);
+    kv.allocate_slots(a, &chain, None).unwrap().unwrap();
+    // One step computes the whole chain: every block's window part is attached for it.
+    assert!(kv.prepare_window(a, 0, 80).unwrap());
+    kv.mark_computed(a, 80).unwrap();
+    kv.free(a).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.page_usage(), Some((48, 8, 20)));
+
+    // Another prompt of 6 blocks needs 12 pages; 8 are free, so 4 idle window parts go.
+    let other: Vec<u32> = (1000..1024).collect();
+    let b = kv.add_sequence(&key);
+    kv.allocate_slots(b, &other, None).unwrap().unwrap();
+    assert!(kv.prepare_window(b, 0, 24).unwrap());
+    kv.mark_computed(b, 24).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.stats().window_part_drops, 4);
+    assert_eq!(
+        kv.stats().evictions,
+        0,
+        "a whole block went while window parts could"
+    );
+
+    // The chain's end still hits in full: its last window kept its parts.
+    let hit = kv.find_cached_prefix(&chain[..79], &key);
+    assert_eq!(hit.num_full_blocks(), 19);
+    // A short prefix (inside the first window) still hits.
+    let mut short = chain[..8].to_vec();
+    short.extend([5000, 5001, 5002]);
+    assert_eq!(kv.find_cached_prefix(&short, &key).num_full_blocks(), 2);
+    // A prefix ending in the middle, where parts were dropped, is cut back to the first window.
+    let mut middle = chain[..28].to_vec();
+    middle.extend([6000, 6001, 6002]);
+    let hit = kv.find_cached_prefix(&middle, &key);
+    assert_eq!(hit.num_full_blocks(), 3);
+    assert_eq!(
+        kv.reference_lookup(&middle, &key).full_blocks,
+        3,
+        "the brute-force lookup applies the same window rule"
+    );
+    kv.free(b).unwrap();
+    kv.check_invariants().unwrap();
+}
