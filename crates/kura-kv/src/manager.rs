@@ -193,6 +193,9 @@ pub struct PinId {
 struct Pin {
     blocks: Vec<BlockId>,
     expires_at_ms: Option<u64>,
+    /// Hybrid pool: the blocks the pin holds window references on (those the token after the prefix
+    /// reads), so that the pinned prefix keeps hitting.
+    window: Vec<BlockId>,
 }
 
 #[derive(Debug)]
@@ -387,15 +390,7 @@ impl KvCacheManager {
         let Some(key_id) = self.index.key_id(key) else {
             return hit;
         };
-        let pages = &self.pages;
-        self.index.lookup(
-            &self.pool,
-            &mut self.hasher,
-            key_id,
-            tokens,
-            &mut hit,
-            |b| pages.as_ref().is_none_or(|p| p.attached(b)),
-        );
+        self.lookup_pool(key_id, tokens, &mut hit);
         self.fit_hit_to_window(&mut hit);
         self.lookup_tiers(key_id, tokens, &mut hit);
         self.stats.prefix_hit_tokens += hit.num_cached_tokens() as u64;

@@ -102,9 +102,14 @@ impl KvCacheManager {
             m.heap_token = 0;
         }
         let pinned = blocks.len() * bs;
+        let window = self.pinned_window(&blocks);
+        for &b in &window {
+            self.win_ref(b);
+        }
         let pin = Pin {
             blocks,
             expires_at_ms: ttl_ms.map(|t| self.now_ms.saturating_add(t)),
+            window,
         };
         let index = match self.pins.iter().position(|(_, p)| p.is_none()) {
             Some(i) => {
@@ -134,15 +139,9 @@ impl KvCacheManager {
             .filter(|_| self.config.enable_prefix_caching)
         {
             let mut hit = PrefixHit::default();
-            let pages = &self.pages;
-            self.index.lookup(
-                &self.pool,
-                &mut self.hasher,
-                key_id,
-                tokens,
-                &mut hit,
-                |b| pages.as_ref().is_none_or(|p| p.attached(b)),
-            );
+            self.lookup_pool(key_id, tokens, &mut hit);
+            hit.partial = None;
+            self.fit_hit_to_window(&mut hit);
             for b in hit.block_ids() {
                 let m = &self.pool.meta[b as usize];
                 if usize::from(m.computed) < bs || m.writer != crate::pool::NO_WRITER {
@@ -171,6 +170,9 @@ impl KvCacheManager {
             return;
         };
         slot.0 = slot.0.wrapping_add(1);
+        for &b in &pin.window {
+            self.win_unref(b);
+        }
         for &b in pin.blocks.iter().rev() {
             let m = &mut self.pool.meta[b as usize];
             m.pin_count -= 1;

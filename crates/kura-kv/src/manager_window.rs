@@ -405,6 +405,16 @@ impl KvCacheManager {
         Ok(true)
     }
 
+    /// The prefix index's lookup of `tokens` under `key_id` into `hit`: partial reuse only from blocks
+    /// whose window part is there to copy (a hybrid pool).
+    pub(super) fn lookup_pool(&mut self, key_id: u32, tokens: &[u32], hit: &mut PrefixHit) {
+        let pages = &self.pages;
+        self.index
+            .lookup(&self.pool, &mut self.hasher, key_id, tokens, hit, |b| {
+                pages.as_ref().is_none_or(|p| p.attached(b))
+            });
+    }
+
     /// Cuts `hit` back to the longest prefix whose next token finds the window parts it reads: attached,
     /// or pending (their writer attaches them before computing them).
     pub(super) fn fit_hit_to_window(&self, hit: &mut PrefixHit) {
@@ -466,6 +476,19 @@ impl KvCacheManager {
             Some(i) => i * self.config.block_size,
             None => hit.num_cached_tokens(),
         }
+    }
+
+    /// The blocks of a pinned prefix of `blocks` (computed, cached) whose window parts a hit right after
+    /// it reads: the pin holds references on them.
+    pub(super) fn pinned_window(&self, blocks: &[BlockId]) -> Vec<BlockId> {
+        let Some(p) = &self.pages else {
+            return Vec::new();
+        };
+        let first = p.window_start(
+            blocks.len() * self.config.block_size,
+            self.config.block_size,
+        );
+        blocks[first.min(blocks.len())..].to_vec()
     }
 
     /// Window pages a hit attached to a fresh sequence takes from the reclaimable ones: its idle parts
@@ -612,6 +635,11 @@ impl KvCacheManager {
                 for &b in &seq.table[seq.win_from.min(seq.table.len())..] {
                     refs[b as usize] += 1;
                 }
+            }
+        }
+        for pin in self.pins.iter().filter_map(|(_, p)| p.as_ref()) {
+            for &b in &pin.window {
+                refs[b as usize] += 1;
             }
         }
         let on_free: std::collections::HashSet<BlockId> = self.pool.free.iter().copied().collect();

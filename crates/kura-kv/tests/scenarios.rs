@@ -713,8 +713,9 @@ fn a_sequence_with_caching_off_enters_nothing_new_in_the_index() {
 /// the first window (a short shared prefix) and the window before the chain's end (a continued
 /// conversation); no whole block is evicted while such parts remain. Lookups are cut back to what the
 /// next token's window finds.
-#[test]
-fn a_hybrid_pool_drops_the_window_parts_no_hit_needs_first() {
+/// A hybrid pool of 48 pages (one full and one sliding layer, a window of 8 tokens) holding a cached
+/// chain of 80 tokens (20 blocks), computed in one step so that every block's window part is attached.
+fn hybrid_pool_with_a_chain() -> (KvCacheManager, CacheKey, Vec<u32>) {
     let mut kv = manager_with(0, |c| {
         let pool = kura_kv::WindowPool {
             sliding: vec![false, true],
@@ -728,11 +729,16 @@ fn a_hybrid_pool_drops_the_window_parts_no_hit_needs_first() {
     let chain: Vec<u32> = (0..80).collect();
     let a = kv.add_sequence(&key);
     kv.allocate_slots(a, &chain, None).unwrap().unwrap();
-    // One step computes the whole chain: every block's window part is attached for it.
     assert!(kv.prepare_window(a, 0, 80).unwrap());
     kv.mark_computed(a, 80).unwrap();
     kv.free(a).unwrap();
     kv.check_invariants().unwrap();
+    (kv, key, chain)
+}
+
+#[test]
+fn a_hybrid_pool_drops_the_window_parts_no_hit_needs_first() {
+    let (mut kv, key, chain) = hybrid_pool_with_a_chain();
     assert_eq!(kv.page_usage(), Some((48, 8, 20)));
 
     // Another prompt of 6 blocks needs 12 pages; 8 are free, so 4 idle window parts go.
@@ -767,5 +773,41 @@ fn a_hybrid_pool_drops_the_window_parts_no_hit_needs_first() {
         "the brute-force lookup applies the same window rule"
     );
     kv.free(b).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pinned_prefix_keeps_its_window_parts_on_a_hybrid_pool() {
+    let (mut kv, key, chain) = hybrid_pool_with_a_chain();
+    let (pin, pinned) = kv.pin_prefix(&chain[..40], &key, None);
+    assert_eq!(pinned, 40);
+    kv.check_invariants().unwrap();
+
+    // Other prompts, computed a block at a time, take every page they can get.
+    for round in 0..3u32 {
+        let other: Vec<u32> = (0..40).map(|t| 1000 * (round + 1) + t).collect();
+        let s = kv.add_sequence(&key);
+        for end in (4..=40).step_by(4) {
+            if kv.allocate_slots(s, &other[..end], None).unwrap().is_none()
+                || !kv.prepare_window(s, end - 4, end).unwrap()
+            {
+                break;
+            }
+            kv.mark_computed(s, end).unwrap();
+        }
+        kv.free(s).unwrap();
+        kv.check_invariants().unwrap();
+    }
+    assert!(
+        kv.stats().window_part_drops >= 10,
+        "the pressure reached the window parts: {} dropped",
+        kv.stats().window_part_drops
+    );
+
+    // The pinned prefix still hits in full: its last window kept its parts.
+    let mut next = chain[..40].to_vec();
+    next.extend([7000, 7001]);
+    assert_eq!(kv.find_cached_prefix(&next, &key).num_full_blocks(), 10);
+    kv.unpin(pin).unwrap();
     kv.check_invariants().unwrap();
 }

@@ -9,6 +9,7 @@ mod common;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use common::{ids, logit_diff};
 use kura_kv::codec::KvDtype;
 use kura_model::{ChatMessage, LoadOptions, Model, SeqBatchItem, WeightsDtype};
 use serde_json::Value;
@@ -50,42 +51,7 @@ fn model() -> &'static Model {
 }
 
 fn golden() -> Value {
-    let path = common::golden_dir().join("golden/gemma3-270m.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
-/// Max abs difference over the stored top-64, the strided sample and the mean of the whole vector.
-fn logit_diff(ours: &[f32], want: &Value) -> f32 {
-    assert_eq!(ours.len() as u64, want["vocab"].as_u64().unwrap());
-    let mut max = 0f32;
-    for (i, v) in ids(&want["top_ids"])
-        .into_iter()
-        .zip(floats(&want["top_values"]))
-    {
-        max = max.max((ours[i as usize] - v).abs());
-    }
-    let stride = want["sample_stride"].as_u64().unwrap() as usize;
-    for (k, v) in floats(&want["sample_values"]).into_iter().enumerate() {
-        max = max.max((ours[k * stride] - v).abs());
-    }
-    let mean = ours.iter().map(|x| *x as f64).sum::<f64>() / ours.len() as f64;
-    max.max((mean - want["mean"].as_f64().unwrap()).abs() as f32)
+    common::golden("gemma3-270m")
 }
 
 #[test]

@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::{golden, ids, logit_diff};
 use kura_kv::codec::KvDtype;
 use kura_model::{ChatMessage, LoadOptions, Model, SoloRun, WeightsDtype};
 use serde_json::Value;
@@ -13,55 +14,6 @@ use serde_json::Value;
 const LOGIT_TOL: f32 = 1e-3;
 /// bf16 weights with bf16-rounded activations in decode (8-bit mantissas): logits of magnitude ~4.
 const BF16_LOGIT_TOL: f32 = 5e-2;
-
-fn golden(name: &str) -> Value {
-    let path = common::golden_dir()
-        .join("golden")
-        .join(format!("{name}.json"));
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
-/// Max abs difference between Kura's logits and the reference's, over what the golden file stores
-/// (the full vector, or the top-64 and a strided sample).
-fn logit_diff(ours: &[f32], want: &Value) -> f32 {
-    assert_eq!(ours.len() as u64, want["vocab"].as_u64().unwrap());
-    let mut max = 0f32;
-    if let Some(full) = want.get("full") {
-        for (a, b) in ours.iter().zip(floats(full)) {
-            max = max.max((a - b).abs());
-        }
-    }
-    for (i, v) in ids(&want["top_ids"])
-        .into_iter()
-        .zip(floats(&want["top_values"]))
-    {
-        max = max.max((ours[i as usize] - v).abs());
-    }
-    let stride = want["sample_stride"].as_u64().unwrap() as usize;
-    for (k, v) in floats(&want["sample_values"]).into_iter().enumerate() {
-        max = max.max((ours[k * stride] - v).abs());
-    }
-    let mean = ours.iter().map(|x| *x as f64).sum::<f64>() / ours.len() as f64;
-    // The mean over the whole vector catches differences outside the stored entries.
-    max = max.max((mean - want["mean"].as_f64().unwrap()).abs() as f32);
-    max
-}
 
 /// Compares logits within `tol` and, when `exact_greedy`, the greedy continuation token for token.
 fn check_cases(model: &Model, g: &Value, label: &str, tol: f32, exact_greedy: bool) -> f32 {
