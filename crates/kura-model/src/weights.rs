@@ -1,8 +1,10 @@
-//! The model's weights in the compute format (bf16 by default, f32 on request), with Q/K/V and gate/up
-//! fused into one matrix each so that a layer reads its input once per projection group.
+//! The model's weights in the compute format (bf16 by default, f32 on request, or `native`: a GGUF's
+//! block formats kept packed, see [`crate::kernels::qpacked`]), with Q/K/V and gate/up fused into one
+//! matrix each so that a layer reads its input once per projection group.
 //!
-//! Tensors come from a [`TensorSource`] (GGUF or safetensors) dequantized to f32, then are converted.
-//! Loading is O(parameters), parallel over layers.
+//! Tensors come from a [`TensorSource`] (GGUF or safetensors) dequantized to f32, then are converted;
+//! native weights are unpacked from the file's blocks instead. Loading is O(parameters), parallel over
+//! layers.
 
 use std::sync::Mutex;
 
@@ -14,17 +16,19 @@ use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::kernels::dot::{Avx512, Bf16Act};
 use crate::kernels::packed::{PackedBf16, PackedF32};
+use crate::kernels::qpacked::{PackedQ, QBits, QRow, QBLOCK};
+use crate::quant::{self, GgmlType};
 
 pub use kura_shape::WeightsDtype;
 
-/// The formats the runtime computes in: the weights are kept in `dtype` (bf16 or f32) whatever the file
-/// holds; any other format is refused by name.
+/// The formats the runtime computes in: bf16 or f32 whatever the file holds, or `native` (the file's
+/// block formats kept packed); any other format is refused by name.
 pub fn check_compute_dtype(dtype: WeightsDtype) -> Result<()> {
     match dtype {
-        WeightsDtype::Bf16 | WeightsDtype::F32 => Ok(()),
+        WeightsDtype::Bf16 | WeightsDtype::F32 | WeightsDtype::Native => Ok(()),
         other => Err(ModelError::Config(format!(
-            "weights dtype {}: Kura's runtime keeps weights in bf16 or f32 (quantized files are \
-             dequantized at load); give bf16 or f32",
+            "weights dtype {}: Kura's runtime keeps weights in bf16 or f32, or as the file stores \
+             them (native); give native, bf16 or f32",
             other.name()
         ))),
     }
@@ -39,6 +43,8 @@ pub enum MatData {
     Packed(PackedBf16),
     /// f32 packed for AVX-512 FMA, on CPUs that have it.
     PackedF32(PackedF32),
+    /// Quantized blocks (native weights of a quantized file).
+    Quant(PackedQ),
 }
 
 /// A row-major `[rows, cols]` matrix: row `r` holds the weights of output `r` (PyTorch's `[out, in]`).
@@ -78,6 +84,7 @@ impl Matrix {
             }
             MatData::Packed(p) => p.row_into(r, out),
             MatData::PackedF32(p) => p.row_into(r, out),
+            MatData::Quant(p) => p.row_into(r, out),
         }
     }
 
@@ -87,6 +94,7 @@ impl Matrix {
             MatData::Bf16(d) => d.len() * 2,
             MatData::Packed(p) => p.bytes(),
             MatData::PackedF32(p) => p.bytes(),
+            MatData::Quant(p) => p.bytes(),
         }
     }
 }
@@ -134,6 +142,35 @@ pub struct Weights {
 impl Weights {
     pub fn lm_head(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes the weights hold in memory: every matrix (a tied head once) and every vector.
+    pub fn bytes_held(&self) -> usize {
+        let vec_bytes = |v: &[f32]| v.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let gemma = l.gemma.as_ref().map_or(0, |g| {
+                    vec_bytes(&g.q_norm)
+                        + vec_bytes(&g.k_norm)
+                        + vec_bytes(&g.post_attn_norm)
+                        + vec_bytes(&g.post_ffn_norm)
+                });
+                l.wqkv.bytes()
+                    + l.wo.bytes()
+                    + l.w_gate_up.bytes()
+                    + l.w_down.bytes()
+                    + vec_bytes(&l.attn_norm)
+                    + vec_bytes(&l.ffn_norm)
+                    + l.bqkv.as_deref().map_or(0, vec_bytes)
+                    + gemma
+            })
+            .sum();
+        layers
+            + self.embed.bytes()
+            + self.lm_head.as_ref().map_or(0, Matrix::bytes)
+            + vec_bytes(&self.final_norm)
     }
 
     /// Bytes of weights one decode step reads (every matrix once, the embedding only as the output head).
@@ -249,6 +286,18 @@ pub trait TensorSource: Sync {
     fn contains(&self, name: &str) -> bool;
     /// `(shape outermost first, values)`.
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
+    /// The tensor as stored, where the source has an element type of ggml's (GGUF); `None` otherwise.
+    fn raw(&self, _name: &str) -> Result<Option<RawTensor<'_>>> {
+        Ok(None)
+    }
+}
+
+/// A tensor as a GGUF stores it: whole blocks of `dtype`, rows of the innermost dimension.
+pub struct RawTensor<'a> {
+    /// Outermost first (PyTorch order).
+    pub shape: Vec<usize>,
+    pub dtype: GgmlType,
+    pub bytes: &'a [u8],
 }
 
 /// Whether a stored shape is the expected one: exactly, or up to axes of size 1 (a vector may be stored
@@ -361,7 +410,187 @@ fn fingerprint(digests: Digests) -> u128 {
     h.digest128()
 }
 
+/// How [`Weights::load`] makes a matrix of row-stacked tensors: dequantized to f32 and converted to
+/// `dtype`, or (native weights) unpacked from the file's blocks.
+struct MatrixMaker<'a> {
+    src: &'a dyn TensorSource,
+    dtype: WeightsDtype,
+    quantized: bool,
+    digests: &'a Digests,
+}
+
+impl MatrixMaker<'_> {
+    /// The tensors `parts` (name, rows), each `[rows, cols]`, stacked into one matrix.
+    fn make(&self, parts: &[(String, usize)], cols: usize) -> Result<Matrix> {
+        let rows: usize = parts.iter().map(|(_, r)| r).sum();
+        if self.quantized {
+            return self.quantized(parts, rows, cols);
+        }
+        let mut data = Vec::with_capacity(rows * cols);
+        for (name, r) in parts {
+            data.extend(load_shaped(self.src, name, &[*r, cols], self.digests)?);
+        }
+        Ok(Matrix::from_f32(rows, cols, data, self.dtype))
+    }
+
+    fn quantized(&self, parts: &[(String, usize)], rows: usize, cols: usize) -> Result<Matrix> {
+        let mut raws = Vec::with_capacity(parts.len());
+        for (name, r) in parts {
+            let raw = self
+                .src
+                .raw(name)?
+                .ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
+            if !shape_matches(&raw.shape, &[*r, cols]) {
+                return Err(ModelError::TensorShape {
+                    name: name.clone(),
+                    got: raw.shape,
+                    expected: vec![*r, cols],
+                });
+            }
+            let row_bytes = raw
+                .dtype
+                .byte_size(cols)
+                .filter(|b| b.checked_mul(*r) == Some(raw.bytes.len()))
+                .ok_or_else(|| ModelError::TensorType {
+                    name: name.clone(),
+                    dtype: raw.dtype.name(),
+                })?;
+            let mut h = Xxh3::new();
+            h.update(&raw.dtype.name().into_bytes());
+            for d in &raw.shape {
+                h.update(&(*d as u64).to_le_bytes());
+            }
+            h.update(raw.bytes);
+            self.digests
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((name.clone(), h.digest128()));
+            raws.push((raw, *r, row_bytes));
+        }
+        let bits = if raws
+            .iter()
+            .all(|(raw, ..)| quant::native_bits(raw.dtype) == QBits::U4)
+        {
+            QBits::U4
+        } else {
+            QBits::U8
+        };
+        let mut scratch = vec![0f32; cols];
+        let mut failed = None;
+        let packed = PackedQ::build(rows, cols, bits, |mut r, row: &mut QRow| {
+            let mut part = 0;
+            while r >= raws[part].1 {
+                r -= raws[part].1;
+                part += 1;
+            }
+            let (raw, _, rb) = &raws[part];
+            let bytes = &raw.bytes[r * rb..(r + 1) * rb];
+            if !quant::unpack_row(raw.dtype, bytes, row) {
+                match quant::dequantize(raw.dtype, bytes, &mut scratch) {
+                    Ok(()) => quant::requantize_row_u8(&scratch, row),
+                    Err(what) => failed = Some(format!("tensor '{}': {what}", parts[part].0)),
+                }
+            }
+        });
+        if let Some(what) = failed {
+            return Err(ModelError::Config(what));
+        }
+        Ok(Matrix {
+            rows,
+            cols,
+            data: MatData::Quant(packed),
+        })
+    }
+}
+
+/// Whether any matrix of the model is stored in a block format (so that `native` keeps blocks).
+fn has_block_matrices(src: &dyn TensorSource, naming: Naming, cfg: &ModelConfig) -> Result<bool> {
+    for (name, shape) in expected_shapes(naming, cfg) {
+        if shape.len() == 2 && src.contains(&name) {
+            if let Some(raw) = src.raw(&name)? {
+                if quant::is_block_format(raw.dtype) {
+                    return Ok(true);
+                }
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// The bytes [`Weights::bytes_held`] gives for `native` weights, from the tensors' shapes and types
+/// alone (nothing is unpacked): `None` when the model has no block-format matrix (native is bf16 then).
+pub fn native_bytes(
+    src: &dyn TensorSource,
+    naming: Naming,
+    cfg: &ModelConfig,
+) -> Result<Option<usize>> {
+    if !has_block_matrices(src, naming, cfg)? {
+        return Ok(None);
+    }
+    let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+    let matrix = |names: &[String], rows: usize, cols: usize| -> Result<usize> {
+        let mut bits = QBits::U4;
+        for n in names {
+            let raw = src
+                .raw(n)?
+                .ok_or_else(|| ModelError::MissingTensor { name: n.clone() })?;
+            if quant::native_bits(raw.dtype) == QBits::U8 {
+                bits = QBits::U8;
+            }
+        }
+        Ok(PackedQ::bytes_for(rows, cols, bits))
+    };
+    let mut total = 0;
+    for i in 0..cfg.num_layers {
+        let n = |w: &str| naming.layer(i, w);
+        total += matrix(&[n("q"), n("k"), n("v")], q_rows + 2 * kv_rows, h)?;
+        total += matrix(&[n("o")], h, q_rows)?;
+        total += matrix(&[n("gate"), n("up")], 2 * inter, h)?;
+        total += matrix(&[n("down")], h, inter)?;
+        let mut vectors = 2 * h;
+        if cfg.qkv_bias {
+            vectors += q_rows + 2 * kv_rows;
+        }
+        if cfg.arch == Arch::Gemma3 {
+            vectors += 2 * d + 2 * h;
+        }
+        total += vectors * 4;
+    }
+    total += matrix(&[naming.global("embed")], cfg.vocab_size, h)?;
+    if !cfg.tie_word_embeddings {
+        total += matrix(&[naming.global("lm_head")], cfg.vocab_size, h)?;
+    }
+    Ok(Some(total + h * 4))
+}
+
+/// Native weights multiply int8 activations in blocks of 32: every width a product reads, and every
+/// span the attention writes at once (the query heads of one KV head), must be whole blocks.
+fn check_native_widths(cfg: &ModelConfig) -> Result<()> {
+    let group = cfg.num_heads / cfg.num_kv_heads.max(1);
+    for (what, n) in [
+        ("hidden size", cfg.hidden_size),
+        ("intermediate size", cfg.intermediate_size),
+        (
+            "query width (heads × head dim)",
+            cfg.num_heads * cfg.head_dim,
+        ),
+        ("query heads per KV head × head dim", group * cfg.head_dim),
+    ] {
+        if !n.is_multiple_of(QBLOCK) {
+            return Err(ModelError::Config(format!(
+                "native weights need widths in blocks of {QBLOCK}; this model's {what} is {n}: \
+                 give --weights-dtype bf16"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Weights {
+    /// Loads every tensor of `cfg`. `dtype` native keeps a GGUF's block formats packed when any matrix
+    /// has one (the file's float matrices are then requantized to 8 bits, as are Q2_K, Q3_K and Q6_K,
+    /// which have no exact packed form); a model with float matrices only computes in bf16.
     pub fn load(
         src: &dyn TensorSource,
         naming: Naming,
@@ -370,14 +599,25 @@ impl Weights {
     ) -> Result<Self> {
         let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let quantized = dtype == WeightsDtype::Native && has_block_matrices(src, naming, cfg)?;
+        if quantized {
+            check_native_widths(cfg)?;
+        }
+        let dtype = match dtype {
+            WeightsDtype::Native if !quantized => WeightsDtype::Bf16,
+            other => other,
+        };
         let dg: Digests = Mutex::new(Vec::new());
+        let mm = MatrixMaker {
+            src,
+            dtype,
+            quantized,
+            digests: &dg,
+        };
         let layers = (0..cfg.num_layers)
             .into_par_iter()
             .map(|i| -> Result<LayerWeights> {
                 let name = |w: &str| naming.layer(i, w);
-                let mut qkv = load_shaped(src, &name("q"), &[q_rows, h], &dg)?;
-                qkv.extend(load_shaped(src, &name("k"), &[kv_rows, h], &dg)?);
-                qkv.extend(load_shaped(src, &name("v"), &[kv_rows, h], &dg)?);
                 let bqkv = if cfg.qkv_bias {
                     let mut b = load_shaped(src, &name("q_bias"), &[q_rows], &dg)?;
                     b.extend(load_shaped(src, &name("k_bias"), &[kv_rows], &dg)?);
@@ -397,45 +637,27 @@ impl Weights {
                 } else {
                     None
                 };
-                let mut gate_up = load_shaped(src, &name("gate"), &[inter, h], &dg)?;
-                gate_up.extend(load_shaped(src, &name("up"), &[inter, h], &dg)?);
+                let qkv = [
+                    (name("q"), q_rows),
+                    (name("k"), kv_rows),
+                    (name("v"), kv_rows),
+                ];
                 Ok(LayerWeights {
                     attn_norm: norm("attn_norm", h)?,
-                    wqkv: Matrix::from_f32(q_rows + 2 * kv_rows, h, qkv, dtype),
+                    wqkv: mm.make(&qkv, h)?,
                     bqkv,
-                    wo: Matrix::from_f32(
-                        h,
-                        q_rows,
-                        load_shaped(src, &name("o"), &[h, q_rows], &dg)?,
-                        dtype,
-                    ),
+                    wo: mm.make(&[(name("o"), h)], q_rows)?,
                     ffn_norm: norm("ffn_norm", h)?,
-                    w_gate_up: Matrix::from_f32(2 * inter, h, gate_up, dtype),
-                    w_down: Matrix::from_f32(
-                        h,
-                        inter,
-                        load_shaped(src, &name("down"), &[h, inter], &dg)?,
-                        dtype,
-                    ),
+                    w_gate_up: mm.make(&[(name("gate"), inter), (name("up"), inter)], h)?,
+                    w_down: mm.make(&[(name("down"), h)], inter)?,
                     gemma,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed_name = naming.global("embed");
-        let embed = Matrix::from_f32(
-            cfg.vocab_size,
-            h,
-            load_shaped(src, &embed_name, &[cfg.vocab_size, h], &dg)?,
-            dtype,
-        );
+        let embed = mm.make(&[(naming.global("embed"), cfg.vocab_size)], h)?;
         let head_name = naming.global("lm_head");
         let lm_head = if !cfg.tie_word_embeddings && src.contains(&head_name) {
-            Some(Matrix::from_f32(
-                cfg.vocab_size,
-                h,
-                load_shaped(src, &head_name, &[cfg.vocab_size, h], &dg)?,
-                dtype,
-            ))
+            Some(mm.make(&[(head_name, cfg.vocab_size)], h)?)
         } else if !cfg.tie_word_embeddings {
             return Err(ModelError::MissingTensor { name: head_name });
         } else {

@@ -14,6 +14,9 @@ pub enum WeightsDtype {
     Int8,
     /// 4-bit with a 2-byte scale per 32 weights (GGUF Q4_0, GPTQ/AWQ with group 32): 4.5 bits per weight.
     Int4,
+    /// As the model file stores them: a GGUF's block formats kept in blocks, a float checkpoint in bf16.
+    /// Sized as bf16 where no file tells the formats (catalog entries are bf16 checkpoints).
+    Native,
 }
 
 impl WeightsDtype {
@@ -25,13 +28,14 @@ impl WeightsDtype {
             WeightsDtype::Fp8 => "fp8",
             WeightsDtype::Int8 => "int8",
             WeightsDtype::Int4 => "int4",
+            WeightsDtype::Native => "native",
         }
     }
 
     pub fn bits_per_weight(self) -> f64 {
         match self {
             WeightsDtype::F32 => 32.0,
-            WeightsDtype::F16 | WeightsDtype::Bf16 => 16.0,
+            WeightsDtype::F16 | WeightsDtype::Bf16 | WeightsDtype::Native => 16.0,
             WeightsDtype::Fp8 => 8.0,
             WeightsDtype::Int8 => 8.5,
             WeightsDtype::Int4 => 4.5,
@@ -49,11 +53,10 @@ impl std::str::FromStr for WeightsDtype {
             "fp8" => WeightsDtype::Fp8,
             "int8" | "q8_0" => WeightsDtype::Int8,
             "int4" | "q4_0" | "awq" | "gptq" => WeightsDtype::Int4,
-            _ => {
-                return Err(format!(
-                    "unknown weights format '{s}': expected f32, f16, bf16, fp8, int8 or int4"
-                ))
-            }
+            "native" => WeightsDtype::Native,
+            _ => return Err(format!(
+                "unknown weights format '{s}': expected native, f32, f16, bf16, fp8, int8 or int4"
+            )),
         })
     }
 }
@@ -72,6 +75,7 @@ mod tests {
             ("fp16", WeightsDtype::F16),
             ("q4_0", WeightsDtype::Int4),
             ("q8_0", WeightsDtype::Int8),
+            ("native", WeightsDtype::Native),
         ] {
             assert_eq!(text.parse::<WeightsDtype>(), Ok(d), "{text}");
         }

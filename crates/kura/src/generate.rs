@@ -42,8 +42,9 @@ pub struct GenerateArgs {
     /// (e4m3) or int4.
     #[arg(long, default_value = "bf16")]
     pub kv_dtype: KvDtype,
-    /// Weights in bf16 (default) or f32.
-    #[arg(long, default_value = "bf16")]
+    /// Weights format of the forward pass: native (default: a GGUF's block formats kept packed and
+    /// multiplied as integers, the fastest; a float checkpoint in bf16), bf16 or f32.
+    #[arg(long, default_value = "native")]
     pub weights_dtype: WeightsDtype,
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
@@ -171,7 +172,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let report = Report {
         model: path.display().to_string(),
-        weights_dtype: format!("{:?}", args.weights_dtype).to_lowercase(),
+        weights_dtype: model.weights_dtype().name().to_string(),
         weight_bytes_per_token: model.weight_bytes_per_token(),
         kv_dtype: args.kv_dtype.to_string(),
         threads: kura_model::num_threads(),

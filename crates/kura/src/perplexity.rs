@@ -42,8 +42,9 @@ pub struct PerplexityArgs {
     /// KV formats to measure against the f32 reference, comma-separated (f32, f16, bf16, fp8, int8, int4).
     #[arg(long, default_value = "bf16", value_delimiter = ',')]
     pub kv_dtype: Vec<KvDtype>,
-    /// Weights in bf16 (default) or f32.
-    #[arg(long, default_value = "bf16")]
+    /// Weights format of the forward pass: native (default: a GGUF's block formats kept packed and
+    /// multiplied as integers, the fastest; a float checkpoint in bf16), bf16 or f32.
+    #[arg(long, default_value = "native")]
     pub weights_dtype: WeightsDtype,
     /// Score at most this many chunks (default: every whole chunk of the text).
     #[arg(long)]
@@ -273,7 +274,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         context: args.context,
         chunks,
         scored_tokens: scored,
-        weights_dtype: args.weights_dtype.name().to_string(),
+        weights_dtype: model.weights_dtype().name().to_string(),
         reference_kv_dtype: KvDtype::F32,
         reference_perplexity,
         formats,

@@ -36,8 +36,8 @@ pub struct PlanArgs {
     /// them: scales included).
     #[arg(long, default_value = "f16")]
     kv_dtype: KvDtype,
-    /// Weights format for the size estimate: f32, f16, bf16, fp8, int8, int4. Default: a GGUF file's exact
-    /// tensor bytes, else bf16.
+    /// Weights format: native (default: as `kura serve` holds a GGUF's block formats, exactly; a float
+    /// checkpoint as stored), or f32, f16, bf16, fp8, int8, int4 for an estimate from the parameters.
     #[arg(long, value_parser = parse_weights_dtype)]
     weights_dtype: Option<WeightsDtype>,
     /// Tensor-parallel ranks (KV heads are split across them).
@@ -230,14 +230,14 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
         &path.display().to_string(),
     )
     .with_context(|| format!("GGUF metadata of {}", path.display()))?;
-    let weights_bytes = file
-        .tensors
-        .values()
-        .try_fold(0u64, |sum, t| sum.checked_add(t.n_bytes))
-        .context("GGUF tensor sizes overflow 64 bits")?;
+    // What `kura serve --weights-dtype native` holds: the file's blocks packed for the kernels, or bf16
+    // (sized from the parameter count) when its matrices are all float.
+    let weights_bytes = kura_model::Model::native_weight_bytes(path)
+        .with_context(|| format!("sizing the native weights of {}", path.display()))?
+        .map(|b| b as u64);
     Ok(LoadedSpec {
         spec,
-        weights_bytes: Some(weights_bytes),
+        weights_bytes,
     })
 }
 
@@ -302,11 +302,10 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
     };
     let loaded = load_spec(&model).with_context(|| format!("model '{model}'"))?;
     let mut req = PlanRequest::new(loaded.spec);
-    req.weights_dtype = args.weights_dtype.unwrap_or(WeightsDtype::Bf16);
-    req.weights_bytes = if args.weights_dtype.is_some() {
-        None
-    } else {
-        loaded.weights_bytes
+    req.weights_dtype = args.weights_dtype.unwrap_or(WeightsDtype::Native);
+    req.weights_bytes = match req.weights_dtype {
+        WeightsDtype::Native => loaded.weights_bytes,
+        _ => None,
     };
     req.kv_dtype = args.kv_dtype;
     req.block_size_tokens = args.block_size;

@@ -52,8 +52,9 @@ pub struct ServeArgs {
     /// cold one in every format (seeded sampling included).
     #[arg(long, default_value = "bf16")]
     kv_dtype: KvDtype,
-    /// Weights format of the forward pass: bf16 (default, faster) or f32.
-    #[arg(long, default_value = "bf16")]
+    /// Weights format of the forward pass: native (default: a GGUF's block formats kept packed and
+    /// multiplied as integers, the fastest; a float checkpoint in bf16), bf16 or f32.
+    #[arg(long, default_value = "native")]
     weights_dtype: WeightsDtype,
     /// Most requests holding KV blocks at once.
     #[arg(long, default_value_t = 64)]
@@ -423,7 +424,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
     .context("allocating the KV cache")?;
     let fingerprint = kv_fingerprint(
         model.weights_fingerprint(),
-        args.weights_dtype,
+        model.weights_dtype(),
         &layout,
         model.kv_encoding_fingerprint(args.kv_dtype)?,
     );

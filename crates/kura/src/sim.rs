@@ -147,7 +147,7 @@ pub struct SimArgs {
     #[arg(long, default_value = "bf16")]
     kv_dtype: KvDtype,
     /// Calibration: weights format, as `kura serve --weights-dtype`.
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "native")]
     weights_dtype: WeightsDtype,
     /// Calibration: timed runs of each step shape (the median counts).
     #[arg(long, default_value_t = 5)]
@@ -451,7 +451,7 @@ fn calibrate(args: &SimArgs) -> Result<()> {
             |n| n.to_string_lossy().into_owned()
         ),
         kura_model::num_threads(),
-        format!("{:?}", args.weights_dtype).to_lowercase(),
+        model.weights_dtype().name(),
         args.kv_dtype,
     );
     let mut cost = CostModel::fit(&samples, measured_on)?;

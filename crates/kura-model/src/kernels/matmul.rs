@@ -18,6 +18,7 @@ use half::bf16;
 
 use super::dot::{F32Act, GroupDot, Isa, WeightElem, MAX_GROUP};
 use super::packed::{self, pack_act_row};
+use super::qpacked::{self, quantize_act_row, QAct, QBLOCK};
 use super::team::{self, split, SharedMut, Team};
 use crate::weights::{MatData, Matrix};
 
@@ -27,11 +28,13 @@ const PANEL_ROWS: usize = 64;
 const ROW_BLOCK: usize = 16;
 const TOKEN_TILE: usize = 16;
 
-/// The activation format a matrix multiplies: f32, or bf16 pairs for packed bf16 weights.
+/// The activation format a matrix multiplies: f32, bf16 pairs for packed bf16 weights, or int8 blocks
+/// for quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActKind {
     F32,
     Bf16Pairs,
+    Int8Blocks,
 }
 
 /// Activations (`t` rows) in the format of the matrix they multiply.
@@ -39,6 +42,7 @@ pub enum ActKind {
 pub enum Act<'a> {
     F32(&'a [f32]),
     Bf16Pairs(&'a [u32]),
+    Int8Blocks(QAct<'a>),
 }
 
 /// An activation buffer of `t × cols` values, kept in one [`ActKind`].
@@ -47,20 +51,34 @@ pub struct ActBuf {
     cols: usize,
     f32s: Vec<f32>,
     pairs: Vec<u32>,
+    int8: Vec<i8>,
+    scales: Vec<[f32; 2]>,
 }
 
 impl ActBuf {
+    /// For int8 blocks, `cols` is a multiple of 32 (the model checks its widths at load).
     pub fn new(kind: ActKind, t: usize, cols: usize) -> Self {
-        let (f32s, pairs) = match kind {
-            ActKind::F32 => (vec![0f32; t * cols], Vec::new()),
-            ActKind::Bf16Pairs => (Vec::new(), vec![0u32; t * cols.div_ceil(2)]),
-        };
-        ActBuf {
+        let mut buf = ActBuf {
             kind,
             cols,
-            f32s,
-            pairs,
+            f32s: Vec::new(),
+            pairs: Vec::new(),
+            int8: Vec::new(),
+            scales: Vec::new(),
+        };
+        match kind {
+            ActKind::F32 => buf.f32s = vec![0f32; t * cols],
+            ActKind::Bf16Pairs => buf.pairs = vec![0u32; t * cols.div_ceil(2)],
+            ActKind::Int8Blocks => {
+                assert!(
+                    cols.is_multiple_of(QBLOCK),
+                    "int8 activations are whole blocks"
+                );
+                buf.int8 = vec![0i8; t * cols];
+                buf.scales = vec![[0f32; 2]; t * cols / QBLOCK];
+            }
         }
+        buf
     }
 
     /// A handle through which the threads of a region write disjoint rows or column ranges, and then
@@ -71,6 +89,8 @@ impl ActBuf {
             cols: self.cols,
             f32s: SharedMut::new(&mut self.f32s),
             pairs: SharedMut::new(&mut self.pairs),
+            int8: SharedMut::new(&mut self.int8),
+            scales: SharedMut::new(&mut self.scales),
         }
     }
 }
@@ -82,12 +102,14 @@ pub struct ActShared<'a> {
     cols: usize,
     f32s: SharedMut<'a, f32>,
     pairs: SharedMut<'a, u32>,
+    int8: SharedMut<'a, i8>,
+    scales: SharedMut<'a, [f32; 2]>,
 }
 
 impl<'a> ActShared<'a> {
     /// Writes `vals` to row `t` from column `col0`, converting to the buffer's format. For bf16 pairs,
     /// `col0` is even and the write ends on an even column or at the row's end, so that no pair is shared
-    /// with another write.
+    /// with another write; for int8 blocks, it covers whole blocks of 32.
     ///
     /// # Safety
     /// No other thread touches these elements until the next barrier.
@@ -111,6 +133,22 @@ impl<'a> ActShared<'a> {
                     self.pairs.part_mut(at..at + vals.len().div_ceil(2))
                 });
             }
+            ActKind::Int8Blocks => {
+                assert!(
+                    col0.is_multiple_of(QBLOCK) && end.is_multiple_of(QBLOCK),
+                    "an int8 write must cover whole blocks"
+                );
+                let at = t * self.cols + col0;
+                let bt = at / QBLOCK;
+                // SAFETY: the caller's guarantee.
+                unsafe {
+                    quantize_act_row(
+                        vals,
+                        self.int8.part_mut(at..at + vals.len()),
+                        self.scales.part_mut(bt..bt + vals.len() / QBLOCK),
+                    )
+                };
+            }
         }
     }
 
@@ -124,6 +162,10 @@ impl<'a> ActShared<'a> {
             match self.kind {
                 ActKind::F32 => Act::F32(self.f32s.all()),
                 ActKind::Bf16Pairs => Act::Bf16Pairs(self.pairs.all()),
+                ActKind::Int8Blocks => Act::Int8Blocks(QAct {
+                    q: self.int8.all(),
+                    ds: self.scales.all(),
+                }),
             }
         }
     }
@@ -134,6 +176,7 @@ impl Matrix {
     pub fn act_kind(&self) -> ActKind {
         match self.data {
             MatData::Packed(_) => ActKind::Bf16Pairs,
+            MatData::Quant(_) => ActKind::Int8Blocks,
             _ => ActKind::F32,
         }
     }
@@ -177,6 +220,11 @@ pub fn matmul_part(
         // SAFETY: as above, with the Avx512 proof.
         (MatData::PackedF32(p), Act::F32(x)) => unsafe {
             packed::matmul_part(tm, x, t, p, out, add)
+        },
+        // SAFETY: every thread passes the same arguments (this function's contract); the kernel checks
+        // the CPU's features itself.
+        (MatData::Quant(q), Act::Int8Blocks(x)) => unsafe {
+            qpacked::matmul_part(tm, x, t, q, out, add)
         },
         (MatData::F32(d), Act::F32(x)) if t <= SMALL_BATCH => rows_part(tm, x, t, d, w, out, add),
         (MatData::Bf16(d), Act::F32(x)) if t <= SMALL_BATCH => rows_part(tm, x, t, d, w, out, add),

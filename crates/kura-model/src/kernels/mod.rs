@@ -5,4 +5,5 @@ pub mod dot;
 pub mod matmul;
 pub mod ops;
 pub mod packed;
+pub mod qpacked;
 pub mod team;

@@ -1,0 +1,675 @@
+//! Quantized weights kept packed (`--weights-dtype native`): 4- or 8-bit unsigned values in blocks of 32
+//! columns, each block of each row with an f16 scale and an f16 offset, multiplied by int8 activations
+//! with integer dot products (AVX-512 VNNI `vpdpbusd`), as llama.cpp multiplies its Q4_1 and Q8_0 blocks.
+//!
+//! Every GGUF block format the runtime keeps maps onto `w = scale · u + min` exactly (see
+//! [`crate::quant::unpack_row`]): Q4_0, Q4_1 and Q4_K as 4-bit `u`; Q8_0, Q5_0, Q5_1 and Q5_K as 8-bit `u`
+//! (a Q8_0 value `q` is `u = q + 128` with `min = −128 · scale`).
+//!
+//! Layout: rows in panels of [`QROWS`] = 16; a panel is a run of block records, one per 32 columns:
+//!
+//! ```text
+//! 4-bit record (320 B): 4 × 64 B of values | 16 × f16 scales | 16 × f16 offsets
+//!   value vector v, byte 4r + k = u[r][8v + k] | u[r][8v + 4 + k] << 4     (r: row of the panel)
+//! 8-bit record (576 B): 8 × 64 B of values | 16 × f16 scales | 16 × f16 offsets
+//!   value vector v, byte 4r + k = u[r][4v + k]
+//! ```
+//!
+//! so that one `vpdpbusd` of a value vector with four activation bytes broadcast adds four columns of
+//! 16 rows into 16 lanes: no horizontal sums. The activations of a token are int8 in the same blocks of 32
+//! with an f32 scale `dx` and `sx = dx · Σq` per block ([`quantize_act_row`]); a block contributes
+//! `(Σ u·q) · (scale · dx) + min · sx` to its row, added block after block in column order with fused
+//! multiply-adds. The integer sums are exact, so the portable loop gives the same bits as the vector
+//! kernel, and a token's result does not depend on the batch it is in (batch invariance).
+//!
+//! Cost: a decode step reads 5 bits per weight (4-bit) or 9 bits (8-bit): the file's Q4_1 size and a
+//! little more than Q8_0.
+
+use half::f16;
+
+use super::dot::Vnni;
+use super::team::{split, SharedMut, Team};
+
+/// Rows per panel: the 16 i32 lanes of a 512-bit register.
+pub const QROWS: usize = 16;
+/// Columns per block: one scale and one offset each.
+pub const QBLOCK: usize = 32;
+/// Tokens per register tile.
+const TILE_TOKENS: usize = 8;
+/// Tokens per cache chunk in prefill.
+const CHUNK_TOKENS: usize = 64;
+/// Up to this many tokens, threads split rows only, so that each weight is read from memory once.
+const ROWS_ONLY_UP_TO: usize = 16;
+
+/// Bits per stored value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QBits {
+    U4,
+    U8,
+}
+
+impl QBits {
+    /// The largest value `u` may hold.
+    pub fn max_value(self) -> u8 {
+        match self {
+            QBits::U4 => 15,
+            QBits::U8 => 255,
+        }
+    }
+
+    fn value_bytes(self) -> usize {
+        match self {
+            QBits::U4 => QROWS * QBLOCK / 2,
+            QBits::U8 => QROWS * QBLOCK,
+        }
+    }
+
+    /// Bytes of one block record: values, then 16 f16 scales and 16 f16 offsets.
+    fn record_bytes(self) -> usize {
+        self.value_bytes() + 4 * QROWS
+    }
+}
+
+/// One cache line: the records are 64-byte aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// One row of a matrix as [`PackedQ::build`] takes it: `u` (one value per column, at most
+/// [`QBits::max_value`]) and each block's scale and offset.
+pub struct QRow {
+    pub u: Vec<u8>,
+    pub scale: Vec<f32>,
+    pub min: Vec<f32>,
+}
+
+impl QRow {
+    pub fn new(cols: usize) -> Self {
+        QRow {
+            u: vec![0; cols],
+            scale: vec![0.0; cols / QBLOCK],
+            min: vec![0.0; cols / QBLOCK],
+        }
+    }
+}
+
+/// A `[rows, cols]` matrix of quantized weights in the panel layout above.
+#[derive(Clone)]
+pub struct PackedQ {
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: QBits,
+    blocks: usize,
+    panels: usize,
+    data: Vec<Line>,
+}
+
+impl PackedQ {
+    /// Packs `rows` rows, `fill(r, row)` giving row `r`. `cols` is a multiple of [`QBLOCK`].
+    pub fn build(
+        rows: usize,
+        cols: usize,
+        bits: QBits,
+        mut fill: impl FnMut(usize, &mut QRow),
+    ) -> Self {
+        assert!(cols.is_multiple_of(QBLOCK), "cols is whole blocks of 32");
+        let (blocks, panels) = (cols / QBLOCK, rows.div_ceil(QROWS));
+        let rec = bits.record_bytes();
+        let mut bytes = vec![0u8; panels * blocks * rec];
+        let mut row = QRow::new(cols);
+        for r in 0..rows {
+            fill(r, &mut row);
+            let (p, lane) = (r / QROWS, r % QROWS);
+            for b in 0..blocks {
+                let at = (p * blocks + b) * rec;
+                let record = &mut bytes[at..at + rec];
+                let u = &row.u[b * QBLOCK..(b + 1) * QBLOCK];
+                debug_assert!(u.iter().all(|v| *v <= bits.max_value()));
+                match bits {
+                    QBits::U4 => {
+                        for v in 0..4 {
+                            for k in 0..4 {
+                                record[v * 64 + 4 * lane + k] =
+                                    (u[8 * v + k] & 0xF) | (u[8 * v + 4 + k] << 4);
+                            }
+                        }
+                    }
+                    QBits::U8 => {
+                        for v in 0..8 {
+                            record[v * 64 + 4 * lane..v * 64 + 4 * lane + 4]
+                                .copy_from_slice(&u[4 * v..4 * v + 4]);
+                        }
+                    }
+                }
+                let vb = bits.value_bytes();
+                record[vb + 2 * lane..vb + 2 * lane + 2]
+                    .copy_from_slice(&f16::from_f32(row.scale[b]).to_le_bytes());
+                let mb = vb + 2 * QROWS + 2 * lane;
+                record[mb..mb + 2].copy_from_slice(&f16::from_f32(row.min[b]).to_le_bytes());
+            }
+        }
+        let data = bytes
+            .chunks_exact(64)
+            .map(|c| Line(c.try_into().expect("64-byte chunks")))
+            .collect();
+        PackedQ {
+            rows,
+            cols,
+            bits,
+            blocks,
+            panels,
+            data,
+        }
+    }
+
+    fn bytes_slice(&self) -> &[u8] {
+        // SAFETY: Line is 64 plain bytes with no padding; the view borrows `self.data`.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast::<u8>(), self.data.len() * 64) }
+    }
+
+    fn record(&self, p: usize, b: usize) -> &[u8] {
+        let rec = self.bits.record_bytes();
+        let at = (p * self.blocks + b) * rec;
+        &self.bytes_slice()[at..at + rec]
+    }
+
+    /// The value, scale and offset of element `(r, c)`, as stored.
+    fn parts(&self, r: usize, c: usize) -> (u8, f32, f32) {
+        let (p, lane, b, j) = (r / QROWS, r % QROWS, c / QBLOCK, c % QBLOCK);
+        let rec = self.record(p, b);
+        let u = match self.bits {
+            QBits::U4 => {
+                let (v, hi, k) = (j / 8, (j % 8) / 4, j % 4);
+                (rec[v * 64 + 4 * lane + k] >> (4 * hi)) & 0xF
+            }
+            QBits::U8 => rec[(j / 4) * 64 + 4 * lane + j % 4],
+        };
+        let vb = self.bits.value_bytes();
+        let half = |at: usize| f16::from_le_bytes([rec[at], rec[at + 1]]).to_f32();
+        (u, half(vb + 2 * lane), half(vb + 2 * QROWS + 2 * lane))
+    }
+
+    /// Element `(r, c)` as f32: `scale · u + min`.
+    pub fn get(&self, r: usize, c: usize) -> f32 {
+        let (u, scale, min) = self.parts(r, c);
+        scale * f32::from(u) + min
+    }
+
+    /// Row `r` as f32 into `out` (an embedding lookup).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        for (c, o) in out.iter_mut().enumerate().take(self.cols) {
+            *o = self.get(r, c);
+        }
+    }
+
+    /// Bytes held, padding included: what a decode step reads.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 64
+    }
+
+    /// Bytes a `[rows, cols]` matrix of `bits` takes: what [`Self::build`] allocates.
+    pub fn bytes_for(rows: usize, cols: usize, bits: QBits) -> usize {
+        rows.div_ceil(QROWS) * (cols / QBLOCK) * bits.record_bytes()
+    }
+}
+
+/// A token's activations quantized per block of 32: int8 values, and per block `[dx, sx]` (the scale,
+/// and the scale times the sum of the values).
+#[derive(Clone, Copy)]
+pub struct QAct<'a> {
+    pub q: &'a [i8],
+    pub ds: &'a [[f32; 2]],
+}
+
+/// Quantizes one row of activations (`x.len()` a multiple of 32) as llama.cpp's Q8_1: per block,
+/// `dx = max|x| / 127` and `q = round(x / dx)`.
+pub fn quantize_act_row(x: &[f32], q: &mut [i8], ds: &mut [[f32; 2]]) {
+    debug_assert!(x.len().is_multiple_of(QBLOCK) && q.len() == x.len());
+    for ((xb, qb), d) in x
+        .chunks_exact(QBLOCK)
+        .zip(q.chunks_exact_mut(QBLOCK))
+        .zip(ds.iter_mut())
+    {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dx = amax / 127.0;
+        let inv = if dx > 0.0 { 1.0 / dx } else { 0.0 };
+        let mut sum = 0i32;
+        for (qv, xv) in qb.iter_mut().zip(xb) {
+            let v = (xv * inv).round() as i32;
+            *qv = v as i8;
+            sum += v;
+        }
+        *d = [dx, dx * sum as f32];
+    }
+}
+
+/// This thread's share of `out (t × w.rows) (+)= x · Wᵀ`; with `add` the product is added to what `out`
+/// holds (a residual connection).
+///
+/// # Safety
+/// Every thread of the team calls this with the same arguments, and nothing else touches `out` until the
+/// next barrier.
+pub unsafe fn matmul_part(
+    tm: &Team<'_>,
+    x: QAct<'_>,
+    t: usize,
+    w: &PackedQ,
+    out: SharedMut<'_, f32>,
+    add: bool,
+) {
+    assert_eq!(x.q.len(), t * w.cols, "x is t × cols");
+    assert_eq!(x.ds.len(), t * w.blocks, "x has t × blocks scales");
+    assert_eq!(out.len(), t * w.rows, "out is t × rows");
+    let vnni = Vnni::detect();
+    let chunk = chunk_tokens(t, w.panels, tm.size());
+    let chunks = t.div_ceil(chunk.max(1));
+    for item in split(chunks * w.panels, tm.size(), tm.index()) {
+        let (c, p) = (item / w.panels, item % w.panels);
+        let r0 = p * QROWS;
+        let valid = QROWS.min(w.rows - r0);
+        let (t_lo, t_hi) = (c * chunk, ((c + 1) * chunk).min(t));
+        let mut t0 = t_lo;
+        while t0 < t_hi {
+            let m = (t_hi - t0).min(TILE_TOKENS);
+            let tile = Tile {
+                panel: &w.bytes_slice()[p * w.blocks * w.bits.record_bytes()..],
+                blocks: w.blocks,
+                bits: w.bits,
+                xq: &x.q[t0 * w.cols..(t0 + m) * w.cols],
+                xds: &x.ds[t0 * w.blocks..(t0 + m) * w.blocks],
+                // SAFETY: rows r0..r0+valid of tokens t0..t0+m lie inside `out` and belong to this work
+                // item alone (the caller's guarantee on `out`).
+                out: unsafe { out.ptr().add(t0 * w.rows + r0) },
+                ldo: w.rows,
+                valid,
+                add,
+            };
+            match &vnni {
+                // SAFETY: the Vnni proof; the tile's slices hold m tokens and the panel's records.
+                Some(_) => unsafe { x86::tile_dispatch(&tile, m) },
+                // SAFETY: as above, without vector instructions.
+                None => unsafe { tile_portable(&tile, m) },
+            }
+            t0 += m;
+        }
+    }
+}
+
+/// A tile: up to [`TILE_TOKENS`] tokens × the 16 rows of one panel.
+pub(crate) struct Tile<'a> {
+    /// The panel's records from its first block on.
+    panel: &'a [u8],
+    blocks: usize,
+    bits: QBits,
+    /// The tile's tokens: `m × cols` values and `m × blocks` scales.
+    xq: &'a [i8],
+    xds: &'a [[f32; 2]],
+    /// Output at (first token, first row of the panel); rows `ldo` apart; `valid` writable columns.
+    out: *mut f32,
+    ldo: usize,
+    valid: usize,
+    add: bool,
+}
+
+/// The reference: the same integer sums and the same fused multiply-adds in the same order as the vector
+/// kernel, one lane at a time.
+///
+/// # Safety
+/// `tile.out` has `m` rows (stride `ldo`) with `valid` writable columns each, touched by no other thread.
+unsafe fn tile_portable(tile: &Tile<'_>, m: usize) {
+    let cols = tile.blocks * QBLOCK;
+    let rec = tile.bits.record_bytes();
+    let vb = tile.bits.value_bytes();
+    let half = |r: &[u8], at: usize| f16::from_le_bytes([r[at], r[at + 1]]).to_f32();
+    for i in 0..m {
+        for lane in 0..tile.valid {
+            let mut acc = 0f32;
+            for b in 0..tile.blocks {
+                let record = &tile.panel[b * rec..(b + 1) * rec];
+                let xq = &tile.xq[i * cols + b * QBLOCK..i * cols + (b + 1) * QBLOCK];
+                let mut isum = 0i32;
+                for (j, &q) in xq.iter().enumerate() {
+                    let u = match tile.bits {
+                        QBits::U4 => {
+                            let (v, hi, k) = (j / 8, (j % 8) / 4, j % 4);
+                            (record[v * 64 + 4 * lane + k] >> (4 * hi)) & 0xF
+                        }
+                        QBits::U8 => record[(j / 4) * 64 + 4 * lane + j % 4],
+                    };
+                    isum += i32::from(u) * i32::from(q);
+                }
+                let [dx, sx] = tile.xds[i * tile.blocks + b];
+                let (scale, min) = (
+                    half(record, vb + 2 * lane),
+                    half(record, vb + 32 + 2 * lane),
+                );
+                acc = (isum as f32).mul_add(scale * dx, acc);
+                acc = min.mul_add(sx, acc);
+            }
+            // SAFETY: the caller's guarantee on `out`.
+            unsafe {
+                let p = tile.out.add(i * tile.ldo + lane);
+                *p = if tile.add { *p + acc } else { acc };
+            }
+        }
+    }
+}
+
+/// Tokens per work item: all of them for small batches (threads split the rows, each weight read
+/// once); otherwise chunks of [`CHUNK_TOKENS`], smaller when there are too few panels to give every
+/// thread several items.
+fn chunk_tokens(t: usize, panels: usize, threads: usize) -> usize {
+    if t <= ROWS_ONLY_UP_TO || threads <= 1 && t <= CHUNK_TOKENS {
+        return t;
+    }
+    let want_chunks = (8 * threads).div_ceil(panels).max(t.div_ceil(CHUNK_TOKENS));
+    t.div_ceil(want_chunks)
+        .div_ceil(TILE_TOKENS)
+        .max(1)
+        .saturating_mul(TILE_TOKENS)
+        .min(CHUNK_TOKENS)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{QBits, Tile, QBLOCK, QROWS};
+
+    /// # Safety
+    /// avx512f, avx512bw and avx512vnni are present; see [`super::tile_portable`] for `out`.
+    pub(super) unsafe fn tile_dispatch(tile: &Tile<'_>, m: usize) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            match (tile.bits, m) {
+                (QBits::U4, 1) => tile_vnni::<1, true>(tile),
+                (QBits::U4, 2) => tile_vnni::<2, true>(tile),
+                (QBits::U4, 3) => tile_vnni::<3, true>(tile),
+                (QBits::U4, 4) => tile_vnni::<4, true>(tile),
+                (QBits::U4, 5) => tile_vnni::<5, true>(tile),
+                (QBits::U4, 6) => tile_vnni::<6, true>(tile),
+                (QBits::U4, 7) => tile_vnni::<7, true>(tile),
+                (QBits::U4, _) => tile_vnni::<8, true>(tile),
+                (QBits::U8, 1) => tile_vnni::<1, false>(tile),
+                (QBits::U8, 2) => tile_vnni::<2, false>(tile),
+                (QBits::U8, 3) => tile_vnni::<3, false>(tile),
+                (QBits::U8, 4) => tile_vnni::<4, false>(tile),
+                (QBits::U8, 5) => tile_vnni::<5, false>(tile),
+                (QBits::U8, 6) => tile_vnni::<6, false>(tile),
+                (QBits::U8, 7) => tile_vnni::<7, false>(tile),
+                (QBits::U8, _) => tile_vnni::<8, false>(tile),
+            }
+        }
+    }
+
+    /// `M` tokens × 16 rows: per block, `vpdpbusd` of each value vector with each token's four
+    /// activation bytes broadcast, then the block's scale and offset by two fused multiply-adds.
+    ///
+    /// # Safety
+    /// See [`tile_dispatch`]; the tile holds `M` tokens.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn tile_vnni<const M: usize, const U4: bool>(tile: &Tile<'_>) {
+        let (blocks, cols) = (tile.blocks, tile.blocks * QBLOCK);
+        let (rec, vb) = if U4 {
+            (QROWS * QBLOCK / 2 + 4 * QROWS, QROWS * QBLOCK / 2)
+        } else {
+            (QROWS * QBLOCK + 4 * QROWS, QROWS * QBLOCK)
+        };
+        assert!(tile.panel.len() >= blocks * rec && tile.xq.len() >= M * cols);
+        assert!(tile.xds.len() >= M * blocks);
+        let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); M];
+        for b in 0..blocks {
+            // SAFETY: b < blocks keeps the record inside the panel and the activations inside the
+            // tile's tokens (asserted above).
+            unsafe {
+                let r = wp.add(b * rec);
+                let mut isum = [_mm512_setzero_si512(); M];
+                if U4 {
+                    for v in 0..4 {
+                        let w = _mm512_loadu_si512(r.add(v * 64).cast());
+                        let lo = _mm512_and_si512(w, low);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                        for (i, s) in isum.iter_mut().enumerate() {
+                            let x = xq.add(i * cols + b * QBLOCK + 8 * v).cast::<i32>();
+                            *s = _mm512_dpbusd_epi32(*s, lo, _mm512_set1_epi32(x.read_unaligned()));
+                            *s = _mm512_dpbusd_epi32(
+                                *s,
+                                hi,
+                                _mm512_set1_epi32(x.add(1).read_unaligned()),
+                            );
+                        }
+                    }
+                } else {
+                    for v in 0..8 {
+                        let w = _mm512_loadu_si512(r.add(v * 64).cast());
+                        for (i, s) in isum.iter_mut().enumerate() {
+                            let x = xq.add(i * cols + b * QBLOCK + 4 * v).cast::<i32>();
+                            *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(x.read_unaligned()));
+                        }
+                    }
+                }
+                let scale = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(vb).cast()));
+                let min = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(vb + 2 * QROWS).cast()));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let [dx, sx] = *xds.add(i * blocks + b);
+                    let f = _mm512_mul_ps(scale, _mm512_set1_ps(dx));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), f, *a);
+                    *a = _mm512_fmadd_ps(min, _mm512_set1_ps(sx), *a);
+                }
+            }
+        }
+        let mask: __mmask16 = if tile.valid >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << tile.valid) - 1
+        };
+        for (i, a) in acc.iter().enumerate() {
+            // SAFETY: the first `valid` of these 16 columns of token i are writable (caller's guarantee).
+            unsafe {
+                let p = tile.out.add(i * tile.ldo);
+                let v = if tile.add {
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask, p), *a)
+                } else {
+                    *a
+                };
+                _mm512_mask_storeu_ps(p, mask, v);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod x86 {
+    use super::Tile;
+
+    pub(super) unsafe fn tile_dispatch(_: &Tile<'_>, _: usize) {
+        unreachable!("Vnni::detect is false off x86_64")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::team;
+
+    /// A matrix of seeded values: `u` up to `bits`' largest, scales and offsets of either sign.
+    fn matrix(rows: usize, cols: usize, bits: QBits, seed: u64) -> PackedQ {
+        let mut s = seed;
+        let mut next = move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let vals: Vec<(Vec<u8>, Vec<f32>, Vec<f32>)> = (0..rows)
+            .map(|_| {
+                let u = (0..cols)
+                    .map(|_| (next() % (u32::from(bits.max_value()) + 1)) as u8)
+                    .collect();
+                let sc = (0..cols / QBLOCK)
+                    .map(|_| (next() % 1000) as f32 / 20000.0)
+                    .collect();
+                let mn = (0..cols / QBLOCK)
+                    .map(|_| ((next() % 1000) as f32 - 500.0) / 5000.0)
+                    .collect();
+                (u, sc, mn)
+            })
+            .collect();
+        PackedQ::build(rows, cols, bits, |r, row| {
+            row.u.copy_from_slice(&vals[r].0);
+            row.scale.copy_from_slice(&vals[r].1);
+            row.min.copy_from_slice(&vals[r].2);
+        })
+    }
+
+    fn quantized(x: &[f32], cols: usize) -> (Vec<i8>, Vec<[f32; 2]>) {
+        let t = x.len() / cols;
+        let mut q = vec![0i8; x.len()];
+        let mut ds = vec![[0f32; 2]; t * cols / QBLOCK];
+        for i in 0..t {
+            quantize_act_row(
+                &x[i * cols..(i + 1) * cols],
+                &mut q[i * cols..(i + 1) * cols],
+                &mut ds[i * cols / QBLOCK..(i + 1) * cols / QBLOCK],
+            );
+        }
+        (q, ds)
+    }
+
+    fn run(x: &[f32], t: usize, w: &PackedQ, out: &mut [f32], add: bool) {
+        let (q, ds) = quantized(x, w.cols);
+        let shared = SharedMut::new(out);
+        let act = QAct { q: &q, ds: &ds };
+        // SAFETY: every thread passes the same arguments.
+        team::run(|tm| unsafe { matmul_part(tm, act, t, w, shared, add) });
+    }
+
+    /// The product by the portable loop alone, one token at a time.
+    fn portable(x: &[f32], t: usize, w: &PackedQ) -> Vec<f32> {
+        let (q, ds) = quantized(x, w.cols);
+        let mut out = vec![0f32; t * w.rows];
+        for i in 0..t {
+            for p in 0..w.panels {
+                let tile = Tile {
+                    panel: &w.bytes_slice()[p * w.blocks * w.bits.record_bytes()..],
+                    blocks: w.blocks,
+                    bits: w.bits,
+                    xq: &q[i * w.cols..(i + 1) * w.cols],
+                    xds: &ds[i * w.blocks..(i + 1) * w.blocks],
+                    out: out[i * w.rows + p * QROWS..].as_mut_ptr(),
+                    ldo: w.rows,
+                    valid: QROWS.min(w.rows - p * QROWS),
+                    add: false,
+                };
+                // SAFETY: one token, the panel's valid rows of `out`.
+                unsafe { tile_portable(&tile, 1) };
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn packing_keeps_every_value_scale_and_offset() {
+        for bits in [QBits::U4, QBits::U8] {
+            let (rows, cols) = (21, 96);
+            let p = PackedQ::build(rows, cols, bits, |r, row| {
+                for (c, u) in row.u.iter_mut().enumerate() {
+                    *u = ((r * 7 + c * 3) % (usize::from(bits.max_value()) + 1)) as u8;
+                }
+                for b in 0..cols / QBLOCK {
+                    row.scale[b] = 0.5 + r as f32 / 4.0 + b as f32;
+                    row.min[b] = -(r as f32) - b as f32 / 2.0;
+                }
+            });
+            assert_eq!(p.bytes(), PackedQ::bytes_for(rows, cols, bits));
+            for r in 0..rows {
+                for c in 0..cols {
+                    let u = ((r * 7 + c * 3) % (usize::from(bits.max_value()) + 1)) as f32;
+                    let b = (c / QBLOCK) as f32;
+                    let want = (0.5 + r as f32 / 4.0 + b) * u + (-(r as f32) - b / 2.0);
+                    assert_eq!(p.get(r, c), want, "{bits:?} ({r}, {c})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn activations_quantize_as_q8_1() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.0) / 8.0).collect();
+        let (q, ds) = quantized(&x, 64);
+        for b in 0..2 {
+            let amax = x[b * 32..(b + 1) * 32]
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let [dx, sx] = ds[b];
+            assert_eq!(dx, amax / 127.0);
+            let sum: i32 = q[b * 32..(b + 1) * 32].iter().map(|v| i32::from(*v)).sum();
+            assert_eq!(sx, dx * sum as f32);
+            for j in 0..32 {
+                let back = f32::from(q[b * 32 + j]) * dx;
+                assert!((back - x[b * 32 + j]).abs() <= dx / 2.0 + 1e-6);
+            }
+        }
+        let (q, ds) = quantized(&[0f32; 32], 32);
+        assert!(q.iter().all(|v| *v == 0) && ds[0] == [0.0, 0.0]);
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_bits_and_near_the_float_product() {
+        for bits in [QBits::U4, QBits::U8] {
+            for (rows, cols) in [(1, 32), (17, 64), (64, 96), (130, 576)] {
+                let w = matrix(rows, cols, bits, rows as u64 * 31 + cols as u64);
+                for t in [1, 2, 7, 8, 9, 20, 70] {
+                    let x: Vec<f32> = (0..t * cols)
+                        .map(|i| ((i as f32) * 0.37).sin() * 2.0)
+                        .collect();
+                    let want = portable(&x, t, &w);
+                    let mut out = vec![0f32; t * rows];
+                    run(&x, t, &w, &mut out, false);
+                    assert_eq!(out, want, "{bits:?} rows={rows} cols={cols} t={t}");
+                    // Against the float product of the stored weights: int8 activations cost < 1 %.
+                    for i in [0, t - 1] {
+                        for r in [0, rows - 1] {
+                            let exact: f64 = (0..cols)
+                                .map(|c| f64::from(x[i * cols + c]) * f64::from(w.get(r, c)))
+                                .sum();
+                            let scale: f64 = (0..cols)
+                                .map(|c| {
+                                    (f64::from(x[i * cols + c]) * f64::from(w.get(r, c))).abs()
+                                })
+                                .sum();
+                            let got = f64::from(out[i * rows + r]);
+                            assert!(
+                                (got - exact).abs() <= 0.01 * scale + 1e-6,
+                                "{bits:?} token {i} row {r}: {got} vs {exact}"
+                            );
+                        }
+                    }
+                    let mut acc = vec![1.5f32; t * rows];
+                    run(&x, t, &w, &mut acc, true);
+                    for (a, b) in acc.iter().zip(&out) {
+                        assert_eq!(*a, 1.5 + b, "add mode");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_token_gets_the_same_bits_in_any_batch() {
+        let (rows, cols, t) = (200, 128, 150);
+        for bits in [QBits::U4, QBits::U8] {
+            let w = matrix(rows, cols, bits, 7);
+            let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.011).cos()).collect();
+            let mut all = vec![0f32; t * rows];
+            run(&x, t, &w, &mut all, false);
+            for i in [0, 5, 8, 77, 149] {
+                let mut one = vec![0f32; rows];
+                run(&x[i * cols..(i + 1) * cols], 1, &w, &mut one, false);
+                assert_eq!(one, all[i * rows..(i + 1) * rows], "{bits:?} token {i}");
+            }
+        }
+    }
+}
