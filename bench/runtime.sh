@@ -4,7 +4,8 @@
 # with/without KV cache ratio for a 256-token generation. Prints a markdown report on stdout.
 #
 # Usage: bench/runtime.sh
-# Environment: REPS [3]  THREADS ["1 2"]  MODEL [scripts/fetch-model.sh]  KURA_BIN [target/release/kura]
+# Environment: REPS [3]  THREADS ["1 2"]  WEIGHTS ["native bf16"] (Kura's --weights-dtype values)
+#   MODEL [scripts/fetch-model.sh]  KURA_BIN [target/release/kura]
 #   PEERS [1] (0: Kura only)  BATCHED [1] (0: skip the criterion batched-decode run)
 #   NO_CACHE [1] (0: skip the with/without KV cache run)
 set -euo pipefail
@@ -13,6 +14,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 REPS="${REPS:-3}"
 THREADS="${THREADS:-1 2}"
+WEIGHTS="${WEIGHTS:-native bf16}"
 PEERS="${PEERS:-1}"
 BATCHED="${BATCHED:-1}"
 NO_CACHE="${NO_CACHE:-1}"
@@ -35,12 +37,14 @@ echo
 # Kura: prompts of 130 and 1,040 tokens (the sentence is 10 tokens, plus BOS-free join spaces).
 short=$(python3 -c "print(' '.join(['The quick brown fox jumps over the lazy dog.']*13))")
 long=$(python3 -c "print(' '.join(['The quick brown fox jumps over the lazy dog.']*104))")
-for t in $THREADS; do
-    for r in $(seq "$REPS"); do
-        "$KURA" generate --model "$MODEL" --kv-dtype f32 --threads "$t" --prompt "$short" --max-tokens 64 --ignore-eos \
-            --json >"$TMP/kura-$t-short-$r.json" 2>/dev/null
-        "$KURA" generate --model "$MODEL" --kv-dtype f32 --threads "$t" --prompt "$long" --max-tokens 16 --ignore-eos \
-            --json >"$TMP/kura-$t-long-$r.json" 2>/dev/null
+for w in $WEIGHTS; do
+    for t in $THREADS; do
+        for r in $(seq "$REPS"); do
+            "$KURA" generate --model "$MODEL" --kv-dtype f32 --weights-dtype "$w" --threads "$t" --prompt "$short" \
+                --max-tokens 64 --ignore-eos --json >"$TMP/kura-$w-$t-short-$r.json" 2>/dev/null
+            "$KURA" generate --model "$MODEL" --kv-dtype f32 --weights-dtype "$w" --threads "$t" --prompt "$long" \
+                --max-tokens 16 --ignore-eos --json >"$TMP/kura-$w-$t-long-$r.json" 2>/dev/null
+        done
     done
 done
 
@@ -59,20 +63,20 @@ if [ "$PEERS" = 1 ]; then
         >"$TMP/llama.json" 2>/dev/null
 fi
 
-python3 - "$TMP" "$THREADS" "$PEERS" <<'EOF'
+python3 - "$TMP" "$THREADS" "$PEERS" "$WEIGHTS" <<'EOF'
 import json, os, statistics, sys
-tmp, threads, peers = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1"
-def kura(t, which, key):
+tmp, threads, peers, weights = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1", sys.argv[4].split()
+def kura(w, t, which, key):
     vals = []
     for f in sorted(os.listdir(tmp)):
-        if f.startswith(f"kura-{t}-{which}-"):
+        if f.startswith(f"kura-{w}-{t}-{which}-"):
             vals.append(json.load(open(os.path.join(tmp, f)))[key])
     return statistics.median(vals)
-cols = [f"Kura bf16 {t}t" for t in threads]
+cols = [f"Kura {w} {t}t" for w in weights for t in threads]
 rows = {
-    "prefill ~128": [kura(t, "short", "prompt_tok_per_s") for t in threads],
-    "prefill ~1,024": [kura(t, "long", "prompt_tok_per_s") for t in threads],
-    "decode, batch 1": [kura(t, "short", "decode_tok_per_s") for t in threads],
+    "prefill ~128": [kura(w, t, "short", "prompt_tok_per_s") for w in weights for t in threads],
+    "prefill ~1,024": [kura(w, t, "long", "prompt_tok_per_s") for w in weights for t in threads],
+    "decode, batch 1": [kura(w, t, "short", "decode_tok_per_s") for w in weights for t in threads],
 }
 if peers:
     runs = json.load(open(os.path.join(tmp, "llama.json")))
@@ -90,10 +94,10 @@ print("| | " + " | ".join(cols) + " |")
 print("|---|" + "---:|" * len(cols))
 for k, v in rows.items():
     print(f"| {k} | " + " | ".join(f"{x:,.0f}" for x in v) + " |")
-b = json.load(open(os.path.join(tmp, f"kura-{threads[0]}-short-1.json")))
-wb = b.get("weight_bytes_per_token")
-if wb:
-    print(f"\nKura reads {wb/1e6:.0f} MB of weights per decoded token.")
+print()
+for w in weights:
+    b = json.load(open(os.path.join(tmp, f"kura-{w}-{threads[0]}-short-1.json")))
+    print(f"Kura {w} reads {b['weight_bytes_per_token']/1e6:.0f} MB of weights per decoded token.")
 EOF
 
 echo
@@ -105,9 +109,11 @@ if [ "$BATCHED" = 1 ]; then
     echo
     echo "Batched decode (\`cargo bench -p kura-model --bench forward\`, 128 tokens of context each), tokens/s:"
     echo
-    for t in $THREADS; do
-        (cd "$REPO" && RAYON_NUM_THREADS=$t cargo bench -q -p kura-model --bench forward -- decode 2>/dev/null) |
-            awk -v t="$t" '/^forward\//{name=$1} /thrpt:/ && /elem\/s/{print "- " t " thread(s), " name ": " $(NF-3) " " $(NF-2)}'
+    for w in $WEIGHTS; do
+        for t in $THREADS; do
+            (cd "$REPO" && KURA_BENCH_WEIGHTS=$w RAYON_NUM_THREADS=$t cargo bench -q -p kura-model --bench forward -- decode 2>/dev/null) |
+                awk -v t="$t" '/^forward\//{name=$1} /thrpt:/ && /elem\/s/{print "- " t " thread(s), " name ": " $(NF-3) " " $(NF-2)}'
+        done
     done
 fi
 

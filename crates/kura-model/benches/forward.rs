@@ -1,6 +1,6 @@
 //! Forward-pass throughput on the default model: prefill of 128 and 1,024 tokens, and one decode step for
 //! batches of 1, 8 and 32 sequences (each with 128 tokens of context). Thread count: `RAYON_NUM_THREADS`.
-//! Weights: `KURA_BENCH_WEIGHTS=f32` for f32 (default bf16).
+//! Weights: `KURA_BENCH_WEIGHTS=native|bf16|f32` (default native).
 //!
 //! `cargo bench -p kura-model --bench forward`; throughput is reported in tokens/s (elements).
 
@@ -13,10 +13,11 @@ const BLOCK: usize = 16;
 
 fn bench(c: &mut Criterion) {
     let path = kura_model::default_model_path();
-    let weights_dtype = match std::env::var("KURA_BENCH_WEIGHTS").as_deref() {
-        Ok("f32") => WeightsDtype::F32,
-        _ => WeightsDtype::Bf16,
-    };
+    let weights_dtype: WeightsDtype = std::env::var("KURA_BENCH_WEIGHTS")
+        .as_deref()
+        .unwrap_or("native")
+        .parse()
+        .expect("KURA_BENCH_WEIGHTS: native, bf16 or f32");
     let model = Model::load_with(&path, LoadOptions { weights_dtype })
         .expect("run scripts/fetch-model.sh first");
     let layout = model.kv_layout(KvDtype::F32, BLOCK).unwrap();

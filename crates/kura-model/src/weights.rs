@@ -16,7 +16,7 @@ use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::kernels::dot::{Avx512, Bf16Act};
 use crate::kernels::packed::{PackedBf16, PackedF32};
-use crate::kernels::qpacked::{PackedQ, QBits, QRow, QBLOCK};
+use crate::kernels::qpacked::{PackedQ, QBits, QRow, WeightArena, QBLOCK};
 use crate::quant::{self, GgmlType};
 
 pub use kura_shape::WeightsDtype;
@@ -664,6 +664,27 @@ impl Weights {
             None
         };
         let final_norm = load_norm(src, naming, &naming.global("norm"), h, &dg)?;
+        let mut embed = embed;
+        let mut layers = layers;
+        let mut lm_head = lm_head;
+        if quantized {
+            // Decode order: each layer's matrices, then the output head.
+            let mut all: Vec<&mut Matrix> = Vec::new();
+            for l in &mut layers {
+                all.extend([&mut l.wqkv, &mut l.wo, &mut l.w_gate_up, &mut l.w_down]);
+            }
+            all.push(&mut embed);
+            all.extend(lm_head.as_mut());
+            let mut mats: Vec<&mut PackedQ> = all
+                .into_iter()
+                .filter_map(|m| match &mut m.data {
+                    MatData::Quant(q) => Some(q),
+                    _ => None,
+                })
+                .collect();
+            WeightArena::gather(&mut mats)
+                .map_err(|e| ModelError::Config(format!("mapping the weights' memory: {e}")))?;
+        }
         Ok(Weights {
             embed,
             layers,

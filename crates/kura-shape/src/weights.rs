@@ -54,9 +54,11 @@ impl std::str::FromStr for WeightsDtype {
             "int8" | "q8_0" => WeightsDtype::Int8,
             "int4" | "q4_0" | "awq" | "gptq" => WeightsDtype::Int4,
             "native" => WeightsDtype::Native,
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "unknown weights format '{s}': expected native, f32, f16, bf16, fp8, int8 or int4"
-            )),
+            ))
+            }
         })
     }
 }

@@ -54,10 +54,17 @@ fn plans_the_default_gguf_model_from_its_metadata() {
     assert_eq!(r["num_blocks"], (512u64 << 20) / (23_040 * 16));
     assert_eq!(r["max_concurrency"], (512u64 << 20) / (23_040 * 2048));
     assert_eq!(r["model_max_context"], 8192);
-    // Weights: the file's tensor bytes, exactly (the file is 98,362,432 bytes including its header).
+    // Weights: what `kura serve` holds with native weights, exactly: the Q4_1 matrices in 4-bit records
+    // of 16 rows × 32 columns (320 bytes), the Q8_0 embedding in 8-bit ones (576 bytes), f32 norms.
     assert_eq!(r["weights_exact"], true);
-    let w = r["weights_bytes"].as_u64().unwrap();
-    assert!(w > 90_000_000 && w < 98_362_432, "{w}");
+    let record = |rows: u64, cols: u64, bytes: u64| rows.div_ceil(16) * (cols / 32) * bytes;
+    let layer = record(960, 576, 320)
+        + record(576, 576, 320)
+        + record(3072, 576, 320)
+        + record(576, 1536, 320)
+        + 2 * 576 * 4;
+    let want = 30 * layer + record(49_152, 576, 576) + 576 * 4;
+    assert_eq!(r["weights_bytes"].as_u64().unwrap(), want);
 }
 
 #[test]

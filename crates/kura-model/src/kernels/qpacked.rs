@@ -18,12 +18,14 @@
 //! so that one `vpdpbusd` of a value vector with four activation bytes broadcast adds four columns of
 //! 16 rows into 16 lanes: no horizontal sums. The activations of a token are int8 in the same blocks of 32
 //! with an f32 scale `dx` and `sx = dx · Σq` per block ([`quantize_act_row`]); a block contributes
-//! `(Σ u·q) · (scale · dx) + min · sx` to its row, added block after block in column order with fused
-//! multiply-adds. The integer sums are exact, so the portable loop gives the same bits as the vector
+//! `(Σ u·q) · (scale · dx)` to its row's sum of products and `min · sx` to its sum of offsets, each
+//! added block after block in column order with fused multiply-adds; the row's result is their sum. The integer sums are exact, so the portable loop gives the same bits as the vector
 //! kernel, and a token's result does not depend on the batch it is in (batch invariance).
 //!
 //! Cost: a decode step reads 5 bits per weight (4-bit) or 9 bits (8-bit): the file's Q4_1 size and a
 //! little more than Q8_0.
+
+use std::sync::Arc;
 
 use half::f16;
 
@@ -93,6 +95,62 @@ impl QRow {
     }
 }
 
+/// Where a matrix's records live: its own vector while the model loads, then a part of the model's
+/// [`WeightArena`].
+#[derive(Clone)]
+enum Records {
+    Own(Vec<Line>),
+    Arena {
+        arena: Arc<WeightArena>,
+        start: usize,
+        len: usize,
+    },
+}
+
+/// One anonymous mapping holding every packed matrix of a model, 2 MiB aligned and advised to use
+/// transparent huge pages: a decode step streams all of it, and with 4 KiB pages its TLB misses cost
+/// about a fifth of single-thread decode speed on the development machine.
+pub struct WeightArena {
+    map: memmap2::MmapMut,
+    /// Offset of the first 2 MiB boundary in `map`.
+    start: usize,
+}
+
+const HUGE_PAGE: usize = 2 << 20;
+
+impl WeightArena {
+    /// Moves the records of `mats` into one arena. Huge pages are a request: where the kernel refuses
+    /// them, the arena works on ordinary pages.
+    pub fn gather(mats: &mut [&mut PackedQ]) -> std::io::Result<()> {
+        let total: usize = mats.iter().map(|m| m.bytes()).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let mut map = memmap2::MmapMut::map_anon(total + HUGE_PAGE)?;
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
+        let start = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
+        let mut at = start;
+        for m in mats.iter() {
+            let bytes = m.bytes_slice();
+            map[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        }
+        let arena = Arc::new(WeightArena { map, start });
+        let mut line = 0;
+        for m in mats.iter_mut() {
+            let len = m.bytes() / 64;
+            m.data = Records::Arena {
+                arena: Arc::clone(&arena),
+                start: line,
+                len,
+            };
+            line += len;
+        }
+        Ok(())
+    }
+}
+
 /// A `[rows, cols]` matrix of quantized weights in the panel layout above.
 #[derive(Clone)]
 pub struct PackedQ {
@@ -101,7 +159,7 @@ pub struct PackedQ {
     pub bits: QBits,
     blocks: usize,
     panels: usize,
-    data: Vec<Line>,
+    data: Records,
 }
 
 impl PackedQ {
@@ -148,10 +206,12 @@ impl PackedQ {
                 record[mb..mb + 2].copy_from_slice(&f16::from_f32(row.min[b]).to_le_bytes());
             }
         }
-        let data = bytes
-            .chunks_exact(64)
-            .map(|c| Line(c.try_into().expect("64-byte chunks")))
-            .collect();
+        let data = Records::Own(
+            bytes
+                .chunks_exact(64)
+                .map(|c| Line(c.try_into().expect("64-byte chunks")))
+                .collect(),
+        );
         PackedQ {
             rows,
             cols,
@@ -162,9 +222,18 @@ impl PackedQ {
         }
     }
 
+    /// The records, 64-byte aligned.
     fn bytes_slice(&self) -> &[u8] {
-        // SAFETY: Line is 64 plain bytes with no padding; the view borrows `self.data`.
-        unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast::<u8>(), self.data.len() * 64) }
+        match &self.data {
+            // SAFETY: Line is 64 plain bytes with no padding; the view borrows `self.data`.
+            Records::Own(v) => unsafe {
+                std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 64)
+            },
+            Records::Arena { arena, start, len } => {
+                let at = arena.start + start * 64;
+                &arena.map[at..at + len * 64]
+            }
+        }
     }
 
     fn record(&self, p: usize, b: usize) -> &[u8] {
@@ -204,7 +273,10 @@ impl PackedQ {
 
     /// Bytes held, padding included: what a decode step reads.
     pub fn bytes(&self) -> usize {
-        self.data.len() * 64
+        match &self.data {
+            Records::Own(v) => v.len() * 64,
+            Records::Arena { len, .. } => len * 64,
+        }
     }
 
     /// Bytes a `[rows, cols]` matrix of `bits` takes: what [`Self::build`] allocates.
@@ -323,7 +395,7 @@ unsafe fn tile_portable(tile: &Tile<'_>, m: usize) {
     let half = |r: &[u8], at: usize| f16::from_le_bytes([r[at], r[at + 1]]).to_f32();
     for i in 0..m {
         for lane in 0..tile.valid {
-            let mut acc = 0f32;
+            let (mut products, mut offsets) = (0f32, 0f32);
             for b in 0..tile.blocks {
                 let record = &tile.panel[b * rec..(b + 1) * rec];
                 let xq = &tile.xq[i * cols + b * QBLOCK..i * cols + (b + 1) * QBLOCK];
@@ -343,9 +415,10 @@ unsafe fn tile_portable(tile: &Tile<'_>, m: usize) {
                     half(record, vb + 2 * lane),
                     half(record, vb + 32 + 2 * lane),
                 );
-                acc = (isum as f32).mul_add(scale * dx, acc);
-                acc = min.mul_add(sx, acc);
+                products = (isum as f32).mul_add(scale * dx, products);
+                offsets = min.mul_add(sx, offsets);
             }
+            let acc = products + offsets;
             // SAFETY: the caller's guarantee on `out`.
             unsafe {
                 let p = tile.out.add(i * tile.ldo + lane);
@@ -419,13 +492,23 @@ mod x86 {
         assert!(tile.xds.len() >= M * blocks);
         let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
         let low = _mm512_set1_epi8(0x0F);
-        let mut acc = [_mm512_setzero_ps(); M];
+        // Independent chains of `vpdpbusd` per token, so that few tokens do not wait on one chain's
+        // latency; integer sums are exact, so the split does not change a bit.
+        let chains = if M <= 2 {
+            4
+        } else if M <= 4 {
+            2
+        } else {
+            1
+        };
+        // Two float sums per token (products and offsets), added at the end.
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
         for b in 0..blocks {
             // SAFETY: b < blocks keeps the record inside the panel and the activations inside the
             // tile's tokens (asserted above).
             unsafe {
                 let r = wp.add(b * rec);
-                let mut isum = [_mm512_setzero_si512(); M];
+                let mut isum = [[_mm512_setzero_si512(); 4]; M];
                 if U4 {
                     for v in 0..4 {
                         let w = _mm512_loadu_si512(r.add(v * 64).cast());
@@ -433,9 +516,14 @@ mod x86 {
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
                         for (i, s) in isum.iter_mut().enumerate() {
                             let x = xq.add(i * cols + b * QBLOCK + 8 * v).cast::<i32>();
-                            *s = _mm512_dpbusd_epi32(*s, lo, _mm512_set1_epi32(x.read_unaligned()));
-                            *s = _mm512_dpbusd_epi32(
-                                *s,
+                            let (c0, c1) = ((2 * v) % chains, (2 * v + 1) % chains);
+                            s[c0] = _mm512_dpbusd_epi32(
+                                s[c0],
+                                lo,
+                                _mm512_set1_epi32(x.read_unaligned()),
+                            );
+                            s[c1] = _mm512_dpbusd_epi32(
+                                s[c1],
                                 hi,
                                 _mm512_set1_epi32(x.add(1).read_unaligned()),
                             );
@@ -446,7 +534,9 @@ mod x86 {
                         let w = _mm512_loadu_si512(r.add(v * 64).cast());
                         for (i, s) in isum.iter_mut().enumerate() {
                             let x = xq.add(i * cols + b * QBLOCK + 4 * v).cast::<i32>();
-                            *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(x.read_unaligned()));
+                            let c = v % chains;
+                            s[c] =
+                                _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(x.read_unaligned()));
                         }
                     }
                 }
@@ -454,9 +544,18 @@ mod x86 {
                 let min = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(vb + 2 * QROWS).cast()));
                 for (i, a) in acc.iter_mut().enumerate() {
                     let [dx, sx] = *xds.add(i * blocks + b);
+                    let s = &isum[i];
+                    let total = match chains {
+                        4 => _mm512_add_epi32(
+                            _mm512_add_epi32(s[0], s[1]),
+                            _mm512_add_epi32(s[2], s[3]),
+                        ),
+                        2 => _mm512_add_epi32(s[0], s[1]),
+                        _ => s[0],
+                    };
                     let f = _mm512_mul_ps(scale, _mm512_set1_ps(dx));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), f, *a);
-                    *a = _mm512_fmadd_ps(min, _mm512_set1_ps(sx), *a);
+                    a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), f, a[0]);
+                    a[1] = _mm512_fmadd_ps(min, _mm512_set1_ps(sx), a[1]);
                 }
             }
         }
@@ -466,13 +565,14 @@ mod x86 {
             (1u16 << tile.valid) - 1
         };
         for (i, a) in acc.iter().enumerate() {
+            let a = _mm512_add_ps(a[0], a[1]);
             // SAFETY: the first `valid` of these 16 columns of token i are writable (caller's guarantee).
             unsafe {
                 let p = tile.out.add(i * tile.ldo);
                 let v = if tile.add {
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask, p), *a)
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask, p), a)
                 } else {
-                    *a
+                    a
                 };
                 _mm512_mask_storeu_ps(p, mask, v);
             }
