@@ -467,39 +467,68 @@ impl MatrixMaker<'_> {
                 .push((name.clone(), h.digest128()));
             raws.push((raw, *r, row_bytes));
         }
-        let bits = if raws
+        let parts_raw: Vec<(GgmlType, usize, &[u8])> = raws
             .iter()
-            .all(|(raw, ..)| quant::native_bits(raw.dtype) == QBits::U4)
-        {
-            QBits::U4
-        } else {
-            QBits::U8
-        };
-        let mut scratch = vec![0f32; cols];
-        let mut failed = None;
-        let packed = PackedQ::build(rows, cols, bits, |mut r, row: &mut QRow| {
-            let mut part = 0;
-            while r >= raws[part].1 {
-                r -= raws[part].1;
-                part += 1;
-            }
-            let (raw, _, rb) = &raws[part];
-            let bytes = &raw.bytes[r * rb..(r + 1) * rb];
-            if !quant::unpack_row(raw.dtype, bytes, row) {
-                match quant::dequantize(raw.dtype, bytes, &mut scratch) {
-                    Ok(()) => quant::requantize_row_u8(&scratch, row),
-                    Err(what) => failed = Some(format!("tensor '{}': {what}", parts[part].0)),
-                }
-            }
-        });
-        if let Some(what) = failed {
-            return Err(ModelError::Config(what));
-        }
+            .map(|(raw, r, _)| (raw.dtype, *r, raw.bytes))
+            .collect();
+        let packed = pack_rows(&parts_raw, cols).map_err(|(part, what)| {
+            ModelError::Config(format!("tensor '{}': {what}", parts[part].0))
+        })?;
         Ok(Matrix {
             rows,
             cols,
             data: MatData::Quant(packed),
         })
+    }
+}
+
+/// Packs row-stacked tensors `(type, rows, bytes)` of `cols` columns (whole blocks of their type, checked
+/// by the caller) as one matrix: 4-bit if every part is a 4-bit format, else 8-bit; formats with no
+/// exact packed form are requantized to 8 bits. An error names the part and what failed.
+pub(crate) fn pack_rows(
+    parts: &[(GgmlType, usize, &[u8])],
+    cols: usize,
+) -> std::result::Result<PackedQ, (usize, String)> {
+    let rows: usize = parts.iter().map(|p| p.1).sum();
+    let bits = if parts
+        .iter()
+        .all(|(ty, ..)| quant::native_bits(*ty) == QBits::U4)
+    {
+        QBits::U4
+    } else {
+        QBits::U8
+    };
+    let row_bytes: Vec<usize> = parts
+        .iter()
+        .map(|(ty, ..)| ty.byte_size(cols).unwrap_or(0))
+        .collect();
+    let mut scratch = vec![0f32; cols];
+    let mut failed = None;
+    let packed = PackedQ::build(rows, cols, bits, |mut r, row: &mut QRow| {
+        let mut part = 0;
+        while r >= parts[part].1 {
+            r -= parts[part].1;
+            part += 1;
+        }
+        let (ty, _, all) = parts[part];
+        let rb = row_bytes[part];
+        let Some(bytes) = all.get(r * rb..(r + 1) * rb) else {
+            failed = Some((
+                part,
+                format!("row {r} lies outside its {} bytes", all.len()),
+            ));
+            return;
+        };
+        if !quant::unpack_row(ty, bytes, row) {
+            match quant::dequantize(ty, bytes, &mut scratch) {
+                Ok(()) => quant::requantize_row_u8(&scratch, row),
+                Err(what) => failed = Some((part, what)),
+            }
+        }
+    });
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(packed),
     }
 }
 
@@ -699,11 +728,90 @@ impl Weights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::matmul::matmul;
+
+    /// Seeded bytes of `n` blocks of `ty` with sane f16 scales (a random f16 may be Inf or NaN).
+    fn blocks(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
+        let (_, size) = ty.block().unwrap();
+        let mut s = seed;
+        let mut bytes: Vec<u8> = (0..n * size)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (s >> 56) as u8
+            })
+            .collect();
+        let half = |v: f32| half::f16::from_f32(v).to_le_bytes();
+        for (i, b) in bytes.chunks_exact_mut(size).enumerate() {
+            let d = half(0.01 + (i % 7) as f32 * 0.003);
+            let m = half(-0.05 - (i % 5) as f32 * 0.01);
+            match ty {
+                GgmlType::Q6K => b[size - 2..].copy_from_slice(&d),
+                GgmlType::Q4K | GgmlType::Q5K => {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&half(0.004));
+                }
+                GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&m);
+                }
+                _ => b[0..2].copy_from_slice(&d),
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn every_format_multiplies_as_its_dequantized_values() {
+        let (rows, cols, t) = (40, 512, 5);
+        let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.21).cos()).collect();
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ] {
+            let (per, _) = ty.block().unwrap();
+            let bytes = blocks(ty, rows * cols / per, 7);
+            let packed = pack_rows(&[(ty, rows, &bytes)], cols).unwrap();
+            assert_eq!(packed.bits, quant::native_bits(ty), "{}", ty.name());
+            let mut w = vec![0f32; rows * cols];
+            quant::dequantize(ty, &bytes, &mut w).unwrap();
+            let m = Matrix {
+                rows,
+                cols,
+                data: MatData::Quant(packed),
+            };
+            let mut out = vec![0f32; t * rows];
+            matmul(&x, t, &m, &mut out);
+            for i in 0..t {
+                for r in 0..rows {
+                    let terms =
+                        (0..cols).map(|c| f64::from(x[i * cols + c]) * f64::from(w[r * cols + c]));
+                    let exact: f64 = terms.clone().sum();
+                    let scale: f64 = terms.map(f64::abs).sum();
+                    let got = f64::from(out[i * rows + r]);
+                    // int8 activations (and Q6_K's requantization to 8 bits) cost well under 1 %.
+                    assert!(
+                        (got - exact).abs() <= 0.01 * scale,
+                        "{} token {i} row {r}: {got} vs {exact}",
+                        ty.name()
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_runtime_computes_in_bf16_or_f32_and_names_what_it_refuses() {
         assert!(check_compute_dtype(WeightsDtype::Bf16).is_ok());
         assert!(check_compute_dtype(WeightsDtype::F32).is_ok());
+        assert!(check_compute_dtype(WeightsDtype::Native).is_ok());
         for d in [
             WeightsDtype::F16,
             WeightsDtype::Fp8,

@@ -38,7 +38,7 @@ pub struct GenerateArgs {
     /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Element format of stored K/V: bf16 (default, like the weights), f16, f32, or quantised int8, fp8
+    /// Element format of stored K/V: bf16 (default), f16, f32, or quantised int8, fp8
     /// (e4m3) or int4.
     #[arg(long, default_value = "bf16")]
     pub kv_dtype: KvDtype,

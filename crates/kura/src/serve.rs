@@ -46,7 +46,7 @@ pub struct ServeArgs {
     /// 256 MiB) for the rest of the server.
     #[arg(long, default_value = "1GiB")]
     kv_cache_memory: String,
-    /// KV element format: bf16 (default, like the weights), f16, f32 (twice the bytes), or quantised
+    /// KV element format: bf16 (default), f16, f32 (twice the bytes), or quantised
     /// int8 and fp8 (e4m3) (about half of bf16's bytes) or int4 (about 2/7). On a CPU with
     /// AVX-512 (AVX-512 BF16 for bf16 weights), a request served from cached blocks is bit-identical to a
     /// cold one in every format (seeded sampling included).

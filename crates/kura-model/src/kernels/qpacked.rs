@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use half::f16;
 
-use super::dot::Vnni;
+use super::dot::{Isa, Vnni};
 use super::team::{split, SharedMut, Team};
 
 /// Rows per panel: the 16 i32 lanes of a 512-bit register.
@@ -329,10 +329,26 @@ pub unsafe fn matmul_part(
     out: SharedMut<'_, f32>,
     add: bool,
 ) {
+    // SAFETY: the caller's guarantee; the path is this CPU's.
+    unsafe { matmul_part_on(Path::detect(), tm, x, t, w, out, add) }
+}
+
+/// [`matmul_part`] on a given kernel path.
+///
+/// # Safety
+/// As [`matmul_part`]; the CPU has what `path` needs.
+unsafe fn matmul_part_on(
+    path: Path,
+    tm: &Team<'_>,
+    x: QAct<'_>,
+    t: usize,
+    w: &PackedQ,
+    out: SharedMut<'_, f32>,
+    add: bool,
+) {
     assert_eq!(x.q.len(), t * w.cols, "x is t × cols");
     assert_eq!(x.ds.len(), t * w.blocks, "x has t × blocks scales");
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
-    let vnni = Vnni::detect();
     let chunk = chunk_tokens(t, w.panels, tm.size());
     let chunks = t.div_ceil(chunk.max(1));
     for item in split(chunks * w.panels, tm.size(), tm.index()) {
@@ -356,14 +372,39 @@ pub unsafe fn matmul_part(
                 valid,
                 add,
             };
-            match &vnni {
-                // SAFETY: the Vnni proof; the tile's slices hold m tokens and the panel's records.
-                Some(_) => unsafe { x86::tile_dispatch(&tile, m) },
-                // SAFETY: as above, without vector instructions.
-                None => unsafe { tile_portable(&tile, m) },
+            // SAFETY: `path` was detected on this CPU; the tile's slices hold m tokens and the
+            // panel's records.
+            unsafe {
+                match path {
+                    Path::Vnni => x86::tile_dispatch(&tile, m),
+                    Path::Avx2 => x86::tile_dispatch_avx2(&tile, m),
+                    Path::Portable => tile_portable(&tile, m),
+                }
             }
             t0 += m;
         }
+    }
+}
+
+/// The kernel this CPU runs: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` (AVX2 with FMA and F16C), or the
+/// portable loop; all three give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    Vnni,
+    Avx2,
+    Portable,
+}
+
+impl Path {
+    pub fn detect() -> Path {
+        if Vnni::detect().is_some() {
+            return Path::Vnni;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::detect() != Isa::Scalar && is_x86_feature_detected!("f16c") {
+            return Path::Avx2;
+        }
+        Path::Portable
     }
 }
 
@@ -471,6 +512,124 @@ mod x86 {
                 (QBits::U8, 6) => tile_vnni::<6, false>(tile),
                 (QBits::U8, 7) => tile_vnni::<7, false>(tile),
                 (QBits::U8, _) => tile_vnni::<8, false>(tile),
+            }
+        }
+    }
+
+    /// The AVX2 kernel in groups of up to 4 tokens (16 registers hold no more).
+    ///
+    /// # Safety
+    /// avx2, fma and f16c are present; see [`super::tile_portable`] for `out`.
+    pub(super) unsafe fn tile_dispatch_avx2(tile: &Tile<'_>, m: usize) {
+        let cols = tile.blocks * QBLOCK;
+        let mut t0 = 0;
+        while t0 < m {
+            let g = (m - t0).min(4);
+            let sub = Tile {
+                panel: tile.panel,
+                blocks: tile.blocks,
+                bits: tile.bits,
+                xq: &tile.xq[t0 * cols..],
+                xds: &tile.xds[t0 * tile.blocks..],
+                // SAFETY: token t0 < m of the tile's output (caller's guarantee).
+                out: unsafe { tile.out.add(t0 * tile.ldo) },
+                ldo: tile.ldo,
+                valid: tile.valid,
+                add: tile.add,
+            };
+            // SAFETY: the caller's guarantee, for g of its tokens.
+            unsafe {
+                match (tile.bits, g) {
+                    (QBits::U4, 1) => tile_avx2::<1, true>(&sub),
+                    (QBits::U4, 2) => tile_avx2::<2, true>(&sub),
+                    (QBits::U4, 3) => tile_avx2::<3, true>(&sub),
+                    (QBits::U4, _) => tile_avx2::<4, true>(&sub),
+                    (QBits::U8, 1) => tile_avx2::<1, false>(&sub),
+                    (QBits::U8, 2) => tile_avx2::<2, false>(&sub),
+                    (QBits::U8, 3) => tile_avx2::<3, false>(&sub),
+                    (QBits::U8, _) => tile_avx2::<4, false>(&sub),
+                }
+            }
+            t0 += g;
+        }
+    }
+
+    /// `M` tokens × 16 rows as two halves of 8: `vpmaddubsw` of 4-bit values with the activations
+    /// broadcast (no 16-bit sum can saturate: 2 × 15 × 127), `vpmaddwd` by ones to 32-bit lanes; 8-bit
+    /// values as two nibbles (`16 · Σ hi·q + Σ lo·q`). The same exact integer sums as `vpdpbusd`, then
+    /// the same fused multiply-adds.
+    ///
+    /// # Safety
+    /// avx2, fma and f16c are present; the tile holds `M` tokens; see [`super::tile_portable`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_avx2<const M: usize, const U4: bool>(tile: &Tile<'_>) {
+        let (blocks, cols) = (tile.blocks, tile.blocks * QBLOCK);
+        let (rec, vb) = if U4 {
+            (QROWS * QBLOCK / 2 + 4 * QROWS, QROWS * QBLOCK / 2)
+        } else {
+            (QROWS * QBLOCK + 4 * QROWS, QROWS * QBLOCK)
+        };
+        assert!(tile.panel.len() >= blocks * rec && tile.xq.len() >= M * cols);
+        assert!(tile.xds.len() >= M * blocks);
+        let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        for half in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 2]; M];
+            for b in 0..blocks {
+                // SAFETY: b < blocks keeps the record inside the panel and the activations inside the
+                // tile's tokens (asserted above).
+                unsafe {
+                    let r = wp.add(b * rec);
+                    let mut isum = [_mm256_setzero_si256(); M];
+                    // `u · q` summed by fours for one 32-byte half of a value vector.
+                    let dot4 = |u: __m256i, x: *const i32| {
+                        let q = _mm256_set1_epi32(x.read_unaligned());
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones)
+                    };
+                    let groups = if U4 { 4 } else { 8 };
+                    for v in 0..groups {
+                        let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
+                        let lo = _mm256_and_si256(w, low);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                        for (i, s) in isum.iter_mut().enumerate() {
+                            if U4 {
+                                let x = xq.add(i * cols + b * QBLOCK + 8 * v).cast::<i32>();
+                                *s = _mm256_add_epi32(*s, dot4(lo, x));
+                                *s = _mm256_add_epi32(*s, dot4(hi, x.add(1)));
+                            } else {
+                                let x = xq.add(i * cols + b * QBLOCK + 4 * v).cast::<i32>();
+                                let sum = _mm256_add_epi32(
+                                    _mm256_slli_epi32::<4>(dot4(hi, x)),
+                                    dot4(lo, x),
+                                );
+                                *s = _mm256_add_epi32(*s, sum);
+                            }
+                        }
+                    }
+                    let scale = _mm256_cvtph_ps(_mm_loadu_si128(r.add(vb + 16 * half).cast()));
+                    let min =
+                        _mm256_cvtph_ps(_mm_loadu_si128(r.add(vb + 2 * QROWS + 16 * half).cast()));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let [dx, sx] = *xds.add(i * blocks + b);
+                        let f = _mm256_mul_ps(scale, _mm256_set1_ps(dx));
+                        a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), f, a[0]);
+                        a[1] = _mm256_fmadd_ps(min, _mm256_set1_ps(sx), a[1]);
+                    }
+                }
+            }
+            let lanes = tile.valid.saturating_sub(8 * half).min(8);
+            for (i, a) in acc.iter().enumerate() {
+                let mut vals = [0f32; 8];
+                // SAFETY: `vals` holds 8 floats.
+                unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), _mm256_add_ps(a[0], a[1])) };
+                for (lane, v) in vals.iter().enumerate().take(lanes) {
+                    // SAFETY: the first `valid` columns of token i are writable (caller's guarantee).
+                    unsafe {
+                        let p = tile.out.add(i * tile.ldo + 8 * half + lane);
+                        *p = if tile.add { *p + v } else { *v };
+                    }
+                }
             }
         }
     }
@@ -586,6 +745,10 @@ mod x86 {
 
     pub(super) unsafe fn tile_dispatch(_: &Tile<'_>, _: usize) {
         unreachable!("Vnni::detect is false off x86_64")
+    }
+
+    pub(super) unsafe fn tile_dispatch_avx2(_: &Tile<'_>, _: usize) {
+        unreachable!("Path::detect gives Avx2 only on x86_64")
     }
 }
 
@@ -751,6 +914,47 @@ mod tests {
                     run(&x, t, &w, &mut acc, true);
                     for (a, b) in acc.iter().zip(&out) {
                         assert_eq!(*a, 1.5 + b, "add mode");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The kernel paths this CPU can run.
+    fn paths() -> Vec<Path> {
+        let mut p = vec![Path::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            p.push(Path::Avx2);
+        }
+        if Vnni::detect().is_some() {
+            p.push(Path::Vnni);
+        }
+        p
+    }
+
+    #[test]
+    fn every_kernel_path_gives_the_same_bits() {
+        let paths = paths();
+        for bits in [QBits::U4, QBits::U8] {
+            let (rows, cols) = (45, 160);
+            let w = matrix(rows, cols, bits, 99);
+            for t in [1, 3, 4, 5, 8, 9, 30] {
+                let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.29).sin()).collect();
+                let (q, ds) = quantized(&x, cols);
+                let act = QAct { q: &q, ds: &ds };
+                let mut first: Option<Vec<f32>> = None;
+                for &path in &paths {
+                    let mut out = vec![0.25f32; t * rows];
+                    let shared = SharedMut::new(&mut out);
+                    // SAFETY: `paths` lists what this CPU has; every thread passes the same arguments.
+                    team::run(|tm| unsafe { matmul_part_on(path, tm, act, t, &w, shared, true) });
+                    match &first {
+                        None => first = Some(out),
+                        Some(f) => assert_eq!(&out, f, "{path:?} {bits:?} t={t}"),
                     }
                 }
             }
