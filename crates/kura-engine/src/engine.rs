@@ -615,19 +615,7 @@ impl Core {
     /// Metrics and clients of what a scheduling pass did.
     fn on_sched_event(&mut self, event: SchedEvent) {
         match event {
-            SchedEvent::Admitted {
-                request,
-                first,
-                query_tokens,
-                cached_tokens,
-                pending_tokens,
-                ..
-            } => {
-                self.metrics.prefix_queries_tokens.add(query_tokens as u64);
-                self.metrics.prefix_hits_tokens.add(cached_tokens as u64);
-                self.metrics
-                    .prefix_pending_hit_tokens
-                    .add(pending_tokens as u64);
+            SchedEvent::Admitted { request, first, .. } => {
                 if !first {
                     return;
                 }
@@ -1027,7 +1015,12 @@ impl Core {
             .set(self.sched.num_preempted_waiting() as f64);
         m.kv_reserved_blocks
             .set(self.sched.reserved_blocks() as f64);
-        let evictions = self.sched.kv().stats().evictions;
+        let st = self.sched.kv().stats();
+        m.prefix_queries_tokens.set_total(st.prefix_query_tokens);
+        m.prefix_hits_tokens.set_total(st.prefix_hit_tokens);
+        m.prefix_pending_hit_tokens
+            .set_total(st.prefix_pending_hit_tokens);
+        let evictions = st.evictions;
         m.kv_evictions
             .add(evictions.saturating_sub(self.kv_evictions_seen));
         self.kv_evictions_seen = evictions;

@@ -195,15 +195,13 @@ pub struct Item {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SchedEvent {
     /// A sequence got blocks. `first`: its request's first admission (a resumption after preemption is
-    /// not); `query_tokens` were looked up, `cached_tokens` found computed, `pending_tokens` found being
-    /// computed by another sequence.
+    /// not); `cached_tokens` of its prompt were found cached (what its usage reports). The cache's own
+    /// counters of admissions are [`kura_kv::KvStats`]'s.
     Admitted {
         seq: SeqKey,
         request: u64,
         first: bool,
-        query_tokens: usize,
         cached_tokens: usize,
-        pending_tokens: usize,
     },
     /// A running sequence was sent back to the waiting queue to make room (its computed full blocks stay
     /// cached for its resumption; `swapped_blocks` of them were copied to the host tier, under
@@ -825,9 +823,7 @@ impl Scheduler {
             {
                 Ok(Some(alloc)) => {
                     plan.copies.extend(alloc.copies);
-                    let pending_tokens = hit.num_pending_blocks() * self.kv.block_size();
-                    let query_tokens = lookup.len();
-                    self.on_admitted(c.seq, id, query_tokens, cached, pending_tokens, plan);
+                    self.on_admitted(c.seq, id, cached, plan);
                     return Admit::Admitted;
                 }
                 Ok(None) => {
@@ -898,15 +894,7 @@ impl Scheduler {
         (now + full - len.div_ceil(bs) + others, full + others)
     }
 
-    fn on_admitted(
-        &mut self,
-        key: SeqKey,
-        id: SeqId,
-        query_tokens: usize,
-        cached_tokens: usize,
-        pending_tokens: usize,
-        plan: &mut Plan,
-    ) {
+    fn on_admitted(&mut self, key: SeqKey, id: SeqId, cached_tokens: usize, plan: &mut Plan) {
         let order = self.next_order;
         self.next_order += 1;
         let seq = self.seqs.get_mut(&key).expect("admitted sequence exists");
@@ -926,9 +914,7 @@ impl Scheduler {
             seq: key,
             request: request_id,
             first,
-            query_tokens,
             cached_tokens,
-            pending_tokens,
         });
     }
 

@@ -378,10 +378,10 @@ impl KvCacheManager {
     /// always leave one token to compute.
     pub fn find_cached_prefix(&mut self, tokens: &[u32], key: &CacheKey) -> PrefixHit {
         let bs = self.config.block_size;
-        self.stats.prefix_query_tokens += tokens.len() as u64;
-        self.stats.prefix_query_blocks += (tokens.len() / bs) as u64;
+        self.stats.lookup_blocks += (tokens.len() / bs) as u64;
         let mut hit = PrefixHit {
             block_size: bs,
+            queried_tokens: tokens.len(),
             ..PrefixHit::default()
         };
         if !self.config.enable_prefix_caching {
@@ -393,12 +393,19 @@ impl KvCacheManager {
         self.lookup_pool(key_id, tokens, &mut hit);
         self.fit_hit_to_window(&mut hit);
         self.lookup_tiers(key_id, tokens, &mut hit);
-        self.stats.prefix_hit_tokens += hit.num_cached_tokens() as u64;
-        self.stats.prefix_hit_blocks += hit.blocks.len() as u64;
-        if hit.partial.is_some() {
-            self.stats.partial_hits += 1;
-        }
         hit
+    }
+
+    /// The admission counters of a fresh sequence's hit, attached.
+    fn count_admission(&mut self, hit: &PrefixHit) {
+        let bs = self.config.block_size as u64;
+        let s = &mut self.stats;
+        s.prefix_query_tokens += hit.queried_tokens as u64;
+        s.prefix_query_blocks += hit.queried_tokens as u64 / bs;
+        s.prefix_hit_tokens += hit.num_cached_tokens() as u64;
+        s.prefix_pending_hit_tokens += hit.num_pending_blocks() as u64 * bs;
+        s.prefix_hit_blocks += hit.blocks.len() as u64;
+        s.partial_hits += u64::from(hit.partial.is_some());
     }
 
     /// Appends `new_tokens` to the sequence, taking the blocks they need; for an empty sequence, `hit`
@@ -421,6 +428,7 @@ impl KvCacheManager {
     ) -> Result<Option<Allocation>, KvError> {
         let bs = self.config.block_size;
         let seq = self.seq(id)?;
+        let admission = hit.filter(|_| seq.num_tokens == 0);
         let hit = hit.filter(|h| !h.blocks.is_empty() || h.partial.is_some() || !h.tier.is_empty());
         if let Some(h) = hit {
             self.validate_hit(id, seq, h)?;
@@ -478,6 +486,9 @@ impl KvCacheManager {
         }
         self.append_tokens(id, new_tokens, &mut alloc)?;
         self.stats.block_copies += alloc.copies.len() as u64;
+        if let Some(h) = admission {
+            self.count_admission(h);
+        }
         Ok(Some(alloc))
     }
 

@@ -77,6 +77,8 @@ pub struct PrefixHit {
     /// Full blocks after `blocks` found in a lower tier: (tier, slot, hash). They are loaded into fresh
     /// blocks, which the sequence waits for as for pending ones.
     pub(crate) tier: Vec<(Tier, u32, BlockHash)>,
+    /// Tokens looked up (the admission counters count them when the hit is attached).
+    pub(crate) queried_tokens: usize,
 }
 
 impl PrefixHit {

@@ -4,16 +4,23 @@
 /// Monotonic counters since the manager was created.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KvStats {
-    /// Prompt tokens looked up in the prefix index.
+    /// Prompt tokens of admitted sequences that were looked up in the prefix index: counted once per
+    /// admission, when a fresh sequence's allocation with its hit succeeds (a lookup whose allocation
+    /// failed, repeated later, counts once). The server's `kura:prefix_cache_queries_tokens` and the
+    /// simulators' hit ratios are these counters.
     pub prefix_query_tokens: u64,
-    /// Of those, tokens found cached (full blocks and partially reused blocks).
+    /// Of those, tokens found cached (full blocks, blocks of lower tiers and partially reused blocks).
     pub prefix_hit_tokens: u64,
-    /// Full prompt blocks looked up.
+    /// Of those, tokens of blocks still being computed by another sequence when attached (early reuse).
+    pub prefix_pending_hit_tokens: u64,
+    /// Full prompt blocks of admitted sequences looked up.
     pub prefix_query_blocks: u64,
-    /// Of those, blocks found cached.
+    /// Of those, blocks found cached in the pool.
     pub prefix_hit_blocks: u64,
-    /// Lookups that reused part of a cached block by copy.
+    /// Admissions that reused part of a cached block by copy.
     pub partial_hits: u64,
+    /// Full blocks walked by lookups, admitted or not: the index's work.
+    pub lookup_blocks: u64,
     /// Blocks attached while another sequence was still computing them (early reuse: a wait, not a recompute).
     pub pending_waits: u64,
     /// Pending blocks whose writer was cancelled while others waited on them.

@@ -59,6 +59,12 @@ fn full_blocks_hit_after_the_sequence_is_freed() {
     assert_eq!(hit.num_pending_blocks(), 0);
     assert_eq!(kv.usage().cached_idle_blocks, 2);
     assert_eq!(kv.usage().used_blocks, 0);
+    // Counted when a sequence is admitted with the hit, not at the lookup.
+    assert_eq!(kv.stats().prefix_hit_blocks, 0);
+    let again = kv.add_sequence(&key);
+    kv.allocate_slots(again, &prompt[hit.num_cached_tokens()..], Some(&hit))
+        .unwrap()
+        .unwrap();
     assert_eq!(kv.stats().prefix_hit_blocks, 2);
 }
 
@@ -591,7 +597,8 @@ fn without_prefix_caching_nothing_is_indexed_or_hit() {
         0
     );
     assert_eq!(kv.usage().free_blocks, 16);
-    assert_eq!(kv.stats().prefix_query_tokens, 16);
+    // The admitted prompt counts; the lookup that no allocation followed does not.
+    assert_eq!(kv.stats().prefix_query_tokens, 8);
 }
 
 #[test]
@@ -635,10 +642,19 @@ fn counters_and_usage_add_up() {
     let key = CacheKey::new();
     run(&mut kv, &key, &toks(0..10), true);
     let seq = run(&mut kv, &key, &toks(0..10), false);
-    let s = kv.stats();
+    let s = kv.stats().clone();
     assert_eq!(s.prefix_query_tokens, 20);
     assert_eq!(s.prefix_hit_tokens, 8);
     assert_eq!((s.prefix_query_blocks, s.prefix_hit_blocks), (4, 2));
+    // A lookup whose allocation fails (no room) is work, not an admission.
+    let big = kv.add_sequence(&key);
+    let hit = kv.find_cached_prefix(&toks(0..40), &key);
+    assert_eq!(kv.allocate_slots(big, &toks(8..40), Some(&hit)), Ok(None));
+    kv.free(big).unwrap();
+    let after = kv.stats();
+    assert_eq!(after.prefix_query_tokens, s.prefix_query_tokens);
+    assert_eq!(after.prefix_hit_tokens, s.prefix_hit_tokens);
+    assert_eq!(after.lookup_blocks, s.lookup_blocks + 10);
     let u = kv.usage();
     assert_eq!(
         (u.used_blocks, u.cached_idle_blocks, u.free_blocks),

@@ -282,8 +282,6 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
             report.rejected += 1;
             continue;
         }
-        report.hit_tokens += cached as u64;
-        report.hit_blocks += hit.num_full_blocks() as u64;
         if kv.num_tokens(seq)? < prompt.len() + need_output {
             report.output_short += 1;
         }
@@ -302,9 +300,11 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
     }
     let elapsed = started.elapsed().as_secs_f64();
     let stats = kv.stats();
+    report.hit_tokens = stats.prefix_hit_tokens;
+    report.hit_blocks = stats.prefix_hit_blocks;
     report.evictions = stats.evictions;
     report.partial_hits = stats.partial_hits;
-    report.block_ops = stats.block_ops + stats.prefix_query_blocks;
+    report.block_ops = stats.block_ops + stats.lookup_blocks;
     report.elapsed_s = elapsed;
     report.ops_per_sec = report.block_ops as f64 / elapsed.max(1e-9);
     report.hit_ratio_tokens = ratio(report.hit_tokens, report.prompt_tokens);
