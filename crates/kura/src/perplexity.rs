@@ -181,6 +181,12 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         );
     }
     let chunks = args.chunks.map_or(whole, |c| c.min(whole));
+    // As llama-perplexity: a model whose tokenizer starts a text with BOS reads each chunk from BOS
+    // (the chunk's first token is replaced by it), so that the figures compare with llama.cpp's.
+    let bos = match model.tokenizer().encode("", true)?.as_slice() {
+        [b] => Some(*b),
+        _ => None,
+    };
     let vocab = model.config().vocab_size;
     let started = Instant::now();
 
@@ -197,7 +203,10 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let (mut ref_lp, mut ref_p): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
     let first_scored = args.context / 2;
     for c in 0..chunks {
-        let chunk = &tokens[c * args.context..(c + 1) * args.context];
+        let mut chunk = tokens[c * args.context..(c + 1) * args.context].to_vec();
+        if let Some(b) = bos {
+            chunk[0] = b;
+        }
         let mut start = 0;
         while start < args.context {
             let end = (start + PIECE).min(args.context);
