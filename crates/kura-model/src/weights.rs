@@ -782,6 +782,7 @@ mod tests {
             assert_eq!(packed.bits, quant::native_bits(ty), "{}", ty.name());
             let mut w = vec![0f32; rows * cols];
             quant::dequantize(ty, &bytes, &mut w).unwrap();
+            let reference = crate::kernels::qpacked::portable_product(&x, t, &packed);
             let m = Matrix {
                 rows,
                 cols,
@@ -789,6 +790,8 @@ mod tests {
             };
             let mut out = vec![0f32; t * rows];
             matmul(&x, t, &m, &mut out);
+            // This CPU's kernel gives the portable loop's bits.
+            assert_eq!(out, reference, "{}", ty.name());
             for i in 0..t {
                 for r in 0..rows {
                     let terms =

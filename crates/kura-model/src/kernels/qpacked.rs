@@ -408,6 +408,27 @@ impl Path {
     }
 }
 
+/// `x (t × cols) · Wᵀ` on the portable loop alone, in a region of its own: the reference the kernels'
+/// tests compare with.
+#[cfg(test)]
+pub(crate) fn portable_product(x: &[f32], t: usize, w: &PackedQ) -> Vec<f32> {
+    let mut q = vec![0i8; x.len()];
+    let mut ds = vec![[0f32; 2]; t * w.blocks];
+    for i in 0..t {
+        quantize_act_row(
+            &x[i * w.cols..(i + 1) * w.cols],
+            &mut q[i * w.cols..(i + 1) * w.cols],
+            &mut ds[i * w.blocks..(i + 1) * w.blocks],
+        );
+    }
+    let mut out = vec![0f32; t * w.rows];
+    let shared = SharedMut::new(&mut out);
+    let act = QAct { q: &q, ds: &ds };
+    // SAFETY: the portable path needs nothing of the CPU; every thread passes the same arguments.
+    super::team::run(|tm| unsafe { matmul_part_on(Path::Portable, tm, act, t, w, shared, false) });
+    out
+}
+
 /// A tile: up to [`TILE_TOKENS`] tokens × the 16 rows of one panel.
 pub(crate) struct Tile<'a> {
     /// The panel's records from its first block on.
