@@ -21,7 +21,7 @@
 use half::bf16;
 
 use super::dot::{Avx512, Bf16Act};
-use super::team::{split, SharedMut, Team};
+use super::team::{chunk_tokens, split, SharedMut, Team};
 
 /// Rows per panel.
 pub const PANEL_ROWS: usize = 64;
@@ -167,7 +167,12 @@ pub unsafe fn matmul_part<W: Tile>(
 ) {
     assert_eq!(x.len(), t * w.steps, "x is t × steps");
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
-    let chunk = chunk_tokens(t, w.panels, tm.size());
+    let chunk = chunk_tokens(
+        t,
+        w.panels,
+        tm.size(),
+        (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
+    );
     let chunks = t.div_ceil(chunk.max(1));
     for item in split(chunks * w.panels, tm.size(), tm.index()) {
         let (c, p) = (item / w.panels, item % w.panels);
@@ -229,21 +234,6 @@ impl Tile for f32 {
         // SAFETY: the caller's guarantee (a PackedF32 exists only with AVX-512).
         unsafe { x86::tile_f32::<M>(args) }
     }
-}
-
-/// Tokens per work item: all of them for small batches (threads split the rows, each weight read
-/// once); otherwise chunks of [`CHUNK_TOKENS`], smaller when there are too few panels to give every
-/// thread several items.
-fn chunk_tokens(t: usize, panels: usize, threads: usize) -> usize {
-    if t <= ROWS_ONLY_UP_TO || threads <= 1 && t <= CHUNK_TOKENS {
-        return t;
-    }
-    let want_chunks = (8 * threads).div_ceil(panels).max(t.div_ceil(CHUNK_TOKENS));
-    t.div_ceil(want_chunks)
-        .div_ceil(TILE_TOKENS)
-        .max(1)
-        .saturating_mul(TILE_TOKENS)
-        .min(CHUNK_TOKENS)
 }
 
 #[cfg(target_arch = "x86_64")]

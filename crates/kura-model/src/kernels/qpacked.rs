@@ -30,7 +30,7 @@ use std::sync::Arc;
 use half::f16;
 
 use super::dot::{Isa, Vnni};
-use super::team::{split, SharedMut, Team};
+use super::team::{chunk_tokens, split, SharedMut, Team};
 
 /// Rows per panel: the 16 i32 lanes of a 512-bit register.
 pub const QROWS: usize = 16;
@@ -349,7 +349,12 @@ unsafe fn matmul_part_on(
     assert_eq!(x.q.len(), t * w.cols, "x is t × cols");
     assert_eq!(x.ds.len(), t * w.blocks, "x has t × blocks scales");
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
-    let chunk = chunk_tokens(t, w.panels, tm.size());
+    let chunk = chunk_tokens(
+        t,
+        w.panels,
+        tm.size(),
+        (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
+    );
     let chunks = t.div_ceil(chunk.max(1));
     for item in split(chunks * w.panels, tm.size(), tm.index()) {
         let (c, p) = (item / w.panels, item % w.panels);
@@ -445,6 +450,20 @@ pub(crate) struct Tile<'a> {
     add: bool,
 }
 
+impl Tile<'_> {
+    /// (blocks, columns, record bytes, value bytes) of a tile of `m` tokens whose values are 4-bit
+    /// (`U4`) or 8-bit, checking that its slices hold them.
+    fn shape<const U4: bool>(&self, m: usize) -> (usize, usize, usize, usize) {
+        let bits = if U4 { QBits::U4 } else { QBits::U8 };
+        debug_assert_eq!(bits, self.bits);
+        let (blocks, cols) = (self.blocks, self.blocks * QBLOCK);
+        let (rec, vb) = (bits.record_bytes(), bits.value_bytes());
+        assert!(self.panel.len() >= blocks * rec && self.xq.len() >= m * cols);
+        assert!(self.xds.len() >= m * blocks);
+        (blocks, cols, rec, vb)
+    }
+}
+
 /// The reference: the same integer sums and the same fused multiply-adds in the same order as the vector
 /// kernel, one lane at a time.
 ///
@@ -488,21 +507,6 @@ unsafe fn tile_portable(tile: &Tile<'_>, m: usize) {
             }
         }
     }
-}
-
-/// Tokens per work item: all of them for small batches (threads split the rows, each weight read
-/// once); otherwise chunks of [`CHUNK_TOKENS`], smaller when there are too few panels to give every
-/// thread several items.
-fn chunk_tokens(t: usize, panels: usize, threads: usize) -> usize {
-    if t <= ROWS_ONLY_UP_TO || threads <= 1 && t <= CHUNK_TOKENS {
-        return t;
-    }
-    let want_chunks = (8 * threads).div_ceil(panels).max(t.div_ceil(CHUNK_TOKENS));
-    t.div_ceil(want_chunks)
-        .div_ceil(TILE_TOKENS)
-        .max(1)
-        .saturating_mul(TILE_TOKENS)
-        .min(CHUNK_TOKENS)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -584,14 +588,7 @@ mod x86 {
     /// avx2, fma and f16c are present; the tile holds `M` tokens; see [`super::tile_portable`].
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_avx2<const M: usize, const U4: bool>(tile: &Tile<'_>) {
-        let (blocks, cols) = (tile.blocks, tile.blocks * QBLOCK);
-        let (rec, vb) = if U4 {
-            (QROWS * QBLOCK / 2 + 4 * QROWS, QROWS * QBLOCK / 2)
-        } else {
-            (QROWS * QBLOCK + 4 * QROWS, QROWS * QBLOCK)
-        };
-        assert!(tile.panel.len() >= blocks * rec && tile.xq.len() >= M * cols);
-        assert!(tile.xds.len() >= M * blocks);
+        let (blocks, cols, rec, vb) = tile.shape::<U4>(M);
         let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
@@ -662,14 +659,7 @@ mod x86 {
     /// See [`tile_dispatch`]; the tile holds `M` tokens.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn tile_vnni<const M: usize, const U4: bool>(tile: &Tile<'_>) {
-        let (blocks, cols) = (tile.blocks, tile.blocks * QBLOCK);
-        let (rec, vb) = if U4 {
-            (QROWS * QBLOCK / 2 + 4 * QROWS, QROWS * QBLOCK / 2)
-        } else {
-            (QROWS * QBLOCK + 4 * QROWS, QROWS * QBLOCK)
-        };
-        assert!(tile.panel.len() >= blocks * rec && tile.xq.len() >= M * cols);
-        assert!(tile.xds.len() >= M * blocks);
+        let (blocks, cols, rec, vb) = tile.shape::<U4>(M);
         let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
         let low = _mm512_set1_epi8(0x0F);
         // Independent chains of `vpdpbusd` per token, so that few tokens do not wait on one chain's

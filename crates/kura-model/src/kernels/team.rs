@@ -56,6 +56,26 @@ pub fn split(items: usize, n: usize, i: usize) -> Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
+/// Tokens per work item of a panel kernel: all of them for small batches (up to `rows_only`: threads
+/// split the rows, each weight read once); otherwise chunks of up to `chunk` tokens in whole register
+/// tiles of `tile`, smaller when there are too few panels to give every thread several items.
+pub fn chunk_tokens(
+    t: usize,
+    panels: usize,
+    threads: usize,
+    (rows_only, chunk, tile): (usize, usize, usize),
+) -> usize {
+    if t <= rows_only || threads <= 1 && t <= chunk {
+        return t;
+    }
+    let want_chunks = (8 * threads).div_ceil(panels).max(t.div_ceil(chunk));
+    t.div_ceil(want_chunks)
+        .div_ceil(tile)
+        .max(1)
+        .saturating_mul(tile)
+        .min(chunk)
+}
+
 thread_local! {
     /// Whether this thread is running a region's closure: a region opened from inside one runs solo, as
     /// only some threads of the outer region would take part in it and the others would never arrive.
