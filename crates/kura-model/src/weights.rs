@@ -547,13 +547,14 @@ fn has_block_matrices(src: &dyn TensorSource, naming: Naming, cfg: &ModelConfig)
 }
 
 /// The bytes [`Weights::bytes_held`] gives for `native` weights, from the tensors' shapes and types
-/// alone (nothing is unpacked): `None` when the model has no block-format matrix (native is bf16 then).
+/// alone (nothing is unpacked): `None` when native computes in bf16 (no block-format matrix, or widths
+/// the kernels do not take).
 pub fn native_bytes(
     src: &dyn TensorSource,
     naming: Naming,
     cfg: &ModelConfig,
 ) -> Result<Option<usize>> {
-    if !has_block_matrices(src, naming, cfg)? {
+    if !native_keeps_blocks(src, naming, cfg)? {
         return Ok(None);
     }
     let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
@@ -594,10 +595,11 @@ pub fn native_bytes(
 }
 
 /// Native weights multiply int8 activations in blocks of 32: every width a product reads, and every
-/// span the attention writes at once (the query heads of one KV head), must be whole blocks.
-fn check_native_widths(cfg: &ModelConfig) -> Result<()> {
+/// span the attention writes at once (the query heads of one KV head), must be whole blocks. Says which
+/// is not.
+fn native_width_problem(cfg: &ModelConfig) -> Option<String> {
     let group = cfg.num_heads / cfg.num_kv_heads.max(1);
-    for (what, n) in [
+    [
         ("hidden size", cfg.hidden_size),
         ("intermediate size", cfg.intermediate_size),
         (
@@ -605,21 +607,30 @@ fn check_native_widths(cfg: &ModelConfig) -> Result<()> {
             cfg.num_heads * cfg.head_dim,
         ),
         ("query heads per KV head × head dim", group * cfg.head_dim),
-    ] {
-        if !n.is_multiple_of(QBLOCK) {
-            return Err(ModelError::Config(format!(
-                "native weights need widths in blocks of {QBLOCK}; this model's {what} is {n}: \
-                 give --weights-dtype bf16"
-            )));
-        }
+    ]
+    .into_iter()
+    .find(|(_, n)| !n.is_multiple_of(QBLOCK))
+    .map(|(what, n)| format!("its {what} is {n}, not a multiple of {QBLOCK}"))
+}
+
+/// Whether `native` keeps this model's blocks: it has a block-format matrix and widths the kernels
+/// take. A quantized model whose widths they do not take computes in bf16, and the log says why.
+fn native_keeps_blocks(src: &dyn TensorSource, naming: Naming, cfg: &ModelConfig) -> Result<bool> {
+    if !has_block_matrices(src, naming, cfg)? {
+        return Ok(false);
     }
-    Ok(())
+    if let Some(why) = native_width_problem(cfg) {
+        tracing::warn!("native weights: the model's blocks are dequantized to bf16: {why}");
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 impl Weights {
     /// Loads every tensor of `cfg`. `dtype` native keeps a GGUF's block formats packed when any matrix
     /// has one (the file's float matrices are then requantized to 8 bits, as are Q2_K, Q3_K and Q6_K,
-    /// which have no exact packed form); a model with float matrices only computes in bf16.
+    /// which have no exact packed form); a model with float matrices only, or with widths that are not
+    /// whole blocks of 32, computes in bf16.
     pub fn load(
         src: &dyn TensorSource,
         naming: Naming,
@@ -628,10 +639,7 @@ impl Weights {
     ) -> Result<Self> {
         let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
-        let quantized = dtype == WeightsDtype::Native && has_block_matrices(src, naming, cfg)?;
-        if quantized {
-            check_native_widths(cfg)?;
-        }
+        let quantized = dtype == WeightsDtype::Native && native_keeps_blocks(src, naming, cfg)?;
         let dtype = match dtype {
             WeightsDtype::Native if !quantized => WeightsDtype::Bf16,
             other => other,

@@ -146,3 +146,21 @@ fn a_token_decoded_alone_gets_the_bits_of_its_prefill() {
         }
     }
 }
+
+#[test]
+fn a_quantized_model_whose_widths_the_kernels_do_not_take_computes_in_bf16() {
+    // A tiny Llama with Q8_0 and Q4_1 matrices whose widths are not all whole blocks of 32.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds/gguf/tiny-llama.gguf");
+    let model = Model::load_with(
+        &path,
+        LoadOptions {
+            weights_dtype: WeightsDtype::Native,
+        },
+    )
+    .unwrap();
+    assert_eq!(model.weights_dtype(), WeightsDtype::Bf16);
+    assert_eq!(Model::native_weight_bytes(&path).unwrap(), None);
+    let bf16 = Model::load(&path).unwrap();
+    assert_eq!(model.weight_bytes_held(), bf16.weight_bytes_held());
+}
