@@ -103,18 +103,25 @@ enum WorkloadCmd {
         /// Replay only the first N requests.
         #[arg(long)]
         max_requests: Option<usize>,
-        /// Multiply arrival times by this (0.1 = ten times faster).
-        #[arg(long, default_value_t = 1.0)]
-        time_scale: f64,
-        /// Cut longer prompts to this many tokens (small models have short contexts).
-        #[arg(long)]
-        max_prompt_tokens: Option<usize>,
-        /// Cut longer outputs to this many tokens.
-        #[arg(long)]
-        max_output_tokens: Option<usize>,
+        #[command(flatten)]
+        shaping: TraceShaping,
         #[command(flatten)]
         common: CommonArgs,
     },
+}
+
+/// How a trace is replayed, for `kura bench trace` and `kura sim --workload trace` alike.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct TraceShaping {
+    /// Trace: multiply arrival times by this (0.1 = ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Trace: cut longer prompts to this many tokens (small models have short contexts).
+    #[arg(long)]
+    pub max_prompt_tokens: Option<usize>,
+    /// Trace: cut longer outputs to this many tokens.
+    #[arg(long)]
+    pub max_output_tokens: Option<usize>,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy)]
@@ -327,9 +334,7 @@ fn workload_spec(w: WorkloadCmd) -> Result<(WorkloadSpec, CommonArgs)> {
             file,
             format,
             max_requests,
-            time_scale,
-            max_prompt_tokens,
-            max_output_tokens,
+            shaping,
             common,
         } => {
             let format = match format {
@@ -347,9 +352,9 @@ fn workload_spec(w: WorkloadCmd) -> Result<(WorkloadSpec, CommonArgs)> {
                     path: file,
                     format,
                     max_requests,
-                    time_scale,
-                    max_prompt_tokens,
-                    max_output_tokens,
+                    time_scale: shaping.time_scale,
+                    max_prompt_tokens: shaping.max_prompt_tokens,
+                    max_output_tokens: shaping.max_output_tokens,
                 },
                 common,
             )

@@ -124,15 +124,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1050)]
     prompt_tokens: usize,
 
-    /// trace: arrival times are multiplied by this (0.1 replays ten times faster).
-    #[arg(long, default_value_t = 1.0)]
-    time_scale: f64,
-    /// trace: prompts are cut to this many tokens (for models with short contexts).
-    #[arg(long)]
-    max_prompt_tokens: Option<usize>,
-    /// trace: outputs are cut to this many tokens.
-    #[arg(long)]
-    max_output_tokens: Option<usize>,
+    #[command(flatten)]
+    shaping: crate::bench::TraceShaping,
 
     /// Time forward steps of the real model and write the fitted cost model to `--cost` (or print it).
     #[arg(long)]
@@ -216,9 +209,9 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
             Workload::Trace {
                 source: args.trace.display().to_string(),
                 requests: load_trace_limited(&args.trace, args.limit)?,
-                time_scale: args.time_scale,
-                max_prompt_tokens: args.max_prompt_tokens,
-                max_output_tokens: args.max_output_tokens,
+                time_scale: args.shaping.time_scale,
+                max_prompt_tokens: args.shaping.max_prompt_tokens,
+                max_output_tokens: args.shaping.max_output_tokens,
             }
         }
     };
