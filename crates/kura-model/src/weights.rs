@@ -14,9 +14,10 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::kernels::arena::{ArenaPart, WeightArena};
 use crate::kernels::dot::{Avx512, Bf16Act};
 use crate::kernels::packed::{PackedBf16, PackedF32};
-use crate::kernels::qpacked::{PackedQ, QBits, QRow, WeightArena, QBLOCK};
+use crate::kernels::qpacked::{PackedQ, QBits, QRow, QBLOCK};
 use crate::quant::{self, GgmlType};
 
 pub use kura_shape::WeightsDtype;
@@ -704,24 +705,27 @@ impl Weights {
         let mut embed = embed;
         let mut layers = layers;
         let mut lm_head = lm_head;
-        if quantized {
-            // Decode order: each layer's matrices, then the output head.
-            let mut all: Vec<&mut Matrix> = Vec::new();
-            for l in &mut layers {
-                all.extend([&mut l.wqkv, &mut l.wo, &mut l.w_gate_up, &mut l.w_down]);
-            }
-            all.push(&mut embed);
-            all.extend(lm_head.as_mut());
-            let mut mats: Vec<&mut PackedQ> = all
-                .into_iter()
-                .filter_map(|m| match &mut m.data {
-                    MatData::Quant(q) => Some(q),
-                    _ => None,
-                })
-                .collect();
-            WeightArena::gather(&mut mats)
-                .map_err(|e| ModelError::Config(format!("mapping the weights' memory: {e}")))?;
+        // Every packed matrix into one huge-page arena, in decode order: each layer's matrices, then
+        // the output head.
+        let mut all: Vec<&mut Matrix> = Vec::new();
+        for l in &mut layers {
+            all.extend([&mut l.wqkv, &mut l.wo, &mut l.w_gate_up, &mut l.w_down]);
         }
+        all.push(&mut embed);
+        all.extend(lm_head.as_mut());
+        let mut parts: Vec<&mut dyn ArenaPart> = all
+            .into_iter()
+            .filter_map(|m| -> Option<&mut dyn ArenaPart> {
+                match &mut m.data {
+                    MatData::Quant(q) => Some(&mut q.data),
+                    MatData::Packed(p) => Some(&mut p.data),
+                    MatData::PackedF32(p) => Some(&mut p.data),
+                    MatData::F32(_) | MatData::Bf16(_) => None,
+                }
+            })
+            .collect();
+        WeightArena::gather(&mut parts)
+            .map_err(|e| ModelError::Config(format!("mapping the weights' memory: {e}")))?;
         Ok(Weights {
             embed,
             layers,

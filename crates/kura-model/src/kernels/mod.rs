@@ -1,5 +1,6 @@
 //! CPU kernels of the forward pass, chosen at run time by CPU features ([`dot::Isa`]).
 
+pub mod arena;
 pub mod attention;
 pub mod dot;
 pub mod matmul;

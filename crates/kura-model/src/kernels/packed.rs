@@ -20,6 +20,7 @@
 
 use half::bf16;
 
+use super::arena::{Plain, Stored};
 use super::dot::{Avx512, Bf16Act};
 use super::team::{chunk_tokens, split, SharedMut, Team};
 
@@ -35,13 +36,14 @@ const ROWS_ONLY_UP_TO: usize = 16;
 /// A `[rows, cols]` matrix in the panel layout, as bf16 pairs (`W = u32`, see [`PackedBf16`]) or f32
 /// (`W = f32`, see [`PackedF32`]).
 #[derive(Clone)]
-pub struct Packed<W> {
+pub struct Packed<W: Plain> {
     pub rows: usize,
     pub cols: usize,
     /// Steps along a row: column pairs for bf16 (`cols.div_ceil(2)`), columns for f32.
     pub steps: usize,
     panels: usize,
-    data: Vec<W>,
+    /// In the model's [`super::arena::WeightArena`] once loaded.
+    pub(crate) data: Stored<W>,
 }
 
 /// bf16 weights for `vdpbf16ps` (AVX-512 BF16).
@@ -54,7 +56,7 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
-impl<W: Copy + Default> Packed<W> {
+impl<W: Plain + Default> Packed<W> {
     /// Lays out `steps` values per row, `value(r, j)` for row `r` and step `j`, in panels of 64 rows.
     fn pack(rows: usize, cols: usize, steps: usize, value: impl Fn(usize, usize) -> W) -> Self {
         let panels = rows.div_ceil(PANEL_ROWS);
@@ -73,7 +75,7 @@ impl<W: Copy + Default> Packed<W> {
             cols,
             steps,
             panels,
-            data,
+            data: Stored::Own(data),
         }
     }
 
@@ -209,7 +211,7 @@ pub unsafe fn matmul_part<W: Tile>(
 pub type TileArgs<W, X> = (*const W, usize, *const X, *mut f32, usize, usize, bool);
 
 /// A panel element type and its register tile.
-pub trait Tile: Copy + Default + Sync {
+pub trait Tile: Plain + Default {
     /// The activation element it multiplies.
     type X: Copy + Sync;
     /// One tile: `M` tokens × 64 rows.

@@ -25,9 +25,9 @@
 //! Cost: a decode step reads 5 bits per weight (4-bit) or 9 bits (8-bit): the file's Q4_1 size and a
 //! little more than Q8_0.
 
-use std::sync::Arc;
-
 use half::f16;
+
+use super::arena::{Plain, Stored};
 
 use super::dot::{Isa, Vnni};
 use super::team::{chunk_tokens, split, SharedMut, Team};
@@ -75,7 +75,10 @@ impl QBits {
 /// One cache line: the records are 64-byte aligned.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u8; 64]);
+pub struct Line([u8; 64]);
+
+// SAFETY: 64 plain bytes, aligned to 64 (the arena's alignment).
+unsafe impl Plain for Line {}
 
 /// One row of a matrix as [`PackedQ::build`] takes it: `u` (one value per column, at most
 /// [`QBits::max_value`]) and each block's scale and offset.
@@ -95,62 +98,6 @@ impl QRow {
     }
 }
 
-/// Where a matrix's records live: its own vector while the model loads, then a part of the model's
-/// [`WeightArena`].
-#[derive(Clone)]
-enum Records {
-    Own(Vec<Line>),
-    Arena {
-        arena: Arc<WeightArena>,
-        start: usize,
-        len: usize,
-    },
-}
-
-/// One anonymous mapping holding every packed matrix of a model, 2 MiB aligned and advised to use
-/// transparent huge pages: a decode step streams all of it, and with 4 KiB pages its TLB misses cost
-/// about a fifth of single-thread decode speed on the development machine.
-pub struct WeightArena {
-    map: memmap2::MmapMut,
-    /// Offset of the first 2 MiB boundary in `map`.
-    start: usize,
-}
-
-const HUGE_PAGE: usize = 2 << 20;
-
-impl WeightArena {
-    /// Moves the records of `mats` into one arena. Huge pages are a request: where the kernel refuses
-    /// them, the arena works on ordinary pages.
-    pub fn gather(mats: &mut [&mut PackedQ]) -> std::io::Result<()> {
-        let total: usize = mats.iter().map(|m| m.bytes()).sum();
-        if total == 0 {
-            return Ok(());
-        }
-        let mut map = memmap2::MmapMut::map_anon(total + HUGE_PAGE)?;
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
-        let start = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
-        let mut at = start;
-        for m in mats.iter() {
-            let bytes = m.bytes_slice();
-            map[at..at + bytes.len()].copy_from_slice(bytes);
-            at += bytes.len();
-        }
-        let arena = Arc::new(WeightArena { map, start });
-        let mut line = 0;
-        for m in mats.iter_mut() {
-            let len = m.bytes() / 64;
-            m.data = Records::Arena {
-                arena: Arc::clone(&arena),
-                start: line,
-                len,
-            };
-            line += len;
-        }
-        Ok(())
-    }
-}
-
 /// A `[rows, cols]` matrix of quantized weights in the panel layout above.
 #[derive(Clone)]
 pub struct PackedQ {
@@ -159,7 +106,8 @@ pub struct PackedQ {
     pub bits: QBits,
     blocks: usize,
     panels: usize,
-    data: Records,
+    /// The records, 64-byte aligned (in the model's [`super::arena::WeightArena`] once loaded).
+    pub(crate) data: Stored<Line>,
 }
 
 impl PackedQ {
@@ -206,7 +154,7 @@ impl PackedQ {
                 record[mb..mb + 2].copy_from_slice(&f16::from_f32(row.min[b]).to_le_bytes());
             }
         }
-        let data = Records::Own(
+        let data = Stored::Own(
             bytes
                 .chunks_exact(64)
                 .map(|c| Line(c.try_into().expect("64-byte chunks")))
@@ -224,16 +172,7 @@ impl PackedQ {
 
     /// The records, 64-byte aligned.
     fn bytes_slice(&self) -> &[u8] {
-        match &self.data {
-            // SAFETY: Line is 64 plain bytes with no padding; the view borrows `self.data`.
-            Records::Own(v) => unsafe {
-                std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 64)
-            },
-            Records::Arena { arena, start, len } => {
-                let at = arena.start + start * 64;
-                &arena.map[at..at + len * 64]
-            }
-        }
+        self.data.as_bytes()
     }
 
     fn record(&self, p: usize, b: usize) -> &[u8] {
@@ -273,10 +212,7 @@ impl PackedQ {
 
     /// Bytes held, padding included: what a decode step reads.
     pub fn bytes(&self) -> usize {
-        match &self.data {
-            Records::Own(v) => v.len() * 64,
-            Records::Arena { len, .. } => len * 64,
-        }
+        self.data.len() * 64
     }
 
     /// Bytes a `[rows, cols]` matrix of `bits` takes: what [`Self::build`] allocates.
