@@ -25,6 +25,7 @@ use kura_model::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
+use crate::kv_events::KvEventLog;
 use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::pins::PinTable;
@@ -70,6 +71,9 @@ pub struct EngineConfig {
     /// Sliding layers paged apart (a hybrid pool, see `kura_kv::WindowPool`): `num_blocks` is then the
     /// number of logical blocks, and the executor's storage holds the pool's pages.
     pub window: Option<kura_kv::WindowPool>,
+    /// Publish the pool's content as numbered events ([`crate::KvEventLog`]) with a ring of this many
+    /// events; `None`: no events.
+    pub kv_events: Option<usize>,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -96,6 +100,7 @@ impl Default for EngineConfig {
             pin_budget_blocks: None,
             admission: AdmissionMode::MaxUtilization,
             window: None,
+            kv_events: None,
         }
     }
 }
@@ -159,6 +164,7 @@ pub fn start_engine(
         preemption: config.preemption,
         admission: config.admission,
         window: config.window.clone(),
+        record_kv_events: config.kv_events.is_some(),
     })?;
     if let Some(r) = restored {
         let found = r.blocks.len();
@@ -208,7 +214,8 @@ pub fn start_engine(
         .unwrap_or(config.num_blocks / 4)
         .min(config.num_blocks);
     metrics.pin_budget_blocks.set(pin_budget as f64);
-    let shared = Arc::new(Shared::new(info, metrics.clone()));
+    let kv_events = config.kv_events.map(|n| Arc::new(KvEventLog::new(n)));
+    let shared = Arc::new(Shared::new(info, metrics.clone(), kv_events));
     let (tx, rx) = mpsc::channel();
     let (out_tx, out_rx) = mpsc::channel();
     let (finished_tx, finished_rx) = mpsc::channel();
@@ -601,6 +608,7 @@ impl Core {
         }
         self.cancel_closed();
         self.update_gauges();
+        self.publish_kv_events();
         self.out.end_step();
         if progressed {
             let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
@@ -610,6 +618,13 @@ impl Core {
                 .add(micros(started.elapsed().saturating_sub(forward)));
         }
         progressed
+    }
+
+    /// Hands the KV manager's content events to the event log, if events are on.
+    fn publish_kv_events(&mut self) {
+        if let Some(log) = &self.shared.kv_events {
+            log.publish(self.sched.take_kv_events());
+        }
     }
 
     /// Metrics and clients of what a scheduling pass did.

@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::backend::TextCodec;
+use crate::kv_events::KvEventLog;
 use crate::metrics::EngineMetrics;
 use crate::request::{EventSink, GenerateRequest, SubmitError};
 use crate::scheduler::SchedulingPolicy;
@@ -84,10 +85,16 @@ pub(crate) struct Shared {
     /// `Some` once the loop has ended; `exit_changed` wakes [`EngineHandle::wait_exit`].
     exit: Mutex<Option<EngineExit>>,
     exit_changed: Condvar,
+    /// The pool's content events, when published.
+    pub(crate) kv_events: Option<Arc<KvEventLog>>,
 }
 
 impl Shared {
-    pub(crate) fn new(info: EngineInfo, metrics: Arc<EngineMetrics>) -> Self {
+    pub(crate) fn new(
+        info: EngineInfo,
+        metrics: Arc<EngineMetrics>,
+        kv_events: Option<Arc<KvEventLog>>,
+    ) -> Self {
         Self {
             info,
             metrics,
@@ -97,6 +104,7 @@ impl Shared {
             next_id: AtomicU64::new(1),
             exit: Mutex::new(None),
             exit_changed: Condvar::new(),
+            kv_events,
         }
     }
 
@@ -171,6 +179,11 @@ impl EngineHandle {
 
     pub fn metrics(&self) -> &EngineMetrics {
         &self.shared.metrics
+    }
+
+    /// The pool's content events, when the engine publishes them (`EngineConfig::kv_events`).
+    pub fn kv_events(&self) -> Option<&Arc<KvEventLog>> {
+        self.shared.kv_events.as_ref()
     }
 
     pub fn codec(&self) -> &Arc<dyn TextCodec> {

@@ -10,6 +10,7 @@
 mod backend;
 mod engine;
 mod handle;
+mod kv_events;
 mod metrics;
 mod model_backend;
 mod output;
@@ -22,6 +23,7 @@ mod tiers;
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
+pub use kv_events::{Gap, KvBlockInfo, KvChange, KvEventLog, KvEventRecord, KvSnapshot};
 pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};

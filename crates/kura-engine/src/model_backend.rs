@@ -4,25 +4,30 @@
 use std::sync::Arc;
 
 use kura_kv::storage::KvStorage;
-use kura_model::{Model, SeqBatchItem};
+use kura_model::{Model, ModelText, SeqBatchItem};
 
 use crate::backend::{ChatMessage, Executor, SeqInput, TextCodec};
 
-/// The served model's tokenizer and chat template.
+/// The served model's tokenizer and chat template (the weights are not needed: a router holds this
+/// alone, from `kura_model::ModelText::load`).
 pub struct ModelCodec {
-    model: Arc<Model>,
+    text: Arc<ModelText>,
 }
 
 impl ModelCodec {
     pub fn new(model: Arc<Model>) -> Self {
-        Self { model }
+        Self::from_text(model.text().clone())
+    }
+
+    pub fn from_text(text: Arc<ModelText>) -> Self {
+        Self { text }
     }
 }
 
 impl TextCodec for ModelCodec {
     fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
-        self.model
-            .tokenizer()
+        self.text
+            .tokenizer
             .encode(text, true)
             .map_err(|e| e.to_string())
     }
@@ -30,36 +35,36 @@ impl TextCodec for ModelCodec {
     fn decode(&self, ids: &[u32]) -> String {
         // A decoding failure (an id the vocabulary lacks) shows as the replacement character rather
         // than failing a request that the model itself produced.
-        self.model
-            .tokenizer()
+        self.text
+            .tokenizer
             .decode(ids, true)
             .unwrap_or_else(|_| "\u{FFFD}".to_string())
     }
 
     fn token_bytes(&self, id: u32) -> Vec<u8> {
-        self.model.tokenizer().token_bytes(id).unwrap_or_default()
+        self.text.tokenizer.token_bytes(id).unwrap_or_default()
     }
 
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
-        self.model
-            .chat_template()
+        self.text
+            .chat_template
             .render(messages, true)
             .map_err(|e| e.to_string())
     }
 
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
-        self.model
-            .chat_template()
-            .encode(self.model.tokenizer(), messages, true)
+        self.text
+            .chat_template
+            .encode(&self.text.tokenizer, messages, true)
             .map_err(|e| e.to_string())
     }
 
     fn eos_token_ids(&self) -> &[u32] {
-        &self.model.tokenizer().stop_token_ids
+        &self.text.tokenizer.stop_token_ids
     }
 
     fn vocab_size(&self) -> usize {
-        self.model.config().vocab_size
+        self.text.vocab_size
     }
 }
 

@@ -267,6 +267,7 @@ mod tests {
             preemption: crate::scheduler::PreemptionMode::Recompute,
             admission: crate::scheduler::AdmissionMode::MaxUtilization,
             window: None,
+            record_kv_events: false,
         })
         .unwrap();
         let mut pins = PinTable::new(4, 4);

@@ -181,6 +181,8 @@ pub struct SchedulerConfig {
     /// Sliding layers paged apart (a hybrid pool): `num_blocks` is then the number of logical blocks and
     /// the pages of the pool are what runs out.
     pub window: Option<WindowPool>,
+    /// Record the KV manager's content events for [`Scheduler::take_kv_events`].
+    pub record_kv_events: bool,
 }
 
 /// One sequence's share of a step: compute the KV of `tokens[start..end]`.
@@ -316,6 +318,7 @@ impl Scheduler {
         kv_config.hash_seed = config.hash_seed;
         kv_config.tiers = config.tiers;
         kv_config.window = config.window.clone();
+        kv_config.record_events = config.record_kv_events;
         if config.window.is_some() && config.admission == AdmissionMode::Guaranteed {
             return Err(KvError::Config(
                 "guaranteed admission counts whole blocks; with sliding layers paged apart use \
@@ -343,6 +346,11 @@ impl Scheduler {
     /// The KV cache manager, for its usage and statistics.
     pub fn kv(&self) -> &KvCacheManager {
         &self.kv
+    }
+
+    /// The KV manager's content events since the last call (none unless `record_kv_events`).
+    pub fn take_kv_events(&mut self) -> Vec<kura_kv::KvEvent> {
+        self.kv.drain_events().collect()
     }
 
     /// The block moves between the pool and the lower tiers decided since the last call, in the order

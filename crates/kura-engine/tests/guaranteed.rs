@@ -31,6 +31,7 @@ fn config(num_blocks: usize, admission: AdmissionMode, prefix_caching: bool) -> 
         preemption: Default::default(),
         admission,
         window: None,
+        record_kv_events: false,
     }
 }
 

@@ -24,6 +24,7 @@ fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig 
         preemption: Default::default(),
         admission: Default::default(),
         window: None,
+        record_kv_events: false,
     }
 }
 

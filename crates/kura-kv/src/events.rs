@@ -16,6 +16,10 @@ pub enum KvEvent {
         /// `None` for the first block of a sequence (its parent is the cache key).
         parent: Option<BlockHash>,
         block: BlockId,
+        /// The block's token ids.
+        tokens: Vec<u32>,
+        /// For a root block (`parent` is `None`), [`crate::CacheKey::digest`] of its key.
+        key_digest: Option<u128>,
     },
     /// A block announced by `Stored` is no longer cached.
     Removed { hash: BlockHash, block: BlockId },

@@ -56,6 +56,15 @@ impl CacheKey {
         self.salt.as_deref()
     }
 
+    /// A digest of the key that names it without revealing it (a salt is never shown, only hashed) and
+    /// that needs no seed: what a router outside the process computes for a request to find the blocks
+    /// a replica announced under this key ([`crate::KvEvent::Stored`]'s `key_digest`).
+    pub fn digest(&self) -> u128 {
+        let mut bytes = b"kura-key-digest".to_vec();
+        self.encode(&mut bytes);
+        xxhash_rust::xxh3::xxh3_128(&bytes)
+    }
+
     /// Appends an unambiguous encoding (tag, length, bytes for each field) to `out`.
     fn encode(&self, out: &mut Vec<u8>) {
         for (tag, field) in [

@@ -114,10 +114,14 @@ impl KvCacheManager {
         let hits = m.hits;
         if self.config.record_events {
             let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
+            let key_digest = parent.is_none().then(|| self.index.key(m.key_id).digest());
+            let hash = m.hash;
             self.events.push(KvEvent::Stored {
-                hash: m.hash,
+                hash,
                 parent,
                 block: b,
+                tokens: self.pool.tokens_of(b).to_vec(),
+                key_digest,
             });
         }
         self.on_block_used(b, hits);

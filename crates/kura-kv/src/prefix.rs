@@ -176,6 +176,10 @@ impl PrefixIndex {
         self.key_ids.get(key).copied()
     }
 
+    pub fn key(&self, id: u32) -> &CacheKey {
+        &self.entry(id).key
+    }
+
     pub fn key_hash(&self, id: u32) -> BlockHash {
         self.entry(id).hash
     }

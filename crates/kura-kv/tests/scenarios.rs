@@ -574,6 +574,21 @@ fn events_announce_stored_removed_and_cleared() {
         panic!("unexpected events {stored:?}")
     };
     assert_eq!(p1, h0);
+    // Each block names its tokens; a root names its key by digest (never the salt itself).
+    let KvEvent::Stored {
+        tokens, key_digest, ..
+    } = &stored[0]
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        (tokens.as_slice(), *key_digest),
+        (&toks(0..4)[..], Some(key.digest()))
+    );
+    assert!(
+        matches!(&stored[1], KvEvent::Stored { tokens, key_digest: None, .. } if tokens[..] == toks(4..8)[..])
+    );
+    assert_ne!(key.digest(), CacheKey::new().with_salt("tenant").digest());
     run(&mut kv, &key, &toks(10..14), true);
     let removed: Vec<_> = kv.drain_events().collect();
     assert!(matches!(removed[0], KvEvent::Removed { hash, .. } if hash == h1));

@@ -20,6 +20,7 @@
 //! fused: the product goes to a buffer, then each thread normalises and adds its tokens).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
@@ -99,10 +100,74 @@ pub struct LoadOptions {
     pub weights_dtype: WeightsDtype,
 }
 
+/// What a model says about text — its tokenizer, chat template and vocabulary size — loaded without its
+/// weights (a router tokenizes requests as the server does, without holding the model).
+pub struct ModelText {
+    pub tokenizer: Tokenizer,
+    pub chat_template: ChatTemplate,
+    pub vocab_size: usize,
+}
+
+impl ModelText {
+    /// The text side of a GGUF file or an HF model directory.
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let config = ModelConfig::from_hf_json(&read_text(&path.join("config.json"))?)?;
+            Self::from_hf_dir(path, &config)
+        } else {
+            let g = GgufFile::open(path)?;
+            let config = ModelConfig::from_gguf(&g)?;
+            Self::from_gguf(&g, &config)
+        }
+    }
+
+    fn from_gguf(g: &GgufFile, config: &ModelConfig) -> Result<Self> {
+        let tokenizer = Tokenizer::from_gguf(g)?;
+        let template = match g.metadata.get("tokenizer.chat_template") {
+            Some(crate::gguf::Value::String(s)) => s.clone(),
+            _ => default_template(config.arch).to_string(),
+        };
+        let name = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let chat_template = ChatTemplate::new(
+            &template,
+            &name(tokenizer.bos_token_id),
+            &name(tokenizer.eos_token_id),
+        )?;
+        Ok(Self {
+            tokenizer,
+            chat_template,
+            vocab_size: config.vocab_size,
+        })
+    }
+
+    fn from_hf_dir(dir: &Path, config: &ModelConfig) -> Result<Self> {
+        let tcfg = TokenizerConfig::read(dir)?;
+        let tokenizer = Tokenizer::from_hf_files(
+            &dir.join("tokenizer.json"),
+            tcfg.bos_token.as_deref(),
+            tcfg.eos_token.as_deref(),
+        )?;
+        let chat_template = ChatTemplate::new(
+            tcfg.chat_template
+                .as_deref()
+                .unwrap_or(default_template(config.arch)),
+            tcfg.bos_token.as_deref().unwrap_or(""),
+            tcfg.eos_token.as_deref().unwrap_or(""),
+        )?;
+        Ok(Self {
+            tokenizer,
+            chat_template,
+            vocab_size: config.vocab_size,
+        })
+    }
+}
+
 pub struct Model {
     config: ModelConfig,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate,
+    text: Arc<ModelText>,
     weights: Weights,
     inv_freq: Vec<f32>,
     /// RoPE of the sliding layers when their base differs (Gemma 3).
@@ -162,22 +227,9 @@ impl Model {
     fn load_gguf(path: &Path, opts: LoadOptions) -> Result<Self> {
         let g = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&g)?;
-        let tokenizer = Tokenizer::from_gguf(&g)?;
-        let template = match g.metadata.get("tokenizer.chat_template") {
-            Some(crate::gguf::Value::String(s)) => s.clone(),
-            _ => default_template(config.arch).to_string(),
-        };
-        let name = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.id_to_token(i))
-                .unwrap_or_default()
-        };
-        let chat_template = ChatTemplate::new(
-            &template,
-            &name(tokenizer.bos_token_id),
-            &name(tokenizer.eos_token_id),
-        )?;
+        let text = ModelText::from_gguf(&g, &config)?;
         let weights = Weights::load(&g, Naming::Gguf, &config, opts.weights_dtype)?;
-        Ok(Self::assemble(config, tokenizer, chat_template, weights))
+        Ok(Self::assemble(config, text, weights))
     }
 
     /// Bytes `native` weights of the GGUF at `path` hold once loaded, from its directory alone; `None`
@@ -190,36 +242,18 @@ impl Model {
 
     fn load_hf_dir(dir: &Path, opts: LoadOptions) -> Result<Self> {
         let config = ModelConfig::from_hf_json(&read_text(&dir.join("config.json"))?)?;
-        let tcfg = TokenizerConfig::read(dir)?;
-        let tokenizer = Tokenizer::from_hf_files(
-            &dir.join("tokenizer.json"),
-            tcfg.bos_token.as_deref(),
-            tcfg.eos_token.as_deref(),
-        )?;
-        let chat_template = ChatTemplate::new(
-            tcfg.chat_template
-                .as_deref()
-                .unwrap_or(default_template(config.arch)),
-            tcfg.bos_token.as_deref().unwrap_or(""),
-            tcfg.eos_token.as_deref().unwrap_or(""),
-        )?;
+        let text = ModelText::from_hf_dir(dir, &config)?;
         let st = SafetensorsDir::open(dir)?;
         let weights = Weights::load(&st, Naming::hf(config.arch), &config, opts.weights_dtype)?;
-        Ok(Self::assemble(config, tokenizer, chat_template, weights))
+        Ok(Self::assemble(config, text, weights))
     }
 
-    fn assemble(
-        config: ModelConfig,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
-        weights: Weights,
-    ) -> Self {
+    fn assemble(config: ModelConfig, text: ModelText, weights: Weights) -> Self {
         let inv_freq = rope_inv_freq(&config);
         let inv_freq_sliding = rope_inv_freq_sliding(&config);
         Model {
             config,
-            tokenizer,
-            chat_template,
+            text: Arc::new(text),
             weights,
             inv_freq,
             inv_freq_sliding,
@@ -240,7 +274,7 @@ impl Model {
 
     fn compute_key_means(&self) -> Result<Vec<Vec<f32>>> {
         const BLOCK: usize = 16;
-        let mut tokens = self.tokenizer.encode(CALIBRATION_TEXT, false)?;
+        let mut tokens = self.text.tokenizer.encode(CALIBRATION_TEXT, false)?;
         tokens.truncate(self.config.max_context);
         if tokens.len() <= CALIBRATION_SKIP {
             return Err(ModelError::Config(format!(
@@ -325,12 +359,17 @@ impl Model {
         &self.config
     }
 
+    /// The tokenizer, chat template and vocabulary size, shareable without the weights.
+    pub fn text(&self) -> &Arc<ModelText> {
+        &self.text
+    }
+
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        &self.text.tokenizer
     }
 
     pub fn chat_template(&self) -> &ChatTemplate {
-        &self.chat_template
+        &self.text.chat_template
     }
 
     pub fn weights_dtype(&self) -> WeightsDtype {
@@ -365,8 +404,11 @@ impl Model {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.chat_template.render(messages, add_generation_prompt)?;
-        self.tokenizer.encode(&text, false)
+        let text = self
+            .text
+            .chat_template
+            .render(messages, add_generation_prompt)?;
+        self.text.tokenizer.encode(&text, false)
     }
 
     fn check_batch(&self, batch: &[SeqBatchItem<'_>], kv: &KvStorage) -> Result<()> {

@@ -19,8 +19,10 @@ pub mod caching;
 mod conn;
 mod error;
 mod handlers;
+mod kv_events;
 mod messages;
 mod output;
+pub mod routing;
 mod types;
 mod validate;
 
@@ -40,6 +42,7 @@ use tokio::sync::watch;
 
 pub use conn::{ConnLimits, Phase};
 pub use error::ApiError;
+pub use messages::AnthropicError;
 use types::*;
 
 /// Server settings that are not the engine's.
@@ -93,6 +96,8 @@ struct AppState {
     priority_scheduling: bool,
     started: u64,
     contexts: Arc<caching::ContextStore>,
+    /// This process's name in KV snapshots (a reader that sees it change knows the replica restarted).
+    instance: Arc<str>,
 }
 
 impl AppState {
@@ -110,10 +115,36 @@ impl AppState {
 #[derive(Debug, Clone)]
 struct Tenant(Option<Arc<str>>);
 
+/// The API keys a request presents, in the order they are tried: `Authorization: Bearer <key>`
+/// (OpenAI's clients), then `x-api-key: <key>` (Anthropic's).
+pub fn presented_keys(headers: &axum::http::HeaderMap) -> [Option<&str>; 2] {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, key) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
+        });
+    let x_api_key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    [bearer, x_api_key]
+}
+
 /// The tenant name of an API key: what its requests' blocks are salted with and what owns its saved
 /// contexts.
 pub fn tenant_of_key(key: &str) -> Arc<str> {
     format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes())).into()
+}
+
+/// A name for this process that a restart changes: its id and start time.
+fn instance_name() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{:08x}-{nanos:x}", std::process::id())
 }
 
 fn unix_now() -> u64 {
@@ -137,6 +168,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             .contexts
             .clone()
             .unwrap_or_else(|| Arc::new(caching::ContextStore::in_memory())),
+        instance: instance_name().into(),
     };
     let mut api = Router::new()
         .route("/v1/completions", post(handlers::completions))
@@ -148,7 +180,9 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             get(caches::get).patch(caches::patch).delete(caches::delete),
         )
         .route("/v1/models", get(models))
-        .route("/tokenize", post(handlers::tokenize));
+        .route("/tokenize", post(handlers::tokenize))
+        .route("/v1/kv/snapshot", get(kv_events::snapshot))
+        .route("/v1/kv/events", get(kv_events::events));
     if config.debug_clock {
         api = api.route("/debug/clock", post(caches::advance_clock));
     }
@@ -315,20 +349,7 @@ async fn authenticate(
     let tenant = if s.api_keys.is_empty() {
         Tenant(None)
     } else {
-        // `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
-        let bearer = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, key) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
-            });
-        let x_api_key = req
-            .headers()
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim);
+        let [bearer, x_api_key] = presented_keys(req.headers());
         let known = |k: Option<&str>| k.and_then(|k| s.api_keys.iter().find(|x| same_key(x, k)));
         match known(bearer).or_else(|| known(x_api_key)) {
             Some(key) => Tenant(Some(tenant_of_key(key))),

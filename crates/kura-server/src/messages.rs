@@ -139,14 +139,14 @@ fn content_of(v: &Value, at: &str) -> Result<(String, Vec<(usize, CacheTtl)>), A
 }
 
 /// A checked Messages request.
-struct MessagesPlan {
-    messages: Vec<ChatMessage>,
+pub(crate) struct MessagesPlan {
+    pub(crate) messages: Vec<ChatMessage>,
     /// (message index, byte offset of the breakpoint in its content, TTL).
-    breakpoints: Vec<(usize, usize, CacheTtl)>,
+    pub(crate) breakpoints: Vec<(usize, usize, CacheTtl)>,
     max_tokens: u32,
     sampling: SamplingParams,
     stop: Vec<String>,
-    stream: bool,
+    pub(crate) stream: bool,
     cached_content: Option<String>,
 }
 
@@ -161,7 +161,7 @@ fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
     }
 }
 
-fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
+pub(crate) fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
     for unsupported in [
         "tools",

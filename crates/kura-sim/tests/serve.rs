@@ -21,6 +21,7 @@ fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim 
             preemption: Default::default(),
             admission: Default::default(),
             window: None,
+            record_kv_events: false,
         },
         // About the default model on two threads: 0.5 ms a prompt token, 8 ms a step.
         cost: CostModel {

@@ -8,6 +8,7 @@ mod generate;
 mod memory;
 mod perplexity;
 mod plan;
+mod router;
 mod serve;
 mod setup;
 mod sim;
@@ -34,6 +35,8 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
     Serve(serve::ServeArgs),
+    /// Route requests over several `kura serve` replicas by where their prefix is cached.
+    Router(router::RouterArgs),
     /// Measure an OpenAI-compatible server (Kura or another) on KV-cache workloads; reports and plots.
     Bench(bench::BenchArgs),
     /// Saved contexts without a server: build a document's KV into the disk tier, list, remove.
@@ -56,6 +59,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Router(args) => router::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sim(args) => sim::run(args),
         Command::Cache(args) => cache::run(args),

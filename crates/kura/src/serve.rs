@@ -132,6 +132,14 @@ pub struct ServeArgs {
     /// saved-context expiry can be tested without waiting. Not for production.
     #[arg(long)]
     debug_clock: bool,
+    /// Publish the KV pool's content (blocks stored, removed, cleared) at `GET /v1/kv/events` (SSE,
+    /// numbered) and `GET /v1/kv/snapshot`, behind the API keys, for `kura router --policy kv`.
+    #[arg(long)]
+    kv_events: bool,
+    /// Events the server keeps for streams that fall behind (1..=16777216); a stream further behind
+    /// is told to resynchronize from a snapshot.
+    #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..=16_777_216))]
+    kv_events_buffer: u64,
     #[command(flatten)]
     pub(crate) tiers: TierArgs,
 }
@@ -465,6 +473,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         pin_budget_blocks: Some(pin_budget),
         admission: args.scheduling.into(),
         window,
+        kv_events: args.kv_events.then_some(args.kv_events_buffer as usize),
     };
     let engine = start_engine(
         config,

@@ -240,6 +240,7 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
                 preemption: Default::default(),
                 admission: args.scheduling.into(),
                 window: None,
+                record_kv_events: false,
             },
             cost: cost.clone(),
             concurrency,

@@ -1,0 +1,97 @@
+//! What a router in front of several servers needs from a request before it sends it on: the prompt's
+//! tokens exactly as the server will compute them (same validation, chat template and tokenizer) and the
+//! cache salt its blocks will be keyed under, so that it can look the prompt's blocks up in the KV
+//! events the servers publish (`kura router`).
+
+use kura_engine::TextCodec;
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::handlers::{effective_salt, template_error, tokenize_error};
+use crate::validate::{self, Ctx, PromptInput};
+use crate::{caching, messages, tenant_of_key, Tenant};
+
+/// The generation routes a router forwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/chat/completions`
+    ChatCompletions,
+    /// `POST /v1/messages` (Anthropic)
+    Messages,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Messages => "/v1/messages",
+        }
+    }
+}
+
+/// A request as the server will key its KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutingPrompt {
+    /// The prompt's tokens (the first prompt of a completions request with several).
+    pub tokens: Vec<u32>,
+    /// The engine's cache salt: the tenant and the request's `cache_salt`.
+    pub cache_salt: Option<String>,
+    /// OpenAI's `prompt_cache_key`: requests that share one should go to the same server.
+    pub prompt_cache_key: Option<String>,
+    /// Whether the response is a stream.
+    pub stream: bool,
+}
+
+/// The prompt and cache salt of a request body (one JSON object) for `endpoint`, validated as the
+/// server validates it. `api_key` is the key the request presents when the servers have keys (each key
+/// is its own tenant); `None` when they have none. A saved context's tokens (`cached_content`) are not
+/// known here: such a request is keyed by its own part.
+pub fn routing_prompt(
+    endpoint: Endpoint,
+    value: &Value,
+    served_model: &str,
+    codec: &dyn TextCodec,
+    api_key: Option<&str>,
+) -> Result<RoutingPrompt, ApiError> {
+    let tenant = Tenant(api_key.map(tenant_of_key));
+    // The router does not know the servers' scheduling policy; they check `priority` themselves.
+    let ctx = Ctx {
+        served_model,
+        priority_scheduling: true,
+    };
+    let prompt_cache_key = value
+        .get("prompt_cache_key")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let (tokens, salt, stream) = match endpoint {
+        Endpoint::Completions => {
+            let plan = validate::prepare_completion(value, ctx)?;
+            let tokens = match plan.prompts.into_iter().next() {
+                Some(PromptInput::Text(t)) => codec.encode(&t).map_err(tokenize_error)?,
+                Some(PromptInput::Tokens(t)) => t,
+                None => Vec::new(),
+            };
+            (tokens, plan.checked.cache_salt, plan.checked.stream)
+        }
+        Endpoint::ChatCompletions => {
+            let plan = validate::prepare_chat(value, ctx)?;
+            let tokens = codec.encode_chat(&plan.messages).map_err(template_error)?;
+            (tokens, plan.checked.cache_salt, plan.checked.stream)
+        }
+        Endpoint::Messages => {
+            let plan = messages::prepare(value, served_model)?;
+            let (tokens, _) =
+                caching::encode_with_breakpoints(codec, &plan.messages, &plan.breakpoints, None)?;
+            (tokens, None, plan.stream)
+        }
+    };
+    Ok(RoutingPrompt {
+        tokens,
+        cache_salt: effective_salt(&tenant, salt),
+        prompt_cache_key,
+        stream,
+    })
+}
