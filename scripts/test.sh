@@ -3,7 +3,8 @@
 # Python tests that drive `kura serve` with the official `openai` client. Installs what they need: the
 # default model (scripts/fetch-model.sh), Gemma 3 270M for the Gemma 3 tests (scripts/fetch-gemma.sh),
 # llama.cpp's tokenizer conformance files (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is
-# tested on (scripts/fetch-eval-text.sh) and a Python virtual environment with
+# tested on (scripts/fetch-eval-text.sh), Redis 7 for the shared KV tier (scripts/fetch-redis.sh: Debian's
+# redis-server) and a Python virtual environment with
 # tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,8 @@ KURA_VOCAB_DIR=$(scripts/fetch-vocab-tests.sh)
 export KURA_VOCAB_DIR
 KURA_EVAL_TEXT=$(scripts/fetch-eval-text.sh)
 export KURA_EVAL_TEXT
+KURA_REDIS_SERVER=$(scripts/fetch-redis.sh)
+export KURA_REDIS_SERVER
 
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
 # overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the

@@ -29,6 +29,7 @@ use crate::kv_events::KvEventLog;
 use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::pins::PinTable;
+use crate::remote::{Adoption, RemoteTier, RemoteTierSetup};
 use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
 use crate::scheduler::{
     AdmissionMode, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig,
@@ -74,6 +75,8 @@ pub struct EngineConfig {
     /// Publish the pool's content as numbered events ([`crate::KvEventLog`]) with a ring of this many
     /// events; `None`: no events.
     pub kv_events: Option<usize>,
+    /// The shared tier in Redis (L4), if any.
+    pub remote: Option<RemoteTierSetup>,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -101,6 +104,7 @@ impl Default for EngineConfig {
             admission: AdmissionMode::MaxUtilization,
             window: None,
             kv_events: None,
+            remote: None,
         }
     }
 }
@@ -136,6 +140,24 @@ pub fn start_engine(
         )));
     }
     let metrics = Arc::new(EngineMetrics::default());
+    let remote = match &config.remote {
+        None => None,
+        Some(setup) => {
+            let block_bytes = executor.block_bytes();
+            if block_bytes == 0 || config.window.is_some() {
+                return Err(EngineStartError::Tiers(
+                    "the Redis tier needs whole blocks whose bytes can leave the pool (not the hybrid \
+                     pool of sliding-window layers)"
+                        .into(),
+                ));
+            }
+            let fingerprint = xxhash_rust::xxh3::xxh3_128(config.model_fingerprint.as_bytes());
+            let tier = RemoteTier::open(setup, config.block_size_tokens, block_bytes, fingerprint)
+                .map_err(EngineStartError::Tiers)?;
+            tracing::info!(url = %setup.url, ttl_s = setup.ttl_s, block_bytes, "KV tier L4: Redis");
+            Some(tier)
+        }
+    };
     let tier_config = config.tiers.kv_config();
     let (tiers, restored) = if tier_config.enabled() {
         let block_bytes = executor.block_bytes();
@@ -164,7 +186,7 @@ pub fn start_engine(
         preemption: config.preemption,
         admission: config.admission,
         window: config.window.clone(),
-        record_kv_events: config.kv_events.is_some(),
+        record_kv_events: config.kv_events.is_some() || config.remote.is_some(),
     })?;
     if let Some(r) = restored {
         let found = r.blocks.len();
@@ -247,6 +269,7 @@ pub fn start_engine(
         tiers,
         loads_done: Vec::new(),
         pins: PinTable::new(pin_budget, config_block_size),
+        remote,
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -277,6 +300,8 @@ struct Core {
     loads_done: Vec<LoadDone>,
     /// Pinned prefixes (context caching).
     pins: PinTable,
+    /// The shared tier in Redis (L4), when configured.
+    remote: Option<RemoteTier>,
 }
 
 /// The engine's side of the output stage's channel, counting what it sent so that a step can wait for
@@ -421,7 +446,8 @@ impl Core {
         let mut idle_wait = MIN_IDLE_WAIT;
         'outer: loop {
             // Loads still in flight (of cancelled requests) hold blocks until they are reported.
-            if self.sched.is_idle() && self.sched.num_loads() == 0 {
+            let parked = self.remote.as_ref().map_or(0, RemoteTier::num_parked);
+            if self.sched.is_idle() && self.sched.num_loads() == 0 && parked == 0 {
                 match rx.recv() {
                     Ok(c) => {
                         if !self.handle(c) {
@@ -449,7 +475,7 @@ impl Core {
                 // Nothing could run (every request's client is behind, or waiting for blocks): wait for
                 // a command rather than spin. Nothing signals a sink that drains, so the wait doubles up
                 // to MAX_IDLE_WAIT: a drained client resumes within that, an idle loop costs nothing.
-                let wait = idle_wait;
+                let wait = if parked > 0 { MIN_IDLE_WAIT } else { idle_wait };
                 idle_wait = (idle_wait * 2).min(MAX_IDLE_WAIT);
                 match rx.recv_timeout(wait) {
                     Ok(c) => {
@@ -495,26 +521,26 @@ impl Core {
                     reason: None,
                     prompt_computed: Default::default(),
                 };
-                let seq_key = self.sched.add_request(
-                    id,
-                    group.key.clone(),
-                    group.request.priority,
-                    self.started.elapsed(),
-                    group.request.prompt_tokens.clone(),
-                    OutputLimit {
-                        // Generation also ends at the context limit.
-                        max_tokens: (group.request.max_tokens as usize).min(
-                            self.config
-                                .max_model_len
-                                .saturating_sub(group.request.prompt_tokens.len()),
-                        ),
-                        n: n as usize,
-                    },
-                );
+                // A prompt whose blocks may be in the Redis tier waits for its lookup first.
+                let seq = match self.remote.as_mut() {
+                    Some(remote) => {
+                        let sched = &mut self.sched;
+                        let key = &group.key;
+                        remote.park(id, seq, &group.request.prompt_tokens, key, |t| {
+                            sched.held_prefix_blocks(t, key)
+                        })
+                    }
+                    None => Some(seq),
+                };
                 self.groups.insert(id, group);
-                self.seqs.insert(seq_key, seq);
+                if let Some(seq) = seq {
+                    self.enqueue(id, seq);
+                }
             }
             Command::Cancel { id } => {
+                if let Some(remote) = self.remote.as_mut() {
+                    remote.unpark(id);
+                }
                 if self.groups.contains_key(&id) {
                     self.metrics.requests_cancelled.add(1);
                     self.remove_group(id);
@@ -534,6 +560,73 @@ impl Core {
         // A cancellation may leave the engine idle (it then blocks without stepping): publish now.
         self.update_gauges();
         true
+    }
+
+    /// Hands a submitted request (its group already recorded) to the scheduler.
+    fn enqueue(&mut self, id: u64, seq: Seq) {
+        let Some(group) = self.groups.get(&id) else {
+            return;
+        };
+        let n = group.request.n;
+        let seq_key = self.sched.add_request(
+            id,
+            group.key.clone(),
+            group.request.priority,
+            self.started.elapsed(),
+            group.request.prompt_tokens.clone(),
+            OutputLimit {
+                // Generation also ends at the context limit.
+                max_tokens: (group.request.max_tokens as usize).min(
+                    self.config
+                        .max_model_len
+                        .saturating_sub(group.request.prompt_tokens.len()),
+                ),
+                n: n as usize,
+            },
+        );
+        self.seqs.insert(seq_key, seq);
+    }
+
+    /// Requests whose Redis lookup is answered (or given up): their blocks adopted, then scheduled.
+    fn poll_remote(&mut self) {
+        let Some(remote) = self.remote.as_mut() else {
+            return;
+        };
+        for (id, seq, adoption) in remote.ready() {
+            if !self.groups.contains_key(&id) {
+                continue;
+            }
+            if let Some(a) = adoption {
+                self.adopt(a);
+            }
+            self.enqueue(id, seq);
+        }
+    }
+
+    /// Enters blocks fetched from the Redis tier into the pool as cached blocks.
+    fn adopt(&mut self, a: Adoption) {
+        let (id, fresh) = match self.sched.begin_adoption(&a.tokens, &a.key, a.held) {
+            Ok(Some(started)) => started,
+            // The pool's part of the prefix changed meanwhile, or it has no room: the request computes.
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "adopting blocks from the Redis tier failed");
+                return;
+            }
+        };
+        // Blocks the allocation evicted are copied down before their bytes are overwritten.
+        self.run_tier_moves();
+        for (&block, payload) in fresh.iter().zip(&a.payloads) {
+            self.executor.import_block(block, payload);
+        }
+        if let Err(e) = self.sched.finish_adoption(id) {
+            tracing::warn!(error = %e, "adopting blocks from the Redis tier failed");
+            return;
+        }
+        self.metrics.remote_hit_blocks.add(fresh.len() as u64);
+        if let Some(remote) = self.remote.as_mut() {
+            remote.adopted(&a);
+        }
     }
 
     /// The cache key of a tenant's blocks: the model's fingerprint and the tenant's salt.
@@ -588,6 +681,7 @@ impl Core {
         let started = Instant::now();
         self.metrics.scheduler_passes.add(1);
         self.expire_pins();
+        self.poll_remote();
         self.poll_loads(Duration::ZERO);
         self.out.catch_up();
         self.check_backlogs();
@@ -620,10 +714,23 @@ impl Core {
         progressed
     }
 
-    /// Hands the KV manager's content events to the event log, if events are on.
+    /// Hands the KV manager's content events to the Redis tier (blocks to write) and to the event log.
     fn publish_kv_events(&mut self) {
+        let events = self.sched.take_kv_events();
+        if events.is_empty() {
+            return;
+        }
+        if let Some(remote) = self.remote.as_mut() {
+            let executor = &self.executor;
+            let block_bytes = executor.block_bytes();
+            remote.on_events(&events, |block| {
+                let mut bytes = vec![0u8; block_bytes];
+                executor.export_block(block, &mut bytes);
+                bytes
+            });
+        }
         if let Some(log) = &self.shared.kv_events {
-            log.publish(self.sched.take_kv_events());
+            log.publish(events);
         }
     }
 
@@ -1017,6 +1124,9 @@ impl Core {
     }
 
     fn update_gauges(&mut self) {
+        if let Some(remote) = &self.remote {
+            remote.update_metrics(&self.metrics);
+        }
         let usage = self.sched.kv().usage();
         let m = &self.metrics;
         m.kv_blocks_used.set(f64::from(usage.used_blocks));

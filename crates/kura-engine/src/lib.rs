@@ -15,6 +15,7 @@ mod metrics;
 mod model_backend;
 mod output;
 mod pins;
+mod remote;
 mod request;
 mod scheduler;
 mod seq;
@@ -27,6 +28,7 @@ pub use kv_events::{Gap, KvBlockInfo, KvChange, KvEventLog, KvEventRecord, KvSna
 pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};
+pub use remote::RemoteTierSetup;
 pub use request::{
     EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,
     SubmitError, TokenCandidate, TokenLogprob, Usage,

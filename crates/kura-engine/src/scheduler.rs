@@ -348,6 +348,26 @@ impl Scheduler {
         &self.kv
     }
 
+    /// Blocks of `tokens` (whole blocks) under `key` held in the pool or the lower tiers, from the first.
+    pub fn held_prefix_blocks(&mut self, tokens: &[u32], key: &CacheKey) -> usize {
+        self.kv.held_prefix_blocks(tokens, key)
+    }
+
+    /// See [`KvCacheManager::begin_adoption`].
+    pub fn begin_adoption(
+        &mut self,
+        tokens: &[u32],
+        key: &CacheKey,
+        held: usize,
+    ) -> Result<Option<(kura_kv::SeqId, Vec<BlockId>)>, KvError> {
+        self.kv.begin_adoption(tokens, key, held)
+    }
+
+    /// See [`KvCacheManager::finish_adoption`].
+    pub fn finish_adoption(&mut self, id: kura_kv::SeqId) -> Result<(), KvError> {
+        self.kv.finish_adoption(id)
+    }
+
     /// The KV manager's content events since the last call (none unless `record_kv_events`).
     pub fn take_kv_events(&mut self) -> Vec<kura_kv::KvEvent> {
         self.kv.drain_events().collect()

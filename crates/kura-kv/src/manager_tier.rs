@@ -452,4 +452,57 @@ impl KvCacheManager {
         }
         Ok(())
     }
+
+    /// Blocks of `tokens` (whole blocks) under `key` that the pool and the lower tiers hold, from the
+    /// first on, pending ones included: what a remote fetch need not bring. Counts no admission.
+    pub fn held_prefix_blocks(&mut self, tokens: &[u32], key: &CacheKey) -> usize {
+        let saved = self.stats.clone();
+        let hit = self.find_cached_prefix(tokens, key);
+        self.stats = saved;
+        hit.blocks.len() + hit.tier.len()
+    }
+
+    /// Starts adopting blocks computed elsewhere (the shared tier, L4): `tokens` (whole blocks) under
+    /// `key`, of which the pool already holds the first `held` blocks, computed and idle or in use.
+    /// Returns the sequence and the fresh blocks for `tokens[held × block_size..]` in order, whose bytes the
+    /// caller writes before [`KvCacheManager::finish_adoption`] enters them as cached; `None` (nothing
+    /// changed) when the pool's part of the prefix is not exactly `held` computed blocks any more, or
+    /// when the pool has no room. Counts no admission.
+    pub fn begin_adoption(
+        &mut self,
+        tokens: &[u32],
+        key: &CacheKey,
+        held: usize,
+    ) -> Result<Option<(SeqId, Vec<BlockId>)>, KvError> {
+        let bs = self.config.block_size;
+        if self.pages.is_some() || tokens.len() % bs != 0 || held * bs >= tokens.len() {
+            return Ok(None);
+        }
+        let saved = self.stats.clone();
+        let mut hit = self.find_cached_prefix(tokens, key);
+        // Exactly `held` computed pool blocks: a pending or loading block, one found below, or one more in
+        // the pool has its own writer or is here already.
+        if hit.blocks.len() != held || hit.num_pending_blocks() > 0 || !hit.tier.is_empty() {
+            self.stats = saved;
+            return Ok(None);
+        }
+        hit.partial = None;
+        let id = self.add_sequence(key);
+        let allocated = self.allocate_slots(id, &tokens[held * bs..], Some(&hit))?;
+        self.stats = saved;
+        if allocated.is_none() {
+            self.free(id)?;
+            return Ok(None);
+        }
+        let fresh = self.block_table(id)?[held..].to_vec();
+        Ok(Some((id, fresh)))
+    }
+
+    /// Ends an adoption: the sequence's blocks are computed (their bytes are in place) and released as
+    /// cached blocks, announced like blocks computed here.
+    pub fn finish_adoption(&mut self, id: SeqId) -> Result<(), KvError> {
+        let n = self.num_tokens(id)?;
+        self.mark_computed(id, n)?;
+        self.free(id)
+    }
 }

@@ -842,3 +842,39 @@ fn a_pinned_prefix_keeps_its_window_parts_on_a_hybrid_pool() {
     kv.unpin(pin).unwrap();
     kv.check_invariants().unwrap();
 }
+
+#[test]
+fn adopted_blocks_become_cached_hits_without_counting_an_admission() {
+    let mut kv = manager(8);
+    let key = CacheKey::new().with_salt("t");
+    let doc = toks(0..16); // 4 blocks
+    run(&mut kv, &key, &doc[..8], true);
+    kv.drain_events().for_each(drop);
+    assert_eq!(kv.held_prefix_blocks(&doc, &key), 2);
+    let before = kv.stats().clone();
+    let (seq, fresh) = kv
+        .begin_adoption(&doc, &key, 2)
+        .unwrap()
+        .expect("room for 2 blocks");
+    assert_eq!(fresh.len(), 2);
+    kv.finish_adoption(seq).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.stats().prefix_query_tokens, before.prefix_query_tokens);
+    assert_eq!(kv.stats().prefix_hit_tokens, before.prefix_hit_tokens);
+    // The adopted blocks are announced and hit like blocks computed here.
+    let stored: Vec<_> = kv.drain_events().collect();
+    assert_eq!(stored.len(), 2);
+    assert!(matches!(&stored[0], KvEvent::Stored { block, .. } if *block == fresh[0]));
+    assert_eq!(kv.held_prefix_blocks(&doc, &key), 4);
+    let mut prompt = doc.clone();
+    prompt.push(99);
+    assert_eq!(
+        kv.find_cached_prefix(&prompt[..16], &key)
+            .num_cached_tokens(),
+        16
+    );
+    // Nothing to adopt when the pool's part is not what the caller saw.
+    assert!(kv.begin_adoption(&doc, &key, 1).unwrap().is_none());
+    assert!(kv.begin_adoption(&doc, &key, 4).unwrap().is_none());
+    kv.check_invariants().unwrap();
+}

@@ -76,7 +76,12 @@ pub enum RouterError {
 }
 
 /// A per-replica metric: name, type, help, and how to read it.
-type ReplicaMetric = (&'static str, &'static str, &'static str, fn(&Replica) -> u64);
+type ReplicaMetric = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&Replica) -> u64,
+);
 
 /// The router's state, shared by its routes and its replica tasks.
 pub(crate) struct Fleet {

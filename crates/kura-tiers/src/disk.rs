@@ -368,18 +368,7 @@ impl DiskStore {
         let file_len = file.metadata()?.len();
         let h = read_header(file, file_len)?;
         self.check_header(&h, file_len)?;
-        if h.hash != expect.hash {
-            return Err(Check::BlockHash { found: h.hash }.into());
-        }
-        if h.parent_hash != expect.parent_hash {
-            return Err(Check::ParentHash.into());
-        }
-        if h.key_digest != expect.key_digest {
-            return Err(Check::KeyDigest.into());
-        }
-        if h.tokens != expect.tokens {
-            return Err(Check::Tokens.into());
-        }
+        check_expected(&h, expect)?;
         file.read_exact(out)?;
         if xxh3_128(out) != h.payload_xxh3 {
             return Err(Check::PayloadChecksum.into());
@@ -389,26 +378,7 @@ impl DiskStore {
 
     /// The checks of a verified header against this store: fingerprint, payload size, file size.
     fn check_header(&self, h: &Header, file_len: u64) -> Result<(), Check> {
-        if h.fingerprint != self.fingerprint {
-            return Err(Check::Fingerprint {
-                found: h.fingerprint,
-            });
-        }
-        // usize is at most 64 bits on every supported target.
-        let expected = self.payload_len as u64;
-        if h.payload_len != expected {
-            return Err(Check::PayloadLen {
-                found: h.payload_len,
-                expected,
-            });
-        }
-        match u64::from(h.header_len).checked_add(h.payload_len) {
-            Some(size) if size == file_len => Ok(()),
-            size => Err(Check::FileSize {
-                found: file_len,
-                expected: size.unwrap_or(u64::MAX),
-            }),
-        }
+        check_header(h, self.fingerprint, self.payload_len, file_len)
     }
 
     /// Lists `blocks/`, keeping the valid files and deleting the others.
@@ -666,6 +636,86 @@ fn is_lower_hex(s: &str) -> bool {
     s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+/// The checks of a verified header against a store of `fingerprint` and `payload_len`-byte payloads, for
+/// a file (or record) of `total_len` bytes.
+fn check_header(
+    h: &Header,
+    fingerprint: u128,
+    payload_len: usize,
+    total_len: u64,
+) -> Result<(), Check> {
+    if h.fingerprint != fingerprint {
+        return Err(Check::Fingerprint {
+            found: h.fingerprint,
+        });
+    }
+    // usize is at most 64 bits on every supported target.
+    let expected = payload_len as u64;
+    if h.payload_len != expected {
+        return Err(Check::PayloadLen {
+            found: h.payload_len,
+            expected,
+        });
+    }
+    match u64::from(h.header_len).checked_add(h.payload_len) {
+        Some(size) if size == total_len => Ok(()),
+        size => Err(Check::FileSize {
+            found: total_len,
+            expected: size.unwrap_or(u64::MAX),
+        }),
+    }
+}
+
+/// The block a header names against the one asked for: hash, parent, key digest, tokens.
+fn check_expected(h: &Header, expect: &BlockRecord) -> Result<(), Check> {
+    if h.hash != expect.hash {
+        return Err(Check::BlockHash { found: h.hash });
+    }
+    if h.parent_hash != expect.parent_hash {
+        return Err(Check::ParentHash);
+    }
+    if h.key_digest != expect.key_digest {
+        return Err(Check::KeyDigest);
+    }
+    if h.tokens != expect.tokens {
+        return Err(Check::Tokens);
+    }
+    Ok(())
+}
+
+/// A whole block record in memory — the bytes of a block file, header then payload — as a remote tier
+/// stores it under one key.
+pub fn encode_record(fingerprint: u128, rec: &BlockRecord, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = encode_header(fingerprint, rec, payload);
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+/// The payload of a record made by [`encode_record`], after every check a disk read makes: header
+/// checksum, `fingerprint`, `payload_len`, total size, the block `expect` names, payload checksum.
+pub fn decode_record<'a>(
+    bytes: &'a [u8],
+    fingerprint: u128,
+    payload_len: usize,
+    expect: &BlockRecord,
+) -> Result<&'a [u8], Check> {
+    let total = bytes.len() as u64;
+    let mut reader = bytes;
+    let h = match read_header(&mut reader, total) {
+        Ok(h) => h,
+        Err(Fail::Check(c)) => return Err(c),
+        Err(Fail::Io(_)) => return Err(Check::Truncated),
+    };
+    check_header(&h, fingerprint, payload_len, total)?;
+    check_expected(&h, expect)?;
+    // The size check above makes the payload exactly the bytes after the header.
+    let payload = &bytes[h.header_len as usize..];
+    if xxh3_128(payload) != h.payload_xxh3 {
+        return Err(Check::PayloadChecksum);
+    }
+    Ok(payload)
+}
+
 /// The header of a block file for `rec` and `payload` (layout in the module docs).
 fn encode_header(fingerprint: u128, rec: &BlockRecord, payload: &[u8]) -> Vec<u8> {
     // Callers bound the tokens by MAX_TOKENS, so neither cast below truncates.
@@ -691,7 +741,7 @@ fn encode_header(fingerprint: u128, rec: &BlockRecord, payload: &[u8]) -> Vec<u8
 }
 
 /// Reads and verifies the header of a file of `file_len` bytes, leaving `file` at the payload's start.
-fn read_header(file: &mut File, file_len: u64) -> Result<Header, Fail> {
+fn read_header(file: &mut impl Read, file_len: u64) -> Result<Header, Fail> {
     if file_len < PREFIX as u64 {
         return Err(Check::Truncated.into());
     }

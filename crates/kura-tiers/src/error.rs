@@ -8,6 +8,8 @@ use thiserror::Error;
 /// A failure to create a tier or to write to it.
 #[derive(Debug, Error)]
 pub enum TierError {
+    #[error("{0}")]
+    BadConfig(String),
     #[error("a host tier of {num_slots} slots of {slot_bytes} bytes does not fit in this machine's address space")]
     TooLarge { num_slots: usize, slot_bytes: usize },
     #[error("cannot allocate the host tier: the allocator refused {bytes} bytes")]

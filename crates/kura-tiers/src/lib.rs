@@ -8,9 +8,13 @@
 pub mod disk;
 pub mod error;
 pub mod host;
+pub mod remote;
 pub mod worker;
 
-pub use disk::{block_file_bytes, BlockRecord, DiskStore, ScanReport};
+pub use disk::{
+    block_file_bytes, decode_record, encode_record, BlockRecord, DiskStore, ScanReport,
+};
 pub use error::{Check, ReadError, TierError};
 pub use host::HostArena;
+pub use remote::{FetchDone, RemoteSetup, RemoteStats, RemoteWorker};
 pub use worker::{DiskJob, DiskStats, DiskWorker, ReadDone};

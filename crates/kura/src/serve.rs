@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kura_engine::DEFAULT_MAX_BATCHED_TOKENS;
 use kura_engine::{
     start_engine, AdmissionMode, DiskSetup, EngineConfig, EngineHandle, ModelCodec, ModelExecutor,
     SchedulingPolicy, TierSetup,
 };
+use kura_engine::{RemoteTierSetup, DEFAULT_MAX_BATCHED_TOKENS};
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_kv::units::{format_bytes, parse_bytes};
@@ -140,6 +140,17 @@ pub struct ServeArgs {
     /// is told to resynchronize from a snapshot.
     #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..=16_777_216))]
     kv_events_buffer: u64,
+    /// A shared KV tier in Redis (L4), `redis://HOST:PORT[/DB]`: blocks computed here are written there,
+    /// and a prompt's blocks missing here are fetched from there (written by any replica of the same model
+    /// and KV format). Redis slow or down never fails a request: the blocks are recomputed.
+    #[arg(long)]
+    kv_redis_url: Option<String>,
+    /// Seconds a block lives in Redis after it is written (1..=31536000).
+    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
+    kv_redis_ttl_s: u64,
+    /// Longest wait for Redis, per connection or command, in milliseconds (1..=10000).
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    kv_redis_timeout_ms: u64,
     #[command(flatten)]
     pub(crate) tiers: TierArgs,
 }
@@ -474,6 +485,11 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         admission: args.scheduling.into(),
         window,
         kv_events: args.kv_events.then_some(args.kv_events_buffer as usize),
+        remote: args.kv_redis_url.clone().map(|url| RemoteTierSetup {
+            url,
+            ttl_s: args.kv_redis_ttl_s,
+            timeout: Duration::from_millis(args.kv_redis_timeout_ms),
+        }),
     };
     let engine = start_engine(
         config,

@@ -1,0 +1,271 @@
+//! The engine's side of the shared tier in Redis (L4): blocks computed here are written there, and a new
+//! request whose prompt has blocks the pool and the local tiers lack looks them up there first.
+//!
+//! ```text
+//!  Submit ─▶ held locally? ─ all ─────────────────────────────────────────────▶ scheduler
+//!              │ some missing: MGET of the rest (kura-kv-redis thread); the request waits
+//!              ▼
+//!   answer (or FETCH_WAIT passed) ─▶ leading verified blocks adopted into the pool ─▶ scheduler
+//!   (KvCacheManager::begin_adoption; tier moves run; bytes imported; finish_adoption)
+//!
+//!  block computed (KvEvent::Stored) ─▶ exported, one record per block ─▶ SET … EX ttl (same thread)
+//! ```
+//!
+//! Replicas hash blocks with seeds of their own, so the shared tier names a block by content: a root is
+//! `chain(cache key digest, tokens)`, every other block `chain(its parent's name, tokens)`, with a fixed
+//! seed, and its key is `kura:kv:{<key digest>}:<name>` (the hash tag keeps a key's blocks on one Redis
+//! Cluster shard). The cache key digest covers the tenant's salt and the model fingerprint, and each
+//! record carries the KV fingerprint, its parent, its key digest and its tokens, all checked on the way
+//! back. The engine never waits on Redis: a lookup not answered within `FETCH_WAIT` is given up, and
+//! Redis down means every lookup a miss at once.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use kura_kv::hash::BlockHasher;
+use kura_kv::{BlockHash, CacheKey, KvEvent};
+use kura_tiers::{encode_record, BlockRecord, RemoteSetup, RemoteWorker};
+
+use crate::metrics::EngineMetrics;
+use crate::seq::Seq;
+
+/// Longest a request waits for its Redis lookup.
+const FETCH_WAIT: Duration = Duration::from_millis(500);
+/// Names of blocks written or found, remembered to skip writing them again (cleared when full).
+const MAX_WRITTEN: usize = 1 << 20;
+
+/// The Redis tier `kura serve --kv-redis-url` was given.
+#[derive(Debug, Clone)]
+pub struct RemoteTierSetup {
+    pub url: String,
+    /// Seconds a block lives in Redis after it is written.
+    pub ttl_s: u64,
+    /// Longest wait for a connection or a command.
+    pub timeout: Duration,
+}
+
+/// A request waiting for its Redis lookup.
+pub(crate) struct Parked {
+    pub seq: Seq,
+    deadline: Instant,
+    /// The prompt's whole blocks that the lookup covers, and how many of them were held locally.
+    tokens: Vec<u32>,
+    held: usize,
+    key: CacheKey,
+}
+
+/// Blocks to adopt into the pool: the prompt's leading tokens and the payloads after the held ones.
+pub(crate) struct Adoption {
+    pub tokens: Vec<u32>,
+    pub key: CacheKey,
+    pub held: usize,
+    pub payloads: Vec<Vec<u8>>,
+}
+
+pub(crate) struct RemoteTier {
+    worker: RemoteWorker,
+    namer: BlockHasher,
+    block_size: usize,
+    fingerprint: u128,
+    /// This replica's block hash → (name, key digest), for blocks in the pool.
+    names: HashMap<u128, (u128, u128)>,
+    written: HashSet<u128>,
+    parked: HashMap<u64, Parked>,
+}
+
+fn redis_key(key_digest: u128, name: u128) -> String {
+    format!("kura:kv:{{{key_digest:032x}}}:{name:032x}")
+}
+
+impl RemoteTier {
+    pub fn open(
+        setup: &RemoteTierSetup,
+        block_size: usize,
+        block_bytes: usize,
+        fingerprint: u128,
+    ) -> Result<Self, String> {
+        let worker = RemoteWorker::start(RemoteSetup {
+            url: setup.url.clone(),
+            ttl_s: setup.ttl_s,
+            fingerprint,
+            payload_len: block_bytes,
+            timeout: setup.timeout,
+        })
+        .map_err(|e| e.to_string())?;
+        Ok(Self {
+            worker,
+            namer: BlockHasher::new(0, 128),
+            block_size,
+            fingerprint,
+            names: HashMap::new(),
+            written: HashSet::new(),
+            parked: HashMap::new(),
+        })
+    }
+
+    fn remember_written(&mut self, name: u128) -> bool {
+        if self.written.len() >= MAX_WRITTEN {
+            self.written.clear();
+        }
+        self.written.insert(name)
+    }
+
+    /// Writes the blocks the pool announced (once per name), reading each one's bytes with `export`.
+    pub fn on_events(&mut self, events: &[KvEvent], mut export: impl FnMut(u32) -> Vec<u8>) {
+        for event in events {
+            match event {
+                KvEvent::Stored {
+                    hash,
+                    parent,
+                    block,
+                    tokens,
+                    key_digest,
+                } => {
+                    let (parent_name, key_digest) = match (parent, key_digest) {
+                        (Some(p), _) => match self.names.get(&p.0) {
+                            Some(&(name, kd)) => (name, kd),
+                            None => continue,
+                        },
+                        (None, Some(kd)) => (*kd, *kd),
+                        (None, None) => continue,
+                    };
+                    let name = self.namer.chain(BlockHash(parent_name), tokens).0;
+                    self.names.insert(hash.0, (name, key_digest));
+                    if !self.remember_written(name) {
+                        continue;
+                    }
+                    let record = BlockRecord {
+                        hash: name,
+                        parent_hash: parent_name,
+                        key_digest,
+                        tokens: tokens.clone(),
+                    };
+                    let bytes = encode_record(self.fingerprint, &record, &export(*block));
+                    self.worker.try_put(redis_key(key_digest, name), bytes);
+                }
+                KvEvent::Removed { hash, .. } => {
+                    self.names.remove(&hash.0);
+                }
+                KvEvent::Cleared => self.names.clear(),
+            }
+        }
+    }
+
+    /// Starts the lookup of `prompt`'s blocks beyond the first `held` (of its whole blocks before its last
+    /// token) and parks the request; gives `seq` back when there is nothing to look up or the lookup
+    /// could not be queued.
+    pub fn park(
+        &mut self,
+        id: u64,
+        seq: Seq,
+        prompt: &[u32],
+        key: &CacheKey,
+        held: impl FnOnce(&[u32]) -> usize,
+    ) -> Option<Seq> {
+        let bs = self.block_size;
+        let whole = prompt.len().saturating_sub(1) / bs * bs;
+        if whole == 0 {
+            return Some(seq);
+        }
+        let tokens = &prompt[..whole];
+        let held = held(tokens);
+        if held * bs >= whole {
+            return Some(seq);
+        }
+        let key_digest = key.digest();
+        let mut parent = key_digest;
+        let mut lookups = Vec::new();
+        for (i, block) in tokens.chunks_exact(bs).enumerate() {
+            let name = self.namer.chain(BlockHash(parent), block).0;
+            if i >= held {
+                let record = BlockRecord {
+                    hash: name,
+                    parent_hash: parent,
+                    key_digest,
+                    tokens: block.to_vec(),
+                };
+                lookups.push((redis_key(key_digest, name), record));
+            }
+            parent = name;
+        }
+        if !self.worker.try_fetch(id, lookups) {
+            return Some(seq);
+        }
+        self.parked.insert(
+            id,
+            Parked {
+                seq,
+                deadline: Instant::now() + FETCH_WAIT,
+                tokens: tokens.to_vec(),
+                held,
+                key: key.clone(),
+            },
+        );
+        None
+    }
+
+    pub fn num_parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Forgets a parked request (cancelled); its lookup's answer will be ignored.
+    pub fn unpark(&mut self, id: u64) {
+        self.parked.remove(&id);
+    }
+
+    /// Requests whose lookup is answered or given up: each with the blocks to adopt, if any.
+    pub fn ready(&mut self) -> Vec<(u64, Seq, Option<Adoption>)> {
+        let mut out = Vec::new();
+        for done in self.worker.poll() {
+            let Some(p) = self.parked.remove(&done.ticket) else {
+                continue;
+            };
+            let adoption = (!done.payloads.is_empty()).then(|| {
+                let bs = self.block_size;
+                let n = p.held + done.payloads.len();
+                Adoption {
+                    tokens: p.tokens[..n * bs].to_vec(),
+                    key: p.key,
+                    held: p.held,
+                    payloads: done.payloads,
+                }
+            });
+            out.push((done.ticket, p.seq, adoption));
+        }
+        let now = Instant::now();
+        let late: Vec<u64> = self
+            .parked
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in late {
+            if let Some(p) = self.parked.remove(&id) {
+                out.push((id, p.seq, None));
+            }
+        }
+        out
+    }
+
+    /// Names of adopted blocks, so that announcing them does not write them back.
+    pub fn adopted(&mut self, a: &Adoption) {
+        let kd = a.key.digest();
+        let mut parent = kd;
+        for block in a.tokens.chunks_exact(self.block_size) {
+            parent = self.namer.chain(BlockHash(parent), block).0;
+            self.remember_written(parent);
+        }
+    }
+
+    /// Mirrors the thread's counters into the engine's metrics.
+    pub fn update_metrics(&self, m: &EngineMetrics) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.worker.stats();
+        m.remote_stores.set_total(s.stores.load(Relaxed));
+        m.remote_fetches.set_total(s.fetches.load(Relaxed));
+        m.remote_errors.set_total(s.errors.load(Relaxed));
+        m.remote_corrupt.set_total(s.corrupt.load(Relaxed));
+        m.remote_dropped.set_total(s.dropped.load(Relaxed));
+        m.remote_connected.set(s.connected.load(Relaxed) as f64);
+    }
+}
