@@ -13,6 +13,11 @@ use std::collections::{HashMap, HashSet};
 use kura_kv::hash::BlockHasher;
 use kura_kv::{BlockHash, CacheKey};
 
+/// How long a block routed to a replica counts as held there without an event saying so.
+pub const ROUTED_TTL_MS: u64 = 10_000;
+/// Most routed names kept per replica before expired ones are dropped.
+const MAX_ROUTED: usize = 1 << 20;
+
 /// One block as a replica announced it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AnnouncedBlock {
@@ -43,6 +48,10 @@ struct ReplicaBlocks {
     names: HashMap<u128, u128>,
     /// Names of the blocks the replica holds.
     held: HashSet<u128>,
+    /// Names of blocks of prompts this router sent there, with the time sent (ms): held or being
+    /// computed there, before the replica's events say so (a prompt's second request, sent while the
+    /// first is still in prefill, goes where the first went).
+    routed: HashMap<u128, u64>,
     /// The last event applied; `None` until a snapshot arrives.
     seq: Option<u64>,
 }
@@ -126,12 +135,14 @@ impl FleetIndex {
                 let rep = &mut self.replicas[r];
                 if let Some(name) = rep.names.remove(hash) {
                     rep.held.remove(&name);
+                    rep.routed.remove(&name);
                 }
             }
             Change::Cleared => {
                 let rep = &mut self.replicas[r];
                 rep.names.clear();
                 rep.held.clear();
+                rep.routed.clear();
             }
         }
         self.replicas[r].seq = Some(seq);
@@ -166,10 +177,31 @@ impl FleetIndex {
         names
     }
 
-    /// How many of `names` (a prompt's blocks, in order) replica `r` holds from the first on.
-    pub fn held_prefix(&self, r: usize, names: &[u128]) -> usize {
-        let held = &self.replicas[r].held;
-        names.iter().take_while(|n| held.contains(n)).count()
+    /// How many of `names` (a prompt's blocks, in order) replica `r` holds from the first on, counting
+    /// blocks routed there within the last `ROUTED_TTL_MS` before `now_ms` as held.
+    pub fn held_prefix(&self, r: usize, names: &[u128], now_ms: u64) -> usize {
+        let rep = &self.replicas[r];
+        let fresh = |n: &u128| {
+            rep.routed
+                .get(n)
+                .is_some_and(|&t| now_ms.saturating_sub(t) < ROUTED_TTL_MS)
+        };
+        names
+            .iter()
+            .take_while(|n| rep.held.contains(n) || fresh(n))
+            .count()
+    }
+
+    /// Records that a prompt of `names` was sent to replica `r` at `now_ms`.
+    pub fn note_routed(&mut self, r: usize, names: &[u128], now_ms: u64) {
+        let rep = &mut self.replicas[r];
+        if rep.routed.len() + names.len() > MAX_ROUTED {
+            rep.routed
+                .retain(|_, &mut t| now_ms.saturating_sub(t) < ROUTED_TTL_MS);
+        }
+        for &n in names {
+            rep.routed.insert(n, now_ms);
+        }
     }
 }
 
@@ -218,24 +250,27 @@ mod tests {
         let names = index.prompt_names(&key, &prompt, BS);
         assert_eq!(names.len(), 4);
         assert_eq!(
-            (index.held_prefix(0, &names), index.held_prefix(1, &names)),
+            (
+                index.held_prefix(0, &names, 0),
+                index.held_prefix(1, &names, 0)
+            ),
             (0, 3)
         );
         let theirs = index.prompt_names(&other, &prompt, BS);
-        assert_eq!(index.held_prefix(1, &theirs), 0);
+        assert_eq!(index.held_prefix(1, &theirs, 0), 0);
         // A prompt that differs in its second block shares only the first.
         let mut fork = prompt.clone();
         fork[5] = 77;
         let names_fork = index.prompt_names(&key, &fork, BS);
-        assert_eq!(index.held_prefix(1, &names_fork), 1);
+        assert_eq!(index.held_prefix(1, &names_fork, 0), 1);
 
         // Events: replica 0 stores the first two blocks; replica 1 drops its last.
         for (i, b) in announce(&key, &doc[..8], 2).into_iter().enumerate() {
             index.apply(0, i as u64 + 1, &Change::Stored(b)).unwrap();
         }
-        assert_eq!(index.held_prefix(0, &names), 2);
+        assert_eq!(index.held_prefix(0, &names, 0), 2);
         index.apply(1, 6, &Change::Removed { hash: 1003 }).unwrap();
-        assert_eq!(index.held_prefix(1, &names), 2);
+        assert_eq!(index.held_prefix(1, &names, 0), 2);
         // A skipped number is refused and changes nothing.
         assert_eq!(
             index.apply(1, 8, &Change::Cleared),
@@ -244,9 +279,13 @@ mod tests {
                 got: 8
             })
         );
-        assert_eq!(index.held_prefix(1, &names), 2);
+        assert_eq!(index.held_prefix(1, &names, 0), 2);
         index.apply(1, 7, &Change::Cleared).unwrap();
         assert_eq!(index.num_blocks(1), 0);
+        // A prompt routed to replica 1 counts as held there until its events come, or for ROUTED_TTL_MS.
+        index.note_routed(1, &names, 1_000);
+        assert_eq!(index.held_prefix(1, &names, 1_500), 4);
+        assert_eq!(index.held_prefix(1, &names, 1_000 + ROUTED_TTL_MS), 0);
         index.forget(0);
         assert!(!index.synced(0));
         assert!(index.apply(0, 3, &Change::Cleared).is_err());

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! - [`index`]: the block index built from the replicas' events, naming blocks by content.
-//! - [`policy`]: `kv` (Dynamo's cost: `overlap_weight × blocks to prefill + active blocks`),
+//! - [`policy`]: `kv` (Dynamo's cost: `overlap_weight × blocks to prefill + blocks of work in flight`),
 //!   `round-robin`, `least-load`.
 //! - [`proxy`]: the routes; the request is forwarded byte for byte and the response streamed back.
 //! - [`replica`]: each replica's health checks (every `health_interval`; down after two failures or a
@@ -94,6 +94,7 @@ pub(crate) struct Fleet {
     client: reqwest::Client,
     retries: AtomicU64,
     unroutable: AtomicU64,
+    started: std::time::Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -142,8 +143,14 @@ impl Fleet {
             client,
             retries: AtomicU64::new(0),
             unroutable: AtomicU64::new(0),
+            started: std::time::Instant::now(),
             config,
         })
+    }
+
+    /// Milliseconds since the router started (the clock of the index's routed blocks).
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Prometheus text of the router's own metrics.

@@ -3,8 +3,10 @@
 /// How the router picks a replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Policy {
-    /// Lowest `overlap_weight × blocks to prefill + active blocks` (Dynamo's KV router cost): a
-    /// replica holding the prompt's prefix wins unless it is busier by more than the saving.
+    /// Lowest `overlap_weight × blocks to prefill + blocks of work in flight` (Dynamo's KV router cost,
+    /// with the replica's load counted as the work this router has sent it: each request's blocks to
+    /// prefill plus one for its decoding): a replica holding the prompt's prefix wins unless it is
+    /// busier by more than the saving.
     #[default]
     Kv,
     /// Each replica in turn.
@@ -44,8 +46,9 @@ pub struct Candidate {
     pub eligible: bool,
     /// Requests in flight: the more of those this router sent and the replica reports.
     pub load: u64,
-    /// KV blocks of the requests this router has in flight there (prompt blocks each).
-    pub active_blocks: u64,
+    /// Work of the requests this router has in flight there, in blocks: each one's blocks to prefill
+    /// (not held there when it was sent) plus one for its decoding.
+    pub work_blocks: u64,
     /// Leading blocks of this prompt the replica holds.
     pub held_blocks: u64,
 }
@@ -70,7 +73,7 @@ pub fn choose(
             let cost = |r: usize| {
                 let c = &candidates[r];
                 let prefill = prompt_blocks.saturating_sub(c.held_blocks) as f64;
-                overlap_weight * prefill + c.active_blocks as f64
+                overlap_weight * prefill + c.work_blocks as f64
             };
             eligible.min_by(|&a, &b| {
                 cost(a)
@@ -87,11 +90,11 @@ pub fn choose(
 mod tests {
     use super::*;
 
-    fn up(load: u64, active_blocks: u64, held_blocks: u64) -> Candidate {
+    fn up(load: u64, work_blocks: u64, held_blocks: u64) -> Candidate {
         Candidate {
             eligible: true,
             load,
-            active_blocks,
+            work_blocks,
             held_blocks,
         }
     }

@@ -101,7 +101,8 @@ async fn read_prompt(
 
 /// The replica for `prompt` among those not `tried`, and how many of its blocks it holds.
 fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> {
-    let index = lock(&fleet.index);
+    let now = fleet.now_ms();
+    let mut index = lock(&fleet.index);
     let candidates: Vec<Candidate> = fleet
         .replicas
         .iter()
@@ -112,13 +113,12 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
                 .in_flight
                 .load(Ordering::Relaxed)
                 .max(rep.reported_load.load(Ordering::Relaxed)),
-            active_blocks: rep.active_blocks.load(Ordering::Relaxed),
-            held_blocks: index.held_prefix(r, &prompt.names) as u64,
+            work_blocks: rep.work_blocks.load(Ordering::Relaxed),
+            held_blocks: index.held_prefix(r, &prompt.names, now) as u64,
         })
         .collect();
-    drop(index);
     let policy = fleet.config.policy;
-    let mut chosen = {
+    let chosen = {
         let mut turn = lock(&fleet.turn);
         choose(
             policy,
@@ -128,8 +128,8 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
             &mut turn,
         )?
     };
-    if policy == Policy::Kv {
-        if let Some(key) = &prompt.prompt_cache_key {
+    let chosen = match &prompt.prompt_cache_key {
+        Some(key) if policy == Policy::Kv => {
             let mut affinity = lock(&fleet.affinity);
             let least = candidates
                 .iter()
@@ -143,40 +143,53 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
                         && candidates[r].load <= least + AFFINITY_SLACK
                         && candidates[r].held_blocks >= candidates[chosen].held_blocks =>
                 {
-                    chosen = r
+                    r
                 }
                 _ => {
                     if affinity.len() >= MAX_AFFINITY_KEYS {
                         affinity.clear();
                     }
                     affinity.insert(key.clone(), chosen);
+                    chosen
                 }
             }
         }
-    }
+        _ => chosen,
+    };
+    index.note_routed(chosen, &prompt.names, now);
     Some((chosen, candidates[chosen].held_blocks))
 }
 
-/// A request in flight at a replica: counted in its load until the response ends or is dropped.
+/// A request in flight at a replica: counted in its load until the response ends or is dropped, and its
+/// blocks to prefill in the replica's work until its first bytes arrive (a stream's first token).
 struct InFlight {
     fleet: Arc<Fleet>,
     replica: usize,
-    blocks: u64,
+    /// Blocks to prefill, still counted in the replica's work.
+    prefill: u64,
     /// The cached tokens the response reported, when it did.
     reported: Option<u64>,
 }
 
 impl InFlight {
-    fn new(fleet: Arc<Fleet>, replica: usize, blocks: u64) -> Self {
+    fn new(fleet: Arc<Fleet>, replica: usize, prefill: u64) -> Self {
         let rep = &fleet.replicas[replica];
         rep.in_flight.fetch_add(1, Ordering::Relaxed);
-        rep.active_blocks.fetch_add(blocks, Ordering::Relaxed);
+        // One more block of work for its decoding, until it ends.
+        rep.work_blocks.fetch_add(prefill + 1, Ordering::Relaxed);
         Self {
             fleet,
             replica,
-            blocks,
+            prefill,
             reported: None,
         }
+    }
+
+    /// Its prefill is over: the first bytes of its answer arrived.
+    fn prefilled(&mut self) {
+        let rep = &self.fleet.replicas[self.replica];
+        rep.work_blocks.fetch_sub(self.prefill, Ordering::Relaxed);
+        self.prefill = 0;
     }
 }
 
@@ -184,7 +197,8 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         let rep = &self.fleet.replicas[self.replica];
         rep.in_flight.fetch_sub(1, Ordering::Relaxed);
-        rep.active_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+        rep.work_blocks
+            .fetch_sub(self.prefill + 1, Ordering::Relaxed);
         if let Some(n) = self.reported {
             rep.reported_cached.fetch_add(n, Ordering::Relaxed);
         }
@@ -251,6 +265,7 @@ impl Stream for Relay {
         let item = self.inner.poll_next_unpin(cx);
         if let Poll::Ready(Some(Ok(chunk))) = &item {
             let chunk = chunk.clone();
+            self.flight.prefilled();
             if let Some(n) = self.scan.feed(&chunk) {
                 self.flight.reported = Some(n);
             }
@@ -298,7 +313,9 @@ async fn forward(
         };
         tried[r] = true;
         let rep = &fleet.replicas[r];
-        let flight = InFlight::new(fleet.clone(), r, prompt.names.len() as u64 + 1);
+        // The work it adds there: the blocks it will prefill (and one for its decoding).
+        let prefill = (prompt.names.len() as u64).saturating_sub(held);
+        let flight = InFlight::new(fleet.clone(), r, prefill);
         let mut request = fleet
             .client
             .post(format!("{}{}", rep.url, endpoint.path()))
