@@ -1,5 +1,5 @@
-//! `kura-tiers` — the byte stores of Kura's lower KV-cache tiers: host memory ([`host`], L2) and local disk
-//! ([`disk`], L3, with its I/O thread in [`worker`]).
+//! `kura-tiers` — the byte stores of Kura's lower KV-cache tiers: host memory ([`host`], L2), local disk
+//! ([`disk`], L3, with its I/O thread in [`worker`]) and Redis shared by a fleet ([`remote`], L4).
 //!
 //! This crate stores and returns bytes; it does not decide what to keep. Which block lives in which tier, and
 //! when it moves, is the cache manager's business: here a block is only a [`BlockRecord`] (its identity) and
