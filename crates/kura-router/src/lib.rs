@@ -19,7 +19,8 @@
 //!   metrics, and its event follower (resynchronizes from a snapshot on a gap).
 
 pub mod index;
-pub mod policy;
+/// The routing policies, shared with the fleet simulator (`kura_sim::routing`).
+pub use kura_sim::routing as policy;
 mod proxy;
 mod replica;
 

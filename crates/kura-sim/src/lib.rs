@@ -9,10 +9,15 @@
 //! - [`serve`]: the server simulated: `kura bench`'s workloads under a closed loop of clients, through the
 //!   engine's own [`kura_engine::Scheduler`] on the simulator's clock, with a [`cost`] model calibrated on
 //!   the real model in place of the forward pass.
+//! - [`fleet`]: a fleet of such servers behind a router ([`routing`]: the policies `kura router` uses),
+//!   replaying a trace open loop, with an optional shared tier (L4): hit ratio, TTFT and throughput per
+//!   policy and fleet size.
 
 pub mod cost;
+pub mod fleet;
 pub mod replay;
 pub mod report;
+pub mod routing;
 pub mod serve;
 pub mod trace;
 

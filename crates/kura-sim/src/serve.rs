@@ -78,12 +78,12 @@ pub enum Workload {
 /// One client session: an optional system message, then user turns sent one after another; or, from a
 /// trace, one raw prompt sent at its time.
 #[derive(Debug, Clone)]
-struct Session {
+pub(crate) struct Session {
     system: Option<Vec<u32>>,
-    turns: Vec<Vec<u32>>,
+    pub(crate) turns: Vec<Vec<u32>>,
     /// Trace requests: when it is sent, and its output length (the prompt is the one turn, as is).
-    arrival_ms: Option<f64>,
-    output_tokens: Option<usize>,
+    pub(crate) arrival_ms: Option<f64>,
+    pub(crate) output_tokens: Option<usize>,
 }
 
 struct Ids(u32);
@@ -106,7 +106,7 @@ impl Workload {
         }
     }
 
-    fn validate(&self) -> Result<(), SimError> {
+    pub(crate) fn validate(&self) -> Result<(), SimError> {
         let bad = |what: &str| Err(SimError::Config(format!("{what} must be at least 1")));
         const LIMIT: usize = 1 << 24;
         let (counts, tokens): (Vec<usize>, Vec<usize>) = match *self {
@@ -163,7 +163,7 @@ impl Workload {
     }
 
     /// The sessions, in the order their first requests queue.
-    fn sessions(&self) -> Vec<Session> {
+    pub(crate) fn sessions(&self) -> Vec<Session> {
         let mut ids = Ids(FIRST_CONTENT_ID);
         match *self {
             Workload::SharedPrefix {
@@ -253,7 +253,7 @@ pub struct Dist {
 }
 
 impl Dist {
-    fn of(values: &mut [f64]) -> Dist {
+    pub(crate) fn of(values: &mut [f64]) -> Dist {
         if values.is_empty() {
             return Dist::default();
         }

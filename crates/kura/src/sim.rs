@@ -12,6 +12,7 @@ use kura_engine::{SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS}
 use kura_kv::codec::KvDtype;
 use kura_kv::EvictionPolicy;
 use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
+use kura_sim::fleet::{simulate_fleet, FleetSim};
 use kura_sim::{
     load_trace_limited, replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem,
     Workload,
@@ -127,6 +128,21 @@ pub struct SimArgs {
     #[command(flatten)]
     shaping: crate::bench::TraceShaping,
 
+    /// Simulate a fleet instead of one server (`--workload trace` only): this many replicas behind a
+    /// router, one run per count and policy: `4,8,16,32,64`. Each replica has `--kv-blocks` blocks.
+    #[arg(long, value_delimiter = ',')]
+    replicas: Vec<usize>,
+    /// The router's policies to compare, as `kura router --policy`: `kv,round-robin,least-load`.
+    #[arg(long, value_delimiter = ',', default_value = "kv")]
+    router: Vec<kura_sim::routing::Policy>,
+    /// The `kv` policy's weight of a block to prefill against a block of work in flight.
+    #[arg(long, default_value_t = 1.0)]
+    overlap_weight: f64,
+    /// A tier shared by the fleet (Redis, L4) of this many blocks; one run per size: `0,100000`
+    /// (0: none).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    l4_blocks: Vec<usize>,
+
     /// Time forward steps of the real model and write the fitted cost model to `--cost` (or print it).
     #[arg(long)]
     calibrate: bool,
@@ -219,6 +235,9 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
         bail!("--concurrency takes one or more counts of at least 1");
     }
     let cost = CostModel::load(&args.cost)?;
+    if !args.replicas.is_empty() {
+        return fleet_sim(args, &workload, cost);
+    }
     let mut reports = Vec::new();
     // A trace is open loop: one run, whatever --concurrency says.
     let loads = match w {
@@ -227,21 +246,7 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
     };
     for &concurrency in loads {
         let sim = ServeSim {
-            scheduler: SchedulerConfig {
-                block_size_tokens: args.block_size,
-                num_blocks: args.kv_blocks,
-                max_num_seqs: args.max_num_seqs,
-                max_num_batched_tokens: args.max_num_batched_tokens,
-                enable_prefix_caching: !args.no_prefix_cache,
-                policy: SchedulingPolicy::Fcfs,
-                eviction_policy: EvictionPolicy::LeafLru,
-                hash_seed: Some(args.seed),
-                tiers: Default::default(),
-                preemption: Default::default(),
-                admission: args.scheduling.into(),
-                window: None,
-                record_kv_events: false,
-            },
+            scheduler: scheduler_config(args),
             cost: cost.clone(),
             concurrency,
             output_tokens: args.output_tokens,
@@ -291,6 +296,102 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `kura sim --replicas`: the trace through each fleet size and policy.
+fn fleet_sim(args: &SimArgs, workload: &Workload, cost: CostModel) -> Result<()> {
+    if !matches!(workload, Workload::Trace { .. }) {
+        bail!("--replicas simulates a fleet on a trace: give --workload trace");
+    }
+    if args.replicas.contains(&0) || args.replicas.iter().any(|&n| n > 4096) {
+        bail!("--replicas takes counts from 1 to 4096");
+    }
+    if args.router.is_empty() {
+        bail!("--router takes one or more policies: kv, round-robin, least-load");
+    }
+    let replica = ServeSim {
+        scheduler: scheduler_config(args),
+        cost: cost.clone(),
+        concurrency: 1,
+        output_tokens: args.output_tokens,
+        max_model_len: args.max_model_len,
+    };
+    let mut reports = Vec::new();
+    for &l4 in &args.l4_blocks {
+        for &replicas in &args.replicas {
+            for &policy in &args.router {
+                let sim = FleetSim {
+                    replica: replica.clone(),
+                    replicas,
+                    policy,
+                    overlap_weight: args.overlap_weight,
+                    l4_blocks: (l4 > 0).then_some(l4),
+                };
+                let report = simulate_fleet(workload, &sim)?;
+                if !args.json {
+                    if reports.is_empty() {
+                        println!(
+                            "simulated fleet on {}, {} blocks of {} tokens per replica, cost model {} ({})",
+                            args.trace.display(),
+                            args.kv_blocks,
+                            args.block_size,
+                            args.cost.display(),
+                            cost.measured_on
+                        );
+                        println!("| replicas | router | L4 blocks | requests | cached | from L4 | TTFT p50 ms | TTFT p99 ms | out tok/s | requests per replica (max/min) |");
+                        println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+                    }
+                    println!(
+                        "| {} | {} | {} | {} | {:.1} % | {:.1} % | {:.0} | {:.0} | {:.1} | {} / {} |",
+                        report.replicas,
+                        report.policy,
+                        l4,
+                        report.requests,
+                        report.cached_ratio * 100.0,
+                        report.l4_ratio * 100.0,
+                        report.ttft_ms.p50,
+                        report.ttft_ms.p99,
+                        report.output_tokens_per_s,
+                        report.max_replica_requests,
+                        report.min_replica_requests
+                    );
+                }
+                reports.push(report);
+            }
+        }
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "workload": workload,
+                "cost_model": cost,
+                "kv_blocks": args.kv_blocks,
+                "block_size": args.block_size,
+                "fleets": reports,
+            }))?
+        );
+    }
+    Ok(())
+}
+
+/// Each simulated server's scheduler, from the flags.
+fn scheduler_config(args: &SimArgs) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size_tokens: args.block_size,
+        num_blocks: args.kv_blocks,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        enable_prefix_caching: !args.no_prefix_cache,
+        policy: SchedulingPolicy::Fcfs,
+        eviction_policy: EvictionPolicy::LeafLru,
+        hash_seed: Some(args.seed),
+        tiers: Default::default(),
+        preemption: Default::default(),
+        admission: args.scheduling.into(),
+        window: None,
+        record_kv_events: false,
+    }
 }
 
 /// The step shapes timed by `--calibrate`: prompts of several lengths and offsets, decode batches at
