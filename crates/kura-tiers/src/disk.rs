@@ -834,6 +834,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_record_in_memory_comes_back_only_whole_and_as_asked() {
+        let rec = BlockRecord {
+            hash: 0xa,
+            parent_hash: 0xb,
+            key_digest: 0xc,
+            tokens: vec![1, 2, 3, 4],
+        };
+        let payload: Vec<u8> = (0..64).collect();
+        let bytes = encode_record(7, &rec, &payload);
+        assert_eq!(decode_record(&bytes, 7, 64, &rec), Ok(&payload[..]));
+        // Every single-byte change is caught by a check.
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x40;
+            assert!(decode_record(&bad, 7, 64, &rec).is_err(), "byte {i}");
+        }
+        for cut in [0, 10, bytes.len() - 1] {
+            assert!(
+                decode_record(&bytes[..cut], 7, 64, &rec).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(matches!(
+            decode_record(&long, 7, 64, &rec),
+            Err(Check::FileSize { .. })
+        ));
+        assert!(matches!(
+            decode_record(&bytes, 8, 64, &rec),
+            Err(Check::Fingerprint { .. })
+        ));
+        assert!(matches!(
+            decode_record(&bytes, 7, 32, &rec),
+            Err(Check::PayloadLen { .. })
+        ));
+        let other = BlockRecord {
+            tokens: vec![1, 2, 3, 5],
+            ..rec.clone()
+        };
+        assert_eq!(decode_record(&bytes, 7, 64, &other), Err(Check::Tokens));
+        let other = BlockRecord {
+            parent_hash: 0xd,
+            ..rec.clone()
+        };
+        assert_eq!(decode_record(&bytes, 7, 64, &other), Err(Check::ParentHash));
+    }
+
+    #[test]
     fn header_layout_matches_the_docs() {
         let rec = BlockRecord {
             hash: 0x1111,
