@@ -280,3 +280,22 @@ def test_kv_events_endpoints_need_the_flag_and_the_key():
     finally:
         plain.stop()
         keyed.stop()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "--replica"),
+        (["--replica", "localhost:8001"], "must be http://HOST:PORT"),
+        (["--replica", "http://127.0.0.1:1", "--replica", "http://127.0.0.1:1/"], "given twice"),
+        (["--replica", "http://127.0.0.1:1", "--policy", "random"], "round-robin"),
+        (["--replica", "http://127.0.0.1:1", "--overlap-weight", "nan"], "--overlap-weight"),
+        (["--replica", "http://127.0.0.1:1", "--health-interval-ms", "0"], "--health-interval-ms"),
+    ],
+)
+def test_bad_router_flags_are_refused_by_name(args, message):
+    proc = subprocess.run([kura_bin(), "router", "--model", model_path(), "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "routing the OpenAI" not in proc.stderr

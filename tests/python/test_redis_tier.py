@@ -183,7 +183,7 @@ def test_redis_killed_mid_run_fails_no_request():
         b.stop()
 
 
-def test_a_bad_redis_url_is_refused_by_name():
+def test_bad_redis_settings_are_refused_by_name():
     port = free_port()
     proc = subprocess.run(
         [kura_bin(), "serve", "--model", model_path(), "--port", str(port), "--kv-redis-url", "http://nowhere"],
@@ -191,3 +191,11 @@ def test_a_bad_redis_url_is_refused_by_name():
     )
     assert proc.returncode != 0
     assert "--kv-redis-url" in proc.stderr
+    # A shared tier of prefixes needs prefix caching.
+    proc = subprocess.run(
+        [kura_bin(), "serve", "--model", model_path(), "--port", str(port), "--kv-redis-url",
+         "redis://127.0.0.1:1", "--no-prefix-cache"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "prefix caching" in proc.stderr

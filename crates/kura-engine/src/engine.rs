@@ -144,6 +144,13 @@ pub fn start_engine(
         None => None,
         Some(setup) => {
             let block_bytes = executor.block_bytes();
+            if !config.enable_prefix_caching {
+                return Err(EngineStartError::Config(
+                    "the Redis tier shares cached prefixes: it needs prefix caching (drop \
+                     --no-prefix-cache)"
+                        .into(),
+                ));
+            }
             if block_bytes == 0 || config.window.is_some() {
                 return Err(EngineStartError::Tiers(
                     "the Redis tier needs whole blocks whose bytes can leave the pool (not the hybrid \

@@ -283,6 +283,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
     let fleet = Arc::new(Fleet::new(config)?);
+    tracing::info!(
+        "routing the OpenAI and Anthropic APIs on http://{}/v1 over {} replicas, policy {}",
+        listener.local_addr()?,
+        fleet.replicas.len(),
+        fleet.config.policy.as_str()
+    );
     let tasks: Vec<_> = (0..fleet.replicas.len())
         .flat_map(|r| {
             [
@@ -309,12 +315,6 @@ pub fn serve_blocking(addr: &str, config: RouterConfig) -> Result<(), RouterErro
         .build()?;
     runtime.block_on(async {
         let listener = TcpListener::bind(addr).await?;
-        tracing::info!(
-            "routing the OpenAI and Anthropic APIs on http://{}/v1 over {} replicas, policy {}",
-            listener.local_addr()?,
-            config.replicas.len(),
-            config.policy.as_str()
-        );
         run(listener, config, shutdown_signal()).await
     })
 }
