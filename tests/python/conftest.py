@@ -48,6 +48,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def prometheus(url: str) -> dict[str, float]:
+    """Unlabelled and labelled samples of the /metrics at `url`, keyed by the sample's full name."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, log, timeout: float) -> bool:
+    """Waits until `url`/health answers 200; raises if the process exits first; False on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 class KuraServer:
     """One `kura serve` process on a free port."""
 
@@ -58,16 +84,8 @@ class KuraServer:
         self.log_file = tempfile.NamedTemporaryFile(prefix="kura-serve-", suffix=".log", delete=False)
         cmd = [kura_bin(), "serve", "--model", model or model_path(), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kura serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.proc, self.url, "kura serve", self.log, 180):
+            return
         self.stop()
         raise RuntimeError(f"kura serve did not become healthy:\n{self.log()}")
 
@@ -93,13 +111,7 @@ class KuraServer:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled and labelled samples of /metrics, keyed by the sample's full name."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return prometheus(self.url)
 
     def wait_idle(self, timeout: float = 30) -> dict[str, float]:
         """Waits until no request runs or waits and no block is referenced; returns the metrics then."""

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import KuraServer, free_port, kura_bin, long_text, model_path
+from conftest import KuraServer, free_port, kura_bin, long_text, model_path, prometheus, wait_healthy
 
 REPLICA_ARGS = ("--kv-events", "--threads", "1", "--kv-cache-memory", "64MiB")
 
@@ -35,17 +35,7 @@ class KuraRouter:
         for r in replicas:
             cmd += ["--replica", r.url]
         self.proc = subprocess.Popen([*cmd, *args], stdout=self.log_file, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kura router exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        else:
+        if not wait_healthy(self.proc, self.url, "kura router", self.log, 60):
             self.stop()
             raise RuntimeError(f"kura router did not become healthy:\n{self.log()}")
         # The first snapshot of every replica, so that routing sees their caches from the first request.
@@ -58,13 +48,7 @@ class KuraRouter:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return prometheus(self.url)
 
     def wait_metric(self, ok, timeout: float = 10) -> dict[str, float]:
         deadline = time.time() + timeout

@@ -162,6 +162,7 @@ pub fn start_engine(
             let tier = RemoteTier::open(setup, config.block_size_tokens, block_bytes, fingerprint)
                 .map_err(EngineStartError::Tiers)?;
             tracing::info!(url = %setup.url, ttl_s = setup.ttl_s, block_bytes, "KV tier L4: Redis");
+            let _ = metrics.remote.set(tier.stats().clone());
             Some(tier)
         }
     };
@@ -1131,9 +1132,6 @@ impl Core {
     }
 
     fn update_gauges(&mut self) {
-        if let Some(remote) = &self.remote {
-            remote.update_metrics(&self.metrics);
-        }
         let usage = self.sched.kv().usage();
         let m = &self.metrics;
         m.kv_blocks_used.set(f64::from(usage.used_blocks));

@@ -189,15 +189,11 @@ pub struct EngineMetrics {
     pub disk_queue: Gauge,
     /// Blocks copied to the host tier when their sequence was preempted (swap).
     pub swapped_out_blocks: Counter,
-    /// The shared tier in Redis (L4), mirrored from its thread: blocks written, fetches, blocks fetched
-    /// and adopted into the pool, failed commands, records that failed a check, jobs dropped, connection.
-    pub remote_stores: Counter,
-    pub remote_fetches: Counter,
+    /// The shared tier in Redis (L4): blocks fetched and adopted into the pool; and its thread's own
+    /// counters (writes, fetches, failed commands, records that failed a check, jobs dropped, connection),
+    /// read live at each scrape, since that thread works on while the engine loop idles.
     pub remote_hit_blocks: Counter,
-    pub remote_errors: Counter,
-    pub remote_corrupt: Counter,
-    pub remote_dropped: Counter,
-    pub remote_connected: Gauge,
+    pub remote: std::sync::OnceLock<std::sync::Arc<kura_tiers::RemoteStats>>,
     /// Context caching: live pinned prefixes, the pool blocks they hold, and pins demoted to the lower
     /// tiers because the pin budget was spent.
     pub pins: Gauge,
@@ -603,20 +599,25 @@ impl EngineMetrics {
             "Block file writes that failed (logged).",
             self.disk_write_errors.get(),
         );
+        let live = |f: fn(&kura_tiers::RemoteStats) -> &AtomicU64| {
+            self.remote
+                .get()
+                .map_or(0, |s| f(s).load(Ordering::Relaxed))
+        };
         for (name, help, v) in [
-            ("kura:kv_remote_stores_total", "Blocks written to the Redis tier (L4).", &self.remote_stores),
-            ("kura:kv_remote_fetches_total", "Prompts looked up in the Redis tier.", &self.remote_fetches),
-            ("kura:kv_remote_hit_blocks_total", "Blocks fetched from the Redis tier, verified and adopted into the pool (not recomputed).", &self.remote_hit_blocks),
-            ("kura:kv_remote_errors_total", "Redis commands that failed (unreachable, timeout, error); the request was served without the tier.", &self.remote_errors),
-            ("kura:kv_remote_corrupt_total", "Records in Redis that failed a check and were deleted, never served.", &self.remote_corrupt),
-            ("kura:kv_remote_dropped_total", "Redis writes or lookups dropped (queue full or Redis unreachable).", &self.remote_dropped),
+            ("kura:kv_remote_stores_total", "Blocks written to the Redis tier (L4).", live(|s| &s.stores)),
+            ("kura:kv_remote_fetches_total", "Prompts looked up in the Redis tier.", live(|s| &s.fetches)),
+            ("kura:kv_remote_hit_blocks_total", "Blocks fetched from the Redis tier, verified and adopted into the pool (not recomputed).", self.remote_hit_blocks.get()),
+            ("kura:kv_remote_errors_total", "Redis commands that failed (unreachable, timeout, error); the request was served without the tier.", live(|s| &s.errors)),
+            ("kura:kv_remote_corrupt_total", "Records in Redis that failed a check and were deleted, never served.", live(|s| &s.corrupt)),
+            ("kura:kv_remote_dropped_total", "Redis writes or lookups dropped (queue full or Redis unreachable).", live(|s| &s.dropped)),
         ] {
-            counter(out, name, help, v.get());
+            counter(out, name, help, v);
         }
         let _ = writeln!(
             out,
             "# HELP kura:kv_remote_connected 1 while the Redis tier is connected.\n# TYPE kura:kv_remote_connected gauge\nkura:kv_remote_connected {}",
-            self.remote_connected.get()
+            live(|s| &s.connected)
         );
         counter(
             out,

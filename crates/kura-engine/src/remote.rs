@@ -26,7 +26,6 @@ use kura_kv::hash::BlockHasher;
 use kura_kv::{BlockHash, CacheKey, KvEvent};
 use kura_tiers::{encode_record, BlockRecord, RemoteSetup, RemoteWorker};
 
-use crate::metrics::EngineMetrics;
 use crate::seq::Seq;
 
 /// Longest a request waits for its Redis lookup.
@@ -52,6 +51,8 @@ pub(crate) struct Parked {
     tokens: Vec<u32>,
     held: usize,
     key: CacheKey,
+    /// The content names of those blocks.
+    names: Vec<u128>,
 }
 
 /// Blocks to adopt into the pool: the prompt's leading tokens and the payloads after the held ones.
@@ -60,6 +61,8 @@ pub(crate) struct Adoption {
     pub key: CacheKey,
     pub held: usize,
     pub payloads: Vec<Vec<u8>>,
+    /// Content names of the blocks of `tokens`.
+    names: Vec<u128>,
 }
 
 pub(crate) struct RemoteTier {
@@ -173,21 +176,18 @@ impl RemoteTier {
             return Some(seq);
         }
         let key_digest = key.digest();
-        let mut parent = key_digest;
-        let mut lookups = Vec::new();
-        for (i, block) in tokens.chunks_exact(bs).enumerate() {
-            let name = self.namer.chain(BlockHash(parent), block).0;
-            if i >= held {
+        let names = self.namer.chain_blocks(BlockHash(key_digest), tokens, bs);
+        let lookups = (held..names.len())
+            .map(|i| {
                 let record = BlockRecord {
-                    hash: name,
-                    parent_hash: parent,
+                    hash: names[i],
+                    parent_hash: if i == 0 { key_digest } else { names[i - 1] },
                     key_digest,
-                    tokens: block.to_vec(),
+                    tokens: tokens[i * bs..(i + 1) * bs].to_vec(),
                 };
-                lookups.push((redis_key(key_digest, name), record));
-            }
-            parent = name;
-        }
+                (redis_key(key_digest, names[i]), record)
+            })
+            .collect();
         if !self.worker.try_fetch(id, lookups) {
             return Some(seq);
         }
@@ -199,6 +199,7 @@ impl RemoteTier {
                 tokens: tokens.to_vec(),
                 held,
                 key: key.clone(),
+                names,
             },
         );
         None
@@ -228,6 +229,7 @@ impl RemoteTier {
                     key: p.key,
                     held: p.held,
                     payloads: done.payloads,
+                    names: p.names[..n].to_vec(),
                 }
             });
             out.push((done.ticket, p.seq, adoption));
@@ -249,23 +251,13 @@ impl RemoteTier {
 
     /// Names of adopted blocks, so that announcing them does not write them back.
     pub fn adopted(&mut self, a: &Adoption) {
-        let kd = a.key.digest();
-        let mut parent = kd;
-        for block in a.tokens.chunks_exact(self.block_size) {
-            parent = self.namer.chain(BlockHash(parent), block).0;
-            self.remember_written(parent);
+        for &name in &a.names {
+            self.remember_written(name);
         }
     }
 
-    /// Mirrors the thread's counters into the engine's metrics.
-    pub fn update_metrics(&self, m: &EngineMetrics) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let s = self.worker.stats();
-        m.remote_stores.set_total(s.stores.load(Relaxed));
-        m.remote_fetches.set_total(s.fetches.load(Relaxed));
-        m.remote_errors.set_total(s.errors.load(Relaxed));
-        m.remote_corrupt.set_total(s.corrupt.load(Relaxed));
-        m.remote_dropped.set_total(s.dropped.load(Relaxed));
-        m.remote_connected.set(s.connected.load(Relaxed) as f64);
+    /// The Redis thread's counters.
+    pub fn stats(&self) -> &std::sync::Arc<kura_tiers::RemoteStats> {
+        self.worker.stats()
     }
 }

@@ -137,6 +137,25 @@ impl BlockHasher {
         }
         BlockHash(xxh3_128_with_seed(&self.scratch, self.seed) & self.mask)
     }
+
+    /// The chained hashes of the whole blocks of `tokens` (a trailing partial block has none), the first
+    /// block's parent being `root`: blocks named by content, as a router or a shared tier outside this
+    /// process names them from a cache key's [`CacheKey::digest`].
+    pub fn chain_blocks(
+        &mut self,
+        root: BlockHash,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Vec<u128> {
+        let mut parent = root;
+        tokens
+            .chunks_exact(block_size.max(1))
+            .map(|block| {
+                parent = self.chain(parent, block);
+                parent.0
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -167,14 +167,9 @@ impl FleetIndex {
     /// The names of a prompt's full blocks under `key`, as [`FleetIndex::held_prefix`] takes them. The
     /// last token of a prompt is always computed, so a block that ends the prompt is not counted.
     pub fn prompt_names(&mut self, key: &CacheKey, tokens: &[u32], block_size: usize) -> Vec<u128> {
-        let mut parent = BlockHash(key.digest());
         let usable = tokens.len().saturating_sub(1);
-        let mut names = Vec::with_capacity(usable / block_size.max(1));
-        for block in tokens[..usable].chunks_exact(block_size.max(1)) {
-            parent = self.hasher.chain(parent, block);
-            names.push(parent.0);
-        }
-        names
+        self.hasher
+            .chain_blocks(BlockHash(key.digest()), &tokens[..usable], block_size)
     }
 
     /// How many of `names` (a prompt's blocks, in order) replica `r` holds from the first on, counting

@@ -16,7 +16,7 @@
 //!  earliest event first:   arrival  │  replica r's step ends: tokens, first tokens, completions; next step
 //! ```
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use kura_engine::{Item, OutputLimit, SchedEvent, Scheduler};
@@ -24,10 +24,9 @@ use kura_kv::hash::BlockHasher;
 use kura_kv::{BlockHash, CacheKey};
 use serde::Serialize;
 
-use crate::cost::StepItem;
 use crate::replay::SimError;
 use crate::routing::{choose, Candidate, Policy};
-use crate::serve::{Dist, ServeSim, Workload};
+use crate::serve::{step_shape, Dist, ServeSim, Workload};
 
 /// The settings of one fleet run.
 #[derive(Debug, Clone)]
@@ -231,11 +230,7 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
             let mut held = candidates[r].held_blocks as usize;
             let mut names = Vec::new();
             if let Some(tier) = shared.as_mut() {
-                let mut parent = BlockHash(key.digest());
-                for block in prompt[..whole].chunks_exact(bs) {
-                    parent = namer.chain(parent, block);
-                    names.push(parent.0);
-                }
+                names = namer.chain_blocks(BlockHash(key.digest()), &prompt[..whole], bs);
                 let found = names[held..]
                     .iter()
                     .take_while(|n| tier.contains(n))
@@ -404,23 +399,11 @@ fn start_step(
     if plan.items.is_empty() {
         return Ok(());
     }
-    let bs = sim.replica.scheduler.block_size_tokens;
-    let mut read: HashSet<u32> = HashSet::new();
-    let shape: Vec<StepItem> = plan
-        .items
-        .iter()
-        .map(|i| {
-            let table = rep.sched.block_table(i.seq);
-            let context = &table[..(i.start / bs).min(table.len())];
-            let shared = context.iter().filter(|b| read.contains(b)).count() * bs;
-            read.extend(context.iter().copied());
-            StepItem {
-                start: i.start,
-                tokens: i.end - i.start,
-                shared,
-            }
-        })
-        .collect();
+    let shape = step_shape(
+        &rep.sched,
+        &plan.items,
+        sim.replica.scheduler.block_size_tokens,
+    );
     let end = now_ms + sim.replica.cost.step_ms(&shape);
     rep.step = Some((end, plan.items));
     Ok(())

@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use kura_engine::{OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
+use kura_engine::{Item, OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
 use kura_kv::CacheKey;
 use serde::Serialize;
 
@@ -474,24 +474,7 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
             continue;
         }
         idle_passes = 0;
-        // Context blocks an earlier item of the step already read (a shared prefix) are counted apart.
-        let bs = sim.scheduler.block_size_tokens;
-        let mut read: HashSet<u32> = HashSet::new();
-        let shape: Vec<StepItem> = plan
-            .items
-            .iter()
-            .map(|i| {
-                let table = sched.block_table(i.seq);
-                let context_blocks = &table[..(i.start / bs).min(table.len())];
-                let shared = context_blocks.iter().filter(|b| read.contains(b)).count() * bs;
-                read.extend(context_blocks.iter().copied());
-                StepItem {
-                    start: i.start,
-                    tokens: i.end - i.start,
-                    shared,
-                }
-            })
-            .collect();
+        let shape = step_shape(&sched, &plan.items, sim.scheduler.block_size_tokens);
         now_ms += sim.cost.step_ms(&shape);
         report.steps += 1;
         for &item in &plan.items {
@@ -550,6 +533,26 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
         cached_tokens as f64 / prompt_tokens as f64
     };
     Ok(report)
+}
+
+/// What the cost model needs of a planned step: each item's position and tokens, and the context
+/// blocks an earlier item of the step already read (a shared prefix), counted apart.
+pub(crate) fn step_shape(sched: &Scheduler, items: &[Item], bs: usize) -> Vec<StepItem> {
+    let mut read: HashSet<u32> = HashSet::new();
+    items
+        .iter()
+        .map(|i| {
+            let table = sched.block_table(i.seq);
+            let context_blocks = &table[..(i.start / bs).min(table.len())];
+            let shared = context_blocks.iter().filter(|b| read.contains(b)).count() * bs;
+            read.extend(context_blocks.iter().copied());
+            StepItem {
+                start: i.start,
+                tokens: i.end - i.start,
+                shared,
+            }
+        })
+        .collect()
 }
 
 fn at(ms: f64) -> Duration {
