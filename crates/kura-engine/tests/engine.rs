@@ -66,7 +66,7 @@ fn engine_in(
     let storage = model.kv_storage(&layout, num_blocks).unwrap();
     let mut config = EngineConfig {
         model_name: "test".into(),
-        max_model_len: model.config().max_context,
+        max_model_len: model.config().max_context(),
         block_size_tokens: BLOCK,
         num_blocks,
         max_num_seqs: 64,

@@ -38,7 +38,7 @@ fn engine(model: &Arc<Model>, block: usize, pages: u64, batched: usize) -> Engin
         .unwrap();
     let config = EngineConfig {
         model_name: "test".into(),
-        max_model_len: model.config().max_context,
+        max_model_len: model.config().max_context(),
         block_size_tokens: block,
         num_blocks: window.logical_blocks() as usize,
         max_num_seqs: 16,
@@ -116,7 +116,7 @@ fn settle(e: &EngineHandle) {
 fn cached_runs_give_the_cold_tokens_for_prefixes_shorter_and_longer_than_the_window() {
     for name in ["tiny-mistral", "tiny-qwen2-swa"] {
         let model = tiny(name);
-        assert_eq!(model.config().sliding_window, Some(8), "{name}");
+        assert_eq!(model.config().sliding_window(), Some(8), "{name}");
         // Blocks of 2 tokens: a window of 8 overlaps 5 of them.
         let e = engine(&model, 2, 4096, 16);
         for (len, seed) in [(6, 1), (7, 2), (31, 3), (64, 4), (101, 5)] {

@@ -21,7 +21,7 @@ fn bench(c: &mut Criterion) {
     let model = Model::load_with(&path, LoadOptions { weights_dtype })
         .expect("run scripts/fetch-model.sh first");
     let layout = model.kv_layout(KvDtype::F32, BLOCK).unwrap();
-    let vocab = model.config().vocab_size as u32;
+    let vocab = model.config().vocab_size() as u32;
     let tokens: Vec<u32> = (0..1024u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let threads = kura_model::num_threads();
     let mut g = c.benchmark_group(format!("forward/{weights_dtype:?}/{threads}t"));

@@ -35,7 +35,7 @@ fn filled(model: &Model, dtype: KvDtype, case: &Case) -> (KvStorage, Vec<Vec<u32
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
     let c = model.config();
-    let width = c.num_kv_heads * c.head_dim;
+    let width = c.num_kv_heads() * c.head_dim();
     let mut x = 0x2545_F491_4F6C_DD1Du64;
     let mut next = move || {
         x ^= x << 13;
@@ -46,7 +46,7 @@ fn filled(model: &Model, dtype: KvDtype, case: &Case) -> (KvStorage, Vec<Vec<u32
     let (mut k, mut v) = (vec![0f32; width], vec![0f32; width]);
     for table in &tables {
         for pos in 0..case.ctx {
-            for layer in 0..c.num_layers {
+            for layer in 0..c.num_layers() {
                 k.iter_mut().for_each(|e| *e = next());
                 v.iter_mut().for_each(|e| *e = next());
                 kv.write_token(layer, table[pos / BLOCK] as usize, pos % BLOCK, &k, &v);
@@ -77,7 +77,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(7);
     let threads = kura_model::num_threads();
-    let vocab = model.config().vocab_size as u32;
+    let vocab = model.config().vocab_size() as u32;
     for case in [
         Case {
             batch: 8,

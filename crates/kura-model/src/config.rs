@@ -1,10 +1,11 @@
 //! The model's shape and hyper-parameters, resolved from GGUF metadata or an HF `config.json`, validated
 //! once (raw → validated, with cross-field checks that say what was given).
 //!
-//! The shape (layers, heads, widths, vocabulary, context, which layers slide) comes from `kura-shape`'s
-//! [`ModelSpec`], the reader `kura plan` uses too; what it describes and the runtime cannot run (latent
-//! attention, experts, windows of several sizes) is refused here with an error naming it. The numbers that
-//! do not decide memory (RoPE, norm epsilon, biases) are read here.
+//! The shape (layers, heads, widths, vocabulary, context, which layers slide) is `kura-shape`'s
+//! [`ModelSpec`], the reader `kura plan` uses too, kept as it read it ([`ModelConfig::shape`], read through
+//! accessors; no field is copied); what it describes and the runtime cannot run (latent attention,
+//! experts, windows of several sizes) is refused here with an error naming it. The numbers that do not
+//! decide memory (RoPE, norm epsilon, biases) are read here.
 
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::{AttentionKind, KvLayout};
@@ -58,14 +59,10 @@ pub struct Llama3RopeScaling {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub arch: Arch,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab_size: usize,
-    pub max_context: usize,
+    /// The shape, as `kura-shape` read it for the planner too: layers, heads, widths, vocabulary, the
+    /// context (always set here: an HF config without one gets 2,048), tied embeddings, and each layer's
+    /// attention (full, or one sliding window: [`ModelConfig::new`] refused the rest).
+    shape: ModelSpec,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
     pub rope_style: RopeStyle,
@@ -81,12 +78,19 @@ pub struct ModelConfig {
     pub query_pre_attn_scalar: Option<f64>,
     /// Q, K and V projections carry a bias (Qwen2).
     pub qkv_bias: bool,
-    /// The window of the layers that slide: each attends to at most this many tokens.
-    pub sliding_window: Option<usize>,
-    /// Which layers slide (all of them for Mistral; from `max_window_layers` on for Qwen2; as
-    /// `layer_types` says where the config has it). Empty when nothing slides.
-    pub sliding_layers: Vec<bool>,
-    pub tie_word_embeddings: bool,
+}
+
+/// What the runtime reads of a model beyond its shape: RoPE, norms, biases.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeParams {
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_style: RopeStyle,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub rope_theta_sliding: Option<f64>,
+    pub rope_linear_factor: Option<f64>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub qkv_bias: bool,
 }
 
 /// The longest context a model may declare: positions and token counts are 32-bit in the engine and the
@@ -163,6 +167,81 @@ fn product(factors: &[(&str, usize)], limit: usize) -> Result<usize> {
 }
 
 impl ModelConfig {
+    /// The configuration of a model of `shape` (as `kura-shape` read it) run with `params`. What the
+    /// runtime cannot run (latent attention, experts, windows of several sizes) is refused, naming it;
+    /// a shape without a context gets 2,048 tokens. Not yet validated: see [`ModelConfig::validate`].
+    pub fn new(arch: Arch, mut shape: ModelSpec, params: RuntimeParams) -> Result<Self> {
+        runtime_window(&shape, "sliding_window")?;
+        shape.max_context.get_or_insert(DEFAULT_CONTEXT);
+        let RuntimeParams {
+            rms_norm_eps,
+            rope_theta,
+            rope_style,
+            rope_scaling,
+            rope_theta_sliding,
+            rope_linear_factor,
+            query_pre_attn_scalar,
+            qkv_bias,
+        } = params;
+        Ok(ModelConfig {
+            arch,
+            shape,
+            rms_norm_eps,
+            rope_theta,
+            rope_style,
+            rope_scaling,
+            rope_theta_sliding,
+            rope_linear_factor,
+            query_pre_attn_scalar,
+            qkv_bias,
+        })
+    }
+
+    /// The model's shape, as the planner reads it.
+    pub fn shape(&self) -> &ModelSpec {
+        &self.shape
+    }
+    pub fn hidden_size(&self) -> usize {
+        self.shape.hidden_size
+    }
+    pub fn intermediate_size(&self) -> usize {
+        self.shape.intermediate_size
+    }
+    pub fn num_layers(&self) -> usize {
+        self.shape.num_layers
+    }
+    pub fn num_heads(&self) -> usize {
+        self.shape.num_heads
+    }
+    pub fn num_kv_heads(&self) -> usize {
+        self.shape.num_kv_heads
+    }
+    pub fn head_dim(&self) -> usize {
+        self.shape.head_dim
+    }
+    pub fn vocab_size(&self) -> usize {
+        self.shape.vocab_size
+    }
+    /// The longest context, in tokens.
+    pub fn max_context(&self) -> usize {
+        // `new` set it.
+        self.shape
+            .max_context
+            .map_or(DEFAULT_CONTEXT as usize, |n| {
+                usize::try_from(n).unwrap_or(usize::MAX)
+            })
+    }
+    pub fn tie_word_embeddings(&self) -> bool {
+        self.shape.tied_embeddings
+    }
+    /// The window of the layers that slide (one size: `new` refused several), if any layer slides.
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.shape.layer_attention.iter().find_map(|a| match a {
+            AttentionKind::SlidingWindow { window_tokens } => Some(*window_tokens),
+            _ => None,
+        })
+    }
+
     /// Checks every field and the sizes they imply, naming the keys of an HF `config.json`.
     pub fn validate(self) -> Result<Self> {
         self.check(&Keys::hf())
@@ -171,30 +250,30 @@ impl ModelConfig {
     fn check(self, k: &Keys) -> Result<Self> {
         let bad = |m: String| Err(ModelError::Config(m));
         for (key, v) in [
-            (&k.layers, self.num_layers),
-            (&k.hidden, self.hidden_size),
-            (&k.intermediate, self.intermediate_size),
-            (&k.heads, self.num_heads),
-            (&k.kv_heads, self.num_kv_heads),
-            (&k.head_dim, self.head_dim),
-            (&k.vocab, self.vocab_size),
-            (&k.context, self.max_context),
+            (&k.layers, self.num_layers()),
+            (&k.hidden, self.hidden_size()),
+            (&k.intermediate, self.intermediate_size()),
+            (&k.heads, self.num_heads()),
+            (&k.kv_heads, self.num_kv_heads()),
+            (&k.head_dim, self.head_dim()),
+            (&k.vocab, self.vocab_size()),
+            (&k.context, self.max_context()),
         ] {
             if v == 0 {
                 return bad(format!("{key} is 0; it must be at least 1"));
             }
         }
         let limits = [
-            (&k.layers, self.num_layers, KvLayout::MAX_LAYERS, "layers"),
+            (&k.layers, self.num_layers(), KvLayout::MAX_LAYERS, "layers"),
             (
                 &k.vocab,
-                self.vocab_size,
+                self.vocab_size(),
                 MAX_VOCAB,
                 "tokens (ids are 32-bit)",
             ),
             (
                 &k.context,
-                self.max_context,
+                self.max_context(),
                 MAX_CONTEXT,
                 "tokens (positions are 32-bit)",
             ),
@@ -204,25 +283,26 @@ impl ModelConfig {
                 return bad(format!("{key} is {v}; at most {max} {unit} are supported"));
             }
         }
-        if self.num_kv_heads > self.num_heads {
+        let (heads, kv_heads, head_dim) = (self.num_heads(), self.num_kv_heads(), self.head_dim());
+        if kv_heads > heads {
             return bad(format!(
-                "{} {} exceeds {} {}",
-                k.kv_heads, self.num_kv_heads, k.heads, self.num_heads
+                "{} {kv_heads} exceeds {} {heads}",
+                k.kv_heads, k.heads
             ));
         }
-        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+        if !heads.is_multiple_of(kv_heads) {
             return bad(format!(
-                "{} attention heads ({}) must be a multiple of {} kv heads ({})",
-                self.num_heads, k.heads, self.num_kv_heads, k.kv_heads
+                "{heads} attention heads ({}) must be a multiple of {kv_heads} kv heads ({})",
+                k.heads, k.kv_heads
             ));
         }
-        if !self.head_dim.is_multiple_of(2) {
+        if !head_dim.is_multiple_of(2) {
             return bad(format!(
-                "{} {} must be even (RoPE rotates pairs)",
-                k.head_dim, self.head_dim
+                "{} {head_dim} must be even (RoPE rotates pairs)",
+                k.head_dim
             ));
         }
-        if self.sliding_window == Some(0) {
+        if self.sliding_window() == Some(0) {
             return bad(format!("{} is 0; it must be at least 1", k.window));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
@@ -268,36 +348,36 @@ impl ModelConfig {
                 ));
             }
         }
-        if !self.sliding_layers.is_empty() && self.sliding_layers.len() != self.num_layers {
+        if self.shape.layer_attention.len() != self.num_layers() {
             return bad(format!(
                 "layer_types has {} entries for {} layers",
-                self.sliding_layers.len(),
-                self.num_layers
+                self.shape.layer_attention.len(),
+                self.num_layers()
             ));
         }
         // Every weight matrix is dequantized to f32 at load: its bytes must be addressable.
         let f32_bytes = ("f32 bytes", 4);
-        let heads = (k.heads.as_str(), self.num_heads);
-        let kv_heads = (k.kv_heads.as_str(), self.num_kv_heads);
-        let head_dim = (k.head_dim.as_str(), self.head_dim);
-        let hidden = (k.hidden.as_str(), self.hidden_size);
+        let heads = (k.heads.as_str(), heads);
+        let kv_heads = (k.kv_heads.as_str(), kv_heads);
+        let head_dim = (k.head_dim.as_str(), head_dim);
+        let hidden = (k.hidden.as_str(), self.hidden_size());
         for factors in [
             &[heads, head_dim, hidden, f32_bytes][..],
             &[kv_heads, head_dim, hidden, f32_bytes],
             &[
-                (k.intermediate.as_str(), self.intermediate_size),
+                (k.intermediate.as_str(), self.intermediate_size()),
                 hidden,
                 ("gate and up", 2),
                 f32_bytes,
             ],
-            &[(k.vocab.as_str(), self.vocab_size), hidden, f32_bytes],
+            &[(k.vocab.as_str(), self.vocab_size()), hidden, f32_bytes],
         ] {
             product(factors, isize::MAX as usize)?;
         }
         if self.checked_parameters().is_none() {
             return bad(format!(
                 "the parameter count of {} layers of these shapes overflows",
-                self.num_layers
+                self.num_layers()
             ));
         }
         Ok(self)
@@ -315,7 +395,7 @@ impl ModelConfig {
     /// (in f32, as the reference computes in f32), none for the Llama family.
     pub fn embedding_scale(&self) -> Option<f32> {
         match self.arch {
-            Arch::Gemma3 => Some((self.hidden_size as f64).sqrt() as f32),
+            Arch::Gemma3 => Some((self.hidden_size() as f64).sqrt() as f32),
             _ => None,
         }
     }
@@ -323,33 +403,24 @@ impl ModelConfig {
     /// The factor Q is multiplied by so that attention, which divides scores by √head_dim, divides
     /// them by √query_pre_attn_scalar instead; `None` when the two agree.
     pub fn query_scale(&self) -> Option<f32> {
+        let head_dim = self.head_dim() as f64;
         self.query_pre_attn_scalar
-            .filter(|s| *s != self.head_dim as f64)
-            .map(|s| (self.head_dim as f64 / s).sqrt() as f32)
+            .filter(|s| *s != head_dim)
+            .map(|s| (head_dim / s).sqrt() as f32)
     }
 
     /// The window of layer `layer`, if it slides.
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
-        self.sliding_window
-            .filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+        match self.shape.layer_attention.get(layer) {
+            Some(AttentionKind::SlidingWindow { window_tokens }) => Some(*window_tokens),
+            _ => None,
+        }
     }
 
-    /// The KV cache shape of this model in `dtype` with blocks of `block_size_tokens`.
+    /// The KV cache shape of this model in `dtype` with blocks of `block_size_tokens`: the planner's
+    /// ([`ModelSpec::kv_layout`] of the same shape).
     pub fn kv_layout(&self, dtype: KvDtype, block_size_tokens: usize) -> Result<KvLayout> {
-        let attention: Vec<AttentionKind> = (0..self.num_layers)
-            .map(|i| match self.layer_window(i) {
-                Some(window_tokens) => AttentionKind::SlidingWindow { window_tokens },
-                None => AttentionKind::Full,
-            })
-            .collect();
-        Ok(kura_shape::kv_layout(
-            self.num_kv_heads,
-            self.head_dim,
-            &attention,
-            Some(self.max_context as u64),
-            dtype,
-            block_size_tokens,
-        )?)
+        Ok(self.shape.kv_layout(dtype, block_size_tokens)?)
     }
 
     /// Parameters of the weights (embedding counted once when tied).
@@ -359,13 +430,17 @@ impl ModelConfig {
     }
 
     fn checked_parameters(&self) -> Option<usize> {
-        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let (h, i, d) = (
+            self.hidden_size(),
+            self.intermediate_size(),
+            self.head_dim(),
+        );
         let heads = self
-            .num_kv_heads
+            .num_kv_heads()
             .checked_mul(2)?
-            .checked_add(self.num_heads)?;
+            .checked_add(self.num_heads())?;
         let qkv = h.checked_mul(heads)?.checked_mul(d)?;
-        let o = self.num_heads.checked_mul(d)?.checked_mul(h)?;
+        let o = self.num_heads().checked_mul(d)?.checked_mul(h)?;
         let ffn = h.checked_mul(i)?.checked_mul(3)?;
         // Two norms a layer; Gemma 3 adds two after attention and the FFN and two over a head.
         let norms = match self.arch {
@@ -373,10 +448,10 @@ impl ModelConfig {
             _ => h.checked_mul(2)?,
         };
         let per_layer = qkv.checked_add(o)?.checked_add(ffn)?.checked_add(norms)?;
-        let tables = if self.tie_word_embeddings { 1 } else { 2 };
-        let emb = self.vocab_size.checked_mul(h)?.checked_mul(tables)?;
+        let tables = if self.tie_word_embeddings() { 1 } else { 2 };
+        let emb = self.vocab_size().checked_mul(h)?.checked_mul(tables)?;
         per_layer
-            .checked_mul(self.num_layers)?
+            .checked_mul(self.num_layers())?
             .checked_add(emb)?
             .checked_add(h)
     }
@@ -420,7 +495,7 @@ impl ModelConfig {
             "GGUF",
         )
         .map_err(|e| ModelError::Config(e.to_string()))?;
-        let shape = RuntimeShape::of(&spec, &k("attention.sliding_window"))?;
+        runtime_window(&spec, &k("attention.sliding_window"))?;
         let head_dim = spec.head_dim;
         if let Some(v) = g.opt_u64(&k("attention.value_length"))? {
             if v != head_dim as u64 {
@@ -435,25 +510,21 @@ impl ModelConfig {
         } else {
             "tokenizer.ggml.tokens (its length)".to_string()
         };
-        let max_context = match spec.max_context {
-            Some(n) => n as usize,
-            None => {
-                return Err(ModelError::Config(format!(
-                    "GGUF metadata has no '{}'",
-                    k("context_length")
-                )))
-            }
-        };
-        let cfg = ModelConfig {
-            arch,
-            hidden_size: spec.hidden_size,
-            intermediate_size: spec.intermediate_size,
-            num_layers: spec.num_layers,
-            num_heads: spec.num_heads,
-            num_kv_heads: spec.num_kv_heads,
-            head_dim,
-            vocab_size: spec.vocab_size,
-            max_context,
+        if spec.max_context.is_none() {
+            return Err(ModelError::Config(format!(
+                "GGUF metadata has no '{}'",
+                k("context_length")
+            )));
+        }
+        let query_pre_attn_scalar = gemma.map(|_| {
+            gemma3_query_pre_attn_scalar(
+                spec.num_layers,
+                spec.hidden_size,
+                spec.num_heads,
+                head_dim,
+            )
+        });
+        let params = RuntimeParams {
             rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
             rope_theta: g.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0),
             // llama.cpp runs Llama/Mistral with NORM rope on permuted Q/K rows, Qwen2 and Gemma with NEOX
@@ -466,20 +537,11 @@ impl ModelConfig {
             rope_scaling: None,
             rope_theta_sliding: gemma.map(|_| GEMMA3_SLIDING_ROPE_THETA),
             rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
-            query_pre_attn_scalar: gemma.map(|_| {
-                gemma3_query_pre_attn_scalar(
-                    spec.num_layers,
-                    spec.hidden_size,
-                    spec.num_heads,
-                    head_dim,
-                )
-            }),
+            query_pre_attn_scalar,
             qkv_bias: arch == Arch::Qwen2,
-            sliding_window: shape.sliding_window,
-            sliding_layers: shape.sliding_layers,
-            tie_word_embeddings: spec.tied_embeddings,
-        }
-        .check(&Keys::gguf(&arch_name, &vocab_key))?;
+        };
+        let cfg =
+            ModelConfig::new(arch, spec, params)?.check(&Keys::gguf(&arch_name, &vocab_key))?;
         cfg.check_gguf_tensors(g, &k("block_count"))?;
         Ok(cfg)
     }
@@ -505,10 +567,10 @@ impl ModelConfig {
                 .strip_prefix("blk.")
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|i| i.parse::<usize>().ok());
-            if let Some(i) = layer.filter(|i| *i >= self.num_layers) {
+            if let Some(i) = layer.filter(|i| *i >= self.num_layers()) {
                 return Err(ModelError::Config(format!(
                     "tensor '{name}' is for layer {i}, but {layers_key} is {}",
-                    self.num_layers
+                    self.num_layers()
                 )));
             }
         }
@@ -539,19 +601,13 @@ impl ModelConfig {
                 (theta, scaling, None)
             }
         };
-        let spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
+        let mut spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
             .map_err(|e| ModelError::Config(e.to_string()))?;
-        let shape = RuntimeShape::of(&spec, "sliding_window")?;
-        ModelConfig {
-            arch,
-            hidden_size: spec.hidden_size,
-            intermediate_size: spec.intermediate_size,
-            num_layers: spec.num_layers,
-            num_heads: spec.num_heads,
-            num_kv_heads: spec.num_kv_heads,
-            head_dim: spec.head_dim,
-            vocab_size: spec.vocab_size,
-            max_context: spec.max_context.map_or(2048, |n| n as usize),
+        // transformers ties Gemma's output head to the embedding unless told otherwise.
+        spec.tied_embeddings = raw
+            .bool("tie_word_embeddings")?
+            .unwrap_or(arch == Arch::Gemma3);
+        let params = RuntimeParams {
             rms_norm_eps: raw.float("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta,
             rope_style: RopeStyle::Half,
@@ -560,14 +616,8 @@ impl ModelConfig {
             rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
             query_pre_attn_scalar: gemma.map(|g| g.query_pre_attn_scalar),
             qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
-            sliding_window: shape.sliding_window,
-            sliding_layers: shape.sliding_layers,
-            // transformers ties Gemma's output head to the embedding unless told otherwise.
-            tie_word_embeddings: raw
-                .bool("tie_word_embeddings")?
-                .unwrap_or(arch == Arch::Gemma3),
-        }
-        .validate()
+        };
+        ModelConfig::new(arch, spec, params)?.validate()
     }
 }
 
@@ -702,54 +752,38 @@ impl GemmaHf {
     }
 }
 
-/// What of a [`ModelSpec`] the runtime runs: its attention as one window and the layers that slide.
-struct RuntimeShape {
-    sliding_window: Option<usize>,
-    sliding_layers: Vec<bool>,
-}
+/// The context of a model whose config names none (transformers' default for Llama).
+const DEFAULT_CONTEXT: u64 = 2048;
 
-impl RuntimeShape {
-    /// Refuses what the runtime lacks (latent attention, experts, windows of several sizes), naming it.
-    fn of(spec: &ModelSpec, window_key: &str) -> Result<Self> {
-        if let Some(m) = &spec.mla {
-            return Err(ModelError::Config(format!(
-                "multi-head latent attention (kv_lora_rank {}) is not supported by Kura's runtime \
-                 (`kura plan` sizes such models)",
-                m.kv_lora_rank
-            )));
-        }
-        if let Some(m) = &spec.moe {
-            return Err(ModelError::Config(format!(
-                "mixture of experts ({} experts) is not supported by Kura's runtime \
-                 (`kura plan` sizes such models)",
-                m.num_experts
-            )));
-        }
-        let mut windows = spec.layer_attention.iter().filter_map(|a| match a {
-            AttentionKind::SlidingWindow { window_tokens } => Some(*window_tokens),
-            _ => None,
-        });
-        let Some(window) = windows.next() else {
-            return Ok(Self {
-                sliding_window: None,
-                sliding_layers: Vec::new(),
-            });
-        };
-        if let Some(other) = windows.find(|w| *w != window) {
-            return Err(ModelError::Config(format!(
-                "{window_key}: layers slide with windows of {window} and {other} tokens; Kura's \
-                 runtime runs one window size"
-            )));
-        }
-        Ok(Self {
-            sliding_window: Some(window),
-            sliding_layers: spec
-                .layer_attention
-                .iter()
-                .map(|a| matches!(a, AttentionKind::SlidingWindow { .. }))
-                .collect(),
-        })
+/// The window the runtime runs for `spec` (`None`: every layer attends to everything), or an error naming
+/// what it lacks (latent attention, experts, windows of several sizes).
+fn runtime_window(spec: &ModelSpec, window_key: &str) -> Result<Option<usize>> {
+    if let Some(m) = &spec.mla {
+        return Err(ModelError::Config(format!(
+            "multi-head latent attention (kv_lora_rank {}) is not supported by Kura's runtime \
+             (`kura plan` sizes such models)",
+            m.kv_lora_rank
+        )));
     }
+    if let Some(m) = &spec.moe {
+        return Err(ModelError::Config(format!(
+            "mixture of experts ({} experts) is not supported by Kura's runtime \
+             (`kura plan` sizes such models)",
+            m.num_experts
+        )));
+    }
+    let mut windows = spec.layer_attention.iter().filter_map(|a| match a {
+        AttentionKind::SlidingWindow { window_tokens } => Some(*window_tokens),
+        _ => None,
+    });
+    let window = windows.next();
+    if let Some((window, other)) = window.zip(windows.find(|w| Some(*w) != window)) {
+        return Err(ModelError::Config(format!(
+            "{window_key}: layers slide with windows of {window} and {other} tokens; Kura's \
+             runtime runs one window size"
+        )));
+    }
+    Ok(window)
 }
 
 /// A JSON object of a config, read field by field so that a wrong type names its key (serde's derived
@@ -834,7 +868,7 @@ impl<'a> Json<'a> {
 /// layer, unless [`rope_inv_freq_sliding`] gives the sliding ones their own), Llama-3 or linear scaling
 /// applied.
 pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    inv_freq(cfg.head_dim, cfg.rope_theta, |f| {
+    inv_freq(cfg.head_dim(), cfg.rope_theta, |f| {
         let mut f = match cfg.rope_scaling {
             Some(s) => llama3_scaled(f, &s),
             None => f,
@@ -849,7 +883,7 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
 /// The inverse frequencies of the sliding layers when their RoPE base differs (Gemma 3); unscaled.
 pub fn rope_inv_freq_sliding(cfg: &ModelConfig) -> Option<Vec<f32>> {
     cfg.rope_theta_sliding
-        .map(|theta| inv_freq(cfg.head_dim, theta, |f| f))
+        .map(|theta| inv_freq(cfg.head_dim(), theta, |f| f))
 }
 
 fn inv_freq(d: usize, theta: f64, scale: impl Fn(f32) -> f32) -> Vec<f32> {
@@ -966,7 +1000,7 @@ mod tests {
             "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
             "original_max_position_embeddings":8192}}"#;
         let c = ModelConfig::from_hf_json(json).unwrap();
-        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.head_dim(), 16);
         let f = rope_inv_freq(&c);
         // The lowest frequency is divided by the factor, the highest kept.
         let plain = ModelConfig {
@@ -1041,7 +1075,7 @@ mod tests {
             ),
             (100_000.0, Some(20_000.0), Some(4.0))
         );
-        assert!(new.tie_word_embeddings);
+        assert!(new.tie_word_embeddings());
         assert_eq!(new.activation(), Activation::GeluTanh);
         // The sixth layer attends to everything (sliding_window_pattern's default of 6).
         let windows: Vec<_> = (0..6).map(|i| new.layer_window(i)).collect();

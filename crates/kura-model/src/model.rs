@@ -139,7 +139,7 @@ impl ModelText {
         Ok(Self {
             tokenizer,
             chat_template,
-            vocab_size: config.vocab_size,
+            vocab_size: config.vocab_size(),
         })
     }
 
@@ -160,7 +160,7 @@ impl ModelText {
         Ok(Self {
             tokenizer,
             chat_template,
-            vocab_size: config.vocab_size,
+            vocab_size: config.vocab_size(),
         })
     }
 }
@@ -275,7 +275,7 @@ impl Model {
     fn compute_key_means(&self) -> Result<Vec<Vec<f32>>> {
         const BLOCK: usize = 16;
         let mut tokens = self.text.tokenizer.encode(CALIBRATION_TEXT, false)?;
-        tokens.truncate(self.config.max_context);
+        tokens.truncate(self.config.max_context());
         if tokens.len() <= CALIBRATION_SKIP {
             return Err(ModelError::Config(format!(
                 "the calibration text is {} tokens for this tokenizer",
@@ -296,7 +296,7 @@ impl Model {
             &mut kv,
         )?;
         let n = (tokens.len() - CALIBRATION_SKIP) as f64;
-        let means = (0..self.config.num_layers)
+        let means = (0..self.config.num_layers())
             .map(|layer| {
                 let l = kv.layer(layer);
                 let d = l.head_dim;
@@ -414,15 +414,17 @@ impl Model {
     fn check_batch(&self, batch: &[SeqBatchItem<'_>], kv: &KvStorage) -> Result<()> {
         let c = &self.config;
         let layout = kv.layout();
-        if layout.num_layers() != c.num_layers
+        if layout.num_layers() != c.num_layers()
             || layout
                 .layers
                 .iter()
-                .any(|l| l.kv_heads != c.num_kv_heads || l.head_dim != c.head_dim)
+                .any(|l| l.kv_heads != c.num_kv_heads() || l.head_dim != c.head_dim())
         {
             return Err(ModelError::Forward(format!(
                 "KV storage shape does not match the model ({} layers × {} kv heads × head_dim {})",
-                c.num_layers, c.num_kv_heads, c.head_dim
+                c.num_layers(),
+                c.num_kv_heads(),
+                c.head_dim()
             )));
         }
         let bs = kv.block_size_tokens();
@@ -433,10 +435,10 @@ impl Model {
                 )));
             }
             let end = item.start_pos + item.tokens.len();
-            if end > c.max_context {
+            if end > c.max_context() {
                 return Err(ModelError::Forward(format!(
                     "sequence {i} reaches position {end}, beyond the model's context of {}",
-                    c.max_context
+                    c.max_context()
                 )));
             }
             if item.block_table.len() * bs < end {
@@ -446,15 +448,15 @@ impl Model {
                 )));
             }
             let paged = kv.is_paged();
-            if paged && item.layer_pages.len() != c.num_layers * item.block_table.len() {
+            if paged && item.layer_pages.len() != c.num_layers() * item.block_table.len() {
                 return Err(ModelError::Forward(format!(
                     "sequence {i}: {} layer pages for {} layers of {} blocks",
                     item.layer_pages.len(),
-                    c.num_layers,
+                    c.num_layers(),
                     item.block_table.len()
                 )));
             }
-            for layer in 0..if paged { c.num_layers } else { 1 } {
+            for layer in 0..if paged { c.num_layers() } else { 1 } {
                 // The blocks this step reads: from the window's start for a sliding layer.
                 let first = match c.layer_window(layer) {
                     Some(w) if paged => (item.start_pos + 1).saturating_sub(w) / bs,
@@ -470,10 +472,10 @@ impl Model {
                     )));
                 }
             }
-            if let Some(t) = item.tokens.iter().find(|t| **t as usize >= c.vocab_size) {
+            if let Some(t) = item.tokens.iter().find(|t| **t as usize >= c.vocab_size()) {
                 return Err(ModelError::Forward(format!(
                     "sequence {i}: token id {t} is outside the vocabulary of {}",
-                    c.vocab_size
+                    c.vocab_size()
                 )));
             }
         }
@@ -483,7 +485,7 @@ impl Model {
         let paged = kv.is_paged();
         for (i, item) in batch.iter().enumerate() {
             for p in item.start_pos..item.start_pos + item.tokens.len() {
-                let written = (0..if paged { c.num_layers } else { 1 })
+                let written = (0..if paged { c.num_layers() } else { 1 })
                     .map(|layer| item.table(layer, paged)[p / bs]);
                 let (block, slot) = (item.block_table[p / bs], p % bs);
                 if written.into_iter().any(|page| !slots.insert((page, slot))) {
@@ -521,8 +523,8 @@ impl Model {
     ) -> Result<Logits> {
         self.check_batch(batch, kv)?;
         let c = &self.config;
-        let (h, d, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (q_dim, kv_dim) = (c.num_heads * d, c.num_kv_heads * d);
+        let (h, d, inter) = (c.hidden_size(), c.head_dim(), c.intermediate_size());
+        let (q_dim, kv_dim) = (c.num_heads() * d, c.num_kv_heads() * d);
         let qkv_dim = q_dim + 2 * kv_dim;
         let t_total: usize = batch.iter().map(|b| b.tokens.len()).sum();
         let bs = kv.block_size_tokens();
@@ -532,7 +534,7 @@ impl Model {
         let paged = kv.is_paged();
         // The attention's view of the sequences: one per layer when the storage is paged.
         let mut seqs_of: Vec<Vec<AttnSeq>> =
-            vec![Vec::with_capacity(batch.len()); if paged { c.num_layers } else { 1 }];
+            vec![Vec::with_capacity(batch.len()); if paged { c.num_layers() } else { 1 }];
         let mut positions = Vec::with_capacity(t_total);
         for item in batch {
             for (layer, seqs) in seqs_of.iter_mut().enumerate() {
@@ -595,10 +597,10 @@ impl Model {
         let mut last = ActBuf::new(kind, n, h);
         let mut logits = vec![0f32; n * head.rows];
         let shape = AttnShape {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
+            num_heads: c.num_heads(),
+            num_kv_heads: c.num_kv_heads(),
             head_dim: d,
-            window: c.sliding_window,
+            window: c.sliding_window(),
         };
         let (xs, xns, qkvs, attns) = (
             SharedMut::new(&mut x),

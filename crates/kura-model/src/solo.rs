@@ -56,12 +56,12 @@ impl<'m> SoloRun<'m> {
         let capacity = prompt
             .len()
             .checked_add(max_new_tokens)
-            .filter(|&n| n <= model.config().max_context)
+            .filter(|&n| n <= model.config().max_context())
             .ok_or_else(|| {
                 ModelError::Config(format!(
                     "a prompt of {} tokens and {max_new_tokens} more exceed the model's context of {}",
                     prompt.len(),
-                    model.config().max_context
+                    model.config().max_context()
                 ))
             })?;
         let layout = model.kv_layout(kv_dtype, block_size)?;

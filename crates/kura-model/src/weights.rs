@@ -312,10 +312,10 @@ pub fn shape_matches(got: &[usize], expected: &[usize]) -> bool {
 /// `qkv_bias`, the output head only when untied. `cfg` is validated, so the products fit. Lets a reader
 /// check a file's directory against its configuration before loading anything.
 pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+    let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
+    let (q_rows, kv_rows) = (cfg.num_heads() * d, cfg.num_kv_heads() * d);
     let mut out = Vec::new();
-    for i in 0..cfg.num_layers {
+    for i in 0..cfg.num_layers() {
         let mut add = |w: &str, shape: &[usize]| out.push((naming.layer(i, w), shape.to_vec()));
         add("q", &[q_rows, h]);
         add("k", &[kv_rows, h]);
@@ -338,9 +338,9 @@ pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<us
             add("post_ffn_norm", &[h]);
         }
     }
-    out.push((naming.global("embed"), vec![cfg.vocab_size, h]));
-    if !cfg.tie_word_embeddings {
-        out.push((naming.global("lm_head"), vec![cfg.vocab_size, h]));
+    out.push((naming.global("embed"), vec![cfg.vocab_size(), h]));
+    if !cfg.tie_word_embeddings() {
+        out.push((naming.global("lm_head"), vec![cfg.vocab_size(), h]));
     }
     out.push((naming.global("norm"), vec![h]));
     out
@@ -558,8 +558,8 @@ pub fn native_bytes(
     if !native_keeps_blocks(src, naming, cfg)? {
         return Ok(None);
     }
-    let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+    let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
+    let (q_rows, kv_rows) = (cfg.num_heads() * d, cfg.num_kv_heads() * d);
     let matrix = |names: &[String], rows: usize, cols: usize| -> Result<usize> {
         let mut bits = QBits::U4;
         for n in names {
@@ -573,7 +573,7 @@ pub fn native_bytes(
         Ok(PackedQ::bytes_for(rows, cols, bits))
     };
     let mut total = 0;
-    for i in 0..cfg.num_layers {
+    for i in 0..cfg.num_layers() {
         let n = |w: &str| naming.layer(i, w);
         total += matrix(&[n("q"), n("k"), n("v")], q_rows + 2 * kv_rows, h)?;
         total += matrix(&[n("o")], h, q_rows)?;
@@ -588,9 +588,9 @@ pub fn native_bytes(
         }
         total += vectors * 4;
     }
-    total += matrix(&[naming.global("embed")], cfg.vocab_size, h)?;
-    if !cfg.tie_word_embeddings {
-        total += matrix(&[naming.global("lm_head")], cfg.vocab_size, h)?;
+    total += matrix(&[naming.global("embed")], cfg.vocab_size(), h)?;
+    if !cfg.tie_word_embeddings() {
+        total += matrix(&[naming.global("lm_head")], cfg.vocab_size(), h)?;
     }
     Ok(Some(total + h * 4))
 }
@@ -599,15 +599,15 @@ pub fn native_bytes(
 /// span the attention writes at once (the query heads of one KV head), must be whole blocks. Says which
 /// is not.
 fn native_width_problem(cfg: &ModelConfig) -> Option<String> {
-    let group = cfg.num_heads / cfg.num_kv_heads.max(1);
+    let group = cfg.num_heads() / cfg.num_kv_heads().max(1);
     [
-        ("hidden size", cfg.hidden_size),
-        ("intermediate size", cfg.intermediate_size),
+        ("hidden size", cfg.hidden_size()),
+        ("intermediate size", cfg.intermediate_size()),
         (
             "query width (heads × head dim)",
-            cfg.num_heads * cfg.head_dim,
+            cfg.num_heads() * cfg.head_dim(),
         ),
-        ("query heads per KV head × head dim", group * cfg.head_dim),
+        ("query heads per KV head × head dim", group * cfg.head_dim()),
     ]
     .into_iter()
     .find(|(_, n)| !n.is_multiple_of(QBLOCK))
@@ -638,8 +638,8 @@ impl Weights {
         cfg: &ModelConfig,
         dtype: WeightsDtype,
     ) -> Result<Self> {
-        let (h, inter, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-        let (q_rows, kv_rows) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
+        let (q_rows, kv_rows) = (cfg.num_heads() * d, cfg.num_kv_heads() * d);
         let quantized = dtype == WeightsDtype::Native && native_keeps_blocks(src, naming, cfg)?;
         let dtype = match dtype {
             WeightsDtype::Native if !quantized => WeightsDtype::Bf16,
@@ -652,7 +652,7 @@ impl Weights {
             quantized,
             digests: &dg,
         };
-        let layers = (0..cfg.num_layers)
+        let layers = (0..cfg.num_layers())
             .into_par_iter()
             .map(|i| -> Result<LayerWeights> {
                 let name = |w: &str| naming.layer(i, w);
@@ -692,11 +692,11 @@ impl Weights {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed = mm.make(&[(naming.global("embed"), cfg.vocab_size)], h)?;
+        let embed = mm.make(&[(naming.global("embed"), cfg.vocab_size())], h)?;
         let head_name = naming.global("lm_head");
-        let lm_head = if !cfg.tie_word_embeddings && src.contains(&head_name) {
-            Some(mm.make(&[(head_name, cfg.vocab_size)], h)?)
-        } else if !cfg.tie_word_embeddings {
+        let lm_head = if !cfg.tie_word_embeddings() && src.contains(&head_name) {
+            Some(mm.make(&[(head_name, cfg.vocab_size())], h)?)
+        } else if !cfg.tie_word_embeddings() {
             return Err(ModelError::MissingTensor { name: head_name });
         } else {
             None

@@ -207,9 +207,9 @@ fn the_tiny_model_loads_and_its_tensors_read_back() {
     let bytes = g.bytes();
     let path = write("ok.gguf", &bytes);
     let model = Model::load(&path).unwrap();
-    assert_eq!(model.config().num_layers, 1);
-    assert_eq!(model.config().head_dim, 4);
-    assert_eq!(model.config().vocab_size, 4);
+    assert_eq!(model.config().num_layers(), 1);
+    assert_eq!(model.config().head_dim(), 4);
+    assert_eq!(model.config().vocab_size(), 4);
     let file = GgufFile::open(&path).unwrap();
     let q = file.tensor_f32("blk.0.attn_q.weight").unwrap();
     let expected: Vec<f32> = g.tensors[3]

@@ -59,15 +59,15 @@ fn gemma3_reads_its_shape_from_the_gguf() {
     let c = model().config();
     assert_eq!(
         (
-            c.num_layers,
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim
+            c.num_layers(),
+            c.hidden_size(),
+            c.num_heads(),
+            c.num_kv_heads(),
+            c.head_dim()
         ),
         (18, 640, 4, 1, 256)
     );
-    assert_eq!(c.vocab_size, 262_144);
+    assert_eq!(c.vocab_size(), 262_144);
     // Every sixth layer attends to the whole context, the others to the last 512 tokens.
     let windows: Vec<Option<usize>> = (0..18).map(|i| c.layer_window(i)).collect();
     for (i, w) in windows.iter().enumerate() {

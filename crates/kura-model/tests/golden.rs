@@ -73,7 +73,7 @@ fn tiny_models_match_transformers() {
                 tol,
                 dtype == WeightsDtype::F32,
             );
-            if model.config().sliding_window.is_some() {
+            if model.config().sliding_window().is_some() {
                 // Windowed models run on the hybrid pool; in blocks of 2 tokens a window of 8 spans 5
                 // blocks, so the sliding layer's pages are given back as the sequences grow.
                 check_cases_in_blocks(
@@ -92,9 +92,10 @@ fn tiny_models_match_transformers() {
                     run.push(next).unwrap();
                 }
                 run.next_logits().unwrap();
-                let layers = model.config().num_layers as u32;
-                let full =
-                    layers - model.config().sliding_layers.iter().filter(|s| **s).count() as u32;
+                let layers = model.config().num_layers() as u32;
+                let full = (0..layers as usize)
+                    .filter(|&l| model.config().layer_window(l).is_none())
+                    .count() as u32;
                 let blocks = run.tokens().len().div_ceil(2) as u32;
                 // Full layers hold every block; sliding ones at most the 5 blocks a window of 8 overlaps.
                 assert!(

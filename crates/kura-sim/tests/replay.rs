@@ -198,7 +198,7 @@ fn degenerate_settings_name_their_flag() {
         })
         .contains("--decode-ms-per-token"));
     }
-    // No request (`--limit 0` once truncated the trace to this) is named as such, not as "0 blocks".
+    // No request (`--max-requests 0` once truncated the trace to this) is named as such, not as "0 blocks".
     let empty = replay(&[], &base()).unwrap_err().to_string();
     assert!(empty.contains("no request"), "{empty}");
     assert!(!empty.contains("0 blocks"), "{empty}");

@@ -159,11 +159,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     }
     let path = crate::setup::model_path(args.model.as_ref())?;
     let model = crate::setup::load_model(&path, args.weights_dtype)?;
-    if args.context > model.config().max_context {
+    if args.context > model.config().max_context() {
         bail!(
             "--context {} is longer than the model's context of {} tokens",
             args.context,
-            model.config().max_context
+            model.config().max_context()
         );
     }
     let bytes = std::fs::read(&args.text)
@@ -187,7 +187,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         [b] => Some(*b),
         _ => None,
     };
-    let vocab = model.config().vocab_size;
+    let vocab = model.config().vocab_size();
     let started = Instant::now();
 
     let mut reference = Run::new(&model, KvDtype::F32, args.block_size, args.context)?;

@@ -688,7 +688,7 @@ mod tests {
             }
             // One f16 scale per vector costs 2 bytes: at head_dim 32 (the mistral config) int8 holds
             // 64 / 34 = 1.88× bf16; from head_dim 64 on the promised gains hold.
-            if runtime.head_dim < 64 {
+            if runtime.head_dim() < 64 {
                 continue;
             }
             let gain = |d| tokens[&d] / tokens[&KvDtype::Bf16];

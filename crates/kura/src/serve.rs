@@ -349,7 +349,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         threads = kura_model::num_threads(),
         "model loaded"
     );
-    let model_max = model.config().max_context;
+    let model_max = model.config().max_context();
     let max_model_len = match args.max_model_len {
         Some(0) => bail!("--max-model-len must be at least 1"),
         Some(n) if n > model_max => {

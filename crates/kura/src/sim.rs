@@ -63,9 +63,10 @@ pub struct SimArgs {
     /// Cost model: time per output token (0 or more; 0: output takes no time).
     #[arg(long, default_value_t = 20.0)]
     decode_ms_per_token: f64,
-    /// Replay only the first N requests (N >= 1); the rest of the trace is not read.
-    #[arg(long)]
-    limit: Option<usize>,
+    /// Replay only the first N requests (N >= 1); the rest of the trace is not read. The name of
+    /// `kura bench trace`'s flag; `--limit` is accepted too.
+    #[arg(long, visible_alias = "limit")]
+    max_requests: Option<usize>,
     /// Hash seed (results do not depend on it unless hashes collide).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -170,8 +171,10 @@ pub fn run(args: SimArgs) -> Result<()> {
     if let Some(w) = args.workload {
         return serve_sim(&args, w);
     }
-    if args.limit == Some(0) {
-        bail!("--limit 0 replays no request: give at least 1, or leave it out to replay the whole trace");
+    if args.max_requests == Some(0) {
+        bail!(
+            "--max-requests 0 replays no request: give at least 1, or leave it out to replay the whole trace"
+        );
     }
     let cfg = SimConfig {
         block_size: args.block_size,
@@ -188,7 +191,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     };
     // Flags first: a bad one is reported before a large trace is read.
     cfg.validate()?;
-    let trace = load_trace_limited(&args.trace, args.limit)?;
+    let trace = load_trace_limited(&args.trace, args.max_requests)?;
     let report =
         replay(&trace, &cfg).with_context(|| format!("replaying {}", args.trace.display()))?;
     if args.json {
@@ -219,12 +222,12 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
             prompt_tokens: args.prompt_tokens,
         },
         WorkloadArg::Trace => {
-            if args.limit == Some(0) {
-                bail!("--limit 0 replays no request: give at least 1, or leave it out");
+            if args.max_requests == Some(0) {
+                bail!("--max-requests 0 replays no request: give at least 1, or leave it out");
             }
             Workload::Trace {
                 source: args.trace.display().to_string(),
-                requests: load_trace_limited(&args.trace, args.limit)?,
+                requests: load_trace_limited(&args.trace, args.max_requests)?,
                 time_scale: args.shaping.time_scale,
                 max_prompt_tokens: args.shaping.max_prompt_tokens,
                 max_output_tokens: args.shaping.max_output_tokens,

@@ -67,12 +67,28 @@ fn the_planner_and_the_runtime_read_the_same_layout_and_pool() {
         ),
     ];
     for (what, text) in cases {
-        let runtime = ModelConfig::from_hf_json(&text)
-            .unwrap_or_else(|e| panic!("{what}: runtime refuses: {e}"))
-            .kv_layout(KvDtype::F16, 16)
-            .unwrap();
+        let config = ModelConfig::from_hf_json(&text)
+            .unwrap_or_else(|e| panic!("{what}: runtime refuses: {e}"));
+        let runtime = config.kv_layout(KvDtype::F16, 16).unwrap();
         let spec = ModelSpec::from_hf_config_str(&text, what, "test")
             .unwrap_or_else(|e| panic!("{what}: planner refuses: {e}"));
+        // One reading: the runtime keeps the planner's shape as it is (the name aside).
+        let kept = config.shape();
+        assert_eq!(
+            (
+                &kept.layer_attention,
+                kept.max_context,
+                kept.num_kv_heads,
+                kept.head_dim
+            ),
+            (
+                &spec.layer_attention,
+                spec.max_context,
+                spec.num_kv_heads,
+                spec.head_dim
+            ),
+            "{what}"
+        );
         let planned = spec.kv_layout(KvDtype::F16, 16).unwrap();
         assert_eq!(planned.layers, runtime.layers, "{what}");
 

@@ -34,7 +34,11 @@ fn degenerate_flags_name_the_flag() {
     let trace = trace_file("flags", LINE);
     let t = trace.to_str().unwrap();
     for (args, why) in [
-        (vec!["--limit", "0"], "--limit 0 replays no request"),
+        (
+            vec!["--max-requests", "0"],
+            "--max-requests 0 replays no request",
+        ),
+        (vec!["--limit", "0"], "--max-requests 0 replays no request"),
         (
             vec!["--block-size", "0"],
             "--block-size 0 is outside 1..=1024",
