@@ -63,6 +63,13 @@ pub struct ModelConfig {
     /// context (always set here: an HF config without one gets 2,048), tied embeddings, and each layer's
     /// attention (full, or one sliding window: [`ModelConfig::new`] refused the rest).
     shape: ModelSpec,
+    /// RoPE, norms and biases.
+    pub params: RuntimeParams,
+}
+
+/// What the runtime reads of a model beyond its shape: RoPE, norms, biases.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeParams {
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
     pub rope_style: RopeStyle,
@@ -77,19 +84,6 @@ pub struct ModelConfig {
     /// `q·k / sqrt(head_dim)`.
     pub query_pre_attn_scalar: Option<f64>,
     /// Q, K and V projections carry a bias (Qwen2).
-    pub qkv_bias: bool,
-}
-
-/// What the runtime reads of a model beyond its shape: RoPE, norms, biases.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RuntimeParams {
-    pub rms_norm_eps: f32,
-    pub rope_theta: f64,
-    pub rope_style: RopeStyle,
-    pub rope_scaling: Option<Llama3RopeScaling>,
-    pub rope_theta_sliding: Option<f64>,
-    pub rope_linear_factor: Option<f64>,
-    pub query_pre_attn_scalar: Option<f64>,
     pub qkv_bias: bool,
 }
 
@@ -173,27 +167,10 @@ impl ModelConfig {
     pub fn new(arch: Arch, mut shape: ModelSpec, params: RuntimeParams) -> Result<Self> {
         runtime_window(&shape, "sliding_window")?;
         shape.max_context.get_or_insert(DEFAULT_CONTEXT);
-        let RuntimeParams {
-            rms_norm_eps,
-            rope_theta,
-            rope_style,
-            rope_scaling,
-            rope_theta_sliding,
-            rope_linear_factor,
-            query_pre_attn_scalar,
-            qkv_bias,
-        } = params;
         Ok(ModelConfig {
             arch,
             shape,
-            rms_norm_eps,
-            rope_theta,
-            rope_style,
-            rope_scaling,
-            rope_theta_sliding,
-            rope_linear_factor,
-            query_pre_attn_scalar,
-            qkv_bias,
+            params,
         })
     }
 
@@ -305,28 +282,28 @@ impl ModelConfig {
         if self.sliding_window() == Some(0) {
             return bad(format!("{} is 0; it must be at least 1", k.window));
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+        if !(self.params.rms_norm_eps.is_finite() && self.params.rms_norm_eps > 0.0) {
             return bad(format!(
                 "{} {} must be a positive number",
-                k.eps, self.rms_norm_eps
+                k.eps, self.params.rms_norm_eps
             ));
         }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+        if !(self.params.rope_theta.is_finite() && self.params.rope_theta > 0.0) {
             return bad(format!(
                 "{} {} must be a positive number",
-                k.theta, self.rope_theta
+                k.theta, self.params.rope_theta
             ));
         }
         for (key, v) in [
-            ("sliding layers' RoPE base", self.rope_theta_sliding),
-            ("rope.scaling.factor", self.rope_linear_factor),
-            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("sliding layers' RoPE base", self.params.rope_theta_sliding),
+            ("rope.scaling.factor", self.params.rope_linear_factor),
+            ("query_pre_attn_scalar", self.params.query_pre_attn_scalar),
         ] {
             if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
                 return bad(format!("{key} {v} must be a positive number"));
             }
         }
-        if let Some(r) = &self.rope_scaling {
+        if let Some(r) = &self.params.rope_scaling {
             let positive = [
                 ("factor", r.factor),
                 ("low_freq_factor", r.low_freq_factor),
@@ -404,7 +381,8 @@ impl ModelConfig {
     /// them by √query_pre_attn_scalar instead; `None` when the two agree.
     pub fn query_scale(&self) -> Option<f32> {
         let head_dim = self.head_dim() as f64;
-        self.query_pre_attn_scalar
+        self.params
+            .query_pre_attn_scalar
             .filter(|s| *s != head_dim)
             .map(|s| (head_dim / s).sqrt() as f32)
     }
@@ -868,12 +846,12 @@ impl<'a> Json<'a> {
 /// layer, unless [`rope_inv_freq_sliding`] gives the sliding ones their own), Llama-3 or linear scaling
 /// applied.
 pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    inv_freq(cfg.head_dim(), cfg.rope_theta, |f| {
-        let mut f = match cfg.rope_scaling {
+    inv_freq(cfg.head_dim(), cfg.params.rope_theta, |f| {
+        let mut f = match cfg.params.rope_scaling {
             Some(s) => llama3_scaled(f, &s),
             None => f,
         };
-        if let Some(factor) = cfg.rope_linear_factor {
+        if let Some(factor) = cfg.params.rope_linear_factor {
             f = (f as f64 / factor) as f32;
         }
         f
@@ -882,7 +860,8 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
 
 /// The inverse frequencies of the sliding layers when their RoPE base differs (Gemma 3); unscaled.
 pub fn rope_inv_freq_sliding(cfg: &ModelConfig) -> Option<Vec<f32>> {
-    cfg.rope_theta_sliding
+    cfg.params
+        .rope_theta_sliding
         .map(|theta| inv_freq(cfg.head_dim(), theta, |f| f))
 }
 
@@ -1003,10 +982,8 @@ mod tests {
         assert_eq!(c.head_dim(), 16);
         let f = rope_inv_freq(&c);
         // The lowest frequency is divided by the factor, the highest kept.
-        let plain = ModelConfig {
-            rope_scaling: None,
-            ..c.clone()
-        };
+        let mut plain = c.clone();
+        plain.params.rope_scaling = None;
         let g = rope_inv_freq(&plain);
         assert_eq!(f[0], g[0]);
         assert!((f[7] - g[7] / 8.0).abs() < 1e-12);
@@ -1069,9 +1046,9 @@ mod tests {
         assert_eq!(new.arch, Arch::Gemma3);
         assert_eq!(
             (
-                new.rope_theta,
-                new.rope_theta_sliding,
-                new.rope_linear_factor
+                new.params.rope_theta,
+                new.params.rope_theta_sliding,
+                new.params.rope_linear_factor
             ),
             (100_000.0, Some(20_000.0), Some(4.0))
         );
@@ -1091,13 +1068,13 @@ mod tests {
         .unwrap();
         assert_eq!(
             (
-                plain.rope_theta,
-                plain.rope_theta_sliding,
-                plain.rope_linear_factor
+                plain.params.rope_theta,
+                plain.params.rope_theta_sliding,
+                plain.params.rope_linear_factor
             ),
             (1e6, Some(10_000.0), None)
         );
-        assert_eq!(plain.query_pre_attn_scalar, Some(256.0));
+        assert_eq!(plain.params.query_pre_attn_scalar, Some(256.0));
         for (extra, expected) in [
             (
                 r#","final_logit_softcapping":30.0"#,

@@ -623,7 +623,7 @@ impl Model {
         let mut partials = vec![0f32; partials_len(seqs, full)];
         let parts = SharedMut::new(&mut partials);
         let kvs = KvShared(kv);
-        let eps = c.rms_norm_eps;
+        let eps = c.params.rms_norm_eps;
 
         // One parallel region for the whole step: each thread takes its share of every operation (its
         // tokens for the row-wise ones, its rows or tiles of each product, its attention units), with a
@@ -667,8 +667,8 @@ impl Model {
                             norm_heads(qr, &g.q_norm, eps, &mut heads);
                             norm_heads(kr, &g.k_norm, eps, &mut heads);
                         }
-                        rope(qr, d, c.rope_style, cs, sn);
-                        rope(kr, d, c.rope_style, cs, sn);
+                        rope(qr, d, c.params.rope_style, cs, sn);
+                        rope(kr, d, c.params.rope_style, cs, sn);
                         if let Some(s) = q_scale {
                             scale_in_place(qr, s);
                         }

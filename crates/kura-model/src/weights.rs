@@ -320,7 +320,7 @@ pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<us
         add("q", &[q_rows, h]);
         add("k", &[kv_rows, h]);
         add("v", &[kv_rows, h]);
-        if cfg.qkv_bias {
+        if cfg.params.qkv_bias {
             add("q_bias", &[q_rows]);
             add("k_bias", &[kv_rows]);
             add("v_bias", &[kv_rows]);
@@ -580,7 +580,7 @@ pub fn native_bytes(
         total += matrix(&[n("gate"), n("up")], 2 * inter, h)?;
         total += matrix(&[n("down")], h, inter)?;
         let mut vectors = 2 * h;
-        if cfg.qkv_bias {
+        if cfg.params.qkv_bias {
             vectors += q_rows + 2 * kv_rows;
         }
         if cfg.arch == Arch::Gemma3 {
@@ -656,7 +656,7 @@ impl Weights {
             .into_par_iter()
             .map(|i| -> Result<LayerWeights> {
                 let name = |w: &str| naming.layer(i, w);
-                let bqkv = if cfg.qkv_bias {
+                let bqkv = if cfg.params.qkv_bias {
                     let mut b = load_shaped(src, &name("q_bias"), &[q_rows], &dg)?;
                     b.extend(load_shaped(src, &name("k_bias"), &[kv_rows], &dg)?);
                     b.extend(load_shaped(src, &name("v_bias"), &[kv_rows], &dg)?);

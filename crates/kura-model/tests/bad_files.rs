@@ -667,7 +667,7 @@ fn gemma3_files_name_what_is_missing_or_unsupported() {
     let c = model.config();
     // One layer, the sixth-layer rule: layer 0 slides; the sliding layers' own RoPE base.
     assert_eq!(c.layer_window(0), Some(8));
-    assert_eq!(c.rope_theta_sliding, Some(10_000.0));
+    assert_eq!(c.params.rope_theta_sliding, Some(10_000.0));
     std::fs::remove_file(path).ok();
 
     for missing in [

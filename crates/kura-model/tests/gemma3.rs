@@ -74,8 +74,8 @@ fn gemma3_reads_its_shape_from_the_gguf() {
         let want = if i % 6 == 5 { None } else { Some(512) };
         assert_eq!(*w, want, "layer {i}");
     }
-    assert_eq!(c.rope_theta, 1e6);
-    assert_eq!(c.rope_theta_sliding, Some(10_000.0));
+    assert_eq!(c.params.rope_theta, 1e6);
+    assert_eq!(c.params.rope_theta_sliding, Some(10_000.0));
     // query_pre_attn_scalar is head_dim for this model: attention's own 1/√head_dim scale stands.
     assert_eq!(c.query_scale(), None);
     assert_eq!(c.embedding_scale(), Some((640f64).sqrt() as f32));

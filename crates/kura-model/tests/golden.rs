@@ -132,8 +132,8 @@ fn tiny_gemma3_matches_transformers() {
         )
         .unwrap();
         let c = model.config();
-        assert_eq!(c.rope_linear_factor, Some(4.0));
-        assert_eq!(c.rope_theta_sliding, Some(10_000.0));
+        assert_eq!(c.params.rope_linear_factor, Some(4.0));
+        assert_eq!(c.params.rope_theta_sliding, Some(10_000.0));
         assert!(c.query_scale().is_some());
         check_cases(
             &model,
