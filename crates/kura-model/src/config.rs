@@ -61,7 +61,7 @@ pub struct ModelConfig {
     pub arch: Arch,
     /// The shape, as `kura-shape` read it for the planner too: layers, heads, widths, vocabulary, the
     /// context (always set here: an HF config without one gets 2,048), tied embeddings, and each layer's
-    /// attention (full, or one sliding window: [`ModelConfig::new`] refused the rest).
+    /// attention (full, or one sliding window: [`runtime_window`] refused the rest).
     shape: ModelSpec,
     /// RoPE, norms and biases.
     pub params: RuntimeParams,
@@ -161,17 +161,16 @@ fn product(factors: &[(&str, usize)], limit: usize) -> Result<usize> {
 }
 
 impl ModelConfig {
-    /// The configuration of a model of `shape` (as `kura-shape` read it) run with `params`. What the
-    /// runtime cannot run (latent attention, experts, windows of several sizes) is refused, naming it;
-    /// a shape without a context gets 2,048 tokens. Not yet validated: see [`ModelConfig::validate`].
-    pub fn new(arch: Arch, mut shape: ModelSpec, params: RuntimeParams) -> Result<Self> {
-        runtime_window(&shape, "sliding_window")?;
+    /// The configuration of a model of `shape` (as `kura-shape` read it, and accepted by
+    /// [`runtime_window`]) run with `params`; a shape without a context gets 2,048 tokens. Not yet
+    /// validated: the constructors check it next.
+    fn assemble(arch: Arch, mut shape: ModelSpec, params: RuntimeParams) -> Self {
         shape.max_context.get_or_insert(DEFAULT_CONTEXT);
-        Ok(ModelConfig {
+        ModelConfig {
             arch,
             shape,
             params,
-        })
+        }
     }
 
     /// The model's shape, as the planner reads it.
@@ -519,7 +518,7 @@ impl ModelConfig {
             qkv_bias: arch == Arch::Qwen2,
         };
         let cfg =
-            ModelConfig::new(arch, spec, params)?.check(&Keys::gguf(&arch_name, &vocab_key))?;
+            ModelConfig::assemble(arch, spec, params).check(&Keys::gguf(&arch_name, &vocab_key))?;
         cfg.check_gguf_tensors(g, &k("block_count"))?;
         Ok(cfg)
     }
@@ -581,6 +580,7 @@ impl ModelConfig {
         };
         let mut spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
             .map_err(|e| ModelError::Config(e.to_string()))?;
+        runtime_window(&spec, "sliding_window")?;
         // transformers ties Gemma's output head to the embedding unless told otherwise.
         spec.tied_embeddings = raw
             .bool("tie_word_embeddings")?
@@ -595,7 +595,7 @@ impl ModelConfig {
             query_pre_attn_scalar: gemma.map(|g| g.query_pre_attn_scalar),
             qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
         };
-        ModelConfig::new(arch, spec, params)?.validate()
+        ModelConfig::assemble(arch, spec, params).validate()
     }
 }
 
@@ -733,9 +733,9 @@ impl GemmaHf {
 /// The context of a model whose config names none (transformers' default for Llama).
 const DEFAULT_CONTEXT: u64 = 2048;
 
-/// The window the runtime runs for `spec` (`None`: every layer attends to everything), or an error naming
-/// what it lacks (latent attention, experts, windows of several sizes).
-fn runtime_window(spec: &ModelSpec, window_key: &str) -> Result<Option<usize>> {
+/// Whether the runtime runs `spec`: an error naming what it lacks (latent attention, experts, windows of
+/// several sizes), `window_key` naming the window's key.
+fn runtime_window(spec: &ModelSpec, window_key: &str) -> Result<()> {
     if let Some(m) = &spec.mla {
         return Err(ModelError::Config(format!(
             "multi-head latent attention (kv_lora_rank {}) is not supported by Kura's runtime \
@@ -761,7 +761,7 @@ fn runtime_window(spec: &ModelSpec, window_key: &str) -> Result<Option<usize>> {
              runtime runs one window size"
         )));
     }
-    Ok(window)
+    Ok(())
 }
 
 /// A JSON object of a config, read field by field so that a wrong type names its key (serde's derived
