@@ -15,7 +15,7 @@ use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
 use kura_sim::fleet::{simulate_fleet, FleetSim};
 use kura_sim::{
     load_trace_limited, replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem,
-    Workload,
+    TraceRequest, Workload,
 };
 
 use crate::serve::SchedulingArg;
@@ -171,11 +171,6 @@ pub fn run(args: SimArgs) -> Result<()> {
     if let Some(w) = args.workload {
         return serve_sim(&args, w);
     }
-    if args.max_requests == Some(0) {
-        bail!(
-            "--max-requests 0 replays no request: give at least 1, or leave it out to replay the whole trace"
-        );
-    }
     let cfg = SimConfig {
         block_size: args.block_size,
         capacity_tokens: args.capacity_tokens,
@@ -191,7 +186,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     };
     // Flags first: a bad one is reported before a large trace is read.
     cfg.validate()?;
-    let trace = load_trace_limited(&args.trace, args.max_requests)?;
+    let trace = load_requests(&args)?;
     let report =
         replay(&trace, &cfg).with_context(|| format!("replaying {}", args.trace.display()))?;
     if args.json {
@@ -201,6 +196,16 @@ pub fn run(args: SimArgs) -> Result<()> {
         print!("{report}");
     }
     Ok(())
+}
+
+/// The trace's first `--max-requests` requests (all without it); 0 is refused before the file is read.
+fn load_requests(args: &SimArgs) -> Result<Vec<TraceRequest>> {
+    if args.max_requests == Some(0) {
+        bail!(
+            "--max-requests 0 replays no request: give at least 1, or leave it out to replay the whole trace"
+        );
+    }
+    Ok(load_trace_limited(&args.trace, args.max_requests)?)
 }
 
 fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
@@ -221,18 +226,13 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
             requests: args.requests,
             prompt_tokens: args.prompt_tokens,
         },
-        WorkloadArg::Trace => {
-            if args.max_requests == Some(0) {
-                bail!("--max-requests 0 replays no request: give at least 1, or leave it out");
-            }
-            Workload::Trace {
-                source: args.trace.display().to_string(),
-                requests: load_trace_limited(&args.trace, args.max_requests)?,
-                time_scale: args.shaping.time_scale,
-                max_prompt_tokens: args.shaping.max_prompt_tokens,
-                max_output_tokens: args.shaping.max_output_tokens,
-            }
-        }
+        WorkloadArg::Trace => Workload::Trace {
+            source: args.trace.display().to_string(),
+            requests: load_requests(args)?,
+            time_scale: args.shaping.time_scale,
+            max_prompt_tokens: args.shaping.max_prompt_tokens,
+            max_output_tokens: args.shaping.max_output_tokens,
+        },
     };
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         bail!("--concurrency takes one or more counts of at least 1");

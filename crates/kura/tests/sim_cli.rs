@@ -71,6 +71,10 @@ fn degenerate_flags_name_the_flag() {
         assert!(err.contains(why), "{args:?}: {err}");
         assert!(!err.contains("capacity of 0 blocks"), "{err}");
     }
+    // The server simulation reads a trace through the same refusal.
+    let (code, out, err) = kura_sim(&["--workload", "trace", "--trace", t, "--max-requests", "0"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("--max-requests 0 replays no request"), "{err}");
     let (code, out, err) = kura_sim(&[
         "--trace",
         t,
