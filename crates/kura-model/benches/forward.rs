@@ -1,6 +1,6 @@
 //! Forward-pass throughput on the default model: prefill of 128 and 1,024 tokens, and one decode step for
-//! batches of 1, 8 and 32 sequences (each with 128 tokens of context). Thread count: `RAYON_NUM_THREADS`.
-//! Weights: `KURA_BENCH_WEIGHTS=native|bf16|f32` (default native).
+//! batches of 1, 8 and 32 sequences (each with 128 tokens of context) and of 1 and 8 with 1,050. Thread
+//! count: `RAYON_NUM_THREADS`. Weights: `KURA_BENCH_WEIGHTS=native|bf16|f32` (default native).
 //!
 //! `cargo bench -p kura-model --bench forward`; throughput is reported in tokens/s (elements).
 
@@ -45,8 +45,16 @@ fn bench(c: &mut Criterion) {
         });
     }
 
-    let ctx: usize = 128;
-    for batch in [1usize, 8, 32] {
+    // 128 tokens of context (the names without a context), and 1,050: past one attention segment, where
+    // a token's work is a full segment and a short one per KV head.
+    let tokens: Vec<u32> = (0..1100u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    for (batch, ctx) in [
+        (1usize, 128usize),
+        (8, 128),
+        (32, 128),
+        (1, 1050),
+        (8, 1050),
+    ] {
         let per_seq = (ctx + 1).div_ceil(BLOCK);
         let mut kv = KvStorage::new(&layout, per_seq * batch).unwrap();
         let tables: Vec<Vec<u32>> = (0..batch)
@@ -67,7 +75,11 @@ fn bench(c: &mut Criterion) {
                 .unwrap();
         }
         g.throughput(Throughput::Elements(batch as u64));
-        g.bench_function(format!("decode_batch_{batch}"), |b| {
+        let name = match ctx {
+            128 => format!("decode_batch_{batch}"),
+            _ => format!("decode_batch_{batch}_ctx_{ctx}"),
+        };
+        g.bench_function(name, |b| {
             b.iter(|| {
                 let items: Vec<SeqBatchItem<'_>> = tables
                     .iter()

@@ -345,6 +345,34 @@ fn segments(pos: usize, window: Option<usize>) -> usize {
     pos / SEGMENT - context_start(pos, window) / SEGMENT + 1
 }
 
+/// The cost of one unit, a token at `pos` (context from `lo`) over segment `k` of its context: the
+/// positions it reads, plus a fixed cost for the unit's own work (its query, softmax and output).
+fn unit_cost(lo: usize, pos: usize, k: usize) -> usize {
+    const PER_UNIT: usize = 16;
+    pos.min(k * SEGMENT + SEGMENT - 1) + 1 - lo.max(k * SEGMENT) + PER_UNIT
+}
+
+/// The thread that computes a unit of `cost` after units costing `done`, of `total` for the batch: the
+/// one whose even share of the total holds the unit's midpoint. Each thread's units are then one
+/// contiguous run, and its summed cost is within one unit of `total / threads`.
+fn unit_owner(done: usize, cost: usize, total: usize, threads: usize) -> usize {
+    ((2 * done + cost) * threads / (2 * total)).min(threads - 1)
+}
+
+/// The summed [`unit_cost`] of every (token, segment) of the batch, for one KV head.
+fn units_cost(seqs: &[AttnSeq<'_>], window: Option<usize>) -> usize {
+    let mut total = 0;
+    for seq in seqs {
+        for pos in seq.start_pos..seq.start_pos + seq.n_tokens {
+            let lo = context_start(pos, window);
+            for k in lo / SEGMENT..=pos / SEGMENT {
+                total += unit_cost(lo, pos, k);
+            }
+        }
+    }
+    total
+}
+
 /// Length of the scratch buffer [`attention_part`] needs for this batch: the partials of the tokens whose
 /// context spans more than one segment.
 pub fn partials_len(seqs: &[AttnSeq<'_>], shape: AttnShape) -> usize {
@@ -396,10 +424,15 @@ pub unsafe fn attention_part(
     let mut o = vec![0f32; group * head_dim];
     let mut qrot = vec![0f32; group * head_dim];
     let mut qq = QuantQuery::default();
-    // Phase 1: one unit per (token, segment of its context, KV head), prefill and decode alike, dealt
-    // out in turn (which evens out prefill's growing contexts). A token with one segment is finished at
-    // once (the same arithmetic as a merge of one); the others leave their partials for phase 2.
-    let (mut u, mut first) = (0usize, 0usize);
+    // Phase 1: one unit per (token, segment of its context, KV head), prefill and decode alike. The
+    // units, in order, are cut into one contiguous run per thread of about equal cost (positions read,
+    // plus a fixed cost per unit): units differ in size (a token's last segment is short, contexts
+    // differ), so dealing them out in turn can give one thread twice the work of the other. Which thread
+    // computes a unit does not change its bits. A token with one segment is finished at once (the same
+    // arithmetic as a merge of one); the others leave their partials for phase 2.
+    let total = units_cost(seqs, window) * num_kv_heads;
+    let (n_threads, me) = (tm.size(), tm.index());
+    let (mut done, mut first) = (0usize, 0usize);
     for seq in seqs {
         for i in 0..seq.n_tokens {
             let t = seq.first_token + i;
@@ -407,9 +440,11 @@ pub unsafe fn attention_part(
             let lo = context_start(pos, window);
             let n_seg = segments(pos, window);
             for (j, k) in (lo / SEGMENT..=pos / SEGMENT).enumerate() {
+                let cost = unit_cost(lo, pos, k);
                 for kvh in 0..num_kv_heads {
-                    u += 1;
-                    if (u - 1) % tm.size() != tm.index() {
+                    let owner = unit_owner(done, cost, total, n_threads);
+                    done += cost;
+                    if owner != me {
                         continue;
                     }
                     let q_base = t * q_stride + kvh * group * head_dim;
@@ -1275,6 +1310,60 @@ mod tests {
             }
         }
         (vector.to_vec(), portable)
+    }
+
+    /// Each thread's summed unit cost for a batch of `seqs` (every context under `window`).
+    fn shares(seqs: &[AttnSeq<'_>], kv_heads: usize, threads: usize) -> (Vec<usize>, usize) {
+        let total = units_cost(seqs, None) * kv_heads;
+        let (mut share, mut done, mut largest) = (vec![0; threads], 0, 0);
+        for seq in seqs {
+            for pos in seq.start_pos..seq.start_pos + seq.n_tokens {
+                for k in 0..=pos / SEGMENT {
+                    let cost = unit_cost(0, pos, k);
+                    for _ in 0..kv_heads {
+                        share[unit_owner(done, cost, total, threads)] += cost;
+                        done += cost;
+                        largest = largest.max(cost);
+                    }
+                }
+            }
+        }
+        assert_eq!(share.iter().sum::<usize>(), total);
+        (share, largest)
+    }
+
+    #[test]
+    fn units_are_dealt_in_even_shares_of_their_cost() {
+        let table = [0u32; 0];
+        let seq = |first_token, n_tokens, start_pos| AttnSeq {
+            first_token,
+            n_tokens,
+            start_pos,
+            block_table: &table,
+        };
+        // Decode of 8 tokens at about 1,100 positions: each token has a full segment and a short one
+        // per KV head. Dealt out in turn, one of two threads took both full segments of 2 heads of every
+        // token, and twice the other's work.
+        let decode: Vec<AttnSeq<'_>> = (0..8).map(|s| seq(s, 1, 1050 + s)).collect();
+        // A prefill of 1,500 tokens, and a mixed batch.
+        let prefill = [seq(0, 1500, 0)];
+        let mixed = [seq(0, 1, 3000), seq(1, 1, 40), seq(2, 300, 700)];
+        for (name, seqs) in [
+            ("decode", &decode[..]),
+            ("prefill", &prefill),
+            ("mixed", &mixed),
+        ] {
+            for threads in [2, 3, 4] {
+                let (share, largest) = shares(seqs, 3, threads);
+                let total: usize = share.iter().sum();
+                for s in &share {
+                    assert!(
+                        s.abs_diff(total / threads) <= largest,
+                        "{name}, {threads} threads: shares {share:?}, largest unit {largest}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
