@@ -16,6 +16,12 @@
 //! (token, position) pair, decode costs several times what prefill does. A decode token's context splits in
 //! two: positions in blocks no earlier item of the step reads, and positions in blocks another item has
 //! just read (a shared prefix), which the CPU's caches still hold and which cost less.
+//!
+//! On several threads the attention terms are scaled by how unevenly the runtime deals the step's
+//! attention units to the threads (`kura_model::attention_thread_shares`: threads × the busiest thread's
+//! share ÷ all units, 1 for an even split). A lone decode token past 1,024 positions has a full and a
+//! short segment per KV head, and one of two threads reads twice what the other does; a batch of 8 splits
+//! evenly. A model without this scale under-predicted single-stream decode by a fifth.
 
 use std::path::Path;
 
@@ -71,13 +77,42 @@ pub struct CostModel {
     /// What was measured: model, threads, KV type, machine.
     #[serde(default)]
     pub measured_on: String,
+    /// The threads the steps were timed on; absent (a model written before this field): 1, which
+    /// leaves the attention terms unscaled.
+    #[serde(default = "one")]
+    pub threads: usize,
+    /// The model's KV heads (attention units per context segment); absent: 1.
+    #[serde(default = "one")]
+    pub kv_heads: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// Threads × the busiest thread's share ÷ all units of the step's attention (see the module text); 1
+/// on one thread or for a step without attention.
+pub fn attention_imbalance(items: &[StepItem], threads: usize, kv_heads: usize) -> f64 {
+    if threads <= 1 {
+        return 1.0;
+    }
+    let positions = items.iter().flat_map(|i| i.start..i.start + i.tokens);
+    let shares = kura_model::attention_thread_shares(positions, None, kv_heads.max(1), threads);
+    let total: usize = shares.iter().sum();
+    let busiest = shares.iter().copied().max().unwrap_or(0);
+    if total == 0 {
+        1.0
+    } else {
+        threads as f64 * busiest as f64 / total as f64
+    }
 }
 
 /// Number of coefficients.
 const N: usize = 6;
 
-/// The features of a step, in the order of the coefficients.
-pub fn features(items: &[StepItem]) -> [f64; N] {
+/// The features of a step timed on `threads` threads of a model with `kv_heads` KV heads, in the order of
+/// the coefficients.
+pub fn features(items: &[StepItem], threads: usize, kv_heads: usize) -> [f64; N] {
     let tokens: usize = items.iter().map(|i| i.tokens).sum();
     let prefill: f64 = items
         .iter()
@@ -89,13 +124,14 @@ pub fn features(items: &[StepItem]) -> [f64; N] {
     let distinct: f64 = decode
         .map(|i| (i.start - i.shared.min(i.start)) as f64 + 1.0)
         .sum();
+    let scale = attention_imbalance(items, threads, kv_heads);
     [
         1.0,
         tokens as f64,
         items.len() as f64,
-        prefill / 1e6,
-        distinct / 1e6,
-        shared / 1e6,
+        scale * prefill / 1e6,
+        scale * distinct / 1e6,
+        scale * shared / 1e6,
     ]
 }
 
@@ -107,7 +143,7 @@ impl CostModel {
 
     /// Milliseconds of one step.
     pub fn step_ms(&self, items: &[StepItem]) -> f64 {
-        let f = features(items);
+        let f = features(items, self.threads, self.kv_heads);
         let c = self.coefficients();
         (0..N).map(|k| f[k] * c[k]).sum::<f64>().max(0.0)
     }
@@ -124,12 +160,18 @@ impl CostModel {
         ]
     }
 
-    /// Least-squares fit of timed steps. Coefficients come out non-negative: a term that the fit drives
-    /// below zero is dropped and the rest refitted.
-    pub fn fit(samples: &[(Vec<StepItem>, f64)], measured_on: String) -> Result<Self, SimError> {
+    /// Least-squares fit of steps timed on `threads` threads of a model with `kv_heads` KV heads.
+    /// Coefficients come out non-negative: a term that the fit drives below zero is dropped and the rest
+    /// refitted.
+    pub fn fit(
+        samples: &[(Vec<StepItem>, f64)],
+        threads: usize,
+        kv_heads: usize,
+        measured_on: String,
+    ) -> Result<Self, SimError> {
         let rows: Vec<([f64; N], f64)> = samples
             .iter()
-            .map(|(items, ms)| (features(items), *ms))
+            .map(|(items, ms)| (features(items, threads, kv_heads), *ms))
             .collect();
         // A feature no sample exercises is left out (its coefficient 0), not a singular system.
         let mut active = [true; N];
@@ -156,6 +198,8 @@ impl CostModel {
                         per_shared_context_ms: active[5].then_some(c[5]),
                         frontend_ms_per_token: 0.0,
                         measured_on,
+                        threads,
+                        kv_heads,
                     })
                 }
             }
@@ -177,6 +221,13 @@ impl CostModel {
     }
 
     pub fn validate(&self) -> Result<(), SimError> {
+        for (name, v) in [("threads", self.threads), ("kv_heads", self.kv_heads)] {
+            if v == 0 {
+                return Err(SimError::Config(format!(
+                    "cost model {name} is 0: it counts at least 1"
+                )));
+            }
+        }
         for (name, v) in [
             ("base_ms", self.base_ms),
             ("per_token_ms", self.per_token_ms),
@@ -277,6 +328,8 @@ mod tests {
             per_shared_context_ms: Some(1.5),
             frontend_ms_per_token: 0.0,
             measured_on: String::new(),
+            threads: 2,
+            kv_heads: 3,
         };
         let shapes = vec![
             vec![item(0, 128)],
@@ -297,7 +350,7 @@ mod tests {
                 (s, ms)
             })
             .collect();
-        let fitted = CostModel::fit(&samples, "test".into()).unwrap();
+        let fitted = CostModel::fit(&samples, 2, 3, "test".into()).unwrap();
         for (a, b) in [
             (fitted.base_ms, truth.base_ms),
             (fitted.per_token_ms, truth.per_token_ms),
@@ -325,9 +378,40 @@ mod tests {
             (vec![item(0, 200)], 110.0),
             (vec![item(0, 10)], 15.0),
         ];
-        let fitted = CostModel::fit(&samples, String::new()).unwrap();
+        let fitted = CostModel::fit(&samples, 1, 1, String::new()).unwrap();
         assert_eq!(fitted.per_seq_ms, 0.0);
         assert!(fitted.validate().is_ok());
+    }
+
+    #[test]
+    fn attention_on_two_threads_costs_what_its_busiest_thread_reads() {
+        let model = |threads| CostModel {
+            base_ms: 0.0,
+            per_token_ms: 0.0,
+            per_seq_ms: 0.0,
+            per_prefill_attention_ms: 1000.0,
+            per_decode_context_ms: 1000.0,
+            per_shared_context_ms: None,
+            frontend_ms_per_token: 0.0,
+            measured_on: String::new(),
+            threads,
+            kv_heads: 3,
+        };
+        let (one, two) = (model(1), model(2));
+        // A lone token at 1,100: per KV head a full segment and a short one; one thread takes two full
+        // segments of the three.
+        let lone = [item(1100, 1)];
+        let ratio = two.step_ms(&lone) / one.step_ms(&lone);
+        assert!(ratio > 1.2 && ratio < 1.35, "{ratio}");
+        // Below one segment, three units on two threads: 2 : 1.
+        let short = [item(500, 1)];
+        let ratio = two.step_ms(&short) / one.step_ms(&short);
+        assert!((ratio - 4.0 / 3.0).abs() < 1e-9, "{ratio}");
+        // Eight tokens, and a long prompt, split evenly.
+        for step in [vec![item(1100, 1); 8], vec![item(0, 1024)]] {
+            let ratio = two.step_ms(&step) / one.step_ms(&step);
+            assert!((1.0..1.05).contains(&ratio), "{ratio}");
+        }
     }
 
     #[test]
@@ -339,6 +423,12 @@ mod tests {
         let err = CostModel::load(&path).unwrap_err().to_string();
         assert!(
             err.contains("cost.json") && err.contains("base_ms"),
+            "{err}"
+        );
+        std::fs::write(&path, r#"{"base_ms": 1, "per_token_ms": 0, "per_seq_ms": 0, "per_prefill_attention_ms": 0, "per_decode_context_ms": 0, "threads": 0}"#).unwrap();
+        let err = CostModel::load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("cost.json") && err.contains("threads"),
             "{err}"
         );
         std::fs::write(&path, "not json").unwrap();

@@ -34,6 +34,8 @@ fn server(num_blocks: usize) -> ServeSim {
             per_shared_context_ms: Some(1.0),
             frontend_ms_per_token: 0.0,
             measured_on: "test".into(),
+            threads: 1,
+            kv_heads: 1,
         },
         concurrency: 1,
         output_tokens: 8,

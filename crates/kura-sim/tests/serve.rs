@@ -33,6 +33,8 @@ fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim 
             per_shared_context_ms: Some(1.0),
             frontend_ms_per_token: 0.005,
             measured_on: "test".into(),
+            threads: 1,
+            kv_heads: 1,
         },
         concurrency,
         output_tokens: 64,

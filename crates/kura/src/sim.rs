@@ -552,7 +552,12 @@ fn calibrate(args: &SimArgs) -> Result<()> {
         model.weights_dtype().name(),
         args.kv_dtype,
     );
-    let mut cost = CostModel::fit(&samples, measured_on)?;
+    let mut cost = CostModel::fit(
+        &samples,
+        kura_model::num_threads(),
+        model.config().num_kv_heads(),
+        measured_on,
+    )?;
     cost.frontend_ms_per_token = frontend_ms_per_token(&model, args.repeats)?;
     eprintln!(
         "front end (chat template + tokenizer): {:.4} ms per prompt token",

@@ -359,18 +359,48 @@ fn unit_owner(done: usize, cost: usize, total: usize, threads: usize) -> usize {
     ((2 * done + cost) * threads / (2 * total)).min(threads - 1)
 }
 
-/// The summed [`unit_cost`] of every (token, segment) of the batch, for one KV head.
-fn units_cost(seqs: &[AttnSeq<'_>], window: Option<usize>) -> usize {
+/// The summed [`unit_cost`] of every (token, segment) for tokens at `positions`, for one KV head.
+fn units_cost(positions: impl Iterator<Item = usize>, window: Option<usize>) -> usize {
     let mut total = 0;
-    for seq in seqs {
-        for pos in seq.start_pos..seq.start_pos + seq.n_tokens {
-            let lo = context_start(pos, window);
-            for k in lo / SEGMENT..=pos / SEGMENT {
-                total += unit_cost(lo, pos, k);
-            }
+    for pos in positions {
+        let lo = context_start(pos, window);
+        for k in lo / SEGMENT..=pos / SEGMENT {
+            total += unit_cost(lo, pos, k);
         }
     }
     total
+}
+
+/// Positions of the new tokens of a batch, in batch order.
+fn batch_positions<'s>(seqs: &'s [AttnSeq<'_>]) -> impl Iterator<Item = usize> + Clone + 's {
+    seqs.iter()
+        .flat_map(|s| s.start_pos..s.start_pos + s.n_tokens)
+}
+
+/// Each thread's summed unit cost (context positions read, plus a fixed cost per unit) when attention
+/// of new tokens at `positions` (in batch order), with `kv_heads` KV heads and contexts under `window`,
+/// is dealt to `threads` threads as [`attention_part`] deals it. A step's attention takes as long as its
+/// busiest thread: the simulator's cost model reads that from here.
+pub fn thread_shares(
+    positions: impl Iterator<Item = usize> + Clone,
+    window: Option<usize>,
+    kv_heads: usize,
+    threads: usize,
+) -> Vec<usize> {
+    let threads = threads.max(1);
+    let total = units_cost(positions.clone(), window) * kv_heads;
+    let (mut share, mut done) = (vec![0; threads], 0);
+    for pos in positions {
+        let lo = context_start(pos, window);
+        for k in lo / SEGMENT..=pos / SEGMENT {
+            let cost = unit_cost(lo, pos, k);
+            for _ in 0..kv_heads {
+                share[unit_owner(done, cost, total, threads)] += cost;
+                done += cost;
+            }
+        }
+    }
+    share
 }
 
 /// Length of the scratch buffer [`attention_part`] needs for this batch: the partials of the tokens whose
@@ -430,7 +460,7 @@ pub unsafe fn attention_part(
     // differ), so dealing them out in turn can give one thread twice the work of the other. Which thread
     // computes a unit does not change its bits. A token with one segment is finished at once (the same
     // arithmetic as a merge of one); the others leave their partials for phase 2.
-    let total = units_cost(seqs, window) * num_kv_heads;
+    let total = units_cost(batch_positions(seqs), window) * num_kv_heads;
     let (n_threads, me) = (tm.size(), tm.index());
     let (mut done, mut first) = (0usize, 0usize);
     for seq in seqs {
@@ -1312,26 +1342,6 @@ mod tests {
         (vector.to_vec(), portable)
     }
 
-    /// Each thread's summed unit cost for a batch of `seqs` (every context under `window`).
-    fn shares(seqs: &[AttnSeq<'_>], kv_heads: usize, threads: usize) -> (Vec<usize>, usize) {
-        let total = units_cost(seqs, None) * kv_heads;
-        let (mut share, mut done, mut largest) = (vec![0; threads], 0, 0);
-        for seq in seqs {
-            for pos in seq.start_pos..seq.start_pos + seq.n_tokens {
-                for k in 0..=pos / SEGMENT {
-                    let cost = unit_cost(0, pos, k);
-                    for _ in 0..kv_heads {
-                        share[unit_owner(done, cost, total, threads)] += cost;
-                        done += cost;
-                        largest = largest.max(cost);
-                    }
-                }
-            }
-        }
-        assert_eq!(share.iter().sum::<usize>(), total);
-        (share, largest)
-    }
-
     #[test]
     fn units_are_dealt_in_even_shares_of_their_cost() {
         let table = [0u32; 0];
@@ -1353,9 +1363,12 @@ mod tests {
             ("prefill", &prefill),
             ("mixed", &mixed),
         ] {
+            // The largest unit: a full segment.
+            let largest = unit_cost(0, SEGMENT - 1, 0);
             for threads in [2, 3, 4] {
-                let (share, largest) = shares(seqs, 3, threads);
+                let share = thread_shares(batch_positions(seqs), None, 3, threads);
                 let total: usize = share.iter().sum();
+                assert_eq!(total, units_cost(batch_positions(seqs), None) * 3);
                 for s in &share {
                     assert!(
                         s.abs_diff(total / threads) <= largest,
