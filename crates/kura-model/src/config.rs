@@ -61,7 +61,7 @@ pub struct ModelConfig {
     pub arch: Arch,
     /// The shape, as `kura-shape` read it for the planner too: layers, heads, widths, vocabulary, the
     /// context (always set here: an HF config without one gets 2,048), tied embeddings, and each layer's
-    /// attention (full, or one sliding window: [`runtime_window`] refused the rest).
+    /// attention (full, or one sliding window: [`refuse_what_the_runtime_lacks`] refused the rest).
     shape: ModelSpec,
     /// RoPE, norms and biases.
     pub params: RuntimeParams,
@@ -162,8 +162,8 @@ fn product(factors: &[(&str, usize)], limit: usize) -> Result<usize> {
 
 impl ModelConfig {
     /// The configuration of a model of `shape` (as `kura-shape` read it, and accepted by
-    /// [`runtime_window`]) run with `params`; a shape without a context gets 2,048 tokens. Not yet
-    /// validated: the constructors check it next.
+    /// [`refuse_what_the_runtime_lacks`]) run with `params`; a shape without a context gets 2,048
+    /// tokens. Not yet validated: the constructors check it next.
     fn assemble(arch: Arch, mut shape: ModelSpec, params: RuntimeParams) -> Self {
         shape.max_context.get_or_insert(DEFAULT_CONTEXT);
         ModelConfig {
@@ -472,7 +472,7 @@ impl ModelConfig {
             "GGUF",
         )
         .map_err(|e| ModelError::Config(e.to_string()))?;
-        runtime_window(&spec, &k("attention.sliding_window"))?;
+        refuse_what_the_runtime_lacks(&spec, &k("attention.sliding_window"))?;
         let head_dim = spec.head_dim;
         if let Some(v) = g.opt_u64(&k("attention.value_length"))? {
             if v != head_dim as u64 {
@@ -580,7 +580,7 @@ impl ModelConfig {
         };
         let mut spec = ModelSpec::from_hf_config(&v, model_type, "config.json")
             .map_err(|e| ModelError::Config(e.to_string()))?;
-        runtime_window(&spec, "sliding_window")?;
+        refuse_what_the_runtime_lacks(&spec, "sliding_window")?;
         // transformers ties Gemma's output head to the embedding unless told otherwise.
         spec.tied_embeddings = raw
             .bool("tie_word_embeddings")?
@@ -733,9 +733,9 @@ impl GemmaHf {
 /// The context of a model whose config names none (transformers' default for Llama).
 const DEFAULT_CONTEXT: u64 = 2048;
 
-/// Whether the runtime runs `spec`: an error naming what it lacks (latent attention, experts, windows of
-/// several sizes), `window_key` naming the window's key.
-fn runtime_window(spec: &ModelSpec, window_key: &str) -> Result<()> {
+/// Refuses a `spec` the runtime cannot run, with an error naming what it lacks (latent attention,
+/// experts, windows of several sizes; `window_key` names the window's key).
+fn refuse_what_the_runtime_lacks(spec: &ModelSpec, window_key: &str) -> Result<()> {
     if let Some(m) = &spec.mla {
         return Err(ModelError::Config(format!(
             "multi-head latent attention (kv_lora_rank {}) is not supported by Kura's runtime \
