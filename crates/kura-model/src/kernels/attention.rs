@@ -352,23 +352,52 @@ fn unit_cost(lo: usize, pos: usize, k: usize) -> usize {
     pos.min(k * SEGMENT + SEGMENT - 1) + 1 - lo.max(k * SEGMENT) + PER_UNIT
 }
 
-/// The thread that computes a unit of `cost` after units costing `done`, of `total` for the batch: the
-/// one whose even share of the total holds the unit's midpoint. Each thread's units are then one
-/// contiguous run, and its summed cost is within one unit of `total / threads`.
-fn unit_owner(done: usize, cost: usize, total: usize, threads: usize) -> usize {
-    ((2 * done + cost) * threads / (2 * total)).min(threads - 1)
+/// The segments of the context of a token at `pos`, in order, each with its [`unit_cost`] (per KV head).
+fn token_units(pos: usize, window: Option<usize>) -> impl Iterator<Item = (usize, usize)> {
+    let lo = context_start(pos, window);
+    (lo / SEGMENT..=pos / SEGMENT).map(move |k| (k, unit_cost(lo, pos, k)))
 }
 
 /// The summed [`unit_cost`] of every (token, segment) for tokens at `positions`, for one KV head.
 fn units_cost(positions: impl Iterator<Item = usize>, window: Option<usize>) -> usize {
-    let mut total = 0;
-    for pos in positions {
-        let lo = context_start(pos, window);
-        for k in lo / SEGMENT..=pos / SEGMENT {
-            total += unit_cost(lo, pos, k);
+    positions
+        .flat_map(|pos| token_units(pos, window))
+        .map(|(_, cost)| cost)
+        .sum()
+}
+
+/// Deals a step's units, in order, to the threads: each unit goes to the thread whose even share of
+/// the total cost holds the unit's midpoint. Each thread's units are then one contiguous run, and its
+/// summed cost is within one unit of `total / threads`.
+struct Dealer {
+    done: usize,
+    total: usize,
+    threads: usize,
+}
+
+impl Dealer {
+    /// For new tokens at `positions` (in batch order) with `kv_heads` KV heads and contexts under
+    /// `window`, on `threads` threads (at least 1).
+    fn new(
+        positions: impl Iterator<Item = usize>,
+        window: Option<usize>,
+        kv_heads: usize,
+        threads: usize,
+    ) -> Self {
+        Dealer {
+            done: 0,
+            total: units_cost(positions, window) * kv_heads,
+            threads: threads.max(1),
         }
     }
-    total
+
+    /// The thread of the next unit, which costs `cost`.
+    fn deal(&mut self, cost: usize) -> usize {
+        let owner =
+            ((2 * self.done + cost) * self.threads / (2 * self.total)).min(self.threads - 1);
+        self.done += cost;
+        owner
+    }
 }
 
 /// Positions of the new tokens of a batch, in batch order.
@@ -387,16 +416,12 @@ pub fn thread_shares(
     kv_heads: usize,
     threads: usize,
 ) -> Vec<usize> {
-    let threads = threads.max(1);
-    let total = units_cost(positions.clone(), window) * kv_heads;
-    let (mut share, mut done) = (vec![0; threads], 0);
+    let mut dealer = Dealer::new(positions.clone(), window, kv_heads, threads);
+    let mut share = vec![0; dealer.threads];
     for pos in positions {
-        let lo = context_start(pos, window);
-        for k in lo / SEGMENT..=pos / SEGMENT {
-            let cost = unit_cost(lo, pos, k);
+        for (_, cost) in token_units(pos, window) {
             for _ in 0..kv_heads {
-                share[unit_owner(done, cost, total, threads)] += cost;
-                done += cost;
+                share[dealer.deal(cost)] += cost;
             }
         }
     }
@@ -460,21 +485,17 @@ pub unsafe fn attention_part(
     // differ), so dealing them out in turn can give one thread twice the work of the other. Which thread
     // computes a unit does not change its bits. A token with one segment is finished at once (the same
     // arithmetic as a merge of one); the others leave their partials for phase 2.
-    let total = units_cost(batch_positions(seqs), window) * num_kv_heads;
-    let (n_threads, me) = (tm.size(), tm.index());
-    let (mut done, mut first) = (0usize, 0usize);
+    let mut dealer = Dealer::new(batch_positions(seqs), window, num_kv_heads, tm.size());
+    let mut first = 0usize;
     for seq in seqs {
         for i in 0..seq.n_tokens {
             let t = seq.first_token + i;
             let pos = seq.start_pos + i;
             let lo = context_start(pos, window);
             let n_seg = segments(pos, window);
-            for (j, k) in (lo / SEGMENT..=pos / SEGMENT).enumerate() {
-                let cost = unit_cost(lo, pos, k);
+            for (j, (k, cost)) in token_units(pos, window).enumerate() {
                 for kvh in 0..num_kv_heads {
-                    let owner = unit_owner(done, cost, total, n_threads);
-                    done += cost;
-                    if owner != me {
+                    if dealer.deal(cost) != tm.index() {
                         continue;
                     }
                     let q_base = t * q_stride + kvh * group * head_dim;
