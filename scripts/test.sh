@@ -22,8 +22,12 @@ export KURA_REDIS_SERVER
 
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
 # overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the
-# Python tests start is the same build.
+# Python tests start is the same build: `cargo test` builds target/debug/kura for the `kura` crate's own
+# tests, with the workspace's features. (A `cargo build -p kura` would resolve the features of that crate
+# alone and compile many dependencies a second time.)
+started=$SECONDS
 cargo test --workspace
+echo "test.sh: Rust build and tests took $((SECONDS - started)) s" >&2
 
 if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   venv="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/venv-test"
@@ -31,6 +35,11 @@ if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 
     python3 -m venv "$venv"
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-  cargo build -p kura
+  if [ ! -x target/debug/kura ]; then
+    echo "test.sh: cargo test did not build target/debug/kura" >&2
+    exit 1
+  fi
+  started=$SECONDS
   KURA_BIN="$PWD/target/debug/kura" "$venv/bin/python" -m pytest -q tests/python
+  echo "test.sh: Python tests took $((SECONDS - started)) s" >&2
 fi

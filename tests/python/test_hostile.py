@@ -110,7 +110,11 @@ def test_sigterm_exits_after_the_grace_despite_partial_requests_and_unread_strea
         unread.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         held += [partial_head, short_body, unread]
-        time.sleep(1.0)
+        # The unread stream is running (its tokens pile up behind a full socket): the grace has to end it.
+        deadline = time.time() + 60
+        while s.metrics()["kura:num_requests_running"] < 1:
+            assert time.time() < deadline, s.log()[-3000:]
+            time.sleep(0.05)  # poll interval
         t0 = time.time()
         s.proc.send_signal(signal.SIGTERM)
         rc = s.proc.wait(timeout=30)
@@ -142,7 +146,7 @@ def test_health_stays_fast_while_large_prompts_are_tokenized():
             t0 = time.perf_counter()
             assert httpx.get(s.url + "/health", timeout=10).status_code == 200
             health_ms.append((time.perf_counter() - t0) * 1000)
-            time.sleep(0.02)
+            time.sleep(0.02)  # paces the probes
         for t in threads:
             t.join()
         assert results == [200] * 4
@@ -189,16 +193,44 @@ def test_logprob_alternatives_are_never_collapsed_and_bytes_are_the_tokens_own(e
     tops = r.choices[0].logprobs.top_logprobs
     assert tops and all(len(t) == 20 for t in tops), [len(t) for t in tops]
 
+    messages = [{"role": "user", "content": "Repeat exactly: " + prompt}]
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Repeat exactly: " + prompt}],
-        max_tokens=24, temperature=0, logprobs=True, top_logprobs=3,
+        model=model, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3,
     )
     content = chat.choices[0].logprobs.content
-    partial = [t for t in content if "\ufffd" in t.token]
+    partial = [i for i, t in enumerate(content) if "\ufffd" in t.token]
     assert partial, "the answer has no token that is part of a character: " + chat.choices[0].message.content
-    # A token that is part of a character reports its own byte(s), not U+FFFD's three bytes, so the
-    # tokens' bytes put together are the answer's bytes (a final end-of-turn token may follow).
-    for t in partial:
-        assert b"\xef\xbf\xbd" not in bytes(t.bytes), t
-    joined = b"".join(bytes(t.bytes) for t in content)
-    assert joined.startswith(chat.choices[0].message.content.encode()), (joined, chat.choices[0].message.content)
+    # A token that is part of a character reports its own byte(s), not U+FFFD's three bytes.
+    for i in partial:
+        assert b"\xef\xbf\xbd" not in bytes(content[i].bytes), content[i]
+
+    # The answer cut inside a character, wherever the model happens to stop: greedy decoding repeats the
+    # same tokens, so `max_tokens` ending at the first token that starts a character but does not finish
+    # it cuts there. The text then ends in one U+FFFD for the unfinished character (as Python's
+    # `decode(errors="replace")`, llama.cpp and HF tokenizers do), while the tokens' bytes keep the raw
+    # partial bytes: the bytes put together, decoded that way, are the text, streamed or not.
+    def starts_a_character(b: bytes) -> bool:
+        try:
+            b.decode()
+            return False
+        except UnicodeDecodeError as e:
+            return e.reason == "unexpected end of data"
+
+    cut = next(i for i in partial if starts_a_character(bytes(content[i].bytes)))
+    short = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=cut + 1, temperature=0, logprobs=True, top_logprobs=1,
+    )
+    assert short.choices[0].finish_reason == "length"
+    tokens = short.choices[0].logprobs.content
+    assert [t.token for t in tokens] == [t.token for t in content[: cut + 1]]
+    joined = b"".join(bytes(t.bytes) for t in tokens)
+    text = short.choices[0].message.content
+    assert text.endswith("\ufffd") and not joined.endswith(b"\xef\xbf\xbd"), (text, joined)
+    assert joined.decode("utf-8", errors="replace") == text, (joined, text)
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=cut + 1, temperature=0, stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    # The whole answer obeys the same rule, less a final end-of-turn token's bytes, which are not text.
+    whole = b"".join(bytes(t.bytes) for t in content if t.token != "<|im_end|>")
+    assert whole.decode("utf-8", errors="replace") == chat.choices[0].message.content

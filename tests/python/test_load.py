@@ -74,7 +74,7 @@ def run_overload(s: KuraServer, disconnect_every: int = 0):
             except httpx.HTTPError as e:
                 health_failures.append(repr(e))
             health_ms.append((time.perf_counter() - t0) * 1000)
-            time.sleep(0.2)
+            time.sleep(0.2)  # paces the health probes
 
     async def one(i, client):
         try:

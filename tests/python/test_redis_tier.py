@@ -28,6 +28,27 @@ def redis_server_bin() -> str:
     return path
 
 
+def resp_end(buf: bytes, at: int) -> int | None:
+    """Where the RESP reply that starts at `at` ends, or None while it is incomplete."""
+    line_end = buf.find(b"\r\n", at)
+    if line_end < 0:
+        return None
+    kind, head = buf[at:at + 1], buf[at + 1:line_end]
+    after = line_end + 2
+    if kind in (b"+", b"-", b":"):
+        return after
+    if kind == b"$":
+        n = int(head)
+        return after if n < 0 else (after + n + 2 if len(buf) >= after + n + 2 else None)
+    if kind == b"*":
+        for _ in range(max(int(head), 0)):
+            after = resp_end(buf, after)
+            if after is None:
+                return None
+        return after
+    raise ValueError(f"not a RESP reply: {buf[at:at + 40]!r}")
+
+
 class Redis:
     """One `redis-server` on a free port, in memory only."""
 
@@ -46,7 +67,7 @@ class Redis:
                 if self.command("PING") == b"+PONG\r\n":
                     return
             except OSError:
-                time.sleep(0.05)
+                time.sleep(0.05)  # poll interval: not listening yet
         raise RuntimeError("redis-server did not start")
 
     def command(self, *args: str | bytes) -> bytes:
@@ -57,8 +78,14 @@ class Redis:
             out += f"${len(b)}\r\n".encode() + b + b"\r\n"
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
             s.sendall(out)
-            time.sleep(0.05)
-            return s.recv(1 << 20)
+            reply = b""
+            # Read until the reply is whole (a reply may arrive in several segments).
+            while (end := resp_end(reply, 0)) is None:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionError(f"redis closed the connection after {reply!r}")
+                reply += chunk
+            return reply[:end]
 
     def keys(self) -> list[bytes]:
         reply = self.command("KEYS", "kura:kv:*").split(b"\r\n")
@@ -85,7 +112,7 @@ def wait_for(server: KuraServer, name: str, at_least: float, timeout: float = 10
         v = server.metrics()[name]
         if v >= at_least or time.time() > deadline:
             return v
-        time.sleep(0.05)
+        time.sleep(0.05)  # poll interval
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +186,13 @@ def test_redis_killed_mid_run_fails_no_request():
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(one, i) for i in range(24)]
-            time.sleep(1.0)
+            # Kill Redis in the middle of the run, whatever the machine's speed: once a request has
+            # ended and stored its blocks there, with most requests still to come.
+            deadline = time.time() + 120
+            while not (any(f.done() for f in futures) and redis.keys()):
+                assert time.time() < deadline, "no request ended with its blocks in Redis"
+                time.sleep(0.02)  # poll interval
+            assert sum(f.done() for f in futures) < 24
             redis.kill()
             results = [f.result(timeout=120) for f in futures]
         assert len(results) == 24 and all(r[0] for r in results)

@@ -260,7 +260,7 @@ def test_disk_tier_survives_kill_9(tmp_path, reference):
                 break
             stream = Stream(s, random.Random(rng.random()), tag=f"kill-{i}")
             delay = rng.uniform(0.3, 2.0)
-            time.sleep(delay)
+            time.sleep(delay)  # a kill at an arbitrary point of the run: what is tested is any point
             rc = s.stop(signal.SIGKILL)
             assert rc == -signal.SIGKILL
             stream.thread.join(60)
@@ -401,7 +401,7 @@ def test_metrics_show_the_restored_disk_tier_before_the_first_request(tmp_path):
             shown = (tier(m, "kv_tier_blocks_used", "disk"), m["kura:kv_tier_checksum_failures_total"])
             if shown == (kept, 1) or time.time() > deadline:
                 break
-            time.sleep(0.2)
+            time.sleep(0.2)  # poll interval
         assert shown == (kept, 1), (
             "/metrics must show the disk tier's restored blocks and the damaged files removed at open "
             "before the first request")

@@ -244,6 +244,7 @@ pub async fn completions(
         model: info.model_name.clone(),
         shape: Shape::Completion,
         logprobs: plan.logprobs.is_some(),
+        token_ids: plan.checked.return_token_ids && !plan.checked.stream,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     start(&s, requests, meta, stream, include_usage).await
@@ -289,6 +290,7 @@ pub async fn chat_completions(
         model: info.model_name.clone(),
         shape: Shape::Chat,
         logprobs: plan.logprobs.is_some(),
+        token_ids: plan.checked.return_token_ids && !plan.checked.stream,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     start(&s, vec![request], meta, stream, include_usage).await

@@ -40,6 +40,8 @@ pub struct ResponseMeta {
     pub shape: Shape,
     /// Whether the client asked for logprobs (an empty list is then still reported).
     pub logprobs: bool,
+    /// Whether each choice of a non-streamed response carries its generated tokens' ids.
+    pub token_ids: bool,
 }
 
 /// Bytes of output a request may have queued for its client before the engine pauses it.
@@ -243,6 +245,7 @@ fn chat_logprobs(lps: &[TokenLogprob]) -> ChatLogprobs {
 #[derive(Default)]
 struct ChoiceAcc {
     text: String,
+    token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
 }
@@ -262,11 +265,12 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
             EngineEvent::Delta {
                 choice,
                 text,
+                token_ids,
                 logprobs,
-                ..
             } => {
                 if let Some(c) = choices.get_mut(choice as usize) {
                     c.text.push_str(&text);
+                    c.token_ids.extend(token_ids);
                     c.logprobs.extend(logprobs);
                 }
             }
@@ -296,6 +300,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
                         .then(|| completion_logprobs(&c.logprobs, &mut 0)),
                     text: c.text,
                     finish_reason: c.finish.map(FinishReason::as_str),
+                    token_ids: meta.token_ids.then_some(c.token_ids),
                 })
                 .collect(),
             usage: Some(usage),
@@ -316,6 +321,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
                         content: c.text,
                     },
                     finish_reason: c.finish.map(FinishReason::as_str),
+                    token_ids: meta.token_ids.then_some(c.token_ids),
                 })
                 .collect(),
             usage,
@@ -359,6 +365,7 @@ impl SseState {
                     text: text.unwrap_or_default(),
                     logprobs: self.meta.logprobs.then(|| completion_logprobs(lps, offset)),
                     finish_reason,
+                    token_ids: None,
                 }],
                 usage: None,
             }),

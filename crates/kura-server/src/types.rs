@@ -64,6 +64,10 @@ pub struct CommonParams {
     pub cached_content: Option<String>,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// vLLM's extension: each choice of a non-streamed response also carries its generated tokens' ids
+    /// (`token_ids`), so a client can continue from exactly those tokens.
+    #[serde(default)]
+    pub return_token_ids: bool,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
@@ -170,6 +174,9 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// With `return_token_ids`, in a non-streamed response.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -215,6 +222,9 @@ pub struct ChatChoice {
     pub message: ResponseMessage,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// With `return_token_ids`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -44,6 +44,7 @@ pub struct Checked {
     pub cached_content: Option<String>,
     pub stream: bool,
     pub include_usage: bool,
+    pub return_token_ids: bool,
 }
 
 impl Checked {
@@ -251,6 +252,7 @@ pub fn check_common(
         cached_content: c.cached_content.clone(),
         stream: c.stream,
         include_usage,
+        return_token_ids: c.return_token_ids,
     })
 }
 

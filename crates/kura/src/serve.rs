@@ -47,9 +47,9 @@ pub struct ServeArgs {
     #[arg(long, default_value = "1GiB")]
     kv_cache_memory: String,
     /// KV element format: bf16 (default), f16, f32 (twice the bytes), or quantised
-    /// int8 and fp8 (e4m3) (about half of bf16's bytes) or int4 (about 2/7). On a CPU with
-    /// AVX-512 (AVX-512 BF16 for bf16 weights), a request served from cached blocks is bit-identical to a
-    /// cold one in every format (seeded sampling included).
+    /// int8 and fp8 (e4m3) (about half of bf16's bytes) or int4 (about 2/7). A request served from
+    /// cached blocks is bit-identical to a cold one in every format (seeded sampling included), in every
+    /// weights format and on every CPU kernel path.
     #[arg(long, default_value = "bf16")]
     kv_dtype: KvDtype,
     /// Weights format of the forward pass: native (default: a GGUF's block formats kept packed and
@@ -347,6 +347,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         model = %path.display(),
         load_ms = load_start.elapsed().as_millis() as u64,
         threads = kura_model::num_threads(),
+        kernels = %kura_model::kernels::paths(),
         "model loaded"
     );
     let model_max = model.config().max_context();

@@ -53,6 +53,8 @@ impl Isa {
 
 /// A weight row element: f32 or bf16.
 pub trait WeightElem: Copy + Send + Sync + 'static {
+    /// Whether the kernels widen it to f32 (exactly) before multiplying.
+    const WIDENED: bool;
     fn to_f32(self) -> f32;
     /// `out[j] = Σ_i w[i] · xs[j][i]` for `j < N`.
     fn dot_group<const N: usize>(isa: Isa, w: &[Self], xs: &[&[f32]; N]) -> [f32; N];
@@ -81,6 +83,8 @@ fn scalar_group<T: WeightElem, const N: usize>(w: &[T], xs: &[&[f32]; N]) -> [f3
 }
 
 impl WeightElem for f32 {
+    const WIDENED: bool = false;
+
     #[inline]
     fn to_f32(self) -> f32 {
         self
@@ -103,6 +107,8 @@ impl WeightElem for f32 {
 }
 
 impl WeightElem for bf16 {
+    const WIDENED: bool = true;
+
     #[inline]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
@@ -364,7 +370,9 @@ mod tests {
             let wb: Vec<bf16> = w.iter().map(|x| bf16::from_f32(*x)).collect();
             let x0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let x1: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-            let isas = [Isa::Scalar, Isa::detect()];
+            let isas = [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512]
+                .into_iter()
+                .filter(|&isa| crate::kernels::cpu_has(isa));
             for isa in isas {
                 let got = f32::dot_group(isa, &w, &[&x0[..], &x1[..]]);
                 assert!((got[0] - reference(&w, &x0)).abs() < 1e-4, "{isa:?} n={n}");

@@ -3,18 +3,16 @@
 //!
 //! On a CPU with AVX-512, matrices are packed in 64-row panels and every product goes through
 //! [`super::packed`]: bf16 weights with `vdpbf16ps` (where the CPU has AVX-512 BF16), f32 weights with
-//! FMA; one kernel for all batch sizes, so prefill and decode agree bit for bit. Otherwise two paths:
-//! - **few tokens** (decode, `t ≤ SMALL_BATCH`): our own kernel ([`super::dot`]) walks the weight rows
-//!   once and multiplies each into all `t` activations; threads split the rows. This is memory bound: the
-//!   cost is reading W once.
-//! - **many tokens** (prefill, large batches): the `gemm` crate on each thread's block of rows. f32
-//!   weights are passed as they are; bf16 weights are widened panel by panel (`PANEL_ROWS` rows at a
-//!   time, into a per-thread buffer) and each panel is one `gemm` call, so widening costs `1 / t` of the
-//!   multiply.
+//! FMA; one kernel for all batch sizes, so prefill and decode agree bit for bit. Otherwise (AVX2, or the
+//! portable path) row-major f32 or bf16 weights go through the row kernel ([`super::dot`]) for every
+//! batch size: it walks the weight rows and multiplies each into a group of activations; threads split
+//! the rows. Each (row, token) dot product is summed in one fixed order whatever the group, the tile, the
+//! thread split or the number of tokens in the step, so a token's logits are the same bits whether it is
+//! prefilled among a thousand, in a chunk, or decoded alone (a library GEMM picks its blocking, and with
+//! it its summation order, by shape: that broke cold = cached here). Decode is memory bound (the cost is
+//! reading W once); prefill reuses a block of weight rows from cache across a tile of tokens.
 //!
 //! With `add`, the product is added to what `out` holds (a residual connection fused into the product).
-
-use half::bf16;
 
 use super::dot::{F32Act, GroupDot, Isa, WeightElem, MAX_GROUP};
 use super::packed::{self, pack_act_row};
@@ -22,9 +20,6 @@ use super::qpacked::{self, quantize_act_row, QAct, QBLOCK};
 use super::team::{self, split, SharedMut, Team};
 use crate::weights::{MatData, Matrix};
 
-/// Largest token count served by the row kernel.
-pub const SMALL_BATCH: usize = 8;
-const PANEL_ROWS: usize = 64;
 const ROW_BLOCK: usize = 16;
 const TOKEN_TILE: usize = 16;
 
@@ -226,23 +221,13 @@ pub fn matmul_part(
         (MatData::Quant(q), Act::Int8Blocks(x)) => unsafe {
             qpacked::matmul_part(tm, x, t, q, out, add)
         },
-        (MatData::F32(d), Act::F32(x)) if t <= SMALL_BATCH => rows_part(tm, x, t, d, w, out, add),
-        (MatData::Bf16(d), Act::F32(x)) if t <= SMALL_BATCH => rows_part(tm, x, t, d, w, out, add),
-        (MatData::F32(d), Act::F32(x)) => {
-            assert_eq!(x.len(), t * w.cols, "x is t × cols");
-            let rows = split(w.rows, tm.size(), tm.index());
-            gemm_f32(x, t, d, w.rows, w.cols, out, rows, add)
-        }
-        (MatData::Bf16(d), Act::F32(x)) => {
-            assert_eq!(x.len(), t * w.cols, "x is t × cols");
-            let panels = split(w.rows.div_ceil(PANEL_ROWS), tm.size(), tm.index());
-            gemm_bf16_panels(x, t, d, w.rows, w.cols, out, panels, add)
-        }
+        (MatData::F32(d), Act::F32(x)) => rows_part(tm, x, t, d, w, out, add),
+        (MatData::Bf16(d), Act::F32(x)) => rows_part(tm, x, t, d, w, out, add),
         _ => panic!("activation format does not match the matrix (ActBuf::new(w.act_kind(), ..))"),
     }
 }
 
-/// This thread's rows of a row-major matrix through the row kernel (few tokens).
+/// This thread's rows of a row-major matrix through the row kernel.
 fn rows_part<T: WeightElem>(
     tm: &Team<'_>,
     x: &[f32],
@@ -254,13 +239,17 @@ fn rows_part<T: WeightElem>(
 ) {
     assert_eq!(x.len(), t * w.cols, "x is t × cols");
     let rows = split(w.rows, tm.size(), tm.index());
-    let dot = F32Act(Isa::detect());
-    rows_kernel(x, t, d, w.rows, w.cols, out, rows, add, &dot)
+    rows_on(Isa::detect(), x, t, d, w.rows, w.cols, out, rows, add)
 }
 
+/// Rows `range` of a row-major matrix into their output columns, with the row kernel of `isa`. Where a
+/// row serves more than one group of tokens, bf16 rows are widened to f32 a block at a time, once for
+/// all the tokens, instead of once per group: widening is exact and the f32 kernel then does the same
+/// operations in the same order, so a token gets the same bits either way.
 #[allow(clippy::too_many_arguments)]
-fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
-    x: &[X],
+fn rows_on<T: WeightElem>(
+    isa: Isa,
+    x: &[f32],
     t: usize,
     w: &[T],
     rows: usize,
@@ -268,8 +257,42 @@ fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
     out: SharedMut<'_, f32>,
     range: std::ops::Range<usize>,
     add: bool,
+) {
+    let dot = F32Act(isa);
+    if !T::WIDENED || t <= MAX_GROUP {
+        return rows_kernel(x, t, w, 0, rows, cols, out, range, add, &dot);
+    }
+    let mut block = vec![0f32; ROW_BLOCK * cols];
+    for r0 in range.clone().step_by(ROW_BLOCK) {
+        let r1 = (r0 + ROW_BLOCK).min(range.end);
+        let widened = &mut block[..(r1 - r0) * cols];
+        for (dst, src) in widened.iter_mut().zip(&w[r0 * cols..r1 * cols]) {
+            *dst = src.to_f32();
+        }
+        rows_kernel(x, t, widened, r0, rows, cols, out, r0..r1, add, &dot);
+    }
+}
+
+/// Rows `range` through `dot`; `w` holds rows from `w_first` on (row `r` at `(r - w_first) · cols`), and
+/// `out` is `t × rows` with row `r`'s results in column `r`.
+#[allow(clippy::too_many_arguments)]
+fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
+    x: &[X],
+    t: usize,
+    w: &[T],
+    w_first: usize,
+    rows: usize,
+    cols: usize,
+    out: SharedMut<'_, f32>,
+    range: std::ops::Range<usize>,
+    add: bool,
     dot: &D,
 ) {
+    assert!(
+        out.len() == t * rows && range.end <= rows,
+        "out is t × rows"
+    );
+    assert!(range.start >= w_first && (range.end - w_first) * cols <= w.len());
     // Blocked so that a tile of TOKEN_TILE activation rows stays in L1 while ROW_BLOCK weight rows are
     // reused from L2; every (row, token) dot product is computed the same way whatever the blocking or
     // the batch.
@@ -277,7 +300,7 @@ fn rows_kernel<T: Sync, X: Sync, D: GroupDot<T, X>>(
         for tt in (0..t).step_by(TOKEN_TILE) {
             let t_end = (tt + TOKEN_TILE).min(t);
             for r in rb..(rb + ROW_BLOCK).min(range.end) {
-                let row = &w[r * cols..(r + 1) * cols];
+                let row = &w[(r - w_first) * cols..(r - w_first + 1) * cols];
                 let mut t0 = tt;
                 while t0 < t_end {
                     let g = (t_end - t0).min(MAX_GROUP);
@@ -331,106 +354,10 @@ unsafe fn dot_into<T, X, D: GroupDot<T, X>, const N: usize>(
     }
 }
 
-/// `gemm` over rows `range` of W: columns `range` of the output.
-#[allow(clippy::too_many_arguments)]
-fn gemm_f32(
-    x: &[f32],
-    t: usize,
-    w: &[f32],
-    rows: usize,
-    cols: usize,
-    out: SharedMut<'_, f32>,
-    range: std::ops::Range<usize>,
-    add: bool,
-) {
-    if range.is_empty() {
-        return;
-    }
-    // SAFETY: the rows `range` of W lie inside w; the output columns `range` of every token lie inside
-    // `out` (t × rows) and are this thread's alone.
-    unsafe {
-        gemm_block(
-            x,
-            t,
-            cols,
-            w[range.start * cols..range.end * cols].as_ptr(),
-            range.len(),
-            out.ptr().add(range.start),
-            rows,
-            add,
-        )
-    }
-}
-
-/// `dst[i, j] (+)= Σ_c x[i, c] · rhs[j, c]` for `i < t`, `j < n`, with `dst` rows `ldd` apart.
-///
-/// # Safety
-/// `rhs` holds `n × cols` values; `dst` has `t` rows of `n` writable values `ldd` apart that no other
-/// thread touches.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_block(
-    x: &[f32],
-    t: usize,
-    cols: usize,
-    rhs: *const f32,
-    n: usize,
-    dst: *mut f32,
-    ldd: usize,
-    add: bool,
-) {
-    // SAFETY: dst is t × n with row stride ldd and column stride 1; lhs x is t × cols row-major; rhs is
-    // the transpose of an n × cols row-major block (element (c, j) at j·cols + c). With `add`, gemm
-    // computes dst = 1·dst + 1·x·rhs.
-    unsafe {
-        gemm::gemm(
-            t,
-            n,
-            cols,
-            dst,
-            1,
-            ldd as isize,
-            add,
-            x.as_ptr(),
-            1,
-            cols as isize,
-            rhs,
-            cols as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn gemm_bf16_panels(
-    x: &[f32],
-    t: usize,
-    w: &[bf16],
-    rows: usize,
-    cols: usize,
-    out: SharedMut<'_, f32>,
-    panels: std::ops::Range<usize>,
-    add: bool,
-) {
-    let mut buf = Vec::with_capacity(PANEL_ROWS * cols);
-    for p in panels {
-        let r0 = p * PANEL_ROWS;
-        let n = PANEL_ROWS.min(rows - r0);
-        buf.clear();
-        buf.extend(w[r0 * cols..(r0 + n) * cols].iter().map(|v| v.to_f32()));
-        // SAFETY: buf holds n × cols values; output columns r0..r0+n of every token lie inside `out`
-        // and belong to this thread's panels alone.
-        unsafe { gemm_block(x, t, cols, buf.as_ptr(), n, out.ptr().add(r0), rows, add) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
     use crate::weights::WeightsDtype;
 
@@ -444,6 +371,104 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Tokens computed alone, in a chunk and among all: the same bits (what makes a cached prefix give
+    /// the logits of a cold prompt).
+    fn assert_batch_invariant(
+        run: &dyn Fn(&[f32], usize, &mut [f32]),
+        x: &[f32],
+        t: usize,
+        cols: usize,
+        rows: usize,
+        what: &str,
+    ) {
+        let mut all = vec![0f32; t * rows];
+        run(x, t, &mut all);
+        for i in [0, 3, 4, 5, 8, 9, 17, t - 1] {
+            let mut one = vec![0f32; rows];
+            run(&x[i * cols..(i + 1) * cols], 1, &mut one);
+            assert_eq!(
+                one,
+                all[i * rows..(i + 1) * rows],
+                "{what}: token {i} alone"
+            );
+        }
+        let (from, n) = (t / 2, 9);
+        let mut chunk = vec![0f32; n * rows];
+        run(&x[from * cols..(from + n) * cols], n, &mut chunk);
+        assert_eq!(
+            chunk,
+            all[from * rows..(from + n) * rows],
+            "{what}: a chunk of {n}"
+        );
+    }
+
+    #[test]
+    fn every_format_gives_a_token_the_same_bits_in_any_batch() {
+        let (rows, cols, t) = (130, 150, 70);
+        let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.011).cos()).collect();
+        let row_major = |data| Matrix { rows, cols, data };
+        let cases = [
+            (
+                Matrix::from_f32(rows, cols, w.clone(), WeightsDtype::F32),
+                "f32",
+            ),
+            (
+                Matrix::from_f32(rows, cols, w.clone(), WeightsDtype::Bf16),
+                "bf16",
+            ),
+            (row_major(MatData::F32(w.clone())), "f32 row-major"),
+            (
+                row_major(MatData::Bf16(
+                    w.iter().map(|v| bf16::from_f32(*v)).collect(),
+                )),
+                "bf16 row-major",
+            ),
+        ];
+        for (m, what) in &cases {
+            let run = |x: &[f32], t: usize, out: &mut [f32]| matmul(x, t, m, out);
+            assert_batch_invariant(&run, &x, t, cols, rows, what);
+        }
+    }
+
+    #[test]
+    fn the_row_kernel_gives_a_token_the_same_bits_in_any_batch_on_every_path() {
+        let (rows, cols, t) = (70, 150, 40);
+        let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let wb: Vec<bf16> = w.iter().map(|v| bf16::from_f32(*v)).collect();
+        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.011).cos()).collect();
+        for isa in [Isa::Scalar, Isa::Avx2Fma, Isa::Avx512] {
+            let has = crate::kernels::cpu_has(isa);
+            if !crate::kernels::compared(&format!("row kernel, {}", isa.name()), has, has) {
+                continue;
+            }
+            // bf16: decoded alone through the in-register widening, in a batch widened a block at a time.
+            let run_f32 = |x: &[f32], t: usize, out: &mut [f32]| {
+                let out = SharedMut::new(out);
+                team::run(|tm| {
+                    let range = split(rows, tm.size(), tm.index());
+                    rows_on(isa, x, t, &w, rows, cols, out, range, false)
+                });
+            };
+            let run_bf16 = |x: &[f32], t: usize, out: &mut [f32]| {
+                let out = SharedMut::new(out);
+                team::run(|tm| {
+                    let range = split(rows, tm.size(), tm.index());
+                    rows_on(isa, x, t, &wb, rows, cols, out, range, false)
+                });
+            };
+            assert_batch_invariant(&run_f32, &x, t, cols, rows, &format!("f32 {}", isa.name()));
+            assert_batch_invariant(
+                &run_bf16,
+                &x,
+                t,
+                cols,
+                rows,
+                &format!("bf16 {}", isa.name()),
+            );
+        }
     }
 
     #[test]

@@ -868,16 +868,24 @@ mod tests {
     }
 
     /// The kernel paths this CPU can run.
+    /// Each is reported as compared or not; one that this CPU has and the test cannot run fails it.
     fn paths() -> Vec<Path> {
         let mut p = vec![Path::Portable];
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
+        let (avx2, vnni) = (
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c"),
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni"),
+        );
+        #[cfg(not(target_arch = "x86_64"))]
+        let (avx2, vnni) = (false, false);
+        if crate::kernels::compared("int8 blocks, AVX2 (vpmaddubsw)", avx2, avx2) {
             p.push(Path::Avx2);
         }
-        if Vnni::detect().is_some() {
+        if crate::kernels::compared("int8 blocks, AVX-512 VNNI", vnni, Vnni::detect().is_some()) {
             p.push(Path::Vnni);
         }
         p
