@@ -75,7 +75,9 @@ async fn completions(State(mock): State<Arc<Mock>>) -> Response {
                 Ok("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"),
                 Err(std::io::Error::other("engine thread died")),
             ];
-            // The pause lets the headers and the first chunk leave before the connection drops.
+            // Paces the mock's body (not a wait for a state): the pause lets the headers and the first
+            // chunk leave before the connection drops, to exercise a break mid-stream. The assertion
+            // (every request a `disconnected`) holds whenever the break lands.
             let body = Body::from_stream(futures::StreamExt::then(
                 futures::stream::iter(pieces),
                 |p| async move {

@@ -5,7 +5,7 @@
 
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kura_engine::{
     start_engine, DiskSetup, EngineConfig, EngineEvent, EngineHandle, FinishReason,
@@ -146,14 +146,19 @@ fn prompt(model: &Model, words: usize, seed: usize) -> Vec<u32> {
     model.tokenizer().encode(&text, true).unwrap()
 }
 
-/// Waits until the engine thread has updated its gauges after the last request.
+/// Waits until the engine thread has updated its gauges after the last request (nothing running, no
+/// block held); fails if that never happens.
 fn settle(e: &EngineHandle) {
-    for _ in 0..200 {
-        if metric(e, "kura:num_requests_running") == 0.0
-            && metric(e, "kura:kv_cache_blocks_used") == 0.0
-        {
-            return;
-        }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while metric(e, "kura:num_requests_running") != 0.0
+        || metric(e, "kura:kv_cache_blocks_used") != 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the engine never went idle: {}",
+            e.metrics().render_prometheus()
+        );
+        // Poll interval: the deadline only turns a hang into a failure.
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -180,18 +185,17 @@ fn same_prompt_twice_reuses_whole_blocks_and_gives_the_same_tokens() {
     assert_eq!(warm.usage.completion_tokens, 12);
     settle(&e);
     assert_eq!(metric(&e, "kura:kv_cache_blocks_used"), 0.0);
-    // Every step's time is split between the forward pass (real model: milliseconds a step) and the
-    // rest of the loop (sampling and detokenizing 24 tokens at least).
+    // Every step is counted and its time is split between the forward pass and the rest of the loop:
+    // both totals are reported and have grown (how they compare is a performance question, for
+    // benchmarks, not asserted here).
     let steps = metric(&e, "kura:engine_steps_total");
     let forward = metric(&e, "kura:engine_forward_seconds_total");
     let other = metric(&e, "kura:engine_step_other_seconds_total");
+    assert!(steps >= 24.0, "{steps} steps for 24 generated tokens");
+    assert!(forward > 0.0, "no forward time in {steps} steps");
     assert!(
-        steps >= 24.0 && forward > steps * 1e-4,
-        "{steps} steps, {forward} s"
-    );
-    assert!(
-        other > 0.0 && other < forward,
-        "{other} s outside vs {forward} s in the forward pass"
+        other > 0.0,
+        "no time outside the forward pass in {steps} steps"
     );
     e.stop();
 }

@@ -10,6 +10,20 @@ use std::sync::mpsc;
 use common::{config, distinct_request, metric, outcome, settle, start, submit, wait, PATIENCE};
 use kura_engine::{EngineConfig, EngineEvent, GenerateRequest, SchedulingPolicy, TextCodec};
 
+/// Every event `rx` receives until its sender is dropped (the engine let go of the request's sink).
+fn until_disconnected(rx: &mpsc::Receiver<EngineEvent>) -> Vec<EngineEvent> {
+    let mut events = Vec::new();
+    loop {
+        match rx.recv_timeout(PATIENCE) {
+            Ok(ev) => events.push(ev),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return events,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                panic!("the engine still holds the sink of a cancelled request: {events:?}")
+            }
+        }
+    }
+}
+
 /// The tokens `r` gets alone on a roomy engine.
 fn alone(r: &GenerateRequest) -> Vec<u32> {
     let fake = start(config(1024, 64, 8));
@@ -67,17 +81,15 @@ fn dropping_the_guard_frees_the_blocks_of_a_running_and_a_queued_request() {
     assert_eq!(e.queued(), 0, "the queued request gave its queue slot back");
     // A got its two tokens and the one of the step in flight when it was cancelled, nothing after; B
     // never started. Neither gets a terminal event: the reader is the one who left.
-    // The output stage delivers on its own thread: collect until it has been quiet for a while.
-    let a_events: Vec<EngineEvent> = std::iter::from_fn(|| {
-        a_rx.recv_timeout(std::time::Duration::from_millis(500))
-            .ok()
-    })
-    .collect();
+    // The output stage delivers on its own thread; once the engine and that stage have let go of a
+    // cancelled request's sink, its channel disconnects, and every event it will ever get is in it.
+    let a_events = until_disconnected(&a_rx);
     assert_eq!(a_events.len(), 3, "{a_events:?}");
     assert!(a_events
         .iter()
         .all(|ev| matches!(ev, EngineEvent::Delta { .. })));
-    assert_eq!(b_rx.try_iter().count(), 0);
+    let b_events = until_disconnected(&b_rx);
+    assert!(b_events.is_empty(), "{b_events:?}");
     e.stop();
 }
 

@@ -275,6 +275,7 @@ fn the_disk_budget_holds_across_restarts() {
             std::time::Instant::now() < deadline,
             "the disk tier never showed 10 blocks"
         );
+        // Poll interval: the deadline only turns a hang into a failure.
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     b.engine.stop();

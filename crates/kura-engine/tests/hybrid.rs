@@ -100,16 +100,19 @@ fn metric(e: &EngineHandle, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("metric {name} missing"))
 }
 
+/// Waits until the engine thread has published its gauges with nothing running and no block held.
 fn settle(e: &EngineHandle) {
-    for _ in 0..300 {
-        if metric(e, "kura:num_requests_running") == 0.0
-            && metric(e, "kura:kv_cache_blocks_used") == 0.0
-        {
-            return;
-        }
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while metric(e, "kura:num_requests_running") != 0.0
+        || metric(e, "kura:kv_cache_blocks_used") != 0.0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "blocks still in use after every request finished"
+        );
+        // Poll interval: the deadline only turns a hang into a failure.
         std::thread::sleep(Duration::from_millis(10));
     }
-    panic!("blocks still in use after every request finished");
 }
 
 #[test]

@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
-use common::{config, distinct_request, metric, start, submit, wait, BLOCK, PATIENCE};
+use common::{config, distinct_request, metric, start, submit, wait, BLOCK};
 use kura_engine::{EngineConfig, EngineHandle, GenerateRequest, PinSpec};
 
 fn with_budget(num_blocks: usize, budget: usize) -> EngineConfig {
@@ -38,12 +36,11 @@ fn flood(e: &EngineHandle, tokens: usize, seed: u32) {
     }
 }
 
-fn eventually(e: &EngineHandle, name: &str, want: f64) {
-    let deadline = Instant::now() + PATIENCE;
-    while metric(e, name) != want {
-        assert!(Instant::now() < deadline, "{name} never became {want}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+/// Returns once the engine has handled every command sent before this call: commands are handled in
+/// the order they were sent, so a request submitted now completes only after all of them.
+fn barrier(e: &EngineHandle) {
+    let (_g, rx) = submit(e, distinct_request(9_999, 8, 1));
+    wait(&rx);
 }
 
 /// Cached prompt tokens of `r` now.
@@ -72,7 +69,8 @@ fn a_pinned_prefix_survives_ten_pools_of_traffic_until_it_expires() {
     );
     // Its time runs out on the cache clock: no waiting.
     e.advance_cache_clock(61_000);
-    eventually(e, "kura:kv_pins", 0.0);
+    barrier(e);
+    assert_eq!(metric(e, "kura:kv_pins"), 0.0);
     assert_eq!(metric(e, "kura:kv_pins_expired_total"), 1.0);
     flood(e, 10 * 32 * BLOCK, 500);
     assert_eq!(cached(e, doc), 0, "expired: evicted like any block");
@@ -131,27 +129,39 @@ fn pinning_a_prefix_again_refreshes_it_and_release_frees_it() {
     let fake = start(with_budget(64, 32));
     let e = &fake.engine;
     let doc = distinct_request(7, 40, 1);
-    let (_g, rx) = submit(e, pinned(e, doc.clone(), 1_000));
-    wait(&rx);
-    // A second pin of the same prefix, for longer: one pin, expiring later.
+    // Expiries far beyond any stall of the test: only the clock's advance below makes them pass.
     let (_g, rx) = submit(e, pinned(e, doc.clone(), 100_000));
     wait(&rx);
+    // A second pin of the same prefix, for longer: one pin, expiring later.
+    let (_g, rx) = submit(e, pinned(e, doc.clone(), 10_000_000));
+    wait(&rx);
     assert_eq!(metric(e, "kura:kv_pins"), 1.0);
-    e.advance_cache_clock(2_000);
-    std::thread::sleep(Duration::from_millis(20));
+    // A control pinned once with the first expiry: it must expire when the clock passes it.
+    let (_g, rx) = submit(e, pinned(e, distinct_request(8, 24, 1), 100_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pins"), 2.0);
+    e.advance_cache_clock(200_000);
+    // The engine has handled the clock's move: the control is gone, the refreshed pin is not.
+    barrier(e);
+    assert_eq!(
+        metric(e, "kura:kv_pins_expired_total"),
+        1.0,
+        "the control pin expired at the clock's move"
+    );
     assert_eq!(
         metric(e, "kura:kv_pins"),
         1.0,
         "refreshed past the first expiry"
     );
     // Another tenant's pin of the same tokens is its own.
-    let mut other = pinned(e, doc.clone(), 100_000);
+    let mut other = pinned(e, doc.clone(), 10_000_000);
     other.cache_salt = Some("tenant-b".into());
     let (_g, rx) = submit(e, other);
     assert_eq!(wait(&rx).1.cached_tokens, 0, "tenants never share blocks");
     assert_eq!(metric(e, "kura:kv_pins"), 2.0);
     e.release_pin(None, doc.prompt_tokens.clone());
-    eventually(e, "kura:kv_pins", 1.0);
+    barrier(e);
+    assert_eq!(metric(e, "kura:kv_pins"), 1.0, "the released pin is gone");
     assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
     e.stop();
 }

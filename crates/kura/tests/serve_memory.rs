@@ -54,6 +54,7 @@ fn serve_with(memory: &str) -> (i32, String) {
             child.wait().ok();
             panic!("kura serve --kv-cache-memory {memory} is still running: it did not refuse");
         }
+        // Poll interval: the 300 s deadline only turns a server that starts into a failure.
         std::thread::sleep(Duration::from_millis(50));
     };
     let mut stderr = String::new();

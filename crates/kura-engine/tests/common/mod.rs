@@ -316,6 +316,7 @@ pub fn settle(e: &EngineHandle) {
             "the engine never went idle: {}",
             e.metrics().render_prometheus()
         );
+        // Poll interval: the deadline only turns a hang into a failure.
         std::thread::sleep(Duration::from_millis(2));
     }
 }

@@ -45,6 +45,7 @@ impl Executor for FakeModel {
             panic!("stand-in model failure at forward call {}", self.forwards);
         }
         if !self.behaviour.step_delay.is_zero() {
+            // Paces the stand-in (keeps a long request running); no test waits on it for a state.
             std::thread::sleep(self.behaviour.step_delay);
         }
         Ok(batch
@@ -259,6 +260,7 @@ impl TestServer {
             {
                 return true;
             }
+            // Poll interval: `within` only turns a hang into a failure.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         false
