@@ -373,10 +373,13 @@ mod tests {
         out
     }
 
+    /// `run(x, t, out)`: `out` = the product of `t` activation rows `x`.
+    type Run<'a> = dyn Fn(&[f32], usize, &mut [f32]) + 'a;
+
     /// Tokens computed alone, in a chunk and among all: the same bits (what makes a cached prefix give
     /// the logits of a cold prompt).
     fn assert_batch_invariant(
-        run: &dyn Fn(&[f32], usize, &mut [f32]),
+        run: &Run<'_>,
         x: &[f32],
         t: usize,
         cols: usize,
