@@ -1428,6 +1428,24 @@ mod tests {
             (KvDtype::Int8, 16, 4, 2, 80, 10, 5, None),
             (KvDtype::Int4, 16, 4, 2, 80, 10, 5, None),
         ];
+        // Which kernels `attention_part` runs here, said aloud; one this CPU has but did not run fails.
+        let avx512 = crate::kernels::cpu_has(Isa::Avx512);
+        crate::kernels::compared(
+            "attention, AVX-512 kernel",
+            avx512,
+            Isa::detect() == Isa::Avx512,
+        );
+        #[cfg(target_arch = "x86_64")]
+        let vnni = avx512
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni");
+        #[cfg(not(target_arch = "x86_64"))]
+        let vnni = false;
+        crate::kernels::compared(
+            "attention, int8 with VNNI",
+            vnni,
+            crate::kernels::dot::Vnni::detect().is_some(),
+        );
         for (i, &(dtype, block, heads, kv_heads, dim, past, tokens, window)) in
             cases.iter().enumerate()
         {
