@@ -166,29 +166,72 @@ fn bad_batches_are_errors_not_panics() {
     assert!(err.to_string().contains("block 0 slot 1"), "{err}");
 }
 
+/// A position's logits are the same bits whether it is computed in a whole prefill, in a later chunk
+/// after a cached prefix, or alone in a decode step: in every weights format, in every KV format (int8,
+/// fp8 and int4 included: a token's stored bytes depend on that token alone), on every kernel path. The
+/// path is chosen once per process (`KURA_ISA`), so the test runs itself again in a child process for
+/// each narrower path this CPU has; with `KURA_ISA` already set it checks that path alone.
 #[test]
-fn prefill_chunks_and_decode_give_bit_identical_logits_on_packed_weights() {
-    // With packed weights (bf16 with vdpbf16ps, f32 with AVX-512) one kernel serves every batch size and
-    // attention reads every K/V from the cache, so a position's logits are the same bits whether it is
-    // computed in a whole prefill, in a later chunk after a cached prefix, or alone in a decode step, in
-    // any KV format (int8, fp8 and int4 included). Elsewhere gemm (prefill) and the row kernel (decode) sum in different orders and only
-    // agree to rounding.
-    use kura_model::kernels::dot::{Avx512, Bf16Act};
-    let mut dtypes = Vec::new();
-    if Bf16Act::detect().is_some() {
-        dtypes.push(WeightsDtype::Bf16);
-    }
-    if Avx512::detect().is_some() {
-        dtypes.push(WeightsDtype::F32);
-    }
-    for weights_dtype in dtypes {
+fn prefill_chunks_and_decode_give_bit_identical_logits_in_every_format_on_every_path() {
+    use kura_model::kernels::dot::Isa;
+    let isa = Isa::detect();
+    eprintln!("kernel paths: {}", kura_model::kernels::paths());
+    // Every weights format with every KV format on the path this process runs; on a narrower path
+    // (slower, in a child process) every weights format with bf16 KV, and every KV format with native
+    // weights on the AVX2 path (its attention is the portable loop, as on the portable path).
+    let forced = std::env::var("KURA_ISA").ok();
+    for weights_dtype in [WeightsDtype::Native, WeightsDtype::Bf16, WeightsDtype::F32] {
         let model =
             Model::load_with(&common::default_model_path(), LoadOptions { weights_dtype }).unwrap();
-        check_invariance(&model, weights_dtype);
+        let kv_dtypes = match forced.as_deref() {
+            None => KvDtype::ALL.to_vec(),
+            Some("avx2") if weights_dtype == WeightsDtype::Native => KvDtype::ALL.to_vec(),
+            Some(_) => vec![KvDtype::Bf16],
+        };
+        check_invariance(&model, weights_dtype, &kv_dtypes);
+    }
+    if forced.is_some() {
+        return;
+    }
+    // The narrower paths, each in a process of its own.
+    let mut narrower = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        narrower.push("avx2");
+    }
+    if isa != Isa::Scalar {
+        narrower.push("scalar");
+    }
+    let me = std::env::current_exe().unwrap();
+    let name = "prefill_chunks_and_decode_give_bit_identical_logits_in_every_format_on_every_path";
+    for forced in narrower {
+        let out = std::process::Command::new(&me)
+            .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+            .env("KURA_ISA", forced)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "KURA_ISA={forced}:\n{stdout}\n{stderr}"
+        );
+        let isa_name = if forced == "avx2" {
+            "avx2+fma"
+        } else {
+            "scalar"
+        };
+        assert!(
+            stderr.contains(&format!("isa={isa_name} ")),
+            "KURA_ISA={forced} ran another path:\n{stderr}"
+        );
+        eprintln!("compared: {isa_name}");
     }
 }
 
-fn check_invariance(model: &Model, weights_dtype: WeightsDtype) {
+fn check_invariance(model: &Model, weights_dtype: WeightsDtype, kv_dtypes: &[KvDtype]) {
     let prompt = model
         .tokenizer()
         .encode(
@@ -201,7 +244,7 @@ fn check_invariance(model: &Model, weights_dtype: WeightsDtype) {
     assert!(n > 30, "{n} tokens");
     // Quantised formats too: a token's stored bytes depend on that token alone, and attention reads
     // them the same way in a prefill chunk or a decode step.
-    for dtype in KvDtype::ALL {
+    for &dtype in kv_dtypes {
         let layout = model.kv_layout(dtype, 16).unwrap();
         let table = [0u32, 1, 2, 3];
         let run = |parts: &[(usize, usize)]| -> Vec<f32> {
