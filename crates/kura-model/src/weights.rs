@@ -15,7 +15,7 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::kernels::arena::{ArenaPart, WeightArena};
-use crate::kernels::dot::{Avx512, Bf16Act};
+use crate::kernels::dot::{Bf16Act, F32Panels};
 use crate::kernels::packed::{PackedBf16, PackedF32};
 use crate::kernels::qpacked::{PackedQ, QBits, QRow, QBLOCK};
 use crate::quant::{self, GgmlType};
@@ -42,7 +42,7 @@ pub enum MatData {
     Bf16(Vec<bf16>),
     /// bf16 packed for `vdpbf16ps`, on CPUs that have it.
     Packed(PackedBf16),
-    /// f32 packed for AVX-512 FMA, on CPUs that have it.
+    /// f32 packed for FMA, on CPUs with AVX-512F or AVX2 and FMA.
     PackedF32(PackedF32),
     /// Quantized blocks (native weights of a quantized file).
     Quant(PackedQ),
@@ -60,7 +60,7 @@ impl Matrix {
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>, dtype: WeightsDtype) -> Self {
         debug_assert_eq!(data.len(), rows * cols);
         let data = match dtype {
-            WeightsDtype::F32 => match Avx512::detect() {
+            WeightsDtype::F32 => match F32Panels::detect() {
                 Some(cpu) => MatData::PackedF32(PackedF32::from_f32(&cpu, rows, cols, &data)),
                 None => MatData::F32(data),
             },

@@ -144,13 +144,14 @@ impl<T: WeightElem> GroupDot<T, f32> for F32Act {
     }
 }
 
-/// Proof that the CPU has AVX-512F (and that `KURA_ISA` does not narrow it): what [`super::packed`]'s f32
-/// kernel needs.
-pub struct Avx512(());
+/// Proof that the CPU runs [`super::packed`]'s f32 kernel: AVX-512F, or AVX2 with FMA (as `KURA_ISA`
+/// leaves them). Both give the same bits: one fused multiply-add chain per output lane, column after
+/// column.
+pub struct F32Panels(());
 
-impl Avx512 {
-    pub fn detect() -> Option<Avx512> {
-        (Isa::detect() == Isa::Avx512).then_some(Avx512(()))
+impl F32Panels {
+    pub fn detect() -> Option<F32Panels> {
+        (Isa::detect() != Isa::Scalar).then_some(F32Panels(()))
     }
 }
 

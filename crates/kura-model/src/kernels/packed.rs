@@ -1,6 +1,8 @@
-//! Weights packed in panels of 64 rows for AVX-512, and the one kernel per format that multiplies them,
-//! for decode and prefill alike: bf16 pairs for `vdpbf16ps` (AVX-512 BF16), or f32 for FMA (one column
-//! per step instead of a pair, otherwise the same).
+//! Weights packed in panels of 64 rows, and the one kernel per format that multiplies them, for decode
+//! and prefill alike: bf16 pairs for `vdpbf16ps` (AVX-512 BF16), or f32 for FMA (one column per step
+//! instead of a pair, otherwise the same) on AVX-512F or, 8 lanes at a time, on AVX2 (16 rows of up to 6
+//! tokens in registers; one token takes all 64 rows): the same chain of multiply-adds per output lane on
+//! either, so the same bits.
 //!
 //! Layout: rows in panels of [`PANEL_ROWS`]; within a panel, for each pair of columns `(2j, 2j+1)`, the 64
 //! rows' two values side by side as one 32-bit word (the low half holds column `2j`):
@@ -21,7 +23,7 @@
 use half::bf16;
 
 use super::arena::{Plain, Stored};
-use super::dot::{Avx512, Bf16Act};
+use super::dot::{Bf16Act, F32Panels, Isa};
 use super::team::{chunk_tokens, split, SharedMut, Team};
 
 /// Rows per panel.
@@ -126,7 +128,7 @@ impl PackedBf16 {
 
 impl PackedF32 {
     /// Packs a row-major f32 matrix. Takes the proof that this CPU can multiply it.
-    pub fn from_f32(_cpu: &Avx512, rows: usize, cols: usize, w: &[f32]) -> Self {
+    pub fn from_f32(_cpu: &F32Panels, rows: usize, cols: usize, w: &[f32]) -> Self {
         assert_eq!(w.len(), rows * cols, "w is rows × cols");
         Self::pack(rows, cols, cols, |r, c| w[r * cols + c])
     }
@@ -158,7 +160,7 @@ pub fn pack_act_row(src: &[f32], dst: &mut [u32]) {
 /// # Safety
 /// Every thread of the team calls this with the same arguments, and nothing else touches `out` until the
 /// next barrier. (The CPU features are proven by the matrix: a `Packed` is made with a `Bf16Act` or an
-/// `Avx512`.)
+/// `F32Panels`.)
 pub unsafe fn matmul_part<W: Tile>(
     tm: &Team<'_>,
     x: &[W::X],
@@ -233,8 +235,17 @@ impl Tile for u32 {
 impl Tile for f32 {
     type X = f32;
     unsafe fn tile<const M: usize>(args: TileArgs<f32, f32>) {
-        // SAFETY: the caller's guarantee (a PackedF32 exists only with AVX-512).
-        unsafe { x86::tile_f32::<M>(args) }
+        // SAFETY: the caller's guarantee: a PackedF32 exists only with an `F32Panels`, so this process
+        // runs AVX-512F or AVX2 with FMA, and `Isa::detect` (fixed for the process) says which.
+        unsafe {
+            if Isa::detect() == Isa::Avx512 {
+                x86::tile_f32::<M>(args)
+            } else if M == 1 {
+                x86::tile_f32_avx2_one(args)
+            } else {
+                x86::tile_f32_avx2::<M>(args)
+            }
+        }
     }
 }
 
@@ -308,6 +319,93 @@ mod x86 {
         unsafe { store::<M>(&acc, out, ldo, valid, add) }
     }
 
+    /// f32 on AVX2: the AVX-512 kernel's arithmetic, 8 lanes at a time, so the same bits. The 64 rows are
+    /// taken 16 at a time (2 × 8 lanes × `M` ≤ 6 tokens: 12 sums in registers, 2 weight vectors, 1
+    /// broadcast); each output lane is one chain of fused multiply-adds, column after column.
+    ///
+    /// # Safety
+    /// See [`super::Tile::tile`]; avx2 and fma are present.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_f32_avx2<const M: usize>(
+        (w, steps, x, out, ldo, valid, add): TileArgs<f32, f32>,
+    ) {
+        for s in 0..4 {
+            if valid <= s * 16 {
+                break;
+            }
+            let mut acc = [[_mm256_setzero_ps(); 2]; M];
+            for j in 0..steps {
+                // SAFETY: j < steps keeps every read inside the panel and the activation rows.
+                unsafe {
+                    let wp = w.add(j * 64 + s * 16);
+                    let b = [_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8))];
+                    for (m, accm) in acc.iter_mut().enumerate() {
+                        let a = _mm256_set1_ps(*x.add(m * steps + j));
+                        accm[0] = _mm256_fmadd_ps(b[0], a, accm[0]);
+                        accm[1] = _mm256_fmadd_ps(b[1], a, accm[1]);
+                    }
+                }
+            }
+            for (m, accm) in acc.iter().enumerate() {
+                for (h, v) in accm.iter().enumerate() {
+                    // SAFETY: the caller's guarantee on `out`: row m, columns s·16 + h·8 onwards.
+                    unsafe {
+                        store8(
+                            *v,
+                            out.add(m * ldo + s * 16 + h * 8),
+                            valid,
+                            s * 16 + h * 8,
+                            add,
+                        )
+                    };
+                }
+            }
+        }
+    }
+
+    /// One token on AVX2 (decode): all 64 rows at once (8 sums), so that eight independent chains hide
+    /// the latency of the multiply-add; per lane the same chain as [`tile_f32_avx2`].
+    ///
+    /// # Safety
+    /// See [`super::Tile::tile`]; avx2 and fma are present.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_f32_avx2_one((w, steps, x, out, _ldo, valid, add): TileArgs<f32, f32>) {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for j in 0..steps {
+            // SAFETY: j < steps keeps every read inside the panel and the activation row.
+            unsafe {
+                let wp = w.add(j * 64);
+                let a = _mm256_set1_ps(*x.add(j));
+                for (k, acck) in acc.iter_mut().enumerate() {
+                    *acck = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(k * 8)), a, *acck);
+                }
+            }
+        }
+        for (k, v) in acc.iter().enumerate() {
+            // SAFETY: the caller's guarantee on `out`: columns k·8 onwards of its one row.
+            unsafe { store8(*v, out.add(k * 8), valid, k * 8, add) };
+        }
+    }
+
+    /// Writes (or adds) 8 sums to the columns `first..first + 8` of a row, less those at or past `valid`.
+    ///
+    /// # Safety
+    /// avx2 is present; the columns below `valid` from `out` on are writable.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn store8(v: __m256, out: *mut f32, valid: usize, first: usize, add: bool) {
+        let lanes = valid.saturating_sub(first).min(8);
+        let mut vals = [0f32; 8];
+        // SAFETY: vals holds 8 floats.
+        unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), v) };
+        for (i, val) in vals.iter().enumerate().take(lanes) {
+            // SAFETY: i < lanes keeps the write below `valid` (caller's guarantee).
+            unsafe {
+                let p = out.add(i);
+                *p = if add { *p + *val } else { *val };
+            }
+        }
+    }
+
     /// Writes (or adds) the tile's sums to the first `valid` of 64 columns of `M` rows.
     ///
     /// # Safety
@@ -357,6 +455,14 @@ mod x86 {
     pub unsafe fn tile_f32<const M: usize>(_: TileArgs<f32, f32>) {
         unreachable!("packed weights exist only on CPUs with AVX-512")
     }
+
+    pub unsafe fn tile_f32_avx2<const M: usize>(_: TileArgs<f32, f32>) {
+        unreachable!("packed weights exist only on CPUs with AVX2")
+    }
+
+    pub unsafe fn tile_f32_avx2_one(_: TileArgs<f32, f32>) {
+        unreachable!("packed weights exist only on CPUs with AVX2")
+    }
 }
 
 #[cfg(test)]
@@ -389,12 +495,12 @@ mod tests {
         cpu
     }
 
-    /// The proof for the f32 kernel, where this CPU has AVX-512F.
-    fn f32_cpu() -> Option<Avx512> {
-        let cpu = Avx512::detect();
+    /// The proof for the f32 kernel, where this CPU has AVX2 with FMA (AVX-512F where it has it).
+    fn f32_cpu() -> Option<F32Panels> {
+        let cpu = F32Panels::detect();
         crate::kernels::compared(
-            "packed f32 (AVX-512 FMA)",
-            crate::kernels::cpu_has(crate::kernels::dot::Isa::Avx512),
+            &format!("packed f32 ({})", Isa::detect().name()),
+            crate::kernels::cpu_has(Isa::Avx2Fma),
             cpu.is_some(),
         );
         cpu
@@ -409,6 +515,90 @@ mod tests {
         // SAFETY: the callers checked the CPU; every thread passes the same arguments.
         team::run(|tm| unsafe { matmul_part(tm, &xp, t, w, shared, add) });
     }
+
+    /// Every f32 tile (AVX-512 and AVX2, each token count) gives, for each output lane, the bits of one
+    /// fused multiply-add chain over the columns in order: the same bits on either kernel and in any batch.
+    #[test]
+    fn every_f32_tile_gives_the_bits_of_one_fused_chain_per_lane() {
+        let (rows, cols) = (100, 37); // a whole panel and one of 36 rows
+        let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let p = PackedF32::pack(rows, cols, cols, |r, c| w[r * cols + c]);
+        let x: Vec<f32> = (0..6 * cols).map(|i| (i as f32 * 0.011).cos()).collect();
+        let chain = |m: usize, r: usize| {
+            (0..cols).fold(0f32, |acc, c| w[r * cols + c].mul_add(x[m * cols + c], acc))
+        };
+        let avx512 = crate::kernels::cpu_has(Isa::Avx512);
+        let avx2 = crate::kernels::cpu_has(Isa::Avx2Fma);
+        crate::kernels::compared("f32 tile, AVX-512", avx512, avx512);
+        crate::kernels::compared("f32 tile, AVX2", avx2, avx2);
+        for panel in 0..2 {
+            let valid = PANEL_ROWS.min(rows - panel * PANEL_ROWS);
+            for m in 1..=6 {
+                let mut kernels: Vec<(&str, TileFn)> = Vec::new();
+                if avx512 {
+                    kernels.push((
+                        "avx512",
+                        [
+                            x86::tile_f32::<1>,
+                            x86::tile_f32::<2>,
+                            x86::tile_f32::<3>,
+                            x86::tile_f32::<4>,
+                            x86::tile_f32::<5>,
+                            x86::tile_f32::<6>,
+                        ][m - 1],
+                    ));
+                }
+                if avx2 {
+                    kernels.push((
+                        "avx2",
+                        [
+                            x86::tile_f32_avx2::<1>,
+                            x86::tile_f32_avx2::<2>,
+                            x86::tile_f32_avx2::<3>,
+                            x86::tile_f32_avx2::<4>,
+                            x86::tile_f32_avx2::<5>,
+                            x86::tile_f32_avx2::<6>,
+                        ][m - 1],
+                    ));
+                    if m == 1 {
+                        kernels.push(("avx2, one token", x86::tile_f32_avx2_one));
+                    }
+                }
+                for (name, tile) in kernels {
+                    for add in [false, true] {
+                        let mut out = vec![0.5f32; m * PANEL_ROWS];
+                        // SAFETY: `compared` above checked the CPU; the panel holds cols × 64 words, x
+                        // holds m rows of cols, out has m rows of 64.
+                        unsafe {
+                            tile((
+                                p.panel(panel).as_ptr(),
+                                cols,
+                                x.as_ptr(),
+                                out.as_mut_ptr(),
+                                PANEL_ROWS,
+                                valid,
+                                add,
+                            ))
+                        };
+                        for i in 0..m {
+                            for lane in 0..PANEL_ROWS {
+                                let want = if lane >= valid {
+                                    0.5
+                                } else if add {
+                                    0.5 + chain(i, panel * PANEL_ROWS + lane)
+                                } else {
+                                    chain(i, panel * PANEL_ROWS + lane)
+                                };
+                                assert_eq!(out[i * PANEL_ROWS + lane].to_bits(), want.to_bits(), "{name}: panel {panel}, {m} tokens, token {i}, lane {lane}, add {add}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    type TileFn = unsafe fn(TileArgs<f32, f32>);
 
     #[test]
     fn packing_keeps_every_element() {
