@@ -1,16 +1,17 @@
 //! `out[t, r] (+)= Σ_c x[t, c] · W[r, c]`: every projection of the model, as one thread's share of a
 //! parallel region ([`super::team`]).
 //!
-//! Matrices are packed in 64-row panels where the CPU has the instructions, and every product goes through
-//! [`super::packed`]: bf16 weights with `vdpbf16ps` (AVX-512 BF16), f32 weights with FMA (AVX-512F, or
-//! AVX2 with FMA); one kernel for all batch sizes, so prefill and decode agree bit for bit. Otherwise
-//! (bf16 weights without AVX-512 BF16, or the portable path) row-major f32 or bf16 weights go through the
-//! row kernel ([`super::dot`]) for every batch size: it walks the weight rows and multiplies each into a group of activations; threads split
-//! the rows. Each (row, token) dot product is summed in one fixed order whatever the group, the tile, the
-//! thread split or the number of tokens in the step, so a token's logits are the same bits whether it is
-//! prefilled among a thousand, in a chunk, or decoded alone (a library GEMM picks its blocking, and with
-//! it its summation order, by shape: that broke cold = cached here). Decode is memory bound (the cost is
-//! reading W once); prefill reuses a block of weight rows from cache across a tile of tokens.
+//! Matrices are packed in 64-row panels where the CPU has the instructions, and every product goes
+//! through [`super::packed`]: bf16 weights with `vdpbf16ps` (AVX-512 BF16), f32 weights with FMA
+//! (AVX-512F, or AVX2 with FMA); one kernel for all batch sizes, so prefill and decode agree bit for bit.
+//! Otherwise (bf16 weights without AVX-512 BF16; f32 and bf16 on the portable path) row-major weights go
+//! through the row kernel ([`super::dot`]) for every batch size: it walks the weight rows and multiplies
+//! each into a group of activations; threads split the rows. Each (row, token) dot product is summed in
+//! one fixed order whatever the group, the tile, the thread split or the number of tokens in the step, so
+//! a token's logits are the same bits whether it is prefilled among a thousand, in a chunk, or decoded
+//! alone (a library GEMM picks its blocking, and with it its summation order, by shape: that broke cold =
+//! cached here). Decode is memory bound (the cost is reading W once); prefill reuses a block of weight
+//! rows from cache across a tile of tokens.
 //!
 //! With `add`, the product is added to what `out` holds (a residual connection fused into the product).
 
