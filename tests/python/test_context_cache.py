@@ -13,6 +13,9 @@ from conftest import EXACT, KuraServer, long_text
 BLOCK = 16
 # The anthropic client has no sampling parameters of its own; the server takes them from the body.
 GREEDY = {"temperature": 0}
+# The operator key: /debug/clock answers it only.
+ADMIN = ("--admin-api-key", "kura-test-operator-key")
+ADMIN_HEADERS = {"Authorization": "Bearer kura-test-operator-key"}
 
 
 def anthropic_client(server: KuraServer, api_key: str | None = None) -> anthropic.Anthropic:
@@ -21,7 +24,7 @@ def anthropic_client(server: KuraServer, api_key: str | None = None) -> anthropi
 
 @pytest.fixture(scope="module")
 def srv():
-    s = KuraServer("--kv-cache-memory", "256MiB", "--debug-clock", *EXACT)
+    s = KuraServer("--kv-cache-memory", "256MiB", "--debug-clock", *ADMIN, *EXACT)
     yield s
     s.stop()
 
@@ -101,7 +104,7 @@ def test_stop_sequences_report_the_sequence(srv):
 @pytest.fixture(scope="module")
 def small():
     """A pool of 91 blocks, half of which (45) pins may hold; bf16 weights (faster, no exactness needed)."""
-    s = KuraServer("--kv-cache-memory", "32MiB", "--kv-pin-budget", "50%", "--debug-clock")
+    s = KuraServer("--kv-cache-memory", "32MiB", "--kv-pin-budget", "50%", "--debug-clock", *ADMIN)
     yield s
     s.stop()
 
@@ -143,7 +146,7 @@ def test_pinned_prefix_survives_ten_pools_of_traffic_until_its_ttl(small):
     r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
     assert r.usage.cache_read_input_tokens >= 464, r.usage
     # Past its TTL (the cache clock moved 6 minutes), the pin is released and the flood evicts it.
-    httpx.post(srv.url + "/debug/clock", json={"advance_s": 360}, headers=srv.headers()).raise_for_status()
+    httpx.post(srv.url + "/debug/clock", json={"advance_s": 360}, headers=ADMIN_HEADERS).raise_for_status()
     flood()
     r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
     assert r.usage.cache_read_input_tokens < 464, r.usage
@@ -190,7 +193,7 @@ def test_saved_context_expires_on_the_cache_clock(srv):
     assert r.status_code == 200, r.text
     cid = r.json()["id"]
     assert httpx.get(srv.url + f"/v1/caches/{cid}", headers=srv.headers()).status_code == 200
-    httpx.post(srv.url + "/debug/clock", json={"advance_s": 61}, headers=srv.headers()).raise_for_status()
+    httpx.post(srv.url + "/debug/clock", json={"advance_s": 61}, headers=ADMIN_HEADERS).raise_for_status()
     g = httpx.get(srv.url + f"/v1/caches/{cid}", headers=srv.headers())
     assert g.status_code == 404 and "expired" in g.json()["error"]["message"]
 

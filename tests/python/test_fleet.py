@@ -4,12 +4,21 @@ What is tested: the router sends a shared prefix to the replica that holds it (K
 cost), tenants' keys keep their prefixes apart in the router's index as in the replicas, a replica killed
 with SIGKILL in the middle of a run is drained and every request in flight there is sent again to the
 survivor, an event gap makes the router resynchronize from a snapshot, and the Anthropic API goes through.
+KV events are the operator's (a tenant's key gets 403) and name blocks without their tokens. The router
+holds against hostile clients as `kura serve` does: idle connections past its cap are evicted, a header
+trickle is cut, a body that does not come gets 408, a request without a key gets 401 before its body is
+read or tokenized, an oversized body gets 413 from the router itself, and a replica that refuses a request
+is never drained for it. A stream whose replica dies ends with an error event in the API's shape.
 """
 
 import concurrent.futures
+import functools
+import json
 import os
 import pathlib
+import secrets
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -21,25 +30,68 @@ import pytest
 
 from conftest import KuraServer, free_port, kura_bin, long_text, model_path, prometheus, wait_healthy
 
-REPLICA_ARGS = ("--kv-events", "--threads", "1", "--kv-cache-memory", "64MiB")
+TENANT_KEYS = ("key-a", "key-b")
+NINE_MIB = 9 * 1024 * 1024
+
+
+def private_file(path: pathlib.Path, text: str) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+@functools.cache
+def fleet_files() -> tuple[str, str]:
+    """The fleet's secret and the replicas' operator key, in files only this user can read."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix="kura-fleet-test-"))
+    return (private_file(d / "fleet.secret", secrets.token_hex(32) + "\n"),
+            private_file(d / "admin.key", "operator-" + secrets.token_hex(16) + "\n"))
+
+
+def admin_key() -> str:
+    return pathlib.Path(fleet_files()[1]).read_text().strip()
+
+
+def replica_args(*extra: str) -> tuple[str, ...]:
+    secret, admin = fleet_files()
+    return ("--kv-events", "--threads", "1", "--kv-cache-memory", "64MiB",
+            "--fleet-secret-file", secret, "--admin-api-key-file", admin, *extra)
+
+
+def keyed_replica(*extra: str) -> KuraServer:
+    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
+    return KuraServer(*replica_args(*keys, *extra), api_key=TENANT_KEYS[0])
+
+
+def clean_env() -> dict:
+    """This environment without the fleet's secrets (they would stand in for the flags)."""
+    return {k: v for k, v in os.environ.items() if k not in ("KURA_FLEET_SECRET", "KURA_ADMIN_API_KEY")}
 
 
 class KuraRouter:
-    """One `kura router` process on a free port over `replicas`."""
+    """One `kura router` process on a free port over `replicas`, given the fleet's secret and the
+    replicas' operator key unless `fleet_keys` is false."""
 
-    def __init__(self, replicas: list[KuraServer], *args: str):
+    def __init__(self, replicas: list[KuraServer], *args: str, fleet_keys: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile(prefix="kura-router-", suffix=".log", delete=False)
         cmd = [kura_bin(), "router", "--model", model_path(), "--port", str(self.port)]
         for r in replicas:
             cmd += ["--replica", r.url]
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self.log_file, stderr=subprocess.STDOUT)
+        if fleet_keys:
+            secret, admin = fleet_files()
+            cmd += ["--fleet-secret-file", secret, "--replica-admin-key-file", admin]
+        self.proc = subprocess.Popen([*cmd, *args], stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env=clean_env())
         if not wait_healthy(self.proc, self.url, "kura router", self.log, 60):
             self.stop()
             raise RuntimeError(f"kura router did not become healthy:\n{self.log()}")
-        # The first snapshot of every replica, so that routing sees their caches from the first request.
-        self.wait_metric(lambda m: all(m[f'kura_router:kv_snapshots_total{{replica="{r.url}"}}'] >= 1 for r in replicas))
+        if fleet_keys:
+            # The first snapshot of every replica, so that routing sees their caches from the first request.
+            self.wait_metric(lambda m: all(m[f'kura_router:kv_snapshots_total{{replica="{r.url}"}}'] >= 1
+                                           for r in replicas))
 
     def log(self) -> str:
         return pathlib.Path(self.log_file.name).read_text(errors="replace")
@@ -70,6 +122,17 @@ class KuraRouter:
                 self.proc.wait()
 
 
+def label(replica: KuraServer) -> str:
+    return f'{{replica="{replica.url}"}}'
+
+
+def assert_every_replica_up(router: KuraRouter, replicas: list[KuraServer]):
+    m = router.metrics()
+    for r in replicas:
+        assert m["kura_router:replica_up" + label(r)] == 1, (r.url, router.log()[-3000:])
+        assert m["kura_router:replica_mark_downs_total" + label(r)] == 0, (r.url, router.log()[-3000:])
+
+
 def chat(client: openai.OpenAI, model: str, system: str, question: str, max_tokens: int = 4):
     """One chat request; returns (replica index, cached tokens, prompt tokens)."""
     raw = client.chat.completions.with_raw_response.create(
@@ -82,12 +145,31 @@ def chat(client: openai.OpenAI, model: str, system: str, question: str, max_toke
     return int(raw.headers["x-kura-replica"]), r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
 
 
+def read_response_head(sock: socket.socket) -> bytes:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return head
+
+
 @pytest.fixture(scope="module")
 def fleet():
-    replicas = [KuraServer(*REPLICA_ARGS) for _ in range(2)]
+    replicas = [KuraServer(*replica_args()) for _ in range(2)]
     router = KuraRouter(replicas)
     yield replicas, router
     router.stop()
+    for r in replicas:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_fleet():
+    """Two replicas with tenant keys (each key its own tenant)."""
+    replicas = [keyed_replica() for _ in range(2)]
+    yield replicas
     for r in replicas:
         r.stop()
 
@@ -131,37 +213,45 @@ def test_round_robin_scatters_what_kv_routing_keeps_together(fleet):
         rr.stop()
 
 
-def test_tenants_prefixes_stay_apart_in_the_index(tmp_path):
-    keys = ("key-a", "key-b")
-    replicas = [KuraServer(*REPLICA_ARGS, "--api-key", keys[0], "--api-key", keys[1], api_key=keys[0]) for _ in range(2)]
-    router = KuraRouter(replicas, "--replica-api-key", keys[0])
+def test_tenants_prefixes_stay_apart_in_the_index(keyed_fleet):
+    replicas = keyed_fleet
+    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
+    router = KuraRouter(replicas, *keys)
+    fresh = None
     try:
         model = replicas[0].model()
         doc = "Shared text. " + long_text(150, seed=7)
-        a = router.client(keys[0])
-        b = router.client(keys[1])
-        ra, _, _ = chat(a, model, doc, "First?")
+        a = router.client(TENANT_KEYS[0])
+        b = router.client(TENANT_KEYS[1])
+        ra, _, prompt = chat(a, model, doc, "First?")
         ra2, cached_a, prompt = chat(a, model, doc, "Second?")
         assert ra2 == ra and cached_a >= prompt - 32
+        # A router that never routed this prefix finds it from the replica's events alone: it names
+        # tenant a's blocks as the replicas do (the tenant's name is keyed with the fleet's secret).
+        fresh = KuraRouter(replicas, *keys)
+        key = "kura_router:predicted_cached_tokens_total" + label(replicas[ra])
+        ra3, cached_a, prompt = chat(fresh.client(TENANT_KEYS[0]), model, doc, "Third?")
+        assert ra3 == ra and cached_a >= prompt - 32
+        assert fresh.metrics()[key] >= prompt - 32
         # Tenant b's blocks are salted apart: the router predicts no hit for b on a's replica...
         before = router.metrics()
         rb, cached_b, _ = chat(b, model, doc, "Second?")
         assert cached_b == 0
         after = router.metrics()
-        url = replicas[rb].url
-        key = f'kura_router:predicted_cached_tokens_total{{replica="{url}"}}'
+        key = "kura_router:predicted_cached_tokens_total" + label(replicas[rb])
         assert after[key] == before[key]
-        # ...and a wrong key is refused by the replica, through the router.
+        # ...and a wrong key is refused by the router itself.
         with pytest.raises(openai.AuthenticationError):
             chat(router.client("wrong"), model, doc, "?")
+        assert router.metrics()["kura_router:unauthorized_total"] == 1
     finally:
         router.stop()
-        for r in replicas:
-            r.stop()
+        if fresh:
+            fresh.stop()
 
 
 def test_a_killed_replica_is_drained_and_every_request_ends():
-    replicas = [KuraServer(*REPLICA_ARGS) for _ in range(2)]
+    replicas = [KuraServer(*replica_args()) for _ in range(2)]
     router = KuraRouter(replicas, "--policy", "least-load")
     try:
         model = replicas[0].model()
@@ -178,34 +268,41 @@ def test_a_killed_replica_is_drained_and_every_request_ends():
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(one, i) for i in range(24)]
-            # Kill the victim once it has answered a request and is in the middle of others, whatever the
-            # machine's speed: the router has then routed to it and has requests in flight there.
-            def victim_is_busy() -> bool:
-                served = router.metrics()[f'kura_router:requests_total{{replica="{victim.url}"}}']
-                return served >= 1 and victim.metrics()["kura:num_requests_running"] >= 1
-
+            # The victim is frozen (SIGSTOP) once it has answered a request and is running others; frozen,
+            # nothing it holds can finish, so the router's count of requests in flight there is exactly
+            # what the kill cuts. Frozen with none in flight, it is thawed and tried again.
             deadline = time.time() + 120
-            while not victim_is_busy():
+            while True:
                 assert time.time() < deadline, f"the victim never served and ran requests at once:\n{victim.log()[-2000:]}"
                 assert not any(f.done() and f.exception() for f in futures), [f.exception() for f in futures if f.done()]
+                served = router.metrics()["kura_router:requests_total" + label(victim)]
+                if served >= 1 and victim.metrics()["kura:num_requests_running"] >= 1:
+                    victim.proc.send_signal(signal.SIGSTOP)
+                    router.metrics()  # a round trip, so that anything the victim sent before is read
+                    m = router.metrics()
+                    cut = m["kura_router:in_flight" + label(victim)]
+                    served = m["kura_router:requests_total" + label(victim)]
+                    if cut >= 1:
+                        break
+                    victim.proc.send_signal(signal.SIGCONT)
                 time.sleep(0.01)  # poll interval
             victim.proc.send_signal(signal.SIGKILL)
-            router.wait_metric(lambda m: m[f'kura_router:replica_up{{replica="{victim.url}"}}'] == 0, timeout=60)
+            router.wait_metric(lambda m: m["kura_router:replica_up" + label(victim)] == 0, timeout=60)
             # A hang would be a failure: the timeout only turns it into one.
             results = [f.result(timeout=300) for f in futures]
-        # Every request ends with its full answer: a request in flight on the killed replica had received
+        # Every request ends with its full answer: each one in flight on the killed replica had received
         # nothing yet (a non-streamed answer comes whole), so the router sent it again to the survivor.
         assert [n for _, n in results] == [max_tokens] * 24
         m = router.metrics()
-        assert m["kura_router:retries_total"] >= 1, "no request in flight on the killed replica was retried"
-        served_by_victim = m[f'kura_router:requests_total{{replica="{victim.url}"}}']
-        assert served_by_victim >= 1
-        assert sum(1 for r, _ in results if r == 1) == served_by_victim
+        assert m["kura_router:retries_total"] >= cut, (m["kura_router:retries_total"], cut)
+        # Nothing was answered by the victim after it was frozen: the retried requests were the survivor's.
+        assert m["kura_router:requests_total" + label(victim)] == served
+        assert sum(1 for r, _ in results if r == 0) == 24 - served
         # After the drain, every request goes to the survivor and succeeds.
         for i in range(4):
             replica, _, _ = chat(client, model, "After the kill.", f"Question {i}?")
             assert replica == 0
-        assert router.metrics()[f'kura_router:requests_total{{replica="{victim.url}"}}'] == served_by_victim
+        assert router.metrics()["kura_router:requests_total" + label(victim)] == served
     finally:
         router.stop()
         for r in replicas:
@@ -214,21 +311,21 @@ def test_a_killed_replica_is_drained_and_every_request_ends():
 
 def test_an_event_gap_makes_the_router_resynchronize():
     # A ring of 2 events: one long prompt announces more blocks than that in one step.
-    replica = KuraServer(*REPLICA_ARGS, "--kv-events-buffer", "2")
+    replica = KuraServer(*replica_args("--kv-events-buffer", "2"))
     router = KuraRouter([replica])
     try:
         model = replica.model()
         client = router.client()
         doc = "Gap. " + long_text(200, seed=3)
         chat(client, model, doc, "First?")
-        label = f'{{replica="{replica.url}"}}'
-        m = router.wait_metric(lambda m: m["kura_router:kv_event_gaps_total" + label] >= 1
-                               and m["kura_router:kv_snapshots_total" + label] >= 2
-                               and m["kura_router:indexed_blocks" + label] >= 10)
+        lbl = label(replica)
+        m = router.wait_metric(lambda m: m["kura_router:kv_event_gaps_total" + lbl] >= 1
+                               and m["kura_router:kv_snapshots_total" + lbl] >= 2
+                               and m["kura_router:indexed_blocks" + lbl] >= 10)
         # The index rebuilt from the new snapshot predicts the next request's hit.
-        before = m["kura_router:predicted_cached_tokens_total" + label]
+        before = m["kura_router:predicted_cached_tokens_total" + lbl]
         _, cached, prompt = chat(client, model, doc, "Second?")
-        after = router.metrics()["kura_router:predicted_cached_tokens_total" + label]
+        after = router.metrics()["kura_router:predicted_cached_tokens_total" + lbl]
         assert after - before >= 10 * 16
         assert cached >= after - before
         assert "resynchroniz" in router.log()
@@ -251,25 +348,345 @@ def test_the_anthropic_api_goes_through_the_router(fleet):
     assert used[1][1] > 100
 
 
-def test_kv_events_endpoints_need_the_flag_and_the_key():
-    plain = KuraServer("--threads", "1", "--kv-cache-memory", "32MiB")
-    keyed = KuraServer(*REPLICA_ARGS, "--api-key", "secret", api_key="secret")
+def serve_fails(*args: str) -> str:
+    p = subprocess.run([kura_bin(), "serve", "--model", model_path(), "--port", "0", *args],
+                       capture_output=True, text=True, timeout=120, env=clean_env())
+    assert p.returncode > 0, f"rc {p.returncode}: {p.stdout}{p.stderr}"
+    return p.stdout + p.stderr
+
+
+def sse_events(lines):
+    """(event, data) of an SSE stream's lines."""
+    event, data = None, []
+    for line in lines:
+        if line == "":
+            if data:
+                yield event, "\n".join(data)
+            event, data = None, []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+
+
+def assert_names_only(blocks_or_events: list[dict], allowed: set[str]):
+    for b in blocks_or_events:
+        assert set(b) <= allowed, b
+        if "name" in b:
+            assert len(b["name"]) == 32 and int(b["name"], 16) >= 0, b
+
+
+def test_kv_events_are_the_operators_and_name_blocks_without_tokens():
+    secret, admin = fleet_files()
+    # --kv-events needs an operator key and the fleet's secret, and says so.
+    out = serve_fails("--kv-events", "--fleet-secret-file", secret)
+    assert "--kv-events" in out and "operator key" in out, out
+    out = serve_fails("--kv-events", "--admin-api-key-file", admin)
+    assert "--kv-events" in out and "--fleet-secret-file" in out, out
+    replica = keyed_replica()
     try:
-        r = httpx.get(plain.url + "/v1/kv/snapshot")
-        assert r.status_code == 404 and "--kv-events" in r.text
-        assert httpx.get(keyed.url + "/v1/kv/snapshot").status_code == 401
-        snap = httpx.get(keyed.url + "/v1/kv/snapshot", headers=keyed.headers()).json()
+        operator = {"Authorization": f"Bearer {admin_key()}"}
+        tenant = replica.headers()
+        for path in ("/v1/kv/snapshot", "/v1/kv/events"):
+            assert httpx.get(replica.url + path).status_code == 401, path
+            r = httpx.get(replica.url + path, headers=tenant)
+            assert r.status_code == 403, (path, r.text)
+        snap = httpx.get(replica.url + "/v1/kv/snapshot", headers=operator).json()
         assert snap["tenants"] is True and snap["block_size"] == 16 and snap["blocks"] == []
-        keyed.client().completions.create(model=keyed.model(), prompt=long_text(60), max_tokens=1)
-        snap = httpx.get(keyed.url + "/v1/kv/snapshot", headers=keyed.headers()).json()
-        roots = [b for b in snap["blocks"] if b["parent"] is None]
-        assert len(roots) == 1 and roots[0]["key_digest"] and len(roots[0]["tokens"]) == 16
+        prompt = long_text(60)
+        tokens = replica.tokenize(prompt)
+        stored = []
+        # A stream that stalls raises ReadTimeout (its keep-alive comes every 15 s) rather than hang.
+        with httpx.stream("GET", replica.url + "/v1/kv/events", headers=operator, timeout=10) as stream:
+            assert stream.status_code == 200
+            events = sse_events(stream.iter_lines())
+            kind, data = next(events)
+            assert kind == "snapshot" and json.loads(data)["blocks"] == []
+            replica.client().completions.create(model=replica.model(), prompt=prompt, max_tokens=1)
+            raw_events = []
+            for kind, data in events:
+                if kind == "kv":
+                    raw_events.append(data)
+                    stored += [e for e in json.loads(data) if e["type"] == "stored"]
+                    if len(stored) >= len(tokens) // 16:
+                        break
+        assert len(stored) >= len(tokens) // 16 >= 4
+        events = [e for data in raw_events for e in json.loads(data)]
+        assert_names_only(events, {"seq", "type", "name", "tier"})
+        assert {e["tier"] for e in stored} == {"pool"}
+        text = httpx.get(replica.url + "/v1/kv/snapshot", headers=operator).text
+        snap = json.loads(text)
         assert snap["seq"] == len(snap["blocks"])
-        # The salt itself (the tenant's key) appears nowhere.
-        assert "secret" not in httpx.get(keyed.url + "/v1/kv/snapshot", headers=keyed.headers()).text
+        assert_names_only(snap["blocks"], {"name"})
+        assert {e["name"] for e in stored} <= {b["name"] for b in snap["blocks"]}
+        # No token ids, parents, replica hashes, key digests or tenants' keys, anywhere.
+        for body in [text, *raw_events]:
+            for word in ("tokens", "parent", '"hash"', "key_digest", TENANT_KEYS[0]):
+                assert word not in body, (word, body[:300])
+            assert ",".join(map(str, tokens[:16])) not in body
     finally:
-        plain.stop()
-        keyed.stop()
+        replica.stop()
+
+
+def test_the_router_evicts_idle_connections_past_its_cap(fleet):
+    replicas, _ = fleet
+    cap = 64
+    router = KuraRouter(replicas, "--max-connections", str(cap))
+    flood = []
+
+    def held_by_router() -> int:
+        """Client connections the router holds open: its sockets on its own port (not listening)."""
+        inodes = set()
+        for fd in os.listdir(f"/proc/{router.proc.pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{router.proc.pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        n = 0
+        for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].split(":")[1], 16) == router.port and f[3] != "0A" and f[9] in inodes:
+                n += 1
+        return n
+
+    try:
+        for _ in range(500):
+            flood.append(socket.create_connection(("127.0.0.1", router.port)))
+        for _ in range(5):
+            assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+        deadline = time.time() + 30
+        while (held := held_by_router()) > cap:
+            assert time.time() < deadline, f"the router holds {held} client connections, cap {cap}"
+            time.sleep(0.05)  # poll interval
+        assert held_by_router() <= cap
+        assert "connection limit reached" in router.log(), router.log()[-2000:]
+        # The oldest idle connections were closed to make room: reading them gives end of file.
+        closed = 0
+        for c in flood[:300]:
+            c.settimeout(2)
+            try:
+                if c.recv(1) == b"":
+                    closed += 1
+            except (socket.timeout, ConnectionResetError):
+                pass
+        assert closed >= 250, closed
+        assert router.proc.poll() is None
+    finally:
+        for c in flood:
+            c.close()
+        router.stop()
+
+
+def test_a_header_trickle_is_cut_after_the_header_timeout(fleet):
+    replicas, _ = fleet
+    router = KuraRouter(replicas, "--http-header-timeout-s", "1")
+    try:
+        s = socket.create_connection(("127.0.0.1", router.port))
+        s.settimeout(0.2)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        # One header byte every 200 ms keeps the connection busy (never idle) but its head never ends.
+        cut = False
+        deadline = time.time() + 12
+        while time.time() < deadline and not cut:
+            try:
+                s.sendall(b"x")
+                if s.recv(4096) == b"":
+                    cut = True
+            except socket.timeout:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+        assert cut, "the router still reads a head that has trickled in for 12 s"
+        s.close()
+        assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+    finally:
+        router.stop()
+
+
+def test_a_body_that_does_not_come_gets_408(fleet):
+    replicas, _ = fleet
+    router = KuraRouter(replicas, "--http-body-timeout-s", "1")
+    try:
+        s = socket.create_connection(("127.0.0.1", router.port))
+        s.settimeout(30)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 500\r\n\r\n{\"messages\": ")
+        head = read_response_head(s)
+        s.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert router.metrics()["kura_router:tokenized_requests_total"] == 0
+    finally:
+        router.stop()
+
+
+def test_requests_without_a_valid_key_get_401_and_are_never_tokenized(keyed_fleet):
+    replicas = keyed_fleet
+    router = KuraRouter(replicas, "--api-key", TENANT_KEYS[0], "--api-key", TENANT_KEYS[1])
+    try:
+        model = replicas[0].model()
+        doc = "Tokenize me. " + long_text(100, seed=5)
+        with pytest.raises(openai.AuthenticationError):
+            chat(router.client("wrong"), model, doc, "?")
+        r = httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": doc, "max_tokens": 1})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=router.url, api_key="wrong", max_retries=0).messages.create(
+                model=model, max_tokens=1, messages=[{"role": "user", "content": doc}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+        assert httpx.get(router.url + "/v1/models").status_code == 401
+        m = router.metrics()
+        assert m["kura_router:unauthorized_total"] == 4
+        assert m["kura_router:tokenized_requests_total"] == 0
+        assert sum(v for k, v in m.items() if k.startswith("kura_router:requests_total")) == 0
+        # A tenant's request is tokenized (the counter counts).
+        chat(router.client(TENANT_KEYS[1]), model, doc, "?")
+        assert router.metrics()["kura_router:tokenized_requests_total"] == 1
+    finally:
+        router.stop()
+
+
+def test_a_flood_of_oversized_unauthenticated_bodies_leaves_every_replica_up(keyed_fleet):
+    replicas = keyed_fleet
+    router = KuraRouter(replicas, "--api-key", TENANT_KEYS[0], "--api-key", TENANT_KEYS[1])
+    try:
+        model = replicas[0].model()
+        body = b'{"model": "m", "prompt": "' + b"x" * NINE_MIB + b'"}'
+
+        def oversized(i: int):
+            path = ("/v1/completions", "/v1/chat/completions", "/v1/messages")[i % 3]
+            try:
+                return httpx.post(router.url + path, content=body, timeout=60,
+                                  headers={"content-type": "application/json"}).status_code
+            except httpx.TransportError:
+                # The router answers 401 without reading the body and closes: the client may meet the
+                # closed connection before it reads the answer.
+                return "closed"
+
+        def tenant(i: int):
+            return chat(router.client(TENANT_KEYS[i % 2]), model, f"Tenant {i}. " + long_text(40, seed=i), "?")
+
+        with (concurrent.futures.ThreadPoolExecutor(6) as flood_pool,
+              concurrent.futures.ThreadPoolExecutor(2) as tenant_pool):
+            floods = [flood_pool.submit(oversized, i) for i in range(30)]
+            tenants = [tenant_pool.submit(tenant, i) for i in range(8)]
+            answers = [f.result(timeout=300) for f in floods]
+            served = [f.result(timeout=300) for f in tenants]
+        assert set(answers) <= {401, "closed"}, answers
+        assert len(served) == 8
+        m = router.metrics()
+        assert m["kura_router:unauthorized_total"] == 30
+        # Only the tenants' requests were tokenized (or, with every tokenizer slot busy, routed by load).
+        assert m["kura_router:tokenized_requests_total"] + m["kura_router:tokenizer_busy_total"] == 8
+        assert sum(v for k, v in m.items() if k.startswith("kura_router:request_failures_total")) == 0
+        assert_every_replica_up(router, replicas)
+    finally:
+        router.stop()
+
+
+def test_an_oversized_body_gets_413_from_the_router_itself(keyed_fleet):
+    replicas = keyed_fleet
+    router = KuraRouter(replicas, "--api-key", TENANT_KEYS[0])
+    try:
+        for path, shape in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+            # The head announces 9 MiB; the router answers from the head, without reading a byte more.
+            s = socket.create_connection(("127.0.0.1", router.port))
+            s.settimeout(30)
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Authorization: Bearer {TENANT_KEYS[0]}\r\nConnection: close\r\n"
+                      f"Content-Length: {NINE_MIB}\r\n\r\n{{".encode())
+            answer = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+            s.close()
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 413"), answer
+            assert b"x-kura-replica" not in head.lower()
+            error = json.loads(payload)
+            if shape == "openai":
+                assert error["error"]["code"] == "request_too_large", error
+            else:
+                assert error["type"] == "error" and error["error"]["type"] == "request_too_large", error
+        m = router.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("kura_router:requests_total")) == 0
+        assert m["kura_router:tokenized_requests_total"] == 0
+        assert_every_replica_up(router, replicas)
+    finally:
+        router.stop()
+
+
+def test_a_replica_that_refuses_a_body_is_not_drained(fleet):
+    replicas, _ = fleet
+    # The router takes bodies the replicas (8 MiB) refuse: each replica answers 413 and closes the
+    # connection without reading the body, which the router may see as a broken connection.
+    router = KuraRouter(replicas, "--max-body-size", "16MiB", "--policy", "round-robin")
+    try:
+        model = replicas[0].model()
+        body = json.dumps({"model": model, "prompt": "x" * NINE_MIB, "max_tokens": 1}).encode()
+
+        def oversized(_):
+            r = httpx.post(router.url + "/v1/completions", content=body, timeout=60,
+                           headers={"content-type": "application/json"})
+            return r.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(oversized, range(30)))
+        assert set(answers) <= {413, 502}, answers
+        assert_every_replica_up(router, replicas)
+        m = router.metrics()
+        print(f"\n30 bodies of 9 MiB refused by the replicas: {answers.count(413)} x 413 forwarded, "
+              f"{answers.count(502)} x 502 (connection closed by a live replica)")
+        # Both replicas still serve.
+        seen = {chat(router.client(), model, "After the refusals.", f"Question {i}?")[0] for i in range(4)}
+        assert seen == {0, 1}
+        assert m["kura_router:retries_total"] == 0
+    finally:
+        router.stop()
+
+
+def test_a_stream_cut_by_a_killed_replica_ends_with_an_error_event():
+    replicas = [KuraServer(*replica_args()) for _ in range(2)]
+    router = KuraRouter(replicas, "--policy", "least-load")
+    try:
+        model = replicas[0].model()
+        long_run = {"max_tokens": 2000, "temperature": 0}
+        # OpenAI: the client raises the error event's message (never a silently short stream).
+        stream = router.client().chat.completions.with_raw_response.create(
+            model=model, stream=True, extra_body={"ignore_eos": True}, **long_run,
+            messages=[{"role": "user", "content": "Tell a long story."}])
+        victim = replicas[int(stream.headers["x-kura-replica"])]
+        chunks = iter(stream.parse())
+        next(chunks)
+        victim.proc.send_signal(signal.SIGKILL)
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert type(e.value) is openai.APIError and "failed mid-stream" in str(e.value), repr(e.value)
+        router.wait_metric(lambda m: m["kura_router:replica_up" + label(victim)] == 0, timeout=30)
+        # Anthropic: an `error` event of type api_error ends the stream, which ends cleanly.
+        survivor = next(r for r in replicas if r is not victim)
+        with httpx.stream("POST", router.url + "/v1/messages", timeout=60, json={
+            "model": model, "stream": True, **long_run,
+            "messages": [{"role": "user", "content": "Tell another long story."}],
+        }) as r:
+            assert r.status_code == 200 and r.headers["x-kura-replica"] == str(replicas.index(survivor))
+            events = []
+            for kind, data in sse_events(r.iter_lines()):
+                events.append((kind, json.loads(data)))
+                if kind == "content_block_delta" and survivor.proc.poll() is None:
+                    survivor.proc.send_signal(signal.SIGKILL)
+        kind, data = events[-1]
+        assert kind == "error" and data["type"] == "error" and data["error"]["type"] == "api_error", events[-3:]
+        assert "failed mid-stream" in data["error"]["message"]
+        assert any(k == "content_block_delta" for k, _ in events)
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
@@ -281,11 +698,22 @@ def test_kv_events_endpoints_need_the_flag_and_the_key():
         (["--replica", "http://127.0.0.1:1", "--policy", "random"], "round-robin"),
         (["--replica", "http://127.0.0.1:1", "--overlap-weight", "nan"], "--overlap-weight"),
         (["--replica", "http://127.0.0.1:1", "--health-interval-ms", "0"], "--health-interval-ms"),
+        (["--replica", "http://127.0.0.1:1"], "--fleet-secret-file"),
+        (["--replica", "http://127.0.0.1:1", "--fleet-secret-file", "SECRET"], "--replica-admin-key-file"),
+        (["--replica", "http://127.0.0.1:1", "--policy", "round-robin", "--max-body-size", "0"], "--max-body-size"),
+        (["--replica", "http://127.0.0.1:1", "--policy", "round-robin", "--tokenizer-threads", "1"],
+         "--tokenizer-threads"),
+        (["--replica", "http://127.0.0.1:1", "--policy", "round-robin", "--max-connections", "100000000"],
+         "--max-connections"),
+        (["--replica", "http://127.0.0.1:1", "--policy", "round-robin", "--http-header-timeout-s", "0"],
+         "--http-header-timeout-s"),
+        (["--replica", "http://127.0.0.1:1", "--replica-api-key", "k"], "--replica-api-key"),
     ],
 )
 def test_bad_router_flags_are_refused_by_name(args, message):
+    args = [fleet_files()[0] if a == "SECRET" else a for a in args]
     proc = subprocess.run([kura_bin(), "router", "--model", model_path(), "--port", str(free_port()), *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=clean_env())
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "routing the OpenAI" not in proc.stderr

@@ -1,12 +1,17 @@
 """The shared KV tier in Redis (L4): a real `redis-server` (scripts/fetch-redis.sh), real replicas.
 
 What is tested: a prefix computed on replica A is a hit on replica B (its `cached_tokens` and metric), with
-the answer B would give computing it; a record damaged in Redis is refused and recomputed; Redis killed
-with SIGKILL in the middle of a run fails no request, and a replica started while Redis is down serves.
+the answer B would give computing it; a record damaged in Redis is refused and recomputed; one tenant's
+records copied over another tenant's names, and records written by a replica with another fleet secret
+copied over the fleet's names, are refused by their MAC (`kura:kv_remote_rejected_total`) and never
+adopted; `rediss://` with a private CA and a password (the URL from a file) gives cross-replica hits and
+never shows the password; Redis killed with SIGKILL in the middle of a run fails no request, and a replica
+started while Redis is down serves.
 """
 
 import concurrent.futures
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +24,20 @@ import pytest
 from conftest import KuraServer, free_port, kura_bin, long_text, model_path
 
 ARGS = ("--threads", "1", "--kv-cache-memory", "64MiB")
+
+
+def secret_file(directory: str, name: str = "fleet-secret") -> str:
+    """A fresh fleet secret (64 hex characters) in a file of mode 0600."""
+    path = os.path.join(directory, name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> tuple[str, str]:
+    """`--fleet-secret-file` arguments of the fleet the tests' replicas belong to."""
+    return ("--fleet-secret-file", secret_file(str(tmp_path_factory.mktemp("fleet"))))
 
 
 def redis_server_bin() -> str:
@@ -87,6 +106,17 @@ class Redis:
                 reply += chunk
             return reply[:end]
 
+    def get(self, key: bytes) -> bytes | None:
+        reply = self.command("GET", key)
+        if reply.startswith(b"$-1"):
+            return None
+        head, _, rest = reply.partition(b"\r\n")
+        assert head.startswith(b"$"), reply[:40]
+        return rest[:int(head[1:])]
+
+    def set(self, key: bytes, value: bytes):
+        assert self.command("SET", key, value) == b"+OK\r\n"
+
     def keys(self) -> list[bytes]:
         reply = self.command("KEYS", "kura:kv:*").split(b"\r\n")
         return [line for line in reply if line.startswith(b"kura:kv:")]
@@ -98,8 +128,9 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def ask(server: KuraServer, system: str, question: str = "What is the first word?", max_tokens: int = 6):
-    r = server.client().chat.completions.create(
+def ask(server: KuraServer, system: str, question: str = "What is the first word?", max_tokens: int = 6,
+        api_key: str | None = None):
+    r = server.client(api_key).chat.completions.create(
         model=server.model(), max_tokens=max_tokens, temperature=0,
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
     )
@@ -122,9 +153,9 @@ def redis():
     r.kill()
 
 
-def test_a_prefix_computed_on_one_replica_is_a_hit_on_another(redis):
-    a = KuraServer(*ARGS, "--kv-redis-url", redis.url)
-    b = KuraServer(*ARGS, "--kv-redis-url", redis.url)
+def test_a_prefix_computed_on_one_replica_is_a_hit_on_another(redis, fleet):
+    a = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
+    b = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
     plain = KuraServer(*ARGS)
     try:
         doc = "Shared through Redis. " + long_text(200, seed=5)
@@ -148,9 +179,9 @@ def test_a_prefix_computed_on_one_replica_is_a_hit_on_another(redis):
             s.stop()
 
 
-def test_a_damaged_record_is_refused_and_recomputed(redis):
-    a = KuraServer(*ARGS, "--kv-redis-url", redis.url)
-    b = KuraServer(*ARGS, "--kv-redis-url", redis.url)
+def test_a_damaged_record_is_refused_and_recomputed(redis, fleet):
+    a = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
+    b = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
     try:
         doc = "Damaged in Redis. " + long_text(120, seed=9)
         before = set(redis.keys())
@@ -164,7 +195,8 @@ def test_a_damaged_record_is_refused_and_recomputed(redis):
             assert redis.command("SETRANGE", key, "4000", "XXXX").startswith(b":")
         answer_b, cached_b, _ = ask(b, doc)
         mb = b.metrics()
-        assert mb["kura:kv_remote_corrupt_total"] >= 1
+        # Damage fails the MAC, checked before the record is decoded.
+        assert mb["kura:kv_remote_rejected_total"] >= 1
         assert mb["kura:kv_remote_hit_blocks_total"] == 0
         assert cached_b == 0
         assert answer_b == answer_a
@@ -173,10 +205,10 @@ def test_a_damaged_record_is_refused_and_recomputed(redis):
         b.stop()
 
 
-def test_redis_killed_mid_run_fails_no_request():
+def test_redis_killed_mid_run_fails_no_request(fleet):
     redis = Redis()
-    a = KuraServer(*ARGS, "--kv-redis-url", redis.url, "--kv-redis-timeout-ms", "100")
-    b = KuraServer(*ARGS, "--kv-redis-url", redis.url, "--kv-redis-timeout-ms", "100")
+    a = KuraServer(*ARGS, "--kv-redis-url", redis.url, "--kv-redis-timeout-ms", "100", *fleet)
+    b = KuraServer(*ARGS, "--kv-redis-url", redis.url, "--kv-redis-timeout-ms", "100", *fleet)
     try:
         docs = ["Redis dies. " + long_text(100, seed=s) for s in range(6)]
 
@@ -204,7 +236,7 @@ def test_redis_killed_mid_run_fails_no_request():
             assert m["kura:kv_remote_connected"] == 0
             assert m["kura:kv_remote_errors_total"] >= 1
         # A replica started while Redis is down serves too.
-        c = KuraServer(*ARGS, "--kv-redis-url", redis.url)
+        c = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
         try:
             text, _, _ = ask(c, docs[1])
             assert text
@@ -216,19 +248,199 @@ def test_redis_killed_mid_run_fails_no_request():
         b.stop()
 
 
-def test_bad_redis_settings_are_refused_by_name():
+def test_bad_redis_settings_are_refused_by_name(fleet, tmp_path):
     port = free_port()
-    proc = subprocess.run(
-        [kura_bin(), "serve", "--model", model_path(), "--port", str(port), "--kv-redis-url", "http://nowhere"],
-        capture_output=True, text=True, timeout=120,
-    )
+
+    def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [kura_bin(), "serve", "--model", model_path(), "--port", str(port), *fleet, *args],
+            capture_output=True, text=True, timeout=120, env=env,
+        )
+
+    proc = serve("--kv-redis-url", "http://:hunter2@nowhere")
     assert proc.returncode != 0
     assert "--kv-redis-url" in proc.stderr
+    assert "hunter2" not in proc.stderr
     # A shared tier of prefixes needs prefix caching.
-    proc = subprocess.run(
-        [kura_bin(), "serve", "--model", model_path(), "--port", str(port), "--kv-redis-url",
-         "redis://127.0.0.1:1", "--no-prefix-cache"],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = serve("--kv-redis-url", "redis://127.0.0.1:1", "--no-prefix-cache")
     assert proc.returncode != 0
     assert "prefix caching" in proc.stderr
+    # The URL comes from one place only.
+    url_file = tmp_path / "redis-url"
+    url_file.write_text("redis://127.0.0.1:1\n")
+    proc = serve("--kv-redis-url", "redis://127.0.0.1:1", "--kv-redis-url-file", str(url_file))
+    assert proc.returncode != 0
+    assert "--kv-redis-url and --kv-redis-url-file" in proc.stderr, proc.stderr
+    proc = serve("--kv-redis-url-file", str(url_file), env={**os.environ, "KURA_KV_REDIS_URL": "redis://x:1"})
+    assert proc.returncode != 0
+    assert "--kv-redis-url-file" in proc.stderr and "$KURA_KV_REDIS_URL" in proc.stderr, proc.stderr
+    # A CA file is for rediss:// only.
+    proc = serve("--kv-redis-url", "redis://:hunter2@127.0.0.1:1", "--kv-redis-ca-file", str(url_file))
+    assert proc.returncode != 0
+    assert "--kv-redis-ca-file" in proc.stderr and "rediss://" in proc.stderr, proc.stderr
+    assert "hunter2" not in proc.stderr
+    # The Redis tier needs the fleet secret.
+    proc = subprocess.run(
+        [kura_bin(), "serve", "--model", model_path(), "--port", str(port), "--kv-redis-url", "redis://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "KURA_FLEET_SECRET"},
+    )
+    assert proc.returncode != 0
+    assert "fleet" in proc.stderr and "secret" in proc.stderr, proc.stderr
+
+
+def copy_values(redis: Redis, sources: list[bytes], targets: list[bytes]):
+    """Overwrites each target key with the value of a source key (in turn)."""
+    values = [redis.get(k) for k in sources]
+    assert all(values)
+    for i, key in enumerate(targets):
+        redis.set(key, values[i % len(values)])
+
+
+def test_a_tenants_records_copied_over_another_tenants_names_are_rejected(redis, fleet):
+    keys = ("--api-key", "tenant-a-key", "--api-key", "tenant-b-key")
+    first = KuraServer(*ARGS, *keys, "--kv-redis-url", redis.url, *fleet, api_key="tenant-a-key")
+    fresh = None
+    try:
+        doc_a = "Tenant A writes this. " + long_text(150, seed=31)
+        doc_b = "Tenant B writes that. " + long_text(150, seed=32)
+        before = set(redis.keys())
+        _, _, prompt_a = ask(first, doc_a, api_key="tenant-a-key")
+        blocks_a = (prompt_a - 1) // 16
+        wait_for(first, "kura:kv_remote_stores_total", blocks_a)
+        keys_a = sorted(set(redis.keys()) - before)
+        assert len(keys_a) >= blocks_a
+        honest_b, _, prompt_b = ask(first, doc_b, api_key="tenant-b-key")
+        blocks_b = (prompt_b - 1) // 16
+        wait_for(first, "kura:kv_remote_stores_total", len(keys_a) + blocks_b)
+        keys_b = sorted(set(redis.keys()) - before - set(keys_a))
+        assert len(keys_b) >= blocks_b
+        # Every record name of B's now holds one of A's records, whole and intact.
+        copy_values(redis, keys_a, keys_b)
+        fresh = KuraServer(*ARGS, *keys, "--kv-redis-url", redis.url, *fleet, api_key="tenant-b-key")
+        answer, cached, _ = ask(fresh, doc_b, api_key="tenant-b-key")
+        m = fresh.metrics()
+        assert m["kura:kv_remote_rejected_total"] >= 1
+        assert m["kura:kv_remote_hit_blocks_total"] == 0
+        assert m["kura:kv_remote_connected"] == 1
+        assert cached == 0
+        assert answer == honest_b
+    finally:
+        first.stop()
+        if fresh:
+            fresh.stop()
+
+
+def test_records_written_with_another_fleet_secret_are_rejected(redis, fleet, tmp_path):
+    good = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
+    outsider = KuraServer(*ARGS, "--kv-redis-url", redis.url, "--fleet-secret-file",
+                          secret_file(str(tmp_path), "another-secret"))
+    fresh = None
+    try:
+        doc = "Forged by an outsider. " + long_text(150, seed=41)
+        before = set(redis.keys())
+        honest, _, prompt = ask(good, doc)
+        blocks = (prompt - 1) // 16
+        wait_for(good, "kura:kv_remote_stores_total", blocks)
+        good_keys = sorted(set(redis.keys()) - before)
+        assert len(good_keys) >= blocks
+        # The outsider names the same prompt's blocks otherwise: no hit, records of its own.
+        _, cached_out, _ = ask(outsider, doc)
+        assert cached_out == 0
+        wait_for(outsider, "kura:kv_remote_stores_total", blocks)
+        outsider_keys = sorted(set(redis.keys()) - before - set(good_keys))
+        assert len(outsider_keys) >= blocks
+        copy_values(redis, outsider_keys, good_keys)
+        fresh = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
+        answer, cached, _ = ask(fresh, doc)
+        m = fresh.metrics()
+        assert m["kura:kv_remote_rejected_total"] >= 1
+        assert m["kura:kv_remote_hit_blocks_total"] == 0
+        assert cached == 0
+        assert answer == honest
+    finally:
+        for s in (good, outsider, fresh):
+            if s:
+                s.stop()
+
+
+def openssl(*args: str, cwd: str):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def tls_files(directory: str) -> tuple[str, str, str]:
+    """A private CA and a server certificate for 127.0.0.1 signed by it: (ca.crt, server.crt, server.key)."""
+    if not shutil.which("openssl"):
+        pytest.fail("no openssl CLI: install Debian's openssl package")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=kura-test-ca",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+            cwd=directory)
+    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=directory)
+    with open(os.path.join(directory, "server.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.crt", "-days", "2", "-extfile", "server.ext", cwd=directory)
+    return tuple(os.path.join(directory, n) for n in ("ca.crt", "server.crt", "server.key"))
+
+
+def test_rediss_with_a_private_ca_and_a_password_from_a_file(fleet, tmp_path):
+    ca, cert, key = tls_files(str(tmp_path))
+    password = "pw-" + secrets.token_hex(16)
+    port = free_port()
+    redis = subprocess.Popen(
+        [redis_server_bin(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca, "--tls-auth-clients", "no",
+         "--requirepass", password, "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    servers = []
+    try:
+        deadline = time.time() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline, "redis-server did not listen on its TLS port"
+                time.sleep(0.05)  # poll interval
+        url_file = tmp_path / "redis-url"
+        url_file.write_text(f"rediss://default:{password}@127.0.0.1:{port}\n")
+        url_file.chmod(0o600)
+        tls = ("--kv-redis-url-file", str(url_file), "--kv-redis-ca-file", ca)
+        a = KuraServer(*ARGS, *tls, *fleet)
+        servers.append(a)
+        b = KuraServer(*ARGS, *tls, *fleet)
+        servers.append(b)
+        doc = "Shared over TLS. " + long_text(200, seed=51)
+        answer_a, cached_a, prompt = ask(a, doc)
+        assert cached_a == 0
+        blocks = (prompt - 1) // 16
+        assert wait_for(a, "kura:kv_remote_stores_total", blocks) >= blocks
+        answer_b, cached_b, _ = ask(b, doc)
+        assert cached_b >= blocks * 16, f"{cached_b} of {prompt} cached on B"
+        mb = b.metrics()
+        assert mb["kura:kv_remote_hit_blocks_total"] >= blocks
+        assert mb["kura:kv_remote_connected"] == 1
+        assert answer_b == answer_a
+        # Without the private CA, the server's certificate is not trusted: no connection, still serving.
+        c = KuraServer(*ARGS, "--kv-redis-url-file", str(url_file), *fleet)
+        servers.append(c)
+        answer_c, cached_c, _ = ask(c, doc)
+        mc = c.metrics()
+        assert mc["kura:kv_remote_connected"] == 0
+        assert mc["kura:kv_remote_errors_total"] >= 1
+        assert mc["kura:kv_remote_hit_blocks_total"] == 0
+        assert cached_c == 0 and answer_c == answer_a
+        for s in servers:
+            with open(f"/proc/{s.proc.pid}/cmdline", "rb") as f:
+                assert password.encode() not in f.read()
+            s.stop()
+            log = s.log()
+            assert "rediss://***@127.0.0.1" in log, log[-2000:]
+            assert password not in log
+    finally:
+        for s in servers:
+            s.stop()
+        redis.kill()
+        redis.wait()

@@ -25,7 +25,7 @@ use kura_model::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
-use crate::kv_events::KvEventLog;
+use crate::kv_events::{KvEventLog, KvEventsSetup};
 use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::pins::PinTable;
@@ -72,9 +72,8 @@ pub struct EngineConfig {
     /// Sliding layers paged apart (a hybrid pool, see `kura_kv::WindowPool`): `num_blocks` is then the
     /// number of logical blocks, and the executor's storage holds the pool's pages.
     pub window: Option<kura_kv::WindowPool>,
-    /// Publish the pool's content as numbered events ([`crate::KvEventLog`]) with a ring of this many
-    /// events; `None`: no events.
-    pub kv_events: Option<usize>,
+    /// Publish the pool's content as numbered events ([`crate::KvEventLog`]); `None`: no events.
+    pub kv_events: Option<KvEventsSetup>,
     /// The shared tier in Redis (L4), if any.
     pub remote: Option<RemoteTierSetup>,
 }
@@ -161,7 +160,7 @@ pub fn start_engine(
             let fingerprint = xxhash_rust::xxh3::xxh3_128(config.model_fingerprint.as_bytes());
             let tier = RemoteTier::open(setup, config.block_size_tokens, block_bytes, fingerprint)
                 .map_err(EngineStartError::Tiers)?;
-            tracing::info!(url = %setup.url, ttl_s = setup.ttl_s, block_bytes, "KV tier L4: Redis");
+            tracing::info!(url = %kura_tiers::redact_url(&setup.url), ttl_s = setup.ttl_s, block_bytes, "KV tier L4: Redis");
             let _ = metrics.remote.set(tier.stats().clone());
             Some(tier)
         }
@@ -244,7 +243,7 @@ pub fn start_engine(
         .unwrap_or(config.num_blocks / 4)
         .min(config.num_blocks);
     metrics.pin_budget_blocks.set(pin_budget as f64);
-    let kv_events = config.kv_events.map(|n| Arc::new(KvEventLog::new(n)));
+    let kv_events = config.kv_events.as_ref().map(|k| Arc::new(KvEventLog::new(k)));
     let shared = Arc::new(Shared::new(info, metrics.clone(), kv_events));
     let (tx, rx) = mpsc::channel();
     let (out_tx, out_rx) = mpsc::channel();

@@ -7,31 +7,41 @@
 //! it from a ring of the last `capacity` events. A reader that falls further behind than the ring gets
 //! [`Gap`] and starts again from a snapshot; a reader that sees a number skipped knows it missed one.
 //!
-//! Hashes are the replica's own (seeded per process); a block also carries its tokens, and a root block
-//! the digest of its cache key ([`kura_kv::CacheKey::digest`], never the tenant's salt), so that a reader
-//! can name blocks by content without knowing the seed.
+//! Blocks are announced by keyed content names ([`ContentNamer`] with the fleet's secret), never by the
+//! replica's own hashes, tokens or cache keys: a router that holds the fleet secret names a request's
+//! blocks the same way from the tokens it computes, and a reader without it learns nothing of any
+//! tenant's prompts. Token ids are added only when the operator asks for them (`debug_tokens`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kura_kv::KvEvent;
+use kura_kv::{ContentNamer, KvEvent, Secret};
+
+/// How a server publishes its pool's content.
+#[derive(Debug, Clone)]
+pub struct KvEventsSetup {
+    /// Events the ring holds (at least 1).
+    pub buffer: usize,
+    /// The fleet's secret, whose naming key names blocks.
+    pub secret: Secret,
+    /// Add each block's token ids (for debugging a router; they reveal prompts).
+    pub debug_tokens: bool,
+}
 
 /// One block in the pool, as announced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvBlockInfo {
-    pub hash: u128,
-    /// `None` for the first block of a sequence.
-    pub parent: Option<u128>,
-    pub tokens: Vec<u32>,
-    /// For a root block, the digest of its cache key.
-    pub key_digest: Option<u128>,
+    /// The block's keyed content name.
+    pub name: u128,
+    /// Its token ids, only with `debug_tokens`.
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// A change of the pool's content.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvChange {
     Stored(Arc<KvBlockInfo>),
-    Removed { hash: u128 },
+    Removed { name: u128 },
     Cleared,
 }
 
@@ -58,11 +68,13 @@ pub struct Gap {
     pub oldest: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     last_seq: u64,
     ring: VecDeque<KvEventRecord>,
+    /// Blocks announced and not removed, by the replica's own hash.
     blocks: HashMap<u128, Arc<KvBlockInfo>>,
+    namer: ContentNamer,
 }
 
 /// The numbered event stream and the current set of blocks; shared by the engine loop (the writer) and
@@ -70,15 +82,22 @@ struct State {
 #[derive(Debug)]
 pub struct KvEventLog {
     capacity: usize,
+    debug_tokens: bool,
     state: Mutex<State>,
 }
 
 impl KvEventLog {
-    /// A log whose ring holds the last `capacity` events (at least 1).
-    pub fn new(capacity: usize) -> Self {
+    /// A log whose ring holds the last `setup.buffer` events (at least 1).
+    pub fn new(setup: &KvEventsSetup) -> Self {
         Self {
-            capacity: capacity.max(1),
-            state: Mutex::new(State::default()),
+            capacity: setup.buffer.max(1),
+            debug_tokens: setup.debug_tokens,
+            state: Mutex::new(State {
+                last_seq: 0,
+                ring: VecDeque::new(),
+                blocks: HashMap::new(),
+                namer: ContentNamer::new(&setup.secret),
+            }),
         }
     }
 
@@ -89,29 +108,38 @@ impl KvEventLog {
 
     /// Appends the manager's events, numbering them.
     pub(crate) fn publish(&self, events: impl IntoIterator<Item = KvEvent>) {
-        let mut s = self.state();
+        let mut guard = self.state();
+        let s = &mut *guard;
         for event in events {
             let change = match event {
                 KvEvent::Stored {
                     hash,
                     parent,
                     tokens,
-                    key_digest,
+                    key,
                     ..
                 } => {
+                    let parent_name = match (parent, key) {
+                        (Some(p), _) => s.blocks.get(&p.0).map(|b| b.name),
+                        (None, Some(key)) => Some(s.namer.root(&key)),
+                        (None, None) => None,
+                    };
+                    // A child whose parent is not announced (never, as the manager announces) cannot
+                    // be named: it is left out, and a reader misses only the prefixes through it.
+                    let Some(parent_name) = parent_name else {
+                        continue;
+                    };
                     let info = Arc::new(KvBlockInfo {
-                        hash: hash.0,
-                        parent: parent.map(|p| p.0),
-                        tokens,
-                        key_digest,
+                        name: s.namer.chain(parent_name, &tokens),
+                        tokens: self.debug_tokens.then_some(tokens),
                     });
                     s.blocks.insert(hash.0, info.clone());
                     KvChange::Stored(info)
                 }
-                KvEvent::Removed { hash, .. } => {
-                    s.blocks.remove(&hash.0);
-                    KvChange::Removed { hash: hash.0 }
-                }
+                KvEvent::Removed { hash, .. } => match s.blocks.remove(&hash.0) {
+                    Some(b) => KvChange::Removed { name: b.name },
+                    None => continue,
+                },
                 KvEvent::Cleared => {
                     s.blocks.clear();
                     KvChange::Cleared
@@ -162,7 +190,7 @@ impl KvEventLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kura_kv::BlockHash;
+    use kura_kv::{BlockHash, CacheKey};
 
     fn stored(h: u128, parent: Option<u128>) -> KvEvent {
         KvEvent::Stored {
@@ -170,13 +198,62 @@ mod tests {
             parent: parent.map(BlockHash),
             block: 0,
             tokens: vec![h as u32; 4],
-            key_digest: parent.is_none().then_some(7),
+            key: parent
+                .is_none()
+                .then(|| CacheKey::new().with_salt("key-tenant")),
         }
+    }
+
+    fn log(buffer: usize, debug_tokens: bool) -> KvEventLog {
+        KvEventLog::new(&KvEventsSetup {
+            buffer,
+            secret: Secret::from_text(&"f".repeat(32)).unwrap(),
+            debug_tokens,
+        })
+    }
+
+    #[test]
+    fn blocks_are_announced_by_keyed_names_without_tokens() {
+        let secret = Secret::from_text(&"f".repeat(32)).unwrap();
+        let mut namer = ContentNamer::new(&secret);
+        let key = CacheKey::new().with_salt("key-tenant");
+        let names = namer.chain_blocks(&key, &[1, 1, 1, 1, 2, 2, 2, 2], 4);
+        for debug_tokens in [false, true] {
+            let log = log(8, debug_tokens);
+            log.publish([stored(1, None), stored(2, Some(1))]);
+            let mut snap: Vec<_> = log.snapshot().blocks.iter().map(|b| (**b).clone()).collect();
+            snap.sort_by_key(|b| names.iter().position(|n| *n == b.name));
+            let want: Vec<KvBlockInfo> = names
+                .iter()
+                .zip([1u32, 2])
+                .map(|(&name, t)| KvBlockInfo {
+                    name,
+                    tokens: debug_tokens.then(|| vec![t; 4]),
+                })
+                .collect();
+            assert_eq!(snap, want, "named as a router with the fleet secret names them");
+            log.publish([KvEvent::Removed {
+                hash: BlockHash(2),
+                block: 0,
+            }]);
+            assert_eq!(
+                log.since(2, 1).unwrap()[0].change,
+                KvChange::Removed { name: names[1] }
+            );
+        }
+        // Another secret names the same blocks otherwise.
+        let other = KvEventLog::new(&KvEventsSetup {
+            buffer: 8,
+            secret: Secret::from_text(&"g".repeat(32)).unwrap(),
+            debug_tokens: false,
+        });
+        other.publish([stored(1, None)]);
+        assert!(!names.contains(&other.snapshot().blocks[0].name));
     }
 
     #[test]
     fn snapshot_and_events_agree_and_a_reader_behind_the_ring_gets_a_gap() {
-        let log = KvEventLog::new(3);
+        let log = log(3, false);
         assert_eq!(log.since(0, 10), Ok(Vec::new()));
         log.publish([stored(1, None), stored(2, Some(1))]);
         let snap = log.snapshot();
@@ -189,7 +266,7 @@ mod tests {
         let after = log.since(snap.seq, 10).unwrap();
         assert_eq!(after.len(), 1);
         assert_eq!(after[0].seq, 3);
-        assert_eq!(after[0].change, KvChange::Removed { hash: 2 });
+        assert!(matches!(after[0].change, KvChange::Removed { .. }));
         assert_eq!(log.snapshot().blocks.len(), 1);
         // Two more events push event 1 and 2 out of a ring of 3.
         log.publish([stored(3, None), KvEvent::Cleared]);

@@ -24,10 +24,13 @@ mod tiers;
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
-pub use kv_events::{Gap, KvBlockInfo, KvChange, KvEventLog, KvEventRecord, KvSnapshot};
+pub use kv_events::{
+    Gap, KvBlockInfo, KvChange, KvEventLog, KvEventRecord, KvEventsSetup, KvSnapshot,
+};
 pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
 pub use model_backend::{ModelCodec, ModelExecutor};
+pub use pins::TENANT_SEPARATOR;
 pub use remote::RemoteTierSetup;
 pub use request::{
     EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,

@@ -610,6 +610,7 @@ impl EngineMetrics {
             ("kura:kv_remote_hit_blocks_total", "Blocks fetched from the Redis tier, verified and adopted into the pool (not recomputed).", self.remote_hit_blocks.get()),
             ("kura:kv_remote_errors_total", "Redis commands that failed (unreachable, timeout, error); the request was served without the tier.", live(|s| &s.errors)),
             ("kura:kv_remote_corrupt_total", "Records in Redis that failed a check and were deleted, never served.", live(|s| &s.corrupt)),
+            ("kura:kv_remote_rejected_total", "Records in Redis whose MAC failed (written without the fleet secret, or copied under another name): never served, deleted.", live(|s| &s.rejected)),
             ("kura:kv_remote_dropped_total", "Redis writes or lookups dropped (queue full or Redis unreachable).", live(|s| &s.dropped)),
         ] {
             counter(out, name, help, v);

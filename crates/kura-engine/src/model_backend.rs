@@ -1,6 +1,7 @@
 //! `kura-model` behind the engine's seams: [`ModelCodec`] (tokenizer and chat template) and
 //! [`ModelExecutor`] (the forward pass over a [`KvStorage`] sized by the engine's pool).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use kura_kv::storage::KvStorage;
@@ -56,6 +57,37 @@ impl TextCodec for ModelCodec {
         self.text
             .chat_template
             .encode(&self.text.tokenizer, messages, true)
+            .map_err(|e| e.to_string())
+    }
+
+    fn chat_content_spans(
+        &self,
+        text: &str,
+        from: usize,
+        messages: &[ChatMessage],
+    ) -> Result<Vec<Range<usize>>, String> {
+        let rendered = text
+            .get(from..)
+            .ok_or_else(|| format!("chat text starts at byte {from}, outside its text"))?;
+        let spans = self
+            .text
+            .chat_template
+            .content_spans(rendered, messages, true, &self.text.tokenizer)
+            .map_err(|e| e.to_string())?;
+        Ok(spans
+            .into_iter()
+            .map(|r| r.start + from..r.end + from)
+            .collect())
+    }
+
+    fn encode_with_plain_spans(
+        &self,
+        text: &str,
+        plain: &[Range<usize>],
+    ) -> Result<Vec<u32>, String> {
+        self.text
+            .tokenizer
+            .encode_with_plain_spans(text, plain, true)
             .map_err(|e| e.to_string())
     }
 

@@ -6,9 +6,13 @@
 //! (the request's cache key) and its tokens, so pinning it again refreshes its expiry (never shortens it)
 //! instead of pinning twice.
 //!
-//! Pins share a budget of pool blocks (`--kv-pin-budget`). A pin that does not fit is never refused: the
-//! least recently used pins are demoted until it fits (or, when it alone is over the budget, it is
-//! demoted itself). A demoted pin's blocks are written to the lower tiers at the highest priority and
+//! Pins share a budget of pool blocks (`--kv-pin-budget`). A pin that does not fit is never refused: pins
+//! are demoted until it fits, each time the least recently used pin of the tenant that holds the most
+//! blocks (the new pin counted with its tenant's), so that one tenant's pins never push out those of a
+//! tenant holding less. When its own tenant is the largest holder and has nothing else in the pool, or
+//! when it alone is over the budget, the new pin is demoted itself. A pin's tenant is the part of its
+//! cache salt before [`TENANT_SEPARATOR`] (the server salts a tenant's requests with its name, then the
+//! separator and the request's own `cache_salt`). A demoted pin's blocks are written to the lower tiers at the highest priority and
 //! become ordinary cached blocks of the pool; the next request that names the prefix finds them (in the
 //! pool or below), and pins them again. Expired pins are released when the engine next looks at the
 //! clock: their blocks become ordinary cached blocks, evicted in LRU order.
@@ -20,6 +24,15 @@ use kura_kv::{CacheKey, PinId, MAX_PRIORITY};
 
 use crate::request::PinSpec;
 use crate::scheduler::Scheduler;
+
+/// Separates a tenant's name from a request's own salt in a cache salt.
+pub const TENANT_SEPARATOR: char = '\u{1f}';
+
+/// The tenant part of a cache key's salt (`""` for none).
+fn holder(key: &CacheKey) -> &str {
+    key.salt()
+        .map_or("", |s| s.split(TENANT_SEPARATOR).next().unwrap_or(""))
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct PinKey {
@@ -126,14 +139,23 @@ impl PinTable {
             demoted += 1;
             None
         } else {
+            let mut fits = true;
             while self.pinned_blocks + blocks > self.budget_blocks {
-                if !self.demote_oldest(sched) {
+                if !self.demote_from_largest_holder(sched, holder(key), blocks) {
+                    fits = false;
                     break;
                 }
                 demoted += 1;
             }
-            self.pinned_blocks += blocks;
-            Some(pin)
+            if fits {
+                self.pinned_blocks += blocks;
+                Some(pin)
+            } else {
+                sched.unpin(pin);
+                sched.store_prefix_down(tokens, key, MAX_PRIORITY);
+                demoted += 1;
+                None
+            }
         };
         if spec.persist && pin.is_some() {
             sched.store_prefix_down(tokens, key, MAX_PRIORITY);
@@ -162,12 +184,31 @@ impl PinTable {
         }
     }
 
-    /// Demotes the least recently used pin still in the pool; false when there is none.
-    fn demote_oldest(&mut self, sched: &mut Scheduler) -> bool {
+    /// Demotes the least recently used pin in the pool of the tenant holding the most blocks, counting
+    /// `incoming` more for `newcomer` (which pays on a tie); false when that tenant is `newcomer` with
+    /// nothing in the pool (the new pin must go itself) or no pin is in the pool.
+    fn demote_from_largest_holder(
+        &mut self,
+        sched: &mut Scheduler,
+        newcomer: &str,
+        incoming: usize,
+    ) -> bool {
+        let mut held: HashMap<&str, usize> = HashMap::new();
+        held.insert(newcomer, incoming);
+        for (pk, e) in self.entries.iter().filter(|(_, e)| e.pin.is_some()) {
+            *held.entry(holder(&pk.key)).or_default() += e.blocks;
+        }
+        let Some((victim, _)) = held
+            .iter()
+            .max_by_key(|(h, n)| (**n, **h == newcomer))
+            .map(|(h, n)| (h.to_string(), *n))
+        else {
+            return false;
+        };
         let Some((pk, _)) = self
             .entries
             .iter()
-            .filter(|(_, e)| e.pin.is_some())
+            .filter(|(pk, e)| e.pin.is_some() && holder(&pk.key) == victim)
             .min_by_key(|(_, e)| e.last_used)
         else {
             return false;
@@ -251,6 +292,57 @@ fn token_bytes(tokens: &[u32]) -> Vec<u8> {
 mod tests {
     use super::*;
     use crate::scheduler::SchedulerConfig;
+
+    fn scheduler(num_blocks: usize) -> Scheduler {
+        Scheduler::new(SchedulerConfig {
+            block_size_tokens: 4,
+            num_blocks,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            enable_prefix_caching: true,
+            policy: crate::scheduler::SchedulingPolicy::Fcfs,
+            eviction_policy: kura_kv::EvictionPolicy::LeafLru,
+            hash_seed: Some(1),
+            tiers: kura_kv::TierConfig::default(),
+            preemption: crate::scheduler::PreemptionMode::Recompute,
+            admission: crate::scheduler::AdmissionMode::MaxUtilization,
+            window: None,
+            record_kv_events: false,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_tenant_pinning_past_the_budget_demotes_its_own_pins_not_anothers() {
+        let mut sched = scheduler(64);
+        let mut pins = PinTable::new(6, 4);
+        let spec = PinSpec {
+            tokens: 8,
+            expires_at_ms: u64::MAX - 1,
+            persist: false,
+        };
+        let a = CacheKey::new().with_salt("key-a");
+        let b = |i: u32| CacheKey::new().with_salt(format!("key-b{TENANT_SEPARATOR}salt{i}"));
+        let prompt = |i: u32| [i, i, i, i, i + 1, i + 1, i + 1, i + 1, 0];
+        sched.cache_prompt_for_test(&prompt(100), &a);
+        assert_eq!(pins.pin(&mut sched, &a, &prompt(100), spec).tokens, 8);
+        // Tenant b pins many prefixes (under different request salts): the budget of 6 blocks is full
+        // after its second, and from then on each of its pins demotes its own oldest.
+        for i in 0..6 {
+            let k = b(i);
+            sched.cache_prompt_for_test(&prompt(i * 10), &k);
+            let done = pins.pin(&mut sched, &k, &prompt(i * 10), spec);
+            assert_eq!(done.tokens, 8);
+            assert_eq!(done.demoted, usize::from(i >= 2), "pin {i}");
+        }
+        assert_eq!(pins.pinned_blocks(), 6);
+        let a_entry = pins
+            .entries
+            .iter()
+            .find(|(pk, _)| pk.key == a)
+            .map(|(_, e)| e.pin.is_some());
+        assert_eq!(a_entry, Some(true), "tenant a's pin stays in the pool");
+    }
 
     #[test]
     fn demoted_and_empty_pins_are_forgotten_past_the_cap() {

@@ -11,19 +11,20 @@
 //!  block computed (KvEvent::Stored) ─▶ exported, one record per block ─▶ SET … EX ttl (same thread)
 //! ```
 //!
-//! Replicas hash blocks with seeds of their own, so the shared tier names a block by content: a root is
-//! `chain(cache key digest, tokens)`, every other block `chain(its parent's name, tokens)`, with a fixed
-//! seed, and its key is `kura:kv:{<key digest>}:<name>` (the hash tag keeps a key's blocks on one Redis
-//! Cluster shard). The cache key digest covers the tenant's salt and the model fingerprint, and each
-//! record carries the KV fingerprint, its parent, its key digest and its tokens, all checked on the way
-//! back. The engine never waits on Redis: a lookup not answered within `FETCH_WAIT` is given up, and
+//! Replicas hash blocks with seeds of their own, so the shared tier names a block by content with the
+//! fleet's naming key ([`ContentNamer`]): a root is named by its cache key (the tenant's salt and the
+//! model fingerprint), every other block by its parent's name and its tokens, and its Redis key is
+//! `kura:kv:{<root name>}:<name>` (the hash tag keeps a key's blocks on one Redis Cluster shard). Without
+//! the fleet secret nobody can compute the name a prompt's blocks will have. Each record carries the KV
+//! fingerprint, its parent, its root name and its tokens, all checked on the way back, and a keyed MAC
+//! over its Redis key and its bytes (kura-tiers), so that a record written without the fleet secret, or
+//! copied under another name, is never adopted. The engine never waits on Redis: a lookup not answered within `FETCH_WAIT` is given up, and
 //! Redis down means every lookup a miss at once.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kura_kv::hash::BlockHasher;
-use kura_kv::{BlockHash, CacheKey, KvEvent};
+use kura_kv::{CacheKey, ContentNamer, KvEvent, Secret};
 use kura_tiers::{encode_record, BlockRecord, RemoteSetup, RemoteWorker};
 
 use crate::seq::Seq;
@@ -33,14 +34,32 @@ const FETCH_WAIT: Duration = Duration::from_millis(500);
 /// Names of blocks written or found, remembered to skip writing them again (cleared when full).
 const MAX_WRITTEN: usize = 1 << 20;
 
-/// The Redis tier `kura serve --kv-redis-url` was given.
-#[derive(Debug, Clone)]
+/// The Redis tier `kura serve --kv-redis-url` was given. Its `Debug` hides the URL's user and password.
+#[derive(Clone)]
 pub struct RemoteTierSetup {
+    /// `redis://…` or `rediss://…` (TLS), possibly with a user and password.
     pub url: String,
     /// Seconds a block lives in Redis after it is written.
     pub ttl_s: u64,
     /// Longest wait for a connection or a command.
     pub timeout: Duration,
+    /// The fleet's secret: names records and keys their MACs.
+    pub secret: Secret,
+    /// PEM file of the CA(s) that sign the Redis server's certificate (`rediss://`); `None`: the
+    /// system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for RemoteTierSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteTierSetup")
+            .field("url", &kura_tiers::redact_url(&self.url))
+            .field("ttl_s", &self.ttl_s)
+            .field("timeout", &self.timeout)
+            .field("secret", &self.secret)
+            .field("ca_file", &self.ca_file)
+            .finish()
+    }
 }
 
 /// A request waiting for its Redis lookup.
@@ -67,17 +86,17 @@ pub(crate) struct Adoption {
 
 pub(crate) struct RemoteTier {
     worker: RemoteWorker,
-    namer: BlockHasher,
+    namer: ContentNamer,
     block_size: usize,
     fingerprint: u128,
-    /// This replica's block hash → (name, key digest), for blocks in the pool.
+    /// This replica's block hash → (name, root name), for blocks in the pool.
     names: HashMap<u128, (u128, u128)>,
     written: HashSet<u128>,
     parked: HashMap<u64, Parked>,
 }
 
-fn redis_key(key_digest: u128, name: u128) -> String {
-    format!("kura:kv:{{{key_digest:032x}}}:{name:032x}")
+fn redis_key(root: u128, name: u128) -> String {
+    format!("kura:kv:{{{root:032x}}}:{name:032x}")
 }
 
 impl RemoteTier {
@@ -93,11 +112,13 @@ impl RemoteTier {
             fingerprint,
             payload_len: block_bytes,
             timeout: setup.timeout,
+            mac_key: setup.secret.derive(kura_tiers::RemoteSetup::MAC_PURPOSE),
+            ca_file: setup.ca_file.clone(),
         })
         .map_err(|e| e.to_string())?;
         Ok(Self {
             worker,
-            namer: BlockHasher::new(0, 128),
+            namer: ContentNamer::new(&setup.secret),
             block_size,
             fingerprint,
             names: HashMap::new(),
@@ -122,17 +143,20 @@ impl RemoteTier {
                     parent,
                     block,
                     tokens,
-                    key_digest,
+                    key,
                 } => {
-                    let (parent_name, key_digest) = match (parent, key_digest) {
+                    let (parent_name, key_digest) = match (parent, key) {
                         (Some(p), _) => match self.names.get(&p.0) {
-                            Some(&(name, kd)) => (name, kd),
+                            Some(&(name, root)) => (name, root),
                             None => continue,
                         },
-                        (None, Some(kd)) => (*kd, *kd),
+                        (None, Some(key)) => {
+                            let root = self.namer.root(key);
+                            (root, root)
+                        }
                         (None, None) => continue,
                     };
-                    let name = self.namer.chain(BlockHash(parent_name), tokens).0;
+                    let name = self.namer.chain(parent_name, tokens);
                     self.names.insert(hash.0, (name, key_digest));
                     if !self.remember_written(name) {
                         continue;
@@ -175,8 +199,8 @@ impl RemoteTier {
         if held * bs >= whole {
             return Some(seq);
         }
-        let key_digest = key.digest();
-        let names = self.namer.chain_blocks(BlockHash(key_digest), tokens, bs);
+        let key_digest = self.namer.root(key);
+        let names = self.namer.chain_blocks(key, tokens, bs);
         let lookups = (held..names.len())
             .map(|i| {
                 let record = BlockRecord {

@@ -408,6 +408,20 @@ impl Scheduler {
         self.kv.pin_prefix(tokens, key, None)
     }
 
+    /// Computes `prompt` under `key` into the cache as a finished request would leave it (tests of what
+    /// holds cached blocks).
+    #[cfg(test)]
+    pub(crate) fn cache_prompt_for_test(&mut self, prompt: &[u32], key: &CacheKey) {
+        let seq = self.kv.add_sequence(key);
+        let hit = self.kv.find_cached_prefix(prompt, key);
+        self.kv
+            .allocate_slots(seq, &prompt[hit.num_cached_tokens()..], Some(&hit))
+            .expect("a valid allocation")
+            .expect("enough blocks");
+        self.kv.mark_computed(seq, prompt.len()).expect("computed");
+        self.kv.free(seq).expect("freed");
+    }
+
     /// Releases a pin (one already released is ignored).
     pub fn unpin(&mut self, pin: PinId) {
         let _ = self.kv.unpin(pin);

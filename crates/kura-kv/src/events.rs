@@ -4,7 +4,7 @@
 //!
 //! Events are buffered only when enabled in the configuration; draining them is O(number of events).
 
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, CacheKey};
 use crate::pool::BlockId;
 
 /// A change of the cache's content.
@@ -18,8 +18,9 @@ pub enum KvEvent {
         block: BlockId,
         /// The block's token ids.
         tokens: Vec<u32>,
-        /// For a root block (`parent` is `None`), [`crate::CacheKey::digest`] of its key.
-        key_digest: Option<u128>,
+        /// For a root block (`parent` is `None`), its cache key (what a [`crate::ContentNamer`] names the
+        /// root by).
+        key: Option<CacheKey>,
     },
     /// A block announced by `Stored` is no longer cached.
     Removed { hash: BlockHash, block: BlockId },

@@ -114,14 +114,14 @@ impl KvCacheManager {
         let hits = m.hits;
         if self.config.record_events {
             let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
-            let key_digest = parent.is_none().then(|| self.index.key(m.key_id).digest());
+            let key = parent.is_none().then(|| self.index.key(m.key_id).clone());
             let hash = m.hash;
             self.events.push(KvEvent::Stored {
                 hash,
                 parent,
                 block: b,
                 tokens: self.pool.tokens_of(b).to_vec(),
-                key_digest,
+                key,
             });
         }
         self.on_block_used(b, hits);

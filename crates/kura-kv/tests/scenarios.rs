@@ -574,21 +574,20 @@ fn events_announce_stored_removed_and_cleared() {
         panic!("unexpected events {stored:?}")
     };
     assert_eq!(p1, h0);
-    // Each block names its tokens; a root names its key by digest (never the salt itself).
+    // Each block names its tokens; a root carries its key (for a keyed content name, never published).
     let KvEvent::Stored {
-        tokens, key_digest, ..
+        tokens, key: root_key, ..
     } = &stored[0]
     else {
         unreachable!()
     };
     assert_eq!(
-        (tokens.as_slice(), *key_digest),
-        (&toks(0..4)[..], Some(key.digest()))
+        (tokens.as_slice(), root_key.as_ref()),
+        (&toks(0..4)[..], Some(&key))
     );
     assert!(
-        matches!(&stored[1], KvEvent::Stored { tokens, key_digest: None, .. } if tokens[..] == toks(4..8)[..])
+        matches!(&stored[1], KvEvent::Stored { tokens, key: None, .. } if tokens[..] == toks(4..8)[..])
     );
-    assert_ne!(key.digest(), CacheKey::new().with_salt("tenant").digest());
     run(&mut kv, &key, &toks(10..14), true);
     let removed: Vec<_> = kv.drain_events().collect();
     assert!(matches!(removed[0], KvEvent::Removed { hash, .. } if hash == h1));

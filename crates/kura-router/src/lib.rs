@@ -17,6 +17,13 @@
 //! - [`replica`]: each replica's health checks (every `health_interval`; down after two failures or a
 //!   refused connection, and then no longer routed to and its blocks forgotten), its load from its
 //!   metrics, and its event follower (resynchronizes from a snapshot on a gap).
+//!
+//! In front of the routes: `kura serve`'s connection layer ([`kura_server::accept_loop`]: a connection
+//! cap that evicts the oldest idle connection, header, idle and write-stall timeouts, a hard close at
+//! shutdown), then the API keys (a request without a valid one gets 401 before its body is read), then
+//! the body limit and timeout (413, 408). Tokenization runs on the blocking pool, at most
+//! `tokenizer_threads` requests at once; a request that finds every slot busy for longer than a short
+//! wait is routed without its prompt's blocks (by load) rather than queued.
 
 pub mod index;
 /// The routing policies, shared with the fleet simulator (`kura_sim::routing`).
@@ -32,7 +39,10 @@ use std::time::Duration;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use kura_engine::TextCodec;
+use kura_kv::{ContentNamer, Secret};
+use kura_server::{ConnLimits, Phase, TenantNamer};
 use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
 
 pub use index::FleetIndex;
 pub use policy::{choose, Candidate, Policy};
@@ -46,14 +56,49 @@ pub struct RouterConfig {
     pub policy: Policy,
     /// Weight of a block to prefill against a block in use, in the `kv` cost.
     pub overlap_weight: f64,
-    /// Key the router presents to the replicas' `/v1/kv/events` when they have API keys.
-    pub replica_api_key: Option<String>,
+    /// The replicas' operator key, presented to their `/v1/kv/events`.
+    pub replica_admin_key: Option<String>,
+    /// The fleet's secret: how replicas name blocks and tenants. Needed by the `kv` policy; without
+    /// it the router reads no events and routes by load or in turn only.
+    pub fleet_secret: Option<Secret>,
+    /// Accepted client API keys (the replicas' tenant keys); empty: requests are forwarded with
+    /// whatever key they carry, and the replicas check it.
+    pub api_keys: Vec<String>,
     /// How often each replica's health and load are checked.
     pub health_interval: Duration,
     /// The served model's tokenizer and chat template, for `kv` routing.
     pub codec: Arc<dyn TextCodec>,
-    /// Largest request body forwarded.
+    /// Most requests tokenized at once (each on a thread of the blocking pool).
+    pub tokenizer_threads: usize,
+    /// Largest request body read (413 past it); nothing larger reaches a replica.
     pub max_body_bytes: usize,
+    /// Longest time to receive a request's body once its head has arrived (408 past it).
+    pub body_timeout: Duration,
+    /// Connection cap and timeouts.
+    pub conn: ConnLimits,
+    /// After a shutdown signal, how long requests in flight may run before every connection closes.
+    pub shutdown_grace: Duration,
+}
+
+impl RouterConfig {
+    /// A configuration over `replicas` with `kura serve`'s defaults for what the two share.
+    pub fn new(replicas: Vec<String>, policy: Policy, codec: Arc<dyn TextCodec>) -> Self {
+        Self {
+            replicas,
+            policy,
+            overlap_weight: 1.0,
+            replica_admin_key: None,
+            fleet_secret: None,
+            api_keys: Vec::new(),
+            health_interval: Duration::from_millis(250),
+            codec,
+            tokenizer_threads: 2,
+            max_body_bytes: 8 * 1024 * 1024,
+            body_timeout: Duration::from_secs(30),
+            conn: ConnLimits::default(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
 }
 
 impl std::fmt::Debug for RouterConfig {
@@ -63,6 +108,10 @@ impl std::fmt::Debug for RouterConfig {
             .field("policy", &self.policy)
             .field("overlap_weight", &self.overlap_weight)
             .field("health_interval", &self.health_interval)
+            .field("api_keys", &self.api_keys.len())
+            .field("tokenizer_threads", &self.tokenizer_threads)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("conn", &self.conn)
             .finish_non_exhaustive()
     }
 }
@@ -93,8 +142,17 @@ pub(crate) struct Fleet {
     /// `prompt_cache_key` → the replica its last request went to.
     affinity: Mutex<std::collections::HashMap<String, usize>>,
     client: reqwest::Client,
+    /// Names a request's blocks as the replicas do (with the fleet's secret); `None` without one.
+    namer: Option<ContentNamer>,
+    /// Names a request's tenant as the replicas do (with the fleet's secret).
+    tenants: Option<TenantNamer>,
+    /// One permit per request being tokenized.
+    tokenizer: Arc<Semaphore>,
     retries: AtomicU64,
     unroutable: AtomicU64,
+    unauthorized: AtomicU64,
+    tokenized: AtomicU64,
+    tokenizer_busy: AtomicU64,
     started: std::time::Instant,
 }
 
@@ -131,6 +189,28 @@ impl Fleet {
                 config.overlap_weight
             )));
         }
+        if config.policy == Policy::Kv && config.fleet_secret.is_none() {
+            return Err(RouterError::Config(
+                "--policy kv needs the fleet's secret (--fleet-secret-file or $KURA_FLEET_SECRET), \
+                 the one the replicas were started with: it is how they name the blocks they announce"
+                    .into(),
+            ));
+        }
+        if config.policy == Policy::Kv && config.replica_admin_key.is_none() {
+            return Err(RouterError::Config(
+                "--policy kv reads the replicas' KV events, which need their operator key: give \
+                 --replica-admin-key-file (or $KURA_ADMIN_API_KEY)"
+                    .into(),
+            ));
+        }
+        if config.api_keys.iter().any(|k| k.is_empty()) {
+            return Err(RouterError::Config("an API key must not be empty".into()));
+        }
+        if config.tokenizer_threads == 0 || config.max_body_bytes == 0 {
+            return Err(RouterError::Config(
+                "the tokenizer threads and the body limit must be at least 1".into(),
+            ));
+        }
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .pool_idle_timeout(Duration::from_secs(10))
@@ -142,8 +222,14 @@ impl Fleet {
             turn: Mutex::new(0),
             affinity: Mutex::new(Default::default()),
             client,
+            namer: config.fleet_secret.as_ref().map(ContentNamer::new),
+            tenants: config.fleet_secret.as_ref().map(TenantNamer::new),
+            tokenizer: Arc::new(Semaphore::new(config.tokenizer_threads)),
             retries: AtomicU64::new(0),
             unroutable: AtomicU64::new(0),
+            unauthorized: AtomicU64::new(0),
+            tokenized: AtomicU64::new(0),
+            tokenizer_busy: AtomicU64::new(0),
             started: std::time::Instant::now(),
             config,
         })
@@ -159,7 +245,7 @@ impl Fleet {
         use std::fmt::Write;
         let mut out = String::new();
         let index = lock(&self.index);
-        let per_replica: [ReplicaMetric; 10] = [
+        let per_replica: [ReplicaMetric; 11] = [
             (
                 "kura_router:requests_total",
                 "counter",
@@ -169,7 +255,8 @@ impl Fleet {
             (
                 "kura_router:request_failures_total",
                 "counter",
-                "Requests the replica could not take (connection failed; retried elsewhere).",
+                "Requests whose connection to the replica failed before an answer (retried elsewhere \
+                 when the replica is down).",
                 |r| r.failures.load(Ordering::Relaxed),
             ),
             (
@@ -195,6 +282,12 @@ impl Fleet {
                 "gauge",
                 "1 while the replica passes its health checks.",
                 |r| u64::from(r.is_up()),
+            ),
+            (
+                "kura_router:replica_mark_downs_total",
+                "counter",
+                "Times the replica was found down (a refused connection or failed health checks).",
+                |r| r.mark_downs.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:in_flight",
@@ -251,6 +344,21 @@ impl Fleet {
                 "Requests refused because no replica was up.",
                 &self.unroutable,
             ),
+            (
+                "kura_router:unauthorized_total",
+                "Requests refused (401) for want of a valid API key, before their body was read.",
+                &self.unauthorized,
+            ),
+            (
+                "kura_router:tokenized_requests_total",
+                "Requests whose prompt the router tokenized to route it.",
+                &self.tokenized,
+            ),
+            (
+                "kura_router:tokenizer_busy_total",
+                "Requests routed without their prompt's blocks because every tokenizer slot was busy.",
+                &self.tokenizer_busy,
+            ),
         ] {
             let _ = writeln!(
                 out,
@@ -265,18 +373,25 @@ impl Fleet {
 /// The router's routes over `fleet`.
 fn app(fleet: Arc<Fleet>) -> axum::Router {
     let limit = fleet.config.max_body_bytes;
-    axum::Router::new()
+    let api = axum::Router::new()
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/messages", post(proxy::messages))
         .route("/v1/models", get(proxy::models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            fleet.clone(),
+            proxy::authenticate,
+        ));
+    axum::Router::new()
+        .merge(api)
         .route("/health", get(proxy::health))
         .route("/metrics", get(proxy::metrics))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(fleet)
 }
 
-/// Routes on `listener` until `shutdown` resolves.
+/// Routes on `listener` until `shutdown` resolves; then refuses new connections, lets requests in
+/// flight run for the shutdown grace, and closes every connection.
 pub async fn run(
     listener: TcpListener,
     config: RouterConfig,
@@ -289,53 +404,56 @@ pub async fn run(
         fleet.replicas.len(),
         fleet.config.policy.as_str()
     );
-    let tasks: Vec<_> = (0..fleet.replicas.len())
-        .flat_map(|r| {
-            [
-                tokio::spawn(replica::check_health(fleet.clone(), r)),
-                tokio::spawn(replica::follow_events(fleet.clone(), r)),
-            ]
-        })
+    let mut tasks: Vec<_> = (0..fleet.replicas.len())
+        .map(|r| tokio::spawn(replica::check_health(fleet.clone(), r)))
         .collect();
-    let result = axum::serve(listener, app(fleet))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    // Without the fleet's secret the replicas' block names mean nothing here: their events are not read.
+    if fleet.namer.is_some() {
+        tasks.extend(
+            (0..fleet.replicas.len())
+                .map(|r| tokio::spawn(replica::follow_events(fleet.clone(), r))),
+        );
+    }
+    let (phase_tx, phase_rx) = watch::channel(Phase::Serving);
+    let conn = fleet.config.conn.clone();
+    let grace = fleet.config.shutdown_grace;
+    let mut accept = tokio::spawn(kura_server::accept_loop(
+        listener,
+        app(fleet),
+        conn,
+        phase_rx,
+    ));
+    let ended = tokio::select! {
+        _ = shutdown => false,
+        _ = &mut accept => true,
+    };
+    let _ = phase_tx.send(Phase::Draining);
+    if !ended && tokio::time::timeout(grace, &mut accept).await.is_err() {
+        tracing::warn!("shutdown grace period over: closing every connection");
+        let _ = phase_tx.send(Phase::Closed);
+        let _ = accept.await;
+    }
     for t in tasks {
         t.abort();
     }
-    Ok(result?)
+    Ok(())
 }
 
 /// Runs [`run`] on its own runtime, bound to `addr`, until Ctrl-C or SIGTERM.
 pub fn serve_blocking(addr: &str, config: RouterConfig) -> Result<(), RouterError> {
+    // Tokenization holds one blocking thread per permit; a few more for the rest (name resolution).
+    let blocking = config.tokenizer_threads.saturating_add(4);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .max_blocking_threads(blocking)
         .thread_name("kura-router")
         .enable_all()
         .build()?;
-    runtime.block_on(async {
+    let result = runtime.block_on(async {
         let listener = TcpListener::bind(addr).await?;
-        run(listener, config, shutdown_signal()).await
-    })
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
+        run(listener, config, kura_server::shutdown_signal()).await
+    });
+    // A tokenization still running must not hold the process.
+    runtime.shutdown_background();
+    result
 }

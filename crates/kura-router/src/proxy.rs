@@ -1,28 +1,44 @@
 //! The router's routes: pick a replica, forward the request unchanged, stream the answer back.
 //!
-//! A request goes to the replica the policy picks among those up and not yet tried for it. If the
-//! connection fails before an answer (the replica is gone), the replica is marked down and the request
-//! goes to the next choice: it had not started there. A 503 (a replica shutting down) is retried the
-//! same way, without marking the replica down. The answer is streamed as it comes; on its way the router
-//! reads the cached tokens the replica reports (`cached_tokens`, `cache_read_input_tokens`) for its
-//! metrics. A client that leaves drops the replica's connection, which cancels the request there.
+//! A request goes to the replica the policy picks among those up and not yet tried for it. What a
+//! replica answers, whatever its status (400, 401, 413…), is the client's answer: a refused request
+//! says nothing of the replica's health. A failed send is told apart by its cause:
+//!
+//! - the connection could not be made (nothing listens there): the replica is marked down and the
+//!   request goes to the next choice, where it had not started;
+//! - the connection broke after it was made: the replica may have died, or may have refused the
+//!   request's body and closed (a replica closes a connection whose body it will not read). The replica
+//!   is checked at once: down, and the request goes to the next choice; alive, and the client gets 502
+//!   while the replica keeps its place.
+//!
+//! A 503 (a replica shutting down) is retried the same way, without marking the replica down. The
+//! answer is streamed as it comes; on its way the router reads the cached tokens the replica reports
+//! (`cached_tokens`, `cache_read_input_tokens`) for its metrics. A stream cut by its replica ends with an
+//! error event (OpenAI's or Anthropic's shape), never a silently short 200; a cut non-streamed answer
+//! aborts the client's connection. A client that leaves drops the replica's connection, which cancels
+//! the request there.
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use std::time::Duration;
+
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use kura_kv::CacheKey;
 use kura_server::routing::{routing_prompt, Endpoint, RoutingPrompt};
+use kura_server::{AnthropicError, ApiError};
 use serde_json::{json, Value};
 
+use crate::index::prompt_names;
 use crate::policy::{choose, Candidate, Policy};
 use crate::{lock, Fleet};
 
@@ -33,6 +49,64 @@ const AFFINITY_SLACK: u64 = 4;
 const MAX_AFFINITY_KEYS: usize = 100_000;
 /// The header naming the replica that served a response.
 const REPLICA_HEADER: &str = "x-kura-replica";
+/// Longest wait for a tokenizer slot; past it the request is routed without its prompt's blocks.
+const TOKENIZER_WAIT: Duration = Duration::from_millis(50);
+/// Most bytes of an unfinished SSE event held back (a stream without event boundaries is passed on).
+const MAX_SSE_TAIL: usize = 1 << 20;
+/// What a client is told when its replica fails in the middle of its answer.
+const FAILED_MID_STREAM: &str = "the replica serving this request failed mid-stream";
+
+/// The API key a request was authenticated with (set by [`authenticate`] when the router has keys).
+#[derive(Clone)]
+struct ClientKey(String);
+
+/// Constant-time comparison, so that response timing does not reveal how much of a key matched.
+fn same_key(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// An error in the route's API shape: Anthropic's on `/v1/messages`, OpenAI's elsewhere.
+fn api_error(endpoint: Endpoint, e: ApiError) -> Response {
+    match endpoint {
+        Endpoint::Messages => AnthropicError(e).into_response(),
+        _ => e.into_response(),
+    }
+}
+
+/// With API keys configured, lets a request with one of them through (noting which) and answers 401
+/// to any other before its body is read.
+pub(crate) async fn authenticate(
+    State(fleet): State<Arc<Fleet>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let keys = &fleet.config.api_keys;
+    if keys.is_empty() {
+        return next.run(req).await;
+    }
+    let [bearer, x_api_key] = kura_server::presented_keys(req.headers());
+    let known = |k: Option<&str>| k.and_then(|k| keys.iter().find(|x| same_key(x, k)));
+    match known(bearer).or_else(|| known(x_api_key)) {
+        Some(key) => {
+            let key = ClientKey(key.clone());
+            req.extensions_mut().insert(key);
+            next.run(req).await
+        }
+        None => {
+            fleet.unauthorized.fetch_add(1, Ordering::Relaxed);
+            let endpoint = if req.uri().path() == Endpoint::Messages.path() {
+                Endpoint::Messages
+            } else {
+                Endpoint::ChatCompletions
+            };
+            api_error(endpoint, ApiError::Unauthorized)
+        }
+    }
+}
 
 /// What routing knows about a request's prompt.
 #[derive(Debug, Default)]
@@ -44,59 +118,58 @@ struct Prompt {
     prompt_cache_key: Option<String>,
 }
 
-/// The prompt's blocks, computed as the replicas compute them (tokenized off the async workers).
+/// The prompt's blocks, computed as the replicas compute them (parsed and tokenized on the blocking
+/// pool, at most `tokenizer_threads` at once). `client_key` is the API key the request presents.
 async fn read_prompt(
     fleet: &Arc<Fleet>,
     endpoint: Endpoint,
-    headers: &HeaderMap,
-    body: &Bytes,
+    client_key: Option<String>,
+    body: Bytes,
 ) -> Prompt {
+    let (Some(namer), Some(tenants)) = (fleet.namer.clone(), fleet.tenants.as_ref()) else {
+        return Prompt::default();
+    };
     let Some(info) = fleet.replicas.iter().find_map(|r| lock(&r.info).clone()) else {
         return Prompt::default();
     };
-    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+    let tenant = match info.tenants {
+        true => client_key.map(|k| tenants.tenant_of_key(&k)),
+        false => None,
+    };
+    let wait = tokio::time::timeout(TOKENIZER_WAIT, fleet.tokenizer.clone().acquire_owned());
+    let Ok(Ok(permit)) = wait.await else {
+        fleet.tokenizer_busy.fetch_add(1, Ordering::Relaxed);
         return Prompt::default();
     };
-    if !value.is_object() {
-        return Prompt::default();
-    }
-    let key = info
-        .tenants
-        .then(|| {
-            kura_server::presented_keys(headers)
-                .into_iter()
-                .flatten()
-                .next()
-                .map(str::to_string)
-        })
-        .flatten();
-    let codec = fleet.config.codec.clone();
-    let model = info.model.clone();
+    let (fleet, codec) = (fleet.clone(), fleet.config.codec.clone());
     let read = tokio::task::spawn_blocking(move || {
-        routing_prompt(endpoint, &value, &model, codec.as_ref(), key.as_deref())
+        let _permit = permit;
+        let value = serde_json::from_slice::<Value>(&body).ok()?;
+        if !value.is_object() {
+            return None;
+        }
+        fleet.tokenized.fetch_add(1, Ordering::Relaxed);
+        // A request the servers will refuse goes to one of them anyway, which answers with its error.
+        let RoutingPrompt {
+            tokens,
+            cache_salt,
+            prompt_cache_key,
+            ..
+        } = routing_prompt(endpoint, &value, &info.model, codec.as_ref(), tenant).ok()?;
+        let mut key = CacheKey::new().with_model_fingerprint(info.model_fingerprint.clone());
+        if let Some(salt) = cache_salt {
+            key = key.with_salt(salt);
+        }
+        let mut namer = namer;
+        Some(Prompt {
+            names: prompt_names(&mut namer, &key, &tokens, info.block_size),
+            block_size: info.block_size,
+            tokens: tokens.len(),
+            prompt_cache_key,
+        })
     })
     .await;
-    // A request the servers will refuse goes to one of them anyway, which answers with its error.
-    let Ok(Ok(RoutingPrompt {
-        tokens,
-        cache_salt,
-        prompt_cache_key,
-        ..
-    })) = read
-    else {
-        return Prompt::default();
-    };
-    let mut cache_key = CacheKey::new().with_model_fingerprint(info.model_fingerprint.clone());
-    if let Some(salt) = cache_salt {
-        cache_key = cache_key.with_salt(salt);
-    }
-    let names = lock(&fleet.index).prompt_names(&cache_key, &tokens, info.block_size);
-    Prompt {
-        names,
-        block_size: info.block_size,
-        tokens: tokens.len(),
-        prompt_cache_key,
-    }
+    read.ok().flatten().unwrap_or_default()
 }
 
 /// The replica for `prompt` among those not `tried`, and how many of its blocks it holds.
@@ -251,26 +324,114 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
+/// The bytes of an SSE body after its last complete event (`\n\n`), held back until the event
+/// completes, so that an error event appended after a cut starts on an event boundary.
+#[derive(Default)]
+struct SseTail(Vec<u8>);
+
+impl SseTail {
+    /// Adds `chunk`; returns what is ready to send: everything up to the last event boundary.
+    fn feed(&mut self, chunk: &[u8]) -> Option<Bytes> {
+        let from = self.0.len().saturating_sub(1);
+        self.0.extend_from_slice(chunk);
+        let end = match self.0[from..].windows(2).rposition(|w| w == b"\n\n") {
+            Some(at) => from + at + 2,
+            // An event larger than the bound is passed on as it comes.
+            None if self.0.len() > MAX_SSE_TAIL => self.0.len(),
+            None => return None,
+        };
+        let rest = self.0.split_off(end);
+        Some(Bytes::from(std::mem::replace(&mut self.0, rest)))
+    }
+
+    /// What is left when the body ends.
+    fn finish(&mut self) -> Option<Bytes> {
+        (!self.0.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.0)))
+    }
+}
+
+/// The event that ends a stream whose replica failed, in the route's API shape.
+fn failure_event(endpoint: Endpoint) -> Bytes {
+    let text = match endpoint {
+        Endpoint::Messages => {
+            let data = json!({"type": "error", "error": {"type": "api_error", "message": FAILED_MID_STREAM}});
+            format!("event: error\ndata: {data}\n\n")
+        }
+        _ => {
+            let data = json!({"error": {"message": FAILED_MID_STREAM, "type": "server_error",
+                "param": null, "code": "replica_failed"}});
+            format!("data: {data}\n\n")
+        }
+    };
+    Bytes::from(text)
+}
+
 /// The replica's body on its way to the client.
 struct Relay {
     inner: BoxStream<'static, reqwest::Result<Bytes>>,
     scan: CachedScan,
     flight: InFlight,
+    endpoint: Endpoint,
+    /// `Some` when the answer is an SSE stream.
+    sse: Option<SseTail>,
+    done: bool,
+}
+
+impl Relay {
+    /// The replica's body broke: have the replica checked now (a dead one is drained at once).
+    fn replica_failed(&self, e: &reqwest::Error) {
+        let (fleet, r) = (self.flight.fleet.clone(), self.flight.replica);
+        tracing::warn!(replica = %fleet.replicas[r].url, error = %e,
+            "a replica's answer broke off mid-way: checking the replica");
+        tokio::spawn(async move {
+            fleet.confirm_alive(r).await;
+        });
+    }
 }
 
 impl Stream for Relay {
     type Item = reqwest::Result<Bytes>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let item = self.inner.poll_next_unpin(cx);
-        if let Poll::Ready(Some(Ok(chunk))) = &item {
-            let chunk = chunk.clone();
-            self.flight.prefilled();
-            if let Some(n) = self.scan.feed(&chunk) {
-                self.flight.reported = Some(n);
+        loop {
+            if self.done {
+                return Poll::Ready(None);
+            }
+            let item = match self.inner.poll_next_unpin(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(item) => item,
+            };
+            match item {
+                Some(Ok(chunk)) => {
+                    self.flight.prefilled();
+                    if let Some(n) = self.scan.feed(&chunk) {
+                        self.flight.reported = Some(n);
+                    }
+                    match self.sse.as_mut() {
+                        None => return Poll::Ready(Some(Ok(chunk))),
+                        Some(tail) => {
+                            if let Some(ready) = tail.feed(&chunk) {
+                                return Poll::Ready(Some(Ok(ready)));
+                            }
+                        }
+                    }
+                }
+                Some(Err(e)) => {
+                    self.replica_failed(&e);
+                    self.done = true;
+                    // A stream ends with an error event in place of its unfinished one; any other
+                    // answer ends with the error, which aborts the client's connection.
+                    return Poll::Ready(Some(match self.sse {
+                        Some(_) => Ok(failure_event(self.endpoint)),
+                        None => Err(e),
+                    }));
+                }
+                None => {
+                    self.done = true;
+                    return Poll::Ready(self.sse.as_mut().and_then(SseTail::finish).map(Ok));
+                }
             }
         }
-        item
     }
 }
 
@@ -286,6 +447,19 @@ fn unavailable(endpoint: Endpoint, message: &str) -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
 }
 
+/// 502: the replica's connection broke before it answered, and the replica is alive.
+fn bad_gateway(endpoint: Endpoint, message: &str) -> Response {
+    let body = match endpoint {
+        Endpoint::Messages => {
+            json!({"type": "error", "error": {"type": "api_error", "message": message}})
+        }
+        _ => {
+            json!({"error": {"message": message, "type": "server_error", "param": null, "code": "bad_gateway"}})
+        }
+    };
+    (StatusCode::BAD_GATEWAY, Json(body)).into_response()
+}
+
 /// Headers not forwarded either way: the connection's own.
 fn hop_by_hop(name: &HeaderName) -> bool {
     name == header::HOST
@@ -295,13 +469,70 @@ fn hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "keep-alive"
 }
 
-async fn forward(
-    fleet: Arc<Fleet>,
-    endpoint: Endpoint,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let prompt = read_prompt(&fleet, endpoint, &headers, &body).await;
+/// The request's body, within the body limit (413) and the body timeout (408).
+async fn read_body(fleet: &Fleet, endpoint: Endpoint, req: Request) -> Result<Bytes, Response> {
+    let limit_bytes = fleet.config.max_body_bytes;
+    // A body announced larger than the limit is refused from the head, without reading it.
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit_bytes as u64) {
+        return Err(api_error(endpoint, ApiError::BodyTooLarge { limit_bytes }));
+    }
+    let timeout = fleet.config.body_timeout;
+    let read = tokio::time::timeout(timeout, Bytes::from_request(req, &())).await;
+    let error = match read {
+        Ok(Ok(bytes)) => return Ok(bytes),
+        Err(_) => ApiError::BodyTimeout {
+            seconds: timeout.as_secs_f64(),
+        },
+        Ok(Err(rejection)) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            ApiError::BodyTooLarge { limit_bytes }
+        }
+        Ok(Err(rejection)) => ApiError::invalid(
+            format!("could not read the request body: {}", rejection.body_text()),
+            None,
+        ),
+    };
+    Err(api_error(endpoint, error))
+}
+
+/// What a failed send says about the replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SendFailure {
+    /// No connection could be made: nothing serves there.
+    Unreachable,
+    /// The connection broke after it was made: the replica died, or refused the request and closed.
+    Broken,
+}
+
+impl SendFailure {
+    fn of(e: &reqwest::Error) -> Self {
+        if e.is_connect() {
+            SendFailure::Unreachable
+        } else {
+            SendFailure::Broken
+        }
+    }
+}
+
+async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Response {
+    let client_key = match req.extensions().get::<ClientKey>() {
+        Some(ClientKey(key)) => Some(key.clone()),
+        None => kura_server::presented_keys(req.headers())
+            .into_iter()
+            .flatten()
+            .next()
+            .map(str::to_string),
+    };
+    let headers = req.headers().clone();
+    let body = match read_body(&fleet, endpoint, req).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let prompt = read_prompt(&fleet, endpoint, client_key, body.clone()).await;
     let mut tried = vec![false; fleet.replicas.len()];
     loop {
         let Some((r, held)) = pick(&fleet, &prompt, &tried) else {
@@ -329,7 +560,22 @@ async fn forward(
             Ok(resp) => resp,
             Err(e) => {
                 rep.failures.fetch_add(1, Ordering::Relaxed);
-                fleet.mark_down(r, &format!("forwarding a request failed: {e}"));
+                drop(flight);
+                let alive = match SendFailure::of(&e) {
+                    SendFailure::Unreachable => {
+                        fleet.mark_down(r, &format!("forwarding a request failed: {e}"));
+                        false
+                    }
+                    SendFailure::Broken => fleet.confirm_alive(r).await,
+                };
+                if alive {
+                    tracing::info!(replica = %rep.url, error = %e,
+                        "a replica closed a request's connection before answering and is alive: 502");
+                    return bad_gateway(
+                        endpoint,
+                        "the replica closed the connection before answering this request",
+                    );
+                }
                 fleet.retries.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
@@ -343,6 +589,11 @@ async fn forward(
             .fetch_add(prompt.tokens as u64, Ordering::Relaxed);
         let predicted = (held as usize).saturating_mul(prompt.block_size) as u64;
         rep.predicted_cached.fetch_add(predicted, Ordering::Relaxed);
+        let sse = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
         let mut out = Response::builder().status(resp.status());
         if let Some(h) = out.headers_mut() {
             for (name, value) in resp.headers() {
@@ -356,6 +607,9 @@ async fn forward(
             inner: resp.bytes_stream().boxed(),
             scan: CachedScan::default(),
             flight,
+            endpoint,
+            sse: sse.then(SseTail::default),
+            done: false,
         };
         return out
             .body(Body::from_stream(relay))
@@ -363,28 +617,16 @@ async fn forward(
     }
 }
 
-pub(crate) async fn chat_completions(
-    State(fleet): State<Arc<Fleet>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    forward(fleet, Endpoint::ChatCompletions, headers, body).await
+pub(crate) async fn chat_completions(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
+    forward(fleet, Endpoint::ChatCompletions, req).await
 }
 
-pub(crate) async fn completions(
-    State(fleet): State<Arc<Fleet>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    forward(fleet, Endpoint::Completions, headers, body).await
+pub(crate) async fn completions(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
+    forward(fleet, Endpoint::Completions, req).await
 }
 
-pub(crate) async fn messages(
-    State(fleet): State<Arc<Fleet>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    forward(fleet, Endpoint::Messages, headers, body).await
+pub(crate) async fn messages(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
+    forward(fleet, Endpoint::Messages, req).await
 }
 
 /// `GET /v1/models`: the first replica up answers.

@@ -2,19 +2,21 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kura_bench::sse::{SseDecoder, SseEvent};
 use serde_json::Value;
 
-use crate::index::{AnnouncedBlock, Change};
+use crate::index::Change;
 use crate::{lock, Fleet};
 
 /// Consecutive failed health checks after which a replica is down.
 const DOWN_AFTER: u32 = 2;
 /// Longest wait for a health or metrics answer.
 const CHECK_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long the result of a health probe made after a failed request answers for later ones.
+const PROBE_REUSE: Duration = Duration::from_millis(100);
 
 /// What a replica's KV snapshot says about how it names blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +43,10 @@ pub(crate) struct Replica {
     pub reported_cached: AtomicU64,
     pub snapshots: AtomicU64,
     pub gaps: AtomicU64,
+    /// Times the replica went from up to down.
+    pub mark_downs: AtomicU64,
+    /// The last health probe made after a failed request: when, and whether the replica answered.
+    probe: tokio::sync::Mutex<Option<(Instant, bool)>>,
 }
 
 impl Replica {
@@ -61,6 +67,8 @@ impl Replica {
             reported_cached: AtomicU64::new(0),
             snapshots: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
+            mark_downs: AtomicU64::new(0),
+            probe: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -76,6 +84,7 @@ impl Fleet {
         let rep = &self.replicas[r];
         rep.failed_checks.store(DOWN_AFTER, Ordering::Relaxed);
         if rep.up.swap(false, Ordering::AcqRel) {
+            rep.mark_downs.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(replica = %rep.url, reason = why, "replica down: draining it");
         }
         lock(&self.index).forget(r);
@@ -95,6 +104,51 @@ impl Fleet {
         if failed >= DOWN_AFTER {
             self.mark_down(r, why);
         }
+    }
+
+    /// One health check of replica `r` now; a failure counts towards [`DOWN_AFTER`], and with
+    /// `refused_is_down` a refused connection marks it down at once. `true` when it answered 2xx.
+    async fn check_now(&self, r: usize, refused_is_down: bool) -> bool {
+        let health = self
+            .client
+            .get(format!("{}/health", self.replicas[r].url))
+            .timeout(CHECK_TIMEOUT)
+            .send()
+            .await;
+        match health {
+            Ok(resp) if resp.status().is_success() => {
+                self.check_passed(r);
+                true
+            }
+            Ok(resp) => {
+                self.check_failed(r, &format!("/health answered {}", resp.status()));
+                false
+            }
+            Err(e) if refused_is_down && e.is_connect() => {
+                self.mark_down(r, &format!("/health could not connect: {e}"));
+                false
+            }
+            Err(e) => {
+                self.check_failed(r, &format!("/health failed: {e}"));
+                false
+            }
+        }
+    }
+
+    /// Whether replica `r` is alive, checked now: after a request to it failed on the way (the
+    /// connection broke after it was made), which says nothing by itself of whose fault it was (a
+    /// replica that died, or one that refused the request's body and closed). Concurrent callers share
+    /// one check; a result younger than [`PROBE_REUSE`] is reused.
+    pub(crate) async fn confirm_alive(&self, r: usize) -> bool {
+        let mut last = self.replicas[r].probe.lock().await;
+        if let Some((at, alive)) = *last {
+            if at.elapsed() < PROBE_REUSE {
+                return alive;
+            }
+        }
+        let alive = self.check_now(r, true).await;
+        *last = Some((Instant::now(), alive));
+        alive
     }
 }
 
@@ -117,17 +171,7 @@ pub(crate) async fn check_health(fleet: Arc<Fleet>, r: usize) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let health = fleet
-            .client
-            .get(format!("{url}/health"))
-            .timeout(CHECK_TIMEOUT)
-            .send()
-            .await;
-        match health {
-            Ok(resp) if resp.status().is_success() => fleet.check_passed(r),
-            Ok(resp) => fleet.check_failed(r, &format!("/health answered {}", resp.status())),
-            Err(e) => fleet.check_failed(r, &format!("/health failed: {e}")),
-        }
+        fleet.check_now(r, false).await;
         if !fleet.replicas[r].is_up() {
             continue;
         }
@@ -151,37 +195,24 @@ pub(crate) async fn check_health(fleet: Arc<Fleet>, r: usize) {
     }
 }
 
-fn hex(v: Option<&Value>) -> Result<Option<u128>, String> {
+/// A block's name: 32 hexadecimal digits, as replicas write them.
+fn name(v: Option<&Value>, what: &str) -> Result<u128, String> {
     match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => u128::from_str_radix(s, 16)
-            .map(Some)
-            .map_err(|_| format!("{s:?} is not a hexadecimal hash")),
-        Some(other) => Err(format!("{other} is not a hash")),
+        None | Some(Value::Null) => Err(format!("{what} without a name")),
+        Some(Value::String(s)) => {
+            if s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
+                u128::from_str_radix(s, 16).map_err(|e| format!("block name {s:?}: {e}"))
+            } else {
+                Err(format!(
+                    "block name {s:?} is not 32 hexadecimal digits (a replica of another version?)"
+                ))
+            }
+        }
+        Some(other) => Err(format!("block name {other} is not a string")),
     }
 }
 
-fn block(v: &Value) -> Result<AnnouncedBlock, String> {
-    let tokens = v
-        .get("tokens")
-        .and_then(Value::as_array)
-        .ok_or("a block without tokens")?
-        .iter()
-        .map(|t| {
-            t.as_u64()
-                .and_then(|t| u32::try_from(t).ok())
-                .ok_or_else(|| format!("token {t} is not a token id"))
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(AnnouncedBlock {
-        hash: hex(v.get("hash"))?.ok_or("a block without a hash")?,
-        parent: hex(v.get("parent"))?,
-        tokens,
-        key_digest: hex(v.get("key_digest"))?,
-    })
-}
-
-fn snapshot(v: &Value) -> Result<(u64, ReplicaInfo, Vec<AnnouncedBlock>), String> {
+fn snapshot(v: &Value) -> Result<(u64, ReplicaInfo, Vec<u128>), String> {
     let seq = v.get("seq").and_then(Value::as_u64).ok_or("no seq")?;
     let text = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
     let info = ReplicaInfo {
@@ -195,14 +226,15 @@ fn snapshot(v: &Value) -> Result<(u64, ReplicaInfo, Vec<AnnouncedBlock>), String
             .ok_or("no block_size")?,
         tenants: v.get("tenants").and_then(Value::as_bool).unwrap_or(false),
     };
-    let blocks = v
+    // A block may also carry its tokens (a replica's --kv-events-tokens): not needed here.
+    let names = v
         .get("blocks")
         .and_then(Value::as_array)
         .ok_or("no blocks")?
         .iter()
-        .map(block)
+        .map(|b| name(b.get("name"), "a block"))
         .collect::<Result<_, _>>()?;
-    Ok((seq, info, blocks))
+    Ok((seq, info, names))
 }
 
 fn change(v: &Value) -> Result<(u64, Change), String> {
@@ -211,9 +243,11 @@ fn change(v: &Value) -> Result<(u64, Change), String> {
         .and_then(Value::as_u64)
         .ok_or("an event without seq")?;
     let change = match v.get("type").and_then(Value::as_str) {
-        Some("stored") => Change::Stored(block(v)?),
+        Some("stored") => Change::Stored {
+            name: name(v.get("name"), "a stored event")?,
+        },
         Some("removed") => Change::Removed {
-            hash: hex(v.get("hash"))?.ok_or("a removal without a hash")?,
+            name: name(v.get("name"), "a removed event")?,
         },
         Some("cleared") => Change::Cleared,
         other => return Err(format!("unknown event type {other:?}")),
@@ -229,6 +263,8 @@ enum StreamEnd {
     Broken(String),
     /// The replica publishes no events.
     NotPublished,
+    /// The replica refused the key presented (401: none or unknown; 403: a tenant's key).
+    Refused(u16),
 }
 
 /// Applies one SSE event of replica `r`'s stream; `Err` ends the stream.
@@ -240,10 +276,10 @@ fn on_event(fleet: &Fleet, r: usize, e: &SseEvent) -> Result<(), StreamEnd> {
     };
     match e.event.as_deref() {
         Some("snapshot") => {
-            let (seq, info, blocks) = snapshot(&parse(&e.data)?)
+            let (seq, info, names) = snapshot(&parse(&e.data)?)
                 .map_err(|m| StreamEnd::Broken(format!("snapshot: {m}")))?;
-            let n = blocks.len();
-            lock(&fleet.index).reset(r, seq, &blocks);
+            let n = names.len();
+            lock(&fleet.index).reset(r, seq, &names);
             *lock(&rep.info) = Some(info);
             rep.snapshots.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(replica = %rep.url, seq, blocks = n, "KV snapshot");
@@ -276,7 +312,7 @@ fn on_event(fleet: &Fleet, r: usize, e: &SseEvent) -> Result<(), StreamEnd> {
 async fn follow_once(fleet: &Fleet, r: usize) -> StreamEnd {
     let rep = &fleet.replicas[r];
     let mut request = fleet.client.get(format!("{}/v1/kv/events", rep.url));
-    if let Some(key) = &fleet.config.replica_api_key {
+    if let Some(key) = &fleet.config.replica_admin_key {
         request = request.bearer_auth(key);
     }
     let resp = match request.send().await {
@@ -286,6 +322,7 @@ async fn follow_once(fleet: &Fleet, r: usize) -> StreamEnd {
     match resp.status().as_u16() {
         200 => {}
         404 => return StreamEnd::NotPublished,
+        s @ (401 | 403) => return StreamEnd::Refused(s),
         s => return StreamEnd::Broken(format!("/v1/kv/events answered {s}")),
     }
     let mut body = resp.bytes_stream();
@@ -315,6 +352,7 @@ async fn follow_once(fleet: &Fleet, r: usize) -> StreamEnd {
 /// and on any other end after a pause, it forgets the replica's blocks and starts again.
 pub(crate) async fn follow_events(fleet: Arc<Fleet>, r: usize) {
     let mut warned_unpublished = false;
+    let mut warned_refused = false;
     loop {
         if !fleet.replicas[r].is_up() {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -332,6 +370,19 @@ pub(crate) async fn follow_events(fleet: Arc<Fleet>, r: usize) {
                     tracing::warn!(replica = %rep.url,
                         "the replica publishes no KV events (start it with --kv-events): routing to it without its cache");
                     warned_unpublished = true;
+                }
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            StreamEnd::Refused(status) => {
+                if !warned_refused {
+                    let given = match fleet.config.replica_admin_key {
+                        Some(_) => "the operator key given",
+                        None => "no key (give --replica-admin-key-file)",
+                    };
+                    tracing::warn!(replica = %rep.url, status,
+                        "the replica refused {given} at /v1/kv/events: routing to it without its cache \
+                         until it accepts the replicas' operator key");
+                    warned_refused = true;
                 }
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
@@ -358,29 +409,70 @@ mod tests {
 
     #[test]
     fn events_parse_and_bad_ones_name_the_problem() {
+        let parse = |text: &str| change(&serde_json::from_str::<Value>(text).unwrap());
+        let name = "000000000000000000000000000000ff";
+        assert_eq!(
+            parse(&format!(
+                r#"{{"seq":4,"type":"stored","name":"{name}","tier":"pool"}}"#
+            ))
+            .unwrap(),
+            (4, Change::Stored { name: 255 })
+        );
+        assert_eq!(
+            parse(&format!(r#"{{"seq":5,"type":"removed","name":"{name}"}}"#)).unwrap(),
+            (5, Change::Removed { name: 255 })
+        );
+        assert_eq!(
+            parse(r#"{"seq":6,"type":"cleared"}"#).unwrap(),
+            (6, Change::Cleared)
+        );
+        for (bad, says) in [
+            (
+                r#"{"seq":1,"type":"stored","name":"zz"}"#,
+                "\"zz\" is not 32 hexadecimal digits",
+            ),
+            (
+                r#"{"seq":1,"type":"stored","name":"+0000000000000000000000000000001"}"#,
+                "not 32 hexadecimal digits",
+            ),
+            (
+                r#"{"seq":1,"type":"stored","name":"0000000000000000000000000000000001"}"#,
+                "not 32 hexadecimal digits",
+            ),
+            (
+                r#"{"seq":1,"type":"removed"}"#,
+                "a removed event without a name",
+            ),
+            (r#"{"seq":1,"type":"stored","name":7}"#, "7 is not a string"),
+            // The old format (hash, parent, tokens) is refused by name, not read as something else.
+            (
+                r#"{"seq":1,"type":"stored","hash":"0a","tokens":[1,2]}"#,
+                "a stored event without a name",
+            ),
+            (r#"{"seq":1,"type":"moved"}"#, "moved"),
+            (r#"{"type":"cleared"}"#, "without seq"),
+        ] {
+            let err = parse(bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_snapshot_gives_its_names_and_ignores_debug_tokens() {
         let v: Value = serde_json::from_str(
-            r#"{"seq":4,"type":"stored","hash":"0a","parent":null,"tokens":[1,2],"key_digest":"ff"}"#,
+            r#"{"object":"kv.snapshot","instance":"i","seq":9,"block_size":16,"model":"m",
+                "model_fingerprint":"f","tenants":true,"tier":"pool",
+                "blocks":[{"name":"0000000000000000000000000000000a"},
+                          {"name":"0000000000000000000000000000000b","tokens":[1,2,3]}]}"#,
         )
         .unwrap();
-        assert_eq!(
-            change(&v).unwrap(),
-            (
-                4,
-                Change::Stored(AnnouncedBlock {
-                    hash: 10,
-                    parent: None,
-                    tokens: vec![1, 2],
-                    key_digest: Some(255)
-                })
-            )
-        );
-        let bad: Value =
-            serde_json::from_str(r#"{"seq":1,"type":"stored","hash":"zz","tokens":[]}"#).unwrap();
-        assert!(change(&bad).unwrap_err().contains("\"zz\""));
-        let bad: Value = serde_json::from_str(r#"{"seq":1,"type":"moved"}"#).unwrap();
-        assert!(change(&bad).unwrap_err().contains("moved"));
-        let bad: Value =
-            serde_json::from_str(r#"{"seq":1,"type":"stored","hash":"1","tokens":[-1]}"#).unwrap();
-        assert!(change(&bad).unwrap_err().contains("-1"));
+        let (seq, info, names) = snapshot(&v).unwrap();
+        assert_eq!((seq, names), (9, vec![10, 11]));
+        assert_eq!((info.block_size, info.tenants), (16, true));
+        let bad: Value = serde_json::from_str(
+            r#"{"seq":1,"block_size":16,"model":"m","model_fingerprint":"f","blocks":[{"name":"g"}]}"#,
+        )
+        .unwrap();
+        assert!(snapshot(&bad).unwrap_err().contains("\"g\""));
     }
 }

@@ -1,5 +1,6 @@
 //! `/v1/caches`: saved contexts as resources (create, list, get, change TTL, delete), and
-//! `POST /debug/clock`, which moves the cache clock forward when the server runs with `--debug-clock`.
+//! `POST /debug/clock`, which moves the cache clock forward when the server runs with `--debug-clock`
+//! (operator key only). The store's file I/O runs on the blocking pool, never on the async workers.
 //!
 //! Creating a context computes its KV at once (a one-token generation over its prompt), pins its blocks
 //! until it expires and writes them through to the lower tiers; the reply reports how many tokens were
@@ -19,6 +20,11 @@ use crate::{handlers, validate, AppState, Tenant};
 
 /// Default time to live of a saved context: one hour.
 const DEFAULT_TTL_S: u64 = 3600;
+/// Longest step of `POST /debug/clock`: ten years.
+const MAX_CLOCK_STEP_S: u64 = 10 * 365 * 24 * 3600;
+/// Furthest the cache clock may go (about 1,000 years of milliseconds): far from `u64::MAX`, so that
+/// expiry times a year past it never saturate.
+const MAX_CLOCK_MS: u64 = 1000 * 365 * 24 * 3600 * 1000;
 
 pub async fn create(
     State(s): State<AppState>,
@@ -90,9 +96,16 @@ pub async fn create(
         ));
     }
     let now = s.engine.cache_now_ms();
-    s.contexts.expire(now);
-    s.contexts.check_room()?;
     let salt = handlers::effective_salt(&tenant, None);
+    let per_tenant = s.quotas.contexts;
+    {
+        let (store, salt) = (s.contexts.clone(), salt.clone());
+        handlers::off_the_workers(move || {
+            store.expire(now);
+            store.check_room(&salt, per_tenant)
+        })
+        .await?;
+    }
     let context = SavedContext::new(&info, salt, display_name, kind, tokens, now, ttl_s);
     let request = context.build_request();
     // Until the context is stored, any way out (an error, the client gone) releases its pin.
@@ -117,7 +130,10 @@ pub async fn create(
             }
         }
     };
-    s.contexts.insert(context.clone())?;
+    {
+        let (store, context) = (s.contexts.clone(), context.clone());
+        handlers::off_the_workers(move || store.insert(context, per_tenant)).await?;
+    }
     unpin.0 = None;
     tracing::info!(id = %context.id, tokens = context.tokens.len(), ttl_s, "saved context created");
     let mut body = context.to_json();
@@ -177,12 +193,16 @@ pub async fn patch(
         ));
     };
     let ttl_s = parse_context_ttl(ttl)?;
-    let c = s.contexts.set_expiry(
-        &id,
-        &salt,
-        now,
-        now.saturating_add(ttl_s.saturating_mul(1000)),
-    )?;
+    let store = s.contexts.clone();
+    let c = handlers::off_the_workers(move || {
+        store.set_expiry(
+            &id,
+            &salt,
+            now,
+            now.saturating_add(ttl_s.saturating_mul(1000)),
+        )
+    })
+    .await?;
     // A shorter life takes effect at once: the old pin goes, the next use pins to the new expiry.
     s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
     Ok(Json(c.to_json()))
@@ -194,7 +214,8 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let salt = handlers::effective_salt(&tenant, None);
-    let c = s.contexts.delete(&id, &salt, s.engine.cache_now_ms())?;
+    let (store, now) = (s.contexts.clone(), s.engine.cache_now_ms());
+    let c = handlers::off_the_workers(move || store.delete(&id, &salt, now)).await?;
     s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
     Ok(Json(
         json!({"id": c.id, "object": "cached_content.deleted", "deleted": true}),
@@ -207,14 +228,30 @@ pub async fn advance_clock(
     State(s): State<AppState>,
     JsonBody(value): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
-    let Some(seconds) = value.get("advance_s").and_then(Value::as_u64) else {
+    let Some(seconds) = value
+        .get("advance_s")
+        .and_then(Value::as_u64)
+        .filter(|&n| n <= MAX_CLOCK_STEP_S)
+    else {
         return Err(ApiError::invalid(
-            "advance_s must be a non-negative integer (seconds)",
+            format!("advance_s must be an integer number of seconds from 0 to {MAX_CLOCK_STEP_S}"),
             Some("advance_s"),
         ));
     };
-    let now = s.engine.advance_cache_clock(seconds.saturating_mul(1000));
-    s.contexts.expire(now);
+    // The clock may never come near the end of its range, where expiry times would saturate.
+    if s.engine.cache_now_ms() > MAX_CLOCK_MS - seconds * 1000 {
+        return Err(ApiError::invalid(
+            "the cache clock is as far forward as it may go",
+            Some("advance_s"),
+        ));
+    }
+    let now = s.engine.advance_cache_clock(seconds * 1000);
+    let store = s.contexts.clone();
+    handlers::off_the_workers(move || {
+        store.expire(now);
+        Ok(())
+    })
+    .await?;
     Ok(Json(json!({"now_ms": now})))
 }
 

@@ -21,8 +21,9 @@ use crate::handlers::{template_error, tokenize_error};
 /// Anthropic's limit of `cache_control` breakpoints per request.
 pub const MAX_BREAKPOINTS: usize = 4;
 
-/// Most saved contexts one server keeps.
-pub const MAX_CONTEXTS: usize = 10_000;
+/// Most saved contexts one server keeps, all tenants together (each tenant also has its own quota,
+/// `TenantQuotas::contexts`).
+pub const MAX_CONTEXTS: usize = 100_000;
 
 /// Longest time to live of a saved context.
 pub const MAX_CONTEXT_TTL_S: u64 = 365 * 24 * 3600;
@@ -180,8 +181,18 @@ pub fn encode_with_breakpoints(
             (rendered, Some(tokens))
         }
     };
+    // The messages' contents in `full_text`, where special-token text stays text.
+    let plain = if chat_tokens.is_none() || !breakpoints.is_empty() {
+        codec
+            .chat_content_spans(&full_text, text_prefix.map_or(0, str::len), &all)
+            .map_err(template_error)?
+    } else {
+        Vec::new()
+    };
     let whole = if chat_tokens.is_none() || !breakpoints.is_empty() {
-        codec.encode(&full_text).map_err(tokenize_error)?
+        codec
+            .encode_with_plain_spans(&full_text, &plain)
+            .map_err(tokenize_error)?
     } else {
         Vec::new()
     };
@@ -236,7 +247,14 @@ pub fn encode_with_breakpoints(
             while !full_text.is_char_boundary(end) {
                 end -= 1;
             }
-            let part = codec.encode(&full_text[..end]).map_err(tokenize_error)?;
+            let plain_part: Vec<_> = plain
+                .iter()
+                .filter(|r| r.start < end)
+                .map(|r| r.start..r.end.min(end))
+                .collect();
+            let part = codec
+                .encode_with_plain_spans(&full_text[..end], &plain_part)
+                .map_err(tokenize_error)?;
             positions.push(
                 lcp(&part, &whole)
                     .saturating_sub(bos_extra)
@@ -378,8 +396,7 @@ impl ContextStore {
     /// warnings, one per file set aside.
     pub fn open(disk_dir: &Path) -> Result<(Self, Vec<String>), String> {
         let dir = disk_dir.join("contexts");
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| format!("could not create {}: {e}", dir.display()))?;
+        create_private_dir(&dir).map_err(|e| format!("could not create {}: {e}", dir.display()))?;
         let mut contexts = HashMap::new();
         let mut warnings = Vec::new();
         let entries = std::fs::read_dir(&dir)
@@ -432,7 +449,9 @@ impl ContextStore {
         self.dir.as_ref().map(|d| d.join(format!("{id}.json")))
     }
 
-    /// Writes a context's file (a temporary file renamed into place).
+    /// Writes a context's file, readable by the server's user only (a temporary file renamed into
+    /// place). Blocking I/O: callers on an async runtime run it on the blocking pool. A failure is
+    /// logged with the file's path and answered without it (507).
     fn write(&self, c: &SavedContext) -> Result<(), ApiError> {
         let Some(path) = self.path_of(&c.id) else {
             return Ok(());
@@ -440,53 +459,98 @@ impl ContextStore {
         let tmp = path.with_extension("json.tmp");
         let bytes = serde_json::to_vec(c)
             .map_err(|e| ApiError::Internal(format!("serializing a saved context: {e}")))?;
-        std::fs::write(&tmp, bytes)
+        write_private(&tmp, &bytes)
             .and_then(|_| std::fs::rename(&tmp, &path))
-            .map_err(|e| ApiError::Internal(format!("could not write {}: {e}", path.display())))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                tracing::error!(file = %path.display(), error = %e, "could not write a saved context");
+                ApiError::StorageFull(format!(
+                    "the saved context could not be stored: the server's storage is full or failing \
+                     ({})",
+                    io_kind(&e)
+                ))
+            })
     }
 
-    fn remove_file(&self, id: &str) {
-        if let Some(path) = self.path_of(id) {
-            let _ = std::fs::remove_file(path);
+    fn remove_files(&self, ids: &[String]) {
+        for id in ids {
+            if let Some(path) = self.path_of(id) {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 
-    /// Adds a new context (and its file).
-    pub fn insert(&self, c: SavedContext) -> Result<(), ApiError> {
-        self.check_room()?;
+    /// Adds a new context (and its file) if its tenant has room under `per_tenant` and the server under
+    /// [`MAX_CONTEXTS`]. Blocking I/O.
+    pub fn insert(&self, c: SavedContext, per_tenant: usize) -> Result<(), ApiError> {
+        self.check_room(&c.tenant, per_tenant)?;
         self.write(&c)?;
         self.lock().insert(c.id.clone(), c);
         Ok(())
     }
 
-    /// Whether another context may be saved ([`MAX_CONTEXTS`] at most, expired ones not counted).
-    pub fn check_room(&self) -> Result<(), ApiError> {
-        let n = self.lock().len();
+    /// Whether `tenant` may save another context: fewer than `per_tenant` of its own, and fewer than
+    /// [`MAX_CONTEXTS`] in all (expired ones not yet dropped are counted).
+    pub fn check_room(&self, tenant: &Option<String>, per_tenant: usize) -> Result<(), ApiError> {
+        let map = self.lock();
+        let mine = map.values().filter(|c| &c.tenant == tenant).count();
+        if mine >= per_tenant {
+            return Err(ApiError::QuotaExceeded {
+                message: format!(
+                    "this API key holds {mine} saved contexts, its limit; delete some (DELETE \
+                     /v1/caches/{{id}}) or let them expire"
+                ),
+                code: "too_many_caches",
+            });
+        }
+        let n = map.len();
         if n >= MAX_CONTEXTS {
-            return Err(ApiError::InvalidRequest {
+            return Err(ApiError::QuotaExceeded {
                 message: format!(
                     "this server holds {n} saved contexts, its limit; delete some (DELETE \
                      /v1/caches/{{id}}) or let them expire"
                 ),
-                param: None,
-                code: Some("too_many_caches"),
+                code: "too_many_caches",
             });
         }
         Ok(())
     }
 
-    /// Drops every context expired at `now_ms` (and their files).
+    /// Drops every context expired at `now_ms`, and then their files (outside the lock). Blocking I/O.
     pub fn expire(&self, now_ms: u64) {
-        let mut map = self.lock();
-        let gone: Vec<String> = map
-            .values()
-            .filter(|c| c.expires_at_ms <= now_ms)
-            .map(|c| c.id.clone())
-            .collect();
-        for id in gone {
-            map.remove(&id);
-            self.remove_file(&id);
+        let gone: Vec<String> = {
+            let mut map = self.lock();
+            let gone: Vec<String> = map
+                .values()
+                .filter(|c| c.expires_at_ms <= now_ms)
+                .map(|c| c.id.clone())
+                .collect();
+            for id in &gone {
+                map.remove(id);
+            }
+            gone
+        };
+        self.remove_files(&gone);
+    }
+
+    /// Moves contexts owned by an old tenant name to its new one (`(old, new)` pairs), rewriting their
+    /// files; returns how many moved. Blocking I/O.
+    pub fn migrate_owners(&self, renames: &[(String, String)]) -> Result<usize, ApiError> {
+        let moved: Vec<SavedContext> = {
+            let mut map = self.lock();
+            let mut moved = Vec::new();
+            for c in map.values_mut() {
+                if let Some((_, new)) = renames.iter().find(|(old, _)| c.tenant.as_ref() == Some(old)) {
+                    c.tenant = Some(new.clone());
+                    moved.push(c.clone());
+                }
+            }
+            moved
+        };
+        for c in &moved {
+            self.write(c)?;
         }
+        Ok(moved.len())
     }
 
     /// The live context `id` of `tenant`; another tenant's, an expired or an unknown one is a 404.
@@ -496,10 +560,9 @@ impl ContextStore {
         tenant: &Option<String>,
         now_ms: u64,
     ) -> Result<SavedContext, ApiError> {
-        self.expire(now_ms);
         self.lock()
             .get(id)
-            .filter(|c| &c.tenant == tenant)
+            .filter(|c| &c.tenant == tenant && c.expires_at_ms > now_ms)
             .cloned()
             .ok_or_else(|| not_found(id))
     }
@@ -529,18 +592,17 @@ impl ContextStore {
 
     /// The live contexts of `tenant`, oldest first.
     pub fn list(&self, tenant: &Option<String>, now_ms: u64) -> Vec<SavedContext> {
-        self.expire(now_ms);
         let mut out: Vec<SavedContext> = self
             .lock()
             .values()
-            .filter(|c| &c.tenant == tenant)
+            .filter(|c| &c.tenant == tenant && c.expires_at_ms > now_ms)
             .cloned()
             .collect();
         out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         out
     }
 
-    /// Sets a context's expiry.
+    /// Sets a context's expiry. Blocking I/O.
     pub fn set_expiry(
         &self,
         id: &str,
@@ -564,14 +626,14 @@ impl ContextStore {
     ) -> Result<SavedContext, ApiError> {
         let c = self.get(id, tenant, now_ms)?;
         self.lock().remove(id);
-        self.remove_file(id);
+        self.remove_files(&[c.id.clone()]);
         Ok(c)
     }
 
     /// Deletes a context whatever its tenant (the operator's `kura cache rm`).
     pub fn delete_any(&self, id: &str) -> Option<SavedContext> {
         let c = self.lock().remove(id)?;
-        self.remove_file(id);
+        self.remove_files(&[c.id.clone()]);
         Some(c)
     }
 
@@ -580,6 +642,37 @@ impl ContextStore {
         let mut out: Vec<SavedContext> = self.lock().values().cloned().collect();
         out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         out
+    }
+}
+
+/// Creates `dir` (and its parents) readable by the server's user only.
+fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(dir)
+}
+
+/// Writes `bytes` to a new file at `path` readable by the server's user only.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut f = options.open(path)?;
+    f.write_all(bytes)?;
+    f.sync_data()
+}
+
+/// What kind of failure an I/O error is, without any path.
+fn io_kind(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(28) => "no space left",
+        Some(122) => "disk quota exceeded",
+        Some(30) => "read-only file system",
+        _ => "input/output error",
     }
 }
 
@@ -667,7 +760,7 @@ mod tests {
     #[test]
     fn contexts_belong_to_their_tenant_expire_and_are_bounded() {
         let store = ContextStore::in_memory();
-        store.insert(context(1, Some("a"), 1_000)).unwrap();
+        store.insert(context(1, Some("a"), 1_000), 10).unwrap();
         let a = Some("a".to_string());
         let b = Some("b".to_string());
         assert!(store.get("ctx_000000000000000000000001", &a, 0).is_ok());
@@ -681,13 +774,35 @@ mod tests {
         assert!(store
             .get("ctx_000000000000000000000001", &a, 1_000)
             .is_err());
-        for i in 0..MAX_CONTEXTS {
-            store.insert(context(i + 10, None, u64::MAX)).unwrap();
+        // Each tenant has its own quota: a full one refuses only its own tenant.
+        for i in 0..3 {
+            store.insert(context(i + 10, Some("b"), u64::MAX), 3).unwrap();
         }
-        let e = store.insert(context(1, None, u64::MAX)).unwrap_err();
-        assert!(e.to_string().contains("its limit"), "{e}");
+        let e = store.insert(context(20, Some("b"), u64::MAX), 3).unwrap_err();
+        assert_eq!(e.status().as_u16(), 429);
+        assert!(e.to_string().contains("this API key holds 3"), "{e}");
+        store.insert(context(21, Some("c"), u64::MAX), 3).unwrap();
         assert!(store.delete_any(&format!("ctx_{:024x}", 10)).is_some());
-        store.insert(context(1, None, u64::MAX)).unwrap();
+        store.insert(context(20, Some("b"), u64::MAX), 3).unwrap();
+    }
+
+    #[test]
+    fn context_files_are_private_and_owners_migrate() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        store.insert(context(1, Some("key-old"), u64::MAX), 10).unwrap();
+        let file = dir.join("contexts").join(format!("ctx_{:024x}.json", 1));
+        assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+        let contexts_dir = std::fs::metadata(dir.join("contexts")).unwrap();
+        assert_eq!(contexts_dir.permissions().mode() & 0o077, 0);
+        let moved = store
+            .migrate_owners(&[("key-old".into(), "key-new".into())])
+            .unwrap();
+        assert_eq!(moved, 1);
+        let (again, _) = ContextStore::open(&dir).unwrap();
+        assert_eq!(again.all()[0].tenant.as_deref(), Some("key-new"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

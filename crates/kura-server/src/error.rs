@@ -21,6 +21,19 @@ pub enum ApiError {
     ModelNotFound { requested: String, served: String },
     #[error("invalid API key; send `Authorization: Bearer <key>` with one of the server's keys")]
     Unauthorized,
+    /// A tenant's key on an operator route.
+    #[error("{0} is for the operator key only (--admin-api-key-file); an API key cannot use it")]
+    Forbidden(String),
+    /// A tenant reached one of its own limits (saved contexts, pins, event streams).
+    #[error("{message}")]
+    QuotaExceeded {
+        message: String,
+        code: &'static str,
+    },
+    /// The server could not store what the request asked it to keep (a full or failing disk); the
+    /// message never names the server's files.
+    #[error("{0}")]
+    StorageFull(String),
     #[error("the request body is larger than the limit of {limit_bytes} bytes")]
     BodyTooLarge { limit_bytes: usize },
     #[error("{0}")]
@@ -70,6 +83,9 @@ impl ApiError {
                 StatusCode::NOT_FOUND
             }
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::StorageFull(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::BodyTimeout { .. } | ApiError::ClientStalled(_) => {
@@ -97,6 +113,9 @@ impl ApiError {
                 Some("model_not_found"),
             ),
             ApiError::Unauthorized => ("authentication_error", None, Some("invalid_api_key")),
+            ApiError::Forbidden(_) => ("permission_error", None, Some("operator_only")),
+            ApiError::QuotaExceeded { code, .. } => ("rate_limit_error", None, Some(*code)),
+            ApiError::StorageFull(_) => ("server_error", None, Some("insufficient_storage")),
             ApiError::BodyTooLarge { .. } => {
                 ("invalid_request_error", None, Some("request_too_large"))
             }

@@ -45,7 +45,7 @@ pub(crate) fn effective_salt(tenant: &Tenant, salt: Option<String>) -> Option<St
     match (&tenant.0, salt) {
         (None, salt) => salt,
         (Some(t), None) => Some(t.to_string()),
-        (Some(t), Some(s)) => Some(format!("{t}\u{1f}{s}")),
+        (Some(t), Some(s)) => Some(format!("{t}{}{s}", kura_engine::TENANT_SEPARATOR)),
     }
 }
 

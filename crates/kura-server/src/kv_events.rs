@@ -1,12 +1,15 @@
 //! `GET /v1/kv/snapshot` and `GET /v1/kv/events`: the pool's content for a router (`kura serve
-//! --kv-events`), behind the same authentication as the API.
+//! --kv-events`), for the operator key only (tenant keys get 403), at most `TenantQuotas::event_streams`
+//! streams at once.
 //!
 //! The stream is SSE. Its first event (`event: snapshot`) lists every cached block and the sequence
 //! number it is current at; then each change comes as `event: kv` with the next number. A stream that
 //! falls behind the engine's ring by more than `--kv-events-buffer` events gets `event: gap` and ends: the
 //! reader reconnects and starts again from a new snapshot. A reader that sees a number skipped (it
-//! should never, within one stream) does the same. Hashes are hexadecimal and the replica's own; `tokens`
-//! and `key_digest` let a reader name blocks by content (see `kura_engine::KvEventLog`).
+//! should never, within one stream) does the same. Blocks are named by keyed content names (hexadecimal;
+//! see `kura_engine::KvEventLog`): a reader with the fleet secret names a request's blocks the same way,
+//! and nothing in a stream reveals a token or a tenant. `tokens` appear only under
+//! `--kv-events-tokens`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,7 +19,9 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::stream::{self, Stream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::stream::{self, Stream, StreamExt};
 use kura_engine::{KvBlockInfo, KvChange, KvEventLog, KvEventRecord};
 use serde_json::{json, Value};
 
@@ -35,12 +40,11 @@ fn hex(h: u128) -> String {
 }
 
 fn block_json(b: &KvBlockInfo) -> Value {
-    json!({
-        "hash": hex(b.hash),
-        "parent": b.parent.map(hex),
-        "tokens": b.tokens,
-        "key_digest": b.key_digest.map(hex),
-    })
+    let mut v = json!({"name": hex(b.name)});
+    if let Some(tokens) = &b.tokens {
+        v["tokens"] = json!(tokens);
+    }
+    v
 }
 
 fn event_json(e: &KvEventRecord) -> Value {
@@ -52,8 +56,8 @@ fn event_json(e: &KvEventRecord) -> Value {
             v["tier"] = json!(TIER);
             v
         }
-        KvChange::Removed { hash } => {
-            json!({"seq": e.seq, "type": "removed", "hash": hex(*hash), "tier": TIER})
+        KvChange::Removed { name } => {
+            json!({"seq": e.seq, "type": "removed", "name": hex(*name), "tier": TIER})
         }
         KvChange::Cleared => json!({"seq": e.seq, "type": "cleared", "tier": TIER}),
     }
@@ -97,9 +101,40 @@ enum Phase {
     Done,
 }
 
+/// One open event stream, counted until it ends.
+struct StreamSlot(Arc<AtomicUsize>);
+
+impl StreamSlot {
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Self(open.clone()))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 pub async fn events(State(s): State<AppState>) -> Result<Response, ApiError> {
     let log = events_log(&s)?;
-    let body = event_stream(s, log);
+    let max = s.quotas.event_streams;
+    let Some(slot) = StreamSlot::take(&s.event_streams, max) else {
+        return Err(ApiError::QuotaExceeded {
+            message: format!(
+                "{max} KV event streams are open, the limit (--max-kv-event-streams); close one first"
+            ),
+            code: "too_many_streams",
+        });
+    };
+    let body = event_stream(s, log).map(move |e| {
+        let _held = &slot;
+        e
+    });
     Ok(Sse::new(body)
         .keep_alive(KeepAlive::default())
         .into_response())

@@ -40,7 +40,7 @@ use kura_engine::EngineHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use conn::{ConnLimits, Phase};
+pub use conn::{accept_loop, ConnLimits, Phase};
 pub use error::ApiError;
 pub use messages::AnthropicError;
 use types::*;
@@ -51,6 +51,14 @@ pub struct ServerConfig {
     /// Accepted bearer keys; empty = no authentication. Each key is its own tenant: requests of
     /// different keys never share cached KV blocks.
     pub api_keys: Vec<String>,
+    /// The operator's keys, for `/v1/kv/*` and `/debug/*` (tenant keys get 403 there); empty: those
+    /// routes are off.
+    pub admin_keys: Vec<String>,
+    /// How API keys become tenant names (a keyed digest; the same secret names a key's tenant alike
+    /// across restarts and across a fleet).
+    pub tenants: TenantNamer,
+    /// Limits each tenant has on its own, so that one cannot exhaust what another needs.
+    pub quotas: TenantQuotas,
     /// Largest accepted request body; larger ones get 413.
     pub max_body_bytes: usize,
     /// Longest time to receive a whole request body once its head has arrived; slower ones get 408.
@@ -66,14 +74,37 @@ pub struct ServerConfig {
     pub conn: ConnLimits,
     /// Saved contexts (`/v1/caches`); `None`: kept in memory only.
     pub contexts: Option<Arc<caching::ContextStore>>,
-    /// Route `POST /debug/clock`, which moves the cache clock forward (for tests of expiry).
+    /// Route `POST /debug/clock` (operator key only), which moves the cache clock forward (for tests of
+    /// expiry).
     pub debug_clock: bool,
+}
+
+/// What each tenant may hold at once. (Pins need no quota: when the pin budget is full, the tenant
+/// holding the most pinned blocks gives way, see `kura_engine`'s pins.)
+#[derive(Debug, Clone)]
+pub struct TenantQuotas {
+    /// Saved contexts (`/v1/caches`) per tenant.
+    pub contexts: usize,
+    /// Open KV event streams (operator only; a cap, so that streams cannot fill the connection limit).
+    pub event_streams: usize,
+}
+
+impl Default for TenantQuotas {
+    fn default() -> Self {
+        Self {
+            contexts: 1000,
+            event_streams: 16,
+        }
+    }
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             api_keys: Vec::new(),
+            admin_keys: Vec::new(),
+            tenants: TenantNamer::new(&kura_kv::Secret::random()),
+            quotas: TenantQuotas::default(),
             max_body_bytes: 8 * 1024 * 1024,
             body_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(30),
@@ -90,6 +121,11 @@ impl Default for ServerConfig {
 struct AppState {
     engine: EngineHandle,
     api_keys: Arc<Vec<String>>,
+    admin_keys: Arc<Vec<String>>,
+    tenants: TenantNamer,
+    quotas: Arc<TenantQuotas>,
+    /// Open KV event streams.
+    event_streams: Arc<std::sync::atomic::AtomicUsize>,
     max_body_bytes: usize,
     body_timeout: Duration,
     request_timeout: Option<Duration>,
@@ -109,11 +145,53 @@ impl AppState {
     }
 }
 
-/// Which tenant a request belongs to: a digest of the API key it authenticated with (stable across
+/// Which tenant a request belongs to: a keyed digest of the API key it authenticated with (stable across
 /// restarts and key reordering, so that saved contexts and disk blocks keep their owner), if keys are
 /// configured.
 #[derive(Debug, Clone)]
 struct Tenant(Option<Arc<str>>);
+
+/// Names tenants by a keyed BLAKE3 digest of their API key: stable for one secret, and no oracle for
+/// guessing keys to whoever sees a tenant name without the secret.
+#[derive(Clone)]
+pub struct TenantNamer {
+    key: [u8; 32],
+}
+
+impl std::fmt::Debug for TenantNamer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TenantNamer(..)")
+    }
+}
+
+impl TenantNamer {
+    /// The purpose a secret's tenant-naming key is derived for.
+    pub const PURPOSE: &'static str = "kura 2026 tenant names of api keys";
+
+    pub fn new(secret: &kura_kv::Secret) -> Self {
+        Self {
+            key: secret.derive(Self::PURPOSE),
+        }
+    }
+
+    /// The tenant name of an API key: what its requests' blocks are salted with and what owns its
+    /// saved contexts.
+    pub fn tenant_of_key(&self, key: &str) -> Arc<str> {
+        let mac = blake3::keyed_hash(&self.key, key.as_bytes());
+        let mut name = String::with_capacity(36);
+        name.push_str("key-");
+        for b in &mac.as_bytes()[..16] {
+            name.push_str(&format!("{b:02x}"));
+        }
+        name.into()
+    }
+}
+
+/// The tenant name earlier versions gave an API key (an unkeyed xxh3 digest), for moving their saved
+/// contexts to the keyed name ([`caching::ContextStore::migrate_owners`]).
+pub fn legacy_tenant_of_key(key: &str) -> String {
+    format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes()))
+}
 
 /// The API keys a request presents, in the order they are tried: `Authorization: Bearer <key>`
 /// (OpenAI's clients), then `x-api-key: <key>` (Anthropic's).
@@ -130,12 +208,6 @@ pub fn presented_keys(headers: &axum::http::HeaderMap) -> [Option<&str>; 2] {
         .and_then(|v| v.to_str().ok())
         .map(str::trim);
     [bearer, x_api_key]
-}
-
-/// The tenant name of an API key: what its requests' blocks are salted with and what owns its saved
-/// contexts.
-pub fn tenant_of_key(key: &str) -> Arc<str> {
-    format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes())).into()
 }
 
 /// A name for this process that a restart changes: its id and start time.
@@ -159,6 +231,10 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
     let state = AppState {
         engine,
         api_keys: Arc::new(config.api_keys.clone()),
+        admin_keys: Arc::new(config.admin_keys.clone()),
+        tenants: config.tenants.clone(),
+        quotas: Arc::new(config.quotas.clone()),
+        event_streams: Arc::default(),
         max_body_bytes: config.max_body_bytes,
         body_timeout: config.body_timeout,
         request_timeout: config.request_timeout,
@@ -170,7 +246,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             .unwrap_or_else(|| Arc::new(caching::ContextStore::in_memory())),
         instance: instance_name().into(),
     };
-    let mut api = Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/messages", post(messages::messages))
@@ -181,14 +257,24 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         )
         .route("/v1/models", get(models))
         .route("/tokenize", post(handlers::tokenize))
-        .route("/v1/kv/snapshot", get(kv_events::snapshot))
-        .route("/v1/kv/events", get(kv_events::events));
-    if config.debug_clock {
-        api = api.route("/debug/clock", post(caches::advance_clock));
+        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    // Operator routes: off without an operator key, and for the operator key only.
+    let mut operator = Router::new();
+    if !config.admin_keys.is_empty() {
+        operator = operator
+            .route("/v1/kv/snapshot", get(kv_events::snapshot))
+            .route("/v1/kv/events", get(kv_events::events));
+        if config.debug_clock {
+            operator = operator.route("/debug/clock", post(caches::advance_clock));
+        }
+        operator = operator.route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            authorize_operator,
+        ));
     }
-    let api = api.route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(api)
+        .merge(operator)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -216,6 +302,18 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let app = router(engine.clone(), &config);
+    // Saved contexts past their expiry are dropped, and their files removed, on the blocking pool.
+    let expiry = config.contexts.clone().map(|store| {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                let (store, now) = (store.clone(), engine.cache_now_ms());
+                let _ = tokio::task::spawn_blocking(move || store.expire(now)).await;
+            }
+        })
+    });
     let (phase_tx, phase_rx) = watch::channel(Phase::Serving);
     let accept = tokio::spawn(conn::accept_loop(
         listener,
@@ -262,6 +360,9 @@ pub async fn serve(
         engine.abort_all();
         let _ = phase_tx.send(Phase::Closed);
         let _ = accept.await;
+    }
+    if let Some(task) = expiry {
+        task.abort();
     }
     match failure {
         Some(message) => Err(ServeError::EngineFailed(message)),
@@ -352,7 +453,7 @@ async fn authenticate(
         let [bearer, x_api_key] = presented_keys(req.headers());
         let known = |k: Option<&str>| k.and_then(|k| s.api_keys.iter().find(|x| same_key(x, k)));
         match known(bearer).or_else(|| known(x_api_key)) {
-            Some(key) => Tenant(Some(tenant_of_key(key))),
+            Some(key) => Tenant(Some(s.tenants.tenant_of_key(key))),
             None if req.uri().path() == "/v1/messages" => {
                 return Ok(messages::AnthropicError(ApiError::Unauthorized).into_response())
             }
@@ -361,6 +462,28 @@ async fn authenticate(
     };
     req.extensions_mut().insert(tenant);
     Ok(next.run(req).await)
+}
+
+/// Lets the operator's key through; a tenant's key gets 403, anything else 401.
+async fn authorize_operator(
+    State(s): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let presented = presented_keys(req.headers());
+    let among = |keys: &[String]| {
+        presented
+            .iter()
+            .flatten()
+            .any(|k| keys.iter().any(|x| same_key(x, k)))
+    };
+    if among(&s.admin_keys) {
+        Ok(next.run(req).await)
+    } else if among(&s.api_keys) {
+        Err(ApiError::Forbidden(req.uri().path().to_string()))
+    } else {
+        Err(ApiError::Unauthorized)
+    }
 }
 
 async fn models(State(s): State<AppState>) -> Json<ModelList> {

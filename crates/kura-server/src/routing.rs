@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::error::ApiError;
 use crate::handlers::{effective_salt, template_error, tokenize_error};
 use crate::validate::{self, Ctx, PromptInput};
-use crate::{caching, messages, tenant_of_key, Tenant};
+use crate::{caching, messages, Tenant};
 
 /// The generation routes a router forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +46,8 @@ pub struct RoutingPrompt {
 }
 
 /// The prompt and cache salt of a request body (one JSON object) for `endpoint`, validated as the
-/// server validates it. `api_key` is the key the request presents when the servers have keys (each key
+/// server validates it. `tenant` is the tenant name of the key the request presents
+/// ([`crate::TenantNamer::tenant_of_key`] with the fleet's secret) when the servers have keys (each key
 /// is its own tenant); `None` when they have none. A saved context's tokens (`cached_content`) are not
 /// known here: such a request is keyed by its own part.
 pub fn routing_prompt(
@@ -54,9 +55,9 @@ pub fn routing_prompt(
     value: &Value,
     served_model: &str,
     codec: &dyn TextCodec,
-    api_key: Option<&str>,
+    tenant: Option<std::sync::Arc<str>>,
 ) -> Result<RoutingPrompt, ApiError> {
-    let tenant = Tenant(api_key.map(tenant_of_key));
+    let tenant = Tenant(tenant);
     // The router does not know the servers' scheduling policy; they check `priority` themselves.
     let ctx = Ctx {
         served_model,

@@ -20,8 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use kura_engine::{Item, OutputLimit, SchedEvent, Scheduler};
-use kura_kv::hash::BlockHasher;
-use kura_kv::{BlockHash, CacheKey};
+use kura_kv::{CacheKey, ContentNamer, Secret};
 use serde::Serialize;
 
 use crate::replay::SimError;
@@ -134,7 +133,10 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
     }
     let bs = sim.replica.scheduler.block_size_tokens;
     let key = CacheKey::new();
-    let mut namer = BlockHasher::new(0, 128);
+    // Names blocks as a fleet does; any fixed secret gives the same sharing, and the same run every time.
+    let secret = Secret::from_text("kura-sim fleet simulation secret, not for serving")
+        .map_err(SimError::Config)?;
+    let mut namer = ContentNamer::new(&secret);
     let mut replicas = (0..sim.replicas)
         .map(|_| {
             Ok(Replica {
@@ -230,7 +232,7 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
             let mut held = candidates[r].held_blocks as usize;
             let mut names = Vec::new();
             if let Some(tier) = shared.as_mut() {
-                names = namer.chain_blocks(BlockHash(key.digest()), &prompt[..whole], bs);
+                names = namer.chain_blocks(&key, &prompt[..whole], bs);
                 let found = names[held..]
                     .iter()
                     .take_while(|n| tier.contains(n))

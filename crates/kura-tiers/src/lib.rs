@@ -16,5 +16,5 @@ pub use disk::{
 };
 pub use error::{Check, ReadError, TierError};
 pub use host::HostArena;
-pub use remote::{FetchDone, RemoteSetup, RemoteStats, RemoteWorker};
+pub use remote::{redact_url, FetchDone, RemoteSetup, RemoteStats, RemoteWorker};
 pub use worker::{DiskJob, DiskStats, DiskWorker, ReadDone};

@@ -182,7 +182,11 @@ fn build(b: BuildArgs) -> Result<()> {
     .map_err(|e| anyhow::anyhow!("--ttl: {e}"))?;
     let tenant = match b.serve.api_keys() {
         [] => None,
-        [key] => Some(kura_server::tenant_of_key(key).to_string()),
+        [key] => Some(
+            crate::serve::tenant_namer(&b.serve)?
+                .tenant_of_key(key)
+                .to_string(),
+        ),
         _ => bail!("give at most one --api-key: the context belongs to that key's tenant"),
     };
     if let Some(name) = &b.display_name {
@@ -232,7 +236,7 @@ fn build(b: BuildArgs) -> Result<()> {
     let usage = outcome?;
     let store = open(&dir)?;
     store
-        .insert(context.clone())
+        .insert(context.clone(), usize::MAX)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!(
         id = %context.id,

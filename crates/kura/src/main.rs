@@ -9,6 +9,7 @@ mod memory;
 mod perplexity;
 mod plan;
 mod router;
+mod secrets;
 mod serve;
 mod setup;
 mod sim;

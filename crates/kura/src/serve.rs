@@ -88,6 +88,26 @@ pub struct ServeArgs {
     /// A file of API keys, one per line (blank lines and `#` comments ignored).
     #[arg(long)]
     api_key_file: Option<PathBuf>,
+    /// The operator's key (repeatable), for `/v1/kv/*` and `/debug/*`; tenant keys get 403 there, and
+    /// without an operator key those routes are off. Prefer `--admin-api-key-file` or
+    /// `$KURA_ADMIN_API_KEY`: argv is visible to every user of the machine.
+    #[arg(long = "admin-api-key")]
+    admin_api_keys: Vec<String>,
+    /// A file of operator keys, one per line (blank lines and `#` comments ignored).
+    #[arg(long)]
+    admin_api_key_file: Option<PathBuf>,
+    /// A file holding the fleet's secret (at least 32 characters, e.g. `openssl rand -hex 32`), shared
+    /// by every replica and router of a fleet: it names blocks in KV events and in Redis, keys the
+    /// MACs of Redis records, and keys tenant identities. Or `$KURA_FLEET_SECRET`. Needed by
+    /// `--kv-events` and `--kv-redis-url`.
+    #[arg(long, alias = "kv-redis-secret-file")]
+    fleet_secret_file: Option<PathBuf>,
+    /// Most saved contexts (`/v1/caches`) one API key may hold at once (1..=100000); past it, 429.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    max_contexts_per_tenant: u64,
+    /// Most KV event streams open at once (1..=1024); past it, 429.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    max_kv_event_streams: u64,
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -132,19 +152,34 @@ pub struct ServeArgs {
     /// saved-context expiry can be tested without waiting. Not for production.
     #[arg(long)]
     debug_clock: bool,
-    /// Publish the KV pool's content (blocks stored, removed, cleared) at `GET /v1/kv/events` (SSE,
-    /// numbered) and `GET /v1/kv/snapshot`, behind the API keys, for `kura router --policy kv`.
+    /// Publish the KV pool's content (blocks stored, removed, cleared, named by keyed content names,
+    /// without tokens) at `GET /v1/kv/events` (SSE, numbered) and `GET /v1/kv/snapshot`, for the
+    /// operator key only, for `kura router --policy kv`. Needs an operator key and the fleet secret.
     #[arg(long)]
     kv_events: bool,
+    /// Add each block's token ids to KV events and snapshots (for debugging a router: they reveal
+    /// every tenant's prompts to the operator key).
+    #[arg(long, requires = "kv_events")]
+    kv_events_tokens: bool,
     /// Events the server keeps for streams that fall behind (1..=16777216); a stream further behind
     /// is told to resynchronize from a snapshot.
     #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..=16_777_216))]
     kv_events_buffer: u64,
-    /// A shared KV tier in Redis (L4), `redis://HOST:PORT[/DB]`: blocks computed here are written there,
-    /// and a prompt's blocks missing here are fetched from there (written by any replica of the same model
-    /// and KV format). Redis slow or down never fails a request: the blocks are recomputed.
+    /// A shared KV tier in Redis (L4), `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or `rediss://…` for
+    /// TLS: blocks computed here are written there, and a prompt's blocks missing here are fetched from
+    /// there (written by any replica of the same model, KV format and fleet secret). Redis slow or down
+    /// never fails a request: the blocks are recomputed. A URL with a password is better given with
+    /// `--kv-redis-url-file` or `$KURA_KV_REDIS_URL`: argv is visible to every user of the machine.
     #[arg(long)]
     kv_redis_url: Option<String>,
+    /// A file holding the Redis URL (its content, surrounding whitespace ignored), instead of
+    /// `--kv-redis-url`.
+    #[arg(long)]
+    kv_redis_url_file: Option<PathBuf>,
+    /// PEM file of the CA(s) that sign the Redis server's certificate, for a `rediss://` URL
+    /// (default: the system's roots).
+    #[arg(long)]
+    kv_redis_ca_file: Option<PathBuf>,
     /// Seconds a block lives in Redis after it is written (1..=31536000).
     #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
     kv_redis_ttl_s: u64,
@@ -282,38 +317,6 @@ fn open_file_limit() -> Option<u64> {
     crate::memory::soft_limit(&text, "Max open files")
 }
 
-fn read_api_keys(args: &ServeArgs) -> Result<Vec<String>> {
-    let mut keys: Vec<String> = args.api_keys.iter().map(|k| k.trim().to_string()).collect();
-    if keys.iter().any(|k| k.is_empty()) {
-        bail!("--api-key must not be empty");
-    }
-    if let Some(path) = &args.api_key_file {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading --api-key-file {}", path.display()))?;
-        let from_file = keys_of_file(&text);
-        // A key file that names no key would start the server with no authentication at all.
-        if from_file.is_empty() {
-            bail!(
-                "--api-key-file {} holds no API key (only blank lines or # comments); the server \
-                 would run without authentication. Put one key per line, or drop the flag to run \
-                 without keys on purpose",
-                path.display()
-            );
-        }
-        keys.extend(from_file);
-    }
-    Ok(keys)
-}
-
-/// Keys of an API key file: one per line, blank lines and `#` comments ignored.
-fn keys_of_file(text: &str) -> Vec<String> {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(String::from)
-        .collect()
-}
-
 /// `--served-model-name`, or the model file's stem.
 fn served_model_name(given: Option<&str>, path: &std::path::Path) -> Result<String> {
     match given {
@@ -336,6 +339,29 @@ fn served_model_name(given: Option<&str>, path: &std::path::Path) -> Result<Stri
 /// build` computes saved contexts with, so that their blocks carry the same fingerprint).
 pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
     crate::setup::threads(args.threads)?;
+    let fleet_secret = crate::secrets::fleet_secret(args.fleet_secret_file.as_ref())?;
+    let needs_secret = |flag: &str| {
+        fleet_secret.clone().with_context(|| {
+            format!(
+                "{flag} needs the fleet's secret (--fleet-secret-file or ${}): it names blocks \
+                 the same way on every replica and router, and keys what they share",
+                crate::secrets::FLEET_SECRET_ENV
+            )
+        })
+    };
+    let kv_events = match args.kv_events {
+        false => None,
+        true => Some(kura_engine::KvEventsSetup {
+            buffer: args.kv_events_buffer as usize,
+            secret: needs_secret("--kv-events")?,
+            debug_tokens: args.kv_events_tokens,
+        }),
+    };
+    let redis_url = redis_url(args)?;
+    let remote_secret = match &redis_url {
+        Some(_) => Some(needs_secret("--kv-redis-url")?),
+        None => None,
+    };
     let tier_sizes = args.tiers.sizes()?;
     let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
     // Checked before the model loads too, so that a size this machine cannot hold fails at once.
@@ -485,12 +511,17 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         pin_budget_blocks: Some(pin_budget),
         admission: args.scheduling.into(),
         window,
-        kv_events: args.kv_events.then_some(args.kv_events_buffer as usize),
-        remote: args.kv_redis_url.clone().map(|url| RemoteTierSetup {
-            url,
-            ttl_s: args.kv_redis_ttl_s,
-            timeout: Duration::from_millis(args.kv_redis_timeout_ms),
-        }),
+        kv_events,
+        remote: match (redis_url, remote_secret) {
+            (Some(url), Some(secret)) => Some(RemoteTierSetup {
+                url,
+                ttl_s: args.kv_redis_ttl_s,
+                timeout: Duration::from_millis(args.kv_redis_timeout_ms),
+                secret,
+                ca_file: args.kv_redis_ca_file.clone(),
+            }),
+            _ => None,
+        },
     };
     let engine = start_engine(
         config,
@@ -513,6 +544,48 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
     Ok(engine)
 }
 
+/// The secret tenant names are keyed with: the fleet's (so that every replica and router of a fleet
+/// names a key's tenant alike), else the server's own beside the disk tier's metadata (kept across
+/// restarts), else one for this process only (nothing outlives it without a disk tier).
+pub fn tenant_namer(args: &ServeArgs) -> Result<kura_server::TenantNamer> {
+    let secret = match crate::secrets::fleet_secret(args.fleet_secret_file.as_ref())? {
+        Some(s) => s,
+        None => match &args.tiers.kv_disk_path {
+            Some(dir) => crate::secrets::server_secret(dir)?,
+            None => kura_kv::Secret::random(),
+        },
+    };
+    Ok(kura_server::TenantNamer::new(&secret))
+}
+
+/// Gives saved contexts owned by an API key's tenant name of earlier versions (an unkeyed digest) to its
+/// keyed name.
+fn migrate_context_owners(
+    store: &ContextStore,
+    api_keys: &[String],
+    tenants: &kura_server::TenantNamer,
+) -> Result<()> {
+    let renames: Vec<(String, String)> = api_keys
+        .iter()
+        .map(|k| {
+            (
+                kura_server::legacy_tenant_of_key(k),
+                tenants.tenant_of_key(k).to_string(),
+            )
+        })
+        .collect();
+    let moved = store
+        .migrate_owners(&renames)
+        .map_err(|e| anyhow::anyhow!("moving saved contexts to their keyed tenant names: {e}"))?;
+    if moved > 0 {
+        tracing::info!(
+            contexts = moved,
+            "saved contexts of earlier versions moved to their keyed tenant names"
+        );
+    }
+    Ok(())
+}
+
 /// The saved contexts of the disk tier's directory (in memory only without one).
 pub fn open_contexts(args: &ServeArgs) -> Result<Option<Arc<ContextStore>>> {
     let Some(dir) = &args.tiers.kv_disk_path else {
@@ -532,7 +605,22 @@ pub fn open_contexts(args: &ServeArgs) -> Result<Option<Arc<ContextStore>>> {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let api_keys = read_api_keys(&args)?;
+    let api_keys = crate::secrets::read_keys(&args.api_keys, args.api_key_file.as_ref(), "api-key")?;
+    let admin_keys =
+        crate::secrets::admin_keys(&args.admin_api_keys, args.admin_api_key_file.as_ref())?;
+    if args.kv_events && admin_keys.is_empty() {
+        bail!(
+            "--kv-events publishes the pool's content to the operator only: give an operator key \
+             (--admin-api-key-file, --admin-api-key or ${})",
+            crate::secrets::ADMIN_KEY_ENV
+        );
+    }
+    if args.debug_clock && admin_keys.is_empty() {
+        bail!("--debug-clock is an operator route: give an operator key (--admin-api-key-file)");
+    }
+    if admin_keys.iter().any(|k| api_keys.contains(k)) {
+        bail!("an operator key is also a tenant's API key: give the operator a key of its own");
+    }
     let max_body_bytes = parse_bytes(&args.max_body_size)
         .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
     if max_body_bytes == 0 || max_body_bytes > MAX_BODY_BYTES {
@@ -543,16 +631,32 @@ pub fn run(args: ServeArgs) -> Result<()> {
         );
     }
     let max_connections = max_connections(args.max_connections)?;
+    let tenants = tenant_namer(&args)?;
     let engine = start(&args)?;
     let contexts = open_contexts(&args)?;
+    if let Some(store) = &contexts {
+        migrate_context_owners(store, &api_keys, &tenants)?;
+    }
     if !api_keys.is_empty() {
         tracing::info!(
             keys = api_keys.len(),
             "API keys required; each key is its own cache tenant"
         );
     }
+    if !admin_keys.is_empty() {
+        tracing::info!(
+            keys = admin_keys.len(),
+            "operator key set: /v1/kv/* and /debug/* answer it only"
+        );
+    }
     let server_config = ServerConfig {
         api_keys,
+        admin_keys,
+        tenants,
+        quotas: kura_server::TenantQuotas {
+            contexts: args.max_contexts_per_tenant as usize,
+            event_streams: args.max_kv_event_streams as usize,
+        },
         max_body_bytes: usize::try_from(max_body_bytes).context("--max-body-size")?,
         body_timeout: Duration::from_secs(args.http_body_timeout_s),
         shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
@@ -583,6 +687,53 @@ pub fn run(args: ServeArgs) -> Result<()> {
     result
 }
 
+/// The environment variable that may hold the Redis URL instead of `--kv-redis-url`.
+const REDIS_URL_ENV: &str = "KURA_KV_REDIS_URL";
+
+/// The Redis URL of the shared KV tier: `--kv-redis-url`, the content of `--kv-redis-url-file`, or
+/// `$KURA_KV_REDIS_URL` (empty counts as unset); more than one of them is an error naming them.
+fn redis_url(args: &ServeArgs) -> Result<Option<String>> {
+    let mut given: Vec<(String, String)> = Vec::new();
+    if let Some(url) = &args.kv_redis_url {
+        given.push(("--kv-redis-url".into(), url.trim().to_string()));
+    }
+    if let Some(path) = &args.kv_redis_url_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --kv-redis-url-file {}", path.display()))?;
+        if text.trim().is_empty() {
+            bail!("--kv-redis-url-file {} is empty", path.display());
+        }
+        given.push((
+            format!("--kv-redis-url-file {}", path.display()),
+            text.trim().to_string(),
+        ));
+    }
+    match std::env::var(REDIS_URL_ENV) {
+        Ok(url) if !url.trim().is_empty() => {
+            given.push((format!("${REDIS_URL_ENV}"), url.trim().to_string()))
+        }
+        Ok(_) | Err(std::env::VarError::NotPresent) => {}
+        Err(std::env::VarError::NotUnicode(_)) => bail!("${REDIS_URL_ENV} is not UTF-8"),
+    }
+    if given.len() > 1 {
+        let names: Vec<&str> = given.iter().map(|(name, _)| name.as_str()).collect();
+        bail!(
+            "the Redis URL is given by {}: give it once",
+            names.join(" and ")
+        );
+    }
+    let url = given.pop().map(|(_, url)| url);
+    if url.is_none() {
+        if let Some(path) = &args.kv_redis_ca_file {
+            bail!(
+                "--kv-redis-ca-file {} without a Redis URL (--kv-redis-url, --kv-redis-url-file or                  ${REDIS_URL_ENV})",
+                path.display()
+            );
+        }
+    }
+    Ok(url)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -607,13 +758,6 @@ mod tests {
             kura_plan::DEFAULT_MAX_BATCHED_TOKENS,
             DEFAULT_MAX_BATCHED_TOKENS as u64
         );
-    }
-
-    #[test]
-    fn a_key_file_of_comments_and_blank_lines_holds_no_key() {
-        assert!(keys_of_file("").is_empty());
-        assert!(keys_of_file("# only a comment\n\n   \n#another").is_empty());
-        assert_eq!(keys_of_file(" k1 \n# c\nk2\n"), vec!["k1", "k2"]);
     }
 
     #[test]

@@ -181,6 +181,22 @@ impl TextCodec for Letters {
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
         self.encode(&self.render_chat(messages)?)
     }
+    /// No special tokens: nothing to keep apart.
+    fn chat_content_spans(
+        &self,
+        _text: &str,
+        _from: usize,
+        _messages: &[ChatMessage],
+    ) -> Result<Vec<std::ops::Range<usize>>, String> {
+        Ok(Vec::new())
+    }
+    fn encode_with_plain_spans(
+        &self,
+        text: &str,
+        _plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, String> {
+        self.encode(text)
+    }
     fn eos_token_ids(&self) -> &[u32] {
         &[0]
     }

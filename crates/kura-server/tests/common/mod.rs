@@ -116,6 +116,24 @@ impl TextCodec for FakeCodec {
         self.encode(&text)
     }
 
+    /// No special tokens: nothing to keep apart.
+    fn chat_content_spans(
+        &self,
+        _text: &str,
+        _from: usize,
+        _messages: &[ChatMessage],
+    ) -> Result<Vec<std::ops::Range<usize>>, String> {
+        Ok(Vec::new())
+    }
+
+    fn encode_with_plain_spans(
+        &self,
+        text: &str,
+        _plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, String> {
+        self.encode(text)
+    }
+
     fn decode(&self, ids: &[u32]) -> String {
         ids.iter()
             .filter(|&&t| t != EOS)

@@ -1,0 +1,183 @@
+//! Where `kura serve` and `kura router` take their keys and secrets from: flags naming files, or the
+//! environment, never only argv (which every user of the machine can read in `ps`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use kura_kv::Secret;
+
+/// The environment variable that may hold the fleet secret instead of `--fleet-secret-file`.
+pub const FLEET_SECRET_ENV: &str = "KURA_FLEET_SECRET";
+/// The environment variable that may hold the operator key instead of `--admin-api-key-file`.
+pub const ADMIN_KEY_ENV: &str = "KURA_ADMIN_API_KEY";
+
+/// Warns when a file holding a secret can be read by other users.
+fn warn_if_shared(path: &Path, what: &str) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(meta) = std::fs::metadata(path) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                tracing::warn!(
+                    "{what} {} can be read by other users (mode {:o}); `chmod 600` it",
+                    path.display(),
+                    meta.permissions().mode() & 0o777
+                );
+            }
+        }
+    }
+}
+
+/// The fleet's secret: the content of `file`, else of `$KURA_FLEET_SECRET`, else none.
+pub fn fleet_secret(file: Option<&PathBuf>) -> Result<Option<Secret>> {
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --fleet-secret-file {}", path.display()))?;
+        warn_if_shared(path, "--fleet-secret-file");
+        let secret = Secret::from_text(&text)
+            .map_err(|e| anyhow::anyhow!("--fleet-secret-file {}: {e}", path.display()))?;
+        return Ok(Some(secret));
+    }
+    match std::env::var(FLEET_SECRET_ENV) {
+        Ok(text) => Secret::from_text(&text)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("${FLEET_SECRET_ENV}: {e}")),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => bail!("${FLEET_SECRET_ENV} is not UTF-8"),
+    }
+}
+
+/// The server's own secret kept beside the disk tier's metadata (`<dir>/server.secret`, 32 random bytes,
+/// readable by the server's user only): made on first use, the same after every restart.
+pub fn server_secret(disk_dir: &Path) -> Result<Secret> {
+    let path = disk_dir.join("server.secret");
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let bytes: [u8; 32] = bytes.as_slice().try_into().map_err(|_| {
+                anyhow::anyhow!(
+                    "{} holds {} bytes, not the 32 of a server secret: restore it from a backup, or \
+                     delete it to make a new one (tenants' saved contexts then lose their owner)",
+                    path.display(),
+                    bytes.len()
+                )
+            })?;
+            Ok(Secret::from_bytes(bytes))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            use std::io::Write;
+            std::fs::create_dir_all(disk_dir)
+                .with_context(|| format!("creating {}", disk_dir.display()))?;
+            let secret = Secret::random();
+            let tmp = disk_dir.join("server.secret.tmp");
+            let mut options = std::fs::OpenOptions::new();
+            options.write(true).create(true).truncate(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+            let mut f = options
+                .open(&tmp)
+                .with_context(|| format!("creating {}", tmp.display()))?;
+            f.write_all(&secret.to_bytes())
+                .and_then(|_| f.sync_all())
+                .and_then(|_| std::fs::rename(&tmp, &path))
+                .with_context(|| format!("writing {}", path.display()))?;
+            Ok(secret)
+        }
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// Keys of a key file: one per line, blank lines and `#` comments ignored.
+pub fn keys_of_file(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect()
+}
+
+/// The keys given as `flag` values and in `file` (`flag_name`'s file flag), checked: none empty, and a
+/// file given must hold at least one (a file that names none would start without authentication).
+pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> Result<Vec<String>> {
+    let mut keys: Vec<String> = given.iter().map(|k| k.trim().to_string()).collect();
+    if keys.iter().any(|k| k.is_empty()) {
+        bail!("--{flag_name} must not be empty");
+    }
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --{flag_name}-file {}", path.display()))?;
+        warn_if_shared(path, &format!("--{flag_name}-file"));
+        let from_file = keys_of_file(&text);
+        if from_file.is_empty() {
+            bail!(
+                "--{flag_name}-file {} holds no key (only blank lines or # comments); the server \
+                 would run without authentication. Put one key per line, or drop the flag to run \
+                 without keys on purpose",
+                path.display()
+            );
+        }
+        keys.extend(from_file);
+    }
+    Ok(keys)
+}
+
+/// The operator keys: `--admin-api-key`, `--admin-api-key-file`, else `$KURA_ADMIN_API_KEY`.
+pub fn admin_keys(given: &[String], file: Option<&PathBuf>) -> Result<Vec<String>> {
+    let mut keys = read_keys(given, file, "admin-api-key")?;
+    if keys.is_empty() {
+        if let Ok(key) = std::env::var(ADMIN_KEY_ENV) {
+            let key = key.trim();
+            if key.is_empty() {
+                bail!("${ADMIN_KEY_ENV} is set but empty");
+            }
+            keys.push(key.to_string());
+        }
+    }
+    Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_file_of_comments_and_blank_lines_holds_no_key() {
+        assert!(keys_of_file("# keys\n\n   \n# none yet\n").is_empty());
+        assert_eq!(keys_of_file("a\n  b  \n#c\n"), vec!["a", "b"]);
+    }
+
+    #[test]
+    fn the_server_secret_is_made_once_private_and_kept() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("kura-secret-{}", std::process::id()));
+        let first = server_secret(&dir).unwrap();
+        let file = dir.join("server.secret");
+        assert_eq!(
+            std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(server_secret(&dir).unwrap().to_bytes(), first.to_bytes());
+        std::fs::write(&file, b"short").unwrap();
+        let err = server_secret(&dir).unwrap_err();
+        assert!(format!("{err:#}").contains("holds 5 bytes"), "{err:#}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_empty_key_and_an_empty_key_file_are_refused_by_flag() {
+        let err = read_keys(&[" ".into()], None, "api-key").unwrap_err();
+        assert!(err.to_string().contains("--api-key must not be empty"));
+        let dir = std::env::temp_dir().join(format!("kura-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("keys");
+        std::fs::write(&file, "# none\n").unwrap();
+        let err = read_keys(&[], Some(&file), "admin-api-key").unwrap_err();
+        assert!(
+            err.to_string().contains("--admin-api-key-file"),
+            "{err:#}"
+        );
+        std::fs::write(&file, "tiny\n").unwrap();
+        let err = fleet_secret(Some(&file)).unwrap_err();
+        assert!(format!("{err:#}").contains("at least 32"), "{err:#}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
