@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  Submit ─▶ held locally? ─ all ─────────────────────────────────────────────▶ scheduler
-//!              │ some missing: MGET of the rest (kura-kv-redis thread); the request waits
+//!              │ some missing: GETRANGE of the rest, pipelined (kura-kv-redis thread); the request waits
 //!              ▼
 //!   answer (or FETCH_WAIT passed) ─▶ leading verified blocks adopted into the pool ─▶ scheduler
 //!   (KvCacheManager::begin_adoption; tier moves run; bytes imported; finish_adoption)

@@ -397,18 +397,16 @@ impl Model {
         self.config.kv_layout(dtype, block_size_tokens)
     }
 
-    /// Renders `messages` with the chat template and tokenizes the result (special tokens in the text are
-    /// recognised; nothing else is added, as HF's `apply_chat_template(tokenize=True)`).
+    /// Renders `messages` with the chat template and tokenizes the result: special tokens are recognised
+    /// where the template writes them, never inside a message's content ([`ChatTemplate::encode`]).
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self
-            .text
+        self.text
             .chat_template
-            .render(messages, add_generation_prompt)?;
-        self.text.tokenizer.encode(&text, false)
+            .encode(&self.text.tokenizer, messages, add_generation_prompt)
     }
 
     fn check_batch(&self, batch: &[SeqBatchItem<'_>], kv: &KvStorage) -> Result<()> {

@@ -626,14 +626,14 @@ impl ContextStore {
     ) -> Result<SavedContext, ApiError> {
         let c = self.get(id, tenant, now_ms)?;
         self.lock().remove(id);
-        self.remove_files(&[c.id.clone()]);
+        self.remove_files(std::slice::from_ref(&c.id));
         Ok(c)
     }
 
     /// Deletes a context whatever its tenant (the operator's `kura cache rm`).
     pub fn delete_any(&self, id: &str) -> Option<SavedContext> {
         let c = self.lock().remove(id)?;
-        self.remove_files(&[c.id.clone()]);
+        self.remove_files(std::slice::from_ref(&c.id));
         Some(c)
     }
 

@@ -12,7 +12,7 @@ pub const FLEET_SECRET_ENV: &str = "KURA_FLEET_SECRET";
 pub const ADMIN_KEY_ENV: &str = "KURA_ADMIN_API_KEY";
 
 /// Warns when a file holding a secret can be read by other users.
-fn warn_if_shared(path: &Path, what: &str) {
+pub fn warn_if_shared(path: &Path, what: &str) {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

@@ -700,6 +700,7 @@ fn redis_url(args: &ServeArgs) -> Result<Option<String>> {
     if let Some(path) = &args.kv_redis_url_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading --kv-redis-url-file {}", path.display()))?;
+        crate::secrets::warn_if_shared(path, "--kv-redis-url-file");
         if text.trim().is_empty() {
             bail!("--kv-redis-url-file {} is empty", path.display());
         }
@@ -726,7 +727,8 @@ fn redis_url(args: &ServeArgs) -> Result<Option<String>> {
     if url.is_none() {
         if let Some(path) = &args.kv_redis_ca_file {
             bail!(
-                "--kv-redis-ca-file {} without a Redis URL (--kv-redis-url, --kv-redis-url-file or                  ${REDIS_URL_ENV})",
+                "--kv-redis-ca-file {} without a Redis URL (--kv-redis-url, --kv-redis-url-file or \
+                 ${REDIS_URL_ENV})",
                 path.display()
             );
         }
