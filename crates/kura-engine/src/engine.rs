@@ -243,7 +243,10 @@ pub fn start_engine(
         .unwrap_or(config.num_blocks / 4)
         .min(config.num_blocks);
     metrics.pin_budget_blocks.set(pin_budget as f64);
-    let kv_events = config.kv_events.as_ref().map(|k| Arc::new(KvEventLog::new(k)));
+    let kv_events = config
+        .kv_events
+        .as_ref()
+        .map(|k| Arc::new(KvEventLog::new(k)));
     let shared = Arc::new(Shared::new(info, metrics.clone(), kv_events));
     let (tx, rx) = mpsc::channel();
     let (out_tx, out_rx) = mpsc::channel();

@@ -221,7 +221,12 @@ mod tests {
         for debug_tokens in [false, true] {
             let log = log(8, debug_tokens);
             log.publish([stored(1, None), stored(2, Some(1))]);
-            let mut snap: Vec<_> = log.snapshot().blocks.iter().map(|b| (**b).clone()).collect();
+            let mut snap: Vec<_> = log
+                .snapshot()
+                .blocks
+                .iter()
+                .map(|b| (**b).clone())
+                .collect();
             snap.sort_by_key(|b| names.iter().position(|n| *n == b.name));
             let want: Vec<KvBlockInfo> = names
                 .iter()
@@ -231,7 +236,10 @@ mod tests {
                     tokens: debug_tokens.then(|| vec![t; 4]),
                 })
                 .collect();
-            assert_eq!(snap, want, "named as a router with the fleet secret names them");
+            assert_eq!(
+                snap, want,
+                "named as a router with the fleet secret names them"
+            );
             log.publish([KvEvent::Removed {
                 hash: BlockHash(2),
                 block: 0,

@@ -132,7 +132,6 @@ impl BlockHasher {
         }
         BlockHash(xxh3_128_with_seed(&self.scratch, self.seed) & self.mask)
     }
-
 }
 
 /// A secret shared by the processes of one fleet (or kept by one server), from which a key for each
@@ -168,7 +167,10 @@ impl Secret {
                 Self::MIN_CHARS
             ));
         }
-        Ok(Self(blake3::derive_key("kura 2026 secret text", text.as_bytes())))
+        Ok(Self(blake3::derive_key(
+            "kura 2026 secret text",
+            text.as_bytes(),
+        )))
     }
 
     /// The secret of 32 raw bytes (as persisted by a server).
@@ -290,7 +292,11 @@ mod tests {
         let key = CacheKey::new().with_salt("tenant");
         let tokens: Vec<u32> = (0..8).collect();
         let names = a.chain_blocks(&key, &tokens, 4);
-        assert_eq!(names, b.chain_blocks(&key, &tokens, 4), "the same secret names alike");
+        assert_eq!(
+            names,
+            b.chain_blocks(&key, &tokens, 4),
+            "the same secret names alike"
+        );
         assert_eq!(names[1], a.chain(names[0], &tokens[4..]));
         let mut other = ContentNamer::new(&Secret::from_text(&"t".repeat(32)).unwrap());
         assert_ne!(names, other.chain_blocks(&key, &tokens, 4));
@@ -306,10 +312,15 @@ mod tests {
     #[test]
     fn a_short_secret_is_refused_with_its_length() {
         let err = Secret::from_text("  short \n").unwrap_err();
-        assert!(err.contains("at least 32") && err.contains("has 5"), "{err}");
+        assert!(
+            err.contains("at least 32") && err.contains("has 5"),
+            "{err}"
+        );
         assert_eq!(
             Secret::from_text(&"k".repeat(40)).unwrap().derive("a"),
-            Secret::from_text(&format!("{}\n", "k".repeat(40))).unwrap().derive("a")
+            Secret::from_text(&format!("{}\n", "k".repeat(40)))
+                .unwrap()
+                .derive("a")
         );
         let s = Secret::random();
         assert_ne!(s.derive("a"), s.derive("b"));

@@ -576,7 +576,9 @@ fn events_announce_stored_removed_and_cleared() {
     assert_eq!(p1, h0);
     // Each block names its tokens; a root carries its key (for a keyed content name, never published).
     let KvEvent::Stored {
-        tokens, key: root_key, ..
+        tokens,
+        key: root_key,
+        ..
     } = &stored[0]
     else {
         unreachable!()

@@ -540,7 +540,10 @@ impl ContextStore {
             let mut map = self.lock();
             let mut moved = Vec::new();
             for c in map.values_mut() {
-                if let Some((_, new)) = renames.iter().find(|(old, _)| c.tenant.as_ref() == Some(old)) {
+                if let Some((_, new)) = renames
+                    .iter()
+                    .find(|(old, _)| c.tenant.as_ref() == Some(old))
+                {
                     c.tenant = Some(new.clone());
                     moved.push(c.clone());
                 }
@@ -776,9 +779,13 @@ mod tests {
             .is_err());
         // Each tenant has its own quota: a full one refuses only its own tenant.
         for i in 0..3 {
-            store.insert(context(i + 10, Some("b"), u64::MAX), 3).unwrap();
+            store
+                .insert(context(i + 10, Some("b"), u64::MAX), 3)
+                .unwrap();
         }
-        let e = store.insert(context(20, Some("b"), u64::MAX), 3).unwrap_err();
+        let e = store
+            .insert(context(20, Some("b"), u64::MAX), 3)
+            .unwrap_err();
         assert_eq!(e.status().as_u16(), 429);
         assert!(e.to_string().contains("this API key holds 3"), "{e}");
         store.insert(context(21, Some("c"), u64::MAX), 3).unwrap();
@@ -791,9 +798,14 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
         let (store, _) = ContextStore::open(&dir).unwrap();
-        store.insert(context(1, Some("key-old"), u64::MAX), 10).unwrap();
+        store
+            .insert(context(1, Some("key-old"), u64::MAX), 10)
+            .unwrap();
         let file = dir.join("contexts").join(format!("ctx_{:024x}.json", 1));
-        assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         let contexts_dir = std::fs::metadata(dir.join("contexts")).unwrap();
         assert_eq!(contexts_dir.permissions().mode() & 0o077, 0);
         let moved = store

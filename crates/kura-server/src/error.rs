@@ -26,10 +26,7 @@ pub enum ApiError {
     Forbidden(String),
     /// A tenant reached one of its own limits (saved contexts, pins, event streams).
     #[error("{message}")]
-    QuotaExceeded {
-        message: String,
-        code: &'static str,
-    },
+    QuotaExceeded { message: String, code: &'static str },
     /// The server could not store what the request asked it to keep (a full or failing disk); the
     /// message never names the server's files.
     #[error("{0}")]

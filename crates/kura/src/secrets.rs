@@ -171,10 +171,7 @@ mod tests {
         let file = dir.join("keys");
         std::fs::write(&file, "# none\n").unwrap();
         let err = read_keys(&[], Some(&file), "admin-api-key").unwrap_err();
-        assert!(
-            err.to_string().contains("--admin-api-key-file"),
-            "{err:#}"
-        );
+        assert!(err.to_string().contains("--admin-api-key-file"), "{err:#}");
         std::fs::write(&file, "tiny\n").unwrap();
         let err = fleet_secret(Some(&file)).unwrap_err();
         assert!(format!("{err:#}").contains("at least 32"), "{err:#}");

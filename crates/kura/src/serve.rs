@@ -605,7 +605,8 @@ pub fn open_contexts(args: &ServeArgs) -> Result<Option<Arc<ContextStore>>> {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let api_keys = crate::secrets::read_keys(&args.api_keys, args.api_key_file.as_ref(), "api-key")?;
+    let api_keys =
+        crate::secrets::read_keys(&args.api_keys, args.api_key_file.as_ref(), "api-key")?;
     let admin_keys =
         crate::secrets::admin_keys(&args.admin_api_keys, args.admin_api_key_file.as_ref())?;
     if args.kv_events && admin_keys.is_empty() {
