@@ -180,13 +180,9 @@ fn build(b: BuildArgs) -> Result<()> {
         Err(_) => serde_json::json!(b.ttl),
     })
     .map_err(|e| anyhow::anyhow!("--ttl: {e}"))?;
-    let tenant = match b.serve.api_keys() {
+    let owner_key = match b.serve.api_keys() {
         [] => None,
-        [key] => Some(
-            crate::serve::tenant_namer(&b.serve)?
-                .tenant_of_key(key)
-                .to_string(),
-        ),
+        [key] => Some(key.clone()),
         _ => bail!("give at most one --api-key: the context belongs to that key's tenant"),
     };
     if let Some(name) = &b.display_name {
@@ -196,6 +192,17 @@ fn build(b: BuildArgs) -> Result<()> {
     }
     let started = Instant::now();
     let engine = crate::serve::start(&b.serve)?;
+    // After `start`, which checks the disk tier's flags before anything is written there.
+    let tenant = match owner_key
+        .map(|key| crate::serve::tenant_namer(&b.serve).map(|t| t.tenant_of_key(&key).to_string()))
+    {
+        None => None,
+        Some(Ok(t)) => Some(t),
+        Some(Err(e)) => {
+            engine.stop();
+            return Err(e);
+        }
+    };
     let info = engine.info().clone();
     let tokens =
         context_tokens(engine.codec().as_ref(), &kind).map_err(|e| anyhow::anyhow!("{e}"))?;

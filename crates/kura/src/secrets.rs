@@ -108,8 +108,12 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
         warn_if_shared(path, &format!("--{flag_name}-file"));
         let from_file = keys_of_file(&text);
         if from_file.is_empty() {
+            let noun = match flag_name {
+                "api-key" => "API key",
+                _ => "key",
+            };
             bail!(
-                "--{flag_name}-file {} holds no key (only blank lines or # comments); the server \
+                "--{flag_name}-file {} holds no {noun} (only blank lines or # comments); the server \
                  would run without authentication. Put one key per line, or drop the flag to run \
                  without keys on purpose",
                 path.display()

@@ -632,8 +632,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         );
     }
     let max_connections = max_connections(args.max_connections)?;
-    let tenants = tenant_namer(&args)?;
     let engine = start(&args)?;
+    // After `start`, which checks the disk tier's flags before anything is written there.
+    let tenants = tenant_namer(&args)?;
     let contexts = open_contexts(&args)?;
     if let Some(store) = &contexts {
         migrate_context_owners(store, &api_keys, &tenants)?;
