@@ -346,22 +346,7 @@ mod tests {
 
     #[test]
     fn demoted_and_empty_pins_are_forgotten_past_the_cap() {
-        let mut sched = Scheduler::new(SchedulerConfig {
-            block_size_tokens: 4,
-            num_blocks: 16,
-            max_num_seqs: 4,
-            max_num_batched_tokens: 64,
-            enable_prefix_caching: true,
-            policy: crate::scheduler::SchedulingPolicy::Fcfs,
-            eviction_policy: kura_kv::EvictionPolicy::LeafLru,
-            hash_seed: Some(1),
-            tiers: kura_kv::TierConfig::default(),
-            preemption: crate::scheduler::PreemptionMode::Recompute,
-            admission: crate::scheduler::AdmissionMode::MaxUtilization,
-            window: None,
-            record_kv_events: false,
-        })
-        .unwrap();
+        let mut sched = scheduler(16);
         let mut pins = PinTable::new(4, 4);
         let key = CacheKey::new();
         for i in 0..(MIN_DEMOTED_KEPT as u32 + 100) {

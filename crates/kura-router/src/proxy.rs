@@ -35,7 +35,7 @@ use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use kura_kv::CacheKey;
 use kura_server::routing::{routing_prompt, Endpoint, RoutingPrompt};
-use kura_server::{AnthropicError, ApiError};
+use kura_server::{same_key, AnthropicError, ApiError};
 use serde_json::{json, Value};
 
 use crate::index::prompt_names;
@@ -59,15 +59,6 @@ const FAILED_MID_STREAM: &str = "the replica serving this request failed mid-str
 /// The API key a request was authenticated with (set by [`authenticate`] when the router has keys).
 #[derive(Clone)]
 struct ClientKey(String);
-
-/// Constant-time comparison, so that response timing does not reveal how much of a key matched.
-fn same_key(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
 
 /// An error in the route's API shape: Anthropic's on `/v1/messages`, OpenAI's elsewhere.
 fn api_error(endpoint: Endpoint, e: ApiError) -> Response {

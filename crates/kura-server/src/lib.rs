@@ -434,7 +434,7 @@ pub fn fuzz_validate(chat: bool, priority_scheduling: bool, body: &[u8]) -> Resu
 }
 
 /// Constant-time comparison, so that response timing does not reveal how much of a key matched.
-fn same_key(a: &str, b: &str) -> bool {
+pub fn same_key(a: &str, b: &str) -> bool {
     a.len() == b.len()
         && a.bytes()
             .zip(b.bytes())

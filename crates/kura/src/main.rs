@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod cache;
 mod generate;
+mod http_args;
 mod memory;
 mod perplexity;
 mod plan;

@@ -8,10 +8,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kura_engine::ModelCodec;
-use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::ModelText;
 use kura_router::{Policy, RouterConfig};
-use kura_server::ConnLimits;
 
 use crate::secrets::{fleet_secret, read_keys, ADMIN_KEY_ENV};
 
@@ -65,66 +63,8 @@ pub struct RouterArgs {
     /// A request that finds every one busy for more than 50 ms is routed by load instead.
     #[arg(long, value_parser = clap::value_parser!(u64).range(2..=1024))]
     tokenizer_threads: Option<u64>,
-    /// Largest accepted request body, e.g. `8MiB` (at most 1GiB); larger ones get 413 here and never
-    /// reach a replica.
-    #[arg(long, default_value = "8MiB")]
-    max_body_size: String,
-    /// Most open client connections. At the limit, the oldest connection without a request in flight
-    /// is closed to admit a new one. Default: 4096, or less where the open-file limit is lower.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    max_connections: Option<u64>,
-    /// Seconds a client has to send a request's head (request line and headers) (1..=3600).
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    http_header_timeout_s: u64,
-    /// Seconds a connection may stay open with no request in flight and nothing received (1..=3600).
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    http_idle_timeout_s: u64,
-    /// Seconds a client has to send a request's body once its head has arrived (408 after) (1..=3600).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    http_body_timeout_s: u64,
-    /// Seconds a client may stop reading its response before its connection is closed (and its
-    /// request cancelled at the replica) (1..=3600).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    stalled_client_timeout_s: u64,
-    /// Seconds requests in flight may run after a shutdown signal before every connection is closed
-    /// (0..=3600).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
-    shutdown_grace_s: u64,
-}
-
-/// Largest `--max-body-size`.
-const MAX_BODY_BYTES: u64 = 1 << 30;
-/// Default `--max-connections`.
-const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
-/// File descriptors kept free of connections (the tokenizer, logs, health checks, event streams).
-const RESERVED_FDS: u64 = 64;
-
-/// `--max-connections`, or the default bounded by the open-file limit, so that a flood meets the
-/// connection cap (which evicts idle connections) before it meets `Too many open files`. Each client
-/// connection may hold one connection to a replica: half of the room is theirs.
-fn max_connections(given: Option<u64>, open_files: Option<u64>) -> Result<usize> {
-    let room = open_files.map(|limit| limit.saturating_sub(RESERVED_FDS) / 2);
-    let n = match (given, room) {
-        (Some(n), Some(room)) if n > room => bail!(
-            "--max-connections {n} is more than this process may open: its open-file limit leaves \
-             room for {room} client connections (each may hold one to a replica); lower \
-             --max-connections or raise the limit (ulimit -n)"
-        ),
-        (Some(n), _) => n,
-        (None, Some(0)) => bail!(
-            "the open-file limit (ulimit -n) leaves no room for connections; raise it above {}",
-            RESERVED_FDS + 2
-        ),
-        (None, Some(room)) => DEFAULT_MAX_CONNECTIONS.min(room),
-        (None, None) => DEFAULT_MAX_CONNECTIONS,
-    };
-    usize::try_from(n).context("--max-connections does not fit this platform")
-}
-
-/// The soft limit on open files (`/proc/self/limits`), where the platform says it.
-fn open_file_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    crate::memory::soft_limit(&text, "Max open files")
+    #[command(flatten)]
+    http: crate::http_args::HttpArgs,
 }
 
 /// The replicas' operator key: `--replica-admin-key-file`, `--replica-admin-key`, else
@@ -158,16 +98,8 @@ pub fn run(args: RouterArgs) -> Result<()> {
     if admin_key.as_ref().is_some_and(|k| api_keys.contains(k)) {
         bail!("the replicas' operator key is also a tenant's API key: give the operator a key of its own");
     }
-    let max_body_bytes = parse_bytes(&args.max_body_size)
-        .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
-    if max_body_bytes == 0 || max_body_bytes > MAX_BODY_BYTES {
-        bail!(
-            "--max-body-size {:?} must be between 1 byte and {}",
-            args.max_body_size,
-            format_bytes(MAX_BODY_BYTES)
-        );
-    }
-    let max_connections = max_connections(args.max_connections, open_file_limit())?;
+    // A client connection may hold one to a replica too.
+    let http = args.http.limits(2)?;
     let tokenizer_threads = match args.tokenizer_threads {
         Some(n) => usize::try_from(n).context("--tokenizer-threads")?,
         None => std::thread::available_parallelism()
@@ -186,39 +118,13 @@ pub fn run(args: RouterArgs) -> Result<()> {
         api_keys,
         health_interval: Duration::from_millis(args.health_interval_ms),
         tokenizer_threads,
-        max_body_bytes: usize::try_from(max_body_bytes).context("--max-body-size")?,
-        body_timeout: Duration::from_secs(args.http_body_timeout_s),
-        conn: ConnLimits {
-            max_connections,
-            header_timeout: Duration::from_secs(args.http_header_timeout_s),
-            idle_timeout: Duration::from_secs(args.http_idle_timeout_s),
-            write_stall_timeout: Duration::from_secs(args.stalled_client_timeout_s),
-        },
-        shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
+        max_body_bytes: http.max_body_bytes,
+        body_timeout: http.body_timeout,
+        conn: http.conn,
+        shutdown_grace: http.shutdown_grace,
         ..RouterConfig::new(args.replicas, args.policy, codec)
     };
     let addr = format!("{}:{}", args.host, args.port);
     kura_router::serve_blocking(&addr, config).context("running the router")?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn max_connections_leaves_room_for_a_replica_connection_each() {
-        assert_eq!(max_connections(None, None).unwrap(), 4096);
-        assert_eq!(max_connections(None, Some(20_000)).unwrap(), 4096);
-        assert_eq!(max_connections(None, Some(1024)).unwrap(), 480);
-        let e = max_connections(Some(481), Some(1024))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("--max-connections 481") && e.contains("480"),
-            "{e}"
-        );
-        assert_eq!(max_connections(Some(480), Some(1024)).unwrap(), 480);
-        assert!(max_connections(None, Some(10)).is_err());
-    }
 }

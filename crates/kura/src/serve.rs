@@ -17,7 +17,7 @@ use kura_kv::layout::KvLayout;
 use kura_kv::units::{format_bytes, parse_bytes};
 use kura_model::WeightsDtype;
 use kura_server::caching::ContextStore;
-use kura_server::{ConnLimits, ServerConfig};
+use kura_server::ServerConfig;
 
 use crate::memory::{check_fits_in_memory, kv_budget_bytes, KvMemoryRequest};
 use crate::tiers::TierArgs;
@@ -116,33 +116,12 @@ pub struct ServeArgs {
     /// comparisons.
     #[arg(long)]
     no_hybrid_pool: bool,
-    /// Largest accepted request body, e.g. `8MiB` (at most 1GiB).
-    #[arg(long, default_value = "8MiB")]
-    max_body_size: String,
-    /// Seconds in-flight requests may run after a shutdown signal before they are cancelled (0..=3600).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=MAX_GRACE_S))]
-    shutdown_grace_s: u64,
     /// Seconds a request may take from arrival to its last token before it is cancelled (504);
     /// 0 = no limit (at most a week).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=MAX_REQUEST_TIMEOUT_S))]
     request_timeout_s: u64,
-    /// Most open HTTP connections. At the limit, the oldest connection without a request in flight is
-    /// closed to admit a new one. Default: 4096, or less where the open-file limit is lower.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    max_connections: Option<u64>,
-    /// Seconds a client has to send a request's head (request line and headers) (1..=3600).
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    http_header_timeout_s: u64,
-    /// Seconds a connection may stay open with no request in flight and nothing received (1..=3600).
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    http_idle_timeout_s: u64,
-    /// Seconds a client has to send a request's body once its head has arrived (408 after) (1..=3600).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    http_body_timeout_s: u64,
-    /// Seconds a client may stop reading its response (a full socket or output queue) before the request
-    /// is cancelled and its connection closed (1..=3600).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    stalled_client_timeout_s: u64,
+    #[command(flatten)]
+    http: crate::http_args::HttpArgs,
     /// Most of the KV pool that pinned prefixes may hold (cache_control breakpoints,
     /// prompt_cache_retention "24h", saved contexts): a share of the pool (`25%`, `0.25`) or bytes
     /// (`256MiB`). Pins past it are demoted to the host and disk tiers, never refused. Default: 25%.
@@ -281,41 +260,8 @@ impl From<SchedulingArg> for kura_plan::Scheduling {
     }
 }
 
-/// Longest `--shutdown-grace-s`.
-const MAX_GRACE_S: u64 = 3600;
 /// Longest `--request-timeout-s`: a week.
 const MAX_REQUEST_TIMEOUT_S: u64 = 7 * 24 * 3600;
-/// Largest `--max-body-size`.
-const MAX_BODY_BYTES: u64 = 1 << 30;
-/// Default `--max-connections`.
-const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
-/// File descriptors kept free of connections (model file, logs, the engine, the blocking pool).
-const RESERVED_FDS: u64 = 64;
-
-/// `--max-connections`, or the default bounded by the open-file limit, so that a flood meets the
-/// connection cap (which evicts idle connections) before it meets `Too many open files`.
-fn max_connections(given: Option<u64>) -> Result<usize> {
-    let fd_room = open_file_limit().map(|limit| limit.saturating_sub(RESERVED_FDS));
-    let n = match (given, fd_room) {
-        (Some(n), Some(room)) if n > room => bail!(
-            "--max-connections {n} is more than this process may open: its open-file limit leaves \
-             room for {room} connections; lower --max-connections or raise the limit (ulimit -n)"
-        ),
-        (Some(n), _) => n,
-        (None, Some(0)) => bail!(
-            "the open-file limit (ulimit -n) leaves no room for connections; raise it above {RESERVED_FDS}"
-        ),
-        (None, Some(room)) => DEFAULT_MAX_CONNECTIONS.min(room),
-        (None, None) => DEFAULT_MAX_CONNECTIONS,
-    };
-    usize::try_from(n).context("--max-connections does not fit this platform")
-}
-
-/// The soft limit on open files (`/proc/self/limits`), where the platform says it.
-fn open_file_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    crate::memory::soft_limit(&text, "Max open files")
-}
 
 /// `--served-model-name`, or the model file's stem.
 fn served_model_name(given: Option<&str>, path: &std::path::Path) -> Result<String> {
@@ -507,7 +453,7 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
         max_queue: args.max_queue as usize,
         enable_prefix_caching: !args.no_prefix_cache,
         scheduling_policy: args.scheduling_policy.into(),
-        stalled_client_timeout: Duration::from_secs(args.stalled_client_timeout_s),
+        stalled_client_timeout: Duration::from_secs(args.http.stalled_client_timeout_s),
         pin_budget_blocks: Some(pin_budget),
         admission: args.scheduling.into(),
         window,
@@ -622,16 +568,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if admin_keys.iter().any(|k| api_keys.contains(k)) {
         bail!("an operator key is also a tenant's API key: give the operator a key of its own");
     }
-    let max_body_bytes = parse_bytes(&args.max_body_size)
-        .with_context(|| format!("--max-body-size {:?}", args.max_body_size))?;
-    if max_body_bytes == 0 || max_body_bytes > MAX_BODY_BYTES {
-        bail!(
-            "--max-body-size {:?} must be between 1 byte and {}",
-            args.max_body_size,
-            format_bytes(MAX_BODY_BYTES)
-        );
-    }
-    let max_connections = max_connections(args.max_connections)?;
+    let http = args.http.limits(1)?;
     let engine = start(&args)?;
     // After `start`, which checks the disk tier's flags before anything is written there.
     let tenants = tenant_namer(&args)?;
@@ -659,18 +596,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
             contexts: args.max_contexts_per_tenant as usize,
             event_streams: args.max_kv_event_streams as usize,
         },
-        max_body_bytes: usize::try_from(max_body_bytes).context("--max-body-size")?,
-        body_timeout: Duration::from_secs(args.http_body_timeout_s),
-        shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
+        max_body_bytes: http.max_body_bytes,
+        body_timeout: http.body_timeout,
+        shutdown_grace: http.shutdown_grace,
         request_timeout: (args.request_timeout_s > 0)
             .then(|| Duration::from_secs(args.request_timeout_s)),
         priority_scheduling: args.scheduling_policy == PolicyArg::Priority,
-        conn: ConnLimits {
-            max_connections,
-            header_timeout: Duration::from_secs(args.http_header_timeout_s),
-            idle_timeout: Duration::from_secs(args.http_idle_timeout_s),
-            write_stall_timeout: Duration::from_secs(args.stalled_client_timeout_s),
-        },
+        conn: http.conn,
         contexts,
         debug_clock: args.debug_clock,
     };
@@ -772,21 +704,5 @@ mod tests {
         assert!(served_model_name(Some("a\nb"), p).is_err());
         assert_eq!(served_model_name(Some("x"), p).unwrap(), "x");
         assert_eq!(served_model_name(None, p).unwrap(), "model");
-    }
-
-    #[test]
-    fn max_connections_stays_within_the_open_file_limit() {
-        let Some(limit) = open_file_limit() else {
-            panic!("/proc/self/limits has no open-file limit on this machine");
-        };
-        let room = limit.saturating_sub(RESERVED_FDS);
-        let default = max_connections(None).unwrap() as u64;
-        assert!(
-            default <= room && default <= DEFAULT_MAX_CONNECTIONS,
-            "{default}"
-        );
-        let e = max_connections(Some(room + 1)).unwrap_err().to_string();
-        assert!(e.contains("ulimit -n"), "{e}");
-        assert_eq!(max_connections(Some(1)).unwrap(), 1);
     }
 }
