@@ -10,7 +10,6 @@ Usage: bench/hostile-fleet.py --kura target/release/kura --model MODEL --redis-s
 
 import argparse
 import json
-import os
 import pathlib
 import resource
 import secrets

@@ -60,6 +60,19 @@ def prometheus(url: str) -> dict[str, float]:
     return out
 
 
+def closed_by_peer(conns: list[socket.socket], timeout: float) -> int:
+    """How many of `conns` the server has closed (reading gives end of file within `timeout`)."""
+    closed = 0
+    for c in conns:
+        c.settimeout(timeout)
+        try:
+            if c.recv(1) == b"":
+                closed += 1
+        except (socket.timeout, ConnectionResetError):
+            pass
+    return closed
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, what: str, log, timeout: float) -> bool:
     """Waits until `url`/health answers 200; raises if the process exits first; False on timeout."""
     deadline = time.time() + timeout

@@ -28,7 +28,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import KuraServer, free_port, kura_bin, long_text, model_path, prometheus, wait_healthy
+from conftest import (KuraServer, closed_by_peer, free_port, kura_bin, long_text, model_path, prometheus,
+                      wait_healthy)
 
 TENANT_KEYS = ("key-a", "key-b")
 NINE_MIB = 9 * 1024 * 1024
@@ -463,14 +464,7 @@ def test_the_router_evicts_idle_connections_past_its_cap(fleet):
         assert held_by_router() <= cap
         assert "connection limit reached" in router.log(), router.log()[-2000:]
         # The oldest idle connections were closed to make room: reading them gives end of file.
-        closed = 0
-        for c in flood[:300]:
-            c.settimeout(2)
-            try:
-                if c.recv(1) == b"":
-                    closed += 1
-            except (socket.timeout, ConnectionResetError):
-                pass
+        closed = closed_by_peer(flood[:300], 2)
         assert closed >= 250, closed
         assert router.proc.poll() is None
     finally:

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import EXACT, KuraServer, kura_bin, model_path
+from conftest import EXACT, KuraServer, closed_by_peer, kura_bin, model_path
 
 
 def start_fails(*args: str, timeout: float = 120) -> str:
@@ -79,14 +79,7 @@ def test_health_answers_through_a_flood_of_silent_connections():
         assert s.proc.poll() is None
         assert "connection limit reached" in s.log(), s.log()[-2000:]
         # The oldest silent connections were closed to make room: reading them gives end of file.
-        closed = 0
-        for c in flood[:200]:
-            c.settimeout(0.5)
-            try:
-                if c.recv(1) == b"":
-                    closed += 1
-            except (socket.timeout, ConnectionResetError):
-                pass
+        closed = closed_by_peer(flood[:200], 0.5)
         assert closed >= 150, closed
     finally:
         for c in flood:

@@ -146,6 +146,19 @@ def wait_for(server: KuraServer, name: str, at_least: float, timeout: float = 10
         time.sleep(0.05)  # poll interval
 
 
+def ask_and_store(server: KuraServer, redis, system: str, api_key: str | None = None):
+    """Asks `server` about `system` and waits until its whole blocks are written to Redis: (answer, cached
+    tokens, the Redis keys the request added)."""
+    before_keys = set(redis.keys())
+    before_stores = server.metrics()["kura:kv_remote_stores_total"]
+    answer, cached, prompt = ask(server, system, api_key=api_key)
+    blocks = (prompt - 1) // 16
+    wait_for(server, "kura:kv_remote_stores_total", before_stores + blocks)
+    new = sorted(set(redis.keys()) - before_keys)
+    assert len(new) >= blocks
+    return answer, cached, new
+
+
 @pytest.fixture(scope="module")
 def redis():
     r = Redis()
@@ -184,12 +197,7 @@ def test_a_damaged_record_is_refused_and_recomputed(redis, fleet):
     b = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
     try:
         doc = "Damaged in Redis. " + long_text(120, seed=9)
-        before = set(redis.keys())
-        answer_a, _, prompt = ask(a, doc)
-        blocks = (prompt - 1) // 16
-        wait_for(a, "kura:kv_remote_stores_total", blocks)
-        new = sorted(set(redis.keys()) - before)
-        assert len(new) >= blocks
+        answer_a, _, new = ask_and_store(a, redis, doc)
         # Flip bytes inside every new record's payload (past any header).
         for key in new:
             assert redis.command("SETRANGE", key, "4000", "XXXX").startswith(b":")
@@ -304,17 +312,8 @@ def test_a_tenants_records_copied_over_another_tenants_names_are_rejected(redis,
     try:
         doc_a = "Tenant A writes this. " + long_text(150, seed=31)
         doc_b = "Tenant B writes that. " + long_text(150, seed=32)
-        before = set(redis.keys())
-        _, _, prompt_a = ask(first, doc_a, api_key="tenant-a-key")
-        blocks_a = (prompt_a - 1) // 16
-        wait_for(first, "kura:kv_remote_stores_total", blocks_a)
-        keys_a = sorted(set(redis.keys()) - before)
-        assert len(keys_a) >= blocks_a
-        honest_b, _, prompt_b = ask(first, doc_b, api_key="tenant-b-key")
-        blocks_b = (prompt_b - 1) // 16
-        wait_for(first, "kura:kv_remote_stores_total", len(keys_a) + blocks_b)
-        keys_b = sorted(set(redis.keys()) - before - set(keys_a))
-        assert len(keys_b) >= blocks_b
+        _, _, keys_a = ask_and_store(first, redis, doc_a, api_key="tenant-a-key")
+        honest_b, _, keys_b = ask_and_store(first, redis, doc_b, api_key="tenant-b-key")
         # Every record name of B's now holds one of A's records, whole and intact.
         copy_values(redis, keys_a, keys_b)
         fresh = KuraServer(*ARGS, *keys, "--kv-redis-url", redis.url, *fleet, api_key="tenant-b-key")
@@ -338,18 +337,10 @@ def test_records_written_with_another_fleet_secret_are_rejected(redis, fleet, tm
     fresh = None
     try:
         doc = "Forged by an outsider. " + long_text(150, seed=41)
-        before = set(redis.keys())
-        honest, _, prompt = ask(good, doc)
-        blocks = (prompt - 1) // 16
-        wait_for(good, "kura:kv_remote_stores_total", blocks)
-        good_keys = sorted(set(redis.keys()) - before)
-        assert len(good_keys) >= blocks
+        honest, _, good_keys = ask_and_store(good, redis, doc)
         # The outsider names the same prompt's blocks otherwise: no hit, records of its own.
-        _, cached_out, _ = ask(outsider, doc)
+        _, cached_out, outsider_keys = ask_and_store(outsider, redis, doc)
         assert cached_out == 0
-        wait_for(outsider, "kura:kv_remote_stores_total", blocks)
-        outsider_keys = sorted(set(redis.keys()) - before - set(good_keys))
-        assert len(outsider_keys) >= blocks
         copy_values(redis, outsider_keys, good_keys)
         fresh = KuraServer(*ARGS, "--kv-redis-url", redis.url, *fleet)
         answer, cached, _ = ask(fresh, doc)
