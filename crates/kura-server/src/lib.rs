@@ -120,9 +120,9 @@ impl Default for ServerConfig {
 #[derive(Clone)]
 struct AppState {
     engine: EngineHandle,
-    api_keys: Arc<Vec<String>>,
+    /// Each accepted key with its tenant name (computed once, not per request).
+    api_keys: Arc<Vec<(String, Arc<str>)>>,
     admin_keys: Arc<Vec<String>>,
-    tenants: TenantNamer,
     quotas: Arc<TenantQuotas>,
     /// Open KV event streams.
     event_streams: Arc<std::sync::atomic::AtomicUsize>,
@@ -178,12 +178,10 @@ impl TenantNamer {
     /// saved contexts.
     pub fn tenant_of_key(&self, key: &str) -> Arc<str> {
         let mac = blake3::keyed_hash(&self.key, key.as_bytes());
-        let mut name = String::with_capacity(36);
-        name.push_str("key-");
-        for b in &mac.as_bytes()[..16] {
-            name.push_str(&format!("{b:02x}"));
-        }
-        name.into()
+        let mut first = [0u8; 16];
+        first.copy_from_slice(&mac.as_bytes()[..16]);
+        // Big-endian, so that the name spells the MAC's first 16 bytes in order.
+        format!("key-{:032x}", u128::from_be_bytes(first)).into()
     }
 }
 
@@ -230,9 +228,14 @@ fn unix_now() -> u64 {
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
     let state = AppState {
         engine,
-        api_keys: Arc::new(config.api_keys.clone()),
+        api_keys: Arc::new(
+            config
+                .api_keys
+                .iter()
+                .map(|k| (k.clone(), config.tenants.tenant_of_key(k)))
+                .collect(),
+        ),
         admin_keys: Arc::new(config.admin_keys.clone()),
-        tenants: config.tenants.clone(),
         quotas: Arc::new(config.quotas.clone()),
         event_streams: Arc::default(),
         max_body_bytes: config.max_body_bytes,
@@ -451,9 +454,10 @@ async fn authenticate(
         Tenant(None)
     } else {
         let [bearer, x_api_key] = presented_keys(req.headers());
-        let known = |k: Option<&str>| k.and_then(|k| s.api_keys.iter().find(|x| same_key(x, k)));
+        let known =
+            |k: Option<&str>| k.and_then(|k| s.api_keys.iter().find(|(x, _)| same_key(x, k)));
         match known(bearer).or_else(|| known(x_api_key)) {
-            Some(key) => Tenant(Some(s.tenants.tenant_of_key(key))),
+            Some((_, tenant)) => Tenant(Some(tenant.clone())),
             None if req.uri().path() == "/v1/messages" => {
                 return Ok(messages::AnthropicError(ApiError::Unauthorized).into_response())
             }
@@ -471,15 +475,10 @@ async fn authorize_operator(
     next: Next,
 ) -> Result<Response, ApiError> {
     let presented = presented_keys(req.headers());
-    let among = |keys: &[String]| {
-        presented
-            .iter()
-            .flatten()
-            .any(|k| keys.iter().any(|x| same_key(x, k)))
-    };
-    if among(&s.admin_keys) {
+    let presents = |key: &String| presented.iter().flatten().any(|k| same_key(key, k));
+    if s.admin_keys.iter().any(presents) {
         Ok(next.run(req).await)
-    } else if among(&s.api_keys) {
+    } else if s.api_keys.iter().any(|(key, _)| presents(key)) {
         Err(ApiError::Forbidden(req.uri().path().to_string()))
     } else {
         Err(ApiError::Unauthorized)

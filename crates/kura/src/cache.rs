@@ -191,11 +191,13 @@ fn build(b: BuildArgs) -> Result<()> {
         }
     }
     let started = Instant::now();
-    let engine = crate::serve::start(&b.serve)?;
+    let fleet_secret = b.serve.fleet_secret()?;
+    let engine = crate::serve::start(&b.serve, fleet_secret.as_ref())?;
     // After `start`, which checks the disk tier's flags before anything is written there.
-    let tenant = match owner_key
-        .map(|key| crate::serve::tenant_namer(&b.serve).map(|t| t.tenant_of_key(&key).to_string()))
-    {
+    let tenant = match owner_key.map(|key| {
+        crate::serve::tenant_namer(&b.serve, fleet_secret.as_ref())
+            .map(|t| t.tenant_of_key(&key).to_string())
+    }) {
         None => None,
         Some(Ok(t)) => Some(t),
         Some(Err(e)) => {

@@ -170,6 +170,11 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The fleet's secret: `--fleet-secret-file`, else `$KURA_FLEET_SECRET`, else none.
+    pub fn fleet_secret(&self) -> Result<Option<kura_kv::Secret>> {
+        crate::secrets::fleet_secret(self.fleet_secret_file.as_ref())
+    }
+
     /// The keys given with `--api-key`.
     pub fn api_keys(&self) -> &[String] {
         &self.api_keys
@@ -283,11 +288,10 @@ fn served_model_name(given: Option<&str>, path: &std::path::Path) -> Result<Stri
 
 /// Loads the model and starts the engine as `kura serve` would with these flags (also what `kura cache
 /// build` computes saved contexts with, so that their blocks carry the same fingerprint).
-pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
+pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result<EngineHandle> {
     crate::setup::threads(args.threads)?;
-    let fleet_secret = crate::secrets::fleet_secret(args.fleet_secret_file.as_ref())?;
     let needs_secret = |flag: &str| {
-        fleet_secret.clone().with_context(|| {
+        fleet_secret.cloned().with_context(|| {
             format!(
                 "{flag} needs the fleet's secret (--fleet-secret-file or ${}): it names blocks \
                  the same way on every replica and router, and keys what they share",
@@ -493,9 +497,12 @@ pub fn start(args: &ServeArgs) -> Result<EngineHandle> {
 /// The secret tenant names are keyed with: the fleet's (so that every replica and router of a fleet
 /// names a key's tenant alike), else the server's own beside the disk tier's metadata (kept across
 /// restarts), else one for this process only (nothing outlives it without a disk tier).
-pub fn tenant_namer(args: &ServeArgs) -> Result<kura_server::TenantNamer> {
-    let secret = match crate::secrets::fleet_secret(args.fleet_secret_file.as_ref())? {
-        Some(s) => s,
+pub fn tenant_namer(
+    args: &ServeArgs,
+    fleet_secret: Option<&kura_kv::Secret>,
+) -> Result<kura_server::TenantNamer> {
+    let secret = match fleet_secret {
+        Some(s) => s.clone(),
         None => match &args.tiers.kv_disk_path {
             Some(dir) => crate::secrets::server_secret(dir)?,
             None => kura_kv::Secret::random(),
@@ -569,9 +576,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         bail!("an operator key is also a tenant's API key: give the operator a key of its own");
     }
     let http = args.http.limits(1)?;
-    let engine = start(&args)?;
+    let fleet_secret = args.fleet_secret()?;
+    let engine = start(&args, fleet_secret.as_ref())?;
     // After `start`, which checks the disk tier's flags before anything is written there.
-    let tenants = tenant_namer(&args)?;
+    let tenants = tenant_namer(&args, fleet_secret.as_ref())?;
     let contexts = open_contexts(&args)?;
     if let Some(store) = &contexts {
         migrate_context_owners(store, &api_keys, &tenants)?;
