@@ -4,12 +4,12 @@
 
 use std::path::Path;
 
-use kura_bench::trace::{parse_trace, TraceFormat};
+use kura_trace::file::{parse_trace, TraceFormat};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     // kura-sim reads lines from any reader (invalid UTF-8 is its error to report).
-    if let Ok(reqs) = kura_sim::trace::parse_trace(data, Path::new("fuzz.jsonl")) {
+    if let Ok(reqs) = kura_trace::mooncake::parse_trace(data, Path::new("fuzz.jsonl")) {
         let mut tokens = Vec::new();
         for r in &reqs {
             tokens.clear();

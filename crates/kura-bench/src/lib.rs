@@ -20,17 +20,16 @@ pub mod runner;
 pub mod sse;
 pub mod stats;
 pub mod text;
-pub mod trace;
 pub mod workload;
 
 use std::path::{Path, PathBuf};
 
 pub use client::{Api, Endpoint};
+pub use kura_trace::TraceFormat;
 pub use plot::Mark;
 pub use report::{terminal_table, BenchRun};
 pub use runner::{run, Load, RunConfig};
 pub use text::TokenCounting;
-pub use trace::TraceFormat;
 pub use workload::WorkloadSpec;
 
 /// What can stop a run or a report. Failed requests are not errors: they are counted in the report.
@@ -38,14 +37,8 @@ pub use workload::WorkloadSpec;
 pub enum BenchError {
     #[error("cannot reach the server at {url}: {detail}\n  is it running, and is --url right?")]
     Unreachable { url: String, detail: String },
-    #[error("{path}:{line}: {reason}", path = .path.display())]
-    TraceLine {
-        path: PathBuf,
-        line: usize,
-        reason: String,
-    },
-    #[error("trace {} holds no requests", .0.display())]
-    EmptyTrace(PathBuf),
+    #[error(transparent)]
+    Trace(#[from] kura_trace::TraceFileError),
     #[error("the server's tokenizer at {url} failed: {detail}")]
     Tokenize { url: String, detail: String },
     #[error("{0}")]

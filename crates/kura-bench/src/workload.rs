@@ -23,12 +23,12 @@ pub const CONTINUE: &str = "Continue.";
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use kura_trace::file::{read_trace, TraceFormat, MOONCAKE_BLOCK_TOKENS};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::rng::Rng;
 use crate::text::{Sized, TokenCounter, TokenCounting};
-use crate::trace::{read_trace, TraceFormat, MOONCAKE_BLOCK_TOKENS};
 use crate::BenchError;
 
 /// Stream tags: the first element of every [`Rng::stream`] path, one per kind of text.

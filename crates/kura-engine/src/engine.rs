@@ -31,12 +31,12 @@ use crate::output::{OutMsg, SinkSlot};
 use crate::pins::PinTable;
 use crate::remote::{Adoption, RemoteTier, RemoteTierSetup};
 use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
-use crate::scheduler::{
+use crate::seq::{Group, Seq};
+use crate::tiers::{LoadDone, TierIo, TierSetup};
+use kura_sched::{
     AdmissionMode, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig,
     SchedulingPolicy, SeqKey,
 };
-use crate::seq::{Group, Seq};
-use crate::tiers::{LoadDone, TierIo, TierSetup};
 
 /// How the engine is sized and limited; resolved by the caller (pool size from `KvLayout`).
 #[derive(Debug, Clone)]

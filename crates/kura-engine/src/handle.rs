@@ -19,7 +19,7 @@ use crate::backend::TextCodec;
 use crate::kv_events::KvEventLog;
 use crate::metrics::EngineMetrics;
 use crate::request::{EventSink, GenerateRequest, SubmitError};
-use crate::scheduler::SchedulingPolicy;
+use kura_sched::SchedulingPolicy;
 
 /// What the engine serves and how big it is; fixed at start.
 #[derive(Debug, Clone)]

@@ -15,7 +15,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kura_kv::{ContentNamer, KvEvent, Secret};
+use kura_fleet::ContentNamer;
+use kura_kv::{KvEvent, Secret};
 
 /// How a server publishes its pool's content.
 #[derive(Debug, Clone)]

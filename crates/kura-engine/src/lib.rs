@@ -1,7 +1,7 @@
-//! `kura-engine` — the one place that decides who runs: a continuous-batching [`Scheduler`] over the
-//! shared KV cache, driven by a clock it is given (the engine loop's wall clock, or `kura sim`'s trace
-//! clock), the engine loop on its own thread ([`engine`]), request handles
-//! over channels ([`handle`]), and metrics ([`metrics`]).
+//! `kura-engine` — the engine loop on its own thread ([`engine`]) that drives `kura-sched`'s
+//! continuous-batching [`Scheduler`] (the one place that decides who runs, re-exported here) with the wall
+//! clock and runs what it plans on an [`Executor`]; request handles over channels ([`handle`]), the KV
+//! tiers' workers, pins, KV events and metrics ([`metrics`]).
 //!
 //! A caller submits a tokenized [`GenerateRequest`] with an [`EventSink`] and gets a [`RequestGuard`];
 //! the engine streams [`EngineEvent`]s (text deltas, finish reasons, usage with cached tokens) into the
@@ -17,13 +17,16 @@ mod output;
 mod pins;
 mod remote;
 mod request;
-mod scheduler;
 mod seq;
 mod tiers;
 
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
+pub use kura_sched::{
+    AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,
+    SchedulerConfig, SchedulingPolicy, SeqKey, PRIORITY_AGING_S,
+};
 pub use kv_events::{
     Gap, KvBlockInfo, KvChange, KvEventLog, KvEventRecord, KvEventsSetup, KvSnapshot,
 };
@@ -35,9 +38,5 @@ pub use remote::RemoteTierSetup;
 pub use request::{
     EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,
     SubmitError, TokenCandidate, TokenLogprob, Usage,
-};
-pub use scheduler::{
-    AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,
-    SchedulerConfig, SchedulingPolicy, SeqKey, PRIORITY_AGING_S,
 };
 pub use tiers::{DiskSetup, TierSetup};

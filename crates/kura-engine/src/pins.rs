@@ -23,7 +23,7 @@ use std::sync::Arc;
 use kura_kv::{CacheKey, PinId, MAX_PRIORITY};
 
 use crate::request::PinSpec;
-use crate::scheduler::Scheduler;
+use kura_sched::Scheduler;
 
 /// Separates a tenant's name from a request's own salt in a cache salt.
 pub const TENANT_SEPARATOR: char = '\u{1f}';
@@ -291,7 +291,7 @@ fn token_bytes(tokens: &[u32]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::SchedulerConfig;
+    use kura_sched::SchedulerConfig;
 
     fn scheduler(num_blocks: usize) -> Scheduler {
         Scheduler::new(SchedulerConfig {
@@ -300,12 +300,12 @@ mod tests {
             max_num_seqs: 4,
             max_num_batched_tokens: 64,
             enable_prefix_caching: true,
-            policy: crate::scheduler::SchedulingPolicy::Fcfs,
+            policy: kura_sched::SchedulingPolicy::Fcfs,
             eviction_policy: kura_kv::EvictionPolicy::LeafLru,
             hash_seed: Some(1),
             tiers: kura_kv::TierConfig::default(),
-            preemption: crate::scheduler::PreemptionMode::Recompute,
-            admission: crate::scheduler::AdmissionMode::MaxUtilization,
+            preemption: kura_sched::PreemptionMode::Recompute,
+            admission: kura_sched::AdmissionMode::MaxUtilization,
             window: None,
             record_kv_events: false,
         })
@@ -324,13 +324,13 @@ mod tests {
         let a = CacheKey::new().with_salt("key-a");
         let b = |i: u32| CacheKey::new().with_salt(format!("key-b{TENANT_SEPARATOR}salt{i}"));
         let prompt = |i: u32| [i, i, i, i, i + 1, i + 1, i + 1, i + 1, 0];
-        sched.cache_prompt_for_test(&prompt(100), &a);
+        assert!(sched.cache_prompt(&prompt(100), &a).unwrap());
         assert_eq!(pins.pin(&mut sched, &a, &prompt(100), spec).tokens, 8);
         // Tenant b pins many prefixes (under different request salts): the budget of 6 blocks is full
         // after its second, and from then on each of its pins demotes its own oldest.
         for i in 0..6 {
             let k = b(i);
-            sched.cache_prompt_for_test(&prompt(i * 10), &k);
+            assert!(sched.cache_prompt(&prompt(i * 10), &k).unwrap());
             let done = pins.pin(&mut sched, &k, &prompt(i * 10), spec);
             assert_eq!(done.tokens, 8);
             assert_eq!(done.demoted, usize::from(i >= 2), "pin {i}");

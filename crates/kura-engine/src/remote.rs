@@ -24,7 +24,8 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kura_kv::{CacheKey, ContentNamer, KvEvent, Secret};
+use kura_fleet::ContentNamer;
+use kura_kv::{CacheKey, KvEvent, Secret};
 use kura_tiers::{encode_record, BlockRecord, RemoteSetup, RemoteWorker};
 
 use crate::seq::Seq;

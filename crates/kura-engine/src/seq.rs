@@ -3,7 +3,7 @@
 //! sampler and stop tokens); its tokens and blocks are the [`Scheduler`]'s, its text the output
 //! stage's ([`crate::output`]), which also holds the [`Detokenizer`].
 //!
-//! [`Scheduler`]: crate::scheduler::Scheduler
+//! [`Scheduler`]: kura_sched::Scheduler
 
 use std::convert::Infallible;
 use std::sync::Arc;

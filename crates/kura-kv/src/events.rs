@@ -18,7 +18,7 @@ pub enum KvEvent {
         block: BlockId,
         /// The block's token ids.
         tokens: Vec<u32>,
-        /// For a root block (`parent` is `None`), its cache key (what a [`crate::ContentNamer`] names the
+        /// For a root block (`parent` is `None`), its cache key (what a `kura_fleet::ContentNamer` names the
         /// root by).
         key: Option<CacheKey>,
     },

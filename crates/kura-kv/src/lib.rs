@@ -21,7 +21,7 @@ pub mod units;
 pub use error::KvError;
 pub use events::{EvictedBlock, EvictionHook, KvEvent};
 pub use evict::EvictionPolicy;
-pub use hash::{BlockHash, CacheKey, ContentNamer, Secret};
+pub use hash::{BlockHash, CacheKey, Secret};
 pub use manager::{
     Allocation, BlockCopy, KvCacheConfig, KvCacheManager, PendingStatus, PinId, RetentionRange,
     SeqId, WindowPool, NO_PAGE,

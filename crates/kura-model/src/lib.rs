@@ -22,7 +22,6 @@ pub mod weights;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;
 pub use error::ModelError;
-pub use kernels::attention::thread_shares as attention_thread_shares;
 pub use model::{LoadOptions, Logits, Model, ModelText, SeqBatchItem};
 pub use sampling::{Sampled, Sampler, SamplingParams, StopChecker, StopReason};
 pub use solo::SoloRun;

@@ -10,9 +10,10 @@
 //!                                  FleetIndex: which replica holds which leading blocks of the prompt
 //! ```
 //!
-//! - [`index`]: the block index built from the replicas' events, naming blocks by content.
-//! - [`policy`]: `kv` (Dynamo's cost: `overlap_weight × blocks to prefill + blocks of work in flight`),
-//!   `round-robin`, `least-load`.
+//! - `kura_fleet::index` ([`FleetIndex`]): the block index built from the replicas' events, naming blocks
+//!   by content (`kura_fleet::ContentNamer`).
+//! - `kura_fleet::policy` ([`Policy`]): `kv` (Dynamo's cost: `overlap_weight × blocks to prefill + blocks
+//!   of work in flight`), `round-robin`, `least-load`; the fleet simulator replays the same decisions.
 //! - [`proxy`]: the routes; the request is forwarded byte for byte and the response streamed back.
 //! - [`replica`]: each replica's health checks (every `health_interval`; down after two failures or a
 //!   refused connection, and then no longer routed to and its blocks forgotten), its load from its
@@ -25,9 +26,6 @@
 //! `tokenizer_threads` requests at once; a request that finds every slot busy for longer than a short
 //! wait is routed without its prompt's blocks (by load) rather than queued.
 
-pub mod index;
-/// The routing policies, shared with the fleet simulator (`kura_sim::routing`).
-pub use kura_sim::routing as policy;
 mod proxy;
 mod replica;
 
@@ -39,13 +37,14 @@ use std::time::Duration;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use kura_engine::TextCodec;
-use kura_kv::{ContentNamer, Secret};
+use kura_fleet::ContentNamer;
+use kura_kv::Secret;
 use kura_server::{ConnLimits, Phase, TenantNamer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-pub use index::FleetIndex;
-pub use policy::{choose, Candidate, Policy};
+pub use kura_fleet::FleetIndex;
+pub use kura_fleet::{choose, Candidate, Policy};
 use replica::Replica;
 
 /// How the router runs.

@@ -38,9 +38,9 @@ use kura_server::routing::{routing_prompt, Endpoint, RoutingPrompt};
 use kura_server::{same_key, AnthropicError, ApiError};
 use serde_json::{json, Value};
 
-use crate::index::prompt_names;
-use crate::policy::{choose, Candidate, Policy};
 use crate::{lock, Fleet};
+use kura_fleet::index::prompt_names;
+use kura_fleet::{choose, Candidate, Policy};
 
 /// A replica whose load exceeds the least loaded one's by no more than this keeps the requests of a
 /// `prompt_cache_key` it served before.

@@ -8,8 +8,8 @@ use futures::StreamExt;
 use kura_bench::sse::{SseDecoder, SseEvent};
 use serde_json::Value;
 
-use crate::index::Change;
 use crate::{lock, Fleet};
+use kura_fleet::index::Change;
 
 /// Consecutive failed health checks after which a replica is down.
 const DOWN_AFTER: u32 = 2;

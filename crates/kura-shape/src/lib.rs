@@ -12,6 +12,7 @@
 //! [`ModelSpec::kv_layout`], so the two cannot disagree about a file. The runtime's own numbers that do not
 //! decide memory (RoPE, norms, biases) it reads itself.
 
+pub mod attn_split;
 mod gguf;
 pub mod spec;
 mod weights;

@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kura_sim::{load_trace, replay, Policy, SimConfig};
+use kura_sim::{replay, Policy, SimConfig};
+use kura_trace::load_trace;
 
 fn bench_replay(c: &mut Criterion) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -18,7 +18,7 @@
 //! just read (a shared prefix), which the CPU's caches still hold and which cost less.
 //!
 //! On several threads the attention terms are scaled by how unevenly the runtime deals the step's
-//! attention units to the threads (`kura_model::attention_thread_shares`: threads × the busiest thread's
+//! attention units to the threads (`kura_shape::attn_split::thread_shares`: threads × the busiest thread's
 //! share ÷ all units, 1 for an even split). A lone decode token past 1,024 positions has a full and a
 //! short segment per KV head, and one of two threads reads twice what the other does; a batch of 8 splits
 //! evenly. A model without this scale under-predicted single-stream decode by a fifth.
@@ -97,7 +97,7 @@ pub fn attention_imbalance(items: &[StepItem], threads: usize, kv_heads: usize) 
         return 1.0;
     }
     let positions = items.iter().flat_map(|i| i.start..i.start + i.tokens);
-    let shares = kura_model::attention_thread_shares(positions, None, kv_heads.max(1), threads);
+    let shares = kura_shape::attn_split::thread_shares(positions, None, kv_heads.max(1), threads);
     let total: usize = shares.iter().sum();
     let busiest = shares.iter().copied().max().unwrap_or(0);
     if total == 0 {

@@ -1,7 +1,7 @@
 //! A fleet simulated: a trace sent open loop (each request at its time) to `replicas` servers behind a
 //! router. Each replica is the engine's own [`Scheduler`] on its own pool, stepped on the simulator's
 //! clock with the [`CostModel`] (as [`crate::serve`] steps one); the router decides with
-//! [`crate::routing::choose`], the function `kura router` uses, from what each replica's KV manager holds
+//! [`kura_fleet::choose`], the function `kura router` uses, from what each replica's KV manager holds
 //! (the router's index with no event lag: blocks computed, pending, or in a lower tier) and the work it
 //! sent each one (blocks to prefill until the first token, one per request until it ends).
 //!
@@ -12,20 +12,21 @@
 //! Least recently used blocks leave the tier first.
 //!
 //! ```text
-//!  arrivals (trace order) ─▶ routing::choose(held prefix, work, load) ─▶ replica r: [L4 adoption] add_request
+//!  arrivals (trace order) ─▶ choose(held prefix, work, load) ─▶ replica r: [L4 adoption] add_request
 //!  earliest event first:   arrival  │  replica r's step ends: tokens, first tokens, completions; next step
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use kura_engine::{Item, OutputLimit, SchedEvent, Scheduler};
-use kura_kv::{CacheKey, ContentNamer, Secret};
+use kura_fleet::ContentNamer;
+use kura_kv::{CacheKey, Secret};
+use kura_sched::{Item, OutputLimit, SchedEvent, Scheduler};
 use serde::Serialize;
 
 use crate::replay::SimError;
-use crate::routing::{choose, Candidate, Policy};
 use crate::serve::{step_shape, Dist, ServeSim, Workload};
+use kura_fleet::{choose, Candidate, Policy};
 
 /// The settings of one fleet run.
 #[derive(Debug, Clone)]

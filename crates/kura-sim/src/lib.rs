@@ -7,9 +7,9 @@
 //!   configuration.
 //! - [`report`]: hit ratios, evictions and throughput, as a table or JSON.
 //! - [`serve`]: the server simulated: `kura bench`'s workloads under a closed loop of clients, through the
-//!   engine's own [`kura_engine::Scheduler`] on the simulator's clock, with a [`cost`] model calibrated on
+//!   engine's own scheduler ([`kura_sched::Scheduler`]) on the simulator's clock, with a [`cost`] model calibrated on
 //!   the real model in place of the forward pass.
-//! - [`fleet`]: a fleet of such servers behind a router ([`routing`]: the policies `kura router` uses),
+//! - [`fleet`]: a fleet of such servers behind a router (`kura_fleet::policy`: the policies `kura router` uses),
 //!   replaying a trace open loop, with an optional shared tier (L4): hit ratio, TTFT and throughput per
 //!   policy and fleet size.
 
@@ -17,12 +17,9 @@ pub mod cost;
 pub mod fleet;
 pub mod replay;
 pub mod report;
-pub mod routing;
 pub mod serve;
-pub mod trace;
 
 pub use cost::{CostModel, StepItem};
 pub use replay::{replay, Policy, SimConfig, SimError};
 pub use report::SimReport;
 pub use serve::{simulate, ServeReport, ServeSim, Workload};
-pub use trace::{load_trace, load_trace_limited, parse_line, LineError, TraceError, TraceRequest};

@@ -20,7 +20,7 @@ use kura_kv::{CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, 
 use thiserror::Error;
 
 use crate::report::SimReport;
-use crate::trace::{TraceRequest, TRACE_BLOCK_TOKENS};
+use kura_trace::mooncake::{TraceRequest, TRACE_BLOCK_TOKENS};
 
 /// The cache policy replayed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -22,13 +22,13 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use kura_engine::{Item, OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
 use kura_kv::CacheKey;
+use kura_sched::{Item, OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
 use crate::cost::{CostModel, StepItem};
 use crate::replay::SimError;
-use crate::trace::TraceRequest;
+use kura_trace::TraceRequest;
 
 /// Template tokens of a ChatML message: `<|im_start|>role\n` … `<|im_end|>\n`.
 const IM_START: u32 = 1;

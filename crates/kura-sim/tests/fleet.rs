@@ -2,11 +2,12 @@
 //! a prefix where it is cached while round-robin scatters it, and a shared tier turns one replica's
 //! prefill into another's hit.
 
-use kura_engine::{SchedulerConfig, SchedulingPolicy};
+use kura_fleet::Policy;
 use kura_kv::EvictionPolicy;
+use kura_sched::{SchedulerConfig, SchedulingPolicy};
 use kura_sim::fleet::{simulate_fleet, FleetSim};
-use kura_sim::routing::Policy;
-use kura_sim::{parse_line, simulate, CostModel, ServeSim, Workload};
+use kura_sim::{simulate, CostModel, ServeSim, Workload};
+use kura_trace::parse_line;
 
 fn server(num_blocks: usize) -> ServeSim {
     ServeSim {

@@ -4,8 +4,9 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use kura_sim::trace::parse_trace;
-use kura_sim::{load_trace, replay, Policy, SimConfig, TraceRequest};
+use kura_sim::{replay, Policy, SimConfig};
+use kura_trace::mooncake::parse_trace;
+use kura_trace::{load_trace, TraceRequest};
 
 fn synthetic(n: usize, seed: u64) -> Vec<TraceRequest> {
     // Conversations: each request extends an earlier one's ids or starts a new chain.
@@ -229,7 +230,7 @@ fn a_capacity_beyond_what_the_trace_fills_replays_like_an_unbounded_one() {
 
 #[test]
 fn extreme_but_valid_requests_replay_without_overflow() {
-    use kura_sim::trace::{MAX_HASH_ID, MAX_TIMESTAMP_MS};
+    use kura_trace::mooncake::{MAX_HASH_ID, MAX_TIMESTAMP_MS};
     let max = TraceRequest::new(MAX_TIMESTAMP_MS - 1, 512, 3, vec![MAX_HASH_ID]).unwrap();
     let again = TraceRequest::new(MAX_TIMESTAMP_MS, 512, 3, vec![MAX_HASH_ID]).unwrap();
     let trace = [max, again];

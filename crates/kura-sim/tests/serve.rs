@@ -2,8 +2,8 @@
 //! output, a shared system prompt is served from the cache (and TTFT falls with it), a pool too small for
 //! the clients preempts, and the same settings give the same figures.
 
-use kura_engine::{SchedulerConfig, SchedulingPolicy};
 use kura_kv::EvictionPolicy;
+use kura_sched::{SchedulerConfig, SchedulingPolicy};
 use kura_sim::{simulate, CostModel, ServeSim, Workload};
 
 fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim {
@@ -139,7 +139,7 @@ fn a_pool_that_cannot_hold_one_request_is_an_error() {
 /// with shared hash ids share cached blocks, and a faster replay of the same trace queues more.
 #[test]
 fn a_trace_is_sent_open_loop_at_its_times() {
-    use kura_sim::parse_line;
+    use kura_trace::parse_line;
     let lines = [
         r#"{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}"#,
         r#"{"timestamp": 60000, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}"#,

@@ -13,10 +13,8 @@ use kura_kv::codec::KvDtype;
 use kura_kv::EvictionPolicy;
 use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
 use kura_sim::fleet::{simulate_fleet, FleetSim};
-use kura_sim::{
-    load_trace_limited, replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem,
-    TraceRequest, Workload,
-};
+use kura_sim::{replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem, Workload};
+use kura_trace::{load_trace_limited, TraceRequest};
 
 use crate::serve::SchedulingArg;
 
@@ -135,7 +133,7 @@ pub struct SimArgs {
     replicas: Vec<usize>,
     /// The router's policies to compare, as `kura router --policy`: `kv,round-robin,least-load`.
     #[arg(long, value_delimiter = ',', default_value = "kv")]
-    router: Vec<kura_sim::routing::Policy>,
+    router: Vec<kura_fleet::Policy>,
     /// The `kv` policy's weight of a block to prefill against a block of work in flight.
     #[arg(long, default_value_t = 1.0)]
     overlap_weight: f64,

@@ -24,6 +24,8 @@ use half::{bf16, f16};
 use kura_kv::codec::{self, KvDtype, QUANT_GROUP};
 use kura_kv::storage::{KvSlice, LayerStorage};
 
+use kura_shape::attn_split::{context_start, segments, token_units, Dealer, SEGMENT};
+
 use super::dot::Isa;
 use super::matmul::ActShared;
 use super::team::{SharedMut, Team};
@@ -321,111 +323,16 @@ pub struct AttnShape {
     pub window: Option<usize>,
 }
 
-/// Positions per attention segment. A token's context is cut at multiples of `SEGMENT` (absolute
-/// positions, so the cut does not depend on the batch); each piece is a unit of its own, which spreads a
-/// long-context decode over the threads, and the pieces are merged in order.
-pub const SEGMENT: usize = 1024;
-
 /// Floats of one unit's partial result: per query head of the group, its running max, its sum of
 /// exponentials, and its unnormalised output.
 fn partial_len(shape: AttnShape) -> usize {
     shape.num_heads / shape.num_kv_heads * (shape.head_dim + 2)
 }
 
-/// The first position a token at `pos` attends to.
-fn context_start(pos: usize, window: Option<usize>) -> usize {
-    match window {
-        Some(w) if pos + 1 > w => pos + 1 - w,
-        _ => 0,
-    }
-}
-
-/// Segments of the context of a token at `pos`.
-fn segments(pos: usize, window: Option<usize>) -> usize {
-    pos / SEGMENT - context_start(pos, window) / SEGMENT + 1
-}
-
-/// The cost of one unit, a token at `pos` (context from `lo`) over segment `k` of its context: the
-/// positions it reads, plus a fixed cost for the unit's own work (its query, softmax and output).
-fn unit_cost(lo: usize, pos: usize, k: usize) -> usize {
-    const PER_UNIT: usize = 16;
-    pos.min(k * SEGMENT + SEGMENT - 1) + 1 - lo.max(k * SEGMENT) + PER_UNIT
-}
-
-/// The segments of the context of a token at `pos`, in order, each with its [`unit_cost`] (per KV head).
-fn token_units(pos: usize, window: Option<usize>) -> impl Iterator<Item = (usize, usize)> {
-    let lo = context_start(pos, window);
-    (lo / SEGMENT..=pos / SEGMENT).map(move |k| (k, unit_cost(lo, pos, k)))
-}
-
-/// The summed [`unit_cost`] of every (token, segment) for tokens at `positions`, for one KV head.
-fn units_cost(positions: impl Iterator<Item = usize>, window: Option<usize>) -> usize {
-    positions
-        .flat_map(|pos| token_units(pos, window))
-        .map(|(_, cost)| cost)
-        .sum()
-}
-
-/// Deals a step's units, in order, to the threads: each unit goes to the thread whose even share of
-/// the total cost holds the unit's midpoint. Each thread's units are then one contiguous run, and its
-/// summed cost is within one unit of `total / threads`.
-struct Dealer {
-    done: usize,
-    total: usize,
-    threads: usize,
-}
-
-impl Dealer {
-    /// For new tokens at `positions` (in batch order) with `kv_heads` KV heads and contexts under
-    /// `window`, on `threads` threads (at least 1).
-    fn new(
-        positions: impl Iterator<Item = usize>,
-        window: Option<usize>,
-        kv_heads: usize,
-        threads: usize,
-    ) -> Self {
-        Dealer {
-            done: 0,
-            total: units_cost(positions, window) * kv_heads,
-            threads: threads.max(1),
-        }
-    }
-
-    /// The thread of the next unit, which costs `cost`.
-    fn deal(&mut self, cost: usize) -> usize {
-        let owner =
-            ((2 * self.done + cost) * self.threads / (2 * self.total)).min(self.threads - 1);
-        self.done += cost;
-        owner
-    }
-}
-
 /// Positions of the new tokens of a batch, in batch order.
 fn batch_positions<'s>(seqs: &'s [AttnSeq<'_>]) -> impl Iterator<Item = usize> + Clone + 's {
     seqs.iter()
         .flat_map(|s| s.start_pos..s.start_pos + s.n_tokens)
-}
-
-/// Each thread's summed unit cost (context positions read, plus a fixed cost per unit) when attention
-/// of new tokens at `positions` (in batch order), with `kv_heads` KV heads and contexts under `window`,
-/// is dealt to `threads` threads as [`attention_part`] deals it. A step's attention takes as long as its
-/// busiest thread: the simulator's cost model reads that from here.
-pub fn thread_shares(
-    positions: impl Iterator<Item = usize> + Clone,
-    window: Option<usize>,
-    kv_heads: usize,
-    threads: usize,
-) -> Vec<usize> {
-    let mut dealer = Dealer::new(positions.clone(), window, kv_heads, threads);
-    let mut share = vec![0; dealer.threads];
-    for pos in positions {
-        for (_, cost) in token_units(pos, window) {
-            for _ in 0..kv_heads {
-                share[dealer.deal(cost)] += cost;
-            }
-        }
-    }
-    share
 }
 
 /// Length of the scratch buffer [`attention_part`] needs for this batch: the partials of the tokens whose
@@ -1250,6 +1157,8 @@ mod tests {
     use kura_kv::codec::KvDtype;
     use kura_kv::layout::KvLayout;
     use kura_kv::storage::KvStorage;
+
+    use kura_shape::attn_split::{thread_shares, unit_cost, units_cost};
 
     use super::*;
     use crate::kernels::matmul::{Act, ActBuf, ActKind};

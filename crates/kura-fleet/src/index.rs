@@ -1,7 +1,7 @@
 //! Which replica holds which blocks, built from the replicas' KV events (a snapshot, then numbered
 //! changes), and how many leading blocks of a prompt each one holds.
 //!
-//! Replicas announce blocks by keyed content names (`kura_kv::ContentNamer` with the fleet's secret): a
+//! Replicas announce blocks by keyed content names ([`ContentNamer`] with the fleet's secret): a
 //! root block is named by its cache key, every other block by a MAC of its parent's name and its tokens.
 //! The router names a request's blocks the same way from its tokens and its cache key (salt and model
 //! fingerprint, as the replica builds it), so equal names mean equal prefixes under equal keys, and the
@@ -10,7 +10,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kura_kv::{CacheKey, ContentNamer};
+use kura_kv::CacheKey;
+
+use crate::naming::ContentNamer;
 
 /// How long a block routed to a replica counts as held there without an event saying so.
 pub const ROUTED_TTL_MS: u64 = 10_000;

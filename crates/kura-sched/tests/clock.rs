@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use kura_engine::{
+use kura_kv::{CacheKey, EvictionPolicy};
+use kura_sched::{
     Item, OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
 };
-use kura_kv::{CacheKey, EvictionPolicy};
 
 fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig {
     SchedulerConfig {

@@ -1,4 +1,4 @@
-//! The scheduling decision of one engine step, as a [`Scheduler`] that owns the KV cache manager and
+//! `kura-sched` — the scheduling decision of one engine step, as a [`Scheduler`] that owns the KV cache manager and
 //! the sequences' tokens and knows nothing of models, threads or wall time: whoever drives it gives it
 //! the time (`kura serve`'s engine loop the wall clock since start, `kura sim` the trace's clock), runs
 //! the forward pass it plans (the real model, or a cost model) and reports back what was computed and
@@ -408,18 +408,21 @@ impl Scheduler {
         self.kv.pin_prefix(tokens, key, None)
     }
 
-    /// Computes `prompt` under `key` into the cache as a finished request would leave it (tests of what
-    /// holds cached blocks).
-    #[cfg(test)]
-    pub(crate) fn cache_prompt_for_test(&mut self, prompt: &[u32], key: &CacheKey) {
+    /// Leaves `prompt` under `key` in the cache as a finished request would (its blocks computed, held
+    /// by nobody), without running it: for warming a cache and for tests of what holds cached blocks.
+    /// `Ok(false)` when the pool cannot hold it now.
+    pub fn cache_prompt(&mut self, prompt: &[u32], key: &CacheKey) -> Result<bool, KvError> {
         let seq = self.kv.add_sequence(key);
         let hit = self.kv.find_cached_prefix(prompt, key);
-        self.kv
-            .allocate_slots(seq, &prompt[hit.num_cached_tokens()..], Some(&hit))
-            .expect("a valid allocation")
-            .expect("enough blocks");
-        self.kv.mark_computed(seq, prompt.len()).expect("computed");
-        self.kv.free(seq).expect("freed");
+        let allocated = self
+            .kv
+            .allocate_slots(seq, &prompt[hit.num_cached_tokens()..], Some(&hit))?
+            .is_some();
+        if allocated {
+            self.kv.mark_computed(seq, prompt.len())?;
+        }
+        self.kv.free(seq)?;
+        Ok(allocated)
     }
 
     /// Releases a pin (one already released is ignored).

@@ -1,8 +1,8 @@
 //! Reading request traces: Mooncake (JSON lines with prefix-block hash ids) and Azure LLM inference
 //! (CSV of timestamp, context tokens, generated tokens).
 //!
-//! Mooncake lines are read by kura-sim's parser (`kura_sim::trace::parse_line`: one reading of the
-//! format and its bounds for the simulator and the benchmark), every line by its bounded line reader.
+//! Mooncake lines are read by [`crate::mooncake::parse_line`] (one reading of the format and its bounds
+//! for the simulator and the benchmark), every line by its bounded line reader.
 //! A bad line is an error naming `file:line` and what was wrong with it; nothing is skipped silently.
 //! Everything read is bounded: lines ([`MAX_LINE_BYTES`], no NUL bytes, UTF-8), token counts
 //! ([`MAX_REQUEST_TOKENS`]), timestamps (2^53 ms; Azure years 1..=9999).
@@ -10,10 +10,29 @@
 
 use std::path::{Path, PathBuf};
 
-use kura_sim::trace::{self as mooncake, LineError, ReadError};
 use serde::{Deserialize, Serialize};
+use thiserror::Error;
 
-use crate::BenchError;
+use crate::mooncake::{self, LineError, ReadError};
+
+/// Why a trace file could not be read: each names the file, and a bad line its number.
+#[derive(Debug, Error)]
+pub enum TraceFileError {
+    #[error("{path}:{line}: {reason}", path = .path.display())]
+    Line {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("trace {} holds no requests", .0.display())]
+    Empty(PathBuf),
+    #[error("reading trace {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
 
 /// Tokens per Mooncake hash id (the trace's block size).
 pub const MOONCAKE_BLOCK_TOKENS: usize = mooncake::TRACE_BLOCK_TOKENS as usize;
@@ -48,8 +67,8 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
-fn bad(path: &Path, line: usize, reason: impl Into<String>) -> BenchError {
-    BenchError::TraceLine {
+fn bad(path: &Path, line: usize, reason: impl Into<String>) -> TraceFileError {
+    TraceFileError::Line {
         path: PathBuf::from(path),
         line,
         reason: reason.into(),
@@ -63,9 +82,9 @@ pub fn read_trace(
     path: &Path,
     format: TraceFormat,
     max_requests: Option<usize>,
-) -> Result<Vec<TraceRequest>, BenchError> {
-    let io = |e| BenchError::Io {
-        what: format!("reading trace {}", path.display()),
+) -> Result<Vec<TraceRequest>, TraceFileError> {
+    let io = |e| TraceFileError::Io {
+        path: path.to_path_buf(),
         source: e,
     };
     let file = std::fs::File::open(path).map_err(io)?;
@@ -100,7 +119,7 @@ pub fn parse_trace(
     text: &str,
     format: TraceFormat,
     max_requests: Option<usize>,
-) -> Result<Vec<TraceRequest>, BenchError> {
+) -> Result<Vec<TraceRequest>, TraceFileError> {
     let mut parser = Parser::new(path, format, max_requests);
     for (idx, line) in text.lines().enumerate() {
         if parser.full() {
@@ -117,14 +136,14 @@ pub fn parse_trace(
     parser.finish()
 }
 
-/// The longest line read (kura-sim's limit: every trace reader shares it).
+/// The longest line read (the Mooncake reader's limit: every trace reader shares it).
 pub const MAX_LINE_BYTES: usize = mooncake::MAX_LINE_BYTES;
 /// The most prompt or output tokens of one request (16 Mi; real traces stay below 200 K): the prompt
 /// text of a request is built at its length.
 pub const MAX_REQUEST_TOKENS: usize = mooncake::MAX_REQUEST_TOKENS as usize;
 
 /// A token count from a trace, within [`MAX_REQUEST_TOKENS`].
-fn tokens(path: &Path, line_no: usize, what: &str, n: usize) -> Result<usize, BenchError> {
+fn tokens(path: &Path, line_no: usize, what: &str, n: usize) -> Result<usize, TraceFileError> {
     if n > MAX_REQUEST_TOKENS {
         return Err(bad(
             path,
@@ -159,14 +178,14 @@ impl<'a> Parser<'a> {
         self.out.len() >= self.limit
     }
 
-    fn finish(self) -> Result<Vec<TraceRequest>, BenchError> {
+    fn finish(self) -> Result<Vec<TraceRequest>, TraceFileError> {
         if self.out.is_empty() {
-            return Err(BenchError::EmptyTrace(PathBuf::from(self.path)));
+            return Err(TraceFileError::Empty(PathBuf::from(self.path)));
         }
         Ok(self.out)
     }
 
-    fn line(&mut self, line_no: usize, line: &str) -> Result<(), BenchError> {
+    fn line(&mut self, line_no: usize, line: &str) -> Result<(), TraceFileError> {
         let path = self.path;
         let line = line.trim();
         if line.is_empty() {
@@ -174,7 +193,7 @@ impl<'a> Parser<'a> {
         }
         match self.format {
             TraceFormat::Mooncake => {
-                // kura-sim's parser: one reading of the format, its bounds and its messages.
+                // The Mooncake parser: one reading of the format, its bounds and its messages.
                 let m = mooncake::parse_line(line)
                     .map_err(|e| bad(path, line_no, format!("not a Mooncake record: {e}")))?;
                 let ts = m.timestamp_ms() as f64;
@@ -469,7 +488,7 @@ mod tests {
     fn empty_trace_is_an_error_and_civil_days_match_known_dates() {
         assert!(matches!(
             parse_trace(p(), "\n", TraceFormat::Mooncake, None),
-            Err(BenchError::EmptyTrace(_))
+            Err(TraceFileError::Empty(_))
         ));
         assert_eq!(days_from_civil(1970, 1, 1), 0);
         assert_eq!(days_from_civil(2000, 3, 1), 11_017);

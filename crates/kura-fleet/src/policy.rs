@@ -1,6 +1,5 @@
 //! Which replica gets a request: the three policies, as a pure function of what a router knows. `kura
-//! router` decides with it (as `kura_router::policy`), and the fleet simulator ([`crate::fleet`]) replays
-//! the same decisions.
+//! router` decides with it, and the fleet simulator (`kura_sim::fleet`) replays the same decisions.
 
 /// How the router picks a replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
