@@ -8,6 +8,7 @@
 # tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/check-links.sh  # docs first (fast): README.md and docs/ links and anchors resolve; README.md <= 200 lines
 
 KURA_MODEL=$(scripts/fetch-model.sh)
 export KURA_MODEL
