@@ -40,10 +40,14 @@ struct Entry {
     block: BlockId,
 }
 
-/// The candidates for eviction.
+/// The idle cached blocks: how many there are, and which of them goes first.
 #[derive(Debug)]
 pub(crate) struct Evictor {
     pub policy: EvictionPolicy,
+    /// Indexed, computed, unreferenced, unpinned blocks: all reclaimable by eviction (the candidates
+    /// are those of them the policy allows now). Counted by the manager as blocks become idle and stop
+    /// being idle.
+    pub num_idle: u32,
     heap: BinaryHeap<Reverse<Entry>>,
     /// (retained until ms, block, identity) of blocks whose retention has not expired yet.
     expiries: BinaryHeap<Reverse<(u64, BlockId, u32)>>,
@@ -55,6 +59,7 @@ impl Evictor {
     pub fn new(policy: EvictionPolicy, num_blocks: u32) -> Self {
         Self {
             policy,
+            num_idle: 0,
             heap: BinaryHeap::new(),
             expiries: BinaryHeap::new(),
             next_token: 1,

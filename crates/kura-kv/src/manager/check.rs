@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::lower_tiers::LOADER;
 use super::KvCacheManager;
 use crate::evict::EvictionPolicy;
 use crate::hash::CacheKey;
@@ -116,7 +117,7 @@ impl KvCacheManager {
             let next = (0..k)
                 .find(|&i| pending(by_depth[i]))
                 .map_or(k * bs + n, |i| i * bs);
-            let first = (next + 1).saturating_sub(p.window) / bs;
+            let first = (next + 1).saturating_sub(p.sliding.window_tokens()) / bs;
             (first..k).all(|i| p.attached(by_depth[i]) || pending(by_depth[i]))
         };
         let k = best.full_blocks;
@@ -150,28 +151,24 @@ impl KvCacheManager {
         let n = self.pool.num_blocks() as usize;
         let mut refs = vec![0u32; n];
         let mut writers: HashMap<u32, ()> = HashMap::new();
-        for (i, slot) in self.seqs.iter().enumerate() {
-            if let Some(seq) = &slot.seq {
-                writers.insert(i as u32, ());
-                if seq.table.len() != seq.num_tokens.div_ceil(bs) {
-                    return Err(format!(
-                        "seq {i}: {} blocks for {} tokens",
-                        seq.table.len(),
-                        seq.num_tokens
-                    ));
-                }
-                for &b in &seq.table {
-                    refs[b as usize] += 1;
-                }
+        for (i, seq) in self.seqs.iter() {
+            writers.insert(i, ());
+            if seq.table.len() != seq.num_tokens.div_ceil(bs) {
+                return Err(format!(
+                    "seq {i}: {} blocks for {} tokens",
+                    seq.table.len(),
+                    seq.num_tokens
+                ));
+            }
+            for &b in &seq.table {
+                refs[b as usize] += 1;
             }
         }
-        for g in self.load_groups.values() {
-            for &b in &g.blocks {
-                refs[b as usize] += 1; // the loader's references
-            }
+        for b in self.tiers.loader_refs() {
+            refs[b as usize] += 1; // the loader's references
         }
         let mut pins = vec![0u32; n];
-        for p in self.pins.iter().filter_map(|(_, p)| p.as_ref()) {
+        for p in self.pins.iter() {
             for &b in &p.blocks {
                 pins[b as usize] += 1;
             }
@@ -212,7 +209,7 @@ impl KvCacheManager {
                     m.computed, m.filled
                 ));
             }
-            let loading = m.writer == super::tier::LOADER && self.loads.contains_key(&(b as u32));
+            let loading = m.writer == LOADER && self.tiers.is_loading(b as BlockId);
             if m.writer != NO_WRITER && !loading && !writers.contains_key(&m.writer) {
                 return Err(format!(
                     "block {b}: writer {} is not a live sequence",
@@ -286,8 +283,11 @@ impl KvCacheManager {
                 }
             }
         }
-        if idle != self.num_idle {
-            return Err(format!("num_idle {} but {idle} idle blocks", self.num_idle));
+        if idle != self.evictor.num_idle {
+            return Err(format!(
+                "num_idle {} but {idle} idle blocks",
+                self.evictor.num_idle
+            ));
         }
         if referenced != self.pool.num_referenced {
             return Err(format!(

@@ -45,17 +45,41 @@
 //!
 //! Cost: lookups are O(prompt blocks); allocation, release and fork are O(blocks touched); eviction is
 //! O(log cached blocks).
+//!
+//! # Layout
+//!
+//! [`KvCacheManager`] owns the block pool, the prefix index and its hasher, the eviction order (which
+//! also counts the idle cached blocks), its two clocks and the statistics; around them, one value per
+//! concern, each owning its own state:
+//! - the live sequences (`seqs`: `Sequences`, slots checked by generation, and spare block tables);
+//! - the pins (`retain`: `Pins`; retention ranges live on their sequences);
+//! - what it tells the outside world (`outbox`: `Outbox`, the event buffer and the eviction hook);
+//! - the lower tiers (`lower_tiers`: `LowerTiers`, the host and disk tier indexes, the loads in flight
+//!   and the block moves decided), which the manager calls on lookups, at eviction and when a block is
+//!   used;
+//! - the pages of a hybrid pool (`pages`: `HybridPages`, one arena shared by a page manager per
+//!   attention kind, full attention and sliding window), which the manager calls as blocks are taken,
+//!   referenced and freed.
+//!
+//! The manager's own steps are grouped by concern: `alloc` (attaching hits, appending tokens, indexing
+//! full blocks), `release` (releasing references, eviction, announcements), `retain` (retention, pins,
+//! the caller's clock), `tier` (the manager's side of the lower tiers), `window` (the hybrid pool: its
+//! configuration and the manager's side of its pages) and `check` (consistency checks for the tests).
 
 use crate::error::KvError;
 use crate::events::{EvictionHook, KvEvent};
 use crate::evict::{EvictionPolicy, Evictor};
-use crate::hash::{BlockHash, BlockHasher, CacheKey};
+use crate::hash::{BlockHasher, CacheKey};
 use crate::pool::{BlockId, BlockPool, NO_WRITER, ORPHAN};
 use crate::prefix::{PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
-use crate::tier::{Tier, TierConfig, TierIndex, TierMove};
+use crate::tier::TierConfig;
 
-use window::Pages;
+use lower_tiers::LowerTiers;
+use outbox::Outbox;
+use pages::HybridPages;
+use retain::Pins;
+use seqs::{Sequence, Sequences};
 pub use window::{WindowPool, NO_PAGE};
 
 pub use crate::layout::MAX_BLOCK_SIZE;
@@ -78,8 +102,8 @@ pub struct KvCacheConfig {
     pub record_events: bool,
     /// Lower tiers (host memory, disk) that evicted blocks go down to; off by default.
     pub tiers: TierConfig,
-    /// Sliding layers paged apart (a hybrid pool, see `manager_window`); `num_blocks` is then the number
-    /// of logical blocks ([`WindowPool::logical_blocks`]) and pages are what run out.
+    /// Sliding layers paged apart (a hybrid pool, see the `window` module); `num_blocks` is then the
+    /// number of logical blocks ([`WindowPool::logical_blocks`]) and pages are what run out.
     pub window: Option<WindowPool>,
 }
 
@@ -189,73 +213,33 @@ pub struct PinId {
     generation: u32,
 }
 
-#[derive(Debug)]
-struct Pin {
-    blocks: Vec<BlockId>,
-    expires_at_ms: Option<u64>,
-    /// Hybrid pool: the blocks the pin holds window references on (those the token after the prefix
-    /// reads), so that the pinned prefix keeps hitting.
-    window: Vec<BlockId>,
-}
-
-#[derive(Debug)]
-struct Sequence {
-    key_id: u32,
-    table: Vec<BlockId>,
-    num_tokens: usize,
-    /// Prefix of the tokens known to have KV (a lower bound; `pending_status` advances it).
-    num_computed: usize,
-    /// Hash of the last full block of `table` (the key hash before the first).
-    last_hash: BlockHash,
-    /// Every full block so far is indexed, so the next full one may be.
-    chain_indexed: bool,
-    /// New full blocks of this sequence are entered in the index.
-    cacheable: bool,
-    retention: Vec<RetentionRange>,
-    /// First block of `table` this sequence holds a window reference on (hybrid pool; see
-    /// `manager_window`).
-    win_from: usize,
-}
-
+/// The manager's two clocks.
 #[derive(Debug, Default)]
-struct SeqSlot {
-    generation: u32,
-    seq: Option<Sequence>,
+struct Clock {
+    /// Logical: one tick per allocation or release; orders LRU.
+    tick: u64,
+    /// The caller's time in ms (monotonic), for retention and pin expiry.
+    now_ms: u64,
 }
 
-/// The KV cache manager. See the module documentation for the flow.
+/// The KV cache manager. See the module documentation for the flow and the layout.
 pub struct KvCacheManager {
     config: KvCacheConfig,
     pool: BlockPool,
     index: PrefixIndex,
-    evictor: Evictor,
     hasher: BlockHasher,
-    seqs: Vec<SeqSlot>,
-    free_seq_slots: Vec<u32>,
-    spare_tables: Vec<Vec<BlockId>>,
-    /// Pin slots: (generation, pin); a slot's generation changes when its pin is released.
-    pins: Vec<(u32, Option<Pin>)>,
-    /// Indexed, computed, unreferenced, unpinned blocks: all reclaimable by eviction.
-    num_idle: u32,
-    /// Logical clock: one tick per allocation or release; orders LRU.
-    clock: u64,
-    /// The caller's time in ms, for retention and pin expiry.
-    now_ms: u64,
+    /// The eviction order over the idle cached blocks, and their count.
+    evictor: Evictor,
+    seqs: Sequences,
+    pins: Pins,
+    clock: Clock,
     stats: KvStats,
-    events: Vec<KvEvent>,
-    hook: Option<Box<dyn EvictionHook>>,
-    /// The host tier's (L2) and the disk tier's (L3) indexes, when configured.
-    host: Option<TierIndex>,
-    disk: Option<TierIndex>,
-    /// Moves of block bytes decided since the last drain, in the order they must run.
-    moves: Vec<TierMove>,
-    /// Blocks of the pool being loaded from a tier: block → (tier, slot, load group).
-    loads: std::collections::HashMap<BlockId, (Tier, u32, u32)>,
-    /// The loader's references, per allocation that issued loads (see `manager_tier`).
-    load_groups: std::collections::HashMap<u32, tier::LoadGroup>,
-    next_load_group: u32,
+    /// Buffered events and the eviction hook.
+    outbox: Outbox,
+    /// The host and disk tiers' bookkeeping (both off by default).
+    tiers: LowerTiers,
     /// The pages of a hybrid pool.
-    pages: Option<Pages>,
+    pages: Option<HybridPages>,
 }
 
 impl std::fmt::Debug for KvCacheManager {
@@ -273,7 +257,7 @@ impl KvCacheManager {
         config.validate()?;
         let seed = config.hash_seed.unwrap_or_else(BlockHasher::random_seed);
         let pages = match &config.window {
-            Some(w) => Some(Pages::new(w, config.num_blocks)?),
+            Some(w) => Some(HybridPages::new(w, config.num_blocks)?),
             None => None,
         };
         Ok(Self {
@@ -282,24 +266,12 @@ impl KvCacheManager {
             index: PrefixIndex::default(),
             evictor: Evictor::new(config.eviction_policy, config.num_blocks),
             hasher: BlockHasher::new(seed, config.hash_bits),
-            seqs: Vec::new(),
-            free_seq_slots: Vec::new(),
-            spare_tables: Vec::new(),
-            pins: Vec::new(),
-            num_idle: 0,
-            clock: 0,
-            now_ms: 0,
+            seqs: Sequences::default(),
+            pins: Pins::default(),
+            clock: Clock::default(),
             stats: KvStats::default(),
-            events: Vec::new(),
-            hook: None,
-            host: (config.tiers.host_blocks > 0)
-                .then(|| TierIndex::new(Tier::Host, config.tiers.host_blocks)),
-            disk: (config.tiers.disk_blocks > 0)
-                .then(|| TierIndex::new(Tier::Disk, config.tiers.disk_blocks)),
-            moves: Vec::new(),
-            loads: std::collections::HashMap::new(),
-            load_groups: std::collections::HashMap::new(),
-            next_load_group: 0,
+            outbox: Outbox::new(config.record_events),
+            tiers: LowerTiers::new(&config.tiers),
             config,
         })
     }
@@ -314,7 +286,7 @@ impl KvCacheManager {
 
     /// Installs the receiver of evicted blocks (replacing any earlier one).
     pub fn set_eviction_hook(&mut self, hook: Box<dyn EvictionHook>) {
-        self.hook = Some(hook);
+        self.outbox.set_hook(hook);
     }
 
     /// A new, empty sequence under `key`.
@@ -322,7 +294,7 @@ impl KvCacheManager {
         let key_id = self.index.intern(key, &mut self.hasher);
         let seq = Sequence {
             key_id,
-            table: self.spare_tables.pop().unwrap_or_default(),
+            table: self.seqs.spare_table(),
             num_tokens: 0,
             num_computed: 0,
             last_hash: self.index.key_hash(key_id),
@@ -331,39 +303,15 @@ impl KvCacheManager {
             retention: Vec::new(),
             win_from: 0,
         };
-        self.insert_seq(seq)
-    }
-
-    fn insert_seq(&mut self, seq: Sequence) -> SeqId {
-        let index = match self.free_seq_slots.pop() {
-            Some(i) => i,
-            None => {
-                self.seqs.push(SeqSlot::default());
-                (self.seqs.len() - 1) as u32
-            }
-        };
-        let slot = &mut self.seqs[index as usize];
-        slot.seq = Some(seq);
-        SeqId {
-            index,
-            generation: slot.generation,
-        }
+        self.seqs.insert(seq)
     }
 
     fn seq(&self, id: SeqId) -> Result<&Sequence, KvError> {
-        self.seqs
-            .get(id.index as usize)
-            .filter(|s| s.generation == id.generation)
-            .and_then(|s| s.seq.as_ref())
-            .ok_or(KvError::UnknownSequence(id))
+        self.seqs.get(id)
     }
 
     fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence, KvError> {
-        self.seqs
-            .get_mut(id.index as usize)
-            .filter(|s| s.generation == id.generation)
-            .and_then(|s| s.seq.as_mut())
-            .ok_or(KvError::UnknownSequence(id))
+        self.seqs.get_mut(id)
     }
 
     /// Stops (or resumes) entering this sequence's new full blocks in the index, e.g. for output whose reuse
@@ -461,7 +409,7 @@ impl KvCacheManager {
                 window_parts += 1;
             }
         }
-        let available = self.pool.free.len() + (self.num_idle - pinned_down) as usize;
+        let available = self.pool.free.len() + (self.evictor.num_idle - pinned_down) as usize;
         if needed > available {
             return Ok(None);
         }
@@ -474,7 +422,7 @@ impl KvCacheManager {
             }
         }
 
-        self.clock += 1;
+        self.clock.tick += 1;
         let mut alloc = Allocation::default();
         if let Some(h) = hit {
             // The tier blocks first: attaching the pool's blocks may write through and evict below.
@@ -594,7 +542,7 @@ impl KvCacheManager {
                 uncomputed: status.num_tokens - status.computed_tokens,
             });
         }
-        let mut table = self.spare_tables.pop().unwrap_or_default();
+        let mut table = self.seqs.spare_table();
         let seq = self.seq(id)?;
         table.extend_from_slice(&seq.table);
         let child = Sequence {
@@ -618,18 +566,14 @@ impl KvCacheManager {
             self.win_ref(b);
         }
         self.stats.block_ops += child.table.len() as u64;
-        Ok(self.insert_seq(child))
+        Ok(self.seqs.insert(child))
     }
 
     /// Releases the sequence: its computed full blocks stay cached (until evicted), the rest go back to the
     /// free list; blocks it was computing for others are withdrawn, and their waiters compute them.
     pub fn free(&mut self, id: SeqId) -> Result<(), KvError> {
-        self.seq(id)?;
-        let slot = &mut self.seqs[id.index as usize];
-        let mut seq = slot.seq.take().expect("checked above");
-        slot.generation = slot.generation.wrapping_add(1);
-        self.free_seq_slots.push(id.index);
-        self.clock += 1;
+        let seq = self.seqs.remove(id)?;
+        self.clock.tick += 1;
         for &b in &seq.table[seq.win_from.min(seq.table.len())..] {
             self.win_unref(b);
         }
@@ -639,8 +583,7 @@ impl KvCacheManager {
         }
         self.stats.block_ops += seq.table.len() as u64;
         self.index.release_key(seq.key_id);
-        seq.table.clear();
-        self.spare_tables.push(seq.table);
+        self.seqs.recycle(seq.table);
         Ok(())
     }
 
@@ -683,7 +626,7 @@ impl KvCacheManager {
 
     /// Blocks obtainable now without touching referenced or pinned ones.
     pub fn num_available_blocks(&self) -> usize {
-        self.pool.free.len() + self.num_idle as usize
+        self.pool.free.len() + self.evictor.num_idle as usize
     }
 
     pub fn stats(&self) -> &KvStats {
@@ -697,16 +640,16 @@ impl KvCacheManager {
         KvUsage {
             total_blocks,
             used_blocks,
-            cached_idle_blocks: self.num_idle,
+            cached_idle_blocks: self.evictor.num_idle,
             // Neither referenced, nor reclaimable, nor free: cached and pinned.
-            pinned_idle_blocks: total_blocks - free_blocks - used_blocks - self.num_idle,
+            pinned_idle_blocks: total_blocks - free_blocks - used_blocks - self.evictor.num_idle,
             free_blocks,
         }
     }
 
     /// Buffered events since the last drain (empty unless `record_events`).
     pub fn drain_events(&mut self) -> std::vec::Drain<'_, KvEvent> {
-        self.events.drain(..)
+        self.outbox.drain()
     }
 
     /// Number of distinct cache keys in use by sequences or cached blocks.
@@ -720,15 +663,13 @@ impl KvCacheManager {
     }
 }
 
-#[path = "manager_alloc.rs"]
 mod alloc;
-#[path = "manager_check.rs"]
 mod check;
-#[path = "manager_release.rs"]
+mod lower_tiers;
+mod outbox;
+mod pages;
 mod release;
-#[path = "manager_retain.rs"]
 mod retain;
-#[path = "manager_tier.rs"]
+mod seqs;
 mod tier;
-#[path = "manager_window.rs"]
 mod window;

@@ -45,7 +45,7 @@ impl KvCacheManager {
         let retained = !self.seq(id)?.retention.is_empty();
         for (i, &(b, _)) in h.blocks.iter().enumerate() {
             if self.pool.incref(b) {
-                self.num_idle -= 1;
+                self.evictor.num_idle -= 1;
             }
             let m = &mut self.pool.meta[b as usize];
             if usize::from(m.computed) < bs {
@@ -71,7 +71,7 @@ impl KvCacheManager {
         if let Some((src, _, n)) = h.partial {
             // Hold the source while taking the destination, so that this very allocation cannot evict it.
             if self.pool.incref(src) {
-                self.num_idle -= 1;
+                self.evictor.num_idle -= 1;
             }
             self.win_ref(src);
             let dst = self.take_block();

@@ -30,9 +30,13 @@
 //!
 //! Lower tiers (host, disk) are not available with a hybrid pool: a block without its window part has no
 //! whole bytes to move.
+//!
+//! The pages and their bookkeeping belong to `HybridPages` (the `pages` module: the arena, and a page
+//! manager per attention kind). This module is the manager's side: when a block takes, references and
+//! gives back pages, how pages are reclaimed (idle window parts, then whole blocks by eviction), and how
+//! a hit is cut back to the window.
 
-use std::collections::VecDeque;
-
+use super::pages::{AttentionPages, HybridPages};
 use super::{Allocation, BlockCopy, KvCacheManager, SeqId};
 use crate::error::KvError;
 use crate::pool::BlockId;
@@ -40,10 +44,6 @@ use crate::prefix::PrefixHit;
 
 /// Sentinel: "no page" (a window part not attached, or a block on the free list).
 pub const NO_PAGE: u32 = u32::MAX;
-
-/// How many idle window parts a reclaim looks at for one that no likely hit needs before it takes the
-/// oldest.
-const SCAN: usize = 64;
 
 /// The pages of a model whose layers slide with one window, some or all of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,143 +107,47 @@ impl WindowPool {
     }
 }
 
-/// The page state of a hybrid pool.
-#[derive(Debug)]
-pub(crate) struct Pages {
-    pub layers: usize,
-    pub full: Vec<usize>,
-    pub sliding: Vec<usize>,
-    pub window: usize,
-    pub num_pages: u32,
-    pub free: Vec<u32>,
-    /// `of_block[b * layers + l]`: the page of layer `l` of block `b`, or `NO_PAGE`.
-    pub of_block: Vec<u32>,
-    /// Window references per block.
-    pub refs: Vec<u32>,
-    /// Bumped whenever a block's window part changes state; stale `idle` entries carry an older stamp.
-    pub stamp: Vec<u32>,
-    /// Index of the block in its sequence (its first token is `depth × block_size`).
-    pub depth: Vec<u32>,
-    /// Attached window parts without references, oldest first (with stale entries).
-    pub idle: VecDeque<(BlockId, u32)>,
-    pub num_idle: u32,
-}
-
-impl Pages {
-    pub fn new(cfg: &WindowPool, num_blocks: u32) -> Result<Self, KvError> {
-        let layers = cfg.sliding.len();
-        let n = num_blocks as usize;
-        let slots = n
-            .checked_mul(layers)
-            .ok_or_else(|| KvError::Config("page table size overflows".into()))?;
-        let mut of_block = Vec::new();
-        of_block
-            .try_reserve_exact(slots)
-            .map_err(|e| KvError::Config(format!("page table of {slots} entries: {e}")))?;
-        of_block.resize(slots, NO_PAGE);
-        Ok(Pages {
-            layers,
-            full: (0..layers).filter(|&l| !cfg.sliding[l]).collect(),
-            sliding: (0..layers).filter(|&l| cfg.sliding[l]).collect(),
-            window: cfg.window_tokens,
-            num_pages: cfg.num_pages,
-            free: (0..cfg.num_pages).rev().collect(),
-            of_block,
-            refs: vec![0; n],
-            stamp: vec![0; n],
-            depth: vec![0; n],
-            idle: VecDeque::new(),
-            num_idle: 0,
-        })
-    }
-
-    pub fn attached(&self, b: BlockId) -> bool {
-        self.of_block[b as usize * self.layers + self.sliding[0]] != NO_PAGE
-    }
-
-    /// The first block a token at `pos` reads in a sliding layer.
-    pub fn window_start(&self, pos: usize, block_size: usize) -> usize {
-        (pos + 1).saturating_sub(self.window) / block_size
-    }
-
-    fn take(&mut self, b: BlockId, layers: &[usize]) {
-        for &l in layers {
-            let page = self.free.pop().expect("pages were reclaimed first");
-            self.of_block[b as usize * self.layers + l] = page;
-        }
-    }
-
-    fn give_back(&mut self, b: BlockId, sliding_only: bool) {
-        for l in 0..self.layers {
-            if sliding_only && !self.sliding.contains(&l) {
-                continue;
-            }
-            let slot = &mut self.of_block[b as usize * self.layers + l];
-            if *slot != NO_PAGE {
-                self.free.push(*slot);
-                *slot = NO_PAGE;
-            }
-        }
-    }
-}
-
 impl KvCacheManager {
-    fn pages_mut(&mut self) -> &mut Pages {
-        self.pages.as_mut().expect("a hybrid pool")
-    }
-
     /// Pages the pool could hand out now without touching referenced or pinned blocks: free ones, those
     /// of idle cached blocks and idle window parts.
     pub(super) fn reclaimable_pages(&self) -> usize {
-        let Some(p) = &self.pages else { return 0 };
-        p.free.len() + p.full.len() * self.num_idle as usize + p.sliding.len() * p.num_idle as usize
+        self.pages
+            .as_ref()
+            .map_or(0, |p| p.reclaimable(self.evictor.num_idle))
     }
 
     /// Gives block `b` its full-attention pages (it was just taken, and is referenced).
     pub(super) fn take_full_pages(&mut self, b: BlockId) {
         let Some(p) = &self.pages else { return };
-        let need = p.full.len();
-        self.reclaim_pages(need);
-        let p = self.pages_mut();
-        let full = std::mem::take(&mut p.full);
-        p.take(b, &full);
-        p.full = full;
+        self.reclaim_pages(p.full.pages_per_block());
+        let p = self.hybrid_mut();
+        p.full.take_pages(&mut p.arena, b);
     }
 
     /// Gives block `b` (referenced) its window part.
     fn attach_window(&mut self, b: BlockId) {
-        let need = self.pages.as_ref().expect("a hybrid pool").sliding.len();
+        let need = self.hybrid_mut().sliding.pages_per_block();
         self.reclaim_pages(need);
-        let p = self.pages_mut();
-        let sliding = std::mem::take(&mut p.sliding);
-        p.take(b, &sliding);
-        p.sliding = sliding;
-        p.stamp[b as usize] = p.stamp[b as usize].wrapping_add(1);
+        let p = self.hybrid_mut();
+        p.sliding.attach(&mut p.arena, b);
+    }
+
+    fn hybrid_mut(&mut self) -> &mut HybridPages {
+        self.pages.as_mut().expect("a hybrid pool")
     }
 
     /// Returns every page of block `b`, which is leaving the pool's blocks (free list or eviction).
     pub(super) fn free_block_pages(&mut self, b: BlockId) {
-        let Some(p) = self.pages.as_mut() else { return };
-        debug_assert_eq!(
-            p.refs[b as usize], 0,
-            "block {b} freed with window references"
-        );
-        if p.attached(b) {
-            p.num_idle -= 1;
+        if let Some(p) = self.pages.as_mut() {
+            p.free_block(b);
         }
-        p.stamp[b as usize] = p.stamp[b as usize].wrapping_add(1);
-        p.give_back(b, false);
     }
 
     /// Takes a window reference on block `b`.
     pub(super) fn win_ref(&mut self, b: BlockId) {
-        let Some(p) = self.pages.as_mut() else { return };
-        let i = b as usize;
-        if p.refs[i] == 0 && p.attached(b) {
-            p.num_idle -= 1;
-            p.stamp[i] = p.stamp[i].wrapping_add(1);
+        if let Some(p) = self.pages.as_mut() {
+            p.sliding.add_ref(&p.arena, b);
         }
-        p.refs[i] += 1;
     }
 
     /// Drops a window reference on block `b`: an unreferenced window part stays while the block is a
@@ -252,36 +156,21 @@ impl KvCacheManager {
         let bs = self.config.block_size;
         let m = &self.pool.meta[b as usize];
         let cached = m.indexed && usize::from(m.computed) == bs;
-        let Some(p) = self.pages.as_mut() else { return };
-        let i = b as usize;
-        p.refs[i] = p.refs[i]
-            .checked_sub(1)
-            .expect("window reference count below zero");
-        if p.refs[i] > 0 || !p.attached(b) {
-            return;
-        }
-        p.stamp[i] = p.stamp[i].wrapping_add(1);
-        if cached {
-            p.num_idle += 1;
-            p.idle.push_back((b, p.stamp[i]));
-        } else {
-            p.give_back(b, true);
+        if let Some(p) = self.pages.as_mut() {
+            p.sliding.drop_ref(&mut p.arena, b, cached);
         }
     }
 
-    /// Frees pages until `n` are free: idle window parts first (see [`Self::pick_idle_part`]), then
-    /// idle cached blocks, leaf first. The caller checked that enough are reclaimable.
+    /// Frees pages until `n` are free: idle window parts first (see
+    /// `SlidingWindowPages::pick_idle_part`), then idle cached blocks, leaf first. The caller checked
+    /// that enough are reclaimable.
     fn reclaim_pages(&mut self, n: usize) {
-        while self.pages.as_ref().is_some_and(|p| p.free.len() < n) {
-            if let Some(b) = self.pick_idle_part() {
-                let p = self.pages_mut();
-                p.num_idle -= 1;
-                p.stamp[b as usize] = p.stamp[b as usize].wrapping_add(1);
-                p.give_back(b, true);
+        while self.pages.as_ref().is_some_and(|p| p.arena.num_free() < n) {
+            if self.drop_idle_window_part() {
                 self.stats.window_part_drops += 1;
                 continue;
             }
-            self.evictor.expire(&mut self.pool.meta, self.now_ms);
+            self.evictor.expire(&mut self.pool.meta, self.clock.now_ms);
             let b = self
                 .evictor
                 .pop(&mut self.pool.meta)
@@ -292,55 +181,17 @@ impl KvCacheManager {
         }
     }
 
-    /// The idle window part to drop next: among the oldest [`SCAN`], the first that no likely hit needs;
-    /// else the oldest.
-    fn pick_idle_part(&mut self) -> Option<BlockId> {
-        let p = self.pages.as_mut()?;
-        // Drop stale entries at the front.
-        while let Some(&(b, stamp)) = p.idle.front() {
-            if p.stamp[b as usize] == stamp && p.refs[b as usize] == 0 && p.attached(b) {
-                break;
-            }
-            p.idle.pop_front();
-        }
-        let p = self.pages.as_ref()?;
-        let mut oldest = None;
-        let mut chosen = None;
-        for (at, &(b, stamp)) in p.idle.iter().enumerate().take(SCAN) {
-            if p.stamp[b as usize] != stamp || p.refs[b as usize] != 0 || !p.attached(b) {
-                continue;
-            }
-            oldest.get_or_insert(at);
-            if !self.part_may_serve_a_hit(b) {
-                chosen = Some(at);
-                break;
-            }
-        }
-        let at = chosen.or(oldest)?;
-        let p = self.pages.as_mut()?;
-        p.idle.remove(at).map(|(b, _)| b)
-    }
-
-    /// Whether block `b`'s window part lies where a prefix hit is likely: within the first window of its
-    /// chain (a short shared prefix), within a window before a leaf (a conversation continued) or a branch
-    /// point (a prefix many prompts share), or in a pinned block.
-    fn part_may_serve_a_hit(&self, b: BlockId) -> bool {
-        let p = self.pages.as_ref().expect("a hybrid pool");
+    /// Drops the idle window part that goes first; false when there is none.
+    fn drop_idle_window_part(&mut self) -> bool {
         let bs = self.config.block_size;
-        let reach = WindowPool::window_blocks(p.window, bs);
-        let m = &self.pool.meta[b as usize];
-        if (p.depth[b as usize] as usize) < reach || m.pin_count > 0 {
-            return true;
-        }
-        let mut c = b;
-        for _ in 0..reach {
-            let m = &self.pool.meta[c as usize];
-            if m.num_children != 1 {
-                return true;
-            }
-            c = m.first_child;
-        }
-        false
+        let Some(p) = self.pages.as_mut() else {
+            return false;
+        };
+        let Some(b) = p.sliding.pick_idle_part(&p.arena, &self.pool.meta, bs) else {
+            return false;
+        };
+        p.sliding.drop_part(&mut p.arena, b);
+        true
     }
 
     /// Prepares the sliding layers for computing tokens `[start, end)` of the sequence: drops its window
@@ -362,7 +213,7 @@ impl KvCacheManager {
                 num_tokens: seq.num_tokens,
             });
         }
-        let first = p.window_start(start, bs);
+        let first = p.sliding.window_start(start, bs);
         let from = seq.win_from;
         if first > from {
             let gone: Vec<BlockId> = seq.table[from..first].to_vec();
@@ -396,7 +247,7 @@ impl KvCacheManager {
         {
             return Err(KvError::WindowLost { seq: id, block: b });
         }
-        if missing.len() * p.sliding.len() > self.reclaimable_pages() {
+        if missing.len() * p.sliding.pages_per_block() > self.reclaimable_pages() {
             return Ok(false);
         }
         for b in missing {
@@ -434,7 +285,7 @@ impl KvCacheManager {
                 Some(i) if i < k => i * bs,
                 _ => k * bs + n,
             };
-            k == 0 || run[k - 1] >= k - p.window_start(next, bs)
+            k == 0 || run[k - 1] >= k - p.sliding.window_start(next, bs)
         };
         let k = hit.blocks.len();
         if let Some((src, _, n)) = hit.partial {
@@ -484,7 +335,7 @@ impl KvCacheManager {
         let Some(p) = &self.pages else {
             return Vec::new();
         };
-        let first = p.window_start(
+        let first = p.sliding.window_start(
             blocks.len() * self.config.block_size,
             self.config.block_size,
         );
@@ -497,8 +348,8 @@ impl KvCacheManager {
     pub(super) fn hit_window_pages(&self, hit: &PrefixHit) -> usize {
         let Some(p) = &self.pages else { return 0 };
         let bs = self.config.block_size;
-        let first = p.window_start(self.hit_next_position(hit), bs);
-        let idle = |b: BlockId| p.refs[b as usize] == 0 && p.attached(b);
+        let first = p.sliding.window_start(self.hit_next_position(hit), bs);
+        let idle = |b: BlockId| p.sliding.is_idle_part(&p.arena, b);
         let parts = hit
             .blocks
             .iter()
@@ -506,23 +357,20 @@ impl KvCacheManager {
             .filter(|&&(b, _)| idle(b))
             .count()
             + hit.partial.map_or(0, |(src, _, _)| usize::from(idle(src)));
-        parts * p.sliding.len()
+        parts * p.sliding.pages_per_block()
     }
 
     /// Drops every idle window part (clearing the cache).
     pub(super) fn drop_idle_window_parts(&mut self) {
-        while let Some(b) = self.pick_idle_part() {
-            let p = self.pages_mut();
-            p.num_idle -= 1;
-            p.stamp[b as usize] = p.stamp[b as usize].wrapping_add(1);
-            p.give_back(b, true);
-        }
+        while self.drop_idle_window_part() {}
     }
 
     /// Window references of a sequence that just attached `hit`: on the blocks the next token reads.
     pub(super) fn ref_hit_window(&mut self, id: SeqId, hit: &PrefixHit) -> Result<(), KvError> {
         let Some(p) = &self.pages else { return Ok(()) };
-        let first = p.window_start(self.hit_next_position(hit), self.config.block_size);
+        let first = p
+            .sliding
+            .window_start(self.hit_next_position(hit), self.config.block_size);
         let blocks: Vec<BlockId> = hit.blocks.iter().skip(first).map(|&(b, _)| b).collect();
         self.seq_mut(id)?.win_from = first;
         for b in blocks {
@@ -535,7 +383,7 @@ impl KvCacheManager {
     /// when it receives copied KV, its window part.
     pub(super) fn new_block_window(&mut self, b: BlockId, i: usize, with_part: bool) {
         let Some(p) = self.pages.as_mut() else { return };
-        p.depth[b as usize] = i as u32;
+        p.sliding.set_depth(b, i);
         self.win_ref(b);
         if with_part {
             self.attach_window(b);
@@ -545,26 +393,13 @@ impl KvCacheManager {
     /// Records a copy of KV tokens `[0, n)` from `src` to `dst`: one block copy, or with a hybrid pool
     /// one copy per layer whose pages both blocks have.
     pub(super) fn push_copy(&self, alloc: &mut Allocation, src: BlockId, dst: BlockId, n: usize) {
-        let Some(p) = &self.pages else {
-            alloc.copies.push(BlockCopy {
+        match &self.pages {
+            Some(p) => p.copies(src, dst, n, &mut alloc.copies),
+            None => alloc.copies.push(BlockCopy {
                 src,
                 dst,
                 num_tokens: n,
-            });
-            return;
-        };
-        for l in 0..p.layers {
-            let (s, d) = (
-                p.of_block[src as usize * p.layers + l],
-                p.of_block[dst as usize * p.layers + l],
-            );
-            if s != NO_PAGE && d != NO_PAGE {
-                alloc.copies.push(BlockCopy {
-                    src: s,
-                    dst: d,
-                    num_tokens: n,
-                });
-            }
+            }),
         }
     }
 
@@ -572,15 +407,15 @@ impl KvCacheManager {
     pub(super) fn pages_for_blocks(&self, needed: usize, with_part: usize) -> usize {
         self.pages
             .as_ref()
-            .map_or(0, |p| needed * p.full.len() + with_part * p.sliding.len())
+            .map_or(0, |p| p.pages_for_blocks(needed, with_part))
     }
 
     /// Blocks a sliding layer holds for one sequence at most ([`WindowPool::window_blocks`]); 0 without
     /// a hybrid pool.
     pub(super) fn window_blocks(&self) -> usize {
-        self.pages.as_ref().map_or(0, |p| {
-            WindowPool::window_blocks(p.window, self.config.block_size)
-        })
+        self.pages
+            .as_ref()
+            .map_or(0, |p| p.sliding.window_blocks(self.config.block_size))
     }
 
     /// Whether the pool has a sliding window paged apart.
@@ -597,107 +432,33 @@ impl KvCacheManager {
         let Some(p) = &self.pages else {
             return Ok(false);
         };
-        out.clear();
-        for l in 0..p.layers {
-            out.extend(
-                seq.table
-                    .iter()
-                    .map(|&b| p.of_block[b as usize * p.layers + l]),
-            );
-        }
+        p.layer_pages(&seq.table, out);
         Ok(true)
     }
 
     /// Pages in use, free, and held by idle window parts, for metrics and tests: (total, free, idle parts'
     /// pages).
     pub fn page_usage(&self) -> Option<(u32, u32, u32)> {
-        let p = self.pages.as_ref()?;
-        Some((
-            p.num_pages,
-            p.free.len() as u32,
-            p.num_idle * p.sliding.len() as u32,
-        ))
+        self.pages.as_ref().map(HybridPages::usage)
     }
 
-    /// Checks the page bookkeeping (for [`Self::check_invariants`]).
+    /// Checks the page bookkeeping (for [`Self::check_invariants`]) against the window references the
+    /// sequences and the pins hold.
     pub(super) fn check_pages(&self) -> Result<(), String> {
         let Some(p) = &self.pages else { return Ok(()) };
         let n = self.pool.num_blocks() as usize;
-        let mut owner = vec![false; p.num_pages as usize];
-        for &page in &p.free {
-            if std::mem::replace(&mut owner[page as usize], true) {
-                return Err(format!("page {page} is twice free"));
-            }
-        }
         let mut refs = vec![0u32; n];
-        for slot in &self.seqs {
-            if let Some(seq) = &slot.seq {
-                for &b in &seq.table[seq.win_from.min(seq.table.len())..] {
-                    refs[b as usize] += 1;
-                }
+        for (_, seq) in self.seqs.iter() {
+            for &b in &seq.table[seq.win_from.min(seq.table.len())..] {
+                refs[b as usize] += 1;
             }
         }
-        for pin in self.pins.iter().filter_map(|(_, p)| p.as_ref()) {
+        for pin in self.pins.iter() {
             for &b in &pin.window {
                 refs[b as usize] += 1;
             }
         }
         let on_free: std::collections::HashSet<BlockId> = self.pool.free.iter().copied().collect();
-        let mut idle = 0;
-        for (b, &held) in refs.iter().enumerate() {
-            let m = &self.pool.meta[b];
-            if p.refs[b] != held {
-                return Err(format!(
-                    "block {b}: {} window references but {held} sequences hold its window",
-                    p.refs[b]
-                ));
-            }
-            let pages = &p.of_block[b * p.layers..(b + 1) * p.layers];
-            for (l, &page) in pages.iter().enumerate() {
-                if page == NO_PAGE {
-                    continue;
-                }
-                if std::mem::replace(&mut owner[page as usize], true) {
-                    return Err(format!("page {page} (block {b}, layer {l}) has two owners"));
-                }
-            }
-            let in_use = !on_free.contains(&(b as BlockId));
-            for &l in &p.full {
-                if (pages[l] != NO_PAGE) != in_use {
-                    return Err(format!(
-                        "block {b}: full layer {l} has page {} while the block is {}",
-                        pages[l],
-                        if in_use { "in use" } else { "free" }
-                    ));
-                }
-            }
-            let attached = pages[p.sliding[0]] != NO_PAGE;
-            if p.sliding.iter().any(|&l| (pages[l] != NO_PAGE) != attached) {
-                return Err(format!(
-                    "block {b}: window part attached in some layers only"
-                ));
-            }
-            if attached && p.refs[b] == 0 {
-                if !m.indexed || usize::from(m.computed) < self.config.block_size {
-                    return Err(format!(
-                        "block {b}: unreferenced window part of a block that is not cached"
-                    ));
-                }
-                idle += 1;
-            }
-            if attached && !in_use {
-                return Err(format!("free block {b} holds a window part"));
-            }
-        }
-        if idle != p.num_idle {
-            return Err(format!(
-                "{} idle window parts counted, {idle} found",
-                p.num_idle
-            ));
-        }
-        if let Some(page) = owner.iter().position(|o| !o) {
-            return Err(format!("page {page} leaked: neither free nor owned"));
-        }
-        Ok(())
+        p.check(&refs, &on_free, &self.pool.meta, self.config.block_size)
     }
 }

@@ -1,31 +1,93 @@
 //! Retention, pins and the caller's clock: what keeps cached blocks longer than LRU alone would.
 //!
 //! A retention range raises the priority class of a sequence's blocks until its expiry; a pin exempts a
-//! cached prefix from eviction until released or expired. Both are O(blocks touched); expiry is checked
-//! when the caller advances the clock (`set_time_ms`) and before each eviction.
+//! cached prefix from eviction until released or expired (the pins are kept in `Pins`, by [`PinId`]).
+//! Both are O(blocks touched); expiry is checked when the caller advances the clock (`set_time_ms`) and
+//! before each eviction.
 
-use super::{KvCacheManager, Pin, PinId, RetentionRange, SeqId};
+use super::{KvCacheManager, PinId, RetentionRange, SeqId};
 use crate::error::KvError;
 use crate::hash::CacheKey;
 use crate::pool::{BlockId, MAX_PRIORITY};
 use crate::prefix::PrefixHit;
 
-impl KvCacheManager {
-    /// Advances the caller's clock (ms, monotonic): retentions and pins whose time has come expire.
-    pub fn set_time_ms(&mut self, now_ms: u64) {
-        self.now_ms = self.now_ms.max(now_ms);
-        self.evictor.expire(&mut self.pool.meta, self.now_ms);
-        let now = self.now_ms;
-        let expired: Vec<u32> = (0..self.pins.len() as u32)
+/// A pinned prefix's blocks.
+#[derive(Debug)]
+pub(super) struct Pin {
+    pub blocks: Vec<BlockId>,
+    pub expires_at_ms: Option<u64>,
+    /// Hybrid pool: the blocks the pin holds window references on (those the token after the prefix
+    /// reads), so that the pinned prefix keeps hitting.
+    pub window: Vec<BlockId>,
+}
+
+/// The pins, by [`PinId`]: slots of (generation, pin), a slot's generation changing when its pin is
+/// released, so that a stale id is unknown rather than another pin.
+#[derive(Debug, Default)]
+pub(super) struct Pins {
+    slots: Vec<(u32, Option<Pin>)>,
+}
+
+impl Pins {
+    /// Enters `pin` in the first free slot, or a new one.
+    fn insert(&mut self, pin: Pin) -> PinId {
+        let index = match self.slots.iter().position(|(_, p)| p.is_none()) {
+            Some(i) => {
+                self.slots[i].1 = Some(pin);
+                i
+            }
+            None => {
+                self.slots.push((0, Some(pin)));
+                self.slots.len() - 1
+            }
+        };
+        PinId {
+            index: index as u32,
+            generation: self.slots[index].0,
+        }
+    }
+
+    /// Whether `pin` is held (not released, not expired).
+    fn is_held(&self, pin: PinId) -> bool {
+        matches!(
+            self.slots.get(pin.index as usize),
+            Some((generation, Some(_))) if *generation == pin.generation
+        )
+    }
+
+    /// Takes the pin of slot `i` out, if one is there; the slot's generation changes.
+    fn take(&mut self, i: u32) -> Option<Pin> {
+        let slot = &mut self.slots[i as usize];
+        let pin = slot.1.take()?;
+        slot.0 = slot.0.wrapping_add(1);
+        Some(pin)
+    }
+
+    /// Slots of the pins expired at `now_ms`.
+    fn expired(&self, now_ms: u64) -> Vec<u32> {
+        (0..self.slots.len() as u32)
             .filter(|&i| {
-                self.pins[i as usize]
+                self.slots[i as usize]
                     .1
                     .as_ref()
                     .and_then(|p| p.expires_at_ms)
-                    .is_some_and(|t| t <= now)
+                    .is_some_and(|t| t <= now_ms)
             })
-            .collect();
-        for i in expired {
+            .collect()
+    }
+
+    /// The held pins.
+    pub fn iter(&self) -> impl Iterator<Item = &Pin> {
+        self.slots.iter().filter_map(|(_, p)| p.as_ref())
+    }
+}
+
+impl KvCacheManager {
+    /// Advances the caller's clock (ms, monotonic): retentions and pins whose time has come expire.
+    pub fn set_time_ms(&mut self, now_ms: u64) {
+        self.clock.now_ms = self.clock.now_ms.max(now_ms);
+        self.evictor.expire(&mut self.pool.meta, self.clock.now_ms);
+        for i in self.pins.expired(self.clock.now_ms) {
             self.release_pin(i);
         }
     }
@@ -71,9 +133,9 @@ impl KvCacheManager {
         };
         let until = r
             .duration_ms
-            .map_or(u64::MAX, |d| self.now_ms.saturating_add(d));
+            .map_or(u64::MAX, |d| self.clock.now_ms.saturating_add(d));
         let m = &mut self.pool.meta[b as usize];
-        let current = m.effective_priority(self.now_ms);
+        let current = m.effective_priority(self.clock.now_ms);
         if r.priority > current || (r.priority == current && until > m.retained_until_ms) {
             m.priority = r.priority;
             m.retained_until_ms = until;
@@ -96,7 +158,7 @@ impl KvCacheManager {
         for &b in &blocks {
             let m = &mut self.pool.meta[b as usize];
             if m.is_idle() {
-                self.num_idle -= 1;
+                self.evictor.num_idle -= 1;
             }
             m.pin_count += 1;
             m.heap_token = 0;
@@ -108,24 +170,10 @@ impl KvCacheManager {
         }
         let pin = Pin {
             blocks,
-            expires_at_ms: ttl_ms.map(|t| self.now_ms.saturating_add(t)),
+            expires_at_ms: ttl_ms.map(|t| self.clock.now_ms.saturating_add(t)),
             window,
         };
-        let index = match self.pins.iter().position(|(_, p)| p.is_none()) {
-            Some(i) => {
-                self.pins[i].1 = Some(pin);
-                i
-            }
-            None => {
-                self.pins.push((0, Some(pin)));
-                self.pins.len() - 1
-            }
-        };
-        let id = PinId {
-            index: index as u32,
-            generation: self.pins[index].0,
-        };
-        (id, pinned)
+        (self.pins.insert(pin), pinned)
     }
 
     /// The pool blocks holding the computed, cached full blocks of the prefix `tokens` under `key`, from
@@ -155,21 +203,17 @@ impl KvCacheManager {
 
     /// Releases a pin. A pin that expired or was released already is an [`KvError::UnknownPin`].
     pub fn unpin(&mut self, pin: PinId) -> Result<(), KvError> {
-        match self.pins.get(pin.index as usize) {
-            Some((generation, Some(_))) if *generation == pin.generation => {
-                self.release_pin(pin.index);
-                Ok(())
-            }
-            _ => Err(KvError::UnknownPin(pin.index)),
+        if !self.pins.is_held(pin) {
+            return Err(KvError::UnknownPin(pin.index));
         }
+        self.release_pin(pin.index);
+        Ok(())
     }
 
     pub(super) fn release_pin(&mut self, i: u32) {
-        let slot = &mut self.pins[i as usize];
-        let Some(pin) = slot.1.take() else {
+        let Some(pin) = self.pins.take(i) else {
             return;
         };
-        slot.0 = slot.0.wrapping_add(1);
         for &b in &pin.window {
             self.win_unref(b);
         }
@@ -177,8 +221,9 @@ impl KvCacheManager {
             let m = &mut self.pool.meta[b as usize];
             m.pin_count -= 1;
             if m.is_idle() {
-                self.num_idle += 1;
-                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
+                self.evictor.num_idle += 1;
+                self.evictor
+                    .offer(&mut self.pool.meta, b, self.clock.now_ms);
             }
         }
     }

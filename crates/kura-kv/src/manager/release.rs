@@ -14,7 +14,7 @@ impl KvCacheManager {
         let bs = self.config.block_size;
         let remaining = self.pool.decref(b);
         let m = &mut self.pool.meta[b as usize];
-        m.last_used = self.clock;
+        m.last_used = self.clock.tick;
         if m.writer == holder {
             m.writer = NO_WRITER;
             if remaining > 0 && m.indexed && m.computed < m.filled {
@@ -26,8 +26,9 @@ impl KvCacheManager {
         }
         if m.indexed && usize::from(m.computed) == bs {
             if m.pin_count == 0 {
-                self.num_idle += 1;
-                self.evictor.offer(&mut self.pool.meta, b, self.now_ms);
+                self.evictor.num_idle += 1;
+                self.evictor
+                    .offer(&mut self.pool.meta, b, self.clock.now_ms);
             }
         } else if m.indexed {
             // Pending and abandoned: there is no KV to keep.
@@ -39,7 +40,8 @@ impl KvCacheManager {
             let parent = self.index.remove(&mut self.pool, b);
             self.free_to_pool(b);
             if parent != NO_BLOCK {
-                self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
+                self.evictor
+                    .offer(&mut self.pool.meta, parent, self.clock.now_ms);
             }
         } else {
             self.free_to_pool(b);
@@ -57,7 +59,7 @@ impl KvCacheManager {
         let b = match self.pool.pop_free() {
             Some(b) => b,
             None => {
-                self.evictor.expire(&mut self.pool.meta, self.now_ms);
+                self.evictor.expire(&mut self.pool.meta, self.clock.now_ms);
                 let b = self
                     .evictor
                     .pop(&mut self.pool.meta)
@@ -79,17 +81,16 @@ impl KvCacheManager {
     pub(super) fn drop_cached(&mut self, b: BlockId) {
         let m = &self.pool.meta[b as usize];
         debug_assert!(m.is_idle(), "dropping block {b}, which is not idle");
-        if let Some(hook) = self.hook.as_mut() {
-            hook.on_evict(&EvictedBlock {
-                block: b,
-                hash: m.hash,
-                parent_hash: (m.parent != NO_BLOCK).then_some(m.parent_hash),
-                tokens: self.pool.tokens_of(b),
-                priority: m.effective_priority(self.now_ms),
-            });
-        }
-        if m.announced && self.config.record_events {
-            self.events.push(KvEvent::Removed {
+        let now_ms = self.clock.now_ms;
+        self.outbox.evict(|| EvictedBlock {
+            block: b,
+            hash: m.hash,
+            parent_hash: (m.parent != NO_BLOCK).then_some(m.parent_hash),
+            tokens: self.pool.tokens_of(b),
+            priority: m.effective_priority(now_ms),
+        });
+        if m.announced {
+            self.outbox.record(|| KvEvent::Removed {
                 hash: m.hash,
                 block: b,
             });
@@ -99,9 +100,10 @@ impl KvCacheManager {
             self.index.orphan_children(&mut self.pool, b);
         }
         let parent = self.index.remove(&mut self.pool, b);
-        self.num_idle -= 1;
+        self.evictor.num_idle -= 1;
         if parent != NO_BLOCK {
-            self.evictor.offer(&mut self.pool.meta, parent, self.now_ms);
+            self.evictor
+                .offer(&mut self.pool.meta, parent, self.clock.now_ms);
         }
     }
 
@@ -112,24 +114,23 @@ impl KvCacheManager {
         }
         m.announced = true;
         let hits = m.hits;
-        if self.config.record_events {
+        let m = &self.pool.meta[b as usize];
+        self.outbox.record(|| {
             let parent = (m.parent != NO_BLOCK).then_some(m.parent_hash);
-            let key = parent.is_none().then(|| self.index.key(m.key_id).clone());
-            let hash = m.hash;
-            self.events.push(KvEvent::Stored {
-                hash,
+            KvEvent::Stored {
+                hash: m.hash,
                 parent,
                 block: b,
                 tokens: self.pool.tokens_of(b).to_vec(),
-                key,
-            });
-        }
+                key: parent.is_none().then(|| self.index.key(m.key_id).clone()),
+            }
+        });
         self.on_block_used(b, hits);
     }
 
     /// Drops every idle cached block (pinned and referenced ones stay). Returns how many were dropped.
     pub fn clear_cache(&mut self) -> usize {
-        let events_before = self.events.len();
+        let events_before = self.outbox.mark();
         let mut dropped = 0;
         while let Some(b) = self.evictor.pop(&mut self.pool.meta) {
             self.drop_cached(b);
@@ -137,9 +138,8 @@ impl KvCacheManager {
             dropped += 1;
         }
         self.drop_idle_window_parts();
-        if self.config.record_events && self.index.len() == 0 {
-            self.events.truncate(events_before);
-            self.events.push(KvEvent::Cleared);
+        if self.outbox.recording() && self.index.len() == 0 {
+            self.outbox.clear_since(events_before);
         }
         dropped
     }
