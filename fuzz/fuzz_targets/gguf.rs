@@ -46,7 +46,7 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for name in g.tensors.keys() {
-        let _ = g.tensor_f32(name);
+        let _ = kura_model::gguf::tensor_f32(&g, name);
     }
     drop(g);
 

@@ -16,10 +16,10 @@ fuzz_target!(|data: &[u8]| {
         let _ = cfg.layer_window(0);
         // The runtime builds these only after weights of this shape loaded (so head_dim is bounded by
         // the checkpoint); outside that, an absurd head_dim would only measure the allocator.
-        if cfg.head_dim <= 1 << 16 {
+        if cfg.head_dim() <= 1 << 16 {
             let _ = rope_inv_freq(&cfg);
         }
-        if cfg.num_layers <= 1 << 16 {
+        if cfg.num_layers() <= 1 << 16 {
             let _ = cfg.kv_layout(KvDtype::Bf16, 16);
         }
     }

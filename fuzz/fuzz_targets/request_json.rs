@@ -9,5 +9,5 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&flags, body)) = data.split_first() else { return };
-    let _ = kura_server::fuzz_validate(flags & 1 != 0, flags & 2 != 0, body);
+    let _ = kura_api::fuzz_validate(flags & 1 != 0, flags & 2 != 0, body);
 });

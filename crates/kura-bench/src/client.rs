@@ -13,8 +13,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::report::{ErrorKind, RequestError};
-use crate::sse::{parse_chunk, snippet, Chunk, SseDecoder, Usage};
 use crate::BenchError;
+use kura_api::sse::{parse_chunk, snippet, Chunk, SseDecoder, Usage};
 
 /// Which OpenAI endpoint the requests go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -202,7 +202,7 @@ async fn stream_into(
     let mut last_token: Option<Instant> = None;
     let mut done = false;
     let mut handle =
-        |event: crate::sse::SseEvent, out: &mut Outcome| -> Result<bool, RequestError> {
+        |event: kura_api::sse::SseEvent, out: &mut Outcome| -> Result<bool, RequestError> {
             match parse_chunk(&event).map_err(malformed)? {
                 Chunk::Done => Ok(true),
                 Chunk::Error(message) => Err(RequestError {

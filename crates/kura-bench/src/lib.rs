@@ -17,7 +17,6 @@ pub mod plot;
 pub mod report;
 pub mod rng;
 pub mod runner;
-pub mod sse;
 pub mod stats;
 pub mod text;
 pub mod workload;

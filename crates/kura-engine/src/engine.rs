@@ -15,7 +15,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -252,18 +252,18 @@ pub fn start_engine(
     let (out_tx, out_rx) = mpsc::channel();
     let (finished_tx, finished_rx) = mpsc::channel();
     let output_codec = codec.clone();
-    let out_done = Arc::new(AtomicU64::new(0));
-    let done = out_done.clone();
+    let out_handled = crate::output::Handled::new();
+    let handled = out_handled.clone();
     std::thread::Builder::new()
         .name("kura-output".into())
-        .spawn(move || crate::output::run(out_rx, output_codec, finished_tx, done))?;
+        .spawn(move || crate::output::run(out_rx, output_codec, finished_tx, handled))?;
     let config_block_size = config.block_size_tokens;
     let core = Core {
         out: Outbox {
             tx: out_tx,
             sent: 0,
             marks: [0, 0],
-            done: out_done,
+            handled: out_handled,
         },
         finished_choices: finished_rx,
         eos: codec.eos_token_ids().to_vec(),
@@ -321,7 +321,8 @@ struct Outbox {
     sent: u64,
     /// Messages sent by the end of the step before last and of the last step.
     marks: [u64; 2],
-    done: Arc<AtomicU64>,
+    /// Messages the output stage has handled.
+    handled: Arc<crate::output::Handled>,
 }
 
 /// Longest wait for the output stage before a step goes on regardless (a sink that blocks in `send`).
@@ -339,15 +340,10 @@ impl Outbox {
         self.wait_for(self.marks[0]);
     }
 
-    /// Waits (at most `OUTPUT_WAIT`) until the output stage has handled `target` messages.
+    /// Waits (at most `OUTPUT_WAIT`) until the output stage has handled `target` messages, blocked on
+    /// the output stage's signal.
     fn wait_for(&self, target: u64) {
-        if self.done.load(Ordering::Acquire) >= target {
-            return;
-        }
-        let deadline = Instant::now() + OUTPUT_WAIT;
-        while self.done.load(Ordering::Acquire) < target && Instant::now() < deadline {
-            std::thread::yield_now();
-        }
+        self.handled.wait_for(target, OUTPUT_WAIT);
     }
 
     /// Waits until the output stage has handled everything sent.

@@ -16,27 +16,28 @@ mod model_backend;
 mod output;
 mod pins;
 mod remote;
-mod request;
+/// The request vocabulary is `kura-request`'s.
+use kura_request as request;
 mod seq;
 mod tiers;
 
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
+pub use kura_request::{
+    EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,
+    SubmitError, TokenCandidate, TokenLogprob, Usage, TENANT_SEPARATOR,
+};
 pub use kura_sched::{
     AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,
     SchedulerConfig, SchedulingPolicy, SeqKey, PRIORITY_AGING_S,
 };
+pub use kura_text::ModelCodec;
 pub use kv_events::{
     Gap, KvBlockInfo, KvChange, KvEventLog, KvEventRecord, KvEventsSetup, KvSnapshot,
 };
 pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
-pub use model_backend::{ModelCodec, ModelExecutor};
-pub use pins::TENANT_SEPARATOR;
+pub use model_backend::ModelExecutor;
 pub use remote::RemoteTierSetup;
-pub use request::{
-    EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,
-    SubmitError, TokenCandidate, TokenLogprob, Usage,
-};
 pub use tiers::{DiskSetup, TierSetup};

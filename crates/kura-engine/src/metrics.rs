@@ -1,115 +1,11 @@
 //! The engine's counters, gauges and latency histograms, written by the engine thread and read by
-//! `/metrics` (Prometheus text exposition format). Everything is a relaxed atomic: a scrape may see one
-//! counter a step ahead of another, never a torn value. Cost per update: one atomic add.
+//! `/metrics`. The types and the text writer are `kura-metrics`'s (relaxed atomics: a scrape may see one
+//! counter a step ahead of another, never a torn value; one atomic add per update).
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-/// A monotonically increasing count.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-    /// Sets the count to a total kept elsewhere (a monotonic counter of the KV manager or the disk
-    /// thread, mirrored here once per step).
-    pub fn set_total(&self, n: u64) {
-        self.0.store(n, Ordering::Relaxed);
-    }
-}
-
-/// A value that goes up and down, stored as f64 bits.
-#[derive(Debug, Default)]
-pub struct Gauge(AtomicU64);
-
-impl Gauge {
-    pub fn set(&self, v: f64) {
-        self.0.store(v.to_bits(), Ordering::Relaxed);
-    }
-    pub fn get(&self) -> f64 {
-        f64::from_bits(self.0.load(Ordering::Relaxed))
-    }
-}
-
-/// Latency buckets in seconds, from 1 ms to 5 min (the span between a cached decode step and a long
-/// queued prefill on a CPU).
-const LATENCY_BUCKETS_S: [f64; 18] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
-    80.0, 300.0,
-];
-
-/// A cumulative histogram of durations with fixed buckets.
-#[derive(Debug)]
-pub struct Histogram {
-    /// `counts[i]` = observations ≤ `LATENCY_BUCKETS_S[i]` and > the bucket before (not cumulative).
-    counts: [AtomicU64; LATENCY_BUCKETS_S.len()],
-    overflow: AtomicU64,
-    sum_us: AtomicU64,
-}
-
-impl Default for Histogram {
-    fn default() -> Self {
-        Self {
-            counts: std::array::from_fn(|_| AtomicU64::new(0)),
-            overflow: AtomicU64::new(0),
-            sum_us: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        match LATENCY_BUCKETS_S.iter().position(|&b| s <= b) {
-            Some(i) => self.counts[i].fetch_add(1, Ordering::Relaxed),
-            None => self.overflow.fetch_add(1, Ordering::Relaxed),
-        };
-        self.sum_us
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    pub fn count(&self) -> u64 {
-        self.counts
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .sum::<u64>()
-            + self.overflow.load(Ordering::Relaxed)
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        self.render_series(out, name, "");
-    }
-
-    /// The histogram's lines, each with `labels` (`tier="host"`) besides `le`.
-    fn render_series(&self, out: &mut String, name: &str, labels: &str) {
-        let (sep, bare) = if labels.is_empty() {
-            ("", String::new())
-        } else {
-            (",", format!("{{{labels}}}"))
-        };
-        let mut cumulative = 0;
-        for (bound, c) in LATENCY_BUCKETS_S.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}"
-            );
-        }
-        cumulative += self.overflow.load(Ordering::Relaxed);
-        let sum_s = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}\n{name}_sum{bare} {sum_s}\n{name}_count{bare} {cumulative}"
-        );
-    }
-}
+pub use kura_metrics::{Counter, Gauge, Histogram};
+use kura_metrics::{Exposition, Kind};
 
 /// Every metric the engine exports. Names follow vLLM's `vllm:` style under the `kura:` prefix.
 #[derive(Debug, Default)]
@@ -203,6 +99,9 @@ pub struct EngineMetrics {
     pub pins_expired: Counter,
 }
 
+/// A family with one series per lower tier: name, help, and the tier's metric.
+type TierFamily<T> = (&'static str, &'static str, fn(&TierMetrics) -> &T);
+
 /// One lower tier's gauges and counters.
 #[derive(Debug, Default)]
 pub struct TierMetrics {
@@ -225,376 +124,313 @@ pub struct TierMetrics {
 impl EngineMetrics {
     /// Prometheus text exposition of every metric.
     pub fn render_prometheus(&self) -> String {
-        let mut out = String::with_capacity(8 * 1024);
-        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        gauge(
-            &mut out,
+        let mut e = Exposition::with_capacity(16 * 1024);
+        e.gauge(
             "kura:kv_cache_usage_perc",
             "Fraction of KV blocks referenced by live requests (1 = full).",
             self.kv_usage_perc.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_cache_blocks_total",
             "KV blocks in the pool.",
             self.kv_blocks_total.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_cache_blocks_used",
             "KV blocks referenced by live requests.",
             self.kv_blocks_used.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_cache_blocks_cached",
             "Unreferenced KV blocks still holding a reusable cached prefix.",
             self.kv_blocks_cached.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_pins",
             "Live pinned prefixes (cache_control breakpoints, prompt_cache_retention, saved contexts).",
             self.pins.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_pinned_blocks",
             "KV blocks of the pool held by pinned prefixes.",
             self.pinned_blocks.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_pin_budget_blocks",
             "Most KV blocks of the pool that pinned prefixes may hold (--kv-pin-budget).",
             self.pin_budget_blocks.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:kv_pins_demoted_total",
             "Pinned prefixes moved out of the pool to the lower tiers because the pin budget was spent.",
             self.pins_demoted.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:kv_pins_expired_total",
             "Pinned prefixes released because their time to live ended.",
             self.pins_expired.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:kv_reserved_blocks",
             "KV blocks running requests will still take to reach prompt + max_tokens (every choice).",
             self.kv_reserved_blocks.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:prefix_cache_queries_total",
             "Prompt tokens looked up in the prefix cache.",
             self.prefix_queries_tokens.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:prefix_cache_hits_total",
             "Prompt tokens found in the prefix cache (computed or still being computed).",
             self.prefix_hits_tokens.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:prefix_cache_pending_hits_total",
             "Prompt tokens reused from blocks another request was still computing.",
             self.prefix_pending_hit_tokens.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:prefix_cache_pending_waits_total",
             "Scheduler steps in which a request waited for another request's pending blocks.",
             self.pending_waits.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:kv_cache_evictions_total",
             "Cached KV blocks evicted to make room.",
             self.kv_evictions.get(),
         );
         if self.kv_pages_total.get() > 0.0 {
-            gauge(
-                &mut out,
+            e.gauge(
                 "kura:kv_pages_total",
                 "Pages of the hybrid pool (one layer of one block each).",
                 self.kv_pages_total.get(),
             );
-            gauge(
-                &mut out,
+            e.gauge(
                 "kura:kv_pages_free",
                 "Pages of the hybrid pool on its free list.",
                 self.kv_pages_free.get(),
             );
-            gauge(
-                &mut out,
+            e.gauge(
                 "kura:kv_pages_idle_window",
                 "Pages of sliding layers kept for cached blocks no request reads now (reclaimed first).",
                 self.kv_pages_idle_window.get(),
             );
-            counter(
-                &mut out,
+            e.counter(
                 "kura:kv_window_part_drops_total",
                 "Sliding layers' pages of cached blocks dropped to make room.",
                 self.kv_window_part_drops.get(),
             );
         }
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:num_requests_running",
             "Requests scheduled (holding KV blocks).",
             self.requests_running.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:num_requests_waiting",
             "Requests queued, including preempted ones.",
             self.requests_waiting.get(),
         );
-        gauge(
-            &mut out,
+        e.gauge(
             "kura:num_requests_preempted_waiting",
             "Preempted requests waiting to resume.",
             self.requests_preempted_waiting.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:num_preemptions_total",
             "Requests preempted because KV blocks ran out.",
             self.preemptions.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:engine_steps_total",
             "Forward steps run by the engine.",
             self.steps.get(),
         );
-        let seconds = |out: &mut String, name: &str, help: &str, us: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                us as f64 / 1e6
-            );
-        };
-        seconds(
-            &mut out,
+        e.counter(
             "kura:engine_forward_seconds_total",
             "Time of the engine's steps in the forward pass and block copies.",
-            self.step_forward_us.get(),
+            self.step_forward_us.get() as f64 / 1e6,
         );
-        seconds(
-            &mut out,
+        e.counter(
             "kura:engine_step_other_seconds_total",
             "Time of the engine's steps outside the forward pass: scheduling, sampling, detokenization, \
              stop checks, logprob texts and emitting.",
-            self.step_other_us.get(),
+            self.step_other_us.get() as f64 / 1e6,
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:scheduler_passes_total",
             "Scheduling passes of the engine loop, idle ones (nothing could run) included.",
             self.scheduler_passes.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:prompt_tokens_total",
             "Prompt tokens of admitted requests.",
             self.prompt_tokens.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:prompt_tokens_computed_total",
             "Prompt tokens whose KV was computed (not reused); recomputation after preemption included.",
             self.prompt_tokens_computed.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:generation_tokens_total",
             "Tokens generated.",
             self.generation_tokens.get(),
         );
-        let _ = writeln!(
-            out,
-            "# HELP kura:request_success_total Requests finished, by finish reason.\n\
-             # TYPE kura:request_success_total counter\n\
-             kura:request_success_total{{finished_reason=\"stop\"}} {}\n\
-             kura:request_success_total{{finished_reason=\"length\"}} {}",
-            self.requests_finished_stop.get(),
-            self.requests_finished_length.get()
-        );
-        counter(
-            &mut out,
+        let name = "kura:request_success_total";
+        e.family(name, "Requests finished, by finish reason.", Kind::Counter);
+        for (reason, c) in [
+            ("stop", &self.requests_finished_stop),
+            ("length", &self.requests_finished_length),
+        ] {
+            e.sample(name, &[("finished_reason", reason)], c.get());
+        }
+        e.counter(
             "kura:request_cancelled_total",
             "Requests cancelled before finishing (client gone, shutdown).",
             self.requests_cancelled.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:request_cancelled_stalled_total",
             "Requests cancelled because their client stopped reading for longer than the stalled-client \
              timeout (also counted in kura:request_cancelled_total).",
             self.requests_cancelled_stalled.get(),
         );
-        counter(
-            &mut out,
+        e.counter(
             "kura:request_failed_total",
             "Requests that failed in the engine.",
             self.requests_failed.get(),
         );
-        let _ = writeln!(
-            out,
-            "# HELP kura:request_rejected_total Requests refused at admission, by reason.\n\
-             # TYPE kura:request_rejected_total counter\n\
-             kura:request_rejected_total{{reason=\"queue_full\"}} {}\n\
-             kura:request_rejected_total{{reason=\"cannot_fit\"}} {}",
-            self.requests_rejected_queue_full.get(),
-            self.requests_rejected_too_large.get()
+        let name = "kura:request_rejected_total";
+        e.family(
+            name,
+            "Requests refused at admission, by reason.",
+            Kind::Counter,
         );
-        self.ttft.render(
-            &mut out,
+        for (reason, c) in [
+            ("queue_full", &self.requests_rejected_queue_full),
+            ("cannot_fit", &self.requests_rejected_too_large),
+        ] {
+            e.sample(name, &[("reason", reason)], c.get());
+        }
+        e.histogram(
             "kura:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
+            &self.ttft,
         );
-        self.itl.render(
-            &mut out,
+        e.histogram(
             "kura:inter_token_latency_seconds",
             "Time between consecutive generated tokens of a choice.",
+            &self.itl,
         );
-        self.e2e.render(
-            &mut out,
+        e.histogram(
             "kura:e2e_request_latency_seconds",
             "Time from arrival to the last token.",
+            &self.e2e,
         );
-        self.queue_time.render(
-            &mut out,
+        e.histogram(
             "kura:request_queue_time_seconds",
             "Time from arrival to first scheduling.",
+            &self.queue_time,
         );
-        self.render_tiers(&mut out);
-        out
+        self.render_tiers(&mut e);
+        e.finish()
     }
 
-    fn render_tiers(&self, out: &mut String) {
+    fn render_tiers(&self, e: &mut Exposition) {
         let tiers = [("host", &self.host), ("disk", &self.disk)];
-        let family = |out: &mut String,
-                      name: &str,
-                      kind: &str,
-                      help: &str,
-                      v: &dyn Fn(&TierMetrics) -> f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        let gauges: [TierFamily<Gauge>; 3] = [
+            (
+                "kura:kv_tier_blocks_total",
+                "Blocks a lower KV tier holds at most (0: off).",
+                |m| &m.blocks_total,
+            ),
+            (
+                "kura:kv_tier_blocks_used",
+                "Blocks held by a lower KV tier.",
+                |m| &m.blocks_used,
+            ),
+            (
+                "kura:kv_tier_bytes_used",
+                "KV bytes held by a lower KV tier.",
+                |m| &m.bytes_used,
+            ),
+        ];
+        for (name, help, gauge) in gauges {
+            e.family(name, help, Kind::Gauge);
             for (tier, m) in tiers {
-                let _ = writeln!(out, "{name}{{tier=\"{tier}\"}} {}", v(m));
+                e.sample(name, &[("tier", tier)], gauge(m).get());
             }
-        };
-        family(
-            out,
-            "kura:kv_tier_blocks_total",
-            "gauge",
-            "Blocks a lower KV tier holds at most (0: off).",
-            &|m| m.blocks_total.get(),
-        );
-        family(
-            out,
-            "kura:kv_tier_blocks_used",
-            "gauge",
-            "Blocks held by a lower KV tier.",
-            &|m| m.blocks_used.get(),
-        );
-        family(
-            out,
-            "kura:kv_tier_bytes_used",
-            "gauge",
-            "KV bytes held by a lower KV tier.",
-            &|m| m.bytes_used.get(),
-        );
-        family(
-            out,
-            "kura:kv_tier_hit_blocks_total",
-            "counter",
-            "Prompt blocks found in a lower KV tier and loaded into the pool.",
-            &|m| m.hit_blocks.get() as f64,
-        );
-        family(
-            out,
-            "kura:kv_tier_loads_total",
-            "counter",
-            "Loads from a lower KV tier into the pool finished.",
-            &|m| m.loads.get() as f64,
-        );
-        family(
-            out,
-            "kura:kv_tier_load_failures_total",
-            "counter",
-            "Loads whose stored block failed its checks (recomputed instead).",
-            &|m| m.load_failures.get() as f64,
-        );
-        family(
-            out,
-            "kura:kv_tier_stores_total",
-            "counter",
-            "Blocks stored into a lower KV tier (demotions, write-through, swap).",
-            &|m| m.stores.get() as f64,
-        );
-        family(
-            out,
-            "kura:kv_tier_evictions_total",
-            "counter",
-            "Blocks evicted from a lower KV tier to make room.",
-            &|m| m.evictions.get() as f64,
-        );
-        let _ = writeln!(out, "# HELP kura:kv_tier_load_seconds Time of a block's load from a lower tier, queueing included.\n# TYPE kura:kv_tier_load_seconds histogram");
-        for (tier, m) in tiers {
-            m.load_latency.render_series(
-                out,
-                "kura:kv_tier_load_seconds",
-                &format!("tier=\"{tier}\""),
-            );
         }
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        counter(
-            out,
+        let counters: [TierFamily<Counter>; 5] = [
+            (
+                "kura:kv_tier_hit_blocks_total",
+                "Prompt blocks found in a lower KV tier and loaded into the pool.",
+                |m| &m.hit_blocks,
+            ),
+            (
+                "kura:kv_tier_loads_total",
+                "Loads from a lower KV tier into the pool finished.",
+                |m| &m.loads,
+            ),
+            (
+                "kura:kv_tier_load_failures_total",
+                "Loads whose stored block failed its checks (recomputed instead).",
+                |m| &m.load_failures,
+            ),
+            (
+                "kura:kv_tier_stores_total",
+                "Blocks stored into a lower KV tier (demotions, write-through, swap).",
+                |m| &m.stores,
+            ),
+            (
+                "kura:kv_tier_evictions_total",
+                "Blocks evicted from a lower KV tier to make room.",
+                |m| &m.evictions,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            e.family(name, help, Kind::Counter);
+            for (tier, m) in tiers {
+                e.sample(name, &[("tier", tier)], counter(m).get());
+            }
+        }
+        let name = "kura:kv_tier_load_seconds";
+        e.family(
+            name,
+            "Time of a block's load from a lower tier, queueing included.",
+            Kind::Histogram,
+        );
+        for (tier, m) in tiers {
+            e.histogram_series(name, &[("tier", tier)], &m.load_latency);
+        }
+        e.counter(
             "kura:kv_tier_full_drops_total",
             "Blocks that could not go down because their tier was full of blocks being loaded.",
             self.tier_full_drops.get(),
         );
-        counter(out, "kura:kv_tier_checksum_failures_total", "Stored KV blocks that failed a check (checksum, header, identity) and were removed, never served.", self.tier_checksum_failures.get());
-        counter(
-            out,
+        e.counter(
+            "kura:kv_tier_checksum_failures_total",
+            "Stored KV blocks that failed a check (checksum, header, identity) and were removed, never served.",
+            self.tier_checksum_failures.get(),
+        );
+        e.counter(
             "kura:kv_disk_removed_foreign_total",
             "Block files of another model or KV format removed when the disk tier was opened.",
             self.disk_removed_foreign.get(),
         );
-        counter(
-            out,
+        e.counter(
             "kura:kv_disk_reads_total",
             "Block files read from disk (one read serves every request waiting for the block).",
             self.disk_reads.get(),
         );
-        counter(
-            out,
+        e.counter(
             "kura:kv_disk_writes_total",
             "Block files written to disk.",
             self.disk_writes.get(),
         );
-        counter(
-            out,
+        e.counter(
             "kura:kv_disk_write_errors_total",
             "Block file writes that failed (logged).",
             self.disk_write_errors.get(),
@@ -613,41 +449,50 @@ impl EngineMetrics {
             ("kura:kv_remote_rejected_total", "Records in Redis whose MAC failed (written without the fleet secret, or copied under another name): never served, deleted.", live(|s| &s.rejected)),
             ("kura:kv_remote_dropped_total", "Redis writes or lookups dropped (queue full or Redis unreachable).", live(|s| &s.dropped)),
         ] {
-            counter(out, name, help, v);
+            e.counter(name, help, v);
         }
-        let _ = writeln!(
-            out,
-            "# HELP kura:kv_remote_connected 1 while the Redis tier is connected.\n# TYPE kura:kv_remote_connected gauge\nkura:kv_remote_connected {}",
-            live(|s| &s.connected)
+        e.gauge(
+            "kura:kv_remote_connected",
+            "1 while the Redis tier is connected.",
+            live(|s| &s.connected),
         );
-        counter(
-            out,
+        e.counter(
             "kura:kv_swapped_out_blocks_total",
             "Blocks copied to the host tier when their request was preempted.",
             self.swapped_out_blocks.get(),
         );
-        let _ = writeln!(out, "# HELP kura:kv_disk_queue_jobs Jobs queued for the disk thread.\n# TYPE kura:kv_disk_queue_jobs gauge\nkura:kv_disk_queue_jobs {}", self.disk_queue.get());
+        e.gauge(
+            "kura:kv_disk_queue_jobs",
+            "Jobs queued for the disk thread.",
+            self.disk_queue.get(),
+        );
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
-    fn histogram_buckets_are_cumulative_and_count_overflow() {
-        let h = Histogram::default();
-        h.observe(Duration::from_micros(500));
-        h.observe(Duration::from_millis(30));
-        h.observe(Duration::from_secs(1000));
-        let mut out = String::new();
-        h.render(&mut out, "x", "help");
-        assert!(out.contains("x_bucket{le=\"0.001\"} 1\n"));
-        assert!(out.contains("x_bucket{le=\"0.05\"} 2\n"));
-        assert!(out.contains("x_bucket{le=\"300\"} 2\n"));
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"));
-        assert!(out.contains("x_count 3\n"));
-        assert_eq!(h.count(), 3);
+    fn tier_series_are_labelled_and_hybrid_pages_appear_only_with_a_hybrid_pool() {
+        let m = EngineMetrics::default();
+        m.host.hit_blocks.add(5);
+        m.disk.bytes_used.set(4096.0);
+        m.disk.load_latency.observe(Duration::from_millis(3));
+        let text = m.render_prometheus();
+        assert!(text.contains("kura:kv_tier_hit_blocks_total{tier=\"host\"} 5\n"));
+        assert!(text.contains("kura:kv_tier_bytes_used{tier=\"disk\"} 4096\n"));
+        assert!(text.contains("kura:kv_tier_load_seconds_bucket{tier=\"disk\",le=\"0.005\"} 1\n"));
+        assert!(text.contains("kura:kv_tier_load_seconds_count{tier=\"host\"} 0\n"));
+        assert_eq!(
+            text.matches("# TYPE kura:kv_tier_load_seconds histogram")
+                .count(),
+            1
+        );
+        assert!(!text.contains("kura:kv_pages_total"));
+        m.kv_pages_total.set(64.0);
+        assert!(m.render_prometheus().contains("kura:kv_pages_total 64\n"));
     }
 
     #[test]

@@ -19,9 +19,10 @@
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use kura_model::{StopChecker, StopReason};
 
@@ -112,13 +113,80 @@ struct RequestState {
     choices: HashMap<u32, ChoiceState>,
 }
 
+/// How many messages the output stage has handled, which the engine loop waits on (blocked, not
+/// spinning) for its backpressure check.
+pub(crate) struct Handled {
+    state: Mutex<HandledState>,
+    /// Signalled when `done` reaches the count a waiter asked for.
+    reached: Condvar,
+}
+
+struct HandledState {
+    done: u64,
+    /// The count the engine loop waits for; `u64::MAX` while it waits for none (the output thread then
+    /// signals nobody).
+    wanted: u64,
+}
+
+impl Handled {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(HandledState {
+                done: 0,
+                wanted: u64::MAX,
+            }),
+            reached: Condvar::new(),
+        })
+    }
+
+    /// The output thread handled one more message.
+    fn one_more(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.done += 1;
+        if s.done >= s.wanted {
+            self.reached.notify_all();
+        }
+    }
+
+    /// Messages handled so far.
+    #[cfg(test)]
+    fn done(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).done
+    }
+
+    /// Blocks until `target` messages are handled or `timeout` has passed; returns whether they were.
+    pub fn wait_for(&self, target: u64, timeout: Duration) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.done >= target {
+            return true;
+        }
+        let deadline = Instant::now() + timeout;
+        s.wanted = target;
+        while s.done < target {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            if left.is_zero() {
+                break;
+            }
+            s = self
+                .reached
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        s.wanted = u64::MAX;
+        s.done >= target
+    }
+}
+
 /// The output thread's loop: until the engine drops its sender.
-/// `done` counts the messages handled, for the engine loop's backpressure check.
+/// `handled` counts the messages handled, for the engine loop's backpressure check.
 pub(crate) fn run(
     rx: Receiver<OutMsg>,
     codec: Arc<dyn TextCodec>,
     finished: Sender<(u64, u32)>,
-    done: Arc<AtomicU64>,
+    handled: Arc<Handled>,
 ) {
     let mut requests: HashMap<u64, RequestState> = HashMap::new();
     for msg in rx {
@@ -126,7 +194,7 @@ pub(crate) fn run(
         let _ = panic::catch_unwind(AssertUnwindSafe(|| {
             handle(msg, &mut requests, &codec, &finished)
         }));
-        done.fetch_add(1, Ordering::Release);
+        handled.one_more();
     }
 }
 
@@ -254,5 +322,81 @@ fn text_of(
     } else {
         out.push_str(&c.stop.flush());
         (out, Some((FinishReason::Length, None)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CPU time this thread has used (user + system), from /proc; `None` where it cannot be read.
+    fn thread_cpu() -> Option<Duration> {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+        // The fields after the command name (which may hold spaces) in parentheses; utime and stime
+        // are the 14th and 15th fields of the line, in clock ticks of 1/100 s on Linux.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = rest.split(' ').collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some(Duration::from_millis(ticks * 10))
+    }
+
+    #[test]
+    fn a_count_already_reached_does_not_wait() {
+        let h = Handled::new();
+        assert!(h.wait_for(0, Duration::ZERO));
+        h.one_more();
+        h.one_more();
+        assert_eq!(h.done(), 2);
+        let t = Instant::now();
+        assert!(h.wait_for(2, Duration::from_secs(5)));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        assert!(!h.wait_for(3, Duration::ZERO));
+    }
+
+    #[test]
+    fn the_waiter_is_woken_when_its_count_is_reached() {
+        let h = Handled::new();
+        let h2 = h.clone();
+        let t = Instant::now();
+        let worker = std::thread::spawn(move || {
+            for _ in 0..3 {
+                std::thread::sleep(Duration::from_millis(30));
+                h2.one_more();
+            }
+        });
+        assert!(h.wait_for(3, Duration::from_secs(10)));
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(90), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "woken late: {waited:?}");
+        worker.join().unwrap();
+        // The wait is over: nobody is waited for, and more messages signal nobody.
+        assert_eq!(h.state.lock().unwrap().wanted, u64::MAX);
+        h.one_more();
+        assert_eq!(h.done(), 4);
+    }
+
+    #[test]
+    fn a_wait_ends_at_its_timeout_without_spinning() {
+        let h = Handled::new();
+        let cpu_before = thread_cpu();
+        let t = Instant::now();
+        assert!(!h.wait_for(1, Duration::from_millis(400)));
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(400), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        // A spinning wait would burn about the whole 400 ms of CPU; a blocked one next to nothing.
+        // (Linux only: elsewhere the thread's CPU time is not read.)
+        if cfg!(target_os = "linux") {
+            let (before, after) = (cpu_before, thread_cpu());
+            let (Some(before), Some(after)) = (before, after) else {
+                panic!("/proc/thread-self/stat unreadable");
+            };
+            let used = after.saturating_sub(before);
+            assert!(
+                used < Duration::from_millis(100),
+                "the wait used {used:?} of CPU"
+            );
+        }
     }
 }

@@ -25,8 +25,7 @@ use kura_kv::{CacheKey, PinId, MAX_PRIORITY};
 use crate::request::PinSpec;
 use kura_sched::Scheduler;
 
-/// Separates a tenant's name from a request's own salt in a cache salt.
-pub const TENANT_SEPARATOR: char = '\u{1f}';
+use kura_request::TENANT_SEPARATOR;
 
 /// The tenant part of a cache key's salt (`""` for none).
 fn holder(key: &CacheKey) -> &str {

@@ -137,6 +137,17 @@ impl TierIo {
                     scan_ms = report.elapsed.as_millis() as u64,
                     "disk KV tier opened"
                 );
+                if report.removed_foreign > 0 {
+                    tracing::warn!(
+                        dir = %d.dir.display(),
+                        removed_foreign = report.removed_foreign,
+                        "disk KV tier: deleted {} block files of another KV fingerprint: the model, \
+                         its weights or compute format, the KV format, layout or block size, or Kura's \
+                         KV encoding changed since they were written; their blocks are computed again \
+                         when needed",
+                        report.removed_foreign
+                    );
+                }
                 corrupt_found = report.removed_corrupt;
                 metrics.disk_removed_foreign.add(report.removed_foreign);
                 restored = Some(Restored {

@@ -39,7 +39,7 @@ fn messages() -> Vec<ChatMessage> {
 #[test]
 fn chat_prompt_of_a_llama3_style_checkpoint_starts_with_one_bos() {
     let dir = llama3::write_checkpoint(&tiny_llama(), "engine-codec-llama3");
-    let codec = ModelCodec::new(Arc::new(Model::load(&dir).unwrap()));
+    let codec = ModelCodec::from_text(Model::load(&dir).unwrap().text().clone());
     // Rendering and then encoding as a raw prompt doubles BOS: the template wrote one.
     let text = codec.render_chat(&messages()).unwrap();
     let doubled = codec.encode(&text).unwrap();
@@ -63,7 +63,7 @@ fn chat_prompt_of_a_llama3_style_checkpoint_starts_with_one_bos() {
 #[test]
 fn chat_prompt_of_the_default_model_has_no_double_bos() {
     let model = default_model();
-    let codec = ModelCodec::new(model.clone());
+    let codec = ModelCodec::from_text(model.text().clone());
     let ids = codec.encode_chat(&messages()).unwrap();
     let text = codec.render_chat(&messages()).unwrap();
     assert_eq!(ids, model.tokenizer().encode(&text, false).unwrap());
@@ -75,7 +75,7 @@ fn chat_prompt_of_the_default_model_has_no_double_bos() {
 #[test]
 fn token_bytes_of_a_split_character_are_its_own_bytes_not_u_fffd() {
     let model = default_model();
-    let codec = ModelCodec::new(model.clone());
+    let codec = ModelCodec::from_text(model.text().clone());
     let text = "🙂";
     let ids = model.tokenizer().encode(text, false).unwrap();
     assert!(ids.len() > 1, "{ids:?}");

@@ -80,7 +80,7 @@ fn engine_in(
     start_engine(
         config,
         Box::new(ModelExecutor::new(model.clone(), storage)),
-        Arc::new(ModelCodec::new(model.clone())),
+        Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .unwrap()
 }

@@ -52,7 +52,7 @@ fn engine(model: &Arc<Model>, block: usize, pages: u64, batched: usize) -> Engin
     start_engine(
         config,
         Box::new(ModelExecutor::new(model.clone(), storage)),
-        Arc::new(ModelCodec::new(model.clone())),
+        Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .unwrap()
 }

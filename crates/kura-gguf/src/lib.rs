@@ -1,4 +1,6 @@
-//! GGUF reader (versions 2 and 3): metadata, tensor directory, and tensors dequantized to f32.
+//! `kura-gguf` — the GGUF reader (versions 2 and 3): metadata, the tensor directory and each tensor's
+//! bytes as stored, with the ggml element types' block sizes ([`GgmlType`]). Dequantizing is the model
+//! runtime's (`kura-model`); the text layer (`kura-text`) reads the tokenizer from the metadata alone.
 //!
 //! The file is memory-mapped; parsing walks the header once (O(keys + tensors)) with every read bounds
 //! checked, so a truncated or malformed file is an error naming the byte offset, key or tensor, never a
@@ -17,8 +19,11 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::error::{ModelError, Result};
-use crate::quant::{self, GgmlType};
+mod error;
+mod ggml;
+
+pub use error::{GgufError, Result};
+pub use ggml::{GgmlType, Q2K_BYTES, Q3K_BYTES, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, QK, QK_K};
 
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -151,8 +156,8 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    fn err(&self, what: impl Into<String>) -> ModelError {
-        ModelError::GgufMalformed {
+    fn err(&self, what: impl Into<String>) -> GgufError {
+        GgufError::GgufMalformed {
             path: self.path.to_path_buf(),
             offset: self.pos as u64,
             what: what.into(),
@@ -262,18 +267,9 @@ struct RawTensor {
     at: u64,
 }
 
-/// Parses a GGUF held in memory: header, metadata, tensor directory (every size and offset checked) and the
-/// model configuration derived from them, tensor shapes included. Never panics, whatever the bytes; the
-/// entry point for fuzzing. Errors name the file as `<memory>`.
-pub fn parse_bytes(bytes: &[u8]) -> Result<(GgufFile, crate::config::ModelConfig)> {
-    let file = GgufFile::from_bytes("<memory>", bytes.to_vec())?;
-    let config = crate::config::ModelConfig::from_gguf(&file)?;
-    Ok((file, config))
-}
-
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let io = |source| ModelError::Io {
+        let io = |source| GgufError::Io {
             path: path.to_path_buf(),
             source,
         };
@@ -295,7 +291,7 @@ impl GgufFile {
             pos: 0,
             path: &path,
         };
-        let not_gguf = |what: String| ModelError::NotGguf {
+        let not_gguf = |what: String| GgufError::NotGguf {
             path: path.clone(),
             what,
         };
@@ -316,7 +312,7 @@ impl GgufFile {
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(ModelError::GgufVersion { path, version });
+            return Err(GgufError::GgufVersion { path, version });
         }
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
@@ -369,7 +365,7 @@ impl GgufFile {
             Some(v) => match v.as_u64() {
                 Some(a) if a.is_power_of_two() => a,
                 _ => {
-                    return Err(ModelError::BadValue {
+                    return Err(GgufError::BadValue {
                         key: "general.alignment".into(),
                         what: format!(
                             "is {}; it must be a power of two (1, 2, 4, …, 32, …)",
@@ -383,7 +379,7 @@ impl GgufFile {
         let directory_end = c.pos as u64;
         let data_start = directory_end
             .checked_next_multiple_of(alignment)
-            .ok_or_else(|| ModelError::BadValue {
+            .ok_or_else(|| GgufError::BadValue {
                 key: "general.alignment".into(),
                 what: format!("{alignment} puts the tensor data beyond 2^64 bytes"),
             })?;
@@ -400,22 +396,20 @@ impl GgufFile {
     }
 
     pub fn get(&self, key: &str) -> Result<&Value> {
-        self.metadata
-            .get(key)
-            .ok_or_else(|| ModelError::MissingKey {
-                key: key.to_string(),
-            })
+        self.metadata.get(key).ok_or_else(|| GgufError::MissingKey {
+            key: key.to_string(),
+        })
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64> {
-        self.get(key)?.as_u64().ok_or_else(|| ModelError::KeyType {
+        self.get(key)?.as_u64().ok_or_else(|| GgufError::KeyType {
             key: key.into(),
             expected: "an unsigned integer",
         })
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64> {
-        self.get(key)?.as_f64().ok_or_else(|| ModelError::KeyType {
+        self.get(key)?.as_f64().ok_or_else(|| GgufError::KeyType {
             key: key.into(),
             expected: "a number",
         })
@@ -424,7 +418,7 @@ impl GgufFile {
     pub fn get_str(&self, key: &str) -> Result<&str> {
         match self.get(key)? {
             Value::String(s) => Ok(s),
-            _ => Err(ModelError::KeyType {
+            _ => Err(GgufError::KeyType {
                 key: key.into(),
                 expected: "a string",
             }),
@@ -434,7 +428,7 @@ impl GgufFile {
     pub fn get_array(&self, key: &str) -> Result<&[Value]> {
         match self.get(key)? {
             Value::Array(a) => Ok(a),
-            _ => Err(ModelError::KeyType {
+            _ => Err(GgufError::KeyType {
                 key: key.into(),
                 expected: "an array",
             }),
@@ -460,20 +454,9 @@ impl GgufFile {
     pub fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
         self.tensors
             .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
+            .ok_or_else(|| GgufError::MissingTensor {
                 name: name.to_string(),
             })
-    }
-
-    /// The tensor dequantized to f32, in its stored order (innermost dimension contiguous).
-    pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
-        let (info, bytes) = self.tensor_bytes(name)?;
-        let mut out = vec![0f32; info.n_elements()];
-        quant::dequantize(info.dtype, bytes, &mut out).map_err(|what| ModelError::Format {
-            path: self.path.clone(),
-            what: format!("tensor '{name}': {what}"),
-        })?;
-        Ok(out)
     }
 
     /// The tensor's entry and its bytes as stored, checked to be whole blocks of a type Kura reads and to
@@ -486,7 +469,7 @@ impl GgufFile {
             .byte_size(n)
             .is_none_or(|b| b as u64 != info.n_bytes)
         {
-            return Err(ModelError::TensorType {
+            return Err(GgufError::TensorType {
                 name: name.into(),
                 dtype: info.dtype.name(),
             });
@@ -496,7 +479,7 @@ impl GgufFile {
             .ok()
             .zip(usize::try_from(info.n_bytes).ok())
             .and_then(|(start, len)| self.data.get(start..start.checked_add(len)?))
-            .ok_or_else(|| ModelError::TensorBounds {
+            .ok_or_else(|| GgufError::TensorBounds {
                 name: name.into(),
                 start: info.offset,
                 end: info.offset.saturating_add(info.n_bytes),
@@ -516,7 +499,7 @@ fn place_tensors(
     alignment: u64,
     file_len: u64,
 ) -> Result<HashMap<String, TensorInfo>> {
-    let bad = |at: u64, what: String| ModelError::GgufMalformed {
+    let bad = |at: u64, what: String| GgufError::GgufMalformed {
         path: path.to_path_buf(),
         offset: at,
         what,
@@ -598,7 +581,7 @@ fn place_tensors(
                 }
             }
             end => {
-                return Err(ModelError::TensorBounds {
+                return Err(GgufError::TensorBounds {
                     name: t.name,
                     start,
                     end: end.unwrap_or(u64::MAX),
@@ -613,7 +596,7 @@ fn place_tensors(
     for w in spans.windows(2) {
         let (a, b) = (w[0], w[1]);
         if b.offset < a.offset + a.n_bytes {
-            return Err(ModelError::Format {
+            return Err(GgufError::Format {
                 path: path.to_path_buf(),
                 what: format!(
                     "tensor '{}' (bytes {}..{}) overlaps tensor '{}' (bytes {}..{})",
@@ -675,13 +658,22 @@ mod tests {
         let p = write_tmp("ok.gguf", &tiny_gguf());
         let g = GgufFile::open(&p).unwrap();
         assert_eq!(g.get_u64("llama.block_count").unwrap(), 7);
-        assert_eq!(g.tensor_f32("w").unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+        let (info, bytes) = g.tensor_bytes("w").unwrap();
+        assert_eq!(
+            (info.dims.as_slice(), info.dtype),
+            ([2, 2].as_slice(), GgmlType::F32)
+        );
+        let floats: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(floats, vec![1.0, 2.0, 3.0, 4.0]);
         assert!(
-            matches!(g.tensor_f32("nope"), Err(ModelError::MissingTensor { name }) if name == "nope")
+            matches!(g.tensor_bytes("nope"), Err(GgufError::MissingTensor { name }) if name == "nope")
         );
         assert!(matches!(
             g.get_str("llama.block_count"),
-            Err(ModelError::KeyType { .. })
+            Err(GgufError::KeyType { .. })
         ));
         std::fs::remove_file(p).ok();
     }
@@ -703,14 +695,11 @@ mod tests {
         let p = write_tmp("v9.gguf", &b);
         assert!(matches!(
             GgufFile::open(&p),
-            Err(ModelError::GgufVersion { version: 9, .. })
+            Err(GgufError::GgufVersion { version: 9, .. })
         ));
         b[0] = b'X';
         std::fs::write(&p, &b).unwrap();
-        assert!(matches!(
-            GgufFile::open(&p),
-            Err(ModelError::NotGguf { .. })
-        ));
+        assert!(matches!(GgufFile::open(&p), Err(GgufError::NotGguf { .. })));
         std::fs::remove_file(p).ok();
     }
 }

@@ -419,6 +419,48 @@ impl KvLayout {
     pub fn with_block_size(&self, block_size_tokens: usize) -> Result<KvLayout, LayoutError> {
         KvLayout::new(self.layers.clone(), self.dtype, block_size_tokens)
     }
+
+    /// Appends this layout's identity to `out` as bytes for the server's KV fingerprint: a stable
+    /// encoding that changes only when the bytes a block holds change (never Rust's `Debug` output).
+    /// Fixed-width little-endian fields:
+    ///
+    /// ```text
+    /// u64 element format code   f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6
+    /// u64 block size in tokens
+    /// u64 number of layers, then per layer:
+    ///     u64 attention code    full 1, sliding window 2, MLA 3
+    ///     u64 kv heads
+    ///     u64 head dim
+    ///     u64 parameter         full 0, sliding window: window tokens, MLA: latent dim
+    /// ```
+    ///
+    /// New variants take new codes; a changed meaning of any field needs a new version tag in the
+    /// fingerprint that embeds this.
+    pub fn encode_for_fingerprint(&self, out: &mut Vec<u8>) {
+        // usize is at most 64 bits on every platform Rust supports: the cast is lossless.
+        let mut put = |v: usize| out.extend_from_slice(&(v as u64).to_le_bytes());
+        put(match self.dtype {
+            KvDtype::F32 => 1,
+            KvDtype::F16 => 2,
+            KvDtype::Bf16 => 3,
+            KvDtype::Fp8 => 4,
+            KvDtype::Int8 => 5,
+            KvDtype::Int4 => 6,
+        });
+        put(self.block_size_tokens);
+        put(self.layers.len());
+        for l in &self.layers {
+            let (code, param) = match l.attention {
+                AttentionKind::Full => (1, 0),
+                AttentionKind::SlidingWindow { window_tokens } => (2, window_tokens),
+                AttentionKind::Mla { latent_dim } => (3, latent_dim),
+            };
+            put(code);
+            put(l.kv_heads);
+            put(l.head_dim);
+            put(param);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -569,5 +611,58 @@ mod tests {
             KvLayout::uniform(KvLayout::MAX_LAYERS + 1, 1, 2, KvDtype::F16, 16),
             Err(LayoutError::TooManyLayers(KvLayout::MAX_LAYERS + 1))
         );
+    }
+
+    #[test]
+    fn the_fingerprint_encoding_is_fixed_width_little_endian() {
+        let layout = KvLayout::new(
+            vec![
+                LayerKv::full(2, 64),
+                LayerKv {
+                    kv_heads: 1,
+                    head_dim: 256,
+                    attention: AttentionKind::SlidingWindow { window_tokens: 512 },
+                },
+                LayerKv {
+                    kv_heads: 1,
+                    head_dim: 1,
+                    attention: AttentionKind::Mla { latent_dim: 576 },
+                },
+            ],
+            KvDtype::Int8,
+            16,
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        layout.encode_for_fingerprint(&mut out);
+        let words: Vec<u64> = out
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(out.len(), 8 * words.len());
+        #[rustfmt::skip]
+        let expected = [
+            5, 16, 3,        // int8, 16 tokens per block, 3 layers
+            1, 2, 64, 0,     // full, 2 kv heads × 64
+            2, 1, 256, 512,  // sliding window of 512, 1 kv head × 256
+            3, 1, 1, 576,    // MLA, latent of 576
+        ];
+        assert_eq!(words, expected);
+        // Every element format has its own code, and every field counts.
+        let codes: std::collections::HashSet<Vec<u8>> = KvDtype::ALL
+            .iter()
+            .map(|&d| {
+                let mut o = Vec::new();
+                layout.with_dtype(d).encode_for_fingerprint(&mut o);
+                o
+            })
+            .collect();
+        assert_eq!(codes.len(), KvDtype::ALL.len());
+        let mut other = Vec::new();
+        layout
+            .with_block_size(32)
+            .unwrap()
+            .encode_for_fingerprint(&mut other);
+        assert_ne!(other, out);
     }
 }

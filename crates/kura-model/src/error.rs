@@ -9,20 +9,6 @@ pub enum ModelError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: not a GGUF file: {what}")]
-    NotGguf { path: PathBuf, what: String },
-    #[error("{path}: GGUF version {version} is not supported (supported: 2, 3)")]
-    GgufVersion { path: PathBuf, version: u32 },
-    #[error("{path}: truncated or malformed GGUF at byte {offset}: {what}")]
-    GgufMalformed {
-        path: PathBuf,
-        offset: u64,
-        what: String,
-    },
-    #[error("metadata key '{key}' is missing")]
-    MissingKey { key: String },
-    #[error("metadata key '{key}' has the wrong type: expected {expected}")]
-    KeyType { key: String, expected: &'static str },
     #[error("metadata key '{key}' {what}")]
     BadValue { key: String, what: String },
     #[error("tensor '{name}' is missing")]
@@ -48,12 +34,12 @@ pub enum ModelError {
     Config(String),
     #[error("{path}: {what}")]
     Format { path: PathBuf, what: String },
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-    #[error("chat template: {0}")]
-    ChatTemplate(String),
     #[error("forward: {0}")]
     Forward(String),
+    #[error(transparent)]
+    Gguf(#[from] kura_gguf::GgufError),
+    #[error(transparent)]
+    Text(#[from] kura_text::TextError),
     #[error(transparent)]
     Storage(#[from] kura_kv::storage::StorageError),
     #[error(transparent)]

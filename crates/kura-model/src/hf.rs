@@ -1,5 +1,5 @@
-//! HF checkpoint directories: `config.json`, `*.safetensors` (memory-mapped; one file or a sharded
-//! `model.safetensors.index.json`), `tokenizer.json`, and `tokenizer_config.json` (chat template, BOS/EOS).
+//! HF checkpoint directories: `config.json` and `*.safetensors` (memory-mapped; one file or a sharded
+//! `model.safetensors.index.json`). The tokenizer files are `kura-text`'s.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -154,57 +154,5 @@ impl TensorSource for SafetensorsDir {
             }
         };
         Ok((info.shape.clone(), data))
-    }
-}
-
-/// What `tokenizer_config.json` says about the chat template and special tokens.
-#[derive(Debug, Default)]
-pub struct TokenizerConfig {
-    pub chat_template: Option<String>,
-    pub bos_token: Option<String>,
-    pub eos_token: Option<String>,
-}
-
-impl TokenizerConfig {
-    pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join("tokenizer_config.json");
-        if !path.exists() {
-            return Ok(Self::default());
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(&read_text(&path)?).map_err(|e| ModelError::Format {
-                path: path.clone(),
-                what: e.to_string(),
-            })?;
-        // A token is either a string or an object with "content".
-        let token = |key: &str| match v.get(key) {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Object(o)) => {
-                o.get("content").and_then(|c| c.as_str()).map(String::from)
-            }
-            _ => None,
-        };
-        // A template is a string, or a list of named templates of which "default" is used.
-        let chat_template = match v.get("chat_template") {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template").and_then(|s| s.as_str()).map(String::from)),
-            _ => None,
-        };
-        let chat_template = match chat_template {
-            Some(t) => Some(t),
-            // Newer checkpoints keep the template in its own file.
-            None if dir.join("chat_template.jinja").exists() => {
-                Some(read_text(&dir.join("chat_template.jinja"))?)
-            }
-            None => None,
-        };
-        Ok(TokenizerConfig {
-            chat_template,
-            bos_token: token("bos_token"),
-            eos_token: token("eos_token"),
-        })
     }
 }

@@ -6,7 +6,6 @@
 //! position, block table) and a [`kura_kv::storage::KvStorage`], writes the new tokens' K and V into their
 //! blocks and returns the last position's logits of each sequence.
 
-pub mod chat;
 pub mod config;
 pub mod error;
 pub mod gguf;
@@ -16,16 +15,19 @@ pub mod model;
 pub mod quant;
 pub mod sampling;
 pub mod solo;
-pub mod tokenizer;
 pub mod weights;
 
-pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;
 pub use error::ModelError;
-pub use model::{LoadOptions, Logits, Model, ModelText, SeqBatchItem};
-pub use sampling::{Sampled, Sampler, SamplingParams, StopChecker, StopReason};
+/// The text layer (tokenizer, chat template, detokenizer, stop strings) is `kura-text`'s; re-exported
+/// for the model's users.
+pub use kura_text::{
+    chat, tokenizer, ChatMessage, ChatTemplate, IncrementalDecoder, ModelText, StopChecker,
+    StopReason, Tokenizer,
+};
+pub use model::{LoadOptions, Logits, Model, SeqBatchItem};
+pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use solo::SoloRun;
-pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::WeightsDtype;
 
 /// Kura's cache folder: `$KURA_CACHE_DIR`, else `$XDG_CACHE_HOME/kura`, else `~/.cache/kura` (where the

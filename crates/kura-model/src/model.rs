@@ -26,19 +26,19 @@ use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_kv::storage::KvStorage;
 
-use crate::chat::{ChatMessage, ChatTemplate, CHATML, GEMMA3};
 use crate::config::{rope_inv_freq, rope_inv_freq_sliding, Activation, Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::hf::{read_text, SafetensorsDir, TokenizerConfig};
+use crate::hf::{read_text, SafetensorsDir};
 use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
 use crate::kernels::matmul::{matmul_part, ActBuf};
 use crate::kernels::ops::{
     add_in_place, gelu_tanh_mul, rms_norm, rope, rope_angles, scale_in_place, silu_mul,
 };
 use crate::kernels::team::{self, SharedMut};
-use crate::tokenizer::Tokenizer;
 use crate::weights::{Naming, RawTensor, TensorSource, Weights, WeightsDtype};
+use kura_text::Tokenizer;
+use kura_text::{ChatMessage, ChatTemplate, ModelText, CHATML, GEMMA3};
 
 /// One sequence's part of a forward step.
 #[derive(Debug, Clone, Copy)]
@@ -100,71 +100,6 @@ pub struct LoadOptions {
     pub weights_dtype: WeightsDtype,
 }
 
-/// What a model says about text — its tokenizer, chat template and vocabulary size — loaded without its
-/// weights (a router tokenizes requests as the server does, without holding the model).
-pub struct ModelText {
-    pub tokenizer: Tokenizer,
-    pub chat_template: ChatTemplate,
-    pub vocab_size: usize,
-}
-
-impl ModelText {
-    /// The text side of a GGUF file or an HF model directory.
-    pub fn load(path: &Path) -> Result<Self> {
-        if path.is_dir() {
-            let config = ModelConfig::from_hf_json(&read_text(&path.join("config.json"))?)?;
-            Self::from_hf_dir(path, &config)
-        } else {
-            let g = GgufFile::open(path)?;
-            let config = ModelConfig::from_gguf(&g)?;
-            Self::from_gguf(&g, &config)
-        }
-    }
-
-    fn from_gguf(g: &GgufFile, config: &ModelConfig) -> Result<Self> {
-        let tokenizer = Tokenizer::from_gguf(g)?;
-        let template = match g.metadata.get("tokenizer.chat_template") {
-            Some(crate::gguf::Value::String(s)) => s.clone(),
-            _ => default_template(config.arch).to_string(),
-        };
-        let name = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.id_to_token(i))
-                .unwrap_or_default()
-        };
-        let chat_template = ChatTemplate::new(
-            &template,
-            &name(tokenizer.bos_token_id),
-            &name(tokenizer.eos_token_id),
-        )?;
-        Ok(Self {
-            tokenizer,
-            chat_template,
-            vocab_size: config.vocab_size(),
-        })
-    }
-
-    fn from_hf_dir(dir: &Path, config: &ModelConfig) -> Result<Self> {
-        let tcfg = TokenizerConfig::read(dir)?;
-        let tokenizer = Tokenizer::from_hf_files(
-            &dir.join("tokenizer.json"),
-            tcfg.bos_token.as_deref(),
-            tcfg.eos_token.as_deref(),
-        )?;
-        let chat_template = ChatTemplate::new(
-            tcfg.chat_template
-                .as_deref()
-                .unwrap_or(default_template(config.arch)),
-            tcfg.bos_token.as_deref().unwrap_or(""),
-            tcfg.eos_token.as_deref().unwrap_or(""),
-        )?;
-        Ok(Self {
-            tokenizer,
-            chat_template,
-            vocab_size: config.vocab_size(),
-        })
-    }
-}
-
 pub struct Model {
     config: ModelConfig,
     text: Arc<ModelText>,
@@ -184,10 +119,9 @@ const CALIBRATION_TEXT: &str = include_str!("calibration.txt");
 /// (attention sinks) have K unlike the rest.
 const CALIBRATION_SKIP: usize = 4;
 
-impl GgufFile {
-    fn torch_shape(&self, name: &str) -> Result<Vec<usize>> {
-        Ok(self.tensor_info(name)?.dims.iter().rev().copied().collect())
-    }
+/// A GGUF tensor's shape in PyTorch's order (outermost first; GGUF stores innermost first).
+fn torch_shape(g: &GgufFile, name: &str) -> Result<Vec<usize>> {
+    Ok(g.tensor_info(name)?.dims.iter().rev().copied().collect())
 }
 
 impl TensorSource for GgufFile {
@@ -196,13 +130,16 @@ impl TensorSource for GgufFile {
     }
 
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        Ok((self.torch_shape(name)?, self.tensor_f32(name)?))
+        Ok((
+            torch_shape(self, name)?,
+            crate::gguf::tensor_f32(self, name)?,
+        ))
     }
 
     fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
         let (info, bytes) = self.tensor_bytes(name)?;
         Ok(Some(RawTensor {
-            shape: self.torch_shape(name)?,
+            shape: torch_shape(self, name)?,
             dtype: info.dtype,
             bytes,
         }))
@@ -227,7 +164,7 @@ impl Model {
     fn load_gguf(path: &Path, opts: LoadOptions) -> Result<Self> {
         let g = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&g)?;
-        let text = ModelText::from_gguf(&g, &config)?;
+        let text = ModelText::from_gguf(&g, default_template(config.arch), config.vocab_size())?;
         let weights = Weights::load(&g, Naming::Gguf, &config, opts.weights_dtype)?;
         Ok(Self::assemble(config, text, weights))
     }
@@ -242,7 +179,7 @@ impl Model {
 
     fn load_hf_dir(dir: &Path, opts: LoadOptions) -> Result<Self> {
         let config = ModelConfig::from_hf_json(&read_text(&dir.join("config.json"))?)?;
-        let text = ModelText::from_hf_dir(dir, &config)?;
+        let text = ModelText::from_hf_dir(dir, default_template(config.arch), config.vocab_size())?;
         let st = SafetensorsDir::open(dir)?;
         let weights = Weights::load(&st, Naming::hf(config.arch), &config, opts.weights_dtype)?;
         Ok(Self::assemble(config, text, weights))
@@ -407,6 +344,7 @@ impl Model {
         self.text
             .chat_template
             .encode(&self.text.tokenizer, messages, add_generation_prompt)
+            .map_err(ModelError::from)
     }
 
     fn check_batch(&self, batch: &[SeqBatchItem<'_>], kv: &KvStorage) -> Result<()> {
@@ -755,13 +693,6 @@ impl Model {
 }
 
 /// The chat template of a model that ships none: Gemma 3's own for Gemma 3, else ChatML.
-fn default_template(arch: Arch) -> &'static str {
-    match arch {
-        Arch::Gemma3 => GEMMA3,
-        _ => CHATML,
-    }
-}
-
 /// Cosines and sines of every position's RoPE angles: `(cos, sin)`, `positions × half` each.
 fn angles(positions: &[usize], inv_freq: &[f32], half: usize) -> (Vec<f32>, Vec<f32>) {
     let mut cos = vec![0f32; positions.len() * half];
@@ -835,5 +766,13 @@ impl KvShared {
     unsafe fn get(&self) -> &KvStorage {
         // SAFETY: the caller's guarantee; the storage outlives the step.
         unsafe { &*self.0 }
+    }
+}
+
+/// The chat template of an architecture whose file has none.
+fn default_template(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Gemma3 => GEMMA3,
+        _ => CHATML,
     }
 }

@@ -9,75 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-/// How to sample one request. `temperature == 0` is greedy.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct SamplingParams {
-    pub temperature: f32,
-    /// Keep only the `top_k` most likely tokens (0 = all).
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches `top_p` (1 = all).
-    pub top_p: f32,
-    /// Drop tokens less likely than `min_p × p(most likely)` (0 = none).
-    pub min_p: f32,
-    /// Divides positive (multiplies negative) logits of tokens already seen (1 = off).
-    pub repetition_penalty: f32,
-    /// Subtracted once from the logit of every token already generated (0 = off).
-    pub presence_penalty: f32,
-    /// Subtracted per occurrence from the logit of every token already generated (0 = off).
-    pub frequency_penalty: f32,
-    pub seed: Option<u64>,
-    /// Return this many top alternatives with each token's logprob (`None` = no logprobs).
-    pub logprobs: Option<usize>,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: None,
-            logprobs: None,
-        }
-    }
-}
-
-impl SamplingParams {
-    pub fn greedy() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        }
-    }
-
-    /// Checks the ranges; the message names the parameter and the value given.
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
-        }
-        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
-            return Err("presence_penalty and frequency_penalty must be finite".into());
-        }
-        Ok(())
-    }
-}
+pub use kura_request::SamplingParams;
 
 /// A token's logprob and the most likely alternatives at its position.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -331,75 +263,6 @@ pub fn top_k_indices(l: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Why generation ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StopReason {
-    /// A stop token (EOS, end of turn, or one the request named).
-    Token(u32),
-    /// A stop string; the text up to it is kept, the string itself is not.
-    String(String),
-}
-
-/// Watches generated text for stop strings, holding back any tail that could still become one, so that
-/// a stop string never reaches the client even when it arrives split across tokens.
-#[derive(Debug, Clone, Default)]
-pub struct StopChecker {
-    stop_tokens: Vec<u32>,
-    stop_strings: Vec<String>,
-    /// Text received but not yet released.
-    pending: String,
-}
-
-impl StopChecker {
-    pub fn new(stop_tokens: Vec<u32>, stop_strings: Vec<String>) -> Self {
-        let stop_strings = stop_strings.into_iter().filter(|s| !s.is_empty()).collect();
-        StopChecker {
-            stop_tokens,
-            stop_strings,
-            pending: String::new(),
-        }
-    }
-
-    pub fn is_stop_token(&self, id: u32) -> bool {
-        self.stop_tokens.contains(&id)
-    }
-
-    /// Feeds the text of a new token; returns the text safe to release and whether a stop string ended it.
-    pub fn push(&mut self, text: &str) -> (String, Option<StopReason>) {
-        self.pending.push_str(text);
-        if let Some((at, s)) = self
-            .stop_strings
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()).map(|i| (i, s)))
-            .min_by_key(|(i, _)| *i)
-        {
-            let out = self.pending[..at].to_string();
-            let reason = StopReason::String(s.clone());
-            self.pending.clear();
-            return (out, Some(reason));
-        }
-        // Hold back the longest suffix that is a prefix of some stop string.
-        let mut hold = 0;
-        for s in &self.stop_strings {
-            for n in (1..s.len().min(self.pending.len() + 1)).rev() {
-                if s.is_char_boundary(n) && self.pending.ends_with(&s[..n]) {
-                    hold = hold.max(n);
-                    break;
-                }
-            }
-        }
-        let cut = self.pending.len() - hold;
-        let out = self.pending[..cut].to_string();
-        self.pending.drain(..cut);
-        (out, None)
-    }
-
-    /// Releases whatever was held back (generation ended for another reason).
-    pub fn flush(&mut self) -> String {
-        std::mem::take(&mut self.pending)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -580,21 +443,6 @@ mod tests {
             let mut s = Sampler::new(p, &[]);
             assert!((0..50).all(|_| s.sample(&logits).token == 0));
         }
-    }
-
-    #[test]
-    fn stop_string_split_across_tokens_is_never_released() {
-        let mut c = StopChecker::new(vec![], vec!["END".into()]);
-        assert_eq!(c.push("hello E"), ("hello ".to_string(), None));
-        assert_eq!(c.push("N"), (String::new(), None));
-        assert_eq!(
-            c.push("D tail"),
-            (String::new(), Some(StopReason::String("END".into())))
-        );
-        let mut c = StopChecker::new(vec![], vec!["END".into()]);
-        assert_eq!(c.push("E"), (String::new(), None));
-        assert_eq!(c.push("x"), ("Ex".to_string(), None));
-        assert_eq!(c.flush(), "");
     }
 
     #[test]

@@ -211,7 +211,7 @@ fn the_tiny_model_loads_and_its_tensors_read_back() {
     assert_eq!(model.config().head_dim(), 4);
     assert_eq!(model.config().vocab_size(), 4);
     let file = GgufFile::open(&path).unwrap();
-    let q = file.tensor_f32("blk.0.attn_q.weight").unwrap();
+    let q = kura_model::gguf::tensor_f32(&file, "blk.0.attn_q.weight").unwrap();
     let expected: Vec<f32> = g.tensors[3]
         .data
         .chunks_exact(4)
@@ -234,7 +234,9 @@ fn a_larger_alignment_is_honoured() {
     assert_eq!(file.alignment, 64);
     assert_eq!(file.data_start % 64, 0);
     assert_eq!(
-        file.tensor_f32("output_norm.weight").unwrap().len(),
+        kura_model::gguf::tensor_f32(&file, "output_norm.weight")
+            .unwrap()
+            .len(),
         8,
         "second tensor read at its 64-aligned offset"
     );

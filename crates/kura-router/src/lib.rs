@@ -19,7 +19,7 @@
 //!   refused connection, and then no longer routed to and its blocks forgotten), its load from its
 //!   metrics, and its event follower (resynchronizes from a snapshot on a gap).
 //!
-//! In front of the routes: `kura serve`'s connection layer ([`kura_server::accept_loop`]: a connection
+//! In front of the routes: `kura serve`'s connection layer (`kura_api::accept_loop`: a connection
 //! cap that evicts the oldest idle connection, header, idle and write-stall timeouts, a hard close at
 //! shutdown), then the API keys (a request without a valid one gets 401 before its body is read), then
 //! the body limit and timeout (413, 408). Tokenization runs on the blocking pool, at most
@@ -36,10 +36,11 @@ use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
-use kura_engine::TextCodec;
+use kura_api::{ConnLimits, Phase, TenantNamer};
 use kura_fleet::ContentNamer;
 use kura_kv::Secret;
-use kura_server::{ConnLimits, Phase, TenantNamer};
+use kura_metrics::{Exposition, Kind};
+use kura_text::TextCodec;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
@@ -125,12 +126,7 @@ pub enum RouterError {
 }
 
 /// A per-replica metric: name, type, help, and how to read it.
-type ReplicaMetric = (
-    &'static str,
-    &'static str,
-    &'static str,
-    fn(&Replica) -> u64,
-);
+type ReplicaMetric = (&'static str, Kind, &'static str, fn(&Replica) -> u64);
 
 /// The router's state, shared by its routes and its replica tasks.
 pub(crate) struct Fleet {
@@ -241,96 +237,87 @@ impl Fleet {
 
     /// Prometheus text of the router's own metrics.
     fn metrics_text(&self) -> String {
-        use std::fmt::Write;
-        let mut out = String::new();
+        let mut e = Exposition::new();
         let index = lock(&self.index);
         let per_replica: [ReplicaMetric; 11] = [
             (
                 "kura_router:requests_total",
-                "counter",
+                Kind::Counter,
                 "Requests sent to the replica.",
                 |r| r.requests.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:request_failures_total",
-                "counter",
+                Kind::Counter,
                 "Requests whose connection to the replica failed before an answer (retried elsewhere \
                  when the replica is down).",
                 |r| r.failures.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:prompt_tokens_total",
-                "counter",
+                Kind::Counter,
                 "Prompt tokens sent to the replica.",
                 |r| r.prompt_tokens.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:predicted_cached_tokens_total",
-                "counter",
+                Kind::Counter,
                 "Prompt tokens the index predicted the replica holds.",
                 |r| r.predicted_cached.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:reported_cached_tokens_total",
-                "counter",
+                Kind::Counter,
                 "Cached prompt tokens the replica reported in usage.",
                 |r| r.reported_cached.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:replica_up",
-                "gauge",
+                Kind::Gauge,
                 "1 while the replica passes its health checks.",
                 |r| u64::from(r.is_up()),
             ),
             (
                 "kura_router:replica_mark_downs_total",
-                "counter",
+                Kind::Counter,
                 "Times the replica was found down (a refused connection or failed health checks).",
                 |r| r.mark_downs.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:in_flight",
-                "gauge",
+                Kind::Gauge,
                 "Requests this router has in flight at the replica.",
                 |r| r.in_flight.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:replica_reported_load",
-                "gauge",
+                Kind::Gauge,
                 "Requests running and waiting, from the replica's metrics.",
                 |r| r.reported_load.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:kv_snapshots_total",
-                "counter",
+                Kind::Counter,
                 "KV snapshots taken from the replica (first sync and every resynchronization).",
                 |r| r.snapshots.load(Ordering::Relaxed),
             ),
             (
                 "kura_router:kv_event_gaps_total",
-                "counter",
+                Kind::Counter,
                 "Gaps in the replica's KV events (each followed by a resynchronization).",
                 |r| r.gaps.load(Ordering::Relaxed),
             ),
         ];
         for (name, kind, help, get) in per_replica {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            e.family(name, help, kind);
             for r in &self.replicas {
-                let _ = writeln!(out, "{name}{{replica=\"{}\"}} {}", r.url, get(r));
+                e.sample(name, &[("replica", &r.url)], get(r));
             }
         }
         let name = "kura_router:indexed_blocks";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Blocks the index holds for the replica.\n# TYPE {name} gauge"
-        );
+        e.family(name, "Blocks the index holds for the replica.", Kind::Gauge);
         for (i, r) in self.replicas.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{name}{{replica=\"{}\"}} {}",
-                r.url,
-                index.num_blocks(i)
-            );
+            e.sample(name, &[("replica", &r.url)], index.num_blocks(i));
         }
         for (name, help, v) in [
             (
@@ -359,13 +346,9 @@ impl Fleet {
                 &self.tokenizer_busy,
             ),
         ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                v.load(Ordering::Relaxed)
-            );
+            e.counter(name, help, v.load(Ordering::Relaxed));
         }
-        out
+        e.finish()
     }
 }
 
@@ -416,12 +399,7 @@ pub async fn run(
     let (phase_tx, phase_rx) = watch::channel(Phase::Serving);
     let conn = fleet.config.conn.clone();
     let grace = fleet.config.shutdown_grace;
-    let mut accept = tokio::spawn(kura_server::accept_loop(
-        listener,
-        app(fleet),
-        conn,
-        phase_rx,
-    ));
+    let mut accept = tokio::spawn(kura_api::accept_loop(listener, app(fleet), conn, phase_rx));
     let ended = tokio::select! {
         _ = shutdown => false,
         _ = &mut accept => true,
@@ -450,7 +428,7 @@ pub fn serve_blocking(addr: &str, config: RouterConfig) -> Result<(), RouterErro
         .build()?;
     let result = runtime.block_on(async {
         let listener = TcpListener::bind(addr).await?;
-        run(listener, config, kura_server::shutdown_signal()).await
+        run(listener, config, kura_api::shutdown_signal()).await
     });
     // A tokenization still running must not hold the process.
     runtime.shutdown_background();

@@ -33,9 +33,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
+use kura_api::routing::{routing_prompt, Endpoint, RoutingPrompt};
+use kura_api::{same_key, AnthropicError, ApiError};
 use kura_kv::CacheKey;
-use kura_server::routing::{routing_prompt, Endpoint, RoutingPrompt};
-use kura_server::{same_key, AnthropicError, ApiError};
 use serde_json::{json, Value};
 
 use crate::{lock, Fleet};
@@ -79,7 +79,7 @@ pub(crate) async fn authenticate(
     if keys.is_empty() {
         return next.run(req).await;
     }
-    let [bearer, x_api_key] = kura_server::presented_keys(req.headers());
+    let [bearer, x_api_key] = kura_api::presented_keys(req.headers());
     let known = |k: Option<&str>| k.and_then(|k| keys.iter().find(|x| same_key(x, k)));
     match known(bearer).or_else(|| known(x_api_key)) {
         Some(key) => {
@@ -512,7 +512,7 @@ impl SendFailure {
 async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Response {
     let client_key = match req.extensions().get::<ClientKey>() {
         Some(ClientKey(key)) => Some(key.clone()),
-        None => kura_server::presented_keys(req.headers())
+        None => kura_api::presented_keys(req.headers())
             .into_iter()
             .flatten()
             .next()

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use kura_bench::sse::{SseDecoder, SseEvent};
+use kura_api::sse::{SseDecoder, SseEvent};
 use serde_json::Value;
 
 use crate::{lock, Fleet};

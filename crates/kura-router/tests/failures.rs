@@ -8,8 +8,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kura_engine::{ChatMessage, TextCodec};
 use kura_router::{Policy, RouterConfig};
+use kura_text::{ChatMessage, TextCodec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -16,7 +16,8 @@ use crate::caching::{self, context_tokens, parse_context_ttl, ContextKind, Saved
 use crate::error::ApiError;
 use crate::output::Events;
 use crate::types::RequestMessage;
-use crate::{handlers, validate, AppState, Tenant};
+use crate::{handlers, validate, AppState};
+use kura_api::Tenant;
 
 /// Default time to live of a saved context: one hour.
 const DEFAULT_TTL_S: u64 = 3600;
@@ -96,7 +97,7 @@ pub async fn create(
         ));
     }
     let now = s.engine.cache_now_ms();
-    let salt = handlers::effective_salt(&tenant, None);
+    let salt = kura_api::effective_salt(&tenant, None);
     let per_tenant = s.quotas.contexts;
     {
         let (store, salt) = (s.contexts.clone(), salt.clone());
@@ -158,7 +159,7 @@ impl Drop for UnpinOnDrop {
 }
 
 pub async fn list(State(s): State<AppState>, Extension(tenant): Extension<Tenant>) -> Json<Value> {
-    let salt = handlers::effective_salt(&tenant, None);
+    let salt = kura_api::effective_salt(&tenant, None);
     let data: Vec<Value> = s
         .contexts
         .list(&salt, s.engine.cache_now_ms())
@@ -173,7 +174,7 @@ pub async fn get(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let salt = handlers::effective_salt(&tenant, None);
+    let salt = kura_api::effective_salt(&tenant, None);
     let c = s.contexts.get(&id, &salt, s.engine.cache_now_ms())?;
     Ok(Json(c.to_json()))
 }
@@ -184,7 +185,7 @@ pub async fn patch(
     Path(id): Path<String>,
     JsonBody(value): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
-    let salt = handlers::effective_salt(&tenant, None);
+    let salt = kura_api::effective_salt(&tenant, None);
     let now = s.engine.cache_now_ms();
     let Some(ttl) = value.get("ttl").filter(|v| !v.is_null()) else {
         return Err(ApiError::invalid(
@@ -213,7 +214,7 @@ pub async fn delete(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let salt = handlers::effective_salt(&tenant, None);
+    let salt = kura_api::effective_salt(&tenant, None);
     let (store, now) = (s.contexts.clone(), s.engine.cache_now_ms());
     let c = handlers::off_the_workers(move || store.delete(&id, &salt, now)).await?;
     s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
@@ -263,7 +264,7 @@ pub fn completion_tokens(
     context: &SavedContext,
     prompt: &str,
 ) -> Result<Vec<u32>, ApiError> {
-    let encode = |t: &str| codec.encode(t).map_err(handlers::tokenize_error);
+    let encode = |t: &str| codec.encode(t).map_err(kura_api::validate::tokenize_error);
     match &context.kind {
         ContextKind::Prompt { text } => Ok(caching::join_prefix(
             &context.tokens,

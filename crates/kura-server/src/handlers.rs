@@ -1,4 +1,4 @@
-//! The generation routes: validate (sync, [`crate::validate`]), tokenize on the blocking pool (a
+//! The generation routes: validate (sync, `kura_api::validate`), tokenize on the blocking pool (a
 //! 200 KB prompt must not stall the two async workers that serve every stream and `/health`), submit
 //! one engine request per prompt, then collect or stream the merged events ([`crate::output`]).
 
@@ -16,8 +16,9 @@ use crate::caching::{self, SavedContext};
 use crate::error::ApiError;
 use crate::output::{self, Events, ResponseMeta, Shape};
 use crate::types::{TokenizeRequest, TokenizeResponse};
-use crate::validate::{self, Checked, PromptInput};
-use crate::{AppState, Tenant};
+use crate::validate::{self, template_error, tokenize_error, Checked, PromptInput};
+use crate::AppState;
+use kura_api::{effective_salt, Tenant};
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -36,30 +37,6 @@ pub(crate) fn response_id(prefix: &str) -> String {
     format!(
         "{prefix}-{:x}{nanos:08x}",
         NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// The engine's cache salt for a request: the tenant (a digest of its key, when keys are configured)
-/// and the request's own `cache_salt`, so that neither tenants nor salts ever share blocks.
-pub(crate) fn effective_salt(tenant: &Tenant, salt: Option<String>) -> Option<String> {
-    match (&tenant.0, salt) {
-        (None, salt) => salt,
-        (Some(t), None) => Some(t.to_string()),
-        (Some(t), Some(s)) => Some(format!("{t}{}{s}", kura_engine::TENANT_SEPARATOR)),
-    }
-}
-
-pub(crate) fn tokenize_error(e: String) -> ApiError {
-    ApiError::invalid(
-        format!("could not tokenize the prompt: {e}"),
-        Some("prompt"),
-    )
-}
-
-pub(crate) fn template_error(e: String) -> ApiError {
-    ApiError::invalid(
-        format!("could not apply the chat template: {e}"),
-        Some("messages"),
     )
 }
 
@@ -264,8 +241,13 @@ pub async fn chat_completions(
         Some(c) => {
             let (codec, c, messages) = (s.engine.codec().clone(), c.clone(), plan.messages);
             off_the_workers(move || {
-                caching::encode_with_breakpoints(codec.as_ref(), &messages, &[], Some(&c))
-                    .map(|(tokens, _)| tokens)
+                caching::encode_with_breakpoints(
+                    codec.as_ref(),
+                    &messages,
+                    &[],
+                    Some((&c.kind, &c.tokens)),
+                )
+                .map(|(tokens, _)| tokens)
             })
             .await?
         }
@@ -300,7 +282,7 @@ pub async fn tokenize(
     State(s): State<AppState>,
     JsonBody(value): JsonBody,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let req: TokenizeRequest = crate::body::from_value(&value)?;
+    let req: TokenizeRequest = kura_api::body::from_value(&value)?;
     drop(value);
     let tokens = match (req.prompt, req.messages) {
         (Some(p), None) => encode_prompts(&s.engine, vec![PromptInput::Text(p)])

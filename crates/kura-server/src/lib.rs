@@ -1,12 +1,15 @@
-//! `kura-server` — Kura's OpenAI-compatible HTTP API (axum + tokio, served by [`conn`]'s own
-//! connection layer) in front of a [`kura_engine::EngineHandle`].
+//! `kura-server` — `kura serve`'s HTTP server (axum + tokio, on `kura_api`'s connection layer) in front of
+//! a [`kura_engine::EngineHandle`]: the routes, saved contexts ([`caching`]), the KV event stream and the
+//! metrics page. What a request means (bodies, validation, errors, keys) is `kura-api`'s.
 //!
-//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`,
-//! `POST /tokenize`, `GET /health`, `GET /metrics` (Prometheus text). Async lives here and nowhere
-//! deeper: a handler validates, tokenizes on the blocking pool, submits to the engine with a sink that
-//! forwards events into a tokio channel, and either collects them or streams them. Dropping the response
-//! (client gone, connection closed) drops the engine's request guard, which frees the request's KV
-//! blocks at once.
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `POST /v1/messages`
+//! (Anthropic), `POST/GET /v1/caches`, `GET/PATCH/DELETE /v1/caches/{id}`, `GET /v1/models`,
+//! `POST /tokenize` (tenant keys); `GET /v1/kv/snapshot`, `GET /v1/kv/events`, `POST /debug/clock`
+//! (the operator key only, and routed only when there is one); `GET /health`, `GET /metrics`
+//! (Prometheus text). Async lives here and nowhere deeper: a handler validates, tokenizes on the
+//! blocking pool, submits to the engine with a sink that forwards events into a tokio channel, and
+//! either collects them or streams them. Dropping the response (client gone, connection closed) drops
+//! the engine's request guard, which frees the request's KV blocks at once.
 //!
 //! Life cycle ([`serve`]): serving → a shutdown signal or the engine's death → draining (no new
 //! connections or requests; in-flight ones may finish for the grace period) → closed (every remaining
@@ -16,15 +19,10 @@
 mod body;
 mod caches;
 pub mod caching;
-mod conn;
-mod error;
 mod handlers;
 mod kv_events;
 mod messages;
 mod output;
-pub mod routing;
-mod types;
-mod validate;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -40,9 +38,13 @@ use kura_engine::EngineHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use conn::{accept_loop, ConnLimits, Phase};
-pub use error::ApiError;
-pub use messages::AnthropicError;
+// The API's bodies, validation, errors, keys and connection layer are `kura-api`'s.
+use kura_api::{
+    accept_loop, error, presented_keys, same_key, shutdown_signal, types, validate, ApiError,
+    Phase, Tenant,
+};
+/// The types of [`ServerConfig`]'s fields that are `kura-api`'s.
+pub use kura_api::{ConnLimits, TenantNamer};
 use types::*;
 
 /// Server settings that are not the engine's.
@@ -143,69 +145,6 @@ impl AppState {
             priority_scheduling: self.priority_scheduling,
         }
     }
-}
-
-/// Which tenant a request belongs to: a keyed digest of the API key it authenticated with (stable across
-/// restarts and key reordering, so that saved contexts and disk blocks keep their owner), if keys are
-/// configured.
-#[derive(Debug, Clone)]
-struct Tenant(Option<Arc<str>>);
-
-/// Names tenants by a keyed BLAKE3 digest of their API key: stable for one secret, and no oracle for
-/// guessing keys to whoever sees a tenant name without the secret.
-#[derive(Clone)]
-pub struct TenantNamer {
-    key: [u8; 32],
-}
-
-impl std::fmt::Debug for TenantNamer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TenantNamer(..)")
-    }
-}
-
-impl TenantNamer {
-    /// The purpose a secret's tenant-naming key is derived for.
-    pub const PURPOSE: &'static str = "kura 2026 tenant names of api keys";
-
-    pub fn new(secret: &kura_kv::Secret) -> Self {
-        Self {
-            key: secret.derive(Self::PURPOSE),
-        }
-    }
-
-    /// The tenant name of an API key: what its requests' blocks are salted with and what owns its
-    /// saved contexts.
-    pub fn tenant_of_key(&self, key: &str) -> Arc<str> {
-        let mac = blake3::keyed_hash(&self.key, key.as_bytes());
-        let mut first = [0u8; 16];
-        first.copy_from_slice(&mac.as_bytes()[..16]);
-        // Big-endian, so that the name spells the MAC's first 16 bytes in order.
-        format!("key-{:032x}", u128::from_be_bytes(first)).into()
-    }
-}
-
-/// The tenant name earlier versions gave an API key (an unkeyed xxh3 digest), for moving their saved
-/// contexts to the keyed name ([`caching::ContextStore::migrate_owners`]).
-pub fn legacy_tenant_of_key(key: &str) -> String {
-    format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes()))
-}
-
-/// The API keys a request presents, in the order they are tried: `Authorization: Bearer <key>`
-/// (OpenAI's clients), then `x-api-key: <key>` (Anthropic's).
-pub fn presented_keys(headers: &axum::http::HeaderMap) -> [Option<&str>; 2] {
-    let bearer = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, key) = v.split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then_some(key.trim())
-        });
-    let x_api_key = headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim);
-    [bearer, x_api_key]
 }
 
 /// A name for this process that a restart changes: its id and start time.
@@ -318,12 +257,7 @@ pub async fn serve(
         })
     });
     let (phase_tx, phase_rx) = watch::channel(Phase::Serving);
-    let accept = tokio::spawn(conn::accept_loop(
-        listener,
-        app,
-        config.conn.clone(),
-        phase_rx,
-    ));
+    let accept = tokio::spawn(accept_loop(listener, app, config.conn.clone(), phase_rx));
     let died = {
         let engine = engine.clone();
         async move {
@@ -398,53 +332,6 @@ pub fn serve_blocking(
     result
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = terminate => {},
-    }
-}
-
-/// Parses and validates a request body exactly as the server does before tokenization (the chat route's
-/// when `chat`, else the completions route's; `priority_scheduling` as `--scheduling-policy priority`
-/// sets it), for fuzzing: it never panics, whatever the bytes.
-pub fn fuzz_validate(chat: bool, priority_scheduling: bool, body: &[u8]) -> Result<(), ApiError> {
-    let value = body::parse_json_object(body)?;
-    let ctx = validate::Ctx {
-        served_model: "model",
-        priority_scheduling,
-    };
-    if chat {
-        validate::prepare_chat(&value, ctx).map(drop)
-    } else {
-        validate::prepare_completion(&value, ctx).map(drop)
-    }
-}
-
-/// Constant-time comparison, so that response timing does not reveal how much of a key matched.
-pub fn same_key(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
 async fn authenticate(
     State(s): State<AppState>,
     mut req: Request,
@@ -459,7 +346,7 @@ async fn authenticate(
         match known(bearer).or_else(|| known(x_api_key)) {
             Some((_, tenant)) => Tenant(Some(tenant.clone())),
             None if req.uri().path() == "/v1/messages" => {
-                return Ok(messages::AnthropicError(ApiError::Unauthorized).into_response())
+                return Ok(kura_api::AnthropicError(ApiError::Unauthorized).into_response())
             }
             None => return Err(ApiError::Unauthorized),
         }

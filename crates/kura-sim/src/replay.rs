@@ -173,6 +173,15 @@ fn duration_ms(cfg: &SimConfig, uncached_tokens: usize, r: &TraceRequest) -> u64
 
 /// Replays `trace` and reports what the cache did.
 pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimError> {
+    replay_with_progress(trace, cfg, &mut |_, _| {})
+}
+
+/// [`replay`], calling `progress(requests replayed, trace length)` after each request.
+pub fn replay_with_progress(
+    trace: &[TraceRequest],
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<SimReport, SimError> {
     cfg.validate()?;
     if trace.is_empty() {
         return Err(SimError::Config(
@@ -227,6 +236,7 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
     let mut total_delay_ms = 0u64;
     let started = Instant::now();
     for (i, r) in trace.iter().enumerate() {
+        progress(i, trace.len());
         prompt.clear();
         r.prompt_tokens(&mut prompt);
         clock_ms = clock_ms.max(r.timestamp_ms());
@@ -295,6 +305,7 @@ pub fn replay(trace: &[TraceRequest], cfg: &SimConfig) -> Result<SimReport, SimE
             kv.free(seq)?;
         }
     }
+    progress(trace.len(), trace.len());
     while let Some(Reverse((_, _, seq))) = running.pop() {
         kv.free(seq)?;
     }

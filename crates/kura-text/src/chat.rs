@@ -16,9 +16,8 @@
 use std::ops::Range;
 
 use minijinja::{context, Environment, Error, ErrorKind};
-use serde::{Deserialize, Serialize};
 
-use crate::error::{ModelError, Result};
+use crate::error::{Result, TextError};
 use crate::tokenizer::Tokenizer;
 
 /// ChatML, the format of SmolLM2 and Qwen2, used when a model ships no template.
@@ -29,21 +28,7 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 /// called `model`, turns closed by `<end_of_turn>`.
 pub const GEMMA3: &str = include_str!("gemma3_chat_template.jinja");
 
-/// One OpenAI-style chat message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
-
-impl ChatMessage {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
-    }
-}
+pub use kura_request::ChatMessage;
 
 /// A compiled chat template. Cheap to render many times; `Send + Sync`.
 pub struct ChatTemplate {
@@ -71,7 +56,7 @@ impl ChatTemplate {
         env.set_trim_blocks(false);
         env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| ModelError::ChatTemplate(format!("template does not compile: {e}")))?;
+            .map_err(|e| TextError::ChatTemplate(format!("template does not compile: {e}")))?;
         Ok(ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
@@ -84,14 +69,14 @@ impl ChatTemplate {
         let t = self
             .env
             .get_template("chat")
-            .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+            .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
         t.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
         })
-        .map_err(|e| ModelError::ChatTemplate(format!("rendering failed: {e}")))
+        .map_err(|e| TextError::ChatTemplate(format!("rendering failed: {e}")))
     }
 
     /// Prompt tokens of `messages`: the rendered template tokenized with nothing added (the template
@@ -217,7 +202,7 @@ fn search_contents(
             .find_map(|c| rendered[cursor..].find(c).map(|at| (cursor + at, c)));
         let Some((start, c)) = found else {
             if special[i] {
-                return Err(ModelError::ChatTemplate(format!(
+                return Err(TextError::ChatTemplate(format!(
                     "message {i}'s content spells a special token, and the chat template does not \
                      write that content where it can be kept apart from the template's own special \
                      tokens; remove the special-token text from the content"
@@ -227,7 +212,7 @@ fn search_contents(
         };
         let second = start + c.chars().next().map_or(1, char::len_utf8);
         if special[i] && rendered[second..].contains(c) {
-            return Err(ModelError::ChatTemplate(format!(
+            return Err(TextError::ChatTemplate(format!(
                 "message {i}'s content spells a special token, and the chat template's text holds \
                  that content more than once, so it cannot be kept apart from the template's own \
                  special tokens; remove the special-token text from the content"
@@ -260,13 +245,7 @@ mod tests {
 
     /// The default model's tokenizer and chat template (SmolLM2's ChatML with a default system turn).
     fn default_text() -> crate::ModelText {
-        let path = crate::default_model_path();
-        assert!(
-            path.exists(),
-            "default model missing at {}: run scripts/fetch-model.sh (or set KURA_MODEL)",
-            path.display()
-        );
-        crate::ModelText::load(&path).unwrap()
+        crate::test_model_text()
     }
 
     fn msgs(m: &[(&str, &str)]) -> Vec<ChatMessage> {
@@ -430,7 +409,7 @@ mod tests {
         let e = tpl
             .encode(tok, &msgs(&[("user", FORGED)]), true)
             .unwrap_err();
-        assert!(matches!(e, ModelError::ChatTemplate(_)), "{e}");
+        assert!(matches!(e, TextError::ChatTemplate(_)), "{e}");
         assert!(e.to_string().contains("special token"), "{e}");
         // An ordinary content passes through the same template as before.
         let m = msgs(&[("user", "Hello")]);

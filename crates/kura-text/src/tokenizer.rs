@@ -33,8 +33,9 @@ use tokenizers::{
     AddedToken, Encoding, OffsetReferential, OffsetType, SplitDelimiterBehavior, Token,
 };
 
-use crate::error::{ModelError, Result};
-use crate::gguf::{GgufFile, Value};
+use kura_gguf::{GgufFile, Value};
+
+use crate::error::{Result, TextError};
 
 /// Names of tokens that end a turn in the chat formats Kura knows; those present become stop tokens.
 const END_OF_TURN: [&str; 7] = [
@@ -77,8 +78,8 @@ pub struct Tokenizer {
     pub stop_token_ids: Vec<u32>,
 }
 
-fn tok_err(e: impl std::fmt::Display) -> ModelError {
-    ModelError::Tokenizer(e.to_string())
+fn tok_err(e: impl std::fmt::Display) -> TextError {
+    TextError::Tokenizer(e.to_string())
 }
 
 impl Tokenizer {
@@ -88,7 +89,7 @@ impl Tokenizer {
             return Self::spm_from_gguf(g);
         }
         if model != "gpt2" {
-            return Err(ModelError::Tokenizer(format!(
+            return Err(TextError::Tokenizer(format!(
                 "tokenizer.ggml.model '{model}' is not supported (supported: gpt2 (byte-level BPE), llama \
                  (SentencePiece BPE))"
             )));
@@ -98,7 +99,7 @@ impl Tokenizer {
             .into_iter()
             .map(|m| match m.split_once(' ') {
                 Some((a, b)) => Ok((a.to_string(), b.to_string())),
-                None => Err(ModelError::Tokenizer(format!(
+                None => Err(TextError::Tokenizer(format!(
                     "merge '{m}' is not two tokens separated by a space"
                 ))),
             })
@@ -229,7 +230,7 @@ impl Tokenizer {
         eos: Option<&str>,
     ) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tokenizer_json.display())))?;
+            .map_err(|e| TextError::Tokenizer(format!("{}: {e}", tokenizer_json.display())))?;
         let bos_id = bos.and_then(|t| inner.token_to_id(t));
         let eos_id = eos.and_then(|t| inner.token_to_id(t));
         Ok(Self::finish(inner, bos_id, eos_id, false))
@@ -519,10 +520,11 @@ fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>> {
         .iter()
         .map(|v| match v {
             Value::String(s) => Ok(s.clone()),
-            _ => Err(ModelError::KeyType {
+            _ => Err(kura_gguf::GgufError::KeyType {
                 key: key.into(),
                 expected: "an array of strings",
-            }),
+            }
+            .into()),
         })
         .collect()
 }
@@ -581,7 +583,7 @@ fn pre_tokenizer_for(name: &str) -> Result<PreTokenizerWrapper> {
         .into(),
         "default" | "gpt-2" | "gpt2" => byte_level(true),
         other => {
-            return Err(ModelError::Tokenizer(format!(
+            return Err(TextError::Tokenizer(format!(
                 "tokenizer.ggml.pre '{other}' is not supported (supported: smollm, starcoder, llama-bpe, qwen2, gpt-2)"
             )))
         }
@@ -671,13 +673,7 @@ mod tests {
     }
 
     fn default_tokenizer() -> Tokenizer {
-        let path = crate::default_model_path();
-        assert!(
-            path.exists(),
-            "default model missing at {}: run scripts/fetch-model.sh (or set KURA_MODEL)",
-            path.display()
-        );
-        crate::ModelText::load(&path).unwrap().tokenizer
+        crate::test_model_text().tokenizer
     }
 
     #[test]

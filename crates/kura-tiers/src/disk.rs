@@ -98,6 +98,9 @@ pub fn block_file_bytes(num_tokens: usize, payload_len: usize) -> u64 {
 /// The most tokens a block file holds; bounds the header a reader allocates for.
 pub const MAX_TOKENS: usize = 1 << 16;
 
+/// How often [`DiskStore::open`] logs the progress of a long index rebuild.
+const SCAN_LOG_EVERY: Duration = Duration::from_secs(2);
+
 const MAGIC: [u8; 8] = *b"KURAKVB1";
 const VERSION: u32 = 1;
 /// Header bytes besides the tokens.
@@ -383,17 +386,39 @@ impl DiskStore {
 
     /// Lists `blocks/`, keeping the valid files and deleting the others.
     fn scan(&self, report: &mut ScanReport) -> Result<(), TierError> {
+        // A large store takes a while to check: its progress is logged every SCAN_LOG_EVERY, by the
+        // fan-out directories done (blocks spread evenly over the 256 of them).
+        let started = Instant::now();
+        let mut last_log = started;
+        let mut fans_done = 0u32;
         for entry in list(&self.blocks_dir)? {
             let path = entry.path();
             let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
             let fan = entry.file_name().to_str().and_then(parse_fan);
             match (is_dir, fan) {
-                (true, Some(fan)) => self.scan_fan(&path, fan, report)?,
+                (true, Some(fan)) => {
+                    self.scan_fan(&path, fan, report)?;
+                    fans_done += 1;
+                }
                 (true, None) => tracing::warn!(
                     path = %path.display(),
                     "disk tier: leaving an unexpected directory alone"
                 ),
                 (false, _) => discard(&path, Check::FileName, report),
+            }
+            if last_log.elapsed() >= SCAN_LOG_EVERY {
+                last_log = Instant::now();
+                let files =
+                    report.blocks.len() as u64 + report.removed_corrupt + report.removed_foreign;
+                tracing::info!(
+                    dir = %self.dir.display(),
+                    directories_done = fans_done,
+                    files_checked = files,
+                    blocks_kept = report.blocks.len(),
+                    seconds = started.elapsed().as_secs(),
+                    "disk KV tier: rebuilding the index, {}% ({fans_done} of 256 directories, {files} files checked)",
+                    fans_done * 100 / 256
+                );
             }
         }
         Ok(())

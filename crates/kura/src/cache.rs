@@ -6,7 +6,7 @@
 //! (`cached_content`). `list` and `rm` read and edit the records.
 
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -170,6 +170,11 @@ fn read_kind(b: &BuildArgs) -> Result<ContextKind> {
     }
 }
 
+/// How often `build` updates its progress bar while the context is computed.
+const PROGRESS_TICK: Duration = Duration::from_millis(100);
+/// Longest wait for the engine's next event on the context's request.
+const EVENT_WAIT: Duration = Duration::from_secs(3600);
+
 fn build(b: BuildArgs) -> Result<()> {
     let Some(dir) = b.serve.tiers.kv_disk_path.clone() else {
         bail!("kura cache build needs --kv-disk-path: saved contexts live in the disk tier");
@@ -228,20 +233,40 @@ fn build(b: BuildArgs) -> Result<()> {
     );
     let request = context.build_request();
     let (tx, rx) = mpsc::channel();
+    // Progress (drawn only on a terminal): the prompt tokens this engine computed, which is the whole
+    // document unless part of it was cached already.
+    let total = context.tokens.len() as u64;
+    let computed_before = engine.metrics().prompt_tokens_computed.get();
     let guard = engine
         .submit(request, move |e: EngineEvent| tx.send(e).is_ok())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let bar = crate::progress::bar(total, "prefill", "tokens");
+    // An hour without an event from the engine is an error, as before; the bar is updated meanwhile.
+    let mut deadline = Instant::now() + EVENT_WAIT;
     let outcome = loop {
-        match rx.recv_timeout(Duration::from_secs(3600)) {
+        match rx.recv_timeout(PROGRESS_TICK) {
             Ok(EngineEvent::Done { usage }) => break Ok(usage),
             Ok(EngineEvent::Failed(e)) => break Err(anyhow::anyhow!("computing the context: {e}")),
-            Ok(_) => {}
+            Ok(_) => deadline = Instant::now() + EVENT_WAIT,
+            Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
             Err(e) => break Err(anyhow::anyhow!("computing the context: {e}")),
         }
+        let computed = engine
+            .metrics()
+            .prompt_tokens_computed
+            .get()
+            .saturating_sub(computed_before);
+        bar.set_position(computed.min(total));
     };
+    if outcome.is_ok() {
+        bar.set_position(total);
+    }
+    bar.finish_and_clear();
     drop(guard);
     // A clean stop writes every cached block to the disk tier.
+    let writing = crate::progress::spinner("writing the context's blocks to the disk tier");
     engine.stop();
+    writing.finish_and_clear();
     let usage = outcome?;
     let store = open(&dir)?;
     store

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kura_api::ConnLimits;
 use kura_kv::units::{format_bytes, parse_bytes};
-use kura_server::ConnLimits;
 
 /// Longest `--shutdown-grace-s`.
 const MAX_GRACE_S: u64 = 3600;

@@ -9,6 +9,7 @@ mod http_args;
 mod memory;
 mod perplexity;
 mod plan;
+mod progress;
 mod router;
 mod secrets;
 mod serve;

@@ -202,6 +202,14 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     // Log-probabilities and probabilities of the reference at the scored positions of a piece.
     let (mut ref_lp, mut ref_p): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
     let first_scored = args.context / 2;
+    // Tokens computed, counting each chunk once for the reference and once per format (a forward pass
+    // each); drawn only on a terminal.
+    let passes = (1 + runs.len()) as u64;
+    let bar = crate::progress::bar(
+        (chunks * args.context) as u64 * passes,
+        "perplexity",
+        "tokens computed",
+    );
     for c in 0..chunks {
         let mut chunk = tokens[c * args.context..(c + 1) * args.context].to_vec();
         if let Some(b) = bos {
@@ -212,6 +220,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             let end = (start + PIECE).min(args.context);
             let piece = &chunk[start..end];
             let logits = reference.forward(&model, piece, start)?;
+            bar.inc(piece.len() as u64);
             // Position p's logits predict chunk[p + 1]; scored: first_scored ≤ p + 1 < context.
             let rows: Vec<usize> = (start..end)
                 .filter(|&p| p + 1 >= first_scored && p + 1 < args.context)
@@ -230,6 +239,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             scored += rows.len() as u64;
             for (run, sum) in runs.iter_mut().zip(&mut sums) {
                 let logits = run.forward(&model, piece, start)?;
+                bar.inc(piece.len() as u64);
                 for (i, &p) in rows.iter().enumerate() {
                     let row = logits.row(p - start);
                     let (lse, top) = log_sum_exp(row);
@@ -250,13 +260,16 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         }
         if !args.json {
             let ppl = (ref_nll / scored as f64).exp();
-            eprintln!(
-                "chunk {}/{chunks}: reference perplexity so far {ppl:.4} ({:.0} s)",
-                c + 1,
-                started.elapsed().as_secs_f64()
-            );
+            bar.suspend(|| {
+                eprintln!(
+                    "chunk {}/{chunks}: reference perplexity so far {ppl:.4} ({:.0} s)",
+                    c + 1,
+                    started.elapsed().as_secs_f64()
+                )
+            });
         }
     }
+    bar.finish_and_clear();
     let n = scored as f64;
     let reference_perplexity = (ref_nll / n).exp();
     let formats = args

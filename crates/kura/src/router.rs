@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kura_engine::ModelCodec;
-use kura_model::ModelText;
 use kura_router::{Policy, RouterConfig};
+use kura_text::ModelCodec;
+use kura_text::ModelText;
 
 use crate::secrets::{fleet_secret, read_keys, ADMIN_KEY_ENV};
 

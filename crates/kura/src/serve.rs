@@ -211,17 +211,45 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 /// The identity of KV computed by this model in this format: the weights' digest, the compute format
 /// and the KV layout (element format, block size, every layer's shape). Cached blocks of one
 /// fingerprint are never served under another, in the pool or on disk.
+///
+/// It is the xxh3-128 of these bytes, fixed-width little-endian, so that it changes only when one of
+/// them does (a compiler's or a dependency's formatting cannot move it):
+///
+/// ```text
+/// 8 bytes   "kura-kv\0"
+/// u32       encoding version, 2 (version 1 hashed Debug text)
+/// u128      the weights' digest
+/// u32       compute format: f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6, native 7
+/// ...       the layout, KvLayout::encode_for_fingerprint
+/// u128      the digest of the KV encoding (the key offsets quantised formats subtract)
+/// ```
+///
+/// A change of any of it makes blocks cached on disk under the old fingerprint foreign: the disk tier
+/// deletes them at start and the server says so.
 fn kv_fingerprint(
     weights: u128,
     weights_dtype: WeightsDtype,
     layout: &KvLayout,
     encoding: u128,
 ) -> u128 {
-    let text = format!(
-        "kura-kv 1; weights {weights:032x}; compute {weights_dtype:?}; layout {layout:?}; \
-         encoding {encoding:032x}"
-    );
-    xxhash_rust::xxh3::xxh3_128(text.as_bytes())
+    const VERSION: u32 = 2;
+    let compute: u32 = match weights_dtype {
+        WeightsDtype::F32 => 1,
+        WeightsDtype::F16 => 2,
+        WeightsDtype::Bf16 => 3,
+        WeightsDtype::Fp8 => 4,
+        WeightsDtype::Int8 => 5,
+        WeightsDtype::Int4 => 6,
+        WeightsDtype::Native => 7,
+    };
+    let mut bytes = Vec::with_capacity(128 + 32 * layout.layers.len());
+    bytes.extend_from_slice(b"kura-kv\0");
+    bytes.extend_from_slice(&VERSION.to_le_bytes());
+    bytes.extend_from_slice(&weights.to_le_bytes());
+    bytes.extend_from_slice(&compute.to_le_bytes());
+    layout.encode_for_fingerprint(&mut bytes);
+    bytes.extend_from_slice(&encoding.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
 /// `--scheduling-policy`.
@@ -476,7 +504,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
     let engine = start_engine(
         config,
         Box::new(ModelExecutor::new(model.clone(), storage)),
-        Arc::new(ModelCodec::new(model)),
+        Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .context("starting the engine")?;
     let admission = AdmissionMode::from(args.scheduling);
@@ -500,7 +528,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
 pub fn tenant_namer(
     args: &ServeArgs,
     fleet_secret: Option<&kura_kv::Secret>,
-) -> Result<kura_server::TenantNamer> {
+) -> Result<kura_api::TenantNamer> {
     let secret = match fleet_secret {
         Some(s) => s.clone(),
         None => match &args.tiers.kv_disk_path {
@@ -508,7 +536,7 @@ pub fn tenant_namer(
             None => kura_kv::Secret::random(),
         },
     };
-    Ok(kura_server::TenantNamer::new(&secret))
+    Ok(kura_api::TenantNamer::new(&secret))
 }
 
 /// Gives saved contexts owned by an API key's tenant name of earlier versions (an unkeyed digest) to its
@@ -516,13 +544,13 @@ pub fn tenant_namer(
 fn migrate_context_owners(
     store: &ContextStore,
     api_keys: &[String],
-    tenants: &kura_server::TenantNamer,
+    tenants: &kura_api::TenantNamer,
 ) -> Result<()> {
     let renames: Vec<(String, String)> = api_keys
         .iter()
         .map(|k| {
             (
-                kura_server::legacy_tenant_of_key(k),
+                kura_api::legacy_tenant_of_key(k),
                 tenants.tenant_of_key(k).to_string(),
             )
         })
@@ -682,6 +710,50 @@ fn redis_url(args: &ServeArgs) -> Result<Option<String>> {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn the_kv_fingerprint_is_a_fixed_byte_encoding() {
+        // GOLDEN: a change of this constant means every disk tier and saved context written before
+        // becomes foreign. Change it only with the encoding's version (see kv_fingerprint).
+        let layout = KvLayout::new(
+            vec![
+                kura_kv::layout::LayerKv::full(3, 64),
+                kura_kv::layout::LayerKv {
+                    kv_heads: 1,
+                    head_dim: 256,
+                    attention: kura_kv::layout::AttentionKind::SlidingWindow { window_tokens: 512 },
+                },
+            ],
+            KvDtype::Int8,
+            16,
+        )
+        .unwrap();
+        let weights = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
+        let encoding = 0x1111_2222_3333_4444_5555_6666_7777_8888;
+        let f = kv_fingerprint(weights, WeightsDtype::Native, &layout, encoding);
+        assert_eq!(format!("{f:032x}"), "8c47833dbdbd2a75ef557284b6dc1af6");
+        // Each input counts.
+        let others = [
+            kv_fingerprint(weights + 1, WeightsDtype::Native, &layout, encoding),
+            kv_fingerprint(weights, WeightsDtype::Bf16, &layout, encoding),
+            kv_fingerprint(weights, WeightsDtype::Native, &layout, encoding + 1),
+            kv_fingerprint(
+                weights,
+                WeightsDtype::Native,
+                &layout.with_dtype(KvDtype::Int4),
+                encoding,
+            ),
+            kv_fingerprint(
+                weights,
+                WeightsDtype::Native,
+                &layout.with_block_size(32).unwrap(),
+                encoding,
+            ),
+        ];
+        for o in others {
+            assert_ne!(o, f);
+        }
+    }
 
     #[test]
     fn the_pin_budget_is_a_share_or_bytes() {

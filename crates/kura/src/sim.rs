@@ -13,7 +13,8 @@ use kura_kv::codec::KvDtype;
 use kura_kv::EvictionPolicy;
 use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
 use kura_sim::fleet::{simulate_fleet, FleetSim};
-use kura_sim::{replay, simulate, CostModel, Policy, ServeSim, SimConfig, StepItem, Workload};
+use kura_sim::replay::replay_with_progress;
+use kura_sim::{simulate, CostModel, Policy, ServeSim, SimConfig, StepItem, Workload};
 use kura_trace::{load_trace_limited, TraceRequest};
 
 use crate::serve::SchedulingArg;
@@ -185,8 +186,17 @@ pub fn run(args: SimArgs) -> Result<()> {
     // Flags first: a bad one is reported before a large trace is read.
     cfg.validate()?;
     let trace = load_requests(&args)?;
-    let report =
-        replay(&trace, &cfg).with_context(|| format!("replaying {}", args.trace.display()))?;
+    // Requests replayed, drawn only on a terminal.
+    let bar = crate::progress::bar(trace.len() as u64, "replay", "requests");
+    // (Every 1,024 requests: the replay's own timing, ops_per_sec, should not measure the bar.)
+    let mut progress = |done: usize, total: usize| {
+        if done % 1024 == 0 || done == total {
+            bar.set_position(done as u64)
+        }
+    };
+    let report = replay_with_progress(&trace, &cfg, &mut progress)
+        .with_context(|| format!("replaying {}", args.trace.display()))?;
+    bar.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

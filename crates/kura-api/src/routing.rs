@@ -3,13 +3,13 @@
 //! cache salt its blocks will be keyed under, so that it can look the prompt's blocks up in the KV
 //! events the servers publish (`kura router`).
 
-use kura_engine::TextCodec;
+use kura_request::TextCodec;
 use serde_json::Value;
 
 use crate::error::ApiError;
-use crate::handlers::{effective_salt, template_error, tokenize_error};
-use crate::validate::{self, Ctx, PromptInput};
-use crate::{caching, messages, Tenant};
+use crate::keys::{effective_salt, Tenant};
+use crate::validate::{self, template_error, tokenize_error, Ctx, PromptInput};
+use crate::{anthropic, cache_control};
 
 /// The generation routes a router forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,9 +83,13 @@ pub fn routing_prompt(
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::Messages => {
-            let plan = messages::prepare(value, served_model)?;
-            let (tokens, _) =
-                caching::encode_with_breakpoints(codec, &plan.messages, &plan.breakpoints, None)?;
+            let plan = anthropic::prepare(value, served_model)?;
+            let (tokens, _) = cache_control::encode_with_breakpoints(
+                codec,
+                &plan.messages,
+                &plan.breakpoints,
+                None,
+            )?;
             (tokens, None, plan.stream)
         }
     };

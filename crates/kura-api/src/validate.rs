@@ -1,7 +1,8 @@
 //! Raw OpenAI request bodies → checked engine parameters. Every check names the parameter and the
 //! value it got; nothing here panics on any input.
 
-use kura_engine::{GenerateRequest, SamplingParams};
+use kura_request::ChatMessage;
+use kura_request::{GenerateRequest, SamplingParams};
 
 use crate::body::from_value;
 use crate::error::ApiError;
@@ -271,9 +272,7 @@ pub fn check_logprobs(name: &'static str, v: Option<i64>) -> Result<Option<u32>,
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// Chat messages → (role, text) pairs for the template; only text content parts are accepted.
-pub fn flatten_messages(
-    messages: &[RequestMessage],
-) -> Result<Vec<kura_engine::ChatMessage>, ApiError> {
+pub fn flatten_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "messages must contain at least one message",
@@ -328,7 +327,7 @@ pub fn flatten_messages(
             } else {
                 m.role.clone()
             };
-            Ok(kura_engine::ChatMessage { role, content })
+            Ok(ChatMessage { role, content })
         })
         .collect()
 }
@@ -354,7 +353,7 @@ pub struct CompletionPlan {
 #[derive(Debug, Clone)]
 pub struct ChatPlan {
     pub checked: Checked,
-    pub messages: Vec<kura_engine::ChatMessage>,
+    pub messages: Vec<ChatMessage>,
     pub logprobs: Option<u32>,
     pub user: Option<String>,
 }
@@ -448,6 +447,22 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         logprobs,
         user: common.user,
     })
+}
+
+/// A prompt the tokenizer refused, as the client's error.
+pub fn tokenize_error(e: String) -> ApiError {
+    ApiError::invalid(
+        format!("could not tokenize the prompt: {e}"),
+        Some("prompt"),
+    )
+}
+
+/// Messages the chat template refused, as the client's error.
+pub fn template_error(e: String) -> ApiError {
+    ApiError::invalid(
+        format!("could not apply the chat template: {e}"),
+        Some("messages"),
+    )
 }
 
 #[cfg(test)]

@@ -198,7 +198,8 @@ fn parse_usage(value: &Value) -> Option<Usage> {
     })
 }
 
-pub(crate) fn snippet(s: &str) -> String {
+/// The start of `s`, for an error message about a body that could not be read.
+pub fn snippet(s: &str) -> String {
     const MAX: usize = 160;
     if s.chars().count() <= MAX {
         s.to_string()

@@ -1,20 +1,96 @@
-//! What a caller hands the engine (a [`GenerateRequest`]) and what comes back (a stream of
-//! [`EngineEvent`]s through an [`EventSink`]).
+//! `kura-request` — the engine's vocabulary, shared by the engine and the HTTP layer without either
+//! linking the other's runtime: what a caller hands the engine (a [`GenerateRequest`] with its
+//! [`SamplingParams`]) and what comes back (a stream of [`EngineEvent`]s through an [`EventSink`]); chat
+//! [`ChatMessage`]s and the [`TextCodec`] seam through which the engine and the HTTP layer tokenize
+//! (`kura-text` implements it for a real model).
 //!
 //! The engine is synchronous and owns no async runtime: a caller (the HTTP server) gives it a sink, a
 //! closure that forwards each event into whatever channel the caller reads. A sink that reports the
-//! reader gone (`false`) cancels the request, exactly as dropping its [`crate::RequestGuard`] does.
+//! reader gone (`false`) cancels the request, exactly as dropping its request guard (`kura_engine::RequestGuard`) does.
 //!
 //! Output is bounded per request: a sink that says it is full ([`EventSink::is_full`]) gets no further
 //! steps until it drains, and one that stays full longer than `EngineConfig::stalled_client_timeout` is
 //! cancelled with [`RequestError::ClientStalled`].
 
-use serde::Serialize;
+use std::ops::Range;
 
-/// How the next token is chosen: the model's own sampling parameters (temperature 0 is greedy; with a
-/// seed, choice `i` of `n` uses `seed + i`; `logprobs: Some(k)` reports the sampled token's logprob and
-/// the `k` most likely alternatives).
-pub use kura_model::SamplingParams;
+use serde::{Deserialize, Serialize};
+
+/// Separates a tenant's name from a request's own salt in a cache salt: the engine's pins hold a
+/// tenant to the part before it.
+pub const TENANT_SEPARATOR: char = '\u{1f}';
+
+/// How the next token is chosen (temperature 0 is greedy; with a seed, choice `i` of `n` uses
+/// `seed + i`; `logprobs: Some(k)` reports the sampled token's logprob and the `k` most likely
+/// alternatives).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (1 = all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p × p(most likely)` (0 = none).
+    pub min_p: f32,
+    /// Divides positive (multiplies negative) logits of tokens already seen (1 = off).
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated (0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of every token already generated (0 = off).
+    pub frequency_penalty: f32,
+    pub seed: Option<u64>,
+    /// Return this many top alternatives with each token's logprob (`None` = no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
+    }
+
+    /// Checks the ranges; the message names the parameter and the value given.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
+            return Err("presence_penalty and frequency_penalty must be finite".into());
+        }
+        Ok(())
+    }
+}
 
 /// One generation request, already tokenized and validated by the caller.
 #[derive(Debug, Clone)]
@@ -41,7 +117,7 @@ pub struct GenerateRequest {
 }
 
 /// A prefix of a request's prompt to keep: the first `tokens` tokens (whole blocks of them), until
-/// `expires_at_ms` on the engine's cache clock ([`crate::EngineHandle::cache_now_ms`]). Pinning a prefix
+/// `expires_at_ms` on the engine's cache clock (`kura_engine::EngineHandle::cache_now_ms`). Pinning a prefix
 /// that is pinned already (same tenant, same tokens) refreshes its expiry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PinSpec {
@@ -94,7 +170,7 @@ pub struct TokenCandidate {
     pub token_id: u32,
     /// The token decoded alone (U+FFFD where it holds part of a character).
     pub text: String,
-    /// The token's own bytes ([`crate::TextCodec::token_bytes`]): what OpenAI's `bytes` field reports.
+    /// The token's own bytes ([`TextCodec::token_bytes`]): what OpenAI's `bytes` field reports.
     pub bytes: Vec<u8>,
     pub logprob: f32,
 }
@@ -244,9 +320,69 @@ pub enum SubmitError {
     QueueFull { waiting: usize, max_queue: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
-    /// The engine thread died earlier (see [`crate::EngineHandle::failure`]).
+    /// The engine thread died earlier (see `kura_engine::EngineHandle::failure`).
     #[error(
         "the engine failed and can serve no more requests; the server must be restarted ({0})"
     )]
     EngineFailed(String),
+}
+
+/// One OpenAI-style chat message, its content flattened to text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Tokenizer and chat template of the served model. Shared by every thread.
+pub trait TextCodec: Send + Sync + 'static {
+    /// Token ids of a raw prompt `text`, with the special tokens the tokenizer adds to a text (BOS where the
+    /// model wants one); special-token markers in the text become their ids. Not for chat prompts: see
+    /// [`TextCodec::encode_chat`].
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String>;
+    /// Text of `ids`, skipping special tokens. Incomplete UTF-8 at the end shows as U+FFFD.
+    fn decode(&self, ids: &[u32]) -> String;
+    /// The token's own bytes (possibly part of a UTF-8 character; a special token's text), as logprobs
+    /// report them. Unlike `decode(&[id])`, distinct tokens never collapse into U+FFFD. Empty for an id
+    /// outside the vocabulary.
+    fn token_bytes(&self, id: u32) -> Vec<u8>;
+    /// The chat template applied to `messages`, ending with the assistant's generation prompt (text, for
+    /// display; encode chat prompts with [`TextCodec::encode_chat`]).
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String>;
+    /// Prompt tokens of `messages`: the rendered template tokenized with nothing added, because the
+    /// template writes every special token itself (as HF's `apply_chat_template(tokenize=True)`).
+    /// `encode(render_chat(..))` would add a second BOS for templates that write `bos_token` (Llama 3).
+    /// Special tokens come only from the template: special-token text in a message's content is
+    /// encoded as the text it is.
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String>;
+    /// Byte ranges of `text` that hold the contents of `messages`, where `text[from..]` is
+    /// `render_chat(messages)` (after a raw prompt `text[..from]`, or alone with `from` 0): the ranges
+    /// that [`TextCodec::encode_with_plain_spans`] keeps free of special tokens. Empty when no content
+    /// spells a special token; an error when a content that does cannot be placed in the text.
+    fn chat_content_spans(
+        &self,
+        text: &str,
+        from: usize,
+        messages: &[ChatMessage],
+    ) -> Result<Vec<Range<usize>>, String>;
+    /// [`TextCodec::encode`], except that special-token text inside the byte ranges `plain` is encoded
+    /// as the text it is: how chat text is encoded with [`TextCodec::encode`]'s added tokens (BOS),
+    /// `plain` from [`TextCodec::chat_content_spans`]. With `plain` empty, exactly `encode(text)`.
+    fn encode_with_plain_spans(
+        &self,
+        text: &str,
+        plain: &[Range<usize>],
+    ) -> Result<Vec<u32>, String>;
+    /// Tokens that end generation unless the request ignores end-of-sequence.
+    fn eos_token_ids(&self) -> &[u32];
+    fn vocab_size(&self) -> usize;
 }

@@ -5,7 +5,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use kura_engine::{RequestError, SubmitError};
+use kura_request::{RequestError, SubmitError};
 use serde_json::json;
 
 #[derive(Debug, thiserror::Error)]

@@ -145,8 +145,8 @@ pub struct UsageBody {
     pub prompt_tokens_details: PromptTokensDetails,
 }
 
-impl From<kura_engine::Usage> for UsageBody {
-    fn from(u: kura_engine::Usage) -> Self {
+impl From<kura_request::Usage> for UsageBody {
+    fn from(u: kura_request::Usage) -> Self {
         Self {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,

@@ -1,0 +1,204 @@
+//! Request bodies, strictly: `application/json` only (415 otherwise, so that a web page cannot drive an
+//! unkeyed local server with a "simple" cross-origin POST), one JSON object and nothing after it (no
+//! trailing bytes, no second object), the whole body within the body timeout (408) and the size limit
+//! (413). Type errors name the field in JSON's terms.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::{header, HeaderMap, StatusCode};
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+
+/// `Content-Type` of a JSON route: `application/json`, optionally with `charset=utf-8` (any case).
+pub fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let given = headers.get(header::CONTENT_TYPE);
+    let text = given.and_then(|v| v.to_str().ok()).unwrap_or("");
+    let mut parts = text.split(';');
+    let essence = parts.next().unwrap_or("").trim();
+    let params_ok = parts.all(|p| {
+        let p = p.trim();
+        if p.is_empty() {
+            return true;
+        }
+        match p.split_once('=') {
+            Some((name, value)) if name.trim().eq_ignore_ascii_case("charset") => {
+                let value = value.trim().trim_matches('"');
+                value.eq_ignore_ascii_case("utf-8") || value.eq_ignore_ascii_case("utf8")
+            }
+            // Other parameters have no meaning for JSON; tolerate them as most servers do.
+            Some(_) => true,
+            None => false,
+        }
+    });
+    if essence.eq_ignore_ascii_case("application/json") && params_ok {
+        return Ok(());
+    }
+    let got = match given {
+        None => "no Content-Type".to_string(),
+        Some(_) if text.is_empty() => "an unreadable Content-Type".to_string(),
+        Some(_) => format!("Content-Type {text:?}"),
+    };
+    Err(ApiError::UnsupportedMediaType(format!(
+        "this route takes a JSON body sent with `Content-Type: application/json` (charset utf-8), got {got}"
+    )))
+}
+
+/// Friendlier wording for the untagged unions, whose serde message names only the Rust type.
+fn shape_hint(path: &str) -> Option<&'static str> {
+    match path {
+        "prompt" => Some(
+            "prompt must be a string, an array of token ids, an array of strings, or an array of token-id arrays",
+        ),
+        "stop" => Some("stop must be a string or an array of strings"),
+        p if p.starts_with("messages") && p.ends_with("content") => Some(
+            "message content must be a string or an array of {\"type\": \"text\", \"text\": ...} parts",
+        ),
+        _ => None,
+    }
+}
+
+/// serde names Rust types ("expected i64"); clients think in JSON types.
+fn json_type_names(message: &str) -> String {
+    let mut m = message.to_string();
+    for (rust, json) in [
+        ("expected i64", "expected an integer"),
+        ("expected i32", "expected an integer"),
+        ("expected u32", "expected a non-negative integer"),
+        ("expected f32", "expected a number"),
+        ("expected a sequence", "expected an array"),
+        ("expected a boolean", "expected true or false"),
+    ] {
+        m = m.replace(rust, json);
+    }
+    m
+}
+
+fn parse_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    let message = match inner.classify() {
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+            format!("the request body is not valid JSON: {inner}")
+        }
+        _ if path == "." => format!("invalid request body: {inner}"),
+        _ => match shape_hint(&path) {
+            Some(hint) => format!("invalid value for `{path}`: {hint}"),
+            None => format!(
+                "invalid value for `{path}`: {}",
+                json_type_names(&inner.to_string())
+            ),
+        },
+    };
+    ApiError::invalid(message, None)
+}
+
+/// A typed view of an already parsed body, with errors naming the field.
+pub fn from_value<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(parse_error)
+}
+
+/// Exactly one JSON object, with nothing but white space after it.
+pub fn parse_json_object(bytes: &[u8]) -> Result<serde_json::Value, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value: serde_json::Value =
+        serde_path_to_error::deserialize(&mut de).map_err(parse_error)?;
+    de.end().map_err(|e| {
+        ApiError::invalid(
+            format!("the request body has data after its JSON object ({e}); send one object"),
+            None,
+        )
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+        ));
+    }
+    Ok(value)
+}
+
+/// Reads the whole body within `timeout` and `limit_bytes`.
+pub async fn read_body<S: Send + Sync>(
+    req: Request,
+    state: &S,
+    timeout: Duration,
+    limit_bytes: usize,
+) -> Result<Bytes, ApiError> {
+    let read = Bytes::from_request(req, state);
+    let bytes = tokio::time::timeout(timeout, read)
+        .await
+        .map_err(|_| ApiError::BodyTimeout {
+            seconds: timeout.as_secs_f64(),
+        })?;
+    bytes.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::BodyTooLarge { limit_bytes }
+        } else {
+            ApiError::invalid(
+                format!("could not read the request body: {}", rejection.body_text()),
+                None,
+            )
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(ct: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(ct) = ct {
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn only_json_content_types_are_accepted() {
+        for ok in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            "application/json;charset=\"UTF-8\"",
+        ] {
+            assert!(check_json_content_type(&headers(Some(ok))).is_ok(), "{ok}");
+        }
+        for bad in [
+            None,
+            Some("text/plain"),
+            Some("application/x-www-form-urlencoded"),
+            Some("multipart/form-data; boundary=x"),
+            Some("application/json; charset=latin1"),
+            Some("application/jsonx"),
+            Some(""),
+        ] {
+            let e = check_json_content_type(&headers(bad)).unwrap_err();
+            assert_eq!(e.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "{bad:?}");
+            assert!(e.to_string().contains("application/json"), "{e}");
+        }
+    }
+
+    #[test]
+    fn one_object_and_nothing_after_it() {
+        assert!(parse_json_object(br#" {"a": 1} "#).is_ok());
+        assert!(parse_json_object(b"{\"a\": 1}\n\t").is_ok());
+        for bad in [
+            &br#"{"a": 1} x"#[..],
+            br#"{"a": 1}{"b": 2}"#,
+            b"{\"a\": 1}\0",
+            br#"[1]"#,
+            b"",
+            br#"{"a": "#,
+        ] {
+            let e = parse_json_object(bad).unwrap_err();
+            assert_eq!(e.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+        let e = parse_json_object(br#"{"a": 1}{"b": 2}"#).unwrap_err();
+        assert!(e.to_string().contains("data after its JSON object"), "{e}");
+    }
+}

@@ -1,0 +1,174 @@
+//! What a model says about text — its tokenizer, chat template and vocabulary size — loaded without its
+//! weights, from a GGUF's metadata or an HF directory's `tokenizer.json`, `tokenizer_config.json` (chat
+//! template, BOS/EOS) and `config.json` (vocabulary size).
+
+use std::path::Path;
+
+use kura_gguf::{GgufFile, Value};
+use kura_shape::{GgufMetadata, ModelSpec};
+
+use crate::chat::{ChatTemplate, CHATML, GEMMA3};
+use crate::error::{Result, TextError};
+use crate::tokenizer::Tokenizer;
+
+/// The tokenizer, chat template and vocabulary size of a model (a router tokenizes requests as the
+/// server does, without holding the model).
+pub struct ModelText {
+    pub tokenizer: Tokenizer,
+    pub chat_template: ChatTemplate,
+    pub vocab_size: usize,
+}
+
+/// The chat template of an architecture whose file has none: Gemma 3's own, else ChatML.
+pub fn default_template(arch: &str) -> &'static str {
+    match arch {
+        "gemma3" | "gemma3_text" => GEMMA3,
+        _ => CHATML,
+    }
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| TextError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+impl ModelText {
+    /// The text side of a GGUF file or an HF model directory; the vocabulary size is read as
+    /// `kura-shape` reads it for the runtime.
+    pub fn load(path: &Path) -> Result<Self> {
+        let spec_error = |e: kura_shape::SpecError| TextError::Config(e.to_string());
+        if path.is_dir() {
+            let config_path = path.join("config.json");
+            let v: serde_json::Value =
+                serde_json::from_str(&read_text(&config_path)?).map_err(|e| TextError::Format {
+                    path: config_path.clone(),
+                    what: e.to_string(),
+                })?;
+            let model_type = v
+                .get("model_type")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("llama")
+                .to_string();
+            let spec =
+                ModelSpec::from_hf_config(&v, &model_type, "config.json").map_err(spec_error)?;
+            Self::from_hf_dir(path, default_template(&model_type), spec.vocab_size)
+        } else {
+            let g = GgufFile::open(path)?;
+            let arch = g.get_str("general.architecture")?.to_string();
+            let number = |key: &str| -> std::result::Result<Option<u64>, String> {
+                g.opt_u64(key).map_err(|e| e.to_string())
+            };
+            let token_count = match g.metadata.get("tokenizer.ggml.tokens") {
+                Some(Value::Array(tokens)) => Some(tokens.len()),
+                _ => None,
+            };
+            let meta = GgufMetadata {
+                arch: &arch,
+                number: &number,
+                token_count,
+                has_output_weight: g.tensors.contains_key("output.weight"),
+                num_parameters: None,
+            };
+            let spec = ModelSpec::from_gguf(&meta, &arch, "GGUF").map_err(spec_error)?;
+            Self::from_gguf(&g, default_template(&arch), spec.vocab_size)
+        }
+    }
+
+    /// The text side of an open GGUF: its tokenizer, its chat template (`default_template` when the
+    /// file has none) and `vocab_size`.
+    pub fn from_gguf(g: &GgufFile, default_template: &str, vocab_size: usize) -> Result<Self> {
+        let tokenizer = Tokenizer::from_gguf(g)?;
+        let template = match g.metadata.get("tokenizer.chat_template") {
+            Some(Value::String(s)) => s.clone(),
+            _ => default_template.to_string(),
+        };
+        let name = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let chat_template = ChatTemplate::new(
+            &template,
+            &name(tokenizer.bos_token_id),
+            &name(tokenizer.eos_token_id),
+        )?;
+        Ok(Self {
+            tokenizer,
+            chat_template,
+            vocab_size,
+        })
+    }
+
+    /// The text side of an HF directory (`tokenizer.json`, `tokenizer_config.json`).
+    pub fn from_hf_dir(dir: &Path, default_template: &str, vocab_size: usize) -> Result<Self> {
+        let tcfg = TokenizerConfig::read(dir)?;
+        let tokenizer = Tokenizer::from_hf_files(
+            &dir.join("tokenizer.json"),
+            tcfg.bos_token.as_deref(),
+            tcfg.eos_token.as_deref(),
+        )?;
+        let chat_template = ChatTemplate::new(
+            tcfg.chat_template.as_deref().unwrap_or(default_template),
+            tcfg.bos_token.as_deref().unwrap_or(""),
+            tcfg.eos_token.as_deref().unwrap_or(""),
+        )?;
+        Ok(Self {
+            tokenizer,
+            chat_template,
+            vocab_size,
+        })
+    }
+}
+
+/// What `tokenizer_config.json` says about the chat template and special tokens.
+#[derive(Debug, Default)]
+pub struct TokenizerConfig {
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl TokenizerConfig {
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&read_text(&path)?).map_err(|e| TextError::Format {
+                path: path.clone(),
+                what: e.to_string(),
+            })?;
+        // A token is either a string or an object with "content".
+        let token = |key: &str| match v.get(key) {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Object(o)) => {
+                o.get("content").and_then(|c| c.as_str()).map(String::from)
+            }
+            _ => None,
+        };
+        // A template is a string, or a list of named templates of which "default" is used.
+        let chat_template = match v.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template").and_then(|s| s.as_str()).map(String::from)),
+            _ => None,
+        };
+        let chat_template = match chat_template {
+            Some(t) => Some(t),
+            // Newer checkpoints keep the template in its own file.
+            None if dir.join("chat_template.jinja").exists() => {
+                Some(read_text(&dir.join("chat_template.jinja"))?)
+            }
+            None => None,
+        };
+        Ok(TokenizerConfig {
+            chat_template,
+            bos_token: token("bos_token"),
+            eos_token: token("eos_token"),
+        })
+    }
+}
