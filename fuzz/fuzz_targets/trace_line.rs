@@ -1,5 +1,5 @@
-//! Trace readers: kura-sim's Mooncake parser (and the prompt tokens it rebuilds from the hash ids) and
-//! kura-bench's Mooncake and Azure CSV parsers, over arbitrary text.
+//! Trace readers (kura-trace): the Mooncake parser (and the prompt tokens it rebuilds from the hash ids)
+//! and the trace-file reader's Mooncake and Azure CSV parsers, over arbitrary text.
 #![no_main]
 
 use std::path::Path;
@@ -8,7 +8,7 @@ use kura_trace::file::{parse_trace, TraceFormat};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    // kura-sim reads lines from any reader (invalid UTF-8 is its error to report).
+    // The Mooncake reader reads lines from any reader (invalid UTF-8 is its error to report).
     if let Ok(reqs) = kura_trace::mooncake::parse_trace(data, Path::new("fuzz.jsonl")) {
         let mut tokens = Vec::new();
         for r in &reqs {

@@ -18,6 +18,7 @@ use kura_api::sse::{parse_chunk, snippet, Chunk, SseDecoder, Usage};
 
 /// Which OpenAI endpoint the requests go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum Api {
     /// `POST /v1/chat/completions` with `messages` (the server applies its chat template).

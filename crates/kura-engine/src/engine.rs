@@ -2,8 +2,11 @@
 //! executor, takes commands from [`EngineHandle`]s, and repeats schedule → move blocks between the pool
 //! and the lower tiers ([`crate::tiers`]) → copy blocks → forward → sample → hand token ids to the output
 //! stage ([`crate::output`], a thread of its own that makes the text). It
-//! gives the scheduler the wall clock since the engine started. It blocks when there is nothing to do; the
-//! only lock it takes is a request's sink, to ask whether its client is behind.
+//! gives the scheduler the wall clock since the engine started. It blocks when there is nothing to do. The
+//! locks it takes: a request's sink (to ask whether its client is behind), the output stage's count of
+//! handled messages (waiting on its condition variable, at most `OUTPUT_WAIT`, until the step before last
+//! is delivered), the KV event log when KV events are on, the disk worker's completions, and the handle's
+//! exit record once, at stop or failure.
 //!
 //! A panic anywhere in the loop (scheduler invariant, kernel, sink) is caught on the engine thread: it is
 //! logged with its message, recorded in [`Shared`] (so that [`EngineHandle::is_alive`] turns false and

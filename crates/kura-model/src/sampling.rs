@@ -1,5 +1,5 @@
 //! Choosing the next token from logits: penalties, temperature, top-k, top-p, min-p, a seeded RNG per
-//! request, logprobs with top alternatives, and stop tokens / stop strings.
+//! request, and logprobs with top alternatives. (Stop strings are `kura-text`'s `StopChecker`.)
 //!
 //! Order of operations (that of vLLM and HF): penalties on the raw logits → greedy if temperature is 0 →
 //! divide by temperature → top-k → softmax → top-p → min-p → draw. Logprobs are those of the unmodified

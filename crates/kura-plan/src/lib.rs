@@ -50,25 +50,8 @@ pub enum Device {
     Cpu,
 }
 
-/// How `kura serve --scheduling` admits requests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Scheduling {
-    /// On the prompt's blocks; the pool is shared as requests grow, and preemption makes room.
-    #[default]
-    MaxUtilization,
-    /// Only with blocks for the whole request (prompt plus output) reserved; never preempted.
-    Guaranteed,
-}
-
-impl Scheduling {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Scheduling::MaxUtilization => "max-utilization",
-            Scheduling::Guaranteed => "guaranteed",
-        }
-    }
-}
+/// How `kura serve --scheduling` admits requests: the scheduler's own admission mode.
+pub use kura_sched::AdmissionMode as Scheduling;
 
 /// What `kura serve --scheduling guaranteed` admits at once: requests of the planned context, each with
 /// every block of its full length reserved and no prefix shared.

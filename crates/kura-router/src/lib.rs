@@ -4,7 +4,7 @@
 //! ```text
 //!  client ──POST /v1/chat/completions──▶ router ──same request──▶ replica r (kura serve --kv-events)
 //!                                          │  ▲
-//!         tokens + cache salt (kura-server │  │ GET /v1/kv/events: snapshot, then numbered
+//!         tokens + cache salt (kura-api    │  │ GET /v1/kv/events: snapshot, then numbered
 //!         routing, the model's tokenizer)  │  │ stored / removed / cleared (one follower per replica)
 //!                                          ▼  │
 //!                                  FleetIndex: which replica holds which leading blocks of the prompt

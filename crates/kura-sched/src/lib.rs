@@ -56,6 +56,7 @@ use kura_kv::{
 /// arrival order and none can preempt an older one; under `Priority` a request's `priority` field is
 /// honoured (lower first) and may preempt others: give it only to trusted clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum SchedulingPolicy {
     #[default]
@@ -93,6 +94,7 @@ impl std::str::FromStr for SchedulingPolicy {
 
 /// What happens to a preempted sequence's computed blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum PreemptionMode {
     /// They stay cached in the pool, where eviction may take them; what was evicted is recomputed on
@@ -114,7 +116,9 @@ impl PreemptionMode {
 }
 
 /// When a waiting request may take KV blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "kebab-case")]
 pub enum AdmissionMode {
     /// As soon as its prompt's blocks are free: running requests grow into the rest of the pool, and
     /// when it runs out the most recent one is preempted. The most requests at once.

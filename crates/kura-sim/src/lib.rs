@@ -1,8 +1,8 @@
 //! `kura-sim` — replays real serving traces through the real `kura-kv` cache manager, with a cost model in
 //! place of a model, for capacities and policies that do not fit on one machine.
 //!
-//! - [`trace`]: the Mooncake trace format (one JSON request a line, prompts as chains of 512-token block
-//!   hash ids) and its mapping to token ids.
+//! Traces are read by `kura-trace` (the Mooncake format: one JSON request a line, prompts as chains of
+//! 512-token block hash ids, mapped to token ids).
 //! - [`mod@replay`]: the replay loop (lookup, allocate, hold for the request's duration, free) and its
 //!   configuration.
 //! - [`report`]: hit ratios, evictions and throughput, as a table or JSON.

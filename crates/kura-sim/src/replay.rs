@@ -24,12 +24,14 @@ use kura_trace::mooncake::{TraceRequest, TRACE_BLOCK_TOKENS};
 
 /// The cache policy replayed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Policy {
-    /// Leaf-first LRU (Kura's default).
+    /// Leaf-first LRU within priority classes (Kura's default).
     LeafLru,
-    /// Plain LRU over all idle blocks (vLLM's order), for comparison.
+    /// Plain LRU over all idle blocks (vLLM's order): a parent may go before its children.
     Lru,
-    /// Prefix caching off.
+    /// No prefix caching.
+    #[cfg_attr(feature = "clap", value(name = "none"))]
     NoCache,
 }
 

@@ -37,7 +37,9 @@ pub enum TraceFileError {
 /// Tokens per Mooncake hash id (the trace's block size).
 pub const MOONCAKE_BLOCK_TOKENS: usize = mooncake::TRACE_BLOCK_TOKENS as usize;
 
+/// A trace file's format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum TraceFormat {
     Mooncake,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, Subcommand};
 use kura_bench::{Api, Endpoint, Load, Mark, RunConfig, TraceFormat, WorkloadSpec};
 
 #[derive(Args, Debug)]
@@ -99,7 +99,7 @@ enum WorkloadCmd {
         file: PathBuf,
         /// Default: from the extension (.jsonl Mooncake, .csv Azure).
         #[arg(long)]
-        format: Option<TraceFormatArg>,
+        format: Option<TraceFormat>,
         /// Replay only the first N requests.
         #[arg(long)]
         max_requests: Option<usize>,
@@ -124,18 +124,6 @@ pub struct TraceShaping {
     pub max_output_tokens: Option<usize>,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy)]
-enum TraceFormatArg {
-    Mooncake,
-    Azure,
-}
-
-#[derive(ValueEnum, Debug, Clone, Copy)]
-enum ApiArg {
-    Chat,
-    Completions,
-}
-
 #[derive(Args, Debug, Clone)]
 struct CommonArgs {
     /// The server's root URL (a trailing /v1 is fine).
@@ -148,7 +136,7 @@ struct CommonArgs {
     #[arg(long)]
     api_key: Option<String>,
     #[arg(long, value_enum, default_value = "chat")]
-    api: ApiArg,
+    api: Api,
     /// Name of this server in reports (default: the URL).
     #[arg(long)]
     label: Option<String>,
@@ -220,10 +208,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             base_url: common.url.clone(),
             api_key: common.api_key.clone(),
             model: common.model.clone().unwrap_or_default(),
-            api: match common.api {
-                ApiArg::Chat => Api::Chat,
-                ApiArg::Completions => Api::Completions,
-            },
+            api: common.api,
             ignore_eos: !common.allow_eos,
             request_timeout: Duration::from_secs_f64(common.request_timeout_s),
         },
@@ -338,8 +323,7 @@ fn workload_spec(w: WorkloadCmd) -> Result<(WorkloadSpec, CommonArgs)> {
             common,
         } => {
             let format = match format {
-                Some(TraceFormatArg::Mooncake) => TraceFormat::Mooncake,
-                Some(TraceFormatArg::Azure) => TraceFormat::Azure,
+                Some(format) => format,
                 None => TraceFormat::infer(&file).with_context(|| {
                     format!(
                         "cannot tell the format of {} from its extension; give --format mooncake or --format azure",

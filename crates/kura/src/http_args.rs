@@ -1,5 +1,5 @@
 //! The HTTP flags `kura serve` and `kura router` share: the body limit, the connection cap and the
-//! timeouts of kura-server's connection layer, and the shutdown grace.
+//! timeouts of kura-api's connection layer, and the shutdown grace.
 
 use std::time::Duration;
 

@@ -1,4 +1,6 @@
-//! `kura`: the command-line binary. Argument parsing and wiring only; the work is in the library crates.
+//! `kura`: the command-line binary. Argument parsing and wiring, plus what belongs to no library: memory
+//! sizing (`memory`), the KV fingerprint and pool sizing of `kura serve` (`serve`), where secrets come from
+//! (`secrets`), progress bars (`progress`) and the offline commands (`cache`, `generate`, `perplexity`).
 
 use clap::{Parser, Subcommand};
 

@@ -13,11 +13,10 @@ use kura_model::gguf::GgufFile;
 use kura_plan::catalog::{self, find_gpu, find_model};
 use kura_plan::spec::{GgufMetadata, ModelSpec};
 use kura_plan::{
-    Device, DiskTier, LowerTiers, PlanReport, PlanRequest, Preemption, WeightsDtype,
+    Device, DiskTier, LowerTiers, PlanReport, PlanRequest, Preemption, Scheduling, WeightsDtype,
     DEFAULT_MAX_BATCHED_TOKENS,
 };
 
-use crate::serve::SchedulingArg;
 use crate::tiers::{TierArgs, TierSizes};
 
 #[derive(Args, Debug)]
@@ -72,8 +71,8 @@ pub struct PlanArgs {
     max_batched_tokens: u64,
     /// Admission, as `kura serve --scheduling`: with `guaranteed` the plan also says how many requests
     /// of `--context` tokens are admitted at once with every KV block of their full length reserved.
-    #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
-    scheduling: SchedulingArg,
+    #[arg(long, value_enum, default_value_t = Scheduling::MaxUtilization)]
+    scheduling: Scheduling,
     /// As `kura serve --no-hybrid-pool`: a model with sliding layers gets whole-model blocks.
     #[arg(long)]
     no_hybrid_pool: bool,
@@ -318,7 +317,7 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
     req.overhead_bytes = args.overhead;
     req.activation_bytes = args.activation;
     req.max_batched_tokens = args.max_batched_tokens;
-    req.scheduling = args.scheduling.into();
+    req.scheduling = args.scheduling;
     req.hybrid_pool = !args.no_hybrid_pool;
     let mut memory_note = String::new();
     match (&args.gpu, args.memory) {

@@ -71,16 +71,16 @@ pub struct ServeArgs {
     /// Who runs first: `fcfs` (arrival order; a request that sets `priority` gets 400) or `priority`
     /// (a request's `priority` is honoured, lower first, and may preempt others: give it only to
     /// trusted clients).
-    #[arg(long, value_enum, default_value_t = PolicyArg::Fcfs)]
-    scheduling_policy: PolicyArg,
+    #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    scheduling_policy: SchedulingPolicy,
     /// Admission: `max-utilization` admits a request as soon as its prompt's KV blocks are free and,
     /// when the pool runs out, preempts the most recent request (recomputed or swapped back later);
     /// `guaranteed` admits a request only when KV blocks for its prompt plus `max_tokens` (for each of
     /// its `n` choices; a prefix that running requests hold is not counted again) can be reserved beside
     /// what running requests have reserved: it never preempts, and admits fewer requests at once (the
     /// others wait in the queue, FCFS).
-    #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
-    scheduling: SchedulingArg,
+    #[arg(long, value_enum, default_value_t = AdmissionMode::MaxUtilization)]
+    scheduling: AdmissionMode,
     /// An accepted API key (repeatable). With keys, every request needs `Authorization: Bearer <key>`,
     /// and each key is its own tenant: tenants never share cached KV.
     #[arg(long = "api-key")]
@@ -252,47 +252,6 @@ fn kv_fingerprint(
     xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
-/// `--scheduling-policy`.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-enum PolicyArg {
-    Fcfs,
-    Priority,
-}
-
-impl From<PolicyArg> for SchedulingPolicy {
-    fn from(p: PolicyArg) -> Self {
-        match p {
-            PolicyArg::Fcfs => SchedulingPolicy::Fcfs,
-            PolicyArg::Priority => SchedulingPolicy::Priority,
-        }
-    }
-}
-
-/// `--scheduling` of `kura serve`, `kura plan` and `kura sim`.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SchedulingArg {
-    MaxUtilization,
-    Guaranteed,
-}
-
-impl From<SchedulingArg> for AdmissionMode {
-    fn from(s: SchedulingArg) -> Self {
-        match s {
-            SchedulingArg::MaxUtilization => AdmissionMode::MaxUtilization,
-            SchedulingArg::Guaranteed => AdmissionMode::Guaranteed,
-        }
-    }
-}
-
-impl From<SchedulingArg> for kura_plan::Scheduling {
-    fn from(s: SchedulingArg) -> Self {
-        match s {
-            SchedulingArg::MaxUtilization => kura_plan::Scheduling::MaxUtilization,
-            SchedulingArg::Guaranteed => kura_plan::Scheduling::Guaranteed,
-        }
-    }
-}
-
 /// Longest `--request-timeout-s`: a week.
 const MAX_REQUEST_TIMEOUT_S: u64 = 7 * 24 * 3600;
 
@@ -395,7 +354,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         &layout,
         budget,
         tiers_on,
-        AdmissionMode::from(args.scheduling) == AdmissionMode::Guaranteed,
+        args.scheduling == AdmissionMode::Guaranteed,
     )
     .filter(|_| !args.no_hybrid_pool);
     let concurrency = match &window {
@@ -484,10 +443,10 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_queue: args.max_queue as usize,
         enable_prefix_caching: !args.no_prefix_cache,
-        scheduling_policy: args.scheduling_policy.into(),
+        scheduling_policy: args.scheduling_policy,
         stalled_client_timeout: Duration::from_secs(args.http.stalled_client_timeout_s),
         pin_budget_blocks: Some(pin_budget),
-        admission: args.scheduling.into(),
+        admission: args.scheduling,
         window,
         kv_events,
         remote: match (redis_url, remote_secret) {
@@ -507,7 +466,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .context("starting the engine")?;
-    let admission = AdmissionMode::from(args.scheduling);
+    let admission = args.scheduling;
     match admission {
         AdmissionMode::Guaranteed => tracing::info!(
             "scheduling: {admission}: a request is admitted only when KV blocks for its prompt and max_tokens \
@@ -637,7 +596,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         shutdown_grace: http.shutdown_grace,
         request_timeout: (args.request_timeout_s > 0)
             .then(|| Duration::from_secs(args.request_timeout_s)),
-        priority_scheduling: args.scheduling_policy == PolicyArg::Priority,
+        priority_scheduling: args.scheduling_policy == SchedulingPolicy::Priority,
         conn: http.conn,
         contexts,
         debug_clock: args.debug_clock,

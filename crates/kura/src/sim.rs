@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kura_engine::{SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS};
+use kura_engine::{AdmissionMode, SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS};
 use kura_kv::codec::KvDtype;
 use kura_kv::EvictionPolicy;
 use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
@@ -17,8 +17,6 @@ use kura_sim::replay::replay_with_progress;
 use kura_sim::{simulate, CostModel, Policy, ServeSim, SimConfig, StepItem, Workload};
 use kura_trace::{load_trace_limited, TraceRequest};
 
-use crate::serve::SchedulingArg;
-
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum WorkloadArg {
     SharedPrefix,
@@ -26,16 +24,6 @@ enum WorkloadArg {
     Unique,
     /// The `--trace` file, open loop: each request sent at its timestamp (times `--time-scale`).
     Trace,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum PolicyArg {
-    /// Leaf-first LRU within priority classes (Kura's default).
-    LeafLru,
-    /// Plain LRU over all idle blocks (vLLM's order): a parent may go before its children.
-    Lru,
-    /// No prefix caching.
-    None,
 }
 
 #[derive(Args, Debug)]
@@ -51,8 +39,8 @@ pub struct SimArgs {
     #[arg(long)]
     capacity_tokens: Option<u64>,
     /// Eviction policy.
-    #[arg(long, value_enum, default_value_t = PolicyArg::LeafLru)]
-    policy: PolicyArg,
+    #[arg(long, value_enum, default_value_t = Policy::LeafLru)]
+    policy: Policy,
     /// Free each request as soon as it is allocated instead of holding it for its duration.
     #[arg(long)]
     no_overlap: bool,
@@ -98,8 +86,8 @@ pub struct SimArgs {
     no_prefix_cache: bool,
     /// Admission, as `kura serve --scheduling`: `max-utilization` or `guaranteed` (every request's KV
     /// reserved at admission, no preemption).
-    #[arg(long, value_enum, default_value_t = SchedulingArg::MaxUtilization)]
-    scheduling: SchedulingArg,
+    #[arg(long, value_enum, default_value_t = AdmissionMode::MaxUtilization)]
+    scheduling: AdmissionMode,
     /// Tokens generated per request (as `kura bench --output-tokens`).
     #[arg(long, default_value_t = 64)]
     output_tokens: usize,
@@ -173,11 +161,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     let cfg = SimConfig {
         block_size: args.block_size,
         capacity_tokens: args.capacity_tokens,
-        policy: match args.policy {
-            PolicyArg::LeafLru => Policy::LeafLru,
-            PolicyArg::Lru => Policy::Lru,
-            PolicyArg::None => Policy::NoCache,
-        },
+        policy: args.policy,
         overlap: !args.no_overlap,
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_ms_per_token: args.decode_ms_per_token,
@@ -399,7 +383,7 @@ fn scheduler_config(args: &SimArgs) -> SchedulerConfig {
         hash_seed: Some(args.seed),
         tiers: Default::default(),
         preemption: Default::default(),
-        admission: args.scheduling.into(),
+        admission: args.scheduling,
         window: None,
         record_kv_events: false,
     }

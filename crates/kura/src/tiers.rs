@@ -39,7 +39,7 @@ pub struct TierArgs {
     /// them back on resumption (the default with --kv-host-memory), `recompute` recomputes what the
     /// pool evicted meanwhile (the default without).
     #[arg(long, value_enum)]
-    pub preemption_mode: Option<PreemptionArg>,
+    pub preemption_mode: Option<PreemptionMode>,
 }
 
 /// `--kv-offload-policy`.
@@ -47,13 +47,6 @@ pub struct TierArgs {
 pub enum OffloadArg {
     WriteBack,
     WriteThrough,
-}
-
-/// `--preemption-mode`.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PreemptionArg {
-    Swap,
-    Recompute,
 }
 
 /// The lower tiers as sizes in bytes, before the model is known.
@@ -96,11 +89,10 @@ impl TierArgs {
             }
         };
         let preemption = match self.preemption_mode {
-            Some(PreemptionArg::Swap) if host_bytes == 0 => {
+            Some(PreemptionMode::Swap) if host_bytes == 0 => {
                 bail!("--preemption-mode swap needs a host tier to swap to: give --kv-host-memory")
             }
-            Some(PreemptionArg::Swap) => PreemptionMode::Swap,
-            Some(PreemptionArg::Recompute) => PreemptionMode::Recompute,
+            Some(mode) => mode,
             None if host_bytes > 0 => PreemptionMode::Swap,
             None => PreemptionMode::Recompute,
         };
