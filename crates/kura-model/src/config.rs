@@ -9,7 +9,7 @@
 
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::{AttentionKind, KvLayout};
-use kura_shape::{GgufMetadata, ModelSpec};
+use kura_shape::ModelSpec;
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
@@ -452,26 +452,9 @@ impl ModelConfig {
             _ => None,
         };
         // One value per key: a per-layer array (layers of different shapes) is not something the runtime
-        // runs, and `opt_u64` refuses it with the key's name.
-        let number = |key: &str| -> std::result::Result<Option<u64>, String> {
-            g.opt_u64(key).map_err(|e| e.to_string())
-        };
-        let token_count = match g.metadata.get("tokenizer.ggml.tokens") {
-            Some(crate::gguf::Value::Array(tokens)) => Some(tokens.len()),
-            _ => None,
-        };
-        let spec = ModelSpec::from_gguf(
-            &GgufMetadata {
-                arch: &arch_name,
-                number: &number,
-                token_count,
-                has_output_weight: g.tensors.contains_key("output.weight"),
-                num_parameters: None,
-            },
-            &arch_name,
-            "GGUF",
-        )
-        .map_err(|e| ModelError::Config(e.to_string()))?;
+        // runs, and the shape reader refuses it with the key's name (the same reading as the text side's).
+        let spec = kura_text::gguf_model_spec(g, &arch_name)
+            .map_err(|e| ModelError::Config(e.to_string()))?;
         refuse_what_the_runtime_lacks(&spec, &k("attention.sliding_window"))?;
         let head_dim = spec.head_dim;
         if let Some(v) = g.opt_u64(&k("attention.value_length"))? {

@@ -30,29 +30,8 @@ pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use solo::SoloRun;
 pub use weights::WeightsDtype;
 
-/// Kura's cache folder: `$KURA_CACHE_DIR`, else `$XDG_CACHE_HOME/kura`, else `~/.cache/kura` (where the
-/// scripts put the default model and test data).
-pub fn cache_dir() -> std::path::PathBuf {
-    if let Some(p) = std::env::var_os("KURA_CACHE_DIR") {
-        return p.into();
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
-        });
-    base.join("kura")
-}
-
-/// The default model's path: `$KURA_MODEL`, else where `scripts/fetch-model.sh` puts it.
-pub fn default_model_path() -> std::path::PathBuf {
-    if let Some(p) = std::env::var_os("KURA_MODEL") {
-        return p.into();
-    }
-    cache_dir()
-        .join("models")
-        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
-}
+/// Where the scripts put the default model and test data (`kura-text`'s, which loads it first).
+pub use kura_text::{cache_dir, default_model_path};
 
 /// Sets the number of threads of the compute pool (once, before the first forward pass).
 pub fn set_threads(n: usize) -> Result<(), String> {

@@ -19,21 +19,38 @@ pub use codec::ModelCodec;
 pub use error::TextError;
 /// The seam the engine and the HTTP layer tokenize through (`kura-request`'s).
 pub use kura_request::TextCodec;
-pub use model_text::{default_template, ModelText, TokenizerConfig};
+pub use model_text::{default_template, gguf_model_spec, ModelText, TokenizerConfig};
 pub use stop::{StopChecker, StopReason};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
-/// The default model's text, for tests: `$KURA_MODEL` (set by `scripts/test.sh`), or the path
-/// `scripts/fetch-model.sh` uses. A missing model fails the test that asks for it.
-#[cfg(test)]
-pub(crate) fn test_model_text() -> ModelText {
-    let path = std::env::var_os("KURA_MODEL")
+/// Kura's cache folder: `$KURA_CACHE_DIR`, else `$XDG_CACHE_HOME/kura`, else `~/.cache/kura` (where the
+/// scripts put the default model and test data).
+pub fn cache_dir() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KURA_CACHE_DIR") {
+        return p.into();
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").unwrap_or_default();
-            std::path::PathBuf::from(home)
-                .join(".cache/kura/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+            std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
         });
+    base.join("kura")
+}
+
+/// The default model's path: `$KURA_MODEL`, else where `scripts/fetch-model.sh` puts it.
+pub fn default_model_path() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KURA_MODEL") {
+        return p.into();
+    }
+    cache_dir()
+        .join("models")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// The default model's text, for tests: a missing model fails the test that asks for it.
+#[cfg(test)]
+pub(crate) fn test_model_text() -> ModelText {
+    let path = default_model_path();
     assert!(
         path.exists(),
         "default model missing at {}: run scripts/fetch-model.sh (or set KURA_MODEL)",

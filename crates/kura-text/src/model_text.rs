@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use kura_gguf::{GgufFile, Value};
-use kura_shape::{GgufMetadata, ModelSpec};
+use kura_shape::{GgufMetadata, ModelSpec, SpecError};
 
 use crate::chat::{ChatTemplate, CHATML, GEMMA3};
 use crate::error::{Result, TextError};
@@ -27,6 +27,27 @@ pub fn default_template(arch: &str) -> &'static str {
     }
 }
 
+/// The shape of an open GGUF of architecture `arch` as the runtime reads it: one value per key (a
+/// per-layer array, layers of different shapes, is refused with the key's name), the vocabulary size from
+/// `tokenizer.ggml.tokens` when the file has no `<arch>.vocab_size`.
+pub fn gguf_model_spec(g: &GgufFile, arch: &str) -> std::result::Result<ModelSpec, SpecError> {
+    let number = |key: &str| -> std::result::Result<Option<u64>, String> {
+        g.opt_u64(key).map_err(|e| e.to_string())
+    };
+    let token_count = match g.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(tokens)) => Some(tokens.len()),
+        _ => None,
+    };
+    let meta = GgufMetadata {
+        arch,
+        number: &number,
+        token_count,
+        has_output_weight: g.tensors.contains_key("output.weight"),
+        num_parameters: None,
+    };
+    ModelSpec::from_gguf(&meta, arch, "GGUF")
+}
+
 fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|source| TextError::Io {
         path: path.to_path_buf(),
@@ -38,7 +59,7 @@ impl ModelText {
     /// The text side of a GGUF file or an HF model directory; the vocabulary size is read as
     /// `kura-shape` reads it for the runtime.
     pub fn load(path: &Path) -> Result<Self> {
-        let spec_error = |e: kura_shape::SpecError| TextError::Config(e.to_string());
+        let spec_error = |e: SpecError| TextError::Config(e.to_string());
         if path.is_dir() {
             let config_path = path.join("config.json");
             let v: serde_json::Value =
@@ -57,21 +78,7 @@ impl ModelText {
         } else {
             let g = GgufFile::open(path)?;
             let arch = g.get_str("general.architecture")?.to_string();
-            let number = |key: &str| -> std::result::Result<Option<u64>, String> {
-                g.opt_u64(key).map_err(|e| e.to_string())
-            };
-            let token_count = match g.metadata.get("tokenizer.ggml.tokens") {
-                Some(Value::Array(tokens)) => Some(tokens.len()),
-                _ => None,
-            };
-            let meta = GgufMetadata {
-                arch: &arch,
-                number: &number,
-                token_count,
-                has_output_weight: g.tensors.contains_key("output.weight"),
-                num_parameters: None,
-            };
-            let spec = ModelSpec::from_gguf(&meta, &arch, "GGUF").map_err(spec_error)?;
+            let spec = gguf_model_spec(&g, &arch).map_err(spec_error)?;
             Self::from_gguf(&g, default_template(&arch), spec.vocab_size)
         }
     }
