@@ -185,10 +185,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
             for (at, ttl) in marks {
                 breakpoints.push((0, at, ttl));
             }
-            messages.push(ChatMessage {
-                role: "system".into(),
-                content: text,
-            });
+            messages.push(ChatMessage::new("system", text));
         }
     }
     let Some(list) = o.get("messages").and_then(Value::as_array) else {
@@ -218,10 +215,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         for (off, ttl) in marks {
             breakpoints.push((index, off, ttl));
         }
-        messages.push(ChatMessage {
-            role: role.into(),
-            content: text,
-        });
+        messages.push(ChatMessage::new(role, text));
     }
     if let Some(cc) = o.get("cache_control").filter(|v| !v.is_null()) {
         let ttl = CacheTtl::parse_control(cc, "cache_control")?;

@@ -140,7 +140,7 @@ pub fn join_prefix(prefix: &[u32], full: Vec<u32>) -> Vec<u32> {
 }
 
 /// What a saved context holds.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContextKind {
     /// Chat messages: requests' own messages follow them in one chat template.

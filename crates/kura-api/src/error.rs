@@ -193,7 +193,9 @@ impl From<RequestError> for ApiError {
                 param: Some("max_tokens"),
                 code: Some("kv_cache_capacity_exceeded"),
             },
-            RequestError::Model(_) => ApiError::Internal(e.to_string()),
+            RequestError::Model(_) | RequestError::Constraint(_) => {
+                ApiError::Internal(e.to_string())
+            }
             RequestError::ClientStalled { .. } => ApiError::ClientStalled(e.to_string()),
         }
     }

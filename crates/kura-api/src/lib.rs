@@ -2,6 +2,7 @@
 //! engine or the model runtime:
 //! - [`types`], [`validate`]: the OpenAI request and response bodies, and their validation into the
 //!   engine's vocabulary (`kura-request`); [`anthropic`]: Anthropic's Messages API read the same way;
+//! - [`structured`], [`tools`]: structured outputs and tool calling as requests spell them;
 //! - [`cache_control`]: context caching as requests spell it (TTLs, breakpoints, retention);
 //! - [`routing`]: a request's prompt tokens and cache salt exactly as a server will key its KV (for a
 //!   router);
@@ -21,6 +22,8 @@ pub mod keys;
 pub mod routing;
 pub mod signal;
 pub mod sse;
+pub mod structured;
+pub mod tools;
 pub mod types;
 pub mod validate;
 

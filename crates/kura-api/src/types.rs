@@ -69,6 +69,13 @@ pub struct CommonParams {
     #[serde(default)]
     pub return_token_ids: bool,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Structured outputs ([`crate::structured`]).
+    pub response_format: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -102,6 +109,29 @@ pub struct RequestMessage {
     pub role: String,
     /// May be absent or null for assistant messages that carried only tool calls.
     pub content: Option<MessageContent>,
+    /// An assistant turn's calls.
+    pub tool_calls: Option<Vec<RequestToolCall>>,
+    /// A `tool` turn: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// The participant's name (OpenAI's `name`); for a `tool` turn, the function's.
+    pub name: Option<String>,
+    /// An assistant turn's refusal, as OpenAI sends it back (`null` when there was none).
+    pub refusal: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: RequestFunctionCall,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestFunctionCall {
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -111,6 +141,9 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -208,12 +241,54 @@ pub struct ChatTokenLogprob {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
+    /// Logprobs of a refusal: this server never refuses (always `null`, as OpenAI sends it).
+    pub refusal: Option<Vec<ChatTokenLogprob>>,
+}
+
+/// A tool call the model made.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallBody {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallBody,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCallBody {
+    pub name: String,
+    /// JSON text.
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ResponseMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the turn is only tool calls.
+    pub content: Option<String>,
+    /// This server never refuses: always `null` (the field the spec requires).
+    pub refusal: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallBody>>,
+}
+
+/// One piece of a streamed tool call: the first names it (`id`, `type`, `function.name`), later ones
+/// add to its arguments.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -243,6 +318,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -4,8 +4,13 @@
 use kura_request::ChatMessage;
 use kura_request::{GenerateRequest, SamplingParams};
 
+use kura_guide::Guide;
+use serde_json::{json, Value};
+
 use crate::body::from_value;
 use crate::error::ApiError;
+use crate::structured::output_guide;
+use crate::tools::{check_tool_turns, openai_tools, parse_arguments, ToolPlan};
 use crate::types::{
     ChatCompletionRequest, CommonParams, CompletionRequest, MessageContent, Prompt, RequestMessage,
     Stop,
@@ -46,6 +51,8 @@ pub struct Checked {
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
+    /// What the output must be (structured outputs), compiled by the server.
+    pub guide: Option<Guide>,
 }
 
 impl Checked {
@@ -69,6 +76,7 @@ impl Checked {
             priority: self.priority,
             cache_salt: self.cache_salt,
             pins: Vec::new(),
+            constraint: None,
         }
     }
 }
@@ -218,6 +226,7 @@ pub fn check_common(
             ));
         }
     }
+    let guide = output_guide(c)?;
     let include_usage = match &c.stream_options {
         Some(_) if !c.stream => {
             return Err(ApiError::invalid(
@@ -254,6 +263,7 @@ pub fn check_common(
         stream: c.stream,
         include_usage,
         return_token_ids: c.return_token_ids,
+        guide,
     })
 }
 
@@ -271,7 +281,41 @@ pub fn check_logprobs(name: &'static str, v: Option<i64>) -> Result<Option<u32>,
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-/// Chat messages → (role, text) pairs for the template; only text content parts are accepted.
+/// The text of a message's content: a string, or text parts joined.
+fn content_text(i: usize, content: &Option<MessageContent>) -> Result<String, ApiError> {
+    Ok(match content {
+        None => String::new(),
+        Some(MessageContent::Text(t)) => t.clone(),
+        Some(MessageContent::Parts(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}] of type text has no text"),
+                            Some("messages"),
+                        ))
+                    }
+                    (other, _) => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "messages[{i}].content[{j}] has type {other:?}; this model \
+                                 accepts only text parts"
+                            ),
+                            Some("messages"),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+    })
+}
+
+/// Chat messages → the template's messages: text content (only text parts are accepted), an
+/// assistant turn's tool calls (their arguments parsed, and kept as sent in `raw_arguments`), a `tool`
+/// turn's call id and name. Tool turns must answer earlier calls.
 pub fn flatten_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(
@@ -279,7 +323,7 @@ pub fn flatten_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
             Some("messages"),
         ));
     }
-    messages
+    let out = messages
         .iter()
         .enumerate()
         .map(|(i, m)| {
@@ -293,43 +337,71 @@ pub fn flatten_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
                     Some("messages"),
                 ));
             }
-            let content = match &m.content {
-                None => String::new(),
-                Some(MessageContent::Text(t)) => t.clone(),
-                Some(MessageContent::Parts(parts)) => {
-                    let mut text = String::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => text.push_str(t),
-                            ("text", None) => {
-                                return Err(ApiError::invalid(
-                                    format!("messages[{i}].content[{j}] of type text has no text"),
-                                    Some("messages"),
-                                ))
-                            }
-                            (other, _) => {
-                                return Err(ApiError::invalid(
-                                    format!(
-                                        "messages[{i}].content[{j}] has type {other:?}; this model \
-                                         accepts only text parts"
-                                    ),
-                                    Some("messages"),
-                                ))
-                            }
-                        }
-                    }
-                    text
-                }
-            };
+            let content = content_text(i, &m.content)?;
             // `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
             let role = if m.role == "developer" {
                 "system".to_string()
             } else {
                 m.role.clone()
             };
-            Ok(ChatMessage { role, content })
+            let tool_calls = match &m.tool_calls {
+                None => None,
+                Some(_) if m.role != "assistant" => {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "messages[{i}] has tool_calls but only assistant messages make calls"
+                        ),
+                        Some("messages"),
+                    ))
+                }
+                Some(calls) if calls.is_empty() => None,
+                Some(calls) => {
+                    let mut out = Vec::with_capacity(calls.len());
+                    for (j, c) in calls.iter().enumerate() {
+                        if c.kind.as_deref().is_some_and(|k| k != "function") {
+                            return Err(ApiError::invalid(
+                                format!("messages[{i}].tool_calls[{j}].type must be \"function\""),
+                                Some("messages"),
+                            ));
+                        }
+                        if c.id.is_empty() {
+                            return Err(ApiError::invalid(
+                                format!("messages[{i}].tool_calls[{j}].id must not be empty"),
+                                Some("messages"),
+                            ));
+                        }
+                        let args = parse_arguments(
+                            &c.function.arguments,
+                            &format!("messages[{i}].tool_calls[{j}].function.arguments"),
+                        )?;
+                        out.push(json!({"id": c.id, "type": "function",
+                            "raw_arguments": c.function.arguments,
+                            "function": {"name": c.function.name, "arguments": args}}));
+                    }
+                    Some(Value::Array(out))
+                }
+            };
+            let tool_call_id = match (&m.tool_call_id, m.role.as_str()) {
+                (Some(id), "tool") => Some(id.clone()),
+                (None, "tool") => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}] has role tool but no tool_call_id"),
+                        Some("messages"),
+                    ))
+                }
+                _ => None,
+            };
+            Ok(ChatMessage {
+                role,
+                content,
+                tool_calls,
+                tool_call_id,
+                name: m.name.clone().filter(|_| m.role == "tool"),
+            })
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    check_tool_turns(&out)?;
+    Ok(out)
 }
 
 /// One prompt of a completions request, before tokenization.
@@ -354,6 +426,8 @@ pub struct CompletionPlan {
 pub struct ChatPlan {
     pub checked: Checked,
     pub messages: Vec<ChatMessage>,
+    /// The request's tools, if it has any.
+    pub tools: Option<ToolPlan>,
     pub logprobs: Option<u32>,
     pub user: Option<String>,
 }
@@ -441,9 +515,24 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         }
     };
     let messages = flatten_messages(&req.messages)?;
+    let tools = openai_tools(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    if let (Some(t), Some(_)) = (&tools, &checked.guide) {
+        if t.constrained().is_some() {
+            return Err(ApiError::invalid(
+                "response_format cannot be combined with tool_choice required or a named \
+                 function: the output is then the tool call",
+                Some("response_format"),
+            ));
+        }
+    }
     Ok(ChatPlan {
         checked,
         messages,
+        tools,
         logprobs,
         user: common.user,
     })

@@ -942,11 +942,35 @@ impl Core {
         let now = Instant::now();
         let seq = self.seqs.get_mut(&key).expect("sampled sequence exists");
         let group_id = seq.group;
+        let constrained = !matches!(seq.constraint, Ok(None));
+        let allowed = match &mut seq.constraint {
+            Ok(None) => Ok(None),
+            Ok(Some(c)) => c.allowed().map(Some),
+            Err(e) => Err(e.clone()),
+        };
+        let allowed = match allowed {
+            Ok(a) => a,
+            Err(e) => {
+                self.fail_group(group_id, RequestError::Constraint(e));
+                return;
+            }
+        };
+        let Sampled { token, logprob } = seq.sampler.sample_allowed(logits, allowed);
+        let grammar_done = match &mut seq.constraint {
+            Ok(Some(c)) => match c.accept(token) {
+                Ok(()) => c.is_done(),
+                Err(e) => {
+                    self.fail_group(group_id, RequestError::Constraint(e));
+                    return;
+                }
+            },
+            _ => false,
+        };
         let group = self
             .groups
             .get_mut(&group_id)
             .expect("sequence's group exists");
-        let Sampled { token, logprob } = seq.sampler.sample(logits);
+        let seq = self.seqs.get_mut(&key).expect("sampled sequence exists");
         self.metrics.generation_tokens.add(1);
         group.usage.completion_tokens += 1;
         match seq.last_token_at {
@@ -961,10 +985,21 @@ impl Core {
             }
         }
         seq.last_token_at = Some(now);
-        let stop_token = seq.stop_tokens.contains(&token);
-        let last = !stop_token
-            && (self.sched.num_generated(key) + 1 >= group.request.max_tokens as usize
-                || self.sched.tokens(key).len() + 1 >= self.config.max_model_len);
+        // Under a grammar, end-of-sequence comes only where the grammar may end: it ends the choice
+        // even when the request ignores end-of-sequence.
+        let stop_token =
+            seq.stop_tokens.contains(&token) || (constrained && self.eos.contains(&token));
+        let last = if stop_token {
+            None
+        } else if grammar_done {
+            Some(FinishReason::Stop)
+        } else if self.sched.num_generated(key) + 1 >= group.request.max_tokens as usize
+            || self.sched.tokens(key).len() + 1 >= self.config.max_model_len
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
         let choice = seq.choice;
         self.out.send(OutMsg::Token {
             id: group_id,
@@ -978,8 +1013,8 @@ impl Core {
             self.finish_seq(key, FinishReason::Stop);
         } else {
             self.sched.push_token(key, token);
-            if last {
-                self.finish_seq(key, FinishReason::Length);
+            if let Some(reason) = last {
+                self.finish_seq(key, reason);
             }
         }
     }

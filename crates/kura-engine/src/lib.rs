@@ -25,8 +25,9 @@ pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use kura_request::{
-    EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError, SamplingParams,
-    SubmitError, TokenCandidate, TokenLogprob, Usage, TENANT_SEPARATOR,
+    ConstraintSpec, EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError,
+    SamplingParams, SubmitError, TokenCandidate, TokenConstraint, TokenLogprob, Usage,
+    TENANT_SEPARATOR,
 };
 pub use kura_sched::{
     AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,

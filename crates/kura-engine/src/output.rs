@@ -81,14 +81,15 @@ pub(crate) enum OutMsg {
         stop: Vec<String>,
     },
     /// A sampled token of one choice. `stop_token`: it ends the choice and is not part of the text;
-    /// `last`: the engine ends the choice after it (`max_tokens` or the context).
+    /// `last`: the engine ends the choice after it, for this reason (`Length`: `max_tokens` or the
+    /// context; `Stop`: its grammar is complete).
     Token {
         id: u64,
         choice: u32,
         token: u32,
         logprob: Option<kura_model::sampling::TokenLogprob>,
         stop_token: bool,
-        last: bool,
+        last: Option<FinishReason>,
     },
     /// Every choice has finished in the engine.
     Done { id: u64, usage: Usage },
@@ -236,7 +237,7 @@ fn handle(
             let (text, finish) = text_of(c, codec, token, stop_token, last);
             if finish.is_some() {
                 c.finished = true;
-                if !stop_token && !last {
+                if !stop_token && last.is_none() {
                     // A stop string: the engine has not ended this choice; it frees it at its next step.
                     let _ = finished.send((id, choice));
                 }
@@ -291,7 +292,7 @@ fn text_of(
     codec: &Arc<dyn TextCodec>,
     token: u32,
     stop_token: bool,
-    last: bool,
+    last: Option<FinishReason>,
 ) -> (String, Option<(FinishReason, Option<String>)>) {
     let matched = |s: Option<StopReason>| match s {
         Some(StopReason::String(s)) => Some(s),
@@ -309,9 +310,9 @@ fn text_of(
     if stopped.is_some() {
         return (out, Some((FinishReason::Stop, matched(stopped))));
     }
-    if !last {
+    let Some(reason) = last else {
         return (out, None);
-    }
+    };
     let rest = c.detok.flush(codec);
     let (more, stopped) = c.stop.push(&rest);
     out.push_str(&more);
@@ -319,7 +320,7 @@ fn text_of(
         (out, Some((FinishReason::Stop, matched(stopped))))
     } else {
         out.push_str(&c.stop.flush());
-        (out, Some((FinishReason::Length, None)))
+        (out, Some((reason, None)))
     }
 }
 

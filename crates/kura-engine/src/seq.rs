@@ -14,7 +14,7 @@ use kura_model::{IncrementalDecoder, Sampler, SamplingParams};
 
 use crate::backend::TextCodec;
 use crate::output::SinkSlot;
-use crate::request::{FinishReason, GenerateRequest, Usage};
+use crate::request::{FinishReason, GenerateRequest, TokenConstraint, Usage};
 
 /// One submitted request and everything shared by its choices.
 pub(crate) struct Group {
@@ -73,6 +73,9 @@ pub(crate) struct Seq {
     /// Tokens that end the choice (EOS unless ignored, and the request's own).
     pub stop_tokens: Vec<u32>,
     pub last_token_at: Option<Instant>,
+    /// The grammar the choice's output follows ([`GenerateRequest::constraint`]), or why it could not
+    /// start (the choice then fails at its first token).
+    pub constraint: Result<Option<Box<dyn TokenConstraint>>, String>,
 }
 
 impl Seq {
@@ -94,6 +97,7 @@ impl Seq {
             sampler: Sampler::new(params, &request.prompt_tokens),
             stop_tokens,
             last_token_at: None,
+            constraint: request.constraint.as_ref().map(|c| c.start()).transpose(),
         }
     }
 }

@@ -29,10 +29,7 @@ fn messages() -> Vec<ChatMessage> {
     ["system", "user"]
         .iter()
         .zip(["Be brief.", "Hi there"])
-        .map(|(role, content)| ChatMessage {
-            role: role.to_string(),
-            content: content.into(),
-        })
+        .map(|(role, content)| ChatMessage::new(*role, content))
         .collect()
 }
 

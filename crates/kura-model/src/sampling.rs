@@ -56,15 +56,30 @@ impl Sampler {
 
     /// Picks the next token from one row of logits and records it as generated.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        self.sample_allowed(logits, None)
+    }
+
+    /// [`Sampler::sample`] among the tokens `allowed` only (bit `id % 32` of word `id / 32`; a
+    /// grammar's mask), when given: the others are out before any other step. Logprobs stay those of
+    /// the model's own distribution. At least one token must be allowed.
+    pub fn sample_allowed(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> Sampled {
         let p = &self.params;
         // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
         let logprob_of = p.logprobs.map(|k| (k, log_sum_exp(logits)));
         let penalized =
             p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let mut owned = Vec::new();
-        if penalized {
+        if penalized || allowed.is_some() {
             owned = logits.to_vec();
         }
+        if let Some(mask) = allowed {
+            for (i, v) in owned.iter_mut().enumerate() {
+                if mask.get(i / 32).is_none_or(|w| w >> (i % 32) & 1 == 0) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let penalized = penalized || allowed.is_some();
         let l: &mut [f32] = &mut owned;
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen {
@@ -211,9 +226,14 @@ fn draw(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
         r -= pr;
         j += 1;
     }
-    // Rounding left `r` past the last survivor: the least likely one.
+    // Rounding left `r` past the last survivor: the least likely one that can be drawn at all (tokens
+    // a mask took out weigh nothing).
     let last = keep.unwrap_or(order.len());
-    order[last - 1] as u32
+    order[..last]
+        .iter()
+        .rev()
+        .find(|&&i| weight(i) > 0.0)
+        .map_or(order[0], |&i| i) as u32
 }
 
 /// Index of the largest logit (the first on ties).
@@ -282,6 +302,43 @@ mod tests {
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
         let total: f32 = [0.0f32, 3.0, 1.0].iter().map(|v| (v - 3.0f32).exp()).sum();
         assert!((lp.logprob + total.ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn a_mask_leaves_only_its_tokens_in_every_mode() {
+        let logits: Vec<f32> = (0..70).map(|i| (i as f32 * 0.37).cos() * 4.0).collect();
+        // Tokens 5, 40 and 66 only.
+        let mut mask = vec![0u32; 3];
+        for t in [5usize, 40, 66] {
+            mask[t / 32] |= 1 << (t % 32);
+        }
+        let mut greedy = Sampler::new(SamplingParams::greedy(), &[]);
+        let best = [5usize, 40, 66]
+            .into_iter()
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap();
+        assert_eq!(
+            greedy.sample_allowed(&logits, Some(&mask)).token,
+            best as u32
+        );
+        for params in [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 2.0,
+                top_k: 3,
+                top_p: 0.5,
+                min_p: 0.1,
+                repetition_penalty: 1.3,
+                seed: Some(1),
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(params, &[5]);
+            for _ in 0..200 {
+                let t = s.sample_allowed(&logits, Some(&mask)).token;
+                assert!([5, 40, 66].contains(&t), "{t}");
+            }
+        }
     }
 
     #[test]

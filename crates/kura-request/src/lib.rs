@@ -13,6 +13,7 @@
 //! cancelled with [`RequestError::ClientStalled`].
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -114,6 +115,27 @@ pub struct GenerateRequest {
     /// Prefixes of the prompt to keep cached once it is computed (context caching): each is pinned in
     /// the pool until its expiry, or kept in the lower tiers when the pin budget is spent.
     pub pins: Vec<PinSpec>,
+    /// What the choices may generate (structured outputs, constrained tool calls): each choice walks
+    /// its own [`TokenConstraint`], started from this. `None`: any token.
+    pub constraint: Option<Arc<dyn ConstraintSpec>>,
+}
+
+/// A grammar the output must follow, ready to start (compiled once per request).
+pub trait ConstraintSpec: Send + Sync + std::fmt::Debug {
+    /// A fresh walker at the grammar's start, for one choice.
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String>;
+}
+
+/// One choice's walk through a grammar: which tokens may come next, and the token that came.
+pub trait TokenConstraint: Send {
+    /// The tokens allowed next, as bits over the vocabulary (bit `id % 32` of word `id / 32`; ids past
+    /// the end are not allowed). End-of-sequence is allowed only where the grammar may end. An error
+    /// (no token allowed, a broken grammar) ends the choice.
+    fn allowed(&mut self) -> Result<&[u32], String>;
+    /// Moves past `token`, which [`TokenConstraint::allowed`] allowed.
+    fn accept(&mut self, token: u32) -> Result<(), String>;
+    /// The grammar is complete and nothing but end-of-sequence may follow: the choice stops.
+    fn is_done(&self) -> bool;
 }
 
 /// A prefix of a request's prompt to keep: the first `tokens` tokens (whole blocks of them), until
@@ -141,6 +163,7 @@ impl GenerateRequest {
             priority: 0,
             cache_salt: None,
             pins: Vec::new(),
+            constraint: None,
         }
     }
 }
@@ -226,6 +249,9 @@ pub enum RequestError {
     ShuttingDown,
     #[error("the model failed while running this request: {0}")]
     Model(String),
+    /// The request's grammar (structured output, constrained tool call) could not go on.
+    #[error("the output's grammar could not go on: {0}")]
+    Constraint(String),
     /// The request's sink stayed full (its client stopped reading) for longer than the engine's
     /// `stalled_client_timeout`; the request was cancelled and its KV blocks freed.
     #[error(
@@ -327,11 +353,22 @@ pub enum SubmitError {
     EngineFailed(String),
 }
 
-/// One OpenAI-style chat message, its content flattened to text.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One OpenAI-style chat message, its content flattened to text. The tool fields reach chat templates
+/// that have a tools section (HF's names: `tool_calls`, `tool_call_id`, `name`); absent otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, as HF templates read them:
+    /// `[{"id", "type": "function", "function": {"name", "arguments": {..}}}]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` turn: the function that answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -339,6 +376,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..Default::default()
         }
     }
 }
@@ -385,4 +423,26 @@ pub trait TextCodec: Send + Sync + 'static {
     /// Tokens that end generation unless the request ignores end-of-sequence.
     fn eos_token_ids(&self) -> &[u32];
     fn vocab_size(&self) -> usize;
+    /// Whether `id` is a special (control) token: structured outputs never write one as text. (None,
+    /// unless the codec says otherwise.)
+    fn is_special(&self, id: u32) -> bool {
+        let _ = id;
+        false
+    }
+    /// The chat template's source (tool-call formats are recognised from it); empty for a codec whose
+    /// template is not a Jinja text.
+    fn chat_template_source(&self) -> &str {
+        ""
+    }
+    /// [`TextCodec::encode_chat`] with the request's tool definitions (OpenAI's `tools` array) handed
+    /// to the template as `tools`, for templates that have a tools section (a codec without one says
+    /// so).
+    fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &serde_json::Value,
+    ) -> Result<Vec<u32>, String> {
+        let _ = (messages, tools);
+        Err("this model's chat template has no tools section".into())
+    }
 }

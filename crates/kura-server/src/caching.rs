@@ -26,7 +26,7 @@ use serde_json::Value;
 pub const MAX_CONTEXTS: usize = 100_000;
 
 /// A saved context: its record in memory and its file on disk.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SavedContext {
     pub id: String,
     pub model: String,
@@ -109,10 +109,7 @@ pub fn context_tokens(codec: &dyn TextCodec, kind: &ContextKind) -> Result<Vec<u
         ContextKind::Messages { messages } => {
             let alone = codec.encode_chat(messages).map_err(template_error)?;
             let mut more = messages.clone();
-            more.push(ChatMessage {
-                role: "user".into(),
-                content: "?".into(),
-            });
+            more.push(ChatMessage::new("user", "?"));
             let followed = codec.encode_chat(&more).map_err(template_error)?;
             let n = lcp(&alone, &followed);
             Ok(alone[..n].to_vec())

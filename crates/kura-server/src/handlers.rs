@@ -14,6 +14,7 @@ use crate::body::JsonBody;
 use crate::caches;
 use crate::caching::{self, SavedContext};
 use crate::error::ApiError;
+use crate::guided;
 use crate::output::{self, Events, ResponseMeta, Shape};
 use crate::types::{TokenizeRequest, TokenizeResponse};
 use crate::validate::{self, template_error, tokenize_error, Checked, PromptInput};
@@ -75,6 +76,21 @@ async fn encode_chat(
 ) -> Result<Vec<u32>, ApiError> {
     let codec = engine.codec().clone();
     off_the_workers(move || codec.encode_chat(&messages).map_err(template_error)).await
+}
+
+/// [`encode_chat`] with tool definitions for a template that has a tools section.
+async fn encode_chat_tools(
+    engine: &EngineHandle,
+    messages: Vec<ChatMessage>,
+    tools: serde_json::Value,
+) -> Result<Vec<u32>, ApiError> {
+    let codec = engine.codec().clone();
+    off_the_workers(move || {
+        codec
+            .encode_chat_with_tools(&messages, &tools)
+            .map_err(template_error)
+    })
+    .await
 }
 
 /// Default `max_tokens` when the client gives none: whatever fits in the context and in the pool.
@@ -182,6 +198,15 @@ pub async fn completions(
     let plan = validate::prepare_completion(&value, s.ctx())?;
     drop(value);
     let context = saved_context(&s, &plan.checked, &tenant)?;
+    let style = guided::tool_style(&s.engine);
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        plan.checked.guide.clone(),
+        None,
+        style,
+    )
+    .await?;
     let prompts = match &context {
         None => encode_prompts(&s.engine, plan.prompts).await?,
         Some(c) => {
@@ -212,6 +237,10 @@ pub async fn completions(
                 plan.logprobs,
                 context.as_ref(),
             )
+            .map(|mut r| {
+                r.constraint = constraint.clone();
+                r
+            })
         })
         .collect::<Result<_, _>>()?;
     tracing::debug!(user = ?plan.user, prompts = requests.len(), max_tokens, "completion request");
@@ -222,6 +251,7 @@ pub async fn completions(
         shape: Shape::Completion,
         logprobs: plan.logprobs.is_some(),
         token_ids: plan.checked.return_token_ids && !plan.checked.stream,
+        tools: None,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     start(&s, requests, meta, stream, include_usage).await
@@ -236,22 +266,39 @@ pub async fn chat_completions(
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
     let context = saved_context(&s, &plan.checked, &tenant)?;
-    let prompt_tokens = match &context {
-        None => encode_chat(&s.engine, plan.messages).await?,
-        Some(c) => {
-            let (codec, c, messages) = (s.engine.codec().clone(), c.clone(), plan.messages);
-            off_the_workers(move || {
-                caching::encode_with_breakpoints(
-                    codec.as_ref(),
-                    &messages,
-                    &[],
-                    Some((&c.kind, &c.tokens)),
-                )
-                .map(|(tokens, _)| tokens)
-            })
-            .await?
-        }
-    };
+    let style = guided::tool_style(&s.engine);
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        plan.checked.guide.clone(),
+        plan.tools.as_ref(),
+        style,
+    )
+    .await?;
+    let (messages, tools_json) = guided::prompt_messages(plan.messages, plan.tools.as_ref(), style);
+    let prompt_tokens =
+        match (&context, tools_json) {
+            (None, None) => encode_chat(&s.engine, messages).await?,
+            (None, Some(tools)) => encode_chat_tools(&s.engine, messages, tools).await?,
+            (Some(_), Some(_)) => return Err(ApiError::invalid(
+                "cached_content cannot be combined with tools on this model: its chat template \
+                 writes the tools itself, ahead of the saved context",
+                Some("cached_content"),
+            )),
+            (Some(c), None) => {
+                let (codec, c) = (s.engine.codec().clone(), c.clone());
+                off_the_workers(move || {
+                    caching::encode_with_breakpoints(
+                        codec.as_ref(),
+                        &messages,
+                        &[],
+                        Some((&c.kind, &c.tokens)),
+                    )
+                    .map(|(tokens, _)| tokens)
+                })
+                .await?
+            }
+        };
     let max_tokens = plan
         .checked
         .max_tokens
@@ -265,6 +312,8 @@ pub async fn chat_completions(
         plan.logprobs,
         context.as_ref(),
     )?;
+    let mut request = request;
+    request.constraint = constraint;
     tracing::debug!(user = ?plan.user, prompt_tokens = request.prompt_tokens.len(), max_tokens, "chat request");
     let meta = ResponseMeta {
         id: response_id("chatcmpl"),
@@ -273,6 +322,11 @@ pub async fn chat_completions(
         shape: Shape::Chat,
         logprobs: plan.logprobs.is_some(),
         token_ids: plan.checked.return_token_ids && !plan.checked.stream,
+        tools: plan
+            .tools
+            .as_ref()
+            .filter(|t| t.parses_calls())
+            .map(|_| style.format),
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     start(&s, vec![request], meta, stream, include_usage).await

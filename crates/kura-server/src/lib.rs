@@ -4,6 +4,7 @@
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `POST /v1/messages`
 //! (Anthropic), `POST/GET /v1/caches`, `GET/PATCH/DELETE /v1/caches/{id}`, `GET /v1/models`,
+//! `GET /v1/models/{model}`,
 //! `POST /tokenize` (tenant keys); `GET /v1/kv/snapshot`, `GET /v1/kv/events`, `POST /debug/clock`
 //! (the operator key only, and routed only when there is one); `GET /health`, `GET /metrics`
 //! (Prometheus text). Async lives here and nowhere deeper: a handler validates, tokenizes on the
@@ -19,6 +20,7 @@
 mod body;
 mod caches;
 pub mod caching;
+mod guided;
 mod handlers;
 mod kv_events;
 mod messages;
@@ -136,6 +138,8 @@ struct AppState {
     contexts: Arc<caching::ContextStore>,
     /// This process's name in KV snapshots (a reader that sees it change knows the replica restarted).
     instance: Arc<str>,
+    /// The model's vocabulary for structured outputs, built on first use.
+    guides: guided::GuidesCell,
 }
 
 impl AppState {
@@ -187,6 +191,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             .clone()
             .unwrap_or_else(|| Arc::new(caching::ContextStore::in_memory())),
         instance: instance_name().into(),
+        guides: Arc::default(),
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))
@@ -198,6 +203,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             get(caches::get).patch(caches::patch).delete(caches::delete),
         )
         .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
         .route("/tokenize", post(handlers::tokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     // Operator routes: off without an operator key, and for the operator key only.
@@ -384,6 +390,22 @@ async fn models(State(s): State<AppState>) -> Json<ModelList> {
             max_model_len: info.max_model_len,
         }],
     })
+}
+
+/// `GET /v1/models/{model}`: the served model's card (what `client.models.retrieve()` reads).
+async fn model(
+    State(s): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    let info = s.engine.info();
+    validate::check_model(&id, &info.model_name)?;
+    Ok(Json(ModelCard {
+        id: info.model_name.clone(),
+        object: "model",
+        created: s.started,
+        owned_by: "kura",
+        max_model_len: info.max_model_len,
+    }))
 }
 
 async fn health(State(s): State<AppState>) -> Response {

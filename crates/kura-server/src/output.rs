@@ -21,6 +21,8 @@ use kura_engine::{EngineEvent, EventSink, FinishReason, RequestGuard, TokenLogpr
 use serde_json::{Map, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
+use kura_api::tools::ToolFormat;
+
 use crate::error::ApiError;
 use crate::types::*;
 
@@ -42,6 +44,166 @@ pub struct ResponseMeta {
     pub logprobs: bool,
     /// Whether each choice of a non-streamed response carries its generated tokens' ids.
     pub token_ids: bool,
+    /// Tool calls are read out of each chat choice's text, in this format.
+    pub tools: Option<ToolFormat>,
+}
+
+impl ResponseMeta {
+    /// The id of choice `choice`'s call `i` (unique within the server's responses).
+    fn call_id(&self, choice: u32, i: usize) -> String {
+        format!("call-{}-{choice}-{i}", self.id)
+    }
+}
+
+/// A chat choice's text read for tool calls: its content (`None` when it is calls alone), its calls
+/// and its finish reason (`tool_calls` when it stopped after making calls).
+fn read_calls(
+    meta: &ResponseMeta,
+    choice: u32,
+    text: String,
+    finish: Option<FinishReason>,
+) -> (
+    Option<String>,
+    Option<Vec<ToolCallBody>>,
+    Option<&'static str>,
+) {
+    let reason = finish.map(FinishReason::as_str);
+    let Some(format) = meta.tools else {
+        return (Some(text), None, reason);
+    };
+    let (content, calls) = format.parse(&text);
+    if calls.is_empty() {
+        return (Some(text), None, reason);
+    }
+    let bodies = calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| ToolCallBody {
+            id: meta.call_id(choice, i),
+            kind: "function",
+            function: FunctionCallBody {
+                name: c.name,
+                arguments: c.arguments,
+            },
+        })
+        .collect();
+    let reason = match finish {
+        Some(FinishReason::Stop) => Some("tool_calls"),
+        other => other.map(FinishReason::as_str),
+    };
+    (
+        (!content.is_empty()).then_some(content),
+        Some(bodies),
+        reason,
+    )
+}
+
+/// What a streamed chat choice has sent of its content and calls so far.
+#[derive(Default)]
+struct ToolStream {
+    text: String,
+    content_sent: usize,
+    /// Per call: whether its name went out, and how many bytes of its arguments.
+    calls: Vec<(bool, usize)>,
+}
+
+impl ToolStream {
+    /// The new content and call pieces once `text` is added.
+    fn advance(
+        &mut self,
+        meta: &ResponseMeta,
+        format: ToolFormat,
+        choice: u32,
+        text: &str,
+    ) -> (String, Vec<ToolCallDelta>) {
+        self.text.push_str(text);
+        let p = format.parse_partial(&self.text);
+        let content = p
+            .content
+            .get(self.content_sent..)
+            .unwrap_or_default()
+            .to_string();
+        self.content_sent = self.content_sent.max(p.content.len());
+        let mut deltas = Vec::new();
+        for (i, call) in p.calls.iter().enumerate() {
+            self.push_call(
+                meta,
+                choice,
+                i,
+                call.name.as_deref(),
+                &call.arguments,
+                &mut deltas,
+            );
+        }
+        (content, deltas)
+    }
+
+    fn push_call(
+        &mut self,
+        meta: &ResponseMeta,
+        choice: u32,
+        i: usize,
+        name: Option<&str>,
+        arguments: &str,
+        deltas: &mut Vec<ToolCallDelta>,
+    ) {
+        if self.calls.len() <= i {
+            self.calls.resize(i + 1, (false, 0));
+        }
+        let (named, sent) = &mut self.calls[i];
+        if !*named {
+            let Some(name) = name else {
+                return;
+            };
+            deltas.push(ToolCallDelta {
+                index: i as u32,
+                id: Some(meta.call_id(choice, i)),
+                kind: Some("function"),
+                function: FunctionDelta {
+                    name: Some(name.to_string()),
+                    arguments: String::new(),
+                },
+            });
+            *named = true;
+        }
+        if let Some(more) = arguments.get(*sent..).filter(|m| !m.is_empty()) {
+            deltas.push(ToolCallDelta {
+                index: i as u32,
+                id: None,
+                kind: None,
+                function: FunctionDelta {
+                    name: None,
+                    arguments: more.to_string(),
+                },
+            });
+            *sent = arguments.len();
+        }
+    }
+
+    /// The rest once the choice is finished: content held back, the calls' last pieces, and whether
+    /// the choice made calls.
+    fn finish(
+        &mut self,
+        meta: &ResponseMeta,
+        format: ToolFormat,
+        choice: u32,
+    ) -> (String, Vec<ToolCallDelta>, bool) {
+        let (_, calls) = format.parse(&self.text);
+        if calls.is_empty() {
+            let rest = self
+                .text
+                .get(self.content_sent..)
+                .unwrap_or_default()
+                .to_string();
+            self.content_sent = self.text.len();
+            return (rest, Vec::new(), false);
+        }
+        let mut deltas = Vec::new();
+        for (i, c) in calls.iter().enumerate() {
+            self.push_call(meta, choice, i, Some(&c.name), &c.arguments, &mut deltas);
+        }
+        (String::new(), deltas, true)
+    }
 }
 
 /// Bytes of output a request may have queued for its client before the engine pauses it.
@@ -239,6 +401,7 @@ fn chat_logprobs(lps: &[TokenLogprob]) -> ChatLogprobs {
                     .collect(),
             })
             .collect(),
+        refusal: None,
     }
 }
 
@@ -313,15 +476,21 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
             choices: choices
                 .into_iter()
                 .enumerate()
-                .map(|(i, c)| ChatChoice {
-                    index: i as u32,
-                    logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
-                    message: ResponseMessage {
-                        role: "assistant",
-                        content: c.text,
-                    },
-                    finish_reason: c.finish.map(FinishReason::as_str),
-                    token_ids: meta.token_ids.then_some(c.token_ids),
+                .map(|(i, c)| {
+                    let (content, tool_calls, finish_reason) =
+                        read_calls(meta, i as u32, c.text, c.finish);
+                    ChatChoice {
+                        index: i as u32,
+                        logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
+                        message: ResponseMessage {
+                            role: "assistant",
+                            content,
+                            refusal: None,
+                            tool_calls,
+                        },
+                        finish_reason,
+                        token_ids: meta.token_ids.then_some(c.token_ids),
+                    }
                 })
                 .collect(),
             usage,
@@ -338,6 +507,8 @@ struct SseState {
     include_usage: bool,
     /// Per choice: bytes of text sent so far (completions' `text_offset`).
     offsets: Vec<usize>,
+    /// Per chat choice, when calls are read out of the text.
+    tool_streams: Vec<ToolStream>,
     queue: VecDeque<Event>,
     finished: bool,
     /// When the stream is cut with a timeout error (and the request cancelled), with the limit in s.
@@ -351,9 +522,20 @@ impl SseState {
         text: Option<String>,
         lps: &[TokenLogprob],
         offset: &mut usize,
-        finish: Option<FinishReason>,
+        finish_reason: Option<&'static str>,
     ) -> Event {
-        let finish_reason = finish.map(FinishReason::as_str);
+        self.chat_chunk(choice, text, None, lps, offset, finish_reason)
+    }
+
+    fn chat_chunk(
+        &self,
+        choice: u32,
+        text: Option<String>,
+        tool_calls: Option<Vec<ToolCallDelta>>,
+        lps: &[TokenLogprob],
+        offset: &mut usize,
+        finish_reason: Option<&'static str>,
+    ) -> Event {
         let value = match self.meta.shape {
             Shape::Completion => serde_json::to_string(&CompletionResponse {
                 id: self.meta.id.clone(),
@@ -379,6 +561,7 @@ impl SseState {
                     delta: ChatDelta {
                         role: None,
                         content: text,
+                        tool_calls,
                     },
                     logprobs: (self.meta.logprobs && !lps.is_empty()).then(|| chat_logprobs(lps)),
                     finish_reason,
@@ -414,6 +597,10 @@ impl SseState {
 
     /// Turns one engine event into zero or more SSE events on the queue.
     fn push(&mut self, event: EngineEvent) {
+        let tools = match self.meta.shape {
+            Shape::Chat => self.meta.tools,
+            Shape::Completion => None,
+        };
         match event {
             EngineEvent::Delta {
                 choice,
@@ -425,18 +612,44 @@ impl SseState {
                     return;
                 }
                 let mut offset = self.offsets.get(choice as usize).copied().unwrap_or(0);
-                let e = self.chunk(choice, Some(text), &logprobs, &mut offset, None);
+                let e = match (tools, self.tool_streams.get_mut(choice as usize)) {
+                    (Some(format), Some(ts)) => {
+                        let (content, calls) = ts.advance(&self.meta, format, choice, &text);
+                        if content.is_empty() && calls.is_empty() && logprobs.is_empty() {
+                            return;
+                        }
+                        let content = (!content.is_empty()).then_some(content);
+                        let calls = (!calls.is_empty()).then_some(calls);
+                        self.chat_chunk(choice, content, calls, &logprobs, &mut offset, None)
+                    }
+                    _ => self.chunk(choice, Some(text), &logprobs, &mut offset, None),
+                };
                 if let Some(o) = self.offsets.get_mut(choice as usize) {
                     *o = offset;
                 }
                 self.queue.push_back(e);
             }
             EngineEvent::Finished { choice, reason, .. } => {
+                let mut finish = reason.as_str();
+                if let (Some(format), Some(ts)) =
+                    (tools, self.tool_streams.get_mut(choice as usize))
+                {
+                    let (content, calls, made_calls) = ts.finish(&self.meta, format, choice);
+                    if made_calls && reason == FinishReason::Stop {
+                        finish = "tool_calls";
+                    }
+                    if !content.is_empty() || !calls.is_empty() {
+                        let content = (!content.is_empty()).then_some(content);
+                        let calls = (!calls.is_empty()).then_some(calls);
+                        let e = self.chat_chunk(choice, content, calls, &[], &mut 0, None);
+                        self.queue.push_back(e);
+                    }
+                }
                 let text = match self.meta.shape {
                     Shape::Completion => Some(String::new()),
                     Shape::Chat => None,
                 };
-                let e = self.chunk(choice, text, &[], &mut 0, Some(reason));
+                let e = self.chunk(choice, text, &[], &mut 0, Some(finish));
                 self.queue.push_back(e);
             }
             EngineEvent::Done { usage } => {
@@ -471,6 +684,7 @@ pub fn sse_stream(
         events,
         include_usage,
         offsets: vec![0; n as usize],
+        tool_streams: (0..n).map(|_| ToolStream::default()).collect(),
         queue: VecDeque::new(),
         finished: false,
         deadline,
@@ -487,6 +701,7 @@ pub fn sse_stream(
                     delta: ChatDelta {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        tool_calls: None,
                     },
                     logprobs: None,
                     finish_reason: None,

@@ -33,6 +33,7 @@ pub use kura_request::ChatMessage;
 /// A compiled chat template. Cheap to render many times; `Send + Sync`.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -59,19 +60,42 @@ impl ChatTemplate {
             .map_err(|e| TextError::ChatTemplate(format!("template does not compile: {e}")))?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
     }
 
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template has a tools section (reads a `tools` variable), so that tool definitions
+    /// are its to render.
+    pub fn has_tools_section(&self) -> bool {
+        self.source.contains("tools")
+    }
+
     /// The prompt text for `messages`; `add_generation_prompt` opens the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with tool definitions (OpenAI's `tools` array) as the template's `tools`.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let t = self
             .env
             .get_template("chat")
             .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
         t.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -88,8 +112,25 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.render(messages, add_generation_prompt)?;
-        let spans = self.content_spans(&text, messages, add_generation_prompt, tokenizer)?;
+        self.encode_with_tools(tokenizer, messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::encode`] with tool definitions handed to the template.
+    pub fn encode_with_tools(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_with_tools(messages, tools, add_generation_prompt)?;
+        let spans = self.content_spans_with_tools(
+            &text,
+            messages,
+            tools,
+            add_generation_prompt,
+            tokenizer,
+        )?;
         tokenizer.encode_with_plain_spans(&text, &spans, false)
     }
 
@@ -110,6 +151,17 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         tokenizer: &Tokenizer,
     ) -> Result<Vec<Range<usize>>> {
+        self.content_spans_with_tools(rendered, messages, None, add_generation_prompt, tokenizer)
+    }
+
+    fn content_spans_with_tools(
+        &self,
+        rendered: &str,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        tokenizer: &Tokenizer,
+    ) -> Result<Vec<Range<usize>>> {
         let special: Vec<bool> = messages
             .iter()
             .map(|m| tokenizer.contains_special_text(&m.content))
@@ -120,10 +172,13 @@ impl ChatTemplate {
         let placeholders: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| ChatMessage::new(m.role.clone(), placeholder(i)))
+            .map(|(i, m)| ChatMessage {
+                content: placeholder(i),
+                ..m.clone()
+            })
             .collect();
         let walked = self
-            .render(&placeholders, add_generation_prompt)
+            .render_with_tools(&placeholders, tools, add_generation_prompt)
             .ok()
             .and_then(|skeleton| walk_skeleton(rendered, &skeleton, messages));
         match walked {

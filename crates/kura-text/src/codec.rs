@@ -93,4 +93,23 @@ impl TextCodec for ModelCodec {
     fn vocab_size(&self) -> usize {
         self.text.vocab_size
     }
+
+    fn is_special(&self, id: u32) -> bool {
+        self.text.tokenizer.is_special(id)
+    }
+
+    fn chat_template_source(&self) -> &str {
+        self.text.chat_template.source()
+    }
+
+    fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &serde_json::Value,
+    ) -> Result<Vec<u32>, String> {
+        self.text
+            .chat_template
+            .encode_with_tools(&self.text.tokenizer, messages, Some(tools), true)
+            .map_err(|e| e.to_string())
+    }
 }

@@ -448,6 +448,11 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Whether `id` is a special (control) token.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.contains_key(&id)
+    }
+
     pub fn is_stop_token(&self, id: u32) -> bool {
         self.stop_token_ids.contains(&id)
     }

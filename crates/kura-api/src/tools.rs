@@ -1,0 +1,571 @@
+//! Tool calling as requests spell it: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls`, checked
+//! into a [`ToolPlan`]; a conversation's tool turns (assistant `tool_calls`, `tool` results) written into
+//! the prompt, by the model's own template where it has a tools section and by Kura's fallback format
+//! ([`kura_guide::tools`]) otherwise.
+//!
+//! Tools are in the prompt whatever `tool_choice` says (also `none`), so the prompt, and the KV cached
+//! for it, is the same from one call to the next. `required` and a named function constrain the output
+//! to calls whose arguments are valid under the function's schema; `auto` leaves the model free and
+//! reads calls out of what it wrote.
+
+use std::collections::HashSet;
+
+use kura_guide::tools::{fallback_system_text, fallback_tool_response};
+pub use kura_guide::tools::{ParsedCall, ToolDef, ToolFormat};
+pub use kura_guide::Guide;
+use kura_request::ChatMessage;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+
+/// What a request's `tool_choice` asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// A request's tools, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolPlan {
+    pub tools: Vec<ToolDef>,
+    pub choice: ToolChoice,
+    /// More than one call per turn allowed (`parallel_tool_calls`, default true).
+    pub parallel: bool,
+}
+
+impl ToolPlan {
+    /// The tools the output is constrained to call (`required`: any; a named one: that one), or
+    /// `None` when the output is free.
+    pub fn constrained(&self) -> Option<Vec<ToolDef>> {
+        match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => None,
+            ToolChoice::Required => Some(self.tools.clone()),
+            ToolChoice::Named(n) => Some(
+                self.tools
+                    .iter()
+                    .filter(|t| &t.name == n)
+                    .cloned()
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Whether calls are read out of the output (not with `none`).
+    pub fn parses_calls(&self) -> bool {
+        self.choice != ToolChoice::None
+    }
+
+    /// The tools as OpenAI's `tools` array (what a template's tools section reads).
+    pub fn openai_json(&self) -> Value {
+        Value::Array(self.tools.iter().map(ToolDef::openai_json).collect())
+    }
+}
+
+fn bad(msg: impl Into<String>, param: &'static str) -> ApiError {
+    ApiError::invalid(msg, Some(param))
+}
+
+/// OpenAI's function names: 1 to 64 letters, digits, `_` or `-`.
+pub fn check_function_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// A tool's parameter schema: an object schema (`{"type": "object"}` when absent).
+pub fn check_parameters(
+    v: Option<&Value>,
+    at: &str,
+    param: &'static str,
+) -> Result<Value, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(json!({"type": "object", "properties": {}})),
+        Some(p @ Value::Object(_)) => Ok(p.clone()),
+        Some(_) => Err(bad(format!("{at} must be a JSON schema object"), param)),
+    }
+}
+
+/// One of `tools`' names, for `tool_choice`; an unknown name is the client's error.
+pub fn check_named(tools: &[ToolDef], name: &str, param: &'static str) -> Result<(), ApiError> {
+    if tools.iter().any(|t| t.name == name) {
+        Ok(())
+    } else {
+        let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+        Err(bad(
+            format!(
+                "tool_choice names the function {name:?}, which is not among the tools ({})",
+                names.join(", ")
+            ),
+            param,
+        ))
+    }
+}
+
+/// Tool names must be unique: a call names its function.
+pub fn check_unique(tools: &[ToolDef], param: &'static str) -> Result<(), ApiError> {
+    let mut seen = HashSet::new();
+    for t in tools {
+        if !seen.insert(t.name.as_str()) {
+            return Err(bad(
+                format!(
+                    "two tools are named {:?}; tool names must be unique",
+                    t.name
+                ),
+                param,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
+pub fn openai_tools(
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+    parallel: Option<bool>,
+) -> Result<Option<ToolPlan>, ApiError> {
+    let defs: Vec<ToolDef> = match tools {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, t)| openai_tool(i, t))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad("tools must be a list of tools", "tools")),
+    };
+    check_unique(&defs, "tools")?;
+    let choice = match tool_choice {
+        None | Some(Value::Null) => {
+            if defs.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            }
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(
+                    format!(
+                        "tool_choice must be none, auto, required or a named function, got \
+                         {other:?}"
+                    ),
+                    "tool_choice",
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            let name = match (o.get("type").and_then(Value::as_str), o.get("function")) {
+                (Some("function"), Some(f)) => f.get("name").and_then(Value::as_str),
+                (Some(other), _) if other != "function" => {
+                    return Err(bad(
+                        format!(
+                            "tool_choice of type {other:?} is not supported by this server; use \
+                             none, auto, required or {{\"type\": \"function\", \"function\": \
+                             {{\"name\": ..}}}}"
+                        ),
+                        "tool_choice",
+                    ))
+                }
+                _ => None,
+            };
+            let Some(name) = name else {
+                return Err(bad(
+                    "tool_choice as an object must be {\"type\": \"function\", \"function\": \
+                     {\"name\": ..}}",
+                    "tool_choice",
+                ));
+            };
+            ToolChoice::Named(name.to_string())
+        }
+        Some(_) => {
+            return Err(bad(
+                "tool_choice must be a string or an object",
+                "tool_choice",
+            ))
+        }
+    };
+    match &choice {
+        ToolChoice::Required | ToolChoice::Named(_) if defs.is_empty() => {
+            return Err(bad(
+                "tool_choice asks for a tool call but the request has no tools",
+                "tool_choice",
+            ))
+        }
+        ToolChoice::Named(n) => check_named(&defs, n, "tool_choice")?,
+        _ => {}
+    }
+    if defs.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(ToolPlan {
+        tools: defs,
+        choice,
+        parallel: parallel.unwrap_or(true),
+    }))
+}
+
+fn openai_tool(i: usize, t: &Value) -> Result<ToolDef, ApiError> {
+    const P: &str = "tools";
+    let kind = t.get("type").and_then(Value::as_str);
+    if kind != Some("function") {
+        return Err(bad(
+            format!(
+                "tools[{i}].type must be \"function\" (the only kind this server runs), got {}",
+                t.get("type")
+                    .map_or("nothing".to_string(), Value::to_string)
+            ),
+            P,
+        ));
+    }
+    let Some(f) = t.get("function").and_then(Value::as_object) else {
+        return Err(bad(format!("tools[{i}] has no function object"), P));
+    };
+    let Some(name) = f.get("name").and_then(Value::as_str) else {
+        return Err(bad(format!("tools[{i}].function has no name"), P));
+    };
+    if !check_function_name(name) {
+        return Err(bad(
+            format!(
+                "tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got {name:?}"
+            ),
+            P,
+        ));
+    }
+    let description = match f.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d.clone()),
+        Some(_) => {
+            return Err(bad(
+                format!("tools[{i}].function.description must be text"),
+                P,
+            ))
+        }
+    };
+    if f.get("strict")
+        .is_some_and(|s| !s.is_boolean() && !s.is_null())
+    {
+        return Err(bad(
+            format!("tools[{i}].function.strict must be a boolean"),
+            P,
+        ));
+    }
+    let parameters = check_parameters(
+        f.get("parameters"),
+        &format!("tools[{i}].function.parameters"),
+        P,
+    )?;
+    Ok(ToolDef {
+        name: name.to_string(),
+        description,
+        parameters,
+    })
+}
+
+/// A past call's arguments, given as JSON text: they must be a JSON object.
+pub fn parse_arguments(text: &str, at: &str) -> Result<Value, ApiError> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        _ => Err(bad(
+            format!("{at} must be a JSON object written as text, got {text:?}"),
+            "messages",
+        )),
+    }
+}
+
+/// An assistant turn's calls in the shape HF chat templates read (`arguments` as an object).
+pub fn template_calls(calls: &[(String, ParsedCall)]) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .map(|(id, c)| {
+                let args: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+                json!({"id": id, "type": "function",
+                       "function": {"name": c.name, "arguments": args}})
+            })
+            .collect(),
+    )
+}
+
+/// The calls of an assistant [`ChatMessage`] (as [`template_calls`] wrote them), each with the
+/// arguments' text as the client sent them back.
+fn calls_of(m: &ChatMessage) -> Vec<ParsedCall> {
+    let Some(Value::Array(calls)) = &m.tool_calls else {
+        return Vec::new();
+    };
+    calls
+        .iter()
+        .filter_map(|c| {
+            let f = c.get("function")?;
+            let name = f.get("name")?.as_str()?.to_string();
+            // The text as sent is kept beside the parsed object (see `raw_arguments`).
+            let arguments = c
+                .get("raw_arguments")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .unwrap_or_else(|| f.get("arguments").map_or("{}".into(), Value::to_string));
+            Some(ParsedCall { name, arguments })
+        })
+        .collect()
+}
+
+/// Checks the tool turns of a conversation: every `tool` message answers a call an earlier assistant
+/// message made.
+pub fn check_tool_turns(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    let mut called: HashSet<String> = HashSet::new();
+    for (i, m) in messages.iter().enumerate() {
+        if let Some(Value::Array(calls)) = &m.tool_calls {
+            for c in calls {
+                if let Some(id) = c.get("id").and_then(Value::as_str) {
+                    called.insert(id.to_string());
+                }
+            }
+        }
+        if m.role == "tool" {
+            match &m.tool_call_id {
+                None => {
+                    return Err(bad(
+                        format!("messages[{i}] has role tool but no tool_call_id"),
+                        "messages",
+                    ))
+                }
+                Some(id) if !called.contains(id) => {
+                    return Err(bad(
+                        format!(
+                            "messages[{i}] answers tool_call_id {id:?}, which no earlier assistant \
+                             message called"
+                        ),
+                        "messages",
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The messages as the prompt writes them, for a template with no tools section: the tools described
+/// at the end of the system message (one is added when there is none), an assistant turn's calls
+/// written after its text as the fallback format writes them, and each run of `tool` results one user
+/// turn of `<tool_response>` blocks (templates that insist on alternating roles accept it).
+pub fn fallback_messages(messages: Vec<ChatMessage>, tools: Option<&ToolPlan>) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    if let Some(plan) = tools {
+        let text = fallback_system_text(&plan.tools);
+        match messages.first() {
+            Some(m) if m.role == "system" => {}
+            _ => out.push(ChatMessage::new("system", text.clone())),
+        }
+        // The system message (if any) gets the tools after its own text.
+        let mut messages = messages;
+        if let Some(first) = messages.first_mut().filter(|m| m.role == "system") {
+            first.content = if first.content.is_empty() {
+                text
+            } else {
+                format!("{}\n\n{text}", first.content)
+            };
+        }
+        return fallback_turns(out, messages);
+    }
+    fallback_turns(out, messages)
+}
+
+fn fallback_turns(mut out: Vec<ChatMessage>, messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+    for m in messages {
+        if m.role == "tool" {
+            let block = fallback_tool_response(&m.content);
+            match out.last_mut() {
+                Some(prev) if prev.role == "user" && prev.tool_call_id.is_some() => {
+                    prev.content.push('\n');
+                    prev.content.push_str(&block);
+                }
+                _ => out.push(ChatMessage {
+                    role: "user".into(),
+                    content: block,
+                    // Marks the turn as tool results, so the next result joins it.
+                    tool_call_id: m.tool_call_id,
+                    ..Default::default()
+                }),
+            }
+            continue;
+        }
+        let calls = calls_of(&m);
+        if calls.is_empty() {
+            out.push(ChatMessage::new(m.role, m.content));
+        } else {
+            let written = ToolFormat::Fallback.write_calls(&calls);
+            let content = if m.content.is_empty() {
+                written
+            } else {
+                format!("{}\n{written}", m.content)
+            };
+            out.push(ChatMessage::new(m.role, content));
+        }
+    }
+    for m in &mut out {
+        m.tool_call_id = None;
+    }
+    out
+}
+
+/// The messages for a template that has a tools section: as they are, less Kura's own bookkeeping.
+pub fn native_messages(messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+    messages
+        .into_iter()
+        .map(|mut m| {
+            if let Some(Value::Array(calls)) = &mut m.tool_calls {
+                for c in calls {
+                    if let Some(o) = c.as_object_mut() {
+                        o.remove("raw_arguments");
+                    }
+                }
+            }
+            m
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(tools: Value, choice: Option<Value>) -> Result<Option<ToolPlan>, ApiError> {
+        openai_tools(Some(&tools), choice.as_ref(), None)
+    }
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])
+    }
+
+    #[test]
+    fn choices_read_and_constrain() {
+        let p = plan(weather(), None).unwrap().unwrap();
+        assert_eq!(p.choice, ToolChoice::Auto);
+        assert!(p.constrained().is_none() && p.parallel);
+        let p = plan(weather(), Some(json!("required"))).unwrap().unwrap();
+        assert_eq!(p.constrained().unwrap().len(), 1);
+        let p = plan(
+            weather(),
+            Some(json!({"type": "function", "function": {"name": "get_weather"}})),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.choice, ToolChoice::Named("get_weather".into()));
+        assert!(openai_tools(None, Some(&json!("none")), None)
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn bad_tools_are_named() {
+        for (tools, choice, words) in [
+            (
+                json!([{"type": "function", "function": {}}]),
+                None,
+                "has no name",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "a b"}}]),
+                None,
+                "1 to 64 letters",
+            ),
+            (
+                json!([{"type": "web_search"}]),
+                None,
+                "must be \"function\"",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": 3}}]),
+                None,
+                "JSON schema object",
+            ),
+            (
+                weather(),
+                Some(json!({"type": "function", "function": {"name": "nope"}})),
+                "not among",
+            ),
+            (json!([]), Some(json!("required")), "has no tools"),
+            (weather(), Some(json!("sometimes")), "got \"sometimes\""),
+            (
+                json!([{"type": "function", "function": {"name": "f"}},
+                       {"type": "function", "function": {"name": "f"}}]),
+                None,
+                "unique",
+            ),
+        ] {
+            let e = plan(tools.clone(), choice).unwrap_err().to_string();
+            assert!(e.contains(words), "{tools}: {e}");
+        }
+    }
+
+    fn assistant_call(id: &str, name: &str, args: &str) -> ChatMessage {
+        ChatMessage {
+            role: "assistant".into(),
+            content: String::new(),
+            tool_calls: Some(json!([{"id": id, "type": "function", "raw_arguments": args,
+                "function": {"name": name, "arguments": serde_json::from_str::<Value>(args).unwrap()}}])),
+            ..Default::default()
+        }
+    }
+
+    fn tool_result(id: &str, text: &str) -> ChatMessage {
+        ChatMessage {
+            role: "tool".into(),
+            content: text.into(),
+            tool_call_id: Some(id.into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn tool_results_must_answer_a_call() {
+        let msgs = vec![
+            ChatMessage::new("user", "hi"),
+            assistant_call("c1", "f", "{}"),
+            tool_result("c1", "ok"),
+        ];
+        assert!(check_tool_turns(&msgs).is_ok());
+        let e = check_tool_turns(&[ChatMessage::new("user", "hi"), tool_result("c9", "x")])
+            .unwrap_err();
+        assert!(e.to_string().contains("no earlier assistant"), "{e}");
+    }
+
+    #[test]
+    fn the_fallback_writes_calls_as_they_were_generated() {
+        let p = plan(weather(), Some(json!("required"))).unwrap().unwrap();
+        let args = r#"{"city": "Paris"}"#;
+        let msgs = fallback_messages(
+            vec![
+                ChatMessage::new("user", "Weather?"),
+                assistant_call("c1", "get_weather", args),
+                tool_result("c1", "sunny"),
+                tool_result("c1", "warm"),
+            ],
+            Some(&p),
+        );
+        assert_eq!(msgs[0].role, "system");
+        assert!(msgs[0].content.contains("get_weather"));
+        // The assistant turn holds exactly the text a constrained call generates.
+        let generated = ToolFormat::Fallback.write_calls(&[ParsedCall {
+            name: "get_weather".into(),
+            arguments: args.into(),
+        }]);
+        assert_eq!(msgs[2].content, generated);
+        // Both results in one user turn.
+        assert_eq!(msgs.len(), 4);
+        assert_eq!(msgs[3].role, "user");
+        assert!(msgs[3].content.contains("sunny") && msgs[3].content.contains("warm"));
+        assert!(msgs
+            .iter()
+            .all(|m| m.tool_calls.is_none() && m.tool_call_id.is_none()));
+    }
+}

@@ -1,0 +1,99 @@
+//! `kura-guide` — what a request's output must look like, as token masks: structured outputs (a JSON
+//! schema, any JSON object, a regex, a Lark grammar, a choice of strings) and constrained tool calls,
+//! compiled by llguidance over the served model's own vocabulary ([`Guides`]), and the tool-call text
+//! formats of model families ([`tools`]).
+//!
+//! Compiling needs the `compile` feature (llguidance); the formats and request types do not, so a
+//! front end (the router) parses requests without linking llguidance.
+//!
+//! A request's grammar is compiled once, when it arrives ([`Guides::compile`]: a grammar llguidance
+//! refuses is the client's error, named); each choice then walks its own copy
+//! ([`kura_request::TokenConstraint`]), one mask per sampled token, on the engine thread.
+
+#[cfg(feature = "compile")]
+mod compile;
+pub mod tools;
+
+#[cfg(feature = "compile")]
+pub use compile::{Compiled, Guides};
+use serde_json::{json, Value};
+
+/// What a request's output must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Guide {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid under this schema (`json_schema`).
+    JsonSchema(Value),
+    /// Text matching this regex, whole.
+    Regex(String),
+    /// Text of this Lark grammar (llguidance's dialect: `%json {..}` embeds a schema).
+    Lark(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+}
+
+/// How JSON is written under a schema: one space after `:` and `,`, no other whitespace, so that a
+/// model cannot spend its tokens on blanks and the text is the same each time (a tool call's text is
+/// rendered back into the next turn's prompt as it was generated).
+pub fn json_options() -> Value {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
+/// `schema` with Kura's JSON layout ([`json_options`]) in llguidance's `x-guidance` key (a schema's own
+/// `x-guidance` is replaced: the layout is the server's).
+pub fn with_layout(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(map) = &mut schema {
+        map.insert("x-guidance".into(), json_options());
+    } else if let Value::Bool(true) = schema {
+        schema = json!({"x-guidance": json_options()});
+    }
+    schema
+}
+
+/// A string as a Lark literal (JSON string syntax).
+pub fn lark_literal(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// A regex that matches `s` literally.
+pub fn regex_literal(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~ \t\n\r".contains(c) {
+            match c {
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                _ => {
+                    out.push('\\');
+                    out.push(c);
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regex_literals_escape_what_a_regex_would_read() {
+        assert_eq!(regex_literal("a.b"), "a\\.b");
+        assert_eq!(regex_literal("x|y (z)"), "x\\|y\\ \\(z\\)");
+        assert_eq!(regex_literal("line\nnext"), "line\\nnext");
+    }
+
+    #[test]
+    fn the_layout_replaces_a_schemas_own() {
+        let s =
+            with_layout(&json!({"type": "string", "x-guidance": {"whitespace_flexible": true}}));
+        assert_eq!(s["x-guidance"], json_options());
+        assert_eq!(with_layout(&json!(true))["x-guidance"], json_options());
+    }
+}

@@ -1,0 +1,658 @@
+//! Tool calls as text. Each model family writes its calls its own way; a [`ToolFormat`] knows one way:
+//! the grammar that makes a model write a valid call ([`ToolFormat::call_grammar`]), how calls read
+//! back from finished text ([`ToolFormat::parse`]) and from text still streaming
+//! ([`ToolFormat::parse_partial`]), and how a past turn's calls are written back into a prompt
+//! ([`ToolFormat::write_calls`]).
+//!
+//! | format | recognised by (chat template) | a call |
+//! |---|---|---|
+//! | Hermes (Qwen 2.5, Hermes, …) | `<tool_call>` | `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>` |
+//! | Llama 3.1+ JSON | `<\|python_tag\|>` or `ipython` | `{"name": …, "parameters": {…}}` |
+//! | Mistral | `[TOOL_CALLS]` | `[TOOL_CALLS][{"name": …, "arguments": {…}}]` |
+//! | Kura's fallback (any other template) | — | as Hermes; tools described in the system message |
+//!
+//! Calls are written with one space after `:` and `,` (the layout of [`crate::json_options`]), so the
+//! text a constrained call generated and the text written back for the next turn are the same bytes,
+//! and the next turn's prompt reuses the cached KV of the previous one.
+
+use serde_json::{json, Value};
+
+use crate::lark_literal;
+
+/// How a model family writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolFormat {
+    Hermes,
+    Llama3Json,
+    Mistral,
+    /// Templates with no tools section: tools are described in the system message (see
+    /// [`fallback_system_text`]) and calls are written as Hermes writes them.
+    Fallback,
+}
+
+/// One function a request offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolDef {
+    pub name: String,
+    pub description: Option<String>,
+    /// The arguments' JSON schema (an object schema; `{"type": "object"}` when none was given).
+    pub parameters: Value,
+}
+
+impl ToolDef {
+    /// OpenAI's shape: `{"type": "function", "function": {"name", "description", "parameters"}}`.
+    pub fn openai_json(&self) -> Value {
+        let mut f = json!({"name": self.name});
+        if let Some(d) = &self.description {
+            f["description"] = json!(d);
+        }
+        f["parameters"] = self.parameters.clone();
+        json!({"type": "function", "function": f})
+    }
+}
+
+/// A call read back from generated text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedCall {
+    pub name: String,
+    /// The arguments, as the JSON text the model wrote.
+    pub arguments: String,
+}
+
+/// What streamed text holds so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Partial {
+    /// Text that is surely not part of a call (a possible start of one is held back).
+    pub content: String,
+    pub calls: Vec<PartialCall>,
+}
+
+/// A call still being written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PartialCall {
+    /// Known once its string is closed.
+    pub name: Option<String>,
+    /// The arguments' text so far (only ever grows as text arrives).
+    pub arguments: String,
+}
+
+const HERMES_OPEN: &str = "<tool_call>";
+const HERMES_CLOSE: &str = "</tool_call>";
+const PYTHON_TAG: &str = "<|python_tag|>";
+const MISTRAL_TAG: &str = "[TOOL_CALLS]";
+
+impl ToolFormat {
+    /// The format a chat template writes calls in (see the module's table).
+    pub fn detect(template: &str) -> Self {
+        if template.contains(HERMES_OPEN) {
+            ToolFormat::Hermes
+        } else if template.contains(MISTRAL_TAG) {
+            ToolFormat::Mistral
+        } else if template.contains(PYTHON_TAG) || template.contains("ipython") {
+            ToolFormat::Llama3Json
+        } else {
+            ToolFormat::Fallback
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "hermes",
+            ToolFormat::Llama3Json => "llama3_json",
+            ToolFormat::Mistral => "mistral",
+            ToolFormat::Fallback => "kura_fallback",
+        }
+    }
+
+    /// The text of one call.
+    fn call_prefix(self, name: &str) -> String {
+        let name = serde_json::to_string(name).unwrap_or_default();
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback => {
+                format!("{HERMES_OPEN}\n{{\"name\": {name}, \"arguments\": ")
+            }
+            ToolFormat::Llama3Json => format!("{{\"name\": {name}, \"parameters\": "),
+            ToolFormat::Mistral => format!("{{\"name\": {name}, \"arguments\": "),
+        }
+    }
+
+    fn call_suffix(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback => "}\n</tool_call>",
+            ToolFormat::Llama3Json | ToolFormat::Mistral => "}",
+        }
+    }
+
+    /// Between two calls.
+    fn separator(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback | ToolFormat::Llama3Json => "\n",
+            ToolFormat::Mistral => ", ",
+        }
+    }
+
+    /// Calls written as this format writes them (`arguments` as JSON text).
+    pub fn write_calls(self, calls: &[ParsedCall]) -> String {
+        let body: Vec<String> = calls
+            .iter()
+            .map(|c| {
+                format!(
+                    "{}{}{}",
+                    self.call_prefix(&c.name),
+                    c.arguments,
+                    self.call_suffix()
+                )
+            })
+            .collect();
+        let body = body.join(self.separator());
+        match self {
+            ToolFormat::Mistral => format!("{MISTRAL_TAG}[{body}]"),
+            _ => body,
+        }
+    }
+
+    /// A Lark grammar whose every sentence is one call (or, with `parallel`, one or more) of one of
+    /// `tools`, its arguments valid under the tool's schema. (Mistral's `[TOOL_CALLS]` is a control token
+    /// a grammar cannot write as text: the constrained text is the array alone, which
+    /// [`ToolFormat::parse`] reads with or without it.)
+    pub fn call_grammar(self, tools: &[ToolDef], parallel: bool) -> String {
+        let mut g = String::new();
+        let calls = if parallel {
+            format!("call ({} call)*", lark_literal(self.separator()))
+        } else {
+            "call".to_string()
+        };
+        match self {
+            ToolFormat::Mistral => g.push_str(&format!("start: \"[\" {calls} \"]\"\n")),
+            _ => g.push_str(&format!("start: {calls}\n")),
+        }
+        let alternatives: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+        g.push_str(&format!("call: {}\n", alternatives.join(" | ")));
+        for (i, t) in tools.iter().enumerate() {
+            let schema = crate::with_layout(&t.parameters);
+            g.push_str(&format!(
+                "call_{i}: {} %json {} {}\n",
+                lark_literal(&self.call_prefix(&t.name)),
+                schema,
+                lark_literal(self.call_suffix())
+            ));
+        }
+        g
+    }
+
+    /// The calls in finished text, and the text around them (trimmed). Text that does not hold
+    /// well-formed calls is content, whole.
+    pub fn parse(self, text: &str) -> (String, Vec<ParsedCall>) {
+        let whole = || (text.trim().to_string(), Vec::new());
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback => {
+                let mut content = String::new();
+                let mut calls = Vec::new();
+                let mut rest = text;
+                while let Some(at) = rest.find(HERMES_OPEN) {
+                    content.push_str(&rest[..at]);
+                    let body = &rest[at + HERMES_OPEN.len()..];
+                    let (inner, after) = match body.find(HERMES_CLOSE) {
+                        Some(end) => (&body[..end], &body[end + HERMES_CLOSE.len()..]),
+                        None => (body, ""),
+                    };
+                    match call_object(inner.trim()) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                    rest = after;
+                }
+                content.push_str(rest);
+                (content.trim().to_string(), calls)
+            }
+            ToolFormat::Llama3Json => {
+                let body = text.trim();
+                let body = body.strip_prefix(PYTHON_TAG).unwrap_or(body).trim();
+                if !body.starts_with('{') {
+                    return whole();
+                }
+                let mut calls = Vec::new();
+                for part in split_top_level(body, &['\n', ';']) {
+                    match call_object(part.trim()) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                }
+                (String::new(), calls)
+            }
+            ToolFormat::Mistral => {
+                let body = text.trim();
+                let body = body.strip_prefix(MISTRAL_TAG).unwrap_or(body).trim();
+                if !matches!(serde_json::from_str::<Value>(body), Ok(Value::Array(_))) {
+                    return whole();
+                }
+                let items = &body[1..body.len() - 1];
+                let mut calls = Vec::new();
+                for part in split_top_level(items, &[',']) {
+                    match call_object(part.trim()) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                }
+                (String::new(), calls)
+            }
+        }
+    }
+
+    /// What text still being generated holds so far: content up to a possible call, and each call's
+    /// name and arguments as far as they are written.
+    pub fn parse_partial(self, text: &str) -> Partial {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback => {
+                let Some(first) = text.find(HERMES_OPEN) else {
+                    return Partial {
+                        content: hold_back(text, HERMES_OPEN).to_string(),
+                        calls: Vec::new(),
+                    };
+                };
+                let mut calls = Vec::new();
+                let mut rest = &text[first..];
+                while let Some(body) = rest.strip_prefix(HERMES_OPEN) {
+                    let (inner, after) = match body.find(HERMES_CLOSE) {
+                        Some(end) => (&body[..end], Some(&body[end + HERMES_CLOSE.len()..])),
+                        None => (body, None),
+                    };
+                    calls.push(partial_call(inner));
+                    match after {
+                        Some(a) => match a.find(HERMES_OPEN) {
+                            Some(at) => rest = &a[at..],
+                            None => break,
+                        },
+                        None => break,
+                    }
+                }
+                Partial {
+                    content: text[..first].to_string(),
+                    calls,
+                }
+            }
+            ToolFormat::Llama3Json => {
+                let body = text.trim_start();
+                let body = body.strip_prefix(PYTHON_TAG).unwrap_or(body).trim_start();
+                if body.is_empty() || PYTHON_TAG.starts_with(body) {
+                    return Partial::default();
+                }
+                if !body.starts_with('{') {
+                    return Partial {
+                        content: text.to_string(),
+                        calls: Vec::new(),
+                    };
+                }
+                Partial {
+                    content: String::new(),
+                    calls: split_top_level(body, &['\n', ';'])
+                        .into_iter()
+                        .map(partial_call)
+                        .collect(),
+                }
+            }
+            ToolFormat::Mistral => {
+                let body = text.trim_start();
+                let body = body.strip_prefix(MISTRAL_TAG).unwrap_or(body).trim_start();
+                if body.is_empty() || MISTRAL_TAG.starts_with(body) {
+                    return Partial::default();
+                }
+                let Some(items) = body.strip_prefix('[') else {
+                    return Partial {
+                        content: text.to_string(),
+                        calls: Vec::new(),
+                    };
+                };
+                Partial {
+                    content: String::new(),
+                    calls: split_top_level(items, &[','])
+                        .into_iter()
+                        .filter(|p| p.trim_start().starts_with('{'))
+                        .map(partial_call)
+                        .collect(),
+                }
+            }
+        }
+    }
+}
+
+/// `text` less any end of it that could be the start of `marker`.
+fn hold_back<'a>(text: &'a str, marker: &str) -> &'a str {
+    for keep in (1..marker.len()).rev() {
+        if text.ends_with(&marker[..keep]) {
+            return &text[..text.len() - keep];
+        }
+    }
+    text
+}
+
+/// A finished call object: `{"name": "..", "arguments"|"parameters": {..} or "<json text>"}`.
+fn call_object(text: &str) -> Option<ParsedCall> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    let fields = top_level_fields(text);
+    let raw = fields
+        .iter()
+        .find(|f| f.key == "arguments" || f.key == "parameters")
+        .and_then(|f| f.end.map(|e| &text[f.start..e]));
+    let mut call = call_value(&v)?;
+    if let Some(raw) = raw {
+        if raw.starts_with('{') {
+            // The arguments exactly as written (the text the next turn writes back).
+            call.arguments = raw.to_string();
+        }
+    }
+    Some(call)
+}
+
+fn call_value(v: &Value) -> Option<ParsedCall> {
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+        None => "{}".to_string(),
+        Some(Value::String(s)) => {
+            // Arguments written as a JSON string that holds the object.
+            serde_json::from_str::<Value>(s)
+                .ok()?
+                .is_object()
+                .then(|| s.clone())?
+        }
+        Some(a @ Value::Object(_)) => a.to_string(),
+        Some(_) => return None,
+    };
+    Some(ParsedCall { name, arguments })
+}
+
+/// A call object still being written.
+fn partial_call(text: &str) -> PartialCall {
+    let text = text.trim_start();
+    let mut call = PartialCall::default();
+    for f in top_level_fields(text) {
+        match f.key.as_str() {
+            "name" => {
+                if let Some(end) = f.end {
+                    call.name = serde_json::from_str::<String>(&text[f.start..end]).ok();
+                }
+            }
+            "arguments" | "parameters" => {
+                call.arguments = text[f.start..f.end.unwrap_or(text.len())].to_string();
+            }
+            _ => {}
+        }
+    }
+    call
+}
+
+/// A key of an object and where its value lies (`end: None` while it is still being written).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Field {
+    key: String,
+    start: usize,
+    end: Option<usize>,
+}
+
+/// The top-level fields of the JSON object `text` starts with, as far as the text goes.
+fn top_level_fields(text: &str) -> Vec<Field> {
+    let b = text.as_bytes();
+    let mut fields = Vec::new();
+    let Some(mut i) = b.iter().position(|&c| c == b'{').map(|p| p + 1) else {
+        return fields;
+    };
+    let skip_ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    loop {
+        skip_ws(&mut i);
+        if i < b.len() && b[i] == b',' {
+            i += 1;
+            skip_ws(&mut i);
+        }
+        if i >= b.len() || b[i] != b'"' {
+            return fields;
+        }
+        let Some(key_end) = string_end(b, i) else {
+            return fields;
+        };
+        let key = serde_json::from_str::<String>(&text[i..key_end]).unwrap_or_default();
+        i = key_end;
+        skip_ws(&mut i);
+        if i >= b.len() || b[i] != b':' {
+            return fields;
+        }
+        i += 1;
+        skip_ws(&mut i);
+        if i >= b.len() {
+            return fields;
+        }
+        let start = i;
+        let end = value_end(b, i);
+        fields.push(Field { key, start, end });
+        match end {
+            Some(e) => i = e,
+            None => return fields,
+        }
+    }
+}
+
+/// The end (exclusive) of the JSON string starting at `b[i] == '"'`, if it is closed.
+fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    while j < b.len() {
+        match b[j] {
+            b'\\' => j += 2,
+            b'"' => return Some(j + 1),
+            _ => j += 1,
+        }
+    }
+    None
+}
+
+/// The end (exclusive) of the JSON value starting at `b[i]`, if it is complete.
+fn value_end(b: &[u8], i: usize) -> Option<usize> {
+    match b[i] {
+        b'"' => string_end(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            while j < b.len() {
+                match b[j] {
+                    b'"' => {
+                        j = string_end(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+            None
+        }
+        _ => {
+            let j = b[i..]
+                .iter()
+                .position(|&c| c == b',' || c == b'}' || c == b']' || c.is_ascii_whitespace())?;
+            Some(i + j)
+        }
+    }
+}
+
+/// `text` cut at the separators that lie between top-level JSON values.
+fn split_top_level<'a>(text: &'a str, separators: &[char]) -> Vec<&'a str> {
+    let b = text.as_bytes();
+    let mut parts = Vec::new();
+    let mut from = 0;
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'{' || b[i] == b'[' {
+            match value_end(b, i) {
+                Some(e) => i = e,
+                None => break,
+            }
+            continue;
+        }
+        if separators.contains(&(b[i] as char)) {
+            if !text[from..i].trim().is_empty() {
+                parts.push(&text[from..i]);
+            }
+            from = i + 1;
+        }
+        i += 1;
+    }
+    if !text[from..].trim().is_empty() {
+        parts.push(&text[from..]);
+    }
+    parts
+}
+
+/// The system-message text that describes `tools` to a model whose template has no tools section
+/// (Kura's fallback format): the tools as JSON, one per line, and how to call them.
+pub fn fallback_system_text(tools: &[ToolDef]) -> String {
+    let mut s = String::from(
+        "# Tools\n\nYou may call one or more functions to assist with the user query. The functions \
+         are listed below as JSON, one per line:\n",
+    );
+    for t in tools {
+        s.push_str(&t.openai_json().to_string());
+        s.push('\n');
+    }
+    s.push_str(
+        "\nTo call a function, write for each call:\n<tool_call>\n{\"name\": <function name>, \
+         \"arguments\": <arguments as a JSON object>}\n</tool_call>",
+    );
+    s
+}
+
+/// A tool result as Kura's fallback format writes it into a user turn.
+pub fn fallback_tool_response(content: &str) -> String {
+    format!("<tool_response>\n{content}\n</tool_response>")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(name: &str, args: &str) -> ParsedCall {
+        ParsedCall {
+            name: name.into(),
+            arguments: args.into(),
+        }
+    }
+
+    #[test]
+    fn formats_are_recognised_from_templates() {
+        assert_eq!(
+            ToolFormat::detect("{% for tool in tools %}<tool_call>"),
+            ToolFormat::Hermes
+        );
+        assert_eq!(
+            ToolFormat::detect("[TOOL_CALLS] {{x}}"),
+            ToolFormat::Mistral
+        );
+        assert_eq!(
+            ToolFormat::detect("<|start_header_id|>ipython"),
+            ToolFormat::Llama3Json
+        );
+        assert_eq!(ToolFormat::detect("<|im_start|>"), ToolFormat::Fallback);
+    }
+
+    #[test]
+    fn written_calls_read_back_the_same_in_every_format() {
+        let calls = vec![
+            call("get_weather", r#"{"city": "Paris", "days": [1, 2]}"#),
+            call("time", r#"{"tz": "a\"b}"}"#),
+        ];
+        for f in [
+            ToolFormat::Hermes,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+            ToolFormat::Fallback,
+        ] {
+            let text = f.write_calls(&calls);
+            let (content, parsed) = f.parse(&text);
+            assert_eq!(parsed, calls, "{f:?}: {text}");
+            assert_eq!(content, "", "{f:?}");
+            // Streamed a byte at a time, the partial reading only ever grows, and ends whole.
+            let mut last = Partial::default();
+            for end in (0..=text.len()).filter(|&e| text.is_char_boundary(e)) {
+                let p = f.parse_partial(&text[..end]);
+                assert!(p.content.starts_with(&last.content), "{f:?} at {end}");
+                assert!(p.calls.len() >= last.calls.len(), "{f:?} at {end}");
+                for (a, b) in last.calls.iter().zip(&p.calls) {
+                    assert!(
+                        b.arguments.starts_with(&a.arguments),
+                        "{f:?} at {end}: {p:?}"
+                    );
+                    if a.name.is_some() {
+                        assert_eq!(a.name, b.name);
+                    }
+                }
+                last = p;
+            }
+            let names: Vec<_> = last.calls.iter().map(|c| c.name.clone().unwrap()).collect();
+            assert_eq!(names, ["get_weather", "time"], "{f:?}");
+            let args: Vec<_> = last.calls.iter().map(|c| c.arguments.clone()).collect();
+            assert_eq!(
+                args,
+                [calls[0].arguments.clone(), calls[1].arguments.clone()]
+            );
+        }
+    }
+
+    #[test]
+    fn text_around_hermes_calls_is_content_and_bad_calls_are_text() {
+        let (content, calls) = ToolFormat::Hermes
+            .parse("Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>");
+        assert_eq!(content, "Let me look.");
+        assert_eq!(calls, [call("f", "{}")]);
+        let (content, calls) = ToolFormat::Hermes.parse("<tool_call>{\"name\": oops}</tool_call>");
+        assert!(calls.is_empty());
+        assert!(content.contains("oops"));
+        // Arguments given as a JSON string, and Llama's `parameters`, both read.
+        let (_, calls) = ToolFormat::Llama3Json
+            .parse(r#"<|python_tag|>{"name": "f", "parameters": "{\"a\": 1}"}"#);
+        assert_eq!(calls, [call("f", r#"{"a": 1}"#)]);
+        // Plain prose is content for every format.
+        for f in [ToolFormat::Llama3Json, ToolFormat::Mistral] {
+            let (content, calls) = f.parse("Hello there");
+            assert_eq!((content.as_str(), calls.len()), ("Hello there", 0));
+        }
+    }
+
+    #[test]
+    fn a_possible_start_of_a_call_is_held_back_while_streaming() {
+        let p = ToolFormat::Hermes.parse_partial("Sure <tool_");
+        assert_eq!(p.content, "Sure ");
+        let p = ToolFormat::Hermes.parse_partial("Sure <b>");
+        assert_eq!(p.content, "Sure <b>");
+        let p = ToolFormat::Hermes.parse_partial("<tool_call>\n{\"name\": \"ge");
+        assert_eq!(p.calls, [PartialCall::default()]);
+    }
+
+    #[test]
+    fn grammars_name_every_tool() {
+        let tools = vec![
+            ToolDef {
+                name: "a".into(),
+                description: None,
+                parameters: json!({"type": "object"}),
+            },
+            ToolDef {
+                name: "b".into(),
+                description: Some("B".into()),
+                parameters: json!({"type": "object", "properties": {"x": {"type": "integer"}}}),
+            },
+        ];
+        let g = ToolFormat::Hermes.call_grammar(&tools, true);
+        assert!(g.contains("call_0") && g.contains("call_1"), "{g}");
+        assert!(g.starts_with("start: call (\"\\n\" call)*"), "{g}");
+        let g = ToolFormat::Mistral.call_grammar(&tools, false);
+        assert!(g.starts_with("start: \"[\" call \"]\""), "{g}");
+        assert!(fallback_system_text(&tools).contains("\"name\":\"b\""));
+    }
+}
