@@ -139,8 +139,8 @@ fn vllm_guide(kind: &str, v: &Value, param: &'static str) -> Result<Guide, ApiEr
     }
 }
 
-/// The output guide a request asks for, if any; an error names the field.
-pub fn output_guide(c: &CommonParams) -> Result<Option<Guide>, ApiError> {
+/// The output guide a request asks for, if any, with the field that asked; an error names the field.
+pub fn output_guide(c: &CommonParams) -> Result<Option<(Guide, &'static str)>, ApiError> {
     let mut found: Vec<(&'static str, Option<Guide>)> = Vec::new();
     if let Some(v) = &c.response_format {
         found.push(("response_format", response_format(v)?));
@@ -182,7 +182,7 @@ pub fn output_guide(c: &CommonParams) -> Result<Option<Guide>, ApiError> {
             second,
         ));
     }
-    Ok(first.and_then(|(_, g)| g))
+    Ok(first.and_then(|(param, g)| g.map(|g| (g, param))))
 }
 
 #[cfg(test)]
@@ -191,7 +191,7 @@ mod tests {
     use serde_json::json;
 
     fn guide(v: Value) -> Result<Option<Guide>, ApiError> {
-        output_guide(&serde_json::from_value(v).unwrap())
+        output_guide(&serde_json::from_value(v).unwrap()).map(|g| g.map(|(g, _)| g))
     }
 
     #[test]

@@ -51,8 +51,8 @@ pub struct Checked {
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
-    /// What the output must be (structured outputs), compiled by the server.
-    pub guide: Option<Guide>,
+    /// What the output must be (structured outputs), compiled by the server, and the field that said so.
+    pub guide: Option<(Guide, &'static str)>,
 }
 
 impl Checked {

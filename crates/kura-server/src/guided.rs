@@ -37,7 +37,7 @@ pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
 pub(crate) async fn constraint(
     engine: &EngineHandle,
     cell: &GuidesCell,
-    guide: Option<Guide>,
+    guide: Option<(Guide, &'static str)>,
     tools: Option<&ToolPlan>,
     style: ToolStyle,
 ) -> Result<Option<Arc<dyn ConstraintSpec>>, ApiError> {
@@ -50,7 +50,7 @@ pub(crate) async fn constraint(
             )
         }
         None => match guide {
-            Some(g) => (g, "response_format"),
+            Some(g) => g,
             None => return Ok(None),
         },
     };

@@ -1,0 +1,190 @@
+"""Tool calling through the official `openai` client against a real `kura serve` on the default model
+(whose chat template has no tools section: tools are written by Kura's fallback format and calls read back
+as Hermes writes them): `required` and named calls are constrained to the function's schema, so their
+arguments always parse; streamed calls arrive as OpenAI streams them; the conversation goes on with the
+tool's result and reuses the previous turn's KV; bad tool requests are a 400 naming the problem.
+"""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conftest import BLOCK, KuraServer
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"},
+                   "hour24": {"type": "boolean"}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time in a time zone",
+                                      "parameters": TIME}},
+]
+SCHEMA = {"get_weather": WEATHER, "get_time": TIME}
+SYSTEM = "You are a helpful assistant. Use the tools to answer. " * 12
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = KuraServer("--kv-cache-memory", "256MiB")
+    yield s
+    s.stop()
+
+
+def check_calls(calls) -> None:
+    assert calls, "no tool calls"
+    for call in calls:
+        assert call.type == "function"
+        assert call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
+
+
+def ask(user: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def test_required_and_named_calls_parse_and_validate(server):
+    c = server.client()
+    model = server.model()
+    for choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
+        for temperature in (0.0, 1.0):
+            r = c.chat.completions.create(model=model, messages=ask("What time is it in Tokyo?"), tools=TOOLS,
+                                          tool_choice=choice, max_tokens=300, temperature=temperature, seed=1)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls", ch
+            check_calls(ch.message.tool_calls)
+            assert ch.message.content is None
+            if isinstance(choice, dict):
+                assert {t.function.name for t in ch.message.tool_calls} == {"get_time"}
+
+
+def test_streamed_calls_arrive_as_openai_streams_them(server):
+    c = server.client()
+    model = server.model()
+    kw = dict(model=model, messages=ask("Weather in Oslo, in celsius?"), tools=TOOLS, max_tokens=300,
+              temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = c.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    pieces = 0
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            assert not ch.delta.content, ch
+            for d in ch.delta.tool_calls or []:
+                pieces += 1
+                if d.index not in calls:
+                    # The first piece of a call names it.
+                    assert d.id and d.type == "function" and d.function.name, d
+                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and d.function.name is None, d
+                calls[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert pieces > len(calls) + 2, "arguments should arrive in several pieces"
+    assert [(x["name"], x["arguments"]) for _, x in sorted(calls.items())] == \
+        [(t.function.name, t.function.arguments) for t in whole]
+    for x in calls.values():
+        jsonschema.validate(json.loads(x["arguments"]), SCHEMA[x["name"]])
+
+
+def test_parallel_calls_each_validate_and_can_be_turned_off(server):
+    c = server.client()
+    model = server.model()
+    msgs = ask("What is the weather in Paris and in Rome, and the time in Europe/Paris?")
+    for seed in range(3):
+        r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
+                                      parallel_tool_calls=True, max_tokens=400, temperature=1, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls"
+        check_calls(r.choices[0].message.tool_calls)
+        r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
+                                      parallel_tool_calls=False, max_tokens=400, temperature=1, seed=seed)
+        assert len(r.choices[0].message.tool_calls) == 1
+        check_calls(r.choices[0].message.tool_calls)
+
+
+def test_the_tool_result_continues_the_conversation_from_the_cache(server):
+    c = server.client()
+    model = server.model()
+    msgs = ask("What is the weather in Lisbon?")
+    first = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
+                                      max_tokens=200, temperature=0)
+    calls = first.choices[0].message.tool_calls
+    check_calls(calls)
+    msgs.append(first.choices[0].message.model_dump(exclude_none=True))
+    for call in calls:
+        msgs.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})})
+    second = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=30, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    previous = first.usage.prompt_tokens
+    # The whole previous prompt (its full blocks) and the calls' text, written back exactly as generated.
+    assert cached >= previous // BLOCK * BLOCK, (cached, previous)
+    assert second.usage.prompt_tokens > previous + first.usage.completion_tokens
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_choice_none_and_auto(server):
+    c = server.client()
+    model = server.model()
+    r = c.chat.completions.create(model=model, messages=ask("Say hello."), tools=TOOLS, tool_choice="none",
+                                  max_tokens=20, temperature=0)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = c.chat.completions.create(model=model, messages=ask("Weather in Bern?"), tools=TOOLS,
+                                  max_tokens=120, temperature=0)
+    ch = r.choices[0]
+    if ch.message.tool_calls:
+        assert ch.finish_reason == "tool_calls"
+        for t in ch.message.tool_calls:
+            json.loads(t.function.arguments)
+    else:
+        assert ch.message.content
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "has no name"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "1 to 64 letters"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "must be \"function\""),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "has no tools"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "got \"always\""),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/nowhere"}}}}}], "tool_choice": "required"},
+     "tools", "could not be compiled"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "cannot be combined"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}, "messages",
+     "no earlier assistant message called"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, "messages",
+     "no tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                         "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages", "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("extra,param,words", BAD)
+def test_bad_tool_requests_are_400s_that_name_the_problem(server, extra, param, words):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert words in err["message"], err
