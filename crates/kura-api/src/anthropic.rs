@@ -7,12 +7,18 @@
 
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kura_request::ChatMessage;
 use kura_request::SamplingParams;
+use kura_request::{ChatMessage, TextCodec};
 use serde_json::{json, Map, Value};
 
-use crate::cache_control::{CacheTtl, MAX_BREAKPOINTS};
+use crate::cache_control::{encode_with_breakpoints, CacheTtl, ContextKind, MAX_BREAKPOINTS};
 use crate::error::ApiError;
+use crate::tools::{
+    check_function_name, check_named, check_parameters, check_tool_turns, check_unique,
+    prompt_messages, ToolChoice, ToolDef, ToolPlan, ToolStyle, END_OF_CONTENT,
+};
+use crate::validate::template_error;
+use kura_guide::tools::layout_json;
 
 /// An error in Anthropic's shape.
 pub struct AnthropicError(pub ApiError);
@@ -122,6 +128,7 @@ fn content_of(v: &Value, at: &str) -> Result<(String, Vec<(usize, CacheTtl)>), A
 }
 
 /// A checked Messages request.
+#[derive(Debug, Clone)]
 pub struct MessagesPlan {
     pub messages: Vec<ChatMessage>,
     /// (message index, byte offset of the breakpoint in its content, TTL).
@@ -132,6 +139,282 @@ pub struct MessagesPlan {
     pub stream: bool,
     /// A saved context (`/v1/caches`) whose tokens start the prompt.
     pub cached_content: Option<String>,
+    /// The request's tools, if it has any.
+    pub tools: Option<ToolPlan>,
+    /// Breakpoints after tool definitions: (tool index, TTL).
+    pub tool_breakpoints: Vec<(usize, CacheTtl)>,
+}
+
+/// Anthropic's `tools` and `tool_choice`.
+fn anthropic_tools(
+    o: &Map<String, Value>,
+) -> Result<(Option<ToolPlan>, Vec<(usize, CacheTtl)>), ApiError> {
+    const P: &str = "tools";
+    let mut defs = Vec::new();
+    let mut marks = Vec::new();
+    match o.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) => {
+            for (i, t) in items.iter().enumerate() {
+                let at = format!("tools[{i}]");
+                let Some(t) = t.as_object() else {
+                    return Err(invalid(format!("{at} must be an object (a tool)")));
+                };
+                if let Some(kind) = t
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .filter(|k| *k != "custom")
+                {
+                    return Err(invalid(format!(
+                        "{at} is a server tool of type {kind:?}, which this server does not run; \
+                         give custom tools (name, description, input_schema)"
+                    )));
+                }
+                let Some(name) = t.get("name").and_then(Value::as_str) else {
+                    return Err(invalid(format!("{at}.name is missing")));
+                };
+                if !check_function_name(name) {
+                    return Err(invalid(format!(
+                        "{at}.name must be 1 to 64 letters, digits, _ or -, got {name:?}"
+                    )));
+                }
+                let description = match t.get("description") {
+                    None | Some(Value::Null) => None,
+                    Some(Value::String(d)) => Some(d.clone()),
+                    Some(_) => return Err(invalid(format!("{at}.description must be text"))),
+                };
+                if t.get("input_schema").is_none() {
+                    return Err(invalid(format!(
+                        "{at}.input_schema is missing (a JSON schema)"
+                    )));
+                }
+                let parameters =
+                    check_parameters(t.get("input_schema"), &format!("{at}.input_schema"), P)?;
+                if let Some(cc) = t.get("cache_control").filter(|v| !v.is_null()) {
+                    marks.push((
+                        i,
+                        CacheTtl::parse_control(cc, &format!("{at}.cache_control"))?,
+                    ));
+                }
+                defs.push(ToolDef {
+                    name: name.to_string(),
+                    description,
+                    parameters,
+                });
+            }
+        }
+        Some(_) => return Err(invalid("tools must be an array of tools")),
+    }
+    check_unique(&defs, P)?;
+    let (choice, parallel) = match o.get("tool_choice") {
+        None | Some(Value::Null) => (ToolChoice::Auto, true),
+        Some(Value::Object(c)) => {
+            let parallel = match c.get("disable_parallel_tool_use") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => !b,
+                Some(_) => {
+                    return Err(invalid(
+                        "tool_choice.disable_parallel_tool_use must be a boolean",
+                    ))
+                }
+            };
+            let choice = match c.get("type").and_then(Value::as_str) {
+                Some("auto") => ToolChoice::Auto,
+                Some("any") => ToolChoice::Required,
+                Some("none") => ToolChoice::None,
+                Some("tool") => match c.get("name").and_then(Value::as_str) {
+                    Some(n) => ToolChoice::Named(n.to_string()),
+                    None => return Err(invalid("tool_choice of type tool needs a name")),
+                },
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "tool_choice.type must be auto, any, tool or none, got {other:?}"
+                    )))
+                }
+                None => return Err(invalid("tool_choice.type is missing")),
+            };
+            (choice, parallel)
+        }
+        Some(_) => return Err(invalid("tool_choice must be an object with a type")),
+    };
+    match &choice {
+        ToolChoice::Required | ToolChoice::Named(_) if defs.is_empty() => {
+            return Err(invalid(
+                "tool_choice asks for a tool call but the request has no tools",
+            ))
+        }
+        ToolChoice::Named(n) => check_named(&defs, n, "tool_choice")?,
+        _ => {}
+    }
+    if defs.is_empty() {
+        return Ok((None, marks));
+    }
+    Ok((
+        Some(ToolPlan {
+            tools: defs,
+            choice,
+            parallel,
+        }),
+        marks,
+    ))
+}
+
+/// One message's content blocks: text (with breakpoints), an assistant's `tool_use` blocks, a user's
+/// `tool_result` blocks. Pushes the chat messages it makes (tool results first, each its own `tool`
+/// message, then the text) and their breakpoints.
+fn push_message(
+    role: &str,
+    content: &Value,
+    at: &str,
+    messages: &mut Vec<ChatMessage>,
+    breakpoints: &mut Vec<(usize, usize, CacheTtl)>,
+) -> Result<(), ApiError> {
+    let blocks = match content {
+        Value::String(s) => {
+            messages.push(ChatMessage::new(role, s.clone()));
+            return Ok(());
+        }
+        Value::Array(blocks) => blocks,
+        _ => {
+            return Err(invalid(format!(
+                "{at}.content must be a string or an array of content blocks"
+            )))
+        }
+    };
+    let mut text = String::new();
+    let mut marks = Vec::new();
+    let mut calls = Vec::new();
+    let mut end_marks = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let bat = format!("{at}.content[{j}]");
+        let kind = b.get("type").and_then(Value::as_str);
+        let control = |b: &Value| -> Result<Option<CacheTtl>, ApiError> {
+            match b.get("cache_control") {
+                None | Some(Value::Null) => Ok(None),
+                Some(cc) => CacheTtl::parse_control(cc, &format!("{bat}.cache_control")).map(Some),
+            }
+        };
+        match (kind, role) {
+            (Some("tool_use"), "assistant") => {
+                let id = b
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .filter(|s| !s.is_empty());
+                let name = b.get("name").and_then(Value::as_str);
+                let (Some(id), Some(name)) = (id, name) else {
+                    return Err(invalid(format!("{bat} (tool_use) needs an id and a name")));
+                };
+                let input = match b.get("input") {
+                    Some(v @ Value::Object(_)) => v.clone(),
+                    _ => return Err(invalid(format!("{bat}.input must be an object"))),
+                };
+                calls.push(json!({"id": id, "type": "function",
+                    "raw_arguments": layout_json(&input),
+                    "function": {"name": name, "arguments": input}}));
+                if let Some(ttl) = control(b)? {
+                    end_marks.push(ttl);
+                }
+            }
+            (Some("tool_result"), "user") => {
+                let Some(id) = b.get("tool_use_id").and_then(Value::as_str) else {
+                    return Err(invalid(format!("{bat} (tool_result) needs a tool_use_id")));
+                };
+                let (mut result, _) = match b.get("content") {
+                    None | Some(Value::Null) => (String::new(), Vec::new()),
+                    Some(c) => content_of(c, &format!("{bat}.content"))?,
+                };
+                if b.get("is_error").and_then(Value::as_bool) == Some(true) {
+                    result = format!("Error: {result}");
+                }
+                if !text.is_empty() {
+                    return Err(invalid(format!(
+                        "{bat}: tool_result blocks must come before any text in a user message"
+                    )));
+                }
+                messages.push(ChatMessage {
+                    role: "tool".into(),
+                    content: result,
+                    tool_call_id: Some(id.to_string()),
+                    ..Default::default()
+                });
+                if let Some(ttl) = control(b)? {
+                    breakpoints.push((messages.len() - 1, END_OF_CONTENT, ttl));
+                }
+            }
+            (Some("tool_use" | "tool_result"), _) => {
+                return Err(invalid(format!(
+                    "{bat}: {} blocks belong in {} messages",
+                    kind.unwrap_or_default(),
+                    if kind == Some("tool_use") {
+                        "assistant"
+                    } else {
+                        "user"
+                    }
+                )))
+            }
+            _ => {
+                let (t, ttl) = text_block(b, &bat)?;
+                text.push_str(&t);
+                if let Some(ttl) = ttl {
+                    marks.push((text.len(), ttl));
+                }
+            }
+        }
+    }
+    if text.is_empty() && calls.is_empty() && messages.last().is_some_and(|m| m.role == "tool") {
+        return Ok(());
+    }
+    let index = messages.len();
+    breakpoints.extend(marks.into_iter().map(|(off, ttl)| (index, off, ttl)));
+    breakpoints.extend(
+        end_marks
+            .into_iter()
+            .map(|ttl| (index, END_OF_CONTENT, ttl)),
+    );
+    messages.push(ChatMessage {
+        role: role.into(),
+        content: text,
+        tool_calls: (!calls.is_empty()).then_some(Value::Array(calls)),
+        ..Default::default()
+    });
+    Ok(())
+}
+
+/// The prompt tokens of a Messages request (tools and tool turns written for the model's template),
+/// and per breakpoint the number of prompt tokens up to it, with its TTL. `saved`: a saved context
+/// that starts the prompt.
+pub fn encode_messages(
+    codec: &dyn TextCodec,
+    plan: &MessagesPlan,
+    saved: Option<(&ContextKind, &[u32])>,
+) -> Result<(Vec<u32>, Vec<(usize, CacheTtl)>), ApiError> {
+    let (messages, marks, tools_json) = prompt_messages(
+        plan.messages.clone(),
+        plan.tools.as_ref(),
+        ToolStyle::of(codec),
+        &plan.breakpoints,
+        &plan.tool_breakpoints,
+    );
+    if let Some(tools) = tools_json {
+        if !marks.is_empty() || saved.is_some() {
+            return Err(invalid(
+                "cache_control breakpoints and cached_content cannot be combined with tools on this \
+                 model: its chat template writes the tools itself",
+            ));
+        }
+        let tokens = codec
+            .encode_chat_with_tools(&messages, &tools)
+            .map_err(template_error)?;
+        return Ok((tokens, Vec::new()));
+    }
+    let (tokens, positions) = encode_with_breakpoints(codec, &messages, &marks, saved)?;
+    Ok((
+        tokens,
+        positions
+            .into_iter()
+            .zip(marks.iter().map(|&(_, _, ttl)| ttl))
+            .collect(),
+    ))
 }
 
 fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
@@ -147,16 +430,10 @@ fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
 
 pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
-    for unsupported in [
-        "tools",
-        "tool_choice",
-        "thinking",
-        "mcp_servers",
-        "container",
-    ] {
+    for unsupported in ["thinking", "mcp_servers", "container"] {
         if o.get(unsupported).is_some_and(|v| !v.is_null()) {
             return Err(invalid(format!(
-                "{unsupported} is not supported by this server (text generation only)"
+                "{unsupported} is not supported by this server"
             )));
         }
     }
@@ -210,22 +487,20 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         let Some(content) = m.get("content") else {
             return Err(invalid(format!("{at}.content is missing")));
         };
-        let (text, marks) = content_of(content, &format!("{at}.content"))?;
-        let index = messages.len();
-        for (off, ttl) in marks {
-            breakpoints.push((index, off, ttl));
-        }
-        messages.push(ChatMessage::new(role, text));
+        push_message(role, content, &at, &mut messages, &mut breakpoints)?;
     }
     if let Some(cc) = o.get("cache_control").filter(|v| !v.is_null()) {
         let ttl = CacheTtl::parse_control(cc, "cache_control")?;
         let last = messages.len() - 1;
-        breakpoints.push((last, messages[last].content.len(), ttl));
+        breakpoints.push((last, END_OF_CONTENT, ttl));
     }
-    if breakpoints.len() > MAX_BREAKPOINTS {
+    check_tool_turns(&messages)
+        .map_err(|e| invalid(e.to_string().replace("tool_call_id", "tool_use_id")))?;
+    let (tools, tool_breakpoints) = anthropic_tools(o)?;
+    if breakpoints.len() + tool_breakpoints.len() > MAX_BREAKPOINTS {
         return Err(invalid(format!(
-            "a request may have at most {MAX_BREAKPOINTS} cache_control breakpoints, this one has {}",
-            breakpoints.len()
+            "a request may have at most {MAX_BREAKPOINTS} cache_control breakpoints, got {}",
+            breakpoints.len() + tool_breakpoints.len()
         )));
     }
     let temperature = number(o, "temperature")?.unwrap_or(1.0);
@@ -308,6 +583,8 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         stop,
         stream,
         cached_content,
+        tools,
+        tool_breakpoints,
     })
 }
 
@@ -384,8 +661,24 @@ mod tests {
                 "temperature",
             ),
             (
-                json!({"model": "m", "max_tokens": 1, "tools": [], "messages": [{"role": "user", "content": "x"}]}),
-                "tools is not supported",
+                json!({"model": "m", "max_tokens": 1, "thinking": {"type": "enabled"}, "messages": [{"role": "user", "content": "x"}]}),
+                "thinking is not supported",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "tools": [{"name": "f"}], "messages": [{"role": "user", "content": "x"}]}),
+                "input_schema is missing",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "tools": [{"type": "web_search_20250305", "name": "w"}], "messages": [{"role": "user", "content": "x"}]}),
+                "server tool",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "x"}]}),
+                "has no tools",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "4"}]}]}),
+                "no earlier assistant",
             ),
         ];
         for (body, needle) in cases {

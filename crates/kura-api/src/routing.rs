@@ -6,10 +6,10 @@
 use kura_request::TextCodec;
 use serde_json::Value;
 
+use crate::anthropic;
 use crate::error::ApiError;
 use crate::keys::{effective_salt, Tenant};
-use crate::validate::{self, template_error, tokenize_error, Ctx, PromptInput};
-use crate::{anthropic, cache_control};
+use crate::validate::{self, tokenize_error, Ctx, PromptInput};
 
 /// The generation routes a router forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,17 +79,13 @@ pub fn routing_prompt(
         }
         Endpoint::ChatCompletions => {
             let plan = validate::prepare_chat(value, ctx)?;
-            let tokens = codec.encode_chat(&plan.messages).map_err(template_error)?;
+            let tokens =
+                crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?;
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::Messages => {
             let plan = anthropic::prepare(value, served_model)?;
-            let (tokens, _) = cache_control::encode_with_breakpoints(
-                codec,
-                &plan.messages,
-                &plan.breakpoints,
-                None,
-            )?;
+            let (tokens, _) = anthropic::encode_messages(codec, &plan, None)?;
             (tokens, None, plan.stream)
         }
     };

@@ -10,10 +10,10 @@
 
 use std::collections::HashSet;
 
-use kura_guide::tools::{fallback_system_text, fallback_tool_response};
+use kura_guide::tools::fallback_tool_response;
 pub use kura_guide::tools::{ParsedCall, ToolDef, ToolFormat};
 pub use kura_guide::Guide;
-use kura_request::ChatMessage;
+use kura_request::{ChatMessage, TextCodec};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
@@ -352,51 +352,79 @@ pub fn check_tool_turns(messages: &[ChatMessage]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A cache breakpoint in a conversation: (message index, byte offset in its content, what it carries).
+/// [`END_OF_CONTENT`] as the offset: the end of the message as the prompt writes it.
+pub type Breakpoint<T> = (usize, usize, T);
+
+/// A breakpoint offset meaning "the end of the message as written" (after its calls).
+pub const END_OF_CONTENT: usize = usize::MAX;
+
 /// The messages as the prompt writes them, for a template with no tools section: the tools described
-/// at the end of the system message (one is added when there is none), an assistant turn's calls
-/// written after its text as the fallback format writes them, and each run of `tool` results one user
-/// turn of `<tool_response>` blocks (templates that insist on alternating roles accept it).
+/// at the start of the system message (one is added when there is none; tools come first, as Anthropic
+/// caches them: tools, then system, then messages), an assistant turn's calls written after its text as
+/// the fallback format writes them, and each run of `tool` results one user turn of `<tool_response>`
+/// blocks (templates that insist on alternating roles accept it).
 pub fn fallback_messages(messages: Vec<ChatMessage>, tools: Option<&ToolPlan>) -> Vec<ChatMessage> {
-    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
-    if let Some(plan) = tools {
-        let text = fallback_system_text(&plan.tools);
-        match messages.first() {
-            Some(m) if m.role == "system" => {}
-            _ => out.push(ChatMessage::new("system", text.clone())),
-        }
-        // The system message (if any) gets the tools after its own text.
-        let mut messages = messages;
-        if let Some(first) = messages.first_mut().filter(|m| m.role == "system") {
-            first.content = if first.content.is_empty() {
-                text
-            } else {
-                format!("{}\n\n{text}", first.content)
-            };
-        }
-        return fallback_turns(out, messages);
-    }
-    fallback_turns(out, messages)
+    fallback_messages_marked::<()>(messages, tools, &[], &[]).0
 }
 
-fn fallback_turns(mut out: Vec<ChatMessage>, messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+/// [`fallback_messages`], with breakpoints moved to where their text went: `breakpoints` on the
+/// messages, `tool_marks` after a tool's definition (tool index).
+pub fn fallback_messages_marked<T: Copy>(
+    messages: Vec<ChatMessage>,
+    tools: Option<&ToolPlan>,
+    breakpoints: &[Breakpoint<T>],
+    tool_marks: &[(usize, T)],
+) -> (Vec<ChatMessage>, Vec<Breakpoint<T>>) {
+    // Per input message: its index in the output and where its content starts there.
+    let mut place: Vec<(usize, usize)> = Vec::with_capacity(messages.len());
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    let mut marks = Vec::new();
+    let mut messages = messages.into_iter().peekable();
+    if let Some(plan) = tools {
+        let (text, ends) = kura_guide::tools::fallback_system_text_marked(&plan.tools);
+        for &(i, t) in tool_marks {
+            if let Some(&end) = ends.get(i) {
+                marks.push((0, end, t));
+            }
+        }
+        match messages.peek() {
+            Some(m) if m.role == "system" => {
+                let m = messages.next().unwrap_or_default();
+                let content = if m.content.is_empty() {
+                    text
+                } else {
+                    format!("{text}\n\n{}", m.content)
+                };
+                place.push((0, content.len() - m.content.len()));
+                out.push(ChatMessage::new("system", content));
+            }
+            _ => out.push(ChatMessage::new("system", text)),
+        }
+    }
+    // Whether the last output message is a turn of tool results (the next result joins it).
+    let mut results_turn = false;
     for m in messages {
         if m.role == "tool" {
+            let open = "<tool_response>\n";
             let block = fallback_tool_response(&m.content);
+            let last = out.len().saturating_sub(1);
             match out.last_mut() {
-                Some(prev) if prev.role == "user" && prev.tool_call_id.is_some() => {
+                Some(prev) if results_turn => {
                     prev.content.push('\n');
+                    place.push((last, prev.content.len() + open.len()));
                     prev.content.push_str(&block);
                 }
-                _ => out.push(ChatMessage {
-                    role: "user".into(),
-                    content: block,
-                    // Marks the turn as tool results, so the next result joins it.
-                    tool_call_id: m.tool_call_id,
-                    ..Default::default()
-                }),
+                _ => {
+                    place.push((out.len(), open.len()));
+                    out.push(ChatMessage::new("user", block));
+                    results_turn = true;
+                }
             }
             continue;
         }
+        results_turn = false;
+        place.push((out.len(), 0));
         let calls = calls_of(&m);
         if calls.is_empty() {
             out.push(ChatMessage::new(m.role, m.content));
@@ -410,10 +438,99 @@ fn fallback_turns(mut out: Vec<ChatMessage>, messages: Vec<ChatMessage>) -> Vec<
             out.push(ChatMessage::new(m.role, content));
         }
     }
-    for m in &mut out {
-        m.tool_call_id = None;
+    // Where each input message's written text ends in its output message.
+    let ends: Vec<usize> = (0..place.len())
+        .map(|i| {
+            let (at, _) = place[i];
+            match place.get(i + 1) {
+                // The next input message shares the output message (tool results): this one ends
+                // where the next block opens.
+                Some(&(next_at, next_start)) if next_at == at => {
+                    next_start - "<tool_response>\n".len() - 1
+                }
+                _ => out[at].content.len(),
+            }
+        })
+        .collect();
+    for &(i, offset, t) in breakpoints {
+        let Some(&(at, start)) = place.get(i) else {
+            continue;
+        };
+        let end = ends[i];
+        let offset = if offset == END_OF_CONTENT {
+            end
+        } else {
+            (start + offset).min(end)
+        };
+        marks.push((at, offset, t));
     }
-    out
+    (out, marks)
+}
+
+/// How the served model's chat template writes tool calls, and whether it writes tools itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ToolStyle {
+    pub format: ToolFormat,
+    /// The template has a tools section: tools and tool turns are the template's to render.
+    pub native: bool,
+}
+
+impl ToolStyle {
+    pub fn of(codec: &dyn TextCodec) -> Self {
+        let source = codec.chat_template_source();
+        let format = ToolFormat::detect(source);
+        ToolStyle {
+            format,
+            native: format != ToolFormat::Fallback && source.contains("tools"),
+        }
+    }
+}
+
+/// A conversation's messages and breakpoints as the prompt writes them for `style`, and the tools the
+/// template itself reads (a template with a tools section; its breakpoints on tools end with the first
+/// message, where such templates write them).
+pub fn prompt_messages<T: Copy>(
+    messages: Vec<ChatMessage>,
+    tools: Option<&ToolPlan>,
+    style: ToolStyle,
+    breakpoints: &[Breakpoint<T>],
+    tool_marks: &[(usize, T)],
+) -> (Vec<ChatMessage>, Vec<Breakpoint<T>>, Option<Value>) {
+    if style.native {
+        let messages = native_messages(messages);
+        let mut marks: Vec<Breakpoint<T>> = tool_marks
+            .iter()
+            .map(|&(_, t)| (0, END_OF_CONTENT, t))
+            .collect();
+        marks.extend_from_slice(breakpoints);
+        let marks = marks
+            .into_iter()
+            .map(|(i, o, t)| {
+                let len = messages.get(i).map_or(0, |m| m.content.len());
+                (i, o.min(len), t)
+            })
+            .collect();
+        (messages, marks, tools.map(ToolPlan::openai_json))
+    } else {
+        let (messages, marks) = fallback_messages_marked(messages, tools, breakpoints, tool_marks);
+        (messages, marks, None)
+    }
+}
+
+/// The prompt tokens of a chat request's messages and tools, as the server computes them (and a
+/// router, to find the prompt's blocks).
+pub fn encode_chat_prompt(
+    codec: &dyn TextCodec,
+    messages: Vec<ChatMessage>,
+    tools: Option<&ToolPlan>,
+) -> Result<Vec<u32>, ApiError> {
+    let (messages, _, tools_json) =
+        prompt_messages::<()>(messages, tools, ToolStyle::of(codec), &[], &[]);
+    match tools_json {
+        Some(t) => codec.encode_chat_with_tools(&messages, &t),
+        None => codec.encode_chat(&messages),
+    }
+    .map_err(crate::validate::template_error)
 }
 
 /// The messages for a template that has a tools section: as they are, less Kura's own bookkeeping.
@@ -554,6 +671,9 @@ mod tests {
         );
         assert_eq!(msgs[0].role, "system");
         assert!(msgs[0].content.contains("get_weather"));
+        assert!(msgs
+            .iter()
+            .all(|m| m.tool_calls.is_none() && m.tool_call_id.is_none()));
         // The assistant turn holds exactly the text a constrained call generates.
         let generated = ToolFormat::Fallback.write_calls(&[ParsedCall {
             name: "get_weather".into(),
@@ -567,5 +687,46 @@ mod tests {
         assert!(msgs
             .iter()
             .all(|m| m.tool_calls.is_none() && m.tool_call_id.is_none()));
+    }
+
+    #[test]
+    fn breakpoints_follow_their_text_into_the_fallback() {
+        let p = plan(weather(), None).unwrap().unwrap();
+        let msgs = vec![
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Weather?"),
+            assistant_call("c1", "get_weather", r#"{"city": "Oslo"}"#),
+            tool_result("c1", "sunny"),
+            tool_result("c1", "warm"),
+        ];
+        let (out, marks) = fallback_messages_marked(
+            msgs,
+            Some(&p),
+            &[
+                (0, 3, 'a'),
+                (1, 8, 'b'),
+                (2, END_OF_CONTENT, 'c'),
+                (3, END_OF_CONTENT, 'd'),
+                (4, 2, 'e'),
+            ],
+            &[(0, 't')],
+        );
+        let at = |m: (usize, usize, char)| &out[m.0].content[..m.1];
+        // The tool's line ends with its definition; the system text comes after the tools.
+        assert!(at(marks[0]).ends_with("}}"), "{:?}", at(marks[0]));
+        assert!(!at(marks[0]).contains("Be brief"));
+        assert!(at(marks[1]).ends_with("Be "), "{:?}", at(marks[1]));
+        assert_eq!(at(marks[2]), "Weather?");
+        assert!(at(marks[3]).ends_with("</tool_call>"));
+        assert!(
+            at(marks[4]).ends_with("sunny\n</tool_response>"),
+            "{:?}",
+            at(marks[4])
+        );
+        assert!(
+            at(marks[5]).ends_with("<tool_response>\nwa"),
+            "{:?}",
+            at(marks[5])
+        );
     }
 }

@@ -192,12 +192,17 @@ impl ToolFormat {
                 while let Some(at) = rest.find(HERMES_OPEN) {
                     content.push_str(&rest[..at]);
                     let body = &rest[at + HERMES_OPEN.len()..];
-                    let (inner, after) = match body.find(HERMES_CLOSE) {
-                        Some(end) => (&body[..end], &body[end + HERMES_CLOSE.len()..]),
-                        None => (body, ""),
+                    let (inner, after, closed) = match body.find(HERMES_CLOSE) {
+                        Some(end) => (&body[..end], &body[end + HERMES_CLOSE.len()..], true),
+                        None => (body, "", false),
                     };
                     match call_object(inner.trim()) {
                         Some(c) => calls.push(c),
+                        // A last call cut off (at max_tokens) is dropped; the calls before it stand.
+                        None if !closed && !calls.is_empty() => {
+                            rest = "";
+                            break;
+                        }
                         None => return whole(),
                     }
                     rest = after;
@@ -513,19 +518,64 @@ fn split_top_level<'a>(text: &'a str, separators: &[char]) -> Vec<&'a str> {
 /// The system-message text that describes `tools` to a model whose template has no tools section
 /// (Kura's fallback format): the tools as JSON, one per line, and how to call them.
 pub fn fallback_system_text(tools: &[ToolDef]) -> String {
+    fallback_system_text_marked(tools).0
+}
+
+/// [`fallback_system_text`] and, per tool, the byte offset where its line ends (a cache breakpoint
+/// on a tool ends there).
+pub fn fallback_system_text_marked(tools: &[ToolDef]) -> (String, Vec<usize>) {
     let mut s = String::from(
         "# Tools\n\nYou may call one or more functions to assist with the user query. The functions \
          are listed below as JSON, one per line:\n",
     );
+    let mut ends = Vec::with_capacity(tools.len());
     for t in tools {
         s.push_str(&t.openai_json().to_string());
+        ends.push(s.len());
         s.push('\n');
     }
     s.push_str(
         "\nTo call a function, write for each call:\n<tool_call>\n{\"name\": <function name>, \
          \"arguments\": <arguments as a JSON object>}\n</tool_call>",
     );
-    s
+    (s, ends)
+}
+
+/// `v` as JSON text in Kura's layout (one space after `:` and `,`, nothing else): how a constrained
+/// call writes its arguments, so that arguments given back as an object (Anthropic's `input`) are
+/// written into the prompt as they were generated.
+pub fn layout_json(v: &Value) -> String {
+    let mut out = String::new();
+    write_layout(v, &mut out);
+    out
+}
+
+fn write_layout(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(map) => {
+            out.push('{');
+            for (i, (k, v)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_layout(v, out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_layout(v, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 /// A tool result as Kura's fallback format writes it into a user turn.
@@ -610,6 +660,11 @@ mod tests {
             .parse("Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>");
         assert_eq!(content, "Let me look.");
         assert_eq!(calls, [call("f", "{}")]);
+        // A call cut off after complete ones is dropped.
+        let (content, calls) = ToolFormat::Hermes.parse(
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"na",
+        );
+        assert_eq!((content.as_str(), calls), ("", vec![call("f", "{}")]));
         let (content, calls) = ToolFormat::Hermes.parse("<tool_call>{\"name\": oops}</tool_call>");
         assert!(calls.is_empty());
         assert!(content.contains("oops"));
@@ -632,6 +687,12 @@ mod tests {
         assert_eq!(p.content, "Sure <b>");
         let p = ToolFormat::Hermes.parse_partial("<tool_call>\n{\"name\": \"ge");
         assert_eq!(p.calls, [PartialCall::default()]);
+    }
+
+    #[test]
+    fn the_layout_is_that_of_generated_calls() {
+        let v: Value = serde_json::from_str(r#"{"a":[1,{"b":"x y"}],"c":null}"#).unwrap();
+        assert_eq!(layout_json(&v), r#"{"a": [1, {"b": "x y"}], "c": null}"#);
     }
 
     #[test]

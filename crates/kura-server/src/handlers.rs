@@ -19,6 +19,7 @@ use crate::output::{self, Events, ResponseMeta, Shape};
 use crate::types::{TokenizeRequest, TokenizeResponse};
 use crate::validate::{self, template_error, tokenize_error, Checked, PromptInput};
 use crate::AppState;
+use kura_api::tools::prompt_messages;
 use kura_api::{effective_salt, Tenant};
 
 fn unix_now() -> u64 {
@@ -275,7 +276,8 @@ pub async fn chat_completions(
         style,
     )
     .await?;
-    let (messages, tools_json) = guided::prompt_messages(plan.messages, plan.tools.as_ref(), style);
+    let (messages, _, tools_json) =
+        prompt_messages::<()>(plan.messages, plan.tools.as_ref(), style, &[], &[]);
     let prompt_tokens =
         match (&context, tools_json) {
             (None, None) => encode_chat(&s.engine, messages).await?,

@@ -21,16 +21,16 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::Stream;
-use kura_api::anthropic::{anthropic_body, prepare, AnthropicError};
+use kura_api::anthropic::{anthropic_body, encode_messages, prepare, AnthropicError};
 use kura_api::body;
-use kura_api::cache_control::encode_with_breakpoints;
+use kura_api::tools::ToolFormat;
 use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{EngineEvent, FinishReason, GenerateRequest, PinSpec, Usage};
 use serde_json::{json, Value};
 
-use crate::handlers;
-use crate::output::Events;
+use crate::output::{Events, ToolStream};
 use crate::AppState;
+use crate::{guided, handlers};
 
 /// The Messages route: Anthropic-shaped errors around [`messages_inner`].
 pub async fn messages(
@@ -57,14 +57,15 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
         Some(id) => Some(s.contexts.use_context(id, &salt, &s.engine)?),
         None => None,
     };
-    let (messages, breakpoints) = (plan.messages.clone(), plan.breakpoints.clone());
-    let engine = s.engine.clone();
+    let style = guided::tool_style(&s.engine);
+    let constraint =
+        guided::constraint(&s.engine, &s.guides, None, plan.tools.as_ref(), style).await?;
+    let (engine, plan_for_encode) = (s.engine.clone(), plan.clone());
     let saved_for_encode = saved.clone();
     let (prompt_tokens, positions) = handlers::off_the_workers(move || {
-        encode_with_breakpoints(
+        encode_messages(
             engine.codec().as_ref(),
-            &messages,
-            &breakpoints,
+            &plan_for_encode,
             saved_for_encode
                 .as_ref()
                 .map(|c| (&c.kind, c.tokens.as_slice())),
@@ -74,8 +75,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     let now = s.engine.cache_now_ms();
     let mut pins: Vec<PinSpec> = positions
         .iter()
-        .zip(&plan.breakpoints)
-        .map(|(&tokens, &(_, _, ttl))| PinSpec {
+        .map(|&(tokens, ttl)| PinSpec {
             tokens,
             expires_at_ms: now.saturating_add(ttl.millis()),
             persist: false,
@@ -90,6 +90,12 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     request.stop = plan.stop.clone();
     request.cache_salt = salt;
     request.pins = pins;
+    request.constraint = constraint;
+    let tools = plan
+        .tools
+        .as_ref()
+        .filter(|t| t.parses_calls())
+        .map(|_| style.format);
     let (mut events, sender) = Events::new(1, 1);
     let guard = s.engine.submit(request, sender.sink(0))?;
     events.add_guard(guard);
@@ -101,7 +107,14 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
             .map(|at| (at, t.as_secs()))
     });
     if plan.stream {
-        let body = stream(id, info.model_name.clone(), prompt_len, events, deadline);
+        let body = stream(
+            id,
+            info.model_name.clone(),
+            prompt_len,
+            events,
+            deadline,
+            tools,
+        );
         let mut response = Sse::new(body)
             .keep_alive(KeepAlive::default())
             .into_response();
@@ -110,7 +123,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
             .insert("x-accel-buffering", HeaderValue::from_static("no"));
         return Ok(response);
     }
-    let body = collect(id, info.model_name.clone(), events);
+    let body = collect(id, info.model_name.clone(), events, tools);
     let body = match deadline {
         Some((at, seconds)) => tokio::time::timeout_at(at, body)
             .await
@@ -132,15 +145,35 @@ pub fn usage_body(u: &Usage) -> Value {
     })
 }
 
-fn stop_reason(reason: Option<FinishReason>, stop_sequence: &Option<String>) -> &'static str {
+fn stop_reason(
+    reason: Option<FinishReason>,
+    stop_sequence: &Option<String>,
+    made_calls: bool,
+) -> &'static str {
     match (reason, stop_sequence) {
         (Some(FinishReason::Length), _) => "max_tokens",
         (_, Some(_)) => "stop_sequence",
+        _ if made_calls => "tool_use",
         _ => "end_turn",
     }
 }
 
-async fn collect(id: String, model: String, mut events: Events) -> Result<Value, ApiError> {
+/// The ids of a message's `tool_use` blocks start with this.
+fn tool_ids(id: &str) -> String {
+    format!("toolu_{id}")
+}
+
+/// A call's arguments as Anthropic's `input` (an object).
+fn input_of(arguments: &str) -> Value {
+    serde_json::from_str(arguments).unwrap_or_else(|_| json!({}))
+}
+
+async fn collect(
+    id: String,
+    model: String,
+    mut events: Events,
+    tools: Option<ToolFormat>,
+) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut reason = None;
     let mut stop_sequence = None;
@@ -164,13 +197,28 @@ async fn collect(id: String, model: String, mut events: Events) -> Result<Value,
             }
         }
     };
+    let (content, calls) = match tools {
+        Some(format) => format.parse(&text),
+        None => (text, Vec::new()),
+    };
+    let mut blocks = Vec::new();
+    if !content.is_empty() || calls.is_empty() {
+        blocks.push(json!({"type": "text", "text": content}));
+    }
+    let ids = tool_ids(&id);
+    for (i, c) in calls.iter().enumerate() {
+        blocks.push(
+            json!({"type": "tool_use", "id": format!("{ids}-{i}"), "name": c.name,
+                           "input": input_of(&c.arguments)}),
+        );
+    }
     Ok(json!({
         "id": id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": stop_reason(reason, &stop_sequence),
+        "content": blocks,
+        "stop_reason": stop_reason(reason, &stop_sequence, !calls.is_empty()),
         "stop_sequence": stop_sequence,
         "usage": usage_body(&usage),
     }))
@@ -180,19 +228,128 @@ fn event(name: &str, data: Value) -> Event {
     Event::default().event(name).data(data.to_string())
 }
 
+/// Where a streamed message is: which content block is open.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    None,
+    Text,
+    Tool(usize),
+}
+
+/// The content blocks of a streamed message as they open, grow and close.
+struct Blocks {
+    /// Calls are read out of the text in this format (the text block then opens only for text).
+    tools: Option<(ToolFormat, ToolStream)>,
+    ids: String,
+    open: Open,
+    /// Index of the block open now (blocks are numbered from 0 as they open).
+    index: usize,
+    opened: usize,
+    made_calls: bool,
+}
+
+impl Blocks {
+    fn close(&mut self, queue: &mut std::collections::VecDeque<Event>) {
+        if self.open != Open::None {
+            queue.push_back(event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": self.index}),
+            ));
+            self.open = Open::None;
+        }
+    }
+
+    fn start(&mut self, block: Value, open: Open, queue: &mut std::collections::VecDeque<Event>) {
+        self.close(queue);
+        self.index = self.opened;
+        self.opened += 1;
+        self.open = open;
+        queue.push_back(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.index, "content_block": block}),
+        ));
+    }
+
+    fn text(&mut self, text: String, queue: &mut std::collections::VecDeque<Event>) {
+        if text.is_empty() {
+            return;
+        }
+        if self.open != Open::Text {
+            self.start(json!({"type": "text", "text": ""}), Open::Text, queue);
+        }
+        queue.push_back(event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.index,
+                   "delta": {"type": "text_delta", "text": text}}),
+        ));
+    }
+
+    fn calls(
+        &mut self,
+        deltas: Vec<kura_api::types::ToolCallDelta>,
+        queue: &mut std::collections::VecDeque<Event>,
+    ) {
+        for d in deltas {
+            let call = d.index as usize;
+            if let (Some(id), Some(name)) = (d.id, d.function.name) {
+                self.made_calls = true;
+                self.start(
+                    json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+                    Open::Tool(call),
+                    queue,
+                );
+            }
+            if !d.function.arguments.is_empty() && self.open == Open::Tool(call) {
+                queue.push_back(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": self.index,
+                           "delta": {"type": "input_json_delta",
+                                     "partial_json": d.function.arguments}}),
+                ));
+            }
+        }
+    }
+
+    fn delta(&mut self, text: String, queue: &mut std::collections::VecDeque<Event>) {
+        match &mut self.tools {
+            Some((format, ts)) => {
+                let (content, deltas) = ts.advance(&self.ids, *format, &text);
+                self.text(content, queue);
+                self.calls(deltas, queue);
+            }
+            None => self.text(text, queue),
+        }
+    }
+
+    fn finish(&mut self, queue: &mut std::collections::VecDeque<Event>) {
+        if let Some((format, ts)) = &mut self.tools {
+            let (content, deltas, _) = ts.finish(&self.ids, *format);
+            self.text(content, queue);
+            self.calls(deltas, queue);
+        }
+        if self.opened == 0 {
+            self.start(json!({"type": "text", "text": ""}), Open::Text, queue);
+        }
+        self.close(queue);
+    }
+}
+
 /// Anthropic's event sequence: `message_start`, `content_block_start`, `ping`, `content_block_delta`s,
-/// `content_block_stop`, `message_delta` (stop reason and the whole usage), `message_stop`; an `error`
-/// event when the request fails midway.
+/// `content_block_stop` (with tools: a text block while there is text, and a `tool_use` block per
+/// call whose input arrives as `input_json_delta`s), `message_delta` (stop reason and the whole usage),
+/// `message_stop`; an `error` event when the request fails midway.
 fn stream(
     id: String,
     model: String,
     prompt_len: usize,
     events: Events,
     deadline: Option<(tokio::time::Instant, u64)>,
+    tools: Option<ToolFormat>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     struct St {
         events: Events,
         queue: std::collections::VecDeque<Event>,
+        blocks: Blocks,
         done: bool,
         reason: Option<FinishReason>,
         stop_sequence: Option<String>,
@@ -209,15 +366,23 @@ fn stream(
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
         }}),
     ));
-    queue.push_back(event(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": 0,
-               "content_block": {"type": "text", "text": ""}}),
-    ));
+    let mut blocks = Blocks {
+        tools: tools.map(|f| (f, ToolStream::default())),
+        ids: tool_ids(&id),
+        open: Open::None,
+        index: 0,
+        opened: 0,
+        made_calls: false,
+    };
+    if tools.is_none() {
+        // Without tools the one text block opens at once.
+        blocks.start(json!({"type": "text", "text": ""}), Open::Text, &mut queue);
+    }
     queue.push_back(event("ping", json!({"type": "ping"})));
     let st = St {
         events,
         queue,
+        blocks,
         done: false,
         reason: None,
         stop_sequence: None,
@@ -246,13 +411,7 @@ fn stream(
             };
             match next {
                 Some(EngineEvent::Delta { text, .. }) => {
-                    if !text.is_empty() {
-                        st.queue.push_back(event(
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": 0,
-                                   "delta": {"type": "text_delta", "text": text}}),
-                        ));
-                    }
+                    st.blocks.delta(text, &mut st.queue);
                 }
                 Some(EngineEvent::Finished {
                     reason,
@@ -263,14 +422,12 @@ fn stream(
                     st.stop_sequence = stop_sequence;
                 }
                 Some(EngineEvent::Done { usage }) => {
-                    st.queue.push_back(event(
-                        "content_block_stop",
-                        json!({"type": "content_block_stop", "index": 0}),
-                    ));
+                    st.blocks.finish(&mut st.queue);
+                    let reason = stop_reason(st.reason, &st.stop_sequence, st.blocks.made_calls);
                     st.queue.push_back(event(
                         "message_delta",
                         json!({"type": "message_delta",
-                               "delta": {"stop_reason": stop_reason(st.reason, &st.stop_sequence),
+                               "delta": {"stop_reason": reason,
                                          "stop_sequence": st.stop_sequence},
                                "usage": usage_body(&usage)}),
                     ));

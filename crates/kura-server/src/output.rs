@@ -49,9 +49,9 @@ pub struct ResponseMeta {
 }
 
 impl ResponseMeta {
-    /// The id of choice `choice`'s call `i` (unique within the server's responses).
-    fn call_id(&self, choice: u32, i: usize) -> String {
-        format!("call-{}-{choice}-{i}", self.id)
+    /// What the ids of choice `choice`'s calls start with (unique within the server's responses).
+    fn call_ids(&self, choice: u32) -> String {
+        format!("call-{}-{choice}", self.id)
     }
 }
 
@@ -79,7 +79,7 @@ fn read_calls(
         .into_iter()
         .enumerate()
         .map(|(i, c)| ToolCallBody {
-            id: meta.call_id(choice, i),
+            id: format!("{}-{i}", meta.call_ids(choice)),
             kind: "function",
             function: FunctionCallBody {
                 name: c.name,
@@ -100,7 +100,7 @@ fn read_calls(
 
 /// What a streamed chat choice has sent of its content and calls so far.
 #[derive(Default)]
-struct ToolStream {
+pub(crate) struct ToolStream {
     text: String,
     content_sent: usize,
     /// Per call: whether its name went out, and how many bytes of its arguments.
@@ -108,12 +108,11 @@ struct ToolStream {
 }
 
 impl ToolStream {
-    /// The new content and call pieces once `text` is added.
-    fn advance(
+    /// The new content and call pieces once `text` is added; calls are named `{ids}-{i}`.
+    pub(crate) fn advance(
         &mut self,
-        meta: &ResponseMeta,
+        ids: &str,
         format: ToolFormat,
-        choice: u32,
         text: &str,
     ) -> (String, Vec<ToolCallDelta>) {
         self.text.push_str(text);
@@ -126,22 +125,14 @@ impl ToolStream {
         self.content_sent = self.content_sent.max(p.content.len());
         let mut deltas = Vec::new();
         for (i, call) in p.calls.iter().enumerate() {
-            self.push_call(
-                meta,
-                choice,
-                i,
-                call.name.as_deref(),
-                &call.arguments,
-                &mut deltas,
-            );
+            self.push_call(ids, i, call.name.as_deref(), &call.arguments, &mut deltas);
         }
         (content, deltas)
     }
 
     fn push_call(
         &mut self,
-        meta: &ResponseMeta,
-        choice: u32,
+        ids: &str,
         i: usize,
         name: Option<&str>,
         arguments: &str,
@@ -157,7 +148,7 @@ impl ToolStream {
             };
             deltas.push(ToolCallDelta {
                 index: i as u32,
-                id: Some(meta.call_id(choice, i)),
+                id: Some(format!("{ids}-{i}")),
                 kind: Some("function"),
                 function: FunctionDelta {
                     name: Some(name.to_string()),
@@ -182,11 +173,10 @@ impl ToolStream {
 
     /// The rest once the choice is finished: content held back, the calls' last pieces, and whether
     /// the choice made calls.
-    fn finish(
+    pub(crate) fn finish(
         &mut self,
-        meta: &ResponseMeta,
+        ids: &str,
         format: ToolFormat,
-        choice: u32,
     ) -> (String, Vec<ToolCallDelta>, bool) {
         let (_, calls) = format.parse(&self.text);
         if calls.is_empty() {
@@ -200,7 +190,7 @@ impl ToolStream {
         }
         let mut deltas = Vec::new();
         for (i, c) in calls.iter().enumerate() {
-            self.push_call(meta, choice, i, Some(&c.name), &c.arguments, &mut deltas);
+            self.push_call(ids, i, Some(&c.name), &c.arguments, &mut deltas);
         }
         (String::new(), deltas, true)
     }
@@ -614,7 +604,8 @@ impl SseState {
                 let mut offset = self.offsets.get(choice as usize).copied().unwrap_or(0);
                 let e = match (tools, self.tool_streams.get_mut(choice as usize)) {
                     (Some(format), Some(ts)) => {
-                        let (content, calls) = ts.advance(&self.meta, format, choice, &text);
+                        let ids = self.meta.call_ids(choice);
+                        let (content, calls) = ts.advance(&ids, format, &text);
                         if content.is_empty() && calls.is_empty() && logprobs.is_empty() {
                             return;
                         }
@@ -634,7 +625,8 @@ impl SseState {
                 if let (Some(format), Some(ts)) =
                     (tools, self.tool_streams.get_mut(choice as usize))
                 {
-                    let (content, calls, made_calls) = ts.finish(&self.meta, format, choice);
+                    let ids = self.meta.call_ids(choice);
+                    let (content, calls, made_calls) = ts.finish(&ids, format);
                     if made_calls && reason == FinishReason::Stop {
                         finish = "tool_calls";
                     }
