@@ -65,6 +65,23 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// The same error, naming `to` where it named the parameter `from` (one check serving two
+    /// request shapes).
+    pub fn rename_param(self, from: &str, to: &'static str) -> Self {
+        match self {
+            ApiError::InvalidRequest {
+                message,
+                param: Some(p),
+                code,
+            } if p == from => ApiError::InvalidRequest {
+                message,
+                param: Some(to),
+                code,
+            },
+            other => other,
+        }
+    }
+
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ApiError::InvalidRequest {
             message: message.into(),

@@ -2,6 +2,7 @@
 //! engine or the model runtime:
 //! - [`types`], [`validate`]: the OpenAI request and response bodies, and their validation into the
 //!   engine's vocabulary (`kura-request`); [`anthropic`]: Anthropic's Messages API read the same way;
+//! - [`responses`]: OpenAI's Responses API read the same way;
 //! - [`structured`], [`tools`]: structured outputs and tool calling as requests spell them;
 //! - [`cache_control`]: context caching as requests spell it (TTLs, breakpoints, retention);
 //! - [`routing`]: a request's prompt tokens and cache salt exactly as a server will key its KV (for a
@@ -19,6 +20,7 @@ pub mod cache_control;
 pub mod conn;
 pub mod error;
 pub mod keys;
+pub mod responses;
 pub mod routing;
 pub mod signal;
 pub mod sse;

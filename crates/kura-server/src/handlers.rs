@@ -95,7 +95,7 @@ async fn encode_chat_tools(
 }
 
 /// Default `max_tokens` when the client gives none: whatever fits in the context and in the pool.
-fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 {
+pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 {
     let info = engine.info();
     let pool_tokens = info.num_blocks.saturating_mul(info.block_size_tokens);
     let room = info

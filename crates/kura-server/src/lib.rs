@@ -4,7 +4,7 @@
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `POST /v1/messages`
 //! (Anthropic), `POST/GET /v1/caches`, `GET/PATCH/DELETE /v1/caches/{id}`, `GET /v1/models`,
-//! `GET /v1/models/{model}`,
+//! `GET /v1/models/{model}`, `POST /v1/responses`, `GET/DELETE /v1/responses/{id}`,
 //! `POST /tokenize` (tenant keys); `GET /v1/kv/snapshot`, `GET /v1/kv/events`, `POST /debug/clock`
 //! (the operator key only, and routed only when there is one); `GET /health`, `GET /metrics`
 //! (Prometheus text). Async lives here and nowhere deeper: a handler validates, tokenizes on the
@@ -25,6 +25,7 @@ mod handlers;
 mod kv_events;
 mod messages;
 mod output;
+mod responses;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -140,6 +141,8 @@ struct AppState {
     instance: Arc<str>,
     /// The model's vocabulary for structured outputs, built on first use.
     guides: guided::GuidesCell,
+    /// Stored responses of `/v1/responses`.
+    responses: Arc<responses::ResponseStore>,
 }
 
 impl AppState {
@@ -192,11 +195,17 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             .unwrap_or_else(|| Arc::new(caching::ContextStore::in_memory())),
         instance: instance_name().into(),
         guides: Arc::default(),
+        responses: Arc::default(),
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/messages", post(messages::messages))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::get).delete(responses::delete),
+        )
         .route("/v1/caches", post(caches::create).get(caches::list))
         .route(
             "/v1/caches/{id}",

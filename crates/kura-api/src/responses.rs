@@ -1,0 +1,490 @@
+//! OpenAI's Responses API (`POST /v1/responses`) as Kura reads it: `input` (text, or items: messages,
+//! `function_call`s and `function_call_output`s), `instructions`, function `tools`, `text.format` for
+//! structured output, `previous_response_id` and `store`, checked into a [`ResponsesPlan`]. The route
+//! itself (the stored responses, the output items, the event stream) is `kura-server`'s.
+//!
+//! Accepted and ignored, with the reason: `service_tier` (one tier here), `safety_identifier` and
+//! `user` (logged at debug level only), `truncation: "disabled"` (the default: a prompt longer than the
+//! context is an error), `include: []`, `reasoning: null`, `background: false`. Refused with a 400 naming
+//! the field: `truncation: "auto"`, a non-empty `include`, `reasoning` effort, `background: true`,
+//! `conversation`, `prompt` (templates), `max_tool_calls`, `top_logprobs`, tools of any type but
+//! `function`, and input items other than messages and function calls with their outputs.
+
+use kura_request::ChatMessage;
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+use crate::tools::{openai_tools, parse_arguments, Guide, ToolPlan};
+use crate::types::CommonParams;
+use crate::validate::{check_common, Checked, Ctx};
+
+/// Most `metadata` pairs (OpenAI's limit).
+pub const MAX_METADATA: usize = 16;
+
+/// A checked Responses request.
+#[derive(Debug, Clone)]
+pub struct ResponsesPlan {
+    pub checked: Checked,
+    /// Turns this request adds (after the previous response's conversation, if any).
+    pub input: Vec<ChatMessage>,
+    /// A system message put first (not carried to the next response, as OpenAI does).
+    pub instructions: Option<String>,
+    pub previous_response_id: Option<String>,
+    /// Keep the response (and its conversation) for `GET` and for the next turn. Default true.
+    pub store: bool,
+    pub tools: Option<ToolPlan>,
+    /// The request's own fields, echoed in the response object.
+    pub echo: Map<String, Value>,
+}
+
+fn bad(msg: impl Into<String>, param: &'static str) -> ApiError {
+    ApiError::invalid(msg, Some(param))
+}
+
+/// Text of a message item's content: a string or `input_text`/`output_text` parts.
+fn item_text(content: &Value, at: &str) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("input_text" | "output_text" | "text") => match p.get("text") {
+                        Some(Value::String(t)) => text.push_str(t),
+                        _ => return Err(bad(format!("{at}.content[{j}] has no text"), "input")),
+                    },
+                    Some(other) => return Err(bad(
+                        format!(
+                            "{at}.content[{j}] has type {other:?}; this model accepts only text \
+                                 (input_text, output_text)"
+                        ),
+                        "input",
+                    )),
+                    None => return Err(bad(format!("{at}.content[{j}] has no type"), "input")),
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad(
+            format!("{at}.content must be text or a list of content parts"),
+            "input",
+        )),
+    }
+}
+
+fn str_field<'a>(o: &'a Value, name: &str, at: &str) -> Result<&'a str, ApiError> {
+    o.get(name)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| bad(format!("{at}.{name} must be a non-empty string"), "input"))
+}
+
+/// `input` → chat messages: text is one user message; items are messages, an assistant's
+/// `function_call`s (joined into one assistant turn) and `function_call_output`s (tool turns).
+pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = match input {
+        Value::String(s) => return Ok(vec![ChatMessage::new("user", s.clone())]),
+        Value::Array(items) if !items.is_empty() => items,
+        Value::Array(_) => return Err(bad("input must not be empty", "input")),
+        _ => return Err(bad("input must be text or a list of items", "input")),
+    };
+    let mut out: Vec<ChatMessage> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("input[{i}]");
+        let kind = item.get("type").and_then(Value::as_str);
+        match kind {
+            None | Some("message") => {
+                let role = str_field(item, "role", &at)?;
+                let role = match role {
+                    "user" | "assistant" | "system" => role,
+                    "developer" => "system",
+                    other => return Err(bad(
+                        format!(
+                            "{at}.role must be user, assistant, system or developer, got {other:?}"
+                        ),
+                        "input",
+                    )),
+                };
+                let Some(content) = item.get("content") else {
+                    return Err(bad(format!("{at}.content is missing"), "input"));
+                };
+                out.push(ChatMessage::new(role, item_text(content, &at)?));
+            }
+            Some("function_call") => {
+                let call_id = str_field(item, "call_id", &at)?;
+                let name = str_field(item, "name", &at)?;
+                let arguments = item
+                    .get("arguments")
+                    .and_then(Value::as_str)
+                    .unwrap_or("{}");
+                let args = parse_arguments(arguments, &format!("{at}.arguments"))
+                    .map_err(|e| bad(e.to_string(), "input"))?;
+                let call = json!({"id": call_id, "type": "function", "raw_arguments": arguments,
+                                  "function": {"name": name, "arguments": args}});
+                // Calls join the assistant turn they follow (its text, or calls before them).
+                match out.last_mut() {
+                    Some(m) if m.role == "assistant" => match &mut m.tool_calls {
+                        Some(Value::Array(calls)) => calls.push(call),
+                        _ => m.tool_calls = Some(Value::Array(vec![call])),
+                    },
+                    _ => out.push(ChatMessage {
+                        role: "assistant".into(),
+                        tool_calls: Some(Value::Array(vec![call])),
+                        ..Default::default()
+                    }),
+                }
+            }
+            Some("function_call_output") => {
+                let call_id = str_field(item, "call_id", &at)?;
+                let output = match item.get("output") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Array(_)) => item_text(v, &at)?,
+                    _ => return Err(bad(format!("{at}.output must be text"), "input")),
+                };
+                out.push(ChatMessage {
+                    role: "tool".into(),
+                    content: output,
+                    tool_call_id: Some(call_id.to_string()),
+                    ..Default::default()
+                });
+            }
+            Some(other) => {
+                return Err(bad(
+                    format!(
+                        "{at} has type {other:?}; this server takes message, function_call and \
+                         function_call_output items"
+                    ),
+                    "input",
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Responses' flat function tools (`{"type": "function", "name", "description", "parameters"}`) in
+/// chat's nested shape, for [`openai_tools`].
+fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
+    let Some(items) = tools.as_array() else {
+        return Err(bad("tools must be a list of tools", "tools"));
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.get("type").and_then(Value::as_str) {
+            Some("function") => {
+                let mut f = t.clone();
+                if let Some(o) = f.as_object_mut() {
+                    o.remove("type");
+                }
+                Ok(json!({"type": "function", "function": f}))
+            }
+            other => Err(bad(
+                format!(
+                    "tools[{i}] has type {}; this server runs function tools only",
+                    other.map_or("nothing".into(), |o| format!("{o:?}"))
+                ),
+                "tools",
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::Array)
+}
+
+/// Responses' `tool_choice` (`"auto"`, `"none"`, `"required"`, `{"type": "function", "name"}`) in
+/// chat's shape.
+fn chat_tool_choice(v: &Value) -> Value {
+    match v {
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            match o.get("name") {
+                Some(name) => json!({"type": "function", "function": {"name": name}}),
+                None => v.clone(),
+            }
+        }
+        other => other.clone(),
+    }
+}
+
+/// Checks a `/v1/responses` body (already known to be one JSON object).
+pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
+    let o = value.as_object().expect("parse_json_object gives objects");
+    let set = |name: &str| o.get(name).filter(|v| !v.is_null());
+    for (name, why) in [
+        ("conversation", "use previous_response_id"),
+        ("prompt", "prompt templates are not stored here"),
+        ("max_tool_calls", "it is not enforced here"),
+        ("top_logprobs", "logprobs are on /v1/chat/completions"),
+    ] {
+        if set(name).is_some() {
+            return Err(ApiError::invalid(
+                format!("{name} is not supported by this server ({why})"),
+                Some(name),
+            ));
+        }
+    }
+    if set("background").is_some_and(|v| v != &Value::Bool(false)) {
+        return Err(bad(
+            "background responses are not supported by this server",
+            "background",
+        ));
+    }
+    if let Some(r) = set("reasoning") {
+        if r.get("effort").is_some_and(|e| !e.is_null())
+            || r.get("summary").is_some_and(|e| !e.is_null())
+        {
+            return Err(bad(
+                "reasoning is not supported by this model (it has no reasoning mode)",
+                "reasoning",
+            ));
+        }
+    }
+    match set("truncation").map(|t| t.as_str()) {
+        None | Some(Some("disabled")) => {}
+        Some(_) => {
+            return Err(bad(
+                "truncation must be \"disabled\" on this server: a prompt longer than the context \
+                 is an error, never silently cut",
+                "truncation",
+            ))
+        }
+    }
+    if set("include").is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(bad(
+            "include is not supported by this server (give [] or nothing)",
+            "include",
+        ));
+    }
+    if let Some(m) = set("metadata") {
+        match m.as_object() {
+            Some(m) if m.len() <= MAX_METADATA && m.values().all(Value::is_string) => {}
+            _ => {
+                return Err(bad(
+                    format!("metadata must be an object of at most {MAX_METADATA} string values"),
+                    "metadata",
+                ))
+            }
+        }
+    }
+    // The sampling fields Responses shares with chat, under the chat names `check_common` reads.
+    let mut common_json = Map::new();
+    for name in [
+        "model",
+        "temperature",
+        "top_p",
+        "stream",
+        "user",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "cache_salt",
+        "seed",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ] {
+        if let Some(v) = set(name) {
+            common_json.insert(name.into(), v.clone());
+        }
+    }
+    // `text.format` is chat's `response_format`, flattened.
+    if let Some(text) = set("text") {
+        match text.get("format").filter(|f| !f.is_null()) {
+            None => {}
+            Some(f) if f.get("type").and_then(Value::as_str) == Some("json_schema") => {
+                let mut js = f.clone();
+                if let Some(o) = js.as_object_mut() {
+                    o.remove("type");
+                }
+                common_json.insert(
+                    "response_format".into(),
+                    json!({"type": "json_schema", "json_schema": js}),
+                );
+            }
+            Some(f) => {
+                common_json.insert("response_format".into(), f.clone());
+            }
+        }
+    }
+    let common: CommonParams = crate::body::from_value(&Value::Object(common_json.clone()))?;
+    let max_output = match set("max_output_tokens") {
+        None => None,
+        Some(v) => Some(v.as_i64().ok_or_else(|| {
+            bad(
+                format!("max_output_tokens must be an integer, got {v}"),
+                "max_output_tokens",
+            )
+        })?),
+    };
+    let mut checked = check_common(&common, ctx, max_output, "max_output_tokens")
+        .map_err(|e| e.rename_param("response_format", "text"))?;
+    if let Some((g, _)) = checked.guide.take() {
+        checked.guide = Some((g, "text"));
+    }
+    let Some(input) = set("input") else {
+        return Err(bad("input is required (text or a list of items)", "input"));
+    };
+    let input = input_messages(input)?;
+    let instructions = match set("instructions") {
+        None => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(bad("instructions must be text", "instructions")),
+    };
+    let tools = match set("tools") {
+        None => None,
+        Some(t) => Some(chat_tools(t)?),
+    };
+    let choice = set("tool_choice").map(chat_tool_choice);
+    let parallel = match set("parallel_tool_calls") {
+        None => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => {
+            return Err(bad(
+                "parallel_tool_calls must be a boolean",
+                "parallel_tool_calls",
+            ))
+        }
+    };
+    let tools = openai_tools(tools.as_ref(), choice.as_ref(), parallel)?;
+    if let (Some(t), Some(_)) = (&tools, &checked.guide) {
+        if t.constrained().is_some() {
+            return Err(bad(
+                "text.format cannot be combined with tool_choice required or a named function",
+                "text",
+            ));
+        }
+    }
+    let previous_response_id = match set("previous_response_id") {
+        None => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(bad(
+                "previous_response_id must be a response id",
+                "previous_response_id",
+            ))
+        }
+    };
+    let store = match set("store") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("store must be a boolean", "store")),
+    };
+    let mut echo = Map::new();
+    for name in [
+        "temperature",
+        "top_p",
+        "max_output_tokens",
+        "metadata",
+        "parallel_tool_calls",
+        "tool_choice",
+        "tools",
+        "text",
+        "user",
+        "prompt_cache_key",
+        "service_tier",
+    ] {
+        if let Some(v) = set(name) {
+            echo.insert(name.into(), v.clone());
+        }
+    }
+    Ok(ResponsesPlan {
+        checked,
+        input,
+        instructions,
+        previous_response_id,
+        store,
+        tools,
+        echo,
+    })
+}
+
+impl ResponsesPlan {
+    /// The guide the output follows, if any (for the server's compiler).
+    pub fn guide(&self) -> Option<(Guide, &'static str)> {
+        self.checked.guide.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CTX: Ctx<'static> = Ctx {
+        served_model: "m",
+        priority_scheduling: false,
+    };
+
+    #[test]
+    fn items_become_turns() {
+        let v = json!({"input": [
+            {"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{\"city\": \"Oslo\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ], "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+           "max_output_tokens": 20});
+        let p = prepare(&v, CTX).unwrap();
+        assert_eq!(p.input.len(), 4);
+        assert_eq!(p.input[0].role, "system");
+        assert_eq!(
+            p.input[2]
+                .tool_calls
+                .as_ref()
+                .unwrap()
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+        assert_eq!(p.input[3].tool_call_id.as_deref(), Some("c1"));
+        assert!(matches!(
+            p.checked.guide,
+            Some((Guide::JsonSchema(_), "text"))
+        ));
+        assert_eq!(p.checked.max_tokens, Some(20));
+        assert!(p.store);
+    }
+
+    #[test]
+    fn unsupported_fields_are_refused_by_name() {
+        for (body, param) in [
+            (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (json!({"input": "x", "background": true}), "background"),
+            (
+                json!({"input": "x", "reasoning": {"effort": "high"}}),
+                "reasoning",
+            ),
+            (
+                json!({"input": "x", "include": ["file_search_call.results"]}),
+                "include",
+            ),
+            (
+                json!({"input": "x", "conversation": "conv_1"}),
+                "conversation",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "web_search"}]}),
+                "tools",
+            ),
+            (
+                json!({"input": [{"type": "reasoning", "id": "r"}]}),
+                "input",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "yaml"}}}),
+                "text",
+            ),
+            (
+                json!({"input": "x", "previous_response_id": 3}),
+                "previous_response_id",
+            ),
+            (json!({}), "input"),
+        ] {
+            match prepare(&body, CTX).unwrap_err() {
+                ApiError::InvalidRequest { param: Some(p), .. } => assert_eq!(p, param, "{body}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,660 @@
+//! `POST /v1/responses`, `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`: OpenAI's Responses API
+//! over the same engine (request reading is `kura_api::responses`).
+//!
+//! A stored response (`store`, the default) keeps its conversation — the turns before it, its input and
+//! its output, without `instructions` — so that a request naming it as `previous_response_id` continues
+//! from there; its prompt is pinned for [`STORED_PIN_MS`] and written through to the lower tiers (the
+//! disk tier, when there is one), so the next turn's prefix is a cache hit. Stored responses belong to
+//! the tenant that made them: another tenant's id is "not found", alike for `GET`, `DELETE` and
+//! `previous_response_id`. They live in memory (at most [`MAX_STORED`], the oldest dropped first) and
+//! not across restarts.
+//!
+//! Output items: a `message` with one `output_text` part when the model wrote text, and a
+//! `function_call` per call (read out of the text as the chat route reads them). A response cut at
+//! `max_output_tokens` is `incomplete`. Streams send the documented events in order, each with its
+//! `sequence_number`: `response.created`, `response.in_progress`, then per item
+//! `response.output_item.added`, (`response.content_part.added`, `response.output_text.delta`s,
+//! `response.output_text.done`, `response.content_part.done` | `response.function_call_arguments.delta`s,
+//! `response.function_call_arguments.done`), `response.output_item.done`, and last
+//! `response.completed` (or `response.incomplete`).
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Path, State};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures::Stream;
+use kura_api::responses::prepare;
+use kura_api::tools::{check_tool_turns, encode_chat_prompt, ToolFormat};
+use kura_api::{effective_salt, ApiError, Tenant};
+use kura_engine::{ChatMessage, EngineEvent, FinishReason, PinSpec, Usage};
+use serde_json::{json, Map, Value};
+
+use crate::body::JsonBody;
+use crate::handlers::{off_the_workers, remaining_tokens, response_id};
+use crate::output::{Events, ToolStream};
+use crate::{guided, AppState};
+
+/// Most responses kept at once (over all tenants); past it the oldest is dropped.
+pub const MAX_STORED: usize = 10_000;
+/// How long a stored response's prompt stays pinned in the cache.
+pub const STORED_PIN_MS: u64 = 3_600_000;
+
+struct Stored {
+    /// The tenant's cache salt (`None` without keys).
+    owner: Option<String>,
+    /// Every turn up to and including this response's output (no instructions).
+    conversation: Vec<ChatMessage>,
+    body: Value,
+}
+
+/// The stored responses.
+#[derive(Default)]
+pub(crate) struct ResponseStore {
+    inner: Mutex<(HashMap<String, Arc<Stored>>, VecDeque<String>)>,
+}
+
+impl ResponseStore {
+    fn get(&self, id: &str, owner: &Option<String>) -> Option<Arc<Stored>> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.0.get(id).filter(|s| &s.owner == owner).cloned()
+    }
+
+    fn insert(&self, id: String, stored: Stored) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *inner;
+        while map.len() >= MAX_STORED {
+            match order.pop_front() {
+                Some(old) => {
+                    map.remove(&old);
+                }
+                None => break,
+            }
+        }
+        order.push_back(id.clone());
+        map.insert(id, Arc::new(stored));
+    }
+
+    fn remove(&self, id: &str, owner: &Option<String>) -> bool {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *inner;
+        if map.get(id).is_some_and(|s| &s.owner == owner) {
+            map.remove(id);
+            order.retain(|x| x != id);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound(format!("no response with id {id:?}"))
+}
+
+/// What a response is, apart from its output.
+#[derive(Clone)]
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    instructions: Option<String>,
+    previous: Option<String>,
+    store: bool,
+    echo: Map<String, Value>,
+    tools: Option<ToolFormat>,
+}
+
+impl Meta {
+    /// The response object with `output`, `status` and `usage`.
+    fn body(&self, status: &str, output: Vec<Value>, usage: Option<&Usage>) -> Value {
+        let mut b = json!({
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": null,
+            "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { json!(null) },
+            "model": self.model, "output": output, "instructions": self.instructions,
+            "previous_response_id": self.previous, "store": self.store,
+            "parallel_tool_calls": true, "tool_choice": "auto", "tools": [],
+            "temperature": 1.0, "top_p": 1.0, "max_output_tokens": null, "metadata": {},
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": usage.map(usage_body),
+        });
+        if let Some(o) = b.as_object_mut() {
+            for (k, v) in &self.echo {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        b
+    }
+
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.id)
+    }
+
+    fn call_ids(&self) -> String {
+        format!("fc_{}", self.id)
+    }
+}
+
+fn usage_body(u: &Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens.saturating_add(u.completion_tokens),
+    })
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "message", "id": id, "status": status, "role": "assistant",
+           "content": [{"type": "output_text", "text": text, "annotations": []}]})
+}
+
+fn call_item(id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    // One id serves as the item's and the call's (what `function_call_output` answers).
+    json!({"type": "function_call", "id": id, "call_id": id, "name": name, "arguments": arguments,
+           "status": status})
+}
+
+/// A finished response's output items and the assistant turn they make.
+fn output_of(meta: &Meta, text: &str) -> (Vec<Value>, ChatMessage) {
+    let (content, calls) = match meta.tools {
+        Some(format) => format.parse(text),
+        None => (text.to_string(), Vec::new()),
+    };
+    let content = if calls.is_empty() {
+        text.to_string()
+    } else {
+        content
+    };
+    let mut items = Vec::new();
+    if !content.is_empty() || calls.is_empty() {
+        items.push(message_item(&meta.message_id(), &content, "completed"));
+    }
+    let ids = meta.call_ids();
+    let mut turn_calls = Vec::new();
+    for (i, c) in calls.iter().enumerate() {
+        let id = format!("{ids}-{i}");
+        items.push(call_item(&id, &c.name, &c.arguments, "completed"));
+        let args: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+        turn_calls.push(
+            json!({"id": id, "type": "function", "raw_arguments": c.arguments,
+                               "function": {"name": c.name, "arguments": args}}),
+        );
+    }
+    let turn = ChatMessage {
+        role: "assistant".into(),
+        content,
+        tool_calls: (!turn_calls.is_empty()).then_some(Value::Array(turn_calls)),
+        ..Default::default()
+    };
+    (items, turn)
+}
+
+pub async fn create(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(value): JsonBody,
+) -> Result<Response, ApiError> {
+    let info = s.engine.info().clone();
+    let plan = prepare(&value, s.ctx())?;
+    drop(value);
+    let owner = effective_salt(&tenant, None);
+    let mut conversation = match &plan.previous_response_id {
+        Some(id) => match s.responses.get(id, &owner) {
+            Some(prev) => prev.conversation.clone(),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("previous_response_id {id:?} was not found"),
+                    Some("previous_response_id"),
+                ))
+            }
+        },
+        None => Vec::new(),
+    };
+    conversation.extend(plan.input.iter().cloned());
+    let mut messages = Vec::with_capacity(conversation.len() + 1);
+    if let Some(i) = &plan.instructions {
+        messages.push(ChatMessage::new("system", i.clone()));
+    }
+    messages.extend(conversation.iter().cloned());
+    check_tool_turns(&messages).map_err(|e| e.rename_param("messages", "input"))?;
+    let style = guided::tool_style(&s.engine);
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        plan.guide(),
+        plan.tools.as_ref(),
+        style,
+    )
+    .await?;
+    let (codec, tools) = (s.engine.codec().clone(), plan.tools.clone());
+    let prompt_tokens =
+        off_the_workers(move || encode_chat_prompt(codec.as_ref(), messages, tools.as_ref()))
+            .await?;
+    let max_tokens = plan
+        .checked
+        .max_tokens
+        .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len()));
+    let now = s.engine.cache_now_ms();
+    let retention = kura_api::cache_control::retention_pin(
+        plan.checked.prompt_cache_retention.as_deref(),
+        prompt_tokens.len(),
+        now,
+    )?;
+    let prompt_len = prompt_tokens.len();
+    let mut request = plan
+        .checked
+        .clone()
+        .into_request(prompt_tokens, max_tokens, None);
+    request.cache_salt = effective_salt(&tenant, request.cache_salt);
+    request.pins.extend(retention);
+    if plan.store {
+        request.pins.push(PinSpec {
+            tokens: prompt_len,
+            expires_at_ms: now.saturating_add(STORED_PIN_MS),
+            persist: true,
+        });
+    }
+    request.constraint = constraint;
+    let meta = Meta {
+        id: format!("resp_{}", response_id("r").trim_start_matches("r-")),
+        created: unix_now(),
+        model: info.model_name.clone(),
+        instructions: plan.instructions.clone(),
+        previous: plan.previous_response_id.clone(),
+        store: plan.store,
+        echo: plan.echo.clone(),
+        tools: plan
+            .tools
+            .as_ref()
+            .filter(|t| t.parses_calls())
+            .map(|_| style.format),
+    };
+    let (mut events, sender) = Events::new(1, 1);
+    events.add_guard(s.engine.submit(request, sender.sink(0))?);
+    drop(sender);
+    let keep = plan
+        .store
+        .then(|| (s.responses.clone(), owner, conversation));
+    let deadline = s.request_timeout.and_then(|t| {
+        tokio::time::Instant::now()
+            .checked_add(t)
+            .map(|at| (at, t.as_secs()))
+    });
+    if plan.checked.stream {
+        let body = stream(meta, events, keep, deadline);
+        return Ok(Sse::new(body)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let body = collect(meta, events, keep);
+    let body = match deadline {
+        Some((at, seconds)) => tokio::time::timeout_at(at, body)
+            .await
+            .map_err(|_| ApiError::Timeout { seconds })??,
+        None => body.await?,
+    };
+    Ok(Json(body).into_response())
+}
+
+/// Where a finished response is kept: the store, its owner and the turns before its output.
+type Keep = Option<(Arc<ResponseStore>, Option<String>, Vec<ChatMessage>)>;
+
+fn keep_response(keep: Keep, id: &str, turn: ChatMessage, body: &Value) {
+    if let Some((store, owner, mut conversation)) = keep {
+        conversation.push(turn);
+        store.insert(
+            id.to_string(),
+            Stored {
+                owner,
+                conversation,
+                body: body.clone(),
+            },
+        );
+    }
+}
+
+async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, ApiError> {
+    let mut text = String::new();
+    let mut reason = None;
+    let usage = loop {
+        match events.next().await {
+            Some(EngineEvent::Delta { text: t, .. }) => text.push_str(&t),
+            Some(EngineEvent::Finished { reason: r, .. }) => reason = Some(r),
+            Some(EngineEvent::Done { usage }) => break usage,
+            Some(EngineEvent::Failed(e)) => return Err(e.into()),
+            None => {
+                return Err(ApiError::Internal(
+                    "the engine dropped the request without finishing it".into(),
+                ))
+            }
+        }
+    };
+    let (items, turn) = output_of(&meta, &text);
+    let status = if reason == Some(FinishReason::Length) {
+        "incomplete"
+    } else {
+        "completed"
+    };
+    let body = meta.body(status, items, Some(&usage));
+    keep_response(keep, &meta.id, turn, &body);
+    Ok(body)
+}
+
+/// The item open now in a streamed response.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    None,
+    Text,
+    Call(usize),
+}
+
+struct St {
+    meta: Meta,
+    events: Events,
+    keep: Keep,
+    queue: VecDeque<Event>,
+    seq: u64,
+    done: bool,
+    reason: Option<FinishReason>,
+    tools: Option<ToolStream>,
+    open: Open,
+    /// Output index of the open item; items are numbered as they open.
+    index: usize,
+    items: Vec<Value>,
+    text: String,
+    /// The open call: its id, name and arguments so far.
+    call: (String, String, String),
+    deadline: Option<(tokio::time::Instant, u64)>,
+}
+
+impl St {
+    fn emit(&mut self, kind: &str, mut data: Value) {
+        if let Some(o) = data.as_object_mut() {
+            o.insert("type".into(), json!(kind));
+            o.insert("sequence_number".into(), json!(self.seq));
+        }
+        self.seq += 1;
+        self.queue
+            .push_back(Event::default().event(kind).data(data.to_string()));
+    }
+
+    fn close(&mut self) {
+        match self.open {
+            Open::None => {}
+            Open::Text => {
+                let id = self.meta.message_id();
+                let text = std::mem::take(&mut self.text);
+                let part = json!({"type": "output_text", "text": text, "annotations": []});
+                self.emit(
+                    "response.output_text.done",
+                    json!({"item_id": id, "output_index": self.index,
+                    "content_index": 0, "text": text}),
+                );
+                self.emit(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": self.index,
+                    "content_index": 0, "part": part}),
+                );
+                let item = message_item(&id, &text, "completed");
+                self.emit(
+                    "response.output_item.done",
+                    json!({"output_index": self.index, "item": item}),
+                );
+                self.items.push(item);
+            }
+            Open::Call(_) => {
+                let (id, name, args) = std::mem::take(&mut self.call);
+                self.emit(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id,
+                    "output_index": self.index, "arguments": args}),
+                );
+                let item = call_item(&id, &name, &args, "completed");
+                self.emit(
+                    "response.output_item.done",
+                    json!({"output_index": self.index, "item": item}),
+                );
+                self.items.push(item);
+            }
+        }
+        self.open = Open::None;
+    }
+
+    fn text(&mut self, text: String) {
+        if text.is_empty() {
+            return;
+        }
+        if self.open != Open::Text {
+            self.close();
+            self.index = self.items.len();
+            self.open = Open::Text;
+            let id = self.meta.message_id();
+            self.emit(
+                "response.output_item.added",
+                json!({"output_index": self.index,
+                "item": {"type": "message", "id": id, "status": "in_progress", "role": "assistant",
+                         "content": []}}),
+            );
+            self.emit("response.content_part.added", json!({"item_id": id, "output_index": self.index,
+                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
+        }
+        self.text.push_str(&text);
+        let id = self.meta.message_id();
+        self.emit(
+            "response.output_text.delta",
+            json!({"item_id": id, "output_index": self.index,
+            "content_index": 0, "delta": text}),
+        );
+    }
+
+    fn calls(&mut self, deltas: Vec<kura_api::types::ToolCallDelta>) {
+        for d in deltas {
+            let call = d.index as usize;
+            if let (Some(id), Some(name)) = (d.id, d.function.name) {
+                self.close();
+                self.index = self.items.len();
+                self.open = Open::Call(call);
+                self.call = (id.clone(), name.clone(), String::new());
+                self.emit(
+                    "response.output_item.added",
+                    json!({"output_index": self.index,
+                    "item": call_item(&id, &name, "", "in_progress")}),
+                );
+            }
+            if !d.function.arguments.is_empty() && self.open == Open::Call(call) {
+                self.call.2.push_str(&d.function.arguments);
+                let id = self.call.0.clone();
+                self.emit(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id,
+                    "output_index": self.index, "delta": d.function.arguments}),
+                );
+            }
+        }
+    }
+
+    fn delta(&mut self, text: String) {
+        match (&mut self.tools, self.meta.tools) {
+            (Some(ts), Some(format)) => {
+                let (content, deltas) = ts.advance(&self.meta.call_ids(), format, &text);
+                self.text(content);
+                self.calls(deltas);
+            }
+            _ => self.text(text),
+        }
+    }
+
+    fn finish(&mut self, usage: Usage) {
+        if let (Some(ts), Some(format)) = (&mut self.tools, self.meta.tools) {
+            let (content, deltas, _) = ts.finish(&self.meta.call_ids(), format);
+            self.text(content);
+            self.calls(deltas);
+        }
+        if self.items.is_empty() && self.open == Open::None {
+            // No output at all: one empty message, as the whole response has.
+            self.text.clear();
+            self.open = Open::Text;
+            self.index = 0;
+            let id = self.meta.message_id();
+            self.emit(
+                "response.output_item.added",
+                json!({"output_index": 0,
+                "item": {"type": "message", "id": id, "status": "in_progress", "role": "assistant",
+                         "content": []}}),
+            );
+            self.emit("response.content_part.added", json!({"item_id": id, "output_index": 0,
+                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
+        }
+        self.close();
+        let incomplete = self.reason == Some(FinishReason::Length);
+        let status = if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        };
+        let body = self.meta.body(status, self.items.clone(), Some(&usage));
+        let kind = if incomplete {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        self.emit(kind, json!({"response": body}));
+        // The turn as the whole response reads it.
+        let text: String = self
+            .items
+            .iter()
+            .map(|i| {
+                if i["type"] == "message" {
+                    i["content"][0]["text"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string()
+                } else {
+                    String::new()
+                }
+            })
+            .collect();
+        let mut turn = ChatMessage::new("assistant", text);
+        let calls: Vec<Value> = self
+            .items
+            .iter()
+            .filter(|i| i["type"] == "function_call")
+            .map(|i| {
+                let raw = i["arguments"].as_str().unwrap_or("{}");
+                let args: Value = serde_json::from_str(raw).unwrap_or_else(|_| json!({}));
+                json!({"id": i["call_id"], "type": "function", "raw_arguments": raw,
+                       "function": {"name": i["name"], "arguments": args}})
+            })
+            .collect();
+        if !calls.is_empty() {
+            turn.tool_calls = Some(Value::Array(calls));
+        }
+        keep_response(self.keep.take(), &self.meta.id.clone(), turn, &body);
+        self.done = true;
+    }
+
+    fn fail(&mut self, e: ApiError) {
+        let body = self.meta.body("failed", Vec::new(), None);
+        let mut body = body;
+        body["error"] = json!({"code": "server_error", "message": e.to_string()});
+        self.emit("response.failed", json!({"response": body}));
+        self.done = true;
+    }
+}
+
+fn stream(
+    meta: Meta,
+    events: Events,
+    keep: Keep,
+    deadline: Option<(tokio::time::Instant, u64)>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let mut st = St {
+        tools: meta.tools.map(|_| ToolStream::default()),
+        meta,
+        events,
+        keep,
+        queue: VecDeque::new(),
+        seq: 0,
+        done: false,
+        reason: None,
+        open: Open::None,
+        index: 0,
+        items: Vec::new(),
+        text: String::new(),
+        call: Default::default(),
+        deadline,
+    };
+    let start = st.meta.body("in_progress", Vec::new(), None);
+    st.emit("response.created", json!({"response": start.clone()}));
+    st.emit("response.in_progress", json!({"response": start}));
+    futures::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.queue.pop_front() {
+                return Some((Ok(e), st));
+            }
+            if st.done {
+                return None;
+            }
+            let next = match st.deadline {
+                Some((at, seconds)) => match tokio::time::timeout_at(at, st.events.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        st.fail(ApiError::Timeout { seconds });
+                        continue;
+                    }
+                },
+                None => st.events.next().await,
+            };
+            match next {
+                Some(EngineEvent::Delta { text, .. }) => st.delta(text),
+                Some(EngineEvent::Finished { reason, .. }) => st.reason = Some(reason),
+                Some(EngineEvent::Done { usage }) => st.finish(usage),
+                Some(EngineEvent::Failed(e)) => st.fail(e.into()),
+                None => st.fail(ApiError::Internal(
+                    "the engine dropped the request without finishing it".into(),
+                )),
+            }
+        }
+    })
+}
+
+pub async fn get(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let owner = effective_salt(&tenant, None);
+    s.responses
+        .get(&id, &owner)
+        .map(|r| Json(r.body.clone()))
+        .ok_or_else(|| not_found(&id))
+}
+
+pub async fn delete(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let owner = effective_salt(&tenant, None);
+    if s.responses.remove(&id, &owner) {
+        Ok(Json(
+            json!({"id": id, "object": "response", "deleted": true}),
+        ))
+    } else {
+        Err(not_found(&id))
+    }
+}
