@@ -53,13 +53,15 @@ fn item_text(content: &Value, at: &str) -> Result<String, ApiError> {
                         Some(Value::String(t)) => text.push_str(t),
                         _ => return Err(bad(format!("{at}.content[{j}] has no text"), "input")),
                     },
-                    Some(other) => return Err(bad(
-                        format!(
+                    Some(other) => {
+                        return Err(bad(
+                            format!(
                             "{at}.content[{j}] has type {other:?}; this model accepts only text \
                                  (input_text, output_text)"
                         ),
-                        "input",
-                    )),
+                            "input",
+                        ))
+                    }
                     None => return Err(bad(format!("{at}.content[{j}] has no type"), "input")),
                 }
             }
@@ -98,12 +100,14 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                 let role = match role {
                     "user" | "assistant" | "system" => role,
                     "developer" => "system",
-                    other => return Err(bad(
-                        format!(
+                    other => {
+                        return Err(bad(
+                            format!(
                             "{at}.role must be user, assistant, system or developer, got {other:?}"
                         ),
-                        "input",
-                    )),
+                            "input",
+                        ))
+                    }
                 };
                 let Some(content) = item.get("content") else {
                     return Err(bad(format!("{at}.content is missing"), "input"));

@@ -533,6 +533,24 @@ pub fn encode_chat_prompt(
     .map_err(crate::validate::template_error)
 }
 
+/// How many of `prompt`'s tokens hold the earlier turns of the conversation — every message up to
+/// the last assistant turn — as [`encode_chat_prompt`] writes them (0 when there is no earlier turn).
+/// A prompt that differs from the cached one inside them had its history written differently.
+pub fn history_tokens(
+    codec: &dyn TextCodec,
+    messages: &[ChatMessage],
+    tools: Option<&ToolPlan>,
+    prompt: &[u32],
+) -> usize {
+    let Some(last) = messages.iter().rposition(|m| m.role == "assistant") else {
+        return 0;
+    };
+    match encode_chat_prompt(codec, messages[..=last].to_vec(), tools) {
+        Ok(history) => crate::cache_control::lcp(&history, prompt),
+        Err(_) => 0,
+    }
+}
+
 /// The messages for a template that has a tools section: as they are, less Kura's own bookkeeping.
 pub fn native_messages(messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
     messages

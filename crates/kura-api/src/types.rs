@@ -168,6 +168,27 @@ pub struct PromptTokensDetails {
     /// Prompt tokens this request computed for the prefixes it pinned (`prompt_cache_retention`,
     /// `cached_content`).
     pub cache_write_tokens: u32,
+    /// Why the prompt was not cached further, when it could have been (Kura's extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_miss: Option<CacheMissBody>,
+}
+
+/// `{"reason": "never_seen" | "evicted" | "diverged" | "template_rerendered" | "salt_differs",
+/// "at_token": N}`: the reason, and the first prompt token not served from the cache (for `diverged`
+/// and `template_rerendered`, the first that differs from the cached sequence).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CacheMissBody {
+    pub reason: &'static str,
+    pub at_token: u32,
+}
+
+impl From<kura_request::CacheMiss> for CacheMissBody {
+    fn from(m: kura_request::CacheMiss) -> Self {
+        Self {
+            reason: m.reason.as_str(),
+            at_token: m.at,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -187,6 +208,7 @@ impl From<kura_request::Usage> for UsageBody {
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_tokens,
                 cache_write_tokens: u.cache_write_tokens,
+                cache_miss: u.miss.map(CacheMissBody::from),
             },
         }
     }

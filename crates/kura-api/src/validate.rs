@@ -77,6 +77,7 @@ impl Checked {
             cache_salt: self.cache_salt,
             pins: Vec::new(),
             constraint: None,
+            history_tokens: 0,
         }
     }
 }

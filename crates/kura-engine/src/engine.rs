@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
 use kura_model::Sampled;
 
+use crate::miss::SeenLog;
+
 use crate::backend::{Executor, SeqInput, TextCodec};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::kv_events::{KvEventLog, KvEventsSetup};
@@ -283,6 +285,7 @@ pub fn start_engine(
         loads_done: Vec::new(),
         pins: PinTable::new(pin_budget, config_block_size),
         remote,
+        seen: SeenLog::default(),
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -315,6 +318,8 @@ struct Core {
     pins: PinTable,
     /// The shared tier in Redis (L4), when configured.
     remote: Option<RemoteTier>,
+    /// Recent sequences per cache salt, to tell why a prompt missed the cache.
+    seen: SeenLog,
 }
 
 /// The engine's side of the output stage's channel, counting what it sent so that a step can wait for
@@ -863,8 +868,21 @@ impl Core {
             // What the client is told was cached: every prompt token it did not compute itself (a block
             // whose load from a tier failed was computed, so it is not among them).
             let prompt_len = group.request.prompt_tokens.len();
-            group.usage.cached_tokens =
-                prompt_len.saturating_sub(group.prompt_computed.count()) as u32;
+            let cached = prompt_len.saturating_sub(group.prompt_computed.count());
+            group.usage.cached_tokens = cached as u32;
+            let salt = &group.request.cache_salt;
+            let prompt = &group.request.prompt_tokens;
+            group.usage.miss = self.seen.explain(
+                salt,
+                prompt,
+                cached,
+                self.config.block_size_tokens,
+                group.request.history_tokens,
+            );
+            if let Some(m) = group.usage.miss {
+                self.metrics.count_miss(m.reason);
+            }
+            self.seen.record(salt, prompt);
             if !group.request.pins.is_empty() {
                 self.pin_prefixes(group_id);
             }
@@ -1035,6 +1053,13 @@ impl Core {
         let Some(seq) = self.seqs.remove(&key) else {
             return;
         };
+        if seq.choice == 0 {
+            // Its prompt and output, as the next turn of a conversation will find them cached.
+            if let Some(group) = self.groups.get(&seq.group) {
+                self.seen
+                    .record(&group.request.cache_salt, self.sched.tokens(key));
+            }
+        }
         self.sched.finish(key);
         let group = self
             .groups

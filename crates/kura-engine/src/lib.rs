@@ -18,6 +18,7 @@ mod pins;
 mod remote;
 /// The request vocabulary is `kura-request`'s.
 use kura_request as request;
+mod miss;
 mod seq;
 mod tiers;
 
@@ -25,9 +26,9 @@ pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use kura_request::{
-    ConstraintSpec, EngineEvent, EventSink, FinishReason, GenerateRequest, PinSpec, RequestError,
-    SamplingParams, SubmitError, TokenCandidate, TokenConstraint, TokenLogprob, Usage,
-    TENANT_SEPARATOR,
+    CacheMiss, ConstraintSpec, EngineEvent, EventSink, FinishReason, GenerateRequest, MissReason,
+    PinSpec, RequestError, SamplingParams, SubmitError, TokenCandidate, TokenConstraint,
+    TokenLogprob, Usage, TENANT_SEPARATOR,
 };
 pub use kura_sched::{
     AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,

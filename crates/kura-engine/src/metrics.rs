@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use kura_metrics::{Counter, Gauge, Histogram};
 use kura_metrics::{Exposition, Kind};
+use kura_request::MissReason;
 
 /// Every metric the engine exports. Names follow vLLM's `vllm:` style under the `kura:` prefix.
 #[derive(Debug, Default)]
@@ -51,6 +52,9 @@ pub struct EngineMetrics {
     // requests
     pub requests_finished_stop: Counter,
     pub requests_finished_length: Counter,
+    /// Prompts not cached as far as they could have been, by [`MissReason`] (in `MissReason::ALL`'s
+    /// order).
+    pub cache_misses: [Counter; 5],
     pub requests_cancelled: Counter,
     /// Of `requests_cancelled`: those whose client stopped reading (sink full past the timeout).
     pub requests_cancelled_stalled: Counter,
@@ -122,6 +126,13 @@ pub struct TierMetrics {
 }
 
 impl EngineMetrics {
+    /// Counts a prompt that missed the cache for `reason`.
+    pub fn count_miss(&self, reason: MissReason) {
+        if let Some(i) = MissReason::ALL.iter().position(|r| *r == reason) {
+            self.cache_misses[i].add(1);
+        }
+    }
+
     /// Prometheus text exposition of every metric.
     pub fn render_prometheus(&self) -> String {
         let mut e = Exposition::with_capacity(16 * 1024);
@@ -285,6 +296,16 @@ impl EngineMetrics {
             ("length", &self.requests_finished_length),
         ] {
             e.sample(name, &[("finished_reason", reason)], c.get());
+        }
+        let name = "kura:prefix_cache_misses_total";
+        e.family(
+            name,
+            "Prompts not cached as far as they could have been, by why (never_seen, evicted, diverged, \
+             template_rerendered, salt_differs).",
+            Kind::Counter,
+        );
+        for (reason, c) in MissReason::ALL.iter().zip(&self.cache_misses) {
+            e.sample(name, &[("reason", reason.as_str())], c.get());
         }
         e.counter(
             "kura:request_cancelled_total",

@@ -118,6 +118,9 @@ pub struct GenerateRequest {
     /// What the choices may generate (structured outputs, constrained tool calls): each choice walks
     /// its own [`TokenConstraint`], started from this. `None`: any token.
     pub constraint: Option<Arc<dyn ConstraintSpec>>,
+    /// Prompt tokens that hold the earlier turns of a conversation (0: none): a prompt that differs
+    /// from the cached one inside them is a [`MissReason::TemplateRerendered`].
+    pub history_tokens: usize,
 }
 
 /// A grammar the output must follow, ready to start (compiled once per request).
@@ -164,6 +167,7 @@ impl GenerateRequest {
             cache_salt: None,
             pins: Vec::new(),
             constraint: None,
+            history_tokens: 0,
         }
     }
 }
@@ -205,6 +209,54 @@ pub struct TokenLogprob {
     pub top: Vec<TokenCandidate>,
 }
 
+/// Why a prompt's cached part stopped where it did, when a longer one could have been cached: told to
+/// the client with its usage, and counted by reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CacheMiss {
+    pub reason: MissReason,
+    /// The first prompt token that was not cached (`Diverged`, `TemplateRerendered`: the first token
+    /// that differs from what this tenant had cached).
+    pub at: u32,
+}
+
+/// The reasons a prompt's prefix was not cached further.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissReason {
+    /// No earlier request of this tenant (and salt) went further with this prefix.
+    NeverSeen,
+    /// This tenant had the next block of this prefix cached, and it was evicted since.
+    Evicted,
+    /// This tenant's longest earlier prompt with this prefix differs at token `at`, inside the next
+    /// block: only whole blocks are cached.
+    Diverged,
+    /// As `Diverged`, at a token of an earlier turn of the conversation: the earlier turns were written
+    /// differently from the cached ones (a template that re-renders history, or a client that edited it).
+    TemplateRerendered,
+    /// The same tenant had this prefix cached under another cache salt (`cache_salt`).
+    SaltDiffers,
+}
+
+impl MissReason {
+    pub const ALL: [MissReason; 5] = [
+        MissReason::NeverSeen,
+        MissReason::Evicted,
+        MissReason::Diverged,
+        MissReason::TemplateRerendered,
+        MissReason::SaltDiffers,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MissReason::NeverSeen => "never_seen",
+            MissReason::Evicted => "evicted",
+            MissReason::Diverged => "diverged",
+            MissReason::TemplateRerendered => "template_rerendered",
+            MissReason::SaltDiffers => "salt_differs",
+        }
+    }
+}
+
 /// Token accounting of a whole request (all choices).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Usage {
@@ -216,6 +268,9 @@ pub struct Usage {
     /// Prompt tokens of the request's pinned prefixes ([`GenerateRequest::pins`]) that it computed and
     /// wrote into the cache itself (Anthropic's `cache_creation_input_tokens`).
     pub cache_write_tokens: u32,
+    /// Why the prompt was not cached further, when it could have been (`None`: it was cached as far
+    /// as a prompt can be).
+    pub miss: Option<CacheMiss>,
 }
 
 /// Everything the engine reports about a request, in order: any number of `Delta`s and one

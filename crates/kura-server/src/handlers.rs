@@ -94,6 +94,25 @@ async fn encode_chat_tools(
     .await
 }
 
+/// [`kura_api::tools::history_tokens`] of a request's prompt, off the async workers.
+pub(crate) async fn history_of(
+    engine: &EngineHandle,
+    conversation: Vec<ChatMessage>,
+    tools: Option<kura_api::tools::ToolPlan>,
+    request: &GenerateRequest,
+) -> Result<usize, ApiError> {
+    let (codec, prompt) = (engine.codec().clone(), request.prompt_tokens.clone());
+    off_the_workers(move || {
+        Ok(kura_api::tools::history_tokens(
+            codec.as_ref(),
+            &conversation,
+            tools.as_ref(),
+            &prompt,
+        ))
+    })
+    .await
+}
+
 /// Default `max_tokens` when the client gives none: whatever fits in the context and in the pool.
 pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 {
     let info = engine.info();
@@ -276,6 +295,12 @@ pub async fn chat_completions(
         style,
     )
     .await?;
+    // The conversation as sent, for telling a re-rendered history from a new turn on a miss.
+    let conversation = plan
+        .messages
+        .iter()
+        .any(|m| m.role == "assistant")
+        .then(|| plan.messages.clone());
     let (messages, _, tools_json) =
         prompt_messages::<()>(plan.messages, plan.tools.as_ref(), style, &[], &[]);
     let prompt_tokens =
@@ -316,6 +341,10 @@ pub async fn chat_completions(
     )?;
     let mut request = request;
     request.constraint = constraint;
+    if let Some(conversation) = conversation {
+        request.history_tokens =
+            history_of(&s.engine, conversation, plan.tools.clone(), &request).await?;
+    }
     tracing::debug!(user = ?plan.user, prompt_tokens = request.prompt_tokens.len(), max_tokens, "chat request");
     let meta = ResponseMeta {
         id: response_id("chatcmpl"),

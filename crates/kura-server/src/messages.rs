@@ -91,6 +91,15 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     request.cache_salt = salt;
     request.pins = pins;
     request.constraint = constraint;
+    if plan.messages.iter().any(|m| m.role == "assistant") {
+        request.history_tokens = handlers::history_of(
+            &s.engine,
+            plan.messages.clone(),
+            plan.tools.clone(),
+            &request,
+        )
+        .await?;
+    }
     let tools = plan
         .tools
         .as_ref()
@@ -137,12 +146,16 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
 pub fn usage_body(u: &Usage) -> Value {
     let read = u.cached_tokens.min(u.prompt_tokens);
     let created = u.cache_write_tokens.min(u.prompt_tokens - read);
-    json!({
+    let mut b = json!({
         "input_tokens": u.prompt_tokens - read - created,
         "output_tokens": u.completion_tokens,
         "cache_creation_input_tokens": created,
         "cache_read_input_tokens": read,
-    })
+    });
+    if let Some(m) = u.miss {
+        b["cache_miss"] = json!(kura_api::types::CacheMissBody::from(m));
+    }
+    b
 }
 
 fn stop_reason(

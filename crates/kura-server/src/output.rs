@@ -320,6 +320,8 @@ impl Events {
                     u.cache_write_tokens = u
                         .cache_write_tokens
                         .saturating_add(usage.cache_write_tokens);
+                    // Several prompts: the first one's miss is told.
+                    u.miss = u.miss.or(usage.miss);
                     self.prompts_done += 1;
                     if self.prompts_done < self.prompts {
                         continue;

@@ -35,7 +35,7 @@ use kura_engine::{ChatMessage, EngineEvent, FinishReason, PinSpec, Usage};
 use serde_json::{json, Map, Value};
 
 use crate::body::JsonBody;
-use crate::handlers::{off_the_workers, remaining_tokens, response_id};
+use crate::handlers::{history_of, off_the_workers, remaining_tokens, response_id};
 use crate::output::{Events, ToolStream};
 use crate::{guided, AppState};
 
@@ -148,9 +148,13 @@ impl Meta {
 }
 
 fn usage_body(u: &Usage) -> Value {
+    let mut details = json!({"cached_tokens": u.cached_tokens});
+    if let Some(m) = u.miss {
+        details["cache_miss"] = json!(kura_api::types::CacheMissBody::from(m));
+    }
     json!({
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "input_tokens_details": details,
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.prompt_tokens.saturating_add(u.completion_tokens),
@@ -241,6 +245,8 @@ pub async fn create(
     )
     .await?;
     let (codec, tools) = (s.engine.codec().clone(), plan.tools.clone());
+    let with_history = messages.iter().any(|m| m.role == "assistant");
+    let conversation_sent = with_history.then(|| messages.clone());
     let prompt_tokens =
         off_the_workers(move || encode_chat_prompt(codec.as_ref(), messages, tools.as_ref()))
             .await?;
@@ -269,6 +275,9 @@ pub async fn create(
         });
     }
     request.constraint = constraint;
+    if let Some(sent) = conversation_sent {
+        request.history_tokens = history_of(&s.engine, sent, plan.tools.clone(), &request).await?;
+    }
     let meta = Meta {
         id: format!("resp_{}", response_id("r").trim_start_matches("r-")),
         created: unix_now(),
