@@ -15,7 +15,7 @@ use crate::cache_control::{encode_with_breakpoints, CacheTtl, ContextKind, MAX_B
 use crate::error::ApiError;
 use crate::tools::{
     check_function_name, check_named, check_parameters, check_tool_turns, check_unique,
-    prompt_messages, ToolChoice, ToolDef, ToolPlan, ToolStyle, END_OF_CONTENT,
+    prompt_messages, Guide, ToolChoice, ToolDef, ToolPlan, ToolStyle, END_OF_CONTENT,
 };
 use crate::validate::template_error;
 use kura_guide::tools::layout_json;
@@ -127,6 +127,9 @@ fn content_of(v: &Value, at: &str) -> Result<(String, Vec<(usize, CacheTtl)>), A
     }
 }
 
+/// A position (a tool's index, or a number of prompt tokens) with a breakpoint's TTL.
+pub type TtlAt = (usize, CacheTtl);
+
 /// A checked Messages request.
 #[derive(Debug, Clone)]
 pub struct MessagesPlan {
@@ -142,13 +145,46 @@ pub struct MessagesPlan {
     /// The request's tools, if it has any.
     pub tools: Option<ToolPlan>,
     /// Breakpoints after tool definitions: (tool index, TTL).
-    pub tool_breakpoints: Vec<(usize, CacheTtl)>,
+    pub tool_breakpoints: Vec<TtlAt>,
+    /// `output_config.format`: JSON valid under this schema.
+    pub guide: Option<Guide>,
+}
+
+/// `output_config`: `format: {"type": "json_schema", "schema"}` (structured outputs); `effort` is
+/// refused (this model has no reasoning mode).
+fn output_config(o: &Map<String, Value>) -> Result<Option<Guide>, ApiError> {
+    let Some(c) = o.get("output_config").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Some(c) = c.as_object() else {
+        return Err(invalid("output_config must be an object"));
+    };
+    if c.get("effort").is_some_and(|e| !e.is_null()) {
+        return Err(invalid(
+            "output_config.effort is not supported by this server (this model has no reasoning mode)",
+        ));
+    }
+    if let Some(k) = c.keys().find(|k| *k != "effort" && *k != "format") {
+        return Err(invalid(format!(
+            "output_config has no field {k:?}; give format"
+        )));
+    }
+    match c.get("format") {
+        None | Some(Value::Null) => Ok(None),
+        Some(f) => match (f.get("type").and_then(Value::as_str), f.get("schema")) {
+            (Some("json_schema"), Some(schema @ Value::Object(_))) => {
+                Ok(Some(Guide::JsonSchema(schema.clone())))
+            }
+            (Some("json_schema"), _) => Err(invalid(
+                "output_config.format needs a schema (a JSON schema object)",
+            )),
+            _ => Err(invalid("output_config.format.type must be \"json_schema\"")),
+        },
+    }
 }
 
 /// Anthropic's `tools` and `tool_choice`.
-fn anthropic_tools(
-    o: &Map<String, Value>,
-) -> Result<(Option<ToolPlan>, Vec<(usize, CacheTtl)>), ApiError> {
+fn anthropic_tools(o: &Map<String, Value>) -> Result<(Option<ToolPlan>, Vec<TtlAt>), ApiError> {
     const P: &str = "tools";
     let mut defs = Vec::new();
     let mut marks = Vec::new();
@@ -387,7 +423,7 @@ pub fn encode_messages(
     codec: &dyn TextCodec,
     plan: &MessagesPlan,
     saved: Option<(&ContextKind, &[u32])>,
-) -> Result<(Vec<u32>, Vec<(usize, CacheTtl)>), ApiError> {
+) -> Result<(Vec<u32>, Vec<TtlAt>), ApiError> {
     let (messages, marks, tools_json) = prompt_messages(
         plan.messages.clone(),
         plan.tools.as_ref(),
@@ -497,6 +533,13 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
     check_tool_turns(&messages)
         .map_err(|e| invalid(e.to_string().replace("tool_call_id", "tool_use_id")))?;
     let (tools, tool_breakpoints) = anthropic_tools(o)?;
+    let guide = output_config(o)?;
+    if guide.is_some() && tools.as_ref().is_some_and(|t| t.constrained().is_some()) {
+        return Err(invalid(
+            "output_config.format cannot be combined with tool_choice any or tool: the output is \
+             then the tool call",
+        ));
+    }
     if breakpoints.len() + tool_breakpoints.len() > MAX_BREAKPOINTS {
         return Err(invalid(format!(
             "a request may have at most {MAX_BREAKPOINTS} cache_control breakpoints, got {}",
@@ -585,6 +628,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         cached_content,
         tools,
         tool_breakpoints,
+        guide,
     })
 }
 

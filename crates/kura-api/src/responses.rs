@@ -7,8 +7,10 @@
 //! `user` (logged at debug level only), `truncation: "disabled"` (the default: a prompt longer than the
 //! context is an error), `include: []`, `reasoning: null`, `background: false`. Refused with a 400 naming
 //! the field: `truncation: "auto"`, a non-empty `include`, `reasoning` effort, `background: true`,
-//! `conversation`, `prompt` (templates), `max_tool_calls`, `top_logprobs`, tools of any type but
-//! `function`, and input items other than messages and function calls with their outputs.
+//! `conversation`, `prompt` (templates), `max_tool_calls`, `top_logprobs`, `context_management`, tools
+//! of any type but
+//! `function`, and input items other than messages and function calls with their outputs. (All of
+//! it is in docs/api-fields.md.)
 
 use kura_request::ChatMessage;
 use serde_json::{json, Map, Value};
@@ -218,6 +220,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         ("prompt", "prompt templates are not stored here"),
         ("max_tool_calls", "it is not enforced here"),
         ("top_logprobs", "logprobs are on /v1/chat/completions"),
+        ("context_management", "there is no server-side compaction"),
     ] {
         if set(name).is_some() {
             return Err(ApiError::invalid(
@@ -374,6 +377,22 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         Some(_) => return Err(bad("store must be a boolean", "store")),
     };
     let mut echo = Map::new();
+    if let Some(Value::Array(ts)) = set("tools") {
+        // As the response object writes them: every function tool with its `strict`.
+        let ts: Vec<Value> = ts
+            .iter()
+            .map(|t| {
+                let mut t = t.clone();
+                if let Some(o) = t.as_object_mut() {
+                    o.entry("strict").or_insert(Value::Bool(false));
+                    o.entry("parameters")
+                        .or_insert(json!({"type": "object", "properties": {}}));
+                }
+                t
+            })
+            .collect();
+        echo.insert("tools".into(), Value::Array(ts));
+    }
     for name in [
         "temperature",
         "top_p",
@@ -381,7 +400,6 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         "metadata",
         "parallel_tool_calls",
         "tool_choice",
-        "tools",
         "text",
         "user",
         "prompt_cache_key",

@@ -496,8 +496,55 @@ pub fn prepare_completion(
     })
 }
 
+/// Fields of OpenAI's chat request that this server does not run, refused by name when set to
+/// anything but their neutral value (docs/api-fields.md lists every field and what Kura does with it).
+const CHAT_REFUSED: [(&str, &str); 8] = [
+    ("audio", "this model writes text only"),
+    (
+        "modalities",
+        "this model writes text only; give [\"text\"] or nothing",
+    ),
+    (
+        "functions",
+        "the legacy functions API is not served; use tools",
+    ),
+    (
+        "function_call",
+        "the legacy functions API is not served; use tool_choice",
+    ),
+    ("prediction", "predicted outputs are not served"),
+    ("reasoning_effort", "this model has no reasoning mode"),
+    ("web_search_options", "this server has no web search"),
+    (
+        "store",
+        "chat completions are not stored here; use /v1/responses, which stores them",
+    ),
+];
+
+/// Refuses the fields of `refused` that `value` sets (to anything but null, false, an empty list, or
+/// `["text"]` for `modalities`).
+pub fn refuse_fields(value: &Value, refused: &[(&'static str, &str)]) -> Result<(), ApiError> {
+    for &(name, why) in refused {
+        let neutral = match value.get(name) {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+            Some(Value::Array(a)) => {
+                a.is_empty() || (name == "modalities" && a.len() == 1 && a[0] == "text")
+            }
+            Some(_) => false,
+        };
+        if !neutral {
+            return Err(ApiError::invalid(
+                format!("{name} is not supported by this server: {why}"),
+                Some(name),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Checks a chat completions body (already known to be one JSON object).
 pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan, ApiError> {
+    refuse_fields(value, &CHAT_REFUSED)?;
     let common: CommonParams = from_value(value)?;
     let req: ChatCompletionRequest = from_value(value)?;
     let checked = match req.max_completion_tokens {

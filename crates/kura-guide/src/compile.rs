@@ -45,9 +45,10 @@ impl TokenizerEnv for CodecEnv {
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
         let text = String::from_utf8_lossy(s);
         // Plain text: special-token text inside it stays text.
+        let whole = 0..text.len();
         let ids = self
             .codec
-            .encode_with_plain_spans(&text, &[0..text.len()])
+            .encode_with_plain_spans(&text, std::slice::from_ref(&whole))
             .unwrap_or_default();
         match ids.strip_prefix(self.added.as_slice()) {
             Some(rest) => rest.to_vec(),

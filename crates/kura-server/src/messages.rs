@@ -146,11 +146,18 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
 pub fn usage_body(u: &Usage) -> Value {
     let read = u.cached_tokens.min(u.prompt_tokens);
     let created = u.cache_write_tokens.min(u.prompt_tokens - read);
+    // The fields Anthropic's schema requires, null where this server has nothing to say (the cache
+    // writes are not split by TTL; no server tools, one place, one tier).
     let mut b = json!({
         "input_tokens": u.prompt_tokens - read - created,
         "output_tokens": u.completion_tokens,
         "cache_creation_input_tokens": created,
         "cache_read_input_tokens": read,
+        "cache_creation": null,
+        "inference_geo": null,
+        "output_tokens_details": null,
+        "server_tool_use": null,
+        "service_tier": "standard",
     });
     if let Some(m) = u.miss {
         b["cache_miss"] = json!(kura_api::types::CacheMissBody::from(m));
@@ -216,13 +223,13 @@ async fn collect(
     };
     let mut blocks = Vec::new();
     if !content.is_empty() || calls.is_empty() {
-        blocks.push(json!({"type": "text", "text": content}));
+        blocks.push(json!({"type": "text", "text": content, "citations": null}));
     }
     let ids = tool_ids(&id);
     for (i, c) in calls.iter().enumerate() {
         blocks.push(
             json!({"type": "tool_use", "id": format!("{ids}-{i}"), "name": c.name,
-                           "input": input_of(&c.arguments)}),
+                           "input": input_of(&c.arguments), "caller": {"type": "direct"}}),
         );
     }
     Ok(json!({
@@ -233,6 +240,8 @@ async fn collect(
         "content": blocks,
         "stop_reason": stop_reason(reason, &stop_sequence, !calls.is_empty()),
         "stop_sequence": stop_sequence,
+        "stop_details": null,
+        "container": null,
         "usage": usage_body(&usage),
     }))
 }
@@ -288,7 +297,11 @@ impl Blocks {
             return;
         }
         if self.open != Open::Text {
-            self.start(json!({"type": "text", "text": ""}), Open::Text, queue);
+            self.start(
+                json!({"type": "text", "text": "", "citations": null}),
+                Open::Text,
+                queue,
+            );
         }
         queue.push_back(event(
             "content_block_delta",
@@ -307,7 +320,8 @@ impl Blocks {
             if let (Some(id), Some(name)) = (d.id, d.function.name) {
                 self.made_calls = true;
                 self.start(
-                    json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+                    json!({"type": "tool_use", "id": id, "name": name, "input": {},
+                           "caller": {"type": "direct"}}),
                     Open::Tool(call),
                     queue,
                 );
@@ -341,7 +355,11 @@ impl Blocks {
             self.calls(deltas, queue);
         }
         if self.opened == 0 {
-            self.start(json!({"type": "text", "text": ""}), Open::Text, queue);
+            self.start(
+                json!({"type": "text", "text": "", "citations": null}),
+                Open::Text,
+                queue,
+            );
         }
         self.close(queue);
     }
@@ -373,7 +391,7 @@ fn stream(
         "message_start",
         json!({"type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": null, "stop_sequence": null,
+            "stop_reason": null, "stop_sequence": null, "stop_details": null, "container": null,
             // The cache split is known once the prompt is computed: message_delta carries it.
             "usage": {"input_tokens": prompt_len, "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
@@ -389,7 +407,11 @@ fn stream(
     };
     if tools.is_none() {
         // Without tools the one text block opens at once.
-        blocks.start(json!({"type": "text", "text": ""}), Open::Text, &mut queue);
+        blocks.start(
+            json!({"type": "text", "text": "", "citations": null}),
+            Open::Text,
+            &mut queue,
+        );
     }
     queue.push_back(event("ping", json!({"type": "ping"})));
     let st = St {
@@ -476,6 +498,7 @@ mod tests {
             completion_tokens: 5,
             cached_tokens: 32,
             cache_write_tokens: 48,
+            miss: None,
         };
         let b = usage_body(&u);
         assert_eq!(b["input_tokens"], 20);

@@ -52,10 +52,13 @@ struct Stored {
     body: Value,
 }
 
+/// The stored responses by id, and their ids oldest first.
+type Responses = (HashMap<String, Arc<Stored>>, VecDeque<String>);
+
 /// The stored responses.
 #[derive(Default)]
 pub(crate) struct ResponseStore {
-    inner: Mutex<(HashMap<String, Arc<Stored>>, VecDeque<String>)>,
+    inner: Mutex<Responses>,
 }
 
 impl ResponseStore {
@@ -134,6 +137,10 @@ impl Meta {
             for (k, v) in &self.echo {
                 o.insert(k.clone(), v.clone());
             }
+            // Usage is there once the response is done (the schema has no null for it).
+            if usage.is_none() {
+                o.remove("usage");
+            }
         }
         b
     }
@@ -163,7 +170,7 @@ fn usage_body(u: &Usage) -> Value {
 
 fn message_item(id: &str, text: &str, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
-           "content": [{"type": "output_text", "text": text, "annotations": []}]})
+           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
 }
 
 fn call_item(id: &str, name: &str, arguments: &str, status: &str) -> Value {
@@ -407,11 +414,12 @@ impl St {
             Open::Text => {
                 let id = self.meta.message_id();
                 let text = std::mem::take(&mut self.text);
-                let part = json!({"type": "output_text", "text": text, "annotations": []});
+                let part =
+                    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
                 self.emit(
                     "response.output_text.done",
                     json!({"item_id": id, "output_index": self.index,
-                    "content_index": 0, "text": text}),
+                    "content_index": 0, "text": text, "logprobs": []}),
                 );
                 self.emit(
                     "response.content_part.done",
@@ -430,7 +438,7 @@ impl St {
                 self.emit(
                     "response.function_call_arguments.done",
                     json!({"item_id": id,
-                    "output_index": self.index, "arguments": args}),
+                    "output_index": self.index, "name": name, "arguments": args}),
                 );
                 let item = call_item(&id, &name, &args, "completed");
                 self.emit(
@@ -459,14 +467,14 @@ impl St {
                          "content": []}}),
             );
             self.emit("response.content_part.added", json!({"item_id": id, "output_index": self.index,
-                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
+                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
         }
         self.text.push_str(&text);
         let id = self.meta.message_id();
         self.emit(
             "response.output_text.delta",
             json!({"item_id": id, "output_index": self.index,
-            "content_index": 0, "delta": text}),
+            "content_index": 0, "delta": text, "logprobs": []}),
         );
     }
 
@@ -526,7 +534,7 @@ impl St {
                          "content": []}}),
             );
             self.emit("response.content_part.added", json!({"item_id": id, "output_index": 0,
-                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
+                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
         }
         self.close();
         let incomplete = self.reason == Some(FinishReason::Length);
