@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""The cost of structured outputs on decode: eight requests at once (a batch of eight), every one
+constrained by a JSON schema, against the same eight unconstrained, interleaved in one run against one
+`kura serve`. Reports the engine's mean step time and decode tokens/s from its /metrics, per mode
+(median of the runs) and their ratio.
+
+    python3 bench/structured_cost.py --url http://127.0.0.1:8000 [--runs 3] [--tokens 128]
+
+The schema is an array of at least 500 bounded integers, so that no constrained choice can end before
+`--tokens`, and `ignore_eos` keeps the unconstrained ones going as long: both modes decode the same number
+of tokens at batch 8.
+"""
+
+import argparse
+import concurrent.futures as cf
+import statistics
+import time
+
+import httpx
+
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000}, "minItems": 500}
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def run(url: str, model: str, constrained: bool, tokens: int, batch: int) -> dict[str, float]:
+    body = {"model": model, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "List many numbers as a JSON array."}]}
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": SCHEMA}}
+
+    def one(i: int) -> int:
+        r = httpx.post(url + "/v1/chat/completions", json={**body, "seed": i}, timeout=600)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    before = metrics(url)
+    start = time.perf_counter()
+    with cf.ThreadPoolExecutor(batch) as ex:
+        generated = sum(ex.map(one, range(batch)))
+    wall = time.perf_counter() - start
+    after = metrics(url)
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    steps = d["kura:engine_steps_total"]
+    step_s = d["kura:engine_forward_seconds_total"] + d["kura:engine_step_other_seconds_total"]
+    return {"generated": generated, "wall_s": wall, "step_ms": 1000 * step_s / steps,
+            "tokens_per_s": generated / wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    a = p.parse_args()
+    model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
+    run(a.url, model, True, 8, a.batch)  # builds the vocabulary's token trie once, outside the runs
+    results: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(a.runs):
+        for constrained in (False, True):
+            results[constrained].append(run(a.url, model, constrained, a.tokens, a.batch))
+    med = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in results.items()}
+    for c in (False, True):
+        m = med[c]
+        print(f"{'constrained' if c else 'free':12} step {m['step_ms']:.2f} ms  decode {m['tokens_per_s']:.1f} tok/s"
+              f"  ({m['generated']:.0f} tokens, {a.runs} runs, median)")
+    print(f"constrained/free step time: {med[True]['step_ms'] / med[False]['step_ms']:.3f}; "
+          f"tokens/s: {med[True]['tokens_per_s'] / med[False]['tokens_per_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
