@@ -53,6 +53,20 @@ pub fn fuzz_validate(chat: bool, priority_scheduling: bool, body: &[u8]) -> Resu
     }
 }
 
+/// Parses and reads a `/v1/responses` body exactly as the server does before tokenization (and the prompt
+/// builder's fallback rendering of its turns), for fuzzing: it never panics, whatever the bytes.
+pub fn fuzz_responses(body: &[u8]) -> Result<(), ApiError> {
+    let value = body::parse_json_object(body)?;
+    let ctx = validate::Ctx {
+        served_model: "model",
+        priority_scheduling: false,
+    };
+    let plan = responses::prepare(&value, ctx)?;
+    tools::check_tool_turns(&plan.input)?;
+    let _ = tools::fallback_messages(plan.input, plan.tools.as_ref());
+    Ok(())
+}
+
 /// Parses and reads a `/v1/messages` body exactly as the server does before tokenization, for fuzzing: it
 /// never panics, whatever the bytes.
 pub fn fuzz_messages(body: &[u8]) -> Result<(), ApiError> {

@@ -11,7 +11,10 @@
 //! - Another salt of the same tenant (the part of the salt before [`TENANT_SEPARATOR`]: the API key's
 //!   tenant) had it: `salt_differs`. Other tenants are never looked at: their prompts say nothing to
 //!   this one. (Without API keys a salt has no tenant part, and each salt is a tenant of its own.)
-//! - Otherwise `never_seen`.
+//! - This tenant never sent a prompt that starts like this one: `never_seen`.
+//!
+//! A prompt that goes on past everything its tenant had, all of which it found cached (the next turn of
+//! a conversation), missed nothing: no reason is told.
 //!
 //! The comparison costs one pass over the salt's remembered tokens, and is made only on a miss.
 //!
@@ -151,8 +154,12 @@ impl SeenLog {
             }
         } else if self.longest_other_salt(salt, prompt) >= cached + block {
             (MissReason::SaltDiffers, cached)
-        } else {
+        } else if seen == 0 {
             (MissReason::NeverSeen, cached)
+        } else {
+            // The prompt goes on past everything this tenant had, and all of that was cached: the
+            // rest is new, and nothing was missed.
+            return None;
         };
         Some(CacheMiss {
             reason,
@@ -196,10 +203,13 @@ mod tests {
         r[32] = 999;
         let m = log.explain(&a, &r, 32, 16, 0).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::Diverged, 32));
-        // A prompt that goes on past everything seen: the rest was never seen.
+        // A prompt that goes on past everything seen, all of it cached (a conversation's next turn):
+        // nothing was missed.
         let longer: Vec<u32> = (0..100).collect();
-        let m = log.explain(&a, &longer, 64, 16, 0).unwrap();
-        assert_eq!((m.reason, m.at), (MissReason::NeverSeen, 64));
+        assert!(log.explain(&a, &longer, 64, 16, 0).is_none());
+        // Seen only in part, and not cached that far: evicted.
+        let m = log.explain(&a, &longer, 32, 16, 0).unwrap();
+        assert_eq!((m.reason, m.at), (MissReason::Evicted, 32));
         // The same tenant under another salt had it; another tenant's prompts are never looked at.
         let b = salt("t1\u{1f}mine");
         assert_eq!(
