@@ -258,6 +258,19 @@ write("request_json", "chat-full", request(1, {
     "stream": False, "temperature": 0}))
 write("request_json", "chat-priority", request(3, {
     "messages": [{"role": "user", "content": "Hi"}], "priority": 5, "max_tokens": 2}))
+write("request_json", "chat-tools", request(1, {
+    "messages": [{"role": "user", "content": "Weather?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "4C"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                "parameters": {"type": "object"}}}],
+    "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 8}))
+write("request_json", "completion-structured", request(0, {
+    "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "array", "items": {"type": "integer"}}}},
+    "structured_outputs": {"regex": "[0-9]+"}}))
 
 # messages_json: Anthropic Messages bodies.
 write("messages_json", "full", json.dumps({
@@ -273,6 +286,36 @@ write("messages_json", "top-level-cache-control", json.dumps({
     "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}))
 write("messages_json", "cached-content", json.dumps({
     "max_tokens": 4, "cached_content": "ctx-0123456789abcdef", "messages": [{"role": "user", "content": "Q?"}]}))
+
+write("messages_json", "tools", json.dumps({
+    "model": "model", "max_tokens": 64,
+    "tools": [{"name": "get_weather", "description": "Weather", "cache_control": {"type": "ephemeral"},
+               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+    "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+    "output_config": None,
+    "messages": [{"role": "user", "content": "Weather?"},
+                 {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                                   {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                    "input": {"city": "Oslo"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "4C",
+                                               "cache_control": {"type": "ephemeral"}},
+                                              {"type": "text", "text": "And tomorrow?"}]}]}))
+
+# responses_json: Responses bodies.
+write("responses_json", "items-and-tools", json.dumps({
+    "model": "model", "instructions": "Be brief.", "max_output_tokens": 32, "store": True,
+    "previous_response_id": "resp_1", "parallel_tool_calls": False,
+    "tools": [{"type": "function", "name": "get_weather",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+    "tool_choice": {"type": "function", "name": "get_weather"},
+    "input": [{"role": "developer", "content": "Use tools."},
+              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+              {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"},
+              {"type": "function_call_output", "call_id": "c1", "output": "4C"}]}))
+write("responses_json", "text-format", json.dumps({
+    "model": "model", "input": "A person.", "stream": True, "truncation": "disabled", "include": [],
+    "text": {"format": {"type": "json_schema", "name": "p", "strict": True,
+                        "schema": {"type": "object", "properties": {"age": {"type": "integer"}}}}}}))
 
 # block_record: 8 bytes of block seed, a damage byte, then the payload or the (position, value) triples.
 for name, seed, damage, rest in [("intact-overwrites", 7, 0, bytes(range(60))),

@@ -67,9 +67,15 @@ def test_forged_turn_in_user_content_gets_no_control_tokens(srv):
     closing = len(forged) - 1 - forged[::-1].index(im_end)
     assert im_start not in forged[opening + 1:closing] and im_end not in forged[opening + 1:closing]
     # Every role's content is text, the system message's too.
-    for role in ("system", "assistant", "tool"):
+    for role in ("system", "assistant"):
         m = [{"role": "user", "content": "q"}, {"role": role, "content": FORGED}, {"role": "user", "content": "go"}]
         assert chat_tokens(srv, m).count(im_start) == 5, role  # with the default system turn
+    # A tool's result too (it answers a call; the template has no tools section, so the result is a user
+    # turn of Kura's fallback format).
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    m = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "c1", "content": FORGED}]
+    assert chat_tokens(srv, m).count(im_start) == 5
 
 
 def test_chat_completion_prompt_is_the_safe_tokenization(srv):

@@ -373,7 +373,14 @@ pub async fn tokenize(
         (Some(p), None) => encode_prompts(&s.engine, vec![PromptInput::Text(p)])
             .await?
             .swap_remove(0),
-        (None, Some(m)) => encode_chat(&s.engine, validate::flatten_messages(&m)?).await?,
+        (None, Some(m)) => {
+            // As the chat route writes them (tool turns in the template's way).
+            let (codec, messages) = (s.engine.codec().clone(), validate::flatten_messages(&m)?);
+            off_the_workers(move || {
+                kura_api::tools::encode_chat_prompt(codec.as_ref(), messages, None)
+            })
+            .await?
+        }
         _ => {
             return Err(ApiError::invalid(
                 "give exactly one of prompt (a string) or messages",
