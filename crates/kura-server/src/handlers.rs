@@ -140,25 +140,14 @@ async fn start(
         events.add_guard(guard);
     }
     drop(sender);
-    let deadline = s.request_timeout.and_then(|t| {
-        tokio::time::Instant::now()
-            .checked_add(t)
-            .map(|at| (at, t.as_secs()))
-    });
+    let deadline = output::deadline(s.request_timeout);
     if stream {
         let body = output::sse_stream(meta, include_usage, events, deadline);
         Ok(Sse::new(body)
             .keep_alive(KeepAlive::default())
             .into_response())
     } else {
-        let body = output::collect(&meta, events);
-        let body = match deadline {
-            // On timeout the collecting future is dropped with the guards: the requests are cancelled.
-            Some((at, seconds)) => tokio::time::timeout_at(at, body)
-                .await
-                .map_err(|_| ApiError::Timeout { seconds })??,
-            None => body.await?,
-        };
+        let body = output::finish_before(deadline, output::collect(&meta, events)).await?;
         Ok(Json(body).into_response())
     }
 }

@@ -28,7 +28,7 @@ use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{EngineEvent, FinishReason, GenerateRequest, PinSpec, Usage};
 use serde_json::{json, Value};
 
-use crate::output::{Events, ToolStream};
+use crate::output::{self, Events, ToolStream};
 use crate::AppState;
 use crate::{guided, handlers};
 
@@ -110,11 +110,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     events.add_guard(guard);
     drop(sender);
     let id = handlers::response_id("msg");
-    let deadline = s.request_timeout.and_then(|t| {
-        tokio::time::Instant::now()
-            .checked_add(t)
-            .map(|at| (at, t.as_secs()))
-    });
+    let deadline = output::deadline(s.request_timeout);
     if plan.stream {
         let body = stream(
             id,
@@ -132,13 +128,11 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
             .insert("x-accel-buffering", HeaderValue::from_static("no"));
         return Ok(response);
     }
-    let body = collect(id, info.model_name.clone(), events, tools);
-    let body = match deadline {
-        Some((at, seconds)) => tokio::time::timeout_at(at, body)
-            .await
-            .map_err(|_| ApiError::Timeout { seconds })??,
-        None => body.await?,
-    };
+    let body = output::finish_before(
+        deadline,
+        collect(id, info.model_name.clone(), events, tools),
+    )
+    .await?;
     Ok((StatusCode::OK, Json(body)).into_response())
 }
 
@@ -374,7 +368,7 @@ fn stream(
     model: String,
     prompt_len: usize,
     events: Events,
-    deadline: Option<(tokio::time::Instant, u64)>,
+    deadline: output::Deadline,
     tools: Option<ToolFormat>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     struct St {
@@ -384,7 +378,7 @@ fn stream(
         done: bool,
         reason: Option<FinishReason>,
         stop_sequence: Option<String>,
-        deadline: Option<(tokio::time::Instant, u64)>,
+        deadline: output::Deadline,
     }
     let mut queue = std::collections::VecDeque::new();
     queue.push_back(event(
@@ -431,18 +425,15 @@ fn stream(
             if st.done {
                 return None;
             }
-            let next = match st.deadline {
-                Some((at, seconds)) => match tokio::time::timeout_at(at, st.events.next()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        // Dropping the stream state drops the guard: the request is cancelled.
-                        let e = ApiError::Timeout { seconds };
-                        st.queue.push_back(event("error", anthropic_body(&e)));
-                        st.done = true;
-                        continue;
-                    }
-                },
-                None => st.events.next().await,
+            let next = match output::next_before(&mut st.events, st.deadline).await {
+                Ok(next) => next,
+                Err(seconds) => {
+                    // Dropping the stream state drops the guard: the request is cancelled.
+                    let e = ApiError::Timeout { seconds };
+                    st.queue.push_back(event("error", anthropic_body(&e)));
+                    st.done = true;
+                    continue;
+                }
             };
             match next {
                 Some(EngineEvent::Delta { text, .. }) => {

@@ -196,6 +196,45 @@ impl ToolStream {
     }
 }
 
+/// When a request's time is up (`--request-timeout`): the instant, and the limit in seconds.
+pub(crate) type Deadline = Option<(tokio::time::Instant, u64)>;
+
+/// The deadline of a request starting now.
+pub(crate) fn deadline(timeout: Option<std::time::Duration>) -> Deadline {
+    timeout.and_then(|t| {
+        tokio::time::Instant::now()
+            .checked_add(t)
+            .map(|at| (at, t.as_secs()))
+    })
+}
+
+/// The next event of `events`, or `Err(seconds)` when the deadline passes first.
+pub(crate) async fn next_before(
+    events: &mut Events,
+    deadline: Deadline,
+) -> Result<Option<EngineEvent>, u64> {
+    match deadline {
+        Some((at, seconds)) => tokio::time::timeout_at(at, events.next())
+            .await
+            .map_err(|_| seconds),
+        None => Ok(events.next().await),
+    }
+}
+
+/// `body` done before the deadline, or the timeout error (the collecting future is then dropped with its
+/// request guards: the requests are cancelled).
+pub(crate) async fn finish_before<T>(
+    deadline: Deadline,
+    body: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    match deadline {
+        Some((at, seconds)) => tokio::time::timeout_at(at, body)
+            .await
+            .map_err(|_| ApiError::Timeout { seconds })?,
+        None => body.await,
+    }
+}
+
 /// Bytes of output a request may have queued for its client before the engine pauses it.
 pub const MAX_BACKLOG_BYTES: usize = 4 << 20;
 
@@ -504,7 +543,7 @@ struct SseState {
     queue: VecDeque<Event>,
     finished: bool,
     /// When the stream is cut with a timeout error (and the request cancelled), with the limit in s.
-    deadline: Option<(tokio::time::Instant, u64)>,
+    deadline: Deadline,
 }
 
 impl SseState {
@@ -670,7 +709,7 @@ pub fn sse_stream(
     meta: ResponseMeta,
     include_usage: bool,
     events: Events,
-    deadline: Option<(tokio::time::Instant, u64)>,
+    deadline: Deadline,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let n = events.total_choices();
     let mut state = SseState {
@@ -714,21 +753,17 @@ pub fn sse_stream(
             if state.finished {
                 return None;
             }
-            let next = match state.deadline {
-                Some((at, seconds)) => match tokio::time::timeout_at(at, state.events.next()).await
-                {
-                    Ok(next) => next,
-                    Err(_) => {
-                        let body = ApiError::Timeout { seconds }.body();
-                        state
-                            .queue
-                            .push_back(Event::default().data(body.to_string()));
-                        state.queue.push_back(Event::default().data("[DONE]"));
-                        state.finished = true;
-                        continue;
-                    }
-                },
-                None => state.events.next().await,
+            let next = match next_before(&mut state.events, state.deadline).await {
+                Ok(next) => next,
+                Err(seconds) => {
+                    let body = ApiError::Timeout { seconds }.body();
+                    state
+                        .queue
+                        .push_back(Event::default().data(body.to_string()));
+                    state.queue.push_back(Event::default().data("[DONE]"));
+                    state.finished = true;
+                    continue;
+                }
             };
             match next {
                 Some(event) => state.push(event),

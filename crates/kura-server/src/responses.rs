@@ -36,7 +36,7 @@ use serde_json::{json, Map, Value};
 
 use crate::body::JsonBody;
 use crate::handlers::{history_of, off_the_workers, remaining_tokens, response_id};
-use crate::output::{Events, ToolStream};
+use crate::output::{self, Events, ToolStream};
 use crate::{guided, AppState};
 
 /// Most responses kept at once (over all tenants); past it the oldest is dropped.
@@ -305,24 +305,14 @@ pub async fn create(
     let keep = plan
         .store
         .then(|| (s.responses.clone(), owner, conversation));
-    let deadline = s.request_timeout.and_then(|t| {
-        tokio::time::Instant::now()
-            .checked_add(t)
-            .map(|at| (at, t.as_secs()))
-    });
+    let deadline = output::deadline(s.request_timeout);
     if plan.checked.stream {
         let body = stream(meta, events, keep, deadline);
         return Ok(Sse::new(body)
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let body = collect(meta, events, keep);
-    let body = match deadline {
-        Some((at, seconds)) => tokio::time::timeout_at(at, body)
-            .await
-            .map_err(|_| ApiError::Timeout { seconds })??,
-        None => body.await?,
-    };
+    let body = output::finish_before(deadline, collect(meta, events, keep)).await?;
     Ok(Json(body).into_response())
 }
 
@@ -394,7 +384,7 @@ struct St {
     text: String,
     /// The open call: its id, name and arguments so far.
     call: (String, String, String),
-    deadline: Option<(tokio::time::Instant, u64)>,
+    deadline: output::Deadline,
 }
 
 impl St {
@@ -597,7 +587,7 @@ fn stream(
     meta: Meta,
     events: Events,
     keep: Keep,
-    deadline: Option<(tokio::time::Instant, u64)>,
+    deadline: output::Deadline,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut st = St {
         tools: meta.tools.map(|_| ToolStream::default()),
@@ -626,15 +616,12 @@ fn stream(
             if st.done {
                 return None;
             }
-            let next = match st.deadline {
-                Some((at, seconds)) => match tokio::time::timeout_at(at, st.events.next()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        st.fail(ApiError::Timeout { seconds });
-                        continue;
-                    }
-                },
-                None => st.events.next().await,
+            let next = match output::next_before(&mut st.events, st.deadline).await {
+                Ok(next) => next,
+                Err(seconds) => {
+                    st.fail(ApiError::Timeout { seconds });
+                    continue;
+                }
             };
             match next {
                 Some(EngineEvent::Delta { text, .. }) => st.delta(text),
