@@ -15,7 +15,8 @@ use crate::cache_control::{encode_with_breakpoints, CacheTtl, ContextKind, MAX_B
 use crate::error::ApiError;
 use crate::tools::{
     check_function_name, check_named, check_parameters, check_tool_turns, check_unique,
-    prompt_messages, Guide, ToolChoice, ToolDef, ToolPlan, ToolStyle, END_OF_CONTENT,
+    prompt_messages, template_call, Guide, ToolChoice, ToolDef, ToolPlan, ToolStyle,
+    END_OF_CONTENT,
 };
 use crate::validate::template_error;
 use kura_guide::tools::layout_json;
@@ -344,9 +345,7 @@ fn push_message(
                     Some(v @ Value::Object(_)) => v.clone(),
                     _ => return Err(invalid(format!("{bat}.input must be an object"))),
                 };
-                calls.push(json!({"id": id, "type": "function",
-                    "raw_arguments": layout_json(&input),
-                    "function": {"name": name, "arguments": input}}));
+                calls.push(template_call(id, name, &layout_json(&input), Some(input)));
                 if let Some(ttl) = control(b)? {
                     end_marks.push(ttl);
                 }

@@ -16,7 +16,7 @@ use kura_request::ChatMessage;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
-use crate::tools::{openai_tools, parse_arguments, Guide, ToolPlan};
+use crate::tools::{openai_tools, parse_arguments, template_call, Guide, ToolPlan};
 use crate::types::CommonParams;
 use crate::validate::{check_common, Checked, Ctx};
 
@@ -125,8 +125,7 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                     .unwrap_or("{}");
                 let args = parse_arguments(arguments, &format!("{at}.arguments"))
                     .map_err(|e| bad(e.to_string(), "input"))?;
-                let call = json!({"id": call_id, "type": "function", "raw_arguments": arguments,
-                                  "function": {"name": name, "arguments": args}});
+                let call = template_call(call_id, name, arguments, Some(args));
                 // Calls join the assistant turn they follow (its text, or calls before them).
                 match out.last_mut() {
                     Some(m) if m.role == "assistant" => match &mut m.tool_calls {

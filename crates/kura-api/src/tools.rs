@@ -280,21 +280,17 @@ pub fn parse_arguments(text: &str, at: &str) -> Result<Value, ApiError> {
     }
 }
 
-/// An assistant turn's calls in the shape HF chat templates read (`arguments` as an object).
-pub fn template_calls(calls: &[(String, ParsedCall)]) -> Value {
-    Value::Array(
-        calls
-            .iter()
-            .map(|(id, c)| {
-                let args: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
-                json!({"id": id, "type": "function",
-                       "function": {"name": c.name, "arguments": args}})
-            })
-            .collect(),
-    )
+/// One call of an assistant turn, in the shape HF chat templates read (`arguments` an object), with the
+/// arguments' text as it was generated or sent back (`raw_arguments`: what Kura's fallback writes into
+/// the prompt; [`native_messages`] drops it). `arguments`: the text parsed, when the caller has it.
+pub fn template_call(id: &str, name: &str, raw_arguments: &str, arguments: Option<Value>) -> Value {
+    let arguments = arguments
+        .unwrap_or_else(|| serde_json::from_str(raw_arguments).unwrap_or_else(|_| json!({})));
+    json!({"id": id, "type": "function", "raw_arguments": raw_arguments,
+           "function": {"name": name, "arguments": arguments}})
 }
 
-/// The calls of an assistant [`ChatMessage`] (as [`template_calls`] wrote them), each with the
+/// The calls of an assistant [`ChatMessage`] (as [`template_call`] wrote them), each with the
 /// arguments' text as the client sent them back.
 fn calls_of(m: &ChatMessage) -> Vec<ParsedCall> {
     let Some(Value::Array(calls)) = &m.tool_calls else {
@@ -646,8 +642,7 @@ mod tests {
         ChatMessage {
             role: "assistant".into(),
             content: String::new(),
-            tool_calls: Some(json!([{"id": id, "type": "function", "raw_arguments": args,
-                "function": {"name": name, "arguments": serde_json::from_str::<Value>(args).unwrap()}}])),
+            tool_calls: Some(json!([template_call(id, name, args, None)])),
             ..Default::default()
         }
     }

@@ -5,12 +5,12 @@ use kura_request::ChatMessage;
 use kura_request::{GenerateRequest, SamplingParams};
 
 use kura_guide::Guide;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::body::from_value;
 use crate::error::ApiError;
 use crate::structured::output_guide;
-use crate::tools::{check_tool_turns, openai_tools, parse_arguments, ToolPlan};
+use crate::tools::{check_tool_turns, openai_tools, parse_arguments, template_call, ToolPlan};
 use crate::types::{
     ChatCompletionRequest, CommonParams, CompletionRequest, MessageContent, Prompt, RequestMessage,
     Stop,
@@ -375,9 +375,12 @@ pub fn flatten_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
                             &c.function.arguments,
                             &format!("messages[{i}].tool_calls[{j}].function.arguments"),
                         )?;
-                        out.push(json!({"id": c.id, "type": "function",
-                            "raw_arguments": c.function.arguments,
-                            "function": {"name": c.function.name, "arguments": args}}));
+                        out.push(template_call(
+                            &c.id,
+                            &c.function.name,
+                            &c.function.arguments,
+                            Some(args),
+                        ));
                     }
                     Some(Value::Array(out))
                 }

@@ -29,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::Stream;
 use kura_api::responses::prepare;
-use kura_api::tools::{check_tool_turns, encode_chat_prompt, ToolFormat};
+use kura_api::tools::{check_tool_turns, encode_chat_prompt, template_call, ToolFormat};
 use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{ChatMessage, EngineEvent, FinishReason, PinSpec, Usage};
 use serde_json::{json, Map, Value};
@@ -199,11 +199,7 @@ fn output_of(meta: &Meta, text: &str) -> (Vec<Value>, ChatMessage) {
     for (i, c) in calls.iter().enumerate() {
         let id = format!("{ids}-{i}");
         items.push(call_item(&id, &c.name, &c.arguments, "completed"));
-        let args: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
-        turn_calls.push(
-            json!({"id": id, "type": "function", "raw_arguments": c.arguments,
-                               "function": {"name": c.name, "arguments": args}}),
-        );
+        turn_calls.push(template_call(&id, &c.name, &c.arguments, None));
     }
     let turn = ChatMessage {
         role: "assistant".into(),
@@ -561,10 +557,8 @@ impl St {
             .iter()
             .filter(|i| i["type"] == "function_call")
             .map(|i| {
-                let raw = i["arguments"].as_str().unwrap_or("{}");
-                let args: Value = serde_json::from_str(raw).unwrap_or_else(|_| json!({}));
-                json!({"id": i["call_id"], "type": "function", "raw_arguments": raw,
-                       "function": {"name": i["name"], "arguments": args}})
+                let field = |k: &str| i[k].as_str().unwrap_or_default();
+                template_call(field("call_id"), field("name"), field("arguments"), None)
             })
             .collect();
         if !calls.is_empty() {
