@@ -25,7 +25,7 @@ pub use kura_text::{
     chat, tokenizer, ChatMessage, ChatTemplate, IncrementalDecoder, ModelText, StopChecker,
     StopReason, Tokenizer,
 };
-pub use model::{LoadOptions, Logits, Model, SeqBatchItem};
+pub use model::{LoadOptions, Logits, Model, ModelParts, SeqBatchItem};
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use solo::SoloRun;
 pub use weights::WeightsDtype;

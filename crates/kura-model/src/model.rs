@@ -146,6 +146,45 @@ impl TensorSource for GgufFile {
     }
 }
 
+/// A model file opened without loading its weights: its configuration, its text side, where its
+/// tensors are and how they are named. Another executor (the CUDA one) loads the weights from here in
+/// its own format.
+pub struct ModelParts {
+    pub config: ModelConfig,
+    pub text: ModelText,
+    pub source: Box<dyn TensorSource>,
+    pub naming: Naming,
+}
+
+impl ModelParts {
+    /// Opens a GGUF file or an HF directory.
+    pub fn open(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let config = ModelConfig::from_hf_json(&read_text(&path.join("config.json"))?)?;
+            let text =
+                ModelText::from_hf_dir(path, default_template(config.arch), config.vocab_size())?;
+            let naming = Naming::hf(config.arch);
+            Ok(ModelParts {
+                source: Box::new(SafetensorsDir::open(path)?),
+                config,
+                text,
+                naming,
+            })
+        } else {
+            let g = GgufFile::open(path)?;
+            let config = ModelConfig::from_gguf(&g)?;
+            let text =
+                ModelText::from_gguf(&g, default_template(config.arch), config.vocab_size())?;
+            Ok(ModelParts {
+                source: Box::new(g),
+                config,
+                text,
+                naming: Naming::Gguf,
+            })
+        }
+    }
+}
+
 impl Model {
     /// Loads a GGUF file or an HF directory with the default options (bf16 weights).
     pub fn load(path: &Path) -> Result<Self> {

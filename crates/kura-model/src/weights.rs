@@ -213,7 +213,8 @@ impl Naming {
         }
     }
 
-    fn global(self, what: &str) -> String {
+    /// The stored name of a whole-model tensor: `embed`, `norm` or `lm_head`.
+    pub fn global(self, what: &str) -> String {
         match (self, what) {
             (Naming::Gguf, "embed") => "token_embd.weight".into(),
             (Naming::Gguf, "norm") => "output_norm.weight".into(),
@@ -225,7 +226,9 @@ impl Naming {
         }
     }
 
-    fn layer(self, i: usize, what: &str) -> String {
+    /// The stored name of layer `i`'s tensor `what` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`,
+    /// `attn_norm`, `ffn_norm`, the biases `q_bias`…, Gemma's norms).
+    pub fn layer(self, i: usize, what: &str) -> String {
         match self {
             Naming::Gguf => {
                 let n = match what {

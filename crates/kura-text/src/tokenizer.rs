@@ -413,6 +413,12 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The tokenizer as an HF `tokenizer.json` (a GGUF's vocabulary written out for tools that read
+    /// HF directories).
+    pub fn to_hf_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(tok_err)
+    }
+
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod cache;
 mod generate;
+mod gpu;
 mod http_args;
 mod memory;
 mod perplexity;

@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// Worker threads of the forward pass (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the forward pass runs: `cpu` (default), or `cuda` / `cuda:N` (GPU N, Llama-family models,
+    /// bf16 or f32 KV): the KV pool lives in device memory, and `--kv-cache-memory` is then device memory
+    /// (a share is a share of what the weights and the activation buffers leave free).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -303,7 +308,21 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
     let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
     // Checked before the model loads too, so that a size this machine cannot hold fails at once.
     kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
+    let device =
+        kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
     let path = crate::setup::model_path(args.model.as_ref())?;
+    // On a GPU: the weights and the activation buffers go to the device first; the pool takes its
+    // share of what they leave there.
+    let mut gpu = match device {
+        Some(ordinal) => Some(crate::gpu::GpuSetup::load(
+            ordinal,
+            &path,
+            args.kv_dtype,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+        )?),
+        None => None,
+    };
     let load_start = Instant::now();
     let model = Arc::new(crate::setup::load_model(&path, args.weights_dtype)?);
     tracing::info!(
@@ -331,7 +350,10 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             )
         })?;
     // Resolved after the weights are loaded: a share is a share of what they left (see `memory`).
-    let budget = kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
+    let budget = match &gpu {
+        Some(g) => g.kv_budget(kv_request)?,
+        None => kv_budget_bytes(kv_request, &args.kv_cache_memory)?,
+    };
     let num_blocks = layout.num_blocks_for_budget(budget);
     if num_blocks == 0 {
         bail!(
@@ -350,13 +372,15 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         .max_concurrency(budget, max_model_len as u64);
     let tiers_on =
         tier_sizes.host_blocks(layout.bytes_per_block())? > 0 || tier_sizes.disk.is_some();
+    // The GPU pool holds whole-model blocks only.
+    let hybrid_allowed = !args.no_hybrid_pool && gpu.is_none();
     let window = kura_plan::hybrid_pool_for(
         &layout,
         budget,
         tiers_on,
         args.scheduling == AdmissionMode::Guaranteed,
     )
-    .filter(|_| !args.no_hybrid_pool);
+    .filter(|_| hybrid_allowed);
     let concurrency = match &window {
         Some(_) => layout.max_concurrency(budget, max_model_len as u64),
         None => whole_concurrency,
@@ -400,11 +424,17 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             num_blocks,
         );
     }
-    let storage = match &window {
-        Some(w) => model.kv_storage_paged(&layout, w.num_pages as usize),
-        None => model.kv_storage(&layout, num_blocks as usize),
-    }
-    .context("allocating the KV cache")?;
+    let executor: Box<dyn kura_engine::Executor> = match gpu.take() {
+        Some(g) => Box::new(g.executor(&layout, num_blocks as usize)?),
+        None => {
+            let storage = match &window {
+                Some(w) => model.kv_storage_paged(&layout, w.num_pages as usize),
+                None => model.kv_storage(&layout, num_blocks as usize),
+            }
+            .context("allocating the KV cache")?;
+            Box::new(ModelExecutor::new(model.clone(), storage))
+        }
+    };
     let fingerprint = kv_fingerprint(
         model.weights_fingerprint(),
         model.weights_dtype(),
@@ -462,7 +492,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
     };
     let engine = start_engine(
         config,
-        Box::new(ModelExecutor::new(model.clone(), storage)),
+        executor,
         Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .context("starting the engine")?;

@@ -1,0 +1,43 @@
+"""Prints Kura's GPU figures beside HF transformers' from the JSON lines of gpu-bench and hf_peer.py:
+`table.py KURA.jsonl HF.jsonl`."""
+
+import json
+import sys
+
+
+def load(path):
+    rows = []
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("{"):
+            r = json.loads(line)
+            if "what" in r:
+                rows.append(r)
+    return rows
+
+
+def key(r):
+    return (r["what"], r.get("tokens"), r.get("batch"), r.get("prompt"))
+
+
+kura, hf = load(sys.argv[1]), load(sys.argv[2])
+peer = {key(r): r for r in hf}
+print(f"{'figure':<44}{'Kura':>12}{'HF':>12}{'Kura / HF':>12}")
+for r in kura:
+    p = peer.get(key(r), {})
+    if r["what"] == "decode":
+        name, unit = f"decode batch {r['batch']}, {r['context']} context (tok/s)", "tokens_per_s"
+        ratio = r[unit] / p[unit] if unit in p else None
+    elif r["what"] == "prefill":
+        name, unit = f"prefill TTFT {r['tokens']} tokens (ms)", "ms"
+        ratio = p[unit] / r[unit] if unit in p else None
+    else:
+        name, unit = f"TTFT {r['prompt']} tokens, {r['cached']} cached (ms)", "ms"
+        ratio = p[unit] / r[unit] if unit in p else None
+    hv = f"{p[unit]:.1f}" if unit in p else "-"
+    rt = f"{ratio:.2f}x" if ratio else "-"
+    print(f"{name:<44}{r[unit]:>12.1f}{hv:>12}{rt:>12}")
+    if "fraction_of_bound" in r:
+        print(f"  {r['fraction_of_bound']:.1%} of the HBM bound ({r['hbm_bound_tokens_per_s']:.0f} tok/s at the measured "
+              f"{r['copy_bandwidth_gbs']:.0f} GB/s); {r['fraction_of_3_35_tbs_bound']:.1%} of 3.35 TB/s")
+print("(Kura / HF: speed-up, above 1 means Kura is faster)")

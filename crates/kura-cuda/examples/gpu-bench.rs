@@ -1,0 +1,194 @@
+//! Kura's CUDA executor on a model shape with random bf16 weights made on the device (no checkpoint):
+//! `gpu-bench CONFIG.json` prints one JSON line per figure, then all of them. `bench/gpu.sh` runs it
+//! beside HF transformers (`bench/gpu/hf_peer.py`) on the same GPU.
+//!
+//! Figures: batch-1 decode after a 1,024-token prompt (and its share of the HBM bound, weights read once
+//! per token over the measured copy bandwidth), prefill of 4,096 and 16,384 tokens (TTFT: one step and
+//! the first token), decode at batch 64 with 1,024 tokens of context each, and the TTFT of a 4,096-token
+//! prompt whose first 4,080 tokens are cached. Times are the executor's: host clock around steps that
+//! end in a synchronisation (the token ids back on the host).
+
+use std::time::Instant;
+
+use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec};
+use kura_engine::SeqInput;
+use kura_kv::codec::KvDtype;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn one<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
+    SeqInput {
+        tokens,
+        start_pos,
+        block_table: table,
+        layer_pages: &[],
+    }
+}
+
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % (vocab as u64 - 3)) as u32 + 3
+        })
+        .collect()
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("gpu-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let path = std::env::args()
+        .nth(1)
+        .ok_or("usage: gpu-bench CONFIG.json")?;
+    let cfg = kura_model::ModelConfig::from_hf_json(&std::fs::read_to_string(&path)?)?;
+    let dev = Device::open(0)?;
+    println!(
+        "{{\"device\":\"{}\",\"arch\":\"{}\",\"kernels_compiled_now\":{},\"setup_s\":{:.2}}}",
+        dev.name, dev.arch, dev.compiled, dev.setup_seconds
+    );
+    let bandwidth = copy_bandwidth(&dev)?;
+    let t = Instant::now();
+    let w = DevWeights::random(&dev, &cfg, 1)?;
+    let weight_bytes = w.bytes;
+    eprintln!(
+        "weights: {:.2} GB made in {:.2} s",
+        weight_bytes as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    let bs = 16;
+    // 64 × (1,024 + 32) tokens of batch decoding plus a 16,384-token prompt, in blocks of 16.
+    let num_blocks = 64 * 1056 / bs + 16_384 / bs + 64;
+    let mut gpu = CudaExecutor::new(
+        dev,
+        cfg.clone(),
+        w,
+        PoolSpec::new(KvDtype::Bf16, bs, num_blocks),
+    )?;
+    let vocab = cfg.vocab_size();
+    let mut results: Vec<String> = Vec::new();
+    let mut emit = |line: String| {
+        println!("{line}");
+        results.push(line);
+    };
+
+    // Warm-up: every kernel and product shape once.
+    let table: Vec<u32> = (0..(16_384 / bs) as u32).collect();
+    let p = tokens(1024, 7, vocab);
+    gpu.forward_greedy(&[one(&p, 0, &table)])?;
+    gpu.forward_greedy(&[one(&p[..1], 1024, &table)])?;
+
+    // Batch-1 decode after a 1,024-token prompt.
+    let mut next = gpu.forward_greedy(&[one(&p, 0, &table)])?[0];
+    let steps = 128;
+    let t = Instant::now();
+    for i in 0..steps {
+        next = gpu.forward_greedy(&[one(&[next], 1024 + i, &table)])?[0];
+    }
+    let s = t.elapsed().as_secs_f64();
+    let tps = steps as f64 / s;
+    let bound = bandwidth / weight_bytes as f64;
+    emit(format!(
+        "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"tokens_per_s\":{tps:.1},\
+         \"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\"copy_bandwidth_gbs\":{:.0},\
+         \"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
+         \"fraction_of_3_35_tbs_bound\":{:.3}}}",
+        1e3 * s / steps as f64,
+        bandwidth / 1e9,
+        tps / bound,
+        tps / (3.35e12 / weight_bytes as f64)
+    ));
+
+    // Prefill TTFT.
+    for n in [4096usize, 16_384] {
+        let p = tokens(n, n as u64, vocab);
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            gpu.forward_greedy(&[one(&p, 0, &table)])?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        emit(format!(
+            "{{\"peer\":\"kura\",\"what\":\"prefill\",\"tokens\":{n},\"ms\":{:.1},\"runs_ms\":{times:?}}}",
+            median(times.clone())
+        ));
+    }
+
+    // TTFT of 4,096 tokens with the first 4,080 cached (255 whole blocks).
+    let p = tokens(4096, 99, vocab);
+    gpu.forward_greedy(&[one(&p[..4080], 0, &table)])?;
+    let mut times = Vec::new();
+    for _ in 0..10 {
+        let t = Instant::now();
+        gpu.forward_greedy(&[one(&p[4080..], 4080, &table)])?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    emit(format!(
+        "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":4096,\"cached\":4080,\"ms\":{:.2},\"runs_ms\":{:?}}}",
+        median(times.clone()),
+        times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
+    ));
+
+    // Batch-64 decode at 1,024 tokens of context each.
+    let (batch, ctx, steps) = (64usize, 1024usize, 32usize);
+    let per = (ctx + steps).div_ceil(bs);
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|i| tokens(ctx, 1000 + i as u64, vocab))
+        .collect();
+    let mut last = Vec::new();
+    for chunk in (0..batch).collect::<Vec<_>>().chunks(8) {
+        let items: Vec<SeqInput<'_>> = chunk
+            .iter()
+            .map(|i| one(&prompts[*i], 0, &tables[*i]))
+            .collect();
+        last.extend(gpu.forward_greedy(&items)?);
+    }
+    let t = Instant::now();
+    for step in 0..steps {
+        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+        let items: Vec<SeqInput<'_>> = (0..batch)
+            .map(|i| one(&toks[i], ctx + step, &tables[i]))
+            .collect();
+        last = gpu.forward_greedy(&items)?;
+    }
+    let s = t.elapsed().as_secs_f64();
+    emit(format!(
+        "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"tokens_per_s\":{:.0},\
+         \"ms_per_step\":{:.2}}}",
+        (batch * steps) as f64 / s,
+        1e3 * s / steps as f64
+    ));
+    println!("[{}]", results.join(","));
+    Ok(())
+}
+
+/// Device-to-device copy bandwidth (bytes read plus written per second) of a 2 GiB buffer: the HBM
+/// figure the decode bound divides by.
+fn copy_bandwidth(dev: &Device) -> Result<f64, Box<dyn std::error::Error>> {
+    let n = 1usize << 30;
+    let a = dev.alloc::<u8>(n, "the copy benchmark")?;
+    let mut b = dev.alloc::<u8>(n, "the copy benchmark")?;
+    dev.stream.memcpy_dtod(&a, &mut b)?;
+    dev.synchronize()?;
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        dev.stream.memcpy_dtod(&a, &mut b)?;
+        dev.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * n as f64 / median(times))
+}

@@ -1,0 +1,595 @@
+// Kura's CUDA kernels: everything of a Llama-family forward step but the weight products (cuBLAS, and
+// `gemv_*` for decode batches of at most 8 tokens). Compiled at run time by NVRTC, once per device,
+// and cached on disk (`kernels.rs`). Every kernel is `extern "C"` so that the host finds it by name.
+//
+// The KV pool is one device buffer of blocks; a block holds, for every layer, K then V, each
+// `[kv_head][slot][head_dim]`: byte for byte what the CPU pool's `export_block` writes, so a block moves
+// to and from the lower tiers with one copy.
+//
+// The residual stream is f32; the inputs of the weight products are bf16; products accumulate in f32.
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define KURA_NEG_INF (-1.0e30f)
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a block of at most 1024 threads; every thread gets the result. `red` holds 32 floats.
+__device__ float block_sum(float v, float* red) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = lane < nw ? red[lane] : 0.f;
+  return warp_sum(r);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Embedding: x[t] = scale · E[tokens[t]] (f32 rows). One block per token.
+extern "C" __global__ void embed(const u32* tokens, const bf16* table, float* x, int hidden, float scale) {
+  int t = blockIdx.x;
+  const bf16* row = table + (size_t)tokens[t] * hidden;
+  float* out = x + (size_t)t * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]) * scale;
+}
+
+// RMSNorm of f32 rows into bf16: out[r] = x[rows[r]] / rms · w (rows == null: row r is x's row r).
+// One block per output row.
+extern "C" __global__ void rms_norm(const float* x, const int* rows, const float* w, bf16* out, int hidden,
+                                    float eps) {
+  __shared__ float red[32];
+  int r = blockIdx.x;
+  const float* xr = x + (size_t)(rows ? rows[r] : r) * hidden;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  float inv = rsqrtf(ss / (float)hidden + eps);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    out[(size_t)r * hidden + i] = __float2bfloat16(xr[i] * inv * w[i]);
+}
+
+// out[t] = SiLU(gate[t]) · up[t] into bf16, where a token's row of `gu` is [gate | up].
+extern "C" __global__ void silu_mul(const float* gu, bf16* out, int inter, int total) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  int t = i / inter, c = i - t * inter;
+  float g = gu[(size_t)t * 2 * inter + c], u = gu[(size_t)t * 2 * inter + inter + c];
+  out[i] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Where a token's K/V lives: element offset of (block, layer, kind 0=K/1=V, head, slot) in the pool.
+struct PoolShape {
+  int layers, kv_heads, block_size, head_dim;
+};
+__device__ __forceinline__ size_t pool_at(const PoolShape& p, int block, int layer, int kind, int head, int slot) {
+  return ((((size_t)block * p.layers + layer) * 2 + kind) * p.kv_heads + head) * (size_t)p.block_size * p.head_dim +
+         (size_t)slot * p.head_dim;
+}
+
+// Bias, RoPE and the KV write of each new token: q (bf16, `[t][head][d]`) for attention, K and V into
+// their slot of `layer`. One block per token; `style` 0 rotates (i, i + d/2) (HF), 1 rotates (2i, 2i+1).
+template <typename KV>
+__device__ void rope_store(const float* qkv, const float* bias, const int* pos, const int* slot_block,
+                           const float* inv_freq, bf16* q, KV* pool, PoolShape p, int layer, int heads, int style) {
+  int t = blockIdx.x;
+  int d = p.head_dim, half = d / 2;
+  int qd = heads * d, kvd = p.kv_heads * d;
+  const float* row = qkv + (size_t)t * (qd + 2 * kvd);
+  int position = pos[t];
+  int block = slot_block[2 * t], slot = slot_block[2 * t + 1];
+  int pairs = (heads + p.kv_heads) * half;
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    int head = i / half, j = i - head * half;
+    int a = style == 0 ? j : 2 * j, b = style == 0 ? j + half : 2 * j + 1;
+    int base = head * d;  // heads of q, then heads of k, in the row
+    float x0 = row[base + a], x1 = row[base + b];
+    if (bias) { x0 += bias[base + a]; x1 += bias[base + b]; }
+    float ang = (float)position * inv_freq[j];
+    float c = cosf(ang), s = sinf(ang);
+    float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+    if (head < heads) {
+      bf16* qo = q + (size_t)t * qd + base;
+      qo[a] = __float2bfloat16(y0);
+      qo[b] = __float2bfloat16(y1);
+    } else {
+      KV* ko = pool + pool_at(p, block, layer, 0, head - heads, slot);
+      ko[a] = from_f<KV>(y0);
+      ko[b] = from_f<KV>(y1);
+    }
+  }
+  for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+    int head = i / d, j = i - head * d;
+    float v = row[qd + kvd + i];
+    if (bias) v += bias[qd + kvd + i];
+    pool[pool_at(p, block, layer, 1, head, slot) + j] = from_f<KV>(v);
+  }
+}
+extern "C" __global__ void rope_store_bf16(const float* qkv, const float* bias, const int* pos, const int* sb,
+                                           const float* f, bf16* q, bf16* pool, PoolShape p, int layer, int heads,
+                                           int style) {
+  rope_store<bf16>(qkv, bias, pos, sb, f, q, pool, p, layer, heads, style);
+}
+extern "C" __global__ void rope_store_f32(const float* qkv, const float* bias, const int* pos, const int* sb,
+                                          const float* f, bf16* q, float* pool, PoolShape p, int layer, int heads,
+                                          int style) {
+  rope_store<float>(qkv, bias, pos, sb, f, q, pool, p, layer, heads, style);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Attention of few query tokens (decode, short chunks) over paged K/V, split along the keys: block
+// (token, kv head, split) scores SPLIT keys for the `group` query heads that share the KV head, and
+// writes each head's partial (max, sum, weighted V) for `attn_merge`. 128 threads: one key each for
+// the scores, one dimension each (in 128 / D key groups) for the weighted sum.
+//
+// Per token: `tok_info[4t..]` = (token row in q/out, query position, first table index in `tables`,
+// first key position the window keeps).
+#define SPLIT 128
+// Eight consecutive elements of a K/V row as floats (16-byte loads).
+__device__ __forceinline__ void load8(const bf16* p, float* f) {
+  uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    float2 x = __bfloat1622float2(h[j]);
+    f[2 * j] = x.x;
+    f[2 * j + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float* f) {
+  float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// G: the most query heads one KV head serves that this instance handles (group ≤ G).
+template <typename KV, int D, int G>
+__device__ void attn_split(const bf16* q, const KV* pool, const int* tables, const int* tok_info, float* part,
+                           PoolShape p, int layer, int heads, int max_splits, float scale_log2) {
+  constexpr int KG = 128 / D > 1 ? 128 / D : 1;  // key groups of the weighted sum
+  constexpr int GC = G < 8 ? G : 8;              // heads per pass of the weighted sum
+  __shared__ __align__(16) float qs[G * D];
+  __shared__ float ps[G][SPLIT];
+  __shared__ float stat[G][2];
+  __shared__ float acc[KG][GC][D];
+  int ti = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  int row = tok_info[4 * ti], qpos = tok_info[4 * ti + 1], toff = tok_info[4 * ti + 2], lo = tok_info[4 * ti + 3];
+  int group = heads / p.kv_heads;
+  int k0 = lo + split * SPLIT;
+  int n = min(SPLIT, qpos + 1 - k0);
+  float* out = part + (((size_t)ti * heads + kvh * group) * max_splits + split) * (D + 2);
+  if (n <= 0) {
+    // Nothing to attend in this split: a partial that `attn_merge` weighs zero.
+    if (threadIdx.x < group) {
+      float* o = out + (size_t)threadIdx.x * max_splits * (D + 2);
+      o[0] = KURA_NEG_INF;
+      o[1] = 0.f;
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x)
+    qs[i] = __bfloat162float(q[(size_t)row * heads * D + (size_t)kvh * group * D + i]);
+  __syncthreads();
+  int tid = threadIdx.x;
+  if (tid < n) {
+    int kp = k0 + tid;
+    int blk = tables[toff + kp / p.block_size];
+    const KV* k = pool + pool_at(p, blk, layer, 0, kvh, kp % p.block_size);
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) s[g] = 0.f;
+    for (int i = 0; i < D; i += 8) {
+      float kf[8];
+      load8(k + i, kf);
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+        if (g < group) {
+          const float4* qv = reinterpret_cast<const float4*>(qs + g * D + i);
+          float4 a = qv[0], b = qv[1];
+          s[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] +
+                  b.w * kf[7];
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++)
+      if (g < group) ps[g][tid] = s[g] * scale_log2;
+  }
+  __syncthreads();
+  // Max and sum per head: warp w takes heads w, w + 4, ...
+  int warp = tid >> 5, lane = tid & 31;
+  for (int g = warp; g < group; g += 4) {
+    float m = KURA_NEG_INF;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, ps[g][i]);
+    m = warp_max(m);
+    float l = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      float e = exp2f(ps[g][i] - m);
+      ps[g][i] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) { stat[g][0] = m; stat[g][1] = l; }
+  }
+  __syncthreads();
+  // Weighted V: thread (key group, dimension) sums keys kg, kg + KG, ...; GC heads a pass.
+  for (int g0 = 0; g0 < group; g0 += GC) {
+    for (int dim = tid % D; dim < D; dim += 128) {
+      int kg = D >= 128 ? 0 : tid / D;
+      float o[GC];
+#pragma unroll
+      for (int g = 0; g < GC; g++) o[g] = 0.f;
+      for (int i = kg; i < n; i += KG) {
+        int kp = k0 + i;
+        int blk = tables[toff + kp / p.block_size];
+        float v = to_f(pool[pool_at(p, blk, layer, 1, kvh, kp % p.block_size) + dim]);
+#pragma unroll
+        for (int g = 0; g < GC; g++)
+          if (g0 + g < group) o[g] += ps[g0 + g][i] * v;
+      }
+#pragma unroll
+      for (int g = 0; g < GC; g++) acc[kg][g][dim] = o[g];
+    }
+    __syncthreads();
+    for (int i = tid; i < GC * D; i += blockDim.x) {
+      int g = i / D, dim = i - g * D;
+      if (g0 + g >= group) continue;
+      float s = 0.f;
+#pragma unroll
+      for (int kg = 0; kg < KG; kg++) s += acc[kg][g][dim];
+      float* o = out + (size_t)(g0 + g) * max_splits * (D + 2);
+      o[2 + dim] = s;
+      if (dim == 0) { o[0] = stat[g0 + g][0]; o[1] = stat[g0 + g][1]; }
+    }
+    __syncthreads();
+  }
+}
+
+#define ATTN_SPLIT(KVN, KVT, D, G)                                                                           \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_split_##KVN##_##D##_g##G(                            \
+      const bf16* q, const KVT* pool, const int* tables, const int* tok_info, float* part, PoolShape p,       \
+      int layer, int heads, int max_splits, float scale_log2) {                                               \
+    attn_split<KVT, D, G>(q, pool, tables, tok_info, part, p, layer, heads, max_splits, scale_log2);          \
+  }
+#define ATTN_SPLIT_G(KVN, KVT, D) \
+  ATTN_SPLIT(KVN, KVT, D, 1) ATTN_SPLIT(KVN, KVT, D, 2) ATTN_SPLIT(KVN, KVT, D, 4) ATTN_SPLIT(KVN, KVT, D, 8) \
+  ATTN_SPLIT(KVN, KVT, D, 16)
+ATTN_SPLIT_G(bf16, bf16, 64)
+ATTN_SPLIT_G(bf16, bf16, 128)
+ATTN_SPLIT_G(f32, float, 64)
+ATTN_SPLIT_G(f32, float, 128)
+
+// Merges the splits of `attn_split`: out[row][head] = Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Block
+// (token, head), D threads.
+extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf16* out, int heads, int max_splits,
+                                      int d) {
+  int ti = blockIdx.x, h = blockIdx.y, dim = threadIdx.x;
+  int qpos = tok_info[4 * ti + 1], lo = tok_info[4 * ti + 3];
+  int splits = (qpos + 1 - lo + SPLIT - 1) / SPLIT;
+  const float* pp = part + ((size_t)ti * heads + h) * max_splits * (d + 2);
+  float m = KURA_NEG_INF;
+  for (int s = 0; s < splits; s++) m = fmaxf(m, pp[(size_t)s * (d + 2)]);
+  float l = 0.f, o = 0.f;
+  for (int s = 0; s < splits; s++) {
+    const float* x = pp + (size_t)s * (d + 2);
+    float w = exp2f(x[0] - m);
+    l += w * x[1];
+    o += w * x[2 + dim];
+  }
+  out[((size_t)tok_info[4 * ti] * heads + h) * d + dim] = __float2bfloat16(o / l);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Prefill attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash style: block
+// (tile of 64 query tokens of one sequence, query head), 4 warps of 16 query rows each, over key tiles
+// of 64 read from the paged pool. Per tile: `tile_info[4i..]` = (first token row, rows in the tile,
+// position of the first, first table index); the tile's keys end at its last query's position.
+#define BR 64
+#define BC 64
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&v);
+}
+
+template <typename KV, int D>
+__device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
+                             PoolShape p, int layer, int heads, int window, float scale_log2) {
+  constexpr int KS = D + 8;   // K tile row stride (bf16)
+  constexpr int VS = BC + 8;  // transposed V tile row stride
+  __shared__ __align__(16) bf16 ks[BC * KS];
+  __shared__ __align__(16) bf16 vt[D * VS];
+  int tile = blockIdx.x, h = blockIdx.y;
+  int row0 = tile_info[4 * tile], nrows = tile_info[4 * tile + 1], pos0 = tile_info[4 * tile + 2],
+      toff = tile_info[4 * tile + 3];
+  int group = heads / p.kv_heads, kvh = h / group;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  // Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
+  u32 qa[D / 16][4];
+  {
+    int r0 = warp * 16 + g, r1 = r0 + 8;
+    const bf16* q0 = q + ((size_t)(row0 + (r0 < nrows ? r0 : 0)) * heads + h) * D;
+    const bf16* q1 = q + ((size_t)(row0 + (r1 < nrows ? r1 : 0)) * heads + h) * D;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+      qa[kk][0] = *reinterpret_cast<const u32*>(q0 + kk * 16 + 2 * tq);
+      qa[kk][1] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq);
+      qa[kk][2] = *reinterpret_cast<const u32*>(q0 + kk * 16 + 2 * tq + 8);
+      qa[kk][3] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq + 8);
+    }
+  }
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = KURA_NEG_INF, m1 = KURA_NEG_INF, l0 = 0.f, l1 = 0.f;
+  int qp0 = pos0 + warp * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
+  int last = pos0 + nrows - 1;
+  int lo = window > 0 ? max(0, pos0 + 1 - window) : 0;
+  int first_tile = lo / BC;
+  for (int kt = first_tile * BC; kt <= last; kt += BC) {
+    __syncthreads();
+    // K rows and V (transposed) of keys kt..kt+BC, 8 elements a thread at a time; consecutive threads
+    // take consecutive keys, so that the transposed V stores fall in distinct banks.
+    for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+      int key = i % BC, c = (i / BC) * 8;
+      int kp = kt + key;
+      float kf[8], vf[8];
+      if (kp <= last) {
+        int blk = tables[toff + kp / p.block_size];
+        load8(pool + pool_at(p, blk, layer, 0, kvh, kp % p.block_size) + c, kf);
+        load8(pool + pool_at(p, blk, layer, 1, kvh, kp % p.block_size) + c, vf);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) kf[j] = vf[j] = 0.f;
+      }
+      uint4 kw;
+      kw.x = pack_bf16(kf[0], kf[1]);
+      kw.y = pack_bf16(kf[2], kf[3]);
+      kw.z = pack_bf16(kf[4], kf[5]);
+      kw.w = pack_bf16(kf[6], kf[7]);
+      *reinterpret_cast<uint4*>(ks + key * KS + c) = kw;
+#pragma unroll
+      for (int j = 0; j < 8; j++) vt[(c + j) * VS + key] = __float2bfloat16(vf[j]);
+    }
+    __syncthreads();
+    // S = Q Kᵀ for 16 rows × 64 keys.
+    float s[BC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        u32 b[2];
+        const bf16* kr = ks + (nt * 8 + g) * KS + kk * 16 + 2 * tq;
+        b[0] = *reinterpret_cast<const u32*>(kr);
+        b[1] = *reinterpret_cast<const u32*>(kr + 8);
+        mma16816(s[nt], qa[kk], b);
+      }
+    }
+    // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8.
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int key = kt + nt * 8 + 2 * tq + (e & 1);
+        int qp = e < 2 ? qp0 : qp1;
+        bool ok = key <= qp && (window <= 0 || key > qp - window);
+        float v = ok ? s[nt][e] * scale_log2 : KURA_NEG_INF;
+        s[nt][e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+    m0 = mx0;
+    m1 = mx1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) {
+      // A fully masked row keeps m = -1e30 and gets weights exp2(0) = 1 here: zeroed below.
+      s[nt][0] = s[nt][0] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][0] - m0);
+      s[nt][1] = s[nt][1] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][1] - m0);
+      s[nt][2] = s[nt][2] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][2] - m1);
+      s[nt][3] = s[nt][3] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][3] - m1);
+      rs0 += s[nt][0] + s[nt][1];
+      rs1 += s[nt][2] + s[nt][3];
+    }
+    l0 = l0 * c0 + rs0;
+    l1 = l1 * c1 + rs1;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+      o[i][0] *= c0; o[i][1] *= c0;
+      o[i][2] *= c1; o[i][3] *= c1;
+    }
+    // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {
+      u32 a[4];
+      a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int nt = 0; nt < D / 8; nt++) {
+        u32 b[2];
+        const bf16* vr = vt + (nt * 8 + g) * VS + kk * 16 + 2 * tq;
+        b[0] = *reinterpret_cast<const u32*>(vr);
+        b[1] = *reinterpret_cast<const u32*>(vr + 8);
+        mma16816(o[nt], a, b);
+      }
+    }
+  }
+  // Row sums across the quad, then write rows g and g + 8 of this warp.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  int r0 = warp * 16 + g, r1 = r0 + 8;
+  float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++) {
+    int c = nt * 8 + 2 * tq;
+    if (r0 < nrows)
+      *reinterpret_cast<u32*>(out + ((size_t)(row0 + r0) * heads + h) * D + c) = pack_bf16(o[nt][0] * i0, o[nt][1] * i0);
+    if (r1 < nrows)
+      *reinterpret_cast<u32*>(out + ((size_t)(row0 + r1) * heads + h) * D + c) = pack_bf16(o[nt][2] * i1, o[nt][3] * i1);
+  }
+}
+
+#define ATTN_PREFILL(KVN, KVT, D)                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, 1) attn_prefill_##KVN##_##D(                                 \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2) {                                                   \
+    attn_prefill<KVT, D>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2);              \
+  }
+ATTN_PREFILL(bf16, bf16, 64)
+ATTN_PREFILL(bf16, bf16, 128)
+ATTN_PREFILL(f32, float, 64)
+ATTN_PREFILL(f32, float, 128)
+
+// ---------------------------------------------------------------------------------------------------
+// y[t][n] (+)= Σ_k W[n][k] · x[t][k] for T ≤ 8 tokens (decode): a warp per output row, 16-byte loads of
+// W, f32 accumulation, fixed order. `accumulate` adds to y (the residual add). K % 8 == 0.
+template <int T>
+__device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
+  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= n) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
+  float acc[T];
+#pragma unroll
+  for (int t = 0; t < T; t++) acc[t] = 0.f;
+  int k8 = k / 8;
+#pragma unroll 4
+  for (int i = lane; i < k8; i += 32) {
+    uint4 wv = __ldg(wr + i);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    float wf[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      float2 f = __bfloat1622float2(w2[j]);
+      wf[2 * j] = f.x;
+      wf[2 * j + 1] = f.y;
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+      uint4 xv = *(reinterpret_cast<const uint4*>(x + (size_t)t * k) + i);
+      const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        float2 f = __bfloat1622float2(x2[j]);
+        acc[t] += wf[2 * j] * f.x + wf[2 * j + 1] * f.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; t++) {
+    float v = warp_sum(acc[t]);
+    if (lane == 0) {
+      float* yo = y + (size_t)t * n + warp;
+      *yo = accumulate ? *yo + v : v;
+    }
+  }
+}
+#define GEMV(T)                                                                                              \
+  extern "C" __global__ void __launch_bounds__(256) gemv_##T(const bf16* w, const bf16* x, float* y, int n,  \
+                                                             int k, int accumulate) {                        \
+    gemv<T>(w, x, y, n, k, accumulate);                                                                       \
+  }
+GEMV(1)
+GEMV(2)
+GEMV(3)
+GEMV(4)
+GEMV(5)
+GEMV(6)
+GEMV(7)
+GEMV(8)
+
+// ---------------------------------------------------------------------------------------------------
+// Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.
+extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab) {
+  __shared__ float bv[32];
+  __shared__ int bi[32];
+  const float* row = logits + (size_t)blockIdx.x * vocab;
+  float best = -3.402823466e38f;
+  int idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    float v = row[i];
+    if (v > best) { best = v; idx = i; }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+  __syncthreads();
+  if (warp == 0) {
+    int nw = blockDim.x >> 5;
+    best = lane < nw ? bv[lane] : -3.402823466e38f;
+    idx = lane < nw ? bi[lane] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) {
+      float ov = __shfl_xor_sync(0xffffffffu, best, o);
+      int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    if (lane == 0) out[blockIdx.x] = (u32)idx;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Copy-on-write of a partial block: slots 0..n of every layer's K and V of block `src` into `dst`
+// (bytes; `row_bytes` = head_dim × element size). Block (layer·2·kv_heads + kind·kv_heads + head).
+extern "C" __global__ void copy_block_prefix(unsigned char* pool, int src, int dst, int n, size_t block_bytes,
+                                             int block_size, int row_bytes) {
+  size_t run = (size_t)block_size * row_bytes;  // one head's slots
+  size_t at = (size_t)blockIdx.x * run;
+  const unsigned char* s = pool + (size_t)src * block_bytes + at;
+  unsigned char* d = pool + (size_t)dst * block_bytes + at;
+  size_t len = (size_t)n * row_bytes;
+  for (size_t i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Seeded pseudo-random bf16 values, uniform in [-scale, scale): weights of a model of a given shape
+// made on the device (benchmarks), the same for the same seed.
+extern "C" __global__ void fill_random_bf16(bf16* out, size_t n, u64 seed, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    u64 z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    out[i] = __float2bfloat16((2.f * u - 1.f) * scale);
+  }
+}

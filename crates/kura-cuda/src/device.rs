@@ -1,0 +1,295 @@
+//! One CUDA device as the executor uses it: its context and stream, cuBLAS, Kura's kernels loaded from
+//! the kernel cache, and device buffers addressed by raw pointers (one stream orders everything, so
+//! cudarc's per-buffer events are off).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+
+use crate::error::{CudaError, Result};
+use crate::kernels;
+
+/// The K/V pool's shape as the kernels take it (`PoolShape` in `kura.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolShape {
+    pub layers: i32,
+    pub kv_heads: i32,
+    pub block_size: i32,
+    pub head_dim: i32,
+}
+
+// SAFETY: a plain C struct of four ints, passed by value.
+unsafe impl DeviceRepr for PoolShape {}
+
+/// One kernel argument: a device pointer, an integer, a float or the pool's shape.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    Usize(u64),
+    Shape(PoolShape),
+}
+
+/// A device opened for the executor.
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    pub ordinal: usize,
+    pub name: String,
+    /// `sm_XY`.
+    pub arch: String,
+    functions: HashMap<String, CudaFunction>,
+    /// Whether the kernels were compiled at this start (else read from the cache).
+    pub compiled: bool,
+    /// Seconds spent creating the context and loading (or compiling) the kernels.
+    pub setup_seconds: f64,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({} {}, {})", self.ordinal, self.name, self.arch)
+    }
+}
+
+/// Parses `cuda`, `cuda:N` (the device's ordinal).
+pub fn parse_device(s: &str) -> std::result::Result<Option<usize>, String> {
+    match s {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Some(n)),
+            _ => Err(format!(
+                "device {s:?}: give cpu, cuda or cuda:N (N the GPU's index)"
+            )),
+        },
+    }
+}
+
+impl Device {
+    /// Opens GPU `ordinal`: checks the libraries, the device and its architecture, then loads Kura's
+    /// kernels for it (compiling them once into the kernel cache).
+    pub fn open(ordinal: usize) -> Result<Self> {
+        let t0 = std::time::Instant::now();
+        crate::libs::check_all()?;
+        let count = CudaContext::device_count().map_err(|e| CudaError::NoDevice {
+            ordinal,
+            found: format!("the driver reports no usable GPU ({e:?})"),
+        })?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaError::NoDevice {
+                ordinal,
+                found: format!("this machine has {count} GPU(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: the executor uses one stream; nothing relies on cudarc's cross-stream events.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name()?;
+        let (major, minor) = ctx.compute_capability()?;
+        if major < 8 {
+            return Err(CudaError::Architecture {
+                ordinal,
+                name,
+                major,
+                minor,
+            });
+        }
+        let arch = format!("sm_{major}{minor}");
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())?;
+        let (cubin, compiled) = kernels::cubin_for(&arch, &kernels::cache_dir())?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+        let mut functions = HashMap::new();
+        let log_names = kernel_names();
+        for n in log_names {
+            functions.insert(n.clone(), module.load_function(&n)?);
+        }
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            ordinal,
+            name,
+            arch,
+            functions,
+            compiled,
+            setup_seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Free and total device memory, in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// A zeroed buffer of `n` elements; `what` names it in the out-of-memory error.
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>> {
+        let bytes =
+            n.checked_mul(std::mem::size_of::<T>())
+                .ok_or_else(|| CudaError::OutOfMemory {
+                    what: what.into(),
+                    need: usize::MAX,
+                    free: 0,
+                })?;
+        let (free, _) = self.memory()?;
+        if bytes > free {
+            return Err(CudaError::OutOfMemory {
+                what: what.into(),
+                need: bytes,
+                free,
+            });
+        }
+        self.stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(|e| CudaError::OutOfMemory {
+                what: format!("{what} ({e:?})"),
+                need: bytes,
+                free,
+            })
+    }
+
+    /// The device address of a buffer.
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// Launches kernel `name` with `args` in order.
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| CudaError::Driver(format!("no kernel {name} in Kura's module")))?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) | Arg::Usize(p) => b.arg(p),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::Shape(s) => b.arg(s),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every kernel of Kura's module is launched with the argument list of its C signature
+        // (the callers in `executor.rs` mirror `kura.cu`), and every pointer is into a live buffer
+        // sized for the launch.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `out[t][n] (+)= Σ_k x[t][k] · w[n][k]`: bf16 `x` (`t × k`) and `w` (`n × k`), f32 `out`; adds
+    /// to `out` when `accumulate`. cuBLAS, or the decode kernel for at most 8 rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        x: u64,
+        t: usize,
+        w: u64,
+        n: usize,
+        k: usize,
+        out: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        if t <= 8 && k.is_multiple_of(8) {
+            let warps_per_block = 8;
+            return self.launch(
+                &format!("gemv_{t}"),
+                (n.div_ceil(warps_per_block) as u32, 1, 1),
+                32 * warps_per_block as u32,
+                &[
+                    Arg::Ptr(w),
+                    Arg::Ptr(x),
+                    Arg::Ptr(out),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(accumulate as i32),
+                ],
+            );
+        }
+        let alpha = 1f32;
+        let beta = if accumulate { 1f32 } else { 0f32 };
+        // Column-major view: out (n × t) = wᵀ (n × k) · x (k × t).
+        // SAFETY: the pointers are device buffers of the sizes above; alpha and beta are host f32s.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                w as *const std::ffi::c_void,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                x as *const std::ffi::c_void,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                (&beta as *const f32).cast(),
+                out as *mut std::ffi::c_void,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}
+
+/// Every kernel of `kura.cu` the executor launches.
+pub fn kernel_names() -> Vec<String> {
+    let mut v: Vec<String> = [
+        "embed",
+        "rms_norm",
+        "silu_mul",
+        "rope_store_bf16",
+        "rope_store_f32",
+        "attn_merge",
+        "argmax_rows",
+        "copy_block_prefix",
+        "fill_random_bf16",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for kv in ["bf16", "f32"] {
+        for d in [64, 128] {
+            v.push(format!("attn_prefill_{kv}_{d}"));
+            for g in [1, 2, 4, 8, 16] {
+                v.push(format!("attn_split_{kv}_{d}_g{g}"));
+            }
+        }
+    }
+    v.extend((1..=8).map(|t| format!("gemv_{t}")));
+    v
+}

@@ -1,0 +1,921 @@
+//! [`CudaExecutor`]: the engine's [`Executor`] on a GPU. The KV pool is one device buffer of
+//! `num_blocks` blocks laid out as the CPU pool exports them; a forward step packs the batch's tokens,
+//! positions, write slots and block tables into one upload, then runs, per layer:
+//!
+//! ```text
+//! x ─ rms_norm ─ ·Wqkvᵀ ─ rope_store (q; K, V into their blocks) ─ attention ─ ·Woᵀ (+= x)
+//!   ─ rms_norm ─ ·W_gate_upᵀ ─ silu_mul ─ ·W_downᵀ (+= x)
+//! ```
+//!
+//! and the output head on each sequence's last token. Attention takes two kernels: sequences with at
+//! least [`PREFILL_MIN`] new tokens go through the tensor-core prefill kernel (tiles of 64 queries),
+//! the others through the split-key kernel and its merge.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use half::bf16;
+
+use kura_engine::{Executor, SeqInput};
+use kura_kv::codec::KvDtype;
+use kura_model::config::rope_inv_freq;
+use kura_model::{ModelConfig, ModelParts};
+
+use crate::device::{Arg, Device, PoolShape};
+use crate::error::{CudaError, Result};
+use crate::weights::DevWeights;
+
+/// Sequences with at least this many new tokens take the prefill kernel.
+pub const PREFILL_MIN: usize = 64;
+/// Query rows of a prefill tile (`BR` in `kura.cu`).
+const TILE: usize = 64;
+/// Keys of one split of the split-key kernel (`SPLIT` in `kura.cu`).
+const SPLIT: usize = 128;
+
+/// Per-step buffers, grown to the largest step seen.
+struct Scratch {
+    tokens: usize,
+    rows: usize,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<bf16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<bf16>,
+    attn: CudaSlice<bf16>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<bf16>,
+    last: CudaSlice<bf16>,
+    logits: CudaSlice<f32>,
+    ids: CudaSlice<u32>,
+    meta: CudaSlice<i32>,
+    part: CudaSlice<f32>,
+}
+
+/// Grows `buf` to at least `n` elements (its contents are not kept).
+fn ensure<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &Device,
+    buf: &mut CudaSlice<T>,
+    n: usize,
+    what: &str,
+) -> Result<()> {
+    if buf.len() < n {
+        // Free the old buffer before asking for the larger one.
+        *buf = dev.alloc::<T>(1, what)?;
+        *buf = dev.alloc::<T>(n.next_power_of_two(), what)?;
+    }
+    Ok(())
+}
+
+impl Scratch {
+    fn new(dev: &Device) -> Result<Self> {
+        Ok(Scratch {
+            tokens: 0,
+            rows: 0,
+            x: dev.alloc(1, "activations")?,
+            xn: dev.alloc(1, "activations")?,
+            qkv: dev.alloc(1, "activations")?,
+            q: dev.alloc(1, "activations")?,
+            attn: dev.alloc(1, "activations")?,
+            gu: dev.alloc(1, "activations")?,
+            act: dev.alloc(1, "activations")?,
+            last: dev.alloc(1, "activations")?,
+            logits: dev.alloc(1, "logits")?,
+            ids: dev.alloc(1, "logits")?,
+            meta: dev.alloc(1, "step metadata")?,
+            part: dev.alloc(1, "attention partials")?,
+        })
+    }
+
+    /// Makes room for steps of `t` new tokens over `n` sequences.
+    fn grow(&mut self, dev: &Device, c: &ModelConfig, t: usize, n: usize) -> Result<()> {
+        let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
+        let q_dim = c.num_heads() * d;
+        let qkv_dim = q_dim + 2 * c.num_kv_heads() * d;
+        if t > self.tokens {
+            ensure(dev, &mut self.x, t * h, "activations")?;
+            ensure(dev, &mut self.xn, t * h, "activations")?;
+            ensure(dev, &mut self.qkv, t * qkv_dim, "activations")?;
+            ensure(dev, &mut self.q, t * q_dim, "activations")?;
+            ensure(dev, &mut self.attn, t * q_dim, "activations")?;
+            ensure(dev, &mut self.gu, t * 2 * inter, "activations")?;
+            ensure(dev, &mut self.act, t * inter, "activations")?;
+            self.tokens = t.next_power_of_two();
+        }
+        if n > self.rows {
+            ensure(dev, &mut self.last, n * h, "activations")?;
+            ensure(dev, &mut self.logits, n * c.vocab_size(), "logits")?;
+            ensure(dev, &mut self.ids, n, "logits")?;
+            self.rows = n.next_power_of_two();
+        }
+        Ok(())
+    }
+}
+
+/// Host-side layout of a step, uploaded as one `i32` buffer (offsets in elements).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub meta: Vec<i32>,
+    pub n_tokens: usize,
+    pub n_seqs: usize,
+    /// Offsets into `meta`.
+    pub at_tokens: usize,
+    pub at_pos: usize,
+    pub at_slots: usize,
+    pub at_tables: usize,
+    pub at_last: usize,
+    pub at_tok_info: usize,
+    pub at_tiles: usize,
+    /// Tokens of the split-key kernel, and its most splits.
+    pub split_tokens: usize,
+    pub max_splits: usize,
+    /// Tiles of the prefill kernel.
+    pub tiles: usize,
+}
+
+/// What the pool and model look like to [`plan_step`].
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub vocab: usize,
+    pub max_context: usize,
+    pub window: Option<usize>,
+    /// Sequences with at least this many new tokens take the prefill kernel ([`PREFILL_MIN`]).
+    pub prefill_min: usize,
+}
+
+/// Checks a batch and lays out its metadata: every bad index is an error naming the sequence, never a
+/// write outside the pool.
+pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
+    let bad = |m: String| Err(CudaError::Batch(m));
+    if batch.is_empty() {
+        return bad("the batch is empty".into());
+    }
+    let bs = lim.block_size;
+    let mut slots = std::collections::HashSet::new();
+    for (i, s) in batch.iter().enumerate() {
+        if s.tokens.is_empty() {
+            return bad(format!("sequence {i} of the batch has no new tokens"));
+        }
+        if !s.layer_pages.is_empty() {
+            return bad(format!(
+                "sequence {i} comes with layer pages: the GPU pool holds whole-model blocks only"
+            ));
+        }
+        let end = s.start_pos.saturating_add(s.tokens.len());
+        if end > lim.max_context {
+            return bad(format!(
+                "sequence {i} reaches position {end}, beyond the model's context of {}",
+                lim.max_context
+            ));
+        }
+        let needed = end.div_ceil(bs);
+        if s.block_table.len() < needed {
+            return bad(format!(
+                "sequence {i}: {} blocks of {bs} tokens cannot hold {end} positions",
+                s.block_table.len()
+            ));
+        }
+        if let Some(b) = s.block_table[..needed]
+            .iter()
+            .find(|b| **b as usize >= lim.num_blocks)
+        {
+            return bad(format!(
+                "sequence {i}: block {b} is outside the pool of {} blocks",
+                lim.num_blocks
+            ));
+        }
+        if let Some(t) = s.tokens.iter().find(|t| **t as usize >= lim.vocab) {
+            return bad(format!(
+                "sequence {i}: token id {t} is outside the vocabulary of {}",
+                lim.vocab
+            ));
+        }
+        for p in s.start_pos..end {
+            if !slots.insert((s.block_table[p / bs], p % bs)) {
+                return bad(format!(
+                    "sequence {i}: position {p} writes block {} slot {}, which another new token of the \
+                     batch also writes",
+                    s.block_table[p / bs],
+                    p % bs
+                ));
+            }
+        }
+    }
+    let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
+    let table_len: usize = batch
+        .iter()
+        .map(|s| (s.start_pos + s.tokens.len()).div_ceil(bs))
+        .sum();
+    let mut p = StepPlan {
+        n_tokens: t,
+        n_seqs: batch.len(),
+        at_tokens: 0,
+        at_pos: t,
+        at_slots: 2 * t,
+        at_tables: 4 * t,
+        at_last: 4 * t + table_len,
+        at_tok_info: 4 * t + table_len + batch.len(),
+        ..Default::default()
+    };
+    let mut tokens = Vec::with_capacity(t);
+    let mut pos = Vec::with_capacity(t);
+    let mut slot_block = Vec::with_capacity(2 * t);
+    let mut tables = Vec::with_capacity(table_len);
+    let mut last = Vec::with_capacity(batch.len());
+    let mut tok_info = Vec::new();
+    let mut tiles = Vec::new();
+    let mut row = 0usize;
+    for s in batch {
+        let n = s.tokens.len();
+        let end = s.start_pos + n;
+        let toff = tables.len();
+        tables.extend(s.block_table[..end.div_ceil(bs)].iter().map(|b| *b as i32));
+        for (i, tok) in s.tokens.iter().enumerate() {
+            let position = s.start_pos + i;
+            tokens.push(*tok as i32);
+            pos.push(position as i32);
+            slot_block.push(s.block_table[position / bs] as i32);
+            slot_block.push((position % bs) as i32);
+        }
+        if n >= lim.prefill_min {
+            for r0 in (0..n).step_by(TILE) {
+                let rows = TILE.min(n - r0);
+                tiles.extend([
+                    (row + r0) as i32,
+                    rows as i32,
+                    (s.start_pos + r0) as i32,
+                    toff as i32,
+                ]);
+            }
+        } else {
+            for i in 0..n {
+                let qpos = s.start_pos + i;
+                let lo = lim.window.map_or(0, |w| (qpos + 1).saturating_sub(w));
+                p.max_splits = p.max_splits.max((qpos + 1 - lo).div_ceil(SPLIT));
+                tok_info.extend([(row + i) as i32, qpos as i32, toff as i32, lo as i32]);
+            }
+        }
+        row += n;
+        last.push((row - 1) as i32);
+    }
+    p.split_tokens = tok_info.len() / 4;
+    p.tiles = tiles.len() / 4;
+    p.at_tiles = p.at_tok_info + tok_info.len();
+    let mut meta = tokens;
+    meta.extend(pos);
+    meta.extend(slot_block);
+    meta.extend(tables);
+    meta.extend(last);
+    meta.extend(tok_info);
+    meta.extend(tiles);
+    p.meta = meta;
+    Ok(p)
+}
+
+/// The forward pass of a Llama-family model on a GPU, over a KV pool in device memory.
+pub struct CudaExecutor {
+    dev: Device,
+    cfg: ModelConfig,
+    w: DevWeights,
+    inv_freq: CudaSlice<f32>,
+    pool: CudaSlice<u8>,
+    shape: PoolShape,
+    kv_dtype: KvDtype,
+    num_blocks: usize,
+    block_bytes: usize,
+    s: Scratch,
+    prefill_min: usize,
+}
+
+impl std::fmt::Debug for CudaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaExecutor({:?}, {} blocks of {} bytes)",
+            self.dev, self.num_blocks, self.block_bytes
+        )
+    }
+}
+
+/// How a pool is asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSpec {
+    pub kv_dtype: KvDtype,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Activation buffers allocated before the pool, for steps of up to this many new tokens over
+    /// this many sequences (0: grown at the first step that needs them).
+    pub reserve_tokens: usize,
+    pub reserve_seqs: usize,
+}
+
+impl PoolSpec {
+    /// `num_blocks` blocks of `block_size` tokens in `kv_dtype`, activations grown as needed.
+    pub fn new(kv_dtype: KvDtype, block_size: usize, num_blocks: usize) -> Self {
+        PoolSpec {
+            kv_dtype,
+            block_size,
+            num_blocks,
+            reserve_tokens: 0,
+            reserve_seqs: 0,
+        }
+    }
+}
+
+/// Bytes of one KV block of `cfg` in `dtype` (every layer's K and V).
+pub fn block_bytes(cfg: &ModelConfig, dtype: KvDtype, block_size: usize) -> usize {
+    let elem = if dtype == KvDtype::F32 { 4 } else { 2 };
+    cfg.num_layers() * 2 * cfg.num_kv_heads() * block_size * cfg.head_dim() * elem
+}
+
+impl CudaExecutor {
+    /// Loads the model at `path` onto `dev` and allocates its pool.
+    pub fn load(dev: Device, path: &std::path::Path, pool: PoolSpec) -> Result<Self> {
+        let parts = ModelParts::open(path)?;
+        let w = DevWeights::load(&dev, parts.source.as_ref(), parts.naming, &parts.config)?;
+        Self::new(dev, parts.config, w, pool)
+    }
+
+    /// An executor over weights already on `dev`.
+    pub fn new(dev: Device, cfg: ModelConfig, w: DevWeights, pool: PoolSpec) -> Result<Self> {
+        crate::weights::check_supported(&cfg)?;
+        if !matches!(pool.kv_dtype, KvDtype::Bf16 | KvDtype::F32) {
+            return Err(CudaError::Unsupported(format!(
+                "KV dtype {}: the GPU pool holds bf16 or f32",
+                pool.kv_dtype.name()
+            )));
+        }
+        if !(1..=256).contains(&pool.block_size) {
+            return Err(CudaError::Unsupported(format!(
+                "block size {}: give 1 to 256 tokens",
+                pool.block_size
+            )));
+        }
+        let block_bytes = block_bytes(&cfg, pool.kv_dtype, pool.block_size);
+        let total =
+            block_bytes
+                .checked_mul(pool.num_blocks)
+                .ok_or_else(|| CudaError::OutOfMemory {
+                    what: "the KV pool".into(),
+                    need: usize::MAX,
+                    free: 0,
+                })?;
+        let mut scratch = Scratch::new(&dev)?;
+        scratch.grow(&dev, &cfg, pool.reserve_tokens, pool.reserve_seqs)?;
+        let pool_buf = dev.alloc::<u8>(total, "the KV pool")?;
+        let inv = rope_inv_freq(&cfg);
+        let mut inv_freq = dev.alloc::<f32>(inv.len(), "RoPE frequencies")?;
+        dev.stream.memcpy_htod(&inv, &mut inv_freq)?;
+        let shape = PoolShape {
+            layers: cfg.num_layers() as i32,
+            kv_heads: cfg.num_kv_heads() as i32,
+            block_size: pool.block_size as i32,
+            head_dim: cfg.head_dim() as i32,
+        };
+        let s = scratch;
+        Ok(CudaExecutor {
+            dev,
+            cfg,
+            w,
+            inv_freq,
+            pool: pool_buf,
+            shape,
+            kv_dtype: pool.kv_dtype,
+            num_blocks: pool.num_blocks,
+            block_bytes,
+            s,
+            prefill_min: PREFILL_MIN,
+        })
+    }
+
+    /// Sends sequences with at least `n` new tokens through the prefill kernel (default
+    /// [`PREFILL_MIN`]): 1 sends every sequence there, `usize::MAX` none (tests compare the two).
+    pub fn set_prefill_min(&mut self, n: usize) {
+        self.prefill_min = n.max(1);
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.w.bytes
+    }
+
+    /// Bytes the per-step buffers take for steps of up to `tokens` new tokens and `rows` sequences.
+    pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, rows: usize) -> usize {
+        let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
+        let q = cfg.num_heads() * d;
+        let qkv = q + 2 * cfg.num_kv_heads() * d;
+        let t = tokens.max(1).next_power_of_two();
+        let r = rows.max(1).next_power_of_two();
+        t * (4 * h + 2 * h + 4 * qkv + 2 * q + 2 * q + 8 * inter + 2 * inter)
+            + r * (2 * h + 4 * cfg.vocab_size() + 4)
+    }
+
+    fn limits(&self) -> StepLimits {
+        StepLimits {
+            block_size: self.shape.block_size as usize,
+            num_blocks: self.num_blocks,
+            vocab: self.cfg.vocab_size(),
+            max_context: self.cfg.max_context(),
+            window: self.cfg.sliding_window(),
+            prefill_min: self.prefill_min,
+        }
+    }
+
+    /// Runs the step and leaves each sequence's last-token logits in `s.logits` (`n_seqs × vocab`).
+    fn run(&mut self, batch: &[SeqInput<'_>]) -> Result<StepPlan> {
+        let plan = plan_step(batch, self.limits())?;
+        self.dev.ctx.bind_to_thread()?;
+        let c = &self.cfg;
+        let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
+        let (heads, kvh) = (c.num_heads(), c.num_kv_heads());
+        let (q_dim, qkv_dim) = (heads * d, (heads + 2 * kvh) * d);
+        let vocab = c.vocab_size();
+        let (t, n) = (plan.n_tokens, plan.n_seqs);
+        let dev = &self.dev;
+        let s = &mut self.s;
+        s.grow(dev, c, t, n)?;
+        ensure(dev, &mut s.meta, plan.meta.len(), "step metadata")?;
+        let part_len = plan.split_tokens * heads * plan.max_splits * (d + 2);
+        ensure(dev, &mut s.part, part_len, "attention partials")?;
+        {
+            let mut view = s.meta.slice_mut(0..plan.meta.len());
+            dev.stream.memcpy_htod(&plan.meta, &mut view)?;
+        }
+        let meta = dev.ptr(&s.meta);
+        let m = |at: usize| meta + 4 * at as u64;
+        let (x, xn, qkv, q, attn, gu, act) = (
+            dev.ptr(&s.x),
+            dev.ptr(&s.xn),
+            dev.ptr(&s.qkv),
+            dev.ptr(&s.q),
+            dev.ptr(&s.attn),
+            dev.ptr(&s.gu),
+            dev.ptr(&s.act),
+        );
+        let (pool, part) = (dev.ptr(&self.pool), dev.ptr(&s.part));
+        let kv = if self.kv_dtype == KvDtype::F32 {
+            "f32"
+        } else {
+            "bf16"
+        };
+        let eps = c.params.rms_norm_eps;
+        let style = match c.params.rope_style {
+            kura_model::config::RopeStyle::Half => 0,
+            kura_model::config::RopeStyle::Interleaved => 1,
+        };
+        let scale_log2 = (1.0 / (d as f32).sqrt()) * std::f32::consts::LOG2_E;
+        let group = heads / kvh;
+        let g = [1, 2, 4, 8, 16]
+            .into_iter()
+            .find(|g| *g >= group)
+            .unwrap_or(16);
+        let window = c.sliding_window().map_or(0, |w| w as i32);
+        let norm_threads = 256u32;
+
+        dev.launch(
+            "embed",
+            (t as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(m(plan.at_tokens)),
+                Arg::Ptr(dev.ptr(&self.w.embed)),
+                Arg::Ptr(x),
+                Arg::I32(h as i32),
+                Arg::F32(1.0),
+            ],
+        )?;
+        for (li, lw) in self.w.layers.iter().enumerate() {
+            dev.launch(
+                "rms_norm",
+                (t as u32, 1, 1),
+                norm_threads,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(0),
+                    Arg::Ptr(dev.ptr(&lw.attn_norm)),
+                    Arg::Ptr(xn),
+                    Arg::I32(h as i32),
+                    Arg::F32(eps),
+                ],
+            )?;
+            dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
+            dev.launch(
+                &format!("rope_store_{kv}"),
+                (t as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(qkv),
+                    Arg::Ptr(lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b))),
+                    Arg::Ptr(m(plan.at_pos)),
+                    Arg::Ptr(m(plan.at_slots)),
+                    Arg::Ptr(dev.ptr(&self.inv_freq)),
+                    Arg::Ptr(q),
+                    Arg::Ptr(pool),
+                    Arg::Shape(self.shape),
+                    Arg::I32(li as i32),
+                    Arg::I32(heads as i32),
+                    Arg::I32(style),
+                ],
+            )?;
+            if plan.split_tokens > 0 {
+                dev.launch(
+                    &format!("attn_split_{kv}_{d}_g{g}"),
+                    (plan.split_tokens as u32, kvh as u32, plan.max_splits as u32),
+                    128,
+                    &[
+                        Arg::Ptr(q),
+                        Arg::Ptr(pool),
+                        Arg::Ptr(m(plan.at_tables)),
+                        Arg::Ptr(m(plan.at_tok_info)),
+                        Arg::Ptr(part),
+                        Arg::Shape(self.shape),
+                        Arg::I32(li as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(plan.max_splits as i32),
+                        Arg::F32(scale_log2),
+                    ],
+                )?;
+                dev.launch(
+                    "attn_merge",
+                    (plan.split_tokens as u32, heads as u32, 1),
+                    d as u32,
+                    &[
+                        Arg::Ptr(part),
+                        Arg::Ptr(m(plan.at_tok_info)),
+                        Arg::Ptr(attn),
+                        Arg::I32(heads as i32),
+                        Arg::I32(plan.max_splits as i32),
+                        Arg::I32(d as i32),
+                    ],
+                )?;
+            }
+            if plan.tiles > 0 {
+                dev.launch(
+                    &format!("attn_prefill_{kv}_{d}"),
+                    (plan.tiles as u32, heads as u32, 1),
+                    128,
+                    &[
+                        Arg::Ptr(q),
+                        Arg::Ptr(pool),
+                        Arg::Ptr(m(plan.at_tables)),
+                        Arg::Ptr(m(plan.at_tiles)),
+                        Arg::Ptr(attn),
+                        Arg::Shape(self.shape),
+                        Arg::I32(li as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(window),
+                        Arg::F32(scale_log2),
+                    ],
+                )?;
+            }
+            dev.matmul(attn, t, dev.ptr(&lw.wo), h, q_dim, x, true)?;
+            dev.launch(
+                "rms_norm",
+                (t as u32, 1, 1),
+                norm_threads,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(0),
+                    Arg::Ptr(dev.ptr(&lw.ffn_norm)),
+                    Arg::Ptr(xn),
+                    Arg::I32(h as i32),
+                    Arg::F32(eps),
+                ],
+            )?;
+            dev.matmul(xn, t, dev.ptr(&lw.w_gate_up), 2 * inter, h, gu, false)?;
+            let total = t * inter;
+            dev.launch(
+                "silu_mul",
+                (total.div_ceil(256) as u32, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(gu),
+                    Arg::Ptr(act),
+                    Arg::I32(inter as i32),
+                    Arg::I32(total as i32),
+                ],
+            )?;
+            dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
+        }
+        let last = dev.ptr(&s.last);
+        dev.launch(
+            "rms_norm",
+            (n as u32, 1, 1),
+            norm_threads,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(m(plan.at_last)),
+                Arg::Ptr(dev.ptr(&self.w.final_norm)),
+                Arg::Ptr(last),
+                Arg::I32(h as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        let head = dev.ptr(self.w.lm_head.as_ref().unwrap_or(&self.w.embed));
+        dev.matmul(last, n, head, vocab, h, dev.ptr(&s.logits), false)?;
+        Ok(plan)
+    }
+
+    /// Each sequence's last-token logits, `n × vocab` row by row.
+    pub fn forward_logits(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<f32>> {
+        let plan = self.run(batch)?;
+        let n = plan.n_seqs * self.cfg.vocab_size();
+        let mut out = vec![0f32; n];
+        self.dev
+            .stream
+            .memcpy_dtoh(&self.s.logits.slice(0..n), &mut out)?;
+        self.dev.synchronize()?;
+        Ok(out)
+    }
+
+    /// Each sequence's greedy next token, chosen on the device (only the ids come back).
+    pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<u32>> {
+        let plan = self.run(batch)?;
+        let n = plan.n_seqs;
+        self.dev.launch(
+            "argmax_rows",
+            (n as u32, 1, 1),
+            1024,
+            &[
+                Arg::Ptr(self.dev.ptr(&self.s.logits)),
+                Arg::Ptr(self.dev.ptr(&self.s.ids)),
+                Arg::I32(self.cfg.vocab_size() as i32),
+            ],
+        )?;
+        let mut out = vec![0u32; n];
+        self.dev
+            .stream
+            .memcpy_dtoh(&self.s.ids.slice(0..n), &mut out)?;
+        self.dev.synchronize()?;
+        Ok(out)
+    }
+
+    fn check_block(&self, block: u32) -> Result<usize> {
+        let b = block as usize;
+        if b >= self.num_blocks {
+            return Err(CudaError::Batch(format!(
+                "block {block} is outside the pool of {} blocks",
+                self.num_blocks
+            )));
+        }
+        Ok(b)
+    }
+
+    /// Copies slots `0..num_tokens` of every layer's K and V of block `src` into `dst`.
+    pub fn try_copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) -> Result<()> {
+        let (s, d) = (self.check_block(src)?, self.check_block(dst)?);
+        let bs = self.shape.block_size as usize;
+        if num_tokens > bs {
+            return Err(CudaError::Batch(format!(
+                "{num_tokens} tokens do not fit a block of {bs}"
+            )));
+        }
+        let elem = if self.kv_dtype == KvDtype::F32 { 4 } else { 2 };
+        let runs = self.cfg.num_layers() * 2 * self.cfg.num_kv_heads();
+        self.dev.ctx.bind_to_thread()?;
+        self.dev.launch(
+            "copy_block_prefix",
+            (runs as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(self.dev.ptr(&self.pool)),
+                Arg::I32(s as i32),
+                Arg::I32(d as i32),
+                Arg::I32(num_tokens as i32),
+                Arg::Usize(self.block_bytes as u64),
+                Arg::I32(bs as i32),
+                Arg::I32((self.cfg.head_dim() * elem) as i32),
+            ],
+        )
+    }
+
+    /// Block `block`'s bytes (every layer's K then V), as the CPU pool exports them.
+    pub fn try_export_block(&self, block: u32, out: &mut [u8]) -> Result<()> {
+        let b = self.check_block(block)?;
+        if out.len() != self.block_bytes {
+            return Err(CudaError::Batch(format!(
+                "a block is {} bytes, not {}",
+                self.block_bytes,
+                out.len()
+            )));
+        }
+        self.dev.ctx.bind_to_thread()?;
+        let at = b * self.block_bytes;
+        self.dev
+            .stream
+            .memcpy_dtoh(&self.pool.slice(at..at + self.block_bytes), out)?;
+        self.dev.synchronize()
+    }
+
+    /// Overwrites block `block` with `bytes` as [`CudaExecutor::try_export_block`] wrote them.
+    pub fn try_import_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
+        let b = self.check_block(block)?;
+        if bytes.len() != self.block_bytes {
+            return Err(CudaError::Batch(format!(
+                "a block is {} bytes, not {}",
+                self.block_bytes,
+                bytes.len()
+            )));
+        }
+        self.dev.ctx.bind_to_thread()?;
+        let at = b * self.block_bytes;
+        let mut view = self.pool.slice_mut(at..at + self.block_bytes);
+        self.dev.stream.memcpy_htod(bytes, &mut view)?;
+        self.dev.synchronize()
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> std::result::Result<Vec<Vec<f32>>, String> {
+        let vocab = self.cfg.vocab_size();
+        let flat = self.forward_logits(batch).map_err(|e| e.to_string())?;
+        Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
+        self.try_copy_block_prefix(src, dst, num_tokens)
+            .expect("the KV manager hands out block ids within the pool; the device copies them");
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    fn export_block(&self, block: u32, out: &mut [u8]) {
+        self.try_export_block(block, out).expect(
+            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
+        );
+    }
+
+    fn import_block(&mut self, block: u32, bytes: &[u8]) {
+        self.try_import_block(block, bytes).expect(
+            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lim() -> StepLimits {
+        StepLimits {
+            block_size: 4,
+            num_blocks: 10,
+            vocab: 100,
+            max_context: 64,
+            window: None,
+            prefill_min: 3,
+        }
+    }
+
+    fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
+        SeqInput {
+            tokens,
+            start_pos,
+            block_table: table,
+            layer_pages: &[],
+        }
+    }
+
+    #[test]
+    fn a_step_packs_tokens_slots_tables_and_routes_sequences_by_length() {
+        // Sequence 0: 5 new tokens from position 2 (prefill kernel, one tile); sequence 1: one decode
+        // token at position 6 (split kernel).
+        let (t0, t1) = ([10u32, 11, 12, 13, 14], [20u32]);
+        let (b0, b1) = ([7u32, 3], [1u32, 9, 5]);
+        let p = plan_step(&[seq(&t0, 2, &b0), seq(&t1, 6, &b1)], lim()).unwrap();
+        assert_eq!((p.n_tokens, p.n_seqs), (6, 2));
+        assert_eq!(&p.meta[p.at_tokens..p.at_pos], &[10, 11, 12, 13, 14, 20]);
+        assert_eq!(&p.meta[p.at_pos..p.at_slots], &[2, 3, 4, 5, 6, 6]);
+        // (block, slot) of each new token: positions 2, 3 in block 7; 4, 5, 6 in block 3; 6 in block 9.
+        assert_eq!(
+            &p.meta[p.at_slots..p.at_tables],
+            &[7, 2, 7, 3, 3, 0, 3, 1, 3, 2, 9, 2]
+        );
+        // Only the blocks the positions reach: 2 of sequence 0's, 2 of sequence 1's (of 3 given).
+        assert_eq!(&p.meta[p.at_tables..p.at_last], &[7, 3, 1, 9]);
+        assert_eq!(&p.meta[p.at_last..p.at_tok_info], &[4, 5]);
+        assert_eq!((p.split_tokens, p.tiles, p.max_splits), (1, 1, 1));
+        // The decode token: row 5, position 6, its table at 2, no window.
+        assert_eq!(&p.meta[p.at_tok_info..p.at_tiles], &[5, 6, 2, 0]);
+        // The tile: rows 0..5 from position 2, table at 0.
+        assert_eq!(&p.meta[p.at_tiles..], &[0, 5, 2, 0]);
+    }
+
+    #[test]
+    fn long_prompts_make_tiles_of_64_and_long_contexts_more_splits() {
+        let t: Vec<u32> = vec![1; 150];
+        let table: Vec<u32> = (0..40).collect();
+        let l = StepLimits {
+            num_blocks: 40,
+            max_context: 1000,
+            prefill_min: 64,
+            ..lim()
+        };
+        let p = plan_step(&[seq(&t, 0, &table)], l).unwrap();
+        assert_eq!(p.tiles, 3);
+        assert_eq!(
+            &p.meta[p.at_tiles..],
+            &[0, 64, 0, 0, 64, 64, 64, 0, 128, 22, 128, 0]
+        );
+        // One token at position 150 sees 151 keys: two splits of 128.
+        let one = [5u32];
+        let p = plan_step(&[seq(&one, 150, &table)], l).unwrap();
+        assert_eq!((p.split_tokens, p.max_splits), (1, 2));
+        // A window of 100 keeps keys 51..=150: one split, starting at 51.
+        let p = plan_step(
+            &[seq(&one, 150, &table)],
+            StepLimits {
+                window: Some(100),
+                ..l
+            },
+        )
+        .unwrap();
+        assert_eq!(p.max_splits, 1);
+        assert_eq!(&p.meta[p.at_tok_info..p.at_tiles], &[0, 150, 0, 51]);
+    }
+
+    #[test]
+    fn bad_batches_are_refused_by_name_before_anything_reaches_the_device() {
+        let cases: Vec<(Vec<u32>, usize, Vec<u32>, &str)> = vec![
+            (vec![], 0, vec![0], "no new tokens"),
+            (vec![1, 2], 0, vec![10], "outside the pool"),
+            (vec![1; 5], 0, vec![0], "cannot hold"),
+            (vec![100], 0, vec![0], "outside the vocabulary"),
+            (vec![1], 64, vec![0; 17], "beyond the model's context"),
+        ];
+        for (tokens, start, table, expect) in cases {
+            let err = plan_step(&[seq(&tokens, start, &table)], lim())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expect), "{expect}: {err}");
+        }
+        // Two new tokens writing one slot.
+        let (a, b) = ([1u32], [2u32]);
+        let table = [0u32];
+        let err = plan_step(&[seq(&a, 1, &table), seq(&b, 1, &table)], lim())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("also writes"), "{err}");
+        // Layer pages (a hybrid pool) are the CPU's.
+        let pages = [0u32; 4];
+        let s = SeqInput {
+            tokens: &a,
+            start_pos: 0,
+            block_table: &table,
+            layer_pages: &pages,
+        };
+        assert!(plan_step(&[s], lim())
+            .unwrap_err()
+            .to_string()
+            .contains("whole-model blocks"));
+        assert!(plan_step(&[], lim()).is_err());
+    }
+
+    #[test]
+    fn the_pool_block_is_every_layers_k_and_v() {
+        let cfg = kura_model::ModelConfig::from_hf_json(
+            r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
+            "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,
+            "num_key_value_heads":8,"vocab_size":128256,"rms_norm_eps":1e-5,"rope_theta":500000.0,
+            "max_position_embeddings":131072}"#,
+        )
+        .unwrap();
+        // Llama-3.1-8B: 131,072 bytes of bf16 KV per token.
+        assert_eq!(block_bytes(&cfg, KvDtype::Bf16, 1), 131_072);
+        assert_eq!(block_bytes(&cfg, KvDtype::Bf16, 16), 16 * 131_072);
+        assert_eq!(block_bytes(&cfg, KvDtype::F32, 16), 32 * 131_072);
+        // The CPU pool's layout agrees: a block moves between the two byte for byte.
+        let layout = cfg.kv_layout(KvDtype::Bf16, 16).unwrap();
+        assert_eq!(
+            layout.bytes_per_block() as usize,
+            block_bytes(&cfg, KvDtype::Bf16, 16)
+        );
+    }
+
+    #[test]
+    fn devices_are_named_cpu_cuda_or_cuda_n() {
+        use crate::device::parse_device;
+        assert_eq!(parse_device("cpu"), Ok(None));
+        assert_eq!(parse_device("cuda"), Ok(Some(0)));
+        assert_eq!(parse_device("cuda:3"), Ok(Some(3)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1"] {
+            assert!(
+                parse_device(bad)
+                    .unwrap_err()
+                    .contains("cpu, cuda or cuda:N"),
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Every kernel compiles with NVRTC for sm_80 and sm_90 with no register spills, on a machine with no
+//! GPU: NVRTC and the CUDA headers come from PyPI (`scripts/fetch-nvrtc.sh`; `scripts/test.sh` sets
+//! `KURA_NVRTC_LIB` and `KURA_CUDA_INCLUDE`). A missing NVRTC fails these tests.
+
+use kura_cuda::device::kernel_names;
+use kura_cuda::kernels;
+
+#[test]
+fn every_kernel_compiles_for_ampere_and_hopper_without_spills() {
+    let include = kernels::include_dir().expect("CUDA headers (run scripts/fetch-nvrtc.sh)");
+    let version = kernels::nvrtc_version().expect("NVRTC (run scripts/fetch-nvrtc.sh)");
+    assert!(version.0 >= 12, "NVRTC {version:?}");
+    for arch in ["sm_80", "sm_90"] {
+        let c = kernels::compile(arch, &include).unwrap_or_else(|e| panic!("{e}"));
+        assert!(c.cubin.starts_with(b"\x7fELF"), "{arch}: not a cubin");
+        let reported = kernels::kernels_reported(&c.log);
+        for k in kernel_names() {
+            assert!(
+                reported.iter().any(|r| r == &k),
+                "{arch}: kernel {k} is not in ptxas' report:\n{}",
+                c.log
+            );
+        }
+        let spills = kernels::spills(&c.log);
+        assert!(
+            spills.is_empty(),
+            "{arch}: kernels spill: {spills:?}\n{}",
+            c.log
+        );
+        // The report lines per kernel, for the record (`cargo test -- --nocapture`).
+        for line in c.log.lines().filter(|l| l.contains("registers")) {
+            println!("{arch}: {}", line.trim());
+        }
+    }
+}
+
+#[test]
+fn the_kernel_cache_compiles_once_and_then_reads() {
+    let dir = std::env::temp_dir().join(format!("kura-kcache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (first, compiled) = kernels::cubin_for("sm_90", &dir).unwrap_or_else(|e| panic!("{e}"));
+    assert!(compiled, "an empty cache compiles");
+    let (second, compiled_again) = kernels::cubin_for("sm_90", &dir).unwrap();
+    assert!(!compiled_again, "the second start reads the cache");
+    assert_eq!(first, second);
+    // A damaged file is compiled anew, not loaded.
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "cubin"))
+        .unwrap();
+    std::fs::write(&file, b"not a cubin").unwrap();
+    let (third, recompiled) = kernels::cubin_for("sm_90", &dir).unwrap();
+    assert!(recompiled);
+    assert_eq!(
+        third, first,
+        "NVRTC compiles the same source to the same cubin"
+    );
+    // Another architecture is another key.
+    assert_ne!(
+        kernels::cache_key("sm_80", (13, 0)),
+        kernels::cache_key("sm_90", (13, 0))
+    );
+    assert_ne!(
+        kernels::cache_key("sm_90", (13, 0)),
+        kernels::cache_key("sm_90", (13, 1))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,359 @@
+//! The CUDA executor on a real GPU, against Kura's CPU runtime and HF transformers on the same weights.
+//! These tests need a GPU: `scripts/test-gpu.sh` runs them (`--ignored`) on the lent accelerator after
+//! `scripts/gpu/make_models.py` has made the models (random bf16 weights in SmolLM2-135M's shape and in
+//! Llama-3.1-8B's cut to 4 layers) and HF's logits and greedy tokens for three prompts, in the folder
+//! `KURA_GPU_MODELS` names. Without a GPU they fail, naming what is missing.
+
+use std::path::PathBuf;
+
+use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
+use kura_engine::SeqInput;
+use kura_kv::codec::KvDtype;
+use kura_model::{Model, SeqBatchItem};
+
+fn models() -> PathBuf {
+    PathBuf::from(std::env::var_os("KURA_GPU_MODELS").expect(
+        "KURA_GPU_MODELS names the folder scripts/gpu/make_models.py wrote (scripts/test-gpu.sh sets it)",
+    ))
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(models().join("prompts.json")).expect("prompts.json");
+    serde_json::from_str(&text).expect("prompts.json: lists of token ids")
+}
+
+fn read_f32(path: PathBuf) -> Vec<f32> {
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn device() -> Device {
+    Device::open(0).unwrap_or_else(|e| panic!("a GPU is needed: {e}"))
+}
+
+fn exec(model: &str, dtype: KvDtype, block_size: usize, num_blocks: usize) -> CudaExecutor {
+    CudaExecutor::load(
+        device(),
+        &models().join(model),
+        PoolSpec::new(dtype, block_size, num_blocks),
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"))
+}
+
+/// `‖a − b‖ / ‖b‖` and `max |a − b| / max |b|`.
+fn errors(a: &[f32], b: &[f32]) -> (f64, f64) {
+    assert_eq!(a.len(), b.len());
+    let (mut d2, mut b2, mut dmax, mut bmax) = (0f64, 0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        assert!(x.is_finite(), "non-finite logit {x}");
+        let d = f64::from(*x) - f64::from(*y);
+        d2 += d * d;
+        b2 += f64::from(*y) * f64::from(*y);
+        dmax = dmax.max(d.abs());
+        bmax = bmax.max(f64::from(*y).abs());
+    }
+    ((d2 / b2).sqrt(), dmax / bmax)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn one<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
+    SeqInput {
+        tokens,
+        start_pos,
+        block_table: table,
+        layer_pages: &[],
+    }
+}
+
+/// The CPU runtime's last-token logits of `prompt` (bf16 weights as stored, `dtype` KV).
+fn cpu_logits(model: &Model, prompt: &[u32], dtype: KvDtype) -> Vec<f32> {
+    let bs = 16;
+    let layout = model.kv_layout(dtype, bs).unwrap();
+    let blocks = prompt.len().div_ceil(bs);
+    let mut kv = model.kv_storage(&layout, blocks).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    model
+        .forward(&[SeqBatchItem::new(prompt, 0, &table)], &mut kv)
+        .unwrap()
+        .data
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn logits_match_the_cpu_runtime_and_hf_transformers() {
+    let prompts = prompts();
+    for model in ["smol", "llama8b4"] {
+        let dir = models().join(model);
+        let cpu = Model::load(&dir).unwrap();
+        let mut gpu = exec(model, KvDtype::Bf16, 16, 256);
+        for (i, p) in prompts.iter().enumerate() {
+            let table: Vec<u32> = (0..p.len().div_ceil(16) as u32).collect();
+            let g = gpu.forward_logits(&[one(p, 0, &table)]).unwrap();
+            let hf = read_f32(dir.join(format!("hf_logits_{i}.f32")));
+            let (rel_hf, max_hf) = errors(&g, &hf);
+            // The CPU runtime on the 8B-shaped model only for the shorter prompts (time).
+            let cpu_err = (model == "smol" || p.len() <= 300).then(|| {
+                let c = cpu_logits(&cpu, p, KvDtype::Bf16);
+                (errors(&g, &c), argmax(&c))
+            });
+            println!(
+                "{model} prompt {i} ({} tokens): vs HF rel {rel_hf:.2e} max {max_hf:.2e} argmax {}/{}; vs CPU {:?}",
+                p.len(),
+                argmax(&g),
+                argmax(&hf),
+                cpu_err
+            );
+            assert!(
+                rel_hf <= 1e-2,
+                "{model} prompt {i}: relative error {rel_hf} against HF"
+            );
+            if let Some(((rel_cpu, _), _)) = cpu_err {
+                assert!(
+                    rel_cpu <= 1e-2,
+                    "{model} prompt {i}: relative error {rel_cpu} against the CPU"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn both_attention_kernels_agree_with_the_cpu_in_bf16_and_f32_kv() {
+    let p = &prompts()[1];
+    let dir = models().join("smol");
+    let cpu = Model::load(&dir).unwrap();
+    for dtype in [KvDtype::Bf16, KvDtype::F32] {
+        let c = cpu_logits(&cpu, p, dtype);
+        for (bs, prefill_min) in [(16, 1), (16, usize::MAX), (1, 64), (256, 64), (7, 1)] {
+            let blocks = p.len().div_ceil(bs);
+            let mut gpu = exec("smol", dtype, bs, blocks + 1);
+            gpu.set_prefill_min(prefill_min);
+            let table: Vec<u32> = (1..=blocks as u32).rev().collect();
+            // A cached prefix: the first 200 tokens in one step, the rest in a second.
+            gpu.forward_logits(&[one(&p[..200], 0, &table)]).unwrap();
+            let g = gpu.forward_logits(&[one(&p[200..], 200, &table)]).unwrap();
+            let (rel, max) = errors(&g, &c);
+            println!(
+                "{} KV, block {bs}, prefill kernel from {prefill_min} tokens: rel {rel:.2e} max {max:.2e}",
+                dtype.name()
+            );
+            assert!(
+                rel <= 1e-2,
+                "{} block {bs} prefill_min {prefill_min}: {rel}",
+                dtype.name()
+            );
+        }
+    }
+}
+
+/// Greedy tokens of `prompt` on `gpu`: the prompt in chunks of `chunk` tokens from `cached` on
+/// (positions before `cached` are already in the table's blocks), then `n` decode steps.
+fn greedy(
+    gpu: &mut CudaExecutor,
+    prompt: &[u32],
+    cached: usize,
+    chunk: usize,
+    table: &[u32],
+    n: usize,
+) -> Vec<u32> {
+    let mut pos = cached;
+    let mut next = 0;
+    while pos < prompt.len() {
+        let end = (pos + chunk).min(prompt.len());
+        next = gpu
+            .forward_greedy(&[one(&prompt[pos..end], pos, table)])
+            .unwrap()[0];
+        pos = end;
+    }
+    let mut out = vec![next];
+    while out.len() < n {
+        next = gpu.forward_greedy(&[one(&[next], pos, table)]).unwrap()[0];
+        pos += 1;
+        out.push(next);
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_size() {
+    let prompts = prompts();
+    let p = &prompts[1];
+    let n = 24;
+    let total = p.len() + n;
+    let hf: Vec<u32> = serde_json::from_str(
+        &std::fs::read_to_string(models().join("smol/hf_greedy_1.json")).unwrap(),
+    )
+    .unwrap();
+    let mut gpu = exec("smol", KvDtype::Bf16, 16, 200);
+    let table_a: Vec<u32> = (0..total.div_ceil(16) as u32).collect();
+    let cold = greedy(&mut gpu, p, 0, usize::MAX, &table_a, n);
+    let agree = cold.iter().zip(&hf).take_while(|(a, b)| a == b).count();
+    println!("cold greedy {cold:?}\nHF greedy   {hf:?}\n({agree} of {n} agree from the start)");
+    // Logits come back as the device chose: the argmax of the copied logits is the device's token.
+    let g = gpu.forward_logits(&[one(&p[..100], 0, &table_a)]).unwrap();
+    let dev = gpu.forward_greedy(&[one(&p[..100], 0, &table_a)]).unwrap()[0];
+    assert_eq!(argmax(&g), dev);
+    // A cached prefix: the first 8 blocks of sequence A (128 tokens) under fresh blocks.
+    let table_b: Vec<u32> = table_a[..8]
+        .iter()
+        .copied()
+        .chain(100..100 + (total.div_ceil(16) - 8) as u32)
+        .collect();
+    gpu.forward_greedy(&[one(p, 0, &table_a)]).unwrap();
+    let cached = greedy(&mut gpu, p, 128, usize::MAX, &table_b, n);
+    assert_eq!(cached, cold, "with 128 cached tokens");
+    // Chunked prefill: 50 (split kernel) and 100 (prefill kernel) tokens a step.
+    for chunk in [50, 100] {
+        assert_eq!(
+            greedy(&mut gpu, p, 0, chunk, &table_a, n),
+            cold,
+            "chunks of {chunk}"
+        );
+    }
+    // Every block size.
+    for bs in [1, 3, 64, 256] {
+        let blocks = total.div_ceil(bs);
+        let mut g = exec("smol", KvDtype::Bf16, bs, blocks);
+        let table: Vec<u32> = (0..blocks as u32).rev().collect();
+        assert_eq!(
+            greedy(&mut g, p, 0, usize::MAX, &table, n),
+            cold,
+            "block size {bs}"
+        );
+    }
+    // Batched decode: four sequences stepping together give each its own tokens.
+    let others: Vec<&Vec<u32>> = vec![&prompts[0], &prompts[1], &prompts[0], &prompts[2]];
+    let mut alone = Vec::new();
+    let mut tables = Vec::new();
+    let mut next_block = 0u32;
+    for q in &others {
+        let blocks = (q.len() + n).div_ceil(16) as u32;
+        tables.push((next_block..next_block + blocks).collect::<Vec<u32>>());
+        next_block += blocks;
+    }
+    let mut g = exec("smol", KvDtype::Bf16, 16, next_block as usize);
+    for (q, t) in others.iter().zip(&tables) {
+        alone.push(greedy(&mut g, q, 0, usize::MAX, t, n));
+    }
+    let mut last: Vec<u32> = others
+        .iter()
+        .zip(&tables)
+        .map(|(q, t)| g.forward_greedy(&[one(q, 0, t)]).unwrap()[0])
+        .collect();
+    let mut together = vec![vec![]; others.len()];
+    for (i, l) in last.iter().enumerate() {
+        together[i].push(*l);
+    }
+    for step in 1..n {
+        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+        let batch: Vec<SeqInput<'_>> = others
+            .iter()
+            .zip(&tables)
+            .zip(&toks)
+            .map(|((q, t), tok)| one(tok, q.len() + step - 1, t))
+            .collect();
+        last = g.forward_greedy(&batch).unwrap();
+        for (i, l) in last.iter().enumerate() {
+            together[i].push(*l);
+        }
+    }
+    assert_eq!(together, alone, "a batch of four decodes as each alone");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
+    let p = &prompts()[0];
+    let dir = models().join("smol");
+    let cpu = Model::load(&dir).unwrap();
+    let bs = 16;
+    let mut gpu = exec("smol", KvDtype::Bf16, bs, 8);
+    let blocks = p.len().div_ceil(bs);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    gpu.forward_logits(&[one(p, 0, &table)]).unwrap();
+    // The CPU pool's bytes of the same tokens: the same layout, values within bf16 rounding.
+    let layout = cpu.kv_layout(KvDtype::Bf16, bs).unwrap();
+    let mut kv = cpu.kv_storage(&layout, blocks).unwrap();
+    cpu.forward(&[SeqBatchItem::new(p, 0, &table)], &mut kv)
+        .unwrap();
+    let bb = layout.bytes_per_block() as usize;
+    use kura_engine::Executor;
+    assert_eq!(gpu.block_bytes(), bb);
+    let (mut g, mut c) = (vec![0u8; bb], vec![0u8; bb]);
+    gpu.export_block(0, &mut g);
+    kv.export_block(0, &mut c).unwrap();
+    let as_f32 = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(2)
+            .map(|x| half::bf16::from_le_bytes([x[0], x[1]]).to_f32())
+            .collect()
+    };
+    let (rel, _) = errors(&as_f32(&g), &as_f32(&c));
+    println!("block 0 against the CPU pool's: rel {rel:.2e}");
+    assert!(rel <= 1e-2, "{rel}");
+    // Export → import into another block → the same bytes.
+    gpu.import_block(5, &g);
+    let mut back = vec![0u8; bb];
+    gpu.export_block(5, &mut back);
+    assert_eq!(back, g);
+    // Copy-on-write of 5 slots: those slots copied, the others left as they were.
+    gpu.import_block(6, &vec![0u8; bb]);
+    gpu.copy_block_prefix(0, 6, 5);
+    gpu.export_block(6, &mut back);
+    let row = 64 * 2; // head_dim × bf16
+    for (run, (a, b)) in back
+        .chunks_exact(bs * row)
+        .zip(g.chunks_exact(bs * row))
+        .enumerate()
+    {
+        assert_eq!(&a[..5 * row], &b[..5 * row], "run {run}: copied slots");
+        assert!(
+            a[5 * row..].iter().all(|x| *x == 0),
+            "run {run}: slots past the copy"
+        );
+    }
+    // Out of range: errors, not writes.
+    assert!(gpu.try_export_block(8, &mut back).is_err());
+    assert!(gpu.try_import_block(8, &back).is_err());
+    assert!(gpu.try_copy_block_prefix(0, 8, 1).is_err());
+    assert!(gpu.try_copy_block_prefix(0, 1, bs + 1).is_err());
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn a_missing_device_or_too_little_memory_is_an_error_naming_it() {
+    match Device::open(99) {
+        Err(CudaError::NoDevice { ordinal: 99, found }) => println!("cuda:99: {found}"),
+        other => panic!("cuda:99: {other:?}"),
+    }
+    let dev = device();
+    let (free, total) = dev.memory().unwrap();
+    println!("{}: {} of {} bytes free", dev.name, free, total);
+    let err = CudaExecutor::load(
+        dev,
+        &models().join("smol"),
+        PoolSpec::new(KvDtype::Bf16, 16, total / 16 + 1),
+    )
+    .unwrap_err();
+    assert!(matches!(err, CudaError::OutOfMemory { .. }), "{err}");
+    println!("{err}");
+    let mut gpu = exec("smol", KvDtype::Bf16, 16, 4);
+    let err = gpu
+        .forward_logits(&[one(&[1, 2, 3], 0, &[4])])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("outside the pool"), "{err}");
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Kura's GPU tests, on a machine with an NVIDIA GPU; fails, saying so, where there is none.
+#
+# Runs what scripts/gpu-build.sh put in gpu-bin/ (built on any machine and carried; built here first when
+# gpu-bin/ is missing and cargo is present):
+#  1. scripts/gpu/make_models.py: random bf16 models in SmolLM2-135M's shape and in Llama-3.1-8B's cut to
+#     4 layers, with HF transformers' logits and greedy tokens for three prompts (the reference);
+#  2. the CUDA executor's tests (crates/kura-cuda/tests/gpu.rs): logits against the CPU runtime and HF,
+#     both attention kernels, greedy tokens cold / cached / chunked / batched / every block size, block
+#     export, import and copy-on-write, errors;
+#  3. `kura serve --device cuda` through the official openai client: exact cached_tokens.
+# Usage: scripts/test-gpu.sh [WORK_DIR] (default a temporary folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu/env.sh
+if [ ! -x gpu-bin/kura-cuda-gpu-tests ]; then
+  command -v cargo >/dev/null || { echo "gpu-bin/ is missing: run scripts/gpu-build.sh first" >&2; exit 1; }
+  scripts/gpu-build.sh
+fi
+export KURA_CACHE_DIR="$PWD/gpu-bin/cache"
+work=${1:-$(mktemp -d)}
+mkdir -p "$work"
+start=$(date +%s)
+echo "== models and HF references ($work)"
+python3 scripts/gpu/make_models.py "$work" gpu-bin/tokenizer
+echo "== CUDA executor tests"
+KURA_GPU_MODELS="$work" gpu-bin/kura-cuda-gpu-tests --ignored --test-threads=1 --nocapture
+echo "== kura serve --device cuda with the openai client"
+if ! python3 -c 'import openai' 2>/dev/null; then
+  [ -d .whl ] || { echo "the openai client is not installed and no .whl folder travelled" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kura-site .whl/*.whl
+  export PYTHONPATH=/tmp/kura-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 scripts/gpu/serve_check.py gpu-bin/kura "$work/smol"
+echo "== all GPU tests passed in $(( $(date +%s) - start )) s"
