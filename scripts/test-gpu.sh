@@ -23,13 +23,18 @@ mkdir -p "$work"
 start=$(date +%s)
 echo "== models and HF references ($work)"
 python3 scripts/gpu/make_models.py "$work" gpu-bin/tokenizer
+failed=()
 echo "== CUDA executor tests"
-KURA_GPU_MODELS="$work" gpu-bin/kura-cuda-gpu-tests --ignored --test-threads=1 --nocapture
+KURA_GPU_MODELS="$work" gpu-bin/kura-cuda-gpu-tests --ignored --test-threads=1 --nocapture || failed+=("executor tests")
 echo "== kura serve --device cuda with the openai client"
 if ! python3 -c 'import openai' 2>/dev/null; then
   [ -d .whl ] || { echo "the openai client is not installed and no .whl folder travelled" >&2; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kura-site .whl/*.whl
   export PYTHONPATH=/tmp/kura-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 scripts/gpu/serve_check.py gpu-bin/kura "$work/smol"
+python3 scripts/gpu/serve_check.py gpu-bin/kura "$work/smol" || failed+=("kura serve --device cuda")
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== GPU tests FAILED: ${failed[*]} ($(( $(date +%s) - start )) s)"
+  exit 1
+fi
 echo "== all GPU tests passed in $(( $(date +%s) - start )) s"

@@ -4,8 +4,9 @@
 # default model (scripts/fetch-model.sh), Gemma 3 270M for the Gemma 3 tests (scripts/fetch-gemma.sh),
 # llama.cpp's tokenizer conformance files (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is
 # tested on (scripts/fetch-eval-text.sh), Redis 7 for the shared KV tier (scripts/fetch-redis.sh: Debian's
-# redis-server) and a Python virtual environment with
-# tests/python/requirements.txt.
+# redis-server), NVRTC and the CUDA headers from PyPI so that every GPU kernel compiles here without a GPU
+# (scripts/fetch-nvrtc.sh; the GPU tests themselves are scripts/test-gpu.sh) and a Python virtual
+# environment with tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/check-links.sh  # docs first (fast): README.md and docs/ links and anchors resolve; README.md <= 200 lines
@@ -23,6 +24,10 @@ KURA_EVAL_TEXT=$(scripts/fetch-eval-text.sh)
 export KURA_EVAL_TEXT
 KURA_REDIS_SERVER=$(scripts/fetch-redis.sh)
 export KURA_REDIS_SERVER
+# KURA_NVRTC_LIB and KURA_CUDA_INCLUDE, for kura-cuda's kernel compile tests.
+nvrtc_env=$(scripts/fetch-nvrtc.sh)
+eval "$nvrtc_env"
+export KURA_NVRTC_LIB KURA_CUDA_INCLUDE
 
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
 # overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the

@@ -58,8 +58,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         dev.name, dev.arch, dev.compiled, dev.setup_seconds
     );
     let bandwidth = copy_bandwidth(&dev)?;
+    // Device memory as the planner splits it: what the context, cuBLAS and the kernels take before any
+    // weight, then the weights, then the activation buffers of 8,192-token steps over 256 sequences
+    // (`kura plan`'s defaults).
+    let (free0, total) = dev.memory()?;
     let t = Instant::now();
     let w = DevWeights::random(&dev, &cfg, 1)?;
+    let (free1, _) = dev.memory()?;
     let weight_bytes = w.bytes;
     eprintln!(
         "weights: {:.2} GB made in {:.2} s",
@@ -69,12 +74,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let bs = 16;
     // 64 × (1,024 + 32) tokens of batch decoding plus a 16,384-token prompt, in blocks of 16.
     let num_blocks = 64 * 1056 / bs + 16_384 / bs + 64;
-    let mut gpu = CudaExecutor::new(
-        dev,
-        cfg.clone(),
-        w,
-        PoolSpec::new(KvDtype::Bf16, bs, num_blocks),
-    )?;
+    let spec = PoolSpec {
+        reserve_tokens: 8192,
+        reserve_seqs: 256,
+        ..PoolSpec::new(KvDtype::Bf16, bs, num_blocks)
+    };
+    let mut gpu = CudaExecutor::new(dev, cfg.clone(), w, spec)?;
+    let (free2, _) = gpu.device().memory()?;
+    let pool_bytes = num_blocks * kura_cuda::block_bytes(&cfg, KvDtype::Bf16, bs);
+    println!(
+        "{{\"what\":\"memory\",\"total\":{total},\"context_and_libraries\":{},\"weights\":{},         \"weights_counted\":{weight_bytes},\"activations_8192_tokens_256_seqs\":{},\"activations_estimate\":{},         \"pool\":{pool_bytes}}}",
+        total - free0,
+        free0 - free1,
+        (free1 - free2).saturating_sub(pool_bytes),
+        CudaExecutor::activation_bytes(&cfg, 8192, 256)
+    );
     let vocab = cfg.vocab_size();
     let mut results: Vec<String> = Vec::new();
     let mut emit = |line: String| {
