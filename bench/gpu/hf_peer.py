@@ -32,7 +32,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LLAMA_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
-    bos_token_id=128000, eos_token_id=128001, rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.05,
+    bos_token_id=128000, eos_token_id=128001, rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.02,
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )

@@ -11,7 +11,7 @@ def load(path):
         line = line.strip()
         if line.startswith("{"):
             r = json.loads(line)
-            if "what" in r:
+            if r.get("what") in ("decode", "prefill", "cached_ttft"):
                 rows.append(r)
     return rows
 
@@ -26,7 +26,8 @@ print(f"{'figure':<44}{'Kura':>12}{'HF':>12}{'Kura / HF':>12}")
 for r in kura:
     p = peer.get(key(r), {})
     if r["what"] == "decode":
-        name, unit = f"decode batch {r['batch']}, {r['context']} context (tok/s)", "tokens_per_s"
+        graphs = {True: ", graphs", False: ", no graphs"}.get(r.get("graphs"), "")
+        name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
         ratio = r[unit] / p[unit] if unit in p else None
     elif r["what"] == "prefill":
         name, unit = f"prefill TTFT {r['tokens']} tokens (ms)", "ms"

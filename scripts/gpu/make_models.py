@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 GREEDY_TOKENS = 24
 PROMPT_SEED, PROMPT_LO, PROMPT_HI = 1234, 3, 49152  # ids valid in both vocabularies (49152 <= 128256)
 
-COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, initializer_range=0.05, attention_bias=False, mlp_bias=False)
+COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, initializer_range=0.02, attention_bias=False, mlp_bias=False)
 MODELS = {
     # SmolLM2-135M-Instruct's shape.
     "smol": dict(

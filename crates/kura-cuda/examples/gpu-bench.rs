@@ -57,7 +57,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "{{\"device\":\"{}\",\"arch\":\"{}\",\"kernels_compiled_now\":{},\"setup_s\":{:.2}}}",
         dev.name, dev.arch, dev.compiled, dev.setup_seconds
     );
-    let bandwidth = copy_bandwidth(&dev)?;
     // Device memory as the planner splits it: what the context, cuBLAS and the kernels take before any
     // weight, then the weights, then the activation buffers of 8,192-token steps over 256 sequences
     // (`kura plan`'s defaults).
@@ -102,26 +101,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     gpu.forward_greedy(&[one(&p, 0, &table)])?;
     gpu.forward_greedy(&[one(&p[..1], 1024, &table)])?;
 
-    // Batch-1 decode after a 1,024-token prompt.
-    let mut next = gpu.forward_greedy(&[one(&p, 0, &table)])?[0];
-    let steps = 128;
-    let t = Instant::now();
-    for i in 0..steps {
-        next = gpu.forward_greedy(&[one(&[next], 1024 + i, &table)])?[0];
+    // Batch-1 decode after a 1,024-token prompt: captured graphs (the default), then launch by launch.
+    let mut decode1 = Vec::new();
+    for graphs in [true, false] {
+        gpu.set_graphs(graphs);
+        let mut next = gpu.forward_greedy(&[one(&p, 0, &table)])?[0];
+        next = gpu.forward_greedy(&[one(&[next], 1024, &table)])?[0];
+        let steps = 128;
+        let t = Instant::now();
+        for i in 0..steps {
+            next = gpu.forward_greedy(&[one(&[next], 1025 + i, &table)])?[0];
+        }
+        decode1.push((graphs, steps as f64 / t.elapsed().as_secs_f64()));
     }
-    let s = t.elapsed().as_secs_f64();
-    let tps = steps as f64 / s;
-    let bound = bandwidth / weight_bytes as f64;
-    emit(format!(
-        "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"tokens_per_s\":{tps:.1},\
-         \"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\"copy_bandwidth_gbs\":{:.0},\
-         \"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
-         \"fraction_of_3_35_tbs_bound\":{:.3}}}",
-        1e3 * s / steps as f64,
-        bandwidth / 1e9,
-        tps / bound,
-        tps / (3.35e12 / weight_bytes as f64)
-    ));
+    gpu.set_graphs(true);
 
     // Prefill TTFT.
     for n in [4096usize, 16_384] {
@@ -185,6 +178,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (batch * steps) as f64 / s,
         1e3 * s / steps as f64
     ));
+    // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
+    let bandwidth = copy_bandwidth(gpu.device())?;
+    let bound = bandwidth / weight_bytes as f64;
+    for (graphs, tps) in decode1 {
+        emit(format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"graphs\":{graphs},\
+             \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
+             \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
+             \"fraction_of_3_35_tbs_bound\":{:.3}}}",
+            1e3 / tps,
+            bandwidth / 1e9,
+            tps / bound,
+            tps / (3.35e12 / weight_bytes as f64)
+        ));
+    }
     println!("[{}]", results.join(","));
     Ok(())
 }

@@ -166,12 +166,14 @@ __device__ __forceinline__ void load8(const float* p, float* f) {
 template <typename KV, int D, int G>
 __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, const int* tok_info, float* part,
                            PoolShape p, int layer, int heads, int max_splits, float scale_log2) {
-  constexpr int KG = 128 / D > 1 ? 128 / D : 1;  // key groups of the weighted sum
-  constexpr int GC = G < 8 ? G : 8;              // heads per pass of the weighted sum
+  constexpr int LPK = D / 8;         // threads per key row in the weighted sum, 8 dimensions each
+  constexpr int KPW = 32 / LPK;      // keys a warp covers at once
+  constexpr int GC = G < 8 ? G : 8;  // heads per pass of the weighted sum
   __shared__ __align__(16) float qs[G * D];
   __shared__ float ps[G][SPLIT];
   __shared__ float stat[G][2];
-  __shared__ float acc[KG][GC][D];
+  __shared__ size_t vofs[SPLIT];
+  __shared__ __align__(16) float acc[4][GC][D];
   int ti = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   int row = tok_info[4 * ti], qpos = tok_info[4 * ti + 1], toff = tok_info[4 * ti + 2], lo = tok_info[4 * ti + 3];
   int group = heads / p.kv_heads;
@@ -191,13 +193,17 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     qs[i] = __bfloat162float(q[(size_t)row * heads * D + (size_t)kvh * group * D + i]);
   __syncthreads();
   int tid = threadIdx.x;
+  // Scores: one key a thread.
   if (tid < n) {
     int kp = k0 + tid;
     int blk = tables[toff + kp / p.block_size];
-    const KV* k = pool + pool_at(p, blk, layer, 0, kvh, kp % p.block_size);
+    size_t kat = pool_at(p, blk, layer, 0, kvh, kp % p.block_size);
+    vofs[tid] = kat + (size_t)p.kv_heads * p.block_size * D;  // V follows K in the block
+    const KV* k = pool + kat;
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; g++) s[g] = 0.f;
+#pragma unroll 4
     for (int i = 0; i < D; i += 8) {
       float kf[8];
       load8(k + i, kf);
@@ -232,31 +238,45 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     if (lane == 0) { stat[g][0] = m; stat[g][1] = l; }
   }
   __syncthreads();
-  // Weighted V: thread (key group, dimension) sums keys kg, kg + KG, ...; GC heads a pass.
+  // Weighted V: thread (key slot, 8 dimensions); a warp takes KPW keys at once, the 4 warps interleave.
+  int c = (lane % LPK) * 8, kq = warp * KPW + lane / LPK;
   for (int g0 = 0; g0 < group; g0 += GC) {
-    for (int dim = tid % D; dim < D; dim += 128) {
-      int kg = D >= 128 ? 0 : tid / D;
-      float o[GC];
+    float o[GC][8];
 #pragma unroll
-      for (int g = 0; g < GC; g++) o[g] = 0.f;
-      for (int i = kg; i < n; i += KG) {
-        int kp = k0 + i;
-        int blk = tables[toff + kp / p.block_size];
-        float v = to_f(pool[pool_at(p, blk, layer, 1, kvh, kp % p.block_size) + dim]);
+    for (int g = 0; g < GC; g++)
 #pragma unroll
-        for (int g = 0; g < GC; g++)
-          if (g0 + g < group) o[g] += ps[g0 + g][i] * v;
+      for (int j = 0; j < 8; j++) o[g][j] = 0.f;
+#pragma unroll 2
+    for (int i = kq; i < n; i += 4 * KPW) {
+      float v[8];
+      load8(pool + vofs[i] + c, v);
+#pragma unroll
+      for (int g = 0; g < GC; g++) {
+        if (g0 + g < group) {
+          float w = ps[g0 + g][i];
+#pragma unroll
+          for (int j = 0; j < 8; j++) o[g][j] += w * v[j];
+        }
       }
+    }
+    // Sum the key slots of a warp (lanes LPK apart), then the 4 warps through shared memory.
 #pragma unroll
-      for (int g = 0; g < GC; g++) acc[kg][g][dim] = o[g];
+    for (int g = 0; g < GC; g++)
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int off = LPK; off < 32; off <<= 1) o[g][j] += __shfl_xor_sync(0xffffffffu, o[g][j], off);
+    if (lane < LPK) {
+#pragma unroll
+      for (int g = 0; g < GC; g++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[warp][g][c + j] = o[g][j];
     }
     __syncthreads();
     for (int i = tid; i < GC * D; i += blockDim.x) {
       int g = i / D, dim = i - g * D;
       if (g0 + g >= group) continue;
-      float s = 0.f;
-#pragma unroll
-      for (int kg = 0; kg < KG; kg++) s += acc[kg][g][dim];
+      float s = acc[0][g][dim] + acc[1][g][dim] + acc[2][g][dim] + acc[3][g][dim];
       float* o = out + (size_t)(g0 + g) * max_splits * (D + 2);
       o[2 + dim] = s;
       if (dim == 0) { o[0] = stat[g0 + g][0]; o[1] = stat[g0 + g][1]; }
@@ -301,10 +321,13 @@ extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf
 
 // ---------------------------------------------------------------------------------------------------
 // Prefill attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash style: block
-// (tile of 64 query tokens of one sequence, query head), 4 warps of 16 query rows each, over key tiles
-// of 64 read from the paged pool. Per tile: `tile_info[4i..]` = (first token row, rows in the tile,
-// position of the first, first table index); the tile's keys end at its last query's position.
-#define BR 64
+// (tile of 128 query tokens of one sequence, query head), 8 warps of 16 query rows each, over key tiles
+// of 64 read from the paged pool into shared memory two tiles deep (cp.async for a bf16 pool: the next
+// tile's copy runs under this tile's products). Fragments come from shared memory through ldmatrix (V
+// transposed on the way). Per tile: `tile_info[4i..]` = (first token row, rows in the tile, position of
+// the first, first table index); the tile's keys end at its last query's position. Dynamic shared
+// memory: 2 stages × (K + V) × 64 keys × (D + 8) bf16.
+#define BR 128
 #define BC 64
 __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
   asm volatile(
@@ -317,19 +340,83 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<u32*>(&v);
 }
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+// 16 bytes global → shared, asynchronously; `bytes` 0 writes zeros.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// K and V rows of keys kt..kt+BC (past `last`: zeros) into one stage, 8 elements a thread at a time.
+template <int D>
+__device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, const int* tables, const PoolShape& p,
+                                          int layer, int kvh, int toff, int kt, int last) {
+  constexpr int KS = D + 8;
+  for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+    int key = i / (D / 8), c = (i % (D / 8)) * 8;
+    int kp = kt + key;
+    bool ok = kp <= last;
+    size_t at = 0;
+    if (ok) at = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size) + c;
+    cp_async16(ks + key * KS + c, pool + at, ok ? 16 : 0);
+    cp_async16(vs + key * KS + c, pool + at + (size_t)p.kv_heads * p.block_size * D, ok ? 16 : 0);
+  }
+}
+template <int D>
+__device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool, const int* tables,
+                                          const PoolShape& p, int layer, int kvh, int toff, int kt, int last) {
+  constexpr int KS = D + 8;
+  for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+    int key = i / (D / 8), c = (i % (D / 8)) * 8;
+    int kp = kt + key;
+    float kf[8], vf[8];
+    if (kp <= last) {
+      size_t at = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size) + c;
+      load8(pool + at, kf);
+      load8(pool + at + (size_t)p.kv_heads * p.block_size * D, vf);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++) kf[j] = vf[j] = 0.f;
+    }
+    uint4 kw, vw;
+    kw.x = pack_bf16(kf[0], kf[1]); kw.y = pack_bf16(kf[2], kf[3]);
+    kw.z = pack_bf16(kf[4], kf[5]); kw.w = pack_bf16(kf[6], kf[7]);
+    vw.x = pack_bf16(vf[0], vf[1]); vw.y = pack_bf16(vf[2], vf[3]);
+    vw.z = pack_bf16(vf[4], vf[5]); vw.w = pack_bf16(vf[6], vf[7]);
+    *reinterpret_cast<uint4*>(ks + key * KS + c) = kw;
+    *reinterpret_cast<uint4*>(vs + key * KS + c) = vw;
+  }
+}
 
 template <typename KV, int D>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
-                             PoolShape p, int layer, int heads, int window, float scale_log2) {
-  constexpr int KS = D + 8;   // K tile row stride (bf16)
-  constexpr int VS = BC + 8;  // transposed V tile row stride
-  __shared__ __align__(16) bf16 ks[BC * KS];
-  __shared__ __align__(16) bf16 vt[D * VS];
-  int tile = blockIdx.x, h = blockIdx.y;
+                             PoolShape p, int layer, int heads, int window, float scale_log2, int tiles) {
+  constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* smem = reinterpret_cast<bf16*>(smem_raw);
+  // Stage s: K at smem + s * 2 * BC * KS, V right after it.
+  int tile = tiles - 1 - blockIdx.x, h = blockIdx.y;  // longest tiles first
   int row0 = tile_info[4 * tile], nrows = tile_info[4 * tile + 1], pos0 = tile_info[4 * tile + 2],
       toff = tile_info[4 * tile + 3];
   int group = heads / p.kv_heads, kvh = h / group;
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  int last = pos0 + nrows - 1;
+  int lo = window > 0 ? max(0, pos0 + 1 - window) : 0;
+  int first = (lo / BC) * BC;
+  int ntiles = (last - first) / BC + 1;
+  load_tile<D>(smem, smem + BC * KS, pool, tables, p, layer, kvh, toff, first, last);
+  cp_async_commit();
   // Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
   u32 qa[D / 16][4];
   {
@@ -349,105 +436,94 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m0 = KURA_NEG_INF, m1 = KURA_NEG_INF, l0 = 0.f, l1 = 0.f;
   int qp0 = pos0 + warp * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
-  int last = pos0 + nrows - 1;
-  int lo = window > 0 ? max(0, pos0 + 1 - window) : 0;
-  int first_tile = lo / BC;
-  for (int kt = first_tile * BC; kt <= last; kt += BC) {
+  int warp_last = min(pos0 + warp * 16 + 15, last);
+  int warp_first = window > 0 ? max(0, pos0 + warp * 16 + 1 - window) : 0;
+  // ldmatrix lane addressing: K (non-transposed, two k-steps) and V (transposed, two n-tiles).
+  int k_row = lane & 7, k_col = (lane >> 3) * 8;
+  int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
+  for (int j = 0; j < ntiles; j++) {
+    int kt = first + j * BC;
+    bf16* ks = smem + (j & 1) * 2 * BC * KS;
+    bf16* vs = ks + BC * KS;
+    if (j + 1 < ntiles) {
+      bf16* nk = smem + ((j + 1) & 1) * 2 * BC * KS;
+      load_tile<D>(nk, nk + BC * KS, pool, tables, p, layer, kvh, toff, kt + BC, last);
+    }
+    cp_async_commit();
+    cp_async_wait1();
     __syncthreads();
-    // K rows and V (transposed) of keys kt..kt+BC, 8 elements a thread at a time; consecutive threads
-    // take consecutive keys, so that the transposed V stores fall in distinct banks.
-    for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
-      int key = i % BC, c = (i / BC) * 8;
-      int kp = kt + key;
-      float kf[8], vf[8];
-      if (kp <= last) {
-        int blk = tables[toff + kp / p.block_size];
-        load8(pool + pool_at(p, blk, layer, 0, kvh, kp % p.block_size) + c, kf);
-        load8(pool + pool_at(p, blk, layer, 1, kvh, kp % p.block_size) + c, vf);
-      } else {
+    // A warp whose rows all end before this tile (or whose window starts after it) skips it.
+    if (kt <= warp_last && kt + BC > warp_first) {
+      // S = Q Kᵀ for 16 rows × 64 keys.
+      float s[BC / 8][4];
 #pragma unroll
-        for (int j = 0; j < 8; j++) kf[j] = vf[j] = 0.f;
+      for (int nt = 0; nt < BC / 8; nt++) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          u32 b[4];
+          ldmatrix_x4(b, ks + (nt * 8 + k_row) * KS + kk * 16 + k_col);
+          mma16816(s[nt], qa[kk], b);
+          mma16816(s[nt], qa[kk + 1], b + 2);
+        }
       }
-      uint4 kw;
-      kw.x = pack_bf16(kf[0], kf[1]);
-      kw.y = pack_bf16(kf[2], kf[3]);
-      kw.z = pack_bf16(kf[4], kf[5]);
-      kw.w = pack_bf16(kf[6], kf[7]);
-      *reinterpret_cast<uint4*>(ks + key * KS + c) = kw;
+      // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8.
+      float mx0 = m0, mx1 = m1;
 #pragma unroll
-      for (int j = 0; j < 8; j++) vt[(c + j) * VS + key] = __float2bfloat16(vf[j]);
+      for (int nt = 0; nt < BC / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          int key = kt + nt * 8 + 2 * tq + (e & 1);
+          int qp = e < 2 ? qp0 : qp1;
+          bool ok = key <= qp && (window <= 0 || key > qp - window);
+          float v = ok ? s[nt][e] * scale_log2 : KURA_NEG_INF;
+          s[nt][e] = v;
+          if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+        }
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+      m0 = mx0;
+      m1 = mx1;
+      float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; nt++) {
+        // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
+        s[nt][0] = s[nt][0] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][0] - m0);
+        s[nt][1] = s[nt][1] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][1] - m0);
+        s[nt][2] = s[nt][2] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][2] - m1);
+        s[nt][3] = s[nt][3] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][3] - m1);
+        rs0 += s[nt][0] + s[nt][1];
+        rs1 += s[nt][2] + s[nt][3];
+      }
+      l0 = l0 * c0 + rs0;
+      l1 = l1 * c1 + rs1;
+#pragma unroll
+      for (int i = 0; i < D / 8; i++) {
+        o[i][0] *= c0; o[i][1] *= c0;
+        o[i][2] *= c1; o[i][3] *= c1;
+      }
+      // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; kk++) {
+        u32 a[4];
+        a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt += 2) {
+          u32 b[4];
+          ldmatrix_x4_trans(b, vs + (kk * 16 + v_row) * KS + nt * 8 + v_col);
+          mma16816(o[nt], a, b);
+          mma16816(o[nt + 1], a, b + 2);
+        }
+      }
     }
     __syncthreads();
-    // S = Q Kᵀ for 16 rows × 64 keys.
-    float s[BC / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; nt++) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; kk++) {
-        u32 b[2];
-        const bf16* kr = ks + (nt * 8 + g) * KS + kk * 16 + 2 * tq;
-        b[0] = *reinterpret_cast<const u32*>(kr);
-        b[1] = *reinterpret_cast<const u32*>(kr + 8);
-        mma16816(s[nt], qa[kk], b);
-      }
-    }
-    // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8.
-    float mx0 = m0, mx1 = m1;
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; nt++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        int key = kt + nt * 8 + 2 * tq + (e & 1);
-        int qp = e < 2 ? qp0 : qp1;
-        bool ok = key <= qp && (window <= 0 || key > qp - window);
-        float v = ok ? s[nt][e] * scale_log2 : KURA_NEG_INF;
-        s[nt][e] = v;
-        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-      }
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
-    m0 = mx0;
-    m1 = mx1;
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; nt++) {
-      // A fully masked row keeps m = -1e30 and gets weights exp2(0) = 1 here: zeroed below.
-      s[nt][0] = s[nt][0] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][0] - m0);
-      s[nt][1] = s[nt][1] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][1] - m0);
-      s[nt][2] = s[nt][2] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][2] - m1);
-      s[nt][3] = s[nt][3] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][3] - m1);
-      rs0 += s[nt][0] + s[nt][1];
-      rs1 += s[nt][2] + s[nt][3];
-    }
-    l0 = l0 * c0 + rs0;
-    l1 = l1 * c1 + rs1;
-#pragma unroll
-    for (int i = 0; i < D / 8; i++) {
-      o[i][0] *= c0; o[i][1] *= c0;
-      o[i][2] *= c1; o[i][3] *= c1;
-    }
-    // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; kk++) {
-      u32 a[4];
-      a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int nt = 0; nt < D / 8; nt++) {
-        u32 b[2];
-        const bf16* vr = vt + (nt * 8 + g) * VS + kk * 16 + 2 * tq;
-        b[0] = *reinterpret_cast<const u32*>(vr);
-        b[1] = *reinterpret_cast<const u32*>(vr + 8);
-        mma16816(o[nt], a, b);
-      }
-    }
   }
   // Row sums across the quad, then write rows g and g + 8 of this warp.
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -467,10 +543,10 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
 }
 
 #define ATTN_PREFILL(KVN, KVT, D)                                                                            \
-  extern "C" __global__ void __launch_bounds__(128, 1) attn_prefill_##KVN##_##D(                                 \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_##KVN##_##D(                                 \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2) {                                                   \
-    attn_prefill<KVT, D>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2);              \
+      int layer, int heads, int window, float scale_log2, int tiles) {                                        \
+    attn_prefill<KVT, D>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles);       \
   }
 ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)

@@ -103,14 +103,22 @@ impl Device {
             });
         }
         let arch = format!("sm_{major}{minor}");
-        let stream = ctx.default_stream();
+        // A stream of its own (the legacy default stream cannot be captured into a graph).
+        let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let (cubin, compiled) = kernels::cubin_for(&arch, &kernels::cache_dir())?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
         let mut functions = HashMap::new();
         let log_names = kernel_names();
         for n in log_names {
-            functions.insert(n.clone(), module.load_function(&n)?);
+            let f = module.load_function(&n)?;
+            if let Some(bytes) = dynamic_smem(&n) {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )?;
+            }
+            functions.insert(n.clone(), f);
         }
         Ok(Device {
             ctx,
@@ -166,7 +174,7 @@ impl Device {
         p
     }
 
-    /// Launches kernel `name` with `args` in order.
+    /// Launches kernel `name` with `args` in order (and the dynamic shared memory its name calls for).
     pub fn launch(
         &self,
         name: &str,
@@ -190,7 +198,7 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: dynamic_smem(name).unwrap_or(0),
         };
         // SAFETY: every kernel of Kura's module is launched with the argument list of its C signature
         // (the callers in `executor.rs` mirror `kura.cu`), and every pointer is into a live buffer
@@ -264,6 +272,18 @@ impl Device {
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
+}
+
+/// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V
+/// tiles (64 keys × (head_dim + 8) bf16 each).
+pub fn dynamic_smem(kernel: &str) -> Option<u32> {
+    let d: u32 = kernel
+        .strip_prefix("attn_prefill_")?
+        .rsplit('_')
+        .next()?
+        .parse()
+        .ok()?;
+    Some(2 * 2 * 64 * (d + 8) * 2)
 }
 
 /// Every kernel of `kura.cu` the executor launches.

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! and the output head on each sequence's last token. Attention takes two kernels: sequences with at
-//! least [`PREFILL_MIN`] new tokens go through the tensor-core prefill kernel (tiles of 64 queries),
+//! least [`PREFILL_MIN`] new tokens go through the tensor-core prefill kernel (tiles of 128 queries),
 //! the others through the split-key kernel and its merge.
 
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
@@ -26,7 +26,7 @@ use crate::weights::DevWeights;
 /// Sequences with at least this many new tokens take the prefill kernel.
 pub const PREFILL_MIN: usize = 64;
 /// Query rows of a prefill tile (`BR` in `kura.cu`).
-const TILE: usize = 64;
+const TILE: usize = 128;
 /// Keys of one split of the split-key kernel (`SPLIT` in `kura.cu`).
 const SPLIT: usize = 128;
 
@@ -204,17 +204,6 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
         .iter()
         .map(|s| (s.start_pos + s.tokens.len()).div_ceil(bs))
         .sum();
-    let mut p = StepPlan {
-        n_tokens: t,
-        n_seqs: batch.len(),
-        at_tokens: 0,
-        at_pos: t,
-        at_slots: 2 * t,
-        at_tables: 4 * t,
-        at_last: 4 * t + table_len,
-        at_tok_info: 4 * t + table_len + batch.len(),
-        ..Default::default()
-    };
     let mut tokens = Vec::with_capacity(t);
     let mut pos = Vec::with_capacity(t);
     let mut slot_block = Vec::with_capacity(2 * t);
@@ -222,6 +211,7 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
     let mut last = Vec::with_capacity(batch.len());
     let mut tok_info = Vec::new();
     let mut tiles = Vec::new();
+    let mut max_splits = 0;
     let mut row = 0usize;
     for s in batch {
         let n = s.tokens.len();
@@ -249,23 +239,42 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
             for i in 0..n {
                 let qpos = s.start_pos + i;
                 let lo = lim.window.map_or(0, |w| (qpos + 1).saturating_sub(w));
-                p.max_splits = p.max_splits.max((qpos + 1 - lo).div_ceil(SPLIT));
+                max_splits = usize::max(max_splits, (qpos + 1 - lo).div_ceil(SPLIT));
                 tok_info.extend([(row + i) as i32, qpos as i32, toff as i32, lo as i32]);
             }
         }
         row += n;
         last.push((row - 1) as i32);
     }
-    p.split_tokens = tok_info.len() / 4;
-    p.tiles = tiles.len() / 4;
-    p.at_tiles = p.at_tok_info + tok_info.len();
+    // Every offset but the tables' depends on the step's shape alone (a captured graph's arguments).
+    let mut p = StepPlan {
+        n_tokens: t,
+        n_seqs: batch.len(),
+        at_tokens: 0,
+        at_pos: t,
+        at_slots: 2 * t,
+        at_last: 4 * t,
+        at_tok_info: 4 * t + batch.len(),
+        at_tiles: 4 * t + batch.len() + tok_info.len(),
+        at_tables: 4 * t + batch.len() + tok_info.len() + tiles.len(),
+        split_tokens: tok_info.len() / 4,
+        // Rounded up to a power of two: fewer shapes for the graphs of decode steps (the extra splits
+        // of a token are empty).
+        max_splits: if max_splits == 0 {
+            0
+        } else {
+            max_splits.next_power_of_two()
+        },
+        tiles: tiles.len() / 4,
+        ..Default::default()
+    };
     let mut meta = tokens;
     meta.extend(pos);
     meta.extend(slot_block);
-    meta.extend(tables);
     meta.extend(last);
     meta.extend(tok_info);
     meta.extend(tiles);
+    meta.extend(tables);
     p.meta = meta;
     Ok(p)
 }
@@ -283,7 +292,37 @@ pub struct CudaExecutor {
     block_bytes: usize,
     s: Scratch,
     prefill_min: usize,
+    /// Captured decode steps by shape (tokens, sequences, split tokens, splits).
+    graphs: Graphs,
+    use_graphs: bool,
 }
+
+/// Captured graphs by step shape.
+#[derive(Default)]
+struct Graphs(std::collections::HashMap<(usize, usize, usize, usize), cudarc::driver::CudaGraph>);
+
+// SAFETY: a CUDA graph may be used from any thread when its uses are serialised (CUDA's graph thread
+// safety rules); the executor uses its graphs only through `&mut self`.
+unsafe impl Send for Graphs {}
+
+impl std::ops::Deref for Graphs {
+    type Target =
+        std::collections::HashMap<(usize, usize, usize, usize), cudarc::driver::CudaGraph>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Graphs {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+/// Steps of at most this many new tokens (and no prefill tile) run as captured graphs.
+const GRAPH_MAX_TOKENS: usize = 8;
+/// Graphs kept at most (all dropped when full: shapes of a running server change slowly).
+const MAX_GRAPHS: usize = 64;
 
 impl std::fmt::Debug for CudaExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -383,7 +422,15 @@ impl CudaExecutor {
             block_bytes,
             s,
             prefill_min: PREFILL_MIN,
+            graphs: Graphs::default(),
+            use_graphs: true,
         })
+    }
+
+    /// Runs decode steps as captured graphs (the default) or launch by launch (tests compare the two).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+        self.graphs.clear();
     }
 
     /// Sends sequences with at least `n` new tokens through the prefill kernel (default
@@ -435,21 +482,64 @@ impl CudaExecutor {
         let plan = plan_step(batch, self.limits())?;
         self.dev.ctx.bind_to_thread()?;
         let c = &self.cfg;
+        let (t, n) = (plan.n_tokens, plan.n_seqs);
+        let part_len = plan.split_tokens * c.num_heads() * plan.max_splits * (c.head_dim() + 2);
+        let s = &mut self.s;
+        let before = (s.tokens, s.rows, s.meta.len(), s.part.len());
+        s.grow(&self.dev, c, t, n)?;
+        // Metadata room for the longest block tables a step may have, so that it is seldom reallocated.
+        let meta_len = plan
+            .meta
+            .len()
+            .max(4 * t + n + 4 * plan.split_tokens + 4 * plan.tiles + 4096);
+        ensure(&self.dev, &mut s.meta, meta_len, "step metadata")?;
+        ensure(&self.dev, &mut s.part, part_len, "attention partials")?;
+        if before != (s.tokens, s.rows, s.meta.len(), s.part.len()) {
+            // A buffer moved: the captured graphs name the old ones.
+            self.graphs.clear();
+        }
+        {
+            let mut view = s.meta.slice_mut(0..plan.meta.len());
+            self.dev.stream.memcpy_htod(&plan.meta, &mut view)?;
+        }
+        // Decode-sized steps replay a graph of their shape (one launch instead of ~10 per layer).
+        if plan.tiles == 0 && t <= GRAPH_MAX_TOKENS && self.use_graphs {
+            let key = (t, n, plan.split_tokens, plan.max_splits);
+            if !self.graphs.contains_key(&key) {
+                self.dev.stream.begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )?;
+                let enqueued = self.enqueue(&plan);
+                let graph = self
+                    .dev
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
+                enqueued?;
+                let graph = graph.ok_or_else(|| {
+                    CudaError::Driver("capturing a decode step gave no graph".into())
+                })?;
+                if self.graphs.len() >= MAX_GRAPHS {
+                    self.graphs.clear();
+                }
+                self.graphs.insert(key, graph);
+            }
+            self.graphs[&key].launch()?;
+        } else {
+            self.enqueue(&plan)?;
+        }
+        Ok(plan)
+    }
+
+    /// Launches every kernel and product of the step `plan` (whose metadata is on the device).
+    fn enqueue(&self, plan: &StepPlan) -> Result<()> {
+        let c = &self.cfg;
         let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
         let (heads, kvh) = (c.num_heads(), c.num_kv_heads());
         let (q_dim, qkv_dim) = (heads * d, (heads + 2 * kvh) * d);
         let vocab = c.vocab_size();
         let (t, n) = (plan.n_tokens, plan.n_seqs);
         let dev = &self.dev;
-        let s = &mut self.s;
-        s.grow(dev, c, t, n)?;
-        ensure(dev, &mut s.meta, plan.meta.len(), "step metadata")?;
-        let part_len = plan.split_tokens * heads * plan.max_splits * (d + 2);
-        ensure(dev, &mut s.part, part_len, "attention partials")?;
-        {
-            let mut view = s.meta.slice_mut(0..plan.meta.len());
-            dev.stream.memcpy_htod(&plan.meta, &mut view)?;
-        }
+        let s = &self.s;
         let meta = dev.ptr(&s.meta);
         let m = |at: usize| meta + 4 * at as u64;
         let (x, xn, qkv, q, attn, gu, act) = (
@@ -562,7 +652,7 @@ impl CudaExecutor {
                 dev.launch(
                     &format!("attn_prefill_{kv}_{d}"),
                     (plan.tiles as u32, heads as u32, 1),
-                    128,
+                    256,
                     &[
                         Arg::Ptr(q),
                         Arg::Ptr(pool),
@@ -574,6 +664,7 @@ impl CudaExecutor {
                         Arg::I32(heads as i32),
                         Arg::I32(window),
                         Arg::F32(scale_log2),
+                        Arg::I32(plan.tiles as i32),
                     ],
                 )?;
             }
@@ -621,8 +712,7 @@ impl CudaExecutor {
             ],
         )?;
         let head = dev.ptr(self.w.lm_head.as_ref().unwrap_or(&self.w.embed));
-        dev.matmul(last, n, head, vocab, h, dev.ptr(&s.logits), false)?;
-        Ok(plan)
+        dev.matmul(last, n, head, vocab, h, dev.ptr(&s.logits), false)
     }
 
     /// Each sequence's last-token logits, `n × vocab` row by row.
@@ -799,21 +889,21 @@ mod tests {
         assert_eq!(&p.meta[p.at_pos..p.at_slots], &[2, 3, 4, 5, 6, 6]);
         // (block, slot) of each new token: positions 2, 3 in block 7; 4, 5, 6 in block 3; 6 in block 9.
         assert_eq!(
-            &p.meta[p.at_slots..p.at_tables],
+            &p.meta[p.at_slots..p.at_last],
             &[7, 2, 7, 3, 3, 0, 3, 1, 3, 2, 9, 2]
         );
-        // Only the blocks the positions reach: 2 of sequence 0's, 2 of sequence 1's (of 3 given).
-        assert_eq!(&p.meta[p.at_tables..p.at_last], &[7, 3, 1, 9]);
         assert_eq!(&p.meta[p.at_last..p.at_tok_info], &[4, 5]);
         assert_eq!((p.split_tokens, p.tiles, p.max_splits), (1, 1, 1));
         // The decode token: row 5, position 6, its table at 2, no window.
         assert_eq!(&p.meta[p.at_tok_info..p.at_tiles], &[5, 6, 2, 0]);
         // The tile: rows 0..5 from position 2, table at 0.
-        assert_eq!(&p.meta[p.at_tiles..], &[0, 5, 2, 0]);
+        assert_eq!(&p.meta[p.at_tiles..p.at_tables], &[0, 5, 2, 0]);
+        // Last, only the blocks the positions reach: 2 of sequence 0's, 2 of sequence 1's (of 3 given).
+        assert_eq!(&p.meta[p.at_tables..], &[7, 3, 1, 9]);
     }
 
     #[test]
-    fn long_prompts_make_tiles_of_64_and_long_contexts_more_splits() {
+    fn long_prompts_make_tiles_of_128_and_long_contexts_more_splits() {
         let t: Vec<u32> = vec![1; 150];
         let table: Vec<u32> = (0..40).collect();
         let l = StepLimits {
@@ -823,15 +913,27 @@ mod tests {
             ..lim()
         };
         let p = plan_step(&[seq(&t, 0, &table)], l).unwrap();
-        assert_eq!(p.tiles, 3);
+        assert_eq!(p.tiles, 2);
         assert_eq!(
-            &p.meta[p.at_tiles..],
-            &[0, 64, 0, 0, 64, 64, 64, 0, 128, 22, 128, 0]
+            &p.meta[p.at_tiles..p.at_tables],
+            &[0, 128, 0, 0, 128, 22, 128, 0]
         );
-        // One token at position 150 sees 151 keys: two splits of 128.
+        // One token at position 150 sees 151 keys: two splits of 128; at 300, three, rounded up to
+        // four (graph shapes come in powers of two).
         let one = [5u32];
         let p = plan_step(&[seq(&one, 150, &table)], l).unwrap();
         assert_eq!((p.split_tokens, p.max_splits), (1, 2));
+        let big: Vec<u32> = (0..80).collect();
+        let l80 = StepLimits {
+            num_blocks: 80,
+            ..l
+        };
+        let p = plan_step(
+            &[seq(&one, 300, &big[..76]), seq(&one, 10, &big[76..])],
+            l80,
+        )
+        .unwrap();
+        assert_eq!((p.split_tokens, p.max_splits), (2, 4));
         // A window of 100 keeps keys 51..=150: one split, starting at 51.
         let p = plan_step(
             &[seq(&one, 150, &table)],

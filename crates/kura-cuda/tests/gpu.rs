@@ -90,10 +90,14 @@ fn cpu_logits(model: &Model, prompt: &[u32], dtype: KvDtype) -> Vec<f32> {
         .data
 }
 
+/// Logits agree within this relative (L2) error: bf16 weights, activations and KV on every side.
+const LOGITS_TOL: f64 = 1e-2;
+
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn logits_match_the_cpu_runtime_and_hf_transformers() {
     let prompts = prompts();
+    let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
         let dir = models().join(model);
         let cpu = Model::load(&dir).unwrap();
@@ -103,40 +107,38 @@ fn logits_match_the_cpu_runtime_and_hf_transformers() {
             let g = gpu.forward_logits(&[one(p, 0, &table)]).unwrap();
             let hf = read_f32(dir.join(format!("hf_logits_{i}.f32")));
             let (rel_hf, max_hf) = errors(&g, &hf);
-            // The CPU runtime on the 8B-shaped model only for the shorter prompts (time).
-            let cpu_err = (model == "smol" || p.len() <= 300).then(|| {
-                let c = cpu_logits(&cpu, p, KvDtype::Bf16);
-                (errors(&g, &c), argmax(&c))
-            });
+            let c = cpu_logits(&cpu, p, KvDtype::Bf16);
+            let (rel_cpu, max_cpu) = errors(&g, &c);
+            let (cpu_hf, _) = errors(&c, &hf);
             println!(
-                "{model} prompt {i} ({} tokens): vs HF rel {rel_hf:.2e} max {max_hf:.2e} argmax {}/{}; vs CPU {:?}",
+                "{model} prompt {i} ({} tokens): GPU vs HF rel {rel_hf:.2e} (max {max_hf:.2e}); GPU vs CPU rel \
+                 {rel_cpu:.2e} (max {max_cpu:.2e}); CPU vs HF rel {cpu_hf:.2e}; argmax GPU {} CPU {} HF {}",
                 p.len(),
                 argmax(&g),
+                argmax(&c),
                 argmax(&hf),
-                cpu_err
             );
-            assert!(
-                rel_hf <= 1e-2,
-                "{model} prompt {i}: relative error {rel_hf} against HF"
-            );
-            if let Some(((rel_cpu, _), _)) = cpu_err {
-                assert!(
-                    rel_cpu <= 1e-2,
-                    "{model} prompt {i}: relative error {rel_cpu} against the CPU"
-                );
+            if rel_hf > LOGITS_TOL {
+                failures.push(format!("{model} prompt {i}: {rel_hf:.2e} against HF"));
+            }
+            if rel_cpu > LOGITS_TOL {
+                failures.push(format!("{model} prompt {i}: {rel_cpu:.2e} against the CPU"));
             }
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
-fn both_attention_kernels_agree_with_the_cpu_in_bf16_and_f32_kv() {
+fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv() {
     let p = &prompts()[1];
     let dir = models().join("smol");
     let cpu = Model::load(&dir).unwrap();
+    let mut failures = Vec::new();
     for dtype in [KvDtype::Bf16, KvDtype::F32] {
         let c = cpu_logits(&cpu, p, dtype);
+        let mut first: Option<Vec<f32>> = None;
         for (bs, prefill_min) in [(16, 1), (16, usize::MAX), (1, 64), (256, 64), (7, 1)] {
             let blocks = p.len().div_ceil(bs);
             let mut gpu = exec("smol", dtype, bs, blocks + 1);
@@ -146,17 +148,26 @@ fn both_attention_kernels_agree_with_the_cpu_in_bf16_and_f32_kv() {
             gpu.forward_logits(&[one(&p[..200], 0, &table)]).unwrap();
             let g = gpu.forward_logits(&[one(&p[200..], 200, &table)]).unwrap();
             let (rel, max) = errors(&g, &c);
+            let gpu_rel = first.as_ref().map(|f| errors(&g, f).0);
             println!(
-                "{} KV, block {bs}, prefill kernel from {prefill_min} tokens: rel {rel:.2e} max {max:.2e}",
+                "{} KV, block {bs}, prefill kernel from {prefill_min} tokens: vs CPU rel {rel:.2e} max {max:.2e}; \
+                 vs the first GPU run {gpu_rel:?}",
                 dtype.name()
             );
-            assert!(
-                rel <= 1e-2,
-                "{} block {bs} prefill_min {prefill_min}: {rel}",
-                dtype.name()
-            );
+            if rel > LOGITS_TOL {
+                failures.push(format!(
+                    "{} block {bs} prefill_min {prefill_min}: {rel:.2e} against the CPU",
+                    dtype.name()
+                ));
+            }
+            // Two GPU kernels on the same KV: f32 sums in another order, bf16 P in the prefill kernel.
+            if gpu_rel.is_some_and(|r| r > 5e-3) {
+                failures.push(format!("{} block {bs} prefill_min {prefill_min}: {gpu_rel:?} against the first GPU run", dtype.name()));
+            }
+            first.get_or_insert(g);
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// Greedy tokens of `prompt` on `gpu`, with the gap between the two largest logits at each step: the
@@ -173,8 +184,10 @@ fn greedy(
     let mut pos = cached;
     let mut logits = Vec::new();
     while pos < prompt.len() {
-        let end = (pos + chunk).min(prompt.len());
-        logits = gpu.forward_logits(&[one(&prompt[pos..end], pos, table)]).unwrap();
+        let end = pos.saturating_add(chunk).min(prompt.len());
+        logits = gpu
+            .forward_logits(&[one(&prompt[pos..end], pos, table)])
+            .unwrap();
         pos = end;
     }
     let (mut out, mut gaps) = (Vec::new(), Vec::new());
@@ -249,6 +262,14 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
     let g = gpu.forward_logits(&[one(&p[..100], 0, &table_a)]).unwrap();
     let dev = gpu.forward_greedy(&[one(&p[..100], 0, &table_a)]).unwrap()[0];
     assert_eq!(argmax(&g), dev);
+    // Launch by launch (no captured graphs): the same kernels, the same bits.
+    gpu.set_graphs(false);
+    assert_eq!(
+        greedy(&mut gpu, p, 0, usize::MAX, &table_a, n),
+        cold,
+        "without graphs"
+    );
+    gpu.set_graphs(true);
     // Every block size: the kernels see the same keys in the same order, so the same bits.
     for bs in [1, 3, 64, 256] {
         let blocks = total.div_ceil(bs);
@@ -340,9 +361,24 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
             .map(|x| half::bf16::from_le_bytes([x[0], x[1]]).to_f32())
             .collect()
     };
-    let (rel, _) = errors(&as_f32(&g), &as_f32(&c));
-    println!("block 0 against the CPU pool's: rel {rel:.2e}");
-    assert!(rel <= 1e-2, "{rel}");
+    let (gv, cv) = (as_f32(&g), as_f32(&c));
+    let (rel, _) = errors(&gv, &cv);
+    // Per layer: K then V, each kv_heads × block × head_dim values.
+    let run = cpu.config().num_kv_heads() * bs * cpu.config().head_dim();
+    let per_layer: Vec<String> = gv
+        .chunks_exact(run)
+        .zip(cv.chunks_exact(run))
+        .map(|(a, b)| format!("{:.1e}", errors(a, b).0))
+        .collect();
+    println!(
+        "block 0 against the CPU pool's: rel {rel:.2e}; per layer (K, V, K, V, …): {per_layer:?}"
+    );
+    // Layer 0's K and V come from the embeddings through one norm and one product: bf16 rounding only.
+    let (k0, v0) = (
+        errors(&gv[..run], &cv[..run]).0,
+        errors(&gv[run..2 * run], &cv[run..2 * run]).0,
+    );
+    assert!(k0 <= 5e-3 && v0 <= 5e-3, "layer 0: K {k0:.2e}, V {v0:.2e}");
     // Export → import into another block → the same bytes.
     gpu.import_block(5, &g);
     let mut back = vec![0u8; bb];
