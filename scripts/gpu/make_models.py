@@ -6,6 +6,7 @@
 Writes, for Kura-vs-transformers correctness tests of the CUDA executor:
   OUT_DIR/prompts.json             3 token-id lists (random.Random(1234), ids in [3, 49152)), lengths 37, 300, 1000
   OUT_DIR/smol/                    SmolLM2-135M-Instruct's shape (30 layers, tied embeddings)
+  OUT_DIR/smolw/                   the same shape with initializer_range 0.05 (varied greedy text)
   OUT_DIR/llama8b4/                Llama-3.1-8B's shape, 4 layers (llama3 RoPE scaling, untied)
 each model dir holding config.json, model.safetensors (bf16), TOKENIZER_DIR's tokenizer files, and per prompt i:
   hf_logits_<i>.f32                the last prompt position's logits, raw little-endian float32 (vocab_size values)
@@ -34,6 +35,14 @@ MODELS = {
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
         bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+    # SmolLM2's shape with a wider weight spread: greedy text that does not settle on one token (the
+    # greedy tests); the models above keep HF's default initializer_range (0.02).
+    "smolw": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.05,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
     # Llama-3.1-8B's shape, cut to 4 layers.
@@ -73,7 +82,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if small:
             shape = dict(shape, num_hidden_layers=2)
-        config = LlamaConfig(**COMMON, **shape)
+        config = LlamaConfig(**{**COMMON, **shape})
         config.dtype = torch.bfloat16
         config._attn_implementation = "sdpa"
         with torch.device(dev):

@@ -178,6 +178,34 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (batch * steps) as f64 / s,
         1e3 * s / steps as f64
     ));
+    // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
+    // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
+    let p1 = tokens(1024, 7, vocab);
+    gpu.forward_greedy(&[one(&p1, 0, &table)])?;
+    let long = tokens(16_384, 16_384, vocab);
+    let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+    let b64: Vec<SeqInput<'_>> = (0..batch)
+        .map(|i| one(&toks[i], ctx + steps - 1, &tables[i]))
+        .collect();
+    for (what, items) in [
+        ("decode_b1", vec![one(&[5], 1024, &table)]),
+        ("decode_b64", b64),
+        ("prefill_16384", vec![one(&long, 0, &table)]),
+    ] {
+        gpu.forward_greedy(&items)?;
+        let prof = gpu.profile_greedy(&items)?;
+        let total: f64 = prof.iter().map(|p| p.1).sum();
+        let top: Vec<String> = prof
+            .iter()
+            .take(12)
+            .map(|(k, ms, n)| format!("{{\"kernel\":\"{k}\",\"ms\":{ms:.3},\"launches\":{n}}}"))
+            .collect();
+        println!(
+            "{{\"what\":\"profile\",\"step\":\"{what}\",\"total_ms\":{total:.3},\"top\":[{}]}}",
+            top.join(",")
+        );
+    }
+
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device())?;
     let bound = bandwidth / weight_bytes as f64;

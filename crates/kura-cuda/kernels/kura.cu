@@ -87,16 +87,29 @@ __device__ __forceinline__ size_t pool_at(const PoolShape& p, int block, int lay
          (size_t)slot * p.head_dim;
 }
 
+// RoPE angles of each new token, once per step for every layer: cs[t][j] = cos(pos[t] · inv_freq[j]),
+// sn likewise (the angle an f32 product, as the CPU runtime computes it).
+extern "C" __global__ void rope_table(const int* pos, const float* inv_freq, float* cs, float* sn, int half,
+                                      int total) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  int t = i / half, j = i - t * half;
+  float ang = (float)pos[t] * inv_freq[j];
+  float s, c;
+  sincosf(ang, &s, &c);
+  cs[i] = c;
+  sn[i] = s;
+}
+
 // Bias, RoPE and the KV write of each new token: q (bf16, `[t][head][d]`) for attention, K and V into
 // their slot of `layer`. One block per token; `style` 0 rotates (i, i + d/2) (HF), 1 rotates (2i, 2i+1).
 template <typename KV>
-__device__ void rope_store(const float* qkv, const float* bias, const int* pos, const int* slot_block,
-                           const float* inv_freq, bf16* q, KV* pool, PoolShape p, int layer, int heads, int style) {
+__device__ void rope_store(const float* qkv, const float* bias, const float* cs, const float* sn,
+                           const int* slot_block, bf16* q, KV* pool, PoolShape p, int layer, int heads, int style) {
   int t = blockIdx.x;
   int d = p.head_dim, half = d / 2;
   int qd = heads * d, kvd = p.kv_heads * d;
   const float* row = qkv + (size_t)t * (qd + 2 * kvd);
-  int position = pos[t];
   int block = slot_block[2 * t], slot = slot_block[2 * t + 1];
   int pairs = (heads + p.kv_heads) * half;
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
@@ -105,8 +118,7 @@ __device__ void rope_store(const float* qkv, const float* bias, const int* pos, 
     int base = head * d;  // heads of q, then heads of k, in the row
     float x0 = row[base + a], x1 = row[base + b];
     if (bias) { x0 += bias[base + a]; x1 += bias[base + b]; }
-    float ang = (float)position * inv_freq[j];
-    float c = cosf(ang), s = sinf(ang);
+    float c = cs[t * half + j], s = sn[t * half + j];
     float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
     if (head < heads) {
       bf16* qo = q + (size_t)t * qd + base;
@@ -125,15 +137,15 @@ __device__ void rope_store(const float* qkv, const float* bias, const int* pos, 
     pool[pool_at(p, block, layer, 1, head, slot) + j] = from_f<KV>(v);
   }
 }
-extern "C" __global__ void rope_store_bf16(const float* qkv, const float* bias, const int* pos, const int* sb,
-                                           const float* f, bf16* q, bf16* pool, PoolShape p, int layer, int heads,
+extern "C" __global__ void rope_store_bf16(const float* qkv, const float* bias, const float* cs, const float* sn,
+                                           const int* sb, bf16* q, bf16* pool, PoolShape p, int layer, int heads,
                                            int style) {
-  rope_store<bf16>(qkv, bias, pos, sb, f, q, pool, p, layer, heads, style);
+  rope_store<bf16>(qkv, bias, cs, sn, sb, q, pool, p, layer, heads, style);
 }
-extern "C" __global__ void rope_store_f32(const float* qkv, const float* bias, const int* pos, const int* sb,
-                                          const float* f, bf16* q, float* pool, PoolShape p, int layer, int heads,
+extern "C" __global__ void rope_store_f32(const float* qkv, const float* bias, const float* cs, const float* sn,
+                                          const int* sb, bf16* q, float* pool, PoolShape p, int layer, int heads,
                                           int style) {
-  rope_store<float>(qkv, bias, pos, sb, f, q, pool, p, layer, heads, style);
+  rope_store<float>(qkv, bias, cs, sn, sb, q, pool, p, layer, heads, style);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -467,7 +479,9 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
           mma16816(s[nt], qa[kk + 1], b + 2);
         }
       }
-      // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8.
+      // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8. A tile every
+      // row of the warp sees whole needs no mask.
+      bool whole = kt + BC - 1 <= pos0 + warp * 16 && (window <= 0 || kt > warp_last - window);
       float mx0 = m0, mx1 = m1;
 #pragma unroll
       for (int nt = 0; nt < BC / 8; nt++) {
@@ -475,7 +489,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         for (int e = 0; e < 4; e++) {
           int key = kt + nt * 8 + 2 * tq + (e & 1);
           int qp = e < 2 ? qp0 : qp1;
-          bool ok = key <= qp && (window <= 0 || key > qp - window);
+          bool ok = whole || (key <= qp && (window <= 0 || key > qp - window));
           float v = ok ? s[nt][e] * scale_log2 : KURA_NEG_INF;
           s[nt][e] = v;
           if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);

@@ -51,6 +51,8 @@ pub struct Device {
     pub compiled: bool,
     /// Seconds spent creating the context and loading (or compiling) the kernels.
     pub setup_seconds: f64,
+    /// While profiling: an event after each launch, with what was launched ([`Device::profile`]).
+    marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -130,7 +132,49 @@ impl Device {
             functions,
             compiled,
             setup_seconds: t0.elapsed().as_secs_f64(),
+            marks: std::cell::RefCell::new(None),
         })
+    }
+
+    /// Starts timing every launch (host-synchronised at the end; not for graphs): see
+    /// [`Device::profile_end`].
+    pub fn profile_begin(&self) -> Result<cudarc::driver::CudaEvent> {
+        let start = self.ctx.new_event(None)?;
+        start.record(&self.stream)?;
+        *self.marks.borrow_mut() = Some(Vec::new());
+        Ok(start)
+    }
+
+    /// Milliseconds per kernel or product name since [`Device::profile_begin`], largest first, with
+    /// how many launches each.
+    pub fn profile_end(
+        &self,
+        start: cudarc::driver::CudaEvent,
+    ) -> Result<Vec<(String, f64, usize)>> {
+        let marks = self.marks.borrow_mut().take().unwrap_or_default();
+        self.synchronize()?;
+        let mut by_name: HashMap<String, (f64, usize)> = HashMap::new();
+        let mut prev = &start;
+        for (name, ev) in &marks {
+            let ms = f64::from(prev.elapsed_ms(ev)?);
+            let e = by_name.entry(name.clone()).or_default();
+            e.0 += ms;
+            e.1 += 1;
+            prev = ev;
+        }
+        let mut out: Vec<(String, f64, usize)> =
+            by_name.into_iter().map(|(k, (ms, n))| (k, ms, n)).collect();
+        out.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(out)
+    }
+
+    fn mark(&self, name: impl FnOnce() -> String) -> Result<()> {
+        if let Some(marks) = self.marks.borrow_mut().as_mut() {
+            let ev = self.ctx.new_event(None)?;
+            ev.record(&self.stream)?;
+            marks.push((name(), ev));
+        }
+        Ok(())
     }
 
     /// Free and total device memory, in bytes.
@@ -182,6 +226,18 @@ impl Device {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_as(name, grid, block, args, || name.to_string())
+    }
+
+    /// [`Device::launch`], named `label()` in a profile.
+    fn launch_as(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        label: impl FnOnce() -> String,
+    ) -> Result<()> {
         let f = self
             .functions
             .get(name)
@@ -204,7 +260,7 @@ impl Device {
         // (the callers in `executor.rs` mirror `kura.cu`), and every pointer is into a live buffer
         // sized for the launch.
         unsafe { b.launch(cfg) }?;
-        Ok(())
+        self.mark(label)
     }
 
     /// `out[t][n] (+)= Σ_k x[t][k] · w[n][k]`: bf16 `x` (`t × k`) and `w` (`n × k`), f32 `out`; adds
@@ -225,7 +281,7 @@ impl Device {
         }
         if t <= 8 && k.is_multiple_of(8) {
             let warps_per_block = 8;
-            return self.launch(
+            self.launch_as(
                 &format!("gemv_{t}"),
                 (n.div_ceil(warps_per_block) as u32, 1, 1),
                 32 * warps_per_block as u32,
@@ -237,7 +293,9 @@ impl Device {
                     Arg::I32(k as i32),
                     Arg::I32(accumulate as i32),
                 ],
-            );
+                || format!("gemv {t}x{n}x{k}"),
+            )?;
+            return Ok(());
         }
         let alpha = 1f32;
         let beta = if accumulate { 1f32 } else { 0f32 };
@@ -266,7 +324,7 @@ impl Device {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }?;
-        Ok(())
+        self.mark(|| format!("cublas {t}x{n}x{k}"))
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -294,6 +352,7 @@ pub fn kernel_names() -> Vec<String> {
         "silu_mul",
         "rope_store_bf16",
         "rope_store_f32",
+        "rope_table",
         "attn_merge",
         "argmax_rows",
         "copy_block_prefix",

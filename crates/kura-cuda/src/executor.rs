@@ -41,6 +41,9 @@ struct Scratch {
     attn: CudaSlice<bf16>,
     gu: CudaSlice<f32>,
     act: CudaSlice<bf16>,
+    /// RoPE cosines and sines of the step's tokens (`tokens × head_dim / 2`).
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
     last: CudaSlice<bf16>,
     logits: CudaSlice<f32>,
     ids: CudaSlice<u32>,
@@ -75,6 +78,8 @@ impl Scratch {
             attn: dev.alloc(1, "activations")?,
             gu: dev.alloc(1, "activations")?,
             act: dev.alloc(1, "activations")?,
+            cos: dev.alloc(1, "activations")?,
+            sin: dev.alloc(1, "activations")?,
             last: dev.alloc(1, "activations")?,
             logits: dev.alloc(1, "logits")?,
             ids: dev.alloc(1, "logits")?,
@@ -96,6 +101,8 @@ impl Scratch {
             ensure(dev, &mut self.attn, t * q_dim, "activations")?;
             ensure(dev, &mut self.gu, t * 2 * inter, "activations")?;
             ensure(dev, &mut self.act, t * inter, "activations")?;
+            ensure(dev, &mut self.cos, t * d / 2, "activations")?;
+            ensure(dev, &mut self.sin, t * d / 2, "activations")?;
             self.tokens = t.next_power_of_two();
         }
         if n > self.rows {
@@ -462,7 +469,7 @@ impl CudaExecutor {
         let qkv = q + 2 * cfg.num_kv_heads() * d;
         let t = tokens.max(1).next_power_of_two();
         let r = rows.max(1).next_power_of_two();
-        t * (4 * h + 2 * h + 4 * qkv + 2 * q + 2 * q + 8 * inter + 2 * inter)
+        t * (4 * h + 2 * h + 4 * qkv + 2 * q + 2 * q + 8 * inter + 2 * inter + 4 * d)
             + r * (2 * h + 4 * cfg.vocab_size() + 4)
     }
 
@@ -583,6 +590,21 @@ impl CudaExecutor {
                 Arg::F32(1.0),
             ],
         )?;
+        let half = d / 2;
+        let (cs, sn) = (dev.ptr(&s.cos), dev.ptr(&s.sin));
+        dev.launch(
+            "rope_table",
+            ((t * half).div_ceil(256) as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(m(plan.at_pos)),
+                Arg::Ptr(dev.ptr(&self.inv_freq)),
+                Arg::Ptr(cs),
+                Arg::Ptr(sn),
+                Arg::I32(half as i32),
+                Arg::I32((t * half) as i32),
+            ],
+        )?;
         for (li, lw) in self.w.layers.iter().enumerate() {
             dev.launch(
                 "rms_norm",
@@ -605,9 +627,9 @@ impl CudaExecutor {
                 &[
                     Arg::Ptr(qkv),
                     Arg::Ptr(lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b))),
-                    Arg::Ptr(m(plan.at_pos)),
+                    Arg::Ptr(cs),
+                    Arg::Ptr(sn),
                     Arg::Ptr(m(plan.at_slots)),
-                    Arg::Ptr(dev.ptr(&self.inv_freq)),
                     Arg::Ptr(q),
                     Arg::Ptr(pool),
                     Arg::Shape(self.shape),
@@ -747,6 +769,18 @@ impl CudaExecutor {
             .memcpy_dtoh(&self.s.ids.slice(0..n), &mut out)?;
         self.dev.synchronize()?;
         Ok(out)
+    }
+
+    /// [`CudaExecutor::forward_greedy`] launch by launch, timing each kernel and product: milliseconds
+    /// per name, largest first, with the number of launches.
+    pub fn profile_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<(String, f64, usize)>> {
+        let graphs = std::mem::replace(&mut self.use_graphs, false);
+        let start = self.dev.profile_begin()?;
+        let run = self.forward_greedy(batch);
+        let profile = self.dev.profile_end(start);
+        self.use_graphs = graphs;
+        run?;
+        profile
     }
 
     fn check_block(&self, block: u32) -> Result<usize> {
