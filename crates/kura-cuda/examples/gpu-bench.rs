@@ -131,6 +131,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ));
     }
 
+    // The same 16,384-token prefill with every key tile masked (what skipping whole tiles' masks saves).
+    if std::env::var_os("KURA_BENCH_MASK_AB").is_some() {
+        let p = tokens(16_384, 16_384, vocab);
+        gpu.set_mask_all_tiles(true);
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            gpu.forward_greedy(&[one(&p, 0, &table)])?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        gpu.set_mask_all_tiles(false);
+        println!(
+            "{{\"peer\":\"kura\",\"what\":\"prefill_mask_all\",\"tokens\":16384,\"ms\":{:.1}}}",
+            median(times)
+        );
+    }
+
     // TTFT of 4,096 tokens with the first 4,080 cached (255 whole blocks).
     let p = tokens(4096, 99, vocab);
     gpu.forward_greedy(&[one(&p[..4080], 0, &table)])?;
@@ -178,34 +195,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (batch * steps) as f64 / s,
         1e3 * s / steps as f64
     ));
-    // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
-    // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
-    let p1 = tokens(1024, 7, vocab);
-    gpu.forward_greedy(&[one(&p1, 0, &table)])?;
-    let long = tokens(16_384, 16_384, vocab);
-    let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
-    let b64: Vec<SeqInput<'_>> = (0..batch)
-        .map(|i| one(&toks[i], ctx + steps - 1, &tables[i]))
-        .collect();
-    for (what, items) in [
-        ("decode_b1", vec![one(&[5], 1024, &table)]),
-        ("decode_b64", b64),
-        ("prefill_16384", vec![one(&long, 0, &table)]),
-    ] {
-        gpu.forward_greedy(&items)?;
-        let prof = gpu.profile_greedy(&items)?;
-        let total: f64 = prof.iter().map(|p| p.1).sum();
-        let top: Vec<String> = prof
-            .iter()
-            .take(12)
-            .map(|(k, ms, n)| format!("{{\"kernel\":\"{k}\",\"ms\":{ms:.3},\"launches\":{n}}}"))
-            .collect();
-        println!(
-            "{{\"what\":\"profile\",\"step\":\"{what}\",\"total_ms\":{total:.3},\"top\":[{}]}}",
-            top.join(",")
-        );
-    }
-
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device())?;
     let bound = bandwidth / weight_bytes as f64;
@@ -222,6 +211,40 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ));
     }
     println!("[{}]", results.join(","));
+    let mut profile = || -> Result<(), Box<dyn std::error::Error>> {
+        // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
+        // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
+        let p1 = tokens(1024, 7, vocab);
+        gpu.forward_greedy(&[one(&p1, 0, &table)])?;
+        let long = tokens(16_384, 16_384, vocab);
+        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+        let b64: Vec<SeqInput<'_>> = (0..batch)
+            .map(|i| one(&toks[i], ctx + steps - 1, &tables[i]))
+            .collect();
+        for (what, items) in [
+            ("decode_b1", vec![one(&[5], 1024, &table)]),
+            ("decode_b64", b64),
+            ("prefill_16384", vec![one(&long, 0, &table)]),
+        ] {
+            gpu.forward_greedy(&items)?;
+            let prof = gpu.profile_greedy(&items)?;
+            let total: f64 = prof.iter().map(|p| p.1).sum();
+            let top: Vec<String> = prof
+                .iter()
+                .take(12)
+                .map(|(k, ms, n)| format!("{{\"kernel\":\"{k}\",\"ms\":{ms:.3},\"launches\":{n}}}"))
+                .collect();
+            println!(
+                "{{\"what\":\"profile\",\"step\":\"{what}\",\"total_ms\":{total:.3},\"top\":[{}]}}",
+                top.join(",")
+            );
+        }
+
+        Ok(())
+    };
+    if let Err(e) = profile() {
+        eprintln!("gpu-bench: profiling: {e}");
+    }
     Ok(())
 }
 

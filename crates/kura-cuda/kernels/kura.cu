@@ -413,7 +413,8 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool,
 
 template <typename KV, int D>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
-                             PoolShape p, int layer, int heads, int window, float scale_log2, int tiles) {
+                             PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
+                             int mask_all) {
   constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
@@ -481,7 +482,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       }
       // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8. A tile every
       // row of the warp sees whole needs no mask.
-      bool whole = kt + BC - 1 <= pos0 + warp * 16 && (window <= 0 || kt > warp_last - window);
+      bool whole = !mask_all && kt + BC - 1 <= pos0 + warp * 16 && (window <= 0 || kt > warp_last - window);
       float mx0 = m0, mx1 = m1;
 #pragma unroll
       for (int nt = 0; nt < BC / 8; nt++) {
@@ -559,8 +560,8 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
 #define ATTN_PREFILL(KVN, KVT, D)                                                                            \
   extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_##KVN##_##D(                                 \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles) {                                        \
-    attn_prefill<KVT, D>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles);       \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
   }
 ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)

@@ -139,7 +139,9 @@ impl Device {
     /// Starts timing every launch (host-synchronised at the end; not for graphs): see
     /// [`Device::profile_end`].
     pub fn profile_begin(&self) -> Result<cudarc::driver::CudaEvent> {
-        let start = self.ctx.new_event(None)?;
+        let start = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
         start.record(&self.stream)?;
         *self.marks.borrow_mut() = Some(Vec::new());
         Ok(start)
@@ -170,7 +172,9 @@ impl Device {
 
     fn mark(&self, name: impl FnOnce() -> String) -> Result<()> {
         if let Some(marks) = self.marks.borrow_mut().as_mut() {
-            let ev = self.ctx.new_event(None)?;
+            let ev = self
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             ev.record(&self.stream)?;
             marks.push((name(), ev));
         }

@@ -302,6 +302,7 @@ pub struct CudaExecutor {
     /// Captured decode steps by shape (tokens, sequences, split tokens, splits).
     graphs: Graphs,
     use_graphs: bool,
+    mask_all_tiles: bool,
 }
 
 /// Captured graphs by step shape.
@@ -431,7 +432,14 @@ impl CudaExecutor {
             prefill_min: PREFILL_MIN,
             graphs: Graphs::default(),
             use_graphs: true,
+            mask_all_tiles: false,
         })
+    }
+
+    /// Masks every key tile of the prefill kernel, not only those that cross a row's last key or window
+    /// (the same results: for measuring what skipping the mask saves).
+    pub fn set_mask_all_tiles(&mut self, on: bool) {
+        self.mask_all_tiles = on;
     }
 
     /// Runs decode steps as captured graphs (the default) or launch by launch (tests compare the two).
@@ -687,6 +695,7 @@ impl CudaExecutor {
                         Arg::I32(window),
                         Arg::F32(scale_log2),
                         Arg::I32(plan.tiles as i32),
+                        Arg::I32(self.mask_all_tiles as i32),
                     ],
                 )?;
             }
