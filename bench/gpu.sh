@@ -3,7 +3,9 @@
 # weights (bench/gpu/llama-3.1-8b.json): batch-1 decode after 1,024 tokens (and its share of the HBM
 # bound), prefill TTFT at 4,096 and 16,384 tokens, decode at batch 64 with 1,024 tokens of context, and
 # the TTFT of a 4,096-token prompt with 4,080 cached. Needs gpu-bin/ (scripts/gpu-build.sh).
-# Writes the JSON lines of both to OUT_DIR (default: a temporary folder) and prints a table.
+# Writes the JSON lines of both to OUT_DIR (default: a temporary folder) and prints a table. With
+# KURA_GPU_SERVE_MODEL set to a model directory, also runs `kura bench shared-prefix` against
+# `kura serve --device cuda` on that model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu/env.sh
@@ -13,3 +15,17 @@ mkdir -p "$out"
 gpu-bin/gpu-bench bench/gpu/llama-3.1-8b.json | tee "$out/kura.jsonl"
 python3 bench/gpu/hf_peer.py | tee "$out/hf.jsonl"
 python3 bench/gpu/table.py "$out/kura.jsonl" "$out/hf.jsonl"
+if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
+  port=8391
+  gpu-bin/kura serve --device cuda --model "$KURA_GPU_SERVE_MODEL" --port $port --kv-cache-memory 8GiB \
+    > "$out/serve.log" 2>&1 &
+  serve_pid=$!
+  for _ in $(seq 120); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
+    sleep 0.5
+  done
+  gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" --groups 4 --users-per-group 8 \
+    --system-tokens 2000 --question-tokens 50 --output-tokens 32 --out "$(mktemp -d)/shared-prefix" 2>&1 | tail -25
+  kill $serve_pid
+  wait $serve_pid 2>/dev/null || true
+fi

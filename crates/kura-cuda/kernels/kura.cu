@@ -54,27 +54,49 @@ extern "C" __global__ void embed(const u32* tokens, const bf16* table, float* x,
 }
 
 // RMSNorm of f32 rows into bf16: out[r] = x[rows[r]] / rms · w (rows == null: row r is x's row r).
-// One block per output row.
-extern "C" __global__ void rms_norm(const float* x, const int* rows, const float* w, bf16* out, int hidden,
-                                    float eps) {
+// One block per output row; each thread holds at most 4 float4 of the row (hidden ≤ 16 × blockDim).
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
+                                    const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
   __shared__ float red[32];
   int r = blockIdx.x;
-  const float* xr = x + (size_t)(rows ? rows[r] : r) * hidden;
+  const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(rows ? rows[r] : r) * hidden);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  int n4 = hidden / 4;
+  float4 v[4];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) ss += xr[i] * xr[i];
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    int i = threadIdx.x + k * blockDim.x;
+    if (i < n4) {
+      v[k] = xr[i];
+      ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    }
+  }
   ss = block_sum(ss, red);
   float inv = rsqrtf(ss / (float)hidden + eps);
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-    out[(size_t)r * hidden + i] = __float2bfloat16(xr[i] * inv * w[i]);
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * hidden);
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    int i = threadIdx.x + k * blockDim.x;
+    if (i < n4) {
+      float4 g = w4[i];
+      o[2 * i] = __floats2bfloat162_rn(v[k].x * inv * g.x, v[k].y * inv * g.y);
+      o[2 * i + 1] = __floats2bfloat162_rn(v[k].z * inv * g.z, v[k].w * inv * g.w);
+    }
+  }
 }
 
-// out[t] = SiLU(gate[t]) · up[t] into bf16, where a token's row of `gu` is [gate | up].
-extern "C" __global__ void silu_mul(const float* gu, bf16* out, int inter, int total) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
+// out[t] = SiLU(gate[t]) · up[t] into bf16, where a token's row of `gu` is [gate | up]; four columns a
+// thread (inter % 4 == 0).
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, bf16* __restrict__ out, int inter, int total) {
+  int i = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (i >= total) return;
   int t = i / inter, c = i - t * inter;
-  float g = gu[(size_t)t * 2 * inter + c], u = gu[(size_t)t * 2 * inter + inter + c];
-  out[i] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+  float4 g = *reinterpret_cast<const float4*>(gu + (size_t)t * 2 * inter + c);
+  float4 u = *reinterpret_cast<const float4*>(gu + (size_t)t * 2 * inter + inter + c);
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + i);
+  o[0] = __floats2bfloat162_rn(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y);
+  o[1] = __floats2bfloat162_rn(g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -102,17 +124,21 @@ extern "C" __global__ void rope_table(const int* pos, const float* inv_freq, flo
 }
 
 // Bias, RoPE and the KV write of each new token: q (bf16, `[t][head][d]`) for attention, K and V into
-// their slot of `layer`. One block per token; `style` 0 rotates (i, i + d/2) (HF), 1 rotates (2i, 2i+1).
+// their slot of `layer`. Block (token, chunk of 256 items); an item is one rotated pair of q or K, or one
+// element of V. `style` 0 rotates (i, i + d/2) (HF), 1 rotates (2i, 2i+1).
 template <typename KV>
-__device__ void rope_store(const float* qkv, const float* bias, const float* cs, const float* sn,
-                           const int* slot_block, bf16* q, KV* pool, PoolShape p, int layer, int heads, int style) {
+__device__ void rope_store(const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ cs,
+                           const float* __restrict__ sn, const int* __restrict__ slot_block, bf16* __restrict__ q,
+                           KV* __restrict__ pool, PoolShape p, int layer, int heads, int style) {
   int t = blockIdx.x;
   int d = p.head_dim, half = d / 2;
   int qd = heads * d, kvd = p.kv_heads * d;
+  int pairs = (heads + p.kv_heads) * half;
+  int i = blockIdx.y * blockDim.x + threadIdx.x;
+  if (i >= pairs + kvd) return;
   const float* row = qkv + (size_t)t * (qd + 2 * kvd);
   int block = slot_block[2 * t], slot = slot_block[2 * t + 1];
-  int pairs = (heads + p.kv_heads) * half;
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+  if (i < pairs) {
     int head = i / half, j = i - head * half;
     int a = style == 0 ? j : 2 * j, b = style == 0 ? j + half : 2 * j + 1;
     int base = head * d;  // heads of q, then heads of k, in the row
@@ -129,11 +155,10 @@ __device__ void rope_store(const float* qkv, const float* bias, const float* cs,
       ko[a] = from_f<KV>(y0);
       ko[b] = from_f<KV>(y1);
     }
-  }
-  for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-    int head = i / d, j = i - head * d;
-    float v = row[qd + kvd + i];
-    if (bias) v += bias[qd + kvd + i];
+  } else {
+    int e = i - pairs, head = e / d, j = e - head * d;
+    float v = row[qd + kvd + e];
+    if (bias) v += bias[qd + kvd + e];
     pool[pool_at(p, block, layer, 1, head, slot) + j] = from_f<KV>(v);
   }
 }
@@ -178,13 +203,12 @@ __device__ __forceinline__ void load8(const float* p, float* f) {
 template <typename KV, int D, int G>
 __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, const int* tok_info, float* part,
                            PoolShape p, int layer, int heads, int max_splits, float scale_log2) {
-  constexpr int LPK = D / 8;         // threads per key row in the weighted sum, 8 dimensions each
+  constexpr int LPK = D / 8;         // threads per key row, 8 dimensions each (16-byte loads)
   constexpr int KPW = 32 / LPK;      // keys a warp covers at once
   constexpr int GC = G < 8 ? G : 8;  // heads per pass of the weighted sum
-  __shared__ __align__(16) float qs[G * D];
   __shared__ float ps[G][SPLIT];
   __shared__ float stat[G][2];
-  __shared__ size_t vofs[SPLIT];
+  __shared__ size_t kofs[SPLIT];
   __shared__ __align__(16) float acc[4][GC][D];
   int ti = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   int row = tok_info[4 * ti], qpos = tok_info[4 * ti + 1], toff = tok_info[4 * ti + 2], lo = tok_info[4 * ti + 3];
@@ -201,41 +225,50 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     }
     return;
   }
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x)
-    qs[i] = __bfloat162float(q[(size_t)row * heads * D + (size_t)kvh * group * D + i]);
-  __syncthreads();
-  int tid = threadIdx.x;
-  // Scores: one key a thread.
+  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int c = (lane % LPK) * 8, kq = lane / LPK;
+  // Where each key's K row starts (V's follows K's region of the layer).
   if (tid < n) {
     int kp = k0 + tid;
-    int blk = tables[toff + kp / p.block_size];
-    size_t kat = pool_at(p, blk, layer, 0, kvh, kp % p.block_size);
-    vofs[tid] = kat + (size_t)p.kv_heads * p.block_size * D;  // V follows K in the block
-    const KV* k = pool + kat;
-    float s[G];
+    kofs[tid] = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size);
+  }
+  // This thread's 8 dimensions of every query head of the group.
+  float qr[G][8];
 #pragma unroll
-    for (int g = 0; g < G; g++) s[g] = 0.f;
-#pragma unroll 4
-    for (int i = 0; i < D; i += 8) {
-      float kf[8];
-      load8(k + i, kf);
+  for (int g = 0; g < G; g++) {
+    if (g < group) {
+      const bf16* qg = q + (size_t)row * heads * D + (size_t)(kvh * group + g) * D + c;
 #pragma unroll
-      for (int g = 0; g < G; g++) {
-        if (g < group) {
-          const float4* qv = reinterpret_cast<const float4*>(qs + g * D + i);
-          float4 a = qv[0], b = qv[1];
-          s[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] +
-                  b.w * kf[7];
-        }
-      }
+      for (int j = 0; j < 8; j++) qr[g][j] = __bfloat162float(qg[j]);
+    }
+  }
+  __syncthreads();
+  // Scores: LPK threads a key (coalesced 16-byte loads of its row), summed across them by shuffles.
+  const size_t vstride = (size_t)p.kv_heads * p.block_size * D;
+  for (int ib = warp * KPW; ib < n; ib += 4 * KPW) {
+    int i = ib + kq;
+    bool ok = i < n;
+    float kf[8];
+    if (ok) {
+      load8(pool + kofs[i] + c, kf);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++) kf[j] = 0.f;
     }
 #pragma unroll
-    for (int g = 0; g < G; g++)
-      if (g < group) ps[g][tid] = s[g] * scale_log2;
+    for (int g = 0; g < G; g++) {
+      if (g < group) {
+        float sg = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) sg += qr[g][j] * kf[j];
+#pragma unroll
+        for (int off = LPK / 2; off > 0; off >>= 1) sg += __shfl_xor_sync(0xffffffffu, sg, off);
+        if (ok && lane % LPK == 0) ps[g][i] = sg * scale_log2;
+      }
+    }
   }
   __syncthreads();
   // Max and sum per head: warp w takes heads w, w + 4, ...
-  int warp = tid >> 5, lane = tid & 31;
   for (int g = warp; g < group; g += 4) {
     float m = KURA_NEG_INF;
     for (int i = lane; i < n; i += 32) m = fmaxf(m, ps[g][i]);
@@ -251,7 +284,6 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
   }
   __syncthreads();
   // Weighted V: thread (key slot, 8 dimensions); a warp takes KPW keys at once, the 4 warps interleave.
-  int c = (lane % LPK) * 8, kq = warp * KPW + lane / LPK;
   for (int g0 = 0; g0 < group; g0 += GC) {
     float o[GC][8];
 #pragma unroll
@@ -259,9 +291,9 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
 #pragma unroll
       for (int j = 0; j < 8; j++) o[g][j] = 0.f;
 #pragma unroll 2
-    for (int i = kq; i < n; i += 4 * KPW) {
+    for (int i = warp * KPW + kq; i < n; i += 4 * KPW) {
       float v[8];
-      load8(pool + vofs[i] + c, v);
+      load8(pool + kofs[i] + vstride + c, v);
 #pragma unroll
       for (int g = 0; g < GC; g++) {
         if (g0 + g < group) {

@@ -584,7 +584,8 @@ impl CudaExecutor {
             .find(|g| *g >= group)
             .unwrap_or(16);
         let window = c.sliding_window().map_or(0, |w| w as i32);
-        let norm_threads = 256u32;
+        // A thread a float4 of the row (at most 4 each).
+        let norm_threads = (h / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
 
         dev.launch(
             "embed",
@@ -628,10 +629,11 @@ impl CudaExecutor {
                 ],
             )?;
             dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
+            let items = (heads + kvh) * half + kvh * d;
             dev.launch(
                 &format!("rope_store_{kv}"),
-                (t as u32, 1, 1),
-                128,
+                (t as u32, items.div_ceil(256) as u32, 1),
+                256,
                 &[
                     Arg::Ptr(qkv),
                     Arg::Ptr(lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b))),
@@ -717,7 +719,7 @@ impl CudaExecutor {
             let total = t * inter;
             dev.launch(
                 "silu_mul",
-                (total.div_ceil(256) as u32, 1, 1),
+                ((total / 4).div_ceil(256) as u32, 1, 1),
                 256,
                 &[
                     Arg::Ptr(gu),

@@ -68,6 +68,12 @@ pub fn check_supported(c: &ModelConfig) -> Result<()> {
             return unsupported(format!("{what} {n} is not a multiple of 8"));
         }
     }
+    if c.hidden_size() > 16_384 {
+        return unsupported(format!(
+            "hidden_size {}: the GPU's RMSNorm takes at most 16,384",
+            c.hidden_size()
+        ));
+    }
     let windows: Vec<Option<usize>> = (0..c.num_layers()).map(|l| c.layer_window(l)).collect();
     if windows.windows(2).any(|w| w[0] != w[1]) {
         return unsupported("layers with different attention windows run on the CPU only".into());
