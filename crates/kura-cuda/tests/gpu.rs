@@ -231,33 +231,73 @@ fn greedy(
     }
 }
 
-/// Largest top-2 logit gap at which two computations of the same step (different kernels, different
-/// rounding of the same sums) may pick different tokens.
-const NEAR_TIE: f32 = 0.02;
+/// The logits of each step when `prompt` (from `cached` on, in chunks of `chunk`) is followed by the
+/// given `tokens` (teacher forcing): the same sequence as another path's greedy run, so that the two
+/// paths' logits can be compared step by step.
+fn forced(
+    gpu: &mut CudaExecutor,
+    prompt: &[u32],
+    cached: usize,
+    chunk: usize,
+    table: &[u32],
+    tokens: &[u32],
+) -> Vec<Vec<f32>> {
+    let mut pos = cached;
+    let mut logits = Vec::new();
+    while pos < prompt.len() {
+        let end = pos.saturating_add(chunk).min(prompt.len());
+        logits = gpu
+            .forward_logits(&[one(&prompt[pos..end], pos, table)])
+            .unwrap();
+        pos = end;
+    }
+    let mut out = vec![logits];
+    for t in &tokens[..tokens.len() - 1] {
+        out.push(gpu.forward_logits(&[one(&[*t], pos, table)]).unwrap());
+        pos += 1;
+    }
+    out
+}
 
-/// `got` equals `want`, or differs first at a step where `want`'s two best logits were within
-/// [`NEAR_TIE`] (after which the continuations differ by construction). Returns the steps that agree.
-fn same_up_to_near_tie(want: &(Vec<u32>, Vec<f32>), got: &[u32], what: &str) -> usize {
-    match want.0.iter().zip(got).position(|(a, b)| a != b) {
-        None => {
-            assert_eq!(want.0.len(), got.len(), "{what}");
-            want.0.len()
-        }
-        Some(i) => {
-            println!(
-                "{what}: diverges at step {i} ({} vs {}), where the top-2 gap was {}",
-                want.0[i], got[i], want.1[i]
-            );
+/// Another path (cached prefix, chunked prefill: other kernels and other row counts in the products)
+/// against the cold run, teacher-forced on the cold run's tokens: its logits within [`LOGITS_TOL`] at
+/// every step, and the same greedy token wherever the cold run's two best logits are further apart than
+/// twice the largest difference between the two paths' logits (elsewhere rounding may pick either).
+fn same_path(
+    cold: &(Vec<u32>, Vec<f32>),
+    cold_logits: &[Vec<f32>],
+    other: &[Vec<f32>],
+    what: &str,
+) {
+    let mut flips = 0;
+    let mut worst = 0f64;
+    for (i, (a, b)) in cold_logits.iter().zip(other).enumerate() {
+        let (rel, _) = errors(b, a);
+        worst = worst.max(rel);
+        assert!(
+            rel <= LOGITS_TOL,
+            "{what}: step {i}: logits {rel:.2e} from the cold run's"
+        );
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        if argmax(b) != cold.0[i] {
+            flips += 1;
             assert!(
-                want.1[i] < NEAR_TIE,
-                "{what}: token {i} differs ({} vs {}) with a top-2 gap of {}",
-                want.0[i],
-                got[i],
-                want.1[i]
+                cold.1[i] <= 2.0 * d,
+                "{what}: step {i}: token {} instead of {} where the top-2 gap {} exceeds twice the logit \
+                 difference {d}",
+                argmax(b),
+                cold.0[i],
+                cold.1[i]
             );
-            i
         }
     }
+    println!(
+        "{what}: logits within {worst:.2e} of the cold run's at every step; {flips} near-tie flips"
+    );
 }
 
 #[test]
@@ -306,18 +346,49 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
     }
     // A cached prefix (the first 8 blocks of sequence A, 128 tokens, under fresh blocks) and chunked
     // prefill (50 tokens a step: the split kernel; 100: the prefill kernel) multiply other row counts,
-    // which cuBLAS may sum in another order: the same tokens unless a step is a near-tie.
+    // which cuBLAS may sum in another order: compared step by step on the cold run's tokens.
     let table_b: Vec<u32> = table_a[..8]
         .iter()
         .copied()
         .chain(100..100 + (total.div_ceil(16) - 8) as u32)
         .collect();
+    // On this model (chaotic: 30 layers of wide random weights) the paths' rounding differences grow
+    // until a step picks another token: where, for the record.
     gpu.forward_greedy(&[one(p, 0, &table_a)]).unwrap();
-    let cached = greedy(&mut gpu, p, 128, usize::MAX, &table_b, n);
-    same_up_to_near_tie(&cold, &cached.0, "128 cached tokens");
+    for (what, cached, chunk, table) in [
+        ("128 cached tokens", 128, usize::MAX, &table_b),
+        ("chunks of 50", 0, 50, &table_a),
+        ("chunks of 100", 0, 100, &table_a),
+    ] {
+        let other = greedy(&mut gpu, p, cached, chunk, table, n);
+        match cold.0.iter().zip(&other.0).position(|(a, b)| a != b) {
+            None => println!("smolw, {what}: the same {n} tokens"),
+            Some(i) => println!(
+                "smolw, {what}: the same first {i} tokens, then {} for {} (the cold run's top-2 gap there: {})",
+                other.0[i], cold.0[i], cold.1[i]
+            ),
+        }
+    }
+    // On `smol` (HF's default spread), step by step on the cold run's tokens: the logits of a cached
+    // prefix and of chunked prefill within 1e-2 of the cold run's, and the same tokens but at near-ties.
+    let mut gs = exec("smol", KvDtype::Bf16, 16, 200);
+    let cold_s = greedy(&mut gs, p, 0, usize::MAX, &table_a, n);
+    let cold_logits = forced(&mut gs, p, 0, usize::MAX, &table_a, &cold_s.0);
+    assert_eq!(
+        cold_logits.iter().map(|l| argmax(l)).collect::<Vec<_>>(),
+        cold_s.0,
+        "teacher forcing on its own tokens replays the cold run"
+    );
+    let cached = forced(&mut gs, p, 128, usize::MAX, &table_b, &cold_s.0);
+    same_path(&cold_s, &cold_logits, &cached, "smol, 128 cached tokens");
     for chunk in [50, 100] {
-        let chunked = greedy(&mut gpu, p, 0, chunk, &table_a, n);
-        same_up_to_near_tie(&cold, &chunked.0, &format!("chunks of {chunk}"));
+        let chunked = forced(&mut gs, p, 0, chunk, &table_a, &cold_s.0);
+        same_path(
+            &cold_s,
+            &cold_logits,
+            &chunked,
+            &format!("smol, chunks of {chunk}"),
+        );
     }
     // Batched decode: four sequences stepping together give each the tokens it gets alone (the decode
     // products and attention compute each row alike at any batch size).
