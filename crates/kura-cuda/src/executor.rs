@@ -614,20 +614,24 @@ impl CudaExecutor {
                 Arg::I32((t * half) as i32),
             ],
         )?;
-        for (li, lw) in self.w.layers.iter().enumerate() {
+        // RMSNorm of `rows` rows of x (the rows `index` lists, or the first ones when 0) into `out`.
+        let norm = |rows: usize, index: u64, weight: u64, out: u64| {
             dev.launch(
                 "rms_norm",
-                (t as u32, 1, 1),
+                (rows as u32, 1, 1),
                 norm_threads,
                 &[
                     Arg::Ptr(x),
-                    Arg::Ptr(0),
-                    Arg::Ptr(dev.ptr(&lw.attn_norm)),
-                    Arg::Ptr(xn),
+                    Arg::Ptr(index),
+                    Arg::Ptr(weight),
+                    Arg::Ptr(out),
                     Arg::I32(h as i32),
                     Arg::F32(eps),
                 ],
-            )?;
+            )
+        };
+        for (li, lw) in self.w.layers.iter().enumerate() {
+            norm(t, 0, dev.ptr(&lw.attn_norm), xn)?;
             dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
             let items = (heads + kvh) * half + kvh * d;
             dev.launch(
@@ -702,19 +706,7 @@ impl CudaExecutor {
                 )?;
             }
             dev.matmul(attn, t, dev.ptr(&lw.wo), h, q_dim, x, true)?;
-            dev.launch(
-                "rms_norm",
-                (t as u32, 1, 1),
-                norm_threads,
-                &[
-                    Arg::Ptr(x),
-                    Arg::Ptr(0),
-                    Arg::Ptr(dev.ptr(&lw.ffn_norm)),
-                    Arg::Ptr(xn),
-                    Arg::I32(h as i32),
-                    Arg::F32(eps),
-                ],
-            )?;
+            norm(t, 0, dev.ptr(&lw.ffn_norm), xn)?;
             dev.matmul(xn, t, dev.ptr(&lw.w_gate_up), 2 * inter, h, gu, false)?;
             let total = t * inter;
             dev.launch(
@@ -731,19 +723,7 @@ impl CudaExecutor {
             dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
         }
         let last = dev.ptr(&s.last);
-        dev.launch(
-            "rms_norm",
-            (n as u32, 1, 1),
-            norm_threads,
-            &[
-                Arg::Ptr(x),
-                Arg::Ptr(m(plan.at_last)),
-                Arg::Ptr(dev.ptr(&self.w.final_norm)),
-                Arg::Ptr(last),
-                Arg::I32(h as i32),
-                Arg::F32(eps),
-            ],
-        )?;
+        norm(n, m(plan.at_last), dev.ptr(&self.w.final_norm), last)?;
         let head = dev.ptr(self.w.lm_head.as_ref().unwrap_or(&self.w.embed));
         dev.matmul(last, n, head, vocab, h, dev.ptr(&s.logits), false)
     }

@@ -191,6 +191,27 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// `prompt` from position `cached` on (the positions before it already in the table's blocks), in
+/// chunks of `chunk` tokens: the last chunk's logits and the next position.
+fn prefill(
+    gpu: &mut CudaExecutor,
+    prompt: &[u32],
+    cached: usize,
+    chunk: usize,
+    table: &[u32],
+) -> (Vec<f32>, usize) {
+    let mut pos = cached;
+    let mut logits = Vec::new();
+    while pos < prompt.len() {
+        let end = pos.saturating_add(chunk).min(prompt.len());
+        logits = gpu
+            .forward_logits(&[one(&prompt[pos..end], pos, table)])
+            .unwrap();
+        pos = end;
+    }
+    (logits, pos)
+}
+
 /// Greedy tokens of `prompt` on `gpu`, with the gap between the two largest logits at each step: the
 /// prompt in chunks of `chunk` tokens from `cached` on (positions before `cached` are already in the
 /// table's blocks), then decode steps up to `n` tokens.
@@ -202,15 +223,7 @@ fn greedy(
     table: &[u32],
     n: usize,
 ) -> (Vec<u32>, Vec<f32>) {
-    let mut pos = cached;
-    let mut logits = Vec::new();
-    while pos < prompt.len() {
-        let end = pos.saturating_add(chunk).min(prompt.len());
-        logits = gpu
-            .forward_logits(&[one(&prompt[pos..end], pos, table)])
-            .unwrap();
-        pos = end;
-    }
+    let (mut logits, mut pos) = prefill(gpu, prompt, cached, chunk, table);
     let (mut out, mut gaps) = (Vec::new(), Vec::new());
     loop {
         let next = argmax(&logits);
@@ -242,15 +255,7 @@ fn forced(
     table: &[u32],
     tokens: &[u32],
 ) -> Vec<Vec<f32>> {
-    let mut pos = cached;
-    let mut logits = Vec::new();
-    while pos < prompt.len() {
-        let end = pos.saturating_add(chunk).min(prompt.len());
-        logits = gpu
-            .forward_logits(&[one(&prompt[pos..end], pos, table)])
-            .unwrap();
-        pos = end;
-    }
+    let (logits, mut pos) = prefill(gpu, prompt, cached, chunk, table);
     let mut out = vec![logits];
     for t in &tokens[..tokens.len() - 1] {
         out.push(gpu.forward_logits(&[one(&[*t], pos, table)]).unwrap());
