@@ -1,5 +1,6 @@
-//! `kura generate`: runs one prompt through the model on the CPU, streams the text, and reports load
-//! time, time to first token, inter-token latency and prompt/decode throughput (`--json` for machines).
+//! `kura generate`: runs one prompt through the model on the CPU (or a GPU, `--device cuda`), streams the
+//! text, and reports load time, time to first token, inter-token latency and prompt/decode throughput
+//! (`--json` for machines).
 //!
 //! With `--no-kv-cache` every step recomputes the whole sequence from scratch (the classic comparison
 //! that shows what the KV cache buys); otherwise the prompt is prefilled once and each new token is one
@@ -32,6 +33,10 @@ pub struct GenerateArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// `cpu` (default), or `cuda` / `cuda:N`: the forward pass on GPU N (Llama-family models, bf16
+    /// weights, bf16 or f32 KV; `--weights-dtype` and `--no-kv-cache` are the CPU's).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Recompute the whole sequence at every step instead of reusing K/V.
     #[arg(long)]
     pub no_kv_cache: bool,
@@ -85,6 +90,12 @@ struct Report {
     text: String,
 }
 
+/// Where the forward pass runs.
+enum Runner<'a> {
+    Cpu(SoloRun<'a>),
+    Gpu(Box<crate::gpu::GpuRun>),
+}
+
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     crate::setup::threads(args.threads)?;
     let path = crate::setup::model_path(args.model.as_ref())?;
@@ -97,27 +108,56 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
 
+    let device =
+        kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+    if device.is_some() && args.no_kv_cache {
+        bail!("--no-kv-cache runs on the CPU only; leave out --device");
+    }
     let t_load = Instant::now();
-    let model = crate::setup::load_model(&path, args.weights_dtype)?;
-    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-
-    let tok = model.tokenizer();
+    // The text side (tokenizer, chat template) and, on the CPU, the model.
+    let (text_side, model) = match device {
+        Some(_) => (
+            std::sync::Arc::new(kura_model::ModelParts::open(&path)?.text),
+            None,
+        ),
+        None => {
+            let m = crate::setup::load_model(&path, args.weights_dtype)?;
+            (m.text().clone(), Some(m))
+        }
+    };
+    let tok = &text_side.tokenizer;
     let prompt = if args.chat {
-        model.encode_chat(&[ChatMessage::new("user", args.prompt.clone())], true)?
+        text_side.chat_template.encode(
+            tok,
+            &[ChatMessage::new("user", args.prompt.clone())],
+            true,
+        )?
     } else {
         tok.encode(&args.prompt, true)?
     };
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let mut run = SoloRun::new(
-        &model,
-        &prompt,
-        args.max_tokens,
-        args.kv_dtype,
-        args.block_size,
-        !args.no_kv_cache,
-    )?;
+    let mut run = match (&model, device) {
+        (Some(m), _) => Runner::Cpu(SoloRun::new(
+            m,
+            &prompt,
+            args.max_tokens,
+            args.kv_dtype,
+            args.block_size,
+            !args.no_kv_cache,
+        )?),
+        (None, Some(ordinal)) => Runner::Gpu(Box::new(crate::gpu::GpuRun::new(
+            ordinal,
+            &path,
+            &prompt,
+            args.max_tokens,
+            args.kv_dtype,
+            args.block_size,
+        )?)),
+        (None, None) => unreachable!("the CPU path loads the model"),
+    };
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let mut sampler = Sampler::new(sampling, &prompt);
     let mut decoder = IncrementalDecoder::new();
     let mut text = String::new();
@@ -135,8 +175,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut ttft_ms = 0.0;
     for i in 0..args.max_tokens {
         let t_step = Instant::now();
-        let logits = run.next_logits()?;
-        let next = sampler.sample(logits.row(0)).token;
+        let next = match &mut run {
+            Runner::Cpu(r) => sampler.sample(r.next_logits()?.row(0)).token,
+            Runner::Gpu(r) => sampler.sample(&r.next_logits()?).token,
+        };
         let ms = t_step.elapsed().as_secs_f64() * 1e3;
         if i == 0 {
             ttft_ms = ms;
@@ -146,7 +188,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         if !args.ignore_eos && tok.is_stop_token(next) {
             break;
         }
-        run.push(next)?;
+        match &mut run {
+            Runner::Cpu(r) => r.push(next)?,
+            Runner::Gpu(r) => r.push(next),
+        }
         let piece = decoder.push(tok, next)?;
         text.push_str(&piece);
         if !args.json {
@@ -161,7 +206,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         writeln!(stdout, "{tail}")?;
     }
 
-    let generated = run.tokens().len() - prompt.len();
+    let generated = match &run {
+        Runner::Cpu(r) => r.tokens().len(),
+        Runner::Gpu(r) => r.tokens().len(),
+    } - prompt.len();
     let decode_ms: f64 = step_ms.iter().sum();
     let mut sorted = step_ms.clone();
     sorted.sort_by(f64::total_cmp);
@@ -172,8 +220,15 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let report = Report {
         model: path.display().to_string(),
-        weights_dtype: model.weights_dtype().name().to_string(),
-        weight_bytes_per_token: model.weight_bytes_per_token(),
+        weights_dtype: match (&model, &run) {
+            (Some(m), _) => m.weights_dtype().name().to_string(),
+            _ => "bf16 (cuda)".to_string(),
+        },
+        weight_bytes_per_token: match (&model, &run) {
+            (Some(m), _) => m.weight_bytes_per_token(),
+            (None, Runner::Gpu(r)) => r.weight_bytes(),
+            (None, Runner::Cpu(_)) => 0,
+        },
         kv_dtype: args.kv_dtype.to_string(),
         threads: kura_model::num_threads(),
         kv_cache: !args.no_kv_cache,

@@ -120,3 +120,70 @@ impl GpuSetup {
         Ok(exec)
     }
 }
+
+/// One sequence on a GPU for `kura generate --device cuda`: the prompt prefilled in one step, then one
+/// decode step a token, over blocks of its own.
+pub struct GpuRun {
+    exec: CudaExecutor,
+    tokens: Vec<u32>,
+    table: Vec<u32>,
+    /// Tokens whose K/V are in the blocks.
+    computed: usize,
+}
+
+impl GpuRun {
+    /// Loads the model at `path` onto GPU `ordinal` with a pool for `prompt` plus `max_tokens`.
+    pub fn new(
+        ordinal: usize,
+        path: &std::path::Path,
+        prompt: &[u32],
+        max_tokens: usize,
+        kv_dtype: KvDtype,
+        block_size: usize,
+    ) -> Result<Self> {
+        let setup = GpuSetup::load(ordinal, path, kv_dtype, prompt.len().max(1), 1)?;
+        let total = prompt.len() + max_tokens;
+        if total > setup.config.max_context() {
+            bail!(
+                "the prompt ({} tokens) and --max-tokens {max_tokens} exceed the model's context of {}",
+                prompt.len(),
+                setup.config.max_context()
+            );
+        }
+        let blocks = total.div_ceil(block_size.max(1));
+        let layout = setup.config.kv_layout(kv_dtype, block_size)?;
+        let exec = setup.executor(&layout, blocks)?;
+        Ok(GpuRun {
+            exec,
+            tokens: prompt.to_vec(),
+            table: (0..blocks as u32).collect(),
+            computed: 0,
+        })
+    }
+
+    /// The logits after the last token: the tokens not yet in the blocks in one step.
+    pub fn next_logits(&mut self) -> Result<Vec<f32>> {
+        let item = kura_engine::SeqInput {
+            tokens: &self.tokens[self.computed..],
+            start_pos: self.computed,
+            block_table: &self.table,
+            layer_pages: &[],
+        };
+        let logits = self.exec.forward_logits(&[item])?;
+        self.computed = self.tokens.len();
+        Ok(logits)
+    }
+
+    pub fn push(&mut self, token: u32) {
+        self.tokens.push(token);
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Bytes of weights on the device (a decode step reads each matrix once).
+    pub fn weight_bytes(&self) -> usize {
+        self.exec.weight_bytes()
+    }
+}

@@ -224,28 +224,26 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 /// 8 bytes   "kura-kv\0"
 /// u32       encoding version, 2 (version 1 hashed Debug text)
 /// u128      the weights' digest
-/// u32       compute format: f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6, native 7
+/// u32       compute format: f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6, native 7 (the CPU
+///           runtime's weights), the CUDA executor 8 (its kernels round otherwise: a GPU's blocks
+///           and a CPU's are never served for each other)
 /// ...       the layout, KvLayout::encode_for_fingerprint
 /// u128      the digest of the KV encoding (the key offsets quantised formats subtract)
 /// ```
 ///
 /// A change of any of it makes blocks cached on disk under the old fingerprint foreign: the disk tier
 /// deletes them at start and the server says so.
-fn kv_fingerprint(
-    weights: u128,
-    weights_dtype: WeightsDtype,
-    layout: &KvLayout,
-    encoding: u128,
-) -> u128 {
+fn kv_fingerprint(weights: u128, compute: Compute, layout: &KvLayout, encoding: u128) -> u128 {
     const VERSION: u32 = 2;
-    let compute: u32 = match weights_dtype {
-        WeightsDtype::F32 => 1,
-        WeightsDtype::F16 => 2,
-        WeightsDtype::Bf16 => 3,
-        WeightsDtype::Fp8 => 4,
-        WeightsDtype::Int8 => 5,
-        WeightsDtype::Int4 => 6,
-        WeightsDtype::Native => 7,
+    let compute: u32 = match compute {
+        Compute::Cpu(WeightsDtype::F32) => 1,
+        Compute::Cpu(WeightsDtype::F16) => 2,
+        Compute::Cpu(WeightsDtype::Bf16) => 3,
+        Compute::Cpu(WeightsDtype::Fp8) => 4,
+        Compute::Cpu(WeightsDtype::Int8) => 5,
+        Compute::Cpu(WeightsDtype::Int4) => 6,
+        Compute::Cpu(WeightsDtype::Native) => 7,
+        Compute::Cuda => 8,
     };
     let mut bytes = Vec::with_capacity(128 + 32 * layout.layers.len());
     bytes.extend_from_slice(b"kura-kv\0");
@@ -255,6 +253,13 @@ fn kv_fingerprint(
     layout.encode_for_fingerprint(&mut bytes);
     bytes.extend_from_slice(&encoding.to_le_bytes());
     xxhash_rust::xxh3::xxh3_128(&bytes)
+}
+
+/// What computes the KV a server caches: the CPU runtime with its weights format, or the CUDA executor.
+#[derive(Debug, Clone, Copy)]
+enum Compute {
+    Cpu(WeightsDtype),
+    Cuda,
 }
 
 /// Longest `--request-timeout-s`: a week.
@@ -435,9 +440,13 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             Box::new(ModelExecutor::new(model.clone(), storage))
         }
     };
+    let compute = match device {
+        Some(_) => Compute::Cuda,
+        None => Compute::Cpu(model.weights_dtype()),
+    };
     let fingerprint = kv_fingerprint(
         model.weights_fingerprint(),
-        model.weights_dtype(),
+        compute,
         &layout,
         model.kv_encoding_fingerprint(args.kv_dtype)?,
     );
@@ -719,22 +728,19 @@ mod tests {
         .unwrap();
         let weights = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
         let encoding = 0x1111_2222_3333_4444_5555_6666_7777_8888;
-        let f = kv_fingerprint(weights, WeightsDtype::Native, &layout, encoding);
+        let native = Compute::Cpu(WeightsDtype::Native);
+        let f = kv_fingerprint(weights, native, &layout, encoding);
         assert_eq!(format!("{f:032x}"), "8c47833dbdbd2a75ef557284b6dc1af6");
         // Each input counts.
         let others = [
-            kv_fingerprint(weights + 1, WeightsDtype::Native, &layout, encoding),
-            kv_fingerprint(weights, WeightsDtype::Bf16, &layout, encoding),
-            kv_fingerprint(weights, WeightsDtype::Native, &layout, encoding + 1),
+            kv_fingerprint(weights + 1, native, &layout, encoding),
+            kv_fingerprint(weights, Compute::Cpu(WeightsDtype::Bf16), &layout, encoding),
+            kv_fingerprint(weights, Compute::Cuda, &layout, encoding),
+            kv_fingerprint(weights, native, &layout, encoding + 1),
+            kv_fingerprint(weights, native, &layout.with_dtype(KvDtype::Int4), encoding),
             kv_fingerprint(
                 weights,
-                WeightsDtype::Native,
-                &layout.with_dtype(KvDtype::Int4),
-                encoding,
-            ),
-            kv_fingerprint(
-                weights,
-                WeightsDtype::Native,
+                native,
                 &layout.with_block_size(32).unwrap(),
                 encoding,
             ),
