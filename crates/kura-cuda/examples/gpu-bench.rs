@@ -19,15 +19,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn one<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
-    SeqInput {
-        tokens,
-        start_pos,
-        block_table: table,
-        layer_pages: &[],
-    }
-}
-
 fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
     let mut s = seed;
     (0..n)
@@ -98,19 +89,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // Warm-up: every kernel and product shape once.
     let table: Vec<u32> = (0..(16_384 / bs) as u32).collect();
     let p = tokens(1024, 7, vocab);
-    gpu.forward_greedy(&[one(&p, 0, &table)])?;
-    gpu.forward_greedy(&[one(&p[..1], 1024, &table)])?;
+    gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
+    gpu.forward_greedy(&[SeqInput::new(&p[..1], 1024, &table)])?;
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs (the default), then launch by launch.
     let mut decode1 = Vec::new();
     for graphs in [true, false] {
         gpu.set_graphs(graphs);
-        let mut next = gpu.forward_greedy(&[one(&p, 0, &table)])?[0];
-        next = gpu.forward_greedy(&[one(&[next], 1024, &table)])?[0];
+        let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
+        next = gpu.forward_greedy(&[SeqInput::new(&[next], 1024, &table)])?[0];
         let steps = 128;
         let t = Instant::now();
         for i in 0..steps {
-            next = gpu.forward_greedy(&[one(&[next], 1025 + i, &table)])?[0];
+            next = gpu.forward_greedy(&[SeqInput::new(&[next], 1025 + i, &table)])?[0];
         }
         decode1.push((graphs, steps as f64 / t.elapsed().as_secs_f64()));
     }
@@ -122,7 +113,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let mut times = Vec::new();
         for _ in 0..3 {
             let t = Instant::now();
-            gpu.forward_greedy(&[one(&p, 0, &table)])?;
+            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         emit(format!(
@@ -138,7 +129,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let mut times = Vec::new();
         for _ in 0..3 {
             let t = Instant::now();
-            gpu.forward_greedy(&[one(&p, 0, &table)])?;
+            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         gpu.set_mask_all_tiles(false);
@@ -150,11 +141,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     // TTFT of 4,096 tokens with the first 4,080 cached (255 whole blocks).
     let p = tokens(4096, 99, vocab);
-    gpu.forward_greedy(&[one(&p[..4080], 0, &table)])?;
+    gpu.forward_greedy(&[SeqInput::new(&p[..4080], 0, &table)])?;
     let mut times = Vec::new();
     for _ in 0..10 {
         let t = Instant::now();
-        gpu.forward_greedy(&[one(&p[4080..], 4080, &table)])?;
+        gpu.forward_greedy(&[SeqInput::new(&p[4080..], 4080, &table)])?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     emit(format!(
@@ -176,7 +167,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for chunk in (0..batch).collect::<Vec<_>>().chunks(8) {
         let items: Vec<SeqInput<'_>> = chunk
             .iter()
-            .map(|i| one(&prompts[*i], 0, &tables[*i]))
+            .map(|i| SeqInput::new(&prompts[*i], 0, &tables[*i]))
             .collect();
         last.extend(gpu.forward_greedy(&items)?);
     }
@@ -184,7 +175,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for step in 0..steps {
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
         let items: Vec<SeqInput<'_>> = (0..batch)
-            .map(|i| one(&toks[i], ctx + step, &tables[i]))
+            .map(|i| SeqInput::new(&toks[i], ctx + step, &tables[i]))
             .collect();
         last = gpu.forward_greedy(&items)?;
     }
@@ -215,16 +206,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
         // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
         let p1 = tokens(1024, 7, vocab);
-        gpu.forward_greedy(&[one(&p1, 0, &table)])?;
+        gpu.forward_greedy(&[SeqInput::new(&p1, 0, &table)])?;
         let long = tokens(16_384, 16_384, vocab);
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
         let b64: Vec<SeqInput<'_>> = (0..batch)
-            .map(|i| one(&toks[i], ctx + steps - 1, &tables[i]))
+            .map(|i| SeqInput::new(&toks[i], ctx + steps - 1, &tables[i]))
             .collect();
         for (what, items) in [
-            ("decode_b1", vec![one(&[5], 1024, &table)]),
+            ("decode_b1", vec![SeqInput::new(&[5], 1024, &table)]),
             ("decode_b64", b64),
-            ("prefill_16384", vec![one(&long, 0, &table)]),
+            ("prefill_16384", vec![SeqInput::new(&long, 0, &table)]),
         ] {
             gpu.forward_greedy(&items)?;
             let prof = gpu.profile_greedy(&items)?;

@@ -893,22 +893,17 @@ mod tests {
         }
     }
 
-    fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
-        SeqInput {
-            tokens,
-            start_pos,
-            block_table: table,
-            layer_pages: &[],
-        }
-    }
-
     #[test]
     fn a_step_packs_tokens_slots_tables_and_routes_sequences_by_length() {
         // Sequence 0: 5 new tokens from position 2 (prefill kernel, one tile); sequence 1: one decode
         // token at position 6 (split kernel).
         let (t0, t1) = ([10u32, 11, 12, 13, 14], [20u32]);
         let (b0, b1) = ([7u32, 3], [1u32, 9, 5]);
-        let p = plan_step(&[seq(&t0, 2, &b0), seq(&t1, 6, &b1)], lim()).unwrap();
+        let p = plan_step(
+            &[SeqInput::new(&t0, 2, &b0), SeqInput::new(&t1, 6, &b1)],
+            lim(),
+        )
+        .unwrap();
         assert_eq!((p.n_tokens, p.n_seqs), (6, 2));
         assert_eq!(&p.meta[p.at_tokens..p.at_pos], &[10, 11, 12, 13, 14, 20]);
         assert_eq!(&p.meta[p.at_pos..p.at_slots], &[2, 3, 4, 5, 6, 6]);
@@ -937,7 +932,7 @@ mod tests {
             prefill_min: 64,
             ..lim()
         };
-        let p = plan_step(&[seq(&t, 0, &table)], l).unwrap();
+        let p = plan_step(&[SeqInput::new(&t, 0, &table)], l).unwrap();
         assert_eq!(p.tiles, 2);
         assert_eq!(
             &p.meta[p.at_tiles..p.at_tables],
@@ -946,7 +941,7 @@ mod tests {
         // One token at position 150 sees 151 keys: two splits of 128; at 300, three, rounded up to
         // four (graph shapes come in powers of two).
         let one = [5u32];
-        let p = plan_step(&[seq(&one, 150, &table)], l).unwrap();
+        let p = plan_step(&[SeqInput::new(&one, 150, &table)], l).unwrap();
         assert_eq!((p.split_tokens, p.max_splits), (1, 2));
         let big: Vec<u32> = (0..80).collect();
         let l80 = StepLimits {
@@ -954,14 +949,17 @@ mod tests {
             ..l
         };
         let p = plan_step(
-            &[seq(&one, 300, &big[..76]), seq(&one, 10, &big[76..])],
+            &[
+                SeqInput::new(&one, 300, &big[..76]),
+                SeqInput::new(&one, 10, &big[76..]),
+            ],
             l80,
         )
         .unwrap();
         assert_eq!((p.split_tokens, p.max_splits), (2, 4));
         // A window of 100 keeps keys 51..=150: one split, starting at 51.
         let p = plan_step(
-            &[seq(&one, 150, &table)],
+            &[SeqInput::new(&one, 150, &table)],
             StepLimits {
                 window: Some(100),
                 ..l
@@ -982,7 +980,7 @@ mod tests {
             (vec![1], 64, vec![0; 17], "beyond the model's context"),
         ];
         for (tokens, start, table, expect) in cases {
-            let err = plan_step(&[seq(&tokens, start, &table)], lim())
+            let err = plan_step(&[SeqInput::new(&tokens, start, &table)], lim())
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(expect), "{expect}: {err}");
@@ -990,9 +988,12 @@ mod tests {
         // Two new tokens writing one slot.
         let (a, b) = ([1u32], [2u32]);
         let table = [0u32];
-        let err = plan_step(&[seq(&a, 1, &table), seq(&b, 1, &table)], lim())
-            .unwrap_err()
-            .to_string();
+        let err = plan_step(
+            &[SeqInput::new(&a, 1, &table), SeqInput::new(&b, 1, &table)],
+            lim(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("also writes"), "{err}");
         // Layer pages (a hybrid pool) are the CPU's.
         let pages = [0u32; 4];

@@ -62,7 +62,7 @@ pub fn check_all() -> Result<()> {
     open_any("cuda").map(drop).ok_or(CudaError::NoLibrary {
         what: "the NVIDIA driver",
         lib: "libcuda.so".into(),
-        hint: "this machine has no NVIDIA driver; install one, or serve with --device cpu",
+        hint: "this machine has no NVIDIA driver; install one, or run with --device cpu",
     })?;
     check_nvrtc()?;
     open_any("cublas").map(drop).ok_or(CudaError::NoLibrary {

@@ -68,15 +68,6 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-fn one<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
-    SeqInput {
-        tokens,
-        start_pos,
-        block_table: table,
-        layer_pages: &[],
-    }
-}
-
 /// The CPU runtime's last-token logits of `prompt` (bf16 weights as stored, `dtype` KV).
 fn cpu_logits(model: &Model, prompt: &[u32], dtype: KvDtype) -> Vec<f32> {
     let bs = 16;
@@ -108,7 +99,7 @@ fn logits_match_the_cpu_runtime_and_hf_transformers() {
         let mut gpu = exec(model, KvDtype::Bf16, 16, 256);
         for (i, p) in prompts.iter().enumerate() {
             let table: Vec<u32> = (0..p.len().div_ceil(16) as u32).collect();
-            let g = gpu.forward_logits(&[one(p, 0, &table)]).unwrap();
+            let g = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
             let hf = read_f32(dir.join(format!("hf_logits_{i}.f32")));
             let (rel_hf, max_hf) = errors(&g, &hf);
             let c = cpu_logits(&cpu, p, KvDtype::Bf16);
@@ -166,8 +157,11 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
             gpu.set_prefill_min(prefill_min);
             let table: Vec<u32> = (1..=blocks as u32).rev().collect();
             // A cached prefix: the first 200 tokens in one step, the rest in a second.
-            gpu.forward_logits(&[one(&p[..200], 0, &table)]).unwrap();
-            let g = gpu.forward_logits(&[one(&p[200..], 200, &table)]).unwrap();
+            gpu.forward_logits(&[SeqInput::new(&p[..200], 0, &table)])
+                .unwrap();
+            let g = gpu
+                .forward_logits(&[SeqInput::new(&p[200..], 200, &table)])
+                .unwrap();
             let (rel, max) = errors(&g, &c);
             let gpu_rel = first.as_ref().map(|f| errors(&g, f).0);
             println!(
@@ -205,7 +199,7 @@ fn prefill(
     while pos < prompt.len() {
         let end = pos.saturating_add(chunk).min(prompt.len());
         logits = gpu
-            .forward_logits(&[one(&prompt[pos..end], pos, table)])
+            .forward_logits(&[SeqInput::new(&prompt[pos..end], pos, table)])
             .unwrap();
         pos = end;
     }
@@ -239,7 +233,9 @@ fn greedy(
         if out.len() == n {
             return (out, gaps);
         }
-        logits = gpu.forward_logits(&[one(&[next], pos, table)]).unwrap();
+        logits = gpu
+            .forward_logits(&[SeqInput::new(&[next], pos, table)])
+            .unwrap();
         pos += 1;
     }
 }
@@ -258,7 +254,10 @@ fn forced(
     let (logits, mut pos) = prefill(gpu, prompt, cached, chunk, table);
     let mut out = vec![logits];
     for t in &tokens[..tokens.len() - 1] {
-        out.push(gpu.forward_logits(&[one(&[*t], pos, table)]).unwrap());
+        out.push(
+            gpu.forward_logits(&[SeqInput::new(&[*t], pos, table)])
+                .unwrap(),
+        );
         pos += 1;
     }
     out
@@ -327,8 +326,12 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
         cold.0, cold.1
     );
     // The device's argmax is the argmax of the logits it returns.
-    let g = gpu.forward_logits(&[one(&p[..100], 0, &table_a)]).unwrap();
-    let dev = gpu.forward_greedy(&[one(&p[..100], 0, &table_a)]).unwrap()[0];
+    let g = gpu
+        .forward_logits(&[SeqInput::new(&p[..100], 0, &table_a)])
+        .unwrap();
+    let dev = gpu
+        .forward_greedy(&[SeqInput::new(&p[..100], 0, &table_a)])
+        .unwrap()[0];
     assert_eq!(argmax(&g), dev);
     // Launch by launch (no captured graphs): the same kernels, the same bits.
     gpu.set_graphs(false);
@@ -359,7 +362,8 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
         .collect();
     // On this model (chaotic: 30 layers of wide random weights) the paths' rounding differences grow
     // until a step picks another token: where, for the record.
-    gpu.forward_greedy(&[one(p, 0, &table_a)]).unwrap();
+    gpu.forward_greedy(&[SeqInput::new(p, 0, &table_a)])
+        .unwrap();
     for (what, cached, chunk, table) in [
         ("128 cached tokens", 128, usize::MAX, &table_b),
         ("chunks of 50", 0, 50, &table_a),
@@ -414,7 +418,7 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
     let mut last: Vec<u32> = others
         .iter()
         .zip(&tables)
-        .map(|(q, t)| g.forward_greedy(&[one(q, 0, t)]).unwrap()[0])
+        .map(|(q, t)| g.forward_greedy(&[SeqInput::new(q, 0, t)]).unwrap()[0])
         .collect();
     let mut together: Vec<Vec<u32>> = last.iter().map(|t| vec![*t]).collect();
     for step in 1..n {
@@ -423,7 +427,7 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
             .iter()
             .zip(&tables)
             .zip(&toks)
-            .map(|((q, t), tok)| one(tok, q.len() + step - 1, t))
+            .map(|((q, t), tok)| SeqInput::new(tok, q.len() + step - 1, t))
             .collect();
         last = g.forward_greedy(&batch).unwrap();
         for (i, l) in last.iter().enumerate() {
@@ -443,7 +447,7 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
     let mut gpu = exec("smol", KvDtype::Bf16, bs, 8);
     let blocks = p.len().div_ceil(bs);
     let table: Vec<u32> = (0..blocks as u32).collect();
-    gpu.forward_logits(&[one(p, 0, &table)]).unwrap();
+    gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
     // The CPU pool's bytes of the same tokens: the same layout, values within bf16 rounding.
     let layout = cpu.kv_layout(KvDtype::Bf16, bs).unwrap();
     let mut kv = cpu.kv_storage(&layout, blocks).unwrap();
@@ -526,7 +530,7 @@ fn a_missing_device_or_too_little_memory_is_an_error_naming_it() {
     println!("{err}");
     let mut gpu = exec("smol", KvDtype::Bf16, 16, 4);
     let err = gpu
-        .forward_logits(&[one(&[1, 2, 3], 0, &[4])])
+        .forward_logits(&[SeqInput::new(&[1, 2, 3], 0, &[4])])
         .unwrap_err()
         .to_string();
     assert!(err.contains("outside the pool"), "{err}");

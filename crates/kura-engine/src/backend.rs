@@ -20,6 +20,18 @@ pub struct SeqInput<'a> {
     pub layer_pages: &'a [u32],
 }
 
+impl<'a> SeqInput<'a> {
+    /// An item over a pool addressed by block ids (no layer pages).
+    pub fn new(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> Self {
+        SeqInput {
+            tokens,
+            start_pos,
+            block_table,
+            layer_pages: &[],
+        }
+    }
+}
+
 /// The forward pass over paged KV, and the block copies that copy-on-write needs.
 pub trait Executor: Send + 'static {
     /// Writes K/V of every item's tokens into its blocks and returns, per item, the logits of its last

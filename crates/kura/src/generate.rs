@@ -96,6 +96,31 @@ enum Runner<'a> {
     Gpu(Box<crate::gpu::GpuRun>),
 }
 
+impl Runner<'_> {
+    /// Samples the next token from the logits after the last one.
+    fn next(&mut self, sampler: &mut Sampler) -> anyhow::Result<u32> {
+        Ok(match self {
+            Runner::Cpu(r) => sampler.sample(r.next_logits()?.row(0)).token,
+            Runner::Gpu(r) => sampler.sample(&r.next_logits()?).token,
+        })
+    }
+
+    fn push(&mut self, token: u32) -> anyhow::Result<()> {
+        match self {
+            Runner::Cpu(r) => r.push(token)?,
+            Runner::Gpu(r) => r.push(token),
+        }
+        Ok(())
+    }
+
+    fn tokens(&self) -> &[u32] {
+        match self {
+            Runner::Cpu(r) => r.tokens(),
+            Runner::Gpu(r) => r.tokens(),
+        }
+    }
+}
+
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     crate::setup::threads(args.threads)?;
     let path = crate::setup::model_path(args.model.as_ref())?;
@@ -114,16 +139,18 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         bail!("--no-kv-cache runs on the CPU only; leave out --device");
     }
     let t_load = Instant::now();
-    // The text side (tokenizer, chat template) and, on the CPU, the model.
-    let (text_side, model) = match device {
-        Some(_) => (
-            std::sync::Arc::new(kura_model::ModelParts::open(&path)?.text),
+    // The CPU model, or the file opened once for a GPU (its weights go to the device below).
+    let (model, parts) = match device {
+        Some(_) => (None, Some(kura_model::ModelParts::open(&path)?)),
+        None => (
+            Some(crate::setup::load_model(&path, args.weights_dtype)?),
             None,
         ),
-        None => {
-            let m = crate::setup::load_model(&path, args.weights_dtype)?;
-            (m.text().clone(), Some(m))
-        }
+    };
+    let text_side: &kura_model::ModelText = match (&model, &parts) {
+        (Some(m), _) => m.text(),
+        (None, Some(p)) => &p.text,
+        (None, None) => unreachable!("one of the two is loaded"),
     };
     let tok = &text_side.tokenizer;
     let prompt = if args.chat {
@@ -138,8 +165,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let mut run = match (&model, device) {
-        (Some(m), _) => Runner::Cpu(SoloRun::new(
+    let mut run = match (&model, &parts, device) {
+        (Some(m), _, _) => Runner::Cpu(SoloRun::new(
             m,
             &prompt,
             args.max_tokens,
@@ -147,15 +174,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             args.block_size,
             !args.no_kv_cache,
         )?),
-        (None, Some(ordinal)) => Runner::Gpu(Box::new(crate::gpu::GpuRun::new(
+        (None, Some(p), Some(ordinal)) => Runner::Gpu(Box::new(crate::gpu::GpuRun::new(
             ordinal,
             &path,
+            p,
             &prompt,
             args.max_tokens,
             args.kv_dtype,
             args.block_size,
         )?)),
-        (None, None) => unreachable!("the CPU path loads the model"),
+        _ => unreachable!("the CPU model, or the opened file and a GPU"),
     };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let mut sampler = Sampler::new(sampling, &prompt);
@@ -175,10 +203,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut ttft_ms = 0.0;
     for i in 0..args.max_tokens {
         let t_step = Instant::now();
-        let next = match &mut run {
-            Runner::Cpu(r) => sampler.sample(r.next_logits()?.row(0)).token,
-            Runner::Gpu(r) => sampler.sample(&r.next_logits()?).token,
-        };
+        let next = run.next(&mut sampler)?;
         let ms = t_step.elapsed().as_secs_f64() * 1e3;
         if i == 0 {
             ttft_ms = ms;
@@ -188,10 +213,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         if !args.ignore_eos && tok.is_stop_token(next) {
             break;
         }
-        match &mut run {
-            Runner::Cpu(r) => r.push(next)?,
-            Runner::Gpu(r) => r.push(next),
-        }
+        run.push(next)?;
         let piece = decoder.push(tok, next)?;
         text.push_str(&piece);
         if !args.json {
@@ -206,10 +228,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         writeln!(stdout, "{tail}")?;
     }
 
-    let generated = match &run {
-        Runner::Cpu(r) => r.tokens().len(),
-        Runner::Gpu(r) => r.tokens().len(),
-    } - prompt.len();
+    let generated = run.tokens().len() - prompt.len();
     let decode_ms: f64 = step_ms.iter().sum();
     let mut sorted = step_ms.clone();
     sorted.sort_by(f64::total_cmp);
@@ -226,8 +245,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         },
         weight_bytes_per_token: match (&model, &run) {
             (Some(m), _) => m.weight_bytes_per_token(),
-            (None, Runner::Gpu(r)) => r.weight_bytes(),
-            (None, Runner::Cpu(_)) => 0,
+            (_, Runner::Gpu(r)) => r.weight_bytes(),
+            (None, Runner::Cpu(_)) => unreachable!("a CPU runner runs the CPU model"),
         },
         kv_dtype: args.kv_dtype.to_string(),
         threads: kura_model::num_threads(),

@@ -25,10 +25,11 @@ pub struct GpuSetup {
 }
 
 impl GpuSetup {
-    /// Opens GPU `ordinal` and loads the model at `path` onto it.
+    /// Opens GPU `ordinal` and loads the model `parts` (opened from `path`) onto it.
     pub fn load(
         ordinal: usize,
         path: &std::path::Path,
+        parts: &ModelParts,
         kv_dtype: KvDtype,
         max_tokens: usize,
         max_seqs: usize,
@@ -51,7 +52,6 @@ impl GpuSetup {
             },
             dev.setup_seconds
         );
-        let parts = ModelParts::open(path)?;
         let t = std::time::Instant::now();
         let weights = DevWeights::load(&dev, parts.source.as_ref(), parts.naming, &parts.config)
             .with_context(|| format!("loading {} onto {}", path.display(), dev.name))?;
@@ -62,7 +62,7 @@ impl GpuSetup {
         );
         Ok(GpuSetup {
             dev,
-            config: parts.config,
+            config: parts.config.clone(),
             weights,
             kv_dtype,
             max_tokens,
@@ -132,16 +132,18 @@ pub struct GpuRun {
 }
 
 impl GpuRun {
-    /// Loads the model at `path` onto GPU `ordinal` with a pool for `prompt` plus `max_tokens`.
+    /// Loads the model `parts` (opened from `path`) onto GPU `ordinal` with a pool for `prompt` plus
+    /// `max_tokens`.
     pub fn new(
         ordinal: usize,
         path: &std::path::Path,
+        parts: &ModelParts,
         prompt: &[u32],
         max_tokens: usize,
         kv_dtype: KvDtype,
         block_size: usize,
     ) -> Result<Self> {
-        let setup = GpuSetup::load(ordinal, path, kv_dtype, prompt.len().max(1), 1)?;
+        let setup = GpuSetup::load(ordinal, path, parts, kv_dtype, prompt.len().max(1), 1)?;
         let total = prompt.len() + max_tokens;
         if total > setup.config.max_context() {
             bail!(
@@ -163,12 +165,8 @@ impl GpuRun {
 
     /// The logits after the last token: the tokens not yet in the blocks in one step.
     pub fn next_logits(&mut self) -> Result<Vec<f32>> {
-        let item = kura_engine::SeqInput {
-            tokens: &self.tokens[self.computed..],
-            start_pos: self.computed,
-            block_table: &self.table,
-            layer_pages: &[],
-        };
+        let item =
+            kura_engine::SeqInput::new(&self.tokens[self.computed..], self.computed, &self.table);
         let logits = self.exec.forward_logits(&[item])?;
         self.computed = self.tokens.len();
         Ok(logits)

@@ -322,6 +322,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         Some(ordinal) => Some(crate::gpu::GpuSetup::load(
             ordinal,
             &path,
+            &kura_model::ModelParts::open(&path)?,
             args.kv_dtype,
             args.max_num_batched_tokens,
             args.max_num_seqs,
