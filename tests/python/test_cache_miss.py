@@ -2,6 +2,7 @@
 Kura reports (never_seen, evicted, diverged, template_rerendered, salt_differs) is produced on purpose,
 read from the response's usage (`prompt_tokens_details.cache_miss`, Anthropic's `usage.cache_miss`,
 Responses' `input_tokens_details.cache_miss`) and counted in `kura:prefix_cache_misses_total{reason}`.
+The sixth, window_dropped, needs a model with a sliding window: test_gemma.py produces it.
 """
 
 import httpx
@@ -25,7 +26,7 @@ def server():
 def miss_counts(server: KuraServer) -> dict[str, float]:
     m = server.metrics()
     return {r: m.get(f'kura:prefix_cache_misses_total{{reason="{r}"}}', 0.0)
-            for r in ("never_seen", "evicted", "diverged", "template_rerendered", "salt_differs")}
+            for r in ("never_seen", "evicted", "diverged", "template_rerendered", "salt_differs", "window_dropped")}
 
 
 def complete(server: KuraServer, prompt: str, **extra) -> dict:

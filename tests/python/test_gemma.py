@@ -1,6 +1,7 @@
 """Gemma 3 270M (the real GGUF of scripts/fetch-gemma.sh, $KURA_GEMMA_MODEL) through `kura serve` and the
-official `openai` client: it serves on the hybrid pool (5 of 6 layers slide over 512 tokens), and a cached
-prompt gives the cold prompt's tokens for prefixes shorter and longer than the window.
+official `openai` client: it serves on the hybrid pool (5 of 6 layers slide over 512 tokens), a cached
+prompt gives the cold prompt's tokens for prefixes shorter and longer than the window, and a prompt whose
+window parts the pool reclaimed is told `window_dropped`.
 
 The file is a base (pretrained) model: its chat answers are poor, so the tests check the API and the cache,
 not the prose.
@@ -92,3 +93,30 @@ def test_gemma_structured_outputs_validate(gemma):
     from test_structured import check_schema_runs, schema_runs
 
     check_schema_runs(schema_runs(gemma))
+
+
+def test_a_prompt_whose_window_parts_were_reclaimed_is_told_window_dropped(gemma):
+    """A long prompt, then others until the pool reclaims the idle window parts the first one left (a
+    hybrid pool gives those back before whole blocks): the first prompt again finds its blocks without
+    the parts its sliding layers read, is cut back, and is told `window_dropped`."""
+    c = gemma.client()
+
+    def send(prompt: str, salt: str):
+        return c.completions.create(model=gemma.model(), prompt=prompt, max_tokens=1, temperature=0,
+                                    extra_body={"cache_salt": salt})
+
+    def dropped() -> float:
+        return gemma.metrics().get('kura:prefix_cache_misses_total{reason="window_dropped"}', 0.0)
+
+    first = long_text(1000, seed=501)
+    before = dropped()
+    assert send(first, "window-a").usage.prompt_tokens_details.cached_tokens == 0
+    for i in range(7):
+        send(long_text(1000, seed=600 + i), f"window-b{i}")
+    m = gemma.metrics()
+    assert m["kura:kv_window_part_drops_total"] > 0, "the pool never reclaimed a window part"
+    again = send(first, "window-a").usage
+    miss = again.prompt_tokens_details.model_extra.get("cache_miss") if again.prompt_tokens_details else None
+    assert miss is not None and miss["reason"] == "window_dropped", (again, gemma.metrics())
+    assert miss["at_token"] == again.prompt_tokens_details.cached_tokens
+    assert dropped() == before + 1

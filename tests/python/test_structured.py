@@ -3,9 +3,11 @@ JSON objects, regexes and choices enforced by llguidance masks in the sampler, g
 and with n > 1, on chat and completions, streamed and not; grammars llguidance refuses are a 400 naming
 the problem.
 
-A grammar guarantees the shape of every output that ends by itself (`finish_reason: "stop"`). An output
-cut at `max_tokens` (`"length"`) is a prefix of a valid one, as with any server: a small model decoding
-greedily can repeat inside an unbounded string or number until the limit. The schema test counts those.
+A grammar guarantees the shape of every output, also one the token budget cuts: near the end of its
+`max_tokens`, a choice whose grammar could no longer be closed in what is left takes the shortest way to
+close it (a quote, the required fields' smallest values, the brackets), and ends as `"length"`. A small
+model decoding greedily can repeat inside an unbounded string or number until then; the schema test
+counts those.
 """
 
 import concurrent.futures as cf
@@ -54,18 +56,33 @@ def schema_runs(server: KuraServer, max_tokens: int = 400) -> list[tuple[int, fl
         return [x for run in runs for x in run]
 
 
-def check_schema_runs(runs) -> None:
-    stopped = [r for r in runs if r[3] == "stop"]
-    for i, temperature, choice, _, text in stopped:
+def validate(runs) -> None:
+    """Every output, whatever its finish reason, is JSON valid under its schema."""
+    for i, temperature, choice, reason, text in runs:
         try:
             jsonschema.validate(json.loads(text), SCHEMAS[i])
         except (ValueError, jsonschema.ValidationError) as e:
-            raise AssertionError(f"schema {i} at temperature {temperature} choice {choice}: {e}\n{text}") from e
+            raise AssertionError(
+                f"schema {i} at temperature {temperature} choice {choice} ({reason}): {e}\n{text}") from e
+
+
+def check_schema_runs(runs) -> None:
+    validate(runs)
+    stopped = [r for r in runs if r[3] == "stop"]
     cut = [r for r in runs if r[3] != "stop"]
     assert all(r[3] == "length" for r in cut), cut
-    # Cut outputs are the model repeating itself inside an unbounded value, never a broken grammar.
-    print(f"{len(stopped)} of {len(runs)} outputs ended by themselves and validate; {len(cut)} reached max_tokens")
+    print(f"{len(runs)} of {len(runs)} outputs validate: {len(stopped)} ended by themselves, "
+          f"{len(cut)} were closed at max_tokens")
     assert len(stopped) >= 0.9 * len(runs), f"only {len(stopped)} of {len(runs)} outputs ended by themselves"
+
+
+def test_a_budget_too_small_for_the_model_still_gives_valid_json(server):
+    """At max_tokens 40, many of the fifty schemas' outputs reach the limit: each is closed, and validates."""
+    runs = schema_runs(server, max_tokens=40)
+    validate(runs)
+    cut = [r for r in runs if r[3] == "length"]
+    print(f"{len(runs)} outputs validate at max_tokens 40, {len(cut)} of them closed at the limit")
+    assert len(cut) >= 15, f"only {len(cut)} outputs reached the limit: the closing was hardly tried"
 
 
 def test_fifty_json_schemas_greedy_and_sampled_validate(server):

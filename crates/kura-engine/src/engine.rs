@@ -529,6 +529,7 @@ impl Core {
                     forked: n <= 1,
                     live_choices: n,
                     admitted_once: false,
+                    window_cut: false,
                     first_token_at: None,
                     full: false,
                     full_since: None,
@@ -751,7 +752,12 @@ impl Core {
     /// Metrics and clients of what a scheduling pass did.
     fn on_sched_event(&mut self, event: SchedEvent) {
         match event {
-            SchedEvent::Admitted { request, first, .. } => {
+            SchedEvent::Admitted {
+                request,
+                first,
+                window_cut_blocks,
+                ..
+            } => {
                 if !first {
                     return;
                 }
@@ -760,6 +766,7 @@ impl Core {
                     .get_mut(&request)
                     .expect("admitted request's group exists");
                 group.admitted_once = true;
+                group.window_cut = window_cut_blocks > 0;
                 self.shared.queued.fetch_sub(1, Ordering::Relaxed);
                 self.metrics
                     .prompt_tokens
@@ -878,6 +885,7 @@ impl Core {
                 cached,
                 self.config.block_size_tokens,
                 group.request.history_tokens,
+                group.window_cut,
             );
             if let Some(m) = group.usage.miss {
                 self.metrics.count_miss(m.reason);
@@ -961,28 +969,41 @@ impl Core {
         let seq = self.seqs.get_mut(&key).expect("sampled sequence exists");
         let group_id = seq.group;
         let constrained = !matches!(seq.constraint, Ok(None));
-        let allowed = match &mut seq.constraint {
-            Ok(None) => Ok(None),
-            Ok(Some(c)) => c.allowed().map(Some),
+        // Tokens this choice may still generate, this one included.
+        let budget = {
+            let group = &self.groups[&group_id];
+            let by_max =
+                (group.request.max_tokens as usize).saturating_sub(self.sched.num_generated(key));
+            let by_context = self
+                .config
+                .max_model_len
+                .saturating_sub(self.sched.tokens(key).len());
+            by_max.min(by_context)
+        };
+        let sampler = &mut seq.sampler;
+        let token = match &mut seq.constraint {
+            Ok(None) => Ok(sampler.choose(logits, None)),
+            Ok(Some(c)) => c.choose(budget, &mut |mask| sampler.choose(logits, Some(mask))),
             Err(e) => Err(e.clone()),
         };
-        let allowed = match allowed {
-            Ok(a) => a,
+        let token = match token {
+            Ok(t) => t,
             Err(e) => {
                 self.fail_group(group_id, RequestError::Constraint(e));
                 return;
             }
         };
-        let Sampled { token, logprob } = seq.sampler.sample_allowed(logits, allowed);
+        let Sampled { token, logprob } = seq.sampler.record(logits, token);
+        // (done, closed early because the budget ran short)
         let grammar_done = match &mut seq.constraint {
             Ok(Some(c)) => match c.accept(token) {
-                Ok(()) => c.is_done(),
+                Ok(()) => (c.is_done(), c.closed_early()),
                 Err(e) => {
                     self.fail_group(group_id, RequestError::Constraint(e));
                     return;
                 }
             },
-            _ => false,
+            _ => (false, false),
         };
         let group = self
             .groups
@@ -1009,8 +1030,12 @@ impl Core {
             seq.stop_tokens.contains(&token) || (constrained && self.eos.contains(&token));
         let last = if stop_token {
             None
-        } else if grammar_done {
-            Some(FinishReason::Stop)
+        } else if grammar_done.0 {
+            Some(if grammar_done.1 {
+                FinishReason::Length
+            } else {
+                FinishReason::Stop
+            })
         } else if self.sched.num_generated(key) + 1 >= group.request.max_tokens as usize
             || self.sched.tokens(key).len() + 1 >= self.config.max_model_len
         {

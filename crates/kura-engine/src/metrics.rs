@@ -54,7 +54,7 @@ pub struct EngineMetrics {
     pub requests_finished_length: Counter,
     /// Prompts not cached as far as they could have been, by [`MissReason`] (in `MissReason::ALL`'s
     /// order).
-    pub cache_misses: [Counter; 5],
+    pub cache_misses: [Counter; MissReason::ALL.len()],
     pub requests_cancelled: Counter,
     /// Of `requests_cancelled`: those whose client stopped reading (sink full past the timeout).
     pub requests_cancelled_stalled: Counter,

@@ -3,8 +3,12 @@
 //! tokens, and compares a prompt whose cached part falls short of what a prompt can have cached
 //! (every whole block before its last token) with the longest of them.
 //!
+//! - The pool held the next blocks, but not the parts of them a sliding-window layer reads (a hybrid
+//!   pool reclaims those first, and a lookup is cut back to where the window can be served):
+//!   `window_dropped`. The scheduler tells it at admission
+//!   ([`kura_kv::PrefixHit::num_window_cut_blocks`]).
 //! - The salt had a sequence that matches at least one more whole block: that block was cached and is
-//!   gone — `evicted` (blocks a sliding window dropped count here too).
+//!   gone — `evicted`.
 //! - It had one that goes on differently within the next block: the prompt `diverged` at the first
 //!   token that differs (only whole blocks are cached); `template_rerendered` when that token lies in
 //!   the earlier turns of a conversation ([`GenerateRequest::history_tokens`]).
@@ -137,6 +141,7 @@ impl SeenLog {
         cached: usize,
         block: usize,
         history: usize,
+        window_cut: bool,
     ) -> Option<CacheMiss> {
         let cacheable = prompt.len().saturating_sub(1) / block * block;
         if cached >= cacheable {
@@ -144,7 +149,9 @@ impl SeenLog {
         }
         let at = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
         let (seen, differs) = self.longest(salt, prompt);
-        let (reason, pos) = if seen >= cached + block {
+        let (reason, pos) = if window_cut {
+            (MissReason::WindowDropped, cached)
+        } else if seen >= cached + block {
             (MissReason::Evicted, cached)
         } else if differs && seen >= cached {
             if seen < history {
@@ -182,44 +189,51 @@ mod tests {
         let a = salt("t1");
         let p: Vec<u32> = (0..64).collect();
         assert_eq!(
-            log.explain(&a, &p, 0, 16, 0).unwrap().reason,
+            log.explain(&a, &p, 0, 16, 0, false).unwrap().reason,
             MissReason::NeverSeen
         );
         log.record(&a, &p);
         // All of it was seen, only 16 tokens came back: the rest was evicted.
-        let m = log.explain(&a, &p, 16, 16, 0).unwrap();
+        let m = log.explain(&a, &p, 16, 16, 0, false).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::Evicted, 16));
         // Cached as far as a prompt can be: no miss.
-        assert!(log.explain(&a, &p, 48, 16, 0).is_none());
+        assert!(log.explain(&a, &p, 48, 16, 0, false).is_none());
         // Differs at token 40, inside the block after the 32 cached.
         let mut q = p.clone();
         q[40] = 999;
-        let m = log.explain(&a, &q, 32, 16, 0).unwrap();
+        let m = log.explain(&a, &q, 32, 16, 0, false).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::Diverged, 40));
-        let m = log.explain(&a, &q, 32, 16, 50).unwrap();
+        let m = log.explain(&a, &q, 32, 16, 50, false).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::TemplateRerendered, 40));
         // Differing right at a block's start is diverging too.
         let mut r = p.clone();
         r[32] = 999;
-        let m = log.explain(&a, &r, 32, 16, 0).unwrap();
+        let m = log.explain(&a, &r, 32, 16, 0, false).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::Diverged, 32));
         // A prompt that goes on past everything seen, all of it cached (a conversation's next turn):
         // nothing was missed.
         let longer: Vec<u32> = (0..100).collect();
-        assert!(log.explain(&a, &longer, 64, 16, 0).is_none());
+        assert!(log.explain(&a, &longer, 64, 16, 0, false).is_none());
         // Seen only in part, and not cached that far: evicted.
-        let m = log.explain(&a, &longer, 32, 16, 0).unwrap();
+        let m = log.explain(&a, &longer, 32, 16, 0, false).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::Evicted, 32));
         // The same tenant under another salt had it; another tenant's prompts are never looked at.
         let b = salt("t1\u{1f}mine");
         assert_eq!(
-            log.explain(&b, &p, 0, 16, 0).unwrap().reason,
+            log.explain(&b, &p, 0, 16, 0, false).unwrap().reason,
             MissReason::SaltDiffers
         );
         assert_eq!(
-            log.explain(&salt("t2"), &p, 0, 16, 0).unwrap().reason,
+            log.explain(&salt("t2"), &p, 0, 16, 0, false)
+                .unwrap()
+                .reason,
             MissReason::NeverSeen
         );
+        // The pool had the next blocks, without their window parts: that is the reason, whatever
+        // the log says.
+        let m = log.explain(&a, &p, 16, 16, 0, true).unwrap();
+        assert_eq!((m.reason, m.at), (MissReason::WindowDropped, 16));
+        assert!(log.explain(&a, &p, 48, 16, 0, true).is_none());
     }
 
     #[test]

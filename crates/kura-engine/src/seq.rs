@@ -31,6 +31,9 @@ pub(crate) struct Group {
     pub usage: Usage,
     /// Prefix-cache accounting is done at the first admission only (recomputation is not a client hit).
     pub admitted_once: bool,
+    /// At the first admission, the pool held more of the prompt's blocks than the hit, without the
+    /// parts a sliding window reads ([`crate::request::MissReason::WindowDropped`]).
+    pub window_cut: bool,
     pub first_token_at: Option<Instant>,
     /// The sink reported full at the start of this step: the group is not stepped.
     pub full: bool,

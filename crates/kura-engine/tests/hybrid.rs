@@ -2,7 +2,8 @@
 //! (every layer slides, window 8) and the tiny Qwen2 with one full and one sliding layer (window 8),
 //! checkpoints of `kura-model`'s golden tests. Cached and cold runs give the same tokens for prefixes
 //! shorter and longer than the window, shared prefixes hit where their window parts were kept, a pool
-//! too small to keep them still gives the cold tokens, and nothing leaks.
+//! too small to keep them still gives the cold tokens (and tells the prompts it cut back why), and
+//! nothing leaks.
 
 use std::path::PathBuf;
 use std::sync::mpsc::{self, Receiver};
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kura_engine::{
-    start_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, ModelCodec,
+    start_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, MissReason, ModelCodec,
     ModelExecutor, RequestGuard, Usage,
 };
 use kura_kv::codec::KvDtype;
@@ -184,10 +185,25 @@ fn a_pool_too_small_to_keep_windows_still_gives_the_cold_tokens() {
     for p in &prompts {
         cold.push(run(&e, p, "x", 8).0);
     }
+    let mut reasons = Vec::new();
     for (p, want) in prompts.iter().zip(&cold).rev() {
-        let (got, _) = run(&e, p, "x", 8);
+        let (got, u) = run(&e, p, "x", 8);
         assert_eq!(&got, want, "prompt of {}", p.len());
+        reasons.push(u.miss.map(|m| m.reason));
     }
+    // The pool kept blocks whose window parts it gave back: those prompts are told why.
+    let dropped = reasons
+        .iter()
+        .filter(|r| **r == Some(MissReason::WindowDropped))
+        .count();
+    assert!(dropped > 0, "{reasons:?}");
+    assert_eq!(
+        metric(
+            &e,
+            "kura:prefix_cache_misses_total{reason=\"window_dropped\"}"
+        ),
+        dropped as f64
+    );
     // Several at once: the step shrinks or preempts when windows do not fit.
     let guards: Vec<_> = prompts
         .iter()

@@ -1,5 +1,6 @@
 //! Grammars compiled by llguidance over the served model's vocabulary.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use kura_request::{ConstraintSpec, TextCodec, TokenConstraint};
@@ -64,6 +65,7 @@ pub struct Guides {
     factory: Arc<ParserFactory>,
     /// Every end-of-sequence token: where the grammar may end, any of them may come.
     eos: Arc<[u32]>,
+    closer: Arc<Closer>,
 }
 
 impl std::fmt::Debug for Guides {
@@ -101,6 +103,7 @@ impl Guides {
                 }
             })
             .collect();
+        let closer = Arc::new(Closer::new(&words));
         let info = TokRxInfo::new(vocab_u32, first_eos);
         let trie = TokTrie::from(&info, &words);
         let added = codec.encode("").unwrap_or_default();
@@ -111,6 +114,7 @@ impl Guides {
         Ok(Guides {
             factory: Arc::new(factory),
             eos: eos.into(),
+            closer,
         })
     }
 
@@ -128,6 +132,7 @@ impl Guides {
         Ok(Arc::new(Compiled {
             start: matcher,
             eos: self.eos.clone(),
+            closer: self.closer.clone(),
         }))
     }
 }
@@ -136,6 +141,7 @@ impl Guides {
 pub struct Compiled {
     start: Matcher,
     eos: Arc<[u32]>,
+    closer: Arc<Closer>,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -144,13 +150,27 @@ impl std::fmt::Debug for Compiled {
     }
 }
 
-impl ConstraintSpec for Compiled {
-    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
-        Ok(Box::new(Walk {
+impl Compiled {
+    fn walk(&self) -> Walk {
+        Walk {
             matcher: self.start.deep_clone(),
             eos: self.eos.clone(),
+            closer: self.closer.clone(),
             mask: Vec::new(),
-        }))
+            closing: VecDeque::new(),
+            closed_early: false,
+            ahead: None,
+            here: None,
+            wait: 0,
+            estimate: None,
+            lex: Lex::default(),
+        }
+    }
+}
+
+impl ConstraintSpec for Compiled {
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+        Ok(Box::new(self.walk()))
     }
 }
 
@@ -158,45 +178,635 @@ impl ConstraintSpec for Compiled {
 struct Walk {
     matcher: Matcher,
     eos: Arc<[u32]>,
+    closer: Arc<Closer>,
     mask: Vec<u32>,
+    /// Once the budget can hold no more than the way that closes the grammar: that way's tokens
+    /// still to come, one allowed at each step.
+    closing: VecDeque<u32>,
+    /// The walk took the closing way.
+    closed_early: bool,
+    /// The token just chosen and the closing way after it (found when it was checked): the next
+    /// step's way, unless another token came.
+    ahead: Option<(u32, Vec<u32>)>,
+    /// The closing way from the walk's state now, when known.
+    here: Option<Vec<u32>>,
+    /// Steps to wait before looking for a closing way again, after one was not found.
+    wait: usize,
+    /// The length of the closing way when last found, and the budget then.
+    estimate: Option<(usize, usize)>,
+    /// Where the output so far stands in JSON's lexical grammar.
+    lex: Lex,
 }
 
-impl TokenConstraint for Walk {
-    fn allowed(&mut self) -> Result<&[u32], String> {
-        let vob = self.matcher.compute_mask().map_err(|e| e.to_string())?;
-        self.mask.clear();
-        self.mask.extend_from_slice(vob.as_slice());
-        if self.mask.iter().all(|&w| w == 0) {
+impl Walk {
+    /// The mask of `matcher` in its state now, every end-of-sequence token allowed where the grammar
+    /// may end (llguidance knows one; the model may have several).
+    fn mask_of(matcher: &mut Matcher, eos: &[u32], out: &mut Vec<u32>) -> Result<(), String> {
+        let vob = matcher.compute_mask().map_err(|e| e.to_string())?;
+        out.clear();
+        out.extend_from_slice(vob.as_slice());
+        if out.iter().all(|&w| w == 0) {
             return Err("the grammar allows no token here".into());
         }
-        // llguidance knows one end-of-sequence token; the model may have several.
-        let first = self.eos[0] as usize;
-        if self
-            .mask
-            .get(first / 32)
-            .is_some_and(|w| w >> (first % 32) & 1 == 1)
-        {
-            for &e in self.eos.iter() {
+        if allows(out, eos[0]) {
+            for &e in eos {
                 let (w, b) = (e as usize / 32, e % 32);
-                if let Some(word) = self.mask.get_mut(w) {
+                if let Some(word) = out.get_mut(w) {
                     *word |= 1 << b;
                 }
             }
         }
-        Ok(&self.mask)
+        Ok(())
+    }
+
+    /// The way to close the grammar from `matcher`'s state: the tokens [`Closer::next`] chooses,
+    /// until the grammar may end (end-of-sequence not included: the choice ends as `length` after
+    /// the last); `None` when it does not end within `limit` tokens. With `branch`, where the closer
+    /// has a choice of key (an optional one or the next required one), each option is followed
+    /// greedily and the shorter way taken; elsewhere, and without, the closer's first option (a few
+    /// microseconds a step, a mask where it chooses).
+    fn way(
+        &self,
+        mut matcher: Matcher,
+        mut lex: Lex,
+        limit: usize,
+        branch: bool,
+    ) -> Option<Vec<u32>> {
+        let mut way = Vec::new();
+        loop {
+            if matcher.is_stopped() || matcher.is_accepting().ok()? {
+                return Some(way);
+            }
+            let tokens = match self.closer.next(&mut matcher, lex)? {
+                Next::Run(tokens) => tokens,
+                // Which key comes next (an optional one, or the next required one) is worth a
+                // look ahead; other choices (digits of a pattern, `true` or `false`) are not.
+                Next::Choice(options) if branch && lex.key => {
+                    let mut best: Option<(usize, u32)> = None;
+                    for token in options {
+                        let room = best.map_or(limit.checked_sub(way.len() + 1)?, |(len, _)| len);
+                        let mut after = matcher.deep_clone();
+                        if after.consume_token(token).is_err() {
+                            continue;
+                        }
+                        let lex = lex.after(self.closer.bytes(token));
+                        if let Some(rest) = self.way(after, lex, room, false) {
+                            if best.is_none_or(|(len, _)| rest.len() < len) {
+                                best = Some((rest.len(), token));
+                            }
+                        }
+                    }
+                    vec![best?.1]
+                }
+                Next::Choice(options) => vec![options[0]],
+            };
+            for token in tokens {
+                if way.len() == limit {
+                    return None;
+                }
+                way.push(token);
+                lex = lex.after(self.closer.bytes(token));
+                matcher.consume_token(token).ok()?;
+            }
+        }
+    }
+
+    /// The way to close the grammar after `token`, within `limit` tokens.
+    fn way_after(&self, token: u32, limit: usize) -> Option<Vec<u32>> {
+        let mut after = self.matcher.deep_clone();
+        after.consume_token(token).ok()?;
+        let lex = self.lex.after(self.closer.bytes(token));
+        self.way(after, lex, limit, true)
+    }
+}
+
+/// Whether bit `token` of `mask` is set.
+fn allows(mask: &[u32], token: u32) -> bool {
+    mask.get(token as usize / 32)
+        .is_some_and(|w| w >> (token % 32) & 1 == 1)
+}
+
+impl TokenConstraint for Walk {
+    fn choose(
+        &mut self,
+        budget: usize,
+        sample: &mut dyn FnMut(&[u32]) -> u32,
+    ) -> Result<u32, String> {
+        // On the closing way, the way's token: the model has no say.
+        if let Some(&next) = self.closing.front() {
+            return Ok(next);
+        }
+        let mut mask = std::mem::take(&mut self.mask);
+        let got = Self::mask_of(&mut self.matcher, &self.eos, &mut mask);
+        self.mask = mask;
+        got?;
+        let here = self.here.take();
+        if budget > CLOSING_WINDOW || allows(&self.mask, self.eos[0]) {
+            return Ok(sample(&self.mask));
+        }
+        if self.wait > 0 {
+            self.wait -= 1;
+            return Ok(sample(&self.mask));
+        }
+        // The budget is near its end. The way that closes the grammar is looked for every few steps;
+        // once the budget is within a few tokens of it, at each step: the model's token stands if the
+        // grammar can still be closed after it within what is left, else the walk takes the way.
+        let fresh = self.estimate.is_none_or(|(len, at)| {
+            at.saturating_sub(budget) >= CLOSING_RECHECK || budget <= len + CLOSING_ZONE
+        });
+        let here = match here {
+            Some(way) => way,
+            None if fresh => match self.way(self.matcher.deep_clone(), self.lex, budget, true) {
+                Some(way) if !way.is_empty() => way,
+                _ => {
+                    // Too long for the budget (the model may yet close some of it itself).
+                    self.estimate = None;
+                    self.wait = CLOSING_RETRY;
+                    return Ok(sample(&self.mask));
+                }
+            },
+            None => return Ok(sample(&self.mask)),
+        };
+        self.estimate = Some((here.len(), budget));
+        if budget > here.len() + CLOSING_ZONE {
+            return Ok(sample(&self.mask));
+        }
+        let token = sample(&self.mask);
+        let after = if here[0] == token {
+            Some(here[1..].to_vec())
+        } else {
+            self.way_after(token, budget - 1)
+        };
+        if let Some(after) = after {
+            self.ahead = Some((token, after));
+            return Ok(token);
+        }
+        self.closed_early = true;
+        let next = here[0];
+        self.closing = here.into();
+        Ok(next)
     }
 
     fn accept(&mut self, token: u32) -> Result<(), String> {
+        if self.closing.front() == Some(&token) {
+            self.closing.pop_front();
+        } else {
+            self.closing.clear();
+        }
+        self.here = match self.ahead.take() {
+            Some((t, way)) if t == token => Some(way),
+            _ => None,
+        };
         // Any of the model's end-of-sequence tokens stands for the one llguidance knows.
         let token = if self.eos.contains(&token) {
             self.eos[0]
         } else {
+            self.lex = self.lex.after(self.closer.bytes(token));
             token
         };
         self.matcher.consume_token(token).map_err(|e| e.to_string())
     }
 
     fn is_done(&self) -> bool {
-        self.matcher.is_stopped()
+        self.matcher.is_stopped() || (self.closed_early && self.closing.is_empty())
+    }
+
+    fn closed_early(&self) -> bool {
+        self.closed_early
+    }
+}
+
+/// How near the end of its token budget a choice must be before its walk looks for the way to close
+/// its grammar.
+const CLOSING_WINDOW: usize = 64;
+
+/// Within how many tokens of the closing way's length the budget must be for the walk to check every
+/// token the model chooses (a search each, unless the token is the way's own); further off,
+/// the way is looked for again every [`CLOSING_RECHECK`] steps, so a model token that lengthens it by
+/// more than this can still leave the grammar unclosed.
+const CLOSING_ZONE: usize = 16;
+
+/// Steps between looks for the closing way outside the zone.
+const CLOSING_RECHECK: usize = 8;
+
+/// Steps a walk waits before it looks again for a way to close its grammar, after none fitted.
+const CLOSING_RETRY: usize = 8;
+
+/// Where a text stands in JSON's lexical grammar: inside a string or not (and after a backslash
+/// there), whether that string is an object's key, and the open containers (64 deep; deeper ones are
+/// taken for arrays). For a grammar that is not JSON the closer is only less apt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Lex {
+    in_string: bool,
+    escaped: bool,
+    /// The string open now is a key.
+    key: bool,
+    /// Outside a string: the next string is a key.
+    expect_key: bool,
+    depth: u32,
+    /// Bit `i`: the container at depth `i + 1` is an object.
+    objects: u64,
+}
+
+impl Lex {
+    fn in_object(&self) -> bool {
+        self.depth > 0 && self.depth <= 64 && self.objects >> (self.depth - 1) & 1 == 1
+    }
+
+    fn after(mut self, bytes: &[u8]) -> Self {
+        for &b in bytes {
+            if self.escaped {
+                self.escaped = false;
+            } else if self.in_string {
+                match b {
+                    b'\\' => self.escaped = true,
+                    b'"' => {
+                        self.in_string = false;
+                        self.key = false;
+                    }
+                    _ => {}
+                }
+            } else {
+                match b {
+                    b'"' => {
+                        self.in_string = true;
+                        self.key = self.expect_key;
+                        self.expect_key = false;
+                    }
+                    b'{' | b'[' => {
+                        self.depth = self.depth.saturating_add(1);
+                        if self.depth <= 64 {
+                            let bit = 1u64 << (self.depth - 1);
+                            if b == b'{' {
+                                self.objects |= bit;
+                            } else {
+                                self.objects &= !bit;
+                            }
+                        }
+                        self.expect_key = b == b'{';
+                    }
+                    b'}' | b']' => {
+                        self.depth = self.depth.saturating_sub(1);
+                        self.expect_key = false;
+                    }
+                    b',' => self.expect_key = self.in_object(),
+                    b':' => self.expect_key = false,
+                    _ => {}
+                }
+            }
+        }
+        self
+    }
+}
+
+/// How a grammar is closed fast, a step at a time: the first of a few one-byte tokens the grammar
+/// takes (inside a string the quote that ends it; outside, the brackets and braces that end values,
+/// then a separator, then the shortest values: `""`, `0`), else the tokens the grammar forces (a
+/// key's rest), else the longest token it allows (a literal, a value a pattern bounds). The first two
+/// cost microseconds a step; the last a mask.
+pub struct Closer {
+    /// The one-byte tokens to try, in order: outside a string, inside a key, inside a value (where
+    /// a pattern may want a digit or a letter: tried before a mask is computed).
+    tries: [Vec<u32>; 3],
+    /// Every token's bytes.
+    words: Vec<Box<[u8]>>,
+}
+
+impl Closer {
+    fn new(words: &[Vec<u8>]) -> Self {
+        let token_of = |byte: u8| {
+            words
+                .iter()
+                .position(|w| w.as_slice() == [byte])
+                .and_then(|id| u32::try_from(id).ok())
+        };
+        let tries = |bytes: &[u8]| bytes.iter().filter_map(|&b| token_of(b)).collect();
+        Closer {
+            tries: [
+                tries(b"}],\"0123456789"),
+                tries(b"\""),
+                tries(b"\"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_ ."),
+            ],
+            words: words.iter().map(|w| w.clone().into_boxed_slice()).collect(),
+        }
+    }
+
+    fn bytes(&self, token: u32) -> &[u8] {
+        self.words.get(token as usize).map_or(&[], |w| w)
+    }
+
+    /// The next tokens of the way that closes the grammar from `matcher`'s state, whose output so far
+    /// stands at `lex`; `None` when the grammar allows nothing.
+    fn next(&self, matcher: &mut Matcher, lex: Lex) -> Option<Next> {
+        if !lex.escaped {
+            let tries = match (lex.in_string, lex.key) {
+                (false, _) => &self.tries[0],
+                (true, true) => &self.tries[1],
+                (true, false) => &self.tries[2],
+            };
+            for &t in tries {
+                if matcher.validate_tokens(&[t]).ok()? == 1 {
+                    return Some(Next::Run(vec![t]));
+                }
+            }
+        }
+        let forced = matcher.compute_ff_tokens();
+        if !forced.is_empty() {
+            return Some(Next::Run(forced));
+        }
+        // The longest allowed tokens that begin with different bytes, longest first.
+        let mask = matcher.compute_mask().ok()?;
+        let mut best: [Option<(usize, u32)>; CHOICES] = [None; CHOICES];
+        for (w, &word) in mask.as_slice().iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let t = (w * 32) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
+                let bytes = self.bytes(t);
+                let Some(&first) = bytes.first() else {
+                    continue;
+                };
+                let len = bytes.len();
+                let same = best
+                    .iter()
+                    .position(|b| b.is_some_and(|(_, o)| self.bytes(o).first() == Some(&first)));
+                let slot = match same {
+                    Some(i) if best[i].is_some_and(|(l, _)| len > l) => i,
+                    Some(_) => continue,
+                    None => match best.iter().position(|b| b.is_none_or(|(l, _)| len > l)) {
+                        Some(i) => i,
+                        None => continue,
+                    },
+                };
+                best[slot] = Some((len, t));
+                best.sort_by_key(|b| std::cmp::Reverse(b.map(|(l, _)| l)));
+            }
+        }
+        let options: Vec<u32> = best.iter().flatten().map(|&(_, t)| t).collect();
+        match options.len() {
+            0 => None,
+            1 => Some(Next::Run(options)),
+            _ => Some(Next::Choice(options)),
+        }
+    }
+}
+
+/// How many of the allowed tokens the closer weighs where the grammar leaves it a choice.
+const CHOICES: usize = 2;
+
+/// The closer's next step.
+enum Next {
+    /// These tokens, in order.
+    Run(Vec<u32>),
+    /// One of these, best first by the closer's own measure (the longest).
+    Choice(Vec<u32>),
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ops::Range;
+
+    use kura_request::ChatMessage;
+    use serde_json::Value;
+
+    use super::*;
+
+    /// Every byte a token of its own, then a few words a BPE vocabulary has, then end-of-sequence.
+    struct Bytes {
+        words: Vec<Vec<u8>>,
+    }
+
+    const WORDS: &[&str] = &[
+        "birch", "\"}", "\", ", "}}", "\": ", "true", "000", "aaaa", "\"\"",
+    ];
+
+    impl Bytes {
+        fn new() -> Arc<Self> {
+            let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+            words.extend(WORDS.iter().map(|w| w.as_bytes().to_vec()));
+            Arc::new(Bytes { words })
+        }
+        fn eos(&self) -> u32 {
+            self.words.len() as u32
+        }
+        fn id(&self, word: &str) -> u32 {
+            self.words
+                .iter()
+                .position(|w| w == word.as_bytes())
+                .unwrap() as u32
+        }
+    }
+
+    impl TextCodec for Bytes {
+        fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn decode(&self, ids: &[u32]) -> String {
+            let bytes: Vec<u8> = ids.iter().flat_map(|&i| self.token_bytes(i)).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        fn token_bytes(&self, id: u32) -> Vec<u8> {
+            self.words.get(id as usize).cloned().unwrap_or_default()
+        }
+        fn render_chat(&self, _: &[ChatMessage]) -> Result<String, String> {
+            Err("no template".into())
+        }
+        fn encode_chat(&self, _: &[ChatMessage]) -> Result<Vec<u32>, String> {
+            Err("no template".into())
+        }
+        fn chat_content_spans(
+            &self,
+            _: &str,
+            _: usize,
+            _: &[ChatMessage],
+        ) -> Result<Vec<Range<usize>>, String> {
+            Ok(Vec::new())
+        }
+        fn encode_with_plain_spans(
+            &self,
+            text: &str,
+            _: &[Range<usize>],
+        ) -> Result<Vec<u32>, String> {
+            self.encode(text)
+        }
+        fn eos_token_ids(&self) -> &[u32] {
+            std::slice::from_ref(Box::leak(Box::new(self.eos())))
+        }
+        fn vocab_size(&self) -> usize {
+            self.words.len() + 1
+        }
+    }
+
+    /// A model that never wants to stop: it writes `script` (a byte token at a time), then takes the
+    /// first of `likes` the mask allows, else the lowest allowed token that is not end-of-sequence.
+    /// Returns the text, whether the walk ended its grammar within `budget` tokens, and whether it
+    /// closed it early.
+    fn run(
+        codec: &Bytes,
+        spec: &Compiled,
+        script: &str,
+        likes: &[u32],
+        budget: usize,
+    ) -> (String, bool, bool) {
+        let mut walk = spec.start().unwrap();
+        let mut out = Vec::new();
+        for left in (1..=budget).rev() {
+            let scripted = script.as_bytes().get(out.len()).map(|&b| u32::from(b));
+            let mut model = |mask: &[u32]| {
+                scripted
+                    .iter()
+                    .chain(likes)
+                    .copied()
+                    .find(|&t| allows(mask, t))
+                    .or_else(|| (0..codec.eos()).find(|&t| allows(mask, t)))
+                    .unwrap_or(codec.eos())
+            };
+            let token = walk.choose(left, &mut model).unwrap();
+            walk.accept(token).unwrap();
+            if token == codec.eos() {
+                break;
+            }
+            out.push(token);
+            if walk.is_done() {
+                break;
+            }
+        }
+        (codec.decode(&out), walk.is_done(), walk.closed_early())
+    }
+
+    fn guides(codec: &Arc<Bytes>) -> Guides {
+        Guides::new(codec.clone() as Arc<dyn TextCodec>).unwrap()
+    }
+
+    #[test]
+    fn a_walk_near_its_budget_closes_the_schema_it_would_have_overrun() {
+        let codec = Bytes::new();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "items": {"type": "array", "items": {"type": "object",
+                    "properties": {"n": {"type": "number"}, "ok": {"type": "boolean"}},
+                    "required": ["n", "ok"]}},
+                "note": {"type": "string"}
+            },
+            "required": ["name", "items", "note"]
+        });
+        let spec = guides(&codec)
+            .compile(&Guide::JsonSchema(schema.clone()))
+            .unwrap();
+        // Repeats inside the name for ever.
+        let birch = [codec.id("birch")];
+        // What closing takes from the start: `{"name": "", "items": [], "note": ""}`.
+        let least = {
+            let walk = spec.walk();
+            let way = walk.way(walk.matcher.deep_clone(), Lex::default(), 100, true);
+            way.unwrap().len()
+        };
+        for budget in [least, least + 1, 40, 64, 65, 100, 200] {
+            let (text, done, early) = run(&codec, &spec, "", &birch, budget);
+            assert!(done && early, "budget {budget}: not closed: {text}");
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+            // The model's own text runs until the closing needs what is left.
+            let name = v["name"].as_str().unwrap();
+            assert!(
+                name.len() >= 5 * (budget - least) && name.replace("birch", "").is_empty(),
+                "{text}"
+            );
+            assert_eq!(v["items"], serde_json::json!([]), "{text}");
+            assert_eq!(v["note"], "", "{text}");
+        }
+        // Repeats digits of the first item's number: closed inside the array.
+        let digits = [codec.id("000"), codec.id("1")];
+        let script = r#"{"name": "x", "items": [{"n": 1"#;
+        let (text, done, early) = run(&codec, &spec, script, &digits, 60);
+        assert!(done && early, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(
+            v["items"][0]["n"].is_number() && v["items"][0]["ok"].is_boolean(),
+            "{text}"
+        );
+        // Too small a budget for even the closing: the walk does not pretend.
+        let (text, done, _) = run(&codec, &spec, "", &birch, 8);
+        assert!(!done, "{text}");
+    }
+
+    #[test]
+    fn a_walk_that_ends_by_itself_is_not_closed_early() {
+        let codec = Bytes::new();
+        let spec = guides(&codec)
+            .compile(&Guide::Choice(vec!["yes".into(), "no".into()]))
+            .unwrap();
+        let (text, done, early) = run(&codec, &spec, "", &[], 3);
+        assert_eq!(text, "no");
+        assert!(done && !early);
+        // A string the model would write for ever is the model's until the last token.
+        let spec = guides(&codec)
+            .compile(&Guide::JsonSchema(serde_json::json!({"type": "string"})))
+            .unwrap();
+        let aaaa = [codec.id("aaaa")];
+        let (text, done, early) = run(&codec, &spec, "", &aaaa, 40);
+        assert!(done && early, "{text}");
+        assert_eq!(text, format!("\"{}\"", "a".repeat(38 * 4)));
+    }
+
+    #[test]
+    fn the_closing_way_writes_the_smallest_values_of_what_is_required() {
+        let codec = Bytes::new();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "string"},
+                "b": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+                "c": {"type": "boolean"},
+                "d": {"type": "number", "minimum": 5},
+                "e": {"type": "string", "enum": ["tea", "coffee"]},
+                "f": {"type": "object", "properties": {"g": {"type": "null"}}, "required": ["g"]},
+                "h": {"type": "string"}
+            },
+            "required": ["a", "b", "c", "d", "e", "f"]
+        });
+        let spec = guides(&codec).compile(&Guide::JsonSchema(schema)).unwrap();
+        let walk = spec.walk();
+        let way = walk
+            .way(walk.matcher.deep_clone(), Lex::default(), 200, true)
+            .unwrap();
+        let text = codec.decode(&way);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(v["a"], "", "{text}");
+        assert_eq!(v["b"], serde_json::json!([0, 0]), "{text}");
+        assert!(
+            v["c"].is_boolean() && v["d"].as_f64().unwrap() >= 5.0,
+            "{text}"
+        );
+        assert!(v["e"] == "tea" || v["e"] == "coffee", "{text}");
+        assert_eq!(v["f"], serde_json::json!({"g": null}), "{text}");
+        assert!(v.get("h").is_none(), "{text}");
+        // Too few tokens for it: no way.
+        let short = walk.way(
+            walk.matcher.deep_clone(),
+            Lex::default(),
+            way.len() - 1,
+            true,
+        );
+        assert_eq!(short, None);
+    }
+
+    #[test]
+    fn lexical_state_follows_quotes_and_escapes() {
+        let after = |text: &str| Lex::default().after(text.as_bytes());
+        assert!(after("{\"a").in_string);
+        assert!(!after("{\"a\": ").in_string);
+        assert!(after("\"a\\\"").in_string);
+        assert!(!after("\"a\\\\\"").in_string);
+        assert!(after("\"\\").escaped);
+        // Keys and values.
+        assert!(after("{\"").key);
+        assert!(!after("{\"a\": \"").key);
+        assert!(after("{\"a\": 1, \"").key);
+        assert!(!after("[\"").key && !after("[1, \"").key);
+        assert!(after("[{\"a\": [1, 2], \"").key);
+        assert!(!after("{\"a\": [\"x\", \"").key);
+        assert!(after("{\"a\": {\"b\": \"}\"}, \"").key);
     }
 }

@@ -79,6 +79,9 @@ pub struct PrefixHit {
     pub(crate) tier: Vec<(Tier, u32, BlockHash)>,
     /// Tokens looked up (the admission counters count them when the hit is attached).
     pub(crate) queried_tokens: usize,
+    /// Full blocks the lookup matched in the pool past the hit, left out because their sliding
+    /// layers' window parts were reclaimed (a hybrid pool).
+    pub(crate) window_cut: usize,
 }
 
 impl PrefixHit {
@@ -106,6 +109,12 @@ impl PrefixHit {
     /// Tokens of a partly shared cached block that will be copied instead of recomputed.
     pub fn partial_tokens(&self) -> usize {
         self.partial.map_or(0, |(_, _, n)| n)
+    }
+
+    /// Blocks the pool held past the hit, left out because their window parts were reclaimed: the
+    /// prompt missed them because of the sliding window, not because they were evicted.
+    pub fn num_window_cut_blocks(&self) -> usize {
+        self.window_cut
     }
 
     /// Block ids of the full blocks hit, in prompt order.

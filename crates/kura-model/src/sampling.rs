@@ -63,9 +63,15 @@ impl Sampler {
     /// grammar's mask), when given: the others are out before any other step. Logprobs stay those of
     /// the model's own distribution. At least one token must be allowed.
     pub fn sample_allowed(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> Sampled {
+        let token = self.choose(logits, allowed);
+        self.record(logits, token)
+    }
+
+    /// The token [`Sampler::sample_allowed`] picks (the RNG moves on), without recording it: a
+    /// grammar may turn it down and ask again with a narrower mask; [`Sampler::record`] records the
+    /// one taken.
+    pub fn choose(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> u32 {
         let p = &self.params;
-        // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
-        let logprob_of = p.logprobs.map(|k| (k, log_sum_exp(logits)));
         let penalized =
             p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let mut owned = Vec::new();
@@ -100,22 +106,30 @@ impl Sampler {
             }
         }
         let l: &[f32] = if penalized { l } else { logits };
-        let token = if p.temperature == 0.0 {
+        if p.temperature == 0.0 {
             argmax(l)
         } else {
             let u = self.rng.random::<f32>();
             draw(&self.params, l, u)
-        };
+        }
+    }
+
+    /// Records `token` as generated (for the penalties), with its logprobs when asked.
+    pub fn record(&mut self, logits: &[f32], token: u32) -> Sampled {
         *self.generated.entry(token).or_insert(0) += 1;
         self.seen.insert(token);
-        let logprob = logprob_of.map(|(k, lse)| TokenLogprob {
-            token,
-            logprob: logits[token as usize] - lse,
-            // The order of the logits is that of their log-probabilities.
-            top: top_k_indices(logits, k)
-                .into_iter()
-                .map(|i| (i as u32, logits[i] - lse))
-                .collect(),
+        // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
+        let logprob = self.params.logprobs.map(|k| {
+            let lse = log_sum_exp(logits);
+            TokenLogprob {
+                token,
+                logprob: logits[token as usize] - lse,
+                // The order of the logits is that of their log-probabilities.
+                top: top_k_indices(logits, k)
+                    .into_iter()
+                    .map(|i| (i as u32, logits[i] - lse))
+                    .collect(),
+            }
         });
         Sampled { token, logprob }
     }

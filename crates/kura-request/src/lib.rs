@@ -131,14 +131,27 @@ pub trait ConstraintSpec: Send + Sync + std::fmt::Debug {
 
 /// One choice's walk through a grammar: which tokens may come next, and the token that came.
 pub trait TokenConstraint: Send {
-    /// The tokens allowed next, as bits over the vocabulary (bit `id % 32` of word `id / 32`; ids past
-    /// the end are not allowed). End-of-sequence is allowed only where the grammar may end. An error
-    /// (no token allowed, a broken grammar) ends the choice.
-    fn allowed(&mut self) -> Result<&[u32], String>;
-    /// Moves past `token`, which [`TokenConstraint::allowed`] allowed.
+    /// The next token, which `sample` picks among the tokens a mask allows (bit `id % 32` of word
+    /// `id / 32`; ids past the end are not allowed). End-of-sequence is allowed only where the grammar
+    /// may end. `budget`: how many tokens the choice may still generate, this one included; near its
+    /// end the walk may turn the sampled token down for one of the way that closes its grammar within
+    /// the budget, and then take that way's tokens without sampling. An error (no token allowed, a
+    /// broken grammar) ends the choice.
+    fn choose(
+        &mut self,
+        budget: usize,
+        sample: &mut dyn FnMut(&[u32]) -> u32,
+    ) -> Result<u32, String>;
+    /// Moves past `token`, which [`TokenConstraint::choose`] chose.
     fn accept(&mut self, token: u32) -> Result<(), String>;
     /// The grammar is complete and nothing but end-of-sequence may follow: the choice stops.
     fn is_done(&self) -> bool;
+    /// The walk closed its grammar early because the budget ran short: the output is complete, but
+    /// shorter than the model would have made it. [`TokenConstraint::is_done`] is true once closed,
+    /// and the choice ends as `length`.
+    fn closed_early(&self) -> bool {
+        false
+    }
 }
 
 /// A prefix of a request's prompt to keep: the first `tokens` tokens (whole blocks of them), until
@@ -235,15 +248,20 @@ pub enum MissReason {
     TemplateRerendered,
     /// The same tenant had this prefix cached under another cache salt (`cache_salt`).
     SaltDiffers,
+    /// The pool held the next blocks of this prefix, but no longer the part of them a sliding-window
+    /// layer reads (a hybrid pool reclaims those first): the prefix is cut back to where the window
+    /// can be served.
+    WindowDropped,
 }
 
 impl MissReason {
-    pub const ALL: [MissReason; 5] = [
+    pub const ALL: [MissReason; 6] = [
         MissReason::NeverSeen,
         MissReason::Evicted,
         MissReason::Diverged,
         MissReason::TemplateRerendered,
         MissReason::SaltDiffers,
+        MissReason::WindowDropped,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -253,6 +271,7 @@ impl MissReason {
             MissReason::Diverged => "diverged",
             MissReason::TemplateRerendered => "template_rerendered",
             MissReason::SaltDiffers => "salt_differs",
+            MissReason::WindowDropped => "window_dropped",
         }
     }
 }

@@ -201,13 +201,16 @@ pub struct Item {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SchedEvent {
     /// A sequence got blocks. `first`: its request's first admission (a resumption after preemption is
-    /// not); `cached_tokens` of its prompt were found cached (what its usage reports). The cache's own
-    /// counters of admissions are [`kura_kv::KvStats`]'s.
+    /// not); `cached_tokens` of its prompt were found cached (what its usage reports);
+    /// `window_cut_blocks` more were in the pool but lacked their sliding window's part
+    /// ([`kura_kv::PrefixHit::num_window_cut_blocks`]). The cache's own counters of admissions are
+    /// [`kura_kv::KvStats`]'s.
     Admitted {
         seq: SeqKey,
         request: u64,
         first: bool,
         cached_tokens: usize,
+        window_cut_blocks: usize,
     },
     /// A running sequence was sent back to the waiting queue to make room (its computed full blocks stay
     /// cached for its resumption; `swapped_blocks` of them were copied to the host tier, under
@@ -872,7 +875,7 @@ impl Scheduler {
             {
                 Ok(Some(alloc)) => {
                     plan.copies.extend(alloc.copies);
-                    self.on_admitted(c.seq, id, cached, plan);
+                    self.on_admitted(c.seq, id, &hit, plan);
                     return Admit::Admitted;
                 }
                 Ok(None) => {
@@ -943,7 +946,8 @@ impl Scheduler {
         (now + full - len.div_ceil(bs) + others, full + others)
     }
 
-    fn on_admitted(&mut self, key: SeqKey, id: SeqId, cached_tokens: usize, plan: &mut Plan) {
+    fn on_admitted(&mut self, key: SeqKey, id: SeqId, hit: &PrefixHit, plan: &mut Plan) {
+        let cached_tokens = hit.num_cached_tokens();
         let order = self.next_order;
         self.next_order += 1;
         let seq = self.seqs.get_mut(&key).expect("admitted sequence exists");
@@ -964,6 +968,7 @@ impl Scheduler {
             request: request_id,
             first,
             cached_tokens,
+            window_cut_blocks: hit.num_window_cut_blocks(),
         });
     }
 

@@ -298,6 +298,7 @@ impl KvCacheManager {
         if keep == k {
             return;
         }
+        hit.window_cut = k - keep;
         hit.blocks.truncate(keep);
         hit.num_pending = hit
             .blocks
