@@ -5,7 +5,8 @@
 # llama.cpp's tokenizer conformance files (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is
 # tested on (scripts/fetch-eval-text.sh), Redis 7 for the shared KV tier (scripts/fetch-redis.sh: Debian's
 # redis-server), NVRTC and the CUDA headers from PyPI so that every GPU kernel compiles here without a GPU
-# (scripts/fetch-nvrtc.sh; the GPU tests themselves are scripts/test-gpu.sh) and a Python virtual
+# (scripts/fetch-nvrtc.sh; the GPU tests themselves are scripts/test-gpu.sh), Debian's Chromium and
+# ChromeDriver for the console's browser tests (scripts/fetch-chromium.sh) and a Python virtual
 # environment with tests/python/requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,10 @@ export KURA_REDIS_SERVER
 nvrtc_env=$(scripts/fetch-nvrtc.sh)
 eval "$nvrtc_env"
 export KURA_NVRTC_LIB KURA_CUDA_INCLUDE
+# KURA_CHROMIUM and KURA_CHROMEDRIVER, for the console's browser tests.
+chromium_env=$(scripts/fetch-chromium.sh)
+eval "$chromium_env"
+export KURA_CHROMIUM KURA_CHROMEDRIVER
 
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
 # overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
 use kura_model::Sampled;
 
+use crate::inspect::{self, Labels, TickTimes};
 use crate::miss::SeenLog;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
@@ -286,6 +287,8 @@ pub fn start_engine(
         pins: PinTable::new(pin_budget, config_block_size),
         remote,
         seen: SeenLog::default(),
+        tick_times: TickTimes::default(),
+        labels: Labels::default(),
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -318,6 +321,9 @@ struct Core {
     pins: PinTable,
     /// The shared tier in Redis (L4), when configured.
     remote: Option<RemoteTier>,
+    /// (KV manager tick, time) samples, and the tenant labels: for [`inspect`].
+    tick_times: TickTimes,
+    labels: Labels,
     /// Recent sequences per cache salt, to tell why a prompt missed the cache.
     seen: SeenLog,
 }
@@ -448,7 +454,8 @@ impl Core {
                 Command::Cancel { .. }
                 | Command::AbortAll
                 | Command::ClockMoved
-                | Command::Unpin { .. } => {}
+                | Command::Unpin { .. }
+                | Command::Inspect { .. } => {}
             }
         }
     }
@@ -569,6 +576,17 @@ impl Core {
                 if self.pins.release(&mut self.sched, &key, &tokens) {
                     self.update_pin_gauges();
                 }
+            }
+            Command::Inspect { limit, reply } => {
+                let view = inspect::inspect(
+                    self.sched.kv(),
+                    limit,
+                    &self.tick_times,
+                    &self.labels,
+                    self.started,
+                );
+                let _ = reply.send(view);
+                return true;
             }
             Command::Stop => return false,
         }
@@ -694,6 +712,7 @@ impl Core {
     /// One engine step; `false` when nothing could be scheduled.
     fn step(&mut self) -> bool {
         let started = Instant::now();
+        self.tick_times.note(self.sched.kv().tick(), started);
         self.metrics.scheduler_passes.add(1);
         self.expire_pins();
         self.poll_remote();

@@ -60,6 +60,11 @@ pub(crate) enum Command {
         cache_salt: Option<String>,
         tokens: Vec<u32>,
     },
+    /// What the pool holds, for the operator console: the `limit` largest cached prefixes.
+    Inspect {
+        limit: usize,
+        reply: std::sync::mpsc::Sender<crate::KvInspect>,
+    },
     /// Leave the loop; pending requests are failed first.
     Stop,
 }
@@ -213,6 +218,18 @@ impl EngineHandle {
     /// deleted before its expiry): its blocks become ordinary cached blocks.
     pub fn release_pin(&self, cache_salt: Option<String>, tokens: Vec<u32>) {
         let _ = self.commands.send(Command::Unpin { cache_salt, tokens });
+    }
+
+    /// What the pool holds now ([`crate::KvInspect`]), taken by the engine thread between two steps;
+    /// an error when it does not answer within `timeout` (it is stopped, or stuck in a long step).
+    pub fn inspect(&self, limit: usize, timeout: Duration) -> Result<crate::KvInspect, String> {
+        let (reply, answer) = std::sync::mpsc::channel();
+        self.commands
+            .send(Command::Inspect { limit, reply })
+            .map_err(|_| "the engine has stopped".to_string())?;
+        answer
+            .recv_timeout(timeout)
+            .map_err(|e| format!("no answer from the engine within {timeout:?} ({e})"))
     }
 
     /// Requests waiting for their first step.

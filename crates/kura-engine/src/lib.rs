@@ -10,6 +10,7 @@
 mod backend;
 mod engine;
 mod handle;
+mod inspect;
 mod kv_events;
 mod metrics;
 mod model_backend;
@@ -25,6 +26,7 @@ mod tiers;
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
+pub use inspect::{KvInspect, PrefixView};
 pub use kura_request::{
     CacheMiss, ConstraintSpec, EngineEvent, EventSink, FinishReason, GenerateRequest, MissReason,
     PinSpec, RequestError, SamplingParams, SubmitError, TokenCandidate, TokenConstraint,

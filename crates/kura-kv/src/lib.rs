@@ -23,8 +23,8 @@ pub use events::{EvictedBlock, EvictionHook, KvEvent};
 pub use evict::EvictionPolicy;
 pub use hash::{BlockHash, CacheKey, Secret};
 pub use manager::{
-    Allocation, BlockCopy, KvCacheConfig, KvCacheManager, PendingStatus, PinId, RetentionRange,
-    SeqId, WindowPool, NO_PAGE,
+    Allocation, BlockCopy, KvCacheConfig, KvCacheManager, PendingStatus, PinId, PrefixChain,
+    RetentionRange, SeqId, WindowPool, NO_PAGE,
 };
 pub use pool::{BlockId, DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use prefix::PrefixHit;

@@ -879,3 +879,59 @@ fn adopted_blocks_become_cached_hits_without_counting_an_admission() {
     assert!(kv.begin_adoption(&doc, &key, 4).unwrap().is_none());
     kv.check_invariants().unwrap();
 }
+
+#[test]
+fn the_pool_lists_its_cached_prefixes_largest_first() {
+    let mut kv = manager(32);
+    let (a, b) = (
+        CacheKey::new().with_salt("a"),
+        CacheKey::new().with_salt("b"),
+    );
+    // A system prompt of 2 blocks, two conversations after it (4 and 3 blocks), and another tenant's
+    // prompt of 1 block.
+    let system = toks(0..8);
+    let long = [system.clone(), toks(100..108)].concat();
+    let short = [system.clone(), toks(200..204)].concat();
+    run(&mut kv, &a, &long, true);
+    run(&mut kv, &a, &short, true);
+    run(&mut kv, &b, &toks(0..4), true);
+    // Reuse the long one twice: its leaf and its root are hit.
+    for _ in 0..2 {
+        run(&mut kv, &a, &[long.clone(), vec![999]].concat(), true);
+    }
+    let held = run(&mut kv, &a, &short, false);
+    let (pin, _) = kv.pin_prefix(&system, &a, None);
+    let (chains, total) = kv.prefix_chains(10);
+    // The held sequence's own last block is not indexed until computed: what it shares is.
+    assert!(total >= 3, "{chains:?}");
+    let sizes: Vec<usize> = chains.iter().map(|c| c.blocks).collect();
+    let mut sorted = sizes.clone();
+    sorted.sort_by(|x, y| y.cmp(x));
+    assert_eq!(sizes, sorted);
+    let first = &chains[0];
+    assert_eq!(first.blocks, 4);
+    assert_eq!(first.key.salt(), Some("a"));
+    assert_eq!(first.leaf_hits, 2);
+    assert!(first.root_hits >= 3, "{first:?}");
+    assert_eq!(first.pinned_blocks, 2);
+    let short_chain = chains
+        .iter()
+        .find(|c| c.blocks == 3)
+        .expect("the short conversation");
+    assert_eq!(short_chain.used_blocks, 3);
+    assert_eq!(short_chain.idle_ticks, 0);
+    let other = chains
+        .iter()
+        .find(|c| c.key.salt() == Some("b"))
+        .expect("tenant b");
+    assert_eq!(
+        (other.blocks, other.pinned_blocks, other.used_blocks),
+        (1, 0, 0)
+    );
+    assert!(other.idle_ticks > 0);
+    // At most `limit`.
+    assert_eq!(kv.prefix_chains(1).0.len(), 1);
+    kv.unpin(pin).unwrap();
+    kv.free(held).unwrap();
+    kv.check_invariants().unwrap();
+}

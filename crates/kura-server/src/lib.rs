@@ -20,6 +20,7 @@
 mod body;
 mod caches;
 pub mod caching;
+mod console;
 mod guided;
 mod handlers;
 mod kv_events;
@@ -82,6 +83,9 @@ pub struct ServerConfig {
     /// Route `POST /debug/clock` (operator key only), which moves the cache clock forward (for tests of
     /// expiry).
     pub debug_clock: bool,
+    /// Route the console (`/console` and `GET /v1/kv/summary`): behind the operator key when there is
+    /// one, open when there are no keys at all, and never with tenant keys only.
+    pub console: bool,
 }
 
 /// What each tenant may hold at once. (Pins need no quota: when the pin budget is full, the tenant
@@ -118,6 +122,7 @@ impl Default for ServerConfig {
             conn: ConnLimits::default(),
             contexts: None,
             debug_clock: false,
+            console: false,
         }
     }
 }
@@ -215,6 +220,25 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         .route("/v1/models/{model}", get(model))
         .route("/tokenize", post(handlers::tokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    // The console: for the operator key when there is one; open on a server without keys; off on a
+    // server with tenant keys only.
+    let console = Router::new()
+        .route("/console", get(console::index))
+        .route("/console/console.js", get(console::script))
+        .route("/console/console.css", get(console::style))
+        .route("/v1/kv/summary", get(console::summary));
+    let console = match (
+        config.console,
+        config.admin_keys.is_empty(),
+        config.api_keys.is_empty(),
+    ) {
+        (true, false, _) => Some(console.route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            authorize_operator,
+        ))),
+        (true, true, true) => Some(console),
+        _ => None,
+    };
     // Operator routes: off without an operator key, and for the operator key only.
     let mut operator = Router::new();
     if !config.admin_keys.is_empty() {
@@ -229,10 +253,11 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
             authorize_operator,
         ));
     }
-    Router::new()
-        .merge(api)
-        .merge(operator)
-        .route("/health", get(health))
+    let mut app = Router::new().merge(api).merge(operator);
+    if let Some(console) = console {
+        app = app.merge(console);
+    }
+    app.route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

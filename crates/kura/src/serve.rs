@@ -136,6 +136,12 @@ pub struct ServeArgs {
     /// saved-context expiry can be tested without waiting. Not for production.
     #[arg(long)]
     debug_clock: bool,
+    /// The console at `/console`: a page that shows the KV cache live (pool, tiers, prefixes, pins,
+    /// requests) beside a chat playground, and its summary at `GET /v1/kv/summary`. With an operator
+    /// key, for that key only; with API keys but no operator key, off. Default: on when listening on
+    /// loopback (`--host 127.0.0.1`, `localhost`, `::1`), off otherwise.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    console: Option<bool>,
     /// Publish the KV pool's content (blocks stored, removed, cleared, named by keyed content names,
     /// without tokens) at `GET /v1/kv/events` (SSE, numbered) and `GET /v1/kv/snapshot`, for the
     /// operator key only, for `kura router --policy kv`. Needs an operator key and the fleet secret.
@@ -599,6 +605,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.debug_clock && admin_keys.is_empty() {
         bail!("--debug-clock is an operator route: give an operator key (--admin-api-key-file)");
     }
+    let loopback = matches!(
+        args.host.as_str(),
+        "127.0.0.1" | "localhost" | "::1" | "[::1]"
+    );
+    let console = match args.console {
+        Some(true) if admin_keys.is_empty() && !api_keys.is_empty() => bail!(
+            "--console shows every tenant's cache to the operator only: with API keys, give an              operator key (--admin-api-key-file, --admin-api-key or ${})",
+            crate::secrets::ADMIN_KEY_ENV
+        ),
+        Some(on) => on,
+        None => loopback && (api_keys.is_empty() || !admin_keys.is_empty()),
+    };
     if admin_keys.iter().any(|k| api_keys.contains(k)) {
         bail!("an operator key is also a tenant's API key: give the operator a key of its own");
     }
@@ -640,6 +658,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         conn: http.conn,
         contexts,
         debug_clock: args.debug_clock,
+        console,
     };
     let addr = format!("{}:{}", args.host, args.port);
     // Tokenizing a large prompt takes a core for a while: as many at once as there are cores (and at

@@ -75,6 +75,7 @@ use crate::prefix::{PrefixHit, PrefixIndex};
 use crate::stats::{KvStats, KvUsage};
 use crate::tier::TierConfig;
 
+pub use inspect::PrefixChain;
 use lower_tiers::LowerTiers;
 use outbox::Outbox;
 use pages::HybridPages;
@@ -665,6 +666,7 @@ impl KvCacheManager {
 
 mod alloc;
 mod check;
+mod inspect;
 mod lower_tiers;
 mod outbox;
 mod pages;
