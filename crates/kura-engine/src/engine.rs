@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
 use kura_model::Sampled;
 
-use crate::inspect::{self, Labels, TickTimes};
+use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
@@ -288,7 +288,6 @@ pub fn start_engine(
         remote,
         seen: SeenLog::default(),
         tick_times: TickTimes::default(),
-        labels: Labels::default(),
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -321,9 +320,8 @@ struct Core {
     pins: PinTable,
     /// The shared tier in Redis (L4), when configured.
     remote: Option<RemoteTier>,
-    /// (KV manager tick, time) samples, and the tenant labels: for [`inspect`].
+    /// (KV manager tick, time) samples: the ages of [`inspect`]'s prefixes.
     tick_times: TickTimes,
-    labels: Labels,
     /// Recent sequences per cache salt, to tell why a prompt missed the cache.
     seen: SeenLog,
 }
@@ -577,15 +575,19 @@ impl Core {
                     self.update_pin_gauges();
                 }
             }
-            Command::Inspect { limit, reply } => {
+            Command::Inspect { limit } => {
                 let view = inspect::inspect(
                     self.sched.kv(),
                     limit,
                     &self.tick_times,
-                    &self.labels,
+                    &self.shared.labels,
                     self.started,
                 );
-                let _ = reply.send(view);
+                *self
+                    .shared
+                    .inspected
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(view));
                 return true;
             }
             Command::Stop => return false,

@@ -60,10 +60,10 @@ pub(crate) enum Command {
         cache_salt: Option<String>,
         tokens: Vec<u32>,
     },
-    /// What the pool holds, for the operator console: the `limit` largest cached prefixes.
+    /// Take a view of the pool for the operator console (the `limit` largest cached prefixes) and
+    /// publish it in [`Shared::inspected`].
     Inspect {
         limit: usize,
-        reply: std::sync::mpsc::Sender<crate::KvInspect>,
     },
     /// Leave the loop; pending requests are failed first.
     Stop,
@@ -92,6 +92,10 @@ pub(crate) struct Shared {
     exit_changed: Condvar,
     /// The pool's content events, when published.
     pub(crate) kv_events: Option<Arc<KvEventLog>>,
+    /// The last view of the pool the engine thread took for [`EngineHandle::inspect`].
+    pub(crate) inspected: Mutex<Option<Arc<crate::KvInspect>>>,
+    /// Tenants' opaque labels in that view.
+    pub(crate) labels: crate::inspect::Labels,
 }
 
 impl Shared {
@@ -109,6 +113,8 @@ impl Shared {
             next_id: AtomicU64::new(1),
             exit: Mutex::new(None),
             exit_changed: Condvar::new(),
+            inspected: Mutex::new(None),
+            labels: crate::inspect::Labels::default(),
             kv_events,
         }
     }
@@ -220,16 +226,42 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Unpin { cache_salt, tokens });
     }
 
-    /// What the pool holds now ([`crate::KvInspect`]), taken by the engine thread between two steps;
-    /// an error when it does not answer within `timeout` (it is stopped, or stuck in a long step).
-    pub fn inspect(&self, limit: usize, timeout: Duration) -> Result<crate::KvInspect, String> {
-        let (reply, answer) = std::sync::mpsc::channel();
-        self.commands
-            .send(Command::Inspect { limit, reply })
-            .map_err(|_| "the engine has stopped".to_string())?;
-        answer
-            .recv_timeout(timeout)
-            .map_err(|e| format!("no answer from the engine within {timeout:?} ({e})"))
+    /// The opaque label of the tenant of cache salt `salt`, as [`crate::PrefixView::tenant`] gives it:
+    /// a keyed hash of the salt's tenant part, with a key drawn when the engine started.
+    pub fn tenant_label(&self, salt: Option<&str>) -> String {
+        self.shared.labels.of(salt)
+    }
+
+    /// What the pool holds ([`crate::KvInspect`], its `limit` largest cached prefixes), as the engine
+    /// thread last took it. Each call asks for a new view, which the engine takes after its current step;
+    /// the call does not wait for it unless the last view is older than `fresh` (the first call, or
+    /// the first after a pause), and then at most `wait`. A long step (a large prefill) therefore
+    /// delays the view, never the caller by more than `wait`. `None`: no view yet.
+    pub fn inspect(
+        &self,
+        limit: usize,
+        fresh: Duration,
+        wait: Duration,
+    ) -> Option<Arc<crate::KvInspect>> {
+        let asked = Instant::now();
+        let _ = self.commands.send(Command::Inspect { limit });
+        let last = || {
+            self.shared
+                .inspected
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        };
+        loop {
+            let view = last();
+            let recent = view
+                .as_ref()
+                .is_some_and(|v| asked.saturating_duration_since(v.taken_at) < fresh);
+            if recent || asked.elapsed() >= wait {
+                return view;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Requests waiting for their first step.

@@ -29,27 +29,21 @@ pub struct PrefixView {
     pub idle_seconds: Option<f64>,
     pub pinned_blocks: usize,
     pub used_blocks: usize,
-    /// The tenant's opaque label ([`KvInspect::label`]).
+    /// The tenant's opaque label ([`crate::EngineHandle::tenant_label`]).
     pub tenant: String,
 }
 
 /// The pool as the console sees it at one moment.
 #[derive(Debug, Clone)]
 pub struct KvInspect {
+    /// When the engine thread took it.
+    pub taken_at: Instant,
     /// Milliseconds since the engine started, when this was taken.
     pub uptime_ms: u64,
     /// The largest cached prefixes, largest first.
     pub prefixes: Vec<PrefixView>,
     /// Cached prefixes (leaves of the prefix tree) in all.
     pub total_prefixes: usize,
-    labels: Labels,
-}
-
-impl KvInspect {
-    /// The opaque label of the tenant of cache salt `salt` (the same one [`PrefixView::tenant`] uses).
-    pub fn label(&self, salt: Option<&str>) -> String {
-        self.labels.of(salt)
-    }
 }
 
 /// Tenant labels: a keyed hash (a key drawn at random when the engine starts) of the salt's tenant
@@ -131,11 +125,11 @@ pub(crate) fn inspect(
         })
         .collect();
     KvInspect {
+        taken_at: now,
         uptime_ms: u64::try_from(now.saturating_duration_since(started).as_millis())
             .unwrap_or(u64::MAX),
         prefixes,
         total_prefixes,
-        labels: labels.clone(),
     }
 }
 

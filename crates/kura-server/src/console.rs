@@ -10,7 +10,8 @@
 //! keys but no operator key, nobody (the routes are not there); with no keys at all, anyone who reaches
 //! the server (by default the console is on only when it listens on loopback).
 
-use std::time::Duration;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::header;
@@ -27,8 +28,17 @@ const STYLE: &str = include_str!("../console/console.css");
 
 /// The largest cached prefixes the summary lists.
 const TOP_PREFIXES: usize = 20;
-/// How long the summary waits for the engine thread (it answers between two steps).
-const INSPECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A view of the pool younger than this is served at once (the page polls twice a second: each poll
+/// asks for the view the next one gets).
+const INSPECT_FRESH: Duration = Duration::from_secs(2);
+/// Longest the summary waits for a younger view (the engine takes it after its current step).
+const INSPECT_WAIT: Duration = Duration::from_millis(250);
+
+/// The summary's clock (`time_ms`, for rates): the first summary's time.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
     (
@@ -58,10 +68,11 @@ pub async fn style() -> Response {
 /// `/metrics` shows at the same moment.
 pub async fn summary(State(s): State<AppState>) -> Result<Json<Value>, ApiError> {
     let engine = s.engine.clone();
-    let view = tokio::task::spawn_blocking(move || engine.inspect(TOP_PREFIXES, INSPECT_TIMEOUT))
-        .await
-        .map_err(|e| ApiError::Internal(format!("the summary task failed: {e}")))?
-        .map_err(|e| ApiError::Internal(format!("the engine did not answer: {e}")))?;
+    let view = tokio::task::spawn_blocking(move || {
+        engine.inspect(TOP_PREFIXES, INSPECT_FRESH, INSPECT_WAIT)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("the summary task failed: {e}")))?;
     let m = s.engine.metrics();
     let info = s.engine.info();
     let total = m.kv_blocks_total.get();
@@ -92,8 +103,8 @@ pub async fn summary(State(s): State<AppState>) -> Result<Json<Value>, ApiError>
     let bs = info.block_size_tokens;
     let now_ms = s.engine.cache_now_ms();
     let prefixes: Vec<Value> = view
-        .prefixes
         .iter()
+        .flat_map(|v| &v.prefixes)
         .map(|p| {
             json!({
                 "blocks": p.blocks,
@@ -119,13 +130,13 @@ pub async fn summary(State(s): State<AppState>) -> Result<Json<Value>, ApiError>
                 "id": c.id.chars().take(12).collect::<String>(),
                 "tokens": c.tokens.len(),
                 "expires_in_seconds": (c.expires_at_ms - now_ms) as f64 / 1000.0,
-                "tenant": view.label(c.tenant.as_deref()),
+                "tenant": s.engine.tenant_label(c.tenant.as_deref()),
             })
         })
         .collect();
     Ok(Json(json!({
         "model": info.model_name,
-        "time_ms": view.uptime_ms,
+        "time_ms": u64::try_from(epoch().elapsed().as_millis()).unwrap_or(u64::MAX),
         "block_size": bs,
         "pool": {
             "blocks_total": total,
@@ -158,7 +169,11 @@ pub async fn summary(State(s): State<AppState>) -> Result<Json<Value>, ApiError>
             "waiting": m.requests_waiting.get(),
             "preempted_waiting": m.requests_preempted_waiting.get(),
         },
-        "prefixes": {"total": view.total_prefixes, "top": prefixes},
+        "prefixes": {
+            "total": view.as_ref().map(|v| v.total_prefixes),
+            "age_ms": view.as_ref().map(|v| v.taken_at.elapsed().as_millis() as u64),
+            "top": prefixes,
+        },
         "pins": {
             "count": m.pins.get(),
             "blocks": m.pinned_blocks.get(),
