@@ -5,6 +5,7 @@
 # installs Debian's `redis-server` package with apt-get (as root, or through sudo without a password).
 # The package's own service is not started: tests and scripts/fleet.sh start their own servers.
 set -euo pipefail
+source "$(dirname "$0")/lib/fetch.sh"
 
 version_ok() {
   local v
@@ -18,21 +19,7 @@ if command -v redis-server >/dev/null && version_ok "$(command -v redis-server)"
   exit 0
 fi
 
-if ! command -v apt-get >/dev/null; then
-  echo "fetch-redis.sh: redis-server 7+ or openssl is not installed and this machine has no apt-get; install Redis 7 and openssl and put them on PATH" >&2
-  exit 1
-fi
-if [ "$(id -u)" -eq 0 ]; then
-  SUDO=()
-elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-  SUDO=(sudo -n)
-else
-  echo "fetch-redis.sh: installing Debian's redis-server and openssl needs root (or passwordless sudo)" >&2
-  exit 1
-fi
-export DEBIAN_FRONTEND=noninteractive
-"${SUDO[@]}" apt-get -qq update >&2
-"${SUDO[@]}" apt-get -qq install -y --no-install-recommends redis-server openssl >&2
+kura_apt_install fetch-redis.sh redis-server openssl
 if ! version_ok "$(command -v redis-server)"; then
   echo "fetch-redis.sh: the installed redis-server is older than 7: $(redis-server --version)" >&2
   exit 1

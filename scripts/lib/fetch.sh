@@ -1,7 +1,7 @@
 # Shared by the scripts/fetch-*.sh scripts, which source it (`source "$(dirname "$0")/lib/fetch.sh"`):
 # the cache folder, the temporary folder a download goes to, pip downloads, the size and sha256 check,
-# the refusal and the move into the cache. Messages go to stderr; stdout is left to the script, which
-# prints the path it fetched and nothing else.
+# the refusal and the move into the cache, and Debian packages with apt-get. Messages go to stderr;
+# stdout is left to the script, which prints the path it fetched and nothing else.
 
 # The cache outside the repository: $KURA_CACHE_DIR, else $XDG_CACHE_HOME/kura, else ~/.cache/kura.
 kura_cache_root() {
@@ -67,4 +67,26 @@ kura_install() {
   mv -f "$src" "$KURA_PART" || kura_die "${0##*/}: could not move $src into $(dirname "$dest")"
   mv -f "$KURA_PART" "$dest"
   KURA_PART=
+}
+
+# kura_apt_install SCRIPT PACKAGE...: installs Debian packages with apt-get, as root or through sudo
+# without a password; fails naming SCRIPT and the packages where neither is possible.
+kura_apt_install() {
+  local script=$1
+  shift
+  if ! command -v apt-get >/dev/null; then
+    echo "$script: $* not installed and this machine has no apt-get; install them and put them on PATH" >&2
+    return 1
+  fi
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+      sudo=(sudo -n)
+    else
+      echo "$script: installing Debian's $* needs root (or passwordless sudo)" >&2
+      return 1
+    fi
+  fi
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get -qq update >&2
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get -qq install -y --no-install-recommends "$@" >&2
 }
