@@ -19,9 +19,22 @@ function headers(extra) {
   return h;
 }
 
+// Writes to the page only what changed: a write costs the browser a layout and a paint.
 function text(id, value) {
   const el = $(id);
-  if (el) el.textContent = value;
+  if (el && el.textContent !== value) el.textContent = value;
+}
+
+// Fills a table body with rows of cell texts, unless it holds those rows already.
+function rows(body, cells) {
+  const key = JSON.stringify(cells);
+  if (body.dataset.key === key) return;
+  body.dataset.key = key;
+  body.replaceChildren();
+  for (const row of cells) {
+    const tr = body.insertRow();
+    for (const v of row) tr.insertCell().textContent = v;
+  }
 }
 
 function num(n) {
@@ -94,21 +107,13 @@ function render(s) {
   text("pool-pinned", num(p.blocks_pinned));
   const bar = $("pool-bar").children;
   const share = (n) => (p.blocks_total > 0 ? (100 * n) / p.blocks_total : 0) + "%";
-  bar[0].style.width = share(p.blocks_used);
-  bar[1].style.width = share(p.blocks_cached);
-  bar[2].style.width = share(Math.max(0, p.blocks_reserved));
-
-  const tiers = $("tiers");
-  tiers.replaceChildren();
-  for (const t of s.tiers) {
-    const row = tiers.insertRow();
-    const th = document.createElement("th");
-    th.textContent = t.name;
-    row.appendChild(th);
-    row.insertCell().textContent =
-      num(t.blocks_used) + " / " + num(t.blocks_total) + " blocks, " + num(t.loads) + " loads, " + num(t.stores) + " stores";
+  for (const [i, n] of [p.blocks_used, p.blocks_cached, Math.max(0, p.blocks_reserved)].entries()) {
+    if (bar[i].style.width !== share(n)) bar[i].style.width = share(n);
   }
-  if (s.tiers.length === 0) tiers.insertRow().insertCell().textContent = "none";
+
+  const tiers = s.tiers.map((t) => [t.name, num(t.blocks_used) + " / " + num(t.blocks_total) + " blocks, " +
+    num(t.loads) + " loads, " + num(t.stores) + " stores"]);
+  rows($("tiers").tBodies[0], tiers.length ? tiers : [["none"]]);
 
   const c = s.counters;
   text("query-tokens", num(c.prefix_query_tokens));
@@ -141,28 +146,16 @@ function render(s) {
 
 function renderPrefixes(s) {
   text("prefix-count", "(" + num(s.prefixes.top.length) + " of " + num(s.prefixes.total) + ")");
-  const body = $("prefixes").tBodies[0];
-  body.replaceChildren();
-  for (const x of s.prefixes.top) {
-    const row = body.insertRow();
-    for (const v of [num(x.blocks), num(x.tokens), num(x.leaf_hits), num(x.root_hits),
-                     x.in_use ? "in use" : seconds(x.idle_seconds), x.tier, num(x.pinned_blocks),
-                     num(x.used_blocks), x.tenant]) {
-      row.insertCell().textContent = v;
-    }
-  }
+  rows($("prefixes").tBodies[0], s.prefixes.top.map((x) => [
+    num(x.blocks), num(x.tokens), num(x.leaf_hits), num(x.root_hits),
+    x.in_use ? "in use" : seconds(x.idle_seconds), x.tier, num(x.pinned_blocks), num(x.used_blocks), x.tenant]));
 }
 
 function renderContexts(s) {
   const pins = s.pins;
   text("pins-summary", num(pins.count) + " pinned prefixes holding " + num(pins.blocks) + " blocks (budget " +
        num(pins.budget_blocks) + "); " + num(pins.demoted) + " demoted to lower tiers, " + num(pins.expired) + " expired");
-  const body = $("contexts").tBodies[0];
-  body.replaceChildren();
-  for (const x of s.contexts) {
-    const row = body.insertRow();
-    for (const v of [x.id, num(x.tokens), seconds(x.expires_in_seconds), x.tenant]) row.insertCell().textContent = v;
-  }
+  rows($("contexts").tBodies[0], s.contexts.map((x) => [x.id, num(x.tokens), seconds(x.expires_in_seconds), x.tenant]));
 }
 
 function axes(ctx, w, h) {
