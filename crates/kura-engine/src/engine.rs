@@ -1015,16 +1015,19 @@ impl Core {
             }
         };
         let Sampled { token, logprob } = seq.sampler.record(logits, token);
-        // (done, closed early because the budget ran short)
-        let grammar_done = match &mut seq.constraint {
+        // A complete grammar ends the choice: `length` when it was closed early because the budget
+        // ran short.
+        let grammar_end = match &mut seq.constraint {
             Ok(Some(c)) => match c.accept(token) {
-                Ok(()) => (c.is_done(), c.closed_early()),
+                Ok(()) if c.is_done() && c.closed_early() => Some(FinishReason::Length),
+                Ok(()) if c.is_done() => Some(FinishReason::Stop),
+                Ok(()) => None,
                 Err(e) => {
                     self.fail_group(group_id, RequestError::Constraint(e));
                     return;
                 }
             },
-            _ => (false, false),
+            _ => None,
         };
         let group = self
             .groups
@@ -1051,15 +1054,10 @@ impl Core {
             seq.stop_tokens.contains(&token) || (constrained && self.eos.contains(&token));
         let last = if stop_token {
             None
-        } else if grammar_done.0 {
-            Some(if grammar_done.1 {
-                FinishReason::Length
-            } else {
-                FinishReason::Stop
-            })
-        } else if self.sched.num_generated(key) + 1 >= group.request.max_tokens as usize
-            || self.sched.tokens(key).len() + 1 >= self.config.max_model_len
-        {
+        } else if grammar_end.is_some() {
+            grammar_end
+        } else if budget <= 1 {
+            // This was the last token `max_tokens` or the context allows.
             Some(FinishReason::Length)
         } else {
             None

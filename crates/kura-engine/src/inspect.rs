@@ -24,8 +24,8 @@ pub struct PrefixView {
     /// Times the whole prefix (its last block) was reused, and its first block.
     pub leaf_hits: u32,
     pub root_hits: u32,
-    /// Seconds since a request last held its last block; `None` while one does. An age past the
-    /// oldest sample the engine keeps is reported as that sample's age.
+    /// Seconds since a request last held its last block; `None` while a request holds any of its
+    /// blocks. An age past the oldest sample the engine keeps is reported as that sample's age.
     pub idle_seconds: Option<f64>,
     pub pinned_blocks: usize,
     pub used_blocks: usize,
@@ -115,8 +115,8 @@ pub(crate) fn inspect(
             blocks: c.blocks,
             leaf_hits: c.leaf_hits,
             root_hits: c.root_hits,
-            idle_seconds: (c.used_blocks == 0).then(|| {
-                let at = times.time_of(tick.saturating_sub(c.idle_ticks), now);
+            idle_seconds: c.idle_ticks.map(|idle| {
+                let at = times.time_of(tick.saturating_sub(idle), now);
                 now.saturating_duration_since(at).as_secs_f64()
             }),
             pinned_blocks: c.pinned_blocks,

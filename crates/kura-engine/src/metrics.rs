@@ -126,6 +126,11 @@ pub struct TierMetrics {
 }
 
 impl EngineMetrics {
+    /// The lower tiers' metrics, by the name their series carry (`tier="host"`, `tier="disk"`).
+    pub fn tiers(&self) -> [(&'static str, &TierMetrics); 2] {
+        [("host", &self.host), ("disk", &self.disk)]
+    }
+
     /// Counts a prompt that missed the cache for `reason`.
     pub fn count_miss(&self, reason: MissReason) {
         if let Some(i) = MissReason::ALL.iter().position(|r| *r == reason) {
@@ -360,7 +365,7 @@ impl EngineMetrics {
     }
 
     fn render_tiers(&self, e: &mut Exposition) {
-        let tiers = [("host", &self.host), ("disk", &self.disk)];
+        let tiers = self.tiers();
         let gauges: [TierFamily<Gauge>; 3] = [
             (
                 "kura:kv_tier_blocks_total",

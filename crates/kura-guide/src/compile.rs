@@ -103,11 +103,11 @@ impl Guides {
                 }
             })
             .collect();
-        let closer = Arc::new(Closer::new(&words));
         let info = TokRxInfo::new(vocab_u32, first_eos);
         let trie = TokTrie::from(&info, &words);
         let added = codec.encode("").unwrap_or_default();
         let env: TokEnv = Arc::new(CodecEnv { trie, codec, added });
+        let closer = Arc::new(Closer::new(env.clone()));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         // Warnings and errors come back to the request; nothing goes to stderr.
         factory.set_stderr_log_level(0);
@@ -468,31 +468,26 @@ pub struct Closer {
     /// The one-byte tokens to try, in order: outside a string, inside a key, inside a value (where
     /// a pattern may want a digit or a letter: tried before a mask is computed).
     tries: [Vec<u32>; 3],
-    /// Every token's bytes.
-    words: Vec<Box<[u8]>>,
+    /// The vocabulary (its token trie holds every token's bytes).
+    env: TokEnv,
 }
 
 impl Closer {
-    fn new(words: &[Vec<u8>]) -> Self {
-        let token_of = |byte: u8| {
-            words
-                .iter()
-                .position(|w| w.as_slice() == [byte])
-                .and_then(|id| u32::try_from(id).ok())
-        };
-        let tries = |bytes: &[u8]| bytes.iter().filter_map(|&b| token_of(b)).collect();
+    fn new(env: TokEnv) -> Self {
+        let trie = env.tok_trie();
+        let tries = |bytes: &[u8]| bytes.iter().filter_map(|&b| trie.token_id(&[b])).collect();
         Closer {
             tries: [
                 tries(b"}],\"0123456789"),
                 tries(b"\""),
                 tries(b"\"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_ ."),
             ],
-            words: words.iter().map(|w| w.clone().into_boxed_slice()).collect(),
+            env,
         }
     }
 
     fn bytes(&self, token: u32) -> &[u8] {
-        self.words.get(token as usize).map_or(&[], |w| w)
+        self.env.tok_trie().token(token)
     }
 
     /// The next tokens of the way that closes the grammar from `matcher`'s state, whose output so far

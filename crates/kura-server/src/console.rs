@@ -79,7 +79,7 @@ pub async fn summary(State(s): State<AppState>) -> Result<Json<Value>, ApiError>
     let used = m.kv_blocks_used.get();
     let cached = m.kv_blocks_cached.get();
     let mut tiers = Vec::new();
-    for (name, t) in [("host", &m.host), ("disk", &m.disk)] {
+    for (name, t) in m.tiers() {
         if t.blocks_total.get() > 0.0 {
             tiers.push(json!({
                 "name": name,

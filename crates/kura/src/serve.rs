@@ -611,7 +611,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     let console = match args.console {
         Some(true) if admin_keys.is_empty() && !api_keys.is_empty() => bail!(
-            "--console shows every tenant's cache to the operator only: with API keys, give an              operator key (--admin-api-key-file, --admin-api-key or ${})",
+            "--console shows every tenant's cache to the operator only: with API keys, give an \
+             operator key (--admin-api-key-file, --admin-api-key or ${})",
             crate::secrets::ADMIN_KEY_ENV
         ),
         Some(on) => on,

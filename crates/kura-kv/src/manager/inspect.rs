@@ -15,8 +15,9 @@ pub struct PrefixChain {
     pub leaf_hits: u32,
     /// Times a lookup attached the root block: the prefix's start was reused.
     pub root_hits: u32,
-    /// Ticks of the manager's logical clock since the leaf was last released (0: in use).
-    pub idle_ticks: u64,
+    /// Ticks of the manager's logical clock since the leaf was last released; `None` while a
+    /// running request holds any block of the chain.
+    pub idle_ticks: Option<u64>,
     /// Blocks of the chain under a pin.
     pub pinned_blocks: usize,
     /// Blocks of the chain running requests hold now.
@@ -41,38 +42,34 @@ impl KvCacheManager {
         let mut used = vec![0u32; meta.len()];
         let mut stack: Vec<BlockId> = Vec::new();
         let indexed = |b: BlockId| (b as usize) < meta.len() && meta[b as usize].indexed;
+        // The parent in the tree, when it is a cached block (not a root, nor an orphan).
+        let parent = |b: BlockId| {
+            let p = meta[b as usize].parent;
+            (p != NO_BLOCK && p != ORPHAN && indexed(p)).then_some(p)
+        };
         for start in 0..meta.len() as BlockId {
             if !indexed(start) || depth[start as usize] != 0 {
                 continue;
             }
             // Down to the first ancestor already known (or a root), then back up.
             let mut b = start;
-            loop {
-                stack.push(b);
-                let p = meta[b as usize].parent;
-                if p == NO_BLOCK || p == ORPHAN || !indexed(p) || depth[p as usize] != 0 {
-                    break;
-                }
+            stack.push(b);
+            while let Some(p) = parent(b).filter(|&p| depth[p as usize] == 0) {
+                stack.push(p);
                 b = p;
             }
             while let Some(b) = stack.pop() {
                 let m = &meta[b as usize];
-                let (d, pin, u) = match m.parent {
-                    p if p != NO_BLOCK && p != ORPHAN && indexed(p) => {
-                        (depth[p as usize], pinned[p as usize], used[p as usize])
-                    }
-                    _ => (0, 0, 0),
-                };
+                let (d, pin, u) = parent(b).map_or((0, 0, 0), |p| {
+                    (depth[p as usize], pinned[p as usize], used[p as usize])
+                });
                 depth[b as usize] = d + 1;
                 pinned[b as usize] = pin + u32::from(m.pin_count > 0);
                 used[b as usize] = u + u32::from(m.ref_count > 0);
             }
         }
         let root_of = |mut b: BlockId| {
-            while let p @ 0..ORPHAN = meta[b as usize].parent {
-                if !indexed(p) {
-                    break;
-                }
+            while let Some(p) = parent(b) {
                 b = p;
             }
             b
@@ -97,11 +94,8 @@ impl KvCacheManager {
                     blocks: depth[b as usize] as usize,
                     leaf_hits: m.hits,
                     root_hits: meta[root_of(b) as usize].hits,
-                    idle_ticks: if m.ref_count > 0 {
-                        0
-                    } else {
-                        self.clock.tick.saturating_sub(m.last_used)
-                    },
+                    idle_ticks: (used[b as usize] == 0)
+                        .then(|| self.clock.tick.saturating_sub(m.last_used)),
                     pinned_blocks: pinned[b as usize] as usize,
                     used_blocks: used[b as usize] as usize,
                     key: self.index.key(m.key_id).clone(),
