@@ -22,14 +22,7 @@ import time
 
 import httpx
 
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+from server_metrics import mean_step_ms, metrics
 
 
 def bench(kura: str, url: str, seed: int) -> dict[str, float]:
@@ -39,11 +32,8 @@ def bench(kura: str, url: str, seed: int) -> dict[str, float]:
                         "--system-tokens", "512", "--question-tokens", "32", "--output-tokens", "64",
                         "--concurrency", "8", "--seed", str(seed), "--out", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    after = metrics(url)
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    steps = d["kura:engine_steps_total"]
-    step_s = d["kura:engine_forward_seconds_total"] + d["kura:engine_step_other_seconds_total"]
-    return {"step_ms": 1000 * step_s / steps, "steps": steps}
+    steps, step_ms = mean_step_ms(before, metrics(url))
+    return {"step_ms": step_ms, "steps": steps}
 
 
 class Poller:

@@ -24,6 +24,8 @@ import time
 
 import httpx
 
+from server_metrics import metrics
+
 KEY_A, KEY_B = "tenant-a-" + secrets.token_hex(8), "tenant-b-" + secrets.token_hex(8)
 OPERATOR = "operator-" + secrets.token_hex(8)
 SECRET_PHRASE = "the account password is tulip-harbor-9931"
@@ -37,15 +39,6 @@ def free_port() -> int:
 
 def auth(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def rss_mb(pid: int) -> float:

@@ -21,6 +21,8 @@ import time
 
 import httpx
 
+from server_metrics import mean_step_ms, metrics
+
 NUMBER = {"type": "integer", "minimum": 0, "maximum": 1000}
 SCHEMAS = {
     "free": None,
@@ -28,15 +30,6 @@ SCHEMAS = {
     "closing": {"type": "object", "properties": {"numbers": {"type": "array", "items": NUMBER}},
                 "required": ["numbers"], "additionalProperties": False},
 }
-
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def run(url: str, model: str, mode: str, tokens: int, batch: int) -> dict[str, float]:
@@ -56,12 +49,8 @@ def run(url: str, model: str, mode: str, tokens: int, batch: int) -> dict[str, f
     with cf.ThreadPoolExecutor(batch) as ex:
         generated = sum(ex.map(one, range(batch)))
     wall = time.perf_counter() - start
-    after = metrics(url)
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    steps = d["kura:engine_steps_total"]
-    step_s = d["kura:engine_forward_seconds_total"] + d["kura:engine_step_other_seconds_total"]
-    return {"generated": generated, "wall_s": wall, "step_ms": 1000 * step_s / steps,
-            "tokens_per_s": generated / wall}
+    _, step_ms = mean_step_ms(before, metrics(url))
+    return {"generated": generated, "wall_s": wall, "step_ms": step_ms, "tokens_per_s": generated / wall}
 
 
 def main() -> None:
