@@ -6,7 +6,12 @@ own, the order of the modes rotating from round to round), `--runs` rounds. Repo
 engine's mean step time from /metrics per mode (median of the rounds) and its ratio to the run without.
 
     python3 bench/console_cost.py --url http://127.0.0.1:8000 --kura target/release/kura \
-        [--runs 3] [--chromium /usr/bin/chromium --chromedriver /usr/bin/chromedriver]
+        [--runs 3] [--chromium /usr/bin/chromium --chromedriver /usr/bin/chromedriver] [--server-pid PID]
+
+With `--server-pid`, it also reports the server's CPU time per engine step (all its threads, from
+/proc/PID/task/*/schedstat): time on a CPU, which other processes' turns on the cores do not lengthen, so
+it resolves a smaller difference than the step's wall time on a shared machine. Run the server and this
+script on different CPUs (`taskset`) to keep the browser off the server's cores.
 
 The page also costs the machine its browser (layout, canvas): on a machine whose cores the server uses,
 the `page` mode counts that too, and `summary` is the server's own share.
@@ -25,15 +30,30 @@ import httpx
 from server_metrics import mean_step_ms, metrics
 
 
-def bench(kura: str, url: str, seed: int) -> dict[str, float]:
-    before = metrics(url)
+def server_cpu_ns(pid: int | None) -> int:
+    """Nanoseconds the server's threads have run on a CPU (0 without a pid)."""
+    if pid is None:
+        return 0
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def bench(kura: str, url: str, seed: int, pid: int | None = None) -> dict[str, float]:
+    before, cpu0 = metrics(url), server_cpu_ns(pid)
     with tempfile.TemporaryDirectory() as out:
         subprocess.run([kura, "bench", "shared-prefix", "--url", url, "--groups", "4", "--users-per-group", "8",
                         "--system-tokens", "512", "--question-tokens", "32", "--output-tokens", "64",
                         "--concurrency", "8", "--seed", str(seed), "--out", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    steps, step_ms = mean_step_ms(before, metrics(url))
-    return {"step_ms": step_ms, "steps": steps}
+    after, cpu1 = metrics(url), server_cpu_ns(pid)
+    steps, step_ms = mean_step_ms(before, after)
+    return {"step_ms": step_ms, "steps": steps, "cpu_ms": (cpu1 - cpu0) / 1e6 / steps}
 
 
 class Poller:
@@ -90,10 +110,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--chromium")
     p.add_argument("--chromedriver")
+    p.add_argument("--server-pid", type=int, help="the server's pid, for its CPU time per step")
     a = p.parse_args()
     modes = ["none", "summary"] + (["page"] if a.chromium else [])
     bench(a.kura, a.url, 0)  # warm-up
     results: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     rates = []
     seed = 0
     for r in range(a.runs):
@@ -103,7 +125,9 @@ def main() -> None:
             seed += 1
             extra = Poller(a.url) if mode == "summary" else Page(a.url, a.chromium, a.chromedriver) \
                 if mode == "page" else None
-            results[mode].append(bench(a.kura, a.url, seed)["step_ms"])
+            r = bench(a.kura, a.url, seed, a.server_pid)
+            results[mode].append(r["step_ms"])
+            cpu[mode].append(r["cpu_ms"])
             if mode == "page":
                 rates.append(extra.close())
             elif extra:
@@ -113,6 +137,12 @@ def main() -> None:
         med = statistics.median(results[mode])
         print(f"{mode:8} step {med:.3f} ms (runs {', '.join(f'{x:.3f}' for x in results[mode])})  "
               f"ratio {med / base:.4f}")
+    if a.server_pid:
+        base = statistics.median(cpu["none"])
+        for mode in modes:
+            med = statistics.median(cpu[mode])
+            print(f"{mode:8} server CPU {med:.3f} ms per step (runs {', '.join(f'{x:.3f}' for x in cpu[mode])})  "
+                  f"ratio {med / base:.4f}")
     if rates:
         print(f"page updates per second: {', '.join(f'{x:.2f}' for x in rates)}")
 

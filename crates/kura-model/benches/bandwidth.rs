@@ -1,6 +1,6 @@
 //! Memory read bandwidth of this machine, the numerator of the decode bound (bandwidth ÷ bytes of weights
 //! per token): each thread sums its share of a 1 GiB buffer (far beyond the caches); best of 5 passes, for
-//! 1 thread and for every core.
+//! 1 thread and for every core, or for the counts in `KURA_BANDWIDTH_THREADS` (for example "1 2 4 8").
 //!
 //! `cargo bench -p kura-model --bench bandwidth`; prints one line per thread count.
 
@@ -34,10 +34,17 @@ fn pass(buf: &[u64], threads: usize) -> f64 {
 fn main() {
     let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut counts = vec![1];
-    if cores > 1 {
-        counts.push(cores);
-    }
+    let counts: Vec<usize> = match std::env::var("KURA_BANDWIDTH_THREADS") {
+        Ok(list) => list
+            .split_whitespace()
+            .map(|t| match t.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => panic!("KURA_BANDWIDTH_THREADS: '{t}' is not a thread count of at least 1"),
+            })
+            .collect(),
+        Err(_) if cores > 1 => vec![1, cores],
+        Err(_) => vec![1],
+    };
     for threads in counts {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -30,7 +30,7 @@ pub struct GenerateArgs {
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: one per physical core this process may use).
     #[arg(long)]
     pub threads: Option<usize>,
     /// `cpu` (default), or `cuda` / `cuda:N`: the forward pass on GPU N (Llama-family models, bf16

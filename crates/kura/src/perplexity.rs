@@ -52,7 +52,7 @@ pub struct PerplexityArgs {
     /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: one per physical core this process may use).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Print the report as one JSON object on stdout.

@@ -35,7 +35,7 @@ pub struct ServeArgs {
     /// TCP port; 0 picks a free one (the log says which).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Worker threads of the forward pass (default: all cores).
+    /// Worker threads of the forward pass (default: one per physical core this process may use).
     #[arg(long)]
     threads: Option<usize>,
     /// Where the forward pass runs: `cpu` (default), or `cuda` / `cuda:N` (GPU N, Llama-family models,

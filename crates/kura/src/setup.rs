@@ -5,17 +5,87 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use kura_model::{LoadOptions, Model, WeightsDtype};
 
-/// Sizes the forward pass's thread pool when `--threads` is given.
+/// Sizes the forward pass's thread pool: `--threads`, or [`default_threads`]; says which in the log.
 pub fn threads(threads: Option<usize>) -> Result<()> {
-    if let Some(n) = threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
+    let n = match threads {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) => {
+            tracing::info!(threads = n, "compute threads: {n} (--threads)");
+            n
         }
-        kura_model::set_threads(n)
-            .map_err(anyhow::Error::msg)
-            .context("setting up the thread pool")?;
+        None => {
+            let (n, why) = default_threads();
+            tracing::info!(
+                threads = n,
+                "compute threads: {n} ({why}; --threads overrides)"
+            );
+            n
+        }
+    };
+    kura_model::set_threads(n)
+        .map_err(anyhow::Error::msg)
+        .context("setting up the thread pool")
+}
+
+/// The thread count when `--threads` is not given, and why: one worker per physical core that this
+/// process may use. `available_parallelism` counts the CPUs of the affinity mask (`taskset`, cpusets)
+/// and the cgroup's CPU quota (containers); the second hardware thread of a core shares its vector
+/// units and its path to memory, so a worker there adds a thread every barrier waits for and little
+/// arithmetic: llama.cpp's default is the physical cores too.
+pub fn default_threads() -> (usize, String) {
+    let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match physical_cores() {
+        Some(cores) if cores < usable => (
+            cores,
+            format!("{usable} usable CPUs on {cores} physical cores: one worker per core"),
+        ),
+        Some(cores) => (
+            usable,
+            format!("{usable} usable CPUs, {cores} physical cores among the allowed ones"),
+        ),
+        None => (
+            usable,
+            format!("{usable} usable CPUs; the core topology could not be read"),
+        ),
     }
-    Ok(())
+}
+
+/// The physical cores (distinct package and core ids) among the CPUs this process may run on, from
+/// `/proc/self/status` and sysfs (Linux); `None` where they cannot be read.
+fn physical_cores() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+    let mut cores = std::collections::BTreeSet::new();
+    for cpu in parse_cpu_list(list.trim())? {
+        let topo = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+        let read = |f: &str| std::fs::read_to_string(format!("{topo}/{f}")).ok();
+        let package = read("physical_package_id")?;
+        let core = read("core_id")?;
+        cores.insert((package.trim().to_owned(), core.trim().to_owned()));
+    }
+    (!cores.is_empty()).then_some(cores.len())
+}
+
+/// The CPUs of a list such as `0-3,8,10-11`; `None` for anything else.
+fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.split(',').filter(|p| !p.is_empty()) {
+        let (lo, hi): (usize, usize) = match part.split_once('-') {
+            Some((a, b)) => (a.parse().ok()?, b.parse().ok()?),
+            None => {
+                let c = part.parse().ok()?;
+                (c, c)
+            }
+        };
+        // A mask lists at most a few thousand CPUs; anything longer is not one.
+        if hi < lo || hi - lo > 65_536 {
+            return None;
+        }
+        cpus.extend(lo..=hi);
+    }
+    Some(cpus)
 }
 
 /// `--model`, or the default model's path; an error that says how to get it when it is not there.
@@ -36,4 +106,32 @@ pub fn model_path(model: Option<&PathBuf>) -> Result<PathBuf> {
 pub fn load_model(path: &Path, weights_dtype: WeightsDtype) -> Result<Model> {
     Model::load_with(path, LoadOptions { weights_dtype })
         .with_context(|| format!("loading the model {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_parse_as_the_kernel_writes_them() {
+        assert_eq!(parse_cpu_list("0"), Some(vec![0]));
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("a-b"), None);
+        assert_eq!(parse_cpu_list("0-99999999"), None);
+    }
+
+    #[test]
+    fn the_default_is_at_least_one_and_at_most_the_usable_cpus() {
+        let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (n, why) = default_threads();
+        assert!((1..=usable).contains(&n), "{n} of {usable}: {why}");
+        assert!(why.contains(&format!("{usable} usable")), "{why}");
+        // This machine's topology is readable (Linux with sysfs): the default is its physical cores.
+        let cores = physical_cores().expect("sysfs topology");
+        assert_eq!(n, cores.min(usable));
+    }
 }

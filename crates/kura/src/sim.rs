@@ -137,7 +137,7 @@ pub struct SimArgs {
     /// Calibration: the model (default: the default model).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Calibration: worker threads (default: all cores).
+    /// Calibration: worker threads (default: one per physical core this process may use).
     #[arg(long)]
     threads: Option<usize>,
     /// Calibration: K/V element format, as `kura serve --kv-dtype`.

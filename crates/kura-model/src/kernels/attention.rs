@@ -17,8 +17,9 @@
 //! M) l_s`). Positions are visited in the same order whatever the paging, so the result does not depend
 //! on the block size, and each token is computed the same way whether it comes in a prefill chunk or alone
 //! in a decode step, so a token's output does not depend on its batch. With AVX-512 and a head size of 64
-//! or 128 a vector kernel computes 16 scores at a time (see [`x86`]); other shapes and CPUs take a
-//! portable loop. Cost: O(tokens × heads × context × head_dim).
+//! or 128 a vector kernel computes 16 scores at a time (see [`x86`]); with AVX2 and plain rows (f32,
+//! bf16, f16) of a head size that is a multiple of 8, one computes 8 at a time (see [`avx2`]); other
+//! shapes and CPUs take a portable loop. Cost: O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
 use kura_kv::codec::{self, KvDtype, QUANT_GROUP};
@@ -29,6 +30,10 @@ use kura_shape::attn_split::{context_start, segments, token_units, Dealer, SEGME
 use super::dot::Isa;
 use super::matmul::ActShared;
 use super::team::{SharedMut, Team};
+
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_avx2.rs"]
+mod avx2;
 
 /// How one stored K or V row (one token's vector of one head) is read: its units (elements of a plain
 /// format, bytes of an encoded one), its decoding to f32 for the portable loop, and for AVX-512 its 16
@@ -369,6 +374,31 @@ pub unsafe fn attention_part(
     partials: SharedMut<'_, f32>,
     out: ActShared<'_>,
 ) {
+    let args = (q, q_stride, seqs, kv, shape);
+    // SAFETY: the caller's guarantee; the path is this CPU's.
+    unsafe { attention_part_on(Isa::detect(), tm, args, partials, out) }
+}
+
+/// The query, its stride, the sequences, the layer's KV and the shape of one attention call.
+type AttnArgs<'a, 'b> = (
+    &'a [f32],
+    usize,
+    &'a [AttnSeq<'b>],
+    &'a LayerStorage,
+    AttnShape,
+);
+
+/// [`attention_part`] through the kernels of `isa`.
+///
+/// # Safety
+/// As [`attention_part`]; the CPU has `isa`'s instructions.
+unsafe fn attention_part_on(
+    isa: Isa,
+    tm: &Team<'_>,
+    (q, q_stride, seqs, kv, shape): AttnArgs<'_, '_>,
+    partials: SharedMut<'_, f32>,
+    out: ActShared<'_>,
+) {
     let AttnShape {
         num_heads,
         num_kv_heads,
@@ -377,7 +407,6 @@ pub unsafe fn attention_part(
     } = shape;
     let group = num_heads / num_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let use_avx512 = Isa::detect() == Isa::Avx512;
     let plen = partial_len(shape);
     let needed = partials_len(seqs, shape);
     assert!(partials.len() >= needed, "partials sized by partials_len");
@@ -434,7 +463,7 @@ pub unsafe fn attention_part(
                         // SAFETY: this unit alone writes this partial, until the barrier below.
                         unsafe { partials.part_mut(at..at + plen) }
                     };
-                    attend_dtype(kv.dtype(), use_avx512, &job, &mut scores, part);
+                    attend_dtype(kv.dtype(), isa, &job, &mut scores, part);
                     if n_seg == 1 {
                         merge(std::iter::once(&own[..]), group, head_dim, &mut o);
                         unrotate(kv.dtype(), head_dim, &mut o);
@@ -514,11 +543,24 @@ fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
 /// One unit's partials through the kernel of `dtype`'s rows.
 fn attend_dtype(
     dtype: KvDtype,
-    use_avx512: bool,
+    isa: Isa,
     job: &Job<'_, '_>,
     scores: &mut Vec<f32>,
     part: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2Fma && avx2::takes(job.head_dim) {
+        // SAFETY: `takes` checked the CPU's features and the head size.
+        unsafe {
+            match dtype {
+                KvDtype::F32 => return avx2::attend::<f32>(job, scores, part),
+                KvDtype::Bf16 => return avx2::attend::<bf16>(job, scores, part),
+                KvDtype::F16 => return avx2::attend::<f16>(job, scores, part),
+                _ => {}
+            }
+        }
+    }
+    let use_avx512 = isa == Isa::Avx512;
     match dtype {
         KvDtype::F32 => attend_any::<f32>(use_avx512, job, scores, part),
         KvDtype::Bf16 => attend_any::<bf16>(use_avx512, job, scores, part),
@@ -1164,10 +1206,11 @@ mod tests {
     use crate::kernels::matmul::{Act, ActBuf, ActKind};
     use crate::kernels::team::{self, SharedMut};
 
-    /// Attention of `tokens` new tokens after `past` cached ones, every head, through the vector kernel
-    /// (when the CPU has it) and the portable loop.
+    /// Attention of `tokens` new tokens after `past` cached ones, every head, through the kernels of
+    /// `isa` (which the CPU has) and the portable loop.
     #[allow(clippy::too_many_arguments)]
     fn both(
+        isa: Isa,
         dtype: KvDtype,
         block: usize,
         heads: usize,
@@ -1213,18 +1256,8 @@ mod tests {
         let mut partials = vec![0f32; partials_len(&seqs, shape)];
         let parts = SharedMut::new(&mut partials);
         // SAFETY: every thread passes the same arguments; nothing else uses `out` during the region.
-        team::run(|tm| unsafe {
-            attention_part(
-                tm,
-                &q,
-                heads * head_dim,
-                &seqs,
-                kv.layer(0),
-                shape,
-                parts,
-                out,
-            )
-        });
+        let args = (&q[..], heads * head_dim, &seqs[..], kv.layer(0), shape);
+        team::run(|tm| unsafe { attention_part_on(isa, tm, args, parts, out) });
         // SAFETY: the region is over.
         let Act::F32(vector) = (unsafe { out.read() }) else {
             unreachable!()
@@ -1260,7 +1293,7 @@ mod tests {
                             scale: 1.0 / (head_dim as f32).sqrt(),
                         };
                         let mut part = vec![0f32; plen];
-                        attend_dtype(dtype, false, &job, &mut scores, &mut part);
+                        attend_dtype(dtype, Isa::Scalar, &job, &mut scores, &mut part);
                         part
                     })
                     .collect();
@@ -1336,16 +1369,15 @@ mod tests {
             // short group for int4: 80 = 64 + 16).
             (KvDtype::Int8, 16, 4, 2, 80, 10, 5, None),
             (KvDtype::Int4, 16, 4, 2, 80, 10, 5, None),
+            // Shapes of the AVX2 kernel alone: head sizes of 256 (Gemma 3), 80 and 40 (lane vectors
+            // not a multiple of 4), groups of 4 and 5 (heads in threes), across a segment boundary.
+            (KvDtype::Bf16, 16, 4, 1, 256, 40, 20, None),
+            (KvDtype::F16, 16, 8, 2, 80, 1020, 8, None),
+            (KvDtype::F32, 3, 5, 1, 40, 9, 11, Some(13)),
         ];
-        // Which kernels `attention_part` runs here, said aloud; one this CPU has but did not run fails.
-        let avx512 = crate::kernels::cpu_has(Isa::Avx512);
-        crate::kernels::compared(
-            "attention, AVX-512 kernel",
-            avx512,
-            Isa::detect() == Isa::Avx512,
-        );
+        // Which kernels run here, said aloud; one this CPU has but did not run fails.
         #[cfg(target_arch = "x86_64")]
-        let vnni = avx512
+        let vnni = crate::kernels::cpu_has(Isa::Avx512)
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni");
         #[cfg(not(target_arch = "x86_64"))]
@@ -1355,18 +1387,37 @@ mod tests {
             vnni,
             crate::kernels::dot::Vnni::detect().is_some(),
         );
-        for (i, &(dtype, block, heads, kv_heads, dim, past, tokens, window)) in
-            cases.iter().enumerate()
-        {
-            let (vector, portable) = both(dtype, block, heads, kv_heads, dim, past, tokens, window);
-            let err = vector
-                .iter()
-                .zip(&portable)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(err < 1e-4, "case {i}: max |Δ| {err}");
-            assert!(portable.iter().any(|v| *v != 0.0), "case {i}: all zero");
+        for isa in vector_isas() {
+            for (i, &(dtype, block, heads, kv_heads, dim, past, tokens, window)) in
+                cases.iter().enumerate()
+            {
+                let (vector, portable) = both(
+                    isa, dtype, block, heads, kv_heads, dim, past, tokens, window,
+                );
+                let err = vector
+                    .iter()
+                    .zip(&portable)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(err < 1e-4, "{isa:?} case {i}: max |Δ| {err}");
+                assert!(portable.iter().any(|v| *v != 0.0), "case {i}: all zero");
+            }
         }
+    }
+
+    /// The vector paths this CPU has (each said aloud); the portable loop is every test's reference.
+    fn vector_isas() -> Vec<Isa> {
+        [
+            ("attention, AVX-512 kernel", Isa::Avx512),
+            ("attention, AVX2 kernel", Isa::Avx2Fma),
+        ]
+        .into_iter()
+        .filter(|(name, isa)| {
+            let has = crate::kernels::cpu_has(*isa);
+            crate::kernels::compared(name, has, has)
+        })
+        .map(|(_, isa)| isa)
+        .collect()
     }
 
     /// Attention over quantised K and V (int8 with its quantised query too) stays close to attention
@@ -1375,14 +1426,14 @@ mod tests {
     #[test]
     fn quantised_attention_is_close_to_f32() {
         for (dim, past) in [(64, 300), (128, 40)] {
-            let (exact, _) = both(KvDtype::F32, 16, 6, 2, dim, past, 4, None);
+            let (exact, _) = both(Isa::Scalar, KvDtype::F32, 16, 6, 2, dim, past, 4, None);
             let mut errs = Vec::new();
             for (dtype, bound) in [
                 (KvDtype::Int8, 0.01),
                 (KvDtype::Fp8, 0.04),
                 (KvDtype::Int4, 0.15),
             ] {
-                let (vector, portable) = both(dtype, 16, 6, 2, dim, past, 4, None);
+                let (vector, portable) = both(Isa::detect(), dtype, 16, 6, 2, dim, past, 4, None);
                 for out in [vector, portable] {
                     let err = out
                         .iter()
@@ -1414,13 +1465,15 @@ mod tests {
             (KvDtype::Int4, 16, 64),
         ] {
             let n = 37;
-            let (prefill, _) = both(dtype, block, 6, 2, dim, 0, n, None);
-            let (alone, _) = both(dtype, block, 6, 2, dim, n - 1, 1, None);
-            assert_eq!(
-                alone[..],
-                prefill[(n - 1) * 6 * dim..],
-                "{dtype:?} block {block} dim {dim}"
-            );
+            for isa in vector_isas().into_iter().chain([Isa::Scalar]) {
+                let (prefill, _) = both(isa, dtype, block, 6, 2, dim, 0, n, None);
+                let (alone, _) = both(isa, dtype, block, 6, 2, dim, n - 1, 1, None);
+                assert_eq!(
+                    alone[..],
+                    prefill[(n - 1) * 6 * dim..],
+                    "{isa:?} {dtype:?} block {block} dim {dim}"
+                );
+            }
         }
     }
 }

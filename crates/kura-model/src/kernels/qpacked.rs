@@ -516,9 +516,10 @@ mod x86 {
     }
 
     /// `M` tokens × 16 rows as two halves of 8: `vpmaddubsw` of 4-bit values with the activations
-    /// broadcast (no 16-bit sum can saturate: 2 × 15 × 127), `vpmaddwd` by ones to 32-bit lanes; 8-bit
-    /// values as two nibbles (`16 · Σ hi·q + Σ lo·q`). The same exact integer sums as `vpdpbusd`, then
-    /// the same fused multiply-adds.
+    /// broadcast (no 16-bit sum can saturate: a pair is at most 2 × 15 × 128, and the 8 pairs of a block
+    /// are added in 16 bits before one `vpmaddwd` by ones widens them to 32-bit lanes); 8-bit values as
+    /// two nibbles (`16 · Σ hi·q + Σ lo·q`). The same exact integer sums as `vpdpbusd`, then the same
+    /// fused multiply-adds.
     ///
     /// # Safety
     /// avx2, fma and f16c are present; the tile holds `M` tokens; see [`super::tile_portable`].
@@ -541,17 +542,31 @@ mod x86 {
                         let q = _mm256_set1_epi32(x.read_unaligned());
                         _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones)
                     };
-                    let groups = if U4 { 4 } else { 8 };
-                    for v in 0..groups {
-                        let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
-                        let lo = _mm256_and_si256(w, low);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
-                        for (i, s) in isum.iter_mut().enumerate() {
-                            if U4 {
+                    if U4 {
+                        // The block's 8 products of pairs per 16-bit lane added in 16 bits, widened
+                        // once: each is at most 2 × 15 × 128 in size, 8 of them below 2^15.
+                        let mut pairs = [_mm256_setzero_si256(); M];
+                        for v in 0..4 {
+                            let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
+                            let lo = _mm256_and_si256(w, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            for (i, s) in pairs.iter_mut().enumerate() {
                                 let x = xq.add(i * cols + b * QBLOCK + 8 * v).cast::<i32>();
-                                *s = _mm256_add_epi32(*s, dot4(lo, x));
-                                *s = _mm256_add_epi32(*s, dot4(hi, x.add(1)));
-                            } else {
+                                let ql = _mm256_set1_epi32(x.read_unaligned());
+                                let qh = _mm256_set1_epi32(x.add(1).read_unaligned());
+                                *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(lo, ql));
+                                *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(hi, qh));
+                            }
+                        }
+                        for (s, p) in isum.iter_mut().zip(&pairs) {
+                            *s = _mm256_madd_epi16(*p, ones);
+                        }
+                    } else {
+                        for v in 0..8 {
+                            let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
+                            let lo = _mm256_and_si256(w, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            for (i, s) in isum.iter_mut().enumerate() {
                                 let x = xq.add(i * cols + b * QBLOCK + 4 * v).cast::<i32>();
                                 let sum = _mm256_add_epi32(
                                     _mm256_slli_epi32::<4>(dot4(hi, x)),
@@ -910,6 +925,40 @@ mod tests {
                     match &first {
                         None => first = Some(out),
                         Some(f) => assert_eq!(&out, f, "{path:?} {bits:?} t={t}"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integer_sums_at_their_largest_give_the_same_bits_on_every_path() {
+        // Every value at its largest and every activation at ±127 (a block of equal magnitudes): the
+        // AVX2 kernel's 16-bit sums of pairs reach their bound, which must not saturate.
+        let paths = paths();
+        for bits in [QBits::U4, QBits::U8] {
+            let (rows, cols) = (16, 64);
+            let w = PackedQ::build(rows, cols, bits, |_, row| {
+                row.u.fill(bits.max_value());
+                row.scale.fill(1.0);
+                row.min.fill(0.0);
+            });
+            for sign in [1.0f32, -1.0] {
+                let x = vec![sign * 3.0; cols];
+                let (q, ds) = quantized(&x, cols);
+                assert!(q.iter().all(|v| i32::from(*v) == 127 * sign as i32));
+                let act = QAct { q: &q, ds: &ds };
+                let exact = f32::from(bits.max_value()) * 3.0 * sign * cols as f32;
+                for &path in &paths {
+                    let mut out = vec![0f32; rows];
+                    let shared = SharedMut::new(&mut out);
+                    // SAFETY: `paths` lists what this CPU has; every thread passes the same arguments.
+                    team::run(|tm| unsafe { matmul_part_on(path, tm, act, 1, &w, shared, false) });
+                    for v in &out {
+                        assert!(
+                            (v - exact).abs() <= exact.abs() * 1e-5,
+                            "{path:?} {bits:?}: {v} vs {exact}"
+                        );
                     }
                 }
             }

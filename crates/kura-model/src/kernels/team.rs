@@ -5,10 +5,13 @@
 //! of a few microseconds each, so waking the pool per operation (a `par_iter` per product) spends more
 //! time starting work than doing it, and a second thread made decode slower. A region wakes the pool once
 //! per step; a barrier between operations costs a few hundred nanoseconds. A thread that waits long
-//! (its peer descheduled on a busy machine) yields its core instead of spinning.
+//! (its peer descheduled on a busy machine) goes to sleep, and the last to arrive wakes it: a sleeper
+//! leaves its core to whatever else runs there and, woken, gets it back at once, where a thread that
+//! yielded waits its turn behind the other processes, a time slice (milliseconds) at every barrier.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 
 /// The calling thread's place in a region.
 pub struct Team<'a> {
@@ -108,7 +111,7 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
         // A thread that panics must not leave the others waiting at a barrier forever: it poisons the
         // barrier, they stop waiting, and the first real panic goes to the caller.
         if let Err(payload) = result {
-            barrier.poisoned.store(true, Ordering::Release);
+            barrier.poison();
             if !payload.is::<Poisoned>() {
                 let mut first = first_panic.lock().unwrap_or_else(|e| e.into_inner());
                 first.get_or_insert(payload);
@@ -120,13 +123,20 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
     }
 }
 
-/// A reusable barrier for a fixed number of threads that spins briefly, then yields. The counter that
-/// arrivals write and the generation that waiters poll sit on separate cache lines.
+/// A reusable barrier for a fixed number of threads that spins briefly, then sleeps. The counter that
+/// arrivals write, the generation that waiters poll and the count of sleepers sit on separate cache
+/// lines.
 pub struct SpinBarrier {
     n: usize,
     arrived: CacheLine<AtomicUsize>,
     generation: CacheLine<AtomicUsize>,
+    sleepers: CacheLine<AtomicUsize>,
+    /// Times a waiter went to sleep, for the tests.
+    #[cfg(test)]
+    sleepers_seen: AtomicUsize,
     poisoned: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
 }
 
 #[repr(align(64))]
@@ -139,8 +149,19 @@ impl<T> std::ops::Deref for CacheLine<T> {
     }
 }
 
-/// Spins before a waiting thread starts yielding its core.
-const SPINS_BEFORE_YIELD: u32 = 1_000;
+/// The most spins (`pause`, tens of nanoseconds each) before a waiting thread sleeps: long enough to
+/// cover the uneven shares of an operation on a quiet machine, short beside a time slice.
+const MAX_SPINS: u32 = 20_000;
+/// The fewest.
+const MIN_SPINS: u32 = 64;
+
+thread_local! {
+    /// This thread's spins before it sleeps, adapted to how its waits end: halved after a wait that
+    /// ended asleep, doubled after one that ended spinning. Where its peer runs on the same core (more
+    /// threads than cores, other processes busy) spinning only delays the peer, and the limit falls to
+    /// a few spins; on a quiet machine it stays high and threads seldom sleep.
+    static SPIN_LIMIT: std::cell::Cell<u32> = const { std::cell::Cell::new(MAX_SPINS) };
+}
 
 impl SpinBarrier {
     pub fn new(n: usize) -> Self {
@@ -148,7 +169,12 @@ impl SpinBarrier {
             n,
             arrived: CacheLine(AtomicUsize::new(0)),
             generation: CacheLine(AtomicUsize::new(0)),
+            sleepers: CacheLine(AtomicUsize::new(0)),
+            #[cfg(test)]
+            sleepers_seen: AtomicUsize::new(0),
             poisoned: AtomicBool::new(false),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
         }
     }
 
@@ -158,21 +184,64 @@ impl SpinBarrier {
             // Last to arrive: reset before releasing, so that no thread can arrive at the next use
             // before the count is back to zero.
             self.arrived.store(0, Ordering::Relaxed);
-            self.generation.fetch_add(1, Ordering::Release);
+            self.generation.fetch_add(1, Ordering::SeqCst);
+            // A sleeper counted itself before it looked at the generation (both SeqCst): either it sees
+            // the new one, or it is counted here and woken.
+            if self.sleepers.load(Ordering::SeqCst) > 0 {
+                self.wake_all();
+            }
             return;
         }
+        let limit = SPIN_LIMIT.with(|l| l.get());
         let mut spins = 0u32;
+        let mut slept = false;
         while self.generation.load(Ordering::Acquire) == generation {
             if self.poisoned.load(Ordering::Acquire) {
                 std::panic::resume_unwind(Box::new(Poisoned));
             }
-            if spins < SPINS_BEFORE_YIELD {
+            if spins < limit {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
-                std::thread::yield_now();
+                self.sleep(generation);
+                slept = true;
             }
         }
+        let next = if slept {
+            (limit / 2).max(MIN_SPINS)
+        } else {
+            limit.saturating_mul(2).min(MAX_SPINS)
+        };
+        SPIN_LIMIT.with(|l| l.set(next));
+    }
+
+    /// Sleeps until the generation moves on from `generation` or the barrier is poisoned.
+    fn sleep(&self, generation: usize) {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        #[cfg(test)]
+        self.sleepers_seen.fetch_add(1, Ordering::Relaxed);
+        let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.generation.load(Ordering::SeqCst) == generation
+            && !self.poisoned.load(Ordering::SeqCst)
+        {
+            guard = self.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(guard);
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Wakes every sleeper. Taking the lock orders this after any sleeper's look at the generation
+    /// under it: a sleeper that saw the old generation is already waiting, and is woken.
+    fn wake_all(&self) {
+        drop(self.lock.lock().unwrap_or_else(|e| e.into_inner()));
+        self.wake.notify_all();
+    }
+
+    /// Marks the barrier poisoned (a thread of the region panicked) and wakes the waiters, which then
+    /// stop waiting.
+    fn poison(&self) {
+        self.poisoned.store(true, Ordering::SeqCst);
+        self.wake_all();
     }
 }
 
@@ -288,6 +357,63 @@ mod tests {
             })
         });
         assert_eq!(bad.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn threads_that_fall_asleep_at_the_barrier_are_woken() {
+        // One thread comes late to every barrier (descheduled, as on a busy machine): the others spin
+        // out and sleep, and must be woken with every write of the round visible.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        let mut cells = vec![0usize; 3];
+        let shared = SharedMut::new(&mut cells);
+        let (bad, slept) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        pool.install(|| {
+            run(|tm| {
+                for round in 1..=20 {
+                    if tm.index() == round % 3 {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                    // SAFETY: each thread writes only its own cell between barriers.
+                    unsafe { shared.part_mut(tm.index()..tm.index() + 1)[0] = round };
+                    tm.sync();
+                    // SAFETY: nobody writes until the next barrier.
+                    if unsafe { shared.all() }.iter().any(|c| *c != round) {
+                        bad.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if let Some(b) = tm.barrier {
+                        slept.fetch_max(b.sleepers_seen.load(Ordering::Relaxed), Ordering::Relaxed);
+                    }
+                    tm.sync();
+                }
+            })
+        });
+        assert_eq!(bad.load(Ordering::Relaxed), 0);
+        assert!(slept.load(Ordering::Relaxed) > 0, "no thread ever slept");
+    }
+
+    #[test]
+    fn a_thread_asleep_at_the_barrier_wakes_when_another_panics() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| {
+                run(|tm| {
+                    if tm.index() == 1 {
+                        // Long enough for thread 0 to spin out and sleep.
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        panic!("late worker fails");
+                    }
+                    tm.sync();
+                })
+            })
+        }));
+        let payload = result.expect_err("the region must panic");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"late worker fails"));
     }
 
     #[test]

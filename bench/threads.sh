@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Kura and llama.cpp across thread counts in one run, on one model file: batch-1 decode, prefill of
+# ~1,024 and ~4,096 tokens, medians of REPS runs (llama-bench: means of its REPS repetitions), the ratio
+# Kura / llama.cpp, and decode as a share of the bound that memory read bandwidth sets (bandwidth at that
+# thread count / weight bytes read per token, both measured in the same run). Prints a markdown report.
+#
+# Usage: bench/threads.sh
+# Environment: THREADS ["1 2 … up to the cores"]  REPS [3]  PROMPTS ["1024 4096"]
+#   MODEL [scripts/fetch-model.sh]  KURA_BIN [target/release/kura]  PEERS [1] (0: Kura only)
+#   KURA_ISA is passed on to Kura (narrows its kernels); with KURA_ISA=avx2 the peer is llama.cpp built
+#   for AVX2 alone (ISA=avx2 bench/peers/build-llama-cpp.sh). LLAMA_BIN: a directory holding another
+#   llama-bench to use.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+CORES=$(nproc)
+if [ -z "${THREADS:-}" ]; then
+    THREADS=""
+    for t in 1 2 4 8 12 16 24 32 48 64 96 128; do
+        [ "$t" -le "$CORES" ] && THREADS="$THREADS $t"
+    done
+    case " $THREADS " in *" $CORES "*) ;; *) THREADS="$THREADS $CORES" ;; esac
+fi
+REPS="${REPS:-3}"
+PROMPTS="${PROMPTS:-1024 4096}"
+PEERS="${PEERS:-1}"
+MODEL="${MODEL:-$("$REPO/scripts/fetch-model.sh")}"
+KURA="${KURA_BIN:-$REPO/target/release/kura}"
+if [ -z "${KURA_BIN:-}" ]; then
+    (cd "$REPO" && cargo build --release -q -p kura)
+fi
+for t in $THREADS; do
+    case "$t" in '' | *[!0-9]* | 0) echo "threads.sh: THREADS must be counts of at least 1, got '$t'" >&2; exit 2 ;; esac
+done
+case "$REPS" in '' | *[!0-9]* | 0) echo "threads.sh: REPS must be at least 1, got '$REPS'" >&2; exit 2 ;; esac
+
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+echo "# Threads, $(date -u +%Y-%m-%dT%H:%MZ)"
+echo
+flags=$(grep -m1 '^flags' /proc/cpuinfo)
+isa=AVX2
+case "$flags" in *avx512f*) isa=AVX-512 ;; esac
+echo "Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $CORES cores, $isa;" \
+    "Kura kernels: ${KURA_ISA:-as detected}; model $(basename "$MODEL");" \
+    "load average before: $(cut -d' ' -f1-3 /proc/loadavg)."
+echo
+
+# Prompts of about the asked lengths: the sentence is 10 tokens (joined by spaces).
+sentence='The quick brown fox jumps over the lazy dog.'
+prompt() { python3 -c "import sys; print(' '.join([sys.argv[1]] * (int(sys.argv[2]) // 10)))" "$sentence" "$1"; }
+short=$(prompt 130)
+for r in $(seq "$REPS"); do
+    for t in $THREADS; do
+        "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$short" --max-tokens 64 --ignore-eos \
+            --json >"$TMP/kura-$t-decode-$r.json" 2>"$TMP/kura.log"
+        for p in $PROMPTS; do
+            "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$(prompt "$p")" --max-tokens 1 \
+                --ignore-eos --json >"$TMP/kura-$t-p$p-$r.json" 2>"$TMP/kura.log"
+        done
+    done
+done
+
+if [ "$PEERS" = 1 ]; then
+    BIN="${LLAMA_BIN:-}"
+    if [ -z "$BIN" ]; then
+        # Kura narrowed to AVX2 is compared with llama.cpp built for AVX2.
+        peer_isa=native
+        [ "${KURA_ISA:-}" = avx2 ] && peer_isa=avx2
+        BIN=$(ISA=$peer_isa "$HERE/peers/build-llama-cpp.sh")
+    fi
+    tl=$(echo $THREADS | tr ' ' ',')
+    pl=$(echo $PROMPTS | tr ' ' ',')
+    "$BIN/llama-bench" -m "$MODEL" -t "$tl" -p "$pl" -n 64 -r "$REPS" -o json >"$TMP/llama.json" 2>"$TMP/llama.log"
+fi
+
+# Read bandwidth at each thread count, the numerator of the decode bound.
+(cd "$REPO" && KURA_BANDWIDTH_THREADS="$THREADS" cargo bench -q -p kura-model --bench bandwidth 2>/dev/null) \
+    >"$TMP/bandwidth.txt"
+
+python3 - "$TMP" "$THREADS" "$PROMPTS" "$PEERS" <<'EOF'
+import json, os, re, statistics, sys
+tmp, threads, prompts, peers = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4] == "1"
+
+def kura(t, which, key):
+    vals = [json.load(open(os.path.join(tmp, f)))[key] for f in sorted(os.listdir(tmp))
+            if f.startswith(f"kura-{t}-{which}-")]
+    return statistics.median(vals)
+
+bw = {m.group(1): float(m.group(2)) for m in
+      re.finditer(r"(\d+) thread\(s\): ([\d.]+) GB/s", open(os.path.join(tmp, "bandwidth.txt")).read())}
+first = next(f for f in sorted(os.listdir(tmp)) if f.startswith("kura-") and "decode" in f)
+per_token = json.load(open(os.path.join(tmp, first)))["weight_bytes_per_token"]
+llama = json.load(open(os.path.join(tmp, "llama.json"))) if peers else []
+
+def peer(t, p, n):
+    return next((r["avg_ts"] for r in llama if str(r["n_threads"]) == t and r["n_prompt"] == p
+                 and r["n_gen"] == n), None)
+
+cols = ["threads", "decode Kura", "llama.cpp", "ratio", "of bound"]
+for p in prompts:
+    cols += [f"prefill {p} Kura", "llama.cpp", "ratio"]
+print("tokens/s (Kura: medians of the runs; llama-bench: means):\n")
+print("| " + " | ".join(cols) + " |")
+print("|" + "---:|" * len(cols))
+fmt = lambda x: "–" if x is None else f"{x:,.0f}"
+ratio = lambda a, b: "–" if not b else f"{a / b:.2f}×"
+for t in threads:
+    d = kura(t, "decode", "decode_tok_per_s")
+    ld = peer(t, 0, 64)
+    bound = bw.get(t, 0) * 1e9 / per_token if t in bw else None
+    row = [t, fmt(d), fmt(ld), ratio(d, ld), "–" if not bound else f"{d / bound:.0%}"]
+    for p in prompts:
+        k = kura(t, f"p{p}", "prompt_tok_per_s")
+        lp = peer(t, int(p), 0)
+        row += [fmt(k), fmt(lp), ratio(k, lp)]
+    print("| " + " | ".join(row) + " |")
+print()
+print(f"Kura reads {per_token / 1e6:.1f} MB of weights per decoded token; read bandwidth: "
+      + ", ".join(f"{t} thread(s) {bw[t]:.1f} GB/s" for t in threads if t in bw) + ".")
+EOF

@@ -1,0 +1,341 @@
+//! The AVX2 kernel of [`super`]'s attention, for plain rows (f32, bf16, f16) of any head size that is a
+//! multiple of 8, up to [`MAX_HEAD_DIM`]: CPUs without AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP,
+//! most small cloud instances) no longer fall back to the portable loop, whose scalar `exp` and SSE
+//! products made a long prompt's attention cost more than its matrix products.
+//!
+//! Scores come 8 keys at a time: the keys' rows are widened once into a tile in L1, every query head of
+//! the unit takes its 8 scores from the tile, and each key's 8 partial sums are reduced by one fixed tree
+//! of `hadd`s shared by the 8 keys, so a key's score is computed the same way wherever it sits among
+//! them. The softmax uses a vector exp; V is summed in registers, position after position, in column
+//! slices of 32 lanes for up to 3 heads at once (16 registers hold no more). Each token is computed the
+//! same way in a prefill and alone in a decode step, as in the other kernels.
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::{spans, Job, KvRow};
+
+/// The largest head size the kernel takes (the tile of 8 widened keys stays in 8 KiB).
+pub(super) const MAX_HEAD_DIM: usize = 256;
+
+/// Whether the kernel takes a head size, and this CPU has what it needs.
+pub(super) fn takes(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(8)
+        && head_dim <= MAX_HEAD_DIM
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// A plain element, read 8 lanes at a time as f32 (exactly: every format widens without rounding).
+pub(super) trait Lanes8: KvRow<Unit = Self> + Sized {
+    /// Elements `p..p + 8` as f32.
+    ///
+    /// # Safety
+    /// avx2 and f16c are present; 8 elements are readable at `p`.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl Lanes8 for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller's guarantee.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl Lanes8 for bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> __m256 {
+        // SAFETY: the caller's guarantee; bf16 widens by a 16-bit shift.
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p.cast()),
+            )))
+        }
+    }
+}
+
+impl Lanes8 for f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: the caller's guarantee.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+/// Asks for the cache lines of one stored row (`n` units from `p`) ahead of use; a hint that never
+/// faults, so `p` may come from `wrapping_add`.
+#[inline(always)]
+fn prefetch_row<U>(p: *const U, n: usize) {
+    let bytes = n * std::mem::size_of::<U>();
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
+    }
+}
+
+/// `[Σ a0, …, Σ a7]`: the lane sums of 8 vectors, by the same tree for each.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose_sum(a: &[__m256; 8]) -> __m256 {
+    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7].
+    let t0 = _mm256_hadd_ps(a[0], a[1]);
+    let t1 = _mm256_hadd_ps(a[2], a[3]);
+    let t2 = _mm256_hadd_ps(a[4], a[5]);
+    let t3 = _mm256_hadd_ps(a[6], a[7]);
+    // Per 128-bit half: [Σ a0, Σ a1, Σ a2, Σ a3] of that half (u0), of a4..a7 (u1).
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(u0, u1),
+        _mm256_permute2f128_ps::<0x31>(u0, u1),
+    )
+}
+
+/// e^x, lane-wise, for x ≤ 0: x = n·ln 2 + r with |r| ≤ ln 2 / 2, a degree-6 Taylor polynomial for e^r
+/// (relative error below 2e-7), times 2^n built in the exponent field. x is held above −87 so that 2^n
+/// stays a normal float: e^−87 ≈ 1.6e-38 stands for anything smaller, which is nothing beside the
+/// largest score's e^0 = 1 in the sum.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn exp(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm256_set1_ps(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(p, _mm256_castsi256_ps(two_n))
+}
+
+/// The 8 lanes of `v` reduced by `f` in a fixed order.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn reduce(v: __m256, f: impl Fn(__m128, __m128) -> __m128) -> f32 {
+    let h = f(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let h = f(h, _mm_movehl_ps(h, h));
+    _mm_cvtss_f32(f(h, _mm_shuffle_ps::<0b01>(h, h)))
+}
+
+/// Replaces a row of scores by `e^(score − m)` and returns `(m, Σ e^(score − m))`, `m` the largest.
+#[target_feature(enable = "avx2,fma")]
+fn exp_sum(x: &mut [f32]) -> (f32, f32) {
+    let full = x.len() / 8 * 8;
+    let tail = x.len() - full;
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in x[..full].chunks_exact(8) {
+        // SAFETY: 8 values.
+        mx = _mm256_max_ps(mx, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+    }
+    let mut m = reduce(mx, |a, b| _mm_max_ps(a, b));
+    for v in &x[full..] {
+        m = m.max(*v);
+    }
+    let mv = _mm256_set1_ps(m);
+    let mut sum = _mm256_setzero_ps();
+    for c in x[..full].chunks_exact_mut(8) {
+        // SAFETY: 8 values.
+        unsafe {
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+        }
+    }
+    if tail > 0 {
+        // The last partial chunk through the same lanes, padded with m; the padding's e^0 is kept out
+        // of the sum.
+        let mut buf = [m; 8];
+        buf[..tail].copy_from_slice(&x[full..]);
+        let keep: [i32; 8] = std::array::from_fn(|i| if i < tail { -1 } else { 0 });
+        // SAFETY: 8 values in each array.
+        unsafe {
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), mv));
+            let e = _mm256_and_ps(
+                e,
+                _mm256_castsi256_ps(_mm256_loadu_si256(keep.as_ptr().cast())),
+            );
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(buf.as_mut_ptr(), e);
+        }
+        x[full..].copy_from_slice(&buf[..tail]);
+    }
+    (m, reduce(sum, |a, b| _mm_add_ps(a, b)))
+}
+
+/// One unit: writes, per query head, the partial `[m, l, o]` (see [`super::attend`]).
+///
+/// # Safety
+/// [`takes`]`(job.head_dim)` is true; `out` holds `group × (head_dim + 2)` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
+    job: &Job<'a, '_>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let Job {
+        q,
+        seq,
+        kv,
+        kvh,
+        lo,
+        pos,
+        group,
+        head_dim,
+        scale,
+        ..
+    } = *job;
+    debug_assert!(head_dim.is_multiple_of(8) && head_dim <= MAX_HEAD_DIM);
+    assert!(q.len() >= group * head_dim && out.len() >= group * (head_dim + 2));
+    let chunks = head_dim / 8;
+    let n_ctx = pos + 1 - lo;
+    scores.clear();
+    scores.resize(group * n_ctx, 0.0);
+    let ru = kv.vector_units();
+    let scale_v = _mm256_set1_ps(scale);
+    // 8 keys widened to f32, row after row; lanes of keys past the last are left as they were and their
+    // scores are not kept.
+    let mut tile = [0f32; 8 * MAX_HEAD_DIM];
+    let tp = tile.as_mut_ptr();
+    for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
+        let k = R::typed(kv.k_head_block(block, kvh));
+        let next_k = next.map(|b| R::typed(kv.k_head_block(b, kvh)).as_ptr());
+        let mut s0 = first;
+        while s0 <= last {
+            let keys = (last + 1 - s0).min(8);
+            for j in 0..keys {
+                if let Some(nk) = next_k {
+                    prefetch_row(nk.wrapping_add((s0 + j) * ru), ru);
+                }
+                let kp = k[(s0 + j) * ru..(s0 + j + 1) * ru].as_ptr();
+                for c in 0..chunks {
+                    // SAFETY: the row holds head_dim elements; the tile holds 8 rows of MAX_HEAD_DIM.
+                    unsafe {
+                        _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(kp.add(8 * c)))
+                    };
+                }
+            }
+            for g in 0..group {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for c in 0..chunks {
+                    // SAFETY: q holds group × head_dim values (asserted); the tile 8 × head_dim.
+                    unsafe {
+                        let qv = _mm256_loadu_ps(q.as_ptr().add(g * head_dim + 8 * c));
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let kv = _mm256_loadu_ps(tp.add(j * head_dim + 8 * c));
+                            *a = _mm256_fmadd_ps(qv, kv, *a);
+                        }
+                    }
+                }
+                let mut sums = [0f32; 8];
+                // SAFETY: 8 floats.
+                unsafe {
+                    _mm256_storeu_ps(
+                        sums.as_mut_ptr(),
+                        _mm256_mul_ps(transpose_sum(&acc), scale_v),
+                    )
+                };
+                let at = g * n_ctx + at + s0 - first;
+                scores[at..at + keys].copy_from_slice(&sums[..keys]);
+            }
+            s0 += keys;
+        }
+    }
+    for g in 0..group {
+        let (m, l) = exp_sum(&mut scores[g * n_ctx..(g + 1) * n_ctx]);
+        out[g * (head_dim + 2)] = m;
+        out[g * (head_dim + 2) + 1] = l;
+    }
+    // V: up to 3 heads × 4 vectors of lanes at a time, each (head, lane) summing the positions in
+    // order.
+    let mut g0 = 0;
+    while g0 < group {
+        let gb = (group - g0).min(3);
+        let mut c0 = 0;
+        while c0 < chunks {
+            let cw = (chunks - c0).min(4);
+            let args = (&scores[..], n_ctx, g0, c0);
+            let o = out.as_mut_ptr();
+            // SAFETY: this function's contract; heads g0..g0+gb and lane vectors c0..c0+cw lie inside.
+            unsafe {
+                match (gb, cw) {
+                    (1, 1) => pv::<R, 1, 1>(job, args, o),
+                    (1, 2) => pv::<R, 1, 2>(job, args, o),
+                    (1, 3) => pv::<R, 1, 3>(job, args, o),
+                    (1, _) => pv::<R, 1, 4>(job, args, o),
+                    (2, 1) => pv::<R, 2, 1>(job, args, o),
+                    (2, 2) => pv::<R, 2, 2>(job, args, o),
+                    (2, 3) => pv::<R, 2, 3>(job, args, o),
+                    (2, _) => pv::<R, 2, 4>(job, args, o),
+                    (_, 1) => pv::<R, 3, 1>(job, args, o),
+                    (_, 2) => pv::<R, 3, 2>(job, args, o),
+                    (_, 3) => pv::<R, 3, 3>(job, args, o),
+                    (_, _) => pv::<R, 3, 4>(job, args, o),
+                }
+            }
+            c0 += cw;
+        }
+        g0 += gb;
+    }
+}
+
+/// Heads `g0..g0 + G`, lane vectors `c0..c0 + W` of the weighted sum of V, into the `o` part of each
+/// head's `[m, l, o]` in `out`.
+///
+/// # Safety
+/// As [`attend`]; `g0 + G ≤ group` and `8 · (c0 + W) ≤ head_dim`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
+    job: &Job<'a, '_>,
+    (scores, n_ctx, g0, c0): (&[f32], usize, usize, usize),
+    out: *mut f32,
+) {
+    let Job {
+        seq,
+        kv,
+        kvh,
+        lo,
+        pos,
+        head_dim,
+        ..
+    } = *job;
+    let mut acc = [[_mm256_setzero_ps(); W]; G];
+    let ru = kv.vector_units();
+    for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
+        let v = R::typed(kv.v_head_block(block, kvh));
+        let next_v = next
+            .filter(|_| g0 == 0 && c0 == 0)
+            .map(|b| R::typed(kv.v_head_block(b, kvh)).as_ptr());
+        for slot in first..=last {
+            if let Some(nv) = next_v {
+                prefetch_row(nv.wrapping_add(slot * ru), ru);
+            }
+            let vp = v[slot * ru..(slot + 1) * ru].as_ptr();
+            // SAFETY: lanes 8·c0 .. 8·(c0 + W) lie inside the row (the contract).
+            let vv: [__m256; W] =
+                std::array::from_fn(|c| unsafe { R::load8(vp.add(8 * (c0 + c))) });
+            for (g, ag) in acc.iter_mut().enumerate() {
+                let p = _mm256_set1_ps(scores[(g0 + g) * n_ctx + at + slot - first]);
+                for (a, x) in ag.iter_mut().zip(&vv) {
+                    *a = _mm256_fmadd_ps(p, *x, *a);
+                }
+            }
+        }
+    }
+    for (g, ag) in acc.iter().enumerate() {
+        for (c, a) in ag.iter().enumerate() {
+            // SAFETY: head g0 + g < group and lane 8·(c0 + c) + 8 ≤ head_dim: inside out.
+            unsafe { _mm256_storeu_ps(out.add((g0 + g) * (head_dim + 2) + 2 + 8 * (c0 + c)), *a) };
+        }
+    }
+}
