@@ -73,7 +73,17 @@ if [ "$PEERS" = 1 ]; then
     fi
     tl=$(echo $THREADS | tr ' ' ',')
     pl=$(echo $PROMPTS | tr ' ' ',')
-    "$BIN/llama-bench" -m "$MODEL" -t "$tl" -p "$pl" -n 64 -r "$REPS" -o json >"$TMP/llama.json" 2>"$TMP/llama.log"
+    # A CPU may report AMX to a process the kernel does not let use it: llama.cpp's AMX kernels (an
+    # extra buffer type) then fault, and the run goes on without its extra buffer types.
+    extra=()
+    if ! "$BIN/llama-bench" -m "$MODEL" -t 1 -p 8 -n 0 -r 1 >/dev/null 2>&1; then
+        extra=(--repack 0)
+        echo "llama.cpp ran with \`--repack 0\`: with its extra buffer types it faulted on this machine" \
+            "(AMX reported by the CPU, not usable by the process)."
+        echo
+    fi
+    "$BIN/llama-bench" -m "$MODEL" -t "$tl" -p "$pl" -n 64 -r "$REPS" "${extra[@]}" -o json \
+        >"$TMP/llama.json" 2>"$TMP/llama.log"
 fi
 
 # Read bandwidth at each thread count, the numerator of the decode bound.

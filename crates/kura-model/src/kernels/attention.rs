@@ -730,6 +730,19 @@ fn spans<'s>(
     })
 }
 
+/// Asks for the cache lines of one stored row (`n` units from `p`) ahead of use. A hint: it reads
+/// nothing and cannot fault, so `p` may come from `wrapping_add`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_row<U>(p: *const U, n: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let bytes = n * std::mem::size_of::<U>();
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
+    }
+}
+
 /// The portable kernel. Writes, per query head, the partial `[m, l, o]`: the largest score `m`, the sum
 /// `l` of `e^(score − m)`, and `o = Σ e^(score − m) · V`, all in position order.
 fn attend<'a, R: KvRow + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut [f32]) {
@@ -806,18 +819,7 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{spans, Int8Row, Job, KvRow};
-
-    /// Asks for the cache lines of one stored row (`n` units from `p`) ahead of use. A hint: it reads
-    /// nothing and cannot fault, so `p` may come from `wrapping_add`.
-    #[inline(always)]
-    fn prefetch_row<U>(p: *const U, n: usize) {
-        let bytes = n * std::mem::size_of::<U>();
-        for off in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch is a hint that never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
-        }
-    }
+    use super::{prefetch_row, spans, Int8Row, Job, KvRow};
 
     /// `[Σ a0, Σ a1, …, Σ a15]`: the lane sums of 16 vectors, in order, by the same tree for each.
     #[target_feature(enable = "avx512f")]

@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
-use super::{spans, Job, KvRow};
+use super::{prefetch_row, spans, Job, KvRow};
 
 /// The largest head size the kernel takes (the tile of 8 widened keys stays in 8 KiB).
 pub(super) const MAX_HEAD_DIM: usize = 256;
@@ -62,17 +62,6 @@ impl Lanes8 for f16 {
     unsafe fn load8(p: *const f16) -> __m256 {
         // SAFETY: the caller's guarantee.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
-    }
-}
-
-/// Asks for the cache lines of one stored row (`n` units from `p`) ahead of use; a hint that never
-/// faults, so `p` may come from `wrapping_add`.
-#[inline(always)]
-fn prefetch_row<U>(p: *const U, n: usize) {
-    let bytes = n * std::mem::size_of::<U>();
-    for off in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch is a hint that never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
     }
 }
 
