@@ -374,28 +374,35 @@ pub unsafe fn attention_part(
     partials: SharedMut<'_, f32>,
     out: ActShared<'_>,
 ) {
-    let args = (q, q_stride, seqs, kv, shape);
     // SAFETY: the caller's guarantee; the path is this CPU's.
-    unsafe { attention_part_on(Isa::detect(), tm, args, partials, out) }
+    unsafe {
+        attention_part_on(
+            Isa::detect(),
+            tm,
+            q,
+            q_stride,
+            seqs,
+            kv,
+            shape,
+            partials,
+            out,
+        )
+    }
 }
-
-/// The query, its stride, the sequences, the layer's KV and the shape of one attention call.
-type AttnArgs<'a, 'b> = (
-    &'a [f32],
-    usize,
-    &'a [AttnSeq<'b>],
-    &'a LayerStorage,
-    AttnShape,
-);
 
 /// [`attention_part`] through the kernels of `isa`.
 ///
 /// # Safety
 /// As [`attention_part`]; the CPU has `isa`'s instructions.
+#[allow(clippy::too_many_arguments)]
 unsafe fn attention_part_on(
     isa: Isa,
     tm: &Team<'_>,
-    (q, q_stride, seqs, kv, shape): AttnArgs<'_, '_>,
+    q: &[f32],
+    q_stride: usize,
+    seqs: &[AttnSeq<'_>],
+    kv: &LayerStorage,
+    shape: AttnShape,
     partials: SharedMut<'_, f32>,
     out: ActShared<'_>,
 ) {
@@ -1258,8 +1265,19 @@ mod tests {
         let mut partials = vec![0f32; partials_len(&seqs, shape)];
         let parts = SharedMut::new(&mut partials);
         // SAFETY: every thread passes the same arguments; nothing else uses `out` during the region.
-        let args = (&q[..], heads * head_dim, &seqs[..], kv.layer(0), shape);
-        team::run(|tm| unsafe { attention_part_on(isa, tm, args, parts, out) });
+        team::run(|tm| unsafe {
+            attention_part_on(
+                isa,
+                tm,
+                &q,
+                heads * head_dim,
+                &seqs,
+                kv.layer(0),
+                shape,
+                parts,
+                out,
+            )
+        });
         // SAFETY: the region is over.
         let Act::F32(vector) = (unsafe { out.read() }) else {
             unreachable!()

@@ -529,81 +529,51 @@ mod x86 {
     /// broadcast (no 16-bit sum can saturate: a pair is at most 2 × 15 × 128, and the 8 pairs of a block
     /// are added in 16 bits before one `vpmaddwd` by ones widens them to 32-bit lanes); 8-bit values as
     /// two nibbles (`16 · Σ hi·q + Σ lo·q`). The same exact integer sums as `vpdpbusd`, then the same
-    /// fused multiply-adds. Up to 2 tokens take both halves in one pass over the blocks (each
-    /// activation broadcast once); more take a pass per half, as 16 registers hold no more.
+    /// fused multiply-adds.
     ///
     /// # Safety
     /// avx2, fma and f16c are present; the tile holds `M` tokens; see [`super::tile_portable`].
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_avx2<const M: usize, const U4: bool>(tile: &Tile<'_>) {
-        // SAFETY: the caller's guarantee.
-        unsafe {
-            if M <= 2 {
-                tile_avx2_halves::<M, U4, 2>(tile, 0);
-            } else {
-                tile_avx2_halves::<M, U4, 1>(tile, 0);
-                tile_avx2_halves::<M, U4, 1>(tile, 1);
-            }
-        }
-    }
-
-    /// [`tile_avx2`] for `H` halves of the panel's rows from half `first` on.
-    ///
-    /// # Safety
-    /// As [`tile_avx2`]; `first + H ≤ 2`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_avx2_halves<const M: usize, const U4: bool, const H: usize>(
-        tile: &Tile<'_>,
-        first: usize,
-    ) {
         let (blocks, cols, rec, vb) = tile.shape::<U4>(M);
         let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        // Per token and half: the sums of products and of offsets.
-        let mut acc = [[[_mm256_setzero_ps(); 2]; H]; M];
-        for b in 0..blocks {
-            // SAFETY: b < blocks keeps the record inside the panel and the activations inside the
-            // tile's tokens (asserted above); the halves lie inside each 64-byte value vector.
-            unsafe {
-                let r = wp.add(b * rec);
-                let mut isum = [[_mm256_setzero_si256(); H]; M];
-                // `u · q` summed by fours for one 32-byte half of a value vector.
-                let dot4 = |u: __m256i, x: *const i32| {
-                    let q = _mm256_set1_epi32(x.read_unaligned());
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones)
-                };
-                if U4 {
-                    // The block's 8 products of pairs per 16-bit lane added in 16 bits, widened
-                    // once: each is at most 2 × 15 × 128 in size, 8 of them below 2^15.
-                    let mut pairs = [[_mm256_setzero_si256(); H]; M];
-                    for v in 0..4 {
-                        let q: [(__m256i, __m256i); M] = std::array::from_fn(|i| {
-                            let x = xq.add(i * cols + b * QBLOCK + 8 * v).cast::<i32>();
-                            (
-                                _mm256_set1_epi32(x.read_unaligned()),
-                                _mm256_set1_epi32(x.add(1).read_unaligned()),
-                            )
-                        });
-                        for h in 0..H {
-                            let w = _mm256_loadu_si256(r.add(v * 64 + 32 * (first + h)).cast());
+        for half in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 2]; M];
+            for b in 0..blocks {
+                // SAFETY: b < blocks keeps the record inside the panel and the activations inside the
+                // tile's tokens (asserted above).
+                unsafe {
+                    let r = wp.add(b * rec);
+                    let mut isum = [_mm256_setzero_si256(); M];
+                    // `u · q` summed by fours for one 32-byte half of a value vector.
+                    let dot4 = |u: __m256i, x: *const i32| {
+                        let q = _mm256_set1_epi32(x.read_unaligned());
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones)
+                    };
+                    if U4 {
+                        // The block's 8 products of pairs per 16-bit lane added in 16 bits, widened
+                        // once: each is at most 2 × 15 × 128 in size, 8 of them below 2^15.
+                        let mut pairs = [_mm256_setzero_si256(); M];
+                        for v in 0..4 {
+                            let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
                             let lo = _mm256_and_si256(w, low);
                             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
-                            for (p, (ql, qh)) in pairs.iter_mut().zip(&q) {
-                                p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(lo, *ql));
-                                p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(hi, *qh));
+                            for (i, p) in pairs.iter_mut().enumerate() {
+                                let x = xq.add(i * cols + b * QBLOCK + 8 * v).cast::<i32>();
+                                let ql = _mm256_set1_epi32(x.read_unaligned());
+                                let qh = _mm256_set1_epi32(x.add(1).read_unaligned());
+                                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(lo, ql));
+                                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(hi, qh));
                             }
                         }
-                    }
-                    for (s, p) in isum.iter_mut().zip(&pairs) {
-                        for h in 0..H {
-                            s[h] = _mm256_madd_epi16(p[h], ones);
+                        for (s, p) in isum.iter_mut().zip(&pairs) {
+                            *s = _mm256_madd_epi16(*p, ones);
                         }
-                    }
-                } else {
-                    for v in 0..8 {
-                        for h in 0..H {
-                            let w = _mm256_loadu_si256(r.add(v * 64 + 32 * (first + h)).cast());
+                    } else {
+                        for v in 0..8 {
+                            let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
                             let lo = _mm256_and_si256(w, low);
                             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
                             for (i, s) in isum.iter_mut().enumerate() {
@@ -612,32 +582,26 @@ mod x86 {
                                     _mm256_slli_epi32::<4>(dot4(hi, x)),
                                     dot4(lo, x),
                                 );
-                                s[h] = _mm256_add_epi32(s[h], sum);
+                                *s = _mm256_add_epi32(*s, sum);
                             }
                         }
                     }
-                }
-                for h in 0..H {
-                    let half = first + h;
                     let scale = _mm256_cvtph_ps(_mm_loadu_si128(r.add(vb + 16 * half).cast()));
                     let min =
                         _mm256_cvtph_ps(_mm_loadu_si128(r.add(vb + 2 * QROWS + 16 * half).cast()));
                     for (i, a) in acc.iter_mut().enumerate() {
                         let [dx, sx] = *xds.add(i * blocks + b);
                         let f = _mm256_mul_ps(scale, _mm256_set1_ps(dx));
-                        a[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), f, a[h][0]);
-                        a[h][1] = _mm256_fmadd_ps(min, _mm256_set1_ps(sx), a[h][1]);
+                        a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), f, a[0]);
+                        a[1] = _mm256_fmadd_ps(min, _mm256_set1_ps(sx), a[1]);
                     }
                 }
             }
-        }
-        for h in 0..H {
-            let half = first + h;
             let lanes = tile.valid.saturating_sub(8 * half).min(8);
             for (i, a) in acc.iter().enumerate() {
                 let mut vals = [0f32; 8];
                 // SAFETY: `vals` holds 8 floats.
-                unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), _mm256_add_ps(a[h][0], a[h][1])) };
+                unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), _mm256_add_ps(a[0], a[1])) };
                 for (lane, v) in vals.iter().enumerate().take(lanes) {
                     // SAFETY: the first `valid` columns of token i are writable (caller's guarantee).
                     unsafe {

@@ -131,9 +131,6 @@ pub struct SpinBarrier {
     arrived: CacheLine<AtomicUsize>,
     generation: CacheLine<AtomicUsize>,
     sleepers: CacheLine<AtomicUsize>,
-    /// Times a waiter went to sleep, for the tests.
-    #[cfg(test)]
-    sleepers_seen: AtomicUsize,
     poisoned: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -170,8 +167,6 @@ impl SpinBarrier {
             arrived: CacheLine(AtomicUsize::new(0)),
             generation: CacheLine(AtomicUsize::new(0)),
             sleepers: CacheLine(AtomicUsize::new(0)),
-            #[cfg(test)]
-            sleepers_seen: AtomicUsize::new(0),
             poisoned: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -218,8 +213,6 @@ impl SpinBarrier {
     /// Sleeps until the generation moves on from `generation` or the barrier is poisoned.
     fn sleep(&self, generation: usize) {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
-        #[cfg(test)]
-        self.sleepers_seen.fetch_add(1, Ordering::Relaxed);
         let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         while self.generation.load(Ordering::SeqCst) == generation
             && !self.poisoned.load(Ordering::SeqCst)
@@ -359,22 +352,31 @@ mod tests {
         assert_eq!(bad.load(Ordering::Relaxed), 0);
     }
 
+    /// Waits (yielding) until `n` threads sleep at the team's barrier.
+    fn until_asleep(tm: &Team<'_>, n: usize) {
+        let b = tm.barrier.expect("a team of several threads");
+        while b.sleepers.load(Ordering::SeqCst) < n {
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn threads_that_fall_asleep_at_the_barrier_are_woken() {
-        // One thread comes late to every barrier (descheduled, as on a busy machine): the others spin
-        // out and sleep, and must be woken with every write of the round visible.
+        // One thread comes late to every barrier (descheduled, as on a busy machine): it arrives only
+        // once the other two have spun out and sleep, and they must be woken with every write of the
+        // round visible.
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(3)
             .build()
             .expect("pool");
         let mut cells = vec![0usize; 3];
         let shared = SharedMut::new(&mut cells);
-        let (bad, slept) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let bad = AtomicUsize::new(0);
         pool.install(|| {
             run(|tm| {
                 for round in 1..=20 {
                     if tm.index() == round % 3 {
-                        std::thread::sleep(std::time::Duration::from_millis(5));
+                        until_asleep(tm, 2);
                     }
                     // SAFETY: each thread writes only its own cell between barriers.
                     unsafe { shared.part_mut(tm.index()..tm.index() + 1)[0] = round };
@@ -383,15 +385,11 @@ mod tests {
                     if unsafe { shared.all() }.iter().any(|c| *c != round) {
                         bad.fetch_add(1, Ordering::Relaxed);
                     }
-                    if let Some(b) = tm.barrier {
-                        slept.fetch_max(b.sleepers_seen.load(Ordering::Relaxed), Ordering::Relaxed);
-                    }
                     tm.sync();
                 }
             })
         });
         assert_eq!(bad.load(Ordering::Relaxed), 0);
-        assert!(slept.load(Ordering::Relaxed) > 0, "no thread ever slept");
     }
 
     #[test]
@@ -404,8 +402,7 @@ mod tests {
             pool.install(|| {
                 run(|tm| {
                     if tm.index() == 1 {
-                        // Long enough for thread 0 to spin out and sleep.
-                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        until_asleep(tm, 1);
                         panic!("late worker fails");
                     }
                     tm.sync();
