@@ -3,12 +3,13 @@
 //! most small cloud instances) no longer fall back to the portable loop, whose scalar `exp` and SSE
 //! products made a long prompt's attention cost more than its matrix products.
 //!
-//! Scores come 8 keys at a time: the keys' rows are widened once into a tile in L1, every query head of
-//! the unit takes its 8 scores from the tile, and each key's 8 partial sums are reduced by one fixed tree
-//! of `hadd`s shared by the 8 keys, so a key's score is computed the same way wherever it sits among
-//! them. The softmax uses a vector exp; V is summed in registers, position after position, in column
-//! slices of 32 lanes for up to 3 heads at once (16 registers hold no more). Each token is computed the
-//! same way in a prefill and alone in a decode step, as in the other kernels.
+//! Scores come 4 keys × 3 query heads at a time (12 accumulators in registers), each key's row widened
+//! from its stored format as it is read; a group of more than 3 query heads first widens 8 keys into a
+//! tile in L1, which each pass of 3 heads then reads. Each key's 8 partial sums are reduced by one fixed
+//! tree of `hadd`s, so a key's score is computed the same way wherever it sits among the others. The
+//! softmax uses a vector exp; V is summed in registers, position after position, in column slices of 32
+//! lanes for up to 3 heads at once (12 accumulators, 3 scores and one V vector fill the 16 registers).
+//! Each token is computed the same way in a prefill and alone in a decode step, as in the other kernels.
 
 use std::arch::x86_64::*;
 
@@ -65,22 +66,90 @@ impl Lanes8 for f16 {
     }
 }
 
-/// `[Σ a0, …, Σ a7]`: the lane sums of 8 vectors, by the same tree for each.
+/// `[Σ a0, …, Σ a3]`: the lane sums of 4 vectors, each by the same tree
+/// `((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn transpose_sum(a: &[__m256; 8]) -> __m256 {
-    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7].
-    let t0 = _mm256_hadd_ps(a[0], a[1]);
-    let t1 = _mm256_hadd_ps(a[2], a[3]);
-    let t2 = _mm256_hadd_ps(a[4], a[5]);
-    let t3 = _mm256_hadd_ps(a[6], a[7]);
-    // Per 128-bit half: [Σ a0, Σ a1, Σ a2, Σ a3] of that half (u0), of a4..a7 (u1).
-    let u0 = _mm256_hadd_ps(t0, t1);
-    let u1 = _mm256_hadd_ps(t2, t3);
-    _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(u0, u1),
-        _mm256_permute2f128_ps::<0x31>(u0, u1),
-    )
+fn transpose_sum4(a: &[__m256; 4]) -> __m128 {
+    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7], twice: per 128-bit half,
+    // the sums of that half of a0..a3.
+    let u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u))
+}
+
+/// The scores of every query head of `job` against up to 4 keys (`n` of the rows; the others repeat one
+/// of them), into `scores[g · n_ctx + col ..][..n]`, 3 heads at a time.
+///
+/// # Safety
+/// avx2, fma and f16c are present; each row holds `job.head_dim` elements, and `job.q` `group` heads.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn heads_scores<K: Lanes8>(
+    job: &Job<'_, '_>,
+    rows: [*const K; 4],
+    n: usize,
+    scores: &mut [f32],
+    n_ctx: usize,
+    col: usize,
+) {
+    let (group, head_dim) = (job.group, job.head_dim);
+    let scale = _mm256_set1_ps(job.scale);
+    let mut g0 = 0;
+    while g0 < group {
+        let gb = (group - g0).min(3);
+        let qp = job.q[g0 * head_dim..(g0 + gb) * head_dim].as_ptr();
+        let mut sums = [[0f32; 4]; 3];
+        // SAFETY: the caller's guarantee; heads g0..g0 + gb lie inside q.
+        unsafe {
+            match gb {
+                1 => qk::<K, 1>(qp, rows, head_dim, scale, &mut sums),
+                2 => qk::<K, 2>(qp, rows, head_dim, scale, &mut sums),
+                _ => qk::<K, 3>(qp, rows, head_dim, scale, &mut sums),
+            }
+        }
+        for (g, row) in sums[..gb].iter().enumerate() {
+            scores[(g0 + g) * n_ctx + col..][..n].copy_from_slice(&row[..n]);
+        }
+        g0 += gb;
+    }
+}
+
+/// The scaled scores of `G` query heads (rows of `head_dim` from `q`) against 4 keys (rows of `head_dim`
+/// at `k`), into `out[g][..4]`: each score's lanes summed in chunk order, then by [`transpose_sum4`].
+///
+/// # Safety
+/// avx2, fma and f16c are present; `q` holds `G` rows and each of `k` one row of `head_dim` (a multiple
+/// of 8) values.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn qk<K: Lanes8, const G: usize>(
+    q: *const f32,
+    k: [*const K; 4],
+    head_dim: usize,
+    scale: __m256,
+    out: &mut [[f32; 4]; 3],
+) {
+    let mut acc = [[_mm256_setzero_ps(); 4]; G];
+    for c in (0..head_dim).step_by(8) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            let qv: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * head_dim + c)));
+            for j in 0..4 {
+                let kv = K::load8(k[j].add(c));
+                for (a, x) in acc.iter_mut().zip(&qv) {
+                    a[j] = _mm256_fmadd_ps(*x, kv, a[j]);
+                }
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        // SAFETY: 4 floats.
+        unsafe {
+            _mm_storeu_ps(
+                o.as_mut_ptr(),
+                _mm_mul_ps(transpose_sum4(a), _mm256_castps256_ps128(scale)),
+            )
+        };
+    }
 }
 
 /// e^x, lane-wise, for x ≤ 0: x = n·ln 2 + r with |r| ≤ ln 2 / 2, a degree-6 Taylor polynomial for e^r
@@ -169,7 +238,7 @@ fn exp_sum(x: &mut [f32]) -> (f32, f32) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     job: &Job<'a, '_>,
-    scores: &mut Vec<f32>,
+    scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let Job {
@@ -181,61 +250,57 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
         pos,
         group,
         head_dim,
-        scale,
         ..
     } = *job;
     debug_assert!(head_dim.is_multiple_of(8) && head_dim <= MAX_HEAD_DIM);
     assert!(q.len() >= group * head_dim && out.len() >= group * (head_dim + 2));
     let chunks = head_dim / 8;
     let n_ctx = pos + 1 - lo;
-    scores.clear();
-    scores.resize(group * n_ctx, 0.0);
     let ru = kv.vector_units();
-    let scale_v = _mm256_set1_ps(scale);
-    // 8 keys widened to f32, row after row; lanes of keys past the last are left as they were and their
-    // scores are not kept.
-    let mut tile = [0f32; 8 * MAX_HEAD_DIM];
+    // Up to 3 query heads read each key once, so a key is widened inside the product; a larger group
+    // widens 8 keys into a tile in L1 first, which each pass of 3 heads then reads (the scratch's tail).
+    let direct = group <= 3;
+    let tile_len = if direct { 0 } else { 8 * head_dim };
+    scratch.clear();
+    scratch.resize(group * n_ctx + tile_len, 0.0);
+    let (scores, tile) = scratch.split_at_mut(group * n_ctx);
     let tp = tile.as_mut_ptr();
     for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
         let k = R::typed(kv.k_head_block(block, kvh));
         let next_k = next.map(|b| R::typed(kv.k_head_block(b, kvh)).as_ptr());
         let mut s0 = first;
         while s0 <= last {
-            let keys = (last + 1 - s0).min(8);
-            for j in 0..keys {
-                if let Some(nk) = next_k {
+            let keys = (last + 1 - s0).min(if direct { 4 } else { 8 });
+            if let Some(nk) = next_k {
+                for j in 0..keys {
                     prefetch_row(nk.wrapping_add((s0 + j) * ru), ru);
                 }
-                let kp = k[(s0 + j) * ru..(s0 + j + 1) * ru].as_ptr();
-                for c in 0..chunks {
-                    // SAFETY: the row holds head_dim elements; the tile holds 8 rows of MAX_HEAD_DIM.
-                    unsafe {
-                        _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(kp.add(8 * c)))
-                    };
-                }
             }
-            for g in 0..group {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for c in 0..chunks {
-                    // SAFETY: q holds group × head_dim values (asserted); the tile 8 × head_dim.
-                    unsafe {
-                        let qv = _mm256_loadu_ps(q.as_ptr().add(g * head_dim + 8 * c));
-                        for (j, a) in acc.iter_mut().enumerate() {
-                            let kv = _mm256_loadu_ps(tp.add(j * head_dim + 8 * c));
-                            *a = _mm256_fmadd_ps(qv, kv, *a);
-                        }
+            // Key j's row; past the last key, the last one again (its scores are not kept).
+            let row = |j: usize| k[(s0 + j.min(keys - 1)) * ru..][..ru].as_ptr();
+            let col = at + s0 - first;
+            if direct {
+                let rows: [*const R; 4] = std::array::from_fn(row);
+                // SAFETY: each row holds head_dim elements; q holds group × head_dim (asserted).
+                unsafe { heads_scores(job, rows, keys, scores, n_ctx, col) };
+            } else {
+                for j in 0..keys {
+                    let kp = row(j);
+                    for c in 0..chunks {
+                        // SAFETY: the row holds head_dim elements; the tile 8 rows of head_dim.
+                        unsafe {
+                            _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(kp.add(8 * c)))
+                        };
                     }
                 }
-                let mut sums = [0f32; 8];
-                // SAFETY: 8 floats.
-                unsafe {
-                    _mm256_storeu_ps(
-                        sums.as_mut_ptr(),
-                        _mm256_mul_ps(transpose_sum(&acc), scale_v),
-                    )
-                };
-                let at = g * n_ctx + at + s0 - first;
-                scores[at..at + keys].copy_from_slice(&sums[..keys]);
+                for k0 in (0..keys).step_by(4) {
+                    let n = (keys - k0).min(4);
+                    let rows: [*const f32; 4] = std::array::from_fn(|j| {
+                        tp.cast_const().wrapping_add((k0 + j.min(n - 1)) * head_dim)
+                    });
+                    // SAFETY: rows k0..k0 + n of the tile are inside it, widened above.
+                    unsafe { heads_scores(job, rows, n, scores, n_ctx, col + k0) };
+                }
             }
             s0 += keys;
         }
@@ -245,8 +310,8 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
         out[g * (head_dim + 2)] = m;
         out[g * (head_dim + 2) + 1] = l;
     }
-    // V: up to 3 heads × 4 vectors of lanes at a time, each (head, lane) summing the positions in
-    // order.
+    // V: up to 3 heads × 4 vectors of lanes at a time (12 accumulators, 3 broadcast scores and one V
+    // vector: the 16 registers), each (head, lane) summing the positions in order.
     let mut g0 = 0;
     while g0 < group {
         let gb = (group - g0).min(3);
@@ -310,13 +375,14 @@ unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
                 prefetch_row(nv.wrapping_add(slot * ru), ru);
             }
             let vp = v[slot * ru..(slot + 1) * ru].as_ptr();
-            // SAFETY: lanes 8·c0 .. 8·(c0 + W) lie inside the row (the contract).
-            let vv: [__m256; W] =
-                std::array::from_fn(|c| unsafe { R::load8(vp.add(8 * (c0 + c))) });
-            for (g, ag) in acc.iter_mut().enumerate() {
-                let p = _mm256_set1_ps(scores[(g0 + g) * n_ctx + at + slot - first]);
-                for (a, x) in ag.iter_mut().zip(&vv) {
-                    *a = _mm256_fmadd_ps(p, *x, *a);
+            let p: [__m256; G] = std::array::from_fn(|g| {
+                _mm256_set1_ps(scores[(g0 + g) * n_ctx + at + slot - first])
+            });
+            for c in 0..W {
+                // SAFETY: lanes 8·c0 .. 8·(c0 + W) lie inside the row (the contract).
+                let x = unsafe { R::load8(vp.add(8 * (c0 + c))) };
+                for (ag, pg) in acc.iter_mut().zip(&p) {
+                    ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
                 }
             }
         }
