@@ -34,15 +34,16 @@ chromium_env=$(scripts/fetch-chromium.sh)
 eval "$chromium_env"
 export KURA_CHROMIUM KURA_CHROMEDRIVER
 
+# No incremental state: a fresh build gains nothing from it, and it costs disk (about 150 MB for
+# kura-server's test build alone; a CI machine once ran out of disk while linking). CARGO_INCREMENTAL=1
+# keeps it.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
 # overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the
 # Python tests start is the same build: `cargo test` builds target/debug/kura for the `kura` crate's own
 # tests, with the workspace's features. (A `cargo build -p kura` would resolve the features of that crate
 # alone and compile many dependencies a second time.)
-# No incremental state: a fresh build gains nothing from it, and it costs disk (about 150 MB for
-# kura-server's test build alone; a CI machine once ran out of disk while linking). CARGO_INCREMENTAL=1
-# keeps it.
-export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 started=$SECONDS
 cargo test --workspace
 echo "test.sh: Rust build and tests took $((SECONDS - started)) s" >&2

@@ -132,9 +132,9 @@ def test_pinned_prefix_survives_ten_pools_of_traffic_until_its_ttl(small):
     assert r.usage.cache_creation_input_tokens >= 464
     pool_tokens = srv.metrics()["kura:kv_cache_blocks_total"] * BLOCK
 
-    def flood(pools: int, first: int):
+    def flood(pools: int):
         # Unique prompts of ~600 tokens until `pools` pools' worth has gone through.
-        sent, i = 0, first
+        sent, i = 0, 0
         oa = srv.client()
         while sent < pools * pool_tokens:
             prompt = long_text(450, seed=1000 + i + int(time.time() * 1000) % 100000)
@@ -142,13 +142,13 @@ def test_pinned_prefix_survives_ten_pools_of_traffic_until_its_ttl(small):
             sent += out.usage.prompt_tokens
             i += 1
 
-    flood(10, 0)
+    flood(10)
     r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
     assert r.usage.cache_read_input_tokens >= 464, r.usage
     # Past its TTL (the cache clock moved 6 minutes), the pin is released and traffic evicts it: two
     # pools' worth of unique prompts replace every unpinned block.
     httpx.post(srv.url + "/debug/clock", json={"advance_s": 360}, headers=ADMIN_HEADERS).raise_for_status()
-    flood(2, 10_000)
+    flood(2)
     r = client.messages.create(model=model, max_tokens=1, extra_body=GREEDY, system=blocks, messages=ask)
     assert r.usage.cache_read_input_tokens < 464, r.usage
     assert srv.metrics()["kura:kv_pins_expired_total"] >= 1
