@@ -40,7 +40,8 @@ export KURA_CHROMIUM KURA_CHROMEDRIVER
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 # Plain `cargo test`: the dev and test profiles are optimised (Cargo.toml) but keep debug assertions and
-# overflow checks, so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the
+# overflow checks in Kura's crates (kura-model's kernels and the dependencies aside, which build as in a
+# release), so kura-kv's `debug_assert!`s and every unchecked size would fail here. The server the
 # Python tests start is the same build: `cargo test` builds target/debug/kura for the `kura` crate's own
 # tests, with the workspace's features. (A `cargo build -p kura` would resolve the features of that crate
 # alone and compile many dependencies a second time.)
