@@ -67,25 +67,36 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
         .zip(out.chunks_exact_mut(inter))
     {
         let (g, u) = gu.split_at(inter);
-        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
+        silu_mul_cols(g, u, o);
+    }
+}
+
+/// `out[i] = silu(gate[i]) · up[i]` over one run of columns (element by element, so a row cut into runs
+/// gives the bits of [`silu_mul`]).
+pub fn silu_mul_cols(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
     }
 }
 
 /// `out[i] = gelu_tanh(gate[i]) · up[i]` for each token (`[gate | up]` rows as in [`silu_mul`]), with
 /// GELU's tanh approximation `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))` as PyTorch computes it.
 pub fn gelu_tanh_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     for (gu, o) in gate_up
         .chunks_exact(2 * inter)
         .zip(out.chunks_exact_mut(inter))
     {
         let (g, u) = gu.split_at(inter);
-        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
-            *o = 0.5 * g * (1.0 + inner.tanh()) * u;
-        }
+        gelu_tanh_mul_cols(g, u, o);
+    }
+}
+
+/// [`gelu_tanh_mul`] over one run of columns, element by element as [`silu_mul_cols`].
+pub fn gelu_tanh_mul_cols(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
+        *o = 0.5 * g * (1.0 + inner.tanh()) * u;
     }
 }
 

@@ -225,6 +225,7 @@ impl PackedQ {
 /// and the scale times the sum of the values).
 #[derive(Clone, Copy)]
 pub struct QAct<'a> {
+    /// Within ±127, as [`quantize_act_row`] makes them (the AVX2 kernel's 8-bit products rely on it).
     pub q: &'a [i8],
     pub ds: &'a [[f32; 2]],
 }
@@ -527,9 +528,9 @@ mod x86 {
 
     /// `M` tokens × 16 rows as two halves of 8: `vpmaddubsw` of 4-bit values with the activations
     /// broadcast (no 16-bit sum can saturate: a pair is at most 2 × 15 × 128, and the 8 pairs of a block
-    /// are added in 16 bits before one `vpmaddwd` by ones widens them to 32-bit lanes); 8-bit values as
-    /// two nibbles (`16 · Σ hi·q + Σ lo·q`). The same exact integer sums as `vpdpbusd`, then the same
-    /// fused multiply-adds.
+    /// are added in 16 bits before one `vpmaddwd` by ones widens them to 32-bit lanes); 8-bit values
+    /// centred on 128 (`Σ (u − 128)·q + 128 · Σ q`, each product as |u − 128| times q with the sign of
+    /// u − 128). The same exact integer sums as `vpdpbusd`, then the same fused multiply-adds.
     ///
     /// # Safety
     /// avx2, fma and f16c are present; the tile holds `M` tokens; see [`super::tile_portable`].
@@ -539,6 +540,7 @@ mod x86 {
         let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
+        let ones8 = _mm256_set1_epi8(1);
         for half in 0..2 {
             let mut acc = [[_mm256_setzero_ps(); 2]; M];
             for b in 0..blocks {
@@ -547,9 +549,8 @@ mod x86 {
                 unsafe {
                     let r = wp.add(b * rec);
                     let mut isum = [_mm256_setzero_si256(); M];
-                    // `u · q` summed by fours for one 32-byte half of a value vector.
-                    let dot4 = |u: __m256i, x: *const i32| {
-                        let q = _mm256_set1_epi32(x.read_unaligned());
+                    // `u · q` summed by fours (u unsigned, q signed bytes).
+                    let dot4 = |u: __m256i, q: __m256i| {
                         _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones)
                     };
                     if U4 {
@@ -572,18 +573,28 @@ mod x86 {
                             *s = _mm256_madd_epi16(*p, ones);
                         }
                     } else {
+                        // s = u − 128 as a signed byte: Σ u·q = Σ s·q + 128 · Σ q, and s·q is
+                        // |s| · (q signed like s), whose pairs are at most 2 × 128 × 127 < 2^15 (the
+                        // activations lie within ±127): exact, one product per byte.
+                        let flip = _mm256_set1_epi8(i8::MIN);
                         for v in 0..8 {
                             let w = _mm256_loadu_si256(r.add(v * 64 + 32 * half).cast());
-                            let lo = _mm256_and_si256(w, low);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            let sv = _mm256_xor_si256(w, flip);
+                            let mag = _mm256_abs_epi8(sv);
                             for (i, s) in isum.iter_mut().enumerate() {
                                 let x = xq.add(i * cols + b * QBLOCK + 4 * v).cast::<i32>();
-                                let sum = _mm256_add_epi32(
-                                    _mm256_slli_epi32::<4>(dot4(hi, x)),
-                                    dot4(lo, x),
-                                );
-                                *s = _mm256_add_epi32(*s, sum);
+                                let q = _mm256_sign_epi8(_mm256_set1_epi32(x.read_unaligned()), sv);
+                                *s = _mm256_add_epi32(*s, dot4(mag, q));
                             }
+                        }
+                        for (i, s) in isum.iter_mut().enumerate() {
+                            let x = _mm256_loadu_si256(xq.add(i * cols + b * QBLOCK).cast());
+                            let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x), ones);
+                            let sum = _mm256_hadd_epi32(sum, sum);
+                            let sum = _mm256_hadd_epi32(sum, sum);
+                            let sum =
+                                _mm256_add_epi32(sum, _mm256_permute2x128_si256::<1>(sum, sum));
+                            *s = _mm256_add_epi32(*s, _mm256_slli_epi32::<7>(sum));
                         }
                     }
                     let scale = _mm256_cvtph_ps(_mm_loadu_si128(r.add(vb + 16 * half).cast()));
@@ -969,13 +980,14 @@ mod tests {
 
     #[test]
     fn integer_sums_at_their_largest_give_the_same_bits_on_every_path() {
-        // Every value at its largest and every activation at ±127 (a block of equal magnitudes): the
-        // AVX2 kernel's 16-bit sums of pairs reach their bound, which must not saturate.
+        // Every value at its largest (or, for 8-bit values, its smallest: 0 is −128 from the AVX2
+        // kernel's centre) and every activation at ±127 (a block of equal magnitudes): the AVX2
+        // kernel's 16-bit sums of pairs reach their bound, which must not saturate.
         let paths = paths();
-        for bits in [QBits::U4, QBits::U8] {
+        for (bits, u) in [(QBits::U4, 15), (QBits::U8, 255), (QBits::U8, 0)] {
             let (rows, cols) = (16, 64);
             let w = PackedQ::build(rows, cols, bits, |_, row| {
-                row.u.fill(bits.max_value());
+                row.u.fill(u);
                 row.scale.fill(1.0);
                 row.min.fill(0.0);
             });
@@ -984,7 +996,7 @@ mod tests {
                 let (q, ds) = quantized(&x, cols);
                 assert!(q.iter().all(|v| i32::from(*v) == 127 * sign as i32));
                 let act = QAct { q: &q, ds: &ds };
-                let exact = f32::from(bits.max_value()) * 3.0 * sign * cols as f32;
+                let exact = f32::from(u) * 3.0 * sign * cols as f32;
                 for &path in &paths {
                     let mut out = vec![0f32; rows];
                     let shared = SharedMut::new(&mut out);
