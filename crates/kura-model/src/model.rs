@@ -33,8 +33,7 @@ use crate::hf::{read_text, SafetensorsDir};
 use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
 use crate::kernels::matmul::{matmul_part, ActBuf};
 use crate::kernels::ops::{
-    add_in_place, gelu_tanh_mul, gelu_tanh_mul_cols, rms_norm, rope, rope_angles, scale_in_place,
-    silu_mul, silu_mul_cols,
+    add_in_place, gelu_tanh_mul, rms_norm, rope, rope_angles, scale_in_place, silu_mul,
 };
 use crate::kernels::qpacked::QBLOCK;
 use crate::kernels::team::{self, SharedMut};
@@ -691,32 +690,26 @@ impl Model {
                 tm.sync();
                 unsafe { matmul_part(tm, xns.read(), t_total, &lw.w_gate_up, gus, false) };
                 tm.sync();
-                if t_total >= tm.size() {
-                    for t in mine.clone() {
-                        let gu = unsafe { gus.part_mut(t * 2 * inter..(t + 1) * 2 * inter) };
-                        match activation {
-                            Activation::Silu => silu_mul(gu, inter, &mut row[..inter]),
-                            Activation::GeluTanh => gelu_tanh_mul(gu, inter, &mut row[..inter]),
-                        }
-                        unsafe { acts.write(t, 0, &row[..inter]) };
-                    }
+                // Each thread's tokens, whole; with fewer tokens than threads (decode), its own blocks of
+                // 32 columns of every token instead, so that the exponentials and the quantization are
+                // not left to one thread while the others wait. Element by element: the same bits.
+                let (tokens, c0, c1) = if t_total >= tm.size() {
+                    (mine.clone(), 0, inter)
                 } else {
-                    // Fewer tokens than threads (decode): each thread takes its whole blocks of 32
-                    // columns of every token, so that the exponentials and the quantization are not left
-                    // to one thread while the others wait. Element by element: the same bits.
                     let blocks = tm.range(inter.div_ceil(QBLOCK));
-                    let (c0, c1) = (blocks.start * QBLOCK, (blocks.end * QBLOCK).min(inter));
-                    for t in (0..t_total).filter(|_| c0 < c1) {
-                        let base = t * 2 * inter;
-                        let g = unsafe { gus.part_mut(base + c0..base + c1) };
-                        let u = unsafe { gus.part_mut(base + inter + c0..base + inter + c1) };
-                        let out = &mut row[..c1 - c0];
-                        match activation {
-                            Activation::Silu => silu_mul_cols(g, u, out),
-                            Activation::GeluTanh => gelu_tanh_mul_cols(g, u, out),
-                        }
-                        unsafe { acts.write(t, c0, out) };
+                    let c1 = (blocks.end * QBLOCK).min(inter);
+                    (0..t_total, blocks.start * QBLOCK, c1)
+                };
+                for t in tokens.filter(|_| c0 < c1) {
+                    let base = t * 2 * inter;
+                    let g = unsafe { gus.part_mut(base + c0..base + c1) };
+                    let u = unsafe { gus.part_mut(base + inter + c0..base + inter + c1) };
+                    let out = &mut row[..c1 - c0];
+                    match activation {
+                        Activation::Silu => silu_mul(g, u, out),
+                        Activation::GeluTanh => gelu_tanh_mul(g, u, out),
                     }
+                    unsafe { acts.write(t, c0, out) };
                 }
                 tm.sync();
                 match &lw.gemma {

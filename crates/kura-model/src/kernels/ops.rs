@@ -60,39 +60,17 @@ pub fn rope(x: &mut [f32], head_dim: usize, style: RopeStyle, cos: &[f32], sin: 
     }
 }
 
-/// `out[i] = silu(gate[i]) · up[i]` for each token, where a token's row of `gate_up` is `[gate | up]`.
-pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
-        let (g, u) = gu.split_at(inter);
-        silu_mul_cols(g, u, o);
-    }
-}
-
-/// `out[i] = silu(gate[i]) · up[i]` over one run of columns (element by element, so a row cut into runs
-/// gives the bits of [`silu_mul`]).
-pub fn silu_mul_cols(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// `out[i] = silu(gate[i]) · up[i]` over a run of columns (a token's `[gate | up]` row, or the same
+/// columns of both halves: element by element, so a row cut into runs gives the bits of the whole).
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         *o = g / (1.0 + (-g).exp()) * u;
     }
 }
 
-/// `out[i] = gelu_tanh(gate[i]) · up[i]` for each token (`[gate | up]` rows as in [`silu_mul`]), with
-/// GELU's tanh approximation `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))` as PyTorch computes it.
-pub fn gelu_tanh_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
-        let (g, u) = gu.split_at(inter);
-        gelu_tanh_mul_cols(g, u, o);
-    }
-}
-
-/// [`gelu_tanh_mul`] over one run of columns, element by element as [`silu_mul_cols`].
-pub fn gelu_tanh_mul_cols(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// `out[i] = gelu_tanh(gate[i]) · up[i]`, as [`silu_mul`], with GELU's tanh approximation
+/// `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))` as PyTorch computes it.
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
@@ -151,7 +129,7 @@ mod tests {
     fn silu_mul_matches_definition() {
         let gu = [1.0f32, -2.0, 3.0, 0.5];
         let mut out = [0f32; 2];
-        silu_mul(&gu, 2, &mut out);
+        silu_mul(&gu[..2], &gu[2..], &mut out);
         let silu = |v: f32| v / (1.0 + (-v).exp());
         assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
         assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
@@ -162,7 +140,7 @@ mod tests {
         // torch.nn.functional.gelu(x, approximate="tanh") at 1, −1 and 3.
         let gu = [1.0f32, -1.0, 3.0, 2.0, 0.5, 1.0];
         let mut out = [0f32; 3];
-        gelu_tanh_mul(&gu, 3, &mut out);
+        gelu_tanh_mul(&gu[..3], &gu[3..], &mut out);
         for (o, want) in out
             .iter()
             .zip([0.841_192 * 2.0, -0.158_808 * 0.5, 2.996_363])
