@@ -31,12 +31,12 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::{read_text, SafetensorsDir};
 use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
-use crate::kernels::matmul::{matmul_part, ActBuf};
+use crate::kernels::matmul::{matmul_part, Act, ActBuf, ActShared};
 use crate::kernels::ops::{
     add_in_place, gelu_tanh_mul, rms_norm, rope, rope_angles, scale_in_place, silu_mul,
 };
 use crate::kernels::qpacked::QBLOCK;
-use crate::kernels::team::{self, SharedMut};
+use crate::kernels::team::{self, SharedMut, Team};
 use crate::weights::{Naming, RawTensor, TensorSource, Weights, WeightsDtype};
 use kura_text::Tokenizer;
 use kura_text::{ChatMessage, ChatTemplate, ModelText, CHATML, GEMMA3};
@@ -612,14 +612,30 @@ impl Model {
             let mut row = vec![0f32; h.max(inter)];
             // Scratch of the per-head Q/K norms (models that have them).
             let mut heads = vec![0f32; heads_len];
+            // With fewer tokens than threads (decode), this thread's own buffers of the normed rows.
+            let decode = t_total < tm.size();
+            let mut own_xn = decode.then(|| ActBuf::new(kind, t_total, h));
+            let mut own_last = decode.then(|| ActBuf::new(kind, n, h));
+            let (own_xn, own_last) = (
+                own_xn.as_mut().map(ActBuf::shared),
+                own_last.as_mut().map(ActBuf::shared),
+            );
             for (li, lw) in self.weights.layers.iter().enumerate() {
-                for t in mine.clone() {
-                    let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
-                    rms_norm(xr, &lw.attn_norm, eps, &mut row[..h]);
-                    unsafe { xns.write(t, 0, &row[..h]) };
-                }
-                tm.sync();
-                unsafe { matmul_part(tm, xns.read(), t_total, &lw.wqkv, qkvs, false) };
+                let x_in = unsafe {
+                    normed(
+                        tm,
+                        own_xn,
+                        xns,
+                        xs,
+                        h,
+                        t_total,
+                        |t| t,
+                        &lw.attn_norm,
+                        eps,
+                        &mut row,
+                    )
+                };
+                matmul_part(tm, x_in, t_total, &lw.wqkv, qkvs, false);
                 tm.sync();
                 if tm.index() == 0 {
                     let kv = unsafe { kvs.get_mut() };
@@ -682,13 +698,21 @@ impl Model {
                     None => unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) },
                 }
                 tm.sync();
-                for t in mine.clone() {
-                    let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
-                    rms_norm(xr, &lw.ffn_norm, eps, &mut row[..h]);
-                    unsafe { xns.write(t, 0, &row[..h]) };
-                }
-                tm.sync();
-                unsafe { matmul_part(tm, xns.read(), t_total, &lw.w_gate_up, gus, false) };
+                let x_in = unsafe {
+                    normed(
+                        tm,
+                        own_xn,
+                        xns,
+                        xs,
+                        h,
+                        t_total,
+                        |t| t,
+                        &lw.ffn_norm,
+                        eps,
+                        &mut row,
+                    )
+                };
+                matmul_part(tm, x_in, t_total, &lw.w_gate_up, gus, false);
                 tm.sync();
                 // Each thread's tokens, whole; with fewer tokens than threads (decode), its own blocks of
                 // 32 columns of every token instead, so that the exponentials and the quantization are
@@ -725,18 +749,20 @@ impl Model {
                 tm.sync();
             }
             // The output head only for each sequence's last token (or for every token).
-            for i in tm.range(n) {
-                let t = if every_position {
+            let token = |i: usize| {
+                if every_position {
                     i
                 } else {
                     seqs[i].first_token + seqs[i].n_tokens - 1
-                };
-                let xr = unsafe { xs.part_mut(t * h..(t + 1) * h) };
-                rms_norm(xr, &self.weights.final_norm, eps, &mut row[..h]);
-                unsafe { lasts.write(i, 0, &row[..h]) };
-            }
-            tm.sync();
-            unsafe { matmul_part(tm, lasts.read(), n, head, logits_s, false) };
+                }
+            };
+            let final_norm = &self.weights.final_norm;
+            let x_in = unsafe {
+                normed(
+                    tm, own_last, lasts, xs, h, n, token, final_norm, eps, &mut row,
+                )
+            };
+            matmul_part(tm, x_in, n, head, logits_s, false);
         });
         Ok(Logits {
             vocab: head.rows,
@@ -772,6 +798,47 @@ fn norm_heads(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
 /// applied to a sublayer's output before its residual add); `row` at least `weight.len()` long.
 ///
 /// # Safety
+/// Rows `token(i)`, `i < rows`, of `x` (`h` wide) normed with `weight`, in the activation buffer the next
+/// product reads. With a buffer of this thread's own (`own`: decode, fewer tokens than threads), every
+/// thread norms all the rows into its own: the same arithmetic on each, so every thread multiplies the
+/// same values, with no barrier and no thread idle while one norms. Otherwise each thread norms its share
+/// into `shared`, and the team meets at a barrier.
+///
+/// # Safety
+/// Nothing writes `x` until the next barrier, and nothing else uses `shared` until the one after.
+#[allow(clippy::too_many_arguments)]
+unsafe fn normed<'b>(
+    tm: &Team<'_>,
+    own: Option<ActShared<'b>>,
+    shared: ActShared<'b>,
+    x: SharedMut<'_, f32>,
+    h: usize,
+    rows: usize,
+    token: impl Fn(usize) -> usize,
+    weight: &[f32],
+    eps: f32,
+    scratch: &mut [f32],
+) -> Act<'b> {
+    // SAFETY: the caller's guarantee.
+    let x = unsafe { x.all() };
+    let (dst, mine) = match own {
+        Some(o) => (o, 0..rows),
+        None => (shared, tm.range(rows)),
+    };
+    for i in mine {
+        let t = token(i);
+        rms_norm(&x[t * h..(t + 1) * h], weight, eps, &mut scratch[..h]);
+        // SAFETY: row i of `dst` is this thread's (its own buffer, or its share of the rows).
+        unsafe { dst.write(i, 0, &scratch[..h]) };
+    }
+    if own.is_none() {
+        tm.sync();
+    }
+    // SAFETY: written above (and by the others before the barrier); nothing writes it until the next
+    // barrier.
+    unsafe { dst.read() }
+}
+
 /// Until the next barrier no other thread touches tokens `mine` of `x` and `y`.
 unsafe fn add_normed(
     mine: std::ops::Range<usize>,

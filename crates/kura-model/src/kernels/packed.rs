@@ -24,7 +24,7 @@ use half::bf16;
 
 use super::arena::{Plain, Stored};
 use super::dot::{Bf16Act, F32Panels, Isa};
-use super::team::{chunk_tokens, split, SharedMut, Team};
+use super::team::{chunk_tokens, SharedMut, Team};
 
 /// Rows per panel.
 pub const PANEL_ROWS: usize = 64;
@@ -178,34 +178,36 @@ pub unsafe fn matmul_part<W: Tile>(
         (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
     );
     let chunks = t.div_ceil(chunk.max(1));
-    for item in split(chunks * w.panels, tm.size(), tm.index()) {
-        let (c, p) = (item / w.panels, item % w.panels);
-        let panel = w.panel(p);
-        let r0 = p * PANEL_ROWS;
-        let valid = PANEL_ROWS.min(w.rows - r0);
-        let (t_lo, t_hi) = (c * chunk, ((c + 1) * chunk).min(t));
-        let mut t0 = t_lo;
-        while t0 < t_hi {
-            let m = (t_hi - t0).min(TILE_TOKENS);
-            let xp = x[t0 * w.steps..].as_ptr();
-            // SAFETY: rows r0..r0+valid of tokens t0..t0+m lie inside `out` (t0 + m ≤ t, r0 + valid ≤
-            // rows) and belong to this work item alone; the panel holds steps × 64 words and x holds m
-            // rows of steps values from t0. The CPU features: `w` was made with their proof.
-            unsafe {
-                let op = out.ptr().add(t0 * w.rows + r0);
-                let args = (panel.as_ptr(), w.steps, xp, op, w.rows, valid, add);
-                match m {
-                    1 => W::tile::<1>(args),
-                    2 => W::tile::<2>(args),
-                    3 => W::tile::<3>(args),
-                    4 => W::tile::<4>(args),
-                    5 => W::tile::<5>(args),
-                    _ => W::tile::<6>(args),
+    tm.deal(chunks * w.panels, |items| {
+        for item in items {
+            let (c, p) = (item / w.panels, item % w.panels);
+            let panel = w.panel(p);
+            let r0 = p * PANEL_ROWS;
+            let valid = PANEL_ROWS.min(w.rows - r0);
+            let (t_lo, t_hi) = (c * chunk, ((c + 1) * chunk).min(t));
+            let mut t0 = t_lo;
+            while t0 < t_hi {
+                let m = (t_hi - t0).min(TILE_TOKENS);
+                let xp = x[t0 * w.steps..].as_ptr();
+                // SAFETY: rows r0..r0+valid of tokens t0..t0+m lie inside `out` (t0 + m ≤ t, r0 + valid ≤
+                // rows) and belong to this work item alone; the panel holds steps × 64 words and x holds m
+                // rows of steps values from t0. The CPU features: `w` was made with their proof.
+                unsafe {
+                    let op = out.ptr().add(t0 * w.rows + r0);
+                    let args = (panel.as_ptr(), w.steps, xp, op, w.rows, valid, add);
+                    match m {
+                        1 => W::tile::<1>(args),
+                        2 => W::tile::<2>(args),
+                        3 => W::tile::<3>(args),
+                        4 => W::tile::<4>(args),
+                        5 => W::tile::<5>(args),
+                        _ => W::tile::<6>(args),
+                    }
                 }
+                t0 += m;
             }
-            t0 += m;
         }
-    }
+    });
 }
 
 /// (panel, steps, x at the tile's first token, out at (first token, first row), out row stride, valid

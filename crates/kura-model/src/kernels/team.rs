@@ -18,6 +18,9 @@ pub struct Team<'a> {
     tid: usize,
     n: usize,
     barrier: Option<&'a SpinBarrier>,
+    /// How many [`Team::deal`]s this thread has run in the region: every thread runs the same ones, so
+    /// the count names the same deal on each.
+    deals: std::cell::Cell<usize>,
 }
 
 impl Team<'_> {
@@ -27,6 +30,7 @@ impl Team<'_> {
             tid: 0,
             n: 1,
             barrier: None,
+            deals: std::cell::Cell::new(0),
         }
     }
 
@@ -43,6 +47,46 @@ impl Team<'_> {
         split(items, self.n, self.tid)
     }
 
+    /// Runs `f` on chunks of `0..items` that together cover each item once, dealt to the threads as they
+    /// come for more: a thread that runs slower (a shared memory bus, a neighbour on its core) takes
+    /// fewer, and the team meets at the next barrier sooner than with fixed shares. The chunks are
+    /// contiguous and shrink as the items run out (a share of half of what is left, split among the
+    /// threads), so most of a product streams in long runs. Which thread takes an item never changes
+    /// what is computed for it.
+    ///
+    /// Every thread of the team calls `deal` with the same `items`, and two deals are always separated
+    /// by a barrier ([`Team::sync`]): a deal's counter is the one the deal before last used, and is
+    /// cleared while the previous one is in use.
+    pub fn deal(&self, items: usize, mut f: impl FnMut(Range<usize>)) {
+        let Some(barrier) = self.barrier else {
+            if items > 0 {
+                f(0..items);
+            }
+            return;
+        };
+        let k = self.deals.get();
+        self.deals.set(k + 1);
+        if self.tid == 0 {
+            // Last used by deal k − 1, which every thread finished before the barrier that ended it;
+            // deal k + 1 starts after the barrier that ends this one.
+            barrier.counters[(k + 1) % 2].store(0, Ordering::Relaxed);
+        }
+        let counter = &barrier.counters[k % 2];
+        // Chunk `j` starts at `start`; a thread's chunks come in increasing order.
+        let (mut j, mut start) = (0, 0);
+        loop {
+            let chunk = counter.fetch_add(1, Ordering::Relaxed);
+            while j < chunk && start < items {
+                start += chunk_len(items - start, self.n);
+                j += 1;
+            }
+            if start >= items {
+                break;
+            }
+            f(start..start + chunk_len(items - start, self.n));
+        }
+    }
+
     /// Waits until every thread of the team has reached this point; what each wrote before is visible to
     /// all after.
     pub fn sync(&self) {
@@ -57,6 +101,12 @@ pub fn split(items: usize, n: usize, i: usize) -> Range<usize> {
     let (base, extra) = (items / n, items % n);
     let start = i * base + i.min(extra);
     start..start + base + usize::from(i < extra)
+}
+
+/// The length of [`Team::deal`]'s next chunk for `n` threads when `left` items are left: a `1 / (2n)`
+/// share, at least one.
+fn chunk_len(left: usize, n: usize) -> usize {
+    left.div_ceil(2 * n).max(1)
 }
 
 /// Tokens per work item of a panel kernel: all of them for small batches (up to `rows_only`: threads
@@ -104,6 +154,7 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
             tid: ctx.index(),
             n: ctx.num_threads(),
             barrier: Some(&barrier),
+            deals: std::cell::Cell::new(0),
         };
         IN_REGION.with(|r| r.set(true));
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&team)));
@@ -131,6 +182,8 @@ pub struct SpinBarrier {
     arrived: CacheLine<AtomicUsize>,
     generation: CacheLine<AtomicUsize>,
     sleepers: CacheLine<AtomicUsize>,
+    /// The next chunk of the current [`Team::deal`]s, by the deal's parity.
+    counters: [CacheLine<AtomicUsize>; 2],
     poisoned: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -167,6 +220,10 @@ impl SpinBarrier {
             arrived: CacheLine(AtomicUsize::new(0)),
             generation: CacheLine(AtomicUsize::new(0)),
             sleepers: CacheLine(AtomicUsize::new(0)),
+            counters: [
+                CacheLine(AtomicUsize::new(0)),
+                CacheLine(AtomicUsize::new(0)),
+            ],
             poisoned: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -320,6 +377,68 @@ mod tests {
                     }
                 }
                 assert!(seen.iter().all(|c| *c == 1), "items={items} n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn deals_cover_every_item_once_in_every_round() {
+        // Rounds of deals of varying sizes, a barrier between each, on teams of 1 to 4 threads: every
+        // item of every round is run exactly once, by whichever thread takes it; one thread is slowed
+        // so that the others take more.
+        for threads in 1..=4 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("pool");
+            let sizes: Vec<usize> = (0..60).map(|r| (r * 37) % 101).collect();
+            let seen: Vec<Vec<AtomicUsize>> = sizes
+                .iter()
+                .map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect())
+                .collect();
+            let taken = [0, 1, 2, 3].map(|_| AtomicUsize::new(0));
+            pool.install(|| {
+                run(|tm| {
+                    for (round, &n) in sizes.iter().enumerate() {
+                        tm.deal(n, |r| {
+                            if tm.index() == 0 && round % 2 == 0 {
+                                std::thread::sleep(std::time::Duration::from_micros(50));
+                            }
+                            taken[tm.index()].fetch_add(r.len(), Ordering::Relaxed);
+                            for i in r {
+                                seen[round][i].fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                        tm.sync();
+                    }
+                })
+            });
+            for (round, s) in seen.iter().enumerate() {
+                for (i, c) in s.iter().enumerate() {
+                    assert_eq!(
+                        c.load(Ordering::Relaxed),
+                        1,
+                        "threads={threads} round={round} item={i}"
+                    );
+                }
+            }
+            let total: usize = taken.iter().map(|t| t.load(Ordering::Relaxed)).sum();
+            assert_eq!(total, sizes.iter().sum::<usize>());
+        }
+    }
+
+    #[test]
+    fn chunks_shrink_to_one_and_cover_the_items() {
+        for n in 1..=16 {
+            for items in [1usize, 2, 3, 36, 60, 192, 3072] {
+                let (mut start, mut last) = (0, usize::MAX);
+                while start < items {
+                    let len = chunk_len(items - start, n);
+                    assert!(len >= 1 && len <= last && start + len <= items);
+                    (start, last) = (start + len, len);
+                }
+                assert_eq!(start, items);
+                assert_eq!(last, 1, "the last chunks are single items");
             }
         }
     }
