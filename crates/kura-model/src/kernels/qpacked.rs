@@ -302,6 +302,35 @@ unsafe fn matmul_part_on(
         tm.size(),
         (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
     );
+    #[cfg(target_arch = "x86_64")]
+    if t == 1 && path == Path::Avx2 {
+        // One token (decode): each dealt run of panels streams through one call.
+        tm.deal(w.panels, |panels| {
+            let r0 = panels.start * QROWS;
+            let tile = Tile {
+                panel: &w.bytes_slice()[panels.start * w.blocks * w.bits.record_bytes()..],
+                blocks: w.blocks,
+                bits: w.bits,
+                xq: x.q,
+                xds: x.ds,
+                // SAFETY: rows r0.. of the token lie inside `out` and belong to this run alone (the
+                // caller's guarantee on `out`).
+                out: unsafe { out.ptr().add(r0) },
+                ldo: w.rows,
+                valid: w.rows - r0,
+                add,
+            };
+            // SAFETY: `path` was detected on this CPU; the tile's slices hold the token and the
+            // panels' records.
+            unsafe {
+                match w.bits {
+                    QBits::U4 => x86::panels_avx2_one::<true>(&tile, panels.len()),
+                    QBits::U8 => x86::panels_avx2_one::<false>(&tile, panels.len()),
+                }
+            }
+        });
+        return;
+    }
     let chunks = t.div_ceil(chunk.max(1));
     tm.deal(chunks * w.panels, |items| {
         for item in items {
@@ -514,11 +543,11 @@ mod x86 {
             // SAFETY: the caller's guarantee, for g of its tokens.
             unsafe {
                 match (tile.bits, g) {
-                    (QBits::U4, 1) => tile_avx2_one::<true>(&sub),
+                    (QBits::U4, 1) => panels_avx2_one::<true>(&sub, 1),
                     (QBits::U4, 2) => tile_avx2::<2, true>(&sub),
                     (QBits::U4, 3) => tile_avx2::<3, true>(&sub),
                     (QBits::U4, _) => tile_avx2::<4, true>(&sub),
-                    (QBits::U8, 1) => tile_avx2_one::<false>(&sub),
+                    (QBits::U8, 1) => panels_avx2_one::<false>(&sub, 1),
                     (QBits::U8, 2) => tile_avx2::<2, false>(&sub),
                     (QBits::U8, 3) => tile_avx2::<3, false>(&sub),
                     (QBits::U8, _) => tile_avx2::<4, false>(&sub),
@@ -631,15 +660,39 @@ mod x86 {
     /// time (on AVX2: 79 % of a plain read without, about 100 % with 2 KiB; 1 and 4 KiB did less).
     const PREFETCH_AHEAD: usize = 2048;
 
-    /// One token × 16 rows in one pass over the panel (both halves of 8 rows at once), so that each
-    /// record is read once, in order, a few records behind the prefetches: the weights stream as a
-    /// plain read does. The same integer sums and the same fused multiply-adds per lane as
-    /// [`tile_avx2`], so the same bits.
+    /// One token × `panels` consecutive panels of 16 rows, each in one pass (both halves of 8 rows at
+    /// once), so that each record is read once, in order, a few records behind the prefetches: the
+    /// weights stream as a plain read does. The same integer sums and the same fused multiply-adds per
+    /// lane as [`tile_avx2`], so the same bits. Here `tile.valid` counts the rows from the first panel's
+    /// first row to the matrix's end.
+    ///
+    /// # Safety
+    /// avx2, fma and f16c are present; the tile holds one token; `out` has `valid` writable columns,
+    /// touched by no other thread.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn panels_avx2_one<const U4: bool>(tile: &Tile<'_>, panels: usize) {
+        let (blocks, _, rec, _) = tile.shape::<U4>(1);
+        assert!(tile.panel.len() >= panels * blocks * rec && tile.valid > (panels - 1) * QROWS);
+        for p in 0..panels {
+            let one = Tile {
+                panel: &tile.panel[p * blocks * rec..],
+                // SAFETY: rows 16p.. of the token's output (the caller's guarantee).
+                out: unsafe { tile.out.add(p * QROWS) },
+                valid: (tile.valid - p * QROWS).min(QROWS),
+                ..*tile
+            };
+            // SAFETY: the caller's guarantee, for one panel.
+            unsafe { panel_avx2_one::<U4>(&one) }
+        }
+    }
+
+    /// [`panels_avx2_one`] for one panel, with `tile.valid` its rows (at most 16).
     ///
     /// # Safety
     /// avx2, fma and f16c are present; the tile holds one token; see [`super::tile_portable`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_avx2_one<const U4: bool>(tile: &Tile<'_>) {
+    #[inline]
+    unsafe fn panel_avx2_one<const U4: bool>(tile: &Tile<'_>) {
         let (blocks, _, rec, vb) = tile.shape::<U4>(1);
         let (wp, xq, xds) = (tile.panel.as_ptr(), tile.xq.as_ptr(), tile.xds.as_ptr());
         let low = _mm256_set1_epi8(0x0F);

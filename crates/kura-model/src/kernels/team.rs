@@ -384,8 +384,8 @@ mod tests {
     #[test]
     fn deals_cover_every_item_once_in_every_round() {
         // Rounds of deals of varying sizes, a barrier between each, on teams of 1 to 4 threads: every
-        // item of every round is run exactly once, by whichever thread takes it; one thread is slowed
-        // so that the others take more.
+        // item of every round is run exactly once, by whichever thread takes it; in the even rounds
+        // thread 0 is slowed (it sleeps after each chunk), and the others take more than their share.
         for threads in 1..=4 {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -397,16 +397,20 @@ mod tests {
                 .map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect())
                 .collect();
             let taken = [0, 1, 2, 3].map(|_| AtomicUsize::new(0));
+            let slowed = AtomicUsize::new(0);
             pool.install(|| {
                 run(|tm| {
                     for (round, &n) in sizes.iter().enumerate() {
                         tm.deal(n, |r| {
-                            if tm.index() == 0 && round % 2 == 0 {
-                                std::thread::sleep(std::time::Duration::from_micros(50));
-                            }
                             taken[tm.index()].fetch_add(r.len(), Ordering::Relaxed);
+                            if tm.index() == 0 && round % 2 == 0 {
+                                slowed.fetch_add(r.len(), Ordering::Relaxed);
+                            }
                             for i in r {
                                 seen[round][i].fetch_add(1, Ordering::Relaxed);
+                            }
+                            if tm.index() == 0 && round % 2 == 0 {
+                                std::thread::sleep(std::time::Duration::from_millis(1));
                             }
                         });
                         tm.sync();
@@ -424,6 +428,14 @@ mod tests {
             }
             let total: usize = taken.iter().map(|t| t.load(Ordering::Relaxed)).sum();
             assert_eq!(total, sizes.iter().sum::<usize>());
+            if threads > 1 {
+                let even: usize = sizes.iter().step_by(2).sum();
+                let slow = slowed.load(Ordering::Relaxed);
+                assert!(
+                    slow * threads < even,
+                    "{threads} threads: the slowed thread took {slow} of {even} items"
+                );
+            }
         }
     }
 
