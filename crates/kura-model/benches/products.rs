@@ -12,6 +12,8 @@ use std::time::Instant;
 use kura_model::kernels::qpacked::{matmul_part, quantize_act_row, PackedQ, QAct, QBits, QBLOCK};
 use kura_model::kernels::team::{self, SharedMut};
 
+mod common;
+
 const HIDDEN: usize = 576;
 const INTER: usize = 1536;
 const QKV: usize = 960;
@@ -79,19 +81,7 @@ fn main() {
     );
     let plain: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
 
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let counts: Vec<usize> = match std::env::var("KURA_BANDWIDTH_THREADS") {
-        Ok(list) => list
-            .split_whitespace()
-            .map(|t| match t.parse::<usize>() {
-                Ok(n) if n > 0 => n,
-                _ => panic!("KURA_BANDWIDTH_THREADS: '{t}' is not a thread count of at least 1"),
-            })
-            .collect(),
-        Err(_) if cores > 1 => vec![1, cores],
-        Err(_) => vec![1],
-    };
-    for threads in counts {
+    for threads in common::thread_counts() {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -132,21 +122,7 @@ fn main() {
             });
             best_step = best_step.min(start.elapsed().as_secs_f64());
             let start = Instant::now();
-            let sum: u64 = pool.install(|| {
-                use rayon::prelude::*;
-                plain
-                    .par_chunks(plain.len().div_ceil(threads))
-                    .map(|c| {
-                        let mut acc = [0u64; 8];
-                        for w in c.chunks_exact(8) {
-                            for (a, v) in acc.iter_mut().zip(w) {
-                                *a = a.wrapping_add(*v);
-                            }
-                        }
-                        acc.iter().fold(0u64, |s, a| s.wrapping_add(*a))
-                    })
-                    .reduce(|| 0, u64::wrapping_add)
-            });
+            let sum = pool.install(|| common::plain_read(&plain, threads));
             std::hint::black_box(sum);
             best_read = best_read.min(start.elapsed().as_secs_f64());
         }

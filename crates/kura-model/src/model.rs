@@ -620,21 +620,14 @@ impl Model {
                 own_xn.as_mut().map(ActBuf::shared),
                 own_last.as_mut().map(ActBuf::shared),
             );
+            // The tokens normed with `weight`, as the next product reads them.
+            // SAFETY: called between a barrier after the last write of `x` and the product, with `xns`
+            // free (see `normed`).
+            let norm_tokens = |weight: &[f32], row: &mut [f32]| unsafe {
+                normed(tm, own_xn, xns, xs, h, t_total, |t| t, weight, eps, row)
+            };
             for (li, lw) in self.weights.layers.iter().enumerate() {
-                let x_in = unsafe {
-                    normed(
-                        tm,
-                        own_xn,
-                        xns,
-                        xs,
-                        h,
-                        t_total,
-                        |t| t,
-                        &lw.attn_norm,
-                        eps,
-                        &mut row,
-                    )
-                };
+                let x_in = norm_tokens(&lw.attn_norm, &mut row);
                 matmul_part(tm, x_in, t_total, &lw.wqkv, qkvs, false);
                 tm.sync();
                 if tm.index() == 0 {
@@ -698,20 +691,7 @@ impl Model {
                     None => unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) },
                 }
                 tm.sync();
-                let x_in = unsafe {
-                    normed(
-                        tm,
-                        own_xn,
-                        xns,
-                        xs,
-                        h,
-                        t_total,
-                        |t| t,
-                        &lw.ffn_norm,
-                        eps,
-                        &mut row,
-                    )
-                };
+                let x_in = norm_tokens(&lw.ffn_norm, &mut row);
                 matmul_part(tm, x_in, t_total, &lw.w_gate_up, gus, false);
                 tm.sync();
                 // Each thread's tokens, whole; with fewer tokens than threads (decode), its own blocks of
