@@ -774,10 +774,6 @@ fn norm_heads(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
     x.copy_from_slice(out);
 }
 
-/// `x[t] += RMSNorm(y[t])` for this thread's tokens `mine` (Gemma's post-attention and post-FFN norms,
-/// applied to a sublayer's output before its residual add); `row` at least `weight.len()` long.
-///
-/// # Safety
 /// Rows `token(i)`, `i < rows`, of `x` (`h` wide) normed with `weight`, in the activation buffer the next
 /// product reads. With a buffer of this thread's own (`own`: decode, fewer tokens than threads), every
 /// thread norms all the rows into its own: the same arithmetic on each, so every thread multiplies the
@@ -819,6 +815,10 @@ unsafe fn normed<'b>(
     unsafe { dst.read() }
 }
 
+/// `x[t] += RMSNorm(y[t])` for this thread's tokens `mine` (Gemma's post-attention and post-FFN norms,
+/// applied to a sublayer's output before its residual add); `row` at least `weight.len()` long.
+///
+/// # Safety
 /// Until the next barrier no other thread touches tokens `mine` of `x` and `y`.
 unsafe fn add_normed(
     mine: std::ops::Range<usize>,
