@@ -697,7 +697,7 @@ impl Model {
                 // Each thread's tokens, whole; with fewer tokens than threads (decode), its own blocks of
                 // 32 columns of every token instead, so that the exponentials and the quantization are
                 // not left to one thread while the others wait. Element by element: the same bits.
-                let (tokens, c0, c1) = if t_total >= tm.size() {
+                let (tokens, c0, c1) = if !decode {
                     (mine.clone(), 0, inter)
                 } else {
                     let blocks = tm.range(inter.div_ceil(QBLOCK));

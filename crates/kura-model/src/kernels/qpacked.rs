@@ -803,7 +803,7 @@ mod x86 {
                 let r = wp.add(b * rec);
                 if M == 1 {
                     // One token streams the weights (decode): ask for them ahead, as
-                    // `tile_avx2_one` does.
+                    // `panel_avx2_one` does.
                     for line in (0..rec).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(PREFETCH_AHEAD + line).cast());
                     }
