@@ -27,6 +27,7 @@ for r in kura:
     p = peer.get(key(r), {})
     if r["what"] == "decode":
         graphs = {True: ", graphs", False: ", no graphs"}.get(r.get("graphs"), "")
+        graphs += {True: " + dependent launch", False: ""}.get(r.get("dependent_launch"), "")
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
         ratio = r[unit] / p[unit] if unit in p else None
     elif r["what"] == "prefill":

@@ -10,6 +10,8 @@ Writes, for Kura-vs-transformers correctness tests of the CUDA executor:
   OUT_DIR/llama8b4/                Llama-3.1-8B's shape, 4 layers (llama3 RoPE scaling, untied)
 each model dir holding config.json, model.safetensors (bf16), TOKENIZER_DIR's tokenizer files, and per prompt i:
   hf_logits_<i>.f32                the last prompt position's logits, raw little-endian float32 (vocab_size values)
+  hf32_logits_<i>.f32              the same from the same weights computed in float32 (no TF32): what both bf16
+                                   runs (HF's and Kura's) are measured against, to tell their rounding apart
   hf_greedy_<i>.json               24 greedy tokens after the prompt (pure argmax: no EOS stop, no logits processors)
 
 Needs torch + transformers (5.x: `rope_parameters`, `dtype`, `logits_to_keep`). Uses the GPU when there is one.
@@ -116,6 +118,13 @@ def main() -> None:
                               use_cache=True)
                     toks.append(int(o.logits[0, -1].argmax()))
                 (mdir / f"hf_greedy_{i}.json").write_text(json.dumps(toks))
+            # The float32 reference: the same bf16 weights upcast exactly, every product in float32.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            model.float()
+            for i, prompt in enumerate(prompts):
+                o = model(input_ids=torch.tensor([prompt], device=dev), use_cache=False, logits_to_keep=1)
+                o.logits[0, -1].float().cpu().numpy().astype("<f4").tofile(mdir / f"hf32_logits_{i}.f32")
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()

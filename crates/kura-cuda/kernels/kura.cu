@@ -16,6 +16,24 @@ typedef unsigned long long u64;
 
 #define KURA_NEG_INF (-1.0e30f)
 
+// Programmatic dependent launch (sm_90): the executor may launch a step's kernels so that each starts
+// while the one before it drains. Every such kernel calls `dep_wait()` before it reads what an earlier
+// kernel wrote or writes anything (until then it may only read the weights), then `dep_launch()` to let
+// the next kernel be scheduled. Both are no-ops on older architectures and in a plain launch.
+__device__ __forceinline__ void dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+#define KURA_DEP() \
+  dep_wait();      \
+  dep_launch()
+
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x);
@@ -47,6 +65,7 @@ __device__ float block_sum(float v, float* red) {
 // ---------------------------------------------------------------------------------------------------
 // Embedding: x[t] = scale · E[tokens[t]] (f32 rows). One block per token.
 extern "C" __global__ void embed(const u32* tokens, const bf16* table, float* x, int hidden, float scale) {
+  KURA_DEP();
   int t = blockIdx.x;
   const bf16* row = table + (size_t)tokens[t] * hidden;
   float* out = x + (size_t)t * hidden;
@@ -57,6 +76,7 @@ extern "C" __global__ void embed(const u32* tokens, const bf16* table, float* x,
 // One block per output row; each thread holds at most 4 float4 of the row (hidden ≤ 16 × blockDim).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
                                     const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+  KURA_DEP();
   __shared__ float red[32];
   int r = blockIdx.x;
   const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(rows ? rows[r] : r) * hidden);
@@ -89,6 +109,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const int* __re
 // out[t] = SiLU(gate[t]) · up[t] into bf16, where a token's row of `gu` is [gate | up]; four columns a
 // thread (inter % 4 == 0).
 extern "C" __global__ void silu_mul(const float* __restrict__ gu, bf16* __restrict__ out, int inter, int total) {
+  KURA_DEP();
   int i = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (i >= total) return;
   int t = i / inter, c = i - t * inter;
@@ -113,6 +134,7 @@ __device__ __forceinline__ size_t pool_at(const PoolShape& p, int block, int lay
 // sn likewise (the angle an f32 product, as the CPU runtime computes it).
 extern "C" __global__ void rope_table(const int* pos, const float* inv_freq, float* cs, float* sn, int half,
                                       int total) {
+  KURA_DEP();
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   int t = i / half, j = i - t * half;
@@ -130,6 +152,7 @@ template <typename KV>
 __device__ void rope_store(const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ cs,
                            const float* __restrict__ sn, const int* __restrict__ slot_block, bf16* __restrict__ q,
                            KV* __restrict__ pool, PoolShape p, int layer, int heads, int style) {
+  KURA_DEP();
   int t = blockIdx.x;
   int d = p.head_dim, half = d / 2;
   int qd = heads * d, kvd = p.kv_heads * d;
@@ -177,7 +200,7 @@ extern "C" __global__ void rope_store_f32(const float* qkv, const float* bias, c
 // Attention of few query tokens (decode, short chunks) over paged K/V, split along the keys: block
 // (token, kv head, split) scores SPLIT keys for the `group` query heads that share the KV head, and
 // writes each head's partial (max, sum, weighted V) for `attn_merge`. 128 threads: one key each for
-// the scores, one dimension each (in 128 / D key groups) for the weighted sum.
+// the scores, 8 dimensions of one key slot each (D / 8 threads a V row) for the weighted sum.
 //
 // Per token: `tok_info[4t..]` = (token row in q/out, query position, first table index in `tables`,
 // first key position the window keeps).
@@ -206,6 +229,8 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
   constexpr int LPK = D / 8;         // threads per key row, 8 dimensions each (16-byte loads)
   constexpr int KPW = 32 / LPK;      // keys a warp covers at once
   constexpr int GC = G < 8 ? G : 8;  // heads per pass of the weighted sum
+  KURA_DEP();
+  __shared__ __align__(16) float qs[G * D];
   __shared__ float ps[G][SPLIT];
   __shared__ float stat[G][2];
   __shared__ size_t kofs[SPLIT];
@@ -225,48 +250,40 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     }
     return;
   }
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x)
+    qs[i] = __bfloat162float(q[(size_t)row * heads * D + (size_t)kvh * group * D + i]);
+  __syncthreads();
   int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int c = (lane % LPK) * 8, kq = lane / LPK;
-  // Where each key's K row starts (V's follows K's region of the layer).
+  // Scores: one key a thread. Each thread reads its whole K row, so every row's loads are in flight at
+  // once (a row across 16 threads, summed by shuffles, waited on 16 dependent rounds: slower at batch 1).
   if (tid < n) {
     int kp = k0 + tid;
-    kofs[tid] = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size);
-  }
-  // This thread's 8 dimensions of every query head of the group.
-  float qr[G][8];
+    size_t kat = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size);
+    kofs[tid] = kat;
+    const KV* k = pool + kat;
+    float s[G];
 #pragma unroll
-  for (int g = 0; g < G; g++) {
-    if (g < group) {
-      const bf16* qg = q + (size_t)row * heads * D + (size_t)(kvh * group + g) * D + c;
+    for (int g = 0; g < G; g++) s[g] = 0.f;
+#pragma unroll 4
+    for (int i = 0; i < D; i += 8) {
+      float kf[8];
+      load8(k + i, kf);
 #pragma unroll
-      for (int j = 0; j < 8; j++) qr[g][j] = __bfloat162float(qg[j]);
-    }
-  }
-  __syncthreads();
-  // Scores: LPK threads a key (coalesced 16-byte loads of its row), summed across them by shuffles.
-  const size_t vstride = (size_t)p.kv_heads * p.block_size * D;
-  for (int ib = warp * KPW; ib < n; ib += 4 * KPW) {
-    int i = ib + kq;
-    bool ok = i < n;
-    float kf[8];
-    if (ok) {
-      load8(pool + kofs[i] + c, kf);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; j++) kf[j] = 0.f;
-    }
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-      if (g < group) {
-        float sg = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) sg += qr[g][j] * kf[j];
-#pragma unroll
-        for (int off = LPK / 2; off > 0; off >>= 1) sg += __shfl_xor_sync(0xffffffffu, sg, off);
-        if (ok && lane % LPK == 0) ps[g][i] = sg * scale_log2;
+      for (int g = 0; g < G; g++) {
+        if (g < group) {
+          const float4* qv = reinterpret_cast<const float4*>(qs + g * D + i);
+          float4 a = qv[0], b = qv[1];
+          s[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] +
+                  b.w * kf[7];
+        }
       }
     }
+#pragma unroll
+    for (int g = 0; g < G; g++)
+      if (g < group) ps[g][tid] = s[g] * scale_log2;
   }
+  int c = (lane % LPK) * 8, kq = lane / LPK;
+  const size_t vstride = (size_t)p.kv_heads * p.block_size * D;
   __syncthreads();
   // Max and sum per head: warp w takes heads w, w + 4, ...
   for (int g = warp; g < group; g += 4) {
@@ -290,7 +307,7 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     for (int g = 0; g < GC; g++)
 #pragma unroll
       for (int j = 0; j < 8; j++) o[g][j] = 0.f;
-#pragma unroll 2
+#pragma unroll 4
     for (int i = warp * KPW + kq; i < n; i += 4 * KPW) {
       float v[8];
       load8(pool + kofs[i] + vstride + c, v);
@@ -347,6 +364,7 @@ ATTN_SPLIT_G(f32, float, 128)
 // (token, head), D threads.
 extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf16* out, int heads, int max_splits,
                                       int d) {
+  KURA_DEP();
   int ti = blockIdx.x, h = blockIdx.y, dim = threadIdx.x;
   int qpos = tok_info[4 * ti + 1], lo = tok_info[4 * ti + 3];
   int splits = (qpos + 1 - lo + SPLIT - 1) / SPLIT;
@@ -447,6 +465,7 @@ template <typename KV, int D>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
                              PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
                              int mask_all) {
+  KURA_DEP();
   constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
@@ -606,8 +625,12 @@ ATTN_PREFILL(f32, float, 128)
 template <int T>
 __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
   int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= n) return;
   const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
+  // The weights depend on no earlier kernel: ask L2 for this row (128-byte lines) before waiting on it.
+  if (warp < n)
+    for (int i = lane * 8; i < k / 8; i += 32 * 8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + i));
+  KURA_DEP();
+  if (warp >= n) return;
   float acc[T];
 #pragma unroll
   for (int t = 0; t < T; t++) acc[t] = 0.f;

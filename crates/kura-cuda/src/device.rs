@@ -53,6 +53,8 @@ pub struct Device {
     pub setup_seconds: f64,
     /// While profiling: an event after each launch, with what was launched ([`Device::profile`]).
     marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
+    /// Whether Kura's launches are programmatic dependent launches now ([`Device::set_dependent`]).
+    dependent: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for Device {
@@ -133,7 +135,26 @@ impl Device {
             compiled,
             setup_seconds: t0.elapsed().as_secs_f64(),
             marks: std::cell::RefCell::new(None),
+            dependent: std::cell::Cell::new(false),
         })
+    }
+
+    /// Whether this device can start a kernel while the one before it drains (programmatic dependent
+    /// launch: compute capability 9.0 and later).
+    pub fn has_dependent_launch(&self) -> bool {
+        self.arch
+            .strip_prefix("sm_")
+            .and_then(|v| v.parse::<u32>().ok())
+            .is_some_and(|v| v >= 90)
+    }
+
+    /// Launches Kura's kernels from now on as programmatic dependent launches (`on`, where the device
+    /// has them), or plainly. Each kernel waits on the one before it (`dep_wait` in `kura.cu`) before
+    /// it reads or writes anything but the weights, so the results are the same either way; what
+    /// changes is that a kernel's blocks are scheduled, and a product's weights asked of L2, while the
+    /// previous kernel drains.
+    pub fn set_dependent(&self, on: bool) {
+        self.dependent.set(on && self.has_dependent_launch());
     }
 
     /// Starts timing every launch (host-synchronised at the end; not for graphs): see
@@ -260,11 +281,61 @@ impl Device {
             block_dim: (block, 1, 1),
             shared_mem_bytes: dynamic_smem(name).unwrap_or(0),
         };
+        if self.dependent.get() {
+            self.launch_dependent(f, &cfg, args)?;
+            return self.mark(label);
+        }
         // SAFETY: every kernel of Kura's module is launched with the argument list of its C signature
         // (the callers in `executor.rs` mirror `kura.cu`), and every pointer is into a live buffer
         // sized for the launch.
         unsafe { b.launch(cfg) }?;
         self.mark(label)
+    }
+
+    /// A launch through `cuLaunchKernelEx` with programmatic stream serialisation allowed.
+    fn launch_dependent(&self, f: &CudaFunction, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
+        self.ctx.bind_to_thread()?;
+        // Each parameter's address: the values live in `args` for the whole call.
+        let mut params: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(p) | Arg::Usize(p) => p as *const u64 as *mut c_void,
+                Arg::I32(v) => v as *const i32 as *mut c_void,
+                Arg::F32(v) => v as *const f32 as *mut c_void,
+                Arg::Shape(s) => s as *const PoolShape as *mut c_void,
+            })
+            .collect();
+        // SAFETY: a zeroed attribute value is valid (a C union of plain fields); its one field read is
+        // set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch_as`: the argument list mirrors the kernel's C signature and every
+        // pointer is into a live buffer; `params` and `attr` outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
+        Ok(())
     }
 
     /// `out[t][n] (+)= Σ_k x[t][k] · w[n][k]`: bf16 `x` (`t × k`) and `w` (`n × k`), f32 `out`; adds

@@ -302,6 +302,7 @@ pub struct CudaExecutor {
     /// Captured decode steps by shape (tokens, sequences, split tokens, splits).
     graphs: Graphs,
     use_graphs: bool,
+    use_dependent: bool,
     mask_all_tiles: bool,
 }
 
@@ -432,6 +433,7 @@ impl CudaExecutor {
             prefill_min: PREFILL_MIN,
             graphs: Graphs::default(),
             use_graphs: true,
+            use_dependent: true,
             mask_all_tiles: false,
         })
     }
@@ -445,6 +447,14 @@ impl CudaExecutor {
     /// Runs decode steps as captured graphs (the default) or launch by launch (tests compare the two).
     pub fn set_graphs(&mut self, on: bool) {
         self.use_graphs = on;
+        self.graphs.clear();
+    }
+
+    /// Launches a step's kernels after the first as programmatic dependent launches (the default,
+    /// where the device has them: [`Device::set_dependent`]) or plainly (tests and the benchmark
+    /// compare the two).
+    pub fn set_dependent_launch(&mut self, on: bool) {
+        self.use_dependent = on;
         self.graphs.clear();
     }
 
@@ -599,6 +609,17 @@ impl CudaExecutor {
                 Arg::F32(1.0),
             ],
         )?;
+        // The rest of the step's kernels may start while the one before them drains; the first waited
+        // for whatever came before the step (the upload of its metadata). Plain launches again after
+        // the step, however it ends.
+        struct PlainAfter<'a>(&'a Device);
+        impl Drop for PlainAfter<'_> {
+            fn drop(&mut self) {
+                self.0.set_dependent(false);
+            }
+        }
+        dev.set_dependent(self.use_dependent);
+        let _plain_after = PlainAfter(dev);
         let half = d / 2;
         let (cs, sn) = (dev.ptr(&s.cos), dev.ptr(&s.sin));
         dev.launch(

@@ -125,6 +125,15 @@ fn logits_match_the_cpu_runtime_and_hf_transformers() {
                 within(rel_hf),
                 within(rel_cpu)
             );
+            // Against the same weights in float32: how far each bf16 run (HF's, the GPU's, the CPU's)
+            // is from the exact model, which tells whose rounding the differences above are.
+            let exact = read_f32(dir.join(format!("hf32_logits_{i}.f32")));
+            println!(
+                "  against float32: HF bf16 {:.2e}, GPU {:.2e}, CPU {:.2e}",
+                errors(&hf, &exact).0,
+                errors(&g, &exact).0,
+                errors(&c, &exact).0
+            );
             if rel_hf > LOGITS_TOL.max(1.25 * cpu_hf) {
                 failures.push(format!(
                     "{model} prompt {i}: {rel_hf:.2e} against HF (the CPU: {cpu_hf:.2e})"
@@ -340,7 +349,21 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
         cold,
         "without graphs"
     );
+    // Plain launches instead of dependent ones, with and without graphs: every kernel still waits for
+    // the one before it, so the same bits.
+    gpu.set_dependent_launch(false);
+    assert_eq!(
+        greedy(&mut gpu, p, 0, usize::MAX, &table_a, n),
+        cold,
+        "without dependent launches, launch by launch"
+    );
     gpu.set_graphs(true);
+    assert_eq!(
+        greedy(&mut gpu, p, 0, usize::MAX, &table_a, n),
+        cold,
+        "without dependent launches, in graphs"
+    );
+    gpu.set_dependent_launch(true);
     // Every block size: the kernels see the same keys in the same order, so the same bits.
     for bs in [1, 3, 64, 256] {
         let blocks = total.div_ceil(bs);
