@@ -9,7 +9,9 @@
 #   MODEL [scripts/fetch-model.sh]  KURA_BIN [target/release/kura]  PEERS [1] (0: Kura only)
 #   KURA_ISA is passed on to Kura (narrows its kernels); with KURA_ISA=avx2 the peer is llama.cpp built
 #   for AVX2 alone (ISA=avx2 bench/peers/build-llama-cpp.sh). LLAMA_BIN: a directory holding another
-#   llama-bench to use.
+#   llama-bench to use. BANDWIDTH_BIN: the bandwidth bench's binary, built elsewhere (`cargo bench -p
+#   kura-model --bench bandwidth --no-run`), for a machine without cargo.
+# Decode also runs at Kura's default thread count (no --threads): the row "default".
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -53,6 +55,8 @@ sentence='The quick brown fox jumps over the lazy dog.'
 prompt() { python3 -c "import sys; print(' '.join([sys.argv[1]] * (int(sys.argv[2]) // 10)))" "$sentence" "$1"; }
 short=$(prompt 130)
 for r in $(seq "$REPS"); do
+    "$KURA" generate --model "$MODEL" --prompt "$short" --max-tokens 64 --ignore-eos \
+        --json >"$TMP/kura-default-decode-$r.json" 2>"$TMP/kura-default.log"
     for t in $THREADS; do
         "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$short" --max-tokens 64 --ignore-eos \
             --json >"$TMP/kura-$t-decode-$r.json" 2>"$TMP/kura.log"
@@ -87,8 +91,12 @@ if [ "$PEERS" = 1 ]; then
 fi
 
 # Read bandwidth at each thread count, the numerator of the decode bound.
-(cd "$REPO" && KURA_BANDWIDTH_THREADS="$THREADS" cargo bench -q -p kura-model --bench bandwidth 2>/dev/null) \
-    >"$TMP/bandwidth.txt"
+if [ -n "${BANDWIDTH_BIN:-}" ]; then
+    KURA_BANDWIDTH_THREADS="$THREADS" "$BANDWIDTH_BIN" --bench >"$TMP/bandwidth.txt" 2>/dev/null
+else
+    (cd "$REPO" && KURA_BANDWIDTH_THREADS="$THREADS" cargo bench -q -p kura-model --bench bandwidth 2>/dev/null) \
+        >"$TMP/bandwidth.txt"
+fi
 
 python3 - "$TMP" "$THREADS" "$PROMPTS" "$PEERS" <<'EOF'
 import json, os, re, statistics, sys
@@ -127,6 +135,12 @@ for t in threads:
         lp = peer(t, int(p), 0)
         row += [fmt(k), fmt(lp), ratio(k, lp)]
     print("| " + " | ".join(row) + " |")
+dd = kura("default", "decode", "decode_tok_per_s")
+best = max(kura(t, "decode", "decode_tok_per_s") for t in threads)
+threads_line = next((l for l in open(os.path.join(tmp, "kura-default.log")) if "compute threads" in l), "").strip()
+print(f"| default | {fmt(dd)} | | | |" + " | | |" * len(prompts))
+print()
+print(f"Decode at Kura's default thread count: {dd / best:.0%} of the best count's ({threads_line or 'no log line'}).")
 print()
 print(f"Kura reads {per_token / 1e6:.1f} MB of weights per decoded token; read bandwidth: "
       + ", ".join(f"{t} thread(s) {bw[t]:.1f} GB/s" for t in threads if t in bw) + ".")

@@ -43,3 +43,13 @@ for r in kura:
         print(f"  {r['fraction_of_bound']:.1%} of the HBM bound ({r['hbm_bound_tokens_per_s']:.0f} tok/s at the measured "
               f"{r['copy_bandwidth_gbs']:.0f} GB/s); {r['fraction_of_3_35_tbs_bound']:.1%} of 3.35 TB/s")
 print("(Kura / HF: speed-up, above 1 means Kura is faster)")
+l2 = [json.loads(l) for l in open(sys.argv[1]) if '"l2_revisit"' in l and l.startswith("{")]
+if l2:
+    print()
+    print("A revisited prompt whose KV is only in the host tier (L2), the last 16 tokens prefilled:")
+    print(f"{'tokens':>8}{'host':>10}{'copy ms':>10}{'GB/s':>8}{'from L2':>10}{'in HBM':>10}{'cold':>10}"
+          f"{'L2/(copy+HBM)':>15}{'cold/L2':>9}")
+    for r in l2:
+        print(f"{r['tokens']:>8}{r['host']:>10}{r['copy_ms']:>10.2f}{r['copy_gbs']:>8.1f}{r['ttft_l2_ms']:>10.2f}"
+              f"{r['ttft_device_ms']:>10.2f}{r['ttft_cold_ms']:>10.1f}{r['l2_over_copy_plus_device']:>15.3f}"
+              f"{r['speedup_over_cold']:>8.1f}x")

@@ -69,6 +69,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         reserve_seqs: 256,
         ..PoolSpec::new(KvDtype::Bf16, bs, num_blocks)
     };
+    // The host tier's bytes for the L2 revisits below (declared before the executor, which unpins
+    // them when it closes): a 16,384-token prompt's blocks.
+    let block_bytes = kura_cuda::block_bytes(&cfg, KvDtype::Bf16, bs);
+    let mut host = vec![0u8; 16_384 / bs * block_bytes];
     let mut gpu = CudaExecutor::new(dev, cfg.clone(), w, spec)?;
     let (free2, _) = gpu.device().memory()?;
     let pool_bytes = num_blocks * kura_cuda::block_bytes(&cfg, KvDtype::Bf16, bs);
@@ -164,6 +168,59 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         median(times.clone()),
         times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
     ));
+
+    // A revisited prompt whose KV is only in the host tier (L2): its blocks exported to host memory, then
+    // brought back one copy a block (as the engine's host tier does) before the last 16 tokens are
+    // prefilled. Against the same prompt with its KV still in device memory, one pinned copy of the same
+    // bytes, and the cold prefill. Pinned (the host tier of a GPU server) at every length; pageable
+    // memory at 4,096 tokens for comparison.
+    let pinned_ok = kura_engine::Executor::register_host_region(&mut gpu, &mut host);
+    let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
+    let mut pageable = vec![0u8; 4096 / bs * block_bytes];
+    for (n, pinned) in [(1024usize, true), (4096, true), (16_384, true), (4096, false)] {
+        let p = tokens(n, 500 + n as u64, vocab);
+        let cached = n - 16;
+        let nb = cached / bs;
+        let mut cold = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
+            cold.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let buf: &mut [u8] = if pinned { &mut host } else { &mut pageable };
+        for b in 0..nb {
+            gpu.try_export_block(b as u32, &mut buf[b * block_bytes..(b + 1) * block_bytes])?;
+        }
+        let (mut device_ms, mut l2_ms, mut copy_ms) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..5 {
+            let t = Instant::now();
+            gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, &table)])?;
+            device_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            for b in 0..nb {
+                gpu.try_import_block(b as u32, &buf[b * block_bytes..(b + 1) * block_bytes])?;
+            }
+            gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, &table)])?;
+            l2_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            let mut view = staging.slice_mut(0..nb * block_bytes);
+            gpu.device().stream.memcpy_htod(&buf[..nb * block_bytes], &mut view)?;
+            gpu.device().synchronize()?;
+            copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let (cold, device, l2, copy) = (median(cold), median(device_ms), median(l2_ms), median(copy_ms));
+        emit(format!(
+            "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"tokens\":{n},\"cached\":{cached},\"host\":\"{}\",\
+             \"blocks\":{nb},\"block_bytes\":{block_bytes},\"copy_ms\":{copy:.2},\"copy_gbs\":{:.1},\
+             \"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\"ttft_cold_ms\":{cold:.1},\
+             \"l2_over_copy_plus_device\":{:.3},\"speedup_over_cold\":{:.2}}}",
+            if pinned && pinned_ok { "pinned" } else { "pageable" },
+            (nb * block_bytes) as f64 / copy / 1e6,
+            l2 / (copy + device),
+            cold / l2
+        ));
+    }
+    drop(staging);
 
     // Batch-64 decode at 1,024 tokens of context each.
     let (batch, ctx, steps) = (64usize, 1024usize, 32usize);

@@ -55,6 +55,20 @@ pub struct Device {
     marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
     /// Whether Kura's launches are programmatic dependent launches now ([`Device::set_dependent`]).
     dependent: std::cell::Cell<bool>,
+    /// Host regions pinned for this device's copies ([`Device::pin_host`]): (address, bytes).
+    pinned: Vec<(usize, usize)>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if self.pinned.is_empty() || self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        for (at, _) in self.pinned.drain(..) {
+            // SAFETY: each address was registered by `pin_host` and is unregistered once.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(at as *mut std::ffi::c_void) };
+        }
+    }
 }
 
 impl std::fmt::Debug for Device {
@@ -136,6 +150,7 @@ impl Device {
             setup_seconds: t0.elapsed().as_secs_f64(),
             marks: std::cell::RefCell::new(None),
             dependent: std::cell::Cell::new(false),
+            pinned: Vec::new(),
         })
     }
 
@@ -155,6 +170,27 @@ impl Device {
     /// previous kernel drains.
     pub fn set_dependent(&self, on: bool) {
         self.dependent.set(on && self.has_dependent_launch());
+    }
+
+    /// Pins `region`'s pages (page-locks them and maps them for the device), so that copies between it and
+    /// device memory run as direct transfers at the bus's speed; unpinned when the device closes. The
+    /// caller keeps the region alive and in place until then.
+    pub fn pin_host(&mut self, region: &mut [u8]) -> Result<()> {
+        if region.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the region is valid host memory of its length; the driver only page-locks it.
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                region.as_mut_ptr().cast(),
+                region.len(),
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()?;
+        self.pinned.push((region.as_mut_ptr() as usize, region.len()));
+        Ok(())
     }
 
     /// Starts timing every launch (host-synchronised at the end; not for graphs): see

@@ -55,4 +55,12 @@ pub trait Executor: Send + 'static {
         let _ = (block, bytes);
         unreachable!("import_block called on an executor whose block_bytes() is 0");
     }
+    /// Offers the host tier's bytes, which blocks are exported to and imported from, to the executor
+    /// before the first step. The region outlives the executor and never moves. An executor whose pool
+    /// is on an accelerator may pin its pages, so that each block's copy runs at the bus's speed instead
+    /// of being staged through a bounce buffer; it returns whether it did. The default does nothing.
+    fn register_host_region(&mut self, region: &mut [u8]) -> bool {
+        let _ = region;
+        false
+    }
 }

@@ -129,7 +129,7 @@ pub enum EngineStartError {
 /// Starts the engine thread and returns its handle.
 pub fn start_engine(
     config: EngineConfig,
-    executor: Box<dyn Executor>,
+    mut executor: Box<dyn Executor>,
     codec: Arc<dyn TextCodec>,
 ) -> Result<EngineHandle, EngineStartError> {
     if config.max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
@@ -179,8 +179,18 @@ pub fn start_engine(
                 "this executor keeps no KV bytes that could move to a lower tier".into(),
             ));
         }
-        let (io, restored) =
+        let (mut io, restored) =
             TierIo::open(&config.tiers, block_bytes, &metrics).map_err(EngineStartError::Tiers)?;
+        if let Some(region) = io.host_region_mut() {
+            let (bytes, t) = (region.len(), Instant::now());
+            if executor.register_host_region(region) {
+                tracing::info!(
+                    bytes,
+                    ms = t.elapsed().as_millis() as u64,
+                    "host KV tier pinned for the executor's copies"
+                );
+            }
+        }
         (Some(io), restored)
     } else {
         (None, None)

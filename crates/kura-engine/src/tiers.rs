@@ -298,6 +298,11 @@ impl TierIo {
         }
     }
 
+    /// The host arena's bytes, when there is a host tier ([`Executor::register_host_region`]).
+    pub fn host_region_mut(&mut self) -> Option<&mut [u8]> {
+        self.host.as_mut().map(HostArena::region_mut)
+    }
+
     fn host_mut(&mut self) -> &mut HostArena {
         self.host
             .as_mut()

@@ -83,6 +83,9 @@ fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
     let cold = cold_outputs();
     // A pool of 12 blocks holds two prompts' blocks at most: the others are evicted into the host tier.
     let fake = start(with_tiers(12, 64, None));
+    // The engine offered the executor the host tier's bytes, all 64 slots, before the first step (a
+    // GPU executor pins them: its block copies then run at the bus's speed).
+    assert_eq!(fake.control.host_region(), Some(64 * BLOCK * 5));
     for s in 0..5 {
         let (tokens, _) = run(&fake.engine, distinct_request(s, 24, 6));
         assert_eq!(tokens, cold[s as usize]);

@@ -75,6 +75,12 @@ impl HostArena {
         self.num_slots
     }
 
+    /// Every slot's bytes as one region: what an accelerator pins so that its copies to and from the
+    /// slots run at the bus's speed. The region never moves: the arena is allocated once.
+    pub fn region_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }

@@ -29,6 +29,8 @@ struct ControlState {
     hold_at: Option<usize>,
     holding: bool,
     panic_at: Option<usize>,
+    /// Bytes of the host region the engine offered ([`Executor::register_host_region`]).
+    host_region: Option<usize>,
 }
 
 /// Steers the fake model's forward calls (numbered from 1).
@@ -66,6 +68,11 @@ impl Control {
     pub fn release(&self) {
         self.state.lock().unwrap().hold_at = None;
         self.changed.notify_all();
+    }
+
+    /// Bytes of the host region the engine offered the model, if it offered one.
+    pub fn host_region(&self) -> Option<usize> {
+        self.state.lock().unwrap().host_region
     }
 
     /// Forward calls so far.
@@ -156,6 +163,12 @@ impl Executor for FakeModel {
             let token = u32::from_le_bytes(b[1..].try_into().unwrap());
             self.kv[block as usize * BLOCK + i] = (b[0] == 1).then_some(token);
         }
+    }
+
+    /// Takes the region as an accelerator would (pinning it); the test reads its size back.
+    fn register_host_region(&mut self, region: &mut [u8]) -> bool {
+        self.control.state.lock().unwrap().host_region = Some(region.len());
+        true
     }
 }
 
