@@ -2,9 +2,14 @@
 same model: a long prompt sent twice (completions, then chat) is cold the first time and served from
 cached blocks the second, with exactly the `cached_tokens` the CPU server reports for the same requests
 (both run the same engine and KV manager), at least the prompt's whole blocks but the last token's, and
-the same greedy text cold and cached. Usage: serve_check.py KURA MODEL. Exits non-zero on any failure."""
+the same greedy text cold and cached. The GPU server sizes its pool as a share of the device
+(`--kv-cache-memory 50%`); its log's block count must equal what `kura plan --gpu H100 --memory <the
+driver's total, from the same log>` prints for the same model and flags. Usage: serve_check.py KURA MODEL.
+Exits non-zero on any failure."""
 
+import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -15,6 +20,9 @@ import httpx
 import openai
 
 BLOCK = 16
+# The GPU server's pool: a share of what the weights, CUDA context, activation buffers and reserve leave,
+# so that its block count depends on every term of the plan.
+GPU_KV = "50%"
 
 
 def free_port() -> int:
@@ -23,12 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(kura: str, model: str, device: str) -> dict:
-    """Each request kind's (cold usage, warm usage, cold text, warm text, cold s, warm s) on `device`."""
+def run(kura: str, model: str, device: str) -> tuple[dict, str]:
+    """Each request kind's (cold usage, warm usage, cold text, warm text, cold s, warm s) on `device`, and
+    the server's log."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    kv = GPU_KV if device == "cuda" else "2GiB"
     proc = subprocess.Popen(
-        [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--kv-cache-memory", "2GiB",
+        [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--kv-cache-memory", kv,
          "--block-size", str(BLOCK)],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -67,7 +77,8 @@ def run(kura: str, model: str, device: str) -> dict:
             cold, cold_text, cold_s = ask()
             warm, warm_text, warm_s = ask()
             out[kind] = (cold, warm, cold_text, warm_text, cold_s, warm_s)
-        return out
+        log.seek(0)
+        return out, log.read()
     finally:
         proc.terminate()
         try:
@@ -76,10 +87,36 @@ def run(kura: str, model: str, device: str) -> dict:
             proc.kill()
 
 
+def check_plan(kura: str, model: str, log: str) -> list[str]:
+    """The GPU server's pool against `kura plan --gpu` with the device's total memory and the same flags."""
+    for line in log.splitlines():
+        if "planned | measured" in line:
+            print("server:", line.split("INFO", 1)[-1].strip())
+    total = re.search(r"GPU memory of .*?: (\d+) bytes in all", log)
+    served = re.search(r"KV cache: (\d+) blocks of", log)
+    if not total or not served:
+        return ["the GPU server's log has no device total or no pool line"]
+    out = subprocess.run(
+        [kura, "plan", "--model", model, "--gpu", "H100", "--memory", total.group(1), "--kv-cache-memory",
+         GPU_KV, "--block-size", str(BLOCK), "--kv-dtype", "bf16", "--json"],
+        capture_output=True, text=True)
+    if out.returncode != 0:
+        return [f"kura plan failed: {out.stderr.strip()}"]
+    plan = json.loads(out.stdout)
+    planned, served_blocks = plan["num_blocks"], int(served.group(1))
+    cuda = plan.get("cuda", {})
+    print(f"pool: kura plan --gpu (device total {total.group(1)} bytes) {planned} blocks, kura serve --device cuda "
+          f"{served_blocks} blocks; planned weights {cuda.get('weights_bytes')} B, context {cuda.get('context_bytes')} B, "
+          f"activations {cuda.get('activation_bytes')} B")
+    if planned != served_blocks or cuda.get("num_blocks") != served_blocks:
+        return [f"the pool: kura plan says {planned} blocks, kura serve --device cuda holds {served_blocks}"]
+    return []
+
+
 def main() -> int:
     kura, model = sys.argv[1], sys.argv[2]
-    gpu, cpu = run(kura, model, "cuda"), run(kura, model, "cpu")
-    failures = []
+    (gpu, gpu_log), (cpu, _) = run(kura, model, "cuda"), run(kura, model, "cpu")
+    failures = check_plan(kura, model, gpu_log)
     for kind in ["completions", "chat"]:
         (cold, warm, cold_text, warm_text, cold_s, warm_s) = gpu[kind]
         cpu_cold, cpu_warm, cpu_text, _, _, _ = cpu[kind]

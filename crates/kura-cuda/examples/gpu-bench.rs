@@ -177,7 +177,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let pinned_ok = kura_engine::Executor::register_host_region(&mut gpu, &mut host);
     let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
     let mut pageable = vec![0u8; 4096 / bs * block_bytes];
-    for (n, pinned) in [(1024usize, true), (4096, true), (16_384, true), (4096, false)] {
+    for (n, pinned) in [
+        (1024usize, true),
+        (4096, true),
+        (16_384, true),
+        (4096, false),
+    ] {
         let p = tokens(n, 500 + n as u64, vocab);
         let cached = n - 16;
         let nb = cached / bs;
@@ -204,11 +209,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             l2_ms.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
             let mut view = staging.slice_mut(0..nb * block_bytes);
-            gpu.device().stream.memcpy_htod(&buf[..nb * block_bytes], &mut view)?;
+            gpu.device()
+                .stream
+                .memcpy_htod(&buf[..nb * block_bytes], &mut view)?;
             gpu.device().synchronize()?;
             copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        let (cold, device, l2, copy) = (median(cold), median(device_ms), median(l2_ms), median(copy_ms));
+        let (cold, device, l2, copy) = (
+            median(cold),
+            median(device_ms),
+            median(l2_ms),
+            median(copy_ms),
+        );
         emit(format!(
             "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"tokens\":{n},\"cached\":{cached},\"host\":\"{}\",\
              \"blocks\":{nb},\"block_bytes\":{block_bytes},\"copy_ms\":{copy:.2},\"copy_gbs\":{:.1},\

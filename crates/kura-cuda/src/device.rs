@@ -66,7 +66,8 @@ impl Drop for Device {
         }
         for (at, _) in self.pinned.drain(..) {
             // SAFETY: each address was registered by `pin_host` and is unregistered once.
-            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(at as *mut std::ffi::c_void) };
+            let _ =
+                unsafe { cudarc::driver::sys::cuMemHostUnregister(at as *mut std::ffi::c_void) };
         }
     }
 }
@@ -189,7 +190,8 @@ impl Device {
             )
         }
         .result()?;
-        self.pinned.push((region.as_mut_ptr() as usize, region.len()));
+        self.pinned
+            .push((region.as_mut_ptr() as usize, region.len()));
         Ok(())
     }
 

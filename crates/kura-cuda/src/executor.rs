@@ -19,6 +19,7 @@ use kura_kv::codec::KvDtype;
 use kura_model::config::rope_inv_freq;
 use kura_model::{ModelConfig, ModelParts};
 
+use crate::budget::{self, Dims, ACTIVATIONS};
 use crate::device::{Arg, Device, PoolShape};
 use crate::error::{CudaError, Result};
 use crate::weights::DevWeights;
@@ -61,7 +62,7 @@ fn ensure<T: DeviceRepr + ValidAsZeroBits>(
     if buf.len() < n {
         // Free the old buffer before asking for the larger one.
         *buf = dev.alloc::<T>(1, what)?;
-        *buf = dev.alloc::<T>(n.next_power_of_two(), what)?;
+        *buf = dev.alloc::<T>(budget::alloc_len(n), what)?;
     }
     Ok(())
 }
@@ -88,31 +89,54 @@ impl Scratch {
         })
     }
 
-    /// Makes room for steps of `t` new tokens over `n` sequences.
+    /// Makes room for steps of `t` new tokens over `n` sequences: each buffer of [`ACTIVATIONS`] grown
+    /// for the next power of two of its rows, so that every smaller step fits too.
     fn grow(&mut self, dev: &Device, c: &ModelConfig, t: usize, n: usize) -> Result<()> {
-        let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
-        let q_dim = c.num_heads() * d;
-        let qkv_dim = q_dim + 2 * c.num_kv_heads() * d;
-        if t > self.tokens {
-            ensure(dev, &mut self.x, t * h, "activations")?;
-            ensure(dev, &mut self.xn, t * h, "activations")?;
-            ensure(dev, &mut self.qkv, t * qkv_dim, "activations")?;
-            ensure(dev, &mut self.q, t * q_dim, "activations")?;
-            ensure(dev, &mut self.attn, t * q_dim, "activations")?;
-            ensure(dev, &mut self.gu, t * 2 * inter, "activations")?;
-            ensure(dev, &mut self.act, t * inter, "activations")?;
-            ensure(dev, &mut self.cos, t * d / 2, "activations")?;
-            ensure(dev, &mut self.sin, t * d / 2, "activations")?;
-            self.tokens = t.next_power_of_two();
+        let d = Dims::of(c);
+        let grown = budget::grow_step(self.tokens, self.rows, t, n);
+        for (which, rows) in grown.buffers() {
+            match which {
+                budget::X => ensure_buf(dev, &mut self.x, &d, which, rows)?,
+                budget::XN => ensure_buf(dev, &mut self.xn, &d, which, rows)?,
+                budget::QKV => ensure_buf(dev, &mut self.qkv, &d, which, rows)?,
+                budget::Q => ensure_buf(dev, &mut self.q, &d, which, rows)?,
+                budget::ATTN => ensure_buf(dev, &mut self.attn, &d, which, rows)?,
+                budget::GU => ensure_buf(dev, &mut self.gu, &d, which, rows)?,
+                budget::ACT => ensure_buf(dev, &mut self.act, &d, which, rows)?,
+                budget::COS => ensure_buf(dev, &mut self.cos, &d, which, rows)?,
+                budget::SIN => ensure_buf(dev, &mut self.sin, &d, which, rows)?,
+                budget::LAST => ensure_buf(dev, &mut self.last, &d, which, rows)?,
+                budget::LOGITS => ensure_buf(dev, &mut self.logits, &d, which, rows)?,
+                budget::IDS => ensure_buf(dev, &mut self.ids, &d, which, rows)?,
+                _ => unreachable!("ACTIVATIONS has {} buffers", ACTIVATIONS.len()),
+            }
         }
-        if n > self.rows {
-            ensure(dev, &mut self.last, n * h, "activations")?;
-            ensure(dev, &mut self.logits, n * c.vocab_size(), "logits")?;
-            ensure(dev, &mut self.ids, n, "logits")?;
-            self.rows = n.next_power_of_two();
-        }
+        (self.tokens, self.rows) = (grown.tokens, grown.rows);
         Ok(())
     }
+}
+
+/// Grows buffer `which` of [`ACTIVATIONS`] for `rows` rows, to the length the table gives.
+fn ensure_buf<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &Device,
+    buf: &mut CudaSlice<T>,
+    d: &Dims,
+    which: usize,
+    rows: usize,
+) -> Result<()> {
+    let b = &ACTIVATIONS[which];
+    assert_eq!(
+        std::mem::size_of::<T>(),
+        b.elem_bytes,
+        "the activation table's element size of {}",
+        b.name
+    );
+    let what = if b.per == budget::Per::Seq && b.name != "last" {
+        "logits"
+    } else {
+        "activations"
+    };
+    ensure(dev, buf, b.len(d, rows), what)
 }
 
 /// Host-side layout of a step, uploaded as one `i32` buffer (offsets in elements).
@@ -480,15 +504,10 @@ impl CudaExecutor {
         self.w.bytes
     }
 
-    /// Bytes the per-step buffers take for steps of up to `tokens` new tokens and `rows` sequences.
+    /// Bytes the per-step buffers take for steps of up to `tokens` new tokens and `rows` sequences
+    /// ([`budget::activation_bytes`], the table `Scratch::grow` allocates from).
     pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, rows: usize) -> usize {
-        let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
-        let q = cfg.num_heads() * d;
-        let qkv = q + 2 * cfg.num_kv_heads() * d;
-        let t = tokens.max(1).next_power_of_two();
-        let r = rows.max(1).next_power_of_two();
-        t * (4 * h + 2 * h + 4 * qkv + 2 * q + 2 * q + 8 * inter + 2 * inter + 4 * d)
-            + r * (2 * h + 4 * cfg.vocab_size() + 4)
+        budget::activation_bytes(&Dims::of(cfg), tokens, rows) as usize
     }
 
     fn limits(&self) -> StepLimits {
@@ -896,6 +915,20 @@ impl Executor for CudaExecutor {
         self.try_import_block(block, bytes).expect(
             "the KV manager hands out block ids within the pool, the tiers block-sized slots",
         );
+    }
+
+    fn register_host_region(&mut self, region: &mut [u8]) -> bool {
+        match self.dev.pin_host(region) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    "the host KV tier stays pageable ({} bytes could not be pinned: {e}); its copies \
+                     to and from the GPU run slower",
+                    region.len()
+                );
+                false
+            }
+        }
     }
 }
 

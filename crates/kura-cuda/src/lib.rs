@@ -7,6 +7,7 @@
 //! The kernels are CUDA C ([`kernels::SOURCE`]), compiled by NVRTC once per device and cached on disk;
 //! the weight products are cuBLAS (and a kernel of Kura's for decode batches of at most 8 tokens).
 
+pub mod budget;
 pub mod device;
 pub mod error;
 pub mod executor;

@@ -1,8 +1,10 @@
-//! `--device cuda`: the model's weights and activation buffers on a GPU first, then the KV pool in
-//! what they leave (`--kv-cache-memory` is device memory there).
+//! `--device cuda`: the model's weights on a GPU first, then the activation buffers and the KV pool,
+//! planned from the device's total memory by the arithmetic `kura plan --gpu` prints ([`plan_pool`])
+//! and checked against what the device has free (`--kv-cache-memory` is device memory there).
 
 use anyhow::{bail, Context, Result};
 
+use kura_cuda::budget::{self, Dims, PoolPlan, PoolRequest};
 use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec};
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
@@ -10,9 +12,37 @@ use kura_model::{ModelConfig, ModelParts};
 
 use crate::memory::KvMemoryRequest;
 
-/// Device memory left free beside the pool: cuBLAS' workspaces and the attention partials of long
-/// contexts.
-pub const DEVICE_RESERVE: u64 = 512 << 20;
+pub use kura_cuda::budget::DEVICE_RESERVE;
+
+/// `--kv-cache-memory` on a device: a size, or a share of what the weights, CUDA context, activation
+/// buffers and reserve leave.
+pub fn pool_request(request: KvMemoryRequest) -> PoolRequest {
+    match request {
+        KvMemoryRequest::Bytes(b) => PoolRequest::Bytes(b),
+        KvMemoryRequest::Share(f) => PoolRequest::Share(f),
+    }
+}
+
+/// The pool `kura serve --device cuda` plans on a device of `total` bytes: [`budget::plan_pool`] with the
+/// server's flags (`kura plan --gpu` calls the same).
+pub fn plan_pool(
+    dims: &Dims,
+    total: u64,
+    request: PoolRequest,
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+    layout: &KvLayout,
+) -> Result<PoolPlan> {
+    budget::plan_pool(
+        dims,
+        total,
+        request,
+        max_num_batched_tokens,
+        max_num_seqs,
+        layout.bytes_per_block(),
+    )
+    .map_err(anyhow::Error::msg)
+}
 
 /// A GPU holding a model's weights, before its pool is sized.
 pub struct GpuSetup {
@@ -22,6 +52,9 @@ pub struct GpuSetup {
     kv_dtype: KvDtype,
     max_tokens: usize,
     max_seqs: usize,
+    /// Device memory free before the weights were loaded, and after.
+    free_before_weights: u64,
+    free_after_weights: u64,
 }
 
 impl GpuSetup {
@@ -52,6 +85,7 @@ impl GpuSetup {
             },
             dev.setup_seconds
         );
+        let (free_before_weights, _) = dev.memory()?;
         let t = std::time::Instant::now();
         let weights = DevWeights::load(&dev, parts.source.as_ref(), parts.naming, &parts.config)
             .with_context(|| format!("loading {} onto {}", path.display(), dev.name))?;
@@ -60,6 +94,7 @@ impl GpuSetup {
             weights.bytes as f64 / 1e9,
             t.elapsed().as_secs_f64()
         );
+        let (free_after_weights, _) = dev.memory()?;
         Ok(GpuSetup {
             dev,
             config: parts.config.clone(),
@@ -67,37 +102,76 @@ impl GpuSetup {
             kv_dtype,
             max_tokens,
             max_seqs,
+            free_before_weights: free_before_weights as u64,
+            free_after_weights: free_after_weights as u64,
         })
     }
 
-    /// Bytes of the activation buffers, allocated before the pool.
-    pub fn activation_bytes(&self) -> u64 {
-        CudaExecutor::activation_bytes(&self.config, self.max_tokens, self.max_seqs) as u64
-    }
-
-    /// The pool's bytes for `--kv-cache-memory`: a size, checked against the device's free memory, or a
-    /// share of what the activation buffers and [`DEVICE_RESERVE`] leave free.
-    pub fn kv_budget(&self, request: KvMemoryRequest) -> Result<u64> {
-        let (free, total) = self.dev.memory()?;
-        let usable = (free as u64).saturating_sub(self.activation_bytes() + DEVICE_RESERVE);
+    /// The pool for `--kv-cache-memory` (`request`): planned by [`plan_pool`] from the device's total
+    /// memory, as `kura plan --gpu` plans it, then checked against what is free on the device now that
+    /// the weights are there. Logs the planned and measured breakdowns side by side.
+    pub fn pool(&self, request: KvMemoryRequest, layout: &KvLayout) -> Result<PoolPlan> {
+        let (_, total) = self.dev.memory()?;
+        let total = total as u64;
+        let plan = plan_pool(
+            &Dims::of(&self.config),
+            total,
+            pool_request(request),
+            self.max_tokens,
+            self.max_seqs,
+            layout,
+        )
+        .with_context(|| format!("--kv-cache-memory on {}", self.dev.name))?;
+        let gb = |b: u64| format!("{:.3} GB", b as f64 / 1e9);
+        let measured_context = total.saturating_sub(self.free_before_weights);
+        let measured_weights = self
+            .free_before_weights
+            .saturating_sub(self.free_after_weights);
+        // The activation buffers are allocated with the pool, from the table the plan counts.
+        let measured_left = self
+            .free_after_weights
+            .saturating_sub(plan.activation_bytes + plan.reserve_bytes);
         tracing::info!(
-            "GPU memory: {:.2} GB free of {:.2} GB with the weights loaded; {:.2} GB for activations, \
-             {:.2} GB kept free, {:.2} GB for the KV pool at most",
-            free as f64 / 1e9,
-            total as f64 / 1e9,
-            self.activation_bytes() as f64 / 1e9,
-            DEVICE_RESERVE as f64 / 1e9,
-            usable as f64 / 1e9
+            "GPU memory of {}: {total} bytes in all ({}); planned | measured: weights {} | {} ({} counted by the loader); \
+             CUDA context and libraries {} | {}; activation buffers {} (steps of {} tokens over {} \
+             sequences); reserve {}; left for the KV pool {} | {}",
+            self.dev.name,
+            gb(total),
+            gb(plan.weights_bytes),
+            gb(measured_weights),
+            gb(self.weights.bytes as u64),
+            gb(plan.context_bytes),
+            gb(measured_context),
+            gb(plan.activation_bytes),
+            self.max_tokens,
+            self.max_seqs,
+            gb(plan.reserve_bytes),
+            gb(plan.left_bytes),
+            gb(measured_left),
         );
-        match request {
-            KvMemoryRequest::Bytes(b) if b > usable => bail!(
-                "--kv-cache-memory asks for {b} bytes of device memory, but {usable} are free on {} once \
-                 the weights and activation buffers are there",
-                self.dev.name
-            ),
-            KvMemoryRequest::Bytes(b) => Ok(b),
-            KvMemoryRequest::Share(f) => Ok((usable as f64 * f).floor() as u64),
+        let pool_bytes = plan.num_blocks * plan.block_bytes;
+        if pool_bytes > measured_left {
+            bail!(
+                "the planned KV pool of {} blocks ({} bytes) does not fit on {}: {} bytes are free with the \
+                 weights loaded, and the activation buffers ({} bytes) and reserve ({} bytes) leave {} \
+                 (planned: {} left of {} total, with {} for the weights and {} for the CUDA context; \
+                 measured: {} and {}). Give a smaller --kv-cache-memory",
+                plan.num_blocks,
+                pool_bytes,
+                self.dev.name,
+                self.free_after_weights,
+                plan.activation_bytes,
+                plan.reserve_bytes,
+                measured_left,
+                plan.left_bytes,
+                total,
+                plan.weights_bytes,
+                plan.context_bytes,
+                measured_weights,
+                measured_context
+            );
         }
+        Ok(plan)
     }
 
     /// The executor with a pool of `num_blocks` blocks of `layout`.
@@ -110,6 +184,14 @@ impl GpuSetup {
             reserve_seqs: self.max_seqs,
         };
         let exec = CudaExecutor::new(self.dev, self.config, self.weights, spec)?;
+        if let Ok((free, _)) = exec.device().memory() {
+            tracing::info!(
+                "GPU memory after the activation buffers and the KV pool ({num_blocks} blocks): {:.3} GB \
+                 free (planned: the {:.3} GB reserve and what the pool's whole blocks leave)",
+                free as f64 / 1e9,
+                DEVICE_RESERVE as f64 / 1e9
+            );
+        }
         let bytes = kura_engine::Executor::block_bytes(&exec) as u64;
         if bytes != layout.bytes_per_block() {
             bail!(

@@ -17,7 +17,9 @@ use kura_plan::{
     DEFAULT_MAX_BATCHED_TOKENS,
 };
 
+use crate::memory::KvMemoryRequest;
 use crate::tiers::{TierArgs, TierSizes};
+use kura_cuda::budget::{Dims, PoolPlan, PoolRequest};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -32,8 +34,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1)]
     batch: u64,
     /// KV element format: f32, f16, bf16, fp8, int8 or int4 (the quantised ones as `kura serve` stores
-    /// them: scales included).
-    #[arg(long, default_value = "f16")]
+    /// them: scales included). Default bf16, as `kura serve`.
+    #[arg(long, default_value = "bf16")]
     kv_dtype: KvDtype,
     /// Weights format: native (default: as `kura serve` holds a GGUF's block formats, exactly; a float
     /// checkpoint as stored), or f32, f16, bf16, fp8, int8, int4 for an estimate from the parameters.
@@ -48,27 +50,37 @@ pub struct PlanArgs {
     /// Tokens per KV block (1..=1024).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// An accelerator of the catalog (see --list-gpus), for its memory.
-    #[arg(long, conflicts_with = "memory")]
+    /// An accelerator of the catalog (see --list-gpus), for its memory. With a single-GPU model and flags
+    /// `kura serve --device cuda` takes, the plan is that server's (its weights, measured CUDA context,
+    /// activation buffers and reserve; the pool to the block).
+    #[arg(long)]
     gpu: Option<String>,
-    /// Memory of one device, e.g. 24GiB or 80GB. Default: this machine's RAM (Kura runs on the CPU).
+    /// Memory of one device, e.g. 24GiB or 80GB. Default: this machine's RAM (Kura runs on the CPU). With
+    /// --gpu: the device's memory as its driver reports it, in place of the catalog's.
     #[arg(long, value_parser = parse_size)]
     memory: Option<u64>,
     /// Fraction of the memory Kura may use.
     #[arg(long, default_value_t = 0.9)]
     memory_utilization: f64,
-    /// A KV budget given directly, as `kura serve --kv-cache-memory`: skips the memory arithmetic.
-    #[arg(long, value_parser = parse_size)]
-    kv_cache_memory: Option<u64>,
+    /// A KV budget given directly, as `kura serve --kv-cache-memory`: skips the memory arithmetic. With
+    /// --gpu also a share (`90%`, `0.9`) of what the weights, CUDA context, activation buffers and
+    /// reserve leave, as `kura serve --device cuda` takes it.
+    #[arg(long, value_parser = parse_kv_memory)]
+    kv_cache_memory: Option<KvMemoryRequest>,
     /// Runtime overhead (default: 1 GiB on an accelerator, 256 MiB on the CPU).
     #[arg(long, value_parser = parse_size)]
     overhead: Option<u64>,
     /// Activation peak (default: estimated from the largest forward step; see README).
     #[arg(long, value_parser = parse_size)]
     activation: Option<u64>,
-    /// Tokens of the largest forward step, for the activation estimate.
-    #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
+    /// Tokens of the largest forward step, for the activation estimate (`kura serve
+    /// --max-num-batched-tokens`).
+    #[arg(long, alias = "max-num-batched-tokens", default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
     max_batched_tokens: u64,
+    /// With --gpu: sequences of the largest forward step, as `kura serve --max-num-seqs` (the GPU's
+    /// logits buffers are sized by it).
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
     /// Admission, as `kura serve --scheduling`: with `guaranteed` the plan also says how many requests
     /// of `--context` tokens are admitted at once with every KV block of their full length reserved.
     #[arg(long, value_enum, default_value_t = Scheduling::MaxUtilization)]
@@ -94,6 +106,10 @@ fn parse_size(s: &str) -> Result<u64, String> {
     parse_bytes(s).map_err(|e| e.to_string())
 }
 
+fn parse_kv_memory(s: &str) -> Result<KvMemoryRequest, String> {
+    KvMemoryRequest::parse(s).map_err(|e| format!("{e:#}"))
+}
+
 fn parse_weights_dtype(s: &str) -> Result<WeightsDtype, String> {
     s.parse()
 }
@@ -102,6 +118,9 @@ fn parse_weights_dtype(s: &str) -> Result<WeightsDtype, String> {
 struct LoadedSpec {
     spec: ModelSpec,
     weights_bytes: Option<u64>,
+    /// The runtime's reading of the same file (a config or GGUF the runtime loads): what the GPU
+    /// executor is sized by.
+    runtime: Option<kura_model::ModelConfig>,
 }
 
 fn load_spec(model: &str) -> Result<LoadedSpec> {
@@ -160,6 +179,7 @@ fn load_spec(model: &str) -> Result<LoadedSpec> {
     Ok(LoadedSpec {
         spec: entry.spec(),
         weights_bytes: None,
+        runtime: None,
     })
 }
 
@@ -176,6 +196,7 @@ fn load_config(path: &Path) -> Result<LoadedSpec> {
     Ok(LoadedSpec {
         spec,
         weights_bytes: None,
+        runtime: kura_model::ModelConfig::from_hf_json(&text).ok(),
     })
 }
 
@@ -237,6 +258,7 @@ fn load_gguf(path: &Path) -> Result<LoadedSpec> {
     Ok(LoadedSpec {
         spec,
         weights_bytes,
+        runtime: kura_model::ModelConfig::from_gguf(&file).ok(),
     })
 }
 
@@ -282,17 +304,79 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let (report, memory_note) = plan(&args)?;
+    let (report, memory_note, cuda) = plan(&args)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        if let (Some(c), Some(obj)) = (&cuda, v.as_object_mut()) {
+            obj.insert("cuda".into(), cuda_json(c));
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        print_table(&report, &memory_note);
+        print_table(&report, &memory_note, cuda.as_ref());
     }
     Ok(())
 }
 
-/// The plan for `args`, and a note on where the memory figure comes from.
-fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
+/// The GPU executor's dimensions for `loaded`, or why `kura serve --device cuda` would not run it.
+fn cuda_dims(loaded: &LoadedSpec) -> Result<Dims, String> {
+    if let Some(cfg) = &loaded.runtime {
+        kura_cuda::weights::check_supported(cfg).map_err(|e| e.to_string())?;
+        return Ok(Dims::of(cfg));
+    }
+    let s = &loaded.spec;
+    if s.moe.is_some() || s.mla.is_some() {
+        return Err("mixture-of-experts and latent-attention models run on the CPU only".into());
+    }
+    if s.head_dim != 64 && s.head_dim != 128 {
+        return Err(format!(
+            "head_dim {}: the GPU kernels take 64 or 128",
+            s.head_dim
+        ));
+    }
+    if s.layer_attention.windows(2).any(|w| w[0] != w[1]) {
+        return Err("layers with different attention windows run on the CPU only".into());
+    }
+    Ok(Dims {
+        hidden: s.hidden_size,
+        intermediate: s.intermediate_size,
+        layers: s.num_layers,
+        heads: s.num_heads,
+        kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        vocab: s.vocab_size,
+        tied_embeddings: s.tied_embeddings,
+        // A catalog entry does not say; the biases are 0.1 % of a layer's bytes where they exist.
+        qkv_bias: false,
+    })
+}
+
+/// Why `--gpu` gets the generic accelerator estimates instead of `kura serve --device cuda`'s memory,
+/// or `None` when it gets the server's.
+fn not_cuda(args: &PlanArgs, loaded: &LoadedSpec) -> Option<String> {
+    if args.tp != 1 || args.pp != 1 {
+        return Some("--tp/--pp: kura serve --device cuda runs on one GPU".into());
+    }
+    if args.overhead.is_some() || args.activation.is_some() {
+        return Some("--overhead/--activation replace the server's own terms".into());
+    }
+    if !matches!(args.kv_dtype, KvDtype::Bf16 | KvDtype::F32) {
+        return Some(format!(
+            "--kv-dtype {}: the GPU pool holds bf16 or f32",
+            args.kv_dtype.name()
+        ));
+    }
+    if !matches!(
+        args.weights_dtype,
+        None | Some(WeightsDtype::Native) | Some(WeightsDtype::Bf16)
+    ) {
+        return Some("--weights-dtype: the GPU holds bf16 weights".into());
+    }
+    cuda_dims(loaded).err()
+}
+
+/// The plan for `args`, a note on where the memory figure comes from, and with `--gpu` the pool `kura
+/// serve --device cuda` plans with the same flags.
+fn plan(args: &PlanArgs) -> Result<(PlanReport, String, Option<PoolPlan>)> {
     // The tier flags alone first, as `kura serve` checks them before it loads the model.
     let tier_sizes = args.tiers.sizes()?;
     let model = match &args.model {
@@ -300,7 +384,7 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
         None => kura_model::default_model_path().display().to_string(),
     };
     let loaded = load_spec(&model).with_context(|| format!("model '{model}'"))?;
-    let mut req = PlanRequest::new(loaded.spec);
+    let mut req = PlanRequest::new(loaded.spec.clone());
     req.weights_dtype = args.weights_dtype.unwrap_or(WeightsDtype::Native);
     req.weights_bytes = match req.weights_dtype {
         WeightsDtype::Native => loaded.weights_bytes,
@@ -313,19 +397,76 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
     req.tp = args.tp;
     req.pp = args.pp;
     req.memory_utilization = args.memory_utilization;
-    req.kv_cache_memory = args.kv_cache_memory;
+    req.kv_cache_memory = match args.kv_cache_memory {
+        None => None,
+        Some(KvMemoryRequest::Bytes(b)) => Some(b),
+        Some(KvMemoryRequest::Share(_)) if args.gpu.is_some() => None,
+        Some(KvMemoryRequest::Share(f)) => bail!(
+            "--kv-cache-memory {f}: a share is a share of a device's memory (give --gpu), or a size"
+        ),
+    };
     req.overhead_bytes = args.overhead;
     req.activation_bytes = args.activation;
     req.max_batched_tokens = args.max_batched_tokens;
     req.scheduling = args.scheduling;
     req.hybrid_pool = !args.no_hybrid_pool;
     let mut memory_note = String::new();
+    let mut cuda = None;
+    let mut extra_warning = None;
     match (&args.gpu, args.memory) {
         (Some(name), _) => {
             let gpu = find_gpu(name)?;
-            req.memory_bytes = Some(gpu.memory_bytes);
+            let memory = args.memory.unwrap_or(gpu.memory_bytes);
+            req.memory_bytes = Some(memory);
             req.device = Device::Accelerator;
-            memory_note = format!(" ({})", gpu.name);
+            memory_note = match args.memory {
+                Some(_) => format!(" ({}, --memory)", gpu.name),
+                None => format!(" ({})", gpu.name),
+            };
+            let why = not_cuda(args, &loaded);
+            if let Some(why) = &why {
+                if matches!(args.kv_cache_memory, Some(KvMemoryRequest::Share(_))) {
+                    bail!("--kv-cache-memory as a share needs the GPU executor's terms, but {why}");
+                }
+                extra_warning = Some(format!(
+                    "not what kura serve --device cuda would hold ({why}): generic accelerator estimates"
+                ));
+            }
+            if why.is_none() {
+                let dims = cuda_dims(&loaded).map_err(anyhow::Error::msg)?;
+                let request = match args.kv_cache_memory {
+                    Some(r) => crate::gpu::pool_request(r),
+                    None => PoolRequest::Utilization(args.memory_utilization),
+                };
+                let planned = crate::gpu::plan_pool(
+                    &dims,
+                    memory,
+                    request,
+                    usize::try_from(args.max_batched_tokens).unwrap_or(usize::MAX),
+                    args.max_num_seqs,
+                    &req.pool_layout()?,
+                );
+                // The server's terms, so that the breakdown and a shortfall are the server's too.
+                req.weights_bytes = Some(kura_cuda::budget::weight_bytes(&dims));
+                req.overhead_bytes =
+                    Some(kura_cuda::budget::CONTEXT_BYTES + kura_cuda::budget::DEVICE_RESERVE);
+                req.activation_bytes = Some(kura_cuda::budget::activation_bytes(
+                    &dims,
+                    usize::try_from(args.max_batched_tokens).unwrap_or(usize::MAX),
+                    args.max_num_seqs,
+                ));
+                match planned {
+                    Ok(p) => {
+                        if !matches!(request, PoolRequest::Utilization(_)) {
+                            req.kv_cache_memory = Some(p.budget_bytes);
+                        }
+                        cuda = Some(p);
+                    }
+                    // The planner reports a model that does not fit with its shortfall.
+                    Err(_) if matches!(request, PoolRequest::Utilization(_)) => {}
+                    Err(e) => bail!("kura serve --device cuda on {}: {e}", gpu.name),
+                }
+            }
         }
         (None, Some(m)) => {
             req.memory_bytes = Some(m);
@@ -343,10 +484,46 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String)> {
         }
     }
     req.tiers = lower_tiers(&tier_sizes, &req.pool_layout()?)?;
-    Ok((req.plan()?, memory_note))
+    let mut report = req.plan()?;
+    if let Some(note) = extra_warning {
+        report.warnings.push(note);
+    }
+    if let Some(c) = &cuda {
+        // One arithmetic: the planner's pool is the server's, block for block.
+        if report.num_blocks != c.num_blocks {
+            bail!(
+                "internal: the planner's pool of {} blocks differs from the server's {}",
+                report.num_blocks,
+                c.num_blocks
+            );
+        }
+    }
+    Ok((report, memory_note, cuda))
 }
 
-fn print_table(r: &PlanReport, memory_note: &str) {
+fn cuda_json(c: &PoolPlan) -> serde_json::Value {
+    let request = match c.request {
+        PoolRequest::Bytes(b) => serde_json::json!({ "bytes": b }),
+        PoolRequest::Share(f) => serde_json::json!({ "share": f }),
+        PoolRequest::Utilization(u) => serde_json::json!({ "utilization": u }),
+    };
+    serde_json::json!({
+        "total_bytes": c.total_bytes,
+        "weights_bytes": c.weights_bytes,
+        "context_bytes": c.context_bytes,
+        "activation_bytes": c.activation_bytes,
+        "reserve_bytes": c.reserve_bytes,
+        "left_bytes": c.left_bytes,
+        "request": request,
+        "budget_bytes": c.budget_bytes,
+        "block_bytes": c.block_bytes,
+        "num_blocks": c.num_blocks,
+        "max_num_batched_tokens": c.max_tokens,
+        "max_num_seqs": c.max_seqs,
+    })
+}
+
+fn print_table(r: &PlanReport, memory_note: &str, cuda: Option<&PoolPlan>) {
     let b = |v: u64| format!("{} ({v} B)", format_bytes(v));
     println!("Model           {}  [{}]", r.model, r.source);
     println!(
@@ -375,7 +552,9 @@ fn print_table(r: &PlanReport, memory_note: &str) {
     );
     println!();
     println!("Memory per device");
-    if let (Some(mem), Some(util)) = (r.memory_bytes, r.memory_utilization) {
+    if let Some(c) = cuda {
+        print_cuda(c, memory_note);
+    } else if let (Some(mem), Some(util)) = (r.memory_bytes, r.memory_utilization) {
         let usable = (mem as f64 * util).floor() as u64;
         println!(
             "  memory               {:>12}{memory_note}",
@@ -466,6 +645,47 @@ fn print_table(r: &PlanReport, memory_note: &str) {
     }
 }
 
+/// The device's memory as `kura serve --device cuda` plans it with the same flags.
+fn print_cuda(c: &PoolPlan, memory_note: &str) {
+    println!(
+        "  memory               {:>12}{memory_note}, as kura serve --device cuda uses it",
+        format_bytes(c.total_bytes)
+    );
+    if let PoolRequest::Utilization(u) = c.request {
+        let usable = (c.total_bytes as f64 * u).floor() as u64;
+        println!("  usable (× {u:.2})      {:>12}", format_bytes(usable));
+    }
+    println!(
+        "  − weights            {:>12}  bf16 on the device (Q/K/V and gate/up fused), f32 norms",
+        format_bytes(c.weights_bytes)
+    );
+    println!(
+        "  − CUDA context, libs {:>12}  measured on an H100 with cuBLAS 13",
+        format_bytes(c.context_bytes)
+    );
+    println!(
+        "  − activation buffers {:>12}  the executor's, for steps of {} tokens over {} sequences",
+        format_bytes(c.activation_bytes),
+        c.max_tokens,
+        c.max_seqs
+    );
+    println!(
+        "  − reserve            {:>12}  attention partials, step metadata, cuBLAS",
+        format_bytes(c.reserve_bytes)
+    );
+    println!("  = left               {:>12}", format_bytes(c.left_bytes));
+    let asked = match c.request {
+        PoolRequest::Bytes(b) => format!("--kv-cache-memory {}", format_bytes(b)),
+        PoolRequest::Share(f) => format!("--kv-cache-memory {}% of what is left", f * 100.0),
+        PoolRequest::Utilization(_) => "all that is left".into(),
+    };
+    println!(
+        "  KV pool              {:>12}  {asked}: {} blocks",
+        format_bytes(c.budget_bytes),
+        c.num_blocks
+    );
+}
+
 /// The lower KV tiers, as `kura serve` would hold them with the same flags.
 fn print_tiers(r: &PlanReport) {
     let t = &r.kv_tiers;
@@ -528,6 +748,93 @@ mod tests {
     struct PlanCli {
         #[command(flatten)]
         args: PlanArgs,
+    }
+
+    const LLAMA_8B: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
+        "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+        "vocab_size":128256,"rms_norm_eps":1e-5,"rope_theta":500000.0,"max_position_embeddings":131072}"#;
+
+    /// What `kura serve --device cuda` plans (`GpuSetup::pool`) on a device of `total` bytes with
+    /// these flags: the runtime's config, the server's layout and `--kv-cache-memory` parser.
+    fn serve_pool(config: &str, total: u64, kv: &str, tokens: usize, seqs: usize) -> PoolPlan {
+        let cfg = kura_model::ModelConfig::from_hf_json(config).unwrap();
+        let layout = cfg.kv_layout(KvDtype::Bf16, 16).unwrap();
+        let request = crate::gpu::pool_request(KvMemoryRequest::parse(kv).unwrap());
+        crate::gpu::plan_pool(&Dims::of(&cfg), total, request, tokens, seqs, &layout).unwrap()
+    }
+
+    #[test]
+    fn plan_gpu_and_serve_device_cuda_plan_the_same_pool_to_the_block() {
+        let dir = std::env::temp_dir().join(format!("kura-plan-cuda-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), LLAMA_8B).unwrap();
+        let model = dir.display().to_string();
+        let h100 = find_gpu("H100").unwrap().memory_bytes;
+        for (kv, tokens, seqs) in [
+            ("90%", "8192", "64"),
+            ("1GiB", "8192", "64"),
+            ("0.5", "2048", "256"),
+            ("40GiB", "8192", "256"),
+        ] {
+            let cli = PlanCli::parse_from([
+                "plan",
+                "--model",
+                &model,
+                "--gpu",
+                "H100",
+                "--kv-cache-memory",
+                kv,
+                "--max-num-batched-tokens",
+                tokens,
+                "--max-num-seqs",
+                seqs,
+            ]);
+            let (report, _, cuda) = plan(&cli.args).unwrap();
+            let serve = serve_pool(
+                LLAMA_8B,
+                h100,
+                kv,
+                tokens.parse().unwrap(),
+                seqs.parse().unwrap(),
+            );
+            assert_eq!(report.num_blocks, serve.num_blocks, "{kv} {tokens} {seqs}");
+            assert_eq!(cuda.as_ref(), Some(&serve), "{kv} {tokens} {seqs}");
+        }
+        // The plan's own question (no --kv-cache-memory): --memory-utilization of the device, with the
+        // server's terms: weights as the GPU holds them, the measured context, the executor's buffers.
+        let cli = PlanCli::parse_from(["plan", "--model", &model, "--gpu", "H100"]);
+        let (report, _, cuda) = plan(&cli.args).unwrap();
+        let cuda = cuda.unwrap();
+        let d = Dims::of(&kura_model::ModelConfig::from_hf_json(LLAMA_8B).unwrap());
+        assert_eq!(report.weights_bytes, kura_cuda::budget::weight_bytes(&d));
+        assert_eq!(
+            report.activation_bytes,
+            kura_cuda::budget::activation_bytes(&d, 8192, 64)
+        );
+        assert_eq!(cuda.context_bytes, 600 << 20);
+        assert_eq!(report.num_blocks, cuda.num_blocks);
+        let usable = (h100 as f64 * 0.9).floor() as u64;
+        assert_eq!(
+            cuda.budget_bytes,
+            usable
+                - cuda.weights_bytes
+                - cuda.context_bytes
+                - cuda.activation_bytes
+                - cuda.reserve_bytes
+        );
+        // What the server cannot hold is an error naming both sides, as the server's is.
+        let cli = PlanCli::parse_from([
+            "plan",
+            "--model",
+            &model,
+            "--gpu",
+            "H100",
+            "--kv-cache-memory",
+            "80GiB",
+        ]);
+        let e = format!("{:#}", plan(&cli.args).unwrap_err());
+        assert!(e.contains("are left of the device"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// `kura serve`'s tier flags alone, parsed by the same clap arguments as in `ServeArgs`.

@@ -362,8 +362,10 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             )
         })?;
     // Resolved after the weights are loaded: a share is a share of what they left (see `memory`).
+    // On a GPU the pool is planned from the device's total memory as `kura plan --gpu` plans it, then
+    // checked against what is free there.
     let budget = match &gpu {
-        Some(g) => g.kv_budget(kv_request)?,
+        Some(g) => g.pool(kv_request, &layout)?.budget_bytes,
         None => kv_budget_bytes(kv_request, &args.kv_cache_memory)?,
     };
     let num_blocks = layout.num_blocks_for_budget(budget);

@@ -77,6 +77,9 @@ fn the_table_names_every_term_of_the_breakdown() {
         "L40S",
         "--context",
         "8192",
+        // f16 KV is not what the GPU executor holds: the generic accelerator estimates, with a warning.
+        "--kv-dtype",
+        "f16",
     ]);
     assert!(ok, "{err}");
     for term in [
@@ -89,9 +92,58 @@ fn the_table_names_every_term_of_the_breakdown() {
         "= KV budget",
         "max concurrency",
         "longest context",
+        "not what kura serve --device cuda would hold (--kv-dtype f16",
     ] {
         assert!(out.contains(term), "missing '{term}' in:\n{out}");
     }
+}
+
+#[test]
+fn a_gpu_plan_is_kura_serve_device_cuda_s_breakdown() {
+    let (ok, out, err) = kura(&["plan", "--model", "llama-3.1-8b", "--gpu", "H100"]);
+    assert!(ok, "{err}");
+    for term in [
+        "as kura serve --device cuda uses it",
+        "− weights",
+        "− CUDA context, libs",
+        "600.00 MiB  measured on an H100 with cuBLAS 13",
+        "− activation buffers",
+        "for steps of 8192 tokens over 64 sequences",
+        "− reserve",
+        "KV pool",
+    ] {
+        assert!(out.contains(term), "missing '{term}' in:\n{out}");
+    }
+    let r = json(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--max-num-seqs",
+        "256",
+        "--json",
+    ]);
+    let c = &r["cuda"];
+    assert_eq!(c["num_blocks"], r["num_blocks"]);
+    assert_eq!(c["context_bytes"], 600u64 << 20);
+    // The executor's buffers for 8,192-token steps over 256 sequences: 2.087 GB (2.08 GB measured on an
+    // H100); the weights as the device holds them, bf16.
+    assert_eq!(c["activation_bytes"], 2_086_667_264u64);
+    assert_eq!(r["activation_bytes"], 2_086_667_264u64);
+    assert_eq!(c["weights_bytes"], r["weights_bytes"]);
+    // A multi-GPU plan is not the single-GPU server's.
+    let r = json(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--tp",
+        "2",
+        "--json",
+    ]);
+    assert!(r.get("cuda").is_none());
 }
 
 #[test]
