@@ -33,6 +33,10 @@ pub struct DevWeights {
     pub lm_head: Option<CudaSlice<bf16>>,
     /// Bytes the weights take on the device.
     pub bytes: usize,
+    /// The weights' identity, which cached KV is tied to: a digest of every tensor's name, shape and
+    /// values as read from the file, made as the CPU loader makes it (`kura_model::WeightsDigest`); for
+    /// random weights, of their shape and seed.
+    pub fingerprint: u128,
 }
 
 /// Refuses what the executor does not run: Gemma 3 (its norms, GELU and sliding layers run on the CPU
@@ -93,6 +97,7 @@ impl DevWeights {
         let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
         let (q_rows, kv_rows) = (cfg.num_heads() * d, cfg.num_kv_heads() * d);
         let bytes = std::cell::Cell::new(0usize);
+        let digest = kura_model::WeightsDigest::default();
         let upload_bf16 = |parts: Vec<Vec<bf16>>, what: &str| -> Result<CudaSlice<bf16>> {
             let n: usize = parts.iter().map(Vec::len).sum();
             let mut buf = dev.alloc::<bf16>(n, what)?;
@@ -107,6 +112,7 @@ impl DevWeights {
         };
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Vec<bf16>> {
             let (shape, v) = src.load(name)?;
+            digest.add(name, &shape, &v);
             if shape.iter().product::<usize>() != rows * cols {
                 return Err(ModelError::TensorShape {
                     name: name.into(),
@@ -119,6 +125,7 @@ impl DevWeights {
         };
         let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
             let (shape, v) = src.load(name)?;
+            digest.add(name, &shape, &v);
             if v.len() != len {
                 return Err(ModelError::TensorShape {
                     name: name.into(),
@@ -203,6 +210,7 @@ impl DevWeights {
             final_norm,
             lm_head,
             bytes: bytes.get(),
+            fingerprint: digest.finish(),
         })
     }
 
@@ -264,6 +272,11 @@ impl DevWeights {
             final_norm,
             lm_head,
             bytes,
+            fingerprint: {
+                let d = kura_model::WeightsDigest::default();
+                d.add(&format!("random weights of {cfg:?}"), &[seed as usize], &[]);
+                d.finish()
+            },
         })
     }
 }

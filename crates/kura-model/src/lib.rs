@@ -28,7 +28,7 @@ pub use kura_text::{
 pub use model::{LoadOptions, Logits, Model, ModelParts, SeqBatchItem};
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use solo::SoloRun;
-pub use weights::WeightsDtype;
+pub use weights::{WeightsDigest, WeightsDtype};
 
 /// Where the scripts put the default model and test data (`kura-text`'s, which loads it first).
 pub use kura_text::{cache_dir, default_model_path};

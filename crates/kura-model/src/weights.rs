@@ -349,14 +349,54 @@ pub fn expected_shapes(naming: Naming, cfg: &ModelConfig) -> Vec<(String, Vec<us
     out
 }
 
-/// Digests of the tensors loaded so far, by name: the weights' fingerprint is made of them.
-type Digests = Mutex<Vec<(String, u128)>>;
+/// Digests of the tensors loaded so far, by name, folded by [`WeightsDigest::finish`] into the
+/// weights' fingerprint: one 128-bit digest of every tensor's name, shape and values as loaded (before
+/// conversion to the compute format), independent of the order they were loaded in. The identity of a
+/// model that cached KV is tied to; the GPU's loader digests its tensors the same way.
+#[derive(Debug, Default)]
+pub struct WeightsDigest(Mutex<Vec<(String, u128)>>);
+
+impl WeightsDigest {
+    /// Adds tensor `name` of `shape` with values `data` (as the tensor source gave them).
+    pub fn add(&self, name: &str, shape: &[usize], data: &[f32]) {
+        let mut h = Xxh3::new();
+        for d in shape {
+            h.update(&(*d as u64).to_le_bytes());
+        }
+        // SAFETY: any f32 is 4 initialised bytes and u8 has no alignment; the view lives only as long
+        // as `data`'s borrow.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4) };
+        h.update(bytes);
+        self.push(name, h.digest128());
+    }
+
+    fn push(&self, name: &str, digest: u128) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((name.to_string(), digest));
+    }
+
+    /// The fingerprint of every tensor added.
+    pub fn finish(self) -> u128 {
+        let mut all = self.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        all.sort();
+        let mut h = Xxh3::new();
+        for (name, d) in &all {
+            h.update(&(name.len() as u64).to_le_bytes());
+            h.update(name.as_bytes());
+            h.update(&d.to_le_bytes());
+        }
+        h.digest128()
+    }
+}
 
 fn load_shaped(
     src: &dyn TensorSource,
     name: &str,
     expected: &[usize],
-    digests: &Digests,
+    digests: &WeightsDigest,
 ) -> Result<Vec<f32>> {
     let (shape, data) = src.load(name)?;
     if !shape_matches(&shape, expected) {
@@ -366,18 +406,7 @@ fn load_shaped(
             expected: expected.to_vec(),
         });
     }
-    let mut h = Xxh3::new();
-    for d in &shape {
-        h.update(&(*d as u64).to_le_bytes());
-    }
-    // SAFETY: any f32 is 4 initialised bytes and u8 has no alignment; the view lives only as long as
-    // `data`'s borrow.
-    let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4) };
-    h.update(bytes);
-    digests
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((name.to_string(), h.digest128()));
+    digests.add(name, &shape, &data);
     Ok(data)
 }
 
@@ -388,7 +417,7 @@ fn load_norm(
     naming: Naming,
     name: &str,
     len: usize,
-    digests: &Digests,
+    digests: &WeightsDigest,
 ) -> Result<Vec<f32>> {
     let mut w = load_shaped(src, name, &[len], digests)?;
     let offset = naming.norm_offset();
@@ -400,27 +429,13 @@ fn load_norm(
     Ok(w)
 }
 
-/// One 128-bit digest of every tensor's name, shape and values as loaded (before conversion to the
-/// compute format), independent of the order they were loaded in.
-fn fingerprint(digests: Digests) -> u128 {
-    let mut all = digests.into_inner().unwrap_or_else(|e| e.into_inner());
-    all.sort();
-    let mut h = Xxh3::new();
-    for (name, d) in &all {
-        h.update(&(name.len() as u64).to_le_bytes());
-        h.update(name.as_bytes());
-        h.update(&d.to_le_bytes());
-    }
-    h.digest128()
-}
-
 /// How [`Weights::load`] makes a matrix of row-stacked tensors: dequantized to f32 and converted to
 /// `dtype`, or (native weights) unpacked from the file's blocks.
 struct MatrixMaker<'a> {
     src: &'a dyn TensorSource,
     dtype: WeightsDtype,
     quantized: bool,
-    digests: &'a Digests,
+    digests: &'a WeightsDigest,
 }
 
 impl MatrixMaker<'_> {
@@ -465,10 +480,7 @@ impl MatrixMaker<'_> {
                 h.update(&(*d as u64).to_le_bytes());
             }
             h.update(raw.bytes);
-            self.digests
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((name.clone(), h.digest128()));
+            self.digests.push(name, h.digest128());
             raws.push((raw, *r, row_bytes));
         }
         let parts_raw: Vec<(GgmlType, usize, &[u8])> = raws
@@ -648,7 +660,7 @@ impl Weights {
             WeightsDtype::Native if !quantized => WeightsDtype::Bf16,
             other => other,
         };
-        let dg: Digests = Mutex::new(Vec::new());
+        let dg = WeightsDigest::default();
         let mm = MatrixMaker {
             src,
             dtype,
@@ -735,7 +747,7 @@ impl Weights {
             final_norm,
             lm_head,
             dtype,
-            fingerprint: fingerprint(dg),
+            fingerprint: dg.finish(),
         })
     }
 }

@@ -107,6 +107,16 @@ impl GpuSetup {
         })
     }
 
+    /// The GPU's name, as the driver gives it.
+    pub fn device_name(&self) -> &str {
+        &self.dev.name
+    }
+
+    /// The weights' identity (`DevWeights::fingerprint`), which the KV fingerprint is made from.
+    pub fn weights_fingerprint(&self) -> u128 {
+        self.weights.fingerprint
+    }
+
     /// The pool for `--kv-cache-memory` (`request`): planned by [`plan_pool`] from the device's total
     /// memory, as `kura plan --gpu` plans it, then checked against what is free on the device now that
     /// the weights are there. Logs the planned and measured breakdowns side by side.

@@ -317,26 +317,37 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
     };
     let tier_sizes = args.tiers.sizes()?;
     let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
-    // Checked before the model loads too, so that a size this machine cannot hold fails at once.
-    kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
     let device =
         kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+    if device.is_none() {
+        // Checked before the model loads too, so that a size this machine cannot hold fails at once.
+        kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
+    }
     let path = crate::setup::model_path(args.model.as_ref())?;
-    // On a GPU: the weights and the activation buffers go to the device first; the pool takes its
-    // share of what they leave there.
-    let mut gpu = match device {
-        Some(ordinal) => Some(crate::gpu::GpuSetup::load(
-            ordinal,
-            &path,
-            &kura_model::ModelParts::open(&path)?,
-            args.kv_dtype,
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-        )?),
-        None => None,
-    };
     let load_start = Instant::now();
-    let model = Arc::new(crate::setup::load_model(&path, args.weights_dtype)?);
+    // On a GPU: the file is opened once, its weights go to the device (then the activation buffers;
+    // the pool takes its share of what they leave there), and nothing of the model is held on the
+    // host but its config and text layer. On the CPU: the model.
+    let (model, mut gpu, config, text) = match device {
+        Some(ordinal) => {
+            let parts = kura_model::ModelParts::open(&path)
+                .with_context(|| format!("opening the model {}", path.display()))?;
+            let setup = crate::gpu::GpuSetup::load(
+                ordinal,
+                &path,
+                &parts,
+                args.kv_dtype,
+                args.max_num_batched_tokens,
+                args.max_num_seqs,
+            )?;
+            (None, Some(setup), parts.config, Arc::new(parts.text))
+        }
+        None => {
+            let model = Arc::new(crate::setup::load_model(&path, args.weights_dtype)?);
+            let (config, text) = (model.config().clone(), model.text().clone());
+            (Some(model), None, config, text)
+        }
+    };
     tracing::info!(
         model = %path.display(),
         load_ms = load_start.elapsed().as_millis() as u64,
@@ -344,7 +355,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         kernels = %kura_model::kernels::paths(),
         "model loaded"
     );
-    let model_max = model.config().max_context();
+    let model_max = config.max_context();
     let max_model_len = match args.max_model_len {
         Some(0) => bail!("--max-model-len must be at least 1"),
         Some(n) if n > model_max => {
@@ -353,7 +364,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         Some(n) => n,
         None => model_max,
     };
-    let layout = model
+    let layout = config
         .kv_layout(args.kv_dtype, args.block_size)
         .with_context(|| {
             format!(
@@ -438,9 +449,20 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             num_blocks,
         );
     }
-    let executor: Box<dyn kura_engine::Executor> = match gpu.take() {
-        Some(g) => Box::new(g.executor(&layout, num_blocks as usize)?),
-        None => {
+    // The weights' identity and what shapes stored KV beyond them: the GPU pool holds bf16 or f32 KV
+    // only, which no encoding shapes.
+    let (weights_fingerprint, encoding_fingerprint) = match (&model, &gpu) {
+        (Some(m), _) => (
+            m.weights_fingerprint(),
+            m.kv_encoding_fingerprint(args.kv_dtype)?,
+        ),
+        (None, Some(g)) => (g.weights_fingerprint(), 0),
+        (None, None) => unreachable!("the model is loaded on the CPU or on a GPU"),
+    };
+    let executor: Box<dyn kura_engine::Executor> = match (gpu.take(), &model) {
+        (Some(g), _) => Box::new(g.executor(&layout, num_blocks as usize)?),
+        (None, None) => unreachable!("the model is loaded on the CPU or on a GPU"),
+        (None, Some(model)) => {
             let storage = match &window {
                 Some(w) => model.kv_storage_paged(&layout, w.num_pages as usize),
                 None => model.kv_storage(&layout, num_blocks as usize),
@@ -449,16 +471,11 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             Box::new(ModelExecutor::new(model.clone(), storage))
         }
     };
-    let compute = match device {
-        Some(_) => Compute::Cuda,
-        None => Compute::Cpu(model.weights_dtype()),
+    let compute = match &model {
+        None => Compute::Cuda,
+        Some(m) => Compute::Cpu(m.weights_dtype()),
     };
-    let fingerprint = kv_fingerprint(
-        model.weights_fingerprint(),
-        compute,
-        &layout,
-        model.kv_encoding_fingerprint(args.kv_dtype)?,
-    );
+    let fingerprint = kv_fingerprint(weights_fingerprint, compute, &layout, encoding_fingerprint);
     let host_blocks = tier_sizes.host_blocks(layout.bytes_per_block())?;
     // The pool is allocated by now: what remains must hold the host tier too.
     let host_bytes = u64::from(host_blocks) * layout.bytes_per_block();
@@ -508,12 +525,8 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             _ => None,
         },
     };
-    let engine = start_engine(
-        config,
-        executor,
-        Arc::new(ModelCodec::from_text(model.text().clone())),
-    )
-    .context("starting the engine")?;
+    let engine = start_engine(config, executor, Arc::new(ModelCodec::from_text(text)))
+        .context("starting the engine")?;
     let admission = args.scheduling;
     match admission {
         AdmissionMode::Guaranteed => tracing::info!(

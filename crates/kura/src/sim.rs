@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use kura_engine::{AdmissionMode, SchedulerConfig, SchedulingPolicy, DEFAULT_MAX_BATCHED_TOKENS};
 use kura_kv::codec::KvDtype;
 use kura_kv::EvictionPolicy;
-use kura_model::{ChatMessage, Model, SeqBatchItem, WeightsDtype};
+use kura_model::{ChatMessage, Model, ModelText, SeqBatchItem, WeightsDtype};
 use kura_sim::fleet::{simulate_fleet, FleetSim};
 use kura_sim::replay::replay_with_progress;
 use kura_sim::{simulate, CostModel, Policy, ServeSim, SimConfig, StepItem, Workload};
@@ -140,6 +140,10 @@ pub struct SimArgs {
     /// Calibration: worker threads (default: one per physical core this process may use).
     #[arg(long)]
     threads: Option<usize>,
+    /// Calibration: time the steps on the CPU (`cpu`) or a GPU (`cuda`, `cuda:N`), as `kura serve
+    /// --device`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Calibration: K/V element format, as `kura serve --kv-dtype`.
     #[arg(long, default_value = "bf16")]
     kv_dtype: KvDtype,
@@ -424,7 +428,7 @@ fn calibration_shapes() -> Vec<Vec<StepItem>> {
 
 /// Times the server's front end on a prompt of about 1,000 tokens: the chat template rendered and the
 /// result tokenized, as `kura serve` does for each chat request (median of `repeats`).
-fn frontend_ms_per_token(model: &Model, repeats: usize) -> Result<f64> {
+fn frontend_ms_per_token(model_text: &ModelText, repeats: usize) -> Result<f64> {
     let words = [
         "the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "so", "that",
         "later", "requests", "with", "a", "shared", "prefix", "skip", "its", "prefill",
@@ -440,9 +444,9 @@ fn frontend_ms_per_token(model: &Model, repeats: usize) -> Result<f64> {
     let mut tokens = 0;
     for run in 0..=repeats {
         let t0 = Instant::now();
-        let ids = model
-            .chat_template()
-            .encode(model.tokenizer(), &messages, true)
+        let ids = model_text
+            .chat_template
+            .encode(&model_text.tokenizer, &messages, true)
             .context("timing the chat template and tokenizer")?;
         if run > 0 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -453,22 +457,118 @@ fn frontend_ms_per_token(model: &Model, repeats: usize) -> Result<f64> {
     Ok(times[times.len() / 2] / tokens.max(1) as f64)
 }
 
+/// What calibration times: one forward step of a batch on the CPU runtime or the CUDA executor, the
+/// logits back on the host and each row's greedy token chosen there (as the engine samples).
+enum Runner {
+    Cpu {
+        model: Model,
+        kv: kura_kv::storage::KvStorage,
+    },
+    Gpu(kura_cuda::CudaExecutor),
+}
+
+impl Runner {
+    /// One step of `items`: (tokens, first position, block table) each.
+    fn step(&mut self, items: &[(Vec<u32>, usize, Vec<u32>)]) -> Result<()> {
+        let greedy = |row: &[f32]| {
+            (0..row.len())
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap_or(0)
+        };
+        let mut chosen = 0usize;
+        match self {
+            Runner::Cpu { model, kv } => {
+                let batch: Vec<SeqBatchItem<'_>> = items
+                    .iter()
+                    .map(|(tokens, start, table)| SeqBatchItem {
+                        tokens,
+                        start_pos: *start,
+                        block_table: table,
+                        layer_pages: &[],
+                    })
+                    .collect();
+                let logits = model.forward(&batch, kv)?;
+                for r in 0..logits.num_rows() {
+                    chosen ^= greedy(logits.row(r));
+                }
+            }
+            Runner::Gpu(exec) => {
+                let batch: Vec<kura_engine::SeqInput<'_>> = items
+                    .iter()
+                    .map(|(tokens, start, table)| kura_engine::SeqInput::new(tokens, *start, table))
+                    .collect();
+                let vocab = exec.config().vocab_size();
+                let logits = exec
+                    .forward_logits(&batch)
+                    .context("a calibration step on the GPU")?;
+                for row in logits.chunks_exact(vocab) {
+                    chosen ^= greedy(row);
+                }
+            }
+        }
+        std::hint::black_box(chosen);
+        Ok(())
+    }
+}
+
 fn calibrate(args: &SimArgs) -> Result<()> {
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
-    crate::setup::threads(args.threads)?;
+    let device =
+        kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+    if device.is_none() {
+        crate::setup::threads(args.threads)?;
+    }
     let path = crate::setup::model_path(args.model.as_ref())?;
-    let model = crate::setup::load_model(&path, args.weights_dtype)?;
     let shapes = calibration_shapes();
     let bs = args.block_size;
     let blocks_of =
         |s: &[StepItem]| -> usize { s.iter().map(|i| (i.start + i.tokens).div_ceil(bs)).sum() };
     let num_blocks = shapes.iter().map(|s| blocks_of(s)).max().unwrap_or(1);
-    let layout = model.kv_layout(args.kv_dtype, bs)?;
-    let mut kv = model
-        .kv_storage(&layout, num_blocks)
-        .context("allocating the KV cache")?;
+    let (mut runner, config, text, hardware) = match device {
+        None => {
+            let model = crate::setup::load_model(&path, args.weights_dtype)?;
+            let layout = model.kv_layout(args.kv_dtype, bs)?;
+            let kv = model
+                .kv_storage(&layout, num_blocks)
+                .context("allocating the KV cache")?;
+            let (config, text) = (model.config().clone(), model.text().clone());
+            let hardware = format!(
+                "{} threads, {} weights",
+                kura_model::num_threads(),
+                model.weights_dtype().name()
+            );
+            (Runner::Cpu { model, kv }, config, text, hardware)
+        }
+        Some(ordinal) => {
+            let parts = kura_model::ModelParts::open(&path)
+                .with_context(|| format!("opening the model {}", path.display()))?;
+            let max_tokens = shapes
+                .iter()
+                .map(|s| s.iter().map(|i| i.tokens).sum::<usize>())
+                .max()
+                .unwrap_or(1);
+            let max_seqs = shapes.iter().map(Vec::len).max().unwrap_or(1);
+            let setup = crate::gpu::GpuSetup::load(
+                ordinal,
+                &path,
+                &parts,
+                args.kv_dtype,
+                max_tokens,
+                max_seqs,
+            )?;
+            let hardware = format!("{}, bf16 weights", setup.device_name());
+            let layout = parts.config.kv_layout(args.kv_dtype, bs)?;
+            let exec = setup.executor(&layout, num_blocks)?;
+            (
+                Runner::Gpu(exec),
+                parts.config,
+                std::sync::Arc::new(parts.text),
+                hardware,
+            )
+        }
+    };
     let mut samples = Vec::new();
     for shape in &shapes {
         // Each item its own blocks; the tokens are any ids, their values do not change the time.
@@ -492,34 +592,18 @@ fn calibrate(args: &SimArgs) -> Result<()> {
             };
             tables.push(table);
         }
-        let tokens: Vec<Vec<u32>> = shape
+        let items: Vec<(Vec<u32>, usize, Vec<u32>)> = shape
             .iter()
-            .map(|i| (0..i.tokens as u32).map(|t| 100 + t % 1000).collect())
-            .collect();
-        let batch: Vec<SeqBatchItem<'_>> = shape
-            .iter()
-            .zip(&tables)
-            .zip(&tokens)
-            .map(|((i, table), tokens)| SeqBatchItem {
-                tokens,
-                start_pos: i.start,
-                block_table: table,
-                layer_pages: &[],
+            .zip(tables)
+            .map(|(i, table)| {
+                let tokens = (0..i.tokens as u32).map(|t| 100 + t % 1000).collect();
+                (tokens, i.start, table)
             })
             .collect();
         let mut times = Vec::new();
         for run in 0..=args.repeats {
             let t0 = Instant::now();
-            let logits = model.forward(&batch, &mut kv)?;
-            // The engine samples each row: greedy here.
-            let mut chosen = 0usize;
-            for r in 0..logits.num_rows() {
-                let row = logits.row(r);
-                chosen ^= (0..row.len())
-                    .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                    .unwrap_or(0);
-            }
-            std::hint::black_box(chosen);
+            runner.step(&items)?;
             if run > 0 {
                 times.push(t0.elapsed().as_secs_f64() * 1e3);
             }
@@ -535,22 +619,20 @@ fn calibrate(args: &SimArgs) -> Result<()> {
         samples.push((shape.clone(), ms));
     }
     let measured_on = format!(
-        "{}, {} threads, {} weights, {} KV, blocks of {bs}",
+        "{}, {hardware}, {} KV, blocks of {bs}",
         path.file_name().map_or_else(
             || path.display().to_string(),
             |n| n.to_string_lossy().into_owned()
         ),
-        kura_model::num_threads(),
-        model.weights_dtype().name(),
         args.kv_dtype,
     );
-    let mut cost = CostModel::fit(
-        &samples,
-        kura_model::num_threads(),
-        model.config().num_kv_heads(),
-        measured_on,
-    )?;
-    cost.frontend_ms_per_token = frontend_ms_per_token(&model, args.repeats)?;
+    // On a GPU the step's work is not split over CPU threads: the fit sees one.
+    let threads = match device {
+        None => kura_model::num_threads(),
+        Some(_) => 1,
+    };
+    let mut cost = CostModel::fit(&samples, threads, config.num_kv_heads(), measured_on)?;
+    cost.frontend_ms_per_token = frontend_ms_per_token(&text, args.repeats)?;
     eprintln!(
         "front end (chat template + tokenizer): {:.4} ms per prompt token",
         cost.frontend_ms_per_token

@@ -183,3 +183,26 @@ fn calibrate_then_simulate_the_server() {
     assert_ne!(code, 0);
     assert!(err.contains("--concurrency"), "{err}");
 }
+
+/// `--calibrate --device` with a name that is no device, or a GPU index no machine has: a clear error
+/// naming it, never a panic.
+#[test]
+fn calibrating_on_a_device_that_is_not_there_is_a_clear_error() {
+    let model = kura_model::default_model_path();
+    let m = model.to_str().unwrap();
+    let (code, _, err) = kura_sim(&["--calibrate", "--model", m, "--device", "gpu0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--device") && err.contains("cuda:N"), "{err}");
+    let (code, _, err) = kura_sim(&[
+        "--calibrate",
+        "--model",
+        m,
+        "--device",
+        "cuda:99",
+        "--repeats",
+        "1",
+    ]);
+    assert_ne!(code, 0);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("cuda:99"), "{err}");
+}
