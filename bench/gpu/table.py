@@ -47,9 +47,13 @@ l2 = [json.loads(l) for l in open(sys.argv[1]) if '"l2_revisit"' in l and l.star
 if l2:
     print()
     print("A revisited prompt whose KV is only in the host tier (L2), the last 16 tokens prefilled:")
-    print(f"{'tokens':>8}{'host':>10}{'copy ms':>10}{'GB/s':>8}{'from L2':>10}{'in HBM':>10}{'cold':>10}"
+    print(f"{'tokens':>8}{'KV':>6}{'host':>10}{'copy ms':>10}{'GB/s':>8}{'from L2':>10}{'in HBM':>10}{'cold':>10}"
           f"{'L2/(copy+HBM)':>15}{'cold/L2':>9}")
     for r in l2:
-        print(f"{r['tokens']:>8}{r['host']:>10}{r['copy_ms']:>10.2f}{r['copy_gbs']:>8.1f}{r['ttft_l2_ms']:>10.2f}"
-              f"{r['ttft_device_ms']:>10.2f}{r['ttft_cold_ms']:>10.1f}{r['l2_over_copy_plus_device']:>15.3f}"
-              f"{r['speedup_over_cold']:>8.1f}x")
+        print(f"{r['tokens']:>8}{r.get('kv', 'bf16'):>6}{r['host']:>10}{r['copy_ms']:>10.2f}{r['copy_gbs']:>8.1f}"
+              f"{r['ttft_l2_ms']:>10.2f}{r['ttft_device_ms']:>10.2f}{r['ttft_cold_ms']:>10.1f}"
+              f"{r['l2_over_copy_plus_device']:>15.3f}{r['speedup_over_cold']:>8.1f}x")
+    at = {(r.get("kv", "bf16"), r["host"]): r for r in l2 if r["tokens"] == 16384}
+    if ("fp8", "pinned") in at and ("bf16", "pinned") in at:
+        print(f"fp8 against bf16 KV, 16,384 tokens from L2: "
+              f"{at[('bf16', 'pinned')]['ttft_l2_ms'] / at[('fp8', 'pinned')]['ttft_l2_ms']:.2f}x faster")

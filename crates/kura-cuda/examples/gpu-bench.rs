@@ -183,54 +183,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (16_384, true),
         (4096, false),
     ] {
-        let p = tokens(n, 500 + n as u64, vocab);
-        let cached = n - 16;
-        let nb = cached / bs;
-        let mut cold = Vec::new();
-        for _ in 0..3 {
-            let t = Instant::now();
-            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
-            cold.push(t.elapsed().as_secs_f64() * 1e3);
-        }
         let buf: &mut [u8] = if pinned { &mut host } else { &mut pageable };
-        for b in 0..nb {
-            gpu.try_export_block(b as u32, &mut buf[b * block_bytes..(b + 1) * block_bytes])?;
-        }
-        let (mut device_ms, mut l2_ms, mut copy_ms) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..5 {
-            let t = Instant::now();
-            gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, &table)])?;
-            device_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            let t = Instant::now();
-            for b in 0..nb {
-                gpu.try_import_block(b as u32, &buf[b * block_bytes..(b + 1) * block_bytes])?;
-            }
-            gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, &table)])?;
-            l2_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            let t = Instant::now();
-            let mut view = staging.slice_mut(0..nb * block_bytes);
-            gpu.device()
-                .stream
-                .memcpy_htod(&buf[..nb * block_bytes], &mut view)?;
-            gpu.device().synchronize()?;
-            copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        let (cold, device, l2, copy) = (
-            median(cold),
-            median(device_ms),
-            median(l2_ms),
-            median(copy_ms),
-        );
-        emit(format!(
-            "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"tokens\":{n},\"cached\":{cached},\"host\":\"{}\",\
-             \"blocks\":{nb},\"block_bytes\":{block_bytes},\"copy_ms\":{copy:.2},\"copy_gbs\":{:.1},\
-             \"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\"ttft_cold_ms\":{cold:.1},\
-             \"l2_over_copy_plus_device\":{:.3},\"speedup_over_cold\":{:.2}}}",
-            if pinned && pinned_ok { "pinned" } else { "pageable" },
-            (nb * block_bytes) as f64 / copy / 1e6,
-            l2 / (copy + device),
-            cold / l2
-        ));
+        let host_kind = if pinned && pinned_ok {
+            "pinned"
+        } else {
+            "pageable"
+        };
+        emit(l2_revisit(
+            &mut gpu,
+            buf,
+            &mut staging,
+            n,
+            &table,
+            host_kind,
+        )?);
     }
     drop(staging);
 
@@ -269,7 +235,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device())?;
     let bound = bandwidth / weight_bytes as f64;
+    let has_dependent = gpu.device().has_dependent_launch();
     for ((graphs, dependent), tps) in decode1 {
+        let dependent = dependent && has_dependent;
         emit(format!(
             "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"graphs\":{graphs},\
              \"dependent_launch\":{dependent},\
@@ -317,7 +285,99 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if let Err(e) = profile() {
         eprintln!("gpu-bench: profiling: {e}");
     }
+
+    // fp8 KV (half the bytes a block moves): the 16,384-token revisit from the host tier again, on a
+    // fresh executor with an fp8 pool (the bf16 one and its weights freed first).
+    drop(gpu);
+    let dev = Device::open(0)?;
+    let w = DevWeights::random(&dev, &cfg, 1)?;
+    let bb8 = kura_cuda::block_bytes(&cfg, KvDtype::Fp8, bs);
+    let mut host8 = vec![0u8; 16_384 / bs * bb8];
+    let spec8 = PoolSpec {
+        reserve_tokens: 8192,
+        reserve_seqs: 256,
+        ..PoolSpec::new(KvDtype::Fp8, bs, 16_384 / bs + 64)
+    };
+    let mut g8 = CudaExecutor::new(dev, cfg.clone(), w, spec8)?;
+    let pinned8 = kura_engine::Executor::register_host_region(&mut g8, &mut host8);
+    let mut staging8 = g8.device().alloc::<u8>(host8.len(), "the copy benchmark")?;
+    let line = l2_revisit(
+        &mut g8,
+        &mut host8,
+        &mut staging8,
+        16_384,
+        &table,
+        if pinned8 { "pinned" } else { "pageable" },
+    )?;
+    println!("{line}");
     Ok(())
+}
+
+/// A revisited `n`-token prompt whose KV (all but the last 16 tokens, in blocks of 16) is only in host
+/// memory `buf`: the cold prefill, the TTFT with the KV still in device memory, the TTFT with its blocks
+/// brought back first (one copy a block, as the engine's host tier does), and one copy of the same bytes
+/// into `staging` (medians). One JSON line.
+fn l2_revisit(
+    gpu: &mut CudaExecutor,
+    buf: &mut [u8],
+    staging: &mut cudarc::driver::CudaSlice<u8>,
+    n: usize,
+    table: &[u32],
+    host_kind: &str,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let (bs, vocab) = (16, gpu.config().vocab_size());
+    let block_bytes = kura_engine::Executor::block_bytes(gpu);
+    let p = tokens(n, 500 + n as u64, vocab);
+    let cached = n - 16;
+    let nb = cached / bs;
+    let mut cold = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        gpu.forward_greedy(&[SeqInput::new(&p, 0, table)])?;
+        cold.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    for b in 0..nb {
+        gpu.try_export_block(b as u32, &mut buf[b * block_bytes..(b + 1) * block_bytes])?;
+    }
+    let (mut device_ms, mut l2_ms, mut copy_ms) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, table)])?;
+        device_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        for b in 0..nb {
+            gpu.try_import_block(b as u32, &buf[b * block_bytes..(b + 1) * block_bytes])?;
+        }
+        gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, table)])?;
+        l2_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        let mut view = staging.slice_mut(0..nb * block_bytes);
+        gpu.device()
+            .stream
+            .memcpy_htod(&buf[..nb * block_bytes], &mut view)?;
+        gpu.device().synchronize()?;
+        copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let (cold, device, l2, copy) = (
+        median(cold),
+        median(device_ms),
+        median(l2_ms),
+        median(copy_ms),
+    );
+    let kv = match gpu.kv_dtype() {
+        KvDtype::Fp8 => "fp8",
+        KvDtype::F32 => "f32",
+        _ => "bf16",
+    };
+    Ok(format!(
+        "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"kv\":\"{kv}\",\"tokens\":{n},\"cached\":{cached},\
+         \"host\":\"{host_kind}\",\"blocks\":{nb},\"block_bytes\":{block_bytes},\"copy_ms\":{copy:.2},\
+         \"copy_gbs\":{:.1},\"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\"ttft_cold_ms\":{cold:.1},\
+         \"l2_over_copy_plus_device\":{:.3},\"speedup_over_cold\":{:.2}}}",
+        (nb * block_bytes) as f64 / copy / 1e6,
+        l2 / (copy + device),
+        cold / l2
+    ))
 }
 
 /// Device-to-device copy bandwidth (bytes read plus written per second) of a 2 GiB buffer: the HBM

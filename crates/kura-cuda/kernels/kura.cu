@@ -7,8 +7,15 @@
 // to and from the lower tiers with one copy.
 //
 // The residual stream is f32; the inputs of the weight products are bf16; products accumulate in f32.
+//
+// KV elements are bf16, f32, or fp8: e4m3 bytes with one f16 scale per 64 elements of a row (the KV
+// type `unsigned char`). An fp8 region of (block, layer, kind, head) holds the block's payload rows
+// (`head_dim` bytes each) and then their scale rows (`head_dim / 64` halves each): the same bytes per
+// block as the CPU's fp8 layout, laid out so that payload rows stay 16-byte aligned.
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
@@ -130,6 +137,41 @@ __device__ __forceinline__ size_t pool_at(const PoolShape& p, int block, int lay
          (size_t)slot * p.head_dim;
 }
 
+// fp8 KV: bytes of one stored row (payload and scales), and byte offsets of a slot's payload and scales.
+__device__ __forceinline__ int fp8_row_bytes(int d) { return d + (d / 64) * 2; }
+__device__ __forceinline__ size_t fp8_region(const PoolShape& p, int block, int layer, int kind, int head) {
+  return ((((size_t)block * p.layers + layer) * 2 + kind) * p.kv_heads + head) * (size_t)p.block_size *
+         fp8_row_bytes(p.head_dim);
+}
+
+template <class A, class B> struct same_type { static constexpr bool value = false; };
+template <class A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// Where a K row (kind 0) starts, and its scales (fp8 only; 0 otherwise), in the pool's elements; V's are
+// `kind_stride` further.
+template <typename KV> struct KvAddr {
+  static __device__ __forceinline__ size_t row(const PoolShape& p, int block, int layer, int head, int slot) {
+    return pool_at(p, block, layer, 0, head, slot);
+  }
+  static __device__ __forceinline__ size_t scales(const PoolShape& p, int block, int layer, int head, int slot) {
+    return 0;
+  }
+  static __device__ __forceinline__ size_t kind_stride(const PoolShape& p) {
+    return (size_t)p.kv_heads * p.block_size * p.head_dim;
+  }
+};
+template <> struct KvAddr<unsigned char> {
+  static __device__ __forceinline__ size_t row(const PoolShape& p, int block, int layer, int head, int slot) {
+    return fp8_region(p, block, layer, 0, head) + (size_t)slot * p.head_dim;
+  }
+  static __device__ __forceinline__ size_t scales(const PoolShape& p, int block, int layer, int head, int slot) {
+    return fp8_region(p, block, layer, 0, head) + (size_t)p.block_size * p.head_dim + (size_t)slot * (p.head_dim / 64) * 2;
+  }
+  static __device__ __forceinline__ size_t kind_stride(const PoolShape& p) {
+    return (size_t)p.kv_heads * p.block_size * fp8_row_bytes(p.head_dim);
+  }
+};
+
 // RoPE angles of each new token, once per step for every layer: cs[t][j] = cos(pos[t] · inv_freq[j]),
 // sn likewise (the angle an f32 product, as the CPU runtime computes it).
 extern "C" __global__ void rope_table(const int* pos, const float* inv_freq, float* cs, float* sn, int half,
@@ -196,6 +238,70 @@ extern "C" __global__ void rope_store_f32(const float* qkv, const float* bias, c
   rope_store<float>(qkv, bias, cs, sn, sb, q, pool, p, layer, heads, style);
 }
 
+// fp8 KV, first half: bias and RoPE as `rope_store`, q into `q`, but K (rotated) and V (with its bias)
+// written back into their place in `qkv` (f32), where `quant_store_fp8` reads whole rows to scale them.
+// Each item reads and writes only its own elements.
+extern "C" __global__ void rope_kv_inplace(float* __restrict__ qkv, const float* __restrict__ bias,
+                                           const float* __restrict__ cs, const float* __restrict__ sn,
+                                           bf16* __restrict__ q, PoolShape p, int heads, int style) {
+  KURA_DEP();
+  int t = blockIdx.x;
+  int d = p.head_dim, half = d / 2;
+  int qd = heads * d, kvd = p.kv_heads * d;
+  int pairs = (heads + p.kv_heads) * half;
+  int i = blockIdx.y * blockDim.x + threadIdx.x;
+  if (i >= pairs + kvd) return;
+  float* row = qkv + (size_t)t * (qd + 2 * kvd);
+  if (i < pairs) {
+    int head = i / half, j = i - head * half;
+    int a = style == 0 ? j : 2 * j, b = style == 0 ? j + half : 2 * j + 1;
+    int base = head * d;
+    float x0 = row[base + a], x1 = row[base + b];
+    if (bias) { x0 += bias[base + a]; x1 += bias[base + b]; }
+    float c = cs[t * half + j], s = sn[t * half + j];
+    float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+    if (head < heads) {
+      bf16* qo = q + (size_t)t * qd + base;
+      qo[a] = __float2bfloat16(y0);
+      qo[b] = __float2bfloat16(y1);
+    } else {
+      row[base + a] = y0;
+      row[base + b] = y1;
+    }
+  } else {
+    int e = qd + kvd + (i - pairs);
+    if (bias) row[e] += bias[e];
+  }
+}
+
+// fp8 KV, second half: each new token's K and V rows (from `qkv`, after `rope_kv_inplace`) as e4m3
+// with one f16 scale per 64 elements (the group's largest magnitude over 448, as the CPU's fp8 format
+// scales; rounded to nearest even, saturating). Block (token, kind · kv_heads + head), head_dim / 2
+// threads: a warp is one group of 64, two elements a thread.
+extern "C" __global__ void quant_store_fp8(const float* __restrict__ qkv, const int* __restrict__ slot_block,
+                                           unsigned char* __restrict__ pool, PoolShape p, int layer, int heads) {
+  KURA_DEP();
+  int t = blockIdx.x, kind = blockIdx.y / p.kv_heads, head = blockIdx.y % p.kv_heads;
+  int d = p.head_dim, qd = heads * d, kvd = p.kv_heads * d;
+  int e = 2 * threadIdx.x, group = e / 64;
+  const float* src = qkv + (size_t)t * (qd + 2 * kvd) + qd + kind * kvd + head * d;
+  float x0 = src[e], x1 = src[e + 1];
+  float amax = warp_max(fmaxf(fabsf(x0), fabsf(x1)));
+  float scale = amax / 448.f;
+  scale = isfinite(scale) ? fminf(scale, 65504.f) : 0.f;
+  __half sh = __float2half_rn(scale);
+  float sf = __half2float(sh), inv = sf > 0.f ? 1.f / sf : 0.f;
+  int block = slot_block[2 * t], slot = slot_block[2 * t + 1];
+  size_t region = fp8_region(p, block, layer, kind, head);
+  unsigned char* payload = pool + region + (size_t)slot * d;
+  payload[e] = __nv_cvt_float_to_fp8(x0 * inv, __NV_SATFINITE, __NV_E4M3);
+  payload[e + 1] = __nv_cvt_float_to_fp8(x1 * inv, __NV_SATFINITE, __NV_E4M3);
+  if ((threadIdx.x & 31) == 0) {
+    __half* scales = reinterpret_cast<__half*>(pool + region + (size_t)p.block_size * d + (size_t)slot * (d / 64) * 2);
+    scales[group] = sh;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Attention of few query tokens (decode, short chunks) over paged K/V, split along the keys: block
 // (token, kv head, split) scores SPLIT keys for the `group` query heads that share the KV head, and
@@ -221,6 +327,27 @@ __device__ __forceinline__ void load8(const float* p, float* f) {
   f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
+// Eight e4m3 bytes (8-byte load) times their group's scale.
+__device__ __forceinline__ void load8_fp8(const unsigned char* p, float scale, float* f) {
+  uint2 v = *reinterpret_cast<const uint2*>(p);
+  const unsigned int w[2] = {v.x, v.y};
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[j / 2] >> (16 * (j % 2))) & 0xFFFFu), __NV_E4M3);
+    __half2 h = *reinterpret_cast<__half2*>(&hr);
+    float2 x = __half22float2(h);
+    f[2 * j] = x.x * scale;
+    f[2 * j + 1] = x.y * scale;
+  }
+}
+// Eight elements of a K/V row at element `off` (bf16, f32), or at byte `off` with the f16 scale at byte
+// `soff` (fp8).
+__device__ __forceinline__ void kv_load8(const bf16* pool, size_t off, size_t, float* f) { load8(pool + off, f); }
+__device__ __forceinline__ void kv_load8(const float* pool, size_t off, size_t, float* f) { load8(pool + off, f); }
+__device__ __forceinline__ void kv_load8(const unsigned char* pool, size_t off, size_t soff, float* f) {
+  float scale = __half2float(*reinterpret_cast<const __half*>(pool + soff));
+  load8_fp8(pool + off, scale, f);
+}
 
 // G: the most query heads one KV head serves that this instance handles (group ≤ G).
 template <typename KV, int D, int G>
@@ -233,7 +360,9 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
   __shared__ __align__(16) float qs[G * D];
   __shared__ float ps[G][SPLIT];
   __shared__ float stat[G][2];
+  constexpr bool FP8 = same_type<KV, unsigned char>::value;
   __shared__ size_t kofs[SPLIT];
+  __shared__ size_t sofs[FP8 ? SPLIT : 1];
   __shared__ __align__(16) float acc[4][GC][D];
   int ti = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   int row = tok_info[4 * ti], qpos = tok_info[4 * ti + 1], toff = tok_info[4 * ti + 2], lo = tok_info[4 * ti + 3];
@@ -258,16 +387,17 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
   // once (a row across 16 threads, summed by shuffles, waited on 16 dependent rounds: slower at batch 1).
   if (tid < n) {
     int kp = k0 + tid;
-    size_t kat = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size);
+    int blk = tables[toff + kp / p.block_size], slot = kp % p.block_size;
+    size_t kat = KvAddr<KV>::row(p, blk, layer, kvh, slot), sat = KvAddr<KV>::scales(p, blk, layer, kvh, slot);
     kofs[tid] = kat;
-    const KV* k = pool + kat;
+    if constexpr (FP8) sofs[tid] = sat;
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; g++) s[g] = 0.f;
 #pragma unroll 4
     for (int i = 0; i < D; i += 8) {
       float kf[8];
-      load8(k + i, kf);
+      kv_load8(pool, kat + i, sat + (i / 64) * 2, kf);
 #pragma unroll
       for (int g = 0; g < G; g++) {
         if (g < group) {
@@ -283,7 +413,7 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
       if (g < group) ps[g][tid] = s[g] * scale_log2;
   }
   int c = (lane % LPK) * 8, kq = lane / LPK;
-  const size_t vstride = (size_t)p.kv_heads * p.block_size * D;
+  const size_t vstride = KvAddr<KV>::kind_stride(p);
   __syncthreads();
   // Max and sum per head: warp w takes heads w, w + 4, ...
   for (int g = warp; g < group; g += 4) {
@@ -310,7 +440,9 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
 #pragma unroll 4
     for (int i = warp * KPW + kq; i < n; i += 4 * KPW) {
       float v[8];
-      load8(pool + kofs[i] + vstride + c, v);
+      size_t so = 0;
+      if constexpr (FP8) so = sofs[i] + vstride + (c / 64) * 2;
+      kv_load8(pool, kofs[i] + vstride + c, so, v);
 #pragma unroll
       for (int g = 0; g < GC; g++) {
         if (g0 + g < group) {
@@ -359,6 +491,8 @@ ATTN_SPLIT_G(bf16, bf16, 64)
 ATTN_SPLIT_G(bf16, bf16, 128)
 ATTN_SPLIT_G(f32, float, 64)
 ATTN_SPLIT_G(f32, float, 128)
+ATTN_SPLIT_G(fp8, unsigned char, 64)
+ATTN_SPLIT_G(fp8, unsigned char, 128)
 
 // Merges the splits of `attn_split`: out[row][head] = Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Block
 // (token, head), D threads.
@@ -447,6 +581,35 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool,
       size_t at = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size) + c;
       load8(pool + at, kf);
       load8(pool + at + (size_t)p.kv_heads * p.block_size * D, vf);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++) kf[j] = vf[j] = 0.f;
+    }
+    uint4 kw, vw;
+    kw.x = pack_bf16(kf[0], kf[1]); kw.y = pack_bf16(kf[2], kf[3]);
+    kw.z = pack_bf16(kf[4], kf[5]); kw.w = pack_bf16(kf[6], kf[7]);
+    vw.x = pack_bf16(vf[0], vf[1]); vw.y = pack_bf16(vf[2], vf[3]);
+    vw.z = pack_bf16(vf[4], vf[5]); vw.w = pack_bf16(vf[6], vf[7]);
+    *reinterpret_cast<uint4*>(ks + key * KS + c) = kw;
+    *reinterpret_cast<uint4*>(vs + key * KS + c) = vw;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned char* pool, const int* tables,
+                                          const PoolShape& p, int layer, int kvh, int toff, int kt, int last) {
+  constexpr int KS = D + 8;
+  const size_t vstride = KvAddr<unsigned char>::kind_stride(p);
+  for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+    int key = i / (D / 8), c = (i % (D / 8)) * 8;
+    int kp = kt + key;
+    float kf[8], vf[8];
+    if (kp <= last) {
+      int blk = tables[toff + kp / p.block_size], slot = kp % p.block_size;
+      size_t at = KvAddr<unsigned char>::row(p, blk, layer, kvh, slot) + c;
+      size_t sat = KvAddr<unsigned char>::scales(p, blk, layer, kvh, slot) + (c / 64) * 2;
+      kv_load8(pool, at, sat, kf);
+      kv_load8(pool, at + vstride, sat + vstride, vf);
     } else {
 #pragma unroll
       for (int j = 0; j < 8; j++) kf[j] = vf[j] = 0.f;
@@ -618,6 +781,8 @@ ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)
 ATTN_PREFILL(f32, float, 64)
 ATTN_PREFILL(f32, float, 128)
+ATTN_PREFILL(fp8, unsigned char, 64)
+ATTN_PREFILL(fp8, unsigned char, 128)
 
 // ---------------------------------------------------------------------------------------------------
 // y[t][n] (+)= Σ_k W[n][k] · x[t][k] for T ≤ 8 tokens (decode): a warp per output row, 16-byte loads of
@@ -626,9 +791,12 @@ template <int T>
 __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
   int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
-  // The weights depend on no earlier kernel: ask L2 for this row (128-byte lines) before waiting on it.
-  if (warp < n)
-    for (int i = lane * 8; i < k / 8; i += 32 * 8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + i));
+  // The weights depend on no earlier kernel: while the kernel before drains (a dependent launch), ask
+  // L2 for the start of this row, a 128-byte line a lane (4 KiB: every resident warp's together stay
+  // well inside L2), then wait.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (warp < n && lane * 8 < k / 8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + lane * 8));
+#endif
   KURA_DEP();
   if (warp >= n) return;
   float acc[T];
@@ -724,6 +892,20 @@ extern "C" __global__ void copy_block_prefix(unsigned char* pool, int src, int d
   unsigned char* d = pool + (size_t)dst * block_bytes + at;
   size_t len = (size_t)n * row_bytes;
   for (size_t i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+}
+
+// The same for an fp8 pool: in each region (block (layer · 2 · kv_heads + kind · kv_heads + head)), the
+// first n payload rows and the first n scale rows.
+extern "C" __global__ void copy_block_prefix_fp8(unsigned char* pool, int src, int dst, int n, size_t block_bytes,
+                                                 int block_size, int head_dim) {
+  size_t run = (size_t)block_size * (head_dim + (head_dim / 64) * 2);
+  size_t at = (size_t)blockIdx.x * run;
+  const unsigned char* s = pool + (size_t)src * block_bytes + at;
+  unsigned char* d = pool + (size_t)dst * block_bytes + at;
+  size_t payload = (size_t)n * head_dim, scales_at = (size_t)block_size * head_dim,
+         scales = (size_t)n * (head_dim / 64) * 2;
+  for (size_t i = threadIdx.x; i < payload; i += blockDim.x) d[i] = s[i];
+  for (size_t i = threadIdx.x; i < scales; i += blockDim.x) d[scales_at + i] = s[scales_at + i];
 }
 
 // ---------------------------------------------------------------------------------------------------

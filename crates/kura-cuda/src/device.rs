@@ -258,7 +258,13 @@ impl Device {
                     need: usize::MAX,
                     free: 0,
                 })?;
-        let (free, _) = self.memory()?;
+        let (mut free, _) = self.memory()?;
+        if bytes > free {
+            // Buffers freed just before (a buffer growing) go back to the driver in stream order: wait
+            // for the stream, then look again.
+            self.synchronize()?;
+            free = self.memory()?.0;
+        }
         if bytes > free {
             return Err(CudaError::OutOfMemory {
                 what: what.into(),
@@ -469,12 +475,15 @@ pub fn kernel_names() -> Vec<String> {
         "attn_merge",
         "argmax_rows",
         "copy_block_prefix",
+        "copy_block_prefix_fp8",
+        "rope_kv_inplace",
+        "quant_store_fp8",
         "fill_random_bf16",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
-    for kv in ["bf16", "f32"] {
+    for kv in ["bf16", "f32", "fp8"] {
         for d in [64, 128] {
             v.push(format!("attn_prefill_{kv}_{d}"));
             for g in [1, 2, 4, 8, 16] {

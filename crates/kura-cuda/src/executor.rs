@@ -392,10 +392,35 @@ impl PoolSpec {
     }
 }
 
+/// Bytes of one stored K or V row of `head_dim` elements in `dtype`: 2 or 4 a element, or for fp8 one
+/// byte a element and an f16 scale per 64 (the CPU's fp8 layout's bytes).
+fn row_bytes(dtype: KvDtype, head_dim: usize) -> usize {
+    match dtype {
+        KvDtype::F32 => 4 * head_dim,
+        KvDtype::Fp8 => dtype.bytes_per_vector(head_dim),
+        _ => 2 * head_dim,
+    }
+}
+
 /// Bytes of one KV block of `cfg` in `dtype` (every layer's K and V).
 pub fn block_bytes(cfg: &ModelConfig, dtype: KvDtype, block_size: usize) -> usize {
-    let elem = if dtype == KvDtype::F32 { 4 } else { 2 };
-    cfg.num_layers() * 2 * cfg.num_kv_heads() * block_size * cfg.head_dim() * elem
+    cfg.num_layers() * 2 * cfg.num_kv_heads() * block_size * row_bytes(dtype, cfg.head_dim())
+}
+
+/// Whether the GPU pool holds `dtype` in blocks of `block_size` tokens: bf16 and f32 at any size, fp8
+/// (its regions of payload rows and scale rows kept 16-byte aligned) in blocks of a multiple of 8.
+pub fn check_pool_format(dtype: KvDtype, block_size: usize) -> Result<()> {
+    match dtype {
+        KvDtype::Bf16 | KvDtype::F32 => Ok(()),
+        KvDtype::Fp8 if block_size.is_multiple_of(8) => Ok(()),
+        KvDtype::Fp8 => Err(CudaError::Unsupported(format!(
+            "fp8 KV on the GPU in blocks of {block_size} tokens: give a block size that is a multiple of 8"
+        ))),
+        other => Err(CudaError::Unsupported(format!(
+            "KV dtype {}: the GPU pool holds bf16, f32 or fp8",
+            other.name()
+        ))),
+    }
 }
 
 impl CudaExecutor {
@@ -409,12 +434,7 @@ impl CudaExecutor {
     /// An executor over weights already on `dev`.
     pub fn new(dev: Device, cfg: ModelConfig, w: DevWeights, pool: PoolSpec) -> Result<Self> {
         crate::weights::check_supported(&cfg)?;
-        if !matches!(pool.kv_dtype, KvDtype::Bf16 | KvDtype::F32) {
-            return Err(CudaError::Unsupported(format!(
-                "KV dtype {}: the GPU pool holds bf16 or f32",
-                pool.kv_dtype.name()
-            )));
-        }
+        check_pool_format(pool.kv_dtype, pool.block_size)?;
         if !(1..=256).contains(&pool.block_size) {
             return Err(CudaError::Unsupported(format!(
                 "block size {}: give 1 to 256 tokens",
@@ -492,6 +512,11 @@ impl CudaExecutor {
         &self.dev
     }
 
+    /// The pool's KV element format.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -550,18 +575,20 @@ impl CudaExecutor {
         if plan.tiles == 0 && t <= GRAPH_MAX_TOKENS && self.use_graphs {
             let key = (t, n, plan.split_tokens, plan.max_splits);
             if !self.graphs.contains_key(&key) {
-                self.dev.stream.begin_capture(
-                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )?;
-                let enqueued = self.enqueue(&plan);
-                let graph = self
-                    .dev
-                    .stream
-                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
-                enqueued?;
-                let graph = graph.ok_or_else(|| {
-                    CudaError::Driver("capturing a decode step gave no graph".into())
-                })?;
+                let graph = match self.capture(&plan) {
+                    Ok(g) => g,
+                    // A driver that cannot capture dependent launches (before CUDA 12.3): plain ones.
+                    Err(e) if self.use_dependent && self.dev.has_dependent_launch() => {
+                        tracing::warn!(
+                            "capturing a decode step with dependent launches failed ({e}); steps run \
+                             with plain launches from now on"
+                        );
+                        self.use_dependent = false;
+                        self.graphs.clear();
+                        self.capture(&plan)?
+                    }
+                    Err(e) => return Err(e),
+                };
                 if self.graphs.len() >= MAX_GRAPHS {
                     self.graphs.clear();
                 }
@@ -572,6 +599,20 @@ impl CudaExecutor {
             self.enqueue(&plan)?;
         }
         Ok(plan)
+    }
+
+    /// The step `plan` captured as a graph (not launched).
+    fn capture(&self, plan: &StepPlan) -> Result<cudarc::driver::CudaGraph> {
+        self.dev.stream.begin_capture(
+            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )?;
+        let enqueued = self.enqueue(plan);
+        let graph = self
+            .dev
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
+        enqueued?;
+        graph.ok_or_else(|| CudaError::Driver("capturing a decode step gave no graph".into()))
     }
 
     /// Launches every kernel and product of the step `plan` (whose metadata is on the device).
@@ -596,10 +637,10 @@ impl CudaExecutor {
             dev.ptr(&s.act),
         );
         let (pool, part) = (dev.ptr(&self.pool), dev.ptr(&s.part));
-        let kv = if self.kv_dtype == KvDtype::F32 {
-            "f32"
-        } else {
-            "bf16"
+        let kv = match self.kv_dtype {
+            KvDtype::F32 => "f32",
+            KvDtype::Fp8 => "fp8",
+            _ => "bf16",
         };
         let eps = c.params.rms_norm_eps;
         let style = match c.params.rope_style {
@@ -674,24 +715,57 @@ impl CudaExecutor {
             norm(t, 0, dev.ptr(&lw.attn_norm), xn)?;
             dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
             let items = (heads + kvh) * half + kvh * d;
-            dev.launch(
-                &format!("rope_store_{kv}"),
-                (t as u32, items.div_ceil(256) as u32, 1),
-                256,
-                &[
-                    Arg::Ptr(qkv),
-                    Arg::Ptr(lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b))),
-                    Arg::Ptr(cs),
-                    Arg::Ptr(sn),
-                    Arg::Ptr(m(plan.at_slots)),
-                    Arg::Ptr(q),
-                    Arg::Ptr(pool),
-                    Arg::Shape(self.shape),
-                    Arg::I32(li as i32),
-                    Arg::I32(heads as i32),
-                    Arg::I32(style),
-                ],
-            )?;
+            let bias = lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b));
+            if self.kv_dtype == KvDtype::Fp8 {
+                // RoPE into place in qkv, then each K and V row scaled and stored as fp8.
+                dev.launch(
+                    "rope_kv_inplace",
+                    (t as u32, items.div_ceil(256) as u32, 1),
+                    256,
+                    &[
+                        Arg::Ptr(qkv),
+                        Arg::Ptr(bias),
+                        Arg::Ptr(cs),
+                        Arg::Ptr(sn),
+                        Arg::Ptr(q),
+                        Arg::Shape(self.shape),
+                        Arg::I32(heads as i32),
+                        Arg::I32(style),
+                    ],
+                )?;
+                dev.launch(
+                    "quant_store_fp8",
+                    (t as u32, 2 * kvh as u32, 1),
+                    (d / 2) as u32,
+                    &[
+                        Arg::Ptr(qkv),
+                        Arg::Ptr(m(plan.at_slots)),
+                        Arg::Ptr(pool),
+                        Arg::Shape(self.shape),
+                        Arg::I32(li as i32),
+                        Arg::I32(heads as i32),
+                    ],
+                )?;
+            } else {
+                dev.launch(
+                    &format!("rope_store_{kv}"),
+                    (t as u32, items.div_ceil(256) as u32, 1),
+                    256,
+                    &[
+                        Arg::Ptr(qkv),
+                        Arg::Ptr(bias),
+                        Arg::Ptr(cs),
+                        Arg::Ptr(sn),
+                        Arg::Ptr(m(plan.at_slots)),
+                        Arg::Ptr(q),
+                        Arg::Ptr(pool),
+                        Arg::Shape(self.shape),
+                        Arg::I32(li as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(style),
+                    ],
+                )?;
+            }
             if plan.split_tokens > 0 {
                 dev.launch(
                     &format!("attn_split_{kv}_{d}_g{g}"),
@@ -834,11 +908,15 @@ impl CudaExecutor {
                 "{num_tokens} tokens do not fit a block of {bs}"
             )));
         }
-        let elem = if self.kv_dtype == KvDtype::F32 { 4 } else { 2 };
         let runs = self.cfg.num_layers() * 2 * self.cfg.num_kv_heads();
         self.dev.ctx.bind_to_thread()?;
+        // A region's rows (f32, bf16) or its payload rows and scale rows (fp8).
+        let (kernel, last) = match self.kv_dtype {
+            KvDtype::Fp8 => ("copy_block_prefix_fp8", self.cfg.head_dim()),
+            dtype => ("copy_block_prefix", row_bytes(dtype, self.cfg.head_dim())),
+        };
         self.dev.launch(
-            "copy_block_prefix",
+            kernel,
             (runs as u32, 1, 1),
             256,
             &[
@@ -848,7 +926,7 @@ impl CudaExecutor {
                 Arg::I32(num_tokens as i32),
                 Arg::Usize(self.block_bytes as u64),
                 Arg::I32(bs as i32),
-                Arg::I32((self.cfg.head_dim() * elem) as i32),
+                Arg::I32(last as i32),
             ],
         )
     }
@@ -1083,6 +1161,25 @@ mod tests {
             layout.bytes_per_block() as usize,
             block_bytes(&cfg, KvDtype::Bf16, 16)
         );
+        // fp8: a byte an element and an f16 scale per 64 (132 bytes a row of 128), the same bytes a
+        // block as the engine's layout counts; blocks of a multiple of 8 tokens only (16-byte rows).
+        assert_eq!(block_bytes(&cfg, KvDtype::Fp8, 16), 16 * 32 * 2 * 8 * 132);
+        for bs in [8, 16, 256] {
+            let layout = cfg.kv_layout(KvDtype::Fp8, bs).unwrap();
+            assert_eq!(
+                layout.bytes_per_block() as usize,
+                block_bytes(&cfg, KvDtype::Fp8, bs)
+            );
+            assert!(check_pool_format(KvDtype::Fp8, bs).is_ok());
+        }
+        for bs in [1, 4, 12] {
+            let e = check_pool_format(KvDtype::Fp8, bs).unwrap_err().to_string();
+            assert!(e.contains("multiple of 8"), "{e}");
+        }
+        let e = check_pool_format(KvDtype::Int8, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("int8") && e.contains("bf16, f32 or fp8"), "{e}");
     }
 
     #[test]

@@ -535,6 +535,133 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte() {
+    // SmolLM2's shape, 300 tokens: the CPU's fp8 (rotated groups, key offsets) against its bf16 sets
+    // the scale of what fp8 rounding leaves; the GPU's fp8 (plain groups of 64) is held to it.
+    let p = &prompts()[1];
+    let dir = models().join("smol");
+    let cpu = Model::load(&dir).unwrap();
+    let c16 = cpu_logits(&cpu, p, KvDtype::Bf16);
+    let c8 = cpu_logits(&cpu, p, KvDtype::Fp8);
+    let cpu_fp8 = errors(&c8, &c16).0;
+    let allowed = (1.5 * cpu_fp8).max(LOGITS_TOL);
+    let mut failures = Vec::new();
+    let mut split_logits: Option<Vec<f32>> = None;
+    for (bs, prefill_min) in [
+        (16, usize::MAX),
+        (8, usize::MAX),
+        (256, usize::MAX),
+        (16, 64),
+    ] {
+        let blocks = p.len().div_ceil(bs);
+        let mut gpu = exec("smol", KvDtype::Fp8, bs, blocks + 1);
+        gpu.set_prefill_min(prefill_min);
+        let table: Vec<u32> = (1..=blocks as u32).rev().collect();
+        // A cached prefix of 200 tokens, then the rest.
+        gpu.forward_logits(&[SeqInput::new(&p[..200], 0, &table)])
+            .unwrap();
+        let g = gpu
+            .forward_logits(&[SeqInput::new(&p[200..], 200, &table)])
+            .unwrap();
+        let (rel16, rel8) = (errors(&g, &c16).0, errors(&g, &c8).0);
+        println!(
+            "fp8 KV, block {bs}, prefill kernel from {prefill_min} tokens: vs CPU bf16 {rel16:.2e} (the CPU's \
+             fp8: {cpu_fp8:.2e}), vs CPU fp8 {rel8:.2e}; argmax GPU {} CPU bf16 {}",
+            argmax(&g),
+            argmax(&c16)
+        );
+        if rel16 > allowed {
+            failures.push(format!(
+                "block {bs} prefill_min {prefill_min}: {rel16:.2e} from bf16, more than {allowed:.2e}"
+            ));
+        }
+        if prefill_min == usize::MAX {
+            // The split kernel reads the same bytes in the same order at every block size.
+            match &split_logits {
+                None => split_logits = Some(g),
+                Some(first) if *first != g => failures.push(format!(
+                    "block {bs}: other bits than block 16 ({:.2e})",
+                    errors(&g, first).0
+                )),
+                Some(_) => {}
+            }
+        } else if let Some(first) = &split_logits {
+            // The prefill kernel rounds K and V to bf16 in shared memory: close, not equal.
+            let r = errors(&g, first).0;
+            if r > LOGITS_TOL {
+                failures.push(format!("the prefill kernel: {r:.2e} from the split kernel"));
+            }
+        }
+    }
+    // Blocks move byte for byte, and copy-on-write copies payload and scales of the first slots.
+    use kura_engine::Executor;
+    let bs = 16;
+    let q = &prompts()[0];
+    let blocks = q.len().div_ceil(bs);
+    let mut gpu = exec("smol", KvDtype::Fp8, bs, blocks + 4);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    gpu.forward_logits(&[SeqInput::new(q, 0, &table)]).unwrap();
+    let bb = cpu.kv_layout(KvDtype::Fp8, bs).unwrap().bytes_per_block() as usize;
+    assert_eq!(gpu.block_bytes(), bb);
+    let mut g = vec![0u8; bb];
+    gpu.export_block(0, &mut g);
+    assert!(g.iter().any(|b| *b != 0), "block 0 holds KV");
+    let spare = blocks as u32;
+    gpu.import_block(spare, &g);
+    let mut back = vec![0u8; bb];
+    gpu.export_block(spare, &mut back);
+    assert_eq!(back, g);
+    // The prompt's rest over the imported copy of block 0: the same bits as over the original.
+    let rest = |gpu: &mut CudaExecutor, t: &[u32]| {
+        gpu.forward_logits(&[SeqInput::new(&q[16..], 16, t)])
+            .unwrap()
+    };
+    let over_original = rest(&mut gpu, &table);
+    let mut moved = table.clone();
+    moved[0] = spare;
+    let over_copy = rest(&mut gpu, &moved);
+    if over_copy != over_original {
+        failures.push(format!(
+            "the prompt's rest over an imported block: {:.2e} from over the original",
+            errors(&over_copy, &over_original).0
+        ));
+    }
+    gpu.import_block(spare + 1, &vec![0u8; bb]);
+    gpu.copy_block_prefix(0, spare + 1, 5);
+    gpu.export_block(spare + 1, &mut back);
+    let d = 64;
+    let region = bs * (d + 2);
+    for (r, (a, b)) in back
+        .chunks_exact(region)
+        .zip(g.chunks_exact(region))
+        .enumerate()
+    {
+        let (pay, sc) = (bs * d, 2);
+        assert_eq!(&a[..5 * d], &b[..5 * d], "region {r}: copied payload rows");
+        assert!(
+            a[5 * d..pay].iter().all(|x| *x == 0),
+            "region {r}: payload past the copy"
+        );
+        assert_eq!(
+            &a[pay..pay + 5 * sc],
+            &b[pay..pay + 5 * sc],
+            "region {r}: copied scales"
+        );
+        assert!(
+            a[pay + 5 * sc..].iter().all(|x| *x == 0),
+            "region {r}: scales past the copy"
+        );
+    }
+    // Blocks of a size the fp8 layout cannot align are refused by name.
+    let e = CudaExecutor::load(device(), &dir, PoolSpec::new(KvDtype::Fp8, 4, 8))
+        .expect_err("fp8 in blocks of 4 is refused")
+        .to_string();
+    assert!(e.contains("multiple of 8"), "{e}");
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn a_missing_device_or_too_little_memory_is_an_error_naming_it() {
     match Device::open(99) {
         Err(CudaError::NoDevice { ordinal: 99, found }) => println!("cuda:99: {found}"),

@@ -67,9 +67,9 @@ impl GpuSetup {
         max_tokens: usize,
         max_seqs: usize,
     ) -> Result<Self> {
-        if !matches!(kv_dtype, KvDtype::Bf16 | KvDtype::F32) {
+        if !matches!(kv_dtype, KvDtype::Bf16 | KvDtype::F32 | KvDtype::Fp8) {
             bail!(
-                "--kv-dtype {}: the GPU pool holds bf16 or f32 KV (--device cpu has the quantised formats)",
+                "--kv-dtype {}: the GPU pool holds bf16, f32 or fp8 KV (--device cpu has int8 and int4)",
                 kv_dtype.name()
             );
         }

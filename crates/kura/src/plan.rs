@@ -359,11 +359,8 @@ fn not_cuda(args: &PlanArgs, loaded: &LoadedSpec) -> Option<String> {
     if args.overhead.is_some() || args.activation.is_some() {
         return Some("--overhead/--activation replace the server's own terms".into());
     }
-    if !matches!(args.kv_dtype, KvDtype::Bf16 | KvDtype::F32) {
-        return Some(format!(
-            "--kv-dtype {}: the GPU pool holds bf16 or f32",
-            args.kv_dtype.name()
-        ));
+    if let Err(e) = kura_cuda::check_pool_format(args.kv_dtype, args.block_size) {
+        return Some(format!("--kv-dtype {}: {e}", args.kv_dtype.name()));
     }
     if !matches!(
         args.weights_dtype,

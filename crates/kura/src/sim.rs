@@ -592,11 +592,14 @@ fn calibrate(args: &SimArgs) -> Result<()> {
             };
             tables.push(table);
         }
+        let vocab = config.vocab_size() as u32;
         let items: Vec<(Vec<u32>, usize, Vec<u32>)> = shape
             .iter()
             .zip(tables)
             .map(|(i, table)| {
-                let tokens = (0..i.tokens as u32).map(|t| 100 + t % 1000).collect();
+                let tokens = (0..i.tokens as u32)
+                    .map(|t| (100 + t % 1000) % vocab)
+                    .collect();
                 (tokens, i.start, table)
             })
             .collect();
