@@ -359,8 +359,10 @@ fn not_cuda(args: &PlanArgs, loaded: &LoadedSpec) -> Option<String> {
     if args.overhead.is_some() || args.activation.is_some() {
         return Some("--overhead/--activation replace the server's own terms".into());
     }
-    if let Err(e) = kura_cuda::check_pool_format(args.kv_dtype, args.block_size) {
-        return Some(format!("--kv-dtype {}: {e}", args.kv_dtype.name()));
+    if let Err(kura_cuda::CudaError::Unsupported(why)) =
+        kura_cuda::check_pool_format(args.kv_dtype, args.block_size)
+    {
+        return Some(format!("--kv-dtype: {why}"));
     }
     if !matches!(
         args.weights_dtype,
