@@ -327,6 +327,8 @@ pub struct CudaExecutor {
     graphs: Graphs,
     use_graphs: bool,
     use_dependent: bool,
+    /// Bytes the split-key kernel's partials may take at once ([`PART_CAP_BYTES`]).
+    part_cap: usize,
     mask_all_tiles: bool,
 }
 
@@ -390,6 +392,24 @@ impl PoolSpec {
             reserve_seqs: 0,
         }
     }
+}
+
+/// Bytes the split-key kernel's partials may take at once: a step with more split tokens than fit runs
+/// that kernel and its merge in waves of tokens over the same buffer.
+pub const PART_CAP_BYTES: usize = 64 << 20;
+
+/// Split tokens per wave of the split-key kernel, each token's partials `heads × max_splits ×
+/// (head_dim + 2)` f32: as many as `cap` bytes hold ([`PART_CAP_BYTES`]), at least one, at most
+/// `split_tokens`.
+pub fn split_wave(
+    split_tokens: usize,
+    heads: usize,
+    max_splits: usize,
+    head_dim: usize,
+    cap: usize,
+) -> usize {
+    let per_token = heads * max_splits * (head_dim + 2) * 4;
+    (cap / per_token.max(1)).clamp(1, split_tokens.max(1))
 }
 
 /// Bytes of one stored K or V row of `head_dim` elements in `dtype`: 2 or 4 a element, or for fp8 one
@@ -478,6 +498,7 @@ impl CudaExecutor {
             graphs: Graphs::default(),
             use_graphs: true,
             use_dependent: true,
+            part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
         })
     }
@@ -491,6 +512,12 @@ impl CudaExecutor {
     /// Runs decode steps as captured graphs (the default) or launch by launch (tests compare the two).
     pub fn set_graphs(&mut self, on: bool) {
         self.use_graphs = on;
+        self.graphs.clear();
+    }
+
+    /// Caps the split-key kernel's partials at `bytes` (tests run every wave at one token).
+    pub fn set_part_cap(&mut self, bytes: usize) {
+        self.part_cap = bytes;
         self.graphs.clear();
     }
 
@@ -552,7 +579,15 @@ impl CudaExecutor {
         self.dev.ctx.bind_to_thread()?;
         let c = &self.cfg;
         let (t, n) = (plan.n_tokens, plan.n_seqs);
-        let part_len = plan.split_tokens * c.num_heads() * plan.max_splits * (c.head_dim() + 2);
+        let wave = split_wave(
+            plan.split_tokens,
+            c.num_heads(),
+            plan.max_splits,
+            c.head_dim(),
+            self.part_cap,
+        );
+        let part_len =
+            wave.min(plan.split_tokens) * c.num_heads() * plan.max_splits * (c.head_dim() + 2);
         let s = &mut self.s;
         let before = (s.tokens, s.rows, s.meta.len(), s.part.len());
         s.grow(&self.dev, c, t, n)?;
@@ -766,16 +801,21 @@ impl CudaExecutor {
                     ],
                 )?;
             }
-            if plan.split_tokens > 0 {
+            // In waves of tokens whose partials fit the buffer (one wave but at very long contexts):
+            // each wave's kernels see its tokens from the first, the partials from the buffer's start.
+            let wave = split_wave(plan.split_tokens, heads, plan.max_splits, d, self.part_cap);
+            for first in (0..plan.split_tokens).step_by(wave) {
+                let count = wave.min(plan.split_tokens - first);
+                let info = m(plan.at_tok_info + 4 * first);
                 dev.launch(
                     &format!("attn_split_{kv}_{d}_g{g}"),
-                    (plan.split_tokens as u32, kvh as u32, plan.max_splits as u32),
+                    (count as u32, kvh as u32, plan.max_splits as u32),
                     128,
                     &[
                         Arg::Ptr(q),
                         Arg::Ptr(pool),
                         Arg::Ptr(m(plan.at_tables)),
-                        Arg::Ptr(m(plan.at_tok_info)),
+                        Arg::Ptr(info),
                         Arg::Ptr(part),
                         Arg::Shape(self.shape),
                         Arg::I32(li as i32),
@@ -786,11 +826,11 @@ impl CudaExecutor {
                 )?;
                 dev.launch(
                     "attn_merge",
-                    (plan.split_tokens as u32, heads as u32, 1),
+                    (count as u32, heads as u32, 1),
                     d as u32,
                     &[
                         Arg::Ptr(part),
-                        Arg::Ptr(m(plan.at_tok_info)),
+                        Arg::Ptr(info),
                         Arg::Ptr(attn),
                         Arg::I32(heads as i32),
                         Arg::I32(plan.max_splits as i32),
@@ -1180,6 +1220,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("int8") && e.contains("bf16, f32 or fp8"), "{e}");
+    }
+
+    #[test]
+    fn the_split_kernels_partials_stay_within_their_cap_in_waves() {
+        // Llama-3.1-8B's 32 heads of 128: at 1,024 tokens of context (16 splits, rounded) a batch of
+        // 64 fits one wave; at 131,072 (1,024 splits) each token's partials are 17 MB, 3 a wave.
+        let per = |splits: usize| 32 * splits * 130 * 4;
+        let cap = PART_CAP_BYTES;
+        assert_eq!(split_wave(64, 32, 16, 128, cap), 64);
+        let w = split_wave(64, 32, 1024, 128, cap);
+        assert_eq!(w, 3);
+        assert!(w * per(1024) <= cap && (w + 1) * per(1024) > cap);
+        // One token past the cap still runs, alone; nothing splits no wave.
+        assert_eq!(split_wave(5, 32, 8192, 128, cap), 1);
+        assert_eq!(split_wave(0, 32, 0, 128, cap), 1);
     }
 
     #[test]

@@ -458,6 +458,25 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
         }
     }
     assert_eq!(together, alone, "a batch of four decodes as each alone");
+    // The split kernel in waves of one token (its partials capped): the same bits as in one wave.
+    g.set_part_cap(1);
+    let toks: Vec<[u32; 1]> = alone.iter().map(|a| [a[n - 1]]).collect();
+    let step = |g: &mut CudaExecutor| {
+        let batch: Vec<SeqInput<'_>> = others
+            .iter()
+            .zip(&tables)
+            .zip(&toks)
+            .map(|((q, t), tok)| SeqInput::new(tok, q.len() + n - 1, t))
+            .collect();
+        g.forward_logits(&batch).unwrap()
+    };
+    let waves = step(&mut g);
+    g.set_part_cap(usize::MAX);
+    assert_eq!(
+        waves,
+        step(&mut g),
+        "the split kernel in waves of one token"
+    );
 }
 
 #[test]
