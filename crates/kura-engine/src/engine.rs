@@ -30,6 +30,7 @@ use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
+use crate::cost::{CostModel, CostTier, TierCostCheck};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::kv_events::{KvEventLog, KvEventsSetup};
 use crate::metrics::EngineMetrics;
@@ -82,6 +83,9 @@ pub struct EngineConfig {
     pub kv_events: Option<KvEventsSetup>,
     /// The shared tier in Redis (L4), if any.
     pub remote: Option<RemoteTierSetup>,
+    /// Whether a block is loaded from a lower tier only when that is faster than recomputing it
+    /// ([`crate::cost`]); off by default here, on (measured) in `kura serve`.
+    pub tier_cost: TierCostCheck,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -110,6 +114,7 @@ impl Default for EngineConfig {
             window: None,
             kv_events: None,
             remote: None,
+            tier_cost: TierCostCheck::Off,
         }
     }
 }
@@ -172,6 +177,8 @@ pub fn start_engine(
         }
     };
     let tier_config = config.tiers.kv_config();
+    // Start values of the tier cost check's bandwidths (a few block reads): only when it measures.
+    let probe = config.tier_cost == TierCostCheck::Measured;
     let (tiers, restored) = if tier_config.enabled() {
         let block_bytes = executor.block_bytes();
         if block_bytes == 0 {
@@ -179,8 +186,8 @@ pub fn start_engine(
                 "this executor keeps no KV bytes that could move to a lower tier".into(),
             ));
         }
-        let (mut io, restored) =
-            TierIo::open(&config.tiers, block_bytes, &metrics).map_err(EngineStartError::Tiers)?;
+        let (mut io, restored) = TierIo::open(&config.tiers, block_bytes, &metrics, probe)
+            .map_err(EngineStartError::Tiers)?;
         if let Some(region) = io.host_region_mut() {
             let (bytes, t) = (region.len(), Instant::now());
             if executor.register_host_region(region) {
@@ -232,6 +239,35 @@ pub fn start_engine(
             config.tiers.policy,
             config.preemption.as_str(),
         );
+    }
+    let mut cost = CostModel::new(
+        config.tier_cost,
+        executor.block_bytes(),
+        config.block_size_tokens,
+    );
+    if let Some(io) = &tiers {
+        for &(tier, bytes, took) in &io.probes {
+            cost.probe(tier.into(), bytes, took);
+        }
+    }
+    for tier in [Tier::Host, Tier::Disk] {
+        sched.set_tier_loadable(tier, cost.load(tier.into()));
+    }
+    if config.tier_cost != TierCostCheck::Off {
+        let present = [
+            (CostTier::Host, tier_config.host_blocks > 0),
+            (CostTier::Disk, tier_config.disk_blocks > 0),
+            (CostTier::Redis, remote.is_some()),
+        ];
+        for (tier, on) in present {
+            if on {
+                tracing::info!(
+                    "tier cost check: {}: {}",
+                    tier.as_str(),
+                    cost.describe(tier)
+                );
+            }
+        }
     }
     let info = EngineInfo {
         model_name: config.model_name.clone(),
@@ -296,6 +332,7 @@ pub fn start_engine(
         loads_done: Vec::new(),
         pins: PinTable::new(pin_budget, config_block_size),
         remote,
+        cost,
         seen: SeenLog::default(),
         tick_times: TickTimes::default(),
     };
@@ -330,6 +367,8 @@ struct Core {
     pins: PinTable,
     /// The shared tier in Redis (L4), when configured.
     remote: Option<RemoteTier>,
+    /// The tier cost check's rates and decisions.
+    cost: CostModel,
     /// (KV manager tick, time) samples: the ages of [`inspect`]'s prefixes.
     tick_times: TickTimes,
     /// Recent sequences per cache salt, to tell why a prompt missed the cache.
@@ -556,7 +595,8 @@ impl Core {
                     Some(remote) => {
                         let sched = &mut self.sched;
                         let key = &group.key;
-                        remote.park(id, seq, &group.request.prompt_tokens, key, |t| {
+                        let load = self.cost.load(CostTier::Redis);
+                        remote.park(id, seq, &group.request.prompt_tokens, key, load, |t| {
                             sched.held_prefix_blocks(t, key)
                         })
                     }
@@ -637,7 +677,11 @@ impl Core {
         let Some(remote) = self.remote.as_mut() else {
             return;
         };
-        for (id, seq, adoption) in remote.ready() {
+        let ready = remote.ready();
+        for (bytes, took) in remote.samples.drain(..) {
+            self.cost.observe_load(CostTier::Redis, bytes, took);
+        }
+        for (id, seq, adoption) in ready {
             if !self.groups.contains_key(&id) {
                 continue;
             }
@@ -857,6 +901,7 @@ impl Core {
         let result = self.executor.forward(&batch);
         let forward = forward_started.elapsed();
         drop(batch);
+        self.observe_prefill(&plan, forward);
         self.metrics.steps.add(1);
         let logits = match result {
             Ok(l) => l,
@@ -1214,9 +1259,57 @@ impl Core {
         self.report_loads();
     }
 
+    /// A step that was mostly prefill (at least a block's worth of tokens, nine in ten of them in
+    /// chunks longer than one token) is a sample of the prefill rate.
+    fn observe_prefill(&mut self, plan: &Plan, forward: Duration) {
+        let (mut all, mut prefill) = (0, 0);
+        for it in &plan.items {
+            let n = it.end - it.start;
+            all += n;
+            if n > 1 {
+                prefill += n;
+            }
+        }
+        if prefill >= self.config.block_size_tokens && prefill * 10 >= all * 9 {
+            self.cost.observe_prefill(all, forward);
+        }
+    }
+
+    /// Hands the tier cost check's decisions to the KV manager and its figures to the metrics.
+    fn update_cost(&mut self) {
+        for tier in [Tier::Host, Tier::Disk] {
+            let load = self.cost.load(tier.into());
+            if self.sched.kv().tier_loadable(tier) != load {
+                tracing::debug!(
+                    "tier cost check: {}: {}",
+                    tier.as_str(),
+                    self.cost.describe(tier.into())
+                );
+                self.sched.set_tier_loadable(tier, load);
+            }
+        }
+        let st = self.sched.kv().stats();
+        let refused = [
+            st.host_refused_blocks,
+            st.disk_refused_blocks,
+            self.remote.as_ref().map_or(0, |r| r.refused_blocks),
+        ];
+        for (tier, n) in CostTier::ALL.into_iter().zip(refused) {
+            let m = &self.metrics.tier_cost[tier as usize];
+            m.recomputed_blocks.set_total(n);
+            m.load_bandwidth.set(self.cost.bandwidth(tier));
+            m.load_chosen.set(f64::from(u8::from(self.cost.load(tier))));
+        }
+        self.metrics.prefill_tokens_per_s.set(self.cost.prefill());
+    }
+
     fn report_loads(&mut self) {
+        let block_bytes = self.executor.block_bytes();
         for d in self.loads_done.drain(..) {
             self.sched.complete_load(d.block, d.ok);
+            if d.ok {
+                self.cost.observe_load(d.tier.into(), block_bytes, d.io);
+            }
             let m = match d.tier {
                 Tier::Host => &self.metrics.host,
                 Tier::Disk => &self.metrics.disk,
@@ -1247,6 +1340,7 @@ impl Core {
     }
 
     fn update_gauges(&mut self) {
+        self.update_cost();
         let usage = self.sched.kv().usage();
         let m = &self.metrics;
         m.kv_blocks_used.set(f64::from(usage.used_blocks));

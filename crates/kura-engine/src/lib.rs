@@ -8,6 +8,7 @@
 //! sink. Dropping the guard cancels the request and frees its KV blocks at once.
 
 mod backend;
+mod cost;
 mod engine;
 mod handle;
 mod inspect;
@@ -24,6 +25,7 @@ mod seq;
 mod tiers;
 
 pub use backend::{ChatMessage, Executor, SeqInput, TextCodec};
+pub use cost::{load_wins, CostTier, TierCostCheck, TierRates};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use inspect::{KvInspect, PrefixView};

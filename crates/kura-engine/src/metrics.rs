@@ -71,6 +71,11 @@ pub struct EngineMetrics {
     /// Time of the engine loop's steps outside the executor (scheduling, sampling, detokenization, stop
     /// checks, logprob texts, emitting), µs.
     pub step_other_us: Counter,
+    /// The tier cost check, per tier (host, disk, Redis: `CostTier`'s order): blocks it left to be
+    /// recomputed, the load bandwidth it uses and its decision.
+    pub tier_cost: [TierCostMetrics; 3],
+    /// The prefill rate the tier cost check uses (tokens per second).
+    pub prefill_tokens_per_s: Gauge,
     /// The lower tiers: host memory (L2) and disk (L3).
     pub host: TierMetrics,
     pub disk: TierMetrics,
@@ -105,6 +110,18 @@ pub struct EngineMetrics {
 
 /// A family with one series per lower tier: name, help, and the tier's metric.
 type TierFamily<T> = (&'static str, &'static str, fn(&TierMetrics) -> &T);
+
+/// What the tier cost check says about one tier.
+#[derive(Debug, Default)]
+pub struct TierCostMetrics {
+    /// Prompt blocks found in the tier and recomputed because loading them was judged slower (Redis:
+    /// blocks missing locally that were not looked up).
+    pub recomputed_blocks: Counter,
+    /// Load bandwidth, bytes per second (measured, or the start value).
+    pub load_bandwidth: Gauge,
+    /// 1 while the tier's blocks are loaded, 0 while they are recomputed.
+    pub load_chosen: Gauge,
+}
 
 /// One lower tier's gauges and counters.
 #[derive(Debug, Default)]
@@ -431,6 +448,48 @@ impl EngineMetrics {
         for (tier, m) in tiers {
             e.histogram_series(name, &[("tier", tier)], &m.load_latency);
         }
+        let cost = [("host", 0), ("disk", 1), ("redis", 2)];
+        let name = "kura:kv_tier_recomputed_blocks_total";
+        e.family(
+            name,
+            "Prompt blocks found in a lower KV tier and recomputed, because the tier cost check judged \
+             recomputing them faster than loading (redis: blocks missing locally that were not looked up).",
+            Kind::Counter,
+        );
+        for (tier, i) in cost {
+            e.sample(
+                name,
+                &[("tier", tier)],
+                self.tier_cost[i].recomputed_blocks.get(),
+            );
+        }
+        let name = "kura:kv_tier_load_bandwidth_bytes_per_second";
+        e.family(
+            name,
+            "A lower KV tier's load bandwidth as the tier cost check uses it (measured, or its start value).",
+            Kind::Gauge,
+        );
+        for (tier, i) in cost {
+            e.sample(
+                name,
+                &[("tier", tier)],
+                self.tier_cost[i].load_bandwidth.get(),
+            );
+        }
+        let name = "kura:kv_tier_load_chosen";
+        e.family(
+            name,
+            "1 while the tier cost check loads a lower KV tier's blocks, 0 while it recomputes them.",
+            Kind::Gauge,
+        );
+        for (tier, i) in cost {
+            e.sample(name, &[("tier", tier)], self.tier_cost[i].load_chosen.get());
+        }
+        e.gauge(
+            "kura:prefill_tokens_per_second",
+            "Prefill rate the tier cost check compares the tiers with (tokens per second of forward steps that are mostly prefill).",
+            self.prefill_tokens_per_s.get(),
+        );
         e.counter(
             "kura:kv_tier_full_drops_total",
             "Blocks that could not go down because their tier was full of blocks being loaded.",

@@ -66,6 +66,7 @@ impl std::fmt::Debug for RemoteTierSetup {
 /// A request waiting for its Redis lookup.
 pub(crate) struct Parked {
     pub seq: Seq,
+    started: Instant,
     deadline: Instant,
     /// The prompt's whole blocks that the lookup covers, and how many of them were held locally.
     tokens: Vec<u32>,
@@ -94,6 +95,10 @@ pub(crate) struct RemoteTier {
     names: HashMap<u128, (u128, u128)>,
     written: HashSet<u128>,
     parked: HashMap<u64, Parked>,
+    /// Blocks not looked up because the tier cost check judged recomputing them faster.
+    pub refused_blocks: u64,
+    /// Lookups answered with blocks since the last drain: (bytes, round trip), the tier's bandwidth.
+    pub samples: Vec<(usize, Duration)>,
 }
 
 fn redis_key(root: u128, name: u128) -> String {
@@ -125,6 +130,8 @@ impl RemoteTier {
             names: HashMap::new(),
             written: HashSet::new(),
             parked: HashMap::new(),
+            refused_blocks: 0,
+            samples: Vec::new(),
         })
     }
 
@@ -180,14 +187,16 @@ impl RemoteTier {
     }
 
     /// Starts the lookup of `prompt`'s blocks beyond the first `held` (of its whole blocks before its last
-    /// token) and parks the request; gives `seq` back when there is nothing to look up or the lookup
-    /// could not be queued.
+    /// token) and parks the request; gives `seq` back when there is nothing to look up, the lookup
+    /// could not be queued, or `load` is false (the tier cost check judged recomputing the missing
+    /// blocks faster: they are counted in `refused_blocks`).
     pub fn park(
         &mut self,
         id: u64,
         seq: Seq,
         prompt: &[u32],
         key: &CacheKey,
+        load: bool,
         held: impl FnOnce(&[u32]) -> usize,
     ) -> Option<Seq> {
         let bs = self.block_size;
@@ -198,6 +207,10 @@ impl RemoteTier {
         let tokens = &prompt[..whole];
         let held = held(tokens);
         if held * bs >= whole {
+            return Some(seq);
+        }
+        if !load {
+            self.refused_blocks += (whole / bs - held) as u64;
             return Some(seq);
         }
         let key_digest = self.namer.root(key);
@@ -220,6 +233,7 @@ impl RemoteTier {
             id,
             Parked {
                 seq,
+                started: Instant::now(),
                 deadline: Instant::now() + FETCH_WAIT,
                 tokens: tokens.to_vec(),
                 held,
@@ -246,6 +260,10 @@ impl RemoteTier {
             let Some(p) = self.parked.remove(&done.ticket) else {
                 continue;
             };
+            if !done.payloads.is_empty() {
+                let bytes = done.payloads.iter().map(Vec::len).sum();
+                self.samples.push((bytes, p.started.elapsed()));
+            }
             let adoption = (!done.payloads.is_empty()).then(|| {
                 let bs = self.block_size;
                 let n = p.held + done.payloads.len();

@@ -81,8 +81,19 @@ pub(crate) struct LoadDone {
     pub block: u32,
     pub ok: bool,
     pub tier: Tier,
+    /// From the load's move to its report, queueing included.
     pub elapsed: Duration,
+    /// The load's own I/O: the host copy, or the disk thread's read of the file (the tier's bandwidth).
+    pub io: Duration,
 }
+
+/// Block files read by the disk's start probe (fewer when fewer exist), and at most these bytes (the
+/// host probe copies up to the bytes).
+const PROBE_BLOCKS: usize = 16;
+const PROBE_BYTES: usize = 64 << 20;
+
+/// Loads timed at start, before any request: (tier, bytes, time).
+pub(crate) type Probe = (Tier, usize, Duration);
 
 /// The bytes of the lower tiers, owned by the engine thread.
 pub(crate) struct TierIo {
@@ -93,6 +104,8 @@ pub(crate) struct TierIo {
     reads: HashMap<u32, Instant>,
     /// Stored blocks found failing a check: at open, and by reads since (each file was deleted).
     pub corrupt_found: u64,
+    /// The start probes' timings, for the tier cost check.
+    pub probes: Vec<Probe>,
 }
 
 /// The manager's record of a block as the disk store names it (the move owned it: its tokens move too).
@@ -105,19 +118,85 @@ fn record(b: TierBlock) -> BlockRecord {
     }
 }
 
+/// Times copies out of the host arena (a host load's work, less the executor's side): as many slots
+/// as [`PROBE_BYTES`] holds (more than a CPU cache, so that the copy reads memory), written first (fresh
+/// pages would read as the zero page) and copied twice, the second copy timed.
+fn probe_host(arena: &mut HostArena, block_bytes: usize) -> Option<Probe> {
+    let n = arena
+        .num_slots()
+        .min(PROBE_BYTES / block_bytes.max(1))
+        .max(1)
+        .min(arena.num_slots());
+    if n == 0 || block_bytes == 0 {
+        return None;
+    }
+    for s in 0..n as u32 {
+        arena.slot_mut(s).fill(0x5a);
+    }
+    let mut out = vec![0u8; block_bytes];
+    let mut copy = || {
+        let t = Instant::now();
+        for s in 0..n as u32 {
+            out.copy_from_slice(arena.slot(s));
+            std::hint::black_box(&out);
+        }
+        t.elapsed()
+    };
+    copy();
+    Some((Tier::Host, n * block_bytes, copy()))
+}
+
+/// Times reads of the newest of the disk tier's block files (as the disk thread reads them, checks
+/// included), when there are some. The page cache may hold them: so would it for loads.
+fn probe_disk(
+    store: &DiskStore,
+    blocks: &[(BlockRecord, std::time::SystemTime)],
+    block_bytes: usize,
+    corrupt_found: &mut u64,
+) -> Option<Probe> {
+    let n = blocks
+        .len()
+        .min(PROBE_BLOCKS)
+        .min(PROBE_BYTES / block_bytes.max(1));
+    if n == 0 {
+        return None;
+    }
+    let mut out = vec![0u8; block_bytes];
+    let (mut bytes, mut took) = (0, Duration::ZERO);
+    for (rec, _) in &blocks[blocks.len() - n..] {
+        let t = Instant::now();
+        // A file failing its checks is deleted by the read; the disk thread's later read of it then
+        // fails as missing and the block is recomputed, as for any damaged file.
+        match store.read(rec, &mut out) {
+            Ok(()) => {
+                took += t.elapsed();
+                bytes += block_bytes;
+            }
+            Err(ReadError::Corrupt { .. }) => *corrupt_found += 1,
+            Err(_) => {}
+        }
+    }
+    (bytes > 0).then_some((Tier::Disk, bytes, took))
+}
+
 impl TierIo {
     /// Allocates the host arena and opens the disk store (rebuilding its index from the files' headers;
-    /// damaged and foreign files are removed and counted in the log line and the metrics).
+    /// damaged and foreign files are removed and counted in the log line and the metrics). With `probe`,
+    /// times a few host copies and disk reads for the tier cost check ([`TierIo::probes`]).
     pub fn open(
         setup: &TierSetup,
         block_bytes: usize,
         metrics: &EngineMetrics,
+        probe: bool,
     ) -> Result<(TierIo, Option<Restored>), String> {
+        let mut probes = Vec::new();
         let host = if setup.host_blocks > 0 {
-            Some(
-                HostArena::new(setup.host_blocks as usize, block_bytes)
-                    .map_err(|e| format!("host KV tier: {e}"))?,
-            )
+            let mut arena = HostArena::new(setup.host_blocks as usize, block_bytes)
+                .map_err(|e| format!("host KV tier: {e}"))?;
+            if probe {
+                probes.extend(probe_host(&mut arena, block_bytes));
+            }
+            Some(arena)
         } else {
             None
         };
@@ -149,6 +228,13 @@ impl TierIo {
                     );
                 }
                 corrupt_found = report.removed_corrupt;
+                probes.extend(
+                    probe
+                        .then(|| {
+                            probe_disk(&store, &report.blocks, block_bytes, &mut corrupt_found)
+                        })
+                        .flatten(),
+                );
                 metrics.disk_removed_foreign.add(report.removed_foreign);
                 restored = Some(Restored {
                     seed: store.seed(),
@@ -174,6 +260,7 @@ impl TierIo {
                 block_bytes,
                 reads: HashMap::new(),
                 corrupt_found,
+                probes,
             },
             restored,
         ))
@@ -214,11 +301,13 @@ impl TierIo {
                         .as_ref()
                         .expect("the manager loads from the host tier only when it exists");
                     exec.import_block(block, host.slot(slot));
+                    let elapsed = started.elapsed();
                     done.push(LoadDone {
                         block,
                         ok: true,
                         tier: Tier::Host,
-                        elapsed: started.elapsed(),
+                        elapsed,
+                        io: elapsed,
                     });
                 }
                 TierMove::LoadDisk { record: r, block } => {
@@ -250,6 +339,7 @@ impl TierIo {
                 .reads
                 .remove(&block)
                 .expect("a read completes once, for a block that was queued");
+            let io = read.elapsed;
             let ok = match read.result {
                 Ok(payload) => {
                     exec.import_block(block, &payload);
@@ -266,6 +356,7 @@ impl TierIo {
                 ok,
                 tier: Tier::Disk,
                 elapsed: queued.elapsed(),
+                io,
             });
             next = disk.try_done();
         }

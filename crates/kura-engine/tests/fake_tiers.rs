@@ -2,7 +2,8 @@
 //! reads back, and which panics on a slot never written): blocks evicted from the pool come back from the
 //! host tier and from disk with the same tokens as computed cold; the disk tier survives a restart and
 //! refuses another model's blocks; damaged files are recomputed; a prefix only on disk is read once for
-//! any number of concurrent requests; swap preemption loads a preempted request's blocks back.
+//! any number of concurrent requests; swap preemption loads a preempted request's blocks back; the tier
+//! cost check recomputes a prefix whose tier loads slower than the model prefills, and loads it otherwise.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
-use kura_engine::{DiskSetup, EngineConfig, PreemptionMode, TierSetup};
+use kura_engine::{DiskSetup, EngineConfig, PreemptionMode, TierCostCheck, TierRates, TierSetup};
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct TestDir(PathBuf);
@@ -283,4 +284,151 @@ fn the_disk_budget_holds_across_restarts() {
     }
     b.engine.stop();
     assert_eq!(block_files(&dir).len(), 10);
+}
+
+/// Writes the five distinct prompts' blocks to a fresh disk tier (a clean stop writes every cached block
+/// down), so that an engine started on it finds them only on disk.
+fn prompts_on_disk(dir: &TestDir) {
+    let a = start(with_tiers(12, 0, Some((dir, 7))));
+    for s in 0..5 {
+        run(&a.engine, distinct_request(s, 24, 6));
+    }
+    a.engine.stop();
+    assert!(block_files(dir).len() >= 25);
+}
+
+/// Blocks of the fake model: 4 tokens; 1 kB of "KV" is what the rates below are compared with.
+fn fixed_rates(disk_bytes_per_s: f64, prefill_tokens_per_s: f64) -> TierCostCheck {
+    TierCostCheck::Fixed(TierRates {
+        disk_bytes_per_s,
+        prefill_tokens_per_s,
+        ..TierRates::PRIOR
+    })
+}
+
+/// The forward calls' items as (first position, tokens) since `from`.
+fn items_since(fake: &Fake, from: usize) -> Vec<(usize, usize)> {
+    fake.batches.lock().unwrap()[from..]
+        .iter()
+        .flatten()
+        .copied()
+        .collect()
+}
+
+#[test]
+fn a_prefix_only_on_disk_is_recomputed_when_the_disk_loads_slower_than_prefill() {
+    let cold = cold_outputs();
+    let dir = TestDir::new("cost-recompute");
+    prompts_on_disk(&dir);
+    let block_bytes = (BLOCK * 5) as f64; // the fake model's block
+                                          // A block by disk: block_bytes / 10 B/s = 2 s; by prefill: 4 tokens / 1,000 tokens/s = 4 ms.
+    let mut c = with_tiers(12, 0, Some((&dir, 7)));
+    c.tier_cost = fixed_rates(10.0, 1000.0);
+    assert!(!kura_engine::load_wins(
+        block_bytes,
+        10.0,
+        BLOCK as f64,
+        1000.0
+    ));
+    let fake = start(c);
+    let e = &fake.engine;
+    for s in 0..5 {
+        let from = fake.batches.lock().unwrap().len();
+        let (tokens, cached) = run(e, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "prompt {s} recomputed");
+        assert_eq!(cached, 0, "prompt {s}: nothing served from disk");
+        // The forward calls computed the whole prompt from position 0, the prefix on disk included.
+        let prefill: usize = items_since(&fake, from)
+            .iter()
+            .filter(|(start, n)| *start < 24 && *n > 1)
+            .map(|(_, n)| n)
+            .sum();
+        assert_eq!(prefill, 24, "prompt {s}: {:?}", items_since(&fake, from));
+    }
+    settle(e);
+    // 5 prompts × 5 blocks of their 23 looked-up tokens, all on disk, all recomputed.
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_recomputed_blocks_total", "disk"),
+        25.0
+    );
+    assert_eq!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "disk"), 0.0);
+    assert_eq!(metric(e, "kura:kv_disk_reads_total"), 0.0);
+    assert_eq!(tier_metric(e, "kura:kv_tier_load_chosen", "disk"), 0.0);
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_load_bandwidth_bytes_per_second", "disk"),
+        10.0
+    );
+    assert_eq!(metric(e, "kura:prefill_tokens_per_second"), 1000.0);
+    fake.engine.stop();
+}
+
+#[test]
+fn a_prefix_only_on_disk_is_loaded_when_the_disk_loads_faster_than_prefill() {
+    let cold = cold_outputs();
+    let dir = TestDir::new("cost-load");
+    prompts_on_disk(&dir);
+    // A block by disk: 20 B / 1 GB/s = 20 ns; by prefill: 4 tokens / 10 tokens/s = 0.4 s.
+    let mut c = with_tiers(12, 0, Some((&dir, 7)));
+    c.tier_cost = fixed_rates(1e9, 10.0);
+    let fake = start(c);
+    let e = &fake.engine;
+    for s in 0..5 {
+        let from = fake.batches.lock().unwrap().len();
+        let (tokens, cached) = run(e, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "prompt {s} from disk");
+        assert_eq!(cached, 20, "prompt {s}");
+        // Only the last block's tokens were computed.
+        assert!(
+            items_since(&fake, from)
+                .iter()
+                .all(|(start, _)| *start >= 20),
+            "prompt {s}: {:?}",
+            items_since(&fake, from)
+        );
+    }
+    settle(e);
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_recomputed_blocks_total", "disk"),
+        0.0
+    );
+    assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "disk") >= 25.0);
+    assert_eq!(tier_metric(e, "kura:kv_tier_load_chosen", "disk"), 1.0);
+    fake.engine.stop();
+}
+
+#[test]
+fn measured_rates_replace_the_start_values() {
+    let dir = TestDir::new("cost-measured");
+    prompts_on_disk(&dir);
+    let mut c = with_tiers(12, 16, Some((&dir, 7)));
+    c.tier_cost = TierCostCheck::Measured;
+    let fake = start(c);
+    let e = &fake.engine;
+    // The start probes read some of the disk's block files and copied host slots; the engine thread
+    // publishes its gauges as it starts.
+    let prior = TierRates::PRIOR;
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while tier_metric(e, "kura:kv_tier_load_bandwidth_bytes_per_second", "disk") == 0.0 {
+        assert!(std::time::Instant::now() < deadline, "no gauges published");
+        // Poll interval: the deadline only turns a hang into a failure.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let disk = tier_metric(e, "kura:kv_tier_load_bandwidth_bytes_per_second", "disk");
+    let host = tier_metric(e, "kura:kv_tier_load_bandwidth_bytes_per_second", "host");
+    assert!(disk > 0.0 && disk != prior.disk_bytes_per_s, "{disk}");
+    assert!(host > 0.0 && host != prior.host_bytes_per_s, "{host}");
+    // Redis is not configured: its start value stays.
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_load_bandwidth_bytes_per_second", "redis"),
+        prior.redis_bytes_per_s
+    );
+    // A prompt of 24 new tokens is one prefill step: a sample of the prefill rate.
+    run(e, distinct_request(40, 24, 2));
+    settle(e);
+    let prefill = metric(e, "kura:prefill_tokens_per_second");
+    assert!(
+        prefill > 0.0 && prefill != prior.prefill_tokens_per_s,
+        "{prefill}"
+    );
+    fake.engine.stop();
 }

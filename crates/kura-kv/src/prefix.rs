@@ -82,12 +82,22 @@ pub struct PrefixHit {
     /// Full blocks the lookup matched in the pool past the hit, left out because their sliding
     /// layers' window parts were reclaimed (a hybrid pool).
     pub(crate) window_cut: usize,
+    /// Full blocks after `tier` found in a lower tier whose loads the cost check refuses
+    /// ([`crate::KvCacheManager::set_tier_loadable`]), by tier (host, disk): the lookup stopped at the
+    /// first and they are computed again, as a miss.
+    pub(crate) refused: [usize; 2],
 }
 
 impl PrefixHit {
     /// Tokens served from the cache: full blocks plus the partially reused block's matching tokens.
     pub fn num_cached_tokens(&self) -> usize {
         (self.blocks.len() + self.tier.len()) * self.block_size + self.partial_tokens()
+    }
+
+    /// Full blocks found in `tier` and left to be recomputed because the cost check refuses that tier's
+    /// loads (the lookup stopped at the first of them).
+    pub fn num_refused_tier_blocks(&self, tier: Tier) -> usize {
+        self.refused[tier as usize]
     }
 
     /// Number of full blocks found in `tier` (to be loaded), after the blocks found in the pool.

@@ -40,6 +40,11 @@ pub struct KvStats {
     pub host_hit_blocks: u64,
     /// Full blocks found on disk (L3) and attached by a load.
     pub disk_hit_blocks: u64,
+    /// Full prompt blocks found in the host tier (L2) and recomputed instead, because the cost check
+    /// refused the tier's loads ([`crate::KvCacheManager::set_tier_loadable`]).
+    pub host_refused_blocks: u64,
+    /// The same for the disk tier (L3).
+    pub disk_refused_blocks: u64,
     /// Blocks copied from the pool into the host tier (on eviction, write-through or swap).
     pub host_stores: u64,
     /// Blocks written to disk.

@@ -27,9 +27,9 @@ use crate::hash::BlockHash;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tier {
     /// L2: host memory that holds blocks at rest.
-    Host,
+    Host = 0,
     /// L3: files on disk, kept across restarts.
-    Disk,
+    Disk = 1,
 }
 
 impl Tier {

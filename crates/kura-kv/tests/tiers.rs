@@ -44,6 +44,8 @@ struct Driver {
     reading: Vec<(u32, BlockHash)>,
     fail_reads: bool,
     loads_failed: u64,
+    /// Turn the tiers' loads off and on at random (the engine's cost check changing its mind).
+    toggle_loadable: bool,
 }
 
 impl Driver {
@@ -78,6 +80,7 @@ impl Driver {
             reading: Vec::new(),
             fail_reads: true,
             loads_failed: 0,
+            toggle_loadable: false,
         }
     }
 
@@ -266,6 +269,11 @@ impl Driver {
                 self.kv.flush_to_disk();
                 self.run_moves();
             }
+            96..=97 if self.toggle_loadable => {
+                let tier = [Tier::Host, Tier::Disk][self.rng.random_range(0..2)];
+                let on = self.rng.random_range(0..3) > 0;
+                self.kv.set_tier_loadable(tier, on);
+            }
             _ => {}
         }
         // Moves decided after a forward pass (write-through of computed blocks) or by a completed load
@@ -352,4 +360,125 @@ fn with_room_below_nothing_evicted_from_the_pool_is_recomputed() {
     }
     let s = d.kv.stats();
     assert!(s.host_hit_blocks > 50 && s.disk_hit_blocks > 10, "{s:?}");
+}
+
+#[test]
+fn random_operations_stay_consistent_while_the_cost_check_refuses_tiers() {
+    let (mut loads, mut refused) = (0, 0);
+    for (seed, (host, disk)) in [(11, (12, 40)), (12, (0, 30)), (13, (20, 0)), (14, (6, 6))] {
+        let mut d = Driver::new(seed, 24, host, disk, OffloadPolicy::WriteBack);
+        d.toggle_loadable = true;
+        for _ in 0..2_500 {
+            d.step();
+        }
+        while !d.reading.is_empty() {
+            d.finish_a_read();
+            d.run_moves();
+            d.check_tiers();
+        }
+        let s = d.kv.stats();
+        loads += s.host_hit_blocks + s.disk_hit_blocks;
+        refused += s.host_refused_blocks + s.disk_refused_blocks;
+    }
+    assert!(
+        loads > 100 && refused > 100,
+        "{loads} loads, {refused} refused"
+    );
+}
+
+/// Computes `tokens` in a fresh sequence (whatever the lookup finds is attached), then frees it.
+fn compute_prompt(d: &mut Driver, key: usize, tokens: &[u32]) {
+    let k = d.keys[key].clone();
+    let seq = d.kv.add_sequence(&k);
+    let hit = d.kv.find_cached_prefix(&tokens[..tokens.len() - 1], &k);
+    let cached = hit.num_cached_tokens();
+    d.kv.allocate_slots(seq, &tokens[cached..], Some(&hit))
+        .unwrap()
+        .expect("room");
+    d.run_moves();
+    while !d.reading.is_empty() {
+        d.finish_a_read();
+        d.run_moves();
+    }
+    d.live.push(Live {
+        seq,
+        key,
+        tokens: tokens.to_vec(),
+    });
+    d.compute(d.live.len() - 1);
+    d.run_moves();
+    let l = d.live.pop().unwrap();
+    d.kv.free(l.seq).unwrap();
+    d.run_moves();
+}
+
+#[test]
+fn a_refused_tier_stops_the_lookup_and_counts_its_blocks_as_recomputed() {
+    // A pool of 8 blocks, a host tier of 3 and a disk tier of 64: a 6-block prefix pushed out of the
+    // pool lies partly in the host tier and, evicted from there, on disk.
+    let mut d = Driver::new(21, 8, 3, 64, OffloadPolicy::WriteBack);
+    d.fail_reads = false;
+    let prefix: Vec<u32> = (0..25).map(|i| (i * 7 + 1) % 5).collect();
+    compute_prompt(&mut d, 0, &prefix);
+    for s in 0..4u32 {
+        let other: Vec<u32> = (0..29).map(|i| (i * 3 + s) % 5).collect();
+        compute_prompt(&mut d, 1, &other);
+    }
+    let k = d.keys[0].clone();
+    // A lookup is a new sequence's (which keeps its cache key known while no block of it is in the pool).
+    let holder = d.kv.add_sequence(&k);
+    let look = |d: &mut Driver| d.kv.find_cached_prefix(&prefix[..24], &k);
+
+    let all = look(&mut d);
+    let below = all.num_tier_blocks(Tier::Host) + all.num_tier_blocks(Tier::Disk);
+    assert_eq!(all.num_cached_tokens(), 24, "every block is somewhere");
+    assert!(
+        below >= 4,
+        "the prefix went down: {below} blocks below the pool"
+    );
+    assert_eq!(all.num_refused_tier_blocks(Tier::Disk), 0);
+    let pooled = 6 - below;
+
+    // Disk refused: the lookup takes the pool's blocks and the host tier's up to the first block
+    // only the disk holds; that block and the rest found below are refused.
+    d.kv.set_tier_loadable(Tier::Disk, false);
+    let h = look(&mut d);
+    assert_eq!(h.num_tier_blocks(Tier::Disk), 0);
+    let host_taken = h.num_tier_blocks(Tier::Host);
+    let refused = h.num_refused_tier_blocks(Tier::Disk) + h.num_refused_tier_blocks(Tier::Host);
+    assert!(h.num_refused_tier_blocks(Tier::Disk) >= 1);
+    assert_eq!(pooled + host_taken + refused, 6);
+    assert_eq!(h.num_cached_tokens(), (pooled + host_taken) * BS);
+
+    // Both refused: only the pool's blocks are a hit.
+    d.kv.set_tier_loadable(Tier::Host, false);
+    let h = look(&mut d);
+    assert_eq!(h.num_cached_tokens(), pooled * BS);
+    assert_eq!(
+        h.num_refused_tier_blocks(Tier::Host) + h.num_refused_tier_blocks(Tier::Disk),
+        below
+    );
+    assert!(
+        d.kv.stats().disk_refused_blocks == 0,
+        "a lookup alone counts nothing"
+    );
+
+    d.kv.free(holder).unwrap();
+    // Admitted with both refused: the refused blocks are counted, computed again, and nothing loads.
+    let before = d.kv.stats().clone();
+    compute_prompt(&mut d, 0, &prefix);
+    let s = d.kv.stats();
+    assert_eq!(
+        (s.host_refused_blocks + s.disk_refused_blocks)
+            - (before.host_refused_blocks + before.disk_refused_blocks),
+        below as u64
+    );
+    assert_eq!(
+        s.host_hit_blocks + s.disk_hit_blocks,
+        before.host_hit_blocks + before.disk_hit_blocks
+    );
+    d.check_tiers();
+    d.kv.set_tier_loadable(Tier::Host, true);
+    d.kv.set_tier_loadable(Tier::Disk, true);
+    assert!(d.kv.tier_loadable(Tier::Disk));
 }

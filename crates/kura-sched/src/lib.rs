@@ -355,6 +355,12 @@ impl Scheduler {
         &self.kv
     }
 
+    /// Whether prefix lookups may load blocks from `tier` (the engine's cost check; see
+    /// [`KvCacheManager::set_tier_loadable`]).
+    pub fn set_tier_loadable(&mut self, tier: kura_kv::Tier, loadable: bool) {
+        self.kv.set_tier_loadable(tier, loadable);
+    }
+
     /// Blocks of `tokens` (whole blocks) under `key` held in the pool or the lower tiers, from the first.
     pub fn held_prefix_blocks(&mut self, tokens: &[u32], key: &CacheKey) -> usize {
         self.kv.held_prefix_blocks(tokens, key)

@@ -176,8 +176,22 @@ pub struct ServeArgs {
     /// Longest wait for Redis, per connection or command, in milliseconds (1..=10000).
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     kv_redis_timeout_ms: u64,
+    /// The tier cost check: `on` (default) loads a cached block from a lower tier (host memory, disk,
+    /// Redis) only when its bytes at the tier's measured load bandwidth arrive sooner than the model
+    /// prefills its tokens at the measured prefill rate, else recomputes it
+    /// (`kura:kv_tier_recomputed_blocks_total`); `off` always loads. The start log names each tier's
+    /// decision and figures.
+    #[arg(long, value_enum, default_value_t = CostCheckArg::On)]
+    tier_cost_check: CostCheckArg,
     #[command(flatten)]
     pub(crate) tiers: TierArgs,
+}
+
+/// `--tier-cost-check`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostCheckArg {
+    On,
+    Off,
 }
 
 impl ServeArgs {
@@ -523,6 +537,10 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
                 ca_file: args.kv_redis_ca_file.clone(),
             }),
             _ => None,
+        },
+        tier_cost: match args.tier_cost_check {
+            CostCheckArg::On => kura_engine::TierCostCheck::Measured,
+            CostCheckArg::Off => kura_engine::TierCostCheck::Off,
         },
     };
     let engine = start_engine(config, executor, Arc::new(ModelCodec::from_text(text)))

@@ -83,6 +83,8 @@ pub(super) struct LowerTiers {
     /// The loader's references, per allocation that issued loads.
     load_groups: HashMap<u32, LoadGroup>,
     next_load_group: u32,
+    /// Whether lookups may load from the host and the disk tier (the cost check's verdict).
+    loadable: [bool; 2],
 }
 
 impl LowerTiers {
@@ -94,6 +96,7 @@ impl LowerTiers {
             loads: HashMap::new(),
             load_groups: HashMap::new(),
             next_load_group: 0,
+            loadable: [true; 2],
         }
     }
 
@@ -124,19 +127,25 @@ impl LowerTiers {
         }
     }
 
-    /// The tier and slot holding the verified continuation `hash` of `parent` under `key_digest` with
-    /// exactly `tokens`: the host tier's, else the disk tier's.
-    pub fn find(
+    /// The slot of `tier` holding the verified continuation `hash` of `parent` under `key_digest` with
+    /// exactly `tokens`.
+    pub fn find_in(
         &self,
+        tier: Tier,
         hash: BlockHash,
         parent: BlockHash,
         key_digest: BlockHash,
         tokens: &[u32],
-    ) -> Option<(Tier, u32)> {
-        [Tier::Host, Tier::Disk].into_iter().find_map(|t| {
-            let slot = self.index(t)?.find(hash, parent, key_digest, tokens)?;
-            Some((t, slot))
-        })
+    ) -> Option<u32> {
+        self.index(tier)?.find(hash, parent, key_digest, tokens)
+    }
+
+    pub fn loadable(&self, tier: Tier) -> bool {
+        self.loadable[tier as usize]
+    }
+
+    pub fn set_loadable(&mut self, tier: Tier, loadable: bool) {
+        self.loadable[tier as usize] = loadable;
     }
 
     /// Checks that every lower-tier block of `h` is still where the lookup found it.

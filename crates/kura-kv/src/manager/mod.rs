@@ -355,6 +355,8 @@ impl KvCacheManager {
         s.prefix_pending_hit_tokens += hit.num_pending_blocks() as u64 * bs;
         s.prefix_hit_blocks += hit.blocks.len() as u64;
         s.partial_hits += u64::from(hit.partial.is_some());
+        s.host_refused_blocks += hit.refused[crate::Tier::Host as usize] as u64;
+        s.disk_refused_blocks += hit.refused[crate::Tier::Disk as usize] as u64;
     }
 
     /// Appends `new_tokens` to the sequence, taking the blocks they need; for an empty sequence, `hit`

@@ -23,7 +23,10 @@ use crate::tier::{OffloadPolicy, Tier, TierBlock, TierMove};
 
 impl KvCacheManager {
     /// Goes on past the pool's hit into the host tier, then the disk tier, block by block, each block
-    /// verified against its parent's hash, the key's digest and its tokens.
+    /// verified against its parent's hash, the key's digest and its tokens. A block is taken from the
+    /// first tier holding it whose loads are allowed ([`Self::set_tier_loadable`]); at the first block
+    /// that only refused tiers hold, the hit stops: that block and the ones found below after it are
+    /// counted as refused (recomputed, as a miss).
     pub(super) fn lookup_tiers(&mut self, key_id: u32, tokens: &[u32], hit: &mut PrefixHit) {
         if !self.tiers.any() {
             return;
@@ -31,17 +34,45 @@ impl KvCacheManager {
         let bs = self.config.block_size;
         let key_digest = self.index.key_hash(key_id);
         let mut parent = hit.last_hash;
+        let mut stopped = false;
         for chunk in tokens[hit.blocks.len() * bs..].chunks_exact(bs) {
             let h = self.hasher.chain(parent, chunk);
-            let Some((t, slot)) = self.tiers.find(h, parent, key_digest, chunk) else {
-                break;
-            };
-            hit.tier.push((t, slot, h));
+            let mut refused = None;
+            let mut found = None;
+            for t in [Tier::Host, Tier::Disk] {
+                if let Some(slot) = self.tiers.find_in(t, h, parent, key_digest, chunk) {
+                    if !stopped && self.tiers.loadable(t) {
+                        found = Some((t, slot));
+                        break;
+                    }
+                    refused = refused.or(Some(t));
+                }
+            }
+            match (found, refused) {
+                (Some((t, slot)), _) => hit.tier.push((t, slot, h)),
+                (None, Some(t)) => {
+                    hit.refused[t as usize] += 1;
+                    stopped = true;
+                }
+                (None, None) => break,
+            }
             parent = h;
         }
         if !hit.tier.is_empty() {
             hit.partial = None; // a partial block would follow the last full one, which is below
         }
+    }
+
+    /// Whether prefix lookups may load blocks from `tier` (the default), or must stop there and let the
+    /// blocks be recomputed: the engine's cost check, which compares the tier's load bandwidth with the
+    /// model's prefill rate. Counted in `KvStats::{host,disk}_refused_blocks`.
+    pub fn set_tier_loadable(&mut self, tier: Tier, loadable: bool) {
+        self.tiers.set_loadable(tier, loadable);
+    }
+
+    /// Whether prefix lookups may load blocks from `tier`.
+    pub fn tier_loadable(&self, tier: Tier) -> bool {
+        self.tiers.loadable(tier)
     }
 
     pub(super) fn validate_tier_hit(&self, h: &PrefixHit) -> Result<(), KvError> {
