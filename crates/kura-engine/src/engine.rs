@@ -179,25 +179,15 @@ pub fn start_engine(
     let tier_config = config.tiers.kv_config();
     // Start values of the tier cost check's bandwidths (a few block reads): only when it measures.
     let probe = config.tier_cost == TierCostCheck::Measured;
-    let (tiers, restored) = if tier_config.enabled() {
+    let (mut tiers, restored) = if tier_config.enabled() {
         let block_bytes = executor.block_bytes();
         if block_bytes == 0 {
             return Err(EngineStartError::Tiers(
                 "this executor keeps no KV bytes that could move to a lower tier".into(),
             ));
         }
-        let (mut io, restored) = TierIo::open(&config.tiers, block_bytes, &metrics, probe)
+        let (io, restored) = TierIo::open(&config.tiers, block_bytes, &metrics, probe)
             .map_err(EngineStartError::Tiers)?;
-        if let Some(region) = io.host_region_mut() {
-            let (bytes, t) = (region.len(), Instant::now());
-            if executor.register_host_region(region) {
-                tracing::info!(
-                    bytes,
-                    ms = t.elapsed().as_millis() as u64,
-                    "host KV tier pinned for the executor's copies"
-                );
-            }
-        }
         (Some(io), restored)
     } else {
         (None, None)
@@ -309,6 +299,18 @@ pub fn start_engine(
     std::thread::Builder::new()
         .name("kura-output".into())
         .spawn(move || crate::output::run(out_rx, output_codec, finished_tx, handled))?;
+    // The host tier offered to the executor last, when nothing can fail any more: the engine's core
+    // drops the executor (which may have pinned it) before the arena.
+    if let Some(region) = tiers.as_mut().and_then(TierIo::host_region_mut) {
+        let (bytes, t) = (region.len(), Instant::now());
+        if executor.register_host_region(region) {
+            tracing::info!(
+                bytes,
+                ms = t.elapsed().as_millis() as u64,
+                "host KV tier pinned for the executor's copies"
+            );
+        }
+    }
     let config_block_size = config.block_size_tokens;
     let core = Core {
         out: Outbox {

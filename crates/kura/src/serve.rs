@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long)]
     threads: Option<usize>,
     /// Where the forward pass runs: `cpu` (default), or `cuda` / `cuda:N` (GPU N, Llama-family models,
-    /// bf16 or f32 KV): the KV pool lives in device memory, and `--kv-cache-memory` is then device memory
+    /// bf16, f32 or fp8 KV): the KV pool lives in device memory, and `--kv-cache-memory` is then device memory
     /// (a share is a share of what the weights and the activation buffers leave free).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -362,13 +362,21 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             (Some(model), None, config, text)
         }
     };
-    tracing::info!(
-        model = %path.display(),
-        load_ms = load_start.elapsed().as_millis() as u64,
-        threads = kura_model::num_threads(),
-        kernels = %kura_model::kernels::paths(),
-        "model loaded"
-    );
+    match &gpu {
+        Some(g) => tracing::info!(
+            model = %path.display(),
+            load_ms = load_start.elapsed().as_millis() as u64,
+            device = g.device_name(),
+            "model loaded onto the GPU"
+        ),
+        None => tracing::info!(
+            model = %path.display(),
+            load_ms = load_start.elapsed().as_millis() as u64,
+            threads = kura_model::num_threads(),
+            kernels = %kura_model::kernels::paths(),
+            "model loaded"
+        ),
+    }
     let model_max = config.max_context();
     let max_model_len = match args.max_model_len {
         Some(0) => bail!("--max-model-len must be at least 1"),
@@ -463,8 +471,9 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             num_blocks,
         );
     }
-    // The weights' identity and what shapes stored KV beyond them: the GPU pool holds bf16 or f32 KV
-    // only, which no encoding shapes.
+    // The weights' identity and what shapes stored KV beyond them: on the GPU nothing does (its fp8
+    // scales each row as it comes, with no per-model key offsets; the compute format keeps its blocks
+    // apart from the CPU's).
     let (weights_fingerprint, encoding_fingerprint) = match (&model, &gpu) {
         (Some(m), _) => (
             m.weights_fingerprint(),

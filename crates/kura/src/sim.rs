@@ -460,11 +460,8 @@ fn frontend_ms_per_token(model_text: &ModelText, repeats: usize) -> Result<f64> 
 /// What calibration times: one forward step of a batch on the CPU runtime or the CUDA executor, the
 /// logits back on the host and each row's greedy token chosen there (as the engine samples).
 enum Runner {
-    Cpu {
-        model: Model,
-        kv: kura_kv::storage::KvStorage,
-    },
-    Gpu(kura_cuda::CudaExecutor),
+    Cpu(Box<(Model, kura_kv::storage::KvStorage)>),
+    Gpu(Box<kura_cuda::CudaExecutor>),
 }
 
 impl Runner {
@@ -477,7 +474,8 @@ impl Runner {
         };
         let mut chosen = 0usize;
         match self {
-            Runner::Cpu { model, kv } => {
+            Runner::Cpu(cpu) => {
+                let (model, kv) = &mut **cpu;
                 let batch: Vec<SeqBatchItem<'_>> = items
                     .iter()
                     .map(|(tokens, start, table)| SeqBatchItem {
@@ -539,7 +537,7 @@ fn calibrate(args: &SimArgs) -> Result<()> {
                 kura_model::num_threads(),
                 model.weights_dtype().name()
             );
-            (Runner::Cpu { model, kv }, config, text, hardware)
+            (Runner::Cpu(Box::new((model, kv))), config, text, hardware)
         }
         Some(ordinal) => {
             let parts = kura_model::ModelParts::open(&path)
@@ -562,7 +560,7 @@ fn calibrate(args: &SimArgs) -> Result<()> {
             let layout = parts.config.kv_layout(args.kv_dtype, bs)?;
             let exec = setup.executor(&layout, num_blocks)?;
             (
-                Runner::Gpu(exec),
+                Runner::Gpu(Box::new(exec)),
                 parts.config,
                 std::sync::Arc::new(parts.text),
                 hardware,
