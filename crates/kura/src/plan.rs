@@ -362,7 +362,13 @@ fn not_cuda(args: &PlanArgs, loaded: &LoadedSpec) -> Option<String> {
     if let Err(kura_cuda::CudaError::Unsupported(why)) =
         kura_cuda::check_pool_format(args.kv_dtype, args.block_size)
     {
-        return Some(format!("--kv-dtype: {why}"));
+        return Some(match args.kv_dtype {
+            KvDtype::Fp8 => format!("--kv-dtype fp8: {why}"),
+            other => format!(
+                "--kv-dtype {}: the GPU pool holds bf16, f32 or fp8",
+                other.name()
+            ),
+        });
     }
     if !matches!(
         args.weights_dtype,
