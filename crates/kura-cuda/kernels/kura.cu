@@ -790,15 +790,16 @@ ATTN_PREFILL(fp8, unsigned char, 128)
 template <int T>
 __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
   int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
   // The weights depend on no earlier kernel: while the kernel before drains (a dependent launch), ask
   // L2 for the start of this row, a 128-byte line a lane (4 KiB: every resident warp's together stay
   // well inside L2), then wait.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (warp < n && lane * 8 < k / 8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + lane * 8));
+  if (warp < n && lane * 64 < k)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (size_t)warp * k + lane * 64));
 #endif
   KURA_DEP();
   if (warp >= n) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
   float acc[T];
 #pragma unroll
   for (int t = 0; t < T; t++) acc[t] = 0.f;
