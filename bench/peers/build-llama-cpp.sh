@@ -7,6 +7,9 @@
 # Environment: JOBS (default 2) parallel compile jobs; NICE (default 10) niceness of the build;
 #   ISA=avx2: an AVX2-only build (no AVX-512, as on AMD Zen 2/3) into build-avx2, the peer of
 #   KURA_ISA=avx2 on a machine that has AVX-512.
+#   ISA=variants: llama-bench and llama-quantize with shared libraries and every x86 CPU variant backend
+#   (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS: the best one for the CPU is picked at run time), RUNPATH
+#   $ORIGIN, into build-variants: binaries that run on another x86-64 machine (bench/device/make-kit.sh).
 set -euo pipefail
 
 VERSION=11434.0.0
@@ -17,6 +20,7 @@ JOBS="${JOBS:-2}"
 NICE="${NICE:-10}"
 STAMP="$ROOT/.built-$VERSION"
 ISA_FLAGS=()
+SHARED=OFF
 TARGETS=(llama-server llama-bench llama-cli llama-perplexity llama-quantize)
 case "${ISA:-native}" in
   native) ;;
@@ -28,7 +32,15 @@ case "${ISA:-native}" in
     ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
                -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
     ;;
-  *) echo "build-llama-cpp: ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
+  variants)
+    TARGETS=(llama-bench llama-quantize)
+    BUILD="$ROOT/build-variants"
+    STAMP="$ROOT/.built-variants-$VERSION"
+    SHARED=ON
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON
+               -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN')
+    ;;
+  *) echo "build-llama-cpp: ISA must be native, avx2 or variants, got '$ISA'" >&2; exit 2 ;;
 esac
 BIN="$BUILD/bin"
 
@@ -36,6 +48,9 @@ built=1
 for t in "${TARGETS[@]}"; do
   [ -x "$BIN/$t" ] || built=0
 done
+if [ "${ISA:-native}" = variants ] && [ ! -f "$BIN/libggml-cpu-x64.so" ]; then
+  built=0
+fi
 if [ -f "$STAMP" ] && [ "$built" = 1 ]; then
   echo "$BIN"
   exit 0
@@ -70,7 +85,7 @@ echo "build-llama-cpp: configuring (CPU, Release) in $BUILD" >&2
 "$CMAKE" -S "$SRC" -B "$BUILD" \
   -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" >&2
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=$SHARED "${ISA_FLAGS[@]}" >&2
 echo "build-llama-cpp: compiling with -j$JOBS at nice $NICE (takes ~10+ minutes on 2 cores)" >&2
 nice -n "$NICE" "$CMAKE" --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" >&2
 touch "$STAMP"
