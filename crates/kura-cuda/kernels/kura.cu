@@ -187,22 +187,20 @@ extern "C" __global__ void rope_table(const int* pos, const float* inv_freq, flo
   sn[i] = s;
 }
 
-// Bias, RoPE and the KV write of each new token: q (bf16, `[t][head][d]`) for attention, K and V into
-// their slot of `layer`. Block (token, chunk of 256 items); an item is one rotated pair of q or K, or one
-// element of V. `style` 0 rotates (i, i + d/2) (HF), 1 rotates (2i, 2i+1).
-template <typename KV>
-__device__ void rope_store(const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ cs,
-                           const float* __restrict__ sn, const int* __restrict__ slot_block, bf16* __restrict__ q,
-                           KV* __restrict__ pool, PoolShape p, int layer, int heads, int style) {
-  KURA_DEP();
-  int t = blockIdx.x;
+// Bias and RoPE of one item of token t's row of qkv: a rotated pair of q (into q, bf16, `[t][head][d]`)
+// or of K, or one element of V. K's pair goes to `put_k(kv_head, a, b, y0, y1)`, V's element to
+// `put_v(kv_head, j, v)`. An item is thread blockIdx.y · blockDim.x + threadIdx.x of block (t, chunk of
+// 256 items). `style` 0 rotates (i, i + d/2) (HF), 1 rotates (2i, 2i+1).
+template <typename PutK, typename PutV>
+__device__ __forceinline__ void rope_item(const float* row, const float* __restrict__ bias,
+                                          const float* __restrict__ cs, const float* __restrict__ sn,
+                                          bf16* __restrict__ q, int t, PoolShape p, int heads, int style,
+                                          PutK put_k, PutV put_v) {
   int d = p.head_dim, half = d / 2;
   int qd = heads * d, kvd = p.kv_heads * d;
   int pairs = (heads + p.kv_heads) * half;
   int i = blockIdx.y * blockDim.x + threadIdx.x;
   if (i >= pairs + kvd) return;
-  const float* row = qkv + (size_t)t * (qd + 2 * kvd);
-  int block = slot_block[2 * t], slot = slot_block[2 * t + 1];
   if (i < pairs) {
     int head = i / half, j = i - head * half;
     int a = style == 0 ? j : 2 * j, b = style == 0 ? j + half : 2 * j + 1;
@@ -216,16 +214,33 @@ __device__ void rope_store(const float* __restrict__ qkv, const float* __restric
       qo[a] = __float2bfloat16(y0);
       qo[b] = __float2bfloat16(y1);
     } else {
-      KV* ko = pool + pool_at(p, block, layer, 0, head - heads, slot);
-      ko[a] = from_f<KV>(y0);
-      ko[b] = from_f<KV>(y1);
+      put_k(head - heads, a, b, y0, y1);
     }
   } else {
-    int e = i - pairs, head = e / d, j = e - head * d;
+    int e = i - pairs, head = e / d;
     float v = row[qd + kvd + e];
     if (bias) v += bias[qd + kvd + e];
-    pool[pool_at(p, block, layer, 1, head, slot) + j] = from_f<KV>(v);
+    put_v(head, e - head * d, v);
   }
+}
+
+// Bias, RoPE and the KV write of each new token: q for attention, K and V into their slot of `layer`.
+template <typename KV>
+__device__ void rope_store(const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ cs,
+                           const float* __restrict__ sn, const int* __restrict__ slot_block, bf16* __restrict__ q,
+                           KV* __restrict__ pool, PoolShape p, int layer, int heads, int style) {
+  KURA_DEP();
+  int t = blockIdx.x;
+  const float* row = qkv + (size_t)t * (heads + 2 * p.kv_heads) * p.head_dim;
+  int block = slot_block[2 * t], slot = slot_block[2 * t + 1];
+  rope_item(
+      row, bias, cs, sn, q, t, p, heads, style,
+      [&](int head, int a, int b, float y0, float y1) {
+        KV* ko = pool + pool_at(p, block, layer, 0, head, slot);
+        ko[a] = from_f<KV>(y0);
+        ko[b] = from_f<KV>(y1);
+      },
+      [&](int head, int j, float v) { pool[pool_at(p, block, layer, 1, head, slot) + j] = from_f<KV>(v); });
 }
 extern "C" __global__ void rope_store_bf16(const float* qkv, const float* bias, const float* cs, const float* sn,
                                            const int* sb, bf16* q, bf16* pool, PoolShape p, int layer, int heads,
@@ -241,37 +256,21 @@ extern "C" __global__ void rope_store_f32(const float* qkv, const float* bias, c
 // fp8 KV, first half: bias and RoPE as `rope_store`, q into `q`, but K (rotated) and V (with its bias)
 // written back into their place in `qkv` (f32), where `quant_store_fp8` reads whole rows to scale them.
 // Each item reads and writes only its own elements.
-extern "C" __global__ void rope_kv_inplace(float* __restrict__ qkv, const float* __restrict__ bias,
-                                           const float* __restrict__ cs, const float* __restrict__ sn,
-                                           bf16* __restrict__ q, PoolShape p, int heads, int style) {
+extern "C" __global__ void rope_kv_inplace(float* qkv, const float* __restrict__ bias, const float* __restrict__ cs,
+                                           const float* __restrict__ sn, bf16* __restrict__ q, PoolShape p, int heads,
+                                           int style) {
   KURA_DEP();
-  int t = blockIdx.x;
-  int d = p.head_dim, half = d / 2;
-  int qd = heads * d, kvd = p.kv_heads * d;
-  int pairs = (heads + p.kv_heads) * half;
-  int i = blockIdx.y * blockDim.x + threadIdx.x;
-  if (i >= pairs + kvd) return;
-  float* row = qkv + (size_t)t * (qd + 2 * kvd);
-  if (i < pairs) {
-    int head = i / half, j = i - head * half;
-    int a = style == 0 ? j : 2 * j, b = style == 0 ? j + half : 2 * j + 1;
-    int base = head * d;
-    float x0 = row[base + a], x1 = row[base + b];
-    if (bias) { x0 += bias[base + a]; x1 += bias[base + b]; }
-    float c = cs[t * half + j], s = sn[t * half + j];
-    float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
-    if (head < heads) {
-      bf16* qo = q + (size_t)t * qd + base;
-      qo[a] = __float2bfloat16(y0);
-      qo[b] = __float2bfloat16(y1);
-    } else {
-      row[base + a] = y0;
-      row[base + b] = y1;
-    }
-  } else {
-    int e = qd + kvd + (i - pairs);
-    if (bias) row[e] += bias[e];
-  }
+  int t = blockIdx.x, d = p.head_dim, kvd = p.kv_heads * d;
+  float* row = qkv + (size_t)t * (heads * d + 2 * kvd);
+  float* k = row + heads * d;
+  float* v = k + kvd;
+  rope_item(
+      row, bias, cs, sn, q, t, p, heads, style,
+      [&](int head, int a, int b, float y0, float y1) {
+        k[head * d + a] = y0;
+        k[head * d + b] = y1;
+      },
+      [&](int head, int j, float x) { v[head * d + j] = x; });
 }
 
 // fp8 KV, second half: each new token's K and V rows (from `qkv`, after `rope_kv_inplace`) as e4m3
