@@ -340,6 +340,19 @@ fn batch_positions<'s>(seqs: &'s [AttnSeq<'_>]) -> impl Iterator<Item = usize> +
         .flat_map(|s| s.start_pos..s.start_pos + s.n_tokens)
 }
 
+thread_local! {
+    /// A thread's buffer of one unit's scores, kept between calls (a step calls attention once a layer).
+    static SCORES: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Makes `scores` hold at least `n` values, keeping what it held: every kernel writes each of a unit's
+/// `group × n_ctx` scores before it reads it, so nothing needs clearing.
+fn fit(scores: &mut Vec<f32>, n: usize) {
+    if scores.len() < n {
+        scores.resize(n, 0.0);
+    }
+}
+
 /// Length of the scratch buffer [`attention_part`] needs for this batch: the partials of the tokens whose
 /// context spans more than one segment.
 pub fn partials_len(seqs: &[AttnSeq<'_>], shape: AttnShape) -> usize {
@@ -417,7 +430,9 @@ unsafe fn attention_part_on(
     let plen = partial_len(shape);
     let needed = partials_len(seqs, shape);
     assert!(partials.len() >= needed, "partials sized by partials_len");
-    let mut scores = Vec::new();
+    // Kept from the thread's last call: a unit's scores are all written before they are read, so the
+    // buffer is neither cleared nor zeroed (at ~1,300 positions zeroing it took 3.5 % of a decode step).
+    let mut scores = SCORES.with(|s| s.take());
     let mut own = vec![0f32; plen];
     let mut o = vec![0f32; group * head_dim];
     let mut qrot = vec![0f32; group * head_dim];
@@ -485,6 +500,7 @@ unsafe fn attention_part_on(
             }
         }
     }
+    SCORES.with(|s| s.replace(scores));
     if needed == 0 {
         return;
     }
@@ -766,8 +782,7 @@ fn attend<'a, R: KvRow + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut
         scale,
     } = *job;
     let n_ctx = pos + 1 - lo;
-    scores.clear();
-    scores.resize(group * n_ctx, 0.0);
+    fit(scores, group * n_ctx);
     let spans = spans(seq, kv.block_size_tokens, lo, pos);
     let ru = kv.vector_units();
     let mut row = vec![0f32; head_dim];
@@ -939,8 +954,7 @@ mod x86 {
         } = *job;
         debug_assert_eq!(head_dim, 16 * CH);
         let n_ctx = pos + 1 - lo;
-        scores.clear();
-        scores.resize(group * n_ctx, 0.0);
+        super::fit(scores, group * n_ctx);
         let spans = spans(seq, kv.block_size_tokens, lo, pos);
         let ru = kv.vector_units();
         let scale_v = _mm512_set1_ps(scale);
@@ -1026,8 +1040,7 @@ mod x86 {
         debug_assert!(head_dim == 16 * CH && CH.is_multiple_of(4) && CH <= 8);
         let groups = CH / 4;
         let n_ctx = pos + 1 - lo;
-        scores.clear();
-        scores.resize(group * n_ctx, 0.0);
+        super::fit(scores, group * n_ctx);
         let ru = kv.vector_units();
         let scale_v = _mm512_set1_ps(scale);
         let bias = _mm512_set1_epi8(-128);
