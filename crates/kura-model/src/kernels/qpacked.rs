@@ -806,8 +806,9 @@ mod x86 {
 
     /// One token × `panels` consecutive panels of 16 rows through `vpdpbusd`, the weights streamed in
     /// order with no software prefetch: on an AMD EPYC with AVX-512 (Zen 4) the hardware prefetchers
-    /// alone read them 13–16 % sooner than with prefetches 1, 2 or 4 KiB ahead, where the AVX2 kernel
-    /// on a Zen 3 gained from them (`cargo bench -p kura-model --bench products`). 4-bit values: the low nibbles as they are and the high ones kept in place (16 times their
+    /// alone read them 12–16 % sooner than with prefetches 1, 2 or 4 KiB ahead, where the AVX2 kernel
+    /// on an AVX2-only AMD EPYC gained from them (`cargo bench -p kura-model --bench products`).
+    /// 4-bit values: the low nibbles as they are and the high ones kept in place (16 times their
     /// value), each in a chain of its own: `Σ u·q = Σ lo·q + (Σ 16·hi·q) / 16`, an exact shift. The
     /// same integer sums and fused multiply-adds per lane as [`tile_vnni`], so the same bits.
     ///
