@@ -303,7 +303,7 @@ unsafe fn matmul_part_on(
         (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
     );
     #[cfg(target_arch = "x86_64")]
-    if t == 1 && path == Path::Avx2 {
+    if t == 1 && path != Path::Portable {
         // One token (decode): each dealt run of panels streams through one call.
         tm.deal(w.panels, |panels| {
             let r0 = panels.start * QROWS;
@@ -320,41 +320,15 @@ unsafe fn matmul_part_on(
                 valid: w.rows - r0,
                 add,
             };
+            let n = panels.len();
             // SAFETY: `path` was detected on this CPU; the tile's slices hold the token and the
             // panels' records.
             unsafe {
-                match w.bits {
-                    QBits::U4 => x86::panels_avx2_one::<true>(&tile, panels.len()),
-                    QBits::U8 => x86::panels_avx2_one::<false>(&tile, panels.len()),
-                }
-            }
-        });
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if t == 1 && path == Path::Vnni {
-        // One token (decode): each dealt run of panels streams through one call.
-        tm.deal(w.panels, |panels| {
-            let r0 = panels.start * QROWS;
-            let tile = Tile {
-                panel: &w.bytes_slice()[panels.start * w.blocks * w.bits.record_bytes()..],
-                blocks: w.blocks,
-                bits: w.bits,
-                xq: x.q,
-                xds: x.ds,
-                // SAFETY: rows r0.. of the token lie inside `out` and belong to this run alone (the
-                // caller's guarantee on `out`).
-                out: unsafe { out.ptr().add(r0) },
-                ldo: w.rows,
-                valid: w.rows - r0,
-                add,
-            };
-            // SAFETY: `path` was detected on this CPU; the tile's slices hold the token and the
-            // panels' records.
-            unsafe {
-                match w.bits {
-                    QBits::U4 => x86::panels_vnni_one::<true>(&tile, panels.len()),
-                    QBits::U8 => x86::panels_vnni_one::<false>(&tile, panels.len()),
+                match (path, w.bits) {
+                    (Path::Vnni, QBits::U4) => x86::panels_vnni_one::<true>(&tile, n),
+                    (Path::Vnni, QBits::U8) => x86::panels_vnni_one::<false>(&tile, n),
+                    (_, QBits::U4) => x86::panels_avx2_one::<true>(&tile, n),
+                    (_, QBits::U8) => x86::panels_avx2_one::<false>(&tile, n),
                 }
             }
         });
