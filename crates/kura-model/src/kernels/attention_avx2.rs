@@ -261,10 +261,8 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     // widens 8 keys into a tile in L1 first, which each pass of 3 heads then reads (the scratch's tail).
     let direct = group <= 3;
     let tile_len = if direct { 0 } else { 8 * head_dim };
-    // Every score and tile row is written before it is read: the buffer is grown, never cleared.
-    if scratch.len() < group * n_ctx + tile_len {
-        scratch.resize(group * n_ctx + tile_len, 0.0);
-    }
+    // Every tile row, like every score, is written before it is read.
+    super::fit(scratch, group * n_ctx + tile_len);
     let (scores, tile) = scratch.split_at_mut(group * n_ctx);
     let tp = tile.as_mut_ptr();
     for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {

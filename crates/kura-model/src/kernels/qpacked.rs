@@ -658,9 +658,10 @@ mod x86 {
         }
     }
 
-    /// Bytes ahead of the record in use that the one-token kernels ask the caches for: a decode step
-    /// streams every weight once, and the hardware prefetcher alone leaves the memory idle part of the
-    /// time (on AVX2: 79 % of a plain read without, about 100 % with 2 KiB; 1 and 4 KiB did less).
+    /// Bytes ahead of the record in use that the AVX2 one-token kernel asks the caches for: a decode
+    /// step streams every weight once, and on the AVX2-only AMD EPYC the hardware prefetcher alone left
+    /// the memory idle part of the time (79 % of a plain read without, about 100 % with 2 KiB; 1 and
+    /// 4 KiB did less). The VNNI kernel asks for nothing ahead ([`panels_vnni_one`]).
     const PREFETCH_AHEAD: usize = 2048;
 
     /// One token × `panels` consecutive panels of 16 rows, each in one pass (both halves of 8 rows at
