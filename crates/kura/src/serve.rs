@@ -242,7 +242,8 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 ///
 /// ```text
 /// 8 bytes   "kura-kv\0"
-/// u32       encoding version, 2 (version 1 hashed Debug text)
+/// u32       encoding version, 3 (version 1 hashed Debug text; version 2's CPU forward pass took SiLU's
+///           exponential from the C library, version 3's from its own polynomial: other bits)
 /// u128      the weights' digest
 /// u32       compute format: f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6, native 7 (the CPU
 ///           runtime's weights), the CUDA executor 8 (its kernels round otherwise: a GPU's blocks
@@ -254,7 +255,7 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 /// A change of any of it makes blocks cached on disk under the old fingerprint foreign: the disk tier
 /// deletes them at start and the server says so.
 fn kv_fingerprint(weights: u128, compute: Compute, layout: &KvLayout, encoding: u128) -> u128 {
-    const VERSION: u32 = 2;
+    const VERSION: u32 = 3;
     let compute: u32 = match compute {
         Compute::Cpu(WeightsDtype::F32) => 1,
         Compute::Cpu(WeightsDtype::F16) => 2,
@@ -793,7 +794,7 @@ mod tests {
         let encoding = 0x1111_2222_3333_4444_5555_6666_7777_8888;
         let native = Compute::Cpu(WeightsDtype::Native);
         let f = kv_fingerprint(weights, native, &layout, encoding);
-        assert_eq!(format!("{f:032x}"), "8c47833dbdbd2a75ef557284b6dc1af6");
+        assert_eq!(format!("{f:032x}"), "c02d94e7cd880f77ce87f285fba4c139");
         // Each input counts.
         let others = [
             kv_fingerprint(weights + 1, native, &layout, encoding),
