@@ -195,6 +195,18 @@ impl Device {
         Ok(())
     }
 
+    /// Whether `bytes` lie within a host region pinned by [`Device::pin_host`] (copies from it can run
+    /// asynchronously, at the bus's speed).
+    pub fn is_pinned(&self, bytes: &[u8]) -> bool {
+        let (start, len) = (bytes.as_ptr() as usize, bytes.len());
+        self.pinned.iter().any(|&(at, n)| {
+            start >= at
+                && start
+                    .checked_add(len)
+                    .is_some_and(|end| end <= at.saturating_add(n))
+        })
+    }
+
     /// Starts timing every launch (host-synchronised at the end; not for graphs): see
     /// [`Device::profile_end`].
     pub fn profile_begin(&self) -> Result<cudarc::driver::CudaEvent> {

@@ -312,6 +312,9 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
 
 /// The forward pass of a Llama-family model on a GPU, over a KV pool in device memory.
 pub struct CudaExecutor {
+    /// Host-tier loads under way; declared first so that it is dropped (waiting for its copies) before
+    /// the device unpins the host region they read.
+    loads: Option<HostLoads>,
     dev: Device,
     cfg: ModelConfig,
     w: DevWeights,
@@ -330,6 +333,22 @@ pub struct CudaExecutor {
     /// Bytes the split-key kernel's partials may take at once ([`PART_CAP_BYTES`]).
     part_cap: usize,
     mask_all_tiles: bool,
+}
+
+/// Host-tier loads copied on a stream of their own ([`Executor::start_import`]), beside the forward
+/// passes on the device's stream.
+struct HostLoads {
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// Started copies in the order they were issued: (block, an event before the copy, one after).
+    in_flight:
+        std::collections::VecDeque<(u32, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+}
+
+impl Drop for HostLoads {
+    fn drop(&mut self) {
+        // The copies read pinned host memory that is unpinned (and freed) after this.
+        let _ = self.stream.synchronize();
+    }
 }
 
 /// Captured graphs by step shape.
@@ -484,6 +503,7 @@ impl CudaExecutor {
         };
         let s = scratch;
         Ok(CudaExecutor {
+            loads: None,
             dev,
             cfg,
             w,
@@ -1007,6 +1027,91 @@ impl CudaExecutor {
     }
 }
 
+impl CudaExecutor {
+    /// Starts copying `bytes` into block `block` on the loads' stream, after everything already issued
+    /// on the device's stream, and returns `true`; `false` (nothing started) when `bytes` are not in a
+    /// pinned host region, whose copies the driver would stage synchronously anyway.
+    pub fn try_start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool> {
+        if !self.dev.is_pinned(bytes) {
+            return Ok(false);
+        }
+        let b = self.check_block(block)?;
+        if bytes.len() != self.block_bytes {
+            return Err(CudaError::Batch(format!(
+                "a block is {} bytes, not {}",
+                self.block_bytes,
+                bytes.len()
+            )));
+        }
+        self.dev.ctx.bind_to_thread()?;
+        if self.loads.is_none() {
+            self.loads = Some(HostLoads {
+                stream: self.dev.ctx.new_stream()?,
+                in_flight: std::collections::VecDeque::new(),
+            });
+        }
+        let loads = self.loads.as_mut().expect("made above");
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        // Ordered after the device stream's work so far (a block copy that wrote this block before it
+        // was freed and handed to the load); the forward passes issued later run beside the copy, and
+        // the engine lets none of them touch the block before `imports_done` reports it.
+        let issued = self.dev.ctx.new_event(timed)?;
+        issued.record(&self.dev.stream)?;
+        loads.stream.wait(&issued)?;
+        let before = self.dev.ctx.new_event(timed)?;
+        before.record(&loads.stream)?;
+        let dst = self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64;
+        // SAFETY: `dst` is block `b` of the pool (checked above), `block_bytes` long; `bytes` is pinned
+        // host memory of that length, which the engine leaves unchanged until the copy is reported
+        // (and which outlives the executor's copies: `HostLoads` waits for them when dropped).
+        unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                loads.stream.cu_stream(),
+            )
+        }
+        .result()?;
+        let after = self.dev.ctx.new_event(timed)?;
+        after.record(&loads.stream)?;
+        loads.in_flight.push_back((block, before, after));
+        Ok(true)
+    }
+
+    /// Appends the blocks whose started copies have finished (in issue order, with each copy's own
+    /// time) to `done`, waiting at most `wait` for the first when none has.
+    pub fn try_imports_done(
+        &mut self,
+        wait: std::time::Duration,
+        done: &mut Vec<(u32, std::time::Duration)>,
+    ) -> Result<()> {
+        let Some(loads) = self.loads.as_mut() else {
+            return Ok(());
+        };
+        let deadline = std::time::Instant::now() + wait;
+        let found = done.len();
+        loop {
+            while let Some((_, _, after)) = loads.in_flight.front() {
+                if !after.try_is_complete()? {
+                    break;
+                }
+                let (block, before, after) = loads.in_flight.pop_front().expect("looked at");
+                let ms = f64::from(before.elapsed_ms(&after)?.max(0.0));
+                done.push((block, std::time::Duration::from_secs_f64(ms / 1e3)));
+            }
+            if done.len() > found
+                || loads.in_flight.is_empty()
+                || std::time::Instant::now() >= deadline
+            {
+                return Ok(());
+            }
+            // A copy of a block takes tens of microseconds to milliseconds.
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+}
+
 impl Executor for CudaExecutor {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> std::result::Result<Vec<Vec<f32>>, String> {
         let vocab = self.cfg.vocab_size();
@@ -1033,6 +1138,21 @@ impl Executor for CudaExecutor {
         self.try_import_block(block, bytes).expect(
             "the KV manager hands out block ids within the pool, the tiers block-sized slots",
         );
+    }
+
+    fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
+        self.try_start_import(block, bytes).expect(
+            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
+        )
+    }
+
+    fn imports_done(
+        &mut self,
+        wait: std::time::Duration,
+        done: &mut Vec<(u32, std::time::Duration)>,
+    ) {
+        self.try_imports_done(wait, done)
+            .expect("a copy from the host tier failed on the device");
     }
 
     fn register_host_region(&mut self, region: &mut [u8]) -> bool {

@@ -554,6 +554,53 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn host_tier_loads_copy_asynchronously_from_pinned_memory_byte_for_byte() {
+    use kura_engine::Executor;
+    use std::time::{Duration, Instant};
+    let p = &prompts()[0];
+    let bs = 16;
+    let mut gpu = exec("smol", KvDtype::Bf16, bs, 8);
+    let blocks = p.len().div_ceil(bs);
+    assert!(blocks <= 6, "the prompt fits blocks 0..6");
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
+    let bb = gpu.block_bytes();
+    // A host tier of two slots holding blocks 0 and 1, as the engine's arena would.
+    let mut region = vec![0u8; 2 * bb];
+    gpu.export_block(0, &mut region[..bb]);
+    gpu.export_block(1, &mut region[bb..]);
+    // Pageable bytes are not started: the engine then imports them synchronously.
+    let pageable = region[..bb].to_vec();
+    assert!(!gpu.start_import(7, &pageable));
+    assert!(gpu.register_host_region(&mut region));
+    assert!(gpu.start_import(6, &region[..bb]));
+    assert!(gpu.start_import(7, &region[bb..]));
+    let mut done = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while done.len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the copies never finished: {done:?}"
+        );
+        gpu.imports_done(Duration::from_millis(100), &mut done);
+    }
+    let order: Vec<u32> = done.iter().map(|d| d.0).collect();
+    assert_eq!(order, [6, 7], "reported once each, in issue order");
+    println!("async block copies of {bb} bytes: {:?}", done);
+    let mut back = vec![0u8; bb];
+    gpu.export_block(6, &mut back);
+    assert_eq!(back, region[..bb]);
+    gpu.export_block(7, &mut back);
+    assert_eq!(back, region[bb..]);
+    // Nothing left to report.
+    gpu.imports_done(Duration::ZERO, &mut done);
+    assert_eq!(done.len(), 2);
+    // The executor (which unpins the region) goes before the region.
+    drop(gpu);
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte() {
     // SmolLM2's shape, 300 tokens: the CPU's fp8 (rotated groups, key offsets) against its bf16 sets
     // the scale of what fp8 rounding leaves; the GPU's fp8 (plain groups of 64) is held to it.

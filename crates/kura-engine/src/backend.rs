@@ -55,6 +55,27 @@ pub trait Executor: Send + 'static {
         let _ = (block, bytes);
         unreachable!("import_block called on an executor whose block_bytes() is 0");
     }
+    /// Starts overwriting block `block`'s KV with `bytes`, a slot of the host region offered to
+    /// [`Executor::register_host_region`], without waiting for the copy, and returns `true`; or returns
+    /// `false` (the default) where this executor copies synchronously only, and the engine calls
+    /// [`Executor::import_block`] instead. Until [`Executor::imports_done`] reports the block, the engine
+    /// schedules nothing that reads or writes it and nothing writes those bytes (the host slot stays
+    /// reserved for the load): on an accelerator the copy runs beside the forward passes of requests
+    /// that do not wait for it.
+    fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
+        let _ = (block, bytes);
+        false
+    }
+    /// Appends to `done` the blocks whose started imports have finished, in the order they were
+    /// started, each with how long its copy took; when none has finished and some are under way, waits
+    /// for one at most `wait`.
+    fn imports_done(
+        &mut self,
+        wait: std::time::Duration,
+        done: &mut Vec<(u32, std::time::Duration)>,
+    ) {
+        let _ = (wait, done);
+    }
     /// Offers the host tier's bytes, which blocks are exported to and imported from, to the executor
     /// before the first step. The region outlives the executor and never moves. An executor whose pool
     /// is on an accelerator may pin its pages, so that each block's copy runs at the bus's speed instead

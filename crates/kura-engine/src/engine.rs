@@ -538,8 +538,8 @@ impl Core {
             if self.step() {
                 idle_wait = MIN_IDLE_WAIT;
             } else if self.tiers.as_ref().is_some_and(|t| t.reads_in_flight() > 0) {
-                // Waiting for blocks read from disk: wait on the reads, not on commands (the loop
-                // looks at commands again right after).
+                // Waiting for blocks read from disk or copied from the host tier: wait on the loads,
+                // not on commands (the loop looks at commands again right after).
                 self.poll_loads(LOAD_POLL);
             } else {
                 // Nothing could run (every request's client is behind, or waiting for blocks): wait for
@@ -1252,7 +1252,8 @@ impl Core {
         self.report_loads();
     }
 
-    /// Imports the disk reads that came back (waiting at most `wait` for one) and reports them.
+    /// Imports the disk reads that came back and the host copies that finished (waiting at most `wait`
+    /// for one) and reports them.
     fn poll_loads(&mut self, wait: Duration) {
         let Some(io) = self.tiers.as_mut() else {
             return;

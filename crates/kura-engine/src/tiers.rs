@@ -102,6 +102,11 @@ pub(crate) struct TierIo {
     block_bytes: usize,
     /// Disk reads in flight: pool block → when the read was queued.
     reads: HashMap<u32, Instant>,
+    /// Host-tier loads the executor copies asynchronously ([`Executor::start_import`]), in flight: pool
+    /// block → when the copy was started.
+    host_loads: HashMap<u32, Instant>,
+    /// Scratch for [`Executor::imports_done`].
+    imported: Vec<(u32, Duration)>,
     /// Stored blocks found failing a check: at open, and by reads since (each file was deleted).
     pub corrupt_found: u64,
     /// The start probes' timings, for the tier cost check.
@@ -251,6 +256,8 @@ impl TierIo {
                 disk,
                 block_bytes,
                 reads: HashMap::new(),
+                host_loads: HashMap::new(),
+                imported: Vec::new(),
                 corrupt_found,
                 probes,
             },
@@ -292,6 +299,10 @@ impl TierIo {
                         .host
                         .as_ref()
                         .expect("the manager loads from the host tier only when it exists");
+                    if exec.start_import(block, host.slot(slot)) {
+                        self.host_loads.insert(block, started);
+                        continue;
+                    }
                     exec.import_block(block, host.slot(slot));
                     let elapsed = started.elapsed();
                     done.push(LoadDone {
@@ -313,9 +324,31 @@ impl TierIo {
         }
     }
 
-    /// Imports the disk reads that have come back (waiting at most `wait` for the first when some are in
-    /// flight) and pushes them onto `done`.
+    /// Reports the host copies the executor has finished, imports the disk reads that have come back
+    /// (waiting at most `wait` for the first when some are in flight) and pushes them onto `done`.
     pub fn poll(&mut self, exec: &mut dyn Executor, wait: Duration, done: &mut Vec<LoadDone>) {
+        if !self.host_loads.is_empty() {
+            // Waits on the host copies only when no disk read could come back meanwhile.
+            let host_wait = if self.reads.is_empty() {
+                wait
+            } else {
+                Duration::ZERO
+            };
+            exec.imports_done(host_wait, &mut self.imported);
+            for (block, io) in self.imported.drain(..) {
+                let started = self
+                    .host_loads
+                    .remove(&block)
+                    .expect("the executor reports a started import once");
+                done.push(LoadDone {
+                    block,
+                    ok: true,
+                    tier: Tier::Host,
+                    elapsed: started.elapsed(),
+                    io,
+                });
+            }
+        }
         let Some(disk) = &self.disk else { return };
         if self.reads.is_empty() {
             return;
@@ -359,9 +392,10 @@ impl TierIo {
         self.block_bytes
     }
 
-    /// Disk reads queued and not reported yet.
+    /// Loads under way and not reported yet: disk reads, and host copies the executor runs
+    /// asynchronously.
     pub fn reads_in_flight(&self) -> usize {
-        self.reads.len()
+        self.reads.len() + self.host_loads.len()
     }
 
     /// The disk thread's counters (`None` without a disk tier).

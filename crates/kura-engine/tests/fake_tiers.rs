@@ -9,6 +9,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use common::*;
 use kura_engine::{DiskSetup, EngineConfig, PreemptionMode, TierCostCheck, TierRates, TierSetup};
@@ -112,6 +113,60 @@ fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
     assert!(tier_metric(e, "kura:kv_tier_stores_total", "host") >= 15.0);
     // Revisits computed only their last block's tokens: 6 decode steps plus a 4-token chunk each.
     assert!(fake.control.calls() - forwards_before <= 5 * 7);
+    fake.engine.stop();
+}
+
+#[test]
+fn a_host_tier_load_copied_asynchronously_is_waited_for_while_other_requests_run() {
+    let cold = cold_outputs();
+    let short = {
+        let fake = start(config(64, 64, 8));
+        let out = run(&fake.engine, distinct_request(9, 4, 2)).0;
+        fake.engine.stop();
+        out
+    };
+    let fake = start(with_tiers(12, 64, None));
+    // Loads from the host tier are started and land later, as an accelerator's copies on their own
+    // stream do (the bytes reach the block only when the engine hears that the copy finished).
+    fake.control.async_imports();
+    for s in 0..5 {
+        assert_eq!(
+            run(&fake.engine, distinct_request(s, 24, 6)).0,
+            cold[s as usize]
+        );
+    }
+    settle(&fake.engine);
+    // Prompt 0's blocks were evicted into the host tier; its revisit loads them, and the copies are held.
+    fake.control.hold_imports();
+    let (_guard, rx0) = submit(&fake.engine, distinct_request(0, 24, 6));
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while fake.control.imports_started() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the revisit never loaded its blocks"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Another request runs to its end while the loads are under way.
+    assert_eq!(run(&fake.engine, distinct_request(9, 4, 2)).0, short);
+    // The revisit has produced nothing: it waits for its blocks.
+    if let Ok(ev) = rx0.try_recv() {
+        panic!("the revisit ran before its blocks arrived: {ev:?}");
+    }
+    fake.control.release_imports();
+    let (tokens, usage) = wait(&rx0);
+    assert_eq!(tokens, cold[0], "the revisit, from asynchronous host loads");
+    assert_eq!(usage.cached_tokens, 20);
+    settle(&fake.engine);
+    let e = &fake.engine;
+    assert_eq!(
+        fake.control.imports_started() as f64,
+        tier_metric(e, "kura:kv_tier_loads_total", "host")
+    );
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_load_failures_total", "host"),
+        0.0
+    );
     fake.engine.stop();
 }
 

@@ -31,6 +31,12 @@ struct ControlState {
     panic_at: Option<usize>,
     /// Bytes of the host region the engine offered ([`Executor::register_host_region`]).
     host_region: Option<usize>,
+    /// Whether host-tier loads are copied asynchronously ([`Executor::start_import`]).
+    async_imports: bool,
+    /// Whether started imports are kept from finishing.
+    imports_held: bool,
+    /// Imports started so far.
+    imports_started: usize,
 }
 
 /// Steers the fake model's forward calls (numbered from 1).
@@ -70,6 +76,27 @@ impl Control {
         self.changed.notify_all();
     }
 
+    /// From now on host-tier loads are started and finish later, as an accelerator's copies do: their
+    /// bytes land only when the engine is told they finished.
+    pub fn async_imports(&self) {
+        self.state.lock().unwrap().async_imports = true;
+    }
+
+    /// Started imports do not finish until [`Control::release_imports`].
+    pub fn hold_imports(&self) {
+        self.state.lock().unwrap().imports_held = true;
+    }
+
+    pub fn release_imports(&self) {
+        self.state.lock().unwrap().imports_held = false;
+        self.changed.notify_all();
+    }
+
+    /// Imports started asynchronously so far.
+    pub fn imports_started(&self) -> usize {
+        self.state.lock().unwrap().imports_started
+    }
+
     /// Bytes of the host region the engine offered the model, if it offered one.
     pub fn host_region(&self) -> Option<usize> {
         self.state.lock().unwrap().host_region
@@ -105,6 +132,8 @@ pub struct FakeModel {
     control: Arc<Control>,
     /// The token written at each (block, slot), to check that reads see what was written.
     kv: Vec<Option<u32>>,
+    /// Imports started and not finished: (block, the bytes to land).
+    in_flight: Vec<(u32, Vec<u8>)>,
 }
 
 impl Executor for FakeModel {
@@ -162,6 +191,36 @@ impl Executor for FakeModel {
         for (i, b) in bytes.chunks_exact(5).enumerate() {
             let token = u32::from_le_bytes(b[1..].try_into().unwrap());
             self.kv[block as usize * BLOCK + i] = (b[0] == 1).then_some(token);
+        }
+    }
+
+    fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
+        let mut state = self.control.state.lock().unwrap();
+        if !state.async_imports {
+            return false;
+        }
+        state.imports_started += 1;
+        self.in_flight.push((block, bytes.to_vec()));
+        true
+    }
+
+    fn imports_done(&mut self, wait: Duration, done: &mut Vec<(u32, Duration)>) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        let state = self.control.state.lock().unwrap();
+        let (state, _) = self
+            .control
+            .changed
+            .wait_timeout_while(state, wait, |s| s.imports_held)
+            .unwrap();
+        if state.imports_held {
+            return;
+        }
+        drop(state);
+        for (block, bytes) in std::mem::take(&mut self.in_flight) {
+            self.import_block(block, &bytes);
+            done.push((block, Duration::from_micros(1)));
         }
     }
 
@@ -247,6 +306,7 @@ pub fn start(config: EngineConfig) -> Fake {
         batches: batches.clone(),
         control: control.clone(),
         kv: vec![None; config.num_blocks * BLOCK],
+        in_flight: Vec::new(),
     };
     let engine = start_engine(config, Box::new(model), Arc::new(Letters)).unwrap();
     Fake {
