@@ -312,8 +312,8 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
 
 /// The forward pass of a Llama-family model on a GPU, over a KV pool in device memory.
 pub struct CudaExecutor {
-    /// Host-tier loads under way; declared first so that it is dropped (waiting for its copies) before
-    /// the device unpins the host region they read.
+    /// Copies between the pool and the host tier under way; declared first so that it is dropped
+    /// (waiting for its copies) before the device unpins the host region they use.
     loads: Option<HostLoads>,
     dev: Device,
     cfg: ModelConfig,
@@ -335,13 +335,34 @@ pub struct CudaExecutor {
     mask_all_tiles: bool,
 }
 
-/// Host-tier loads copied on a stream of their own ([`Executor::start_import`]), beside the forward
-/// passes on the device's stream.
+/// Host-tier loads and stores copied on a stream of their own ([`Executor::start_import`],
+/// [`Executor::start_export`]), beside the forward passes on the device's stream. One stream for both
+/// directions keeps a load of a host slot after the store that filled it.
 struct HostLoads {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    /// Started copies in the order they were issued: (block, an event before the copy, one after).
+    /// Started loads in the order they were issued: (block, an event before the copy, one after).
     in_flight:
         std::collections::VecDeque<(u32, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    /// After the last store started: what the host waits on before reading stored bytes.
+    last_store: Option<cudarc::driver::CudaEvent>,
+    /// Whether the device stream has yet to wait for `last_store` before writing the pool (a stored
+    /// block may be overwritten by the next step).
+    device_behind: bool,
+}
+
+impl HostLoads {
+    /// The executor's transfers, made with their stream on first use.
+    fn get<'a>(loads: &'a mut Option<HostLoads>, dev: &Device) -> Result<&'a mut HostLoads> {
+        if loads.is_none() {
+            *loads = Some(HostLoads {
+                stream: dev.ctx.new_stream()?,
+                in_flight: std::collections::VecDeque::new(),
+                last_store: None,
+                device_behind: false,
+            });
+        }
+        Ok(loads.as_mut().expect("made above"))
+    }
 }
 
 impl Drop for HostLoads {
@@ -904,6 +925,7 @@ impl CudaExecutor {
 
     /// Each sequence's last-token logits, `n × vocab` row by row.
     pub fn forward_logits(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<f32>> {
+        self.after_stores()?;
         let plan = self.run(batch)?;
         let n = plan.n_seqs * self.cfg.vocab_size();
         let mut out = vec![0f32; n];
@@ -962,6 +984,7 @@ impl CudaExecutor {
     /// Copies slots `0..num_tokens` of every layer's K and V of block `src` into `dst`.
     pub fn try_copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) -> Result<()> {
         let (s, d) = (self.check_block(src)?, self.check_block(dst)?);
+        self.after_stores()?;
         let bs = self.shape.block_size as usize;
         if num_tokens > bs {
             return Err(CudaError::Batch(format!(
@@ -1020,6 +1043,7 @@ impl CudaExecutor {
             )));
         }
         self.dev.ctx.bind_to_thread()?;
+        self.after_stores()?;
         let at = b * self.block_bytes;
         let mut view = self.pool.slice_mut(at..at + self.block_bytes);
         self.dev.stream.memcpy_htod(bytes, &mut view)?;
@@ -1044,13 +1068,7 @@ impl CudaExecutor {
             )));
         }
         self.dev.ctx.bind_to_thread()?;
-        if self.loads.is_none() {
-            self.loads = Some(HostLoads {
-                stream: self.dev.ctx.new_stream()?,
-                in_flight: std::collections::VecDeque::new(),
-            });
-        }
-        let loads = self.loads.as_mut().expect("made above");
+        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
         let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         // Ordered after the device stream's work so far (a block copy that wrote this block before it
         // was freed and handed to the load); the forward passes issued later run beside the copy, and
@@ -1077,6 +1095,74 @@ impl CudaExecutor {
         after.record(&loads.stream)?;
         loads.in_flight.push_back((block, before, after));
         Ok(true)
+    }
+
+    /// Starts copying block `block` into `out` on the transfer stream, after everything already issued
+    /// on the device's stream (the steps that wrote the block), and returns `true`; `false` (nothing
+    /// started) when `out` is not in a pinned host region. Pool writes issued after it wait for it on
+    /// the device ([`CudaExecutor::after_stores`]); the host reads `out` after
+    /// [`CudaExecutor::try_stores_fence`].
+    pub fn try_start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool> {
+        if !self.dev.is_pinned(out) {
+            return Ok(false);
+        }
+        let b = self.check_block(block)?;
+        if out.len() != self.block_bytes {
+            return Err(CudaError::Batch(format!(
+                "a block is {} bytes, not {}",
+                self.block_bytes,
+                out.len()
+            )));
+        }
+        self.dev.ctx.bind_to_thread()?;
+        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
+        let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let issued = self.dev.ctx.new_event(untimed)?;
+        issued.record(&self.dev.stream)?;
+        loads.stream.wait(&issued)?;
+        let src = self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64;
+        // SAFETY: `src` is block `b` of the pool (checked above), `block_bytes` long; `out` is pinned
+        // host memory of that length, which the engine neither reads nor writes until it has called
+        // `exports_fence`, and which outlives the copy (`HostLoads` waits for it when dropped).
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                out.as_mut_ptr().cast(),
+                src,
+                out.len(),
+                loads.stream.cu_stream(),
+            )
+        }
+        .result()?;
+        let stored = self.dev.ctx.new_event(untimed)?;
+        stored.record(&loads.stream)?;
+        loads.last_store = Some(stored);
+        loads.device_behind = true;
+        Ok(true)
+    }
+
+    /// Makes the device stream wait (on the device, not the host) for the stores started so far, before
+    /// work that may write a block they read.
+    fn after_stores(&mut self) -> Result<()> {
+        if let Some(loads) = self.loads.as_mut() {
+            if loads.device_behind {
+                if let Some(ev) = &loads.last_store {
+                    self.dev.stream.wait(ev)?;
+                }
+                loads.device_behind = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every store started so far has landed in host memory.
+    pub fn try_stores_fence(&mut self) -> Result<()> {
+        if let Some(loads) = self.loads.as_mut() {
+            if let Some(ev) = loads.last_store.take() {
+                ev.synchronize()?;
+                loads.device_behind = false;
+            }
+        }
+        Ok(())
     }
 
     /// Appends the blocks whose started copies have finished (in issue order, with each copy's own
@@ -1144,6 +1230,17 @@ impl Executor for CudaExecutor {
         self.try_start_import(block, bytes).expect(
             "the KV manager hands out block ids within the pool, the tiers block-sized slots",
         )
+    }
+
+    fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
+        self.try_start_export(block, out).expect(
+            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
+        )
+    }
+
+    fn exports_fence(&mut self) {
+        self.try_stores_fence()
+            .expect("a copy into the host tier failed on the device");
     }
 
     fn imports_done(

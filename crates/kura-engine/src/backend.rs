@@ -76,6 +76,19 @@ pub trait Executor: Send + 'static {
     ) {
         let _ = (wait, done);
     }
+    /// Starts copying block `block`'s KV into `out`, a slot of the host region offered to
+    /// [`Executor::register_host_region`], without waiting for the copy, and returns `true`; or returns
+    /// `false` (the default) where this executor copies synchronously only, and the engine calls
+    /// [`Executor::export_block`] instead. The executor orders whatever it is asked to do afterwards
+    /// (a step that overwrites the block, a load of the same slot) after the copy; the engine reads
+    /// `out` only after [`Executor::exports_fence`]. On an accelerator the copy then runs beside the
+    /// next forward pass instead of holding it back.
+    fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
+        let _ = (block, out);
+        false
+    }
+    /// Waits until every export started by [`Executor::start_export`] has landed in host memory.
+    fn exports_fence(&mut self) {}
     /// Offers the host tier's bytes, which blocks are exported to and imported from, to the executor
     /// before the first step. The region outlives the executor and never moves. An executor whose pool
     /// is on an accelerator may pin its pages, so that each block's copy runs at the bus's speed instead

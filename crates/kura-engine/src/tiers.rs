@@ -107,6 +107,9 @@ pub(crate) struct TierIo {
     host_loads: HashMap<u32, Instant>,
     /// Scratch for [`Executor::imports_done`].
     imported: Vec<(u32, Duration)>,
+    /// Whether host slots were filled by exports the executor may still be copying
+    /// ([`Executor::start_export`]): the engine fences them before it reads a host slot itself.
+    exports_pending: bool,
     /// Stored blocks found failing a check: at open, and by reads since (each file was deleted).
     pub corrupt_found: u64,
     /// The start probes' timings, for the tier cost check.
@@ -258,6 +261,7 @@ impl TierIo {
                 reads: HashMap::new(),
                 host_loads: HashMap::new(),
                 imported: Vec::new(),
+                exports_pending: false,
                 corrupt_found,
                 probes,
             },
@@ -275,9 +279,14 @@ impl TierIo {
         for m in moves {
             match m {
                 TierMove::Demote { block, slot } => {
-                    exec.export_block(block, self.host_mut().slot_mut(slot));
+                    if exec.start_export(block, self.host_mut().slot_mut(slot)) {
+                        self.exports_pending = true;
+                    } else {
+                        exec.export_block(block, self.host_mut().slot_mut(slot));
+                    }
                 }
                 TierMove::HostToDisk { slot, record: r } => {
+                    self.fence_exports(exec);
                     let payload = self.host_mut().slot(slot).to_vec();
                     self.submit(DiskJob::Write {
                         rec: record(r),
@@ -299,10 +308,13 @@ impl TierIo {
                         .host
                         .as_ref()
                         .expect("the manager loads from the host tier only when it exists");
+                    // A started import is ordered after the started exports by the executor.
                     if exec.start_import(block, host.slot(slot)) {
                         self.host_loads.insert(block, started);
                         continue;
                     }
+                    self.fence_exports(exec);
+                    let host = self.host.as_ref().expect("checked above");
                     exec.import_block(block, host.slot(slot));
                     let elapsed = started.elapsed();
                     done.push(LoadDone {
@@ -384,6 +396,14 @@ impl TierIo {
                 io,
             });
             next = disk.try_done();
+        }
+    }
+
+    /// Waits for the exports the executor may still be copying into host slots.
+    fn fence_exports(&mut self, exec: &mut dyn Executor) {
+        if self.exports_pending {
+            exec.exports_fence();
+            self.exports_pending = false;
         }
     }
 

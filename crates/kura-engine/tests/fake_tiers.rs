@@ -171,6 +171,43 @@ fn a_host_tier_load_copied_asynchronously_is_waited_for_while_other_requests_run
 }
 
 #[test]
+fn asynchronous_stores_and_loads_through_host_and_disk_give_the_cold_tokens() {
+    let cold = cold_outputs();
+    let dir = TestDir::new("async");
+    // A pool of 12 blocks and a host tier of 8: blocks go down to the host tier as they are evicted,
+    // and on to disk as the host tier evicts them.
+    let fake = start(with_tiers(12, 8, Some((&dir, 7))));
+    // Stores land only when the engine fences them (the slot holds other bytes until then) and loads
+    // land later, as an accelerator's copies on their own stream do.
+    fake.control.async_exports();
+    fake.control.async_imports();
+    // The last prompts evicted are revisited first (their blocks in the host tier), the first ones
+    // after (on disk by then).
+    let order = [0, 1, 2, 3, 4, 2, 1, 0, 3, 4, 4, 2, 0, 1, 3];
+    for (i, s) in order.into_iter().enumerate() {
+        let (tokens, _) = run(&fake.engine, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "request {i}, prompt {s}");
+    }
+    settle(&fake.engine);
+    let e = &fake.engine;
+    assert!(
+        fake.control.exports_started() >= 15,
+        "{}",
+        fake.control.exports_started()
+    );
+    assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "host") > 0.0);
+    assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "disk") > 0.0);
+    for tier in ["host", "disk"] {
+        assert_eq!(
+            tier_metric(e, "kura:kv_tier_load_failures_total", tier),
+            0.0,
+            "{tier}"
+        );
+    }
+    fake.engine.stop();
+}
+
+#[test]
 fn the_disk_tier_survives_a_restart_and_refuses_another_models_blocks() {
     let cold = cold_outputs();
     let dir = TestDir::new("restart");

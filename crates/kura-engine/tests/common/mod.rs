@@ -37,6 +37,10 @@ struct ControlState {
     imports_held: bool,
     /// Imports started so far.
     imports_started: usize,
+    /// Whether exports into the host region are started and land at the next fence.
+    async_exports: bool,
+    /// Exports started so far.
+    exports_started: usize,
 }
 
 /// Steers the fake model's forward calls (numbered from 1).
@@ -92,6 +96,17 @@ impl Control {
         self.changed.notify_all();
     }
 
+    /// From now on exports into the host region are started and land only when the engine fences them
+    /// (until then the slot holds other bytes), as an accelerator's copies on their own stream do.
+    pub fn async_exports(&self) {
+        self.state.lock().unwrap().async_exports = true;
+    }
+
+    /// Exports started asynchronously so far.
+    pub fn exports_started(&self) -> usize {
+        self.state.lock().unwrap().exports_started
+    }
+
     /// Imports started asynchronously so far.
     pub fn imports_started(&self) -> usize {
         self.state.lock().unwrap().imports_started
@@ -134,6 +149,22 @@ pub struct FakeModel {
     kv: Vec<Option<u32>>,
     /// Imports started and not finished: (block, the bytes to land).
     in_flight: Vec<(u32, Vec<u8>)>,
+    /// Exports started and not landed: (where in the host region, the block's bytes when started).
+    stores: Vec<(*mut u8, Vec<u8>)>,
+}
+
+// SAFETY: the pointers in `stores` address the engine's host region, which outlives the model and is
+// written through them only on the engine thread that owns the model.
+unsafe impl Send for FakeModel {}
+
+impl FakeModel {
+    /// Lands the started exports in host memory.
+    fn land_stores(&mut self) {
+        for (at, bytes) in self.stores.drain(..) {
+            // SAFETY: see `stores`: a live slot of the host region, `bytes.len()` long.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, bytes.len()) };
+        }
+    }
 }
 
 impl Executor for FakeModel {
@@ -194,13 +225,38 @@ impl Executor for FakeModel {
         }
     }
 
+    fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
+        if !self.control.state.lock().unwrap().async_exports {
+            return false;
+        }
+        self.control.state.lock().unwrap().exports_started += 1;
+        let mut bytes = vec![0u8; out.len()];
+        self.export_block(block, &mut bytes);
+        // Not there yet: whoever reads the slot before the fence reads these.
+        out.fill(0xEE);
+        self.stores.push((out.as_mut_ptr(), bytes));
+        true
+    }
+
+    fn exports_fence(&mut self) {
+        self.land_stores();
+    }
+
     fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
         let mut state = self.control.state.lock().unwrap();
         if !state.async_imports {
             return false;
         }
         state.imports_started += 1;
-        self.in_flight.push((block, bytes.to_vec()));
+        // One stream: a load of a slot reads what the last store started into it wrote.
+        let stored = self
+            .stores
+            .iter()
+            .rev()
+            .find(|(at, _)| std::ptr::eq(*at as *const u8, bytes.as_ptr()))
+            .map(|(_, b)| b.clone());
+        self.in_flight
+            .push((block, stored.unwrap_or_else(|| bytes.to_vec())));
         true
     }
 
@@ -307,6 +363,7 @@ pub fn start(config: EngineConfig) -> Fake {
         control: control.clone(),
         kv: vec![None; config.num_blocks * BLOCK],
         in_flight: Vec::new(),
+        stores: Vec::new(),
     };
     let engine = start_engine(config, Box::new(model), Arc::new(Letters)).unwrap();
     Fake {
