@@ -554,7 +554,7 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
-fn host_tier_loads_copy_asynchronously_from_pinned_memory_byte_for_byte() {
+fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for_byte() {
     use kura_engine::Executor;
     use std::time::{Duration, Instant};
     let p = &prompts()[0];
@@ -595,6 +595,19 @@ fn host_tier_loads_copy_asynchronously_from_pinned_memory_byte_for_byte() {
     // Nothing left to report.
     gpu.imports_done(Duration::ZERO, &mut done);
     assert_eq!(done.len(), 2);
+    // A store into the host tier lands by the fence, byte for byte, even when the block is overwritten
+    // right after it (the device stream waits for the store before writing the pool).
+    let mut want = vec![0u8; bb];
+    gpu.export_block(2, &mut want);
+    assert!(gpu.start_export(2, &mut region[..bb]));
+    gpu.import_block(2, &vec![0u8; bb]);
+    gpu.exports_fence();
+    assert_eq!(&region[..bb], &want[..], "the stored block");
+    gpu.export_block(2, &mut back);
+    assert!(
+        back.iter().all(|b| *b == 0),
+        "the block overwritten after the store"
+    );
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }
