@@ -618,6 +618,8 @@ impl CudaExecutor {
     fn run(&mut self, batch: &[SeqInput<'_>]) -> Result<StepPlan> {
         let plan = plan_step(batch, self.limits())?;
         self.dev.ctx.bind_to_thread()?;
+        // A step writes the pool: after the stores that read it.
+        self.after_stores()?;
         let c = &self.cfg;
         let (t, n) = (plan.n_tokens, plan.n_seqs);
         let wave = split_wave(
@@ -925,7 +927,6 @@ impl CudaExecutor {
 
     /// Each sequence's last-token logits, `n × vocab` row by row.
     pub fn forward_logits(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<f32>> {
-        self.after_stores()?;
         let plan = self.run(batch)?;
         let n = plan.n_seqs * self.cfg.vocab_size();
         let mut out = vec![0f32; n];

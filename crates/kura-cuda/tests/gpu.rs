@@ -595,19 +595,43 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
     // Nothing left to report.
     gpu.imports_done(Duration::ZERO, &mut done);
     assert_eq!(done.len(), 2);
-    // A store into the host tier lands by the fence, byte for byte, even when the block is overwritten
-    // right after it (the device stream waits for the store before writing the pool).
-    let mut want = vec![0u8; bb];
-    gpu.export_block(2, &mut want);
-    assert!(gpu.start_export(2, &mut region[..bb]));
-    gpu.import_block(2, &vec![0u8; bb]);
+    // Stores into the host tier. Blocks 0 and 1 hold different tokens; block 7 now holds block 1's bytes.
+    let (mut want0, mut want1) = (vec![0u8; bb], vec![0u8; bb]);
+    gpu.export_block(0, &mut want0);
+    gpu.export_block(1, &mut want1);
+    assert_ne!(want0, want1);
+    region.fill(0);
+    // The fence alone waits for a store (no call on the device stream between).
+    assert!(gpu.start_export(0, &mut region[..bb]));
     gpu.exports_fence();
-    assert_eq!(&region[..bb], &want[..], "the stored block");
-    gpu.export_block(2, &mut back);
-    assert!(
-        back.iter().all(|b| *b == 0),
-        "the block overwritten after the store"
+    assert_eq!(&region[..bb], &want0[..], "a store, fenced");
+    // A write of the block issued right after its store waits for the store on the device.
+    assert!(gpu.start_export(1, &mut region[bb..]));
+    gpu.copy_block_prefix(0, 1, bs);
+    gpu.exports_fence();
+    assert_eq!(
+        &region[bb..],
+        &want1[..],
+        "the store, not the copy issued after it"
     );
+    gpu.export_block(1, &mut back);
+    assert_eq!(back, want0, "the copy issued after the store");
+    // A load of a slot follows the store into it (one transfer stream for both directions).
+    assert!(gpu.start_export(7, &mut region[..bb]));
+    assert!(gpu.start_import(5, &region[..bb]));
+    done.clear();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while done.is_empty() {
+        assert!(Instant::now() < deadline, "the load never finished");
+        gpu.imports_done(Duration::from_millis(100), &mut done);
+    }
+    assert_eq!(done[0].0, 5);
+    gpu.export_block(5, &mut back);
+    assert_eq!(
+        back, want1,
+        "block 5 loaded from the slot block 7 was stored into"
+    );
+    gpu.exports_fence();
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }

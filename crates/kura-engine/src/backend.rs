@@ -61,7 +61,8 @@ pub trait Executor: Send + 'static {
     /// [`Executor::import_block`] instead. Until [`Executor::imports_done`] reports the block, the engine
     /// schedules nothing that reads or writes it and nothing writes those bytes (the host slot stays
     /// reserved for the load): on an accelerator the copy runs beside the forward passes of requests
-    /// that do not wait for it.
+    /// that do not wait for it. An executor that overrides it overrides [`Executor::imports_done`] too:
+    /// a started import that is never reported keeps its request (and a stop) waiting.
     fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
         let _ = (block, bytes);
         false

@@ -282,6 +282,8 @@ impl TierIo {
                     if exec.start_export(block, self.host_mut().slot_mut(slot)) {
                         self.exports_pending = true;
                     } else {
+                        // No earlier store may land on top of this one.
+                        self.fence_exports(exec);
                         exec.export_block(block, self.host_mut().slot_mut(slot));
                     }
                 }

@@ -147,14 +147,15 @@ pub struct FakeModel {
     control: Arc<Control>,
     /// The token written at each (block, slot), to check that reads see what was written.
     kv: Vec<Option<u32>>,
-    /// Imports started and not finished: (block, the bytes to land).
-    in_flight: Vec<(u32, Vec<u8>)>,
+    /// Imports started and not finished: (block, where its bytes are read from, how many, or the bytes
+    /// of a store into that slot still under way, which the load follows).
+    in_flight: Vec<(u32, *const u8, usize, Option<Vec<u8>>)>,
     /// Exports started and not landed: (where in the host region, the block's bytes when started).
     stores: Vec<(*mut u8, Vec<u8>)>,
 }
 
-// SAFETY: the pointers in `stores` address the engine's host region, which outlives the model and is
-// written through them only on the engine thread that owns the model.
+// SAFETY: the pointers in `stores` and `in_flight` address the engine's host region, which outlives the
+// model and is used through them only on the engine thread that owns the model.
 unsafe impl Send for FakeModel {}
 
 impl FakeModel {
@@ -248,7 +249,9 @@ impl Executor for FakeModel {
             return false;
         }
         state.imports_started += 1;
-        // One stream: a load of a slot reads what the last store started into it wrote.
+        // One stream: a load of a slot reads what the last store started into it wrote. Otherwise the
+        // bytes are read when the copy lands, as a device reads them while it copies: a slot the engine
+        // reused meanwhile would show.
         let stored = self
             .stores
             .iter()
@@ -256,7 +259,7 @@ impl Executor for FakeModel {
             .find(|(at, _)| std::ptr::eq(*at as *const u8, bytes.as_ptr()))
             .map(|(_, b)| b.clone());
         self.in_flight
-            .push((block, stored.unwrap_or_else(|| bytes.to_vec())));
+            .push((block, bytes.as_ptr(), bytes.len(), stored));
         true
     }
 
@@ -274,7 +277,12 @@ impl Executor for FakeModel {
             return;
         }
         drop(state);
-        for (block, bytes) in std::mem::take(&mut self.in_flight) {
+        for (block, at, len, stored) in std::mem::take(&mut self.in_flight) {
+            let bytes = stored.unwrap_or_else(|| {
+                // SAFETY: a slot of the engine's host region, which outlives the model; the engine
+                // keeps it reserved until this load is reported.
+                unsafe { std::slice::from_raw_parts(at, len) }.to_vec()
+            });
             self.import_block(block, &bytes);
             done.push((block, Duration::from_micros(1)));
         }
