@@ -8,7 +8,9 @@
 #  2. the CUDA executor's tests (crates/kura-cuda/tests/gpu.rs): logits against the CPU runtime and HF,
 #     both attention kernels, greedy tokens cold / cached / chunked / batched / every block size, block
 #     export, import and copy-on-write, errors;
-#  3. `kura serve --device cuda` through the official openai client: exact cached_tokens.
+#  3. `kura serve --device cuda` through the official openai client: exact cached_tokens;
+#  4. `kura perplexity --device cuda` on the small model: f32 KV against the f32 reference exact (the GPU
+#     path is deterministic), bf16 and fp8 finite.
 # Usage: scripts/test-gpu.sh [WORK_DIR] (default a temporary folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +35,28 @@ if ! python3 -c 'import openai' 2>/dev/null; then
   export PYTHONPATH=/tmp/kura-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 scripts/gpu/serve_check.py gpu-bin/kura "$work/smol" || failed+=("kura serve --device cuda")
+echo "== kura perplexity --device cuda"
+python3 - "$work" <<'EOF' || failed+=("kura perplexity --device cuda")
+import json, random, subprocess, sys
+work = sys.argv[1]
+random.seed(0)
+words = "the cache of keys and values is kept in blocks on a device for later".split()
+with open(f"{work}/text.txt", "w") as f:
+    f.write(" ".join(random.choice(words) for _ in range(4000)))
+cmd = ["gpu-bin/kura", "perplexity", "--model", f"{work}/smol", "--text", f"{work}/text.txt",
+       "--device", "cuda", "--context", "256", "--chunks", "2", "--kv-dtype", "f32,bf16,fp8", "--json"]
+out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+if out.returncode != 0:
+    print(out.stderr[-3000:])
+    sys.exit(1)
+report = json.loads(out.stdout)
+print(json.dumps(report, indent=1))
+formats = {f["kv_dtype"]: f for f in report["formats"]}
+exact = formats["f32"]["kl_mean"] == 0 and formats["f32"]["perplexity_change_pct"] == 0
+finite = all(0 < f["perplexity"] < float("inf") for f in report["formats"])
+print("f32 against the f32 reference exact:", exact, "; every perplexity finite:", finite)
+sys.exit(0 if exact and finite else 1)
+EOF
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== GPU tests FAILED: ${failed[*]} ($(( $(date +%s) - start )) s)"
   exit 1

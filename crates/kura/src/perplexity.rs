@@ -11,6 +11,12 @@
 //! reference, the mean KL divergence `KL(p_ref ‖ p)` of the next-token distributions (nats), and the share
 //! of positions whose most likely next token is the reference's (top-1 agreement).
 //!
+//! With `--device cuda[:N]` the passes run on a GPU (bf16, f32 or fp8 KV), each format's executor with its
+//! own copy of the weights. The executor returns each sequence's last logits, so a piece goes in as one
+//! single-token item per position over the same blocks: a step stores every item's K and V before any
+//! attention reads them, so each position attends over the ones before it as in a prefill (through the
+//! decode attention kernels).
+//!
 //! Cost: one forward pass of every chunk per format (the reference included), plus O(vocab) per scored
 //! position and format for the log-softmax and the divergence.
 
@@ -22,7 +28,7 @@ use clap::Args;
 use kura_kv::codec::KvDtype;
 
 use kura_kv::storage::KvStorage;
-use kura_model::{Logits, Model, SeqBatchItem, WeightsDtype};
+use kura_model::{Logits, Model, ModelConfig, ModelParts, SeqBatchItem, WeightsDtype};
 use serde::Serialize;
 
 /// Tokens per forward call within a chunk.
@@ -55,6 +61,10 @@ pub struct PerplexityArgs {
     /// Worker threads (default: one per physical core this process may use).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where the passes run: cpu, or cuda[:N] (a GPU: bf16, f32 or fp8 KV, and bf16 weights; each
+    /// format's pass holds its own copy of the weights on the device).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Print the report as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -111,17 +121,25 @@ fn log_sum_exp(row: &[f32]) -> (f32, usize) {
     (m + s.ln(), best)
 }
 
-/// One format's KV for a chunk: its storage and the block table over it.
-struct Run {
-    kv: KvStorage,
-    table: Vec<u32>,
+/// One format's KV for a chunk, and what computes it: the CPU model over its storage, or a GPU executor
+/// with its own pool; each with the block table over the chunk.
+enum Run {
+    Cpu {
+        kv: KvStorage,
+        table: Vec<u32>,
+    },
+    Gpu {
+        exec: Box<kura_cuda::CudaExecutor>,
+        table: Vec<u32>,
+        vocab: usize,
+    },
 }
 
 impl Run {
-    fn new(model: &Model, dtype: KvDtype, block_size: usize, context: usize) -> Result<Self> {
+    fn cpu(model: &Model, dtype: KvDtype, block_size: usize, context: usize) -> Result<Self> {
         let layout = model.kv_layout(dtype, block_size)?;
         let blocks = context.div_ceil(block_size);
-        Ok(Run {
+        Ok(Run::Cpu {
             kv: model
                 .kv_storage(&layout, blocks)
                 .with_context(|| format!("allocating {dtype} KV for {context} tokens"))?,
@@ -129,17 +147,51 @@ impl Run {
         })
     }
 
+    /// On GPU `ordinal`, with the weights of `parts` (opened from `path`) loaded for this format alone.
+    fn gpu(
+        ordinal: usize,
+        (path, parts): (&std::path::Path, &ModelParts),
+        dtype: KvDtype,
+        block_size: usize,
+        context: usize,
+    ) -> Result<Self> {
+        let setup = crate::gpu::GpuSetup::load(ordinal, path, parts, dtype, PIECE, PIECE)?;
+        let layout = parts.config.kv_layout(dtype, block_size)?;
+        let blocks = context.div_ceil(block_size);
+        let exec = setup
+            .executor(&layout, blocks)
+            .with_context(|| format!("{dtype} KV for {context} tokens on cuda:{ordinal}"))?;
+        Ok(Run::Gpu {
+            exec: Box::new(exec),
+            table: (0..blocks as u32).collect(),
+            vocab: parts.config.vocab_size(),
+        })
+    }
+
     /// Computes `piece` at positions `start..` over this format's KV; the logits of every position.
-    fn forward(&mut self, model: &Model, piece: &[u32], start: usize) -> Result<Logits> {
-        Ok(model.forward_every_position(
-            &[SeqBatchItem {
-                tokens: piece,
-                start_pos: start,
-                block_table: &self.table,
-                layer_pages: &[],
-            }],
-            &mut self.kv,
-        )?)
+    fn forward(&mut self, model: Option<&Model>, piece: &[u32], start: usize) -> Result<Logits> {
+        match self {
+            Run::Cpu { kv, table } => Ok(model
+                .expect("a CPU run has the CPU model")
+                .forward_every_position(
+                    &[SeqBatchItem {
+                        tokens: piece,
+                        start_pos: start,
+                        block_table: table,
+                        layer_pages: &[],
+                    }],
+                    kv,
+                )?),
+            Run::Gpu { exec, table, vocab } => {
+                let items: Vec<kura_engine::SeqInput<'_>> = (0..piece.len())
+                    .map(|i| kura_engine::SeqInput::new(&piece[i..i + 1], start + i, table))
+                    .collect();
+                Ok(Logits {
+                    vocab: *vocab,
+                    data: exec.forward_logits(&items)?,
+                })
+            }
+        }
     }
 }
 
@@ -157,20 +209,46 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.chunks == Some(0) {
         bail!("--chunks must be at least 1");
     }
+    let device =
+        kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+    if device.is_some() {
+        if let Some(d) = args
+            .kv_dtype
+            .iter()
+            .find(|d| !matches!(d, KvDtype::Bf16 | KvDtype::F32 | KvDtype::Fp8))
+        {
+            bail!(
+                "--kv-dtype {}: on a GPU perplexity measures bf16, f32 or fp8 KV (--device cpu has the others)",
+                d.name()
+            );
+        }
+    }
     let path = crate::setup::model_path(args.model.as_ref())?;
-    let model = crate::setup::load_model(&path, args.weights_dtype)?;
-    if args.context > model.config().max_context() {
+    // The CPU model, or the file opened once for a GPU (each format's executor loads the weights).
+    let (model, parts) = match device {
+        Some(_) => (None, Some(ModelParts::open(&path)?)),
+        None => (
+            Some(crate::setup::load_model(&path, args.weights_dtype)?),
+            None,
+        ),
+    };
+    let (config, tokenizer): (&ModelConfig, _) = match (&model, &parts) {
+        (Some(m), _) => (m.config(), m.tokenizer()),
+        (None, Some(p)) => (&p.config, &p.text.tokenizer),
+        (None, None) => unreachable!("one of the two is loaded"),
+    };
+    if args.context > config.max_context() {
         bail!(
             "--context {} is longer than the model's context of {} tokens",
             args.context,
-            model.config().max_context()
+            config.max_context()
         );
     }
     let bytes = std::fs::read(&args.text)
         .with_context(|| format!("reading --text {}", args.text.display()))?;
     let text = String::from_utf8(bytes)
         .map_err(|e| anyhow::anyhow!("--text {} is not UTF-8: {e}", args.text.display()))?;
-    let tokens = model.tokenizer().encode(&text, false)?;
+    let tokens = tokenizer.encode(&text, false)?;
     let whole = tokens.len() / args.context;
     if whole == 0 {
         bail!(
@@ -183,19 +261,27 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let chunks = args.chunks.map_or(whole, |c| c.min(whole));
     // As llama-perplexity: a model whose tokenizer starts a text with BOS reads each chunk from BOS
     // (the chunk's first token is replaced by it), so that the figures compare with llama.cpp's.
-    let bos = match model.tokenizer().encode("", true)?.as_slice() {
+    let bos = match tokenizer.encode("", true)?.as_slice() {
         [b] => Some(*b),
         _ => None,
     };
-    let vocab = model.config().vocab_size();
+    let vocab = config.vocab_size();
     let started = Instant::now();
 
-    let mut reference = Run::new(&model, KvDtype::F32, args.block_size, args.context)?;
+    let new_run = |dtype: KvDtype| match (&model, &parts, device) {
+        (Some(m), _, _) => Run::cpu(m, dtype, args.block_size, args.context),
+        (None, Some(p), Some(ordinal)) => {
+            Run::gpu(ordinal, (&path, p), dtype, args.block_size, args.context)
+        }
+        _ => unreachable!("the CPU model, or the opened file and a GPU"),
+    };
+    let mut reference = new_run(KvDtype::F32)?;
     let mut runs = args
         .kv_dtype
         .iter()
-        .map(|&d| Run::new(&model, d, args.block_size, args.context))
+        .map(|&d| new_run(d))
         .collect::<Result<Vec<_>>>()?;
+    let model = model.as_ref();
     let mut ref_nll = 0f64;
     let mut sums = vec![Sums::default(); runs.len()];
     let mut scored = 0u64;
@@ -219,7 +305,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         while start < args.context {
             let end = (start + PIECE).min(args.context);
             let piece = &chunk[start..end];
-            let logits = reference.forward(&model, piece, start)?;
+            let logits = reference.forward(model, piece, start)?;
             bar.inc(piece.len() as u64);
             // Position p's logits predict chunk[p + 1]; scored: first_scored ≤ p + 1 < context.
             let rows: Vec<usize> = (start..end)
@@ -238,7 +324,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             ref_p.extend(ref_lp.iter().map(|a| a.exp()));
             scored += rows.len() as u64;
             for (run, sum) in runs.iter_mut().zip(&mut sums) {
-                let logits = run.forward(&model, piece, start)?;
+                let logits = run.forward(model, piece, start)?;
                 bar.inc(piece.len() as u64);
                 for (i, &p) in rows.iter().enumerate() {
                     let row = logits.row(p - start);
@@ -280,7 +366,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             let perplexity = (s.nll / n).exp();
             Ok(FormatReport {
                 kv_dtype: d,
-                kv_bytes_per_token: model.kv_layout(d, args.block_size)?.bytes_per_token(),
+                kv_bytes_per_token: config.kv_layout(d, args.block_size)?.bytes_per_token(),
                 perplexity,
                 perplexity_change_pct: (perplexity / reference_perplexity - 1.0) * 100.0,
                 kl_mean: s.kl / n,
@@ -296,7 +382,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         context: args.context,
         chunks,
         scored_tokens: scored,
-        weights_dtype: model.weights_dtype().name().to_string(),
+        weights_dtype: match (model, device) {
+            (Some(m), _) => m.weights_dtype().name().to_string(),
+            (None, Some(ordinal)) => format!("bf16 (cuda:{ordinal})"),
+            (None, None) => unreachable!("one of the two is loaded"),
+        },
         reference_kv_dtype: KvDtype::F32,
         reference_perplexity,
         formats,

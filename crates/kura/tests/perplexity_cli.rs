@@ -129,3 +129,26 @@ fn bad_input_is_a_clear_error() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--device` that names no device, a GPU this machine does not have, or a KV format the GPU pool does
+/// not hold: a clear error naming it, never a panic.
+#[test]
+fn a_device_that_is_not_there_or_a_format_it_lacks_is_a_clear_error() {
+    let text = eval_text();
+    let t = text.to_str().unwrap();
+    let base = ["--text", t, "--context", "128", "--chunks", "1"];
+    let (code, _, err) = kura_perplexity(&[&base[..], &["--device", "gpu0"]].concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("--device") && err.contains("cuda:N"), "{err}");
+    let (code, _, err) = kura_perplexity(&[&base[..], &["--device", "cuda:99"]].concat());
+    assert_ne!(code, 0);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("cuda:99"), "{err}");
+    let (code, _, err) =
+        kura_perplexity(&[&base[..], &["--device", "cuda", "--kv-dtype", "bf16,int8"]].concat());
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--kv-dtype int8") && err.contains("--device cpu"),
+        "{err}"
+    );
+}
