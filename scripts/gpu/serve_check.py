@@ -4,8 +4,11 @@ cached blocks the second, with exactly the `cached_tokens` the CPU server report
 (both run the same engine and KV manager), at least the prompt's whole blocks but the last token's, and
 the same greedy text cold and cached. The GPU server sizes its pool as a share of the device
 (`--kv-cache-memory 50%`); its log's block count must equal what `kura plan --gpu H100 --memory <the
-driver's total, from the same log>` prints for the same model and flags. Usage: serve_check.py KURA MODEL.
-Exits non-zero on any failure."""
+driver's total, from the same log>` prints for the same model and flags. Then a GPU server with a small
+pool and a host tier (`--kv-host-memory`): prompts revisited after the pool evicted them come back from
+the host tier (copied asynchronously, beside other steps) with the cold text and every full block cached.
+Usage: serve_check.py KURA MODEL [DEVICE] (DEVICE cuda by default; cpu runs the host-tier check alone, on
+the CPU). Exits non-zero on any failure."""
 
 import json
 import random
@@ -87,6 +90,69 @@ def run(kura: str, model: str, device: str) -> tuple[dict, str]:
             proc.kill()
 
 
+def check_host_tier(kura: str, model: str, device: str) -> list[str]:
+    """Four prompts of ~40 blocks through a pool of ~136 (48 MiB of bf16 KV in SmolLM2's shape) with a host
+    tier: each revisit is served from the pool or the host tier, with the cold text."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--kv-cache-memory",
+         "48MiB", "--kv-host-memory", "512MiB", "--block-size", str(BLOCK)],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    failures = []
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None or time.time() - t0 > 120:
+                log.seek(0)
+                print(log.read()[-4000:])
+                return [f"kura serve --device {device} --kv-host-memory did not become healthy"]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        name = client.models.list().data[0].id
+        prompts = []
+        for i in range(4):
+            rng = random.Random(100 + i)
+            prompts.append(" ".join(rng.choice(["cache", "block", "token", "device", "memory", "prefix", "reuse",
+                                                "tenant", "layer", "kernel"]) for _ in range(600)))
+        ask = lambda p: client.completions.create(model=name, prompt=p, max_tokens=16, temperature=0)
+        cold = [ask(p) for p in prompts]
+        for i, (p, c) in enumerate(zip(prompts, cold)):
+            r = ask(p)
+            n = r.usage.prompt_tokens
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            print(f"host tier, prompt {i}: {n} tokens, cold cached {c.usage.prompt_tokens_details.cached_tokens}, "
+                  f"revisit cached {cached}; the same text: {r.choices[0].text == c.choices[0].text}")
+            if cached < (n - 1) // BLOCK * BLOCK:
+                failures.append(f"host tier, prompt {i}: {cached} of {n} tokens cached on the revisit")
+            if r.choices[0].text != c.choices[0].text:
+                failures.append(f"host tier, prompt {i}: the revisit's text differs from the cold one")
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        def metric(name: str) -> float:
+            m = re.search(r"^" + re.escape(name) + r" ([0-9.e+-]+)$", metrics, re.M)
+            return float(m.group(1)) if m else -1.0
+        hits = metric('kura:kv_tier_hit_blocks_total{tier="host"}')
+        fails = metric('kura:kv_tier_load_failures_total{tier="host"}')
+        print(f"host tier: {hits:.0f} blocks loaded, {fails:.0f} load failures")
+        if hits <= 0:
+            failures.append(f"host tier: no block came back from it ({hits})")
+        if fails != 0:
+            failures.append(f"host tier: {fails} load failures")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return failures
+
+
 def check_plan(kura: str, model: str, log: str) -> list[str]:
     """The GPU server's pool against `kura plan --gpu` with the device's total memory and the same flags."""
     for line in log.splitlines():
@@ -115,8 +181,15 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
 
 def main() -> int:
     kura, model = sys.argv[1], sys.argv[2]
+    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+    if device != "cuda":
+        failures = check_host_tier(kura, model, device)
+        for f in failures:
+            print("FAIL:", f)
+        return 1 if failures else 0
     (gpu, gpu_log), (cpu, _) = run(kura, model, "cuda"), run(kura, model, "cpu")
     failures = check_plan(kura, model, gpu_log)
+    failures += check_host_tier(kura, model, "cuda")
     for kind in ["completions", "chat"]:
         (cold, warm, cold_text, warm_text, cold_s, warm_s) = gpu[kind]
         cpu_cold, cpu_warm, cpu_text, _, _, _ = cpu[kind]
