@@ -34,31 +34,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start(kura: str, model: str, device: str, *flags: str):
+    """`kura serve` on `device` with `flags`, healthy: (process, url, log file)."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--block-size", str(BLOCK),
+         *flags],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None or time.time() - t0 > 120:
+            log.seek(0)
+            print(log.read()[-4000:])
+            stop(proc)
+            raise RuntimeError(f"kura serve --device {device} {' '.join(flags)} did not become healthy")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    print(f"kura serve --device {device} {' '.join(flags)} healthy in {time.time() - t0:.1f} s")
+    return proc, url, log
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run(kura: str, model: str, device: str) -> tuple[dict, str]:
     """Each request kind's (cold usage, warm usage, cold text, warm text, cold s, warm s) on `device`, and
     the server's log."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     kv = GPU_KV if device == "cuda" else "2GiB"
-    proc = subprocess.Popen(
-        [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--kv-cache-memory", kv,
-         "--block-size", str(BLOCK)],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = start(kura, model, device, "--kv-cache-memory", kv)
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None or time.time() - t0 > 120:
-                log.seek(0)
-                print(log.read()[-4000:])
-                raise RuntimeError(f"kura serve --device {device} did not become healthy")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        print(f"kura serve --device {device} healthy in {time.time() - t0:.1f} s")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         name = client.models.list().data[0].id
         rng = random.Random(5)
@@ -83,37 +98,18 @@ def run(kura: str, model: str, device: str) -> tuple[dict, str]:
         log.seek(0)
         return out, log.read()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def check_host_tier(kura: str, model: str, device: str) -> list[str]:
     """Four prompts of ~40 blocks through a pool of ~136 (48 MiB of bf16 KV in SmolLM2's shape) with a host
     tier: each revisit is served from the pool or the host tier, with the cold text."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--kv-cache-memory",
-         "48MiB", "--kv-host-memory", "512MiB", "--block-size", str(BLOCK)],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    try:
+        proc, url, _ = start(kura, model, device, "--kv-cache-memory", "48MiB", "--kv-host-memory", "512MiB")
+    except RuntimeError as e:
+        return [str(e)]
     failures = []
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None or time.time() - t0 > 120:
-                log.seek(0)
-                print(log.read()[-4000:])
-                return [f"kura serve --device {device} --kv-host-memory did not become healthy"]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         name = client.models.list().data[0].id
         prompts = []
@@ -145,11 +141,7 @@ def check_host_tier(kura: str, model: str, device: str) -> list[str]:
         if fails != 0:
             failures.append(f"host tier: {fails} load failures")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return failures
 
 

@@ -1053,36 +1053,21 @@ impl CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Starts copying `bytes` into block `block` on the loads' stream, after everything already issued
+    /// Starts copying `bytes` into block `block` on the transfer stream, after everything already issued
     /// on the device's stream, and returns `true`; `false` (nothing started) when `bytes` are not in a
     /// pinned host region, whose copies the driver would stage synchronously anyway.
     pub fn try_start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool> {
-        if !self.dev.is_pinned(bytes) {
+        let Some(dst) = self.begin_transfer(block, bytes)? else {
             return Ok(false);
-        }
-        let b = self.check_block(block)?;
-        if bytes.len() != self.block_bytes {
-            return Err(CudaError::Batch(format!(
-                "a block is {} bytes, not {}",
-                self.block_bytes,
-                bytes.len()
-            )));
-        }
-        self.dev.ctx.bind_to_thread()?;
-        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
+        };
+        let loads = self.loads.as_mut().expect("begin_transfer made it");
         let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        // Ordered after the device stream's work so far (a block copy that wrote this block before it
-        // was freed and handed to the load); the forward passes issued later run beside the copy, and
-        // the engine lets none of them touch the block before `imports_done` reports it.
-        let issued = self.dev.ctx.new_event(timed)?;
-        issued.record(&self.dev.stream)?;
-        loads.stream.wait(&issued)?;
         let before = self.dev.ctx.new_event(timed)?;
         before.record(&loads.stream)?;
-        let dst = self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64;
-        // SAFETY: `dst` is block `b` of the pool (checked above), `block_bytes` long; `bytes` is pinned
-        // host memory of that length, which the engine leaves unchanged until the copy is reported
-        // (and which outlives the executor's copies: `HostLoads` waits for them when dropped).
+        // SAFETY: `dst` is the block's place in the pool, `block_bytes` long (checked by
+        // begin_transfer); `bytes` is pinned host memory of that length, which the engine leaves
+        // unchanged until the copy is reported (and which outlives the executor's copies: `HostLoads`
+        // waits for them when dropped).
         unsafe {
             cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
                 dst,
@@ -1104,27 +1089,15 @@ impl CudaExecutor {
     /// the device ([`CudaExecutor::after_stores`]); the host reads `out` after
     /// [`CudaExecutor::try_stores_fence`].
     pub fn try_start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool> {
-        if !self.dev.is_pinned(out) {
+        let Some(src) = self.begin_transfer(block, out)? else {
             return Ok(false);
-        }
-        let b = self.check_block(block)?;
-        if out.len() != self.block_bytes {
-            return Err(CudaError::Batch(format!(
-                "a block is {} bytes, not {}",
-                self.block_bytes,
-                out.len()
-            )));
-        }
-        self.dev.ctx.bind_to_thread()?;
-        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
+        };
+        let loads = self.loads.as_mut().expect("begin_transfer made it");
         let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let issued = self.dev.ctx.new_event(untimed)?;
-        issued.record(&self.dev.stream)?;
-        loads.stream.wait(&issued)?;
-        let src = self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64;
-        // SAFETY: `src` is block `b` of the pool (checked above), `block_bytes` long; `out` is pinned
-        // host memory of that length, which the engine neither reads nor writes until it has called
-        // `exports_fence`, and which outlives the copy (`HostLoads` waits for it when dropped).
+        // SAFETY: `src` is the block's place in the pool, `block_bytes` long (checked by
+        // begin_transfer); `out` is pinned host memory of that length, which the engine neither reads
+        // nor writes until it has called `exports_fence`, and which outlives the copy (`HostLoads`
+        // waits for it when dropped).
         unsafe {
             cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
                 out.as_mut_ptr().cast(),
@@ -1139,6 +1112,34 @@ impl CudaExecutor {
         loads.last_store = Some(stored);
         loads.device_behind = true;
         Ok(true)
+    }
+
+    /// For a copy of block `block` to or from `host` on the transfer stream: checks both, orders the
+    /// transfer stream after the device stream's work so far (the steps and block copies that wrote the
+    /// block, or wrote it before it was freed and handed on), and returns the block's address in the
+    /// pool; `None` (nothing done) when `host` is not in a pinned region, whose copies the driver would
+    /// stage synchronously anyway.
+    fn begin_transfer(&mut self, block: u32, host: &[u8]) -> Result<Option<u64>> {
+        if !self.dev.is_pinned(host) {
+            return Ok(None);
+        }
+        let b = self.check_block(block)?;
+        if host.len() != self.block_bytes {
+            return Err(CudaError::Batch(format!(
+                "a block is {} bytes, not {}",
+                self.block_bytes,
+                host.len()
+            )));
+        }
+        self.dev.ctx.bind_to_thread()?;
+        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
+        let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let issued = self.dev.ctx.new_event(untimed)?;
+        issued.record(&self.dev.stream)?;
+        loads.stream.wait(&issued)?;
+        Ok(Some(
+            self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64,
+        ))
     }
 
     /// Makes the device stream wait (on the device, not the host) for the stores started so far, before
