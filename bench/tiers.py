@@ -10,6 +10,11 @@ default model (standard library only; run through bench/tiers.sh, which builds t
             cached_tokens, TTFT against cold, the same greedy output.
   convoy    16 concurrent requests sharing a 2,000-token prefix that is only on disk: disk reads, and
             every TTFT against one such request alone.
+  hostconvoy
+            32 concurrent requests sharing a prefix (`--convoy-tokens`, 4,096 by default) that is only in
+            the host tier (L2), evicted from the pool by other prompts: host loads (the prefix read once),
+            and the worst TTFT against the same 32 requests with the prefix in the pool. With
+            `--device cuda` the loads are asynchronous copies beside the other steps.
 
 Every revisit's output is compared with its cold output (greedy): a difference is an error. Medians of
 `--reps` runs; the machine's load average is printed with each section.
@@ -39,6 +44,10 @@ def text(seed, n_words):
         WORDS[(seed * 7 + j * j + j) % len(WORDS)] + str((seed * 31 + j) % 89) for j in range(n_words))
 
 
+# `--device` of every server (`cpu`, or `cuda[:N]`), set from the command line.
+DEVICE = "cpu"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,7 +64,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kura-tiers-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [kura, "serve", "--model", model, "--port", str(self.port), "--threads", str(threads), *args],
+            [kura, "serve", "--model", model, "--port", str(self.port), "--threads", str(threads),
+             "--device", DEVICE, *args],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while True:
@@ -276,6 +286,67 @@ def convoy(a, tmp):
     return single * 1e3, worst * 1e3, worst_pool * 1e3, [int(r[0]) for r in results]
 
 
+def hostconvoy(a, tmp):
+    """32 requests over one prefix only in the host tier, against the same 32 over the prefix in the pool.
+
+    The prefix ends on a block boundary and each suffix starts with a token of its own, so every request
+    computes only its suffix. Two other prompts as long as the prefix, sent after it, evict it from a pool
+    that holds about two of them into the host tier."""
+    n = a.convoy_tokens
+    args = ["--kv-cache-memory", a.convoy_pool, "--kv-host-memory", "4GiB", "--max-num-seqs", "64"]
+    results = []
+    for rep in range(a.reps):
+        s = Server(a.kura, a.model, a.threads, *args)
+        words = text(8888 + rep, words_for(s, n)).split(" ")
+        while s.tokens(" ".join(words)) % 16:
+            words.pop()
+        prefix = " ".join(words)
+
+        def suffix(k):  # distinct first token: a word of its own, lower or capitalized
+            w = WORDS[k % len(WORDS)]
+            return f" {w if k < len(WORDS) else w.capitalize()} question {k}?"
+
+        s.ask(prefix + suffix(63), max_tokens=1)
+        # Prompts as long as the prefix, sent after it (the pool evicts the oldest first), until they alone
+        # would fill the pool.
+        pool_blocks = s.metric("kura:kv_cache_blocks_total")
+        for other in range(int(pool_blocks // (n // 16)) + 1):
+            s.ask(text(9900 + 100 * rep + other, len(words)), max_tokens=1)
+        loads0 = s.metric('kura:kv_tier_loads_total{tier="host"}')
+
+        def wave(first):
+            out = [None] * 32
+
+            def one(k):
+                out[k] = s.ask(prefix + suffix(first + k), max_tokens=4)
+
+            threads = [threading.Thread(target=one, args=(k,)) for k in range(32)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            return out
+
+        from_host = wave(0)
+        loads = s.metric('kura:kv_tier_loads_total{tier="host"}') - loads0
+        from_pool = wave(32)
+        s.stop()
+        cached = min(r[3] for r in from_host)
+        worst_host, worst_pool = max(r[0] for r in from_host), max(r[0] for r in from_pool)
+        results.append((loads, cached, worst_host, worst_pool))
+        print(f"  host convoy run {rep} ({DEVICE}): a prefix of {n} tokens; the 32 from "
+              f"the host tier: {loads:.0f} block loads, fewest cached {cached}, TTFT median "
+              f"{med([r[0] for r in from_host])*1e3:.1f} ms, max {worst_host*1e3:.1f} ms; the 32 from the pool: "
+              f"median {med([r[0] for r in from_pool])*1e3:.1f} ms, max {worst_pool*1e3:.1f} ms "
+              f"(load {load():.1f})", flush=True)
+    worst = med([r[2] for r in results])
+    worst_pool = med([r[3] for r in results])
+    print(f"  host convoy: worst of 32 from the host tier {worst*1e3:.1f} ms, {worst/worst_pool:.2f}x the same 32 "
+          f"from the pool ({worst_pool*1e3:.1f} ms; goal 1.5x); block loads per run {[int(r[0]) for r in results]} "
+          f"for a prefix of {n // 16} blocks", flush=True)
+    return worst * 1e3, worst_pool * 1e3, [int(r[0]) for r in results], [r[1] for r in results]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kura", required=True)
@@ -284,8 +355,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--only", default="revisit,workset,restart,convoy")
+    ap.add_argument("--device", default="cpu", help="every server's --device: cpu, or cuda[:N]")
+    ap.add_argument("--convoy-tokens", type=int, default=4096, help="hostconvoy's shared prefix, in tokens")
+    ap.add_argument("--convoy-pool", default="160MiB",
+                    help="hostconvoy's pool: room for about two prompts of --convoy-tokens")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
+    global DEVICE
+    DEVICE = a.device
     tmp = tempfile.mkdtemp(prefix="kura-tiers-bench-")
     results = {"threads": a.threads, "reps": a.reps}
     try:
