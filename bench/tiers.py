@@ -301,6 +301,7 @@ def hostconvoy(a, tmp):
         while s.tokens(" ".join(words)) % 16:
             words.pop()
         prefix = " ".join(words)
+        prefix_tokens = s.tokens(prefix)
 
         def suffix(k):  # distinct first token: a word of its own, lower or capitalized
             w = WORDS[k % len(WORDS)]
@@ -333,8 +334,8 @@ def hostconvoy(a, tmp):
         s.stop()
         cached = min(r[3] for r in from_host)
         worst_host, worst_pool = max(r[0] for r in from_host), max(r[0] for r in from_pool)
-        results.append((loads, cached, worst_host, worst_pool))
-        print(f"  host convoy run {rep} ({DEVICE}): a prefix of {n} tokens; the 32 from "
+        results.append((loads, cached, worst_host, worst_pool, prefix_tokens // 16))
+        print(f"  host convoy run {rep} ({DEVICE}): a prefix of {prefix_tokens} tokens; the 32 from "
               f"the host tier: {loads:.0f} block loads, fewest cached {cached}, TTFT median "
               f"{med([r[0] for r in from_host])*1e3:.1f} ms, max {worst_host*1e3:.1f} ms; the 32 from the pool: "
               f"median {med([r[0] for r in from_pool])*1e3:.1f} ms, max {worst_pool*1e3:.1f} ms "
@@ -343,7 +344,7 @@ def hostconvoy(a, tmp):
     worst_pool = med([r[3] for r in results])
     print(f"  host convoy: worst of 32 from the host tier {worst*1e3:.1f} ms, {worst/worst_pool:.2f}x the same 32 "
           f"from the pool ({worst_pool*1e3:.1f} ms; goal 1.5x); block loads per run {[int(r[0]) for r in results]} "
-          f"for a prefix of {n // 16} blocks", flush=True)
+          f"for prefixes of {[r[4] for r in results]} blocks", flush=True)
     return worst * 1e3, worst_pool * 1e3, [int(r[0]) for r in results], [r[1] for r in results]
 
 
