@@ -312,10 +312,12 @@ impl LayerStorage {
         self.vec_units
     }
 
-    /// The unit ranges of `block` in either region: one run of its slots per head, in head order.
-    fn block_runs(&self, block: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    /// The unit ranges of `block` in either region: one run of its slots per head, in head order. The
+    /// iterator holds the offsets, not the storage, so the regions can be written while it runs.
+    fn block_runs(&self, block: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
         let len = self.block_size_tokens * self.vec_units;
-        (0..self.kv_heads).map(move |head| (self.offset(block, head, 0), len))
+        let (first, stride) = (self.offset(block, 0, 0), self.num_blocks * len);
+        (0..self.kv_heads).map(move |head| (first + head * stride, len))
     }
 
     /// K vectors of every slot of `head` in `block` (`block_size_tokens` vectors).
@@ -640,9 +642,9 @@ impl KvStorage {
         self.check_block_bytes(bytes.len())?;
         let mut at = 0;
         for layer in &mut self.layers {
-            let runs: Vec<(usize, usize)> = layer.block_runs(block).collect();
+            let runs = layer.block_runs(block);
             for region in [&mut layer.k, &mut layer.v] {
-                for &(start, len) in &runs {
+                for (start, len) in runs.clone() {
                     at += region.import(start, len, &bytes[at..]);
                 }
             }
