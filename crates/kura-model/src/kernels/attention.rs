@@ -880,15 +880,7 @@ mod x86 {
     #[inline]
     fn exp(x: __m512) -> __m512 {
         let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
-        let mut p = _mm512_set1_ps(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
+        let (n, p) = crate::kernels::ops::x86::exp_parts_avx512(x);
         _mm512_scalef_ps(p, n)
     }
 

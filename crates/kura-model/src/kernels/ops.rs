@@ -128,12 +128,30 @@ pub fn exp_lane(x: f32) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     //! [`super::silu_mul`]'s vector paths: [`super::exp_lane`] lane-wise, operation for operation.
 
     use std::arch::x86_64::*;
 
     use super::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
+
+    /// e^x, lane-wise, before its scaling by 2^n: `(n, p)` with `x = n·ln 2 + r`, `n` rounded to nearest
+    /// even, and `p` the degree-6 polynomial of e^r, so that e^x = p · 2^n (the caller clamps x and
+    /// scales). Attention's softmax shares it.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(in crate::kernels) fn exp_parts_avx512(x: __m512) -> (__m512, __m512) {
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        (n, p)
+    }
 
     /// Columns `0..16k` of `out = silu(gate) · up` (k as large as fits); returns how many it wrote.
     ///
@@ -152,15 +170,7 @@ mod x86 {
                     _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
                     _mm512_set1_ps(EXP_MAX),
                 );
-                let nf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                    _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-                );
-                let r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(LN2_HI), x);
-                let r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(LN2_LO), r);
-                let mut p = _mm512_set1_ps(EXP_POLY[0]);
-                for c in &EXP_POLY[1..] {
-                    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
-                }
+                let (nf, p) = exp_parts_avx512(x);
                 let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
                     _mm512_cvtps_epi32(nf),
                     _mm512_set1_epi32(127),
