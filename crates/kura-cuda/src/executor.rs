@@ -982,6 +982,18 @@ impl CudaExecutor {
         Ok(b)
     }
 
+    /// [`CudaExecutor::check_block`], and that a host buffer of `len` bytes holds exactly one block.
+    fn check_block_bytes(&self, block: u32, len: usize) -> Result<usize> {
+        let b = self.check_block(block)?;
+        if len != self.block_bytes {
+            return Err(CudaError::Batch(format!(
+                "a block is {} bytes, not {len}",
+                self.block_bytes
+            )));
+        }
+        Ok(b)
+    }
+
     /// Copies slots `0..num_tokens` of every layer's K and V of block `src` into `dst`.
     pub fn try_copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) -> Result<()> {
         let (s, d) = (self.check_block(src)?, self.check_block(dst)?);
@@ -1017,14 +1029,7 @@ impl CudaExecutor {
 
     /// Block `block`'s bytes (every layer's K then V), as the CPU pool exports them.
     pub fn try_export_block(&self, block: u32, out: &mut [u8]) -> Result<()> {
-        let b = self.check_block(block)?;
-        if out.len() != self.block_bytes {
-            return Err(CudaError::Batch(format!(
-                "a block is {} bytes, not {}",
-                self.block_bytes,
-                out.len()
-            )));
-        }
+        let b = self.check_block_bytes(block, out.len())?;
         self.dev.ctx.bind_to_thread()?;
         let at = b * self.block_bytes;
         self.dev
@@ -1035,14 +1040,7 @@ impl CudaExecutor {
 
     /// Overwrites block `block` with `bytes` as [`CudaExecutor::try_export_block`] wrote them.
     pub fn try_import_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
-        let b = self.check_block(block)?;
-        if bytes.len() != self.block_bytes {
-            return Err(CudaError::Batch(format!(
-                "a block is {} bytes, not {}",
-                self.block_bytes,
-                bytes.len()
-            )));
-        }
+        let b = self.check_block_bytes(block, bytes.len())?;
         self.dev.ctx.bind_to_thread()?;
         self.after_stores()?;
         let at = b * self.block_bytes;
@@ -1123,14 +1121,7 @@ impl CudaExecutor {
         if !self.dev.is_pinned(host) {
             return Ok(None);
         }
-        let b = self.check_block(block)?;
-        if host.len() != self.block_bytes {
-            return Err(CudaError::Batch(format!(
-                "a block is {} bytes, not {}",
-                self.block_bytes,
-                host.len()
-            )));
-        }
+        let b = self.check_block_bytes(block, host.len())?;
         self.dev.ctx.bind_to_thread()?;
         let loads = HostLoads::get(&mut self.loads, &self.dev)?;
         let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
