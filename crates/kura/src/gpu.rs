@@ -44,6 +44,17 @@ pub fn plan_pool(
     .map_err(anyhow::Error::msg)
 }
 
+/// That the GPU pool holds `kv_dtype` (bf16, f32 or fp8): checked before a device is opened.
+pub fn check_kv_dtype(kv_dtype: KvDtype) -> Result<()> {
+    if !matches!(kv_dtype, KvDtype::Bf16 | KvDtype::F32 | KvDtype::Fp8) {
+        bail!(
+            "--kv-dtype {}: the GPU pool holds bf16, f32 or fp8 KV (--device cpu has int8 and int4)",
+            kv_dtype.name()
+        );
+    }
+    Ok(())
+}
+
 /// A GPU holding a model's weights, before its pool is sized.
 pub struct GpuSetup {
     dev: Device,
@@ -67,12 +78,7 @@ impl GpuSetup {
         max_tokens: usize,
         max_seqs: usize,
     ) -> Result<Self> {
-        if !matches!(kv_dtype, KvDtype::Bf16 | KvDtype::F32 | KvDtype::Fp8) {
-            bail!(
-                "--kv-dtype {}: the GPU pool holds bf16, f32 or fp8 KV (--device cpu has int8 and int4)",
-                kv_dtype.name()
-            );
-        }
+        check_kv_dtype(kv_dtype)?;
         let dev = Device::open(ordinal).with_context(|| format!("--device cuda:{ordinal}"))?;
         tracing::info!(
             "GPU {ordinal}: {} ({}); kernels {} in {:.2} s",

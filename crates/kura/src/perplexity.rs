@@ -121,10 +121,76 @@ fn log_sum_exp(row: &[f32]) -> (f32, usize) {
     (m + s.ln(), best)
 }
 
+/// What the passes run on: the CPU model, or the file opened once for GPU `ordinal` (each format's
+/// executor loads the weights from it).
+enum Source {
+    Cpu(Box<Model>),
+    Gpu {
+        ordinal: usize,
+        path: PathBuf,
+        parts: Box<ModelParts>,
+    },
+}
+
+impl Source {
+    fn config(&self) -> &ModelConfig {
+        match self {
+            Source::Cpu(m) => m.config(),
+            Source::Gpu { parts, .. } => &parts.config,
+        }
+    }
+
+    fn tokenizer(&self) -> &kura_model::Tokenizer {
+        match self {
+            Source::Cpu(m) => m.tokenizer(),
+            Source::Gpu { parts, .. } => &parts.text.tokenizer,
+        }
+    }
+
+    fn weights_dtype(&self) -> String {
+        match self {
+            Source::Cpu(m) => m.weights_dtype().name().to_string(),
+            Source::Gpu { ordinal, .. } => format!("bf16 (cuda:{ordinal})"),
+        }
+    }
+
+    /// One format's pass over chunks of `context` tokens in blocks of `block_size`.
+    fn run(&self, dtype: KvDtype, block_size: usize, context: usize) -> Result<Run<'_>> {
+        let blocks = context.div_ceil(block_size);
+        let table = (0..blocks as u32).collect();
+        let layout = self.config().kv_layout(dtype, block_size)?;
+        Ok(match self {
+            Source::Cpu(model) => Run::Cpu {
+                model,
+                kv: model
+                    .kv_storage(&layout, blocks)
+                    .with_context(|| format!("allocating {dtype} KV for {context} tokens"))?,
+                table,
+            },
+            Source::Gpu {
+                ordinal,
+                path,
+                parts,
+            } => {
+                let setup = crate::gpu::GpuSetup::load(*ordinal, path, parts, dtype, PIECE, PIECE)?;
+                let exec = setup.executor(&layout, blocks).with_context(|| {
+                    format!("{dtype} KV for {context} tokens on cuda:{ordinal}")
+                })?;
+                Run::Gpu {
+                    exec: Box::new(exec),
+                    table,
+                    vocab: parts.config.vocab_size(),
+                }
+            }
+        })
+    }
+}
+
 /// One format's KV for a chunk, and what computes it: the CPU model over its storage, or a GPU executor
 /// with its own pool; each with the block table over the chunk.
-enum Run {
+enum Run<'m> {
     Cpu {
+        model: &'m Model,
         kv: KvStorage,
         table: Vec<u32>,
     },
@@ -135,53 +201,19 @@ enum Run {
     },
 }
 
-impl Run {
-    fn cpu(model: &Model, dtype: KvDtype, block_size: usize, context: usize) -> Result<Self> {
-        let layout = model.kv_layout(dtype, block_size)?;
-        let blocks = context.div_ceil(block_size);
-        Ok(Run::Cpu {
-            kv: model
-                .kv_storage(&layout, blocks)
-                .with_context(|| format!("allocating {dtype} KV for {context} tokens"))?,
-            table: (0..blocks as u32).collect(),
-        })
-    }
-
-    /// On GPU `ordinal`, with the weights of `parts` (opened from `path`) loaded for this format alone.
-    fn gpu(
-        ordinal: usize,
-        (path, parts): (&std::path::Path, &ModelParts),
-        dtype: KvDtype,
-        block_size: usize,
-        context: usize,
-    ) -> Result<Self> {
-        let setup = crate::gpu::GpuSetup::load(ordinal, path, parts, dtype, PIECE, PIECE)?;
-        let layout = parts.config.kv_layout(dtype, block_size)?;
-        let blocks = context.div_ceil(block_size);
-        let exec = setup
-            .executor(&layout, blocks)
-            .with_context(|| format!("{dtype} KV for {context} tokens on cuda:{ordinal}"))?;
-        Ok(Run::Gpu {
-            exec: Box::new(exec),
-            table: (0..blocks as u32).collect(),
-            vocab: parts.config.vocab_size(),
-        })
-    }
-
+impl Run<'_> {
     /// Computes `piece` at positions `start..` over this format's KV; the logits of every position.
-    fn forward(&mut self, model: Option<&Model>, piece: &[u32], start: usize) -> Result<Logits> {
+    fn forward(&mut self, piece: &[u32], start: usize) -> Result<Logits> {
         match self {
-            Run::Cpu { kv, table } => Ok(model
-                .expect("a CPU run has the CPU model")
-                .forward_every_position(
-                    &[SeqBatchItem {
-                        tokens: piece,
-                        start_pos: start,
-                        block_table: table,
-                        layer_pages: &[],
-                    }],
-                    kv,
-                )?),
+            Run::Cpu { model, kv, table } => Ok(model.forward_every_position(
+                &[SeqBatchItem {
+                    tokens: piece,
+                    start_pos: start,
+                    block_table: table,
+                    layer_pages: &[],
+                }],
+                kv,
+            )?),
             Run::Gpu { exec, table, vocab } => {
                 let items: Vec<kura_engine::SeqInput<'_>> = (0..piece.len())
                     .map(|i| kura_engine::SeqInput::new(&piece[i..i + 1], start + i, table))
@@ -212,31 +244,23 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let device =
         kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
     if device.is_some() {
-        if let Some(d) = args
-            .kv_dtype
-            .iter()
-            .find(|d| !matches!(d, KvDtype::Bf16 | KvDtype::F32 | KvDtype::Fp8))
-        {
-            bail!(
-                "--kv-dtype {}: on a GPU perplexity measures bf16, f32 or fp8 KV (--device cpu has the others)",
-                d.name()
-            );
+        for &d in &args.kv_dtype {
+            crate::gpu::check_kv_dtype(d)?;
         }
     }
     let path = crate::setup::model_path(args.model.as_ref())?;
-    // The CPU model, or the file opened once for a GPU (each format's executor loads the weights).
-    let (model, parts) = match device {
-        Some(_) => (None, Some(ModelParts::open(&path)?)),
-        None => (
-            Some(crate::setup::load_model(&path, args.weights_dtype)?),
-            None,
-        ),
+    let source = match device {
+        Some(ordinal) => Source::Gpu {
+            ordinal,
+            parts: Box::new(ModelParts::open(&path)?),
+            path: path.clone(),
+        },
+        None => Source::Cpu(Box::new(crate::setup::load_model(
+            &path,
+            args.weights_dtype,
+        )?)),
     };
-    let (config, tokenizer): (&ModelConfig, _) = match (&model, &parts) {
-        (Some(m), _) => (m.config(), m.tokenizer()),
-        (None, Some(p)) => (&p.config, &p.text.tokenizer),
-        (None, None) => unreachable!("one of the two is loaded"),
-    };
+    let (config, tokenizer) = (source.config(), source.tokenizer());
     if args.context > config.max_context() {
         bail!(
             "--context {} is longer than the model's context of {} tokens",
@@ -268,20 +292,12 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let vocab = config.vocab_size();
     let started = Instant::now();
 
-    let new_run = |dtype: KvDtype| match (&model, &parts, device) {
-        (Some(m), _, _) => Run::cpu(m, dtype, args.block_size, args.context),
-        (None, Some(p), Some(ordinal)) => {
-            Run::gpu(ordinal, (&path, p), dtype, args.block_size, args.context)
-        }
-        _ => unreachable!("the CPU model, or the opened file and a GPU"),
-    };
-    let mut reference = new_run(KvDtype::F32)?;
+    let mut reference = source.run(KvDtype::F32, args.block_size, args.context)?;
     let mut runs = args
         .kv_dtype
         .iter()
-        .map(|&d| new_run(d))
+        .map(|&d| source.run(d, args.block_size, args.context))
         .collect::<Result<Vec<_>>>()?;
-    let model = model.as_ref();
     let mut ref_nll = 0f64;
     let mut sums = vec![Sums::default(); runs.len()];
     let mut scored = 0u64;
@@ -305,7 +321,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         while start < args.context {
             let end = (start + PIECE).min(args.context);
             let piece = &chunk[start..end];
-            let logits = reference.forward(model, piece, start)?;
+            let logits = reference.forward(piece, start)?;
             bar.inc(piece.len() as u64);
             // Position p's logits predict chunk[p + 1]; scored: first_scored ≤ p + 1 < context.
             let rows: Vec<usize> = (start..end)
@@ -324,7 +340,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             ref_p.extend(ref_lp.iter().map(|a| a.exp()));
             scored += rows.len() as u64;
             for (run, sum) in runs.iter_mut().zip(&mut sums) {
-                let logits = run.forward(model, piece, start)?;
+                let logits = run.forward(piece, start)?;
                 bar.inc(piece.len() as u64);
                 for (i, &p) in rows.iter().enumerate() {
                     let row = logits.row(p - start);
@@ -382,11 +398,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         context: args.context,
         chunks,
         scored_tokens: scored,
-        weights_dtype: match (model, device) {
-            (Some(m), _) => m.weights_dtype().name().to_string(),
-            (None, Some(ordinal)) => format!("bf16 (cuda:{ordinal})"),
-            (None, None) => unreachable!("one of the two is loaded"),
-        },
+        weights_dtype: source.weights_dtype(),
         reference_kv_dtype: KvDtype::F32,
         reference_perplexity,
         formats,
