@@ -227,10 +227,13 @@ impl Executor for FakeModel {
     }
 
     fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
-        if !self.control.state.lock().unwrap().async_exports {
-            return false;
+        {
+            let mut state = self.control.state.lock().unwrap();
+            if !state.async_exports {
+                return false;
+            }
+            state.exports_started += 1;
         }
-        self.control.state.lock().unwrap().exports_started += 1;
         let mut bytes = vec![0u8; out.len()];
         self.export_block(block, &mut bytes);
         // Not there yet: whoever reads the slot before the fence reads these.
