@@ -225,6 +225,36 @@ def restart(a, tmp):
     return cached_all[0], med(colds) * 1e3, med(hots) * 1e3
 
 
+def block_prefix(server, seed, tokens):
+    """A prompt of about `tokens` tokens cut to a whole number of 16-token blocks, and its token count."""
+    words = text(seed, words_for(server, tokens)).split(" ")
+    while server.tokens(" ".join(words)) % 16:
+        words.pop()
+    prefix = " ".join(words)
+    return prefix, server.tokens(prefix)
+
+
+def convoy_suffix(k):
+    """A suffix whose first token is a word of its own (lower or capitalized): no partial-block reuse."""
+    w = WORDS[k % len(WORDS)]
+    return f" {w if k < len(WORDS) else w.capitalize()} question {k}?"
+
+
+def at_once(server, prompts, max_tokens=4):
+    """`server.ask` of every prompt, all at once (a thread each): the results in order."""
+    out = [None] * len(prompts)
+
+    def one(k):
+        out[k] = server.ask(prompts[k], max_tokens=max_tokens)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return out
+
+
 def convoy(a, tmp):
     """16 requests over one prefix only on disk, against one alone and against 16 over the prefix in the pool.
 
@@ -233,39 +263,21 @@ def convoy(a, tmp):
     disk = os.path.join(tmp, "convoy-disk")
     args = ["--kv-cache-memory", "256MiB", "--kv-disk-path", disk, "--kv-disk-size", "2GiB", "--max-num-seqs", "32"]
     s = Server(a.kura, a.model, a.threads, *args)
-    words = text(7777, words_for(s, 2000)).split(" ")
-    while s.tokens(" ".join(words)) % 16:
-        words.pop()
-    prefix = " ".join(words)
-
-    def suffix(k):  # distinct first token: a word of its own, lower or capitalized
-        w = WORDS[k % len(WORDS)]
-        return f" {w if k < len(WORDS) else w.capitalize()} question {k}?"
-
-    s.ask(prefix + suffix(39), max_tokens=1)
+    prefix, _ = block_prefix(s, 7777, 2000)
+    s.ask(prefix + convoy_suffix(39), max_tokens=1)
     s.stop()
     singles, results = [], []
     for rep in range(a.reps):
         # Alone: the prefix only on disk (a restart empties the pool; a clean stop wrote it down).
         s = Server(a.kura, a.model, a.threads, *args)
-        t, _, ptoks, cached = s.ask(prefix + suffix(32 + rep), max_tokens=4)
+        t, _, ptoks, cached = s.ask(prefix + convoy_suffix(32 + rep), max_tokens=4)
         singles.append(t)
         s.stop()
         s = Server(a.kura, a.model, a.threads, *args)
         reads0 = s.metric("kura:kv_disk_reads_total")
 
         def wave(first):
-            ttfts = [None] * 16
-
-            def one(k):
-                ttfts[k] = s.ask(prefix + suffix(first + k), max_tokens=4)[0]
-
-            threads = [threading.Thread(target=one, args=(k,)) for k in range(16)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            return ttfts
+            return [r[0] for r in at_once(s, [prefix + convoy_suffix(first + k) for k in range(16)])]
 
         from_disk = wave(0)
         reads = s.metric("kura:kv_disk_reads_total") - reads0
@@ -290,47 +302,25 @@ def hostconvoy(a, tmp):
     """32 requests over one prefix only in the host tier, against the same 32 over the prefix in the pool.
 
     The prefix ends on a block boundary and each suffix starts with a token of its own, so every request
-    computes only its suffix. Two other prompts as long as the prefix, sent after it, evict it from a pool
-    that holds about two of them into the host tier."""
+    computes only its suffix. Other prompts as long as the prefix, sent after it until they alone would
+    fill the pool, evict it into the host tier."""
     n = a.convoy_tokens
     args = ["--kv-cache-memory", a.convoy_pool, "--kv-host-memory", "4GiB", "--max-num-seqs", "64"]
     results = []
     for rep in range(a.reps):
         s = Server(a.kura, a.model, a.threads, *args)
-        words = text(8888 + rep, words_for(s, n)).split(" ")
-        while s.tokens(" ".join(words)) % 16:
-            words.pop()
-        prefix = " ".join(words)
-        prefix_tokens = s.tokens(prefix)
-
-        def suffix(k):  # distinct first token: a word of its own, lower or capitalized
-            w = WORDS[k % len(WORDS)]
-            return f" {w if k < len(WORDS) else w.capitalize()} question {k}?"
-
-        s.ask(prefix + suffix(63), max_tokens=1)
+        prefix, prefix_tokens = block_prefix(s, 8888 + rep, n)
+        s.ask(prefix + convoy_suffix(63), max_tokens=1)
         # Prompts as long as the prefix, sent after it (the pool evicts the oldest first), until they alone
         # would fill the pool.
         pool_blocks = s.metric("kura:kv_cache_blocks_total")
-        for other in range(int(pool_blocks // (n // 16)) + 1):
-            s.ask(text(9900 + 100 * rep + other, len(words)), max_tokens=1)
+        n_words = len(prefix.split(" "))
+        for other in range(int(pool_blocks // max(1, prefix_tokens // 16)) + 1):
+            s.ask(text(9900 + 100 * rep + other, n_words), max_tokens=1)
         loads0 = s.metric('kura:kv_tier_loads_total{tier="host"}')
-
-        def wave(first):
-            out = [None] * 32
-
-            def one(k):
-                out[k] = s.ask(prefix + suffix(first + k), max_tokens=4)
-
-            threads = [threading.Thread(target=one, args=(k,)) for k in range(32)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            return out
-
-        from_host = wave(0)
+        from_host = at_once(s, [prefix + convoy_suffix(k) for k in range(32)])
         loads = s.metric('kura:kv_tier_loads_total{tier="host"}') - loads0
-        from_pool = wave(32)
+        from_pool = at_once(s, [prefix + convoy_suffix(32 + k) for k in range(32)])
         s.stop()
         cached = min(r[3] for r in from_host)
         worst_host, worst_pool = max(r[0] for r in from_host), max(r[0] for r in from_pool)
