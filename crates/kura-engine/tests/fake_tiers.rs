@@ -9,7 +9,6 @@ mod common;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use common::*;
 use kura_engine::{DiskSetup, EngineConfig, PreemptionMode, TierCostCheck, TierRates, TierSetup};
@@ -139,14 +138,7 @@ fn a_host_tier_load_copied_asynchronously_is_waited_for_while_other_requests_run
     // Prompt 0's blocks were evicted into the host tier; its revisit loads them, and the copies are held.
     fake.control.hold_imports();
     let (_guard, rx0) = submit(&fake.engine, distinct_request(0, 24, 6));
-    let deadline = std::time::Instant::now() + PATIENCE;
-    while fake.control.imports_started() < 5 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the revisit never loaded its blocks"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    fake.control.wait_imports_started(5);
     // Another request runs to its end while the loads are under way.
     assert_eq!(run(&fake.engine, distinct_request(9, 4, 2)).0, short);
     // The revisit has produced nothing: it waits for its blocks.

@@ -107,6 +107,20 @@ impl Control {
         self.state.lock().unwrap().exports_started
     }
 
+    /// Blocks until at least `n` imports have been started asynchronously.
+    pub fn wait_imports_started(&self, n: usize) {
+        let state = self.state.lock().unwrap();
+        let (state, timeout) = self
+            .changed
+            .wait_timeout_while(state, PATIENCE, |s| s.imports_started < n)
+            .unwrap();
+        assert!(
+            !timeout.timed_out(),
+            "only {} of {n} imports were started",
+            state.imports_started
+        );
+    }
+
     /// Imports started asynchronously so far.
     pub fn imports_started(&self) -> usize {
         self.state.lock().unwrap().imports_started
@@ -252,6 +266,8 @@ impl Executor for FakeModel {
             return false;
         }
         state.imports_started += 1;
+        drop(state);
+        self.control.changed.notify_all();
         // One stream: a load of a slot reads what the last store started into it wrote. Otherwise the
         // bytes are read when the copy lands, as a device reads them while it copies: a slot the engine
         // reused meanwhile would show.
