@@ -77,6 +77,18 @@ pub trait Executor: Send + 'static {
     ) {
         let _ = (wait, done);
     }
+    /// Whether the imports this executor starts are ordered before everything it does after them, layer
+    /// by layer: a step whose block tables hold a block still being imported waits, on the device, for
+    /// each layer's bytes of it before that layer's attention, so that earlier layers compute while later
+    /// ones arrive; a block copy or export of such a block waits for all of it. The engine then takes a
+    /// started import as landed at once and schedules the requests that want the block without waiting
+    /// for the copy; [`Executor::imports_done`] still reports each import once, with its copy's time,
+    /// for the tier cost check. The host slot is read until then, and written again only through
+    /// [`Executor::start_export`], which the executor orders after the imports started before it. The
+    /// default is `false`: the engine waits for [`Executor::imports_done`].
+    fn imports_ordered(&self) -> bool {
+        false
+    }
     /// Starts copying block `block`'s KV into `out`, a slot of the host region offered to
     /// [`Executor::register_host_region`], without waiting for the copy, and returns `true`; or returns
     /// `false` (the default) where this executor copies synchronously only, and the engine calls

@@ -1308,10 +1308,15 @@ impl Core {
 
     fn report_loads(&mut self) {
         let block_bytes = self.executor.block_bytes();
+        if let Some(io) = self.tiers.as_mut() {
+            for took in io.take_copy_times() {
+                self.cost.observe_load(Tier::Host.into(), block_bytes, took);
+            }
+        }
         for d in self.loads_done.drain(..) {
             self.sched.complete_load(d.block, d.ok);
-            if d.ok {
-                self.cost.observe_load(d.tier.into(), block_bytes, d.io);
+            if let (true, Some(took)) = (d.ok, d.io) {
+                self.cost.observe_load(d.tier.into(), block_bytes, took);
             }
             let m = match d.tier {
                 Tier::Host => &self.metrics.host,

@@ -18,6 +18,12 @@
 //! of waiters). A read that fails its checks (checksum, header, tokens, parent, key) is reported failed:
 //! the manager drops the block from the tier and the waiters compute it.
 //!
+//! On an accelerator the host moves are copies the executor starts on a stream of its own: a store lands
+//! before the engine reads its slot (a fence), a load is reported when it lands and waited for like a disk
+//! read ([`Executor::start_import`]) — or, where the executor orders every later step after it layer by
+//! layer ([`Executor::imports_ordered`]), reported at once, so that the request's forward pass computes
+//! its first layers while the copies of the later ones are still under way.
+//!
 //! Costs: a host move is one block copy (`block_bytes`); a disk write copies the block once into the
 //! queued job; a disk read one `block_bytes` buffer.
 
@@ -83,8 +89,10 @@ pub(crate) struct LoadDone {
     pub tier: Tier,
     /// From the load's move to its report, queueing included.
     pub elapsed: Duration,
-    /// The load's own I/O: the host copy, or the disk thread's read of the file (the tier's bandwidth).
-    pub io: Duration,
+    /// The load's own I/O: the host copy, or the disk thread's read of the file (the tier's bandwidth);
+    /// `None` for a host load the executor orders before later steps ([`Executor::imports_ordered`]),
+    /// reported when started: its copy's time comes later ([`TierIo::take_copy_times`]).
+    pub io: Option<Duration>,
 }
 
 /// Block files read by the disk's start probe (fewer when fewer exist), and at most these bytes (the
@@ -105,6 +113,11 @@ pub(crate) struct TierIo {
     /// Host-tier loads the executor copies asynchronously ([`Executor::start_import`]), in flight: pool
     /// block → when the copy was started.
     host_loads: HashMap<u32, Instant>,
+    /// Host-tier loads the executor orders before later steps ([`Executor::imports_ordered`]), reported
+    /// as landed when started, whose copy times are still to come.
+    ordered_loads: usize,
+    /// Copy times of ordered host loads, for the tier cost check ([`TierIo::take_copy_times`]).
+    copy_times: Vec<Duration>,
     /// Scratch for [`Executor::imports_done`].
     imported: Vec<(u32, Duration)>,
     /// Whether host slots were filled by exports the executor may still be copying
@@ -260,6 +273,8 @@ impl TierIo {
                 block_bytes,
                 reads: HashMap::new(),
                 host_loads: HashMap::new(),
+                ordered_loads: 0,
+                copy_times: Vec::new(),
                 imported: Vec::new(),
                 exports_pending: false,
                 corrupt_found,
@@ -312,7 +327,20 @@ impl TierIo {
                         .expect("the manager loads from the host tier only when it exists");
                     // A started import is ordered after the started exports by the executor.
                     if exec.start_import(block, host.slot(slot)) {
-                        self.host_loads.insert(block, started);
+                        if exec.imports_ordered() {
+                            // Every later step, block copy and store is ordered after the copy (on
+                            // an accelerator, layer by layer): the block counts as loaded now.
+                            self.ordered_loads += 1;
+                            done.push(LoadDone {
+                                block,
+                                ok: true,
+                                tier: Tier::Host,
+                                elapsed: started.elapsed(),
+                                io: None,
+                            });
+                        } else {
+                            self.host_loads.insert(block, started);
+                        }
                         continue;
                     }
                     self.fence_exports(exec);
@@ -324,7 +352,7 @@ impl TierIo {
                         ok: true,
                         tier: Tier::Host,
                         elapsed,
-                        io: elapsed,
+                        io: Some(elapsed),
                     });
                 }
                 TierMove::LoadDisk { record: r, block } => {
@@ -341,25 +369,31 @@ impl TierIo {
     /// Reports the host copies the executor has finished, imports the disk reads that have come back
     /// (waiting at most `wait` for the first when some are in flight) and pushes them onto `done`.
     pub fn poll(&mut self, exec: &mut dyn Executor, wait: Duration, done: &mut Vec<LoadDone>) {
-        if !self.host_loads.is_empty() {
-            // Waits on the host copies only when no disk read could come back meanwhile.
-            let host_wait = if self.reads.is_empty() {
+        if !self.host_loads.is_empty() || self.ordered_loads > 0 {
+            // Waits on the host copies only when a request waits for them (ordered loads keep
+            // nothing waiting) and no disk read could come back meanwhile.
+            let host_wait = if self.reads.is_empty() && !self.host_loads.is_empty() {
                 wait
             } else {
                 Duration::ZERO
             };
             exec.imports_done(host_wait, &mut self.imported);
             for (block, io) in self.imported.drain(..) {
-                let started = self
-                    .host_loads
-                    .remove(&block)
-                    .expect("the executor reports a started import once");
+                let Some(started) = self.host_loads.remove(&block) else {
+                    // An ordered load, reported as landed when it started: only its time is new.
+                    self.ordered_loads = self
+                        .ordered_loads
+                        .checked_sub(1)
+                        .expect("the executor reports a started import once");
+                    self.copy_times.push(io);
+                    continue;
+                };
                 done.push(LoadDone {
                     block,
                     ok: true,
                     tier: Tier::Host,
                     elapsed: started.elapsed(),
-                    io,
+                    io: Some(io),
                 });
             }
         }
@@ -395,10 +429,15 @@ impl TierIo {
                 ok,
                 tier: Tier::Disk,
                 elapsed: queued.elapsed(),
-                io,
+                io: Some(io),
             });
             next = disk.try_done();
         }
+    }
+
+    /// The copy times of ordered host loads reported since the last call, for the tier cost check.
+    pub fn take_copy_times(&mut self) -> std::vec::Drain<'_, Duration> {
+        self.copy_times.drain(..)
     }
 
     /// Waits for the exports the executor may still be copying into host slots.

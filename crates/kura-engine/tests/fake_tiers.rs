@@ -163,16 +163,82 @@ fn a_host_tier_load_copied_asynchronously_is_waited_for_while_other_requests_run
 }
 
 #[test]
+fn a_revisit_runs_over_host_loads_the_executor_orders_before_its_steps() {
+    let cold = cold_outputs();
+    let fake = start(with_tiers(12, 64, None));
+    // Loads from the host tier are started and ordered before every later call, as an accelerator
+    // orders a step's layers after the copies of their KV: the engine need not wait for them.
+    fake.control.ordered_imports();
+    fake.control.async_exports();
+    for s in 0..5 {
+        assert_eq!(
+            run(&fake.engine, distinct_request(s, 24, 6)).0,
+            cold[s as usize]
+        );
+    }
+    settle(&fake.engine);
+    let started = fake.control.imports_started();
+    // No load is reported from now on: a revisit that waited for its loads would never finish.
+    fake.control.hold_imports();
+    let (tokens, usage) = wait(&submit(&fake.engine, distinct_request(0, 24, 6)).1);
+    assert_eq!(tokens, cold[0], "the revisit, over its ordered host loads");
+    assert_eq!(usage.cached_tokens, 20);
+    assert_eq!(fake.control.imports_started() - started, 5);
+    assert_eq!(fake.control.imports_reported(), started);
+    // Its prefill read the loaded blocks before their copies were reported.
+    assert!(fake.control.steps_over_loads() >= 1);
+    // Released, the copies are reported at the next steps, once each (their times feed the tier cost
+    // check; a second report of one would stop the engine).
+    fake.control.release_imports();
+    assert_eq!(
+        run(&fake.engine, distinct_request(1, 24, 6)).0,
+        cold[1],
+        "prompt 1, after prompt 0's loads were reported"
+    );
+    settle(&fake.engine);
+    let e = &fake.engine;
+    assert_eq!(
+        fake.control.imports_reported(),
+        fake.control.imports_started()
+    );
+    assert_eq!(
+        fake.control.imports_started() as f64,
+        tier_metric(e, "kura:kv_tier_loads_total", "host")
+    );
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_load_failures_total", "host"),
+        0.0
+    );
+    fake.engine.stop();
+}
+
+/// How the fake executor copies host-tier loads.
+#[derive(Clone, Copy, PartialEq)]
+enum Loads {
+    Synchronous,
+    /// Land later; the engine waits for their report.
+    Asynchronous,
+    /// Land before every later call; reported later.
+    Ordered,
+}
+
+#[test]
 fn asynchronous_stores_and_loads_through_host_and_disk_give_the_cold_tokens() {
-    stores_and_loads_through_host_and_disk(true);
+    stores_and_loads_through_host_and_disk(Loads::Asynchronous);
+}
+
+#[test]
+fn asynchronous_stores_and_ordered_loads_through_host_and_disk_give_the_cold_tokens() {
+    stores_and_loads_through_host_and_disk(Loads::Ordered);
 }
 
 #[test]
 fn asynchronous_stores_with_synchronous_loads_give_the_cold_tokens() {
-    stores_and_loads_through_host_and_disk(false);
+    stores_and_loads_through_host_and_disk(Loads::Synchronous);
 }
 
-fn stores_and_loads_through_host_and_disk(async_loads: bool) {
+fn stores_and_loads_through_host_and_disk(loads: Loads) {
+    let async_loads = loads != Loads::Synchronous;
     let cold = cold_outputs();
     let dir = TestDir::new("async");
     // A pool of 12 blocks and a host tier of 8: blocks go down to the host tier as they are evicted,
@@ -186,8 +252,10 @@ fn stores_and_loads_through_host_and_disk(async_loads: bool) {
     // Stores land only when the engine fences them (the slot holds other bytes until then) and loads
     // land later, as an accelerator's copies on their own stream do.
     fake.control.async_exports();
-    if async_loads {
-        fake.control.async_imports();
+    match loads {
+        Loads::Synchronous => {}
+        Loads::Asynchronous => fake.control.async_imports(),
+        Loads::Ordered => fake.control.ordered_imports(),
     }
     // The last prompts evicted are revisited first (their blocks in the host tier), the first ones
     // after (on disk by then).

@@ -37,6 +37,12 @@ struct ControlState {
     imports_held: bool,
     /// Imports started so far.
     imports_started: usize,
+    /// Whether started imports are ordered before every later call ([`Executor::imports_ordered`]).
+    ordered_imports: bool,
+    /// Started imports reported through [`Executor::imports_done`] so far.
+    imports_reported: usize,
+    /// Forward calls that read a block whose import had not been reported yet (ordered imports).
+    steps_over_loads: usize,
     /// Whether exports into the host region are started and land at the next fence.
     async_exports: bool,
     /// Exports started so far.
@@ -86,7 +92,27 @@ impl Control {
         self.state.lock().unwrap().async_imports = true;
     }
 
-    /// Started imports do not finish until [`Control::release_imports`].
+    /// From now on host-tier loads are started and ordered before every later call, as an accelerator
+    /// orders its steps after the copies on the device: a forward call lands the imports started before
+    /// it, while [`Executor::imports_done`] reports them only when not held.
+    pub fn ordered_imports(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.async_imports = true;
+        state.ordered_imports = true;
+    }
+
+    /// Started imports reported through [`Executor::imports_done`] so far.
+    pub fn imports_reported(&self) -> usize {
+        self.state.lock().unwrap().imports_reported
+    }
+
+    /// Forward calls that read a block whose ordered import had not been reported yet.
+    pub fn steps_over_loads(&self) -> usize {
+        self.state.lock().unwrap().steps_over_loads
+    }
+
+    /// Started imports do not finish until [`Control::release_imports`] (ordered ones: are not
+    /// reported until then).
     pub fn hold_imports(&self) {
         self.state.lock().unwrap().imports_held = true;
     }
@@ -166,6 +192,8 @@ pub struct FakeModel {
     in_flight: Vec<(u32, *const u8, usize, Option<Vec<u8>>)>,
     /// Exports started and not landed: (where in the host region, the block's bytes when started).
     stores: Vec<(*mut u8, Vec<u8>)>,
+    /// Ordered imports landed by a later call and not reported yet.
+    landed: Vec<u32>,
 }
 
 // SAFETY: the pointers in `stores` and `in_flight` address the engine's host region, which outlives the
@@ -173,6 +201,42 @@ pub struct FakeModel {
 unsafe impl Send for FakeModel {}
 
 impl FakeModel {
+    /// The bytes a started import writes: what the last store started into its slot wrote, or the
+    /// slot's bytes now, as a device reads them while it copies (a slot the engine reused meanwhile
+    /// would show).
+    fn import_bytes(at: *const u8, len: usize, stored: &Option<Vec<u8>>) -> Vec<u8> {
+        stored.clone().unwrap_or_else(|| {
+            // SAFETY: a slot of the engine's host region, which outlives the model; the engine keeps
+            // it unwritten until this load is reported (or, ordered, writes it only through a store
+            // started after the load, which the load precedes).
+            unsafe { std::slice::from_raw_parts(at, len) }.to_vec()
+        })
+    }
+
+    /// With ordered imports: lands every started import before the call that comes after it, and
+    /// returns the blocks it landed.
+    fn land_ordered(&mut self) -> Vec<u32> {
+        if !self.control.state.lock().unwrap().ordered_imports {
+            return Vec::new();
+        }
+        let mut blocks = Vec::new();
+        for (block, at, len, stored) in std::mem::take(&mut self.in_flight) {
+            let bytes = Self::import_bytes(at, len, &stored);
+            self.write_block(block, &bytes);
+            blocks.push(block);
+        }
+        self.landed.extend(&blocks);
+        blocks
+    }
+
+    /// Overwrites block `block` with `bytes` as `export_block` wrote them.
+    fn write_block(&mut self, block: u32, bytes: &[u8]) {
+        for (i, b) in bytes.chunks_exact(5).enumerate() {
+            let token = u32::from_le_bytes(b[1..].try_into().unwrap());
+            self.kv[block as usize * BLOCK + i] = (b[0] == 1).then_some(token);
+        }
+    }
+
     /// Lands the started exports in host memory.
     fn land_stores(&mut self) {
         for (at, bytes) in self.stores.drain(..) {
@@ -185,6 +249,13 @@ impl FakeModel {
 impl Executor for FakeModel {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String> {
         self.control.enter();
+        self.land_ordered();
+        if batch
+            .iter()
+            .any(|s| s.block_table.iter().any(|b| self.landed.contains(b)))
+        {
+            self.control.state.lock().unwrap().steps_over_loads += 1;
+        }
         self.batches.lock().unwrap().push(
             batch
                 .iter()
@@ -215,6 +286,7 @@ impl Executor for FakeModel {
     }
 
     fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
+        self.land_ordered();
         for i in 0..num_tokens {
             self.kv[dst as usize * BLOCK + i] = self.kv[src as usize * BLOCK + i];
         }
@@ -226,6 +298,13 @@ impl Executor for FakeModel {
     }
 
     fn export_block(&self, block: u32, out: &mut [u8]) {
+        // An ordered import of the block still under way comes first.
+        if let Some((_, at, len, stored)) = self.in_flight.iter().rev().find(|f| f.0 == block) {
+            if self.control.state.lock().unwrap().ordered_imports {
+                out.copy_from_slice(&Self::import_bytes(*at, *len, stored));
+                return;
+            }
+        }
         for (i, o) in out.chunks_exact_mut(5).enumerate() {
             let slot = self.kv[block as usize * BLOCK + i];
             o[0] = u8::from(slot.is_some());
@@ -234,10 +313,8 @@ impl Executor for FakeModel {
     }
 
     fn import_block(&mut self, block: u32, bytes: &[u8]) {
-        for (i, b) in bytes.chunks_exact(5).enumerate() {
-            let token = u32::from_le_bytes(b[1..].try_into().unwrap());
-            self.kv[block as usize * BLOCK + i] = (b[0] == 1).then_some(token);
-        }
+        self.land_ordered();
+        self.write_block(block, bytes);
     }
 
     fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
@@ -248,6 +325,7 @@ impl Executor for FakeModel {
             }
             state.exports_started += 1;
         }
+        self.land_ordered();
         let mut bytes = vec![0u8; out.len()];
         self.export_block(block, &mut bytes);
         // Not there yet: whoever reads the slot before the fence reads these.
@@ -268,9 +346,8 @@ impl Executor for FakeModel {
         state.imports_started += 1;
         drop(state);
         self.control.changed.notify_all();
-        // One stream: a load of a slot reads what the last store started into it wrote. Otherwise the
-        // bytes are read when the copy lands, as a device reads them while it copies: a slot the engine
-        // reused meanwhile would show.
+        // One stream: a load of a slot reads what the last store started into it wrote
+        // (`import_bytes`).
         let stored = self
             .stores
             .iter()
@@ -282,8 +359,12 @@ impl Executor for FakeModel {
         true
     }
 
+    fn imports_ordered(&self) -> bool {
+        self.control.state.lock().unwrap().ordered_imports
+    }
+
     fn imports_done(&mut self, wait: Duration, done: &mut Vec<(u32, Duration)>) {
-        if self.in_flight.is_empty() {
+        if self.in_flight.is_empty() && self.landed.is_empty() {
             return;
         }
         let state = self.control.state.lock().unwrap();
@@ -296,15 +377,15 @@ impl Executor for FakeModel {
             return;
         }
         drop(state);
+        let landed = std::mem::take(&mut self.landed);
+        let mut blocks = landed;
         for (block, at, len, stored) in std::mem::take(&mut self.in_flight) {
-            let bytes = stored.unwrap_or_else(|| {
-                // SAFETY: a slot of the engine's host region, which outlives the model; the engine
-                // keeps it reserved until this load is reported.
-                unsafe { std::slice::from_raw_parts(at, len) }.to_vec()
-            });
-            self.import_block(block, &bytes);
-            done.push((block, Duration::from_micros(1)));
+            let bytes = Self::import_bytes(at, len, &stored);
+            self.write_block(block, &bytes);
+            blocks.push(block);
         }
+        self.control.state.lock().unwrap().imports_reported += blocks.len();
+        done.extend(blocks.into_iter().map(|b| (b, Duration::from_micros(1))));
     }
 
     /// Takes the region as an accelerator would (pinning it); the test reads its size back.
@@ -391,6 +472,7 @@ pub fn start(config: EngineConfig) -> Fake {
         kv: vec![None; config.num_blocks * BLOCK],
         in_flight: Vec::new(),
         stores: Vec::new(),
+        landed: Vec::new(),
     };
     let engine = start_engine(config, Box::new(model), Arc::new(Letters)).unwrap();
     Fake {
