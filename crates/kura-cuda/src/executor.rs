@@ -24,6 +24,9 @@ use crate::device::{Arg, Device, PoolShape};
 use crate::error::{CudaError, Result};
 use crate::weights::DevWeights;
 
+mod transfers;
+use transfers::HostLoads;
+
 /// Sequences with at least this many new tokens take the prefill kernel.
 pub const PREFILL_MIN: usize = 64;
 /// Query rows of a prefill tile (`BR` in `kura.cu`).
@@ -333,43 +336,9 @@ pub struct CudaExecutor {
     /// Bytes the split-key kernel's partials may take at once ([`PART_CAP_BYTES`]).
     part_cap: usize,
     mask_all_tiles: bool,
-}
-
-/// Host-tier loads and stores copied on a stream of their own ([`Executor::start_import`],
-/// [`Executor::start_export`]), beside the forward passes on the device's stream. One stream for both
-/// directions keeps a load of a host slot after the store that filled it.
-struct HostLoads {
-    stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    /// Started loads in the order they were issued: (block, an event before the copy, one after).
-    in_flight:
-        std::collections::VecDeque<(u32, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
-    /// After the last store started: what the host waits on before reading stored bytes.
-    last_store: Option<cudarc::driver::CudaEvent>,
-    /// Whether the device stream has yet to wait for `last_store` before writing the pool (a stored
-    /// block may be overwritten by the next step).
-    device_behind: bool,
-}
-
-impl HostLoads {
-    /// The executor's transfers, made with their stream on first use.
-    fn get<'a>(loads: &'a mut Option<HostLoads>, dev: &Device) -> Result<&'a mut HostLoads> {
-        if loads.is_none() {
-            *loads = Some(HostLoads {
-                stream: dev.ctx.new_stream()?,
-                in_flight: std::collections::VecDeque::new(),
-                last_store: None,
-                device_behind: false,
-            });
-        }
-        Ok(loads.as_mut().expect("made above"))
-    }
-}
-
-impl Drop for HostLoads {
-    fn drop(&mut self) {
-        // The copies read pinned host memory that is unpinned (and freed) after this.
-        let _ = self.stream.synchronize();
-    }
+    /// Whether host-tier loads are ordered layer by layer before later steps
+    /// ([`Executor::imports_ordered`]; `transfers`), or whole-block copies the engine waits for.
+    ordered_imports: bool,
 }
 
 /// Captured graphs by step shape.
@@ -541,6 +510,7 @@ impl CudaExecutor {
             use_dependent: true,
             part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
+            ordered_imports: crate::libs::has_batch_copies(),
         })
     }
 
@@ -548,6 +518,14 @@ impl CudaExecutor {
     /// (the same results: for measuring what skipping the mask saves).
     pub fn set_mask_all_tiles(&mut self, on: bool) {
         self.mask_all_tiles = on;
+    }
+
+    /// Copies host-tier loads layer by layer, ordered before later steps (the default where the driver
+    /// has batched copies, CUDA 13), or as whole blocks the engine waits for. Asked for where the
+    /// driver lacks batched copies, it stays off and this returns `false`.
+    pub fn set_ordered_imports(&mut self, on: bool) -> bool {
+        self.ordered_imports = on && crate::libs::has_batch_copies();
+        self.ordered_imports == on
     }
 
     /// Runs decode steps as captured graphs (the default) or launch by launch (tests compare the two).
@@ -618,8 +596,12 @@ impl CudaExecutor {
     fn run(&mut self, batch: &[SeqInput<'_>]) -> Result<StepPlan> {
         let plan = plan_step(batch, self.limits())?;
         self.dev.ctx.bind_to_thread()?;
-        // A step writes the pool: after the stores that read it.
+        // A step writes the pool: after the stores that read it. Loads started since the last step go
+        // out now; a step that reads one of their blocks waits for each layer's bytes before that
+        // layer's attention.
         self.after_stores()?;
+        self.issue_imports()?;
+        let waits = self.imports_read_by(batch);
         let c = &self.cfg;
         let (t, n) = (plan.n_tokens, plan.n_seqs);
         let wave = split_wave(
@@ -672,10 +654,12 @@ impl CudaExecutor {
                 }
                 self.graphs.insert(key, graph);
             }
+            self.wait_all_layers(&waits)?;
             self.graphs[&key].launch()?;
         } else {
-            self.enqueue(&plan)?;
+            self.enqueue(&plan, &waits)?;
         }
+        self.waited_for(&waits);
         Ok(plan)
     }
 
@@ -684,7 +668,7 @@ impl CudaExecutor {
         self.dev.stream.begin_capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )?;
-        let enqueued = self.enqueue(plan);
+        let enqueued = self.enqueue(plan, &[]);
         let graph = self
             .dev
             .stream
@@ -693,8 +677,9 @@ impl CudaExecutor {
         graph.ok_or_else(|| CudaError::Driver("capturing a decode step gave no graph".into()))
     }
 
-    /// Launches every kernel and product of the step `plan` (whose metadata is on the device).
-    fn enqueue(&self, plan: &StepPlan) -> Result<()> {
+    /// Launches every kernel and product of the step `plan` (whose metadata is on the device); layer
+    /// *i* writes and reads the pool after layer *i* of the ordered loads `waits` has landed.
+    fn enqueue(&self, plan: &StepPlan, waits: &[usize]) -> Result<()> {
         let c = &self.cfg;
         let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
         let (heads, kvh) = (c.num_heads(), c.num_kv_heads());
@@ -756,7 +741,9 @@ impl CudaExecutor {
                 self.0.set_dependent(false);
             }
         }
-        dev.set_dependent(self.use_dependent);
+        // A step that waits for ordered loads launches plainly: a kernel launched to overlap the one
+        // before it would not be ordered after a wait between them.
+        dev.set_dependent(self.use_dependent && waits.is_empty());
         let _plain_after = PlainAfter(dev);
         let half = d / 2;
         let (cs, sn) = (dev.ptr(&s.cos), dev.ptr(&s.sin));
@@ -794,6 +781,7 @@ impl CudaExecutor {
             dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
             let items = (heads + kvh) * half + kvh * d;
             let bias = lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b));
+            self.wait_layer(waits, li)?;
             if self.kv_dtype == KvDtype::Fp8 {
                 // RoPE into place in qkv, then each K and V row scaled and stored as fp8.
                 dev.launch(
@@ -997,7 +985,9 @@ impl CudaExecutor {
     /// Copies slots `0..num_tokens` of every layer's K and V of block `src` into `dst`.
     pub fn try_copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) -> Result<()> {
         let (s, d) = (self.check_block(src)?, self.check_block(dst)?);
+        self.dev.ctx.bind_to_thread()?;
         self.after_stores()?;
+        self.after_imports_of(&[src, dst])?;
         let bs = self.shape.block_size as usize;
         if num_tokens > bs {
             return Err(CudaError::Batch(format!(
@@ -1031,6 +1021,9 @@ impl CudaExecutor {
     pub fn try_export_block(&self, block: u32, out: &mut [u8]) -> Result<()> {
         let b = self.check_block_bytes(block, out.len())?;
         self.dev.ctx.bind_to_thread()?;
+        if self.export_over_imports(block, out)? {
+            return Ok(());
+        }
         let at = b * self.block_bytes;
         self.dev
             .stream
@@ -1043,151 +1036,11 @@ impl CudaExecutor {
         let b = self.check_block_bytes(block, bytes.len())?;
         self.dev.ctx.bind_to_thread()?;
         self.after_stores()?;
+        self.after_imports_of(&[block])?;
         let at = b * self.block_bytes;
         let mut view = self.pool.slice_mut(at..at + self.block_bytes);
         self.dev.stream.memcpy_htod(bytes, &mut view)?;
         self.dev.synchronize()
-    }
-}
-
-impl CudaExecutor {
-    /// Starts copying `bytes` into block `block` on the transfer stream, after everything already issued
-    /// on the device's stream, and returns `true`; `false` (nothing started) when `bytes` are not in a
-    /// pinned host region, whose copies the driver would stage synchronously anyway.
-    pub fn try_start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool> {
-        let Some(dst) = self.begin_transfer(block, bytes)? else {
-            return Ok(false);
-        };
-        let loads = self.loads.as_mut().expect("begin_transfer made it");
-        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let before = self.dev.ctx.new_event(timed)?;
-        before.record(&loads.stream)?;
-        // SAFETY: `dst` is the block's place in the pool, `block_bytes` long (checked by
-        // begin_transfer); `bytes` is pinned host memory of that length, which the engine leaves
-        // unchanged until the copy is reported (and which outlives the executor's copies: `HostLoads`
-        // waits for them when dropped).
-        unsafe {
-            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
-                dst,
-                bytes.as_ptr().cast(),
-                bytes.len(),
-                loads.stream.cu_stream(),
-            )
-        }
-        .result()?;
-        let after = self.dev.ctx.new_event(timed)?;
-        after.record(&loads.stream)?;
-        loads.in_flight.push_back((block, before, after));
-        Ok(true)
-    }
-
-    /// Starts copying block `block` into `out` on the transfer stream, after everything already issued
-    /// on the device's stream (the steps that wrote the block), and returns `true`; `false` (nothing
-    /// started) when `out` is not in a pinned host region. Pool writes issued after it wait for it on
-    /// the device ([`CudaExecutor::after_stores`]); the host reads `out` after
-    /// [`CudaExecutor::try_stores_fence`].
-    pub fn try_start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool> {
-        let Some(src) = self.begin_transfer(block, out)? else {
-            return Ok(false);
-        };
-        let loads = self.loads.as_mut().expect("begin_transfer made it");
-        let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        // SAFETY: `src` is the block's place in the pool, `block_bytes` long (checked by
-        // begin_transfer); `out` is pinned host memory of that length, which the engine neither reads
-        // nor writes until it has called `exports_fence`, and which outlives the copy (`HostLoads`
-        // waits for it when dropped).
-        unsafe {
-            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                out.as_mut_ptr().cast(),
-                src,
-                out.len(),
-                loads.stream.cu_stream(),
-            )
-        }
-        .result()?;
-        let stored = self.dev.ctx.new_event(untimed)?;
-        stored.record(&loads.stream)?;
-        loads.last_store = Some(stored);
-        loads.device_behind = true;
-        Ok(true)
-    }
-
-    /// For a copy of block `block` to or from `host` on the transfer stream: checks both, orders the
-    /// transfer stream after the device stream's work so far (the steps and block copies that wrote the
-    /// block, or wrote it before it was freed and handed on), and returns the block's address in the
-    /// pool; `None` (nothing done) when `host` is not in a pinned region, whose copies the driver would
-    /// stage synchronously anyway.
-    fn begin_transfer(&mut self, block: u32, host: &[u8]) -> Result<Option<u64>> {
-        if !self.dev.is_pinned(host) {
-            return Ok(None);
-        }
-        let b = self.check_block_bytes(block, host.len())?;
-        self.dev.ctx.bind_to_thread()?;
-        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
-        let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let issued = self.dev.ctx.new_event(untimed)?;
-        issued.record(&self.dev.stream)?;
-        loads.stream.wait(&issued)?;
-        Ok(Some(
-            self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64,
-        ))
-    }
-
-    /// Makes the device stream wait (on the device, not the host) for the stores started so far, before
-    /// work that may write a block they read.
-    fn after_stores(&mut self) -> Result<()> {
-        if let Some(loads) = self.loads.as_mut() {
-            if loads.device_behind {
-                if let Some(ev) = &loads.last_store {
-                    self.dev.stream.wait(ev)?;
-                }
-                loads.device_behind = false;
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits until every store started so far has landed in host memory.
-    pub fn try_stores_fence(&mut self) -> Result<()> {
-        if let Some(loads) = self.loads.as_mut() {
-            if let Some(ev) = loads.last_store.take() {
-                ev.synchronize()?;
-                loads.device_behind = false;
-            }
-        }
-        Ok(())
-    }
-
-    /// Appends the blocks whose started copies have finished (in issue order, with each copy's own
-    /// time) to `done`, waiting at most `wait` for the first when none has.
-    pub fn try_imports_done(
-        &mut self,
-        wait: std::time::Duration,
-        done: &mut Vec<(u32, std::time::Duration)>,
-    ) -> Result<()> {
-        let Some(loads) = self.loads.as_mut() else {
-            return Ok(());
-        };
-        let deadline = std::time::Instant::now() + wait;
-        let found = done.len();
-        loop {
-            while let Some((_, _, after)) = loads.in_flight.front() {
-                if !after.try_is_complete()? {
-                    break;
-                }
-                let (block, before, after) = loads.in_flight.pop_front().expect("looked at");
-                let ms = f64::from(before.elapsed_ms(&after)?.max(0.0));
-                done.push((block, std::time::Duration::from_secs_f64(ms / 1e3)));
-            }
-            if done.len() > found
-                || loads.in_flight.is_empty()
-                || std::time::Instant::now() >= deadline
-            {
-                return Ok(());
-            }
-            // A copy of a block takes tens of microseconds to milliseconds.
-            std::thread::sleep(std::time::Duration::from_micros(20));
-        }
     }
 }
 
@@ -1229,6 +1082,10 @@ impl Executor for CudaExecutor {
         self.try_start_export(block, out).expect(
             "the KV manager hands out block ids within the pool, the tiers block-sized slots",
         )
+    }
+
+    fn imports_ordered(&self) -> bool {
+        self.ordered_imports
     }
 
     fn exports_fence(&mut self) {

@@ -57,6 +57,19 @@ pub fn check_nvrtc() -> Result<()> {
     })
 }
 
+/// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13): many copies in one call, which host-tier
+/// loads ordered layer by layer need (one call a layer for every block). cudarc would panic on a missing
+/// symbol; without it, loads are whole-block copies.
+pub fn has_batch_copies() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        open_any("cuda").is_some_and(|lib| {
+            // SAFETY: looking a symbol up runs nothing; it is not called through this pointer.
+            unsafe { lib.get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0") }.is_ok()
+        })
+    })
+}
+
 /// The driver, NVRTC and cuBLAS: everything the executor loads.
 pub fn check_all() -> Result<()> {
     open_any("cuda").map(drop).ok_or(CudaError::NoLibrary {

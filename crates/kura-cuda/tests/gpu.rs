@@ -560,6 +560,8 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
     let p = &prompts()[0];
     let bs = 16;
     let mut gpu = exec("smol", KvDtype::Bf16, bs, 8);
+    // Whole-block loads, which the engine waits for (ordered ones: the next test).
+    assert!(gpu.set_ordered_imports(false));
     let blocks = p.len().div_ceil(bs);
     assert!(blocks <= 6, "the prompt fits blocks 0..6");
     let table: Vec<u32> = (0..blocks as u32).collect();
@@ -634,6 +636,102 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
     gpu.exports_fence();
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
+    use kura_engine::Executor;
+    use std::time::{Duration, Instant};
+    let p = &prompts()[1];
+    let bs = 16;
+    let total = p.len().div_ceil(bs);
+    // Blocks 0..total hold the prompt computed in place; the loads go to total..2·total.
+    let mut gpu = exec("smol", KvDtype::Bf16, bs, 2 * total + 2);
+    assert!(
+        gpu.set_ordered_imports(true),
+        "this driver has batched copies (cuMemcpyBatchAsync_v2, CUDA 13)"
+    );
+    assert!(gpu.imports_ordered());
+    let bb = gpu.block_bytes();
+    let here: Vec<u32> = (0..total as u32).collect();
+    let there: Vec<u32> = (total as u32..2 * total as u32).collect();
+    // (blocks of cached prefix, new tokens after it, the prefill kernel from): the split kernel launch
+    // by launch, the prefill kernel, and a decode step (a captured graph).
+    for (nb, new, prefill_min) in [(15, 44, usize::MAX), (12, 108, 64), (18, 1, usize::MAX)] {
+        let cached = nb * bs;
+        let step = &p[cached..cached + new];
+        gpu.set_prefill_min(prefill_min);
+        // In device memory: the prefix, then the step over it.
+        gpu.forward_logits(&[SeqInput::new(&p[..cached], 0, &here)])
+            .unwrap();
+        let want = gpu
+            .forward_logits(&[SeqInput::new(step, cached, &here)])
+            .unwrap();
+        // The prefix's blocks in a pinned host tier, and the blocks they go to filled with other bytes.
+        let mut region = vec![0u8; nb * bb];
+        for b in 0..nb {
+            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb]);
+        }
+        assert!(gpu.register_host_region(&mut region));
+        let junk = vec![0x3fu8; bb];
+        for &b in &there {
+            gpu.import_block(b, &junk);
+        }
+        // Loads started and the step issued at once: it waits for each layer on the device.
+        for b in 0..nb {
+            assert!(gpu.start_import(there[b], &region[b * bb..(b + 1) * bb]));
+        }
+        let got = gpu
+            .forward_logits(&[SeqInput::new(step, cached, &there)])
+            .unwrap();
+        assert_eq!(
+            errors(&got, &want).0,
+            0.0,
+            "{new} new tokens over {cached} loaded: the bits of the same step over blocks computed \
+             in place"
+        );
+        // Each load reported once, in order, with its time.
+        let mut done = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while done.len() < nb {
+            assert!(Instant::now() < deadline, "loads never reported: {done:?}");
+            gpu.imports_done(Duration::from_millis(100), &mut done);
+        }
+        let order: Vec<u32> = done.iter().map(|d| d.0).collect();
+        assert_eq!(order, there[..nb]);
+        let copy: Duration = done.iter().map(|d| d.1).sum();
+        println!(
+            "ordered loads of {nb} blocks of {bb} bytes: {:.3} ms, {:.1} GB/s",
+            copy.as_secs_f64() * 1e3,
+            (nb * bb) as f64 / copy.as_secs_f64().max(1e-9) / 1e9
+        );
+        gpu.imports_done(Duration::ZERO, &mut done);
+        assert_eq!(done.len(), nb, "nothing reported twice");
+        // An export or a block copy of a block whose load was only started sees the loaded bytes.
+        let mut back = vec![0u8; bb];
+        gpu.import_block(there[0], &junk);
+        assert!(gpu.start_import(there[0], &region[..bb]));
+        gpu.export_block(there[0], &mut back);
+        assert_eq!(back, region[..bb], "an export of a block still loading");
+        gpu.import_block(there[1], &junk);
+        assert!(gpu.start_import(there[1], &region[bb..2 * bb]));
+        gpu.copy_block_prefix(there[1], there[2], bs);
+        gpu.export_block(there[2], &mut back);
+        assert_eq!(back, region[bb..2 * bb], "a copy of a block still loading");
+        done.clear();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while done.len() < 2 {
+            assert!(Instant::now() < deadline, "loads never reported: {done:?}");
+            gpu.imports_done(Duration::from_millis(100), &mut done);
+        }
+        // The executor (which unpins the region) waits for its copies before the region goes; a
+        // region is pinned once, so the next case makes a new executor.
+        drop(gpu);
+        drop(region);
+        gpu = exec("smol", KvDtype::Bf16, bs, 2 * total + 2);
+        assert!(gpu.set_ordered_imports(true));
+    }
 }
 
 #[test]

@@ -1,0 +1,487 @@
+//! Copies between the device pool and the host tier's pinned region on a stream of their own, beside the
+//! forward passes on the device's stream ([`Executor::start_import`], [`Executor::start_export`]).
+//!
+//! Stores (device → host) are one copy per block; the device stream waits for them, on the device,
+//! before it next writes the pool, and the host before it reads a stored slot.
+//!
+//! Loads (host → device) take one of two forms:
+//! - **whole blocks**, one copy each, reported by [`CudaExecutor::try_imports_done`] when they land; the
+//!   engine schedules a request that wants one only then;
+//! - **ordered, layer by layer** (where the driver has `cuMemcpyBatchAsync_v2`, CUDA 13), reported to
+//!   the engine as landed when started ([`Executor::imports_ordered`]). The loads started between two
+//!   uses of the device are issued together before the next one ([`CudaExecutor::issue_imports`]): per
+//!   layer, one batched copy of that layer's bytes of every block (a block's bytes are layer-major, so
+//!   each is one run), then an event. A step whose block tables hold such a block makes the device
+//!   stream wait for layer *i*'s event just before layer *i* writes or reads the pool: layer 0 computes
+//!   as soon as its bytes are in, while the copies of the later layers go on. A block copy or export of
+//!   such a block waits for all of it first.
+//!
+//! ```text
+//!   transfer stream:  [layer 0 of every block]─e0─[layer 1]─e1─ … ─[layer L−1]─e(L−1)
+//!   device stream:    embed, qkv ─wait e0─ attention 0 … ─wait e1─ attention 1 … ─wait e(L−1)─ …
+//! ```
+//!
+//! One stream carries both directions and every form, in the order they were asked for: a load of a
+//! host slot follows the store that filled it, a store into a slot follows the loads that read it.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys::{self, CUevent_flags};
+use cudarc::driver::{CudaEvent, CudaStream};
+use kura_engine::SeqInput;
+
+use super::CudaExecutor;
+use crate::device::Device;
+use crate::error::Result;
+
+/// Host-tier loads and stores copied on a stream of their own, beside the forward passes on the
+/// device's stream. One stream for both directions keeps a load of a host slot after the store that
+/// filled it.
+pub(super) struct HostLoads {
+    stream: Arc<CudaStream>,
+    /// Started whole-block loads in the order they were issued: (block, an event before the copy, one
+    /// after).
+    in_flight: VecDeque<(u32, CudaEvent, CudaEvent)>,
+    /// Ordered loads started and not issued yet, in order: (block, its slot's host address).
+    queued: Vec<(u32, u64)>,
+    /// Ordered loads issued, oldest first, until reported.
+    layered: VecDeque<Layered>,
+    /// Blocks of `layered` loads the device stream has not waited for yet.
+    unordered: HashSet<u32>,
+    /// After the last store started: what the host waits on before reading stored bytes.
+    last_store: Option<CudaEvent>,
+    /// Whether the device stream has yet to wait for `last_store` before writing the pool (a stored
+    /// block may be overwritten by the next step).
+    device_behind: bool,
+    /// Whether batched copies work here; after one fails, each layer of each block is a copy of its own
+    /// (the same bytes, more calls).
+    batched: bool,
+}
+
+/// Ordered loads issued together: their blocks, an event before the copies and one after each layer's.
+struct Layered {
+    blocks: Vec<u32>,
+    start: CudaEvent,
+    layers: Vec<CudaEvent>,
+    /// Whether the device stream waits for every layer already.
+    waited: bool,
+}
+
+impl HostLoads {
+    /// The executor's transfers, made with their stream on first use.
+    fn get<'a>(loads: &'a mut Option<HostLoads>, dev: &Device) -> Result<&'a mut HostLoads> {
+        if loads.is_none() {
+            *loads = Some(HostLoads {
+                stream: dev.ctx.new_stream()?,
+                in_flight: VecDeque::new(),
+                queued: Vec::new(),
+                layered: VecDeque::new(),
+                unordered: HashSet::new(),
+                last_store: None,
+                device_behind: false,
+                batched: true,
+            });
+        }
+        Ok(loads.as_mut().expect("made above"))
+    }
+}
+
+impl Drop for HostLoads {
+    fn drop(&mut self) {
+        // The copies read pinned host memory that is unpinned (and freed) after this.
+        let _ = self.stream.synchronize();
+    }
+}
+
+const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
+const UNTIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+
+impl CudaExecutor {
+    /// Starts copying `bytes` into block `block` and returns `true`; `false` (nothing started) when
+    /// `bytes` are not in a pinned host region, whose copies the driver would stage synchronously
+    /// anyway. An ordered load is queued and issued with the others before the executor next uses the
+    /// device; a whole-block one is copied on the transfer stream after everything already issued on
+    /// the device's stream.
+    pub fn try_start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool> {
+        if self.ordered_imports {
+            if !self.dev.is_pinned(bytes) {
+                return Ok(false);
+            }
+            self.check_block_bytes(block, bytes.len())?;
+            self.dev.ctx.bind_to_thread()?;
+            HostLoads::get(&mut self.loads, &self.dev)?
+                .queued
+                .push((block, bytes.as_ptr() as u64));
+            return Ok(true);
+        }
+        let Some(dst) = self.begin_transfer(block, bytes)? else {
+            return Ok(false);
+        };
+        let loads = self.loads.as_mut().expect("begin_transfer made it");
+        let before = self.dev.ctx.new_event(TIMED)?;
+        before.record(&loads.stream)?;
+        // SAFETY: `dst` is the block's place in the pool, `block_bytes` long (checked by
+        // begin_transfer); `bytes` is pinned host memory of that length, which the engine leaves
+        // unchanged until the copy is reported (and which outlives the executor's copies: `HostLoads`
+        // waits for them when dropped).
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                loads.stream.cu_stream(),
+            )
+        }
+        .result()?;
+        let after = self.dev.ctx.new_event(TIMED)?;
+        after.record(&loads.stream)?;
+        loads.in_flight.push_back((block, before, after));
+        Ok(true)
+    }
+
+    /// Starts copying block `block` into `out` on the transfer stream, after everything already issued
+    /// on the device's stream (the steps that wrote the block), and returns `true`; `false` (nothing
+    /// started) when `out` is not in a pinned host region. Pool writes issued after it wait for it on
+    /// the device ([`CudaExecutor::after_stores`]); the host reads `out` after
+    /// [`CudaExecutor::try_stores_fence`].
+    pub fn try_start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool> {
+        let Some(src) = self.begin_transfer(block, out)? else {
+            return Ok(false);
+        };
+        let loads = self.loads.as_mut().expect("begin_transfer made it");
+        // SAFETY: `src` is the block's place in the pool, `block_bytes` long (checked by
+        // begin_transfer); `out` is pinned host memory of that length, which the engine neither reads
+        // nor writes until it has called `exports_fence`, and which outlives the copy (`HostLoads`
+        // waits for it when dropped).
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                out.as_mut_ptr().cast(),
+                src,
+                out.len(),
+                loads.stream.cu_stream(),
+            )
+        }
+        .result()?;
+        let stored = self.dev.ctx.new_event(UNTIMED)?;
+        stored.record(&loads.stream)?;
+        loads.last_store = Some(stored);
+        loads.device_behind = true;
+        Ok(true)
+    }
+
+    /// For a copy of block `block` to or from `host` on the transfer stream: checks both, issues the
+    /// ordered loads queued before it, orders the transfer stream after the device stream's work so far
+    /// (the steps and block copies that wrote the block, or wrote it before it was freed and handed
+    /// on), and returns the block's address in the pool; `None` (nothing done) when `host` is not in a
+    /// pinned region, whose copies the driver would stage synchronously anyway.
+    fn begin_transfer(&mut self, block: u32, host: &[u8]) -> Result<Option<u64>> {
+        if !self.dev.is_pinned(host) {
+            return Ok(None);
+        }
+        let b = self.check_block_bytes(block, host.len())?;
+        self.dev.ctx.bind_to_thread()?;
+        self.issue_imports()?;
+        let loads = HostLoads::get(&mut self.loads, &self.dev)?;
+        let issued = self.dev.ctx.new_event(UNTIMED)?;
+        issued.record(&self.dev.stream)?;
+        loads.stream.wait(&issued)?;
+        Ok(Some(
+            self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64,
+        ))
+    }
+
+    /// Issues the ordered loads started since the device was last used, on the transfer stream after
+    /// the device stream's work so far (which wrote their blocks before they were freed): per layer,
+    /// one batched copy of that layer's bytes of every block, then an event.
+    pub(super) fn issue_imports(&mut self) -> Result<()> {
+        let Some(loads) = self.loads.as_mut() else {
+            return Ok(());
+        };
+        if loads.queued.is_empty() {
+            return Ok(());
+        }
+        let queued = std::mem::take(&mut loads.queued);
+        let issued = self.dev.ctx.new_event(UNTIMED)?;
+        issued.record(&self.dev.stream)?;
+        loads.stream.wait(&issued)?;
+        let start = self.dev.ctx.new_event(TIMED)?;
+        start.record(&loads.stream)?;
+        let layers = self.cfg.num_layers();
+        // A block is every layer's K then V, layer by layer (`pool_at` in kura.cu).
+        let layer_bytes = self.block_bytes / layers;
+        let pool = self.dev.ptr(&self.pool);
+        let mut attrs = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder_enum::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: sys::CUmemLocation {
+                type_: sys::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_HOST,
+                id: 0,
+            },
+            dstLocHint: sys::CUmemLocation {
+                type_: sys::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.dev.ordinal as i32,
+            },
+            flags: sys::CUmemcpyFlags_enum::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        };
+        let mut attr_at = [0usize];
+        let n = queued.len();
+        let (mut dsts, mut srcs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut sizes = vec![layer_bytes; n];
+        let mut events = Vec::with_capacity(layers);
+        for layer in 0..layers {
+            let at = (layer * layer_bytes) as u64;
+            dsts.clear();
+            srcs.clear();
+            for &(block, host) in &queued {
+                dsts.push(pool + (block as usize * self.block_bytes) as u64 + at);
+                srcs.push(host + at);
+            }
+            // SAFETY (both forms): each destination is `layer_bytes` of a block within the pool
+            // (checked when the load was started); each source the same layer of a pinned host slot
+            // of `block_bytes`, which the engine writes again only through a store, issued on this
+            // stream after this copy, and which outlives the copy (`HostLoads` waits for its stream
+            // when dropped). The three arrays are `n` long and live across the call; one attribute
+            // applies to all.
+            let batch = if loads.batched {
+                unsafe {
+                    sys::cuMemcpyBatchAsync_v2(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        n,
+                        &mut attrs,
+                        attr_at.as_mut_ptr(),
+                        1,
+                        loads.stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| e.to_string())
+            } else {
+                Err(String::new())
+            };
+            if let Err(e) = batch {
+                if loads.batched {
+                    tracing::warn!(
+                        "a batched copy of host-tier loads failed ({e}); each block's layer is copied \
+                         on its own from now on"
+                    );
+                    loads.batched = false;
+                }
+                // Copies the batch may have enqueued write the same bytes again.
+                for (&dst, &src) in dsts.iter().zip(&srcs) {
+                    // SAFETY: as above, one layer of one block.
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dst,
+                            src as *const std::ffi::c_void,
+                            layer_bytes,
+                            loads.stream.cu_stream(),
+                        )
+                    }
+                    .result()?;
+                }
+            }
+            let ev = self
+                .dev
+                .ctx
+                .new_event(if layer + 1 == layers { TIMED } else { UNTIMED })?;
+            ev.record(&loads.stream)?;
+            events.push(ev);
+        }
+        loads.unordered.extend(queued.iter().map(|q| q.0));
+        loads.layered.push_back(Layered {
+            blocks: queued.into_iter().map(|q| q.0).collect(),
+            start,
+            layers: events,
+            waited: false,
+        });
+        Ok(())
+    }
+
+    /// The ordered loads (indices into `layered`) a step over `batch` waits for, layer by layer: every
+    /// one not waited for yet when the step's block tables hold a block of one; none otherwise.
+    pub(super) fn imports_read_by(&self, batch: &[SeqInput<'_>]) -> Vec<usize> {
+        let Some(loads) = self.loads.as_ref() else {
+            return Vec::new();
+        };
+        let reads = !loads.unordered.is_empty()
+            && batch
+                .iter()
+                .any(|s| s.block_table.iter().any(|b| loads.unordered.contains(b)));
+        if !reads {
+            return Vec::new();
+        }
+        (0..loads.layered.len())
+            .filter(|&i| !loads.layered[i].waited)
+            .collect()
+    }
+
+    /// Makes the device stream wait for layer `layer` of the ordered loads `waits`.
+    pub(super) fn wait_layer(&self, waits: &[usize], layer: usize) -> Result<()> {
+        if let Some(loads) = self.loads.as_ref() {
+            for &i in waits {
+                self.dev.stream.wait(&loads.layered[i].layers[layer])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the device stream wait for every layer of the ordered loads `waits` (before a captured
+    /// step, which cannot wait inside).
+    pub(super) fn wait_all_layers(&self, waits: &[usize]) -> Result<()> {
+        if let Some(loads) = self.loads.as_ref() {
+            for &i in waits {
+                let last = loads.layered[i].layers.last().expect("a model has layers");
+                self.dev.stream.wait(last)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes that the device stream now waits for the ordered loads `waits`, which were all those not
+    /// waited for ([`CudaExecutor::imports_read_by`]).
+    pub(super) fn waited_for(&mut self, waits: &[usize]) {
+        if waits.is_empty() {
+            return;
+        }
+        if let Some(loads) = self.loads.as_mut() {
+            for &i in waits {
+                loads.layered[i].waited = true;
+            }
+            loads.unordered.clear();
+        }
+    }
+
+    /// Before a block copy, export or synchronous import touching `blocks`: issues the ordered loads
+    /// queued, and makes the device stream wait for all of them if one of `blocks` is among theirs.
+    pub(super) fn after_imports_of(&mut self, blocks: &[u32]) -> Result<()> {
+        self.issue_imports()?;
+        let reads = self
+            .loads
+            .as_ref()
+            .is_some_and(|l| blocks.iter().any(|b| l.unordered.contains(b)));
+        if reads {
+            let waits: Vec<usize> = self
+                .loads
+                .as_ref()
+                .map(|l| {
+                    (0..l.layered.len())
+                        .filter(|&i| !l.layered[i].waited)
+                        .collect()
+                })
+                .unwrap_or_default();
+            self.wait_all_layers(&waits)?;
+            self.waited_for(&waits);
+        }
+        Ok(())
+    }
+
+    /// Before a synchronous export of `block` (which takes `&self`): copies into `out` the bytes of an
+    /// ordered load into the block not issued yet, from its host slot once the stores before it have
+    /// landed, and returns `true`; or, where an issued load into it has not been waited for, makes the
+    /// device stream wait for every such load and returns `false`.
+    pub(super) fn export_over_imports(&self, block: u32, out: &mut [u8]) -> Result<bool> {
+        let Some(loads) = self.loads.as_ref() else {
+            return Ok(false);
+        };
+        if let Some(&(_, host)) = loads.queued.iter().rev().find(|q| q.0 == block) {
+            if let Some(ev) = &loads.last_store {
+                ev.synchronize()?;
+            }
+            // SAFETY: a pinned slot of `block_bytes` in the host region (checked when the load was
+            // started), which the engine does not write while the load is under way, and whose
+            // stores have landed.
+            let bytes = unsafe { std::slice::from_raw_parts(host as *const u8, self.block_bytes) };
+            out.copy_from_slice(bytes);
+            return Ok(true);
+        }
+        if loads.unordered.contains(&block) {
+            for l in loads.layered.iter().filter(|l| !l.waited) {
+                self.dev
+                    .stream
+                    .wait(l.layers.last().expect("a model has layers"))?;
+            }
+        }
+        Ok(false)
+    }
+
+    /// Makes the device stream wait (on the device, not the host) for the stores started so far, before
+    /// work that may write a block they read.
+    pub(super) fn after_stores(&mut self) -> Result<()> {
+        if let Some(loads) = self.loads.as_mut() {
+            if loads.device_behind {
+                if let Some(ev) = &loads.last_store {
+                    self.dev.stream.wait(ev)?;
+                }
+                loads.device_behind = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every store started so far has landed in host memory.
+    pub fn try_stores_fence(&mut self) -> Result<()> {
+        if let Some(loads) = self.loads.as_mut() {
+            if let Some(ev) = loads.last_store.take() {
+                ev.synchronize()?;
+                loads.device_behind = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the blocks whose started loads have finished (in issue order, with each copy's own time;
+    /// an ordered load's time is its layered copies' time over their blocks) to `done`, waiting at most
+    /// `wait` for the first when none has.
+    pub fn try_imports_done(
+        &mut self,
+        wait: Duration,
+        done: &mut Vec<(u32, Duration)>,
+    ) -> Result<()> {
+        // Ordered loads not issued yet are issued now, so that they are reported in time.
+        self.dev.ctx.bind_to_thread()?;
+        self.issue_imports()?;
+        let Some(loads) = self.loads.as_mut() else {
+            return Ok(());
+        };
+        let deadline = std::time::Instant::now() + wait;
+        let found = done.len();
+        loop {
+            while let Some((_, _, after)) = loads.in_flight.front() {
+                if !after.try_is_complete()? {
+                    break;
+                }
+                let (block, before, after) = loads.in_flight.pop_front().expect("looked at");
+                let ms = f64::from(before.elapsed_ms(&after)?.max(0.0));
+                done.push((block, Duration::from_secs_f64(ms / 1e3)));
+            }
+            while let Some(l) = loads.layered.front() {
+                let last = l.layers.last().expect("a model has layers");
+                if !last.try_is_complete()? {
+                    break;
+                }
+                let l = loads.layered.pop_front().expect("looked at");
+                let last = l.layers.last().expect("a model has layers");
+                let ms = f64::from(l.start.elapsed_ms(last)?.max(0.0));
+                let each = Duration::from_secs_f64(ms / 1e3 / l.blocks.len() as f64);
+                if !l.waited {
+                    // Landed: whatever the device does from now on comes after.
+                    for b in &l.blocks {
+                        loads.unordered.remove(b);
+                    }
+                }
+                done.extend(l.blocks.iter().map(|&b| (b, each)));
+            }
+            if done.len() > found
+                || (loads.in_flight.is_empty() && loads.layered.is_empty())
+                || std::time::Instant::now() >= deadline
+            {
+                return Ok(());
+            }
+            // A copy of a block takes tens of microseconds to milliseconds.
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
