@@ -6,7 +6,13 @@
 # from requests that outgrow the pool while they decode: short prompts, long outputs, a small pool.
 #
 #   bench/swap-sweep.sh     (THREADS=2 POOL=32MiB HOST=1GiB SWEEP=1,2,4,8 REQUESTS=8 PROMPT=256
-#                            OUTPUT=512 BATCH=512 OUT=bench-out/swap-sweep KURA_BIN=...)
+#                            OUTPUT=512 BATCH=512 OUT=bench-out/swap-sweep KURA_BIN=...
+#                            DEVICE=cpu|cuda[:N] MODEL=<model dir or file; default: the default model>)
+#
+# On a GPU (swap then moves blocks over PCIe, into pinned host memory), e.g. with the GPU tests'
+# Llama-3.1-8B-shaped model of 4 layers (scripts/gpu/make_models.py):
+#   DEVICE=cuda MODEL=$work/llama8b4 POOL=256MiB HOST=8GiB SWEEP=4,8,16,32,64 REQUESTS=64 \
+#     PROMPT=1024 OUTPUT=1024 BATCH=8192 KURA_BIN=gpu-bin/kura bench/swap-sweep.sh
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
@@ -21,6 +27,9 @@ OUTPUT=${OUTPUT:-512}
 BATCH=${BATCH:-512}
 OUT=${OUT:-$REPO/bench-out/swap-sweep}
 KURA=${KURA_BIN:-$REPO/target/release/kura}
+DEVICE=${DEVICE:-cpu}
+model_args=()
+[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
 if [ -z "${KURA_BIN:-}" ]; then
   (cd "$REPO" && cargo build --release -p kura >&2)
 fi
@@ -32,7 +41,8 @@ for mode in recompute swap; do
   # swap: the same server with one (preempted requests' blocks are copied there and loaded back).
   host=0
   [ "$mode" = swap ] && host=$HOST
-  "$KURA" serve --host 127.0.0.1 --port "$PORT" --threads "$THREADS" --kv-cache-memory "$POOL" \
+  "$KURA" serve "${model_args[@]}" --device "$DEVICE" --host 127.0.0.1 --port "$PORT" --threads "$THREADS" \
+    --kv-cache-memory "$POOL" \
     --kv-host-memory "$host" --preemption-mode "$mode" --max-num-batched-tokens "$BATCH" >"$LOG" 2>&1 &
   PID=$!
   trap 'kill $PID 2>/dev/null || true' EXIT
@@ -41,7 +51,7 @@ for mode in recompute swap; do
     kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; exit 1; }
     sleep 0.5
   done
-  echo "== $mode (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+  echo "== $mode on $DEVICE (load $(cut -d' ' -f1 /proc/loadavg))" >&2
   "$KURA" bench unique --url "$URL" --requests "$REQUESTS" --sweep-concurrency "$SWEEP" \
     --prompt-tokens "$PROMPT" --output-tokens "$OUTPUT" \
     --label "preemption $mode" --out "$OUT/$mode" >&2
