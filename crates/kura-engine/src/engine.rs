@@ -1323,7 +1323,9 @@ impl Core {
                 Tier::Disk => &self.metrics.disk,
             };
             m.loads.add(1);
-            if !d.ok {
+            if d.ok {
+                m.loaded_bytes.add(block_bytes as u64);
+            } else {
                 m.load_failures.add(1);
             }
             m.load_latency.observe(d.elapsed);
@@ -1403,6 +1405,8 @@ impl Core {
                 tm.bytes_used.set(f64::from(used) * block_bytes);
                 tm.hit_blocks.set_total(hits);
                 tm.stores.set_total(stores);
+                tm.stored_bytes
+                    .set_total(stores.saturating_mul(self.executor.block_bytes() as u64));
                 tm.evictions.set_total(evictions);
             }
             m.tier_full_drops.set_total(st.tier_full_drops);

@@ -138,6 +138,10 @@ pub struct TierMetrics {
     pub load_latency: Histogram,
     /// Blocks stored into this tier (demotions).
     pub stores: Counter,
+    /// Bytes of the loads that landed (into the pool) and of the stores (out of it): what crossed
+    /// between the pool and this tier in each direction (on a GPU, over PCIe for the host tier).
+    pub loaded_bytes: Counter,
+    pub stored_bytes: Counter,
     /// Blocks evicted from this tier to make room.
     pub evictions: Counter,
 }
@@ -406,7 +410,7 @@ impl EngineMetrics {
                 e.sample(name, &[("tier", tier)], gauge(m).get());
             }
         }
-        let counters: [TierFamily<Counter>; 5] = [
+        let counters: [TierFamily<Counter>; 7] = [
             (
                 "kura:kv_tier_hit_blocks_total",
                 "Prompt blocks found in a lower KV tier and loaded into the pool.",
@@ -431,6 +435,16 @@ impl EngineMetrics {
                 "kura:kv_tier_evictions_total",
                 "Blocks evicted from a lower KV tier to make room.",
                 |m| &m.evictions,
+            ),
+            (
+                "kura:kv_tier_loaded_bytes_total",
+                "Bytes loaded from a lower KV tier into the pool.",
+                |m| &m.loaded_bytes,
+            ),
+            (
+                "kura:kv_tier_stored_bytes_total",
+                "Bytes stored from the pool into a lower KV tier.",
+                |m| &m.stored_bytes,
             ),
         ];
         for (name, help, counter) in counters {

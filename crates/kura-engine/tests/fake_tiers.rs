@@ -110,6 +110,16 @@ fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
         0.0
     );
     assert!(tier_metric(e, "kura:kv_tier_stores_total", "host") >= 15.0);
+    // The bytes moved each way: a block's bytes a load or store.
+    let block = (BLOCK * 5) as f64;
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_loaded_bytes_total", "host"),
+        block * tier_metric(e, "kura:kv_tier_loads_total", "host")
+    );
+    assert_eq!(
+        tier_metric(e, "kura:kv_tier_stored_bytes_total", "host"),
+        block * tier_metric(e, "kura:kv_tier_stores_total", "host")
+    );
     // Revisits computed only their last block's tokens: 6 decode steps plus a 4-token chunk each.
     assert!(fake.control.calls() - forwards_before <= 5 * 7);
     fake.engine.stop();
