@@ -601,7 +601,7 @@ impl CudaExecutor {
         // layer's attention.
         self.after_stores()?;
         self.issue_imports()?;
-        let waits = self.imports_read_by(batch);
+        let wait = self.imports_read_by(batch);
         let c = &self.cfg;
         let (t, n) = (plan.n_tokens, plan.n_seqs);
         let wave = split_wave(
@@ -654,12 +654,12 @@ impl CudaExecutor {
                 }
                 self.graphs.insert(key, graph);
             }
-            self.wait_all_layers(&waits)?;
+            self.wait_all_layers(wait)?;
             self.graphs[&key].launch()?;
         } else {
-            self.enqueue(&plan, &waits)?;
+            self.enqueue(&plan, wait)?;
         }
-        self.waited_for(&waits);
+        self.waited_for(wait);
         Ok(plan)
     }
 
@@ -668,7 +668,7 @@ impl CudaExecutor {
         self.dev.stream.begin_capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )?;
-        let enqueued = self.enqueue(plan, &[]);
+        let enqueued = self.enqueue(plan, None);
         let graph = self
             .dev
             .stream
@@ -678,8 +678,9 @@ impl CudaExecutor {
     }
 
     /// Launches every kernel and product of the step `plan` (whose metadata is on the device); layer
-    /// *i* writes and reads the pool after layer *i* of the ordered loads `waits` has landed.
-    fn enqueue(&self, plan: &StepPlan, waits: &[usize]) -> Result<()> {
+    /// *i* writes and reads the pool after layer *i* of the ordered loads issued as `wait` (and of every
+    /// issue before it) has landed.
+    fn enqueue(&self, plan: &StepPlan, wait: Option<u64>) -> Result<()> {
         let c = &self.cfg;
         let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
         let (heads, kvh) = (c.num_heads(), c.num_kv_heads());
@@ -743,7 +744,7 @@ impl CudaExecutor {
         }
         // A step that waits for ordered loads launches plainly: a kernel launched to overlap the one
         // before it would not be ordered after a wait between them.
-        dev.set_dependent(self.use_dependent && waits.is_empty());
+        dev.set_dependent(self.use_dependent && wait.is_none());
         let _plain_after = PlainAfter(dev);
         let half = d / 2;
         let (cs, sn) = (dev.ptr(&s.cos), dev.ptr(&s.sin));
@@ -781,7 +782,7 @@ impl CudaExecutor {
             dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
             let items = (heads + kvh) * half + kvh * d;
             let bias = lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b));
-            self.wait_layer(waits, li)?;
+            self.wait_layer(wait, li)?;
             if self.kv_dtype == KvDtype::Fp8 {
                 // RoPE into place in qkv, then each K and V row scaled and stored as fp8.
                 dev.launch(

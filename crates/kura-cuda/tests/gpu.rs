@@ -646,8 +646,19 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
     let p = &prompts()[1];
     let bs = 16;
     let total = p.len().div_ceil(bs);
-    // Blocks 0..total hold the prompt computed in place; the loads go to total..2·total.
-    let mut gpu = exec("smol", KvDtype::Bf16, bs, 2 * total + 2);
+    // Blocks 0..total hold the prompt computed in place; the loads go to total..2·total. Each load
+    // comes with as many more into other blocks as make one layer's copies last far longer than a
+    // layer's compute (2,048 blocks' layer: 24 MB, about half a millisecond at 55 GB/s): a step that
+    // did not wait for each layer would read the other bytes.
+    const PAD: u32 = 2048;
+    let pad_at = 2 * total as u32;
+    let num_blocks = 2 * total + PAD as usize;
+    let pad = |gpu: &mut CudaExecutor, slot: &[u8]| {
+        for b in pad_at..pad_at + PAD {
+            assert!(gpu.start_import(b, slot));
+        }
+    };
+    let mut gpu = exec("smol", KvDtype::Bf16, bs, num_blocks);
     assert!(
         gpu.set_ordered_imports(true),
         "this driver has batched copies (cuMemcpyBatchAsync_v2, CUDA 13)"
@@ -682,6 +693,7 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
         for b in 0..nb {
             assert!(gpu.start_import(there[b], &region[b * bb..(b + 1) * bb]));
         }
+        pad(&mut gpu, &region[..bb]);
         let got = gpu
             .forward_logits(&[SeqInput::new(step, cached, &there)])
             .unwrap();
@@ -692,44 +704,65 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
              in place"
         );
         // Each load reported once, in order, with its time.
-        let mut done = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while done.len() < nb {
-            assert!(Instant::now() < deadline, "loads never reported: {done:?}");
-            gpu.imports_done(Duration::from_millis(100), &mut done);
-        }
+        let loads = nb + PAD as usize;
+        let reported = |gpu: &mut CudaExecutor, n: usize| {
+            let mut done = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while done.len() < n {
+                assert!(Instant::now() < deadline, "loads never reported: {done:?}");
+                gpu.imports_done(Duration::from_millis(100), &mut done);
+            }
+            done
+        };
+        let mut done = reported(&mut gpu, loads);
         let order: Vec<u32> = done.iter().map(|d| d.0).collect();
-        assert_eq!(order, there[..nb]);
+        assert_eq!(order[..nb], there[..nb]);
         let copy: Duration = done.iter().map(|d| d.1).sum();
         println!(
-            "ordered loads of {nb} blocks of {bb} bytes: {:.3} ms, {:.1} GB/s",
+            "ordered loads of {loads} blocks of {bb} bytes: {:.3} ms, {:.1} GB/s",
             copy.as_secs_f64() * 1e3,
-            (nb * bb) as f64 / copy.as_secs_f64().max(1e-9) / 1e9
+            (loads * bb) as f64 / copy.as_secs_f64().max(1e-9) / 1e9
         );
         gpu.imports_done(Duration::ZERO, &mut done);
-        assert_eq!(done.len(), nb, "nothing reported twice");
-        // An export or a block copy of a block whose load was only started sees the loaded bytes.
+        assert_eq!(done.len(), loads, "nothing reported twice");
+        // An export of a block whose load is only queued, or issued and still copying, and a block
+        // copy of one issued, see the loaded bytes.
         let mut back = vec![0u8; bb];
         gpu.import_block(there[0], &junk);
         assert!(gpu.start_import(there[0], &region[..bb]));
+        pad(&mut gpu, &region[bb..2 * bb]);
         gpu.export_block(there[0], &mut back);
-        assert_eq!(back, region[..bb], "an export of a block still loading");
-        gpu.import_block(there[1], &junk);
-        assert!(gpu.start_import(there[1], &region[bb..2 * bb]));
-        gpu.copy_block_prefix(there[1], there[2], bs);
-        gpu.export_block(there[2], &mut back);
-        assert_eq!(back, region[bb..2 * bb], "a copy of a block still loading");
-        done.clear();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while done.len() < 2 {
-            assert!(Instant::now() < deadline, "loads never reported: {done:?}");
-            gpu.imports_done(Duration::from_millis(100), &mut done);
+        assert_eq!(
+            back,
+            region[..bb],
+            "an export of a block whose load is queued"
+        );
+        reported(&mut gpu, 1 + PAD as usize);
+        for (b, what) in [(there[0], "an export"), (there[1], "a block copy")] {
+            gpu.import_block(b, &junk);
+            assert!(gpu.start_import(b, &region[..bb]));
+            pad(&mut gpu, &region[bb..2 * bb]);
+            // Issued now (a poll issues what is queued), and copying for milliseconds.
+            let mut early = Vec::new();
+            gpu.imports_done(Duration::ZERO, &mut early);
+            if b == there[1] {
+                gpu.copy_block_prefix(b, there[2], bs);
+                gpu.export_block(there[2], &mut back);
+            } else {
+                gpu.export_block(b, &mut back);
+            }
+            assert_eq!(
+                back,
+                region[..bb],
+                "{what} of a block whose load is copying"
+            );
+            reported(&mut gpu, 1 + PAD as usize - early.len());
         }
         // The executor (which unpins the region) waits for its copies before the region goes; a
         // region is pinned once, so the next case makes a new executor.
         drop(gpu);
         drop(region);
-        gpu = exec("smol", KvDtype::Bf16, bs, 2 * total + 2);
+        gpu = exec("smol", KvDtype::Bf16, bs, num_blocks);
         assert!(gpu.set_ordered_imports(true));
     }
 }

@@ -84,8 +84,10 @@ pub trait Executor: Send + 'static {
     /// started import as landed at once and schedules the requests that want the block without waiting
     /// for the copy; [`Executor::imports_done`] still reports each import once, with its copy's time,
     /// for the tier cost check. The host slot is read until then, and written again only through
-    /// [`Executor::start_export`], which the executor orders after the imports started before it. The
-    /// default is `false`: the engine waits for [`Executor::imports_done`].
+    /// [`Executor::start_export`], which the executor orders after the imports started before it: an
+    /// executor that returns `true` here starts exports into every region it starts imports from (the
+    /// engine's fallback, a synchronous [`Executor::export_block`] into the slot, would race the
+    /// copy). The default is `false`: the engine waits for [`Executor::imports_done`].
     fn imports_ordered(&self) -> bool {
         false
     }

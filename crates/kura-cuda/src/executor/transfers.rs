@@ -24,7 +24,7 @@
 //! One stream carries both directions and every form, in the order they were asked for: a load of a
 //! host slot follows the store that filled it, a store into a slot follows the loads that read it.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,8 +48,11 @@ pub(super) struct HostLoads {
     queued: Vec<(u32, u64)>,
     /// Ordered loads issued, oldest first, until reported.
     layered: VecDeque<Layered>,
-    /// Blocks of `layered` loads the device stream has not waited for yet.
-    unordered: HashSet<u32>,
+    /// The number the next issue of ordered loads gets (from 1).
+    next_seq: u64,
+    /// Blocks of issued ordered loads the device stream does not wait for yet, with the newest issue
+    /// that writes each.
+    unordered: HashMap<u32, u64>,
     /// After the last store started: what the host waits on before reading stored bytes.
     last_store: Option<CudaEvent>,
     /// Whether the device stream has yet to wait for `last_store` before writing the pool (a stored
@@ -60,13 +63,34 @@ pub(super) struct HostLoads {
     batched: bool,
 }
 
-/// Ordered loads issued together: their blocks, an event before the copies and one after each layer's.
+/// Ordered loads issued together: their number, their blocks, an event before the copies and one after
+/// each layer's.
 struct Layered {
+    seq: u64,
     blocks: Vec<u32>,
     start: CudaEvent,
     layers: Vec<CudaEvent>,
-    /// Whether the device stream waits for every layer already.
-    waited: bool,
+}
+
+impl HostLoads {
+    /// The issue numbered `seq`, which is in `layered` while a block of it is in `unordered`.
+    fn issue(&self, seq: u64) -> &Layered {
+        self.layered
+            .iter()
+            .find(|l| l.seq == seq)
+            .expect("an issue is reported only after the device waits for it or it lands")
+    }
+
+    /// The newest issue the device stream has not waited for that writes one of `blocks`.
+    fn newest_writing(&self, blocks: impl IntoIterator<Item = u32>) -> Option<u64> {
+        if self.unordered.is_empty() {
+            return None;
+        }
+        blocks
+            .into_iter()
+            .filter_map(|b| self.unordered.get(&b).copied())
+            .max()
+    }
 }
 
 impl HostLoads {
@@ -78,7 +102,8 @@ impl HostLoads {
                 in_flight: VecDeque::new(),
                 queued: Vec::new(),
                 layered: VecDeque::new(),
-                unordered: HashSet::new(),
+                next_seq: 1,
+                unordered: HashMap::new(),
                 last_store: None,
                 device_behind: false,
                 batched: true,
@@ -111,6 +136,14 @@ impl CudaExecutor {
             }
             self.check_block_bytes(block, bytes.len())?;
             self.dev.ctx.bind_to_thread()?;
+            // Two loads into one block go out in order, not in one batch (whose copies have none).
+            if self
+                .loads
+                .as_ref()
+                .is_some_and(|l| l.queued.iter().any(|q| q.0 == block))
+            {
+                self.issue_imports()?;
+            }
             HostLoads::get(&mut self.loads, &self.dev)?
                 .queued
                 .push((block, bytes.as_ptr() as u64));
@@ -229,6 +262,8 @@ impl CudaExecutor {
         let (mut dsts, mut srcs) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let mut sizes = vec![layer_bytes; n];
         let mut events = Vec::with_capacity(layers);
+        // Whole blocks once a batched copy failed: every layer's event then follows every block.
+        let mut whole = false;
         for layer in 0..layers {
             let at = (layer * layer_bytes) as u64;
             dsts.clear();
@@ -237,13 +272,15 @@ impl CudaExecutor {
                 dsts.push(pool + (block as usize * self.block_bytes) as u64 + at);
                 srcs.push(host + at);
             }
-            // SAFETY (both forms): each destination is `layer_bytes` of a block within the pool
-            // (checked when the load was started); each source the same layer of a pinned host slot
-            // of `block_bytes`, which the engine writes again only through a store, issued on this
-            // stream after this copy, and which outlives the copy (`HostLoads` waits for its stream
-            // when dropped). The three arrays are `n` long and live across the call; one attribute
-            // applies to all.
-            let batch = if loads.batched {
+            // SAFETY (both forms): each destination is `layer_bytes` of a block within the pool (or
+            // the whole block, `block_bytes`), checked when the load was started; each source the
+            // same bytes of a pinned host slot of `block_bytes`, which the engine writes again only
+            // through a store, issued on this stream after this copy, and which outlives the copy
+            // (`HostLoads` waits for its stream when dropped). The three arrays are `n` long and live
+            // across the call; one attribute applies to all.
+            let batch = if whole {
+                Ok(())
+            } else if loads.batched {
                 unsafe {
                     sys::cuMemcpyBatchAsync_v2(
                         dsts.as_mut_ptr(),
@@ -264,19 +301,20 @@ impl CudaExecutor {
             if let Err(e) = batch {
                 if loads.batched {
                     tracing::warn!(
-                        "a batched copy of host-tier loads failed ({e}); each block's layer is copied \
-                         on its own from now on"
+                        "a batched copy of host-tier loads failed ({e}); loads are whole-block copies \
+                         from now on, and a step that reads one waits for all of them"
                     );
                     loads.batched = false;
                 }
                 // Copies the batch may have enqueued write the same bytes again.
-                for (&dst, &src) in dsts.iter().zip(&srcs) {
-                    // SAFETY: as above, one layer of one block.
+                whole = true;
+                for &(block, host) in &queued {
+                    // SAFETY: as above, one whole block.
                     unsafe {
                         sys::cuMemcpyHtoDAsync_v2(
-                            dst,
-                            src as *const std::ffi::c_void,
-                            layer_bytes,
+                            pool + (block as usize * self.block_bytes) as u64,
+                            host as *const std::ffi::c_void,
+                            self.block_bytes,
                             loads.stream.cu_stream(),
                         )
                     }
@@ -290,91 +328,62 @@ impl CudaExecutor {
             ev.record(&loads.stream)?;
             events.push(ev);
         }
-        loads.unordered.extend(queued.iter().map(|q| q.0));
+        let seq = loads.next_seq;
+        loads.next_seq += 1;
+        loads.unordered.extend(queued.iter().map(|q| (q.0, seq)));
         loads.layered.push_back(Layered {
+            seq,
             blocks: queued.into_iter().map(|q| q.0).collect(),
             start,
             layers: events,
-            waited: false,
         });
         Ok(())
     }
 
-    /// The ordered loads (indices into `layered`) a step over `batch` waits for, layer by layer: every
-    /// one not waited for yet when the step's block tables hold a block of one; none otherwise.
-    pub(super) fn imports_read_by(&self, batch: &[SeqInput<'_>]) -> Vec<usize> {
-        let Some(loads) = self.loads.as_ref() else {
-            return Vec::new();
-        };
-        let reads = !loads.unordered.is_empty()
-            && batch
-                .iter()
-                .any(|s| s.block_table.iter().any(|b| loads.unordered.contains(b)));
-        if !reads {
-            return Vec::new();
-        }
-        (0..loads.layered.len())
-            .filter(|&i| !loads.layered[i].waited)
-            .collect()
+    /// The issue of ordered loads a step over `batch` waits for, layer by layer: the newest not waited
+    /// for that writes a block of the step's tables (the transfer stream runs in order: its layer *i*
+    /// follows every earlier issue's copies), if any.
+    pub(super) fn imports_read_by(&self, batch: &[SeqInput<'_>]) -> Option<u64> {
+        let loads = self.loads.as_ref()?;
+        loads.newest_writing(batch.iter().flat_map(|s| s.block_table.iter().copied()))
     }
 
-    /// Makes the device stream wait for layer `layer` of the ordered loads `waits`.
-    pub(super) fn wait_layer(&self, waits: &[usize], layer: usize) -> Result<()> {
-        if let Some(loads) = self.loads.as_ref() {
-            for &i in waits {
-                self.dev.stream.wait(&loads.layered[i].layers[layer])?;
-            }
+    /// Makes the device stream wait for layer `layer` of the ordered loads issued as `wait`.
+    pub(super) fn wait_layer(&self, wait: Option<u64>, layer: usize) -> Result<()> {
+        if let (Some(seq), Some(loads)) = (wait, self.loads.as_ref()) {
+            self.dev.stream.wait(&loads.issue(seq).layers[layer])?;
         }
         Ok(())
     }
 
-    /// Makes the device stream wait for every layer of the ordered loads `waits` (before a captured
-    /// step, which cannot wait inside).
-    pub(super) fn wait_all_layers(&self, waits: &[usize]) -> Result<()> {
-        if let Some(loads) = self.loads.as_ref() {
-            for &i in waits {
-                let last = loads.layered[i].layers.last().expect("a model has layers");
-                self.dev.stream.wait(last)?;
-            }
+    /// Makes the device stream wait for every layer of the ordered loads issued as `wait` (before a
+    /// captured step, which cannot wait inside).
+    pub(super) fn wait_all_layers(&self, wait: Option<u64>) -> Result<()> {
+        if let (Some(seq), Some(loads)) = (wait, self.loads.as_ref()) {
+            let last = loads.issue(seq).layers.last().expect("a model has layers");
+            self.dev.stream.wait(last)?;
         }
         Ok(())
     }
 
-    /// Notes that the device stream now waits for the ordered loads `waits`, which were all those not
-    /// waited for ([`CudaExecutor::imports_read_by`]).
-    pub(super) fn waited_for(&mut self, waits: &[usize]) {
-        if waits.is_empty() {
-            return;
-        }
-        if let Some(loads) = self.loads.as_mut() {
-            for &i in waits {
-                loads.layered[i].waited = true;
-            }
-            loads.unordered.clear();
+    /// Notes that the device stream now waits for the ordered loads issued as `wait` and before it (the
+    /// transfer stream runs its copies in order).
+    pub(super) fn waited_for(&mut self, wait: Option<u64>) {
+        if let (Some(seq), Some(loads)) = (wait, self.loads.as_mut()) {
+            loads.unordered.retain(|_, s| *s > seq);
         }
     }
 
     /// Before a block copy, export or synchronous import touching `blocks`: issues the ordered loads
-    /// queued, and makes the device stream wait for all of them if one of `blocks` is among theirs.
+    /// queued, and makes the device stream wait for all of any that writes one of `blocks`.
     pub(super) fn after_imports_of(&mut self, blocks: &[u32]) -> Result<()> {
         self.issue_imports()?;
-        let reads = self
+        let wait = self
             .loads
             .as_ref()
-            .is_some_and(|l| blocks.iter().any(|b| l.unordered.contains(b)));
-        if reads {
-            let waits: Vec<usize> = self
-                .loads
-                .as_ref()
-                .map(|l| {
-                    (0..l.layered.len())
-                        .filter(|&i| !l.layered[i].waited)
-                        .collect()
-                })
-                .unwrap_or_default();
-            self.wait_all_layers(&waits)?;
-            self.waited_for(&waits);
-        }
+            .and_then(|l| l.newest_writing(blocks.iter().copied()));
+        self.wait_all_layers(wait)?;
+        self.waited_for(wait);
         Ok(())
     }
 
@@ -397,13 +406,8 @@ impl CudaExecutor {
             out.copy_from_slice(bytes);
             return Ok(true);
         }
-        if loads.unordered.contains(&block) {
-            for l in loads.layered.iter().filter(|l| !l.waited) {
-                self.dev
-                    .stream
-                    .wait(l.layers.last().expect("a model has layers"))?;
-            }
-        }
+        // The stream's wait is kept; the bookkeeping (which `&self` cannot change) waits again later.
+        self.wait_all_layers(loads.newest_writing([block]))?;
         Ok(false)
     }
 
@@ -466,9 +470,10 @@ impl CudaExecutor {
                 let last = l.layers.last().expect("a model has layers");
                 let ms = f64::from(l.start.elapsed_ms(last)?.max(0.0));
                 let each = Duration::from_secs_f64(ms / 1e3 / l.blocks.len() as f64);
-                if !l.waited {
-                    // Landed: whatever the device does from now on comes after.
-                    for b in &l.blocks {
+                // Landed: whatever the device does from now on comes after (a block a newer issue
+                // writes again stays until that one lands).
+                for b in &l.blocks {
+                    if loads.unordered.get(b) == Some(&l.seq) {
                         loads.unordered.remove(b);
                     }
                 }
