@@ -332,6 +332,7 @@ pub fn start_engine(
         kv_evictions_seen: 0,
         tiers,
         loads_done: Vec::new(),
+        loads_landed: false,
         pins: PinTable::new(pin_budget, config_block_size),
         remote,
         cost,
@@ -365,6 +366,9 @@ struct Core {
     tiers: Option<TierIo>,
     /// Loads finished and not yet reported to the scheduler (a buffer kept between steps).
     loads_done: Vec<LoadDone>,
+    /// Whether loads were reported since the last scheduling pass: their waiters can run in the next
+    /// one, which then follows at once rather than after an idle wait.
+    loads_landed: bool,
     /// Pinned prefixes (context caching).
     pins: PinTable,
     /// The shared tier in Redis (L4), when configured.
@@ -767,7 +771,7 @@ impl Core {
         }
     }
 
-    /// One engine step; `false` when nothing could be scheduled.
+    /// One engine step; `false` when nothing could be scheduled and no load landed for the next pass.
     fn step(&mut self) -> bool {
         let started = Instant::now();
         self.tick_times.note(self.sched.kv().tick(), started);
@@ -777,6 +781,8 @@ impl Core {
         self.poll_loads(Duration::ZERO);
         self.out.catch_up();
         self.check_backlogs();
+        // This pass sees every load reported so far.
+        self.loads_landed = false;
         let mut plan = self.sched.schedule(self.started.elapsed());
         self.metrics.pending_waits.add(plan.pending_waits);
         for event in std::mem::take(&mut plan.events) {
@@ -803,7 +809,9 @@ impl Core {
                 .step_other_us
                 .add(micros(started.elapsed().saturating_sub(forward)));
         }
-        progressed
+        // Loads that landed after the pass (synchronous host loads, or ordered ones, reported as they
+        // start) let their requests run in the next.
+        progressed || self.loads_landed
     }
 
     /// Hands the KV manager's content events to the Redis tier (blocks to write) and to the event log.
@@ -1308,6 +1316,7 @@ impl Core {
 
     fn report_loads(&mut self) {
         let block_bytes = self.executor.block_bytes();
+        self.loads_landed |= !self.loads_done.is_empty();
         if let Some(io) = self.tiers.as_mut() {
             for took in io.take_copy_times() {
                 self.cost.observe_load(Tier::Host.into(), block_bytes, took);
