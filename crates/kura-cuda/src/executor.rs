@@ -53,6 +53,8 @@ struct Scratch {
     ids: CudaSlice<u32>,
     meta: CudaSlice<i32>,
     part: CudaSlice<f32>,
+    /// Every token's logits of a step that asks for them ([`CudaExecutor::forward_every_position`]).
+    every: CudaSlice<f32>,
 }
 
 /// Grows `buf` to at least `n` elements (its contents are not kept).
@@ -89,6 +91,7 @@ impl Scratch {
             ids: dev.alloc(1, "logits")?,
             meta: dev.alloc(1, "step metadata")?,
             part: dev.alloc(1, "attention partials")?,
+            every: dev.alloc(1, "logits")?,
         })
     }
 
@@ -592,8 +595,9 @@ impl CudaExecutor {
         }
     }
 
-    /// Runs the step and leaves each sequence's last-token logits in `s.logits` (`n_seqs × vocab`).
-    fn run(&mut self, batch: &[SeqInput<'_>]) -> Result<StepPlan> {
+    /// Runs the step and leaves each sequence's last-token logits in `s.logits` (`n_seqs × vocab`), or
+    /// with `every`, every token's in `s.every` (`n_tokens × vocab`, which the caller made room for).
+    fn run(&mut self, batch: &[SeqInput<'_>], every: bool) -> Result<StepPlan> {
         let plan = plan_step(batch, self.limits())?;
         self.dev.ctx.bind_to_thread()?;
         // A step writes the pool: after the stores that read it. Loads started since the last step go
@@ -632,7 +636,7 @@ impl CudaExecutor {
             self.dev.stream.memcpy_htod(&plan.meta, &mut view)?;
         }
         // Decode-sized steps replay a graph of their shape (one launch instead of ~10 per layer).
-        if plan.tiles == 0 && t <= GRAPH_MAX_TOKENS && self.use_graphs {
+        if plan.tiles == 0 && t <= GRAPH_MAX_TOKENS && self.use_graphs && !every {
             let key = (t, n, plan.split_tokens, plan.max_splits);
             if !self.graphs.contains_key(&key) {
                 let graph = match self.capture(&plan) {
@@ -657,7 +661,7 @@ impl CudaExecutor {
             self.wait_all_layers(wait)?;
             self.graphs[&key].launch()?;
         } else {
-            self.enqueue(&plan, wait)?;
+            self.enqueue(&plan, wait, every)?;
         }
         self.waited_for(wait);
         Ok(plan)
@@ -668,7 +672,7 @@ impl CudaExecutor {
         self.dev.stream.begin_capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )?;
-        let enqueued = self.enqueue(plan, None);
+        let enqueued = self.enqueue(plan, None, false);
         let graph = self
             .dev
             .stream
@@ -679,8 +683,9 @@ impl CudaExecutor {
 
     /// Launches every kernel and product of the step `plan` (whose metadata is on the device); layer
     /// *i* writes and reads the pool after layer *i* of the ordered loads issued as `wait` (and of every
-    /// issue before it) has landed.
-    fn enqueue(&self, plan: &StepPlan, wait: Option<u64>) -> Result<()> {
+    /// issue before it) has landed. The output head runs on each sequence's last token, or with `every`
+    /// on every token.
+    fn enqueue(&self, plan: &StepPlan, wait: Option<u64>, every: bool) -> Result<()> {
         let c = &self.cfg;
         let (h, inter, d) = (c.hidden_size(), c.intermediate_size(), c.head_dim());
         let (heads, kvh) = (c.num_heads(), c.num_kv_heads());
@@ -908,15 +913,20 @@ impl CudaExecutor {
             )?;
             dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
         }
+        let head = dev.ptr(self.w.lm_head.as_ref().unwrap_or(&self.w.embed));
+        if every {
+            // Every token's rows, normed into `xn` (free after the last layer).
+            norm(t, 0, dev.ptr(&self.w.final_norm), xn)?;
+            return dev.matmul(xn, t, head, vocab, h, dev.ptr(&s.every), false);
+        }
         let last = dev.ptr(&s.last);
         norm(n, m(plan.at_last), dev.ptr(&self.w.final_norm), last)?;
-        let head = dev.ptr(self.w.lm_head.as_ref().unwrap_or(&self.w.embed));
         dev.matmul(last, n, head, vocab, h, dev.ptr(&s.logits), false)
     }
 
     /// Each sequence's last-token logits, `n × vocab` row by row.
     pub fn forward_logits(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<f32>> {
-        let plan = self.run(batch)?;
+        let plan = self.run(batch, false)?;
         let n = plan.n_seqs * self.cfg.vocab_size();
         let mut out = vec![0f32; n];
         self.dev
@@ -926,9 +936,30 @@ impl CudaExecutor {
         Ok(out)
     }
 
+    /// The logits of every token of `item`, `tokens × vocab` row by row (`kura perplexity`): one step
+    /// over the sequence, through the prefill kernel where it has enough tokens.
+    pub fn forward_every_position(&mut self, item: SeqInput<'_>) -> Result<Vec<f32>> {
+        let n = item
+            .tokens
+            .len()
+            .checked_mul(self.cfg.vocab_size())
+            .ok_or_else(|| {
+                CudaError::Batch("too many tokens for every position's logits".into())
+            })?;
+        self.dev.ctx.bind_to_thread()?;
+        ensure(&self.dev, &mut self.s.every, n, "every position's logits")?;
+        self.run(&[item], true)?;
+        let mut out = vec![0f32; n];
+        self.dev
+            .stream
+            .memcpy_dtoh(&self.s.every.slice(0..n), &mut out)?;
+        self.dev.synchronize()?;
+        Ok(out)
+    }
+
     /// Each sequence's greedy next token, chosen on the device (only the ids come back).
     pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<u32>> {
-        let plan = self.run(batch)?;
+        let plan = self.run(batch, false)?;
         let n = plan.n_seqs;
         self.dev.launch(
             "argmax_rows",

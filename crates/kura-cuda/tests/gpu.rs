@@ -640,6 +640,34 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn every_positions_logits_are_each_prefixs_last_logits() {
+    // `kura perplexity`'s step: one sequence, every token's logits.
+    let p = &prompts()[1];
+    let bs = 16;
+    let blocks = p.len().div_ceil(bs);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut gpu = exec("smol", KvDtype::Bf16, bs, blocks);
+    let every = gpu
+        .forward_every_position(SeqInput::new(p, 0, &table))
+        .unwrap();
+    let vocab = every.len() / p.len();
+    assert_eq!(every.len(), p.len() * vocab);
+    // Row i is what the last logits of the prompt's first i + 1 tokens are (the head's product runs
+    // over other row counts: close, not the same bits).
+    for i in [0, 63, 150, p.len() - 1] {
+        let mut one = exec("smol", KvDtype::Bf16, bs, blocks);
+        let last = one
+            .forward_logits(&[SeqInput::new(&p[..=i], 0, &table)])
+            .unwrap();
+        let row = &every[i * vocab..(i + 1) * vocab];
+        let (rel, _) = errors(row, &last);
+        println!("every position, row {i}: {rel:.2e} from the prefix's last logits");
+        assert!(rel < LOGITS_TOL, "row {i}: {rel:.2e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
     use kura_engine::Executor;
     use std::time::{Duration, Instant};

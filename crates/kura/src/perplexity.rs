@@ -12,10 +12,8 @@
 //! of positions whose most likely next token is the reference's (top-1 agreement).
 //!
 //! With `--device cuda[:N]` the passes run on a GPU (bf16, f32 or fp8 KV), each format's executor with its
-//! own copy of the weights. The executor returns each sequence's last logits, so a piece goes in as one
-//! single-token item per position over the same blocks: a step stores every item's K and V before any
-//! attention reads them, so each position attends over the ones before it as in a prefill (through the
-//! decode attention kernels).
+//! own copy of the weights; a piece is one step that returns every position's logits, through the
+//! prefill attention kernel as a served prompt of that length would be.
 //!
 //! Cost: one forward pass of every chunk per format (the reference included), plus O(vocab) per scored
 //! position and format for the log-softmax and the divergence.
@@ -172,7 +170,7 @@ impl Source {
                 path,
                 parts,
             } => {
-                let setup = crate::gpu::GpuSetup::load(*ordinal, path, parts, dtype, PIECE, PIECE)?;
+                let setup = crate::gpu::GpuSetup::load(*ordinal, path, parts, dtype, PIECE, 1)?;
                 let exec = setup.executor(&layout, blocks).with_context(|| {
                     format!("{dtype} KV for {context} tokens on cuda:{ordinal}")
                 })?;
@@ -214,15 +212,11 @@ impl Run<'_> {
                 }],
                 kv,
             )?),
-            Run::Gpu { exec, table, vocab } => {
-                let items: Vec<kura_engine::SeqInput<'_>> = (0..piece.len())
-                    .map(|i| kura_engine::SeqInput::new(&piece[i..i + 1], start + i, table))
-                    .collect();
-                Ok(Logits {
-                    vocab: *vocab,
-                    data: exec.forward_logits(&items)?,
-                })
-            }
+            Run::Gpu { exec, table, vocab } => Ok(Logits {
+                vocab: *vocab,
+                data: exec
+                    .forward_every_position(kura_engine::SeqInput::new(piece, start, table))?,
+            }),
         }
     }
 }
