@@ -8,7 +8,8 @@ dependencies against its code. Fails (exit 1) naming each difference:
    src/ (or build.rs), each [dev-dependencies] entry in its src/, tests/, benches/ or examples/.
 3. The front ends stay off the model runtime: kura-router, kura-bench and kura-sim do not link
    kura-model or kura-engine, and kura-bench and kura-sim not rayon either (the router tokenizes, and
-   the tokenizer library uses rayon).
+   the tokenizer library uses rayon). The engine links no model runtime (kura-model, kura-cuda): it
+   defines the executor seam they implement.
 
 Standard library only; reads `cargo metadata` (offline when the registry is already on this machine).
 """
@@ -28,6 +29,8 @@ FORBIDDEN = [
     ("kura-router", ["kura-model", "kura-engine"]),
     ("kura-bench", ["kura-model", "kura-engine", "rayon"]),
     ("kura-sim", ["kura-model", "kura-engine", "rayon"]),
+    # The engine defines the executor seam; the runtimes implement it.
+    ("kura-engine", ["kura-model", "kura-cuda"]),
 ]
 
 

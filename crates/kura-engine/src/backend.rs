@@ -3,8 +3,9 @@
 //! engine thread).
 //!
 //! The engine never looks inside a model: it hands the executor a batch of (new tokens, first position,
-//! block table) and gets back the logits of each item's last position. [`crate::model_backend`] adapts
-//! `kura-model` to these traits; tests adapt small deterministic models.
+//! block table) and gets back the logits of each item's last position. The engine links no model
+//! runtime: `kura-model`'s `ModelExecutor` (the CPU forward pass) and `kura-cuda`'s `CudaExecutor`
+//! implement [`Executor`]; tests adapt small deterministic models.
 
 pub use kura_text::{ChatMessage, TextCodec};
 

@@ -23,8 +23,8 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::sampling::Sampled;
 use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
-use kura_model::Sampled;
 
 use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;

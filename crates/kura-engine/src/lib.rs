@@ -14,10 +14,10 @@ mod handle;
 mod inspect;
 mod kv_events;
 mod metrics;
-mod model_backend;
 mod output;
 mod pins;
 mod remote;
+pub mod sampling;
 /// The request vocabulary is `kura-request`'s.
 use kura_request as request;
 mod miss;
@@ -44,6 +44,6 @@ pub use kv_events::{
 };
 pub use metrics::TierMetrics;
 pub use metrics::{Counter, EngineMetrics, Gauge, Histogram};
-pub use model_backend::ModelExecutor;
 pub use remote::RemoteTierSetup;
+pub use sampling::{Sampled, Sampler};
 pub use tiers::{DiskSetup, TierSetup};

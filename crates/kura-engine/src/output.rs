@@ -24,7 +24,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kura_model::{StopChecker, StopReason};
+use kura_text::{StopChecker, StopReason};
 
 use crate::backend::TextCodec;
 use crate::request::{
@@ -87,7 +87,7 @@ pub(crate) enum OutMsg {
         id: u64,
         choice: u32,
         token: u32,
-        logprob: Option<kura_model::sampling::TokenLogprob>,
+        logprob: Option<crate::sampling::TokenLogprob>,
         stop_token: bool,
         last: Option<FinishReason>,
     },

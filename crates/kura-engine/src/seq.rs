@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kura_kv::CacheKey;
-use kura_model::{IncrementalDecoder, Sampler, SamplingParams};
+use kura_text::IncrementalDecoder;
+
+use crate::sampling::{Sampler, SamplingParams};
 
 use crate::backend::TextCodec;
 use crate::output::SinkSlot;

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use kura_engine::{
     start_engine, DiskSetup, EngineConfig, EngineEvent, EngineHandle, FinishReason,
-    GenerateRequest, ModelCodec, ModelExecutor, PreemptionMode, RequestGuard, SchedulingPolicy,
-    SubmitError, TierSetup, Usage,
+    GenerateRequest, ModelCodec, PreemptionMode, RequestGuard, SchedulingPolicy, SubmitError,
+    TierSetup, Usage,
 };
 use kura_kv::codec::KvDtype;
 use kura_model::{LoadOptions, Model, WeightsDtype};
@@ -79,7 +79,7 @@ fn engine_in(
     tweak(&mut config);
     start_engine(
         config,
-        Box::new(ModelExecutor::new(model.clone(), storage)),
+        Box::new(kura_model::ModelExecutor::new(model.clone(), storage)),
         Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .unwrap()

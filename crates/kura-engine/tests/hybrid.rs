@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kura_engine::{
     start_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, MissReason, ModelCodec,
-    ModelExecutor, RequestGuard, Usage,
+    RequestGuard, Usage,
 };
 use kura_kv::codec::KvDtype;
 use kura_model::{LoadOptions, Model, WeightsDtype};
@@ -52,7 +52,7 @@ fn engine(model: &Arc<Model>, block: usize, pages: u64, batched: usize) -> Engin
     };
     start_engine(
         config,
-        Box::new(ModelExecutor::new(model.clone(), storage)),
+        Box::new(kura_model::ModelExecutor::new(model.clone(), storage)),
         Arc::new(ModelCodec::from_text(model.text().clone())),
     )
     .unwrap()

@@ -1,6 +1,7 @@
 //! `kura-model` — Kura's model runtime on the CPU: loading (GGUF, HF safetensors directories), the
-//! tokenizer and chat template, SIMD kernels chosen at run time, the Llama-family and Gemma 3 forward pass
-//! over the paged KV cache of `kura-kv`, and sampling.
+//! tokenizer and chat template, SIMD kernels chosen at run time, and the Llama-family and Gemma 3 forward
+//! pass over the paged KV cache of `kura-kv`, behind the engine's executor seam ([`ModelExecutor`]).
+//! Sampling is the engine's (`kura_engine::sampling`).
 //!
 //! The model owns no cache state: [`Model::forward`] takes a batch of sequences (new tokens, first
 //! position, block table) and a [`kura_kv::storage::KvStorage`], writes the new tokens' K and V into their
@@ -8,17 +9,18 @@
 
 pub mod config;
 pub mod error;
+mod executor;
 pub mod gguf;
 pub mod hf;
 pub mod kernels;
 pub mod model;
 pub mod quant;
-pub mod sampling;
 pub mod solo;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::ModelError;
+pub use executor::ModelExecutor;
 /// The text layer (tokenizer, chat template, detokenizer, stop strings) is `kura-text`'s; re-exported
 /// for the model's users.
 pub use kura_text::{
@@ -26,7 +28,6 @@ pub use kura_text::{
     StopReason, Tokenizer,
 };
 pub use model::{LoadOptions, Logits, Model, ModelParts, SeqBatchItem};
-pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use solo::SoloRun;
 pub use weights::{WeightsDigest, WeightsDtype};
 

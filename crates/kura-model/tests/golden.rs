@@ -88,7 +88,7 @@ fn tiny_models_match_transformers() {
                 let mut run = SoloRun::new(&model, &prompt, 24, KvDtype::F32, 2, true).unwrap();
                 assert!(run.is_hybrid(), "tiny-{name} runs on a whole-model pool");
                 for _ in 0..24 {
-                    let next = kura_model::sampling::argmax(run.next_logits().unwrap().row(0));
+                    let next = kura_engine::sampling::argmax(run.next_logits().unwrap().row(0));
                     run.push(next).unwrap();
                 }
                 run.next_logits().unwrap();

@@ -72,8 +72,8 @@ fn batched_sequences_and_chunked_prefill_match_single_runs() {
         )
         .unwrap();
     assert_eq!(out.num_rows(), 2);
-    assert_eq!(kura_model::sampling::argmax(out.row(0)), ga[0]);
-    assert_eq!(kura_model::sampling::argmax(out.row(1)), gb[0]);
+    assert_eq!(kura_engine::sampling::argmax(out.row(0)), ga[0]);
+    assert_eq!(kura_engine::sampling::argmax(out.row(1)), gb[0]);
     let diff = |x: &[f32], y: &[f32]| {
         x.iter()
             .zip(y)

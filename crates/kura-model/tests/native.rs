@@ -55,7 +55,7 @@ fn compare(model: &Model, g: &Value) -> Distance {
                 }
             }
             let margin = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
-            let ours = kura_model::sampling::argmax(logits.row(0));
+            let ours = kura_engine::sampling::argmax(logits.row(0));
             let theirs = step["token"].as_u64().unwrap() as u32;
             if ours != theirs && margin > 0.1 {
                 wrong.push(format!("case {c} step {s}: {ours} vs {theirs}"));

@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::Args;
+use kura_engine::{Sampler, SamplingParams};
 use kura_kv::codec::KvDtype;
-use kura_model::{ChatMessage, IncrementalDecoder, Sampler, SamplingParams, SoloRun, WeightsDtype};
+use kura_model::{ChatMessage, IncrementalDecoder, SoloRun, WeightsDtype};
 use serde::Serialize;
 
 #[derive(Debug, Args)]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kura_engine::{
-    start_engine, AdmissionMode, DiskSetup, EngineConfig, EngineHandle, ModelCodec, ModelExecutor,
+    start_engine, AdmissionMode, DiskSetup, EngineConfig, EngineHandle, ModelCodec,
     SchedulingPolicy, TierSetup,
 };
 use kura_engine::{RemoteTierSetup, DEFAULT_MAX_BATCHED_TOKENS};
@@ -492,7 +492,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
                 None => model.kv_storage(&layout, num_blocks as usize),
             }
             .context("allocating the KV cache")?;
-            Box::new(ModelExecutor::new(model.clone(), storage))
+            Box::new(kura_model::ModelExecutor::new(model.clone(), storage))
         }
     };
     let compute = match &model {

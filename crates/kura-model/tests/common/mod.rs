@@ -38,7 +38,7 @@ pub fn greedy(
         if i == 0 {
             first_logits = logits.row(0).to_vec();
         }
-        run.push(kura_model::sampling::argmax(logits.row(0)))
+        run.push(kura_engine::sampling::argmax(logits.row(0)))
             .unwrap();
     }
     (run.tokens()[prompt.len()..].to_vec(), first_logits)

@@ -1,12 +1,12 @@
-//! `kura-model` behind the engine's executor seam: [`ModelExecutor`] (the forward pass over a
+//! The CPU runtime behind the engine's executor seam: [`ModelExecutor`] (the forward pass over a
 //! [`KvStorage`] sized by the engine's pool). The tokenizer seam is `kura_text::ModelCodec`.
 
 use std::sync::Arc;
 
+use kura_engine::{Executor, SeqInput};
 use kura_kv::storage::KvStorage;
-use kura_model::{Model, SeqBatchItem};
 
-use crate::backend::{Executor, SeqInput};
+use crate::{Model, SeqBatchItem};
 
 /// The model's forward pass over the engine's KV storage.
 pub struct ModelExecutor {
