@@ -9,7 +9,8 @@ dependencies against its code. Fails (exit 1) naming each difference:
 3. The front ends stay off the model runtime: kura-router, kura-bench and kura-sim do not link
    kura-model or kura-engine, and kura-bench and kura-sim not rayon either (the router tokenizes, and
    the tokenizer library uses rayon). The engine links no model runtime (kura-model, kura-cuda): it
-   defines the executor seam they implement.
+   defines the executor seam they implement; and the two executors do not link each other (both read
+   checkpoints through kura-checkpoint).
 
 Standard library only; reads `cargo metadata` (offline when the registry is already on this machine).
 """
@@ -31,6 +32,9 @@ FORBIDDEN = [
     ("kura-sim", ["kura-model", "kura-engine", "rayon"]),
     # The engine defines the executor seam; the runtimes implement it.
     ("kura-engine", ["kura-model", "kura-cuda"]),
+    # The two executors share the checkpoint reader, not each other.
+    ("kura-cuda", ["kura-model"]),
+    ("kura-model", ["kura-cuda"]),
 ]
 
 

@@ -15,7 +15,7 @@ fn main() {
 }
 
 fn run(model: &str, out: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let parts = kura_model::ModelParts::open(std::path::Path::new(model))?;
+    let parts = kura_checkpoint::ModelParts::open(std::path::Path::new(model))?;
     let tok = &parts.text.tokenizer;
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;

@@ -42,7 +42,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args()
         .nth(1)
         .ok_or("usage: gpu-bench CONFIG.json")?;
-    let cfg = kura_model::ModelConfig::from_hf_json(&std::fs::read_to_string(&path)?)?;
+    let cfg = kura_checkpoint::ModelConfig::from_hf_json(&std::fs::read_to_string(&path)?)?;
     let dev = Device::open(0)?;
     println!(
         "{{\"device\":\"{}\",\"arch\":\"{}\",\"kernels_compiled_now\":{},\"setup_s\":{:.2}}}",

@@ -18,7 +18,7 @@
 //! kernel runs in waves of tokens so that they stay within `PART_CAP_BYTES`, 64 MiB, or one token's).
 //! Both are grown by the step that first needs them, out of [`DEVICE_RESERVE`].
 
-use kura_model::ModelConfig;
+use kura_checkpoint::ModelConfig;
 
 /// Device memory the CUDA context, cuBLAS (handle and workspace) and Kura's loaded kernels take before
 /// any buffer of Kura's: 0.58 GiB measured on an H100 with cuBLAS 13 (total − free before the weights),

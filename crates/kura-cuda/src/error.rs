@@ -40,7 +40,7 @@ pub enum CudaError {
     #[error("forward step: {0}")]
     Batch(String),
     #[error(transparent)]
-    Model(#[from] kura_model::ModelError),
+    Model(#[from] kura_checkpoint::ModelError),
     #[error("kernel cache {path}: {source}")]
     Cache {
         path: String,

@@ -14,10 +14,10 @@
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 
+use kura_checkpoint::config::rope_inv_freq;
+use kura_checkpoint::{ModelConfig, ModelParts};
 use kura_engine::{Executor, SeqInput};
 use kura_kv::codec::KvDtype;
-use kura_model::config::rope_inv_freq;
-use kura_model::{ModelConfig, ModelParts};
 
 use crate::budget::{self, Dims, ACTIVATIONS};
 use crate::device::{Arg, Device, PoolShape};
@@ -713,8 +713,8 @@ impl CudaExecutor {
         };
         let eps = c.params.rms_norm_eps;
         let style = match c.params.rope_style {
-            kura_model::config::RopeStyle::Half => 0,
-            kura_model::config::RopeStyle::Interleaved => 1,
+            kura_checkpoint::config::RopeStyle::Half => 0,
+            kura_checkpoint::config::RopeStyle::Interleaved => 1,
         };
         let scale_log2 = (1.0 / (d as f32).sqrt()) * std::f32::consts::LOG2_E;
         let group = heads / kvh;
@@ -1283,7 +1283,7 @@ mod tests {
 
     #[test]
     fn the_pool_block_is_every_layers_k_and_v() {
-        let cfg = kura_model::ModelConfig::from_hf_json(
+        let cfg = kura_checkpoint::ModelConfig::from_hf_json(
             r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
             "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,
             "num_key_value_heads":8,"vocab_size":128256,"rms_norm_eps":1e-5,"rope_theta":500000.0,

@@ -184,7 +184,7 @@ pub fn cache_key(arch: &str, version: (i32, i32)) -> String {
 
 /// Where cubins are kept: `<Kura's cache>/cuda-kernels`.
 pub fn cache_dir() -> PathBuf {
-    kura_model::cache_dir().join("cuda-kernels")
+    kura_text::cache_dir().join("cuda-kernels")
 }
 
 /// The cubin of [`SOURCE`] for `arch`: read from `dir` when a compile of the same key is there, else

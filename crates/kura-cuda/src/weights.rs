@@ -6,9 +6,9 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rayon::prelude::*;
 
-use kura_model::config::{Activation, Arch};
-use kura_model::weights::{Naming, TensorSource};
-use kura_model::{ModelConfig, ModelError};
+use kura_checkpoint::config::{Activation, Arch};
+use kura_checkpoint::tensors::{Naming, TensorSource};
+use kura_checkpoint::{ModelConfig, ModelError};
 
 use crate::device::{Arg, Device};
 use crate::error::{CudaError, Result};
@@ -34,7 +34,7 @@ pub struct DevWeights {
     /// Bytes the weights take on the device.
     pub bytes: usize,
     /// The weights' identity, which cached KV is tied to: a digest of every tensor's name, shape and
-    /// values as read from the file, made as the CPU loader makes it (`kura_model::WeightsDigest`); for
+    /// values as read from the file, made as the CPU loader makes it (`kura_checkpoint::WeightsDigest`); for
     /// random weights, of their shape and seed.
     pub fingerprint: u128,
 }
@@ -97,7 +97,7 @@ impl DevWeights {
         let (h, inter, d) = (cfg.hidden_size(), cfg.intermediate_size(), cfg.head_dim());
         let (q_rows, kv_rows) = (cfg.num_heads() * d, cfg.num_kv_heads() * d);
         let bytes = std::cell::Cell::new(0usize);
-        let digest = kura_model::WeightsDigest::default();
+        let digest = kura_checkpoint::WeightsDigest::default();
         let upload_bf16 = |parts: Vec<Vec<bf16>>, what: &str| -> Result<CudaSlice<bf16>> {
             let n: usize = parts.iter().map(Vec::len).sum();
             let mut buf = dev.alloc::<bf16>(n, what)?;
@@ -273,7 +273,7 @@ impl DevWeights {
             lm_head,
             bytes,
             fingerprint: {
-                let d = kura_model::WeightsDigest::default();
+                let d = kura_checkpoint::WeightsDigest::default();
                 d.add(&format!("random weights of {cfg:?}"), &[seed as usize], &[]);
                 d.finish()
             },

@@ -7,27 +7,24 @@
 //! position, block table) and a [`kura_kv::storage::KvStorage`], writes the new tokens' K and V into their
 //! blocks and returns the last position's logits of each sequence.
 
-pub mod config;
-pub mod error;
 mod executor;
-pub mod gguf;
-pub mod hf;
 pub mod kernels;
 pub mod model;
 pub mod quant;
 pub mod solo;
 pub mod weights;
 
-pub use config::ModelConfig;
-pub use error::ModelError;
 pub use executor::ModelExecutor;
+/// The checkpoint side (configuration, file readers, tensors by name, the weights' digest) is
+/// `kura-checkpoint`'s, re-exported for the runtime's users.
+pub use kura_checkpoint::{config, error, gguf, hf, ModelConfig, ModelError, ModelParts};
 /// The text layer (tokenizer, chat template, detokenizer, stop strings) is `kura-text`'s; re-exported
 /// for the model's users.
 pub use kura_text::{
     chat, tokenizer, ChatMessage, ChatTemplate, IncrementalDecoder, ModelText, StopChecker,
     StopReason, Tokenizer,
 };
-pub use model::{LoadOptions, Logits, Model, ModelParts, SeqBatchItem};
+pub use model::{LoadOptions, Logits, Model, SeqBatchItem};
 pub use solo::SoloRun;
 pub use weights::{WeightsDigest, WeightsDtype};
 

@@ -26,7 +26,7 @@ use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_kv::storage::KvStorage;
 
-use crate::config::{rope_inv_freq, rope_inv_freq_sliding, Activation, Arch, ModelConfig};
+use crate::config::{rope_inv_freq, rope_inv_freq_sliding, Activation, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::{read_text, SafetensorsDir};
@@ -37,9 +37,10 @@ use crate::kernels::ops::{
 };
 use crate::kernels::qpacked::QBLOCK;
 use crate::kernels::team::{self, SharedMut, Team};
-use crate::weights::{Naming, RawTensor, TensorSource, Weights, WeightsDtype};
+use crate::weights::{Naming, Weights, WeightsDtype};
+use kura_checkpoint::parts::default_template;
 use kura_text::Tokenizer;
-use kura_text::{ChatMessage, ChatTemplate, ModelText, CHATML, GEMMA3};
+use kura_text::{ChatMessage, ChatTemplate, ModelText};
 
 /// One sequence's part of a forward step.
 #[derive(Debug, Clone, Copy)]
@@ -119,72 +120,6 @@ const CALIBRATION_TEXT: &str = include_str!("calibration.txt");
 /// Positions at the start of the calibration text left out of the mean: the first tokens of a sequence
 /// (attention sinks) have K unlike the rest.
 const CALIBRATION_SKIP: usize = 4;
-
-/// A GGUF tensor's shape in PyTorch's order (outermost first; GGUF stores innermost first).
-fn torch_shape(g: &GgufFile, name: &str) -> Result<Vec<usize>> {
-    Ok(g.tensor_info(name)?.dims.iter().rev().copied().collect())
-}
-
-impl TensorSource for GgufFile {
-    fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
-    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        Ok((
-            torch_shape(self, name)?,
-            crate::gguf::tensor_f32(self, name)?,
-        ))
-    }
-
-    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
-        let (info, bytes) = self.tensor_bytes(name)?;
-        Ok(Some(RawTensor {
-            shape: torch_shape(self, name)?,
-            dtype: info.dtype,
-            bytes,
-        }))
-    }
-}
-
-/// A model file opened without loading its weights: its configuration, its text side, where its
-/// tensors are and how they are named. Another executor (the CUDA one) loads the weights from here in
-/// its own format.
-pub struct ModelParts {
-    pub config: ModelConfig,
-    pub text: ModelText,
-    pub source: Box<dyn TensorSource>,
-    pub naming: Naming,
-}
-
-impl ModelParts {
-    /// Opens a GGUF file or an HF directory.
-    pub fn open(path: &Path) -> Result<Self> {
-        if path.is_dir() {
-            let config = ModelConfig::from_hf_json(&read_text(&path.join("config.json"))?)?;
-            let text =
-                ModelText::from_hf_dir(path, default_template(config.arch), config.vocab_size())?;
-            let naming = Naming::hf(config.arch);
-            Ok(ModelParts {
-                source: Box::new(SafetensorsDir::open(path)?),
-                config,
-                text,
-                naming,
-            })
-        } else {
-            let g = GgufFile::open(path)?;
-            let config = ModelConfig::from_gguf(&g)?;
-            let text =
-                ModelText::from_gguf(&g, default_template(config.arch), config.vocab_size())?;
-            Ok(ModelParts {
-                source: Box::new(g),
-                config,
-                text,
-                naming: Naming::Gguf,
-            })
-        }
-    }
-}
 
 impl Model {
     /// Loads a GGUF file or an HF directory with the default options (bf16 weights).
@@ -866,13 +801,5 @@ impl KvShared {
     unsafe fn get(&self) -> &KvStorage {
         // SAFETY: the caller's guarantee; the storage outlives the step.
         unsafe { &*self.0 }
-    }
-}
-
-/// The chat template of an architecture whose file has none.
-fn default_template(arch: Arch) -> &'static str {
-    match arch {
-        Arch::Gemma3 => GEMMA3,
-        _ => CHATML,
     }
 }

@@ -10,7 +10,7 @@ use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{ModelError, Result};
-use crate::weights::TensorSource;
+use crate::tensors::TensorSource;
 
 struct Shard {
     path: PathBuf,

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::weights::{shape_matches, Naming};
+use crate::tensors::{shape_matches, Naming};
 
 /// Which architecture family (decides biases and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -510,7 +510,7 @@ impl ModelConfig {
     /// implies, and no layer tensor lies beyond the layer count. Missing tensors are left to the loader,
     /// which names them. O(tensors).
     fn check_gguf_tensors(&self, g: &GgufFile, layers_key: &str) -> Result<()> {
-        for (name, expected) in crate::weights::expected_shapes(Naming::Gguf, self) {
+        for (name, expected) in crate::tensors::expected_shapes(Naming::Gguf, self) {
             if let Some(info) = g.tensors.get(&name) {
                 let got: Vec<usize> = info.dims.iter().rev().copied().collect();
                 if !shape_matches(&got, &expected) {
