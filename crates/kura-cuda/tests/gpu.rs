@@ -686,18 +686,19 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
             assert!(gpu.start_import(b, slot));
         }
     };
-    let mut gpu = exec("smol", KvDtype::Bf16, bs, num_blocks);
-    assert!(
-        gpu.set_ordered_imports(true),
-        "this driver has batched copies (cuMemcpyBatchAsync_v2, CUDA 13)"
-    );
-    assert!(gpu.imports_ordered());
-    let bb = gpu.block_bytes();
     let here: Vec<u32> = (0..total as u32).collect();
     let there: Vec<u32> = (total as u32..2 * total as u32).collect();
     // (blocks of cached prefix, new tokens after it, the prefill kernel from): the split kernel launch
-    // by launch, the prefill kernel, and a decode step (a captured graph).
+    // by launch, the prefill kernel, and a decode step (a captured graph). A region is pinned once, so
+    // each case has an executor of its own.
     for (nb, new, prefill_min) in [(15, 44, usize::MAX), (12, 108, 64), (18, 1, usize::MAX)] {
+        let mut gpu = exec("smol", KvDtype::Bf16, bs, num_blocks);
+        assert!(
+            gpu.set_ordered_imports(true),
+            "this driver has batched copies (cuMemcpyBatchAsync_v2, CUDA 13)"
+        );
+        assert!(gpu.imports_ordered());
+        let bb = gpu.block_bytes();
         let cached = nb * bs;
         let step = &p[cached..cached + new];
         gpu.set_prefill_min(prefill_min);
@@ -786,12 +787,9 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
             );
             reported(&mut gpu, 1 + PAD as usize - early.len());
         }
-        // The executor (which unpins the region) waits for its copies before the region goes; a
-        // region is pinned once, so the next case makes a new executor.
+        // The executor (which unpins the region) waits for its copies before the region goes.
         drop(gpu);
         drop(region);
-        gpu = exec("smol", KvDtype::Bf16, bs, num_blocks);
-        assert!(gpu.set_ordered_imports(true));
     }
 }
 

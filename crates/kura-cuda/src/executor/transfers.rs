@@ -306,15 +306,16 @@ impl CudaExecutor {
                     );
                     loads.batched = false;
                 }
-                // Copies the batch may have enqueued write the same bytes again.
+                // From this layer on (the earlier ones are copied, and a step may already read them):
+                // copies the batch may have enqueued write the same bytes again.
                 whole = true;
-                for &(block, host) in &queued {
-                    // SAFETY: as above, one whole block.
+                for (&dst, &src) in dsts.iter().zip(&srcs) {
+                    // SAFETY: as above: this layer and the ones after it, the rest of the block.
                     unsafe {
                         sys::cuMemcpyHtoDAsync_v2(
-                            pool + (block as usize * self.block_bytes) as u64,
-                            host as *const std::ffi::c_void,
-                            self.block_bytes,
+                            dst,
+                            src as *const std::ffi::c_void,
+                            self.block_bytes - at as usize,
                             loads.stream.cu_stream(),
                         )
                     }
@@ -345,7 +346,14 @@ impl CudaExecutor {
     /// follows every earlier issue's copies), if any.
     pub(super) fn imports_read_by(&self, batch: &[SeqInput<'_>]) -> Option<u64> {
         let loads = self.loads.as_ref()?;
-        loads.newest_writing(batch.iter().flat_map(|s| s.block_table.iter().copied()))
+        let bs = self.shape.block_size as usize;
+        // The blocks each sequence reads or writes: those of its positions so far.
+        loads.newest_writing(batch.iter().flat_map(|s| {
+            let used = (s.start_pos + s.tokens.len()).div_ceil(bs);
+            s.block_table[..used.min(s.block_table.len())]
+                .iter()
+                .copied()
+        }))
     }
 
     /// Makes the device stream wait for layer `layer` of the ordered loads issued as `wait`.
