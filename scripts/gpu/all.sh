@@ -11,7 +11,9 @@ out=${1:?usage: scripts/gpu/all.sh OUT_DIR [TEST_LIMIT_S] [BENCH_LIMIT_S]}
 test_limit=${2:-240}
 bench_limit=${3:-300}
 mkdir -p "$out/bench"
-work=$(mktemp -d)
+# The models the tests make stay here for a second call on the same machine (scripts/gpu/tiers.sh).
+work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
+mkdir -p "$work"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 timeout "$test_limit" bash scripts/test-gpu.sh "$work" >"$out/test.log" 2>&1
 test_rc=$?

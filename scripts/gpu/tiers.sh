@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The host tier of a GPU server through `kura serve --device cuda`, for a second call on the machine that
+# scripts/gpu/all.sh just ran on (its models stay in $KURA_GPU_WORK, default /tmp/kura-gpu-work; made
+# here if missing), on the Llama-3.1-8B-shaped model cut to 4 layers (random bf16 weights):
+#  1. bench/tiers.py hostconvoy: 32 concurrent requests sharing a 4,096-token prefix that is only in the
+#     host tier: block loads (the prefix read once), fewest cached tokens, worst TTFT against the same 32
+#     with the prefix in the pool;
+#  2. bench/swap-sweep.sh: the cliff past the pool's knee, preemption by swap (over PCIe) against
+#     recompute, in one run (ITL p99 per concurrency in the compare report).
+# Each step under half of LIMIT_S; logs and results under OUT_DIR, a summary printed last.
+# Usage: scripts/gpu/tiers.sh OUT_DIR [LIMIT_S=240]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:?usage: scripts/gpu/tiers.sh OUT_DIR [LIMIT_S]}
+limit=${2:-240}
+work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
+source scripts/gpu/env.sh
+export KURA_CACHE_DIR="$PWD/gpu-bin/cache"
+mkdir -p "$out" "$work"
+[ -x gpu-bin/kura ] || { echo "gpu-bin/kura is missing: run scripts/gpu-build.sh and carry gpu-bin" >&2; exit 1; }
+if [ ! -f "$work/llama8b4/config.json" ]; then
+  python3 scripts/gpu/make_models.py "$work" gpu-bin/tokenizer >"$out/make_models.log" 2>&1 \
+    || { tail -20 "$out/make_models.log"; exit 1; }
+fi
+model="$work/llama8b4"
+timeout $((limit / 2)) python3 bench/tiers.py --kura gpu-bin/kura --model "$model" --device cuda \
+  --only hostconvoy --reps 2 --json "$out/hostconvoy.json" >"$out/hostconvoy.log" 2>&1
+convoy_rc=$?
+# A pool of 64 MiB holds 4,096 tokens of this model (16 KiB a token): 16 requests growing to 2,048 tokens
+# each outgrow it from a concurrency of 4.
+DEVICE=cuda MODEL="$model" KURA_BIN=gpu-bin/kura POOL=64MiB HOST=4GiB SWEEP=2,4,8,16 REQUESTS=16 \
+  PROMPT=512 OUTPUT=1536 BATCH=8192 OUT="$out/swap-sweep" \
+  timeout $((limit / 2)) bash bench/swap-sweep.sh >"$out/swap-sweep.log" 2>&1
+sweep_rc=$?
+echo "== hostconvoy: exit $convoy_rc (124: over $((limit / 2)) s)"
+grep -E "host convoy" "$out/hostconvoy.log" | tail -4
+echo "== swap sweep: exit $sweep_rc (124: over $((limit / 2)) s)"
+tail -30 "$out/swap-sweep.log"
+[ -f "$out/swap-sweep/compare/compare.md" ] && head -40 "$out/swap-sweep/compare/compare.md"
+exit $((convoy_rc | sweep_rc))
