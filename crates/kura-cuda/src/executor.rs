@@ -24,6 +24,7 @@ use crate::device::{Arg, Device, PoolShape};
 use crate::error::{CudaError, Result};
 use crate::weights::DevWeights;
 
+mod load_order;
 mod transfers;
 use transfers::HostLoads;
 

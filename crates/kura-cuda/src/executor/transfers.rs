@@ -24,7 +24,7 @@
 //! One stream carries both directions and every form, in the order they were asked for: a load of a
 //! host slot follows the store that filled it, a store into a slot follows the loads that read it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +32,7 @@ use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{CudaEvent, CudaStream};
 use kura_engine::SeqInput;
 
+use super::load_order::LoadOrder;
 use super::CudaExecutor;
 use crate::device::Device;
 use crate::error::Result;
@@ -44,15 +45,10 @@ pub(super) struct HostLoads {
     /// Started whole-block loads in the order they were issued: (block, an event before the copy, one
     /// after).
     in_flight: VecDeque<(u32, CudaEvent, CudaEvent)>,
-    /// Ordered loads started and not issued yet, in order: (block, its slot's host address).
-    queued: Vec<(u32, u64)>,
-    /// Ordered loads issued, oldest first, until reported.
+    /// Ordered loads: queued, issued, and which issue each unordered block waits for.
+    order: LoadOrder,
+    /// The events of the issues `order` has in flight, oldest first.
     layered: VecDeque<Layered>,
-    /// The number the next issue of ordered loads gets (from 1).
-    next_seq: u64,
-    /// Blocks of issued ordered loads the device stream does not wait for yet, with the newest issue
-    /// that writes each.
-    unordered: HashMap<u32, u64>,
     /// After the last store started: what the host waits on before reading stored bytes.
     last_store: Option<CudaEvent>,
     /// Whether the device stream has yet to wait for `last_store` before writing the pool (a stored
@@ -63,33 +59,24 @@ pub(super) struct HostLoads {
     batched: bool,
 }
 
-/// Ordered loads issued together: their number, their blocks, an event before the copies and one after
-/// each layer's.
+/// The events of ordered loads issued together: their number, their blocks, an event before the copies
+/// and one after each layer's.
 struct Layered {
     seq: u64,
-    blocks: Vec<u32>,
+    blocks: usize,
     start: CudaEvent,
     layers: Vec<CudaEvent>,
 }
 
 impl HostLoads {
-    /// The issue numbered `seq`, which is in `layered` while a block of it is in `unordered`.
+    /// The events of issue `seq`, which a step may wait for only while it is in flight
+    /// ([`LoadOrder::newest_writing`] names no other).
     fn issue(&self, seq: u64) -> &Layered {
+        debug_assert!(self.order.in_flight(seq));
         self.layered
             .iter()
             .find(|l| l.seq == seq)
-            .expect("an issue is reported only after the device waits for it or it lands")
-    }
-
-    /// The newest issue the device stream has not waited for that writes one of `blocks`.
-    fn newest_writing(&self, blocks: impl IntoIterator<Item = u32>) -> Option<u64> {
-        if self.unordered.is_empty() {
-            return None;
-        }
-        blocks
-            .into_iter()
-            .filter_map(|b| self.unordered.get(&b).copied())
-            .max()
+            .expect("an issue is waited for only while it is in flight")
     }
 }
 
@@ -100,10 +87,8 @@ impl HostLoads {
             *loads = Some(HostLoads {
                 stream: dev.ctx.new_stream()?,
                 in_flight: VecDeque::new(),
-                queued: Vec::new(),
+                order: LoadOrder::default(),
                 layered: VecDeque::new(),
-                next_seq: 1,
-                unordered: HashMap::new(),
                 last_store: None,
                 device_behind: false,
                 batched: true,
@@ -140,13 +125,13 @@ impl CudaExecutor {
             if self
                 .loads
                 .as_ref()
-                .is_some_and(|l| l.queued.iter().any(|q| q.0 == block))
+                .is_some_and(|l| l.order.is_queued(block))
             {
                 self.issue_imports()?;
             }
             HostLoads::get(&mut self.loads, &self.dev)?
-                .queued
-                .push((block, bytes.as_ptr() as u64));
+                .order
+                .queue(block, bytes.as_ptr() as u64);
             return Ok(true);
         }
         let Some(dst) = self.begin_transfer(block, bytes)? else {
@@ -232,10 +217,9 @@ impl CudaExecutor {
         let Some(loads) = self.loads.as_mut() else {
             return Ok(());
         };
-        if loads.queued.is_empty() {
+        let Some((seq, queued)) = loads.order.issue() else {
             return Ok(());
-        }
-        let queued = std::mem::take(&mut loads.queued);
+        };
         let issued = self.dev.ctx.new_event(UNTIMED)?;
         issued.record(&self.dev.stream)?;
         loads.stream.wait(&issued)?;
@@ -329,12 +313,9 @@ impl CudaExecutor {
             ev.record(&loads.stream)?;
             events.push(ev);
         }
-        let seq = loads.next_seq;
-        loads.next_seq += 1;
-        loads.unordered.extend(queued.iter().map(|q| (q.0, seq)));
         loads.layered.push_back(Layered {
             seq,
-            blocks: queued.into_iter().map(|q| q.0).collect(),
+            blocks: queued.len(),
             start,
             layers: events,
         });
@@ -348,7 +329,7 @@ impl CudaExecutor {
         let loads = self.loads.as_ref()?;
         let bs = self.shape.block_size as usize;
         // The blocks each sequence reads or writes: those of its positions so far.
-        loads.newest_writing(batch.iter().flat_map(|s| {
+        loads.order.newest_writing(batch.iter().flat_map(|s| {
             let used = (s.start_pos + s.tokens.len()).div_ceil(bs);
             s.block_table[..used.min(s.block_table.len())]
                 .iter()
@@ -378,7 +359,7 @@ impl CudaExecutor {
     /// transfer stream runs its copies in order).
     pub(super) fn waited_for(&mut self, wait: Option<u64>) {
         if let (Some(seq), Some(loads)) = (wait, self.loads.as_mut()) {
-            loads.unordered.retain(|_, s| *s > seq);
+            loads.order.waited_for(seq);
         }
     }
 
@@ -389,7 +370,7 @@ impl CudaExecutor {
         let wait = self
             .loads
             .as_ref()
-            .and_then(|l| l.newest_writing(blocks.iter().copied()));
+            .and_then(|l| l.order.newest_writing(blocks.iter().copied()));
         self.wait_all_layers(wait)?;
         self.waited_for(wait);
         Ok(())
@@ -403,7 +384,7 @@ impl CudaExecutor {
         let Some(loads) = self.loads.as_ref() else {
             return Ok(false);
         };
-        if let Some(&(_, host)) = loads.queued.iter().rev().find(|q| q.0 == block) {
+        if let Some(host) = loads.order.queued_host(block) {
             if let Some(ev) = &loads.last_store {
                 ev.synchronize()?;
             }
@@ -415,7 +396,7 @@ impl CudaExecutor {
             return Ok(true);
         }
         // The stream's wait is kept; the bookkeeping (which `&self` cannot change) waits again later.
-        self.wait_all_layers(loads.newest_writing([block]))?;
+        self.wait_all_layers(loads.order.newest_writing([block]))?;
         Ok(false)
     }
 
@@ -477,18 +458,17 @@ impl CudaExecutor {
                 let l = loads.layered.pop_front().expect("looked at");
                 let last = l.layers.last().expect("a model has layers");
                 let ms = f64::from(l.start.elapsed_ms(last)?.max(0.0));
-                let each = Duration::from_secs_f64(ms / 1e3 / l.blocks.len() as f64);
-                // Landed: whatever the device does from now on comes after (a block a newer issue
-                // writes again stays until that one lands).
-                for b in &l.blocks {
-                    if loads.unordered.get(b) == Some(&l.seq) {
-                        loads.unordered.remove(b);
-                    }
-                }
-                done.extend(l.blocks.iter().map(|&b| (b, each)));
+                let each = Duration::from_secs_f64(ms / 1e3 / l.blocks as f64);
+                debug_assert_eq!(loads.order.oldest(), Some(l.seq));
+                // Landed: whatever the device does from now on comes after.
+                let blocks = loads
+                    .order
+                    .landed()
+                    .expect("an issue in flight for each events");
+                done.extend(blocks.into_iter().map(|b| (b, each)));
             }
             if done.len() > found
-                || (loads.in_flight.is_empty() && loads.layered.is_empty())
+                || (loads.in_flight.is_empty() && loads.order.is_idle())
                 || std::time::Instant::now() >= deadline
             {
                 return Ok(());
