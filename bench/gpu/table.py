@@ -61,3 +61,10 @@ if l2:
         print(f"fp8 against bf16 KV, 16,384 tokens from L2: "
               f"{at[('bf16', 'pinned')]['ttft_l2_ms'] / at[('fp8', 'pinned')]['ttft_l2_ms']:.2f}x faster "
               f"(ordered loads: {at[('bf16', 'pinned')].get('ttft_l2_ordered_ms', float('nan')) / at[('fp8', 'pinned')].get('ttft_l2_ordered_ms', float('nan')):.2f}x)")
+itl = [json.loads(l) for l in open(sys.argv[1]) if '"itl_while_loading"' in l and l.startswith("{")]
+for r in itl:
+    print()
+    print(f"Batch-{r['batch']} decode steps while a {r['prefix_tokens']:,}-token prefix loads from the host tier "
+          f"({r['copy_ms']:.1f} ms of copies): {r['step_ms_alone']:.2f} ms alone, {r['step_ms_beside_loads']:.2f} ms "
+          f"beside the copies (max {r['step_ms_beside_loads_max']:.2f}), {r['step_ms_with_loading_request']:.2f} ms "
+          f"for the step that holds the loading request too")

@@ -4,8 +4,9 @@
 //!
 //! Figures: batch-1 decode after a 1,024-token prompt (and its share of the HBM bound, weights read once
 //! per token over the measured copy bandwidth), prefill of 4,096 and 16,384 tokens (TTFT: one step and
-//! the first token), decode at batch 64 with 1,024 tokens of context each, and the TTFT of a 4,096-token
-//! prompt whose first 4,080 tokens are cached. Times are the executor's: host clock around steps that
+//! the first token), decode at batch 64 with 1,024 tokens of context each (and its step times while a
+//! 16,384-token prefix loads from the host tier beside it), and the TTFT of a 4,096-token prompt whose
+//! first 4,080 tokens are cached. Times are the executor's: host clock around steps that
 //! end in a synchronisation (the token ids back on the host).
 
 use std::time::Instant;
@@ -243,6 +244,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (batch * steps) as f64 / s,
         1e3 * s / steps as f64
     ));
+    // The 64 sequences' steps while a 16,384-token prefix loads from the host tier into other blocks.
+    if pinned_ok && gpu.set_ordered_imports(true) {
+        emit(itl_while_loading(
+            &mut gpu,
+            &host,
+            &tables,
+            &mut last,
+            ctx + steps - 1,
+        )?);
+    }
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device())?;
     let bound = bandwidth / weight_bytes as f64;
@@ -417,6 +428,97 @@ fn l2_revisit(
         ordered / (copy + device),
         ordered / copy.max(device),
         cold / l2.min(if ordered.is_nan() { f64::INFINITY } else { ordered })
+    ))
+}
+
+/// Inter-token latency of a decoding batch (`tables`, each sequence's next token in `last`, stepped at
+/// position `pos` again and again) while a prefix of `host`'s blocks loads from the pinned host tier into
+/// other blocks, as ordered loads on the transfer stream: step times alone; beside the copies, the loading
+/// request not in the steps; and the one step that also holds the loading request's last 16 tokens (which
+/// waits for each layer's copies, and so do the batch's sequences in it). Medians of 3 loads. One JSON
+/// line.
+fn itl_while_loading(
+    gpu: &mut CudaExecutor,
+    host: &[u8],
+    tables: &[Vec<u32>],
+    last: &mut Vec<u32>,
+    pos: usize,
+) -> Result<String, Box<dyn std::error::Error>> {
+    use kura_engine::Executor;
+    use std::time::Duration;
+    let (bs, vocab) = (16, gpu.config().vocab_size());
+    let block_bytes = Executor::block_bytes(gpu);
+    let nb = host.len() / block_bytes;
+    let first = tables.iter().flatten().max().map_or(0, |b| b + 1);
+    if first as usize + nb + 1 > gpu.num_blocks() {
+        return Err("the pool has no room for the loading prefix beside the batch".into());
+    }
+    let load_table: Vec<u32> = (first..first + nb as u32 + 1).collect();
+    let batch = tables.len();
+    let step = |gpu: &mut CudaExecutor,
+                last: &mut Vec<u32>,
+                extra: Option<SeqInput<'_>>|
+     -> Result<f64, Box<dyn std::error::Error>> {
+        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+        let mut items: Vec<SeqInput<'_>> = (0..batch)
+            .map(|i| SeqInput::new(&toks[i], pos, &tables[i]))
+            .collect();
+        items.extend(extra);
+        let t = Instant::now();
+        let ids = gpu.forward_greedy(&items)?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        *last = ids[..batch].to_vec();
+        Ok(ms)
+    };
+    let start_loads = |gpu: &mut CudaExecutor| -> Result<(), Box<dyn std::error::Error>> {
+        for (b, &dst) in load_table[..nb].iter().enumerate() {
+            if !gpu.try_start_import(dst, &host[b * block_bytes..(b + 1) * block_bytes])? {
+                return Err("an ordered load from pinned memory was not started".into());
+            }
+        }
+        Ok(())
+    };
+    let drain = |gpu: &mut CudaExecutor,
+                 done: &mut Vec<(u32, Duration)>|
+     -> Result<(), Box<dyn std::error::Error>> {
+        while done.len() < nb {
+            gpu.try_imports_done(Duration::from_millis(50), done)?;
+        }
+        Ok(())
+    };
+    let alone: Vec<f64> = (0..10)
+        .map(|_| step(gpu, last, None))
+        .collect::<Result<_, _>>()?;
+    let p = tokens(nb * bs + 16, 4242, vocab);
+    let (mut beside, mut beside_max, mut with_request, mut copy) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..3 {
+        start_loads(gpu)?;
+        let mut done = Vec::new();
+        let mut times = Vec::new();
+        while done.len() < nb {
+            times.push(step(gpu, last, None)?);
+            gpu.try_imports_done(Duration::ZERO, &mut done)?;
+        }
+        copy.push(done.iter().map(|d| d.1.as_secs_f64()).sum::<f64>() * 1e3);
+        beside_max.push(times.iter().copied().fold(0f64, f64::max));
+        beside.push(median(times));
+        start_loads(gpu)?;
+        let extra = SeqInput::new(&p[nb * bs..], nb * bs, &load_table);
+        with_request.push(step(gpu, last, Some(extra))?);
+        let mut done = Vec::new();
+        drain(gpu, &mut done)?;
+    }
+    Ok(format!(
+        "{{\"peer\":\"kura\",\"what\":\"itl_while_loading\",\"batch\":{batch},\"prefix_tokens\":{},\
+         \"copy_ms\":{:.2},\"step_ms_alone\":{:.2},\"step_ms_beside_loads\":{:.2},\
+         \"step_ms_beside_loads_max\":{:.2},\"step_ms_with_loading_request\":{:.2}}}",
+        nb * bs,
+        median(copy),
+        median(alone),
+        median(beside),
+        median(beside_max),
+        median(with_request)
     ))
 }
 
