@@ -54,13 +54,13 @@ pub(super) struct HostLoads {
     /// Whether the device stream has yet to wait for `last_store` before writing the pool (a stored
     /// block may be overwritten by the next step).
     device_behind: bool,
-    /// Whether batched copies work here; after one fails, each layer of each block is a copy of its own
-    /// (the same bytes, more calls).
+    /// Whether batched copies work here; after one fails, ordered loads are whole-block copies (a step
+    /// that reads one then waits for all of it).
     batched: bool,
 }
 
-/// The events of ordered loads issued together: their number, their blocks, an event before the copies
-/// and one after each layer's.
+/// The events of ordered loads issued together: their issue's number, how many blocks, an event before
+/// the copies and one after each layer's.
 struct Layered {
     seq: u64,
     blocks: usize,
@@ -78,9 +78,7 @@ impl HostLoads {
             .find(|l| l.seq == seq)
             .expect("an issue is waited for only while it is in flight")
     }
-}
 
-impl HostLoads {
     /// The executor's transfers, made with their stream on first use.
     fn get<'a>(loads: &'a mut Option<HostLoads>, dev: &Device) -> Result<&'a mut HostLoads> {
         if loads.is_none() {
