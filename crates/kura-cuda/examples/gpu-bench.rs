@@ -394,10 +394,7 @@ fn l2_revisit(
             }
             gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, table)])?;
             ordered_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            let mut done = Vec::new();
-            while done.len() < nb {
-                gpu.try_imports_done(std::time::Duration::from_millis(50), &mut done)?;
-            }
+            await_loads(gpu, nb, &mut Vec::new())?;
         }
     }
     let ordered = if ordered_ms.is_empty() {
@@ -478,14 +475,6 @@ fn itl_while_loading(
         }
         Ok(())
     };
-    let drain = |gpu: &mut CudaExecutor,
-                 done: &mut Vec<(u32, Duration)>|
-     -> Result<(), Box<dyn std::error::Error>> {
-        while done.len() < nb {
-            gpu.try_imports_done(Duration::from_millis(50), done)?;
-        }
-        Ok(())
-    };
     let alone: Vec<f64> = (0..10)
         .map(|_| step(gpu, last, None))
         .collect::<Result<_, _>>()?;
@@ -506,8 +495,7 @@ fn itl_while_loading(
         start_loads(gpu)?;
         let extra = SeqInput::new(&p[nb * bs..], nb * bs, &load_table);
         with_request.push(step(gpu, last, Some(extra))?);
-        let mut done = Vec::new();
-        drain(gpu, &mut done)?;
+        await_loads(gpu, nb, &mut Vec::new())?;
     }
     Ok(format!(
         "{{\"peer\":\"kura\",\"what\":\"itl_while_loading\",\"batch\":{batch},\"prefix_tokens\":{},\
@@ -520,6 +508,18 @@ fn itl_while_loading(
         median(beside_max),
         median(with_request)
     ))
+}
+
+/// Waits until `n` started host-tier loads are reported into `done`.
+fn await_loads(
+    gpu: &mut CudaExecutor,
+    n: usize,
+    done: &mut Vec<(u32, std::time::Duration)>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    while done.len() < n {
+        gpu.try_imports_done(std::time::Duration::from_millis(50), done)?;
+    }
+    Ok(())
 }
 
 /// Device-to-device copy bandwidth (bytes read plus written per second) of a 2 GiB buffer: the HBM

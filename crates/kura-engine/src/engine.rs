@@ -23,11 +23,11 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::sampling::Sampled;
 use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
 
 use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
+use crate::sampling::Sampled;
 
 use crate::backend::{Executor, SeqInput, TextCodec};
 use crate::cost::{CostModel, CostTier, TierCostCheck};
@@ -1415,7 +1415,7 @@ impl Core {
                 tm.hit_blocks.set_total(hits);
                 tm.stores.set_total(stores);
                 tm.stored_bytes
-                    .set_total(stores.saturating_mul(self.executor.block_bytes() as u64));
+                    .set_total(stores.saturating_mul(io.block_bytes() as u64));
                 tm.evictions.set_total(evictions);
             }
             m.tier_full_drops.set_total(st.tier_full_drops);
