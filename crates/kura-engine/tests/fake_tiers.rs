@@ -65,6 +65,14 @@ fn cold_outputs() -> Vec<Vec<u32>> {
     out
 }
 
+/// Runs the five prompts of [`cold_outputs`] one at a time, each giving its cold tokens.
+fn run_the_five(e: &kura_engine::EngineHandle, cold: &[Vec<u32>]) {
+    for s in 0..5 {
+        let (tokens, _) = run(e, distinct_request(s, 24, 6));
+        assert_eq!(tokens, cold[s as usize], "prompt {s}");
+    }
+}
+
 fn tier_metric(e: &kura_engine::EngineHandle, name: &str, tier: &str) -> f64 {
     metric(e, &format!("{name}{{tier=\"{tier}\"}}"))
 }
@@ -87,10 +95,7 @@ fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
     // The engine offered the executor the host tier's bytes, all 64 slots, before the first step (a
     // GPU executor pins them: its block copies then run at the bus's speed).
     assert_eq!(fake.control.host_region(), Some(64 * BLOCK * 5));
-    for s in 0..5 {
-        let (tokens, _) = run(&fake.engine, distinct_request(s, 24, 6));
-        assert_eq!(tokens, cold[s as usize]);
-    }
+    run_the_five(&fake.engine, &cold);
     let forwards_before = fake.control.calls();
     for s in 0..5 {
         let (tokens, cached) = run(&fake.engine, distinct_request(s, 24, 6));
@@ -138,12 +143,7 @@ fn a_host_tier_load_copied_asynchronously_is_waited_for_while_other_requests_run
     // Loads from the host tier are started and land later, as an accelerator's copies on their own
     // stream do (the bytes reach the block only when the engine hears that the copy finished).
     fake.control.async_imports();
-    for s in 0..5 {
-        assert_eq!(
-            run(&fake.engine, distinct_request(s, 24, 6)).0,
-            cold[s as usize]
-        );
-    }
+    run_the_five(&fake.engine, &cold);
     settle(&fake.engine);
     // Prompt 0's blocks were evicted into the host tier; its revisit loads them, and the copies are held.
     fake.control.hold_imports();
@@ -171,12 +171,7 @@ fn a_revisit_runs_over_host_loads_the_executor_orders_before_its_steps() {
     // orders a step's layers after the copies of their KV: the engine need not wait for them.
     fake.control.ordered_imports();
     fake.control.async_exports();
-    for s in 0..5 {
-        assert_eq!(
-            run(&fake.engine, distinct_request(s, 24, 6)).0,
-            cold[s as usize]
-        );
-    }
+    run_the_five(&fake.engine, &cold);
     settle(&fake.engine);
     let started = fake.control.imports_started();
     // No load is reported from now on: a revisit that waited for its loads would never finish.
@@ -299,12 +294,7 @@ fn the_disk_tier_survives_a_restart_and_refuses_another_models_blocks() {
     let cold = cold_outputs();
     let dir = TestDir::new("restart");
     let a = start(with_tiers(12, 0, Some((&dir, 7))));
-    for s in 0..5 {
-        assert_eq!(
-            run(&a.engine, distinct_request(s, 24, 6)).0,
-            cold[s as usize]
-        );
-    }
+    run_the_five(&a.engine, &cold);
     // A clean stop writes every cached block down.
     a.engine.stop();
     assert!(block_files(&dir).len() >= 25, "{:?}", block_files(&dir));
