@@ -31,7 +31,8 @@ for r in kura:
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
         ratio = r[unit] / p[unit] if unit in p else None
     elif r["what"] == "prefill":
-        name, unit = f"prefill TTFT {r['tokens']} tokens (ms)", "ms"
+        kernel = f", {r['kernel']}" if "kernel" in r else ""
+        name, unit = f"prefill TTFT {r['tokens']} tokens{kernel} (ms)", "ms"
         ratio = p[unit] / r[unit] if unit in p else None
     else:
         name, unit = f"TTFT {r['prompt']} tokens, {r['cached']} cached (ms)", "ms"
@@ -40,8 +41,10 @@ for r in kura:
     rt = f"{ratio:.2f}x" if ratio else "-"
     print(f"{name:<44}{r[unit]:>12.1f}{hv:>12}{rt:>12}")
     if "fraction_of_bound" in r:
+        sheet = (f"; {r['fraction_of_datasheet_bound']:.1%} of the {r['card']}'s datasheet {r['datasheet_tbs']} TB/s"
+                 if r.get("datasheet_tbs") else f"; no datasheet bandwidth known for {r.get('card', 'this card')}")
         print(f"  {r['fraction_of_bound']:.1%} of the HBM bound ({r['hbm_bound_tokens_per_s']:.0f} tok/s at the measured "
-              f"{r['copy_bandwidth_gbs']:.0f} GB/s); {r['fraction_of_3_35_tbs_bound']:.1%} of 3.35 TB/s")
+              f"{r['copy_bandwidth_gbs']:.0f} GB/s){sheet}")
 print("(Kura / HF: speed-up, above 1 means Kura is faster)")
 l2 = [json.loads(l) for l in open(sys.argv[1]) if '"l2_revisit"' in l and l.startswith("{")]
 if l2:

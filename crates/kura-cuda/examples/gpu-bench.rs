@@ -3,8 +3,9 @@
 //! beside HF transformers (`bench/gpu/hf_peer.py`) on the same GPU.
 //!
 //! Figures: batch-1 decode after a 1,024-token prompt (and its share of the HBM bound, weights read once
-//! per token over the measured copy bandwidth), prefill of 4,096 and 16,384 tokens (TTFT: one step and
-//! the first token), decode at batch 64 with 1,024 tokens of context each (and its step times while a
+//! per token over the measured copy bandwidth and over the card's datasheet bandwidth), prefill of 4,096
+//! and 16,384 tokens (TTFT: one step and the first token; through each prefill attention kernel),
+//! decode at batch 64 with 1,024 tokens of context each (and its step times while a
 //! 16,384-token prefix loads from the host tier beside it), and the TTFT of a 4,096-token prompt whose
 //! first 4,080 tokens are cached. Times are the executor's: host clock around steps that
 //! end in a synchronisation (the token ids back on the host).
@@ -123,19 +124,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     gpu.set_graphs(true);
     gpu.set_dependent_launch(true);
 
-    // Prefill TTFT.
+    // Prefill TTFT, through the default prefill attention (8 warps of 16 query rows) and the wide one
+    // (4 warps of 32), runs interleaved.
     for n in [4096usize, 16_384] {
         let p = tokens(n, n as u64, vocab);
-        let mut times = Vec::new();
+        let mut times = [Vec::new(), Vec::new()];
         for _ in 0..3 {
-            let t = Instant::now();
-            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+            for (wide, times) in times.iter_mut().enumerate() {
+                gpu.set_wide_prefill(wide == 1);
+                let t = Instant::now();
+                gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
         }
-        emit(format!(
-            "{{\"peer\":\"kura\",\"what\":\"prefill\",\"tokens\":{n},\"ms\":{:.1},\"runs_ms\":{times:?}}}",
-            median(times.clone())
-        ));
+        gpu.set_wide_prefill(false);
+        for (kernel, times) in ["narrow", "wide"].into_iter().zip(times) {
+            emit(format!(
+                "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
+                 \"runs_ms\":{times:?}}}",
+                median(times.clone())
+            ));
+        }
     }
 
     // The same 16,384-token prefill with every key tile masked (what skipping whole tiles' masks saves).
@@ -258,6 +267,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let bandwidth = copy_bandwidth(gpu.device())?;
     let bound = bandwidth / weight_bytes as f64;
     let has_dependent = gpu.device().has_dependent_launch();
+    let card = gpu.device().name.clone();
+    let datasheet = datasheet_tbs(&card);
     for ((graphs, dependent), tps) in decode1 {
         let dependent = dependent && has_dependent;
         emit(format!(
@@ -265,11 +276,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
              \"dependent_launch\":{dependent},\
              \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
              \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
-             \"fraction_of_3_35_tbs_bound\":{:.3}}}",
+             \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
             1e3 / tps,
             bandwidth / 1e9,
             tps / bound,
-            tps / (3.35e12 / weight_bytes as f64)
+            datasheet.map_or("null".into(), |b| format!("{b}")),
+            datasheet.map_or("null".into(), |b| format!(
+                "{:.3}",
+                tps / (b * 1e12 / weight_bytes as f64)
+            )),
         ));
     }
     println!("[{}]", results.join(","));
@@ -287,7 +302,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ("decode_b1", vec![SeqInput::new(&[5], 1024, &table)]),
             ("decode_b64", b64),
             ("prefill_16384", vec![SeqInput::new(&long, 0, &table)]),
+            ("prefill_16384_wide", vec![SeqInput::new(&long, 0, &table)]),
         ] {
+            gpu.set_wide_prefill(what.ends_with("_wide"));
             gpu.forward_greedy(&items)?;
             let prof = gpu.profile_greedy(&items)?;
             let total: f64 = prof.iter().map(|p| p.1).sum();
@@ -333,6 +350,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     println!("{line}");
     Ok(())
+}
+
+/// The memory bandwidth a card's datasheet gives, in TB/s, for the cards whose name says which part it
+/// is: H200 (HBM3e, 4.8), H100 SXM 80 GB (3.35; "NVIDIA H100 80GB HBM3"), H100 NVL (3.9), H100 PCIe
+/// (2.0). Others: none (the table then gives only the share of the measured copy bandwidth).
+fn datasheet_tbs(card: &str) -> Option<f64> {
+    let c = card.to_ascii_uppercase();
+    if c.contains("H200") {
+        Some(4.8)
+    } else if c.contains("H100") && c.contains("NVL") {
+        Some(3.9)
+    } else if c.contains("H100") && c.contains("PCIE") {
+        Some(2.0)
+    } else if c.contains("H100") && c.contains("HBM3") {
+        Some(3.35)
+    } else {
+        None
+    }
 }
 
 /// A revisited prompt of `cached` tokens (whole blocks of 16) whose KV is only in host memory `buf`,

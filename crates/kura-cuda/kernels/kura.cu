@@ -521,9 +521,13 @@ extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf
 // tile's copy runs under this tile's products). Fragments come from shared memory through ldmatrix (V
 // transposed on the way). Per tile: `tile_info[4i..]` = (first token row, rows in the tile, position of
 // the first, first table index); the tile's keys end at its last query's position. Dynamic shared
-// memory: 2 stages × (K + V) × 64 keys × (D + 8) bf16.
+// memory: 2 stages × (K + V) × 64 keys × (D + 8) bf16 (the wide kernel below: NK keys, then 128 query
+// rows of D + 8).
 #define BR 128
 #define BC 64
+// Keys a tile of the wide kernel: 32 at a head size of 128, where 64 keys' scores would not fit beside
+// two m-tiles' outputs in 255 registers.
+#define WIDE_NK(D) ((D) > 64 ? 32 : 64)
 __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -541,6 +545,9 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
+__device__ __forceinline__ void ldmatrix_x2(u32* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -553,12 +560,12 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-// K and V rows of keys kt..kt+BC (past `last`: zeros) into one stage, 8 elements a thread at a time.
-template <int D>
+// K and V rows of keys kt..kt+NK (past `last`: zeros) into one stage, 8 elements a thread at a time.
+template <int D, int NK>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, const int* tables, const PoolShape& p,
                                           int layer, int kvh, int toff, int kt, int last) {
   constexpr int KS = D + 8;
-  for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+  for (int i = threadIdx.x; i < NK * (D / 8); i += blockDim.x) {
     int key = i / (D / 8), c = (i % (D / 8)) * 8;
     int kp = kt + key;
     bool ok = kp <= last;
@@ -568,11 +575,11 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, 
     cp_async16(vs + key * KS + c, pool + at + (size_t)p.kv_heads * p.block_size * D, ok ? 16 : 0);
   }
 }
-template <int D>
+template <int D, int NK>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool, const int* tables,
                                           const PoolShape& p, int layer, int kvh, int toff, int kt, int last) {
   constexpr int KS = D + 8;
-  for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+  for (int i = threadIdx.x; i < NK * (D / 8); i += blockDim.x) {
     int key = i / (D / 8), c = (i % (D / 8)) * 8;
     int kp = kt + key;
     float kf[8], vf[8];
@@ -594,12 +601,12 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool,
   }
 }
 
-template <int D>
+template <int D, int NK>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned char* pool, const int* tables,
                                           const PoolShape& p, int layer, int kvh, int toff, int kt, int last) {
   constexpr int KS = D + 8;
   const size_t vstride = KvAddr<unsigned char>::kind_stride(p);
-  for (int i = threadIdx.x; i < BC * (D / 8); i += blockDim.x) {
+  for (int i = threadIdx.x; i < NK * (D / 8); i += blockDim.x) {
     int key = i / (D / 8), c = (i % (D / 8)) * 8;
     int kp = kt + key;
     float kf[8], vf[8];
@@ -623,15 +630,23 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
   }
 }
 
-template <typename KV, int D>
+// MT: m-tiles of 16 query rows a warp. MT 1: 8 warps, each warp's Q fragments in registers. MT 2 ("wide"):
+// 4 warps of 32 rows, Q in shared memory (`2 stages` are followed by the tile's 128 query rows, D + 8
+// bf16 each), read once per key tile: each K and V fragment a warp reads from shared memory serves two
+// m-tiles, half the shared-memory reads per product. NK: keys a tile. With the same NK both give the same
+// bits: every score and output element is summed in the same order (k-steps, key tiles and key steps
+// ascending), and a warp's rows that a tile does not reach add exact zeros.
+template <typename KV, int D, int MT, int NK>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
                              PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
                              int mask_all) {
   KURA_DEP();
   constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
+  constexpr int WR = 16 * MT;  // query rows a warp
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
-  // Stage s: K at smem + s * 2 * BC * KS, V right after it.
+  // Stage s: K at smem + s * 2 * NK * KS, V right after it; (MT 2) the query rows after both stages.
+  bf16* qs = smem + 2 * 2 * NK * KS;
   int tile = tiles - 1 - blockIdx.x, h = blockIdx.y;  // longest tiles first
   int row0 = tile_info[4 * tile], nrows = tile_info[4 * tile + 1], pos0 = tile_info[4 * tile + 2],
       toff = tile_info[4 * tile + 3];
@@ -639,13 +654,20 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   int last = pos0 + nrows - 1;
   int lo = window > 0 ? max(0, pos0 + 1 - window) : 0;
-  int first = (lo / BC) * BC;
-  int ntiles = (last - first) / BC + 1;
-  load_tile<D>(smem, smem + BC * KS, pool, tables, p, layer, kvh, toff, first, last);
+  int first = (lo / NK) * NK;
+  int ntiles = (last - first) / NK + 1;
+  if constexpr (MT > 1) {
+    // The tile's query rows (rows past the tile read row 0 and are dropped), in the first copy group.
+    for (int i = threadIdx.x; i < BR * (D / 8); i += blockDim.x) {
+      int r = i / (D / 8), c = (i % (D / 8)) * 8;
+      cp_async16(qs + r * KS + c, q + ((size_t)(row0 + (r < nrows ? r : 0)) * heads + h) * D + c, 16);
+    }
+  }
+  load_tile<D, NK>(smem, smem + NK * KS, pool, tables, p, layer, kvh, toff, first, last);
   cp_async_commit();
-  // Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
-  u32 qa[D / 16][4];
-  {
+  // MT 1: Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
+  u32 qa[MT == 1 ? D / 16 : 1][4];
+  if constexpr (MT == 1) {
     int r0 = warp * 16 + g, r1 = r0 + 8;
     const bf16* q0 = q + ((size_t)(row0 + (r0 < nrows ? r0 : 0)) * heads + h) * D;
     const bf16* q1 = q + ((size_t)(row0 + (r1 < nrows ? r1 : 0)) * heads + h) * D;
@@ -657,124 +679,181 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       qa[kk][3] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq + 8);
     }
   }
-  float o[D / 8][4];
+  float o[MT][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m0 = KURA_NEG_INF, m1 = KURA_NEG_INF, l0 = 0.f, l1 = 0.f;
-  int qp0 = pos0 + warp * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
-  int warp_last = min(pos0 + warp * 16 + 15, last);
-  int warp_first = window > 0 ? max(0, pos0 + warp * 16 + 1 - window) : 0;
-  // ldmatrix lane addressing: K (non-transposed, two k-steps) and V (transposed, two n-tiles).
-  int k_row = lane & 7, k_col = (lane >> 3) * 8;
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+  // Per m-tile: the running max and sum of rows g and g + 8.
+  float m0[MT], m1[MT], l0[MT], l1[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    m0[mt] = m1[mt] = KURA_NEG_INF;
+    l0[mt] = l1[mt] = 0.f;
+  }
+  int warp_pos = pos0 + warp * WR;  // position of this warp's first row
+  int warp_last = min(warp_pos + WR - 1, last);
+  int warp_first = window > 0 ? max(0, warp_pos + 1 - window) : 0;
+  // ldmatrix lane addressing: Q (MT 2; the rows of one 16 × 16 fragment), K (non-transposed, two
+  // k-steps; k2: one, MT 2) and V (transposed, two n-tiles).
+  int q_row = lane & 15, q_col = (lane >> 4) * 8;
+  int k_row = lane & 7, k_col = (lane >> 3) * 8, k2_col = ((lane >> 3) & 1) * 8;
   int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
   for (int j = 0; j < ntiles; j++) {
-    int kt = first + j * BC;
-    bf16* ks = smem + (j & 1) * 2 * BC * KS;
-    bf16* vs = ks + BC * KS;
+    int kt = first + j * NK;
+    bf16* ks = smem + (j & 1) * 2 * NK * KS;
+    bf16* vs = ks + NK * KS;
     if (j + 1 < ntiles) {
-      bf16* nk = smem + ((j + 1) & 1) * 2 * BC * KS;
-      load_tile<D>(nk, nk + BC * KS, pool, tables, p, layer, kvh, toff, kt + BC, last);
+      bf16* nk = smem + ((j + 1) & 1) * 2 * NK * KS;
+      load_tile<D, NK>(nk, nk + NK * KS, pool, tables, p, layer, kvh, toff, kt + NK, last);
     }
     cp_async_commit();
     cp_async_wait1();
     __syncthreads();
     // A warp whose rows all end before this tile (or whose window starts after it) skips it.
-    if (kt <= warp_last && kt + BC > warp_first) {
-      // S = Q Kᵀ for 16 rows × 64 keys.
-      float s[BC / 8][4];
+    if (kt <= warp_last && kt + NK > warp_first) {
+      // S = Q Kᵀ for WR rows × NK keys, k-steps in order for every element.
+      float s[MT][NK / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk += 2) {
-          u32 b[4];
-          ldmatrix_x4(b, ks + (nt * 8 + k_row) * KS + kk * 16 + k_col);
-          mma16816(s[nt], qa[kk], b);
-          mma16816(s[nt], qa[kk + 1], b + 2);
+        for (int nt = 0; nt < NK / 8; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+      if constexpr (MT == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; nt++) {
+#pragma unroll
+          for (int kk = 0; kk < D / 16; kk += 2) {
+            u32 b[4];
+            ldmatrix_x4(b, ks + (nt * 8 + k_row) * KS + kk * 16 + k_col);
+            mma16816(s[0][nt], qa[kk], b);
+            mma16816(s[0][nt], qa[kk + 1], b + 2);
+          }
+        }
+      } else {
+#pragma unroll
+        // One k-step at a time: each m-tile's Q fragment (4 registers) and one K fragment (2) live.
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+          u32 a[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++)
+            ldmatrix_x4(a[mt], qs + (warp * WR + mt * 16 + q_row) * KS + kk * 16 + q_col);
+#pragma unroll
+          for (int nt = 0; nt < NK / 8; nt++) {
+            u32 b[2];
+            ldmatrix_x2(b, ks + (nt * 8 + k_row) * KS + kk * 16 + k2_col);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) mma16816(s[mt][nt], a[mt], b);
+          }
         }
       }
-      // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8. A tile every
-      // row of the warp sees whole needs no mask.
-      bool whole = !mask_all && kt + BC - 1 <= pos0 + warp * 16 && (window <= 0 || kt > warp_last - window);
-      float mx0 = m0, mx1 = m1;
+      // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8 of each m-tile. A
+      // tile every row of the warp sees whole needs no mask.
+      bool whole = !mask_all && kt + NK - 1 <= warp_pos && (window <= 0 || kt > warp_last - window);
+      float c0[MT], c1[MT];
 #pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) {
+      for (int mt = 0; mt < MT; mt++) {
+        int qp0 = warp_pos + mt * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
+        float mx0 = m0[mt], mx1 = m1[mt];
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-          int key = kt + nt * 8 + 2 * tq + (e & 1);
-          int qp = e < 2 ? qp0 : qp1;
-          bool ok = whole || (key <= qp && (window <= 0 || key > qp - window));
-          float v = ok ? s[nt][e] * scale_log2 : KURA_NEG_INF;
-          s[nt][e] = v;
-          if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+        for (int nt = 0; nt < NK / 8; nt++) {
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            int key = kt + nt * 8 + 2 * tq + (e & 1);
+            int qp = e < 2 ? qp0 : qp1;
+            bool ok = whole || (key <= qp && (window <= 0 || key > qp - window));
+            float v = ok ? s[mt][nt][e] * scale_log2 : KURA_NEG_INF;
+            s[mt][nt][e] = v;
+            if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+          }
         }
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
-      m0 = mx0;
-      m1 = mx1;
-      float rs0 = 0.f, rs1 = 0.f;
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        c0[mt] = exp2f(m0[mt] - mx0);
+        c1[mt] = exp2f(m1[mt] - mx1);
+        m0[mt] = mx0;
+        m1[mt] = mx1;
+        float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) {
-        // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
-        s[nt][0] = s[nt][0] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][0] - m0);
-        s[nt][1] = s[nt][1] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][1] - m0);
-        s[nt][2] = s[nt][2] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][2] - m1);
-        s[nt][3] = s[nt][3] <= KURA_NEG_INF ? 0.f : exp2f(s[nt][3] - m1);
-        rs0 += s[nt][0] + s[nt][1];
-        rs1 += s[nt][2] + s[nt][3];
-      }
-      l0 = l0 * c0 + rs0;
-      l1 = l1 * c1 + rs1;
+        for (int nt = 0; nt < NK / 8; nt++) {
+          // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
+          s[mt][nt][0] = s[mt][nt][0] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][0] - mx0);
+          s[mt][nt][1] = s[mt][nt][1] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][1] - mx0);
+          s[mt][nt][2] = s[mt][nt][2] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][2] - mx1);
+          s[mt][nt][3] = s[mt][nt][3] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][3] - mx1);
+          rs0 += s[mt][nt][0] + s[mt][nt][1];
+          rs1 += s[mt][nt][2] + s[mt][nt][3];
+        }
+        l0[mt] = l0[mt] * c0[mt] + rs0;
+        l1[mt] = l1[mt] * c1[mt] + rs1;
 #pragma unroll
-      for (int i = 0; i < D / 8; i++) {
-        o[i][0] *= c0; o[i][1] *= c0;
-        o[i][2] *= c1; o[i][3] *= c1;
+        for (int i = 0; i < D / 8; i++) {
+          o[mt][i][0] *= c0[mt]; o[mt][i][1] *= c0[mt];
+          o[mt][i][2] *= c1[mt]; o[mt][i][3] *= c1[mt];
+        }
       }
       // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
 #pragma unroll
-      for (int kk = 0; kk < BC / 16; kk++) {
-        u32 a[4];
-        a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      for (int kk = 0; kk < NK / 16; kk++) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int nt = 0; nt < D / 8; nt += 2) {
           u32 b[4];
           ldmatrix_x4_trans(b, vs + (kk * 16 + v_row) * KS + nt * 8 + v_col);
-          mma16816(o[nt], a, b);
-          mma16816(o[nt + 1], a, b + 2);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma16816(o[mt][nt], a[mt], b);
+            mma16816(o[mt][nt + 1], a[mt], b + 2);
+          }
         }
       }
     }
     __syncthreads();
   }
-  // Row sums across the quad, then write rows g and g + 8 of this warp.
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  int r0 = warp * 16 + g, r1 = r0 + 8;
-  float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  // Row sums across the quad, then write rows g and g + 8 of each of this warp's m-tiles.
 #pragma unroll
-  for (int nt = 0; nt < D / 8; nt++) {
-    int c = nt * 8 + 2 * tq;
-    if (r0 < nrows)
-      *reinterpret_cast<u32*>(out + ((size_t)(row0 + r0) * heads + h) * D + c) = pack_bf16(o[nt][0] * i0, o[nt][1] * i0);
-    if (r1 < nrows)
-      *reinterpret_cast<u32*>(out + ((size_t)(row0 + r1) * heads + h) * D + c) = pack_bf16(o[nt][2] * i1, o[nt][3] * i1);
+  for (int mt = 0; mt < MT; mt++) {
+    float s0 = l0[mt], s1 = l1[mt];
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    int r0 = warp * WR + mt * 16 + g, r1 = r0 + 8;
+    float i0 = s0 > 0.f ? 1.f / s0 : 0.f, i1 = s1 > 0.f ? 1.f / s1 : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+      int c = nt * 8 + 2 * tq;
+      if (r0 < nrows)
+        *reinterpret_cast<u32*>(out + ((size_t)(row0 + r0) * heads + h) * D + c) =
+            pack_bf16(o[mt][nt][0] * i0, o[mt][nt][1] * i0);
+      if (r1 < nrows)
+        *reinterpret_cast<u32*>(out + ((size_t)(row0 + r1) * heads + h) * D + c) =
+            pack_bf16(o[mt][nt][2] * i1, o[mt][nt][3] * i1);
+    }
   }
 }
 
+// `attn_prefill_{kv}_{d}`: 8 warps of 16 rows; `attn_prefill_wide_{kv}_{d}`: 4 warps of 32 rows, two blocks
+// a multiprocessor.
 #define ATTN_PREFILL(KVN, KVT, D)                                                                            \
   extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_##KVN##_##D(                                 \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
       int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+    attn_prefill<KVT, D, 1, BC>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_wide_##KVN##_##D(                            \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 2, WIDE_NK(D)>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
   }
 ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)

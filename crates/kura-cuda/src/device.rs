@@ -464,15 +464,25 @@ impl Device {
 }
 
 /// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V
-/// tiles (64 keys × (head_dim + 8) bf16 each).
+/// tiles (64 keys × (head_dim + 8) bf16 each); the wide prefill kernel's two stages of `wide_keys`
+/// keys and then its 128 query rows.
 pub fn dynamic_smem(kernel: &str) -> Option<u32> {
-    let d: u32 = kernel
-        .strip_prefix("attn_prefill_")?
-        .rsplit('_')
-        .next()?
-        .parse()
-        .ok()?;
-    Some(2 * 2 * 64 * (d + 8) * 2)
+    let rest = kernel.strip_prefix("attn_prefill_")?;
+    let d: u32 = rest.rsplit('_').next()?.parse().ok()?;
+    let row = (d + 8) * 2;
+    Some(match rest.strip_prefix("wide_") {
+        Some(_) => 2 * 2 * wide_keys(d) * row + 128 * row,
+        None => 2 * 2 * 64 * row,
+    })
+}
+
+/// Keys a tile of the wide prefill kernel (`WIDE_NK` in `kura.cu`).
+fn wide_keys(head_dim: u32) -> u32 {
+    if head_dim > 64 {
+        32
+    } else {
+        64
+    }
 }
 
 /// Every kernel of `kura.cu` the executor launches.
@@ -498,6 +508,7 @@ pub fn kernel_names() -> Vec<String> {
     for kv in ["bf16", "f32", "fp8"] {
         for d in [64, 128] {
             v.push(format!("attn_prefill_{kv}_{d}"));
+            v.push(format!("attn_prefill_wide_{kv}_{d}"));
             for g in [1, 2, 4, 8, 16] {
                 v.push(format!("attn_split_{kv}_{d}_g{g}"));
             }
@@ -505,4 +516,39 @@ pub fn kernel_names() -> Vec<String> {
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_kernels_shared_memory_is_their_stages_and_the_wide_ones_query_rows() {
+        // 8 warps: two stages of 64 keys' K and V rows of (d + 8) bf16.
+        assert_eq!(
+            dynamic_smem("attn_prefill_bf16_128"),
+            Some(2 * 2 * 64 * 136 * 2)
+        );
+        assert_eq!(
+            dynamic_smem("attn_prefill_fp8_64"),
+            Some(2 * 2 * 64 * 72 * 2)
+        );
+        // Wide: 32 keys a stage at d = 128 (64 at d = 64), then 128 query rows.
+        assert_eq!(
+            dynamic_smem("attn_prefill_wide_f32_128"),
+            Some(2 * 2 * 32 * 136 * 2 + 128 * 136 * 2)
+        );
+        assert_eq!(
+            dynamic_smem("attn_prefill_wide_bf16_64"),
+            Some(2 * 2 * 64 * 72 * 2 + 128 * 72 * 2)
+        );
+        assert_eq!(dynamic_smem("attn_split_bf16_128_g4"), None);
+        // Every launched kernel that takes shared memory has its size, within sm_80's 163 KiB.
+        for k in kernel_names() {
+            if k.starts_with("attn_prefill") {
+                let bytes = dynamic_smem(&k).unwrap_or_else(|| panic!("{k}: no size"));
+                assert!(bytes <= 163 * 1024, "{k}: {bytes} bytes");
+            }
+        }
+    }
 }

@@ -340,6 +340,9 @@ pub struct CudaExecutor {
     /// Bytes the split-key kernel's partials may take at once ([`PART_CAP_BYTES`]).
     part_cap: usize,
     mask_all_tiles: bool,
+    /// Whether prefill attention runs the wide kernel (4 warps of 32 query rows, Q in shared memory)
+    /// rather than 8 warps of 16 rows.
+    wide_prefill: bool,
     /// Whether host-tier loads are ordered layer by layer before later steps
     /// ([`Executor::imports_ordered`]; `transfers`), or whole-block copies the engine waits for.
     ordered_imports: bool,
@@ -514,6 +517,7 @@ impl CudaExecutor {
             use_dependent: true,
             part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
+            wide_prefill: false,
             ordered_imports: crate::libs::has_batch_copies(),
         })
     }
@@ -522,6 +526,15 @@ impl CudaExecutor {
     /// (the same results: for measuring what skipping the mask saves).
     pub fn set_mask_all_tiles(&mut self, on: bool) {
         self.mask_all_tiles = on;
+    }
+
+    /// Runs prefill attention through the wide kernel (`attn_prefill_wide_*`: 4 warps of 32 query rows
+    /// a tile, each K and V fragment read from shared memory once for two m-tiles) instead of 8 warps of
+    /// 16 rows (the default). At a head size of 64 both give the same bits; at 128 the wide kernel's key
+    /// tiles are 32 keys, not 64, so its sums are rounded at other points.
+    pub fn set_wide_prefill(&mut self, on: bool) {
+        self.wide_prefill = on;
+        self.graphs.clear();
     }
 
     /// Copies host-tier loads layer by layer, ordered before later steps (the default where the driver
@@ -877,10 +890,15 @@ impl CudaExecutor {
                 )?;
             }
             if plan.tiles > 0 {
+                let (variant, threads) = if self.wide_prefill {
+                    ("wide_", 128)
+                } else {
+                    ("", 256)
+                };
                 dev.launch(
-                    &format!("attn_prefill_{kv}_{d}"),
+                    &format!("attn_prefill_{variant}{kv}_{d}"),
                     (plan.tiles as u32, heads as u32, 1),
-                    256,
+                    threads,
                     &[
                         Arg::Ptr(q),
                         Arg::Ptr(pool),

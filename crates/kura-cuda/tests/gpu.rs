@@ -194,6 +194,65 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logits_at_128() {
+    // Every prompt's first 200 tokens in one step and the rest in a second (a cached prefix), all
+    // through the prefill kernel, narrow and then wide, over the same shuffled blocks.
+    let prompts = prompts();
+    let mut failures = Vec::new();
+    for model in ["smol", "llama8b4"] {
+        for dtype in [KvDtype::Bf16, KvDtype::F32, KvDtype::Fp8] {
+            // Block size 7 (blocks that split tiles) on the small model only: each 8B-shaped executor
+            // loads 3 GB of weights.
+            let sizes: &[usize] = if model == "smol" { &[16, 7] } else { &[16] };
+            for &bs in sizes {
+                let most = prompts.iter().map(Vec::len).max().unwrap_or(0).div_ceil(bs);
+                let mut gpu = exec(model, dtype, bs, most + 1);
+                gpu.set_prefill_min(1);
+                for (i, p) in prompts.iter().enumerate().filter(|(_, p)| p.len() > 200) {
+                    let blocks = p.len().div_ceil(bs);
+                    let table: Vec<u32> = (1..=blocks as u32).rev().collect();
+                    // Each run writes every position's K and V again before it reads them.
+                    let mut run = |wide: bool| {
+                        gpu.set_wide_prefill(wide);
+                        gpu.forward_logits(&[SeqInput::new(&p[..200], 0, &table)])
+                            .unwrap();
+                        gpu.forward_logits(&[SeqInput::new(&p[200..], 200, &table)])
+                            .unwrap()
+                    };
+                    let (narrow, wide) = (run(false), run(true));
+                    let (rel, max) = errors(&wide, &narrow);
+                    let same = wide
+                        .iter()
+                        .zip(&narrow)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    println!(
+                        "{model} {} KV, block {bs}, prompt {i} ({} tokens): wide against narrow rel {rel:.2e} \
+                         max {max:.2e}, same bits {same}",
+                        dtype.name(),
+                        p.len()
+                    );
+                    // Head size 64 (SmolLM2's shape): the same key tiles, so the same bits.
+                    if model == "smol" && !same {
+                        failures.push(format!(
+                            "{model} {} block {bs} prompt {i}: bits differ",
+                            dtype.name()
+                        ));
+                    }
+                    if rel > LOGITS_TOL {
+                        failures.push(format!(
+                            "{model} {} block {bs} prompt {i}: {rel:.2e} against the narrow kernel",
+                            dtype.name()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// `prompt` from position `cached` on (the positions before it already in the table's blocks), in
 /// chunks of `chunk` tokens: the last chunk's logits and the next position.
 fn prefill(
