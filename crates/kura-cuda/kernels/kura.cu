@@ -930,6 +930,7 @@ GEMV(8)
 // ---------------------------------------------------------------------------------------------------
 // Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.
 extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab) {
+  KURA_DEP();
   __shared__ float bv[32];
   __shared__ int bi[32];
   const float* row = logits + (size_t)blockIdx.x * vocab;
@@ -956,7 +957,9 @@ extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab)
       int oi = __shfl_xor_sync(0xffffffffu, idx, o);
       if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
     }
-    if (lane == 0) out[blockIdx.x] = (u32)idx;
+    // A row with no number above -FLT_MAX (all NaN or -inf) gives token 0, never an index past the
+    // vocabulary.
+    if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
   }
 }
 
@@ -965,6 +968,7 @@ extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab)
 // (bytes; `row_bytes` = head_dim × element size). Block (layer·2·kv_heads + kind·kv_heads + head).
 extern "C" __global__ void copy_block_prefix(unsigned char* pool, int src, int dst, int n, size_t block_bytes,
                                              int block_size, int row_bytes) {
+  KURA_DEP();
   size_t run = (size_t)block_size * row_bytes;  // one head's slots
   size_t at = (size_t)blockIdx.x * run;
   const unsigned char* s = pool + (size_t)src * block_bytes + at;
@@ -977,6 +981,7 @@ extern "C" __global__ void copy_block_prefix(unsigned char* pool, int src, int d
 // first n payload rows and the first n scale rows.
 extern "C" __global__ void copy_block_prefix_fp8(unsigned char* pool, int src, int dst, int n, size_t block_bytes,
                                                  int block_size, int head_dim) {
+  KURA_DEP();
   size_t run = (size_t)block_size * (head_dim + (head_dim / 64) * 2);
   size_t at = (size_t)blockIdx.x * run;
   const unsigned char* s = pool + (size_t)src * block_bytes + at;
@@ -991,6 +996,7 @@ extern "C" __global__ void copy_block_prefix_fp8(unsigned char* pool, int src, i
 // Seeded pseudo-random bf16 values, uniform in [-scale, scale): weights of a model of a given shape
 // made on the device (benchmarks), the same for the same seed.
 extern "C" __global__ void fill_random_bf16(bf16* out, size_t n, u64 seed, float scale) {
+  KURA_DEP();
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     u64 z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -613,6 +613,20 @@ impl CudaExecutor {
     /// with `every`, every token's in `s.every` (`n_tokens × vocab`, which the caller made room for).
     fn run(&mut self, batch: &[SeqInput<'_>], every: bool) -> Result<StepPlan> {
         let plan = plan_step(batch, self.limits())?;
+        // The element-wise kernels index a step's rows with 32-bit integers (SiLU·mul: tokens ×
+        // intermediate size).
+        if plan
+            .n_tokens
+            .checked_mul(self.cfg.intermediate_size())
+            .is_none_or(|e| e > i32::MAX as usize)
+        {
+            return Err(CudaError::Batch(format!(
+                "a step of {} tokens is too large for this model's FFN of {} (at most {} tokens a step)",
+                plan.n_tokens,
+                self.cfg.intermediate_size(),
+                i32::MAX as usize / self.cfg.intermediate_size().max(1)
+            )));
+        }
         self.dev.ctx.bind_to_thread()?;
         // A step writes the pool: after the stores that read it. Loads started since the last step go
         // out now; a step that reads one of their blocks waits for each layer's bytes before that
