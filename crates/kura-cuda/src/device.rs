@@ -61,9 +61,12 @@ pub struct Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        if self.pinned.is_empty() || self.ctx.bind_to_thread().is_err() {
+        if self.ctx.bind_to_thread().is_err() {
             return;
         }
+        // Kernels still queued (a block copy, the last step) finish before the module, the cuBLAS
+        // handle and the pinned regions they may use go.
+        let _ = self.stream.synchronize();
         for (at, _) in self.pinned.drain(..) {
             // SAFETY: each address was registered by `pin_host` and is unregistered once.
             let _ =

@@ -101,6 +101,11 @@ impl Scratch {
     fn grow(&mut self, dev: &Device, c: &ModelConfig, t: usize, n: usize) -> Result<()> {
         let d = Dims::of(c);
         let grown = budget::grow_step(self.tokens, self.rows, t, n);
+        if (grown.tokens, grown.rows) != (self.tokens, self.rows) {
+            // Until every buffer has grown, no step may count on the old sizes: an allocation that
+            // fails leaves its buffer at one element, and the next step grows it again.
+            (self.tokens, self.rows) = (0, 0);
+        }
         for (which, rows) in grown.buffers() {
             match which {
                 budget::X => ensure_buf(dev, &mut self.x, &d, which, rows)?,
@@ -647,18 +652,21 @@ impl CudaExecutor {
             wave.min(plan.split_tokens) * c.num_heads() * plan.max_splits * (c.head_dim() + 2);
         let s = &mut self.s;
         let before = (s.tokens, s.rows, s.meta.len(), s.part.len());
-        s.grow(&self.dev, c, t, n)?;
         // Metadata room for the longest block tables a step may have, so that it is seldom reallocated.
         let meta_len = plan
             .meta
             .len()
             .max(4 * t + n + 4 * plan.split_tokens + 4 * plan.tiles + 4096);
-        ensure(&self.dev, &mut s.meta, meta_len, "step metadata")?;
-        ensure(&self.dev, &mut s.part, part_len, "attention partials")?;
-        if before != (s.tokens, s.rows, s.meta.len(), s.part.len()) {
-            // A buffer moved: the captured graphs name the old ones.
+        let grown = s
+            .grow(&self.dev, c, t, n)
+            .and_then(|()| ensure(&self.dev, &mut s.meta, meta_len, "step metadata"))
+            .and_then(|()| ensure(&self.dev, &mut s.part, part_len, "attention partials"));
+        // A buffer moved (or was freed by an allocation that then failed): the captured graphs name the
+        // old ones.
+        if grown.is_err() || before != (s.tokens, s.rows, s.meta.len(), s.part.len()) {
             self.graphs.clear();
         }
+        grown?;
         {
             let mut view = s.meta.slice_mut(0..plan.meta.len());
             self.dev.stream.memcpy_htod(&plan.meta, &mut view)?;
@@ -671,13 +679,22 @@ impl CudaExecutor {
                     Ok(g) => g,
                     // A driver that cannot capture dependent launches (before CUDA 12.3): plain ones.
                     Err(e) if self.use_dependent && self.dev.has_dependent_launch() => {
-                        tracing::warn!(
-                            "capturing a decode step with dependent launches failed ({e}); steps run \
-                             with plain launches from now on"
-                        );
                         self.use_dependent = false;
-                        self.graphs.clear();
-                        self.capture(&plan)?
+                        match self.capture(&plan) {
+                            Ok(g) => {
+                                tracing::warn!(
+                                    "capturing a decode step with dependent launches failed ({e}); \
+                                     steps run with plain launches from now on"
+                                );
+                                self.graphs.clear();
+                                g
+                            }
+                            // Not the dependent launches' fault: they stay on.
+                            Err(plain) => {
+                                self.use_dependent = true;
+                                return Err(plain);
+                            }
+                        }
                     }
                     Err(e) => return Err(e),
                 };
@@ -980,7 +997,12 @@ impl CudaExecutor {
                 CudaError::Batch("too many tokens for every position's logits".into())
             })?;
         self.dev.ctx.bind_to_thread()?;
-        ensure(&self.dev, &mut self.s.every, n, "every position's logits")?;
+        if self.s.every.len() < n {
+            // Exactly `n` (not a power of two, as the per-step buffers): every position of a long
+            // piece is many vocabularies of logits.
+            self.s.every = self.dev.alloc::<f32>(1, "every position's logits")?;
+            self.s.every = self.dev.alloc::<f32>(n, "every position's logits")?;
+        }
         self.run(&[item], true)?;
         let mut out = vec![0f32; n];
         self.dev

@@ -40,6 +40,11 @@ impl LoadOrder {
         self.queued.push((block, host));
     }
 
+    /// Whether any load is queued and not issued.
+    pub fn has_queued(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
     /// Whether a load into `block` is queued and not issued.
     pub fn is_queued(&self, block: u32) -> bool {
         self.queued.iter().any(|q| q.0 == block)
@@ -117,10 +122,13 @@ mod tests {
     fn a_step_waits_for_the_newest_issue_that_writes_one_of_its_blocks() {
         let mut o = LoadOrder::default();
         assert_eq!(o.issue(), None, "nothing queued, nothing issued");
+        assert!(!o.has_queued());
         o.queue(4, 0x1000);
         o.queue(5, 0x2000);
+        assert!(o.has_queued());
         assert_eq!(o.queued_host(5), Some(0x2000));
         assert_eq!(o.issue(), Some((1, vec![(4, 0x1000), (5, 0x2000)])));
+        assert!(!o.has_queued());
         assert_eq!(o.queued_host(5), None);
         o.queue(9, 0x3000);
         let (two, _) = o.issue().unwrap();
