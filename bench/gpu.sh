@@ -20,12 +20,15 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
   gpu-bin/kura serve --device cuda --model "$KURA_GPU_SERVE_MODEL" --port $port --kv-cache-memory 8GiB \
     > "$out/serve.log" 2>&1 &
   serve_pid=$!
+  # The server goes with the script, however it ends.
+  trap 'kill $serve_pid 2>/dev/null || true' EXIT
   for _ in $(seq 120); do
+    kill -0 $serve_pid 2>/dev/null || { echo "kura serve --device cuda exited:" >&2; tail -20 "$out/serve.log" >&2; exit 1; }
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
     sleep 0.5
   done
   gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" --groups 4 --users-per-group 8 \
-    --system-tokens 2000 --question-tokens 50 --output-tokens 32 --out "$(mktemp -d)/shared-prefix" 2>&1 | tail -25
+    --system-tokens 2000 --question-tokens 50 --output-tokens 32 --out "$out/shared-prefix" 2>&1 | tail -25
   kill $serve_pid
   wait $serve_pid 2>/dev/null || true
 fi

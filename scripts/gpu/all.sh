@@ -3,7 +3,7 @@
 # shared-prefix run against `kura serve --device cuda` on the test's SmolLM2-shaped model), each under a
 # time limit, their logs and results under OUT_DIR, and a summary printed last (the test verdicts, the
 # logits comparisons, the pool check and the figures table).
-# Usage, on the GPU machine with gpu-bin/ (scripts/gpu-build.sh) and .whl/ carried:
+# Usage, on the GPU machine with gpu-bin/ (scripts/gpu-build.sh) and .whl/ (scripts/gpu/fetch-wheels.sh) carried:
 #   scripts/gpu/all.sh OUT_DIR [TEST_LIMIT_S=240] [BENCH_LIMIT_S=300]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
