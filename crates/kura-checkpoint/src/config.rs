@@ -600,28 +600,22 @@ fn llama_rope(raw: &Json<'_>) -> Result<(f64, Option<Llama3RopeScaling>)> {
     };
     let rope_scaling = match rope {
         None => None,
-        Some(s) => {
-            let kind = match s.str("rope_type")? {
-                Some(t) => t,
-                None => s.str("type")?.unwrap_or("default"),
-            };
-            match kind {
-                "default" => None,
-                "llama3" => Some(Llama3RopeScaling {
-                    factor: s.float("factor")?.unwrap_or(8.0),
-                    low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
-                    high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
-                    original_max_position_embeddings: s
-                        .float("original_max_position_embeddings")?
-                        .unwrap_or(8192.0),
-                }),
-                other => {
-                    return Err(ModelError::Config(format!(
-                        "rope_scaling type '{other}' is not supported (supported: llama3)"
-                    )))
-                }
+        Some(s) => match s.rope_type()? {
+            "default" => None,
+            "llama3" => Some(Llama3RopeScaling {
+                factor: s.float("factor")?.unwrap_or(8.0),
+                low_freq_factor: s.float("low_freq_factor")?.unwrap_or(1.0),
+                high_freq_factor: s.float("high_freq_factor")?.unwrap_or(4.0),
+                original_max_position_embeddings: s
+                    .float("original_max_position_embeddings")?
+                    .unwrap_or(8192.0),
+            }),
+            other => {
+                return Err(ModelError::Config(format!(
+                    "rope_scaling type '{other}' is not supported (supported: llama3)"
+                )))
             }
-        }
+        },
     };
     Ok((rope_theta, rope_scaling))
 }
@@ -688,21 +682,13 @@ impl GemmaHf {
         };
         let rope_linear_factor = match scaling {
             None => None,
-            Some(s) => {
-                let kind = match s.str("rope_type")? {
-                    Some(t) => t,
-                    None => s.str("type")?.unwrap_or("default"),
-                };
-                match kind {
-                    "default" => None,
-                    "linear" => s.float("factor")?.filter(|f| *f != 1.0),
-                    other => {
-                        return Err(ModelError::Config(format!(
-                            "rope_scaling type '{other}' is not supported for Gemma 3 (supported: linear)"
-                        )))
-                    }
-                }
-            }
+            Some(s) => match s.rope_type()? {
+                "default" => None,
+                "linear" => s.float("factor")?.filter(|f| *f != 1.0),
+                other => return Err(ModelError::Config(format!(
+                    "rope_scaling type '{other}' is not supported for Gemma 3 (supported: linear)"
+                ))),
+            },
         };
         Ok(GemmaHf {
             rope_theta,
@@ -771,19 +757,19 @@ impl<'a> Json<'a> {
     }
 
     fn wrong(&self, key: &str, expected: &str, got: &Value) -> ModelError {
-        let mut shown = got.to_string();
-        if shown.len() > 60 {
-            let cut = (0..=60)
-                .rev()
-                .find(|i| shown.is_char_boundary(*i))
-                .unwrap_or(0);
-            shown.truncate(cut);
-            shown.push('…');
-        }
         ModelError::Config(format!(
-            "config.json: '{}{key}' must be {expected}, got {shown}",
-            self.prefix
+            "config.json: '{}{key}' must be {expected}, got {}",
+            self.prefix,
+            kura_shape::spec::short(got)
         ))
+    }
+
+    /// A RoPE scaling object's kind: `rope_type`, else the older `type`, else "default".
+    fn rope_type(&self) -> Result<&'a str> {
+        Ok(match self.str("rope_type")? {
+            Some(t) => t,
+            None => self.str("type")?.unwrap_or("default"),
+        })
     }
 
     fn float(&self, key: &str) -> Result<Option<f64>> {

@@ -108,7 +108,7 @@ fn sum(what: &str, terms: &[u64]) -> Result<u64, SpecError> {
 }
 
 /// A value as shown in an error: its JSON, cut to 60 bytes.
-fn short(v: &Value) -> String {
+pub fn short(v: &Value) -> String {
     let mut shown = v.to_string();
     if shown.len() > 60 {
         let cut = (0..=60)
