@@ -685,9 +685,11 @@ impl GemmaHf {
             Some(s) => match s.rope_type()? {
                 "default" => None,
                 "linear" => s.float("factor")?.filter(|f| *f != 1.0),
-                other => return Err(ModelError::Config(format!(
+                other => {
+                    return Err(ModelError::Config(format!(
                     "rope_scaling type '{other}' is not supported for Gemma 3 (supported: linear)"
-                ))),
+                )))
+                }
             },
         };
         Ok(GemmaHf {

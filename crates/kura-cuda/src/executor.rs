@@ -58,17 +58,29 @@ struct Scratch {
     every: CudaSlice<f32>,
 }
 
-/// Grows `buf` to at least `n` elements (its contents are not kept).
+/// Grows `buf` to at least `n` elements, rounded up as [`budget::alloc_len`] rounds (its contents are
+/// not kept).
 fn ensure<T: DeviceRepr + ValidAsZeroBits>(
     dev: &Device,
     buf: &mut CudaSlice<T>,
     n: usize,
     what: &str,
 ) -> Result<()> {
+    ensure_as(dev, buf, n, budget::alloc_len(n), what)
+}
+
+/// Makes `buf` `len` elements long when it holds fewer than `n` (its contents are not kept).
+fn ensure_as<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &Device,
+    buf: &mut CudaSlice<T>,
+    n: usize,
+    len: usize,
+    what: &str,
+) -> Result<()> {
     if buf.len() < n {
         // Free the old buffer before asking for the larger one.
         *buf = dev.alloc::<T>(1, what)?;
-        *buf = dev.alloc::<T>(budget::alloc_len(n), what)?;
+        *buf = dev.alloc::<T>(len, what)?;
     }
     Ok(())
 }
@@ -182,6 +194,9 @@ pub struct StepLimits {
     pub window: Option<usize>,
     /// Sequences with at least this many new tokens take the prefill kernel ([`PREFILL_MIN`]).
     pub prefill_min: usize,
+    /// The most new tokens of one step: the element-wise kernels index a step's rows with 32-bit
+    /// integers (SiLU·mul: tokens × intermediate size).
+    pub max_tokens: usize,
 }
 
 /// Checks a batch and lays out its metadata: every bad index is an error naming the sequence, never a
@@ -243,6 +258,12 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
         }
     }
     let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
+    if t > lim.max_tokens {
+        return bad(format!(
+            "a step of {t} new tokens is more than this model's kernels index (at most {})",
+            lim.max_tokens
+        ));
+    }
     let table_len: usize = batch
         .iter()
         .map(|s| (s.start_pos + s.tokens.len()).div_ceil(bs))
@@ -611,6 +632,7 @@ impl CudaExecutor {
             max_context: self.cfg.max_context(),
             window: self.cfg.sliding_window(),
             prefill_min: self.prefill_min,
+            max_tokens: i32::MAX as usize / self.cfg.intermediate_size().max(1),
         }
     }
 
@@ -618,20 +640,6 @@ impl CudaExecutor {
     /// with `every`, every token's in `s.every` (`n_tokens × vocab`, which the caller made room for).
     fn run(&mut self, batch: &[SeqInput<'_>], every: bool) -> Result<StepPlan> {
         let plan = plan_step(batch, self.limits())?;
-        // The element-wise kernels index a step's rows with 32-bit integers (SiLU·mul: tokens ×
-        // intermediate size).
-        if plan
-            .n_tokens
-            .checked_mul(self.cfg.intermediate_size())
-            .is_none_or(|e| e > i32::MAX as usize)
-        {
-            return Err(CudaError::Batch(format!(
-                "a step of {} tokens is too large for this model's FFN of {} (at most {} tokens a step)",
-                plan.n_tokens,
-                self.cfg.intermediate_size(),
-                i32::MAX as usize / self.cfg.intermediate_size().max(1)
-            )));
-        }
         self.dev.ctx.bind_to_thread()?;
         // A step writes the pool: after the stores that read it. Loads started since the last step go
         // out now; a step that reads one of their blocks waits for each layer's bytes before that
@@ -997,12 +1005,15 @@ impl CudaExecutor {
                 CudaError::Batch("too many tokens for every position's logits".into())
             })?;
         self.dev.ctx.bind_to_thread()?;
-        if self.s.every.len() < n {
-            // Exactly `n` (not a power of two, as the per-step buffers): every position of a long
-            // piece is many vocabularies of logits.
-            self.s.every = self.dev.alloc::<f32>(1, "every position's logits")?;
-            self.s.every = self.dev.alloc::<f32>(n, "every position's logits")?;
-        }
+        // Exactly `n` (not rounded up, as the per-step buffers): every position of a long piece is
+        // many vocabularies of logits.
+        ensure_as(
+            &self.dev,
+            &mut self.s.every,
+            n,
+            n,
+            "every position's logits",
+        )?;
         self.run(&[item], true)?;
         let mut out = vec![0f32; n];
         self.dev
@@ -1216,6 +1227,7 @@ mod tests {
             max_context: 64,
             window: None,
             prefill_min: 3,
+            max_tokens: 1000,
         }
     }
 
@@ -1321,6 +1333,19 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("also writes"), "{err}");
+        // More new tokens than the kernels index (7 over two sequences where a step takes 6).
+        let (long, short) = ([1u32; 4], [1u32; 3]);
+        let (ta, tb) = ([1u32, 2], [3u32]);
+        let err = plan_step(
+            &[SeqInput::new(&long, 0, &ta), SeqInput::new(&short, 0, &tb)],
+            StepLimits {
+                max_tokens: 6,
+                ..lim()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("at most 6"), "{err}");
         // Layer pages (a hybrid pool) are the CPU's.
         let pages = [0u32; 4];
         let s = SeqInput {
