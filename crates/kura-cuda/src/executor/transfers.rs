@@ -225,126 +225,25 @@ impl CudaExecutor {
         // whatever fails after.
         let layers = self.cfg.num_layers();
         let ctx = &self.dev.ctx;
-        let issued = ctx.new_event(UNTIMED)?;
         let start = ctx.new_event(TIMED)?;
         let events = (0..layers)
             .map(|l| ctx.new_event(if l + 1 == layers { TIMED } else { UNTIMED }))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let (seq, queued) = loads.order.issue().expect("loads are queued");
-        // A block is every layer's K then V, layer by layer (`pool_at` in kura.cu).
-        let layer_bytes = self.block_bytes / layers;
-        let pool = self.dev.ptr(&self.pool);
-        let (dev, block_bytes) = (&self.dev, self.block_bytes);
-        let copied = (|| -> Result<()> {
-            issued.record(&dev.stream)?;
-            loads.stream.wait(&issued)?;
-            start.record(&loads.stream)?;
-            let mut attrs = sys::CUmemcpyAttributes {
-                srcAccessOrder: sys::CUmemcpySrcAccessOrder_enum::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                srcLocHint: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_HOST,
-                    id: 0,
-                },
-                dstLocHint: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: dev.ordinal as i32,
-                },
-                flags: sys::CUmemcpyFlags_enum::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
-            };
-            let mut attr_at = [0usize];
-            let n = queued.len();
-            let (mut dsts, mut srcs) = (Vec::with_capacity(n), Vec::with_capacity(n));
-            let mut sizes = vec![layer_bytes; n];
-            // Whole blocks once a batched copy failed: every layer's event then follows every block.
-            let mut whole = false;
-            for (layer, ev) in events.iter().enumerate() {
-                let at = (layer * layer_bytes) as u64;
-                dsts.clear();
-                srcs.clear();
-                for &(block, host) in &queued {
-                    dsts.push(pool + (block as usize * block_bytes) as u64 + at);
-                    srcs.push(host + at);
-                }
-                // SAFETY (both forms): each destination is `layer_bytes` of a block within the pool
-                // (or the whole block, `block_bytes`), checked when the load was started; each source
-                // the same bytes of a pinned host slot of `block_bytes`, which the engine writes again
-                // only through a store, issued on this stream after this copy, and which outlives the
-                // copy (`HostLoads` waits for its stream when dropped). The three arrays are `n` long
-                // and live across the call; one attribute applies to all.
-                let batch = if whole {
-                    Ok(())
-                } else if loads.batched {
-                    unsafe {
-                        sys::cuMemcpyBatchAsync_v2(
-                            dsts.as_mut_ptr(),
-                            srcs.as_mut_ptr(),
-                            sizes.as_mut_ptr(),
-                            n,
-                            &mut attrs,
-                            attr_at.as_mut_ptr(),
-                            1,
-                            loads.stream.cu_stream(),
-                        )
-                    }
-                    .result()
-                    .map_err(|e| e.to_string())
-                } else {
-                    Err(String::new())
-                };
-                if let Err(e) = batch {
-                    if loads.batched {
-                        tracing::warn!(
-                            "a batched copy of host-tier loads failed ({e}); loads are whole-block \
-                             copies from now on, and a step that reads one waits for all of them"
-                        );
-                        loads.batched = false;
-                    }
-                    // From this layer on (the earlier ones are copied, and a step may already read
-                    // them): copies the batch may have enqueued write the same bytes again.
-                    whole = true;
-                    for (&dst, &src) in dsts.iter().zip(&srcs) {
-                        // SAFETY: as above: this layer and the ones after it, the rest of the block.
-                        unsafe {
-                            sys::cuMemcpyHtoDAsync_v2(
-                                dst,
-                                src as *const std::ffi::c_void,
-                                block_bytes - at as usize,
-                                loads.stream.cu_stream(),
-                            )
-                        }
-                        .result()?;
-                    }
-                }
-                ev.record(&loads.stream)?;
-            }
-            Ok(())
-        })();
-        // Issued or not, the issue keeps its events: an event never recorded counts as complete, and
-        // the steps that read these blocks wait on them.
+        let copies = Copies {
+            dev: &self.dev,
+            pool: self.dev.ptr(&self.pool),
+            block_bytes: self.block_bytes,
+            queued: &queued,
+        };
         let mut copy_time = None;
         let mut result = Ok(());
-        if let Err(e) = copied {
-            // Copied synchronously instead, after everything either stream has started (which wrote
-            // these blocks before they were freed); only if that fails too is the step refused.
+        if let Err(e) = copies.layered(loads, &start, &events) {
+            // Copied synchronously instead; only if that fails too is the step refused. An event the
+            // failed issue never recorded counts as complete.
             tracing::error!("issuing host-tier loads failed ({e}); copying them synchronously");
             let t = std::time::Instant::now();
-            let sync = (|| -> Result<()> {
-                dev.synchronize()?;
-                loads.stream.synchronize()?;
-                for &(block, host) in &queued {
-                    // SAFETY: as above, a whole block, with both streams idle.
-                    unsafe {
-                        sys::cuMemcpyHtoD_v2(
-                            pool + (block as usize * block_bytes) as u64,
-                            host as *const std::ffi::c_void,
-                            block_bytes,
-                        )
-                    }
-                    .result()?;
-                }
-                Ok(())
-            })();
-            match sync {
+            match copies.now(&loads.stream) {
                 Ok(()) => copy_time = Some(t.elapsed()),
                 Err(_) => result = Err(e),
             }
@@ -518,5 +417,129 @@ impl CudaExecutor {
             // A copy of a block takes tens of microseconds to milliseconds.
             std::thread::sleep(Duration::from_micros(20));
         }
+    }
+}
+
+/// The copies of one issue of ordered loads: (block, host address of its slot) each.
+struct Copies<'a> {
+    dev: &'a Device,
+    pool: u64,
+    block_bytes: usize,
+    queued: &'a [(u32, u64)],
+}
+
+impl Copies<'_> {
+    /// On the transfer stream after the device stream's work so far (which wrote these blocks before
+    /// they were freed): `start`, then per layer one batched copy of that layer's bytes of every block
+    /// and that layer's event.
+    fn layered(
+        &self,
+        loads: &mut HostLoads,
+        start: &CudaEvent,
+        events: &[CudaEvent],
+    ) -> Result<()> {
+        let issued = self.dev.ctx.new_event(UNTIMED)?;
+        issued.record(&self.dev.stream)?;
+        loads.stream.wait(&issued)?;
+        start.record(&loads.stream)?;
+        // A block is every layer's K then V, layer by layer (`pool_at` in kura.cu).
+        let layer_bytes = self.block_bytes / events.len();
+        let mut attrs = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder_enum::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: sys::CUmemLocation {
+                type_: sys::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_HOST,
+                id: 0,
+            },
+            dstLocHint: sys::CUmemLocation {
+                type_: sys::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.dev.ordinal as i32,
+            },
+            flags: sys::CUmemcpyFlags_enum::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        };
+        let mut attr_at = [0usize];
+        let n = self.queued.len();
+        let (mut dsts, mut srcs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut sizes = vec![layer_bytes; n];
+        // Whole blocks once a batched copy failed: every layer's event then follows every block.
+        let mut whole = false;
+        for (layer, ev) in events.iter().enumerate() {
+            let at = (layer * layer_bytes) as u64;
+            dsts.clear();
+            srcs.clear();
+            for &(block, host) in self.queued {
+                dsts.push(self.pool + (block as usize * self.block_bytes) as u64 + at);
+                srcs.push(host + at);
+            }
+            // SAFETY (both forms): each destination is `layer_bytes` of a block within the pool (or
+            // the whole block, `block_bytes`), checked when the load was started; each source the
+            // same bytes of a pinned host slot of `block_bytes`, which the engine writes again only
+            // through a store, issued on this stream after this copy, and which outlives the copy
+            // (`HostLoads` waits for its stream when dropped). The three arrays are `n` long and live
+            // across the call; one attribute applies to all.
+            let batch = if whole {
+                Ok(())
+            } else if loads.batched {
+                unsafe {
+                    sys::cuMemcpyBatchAsync_v2(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        n,
+                        &mut attrs,
+                        attr_at.as_mut_ptr(),
+                        1,
+                        loads.stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| e.to_string())
+            } else {
+                Err(String::new())
+            };
+            if let Err(e) = batch {
+                if loads.batched {
+                    tracing::warn!(
+                        "a batched copy of host-tier loads failed ({e}); loads are whole-block copies \
+                         from now on, and a step that reads one waits for all of them"
+                    );
+                    loads.batched = false;
+                }
+                // From this layer on (the earlier ones are copied, and a step may already read them):
+                // copies the batch may have enqueued write the same bytes again.
+                whole = true;
+                for (&dst, &src) in dsts.iter().zip(&srcs) {
+                    // SAFETY: as above: this layer and the ones after it, the rest of the block.
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dst,
+                            src as *const std::ffi::c_void,
+                            self.block_bytes - at as usize,
+                            loads.stream.cu_stream(),
+                        )
+                    }
+                    .result()?;
+                }
+            }
+            ev.record(&loads.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Whole blocks, synchronously, after everything the device stream and `transfers` have started.
+    fn now(&self, transfers: &CudaStream) -> Result<()> {
+        self.dev.synchronize()?;
+        transfers.synchronize()?;
+        for &(block, host) in self.queued {
+            // SAFETY: as in `layered`, a whole block, with both streams idle.
+            unsafe {
+                sys::cuMemcpyHtoD_v2(
+                    self.pool + (block as usize * self.block_bytes) as u64,
+                    host as *const std::ffi::c_void,
+                    self.block_bytes,
+                )
+            }
+            .result()?;
+        }
+        Ok(())
     }
 }
