@@ -5,16 +5,22 @@
 # the TTFT of a 4,096-token prompt with 4,080 cached. Needs gpu-bin/ (scripts/gpu-build.sh).
 # Writes the JSON lines of both to OUT_DIR (default: a temporary folder) and prints a table. With
 # KURA_GPU_SERVE_MODEL set to a model directory, also runs `kura bench shared-prefix` against
-# `kura serve --device cuda` on that model.
+# `kura serve --device cuda` on that model. A step that fails or runs past its limit (KURA_BENCH_LIMIT_S,
+# KURA_HF_LIMIT_S) does not stop the next; the script then exits 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu/env.sh
 export KURA_CACHE_DIR="$PWD/gpu-bin/cache"
 out=${1:-$(mktemp -d)}
 mkdir -p "$out"
-gpu-bin/gpu-bench bench/gpu/llama-3.1-8b.json | tee "$out/kura.jsonl"
-python3 bench/gpu/hf_peer.py | tee "$out/hf.jsonl"
-python3 bench/gpu/table.py "$out/kura.jsonl" "$out/hf.jsonl"
+failed=()
+# --foreground: the command stays in this script's process group, so that a timeout around the whole
+# script (scripts/gpu/all.sh) ends it too.
+timeout --foreground -k 10 "${KURA_BENCH_LIMIT_S:-180}" gpu-bin/gpu-bench bench/gpu/llama-3.1-8b.json | tee "$out/kura.jsonl" \
+  || failed+=("gpu-bench (exit ${PIPESTATUS[0]}; 124: over ${KURA_BENCH_LIMIT_S:-180} s)")
+timeout --foreground -k 10 "${KURA_HF_LIMIT_S:-120}" python3 bench/gpu/hf_peer.py | tee "$out/hf.jsonl" \
+  || failed+=("hf_peer.py (exit ${PIPESTATUS[0]}; 124: over ${KURA_HF_LIMIT_S:-120} s)")
+python3 bench/gpu/table.py "$out/kura.jsonl" "$out/hf.jsonl" || failed+=("table.py")
 if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
   port=8391
   gpu-bin/kura serve --device cuda --model "$KURA_GPU_SERVE_MODEL" --port $port --kv-cache-memory 8GiB \
@@ -23,12 +29,23 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
   # The server goes with the script, however it ends.
   trap 'kill $serve_pid 2>/dev/null || true' EXIT
   for _ in $(seq 120); do
-    kill -0 $serve_pid 2>/dev/null || { echo "kura serve --device cuda exited:" >&2; tail -20 "$out/serve.log" >&2; exit 1; }
+    kill -0 $serve_pid 2>/dev/null || break
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
     sleep 0.5
   done
-  gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" --groups 4 --users-per-group 8 \
-    --system-tokens 2000 --question-tokens 50 --output-tokens 32 --out "$out/shared-prefix" 2>&1 | tail -25
-  kill $serve_pid
-  wait $serve_pid 2>/dev/null || true
+  if ! kill -0 $serve_pid 2>/dev/null; then
+    echo "kura serve --device cuda exited:" >&2
+    tail -20 "$out/serve.log" >&2
+    failed+=("kura serve --device cuda")
+  else
+    gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" --groups 4 --users-per-group 8 \
+      --system-tokens 2000 --question-tokens 50 --output-tokens 32 --out "$out/shared-prefix" 2>&1 | tail -25 \
+      || failed+=("kura bench shared-prefix")
+    kill $serve_pid
+    wait $serve_pid 2>/dev/null || true
+  fi
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'bench/gpu.sh: FAILED: %s\n' "${failed[@]}" >&2
+  exit 1
 fi

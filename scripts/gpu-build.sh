@@ -21,6 +21,9 @@ cp target/release/kura "$out/kura"
 cp "$test_bin" "$out/kura-cuda-gpu-tests"
 cp target/release/examples/gpu-bench "$out/gpu-bench"
 strip "$out/kura" "$out/kura-cuda-gpu-tests" "$out/gpu-bench"
+# Only this source's cubins: those of earlier versions of the kernels would travel too (2-3 MB a
+# version, against the 64 MiB a device call carries).
+rm -rf "$out/cache/cuda-kernels"
 KURA_CACHE_DIR="$PWD/$out/cache" target/release/examples/kernel-cache sm_90 sm_80 >&2
 scripts/gpu/tokenizer.sh "$out/tokenizer" >&2
 du -sh "$out" >&2

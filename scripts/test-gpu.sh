@@ -28,10 +28,26 @@ echo "== models and HF references ($work)"
 python3 scripts/gpu/make_models.py "$work" gpu-bin/tokenizer
 failed=()
 echo "== CUDA executor tests"
-KURA_GPU_MODELS="$work" gpu-bin/kura-cuda-gpu-tests --ignored --test-threads=1 --nocapture || failed+=("executor tests")
+# One process a test, each under a time limit (KURA_GPU_TEST_LIMIT_S): a test that hangs, or leaves a
+# sticky CUDA error in the process's (primary) context, or aborts, costs only itself. --foreground keeps
+# it in this script's process group, so that a timeout around the whole script ends it too.
+tests=$(gpu-bin/kura-cuda-gpu-tests --ignored --list --format terse | sed -n 's/: test$//p' || true)
+[ -n "$tests" ] || failed+=("executor tests (none listed)")
+for t in $tests; do
+  rc=0
+  KURA_GPU_MODELS="$work" timeout --foreground -k 10 "${KURA_GPU_TEST_LIMIT_S:-90}" \
+    gpu-bin/kura-cuda-gpu-tests --ignored --exact "$t" --test-threads=1 --nocapture || rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "test $t ... TIMED OUT (over ${KURA_GPU_TEST_LIMIT_S:-90} s)"
+    failed+=("$t (timed out)")
+  elif [ $rc -ne 0 ]; then
+    failed+=("$t")
+  fi
+done
 echo "== kura serve --device cuda with the openai client"
 if ! python3 -c 'import openai' 2>/dev/null && [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kura-site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kura-site .whl/*.whl \
+    || echo "installing .whl/ failed" >&2
   export PYTHONPATH=/tmp/kura-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! python3 -c 'import openai' 2>/dev/null; then

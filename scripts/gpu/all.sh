@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device session's GPU work in one call: scripts/test-gpu.sh, then bench/gpu.sh (with the
 # shared-prefix run against `kura serve --device cuda` on the test's SmolLM2-shaped model), each under a
-# time limit, their logs and results under OUT_DIR, and a summary printed last (the test verdicts, the
-# logits comparisons, the pool check and the figures table).
+# time limit, their logs and results under OUT_DIR, and a summary printed last and kept in
+# OUT_DIR/summary.txt (the test verdicts, the logits comparisons, the pool check, why a step failed and
+# the figures table). A failing or timed-out test step does not stop the benchmarks. Exits non-zero when
+# either step failed.
 # Usage, on the GPU machine with gpu-bin/ (scripts/gpu-build.sh) and .whl/ (scripts/gpu/fetch-wheels.sh) carried:
 #   scripts/gpu/all.sh OUT_DIR [TEST_LIMIT_S=240] [BENCH_LIMIT_S=300]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 out=${1:?usage: scripts/gpu/all.sh OUT_DIR [TEST_LIMIT_S] [BENCH_LIMIT_S]}
 test_limit=${2:-240}
 bench_limit=${3:-300}
@@ -15,11 +17,24 @@ mkdir -p "$out/bench"
 work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
 mkdir -p "$work"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-timeout "$test_limit" bash scripts/test-gpu.sh "$work" >"$out/test.log" 2>&1
+# -k: whatever ignores the TERM at the limit is killed 10 s later (the whole process group either way).
+timeout -k 10 "$test_limit" bash scripts/test-gpu.sh "$work" >"$out/test.log" 2>&1
 test_rc=$?
-KURA_GPU_SERVE_MODEL="$work/smol" timeout "$bench_limit" bash bench/gpu.sh "$out/bench" >"$out/bench.log" 2>&1
+KURA_GPU_SERVE_MODEL="$work/smol" timeout -k 10 "$bench_limit" bash bench/gpu.sh "$out/bench" >"$out/bench.log" 2>&1
 bench_rc=$?
-echo "== scripts/test-gpu.sh: exit $test_rc (124: over ${test_limit} s)"
-grep -E '^test |test result|FAILED|panicked|within|against float32|fp8 KV|^pool:|^server:|== ' "$out/test.log" | tail -60
-echo "== bench/gpu.sh: exit $bench_rc (124: over ${bench_limit} s)"
-tail -45 "$out/bench.log"
+# Plots are pictures, and a folder too deep to come back from the device machine: keep the files that do.
+rm -rf "$out/bench/shared-prefix/plots"
+{
+  echo "== scripts/test-gpu.sh: exit $test_rc (124: over ${test_limit} s)"
+  grep -E '^test |test result|FAIL|panicked|within|against float32|fp8 KV|^pool:|^server:|host tier:|cached_tokens on|reference exact|ordered loads of|== ' \
+    "$out/test.log" | tail -70
+  if [ "$test_rc" -ne 0 ]; then
+    echo "-- why (each panic's message, then the log's last lines):"
+    grep -A4 'panicked at' "$out/test.log" | head -60
+    tail -12 "$out/test.log"
+  fi
+  echo "== bench/gpu.sh: exit $bench_rc (124: over ${bench_limit} s)"
+  # Without the JSON lines (in bench/kura.jsonl and bench/hf.jsonl): the tables, errors and shared-prefix run.
+  grep -v '^[{[]' "$out/bench.log" | tail -50
+} | tee "$out/summary.txt"
+exit $((test_rc | bench_rc))

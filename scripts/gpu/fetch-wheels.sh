@@ -10,8 +10,10 @@ plats=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
   plats+=(--platform "$p")
 done
-for req in openai==2.54.0 pydantic==2.14.4 pydantic-core==2.50.5 jiter distro sniffio annotated-types \
-  typing-inspection typing-extensions; do
+# Every version pinned: .whl/ keeps what earlier runs fetched, and two versions of one package there stop
+# the whole install on the GPU machine.
+for req in openai==2.54.0 pydantic==2.14.4 pydantic-core==2.50.5 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${plats[@]}" -d .whl "$req"
 done

@@ -10,7 +10,7 @@
 # Each step under half of LIMIT_S; logs and results under OUT_DIR, a summary printed last.
 # Usage: scripts/gpu/tiers.sh OUT_DIR [LIMIT_S=240]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 out=${1:?usage: scripts/gpu/tiers.sh OUT_DIR [LIMIT_S]}
 limit=${2:-240}
 work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
@@ -28,10 +28,16 @@ timeout $((limit / 2)) python3 bench/tiers.py --kura gpu-bin/kura --model "$mode
 convoy_rc=$?
 # A pool of 64 MiB holds 4,096 tokens of this model (16 KiB a token): 16 requests growing to 2,048 tokens
 # each outgrow it from a concurrency of 4.
-DEVICE=cuda MODEL="$model" KURA_BIN=gpu-bin/kura POOL=64MiB HOST=4GiB SWEEP=2,4,8,16 REQUESTS=16 \
-  PROMPT=512 OUTPUT=1536 BATCH=8192 OUT="$out/swap-sweep" \
-  timeout $((limit / 2)) bash bench/swap-sweep.sh >"$out/swap-sweep.log" 2>&1
-sweep_rc=$?
+# bench/swap-sweep.sh polls the servers with curl: without it, it would wait out its limit.
+if command -v curl >/dev/null; then
+  DEVICE=cuda MODEL="$model" KURA_BIN=gpu-bin/kura POOL=64MiB HOST=4GiB SWEEP=2,4,8,16 REQUESTS=16 \
+    PROMPT=512 OUTPUT=1536 BATCH=8192 OUT="$out/swap-sweep" \
+    timeout $((limit / 2)) bash bench/swap-sweep.sh >"$out/swap-sweep.log" 2>&1
+  sweep_rc=$?
+else
+  echo "no curl on this machine: bench/swap-sweep.sh needs it; the swap sweep did not run" >"$out/swap-sweep.log"
+  sweep_rc=1
+fi
 echo "== hostconvoy: exit $convoy_rc (124: over $((limit / 2)) s)"
 grep -E "host convoy" "$out/hostconvoy.log" | tail -4
 echo "== swap sweep: exit $sweep_rc (124: over $((limit / 2)) s)"

@@ -8,7 +8,9 @@
 //! decode at batch 64 with 1,024 tokens of context each (and its step times while a
 //! 16,384-token prefix loads from the host tier beside it), and the TTFT of a 4,096-token prompt whose
 //! first 4,080 tokens are cached. Times are the executor's: host clock around steps that
-//! end in a synchronisation (the token ids back on the host).
+//! end in a synchronisation (the token ids back on the host). Each line is printed as soon as it is
+//! measured; a host-tier section that fails (or whose loads are never reported) is named at the end
+//! (exit 1) without losing the other sections.
 
 use std::time::Instant;
 
@@ -87,10 +89,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     let vocab = cfg.vocab_size();
     let mut results: Vec<String> = Vec::new();
-    let mut emit = |line: String| {
-        println!("{line}");
-        results.push(line);
-    };
+    // Sections that may fail without losing the figures before them (printed as they come) or the
+    // sections after them: their errors are reported at the end.
+    let mut failed: Vec<String> = Vec::new();
 
     // Warm-up: every kernel and product shape once.
     let table: Vec<u32> = (0..(16_384 / bs) as u32).collect();
@@ -123,6 +124,33 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     gpu.set_graphs(true);
     gpu.set_dependent_launch(true);
+    // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
+    let bandwidth = copy_bandwidth(gpu.device())?;
+    let bound = bandwidth / weight_bytes as f64;
+    let has_dependent = gpu.device().has_dependent_launch();
+    let card = gpu.device().name.clone();
+    let datasheet = datasheet_tbs(&card);
+    for ((graphs, dependent), tps) in decode1 {
+        let dependent = dependent && has_dependent;
+        emit(
+            &mut results,
+            format!(
+                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"graphs\":{graphs},\
+                 \"dependent_launch\":{dependent},\
+                 \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
+                 \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
+                 \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
+                1e3 / tps,
+                bandwidth / 1e9,
+                tps / bound,
+                datasheet.map_or("null".into(), |b| format!("{b}")),
+                datasheet.map_or("null".into(), |b| format!(
+                    "{:.3}",
+                    tps / (b * 1e12 / weight_bytes as f64)
+                )),
+            ),
+        );
+    }
 
     // Prefill TTFT, through the default prefill attention (8 warps of 16 query rows) and the wide one
     // (4 warps of 32), runs interleaved.
@@ -139,11 +167,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         gpu.set_wide_prefill(false);
         for (kernel, times) in ["narrow", "wide"].into_iter().zip(times) {
-            emit(format!(
-                "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
-                 \"runs_ms\":{times:?}}}",
-                median(times.clone())
-            ));
+            emit(
+                &mut results,
+                format!(
+                    "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
+                     \"runs_ms\":{times:?}}}",
+                    median(times.clone())
+                ),
+            );
         }
     }
 
@@ -173,11 +204,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         gpu.forward_greedy(&[SeqInput::new(&p[4080..], 4080, &table)])?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    emit(format!(
-        "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":4096,\"cached\":4080,\"ms\":{:.2},\"runs_ms\":{:?}}}",
-        median(times.clone()),
-        times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
-    ));
+    emit(
+        &mut results,
+        format!(
+            "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":4096,\"cached\":4080,\"ms\":{:.2},\"runs_ms\":{:?}}}",
+            median(times.clone()),
+            times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
+        ),
+    );
 
     // A revisited prompt whose KV is only in the host tier (L2): its blocks exported to host memory, then
     // brought back one copy a block (as the engine's host tier does) before the last 16 tokens are
@@ -185,41 +219,41 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // bytes, and the cold prefill. Pinned (the host tier of a GPU server) at every length; pageable
     // memory at 4,096 tokens for comparison.
     let pinned_ok = kura_engine::Executor::register_host_region(&mut gpu, &mut host);
-    let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
-    let mut pageable = vec![0u8; 4096 / bs * block_bytes];
-    for (n, pinned) in [
-        (1024usize, true),
-        (4096, true),
-        (16_384, true),
-        (4096, false),
-    ] {
-        let buf: &mut [u8] = if pinned { &mut host } else { &mut pageable };
-        let host_kind = if pinned && pinned_ok {
-            "pinned"
-        } else {
-            "pageable"
-        };
-        emit(l2_revisit(
+    let revisits = (|| -> Result<(), Box<dyn std::error::Error>> {
+        let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
+        let mut pageable = vec![0u8; 4096 / bs * block_bytes];
+        for (n, pinned) in [
+            (1024usize, true),
+            (4096, true),
+            (16_384, true),
+            (4096, false),
+        ] {
+            let buf: &mut [u8] = if pinned { &mut host } else { &mut pageable };
+            let host_kind = if pinned && pinned_ok {
+                "pinned"
+            } else {
+                "pageable"
+            };
+            let line = l2_revisit(&mut gpu, buf, &mut staging, (n - 16, 16), &table, host_kind)?;
+            emit(&mut results, line);
+        }
+        // Overlap: 16,384 cached tokens in the host tier and 1,024 new ones; ordered loads let the
+        // first layers compute while the later ones are copied.
+        let long_table: Vec<u32> = (0..((16_384 + 1024) / bs) as u32).collect();
+        let line = l2_revisit(
             &mut gpu,
-            buf,
+            &mut host,
             &mut staging,
-            (n - 16, 16),
-            &table,
-            host_kind,
-        )?);
+            (16_384, 1024),
+            &long_table,
+            if pinned_ok { "pinned" } else { "pageable" },
+        )?;
+        emit(&mut results, line);
+        Ok(())
+    })();
+    if let Err(e) = revisits {
+        failed.push(format!("the host-tier revisits (l2_revisit): {e}"));
     }
-    // Overlap: 16,384 cached tokens in the host tier and 1,024 new ones; ordered loads let the first
-    // layers compute while the later ones are copied.
-    let long_table: Vec<u32> = (0..((16_384 + 1024) / bs) as u32).collect();
-    emit(l2_revisit(
-        &mut gpu,
-        &mut host,
-        &mut staging,
-        (16_384, 1024),
-        &long_table,
-        if pinned_ok { "pinned" } else { "pageable" },
-    )?);
-    drop(staging);
 
     // Batch-64 decode at 1,024 tokens of context each.
     let (batch, ctx, steps) = (64usize, 1024usize, 32usize);
@@ -247,45 +281,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         last = gpu.forward_greedy(&items)?;
     }
     let s = t.elapsed().as_secs_f64();
-    emit(format!(
-        "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"tokens_per_s\":{:.0},\
-         \"ms_per_step\":{:.2}}}",
-        (batch * steps) as f64 / s,
-        1e3 * s / steps as f64
-    ));
+    emit(
+        &mut results,
+        format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"tokens_per_s\":{:.0},\
+             \"ms_per_step\":{:.2}}}",
+            (batch * steps) as f64 / s,
+            1e3 * s / steps as f64
+        ),
+    );
     // The 64 sequences' steps while a 16,384-token prefix loads from the host tier into other blocks.
     if pinned_ok && gpu.set_ordered_imports(true) {
-        emit(itl_while_loading(
-            &mut gpu,
-            &host,
-            &tables,
-            &mut last,
-            ctx + steps - 1,
-        )?);
-    }
-    // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
-    let bandwidth = copy_bandwidth(gpu.device())?;
-    let bound = bandwidth / weight_bytes as f64;
-    let has_dependent = gpu.device().has_dependent_launch();
-    let card = gpu.device().name.clone();
-    let datasheet = datasheet_tbs(&card);
-    for ((graphs, dependent), tps) in decode1 {
-        let dependent = dependent && has_dependent;
-        emit(format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"graphs\":{graphs},\
-             \"dependent_launch\":{dependent},\
-             \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
-             \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
-             \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
-            1e3 / tps,
-            bandwidth / 1e9,
-            tps / bound,
-            datasheet.map_or("null".into(), |b| format!("{b}")),
-            datasheet.map_or("null".into(), |b| format!(
-                "{:.3}",
-                tps / (b * 1e12 / weight_bytes as f64)
+        match itl_while_loading(&mut gpu, &host, &tables, &mut last, ctx + steps - 1) {
+            Ok(line) => emit(&mut results, line),
+            Err(e) => failed.push(format!(
+                "the steps beside host-tier loads (itl_while_loading): {e}"
             )),
-        ));
+        }
     }
     println!("[{}]", results.join(","));
     let mut profile = || -> Result<(), Box<dyn std::error::Error>> {
@@ -328,28 +340,49 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // fp8 KV (half the bytes a block moves): the 16,384-token revisit from the host tier again, on a
     // fresh executor with an fp8 pool (the bf16 one and its weights freed first).
     drop(gpu);
-    let dev = Device::open(0)?;
-    let w = DevWeights::random(&dev, &cfg, 1)?;
     let bb8 = kura_cuda::block_bytes(&cfg, KvDtype::Fp8, bs);
     let mut host8 = vec![0u8; 16_384 / bs * bb8];
-    let spec8 = PoolSpec {
-        reserve_tokens: 8192,
-        reserve_seqs: 256,
-        ..PoolSpec::new(KvDtype::Fp8, bs, 16_384 / bs + 64)
-    };
-    let mut g8 = CudaExecutor::new(dev, cfg.clone(), w, spec8)?;
-    let pinned8 = kura_engine::Executor::register_host_region(&mut g8, &mut host8);
-    let mut staging8 = g8.device().alloc::<u8>(host8.len(), "the copy benchmark")?;
-    let line = l2_revisit(
-        &mut g8,
-        &mut host8,
-        &mut staging8,
-        (16_384 - 16, 16),
-        &table,
-        if pinned8 { "pinned" } else { "pageable" },
-    )?;
+    let fp8 = (|| -> Result<String, Box<dyn std::error::Error>> {
+        let dev = Device::open(0)?;
+        let w = DevWeights::random(&dev, &cfg, 1)?;
+        let spec8 = PoolSpec {
+            reserve_tokens: 8192,
+            reserve_seqs: 256,
+            ..PoolSpec::new(KvDtype::Fp8, bs, 16_384 / bs + 64)
+        };
+        let mut g8 = CudaExecutor::new(dev, cfg.clone(), w, spec8)?;
+        let pinned8 = kura_engine::Executor::register_host_region(&mut g8, &mut host8);
+        let mut staging8 = g8.device().alloc::<u8>(host8.len(), "the copy benchmark")?;
+        // The executor (which unpins `host8`) goes before it, as `gpu` before `host`.
+        l2_revisit(
+            &mut g8,
+            &mut host8,
+            &mut staging8,
+            (16_384 - 16, 16),
+            &table,
+            if pinned8 { "pinned" } else { "pageable" },
+        )
+    })();
+    match fp8 {
+        Ok(line) => println!("{line}"),
+        Err(e) => failed.push(format!("the fp8 host-tier revisit: {e}")),
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} section(s) failed:\n  {}",
+            failed.len(),
+            failed.join("\n  ")
+        )
+        .into())
+    }
+}
+
+/// Prints a figure's JSON line at once (a later failure keeps it) and keeps it for the line of all.
+fn emit(results: &mut Vec<String>, line: String) {
     println!("{line}");
-    Ok(())
+    results.push(line);
 }
 
 /// The memory bandwidth a card's datasheet gives, in TB/s, for the cards whose name says which part it
@@ -520,7 +553,16 @@ fn itl_while_loading(
         start_loads(gpu)?;
         let mut done = Vec::new();
         let mut times = Vec::new();
+        let deadline = Instant::now() + LOADS_DEADLINE;
         while done.len() < nb {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{} of {nb} loads reported after {} s of steps beside them",
+                    done.len(),
+                    LOADS_DEADLINE.as_secs()
+                )
+                .into());
+            }
             times.push(step(gpu, last, None)?);
             gpu.try_imports_done(Duration::ZERO, &mut done)?;
         }
@@ -545,13 +587,26 @@ fn itl_while_loading(
     ))
 }
 
-/// Waits until `n` started host-tier loads are reported into `done`.
+/// How long a benchmark waits for started host-tier loads to be reported before it gives up (their
+/// copies take milliseconds): a load never reported is an error, not a hang.
+const LOADS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Waits until `n` started host-tier loads are reported into `done` (at most [`LOADS_DEADLINE`]).
 fn await_loads(
     gpu: &mut CudaExecutor,
     n: usize,
     done: &mut Vec<(u32, std::time::Duration)>,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    let deadline = Instant::now() + LOADS_DEADLINE;
     while done.len() < n {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{} of {n} started loads reported after {} s",
+                done.len(),
+                LOADS_DEADLINE.as_secs()
+            )
+            .into());
+        }
         gpu.try_imports_done(std::time::Duration::from_millis(50), done)?;
     }
     Ok(())
