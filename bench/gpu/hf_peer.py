@@ -15,11 +15,18 @@ torch.manual_seed(0)) and measures, after a warm-up, with torch.cuda.synchronize
 Output: one JSON line first with the torch/transformers versions and the GPU; one JSON line per result;
 the last line one JSON object with everything. --small: 2 small layers and short prompts (a CPU smoke test).
 """
+import sys
+
+if sys.argv[1:] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
+if sys.argv[1:] not in ([], ["--small"]):
+    sys.exit(f"hf_peer.py: unknown arguments {sys.argv[1:]}; usage: hf_peer.py [--small]")
+
 import copy
 import inspect
 import json
 import statistics
-import sys
 import time
 
 import torch

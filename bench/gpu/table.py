@@ -20,6 +20,8 @@ def key(r):
     return (r["what"], r.get("tokens"), r.get("batch"), r.get("prompt"))
 
 
+if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+    sys.exit(f"usage: {sys.argv[0]} KURA.jsonl HF.jsonl (the JSON lines of gpu-bench and hf_peer.py)")
 kura, hf = load(sys.argv[1]), load(sys.argv[2])
 peer = {key(r): r for r in hf}
 print(f"{'figure':<44}{'Kura':>12}{'HF':>12}{'Kura / HF':>12}")

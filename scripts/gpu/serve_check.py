@@ -172,8 +172,12 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
 
 
 def main() -> int:
-    kura, model = sys.argv[1], sys.argv[2]
-    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+    args = sys.argv[1:]
+    if len(args) not in (2, 3) or args[0] in ("-h", "--help") or args[2:] not in ([], ["cuda"], ["cpu"]):
+        print(__doc__, file=sys.stderr)
+        return 2
+    kura, model = args[0], args[1]
+    device = args[2] if len(args) > 2 else "cuda"
     if device != "cuda":
         failures = check_host_tier(kura, model, device)
         for f in failures:
