@@ -38,9 +38,16 @@ else
   echo "no curl on this machine: bench/swap-sweep.sh needs it; the swap sweep did not run" >"$out/swap-sweep.log"
   sweep_rc=1
 fi
-echo "== hostconvoy: exit $convoy_rc (124: over $((limit / 2)) s)"
-grep -E "host convoy" "$out/hostconvoy.log" | tail -4
-echo "== swap sweep: exit $sweep_rc (124: over $((limit / 2)) s)"
-tail -30 "$out/swap-sweep.log"
-[ -f "$out/swap-sweep/compare/compare.md" ] && head -40 "$out/swap-sweep/compare/compare.md"
+{
+  echo "== hostconvoy: exit $convoy_rc (124: over $((limit / 2)) s)"
+  grep -E "host convoy" "$out/hostconvoy.log" | tail -4
+  echo "== swap sweep: exit $sweep_rc (124: over $((limit / 2)) s)"
+  tail -30 "$out/swap-sweep.log"
+  [ -f "$out/swap-sweep/compare/compare.md" ] && head -40 "$out/swap-sweep/compare/compare.md"
+} | tee "$out/summary.txt"
+# At most 8 files come back from the device machine, none deeper than two folders: the summary, the
+# convoy's results and the compare report as they are, everything else (logs, runs, plots) in one archive.
+[ -f "$out/swap-sweep/compare/compare.md" ] && cp "$out/swap-sweep/compare/compare.md" "$out/swap-compare.md"
+(cd "$out" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name hostconvoy.json ! -name swap-compare.md ! -name tiers-rest.tgz \
+  -printf '%P\0' | tar czf tiers-rest.tgz --null -T - --remove-files) || echo "packing $out failed" >&2
 exit $((convoy_rc | sweep_rc))
