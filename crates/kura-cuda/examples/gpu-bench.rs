@@ -553,16 +553,9 @@ fn itl_while_loading(
         start_loads(gpu)?;
         let mut done = Vec::new();
         let mut times = Vec::new();
-        let deadline = Instant::now() + LOADS_DEADLINE;
+        let started = Instant::now();
         while done.len() < nb {
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "{} of {nb} loads reported after {} s of steps beside them",
-                    done.len(),
-                    LOADS_DEADLINE.as_secs()
-                )
-                .into());
-            }
+            loads_not_overdue(started, done.len(), nb)?;
             times.push(step(gpu, last, None)?);
             gpu.try_imports_done(Duration::ZERO, &mut done)?;
         }
@@ -591,22 +584,32 @@ fn itl_while_loading(
 /// copies take milliseconds): a load never reported is an error, not a hang.
 const LOADS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// An error once [`LOADS_DEADLINE`] has passed since `started` with `reported` of `n` started loads
+/// reported.
+fn loads_not_overdue(
+    started: Instant,
+    reported: usize,
+    n: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    if started.elapsed() > LOADS_DEADLINE {
+        return Err(format!(
+            "{reported} of {n} started loads reported after {} s",
+            LOADS_DEADLINE.as_secs()
+        )
+        .into());
+    }
+    Ok(())
+}
+
 /// Waits until `n` started host-tier loads are reported into `done` (at most [`LOADS_DEADLINE`]).
 fn await_loads(
     gpu: &mut CudaExecutor,
     n: usize,
     done: &mut Vec<(u32, std::time::Duration)>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let deadline = Instant::now() + LOADS_DEADLINE;
+    let started = Instant::now();
     while done.len() < n {
-        if Instant::now() > deadline {
-            return Err(format!(
-                "{} of {n} started loads reported after {} s",
-                done.len(),
-                LOADS_DEADLINE.as_secs()
-            )
-            .into());
-        }
+        loads_not_overdue(started, done.len(), n)?;
         gpu.try_imports_done(std::time::Duration::from_millis(50), done)?;
     }
     Ok(())
