@@ -325,7 +325,7 @@ impl Device {
         let f = self
             .functions
             .get(name)
-            .ok_or_else(|| CudaError::Driver(format!("no kernel {name} in Kura's module")))?;
+            .ok_or_else(|| CudaError::driver(format!("no kernel {name} in Kura's module")))?;
         let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {

@@ -23,10 +23,13 @@ pub enum CudaError {
         major: i32,
         minor: i32,
     },
-    #[error("CUDA driver: {0}")]
-    Driver(String),
-    #[error("cuBLAS: {0}")]
-    Blas(String),
+    /// A CUDA driver call failed; `fault` when the error leaves the CUDA context unusable (see
+    /// [`CudaError::is_device_fault`]).
+    #[error("CUDA driver: {message}")]
+    Driver { message: String, fault: bool },
+    /// A cuBLAS call failed; `fault` as for [`CudaError::Driver`].
+    #[error("cuBLAS: {message}")]
+    Blas { message: String, fault: bool },
     #[error("compiling Kura's kernels with NVRTC for {arch}: {message}")]
     Compile { arch: String, message: String },
     #[error("not enough device memory: {what} needs {need} bytes, {free} are free on the device")]
@@ -48,16 +51,155 @@ pub enum CudaError {
     },
 }
 
+impl CudaError {
+    /// A driver error of Kura's own making (not a driver call's result): the context is as it was.
+    pub fn driver(message: impl Into<String>) -> Self {
+        CudaError::Driver {
+            message: message.into(),
+            fault: false,
+        }
+    }
+
+    /// Whether the device can no longer be used by this process after this error: CUDA's "sticky"
+    /// errors (an illegal address or instruction, a failed or timed-out launch, a device-side assert,
+    /// an uncorrectable ECC or NVLink error, a destroyed context, ...), after which every later call
+    /// returns an error and only a new process gets a working context; and cuBLAS's failures to run.
+    /// Running out of device memory, a value the driver refuses and the like leave the context as it
+    /// was.
+    pub fn is_device_fault(&self) -> bool {
+        matches!(
+            self,
+            CudaError::Driver { fault: true, .. } | CudaError::Blas { fault: true, .. }
+        )
+    }
+}
+
+/// Whether the CUDA context is unusable after `code` (the driver API's documentation of each code:
+/// "the process must be terminated and relaunched", or a device or context that is gone).
+fn driver_fault(code: cudarc::driver::sys::CUresult) -> bool {
+    use cudarc::driver::sys::CUresult as R;
+    matches!(
+        code,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+            | R::CUDA_ERROR_LAUNCH_FAILED
+            | R::CUDA_ERROR_LAUNCH_TIMEOUT
+            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | R::CUDA_ERROR_MISALIGNED_ADDRESS
+            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | R::CUDA_ERROR_INVALID_PC
+            | R::CUDA_ERROR_ASSERT
+            | R::CUDA_ERROR_ECC_UNCORRECTABLE
+            | R::CUDA_ERROR_NVLINK_UNCORRECTABLE
+            | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | R::CUDA_ERROR_DEINITIALIZED
+            | R::CUDA_ERROR_NOT_INITIALIZED
+            | R::CUDA_ERROR_DEVICE_UNAVAILABLE
+            | R::CUDA_ERROR_EXTERNAL_DEVICE
+            | R::CUDA_ERROR_UNKNOWN
+    )
+}
+
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
-        CudaError::Driver(format!("{e:?}"))
+        CudaError::Driver {
+            message: format!("{e:?}"),
+            fault: driver_fault(e.0),
+        }
     }
 }
 
 impl From<cudarc::cublas::result::CublasError> for CudaError {
     fn from(e: cudarc::cublas::result::CublasError) -> Self {
-        CudaError::Blas(format!("{e:?}"))
+        use cudarc::cublas::sys::cublasStatus_t as S;
+        // A product that failed to run (a fault underneath it) or a library no longer initialised;
+        // an allocation or a refused argument leaves the context as it was.
+        let fault = matches!(
+            e.0,
+            S::CUBLAS_STATUS_EXECUTION_FAILED
+                | S::CUBLAS_STATUS_INTERNAL_ERROR
+                | S::CUBLAS_STATUS_NOT_INITIALIZED
+        );
+        CudaError::Blas {
+            message: format!("{e:?}"),
+            fault,
+        }
+    }
+}
+
+/// How the engine takes a CUDA error: a device fault ends it (every request fails, `kura serve`
+/// exits so that a supervisor starts a new process), anything else fails the step's requests only.
+impl From<CudaError> for kura_engine::ExecError {
+    fn from(e: CudaError) -> Self {
+        if e.is_device_fault() {
+            kura_engine::ExecError::Fatal(e.to_string())
+        } else {
+            kura_engine::ExecError::Step(e.to_string())
+        }
     }
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::cublas::result::CublasError;
+    use cudarc::cublas::sys::cublasStatus_t as S;
+    use cudarc::driver::sys::CUresult as R;
+    use kura_engine::ExecError;
+
+    /// The engine's reading of a driver error with `code` (built as `From<DriverError>` builds it; its
+    /// text needs the driver, which this machine may lack).
+    fn engine_reads(code: R) -> ExecError {
+        CudaError::Driver {
+            message: format!("{code:?}"),
+            fault: driver_fault(code),
+        }
+        .into()
+    }
+
+    #[test]
+    fn errors_that_leave_the_context_unusable_end_the_engine_and_others_fail_the_step() {
+        for code in [
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            R::CUDA_ERROR_LAUNCH_FAILED,
+            R::CUDA_ERROR_MISALIGNED_ADDRESS,
+            R::CUDA_ERROR_ASSERT,
+            R::CUDA_ERROR_ECC_UNCORRECTABLE,
+            R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+        ] {
+            let e = engine_reads(code);
+            assert_eq!(
+                e,
+                ExecError::Fatal(format!("CUDA driver: {code:?}")),
+                "{code:?}"
+            );
+        }
+        for code in [
+            R::CUDA_ERROR_OUT_OF_MEMORY,
+            R::CUDA_ERROR_INVALID_VALUE,
+            R::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
+            R::CUDA_ERROR_NOT_READY,
+        ] {
+            assert!(matches!(engine_reads(code), ExecError::Step(_)), "{code:?}");
+        }
+        let blas = |s: S| ExecError::from(CudaError::from(CublasError(s)));
+        assert!(matches!(
+            blas(S::CUBLAS_STATUS_EXECUTION_FAILED),
+            ExecError::Fatal(m) if m.contains("EXECUTION_FAILED")
+        ));
+        assert!(matches!(
+            blas(S::CUBLAS_STATUS_ALLOC_FAILED),
+            ExecError::Step(_)
+        ));
+        // Kura's own refusals of a step, and its own driver-side messages, fail the step only.
+        for e in [
+            CudaError::Batch("a step of 0 tokens".into()),
+            CudaError::driver("capturing a decode step gave no graph"),
+        ] {
+            let text = e.to_string();
+            assert_eq!(ExecError::from(e), ExecError::Step(text));
+        }
+    }
+}

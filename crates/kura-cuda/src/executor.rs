@@ -16,7 +16,7 @@ use half::bf16;
 
 use kura_checkpoint::config::rope_inv_freq;
 use kura_checkpoint::{ModelConfig, ModelParts};
-use kura_engine::{Executor, SeqInput};
+use kura_engine::{ExecError, Executor, SeqInput};
 use kura_kv::codec::KvDtype;
 
 use crate::budget::{self, Dims, ACTIVATIONS};
@@ -731,7 +731,7 @@ impl CudaExecutor {
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
         enqueued?;
-        graph.ok_or_else(|| CudaError::Driver("capturing a decode step gave no graph".into()))
+        graph.ok_or_else(|| CudaError::driver("capturing a decode step gave no graph"))
     }
 
     /// Launches every kernel and product of the step `plan` (whose metadata is on the device); layer
@@ -1143,61 +1143,55 @@ impl CudaExecutor {
 }
 
 impl Executor for CudaExecutor {
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> std::result::Result<Vec<Vec<f32>>, String> {
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> std::result::Result<Vec<Vec<f32>>, ExecError> {
         let vocab = self.cfg.vocab_size();
-        let flat = self.forward_logits(batch).map_err(|e| e.to_string())?;
+        let flat = self.forward_logits(batch)?;
         Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
-    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
-        self.try_copy_block_prefix(src, dst, num_tokens)
-            .expect("the KV manager hands out block ids within the pool; the device copies them");
+    fn copy_block_prefix(
+        &mut self,
+        src: u32,
+        dst: u32,
+        num_tokens: usize,
+    ) -> std::result::Result<(), ExecError> {
+        Ok(self.try_copy_block_prefix(src, dst, num_tokens)?)
     }
 
     fn block_bytes(&self) -> usize {
         self.block_bytes
     }
 
-    fn export_block(&self, block: u32, out: &mut [u8]) {
-        self.try_export_block(block, out).expect(
-            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
-        );
+    fn export_block(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), ExecError> {
+        Ok(self.try_export_block(block, out)?)
     }
 
-    fn import_block(&mut self, block: u32, bytes: &[u8]) {
-        self.try_import_block(block, bytes).expect(
-            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
-        );
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> std::result::Result<(), ExecError> {
+        Ok(self.try_import_block(block, bytes)?)
     }
 
-    fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
-        self.try_start_import(block, bytes).expect(
-            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
-        )
+    fn start_import(&mut self, block: u32, bytes: &[u8]) -> std::result::Result<bool, ExecError> {
+        Ok(self.try_start_import(block, bytes)?)
     }
 
-    fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
-        self.try_start_export(block, out).expect(
-            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
-        )
+    fn start_export(&mut self, block: u32, out: &mut [u8]) -> std::result::Result<bool, ExecError> {
+        Ok(self.try_start_export(block, out)?)
     }
 
     fn imports_ordered(&self) -> bool {
         self.ordered_imports
     }
 
-    fn exports_fence(&mut self) {
-        self.try_stores_fence()
-            .expect("a copy into the host tier failed on the device");
+    fn exports_fence(&mut self) -> std::result::Result<(), ExecError> {
+        Ok(self.try_stores_fence()?)
     }
 
     fn imports_done(
         &mut self,
         wait: std::time::Duration,
         done: &mut Vec<(u32, std::time::Duration)>,
-    ) {
-        self.try_imports_done(wait, done)
-            .expect("a copy from the host tier failed on the device");
+    ) -> std::result::Result<(), ExecError> {
+        Ok(self.try_imports_done(wait, done)?)
     }
 
     fn register_host_region(&mut self, region: &mut [u8]) -> bool {

@@ -562,7 +562,7 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
     use kura_engine::Executor;
     assert_eq!(gpu.block_bytes(), bb);
     let (mut g, mut c) = (vec![0u8; bb], vec![0u8; bb]);
-    gpu.export_block(0, &mut g);
+    gpu.export_block(0, &mut g).unwrap();
     kv.export_block(0, &mut c).unwrap();
     let as_f32 = |b: &[u8]| -> Vec<f32> {
         b.chunks_exact(2)
@@ -588,14 +588,14 @@ fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
     );
     assert!(k0 <= 5e-3 && v0 <= 5e-3, "layer 0: K {k0:.2e}, V {v0:.2e}");
     // Export → import into another block → the same bytes.
-    gpu.import_block(5, &g);
+    gpu.import_block(5, &g).unwrap();
     let mut back = vec![0u8; bb];
-    gpu.export_block(5, &mut back);
+    gpu.export_block(5, &mut back).unwrap();
     assert_eq!(back, g);
     // Copy-on-write of 5 slots: those slots copied, the others left as they were.
-    gpu.import_block(6, &vec![0u8; bb]);
-    gpu.copy_block_prefix(0, 6, 5);
-    gpu.export_block(6, &mut back);
+    gpu.import_block(6, &vec![0u8; bb]).unwrap();
+    gpu.copy_block_prefix(0, 6, 5).unwrap();
+    gpu.export_block(6, &mut back).unwrap();
     let row = 64 * 2; // head_dim × bf16
     for (run, (a, b)) in back
         .chunks_exact(bs * row)
@@ -632,14 +632,14 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
     let bb = gpu.block_bytes();
     // A host tier of two slots holding blocks 0 and 1, as the engine's arena would.
     let mut region = vec![0u8; 2 * bb];
-    gpu.export_block(0, &mut region[..bb]);
-    gpu.export_block(1, &mut region[bb..]);
+    gpu.export_block(0, &mut region[..bb]).unwrap();
+    gpu.export_block(1, &mut region[bb..]).unwrap();
     // Pageable bytes are not started: the engine then imports them synchronously.
     let pageable = region[..bb].to_vec();
-    assert!(!gpu.start_import(7, &pageable));
+    assert!(!gpu.start_import(7, &pageable).unwrap());
     assert!(gpu.register_host_region(&mut region));
-    assert!(gpu.start_import(6, &region[..bb]));
-    assert!(gpu.start_import(7, &region[bb..]));
+    assert!(gpu.start_import(6, &region[..bb]).unwrap());
+    assert!(gpu.start_import(7, &region[bb..]).unwrap());
     let mut done = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     while done.len() < 2 {
@@ -647,56 +647,58 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
             Instant::now() < deadline,
             "the copies never finished: {done:?}"
         );
-        gpu.imports_done(Duration::from_millis(100), &mut done);
+        gpu.imports_done(Duration::from_millis(100), &mut done)
+            .unwrap();
     }
     let order: Vec<u32> = done.iter().map(|d| d.0).collect();
     assert_eq!(order, [6, 7], "reported once each, in issue order");
     println!("async block copies of {bb} bytes: {:?}", done);
     let mut back = vec![0u8; bb];
-    gpu.export_block(6, &mut back);
+    gpu.export_block(6, &mut back).unwrap();
     assert_eq!(back, region[..bb]);
-    gpu.export_block(7, &mut back);
+    gpu.export_block(7, &mut back).unwrap();
     assert_eq!(back, region[bb..]);
     // Nothing left to report.
-    gpu.imports_done(Duration::ZERO, &mut done);
+    gpu.imports_done(Duration::ZERO, &mut done).unwrap();
     assert_eq!(done.len(), 2);
     // Stores into the host tier. Blocks 0 and 1 hold different tokens; block 7 now holds block 1's bytes.
     let (mut want0, mut want1) = (vec![0u8; bb], vec![0u8; bb]);
-    gpu.export_block(0, &mut want0);
-    gpu.export_block(1, &mut want1);
+    gpu.export_block(0, &mut want0).unwrap();
+    gpu.export_block(1, &mut want1).unwrap();
     assert_ne!(want0, want1);
     region.fill(0);
     // The fence alone waits for a store (no call on the device stream between).
-    assert!(gpu.start_export(0, &mut region[..bb]));
-    gpu.exports_fence();
+    assert!(gpu.start_export(0, &mut region[..bb]).unwrap());
+    gpu.exports_fence().unwrap();
     assert_eq!(&region[..bb], &want0[..], "a store, fenced");
     // A write of the block issued right after its store waits for the store on the device.
-    assert!(gpu.start_export(1, &mut region[bb..]));
-    gpu.copy_block_prefix(0, 1, bs);
-    gpu.exports_fence();
+    assert!(gpu.start_export(1, &mut region[bb..]).unwrap());
+    gpu.copy_block_prefix(0, 1, bs).unwrap();
+    gpu.exports_fence().unwrap();
     assert_eq!(
         &region[bb..],
         &want1[..],
         "the store, not the copy issued after it"
     );
-    gpu.export_block(1, &mut back);
+    gpu.export_block(1, &mut back).unwrap();
     assert_eq!(back, want0, "the copy issued after the store");
     // A load of a slot follows the store into it (one transfer stream for both directions).
-    assert!(gpu.start_export(7, &mut region[..bb]));
-    assert!(gpu.start_import(5, &region[..bb]));
+    assert!(gpu.start_export(7, &mut region[..bb]).unwrap());
+    assert!(gpu.start_import(5, &region[..bb]).unwrap());
     done.clear();
     let deadline = Instant::now() + Duration::from_secs(10);
     while done.is_empty() {
         assert!(Instant::now() < deadline, "the load never finished");
-        gpu.imports_done(Duration::from_millis(100), &mut done);
+        gpu.imports_done(Duration::from_millis(100), &mut done)
+            .unwrap();
     }
     assert_eq!(done[0].0, 5);
-    gpu.export_block(5, &mut back);
+    gpu.export_block(5, &mut back).unwrap();
     assert_eq!(
         back, want1,
         "block 5 loaded from the slot block 7 was stored into"
     );
-    gpu.exports_fence();
+    gpu.exports_fence().unwrap();
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }
@@ -746,7 +748,7 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
     let num_blocks = 2 * total + PAD as usize;
     let pad = |gpu: &mut CudaExecutor, slot: &[u8]| {
         for b in pad_at..pad_at + PAD {
-            assert!(gpu.start_import(b, slot));
+            assert!(gpu.start_import(b, slot).unwrap());
         }
     };
     let here: Vec<u32> = (0..total as u32).collect();
@@ -774,16 +776,19 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
         // The prefix's blocks in a pinned host tier, and the blocks they go to filled with other bytes.
         let mut region = vec![0u8; nb * bb];
         for b in 0..nb {
-            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb]);
+            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb])
+                .unwrap();
         }
         assert!(gpu.register_host_region(&mut region));
         let junk = vec![0x3fu8; bb];
         for &b in &there {
-            gpu.import_block(b, &junk);
+            gpu.import_block(b, &junk).unwrap();
         }
         // Loads started and the step issued at once: it waits for each layer on the device.
         for b in 0..nb {
-            assert!(gpu.start_import(there[b], &region[b * bb..(b + 1) * bb]));
+            assert!(gpu
+                .start_import(there[b], &region[b * bb..(b + 1) * bb])
+                .unwrap());
         }
         pad(&mut gpu, &region[..bb]);
         let got = gpu
@@ -802,7 +807,8 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
             let deadline = Instant::now() + Duration::from_secs(10);
             while done.len() < n {
                 assert!(Instant::now() < deadline, "loads never reported: {done:?}");
-                gpu.imports_done(Duration::from_millis(100), &mut done);
+                gpu.imports_done(Duration::from_millis(100), &mut done)
+                    .unwrap();
             }
             done
         };
@@ -815,15 +821,15 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
             copy.as_secs_f64() * 1e3,
             (loads * bb) as f64 / copy.as_secs_f64().max(1e-9) / 1e9
         );
-        gpu.imports_done(Duration::ZERO, &mut done);
+        gpu.imports_done(Duration::ZERO, &mut done).unwrap();
         assert_eq!(done.len(), loads, "nothing reported twice");
         // An export of a block whose load is only queued, or issued and still copying, and a block
         // copy of one issued, see the loaded bytes.
         let mut back = vec![0u8; bb];
-        gpu.import_block(there[0], &junk);
-        assert!(gpu.start_import(there[0], &region[..bb]));
+        gpu.import_block(there[0], &junk).unwrap();
+        assert!(gpu.start_import(there[0], &region[..bb]).unwrap());
         pad(&mut gpu, &region[bb..2 * bb]);
-        gpu.export_block(there[0], &mut back);
+        gpu.export_block(there[0], &mut back).unwrap();
         assert_eq!(
             back,
             region[..bb],
@@ -831,17 +837,17 @@ fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit(
         );
         reported(&mut gpu, 1 + PAD as usize);
         for (b, what) in [(there[0], "an export"), (there[1], "a block copy")] {
-            gpu.import_block(b, &junk);
-            assert!(gpu.start_import(b, &region[..bb]));
+            gpu.import_block(b, &junk).unwrap();
+            assert!(gpu.start_import(b, &region[..bb]).unwrap());
             pad(&mut gpu, &region[bb..2 * bb]);
             // Issued now (a poll issues what is queued), and copying for milliseconds.
             let mut early = Vec::new();
-            gpu.imports_done(Duration::ZERO, &mut early);
+            gpu.imports_done(Duration::ZERO, &mut early).unwrap();
             if b == there[1] {
-                gpu.copy_block_prefix(b, there[2], bs);
-                gpu.export_block(there[2], &mut back);
+                gpu.copy_block_prefix(b, there[2], bs).unwrap();
+                gpu.export_block(there[2], &mut back).unwrap();
             } else {
-                gpu.export_block(b, &mut back);
+                gpu.export_block(b, &mut back).unwrap();
             }
             assert_eq!(
                 back,
@@ -927,12 +933,12 @@ fn fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte() {
     let bb = cpu.kv_layout(KvDtype::Fp8, bs).unwrap().bytes_per_block() as usize;
     assert_eq!(gpu.block_bytes(), bb);
     let mut g = vec![0u8; bb];
-    gpu.export_block(0, &mut g);
+    gpu.export_block(0, &mut g).unwrap();
     assert!(g.iter().any(|b| *b != 0), "block 0 holds KV");
     let spare = blocks as u32;
-    gpu.import_block(spare, &g);
+    gpu.import_block(spare, &g).unwrap();
     let mut back = vec![0u8; bb];
-    gpu.export_block(spare, &mut back);
+    gpu.export_block(spare, &mut back).unwrap();
     assert_eq!(back, g);
     // The prompt's rest over the imported copy of block 0: the same bits as over the original.
     let rest = |gpu: &mut CudaExecutor, t: &[u32]| {
@@ -949,9 +955,9 @@ fn fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte() {
             errors(&over_copy, &over_original).0
         ));
     }
-    gpu.import_block(spare + 1, &vec![0u8; bb]);
-    gpu.copy_block_prefix(0, spare + 1, 5);
-    gpu.export_block(spare + 1, &mut back);
+    gpu.import_block(spare + 1, &vec![0u8; bb]).unwrap();
+    gpu.copy_block_prefix(0, spare + 1, 5).unwrap();
+    gpu.export_block(spare + 1, &mut back).unwrap();
     let d = 64;
     let region = bs * (d + 2);
     for (r, (a, b)) in back

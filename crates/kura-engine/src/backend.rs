@@ -33,13 +33,54 @@ impl<'a> SeqInput<'a> {
     }
 }
 
+/// Why an [`Executor`] could not do what the engine asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExecError {
+    /// This step cannot run as asked (a batch the executor refuses, device memory short for this
+    /// step), and the executor is as it was: the engine fails the step's requests and goes on.
+    #[error("{0}")]
+    Step(String),
+    /// The executor can no longer compute, or what its pool holds is no longer known (on a GPU, a fault
+    /// that leaves the CUDA context unusable: an illegal address, a failed launch). The engine ends as
+    /// after a panic in its loop: every request fails with the message, new ones are refused, and
+    /// `kura serve` exits, so that whatever supervises it starts a fresh process instead of a server
+    /// that fails every request while its health check says it is well. A block copy's error is taken
+    /// as fatal whatever its kind: the engine's record of that block would no longer be true.
+    #[error("{0}")]
+    Fatal(String),
+}
+
+/// The payload with which the engine's loop unwinds after an executor error it cannot go on after
+/// (an [`ExecError::Fatal`] of a step, any error of a block copy): the loop's catch handles it as a
+/// panic (every request fails, new ones are refused, the failure is recorded), with the executor's
+/// message and without a panic's report (`resume_unwind` skips the panic hook).
+pub(crate) struct ExecutorFailed(pub String);
+
+/// Ends the engine loop ([`ExecutorFailed`]) after the executor failed at `what` the engine asked for.
+pub(crate) fn executor_failed(what: &str, e: &ExecError) -> ! {
+    std::panic::resume_unwind(Box::new(ExecutorFailed(format!("{what}: {e}"))))
+}
+
+/// Ends the engine loop on an executor error ([`executor_failed`]).
+pub(crate) trait OrEnd<T> {
+    /// The value, or the end of the loop, naming `what` the engine asked for.
+    fn or_end(self, what: &str) -> T;
+}
+
+impl<T> OrEnd<T> for Result<T, ExecError> {
+    fn or_end(self, what: &str) -> T {
+        self.unwrap_or_else(|e| executor_failed(what, &e))
+    }
+}
+
 /// The forward pass over paged KV, and the block copies that copy-on-write needs.
 pub trait Executor: Send + 'static {
     /// Writes K/V of every item's tokens into its blocks and returns, per item, the logits of its last
     /// token (`vocab_size` values each).
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String>;
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError>;
     /// Copies the K/V of the first `num_tokens` token slots of block `src` into block `dst`.
-    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize);
+    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize)
+        -> Result<(), ExecError>;
     /// Bytes of one block's KV as [`Executor::export_block`] writes them; 0 (the default) for an executor
     /// that keeps no KV bytes the engine could move, which then refuses lower tiers at start.
     fn block_bytes(&self) -> usize {
@@ -47,14 +88,18 @@ pub trait Executor: Send + 'static {
     }
     /// Copies block `block`'s KV into `out` (`block_bytes()` long): the one seam through which a block
     /// leaves the pool for a lower tier (on an accelerator, a device-to-host copy).
-    fn export_block(&self, block: u32, out: &mut [u8]) {
+    fn export_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
         let _ = (block, out);
-        unreachable!("export_block called on an executor whose block_bytes() is 0");
+        Err(ExecError::Fatal(
+            "export_block called on an executor whose block_bytes() is 0".into(),
+        ))
     }
     /// Overwrites block `block`'s KV with `bytes`, as [`Executor::export_block`] wrote them.
-    fn import_block(&mut self, block: u32, bytes: &[u8]) {
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ExecError> {
         let _ = (block, bytes);
-        unreachable!("import_block called on an executor whose block_bytes() is 0");
+        Err(ExecError::Fatal(
+            "import_block called on an executor whose block_bytes() is 0".into(),
+        ))
     }
     /// Starts overwriting block `block`'s KV with `bytes`, a slot of the host region offered to
     /// [`Executor::register_host_region`], without waiting for the copy, and returns `true`; or returns
@@ -64,9 +109,9 @@ pub trait Executor: Send + 'static {
     /// reserved for the load): on an accelerator the copy runs beside the forward passes of requests
     /// that do not wait for it. An executor that overrides it overrides [`Executor::imports_done`] too:
     /// a started import that is never reported keeps its request (and a stop) waiting.
-    fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
+    fn start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool, ExecError> {
         let _ = (block, bytes);
-        false
+        Ok(false)
     }
     /// Appends to `done` the blocks whose started imports have finished, in the order they were
     /// started, each with how long its copy took; when none has finished and some are under way, waits
@@ -75,8 +120,9 @@ pub trait Executor: Send + 'static {
         &mut self,
         wait: std::time::Duration,
         done: &mut Vec<(u32, std::time::Duration)>,
-    ) {
+    ) -> Result<(), ExecError> {
         let _ = (wait, done);
+        Ok(())
     }
     /// Whether the imports this executor starts are ordered before everything it does after them, layer
     /// by layer: a step whose block tables hold a block still being imported waits, on the device, for
@@ -99,12 +145,14 @@ pub trait Executor: Send + 'static {
     /// (a step that overwrites the block, a load of the same slot) after the copy; the engine reads
     /// `out` only after [`Executor::exports_fence`]. On an accelerator the copy then runs beside the
     /// next forward pass instead of holding it back.
-    fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
+    fn start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool, ExecError> {
         let _ = (block, out);
-        false
+        Ok(false)
     }
     /// Waits until every export started by [`Executor::start_export`] has landed in host memory.
-    fn exports_fence(&mut self) {}
+    fn exports_fence(&mut self) -> Result<(), ExecError> {
+        Ok(())
+    }
     /// Offers the host tier's bytes, which blocks are exported to and imported from, to the executor
     /// before the first step. The region outlives the executor and never moves. An executor whose pool
     /// is on an accelerator may pin its pages, so that each block's copy runs at the bus's speed instead

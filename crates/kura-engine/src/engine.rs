@@ -13,7 +13,10 @@
 //! [`EngineHandle::wait_exit`] returns), every request in the engine fails with
 //! [`RequestError::EngineFailed`], and the thread stays behind as a tombstone that fails every command
 //! still arriving, so no request is left without an answer. The KV state is not trusted after a panic:
-//! the tombstone touches only the sinks.
+//! the tombstone touches only the sinks. An executor error the engine cannot go on after (a fatal
+//! [`ExecError`] of a step, any error of a block copy) ends the loop the same way, with the executor's
+//! message ([`crate::backend::ExecutorFailed`]); a step error that is not fatal fails that step's
+//! requests only.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -29,7 +32,9 @@ use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
 use crate::sampling::Sampled;
 
-use crate::backend::{Executor, SeqInput, TextCodec};
+use crate::backend::{
+    executor_failed, ExecError, Executor, ExecutorFailed, OrEnd, SeqInput, TextCodec,
+};
 use crate::cost::{CostModel, CostTier, TierCostCheck};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::kv_events::{KvEventLog, KvEventsSetup};
@@ -453,12 +458,23 @@ impl Core {
                 self.shared.set_exit(EngineExit::Stopped);
             }
             Err(payload) => {
-                let message = panic_message(payload.as_ref());
-                tracing::error!(
-                    panic = %message,
-                    "the engine thread panicked; failing every request and refusing new ones"
-                );
-                let reason = format!("engine thread panicked: {message}");
+                let reason = match payload.downcast::<ExecutorFailed>() {
+                    Ok(failed) => {
+                        tracing::error!(
+                            error = %failed.0,
+                            "the executor failed; failing every request and refusing new ones"
+                        );
+                        format!("the executor failed at {}", failed.0)
+                    }
+                    Err(payload) => {
+                        let message = panic_message(payload.as_ref());
+                        tracing::error!(
+                            panic = %message,
+                            "the engine thread panicked; failing every request and refusing new ones"
+                        );
+                        format!("engine thread panicked: {message}")
+                    }
+                };
                 // Counted first, so that the metrics are final when the failure is visible; then
                 // recorded, so that a submit racing with the failure is refused at the door; then told.
                 let groups = self.take_all_dead();
@@ -712,7 +728,9 @@ impl Core {
         // Blocks the allocation evicted are copied down before their bytes are overwritten.
         self.run_tier_moves();
         for (&block, payload) in fresh.iter().zip(&a.payloads) {
-            self.executor.import_block(block, payload);
+            self.executor
+                .import_block(block, payload)
+                .or_end("a load from the Redis tier");
         }
         if let Err(e) = self.sched.finish_adoption(id) {
             tracing::warn!(error = %e, "adopting blocks from the Redis tier failed");
@@ -825,7 +843,9 @@ impl Core {
             let block_bytes = executor.block_bytes();
             remote.on_events(&events, |block| {
                 let mut bytes = vec![0u8; block_bytes];
-                executor.export_block(block, &mut bytes);
+                executor
+                    .export_block(block, &mut bytes)
+                    .or_end("a store into the Redis tier");
                 bytes
             });
         }
@@ -885,7 +905,9 @@ impl Core {
     fn execute(&mut self, plan: Plan) -> Duration {
         let forward_started = Instant::now();
         for c in &plan.copies {
-            self.executor.copy_block_prefix(c.src, c.dst, c.num_tokens);
+            self.executor
+                .copy_block_prefix(c.src, c.dst, c.num_tokens)
+                .or_end("a copy-on-write block copy");
         }
         // A hybrid pool's layers address pages of their own.
         let pages: Vec<Vec<u32>> = plan
@@ -915,7 +937,8 @@ impl Core {
         self.metrics.steps.add(1);
         let logits = match result {
             Ok(l) => l,
-            Err(e) => {
+            Err(e @ ExecError::Fatal(_)) => executor_failed("a forward step", &e),
+            Err(ExecError::Step(e)) => {
                 let mut groups: Vec<u64> = plan
                     .items
                     .iter()

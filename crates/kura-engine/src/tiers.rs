@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use kura_kv::{BlockHash, OffloadPolicy, Tier, TierBlock, TierConfig, TierMove};
 use kura_tiers::{BlockRecord, DiskJob, DiskStats, DiskStore, DiskWorker, HostArena, ReadError};
 
-use crate::backend::Executor;
+use crate::backend::{Executor, OrEnd};
 use crate::metrics::EngineMetrics;
 
 /// Bytes of block writes that may wait in the disk thread's queue before the engine waits for it.
@@ -294,12 +294,16 @@ impl TierIo {
         for m in moves {
             match m {
                 TierMove::Demote { block, slot } => {
-                    if exec.start_export(block, self.host_mut().slot_mut(slot)) {
+                    if exec
+                        .start_export(block, self.host_mut().slot_mut(slot))
+                        .or_end("a store into the host tier")
+                    {
                         self.exports_pending = true;
                     } else {
                         // No earlier store may land on top of this one.
                         self.fence_exports(exec);
-                        exec.export_block(block, self.host_mut().slot_mut(slot));
+                        exec.export_block(block, self.host_mut().slot_mut(slot))
+                            .or_end("a store into the host tier");
                     }
                 }
                 TierMove::HostToDisk { slot, record: r } => {
@@ -312,7 +316,8 @@ impl TierIo {
                 }
                 TierMove::BlockToDisk { block, record: r } => {
                     let mut payload = vec![0u8; self.block_bytes];
-                    exec.export_block(block, &mut payload);
+                    exec.export_block(block, &mut payload)
+                        .or_end("a store into the disk tier");
                     self.submit(DiskJob::Write {
                         rec: record(r),
                         payload,
@@ -326,7 +331,10 @@ impl TierIo {
                         .as_ref()
                         .expect("the manager loads from the host tier only when it exists");
                     // A started import is ordered after the started exports by the executor.
-                    if exec.start_import(block, host.slot(slot)) {
+                    if exec
+                        .start_import(block, host.slot(slot))
+                        .or_end("a load from the host tier")
+                    {
                         if exec.imports_ordered() {
                             // Every later step, block copy and store is ordered after the copy (on
                             // an accelerator, layer by layer): the block counts as loaded now.
@@ -345,7 +353,8 @@ impl TierIo {
                     }
                     self.fence_exports(exec);
                     let host = self.host.as_ref().expect("checked above");
-                    exec.import_block(block, host.slot(slot));
+                    exec.import_block(block, host.slot(slot))
+                        .or_end("a load from the host tier");
                     let elapsed = started.elapsed();
                     done.push(LoadDone {
                         block,
@@ -377,7 +386,8 @@ impl TierIo {
             } else {
                 Duration::ZERO
             };
-            exec.imports_done(host_wait, &mut self.imported);
+            exec.imports_done(host_wait, &mut self.imported)
+                .or_end("a load from the host tier");
             for (block, io) in self.imported.drain(..) {
                 let Some(started) = self.host_loads.remove(&block) else {
                     // An ordered load, reported as landed when it started: only its time is new.
@@ -415,7 +425,8 @@ impl TierIo {
             let io = read.elapsed;
             let ok = match read.result {
                 Ok(payload) => {
-                    exec.import_block(block, &payload);
+                    exec.import_block(block, &payload)
+                        .or_end("a load from the disk tier");
                     true
                 }
                 Err(ReadError::Corrupt { .. }) => {
@@ -443,7 +454,7 @@ impl TierIo {
     /// Waits for the exports the executor may still be copying into host slots.
     fn fence_exports(&mut self, exec: &mut dyn Executor) {
         if self.exports_pending {
-            exec.exports_fence();
+            exec.exports_fence().or_end("a store into the host tier");
             self.exports_pending = false;
         }
     }

@@ -1,11 +1,13 @@
-//! Engine death is visible: a panic on the engine thread (here a kernel fault of the fake model) fails
-//! every request in the engine with `EngineFailed`, marks the engine dead for the server
-//! (`is_alive`, `failure`, `wait_exit`) and refuses later submits with a distinct error.
+//! Engine death is visible: a panic on the engine thread (here a kernel fault of the fake model), or an
+//! executor error the engine cannot go on after (a device fault), fails every request in the engine
+//! with `EngineFailed`, marks the engine dead for the server (`is_alive`, `failure`, `wait_exit`) and
+//! refuses later submits with a distinct error. An executor error that concerns one step only fails
+//! that step's requests, and the engine goes on.
 
 mod common;
 
 use common::{config, metric, outcome, request, start, submit, PATIENCE};
-use kura_engine::{EngineExit, RequestError, SubmitError};
+use kura_engine::{EngineExit, ExecError, RequestError, SubmitError};
 use std::time::Duration;
 
 #[test]
@@ -73,4 +75,75 @@ fn wait_exit_times_out_while_the_engine_runs_and_reports_a_normal_stop() {
     assert_eq!(e.failure(), None);
     let err = e.submit(request(6, 3), |_| true).unwrap_err();
     assert_eq!(err, SubmitError::ShuttingDown);
+}
+
+#[test]
+fn a_fatal_executor_error_ends_the_engine_as_a_panic_does_and_names_the_step() {
+    let fake = start(config(64, 16, 1));
+    let e = &fake.engine;
+    fake.control.fail_at(
+        3,
+        ExecError::Fatal("CUDA driver: CUDA_ERROR_ILLEGAL_ADDRESS".into()),
+    );
+    let (_a, a_rx) = submit(e, request(6, 100));
+    let (_b, b_rx) = submit(e, request(6, 100));
+
+    let a = outcome(&a_rx);
+    assert_eq!(a.tokens.len(), 2, "{a:?}");
+    let expected = "the executor failed at a forward step: CUDA driver: CUDA_ERROR_ILLEGAL_ADDRESS";
+    match a.result {
+        Err(RequestError::EngineFailed(reason)) => assert_eq!(reason, expected),
+        other => panic!("running request: {other:?}"),
+    }
+    let b = outcome(&b_rx);
+    assert!(b.tokens.is_empty());
+    assert!(
+        matches!(&b.result, Err(RequestError::EngineFailed(r)) if r == expected),
+        "queued request: {:?}",
+        b.result
+    );
+    assert_eq!(
+        e.wait_exit(Some(PATIENCE)),
+        Some(EngineExit::Failed(expected.to_string()))
+    );
+    assert!(!e.is_alive());
+    assert_eq!(e.failure().as_deref(), Some(expected));
+    let err = e.submit(request(6, 4), |_| true).unwrap_err();
+    assert!(matches!(err, SubmitError::EngineFailed(_)), "{err:?}");
+    assert_eq!(metric(e, "kura:request_failed_total"), 2.0);
+    // Nothing ran after the fault.
+    assert_eq!(fake.control.calls(), 3);
+    e.stop();
+}
+
+#[test]
+fn a_step_error_fails_only_that_steps_requests_and_the_engine_goes_on() {
+    let fake = start(config(64, 16, 1));
+    let e = &fake.engine;
+    fake.control.fail_at(
+        3,
+        ExecError::Step("device memory is short for this step".into()),
+    );
+    let (_a, a_rx) = submit(e, request(6, 100));
+    let (_b, b_rx) = submit(e, request(7, 5));
+
+    let a = outcome(&a_rx);
+    assert_eq!(a.tokens.len(), 2, "{a:?}");
+    match a.result {
+        Err(RequestError::Model(m)) => assert_eq!(m, "device memory is short for this step"),
+        other => panic!("the request in the failed step: {other:?}"),
+    }
+    // The queued request runs after it, whole, as it would have alone.
+    let b = outcome(&b_rx);
+    assert!(b.result.is_ok(), "{:?}", b.result);
+    assert_eq!(b.tokens.len(), 5);
+    let alone = start(config(64, 16, 1));
+    let (_c, c_rx) = submit(&alone.engine, request(7, 5));
+    assert_eq!(outcome(&c_rx).tokens, b.tokens);
+    alone.engine.stop();
+
+    assert!(e.is_alive());
+    assert_eq!(e.failure(), None);
+    assert_eq!(metric(e, "kura:request_failed_total"), 1.0);
+    e.stop();
 }

@@ -131,6 +131,41 @@ fn evicted_blocks_come_back_from_the_host_tier_with_the_same_tokens() {
 }
 
 #[test]
+fn a_failed_load_from_the_host_tier_ends_the_engine_instead_of_computing_over_the_block() {
+    for started in [false, true] {
+        // The same eviction as above; then every import fails (synchronous ones, and, where the
+        // executor copies asynchronously, the start of one), as copies on a faulted device do.
+        let fake = start(with_tiers(12, 64, None));
+        if started {
+            fake.control.async_imports();
+        }
+        let e = &fake.engine;
+        for s in 0..5 {
+            run(e, distinct_request(s, 24, 6));
+        }
+        settle(e);
+        let forwards = fake.control.calls();
+        fake.control.fail_imports();
+        // Prompt 0's blocks are only in the host tier now.
+        let (_g, rx) = submit(e, distinct_request(0, 24, 6));
+        let out = outcome(&rx);
+        let expected = "the executor failed at a load from the host tier: fake device fault in a \
+                        block import";
+        match &out.result {
+            Err(kura_engine::RequestError::EngineFailed(reason)) => {
+                assert_eq!(reason, expected, "started: {started}")
+            }
+            other => panic!("started: {started}: {other:?}"),
+        }
+        assert!(out.tokens.is_empty(), "started: {started}: {out:?}");
+        // No step ran over the block that did not arrive.
+        assert_eq!(fake.control.calls(), forwards, "started: {started}");
+        assert_eq!(e.failure().as_deref(), Some(expected));
+        e.stop();
+    }
+}
+
+#[test]
 fn a_host_tier_load_copied_asynchronously_is_waited_for_while_other_requests_run() {
     let cold = cold_outputs();
     let short = {

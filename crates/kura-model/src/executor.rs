@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kura_engine::{Executor, SeqInput};
+use kura_engine::{ExecError, Executor, SeqInput};
 use kura_kv::storage::KvStorage;
 
 use crate::{Model, SeqBatchItem};
@@ -21,7 +21,7 @@ impl ModelExecutor {
 }
 
 impl Executor for ModelExecutor {
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String> {
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         let items: Vec<SeqBatchItem<'_>> = batch
             .iter()
             .map(|s| SeqBatchItem {
@@ -34,16 +34,21 @@ impl Executor for ModelExecutor {
         let logits = self
             .model
             .forward(&items, &mut self.storage)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ExecError::Step(e.to_string()))?;
         Ok((0..logits.num_rows())
             .map(|i| logits.row(i).to_vec())
             .collect())
     }
 
-    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
+    fn copy_block_prefix(
+        &mut self,
+        src: u32,
+        dst: u32,
+        num_tokens: usize,
+    ) -> Result<(), ExecError> {
         self.storage
             .copy_block_prefix(src as usize, dst as usize, num_tokens)
-            .expect("the KV manager hands out block ids within the pool");
+            .map_err(|e| ExecError::Fatal(e.to_string()))
     }
 
     fn block_bytes(&self) -> usize {
@@ -51,15 +56,15 @@ impl Executor for ModelExecutor {
         self.storage.layout().bytes_per_block() as usize
     }
 
-    fn export_block(&self, block: u32, out: &mut [u8]) {
-        self.storage.export_block(block as usize, out).expect(
-            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
-        );
+    fn export_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
+        self.storage
+            .export_block(block as usize, out)
+            .map_err(|e| ExecError::Fatal(e.to_string()))
     }
 
-    fn import_block(&mut self, block: u32, bytes: &[u8]) {
-        self.storage.import_block(block as usize, bytes).expect(
-            "the KV manager hands out block ids within the pool, the tiers block-sized slots",
-        );
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ExecError> {
+        self.storage
+            .import_block(block as usize, bytes)
+            .map_err(|e| ExecError::Fatal(e.to_string()))
     }
 }

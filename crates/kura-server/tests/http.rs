@@ -623,11 +623,38 @@ async fn shutdown_closes_partial_requests_and_unread_streams_after_the_grace() {
 
 #[tokio::test]
 async fn engine_death_turns_health_to_503_fails_requests_and_ends_serve_with_an_error() {
-    let mut s = TestServer::start(Setup {
-        behaviour: Behaviour {
+    engine_death(
+        Behaviour {
             panic_at_forward: Some(3),
             ..Behaviour::default()
         },
+        "stand-in model failure",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_device_fault_ends_serve_as_an_engine_death_does() {
+    // A fatal executor error (on a GPU: a fault that leaves the CUDA context unusable) must not leave a
+    // server that fails every request while its health check says it is well.
+    engine_death(
+        Behaviour {
+            fail_at_forward: Some((
+                3,
+                kura_engine::ExecError::Fatal("CUDA driver: CUDA_ERROR_ILLEGAL_ADDRESS".into()),
+            )),
+            ..Behaviour::default()
+        },
+        "the executor failed at a forward step: CUDA driver: CUDA_ERROR_ILLEGAL_ADDRESS",
+    )
+    .await;
+}
+
+/// A request while the engine dies (`behaviour` makes it die) fails with `expected` in its message,
+/// `serve` returns that error, and `/health` answers 503 after.
+async fn engine_death(behaviour: Behaviour, expected: &str) {
+    let mut s = TestServer::start(Setup {
+        behaviour,
         ..Setup::default()
     })
     .await;
@@ -649,13 +676,13 @@ async fn engine_death_turns_health_to_503_fails_requests_and_ends_serve_with_an_
     let body: Value = r.json().await.unwrap();
     assert_openai_error(&body);
     let message = body["error"]["message"].as_str().unwrap();
-    assert!(message.contains("stand-in model failure"), "{message}");
+    assert!(message.contains(expected), "{message}");
     let result = tokio::time::timeout(PATIENCE, s.done.take().unwrap())
         .await
         .expect("serve returns after the engine dies")
         .unwrap();
     match result {
-        Err(ServeError::EngineFailed(m)) => assert!(m.contains("stand-in model failure"), "{m}"),
+        Err(ServeError::EngineFailed(m)) => assert!(m.contains(expected), "{m}"),
         other => panic!("serve returned {other:?}"),
     }
     assert!(s.engine.failure().is_some());

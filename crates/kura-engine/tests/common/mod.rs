@@ -1,8 +1,9 @@
 //! A deterministic stand-in model for the engine tests: milliseconds per test, no download. Its next token
 //! depends on every earlier token as read back through the block table and on the position, so any mix-up
 //! of positions, block tables or copied blocks changes the output. A [`Control`] lets a test hold the
-//! engine inside a chosen forward call (to submit something while a request is known to be running) or
-//! make a chosen call panic (a kernel fault).
+//! engine inside a chosen forward call (to submit something while a request is known to be running),
+//! make a chosen call panic or return an error (a kernel fault, a refused batch), or make the block
+//! loads fail (a device fault during a copy).
 
 #![allow(dead_code)]
 
@@ -11,8 +12,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use kura_engine::{
-    start_engine, ChatMessage, EngineConfig, EngineEvent, EngineHandle, Executor, GenerateRequest,
-    RequestError, RequestGuard, SeqInput, TextCodec, Usage,
+    start_engine, ChatMessage, EngineConfig, EngineEvent, EngineHandle, ExecError, Executor,
+    GenerateRequest, RequestError, RequestGuard, SeqInput, TextCodec, Usage,
 };
 
 pub const VOCAB: usize = 64;
@@ -29,6 +30,10 @@ struct ControlState {
     hold_at: Option<usize>,
     holding: bool,
     panic_at: Option<usize>,
+    /// A forward call that returns this error instead of computing.
+    fail_at: Option<(usize, ExecError)>,
+    /// Whether every block import (synchronous or started) fails.
+    imports_fail: bool,
     /// Bytes of the host region the engine offered ([`Executor::register_host_region`]).
     host_region: Option<usize>,
     /// Whether host-tier loads are copied asynchronously ([`Executor::start_import`]).
@@ -60,6 +65,26 @@ impl Control {
     /// Forward call `call` panics.
     pub fn panic_at(&self, call: usize) {
         self.state.lock().unwrap().panic_at = Some(call);
+    }
+
+    /// Forward call `call` returns `error` instead of computing.
+    pub fn fail_at(&self, call: usize, error: ExecError) {
+        self.state.lock().unwrap().fail_at = Some((call, error));
+    }
+
+    /// From now on every block import fails with a fatal error, as a copy on a faulted device does.
+    pub fn fail_imports(&self) {
+        self.state.lock().unwrap().imports_fail = true;
+    }
+
+    /// The error an import returns now, if imports fail.
+    fn import_fault(&self) -> Result<(), ExecError> {
+        if self.state.lock().unwrap().imports_fail {
+            return Err(ExecError::Fatal(
+                "fake device fault in a block import".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Forward call `call` waits (before computing) until [`Control::release`].
@@ -162,13 +187,19 @@ impl Control {
         self.state.lock().unwrap().calls
     }
 
-    fn enter(&self) {
+    /// Counts a forward call; panics, or returns the error it was told to, where asked.
+    fn enter(&self) -> Result<(), ExecError> {
         let mut state = self.state.lock().unwrap();
         state.calls += 1;
         let call = state.calls;
         if state.panic_at == Some(call) {
             drop(state);
             panic!("fake kernel fault in forward call {call}");
+        }
+        if let Some((at, error)) = &state.fail_at {
+            if *at == call {
+                return Err(error.clone());
+            }
         }
         if state.hold_at == Some(call) {
             state.holding = true;
@@ -179,6 +210,7 @@ impl Control {
                 .unwrap();
             state.holding = false;
         }
+        Ok(())
     }
 }
 
@@ -247,8 +279,8 @@ impl FakeModel {
 }
 
 impl Executor for FakeModel {
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String> {
-        self.control.enter();
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        self.control.enter()?;
         self.land_ordered();
         if batch
             .iter()
@@ -285,11 +317,17 @@ impl Executor for FakeModel {
             .collect())
     }
 
-    fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) {
+    fn copy_block_prefix(
+        &mut self,
+        src: u32,
+        dst: u32,
+        num_tokens: usize,
+    ) -> Result<(), ExecError> {
         self.land_ordered();
         for i in 0..num_tokens {
             self.kv[dst as usize * BLOCK + i] = self.kv[src as usize * BLOCK + i];
         }
+        Ok(())
     }
 
     /// A slot as 5 bytes: written or not, then the token (little-endian).
@@ -297,12 +335,12 @@ impl Executor for FakeModel {
         BLOCK * 5
     }
 
-    fn export_block(&self, block: u32, out: &mut [u8]) {
+    fn export_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
         // An ordered import of the block still under way comes first.
         if let Some((_, at, len, stored)) = self.in_flight.iter().rev().find(|f| f.0 == block) {
             if self.control.state.lock().unwrap().ordered_imports {
                 out.copy_from_slice(&Self::import_bytes(*at, *len, stored));
-                return;
+                return Ok(());
             }
         }
         for (i, o) in out.chunks_exact_mut(5).enumerate() {
@@ -310,38 +348,43 @@ impl Executor for FakeModel {
             o[0] = u8::from(slot.is_some());
             o[1..].copy_from_slice(&slot.unwrap_or(0).to_le_bytes());
         }
+        Ok(())
     }
 
-    fn import_block(&mut self, block: u32, bytes: &[u8]) {
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ExecError> {
+        self.control.import_fault()?;
         self.land_ordered();
         self.write_block(block, bytes);
+        Ok(())
     }
 
-    fn start_export(&mut self, block: u32, out: &mut [u8]) -> bool {
+    fn start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool, ExecError> {
         {
             let mut state = self.control.state.lock().unwrap();
             if !state.async_exports {
-                return false;
+                return Ok(false);
             }
             state.exports_started += 1;
         }
         self.land_ordered();
         let mut bytes = vec![0u8; out.len()];
-        self.export_block(block, &mut bytes);
+        self.export_block(block, &mut bytes)?;
         // Not there yet: whoever reads the slot before the fence reads these.
         out.fill(0xEE);
         self.stores.push((out.as_mut_ptr(), bytes));
-        true
+        Ok(true)
     }
 
-    fn exports_fence(&mut self) {
+    fn exports_fence(&mut self) -> Result<(), ExecError> {
         self.land_stores();
+        Ok(())
     }
 
-    fn start_import(&mut self, block: u32, bytes: &[u8]) -> bool {
+    fn start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool, ExecError> {
+        self.control.import_fault()?;
         let mut state = self.control.state.lock().unwrap();
         if !state.async_imports {
-            return false;
+            return Ok(false);
         }
         state.imports_started += 1;
         drop(state);
@@ -356,16 +399,20 @@ impl Executor for FakeModel {
             .map(|(_, b)| b.clone());
         self.in_flight
             .push((block, bytes.as_ptr(), bytes.len(), stored));
-        true
+        Ok(true)
     }
 
     fn imports_ordered(&self) -> bool {
         self.control.state.lock().unwrap().ordered_imports
     }
 
-    fn imports_done(&mut self, wait: Duration, done: &mut Vec<(u32, Duration)>) {
+    fn imports_done(
+        &mut self,
+        wait: Duration,
+        done: &mut Vec<(u32, Duration)>,
+    ) -> Result<(), ExecError> {
         if self.in_flight.is_empty() && self.landed.is_empty() {
-            return;
+            return Ok(());
         }
         let state = self.control.state.lock().unwrap();
         let (state, _) = self
@@ -374,7 +421,7 @@ impl Executor for FakeModel {
             .wait_timeout_while(state, wait, |s| s.imports_held)
             .unwrap();
         if state.imports_held {
-            return;
+            return Ok(());
         }
         drop(state);
         let landed = std::mem::take(&mut self.landed);
@@ -386,6 +433,7 @@ impl Executor for FakeModel {
         }
         self.control.state.lock().unwrap().imports_reported += blocks.len();
         done.extend(blocks.into_iter().map(|b| (b, Duration::from_micros(1))));
+        Ok(())
     }
 
     /// Takes the region as an accelerator would (pinning it); the test reads its size back.

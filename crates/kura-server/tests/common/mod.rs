@@ -11,8 +11,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use kura_engine::{
-    start_engine, ChatMessage, EngineConfig, EngineHandle, Executor, SchedulingPolicy, SeqInput,
-    TextCodec,
+    start_engine, ChatMessage, EngineConfig, EngineHandle, ExecError, Executor, SchedulingPolicy,
+    SeqInput, TextCodec,
 };
 use kura_server::{ConnLimits, ServeError, ServerConfig};
 use tokio::sync::oneshot;
@@ -29,6 +29,8 @@ pub struct Behaviour {
     pub step_delay: Duration,
     /// Panic in this forward call (1-based), if set.
     pub panic_at_forward: Option<usize>,
+    /// Return this error from this forward call (1-based), if set.
+    pub fail_at_forward: Option<(usize, ExecError)>,
     /// Bytes of text each generated token decodes to (default 1).
     pub token_text_bytes: usize,
 }
@@ -39,10 +41,15 @@ pub struct FakeModel {
 }
 
 impl Executor for FakeModel {
-    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, String> {
+    fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         self.forwards += 1;
         if self.behaviour.panic_at_forward == Some(self.forwards) {
             panic!("stand-in model failure at forward call {}", self.forwards);
+        }
+        if let Some((at, error)) = &self.behaviour.fail_at_forward {
+            if *at == self.forwards {
+                return Err(error.clone());
+            }
         }
         if !self.behaviour.step_delay.is_zero() {
             // Paces the stand-in (keeps a long request running); no test waits on it for a state.
@@ -60,7 +67,14 @@ impl Executor for FakeModel {
             .collect())
     }
 
-    fn copy_block_prefix(&mut self, _src: u32, _dst: u32, _num_tokens: usize) {}
+    fn copy_block_prefix(
+        &mut self,
+        _src: u32,
+        _dst: u32,
+        _num_tokens: usize,
+    ) -> Result<(), ExecError> {
+        Ok(())
+    }
 }
 
 /// A gate that tokenization waits at while closed (to prove it runs off the async workers).
