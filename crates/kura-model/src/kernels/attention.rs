@@ -952,7 +952,10 @@ mod x86 {
         let scale_v = _mm512_set1_ps(scale);
         // K: 16 keys at a time, each row read (and dequantised) once into a tile of registers spilled to
         // L1, then every query head of the group takes its 16 scores from the tile. Each score is the same
-        // chain of fused multiply-adds over the row as when every head read the row itself.
+        // chain of fused multiply-adds over the row as when every head read the row itself. The tile
+        // (4 or 8 KiB) is cleared once a unit, not for every 16 keys, where clearing it wrote twice the
+        // bytes of K that were read: a group reads only its `keys` rows, each written first.
+        let mut tile = [[_mm512_setzero_ps(); CH]; 16];
         for (block, first, last, at, next) in spans.clone() {
             let k = R::typed(kv.k_head_block(block, kvh));
             // A head's block is a few KiB on its own pages, where hardware prefetchers stop: fetch the
@@ -961,7 +964,6 @@ mod x86 {
             let mut s0 = first;
             while s0 <= last {
                 let keys = (last + 1 - s0).min(16);
-                let mut tile = [[_mm512_setzero_ps(); CH]; 16];
                 for (j, t) in tile.iter_mut().enumerate().take(keys) {
                     if let Some(nk) = next_k {
                         prefetch_row(nk.wrapping_add((s0 + j) * ru), ru);
@@ -1036,13 +1038,14 @@ mod x86 {
         let ru = kv.vector_units();
         let scale_v = _mm512_set1_ps(scale);
         let bias = _mm512_set1_epi8(-128);
+        // Cleared once a unit (see `attend`): a group reads only its `keys` rows, each written first.
+        let mut tile = [[_mm512_setzero_si512(); 2]; 16];
         for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
             let k = Int8Row::typed(kv.k_head_block(block, kvh));
             let next_k = next.map(|b| Int8Row::typed(kv.k_head_block(b, kvh)).as_ptr());
             let mut s0 = first;
             while s0 <= last {
                 let keys = (last + 1 - s0).min(16);
-                let mut tile = [[_mm512_setzero_si512(); 2]; 16];
                 let mut sk_bits = [[0u16; 16]; 2];
                 for (j, t) in tile.iter_mut().enumerate().take(keys) {
                     if let Some(nk) = next_k {
