@@ -74,8 +74,9 @@ impl CudaError {
     }
 }
 
-/// Whether the CUDA context is unusable after `code` (the driver API's documentation of each code:
-/// "the process must be terminated and relaunched", or a device or context that is gone).
+/// Whether the CUDA context is unusable after `code`: the codes the driver API documents as "the
+/// process must be terminated and relaunched", a device or context that is gone, and, to be safe, a
+/// driver that is not initialised, a device unavailable and an unknown error.
 fn driver_fault(code: cudarc::driver::sys::CUresult) -> bool {
     use cudarc::driver::sys::CUresult as R;
     matches!(
@@ -96,6 +97,9 @@ fn driver_fault(code: cudarc::driver::sys::CUresult) -> bool {
             | R::CUDA_ERROR_NOT_INITIALIZED
             | R::CUDA_ERROR_DEVICE_UNAVAILABLE
             | R::CUDA_ERROR_EXTERNAL_DEVICE
+            | R::CUDA_ERROR_CONTAINED
+            | R::CUDA_ERROR_TENSOR_MEMORY_LEAK
+            | R::CUDA_ERROR_MPS_CLIENT_TERMINATED
             | R::CUDA_ERROR_UNKNOWN
     )
 }
@@ -168,6 +172,8 @@ mod tests {
             R::CUDA_ERROR_ASSERT,
             R::CUDA_ERROR_ECC_UNCORRECTABLE,
             R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+            R::CUDA_ERROR_CONTAINED,
+            R::CUDA_ERROR_MPS_CLIENT_TERMINATED,
         ] {
             let e = engine_reads(code);
             assert_eq!(

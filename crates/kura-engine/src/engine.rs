@@ -451,11 +451,29 @@ impl Core {
         match panic::catch_unwind(AssertUnwindSafe(|| self.serve(&rx))) {
             Ok(()) => {
                 self.fail_all(RequestError::ShuttingDown);
-                self.shutdown_tiers();
+                // The tiers' last moves call the executor: one that fails there ends the stop as a
+                // failure with its message, not a silent unwind of this thread.
+                let tiers = panic::catch_unwind(AssertUnwindSafe(|| self.shutdown_tiers()));
                 self.update_gauges();
                 // Every client has its last event before the exit is visible.
                 self.out.flush();
-                self.shared.set_exit(EngineExit::Stopped);
+                let exit = match tiers {
+                    Ok(()) => EngineExit::Stopped,
+                    Err(payload) => {
+                        let reason = match payload.downcast::<ExecutorFailed>() {
+                            Ok(failed) => format!("the executor failed at {}", failed.0),
+                            Err(payload) => {
+                                format!(
+                                    "engine thread panicked: {}",
+                                    panic_message(payload.as_ref())
+                                )
+                            }
+                        };
+                        tracing::error!(error = %reason, "stopping the KV tiers failed");
+                        EngineExit::Failed(reason)
+                    }
+                };
+                self.shared.set_exit(exit);
             }
             Err(payload) => {
                 let reason = match payload.downcast::<ExecutorFailed>() {
