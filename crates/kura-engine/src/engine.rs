@@ -446,6 +446,18 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
     }
 }
 
+/// Why the engine loop ended, from the payload it unwound with: the executor's failure
+/// ([`ExecutorFailed`]) or a panic's message.
+fn failure_reason(payload: Box<dyn Any + Send>) -> String {
+    match payload.downcast::<ExecutorFailed>() {
+        Ok(failed) => format!("the executor failed at {}", failed.0),
+        Err(payload) => format!(
+            "engine thread panicked: {}",
+            panic_message(payload.as_ref())
+        ),
+    }
+}
+
 impl Core {
     fn run(mut self, rx: Receiver<Command>) {
         match panic::catch_unwind(AssertUnwindSafe(|| self.serve(&rx))) {
@@ -460,15 +472,7 @@ impl Core {
                 let exit = match tiers {
                     Ok(()) => EngineExit::Stopped,
                     Err(payload) => {
-                        let reason = match payload.downcast::<ExecutorFailed>() {
-                            Ok(failed) => format!("the executor failed at {}", failed.0),
-                            Err(payload) => {
-                                format!(
-                                    "engine thread panicked: {}",
-                                    panic_message(payload.as_ref())
-                                )
-                            }
-                        };
+                        let reason = failure_reason(payload);
                         tracing::error!(error = %reason, "stopping the KV tiers failed");
                         EngineExit::Failed(reason)
                     }
@@ -476,23 +480,11 @@ impl Core {
                 self.shared.set_exit(exit);
             }
             Err(payload) => {
-                let reason = match payload.downcast::<ExecutorFailed>() {
-                    Ok(failed) => {
-                        tracing::error!(
-                            error = %failed.0,
-                            "the executor failed; failing every request and refusing new ones"
-                        );
-                        format!("the executor failed at {}", failed.0)
-                    }
-                    Err(payload) => {
-                        let message = panic_message(payload.as_ref());
-                        tracing::error!(
-                            panic = %message,
-                            "the engine thread panicked; failing every request and refusing new ones"
-                        );
-                        format!("engine thread panicked: {message}")
-                    }
-                };
+                let reason = failure_reason(payload);
+                tracing::error!(
+                    error = %reason,
+                    "the engine failed; failing every request and refusing new ones"
+                );
                 // Counted first, so that the metrics are final when the failure is visible; then
                 // recorded, so that a submit racing with the failure is refused at the door; then told.
                 let groups = self.take_all_dead();
