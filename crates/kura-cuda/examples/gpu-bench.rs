@@ -100,13 +100,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     gpu.forward_greedy(&[SeqInput::new(&p[..1], 1024, &table)])?;
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
-    // graphs with plain launches, then launch by launch; three rounds of the three, the median of each.
-    let modes = [(true, true), (true, false), (false, false)];
+    // the same with the fused decode kernels, graphs with plain launches, then launch by launch; three
+    // rounds of the four, the median of each.
+    let modes = [
+        (true, true, false),
+        (true, true, true),
+        (true, false, false),
+        (false, false, false),
+    ];
     let mut rates = vec![Vec::new(); modes.len()];
     for _ in 0..3 {
-        for (m, (graphs, dependent)) in modes.iter().enumerate() {
+        for (m, (graphs, dependent, fused)) in modes.iter().enumerate() {
             gpu.set_graphs(*graphs);
             gpu.set_dependent_launch(*dependent);
+            gpu.set_fused_decode(*fused);
             let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
             next = gpu.forward_greedy(&[SeqInput::new(&[next], 1024, &table)])?[0];
             let steps = 128;
@@ -117,26 +124,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             rates[m].push(steps as f64 / t.elapsed().as_secs_f64());
         }
     }
-    let decode1: Vec<((bool, bool), f64)> = modes
+    let decode1: Vec<((bool, bool, bool), f64)> = modes
         .iter()
         .zip(rates)
         .map(|(m, r)| (*m, median(r)))
         .collect();
     gpu.set_graphs(true);
     gpu.set_dependent_launch(true);
+    gpu.set_fused_decode(false);
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device())?;
     let bound = bandwidth / weight_bytes as f64;
     let has_dependent = gpu.device().has_dependent_launch();
     let card = gpu.device().name.clone();
     let datasheet = datasheet_tbs(&card);
-    for ((graphs, dependent), tps) in decode1 {
+    for ((graphs, dependent, fused), tps) in decode1 {
         let dependent = dependent && has_dependent;
         emit(
             &mut results,
             format!(
                 "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"graphs\":{graphs},\
-                 \"dependent_launch\":{dependent},\
+                 \"dependent_launch\":{dependent},\"fused\":{fused},\
                  \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
                  \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
                  \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
@@ -272,24 +280,32 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .collect();
         last.extend(gpu.forward_greedy(&items)?);
     }
-    let t = Instant::now();
-    for step in 0..steps {
-        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
-        let items: Vec<SeqInput<'_>> = (0..batch)
-            .map(|i| SeqInput::new(&toks[i], ctx + step, &tables[i]))
-            .collect();
-        last = gpu.forward_greedy(&items)?;
+    // The same steps with the separate kernels (the default), then the fused ones: each pass writes
+    // the same K and V rows, so both read the same context.
+    let first = last.clone();
+    for fused in [false, true] {
+        gpu.set_fused_decode(fused);
+        last = first.clone();
+        let t = Instant::now();
+        for step in 0..steps {
+            let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+            let items: Vec<SeqInput<'_>> = (0..batch)
+                .map(|i| SeqInput::new(&toks[i], ctx + step, &tables[i]))
+                .collect();
+            last = gpu.forward_greedy(&items)?;
+        }
+        let s = t.elapsed().as_secs_f64();
+        emit(
+            &mut results,
+            format!(
+                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"fused\":{fused},\
+                 \"tokens_per_s\":{:.0},\"ms_per_step\":{:.2}}}",
+                (batch * steps) as f64 / s,
+                1e3 * s / steps as f64
+            ),
+        );
     }
-    let s = t.elapsed().as_secs_f64();
-    emit(
-        &mut results,
-        format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"tokens_per_s\":{:.0},\
-             \"ms_per_step\":{:.2}}}",
-            (batch * steps) as f64 / s,
-            1e3 * s / steps as f64
-        ),
-    );
+    gpu.set_fused_decode(false);
     // The 64 sequences' steps while a 16,384-token prefix loads from the host tier into other blocks.
     if pinned_ok && gpu.set_ordered_imports(true) {
         match itl_while_loading(&mut gpu, &host, &tables, &mut last, ctx + steps - 1) {
@@ -312,11 +328,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .collect();
         for (what, items) in [
             ("decode_b1", vec![SeqInput::new(&[5], 1024, &table)]),
+            ("decode_b1_fused", vec![SeqInput::new(&[5], 1024, &table)]),
             ("decode_b64", b64),
             ("prefill_16384", vec![SeqInput::new(&long, 0, &table)]),
             ("prefill_16384_wide", vec![SeqInput::new(&long, 0, &table)]),
         ] {
             gpu.set_wide_prefill(what.ends_with("_wide"));
+            gpu.set_fused_decode(what.ends_with("_fused"));
             gpu.forward_greedy(&items)?;
             let prof = gpu.profile_greedy(&items)?;
             let total: f64 = prof.iter().map(|p| p.1).sum();

@@ -348,10 +348,50 @@ __device__ __forceinline__ void kv_load8(const unsigned char* pool, size_t off, 
   load8_fp8(pool + off, scale, f);
 }
 
-// G: the most query heads one KV head serves that this instance handles (group ≤ G).
+__device__ __forceinline__ float merge_dim(const float* pp, int splits, int d, int dim);
+
+// The merge fused into `attn_split` (`fuse`): called by every thread of each block once its partials are
+// written. The last of a token's blocks for a KV head to arrive (of `gridDim.z`, counted in `arrive`,
+// which it sets back to zero for the next launch) merges the splits of the heads that KV head serves into
+// `merged`, as `attn_merge` would: one launch a layer fewer, and the merge runs while the other heads'
+// blocks still compute.
+template <int D>
+__device__ void split_arrive(const float* part, const int* tok_info, int* arrive, bf16* merged, int kv_heads,
+                             int heads, int max_splits) {
+  __shared__ int last;
+  int ti = blockIdx.x, kvh = blockIdx.y;
+  // Each thread's partials visible to every block before the count says they are written.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = arrive + (size_t)ti * kv_heads + kvh;
+    last = atomicAdd(c, 1) == (int)gridDim.z - 1;
+    if (last) *c = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  int group = heads / kv_heads;
+  int row = tok_info[4 * ti], qpos = tok_info[4 * ti + 1], lo = tok_info[4 * ti + 3];
+  int splits = (qpos + 1 - lo + SPLIT - 1) / SPLIT;
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    int g = i / D, dim = i - g * D, h = kvh * group + g;
+    const float* pp = part + ((size_t)ti * heads + h) * max_splits * (D + 2);
+    merged[((size_t)row * heads + h) * D + dim] = __float2bfloat16(merge_dim(pp, splits, D, dim));
+  }
+}
+
+// `fuse` of `attn_split`: the last block of each (token, KV head) merges the splits (`split_arrive`;
+// otherwise `attn_merge` does), and each key's K and V rows are asked of L2 before they are read.
+#define SPLIT_MERGE 1
+#define SPLIT_PREFETCH 2
+
+// G: the most query heads one KV head serves that this instance handles (group ≤ G); `fuse`: the
+// SPLIT_* flags.
 template <typename KV, int D, int G>
 __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, const int* tok_info, float* part,
-                           PoolShape p, int layer, int heads, int max_splits, float scale_log2) {
+                           PoolShape p, int layer, int heads, int max_splits, float scale_log2, int* arrive,
+                           bf16* merged, int fuse) {
   constexpr int LPK = D / 8;         // threads per key row, 8 dimensions each (16-byte loads)
   constexpr int KPW = 32 / LPK;      // keys a warp covers at once
   constexpr int GC = G < 8 ? G : 8;  // heads per pass of the weighted sum
@@ -376,6 +416,7 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
       o[0] = KURA_NEG_INF;
       o[1] = 0.f;
     }
+    if (fuse & SPLIT_MERGE) split_arrive<D>(part, tok_info, arrive, merged, p.kv_heads, heads, max_splits);
     return;
   }
   for (int i = threadIdx.x; i < group * D; i += blockDim.x)
@@ -390,6 +431,19 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     size_t kat = KvAddr<KV>::row(p, blk, layer, kvh, slot), sat = KvAddr<KV>::scales(p, blk, layer, kvh, slot);
     kofs[tid] = kat;
     if constexpr (FP8) sofs[tid] = sat;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (fuse & SPLIT_PREFETCH) {
+      // The rest of this key's K row, and its V row, asked of L2 now: the K loads after the first line
+      // and the weighted sum's V loads then wait on L2, not on memory.
+      const char* kr = reinterpret_cast<const char*>(pool + kat);
+      const char* vr = reinterpret_cast<const char*>(pool + kat + KvAddr<KV>::kind_stride(p));
+#pragma unroll
+      for (int b = 0; b < D * (int)sizeof(KV); b += 128) {
+        if (b > 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(kr + b));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + b));
+      }
+    }
+#endif
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; g++) s[g] = 0.f;
@@ -475,13 +529,15 @@ __device__ void attn_split(const bf16* q, const KV* pool, const int* tables, con
     }
     __syncthreads();
   }
+  if (fuse & SPLIT_MERGE) split_arrive<D>(part, tok_info, arrive, merged, p.kv_heads, heads, max_splits);
 }
 
 #define ATTN_SPLIT(KVN, KVT, D, G)                                                                           \
   extern "C" __global__ void __launch_bounds__(128, 2) attn_split_##KVN##_##D##_g##G(                            \
       const bf16* q, const KVT* pool, const int* tables, const int* tok_info, float* part, PoolShape p,       \
-      int layer, int heads, int max_splits, float scale_log2) {                                               \
-    attn_split<KVT, D, G>(q, pool, tables, tok_info, part, p, layer, heads, max_splits, scale_log2);          \
+      int layer, int heads, int max_splits, float scale_log2, int* arrive, bf16* merged, int fuse) {          \
+    attn_split<KVT, D, G>(q, pool, tables, tok_info, part, p, layer, heads, max_splits, scale_log2, arrive,   \
+                          merged, fuse);                                                                      \
   }
 #define ATTN_SPLIT_G(KVN, KVT, D) \
   ATTN_SPLIT(KVN, KVT, D, 1) ATTN_SPLIT(KVN, KVT, D, 2) ATTN_SPLIT(KVN, KVT, D, 4) ATTN_SPLIT(KVN, KVT, D, 8) \
@@ -493,6 +549,23 @@ ATTN_SPLIT_G(f32, float, 128)
 ATTN_SPLIT_G(fp8, unsigned char, 64)
 ATTN_SPLIT_G(fp8, unsigned char, 128)
 
+// One dimension of one head's merged output from its `splits` partials at `pp` (each (max, sum,
+// weighted V[d])): Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Explicit operations (no contraction left to
+// the compiler) and reads past L1 (another block may have written the partials), so that
+// `attn_merge` and the merge fused into `attn_split` give the same bits.
+__device__ __forceinline__ float merge_dim(const float* pp, int splits, int d, int dim) {
+  float m = KURA_NEG_INF;
+  for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + (size_t)s * (d + 2)));
+  float l = 0.f, o = 0.f;
+  for (int s = 0; s < splits; s++) {
+    const float* x = pp + (size_t)s * (d + 2);
+    float w = exp2f(__fsub_rn(__ldcg(x), m));
+    l = __fmaf_rn(w, __ldcg(x + 1), l);
+    o = __fmaf_rn(w, __ldcg(x + 2 + dim), o);
+  }
+  return __fdiv_rn(o, l);
+}
+
 // Merges the splits of `attn_split`: out[row][head] = Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Block
 // (token, head), D threads.
 extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf16* out, int heads, int max_splits,
@@ -502,16 +575,7 @@ extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf
   int qpos = tok_info[4 * ti + 1], lo = tok_info[4 * ti + 3];
   int splits = (qpos + 1 - lo + SPLIT - 1) / SPLIT;
   const float* pp = part + ((size_t)ti * heads + h) * max_splits * (d + 2);
-  float m = KURA_NEG_INF;
-  for (int s = 0; s < splits; s++) m = fmaxf(m, pp[(size_t)s * (d + 2)]);
-  float l = 0.f, o = 0.f;
-  for (int s = 0; s < splits; s++) {
-    const float* x = pp + (size_t)s * (d + 2);
-    float w = exp2f(x[0] - m);
-    l += w * x[1];
-    o += w * x[2 + dim];
-  }
-  out[((size_t)tok_info[4 * ti] * heads + h) * d + dim] = __float2bfloat16(o / l);
+  out[((size_t)tok_info[4 * ti] * heads + h) * d + dim] = __float2bfloat16(merge_dim(pp, splits, d, dim));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -865,33 +929,32 @@ ATTN_PREFILL(fp8, unsigned char, 128)
 // ---------------------------------------------------------------------------------------------------
 // y[t][n] (+)= Σ_k W[n][k] · x[t][k] for T ≤ 8 tokens (decode): a warp per output row, 16-byte loads of
 // W, f32 accumulation, fixed order. `accumulate` adds to y (the residual add). K % 8 == 0.
-template <int T>
-__device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
-  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  // The weights depend on no earlier kernel: while the kernel before drains (a dependent launch), ask
-  // L2 for the start of this row, a 128-byte line a lane (4 KiB: every resident warp's together stay
-  // well inside L2), then wait.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (warp < n && lane * 64 < k)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (size_t)warp * k + lane * 64));
-#endif
-  KURA_DEP();
-  if (warp >= n) return;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
-  float acc[T];
+//
+// The dot products of R rows of W (`rows`, each k long) with the T rows of x, in lane `lane`'s share of
+// k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction), so that a row's sum
+// has the same bits whichever kernel computes it.
+template <int T, int R>
+__device__ __forceinline__ void gemv_dots(const bf16* const* rows, const bf16* x, int k, int lane, float (&acc)[R][T]) {
 #pragma unroll
-  for (int t = 0; t < T; t++) acc[t] = 0.f;
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int t = 0; t < T; t++) acc[r][t] = 0.f;
   int k8 = k / 8;
-#pragma unroll 4
+  // Four 16-byte loads of W a lane in flight, whatever R.
+  constexpr int UNROLL = 4 / R;
+#pragma unroll UNROLL
   for (int i = lane; i < k8; i += 32) {
-    uint4 wv = __ldg(wr + i);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-    float wf[8];
+    float wf[R][8];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      float2 f = __bfloat1622float2(w2[j]);
-      wf[2 * j] = f.x;
-      wf[2 * j + 1] = f.y;
+    for (int r = 0; r < R; r++) {
+      uint4 wv = __ldg(reinterpret_cast<const uint4*>(rows[r]) + i);
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        float2 f = __bfloat1622float2(w2[j]);
+        wf[r][2 * j] = f.x;
+        wf[r][2 * j + 1] = f.y;
+      }
     }
 #pragma unroll
     for (int t = 0; t < T; t++) {
@@ -900,16 +963,41 @@ __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int a
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         float2 f = __bfloat1622float2(x2[j]);
-        acc[t] += wf[2 * j] * f.x + wf[2 * j + 1] * f.y;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+          acc[r][t] = __fmaf_rn(wf[r][2 * j + 1], f.y, __fmaf_rn(wf[r][2 * j], f.x, acc[r][t]));
       }
     }
   }
 #pragma unroll
-  for (int t = 0; t < T; t++) {
-    float v = warp_sum(acc[t]);
-    if (lane == 0) {
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int t = 0; t < T; t++) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+// The weights depend on no earlier kernel: while the kernel before drains (a dependent launch), ask L2
+// for the start of a row, a 128-byte line a lane (4 KiB: every resident warp's together stay well inside
+// L2).
+__device__ __forceinline__ void gemv_prefetch(const bf16* row, int k, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (lane * 64 < k) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + lane * 64));
+#endif
+}
+
+template <int T>
+__device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
+  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const bf16* rows[1] = {w + (size_t)warp * k};
+  if (warp < n) gemv_prefetch(rows[0], k, lane);
+  KURA_DEP();
+  if (warp >= n) return;
+  float acc[1][T];
+  gemv_dots<T, 1>(rows, x, k, lane, acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int t = 0; t < T; t++) {
       float* yo = y + (size_t)t * n + warp;
-      *yo = accumulate ? *yo + v : v;
+      *yo = accumulate ? *yo + acc[0][t] : acc[0][t];
     }
   }
 }
@@ -926,6 +1014,43 @@ GEMV(5)
 GEMV(6)
 GEMV(7)
 GEMV(8)
+
+// The FFN's gate and up products and SiLU·mul in one kernel for T ≤ 8 tokens: warp j takes rows j (gate)
+// and inter + j (up) of `w` ([gate | up], 2·inter rows of k) and writes act[t][j] = SiLU(gate) · up in
+// bf16 — the bits of `gemv` into f32 followed by `silu_mul`, without the round trip or the launch.
+template <int T>
+__device__ void gemv_swiglu(const bf16* w, const bf16* x, bf16* act, int inter, int k) {
+  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const bf16* rows[2] = {w + (size_t)warp * k, w + ((size_t)inter + warp) * k};
+  if (warp < inter) {
+    gemv_prefetch(rows[0], k, lane);
+    gemv_prefetch(rows[1], k, lane);
+  }
+  KURA_DEP();
+  if (warp >= inter) return;
+  float acc[2][T];
+  gemv_dots<T, 2>(rows, x, k, lane, acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+      float g = acc[0][t], u = acc[1][t];
+      act[(size_t)t * inter + warp] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+    }
+  }
+}
+#define GEMV_SWIGLU(T)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) gemv_swiglu_##T(const bf16* w, const bf16* x, bf16* act, \
+                                                                    int inter, int k) {                      \
+    gemv_swiglu<T>(w, x, act, inter, k);                                                                      \
+  }
+GEMV_SWIGLU(1)
+GEMV_SWIGLU(2)
+GEMV_SWIGLU(3)
+GEMV_SWIGLU(4)
+GEMV_SWIGLU(5)
+GEMV_SWIGLU(6)
+GEMV_SWIGLU(7)
+GEMV_SWIGLU(8)
 
 // ---------------------------------------------------------------------------------------------------
 // Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.

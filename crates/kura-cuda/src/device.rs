@@ -461,6 +461,39 @@ impl Device {
         self.mark(|| format!("cublas {t}x{n}x{k}"))
     }
 
+    /// `act[t][j] = SiLU(x[t] · w[j]) · (x[t] · w[inter + j])` in bf16 for `t ≤ 8` rows of bf16 `x`
+    /// (`t × k`) and `w` = [gate | up] (`2·inter × k`, `k % 8 == 0`): the decode kernel's products
+    /// (the same bits as [`Device::matmul`]'s) with SiLU·mul after them, in one launch.
+    pub fn gemv_swiglu(
+        &self,
+        x: u64,
+        t: usize,
+        w: u64,
+        inter: usize,
+        k: usize,
+        act: u64,
+    ) -> Result<()> {
+        if t == 0 || t > 8 || !k.is_multiple_of(8) {
+            return Err(CudaError::driver(format!(
+                "gemv_swiglu of {t} rows of {k}: takes 1 to 8 rows, a multiple of 8 long"
+            )));
+        }
+        let warps_per_block = 8;
+        self.launch_as(
+            &format!("gemv_swiglu_{t}"),
+            (inter.div_ceil(warps_per_block) as u32, 1, 1),
+            32 * warps_per_block as u32,
+            &[
+                Arg::Ptr(w),
+                Arg::Ptr(x),
+                Arg::Ptr(act),
+                Arg::I32(inter as i32),
+                Arg::I32(k as i32),
+            ],
+            || format!("gemv_swiglu {t}x{inter}x{k}"),
+        )
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
@@ -518,6 +551,7 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
+    v.extend((1..=8).map(|t| format!("gemv_swiglu_{t}")));
     v
 }
 

@@ -54,6 +54,10 @@ struct Scratch {
     ids: CudaSlice<u32>,
     meta: CudaSlice<i32>,
     part: CudaSlice<f32>,
+    /// Per (token of a wave, KV head): how many of the split-key kernel's blocks have written their
+    /// partials, when the last one merges them ([`CudaExecutor::set_fused_decode`]). Zero between
+    /// launches: the last block sets it back.
+    arrive: CudaSlice<i32>,
     /// Every token's logits of a step that asks for them ([`CudaExecutor::forward_every_position`]).
     every: CudaSlice<f32>,
 }
@@ -104,6 +108,7 @@ impl Scratch {
             ids: dev.alloc(1, "logits")?,
             meta: dev.alloc(1, "step metadata")?,
             part: dev.alloc(1, "attention partials")?,
+            arrive: dev.alloc(1, "attention partials")?,
             every: dev.alloc(1, "logits")?,
         })
     }
@@ -369,6 +374,8 @@ pub struct CudaExecutor {
     /// Whether prefill attention runs the wide kernel (4 warps of 32 query rows, Q in shared memory)
     /// rather than 8 warps of 16 rows.
     wide_prefill: bool,
+    /// Whether decode-sized steps run the fused kernels ([`CudaExecutor::set_fused_decode`]).
+    fused_decode: bool,
     /// Whether host-tier loads are ordered layer by layer before later steps
     /// ([`Executor::imports_ordered`]; `transfers`), or whole-block copies the engine waits for.
     ordered_imports: bool,
@@ -544,6 +551,7 @@ impl CudaExecutor {
             part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
             wide_prefill: false,
+            fused_decode: false,
             ordered_imports: crate::libs::has_batch_copies(),
         })
     }
@@ -560,6 +568,17 @@ impl CudaExecutor {
     /// tiles are 32 keys, not 64, so its sums are rounded at other points.
     pub fn set_wide_prefill(&mut self, on: bool) {
         self.wide_prefill = on;
+        self.graphs.clear();
+    }
+
+    /// Runs fewer, fused kernels a layer (the same bits): the split-key attention kernel merges its
+    /// splits itself (the last block of each token and KV head to finish does it, instead of
+    /// `attn_merge`) and asks L2 for each key's K and V rows before reading them; and for steps of at
+    /// most 8 tokens the FFN's gate and up products write SiLU(gate) · up directly (`gemv_swiglu_*`,
+    /// instead of the product into f32 and `silu_mul`). Off by default until measured on a GPU; the GPU
+    /// tests compare the two, and `gpu-bench` times both.
+    pub fn set_fused_decode(&mut self, on: bool) {
+        self.fused_decode = on;
         self.graphs.clear();
     }
 
@@ -658,8 +677,9 @@ impl CudaExecutor {
         );
         let part_len =
             wave.min(plan.split_tokens) * c.num_heads() * plan.max_splits * (c.head_dim() + 2);
+        let arrive_len = wave.min(plan.split_tokens) * c.num_kv_heads();
         let s = &mut self.s;
-        let before = (s.tokens, s.rows, s.meta.len(), s.part.len());
+        let before = (s.tokens, s.rows, s.meta.len(), s.part.len(), s.arrive.len());
         // Metadata room for the longest block tables a step may have, so that it is seldom reallocated.
         let meta_len = plan
             .meta
@@ -668,10 +688,12 @@ impl CudaExecutor {
         let grown = s
             .grow(&self.dev, c, t, n)
             .and_then(|()| ensure(&self.dev, &mut s.meta, meta_len, "step metadata"))
-            .and_then(|()| ensure(&self.dev, &mut s.part, part_len, "attention partials"));
+            .and_then(|()| ensure(&self.dev, &mut s.part, part_len, "attention partials"))
+            .and_then(|()| ensure(&self.dev, &mut s.arrive, arrive_len, "attention partials"));
         // A buffer moved (or was freed by an allocation that then failed): the captured graphs name the
         // old ones.
-        if grown.is_err() || before != (s.tokens, s.rows, s.meta.len(), s.part.len()) {
+        let after = (s.tokens, s.rows, s.meta.len(), s.part.len(), s.arrive.len());
+        if grown.is_err() || before != after {
             self.graphs.clear();
         }
         grown?;
@@ -758,7 +780,9 @@ impl CudaExecutor {
             dev.ptr(&s.gu),
             dev.ptr(&s.act),
         );
-        let (pool, part) = (dev.ptr(&self.pool), dev.ptr(&s.part));
+        let (pool, part, arrive) = (dev.ptr(&self.pool), dev.ptr(&s.part), dev.ptr(&s.arrive));
+        // `SPLIT_MERGE | SPLIT_PREFETCH` of `kura.cu`, or neither.
+        let split_flags = if self.fused_decode { 1 | 2 } else { 0 };
         let kv = match self.kv_dtype {
             KvDtype::F32 => "f32",
             KvDtype::Fp8 => "fp8",
@@ -912,8 +936,14 @@ impl CudaExecutor {
                         Arg::I32(heads as i32),
                         Arg::I32(plan.max_splits as i32),
                         Arg::F32(scale_log2),
+                        Arg::Ptr(arrive),
+                        Arg::Ptr(attn),
+                        Arg::I32(split_flags),
                     ],
                 )?;
+                if self.fused_decode {
+                    continue;
+                }
                 dev.launch(
                     "attn_merge",
                     (count as u32, heads as u32, 1),
@@ -956,6 +986,11 @@ impl CudaExecutor {
             }
             dev.matmul(attn, t, dev.ptr(&lw.wo), h, q_dim, x, true)?;
             norm(t, 0, dev.ptr(&lw.ffn_norm), xn)?;
+            if self.fused_decode && t <= 8 && h.is_multiple_of(8) {
+                dev.gemv_swiglu(xn, t, dev.ptr(&lw.w_gate_up), inter, h, act)?;
+                dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
+                continue;
+            }
             dev.matmul(xn, t, dev.ptr(&lw.w_gate_up), 2 * inter, h, gu, false)?;
             let total = t * inter;
             dev.launch(

@@ -257,6 +257,98 @@ fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logi
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
+    // Three sequences of different lengths (1, 2 and 3 splits of 128 keys) decode together: one token
+    // each (the gate and up products fused with SiLU·mul), then one sequence's chunk of 20 tokens
+    // (cuBLAS products; the merge still fused into the split kernel). Each step is run with the
+    // separate kernels, then fused in graphs, launch by launch, and in waves of one token; every run
+    // writes the same K and V rows before reading them, so the logits must agree bit for bit.
+    let prompts = prompts();
+    let mut failures = Vec::new();
+    for (model, dtypes) in [
+        ("smol", &[KvDtype::Bf16, KvDtype::F32, KvDtype::Fp8][..]),
+        ("llama8b4", &[KvDtype::Bf16, KvDtype::Fp8][..]),
+    ] {
+        for &dtype in dtypes {
+            let bs = 16;
+            let lens = [100usize, 200, 300];
+            let per_seq = (300usize + 24).div_ceil(bs);
+            let mut gpu = exec(model, dtype, bs, 3 * per_seq + 1);
+            let tables: Vec<Vec<u32>> = (0..3)
+                .map(|i| {
+                    ((1 + i * per_seq) as u32..(1 + (i + 1) * per_seq) as u32)
+                        .rev()
+                        .collect()
+                })
+                .collect();
+            // Each sequence: its prompt's tokens, repeated to its length.
+            let seqs: Vec<Vec<u32>> = lens
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    prompts[i % prompts.len()]
+                        .iter()
+                        .copied()
+                        .cycle()
+                        .take(n + 20)
+                        .collect()
+                })
+                .collect();
+            for (q, t) in seqs.iter().zip(&tables) {
+                gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
+                    .unwrap();
+            }
+            let decode = |g: &mut CudaExecutor| {
+                let batch: Vec<SeqInput<'_>> = seqs
+                    .iter()
+                    .zip(&tables)
+                    .map(|(q, t)| {
+                        let at = q.len() - 20;
+                        SeqInput::new(&q[at..at + 1], at, t)
+                    })
+                    .collect();
+                g.forward_logits(&batch).unwrap()
+            };
+            let chunk = |g: &mut CudaExecutor| {
+                let (q, t) = (&seqs[2], &tables[2]);
+                let at = q.len() - 20;
+                g.forward_logits(&[SeqInput::new(&q[at..], at, t)]).unwrap()
+            };
+            let separate = (decode(&mut gpu), chunk(&mut gpu));
+            gpu.set_fused_decode(true);
+            for (what, graphs, cap) in [
+                ("in graphs", true, usize::MAX),
+                ("launch by launch", false, usize::MAX),
+                ("in waves of one token", true, 1),
+            ] {
+                gpu.set_graphs(graphs);
+                gpu.set_part_cap(cap);
+                let fused = (decode(&mut gpu), chunk(&mut gpu));
+                for (step, a, b) in [
+                    ("decode", &fused.0, &separate.0),
+                    ("chunk", &fused.1, &separate.1),
+                ] {
+                    let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    let (rel, _) = errors(a, b);
+                    println!(
+                        "{model} {} KV, {step} step, fused {what}: same bits {same} (rel {rel:.2e})",
+                        dtype.name()
+                    );
+                    if !same {
+                        failures.push(format!(
+                            "{model} {} {step} fused {what}: rel {rel:.2e}",
+                            dtype.name()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// `prompt` from position `cached` on (the positions before it already in the table's blocks), in
 /// chunks of `chunk` tokens: the last chunk's logits and the next position.
 fn prefill(
