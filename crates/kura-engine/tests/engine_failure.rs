@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{config, metric, outcome, request, start, submit, PATIENCE};
+use common::{config, metric, outcome, request, start, submit, Op, PATIENCE};
 use kura_engine::{EngineExit, ExecError, RequestError, SubmitError};
 use std::time::Duration;
 
@@ -146,4 +146,38 @@ fn a_step_error_fails_only_that_steps_requests_and_the_engine_goes_on() {
     assert_eq!(e.failure(), None);
     assert_eq!(metric(e, "kura:request_failed_total"), 1.0);
     e.stop();
+}
+
+#[test]
+fn a_failed_copy_on_write_ends_the_engine_before_a_step_reads_the_block() {
+    // A's prompt fills three blocks; B shares its first 7 tokens: one whole block and 3 tokens of A's
+    // second, which B gets as a copy of those tokens into a block of its own (copy-on-write).
+    let fake = start(config(64, 64, 4));
+    let e = &fake.engine;
+    let a: Vec<u32> = (1..=12).collect();
+    let b: Vec<u32> = a[..7].iter().copied().chain([40, 41, 42, 43, 44]).collect();
+    let greedy = |prompt: &[u32]| {
+        let mut r = kura_engine::GenerateRequest::greedy(prompt.to_vec(), 2);
+        r.ignore_eos = true;
+        r
+    };
+    let (_a, a_rx) = submit(e, greedy(&a));
+    assert!(outcome(&a_rx).result.is_ok());
+    let calls = fake.control.calls();
+    fake.control.fail(Op::Copy);
+    let (_b, b_rx) = submit(e, greedy(&b));
+    let out = outcome(&b_rx);
+    let expected = format!(
+        "the executor failed at a copy-on-write block copy: {}",
+        Op::Copy.fault()
+    );
+    match &out.result {
+        Err(RequestError::EngineFailed(reason)) => assert_eq!(reason, &expected),
+        other => panic!("B: {other:?}"),
+    }
+    assert!(out.tokens.is_empty(), "{out:?}");
+    // No step ran over the block whose copy failed.
+    assert_eq!(fake.control.calls(), calls);
+    assert_eq!(e.failure().as_deref(), Some(expected.as_str()));
+    assert!(!e.is_alive());
 }

@@ -3,7 +3,9 @@
 //! host tier and from disk with the same tokens as computed cold; the disk tier survives a restart and
 //! refuses another model's blocks; damaged files are recomputed; a prefix only on disk is read once for
 //! any number of concurrent requests; swap preemption loads a preempted request's blocks back; the tier
-//! cost check recomputes a prefix whose tier loads slower than the model prefills, and loads it otherwise.
+//! cost check recomputes a prefix whose tier loads slower than the model prefills, and loads it otherwise;
+//! a copy that fails at any tier (a device fault), even while the engine stops, ends the engine with
+//! where it failed.
 
 mod common;
 
@@ -163,6 +165,114 @@ fn a_failed_load_from_the_host_tier_ends_the_engine_instead_of_computing_over_th
         assert_eq!(e.failure().as_deref(), Some(expected));
         e.stop();
     }
+}
+
+/// The five prompts one at a time, then prompt 0 again (from a lower tier), until a request fails:
+/// it must fail with `expected` as the engine's failure, and the engine must have failed with it.
+fn runs_until_the_engine_fails(fake: &Fake, expected: &str, case: &str) {
+    let e = &fake.engine;
+    for s in [0, 1, 2, 3, 4, 0] {
+        if s == 0 && fake.control.calls() > 0 {
+            settle(e);
+        }
+        let (_g, rx) = submit(e, distinct_request(s, 24, 6));
+        match outcome(&rx).result {
+            Ok(_) => continue,
+            Err(kura_engine::RequestError::EngineFailed(reason)) => {
+                assert_eq!(reason, expected, "{case}: prompt {s}");
+                assert_eq!(e.failure().as_deref(), Some(expected), "{case}");
+                assert!(!e.is_alive(), "{case}");
+                return;
+            }
+            Err(other) => panic!("{case}: prompt {s}: {other:?}"),
+        }
+    }
+    panic!("{case}: every request ran; the engine never called the failing copy");
+}
+
+#[test]
+fn a_failed_store_or_load_at_each_tier_ends_the_engine_with_where_it_failed() {
+    // Every executor call the tiers make besides the host tier's loads (the test above): each fails
+    // from the start, as on a faulted device, and the first request that needs it fails with the
+    // engine, whose failure names the tier, the direction and the executor's message.
+    type Setup = fn(&Control);
+    let cases: [(&str, u32, bool, Setup, Op, &str); 6] = [
+        (
+            "host store",
+            64,
+            false,
+            |_| {},
+            Op::Export,
+            "a store into the host tier",
+        ),
+        (
+            "host store started asynchronously",
+            64,
+            false,
+            |c| c.async_exports(),
+            Op::StartExport,
+            "a store into the host tier",
+        ),
+        (
+            "host stores' fence before a synchronous load",
+            64,
+            false,
+            |c| c.async_exports(),
+            Op::Fence,
+            "a store into the host tier",
+        ),
+        (
+            "host load reported asynchronously",
+            64,
+            false,
+            |c| c.async_imports(),
+            Op::ImportsDone,
+            "a load from the host tier",
+        ),
+        (
+            "disk store",
+            0,
+            true,
+            |_| {},
+            Op::Export,
+            "a store into the disk tier",
+        ),
+        (
+            "disk load",
+            0,
+            true,
+            |_| {},
+            Op::Import,
+            "a load from the disk tier",
+        ),
+    ];
+    for (case, host_blocks, disk, setup, op, at) in cases {
+        let dir = TestDir::new("fail");
+        let fake = start(with_tiers(12, host_blocks, disk.then_some((&dir, 7))));
+        setup(&fake.control);
+        fake.control.fail(op);
+        let expected = format!("the executor failed at {at}: {}", op.fault());
+        runs_until_the_engine_fails(&fake, &expected, case);
+        fake.engine.stop();
+    }
+}
+
+#[test]
+fn a_store_that_fails_while_the_engine_stops_ends_the_stop_as_a_failure() {
+    // Stopping writes the cached blocks the disk tier lacks; a device fault there is the stop's
+    // failure, with its message (not a silent end of the engine thread).
+    let dir = TestDir::new("stop");
+    let fake = start(with_tiers(64, 0, Some((&dir, 7))));
+    run(&fake.engine, distinct_request(0, 24, 6));
+    settle(&fake.engine);
+    fake.control.fail(Op::Export);
+    fake.engine.stop();
+    assert_eq!(
+        fake.engine.failure().as_deref(),
+        Some("the executor failed at a store into the disk tier: fake device fault in a block export")
+    );
+    // Nothing reached the disk.
+    assert!(!dir.0.join("blocks").exists() || block_files(&dir).is_empty());
 }
 
 #[test]

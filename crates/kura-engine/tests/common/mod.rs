@@ -2,8 +2,8 @@
 //! depends on every earlier token as read back through the block table and on the position, so any mix-up
 //! of positions, block tables or copied blocks changes the output. A [`Control`] lets a test hold the
 //! engine inside a chosen forward call (to submit something while a request is known to be running),
-//! make a chosen call panic or return an error (a kernel fault, a refused batch), or make the block
-//! loads fail (a device fault during a copy).
+//! make a chosen call panic or return an error (a kernel fault, a refused batch), or make any of its
+//! block copies fail ([`Op`]: a device fault during a copy).
 
 #![allow(dead_code)]
 
@@ -32,8 +32,8 @@ struct ControlState {
     panic_at: Option<usize>,
     /// A forward call that returns this error instead of computing.
     fail_at: Option<(usize, ExecError)>,
-    /// Whether every block import (synchronous or started) fails.
-    imports_fail: bool,
+    /// Executor calls that fail with a fatal error ([`Control::fail`]).
+    failing: Vec<Op>,
     /// Bytes of the host region the engine offered ([`Executor::register_host_region`]).
     host_region: Option<usize>,
     /// Whether host-tier loads are copied asynchronously ([`Executor::start_import`]).
@@ -52,6 +52,43 @@ struct ControlState {
     async_exports: bool,
     /// Exports started so far.
     exports_started: usize,
+}
+
+/// An executor call other than the forward pass, which [`Control::fail`] makes fail as it would on a
+/// faulted device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A block import, synchronous (`import_block`) or started (`start_import`).
+    Import,
+    /// A synchronous block export (`export_block`).
+    Export,
+    /// The start of an asynchronous export (`start_export`).
+    StartExport,
+    /// The wait for started exports (`exports_fence`).
+    Fence,
+    /// The report of finished started imports (`imports_done`, when some are in flight).
+    ImportsDone,
+    /// A copy-on-write block copy (`copy_block_prefix`).
+    Copy,
+}
+
+impl Op {
+    /// What the fault's message names.
+    pub fn what(self) -> &'static str {
+        match self {
+            Op::Import => "a block import",
+            Op::Export => "a block export",
+            Op::StartExport => "a started block export",
+            Op::Fence => "the exports' fence",
+            Op::ImportsDone => "the imports' report",
+            Op::Copy => "a block copy",
+        }
+    }
+
+    /// The error the call returns once it fails.
+    pub fn fault(self) -> String {
+        format!("fake device fault in {}", self.what())
+    }
 }
 
 /// Steers the fake model's forward calls (numbered from 1).
@@ -74,15 +111,18 @@ impl Control {
 
     /// From now on every block import fails with a fatal error, as a copy on a faulted device does.
     pub fn fail_imports(&self) {
-        self.state.lock().unwrap().imports_fail = true;
+        self.fail(Op::Import);
     }
 
-    /// The error an import returns now, if imports fail.
-    fn import_fault(&self) -> Result<(), ExecError> {
-        if self.state.lock().unwrap().imports_fail {
-            return Err(ExecError::Fatal(
-                "fake device fault in a block import".into(),
-            ));
+    /// From now on every call `op` fails with a fatal error ([`Op::fault`]).
+    pub fn fail(&self, op: Op) {
+        self.state.lock().unwrap().failing.push(op);
+    }
+
+    /// The error call `op` returns now, if it fails.
+    fn fault(&self, op: Op) -> Result<(), ExecError> {
+        if self.state.lock().unwrap().failing.contains(&op) {
+            return Err(ExecError::Fatal(op.fault()));
         }
         Ok(())
     }
@@ -323,6 +363,7 @@ impl Executor for FakeModel {
         dst: u32,
         num_tokens: usize,
     ) -> Result<(), ExecError> {
+        self.control.fault(Op::Copy)?;
         self.land_ordered();
         for i in 0..num_tokens {
             self.kv[dst as usize * BLOCK + i] = self.kv[src as usize * BLOCK + i];
@@ -336,6 +377,7 @@ impl Executor for FakeModel {
     }
 
     fn export_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
+        self.control.fault(Op::Export)?;
         // An ordered import of the block still under way comes first.
         if let Some((_, at, len, stored)) = self.in_flight.iter().rev().find(|f| f.0 == block) {
             if self.control.state.lock().unwrap().ordered_imports {
@@ -352,7 +394,7 @@ impl Executor for FakeModel {
     }
 
     fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ExecError> {
-        self.control.import_fault()?;
+        self.control.fault(Op::Import)?;
         self.land_ordered();
         self.write_block(block, bytes);
         Ok(())
@@ -363,6 +405,9 @@ impl Executor for FakeModel {
             let mut state = self.control.state.lock().unwrap();
             if !state.async_exports {
                 return Ok(false);
+            }
+            if state.failing.contains(&Op::StartExport) {
+                return Err(ExecError::Fatal(Op::StartExport.fault()));
             }
             state.exports_started += 1;
         }
@@ -376,15 +421,18 @@ impl Executor for FakeModel {
     }
 
     fn exports_fence(&mut self) -> Result<(), ExecError> {
+        self.control.fault(Op::Fence)?;
         self.land_stores();
         Ok(())
     }
 
     fn start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool, ExecError> {
-        self.control.import_fault()?;
         let mut state = self.control.state.lock().unwrap();
         if !state.async_imports {
             return Ok(false);
+        }
+        if state.failing.contains(&Op::Import) {
+            return Err(ExecError::Fatal(Op::Import.fault()));
         }
         state.imports_started += 1;
         drop(state);
@@ -414,6 +462,7 @@ impl Executor for FakeModel {
         if self.in_flight.is_empty() && self.landed.is_empty() {
             return Ok(());
         }
+        self.control.fault(Op::ImportsDone)?;
         let state = self.control.state.lock().unwrap();
         let (state, _) = self
             .control
