@@ -79,38 +79,51 @@ extern "C" __global__ void embed(const u32* tokens, const bf16* table, float* x,
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]) * scale;
 }
 
-// RMSNorm of f32 rows into bf16: out[r] = x[rows[r]] / rms · w (rows == null: row r is x's row r).
-// One block per output row; each thread holds at most 4 float4 of the row (hidden ≤ 16 × blockDim).
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
-                                    const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+// RMSNorm of f32 rows into bf16 (out = x / rms · w), by blocks of NORM_THREADS threads. The sum of
+// squares has one fixed order (thread i takes float4s i, i + 256, ..., explicit multiply-adds, then
+// the block's sum), so that every kernel that norms a row — `rms_norm`, and the matrix-vector kernels
+// that norm their input themselves — gives the same bits. hidden % 4 == 0.
+#define NORM_THREADS 256
+__device__ __forceinline__ float row_inv_rms(const float* __restrict__ xr, int hidden, float eps, float* red) {
+  const float4* x4 = reinterpret_cast<const float4*>(xr);
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hidden / 4; i += NORM_THREADS) {
+    float4 v = x4[i];
+    ss = __fmaf_rn(v.w, v.w, __fmaf_rn(v.z, v.z, __fmaf_rn(v.y, v.y, __fmaf_rn(v.x, v.x, ss))));
+  }
+  ss = block_sum(ss, red);
+  return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)hidden), eps));
+}
+// out = xr · inv · w, rounded to bf16 (any thread count: each element on its own).
+__device__ __forceinline__ void norm_row(const float* __restrict__ xr, const float* __restrict__ w, float inv,
+                                         bf16* __restrict__ out, int hidden) {
+  const float4* x4 = reinterpret_cast<const float4*>(xr);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out);
+  for (int i = threadIdx.x; i < hidden / 4; i += blockDim.x) {
+    float4 v = x4[i], g = w4[i];
+    o[2 * i] = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.x, inv), g.x), __fmul_rn(__fmul_rn(v.y, inv), g.y));
+    o[2 * i + 1] = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.z, inv), g.z), __fmul_rn(__fmul_rn(v.w, inv), g.w));
+  }
+}
+
+// RMSNorm of f32 rows into bf16: out[r] = x[rows[r]] / rms · w (rows == null: row r is x's row r). One
+// block of NORM_THREADS per output row.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* __restrict__ x,
+                                                                    const int* __restrict__ rows,
+                                                                    const float* __restrict__ w,
+                                                                    bf16* __restrict__ out, int hidden, float eps) {
   KURA_DEP();
   __shared__ float red[32];
   int r = blockIdx.x;
-  const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(rows ? rows[r] : r) * hidden);
-  const float4* w4 = reinterpret_cast<const float4*>(w);
-  int n4 = hidden / 4;
-  float4 v[4];
-  float ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
-    int i = threadIdx.x + k * blockDim.x;
-    if (i < n4) {
-      v[k] = xr[i];
-      ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
-    }
-  }
-  ss = block_sum(ss, red);
-  float inv = rsqrtf(ss / (float)hidden + eps);
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * hidden);
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
-    int i = threadIdx.x + k * blockDim.x;
-    if (i < n4) {
-      float4 g = w4[i];
-      o[2 * i] = __floats2bfloat162_rn(v[k].x * inv * g.x, v[k].y * inv * g.y);
-      o[2 * i + 1] = __floats2bfloat162_rn(v[k].z * inv * g.z, v[k].w * inv * g.w);
-    }
-  }
+  const float* xr = x + (size_t)(rows ? rows[r] : r) * hidden;
+  float inv = row_inv_rms(xr, hidden, eps, red);
+  norm_row(xr, w, inv, out + (size_t)r * hidden, hidden);
+}
+
+// SiLU(g) · u, explicit operations: `silu_mul` and the fused FFN kernel give the same bits.
+__device__ __forceinline__ float silu_times(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
 }
 
 // out[t] = SiLU(gate[t]) · up[t] into bf16, where a token's row of `gu` is [gate | up]; four columns a
@@ -123,8 +136,8 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, bf16* __restri
   float4 g = *reinterpret_cast<const float4*>(gu + (size_t)t * 2 * inter + c);
   float4 u = *reinterpret_cast<const float4*>(gu + (size_t)t * 2 * inter + inter + c);
   __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + i);
-  o[0] = __floats2bfloat162_rn(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y);
-  o[1] = __floats2bfloat162_rn(g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
+  o[0] = __floats2bfloat162_rn(silu_times(g.x, u.x), silu_times(g.y, u.y));
+  o[1] = __floats2bfloat162_rn(silu_times(g.z, u.z), silu_times(g.w, u.w));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -930,11 +943,12 @@ ATTN_PREFILL(fp8, unsigned char, 128)
 // y[t][n] (+)= Σ_k W[n][k] · x[t][k] for T ≤ 8 tokens (decode): a warp per output row, 16-byte loads of
 // W, f32 accumulation, fixed order. `accumulate` adds to y (the residual add). K % 8 == 0.
 //
-// The dot products of R rows of W (`rows`, each k long) with the T rows of x, in lane `lane`'s share of
-// k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction), so that a row's sum
+// The dot products of R ≤ 2 rows of W (`row0`, `row1`, each k long) with the T rows of x, in lane
+// `lane`'s share of k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction), so that a row's sum
 // has the same bits whichever kernel computes it.
 template <int T, int R>
-__device__ __forceinline__ void gemv_dots(const bf16* const* rows, const bf16* x, int k, int lane, float (&acc)[R][T]) {
+__device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, const bf16* x, int k, int lane,
+                                          float (&acc)[R][T]) {
 #pragma unroll
   for (int r = 0; r < R; r++)
 #pragma unroll
@@ -947,7 +961,7 @@ __device__ __forceinline__ void gemv_dots(const bf16* const* rows, const bf16* x
     float wf[R][8];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-      uint4 wv = __ldg(reinterpret_cast<const uint4*>(rows[r]) + i);
+      uint4 wv = __ldg(reinterpret_cast<const uint4*>(r == 0 ? row0 : row1) + i);
       const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
@@ -987,12 +1001,12 @@ __device__ __forceinline__ void gemv_prefetch(const bf16* row, int k, int lane) 
 template <int T>
 __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
   int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  const bf16* rows[1] = {w + (size_t)warp * k};
-  if (warp < n) gemv_prefetch(rows[0], k, lane);
+  const bf16* row = w + (size_t)warp * k;
+  if (warp < n) gemv_prefetch(row, k, lane);
   KURA_DEP();
   if (warp >= n) return;
   float acc[1][T];
-  gemv_dots<T, 1>(rows, x, k, lane, acc);
+  gemv_dots<T, 1>(row, row, x, k, lane, acc);
   if (lane == 0) {
 #pragma unroll
     for (int t = 0; t < T; t++) {
@@ -1015,42 +1029,101 @@ GEMV(6)
 GEMV(7)
 GEMV(8)
 
-// The FFN's gate and up products and SiLU·mul in one kernel for T ≤ 8 tokens: warp j takes rows j (gate)
-// and inter + j (up) of `w` ([gate | up], 2·inter rows of k) and writes act[t][j] = SiLU(gate) · up in
-// bf16 — the bits of `gemv` into f32 followed by `silu_mul`, without the round trip or the launch.
+// The matrix-vector kernels that norm their input themselves (the fused decode path): the block
+// norms its T rows of the f32 residual x (rows `rows[t]`, or the first T when null) with `nw` into
+// dynamic shared memory (T × k bf16), the bits `rms_norm` writes, then its warps take rows of W,
+// grid-stride (the grid is capped near the device's resident blocks, so that a wide matrix such as the
+// output head does not norm the input once per 8 rows). One launch instead of two, and the norm is
+// no longer a kernel of a single block on one multiprocessor.
 template <int T>
-__device__ void gemv_swiglu(const bf16* w, const bf16* x, bf16* act, int inter, int k) {
-  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  const bf16* rows[2] = {w + (size_t)warp * k, w + ((size_t)inter + warp) * k};
-  if (warp < inter) {
-    gemv_prefetch(rows[0], k, lane);
-    gemv_prefetch(rows[1], k, lane);
+__device__ __forceinline__ void norm_into_shared(const float* x, const int* rows, const float* nw, float eps, int k,
+                                                 bf16* xs, float* red) {
+#pragma unroll 1
+  for (int t = 0; t < T; t++) {
+    const float* xr = x + (size_t)(rows ? rows[t] : t) * k;
+    float inv = row_inv_rms(xr, k, eps, red);
+    norm_row(xr, nw, inv, xs + (size_t)t * k, k);
   }
+  __syncthreads();
+}
+
+// y[t][row] = Σ_k W[row][k] · norm(x[t])[k] for n rows (the products of `gemv` after `rms_norm`).
+template <int T>
+__device__ void gemv_norm(const bf16* w, const float* x, const int* rows, const float* nw, float eps, float* y, int n,
+                          int k) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+  __shared__ float red[32];
+  int lane = threadIdx.x & 31, first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  int stride = gridDim.x * (blockDim.x >> 5);
+  if (first < n) gemv_prefetch(w + (size_t)first * k, k, lane);
   KURA_DEP();
-  if (warp >= inter) return;
-  float acc[2][T];
-  gemv_dots<T, 2>(rows, x, k, lane, acc);
-  if (lane == 0) {
+  norm_into_shared<T>(x, rows, nw, eps, k, xs, red);
+  for (int row = first; row < n; row += stride) {
+    const bf16* wr = w + (size_t)row * k;
+    float acc[1][T];
+    gemv_dots<T, 1>(wr, wr, xs, k, lane, acc);
+    if (lane == 0) {
 #pragma unroll
-    for (int t = 0; t < T; t++) {
-      float g = acc[0][t], u = acc[1][t];
-      act[(size_t)t * inter + warp] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+      for (int t = 0; t < T; t++) y[(size_t)t * n + row] = acc[0][t];
     }
   }
 }
-#define GEMV_SWIGLU(T)                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256) gemv_swiglu_##T(const bf16* w, const bf16* x, bf16* act, \
-                                                                    int inter, int k) {                      \
-    gemv_swiglu<T>(w, x, act, inter, k);                                                                      \
+#define GEMV_NORM(T)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(NORM_THREADS) gemv_norm_##T(                                  \
+      const bf16* w, const float* x, const int* rows, const float* nw, float eps, float* y, int n, int k) {  \
+    gemv_norm<T>(w, x, rows, nw, eps, y, n, k);                                                               \
   }
-GEMV_SWIGLU(1)
-GEMV_SWIGLU(2)
-GEMV_SWIGLU(3)
-GEMV_SWIGLU(4)
-GEMV_SWIGLU(5)
-GEMV_SWIGLU(6)
-GEMV_SWIGLU(7)
-GEMV_SWIGLU(8)
+GEMV_NORM(1)
+GEMV_NORM(2)
+GEMV_NORM(3)
+GEMV_NORM(4)
+GEMV_NORM(5)
+GEMV_NORM(6)
+GEMV_NORM(7)
+GEMV_NORM(8)
+
+// The FFN in two launches: act[t][j] = SiLU(gate) · up in bf16, where a warp takes rows j (gate) and
+// inter + j (up) of w ([gate | up], 2·inter rows of k) over the normed input — the bits of `rms_norm`,
+// `gemv` into f32 and `silu_mul`, without the two round trips and launches.
+template <int T>
+__device__ void gemv_swiglu_norm(const bf16* w, const float* x, const float* nw, float eps, bf16* act, int inter,
+                                 int k) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+  __shared__ float red[32];
+  int lane = threadIdx.x & 31, first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  int stride = gridDim.x * (blockDim.x >> 5);
+  if (first < inter) {
+    gemv_prefetch(w + (size_t)first * k, k, lane);
+    gemv_prefetch(w + ((size_t)inter + first) * k, k, lane);
+  }
+  KURA_DEP();
+  norm_into_shared<T>(x, nullptr, nw, eps, k, xs, red);
+  for (int j = first; j < inter; j += stride) {
+    float acc[2][T];
+    gemv_dots<T, 2>(w + (size_t)j * k, w + ((size_t)inter + j) * k, xs, k, lane, acc);
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < T; t++) {
+        act[(size_t)t * inter + j] = __float2bfloat16(silu_times(acc[0][t], acc[1][t]));
+      }
+    }
+  }
+}
+#define GEMV_SWIGLU_NORM(T)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(NORM_THREADS) gemv_swiglu_norm_##T(                           \
+      const bf16* w, const float* x, const float* nw, float eps, bf16* act, int inter, int k) {              \
+    gemv_swiglu_norm<T>(w, x, nw, eps, act, inter, k);                                                        \
+  }
+GEMV_SWIGLU_NORM(1)
+GEMV_SWIGLU_NORM(2)
+GEMV_SWIGLU_NORM(3)
+GEMV_SWIGLU_NORM(4)
+GEMV_SWIGLU_NORM(5)
+GEMV_SWIGLU_NORM(6)
+GEMV_SWIGLU_NORM(7)
+GEMV_SWIGLU_NORM(8)
 
 // ---------------------------------------------------------------------------------------------------
 // Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.

@@ -46,6 +46,8 @@ pub struct Device {
     pub name: String,
     /// `sm_XY`.
     pub arch: String,
+    /// Multiprocessors.
+    pub sms: usize,
     functions: HashMap<String, CudaFunction>,
     /// Whether the kernels were compiled at this start (else read from the cache).
     pub compiled: bool,
@@ -125,6 +127,11 @@ impl Device {
             });
         }
         let arch = format!("sm_{major}{minor}");
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )?
+            .max(1) as usize;
         // A stream of its own (the legacy default stream cannot be captured into a graph).
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
@@ -134,7 +141,7 @@ impl Device {
         let log_names = kernel_names();
         for n in log_names {
             let f = module.load_function(&n)?;
-            if let Some(bytes) = dynamic_smem(&n) {
+            if let Some(bytes) = smem_limit(&n) {
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     bytes as i32,
@@ -149,6 +156,7 @@ impl Device {
             ordinal,
             name,
             arch,
+            sms,
             functions,
             compiled,
             setup_seconds: t0.elapsed().as_secs_f64(),
@@ -310,15 +318,17 @@ impl Device {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_as(name, grid, block, args, || name.to_string())
+        let smem = dynamic_smem(name).unwrap_or(0);
+        self.launch_as(name, grid, block, smem, args, || name.to_string())
     }
 
-    /// [`Device::launch`], named `label()` in a profile.
+    /// [`Device::launch`] with `smem` bytes of dynamic shared memory, named `label()` in a profile.
     fn launch_as(
         &self,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
+        smem: u32,
         args: &[Arg],
         label: impl FnOnce() -> String,
     ) -> Result<()> {
@@ -338,7 +348,7 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (block, 1, 1),
-            shared_mem_bytes: dynamic_smem(name).unwrap_or(0),
+            shared_mem_bytes: smem,
         };
         if self.dependent.get() {
             self.launch_dependent(f, &cfg, args)?;
@@ -419,6 +429,7 @@ impl Device {
                 &format!("gemv_{t}"),
                 (n.div_ceil(warps_per_block) as u32, 1, 1),
                 32 * warps_per_block as u32,
+                0,
                 &[
                     Arg::Ptr(w),
                     Arg::Ptr(x),
@@ -461,36 +472,96 @@ impl Device {
         self.mark(|| format!("cublas {t}x{n}x{k}"))
     }
 
-    /// `act[t][j] = SiLU(x[t] · w[j]) · (x[t] · w[inter + j])` in bf16 for `t ≤ 8` rows of bf16 `x`
-    /// (`t × k`) and `w` = [gate | up] (`2·inter × k`, `k % 8 == 0`): the decode kernel's products
-    /// (the same bits as [`Device::matmul`]'s) with SiLU·mul after them, in one launch.
-    pub fn gemv_swiglu(
+    /// Whether [`Device::gemv_norm`] and [`Device::gemv_swiglu_norm`] take `t` rows of `k`: at most 8
+    /// rows (the decode kernels), `k % 8 == 0`, and the normed rows within [`GEMV_NORM_SMEM`].
+    pub fn gemv_norm_fits(t: usize, k: usize) -> bool {
+        (1..=8).contains(&t) && k.is_multiple_of(8) && t * k * 2 <= GEMV_NORM_SMEM as usize
+    }
+
+    /// The grid of a grid-stride matrix-vector kernel over `rows` rows, 8 a block: one block per 8 rows,
+    /// but no more than the device holds at once (8 blocks of 256 threads a multiprocessor), so that
+    /// each block's work before its rows (norming the input) is done that many times at most.
+    fn gemv_grid(&self, rows: usize) -> u32 {
+        rows.div_ceil(8).clamp(1, 8 * self.sms.max(1)) as u32
+    }
+
+    /// `out[t][j] = Σ_k w[j][k] · norm(x[r_t])[k]` (f32) for `t ≤ 8` rows `r_t` of the f32 residual `x`
+    /// (`rows`, a device array of `t` row indices, or the first `t` when 0), normed with `norm` (the
+    /// bits of `rms_norm`), and `n` rows of bf16 `w` (`n × k`): the norm and the decode product in one
+    /// launch ([`Device::gemv_norm_fits`] says which shapes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_norm(
+        &self,
+        x: u64,
+        rows: u64,
+        t: usize,
+        norm: u64,
+        eps: f32,
+        w: u64,
+        n: usize,
+        k: usize,
+        out: u64,
+    ) -> Result<()> {
+        if !Self::gemv_norm_fits(t, k) {
+            return Err(CudaError::driver(format!(
+                "gemv_norm of {t} rows of {k}: takes 1 to 8 rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
+            )));
+        }
+        self.launch_as(
+            &format!("gemv_norm_{t}"),
+            (self.gemv_grid(n), 1, 1),
+            256,
+            (t * k * 2) as u32,
+            &[
+                Arg::Ptr(w),
+                Arg::Ptr(x),
+                Arg::Ptr(rows),
+                Arg::Ptr(norm),
+                Arg::F32(eps),
+                Arg::Ptr(out),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+            ],
+            || format!("gemv_norm {t}x{n}x{k}"),
+        )
+    }
+
+    /// `act[t][j] = SiLU(h[t] · w[j]) · (h[t] · w[inter + j])` in bf16, where `h` is the first `t ≤ 8`
+    /// rows of the f32 residual `x` normed with `norm`, and `w` = [gate | up] (`2·inter × k`): the FFN's
+    /// norm, gate and up products and SiLU·mul in one launch, with the bits of `rms_norm`, the decode
+    /// product and `silu_mul`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_swiglu_norm(
         &self,
         x: u64,
         t: usize,
+        norm: u64,
+        eps: f32,
         w: u64,
         inter: usize,
         k: usize,
         act: u64,
     ) -> Result<()> {
-        if t == 0 || t > 8 || !k.is_multiple_of(8) {
+        if !Self::gemv_norm_fits(t, k) {
             return Err(CudaError::driver(format!(
-                "gemv_swiglu of {t} rows of {k}: takes 1 to 8 rows, a multiple of 8 long"
+                "gemv_swiglu_norm of {t} rows of {k}: takes 1 to 8 rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
             )));
         }
-        let warps_per_block = 8;
         self.launch_as(
-            &format!("gemv_swiglu_{t}"),
-            (inter.div_ceil(warps_per_block) as u32, 1, 1),
-            32 * warps_per_block as u32,
+            &format!("gemv_swiglu_norm_{t}"),
+            (self.gemv_grid(inter), 1, 1),
+            256,
+            (t * k * 2) as u32,
             &[
                 Arg::Ptr(w),
                 Arg::Ptr(x),
+                Arg::Ptr(norm),
+                Arg::F32(eps),
                 Arg::Ptr(act),
                 Arg::I32(inter as i32),
                 Arg::I32(k as i32),
             ],
-            || format!("gemv_swiglu {t}x{inter}x{k}"),
+            || format!("gemv_swiglu_norm {t}x{inter}x{k}"),
         )
     }
 
@@ -510,6 +581,18 @@ pub fn dynamic_smem(kernel: &str) -> Option<u32> {
         Some(_) => 2 * 2 * wide_keys(d) * row + 128 * row,
         None => 2 * 2 * 64 * row,
     })
+}
+
+/// Dynamic shared memory the matrix-vector kernels that norm their input may take: `t × k` bf16 rows
+/// (8 rows of 4,096; at a hidden size of 8,192, up to 4 rows).
+pub const GEMV_NORM_SMEM: u32 = 64 << 10;
+
+/// The most dynamic shared memory kernel `kernel` is launched with (set on the function at load).
+pub fn smem_limit(kernel: &str) -> Option<u32> {
+    if kernel.starts_with("gemv_norm_") || kernel.starts_with("gemv_swiglu_norm_") {
+        return Some(GEMV_NORM_SMEM);
+    }
+    dynamic_smem(kernel)
 }
 
 /// Keys a tile of the wide prefill kernel (`WIDE_NK` in `kura.cu`).
@@ -551,7 +634,8 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
-    v.extend((1..=8).map(|t| format!("gemv_swiglu_{t}")));
+    v.extend((1..=8).map(|t| format!("gemv_norm_{t}")));
+    v.extend((1..=8).map(|t| format!("gemv_swiglu_norm_{t}")));
     v
 }
 

@@ -574,9 +574,10 @@ impl CudaExecutor {
     /// Runs fewer, fused kernels a layer (the same bits): the split-key attention kernel merges its
     /// splits itself (the last block of each token and KV head to finish does it, instead of
     /// `attn_merge`) and asks L2 for each key's K and V rows before reading them; and for steps of at
-    /// most 8 tokens the FFN's gate and up products write SiLU(gate) · up directly (`gemv_swiglu_*`,
-    /// instead of the product into f32 and `silu_mul`). Off by default until measured on a GPU; the GPU
-    /// tests compare the two, and `gpu-bench` times both.
+    /// most 8 tokens the products after an RMSNorm norm their input themselves (`gemv_norm_*`: Q/K/V
+    /// and the output head), and the FFN's gate and up products write SiLU(gate) · up directly
+    /// (`gemv_swiglu_norm_*`). Six launches a layer instead of ten. Off by default until measured on a
+    /// GPU; the GPU tests compare the two, and `gpu-bench` times both.
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused_decode = on;
         self.graphs.clear();
@@ -800,8 +801,8 @@ impl CudaExecutor {
             .find(|g| *g >= group)
             .unwrap_or(16);
         let window = c.sliding_window().map_or(0, |w| w as i32);
-        // A thread a float4 of the row (at most 4 each).
-        let norm_threads = (h / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
+        // The fused decode path norms inside the products ([`Device::gemv_norm_fits`]).
+        let fuse_norm = self.fused_decode && Device::gemv_norm_fits(t, h);
 
         dev.launch(
             "embed",
@@ -848,7 +849,7 @@ impl CudaExecutor {
             dev.launch(
                 "rms_norm",
                 (rows as u32, 1, 1),
-                norm_threads,
+                256,
                 &[
                     Arg::Ptr(x),
                     Arg::Ptr(index),
@@ -860,8 +861,13 @@ impl CudaExecutor {
             )
         };
         for (li, lw) in self.w.layers.iter().enumerate() {
-            norm(t, 0, dev.ptr(&lw.attn_norm), xn)?;
-            dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
+            if fuse_norm {
+                let w = dev.ptr(&lw.wqkv);
+                dev.gemv_norm(x, 0, t, dev.ptr(&lw.attn_norm), eps, w, qkv_dim, h, qkv)?;
+            } else {
+                norm(t, 0, dev.ptr(&lw.attn_norm), xn)?;
+                dev.matmul(xn, t, dev.ptr(&lw.wqkv), qkv_dim, h, qkv, false)?;
+            }
             let items = (heads + kvh) * half + kvh * d;
             let bias = lw.bqkv.as_ref().map_or(0, |b| dev.ptr(b));
             self.wait_layer(wait, li)?;
@@ -985,12 +991,13 @@ impl CudaExecutor {
                 )?;
             }
             dev.matmul(attn, t, dev.ptr(&lw.wo), h, q_dim, x, true)?;
-            norm(t, 0, dev.ptr(&lw.ffn_norm), xn)?;
-            if self.fused_decode && t <= 8 && h.is_multiple_of(8) {
-                dev.gemv_swiglu(xn, t, dev.ptr(&lw.w_gate_up), inter, h, act)?;
+            if fuse_norm {
+                let (ffn_norm, w) = (dev.ptr(&lw.ffn_norm), dev.ptr(&lw.w_gate_up));
+                dev.gemv_swiglu_norm(x, t, ffn_norm, eps, w, inter, h, act)?;
                 dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
                 continue;
             }
+            norm(t, 0, dev.ptr(&lw.ffn_norm), xn)?;
             dev.matmul(xn, t, dev.ptr(&lw.w_gate_up), 2 * inter, h, gu, false)?;
             let total = t * inter;
             dev.launch(
@@ -1011,6 +1018,20 @@ impl CudaExecutor {
             // Every token's rows, normed into `xn` (free after the last layer).
             norm(t, 0, dev.ptr(&self.w.final_norm), xn)?;
             return dev.matmul(xn, t, head, vocab, h, dev.ptr(&s.every), false);
+        }
+        if self.fused_decode && Device::gemv_norm_fits(n, h) {
+            let (final_norm, logits) = (dev.ptr(&self.w.final_norm), dev.ptr(&s.logits));
+            return dev.gemv_norm(
+                x,
+                m(plan.at_last),
+                n,
+                final_norm,
+                eps,
+                head,
+                vocab,
+                h,
+                logits,
+            );
         }
         let last = dev.ptr(&s.last);
         norm(n, m(plan.at_last), dev.ptr(&self.w.final_norm), last)?;

@@ -27,9 +27,15 @@ fn every_kernel_compiles_for_ampere_and_hopper_without_spills() {
             "{arch}: kernels spill: {spills:?}\n{}",
             c.log
         );
-        // The report lines per kernel, for the record (`cargo test -- --nocapture`).
-        for line in c.log.lines().filter(|l| l.contains("registers")) {
-            println!("{arch}: {}", line.trim());
+        // Each kernel's registers and shared memory, for the record (`cargo test -- --nocapture`).
+        let mut kernel = "";
+        for line in c.log.lines() {
+            if let Some(name) = line.split("Function properties for ").nth(1) {
+                kernel = name.trim();
+            } else if line.contains("registers") {
+                let used = line.split("Used ").nth(1).unwrap_or(line).trim();
+                println!("{arch}: {kernel}: {used}");
+            }
         }
     }
 }

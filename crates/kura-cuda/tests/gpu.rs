@@ -260,11 +260,12 @@ fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logi
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
-    // Three sequences of different lengths (1, 2 and 3 splits of 128 keys) decode together: one token
-    // each (the gate and up products fused with SiLU·mul), then one sequence's chunk of 20 tokens
-    // (cuBLAS products; the merge still fused into the split kernel). Each step is run with the
-    // separate kernels, then fused in graphs, launch by launch, and in waves of one token; every run
-    // writes the same K and V rows before reading them, so the logits must agree bit for bit.
+    // Three sequences of different lengths (1, 2 and 3 splits of 128 keys) decode together, one token
+    // each; then the first alone (the norms fused into the products, SiLU·mul into the gate and up
+    // products); then one sequence's chunk of 20 tokens (cuBLAS products; the merge still fused into
+    // the split kernel). Each step is run with the separate kernels, then fused in graphs, launch by
+    // launch, and in waves of one token; every run writes the same K and V rows before reading them,
+    // so the logits must agree bit for bit.
     let prompts = prompts();
     let mut failures = Vec::new();
     for (model, dtypes) in [
@@ -300,10 +301,12 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
                     .unwrap();
             }
-            let decode = |g: &mut CudaExecutor| {
+            // One token of each of the first `n` sequences.
+            let decode = |g: &mut CudaExecutor, n: usize| {
                 let batch: Vec<SeqInput<'_>> = seqs
                     .iter()
                     .zip(&tables)
+                    .take(n)
                     .map(|(q, t)| {
                         let at = q.len() - 20;
                         SeqInput::new(&q[at..at + 1], at, t)
@@ -316,7 +319,8 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 let at = q.len() - 20;
                 g.forward_logits(&[SeqInput::new(&q[at..], at, t)]).unwrap()
             };
-            let separate = (decode(&mut gpu), chunk(&mut gpu));
+            let all = |g: &mut CudaExecutor| [decode(g, 3), decode(g, 1), chunk(g)];
+            let separate = all(&mut gpu);
             gpu.set_fused_decode(true);
             for (what, graphs, cap) in [
                 ("in graphs", true, usize::MAX),
@@ -325,11 +329,9 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
             ] {
                 gpu.set_graphs(graphs);
                 gpu.set_part_cap(cap);
-                let fused = (decode(&mut gpu), chunk(&mut gpu));
-                for (step, a, b) in [
-                    ("decode", &fused.0, &separate.0),
-                    ("chunk", &fused.1, &separate.1),
-                ] {
+                let fused = all(&mut gpu);
+                let steps = ["decode of three", "decode of one", "20-token chunk"];
+                for ((step, a), b) in steps.iter().zip(&fused).zip(&separate) {
                     let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                     let (rel, _) = errors(a, b);
                     println!(
