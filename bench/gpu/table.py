@@ -30,6 +30,7 @@ for r in kura:
     if r["what"] == "decode":
         graphs = {True: ", graphs", False: ", no graphs"}.get(r.get("graphs"), "")
         graphs += {True: " + dependent launch", False: ""}.get(r.get("dependent_launch"), "")
+        graphs += {True: ", fused kernels", False: ", separate kernels"}.get(r.get("fused"), "")
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
         ratio = r[unit] / p[unit] if unit in p else None
     elif r["what"] == "prefill":
