@@ -3,7 +3,8 @@
 //! beside HF transformers (`bench/gpu/hf_peer.py`) on the same GPU.
 //!
 //! Figures: batch-1 decode after a 1,024-token prompt (and its share of the HBM bound, weights read once
-//! per token over the measured copy bandwidth and over the card's datasheet bandwidth), prefill of 4,096
+//! per token over the measured copy bandwidth and over the card's datasheet bandwidth; with the separate
+//! and the fused decode kernels, as batch-4 and batch-64 decode are too), prefill of 4,096
 //! and 16,384 tokens (TTFT: one step and the first token; through each prefill attention kernel),
 //! decode at batch 64 with 1,024 tokens of context each (and its step times while a
 //! 16,384-token prefix loads from the host tier beside it), and the TTFT of a 4,096-token prompt whose
@@ -156,6 +157,46 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     "{:.3}",
                     tps / (b * 1e12 / weight_bytes as f64)
                 )),
+            ),
+        );
+    }
+
+    // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
+    // themselves in the fused path): separate kernels, then fused, three rounds of the two.
+    let per4 = (1024 + 160usize).div_ceil(bs);
+    let tables4: Vec<Vec<u32>> = (0..4)
+        .map(|i| table[i * per4..(i + 1) * per4].to_vec())
+        .collect();
+    let prompts4: Vec<Vec<u32>> = (0..4).map(|i| tokens(1024, 50 + i as u64, vocab)).collect();
+    let mut rates4 = [Vec::new(), Vec::new()];
+    for _ in 0..3 {
+        for (fused, rates) in rates4.iter_mut().enumerate() {
+            gpu.set_fused_decode(fused == 1);
+            let items: Vec<SeqInput<'_>> = (0..4)
+                .map(|i| SeqInput::new(&prompts4[i], 0, &tables4[i]))
+                .collect();
+            let mut next = gpu.forward_greedy(&items)?;
+            let steps = 128;
+            let t = Instant::now();
+            for step in 0..steps {
+                let toks: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
+                let items: Vec<SeqInput<'_>> = (0..4)
+                    .map(|i| SeqInput::new(&toks[i], 1024 + step, &tables4[i]))
+                    .collect();
+                next = gpu.forward_greedy(&items)?;
+            }
+            rates.push(4.0 * steps as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    gpu.set_fused_decode(false);
+    for (fused, rates) in rates4.into_iter().enumerate() {
+        emit(
+            &mut results,
+            format!(
+                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":1024,\"fused\":{},\
+                 \"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
+                fused == 1,
+                median(rates.clone())
             ),
         );
     }

@@ -79,7 +79,8 @@ extern "C" __global__ void embed(const u32* tokens, const bf16* table, float* x,
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]) * scale;
 }
 
-// RMSNorm of f32 rows into bf16 (out = x / rms · w), by blocks of NORM_THREADS threads. The sum of
+// RMSNorm of f32 rows into bf16 (out = x / rms · w), by blocks of NORM_THREADS threads (the executor's
+// `NORM_THREADS`: every kernel that calls `row_inv_rms` is launched with exactly these). The sum of
 // squares has one fixed order (thread i takes float4s i, i + 256, ..., explicit multiply-adds, then
 // the block's sum), so that every kernel that norms a row — `rms_norm`, and the matrix-vector kernels
 // that norm their input themselves — gives the same bits. hidden % 4 == 0.
@@ -1078,10 +1079,6 @@ GEMV_NORM(1)
 GEMV_NORM(2)
 GEMV_NORM(3)
 GEMV_NORM(4)
-GEMV_NORM(5)
-GEMV_NORM(6)
-GEMV_NORM(7)
-GEMV_NORM(8)
 
 // The FFN in two launches: act[t][j] = SiLU(gate) · up in bf16, where a warp takes rows j (gate) and
 // inter + j (up) of w ([gate | up], 2·inter rows of k) over the normed input — the bits of `rms_norm`,
@@ -1120,10 +1117,6 @@ GEMV_SWIGLU_NORM(1)
 GEMV_SWIGLU_NORM(2)
 GEMV_SWIGLU_NORM(3)
 GEMV_SWIGLU_NORM(4)
-GEMV_SWIGLU_NORM(5)
-GEMV_SWIGLU_NORM(6)
-GEMV_SWIGLU_NORM(7)
-GEMV_SWIGLU_NORM(8)
 
 // ---------------------------------------------------------------------------------------------------
 // Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.

@@ -57,6 +57,9 @@ pub struct Device {
     marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
     /// Whether Kura's launches are programmatic dependent launches now ([`Device::set_dependent`]).
     dependent: std::cell::Cell<bool>,
+    /// Blocks of a kernel resident on one multiprocessor, by (kernel, dynamic shared memory): the
+    /// driver's occupancy answer, asked once.
+    resident: std::cell::RefCell<HashMap<(String, u32), usize>>,
     /// Host regions pinned for this device's copies ([`Device::pin_host`]): (address, bytes).
     pinned: Vec<(usize, usize)>,
 }
@@ -141,7 +144,7 @@ impl Device {
         let log_names = kernel_names();
         for n in log_names {
             let f = module.load_function(&n)?;
-            if let Some(bytes) = smem_limit(&n) {
+            if let Some(bytes) = dynamic_smem(&n) {
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     bytes as i32,
@@ -162,6 +165,7 @@ impl Device {
             setup_seconds: t0.elapsed().as_secs_f64(),
             marks: std::cell::RefCell::new(None),
             dependent: std::cell::Cell::new(false),
+            resident: std::cell::RefCell::new(HashMap::new()),
             pinned: Vec::new(),
         })
     }
@@ -472,17 +476,41 @@ impl Device {
         self.mark(|| format!("cublas {t}x{n}x{k}"))
     }
 
-    /// Whether [`Device::gemv_norm`] and [`Device::gemv_swiglu_norm`] take `t` rows of `k`: at most 8
-    /// rows (the decode kernels), `k % 8 == 0`, and the normed rows within [`GEMV_NORM_SMEM`].
+    /// Whether [`Device::gemv_norm`] and [`Device::gemv_swiglu_norm`] take `t` rows of `k`: at most
+    /// [`GEMV_NORM_MAX_TOKENS`], `k % 8 == 0`, and the normed rows within [`GEMV_NORM_SMEM`].
     pub fn gemv_norm_fits(t: usize, k: usize) -> bool {
-        (1..=8).contains(&t) && k.is_multiple_of(8) && t * k * 2 <= GEMV_NORM_SMEM as usize
+        (1..=GEMV_NORM_MAX_TOKENS).contains(&t)
+            && k.is_multiple_of(8)
+            && t * k * 2 <= GEMV_NORM_SMEM as usize
     }
 
-    /// The grid of a grid-stride matrix-vector kernel over `rows` rows, 8 a block: one block per 8 rows,
-    /// but no more than the device holds at once (8 blocks of 256 threads a multiprocessor), so that
-    /// each block's work before its rows (norming the input) is done that many times at most.
-    fn gemv_grid(&self, rows: usize) -> u32 {
-        rows.div_ceil(8).clamp(1, 8 * self.sms.max(1)) as u32
+    /// The grid of grid-stride matrix-vector kernel `name` (blocks of [`NORM_THREADS`], a warp a row)
+    /// over `rows` rows with `smem` bytes of dynamic shared memory: one block per 8 rows, but no more
+    /// than the device holds at once, so that each block's work before its rows (norming the input)
+    /// is done once per resident block at most.
+    fn gemv_grid(&self, name: &str, rows: usize, smem: u32) -> Result<u32> {
+        let resident = {
+            let mut cache = self.resident.borrow_mut();
+            match cache.get(&(name.to_string(), smem)) {
+                Some(r) => *r,
+                None => {
+                    let f = self.functions.get(name).ok_or_else(|| {
+                        CudaError::driver(format!("no kernel {name} in Kura's module"))
+                    })?;
+                    let r = f
+                        .occupancy_max_active_blocks_per_multiprocessor(
+                            NORM_THREADS,
+                            smem as usize,
+                            None,
+                        )?
+                        .max(1) as usize;
+                    cache.insert((name.to_string(), smem), r);
+                    r
+                }
+            }
+        };
+        let warps = (NORM_THREADS / 32) as usize;
+        Ok(rows.div_ceil(warps).clamp(1, resident * self.sms.max(1)) as u32)
     }
 
     /// `out[t][j] = Σ_k w[j][k] · norm(x[r_t])[k]` (f32) for `t ≤ 8` rows `r_t` of the f32 residual `x`
@@ -504,14 +532,15 @@ impl Device {
     ) -> Result<()> {
         if !Self::gemv_norm_fits(t, k) {
             return Err(CudaError::driver(format!(
-                "gemv_norm of {t} rows of {k}: takes 1 to 8 rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
+                "gemv_norm of {t} rows of {k}: takes 1 to {GEMV_NORM_MAX_TOKENS} rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
             )));
         }
+        let (name, smem) = (format!("gemv_norm_{t}"), (t * k * 2) as u32);
         self.launch_as(
-            &format!("gemv_norm_{t}"),
-            (self.gemv_grid(n), 1, 1),
-            256,
-            (t * k * 2) as u32,
+            &name,
+            (self.gemv_grid(&name, n, smem)?, 1, 1),
+            NORM_THREADS,
+            smem,
             &[
                 Arg::Ptr(w),
                 Arg::Ptr(x),
@@ -544,14 +573,15 @@ impl Device {
     ) -> Result<()> {
         if !Self::gemv_norm_fits(t, k) {
             return Err(CudaError::driver(format!(
-                "gemv_swiglu_norm of {t} rows of {k}: takes 1 to 8 rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
+                "gemv_swiglu_norm of {t} rows of {k}: takes 1 to {GEMV_NORM_MAX_TOKENS} rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
             )));
         }
+        let (name, smem) = (format!("gemv_swiglu_norm_{t}"), (t * k * 2) as u32);
         self.launch_as(
-            &format!("gemv_swiglu_norm_{t}"),
-            (self.gemv_grid(inter), 1, 1),
-            256,
-            (t * k * 2) as u32,
+            &name,
+            (self.gemv_grid(&name, inter, smem)?, 1, 1),
+            NORM_THREADS,
+            smem,
             &[
                 Arg::Ptr(w),
                 Arg::Ptr(x),
@@ -583,17 +613,17 @@ pub fn dynamic_smem(kernel: &str) -> Option<u32> {
     })
 }
 
-/// Dynamic shared memory the matrix-vector kernels that norm their input may take: `t × k` bf16 rows
-/// (8 rows of 4,096; at a hidden size of 8,192, up to 4 rows).
-pub const GEMV_NORM_SMEM: u32 = 64 << 10;
+/// Dynamic shared memory the matrix-vector kernels that norm their input may take: `t × k` bf16 rows,
+/// within what every launch may have without asking (4 rows of 4,096; 3 of 8,192).
+pub const GEMV_NORM_SMEM: u32 = 48 << 10;
 
-/// The most dynamic shared memory kernel `kernel` is launched with (set on the function at load).
-pub fn smem_limit(kernel: &str) -> Option<u32> {
-    if kernel.starts_with("gemv_norm_") || kernel.starts_with("gemv_swiglu_norm_") {
-        return Some(GEMV_NORM_SMEM);
-    }
-    dynamic_smem(kernel)
-}
+/// The most tokens of a step whose products norm their input themselves: every block norms all of
+/// them, so beyond a few the rereads of the residual stream cost more than the launch they save.
+pub const GEMV_NORM_MAX_TOKENS: usize = 4;
+
+/// Threads of a block of the kernels that take a row's RMS (`NORM_THREADS` in `kura.cu`): `rms_norm`
+/// and the matrix-vector kernels that norm their input, whose sums must agree to the bit.
+pub const NORM_THREADS: u32 = 256;
 
 /// Keys a tile of the wide prefill kernel (`WIDE_NK` in `kura.cu`).
 fn wide_keys(head_dim: u32) -> u32 {
@@ -634,14 +664,32 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
-    v.extend((1..=8).map(|t| format!("gemv_norm_{t}")));
-    v.extend((1..=8).map(|t| format!("gemv_swiglu_norm_{t}")));
+    v.extend((1..=GEMV_NORM_MAX_TOKENS).map(|t| format!("gemv_norm_{t}")));
+    v.extend((1..=GEMV_NORM_MAX_TOKENS).map(|t| format!("gemv_swiglu_norm_{t}")));
     v
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_products_norm_their_input_for_few_tokens_whose_rows_fit_without_an_opt_in() {
+        // Up to 4 tokens, rows a multiple of 8 long, the normed rows within 48 KiB of shared memory
+        // (every kernel may take that much without the driver's opt-in).
+        assert!(Device::gemv_norm_fits(1, 576));
+        assert!(Device::gemv_norm_fits(4, 4096));
+        assert!(!Device::gemv_norm_fits(5, 576), "5 tokens");
+        assert!(!Device::gemv_norm_fits(0, 576), "no token");
+        assert!(Device::gemv_norm_fits(3, 8192));
+        assert!(!Device::gemv_norm_fits(4, 8192), "64 KiB of rows");
+        assert!(!Device::gemv_norm_fits(1, 4100), "not a multiple of 8");
+        // A kernel for each count it takes, in the module.
+        for t in 1..=GEMV_NORM_MAX_TOKENS {
+            assert!(kernel_names().contains(&format!("gemv_norm_{t}")));
+            assert!(kernel_names().contains(&format!("gemv_swiglu_norm_{t}")));
+        }
+    }
 
     #[test]
     fn the_prefill_kernels_shared_memory_is_their_stages_and_the_wide_ones_query_rows() {

@@ -34,6 +34,9 @@ pub const PREFILL_MIN: usize = 64;
 const TILE: usize = 128;
 /// Keys of one split of the split-key kernel (`SPLIT` in `kura.cu`).
 const SPLIT: usize = 128;
+/// The most splits whose merge the split-key kernel's last block does itself in the fused decode path
+/// ([`CudaExecutor::set_fused_decode`]): 4,096 keys.
+const FUSED_MERGE_MAX_SPLITS: usize = 32;
 
 /// Per-step buffers, grown to the largest step seen.
 struct Scratch {
@@ -574,9 +577,10 @@ impl CudaExecutor {
     /// Runs fewer, fused kernels a layer (the same bits): the split-key attention kernel merges its
     /// splits itself (the last block of each token and KV head to finish does it, instead of
     /// `attn_merge`) and asks L2 for each key's K and V rows before reading them; and for steps of at
-    /// most 8 tokens the products after an RMSNorm norm their input themselves (`gemv_norm_*`: Q/K/V
-    /// and the output head), and the FFN's gate and up products write SiLU(gate) · up directly
-    /// (`gemv_swiglu_norm_*`). Six launches a layer instead of ten. Off by default until measured on a
+    /// most [`crate::device::GEMV_NORM_MAX_TOKENS`] tokens the products after an RMSNorm norm their
+    /// input themselves (`gemv_norm_*`: Q/K/V and the output head), and the FFN's gate and up products
+    /// write SiLU(gate) · up directly (`gemv_swiglu_norm_*`). Six launches a layer instead of ten. The
+    /// merge stays a kernel of its own past [`FUSED_MERGE_MAX_SPLITS`] splits. Off by default until measured on a
     /// GPU; the GPU tests compare the two, and `gpu-bench` times both.
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused_decode = on;
@@ -782,8 +786,15 @@ impl CudaExecutor {
             dev.ptr(&s.act),
         );
         let (pool, part, arrive) = (dev.ptr(&self.pool), dev.ptr(&s.part), dev.ptr(&s.arrive));
-        // `SPLIT_MERGE | SPLIT_PREFETCH` of `kura.cu`, or neither.
-        let split_flags = if self.fused_decode { 1 | 2 } else { 0 };
+        // `SPLIT_MERGE | SPLIT_PREFETCH` of `kura.cu`, or neither. The merge is fused only over few
+        // splits: the last block of a (token, KV head) merges all its heads' splits alone, which over
+        // hundreds of splits would leave one block working at the kernel's end.
+        let fuse_merge = self.fused_decode && plan.max_splits <= FUSED_MERGE_MAX_SPLITS;
+        let split_flags = match (fuse_merge, self.fused_decode) {
+            (true, _) => 1 | 2,
+            (false, true) => 2,
+            (false, false) => 0,
+        };
         let kv = match self.kv_dtype {
             KvDtype::F32 => "f32",
             KvDtype::Fp8 => "fp8",
@@ -849,7 +860,7 @@ impl CudaExecutor {
             dev.launch(
                 "rms_norm",
                 (rows as u32, 1, 1),
-                256,
+                crate::device::NORM_THREADS,
                 &[
                     Arg::Ptr(x),
                     Arg::Ptr(index),
@@ -947,7 +958,7 @@ impl CudaExecutor {
                         Arg::I32(split_flags),
                     ],
                 )?;
-                if self.fused_decode {
+                if fuse_merge {
                     continue;
                 }
                 dev.launch(

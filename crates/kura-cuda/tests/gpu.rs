@@ -260,12 +260,13 @@ fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logi
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
-    // Three sequences of different lengths (1, 2 and 3 splits of 128 keys) decode together, one token
-    // each; then the first alone (the norms fused into the products, SiLU·mul into the gate and up
-    // products); then one sequence's chunk of 20 tokens (cuBLAS products; the merge still fused into
-    // the split kernel). Each step is run with the separate kernels, then fused in graphs, launch by
-    // launch, and in waves of one token; every run writes the same K and V rows before reading them,
-    // so the logits must agree bit for bit.
+    // Four sequences of different lengths (1 to 4 splits of 128 keys) decode together, one token each
+    // (the norms fused into the products, SiLU·mul into the gate and up products, for the most tokens
+    // they take); then the first alone; then a step of a 3-token chunk of the first beside one token
+    // of the second (the output head's rows are tokens 2 and 3); then a 20-token chunk of the third
+    // (cuBLAS products; the merge still fused into the split kernel). Each step is run with the
+    // separate kernels, then fused in graphs, launch by launch, and in waves of one token; every run
+    // writes the same K and V rows before reading them, so the logits must agree bit for bit.
     let prompts = prompts();
     let mut failures = Vec::new();
     for (model, dtypes) in [
@@ -274,17 +275,17 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
     ] {
         for &dtype in dtypes {
             let bs = 16;
-            let lens = [100usize, 200, 300];
-            let per_seq = (300usize + 24).div_ceil(bs);
-            let mut gpu = exec(model, dtype, bs, 3 * per_seq + 1);
-            let tables: Vec<Vec<u32>> = (0..3)
+            let lens = [100usize, 200, 300, 420];
+            let per_seq = (420usize + 24).div_ceil(bs);
+            let mut gpu = exec(model, dtype, bs, lens.len() * per_seq + 1);
+            let tables: Vec<Vec<u32>> = (0..lens.len())
                 .map(|i| {
                     ((1 + i * per_seq) as u32..(1 + (i + 1) * per_seq) as u32)
                         .rev()
                         .collect()
                 })
                 .collect();
-            // Each sequence: its prompt's tokens, repeated to its length.
+            // Each sequence: a prompt's tokens, repeated to its length and 20 more.
             let seqs: Vec<Vec<u32>> = lens
                 .iter()
                 .enumerate()
@@ -301,27 +302,45 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
                     .unwrap();
             }
-            // One token of each of the first `n` sequences.
-            let decode = |g: &mut CudaExecutor, n: usize| {
-                let batch: Vec<SeqInput<'_>> = seqs
+            // `n` tokens of sequence `i` from its prompt's end on.
+            let item = |i: usize, n: usize| {
+                let at = seqs[i].len() - 20;
+                SeqInput::new(&seqs[i][at..at + n], at, &tables[i])
+            };
+            let steps: [(&str, Vec<SeqInput<'_>>); 4] = [
+                ("decode of four", (0..4).map(|i| item(i, 1)).collect()),
+                ("decode of one", vec![item(0, 1)]),
+                (
+                    "3-token chunk beside a decode",
+                    vec![item(0, 3), item(1, 1)],
+                ),
+                ("20-token chunk", vec![item(2, 20)]),
+            ];
+            let all = |g: &mut CudaExecutor| -> Vec<Vec<f32>> {
+                steps
                     .iter()
-                    .zip(&tables)
-                    .take(n)
-                    .map(|(q, t)| {
-                        let at = q.len() - 20;
-                        SeqInput::new(&q[at..at + 1], at, t)
-                    })
-                    .collect();
-                g.forward_logits(&batch).unwrap()
+                    .map(|(_, batch)| g.forward_logits(batch).unwrap())
+                    .collect()
             };
-            let chunk = |g: &mut CudaExecutor| {
-                let (q, t) = (&seqs[2], &tables[2]);
-                let at = q.len() - 20;
-                g.forward_logits(&[SeqInput::new(&q[at..], at, t)]).unwrap()
-            };
-            let all = |g: &mut CudaExecutor| [decode(g, 3), decode(g, 1), chunk(g)];
             let separate = all(&mut gpu);
             gpu.set_fused_decode(true);
+            // The fused kernels are the ones that run.
+            let launched: Vec<String> = gpu
+                .profile_greedy(&steps[0].1)
+                .unwrap()
+                .into_iter()
+                .map(|(kernel, _, _)| kernel)
+                .collect();
+            for (kernel, wanted) in [
+                ("gemv_norm", true),
+                ("gemv_swiglu_norm", true),
+                ("attn_merge", false),
+                ("rms_norm", false),
+                ("silu_mul", false),
+            ] {
+                let ran = launched.iter().any(|k| k.starts_with(kernel));
+                assert_eq!(ran, wanted, "{model}: {kernel} in {launched:?}");
+            }
             for (what, graphs, cap) in [
                 ("in graphs", true, usize::MAX),
                 ("launch by launch", false, usize::MAX),
@@ -330,12 +349,11 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 gpu.set_graphs(graphs);
                 gpu.set_part_cap(cap);
                 let fused = all(&mut gpu);
-                let steps = ["decode of three", "decode of one", "20-token chunk"];
-                for ((step, a), b) in steps.iter().zip(&fused).zip(&separate) {
+                for (((step, _), a), b) in steps.iter().zip(&fused).zip(&separate) {
                     let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                     let (rel, _) = errors(a, b);
                     println!(
-                        "{model} {} KV, {step} step, fused {what}: same bits {same} (rel {rel:.2e})",
+                        "{model} {} KV, {step}, fused {what}: same bits {same} (rel {rel:.2e})",
                         dtype.name()
                     );
                     if !same {
