@@ -1048,75 +1048,56 @@ __device__ __forceinline__ void norm_into_shared(const float* x, const int* rows
   __syncthreads();
 }
 
-// y[t][row] = Σ_k W[row][k] · norm(x[t])[k] for n rows (the products of `gemv` after `rms_norm`).
-template <int T>
-__device__ void gemv_norm(const bf16* w, const float* x, const int* rows, const float* nw, float eps, float* y, int n,
-                          int k) {
+// Without SWIGLU: y[t][row] = Σ_k W[row][k] · norm(x[t])[k] for n rows (the products of `gemv` after
+// `rms_norm`). With SWIGLU, the FFN in two launches: act[t][j] = SiLU(gate) · up in bf16, where a warp
+// takes rows j (gate) and n + j (up) of w ([gate | up], 2·n rows of k) — the bits of `rms_norm`, `gemv`
+// into f32 and `silu_mul`, without the two round trips and launches.
+template <int T, bool SWIGLU>
+__device__ void gemv_normed(const bf16* w, const float* x, const int* rows, const float* nw, float eps, float* y,
+                            bf16* act, int n, int k) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
   __shared__ float red[32];
   int lane = threadIdx.x & 31, first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   int stride = gridDim.x * (blockDim.x >> 5);
-  if (first < n) gemv_prefetch(w + (size_t)first * k, k, lane);
+  if (first < n) {
+    gemv_prefetch(w + (size_t)first * k, k, lane);
+    if (SWIGLU) gemv_prefetch(w + ((size_t)n + first) * k, k, lane);
+  }
   KURA_DEP();
   norm_into_shared<T>(x, rows, nw, eps, k, xs, red);
-  for (int row = first; row < n; row += stride) {
-    const bf16* wr = w + (size_t)row * k;
-    float acc[1][T];
-    gemv_dots<T, 1>(wr, wr, xs, k, lane, acc);
-    if (lane == 0) {
+  for (int j = first; j < n; j += stride) {
+    if constexpr (SWIGLU) {
+      float acc[2][T];
+      gemv_dots<T, 2>(w + (size_t)j * k, w + ((size_t)n + j) * k, xs, k, lane, acc);
+      if (lane == 0) {
 #pragma unroll
-      for (int t = 0; t < T; t++) y[(size_t)t * n + row] = acc[0][t];
+        for (int t = 0; t < T; t++) act[(size_t)t * n + j] = __float2bfloat16(silu_times(acc[0][t], acc[1][t]));
+      }
+    } else {
+      const bf16* wr = w + (size_t)j * k;
+      float acc[1][T];
+      gemv_dots<T, 1>(wr, wr, xs, k, lane, acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < T; t++) y[(size_t)t * n + j] = acc[0][t];
+      }
     }
   }
 }
 #define GEMV_NORM(T)                                                                                         \
   extern "C" __global__ void __launch_bounds__(NORM_THREADS) gemv_norm_##T(                                  \
       const bf16* w, const float* x, const int* rows, const float* nw, float eps, float* y, int n, int k) {  \
-    gemv_norm<T>(w, x, rows, nw, eps, y, n, k);                                                               \
+    gemv_normed<T, false>(w, x, rows, nw, eps, y, nullptr, n, k);                                             \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(NORM_THREADS) gemv_swiglu_norm_##T(                           \
+      const bf16* w, const float* x, const float* nw, float eps, bf16* act, int inter, int k) {              \
+    gemv_normed<T, true>(w, x, nullptr, nw, eps, nullptr, act, inter, k);                                     \
   }
 GEMV_NORM(1)
 GEMV_NORM(2)
 GEMV_NORM(3)
 GEMV_NORM(4)
-
-// The FFN in two launches: act[t][j] = SiLU(gate) · up in bf16, where a warp takes rows j (gate) and
-// inter + j (up) of w ([gate | up], 2·inter rows of k) over the normed input — the bits of `rms_norm`,
-// `gemv` into f32 and `silu_mul`, without the two round trips and launches.
-template <int T>
-__device__ void gemv_swiglu_norm(const bf16* w, const float* x, const float* nw, float eps, bf16* act, int inter,
-                                 int k) {
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
-  bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
-  __shared__ float red[32];
-  int lane = threadIdx.x & 31, first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  int stride = gridDim.x * (blockDim.x >> 5);
-  if (first < inter) {
-    gemv_prefetch(w + (size_t)first * k, k, lane);
-    gemv_prefetch(w + ((size_t)inter + first) * k, k, lane);
-  }
-  KURA_DEP();
-  norm_into_shared<T>(x, nullptr, nw, eps, k, xs, red);
-  for (int j = first; j < inter; j += stride) {
-    float acc[2][T];
-    gemv_dots<T, 2>(w + (size_t)j * k, w + ((size_t)inter + j) * k, xs, k, lane, acc);
-    if (lane == 0) {
-#pragma unroll
-      for (int t = 0; t < T; t++) {
-        act[(size_t)t * inter + j] = __float2bfloat16(silu_times(acc[0][t], acc[1][t]));
-      }
-    }
-  }
-}
-#define GEMV_SWIGLU_NORM(T)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(NORM_THREADS) gemv_swiglu_norm_##T(                           \
-      const bf16* w, const float* x, const float* nw, float eps, bf16* act, int inter, int k) {              \
-    gemv_swiglu_norm<T>(w, x, nw, eps, act, inter, k);                                                        \
-  }
-GEMV_SWIGLU_NORM(1)
-GEMV_SWIGLU_NORM(2)
-GEMV_SWIGLU_NORM(3)
-GEMV_SWIGLU_NORM(4)
 
 // ---------------------------------------------------------------------------------------------------
 // Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.

@@ -513,7 +513,7 @@ impl Device {
         Ok(rows.div_ceil(warps).clamp(1, resident * self.sms.max(1)) as u32)
     }
 
-    /// `out[t][j] = Σ_k w[j][k] · norm(x[r_t])[k]` (f32) for `t ≤ 8` rows `r_t` of the f32 residual `x`
+    /// `out[t][j] = Σ_k w[j][k] · norm(x[r_t])[k]` (f32) for `t` rows `r_t` of the f32 residual `x`
     /// (`rows`, a device array of `t` row indices, or the first `t` when 0), normed with `norm` (the
     /// bits of `rms_norm`), and `n` rows of bf16 `w` (`n × k`): the norm and the decode product in one
     /// launch ([`Device::gemv_norm_fits`] says which shapes).
@@ -530,33 +530,21 @@ impl Device {
         k: usize,
         out: u64,
     ) -> Result<()> {
-        if !Self::gemv_norm_fits(t, k) {
-            return Err(CudaError::driver(format!(
-                "gemv_norm of {t} rows of {k}: takes 1 to {GEMV_NORM_MAX_TOKENS} rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
-            )));
-        }
-        let (name, smem) = (format!("gemv_norm_{t}"), (t * k * 2) as u32);
-        self.launch_as(
-            &name,
-            (self.gemv_grid(&name, n, smem)?, 1, 1),
-            NORM_THREADS,
-            smem,
-            &[
-                Arg::Ptr(w),
-                Arg::Ptr(x),
-                Arg::Ptr(rows),
-                Arg::Ptr(norm),
-                Arg::F32(eps),
-                Arg::Ptr(out),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-            ],
-            || format!("gemv_norm {t}x{n}x{k}"),
-        )
+        let args = [
+            Arg::Ptr(w),
+            Arg::Ptr(x),
+            Arg::Ptr(rows),
+            Arg::Ptr(norm),
+            Arg::F32(eps),
+            Arg::Ptr(out),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+        ];
+        self.launch_normed("gemv_norm", t, n, k, &args)
     }
 
-    /// `act[t][j] = SiLU(h[t] · w[j]) · (h[t] · w[inter + j])` in bf16, where `h` is the first `t ≤ 8`
-    /// rows of the f32 residual `x` normed with `norm`, and `w` = [gate | up] (`2·inter × k`): the FFN's
+    /// `act[t][j] = SiLU(h[t] · w[j]) · (h[t] · w[inter + j])` in bf16, where `h` is the first `t` rows
+    /// of the f32 residual `x` normed with `norm`, and `w` = [gate | up] (`2·inter × k`): the FFN's
     /// norm, gate and up products and SiLU·mul in one launch, with the bits of `rms_norm`, the decode
     /// product and `silu_mul`.
     #[allow(clippy::too_many_arguments)]
@@ -571,28 +559,39 @@ impl Device {
         k: usize,
         act: u64,
     ) -> Result<()> {
+        let args = [
+            Arg::Ptr(w),
+            Arg::Ptr(x),
+            Arg::Ptr(norm),
+            Arg::F32(eps),
+            Arg::Ptr(act),
+            Arg::I32(inter as i32),
+            Arg::I32(k as i32),
+        ];
+        self.launch_normed("gemv_swiglu_norm", t, inter, k, &args)
+    }
+
+    /// Launches `{kind}_{t}` (a kernel that norms `t` rows of `k` into shared memory, then takes `rows`
+    /// output rows grid-stride) with `args`.
+    fn launch_normed(
+        &self,
+        kind: &str,
+        t: usize,
+        rows: usize,
+        k: usize,
+        args: &[Arg],
+    ) -> Result<()> {
         if !Self::gemv_norm_fits(t, k) {
             return Err(CudaError::driver(format!(
-                "gemv_swiglu_norm of {t} rows of {k}: takes 1 to {GEMV_NORM_MAX_TOKENS} rows, a multiple of 8 long, within {GEMV_NORM_SMEM} bytes"
+                "{kind} of {t} rows of {k}: takes 1 to {GEMV_NORM_MAX_TOKENS} rows, a multiple of 8 \
+                 long, within {GEMV_NORM_SMEM} bytes"
             )));
         }
-        let (name, smem) = (format!("gemv_swiglu_norm_{t}"), (t * k * 2) as u32);
-        self.launch_as(
-            &name,
-            (self.gemv_grid(&name, inter, smem)?, 1, 1),
-            NORM_THREADS,
-            smem,
-            &[
-                Arg::Ptr(w),
-                Arg::Ptr(x),
-                Arg::Ptr(norm),
-                Arg::F32(eps),
-                Arg::Ptr(act),
-                Arg::I32(inter as i32),
-                Arg::I32(k as i32),
-            ],
-            || format!("gemv_swiglu_norm {t}x{inter}x{k}"),
-        )
+        let (name, smem) = (format!("{kind}_{t}"), (t * k * 2) as u32);
+        let grid = self.gemv_grid(&name, rows, smem)?;
+        self.launch_as(&name, (grid, 1, 1), NORM_THREADS, smem, args, || {
+            format!("{kind} {t}x{rows}x{k}")
+        })
     }
 
     pub fn synchronize(&self) -> Result<()> {

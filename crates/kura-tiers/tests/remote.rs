@@ -3,9 +3,7 @@
 //! and the record, checked before anything is decoded, and sized before they are read. A missing
 //! `redis-server` fails these tests.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -14,126 +12,14 @@ use kura_tiers::{
     block_file_bytes, encode_record, BlockRecord, RemoteSetup, RemoteWorker, TierError,
 };
 
+#[path = "support/redis_server.rs"]
+mod redis_server;
+use redis_server::Redis;
+
 const FP: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
 const LEN: usize = 4096;
 const KEY_A: [u8; 32] = [0xa1; 32];
 const KEY_B: [u8; 32] = [0xb2; 32];
-
-fn redis_server_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("KURA_REDIS_SERVER") {
-        return PathBuf::from(p);
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join("redis-server"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "no redis-server on PATH: run scripts/fetch-redis.sh (scripts/test.sh does) or set \
-                 KURA_REDIS_SERVER"
-            )
-        })
-}
-
-/// One `redis-server` on a free port, in memory only, killed on drop.
-struct Redis {
-    child: Child,
-    url: String,
-    dir: PathBuf,
-}
-
-impl Redis {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir =
-            std::env::temp_dir().join(format!("kura-tiers-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let child = Command::new(redis_server_bin())
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "no", "--dir"])
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting redis-server");
-        let r = Redis {
-            child,
-            url: format!("redis://127.0.0.1:{port}"),
-            dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(mut c) = redis::Client::open(r.url.as_str()).and_then(|c| c.get_connection())
-            {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return r;
-                }
-            }
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn conn(&self) -> redis::Connection {
-        redis::Client::open(self.url.as_str())
-            .unwrap()
-            .get_connection()
-            .unwrap()
-    }
-
-    fn get(&self, key: &str) -> Option<Vec<u8>> {
-        redis::cmd("GET").arg(key).query(&mut self.conn()).unwrap()
-    }
-
-    fn set(&self, key: &str, value: &[u8]) {
-        redis::cmd("SET")
-            .arg(key)
-            .arg(value)
-            .query::<()>(&mut self.conn())
-            .unwrap();
-    }
-
-    fn exists(&self, key: &str) -> bool {
-        redis::cmd("EXISTS")
-            .arg(key)
-            .query::<u64>(&mut self.conn())
-            .unwrap()
-            == 1
-    }
-
-    /// Bytes Redis has sent to its clients so far.
-    fn net_output_bytes(&self) -> u64 {
-        let info: String = redis::cmd("INFO")
-            .arg("stats")
-            .query(&mut self.conn())
-            .unwrap();
-        info.lines()
-            .find_map(|l| l.strip_prefix("total_net_output_bytes:"))
-            .expect("INFO stats has total_net_output_bytes")
-            .trim()
-            .parse()
-            .unwrap()
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 fn setup(url: &str, mac_key: [u8; 32], fingerprint: u128) -> RemoteSetup {
     RemoteSetup {

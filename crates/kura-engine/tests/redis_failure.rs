@@ -1,0 +1,85 @@
+//! The Redis tier through the engine, on the fake model and a real `redis-server` (scripts/fetch-redis.sh
+//! installs one; a missing one fails these tests): a device fault while a block is copied out for Redis,
+//! or into the pool from a record Redis returned, ends the engine with where it failed, as every other
+//! tier's copies do (`fake_tiers.rs`).
+
+mod common;
+
+#[path = "../../kura-tiers/tests/support/redis_server.rs"]
+mod redis_server;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kura_engine::{RemoteTierSetup, RequestError};
+use kura_kv::hash::Secret;
+use redis_server::Redis;
+
+fn with_redis(redis: &Redis, secret: &Secret) -> kura_engine::EngineConfig {
+    let mut c = config(64, 64, 8);
+    c.remote = Some(RemoteTierSetup {
+        url: redis.url.clone(),
+        ttl_s: 600,
+        timeout: Duration::from_secs(5),
+        secret: secret.clone(),
+        ca_file: None,
+    });
+    c
+}
+
+/// Keys in Redis now.
+fn keys(redis: &Redis) -> u64 {
+    ::redis::cmd("DBSIZE").query(&mut redis.conn()).unwrap()
+}
+
+fn engine_fails_with(fake: &Fake, expected: &str) {
+    let (_g, rx) = submit(&fake.engine, distinct_request(0, 24, 6));
+    match outcome(&rx).result {
+        Err(RequestError::EngineFailed(reason)) => assert_eq!(reason, expected),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.engine.failure().as_deref(), Some(expected));
+    assert!(!fake.engine.is_alive());
+}
+
+#[test]
+fn a_failed_copy_to_or_from_the_redis_tier_ends_the_engine_with_where_it_failed() {
+    let redis = Redis::start();
+    let secret = Secret::random();
+
+    // A block copied out of the pool to be written to Redis.
+    let a = start(with_redis(&redis, &secret));
+    a.control.fail(Op::Export);
+    engine_fails_with(
+        &a,
+        &format!(
+            "the executor failed at a store into the Redis tier: {}",
+            Op::Export.fault()
+        ),
+    );
+    a.engine.stop();
+    assert_eq!(keys(&redis), 0, "nothing was written");
+
+    // A healthy server writes prompt 0's blocks; another one, whose imports fail, finds them there.
+    let b = start(with_redis(&redis, &secret));
+    let (_g, rx) = submit(&b.engine, distinct_request(0, 24, 6));
+    wait(&rx);
+    let deadline = Instant::now() + PATIENCE;
+    while keys(&redis) == 0 {
+        assert!(Instant::now() < deadline, "no block reached Redis");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    b.engine.stop();
+    let c = start(with_redis(&redis, &secret));
+    c.control.fail(Op::Import);
+    engine_fails_with(
+        &c,
+        &format!(
+            "the executor failed at a load from the Redis tier: {}",
+            Op::Import.fault()
+        ),
+    );
+    // No step computed over the blocks that did not arrive.
+    assert_eq!(c.control.calls(), 0);
+    c.engine.stop();
+}
