@@ -301,11 +301,7 @@ impl Device {
         }
         self.stream
             .alloc_zeros::<T>(n.max(1))
-            .map_err(|e| CudaError::OutOfMemory {
-                what: format!("{what} ({e:?})"),
-                need: bytes,
-                free,
-            })
+            .map_err(|e| alloc_failed(e.0, format!("{e:?}"), what, bytes, free))
     }
 
     /// The device address of a buffer.
@@ -599,6 +595,26 @@ impl Device {
     }
 }
 
+/// What a failed allocation (or the zeroing after it) of `need` bytes for `what` is: a device fault
+/// when the driver's `code` says the context is unusable (an earlier kernel's illegal address often
+/// surfaces at the next call), else out of memory, which fails the step only.
+fn alloc_failed(
+    code: cudarc::driver::sys::CUresult,
+    message: String,
+    what: &str,
+    need: usize,
+    free: usize,
+) -> CudaError {
+    match CudaError::from_driver_code(code, message.clone()) {
+        e if e.is_device_fault() => e,
+        _ => CudaError::OutOfMemory {
+            what: format!("{what} ({message})"),
+            need,
+            free,
+        },
+    }
+}
+
 /// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V
 /// tiles (64 keys × (head_dim + 8) bf16 each); the wide prefill kernel's two stages of `wide_keys`
 /// keys and then its 128 query rows.
@@ -671,6 +687,31 @@ pub fn kernel_names() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_allocation_is_a_device_fault_when_the_context_is_gone_and_else_out_of_memory() {
+        use cudarc::driver::sys::CUresult as R;
+        let e = alloc_failed(
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            "ILLEGAL_ADDRESS".into(),
+            "KV",
+            64,
+            0,
+        );
+        assert!(e.is_device_fault(), "{e}");
+        let e = alloc_failed(
+            R::CUDA_ERROR_OUT_OF_MEMORY,
+            "OUT_OF_MEMORY".into(),
+            "KV",
+            64,
+            0,
+        );
+        assert!(!e.is_device_fault(), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "not enough device memory: KV (OUT_OF_MEMORY) needs 64 bytes, 0 are free on the device"
+        );
+    }
 
     #[test]
     fn the_products_norm_their_input_for_few_tokens_whose_rows_fit_without_an_opt_in() {

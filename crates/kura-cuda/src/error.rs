@@ -104,12 +104,19 @@ fn driver_fault(code: cudarc::driver::sys::CUresult) -> bool {
     )
 }
 
+impl CudaError {
+    /// The error of a driver call that returned `code`, described by `message`.
+    pub fn from_driver_code(code: cudarc::driver::sys::CUresult, message: String) -> Self {
+        CudaError::Driver {
+            message,
+            fault: driver_fault(code),
+        }
+    }
+}
+
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
-        CudaError::Driver {
-            message: format!("{e:?}"),
-            fault: driver_fault(e.0),
-        }
+        CudaError::from_driver_code(e.0, format!("{e:?}"))
     }
 }
 
@@ -156,11 +163,7 @@ mod tests {
     /// The engine's reading of a driver error with `code` (built as `From<DriverError>` builds it; its
     /// text needs the driver, which this machine may lack).
     fn engine_reads(code: R) -> ExecError {
-        CudaError::Driver {
-            message: format!("{code:?}"),
-            fault: driver_fault(code),
-        }
-        .into()
+        CudaError::from_driver_code(code, format!("{code:?}")).into()
     }
 
     #[test]
