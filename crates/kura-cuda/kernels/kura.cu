@@ -362,7 +362,22 @@ __device__ __forceinline__ void kv_load8(const unsigned char* pool, size_t off, 
   load8_fp8(pool + off, scale, f);
 }
 
-__device__ __forceinline__ float merge_dim(const float* pp, int splits, int d, int dim);
+// One dimension of one head's merged output from its `splits` partials at `pp` (each (max, sum,
+// weighted V[d])): Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Explicit operations (no contraction left to
+// the compiler) and reads past L1 (another block may have written the partials), so that
+// `attn_merge` and the merge fused into `attn_split` give the same bits.
+__device__ __forceinline__ float merge_dim(const float* pp, int splits, int d, int dim) {
+  float m = KURA_NEG_INF;
+  for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + (size_t)s * (d + 2)));
+  float l = 0.f, o = 0.f;
+  for (int s = 0; s < splits; s++) {
+    const float* x = pp + (size_t)s * (d + 2);
+    float w = exp2f(__fsub_rn(__ldcg(x), m));
+    l = __fmaf_rn(w, __ldcg(x + 1), l);
+    o = __fmaf_rn(w, __ldcg(x + 2 + dim), o);
+  }
+  return __fdiv_rn(o, l);
+}
 
 // The merge fused into `attn_split` (`fuse`): called by every thread of each block once its partials are
 // written. The last of a token's blocks for a KV head to arrive (of `gridDim.z`, counted in `arrive`,
@@ -562,23 +577,6 @@ ATTN_SPLIT_G(f32, float, 64)
 ATTN_SPLIT_G(f32, float, 128)
 ATTN_SPLIT_G(fp8, unsigned char, 64)
 ATTN_SPLIT_G(fp8, unsigned char, 128)
-
-// One dimension of one head's merged output from its `splits` partials at `pp` (each (max, sum,
-// weighted V[d])): Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Explicit operations (no contraction left to
-// the compiler) and reads past L1 (another block may have written the partials), so that
-// `attn_merge` and the merge fused into `attn_split` give the same bits.
-__device__ __forceinline__ float merge_dim(const float* pp, int splits, int d, int dim) {
-  float m = KURA_NEG_INF;
-  for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + (size_t)s * (d + 2)));
-  float l = 0.f, o = 0.f;
-  for (int s = 0; s < splits; s++) {
-    const float* x = pp + (size_t)s * (d + 2);
-    float w = exp2f(__fsub_rn(__ldcg(x), m));
-    l = __fmaf_rn(w, __ldcg(x + 1), l);
-    o = __fmaf_rn(w, __ldcg(x + 2 + dim), o);
-  }
-  return __fdiv_rn(o, l);
-}
 
 // Merges the splits of `attn_split`: out[row][head] = Σ e^(m_i - m) o_i / Σ e^(m_i - m) l_i. Block
 // (token, head), D threads.
@@ -945,8 +943,8 @@ ATTN_PREFILL(fp8, unsigned char, 128)
 // W, f32 accumulation, fixed order. `accumulate` adds to y (the residual add). K % 8 == 0.
 //
 // The dot products of R ≤ 2 rows of W (`row0`, `row1`, each k long) with the T rows of x, in lane
-// `lane`'s share of k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction), so that a row's sum
-// has the same bits whichever kernel computes it.
+// `lane`'s share of k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction),
+// so that a row's sum has the same bits whichever kernel computes it.
 template <int T, int R>
 __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, const bf16* x, int k, int lane,
                                           float (&acc)[R][T]) {

@@ -37,6 +37,10 @@ const SPLIT: usize = 128;
 /// The most splits whose merge the split-key kernel's last block does itself in the fused decode path
 /// ([`CudaExecutor::set_fused_decode`]): 4,096 keys.
 const FUSED_MERGE_MAX_SPLITS: usize = 32;
+/// Flags of the split-key kernel (`SPLIT_MERGE`, `SPLIT_PREFETCH` in `kura.cu`): its last block merges
+/// the splits; each key's K and V rows are asked of L2 before they are read.
+const SPLIT_MERGE: i32 = 1;
+const SPLIT_PREFETCH: i32 = 2;
 
 /// Per-step buffers, grown to the largest step seen.
 struct Scratch {
@@ -786,15 +790,12 @@ impl CudaExecutor {
             dev.ptr(&s.act),
         );
         let (pool, part, arrive) = (dev.ptr(&self.pool), dev.ptr(&s.part), dev.ptr(&s.arrive));
-        // `SPLIT_MERGE | SPLIT_PREFETCH` of `kura.cu`, or neither. The merge is fused only over few
-        // splits: the last block of a (token, KV head) merges all its heads' splits alone, which over
-        // hundreds of splits would leave one block working at the kernel's end.
+        // The split kernel's flags. The merge is fused only over few splits: the last block of a
+        // (token, KV head) merges all its heads' splits alone, which over hundreds of splits would
+        // leave one block working at the kernel's end.
         let fuse_merge = self.fused_decode && plan.max_splits <= FUSED_MERGE_MAX_SPLITS;
-        let split_flags = match (fuse_merge, self.fused_decode) {
-            (true, _) => 1 | 2,
-            (false, true) => 2,
-            (false, false) => 0,
-        };
+        let split_flags = (if fuse_merge { SPLIT_MERGE } else { 0 })
+            | (if self.fused_decode { SPLIT_PREFETCH } else { 0 });
         let kv = match self.kv_dtype {
             KvDtype::F32 => "f32",
             KvDtype::Fp8 => "fp8",
@@ -1005,23 +1006,22 @@ impl CudaExecutor {
             if fuse_norm {
                 let (ffn_norm, w) = (dev.ptr(&lw.ffn_norm), dev.ptr(&lw.w_gate_up));
                 dev.gemv_swiglu_norm(x, t, ffn_norm, eps, w, inter, h, act)?;
-                dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
-                continue;
+            } else {
+                norm(t, 0, dev.ptr(&lw.ffn_norm), xn)?;
+                dev.matmul(xn, t, dev.ptr(&lw.w_gate_up), 2 * inter, h, gu, false)?;
+                let total = t * inter;
+                dev.launch(
+                    "silu_mul",
+                    ((total / 4).div_ceil(256) as u32, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(gu),
+                        Arg::Ptr(act),
+                        Arg::I32(inter as i32),
+                        Arg::I32(total as i32),
+                    ],
+                )?;
             }
-            norm(t, 0, dev.ptr(&lw.ffn_norm), xn)?;
-            dev.matmul(xn, t, dev.ptr(&lw.w_gate_up), 2 * inter, h, gu, false)?;
-            let total = t * inter;
-            dev.launch(
-                "silu_mul",
-                ((total / 4).div_ceil(256) as u32, 1, 1),
-                256,
-                &[
-                    Arg::Ptr(gu),
-                    Arg::Ptr(act),
-                    Arg::I32(inter as i32),
-                    Arg::I32(total as i32),
-                ],
-            )?;
             dev.matmul(act, t, dev.ptr(&lw.w_down), h, inter, x, true)?;
         }
         let head = dev.ptr(self.w.lm_head.as_ref().unwrap_or(&self.w.embed));

@@ -54,6 +54,16 @@ struct ControlState {
     exports_started: usize,
 }
 
+impl ControlState {
+    /// The error call `op` returns now, if it fails.
+    fn fault(&self, op: Op) -> Result<(), ExecError> {
+        if self.failing.contains(&op) {
+            return Err(ExecError::Fatal(op.fault()));
+        }
+        Ok(())
+    }
+}
+
 /// An executor call other than the forward pass, which [`Control::fail`] makes fail as it would on a
 /// faulted device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,10 +131,7 @@ impl Control {
 
     /// The error call `op` returns now, if it fails.
     fn fault(&self, op: Op) -> Result<(), ExecError> {
-        if self.state.lock().unwrap().failing.contains(&op) {
-            return Err(ExecError::Fatal(op.fault()));
-        }
-        Ok(())
+        self.state.lock().unwrap().fault(op)
     }
 
     /// Forward call `call` waits (before computing) until [`Control::release`].
@@ -406,9 +413,7 @@ impl Executor for FakeModel {
             if !state.async_exports {
                 return Ok(false);
             }
-            if state.failing.contains(&Op::StartExport) {
-                return Err(ExecError::Fatal(Op::StartExport.fault()));
-            }
+            state.fault(Op::StartExport)?;
             state.exports_started += 1;
         }
         self.land_ordered();
@@ -431,9 +436,7 @@ impl Executor for FakeModel {
         if !state.async_imports {
             return Ok(false);
         }
-        if state.failing.contains(&Op::Import) {
-            return Err(ExecError::Fatal(Op::Import.fault()));
-        }
+        state.fault(Op::Import)?;
         state.imports_started += 1;
         drop(state);
         self.control.changed.notify_all();
