@@ -175,17 +175,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let items: Vec<SeqInput<'_>> = (0..4)
                 .map(|i| SeqInput::new(&prompts4[i], 0, &tables4[i]))
                 .collect();
-            let mut next = gpu.forward_greedy(&items)?;
+            let first = gpu.forward_greedy(&items)?;
             let steps = 128;
-            let t = Instant::now();
-            for step in 0..steps {
-                let toks: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
-                let items: Vec<SeqInput<'_>> = (0..4)
-                    .map(|i| SeqInput::new(&toks[i], 1024 + step, &tables4[i]))
-                    .collect();
-                next = gpu.forward_greedy(&items)?;
-            }
-            rates.push(4.0 * steps as f64 / t.elapsed().as_secs_f64());
+            let (_, s) = decode_steps(&mut gpu, &tables4, first, 1024, steps)?;
+            rates.push(4.0 * steps as f64 / s);
         }
     }
     gpu.set_fused_decode(false);
@@ -326,16 +319,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let first = last.clone();
     for fused in [false, true] {
         gpu.set_fused_decode(fused);
-        last = first.clone();
-        let t = Instant::now();
-        for step in 0..steps {
-            let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
-            let items: Vec<SeqInput<'_>> = (0..batch)
-                .map(|i| SeqInput::new(&toks[i], ctx + step, &tables[i]))
-                .collect();
-            last = gpu.forward_greedy(&items)?;
-        }
-        let s = t.elapsed().as_secs_f64();
+        let (ids, s) = decode_steps(&mut gpu, &tables, first.clone(), ctx, steps)?;
+        last = ids;
         emit(
             &mut results,
             format!(
@@ -439,6 +424,28 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Prints a figure's JSON line at once (a later failure keeps it) and keeps it for the line of all.
+/// `steps` greedy decode steps of the sequences with block tables `tables`, from their tokens `last` at
+/// position `pos` on: their last tokens, and the seconds the steps took.
+fn decode_steps(
+    gpu: &mut CudaExecutor,
+    tables: &[Vec<u32>],
+    mut last: Vec<u32>,
+    pos: usize,
+    steps: usize,
+) -> Result<(Vec<u32>, f64), Box<dyn std::error::Error>> {
+    let t = Instant::now();
+    for step in 0..steps {
+        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+        let items: Vec<SeqInput<'_>> = tables
+            .iter()
+            .zip(&toks)
+            .map(|(table, tok)| SeqInput::new(tok, pos + step, table))
+            .collect();
+        last = gpu.forward_greedy(&items)?;
+    }
+    Ok((last, t.elapsed().as_secs_f64()))
+}
+
 fn emit(results: &mut Vec<String>, line: String) {
     println!("{line}");
     results.push(line);
