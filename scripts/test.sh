@@ -5,7 +5,8 @@
 # llama.cpp's tokenizer conformance files (scripts/fetch-vocab-tests.sh), the text `kura perplexity` is
 # tested on (scripts/fetch-eval-text.sh), Redis 7 for the shared KV tier (scripts/fetch-redis.sh: Debian's
 # redis-server), NVRTC and the CUDA headers from PyPI so that every GPU kernel compiles here without a GPU
-# (scripts/fetch-nvrtc.sh; the GPU tests themselves are scripts/test-gpu.sh), Debian's Chromium and
+# (scripts/fetch-nvrtc.sh; the GPU tests themselves are scripts/test-gpu.sh), a C++ compiler that runs the
+# kernels on the CPU in an emulation (scripts/fetch-cxx.sh: Debian's g++), Debian's Chromium and
 # ChromeDriver for the console's browser tests (scripts/fetch-chromium.sh) and a Python virtual
 # environment with tests/python/requirements.txt.
 set -euo pipefail
@@ -29,6 +30,10 @@ export KURA_REDIS_SERVER
 nvrtc_env=$(scripts/fetch-nvrtc.sh)
 eval "$nvrtc_env"
 export KURA_NVRTC_LIB KURA_CUDA_INCLUDE
+# KURA_CXX, for the CPU emulation of the CUDA kernels (crates/kura-cuda/emu).
+cxx_env=$(scripts/fetch-cxx.sh)
+eval "$cxx_env"
+export KURA_CXX
 # KURA_CHROMIUM and KURA_CHROMEDRIVER, for the console's browser tests.
 chromium_env=$(scripts/fetch-chromium.sh)
 eval "$chromium_env"

@@ -3,25 +3,36 @@
 // and cached on disk (`kernels.rs`). Every kernel is `extern "C"` so that the host finds it by name.
 //
 // The KV pool is one device buffer of blocks; a block holds, for every layer, K then V, each
-// `[kv_head][slot][head_dim]`: byte for byte what the CPU pool's `export_block` writes, so a block moves
-// to and from the lower tiers with one copy.
+// `[kv_head][slot][head_dim]`: for bf16 and f32, byte for byte what the CPU pool's `export_block` writes;
+// a block moves to and from the lower tiers with one copy.
 //
 // The residual stream is f32; the inputs of the weight products are bf16; products accumulate in f32.
 //
 // KV elements are bf16, f32, or fp8: e4m3 bytes with one f16 scale per 64 elements of a row (the KV
 // type `unsigned char`). An fp8 region of (block, layer, kind, head) holds the block's payload rows
-// (`head_dim` bytes each) and then their scale rows (`head_dim / 64` halves each): the same bytes per
-// block as the CPU's fp8 layout, laid out so that payload rows stay 16-byte aligned.
+// (`head_dim` bytes each) and then their scale rows (`head_dim / 64` halves each): as many bytes per
+// block as the CPU's fp8 layout, but not its bytes (the CPU rotates groups and keeps each vector's scales
+// beside it; here payload rows stay 16-byte aligned). The KV fingerprint names the executor, so the
+// tiers never give one's blocks to the other.
 
+#ifndef KURA_EMU  // `emu/emu.h` runs these kernels on the CPU in tests, and stands for these headers
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#endif
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define KURA_NEG_INF (-1.0e30f)
+
+// A kernel's dynamic shared memory, as bytes named `name`.
+#ifndef KURA_EMU
+#define KURA_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#else
+#define KURA_DYNAMIC_SHARED(name) KURA_EMU_DYNAMIC(name)
+#endif
 
 // Programmatic dependent launch (sm_90): the executor may launch a step's kernels so that each starts
 // while the one before it drains. Every such kernel calls `dep_wait()` before it reads what an earlier
@@ -604,16 +615,18 @@ extern "C" __global__ void attn_merge(const float* part, const int* tok_info, bf
 // Keys a tile of the wide kernel: 32 at a head size of 128, where 64 keys' scores would not fit beside
 // two m-tiles' outputs in 255 registers.
 #define WIDE_NK(D) ((D) > 64 ? 32 : 64)
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&v);
+}
+// The tensor-core and asynchronous-copy instructions (their emulation in `emu/emu.h` for CPU tests).
+#ifndef KURA_EMU
 __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&v);
 }
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
@@ -635,6 +648,15 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+#else
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) { emu::mma16816(c, a, b); }
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) { emu::ldmatrix(r, p, 4, false); }
+__device__ __forceinline__ void ldmatrix_x2(u32* r, const void* p) { emu::ldmatrix(r, p, 2, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) { emu::ldmatrix(r, p, 4, true); }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) { emu::cp_async16(dst, src, bytes); }
+__device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
+__device__ __forceinline__ void cp_async_wait1() { emu::cp_async_wait(1); }
+#endif
 
 // K and V rows of keys kt..kt+NK (past `last`: zeros) into one stage, 8 elements a thread at a time.
 template <int D, int NK>
@@ -719,7 +741,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   KURA_DEP();
   constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
   constexpr int WR = 16 * MT;  // query rows a warp
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  KURA_DYNAMIC_SHARED(smem_raw);
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
   // Stage s: K at smem + s * 2 * NK * KS, V right after it; (MT 2) the query rows after both stages.
   bf16* qs = smem + 2 * 2 * NK * KS;
@@ -1053,7 +1075,7 @@ __device__ __forceinline__ void norm_into_shared(const float* x, const int* rows
 template <int T, bool SWIGLU>
 __device__ void gemv_normed(const bf16* w, const float* x, const int* rows, const float* nw, float eps, float* y,
                             bf16* act, int n, int k) {
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  KURA_DYNAMIC_SHARED(gemv_smem);
   bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
   __shared__ float red[32];
   int lane = threadIdx.x & 31, first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

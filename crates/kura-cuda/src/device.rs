@@ -188,9 +188,9 @@ impl Device {
         self.dependent.set(on && self.has_dependent_launch());
     }
 
-    /// Pins `region`'s pages (page-locks them and maps them for the device), so that copies between it and
-    /// device memory run as direct transfers at the bus's speed; unpinned when the device closes. The
-    /// caller keeps the region alive and in place until then.
+    /// Pins `region`'s pages (page-locks them and registers them with the driver; kernels do not read
+    /// them), so that copies between it and device memory run as direct transfers at the bus's speed;
+    /// unpinned when the device closes. The caller keeps the region alive and in place until then.
     pub fn pin_host(&mut self, region: &mut [u8]) -> Result<()> {
         if region.is_empty() {
             return Ok(());
@@ -628,9 +628,11 @@ pub fn dynamic_smem(kernel: &str) -> Option<u32> {
     })
 }
 
-/// Dynamic shared memory the matrix-vector kernels that norm their input may take: `t × k` bf16 rows,
-/// within what every launch may have without asking (4 rows of 4,096; 3 of 8,192).
-pub const GEMV_NORM_SMEM: u32 = 48 << 10;
+/// Dynamic shared memory the matrix-vector kernels that norm their input may take: `t × k` bf16 rows.
+/// A block may have 48 KiB without the driver's opt-in, static and dynamic shared memory together, and
+/// these kernels' own static memory (the block sum's 32 floats) comes first: 1 KiB is left for it (4
+/// rows of 4,096 fit; 3 of 8,192, exactly 48 KiB, do not).
+pub const GEMV_NORM_SMEM: u32 = (48 << 10) - 1024;
 
 /// The most tokens of a step whose products norm their input themselves: every block norms all of
 /// them, so beyond a few the rereads of the residual stream cost more than the launch they save.
@@ -715,13 +717,18 @@ mod tests {
 
     #[test]
     fn the_products_norm_their_input_for_few_tokens_whose_rows_fit_without_an_opt_in() {
-        // Up to 4 tokens, rows a multiple of 8 long, the normed rows within 48 KiB of shared memory
-        // (every kernel may take that much without the driver's opt-in).
+        // Up to 4 tokens, rows a multiple of 8 long, the normed rows and the kernel's own static shared
+        // memory within 48 KiB (what every kernel may take without the driver's opt-in).
         assert!(Device::gemv_norm_fits(1, 576));
         assert!(Device::gemv_norm_fits(4, 4096));
         assert!(!Device::gemv_norm_fits(5, 576), "5 tokens");
         assert!(!Device::gemv_norm_fits(0, 576), "no token");
-        assert!(Device::gemv_norm_fits(3, 8192));
+        assert!(Device::gemv_norm_fits(2, 8192));
+        assert!(Device::gemv_norm_fits(4, 5120), "40 KiB of rows");
+        // Exactly 48 KiB of rows leaves no room for the block sum's 128 bytes: the launch would fail.
+        assert!(!Device::gemv_norm_fits(3, 8192), "48 KiB of rows");
+        assert!(!Device::gemv_norm_fits(4, 6144), "48 KiB of rows");
+        assert!(!Device::gemv_norm_fits(2, 12288), "48 KiB of rows");
         assert!(!Device::gemv_norm_fits(4, 8192), "64 KiB of rows");
         assert!(!Device::gemv_norm_fits(1, 4100), "not a multiple of 8");
         // A kernel for each count it takes, in the module.

@@ -1,0 +1,488 @@
+// Runs Kura's CUDA kernels (`../kernels/kura.cu`) on the CPU, for tests on machines without a GPU.
+//
+// Every thread of a block is a fiber (its own stack; x86-64 switches in `emu_switch`); the blocks of a grid run one after another, in an order
+// the caller chooses. A fiber runs until it reaches a synchronisation point (`__syncthreads`, or a warp
+// collective: shuffles, `ldmatrix`, `mma.sync`), where it yields; the point completes when every thread
+// it involves has arrived. This is one legal schedule of the kernel, chosen to expose what a GPU would
+// also get wrong:
+// - a block's threads run in turn between barriers, so a read of shared memory that another warp writes
+//   without a barrier in between reads the old value;
+// - `cp.async` copies land only at the `cp.async.wait_group` that must wait for them (the latest a GPU
+//   may deliver them), so a read before that wait reads the old value;
+// - `__shared__` variables are static storage reused by every block, so a block that reads what it did
+//   not write sees the previous block's values, and dynamic shared memory is filled with a NaN pattern
+//   before each block;
+// - a barrier or a collective that not every thread reaches (divergence) is reported, not hung.
+// `mma.sync` is computed exactly (products and sums in double, one rounding to f32), `ldmatrix` and the
+// fragment layouts follow the PTX ISA. Floating-point results are this CPU's, not the GPU's (its `exp2f`,
+// `rsqrtf` and contraction differ): the emulation checks indexing, layouts, synchronisation and that two
+// kernels which claim the same bits compute the same operations in the same order — not the GPU's own
+// bits, which `scripts/test-gpu.sh` checks on a device.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static
+#define KURA_EMU 1
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Number formats: bf16, f16 and e4m3 with the rounding CUDA's conversions use.
+struct __nv_bfloat16 {
+  uint16_t x;
+};
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+inline float __bfloat162float(__nv_bfloat16 h) {
+  uint32_t u = (uint32_t)h.x << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return {0x7fff};
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return {(uint16_t)(u >> 16)};
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16(a), __float2bfloat16(b)}; }
+inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+
+struct __half {
+  uint16_t x;
+};
+struct __half2 {
+  __half x, y;
+};
+struct __half2_raw {
+  unsigned short x, y;
+};
+inline float __half2float(__half h) {
+  int e = (h.x >> 10) & 31, m = h.x & 1023;
+  float v = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? std::ldexp((float)m, -24) : std::ldexp(1.f + m / 1024.f, e - 15);
+  return (h.x & 0x8000) ? -v : v;
+}
+// Rounded to nearest even; past the largest half, infinity.
+inline __half __float2half_rn(float f) {
+  uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  if (std::isnan(f)) return {0x7e00};
+  float a = std::fabs(f);
+  if (a < std::ldexp(1.f, -14)) return {(uint16_t)(sign | (uint16_t)std::nearbyint(a * 16777216.f))};  // 2^-24 steps
+  int e;
+  float m = std::frexp(a, &e);  // a = m · 2^e, m in [0.5, 1)
+  int exp = e - 1, q = (int)std::nearbyint((2.f * m - 1.f) * 1024.f);
+  if (q == 1024) {
+    q = 0;
+    exp++;
+  }
+  if (exp > 15) return {(uint16_t)(sign | 0x7c00)};
+  return {(uint16_t)(sign | ((exp + 15) << 10) | q)};
+}
+inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+
+typedef unsigned char __nv_fp8_storage_t;
+typedef unsigned short __nv_fp8x2_storage_t;
+enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
+enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
+// e4m3: bias 7, no infinities, 0x7f / 0xff NaN, largest 448; rounded to nearest even.
+inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t sat, __nv_fp8_interpretation_t) {
+  unsigned char sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isnan(x)) return 0x7f;
+  float a = std::fabs(x);
+  if (a > 448.f) return sat == __NV_SATFINITE ? (unsigned char)(sign | 0x7e) : (unsigned char)0x7f;
+  if (a < std::ldexp(1.f, -6)) {
+    int q = (int)std::nearbyint(a * 512.f);  // subnormal steps of 2^-9; q == 8 is the least normal
+    return (unsigned char)(sign | q);
+  }
+  int e;
+  float m = std::frexp(a, &e);  // a = m · 2^e, m in [0.5, 1)
+  int exp = e - 1;              // a = (2m) · 2^exp
+  int q = (int)std::nearbyint((2.f * m - 1.f) * 8.f);
+  if (q == 8) {
+    q = 0;
+    exp++;
+  }
+  int code = ((exp + 7) << 3) | q;
+  if (code > 0x7e) return sat == __NV_SATFINITE ? (unsigned char)(sign | 0x7e) : (unsigned char)0x7f;
+  return (unsigned char)(sign | code);
+}
+inline float emu_e4m3_to_float(unsigned char b) {
+  int e = (b >> 3) & 15, m = b & 7;
+  float v;
+  if (e == 15 && m == 7)
+    v = NAN;
+  else if (e == 0)
+    v = std::ldexp((float)m, -9);
+  else
+    v = std::ldexp(1.f + m / 8.f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+inline __half2_raw __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t s, __nv_fp8_interpretation_t) {
+  __half lo = __float2half_rn(emu_e4m3_to_float((unsigned char)(s & 0xff)));
+  __half hi = __float2half_rn(emu_e4m3_to_float((unsigned char)(s >> 8)));
+  return {lo.x, hi.x};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Arithmetic: one IEEE operation each (build with -ffp-contract=off, so that nothing else is fused).
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline void __threadfence() {}
+inline int atomicAdd(int* p, int v) {
+  int old = *p;
+  *p = old + v;
+  return old;
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+using std::isfinite;
+using std::max;
+using std::min;
+
+// ---------------------------------------------------------------------------------------------------
+// Fibers, barriers and warp collectives.
+namespace emu {
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "emulated kernel: %s\n", what);
+  std::exit(3);
+}
+
+struct Copy {
+  void* dst;
+  const void* src;
+  int bytes;  // 16, or 0: write zeros
+};
+
+// Saves the callee-saved registers on this stack and its pointer in *save, then continues on the stack
+// `next` (System V x86-64: what a call may not change; the kernels change no control register).
+extern "C" void emu_switch(void** save, void* next);
+asm(R"(
+  .text
+  .globl emu_switch
+  .type emu_switch, @function
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch, .-emu_switch
+)");
+
+struct Fiber {
+  void* sp = nullptr;  // its stack pointer while it is switched out
+  std::vector<char> stack;
+  dim3 tid;
+  int linear = 0;
+  bool done = false;
+  bool waiting = false;
+  std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
+  std::vector<Copy> open;                 // issued since the last commit
+};
+
+struct Barrier {
+  int arrived = 0;
+  unsigned long generation = 0;
+};
+
+// A warp collective's exchange area: each lane's inputs, read by every lane once all have arrived.
+struct WarpSlot {
+  Barrier in, out;
+  unsigned char data[32][64];
+};
+
+struct Grid {
+  dim3 grid, block, block_idx;
+  std::vector<Fiber> fibers;
+  std::vector<WarpSlot> warps;
+  Barrier block_barrier;
+  void* sched = nullptr;  // the scheduler's stack pointer while a fiber runs
+  Fiber* current = nullptr;
+  unsigned long progress = 0;
+  std::function<void()> body;
+  std::vector<unsigned char> dynamic;
+};
+inline Grid& G() {
+  static Grid g;
+  return g;
+}
+inline Fiber& me() { return *G().current; }
+inline void yield() { emu_switch(&me().sp, G().sched); }
+
+inline int block_threads() { return (int)(G().block.x * G().block.y * G().block.z); }
+inline int warp_of(int linear) { return linear >> 5; }
+inline int lanes_in_warp(int w) { return std::min(32, block_threads() - 32 * w); }
+
+// Waits until `count` threads have arrived at `b` (this one included); fibers that finished count as
+// arrived for the block barrier (an exited warp no longer holds a CTA barrier), never for a warp's.
+inline void wait_at(Barrier& b, int count, bool finished_count) {
+  unsigned long gen = b.generation;
+  b.arrived++;
+  for (;;) {
+    int done = 0;
+    if (finished_count)
+      for (auto& f : G().fibers) done += f.done;
+    if (b.generation != gen) break;
+    if (b.arrived + done >= count) {
+      b.arrived = 0;
+      b.generation++;
+      G().progress++;
+      break;
+    }
+    me().waiting = true;
+    yield();
+    me().waiting = false;
+  }
+}
+
+inline void syncthreads() { wait_at(G().block_barrier, block_threads(), true); }
+
+// Every lane of this warp puts `bytes` of input, then reads any lane's through `slot`.
+inline WarpSlot& warp_enter(const void* in, size_t bytes) {
+  if (bytes > 64) fail("a warp collective's input is over 64 bytes");
+  int w = warp_of(me().linear), lane = me().linear & 31;
+  if (lanes_in_warp(w) != 32) fail("a warp collective in a warp of fewer than 32 threads");
+  WarpSlot& s = G().warps[w];
+  std::memcpy(s.data[lane], in, bytes);
+  wait_at(s.in, 32, false);
+  return s;
+}
+inline void warp_leave(WarpSlot& s) { wait_at(s.out, 32, false); }
+inline int lane() { return me().linear & 31; }
+
+template <typename T> T shfl_xor(unsigned mask, T v, int lm) {
+  if (mask != 0xffffffffu) fail("a shuffle with a partial mask");
+  static_assert(sizeof(T) <= 64, "shuffled value too large");
+  WarpSlot& s = warp_enter(&v, sizeof(T));
+  T r;
+  std::memcpy(&r, s.data[(lane() ^ lm) & 31], sizeof(T));
+  warp_leave(s);
+  return r;
+}
+
+inline uint16_t b16_at(const unsigned char* p, int i) {
+  uint16_t v;
+  std::memcpy(&v, p + 2 * i, 2);
+  return v;
+}
+inline uint32_t pack(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+
+// ldmatrix.m8n8.x{count}[.trans].b16: lanes 8i..8i+7 give the rows of matrix i.
+inline void ldmatrix(uint32_t* r, const void* p, int count, bool trans) {
+  const void* addr = p;
+  WarpSlot& s = warp_enter(&addr, sizeof(addr));
+  int l = lane();
+  for (int i = 0; i < count; i++) {
+    if (!trans) {
+      const unsigned char* row;
+      std::memcpy(&row, s.data[8 * i + (l >> 2)], sizeof(row));
+      r[i] = pack(b16_at(row, 2 * (l & 3)), b16_at(row, 2 * (l & 3) + 1));
+    } else {
+      const unsigned char *r0, *r1;
+      std::memcpy(&r0, s.data[8 * i + 2 * (l & 3)], sizeof(r0));
+      std::memcpy(&r1, s.data[8 * i + 2 * (l & 3) + 1], sizeof(r1));
+      r[i] = pack(b16_at(r0, l >> 2), b16_at(r1, l >> 2));
+    }
+  }
+  warp_leave(s);
+}
+
+inline double bf16_bits(uint32_t reg, int half) {
+  return (double)__bfloat162float({(uint16_t)(half ? reg >> 16 : reg & 0xffff)});
+}
+
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32: D = A·B + C, each element's sum exact in double.
+inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
+  struct In {
+    uint32_t a[4], b[2];
+    float c[4];
+  } in;
+  std::memcpy(in.a, a, 16);
+  std::memcpy(in.b, b, 8);
+  std::memcpy(in.c, c, 16);
+  WarpSlot& s = warp_enter(&in, sizeof(in));
+  double A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; l++) {
+    In x;
+    std::memcpy(&x, s.data[l], sizeof(x));
+    int g = l >> 2, t = l & 3;
+    for (int h = 0; h < 2; h++) {
+      A[g][2 * t + h] = bf16_bits(x.a[0], h);
+      A[g + 8][2 * t + h] = bf16_bits(x.a[1], h);
+      A[g][2 * t + 8 + h] = bf16_bits(x.a[2], h);
+      A[g + 8][2 * t + 8 + h] = bf16_bits(x.a[3], h);
+      B[2 * t + h][g] = bf16_bits(x.b[0], h);
+      B[2 * t + 8 + h][g] = bf16_bits(x.b[1], h);
+    }
+    C[g][2 * t] = x.c[0];
+    C[g][2 * t + 1] = x.c[1];
+    C[g + 8][2 * t] = x.c[2];
+    C[g + 8][2 * t + 1] = x.c[3];
+  }
+  int l = lane(), g = l >> 2, t = l & 3;
+  int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  float d[4];
+  for (int e = 0; e < 4; e++) {
+    double acc = C[rows[e]][cols[e]];
+    for (int k = 0; k < 16; k++) acc += A[rows[e]][k] * B[k][cols[e]];
+    d[e] = (float)acc;
+  }
+  warp_leave(s);
+  std::memcpy(c, d, 16);
+}
+
+inline void cp_async16(void* dst, const void* src, int bytes) { me().open.push_back({dst, src, bytes}); }
+inline void cp_async_commit() {
+  me().groups.push_back(std::move(me().open));
+  me().open.clear();
+}
+// Lands every committed group but the newest `keep`.
+inline void cp_async_wait(size_t keep) {
+  auto& gs = me().groups;
+  while (gs.size() > keep) {
+    for (const Copy& c : gs.front()) {
+      if (c.bytes == 16)
+        std::memcpy(c.dst, c.src, 16);
+      else
+        std::memset(c.dst, 0, 16);
+    }
+    gs.erase(gs.begin());
+  }
+}
+
+// A fiber's first instructions: the kernel, then back to the scheduler for good.
+extern "C" inline void emu_fiber_start() {
+  G().body();
+  me().done = true;
+  G().progress++;
+  emu_switch(&me().sp, G().sched);
+  fail("a finished thread was resumed");
+}
+
+// Runs `body` (a kernel call) over `grid` × `block` threads, blocks in `order` (every block once; empty:
+// in order), with `dynamic` bytes of dynamic shared memory.
+inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<void()>& body,
+                   std::vector<dim3> order = {}) {
+  Grid& g = G();
+  g.grid = grid;
+  g.block = block;
+  g.body = body;
+  g.dynamic.assign(dynamic + 16, 0);
+  int n = block_threads();
+  if (n < 1 || n > 1024) fail("a block of more than 1024 threads");
+  if (order.empty())
+    for (unsigned z = 0; z < grid.z; z++)
+      for (unsigned y = 0; y < grid.y; y++)
+        for (unsigned x = 0; x < grid.x; x++) order.push_back({x, y, z});
+  g.fibers.resize(n);
+  g.warps.assign((n + 31) / 32, WarpSlot{});
+  for (auto& f : g.fibers)
+    if (f.stack.empty()) f.stack.resize(256 * 1024);
+  for (const dim3& b : order) {
+    g.block_idx = b;
+    g.block_barrier = Barrier{};
+    // Dynamic shared memory starts as NaNs (0xff bytes): a read of what no thread wrote shows.
+    std::memset(g.dynamic.data(), 0xff, g.dynamic.size());
+    for (int i = 0; i < n; i++) {
+      Fiber& f = g.fibers[i];
+      f.linear = i;
+      f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / (block.x * block.y))};
+      f.done = f.waiting = false;
+      f.groups.clear();
+      f.open.clear();
+      // The stack as `emu_switch` leaves it: six saved registers, then the address it returns to (the
+      // start), then a return address for the start itself, 16-byte aligned as after a call.
+      uintptr_t top = ((uintptr_t)(f.stack.data() + f.stack.size())) & ~(uintptr_t)15;
+      void** sp = (void**)top;
+      *--sp = nullptr;
+      *--sp = (void*)&emu_fiber_start;
+      for (int r = 0; r < 6; r++) *--sp = nullptr;
+      f.sp = sp;
+    }
+    for (;;) {
+      unsigned long before = g.progress;
+      bool all_done = true, all_waiting = true;
+      for (auto& f : g.fibers) {
+        if (f.done) continue;
+        g.current = &f;
+        emu_switch(&g.sched, f.sp);
+        all_done &= f.done;
+        all_waiting &= f.done || f.waiting;
+      }
+      if (all_done) break;
+      if (all_waiting && g.progress == before) fail("threads wait at a barrier or collective that others never reach");
+    }
+    // (A committed group of no copies may stay: the kernel's last wait leaves the newest group.)
+    for (auto& f : g.fibers) {
+      bool pending = !f.open.empty();
+      for (auto& grp : f.groups) pending |= !grp.empty();
+      if (pending) fail("a thread ended with cp.async copies never waited for");
+    }
+  }
+  g.current = nullptr;
+}
+
+}  // namespace emu
+
+// The built-in variables, as the running fiber sees them.
+#define threadIdx (emu::me().tid)
+#define blockIdx (emu::G().block_idx)
+#define blockDim (emu::G().block)
+#define gridDim (emu::G().grid)
+inline void __syncthreads() { emu::syncthreads(); }
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  return emu::shfl_xor(mask, v, lane_mask);
+}
+// The kernels' dynamic shared memory (`KURA_DYNAMIC_SHARED`).
+#define KURA_EMU_DYNAMIC(name) unsigned char* name = emu::G().dynamic.data()
