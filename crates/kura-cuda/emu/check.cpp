@@ -210,8 +210,8 @@ static int blocks_needed(const std::vector<std::pair<int, int>>& shape, int bs) 
 
 // ---------------------------------------------------------------------------------------------------
 template <typename KVT>
-static void prefill_case(Kv kv, int d, int bs, int window, Rng& r) {
-  const int kv_heads = 2, group = 2, heads = kv_heads * group, layers = 2, layer = 1;
+static void prefill_case(Kv kv, int d, int bs, int window, Rng& r, int group = 2) {
+  const int kv_heads = 2, heads = kv_heads * group, layers = 2, layer = 1;
   std::vector<std::pair<int, int>> shape = {{0, 150}, {77, 130}};
   PoolShape ps{layers, kv_heads, bs, d};
   Pool pool(kv, ps, blocks_needed(shape, bs) + 3, r);
@@ -250,7 +250,7 @@ static void prefill_case(Kv kv, int d, int bs, int window, Rng& r) {
   double ew = worst_error(wide, pool, seqs, q, heads, layer, window);
   // bf16 output (8 bits of mantissa) of values within [-1, 1], and P rounded to bf16 for the product.
   const double tol = 2e-2;
-  std::string what = std::string("prefill ") + kv_name(kv) + " d=" + std::to_string(d) + " block " + std::to_string(bs) +
+  std::string what = std::string("prefill ") + kv_name(kv) + " d=" + std::to_string(d) + " group " + std::to_string(group) + " block " + std::to_string(bs) +
                      " window " + std::to_string(window);
   check(en < tol, "%s: 8-warp kernel within %.4f of attention in double (tolerance %.3f)", what.c_str(), en, tol);
   check(ew < tol, "%s: wide kernel within %.4f of attention in double (tolerance %.3f)", what.c_str(), ew, tol);
@@ -263,8 +263,8 @@ static void prefill_case(Kv kv, int d, int bs, int window, Rng& r) {
 
 // ---------------------------------------------------------------------------------------------------
 template <typename KVT, int D, int G>
-static void split_case(Kv kv, int bs, int window, Rng& r) {
-  const int kv_heads = 2, group = G, heads = kv_heads * group, layers = 2, layer = 1;
+static void split_case(Kv kv, int bs, int window, Rng& r, int group = G) {
+  const int kv_heads = 2, heads = kv_heads * group, layers = 2, layer = 1;
   // Decode tokens (one new token each) at contexts of 1 to 2 splits ... 8 splits, and a 3-token chunk.
   std::vector<std::pair<int, int>> shape = {{0, 1}, {300, 1}, {128, 1}, {900, 1}, {40, 3}};
   PoolShape ps{layers, kv_heads, bs, D};
@@ -306,7 +306,7 @@ static void split_case(Kv kv, int bs, int window, Rng& r) {
   split(SPLIT_MERGE | SPLIT_PREFETCH, fused);
   bool zero = std::all_of(arrive.begin(), arrive.end(), [](int c) { return c == 0; });
   split(SPLIT_MERGE, again);
-  std::string what = std::string("split-key ") + kv_name(kv) + " d=" + std::to_string(D) + " group " + std::to_string(G) +
+  std::string what = std::string("split-key ") + kv_name(kv) + " d=" + std::to_string(D) + " group " + std::to_string(group) +
                      " block " + std::to_string(bs) + " window " + std::to_string(window);
   double e = worst_error(separate, pool, seqs, q, heads, layer, window);
   check(e < 1e-2, "%s: split + merge within %.5f of attention in double (tolerance 0.01)", what.c_str(), e);
@@ -462,6 +462,7 @@ int main() {
   prefill_case<float>(Kv::F32, 64, 16, 0, r);
   prefill_case<unsigned char>(Kv::Fp8, 64, 16, 0, r);
   prefill_case<unsigned char>(Kv::Fp8, 128, 8, 70, r);
+  prefill_case<bf16>(Kv::Bf16, 128, 16, 0, r, 7);
 
   split_case<bf16, 64, 2>(Kv::Bf16, 16, 0, r);
   split_case<bf16, 64, 4>(Kv::Bf16, 7, 200, r);
@@ -469,6 +470,10 @@ int main() {
   split_case<float, 64, 2>(Kv::F32, 16, 0, r);
   split_case<unsigned char, 64, 2>(Kv::Fp8, 16, 0, r);
   split_case<unsigned char, 128, 4>(Kv::Fp8, 8, 0, r);
+  // Groups that do not fill their instance (Qwen2.5-7B's 7 query heads a KV head), and more than one
+  // pass of the weighted sum (16 heads, 8 a pass).
+  split_case<bf16, 128, 8>(Kv::Bf16, 16, 0, r, 7);
+  split_case<bf16, 64, 16>(Kv::Bf16, 16, 0, r, 12);
 
   store_case(64, 16, r);
   store_case(128, 8, r);
