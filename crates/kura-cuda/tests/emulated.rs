@@ -66,7 +66,7 @@ fn the_kernels_run_on_the_cpu_agree_with_attention_in_double_and_the_fused_ones_
     );
     // Every check ran: the prefill, split-key and matrix-vector ones, none failed.
     let ok = stdout.lines().filter(|l| l.starts_with("ok: ")).count();
-    assert!(ok >= 60, "only {ok} checks reported ok:\n{stdout}");
+    assert!(ok >= 80, "only {ok} checks reported ok:\n{stdout}");
     assert!(stdout.contains("0 failed"), "{stdout}");
     for what in [
         "the wide kernel gives the 8-warp kernel's bits",
