@@ -33,6 +33,24 @@ echo "== CUDA executor tests"
 # it in this script's process group, so that a timeout around the whole script ends it too.
 tests=$(gpu-bin/kura-cuda-gpu-tests --ignored --list --format terse | sed -n 's/: test$//p' || true)
 [ -n "$tests" ] || failed+=("executor tests (none listed)")
+# The tests of what has never run on a GPU first (KURA_GPU_TESTS_FIRST overrides the list), then the
+# others in their listed order: where a session's time limit cuts the run, it cuts tests that have passed
+# on a device before.
+first=${KURA_GPU_TESTS_FIRST-the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones \
+the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logits_at_128 \
+fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte \
+host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit \
+host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for_byte \
+every_positions_logits_are_each_prefixs_last_logits}
+listed=" $(echo $tests) "
+ordered=""
+for t in $first; do
+  case "$listed" in *" $t "*) ordered="$ordered $t" ;; *) echo "KURA_GPU_TESTS_FIRST: no test $t" >&2 ;; esac
+done
+for t in $tests; do
+  case " $ordered " in *" $t "*) ;; *) ordered="$ordered $t" ;; esac
+done
+tests=$ordered
 for t in $tests; do
   rc=0
   KURA_GPU_MODELS="$work" timeout --foreground -k 10 "${KURA_GPU_TEST_LIMIT_S:-90}" \
