@@ -453,6 +453,74 @@ static void store_case(int d, int bs, Rng& r) {
         what.c_str(), worst);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Greedy sampling: the first index of each row's largest logit; a row of only NaN or -inf gives 0.
+static void argmax_case(Rng& r) {
+  const int vocab = 5000, rows = 5;
+  std::vector<float> logits((size_t)rows * vocab);
+  for (auto& x : logits) x = r.uniform() * 10.f;
+  float* row = logits.data();
+  row[4321] = 50.f, row[17] = 50.f;  // a tie: the first wins
+  row = logits.data() + vocab;
+  for (int i = 0; i < vocab; i++) row[i] = (i % 3) ? NAN : -INFINITY;  // nothing to choose
+  row = logits.data() + 2 * vocab;
+  row[vocab - 1] = 1e30f;  // the last index
+  row = logits.data() + 3 * vocab;
+  for (int i = 0; i < vocab; i++) row[i] = i == 2500 ? 3.f : NAN;  // NaN beside one number
+  std::vector<int> want(rows);
+  for (int i = 0; i < rows; i++) {
+    const float* x = logits.data() + (size_t)i * vocab;
+    int best = -1;
+    for (int j = 0; j < vocab; j++)
+      if (!std::isnan(x[j]) && x[j] > -INFINITY && (best < 0 || x[j] > x[best])) best = j;
+    want[i] = best < 0 ? 0 : best;
+  }
+  std::vector<u32> got(rows, 0xdeadbeef);
+  emu::launch({(unsigned)rows, 1, 1}, {1024, 1, 1}, 0, [&] { argmax_rows(logits.data(), got.data(), vocab); });
+  bool ok = true;
+  for (int i = 0; i < rows; i++) ok &= got[i] == (u32)want[i];
+  check(ok && want[0] == 17 && want[1] == 0 && want[3] == 2500,
+        "argmax_rows: the first largest logit of each row (a tie, the last index, NaN rows give 0)");
+}
+
+// Copy-on-write of a partial block: the first n slots of every region of block src into dst, the rest of
+// dst untouched (bf16 and fp8 pools).
+static void copy_case(Kv kv, Rng& r) {
+  PoolShape ps{3, 2, 16, 128};
+  Pool pool(kv, ps, 4, r);
+  std::vector<unsigned char> before = pool.bytes;
+  const int src = 3, dst = 1, n = 9;
+  int runs = ps.layers * 2 * ps.kv_heads;
+  emu::launch({(unsigned)runs, 1, 1}, {256, 1, 1}, 0, [&] {
+    if (kv == Kv::Fp8)
+      copy_block_prefix_fp8(pool.bytes.data(), src, dst, n, pool.block_bytes(), ps.block_size, ps.head_dim);
+    else
+      copy_block_prefix(pool.bytes.data(), src, dst, n, pool.block_bytes(), ps.block_size, (int)pool.row_bytes());
+  });
+  bool ok = true;
+  for (int l = 0; l < ps.layers; l++)
+    for (int kind = 0; kind < 2; kind++)
+      for (int h = 0; h < ps.kv_heads; h++)
+        for (int slot = 0; slot < ps.block_size; slot++)
+          for (int j = 0; j < ps.head_dim; j++) {
+            double want = slot < n ? pool.get(src, l, kind, h, slot, j) : 0;
+            if (slot < n) ok &= pool.get(dst, l, kind, h, slot, j) == want;
+          }
+  // Bytes outside dst's copied slots are as before.
+  Pool old = pool;
+  old.bytes = before;
+  for (int l = 0; l < ps.layers; l++)
+    for (int kind = 0; kind < 2; kind++)
+      for (int h = 0; h < ps.kv_heads; h++)
+        for (int slot = n; slot < ps.block_size; slot++)
+          for (int j = 0; j < ps.head_dim; j++) ok &= pool.get(dst, l, kind, h, slot, j) == old.get(dst, l, kind, h, slot, j);
+  size_t bb = pool.block_bytes();
+  for (int b = 0; b < pool.blocks; b++)
+    if (b != dst) ok &= std::memcmp(pool.bytes.data() + b * bb, before.data() + b * bb, bb) == 0;
+  check(ok, "copy_block_prefix%s: the first %d slots of every region copied, nothing else written",
+        kv == Kv::Fp8 ? "_fp8" : "", n);
+}
+
 int main() {
   Rng r{12345};
   prefill_case<bf16>(Kv::Bf16, 64, 16, 0, r);
@@ -477,6 +545,10 @@ int main() {
 
   store_case(64, 16, r);
   store_case(128, 8, r);
+
+  argmax_case(r);
+  copy_case(Kv::Bf16, r);
+  copy_case(Kv::Fp8, r);
 
   gemv_case<1>(1024, 72, 96, 3, r);
   gemv_case<2>(576, 72, 96, 2, r);
