@@ -12,7 +12,8 @@
 // - `__shared__` variables are static storage reused by every block, so a block that reads what it did
 //   not write sees the previous block's values, and dynamic shared memory is filled with a NaN pattern
 //   before each block;
-// - a barrier or a collective that not every thread reaches (divergence) is reported, not hung.
+// - a barrier or a collective that not every thread reaches (divergence) is reported, not hung (two
+//   different `__syncthreads` call sites still satisfy each other, as one counter serves the block).
 // `mma.sync` is computed exactly (products and sums in double, one rounding to f32), `ldmatrix` and the
 // fragment layouts follow the PTX ISA. Floating-point results are this CPU's, not the GPU's (its `exp2f`,
 // `rsqrtf` and contraction differ): the emulation checks indexing, layouts, synchronisation and that two
@@ -96,7 +97,8 @@ inline float __half2float(__half h) {
 // Rounded to nearest even; past the largest half, infinity.
 inline __half __float2half_rn(float f) {
   uint16_t sign = std::signbit(f) ? 0x8000 : 0;
-  if (std::isnan(f)) return {0x7e00};
+  if (std::isnan(f)) return {0x7fff};
+  if (std::isinf(f)) return {(uint16_t)(sign | 0x7c00)};
   float a = std::fabs(f);
   if (a < std::ldexp(1.f, -14)) return {(uint16_t)(sign | (uint16_t)std::nearbyint(a * 16777216.f))};  // 2^-24 steps
   int e;
@@ -120,7 +122,7 @@ inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t sat, 
   unsigned char sign = std::signbit(x) ? 0x80 : 0;
   if (std::isnan(x)) return 0x7f;
   float a = std::fabs(x);
-  if (a > 448.f) return sat == __NV_SATFINITE ? (unsigned char)(sign | 0x7e) : (unsigned char)0x7f;
+  if (a > 448.f && (sat == __NV_SATFINITE || a >= 464.f)) return (unsigned char)(sign | (sat == __NV_SATFINITE ? 0x7e : 0x7f));
   if (a < std::ldexp(1.f, -6)) {
     int q = (int)std::nearbyint(a * 512.f);  // subnormal steps of 2^-9; q == 8 is the least normal
     return (unsigned char)(sign | q);
@@ -134,7 +136,7 @@ inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t sat, 
     exp++;
   }
   int code = ((exp + 7) << 3) | q;
-  if (code > 0x7e) return sat == __NV_SATFINITE ? (unsigned char)(sign | 0x7e) : (unsigned char)0x7f;
+  if (code > 0x7e) return (unsigned char)(sign | (sat == __NV_SATFINITE ? 0x7e : 0x7f));
   return (unsigned char)(sign | code);
 }
 inline float emu_e4m3_to_float(unsigned char b) {
