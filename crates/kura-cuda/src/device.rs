@@ -509,6 +509,18 @@ impl Device {
         Ok(rows.div_ceil(warps).clamp(1, resident * self.sms.max(1)) as u32)
     }
 
+    /// Asks the driver, now, how many blocks of the kernels that norm `t` rows of `k` a multiprocessor
+    /// holds (cached for their grids): a step about to be captured in a graph then makes no driver
+    /// query while it is captured. Shapes they do not take are left alone.
+    pub fn prepare_normed(&self, t: usize, k: usize) -> Result<()> {
+        if Self::gemv_norm_fits(t, k) {
+            for kind in ["gemv_norm", "gemv_swiglu_norm"] {
+                self.gemv_grid(&format!("{kind}_{t}"), 1, (t * k * 2) as u32)?;
+            }
+        }
+        Ok(())
+    }
+
     /// `out[t][j] = Σ_k w[j][k] · norm(x[r_t])[k]` (f32) for `t` rows `r_t` of the f32 residual `x`
     /// (`rows`, a device array of `t` row indices, or the first `t` when 0), normed with `norm` (the
     /// bits of `rms_norm`), and `n` rows of bf16 `w` (`n × k`): the norm and the decode product in one

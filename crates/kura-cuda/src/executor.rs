@@ -753,6 +753,12 @@ impl CudaExecutor {
 
     /// The step `plan` captured as a graph (not launched).
     fn capture(&self, plan: &StepPlan) -> Result<cudarc::driver::CudaGraph> {
+        if self.fused_decode {
+            // The fused products' grids (a driver query, the first time) before the capture, not in it.
+            let h = self.cfg.hidden_size();
+            self.dev.prepare_normed(plan.n_tokens, h)?;
+            self.dev.prepare_normed(plan.n_seqs, h)?;
+        }
         self.dev.stream.begin_capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         )?;
