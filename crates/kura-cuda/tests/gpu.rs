@@ -264,9 +264,11 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
     // (the norms fused into the products, SiLU·mul into the gate and up products, for the most tokens
     // they take); then the first alone; then a step of a 3-token chunk of the first beside one token
     // of the second (the output head's rows are tokens 2 and 3); then a 20-token chunk of the third
-    // (cuBLAS products; the merge still fused into the split kernel). Each step is run with the
-    // separate kernels, then fused in graphs, launch by launch, and in waves of one token; every run
-    // writes the same K and V rows before reading them, so the logits must agree bit for bit.
+    // (cuBLAS products; the merge still fused into the split kernel); then a decode of a fifth sequence
+    // at 4,200 tokens (past 32 splits, where `attn_merge` runs again beside the fused products). Each
+    // step is run with the separate kernels, then fused in graphs, launch by launch, and in waves of one
+    // token; every run writes the same K and V rows before reading them, so the logits must agree bit
+    // for bit.
     let prompts = prompts();
     let mut failures = Vec::new();
     for (model, dtypes) in [
@@ -275,14 +277,16 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
     ] {
         for &dtype in dtypes {
             let bs = 16;
-            let lens = [100usize, 200, 300, 420];
-            let per_seq = (420usize + 24).div_ceil(bs);
-            let mut gpu = exec(model, dtype, bs, lens.len() * per_seq + 1);
-            let tables: Vec<Vec<u32>> = (0..lens.len())
-                .map(|i| {
-                    ((1 + i * per_seq) as u32..(1 + (i + 1) * per_seq) as u32)
-                        .rev()
-                        .collect()
+            let lens = [100usize, 200, 300, 420, 4200];
+            // Each sequence's blocks, after the previous one's, in descending order.
+            let sizes: Vec<usize> = lens.iter().map(|n| (n + 24).div_ceil(bs)).collect();
+            let mut gpu = exec(model, dtype, bs, sizes.iter().sum::<usize>() + 1);
+            let mut next = 1usize;
+            let tables: Vec<Vec<u32>> = sizes
+                .iter()
+                .map(|&k| {
+                    next += k;
+                    ((next - k) as u32..next as u32).rev().collect()
                 })
                 .collect();
             // Each sequence: a prompt's tokens, repeated to its length and 20 more.
@@ -307,7 +311,7 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 let at = seqs[i].len() - 20;
                 SeqInput::new(&seqs[i][at..at + n], at, &tables[i])
             };
-            let steps: [(&str, Vec<SeqInput<'_>>); 4] = [
+            let steps: [(&str, Vec<SeqInput<'_>>); 5] = [
                 ("decode of four", (0..4).map(|i| item(i, 1)).collect()),
                 ("decode of one", vec![item(0, 1)]),
                 (
@@ -315,6 +319,7 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                     vec![item(0, 3), item(1, 1)],
                 ),
                 ("20-token chunk", vec![item(2, 20)]),
+                ("decode past 32 splits", vec![item(4, 1)]),
             ];
             let all = |g: &mut CudaExecutor| -> Vec<Vec<f32>> {
                 steps
@@ -340,6 +345,19 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
             ] {
                 let ran = launched.iter().any(|k| k.starts_with(kernel));
                 assert_eq!(ran, wanted, "{model}: {kernel} in {launched:?}");
+            }
+            // Past 32 splits the merge is a kernel of its own again; the products stay fused.
+            let long: Vec<String> = gpu
+                .profile_greedy(&steps[4].1)
+                .unwrap()
+                .into_iter()
+                .map(|(kernel, _, _)| kernel)
+                .collect();
+            for kernel in ["attn_merge", "gemv_norm", "gemv_swiglu_norm"] {
+                assert!(
+                    long.iter().any(|k| k.starts_with(kernel)),
+                    "{model}: no {kernel} at 4,200 tokens in {long:?}"
+                );
             }
             for (what, graphs, cap) in [
                 ("in graphs", true, usize::MAX),
