@@ -233,15 +233,13 @@ static void prefill_case(Kv kv, int d, int bs, int window, Rng& r, int group = 2
     std::vector<bf16> out((size_t)rows * heads * d, __float2bfloat16(NAN));
     int nk = wide ? WIDE_NK(d) : BC;
     size_t smem = (size_t)2 * 2 * nk * (d + 8) * 2 + (wide ? (size_t)128 * (d + 8) * 2 : 0);
+    using Kernel = void (*)(const bf16*, const KVT*, const int*, const int*, bf16*, PoolShape, int, int, int, float, int,
+                            int);
+    Kernel kernel = d == 64 ? (wide ? attn_prefill<KVT, 64, 2, WIDE_NK(64)> : attn_prefill<KVT, 64, 1, BC>)
+                            : (wide ? attn_prefill<KVT, 128, 2, WIDE_NK(128)> : attn_prefill<KVT, 128, 1, BC>);
     dim3 grid{(unsigned)tiles, (unsigned)heads, 1};
     emu::launch(grid, {wide ? 128u : 256u, 1, 1}, smem, [&] {
-      if (d == 64) {
-        if (wide) attn_prefill<KVT, 64, 2, WIDE_NK(64)>(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, mask_all);
-        else attn_prefill<KVT, 64, 1, BC>(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, mask_all);
-      } else {
-        if (wide) attn_prefill<KVT, 128, 2, WIDE_NK(128)>(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, mask_all);
-        else attn_prefill<KVT, 128, 1, BC>(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, mask_all);
-      }
+      kernel(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, mask_all);
     }, all_blocks(grid, &r));
     return out;
   };
@@ -328,35 +326,38 @@ static void gemv_case(int k, int n, int inter, int grid_blocks, Rng& r) {
   // Rows T+1, 0, 2, ... of x (an index list, as the output head's last tokens), and the first T.
   std::vector<int> rows(T);
   for (int t = 0; t < T; t++) rows[t] = t == 0 ? T + 1 : t - 1 + (t > 1);
-  for (int pass = 0; pass < 2; pass++) {
-    const int* idx = pass == 0 ? nullptr : rows.data();
-    // Separate: rms_norm into bf16, then gemv_T.
+  // The separate kernels: rms_norm of rows `idx` (or the first T) into bf16, gemv_T into f32.
+  auto norm = [&](const int* idx) {
     std::vector<bf16> xn((size_t)T * k);
     emu::launch({(unsigned)T, 1, 1}, {NORM_THREADS, 1, 1}, 0, [&] { rms_norm(x.data(), idx, nw.data(), xn.data(), k, eps); });
-    std::vector<float> y_sep((size_t)T * n, NAN), y_fused((size_t)T * n, NAN);
-    emu::launch({(unsigned)((n + 7) / 8), 1, 1}, {256, 1, 1}, 0, [&] { gemv<T>(w.data(), xn.data(), y_sep.data(), n, k, 0); });
-    dim3 g{(unsigned)grid_blocks, 1, 1};
-    emu::launch(g, {NORM_THREADS, 1, 1}, (size_t)T * k * 2,
-                [&] { gemv_normed<T, false>(w.data(), x.data(), idx, nw.data(), eps, y_fused.data(), nullptr, n, k); },
-                all_blocks(g, &r));
+    return xn;
+  };
+  auto product = [&](const std::vector<bf16>& wt, int rows_out, const std::vector<bf16>& xn) {
+    std::vector<float> y((size_t)T * rows_out, NAN);
+    emu::launch({(unsigned)((rows_out + 7) / 8), 1, 1}, {256, 1, 1}, 0,
+                [&] { gemv<T>(wt.data(), xn.data(), y.data(), rows_out, k, 0); });
+    return y;
+  };
+  // A fused kernel, on `grid_blocks` blocks (fewer than its rows need: grid-stride) in shuffled order.
+  const dim3 g{(unsigned)grid_blocks, 1, 1};
+  auto fused = [&](const std::function<void()>& kernel) {
+    emu::launch(g, {NORM_THREADS, 1, 1}, (size_t)T * k * 2, kernel, all_blocks(g, &r));
+  };
+  std::vector<bf16> xn_first = norm(nullptr);
+  for (const int* idx : {(const int*)nullptr, (const int*)rows.data()}) {
+    std::vector<float> y_sep = product(w, n, idx ? norm(idx) : xn_first), y_fused((size_t)T * n, NAN);
+    fused([&] { gemv_normed<T, false>(w.data(), x.data(), idx, nw.data(), eps, y_fused.data(), nullptr, n, k); });
     check(same_bits(y_sep.data(), y_fused.data(), y_sep.size() * 4),
           "gemv_norm_%d (%s rows, %d rows of %d on %d blocks): the bits of rms_norm + gemv_%d", T,
           idx ? "listed" : "first", n, k, grid_blocks, T);
   }
   // The FFN: rms_norm, gemv_T over [gate | up] into f32, silu_mul; against gemv_swiglu_norm_T.
-  std::vector<bf16> xn((size_t)T * k);
-  emu::launch({(unsigned)T, 1, 1}, {NORM_THREADS, 1, 1}, 0, [&] { rms_norm(x.data(), nullptr, nw.data(), xn.data(), k, eps); });
-  std::vector<float> gu((size_t)T * 2 * inter);
-  emu::launch({(unsigned)((2 * inter + 7) / 8), 1, 1}, {256, 1, 1}, 0,
-              [&] { gemv<T>(wgu.data(), xn.data(), gu.data(), 2 * inter, k, 0); });
+  std::vector<float> gu = product(wgu, 2 * inter, xn_first);
   std::vector<bf16> act_sep((size_t)T * inter, __float2bfloat16(NAN)), act_fused = act_sep;
   int total = T * inter;
   emu::launch({(unsigned)((total / 4 + 255) / 256), 1, 1}, {256, 1, 1}, 0,
               [&] { silu_mul(gu.data(), act_sep.data(), inter, total); });
-  dim3 g{(unsigned)grid_blocks, 1, 1};
-  emu::launch(g, {NORM_THREADS, 1, 1}, (size_t)T * k * 2,
-              [&] { gemv_normed<T, true>(wgu.data(), x.data(), nullptr, nw.data(), eps, nullptr, act_fused.data(), inter, k); },
-              all_blocks(g, &r));
+  fused([&] { gemv_normed<T, true>(wgu.data(), x.data(), nullptr, nw.data(), eps, nullptr, act_fused.data(), inter, k); });
   check(same_bits(act_sep.data(), act_fused.data(), act_sep.size() * 2),
         "gemv_swiglu_norm_%d (%d of %d on %d blocks): the bits of rms_norm + gemv_%d + silu_mul", T, inter, k, grid_blocks, T);
   // The sums themselves (the bf16 activations above hide most differences of an f32 sum): two rows at

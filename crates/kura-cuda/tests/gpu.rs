@@ -329,13 +329,13 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
             };
             let separate = all(&mut gpu);
             gpu.set_fused_decode(true);
+            // The kernels a step launches, by name.
+            let launches = |g: &mut CudaExecutor, batch: &[SeqInput<'_>]| -> Vec<String> {
+                let profile = g.profile_greedy(batch).unwrap();
+                profile.into_iter().map(|(kernel, _, _)| kernel).collect()
+            };
             // The fused kernels are the ones that run.
-            let launched: Vec<String> = gpu
-                .profile_greedy(&steps[0].1)
-                .unwrap()
-                .into_iter()
-                .map(|(kernel, _, _)| kernel)
-                .collect();
+            let launched = launches(&mut gpu, &steps[0].1);
             for (kernel, wanted) in [
                 ("gemv_norm", true),
                 ("gemv_swiglu_norm", true),
@@ -347,12 +347,7 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 assert_eq!(ran, wanted, "{model}: {kernel} in {launched:?}");
             }
             // Past 32 splits the merge is a kernel of its own again; the products stay fused.
-            let long: Vec<String> = gpu
-                .profile_greedy(&steps[4].1)
-                .unwrap()
-                .into_iter()
-                .map(|(kernel, _, _)| kernel)
-                .collect();
+            let long = launches(&mut gpu, &steps[4].1);
             for kernel in ["attn_merge", "gemv_norm", "gemv_swiglu_norm"] {
                 assert!(
                     long.iter().any(|k| k.starts_with(kernel)),
