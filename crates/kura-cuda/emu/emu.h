@@ -185,8 +185,14 @@ using std::min;
 // Fibers, barriers and warp collectives.
 namespace emu {
 
+// The kernel running, named in a fault's report (set by whoever launches; empty: unnamed).
+inline const char*& running() {
+  static const char* name = "";
+  return name;
+}
+
 [[noreturn]] inline void fail(const char* what) {
-  std::fprintf(stderr, "emulated kernel: %s\n", what);
+  std::fprintf(stderr, "emulated kernel %s: %s\n", running(), what);
   std::exit(3);
 }
 

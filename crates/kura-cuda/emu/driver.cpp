@@ -1,0 +1,731 @@
+// A stand-in for NVIDIA's driver (`libcuda.so`), for tests on machines without a GPU: the part of the
+// driver API the CUDA executor calls (through cudarc), over host memory, with Kura's kernels run on the
+// CPU by `emu.h`. With it, the executor's own host code — launch arguments, graphs, dependent launches,
+// copies, events, pinned memory, host-tier transfers — runs in CI.
+//
+// It keeps the driver's rules where breaking them is a bug on a GPU, and takes the latest legal moment
+// to run work, so that a missing wait shows:
+// - work on a stream (kernels, copies, memsets, event records, frees) runs only when the host waits for
+//   it: `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`, a second `cuEventQuery` (the
+//   first of a pending event answers not ready), `cuStreamWaitEvent`, or a synchronous copy (which waits
+//   for the legacy stream and the blocking streams only, as the driver's does). A read of a copy's
+//   destination before such a wait reads the old bytes; a write to a pinned source before it changes
+//   what is copied.
+// - copies from pageable host memory read their source when called; copies to pageable host memory wait
+//   for the stream (the driver stages pageable memory); pinned memory (registered or allocated by the
+//   driver) is read and written when the copy runs.
+// - a kernel's parameters are copied at the launch; a launch names a kernel of the loaded module, its
+//   block at most 1,024 threads, its dynamic shared memory within 48 KiB or what the kernel was allowed.
+// - every device range a copy names lies within one allocation; elapsed time needs both events done.
+// - while a stream captures a graph, its work goes into the graph, and calls the driver refuses during a
+//   capture (synchronous copies, allocations and frees outside the stream, synchronisation) fail and
+//   invalidate it.
+// The device: compute capability 9.0 (`KURA_EMU_CC`, e.g. `8.0`, overrides), 4 multiprocessors, 227 KiB
+// of shared memory a block with opt-in, `KURA_EMU_MEMORY_MB` of memory (default 4,096).
+#include <cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "driver.h"
+
+using emu_driver::Op;
+
+namespace {
+
+struct Graph {
+  std::vector<Op> ops;
+};
+
+struct Stream {
+  unsigned flags = 0;
+  std::deque<Op> queue;
+  Graph* capture = nullptr;  // while capturing
+  bool invalidated = false;  // a refused call during the capture
+};
+
+struct Event {
+  Stream* stream = nullptr;  // where it was last recorded
+  bool pending = false;      // recorded, not yet run
+  bool done = false;         // has run at least once
+  bool queried = false;      // answered "not ready" once for this record
+  double ms = 0;
+};
+
+struct Func {
+  std::string name;
+  int max_dynamic = 48 << 10;
+};
+
+std::recursive_mutex& lock() {
+  static std::recursive_mutex m;
+  return m;
+}
+
+struct State {
+  Stream legacy;
+  std::set<Stream*> streams;
+  std::map<uintptr_t, size_t> device;  // allocations: start → bytes
+  std::map<uintptr_t, size_t> pinned;  // registered or driver-allocated host memory
+  size_t used = 0;
+  uint64_t launches = 0;
+  int ctx_marker = 0;
+  int module_marker = 0;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+};
+State& S() {
+  static State s;
+  return s;
+}
+
+size_t total_memory() {
+  const char* mb = std::getenv("KURA_EMU_MEMORY_MB");
+  size_t v = mb ? std::strtoull(mb, nullptr, 10) : 4096;
+  return (v ? v : 4096) << 20;
+}
+
+void compute_capability(int* major, int* minor) {
+  *major = 9;
+  *minor = 0;
+  if (const char* cc = std::getenv("KURA_EMU_CC")) std::sscanf(cc, "%d.%d", major, minor);
+}
+
+Stream* stream_of(CUstream s) {
+  if (s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) return &S().legacy;
+  return reinterpret_cast<Stream*>(s);
+}
+
+// A call the driver refuses while a stream captures: it fails, and the capture is invalidated.
+bool refused_in_capture() {
+  bool any = false;
+  if (S().legacy.capture) S().legacy.invalidated = any = true;
+  for (Stream* s : S().streams)
+    if (s->capture) s->invalidated = any = true;
+  return any;
+}
+
+void run(Stream* s) {
+  while (!s->queue.empty()) {
+    Op op = std::move(s->queue.front());
+    s->queue.pop_front();
+    op();
+  }
+}
+
+void run_all() {
+  run(&S().legacy);
+  for (Stream* s : S().streams) run(s);
+}
+
+// What a synchronous call waits for: the legacy stream and every blocking stream.
+void run_blocking() {
+  run(&S().legacy);
+  for (Stream* s : S().streams)
+    if (!(s->flags & CU_STREAM_NON_BLOCKING)) run(s);
+}
+
+void enqueue(Stream* s, Op op) {
+  if (s->capture)
+    s->capture->ops.push_back(std::move(op));
+  else
+    s->queue.push_back(std::move(op));
+}
+
+// The allocation holding [p, p + n), or none.
+bool in_device(uintptr_t p, size_t n) {
+  auto& d = S().device;
+  auto it = d.upper_bound(p);
+  if (it == d.begin()) return false;
+  --it;
+  return p >= it->first && n <= it->second && p - it->first <= it->second - n;
+}
+bool overlaps_device(uintptr_t p) {
+  auto& d = S().device;
+  auto it = d.upper_bound(p);
+  if (it == d.begin()) return false;
+  --it;
+  return p - it->first < it->second;
+}
+bool in_pinned(const void* ptr, size_t n) {
+  uintptr_t p = (uintptr_t)ptr;
+  auto& d = S().pinned;
+  auto it = d.upper_bound(p);
+  if (it == d.begin()) return false;
+  --it;
+  return p >= it->first && n <= it->second && p - it->first <= it->second - n;
+}
+
+CUresult host_to_device(CUdeviceptr dst, const void* src, size_t n, Stream* s) {
+  if (n == 0) return CUDA_SUCCESS;
+  if (!in_device(dst, n) || overlaps_device((uintptr_t)src)) return CUDA_ERROR_INVALID_VALUE;
+  if (in_pinned(src, n) || s->capture) {
+    enqueue(s, [dst, src, n] { std::memcpy((void*)dst, src, n); });
+  } else {
+    auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
+                                                                (const unsigned char*)src + n);
+    enqueue(s, [dst, staged] { std::memcpy((void*)dst, staged->data(), staged->size()); });
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult device_to_host(void* dst, CUdeviceptr src, size_t n, Stream* s) {
+  if (n == 0) return CUDA_SUCCESS;
+  if (!in_device(src, n) || overlaps_device((uintptr_t)dst)) return CUDA_ERROR_INVALID_VALUE;
+  if (in_pinned(dst, n) || s->capture) {
+    enqueue(s, [dst, src, n] { std::memcpy(dst, (const void*)src, n); });
+  } else {
+    run(s);
+    std::memcpy(dst, (const void*)src, n);
+  }
+  return CUDA_SUCCESS;
+}
+
+void* alloc_device(size_t n) {
+  size_t bytes = (std::max<size_t>(n, 1) + 255) & ~(size_t)255;
+  void* p = std::aligned_alloc(256, bytes);
+  if (!p) return nullptr;
+  // Fresh device memory holds whatever was there: a NaN pattern, so that a read of what nobody wrote shows.
+  std::memset(p, 0xff, bytes);
+  S().device[(uintptr_t)p] = n;
+  S().used += n;
+  return p;
+}
+
+CUresult free_device(CUdeviceptr p) {
+  auto it = S().device.find(p);
+  if (it == S().device.end()) return CUDA_ERROR_INVALID_VALUE;
+  S().used -= it->second;
+  S().device.erase(it);
+  std::free((void*)p);
+  return CUDA_SUCCESS;
+}
+
+CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], unsigned smem, CUstream hs,
+                void** params, void** extra) {
+  if (!f) return CUDA_ERROR_INVALID_HANDLE;
+  if (extra) return CUDA_ERROR_NOT_SUPPORTED;
+  Func* fn = reinterpret_cast<Func*>(f);
+  uint64_t threads = (uint64_t)block[0] * block[1] * block[2];
+  if (threads == 0 || threads > 1024 || block[2] > 64 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0 ||
+      grid[1] > 65535 || grid[2] > 65535 || grid[0] > 0x7fffffffu || (int)smem > fn->max_dynamic)
+    return CUDA_ERROR_INVALID_VALUE;
+  emu_driver::Launch l{{grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, smem, ++S().launches};
+  Op op;
+  if (!emu_driver::bind_kernel(fn->name, params, l, &op)) return CUDA_ERROR_INVALID_VALUE;
+  enqueue(stream_of(hs), std::move(op));
+  return CUDA_SUCCESS;
+}
+
+const char* error_name(CUresult e) {
+  switch (e) {
+    case CUDA_SUCCESS: return "CUDA_SUCCESS";
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
+    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    case CUDA_ERROR_INVALID_IMAGE: return "CUDA_ERROR_INVALID_IMAGE";
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: return "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: return "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED";
+    case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
+    case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
+    default: return "CUDA_ERROR_UNKNOWN";
+  }
+}
+
+}  // namespace
+
+#define GUARD std::lock_guard<std::recursive_mutex> guard(lock())
+
+extern "C" {
+
+int kura_emu_enqueue(void* stream, void (*fn)(void*), void (*drop)(void*), void* data) {
+  GUARD;
+  std::shared_ptr<void> keep(data, drop);
+  enqueue(stream_of((CUstream)stream), [fn, keep] { fn(keep.get()); });
+  return CUDA_SUCCESS;
+}
+
+// ---- errors, version, device, context ----
+CUresult CUDAAPI cuGetErrorString(CUresult e, const char** s) {
+  *s = error_name(e);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGetErrorName(CUresult e, const char** s) {
+  *s = error_name(e);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuInit(unsigned int) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuDriverGetVersion(int* v) {
+  *v = 13000;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceGetCount(int* n) {
+  *n = 1;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceGet(CUdevice* d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceGetName(char* name, int len, CUdevice d) {
+  if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  std::snprintf(name, (size_t)len, "Kura emulated GPU (CPU)");
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceTotalMem(size_t* bytes, CUdevice d) {
+  if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *bytes = total_memory();
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d) {
+  if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  int major, minor;
+  compute_capability(&major, &minor);
+  switch (a) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = major; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = minor; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 4; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: *v = 2048; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *v = 48 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *v = 227 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *v = 228 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
+    default: *v = 0;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+  if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *c = reinterpret_cast<CUcontext>(&S().ctx_marker);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext* c) {
+  *c = reinterpret_cast<CUcontext>(&S().ctx_marker);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuCtxGetDevice(CUdevice* d) {
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuCtxSynchronize(void) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  run_all();
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  *least = 0;
+  *greatest = -5;
+  return CUDA_SUCCESS;
+}
+
+// ---- memory ----
+CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
+  GUARD;
+  *total = total_memory();
+  *free = S().used >= *total ? 0 : *total - S().used;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t n) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (n > total_memory() - std::min(S().used, total_memory())) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* a = alloc_device(n);
+  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+  *p = (CUdeviceptr)a;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  run_all();
+  return free_device(p);
+}
+CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) {
+  GUARD;
+  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (n > total_memory() - std::min(S().used, total_memory())) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* a = alloc_device(n);
+  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+  *p = (CUdeviceptr)a;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr p, CUstream hs) {
+  GUARD;
+  if (!S().device.count(p)) return CUDA_ERROR_INVALID_VALUE;
+  enqueue(stream_of(hs), [p] { free_device(p); });
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemHostAlloc(void** p, size_t n, unsigned int) {
+  GUARD;
+  void* a = std::aligned_alloc(4096, (std::max<size_t>(n, 1) + 4095) & ~(size_t)4095);
+  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+  S().pinned[(uintptr_t)a] = n;
+  *p = a;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemAllocHost(void** p, size_t n) { return cuMemHostAlloc(p, n, 0); }
+CUresult CUDAAPI cuMemFreeHost(void* p) {
+  GUARD;
+  run_all();
+  if (!S().pinned.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+  std::free(p);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemHostRegister(void* p, size_t n, unsigned int) {
+  GUARD;
+  if (!p || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  uintptr_t a = (uintptr_t)p;
+  for (auto& [at, len] : S().pinned)
+    if (a < at + len && at < a + n) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  S().pinned[a] = n;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemHostUnregister(void* p) {
+  GUARD;
+  run_all();
+  return S().pinned.erase((uintptr_t)p) ? CUDA_SUCCESS : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+}
+
+// ---- copies and memsets ----
+CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (n == 0) return CUDA_SUCCESS;
+  if (!in_device(dst, n) || overlaps_device((uintptr_t)src)) return CUDA_ERROR_INVALID_VALUE;
+  run_blocking();
+  std::memcpy((void*)dst, src, n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (n == 0) return CUDA_SUCCESS;
+  if (!in_device(src, n) || overlaps_device((uintptr_t)dst)) return CUDA_ERROR_INVALID_VALUE;
+  run_blocking();
+  std::memcpy(dst, (const void*)src, n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (n == 0) return CUDA_SUCCESS;
+  if (!in_device(dst, n) || !in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
+  run_blocking();
+  std::memmove((void*)dst, (const void*)src, n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream hs) {
+  GUARD;
+  return host_to_device(dst, src, n, stream_of(hs));
+}
+CUresult CUDAAPI cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream hs) {
+  GUARD;
+  return device_to_host(dst, src, n, stream_of(hs));
+}
+CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream hs) {
+  GUARD;
+  if (n == 0) return CUDA_SUCCESS;
+  if (!in_device(dst, n) || !in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
+  enqueue(stream_of(hs), [dst, src, n] { std::memmove((void*)dst, (const void*)src, n); });
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemsetD8(CUdeviceptr p, unsigned char v, size_t n) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (n && !in_device(p, n)) return CUDA_ERROR_INVALID_VALUE;
+  run_blocking();
+  std::memset((void*)p, v, n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream hs) {
+  GUARD;
+  if (n && !in_device(p, n)) return CUDA_ERROR_INVALID_VALUE;
+  enqueue(stream_of(hs), [p, v, n] { std::memset((void*)p, v, n); });
+  return CUDA_SUCCESS;
+}
+// Copies between host and device memory in one call. The source of a copy is read when it runs, or
+// at the call for CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL; each copy's direction is read from its
+// pointers (device allocations or not).
+CUresult CUDAAPI cuMemcpyBatchAsync(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                    CUmemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
+                                    CUstream hs) {
+  GUARD;
+  if (count == 0 || num_attrs == 0 || num_attrs > count || !attrs || !attrs_idxs || attrs_idxs[0] != 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 1; i < num_attrs; i++)
+    if (attrs_idxs[i] <= attrs_idxs[i - 1] || attrs_idxs[i] >= count) return CUDA_ERROR_INVALID_VALUE;
+  struct One {
+    uintptr_t dst, src;
+    size_t n;
+    std::shared_ptr<std::vector<unsigned char>> staged;
+  };
+  std::vector<One> copies;
+  size_t a = 0;
+  for (size_t i = 0; i < count; i++) {
+    while (a + 1 < num_attrs && attrs_idxs[a + 1] <= i) a++;
+    size_t n = sizes[i];
+    uintptr_t d = dsts[i], s = srcs[i];
+    if (n == 0) continue;
+    bool dd = in_device(d, n), sd = in_device(s, n);
+    if ((!dd && overlaps_device(d)) || (!sd && overlaps_device(s))) return CUDA_ERROR_INVALID_VALUE;
+    if (!dd && !sd) return CUDA_ERROR_INVALID_VALUE;  // host to host
+    One c{d, s, n, nullptr};
+    if (attrs[a].srcAccessOrder == CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL)
+      c.staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)s, (const unsigned char*)s + n);
+    else if (attrs[a].srcAccessOrder == CU_MEMCPY_SRC_ACCESS_ORDER_INVALID)
+      return CUDA_ERROR_INVALID_VALUE;
+    copies.push_back(c);
+  }
+  enqueue(stream_of(hs), [copies] {
+    for (const One& c : copies)
+      std::memmove((void*)c.dst, c.staged ? (const void*)c.staged->data() : (const void*)c.src, c.n);
+  });
+  return CUDA_SUCCESS;
+}
+
+// ---- streams, events, host functions ----
+CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int flags) {
+  GUARD;
+  Stream* st = new Stream;
+  st->flags = flags;
+  S().streams.insert(st);
+  *s = reinterpret_cast<CUstream>(st);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamCreateWithPriority(CUstream* s, unsigned int flags, int) { return cuStreamCreate(s, flags); }
+CUresult CUDAAPI cuStreamDestroy(CUstream hs) {
+  GUARD;
+  Stream* s = stream_of(hs);
+  if (s == &S().legacy || !S().streams.count(s)) return CUDA_ERROR_INVALID_HANDLE;
+  run(s);
+  S().streams.erase(s);
+  delete s->capture;
+  delete s;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamSynchronize(CUstream hs) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  run(stream_of(hs));
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamQuery(CUstream hs) {
+  GUARD;
+  if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  Stream* s = stream_of(hs);
+  if (!s->queue.empty()) {
+    run(s);
+    return CUDA_ERROR_NOT_READY;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamWaitEvent(CUstream hs, CUevent he, unsigned int) {
+  GUARD;
+  Event* e = reinterpret_cast<Event*>(he);
+  Stream* s = stream_of(hs);
+  // The event's stream runs now, before anything later on `hs`: one order the wait allows.
+  if (e->stream && e->stream != s && !e->stream->capture) run(e->stream);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuLaunchHostFunc(CUstream hs, CUhostFn fn, void* data) {
+  GUARD;
+  enqueue(stream_of(hs), [fn, data] { fn(data); });
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuEventCreate(CUevent* e, unsigned int) {
+  *e = reinterpret_cast<CUevent>(new Event);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuEventDestroy(CUevent he) {
+  GUARD;
+  Event* e = reinterpret_cast<Event*>(he);
+  // A pending record still runs (the driver releases the event once it has).
+  if (e->pending && e->stream) run(e->stream);
+  delete e;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuEventRecord(CUevent he, CUstream hs) {
+  GUARD;
+  Event* e = reinterpret_cast<Event*>(he);
+  Stream* s = stream_of(hs);
+  e->stream = s;
+  e->pending = true;
+  e->queried = false;
+  enqueue(s, [e] {
+    e->pending = false;
+    e->done = true;
+    e->ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - S().start).count();
+  });
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuEventQuery(CUevent he) {
+  GUARD;
+  Event* e = reinterpret_cast<Event*>(he);
+  if (!e->pending) return CUDA_SUCCESS;
+  if (!e->queried) {
+    e->queried = true;
+    return CUDA_ERROR_NOT_READY;
+  }
+  run(e->stream);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuEventSynchronize(CUevent he) {
+  GUARD;
+  Event* e = reinterpret_cast<Event*>(he);
+  if (e->pending) run(e->stream);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  GUARD;
+  Event *x = reinterpret_cast<Event*>(a), *y = reinterpret_cast<Event*>(b);
+  if (!x->done || !y->done) return x->pending || y->pending ? CUDA_ERROR_NOT_READY : CUDA_ERROR_INVALID_HANDLE;
+  if (x->pending || y->pending) return CUDA_ERROR_NOT_READY;
+  *ms = (float)(y->ms - x->ms);
+  return CUDA_SUCCESS;
+}
+
+// ---- graphs ----
+CUresult CUDAAPI cuStreamBeginCapture(CUstream hs, CUstreamCaptureMode) {
+  GUARD;
+  Stream* s = stream_of(hs);
+  if (s->capture || s == &S().legacy) return CUDA_ERROR_INVALID_VALUE;
+  s->capture = new Graph;
+  s->invalidated = false;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamEndCapture(CUstream hs, CUgraph* g) {
+  GUARD;
+  Stream* s = stream_of(hs);
+  if (!s->capture) return CUDA_ERROR_INVALID_VALUE;
+  Graph* graph = s->capture;
+  s->capture = nullptr;
+  if (s->invalidated) {
+    delete graph;
+    *g = nullptr;
+    return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+  }
+  *g = reinterpret_cast<CUgraph>(graph);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamIsCapturing(CUstream hs, CUstreamCaptureStatus* status) {
+  GUARD;
+  Stream* s = stream_of(hs);
+  *status = !s->capture ? CU_STREAM_CAPTURE_STATUS_NONE
+                        : s->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph g, unsigned long long) {
+  GUARD;
+  if (!g) return CUDA_ERROR_INVALID_VALUE;
+  *exec = reinterpret_cast<CUgraphExec>(new Graph(*reinterpret_cast<Graph*>(g)));
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphUpload(CUgraphExec, CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuGraphLaunch(CUgraphExec exec, CUstream hs) {
+  GUARD;
+  if (!exec) return CUDA_ERROR_INVALID_VALUE;
+  Stream* s = stream_of(hs);
+  for (const Op& op : reinterpret_cast<Graph*>(exec)->ops) enqueue(s, op);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphDestroy(CUgraph g) {
+  GUARD;
+  delete reinterpret_cast<Graph*>(g);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec g) {
+  GUARD;
+  // Launches of it already on a stream hold their own copies of its work.
+  delete reinterpret_cast<Graph*>(g);
+  return CUDA_SUCCESS;
+}
+
+// ---- modules, functions, launches ----
+CUresult CUDAAPI cuModuleLoadData(CUmodule* m, const void* image) {
+  GUARD;
+  const unsigned char* b = static_cast<const unsigned char*>(image);
+  // A cubin: an ELF file for the CUDA machine (190).
+  if (!b || std::memcmp(b, "\x7f" "ELF", 4) != 0 || (b[18] | (b[19] << 8)) != 190) return CUDA_ERROR_INVALID_IMAGE;
+  *m = reinterpret_cast<CUmodule>(&S().module_marker);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuModuleUnload(CUmodule) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) {
+  GUARD;
+  if (!emu_driver::has_kernel(name)) return CUDA_ERROR_NOT_FOUND;
+  Func* fn = new Func;
+  fn->name = name;
+  *f = reinterpret_cast<CUfunction>(fn);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) {
+  GUARD;
+  Func* fn = reinterpret_cast<Func*>(f);
+  if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
+    if (v < 0 || v > (227 << 10)) return CUDA_ERROR_INVALID_VALUE;
+    fn->max_dynamic = v;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction f) {
+  Func* fn = reinterpret_cast<Func*>(f);
+  switch (a) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *v = fn->max_dynamic; break;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *v = 64; break;
+    default: *v = 0;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction f, int block, size_t smem) {
+  GUARD;
+  if (!f || block <= 0 || block > 1024) return CUDA_ERROR_INVALID_VALUE;
+  int by_threads = 2048 / block, by_smem = (int)((228u << 10) / (smem + 1024));
+  *n = std::max(0, std::min({32, by_threads, by_smem}));
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, CUfunction f, int block, size_t smem,
+                                                                      unsigned int) {
+  return cuOccupancyMaxActiveBlocksPerMultiprocessor(n, f, block, smem);
+}
+CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                unsigned bz, unsigned smem, CUstream hs, void** params, void** extra) {
+  GUARD;
+  unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+  return launch(f, grid, block, smem, hs, params, extra);
+}
+CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig* c, CUfunction f, void** params, void** extra) {
+  GUARD;
+  int major, minor;
+  compute_capability(&major, &minor);
+  for (unsigned i = 0; i < c->numAttrs; i++) {
+    if (c->attrs[i].id != CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) return CUDA_ERROR_NOT_SUPPORTED;
+    // Programmatic dependent launch needs compute capability 9.0.
+    if (major < 9 && c->attrs[i].value.programmaticStreamSerializationAllowed) return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  unsigned grid[3] = {c->gridDimX, c->gridDimY, c->gridDimZ}, block[3] = {c->blockDimX, c->blockDimY, c->blockDimZ};
+  return launch(f, grid, block, c->sharedMemBytes, c->hStream, params, extra);
+}
+
+}  // extern "C"
