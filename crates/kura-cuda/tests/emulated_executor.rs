@@ -306,3 +306,384 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_both_prefill_kernels() {
         }
     }
 }
+
+#[test]
+fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_launches() {
+    // Four sequences (1 to 3 splits of 128 keys) decode together, then the first alone, then a 3-token
+    // chunk of the first beside a token of the second, then a 20-token chunk of the third. Each step
+    // runs with the separate kernels launch by launch and plainly launched (the reference), then fused
+    // and not, in graphs and not, in waves of one token, with dependent launches and without: every
+    // run writes the same K and V rows before reading them, so every run gives the same bits.
+    let _turn = emulated();
+    for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+        let bs = 16;
+        let lens = [40usize, 130, 260, 300];
+        let sizes: Vec<usize> = lens.iter().map(|n| (n + 24).div_ceil(bs)).collect();
+        let mut gpu = exec(dtype, bs, sizes.iter().sum::<usize>() + 1);
+        // Each sequence's blocks after the previous one's, in descending order.
+        let mut next = 1usize;
+        let tables: Vec<Vec<u32>> = sizes
+            .iter()
+            .map(|&k| {
+                next += k;
+                ((next - k) as u32..next as u32).rev().collect()
+            })
+            .collect();
+        let seqs: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| prompt(n + 20, 10 + i as u64))
+            .collect();
+        for (q, t) in seqs.iter().zip(&tables) {
+            gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
+                .unwrap();
+        }
+        let item = |i: usize, n: usize| {
+            let at = seqs[i].len() - 20;
+            SeqInput::new(&seqs[i][at..at + n], at, &tables[i])
+        };
+        let steps: [(&str, Vec<SeqInput<'_>>); 4] = [
+            ("decode of four", (0..4).map(|i| item(i, 1)).collect()),
+            ("decode of one", vec![item(0, 1)]),
+            (
+                "3-token chunk beside a decode",
+                vec![item(0, 3), item(1, 1)],
+            ),
+            ("20-token chunk", vec![item(2, 20)]),
+        ];
+        let all = |g: &mut CudaExecutor| -> Vec<Vec<f32>> {
+            steps
+                .iter()
+                .map(|(_, batch)| g.forward_logits(batch).unwrap())
+                .collect()
+        };
+        gpu.set_graphs(false);
+        gpu.set_dependent_launch(false);
+        let reference = all(&mut gpu);
+        // The kernels of a decode step, by name: the fused ones where asked for.
+        for (fused, wanted) in [
+            (false, ["rms_norm", "silu_mul", "attn_merge"]),
+            (true, ["gemv_norm", "gemv_swiglu_norm", "attn_split"]),
+        ] {
+            gpu.set_fused_decode(fused);
+            let launched: Vec<String> = gpu
+                .profile_greedy(&steps[0].1)
+                .unwrap()
+                .into_iter()
+                .map(|(kernel, _, _)| kernel)
+                .collect();
+            for kernel in wanted {
+                assert!(
+                    launched.iter().any(|k| k.starts_with(kernel)),
+                    "fused {fused}: no {kernel} in {launched:?}"
+                );
+            }
+            if fused {
+                for gone in ["rms_norm", "silu_mul", "attn_merge"] {
+                    assert!(
+                        !launched.iter().any(|k| k.starts_with(gone)),
+                        "fused: {gone} in {launched:?}"
+                    );
+                }
+            }
+        }
+        for fused in [false, true] {
+            for (what, graphs, cap) in [
+                ("in graphs", true, usize::MAX),
+                ("launch by launch", false, usize::MAX),
+                ("in waves of one token", true, 1),
+            ] {
+                for dependent in [false, true] {
+                    gpu.set_fused_decode(fused);
+                    gpu.set_graphs(graphs);
+                    gpu.set_part_cap(cap);
+                    gpu.set_dependent_launch(dependent);
+                    // Twice: a captured graph runs again.
+                    for round in 0..2 {
+                        let got = all(&mut gpu);
+                        for (((step, _), a), b) in steps.iter().zip(&got).zip(&reference) {
+                            assert!(
+                                same_bits(a, b),
+                                "{} KV, {step}, fused {fused} {what}, dependent launches {dependent}, round \
+                                 {round}: {:.2e} from the reference",
+                                dtype.name(),
+                                rel_error(a, b)
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Greedy sampling on the device picks each step's argmax.
+        gpu.set_graphs(true);
+        for ((step, batch), logits) in steps.iter().zip(&reference) {
+            let picked = gpu.forward_greedy(batch).unwrap();
+            let vocab = logits.len() / picked.len();
+            for (r, &t) in picked.iter().enumerate() {
+                assert_eq!(
+                    t as usize,
+                    argmax(&logits[r * vocab..(r + 1) * vocab]),
+                    "{step}: row {r}"
+                );
+            }
+        }
+        println!(
+            "{} KV: every decode path gives the reference's bits",
+            dtype.name()
+        );
+    }
+}
+
+#[test]
+fn blocks_export_import_and_copy_and_a_missing_block_is_an_error() {
+    let _turn = emulated();
+    let p = prompt(37, 3);
+    let bs = 16;
+    let blocks = p.len().div_ceil(bs);
+    let cpu = Model::load(model_dir()).unwrap();
+    let mut gpu = exec(KvDtype::Bf16, bs, 8);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
+    // The CPU pool's layout: the same bytes within bf16 rounding of the values.
+    let layout = cpu.kv_layout(KvDtype::Bf16, bs).unwrap();
+    let mut kv = cpu.kv_storage(&layout, blocks).unwrap();
+    cpu.forward(&[SeqBatchItem::new(&p, 0, &table)], &mut kv)
+        .unwrap();
+    let bb = layout.bytes_per_block() as usize;
+    assert_eq!(gpu.block_bytes(), bb);
+    let (mut g, mut c) = (vec![0u8; bb], vec![0u8; bb]);
+    gpu.export_block(0, &mut g).unwrap();
+    kv.export_block(0, &mut c).unwrap();
+    let as_f32 = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(2)
+            .map(|x| half::bf16::from_le_bytes([x[0], x[1]]).to_f32())
+            .collect()
+    };
+    // Layer 0's K and V: one norm and one product from the embeddings.
+    let run = KV_HEADS * bs * HEAD_DIM;
+    let (gv, cv) = (as_f32(&g), as_f32(&c));
+    let (k0, v0) = (
+        rel_error(&gv[..run], &cv[..run]),
+        rel_error(&gv[run..2 * run], &cv[run..2 * run]),
+    );
+    println!("block 0, layer 0 against the CPU pool's: K {k0:.2e}, V {v0:.2e}");
+    assert!(k0 <= 5e-3 && v0 <= 5e-3, "layer 0: K {k0:.2e}, V {v0:.2e}");
+    gpu.import_block(5, &g).unwrap();
+    let mut back = vec![0u8; bb];
+    gpu.export_block(5, &mut back).unwrap();
+    assert_eq!(back, g);
+    gpu.import_block(6, &vec![0u8; bb]).unwrap();
+    gpu.copy_block_prefix(0, 6, 5).unwrap();
+    gpu.export_block(6, &mut back).unwrap();
+    let row = HEAD_DIM * 2;
+    for (run, (a, b)) in back
+        .chunks_exact(bs * row)
+        .zip(g.chunks_exact(bs * row))
+        .enumerate()
+    {
+        assert_eq!(&a[..5 * row], &b[..5 * row], "run {run}: copied slots");
+        assert!(
+            a[5 * row..].iter().all(|x| *x == 0),
+            "run {run}: slots past the copy"
+        );
+    }
+    assert!(gpu.try_export_block(8, &mut back).is_err());
+    assert!(gpu.try_import_block(8, &back).is_err());
+    assert!(gpu.try_copy_block_prefix(0, 8, 1).is_err());
+    assert!(gpu.try_copy_block_prefix(0, 1, bs + 1).is_err());
+    assert!(gpu.try_import_block(1, &back[1..]).is_err());
+    // A second device is not there, and a pool larger than the device's memory is refused by name.
+    let err = Device::open(1)
+        .err()
+        .expect("one emulated device")
+        .to_string();
+    assert!(err.contains('1'), "{err}");
+    let too_big = CudaExecutor::load(
+        Device::open(0).unwrap(),
+        model_dir(),
+        PoolSpec::new(KvDtype::Bf16, bs, 1 << 20),
+    )
+    .err()
+    .expect("a pool of 64 GiB on a device of 4 GiB")
+    .to_string();
+    println!("{too_big}");
+    assert!(too_big.to_lowercase().contains("memory"), "{too_big}");
+}
+
+/// Waits until `n` more loads are reported.
+fn reported(gpu: &mut CudaExecutor, n: usize) -> Vec<(u32, Duration)> {
+    let mut done = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while done.len() < n {
+        assert!(Instant::now() < deadline, "loads never reported: {done:?}");
+        gpu.imports_done(Duration::from_millis(10), &mut done)
+            .unwrap();
+    }
+    done
+}
+
+#[test]
+fn host_tier_loads_and_stores_through_pinned_memory_arrive_byte_for_byte_and_in_order() {
+    let _turn = emulated();
+    let p = prompt(37, 4);
+    let bs = 16;
+    let mut gpu = exec(KvDtype::Bf16, bs, 8);
+    assert!(gpu.set_ordered_imports(false));
+    let blocks = p.len().div_ceil(bs);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
+    let bb = gpu.block_bytes();
+    let mut region = vec![0u8; 2 * bb];
+    gpu.export_block(0, &mut region[..bb]).unwrap();
+    gpu.export_block(1, &mut region[bb..]).unwrap();
+    // Pageable bytes are not started (the engine imports them itself).
+    let pageable = region[..bb].to_vec();
+    assert!(!gpu.start_import(7, &pageable).unwrap());
+    assert!(gpu.register_host_region(&mut region));
+    assert!(gpu.start_import(6, &region[..bb]).unwrap());
+    assert!(gpu.start_import(7, &region[bb..]).unwrap());
+    let done = reported(&mut gpu, 2);
+    let order: Vec<u32> = done.iter().map(|d| d.0).collect();
+    assert_eq!(order, [6, 7], "reported once each, in issue order");
+    let mut back = vec![0u8; bb];
+    gpu.export_block(6, &mut back).unwrap();
+    assert_eq!(back, region[..bb]);
+    gpu.export_block(7, &mut back).unwrap();
+    assert_eq!(back, region[bb..]);
+    let mut more = Vec::new();
+    gpu.imports_done(Duration::ZERO, &mut more).unwrap();
+    assert!(more.is_empty(), "reported twice: {more:?}");
+    // Stores: the fence waits for them; a block written after its store is stored as it was.
+    let (mut want0, mut want1) = (vec![0u8; bb], vec![0u8; bb]);
+    gpu.export_block(0, &mut want0).unwrap();
+    gpu.export_block(1, &mut want1).unwrap();
+    assert_ne!(want0, want1);
+    region.fill(0);
+    assert!(gpu.start_export(0, &mut region[..bb]).unwrap());
+    gpu.exports_fence().unwrap();
+    assert_eq!(&region[..bb], &want0[..], "a store, fenced");
+    assert!(gpu.start_export(1, &mut region[bb..]).unwrap());
+    gpu.copy_block_prefix(0, 1, bs).unwrap();
+    gpu.exports_fence().unwrap();
+    assert_eq!(
+        &region[bb..],
+        &want1[..],
+        "the store, not the copy issued after it"
+    );
+    gpu.export_block(1, &mut back).unwrap();
+    assert_eq!(back, want0, "the copy issued after the store");
+    // A load of a slot follows the store into it.
+    assert!(gpu.start_export(7, &mut region[..bb]).unwrap());
+    assert!(gpu.start_import(5, &region[..bb]).unwrap());
+    let done = reported(&mut gpu, 1);
+    assert_eq!(done[0].0, 5);
+    gpu.export_block(5, &mut back).unwrap();
+    assert_eq!(
+        back, want1,
+        "block 5 loaded from the slot block 7 was stored into"
+    );
+    gpu.exports_fence().unwrap();
+    drop(gpu);
+}
+
+#[test]
+fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
+    let _turn = emulated();
+    let p = prompt(300, 5);
+    let bs = 16;
+    let total = p.len().div_ceil(bs);
+    // Blocks 0..total hold the prompt computed in place; the loads go to total..2·total, with more loads
+    // of other bytes after them (the stand-in runs each stream's work only when waited for, so a step
+    // that read a layer before its copy would read the junk).
+    const PAD: u32 = 16;
+    let pad_at = 2 * total as u32;
+    let num_blocks = 2 * total + PAD as usize;
+    let here: Vec<u32> = (0..total as u32).collect();
+    let there: Vec<u32> = (total as u32..2 * total as u32).collect();
+    // (blocks of cached prefix, new tokens, the prefill kernel from): the split kernel launch by
+    // launch, the prefill kernel, a decode step (a captured graph).
+    for (nb, new, prefill_min) in [(15, 44, usize::MAX), (12, 108, 64), (18, 1, usize::MAX)] {
+        let mut gpu = exec(KvDtype::Bf16, bs, num_blocks);
+        assert!(
+            gpu.set_ordered_imports(true),
+            "the stand-in driver has cuMemcpyBatchAsync_v2"
+        );
+        assert!(gpu.imports_ordered());
+        let bb = gpu.block_bytes();
+        let cached = nb * bs;
+        let step = &p[cached..cached + new];
+        gpu.set_prefill_min(prefill_min);
+        gpu.forward_logits(&[SeqInput::new(&p[..cached], 0, &here)])
+            .unwrap();
+        let want = gpu
+            .forward_logits(&[SeqInput::new(step, cached, &here)])
+            .unwrap();
+        let mut region = vec![0u8; nb * bb];
+        for b in 0..nb {
+            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb])
+                .unwrap();
+        }
+        assert!(gpu.register_host_region(&mut region));
+        let junk = vec![0x3fu8; bb];
+        for &b in &there {
+            gpu.import_block(b, &junk).unwrap();
+        }
+        for b in 0..nb {
+            assert!(gpu
+                .start_import(there[b], &region[b * bb..(b + 1) * bb])
+                .unwrap());
+        }
+        for b in pad_at..pad_at + PAD {
+            assert!(gpu.start_import(b, &region[..bb]).unwrap());
+        }
+        let got = gpu
+            .forward_logits(&[SeqInput::new(step, cached, &there)])
+            .unwrap();
+        assert!(
+            same_bits(&got, &want),
+            "{new} new tokens over {cached} loaded: {:.2e} from the same step over blocks computed in place",
+            rel_error(&got, &want)
+        );
+        let loads = nb + PAD as usize;
+        let mut done = reported(&mut gpu, loads);
+        let order: Vec<u32> = done.iter().map(|d| d.0).collect();
+        assert_eq!(order[..nb], there[..nb]);
+        gpu.imports_done(Duration::ZERO, &mut done).unwrap();
+        assert_eq!(done.len(), loads, "nothing reported twice");
+        // An export of a block whose load is queued, or issued, and a block copy of one issued, see
+        // the loaded bytes.
+        let mut back = vec![0u8; bb];
+        gpu.import_block(there[0], &junk).unwrap();
+        assert!(gpu.start_import(there[0], &region[..bb]).unwrap());
+        gpu.export_block(there[0], &mut back).unwrap();
+        assert_eq!(
+            back,
+            region[..bb],
+            "an export of a block whose load is queued"
+        );
+        reported(&mut gpu, 1);
+        for (b, what) in [(there[0], "an export"), (there[1], "a block copy")] {
+            gpu.import_block(b, &junk).unwrap();
+            assert!(gpu.start_import(b, &region[..bb]).unwrap());
+            let mut early = Vec::new();
+            gpu.imports_done(Duration::ZERO, &mut early).unwrap();
+            if b == there[1] {
+                gpu.copy_block_prefix(b, there[2], bs).unwrap();
+                gpu.export_block(there[2], &mut back).unwrap();
+            } else {
+                gpu.export_block(b, &mut back).unwrap();
+            }
+            assert_eq!(
+                back,
+                region[..bb],
+                "{what} of a block whose load is copying"
+            );
+            reported(&mut gpu, 1 - early.len());
+        }
+        println!(
+            "{new} new tokens over {cached} loaded layer by layer: the bits of the step in place"
+        );
+        drop(gpu);
+        drop(region);
+    }
+}
