@@ -15,7 +15,8 @@
 //   for the stream (the driver stages pageable memory); pinned memory (registered or allocated by the
 //   driver) is read and written when the copy runs.
 // - a kernel's parameters are copied at the launch; a launch names a kernel of the loaded module, its
-//   block at most 1,024 threads, its dynamic shared memory within 48 KiB or what the kernel was allowed.
+//   block at most 1,024 threads, its shared memory (static, from the cubin, and dynamic) within 48 KiB or
+//   what the kernel was allowed (up to 227 KiB).
 // - every device range a copy names lies within one allocation; elapsed time needs both events done.
 // - while a stream captures a graph, its work goes into the graph, and calls the driver refuses during a
 //   capture (synchronous copies, allocations and frees outside the stream, synchronisation) fail and
@@ -64,8 +65,44 @@ struct Event {
 
 struct Func {
   std::string name;
-  int max_dynamic = 48 << 10;
+  int static_bytes = 0;            // the kernel's own `__shared__` memory, from the cubin
+  int max_dynamic = 48 << 10;      // dynamic shared memory a launch may ask for
 };
+
+constexpr int kBlockShared = 48 << 10;     // static + dynamic shared memory a block has without opt-in
+constexpr int kBlockSharedOptin = 227 << 10;  // ... with opt-in
+
+// Each kernel's static shared memory in a cubin: the size of its section `.nv.shared.<kernel>`, less
+// the 1 KiB a block reserves for the system where the cubin says so (`.nv.shared.reserved.0`), as
+// ptxas reports it. Empty when the image is not a well-formed 64-bit ELF file.
+std::map<std::string, int> static_shared(const unsigned char* b, size_t len) {
+  std::map<std::string, int> out;
+  auto u16 = [&](size_t at) { uint16_t v; std::memcpy(&v, b + at, 2); return v; };
+  auto u32 = [&](size_t at) { uint32_t v; std::memcpy(&v, b + at, 4); return v; };
+  auto u64 = [&](size_t at) { uint64_t v; std::memcpy(&v, b + at, 8); return v; };
+  if (len < 64 || b[4] != 2) return out;
+  uint64_t shoff = u64(0x28);
+  size_t entsize = u16(0x3a), count = u16(0x3c), strndx = u16(0x3e);
+  if (entsize < 64 || strndx >= count || shoff > len || count > (len - shoff) / entsize) return out;
+  auto section = [&](size_t i) { return shoff + i * entsize; };
+  uint64_t strtab = u64(section(strndx) + 0x18), strsize = u64(section(strndx) + 0x20);
+  if (strtab > len || strsize > len - strtab) return out;
+  bool reserved = false;
+  std::map<std::string, uint64_t> sizes;
+  for (size_t i = 0; i < count; i++) {
+    uint32_t at = u32(section(i));
+    if (at >= strsize) continue;
+    const char* name = reinterpret_cast<const char*>(b + strtab + at);
+    size_t n = strnlen(name, strsize - at);
+    std::string s(name, n);
+    if (s.rfind(".nv.shared.reserved.", 0) == 0)
+      reserved = true;
+    else if (s.rfind(".nv.shared.", 0) == 0)
+      sizes[s.substr(11)] = u64(section(i) + 0x20);
+  }
+  for (auto& [k, v] : sizes) out[k] = (int)std::min<uint64_t>(v - (reserved && v >= 1024 ? 1024 : 0), 1 << 30);
+  return out;
+}
 
 std::recursive_mutex& lock() {
   static std::recursive_mutex m;
@@ -81,6 +118,7 @@ struct State {
   uint64_t launches = 0;
   int ctx_marker = 0;
   int module_marker = 0;
+  std::map<std::string, int> static_bytes;  // of the loaded module's kernels
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
 };
 State& S() {
@@ -665,8 +703,16 @@ CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec g) {
 CUresult CUDAAPI cuModuleLoadData(CUmodule* m, const void* image) {
   GUARD;
   const unsigned char* b = static_cast<const unsigned char*>(image);
-  // A cubin: an ELF file for the CUDA machine (190).
+  // A cubin: an ELF file for the CUDA machine (190). Its size is not passed: what is read (the section
+  // headers and their names) lies before the end of the section header table in NVIDIA's cubins.
   if (!b || std::memcmp(b, "\x7f" "ELF", 4) != 0 || (b[18] | (b[19] << 8)) != 190) return CUDA_ERROR_INVALID_IMAGE;
+  uint64_t shoff;
+  uint16_t entsize, count;
+  std::memcpy(&shoff, b + 0x28, 8);
+  std::memcpy(&entsize, b + 0x3a, 2);
+  std::memcpy(&count, b + 0x3c, 2);
+  S().static_bytes = static_shared(b, shoff + (uint64_t)entsize * count);
+  if (S().static_bytes.empty()) return CUDA_ERROR_INVALID_IMAGE;
   *m = reinterpret_cast<CUmodule>(&S().module_marker);
   return CUDA_SUCCESS;
 }
@@ -676,6 +722,9 @@ CUresult CUDAAPI cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) 
   if (!emu_driver::has_kernel(name)) return CUDA_ERROR_NOT_FOUND;
   Func* fn = new Func;
   fn->name = name;
+  auto it = S().static_bytes.find(name);
+  fn->static_bytes = it == S().static_bytes.end() ? 0 : it->second;
+  fn->max_dynamic = kBlockShared - fn->static_bytes;
   *f = reinterpret_cast<CUfunction>(fn);
   return CUDA_SUCCESS;
 }
@@ -683,7 +732,7 @@ CUresult CUDAAPI cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v)
   GUARD;
   Func* fn = reinterpret_cast<Func*>(f);
   if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
-    if (v < 0 || v > (227 << 10)) return CUDA_ERROR_INVALID_VALUE;
+    if (v < 0 || v > kBlockSharedOptin - fn->static_bytes) return CUDA_ERROR_INVALID_VALUE;
     fn->max_dynamic = v;
   }
   return CUDA_SUCCESS;
@@ -693,6 +742,7 @@ CUresult CUDAAPI cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction f
   switch (a) {
     case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
     case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *v = fn->max_dynamic; break;
+    case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: *v = fn->static_bytes; break;
     case CU_FUNC_ATTRIBUTE_NUM_REGS: *v = 64; break;
     default: *v = 0;
   }
@@ -701,7 +751,12 @@ CUresult CUDAAPI cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction f
 CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction f, int block, size_t smem) {
   GUARD;
   if (!f || block <= 0 || block > 1024) return CUDA_ERROR_INVALID_VALUE;
-  int by_threads = 2048 / block, by_smem = (int)((228u << 10) / (smem + 1024));
+  Func* fn = reinterpret_cast<Func*>(f);
+  if (smem > (size_t)fn->max_dynamic) {
+    *n = 0;
+    return CUDA_SUCCESS;
+  }
+  int by_threads = 2048 / block, by_smem = (int)((228u << 10) / (smem + fn->static_bytes + 1024));
   *n = std::max(0, std::min({32, by_threads, by_smem}));
   return CUDA_SUCCESS;
 }
