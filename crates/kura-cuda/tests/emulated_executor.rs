@@ -493,10 +493,10 @@ fn blocks_export_import_and_copy_and_a_missing_block_is_an_error() {
     assert!(gpu.try_copy_block_prefix(0, 1, bs + 1).is_err());
     assert!(gpu.try_import_block(1, &back[1..]).is_err());
     // A second device is not there, and a pool larger than the device's memory is refused by name.
-    let err = Device::open(1)
-        .err()
-        .expect("one emulated device")
-        .to_string();
+    let Err(err) = Device::open(1) else {
+        panic!("one emulated device")
+    };
+    let err = err.to_string();
     assert!(err.contains('1'), "{err}");
     let Err(too_big) = CudaExecutor::load(
         Device::open(0).unwrap(),
