@@ -68,9 +68,9 @@ def stop(proc) -> None:
         proc.kill()
 
 
-def run(kura: str, model: str, device: str) -> tuple[dict, str]:
-    """Each request kind's (cold usage, warm usage, cold text, warm text, cold s, warm s) on `device`, and
-    the server's log."""
+def run(kura: str, model: str, device: str, words: int = 700) -> tuple[dict, str]:
+    """Each request kind's (cold usage, warm usage, cold text, warm text, cold s, warm s) on `device` for a
+    prompt of `words` words, and the server's log."""
     kv = GPU_KV if device == "cuda" else "2GiB"
     proc, url, log = start(kura, model, device, "--kv-cache-memory", kv)
     try:
@@ -78,7 +78,7 @@ def run(kura: str, model: str, device: str) -> tuple[dict, str]:
         name = client.models.list().data[0].id
         rng = random.Random(5)
         words = " ".join(rng.choice(["cache", "block", "token", "device", "memory", "prefix", "reuse",
-                                     "tenant", "layer", "kernel"]) for _ in range(700))
+                                     "tenant", "layer", "kernel"]) for _ in range(words))
         out = {}
         for kind in ["completions", "chat"]:
             def ask():
@@ -101,11 +101,12 @@ def run(kura: str, model: str, device: str) -> tuple[dict, str]:
         stop(proc)
 
 
-def check_host_tier(kura: str, model: str, device: str) -> list[str]:
-    """Four prompts of ~40 blocks through a pool of ~136 (48 MiB of bf16 KV in SmolLM2's shape) with a host
-    tier: each revisit is served from the pool or the host tier, with the cold text."""
+def check_host_tier(kura: str, model: str, device: str, pool: str = "48MiB", words: int = 600) -> list[str]:
+    """Four prompts of `words` words (~40 blocks in SmolLM2's tokenizer) through a pool of `pool` (48 MiB:
+    ~136 blocks of bf16 KV in SmolLM2's shape) with a host tier: each revisit is served from the pool or the
+    host tier, with the cold text."""
     try:
-        proc, url, _ = start(kura, model, device, "--kv-cache-memory", "48MiB", "--kv-host-memory", "512MiB")
+        proc, url, _ = start(kura, model, device, "--kv-cache-memory", pool, "--kv-host-memory", "512MiB")
     except RuntimeError as e:
         return [str(e)]
     failures = []
@@ -116,7 +117,7 @@ def check_host_tier(kura: str, model: str, device: str) -> list[str]:
         for i in range(4):
             rng = random.Random(100 + i)
             prompts.append(" ".join(rng.choice(["cache", "block", "token", "device", "memory", "prefix", "reuse",
-                                                "tenant", "layer", "kernel"]) for _ in range(600)))
+                                                "tenant", "layer", "kernel"]) for _ in range(words)))
         ask = lambda p: client.completions.create(model=name, prompt=p, max_tokens=16, temperature=0)
         cold = [ask(p) for p in prompts]
         for i, (p, c) in enumerate(zip(prompts, cold)):
@@ -171,21 +172,11 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
     return []
 
 
-def main() -> int:
-    args = sys.argv[1:]
-    if len(args) not in (2, 3) or args[0] in ("-h", "--help") or args[2:] not in ([], ["cuda"], ["cpu"]):
-        print(__doc__, file=sys.stderr)
-        return 2
-    kura, model = args[0], args[1]
-    device = args[2] if len(args) > 2 else "cuda"
-    if device != "cuda":
-        failures = check_host_tier(kura, model, device)
-        for f in failures:
-            print("FAIL:", f)
-        return 1 if failures else 0
-    (gpu, gpu_log), (cpu, _) = run(kura, model, "cuda"), run(kura, model, "cpu")
-    failures = check_plan(kura, model, gpu_log)
-    failures += check_host_tier(kura, model, "cuda")
+def compare(gpu: dict, cpu: dict) -> list[str]:
+    """The GPU server's answers (`run` on cuda) against the CPU server's (`run` on cpu): the same prompt
+    tokens and `cached_tokens`, cold 0 and warm every whole block but the last token's, and the same text
+    cold and cached."""
+    failures = []
     for kind in ["completions", "chat"]:
         (cold, warm, cold_text, warm_text, cold_s, warm_s) = gpu[kind]
         cpu_cold, cpu_warm, cpu_text, _, _, _ = cpu[kind]
@@ -201,6 +192,25 @@ def main() -> int:
             failures.append(f"{kind}: cached_tokens {got} on the GPU, {want} on the CPU")
         if cold_text != warm_text:
             failures.append(f"{kind}: the cached answer differs: {cold_text!r} vs {warm_text!r}")
+    return failures
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    if len(args) not in (2, 3) or args[0] in ("-h", "--help") or args[2:] not in ([], ["cuda"], ["cpu"]):
+        print(__doc__, file=sys.stderr)
+        return 2
+    kura, model = args[0], args[1]
+    device = args[2] if len(args) > 2 else "cuda"
+    if device != "cuda":
+        failures = check_host_tier(kura, model, device)
+        for f in failures:
+            print("FAIL:", f)
+        return 1 if failures else 0
+    (gpu, gpu_log), (cpu, _) = run(kura, model, "cuda"), run(kura, model, "cpu")
+    failures = check_plan(kura, model, gpu_log)
+    failures += check_host_tier(kura, model, "cuda")
+    failures += compare(gpu, cpu)
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

@@ -1,6 +1,6 @@
 //! The CUDA executor's own host code, run on the CPU: a stand-in NVIDIA driver and cuBLAS
-//! (`emu/driver.cpp`, `emu/cublas.cpp`, built here by a C++ compiler into `libcuda.so` and
-//! `libcublas.so` and loaded before cudarc looks for the real ones) run Kura's kernels through the
+//! (`emu/driver.cpp`, `emu/cublas.cpp`, built by `emu/build.sh` into `libcuda.so` and `libcublas.so`
+//! and loaded before cudarc looks for the real ones) run Kura's kernels through the
 //! emulation of `emu/emu.h`. What runs is the executor as on a GPU: NVRTC's cubin (from PyPI), every
 //! launch with its arguments, graphs captured and replayed, programmatic dependent launches, fused
 //! kernels, device-side greedy sampling, block export / import / copy, pinned host memory and the host
@@ -41,38 +41,31 @@ fn emulated() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::new(());
     LOADED.get_or_init(|| {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kura-cuda-emulated-driver");
-        std::fs::create_dir_all(&dir).unwrap();
+        // `emu/build.sh` needs cuda.h: where NVRTC's headers are (KURA_CUDA_INCLUDE, else a toolkit's).
         let include = kura_cuda::kernels::include_dir()
             .unwrap_or_else(|e| panic!("CUDA headers (run scripts/fetch-nvrtc.sh): {e}"));
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu");
-        let cuda = dir.join("libcuda.so");
-        let blas = dir.join("libcublas.so");
-        let mut driver = vec![
-            "-ffp-contract=off".to_string(),
-            "-fno-strict-aliasing".into(),
-            format!("-I{}", include.display()),
-            "-Wl,-soname,libcuda.so".into(),
-            "-o".into(),
-            cuda.display().to_string(),
-        ];
-        driver.extend(["driver.cpp", "kernels.cpp"].map(|f| root.join(f).display().to_string()));
-        compile(&driver);
-        compile(&[
-            "-Wl,-soname,libcublas.so".into(),
-            "-o".into(),
-            blas.display().to_string(),
-            root.join("cublas.cpp").display().to_string(),
-            format!("-L{}", dir.display()),
-            "-lcuda".into(),
-        ]);
-        [cuda, blas]
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu/build.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(&dir)
+            .env("KURA_CUDA_INCLUDE", &include)
+            .output()
+            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+        assert!(
+            out.status.success(),
+            "{} failed:\n{}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ["libcuda.so", "libcublas.so"]
             .iter()
-            .map(|path| {
+            .map(|name| {
+                let path = dir.join(name);
                 // SAFETY: the stand-ins' initialisers are the C++ runtime's; RTLD_GLOBAL so that a
                 // lookup by soname finds them.
                 unsafe {
                     libloading::os::unix::Library::open(
-                        Some(path),
+                        Some(&path),
                         libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
                     )
                 }
@@ -82,32 +75,6 @@ fn emulated() -> MutexGuard<'static, ()> {
             .collect()
     });
     TURN.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn compile(args: &[String]) {
-    let cxx = std::env::var("KURA_CXX").unwrap_or_else(|_| "c++".to_string());
-    let out = Command::new(&cxx)
-        .args([
-            "-std=c++17",
-            "-O2",
-            "-fPIC",
-            "-shared",
-            "-Wall",
-            "-Werror",
-            "-Wno-unknown-pragmas",
-            "-Wno-sign-compare",
-            "-Wno-unused-variable",
-        ])
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("no C++ compiler `{cxx}` ({e}): run scripts/fetch-cxx.sh, or set KURA_CXX")
-        });
-    assert!(
-        out.status.success(),
-        "{cxx} {args:?}:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// A deterministic stream of numbers in [-1, 1).
@@ -129,8 +96,8 @@ impl Rng {
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("kura-cuda-emulated-model-{}", std::process::id()));
+        // Written anew by each run (the same bytes each time).
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kura-cuda-emulated-model");
         std::fs::create_dir_all(&dir).unwrap();
         let tiny =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../kura-model/tests/data/tiny-llama");

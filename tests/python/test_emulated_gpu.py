@@ -1,0 +1,116 @@
+"""`kura serve --device cuda` on a machine without a GPU, through the official openai client: the stand-in
+NVIDIA driver and cuBLAS of crates/kura-cuda/emu (built by its build.sh, found through LD_LIBRARY_PATH) run
+Kura's CUDA kernels on the CPU, so the whole GPU server runs: the engine, the CUDA executor, its graphs and
+copies, the device pool sized against `kura plan --gpu`, and the host tier's asynchronous copies through
+pinned memory. The checks are those scripts/gpu/serve_check.py makes on a GPU (scripts/test-gpu.sh), on a
+small random model in Llama's layout (2 layers, 4 heads of 64) written here: exact `cached_tokens` against
+the CPU server, the same text cold and cached and as the CPU's, the pool against the plan, and revisits
+served from the host tier with the cold text.
+
+Needs a C++ compiler ($KURA_CXX, scripts/fetch-cxx.sh) and NVRTC with the CUDA headers ($KURA_NVRTC_LIB,
+$KURA_CUDA_INCLUDE, scripts/fetch-nvrtc.sh); scripts/test.sh sets them. Without them the test fails."""
+
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, kura_bin
+
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+import serve_check  # noqa: E402
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 512, 2, 4, 2, 64, 265
+
+
+def bf16(x: float) -> bytes:
+    """`x` as bf16 (rounded to nearest even), little-endian."""
+    u = struct.unpack("<I", struct.pack("<f", x))[0]
+    u += 0x7FFF + ((u >> 16) & 1)
+    return struct.pack("<H", (u >> 16) & 0xFFFF)
+
+
+def write_model(out) -> None:
+    """An HF Llama checkpoint with random bf16 weights and the tokenizer of kura-model's tiny-llama."""
+    out.mkdir(parents=True, exist_ok=True)
+    tiny = ROOT / "crates" / "kura-model" / "tests" / "data" / "tiny-llama"
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(tiny / f, out / f)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "tie_word_embeddings": True,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    rng = random.Random(7)
+    # 256 bf16 codes of each spread, drawn from: the weights' values without a call per value.
+    table = {s: [bf16(rng.uniform(-s, s)) for _ in range(256)] for s in (0.5, 0.15)}
+    norms = [bf16(1 + rng.uniform(-0.2, 0.2)) for _ in range(256)]
+    tensors = [("model.embed_tokens.weight", [VOCAB, HIDDEN], table[0.5]), ("model.norm.weight", [HIDDEN], norms)]
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        for name, shape in [("self_attn.q_proj", [q, HIDDEN]), ("self_attn.k_proj", [kv, HIDDEN]),
+                            ("self_attn.v_proj", [kv, HIDDEN]), ("self_attn.o_proj", [HIDDEN, q]),
+                            ("mlp.gate_proj", [INTER, HIDDEN]), ("mlp.up_proj", [INTER, HIDDEN]),
+                            ("mlp.down_proj", [HIDDEN, INTER])]:
+            tensors.append((f"{p}.{name}.weight", shape, table[0.15]))
+        for norm in ["input_layernorm", "post_attention_layernorm"]:
+            tensors.append((f"{p}.{norm}.weight", [HIDDEN], norms))
+    header, blobs, at = {}, [], 0
+    for name, shape, codes in tensors:
+        n = 1
+        for d in shape:
+            n *= d
+        blob = b"".join(rng.choice(codes) for _ in range(n))
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """(the folder of the stand-in libcuda.so and libcublas.so, the model's folder)."""
+    for var in ["KURA_NVRTC_LIB", "KURA_CUDA_INCLUDE"]:
+        if not os.environ.get(var):
+            pytest.fail(f"{var} is not set: scripts/test.sh sets it (scripts/fetch-nvrtc.sh)", pytrace=False)
+    work = tmp_path_factory.mktemp("emulated-gpu")
+    libs = work / "lib"
+    built = subprocess.run(["bash", str(ROOT / "crates" / "kura-cuda" / "emu" / "build.sh"), str(libs)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    write_model(work / "model")
+    return str(libs), str(work / "model")
+
+
+def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_serves_revisits_from_the_host_tier(
+        emulated, monkeypatch):
+    libs, model = emulated
+    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    # A device of 2 GiB: the plan's CUDA context and reserve leave a pool of some hundreds of MiB.
+    monkeypatch.setenv("KURA_EMU_MEMORY_MB", "2048")
+    kura = kura_bin()
+    gpu, gpu_log = serve_check.run(kura, model, "cuda", words=60)
+    assert "Kura emulated GPU" in gpu_log, gpu_log[-3000:]
+    cpu, _ = serve_check.run(kura, model, "cpu", words=60)
+    failures = serve_check.check_plan(kura, model, gpu_log)
+    # 16 KiB a block of bf16 KV: a pool of 64 blocks, four prompts of about 20 blocks each, so that the
+    # pool evicts and the revisits come back from the host tier.
+    failures += serve_check.check_host_tier(kura, model, "cuda", pool=str(64 * 16 * 1024), words=60)
+    failures += serve_check.compare(gpu, cpu)
+    for kind in ["completions", "chat"]:
+        if gpu[kind][2] != cpu[kind][2]:
+            failures.append(f"{kind}: the GPU's text {gpu[kind][2]!r}, the CPU's {cpu[kind][2]!r}")
+    assert not failures, failures
