@@ -18,12 +18,19 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kura_cuda::{CudaExecutor, Device, PoolSpec};
-use kura_engine::{Executor, SeqInput};
+use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
+use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 use kura_model::{Model, SeqBatchItem};
+
+#[path = "support/scenarios.rs"]
+mod scenarios;
+use scenarios::{rel, same_bits};
+
+/// How long loads may take to be reported (the emulated kernels are slow).
+const LIMIT: Duration = Duration::from_secs(60);
 
 const HIDDEN: usize = 256;
 const INTER: usize = 512;
@@ -183,25 +190,8 @@ fn exec(dtype: KvDtype, block_size: usize, num_blocks: usize) -> CudaExecutor {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// `‖a − b‖ / ‖b‖`.
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let (mut d2, mut b2) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        assert!(x.is_finite(), "non-finite logit {x}");
-        let d = f64::from(*x) - f64::from(*y);
-        d2 += d * d;
-        b2 += f64::from(*y) * f64::from(*y);
-    }
-    (d2 / b2).sqrt()
-}
-
 fn argmax(v: &[f32]) -> usize {
     (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best })
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// How far bf16 rounding takes this model's logits: the CPU runtime's own logits with bf16 KV are
@@ -235,7 +225,7 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_both_prefill_kernels() {
             // model the CPU's is 5.5e-2 and the GPU's 8.4e-2; a wrong scale or byte is of order 1).
             let (want, allowed) = if dtype == KvDtype::Fp8 {
                 let c16 = cpu_logits(&cpu, &p, KvDtype::Bf16);
-                let cpu_fp8 = rel_error(&cpu_logits(&cpu, &p, KvDtype::Fp8), &c16);
+                let cpu_fp8 = rel(&cpu_logits(&cpu, &p, KvDtype::Fp8), &c16);
                 (c16, (2.0 * cpu_fp8).max(LOGITS_TOL))
             } else {
                 (cpu_logits(&cpu, &p, dtype), LOGITS_TOL)
@@ -246,7 +236,7 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_both_prefill_kernels() {
                 gpu.set_wide_prefill(wide);
                 gpu.set_mask_all_tiles(mask_all);
                 let got = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
-                let rel = rel_error(&got, &want);
+                let rel = rel(&got, &want);
                 println!(
                     "{} KV, {n} tokens, wide {wide}, every tile masked {mask_all}: {rel:.2e} from the CPU \
                      runtime (allowed {allowed:.2e})",
@@ -374,7 +364,7 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
                                 "{} KV, {step}, fused {fused} {what}, dependent launches {dependent}, round \
                                  {round}: {:.2e} from the reference",
                                 dtype.name(),
-                                rel_error(a, b)
+                                rel(a, b)
                             );
                         }
                     }
@@ -402,255 +392,48 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
 }
 
 #[test]
-fn blocks_export_import_and_copy_and_a_missing_block_is_an_error() {
+fn blocks_export_import_and_copy_and_a_missing_device_or_memory_is_an_error() {
     let _turn = emulated();
-    let p = prompt(37, 3);
-    let bs = 16;
-    let blocks = p.len().div_ceil(bs);
     let cpu = Model::load(model_dir()).unwrap();
-    let mut gpu = exec(KvDtype::Bf16, bs, 8);
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
-    // The CPU pool's layout: the same bytes within bf16 rounding of the values.
-    let layout = cpu.kv_layout(KvDtype::Bf16, bs).unwrap();
-    let mut kv = cpu.kv_storage(&layout, blocks).unwrap();
-    cpu.forward(&[SeqBatchItem::new(&p, 0, &table)], &mut kv)
-        .unwrap();
-    let bb = layout.bytes_per_block() as usize;
-    assert_eq!(gpu.block_bytes(), bb);
-    let (mut g, mut c) = (vec![0u8; bb], vec![0u8; bb]);
-    gpu.export_block(0, &mut g).unwrap();
-    kv.export_block(0, &mut c).unwrap();
-    let as_f32 = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(2)
-            .map(|x| half::bf16::from_le_bytes([x[0], x[1]]).to_f32())
-            .collect()
-    };
-    // Layer 0's K and V: one norm and one product from the embeddings.
-    let run = KV_HEADS * bs * HEAD_DIM;
-    let (gv, cv) = (as_f32(&g), as_f32(&c));
-    let (k0, v0) = (
-        rel_error(&gv[..run], &cv[..run]),
-        rel_error(&gv[run..2 * run], &cv[run..2 * run]),
-    );
-    println!("block 0, layer 0 against the CPU pool's: K {k0:.2e}, V {v0:.2e}");
-    assert!(k0 <= 5e-3 && v0 <= 5e-3, "layer 0: K {k0:.2e}, V {v0:.2e}");
-    gpu.import_block(5, &g).unwrap();
-    let mut back = vec![0u8; bb];
-    gpu.export_block(5, &mut back).unwrap();
-    assert_eq!(back, g);
-    gpu.import_block(6, &vec![0u8; bb]).unwrap();
-    gpu.copy_block_prefix(0, 6, 5).unwrap();
-    gpu.export_block(6, &mut back).unwrap();
-    let row = HEAD_DIM * 2;
-    for (run, (a, b)) in back
-        .chunks_exact(bs * row)
-        .zip(g.chunks_exact(bs * row))
-        .enumerate()
-    {
-        assert_eq!(&a[..5 * row], &b[..5 * row], "run {run}: copied slots");
-        assert!(
-            a[5 * row..].iter().all(|x| *x == 0),
-            "run {run}: slots past the copy"
-        );
-    }
-    assert!(gpu.try_export_block(8, &mut back).is_err());
-    assert!(gpu.try_import_block(8, &back).is_err());
-    assert!(gpu.try_copy_block_prefix(0, 8, 1).is_err());
-    assert!(gpu.try_copy_block_prefix(0, 1, bs + 1).is_err());
-    assert!(gpu.try_import_block(1, &back[1..]).is_err());
+    let mut gpu = exec(KvDtype::Bf16, 16, 8);
+    scenarios::blocks_move_as_the_cpu_pool_lays_them_out(&mut gpu, &cpu, &prompt(37, 3), 16);
     // A second device is not there, and a pool larger than the device's memory is refused by name.
-    let Err(err) = Device::open(1) else {
-        panic!("one emulated device")
-    };
-    let err = err.to_string();
-    assert!(err.contains('1'), "{err}");
+    match Device::open(1) {
+        Err(CudaError::NoDevice { ordinal: 1, found }) => println!("cuda:1: {found}"),
+        Err(e) => panic!("cuda:1: {e}"),
+        Ok(_) => panic!("cuda:1: one emulated device"),
+    }
     let Err(too_big) = CudaExecutor::load(
         Device::open(0).unwrap(),
         model_dir(),
-        PoolSpec::new(KvDtype::Bf16, bs, 1 << 20),
+        PoolSpec::new(KvDtype::Bf16, 16, 1 << 20),
     ) else {
         panic!("a pool of 16 GiB on a device of 4 GiB")
     };
-    let too_big = too_big.to_string();
     println!("{too_big}");
-    assert!(too_big.to_lowercase().contains("memory"), "{too_big}");
-}
-
-/// Waits until `n` more loads are reported.
-fn reported(gpu: &mut CudaExecutor, n: usize) -> Vec<(u32, Duration)> {
-    let mut done = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while done.len() < n {
-        assert!(Instant::now() < deadline, "loads never reported: {done:?}");
-        gpu.imports_done(Duration::from_millis(10), &mut done)
-            .unwrap();
-    }
-    done
+    assert!(
+        matches!(too_big, CudaError::OutOfMemory { .. }),
+        "{too_big}"
+    );
 }
 
 #[test]
 fn host_tier_loads_and_stores_through_pinned_memory_arrive_byte_for_byte_and_in_order() {
     let _turn = emulated();
-    let p = prompt(37, 4);
-    let bs = 16;
-    let mut gpu = exec(KvDtype::Bf16, bs, 8);
-    assert!(gpu.set_ordered_imports(false));
-    let blocks = p.len().div_ceil(bs);
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
-    let bb = gpu.block_bytes();
-    let mut region = vec![0u8; 2 * bb];
-    gpu.export_block(0, &mut region[..bb]).unwrap();
-    gpu.export_block(1, &mut region[bb..]).unwrap();
-    // Pageable bytes are not started (the engine imports them itself).
-    let pageable = region[..bb].to_vec();
-    assert!(!gpu.start_import(7, &pageable).unwrap());
-    assert!(gpu.register_host_region(&mut region));
-    assert!(gpu.start_import(6, &region[..bb]).unwrap());
-    assert!(gpu.start_import(7, &region[bb..]).unwrap());
-    let done = reported(&mut gpu, 2);
-    let order: Vec<u32> = done.iter().map(|d| d.0).collect();
-    assert_eq!(order, [6, 7], "reported once each, in issue order");
-    let mut back = vec![0u8; bb];
-    gpu.export_block(6, &mut back).unwrap();
-    assert_eq!(back, region[..bb]);
-    gpu.export_block(7, &mut back).unwrap();
-    assert_eq!(back, region[bb..]);
-    let mut more = Vec::new();
-    gpu.imports_done(Duration::ZERO, &mut more).unwrap();
-    assert!(more.is_empty(), "reported twice: {more:?}");
-    // Stores: the fence waits for them; a block written after its store is stored as it was.
-    let (mut want0, mut want1) = (vec![0u8; bb], vec![0u8; bb]);
-    gpu.export_block(0, &mut want0).unwrap();
-    gpu.export_block(1, &mut want1).unwrap();
-    assert_ne!(want0, want1);
-    region.fill(0);
-    assert!(gpu.start_export(0, &mut region[..bb]).unwrap());
-    gpu.exports_fence().unwrap();
-    assert_eq!(&region[..bb], &want0[..], "a store, fenced");
-    assert!(gpu.start_export(1, &mut region[bb..]).unwrap());
-    gpu.copy_block_prefix(0, 1, bs).unwrap();
-    gpu.exports_fence().unwrap();
-    assert_eq!(
-        &region[bb..],
-        &want1[..],
-        "the store, not the copy issued after it"
-    );
-    gpu.export_block(1, &mut back).unwrap();
-    assert_eq!(back, want0, "the copy issued after the store");
-    // A load of a slot follows the store into it.
-    assert!(gpu.start_export(7, &mut region[..bb]).unwrap());
-    assert!(gpu.start_import(5, &region[..bb]).unwrap());
-    let done = reported(&mut gpu, 1);
-    assert_eq!(done[0].0, 5);
-    gpu.export_block(5, &mut back).unwrap();
-    assert_eq!(
-        back, want1,
-        "block 5 loaded from the slot block 7 was stored into"
-    );
-    gpu.exports_fence().unwrap();
-    drop(gpu);
+    let gpu = exec(KvDtype::Bf16, 16, 8);
+    scenarios::whole_block_loads_and_stores(gpu, &prompt(37, 4), 16, LIMIT);
 }
 
 #[test]
 fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
+    // The stand-in runs a stream's work only when the host waits for it: a step that did not wait for
+    // a layer's copies would read the junk in their blocks, whatever the padding behind them.
     let _turn = emulated();
-    let p = prompt(300, 5);
-    let bs = 16;
-    let total = p.len().div_ceil(bs);
-    // Blocks 0..total hold the prompt computed in place; the loads go to total..2·total, with more loads
-    // of other bytes after them (the stand-in runs each stream's work only when waited for, so a step
-    // that read a layer before its copy would read the junk).
-    const PAD: u32 = 16;
-    let pad_at = 2 * total as u32;
-    let num_blocks = 2 * total + PAD as usize;
-    let here: Vec<u32> = (0..total as u32).collect();
-    let there: Vec<u32> = (total as u32..2 * total as u32).collect();
-    // (blocks of cached prefix, new tokens, the prefill kernel from): the split kernel launch by
-    // launch, the prefill kernel, a decode step (a captured graph).
-    for (nb, new, prefill_min) in [(15, 44, usize::MAX), (12, 108, 64), (18, 1, usize::MAX)] {
-        let mut gpu = exec(KvDtype::Bf16, bs, num_blocks);
-        assert!(
-            gpu.set_ordered_imports(true),
-            "the stand-in driver has cuMemcpyBatchAsync_v2"
-        );
-        assert!(gpu.imports_ordered());
-        let bb = gpu.block_bytes();
-        let cached = nb * bs;
-        let step = &p[cached..cached + new];
-        gpu.set_prefill_min(prefill_min);
-        gpu.forward_logits(&[SeqInput::new(&p[..cached], 0, &here)])
-            .unwrap();
-        let want = gpu
-            .forward_logits(&[SeqInput::new(step, cached, &here)])
-            .unwrap();
-        let mut region = vec![0u8; nb * bb];
-        for b in 0..nb {
-            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb])
-                .unwrap();
-        }
-        assert!(gpu.register_host_region(&mut region));
-        let junk = vec![0x3fu8; bb];
-        for &b in &there {
-            gpu.import_block(b, &junk).unwrap();
-        }
-        for b in 0..nb {
-            assert!(gpu
-                .start_import(there[b], &region[b * bb..(b + 1) * bb])
-                .unwrap());
-        }
-        for b in pad_at..pad_at + PAD {
-            assert!(gpu.start_import(b, &region[..bb]).unwrap());
-        }
-        let got = gpu
-            .forward_logits(&[SeqInput::new(step, cached, &there)])
-            .unwrap();
-        assert!(
-            same_bits(&got, &want),
-            "{new} new tokens over {cached} loaded: {:.2e} from the same step over blocks computed in place",
-            rel_error(&got, &want)
-        );
-        let loads = nb + PAD as usize;
-        let mut done = reported(&mut gpu, loads);
-        let order: Vec<u32> = done.iter().map(|d| d.0).collect();
-        assert_eq!(order[..nb], there[..nb]);
-        gpu.imports_done(Duration::ZERO, &mut done).unwrap();
-        assert_eq!(done.len(), loads, "nothing reported twice");
-        // An export of a block whose load is queued, or issued, and a block copy of one issued, see
-        // the loaded bytes.
-        let mut back = vec![0u8; bb];
-        gpu.import_block(there[0], &junk).unwrap();
-        assert!(gpu.start_import(there[0], &region[..bb]).unwrap());
-        gpu.export_block(there[0], &mut back).unwrap();
-        assert_eq!(
-            back,
-            region[..bb],
-            "an export of a block whose load is queued"
-        );
-        reported(&mut gpu, 1);
-        for (b, what) in [(there[0], "an export"), (there[1], "a block copy")] {
-            gpu.import_block(b, &junk).unwrap();
-            assert!(gpu.start_import(b, &region[..bb]).unwrap());
-            let mut early = Vec::new();
-            gpu.imports_done(Duration::ZERO, &mut early).unwrap();
-            if b == there[1] {
-                gpu.copy_block_prefix(b, there[2], bs).unwrap();
-                gpu.export_block(there[2], &mut back).unwrap();
-            } else {
-                gpu.export_block(b, &mut back).unwrap();
-            }
-            assert_eq!(
-                back,
-                region[..bb],
-                "{what} of a block whose load is copying"
-            );
-            reported(&mut gpu, 1 - early.len());
-        }
-        println!(
-            "{new} new tokens over {cached} loaded layer by layer: the bits of the step in place"
-        );
-        drop(gpu);
-        drop(region);
-    }
+    scenarios::ordered_loads(
+        &mut |blocks| exec(KvDtype::Bf16, 16, blocks),
+        &prompt(300, 5),
+        16,
+        16,
+        LIMIT,
+    );
 }

@@ -5,11 +5,15 @@
 //! `KURA_GPU_MODELS` names. Without a GPU they fail, naming what is missing.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 use kura_model::{Model, SeqBatchItem};
+
+#[path = "support/scenarios.rs"]
+mod scenarios;
 
 fn models() -> PathBuf {
     PathBuf::from(std::env::var_os("KURA_GPU_MODELS").expect(
@@ -670,162 +674,16 @@ fn greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_si
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn blocks_export_import_and_copy_as_the_cpu_pool_lays_them_out() {
-    let p = &prompts()[0];
-    let dir = models().join("smol");
-    let cpu = Model::load(&dir).unwrap();
-    let bs = 16;
-    let mut gpu = exec("smol", KvDtype::Bf16, bs, 8);
-    let blocks = p.len().div_ceil(bs);
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
-    // The CPU pool's bytes of the same tokens: the same layout, values within bf16 rounding.
-    let layout = cpu.kv_layout(KvDtype::Bf16, bs).unwrap();
-    let mut kv = cpu.kv_storage(&layout, blocks).unwrap();
-    cpu.forward(&[SeqBatchItem::new(p, 0, &table)], &mut kv)
-        .unwrap();
-    let bb = layout.bytes_per_block() as usize;
-    use kura_engine::Executor;
-    assert_eq!(gpu.block_bytes(), bb);
-    let (mut g, mut c) = (vec![0u8; bb], vec![0u8; bb]);
-    gpu.export_block(0, &mut g).unwrap();
-    kv.export_block(0, &mut c).unwrap();
-    let as_f32 = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(2)
-            .map(|x| half::bf16::from_le_bytes([x[0], x[1]]).to_f32())
-            .collect()
-    };
-    let (gv, cv) = (as_f32(&g), as_f32(&c));
-    let (rel, _) = errors(&gv, &cv);
-    // Per layer: K then V, each kv_heads × block × head_dim values.
-    let run = cpu.config().num_kv_heads() * bs * cpu.config().head_dim();
-    let per_layer: Vec<String> = gv
-        .chunks_exact(run)
-        .zip(cv.chunks_exact(run))
-        .map(|(a, b)| format!("{:.1e}", errors(a, b).0))
-        .collect();
-    println!(
-        "block 0 against the CPU pool's: rel {rel:.2e}; per layer (K, V, K, V, …): {per_layer:?}"
-    );
-    // Layer 0's K and V come from the embeddings through one norm and one product: bf16 rounding only.
-    let (k0, v0) = (
-        errors(&gv[..run], &cv[..run]).0,
-        errors(&gv[run..2 * run], &cv[run..2 * run]).0,
-    );
-    assert!(k0 <= 5e-3 && v0 <= 5e-3, "layer 0: K {k0:.2e}, V {v0:.2e}");
-    // Export → import into another block → the same bytes.
-    gpu.import_block(5, &g).unwrap();
-    let mut back = vec![0u8; bb];
-    gpu.export_block(5, &mut back).unwrap();
-    assert_eq!(back, g);
-    // Copy-on-write of 5 slots: those slots copied, the others left as they were.
-    gpu.import_block(6, &vec![0u8; bb]).unwrap();
-    gpu.copy_block_prefix(0, 6, 5).unwrap();
-    gpu.export_block(6, &mut back).unwrap();
-    let row = 64 * 2; // head_dim × bf16
-    for (run, (a, b)) in back
-        .chunks_exact(bs * row)
-        .zip(g.chunks_exact(bs * row))
-        .enumerate()
-    {
-        assert_eq!(&a[..5 * row], &b[..5 * row], "run {run}: copied slots");
-        assert!(
-            a[5 * row..].iter().all(|x| *x == 0),
-            "run {run}: slots past the copy"
-        );
-    }
-    // Out of range: errors, not writes.
-    assert!(gpu.try_export_block(8, &mut back).is_err());
-    assert!(gpu.try_import_block(8, &back).is_err());
-    assert!(gpu.try_copy_block_prefix(0, 8, 1).is_err());
-    assert!(gpu.try_copy_block_prefix(0, 1, bs + 1).is_err());
+    let cpu = Model::load(&models().join("smol")).unwrap();
+    let mut gpu = exec("smol", KvDtype::Bf16, 16, 8);
+    scenarios::blocks_move_as_the_cpu_pool_lays_them_out(&mut gpu, &cpu, &prompts()[0], 16);
 }
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for_byte() {
-    use kura_engine::Executor;
-    use std::time::{Duration, Instant};
-    let p = &prompts()[0];
-    let bs = 16;
-    let mut gpu = exec("smol", KvDtype::Bf16, bs, 8);
-    // Whole-block loads, which the engine waits for (ordered ones: the next test).
-    assert!(gpu.set_ordered_imports(false));
-    let blocks = p.len().div_ceil(bs);
-    assert!(blocks <= 6, "the prompt fits blocks 0..6");
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
-    let bb = gpu.block_bytes();
-    // A host tier of two slots holding blocks 0 and 1, as the engine's arena would.
-    let mut region = vec![0u8; 2 * bb];
-    gpu.export_block(0, &mut region[..bb]).unwrap();
-    gpu.export_block(1, &mut region[bb..]).unwrap();
-    // Pageable bytes are not started: the engine then imports them synchronously.
-    let pageable = region[..bb].to_vec();
-    assert!(!gpu.start_import(7, &pageable).unwrap());
-    assert!(gpu.register_host_region(&mut region));
-    assert!(gpu.start_import(6, &region[..bb]).unwrap());
-    assert!(gpu.start_import(7, &region[bb..]).unwrap());
-    let mut done = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while done.len() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the copies never finished: {done:?}"
-        );
-        gpu.imports_done(Duration::from_millis(100), &mut done)
-            .unwrap();
-    }
-    let order: Vec<u32> = done.iter().map(|d| d.0).collect();
-    assert_eq!(order, [6, 7], "reported once each, in issue order");
-    println!("async block copies of {bb} bytes: {:?}", done);
-    let mut back = vec![0u8; bb];
-    gpu.export_block(6, &mut back).unwrap();
-    assert_eq!(back, region[..bb]);
-    gpu.export_block(7, &mut back).unwrap();
-    assert_eq!(back, region[bb..]);
-    // Nothing left to report.
-    gpu.imports_done(Duration::ZERO, &mut done).unwrap();
-    assert_eq!(done.len(), 2);
-    // Stores into the host tier. Blocks 0 and 1 hold different tokens; block 7 now holds block 1's bytes.
-    let (mut want0, mut want1) = (vec![0u8; bb], vec![0u8; bb]);
-    gpu.export_block(0, &mut want0).unwrap();
-    gpu.export_block(1, &mut want1).unwrap();
-    assert_ne!(want0, want1);
-    region.fill(0);
-    // The fence alone waits for a store (no call on the device stream between).
-    assert!(gpu.start_export(0, &mut region[..bb]).unwrap());
-    gpu.exports_fence().unwrap();
-    assert_eq!(&region[..bb], &want0[..], "a store, fenced");
-    // A write of the block issued right after its store waits for the store on the device.
-    assert!(gpu.start_export(1, &mut region[bb..]).unwrap());
-    gpu.copy_block_prefix(0, 1, bs).unwrap();
-    gpu.exports_fence().unwrap();
-    assert_eq!(
-        &region[bb..],
-        &want1[..],
-        "the store, not the copy issued after it"
-    );
-    gpu.export_block(1, &mut back).unwrap();
-    assert_eq!(back, want0, "the copy issued after the store");
-    // A load of a slot follows the store into it (one transfer stream for both directions).
-    assert!(gpu.start_export(7, &mut region[..bb]).unwrap());
-    assert!(gpu.start_import(5, &region[..bb]).unwrap());
-    done.clear();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while done.is_empty() {
-        assert!(Instant::now() < deadline, "the load never finished");
-        gpu.imports_done(Duration::from_millis(100), &mut done)
-            .unwrap();
-    }
-    assert_eq!(done[0].0, 5);
-    gpu.export_block(5, &mut back).unwrap();
-    assert_eq!(
-        back, want1,
-        "block 5 loaded from the slot block 7 was stored into"
-    );
-    gpu.exports_fence().unwrap();
-    // The executor (which unpins the region) goes before the region.
-    drop(gpu);
+    let gpu = exec("smol", KvDtype::Bf16, 16, 8);
+    scenarios::whole_block_loads_and_stores(gpu, &prompts()[0], 16, Duration::from_secs(10));
 }
 
 #[test]
@@ -859,132 +717,15 @@ fn every_positions_logits_are_each_prefixs_last_logits() {
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
-    use kura_engine::Executor;
-    use std::time::{Duration, Instant};
-    let p = &prompts()[1];
-    let bs = 16;
-    let total = p.len().div_ceil(bs);
-    // Blocks 0..total hold the prompt computed in place; the loads go to total..2·total. Each load
-    // comes with as many more into other blocks as make one layer's copies last far longer than a
-    // layer's compute (2,048 blocks' layer: 24 MB, about half a millisecond at 55 GB/s): a step that
-    // did not wait for each layer would read the other bytes.
-    const PAD: u32 = 2048;
-    let pad_at = 2 * total as u32;
-    let num_blocks = 2 * total + PAD as usize;
-    let pad = |gpu: &mut CudaExecutor, slot: &[u8]| {
-        for b in pad_at..pad_at + PAD {
-            assert!(gpu.start_import(b, slot).unwrap());
-        }
-    };
-    let here: Vec<u32> = (0..total as u32).collect();
-    let there: Vec<u32> = (total as u32..2 * total as u32).collect();
-    // (blocks of cached prefix, new tokens after it, the prefill kernel from): the split kernel launch
-    // by launch, the prefill kernel, and a decode step (a captured graph). A region is pinned once, so
-    // each case has an executor of its own.
-    for (nb, new, prefill_min) in [(15, 44, usize::MAX), (12, 108, 64), (18, 1, usize::MAX)] {
-        let mut gpu = exec("smol", KvDtype::Bf16, bs, num_blocks);
-        assert!(
-            gpu.set_ordered_imports(true),
-            "this driver has batched copies (cuMemcpyBatchAsync_v2, CUDA 13)"
-        );
-        assert!(gpu.imports_ordered());
-        let bb = gpu.block_bytes();
-        let cached = nb * bs;
-        let step = &p[cached..cached + new];
-        gpu.set_prefill_min(prefill_min);
-        // In device memory: the prefix, then the step over it.
-        gpu.forward_logits(&[SeqInput::new(&p[..cached], 0, &here)])
-            .unwrap();
-        let want = gpu
-            .forward_logits(&[SeqInput::new(step, cached, &here)])
-            .unwrap();
-        // The prefix's blocks in a pinned host tier, and the blocks they go to filled with other bytes.
-        let mut region = vec![0u8; nb * bb];
-        for b in 0..nb {
-            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb])
-                .unwrap();
-        }
-        assert!(gpu.register_host_region(&mut region));
-        let junk = vec![0x3fu8; bb];
-        for &b in &there {
-            gpu.import_block(b, &junk).unwrap();
-        }
-        // Loads started and the step issued at once: it waits for each layer on the device.
-        for b in 0..nb {
-            assert!(gpu
-                .start_import(there[b], &region[b * bb..(b + 1) * bb])
-                .unwrap());
-        }
-        pad(&mut gpu, &region[..bb]);
-        let got = gpu
-            .forward_logits(&[SeqInput::new(step, cached, &there)])
-            .unwrap();
-        assert_eq!(
-            errors(&got, &want).0,
-            0.0,
-            "{new} new tokens over {cached} loaded: the bits of the same step over blocks computed \
-             in place"
-        );
-        // Each load reported once, in order, with its time.
-        let loads = nb + PAD as usize;
-        let reported = |gpu: &mut CudaExecutor, n: usize| {
-            let mut done = Vec::new();
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while done.len() < n {
-                assert!(Instant::now() < deadline, "loads never reported: {done:?}");
-                gpu.imports_done(Duration::from_millis(100), &mut done)
-                    .unwrap();
-            }
-            done
-        };
-        let mut done = reported(&mut gpu, loads);
-        let order: Vec<u32> = done.iter().map(|d| d.0).collect();
-        assert_eq!(order[..nb], there[..nb]);
-        let copy: Duration = done.iter().map(|d| d.1).sum();
-        println!(
-            "ordered loads of {loads} blocks of {bb} bytes: {:.3} ms, {:.1} GB/s",
-            copy.as_secs_f64() * 1e3,
-            (loads * bb) as f64 / copy.as_secs_f64().max(1e-9) / 1e9
-        );
-        gpu.imports_done(Duration::ZERO, &mut done).unwrap();
-        assert_eq!(done.len(), loads, "nothing reported twice");
-        // An export of a block whose load is only queued, or issued and still copying, and a block
-        // copy of one issued, see the loaded bytes.
-        let mut back = vec![0u8; bb];
-        gpu.import_block(there[0], &junk).unwrap();
-        assert!(gpu.start_import(there[0], &region[..bb]).unwrap());
-        pad(&mut gpu, &region[bb..2 * bb]);
-        gpu.export_block(there[0], &mut back).unwrap();
-        assert_eq!(
-            back,
-            region[..bb],
-            "an export of a block whose load is queued"
-        );
-        reported(&mut gpu, 1 + PAD as usize);
-        for (b, what) in [(there[0], "an export"), (there[1], "a block copy")] {
-            gpu.import_block(b, &junk).unwrap();
-            assert!(gpu.start_import(b, &region[..bb]).unwrap());
-            pad(&mut gpu, &region[bb..2 * bb]);
-            // Issued now (a poll issues what is queued), and copying for milliseconds.
-            let mut early = Vec::new();
-            gpu.imports_done(Duration::ZERO, &mut early).unwrap();
-            if b == there[1] {
-                gpu.copy_block_prefix(b, there[2], bs).unwrap();
-                gpu.export_block(there[2], &mut back).unwrap();
-            } else {
-                gpu.export_block(b, &mut back).unwrap();
-            }
-            assert_eq!(
-                back,
-                region[..bb],
-                "{what} of a block whose load is copying"
-            );
-            reported(&mut gpu, 1 + PAD as usize - early.len());
-        }
-        // The executor (which unpins the region) waits for its copies before the region goes.
-        drop(gpu);
-        drop(region);
-    }
+    // Each load comes with 2,048 more into other blocks, which make one layer's copies last far longer
+    // than a layer's compute (2,048 blocks' layer: 24 MB, about half a millisecond at 55 GB/s).
+    scenarios::ordered_loads(
+        &mut |blocks| exec("smol", KvDtype::Bf16, 16, blocks),
+        &prompts()[1],
+        16,
+        2048,
+        Duration::from_secs(10),
+    );
 }
 
 #[test]
