@@ -239,6 +239,16 @@ void* alloc_device(size_t n) {
   return p;
 }
 
+// An allocation of `n` bytes within the device's memory.
+CUresult alloc_checked(CUdeviceptr* p, size_t n) {
+  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (n > total_memory() - std::min(S().used, total_memory())) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* a = alloc_device(n);
+  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+  *p = (CUdeviceptr)a;
+  return CUDA_SUCCESS;
+}
+
 CUresult free_device(CUdeviceptr p) {
   auto it = S().device.find(p);
   if (it == S().device.end()) return CUDA_ERROR_INVALID_VALUE;
@@ -386,12 +396,7 @@ CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t n) {
   GUARD;
   if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
-  if (n > total_memory() - std::min(S().used, total_memory())) return CUDA_ERROR_OUT_OF_MEMORY;
-  void* a = alloc_device(n);
-  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
-  *p = (CUdeviceptr)a;
-  return CUDA_SUCCESS;
+  return alloc_checked(p, n);
 }
 CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
   GUARD;
@@ -401,12 +406,7 @@ CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
 }
 CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) {
   GUARD;
-  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
-  if (n > total_memory() - std::min(S().used, total_memory())) return CUDA_ERROR_OUT_OF_MEMORY;
-  void* a = alloc_device(n);
-  if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
-  *p = (CUdeviceptr)a;
-  return CUDA_SUCCESS;
+  return alloc_checked(p, n);
 }
 CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr p, CUstream hs) {
   GUARD;

@@ -274,46 +274,15 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
     let _turn = emulated();
     for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
         let bs = 16;
-        let lens = [40usize, 130, 260, 300];
-        let sizes: Vec<usize> = lens.iter().map(|n| (n + 24).div_ceil(bs)).collect();
-        let mut gpu = exec(dtype, bs, sizes.iter().sum::<usize>() + 1);
-        // Each sequence's blocks after the previous one's, in descending order.
-        let mut next = 1usize;
-        let tables: Vec<Vec<u32>> = sizes
-            .iter()
-            .map(|&k| {
-                next += k;
-                ((next - k) as u32..next as u32).rev().collect()
-            })
-            .collect();
-        let seqs: Vec<Vec<u32>> = lens
+        let tokens: Vec<Vec<u32>> = [40usize, 130, 260, 300]
             .iter()
             .enumerate()
             .map(|(i, &n)| prompt(n + 20, 10 + i as u64))
             .collect();
-        for (q, t) in seqs.iter().zip(&tables) {
-            gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
-                .unwrap();
-        }
-        let item = |i: usize, n: usize| {
-            let at = seqs[i].len() - 20;
-            SeqInput::new(&seqs[i][at..at + n], at, &tables[i])
-        };
-        let steps: [(&str, Vec<SeqInput<'_>>); 4] = [
-            ("decode of four", (0..4).map(|i| item(i, 1)).collect()),
-            ("decode of one", vec![item(0, 1)]),
-            (
-                "3-token chunk beside a decode",
-                vec![item(0, 3), item(1, 1)],
-            ),
-            ("20-token chunk", vec![item(2, 20)]),
-        ];
-        let all = |g: &mut CudaExecutor| -> Vec<Vec<f32>> {
-            steps
-                .iter()
-                .map(|(_, batch)| g.forward_logits(batch).unwrap())
-                .collect()
-        };
+        let mut gpu = exec(dtype, bs, scenarios::Sequences::blocks(&tokens, bs));
+        let seqs = scenarios::Sequences::prefill(&mut gpu, tokens, bs);
+        let steps = seqs.mixed_steps();
+        let all = |g: &mut CudaExecutor| scenarios::run_steps(g, &steps);
         gpu.set_graphs(false);
         gpu.set_dependent_launch(false);
         let reference = all(&mut gpu);

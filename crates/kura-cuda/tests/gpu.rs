@@ -282,19 +282,8 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
         for &dtype in dtypes {
             let bs = 16;
             let lens = [100usize, 200, 300, 420, 4200];
-            // Each sequence's blocks, after the previous one's, in descending order.
-            let sizes: Vec<usize> = lens.iter().map(|n| (n + 24).div_ceil(bs)).collect();
-            let mut gpu = exec(model, dtype, bs, sizes.iter().sum::<usize>() + 1);
-            let mut next = 1usize;
-            let tables: Vec<Vec<u32>> = sizes
-                .iter()
-                .map(|&k| {
-                    next += k;
-                    ((next - k) as u32..next as u32).rev().collect()
-                })
-                .collect();
             // Each sequence: a prompt's tokens, repeated to its length and 20 more.
-            let seqs: Vec<Vec<u32>> = lens
+            let tokens: Vec<Vec<u32>> = lens
                 .iter()
                 .enumerate()
                 .map(|(i, &n)| {
@@ -306,31 +295,11 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                         .collect()
                 })
                 .collect();
-            for (q, t) in seqs.iter().zip(&tables) {
-                gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
-                    .unwrap();
-            }
-            // `n` tokens of sequence `i` from its prompt's end on.
-            let item = |i: usize, n: usize| {
-                let at = seqs[i].len() - 20;
-                SeqInput::new(&seqs[i][at..at + n], at, &tables[i])
-            };
-            let steps: [(&str, Vec<SeqInput<'_>>); 5] = [
-                ("decode of four", (0..4).map(|i| item(i, 1)).collect()),
-                ("decode of one", vec![item(0, 1)]),
-                (
-                    "3-token chunk beside a decode",
-                    vec![item(0, 3), item(1, 1)],
-                ),
-                ("20-token chunk", vec![item(2, 20)]),
-                ("decode past 32 splits", vec![item(4, 1)]),
-            ];
-            let all = |g: &mut CudaExecutor| -> Vec<Vec<f32>> {
-                steps
-                    .iter()
-                    .map(|(_, batch)| g.forward_logits(batch).unwrap())
-                    .collect()
-            };
+            let mut gpu = exec(model, dtype, bs, scenarios::Sequences::blocks(&tokens, bs));
+            let seqs = scenarios::Sequences::prefill(&mut gpu, tokens, bs);
+            let mut steps = seqs.mixed_steps();
+            steps.push(("decode past 32 splits", vec![seqs.item(4, 1)]));
+            let all = |g: &mut CudaExecutor| scenarios::run_steps(g, &steps);
             let separate = all(&mut gpu);
             gpu.set_fused_decode(true);
             // The kernels a step launches, by name.

@@ -304,3 +304,69 @@ pub fn ordered_loads(
         drop(region);
     }
 }
+
+/// Sequences prefilled side by side in one pool, each with 20 tokens kept back for the steps after:
+/// sequence `i` holds `tokens[i]` (its prompt and the 20), in blocks after the previous sequence's, in
+/// descending order (block 0 unused).
+pub struct Sequences {
+    pub tokens: Vec<Vec<u32>>,
+    pub tables: Vec<Vec<u32>>,
+}
+
+impl Sequences {
+    /// The blocks `tokens` need in blocks of `bs` (with 4 tokens to spare each), and block 0.
+    pub fn blocks(tokens: &[Vec<u32>], bs: usize) -> usize {
+        1 + tokens
+            .iter()
+            .map(|t| (t.len() + 4).div_ceil(bs))
+            .sum::<usize>()
+    }
+
+    /// Lays `tokens` out and prefills each but its last 20 tokens on `gpu`.
+    pub fn prefill(gpu: &mut CudaExecutor, tokens: Vec<Vec<u32>>, bs: usize) -> Self {
+        let mut next = 1usize;
+        let tables = tokens
+            .iter()
+            .map(|t| {
+                let k = (t.len() + 4).div_ceil(bs);
+                next += k;
+                ((next - k) as u32..next as u32).rev().collect()
+            })
+            .collect();
+        let s = Sequences { tokens, tables };
+        for (q, t) in s.tokens.iter().zip(&s.tables) {
+            gpu.forward_logits(&[SeqInput::new(&q[..q.len() - 20], 0, t)])
+                .unwrap();
+        }
+        s
+    }
+
+    /// `n` of sequence `i`'s kept-back tokens, from the first on.
+    pub fn item(&self, i: usize, n: usize) -> SeqInput<'_> {
+        let at = self.tokens[i].len() - 20;
+        SeqInput::new(&self.tokens[i][at..at + n], at, &self.tables[i])
+    }
+
+    /// The steps every fused-decode comparison runs: four sequences decoding together, the first alone,
+    /// a 3-token chunk of the first beside a token of the second (the output head's rows are tokens 2
+    /// and 3), and a 20-token chunk of the third (cuBLAS products).
+    pub fn mixed_steps(&self) -> Vec<(&'static str, Vec<SeqInput<'_>>)> {
+        vec![
+            ("decode of four", (0..4).map(|i| self.item(i, 1)).collect()),
+            ("decode of one", vec![self.item(0, 1)]),
+            (
+                "3-token chunk beside a decode",
+                vec![self.item(0, 3), self.item(1, 1)],
+            ),
+            ("20-token chunk", vec![self.item(2, 20)]),
+        ]
+    }
+}
+
+/// Each step's logits.
+pub fn run_steps(gpu: &mut CudaExecutor, steps: &[(&str, Vec<SeqInput<'_>>)]) -> Vec<Vec<f32>> {
+    steps
+        .iter()
+        .map(|(_, batch)| gpu.forward_logits(batch).unwrap())
+        .collect()
+}
