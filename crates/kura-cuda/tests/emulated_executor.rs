@@ -23,11 +23,11 @@ use std::time::Duration;
 use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
-use kura_model::{Model, SeqBatchItem};
+use kura_model::Model;
 
 #[path = "support/scenarios.rs"]
 mod scenarios;
-use scenarios::{rel, same_bits};
+use scenarios::{cpu_logits, rel, same_bits};
 
 /// How long loads may take to be reported (the emulated kernels are slow).
 const LIMIT: Duration = Duration::from_secs(60);
@@ -198,19 +198,6 @@ fn argmax(v: &[f32]) -> usize {
 /// 0.9–1.0e-2 from its logits with f32 KV; the GPU path rounds in other places (q to bf16, other
 /// summation orders), and is held to what the GPU tests allow (`tests/gpu.rs`).
 const LOGITS_TOL: f64 = 1.5e-2;
-
-/// The CPU runtime's last-token logits of `prompt` with `dtype` KV.
-fn cpu_logits(model: &Model, prompt: &[u32], dtype: KvDtype) -> Vec<f32> {
-    let bs = 16;
-    let layout = model.kv_layout(dtype, bs).unwrap();
-    let blocks = prompt.len().div_ceil(bs);
-    let mut kv = model.kv_storage(&layout, blocks).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    model
-        .forward(&[SeqBatchItem::new(prompt, 0, &table)], &mut kv)
-        .unwrap()
-        .data
-}
 
 #[test]
 fn logits_match_the_cpu_runtime_for_every_kv_format_and_both_prefill_kernels() {

@@ -10,10 +10,11 @@ use std::time::Duration;
 use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
-use kura_model::{Model, SeqBatchItem};
+use kura_model::Model;
 
 #[path = "support/scenarios.rs"]
 mod scenarios;
+use scenarios::cpu_logits;
 
 fn models() -> PathBuf {
     PathBuf::from(std::env::var_os("KURA_GPU_MODELS").expect(
@@ -70,19 +71,6 @@ fn argmax(v: &[f32]) -> u32 {
         }
     }
     best as u32
-}
-
-/// The CPU runtime's last-token logits of `prompt` (bf16 weights as stored, `dtype` KV).
-fn cpu_logits(model: &Model, prompt: &[u32], dtype: KvDtype) -> Vec<f32> {
-    let bs = 16;
-    let layout = model.kv_layout(dtype, bs).unwrap();
-    let blocks = prompt.len().div_ceil(bs);
-    let mut kv = model.kv_storage(&layout, blocks).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    model
-        .forward(&[SeqBatchItem::new(prompt, 0, &table)], &mut kv)
-        .unwrap()
-        .data
 }
 
 /// The relative (L2) error of logits the issue asks for: bf16 weights, activations and KV on every side.

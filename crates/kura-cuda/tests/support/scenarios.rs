@@ -29,6 +29,19 @@ pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// The CPU runtime's last-token logits of `prompt` (bf16 weights as stored, `dtype` KV).
+pub fn cpu_logits(model: &Model, prompt: &[u32], dtype: KvDtype) -> Vec<f32> {
+    let bs = 16;
+    let layout = model.kv_layout(dtype, bs).unwrap();
+    let blocks = prompt.len().div_ceil(bs);
+    let mut kv = model.kv_storage(&layout, blocks).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    model
+        .forward(&[SeqBatchItem::new(prompt, 0, &table)], &mut kv)
+        .unwrap()
+        .data
+}
+
 /// Waits (at most `limit`) until `n` loads are reported.
 pub fn reported(gpu: &mut CudaExecutor, n: usize, limit: Duration) -> Vec<(u32, Duration)> {
     let mut done = Vec::new();
