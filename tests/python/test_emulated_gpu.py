@@ -114,3 +114,29 @@ def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_ser
         if gpu[kind][2] != cpu[kind][2]:
             failures.append(f"{kind}: the GPU's text {gpu[kind][2]!r}, the CPU's {cpu[kind][2]!r}")
     assert not failures, failures
+
+
+def test_perplexity_on_the_emulated_gpu_is_exact_in_f32_kv_and_finite_in_bf16_and_fp8(emulated, monkeypatch, tmp_path):
+    """`kura perplexity --device cuda` (every position's logits, several KV formats against the f32 run):
+    the GPU path is deterministic, so f32 KV against its own f32 reference changes nothing, as
+    scripts/test-gpu.sh checks on a device."""
+    libs, model = emulated
+    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    rng = random.Random(0)
+    words = "the cache of keys and values is kept in blocks on a device for later".split()
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(rng.choice(words) for _ in range(400)))
+    out = subprocess.run(
+        [kura_bin(), "perplexity", "--model", model, "--text", str(text), "--device", "cuda", "--context", "256",
+         "--chunks", "2", "--kv-dtype", "f32,bf16,fp8", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    formats = {f["kv_dtype"]: f for f in report["formats"]}
+    assert set(formats) == {"f32", "bf16", "fp8"}, report
+    assert formats["f32"]["kl_mean"] == 0 and formats["f32"]["perplexity_change_pct"] == 0, report
+    for f in report["formats"]:
+        assert 0 < f["perplexity"] < float("inf"), report
+    # fp8 differs from the f32 run, a little. (bf16 does not here: a whole context in one step goes through
+    # the prefill kernel, which reads K and V as bf16 from either pool.)
+    assert 0 <= formats["bf16"]["kl_mean"] < formats["fp8"]["kl_mean"] < 1, report
