@@ -140,3 +140,43 @@ def test_perplexity_on_the_emulated_gpu_is_exact_in_f32_kv_and_finite_in_bf16_an
     # fp8 differs from the f32 run, a little. (bf16 does not here: a whole context in one step goes through
     # the prefill kernel, which reads K and V as bf16 from either pool.)
     assert 0 <= formats["bf16"]["kl_mean"] < formats["fp8"]["kl_mean"] < 1, report
+
+
+def test_requests_preempted_to_the_host_tier_on_the_emulated_gpu_give_the_text_they_give_unpreempted(emulated, monkeypatch):
+    """Six requests at once through a pool of 48 blocks: their prompts (about 10 blocks each) admit four,
+    whose answers (48 tokens, 3 blocks each) outgrow the pool, so the engine swaps the most recent out to
+    the host tier and back (`--preemption-mode swap`: block copies between the device pool and pinned host
+    memory), and each answer is the one its prompt gets on a server with room for all six."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    libs, model = emulated
+    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    vocabulary = ["cache", "block", "token", "device", "memory", "prefix", "reuse", "tenant", "layer", "kernel"]
+    prompts = [" ".join(random.Random(200 + i).choice(vocabulary) for _ in range(25)) for i in range(6)]
+    kura = kura_bin()
+
+    def answers(flags: list[str]) -> tuple[list[str], dict]:
+        proc, url, _ = serve_check.start(kura, model, "cuda", *flags)
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            name = client.models.list().data[0].id
+            ask = lambda p: client.completions.create(model=name, prompt=p, max_tokens=48, temperature=0,
+                                                      extra_body={"ignore_eos": True}).choices[0].text
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                texts = list(pool.map(ask, prompts))
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            return texts, {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                           for line in metrics.splitlines() if line and not line.startswith("#")}
+        finally:
+            serve_check.stop(proc)
+
+    roomy, roomy_metrics = answers(["--kv-cache-memory", "64MiB"])
+    tight, metrics = answers(["--kv-cache-memory", str(48 * 16 * 1024), "--kv-host-memory", "64MiB",
+                              "--preemption-mode", "swap"])
+    print("preemptions:", metrics.get("kura:num_preemptions_total"))
+    assert roomy_metrics.get("kura:num_preemptions_total") == 0
+    assert metrics.get("kura:num_preemptions_total", 0) > 0, "the pool of 48 blocks never ran out"
+    assert tight == roomy

@@ -235,6 +235,7 @@ struct Fiber {
   int linear = 0;
   bool done = false;
   bool waiting = false;
+  unsigned collectives = 0;  // warp collectives entered: which exchange area is next
   std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
   std::vector<Copy> open;                 // issued since the last commit
 };
@@ -244,10 +245,16 @@ struct Barrier {
   unsigned long generation = 0;
 };
 
-// A warp collective's exchange area: each lane's inputs, read by every lane once all have arrived.
+// A warp collective's exchange area: each lane's inputs, read by every lane once all have arrived. Two
+// areas, used in turn: a lane that has read one collective's inputs may write the next one's while
+// others still read (none can write a third before every lane has arrived at the second).
 struct WarpSlot {
-  Barrier in, out;
-  unsigned char data[32][64];
+  Barrier in;
+  unsigned char data[2][32][64];
+};
+// The inputs of one collective, a row a lane.
+struct Exchange {
+  unsigned char (*data)[64];
 };
 
 struct Grid {
@@ -296,26 +303,25 @@ inline void wait_at(Barrier& b, int count, bool finished_count) {
 
 inline void syncthreads() { wait_at(G().block_barrier, block_threads(), true); }
 
-// Every lane of this warp puts `bytes` of input, then reads any lane's through `slot`.
-inline WarpSlot& warp_enter(const void* in, size_t bytes) {
+// Every lane of this warp puts `bytes` of input, then reads any lane's through the exchange returned.
+inline Exchange warp_enter(const void* in, size_t bytes) {
   if (bytes > 64) fail("a warp collective's input is over 64 bytes");
   int w = warp_of(me().linear), lane = me().linear & 31;
   if (lanes_in_warp(w) != 32) fail("a warp collective in a warp of fewer than 32 threads");
   WarpSlot& s = G().warps[w];
-  std::memcpy(s.data[lane], in, bytes);
+  unsigned char(*rows)[64] = s.data[me().collectives++ & 1];
+  std::memcpy(rows[lane], in, bytes);
   wait_at(s.in, 32, false);
-  return s;
+  return {rows};
 }
-inline void warp_leave(WarpSlot& s) { wait_at(s.out, 32, false); }
 inline int lane() { return me().linear & 31; }
 
 template <typename T> T shfl_xor(unsigned mask, T v, int lm) {
   if (mask != 0xffffffffu) fail("a shuffle with a partial mask");
   static_assert(sizeof(T) <= 64, "shuffled value too large");
-  WarpSlot& s = warp_enter(&v, sizeof(T));
+  Exchange s = warp_enter(&v, sizeof(T));
   T r;
   std::memcpy(&r, s.data[(lane() ^ lm) & 31], sizeof(T));
-  warp_leave(s);
   return r;
 }
 
@@ -329,7 +335,7 @@ inline uint32_t pack(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_
 // ldmatrix.m8n8.x{count}[.trans].b16: lanes 8i..8i+7 give the rows of matrix i.
 inline void ldmatrix(uint32_t* r, const void* p, int count, bool trans) {
   const void* addr = p;
-  WarpSlot& s = warp_enter(&addr, sizeof(addr));
+  Exchange s = warp_enter(&addr, sizeof(addr));
   int l = lane();
   for (int i = 0; i < count; i++) {
     if (!trans) {
@@ -343,7 +349,6 @@ inline void ldmatrix(uint32_t* r, const void* p, int count, bool trans) {
       r[i] = pack(b16_at(r0, l >> 2), b16_at(r1, l >> 2));
     }
   }
-  warp_leave(s);
 }
 
 inline double bf16_bits(uint32_t reg, int half) {
@@ -359,7 +364,7 @@ inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
   std::memcpy(in.a, a, 16);
   std::memcpy(in.b, b, 8);
   std::memcpy(in.c, c, 16);
-  WarpSlot& s = warp_enter(&in, sizeof(in));
+  Exchange s = warp_enter(&in, sizeof(in));
   double A[16][16], B[16][8], C[16][8];
   for (int l = 0; l < 32; l++) {
     In x;
@@ -386,7 +391,6 @@ inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
     for (int k = 0; k < 16; k++) acc += A[rows[e]][k] * B[k][cols[e]];
     d[e] = (float)acc;
   }
-  warp_leave(s);
   std::memcpy(c, d, 16);
 }
 
@@ -447,6 +451,7 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
       f.linear = i;
       f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / (block.x * block.y))};
       f.done = f.waiting = false;
+      f.collectives = 0;
       f.groups.clear();
       f.open.clear();
       // The stack as `emu_switch` leaves it: six saved registers, then the address it returns to (the
