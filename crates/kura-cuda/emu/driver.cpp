@@ -21,6 +21,7 @@
 // - while a stream captures a graph, its work goes into the graph, and calls the driver refuses during a
 //   capture (synchronous copies, allocations and frees outside the stream, synchronisation) fail and
 //   invalidate it.
+// `kura_emu_fail` makes chosen calls fail, for tests of the executor's error paths.
 // The device: compute capability 9.0 (`KURA_EMU_CC`, e.g. `8.0`, overrides), 4 multiprocessors, 227 KiB
 // of shared memory a block with opt-in, `KURA_EMU_MEMORY_MB` of memory (default 4,096).
 #include <cuda.h>
@@ -125,6 +126,31 @@ State& S() {
   static State s;
   return s;
 }
+
+// Calls made to fail (`kura_emu_fail`): the driver function's name → the calls to let through first, the
+// calls to fail after them, the error.
+struct Fault {
+  long pass, fail;
+  CUresult code;
+};
+std::map<std::string, Fault>& faults() {
+  static std::map<std::string, Fault> f;
+  return f;
+}
+CUresult injected(const char* name) {
+  auto it = faults().find(name);
+  if (it == faults().end()) return CUDA_SUCCESS;
+  Fault& f = it->second;
+  if (f.pass > 0) {
+    f.pass--;
+    return CUDA_SUCCESS;
+  }
+  if (f.fail == 0) return CUDA_SUCCESS;
+  if (f.fail > 0) f.fail--;
+  return f.code;
+}
+#define FAULT(name) \
+  if (CUresult injected_error = injected(name)) return injected_error
 
 size_t total_memory() {
   const char* mb = std::getenv("KURA_EMU_MEMORY_MB");
@@ -262,6 +288,7 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
                 void** params, void** extra) {
   if (!f) return CUDA_ERROR_INVALID_HANDLE;
   if (extra) return CUDA_ERROR_NOT_SUPPORTED;
+  FAULT("launch");
   Func* fn = reinterpret_cast<Func*>(f);
   uint64_t threads = (uint64_t)block[0] * block[1] * block[2];
   if (threads == 0 || threads > 1024 || block[2] > 64 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0 ||
@@ -298,6 +325,17 @@ const char* error_name(CUresult e) {
 #define GUARD std::lock_guard<std::recursive_mutex> guard(lock())
 
 extern "C" {
+
+// Makes driver function `name` (its exported name, e.g. `cuMemcpyBatchAsync_v2`; `launch` for either
+// kernel launch) return `code` on `fail` calls (-1: every call) after letting `pass` through; `fail` 0
+// clears it. For tests of the executor's error paths.
+void kura_emu_fail(const char* name, long pass, long fail, int code) {
+  GUARD;
+  if (fail == 0)
+    faults().erase(name);
+  else
+    faults()[name] = Fault{pass, fail, (CUresult)code};
+}
 
 int kura_emu_enqueue(void* stream, void (*fn)(void*), void (*drop)(void*), void* data) {
   GUARD;
@@ -406,6 +444,7 @@ CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
 }
 CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) {
   GUARD;
+  FAULT("cuMemAllocAsync");
   return alloc_checked(p, n);
 }
 CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr p, CUstream hs) {
@@ -448,6 +487,7 @@ CUresult CUDAAPI cuMemHostUnregister(void* p) {
 // ---- copies and memsets ----
 CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
   GUARD;
+  FAULT("cuMemcpyHtoD_v2");
   if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   if (n == 0) return CUDA_SUCCESS;
   if (!in_device(dst, n) || overlaps_device((uintptr_t)src)) return CUDA_ERROR_INVALID_VALUE;
@@ -457,6 +497,7 @@ CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
 }
 CUresult CUDAAPI cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
   GUARD;
+  FAULT("cuMemcpyDtoH_v2");
   if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   if (n == 0) return CUDA_SUCCESS;
   if (!in_device(src, n) || overlaps_device((uintptr_t)dst)) return CUDA_ERROR_INVALID_VALUE;
@@ -475,10 +516,12 @@ CUresult CUDAAPI cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) {
 }
 CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream hs) {
   GUARD;
+  FAULT("cuMemcpyHtoDAsync_v2");
   return host_to_device(dst, src, n, stream_of(hs));
 }
 CUresult CUDAAPI cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream hs) {
   GUARD;
+  FAULT("cuMemcpyDtoHAsync_v2");
   return device_to_host(dst, src, n, stream_of(hs));
 }
 CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream hs) {
@@ -509,6 +552,7 @@ CUresult CUDAAPI cuMemcpyBatchAsync(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t
                                     CUmemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
                                     CUstream hs) {
   GUARD;
+  FAULT("cuMemcpyBatchAsync_v2");
   if (count == 0 || num_attrs == 0 || num_attrs > count || !attrs || !attrs_idxs || attrs_idxs[0] != 0)
     return CUDA_ERROR_INVALID_VALUE;
   for (size_t i = 1; i < num_attrs; i++)
@@ -564,6 +608,7 @@ CUresult CUDAAPI cuStreamDestroy(CUstream hs) {
 }
 CUresult CUDAAPI cuStreamSynchronize(CUstream hs) {
   GUARD;
+  FAULT("cuStreamSynchronize");
   if (refused_in_capture()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   run(stream_of(hs));
   return CUDA_SUCCESS;
@@ -580,6 +625,7 @@ CUresult CUDAAPI cuStreamQuery(CUstream hs) {
 }
 CUresult CUDAAPI cuStreamWaitEvent(CUstream hs, CUevent he, unsigned int) {
   GUARD;
+  FAULT("cuStreamWaitEvent");
   Event* e = reinterpret_cast<Event*>(he);
   Stream* s = stream_of(hs);
   // The event's stream runs now, before anything later on `hs`: one order the wait allows.
@@ -605,6 +651,7 @@ CUresult CUDAAPI cuEventDestroy(CUevent he) {
 }
 CUresult CUDAAPI cuEventRecord(CUevent he, CUstream hs) {
   GUARD;
+  FAULT("cuEventRecord");
   Event* e = reinterpret_cast<Event*>(he);
   Stream* s = stream_of(hs);
   e->stream = s;
