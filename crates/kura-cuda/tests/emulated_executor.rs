@@ -499,3 +499,66 @@ fn a_failed_batched_copy_falls_back_to_whole_blocks_and_then_to_synchronous_copi
         assert!(done.iter().all(|d| there.contains(&d.0)), "{done:?}");
     }
 }
+
+#[test]
+fn a_failed_launch_fails_its_step_or_its_capture_is_retried_and_the_next_steps_run_as_before() {
+    // A kernel launch the driver refuses: in a step launched kernel by kernel, the step returns the
+    // driver's error; in a step being captured into a graph with dependent launches, the capture is
+    // retried with plain launches (as for a driver that cannot capture dependent launches) and the step
+    // runs; when the retry fails too, the step returns the error. Either way the steps after it give
+    // the logits they give where nothing failed.
+    let _turn = emulated();
+    const INVALID_VALUE: i32 = 1;
+    let p = prompt(40, 7);
+    let bs = 16;
+    let table: Vec<u32> = (0..4).collect();
+    let prefilled = |graphs: bool| {
+        let mut gpu = exec(KvDtype::Bf16, bs, 4);
+        gpu.set_graphs(graphs);
+        gpu.forward_logits(&[SeqInput::new(&p[..30], 0, &table)])
+            .unwrap();
+        gpu
+    };
+    let decode = |gpu: &mut CudaExecutor, i: usize| {
+        gpu.forward_logits(&[SeqInput::new(&p[i..=i], i, &table)])
+    };
+    // (graphs, launches failing after the fourth of the step, whether the step fails)
+    for (graphs, failing, fails) in [(false, 1, true), (true, 1, false), (true, -1, true)] {
+        let mut clean = prefilled(graphs);
+        let want: Vec<Vec<f32>> = (30..33).map(|i| decode(&mut clean, i).unwrap()).collect();
+        // The same decode steps again (they rewrite the same K and V rows), the first one's fifth launch
+        // (and, for -1, every launch after it) refused.
+        let mut gpu = prefilled(graphs);
+        inject("launch", 4, failing, INVALID_VALUE);
+        let first = decode(&mut gpu, 30);
+        inject("launch", 0, 0, 0);
+        let what = format!("graphs {graphs}, {failing} launches failing");
+        match (&first, fails) {
+            (Err(e), true) => {
+                println!("{what}: the step failed: {e}");
+                assert!(e.to_string().contains("INVALID_VALUE"), "{e}");
+            }
+            (Ok(got), false) => {
+                println!("{what}: the step ran (its capture retried with plain launches)");
+                assert!(
+                    same_bits(got, &want[0]),
+                    "{what}: {:.2e}",
+                    rel(got, &want[0])
+                );
+            }
+            (other, _) => panic!(
+                "{what}: the step gave {:?}",
+                other.as_ref().map(|_| "logits")
+            ),
+        }
+        for (k, i) in (30..33).enumerate() {
+            let got = decode(&mut gpu, i)
+                .unwrap_or_else(|e| panic!("{what}: the step at {i} after the failure: {e}"));
+            assert!(
+                same_bits(&got, &want[k]),
+                "{what}: the step at {i}: {:.2e}",
+                rel(&got, &want[k])
+            );
+        }
+    }
+}
