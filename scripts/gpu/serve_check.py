@@ -34,6 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def prompt_text(rng: random.Random, words: int) -> str:
+    """`words` words of the KV cache's vocabulary, drawn by `rng`."""
+    return " ".join(rng.choice(["cache", "block", "token", "device", "memory", "prefix", "reuse", "tenant", "layer",
+                                "kernel"]) for _ in range(words))
+
+
 def start(kura: str, model: str, device: str, *flags: str):
     """`kura serve` on `device` with `flags`, healthy: (process, url, log file)."""
     port = free_port()
@@ -76,20 +82,18 @@ def run(kura: str, model: str, device: str, words: int = 700) -> tuple[dict, str
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         name = client.models.list().data[0].id
-        rng = random.Random(5)
-        words = " ".join(rng.choice(["cache", "block", "token", "device", "memory", "prefix", "reuse",
-                                     "tenant", "layer", "kernel"]) for _ in range(words))
+        prompt = prompt_text(random.Random(5), words)
         out = {}
         for kind in ["completions", "chat"]:
             def ask():
                 t = time.perf_counter()
                 if kind == "completions":
-                    r = client.completions.create(model=name, prompt=words, max_tokens=16, temperature=0)
+                    r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0)
                     text = r.choices[0].text
                 else:
                     r = client.chat.completions.create(
                         model=name, max_tokens=16, temperature=0,
-                        messages=[{"role": "system", "content": words}, {"role": "user", "content": "Summarise."}])
+                        messages=[{"role": "system", "content": prompt}, {"role": "user", "content": "Summarise."}])
                     text = r.choices[0].message.content
                 return r.usage, text, time.perf_counter() - t
             cold, cold_text, cold_s = ask()
@@ -113,11 +117,7 @@ def check_host_tier(kura: str, model: str, device: str, pool: str = "48MiB", wor
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         name = client.models.list().data[0].id
-        prompts = []
-        for i in range(4):
-            rng = random.Random(100 + i)
-            prompts.append(" ".join(rng.choice(["cache", "block", "token", "device", "memory", "prefix", "reuse",
-                                                "tenant", "layer", "kernel"]) for _ in range(words)))
+        prompts = [prompt_text(random.Random(100 + i), words) for i in range(4)]
         ask = lambda p: client.completions.create(model=name, prompt=p, max_tokens=16, temperature=0)
         cold = [ask(p) for p in prompts]
         for i, (p, c) in enumerate(zip(prompts, cold)):

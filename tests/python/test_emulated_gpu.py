@@ -154,8 +154,7 @@ def test_requests_preempted_to_the_host_tier_on_the_emulated_gpu_give_the_text_t
 
     libs, model = emulated
     monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    vocabulary = ["cache", "block", "token", "device", "memory", "prefix", "reuse", "tenant", "layer", "kernel"]
-    prompts = [" ".join(random.Random(200 + i).choice(vocabulary) for _ in range(25)) for i in range(6)]
+    prompts = [serve_check.prompt_text(random.Random(200 + i), 25) for i in range(6)]
     kura = kura_bin()
 
     def answers(flags: list[str]) -> tuple[list[str], dict]:

@@ -196,6 +196,49 @@ pub fn whole_block_loads_and_stores(mut gpu: CudaExecutor, p: &[u32], bs: usize,
     drop(gpu);
 }
 
+/// The byte the blocks that loads go to are filled with first.
+pub const JUNK: u8 = 0x3f;
+
+/// Host-tier loads of a prefix staged on `gpu` (bf16 KV, blocks of `bs`, `p` computed into blocks
+/// `0..` and loaded into `there`): the prefix's `nb` blocks computed in place and the step of `new`
+/// tokens after it over them (its logits, returned), those blocks' bytes in a pinned host tier
+/// (returned: it must outlive `gpu`), the blocks of `there` filled with [`JUNK`], and a load of each
+/// block started, not issued.
+pub fn start_prefix_loads(
+    gpu: &mut CudaExecutor,
+    p: &[u32],
+    bs: usize,
+    nb: usize,
+    new: usize,
+    there: &[u32],
+) -> (Vec<f32>, Vec<u8>) {
+    let here: Vec<u32> = (0..p.len().div_ceil(bs) as u32).collect();
+    let cached = nb * bs;
+    let step = &p[cached..cached + new];
+    gpu.forward_logits(&[SeqInput::new(&p[..cached], 0, &here)])
+        .unwrap();
+    let want = gpu
+        .forward_logits(&[SeqInput::new(step, cached, &here)])
+        .unwrap();
+    let bb = gpu.block_bytes();
+    let mut region = vec![0u8; nb * bb];
+    for b in 0..nb {
+        gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb])
+            .unwrap();
+    }
+    assert!(gpu.register_host_region(&mut region));
+    let junk = vec![JUNK; bb];
+    for &b in there {
+        gpu.import_block(b, &junk).unwrap();
+    }
+    for b in 0..nb {
+        assert!(gpu
+            .start_import(there[b], &region[b * bb..(b + 1) * bb])
+            .unwrap());
+    }
+    (want, region)
+}
+
 /// Host-tier loads ordered layer by layer (`make(num_blocks)`: an executor of bf16 KV in blocks of
 /// `bs`), read by the next step bit for bit: the step over loaded blocks gives the bits of the same
 /// step over blocks computed in place, with `pad` more loads of other bytes queued behind (a step that
@@ -216,7 +259,6 @@ pub fn ordered_loads(
             assert!(gpu.start_import(b, slot).unwrap());
         }
     };
-    let here: Vec<u32> = (0..total as u32).collect();
     let there: Vec<u32> = (total as u32..2 * total as u32).collect();
     // (blocks of cached prefix, new tokens after it, the prefill kernel from): the split kernel launch
     // by launch, the prefill kernel, and a decode step (a captured graph). A region is pinned once, so
@@ -228,33 +270,13 @@ pub fn ordered_loads(
             "this driver has batched copies (cuMemcpyBatchAsync_v2, CUDA 13)"
         );
         assert!(gpu.imports_ordered());
+        gpu.set_prefill_min(prefill_min);
         let bb = gpu.block_bytes();
         let cached = nb * bs;
         let step = &p[cached..cached + new];
-        gpu.set_prefill_min(prefill_min);
-        // In device memory: the prefix, then the step over it.
-        gpu.forward_logits(&[SeqInput::new(&p[..cached], 0, &here)])
-            .unwrap();
-        let want = gpu
-            .forward_logits(&[SeqInput::new(step, cached, &here)])
-            .unwrap();
-        // The prefix's blocks in a pinned host tier, and the blocks they go to filled with other bytes.
-        let mut region = vec![0u8; nb * bb];
-        for b in 0..nb {
-            gpu.export_block(b as u32, &mut region[b * bb..(b + 1) * bb])
-                .unwrap();
-        }
-        assert!(gpu.register_host_region(&mut region));
-        let junk = vec![0x3fu8; bb];
-        for &b in &there {
-            gpu.import_block(b, &junk).unwrap();
-        }
-        // Loads started and the step issued at once: it waits for each layer on the device.
-        for b in 0..nb {
-            assert!(gpu
-                .start_import(there[b], &region[b * bb..(b + 1) * bb])
-                .unwrap());
-        }
+        let (want, region) = start_prefix_loads(&mut gpu, p, bs, nb, new, &there);
+        let junk = vec![JUNK; bb];
+        // The step issued right after the loads: it waits for each layer on the device.
         pad_loads(&mut gpu, &region[..bb]);
         let got = gpu
             .forward_logits(&[SeqInput::new(step, cached, &there)])
