@@ -20,6 +20,12 @@ def key(r):
     return (r["what"], r.get("tokens"), r.get("batch"), r.get("prompt"))
 
 
+def num(r, name):
+    """A figure of `r`, NaN where it was not measured (null) or is absent."""
+    v = r.get(name)
+    return float("nan") if v is None else v
+
+
 if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
     sys.exit(f"usage: {sys.argv[0]} KURA.jsonl HF.jsonl (the JSON lines of gpu-bench and hf_peer.py)")
 kura, hf = load(sys.argv[1]), load(sys.argv[2])
@@ -50,6 +56,8 @@ for r in kura:
               f"{r['copy_bandwidth_gbs']:.0f} GB/s){sheet}")
 print("(Kura / HF: speed-up, above 1 means Kura is faster)")
 l2 = [json.loads(l) for l in open(sys.argv[1]) if '"l2_revisit"' in l and l.startswith("{")]
+
+
 if l2:
     print()
     print("A revisited prompt whose KV is only in the host tier (L2), then `new` tokens prefilled; from L2:")
@@ -58,15 +66,15 @@ if l2:
           f"{'in HBM':>10}{'cold':>10}{'L2/(copy+HBM)':>15}{'ord/(copy+HBM)':>16}{'ord/max':>9}{'cold/best':>10}")
     for r in l2:
         print(f"{r['tokens']:>8}{r.get('new', 16):>6}{r.get('kv', 'bf16'):>6}{r['host']:>10}{r['copy_ms']:>10.2f}"
-              f"{r['copy_gbs']:>8.1f}{r['ttft_l2_ms']:>10.2f}{r.get('ttft_l2_ordered_ms', float('nan')):>10.2f}"
+              f"{r['copy_gbs']:>8.1f}{r['ttft_l2_ms']:>10.2f}{num(r, 'ttft_l2_ordered_ms'):>10.2f}"
               f"{r['ttft_device_ms']:>10.2f}{r['ttft_cold_ms']:>10.1f}{r['l2_over_copy_plus_device']:>15.3f}"
-              f"{r.get('ordered_over_copy_plus_device', float('nan')):>16.3f}"
-              f"{r.get('ordered_over_max_copy_device', float('nan')):>9.3f}{r['speedup_over_cold']:>9.1f}x")
+              f"{num(r, 'ordered_over_copy_plus_device'):>16.3f}"
+              f"{num(r, 'ordered_over_max_copy_device'):>9.3f}{r['speedup_over_cold']:>9.1f}x")
     at = {(r.get("kv", "bf16"), r["host"]): r for r in l2 if r["tokens"] == 16384}
     if ("fp8", "pinned") in at and ("bf16", "pinned") in at:
         print(f"fp8 against bf16 KV, 16,384 tokens from L2: "
               f"{at[('bf16', 'pinned')]['ttft_l2_ms'] / at[('fp8', 'pinned')]['ttft_l2_ms']:.2f}x faster "
-              f"(ordered loads: {at[('bf16', 'pinned')].get('ttft_l2_ordered_ms', float('nan')) / at[('fp8', 'pinned')].get('ttft_l2_ordered_ms', float('nan')):.2f}x)")
+              f"(ordered loads: {num(at[('bf16', 'pinned')], 'ttft_l2_ordered_ms') / num(at[('fp8', 'pinned')], 'ttft_l2_ordered_ms'):.2f}x)")
 itl = [json.loads(l) for l in open(sys.argv[1]) if '"itl_while_loading"' in l and l.startswith("{")]
 for r in itl:
     print()

@@ -1,6 +1,8 @@
 //! Kura's CUDA executor on a model shape with random bf16 weights made on the device (no checkpoint):
 //! `gpu-bench CONFIG.json` prints one JSON line per figure, then all of them. `bench/gpu.sh` runs it
-//! beside HF transformers (`bench/gpu/hf_peer.py`) on the same GPU.
+//! beside HF transformers (`bench/gpu/hf_peer.py`) on the same GPU. `--divide N` runs the same sections
+//! at a fraction of the lengths below, each figure timed once: `tests/emulated_executor.rs` runs it so
+//! on the CPU's stand-in driver.
 //!
 //! Figures: batch-1 decode after a 1,024-token prompt (and its share of the HBM bound, weights read once
 //! per token over the measured copy bandwidth and over the card's datasheet bandwidth; with the separate
@@ -13,11 +15,17 @@
 //! measured; a host-tier section that fails (or whose loads are never reported) is named at the end
 //! (exit 1) without losing the other sections.
 
+use std::error::Error;
+use std::io::Write;
 use std::time::Instant;
 
 use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
+
+const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N]\n  \
+    --divide N: every length, batch and step count divided by N (a power of two up to 32): the same \
+    sections, smaller, as the emulated device's test runs them";
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -36,26 +44,149 @@ fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// What the benchmark runs at: token counts, batches and step counts.
+#[derive(Clone, Copy, Debug)]
+pub struct Lengths {
+    /// The context of the batch-1, batch-4 and batch decode figures, and the shortest host-tier
+    /// revisit (1,024).
+    pub context: usize,
+    /// Decode steps timed at batch 1 and 4 (128).
+    pub steps: usize,
+    /// Sequences in the batch decode (64), and its steps (32).
+    pub batch: usize,
+    pub batch_steps: usize,
+    /// The prefills timed (4,096 and 16,384). The longer is also the longest prompt: the block table,
+    /// the host tier's bytes, the overlap case's cached part and the profiled prefill.
+    pub prefills: [usize; 2],
+    /// New tokens after the overlap case's cached part (1,024).
+    pub overlap_new: usize,
+    /// The activation buffers' reservation (`kura plan`'s defaults: 8,192-token steps over 256
+    /// sequences).
+    pub reserve_tokens: usize,
+    pub reserve_seqs: usize,
+    /// Bytes of each of the two device buffers the copy bandwidth is measured over (1 GiB).
+    pub copy_bytes: usize,
+    /// Each figure timed once, not the median of several runs.
+    pub once: bool,
+}
+
+impl Lengths {
+    /// The figures' lengths.
+    pub const FULL: Lengths = Lengths {
+        context: 1024,
+        steps: 128,
+        batch: 64,
+        batch_steps: 32,
+        prefills: [4096, 16_384],
+        overlap_new: 1024,
+        reserve_tokens: 8192,
+        reserve_seqs: 256,
+        copy_bytes: 1 << 30,
+        once: false,
+    };
+
+    /// [`Lengths::FULL`] with each divided by `n`, a power of two up to 32 (the shortest revisit then
+    /// still caches a block of 16 tokens); batches and step counts at least 2. Divided (`n` > 1), each
+    /// figure is timed once.
+    pub fn divided(n: usize) -> Result<Lengths, String> {
+        if !n.is_power_of_two() || n > 32 {
+            return Err(format!("--divide {n}: a power of two up to 32 is wanted"));
+        }
+        let f = Lengths::FULL;
+        Ok(Lengths {
+            context: f.context / n,
+            steps: (f.steps / n).max(2),
+            batch: (f.batch / n).max(2),
+            batch_steps: (f.batch_steps / n).max(2),
+            prefills: f.prefills.map(|p| p / n),
+            overlap_new: f.overlap_new / n,
+            reserve_tokens: f.reserve_tokens / n,
+            reserve_seqs: (f.reserve_seqs / n).max(2),
+            copy_bytes: f.copy_bytes / n,
+            once: n > 1,
+        })
+    }
+
+    /// How many times a figure is timed, whose median is `n` runs: 1 when timed once.
+    fn runs(&self, n: usize) -> usize {
+        if self.once {
+            1
+        } else {
+            n
+        }
+    }
+
+    /// The longest prompt.
+    fn long(&self) -> usize {
+        self.prefills[1]
+    }
+}
+
+/// `CONFIG.json [--divide N]`: the model config's path and the lengths.
+pub fn parse(args: &[String]) -> Result<(String, Lengths), String> {
+    match args {
+        [path] if !path.starts_with('-') => Ok((path.clone(), Lengths::FULL)),
+        [path, flag, n] if flag == "--divide" && !path.starts_with('-') => {
+            let n = n
+                .parse()
+                .map_err(|_| format!("--divide {n}: not a number\n{USAGE}"))?;
+            Ok((path.clone(), Lengths::divided(n)?))
+        }
+        _ => Err(USAGE.into()),
+    }
+}
+
 fn main() {
-    if let Err(e) = run() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (path, lengths) = parse(&args).unwrap_or_else(|e| {
+        eprintln!("gpu-bench: {e}");
+        std::process::exit(2);
+    });
+    if let Err(e) = run(&path, &lengths, &mut std::io::stdout().lock()) {
         eprintln!("gpu-bench: {e}");
         std::process::exit(1);
     }
 }
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args()
-        .nth(1)
-        .ok_or("usage: gpu-bench CONFIG.json")?;
-    let cfg = kura_checkpoint::ModelConfig::from_hf_json(&std::fs::read_to_string(&path)?)?;
+/// Where the figures go: each JSON line printed as soon as it is measured (a later failure keeps it),
+/// and the figures kept for the line of all.
+struct Report<'a> {
+    out: &'a mut dyn Write,
+    figures: Vec<String>,
+}
+
+impl Report<'_> {
+    /// Prints a line at once.
+    fn line(&mut self, line: &str) -> std::io::Result<()> {
+        writeln!(self.out, "{line}")?;
+        self.out.flush()
+    }
+
+    /// Prints a figure's line at once and keeps it for the line of all.
+    fn figure(&mut self, line: String) -> std::io::Result<()> {
+        self.line(&line)?;
+        self.figures.push(line);
+        Ok(())
+    }
+}
+
+/// The benchmark on the model config at `path` (weights made at random on device 0), at `len`, its
+/// JSON lines written to `out`. An error names each section that failed; the lines before it stand.
+pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let mut report = Report {
+        out,
+        figures: Vec::new(),
+    };
+    let cfg = kura_checkpoint::ModelConfig::from_hf_json(
+        &std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?,
+    )?;
     let dev = Device::open(0)?;
-    println!(
+    report.line(&format!(
         "{{\"device\":\"{}\",\"arch\":\"{}\",\"kernels_compiled_now\":{},\"setup_s\":{:.2}}}",
         dev.name, dev.arch, dev.compiled, dev.setup_seconds
-    );
+    ))?;
     // Device memory as the planner splits it: what the context, cuBLAS and the kernels take before any
-    // weight, then the weights, then the activation buffers of 8,192-token steps over 256 sequences
-    // (`kura plan`'s defaults).
+    // weight, then the weights, then the activation buffers (`kura plan`'s reservation).
     let (free0, total) = dev.memory()?;
     let t = Instant::now();
     let w = DevWeights::random(&dev, &cfg, 1)?;
@@ -67,38 +198,42 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         t.elapsed().as_secs_f64()
     );
     let bs = 16;
-    // 64 × (1,024 + 32) tokens of batch decoding plus a 16,384-token prompt, in blocks of 16.
-    let num_blocks = 64 * 1056 / bs + 16_384 / bs + 64;
+    let (ctx, long) = (len.context, len.long());
+    // The batch's sequences, each with its context and steps, plus the longest prompt, in blocks of 16.
+    let num_blocks = len.batch * (ctx + len.batch_steps).div_ceil(bs) + long / bs + 64;
     let spec = PoolSpec {
-        reserve_tokens: 8192,
-        reserve_seqs: 256,
+        reserve_tokens: len.reserve_tokens,
+        reserve_seqs: len.reserve_seqs,
         ..PoolSpec::new(KvDtype::Bf16, bs, num_blocks)
     };
     // The host tier's bytes for the L2 revisits below (declared before the executor, which unpins
-    // them when it closes): a 16,384-token prompt's blocks.
+    // them when it closes): the longest prompt's blocks.
     let block_bytes = kura_cuda::block_bytes(&cfg, KvDtype::Bf16, bs);
-    let mut host = vec![0u8; 16_384 / bs * block_bytes];
+    let mut host = vec![0u8; long / bs * block_bytes];
     let mut gpu = CudaExecutor::new(dev, cfg.clone(), w, spec)?;
     let (free2, _) = gpu.device().memory()?;
     let pool_bytes = num_blocks * kura_cuda::block_bytes(&cfg, KvDtype::Bf16, bs);
-    println!(
-        "{{\"what\":\"memory\",\"total\":{total},\"context_and_libraries\":{},\"weights\":{},         \"weights_counted\":{weight_bytes},\"activations_8192_tokens_256_seqs\":{},\"activations_estimate\":{},         \"pool\":{pool_bytes}}}",
+    report.line(&format!(
+        "{{\"what\":\"memory\",\"total\":{total},\"context_and_libraries\":{},\"weights\":{},\
+         \"weights_counted\":{weight_bytes},\"reserve_tokens\":{},\"reserve_seqs\":{},\"activations\":{},\
+         \"activations_estimate\":{},\"pool\":{pool_bytes}}}",
         total - free0,
         free0 - free1,
+        len.reserve_tokens,
+        len.reserve_seqs,
         (free1 - free2).saturating_sub(pool_bytes),
-        CudaExecutor::activation_bytes(&cfg, 8192, 256)
-    );
+        CudaExecutor::activation_bytes(&cfg, len.reserve_tokens, len.reserve_seqs)
+    ))?;
     let vocab = cfg.vocab_size();
-    let mut results: Vec<String> = Vec::new();
     // Sections that may fail without losing the figures before them (printed as they come) or the
     // sections after them: their errors are reported at the end.
     let mut failed: Vec<String> = Vec::new();
 
     // Warm-up: every kernel and product shape once.
-    let table: Vec<u32> = (0..(16_384 / bs) as u32).collect();
-    let p = tokens(1024, 7, vocab);
+    let table: Vec<u32> = (0..(long / bs) as u32).collect();
+    let p = tokens(ctx, 7, vocab);
     gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
-    gpu.forward_greedy(&[SeqInput::new(&p[..1], 1024, &table)])?;
+    gpu.forward_greedy(&[SeqInput::new(&p[..1], ctx, &table)])?;
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
     // the same with the fused decode kernels, graphs with plain launches, then launch by launch; three
@@ -110,17 +245,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (false, false, false),
     ];
     let mut rates = vec![Vec::new(); modes.len()];
-    for _ in 0..3 {
+    for _ in 0..len.runs(3) {
         for (m, (graphs, dependent, fused)) in modes.iter().enumerate() {
             gpu.set_graphs(*graphs);
             gpu.set_dependent_launch(*dependent);
             gpu.set_fused_decode(*fused);
             let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
-            next = gpu.forward_greedy(&[SeqInput::new(&[next], 1024, &table)])?[0];
-            let steps = 128;
+            next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx, &table)])?[0];
+            let steps = len.steps;
             let t = Instant::now();
             for i in 0..steps {
-                next = gpu.forward_greedy(&[SeqInput::new(&[next], 1025 + i, &table)])?[0];
+                next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx + 1 + i, &table)])?[0];
             }
             rates[m].push(steps as f64 / t.elapsed().as_secs_f64());
         }
@@ -134,17 +269,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     gpu.set_dependent_launch(true);
     gpu.set_fused_decode(false);
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
-    let bandwidth = copy_bandwidth(gpu.device())?;
+    let bandwidth = copy_bandwidth(gpu.device(), len.copy_bytes)?;
     let bound = bandwidth / weight_bytes as f64;
     let has_dependent = gpu.device().has_dependent_launch();
     let card = gpu.device().name.clone();
     let datasheet = datasheet_tbs(&card);
     for ((graphs, dependent, fused), tps) in decode1 {
         let dependent = dependent && has_dependent;
-        emit(
-            &mut results,
-            format!(
-                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":1024,\"graphs\":{graphs},\
+        report.figure(format!(
+                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
                  \"dependent_launch\":{dependent},\"fused\":{fused},\
                  \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
                  \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
@@ -157,49 +290,45 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     "{:.3}",
                     tps / (b * 1e12 / weight_bytes as f64)
                 )),
-            ),
-        );
+        ))?;
     }
 
     // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
     // themselves in the fused path): separate kernels, then fused, three rounds of the two.
-    let per4 = (1024 + 160usize).div_ceil(bs);
+    let per4 = (ctx + len.steps + 32).div_ceil(bs);
     let tables4: Vec<Vec<u32>> = (0..4)
         .map(|i| table[i * per4..(i + 1) * per4].to_vec())
         .collect();
-    let prompts4: Vec<Vec<u32>> = (0..4).map(|i| tokens(1024, 50 + i as u64, vocab)).collect();
+    let prompts4: Vec<Vec<u32>> = (0..4).map(|i| tokens(ctx, 50 + i as u64, vocab)).collect();
     let mut rates4 = [Vec::new(), Vec::new()];
-    for _ in 0..3 {
+    for _ in 0..len.runs(3) {
         for (fused, rates) in rates4.iter_mut().enumerate() {
             gpu.set_fused_decode(fused == 1);
             let items: Vec<SeqInput<'_>> = (0..4)
                 .map(|i| SeqInput::new(&prompts4[i], 0, &tables4[i]))
                 .collect();
             let first = gpu.forward_greedy(&items)?;
-            let steps = 128;
-            let (_, s) = decode_steps(&mut gpu, &tables4, first, 1024, steps)?;
+            let steps = len.steps;
+            let (_, s) = decode_steps(&mut gpu, &tables4, first, ctx, steps)?;
             rates.push(4.0 * steps as f64 / s);
         }
     }
     gpu.set_fused_decode(false);
     for (fused, rates) in rates4.into_iter().enumerate() {
-        emit(
-            &mut results,
-            format!(
-                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":1024,\"fused\":{},\
-                 \"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
-                fused == 1,
-                median(rates.clone())
-            ),
-        );
+        report.figure(format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{},\
+             \"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
+            fused == 1,
+            median(rates.clone())
+        ))?;
     }
 
     // Prefill TTFT, through the default prefill attention (8 warps of 16 query rows) and the wide one
     // (4 warps of 32), runs interleaved.
-    for n in [4096usize, 16_384] {
+    for n in len.prefills {
         let p = tokens(n, n as u64, vocab);
         let mut times = [Vec::new(), Vec::new()];
-        for _ in 0..3 {
+        for _ in 0..len.runs(3) {
             for (wide, times) in times.iter_mut().enumerate() {
                 gpu.set_wide_prefill(wide == 1);
                 let t = Instant::now();
@@ -209,51 +338,47 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         gpu.set_wide_prefill(false);
         for (kernel, times) in ["narrow", "wide"].into_iter().zip(times) {
-            emit(
-                &mut results,
-                format!(
-                    "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
-                     \"runs_ms\":{times:?}}}",
-                    median(times.clone())
-                ),
-            );
+            report.figure(format!(
+                "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
+                 \"runs_ms\":{times:?}}}",
+                median(times.clone())
+            ))?;
         }
     }
 
     // The same 16,384-token prefill with every key tile masked (what skipping whole tiles' masks saves).
     if std::env::var_os("KURA_BENCH_MASK_AB").is_some() {
-        let p = tokens(16_384, 16_384, vocab);
+        let p = tokens(long, long as u64, vocab);
         gpu.set_mask_all_tiles(true);
         let mut times = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..len.runs(3) {
             let t = Instant::now();
             gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         gpu.set_mask_all_tiles(false);
-        println!(
-            "{{\"peer\":\"kura\",\"what\":\"prefill_mask_all\",\"tokens\":16384,\"ms\":{:.1}}}",
+        report.line(&format!(
+            "{{\"peer\":\"kura\",\"what\":\"prefill_mask_all\",\"tokens\":{long},\"ms\":{:.1}}}",
             median(times)
-        );
+        ))?;
     }
 
     // TTFT of 4,096 tokens with the first 4,080 cached (255 whole blocks).
-    let p = tokens(4096, 99, vocab);
-    gpu.forward_greedy(&[SeqInput::new(&p[..4080], 0, &table)])?;
+    let (prompt, cached) = (len.prefills[0], len.prefills[0] - 16);
+    let p = tokens(prompt, 99, vocab);
+    gpu.forward_greedy(&[SeqInput::new(&p[..cached], 0, &table)])?;
     let mut times = Vec::new();
-    for _ in 0..10 {
+    for _ in 0..len.runs(10) {
         let t = Instant::now();
-        gpu.forward_greedy(&[SeqInput::new(&p[4080..], 4080, &table)])?;
+        gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, &table)])?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    emit(
-        &mut results,
-        format!(
-            "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":4096,\"cached\":4080,\"ms\":{:.2},\"runs_ms\":{:?}}}",
-            median(times.clone()),
-            times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
-        ),
-    );
+    report.figure(format!(
+        "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":{prompt},\"cached\":{cached},\"ms\":{:.2},\
+         \"runs_ms\":{:?}}}",
+        median(times.clone()),
+        times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
+    ))?;
 
     // A revisited prompt whose KV is only in the host tier (L2): its blocks exported to host memory, then
     // brought back one copy a block (as the engine's host tier does) before the last 16 tokens are
@@ -261,14 +386,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // bytes, and the cold prefill. Pinned (the host tier of a GPU server) at every length; pageable
     // memory at 4,096 tokens for comparison.
     let pinned_ok = kura_engine::Executor::register_host_region(&mut gpu, &mut host);
-    let revisits = (|| -> Result<(), Box<dyn std::error::Error>> {
+    let revisits = (|| -> Result<(), Box<dyn Error>> {
         let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
-        let mut pageable = vec![0u8; 4096 / bs * block_bytes];
+        let mut pageable = vec![0u8; len.prefills[0] / bs * block_bytes];
         for (n, pinned) in [
-            (1024usize, true),
-            (4096, true),
-            (16_384, true),
-            (4096, false),
+            (ctx, true),
+            (len.prefills[0], true),
+            (long, true),
+            (len.prefills[0], false),
         ] {
             let buf: &mut [u8] = if pinned { &mut host } else { &mut pageable };
             let host_kind = if pinned && pinned_ok {
@@ -276,21 +401,30 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             } else {
                 "pageable"
             };
-            let line = l2_revisit(&mut gpu, buf, &mut staging, (n - 16, 16), &table, host_kind)?;
-            emit(&mut results, line);
+            let line = l2_revisit(
+                &mut gpu,
+                buf,
+                &mut staging,
+                (n - 16, 16),
+                &table,
+                host_kind,
+                len,
+            )?;
+            report.figure(line)?;
         }
         // Overlap: 16,384 cached tokens in the host tier and 1,024 new ones; ordered loads let the
         // first layers compute while the later ones are copied.
-        let long_table: Vec<u32> = (0..((16_384 + 1024) / bs) as u32).collect();
+        let long_table: Vec<u32> = (0..((long + len.overlap_new) / bs) as u32).collect();
         let line = l2_revisit(
             &mut gpu,
             &mut host,
             &mut staging,
-            (16_384, 1024),
+            (long, len.overlap_new),
             &long_table,
             if pinned_ok { "pinned" } else { "pageable" },
+            len,
         )?;
-        emit(&mut results, line);
+        report.figure(line)?;
         Ok(())
     })();
     if let Err(e) = revisits {
@@ -298,7 +432,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // Batch-64 decode at 1,024 tokens of context each.
-    let (batch, ctx, steps) = (64usize, 1024usize, 32usize);
+    let (batch, steps) = (len.batch, len.batch_steps);
     let per = (ctx + steps).div_ceil(bs);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
@@ -321,43 +455,41 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         gpu.set_fused_decode(fused);
         let (ids, s) = decode_steps(&mut gpu, &tables, first.clone(), ctx, steps)?;
         last = ids;
-        emit(
-            &mut results,
-            format!(
-                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"fused\":{fused},\
-                 \"tokens_per_s\":{:.0},\"ms_per_step\":{:.2}}}",
-                (batch * steps) as f64 / s,
-                1e3 * s / steps as f64
-            ),
-        );
+        report.figure(format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"fused\":{fused},\
+             \"tokens_per_s\":{:.0},\"ms_per_step\":{:.2}}}",
+            (batch * steps) as f64 / s,
+            1e3 * s / steps as f64
+        ))?;
     }
     gpu.set_fused_decode(false);
     // The 64 sequences' steps while a 16,384-token prefix loads from the host tier into other blocks.
     if pinned_ok && gpu.set_ordered_imports(true) {
-        match itl_while_loading(&mut gpu, &host, &tables, &mut last, ctx + steps - 1) {
-            Ok(line) => emit(&mut results, line),
+        match itl_while_loading(&mut gpu, &host, &tables, &mut last, ctx + steps - 1, len) {
+            Ok(line) => report.figure(line)?,
             Err(e) => failed.push(format!(
                 "the steps beside host-tier loads (itl_while_loading): {e}"
             )),
         }
     }
-    println!("[{}]", results.join(","));
-    let mut profile = || -> Result<(), Box<dyn std::error::Error>> {
+    let all = format!("[{}]", report.figures.join(","));
+    report.line(&all)?;
+    let mut profile = || -> Result<(), Box<dyn Error>> {
         // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
         // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
-        let p1 = tokens(1024, 7, vocab);
+        let p1 = tokens(ctx, 7, vocab);
         gpu.forward_greedy(&[SeqInput::new(&p1, 0, &table)])?;
-        let long = tokens(16_384, 16_384, vocab);
+        let long = tokens(long, long as u64, vocab);
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
         let b64: Vec<SeqInput<'_>> = (0..batch)
             .map(|i| SeqInput::new(&toks[i], ctx + steps - 1, &tables[i]))
             .collect();
         for (what, items) in [
-            ("decode_b1", vec![SeqInput::new(&[5], 1024, &table)]),
-            ("decode_b1_fused", vec![SeqInput::new(&[5], 1024, &table)]),
-            ("decode_b64", b64),
-            ("prefill_16384", vec![SeqInput::new(&long, 0, &table)]),
-            ("prefill_16384_wide", vec![SeqInput::new(&long, 0, &table)]),
+            ("decode_b1", vec![SeqInput::new(&[5], ctx, &table)]),
+            ("decode_b1_fused", vec![SeqInput::new(&[5], ctx, &table)]),
+            ("decode_batch", b64),
+            ("prefill_long", vec![SeqInput::new(&long, 0, &table)]),
+            ("prefill_long_wide", vec![SeqInput::new(&long, 0, &table)]),
         ] {
             gpu.set_wide_prefill(what.ends_with("_wide"));
             gpu.set_fused_decode(what.ends_with("_fused"));
@@ -369,30 +501,31 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 .take(16)
                 .map(|(k, ms, n)| format!("{{\"kernel\":\"{k}\",\"ms\":{ms:.3},\"launches\":{n}}}"))
                 .collect();
-            println!(
-                "{{\"what\":\"profile\",\"step\":\"{what}\",\"total_ms\":{total:.3},\"top\":[{}]}}",
+            report.line(&format!(
+                "{{\"what\":\"profile\",\"step\":\"{what}\",\"tokens\":{},\"total_ms\":{total:.3},\
+                 \"top\":[{}]}}",
+                items.iter().map(|i| i.tokens.len()).sum::<usize>(),
                 top.join(",")
-            );
+            ))?;
         }
-
         Ok(())
     };
     if let Err(e) = profile() {
-        eprintln!("gpu-bench: profiling: {e}");
+        failed.push(format!("profiling: {e}"));
     }
 
     // fp8 KV (half the bytes a block moves): the 16,384-token revisit from the host tier again, on a
     // fresh executor with an fp8 pool (the bf16 one and its weights freed first).
     drop(gpu);
     let bb8 = kura_cuda::block_bytes(&cfg, KvDtype::Fp8, bs);
-    let mut host8 = vec![0u8; 16_384 / bs * bb8];
-    let fp8 = (|| -> Result<String, Box<dyn std::error::Error>> {
+    let mut host8 = vec![0u8; long / bs * bb8];
+    let fp8 = (|| -> Result<String, Box<dyn Error>> {
         let dev = Device::open(0)?;
         let w = DevWeights::random(&dev, &cfg, 1)?;
         let spec8 = PoolSpec {
-            reserve_tokens: 8192,
-            reserve_seqs: 256,
-            ..PoolSpec::new(KvDtype::Fp8, bs, 16_384 / bs + 64)
+            reserve_tokens: len.reserve_tokens,
+            reserve_seqs: len.reserve_seqs,
+            ..PoolSpec::new(KvDtype::Fp8, bs, long / bs + 64)
         };
         let mut g8 = CudaExecutor::new(dev, cfg.clone(), w, spec8)?;
         let pinned8 = kura_engine::Executor::register_host_region(&mut g8, &mut host8);
@@ -402,13 +535,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             &mut g8,
             &mut host8,
             &mut staging8,
-            (16_384 - 16, 16),
+            (long - 16, 16),
             &table,
             if pinned8 { "pinned" } else { "pageable" },
+            len,
         )
     })();
     match fp8 {
-        Ok(line) => println!("{line}"),
+        Ok(line) => report.line(&line)?,
         Err(e) => failed.push(format!("the fp8 host-tier revisit: {e}")),
     }
     if failed.is_empty() {
@@ -423,7 +557,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
-/// Prints a figure's JSON line at once (a later failure keeps it) and keeps it for the line of all.
 /// `steps` greedy decode steps of the sequences with block tables `tables`, from their tokens `last` at
 /// position `pos` on: their last tokens, and the seconds the steps took.
 fn decode_steps(
@@ -432,7 +565,7 @@ fn decode_steps(
     mut last: Vec<u32>,
     pos: usize,
     steps: usize,
-) -> Result<(Vec<u32>, f64), Box<dyn std::error::Error>> {
+) -> Result<(Vec<u32>, f64), Box<dyn Error>> {
     let t = Instant::now();
     for step in 0..steps {
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
@@ -444,11 +577,6 @@ fn decode_steps(
         last = gpu.forward_greedy(&items)?;
     }
     Ok((last, t.elapsed().as_secs_f64()))
-}
-
-fn emit(results: &mut Vec<String>, line: String) {
-    println!("{line}");
-    results.push(line);
 }
 
 /// The memory bandwidth a card's datasheet gives, in TB/s, for the cards whose name says which part it
@@ -481,7 +609,8 @@ fn l2_revisit(
     (cached, new): (usize, usize),
     table: &[u32],
     host_kind: &str,
-) -> Result<String, Box<dyn std::error::Error>> {
+    len: &Lengths,
+) -> Result<String, Box<dyn Error>> {
     use kura_engine::Executor;
     let (bs, vocab) = (16, gpu.config().vocab_size());
     let block_bytes = Executor::block_bytes(gpu);
@@ -489,7 +618,7 @@ fn l2_revisit(
     let p = tokens(n, 500 + n as u64, vocab);
     let nb = cached / bs;
     let mut cold = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..len.runs(3) {
         let t = Instant::now();
         gpu.forward_greedy(&[SeqInput::new(&p, 0, table)])?;
         cold.push(t.elapsed().as_secs_f64() * 1e3);
@@ -498,7 +627,7 @@ fn l2_revisit(
         gpu.try_export_block(b as u32, &mut buf[b * block_bytes..(b + 1) * block_bytes])?;
     }
     let (mut device_ms, mut l2_ms, mut copy_ms) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..5 {
+    for _ in 0..len.runs(5) {
         let t = Instant::now();
         gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, table)])?;
         device_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -518,7 +647,7 @@ fn l2_revisit(
     }
     let mut ordered_ms = Vec::new();
     if host_kind == "pinned" && gpu.set_ordered_imports(true) {
-        for _ in 0..5 {
+        for _ in 0..len.runs(5) {
             let t = Instant::now();
             for b in 0..nb {
                 let slot = &buf[b * block_bytes..(b + 1) * block_bytes];
@@ -531,11 +660,7 @@ fn l2_revisit(
             await_loads(gpu, nb, &mut Vec::new())?;
         }
     }
-    let ordered = if ordered_ms.is_empty() {
-        f64::NAN
-    } else {
-        median(ordered_ms)
-    };
+    let ordered = (!ordered_ms.is_empty()).then(|| median(ordered_ms));
     let (cold, device, l2, copy) = (
         median(cold),
         median(device_ms),
@@ -551,15 +676,21 @@ fn l2_revisit(
         "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"kv\":\"{kv}\",\"tokens\":{n},\"cached\":{cached},\
          \"new\":{new},\"host\":\"{host_kind}\",\"blocks\":{nb},\"block_bytes\":{block_bytes},\
          \"copy_ms\":{copy:.2},\"copy_gbs\":{:.1},\"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\
-         \"ttft_l2_ordered_ms\":{ordered:.2},\"ttft_cold_ms\":{cold:.1},\
-         \"l2_over_copy_plus_device\":{:.3},\"ordered_over_copy_plus_device\":{:.3},\
-         \"ordered_over_max_copy_device\":{:.3},\"speedup_over_cold\":{:.2}}}",
+         \"ttft_l2_ordered_ms\":{},\"ttft_cold_ms\":{cold:.1},\
+         \"l2_over_copy_plus_device\":{:.3},\"ordered_over_copy_plus_device\":{},\
+         \"ordered_over_max_copy_device\":{},\"speedup_over_cold\":{:.2}}}",
         (nb * block_bytes) as f64 / copy / 1e6,
+        json(ordered, 2),
         l2 / (copy + device),
-        ordered / (copy + device),
-        ordered / copy.max(device),
-        cold / l2.min(if ordered.is_nan() { f64::INFINITY } else { ordered })
+        json(ordered.map(|o| o / (copy + device)), 3),
+        json(ordered.map(|o| o / copy.max(device)), 3),
+        cold / l2.min(ordered.unwrap_or(f64::INFINITY))
     ))
+}
+
+/// A JSON number with `decimals` decimals, or `null` for a figure not measured.
+fn json(x: Option<f64>, decimals: usize) -> String {
+    x.map_or("null".into(), |x| format!("{x:.decimals$}"))
 }
 
 /// Inter-token latency of a decoding batch (`tables`, each sequence's next token in `last`, stepped at
@@ -574,7 +705,8 @@ fn itl_while_loading(
     tables: &[Vec<u32>],
     last: &mut Vec<u32>,
     pos: usize,
-) -> Result<String, Box<dyn std::error::Error>> {
+    len: &Lengths,
+) -> Result<String, Box<dyn Error>> {
     use kura_engine::Executor;
     use std::time::Duration;
     let (bs, vocab) = (16, gpu.config().vocab_size());
@@ -589,7 +721,7 @@ fn itl_while_loading(
     let step = |gpu: &mut CudaExecutor,
                 last: &mut Vec<u32>,
                 extra: Option<SeqInput<'_>>|
-     -> Result<f64, Box<dyn std::error::Error>> {
+     -> Result<f64, Box<dyn Error>> {
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
         let mut items: Vec<SeqInput<'_>> = (0..batch)
             .map(|i| SeqInput::new(&toks[i], pos, &tables[i]))
@@ -601,7 +733,7 @@ fn itl_while_loading(
         *last = ids[..batch].to_vec();
         Ok(ms)
     };
-    let start_loads = |gpu: &mut CudaExecutor| -> Result<(), Box<dyn std::error::Error>> {
+    let start_loads = |gpu: &mut CudaExecutor| -> Result<(), Box<dyn Error>> {
         for (b, &dst) in load_table[..nb].iter().enumerate() {
             if !gpu.try_start_import(dst, &host[b * block_bytes..(b + 1) * block_bytes])? {
                 return Err("an ordered load from pinned memory was not started".into());
@@ -609,13 +741,13 @@ fn itl_while_loading(
         }
         Ok(())
     };
-    let alone: Vec<f64> = (0..10)
+    let alone: Vec<f64> = (0..len.runs(10))
         .map(|_| step(gpu, last, None))
         .collect::<Result<_, _>>()?;
     let p = tokens(nb * bs + 16, 4242, vocab);
     let (mut beside, mut beside_max, mut with_request, mut copy) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..3 {
+    for _ in 0..len.runs(3) {
         start_loads(gpu)?;
         let mut done = Vec::new();
         let mut times = Vec::new();
@@ -652,11 +784,7 @@ const LOADS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// An error once [`LOADS_DEADLINE`] has passed since `started` with `reported` of `n` started loads
 /// reported.
-fn loads_not_overdue(
-    started: Instant,
-    reported: usize,
-    n: usize,
-) -> Result<(), Box<dyn std::error::Error>> {
+fn loads_not_overdue(started: Instant, reported: usize, n: usize) -> Result<(), Box<dyn Error>> {
     if started.elapsed() > LOADS_DEADLINE {
         return Err(format!(
             "{reported} of {n} started loads reported after {} s",
@@ -672,7 +800,7 @@ fn await_loads(
     gpu: &mut CudaExecutor,
     n: usize,
     done: &mut Vec<(u32, std::time::Duration)>,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<(), Box<dyn Error>> {
     let started = Instant::now();
     while done.len() < n {
         loads_not_overdue(started, done.len(), n)?;
@@ -681,10 +809,9 @@ fn await_loads(
     Ok(())
 }
 
-/// Device-to-device copy bandwidth (bytes read plus written per second) of a 2 GiB buffer: the HBM
-/// figure the decode bound divides by.
-fn copy_bandwidth(dev: &Device) -> Result<f64, Box<dyn std::error::Error>> {
-    let n = 1usize << 30;
+/// Device-to-device copy bandwidth (bytes read plus written per second) of a buffer of `n` bytes into
+/// another: the HBM figure the decode bound divides by.
+fn copy_bandwidth(dev: &Device, n: usize) -> Result<f64, Box<dyn Error>> {
     let a = dev.alloc::<u8>(n, "the copy benchmark")?;
     let mut b = dev.alloc::<u8>(n, "the copy benchmark")?;
     dev.stream.memcpy_dtod(&a, &mut b)?;

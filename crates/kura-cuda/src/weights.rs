@@ -240,9 +240,11 @@ impl DevWeights {
             bytes += n * 2;
             Ok(buf)
         };
-        let ones = |n: usize, what: &str| -> Result<CudaSlice<f32>> {
+        let mut norms = 0usize;
+        let mut ones = |n: usize, what: &str| -> Result<CudaSlice<f32>> {
             let mut buf = dev.alloc::<f32>(n, what)?;
             dev.stream.memcpy_htod(&vec![1f32; n], &mut buf)?;
+            norms += n * 4;
             Ok(buf)
         };
         let mut layers = Vec::with_capacity(cfg.num_layers());
@@ -266,6 +268,7 @@ impl DevWeights {
         };
         let final_norm = ones(h, "the final norm")?;
         dev.synchronize()?;
+        let bytes = bytes + norms;
         Ok(DevWeights {
             embed,
             layers,

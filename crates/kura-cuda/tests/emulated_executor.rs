@@ -544,3 +544,228 @@ fn a_failed_launch_fails_its_step_or_its_capture_is_retried_and_the_next_steps_r
         }
     }
 }
+
+// The GPU benchmark (`examples/gpu-bench.rs`, which `bench/gpu.sh` runs on a device), here at a 32nd of
+// its lengths: every section of it runs before a device session does.
+#[allow(dead_code)]
+#[path = "../examples/gpu-bench.rs"]
+mod gpu_bench;
+
+#[test]
+fn the_gpu_benchmark_takes_only_its_flags_and_a_power_of_two_to_divide_by() {
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let (path, len) = gpu_bench::parse(&args(&["m.json"])).unwrap();
+    assert_eq!(path, "m.json");
+    assert_eq!(len.context, 1024);
+    assert!(!len.once);
+    let (_, len) = gpu_bench::parse(&args(&["m.json", "--divide", "32"])).unwrap();
+    assert_eq!((len.context, len.prefills, len.batch), (32, [128, 512], 2));
+    assert!(len.once);
+    for bad in [
+        &["m.json", "--divide", "3"][..],
+        &["m.json", "--divide", "64"],
+        &["m.json", "--divide", "x"],
+        &["m.json", "--divide"],
+        &["--help"],
+        &[],
+    ] {
+        let e = gpu_bench::parse(&args(bad)).unwrap_err();
+        assert!(
+            e.contains("--divide") || e.contains("usage"),
+            "{bad:?}: {e}"
+        );
+    }
+}
+
+#[test]
+fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() {
+    let _turn = emulated();
+    let len = gpu_bench::Lengths::divided(32).unwrap();
+    let config = model_dir().join("config.json");
+    let mut out = Vec::new();
+    let result = gpu_bench::run(config.to_str().unwrap(), &len, &mut out);
+    let text = String::from_utf8(out).unwrap();
+    println!("{text}");
+    if let Err(e) = result {
+        panic!("gpu-bench failed: {e}");
+    }
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let objects: Vec<&serde_json::Value> = lines.iter().filter(|v| v.is_object()).collect();
+    let with = |what: &str| -> Vec<&serde_json::Value> {
+        objects
+            .iter()
+            .copied()
+            .filter(|v| v["what"] == what)
+            .collect()
+    };
+    let ms = |v: &serde_json::Value, key: &str| -> f64 {
+        let x = v[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} is not a number in {v}"));
+        assert!(x.is_finite() && x > 0.0, "{key} in {v}");
+        x
+    };
+
+    // Device memory as `kura plan --gpu` splits it: the weights as counted, and the activation buffers
+    // of the reservation as the planner's table gives them, but for the RoPE frequencies and a few
+    // one-element buffers.
+    let mem = with("memory");
+    assert_eq!(mem.len(), 1);
+    assert_eq!(mem[0]["weights"], mem[0]["weights_counted"], "{}", mem[0]);
+    let (got, est) = (
+        mem[0]["activations"].as_u64().unwrap(),
+        mem[0]["activations_estimate"].as_u64().unwrap(),
+    );
+    assert!(got >= est && got - est < 1024, "{}", mem[0]);
+
+    let decode = with("decode");
+    let modes: Vec<(u64, bool, bool, bool)> = decode
+        .iter()
+        .map(|v| {
+            ms(v, "tokens_per_s");
+            (
+                v["batch"].as_u64().unwrap(),
+                v["graphs"].as_bool().unwrap_or(true),
+                v["dependent_launch"].as_bool().unwrap_or(true),
+                v["fused"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        modes,
+        [
+            (1, true, true, false),
+            (1, true, true, true),
+            (1, true, false, false),
+            (1, false, false, false),
+            (4, true, true, false),
+            (4, true, true, true),
+            (2, true, true, false),
+            (2, true, true, true),
+        ]
+    );
+    let prefill: Vec<(u64, &str)> = with("prefill")
+        .iter()
+        .map(|v| {
+            ms(v, "ms");
+            (v["tokens"].as_u64().unwrap(), v["kernel"].as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        prefill,
+        [
+            (128, "narrow"),
+            (128, "wide"),
+            (512, "narrow"),
+            (512, "wide")
+        ]
+    );
+    let cached = with("cached_ttft");
+    assert_eq!(cached.len(), 1);
+    assert_eq!(
+        (&cached[0]["prompt"], &cached[0]["cached"]),
+        (&128.into(), &112.into())
+    );
+    ms(cached[0], "ms");
+
+    // The host-tier revisits: pinned at three lengths (with ordered loads), pageable (without), the
+    // overlap of 512 cached tokens and 32 new, and fp8 KV, whose blocks move half the bytes.
+    let l2 = with("l2_revisit");
+    let shapes: Vec<(&str, &str, u64, u64)> = l2
+        .iter()
+        .map(|v| {
+            for key in [
+                "copy_ms",
+                "ttft_device_ms",
+                "ttft_l2_ms",
+                "ttft_cold_ms",
+                "speedup_over_cold",
+            ] {
+                ms(v, key);
+            }
+            if v["host"] == "pinned" {
+                ms(v, "ttft_l2_ordered_ms");
+            } else {
+                assert!(v["ttft_l2_ordered_ms"].is_null(), "{v}");
+            }
+            (
+                v["kv"].as_str().unwrap(),
+                v["host"].as_str().unwrap(),
+                v["cached"].as_u64().unwrap(),
+                v["new"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shapes,
+        [
+            ("bf16", "pinned", 16, 16),
+            ("bf16", "pinned", 112, 16),
+            ("bf16", "pinned", 496, 16),
+            ("bf16", "pageable", 112, 16),
+            ("bf16", "pinned", 512, 32),
+            ("fp8", "pinned", 496, 16),
+        ]
+    );
+    // A block's K and V elements: 2 bytes each in bf16; 1 in fp8, plus an f16 scale per 64.
+    let elements = (LAYERS * 2 * KV_HEADS * 16 * HEAD_DIM) as u64;
+    assert_eq!(l2[2]["block_bytes"], 2 * elements);
+    assert_eq!(l2[5]["block_bytes"], elements + elements / 64 * 2);
+    let itl = with("itl_while_loading");
+    assert_eq!(itl.len(), 1);
+    for key in [
+        "step_ms_alone",
+        "step_ms_beside_loads",
+        "step_ms_with_loading_request",
+    ] {
+        ms(itl[0], key);
+    }
+    assert_eq!(itl[0]["prefix_tokens"], 512);
+
+    // The line of all: every figure printed before it, in order.
+    let all = lines
+        .iter()
+        .find_map(|v| v.as_array())
+        .expect("the line of all the figures");
+    let before: Vec<&serde_json::Value> = objects
+        .iter()
+        .copied()
+        .take_while(|v| v["what"] != "profile")
+        .filter(|v| v["peer"] == "kura")
+        .collect();
+    assert_eq!(all.iter().collect::<Vec<_>>(), before);
+
+    // The profiles: each step's kernels, the fused decode without the norms it fuses, each prefill
+    // through its own attention kernel.
+    let kernels = |step: &str| -> Vec<String> {
+        let p = with("profile")
+            .into_iter()
+            .find(|v| v["step"] == step)
+            .unwrap_or_else(|| panic!("no profile of {step}"));
+        ms(p, "total_ms");
+        p["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["kernel"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let has = |ks: &[String], name: &str| ks.iter().any(|k| k.starts_with(name));
+    let b1 = kernels("decode_b1");
+    assert!(has(&b1, "rms_norm") && !has(&b1, "gemv_norm"), "{b1:?}");
+    let fused = kernels("decode_b1_fused");
+    assert!(
+        has(&fused, "gemv_norm") && !has(&fused, "rms_norm"),
+        "{fused:?}"
+    );
+    assert!(has(&kernels("decode_batch"), "attn_split"));
+    let narrow = kernels("prefill_long");
+    assert!(
+        has(&narrow, "attn_prefill_bf16") && !has(&narrow, "attn_prefill_wide"),
+        "{narrow:?}"
+    );
+    assert!(has(&kernels("prefill_long_wide"), "attn_prefill_wide"));
+}
