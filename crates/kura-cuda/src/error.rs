@@ -40,6 +40,14 @@ pub enum CudaError {
     },
     #[error("the CUDA executor does not run this model: {0}")]
     Unsupported(String),
+    /// Host-tier loads that the engine already counts as landed (ordered loads are reported when they
+    /// start) could be copied no way at all: the pool's blocks no longer hold what the engine recorded.
+    /// Every later use of the executor's loads and steps answers this again.
+    #[error(
+        "host-tier loads into {blocks} block(s) could not be copied ({message}): the KV pool no longer \
+         holds what the engine recorded"
+    )]
+    LoadsLost { blocks: usize, message: String },
     #[error("forward step: {0}")]
     Batch(String),
     #[error(transparent)]
@@ -71,6 +79,12 @@ impl CudaError {
             self,
             CudaError::Driver { fault: true, .. } | CudaError::Blas { fault: true, .. }
         )
+    }
+
+    /// Whether the engine cannot go on after this error: a device fault, or a pool whose contents are
+    /// no longer what the engine recorded ([`CudaError::LoadsLost`]).
+    pub fn is_fatal(&self) -> bool {
+        self.is_device_fault() || matches!(self, CudaError::LoadsLost { .. })
     }
 }
 
@@ -142,7 +156,7 @@ impl From<cudarc::cublas::result::CublasError> for CudaError {
 /// exits so that a supervisor starts a new process), anything else fails the step's requests only.
 impl From<CudaError> for kura_engine::ExecError {
     fn from(e: CudaError) -> Self {
-        if e.is_device_fault() {
+        if e.is_fatal() {
             kura_engine::ExecError::Fatal(e.to_string())
         } else {
             kura_engine::ExecError::Step(e.to_string())
@@ -210,5 +224,17 @@ mod tests {
             let text = e.to_string();
             assert_eq!(ExecError::from(e), ExecError::Step(text));
         }
+        // Loads the engine counts as landed, lost: the engine cannot go on.
+        let lost = CudaError::LoadsLost {
+            blocks: 3,
+            message: "CUDA_ERROR_INVALID_VALUE".into(),
+        };
+        assert!(!lost.is_device_fault());
+        let text = lost.to_string();
+        assert!(
+            text.contains("3 block(s)") && text.contains("INVALID_VALUE"),
+            "{text}"
+        );
+        assert_eq!(ExecError::from(lost), ExecError::Fatal(text));
     }
 }

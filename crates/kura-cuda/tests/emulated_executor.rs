@@ -21,7 +21,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
-use kura_engine::{Executor, SeqInput};
+use kura_engine::{ExecError, Executor, SeqInput};
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
 
@@ -418,7 +418,9 @@ fn a_failed_batched_copy_falls_back_to_whole_blocks_and_then_to_synchronous_copi
     // Ordered host-tier loads whose batched copy fails (the driver refuses it), then whose whole-block
     // copies fail as well: the executor copies them another way, and the step over the loaded blocks
     // still gives the bits of the same step over blocks computed in place. When every way fails, the
-    // poll that issues the loads says so, and nothing panics.
+    // blocks do not hold what the engine counted them as holding: the poll that issued the loads ends
+    // the engine (a fatal error naming the loss), and so does every later poll, load and step, without
+    // a panic.
     let _turn = emulated();
     const INVALID_VALUE: i32 = 1;
     let p = prompt(300, 6);
@@ -452,17 +454,31 @@ fn a_failed_batched_copy_falls_back_to_whole_blocks_and_then_to_synchronous_copi
             inject(name, 0, -1, INVALID_VALUE);
         }
         let mut done = Vec::new();
-        let issued = gpu.imports_done(Duration::ZERO, &mut done);
+        let issued = Executor::imports_done(&mut gpu, Duration::ZERO, &mut done);
         for name in failing {
             inject(name, 0, 0, 0);
         }
         println!("{case}: the poll that issued the loads: {issued:?}");
         if failing.len() == 3 {
-            let e = issued.expect_err("every way of copying failed");
-            assert!(e.to_string().contains("INVALID_VALUE"), "{e}");
-            // A later poll answers without a panic (today: an error too, as the loads' last event was
-            // never recorded; the engine has stopped at the first).
-            println!("then: {:?}", gpu.imports_done(Duration::ZERO, &mut done));
+            let lost = match issued {
+                Err(ExecError::Fatal(e)) => e,
+                other => panic!("every way of copying failed: {other:?}"),
+            };
+            assert!(
+                lost.contains(&format!("{nb} block(s)")) && lost.contains("INVALID_VALUE"),
+                "{lost}"
+            );
+            assert!(done.is_empty(), "{done:?}");
+            // The same answer from then on, though the copies would work again.
+            let slot = &region[..Executor::block_bytes(&gpu)];
+            let again = [
+                Executor::imports_done(&mut gpu, Duration::ZERO, &mut done),
+                Executor::forward(&mut gpu, &[SeqInput::new(step, cached, &there)]).map(|_| ()),
+                Executor::start_import(&mut gpu, there[0], slot).map(|_| ()),
+            ];
+            for a in again {
+                assert_eq!(a, Err(ExecError::Fatal(lost.clone())));
+            }
         } else {
             issued.unwrap();
             let got = gpu

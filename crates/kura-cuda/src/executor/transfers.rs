@@ -35,7 +35,7 @@ use kura_engine::SeqInput;
 use super::load_order::LoadOrder;
 use super::CudaExecutor;
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{CudaError, Result};
 
 /// Host-tier loads and stores copied on a stream of their own, beside the forward passes on the
 /// device's stream. One stream for both directions keeps a load of a host slot after the store that
@@ -57,6 +57,9 @@ pub(super) struct HostLoads {
     /// Whether batched copies work here; after one fails, ordered loads are whole-block copies (a step
     /// that reads one then waits for all of it).
     batched: bool,
+    /// Ordered loads that no way of copying could copy: (blocks, why). The engine counted them as
+    /// landed, so from then on every load, poll and step answers [`CudaError::LoadsLost`].
+    lost: Option<(usize, String)>,
 }
 
 /// The events of ordered loads issued together: their issue's number, how many blocks, an event before
@@ -72,6 +75,17 @@ struct Layered {
 }
 
 impl HostLoads {
+    /// [`CudaError::LoadsLost`] once ordered loads were lost.
+    fn check(&self) -> Result<()> {
+        match &self.lost {
+            Some((blocks, message)) => Err(CudaError::LoadsLost {
+                blocks: *blocks,
+                message: message.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The events of issue `seq`, which a step may wait for only while it is in flight
     /// ([`LoadOrder::newest_writing`] names no other).
     fn issue(&self, seq: u64) -> &Layered {
@@ -93,6 +107,7 @@ impl HostLoads {
                 last_store: None,
                 device_behind: false,
                 batched: true,
+                lost: None,
             });
         }
         Ok(loads.as_mut().expect("made above"))
@@ -130,9 +145,9 @@ impl CudaExecutor {
             {
                 self.issue_imports()?;
             }
-            HostLoads::get(&mut self.loads, &self.dev)?
-                .order
-                .queue(block, bytes.as_ptr() as u64);
+            let loads = HostLoads::get(&mut self.loads, &self.dev)?;
+            loads.check()?;
+            loads.order.queue(block, bytes.as_ptr() as u64);
             return Ok(true);
         }
         let Some(dst) = self.begin_transfer(block, bytes)? else {
@@ -218,6 +233,7 @@ impl CudaExecutor {
         let Some(loads) = self.loads.as_mut() else {
             return Ok(());
         };
+        loads.check()?;
         if !loads.order.has_queued() {
             return Ok(());
         }
@@ -237,15 +253,20 @@ impl CudaExecutor {
             queued: &queued,
         };
         let mut copy_time = None;
-        let mut result = Ok(());
         if let Err(e) = copies.layered(loads, &start, &events) {
-            // Copied synchronously instead; only if that fails too is the step refused. An event the
-            // failed issue never recorded counts as complete.
+            // Copied synchronously instead. If that fails too, the blocks do not hold what the engine
+            // counted them as holding: the executor answers so from now on (the issue's events, never
+            // recorded, are not waited for or timed again).
             tracing::error!("issuing host-tier loads failed ({e}); copying them synchronously");
             let t = std::time::Instant::now();
             match copies.now(&loads.stream) {
                 Ok(()) => copy_time = Some(t.elapsed()),
-                Err(_) => result = Err(e),
+                Err(sync) => {
+                    loads.lost = Some((
+                        queued.len(),
+                        format!("{e}; copying them synchronously: {sync}"),
+                    ))
+                }
             }
         }
         loads.layered.push_back(Layered {
@@ -255,7 +276,7 @@ impl CudaExecutor {
             layers: events,
             copy_time,
         });
-        result
+        loads.check()
     }
 
     /// The issue of ordered loads a step over `batch` waits for, layer by layer: the newest not waited
