@@ -561,6 +561,64 @@ fn a_failed_launch_fails_its_step_or_its_capture_is_retried_and_the_next_steps_r
     }
 }
 
+#[test]
+fn a_step_whose_buffers_cannot_grow_fails_alone_and_the_same_step_then_grows_them() {
+    // Device memory refused while a step grows its activation buffers (the stand-in fails one
+    // allocation, after `pass` others): the step fails as out of memory, which fails only its requests.
+    // A smaller step after it (which the buffers held before) and the same step again give the bits of
+    // an executor where nothing failed: a buffer left at one element is grown again.
+    let _turn = emulated();
+    const OUT_OF_MEMORY: i32 = 2;
+    let p = prompt(150, 9);
+    let bs = 16;
+    let table: Vec<u32> = (0..p.len().div_ceil(bs) as u32).collect();
+    let (first, small, second) = (
+        [SeqInput::new(&p[..37], 0, &table)],
+        [SeqInput::new(&p[37..57], 37, &table)],
+        [SeqInput::new(&p[37..], 37, &table)],
+    );
+    let mut plain = exec(KvDtype::Bf16, bs, table.len());
+    plain.forward_logits(&first).unwrap();
+    let want_small = plain.forward_logits(&small).unwrap();
+    let want = plain.forward_logits(&second).unwrap();
+    drop(plain);
+    // From 37 tokens a step to 113, every per-token buffer grows: two allocations each (one element
+    // first, so that the old buffer is freed before the larger one is asked for).
+    let grown = 2 * kura_cuda::budget::ACTIVATIONS
+        .iter()
+        .filter(|b| b.per == kura_cuda::budget::Per::Token)
+        .count();
+    let mut refused = 0;
+    for pass in 0..grown + 2 {
+        let mut gpu = exec(KvDtype::Bf16, bs, table.len());
+        gpu.forward_logits(&first).unwrap();
+        inject("cuMemAllocAsync", pass as i64, 1, OUT_OF_MEMORY);
+        let step = Executor::forward(&mut gpu, &second);
+        inject("cuMemAllocAsync", 0, 0, 0);
+        match step {
+            Ok(_) => {}
+            Err(ExecError::Step(e)) => {
+                assert!(e.contains("not enough device memory"), "{pass}: {e}");
+                refused += 1;
+            }
+            Err(e) => panic!("allocation {pass} refused: {e:?}"),
+        }
+        let got = gpu.forward_logits(&small).unwrap();
+        assert!(
+            same_bits(&got, &want_small),
+            "allocation {pass} refused, then a smaller step: {:.2e}",
+            rel(&got, &want_small)
+        );
+        let got = gpu.forward_logits(&second).unwrap();
+        assert!(
+            same_bits(&got, &want),
+            "allocation {pass} refused: {:.2e}",
+            rel(&got, &want)
+        );
+    }
+    assert_eq!(refused, grown, "refusals that failed the step");
+}
+
 // The GPU benchmark (`examples/gpu-bench.rs`, which `bench/gpu.sh` runs on a device), here at a 32nd of
 // its lengths: every section of it runs before a device session does.
 #[allow(dead_code)]
