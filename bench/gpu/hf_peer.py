@@ -97,20 +97,27 @@ def main() -> None:
     # transformers >= 4.50 / 5.x: logits_to_keep; 4.45-4.49: num_logits_to_keep; older: neither (all logits).
     params = inspect.signature(model.forward).parameters
     keep = next(({k: 1} for k in ("logits_to_keep", "num_logits_to_keep") if k in params), {})
+    # The KV cache's argument and output: `cache` from transformers 5.2x on (`past_key_values`
+    # deprecated), `past_key_values` before.
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def cache_of(o):
+        c = getattr(o, "cache", None)
+        return o.past_key_values if c is None else c
 
     def ids(batch: int, n: int) -> torch.Tensor:
         return torch.randint(3, SHAPE["vocab_size"], (batch, n), generator=gen).to(DEV)
 
     def prefill(x: torch.Tensor, cache=None):
         """Forward of x (into cache, or a new DynamicCache) + argmax of the last position: (tokens, cache)."""
-        o = model(input_ids=x, past_key_values=cache, use_cache=True, **keep)
-        return o.logits[:, -1].argmax(-1, keepdim=True), o.past_key_values
+        o = model(input_ids=x, use_cache=True, **{cache_arg: cache}, **keep)
+        return o.logits[:, -1].argmax(-1, keepdim=True), cache_of(o)
 
     def decode(tok: torch.Tensor, cache, steps: int) -> None:
         for _ in range(steps):
-            o = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            o = model(input_ids=tok, use_cache=True, **{cache_arg: cache})
             tok = o.logits[:, -1].argmax(-1, keepdim=True)
-            cache = o.past_key_values
+            cache = cache_of(o)
 
     with torch.no_grad():
         # Prefill TTFT.

@@ -17,6 +17,7 @@ each model dir holding config.json, model.safetensors (bf16), TOKENIZER_DIR's to
 Needs torch + transformers (5.x: `rope_parameters`, `dtype`, `logits_to_keep`). Uses the GPU when there is one.
 --small (for a CPU smoke test): 2 layers per model and prompts of 37, 64 and 100 tokens.
 """
+import inspect
 import json
 import random
 import shutil
@@ -91,6 +92,9 @@ def main() -> None:
             model = LlamaForCausalLM(config)  # random init: normal(0, initializer_range), norms at 1
         model.eval()
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        # The KV cache's argument and output: `cache` from transformers 5.2x on (`past_key_values`
+        # deprecated), `past_key_values` before.
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
         mdir = out / name
         mdir.mkdir(exist_ok=True)
@@ -114,8 +118,9 @@ def main() -> None:
                 # Greedy: pure argmax over the full vocabulary, one token at a time on the cache.
                 toks = [int(logits.argmax())]
                 while len(toks) < GREEDY_TOKENS:
-                    o = model(input_ids=torch.tensor([[toks[-1]]], device=dev), past_key_values=o.past_key_values,
-                              use_cache=True)
+                    cache = getattr(o, "cache", None)
+                    cache = o.past_key_values if cache is None else cache
+                    o = model(input_ids=torch.tensor([[toks[-1]]], device=dev), use_cache=True, **{cache_arg: cache})
                     toks.append(int(o.logits[0, -1].argmax()))
                 (mdir / f"hf_greedy_{i}.json").write_text(json.dumps(toks))
             # The float32 reference: the same bf16 weights upcast exactly, every product in float32.
