@@ -7,6 +7,9 @@
 # KURA_GPU_SERVE_MODEL set to a model directory, also runs `kura bench shared-prefix` against
 # `kura serve --device cuda` on that model. A step that fails or runs past its limit (KURA_BENCH_LIMIT_S,
 # KURA_HF_LIMIT_S) does not stop the next; the script then exits 1.
+# KURA_GPU_BENCH_CONFIG overrides the model config. KURA_GPU_PREFLIGHT=1 (scripts/gpu/preflight.sh, on the
+# CPU's stand-in driver): gpu-bench at a 32nd of its lengths (--divide 32), hf_peer.py --small, and a
+# smaller shared-prefix run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu/env.sh
@@ -16,9 +19,11 @@ mkdir -p "$out"
 failed=()
 # --foreground: the command stays in this script's process group, so that a timeout around the whole
 # script (scripts/gpu/all.sh) ends it too.
-timeout --foreground -k 10 "${KURA_BENCH_LIMIT_S:-180}" gpu-bin/gpu-bench bench/gpu/llama-3.1-8b.json | tee "$out/kura.jsonl" \
+small=${KURA_GPU_PREFLIGHT:+1}
+timeout --foreground -k 10 "${KURA_BENCH_LIMIT_S:-180}" gpu-bin/gpu-bench "${KURA_GPU_BENCH_CONFIG:-bench/gpu/llama-3.1-8b.json}" \
+  ${small:+--divide 32} | tee "$out/kura.jsonl" \
   || failed+=("gpu-bench (exit ${PIPESTATUS[0]}; 124: over ${KURA_BENCH_LIMIT_S:-180} s)")
-timeout --foreground -k 10 "${KURA_HF_LIMIT_S:-120}" python3 bench/gpu/hf_peer.py | tee "$out/hf.jsonl" \
+timeout --foreground -k 10 "${KURA_HF_LIMIT_S:-120}" python3 bench/gpu/hf_peer.py ${small:+--small} | tee "$out/hf.jsonl" \
   || failed+=("hf_peer.py (exit ${PIPESTATUS[0]}; 124: over ${KURA_HF_LIMIT_S:-120} s)")
 python3 bench/gpu/table.py "$out/kura.jsonl" "$out/hf.jsonl" || failed+=("table.py")
 if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
@@ -38,8 +43,9 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
     tail -20 "$out/serve.log" >&2
     failed+=("kura serve --device cuda")
   else
-    gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" --groups 4 --users-per-group 8 \
-      --system-tokens 2000 --question-tokens 50 --output-tokens 32 --out "$out/shared-prefix" 2>&1 | tail -25 \
+    if [ -n "$small" ]; then shape=(--groups 2 --users-per-group 4 --system-tokens 200 --question-tokens 20 --output-tokens 8)
+    else shape=(--groups 4 --users-per-group 8 --system-tokens 2000 --question-tokens 50 --output-tokens 32); fi
+    gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" "${shape[@]}" --out "$out/shared-prefix" 2>&1 | tail -25 \
       || failed+=("kura bench shared-prefix")
     kill $serve_pid
     wait $serve_pid 2>/dev/null || true

@@ -13,6 +13,8 @@
 #  4. `kura perplexity --device cuda` on the small model: f32 KV against the f32 reference exact (the GPU
 #     path is deterministic), bf16 and fp8 finite.
 # Usage: scripts/test-gpu.sh [WORK_DIR] (default a temporary folder).
+# KURA_GPU_PREFLIGHT=1 (scripts/gpu/preflight.sh, on the CPU's stand-in driver): the models cut to 2 layers
+# (make_models.py --preflight) and each test given 600 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu/env.sh
@@ -25,7 +27,7 @@ work=${1:-$(mktemp -d)}
 mkdir -p "$work"
 start=$(date +%s)
 echo "== models and HF references ($work)"
-python3 scripts/gpu/make_models.py "$work" gpu-bin/tokenizer
+python3 scripts/gpu/make_models.py "$work" gpu-bin/tokenizer ${KURA_GPU_PREFLIGHT:+--preflight}
 failed=()
 echo "== CUDA executor tests"
 # One process a test, each under a time limit (KURA_GPU_TEST_LIMIT_S): a test that hangs, or leaves a
@@ -51,12 +53,13 @@ for t in $tests; do
   case " $ordered " in *" $t "*) ;; *) ordered="$ordered $t" ;; esac
 done
 tests=$ordered
+limit=${KURA_GPU_TEST_LIMIT_S:-$([ -n "${KURA_GPU_PREFLIGHT:-}" ] && echo 600 || echo 90)}
 for t in $tests; do
   rc=0
-  KURA_GPU_MODELS="$work" timeout --foreground -k 10 "${KURA_GPU_TEST_LIMIT_S:-90}" \
+  KURA_GPU_MODELS="$work" timeout --foreground -k 10 "$limit" \
     gpu-bin/kura-cuda-gpu-tests --ignored --exact "$t" --test-threads=1 --nocapture || rc=$?
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    echo "test $t ... TIMED OUT (over ${KURA_GPU_TEST_LIMIT_S:-90} s)"
+    echo "test $t ... TIMED OUT (over $limit s)"
     failed+=("$t (timed out)")
   elif [ $rc -ne 0 ]; then
     failed+=("$t")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Make HF-format Llama models with random bf16 weights, and HF transformers' reference outputs for them.
 
-    python3 scripts/gpu/make_models.py OUT_DIR TOKENIZER_DIR [--small]
+    python3 scripts/gpu/make_models.py OUT_DIR TOKENIZER_DIR [--small | --preflight]
 
 Writes, for Kura-vs-transformers correctness tests of the CUDA executor:
   OUT_DIR/prompts.json             3 token-id lists (random.Random(1234), ids in [3, 49152)), lengths 37, 300, 1000
@@ -16,6 +16,9 @@ each model dir holding config.json, model.safetensors (bf16), TOKENIZER_DIR's to
 
 Needs torch + transformers (5.x: `rope_parameters`, `dtype`, `logits_to_keep`). Uses the GPU when there is one.
 --small (for a CPU smoke test): 2 layers per model and prompts of 37, 64 and 100 tokens.
+--preflight (for scripts/gpu/preflight.sh, whose stand-in driver runs the kernels on the CPU): 2 layers per
+model, llama8b4 narrowed to hidden 1024 (8 heads of 128, 2 KV heads, intermediate 3584), the prompts as
+above.
 """
 import inspect
 import json
@@ -62,7 +65,8 @@ MODELS = {
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     small = "--small" in sys.argv[1:]
-    if len(args) != 2:
+    preflight = "--preflight" in sys.argv[1:]
+    if len(args) != 2 or any(a not in ("--small", "--preflight") for a in sys.argv[1:] if a.startswith("--")):
         sys.exit(__doc__)
     out, tok_dir = Path(args[0]), Path(args[1])
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -83,8 +87,10 @@ def main() -> None:
     torch.set_default_dtype(torch.bfloat16)  # parameters are created in bf16, never cast
     for name, shape in MODELS.items():
         t0 = time.perf_counter()
-        if small:
+        if small or preflight:
             shape = dict(shape, num_hidden_layers=2)
+        if preflight and name == "llama8b4":
+            shape = dict(shape, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2)
         config = LlamaConfig(**{**COMMON, **shape})
         config.dtype = torch.bfloat16
         config._attn_implementation = "sdpa"

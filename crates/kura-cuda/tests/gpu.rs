@@ -142,6 +142,15 @@ fn logits_match_the_cpu_runtime_and_hf_transformers() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// Which attention a step of `prefill_min` ([`CudaExecutor::set_prefill_min`]) runs a prompt through.
+fn kernels(prefill_min: usize) -> String {
+    if prefill_min == usize::MAX {
+        "split kernel only".into()
+    } else {
+        format!("prefill kernel from {prefill_min} tokens")
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv() {
@@ -166,19 +175,24 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
             let (rel, max) = errors(&g, &c);
             let gpu_rel = first.as_ref().map(|f| errors(&g, f).0);
             println!(
-                "{} KV, block {bs}, prefill kernel from {prefill_min} tokens: vs CPU rel {rel:.2e} max {max:.2e}; \
-                 vs the first GPU run {gpu_rel:?}",
-                dtype.name()
+                "{} KV, block {bs}, {}: vs CPU rel {rel:.2e} max {max:.2e}; vs the first GPU run {gpu_rel:?}",
+                dtype.name(),
+                kernels(prefill_min)
             );
             if rel > LOGITS_TOL {
                 failures.push(format!(
-                    "{} block {bs} prefill_min {prefill_min}: {rel:.2e} against the CPU",
-                    dtype.name()
+                    "{} block {bs}, {}: {rel:.2e} against the CPU",
+                    dtype.name(),
+                    kernels(prefill_min)
                 ));
             }
             // Two GPU kernels on the same KV: f32 sums in another order, bf16 P in the prefill kernel.
             if gpu_rel.is_some_and(|r| r > LOGITS_TOL) {
-                failures.push(format!("{} block {bs} prefill_min {prefill_min}: {gpu_rel:?} against the first GPU run", dtype.name()));
+                failures.push(format!(
+                    "{} block {bs}, {}: {gpu_rel:?} against the first GPU run",
+                    dtype.name(),
+                    kernels(prefill_min)
+                ));
             }
             first.get_or_insert(g);
         }
@@ -717,14 +731,16 @@ fn fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte() {
             .unwrap();
         let (rel16, rel8) = (errors(&g, &c16).0, errors(&g, &c8).0);
         println!(
-            "fp8 KV, block {bs}, prefill kernel from {prefill_min} tokens: vs CPU bf16 {rel16:.2e} (the CPU's \
-             fp8: {cpu_fp8:.2e}), vs CPU fp8 {rel8:.2e}; argmax GPU {} CPU bf16 {}",
+            "fp8 KV, block {bs}, {}: vs CPU bf16 {rel16:.2e} (the CPU's fp8: {cpu_fp8:.2e}), vs CPU fp8 \
+             {rel8:.2e}; argmax GPU {} CPU bf16 {}",
+            kernels(prefill_min),
             argmax(&g),
             argmax(&c16)
         );
         if rel16 > allowed {
             failures.push(format!(
-                "block {bs} prefill_min {prefill_min}: {rel16:.2e} from bf16, more than {allowed:.2e}"
+                "block {bs}, {}: {rel16:.2e} from bf16, more than {allowed:.2e}",
+                kernels(prefill_min)
             ));
         }
         if prefill_min == usize::MAX {

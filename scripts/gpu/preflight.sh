@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A device session's whole call (scripts/gpu/all.sh) on this machine's CPU, to run before a session on a
+# lent GPU: the stand-in NVIDIA driver, cuBLAS and nvidia-smi of crates/kura-cuda/emu take the GPU's place,
+# and KURA_GPU_PREFLIGHT=1 makes every step small enough to end in minutes (models of 2 layers, the
+# Llama-3.1-8B-shaped one narrowed to hidden 1024 with heads of 128; gpu-bench at a 32nd of its lengths;
+# hf_peer.py --small; a smaller shared-prefix run). Every script, test and benchmark section runs as it
+# will on the device, through the release binaries that travel (scripts/gpu-build.sh). What it checks is
+# the harness and the host code; its timings mean nothing, and the GPU's arithmetic, timing and
+# concurrency are the device's to check. scripts/gpu/tiers.sh is not run (its model and loads are sized
+# for a device).
+# Needs cargo, a C++ compiler (scripts/fetch-cxx.sh), NVRTC (scripts/fetch-nvrtc.sh) and PyPI: torch,
+# transformers and the openai client go into a virtual environment under the cache (a few GB on first
+# use). About 20-30 minutes on 2 cores; exits as all.sh does (non-zero when a test or bench step failed).
+# Usage: scripts/gpu/preflight.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/lib/fetch.sh
+out=${1:-$(mktemp -d)}
+mkdir -p "$out"
+work=$(mktemp -d)
+set -a
+eval "$(scripts/fetch-nvrtc.sh)"
+eval "$(scripts/fetch-cxx.sh)"
+set +a
+venv="$(kura_cache_root)/venv-gpu-preflight"
+if ! "$venv/bin/python" -c 'import torch, transformers, openai' 2>/dev/null; then
+  echo "== torch, transformers and openai into $venv" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q torch transformers openai
+fi
+echo "== scripts/gpu-build.sh" >&2
+scripts/gpu-build.sh
+echo "== the stand-in driver and cuBLAS" >&2
+crates/kura-cuda/emu/build.sh "$work/emu"
+cp crates/kura-cuda/emu/nvidia-smi "$work/emu/"
+echo "== scripts/gpu/all.sh $out on the stand-in (models in $work/models)" >&2
+PATH="$work/emu:$venv/bin:$PATH" LD_LIBRARY_PATH="$work/emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  KURA_GPU_PREFLIGHT=1 KURA_GPU_WORK="$work/models" KURA_GPU_BENCH_CONFIG="$work/models/llama8b4/config.json" \
+  KURA_BENCH_LIMIT_S=900 KURA_HF_LIMIT_S=300 \
+  scripts/gpu/all.sh "$out" 3600 1800
