@@ -9,7 +9,7 @@
 # KURA_HF_LIMIT_S) does not stop the next; the script then exits 1.
 # KURA_GPU_BENCH_CONFIG overrides the model config. KURA_GPU_PREFLIGHT=1 (scripts/gpu/preflight.sh, on the
 # CPU's stand-in driver): gpu-bench at a 32nd of its lengths (--divide 32), hf_peer.py --small, and a
-# smaller shared-prefix run.
+# smaller shared-prefix run against a 1 GiB pool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu/env.sh
@@ -28,7 +28,9 @@ timeout --foreground -k 10 "${KURA_HF_LIMIT_S:-120}" python3 bench/gpu/hf_peer.p
 python3 bench/gpu/table.py "$out/kura.jsonl" "$out/hf.jsonl" || failed+=("table.py")
 if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
   port=8391
-  gpu-bin/kura serve --device cuda --model "$KURA_GPU_SERVE_MODEL" --port $port --kv-cache-memory 8GiB \
+  pool=8GiB
+  [ -z "$small" ] || pool=1GiB # the stand-in device of KURA_GPU_PREFLIGHT has 4 GiB
+  gpu-bin/kura serve --device cuda --model "$KURA_GPU_SERVE_MODEL" --port $port --kv-cache-memory "$pool" \
     > "$out/serve.log" 2>&1 &
   serve_pid=$!
   # The server goes with the script, however it ends.
