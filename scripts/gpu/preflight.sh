@@ -11,8 +11,8 @@
 # on the stand-in; tests/emulated_executor.rs runs their decode paths and kernels in CI. Nor is
 # scripts/gpu/tiers.sh run (its model and loads are sized for a device).
 # Needs cargo, a C++ compiler (scripts/fetch-cxx.sh), NVRTC (scripts/fetch-nvrtc.sh) and PyPI: torch,
-# transformers and the openai client go into a virtual environment under the cache (a few GB on first
-# use). About 20-30 minutes on 2 cores; exits as all.sh does (non-zero when a test or bench step failed).
+# transformers, httpx and the openai client go into a virtual environment under the cache (a few GB on
+# first use). About 20-30 minutes on 2 cores; exits as all.sh does (non-zero when a test or bench step failed).
 # Usage: scripts/gpu/preflight.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,11 +24,16 @@ set -a
 eval "$(scripts/fetch-nvrtc.sh)"
 eval "$(scripts/fetch-cxx.sh)"
 set +a
+# The Python packages as the lent machine has them (transformers as its image holds it, the openai client
+# as scripts/gpu/fetch-wheels.sh carries it, httpx from its image).
 venv="$(kura_cache_root)/venv-gpu-preflight"
-if ! "$venv/bin/python" -c 'import torch, transformers, openai' 2>/dev/null; then
-  echo "== torch, transformers and openai into $venv" >&2
+want="transformers==5.17.0 openai==2.54.0"
+if [ "$("$venv/bin/python" -c 'import torch, httpx, transformers as t, openai as o
+print(f"transformers=={t.__version__} openai=={o.__version__}")' 2>/dev/null)" != "$want" ]; then
+  echo "== torch, $want and httpx into $venv" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch transformers openai
+  # shellcheck disable=SC2086
+  "$venv/bin/pip" install -q torch $want httpx
 fi
 echo "== scripts/gpu-build.sh" >&2
 scripts/gpu-build.sh

@@ -11,6 +11,7 @@ Usage: serve_check.py KURA MODEL [DEVICE] (DEVICE cuda by default; cpu runs the 
 the CPU). Exits non-zero on any failure."""
 
 import json
+import os
 import random
 import re
 import socket
@@ -105,10 +106,19 @@ def run(kura: str, model: str, device: str, words: int = 700) -> tuple[dict, str
         stop(proc)
 
 
-def check_host_tier(kura: str, model: str, device: str, pool: str = "48MiB", words: int = 600) -> list[str]:
-    """Four prompts of `words` words (~40 blocks in SmolLM2's tokenizer) through a pool of `pool` (48 MiB:
-    ~136 blocks of bf16 KV in SmolLM2's shape) with a host tier: each revisit is served from the pool or the
-    host tier, with the cold text."""
+def pool_bytes(model: str, blocks: int) -> str:
+    """The bytes of `blocks` blocks of bf16 KV of the model at `model` (its config.json)."""
+    c = json.load(open(f"{model}/config.json"))
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return str(blocks * BLOCK * 2 * c["num_hidden_layers"] * kv_heads * head_dim * 2)
+
+
+def check_host_tier(kura: str, model: str, device: str, pool: str | None = None, words: int = 600) -> list[str]:
+    """Four prompts of `words` words (~40 blocks in SmolLM2's tokenizer) through a pool of `pool` (by default
+    136 blocks of bf16 KV of the model: 48 MiB in SmolLM2's shape) with a host tier: each revisit is served
+    from the pool or the host tier, with the cold text."""
+    pool = pool or (pool_bytes(model, 136) if os.path.isfile(f"{model}/config.json") else "48MiB")
     try:
         proc, url, _ = start(kura, model, device, "--kv-cache-memory", pool, "--kv-host-memory", "512MiB")
     except RuntimeError as e:
