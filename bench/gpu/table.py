@@ -56,8 +56,6 @@ for r in kura:
               f"{r['copy_bandwidth_gbs']:.0f} GB/s){sheet}")
 print("(Kura / HF: speed-up, above 1 means Kura is faster)")
 l2 = [json.loads(l) for l in open(sys.argv[1]) if '"l2_revisit"' in l and l.startswith("{")]
-
-
 if l2:
     print()
     print("A revisited prompt whose KV is only in the host tier (L2), then `new` tokens prefilled; from L2:")

@@ -277,19 +277,16 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     for ((graphs, dependent, fused), tps) in decode1 {
         let dependent = dependent && has_dependent;
         report.figure(format!(
-                "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
-                 \"dependent_launch\":{dependent},\"fused\":{fused},\
-                 \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
-                 \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
-                 \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
-                1e3 / tps,
-                bandwidth / 1e9,
-                tps / bound,
-                datasheet.map_or("null".into(), |b| format!("{b}")),
-                datasheet.map_or("null".into(), |b| format!(
-                    "{:.3}",
-                    tps / (b * 1e12 / weight_bytes as f64)
-                )),
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
+             \"dependent_launch\":{dependent},\"fused\":{fused},\
+             \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
+             \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
+             \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
+            1e3 / tps,
+            bandwidth / 1e9,
+            tps / bound,
+            datasheet.map_or("null".into(), |b| format!("{b}")),
+            json(datasheet.map(|b| tps / (b * 1e12 / weight_bytes as f64)), 3),
         ))?;
     }
 
@@ -479,7 +476,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
         let p1 = tokens(ctx, 7, vocab);
         gpu.forward_greedy(&[SeqInput::new(&p1, 0, &table)])?;
-        let long = tokens(long, long as u64, vocab);
+        let long_prompt = tokens(long, long as u64, vocab);
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
         let b64: Vec<SeqInput<'_>> = (0..batch)
             .map(|i| SeqInput::new(&toks[i], ctx + steps - 1, &tables[i]))
@@ -488,8 +485,11 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ("decode_b1", vec![SeqInput::new(&[5], ctx, &table)]),
             ("decode_b1_fused", vec![SeqInput::new(&[5], ctx, &table)]),
             ("decode_batch", b64),
-            ("prefill_long", vec![SeqInput::new(&long, 0, &table)]),
-            ("prefill_long_wide", vec![SeqInput::new(&long, 0, &table)]),
+            ("prefill_long", vec![SeqInput::new(&long_prompt, 0, &table)]),
+            (
+                "prefill_long_wide",
+                vec![SeqInput::new(&long_prompt, 0, &table)],
+            ),
         ] {
             gpu.set_wide_prefill(what.ends_with("_wide"));
             gpu.set_fused_decode(what.ends_with("_fused"));
