@@ -31,12 +31,15 @@ pub use weights::{WeightsDigest, WeightsDtype};
 /// Where the scripts put the default model and test data (`kura-text`'s, which loads it first).
 pub use kura_text::{cache_dir, default_model_path};
 
-/// Sets the number of threads of the compute pool (once, before the first forward pass).
+/// Sets the number of threads of the compute pool (once, before the first forward pass). Its steps then
+/// run on fewer of them while a core is busy with something else (`kernels::roster`).
 pub fn set_threads(n: usize) -> Result<(), String> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .build_global()
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    kernels::roster::enable(n);
+    Ok(())
 }
 
 /// Threads of the compute pool.

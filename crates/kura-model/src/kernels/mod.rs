@@ -7,6 +7,7 @@ pub mod matmul;
 pub mod ops;
 pub mod packed;
 pub mod qpacked;
+pub mod roster;
 pub mod team;
 
 /// The kernel paths this process dispatches to, for the log: the vector instruction set (which

@@ -9,6 +9,7 @@
 //! leaves its core to whatever else runs there and, woken, gets it back at once, where a thread that
 //! yielded waits its turn behind the other processes, a time slice (milliseconds) at every barrier.
 
+use super::roster;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -141,11 +142,20 @@ struct Poisoned;
 
 /// Runs `f` on every thread of the current rayon pool (on the calling thread alone when the pool has one
 /// thread, or when called from inside a region) and returns when all are done.
+///
+/// On the global pool, once `set_threads` has built it, a step opened from outside the pool runs on as
+/// many of its threads as [`super::roster`] says: fewer while a core is busy with something else.
 pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
     let n = rayon::current_num_threads();
     if n <= 1 || IN_REGION.with(|r| r.get()) {
         f(&Team::solo());
         return;
+    }
+    if rayon::current_thread_index().is_none() {
+        if let Some(count) = roster::global_count(n) {
+            run_adaptive(n, count, f);
+            return;
+        }
     }
     let barrier = SpinBarrier::new(n);
     let first_panic = std::sync::Mutex::new(None);
@@ -156,22 +166,77 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
             barrier: Some(&barrier),
             deals: std::cell::Cell::new(0),
         };
-        IN_REGION.with(|r| r.set(true));
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&team)));
-        IN_REGION.with(|r| r.set(false));
-        // A thread that panics must not leave the others waiting at a barrier forever: it poisons the
-        // barrier, they stop waiting, and the first real panic goes to the caller.
-        if let Err(payload) = result {
-            barrier.poison();
-            if !payload.is::<Poisoned>() {
-                let mut first = first_panic.lock().unwrap_or_else(|e| e.into_inner());
-                first.get_or_insert(payload);
-            }
-        }
+        member(&team, &barrier, &first_panic, &f);
     });
     if let Some(payload) = first_panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
         std::panic::resume_unwind(payload);
     }
+}
+
+/// Runs `f` as `team`'s member. A thread that panics must not leave the others waiting at a barrier
+/// forever: it poisons the barrier, they stop waiting, and the first real panic goes to the caller.
+fn member<F: Fn(&Team<'_>) + Sync>(
+    team: &Team<'_>,
+    barrier: &SpinBarrier,
+    first_panic: &Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    f: &F,
+) {
+    IN_REGION.with(|r| r.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(team)));
+    IN_REGION.with(|r| r.set(false));
+    if let Err(payload) = result {
+        barrier.poison();
+        if !payload.is::<Poisoned>() {
+            let mut first = first_panic.lock().unwrap_or_else(|e| e.into_inner());
+            first.get_or_insert(payload);
+        }
+    }
+}
+
+/// One step at a time on the global pool: a team's jobs are taken by whichever threads are free, so two
+/// steps at once could each hold some of the threads and wait for the rest forever.
+static ADAPTIVE_STEP: Mutex<()> = Mutex::new(());
+
+/// A step on `count` of the global pool's `n` threads (the calling thread alone for one), which then
+/// tell the roster whether any of them was held up.
+fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, f: F) {
+    let _one_at_a_time = ADAPTIVE_STEP.lock().unwrap_or_else(|e| e.into_inner());
+    let held_up = AtomicBool::new(false);
+    let note = |mark: Option<roster::Mark>| {
+        if mark.is_some_and(|m| m.held_up()) {
+            held_up.store(true, Ordering::Relaxed);
+        }
+    };
+    if count <= 1 {
+        let mark = roster::Mark::now();
+        f(&Team::solo());
+        note(mark);
+    } else {
+        let barrier = SpinBarrier::new(count);
+        let first_panic = Mutex::new(None);
+        let slots = AtomicUsize::new(0);
+        // The jobs go to whichever threads come for them first: a thread whose core is busy comes last
+        // and finds none left.
+        rayon::scope(|s| {
+            for _ in 0..count {
+                s.spawn(|_| {
+                    let team = Team {
+                        tid: slots.fetch_add(1, Ordering::Relaxed),
+                        n: count,
+                        barrier: Some(&barrier),
+                        deals: std::cell::Cell::new(0),
+                    };
+                    let mark = roster::Mark::now();
+                    member(&team, &barrier, &first_panic, &f);
+                    note(mark);
+                });
+            }
+        });
+        if let Some(payload) = first_panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            std::panic::resume_unwind(payload);
+        }
+    }
+    roster::global_after_step(n, held_up.load(Ordering::Relaxed));
 }
 
 /// A reusable barrier for a fixed number of threads that spins briefly, then sleeps. The counter that
@@ -563,6 +628,94 @@ mod tests {
         // The caller gets the worker's own panic, not the one that woke the waiting thread.
         let payload = result.expect_err("the region must panic");
         assert_eq!(payload.downcast_ref::<&str>(), Some(&"worker fails"));
+    }
+
+    #[test]
+    fn a_step_on_part_of_the_pool_runs_each_member_once_and_deals_every_item_once() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .expect("pool");
+        for count in 1..=4 {
+            let members = Mutex::new(Vec::new());
+            let sizes: Vec<usize> = (0..30).map(|r| (r * 37) % 101).collect();
+            let seen: Vec<Vec<AtomicUsize>> = sizes
+                .iter()
+                .map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect())
+                .collect();
+            pool.install(|| {
+                run_adaptive(4, count, |tm| {
+                    members.lock().unwrap().push((tm.index(), tm.size()));
+                    for (round, &n) in sizes.iter().enumerate() {
+                        tm.deal(n, |r| {
+                            for i in r {
+                                seen[round][i].fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                        tm.sync();
+                    }
+                })
+            });
+            let mut members = members.into_inner().unwrap();
+            members.sort();
+            assert_eq!(members, (0..count).map(|i| (i, count)).collect::<Vec<_>>());
+            for (round, s) in seen.iter().enumerate() {
+                assert!(
+                    s.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                    "count {count} round {round}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_in_a_step_on_part_of_the_pool_reaches_the_caller() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| {
+                run_adaptive(3, 2, |tm| {
+                    if tm.index() == 1 {
+                        panic!("member fails");
+                    }
+                    tm.sync();
+                })
+            })
+        }));
+        let payload = result.expect_err("the step must panic");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"member fails"));
+    }
+
+    #[test]
+    fn steps_on_the_global_pool_from_several_threads_take_turns() {
+        // A step's jobs go to whichever threads are free: two steps at once, each with some of the
+        // threads, would wait for the rest forever. Opened from outside the pool, they take turns.
+        let n = rayon::current_num_threads();
+        let steps = std::sync::Arc::new(AtomicUsize::new(0));
+        let (done, finished) = std::sync::mpsc::channel();
+        for _ in 0..3 {
+            let (steps, done) = (steps.clone(), done.clone());
+            std::thread::spawn(move || {
+                for _ in 0..50 {
+                    run_adaptive(n, n, |tm| {
+                        tm.sync();
+                        if tm.index() == 0 {
+                            steps.fetch_add(1, Ordering::Relaxed);
+                        }
+                        tm.sync();
+                    });
+                }
+                done.send(()).expect("the test waits");
+            });
+        }
+        for _ in 0..3 {
+            finished
+                .recv_timeout(std::time::Duration::from_secs(120))
+                .expect("steps opened from several threads at once never finished");
+        }
+        assert_eq!(steps.load(Ordering::Relaxed), 150);
     }
 
     #[test]

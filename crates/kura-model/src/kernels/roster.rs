@@ -1,0 +1,262 @@
+//! How many of the compute pool's threads take part in a step: all of them, or fewer while a core is
+//! taken by something else.
+//!
+//! A step's threads meet at hundreds of barriers, so a thread that shares its core with another busy
+//! process holds every other thread at each one for as long as the scheduler keeps it off its core (a
+//! tick, milliseconds). On 2 cores with a busy process on one of them, a team of 2 decoded more slowly
+//! than 1 thread; a team that leaves one thread out runs at the speed of the free cores. Which thread
+//! takes which share never changes a token's bits, so the team's size may change from one step to the
+//! next.
+//!
+//! After each step every member says whether it was held up: it was switched out involuntarily and
+//! waited on a run queue (Linux's `/proc/thread-self/schedstat`) for more than [`HELD_UP_NS`] and more
+//! than an eighth of the step. After [`HELD_UP_STEPS`] held-up steps in a row the team shrinks by one;
+//! after `wait` clean steps it grows by one again, `wait` doubling with each shrink (from
+//! [`FIRST_WAIT`] to [`LONGEST_WAIT`]) and starting over once the whole team has run [`SETTLED`] clean
+//! steps. One preemption (a kernel thread, a neighbour's burst) never shrinks the team; a busy core,
+//! which holds its thread up at nearly every step, does within three.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// Held-up steps in a row that shrink the team.
+pub const HELD_UP_STEPS: usize = 3;
+/// Clean steps before the first growth.
+pub const FIRST_WAIT: usize = 4;
+/// The most clean steps waited before growing.
+pub const LONGEST_WAIT: usize = 256;
+/// Clean steps of the whole team after which the wait starts over from [`FIRST_WAIT`].
+pub const SETTLED: usize = 1024;
+/// The least time on a run queue, in a step, that counts as being held up.
+pub const HELD_UP_NS: u64 = 100_000;
+
+/// The team size of one pool and what decides it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Roster {
+    /// Threads in the pool.
+    pub threads: usize,
+    /// Threads that take part in the next step, 1 to `threads`.
+    pub count: usize,
+    held_up: usize,
+    clean: usize,
+    wait: usize,
+}
+
+impl Roster {
+    pub fn new(threads: usize) -> Roster {
+        Roster {
+            threads,
+            count: threads.max(1),
+            held_up: 0,
+            clean: 0,
+            wait: FIRST_WAIT,
+        }
+    }
+
+    /// Takes the outcome of a step of `self.count` threads: whether any member was held up.
+    pub fn after_step(&mut self, held_up: bool) {
+        if held_up {
+            self.clean = 0;
+            self.held_up += 1;
+            if self.held_up >= HELD_UP_STEPS && self.count > 1 {
+                self.count -= 1;
+                self.held_up = 0;
+                self.wait = (self.wait * 2).min(LONGEST_WAIT);
+                tracing::debug!(
+                    threads = self.count,
+                    "a compute thread was held up by a busy core; team shrinks"
+                );
+            }
+            return;
+        }
+        self.held_up = 0;
+        self.clean += 1;
+        if self.count < self.threads && self.clean >= self.wait {
+            self.count += 1;
+            self.clean = 0;
+            tracing::debug!(threads = self.count, "team grows");
+        } else if self.count == self.threads && self.clean >= SETTLED {
+            self.wait = FIRST_WAIT;
+            self.clean = 0;
+        }
+    }
+}
+
+/// The global pool's roster, once [`enable`] has been called (by `set_threads`, which builds that pool):
+/// the steps of pools built elsewhere (tests, benchmarks) keep every thread.
+static GLOBAL: Mutex<Option<Roster>> = Mutex::new(None);
+
+/// Lets the steps run on the global pool (`threads` threads) adapt their team size.
+pub fn enable(threads: usize) {
+    if held_up_measurable() {
+        *GLOBAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Roster::new(threads));
+    }
+}
+
+/// The team size for the next step on the global pool of `threads` threads, or `None` where the team
+/// does not adapt (not enabled, or another pool).
+pub fn global_count(threads: usize) -> Option<usize> {
+    let roster = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+    roster
+        .as_ref()
+        .filter(|r| r.threads == threads)
+        .map(|r| r.count)
+}
+
+/// Records the outcome of a step run on the global pool.
+pub fn global_after_step(threads: usize, held_up: bool) {
+    let mut roster = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(r) = roster.as_mut().filter(|r| r.threads == threads) {
+        r.after_step(held_up);
+    }
+}
+
+/// What a thread's scheduler statistics were when it started its share of a step.
+pub struct Mark {
+    at: Instant,
+    run_delay_ns: u64,
+    involuntary: i64,
+}
+
+impl Mark {
+    /// This thread's statistics now, or `None` where they cannot be read.
+    pub fn now() -> Option<Mark> {
+        let (run_delay_ns, involuntary) = sched_stats()?;
+        Some(Mark {
+            at: Instant::now(),
+            run_delay_ns,
+            involuntary,
+        })
+    }
+
+    /// Whether this thread was held up since the mark: switched out involuntarily, and on a run queue
+    /// for more than [`HELD_UP_NS`] and more than an eighth of the time since.
+    pub fn held_up(&self) -> bool {
+        let Some((run_delay_ns, involuntary)) = sched_stats() else {
+            return false;
+        };
+        let waited = run_delay_ns.saturating_sub(self.run_delay_ns);
+        let elapsed = u64::try_from(self.at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        involuntary != self.involuntary && waited > HELD_UP_NS && waited.saturating_mul(8) > elapsed
+    }
+}
+
+fn held_up_measurable() -> bool {
+    sched_stats().is_some()
+}
+
+/// This thread's time on a run queue (ns) and its involuntary context switches.
+#[cfg(target_os = "linux")]
+fn sched_stats() -> Option<(u64, i64)> {
+    use std::io::Read;
+    // "<ns on the CPU> <ns on a run queue> <time slices>"
+    let mut text = String::new();
+    std::fs::File::open("/proc/thread-self/schedstat")
+        .ok()?
+        .read_to_string(&mut text)
+        .ok()?;
+    let run_delay_ns = text.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: getrusage writes a plain struct that is zeroed here first.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a rusage of this thread.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
+        return None;
+    }
+    Some((run_delay_ns, usage.ru_nivcsw))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn sched_stats() -> Option<(u64, i64)> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_preemption_never_shrinks_the_team() {
+        let mut r = Roster::new(4);
+        for _ in 0..100 {
+            for _ in 0..HELD_UP_STEPS - 1 {
+                r.after_step(true);
+            }
+            r.after_step(false);
+        }
+        assert_eq!(r.count, 4);
+    }
+
+    #[test]
+    fn a_busy_core_shrinks_the_team_down_to_one_thread() {
+        let mut r = Roster::new(3);
+        for _ in 0..HELD_UP_STEPS {
+            r.after_step(true);
+        }
+        assert_eq!(r.count, 2);
+        for _ in 0..2 * HELD_UP_STEPS {
+            r.after_step(true);
+        }
+        assert_eq!(r.count, 1, "never fewer than one");
+        for _ in 0..10 * HELD_UP_STEPS {
+            r.after_step(true);
+        }
+        assert_eq!(r.count, 1);
+        // Two shrinks: the wait doubled twice.
+        let mut clean = 0;
+        while r.count == 1 {
+            r.after_step(false);
+            clean += 1;
+        }
+        assert_eq!(clean, 4 * FIRST_WAIT);
+        assert_eq!(r.count, 2);
+    }
+
+    #[test]
+    fn the_wait_doubles_with_each_shrink_and_starts_over_once_settled() {
+        let mut r = Roster::new(2);
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            for _ in 0..HELD_UP_STEPS {
+                r.after_step(true);
+            }
+            assert_eq!(r.count, 1);
+            let mut clean = 0;
+            while r.count == 1 {
+                r.after_step(false);
+                clean += 1;
+            }
+            waits.push(clean);
+        }
+        assert_eq!(waits, [8, 16, 32, 64, 128, 256, 256, 256]);
+        for _ in 0..SETTLED {
+            r.after_step(false);
+        }
+        for _ in 0..HELD_UP_STEPS {
+            r.after_step(true);
+        }
+        let mut clean = 0;
+        while r.count == 1 {
+            r.after_step(false);
+            clean += 1;
+        }
+        assert_eq!(clean, 2 * FIRST_WAIT);
+    }
+
+    #[test]
+    fn a_pool_of_one_stays_one() {
+        let mut r = Roster::new(1);
+        for i in 0..50 {
+            r.after_step(i % 2 == 0);
+            assert_eq!(r.count, 1);
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_thread_that_only_sleeps_is_not_held_up() {
+        // Sleeping is voluntary: it neither waits on a run queue nor counts as a preemption.
+        let mark = Mark::now().expect("Linux gives a thread's scheduler statistics");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert!(!mark.held_up());
+    }
+}
