@@ -209,7 +209,14 @@ fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, f: F) {
     };
     if count <= 1 {
         let mark = roster::Mark::now();
-        f(&Team::solo());
+        // A region opened inside this one runs solo, as inside any region (here it would also wait
+        // for the lock this step holds).
+        IN_REGION.with(|r| r.set(true));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&Team::solo())));
+        IN_REGION.with(|r| r.set(false));
+        if let Err(payload) = result {
+            std::panic::resume_unwind(payload);
+        }
         note(mark);
     } else {
         let barrier = SpinBarrier::new(count);
@@ -716,6 +723,29 @@ mod tests {
                 .expect("steps opened from several threads at once never finished");
         }
         assert_eq!(steps.load(Ordering::Relaxed), 150);
+    }
+
+    #[test]
+    fn a_region_opened_inside_a_step_of_one_thread_runs_solo() {
+        // The calling thread alone, outside any pool: a region it opens inside the step must not
+        // wait for the step's own turn.
+        let n = rayon::current_num_threads();
+        let inner_sizes = Mutex::new(Vec::new());
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                run_adaptive(n, 1, |tm| {
+                    assert_eq!(tm.size(), 1);
+                    run(|inner| inner_sizes.lock().unwrap().push(inner.size()));
+                });
+                done.send(()).expect("the test waits");
+            });
+            finished
+                .recv_timeout(std::time::Duration::from_secs(120))
+                .expect("a region inside a step of one thread never finished");
+        });
+        assert_eq!(*inner_sizes.lock().unwrap(), vec![1]);
+        assert!(!IN_REGION.with(|r| r.get()));
     }
 
     #[test]
