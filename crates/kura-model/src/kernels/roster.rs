@@ -174,13 +174,29 @@ fn sched_stats() -> Option<(u64, i64)> {
 mod tests {
     use super::*;
 
+    /// `steps` steps, each held up or not.
+    fn steps(r: &mut Roster, held_up: bool, steps: usize) {
+        for _ in 0..steps {
+            r.after_step(held_up);
+        }
+    }
+
+    /// Clean steps until the team grows.
+    fn clean_until_it_grows(r: &mut Roster) -> usize {
+        let count = r.count;
+        let mut clean = 0;
+        while r.count == count {
+            r.after_step(false);
+            clean += 1;
+        }
+        clean
+    }
+
     #[test]
     fn one_preemption_never_shrinks_the_team() {
         let mut r = Roster::new(4);
         for _ in 0..100 {
-            for _ in 0..HELD_UP_STEPS - 1 {
-                r.after_step(true);
-            }
+            steps(&mut r, true, HELD_UP_STEPS - 1);
             r.after_step(false);
         }
         assert_eq!(r.count, 4);
@@ -189,25 +205,14 @@ mod tests {
     #[test]
     fn a_busy_core_shrinks_the_team_down_to_one_thread() {
         let mut r = Roster::new(3);
-        for _ in 0..HELD_UP_STEPS {
-            r.after_step(true);
-        }
+        steps(&mut r, true, HELD_UP_STEPS);
         assert_eq!(r.count, 2);
-        for _ in 0..2 * HELD_UP_STEPS {
-            r.after_step(true);
-        }
+        steps(&mut r, true, 2 * HELD_UP_STEPS);
         assert_eq!(r.count, 1, "never fewer than one");
-        for _ in 0..10 * HELD_UP_STEPS {
-            r.after_step(true);
-        }
+        steps(&mut r, true, 10 * HELD_UP_STEPS);
         assert_eq!(r.count, 1);
         // Two shrinks: the wait doubled twice.
-        let mut clean = 0;
-        while r.count == 1 {
-            r.after_step(false);
-            clean += 1;
-        }
-        assert_eq!(clean, 4 * FIRST_WAIT);
+        assert_eq!(clean_until_it_grows(&mut r), 4 * FIRST_WAIT);
         assert_eq!(r.count, 2);
     }
 
@@ -216,30 +221,14 @@ mod tests {
         let mut r = Roster::new(2);
         let mut waits = Vec::new();
         for _ in 0..8 {
-            for _ in 0..HELD_UP_STEPS {
-                r.after_step(true);
-            }
+            steps(&mut r, true, HELD_UP_STEPS);
             assert_eq!(r.count, 1);
-            let mut clean = 0;
-            while r.count == 1 {
-                r.after_step(false);
-                clean += 1;
-            }
-            waits.push(clean);
+            waits.push(clean_until_it_grows(&mut r));
         }
         assert_eq!(waits, [8, 16, 32, 64, 128, 256, 256, 256]);
-        for _ in 0..SETTLED {
-            r.after_step(false);
-        }
-        for _ in 0..HELD_UP_STEPS {
-            r.after_step(true);
-        }
-        let mut clean = 0;
-        while r.count == 1 {
-            r.after_step(false);
-            clean += 1;
-        }
-        assert_eq!(clean, 2 * FIRST_WAIT);
+        steps(&mut r, false, SETTLED);
+        steps(&mut r, true, HELD_UP_STEPS);
+        assert_eq!(clean_until_it_grows(&mut r), 2 * FIRST_WAIT);
     }
 
     #[test]
@@ -249,6 +238,58 @@ mod tests {
             r.after_step(i % 2 == 0);
             assert_eq!(r.count, 1);
         }
+    }
+
+    /// Keeps the calling thread on one of the CPUs it may use.
+    #[cfg(target_os = "linux")]
+    fn pin_to_one_cpu() -> usize {
+        // SAFETY: plain syscalls on a zeroed cpu_set_t of this thread.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(
+                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+                0
+            );
+            let cpu = (0..libc::CPU_SETSIZE as usize)
+                .find(|&c| libc::CPU_ISSET(c, &set))
+                .expect("a CPU this thread may use");
+            let mut one: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut one);
+            assert_eq!(
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one),
+                0
+            );
+            cpu
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_thread_that_shares_its_core_with_a_busy_one_is_held_up() {
+        // This thread and a spinning one on the same CPU, both busy for 200 ms: the scheduler takes
+        // turns between them, and each waits on the run queue about half of the time.
+        let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        std::thread::scope(|s| {
+            pin_to_one_cpu();
+            let spinning = busy.clone();
+            // A thread inherits its creator's affinity: the spinner shares this thread's CPU.
+            s.spawn(move || {
+                while spinning.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+            let mark = Mark::now().expect("Linux gives a thread's scheduler statistics");
+            let start = Instant::now();
+            while start.elapsed() < std::time::Duration::from_millis(200) {
+                std::hint::spin_loop();
+            }
+            let held_up = mark.held_up();
+            busy.store(false, std::sync::atomic::Ordering::Relaxed);
+            assert!(
+                held_up,
+                "200 ms beside a busy thread on one CPU is being held up"
+            );
+        });
     }
 
     #[cfg(target_os = "linux")]
