@@ -88,7 +88,7 @@ static GLOBAL: Mutex<Option<Roster>> = Mutex::new(None);
 
 /// Lets the steps run on the global pool (`threads` threads) adapt their team size.
 pub fn enable(threads: usize) {
-    if held_up_measurable() {
+    if sched_stats().is_some() {
         *GLOBAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Roster::new(threads));
     }
 }
@@ -139,10 +139,6 @@ impl Mark {
         let elapsed = u64::try_from(self.at.elapsed().as_nanos()).unwrap_or(u64::MAX);
         involuntary != self.involuntary && waited > HELD_UP_NS && waited.saturating_mul(8) > elapsed
     }
-}
-
-fn held_up_measurable() -> bool {
-    sched_stats().is_some()
 }
 
 /// This thread's time on a run queue (ns) and its involuntary context switches.
@@ -242,7 +238,7 @@ mod tests {
 
     /// Keeps the calling thread on one of the CPUs it may use.
     #[cfg(target_os = "linux")]
-    fn pin_to_one_cpu() -> usize {
+    fn pin_to_one_cpu() {
         // SAFETY: plain syscalls on a zeroed cpu_set_t of this thread.
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -259,7 +255,6 @@ mod tests {
                 libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one),
                 0
             );
-            cpu
         }
     }
 

@@ -24,13 +24,23 @@ pub struct Team<'a> {
     deals: std::cell::Cell<usize>,
 }
 
-impl Team<'_> {
+impl<'a> Team<'a> {
     /// A team of one: every share is the whole, and `sync` does nothing.
     pub fn solo() -> Team<'static> {
         Team {
             tid: 0,
             n: 1,
             barrier: None,
+            deals: std::cell::Cell::new(0),
+        }
+    }
+
+    /// Member `tid` of a team of `n` threads that meet at `barrier`.
+    fn member_of(tid: usize, n: usize, barrier: &'a SpinBarrier) -> Team<'a> {
+        Team {
+            tid,
+            n,
+            barrier: Some(barrier),
             deals: std::cell::Cell::new(0),
         }
     }
@@ -160,36 +170,37 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
     let barrier = SpinBarrier::new(n);
     let first_panic = std::sync::Mutex::new(None);
     rayon::broadcast(|ctx| {
-        let team = Team {
-            tid: ctx.index(),
-            n: ctx.num_threads(),
-            barrier: Some(&barrier),
-            deals: std::cell::Cell::new(0),
-        };
-        member(&team, &barrier, &first_panic, &f);
+        let team = Team::member_of(ctx.index(), ctx.num_threads(), &barrier);
+        member(&team, &first_panic, &f);
     });
-    if let Some(payload) = first_panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        std::panic::resume_unwind(payload);
-    }
+    rethrow(first_panic);
 }
 
-/// Runs `f` as `team`'s member. A thread that panics must not leave the others waiting at a barrier
-/// forever: it poisons the barrier, they stop waiting, and the first real panic goes to the caller.
-fn member<F: Fn(&Team<'_>) + Sync>(
-    team: &Team<'_>,
-    barrier: &SpinBarrier,
-    first_panic: &Mutex<Option<Box<dyn std::any::Any + Send>>>,
-    f: &F,
-) {
+/// The first real panic of a region's threads, handed on to the caller.
+type FirstPanic = Mutex<Option<Box<dyn std::any::Any + Send>>>;
+
+/// Runs `f` as `team`'s member, marked as inside a region (a region opened inside it runs solo). A
+/// thread that panics must not leave the others waiting at a barrier forever: it poisons the barrier,
+/// they stop waiting, and the first real panic goes to the caller ([`rethrow`]).
+fn member<F: Fn(&Team<'_>) + Sync>(team: &Team<'_>, first_panic: &FirstPanic, f: &F) {
     IN_REGION.with(|r| r.set(true));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(team)));
     IN_REGION.with(|r| r.set(false));
     if let Err(payload) = result {
-        barrier.poison();
+        if let Some(barrier) = team.barrier {
+            barrier.poison();
+        }
         if !payload.is::<Poisoned>() {
             let mut first = first_panic.lock().unwrap_or_else(|e| e.into_inner());
             first.get_or_insert(payload);
         }
+    }
+}
+
+/// Resumes the region's first real panic, if any, on the calling thread.
+fn rethrow(first_panic: FirstPanic) {
+    if let Some(payload) = first_panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        std::panic::resume_unwind(payload);
     }
 }
 
@@ -207,42 +218,30 @@ fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, f: F) {
             held_up.store(true, Ordering::Relaxed);
         }
     };
+    let first_panic = Mutex::new(None);
     if count <= 1 {
+        // As a member, so that a region opened inside runs solo (it would wait for this step's lock).
         let mark = roster::Mark::now();
-        // A region opened inside this one runs solo, as inside any region (here it would also wait
-        // for the lock this step holds).
-        IN_REGION.with(|r| r.set(true));
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&Team::solo())));
-        IN_REGION.with(|r| r.set(false));
-        if let Err(payload) = result {
-            std::panic::resume_unwind(payload);
-        }
+        member(&Team::solo(), &first_panic, &f);
         note(mark);
     } else {
         let barrier = SpinBarrier::new(count);
-        let first_panic = Mutex::new(None);
         let slots = AtomicUsize::new(0);
         // The jobs go to whichever threads come for them first: a thread whose core is busy comes last
         // and finds none left.
         rayon::scope(|s| {
             for _ in 0..count {
                 s.spawn(|_| {
-                    let team = Team {
-                        tid: slots.fetch_add(1, Ordering::Relaxed),
-                        n: count,
-                        barrier: Some(&barrier),
-                        deals: std::cell::Cell::new(0),
-                    };
+                    let team =
+                        Team::member_of(slots.fetch_add(1, Ordering::Relaxed), count, &barrier);
                     let mark = roster::Mark::now();
-                    member(&team, &barrier, &first_panic, &f);
+                    member(&team, &first_panic, &f);
                     note(mark);
                 });
             }
         });
-        if let Some(payload) = first_panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            std::panic::resume_unwind(payload);
-        }
     }
+    rethrow(first_panic);
     roster::global_after_step(n, held_up.load(Ordering::Relaxed));
 }
 
