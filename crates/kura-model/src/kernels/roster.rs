@@ -144,13 +144,16 @@ impl Mark {
 /// This thread's time on a run queue (ns) and its involuntary context switches.
 #[cfg(target_os = "linux")]
 fn sched_stats() -> Option<(u64, i64)> {
-    use std::io::Read;
-    // "<ns on the CPU> <ns on a run queue> <time slices>"
-    let mut text = String::new();
-    std::fs::File::open("/proc/thread-self/schedstat")
-        .ok()?
-        .read_to_string(&mut text)
-        .ok()?;
+    use std::os::unix::fs::FileExt;
+    thread_local! {
+        /// This thread's schedstat, opened once: a read at offset 0 gives the figures of the moment.
+        static SCHEDSTAT: Option<std::fs::File> =
+            std::fs::File::open("/proc/thread-self/schedstat").ok();
+    }
+    // "<ns on the CPU> <ns on a run queue> <time slices>": three decimal u64s, well under 96 bytes.
+    let mut buf = [0u8; 96];
+    let len = SCHEDSTAT.with(|f| f.as_ref()?.read_at(&mut buf, 0).ok())?;
+    let text = std::str::from_utf8(&buf[..len]).ok()?;
     let run_delay_ns = text.split_whitespace().nth(1)?.parse().ok()?;
     // SAFETY: getrusage writes a plain struct that is zeroed here first.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
