@@ -151,9 +151,49 @@ def test_a_grammar_the_server_cannot_compile_is_a_400_that_names_it(server):
         body = e.value.response.json()["error"]
         assert body["param"] == "response_format", body
         assert words in body["message"], body
+    for field, value, words in [
+        ("guided_regex", "[^\\s\\S]", "matches no text"),
+        ("guided_choice", [f"word{i}" for i in range(120_000)], "at most 1048576 (1 MiB)"),
+    ]:
+        r = httpx.post(server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, field: value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field, r.text
+        assert words in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
         "structured_outputs": {"grammar": "start: ( unclosed"}})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "structured_outputs", r.text
     assert "could not be compiled" in r.json()["error"]["message"], r.text
+
+
+def test_characters_of_several_bytes_that_a_grammar_forces_come_out_whole(server):
+    """A grammar that forces part of a character (an emoji's first bytes) forces the tokens that spell
+    those bytes: the output is the character, and the choice ends by itself, also on a small budget."""
+    c = server.client()
+    model = server.model()
+    for max_tokens in (100, 12):
+        r = c.completions.create(model=model, prompt="x", max_tokens=max_tokens, temperature=0,
+                                 extra_body={"guided_choice": ["😀"]})
+        assert (r.choices[0].text, r.choices[0].finish_reason) == ("😀", "stop"), r
+        r = c.completions.create(model=model, prompt="x", max_tokens=max_tokens, temperature=0,
+                                 extra_body={"guided_choice": ["中国", "日本x"]})
+        assert r.choices[0].text in ("中国", "日本x") and r.choices[0].finish_reason == "stop", r
+    for seed in range(4):
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Pick."}], max_tokens=40,
+                                      temperature=1, seed=seed, extra_body={"guided_regex": "[à-ÿ]{3}|[😀-😂]"})
+        assert re.fullmatch("[à-ÿ]{3}|[😀-😂]", r.choices[0].message.content), r
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Pick."}], max_tokens=40,
+                                      temperature=1, seed=seed, response_format={
+                                          "type": "json_schema", "json_schema": {"name": "e", "schema": {
+                                              "enum": ["😀", "ünïcödé", "中国"]}}})
+        assert json.loads(r.choices[0].message.content) in ("😀", "ünïcödé", "中国"), r
+
+
+def test_a_grammar_past_llguidances_limits_while_generating_is_a_400(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "guided_regex": "a{1000000}"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "grammar" in message and "\n" not in message, message

@@ -169,6 +169,8 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/$defs/nowhere"}}}}}], "tool_choice": "required"},
      "tools", "could not be compiled"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+      "tool_choice": "required"}, "tools", "must describe a JSON object"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "cannot be combined"),
     ({"messages": [{"role": "user", "content": "hi"},
@@ -289,6 +291,7 @@ A_BAD = [
                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}]},
      "input must be an object"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "must describe a JSON object"),
 ]
 
 
@@ -300,3 +303,23 @@ def test_bad_anthropic_tool_requests_are_400s(server, extra, words):
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
     assert words in err["error"]["message"], err
+
+
+def test_anthropic_output_config_format_constrains_the_text(server):
+    """`output_config.format` on /v1/messages: the text is JSON valid under the schema, streamed or not."""
+    c = claude(server)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "celsius": {"type": "integer"}},
+              "required": ["city", "celsius"], "additionalProperties": False}
+    kw = dict(model=server.model(), max_tokens=60, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+              extra_body={"temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    r = c.messages.create(**kw)
+    text = "".join(b.text for b in r.content if b.type == "text")
+    jsonschema.validate(json.loads(text), schema)
+    with c.messages.stream(**kw) as s:
+        streamed = "".join(s.text_stream)
+    assert streamed == text
+    r = c.messages.create(model=server.model(), max_tokens=10, messages=[{"role": "user", "content": "Yes or no?"}],
+                          extra_body={"temperature": 0, "output_config": {"format": {
+                              "type": "json_schema", "schema": {"enum": ["yes", "no"]}}}})
+    assert "".join(b.text for b in r.content if b.type == "text") in ('"yes"', '"no"'), r

@@ -508,16 +508,15 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
     }
     for (i, m) in list.iter().enumerate() {
         let at = format!("messages[{i}]");
-        let role = m.get("role").and_then(Value::as_str);
-        let role = match role {
-            Some(r @ ("user" | "assistant")) => r,
-            Some(r) => {
+        let role = match m.get("role") {
+            Some(Value::String(r)) if r == "user" || r == "assistant" => r.as_str(),
+            Some(r) if !r.is_null() => {
                 return Err(invalid(format!(
-                    "{at}.role must be \"user\" or \"assistant\", got {r:?} (the system prompt \
+                    "{at}.role must be \"user\" or \"assistant\", got {r} (the system prompt \
                      goes in the top-level system field)"
                 )))
             }
-            None => return Err(invalid(format!("{at}.role is missing"))),
+            _ => return Err(invalid(format!("{at}.role is missing"))),
         };
         let Some(content) = m.get("content") else {
             return Err(invalid(format!("{at}.content is missing")));

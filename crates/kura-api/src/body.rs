@@ -34,7 +34,20 @@ pub fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
         }
     });
     if essence.eq_ignore_ascii_case("application/json") && params_ok {
-        return Ok(());
+        // A compressed body would be read as JSON and fail, or worse, not: say so instead.
+        return match headers.get(header::CONTENT_ENCODING) {
+            None => Ok(()),
+            Some(v)
+                if v.to_str()
+                    .is_ok_and(|e| e.trim().eq_ignore_ascii_case("identity")) =>
+            {
+                Ok(())
+            }
+            Some(v) => Err(ApiError::UnsupportedMediaType(format!(
+                "this server takes request bodies uncompressed, got Content-Encoding {:?}",
+                String::from_utf8_lossy(v.as_bytes())
+            ))),
+        };
     }
     let got = match given {
         None => "no Content-Type".to_string(),
@@ -84,7 +97,9 @@ fn parse_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
             format!("the request body is not valid JSON: {inner}")
         }
         _ if path == "." => format!("invalid request body: {inner}"),
-        _ => match shape_hint(&path) {
+        // The hint only where serde's message is about a union (it names the Rust type): a field of
+        // one type elsewhere (`/tokenize`'s prompt is a string) keeps serde's own words.
+        _ => match shape_hint(&path).filter(|_| inner.to_string().contains("untagged enum")) {
             Some(hint) => format!("invalid value for `{path}`: {hint}"),
             None => format!(
                 "invalid value for `{path}`: {}",
@@ -180,6 +195,22 @@ mod tests {
             let e = check_json_content_type(&headers(bad)).unwrap_err();
             assert_eq!(e.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "{bad:?}");
             assert!(e.to_string().contains("application/json"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_compressed_body_is_refused_by_its_encoding() {
+        let mut h = headers(Some("application/json"));
+        h.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        assert!(check_json_content_type(&h).is_ok());
+        for enc in ["gzip", "br", "deflate, gzip"] {
+            h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(enc));
+            let e = check_json_content_type(&h).unwrap_err();
+            assert_eq!(e.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "{enc}");
+            assert!(e.to_string().contains(enc), "{e}");
         }
     }
 

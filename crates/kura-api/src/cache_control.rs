@@ -40,13 +40,14 @@ impl CacheTtl {
                 None,
             ));
         };
-        match o.get("type").and_then(Value::as_str) {
-            Some("ephemeral") => {}
+        match o.get("type") {
+            Some(Value::String(t)) if t == "ephemeral" => {}
             other => {
+                let got = other.map_or_else(|| "nothing".to_string(), Value::to_string);
                 return Err(ApiError::invalid(
-                    format!("{at}.type must be \"ephemeral\", got {other:?}"),
+                    format!("{at}.type must be \"ephemeral\", got {got}"),
                     None,
-                ))
+                ));
             }
         }
         match o.get("ttl") {

@@ -58,6 +58,10 @@ pub enum ApiError {
         "no saved context {0:?}: it does not exist, has expired, or belongs to another API key"
     )]
     CacheNotFound(String),
+    #[error(
+        "no stored response with id {0:?}: it does not exist, was deleted, or belongs to another API key"
+    )]
+    ResponseNotFound(String),
     #[error("method not allowed: {0}")]
     MethodNotAllowed(String),
     #[error("internal error: {0}")]
@@ -82,6 +86,22 @@ impl ApiError {
         }
     }
 
+    /// The same error, naming `param` where it named no parameter.
+    pub fn with_param(self, param: &'static str) -> Self {
+        match self {
+            ApiError::InvalidRequest {
+                message,
+                param: None,
+                code,
+            } => ApiError::InvalidRequest {
+                message,
+                param: Some(param),
+                code,
+            },
+            other => other,
+        }
+    }
+
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ApiError::InvalidRequest {
             message: message.into(),
@@ -93,9 +113,10 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound { .. } | ApiError::NotFound(_) | ApiError::CacheNotFound(_) => {
-                StatusCode::NOT_FOUND
-            }
+            ApiError::ModelNotFound { .. }
+            | ApiError::NotFound(_)
+            | ApiError::CacheNotFound(_)
+            | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -155,6 +176,9 @@ impl ApiError {
                 Some("cached_content"),
                 Some("cache_not_found"),
             ),
+            ApiError::ResponseNotFound(_) => {
+                ("invalid_request_error", None, Some("response_not_found"))
+            }
             ApiError::MethodNotAllowed(_) => {
                 ("invalid_request_error", None, Some("method_not_allowed"))
             }
@@ -210,9 +234,10 @@ impl From<RequestError> for ApiError {
                 param: Some("max_tokens"),
                 code: Some("kv_cache_capacity_exceeded"),
             },
-            RequestError::Model(_) | RequestError::Constraint(_) => {
-                ApiError::Internal(e.to_string())
-            }
+            // The request's own grammar could go no further (a limit of llguidance's reached while
+            // generating): the request's to change, as a grammar refused when it was compiled.
+            RequestError::Constraint(_) => ApiError::invalid(e.to_string(), None),
+            RequestError::Model(_) => ApiError::Internal(e.to_string()),
             RequestError::ClientStalled { .. } => ApiError::ClientStalled(e.to_string()),
         }
     }

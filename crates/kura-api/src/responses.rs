@@ -234,6 +234,22 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
             "background",
         ));
     }
+    for (name, known) in [
+        ("reasoning", &["effort", "summary", "generate_summary"][..]),
+        ("text", &["format", "verbosity"][..]),
+    ] {
+        if let Some(v) = set(name) {
+            let Some(o) = v.as_object() else {
+                return Err(bad(format!("{name} must be an object, got {v}"), name));
+            };
+            if let Some(k) = o.keys().find(|k| !known.contains(&k.as_str())) {
+                return Err(bad(
+                    format!("{name} has no field {k:?} (it takes {})", known.join(", ")),
+                    name,
+                ));
+            }
+        }
+    }
     if let Some(r) = set("reasoning") {
         if r.get("effort").is_some_and(|e| !e.is_null())
             || r.get("summary").is_some_and(|e| !e.is_null())
@@ -472,6 +488,10 @@ mod tests {
         for (body, param) in [
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
             (json!({"input": "x", "background": true}), "background"),
+            (json!({"input": "x", "text": "x"}), "text"),
+            (json!({"input": "x", "text": {"fromat": {}}}), "text"),
+            (json!({"input": "x", "reasoning": 5}), "reasoning"),
+            (json!({"input": "x", "reasoning": {"a": 1}}), "reasoning"),
             (
                 json!({"input": "x", "reasoning": {"effort": "high"}}),
                 "reasoning",

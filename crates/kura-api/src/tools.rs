@@ -85,7 +85,22 @@ pub fn check_parameters(
 ) -> Result<Value, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(json!({"type": "object", "properties": {}})),
-        Some(p @ Value::Object(_)) => Ok(p.clone()),
+        Some(p @ Value::Object(map)) => {
+            // A call's arguments are a JSON object: a schema of another type could never be met.
+            let object = |t: &Value| t.as_str() == Some("object");
+            match map.get("type") {
+                None => Ok(p.clone()),
+                Some(t) if object(t) || t.as_array().is_some_and(|a| a.iter().any(object)) => {
+                    Ok(p.clone())
+                }
+                Some(t) => Err(bad(
+                    format!(
+                        "{at} must describe a JSON object (a call's arguments); its type is {t}"
+                    ),
+                    param,
+                )),
+            }
+        }
         Some(_) => Err(bad(format!("{at} must be a JSON schema object"), param)),
     }
 }
@@ -618,6 +633,11 @@ mod tests {
                 json!([{"type": "function", "function": {"name": "f", "parameters": 3}}]),
                 None,
                 "JSON schema object",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
+                None,
+                "must describe a JSON object",
             ),
             (
                 weather(),

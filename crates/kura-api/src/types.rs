@@ -146,10 +146,16 @@ pub struct ChatCompletionRequest {
     pub parallel_tool_calls: Option<bool>,
 }
 
+/// `POST /tokenize`: a prompt, or chat messages (with the tools the chat request would carry) as the
+/// chat route writes them. Any other field is refused: a count must not leave out what the request
+/// would have added.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TokenizeRequest {
+    pub model: Option<String>,
     pub prompt: Option<String>,
     pub messages: Option<Vec<RequestMessage>>,
+    pub tools: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]

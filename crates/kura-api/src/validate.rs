@@ -484,7 +484,7 @@ pub fn prepare_completion(
     if choices > MAX_PROMPTS {
         return Err(ApiError::invalid(
             format!(
-                "at most {MAX_PROMPTS} choices per request (prompts × n); got {} prompts × n = {}",
+                "at most {MAX_PROMPTS} choices per request (prompts × n); got {} prompts × n {} = {choices}",
                 prompts.len(),
                 checked.n
             ),

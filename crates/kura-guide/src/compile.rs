@@ -9,7 +9,7 @@ use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::json;
 
-use crate::{regex_literal, with_layout, Guide};
+use crate::{regex_literal, with_layout, Guide, MAX_SOURCE_BYTES};
 
 impl Guide {
     /// llguidance's grammar for this guide.
@@ -43,13 +43,22 @@ impl TokenizerEnv for CodecEnv {
         &self.trie
     }
 
+    /// Valid UTF-8 through the model's tokenizer; bytes that are not (part of a character a grammar
+    /// forces, say the first two of an emoji's four) by the longest tokens that spell them, as
+    /// llguidance's own environments do: text with U+FFFD in their place would force the wrong token.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        let text = String::from_utf8_lossy(s);
+        self.trie
+            .tokenize_with_greedy_fallback(s, |text| self.tokenize_text(text))
+    }
+}
+
+impl CodecEnv {
+    fn tokenize_text(&self, text: &str) -> Vec<TokenId> {
         // Plain text: special-token text inside it stays text.
         let whole = 0..text.len();
         let ids = self
             .codec
-            .encode_with_plain_spans(&text, std::slice::from_ref(&whole))
+            .encode_with_plain_spans(text, std::slice::from_ref(&whole))
             .unwrap_or_default();
         match ids.strip_prefix(self.added.as_slice()) {
             Some(rest) => rest.to_vec(),
@@ -121,20 +130,42 @@ impl Guides {
     /// `guide` compiled for this vocabulary; an error (a schema or grammar llguidance cannot compile)
     /// names the problem.
     pub fn compile(&self, guide: &Guide) -> Result<Arc<Compiled>, String> {
+        let bytes = guide.source_bytes();
+        if bytes > MAX_SOURCE_BYTES {
+            return Err(format!(
+                "the grammar's source is {bytes} bytes; at most {MAX_SOURCE_BYTES} (1 MiB) are compiled"
+            ));
+        }
         let parser = self
             .factory
             .create_parser(guide.grammar())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| first_line(&e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(e);
+            return Err(first_line(&e));
         }
+        // The first step's mask, as generation will ask for it: a grammar that matches nothing, or
+        // one past llguidance's limits at its start (too many alternatives in a row, a lexer too
+        // large), is refused here rather than failing the request once it runs.
+        let mut first = matcher.deep_clone();
+        Walk::mask_of(&mut first, &self.eos, &mut Vec::new()).map_err(|e| {
+            if e.contains("NoExtensionBias") {
+                "the grammar matches no text: no token can start it".to_string()
+            } else {
+                first_line(&e)
+            }
+        })?;
         Ok(Arc::new(Compiled {
             start: matcher,
             eos: self.eos.clone(),
             closer: self.closer.clone(),
         }))
     }
+}
+
+/// The first line of an llguidance error: what went wrong, without the parser's state that follows.
+fn first_line(e: &str) -> String {
+    e.lines().next().unwrap_or_default().trim_end().to_string()
 }
 
 /// A compiled grammar: each choice starts from a copy of it.
@@ -202,7 +233,9 @@ impl Walk {
     /// The mask of `matcher` in its state now, every end-of-sequence token allowed where the grammar
     /// may end (llguidance knows one; the model may have several).
     fn mask_of(matcher: &mut Matcher, eos: &[u32], out: &mut Vec<u32>) -> Result<(), String> {
-        let vob = matcher.compute_mask().map_err(|e| e.to_string())?;
+        let vob = matcher
+            .compute_mask()
+            .map_err(|e| first_line(&e.to_string()))?;
         out.clear();
         out.extend_from_slice(vob.as_slice());
         if out.iter().all(|&w| w == 0) {
@@ -364,7 +397,9 @@ impl TokenConstraint for Walk {
             self.lex = self.lex.after(self.closer.bytes(token));
             token
         };
-        self.matcher.consume_token(token).map_err(|e| e.to_string())
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| first_line(&e.to_string()))
     }
 
     fn is_done(&self) -> bool {

@@ -33,6 +33,25 @@ pub enum Guide {
     Choice(Vec<String>),
 }
 
+/// The most bytes of grammar source one request may give (a schema's JSON, a regex, a Lark grammar,
+/// a choice's strings, the grammar of its tool calls): llguidance builds about twenty times a grammar's
+/// source in memory before its own limits may refuse it.
+pub const MAX_SOURCE_BYTES: usize = 1 << 20;
+
+impl Guide {
+    /// The bytes of this guide's source, as [`MAX_SOURCE_BYTES`] counts them.
+    pub fn source_bytes(&self) -> usize {
+        match self {
+            Guide::JsonObject => 0,
+            Guide::JsonSchema(schema) => serde_json::to_string(schema).map_or(0, |s| s.len()),
+            Guide::Regex(s) | Guide::Lark(s) => s.len(),
+            Guide::Choice(options) => options
+                .iter()
+                .fold(0usize, |n, o| n.saturating_add(o.len()).saturating_add(1)),
+        }
+    }
+}
+
 /// How JSON is written under a schema: one space after `:` and `,`, no other whitespace, so that a
 /// model cannot spend its tokens on blanks and the text is the same each time (a tool call's text is
 /// rendered back into the next turn's prompt as it was generated).
@@ -87,6 +106,20 @@ mod tests {
         assert_eq!(regex_literal("a.b"), "a\\.b");
         assert_eq!(regex_literal("x|y (z)"), "x\\|y\\ \\(z\\)");
         assert_eq!(regex_literal("line\nnext"), "line\\nnext");
+    }
+
+    #[test]
+    fn a_guide_counts_the_bytes_of_its_source() {
+        assert_eq!(Guide::Regex("[a-z]+".into()).source_bytes(), 6);
+        assert_eq!(
+            Guide::Choice(vec!["yes".into(), "no".into()]).source_bytes(),
+            7
+        );
+        assert_eq!(
+            Guide::JsonSchema(json!({"type": "integer"})).source_bytes(),
+            18
+        );
+        assert_eq!(Guide::JsonObject.source_bytes(), 0);
     }
 
     #[test]

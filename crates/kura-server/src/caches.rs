@@ -45,12 +45,14 @@ pub async fn create(
         o.get("prompt").filter(|v| !v.is_null()),
     ) {
         (Some(m), None) => {
-            let messages: Vec<RequestMessage> = serde_json::from_value(m.clone()).map_err(|e| {
-                ApiError::invalid(
-                    format!("messages must be an array of chat messages: {e}"),
-                    Some("messages"),
-                )
-            })?;
+            // Read as chat reads them, so that an error names the message and field (`messages[0].role`).
+            #[derive(serde::Deserialize)]
+            struct Messages {
+                messages: Vec<RequestMessage>,
+            }
+            let Messages { messages } =
+                kura_api::body::from_value(&serde_json::json!({ "messages": m }))
+                    .map_err(|e| e.with_param("messages"))?;
             ContextKind::Messages {
                 messages: validate::flatten_messages(&messages)?,
             }

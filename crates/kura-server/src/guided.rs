@@ -1,6 +1,6 @@
 //! Structured outputs and tool calls on the server side: the model's vocabulary for llguidance (built
 //! on the first request that needs it, then shared), a request's grammar compiled on the blocking pool
-//! (a grammar llguidance refuses is a 400 naming the problem).
+//! (a grammar llguidance refuses is a 400 naming the problem), two at a time.
 
 use std::sync::{Arc, OnceLock};
 
@@ -13,6 +13,9 @@ use crate::handlers::off_the_workers;
 
 /// The model's vocabulary as llguidance reads it, built once (or why it could not be).
 pub(crate) type GuidesCell = Arc<OnceLock<Result<Guides, String>>>;
+
+/// Grammars compiled at once, server-wide.
+static COMPILES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 
 /// How the served model's template writes tool calls.
 pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
@@ -41,6 +44,12 @@ pub(crate) async fn constraint(
             None => return Ok(None),
         },
     };
+    // Compiles take turns, a few at a time: each holds memory in proportion to its grammar (up to
+    // tens of MB), and many at once must not take the machine's memory.
+    let _turn = COMPILES
+        .acquire()
+        .await
+        .map_err(|_| ApiError::Internal("the grammar compiler's queue is closed".into()))?;
     let (codec, cell) = (engine.codec().clone(), cell.clone());
     off_the_workers(move || {
         let guides = cell

@@ -358,15 +358,27 @@ pub async fn tokenize(
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     let req: TokenizeRequest = kura_api::body::from_value(&value)?;
     drop(value);
+    if let Some(model) = &req.model {
+        validate::check_model(model, &s.engine.info().model_name)?;
+    }
     let tokens = match (req.prompt, req.messages) {
-        (Some(p), None) => encode_prompts(&s.engine, vec![PromptInput::Text(p)])
-            .await?
-            .swap_remove(0),
+        (Some(p), None) if req.tools.is_none() => {
+            encode_prompts(&s.engine, vec![PromptInput::Text(p)])
+                .await?
+                .swap_remove(0)
+        }
+        (Some(_), None) => {
+            return Err(ApiError::invalid(
+                "tools go with messages (the chat template writes them), not with prompt",
+                Some("tools"),
+            ))
+        }
         (None, Some(m)) => {
-            // As the chat route writes them (tool turns in the template's way).
+            // As the chat route writes them (tool definitions and tool turns in the template's way).
+            let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
             let (codec, messages) = (s.engine.codec().clone(), validate::flatten_messages(&m)?);
             off_the_workers(move || {
-                kura_api::tools::encode_chat_prompt(codec.as_ref(), messages, None)
+                kura_api::tools::encode_chat_prompt(codec.as_ref(), messages, tools.as_ref())
             })
             .await?
         }

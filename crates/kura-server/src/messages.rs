@@ -58,8 +58,9 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
         None => None,
     };
     let style = guided::tool_style(&s.engine);
+    let guide = plan.guide.clone().map(|g| (g, "output_config"));
     let constraint =
-        guided::constraint(&s.engine, &s.guides, None, plan.tools.as_ref(), style).await?;
+        guided::constraint(&s.engine, &s.guides, guide, plan.tools.as_ref(), style).await?;
     let (engine, plan_for_encode) = (s.engine.clone(), plan.clone());
     let saved_for_encode = saved.clone();
     let (prompt_tokens, positions) = handlers::off_the_workers(move || {

@@ -103,7 +103,7 @@ fn unix_now() -> u64 {
 }
 
 fn not_found(id: &str) -> ApiError {
-    ApiError::NotFound(format!("no response with id {id:?}"))
+    ApiError::ResponseNotFound(id.to_string())
 }
 
 /// What a response is, apart from its output.
