@@ -2,6 +2,7 @@
 `anthropic` client), saved contexts (/v1/caches) that outlive a restart, pins that survive pressure
 until their TTL, tenancy, prompt_cache_retention, and a table of bad inputs."""
 
+import os
 import time
 
 import anthropic
@@ -318,6 +319,8 @@ def test_a_saved_context_of_another_model_is_refused_and_survives_a_restart(tmp_
         cid = r.json()["id"]
         other = httpx.post(s.url + "/v1/caches", headers=s.headers(), timeout=120, json={"prompt": doc + " x"})
         oid = other.json()["id"]
+        edited = httpx.post(s.url + "/v1/caches", headers=s.headers(), timeout=120, json={"prompt": doc + " y"})
+        eid = edited.json()["id"]
     finally:
         assert s.stop() == 0
     # Another model's context: the file says so.
@@ -327,8 +330,14 @@ def test_a_saved_context_of_another_model_is_refused_and_survives_a_restart(tmp_
     rec["fingerprint"] = "0" * 32
     rec["model"] = "some-other-model"
     f.write_text(json.dumps(rec))
-    # A damaged file is set aside, not served.
+    # A record whose tokens were changed: valid JSON, but not its text's tokens.
+    f = pathlib.Path(disk) / "contexts" / f"{eid}.json"
+    rec = json.loads(f.read_text())
+    rec["tokens"][0] += 1
+    f.write_text(json.dumps(rec))
+    # A damaged file is set aside, not served; a FIFO is never opened (reading it would block the start).
     (pathlib.Path(disk) / "contexts" / "ctx_ffffffffffffffffffffffff.json").write_text("{not json")
+    os.mkfifo(pathlib.Path(disk) / "contexts" / "ctx_eeeeeeeeeeeeeeeeeeeeeeee.json")
     s = KuraServer("--kv-cache-memory", "128MiB", "--kv-disk-path", disk, *EXACT)
     try:
         warm = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=120,
@@ -339,6 +348,12 @@ def test_a_saved_context_of_another_model_is_refused_and_survives_a_restart(tmp_
         assert bad.status_code == 400 and "was built for model" in bad.json()["error"]["message"]
         assert "damaged" in s.log()
         assert (pathlib.Path(disk) / "contexts" / "ctx_ffffffffffffffffffffffff.json.bad").exists()
+        assert (pathlib.Path(disk) / "contexts" / "ctx_eeeeeeeeeeeeeeeeeeeeeeee.json.bad").exists()
+        damaged = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=60,
+                             json={"prompt": " tail", "max_tokens": 1, "cached_content": eid})
+        assert damaged.status_code == 400, damaged.text
+        assert damaged.json()["error"]["code"] == "cache_damaged", damaged.text
+        assert (pathlib.Path(disk) / "contexts" / f"{eid}.json.bad").exists()
     finally:
         s.stop()
 

@@ -33,7 +33,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
 }
 
 pub fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(io(path))
+    kura_text::read_text_file(path, kura_text::MODEL_JSON_MAX_BYTES).map_err(io(path))
 }
 
 impl SafetensorsDir {

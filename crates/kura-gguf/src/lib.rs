@@ -153,7 +153,14 @@ struct Cursor<'a> {
     data: &'a [u8],
     pos: usize,
     path: &'a Path,
+    /// Metadata array elements still allowed ([`MAX_ARRAY_ELEMENTS`] in all).
+    elements_left: usize,
 }
+
+/// The most metadata array elements one file may hold, all arrays together: a vocabulary of 262,144
+/// tokens with its scores, types and merges is about 1.3 million. Each element takes 32 bytes in
+/// memory where the file may spend 8 on it (an empty string), so this bounds what the metadata costs.
+pub const MAX_ARRAY_ELEMENTS: usize = 1 << 24;
 
 impl<'a> Cursor<'a> {
     fn err(&self, what: impl Into<String>) -> GgufError {
@@ -243,7 +250,13 @@ impl<'a> Cursor<'a> {
                 };
                 let n = self.u64(key)?;
                 let n = self.count(n, each, &format!("key '{key}': array elements"))?;
-                let mut out = Vec::with_capacity(n);
+                self.elements_left = self.elements_left.checked_sub(n).ok_or_else(|| {
+                    self.err(format!(
+                        "key '{key}': an array of {n} elements; the metadata's arrays may hold \
+                         {MAX_ARRAY_ELEMENTS} elements in all"
+                    ))
+                })?;
+                let mut out = Vec::with_capacity(n.min(1 << 16));
                 for _ in 0..n {
                     out.push(self.value(elem_ty, key, depth + 1)?);
                 }
@@ -273,6 +286,14 @@ impl GgufFile {
             path: path.to_path_buf(),
             source,
         };
+        // Never opened unless a regular file: opening a FIFO would block, and a device is no model.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file (a directory, FIFO, socket or device)",
+            )));
+        }
         let file = File::open(path).map_err(io)?;
         // SAFETY: the mapping is read-only and Kura never writes model files; a concurrent truncation by
         // another process is outside what any mmap-based loader can defend against.
@@ -290,6 +311,7 @@ impl GgufFile {
             data: &data,
             pos: 0,
             path: &path,
+            elements_left: MAX_ARRAY_ELEMENTS,
         };
         let not_gguf = |what: String| GgufError::NotGguf {
             path: path.clone(),
@@ -701,5 +723,45 @@ mod tests {
         std::fs::write(&p, &b).unwrap();
         assert!(matches!(GgufFile::open(&p), Err(GgufError::NotGguf { .. })));
         std::fs::remove_file(p).ok();
+    }
+    /// A GGUF whose only key is an array of `n` u8 values, and no tensor.
+    fn gguf_with_array(n: u64) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes());
+        b.extend_from_slice(&1u64.to_le_bytes());
+        write_string(&mut b, "general.many");
+        b.extend_from_slice(&9u32.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&n.to_le_bytes());
+        b.resize(b.len() + n as usize, 7);
+        b
+    }
+
+    #[test]
+    fn metadata_arrays_are_bounded_in_all() {
+        let at = MAX_ARRAY_ELEMENTS as u64;
+        assert!(GgufFile::from_bytes("ok", gguf_with_array(at)).is_ok());
+        match GgufFile::from_bytes("big", gguf_with_array(at + 1)) {
+            Err(GgufError::GgufMalformed { what, .. }) => {
+                assert!(what.contains("may hold 16777216 elements in all"), "{what}")
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+    }
+
+    #[test]
+    fn a_path_that_is_not_a_regular_file_is_refused_without_opening_it() {
+        let dir = std::env::temp_dir();
+        match GgufFile::open(&dir) {
+            Err(GgufError::Io { source, .. }) => {
+                assert!(
+                    source.to_string().contains("not a regular file"),
+                    "{source}"
+                )
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
     }
 }

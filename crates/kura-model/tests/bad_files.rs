@@ -720,3 +720,36 @@ fn gemma3_files_name_what_is_missing_or_unsupported() {
     assert_eq!(sliding[1], 1.0 / 1e4f32.powf(0.5));
     std::fs::remove_file(path).ok();
 }
+
+/// The model of `g` fails to load (its GGUF is well formed: the tokenizer is what is wrong) with an
+/// error containing `expected`.
+#[track_caller]
+fn load_fails(name: &str, g: &Gguf, expected: &str) {
+    let path = write(name, &g.bytes());
+    match Model::load(&path) {
+        Ok(_) => panic!("{name}: loaded, expected an error containing {expected:?}"),
+        Err(e) => assert!(e.to_string().contains(expected), "{name}: {e}"),
+    }
+    std::fs::remove_file(path).ok();
+}
+
+#[test]
+fn a_tokenizer_that_does_not_match_the_embedding_is_rejected_at_load() {
+    let mut g = tiny_model();
+    g.u32("tokenizer.ggml.bos_token_id", 4);
+    load_fails(
+        "bos_past_vocab.gguf",
+        &g,
+        "the BOS token id 4 is outside the model's vocabulary of 4 tokens",
+    );
+    let mut g = tiny_model();
+    g.u32("llama.vocab_size", 4).strs(
+        "tokenizer.ggml.tokens",
+        &["a", "b", "ab", "<|end|>", "<|extra|>"],
+    );
+    load_fails(
+        "more_tokens_than_rows.gguf",
+        &g,
+        "token id 4, past the model's 4 embedding rows",
+    );
+}

@@ -711,7 +711,7 @@ impl Scheduler {
                 Err(e) => panic!("KV sequence of a running request is unknown: {e}"),
             };
             let start = status.computed_tokens;
-            let end = status.computable_tokens.min(start + budget);
+            let end = status.computable_tokens.min(start.saturating_add(budget));
             let end = if end > start {
                 match self.fit_window(c.seq, id, start, end, &cands[i + 1..], &mut plan) {
                     Some(end) => end,

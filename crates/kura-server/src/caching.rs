@@ -24,6 +24,9 @@ use serde_json::Value;
 /// Most saved contexts one server keeps, all tenants together (each tenant also has its own quota,
 /// `TenantQuotas::contexts`).
 pub const MAX_CONTEXTS: usize = 100_000;
+/// The most bytes read from one saved context's file: a context is made from a request body (8 MiB
+/// at most by default) and its tokens.
+const CONTEXT_FILE_MAX_BYTES: u64 = 64 << 20;
 
 /// A saved context: its record in memory and its file on disk.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +42,10 @@ pub struct SavedContext {
     pub tokens: Vec<u32>,
     pub created_at_ms: u64,
     pub expires_at_ms: u64,
+    /// Whether `tokens` are known to be `kind`'s under this server's tokenizer: true for a context
+    /// saved by this process; one read from disk is checked on its first use ([`ContextStore::use_context`]).
+    #[serde(skip)]
+    pub verified: bool,
 }
 
 impl SavedContext {
@@ -63,6 +70,7 @@ impl SavedContext {
             tokens,
             created_at_ms: now_ms,
             expires_at_ms: now_ms.saturating_add(ttl_s.saturating_mul(1000)),
+            verified: true,
         }
     }
 
@@ -153,7 +161,7 @@ impl ContextStore {
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
                 continue;
             }
-            let parsed = std::fs::read(&path)
+            let parsed = kura_text::read_file(&path, CONTEXT_FILE_MAX_BYTES)
                 .map_err(|e| e.to_string())
                 .and_then(|b| serde_json::from_slice::<SavedContext>(&b).map_err(|e| e.to_string()))
                 .and_then(|c| {
@@ -337,7 +345,42 @@ impl ContextStore {
                 code: Some("cache_model_mismatch"),
             });
         }
-        Ok(c)
+        if c.verified {
+            return Ok(c);
+        }
+        // Read from disk: its tokens must be what its text gives (a damaged or edited record would
+        // otherwise put other tokens before the request's). Once per context and process.
+        if context_tokens(engine.codec().as_ref(), &c.kind)
+            .ok()
+            .as_ref()
+            != Some(&c.tokens)
+        {
+            self.lock().remove(id);
+            if let Some(path) = self.path_of(id) {
+                let aside = path.with_extension("json.bad");
+                let _ = std::fs::rename(&path, &aside);
+                tracing::warn!(
+                    "saved context file {} is damaged (its tokens are not its text's); moved to {}",
+                    path.display(),
+                    aside.display()
+                );
+            }
+            return Err(ApiError::InvalidRequest {
+                message: format!(
+                    "saved context {id} was damaged on disk (its tokens are not its text's) and has \
+                     been set aside: save it again"
+                ),
+                param: Some("cached_content"),
+                code: Some("cache_damaged"),
+            });
+        }
+        if let Some(stored) = self.lock().get_mut(id) {
+            stored.verified = true;
+        }
+        Ok(SavedContext {
+            verified: true,
+            ..c
+        })
     }
 
     /// The live contexts of `tenant`, oldest first.
@@ -476,6 +519,7 @@ mod tests {
             tokens: vec![1, 2, 3],
             created_at_ms: 0,
             expires_at_ms,
+            verified: false,
         }
     }
 

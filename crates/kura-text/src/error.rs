@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TextError {
-    #[error("cannot read {path}: {source}")]
+    /// The cause is the error's source: `{:#}` prints it after the path.
+    #[error("cannot read {path}")]
     Io {
         path: PathBuf,
         source: std::io::Error,

@@ -10,6 +10,7 @@
 pub mod chat;
 mod codec;
 pub mod error;
+mod files;
 mod model_text;
 mod stop;
 pub mod tokenizer;
@@ -17,6 +18,7 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate, CHATML, GEMMA3};
 pub use codec::ModelCodec;
 pub use error::TextError;
+pub use files::{read_file, read_text_file, MODEL_JSON_MAX_BYTES};
 /// The seam the engine and the HTTP layer tokenize through (`kura-request`'s).
 pub use kura_request::TextCodec;
 pub use model_text::{default_template, gguf_model_spec, ModelText, TokenizerConfig};

@@ -49,7 +49,7 @@ pub fn gguf_model_spec(g: &GgufFile, arch: &str) -> std::result::Result<ModelSpe
 }
 
 fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| TextError::Io {
+    crate::read_text_file(path, crate::MODEL_JSON_MAX_BYTES).map_err(|source| TextError::Io {
         path: path.to_path_buf(),
         source,
     })
@@ -87,6 +87,7 @@ impl ModelText {
     /// file has none) and `vocab_size`.
     pub fn from_gguf(g: &GgufFile, default_template: &str, vocab_size: usize) -> Result<Self> {
         let tokenizer = Tokenizer::from_gguf(g)?;
+        check_ids(&tokenizer, vocab_size)?;
         let template = match g.metadata.get("tokenizer.chat_template") {
             Some(Value::String(s)) => s.clone(),
             _ => default_template.to_string(),
@@ -115,6 +116,7 @@ impl ModelText {
             tcfg.bos_token.as_deref(),
             tcfg.eos_token.as_deref(),
         )?;
+        check_ids(&tokenizer, vocab_size)?;
         let chat_template = ChatTemplate::new(
             tcfg.chat_template.as_deref().unwrap_or(default_template),
             tcfg.bos_token.as_deref().unwrap_or(""),
@@ -126,6 +128,35 @@ impl ModelText {
             vocab_size,
         })
     }
+}
+
+/// Every id the tokenizer can give, and its BOS, EOS and stop tokens, name a row of the model's
+/// `vocab_size` embedding rows: a tokenizer that does not match the weights is refused when the model
+/// loads, not found out by the requests that meet its tokens.
+fn check_ids(tokenizer: &Tokenizer, vocab_size: usize) -> Result<()> {
+    let past = |id: u32| id as usize >= vocab_size;
+    if let Some(max) = tokenizer.max_id().filter(|&m| past(m)) {
+        return Err(TextError::Tokenizer(format!(
+            "the tokenizer has token id {max}, past the model's {vocab_size} embedding rows: the \
+             tokenizer and the weights do not match"
+        )));
+    }
+    let named = [
+        ("BOS", tokenizer.bos_token_id),
+        ("EOS", tokenizer.eos_token_id),
+    ];
+    let stops = tokenizer
+        .stop_token_ids
+        .iter()
+        .map(|&id| ("stop", Some(id)));
+    for (what, id) in named.into_iter().chain(stops) {
+        if let Some(id) = id.filter(|&id| past(id)) {
+            return Err(TextError::Tokenizer(format!(
+                "the {what} token id {id} is outside the model's vocabulary of {vocab_size} tokens"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What `tokenizer_config.json` says about the chat template and special tokens.

@@ -454,6 +454,11 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The largest id of the vocabulary (added tokens included).
+    pub fn max_id(&self) -> Option<u32> {
+        self.inner.get_vocab(true).into_values().max()
+    }
+
     /// Whether `id` is a special (control) token.
     pub fn is_special(&self, id: u32) -> bool {
         self.special.contains_key(&id)

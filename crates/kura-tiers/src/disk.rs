@@ -556,6 +556,15 @@ fn clean_tmp(tmp_dir: &Path) -> Result<u64, TierError> {
 /// Reads the seed from `dir/kura-kv-disk`, creating the file with a random seed if it does not exist.
 fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<u64, TierError> {
     let path = dir.join(META_NAME);
+    // Never opened unless a regular file: opening a FIFO would block.
+    if let Ok(meta) = std::fs::metadata(&path) {
+        if !meta.is_file() {
+            return Err(TierError::BadMeta {
+                path,
+                what: "not a regular file (a directory, FIFO, socket or device)".into(),
+            });
+        }
+    }
     match File::open(&path) {
         Ok(f) => {
             let mut text = String::new();

@@ -51,6 +51,17 @@ enum Command {
     Sim(sim::SimArgs),
 }
 
+/// A command that only prints (`kura plan | head -1`) ends quietly when its reader goes, as Unix tools
+/// do, instead of failing on the next print: SIGPIPE back to its default. The servers, the benchmark
+/// client and `generate` keep it ignored (a closed socket or pipe is then an error of that write).
+fn quiet_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: restores the default action of one signal, before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -65,6 +76,12 @@ fn main() -> std::process::ExitCode {
         )
         .init();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Plan(_) | Command::Cache(_) | Command::Sim(_) | Command::Perplexity(_)
+    ) {
+        quiet_on_closed_pipe();
+    }
     let result = match cli.command {
         Command::Plan(args) => plan::run(args),
         Command::Generate(args) => generate::run(args),

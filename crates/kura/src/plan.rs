@@ -184,8 +184,8 @@ fn load_spec(model: &str) -> Result<LoadedSpec> {
 }
 
 fn load_config(path: &Path) -> Result<LoadedSpec> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = kura_text::read_text_file(path, kura_text::MODEL_JSON_MAX_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
     let name = path
         .parent()
         .and_then(|p| p.file_name())

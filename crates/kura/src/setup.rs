@@ -5,10 +5,18 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use kura_model::{LoadOptions, Model, WeightsDtype};
 
+/// The most compute threads `--threads` may ask for: each is a thread of the process, and far more
+/// than the cores only queue behind each other.
+pub const MAX_THREADS: usize = 1024;
+
 /// Sizes the forward pass's thread pool: `--threads`, or [`default_threads`]; says which in the log.
 pub fn threads(threads: Option<usize>) -> Result<()> {
     let n = match threads {
         Some(0) => bail!("--threads must be at least 1"),
+        Some(n) if n > MAX_THREADS => bail!(
+            "--threads {n}: at most {MAX_THREADS} (this machine has {} usable CPUs)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
         Some(n) => {
             tracing::info!(threads = n, "compute threads: {n} (--threads)");
             n
