@@ -466,7 +466,16 @@ fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
 pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
     for unsupported in ["thinking", "mcp_servers", "container"] {
-        if o.get(unsupported).is_some_and(|v| !v.is_null()) {
+        // `{"type": "disabled"}` asks for what this server does anyway.
+        let neutral = |v: &Value| {
+            unsupported == "thinking"
+                && v.as_object().is_some_and(|t| {
+                    t.len() == 1 && t.get("type").and_then(Value::as_str) == Some("disabled")
+                })
+        };
+        if o.get(unsupported)
+            .is_some_and(|v| !v.is_null() && !neutral(v))
+        {
             return Err(invalid(format!(
                 "{unsupported} is not supported by this server"
             )));
@@ -655,6 +664,17 @@ mod tests {
             p.breakpoints,
             vec![(0, 3, CacheTtl::FiveMinutes), (1, 2, CacheTtl::OneHour)]
         );
+    }
+
+    #[test]
+    fn thinking_disabled_is_what_the_server_does_anyway() {
+        let body = |thinking: Value| {
+            json!({"model": "m", "max_tokens": 1, "thinking": thinking,
+                   "messages": [{"role": "user", "content": "x"}]})
+        };
+        assert!(plan(body(json!({"type": "disabled"}))).is_ok());
+        assert!(plan(body(json!({"type": "disabled", "budget_tokens": 5}))).is_err());
+        assert!(plan(body(json!({"type": "enabled", "budget_tokens": 1024}))).is_err());
     }
 
     #[test]

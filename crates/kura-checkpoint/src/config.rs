@@ -465,6 +465,18 @@ impl ModelConfig {
                 });
             }
         }
+        // Rotary embedding over part of a head (`rope.dimension_count` below the head size, as some
+        // models use) is not what the runtime computes: refused rather than run wrong.
+        if let Some(r) = g.opt_u64(&k("rope.dimension_count"))? {
+            if r != head_dim as u64 {
+                return Err(ModelError::BadValue {
+                    key: k("rope.dimension_count"),
+                    what: format!(
+                        "is {r}, but Kura rotates whole heads: it needs the head size {head_dim}"
+                    ),
+                });
+            }
+        }
         let vocab_key = if g.metadata.contains_key(&k("vocab_size")) {
             k("vocab_size")
         } else {
@@ -586,10 +598,17 @@ impl ModelConfig {
 fn llama_rope(raw: &Json<'_>) -> Result<(f64, Option<Llama3RopeScaling>)> {
     // Older configs: `rope_theta` + `rope_scaling`; newer ones: one `rope_parameters` object.
     let params = raw.object("rope_parameters")?;
-    let rope = match params {
-        Some(p) => Some(p),
-        None => raw.object("rope_scaling")?,
-    };
+    let scaling = raw.object("rope_scaling")?;
+    if let (Some(p), Some(s)) = (params, scaling) {
+        let (pt, st) = (p.rope_type()?, s.rope_type()?);
+        if pt != st {
+            return Err(ModelError::Config(format!(
+                "config.json has rope_parameters of type '{pt}' and rope_scaling of type '{st}': \
+                 they disagree; keep one"
+            )));
+        }
+    }
+    let rope = params.or(scaling);
     let rope_theta = match params {
         Some(p) => p.float("rope_theta")?,
         None => None,
@@ -1093,6 +1112,10 @@ mod tests {
         let max = u64::MAX;
         for (extra, expected) in [
             (r#","num_hidden_layers":0"#.to_string(), "'num_hidden_layers' must be a positive integer, got 0"),
+            (
+                r#","rope_parameters":{"rope_type":"default"},"rope_scaling":{"type":"linear","factor":0}"#.into(),
+                "rope_parameters of type 'default' and rope_scaling of type 'linear'",
+            ),
             (r#","num_attention_heads":0"#.into(), "'num_attention_heads' must be a positive integer, got 0"),
             (r#","num_key_value_heads":0"#.into(), "'num_key_value_heads' must be a positive integer, got 0"),
             (r#","head_dim":0"#.into(), "'head_dim' must be a positive integer, got 0"),

@@ -446,6 +446,11 @@ fn degenerate_metadata_is_rejected_at_load_naming_the_key() {
             &["'llama.attention.key_length' must be a positive integer, got 0"],
         ),
         (
+            "llama.rope.dimension_count",
+            2,
+            &["'llama.rope.dimension_count' is 2, but Kura rotates whole heads: it needs the head size 4"],
+        ),
+        (
             "llama.attention.sliding_window",
             0,
             &["'llama.attention.sliding_window' must be a positive integer, got 0"],
