@@ -1,6 +1,6 @@
 //! Byte quantities as people write them: `24GiB`, `80GB`, `512 MiB`, `1.5T`, `1e9`, plain bytes.
-//! Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (KB, MB, GB, TB) powers of 1000;
-//! a bare letter (K, M, G, T) is binary, as in most serving tools' flags.
+//! Binary suffixes (KiB to EiB) are powers of 1024; decimal ones (KB to EB) powers of 1000; a bare
+//! letter (K, M, G, T, P) is binary, as in most serving tools' flags.
 
 /// A size that could not be read, with what was given.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -16,9 +16,20 @@ pub fn parse_bytes(s: &str) -> Result<u64, BadSize> {
         why,
     };
     let t = s.trim();
+    // The unit starts at the first letter that is not an exponent's `e` (one followed by a digit or a
+    // sign, as in `1e9` or `2.5E+3`): `16EiB` is 16 of the unit `EiB`.
+    let bytes_of = t.as_bytes();
     let split = t
-        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
-        .unwrap_or(t.len());
+        .char_indices()
+        .find(|&(i, c)| {
+            c.is_ascii_alphabetic()
+                && !(matches!(c, 'e' | 'E')
+                    && i > 0
+                    && bytes_of
+                        .get(i + 1)
+                        .is_some_and(|n| n.is_ascii_digit() || *n == b'+' || *n == b'-'))
+        })
+        .map_or(t.len(), |(i, _)| i);
     let (num, unit) = t.split_at(split);
     let value: f64 = num.trim().parse().map_err(|_| bad("not a number"))?;
     if !value.is_finite() || value < 0.0 {
@@ -30,14 +41,19 @@ pub fn parse_bytes(s: &str) -> Result<u64, BadSize> {
         "m" | "mib" => 1024f64.powi(2),
         "g" | "gib" => 1024f64.powi(3),
         "t" | "tib" => 1024f64.powi(4),
+        "p" | "pib" => 1024f64.powi(5),
+        "eib" => 1024f64.powi(6),
         "kb" => 1e3,
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
+        "pb" => 1e15,
+        "eb" => 1e18,
         _ => return Err(bad("unknown unit")),
     };
     let bytes = value * mult;
-    if bytes > u64::MAX as f64 {
+    // 2^64 is the first value past u64 (u64::MAX itself rounds to it as an f64).
+    if bytes >= 18_446_744_073_709_551_616.0 {
         return Err(bad("too large"));
     }
     Ok(bytes.round() as u64)
@@ -72,11 +88,23 @@ mod tests {
         assert_eq!(parse_bytes("1.5KiB").unwrap(), 1536);
         assert_eq!(parse_bytes("1e9").unwrap(), 1_000_000_000);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("2.5E+3").unwrap(), 2500);
+        assert_eq!(parse_bytes("2PiB").unwrap(), 2 << 50);
+        assert_eq!(parse_bytes("7EiB").unwrap(), 7 << 60);
+        assert_eq!(parse_bytes("3 EB").unwrap(), 3_000_000_000_000_000_000);
     }
 
     #[test]
     fn bad_sizes_are_named() {
-        for s in ["", "GiB", "12 parsecs", "-1GiB", "1e400"] {
+        for s in [
+            "",
+            "GiB",
+            "12 parsecs",
+            "-1GiB",
+            "1e400",
+            "16EiB",
+            "18446744073709551616",
+        ] {
             let err = parse_bytes(s).unwrap_err();
             assert!(err.to_string().contains(&format!("'{s}'")), "{err}");
         }
