@@ -69,6 +69,12 @@ def cases(model: str, max_len: int):
         ("chat prompt beyond the context", ch, {"messages": [{"role": "user", "content": big}]}, 400),
         ("body over the size limit", c, {"prompt": "x" * 300_000}, 413),
         ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
+        ("tokenize: a field it does not take", "/tokenize", {"prompt": "x", "add_special_tokens": False}, 400),
+        ("tokenize: tools with a prompt", "/tokenize", {"prompt": "x", "tools": []}, 400),
+        ("tokenize: unknown model", "/tokenize", {"prompt": "x", "model": "gpt-4"}, 404),
+        ("responses: text is a string", "/v1/responses", {"input": "x", "text": "x"}, 400),
+        ("responses: reasoning with an unknown field", "/v1/responses", {"input": "x", "reasoning": {"a": 1}}, 400),
+        ("caches: a message without a string role", "/v1/caches", {"messages": [{"role": None, "content": "x"}]}, 400),
     ]
 
 
@@ -122,5 +128,31 @@ def test_bad_api_keys_get_401():
             assert r.status_code == 401, header
             assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.post(s.url + "/v1/completions", json=OK_PROMPT, headers=s.headers()).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_messages_name_the_field_and_tokenize_counts_what_chat_sends():
+    s = KuraServer("--kv-cache-memory", "64MiB")
+    try:
+        post = lambda path, body, **kw: httpx.post(s.url + path, json=body, timeout=60, **kw)  # noqa: E731
+        msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                                   "parameters": {"type": "object", "properties": {
+                                                       "city": {"type": "string"}}}}}]
+        bare = post("/tokenize", {"messages": msgs}).json()["count"]
+        with_tools = post("/tokenize", {"messages": msgs, "tools": tools}).json()["count"]
+        chat = post("/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 1}).json()
+        assert with_tools == chat["usage"]["prompt_tokens"] > bare, (bare, with_tools, chat["usage"])
+        r = post("/tokenize", {"prompt": [1, 2, 3]})
+        assert r.status_code == 400 and "expected a string" in r.json()["error"]["message"], r.text
+        r = post("/v1/caches", {"messages": [{"role": None, "content": "x"}]})
+        assert "messages[0].role" in r.json()["error"]["message"], r.text
+        for method in (httpx.get, httpx.delete):
+            r = method(s.url + "/v1/responses/resp_nope")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+        r = httpx.post(s.url + "/v1/completions", content=json.dumps(OK_PROMPT),
+                       headers={"content-type": "application/json", "content-encoding": "gzip"})
+        assert r.status_code == 415 and "gzip" in r.json()["error"]["message"], r.text
     finally:
         s.stop()
