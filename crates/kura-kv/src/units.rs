@@ -51,8 +51,12 @@ pub fn parse_bytes(s: &str) -> Result<u64, BadSize> {
         "eb" => 1e18,
         _ => return Err(bad("unknown unit")),
     };
+    // Whole numbers exactly (an f64 holds only 53 bits: u64::MAX would round up to 2^64).
+    if let Ok(n) = num.trim().parse::<u64>() {
+        return n.checked_mul(mult as u64).ok_or_else(|| bad("too large"));
+    }
     let bytes = value * mult;
-    // 2^64 is the first value past u64 (u64::MAX itself rounds to it as an f64).
+    // 2^64 is the first value past u64.
     if bytes >= 18_446_744_073_709_551_616.0 {
         return Err(bad("too large"));
     }
@@ -92,6 +96,8 @@ mod tests {
         assert_eq!(parse_bytes("2PiB").unwrap(), 2 << 50);
         assert_eq!(parse_bytes("7EiB").unwrap(), 7 << 60);
         assert_eq!(parse_bytes("3 EB").unwrap(), 3_000_000_000_000_000_000);
+        assert_eq!(parse_bytes("18446744073709551615").unwrap(), u64::MAX);
+        assert_eq!(parse_bytes("15EiB").unwrap(), 15 << 60);
     }
 
     #[test]
