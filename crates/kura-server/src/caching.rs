@@ -125,6 +125,17 @@ pub fn context_tokens(codec: &dyn TextCodec, kind: &ContextKind) -> Result<Vec<u
     }
 }
 
+/// Moves a damaged context file aside (`<id>.json.bad`, never served) and says so, with `why`.
+fn set_aside(path: &Path, why: &str) -> String {
+    let aside = path.with_extension("json.bad");
+    let _ = std::fs::rename(path, &aside);
+    format!(
+        "saved context file {} is damaged ({why}); moved to {}",
+        path.display(),
+        aside.display()
+    )
+}
+
 /// Every saved context of the server, with their files.
 #[derive(Debug)]
 pub struct ContextStore {
@@ -176,15 +187,7 @@ impl ContextStore {
                 Ok(c) => {
                     contexts.insert(c.id.clone(), c);
                 }
-                Err(e) => {
-                    let aside = path.with_extension("json.bad");
-                    let _ = std::fs::rename(&path, &aside);
-                    warnings.push(format!(
-                        "saved context file {} is damaged ({e}); moved to {}",
-                        path.display(),
-                        aside.display()
-                    ));
-                }
+                Err(e) => warnings.push(set_aside(&path, &e)),
             }
         }
         Ok((
@@ -357,13 +360,7 @@ impl ContextStore {
         {
             self.lock().remove(id);
             if let Some(path) = self.path_of(id) {
-                let aside = path.with_extension("json.bad");
-                let _ = std::fs::rename(&path, &aside);
-                tracing::warn!(
-                    "saved context file {} is damaged (its tokens are not its text's); moved to {}",
-                    path.display(),
-                    aside.display()
-                );
+                tracing::warn!("{}", set_aside(&path, "its tokens are not its text's"));
             }
             return Err(ApiError::InvalidRequest {
                 message: format!(
