@@ -518,20 +518,28 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    /// The tensors a GGUF holds against this configuration: each one the model reads has the shape it
-    /// implies, and no layer tensor lies beyond the layer count. Missing tensors are left to the loader,
-    /// which names them. O(tensors).
+    /// The tensors a GGUF holds against this configuration: each one the model reads is there, of an
+    /// element type Kura reads and of the shape the configuration implies, and no layer tensor lies
+    /// beyond the layer count. Every reader of a GGUF's configuration (the loaders, `kura plan`) so
+    /// refuses the same files. O(tensors).
     fn check_gguf_tensors(&self, g: &GgufFile, layers_key: &str) -> Result<()> {
         for (name, expected) in crate::tensors::expected_shapes(Naming::Gguf, self) {
-            if let Some(info) = g.tensors.get(&name) {
-                let got: Vec<usize> = info.dims.iter().rev().copied().collect();
-                if !shape_matches(&got, &expected) {
-                    return Err(ModelError::TensorShape {
-                        name,
-                        got,
-                        expected,
-                    });
-                }
+            let Some(info) = g.tensors.get(&name) else {
+                return Err(ModelError::MissingTensor { name });
+            };
+            if info.dtype.block().is_none() {
+                return Err(ModelError::TensorType {
+                    name,
+                    dtype: info.dtype.name(),
+                });
+            }
+            let got: Vec<usize> = info.dims.iter().rev().copied().collect();
+            if !shape_matches(&got, &expected) {
+                return Err(ModelError::TensorShape {
+                    name,
+                    got,
+                    expected,
+                });
             }
         }
         for name in g.tensors.keys() {

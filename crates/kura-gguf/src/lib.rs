@@ -514,6 +514,11 @@ impl GgufFile {
 /// Places each directory entry in the file: its element count and byte size (checked products), the
 /// offset a multiple of `alignment`, the data inside the file and overlapping no other tensor, each name
 /// once. Tensors of a type Kura cannot read keep a size of 0 so that only a model that needs them fails.
+///
+/// The data is laid out as ggml writes and reads it: in directory order, each tensor where the one
+/// before it ends (padded to the alignment). A tensor whose type or shape was changed no longer fits
+/// that layout, so its data is never read under the wrong format. After a tensor of a type Kura cannot
+/// size, the next one is only required not to start before it.
 fn place_tensors(
     path: &Path,
     raw: Vec<RawTensor>,
@@ -527,6 +532,8 @@ fn place_tensors(
         what,
     };
     let mut tensors: HashMap<String, TensorInfo> = HashMap::with_capacity(raw.len());
+    // Directory order: each tensor's offset (relative to the data start) and its size where known.
+    let mut order: Vec<(String, u64, Option<u64>)> = Vec::with_capacity(raw.len());
     for t in raw {
         let name = &t.name;
         let n = t
@@ -601,6 +608,7 @@ fn place_tensors(
                 if tensors.insert(t.name.clone(), info).is_some() {
                     return Err(bad(t.at, format!("tensor '{name}' appears twice")));
                 }
+                order.push((t.name.clone(), t.offset, dtype.block().map(|_| n_bytes)));
             }
             end => {
                 return Err(GgufError::TensorBounds {
@@ -631,6 +639,39 @@ fn place_tensors(
                 ),
             });
         }
+    }
+    // The layout: in directory order, each tensor where the one before it ends, padded.
+    let mut next = (0u64, true, "");
+    for (name, offset, n_bytes) in &order {
+        let (at, exact, before) = next;
+        if (exact && *offset != at) || (!exact && *offset <= at) {
+            let info = &tensors[name];
+            let what = if before.is_empty() {
+                "the data starts at 0".to_string()
+            } else {
+                let b = &tensors[before];
+                let ends = if exact { "ends" } else { "starts" };
+                format!(
+                    "tensor '{before}' before it in the directory ({}, {:?}) {ends} at {at}",
+                    b.dtype.name(),
+                    b.dims
+                )
+            };
+            return Err(GgufError::Format {
+                path: path.to_path_buf(),
+                what: format!(
+                    "tensor '{name}' ({}, {:?}) has its data at offset {offset}, where {what}: a \
+                     tensor's type or shape does not match its data",
+                    info.dtype.name(),
+                    info.dims
+                ),
+            });
+        }
+        // The sizes lie inside the file, so only the padding can overflow.
+        next = match n_bytes.and_then(|n| n.checked_next_multiple_of(alignment)) {
+            Some(padded) => (offset.saturating_add(padded), true, name),
+            None => (*offset, false, name),
+        };
     }
     Ok(tensors)
 }

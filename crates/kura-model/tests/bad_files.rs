@@ -363,6 +363,91 @@ fn dimensions_are_checked() {
 }
 
 #[test]
+fn a_tensor_whose_type_no_longer_matches_its_data_is_refused() {
+    // An f32 matrix relabelled f16 (an edited type code; a Q4_1 read as Q4_0 is the same case): half
+    // its bytes would be read as the whole tensor. Its size no longer reaches the next tensor's data.
+    let mut g = tiny_model();
+    g.get("blk.0.attn_q.weight").ty = 1;
+    rejects(
+        "retyped.gguf",
+        &g,
+        &[
+            "tensor 'blk.0.attn_k.weight'",
+            "tensor 'blk.0.attn_q.weight' before it in the directory (F16, [8, 8]) ends at",
+            "type or shape does not match its data",
+        ],
+    );
+    // A dimension edited down, likewise.
+    let mut g = tiny_model();
+    g.get("blk.0.ffn_gate.weight").dims = vec![8, 8];
+    rejects(
+        "reshaped.gguf",
+        &g,
+        &["blk.0.ffn_gate.weight", "does not match its data"],
+    );
+    // Gaps are refused even where no tensor is read under the wrong type: ggml lays tensors out end to
+    // end, and so does every writer.
+    // Here the last tensor's data is moved 32 bytes on, into 32 bytes added at the end.
+    let mut g = tiny_model();
+    let end: u64 = g.tensors[..10].iter().map(|t| t.data.len() as u64).sum();
+    g.get("blk.0.ffn_down.weight").offset = Some(end + 32);
+    let mut bytes = g.bytes();
+    bytes.extend([0; 32]);
+    let path = write("gap.gguf", &bytes);
+    let err = Model::load(&path).err().unwrap().to_string();
+    assert!(
+        err.contains(&format!(
+            "tensor 'blk.0.ffn_down.weight' (F32, [16, 8]) has its data at offset {}, where tensor \
+             'blk.0.ffn_up.weight' before it in the directory (F32, [8, 16]) ends at {end}",
+            end + 32
+        )),
+        "{err}"
+    );
+    std::fs::remove_file(path).ok();
+    // The bytes without the gap load.
+    let g = tiny_model();
+    let mut bytes = g.bytes();
+    bytes.extend([0; 32]);
+    assert!(gguf::parse_bytes(&bytes).is_ok());
+}
+
+#[test]
+fn a_tensor_the_model_needs_must_be_there_and_readable_before_anything_loads() {
+    // `parse_bytes` reads the configuration only, as `kura plan` does: it refuses the same files.
+    let mut g = tiny_model();
+    g.tensors.retain(|t| t.name != "blk.0.ffn_down.weight");
+    let err = gguf::parse_bytes(&g.bytes()).err().unwrap().to_string();
+    assert!(
+        err.contains("tensor 'blk.0.ffn_down.weight' is missing"),
+        "{err}"
+    );
+    rejects("missing.gguf", &g, &["blk.0.ffn_down.weight", "is missing"]);
+    let mut g = tiny_model();
+    g.tensors.clear();
+    let err = gguf::parse_bytes(&g.bytes()).err().unwrap().to_string();
+    assert!(err.contains("is missing"), "{err}");
+    // An element type Kura cannot read, on a tensor the model reads.
+    let mut g = tiny_model();
+    g.get("blk.0.ffn_down.weight").ty = 99;
+    let err = gguf::parse_bytes(&g.bytes()).err().unwrap().to_string();
+    assert!(
+        err.contains(
+            "tensor 'blk.0.ffn_down.weight' has element type ggml type 99, which is not supported"
+        ),
+        "{err}"
+    );
+    // The same type on a tensor nothing reads: the file loads (its size is unknown, so the tensor
+    // after it need only start after it).
+    let mut g = tiny_model();
+    g.tensor("extra.weight", &[8]);
+    g.tensors.swap(1, 11);
+    g.get("extra.weight").ty = 99;
+    let path = write("extra.gguf", &g.bytes());
+    Model::load(&path).unwrap();
+    std::fs::remove_file(path).ok();
+}
+
+#[test]
 fn huge_declared_counts_fail_without_allocating() {
     // An array of 2^60 strings: sized by the count, the Vec would abort the process.
     let mut g = tiny_model();

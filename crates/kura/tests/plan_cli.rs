@@ -421,6 +421,68 @@ fn sizes_that_would_wrap_are_refused_naming_the_flag() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The default model with the type code of `blk.0.ffn_down.weight` (Q4_1) in its tensor directory set
+/// to `ty`: the entry is the name, n_dims (u32), the dims (u64 each), then the type (u32).
+fn retyped_default_model(dir: &std::path::Path, ty: u32) -> PathBuf {
+    let mut bytes = std::fs::read(default_model()).unwrap();
+    let name = b"blk.0.ffn_down.weight";
+    let at = bytes
+        .windows(name.len())
+        .position(|w| w == name)
+        .expect("the tensor's directory entry")
+        + name.len();
+    let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let ty_at = at + 4 + 8 * n_dims;
+    assert_eq!(
+        u32::from_le_bytes(bytes[ty_at..ty_at + 4].try_into().unwrap()),
+        3,
+        "Q4_1"
+    );
+    bytes[ty_at..ty_at + 4].copy_from_slice(&ty.to_le_bytes());
+    let path = dir.join(format!("retyped-{ty}.gguf"));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn a_gguf_the_loader_refuses_is_refused_by_plan_with_the_same_error() {
+    let dir = std::env::temp_dir().join(format!("kura-plan-retyped-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (ty, expected) in [
+        // An element type Kura cannot read, on a tensor the model needs.
+        (
+            99,
+            "tensor 'blk.0.ffn_down.weight' has element type ggml type 99, which is not supported",
+        ),
+        // Q4_1 relabelled Q4_0: smaller than its data, which the loader would read with the wrong
+        // layout.
+        (2, "type or shape does not match its data"),
+    ] {
+        let path = retyped_default_model(&dir, ty);
+        let (ok, out, err) = kura(&[
+            "plan",
+            "--model",
+            path.to_str().unwrap(),
+            "--kv-cache-memory",
+            "1GiB",
+        ]);
+        assert!(!ok, "planned: {out}");
+        assert!(err.contains(expected), "{err}");
+        let (ok, out, err) = kura(&[
+            "generate",
+            "--model",
+            path.to_str().unwrap(),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "1",
+        ]);
+        assert!(!ok, "generated: {out}");
+        assert!(err.contains(expected), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn context_beyond_the_model_maximum_warns_and_still_computes() {
     let r = json(&[
