@@ -235,10 +235,11 @@ impl TierIo {
                     tracing::warn!(
                         dir = %d.dir.display(),
                         removed_foreign = report.removed_foreign,
-                        "disk KV tier: deleted {} block files of another KV fingerprint: the model, \
-                         its weights or compute format, the KV format, layout or block size, or Kura's \
-                         KV encoding changed since they were written; their blocks are computed again \
-                         when needed",
+                        "disk KV tier: deleted {} block files of another KV fingerprint or of a lost \
+                         hash seed: the model, its weights or compute format, the KV format, layout or \
+                         block size, or Kura's KV encoding changed since they were written, or the \
+                         directory's meta file kura-kv-disk was deleted; their blocks are computed \
+                         again when needed",
                         report.removed_foreign
                     );
                 }

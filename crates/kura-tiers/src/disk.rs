@@ -169,7 +169,8 @@ impl DiskStore {
     /// `payload_len` bytes.
     ///
     /// Deletes every file left in `tmp/`, reads the meta file (or creates it with a fresh random seed, mode
-    /// 0600 on unix), and rebuilds the list of blocks from the files' headers alone: each must pass its magic,
+    /// 0600 on unix, and then deletes every block file: their names came from a seed that is gone, so no
+    /// lookup could find them), and rebuilds the list of blocks from the files' headers alone: each must pass its magic,
     /// version and header checksum, carry `fingerprint` and `payload_len`, be exactly header plus payload
     /// long, and be named after its block hash. Every file that fails is deleted and counted in the report.
     ///
@@ -199,7 +200,7 @@ impl DiskStore {
             elapsed: Duration::ZERO,
         };
         report.removed_tmp = clean_tmp(&tmp_dir)?;
-        let seed = open_meta(dir, &tmp_dir)?;
+        let (seed, new_seed) = open_meta(dir, &tmp_dir)?;
         let store = DiskStore {
             dir: dir.to_path_buf(),
             blocks_dir,
@@ -218,7 +219,7 @@ impl DiskStore {
                 source,
             })?;
         }
-        store.scan(&mut report)?;
+        store.scan(&mut report, new_seed)?;
         report
             .blocks
             .sort_by(|(a, ta), (b, tb)| ta.cmp(tb).then(a.hash.cmp(&b.hash)));
@@ -385,7 +386,9 @@ impl DiskStore {
     }
 
     /// Lists `blocks/`, keeping the valid files and deleting the others.
-    fn scan(&self, report: &mut ScanReport) -> Result<(), TierError> {
+    /// Lists the blocks kept from the files' headers. With `new_seed` (the meta file was just created)
+    /// every block file is of a seed that is gone, and is deleted.
+    fn scan(&self, report: &mut ScanReport, new_seed: bool) -> Result<(), TierError> {
         // A large store takes a while to check: its progress is logged every SCAN_LOG_EVERY, by the
         // fan-out directories done (blocks spread evenly over the 256 of them).
         let started = Instant::now();
@@ -397,7 +400,7 @@ impl DiskStore {
             let fan = entry.file_name().to_str().and_then(parse_fan);
             match (is_dir, fan) {
                 (true, Some(fan)) => {
-                    self.scan_fan(&path, fan, report)?;
+                    self.scan_fan(&path, fan, report, new_seed)?;
                     fans_done += 1;
                 }
                 (true, None) => tracing::warn!(
@@ -425,7 +428,13 @@ impl DiskStore {
     }
 
     /// Scans one fan-out directory, `blocks/XX`, whose files' hashes start with byte `fan`.
-    fn scan_fan(&self, dir: &Path, fan: u8, report: &mut ScanReport) -> Result<(), TierError> {
+    fn scan_fan(
+        &self,
+        dir: &Path,
+        fan: u8,
+        report: &mut ScanReport,
+        new_seed: bool,
+    ) -> Result<(), TierError> {
         for entry in list(dir)? {
             let path = entry.path();
             let file_type = match entry.file_type() {
@@ -454,6 +463,8 @@ impl DiskStore {
                 continue;
             };
             match self.scan_file(&path, name_hash) {
+                // Intact, but its name was hashed with the seed that is gone.
+                Ok(_) if new_seed => discard(&path, Check::SeedLost, report),
                 Ok((rec, mtime, size)) => {
                     report.bytes = report.bytes.saturating_add(size);
                     report.blocks.push((rec, mtime));
@@ -553,8 +564,9 @@ fn clean_tmp(tmp_dir: &Path) -> Result<u64, TierError> {
     Ok(removed)
 }
 
-/// Reads the seed from `dir/kura-kv-disk`, creating the file with a random seed if it does not exist.
-fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<u64, TierError> {
+/// Reads the seed from `dir/kura-kv-disk`, creating the file with a random seed if it does not exist;
+/// says whether it was created.
+fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<(u64, bool), TierError> {
     let path = dir.join(META_NAME);
     // Never opened unless a regular file: opening a FIFO would block.
     if let Ok(meta) = std::fs::metadata(&path) {
@@ -570,7 +582,7 @@ fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<u64, TierError> {
             let mut text = String::new();
             let read = f.take(META_MAX_BYTES + 1).read_to_string(&mut text);
             match read {
-                Ok(_) => parse_meta(&path, &text),
+                Ok(_) => parse_meta(&path, &text).map(|seed| (seed, false)),
                 Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(TierError::BadMeta {
                     path,
                     what: "not UTF-8 text".into(),
@@ -594,7 +606,7 @@ fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<u64, TierError> {
                 let _ = fs::remove_file(&tmp);
                 return Err(io_err("cannot create", &path)(source));
             }
-            Ok(seed)
+            Ok((seed, true))
         }
         Err(source) => Err(io_err("cannot open", &path)(source)),
     }

@@ -99,12 +99,17 @@ pub enum Check {
     Tokens,
     #[error("payload checksum mismatch")]
     PayloadChecksum,
+    #[error("written under the hash seed of a meta file that is gone (its blocks' names can never be asked for)")]
+    SeedLost,
 }
 
 impl Check {
     /// Whether the file is intact but belongs to another configuration (another model fingerprint or payload
-    /// size), as opposed to being damaged or holding another block.
+    /// size, or a hash seed no longer known), as opposed to being damaged or holding another block.
     pub fn is_foreign(&self) -> bool {
-        matches!(self, Check::Fingerprint { .. } | Check::PayloadLen { .. })
+        matches!(
+            self,
+            Check::Fingerprint { .. } | Check::PayloadLen { .. } | Check::SeedLost
+        )
     }
 }

@@ -415,6 +415,37 @@ fn the_seed_survives_reopen_and_differs_between_stores() {
 }
 
 #[test]
+fn blocks_of_a_deleted_meta_file_are_removed_with_it() {
+    // The seed named the blocks: with the meta file gone a new seed is drawn, and no lookup could ask
+    // for the old names again. Kept, they would hold disk space that is never hit.
+    let d = TestDir::new("lost-seed");
+    let written: Vec<BlockRecord> = (0..12).map(rec).collect();
+    let seed = {
+        let (store, _) = open(&d.0);
+        for (i, r) in written.iter().enumerate() {
+            store.write(r, &payload(i as u64)).unwrap();
+        }
+        store.seed()
+    };
+    fs::remove_file(d.0.join("kura-kv-disk")).unwrap();
+    let (store, report) = open(&d.0);
+    assert_ne!(store.seed(), seed);
+    assert!(report.blocks.is_empty());
+    assert_eq!((report.removed_foreign, report.removed_corrupt), (12, 0));
+    assert_eq!(report.bytes, 0);
+    assert!(matches!(
+        read(&store, &written[0]),
+        Err(ReadError::Missing { .. })
+    ));
+    // Blocks written under the new seed are kept by the next open.
+    store.write(&written[0], &payload(0)).unwrap();
+    drop(store);
+    let (store, report) = open(&d.0);
+    assert_eq!(records(&report), vec![written[0].clone()]);
+    assert_eq!(read(&store, &written[0]).unwrap(), payload(0));
+}
+
+#[test]
 fn a_corrupt_meta_file_is_an_error_naming_it_and_is_kept() {
     let d = TestDir::new("meta");
     drop(open(&d.0));
