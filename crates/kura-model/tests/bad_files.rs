@@ -11,6 +11,7 @@ use kura_model::{Model, ModelError};
 
 const T_U32: u32 = 4;
 const T_F32: u32 = 6;
+const T_BOOL: u32 = 7;
 const T_STRING: u32 = 8;
 const T_ARRAY: u32 = 9;
 const T_U64: u32 = 10;
@@ -448,6 +449,88 @@ fn a_tensor_the_model_needs_must_be_there_and_readable_before_anything_loads() {
 }
 
 #[test]
+fn tokenizer_keys_of_the_wrong_type_or_size_are_refused_naming_the_key() {
+    // 2^32 + 3 was read as token 3 (truncated to 32 bits).
+    let mut g = tiny_model();
+    g.u64("tokenizer.ggml.eos_token_id", (1 << 32) + 3);
+    load_fails(
+        "eos-wide.gguf",
+        &g,
+        "'tokenizer.ggml.eos_token_id' is 4294967299, which is no token id (ids are below 2^32)",
+    );
+    // A string id, like every other wrong type, is refused.
+    let mut g = tiny_model();
+    g.str("tokenizer.ggml.bos_token_id", "1");
+    load_fails(
+        "bos-str.gguf",
+        &g,
+        "'tokenizer.ggml.bos_token_id' has the wrong type",
+    );
+    // Booleans were read as their default whatever their type.
+    for key in [
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.add_space_prefix",
+    ] {
+        let mut g = tiny_model();
+        g.u32(key, 0);
+        if key.ends_with("add_space_prefix") {
+            // Read by the SentencePiece vocabulary only.
+            g.str("tokenizer.ggml.model", "llama");
+        }
+        load_fails(
+            "bool.gguf",
+            &g,
+            &format!("'{key}' has the wrong type: expected a boolean"),
+        );
+    }
+    let mut g = tiny_model();
+    g.u32("tokenizer.ggml.pre", 7);
+    load_fails(
+        "pre.gguf",
+        &g,
+        "'tokenizer.ggml.pre' has the wrong type: expected a string",
+    );
+    // Per-token arrays: one entry per token, of the right type.
+    let ints = |v: &[u32]| {
+        let mut b = T_U32.to_le_bytes().to_vec();
+        b.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        for x in v {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        b
+    };
+    let mut g = tiny_model();
+    g.raw("tokenizer.ggml.token_type", T_ARRAY, ints(&[1, 1, 1]));
+    load_fails(
+        "types-short.gguf",
+        &g,
+        "'tokenizer.ggml.token_type' has 3 entries for 4 tokens",
+    );
+    let mut g = tiny_model();
+    g.strs("tokenizer.ggml.token_type", &["1", "1", "1", "3"]);
+    load_fails(
+        "types-str.gguf",
+        &g,
+        "'tokenizer.ggml.token_type' has the wrong type: expected an array of integers",
+    );
+    let mut g = tiny_model();
+    g.str("tokenizer.ggml.model", "llama");
+    g.raw("tokenizer.ggml.scores", T_ARRAY, ints(&[0, 0]));
+    load_fails(
+        "scores.gguf",
+        &g,
+        "'tokenizer.ggml.scores' has 2 entries for 4 tokens",
+    );
+    // The right types load.
+    let mut g = tiny_model();
+    g.raw("tokenizer.ggml.token_type", T_ARRAY, ints(&[1, 1, 1, 3]));
+    g.raw("tokenizer.ggml.add_bos_token", T_BOOL, vec![0]);
+    let path = write("types-ok.gguf", &g.bytes());
+    Model::load(&path).unwrap();
+    std::fs::remove_file(path).ok();
+}
+
+#[test]
 fn huge_declared_counts_fail_without_allocating() {
     // An array of 2^60 strings: sized by the count, the Vec would abort the process.
     let mut g = tiny_model();
@@ -700,6 +783,49 @@ fn hf_directories_with_bad_configs_or_shard_names_are_rejected() {
         assert!(err.contains(expected), "{key}: {err}");
         std::fs::remove_dir_all(dir).ok();
     }
+    // tokenizer_config.json: a special token of another type was read as none.
+    for (key, value, expected) in [
+        (
+            "eos_token",
+            "2",
+            "'eos_token' is 2: expected a string, an object with \"content\", or null",
+        ),
+        (
+            "bos_token",
+            r#"{"id": 1}"#,
+            "'bos_token' is an object without a string \"content\"",
+        ),
+        (
+            "chat_template",
+            "true",
+            "'chat_template' is neither a string nor a list of named templates",
+        ),
+    ] {
+        let dir = hf_dir(key, |d| {
+            let file = d.join("tokenizer_config.json");
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+            v[key] = serde_json::from_str(value).unwrap();
+            std::fs::write(file, v.to_string()).unwrap();
+        });
+        let err = Model::load(&dir).err().unwrap().to_string();
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains(expected),
+            "{key}: {err}"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+    // The object form loads.
+    let dir = hf_dir("eos-object", |d| {
+        let file = d.join("tokenizer_config.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        v["eos_token"] = serde_json::json!({"content": "<|im_end|>", "special": true});
+        std::fs::write(file, v.to_string()).unwrap();
+    });
+    let model = Model::load(&dir).unwrap();
+    assert!(model.text().tokenizer.eos_token_id.is_some());
+    std::fs::remove_dir_all(dir).ok();
 }
 
 /// A one-layer Gemma 3 (tied embeddings, per-head Q/K norms, post-norms), shaped like [`tiny_model`]

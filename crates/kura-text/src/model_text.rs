@@ -178,22 +178,37 @@ impl TokenizerConfig {
                 path: path.clone(),
                 what: e.to_string(),
             })?;
-        // A token is either a string or an object with "content".
+        let bad = |what: String| TextError::Format {
+            path: path.clone(),
+            what,
+        };
+        // A token is a string, an object with a string "content", or null (none).
         let token = |key: &str| match v.get(key) {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Object(o)) => {
-                o.get("content").and_then(|c| c.as_str()).map(String::from)
-            }
-            _ => None,
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+            Some(serde_json::Value::Object(o)) => match o.get("content") {
+                Some(serde_json::Value::String(c)) => Ok(Some(c.clone())),
+                _ => Err(bad(format!(
+                    "'{key}' is an object without a string \"content\""
+                ))),
+            },
+            Some(other) => Err(bad(format!(
+                "'{key}' is {other}: expected a string, an object with \"content\", or null"
+            ))),
         };
         // A template is a string, or a list of named templates of which "default" is used.
         let chat_template = match v.get("chat_template") {
+            None | Some(serde_json::Value::Null) => None,
             Some(serde_json::Value::String(s)) => Some(s.clone()),
             Some(serde_json::Value::Array(list)) => list
                 .iter()
                 .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
                 .and_then(|t| t.get("template").and_then(|s| s.as_str()).map(String::from)),
-            _ => None,
+            Some(_) => {
+                return Err(bad(
+                    "'chat_template' is neither a string nor a list of named templates".into(),
+                ))
+            }
         };
         let chat_template = match chat_template {
             Some(t) => Some(t),
@@ -205,8 +220,8 @@ impl TokenizerConfig {
         };
         Ok(TokenizerConfig {
             chat_template,
-            bos_token: token("bos_token"),
-            eos_token: token("eos_token"),
+            bos_token: token("bos_token")?,
+            eos_token: token("eos_token")?,
         })
     }
 }

@@ -104,16 +104,16 @@ impl Tokenizer {
                 ))),
             })
             .collect::<Result<_>>()?;
-        let types = token_types(g, tokens.len());
+        let types = token_types(g, tokens.len())?;
         let vocab: Vocab = tokens
             .iter()
             .enumerate()
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
-        let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| match v {
-            Value::String(s) => Some(s.as_str()),
-            _ => None,
-        });
+        let pre = match g.metadata.get("tokenizer.ggml.pre") {
+            None => None,
+            Some(_) => Some(g.get_str("tokenizer.ggml.pre")?),
+        };
         // Llama 3's BPE takes a pre-token that is a whole vocabulary entry as it is, before any merge
         // (llama.cpp's `ignore_merges`, HF's `"ignore_merges": true`).
         let ignore_merges = matches!(pre, Some("llama-bpe" | "llama3" | "llama-v3"));
@@ -136,11 +136,15 @@ impl Tokenizer {
     /// vocabularies).
     fn spm_from_gguf(g: &GgufFile) -> Result<Self> {
         let tokens = string_array(g, "tokenizer.ggml.tokens")?;
-        let scores: Vec<f64> = match g.metadata.get("tokenizer.ggml.scores") {
-            Some(Value::Array(a)) => a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
-            _ => vec![0.0; tokens.len()],
-        };
-        let types = token_types(g, tokens.len());
+        let scores: Vec<f64> = per_token(
+            g,
+            "tokenizer.ggml.scores",
+            tokens.len(),
+            "an array of numbers",
+            |v| v.as_f64(),
+        )?
+        .unwrap_or_else(|| vec![0.0; tokens.len()]);
+        let types = token_types(g, tokens.len())?;
         let vocab: Vocab = tokens
             .iter()
             .enumerate()
@@ -166,8 +170,7 @@ impl Tokenizer {
         }
         merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let merges = merges.into_iter().map(|(_, _, _, l, r)| (l, r)).collect();
-        let unk = g
-            .opt_u64("tokenizer.ggml.unknown_token_id")?
+        let unk = opt_id(g, "tokenizer.ggml.unknown_token_id")?
             .and_then(|i| tokens.get(i as usize).cloned());
         let mut builder = BPE::builder()
             .vocab_and_merges(vocab, merges)
@@ -177,10 +180,7 @@ impl Tokenizer {
             builder = builder.unk_token(u);
         }
         let mut inner = tokenizers::Tokenizer::new(builder.build().map_err(tok_err)?);
-        let add_space_prefix = !matches!(
-            g.metadata.get("tokenizer.ggml.add_space_prefix"),
-            Some(Value::Bool(false))
-        );
+        let add_space_prefix = opt_bool(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
         let mut norm: Vec<NormalizerWrapper> = Vec::new();
         if add_space_prefix {
             norm.push(Prepend::new("▁".into()).into());
@@ -210,15 +210,11 @@ impl Tokenizer {
         add_bos_default: bool,
     ) -> Result<Self> {
         add_special(&mut inner, tokens, types);
-        let id = |key: &str| -> Result<Option<u32>> { Ok(g.opt_u64(key)?.map(|v| v as u32)) };
-        let add_bos = match g.metadata.get("tokenizer.ggml.add_bos_token") {
-            Some(Value::Bool(b)) => *b,
-            _ => add_bos_default,
-        };
+        let add_bos = opt_bool(g, "tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos_default);
         Ok(Self::finish(
             inner,
-            id("tokenizer.ggml.bos_token_id")?,
-            id("tokenizer.ggml.eos_token_id")?,
+            opt_id(g, "tokenizer.ggml.bos_token_id")?,
+            opt_id(g, "tokenizer.ggml.eos_token_id")?,
             add_bos,
         ))
     }
@@ -547,10 +543,77 @@ fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>> {
 
 /// GGUF token types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte); normal when
 /// absent.
-fn token_types(g: &GgufFile, n: usize) -> Vec<i64> {
-    match g.metadata.get("tokenizer.ggml.token_type") {
-        Some(Value::Array(a)) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
-        _ => vec![1; n],
+fn token_types(g: &GgufFile, n: usize) -> Result<Vec<i64>> {
+    Ok(per_token(
+        g,
+        "tokenizer.ggml.token_type",
+        n,
+        "an array of integers",
+        |v| v.as_i64(),
+    )?
+    .unwrap_or_else(|| vec![1; n]))
+}
+
+/// An optional array of one value per token (`n` of them), each read by `get`. Absent is `None`; any
+/// other type, element or length is an error naming the key and what was `expected`.
+fn per_token<T>(
+    g: &GgufFile,
+    key: &str,
+    n: usize,
+    expected: &'static str,
+    get: impl Fn(&Value) -> Option<T>,
+) -> Result<Option<Vec<T>>> {
+    let wrong = || -> TextError {
+        kura_gguf::GgufError::KeyType {
+            key: key.into(),
+            expected,
+        }
+        .into()
+    };
+    let Some(v) = g.metadata.get(key) else {
+        return Ok(None);
+    };
+    let Value::Array(a) = v else {
+        return Err(wrong());
+    };
+    if a.len() != n {
+        return Err(kura_gguf::GgufError::BadValue {
+            key: key.into(),
+            what: format!("has {} entries for {n} tokens", a.len()),
+        }
+        .into());
+    }
+    a.iter()
+        .map(|v| get(v).ok_or_else(wrong))
+        .collect::<Result<Vec<T>>>()
+        .map(Some)
+}
+
+/// An optional token id: absent, or an unsigned integer below 2^32 (a larger one is an error, never
+/// truncated to another token).
+fn opt_id(g: &GgufFile, key: &str) -> Result<Option<u32>> {
+    match g.opt_u64(key)? {
+        None => Ok(None),
+        Some(v) => u32::try_from(v).map(Some).map_err(|_| {
+            kura_gguf::GgufError::BadValue {
+                key: key.into(),
+                what: format!("is {v}, which is no token id (ids are below 2^32)"),
+            }
+            .into()
+        }),
+    }
+}
+
+/// An optional boolean: absent, or a bool (any other type is an error naming the key).
+fn opt_bool(g: &GgufFile, key: &str) -> Result<Option<bool>> {
+    match g.metadata.get(key) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(kura_gguf::GgufError::KeyType {
+            key: key.into(),
+            expected: "a boolean",
+        }
+        .into()),
     }
 }
 
