@@ -37,6 +37,7 @@ def cases(model: str, max_len: int):
         ("prompt plus max_tokens beyond the context", c, {"prompt": "Hello", "max_tokens": max_len}, 400),
         ("temperature is a string", c, {**OK_PROMPT, "temperature": "hot"}, 400),
         ("temperature 5", c, {**OK_PROMPT, "temperature": 5}, 400),
+        ("temperature just past 2", c, {**OK_PROMPT, "temperature": 2.0000001}, 400),
         ("top_p 0", c, {**OK_PROMPT, "top_p": 0}, 400),
         ("top_p 1.5", c, {**OK_PROMPT, "top_p": 1.5}, 400),
         ("top_k -7", c, {**OK_PROMPT, "top_k": -7}, 400),
@@ -154,5 +155,26 @@ def test_messages_name_the_field_and_tokenize_counts_what_chat_sends():
         r = httpx.post(s.url + "/v1/completions", content=json.dumps(OK_PROMPT),
                        headers={"content-type": "application/json", "content-encoding": "gzip"})
         assert r.status_code == 415 and "gzip" in r.json()["error"]["message"], r.text
+        # A path id that is not UTF-8 gets the JSON error shape, like every other error.
+        for method, path in [(httpx.get, "/v1/models/%ff"), (httpx.get, "/v1/responses/%ff%fe"),
+                             (httpx.delete, "/v1/caches/%c3")]:
+            r = method(s.url + path)
+            assert r.status_code == 400, (path, r.text)
+            assert "the id in the path" in r.json()["error"]["message"], (path, r.text)
+        # The Responses API's errors use its own names: input[i] and call_id, max_output_tokens.
+        r = post("/v1/responses", {"input": [
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            {"type": "function_call_output", "call_id": "c9", "output": "?"}], "max_output_tokens": 2})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "input", r.text
+        assert err["message"].startswith('input[3] answers call_id "c9", which no earlier function_call'), r.text
+        max_len = post("/tokenize", {"prompt": "x"}).json()["max_model_len"]
+        r = post("/v1/responses", {"input": "Hello", "max_output_tokens": max_len})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+        assert err["param"] == "max_output_tokens" and "max_output_tokens asks for" in err["message"], r.text
+        assert "max_tokens" not in err["message"].replace("max_output_tokens", ""), r.text
     finally:
         s.stop()

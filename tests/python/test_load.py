@@ -209,3 +209,34 @@ def test_request_timeout_cancels_and_frees_blocks():
         assert m["kura:kv_cache_blocks_used"] == 0
     finally:
         s.stop()
+
+
+def test_a_client_that_half_closes_is_taken_as_gone():
+    """A client that shuts down its sending side after a non-streamed request is taken as gone, as
+    uvicorn takes it: the request is cancelled at once and its blocks freed (docs/serve.md)."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    s = KuraServer("--kv-cache-memory", "256MiB")
+    try:
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}).encode()
+        url = urlparse(s.url)
+        sock = socket.create_connection((url.hostname, url.port))
+        auth = "".join(f"{k}: {v}\r\n" for k, v in s.headers().items()).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
+                     + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 30
+        while s.metrics()["kura:num_requests_running"] < 1:
+            assert time.time() < deadline, "the request never started"
+            time.sleep(0.02)
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(30)
+        assert sock.recv(100) == b"", "a response was written after the half-close"
+        m = s.wait_idle()
+        assert m["kura:request_cancelled_total"] == 1
+        assert m["kura:kv_cache_blocks_used"] == 0
+        assert m.get("kura:generation_tokens_total", 0) < 4000
+        sock.close()
+    finally:
+        s.stop()

@@ -143,7 +143,7 @@ BAD = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input",
      "only text"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, 400, "input",
-     "no earlier assistant"),
+     "input[0] answers call_id \"call_9\", which no earlier function_call"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer",
                                                                                       "minimum": 3, "maximum": 1}}}},
      400, "text", "could not be compiled"),

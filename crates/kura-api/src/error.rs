@@ -86,6 +86,23 @@ impl ApiError {
         }
     }
 
+    /// The same error in another API's name for a field: its parameter, and the field's name where the
+    /// message says it as a word (`max_tokens` → `max_output_tokens` for the Responses API).
+    pub fn rename_field(self, from: &str, to: &'static str) -> Self {
+        match self {
+            ApiError::InvalidRequest {
+                message,
+                param,
+                code,
+            } => ApiError::InvalidRequest {
+                message: replace_word(&message, from, to),
+                param: param.map(|p| if p == from { to } else { p }),
+                code,
+            },
+            other => other,
+        }
+    }
+
     /// The same error, naming `param` where it named no parameter.
     pub fn with_param(self, param: &'static str) -> Self {
         match self {
@@ -191,6 +208,31 @@ impl ApiError {
         let (kind, param, code) = self.kind_and_code();
         json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
     }
+}
+
+/// `text` with each occurrence of `word` that is not part of a longer name (letters, digits, `_`
+/// around it) replaced by `with`.
+fn replace_word(text: &str, word: &str, with: &str) -> String {
+    let name_char = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(word) {
+        let before = if at > 0 {
+            rest[..at].chars().next_back()
+        } else {
+            out.chars().next_back()
+        };
+        let after = rest[at + word.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        if name_char(before) || name_char(after) {
+            out.push_str(word);
+        } else {
+            out.push_str(with);
+        }
+        rest = &rest[at + word.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 impl From<SubmitError> for ApiError {
@@ -339,5 +381,36 @@ mod tests {
             max_queue: 3,
         });
         assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+
+    #[test]
+    fn a_field_is_renamed_in_the_param_and_as_a_word_of_the_message() {
+        let e = ApiError::from(SubmitError::ContextExceeded {
+            prompt_tokens: 10,
+            max_tokens: 100,
+            max_model_len: 64,
+            excess: 46,
+        })
+        .rename_field("max_tokens", "max_output_tokens");
+        let body = e.body();
+        assert_eq!(body["error"]["param"], "max_output_tokens");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("and max_output_tokens asks for 100 more"),
+            "{message}"
+        );
+        assert!(!message.contains(" max_tokens"), "{message}");
+        // Longer names that contain the word are left alone.
+        assert_eq!(
+            replace_word(
+                "max_tokens, max_tokens_x, my_max_tokens (max_tokens)",
+                "max_tokens",
+                "M"
+            ),
+            "M, max_tokens_x, my_max_tokens (M)"
+        );
+        // Other errors and other params are unchanged.
+        let e = ApiError::invalid("n must be 1", Some("n")).rename_field("max_tokens", "x");
+        assert_eq!(e.body()["error"]["param"], "n");
     }
 }

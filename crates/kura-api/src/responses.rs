@@ -29,6 +29,8 @@ pub struct ResponsesPlan {
     pub checked: Checked,
     /// Turns this request adds (after the previous response's conversation, if any).
     pub input: Vec<ChatMessage>,
+    /// For each turn of `input`, the index of the `input` item it starts with (for errors).
+    pub input_items: Vec<usize>,
     /// A system message put first (not carried to the next response, as OpenAI does).
     pub instructions: Option<String>,
     pub previous_response_id: Option<String>,
@@ -84,16 +86,21 @@ fn str_field<'a>(o: &'a Value, name: &str, at: &str) -> Result<&'a str, ApiError
 }
 
 /// `input` → chat messages: text is one user message; items are messages, an assistant's
-/// `function_call`s (joined into one assistant turn) and `function_call_output`s (tool turns).
-pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+/// `function_call`s (joined into one assistant turn) and `function_call_output`s (tool turns). With
+/// each message, the index of the item it starts with.
+pub fn input_messages(input: &Value) -> Result<(Vec<ChatMessage>, Vec<usize>), ApiError> {
     let items = match input {
-        Value::String(s) => return Ok(vec![ChatMessage::new("user", s.clone())]),
+        Value::String(s) => return Ok((vec![ChatMessage::new("user", s.clone())], vec![0])),
         Value::Array(items) if !items.is_empty() => items,
         Value::Array(_) => return Err(bad("input must not be empty", "input")),
         _ => return Err(bad("input must be text or a list of items", "input")),
     };
     let mut out: Vec<ChatMessage> = Vec::new();
+    let mut starts: Vec<usize> = Vec::new();
     for (i, item) in items.iter().enumerate() {
+        if starts.len() < out.len() {
+            starts.push(i - 1);
+        }
         let at = format!("input[{i}]");
         let kind = item.get("type").and_then(Value::as_str);
         match kind {
@@ -164,7 +171,10 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             }
         }
     }
-    Ok(out)
+    if starts.len() < out.len() {
+        starts.push(items.len() - 1);
+    }
+    Ok((out, starts))
 }
 
 /// Responses' flat function tools (`{"type": "function", "name", "description", "parameters"}`) in
@@ -346,7 +356,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     let Some(input) = set("input") else {
         return Err(bad("input is required (text or a list of items)", "input"));
     };
-    let input = input_messages(input)?;
+    let (input, input_items) = input_messages(input)?;
     let instructions = match set("instructions") {
         None => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -427,6 +437,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     Ok(ResponsesPlan {
         checked,
         input,
+        input_items,
         instructions,
         previous_response_id,
         store,

@@ -328,8 +328,33 @@ fn calls_of(m: &ChatMessage) -> Vec<ParsedCall> {
 }
 
 /// Checks the tool turns of a conversation: every `tool` message answers a call an earlier assistant
-/// message made.
+/// message made. Errors name chat's fields (`messages[i]`, `tool_call_id`).
 pub fn check_tool_turns(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    check_tool_turns_named(
+        messages,
+        &TurnNames {
+            item: &|i| format!("messages[{i}]"),
+            id: "tool_call_id",
+            call: "assistant message",
+            param: "messages",
+        },
+    )
+}
+
+/// How an API names the parts of a conversation in [`check_tool_turns_named`]'s errors.
+pub struct TurnNames<'a> {
+    /// The request's name for message `i` (`messages[3]`, `input[5]`).
+    pub item: &'a dyn Fn(usize) -> String,
+    /// The field holding the id of the call a result answers.
+    pub id: &'a str,
+    /// What makes a call.
+    pub call: &'a str,
+    /// The parameter the error names.
+    pub param: &'static str,
+}
+
+/// [`check_tool_turns`] with errors in another API's names (Responses: `input[i]`, `call_id`).
+pub fn check_tool_turns_named(messages: &[ChatMessage], n: &TurnNames<'_>) -> Result<(), ApiError> {
     let mut called: HashSet<String> = HashSet::new();
     for (i, m) in messages.iter().enumerate() {
         if let Some(Value::Array(calls)) = &m.tool_calls {
@@ -343,17 +368,19 @@ pub fn check_tool_turns(messages: &[ChatMessage]) -> Result<(), ApiError> {
             match &m.tool_call_id {
                 None => {
                     return Err(bad(
-                        format!("messages[{i}] has role tool but no tool_call_id"),
-                        "messages",
+                        format!("{} has role tool but no {}", (n.item)(i), n.id),
+                        n.param,
                     ))
                 }
                 Some(id) if !called.contains(id) => {
                     return Err(bad(
                         format!(
-                            "messages[{i}] answers tool_call_id {id:?}, which no earlier assistant \
-                             message called"
+                            "{} answers {} {id:?}, which no earlier {} called",
+                            (n.item)(i),
+                            n.id,
+                            n.call
                         ),
-                        "messages",
+                        n.param,
                     ))
                 }
                 Some(_) => {}

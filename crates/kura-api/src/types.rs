@@ -32,21 +32,23 @@ pub struct StreamOptions {
 
 /// Fields shared by both endpoints, parsed from the same JSON object as the endpoint's own fields
 /// (two passes rather than `serde(flatten)`, which would lose the field names in type errors).
+/// The sampling numbers are read as f64 and checked before they are narrowed to the engine's f32, so a
+/// value just past a bound (`2.0000001`) is refused rather than rounded onto it.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct CommonParams {
     pub model: Option<String>,
     pub max_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
     pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
+    pub min_p: Option<f64>,
     pub n: Option<i64>,
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub seed: Option<i64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,

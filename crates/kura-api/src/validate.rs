@@ -84,14 +84,14 @@ impl Checked {
 
 fn in_range(
     name: &'static str,
-    v: Option<f32>,
-    lo: f32,
-    hi: f32,
+    v: Option<f64>,
+    lo: f64,
+    hi: f64,
     default: f32,
 ) -> Result<f32, ApiError> {
     match v {
         None => Ok(default),
-        Some(x) if x.is_finite() && x >= lo && x <= hi => Ok(x),
+        Some(x) if x.is_finite() && x >= lo && x <= hi => Ok(x as f32),
         Some(x) => Err(ApiError::invalid(
             format!("{name} must be between {lo} and {hi}, got {x}"),
             Some(name),
@@ -680,6 +680,10 @@ mod tests {
     fn out_of_range_values_name_the_parameter() {
         for (body, param) in [
             (r#"{"temperature": 3}"#, "temperature"),
+            // Just past the bound: an f32 would round it onto the bound.
+            (r#"{"temperature": 2.0000001}"#, "temperature"),
+            (r#"{"temperature": 1e39}"#, "temperature"),
+            (r#"{"top_p": 1.00000001}"#, "top_p"),
             (r#"{"top_p": 0}"#, "top_p"),
             (r#"{"top_k": -5}"#, "top_k"),
             (r#"{"n": 0}"#, "n"),

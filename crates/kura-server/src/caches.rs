@@ -6,12 +6,12 @@
 //! until it expires and writes them through to the lower tiers; the reply reports how many tokens were
 //! computed and how many were found cached already.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::{Extension, Json};
 use kura_engine::EngineEvent;
 use serde_json::{json, Value};
 
-use crate::body::JsonBody;
+use crate::body::{JsonBody, PathId};
 use crate::caching::{self, context_tokens, parse_context_ttl, ContextKind, SavedContext};
 use crate::error::ApiError;
 use crate::output::Events;
@@ -174,7 +174,7 @@ pub async fn list(State(s): State<AppState>, Extension(tenant): Extension<Tenant
 pub async fn get(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> Result<Json<Value>, ApiError> {
     let salt = kura_api::effective_salt(&tenant, None);
     let c = s.contexts.get(&id, &salt, s.engine.cache_now_ms())?;
@@ -184,7 +184,7 @@ pub async fn get(
 pub async fn patch(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     JsonBody(value): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
     let salt = kura_api::effective_salt(&tenant, None);
@@ -214,7 +214,7 @@ pub async fn patch(
 pub async fn delete(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> Result<Json<Value>, ApiError> {
     let salt = kura_api::effective_salt(&tenant, None);
     let (store, now) = (s.contexts.clone(), s.engine.cache_now_ms());

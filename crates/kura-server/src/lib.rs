@@ -429,7 +429,7 @@ async fn models(State(s): State<AppState>) -> Json<ModelList> {
 /// `GET /v1/models/{model}`: the served model's card (what `client.models.retrieve()` reads).
 async fn model(
     State(s): State<AppState>,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    crate::body::PathId(id): crate::body::PathId,
 ) -> Result<Json<ModelCard>, ApiError> {
     let info = s.engine.info();
     validate::check_model(&id, &info.model_name)?;

@@ -23,18 +23,20 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::Stream;
 use kura_api::responses::prepare;
-use kura_api::tools::{check_tool_turns, encode_chat_prompt, template_call, ToolFormat};
+use kura_api::tools::{
+    check_tool_turns_named, encode_chat_prompt, template_call, ToolFormat, TurnNames,
+};
 use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{ChatMessage, EngineEvent, FinishReason, PinSpec, Usage};
 use serde_json::{json, Map, Value};
 
-use crate::body::JsonBody;
+use crate::body::{JsonBody, PathId};
 use crate::handlers::{history_of, off_the_workers, remaining_tokens, response_id};
 use crate::output::{self, Events, ToolStream};
 use crate::{guided, AppState};
@@ -237,7 +239,20 @@ pub async fn create(
         messages.push(ChatMessage::new("system", i.clone()));
     }
     messages.extend(conversation.iter().cloned());
-    check_tool_turns(&messages).map_err(|e| e.rename_param("messages", "input"))?;
+    // The previous response's turns were checked when it was made: only `input` can be wrong.
+    let first_input = messages.len() - plan.input.len();
+    check_tool_turns_named(
+        &messages,
+        &TurnNames {
+            item: &|i| match i.checked_sub(first_input) {
+                Some(k) => format!("input[{}]", plan.input_items[k]),
+                None => "the previous response's conversation".into(),
+            },
+            id: "call_id",
+            call: "function_call",
+            param: "input",
+        },
+    )?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
@@ -296,7 +311,12 @@ pub async fn create(
             .map(|_| style.format),
     };
     let (mut events, sender) = Events::new(1, 1);
-    events.add_guard(s.engine.submit(request, sender.sink(0))?);
+    let for_responses = |e: ApiError| e.rename_field("max_tokens", "max_output_tokens");
+    events.add_guard(
+        s.engine
+            .submit(request, sender.sink(0))
+            .map_err(|e| for_responses(e.into()))?,
+    );
     drop(sender);
     let keep = plan
         .store
@@ -308,7 +328,9 @@ pub async fn create(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let body = output::finish_before(deadline, collect(meta, events, keep)).await?;
+    let body = output::finish_before(deadline, collect(meta, events, keep))
+        .await
+        .map_err(for_responses)?;
     Ok(Json(body).into_response())
 }
 
@@ -621,7 +643,9 @@ fn stream(
                 Some(EngineEvent::Delta { text, .. }) => st.delta(text),
                 Some(EngineEvent::Finished { reason, .. }) => st.reason = Some(reason),
                 Some(EngineEvent::Done { usage }) => st.finish(usage),
-                Some(EngineEvent::Failed(e)) => st.fail(e.into()),
+                Some(EngineEvent::Failed(e)) => {
+                    st.fail(ApiError::from(e).rename_field("max_tokens", "max_output_tokens"))
+                }
                 None => st.fail(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
                 )),
@@ -633,7 +657,7 @@ fn stream(
 pub async fn get(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> Result<Json<Value>, ApiError> {
     let owner = effective_salt(&tenant, None);
     s.responses
@@ -645,7 +669,7 @@ pub async fn get(
 pub async fn delete(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> Result<Json<Value>, ApiError> {
     let owner = effective_salt(&tenant, None);
     if s.responses.remove(&id, &owner) {
