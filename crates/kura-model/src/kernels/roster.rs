@@ -88,7 +88,7 @@ static GLOBAL: Mutex<Option<Roster>> = Mutex::new(None);
 
 /// Lets the steps run on the global pool (`threads` threads) adapt their team size.
 pub fn enable(threads: usize) {
-    if sched_stats().is_some() {
+    if Mark::now().is_some() {
         *GLOBAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Roster::new(threads));
     }
 }
@@ -121,29 +121,33 @@ pub struct Mark {
 impl Mark {
     /// This thread's statistics now, or `None` where they cannot be read.
     pub fn now() -> Option<Mark> {
-        let (run_delay_ns, involuntary) = sched_stats()?;
+        let involuntary = involuntary_switches()?;
         Some(Mark {
             at: Instant::now(),
-            run_delay_ns,
+            run_delay_ns: run_delay_ns()?,
             involuntary,
         })
     }
 
     /// Whether this thread was held up since the mark: switched out involuntarily, and on a run queue
-    /// for more than [`HELD_UP_NS`] and more than an eighth of the time since.
+    /// for more than [`HELD_UP_NS`] and more than an eighth of the time since. The run queue's time is
+    /// read only after an involuntary switch (a `getrusage`), as most steps have none.
     pub fn held_up(&self) -> bool {
-        let Some((run_delay_ns, involuntary)) = sched_stats() else {
+        if involuntary_switches().is_none_or(|n| n == self.involuntary) {
+            return false;
+        }
+        let Some(run_delay_ns) = run_delay_ns() else {
             return false;
         };
         let waited = run_delay_ns.saturating_sub(self.run_delay_ns);
         let elapsed = u64::try_from(self.at.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        involuntary != self.involuntary && waited > HELD_UP_NS && waited.saturating_mul(8) > elapsed
+        waited > HELD_UP_NS && waited.saturating_mul(8) > elapsed
     }
 }
 
-/// This thread's time on a run queue (ns) and its involuntary context switches.
+/// This thread's time on a run queue (ns).
 #[cfg(target_os = "linux")]
-fn sched_stats() -> Option<(u64, i64)> {
+fn run_delay_ns() -> Option<u64> {
     use std::os::unix::fs::FileExt;
     thread_local! {
         /// This thread's schedstat, opened once: a read at offset 0 gives the figures of the moment.
@@ -154,18 +158,28 @@ fn sched_stats() -> Option<(u64, i64)> {
     let mut buf = [0u8; 96];
     let len = SCHEDSTAT.with(|f| f.as_ref()?.read_at(&mut buf, 0).ok())?;
     let text = std::str::from_utf8(&buf[..len]).ok()?;
-    let run_delay_ns = text.split_whitespace().nth(1)?.parse().ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// This thread's involuntary context switches.
+#[cfg(target_os = "linux")]
+fn involuntary_switches() -> Option<i64> {
     // SAFETY: getrusage writes a plain struct that is zeroed here first.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: a valid pointer to a rusage of this thread.
     if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
         return None;
     }
-    Some((run_delay_ns, usage.ru_nivcsw))
+    Some(usage.ru_nivcsw)
 }
 
 #[cfg(not(target_os = "linux"))]
-fn sched_stats() -> Option<(u64, i64)> {
+fn run_delay_ns() -> Option<u64> {
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+fn involuntary_switches() -> Option<i64> {
     None
 }
 
