@@ -22,19 +22,47 @@ pub struct SseEvent {
 pub enum SseError {
     #[error("stream line is not UTF-8: {0}")]
     NotUtf8(String),
+    #[error("a stream event is larger than the {0} bytes taken (a line that never ends?)")]
+    TooLarge(usize),
 }
 
-#[derive(Debug, Default)]
+/// The largest event [`SseDecoder::new`] takes: a completion chunk is a few hundred bytes; a KV
+/// snapshot of a million blocks is about 40 MB.
+pub const MAX_EVENT_BYTES: usize = 256 << 20;
+
+#[derive(Debug)]
 pub struct SseDecoder {
     /// Bytes after the last `\n` seen, waiting for the rest of their line.
     partial_line: Vec<u8>,
     event: Option<String>,
     data_lines: Vec<String>,
+    /// Bytes held for the event being read (its lines so far and the partial line).
+    held: usize,
+    max_event_bytes: usize,
+}
+
+impl Default for SseDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl SseDecoder {
+    /// A decoder of events up to [`MAX_EVENT_BYTES`].
     pub fn new() -> Self {
-        Self::default()
+        Self::with_limit(MAX_EVENT_BYTES)
+    }
+
+    /// A decoder of events up to `max_event_bytes` (the bytes of their lines): a stream that sends a
+    /// longer one (a line that never ends) is an error, not memory without end.
+    pub fn with_limit(max_event_bytes: usize) -> Self {
+        SseDecoder {
+            partial_line: Vec::new(),
+            event: None,
+            data_lines: Vec::new(),
+            held: 0,
+            max_event_bytes,
+        }
     }
 
     /// Feeds the next piece of the body; returns the events completed by it.
@@ -42,6 +70,7 @@ impl SseDecoder {
         let mut events = Vec::new();
         let mut rest = bytes;
         while let Some(pos) = rest.iter().position(|&b| b == b'\n') {
+            self.hold(pos)?;
             self.partial_line.extend_from_slice(&rest[..pos]);
             rest = &rest[pos + 1..];
             let line = std::mem::take(&mut self.partial_line);
@@ -49,8 +78,18 @@ impl SseDecoder {
                 events.push(event);
             }
         }
+        self.hold(rest.len())?;
         self.partial_line.extend_from_slice(rest);
         Ok(events)
+    }
+
+    /// Counts `bytes` more toward the event being read.
+    fn hold(&mut self, bytes: usize) -> Result<(), SseError> {
+        self.held = self.held.saturating_add(bytes);
+        if self.held > self.max_event_bytes {
+            return Err(SseError::TooLarge(self.max_event_bytes));
+        }
+        Ok(())
     }
 
     /// Ends the stream: an unterminated last line and an event not followed by a blank line still count
@@ -89,6 +128,7 @@ impl SseDecoder {
     }
 
     fn dispatch(&mut self) -> Option<SseEvent> {
+        self.held = 0;
         if self.data_lines.is_empty() {
             self.event = None;
             return None;
@@ -259,6 +299,26 @@ mod tests {
             dec.feed(b"data: \xff\xfe\n"),
             Err(SseError::NotUtf8(_))
         ));
+    }
+
+    #[test]
+    fn an_event_over_the_limit_is_an_error_whether_one_line_or_many() {
+        // A line that never ends, fed in pieces.
+        let mut dec = SseDecoder::with_limit(64);
+        assert_eq!(dec.feed(&[b'a'; 40]), Ok(vec![]));
+        assert_eq!(dec.feed(&[b'a'; 40]), Err(SseError::TooLarge(64)));
+        // Many short data lines of one event.
+        let mut dec = SseDecoder::with_limit(64);
+        let lines = "data: 0123456789\n".repeat(8);
+        assert_eq!(dec.feed(lines.as_bytes()), Err(SseError::TooLarge(64)));
+        // Events under the limit, one after another, never add up.
+        let mut dec = SseDecoder::with_limit(64);
+        for _ in 0..100 {
+            assert_eq!(
+                dec.feed(b"data: 0123456789\n\n"),
+                Ok(vec![ev("0123456789")])
+            );
+        }
     }
 
     fn ev(data: &str) -> SseEvent {

@@ -166,6 +166,26 @@ pub async fn stream_completion(
     out
 }
 
+/// The most bytes of an error response kept (for its message).
+const ERROR_BODY_BYTES: usize = 64 << 10;
+/// The largest stream event taken: a completion chunk is a few hundred bytes.
+const MAX_STREAM_EVENT_BYTES: usize = 16 << 20;
+/// The most text kept of one response (a request's tokens are far fewer).
+const MAX_RESPONSE_TEXT_BYTES: usize = 64 << 20;
+
+/// The first `max` bytes of a response's body, as text (a server's error body may never end).
+async fn body_head(response: reqwest::Response, max: usize) -> String {
+    let mut head = Vec::new();
+    let mut body = response.bytes_stream();
+    while let Some(Ok(piece)) = body.next().await {
+        head.extend_from_slice(&piece[..piece.len().min(max - head.len())]);
+        if head.len() >= max {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
 async fn stream_into(
     http: &reqwest::Client,
     ep: &Endpoint,
@@ -186,7 +206,7 @@ async fn stream_into(
         })?;
     let status = response.status();
     if !status.is_success() {
-        let body = response.text().await.unwrap_or_default();
+        let body = body_head(response, ERROR_BODY_BYTES).await;
         return Err(RequestError {
             kind: ErrorKind::Http {
                 status: status.as_u16(),
@@ -198,7 +218,20 @@ async fn stream_into(
         kind: ErrorKind::MalformedStream,
         message,
     };
-    let mut decoder = SseDecoder::new();
+    if let Some(kind) = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.starts_with("text/event-stream"))
+    {
+        let kind = kind.to_string();
+        let body = body_head(response, ERROR_BODY_BYTES).await;
+        return Err(malformed(format!(
+            "POST {path} answered {status} with {kind}, not an event stream: {}",
+            snippet(body.trim())
+        )));
+    }
+    let mut decoder = SseDecoder::with_limit(MAX_STREAM_EVENT_BYTES);
     let mut body = response.bytes_stream();
     let mut last_token: Option<Instant> = None;
     let mut done = false;
@@ -218,6 +251,11 @@ async fn stream_into(
                             Some(prev) => out.itl_ms.push((now - prev).as_secs_f64() * 1e3),
                         }
                         last_token = Some(now);
+                        if out.text.len().saturating_add(text.len()) > MAX_RESPONSE_TEXT_BYTES {
+                            return Err(malformed(format!(
+                                "the response's text passed {MAX_RESPONSE_TEXT_BYTES} bytes"
+                            )));
+                        }
                         out.text.push_str(&text);
                     }
                     if let Some(u) = usage {
@@ -258,18 +296,28 @@ async fn stream_into(
     Ok(())
 }
 
-/// The model id to send: the first one `GET /v1/models` lists.
+/// The model id to send: the first one `GET /v1/models` lists (asked with the run's key, within its
+/// request timeout). A server that refuses the key is an error; one without the route gives `None`.
 pub async fn discover_model(
     http: &reqwest::Client,
-    base_url: &str,
+    ep: &Endpoint,
 ) -> Result<Option<String>, BenchError> {
-    let url = format!("{base_url}/v1/models");
-    let response = http
-        .get(&url)
+    let mut req = http.get(ep.url("/v1/models")).timeout(ep.request_timeout);
+    if let Some(key) = &ep.api_key {
+        req = req.bearer_auth(key);
+    }
+    let response = req
         .send()
         .await
-        .map_err(|e| unreachable(base_url, &e))?;
-    if !response.status().is_success() {
+        .map_err(|e| unreachable(&ep.base_url, &e))?;
+    let status = response.status();
+    if matches!(status.as_u16(), 401 | 403) {
+        return Err(BenchError::Config(format!(
+            "GET {} answered {status}: give the server's key with --api-key",
+            ep.url("/v1/models")
+        )));
+    }
+    if !status.is_success() {
         return Ok(None);
     }
     let value: Value = response.json().await.unwrap_or(Value::Null);
@@ -330,33 +378,41 @@ pub struct RemoteTokenizer {
     url: String,
     api_key: Option<String>,
     field: TokenizeField,
+    timeout: std::time::Duration,
 }
 
 impl RemoteTokenizer {
-    /// Finds the endpoint: `None` when the server has none (lengths are then approximate).
-    pub async fn probe(http: &reqwest::Client, ep: &Endpoint) -> Option<RemoteTokenizer> {
+    /// Finds the endpoint: `Err` with what each form of the request got when none counts tokens
+    /// (lengths are then approximate).
+    pub async fn probe(http: &reqwest::Client, ep: &Endpoint) -> Result<RemoteTokenizer, String> {
+        let mut got = Vec::new();
         for field in [TokenizeField::Prompt, TokenizeField::Content] {
             let tok = RemoteTokenizer {
                 http: http.clone(),
                 url: ep.url("/tokenize"),
                 api_key: ep.api_key.clone(),
                 field,
+                timeout: ep.request_timeout,
             };
             // llama.cpp answers a body without `content` with an empty list: only a non-empty answer counts.
-            if matches!(tok.count("hello world").await, Ok(n) if n > 0) {
-                return Some(tok);
+            match tok.count("hello world").await {
+                Ok(n) if n > 0 => return Ok(tok),
+                Ok(_) => got.push(format!("{field:?}: no tokens")),
+                Err(e) => got.push(format!("{field:?}: {e}")),
             }
         }
-        None
+        Err(got.join("; "))
     }
 
-    /// The number of tokens of `text`, without special tokens (BOS, template) added.
+    /// The number of tokens of `text`: as the server's completions count a prompt (Kura's and vLLM's
+    /// `prompt`, which adds BOS where the model does), or without special tokens (llama.cpp's `content`
+    /// with `add_special: false`).
     pub async fn count(&self, text: &str) -> Result<usize, BenchError> {
         let body = match self.field {
-            TokenizeField::Prompt => json!({ "prompt": text, "add_special": false }),
+            TokenizeField::Prompt => json!({ "prompt": text }),
             TokenizeField::Content => json!({ "content": text, "add_special": false }),
         };
-        let mut req = self.http.post(&self.url).json(&body);
+        let mut req = self.http.post(&self.url).json(&body).timeout(self.timeout);
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
         }

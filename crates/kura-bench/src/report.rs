@@ -154,6 +154,9 @@ pub struct BenchRun {
     pub points: Vec<PointResult>,
 }
 
+/// The most bytes read from a run file (`--compare`): a run of a million requests is about 300 MB.
+pub const RUN_FILE_MAX_BYTES: u64 = 1 << 30;
+
 impl BenchRun {
     pub fn failed(&self) -> usize {
         self.points.iter().map(|p| p.summary.failed).sum()
@@ -163,11 +166,37 @@ impl BenchRun {
         self.points.iter().map(|p| p.summary.requests).sum()
     }
 
+    /// Reads a run written by [`BenchRun::write`]: a regular file (a FIFO would block, `/dev/zero`
+    /// never ends) of at most [`RUN_FILE_MAX_BYTES`].
     pub fn read(path: &Path) -> Result<BenchRun, BenchError> {
-        let text = std::fs::read_to_string(path).map_err(|e| BenchError::Io {
+        let io = |e| BenchError::Io {
             what: format!("reading {}", path.display()),
             source: e,
-        })?;
+        };
+        let meta = std::fs::metadata(path).map_err(io)?;
+        let refuse = |detail: String| BenchError::RunFile {
+            path: path.to_path_buf(),
+            detail,
+        };
+        if !meta.is_file() {
+            return Err(refuse(
+                "not a regular file (a directory, FIFO, socket or device)".into(),
+            ));
+        }
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut std::io::Read::take(
+                std::fs::File::open(path).map_err(io)?,
+                RUN_FILE_MAX_BYTES + 1,
+            ),
+            &mut text,
+        )
+        .map_err(io)?;
+        if text.len() as u64 > RUN_FILE_MAX_BYTES {
+            return Err(refuse(format!(
+                "larger than the {RUN_FILE_MAX_BYTES} bytes a run file holds"
+            )));
+        }
         serde_json::from_str(&text).map_err(|e| BenchError::RunFile {
             path: path.to_path_buf(),
             detail: e.to_string(),

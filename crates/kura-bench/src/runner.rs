@@ -60,9 +60,10 @@ pub async fn run(mut cfg: RunConfig) -> Result<BenchRun, BenchError> {
             Load::Concurrency(0) => {
                 return Err(BenchError::Config("concurrency must be at least 1".into()))
             }
-            Load::Rate(r) if !(r.is_finite() && *r > 0.0) => {
+            // At least one a day: a slower rate is a mistake (1e-300 is a wait of 10^292 years).
+            Load::Rate(r) if !(r.is_finite() && *r >= 1.0 / 86_400.0) => {
                 return Err(BenchError::Config(format!(
-                    "request rate must be > 0, got {r}"
+                    "request rate must be at least 1/86400 (one request a day), got {r:?}"
                 )))
             }
             _ => {}
@@ -80,7 +81,7 @@ pub async fn run(mut cfg: RunConfig) -> Result<BenchRun, BenchError> {
         .map_err(|e| BenchError::Config(format!("HTTP client: {e}")))?;
     cfg.endpoint.base_url = Endpoint::normalize_base(&cfg.endpoint.base_url);
     if cfg.endpoint.model.is_empty() {
-        cfg.endpoint.model = discover_model(&http, &cfg.endpoint.base_url)
+        cfg.endpoint.model = discover_model(&http, &cfg.endpoint)
             .await?
             .unwrap_or_else(|| "default".to_string());
     }
@@ -95,9 +96,12 @@ pub async fn run(mut cfg: RunConfig) -> Result<BenchRun, BenchError> {
         notes.push(warning);
     }
     let counter = match RemoteTokenizer::probe(&http, &cfg.endpoint).await {
-        Some(tok) => TokenCounter::Server(tok),
-        None => {
-            say("note: the server has no POST /tokenize; prompt lengths are approximate".into());
+        Ok(tok) => TokenCounter::Server(tok),
+        Err(why) => {
+            say(format!(
+                "note: the server's POST /tokenize counted no tokens ({why}); prompt lengths are \
+                 approximate"
+            ));
             TokenCounter::Approximate
         }
     };
@@ -267,6 +271,12 @@ async fn run_session(
     }
 }
 
+/// A request's delay from the start of its point, saturated where a `Duration` cannot hold it (never,
+/// with the rates and trace spans [`run`] and the trace reader accept).
+fn after_s(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
+}
+
 async fn run_point(
     http: &reqwest::Client,
     endpoint: &Endpoint,
@@ -343,13 +353,11 @@ async fn run_point(
                 .map(|(s, id)| {
                     let delay = match shape {
                         LoadShape::Rate { rate } => {
-                            let d = Duration::from_secs_f64(at_s);
+                            let d = after_s(at_s);
                             at_s += arrivals.exponential(rate);
                             Some(d)
                         }
-                        LoadShape::Trace { .. } => {
-                            s.arrival_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
-                        }
+                        LoadShape::Trace { .. } => s.arrival_ms.map(|ms| after_s(ms / 1e3)),
                         _ => None,
                     };
                     tokio::spawn(run_session(ctx.clone(), s, id, delay, limit.clone()))

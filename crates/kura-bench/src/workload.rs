@@ -154,6 +154,9 @@ impl WorkloadSpec {
     }
 }
 
+/// The longest a trace replay may last, in milliseconds (a week of real time).
+pub const MAX_REPLAY_MS: f64 = 7.0 * 86_400_000.0;
+
 /// One user turn: the new text and how many tokens to generate for it.
 #[derive(Debug, Clone)]
 pub struct Turn {
@@ -352,10 +355,21 @@ pub async fn build(
                     }
                     joined
                 };
+                let arrival_ms = r.arrival_ms * time_scale;
+                if arrival_ms > MAX_REPLAY_MS {
+                    return Err(BenchError::Config(format!(
+                        "trace {}: request {} arrives {:.0} s into the replay (× --time-scale \
+                         {time_scale}), past the week a replay may last; lower --time-scale or cut \
+                         the trace",
+                        path.display(),
+                        i + 1,
+                        arrival_ms / 1e3
+                    )));
+                }
                 sessions.push(Session {
                     id: i,
                     group: None,
-                    arrival_ms: Some(r.arrival_ms * time_scale),
+                    arrival_ms: Some(arrival_ms),
                     system: Some(prompt),
                     turns: vec![Turn {
                         user: cont.clone(),

@@ -33,6 +33,19 @@ enum Behaviour {
     ErrorEvent,
     /// One token chunk, then the connection is dropped mid-body.
     Disconnect,
+    /// A 500 whose body never ends.
+    EndlessErrorBody,
+    /// A stream line that never ends.
+    EndlessLine,
+    /// A 200 that is JSON, not an event stream.
+    NotAStream,
+}
+
+/// A body of `piece` repeated for ever.
+fn endless(piece: &'static [u8]) -> Body {
+    Body::from_stream(futures::stream::repeat_with(move || {
+        Ok::<_, std::io::Error>(axum::body::Bytes::from_static(piece))
+    }))
 }
 
 struct Mock {
@@ -70,6 +83,19 @@ async fn completions(State(mock): State<Arc<Mock>>) -> Response {
         Behaviour::ErrorEvent => {
             sse("data: {\"error\":{\"message\":\"KV pool exhausted\"}}\n\n".to_string())
         }
+        Behaviour::EndlessErrorBody => {
+            (StatusCode::INTERNAL_SERVER_ERROR, endless(&[b'x'; 65536])).into_response()
+        }
+        Behaviour::EndlessLine => (
+            [(header::CONTENT_TYPE, "text/event-stream")],
+            endless(&[b'd'; 65536]),
+        )
+            .into_response(),
+        Behaviour::NotAStream => (
+            [(header::CONTENT_TYPE, "application/json")],
+            "{\"choices\": []}",
+        )
+            .into_response(),
         Behaviour::Disconnect => {
             let pieces: Vec<Result<&'static str, std::io::Error>> = vec![
                 Ok("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"),
@@ -248,4 +274,35 @@ async fn a_bad_trace_line_names_file_and_line() {
     let err = run(cfg).await.unwrap_err().to_string();
     assert!(err.contains(&format!("{}:2", path.display())), "{err}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test]
+async fn endless_bodies_and_lines_fail_their_requests_in_bounded_memory() {
+    // Unbounded, the first grew to 9.5 GB and the second to 5.4 GB within an 8 s request timeout.
+    let addr = start(Behaviour::EndlessErrorBody).await;
+    let run500 = run(config(format!("http://{addr}"), 2)).await.unwrap();
+    let e = run500.points[0].requests[0].error.as_ref().unwrap();
+    assert_eq!(e.kind, ErrorKind::Http { status: 500 });
+    assert!(e.message.contains("xxxx"), "{}", e.message);
+
+    let addr = start(Behaviour::EndlessLine).await;
+    let endless = run(config(format!("http://{addr}"), 2)).await.unwrap();
+    let e = endless.points[0].requests[0].error.as_ref().unwrap();
+    assert_eq!(e.kind, ErrorKind::MalformedStream);
+    assert!(
+        e.message.contains("larger than the 16777216 bytes"),
+        "{}",
+        e.message
+    );
+
+    let addr = start(Behaviour::NotAStream).await;
+    let json = run(config(format!("http://{addr}"), 2)).await.unwrap();
+    let e = json.points[0].requests[0].error.as_ref().unwrap();
+    assert_eq!(e.kind, ErrorKind::MalformedStream);
+    assert!(
+        e.message
+            .contains("with application/json, not an event stream"),
+        "{}",
+        e.message
+    );
 }

@@ -29,6 +29,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::replay::SimError;
 
+/// The largest cost coefficient taken, in milliseconds (a day): larger ones are a mistake in the file,
+/// and would carry the simulated clock past what it can hold.
+pub const MAX_COEFFICIENT_MS: f64 = 86_400_000.0;
+
 /// A step's shape, as the cost model reads it: per item, the tokens computed, the position of the first
 /// of them, and how many of its context positions lie in blocks an earlier item of the step also reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -206,10 +210,31 @@ impl CostModel {
         }
     }
 
-    /// Reads a cost model written by `kura sim --calibrate`.
+    /// Reads a cost model written by `kura sim --calibrate`: a regular file (a FIFO would block,
+    /// `/dev/zero` never ends) of at most 1 MiB.
     pub fn load(path: &Path) -> Result<Self, SimError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| SimError::Config(format!("reading {}: {e}", path.display())))?;
+        const MAX_BYTES: u64 = 1 << 20;
+        let fail = |what: String| SimError::Config(format!("reading {}: {what}", path.display()));
+        let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
+        if !meta.is_file() {
+            return Err(fail(
+                "not a regular file (a directory, FIFO, socket or device)".into(),
+            ));
+        }
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut std::io::Read::take(
+                std::fs::File::open(path).map_err(|e| fail(e.to_string()))?,
+                MAX_BYTES + 1,
+            ),
+            &mut text,
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        if text.len() as u64 > MAX_BYTES {
+            return Err(fail(format!(
+                "larger than the {MAX_BYTES} bytes a cost model holds"
+            )));
+        }
         let model: CostModel = serde_json::from_str(&text).map_err(|e| {
             SimError::Config(format!("{} is not a cost model: {e}", path.display()))
         })?;
@@ -220,6 +245,7 @@ impl CostModel {
         Ok(model)
     }
 
+    /// Checks every field: counts of at least 1, coefficients from 0 to [`MAX_COEFFICIENT_MS`].
     pub fn validate(&self) -> Result<(), SimError> {
         for (name, v) in [("threads", self.threads), ("kv_heads", self.kv_heads)] {
             if v == 0 {
@@ -240,9 +266,10 @@ impl CostModel {
             ),
             ("frontend_ms_per_token", self.frontend_ms_per_token),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
+            if !(v.is_finite() && (0.0..=MAX_COEFFICIENT_MS).contains(&v)) {
                 return Err(SimError::Config(format!(
-                    "cost model {name} is {v}: every coefficient is a finite number of milliseconds, 0 or more"
+                    "cost model {name} is {v:?}: every coefficient is a number of milliseconds from 0 to \
+                     {MAX_COEFFICIENT_MS:e} (a step of more than a day is no server's)"
                 )));
             }
         }

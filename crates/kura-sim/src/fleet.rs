@@ -17,7 +17,6 @@
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
 
 use kura_fleet::ContentNamer;
 use kura_kv::{CacheKey, Secret};
@@ -25,7 +24,7 @@ use kura_sched::{Item, OutputLimit, SchedEvent, Scheduler};
 use serde::Serialize;
 
 use crate::replay::SimError;
-use crate::serve::{step_shape, Dist, ServeSim, Workload};
+use crate::serve::{at, step_shape, Dist, ServeSim, Workload};
 use kura_fleet::{choose, Candidate, Policy};
 
 /// The settings of one fleet run.
@@ -107,10 +106,6 @@ impl SharedTier {
     fn contains(&self, name: &u128) -> bool {
         self.by_name.contains_key(name)
     }
-}
-
-fn at(ms: f64) -> Duration {
-    Duration::from_secs_f64(ms.max(0.0) / 1e3)
 }
 
 /// Runs a trace `workload` through `sim.replicas` simulated servers behind the router.

@@ -555,6 +555,8 @@ pub(crate) fn step_shape(sched: &Scheduler, items: &[Item], bs: usize) -> Vec<St
         .collect()
 }
 
-fn at(ms: f64) -> Duration {
-    Duration::from_secs_f64(ms / 1e3)
+/// The scheduler's clock at simulated time `ms`: saturated past what a `Duration` holds (a trace
+/// stretched by a huge `--time-scale`), where the scheduler only compares and subtracts.
+pub(crate) fn at(ms: f64) -> Duration {
+    Duration::try_from_secs_f64(ms.max(0.0) / 1e3).unwrap_or(Duration::MAX)
 }

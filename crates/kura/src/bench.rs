@@ -197,9 +197,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         None => return compare(&args.compare, &args.out, args.mark.mark()),
         Some(w) => workload_spec(w)?,
     };
-    if !(common.request_timeout_s.is_finite() && common.request_timeout_s > 0.0) {
+    // Up to a year: a longer wait is a mistake, and 1e300 s is no `Duration`.
+    if !(common.request_timeout_s.is_finite()
+        && common.request_timeout_s > 0.0
+        && common.request_timeout_s <= 31_536_000.0)
+    {
         bail!(
-            "--request-timeout-s must be > 0, got {}",
+            "--request-timeout-s must be > 0 and at most 31536000 (a year), got {:?}",
             common.request_timeout_s
         );
     }

@@ -88,6 +88,64 @@ fn degenerate_flags_name_the_flag() {
 }
 
 #[test]
+fn times_past_what_a_clock_holds_are_refused_or_saturated_never_a_panic() {
+    // The second request arrives at 2^53 ms, the latest a trace may say; × 10^7 it was past what a
+    // `Duration` holds, and the server simulation panicked converting it.
+    let text = "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 4, \"hash_ids\": [0]}\n\
+                {\"timestamp\": 9007199254740992, \"input_length\": 100, \"output_length\": 4, \"hash_ids\": [1]}\n";
+    let trace = trace_file("far", text);
+    let t = trace.to_str().unwrap();
+    let cost = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/cost/smollm2-135m-q4_1-2t-f32kv.json"
+    );
+    for replicas in ["1", "2"] {
+        let (code, out, err) = kura_sim(&[
+            "--cost",
+            cost,
+            "--trace",
+            t,
+            "--workload",
+            "trace",
+            "--time-scale",
+            "1e7",
+            "--replicas",
+            replicas,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{replicas} replicas: {err}");
+        let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let point = &report["fleets"][0];
+        assert_eq!(
+            (&point["requests"], &point["failed"]),
+            (&2.into(), &0.into()),
+            "{out}"
+        );
+    }
+    // A cost coefficient of 10^300 ms is refused, naming it.
+    let dir = trace.parent().unwrap();
+    let mut model: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cost).unwrap()).unwrap();
+    model["base_ms"] = serde_json::json!(1e300);
+    let huge = dir.join("huge-cost.json");
+    std::fs::write(&huge, model.to_string()).unwrap();
+    let (code, out, err) = kura_sim(&[
+        "--cost",
+        huge.to_str().unwrap(),
+        "--workload",
+        "unique",
+        "--requests",
+        "4",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("cost model base_ms is 1e300"), "{err}");
+    // A cost model that is not a regular file is refused at once (a FIFO blocked for ever).
+    let (code, _, err) = kura_sim(&["--cost", "/dev/zero", "--workload", "unique"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not a regular file"), "{err}");
+}
+
+#[test]
 fn dev_zero_is_refused_at_once() {
     // It read 5 GB in 12 s before; now the first buffer shows the NUL bytes.
     let (code, _, err) = kura_sim(&["--trace", "/dev/zero"]);
