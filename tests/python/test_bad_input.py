@@ -155,6 +155,12 @@ def test_messages_name_the_field_and_tokenize_counts_what_chat_sends():
         r = httpx.post(s.url + "/v1/completions", content=json.dumps(OK_PROMPT),
                        headers={"content-type": "application/json", "content-encoding": "gzip"})
         assert r.status_code == 415 and "gzip" in r.json()["error"]["message"], r.text
+        # A text longer than the context could hold whatever it says is refused before it is tokenized
+        # (a million-token body held a gigabyte for a moment to be refused); chat counts the rendered text.
+        r = post("/v1/completions", {"prompt": "hello world " * 300_000, "max_tokens": 1})
+        assert r.status_code == 400 and "tokens, the context, can hold" in r.json()["error"]["message"], r.text
+        r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 100_000})
+        assert r.status_code == 400 and "tokens, the context, can hold" in r.json()["error"]["message"], r.text
         # A path id that is not UTF-8 gets the JSON error shape, like every other error.
         for method, path in [(httpx.get, "/v1/models/%ff"), (httpx.get, "/v1/responses/%ff%fe"),
                              (httpx.delete, "/v1/caches/%c3")]:

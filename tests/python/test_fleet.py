@@ -349,6 +349,23 @@ def test_the_anthropic_api_goes_through_the_router(fleet):
     assert used[1][1] > 100
 
 
+def test_routes_the_router_does_not_route_get_json_errors_naming_those_it_does(fleet):
+    _, router = fleet
+    for method, path, status, code in [
+        ("POST", "/v1/responses", 404, "unknown_url"),
+        ("POST", "/tokenize", 404, "unknown_url"),
+        ("GET", "/v1/caches", 404, "unknown_url"),
+        ("GET", "/a/../b%ff", 404, "unknown_url"),
+        ("PUT", "/v1/chat/completions", 405, "method_not_allowed"),
+    ]:
+        r = httpx.request(method, router.url + path, json={}, timeout=30)
+        assert r.status_code == status, (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == code, (path, r.text)
+        if status == 404:
+            assert "which routes /v1/chat/completions" in err["message"], r.text
+
+
 def serve_fails(*args: str) -> str:
     p = subprocess.run([kura_bin(), "serve", "--model", model_path(), "--port", "0", *args],
                        capture_output=True, text=True, timeout=120, env=clean_env())
@@ -687,8 +704,12 @@ def test_a_stream_cut_by_a_killed_replica_ends_with_an_error_event():
     "args, message",
     [
         ([], "--replica"),
-        (["--replica", "localhost:8001"], "must be http://HOST:PORT"),
+        (["--replica", "localhost:8001"], "give http://HOST:PORT"),
         (["--replica", "http://127.0.0.1:1", "--replica", "http://127.0.0.1:1/"], "given twice"),
+        (["--replica", "http://127.0.0.1:1", "--replica", "HTTP://127.0.0.1:1"], "given twice"),
+        (["--replica", "http://u:p@127.0.0.1:1"], "holds a user or password"),
+        (["--replica", "http://127.0.0.1:1/v1"], "has a path (/v1)"),
+        (["--replica", "http://127.0.0.1:1?x=1"], "has a query or fragment"),
         (["--replica", "http://127.0.0.1:1", "--policy", "random"], "round-robin"),
         (["--replica", "http://127.0.0.1:1", "--overlap-weight", "nan"], "--overlap-weight"),
         (["--replica", "http://127.0.0.1:1", "--health-interval-ms", "0"], "--health-interval-ms"),

@@ -156,6 +156,38 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A replica's base URL as the router writes it (`scheme://host:port`, lower case, the scheme's port
+/// made explicit), from `http://HOST:PORT` or `https://HOST:PORT` with at most a trailing `/`. Anything
+/// else is refused: a user and password (sent as Basic auth ahead of the client's key), a path, query or
+/// fragment (the routes are appended to the URL, so the replica would answer 404 for ever).
+fn replica_url(given: &str) -> Result<String, RouterError> {
+    let bad = |why: &str| {
+        RouterError::Config(format!(
+            "replica URL {given:?} {why}: give http://HOST:PORT or https://HOST:PORT"
+        ))
+    };
+    let parsed = reqwest::Url::parse(given).map_err(|e| bad(&format!("is not a URL ({e})")))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(bad(&format!("has scheme {:?}", parsed.scheme())));
+    }
+    let Some(host) = parsed.host_str() else {
+        return Err(bad("has no host"));
+    };
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(bad("holds a user or password"));
+    }
+    if parsed.path() != "/" {
+        return Err(bad(&format!("has a path ({})", parsed.path())));
+    }
+    if parsed.query().is_some() || parsed.fragment().is_some() {
+        return Err(bad("has a query or fragment"));
+    }
+    let port = parsed
+        .port_or_known_default()
+        .ok_or_else(|| bad("has no port"))?;
+    Ok(format!("{}://{host}:{port}", parsed.scheme()))
+}
+
 impl Fleet {
     fn new(config: RouterConfig) -> Result<Self, RouterError> {
         if config.replicas.is_empty() {
@@ -164,19 +196,14 @@ impl Fleet {
             ));
         }
         let mut replicas = Vec::new();
-        for url in &config.replicas {
-            let url = url.trim_end_matches('/');
-            let parsed = reqwest::Url::parse(url)
-                .map_err(|e| RouterError::Config(format!("replica URL {url:?}: {e}")))?;
-            if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
+        for given in &config.replicas {
+            let url = replica_url(given)?;
+            if replicas.iter().any(|r: &Replica| r.url == url) {
                 return Err(RouterError::Config(format!(
-                    "replica URL {url:?} must be http://HOST:PORT or https://HOST:PORT"
+                    "replica {given:?} is given twice (as {url})"
                 )));
             }
-            if replicas.iter().any(|r: &Replica| r.url == url) {
-                return Err(RouterError::Config(format!("replica {url} is given twice")));
-            }
-            replicas.push(Replica::new(url.to_string()));
+            replicas.push(Replica::new(url));
         }
         if !(config.overlap_weight.is_finite() && config.overlap_weight >= 0.0) {
             return Err(RouterError::Config(format!(
@@ -368,8 +395,27 @@ fn app(fleet: Arc<Fleet>) -> axum::Router {
         .merge(api)
         .route("/health", get(proxy::health))
         .route("/metrics", get(proxy::metrics))
+        .fallback(not_routed)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(fleet)
+}
+
+/// A path the router does not route, as a JSON error that says which it does: the Responses API,
+/// saved contexts and `/tokenize` keep state on one replica, so they are sent to it directly.
+async fn not_routed(uri: axum::http::Uri) -> kura_api::ApiError {
+    kura_api::ApiError::NotFound(format!(
+        "{} on the router, which routes /v1/chat/completions, /v1/completions, /v1/messages, \
+         /v1/models, /health and /metrics (send other routes to a replica)",
+        uri.path()
+    ))
+}
+
+async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> kura_api::ApiError {
+    kura_api::ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
 }
 
 /// Routes on `listener` until `shutdown` resolves; then refuses new connections, lets requests in

@@ -123,7 +123,27 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
+        self.encode_checked(
+            tokenizer,
+            messages,
+            tools,
+            add_generation_prompt,
+            |_| Ok(()),
+        )
+    }
+
+    /// [`ChatTemplate::encode_with_tools`], with `check` given the rendered text's length before it
+    /// is tokenized (an error there ends the encoding).
+    pub fn encode_checked(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        check: impl FnOnce(usize) -> std::result::Result<(), String>,
+    ) -> Result<Vec<u32>> {
         let text = self.render_with_tools(messages, tools, add_generation_prompt)?;
+        check(text.len()).map_err(TextError::Tokenizer)?;
         let spans = self.content_spans_with_tools(
             &text,
             messages,

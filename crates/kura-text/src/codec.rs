@@ -12,16 +12,53 @@ use crate::model_text::ModelText;
 /// holds this alone, from [`ModelText::load`]).
 pub struct ModelCodec {
     text: Arc<ModelText>,
+    /// The longest text encoded: `(bytes, the context it stands for, bytes a token covers at most)`.
+    limit: Option<(usize, usize, usize)>,
 }
+
+/// How many times the longest token's bytes a token may cover of the text before encoding, in
+/// [`ModelCodec::with_max_tokens`]'s bound: slack for normalizers that shorten text (NFKC's
+/// ligatures), where each token's bytes are counted after them.
+const NORMALIZER_SLACK: usize = 4;
 
 impl ModelCodec {
     pub fn from_text(text: Arc<ModelText>) -> Self {
-        Self { text }
+        Self { text, limit: None }
+    }
+
+    /// Refuses, before any tokenizing, a text (a prompt, or the messages of a chat) that could not
+    /// fit in `max_tokens` tokens whatever it holds: more bytes than `max_tokens` tokens of the
+    /// vocabulary's longest (× a slack for normalizers). Tokenizing costs several hundred bytes of
+    /// memory per token for a moment: unbounded, an 8 MiB body of a million tokens held a gigabyte
+    /// to be refused as too long. The engine still counts the tokens of every text that passes.
+    pub fn with_max_tokens(mut self, max_tokens: usize) -> Self {
+        let longest = (0..self.text.vocab_size as u32)
+            .map(|id| self.text.tokenizer.token_bytes(id).map_or(0, |b| b.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let bytes = max_tokens
+            .saturating_mul(longest)
+            .saturating_mul(NORMALIZER_SLACK);
+        self.limit = Some((bytes, max_tokens, longest));
+        self
+    }
+
+    /// The text of `bytes` bytes against [`ModelCodec::with_max_tokens`]'s bound.
+    fn check_len(&self, bytes: usize) -> Result<(), String> {
+        match self.limit {
+            Some((max, tokens, longest)) if bytes > max => Err(format!(
+                "the text is {bytes} bytes: more than {tokens} tokens, the context, can hold (no \
+                 token of this model covers more than {longest} bytes); shorten it"
+            )),
+            _ => Ok(()),
+        }
     }
 }
 
 impl TextCodec for ModelCodec {
     fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.check_len(text.len())?;
         self.text
             .tokenizer
             .encode(text, true)
@@ -51,7 +88,9 @@ impl TextCodec for ModelCodec {
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
         self.text
             .chat_template
-            .encode(&self.text.tokenizer, messages, true)
+            .encode_checked(&self.text.tokenizer, messages, None, true, |n| {
+                self.check_len(n)
+            })
             .map_err(|e| e.to_string())
     }
 
@@ -80,6 +119,7 @@ impl TextCodec for ModelCodec {
         text: &str,
         plain: &[Range<usize>],
     ) -> Result<Vec<u32>, String> {
+        self.check_len(text.len())?;
         self.text
             .tokenizer
             .encode_with_plain_spans(text, plain, true)
@@ -109,7 +149,9 @@ impl TextCodec for ModelCodec {
     ) -> Result<Vec<u32>, String> {
         self.text
             .chat_template
-            .encode_with_tools(&self.text.tokenizer, messages, Some(tools), true)
+            .encode_checked(&self.text.tokenizer, messages, Some(tools), true, |n| {
+                self.check_len(n)
+            })
             .map_err(|e| e.to_string())
     }
 }

@@ -59,6 +59,11 @@ impl ModelText {
     /// The text side of a GGUF file or an HF model directory; the vocabulary size is read as
     /// `kura-shape` reads it for the runtime.
     pub fn load(path: &Path) -> Result<Self> {
+        Ok(Self::load_with_context(path)?.0)
+    }
+
+    /// [`ModelText::load`], with the model's context length (tokens) where its file gives one.
+    pub fn load_with_context(path: &Path) -> Result<(Self, Option<u64>)> {
         let spec_error = |e: SpecError| TextError::Config(e.to_string());
         if path.is_dir() {
             let config_path = path.join("config.json");
@@ -74,12 +79,14 @@ impl ModelText {
                 .to_string();
             let spec =
                 ModelSpec::from_hf_config(&v, &model_type, "config.json").map_err(spec_error)?;
-            Self::from_hf_dir(path, default_template(&model_type), spec.vocab_size)
+            let text = Self::from_hf_dir(path, default_template(&model_type), spec.vocab_size)?;
+            Ok((text, spec.max_context))
         } else {
             let g = GgufFile::open(path)?;
             let arch = g.get_str("general.architecture")?.to_string();
             let spec = gguf_model_spec(&g, &arch).map_err(spec_error)?;
-            Self::from_gguf(&g, default_template(&arch), spec.vocab_size)
+            let text = Self::from_gguf(&g, default_template(&arch), spec.vocab_size)?;
+            Ok((text, spec.max_context))
         }
     }
 

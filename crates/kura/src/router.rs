@@ -108,9 +108,14 @@ pub fn run(args: RouterArgs) -> Result<()> {
             .max(2),
     };
     let path = crate::setup::model_path(args.model.as_ref())?;
-    let text = ModelText::load(&path)
+    let (text, context) = ModelText::load_with_context(&path)
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
-    let codec = Arc::new(ModelCodec::from_text(Arc::new(text)));
+    // The replicas serve at most the model's context: a longer text is refused before tokenizing.
+    let codec = ModelCodec::from_text(Arc::new(text));
+    let codec = Arc::new(match context.and_then(|c| usize::try_from(c).ok()) {
+        Some(c) => codec.with_max_tokens(c),
+        None => codec,
+    });
     let config = RouterConfig {
         overlap_weight: args.overlap_weight,
         replica_admin_key: admin_key,

@@ -553,8 +553,8 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             CostCheckArg::Off => kura_engine::TierCostCheck::Off,
         },
     };
-    let engine = start_engine(config, executor, Arc::new(ModelCodec::from_text(text)))
-        .context("starting the engine")?;
+    let codec = ModelCodec::from_text(text).with_max_tokens(max_model_len);
+    let engine = start_engine(config, executor, Arc::new(codec)).context("starting the engine")?;
     let admission = args.scheduling;
     match admission {
         AdmissionMode::Guaranteed => tracing::info!(
