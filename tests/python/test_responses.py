@@ -138,6 +138,7 @@ BAD = [
     ({"input": "x", "truncation": "auto"}, 400, "truncation", "disabled"),
     ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning", "no reasoning mode"),
     ({"input": "x", "background": True}, 400, "background", "background"),
+    ({"input": "x", "cached_content": "ctx_1"}, 400, "cached_content", "saved contexts go with"),
     ({"input": "x", "tools": [{"type": "web_search_preview"}]}, 400, "tools", "function tools only"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input", "input_image"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input",

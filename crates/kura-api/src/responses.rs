@@ -230,6 +230,11 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         ("max_tool_calls", "it is not enforced here"),
         ("top_logprobs", "logprobs are on /v1/chat/completions"),
         ("context_management", "there is no server-side compaction"),
+        (
+            "cached_content",
+            "saved contexts go with /v1/chat/completions, /v1/completions and /v1/messages; here \
+             previous_response_id carries a conversation",
+        ),
     ] {
         if set(name).is_some() {
             return Err(ApiError::invalid(

@@ -117,6 +117,44 @@ pub enum SimError {
     Kv(#[from] KvError),
 }
 
+/// Bytes the replay holds per block of the cache (the manager's block table, hash index and free
+/// lists, and the replay's own): about 450 measured on x86-64 Linux, rounded up.
+const BYTES_PER_BLOCK: u64 = 512;
+
+/// Whether the bookkeeping of `blocks` blocks of `bs` tokens fits in `available` bytes (no check
+/// where that is unknown).
+fn check_memory(blocks: u64, bs: usize, available: Option<u64>) -> Result<(), SimError> {
+    let Some(available) = available else {
+        return Ok(());
+    };
+    let needed = blocks.saturating_mul(BYTES_PER_BLOCK);
+    if needed <= available {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    Err(SimError::Config(format!(
+        "this replay needs about {:.1} GiB of bookkeeping for {blocks} blocks of {bs} tokens, more \
+         than the {:.1} GiB this machine has available: give a larger --block-size, a smaller \
+         --capacity-tokens or fewer requests (--max-requests)",
+        gib(needed),
+        gib(available)
+    )))
+}
+
+/// `MemAvailable` of `/proc/meminfo`, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Blocks that make eviction impossible for this trace and configuration (an upper bound on what can be
 /// cached plus what can be held at once).
 fn unbounded_blocks(trace: &[TraceRequest], cfg: &SimConfig) -> u64 {
@@ -199,6 +237,9 @@ pub fn replay_with_progress(
         None => usable,
     };
     let allocated = capacity_blocks.min(usable);
+    // Refused before the manager allocates: the kernel lends memory it does not have, and the
+    // process would grow until it is killed.
+    check_memory(allocated, bs, available_memory_bytes())?;
     // The manager's block ids stop below its two sentinels (u32::MAX - 1 and u32::MAX).
     let max_blocks = u64::from(u32::MAX - 2);
     let num_blocks = u32::try_from(allocated)
@@ -350,5 +391,28 @@ fn ratio(num: u64, den: u64) -> f64 {
         0.0
     } else {
         num as f64 / den as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replay_larger_than_the_memory_available_is_refused_before_it_allocates() {
+        let gib = 1u64 << 30;
+        let err = check_memory(16_000_000, 1, Some(gib))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("about 7.6 GiB of bookkeeping for 16000000 blocks of 1 tokens")
+                && err.contains("the 1.0 GiB this machine has available")
+                && err.contains("--block-size"),
+            "{err}"
+        );
+        assert!(check_memory(1_000_000, 16, Some(gib)).is_ok());
+        assert!(check_memory(u64::MAX, 16, None).is_ok());
+        // Read from this machine: a positive amount.
+        assert!(available_memory_bytes().is_some_and(|b| b > 0));
     }
 }

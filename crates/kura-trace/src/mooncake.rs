@@ -200,6 +200,13 @@ pub fn parse_line(line: &str) -> Result<TraceRequest, LineError> {
     if line.trim().is_empty() {
         return Err(LineError::Empty);
     }
+    // serde would also build the record from an array of four values: a line is an object.
+    if !line.trim_start().starts_with('{') {
+        return Err(LineError::Json(
+            "expected a JSON object {\"timestamp\", \"input_length\", \"output_length\", \"hash_ids\"}"
+                .into(),
+        ));
+    }
     let raw: RawRequest = serde_json::from_str(line).map_err(|e| LineError::Json(e.to_string()))?;
     let hash_ids = raw
         .hash_ids

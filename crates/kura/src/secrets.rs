@@ -114,10 +114,20 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
                 "api-key" => "API key",
                 _ => "key",
             };
+            // A key the process presents to others, or one it checks.
+            let consequence = match flag_name {
+                "replica-admin-key" => {
+                    "the router could not read the replicas' KV events. Put the replicas' operator \
+                     key in it"
+                }
+                _ => {
+                    "the server would run without authentication. Put one key per line, or drop \
+                     the flag to run without keys on purpose"
+                }
+            };
             bail!(
-                "--{flag_name}-file {} holds no {noun} (only blank lines or # comments); the server \
-                 would run without authentication. Put one key per line, or drop the flag to run \
-                 without keys on purpose",
+                "--{flag_name}-file {} holds no {noun} (only blank lines or # comments); \
+                 {consequence}",
                 path.display()
             );
         }

@@ -279,3 +279,15 @@ fn a_missing_file_is_an_io_error_naming_it() {
         "the OS error stays in the chain"
     );
 }
+
+#[test]
+fn a_line_is_an_object_never_an_array_of_the_four_values() {
+    // serde builds a struct from a sequence too: `[0, 600, 10, [0, 1]]` was read as a request.
+    for text in ["[0, 600, 10, [0, 1]]", " [0,600,10,[0,1]]", "\"x\"", "7"] {
+        let err = parse(text).unwrap_err().to_string();
+        assert!(
+            err.contains("t.jsonl:1") && err.contains("expected a JSON object"),
+            "{text}: {err}"
+        );
+    }
+}
