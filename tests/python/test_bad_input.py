@@ -157,10 +157,15 @@ def test_messages_name_the_field_and_tokenize_counts_what_chat_sends():
         assert r.status_code == 415 and "gzip" in r.json()["error"]["message"], r.text
         # A text longer than the context could hold whatever it says is refused before it is tokenized
         # (a million-token body held a gigabyte for a moment to be refused); chat counts the rendered text.
-        r = post("/v1/completions", {"prompt": "hello world " * 300_000, "max_tokens": 1})
-        assert r.status_code == 400 and "tokens, the context, can hold" in r.json()["error"]["message"], r.text
-        r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 100_000})
-        assert r.status_code == 400 and "tokens, the context, can hold" in r.json()["error"]["message"], r.text
+        for path, body, param in [
+                ("/v1/completions", {"prompt": "hello world " * 300_000, "max_tokens": 1}, "prompt"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 100_000}, "messages"),
+                ("/v1/responses", {"input": "hello world " * 300_000}, "input")]:
+            r = post(path, body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded", (path, r.text)
+            assert err["message"].startswith("the text is longer than the context could hold: "), (path, r.text)
+            assert err["param"] == param, (path, r.text)
         # A path id that is not UTF-8 gets the JSON error shape, like every other error.
         for method, path in [(httpx.get, "/v1/models/%ff"), (httpx.get, "/v1/responses/%ff%fe"),
                              (httpx.delete, "/v1/caches/%c3")]:

@@ -591,18 +591,37 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
 
 /// A prompt the tokenizer refused, as the client's error.
 pub fn tokenize_error(e: String) -> ApiError {
-    ApiError::invalid(
-        format!("could not tokenize the prompt: {e}"),
-        Some("prompt"),
-    )
+    over_context(e, "prompt").unwrap_or_else(|e| {
+        ApiError::invalid(
+            format!("could not tokenize the prompt: {e}"),
+            Some("prompt"),
+        )
+    })
 }
 
 /// Messages the chat template refused, as the client's error.
 pub fn template_error(e: String) -> ApiError {
-    ApiError::invalid(
-        format!("could not apply the chat template: {e}"),
-        Some("messages"),
-    )
+    over_context(e, "messages").unwrap_or_else(|e| {
+        ApiError::invalid(
+            format!("could not apply the chat template: {e}"),
+            Some("messages"),
+        )
+    })
+}
+
+/// A codec's refusal of a text longer than the context could hold
+/// ([`kura_request::TEXT_OVER_CONTEXT`]), as `context_length_exceeded` naming `param`; any other
+/// error back as it was.
+fn over_context(e: String, param: &'static str) -> Result<ApiError, String> {
+    if e.starts_with(kura_request::TEXT_OVER_CONTEXT) {
+        Ok(ApiError::InvalidRequest {
+            message: e,
+            param: Some(param),
+            code: Some("context_length_exceeded"),
+        })
+    } else {
+        Err(e)
+    }
 }
 
 #[cfg(test)]

@@ -379,6 +379,8 @@ pub struct RemoteTokenizer {
     api_key: Option<String>,
     field: TokenizeField,
     timeout: std::time::Duration,
+    /// Tokens the server adds to every text (BOS where the model wants one), taken off each count.
+    lead: usize,
 }
 
 impl RemoteTokenizer {
@@ -393,10 +395,16 @@ impl RemoteTokenizer {
                 api_key: ep.api_key.clone(),
                 field,
                 timeout: ep.request_timeout,
+                lead: 0,
             };
             // llama.cpp answers a body without `content` with an empty list: only a non-empty answer counts.
             match tok.count("hello world").await {
-                Ok(n) if n > 0 => return Ok(tok),
+                Ok(n) if n > 0 => {
+                    // The text's own tokens: a piece's count must not hold a BOS that the joined
+                    // prompt has once.
+                    let lead = tok.count("").await.unwrap_or(0);
+                    return Ok(RemoteTokenizer { lead, ..tok });
+                }
                 Ok(_) => got.push(format!("{field:?}: no tokens")),
                 Err(e) => got.push(format!("{field:?}: {e}")),
             }
@@ -404,9 +412,9 @@ impl RemoteTokenizer {
         Err(got.join("; "))
     }
 
-    /// The number of tokens of `text`: as the server's completions count a prompt (Kura's and vLLM's
-    /// `prompt`, which adds BOS where the model does), or without special tokens (llama.cpp's `content`
-    /// with `add_special: false`).
+    /// The number of tokens of `text` alone: Kura's and vLLM's `prompt` (counted as a completion counts
+    /// it, so with BOS where the model adds one, less the tokens an empty text gets), or llama.cpp's
+    /// `content` with `add_special: false`.
     pub async fn count(&self, text: &str) -> Result<usize, BenchError> {
         let body = match self.field {
             TokenizeField::Prompt => json!({ "prompt": text }),
@@ -429,7 +437,7 @@ impl RemoteTokenizer {
         value
             .get("tokens")
             .and_then(Value::as_array)
-            .map(Vec::len)
+            .map(|tokens| tokens.len().saturating_sub(self.lead))
             .ok_or_else(|| {
                 fail(format!(
                     "no `tokens` list in {}",

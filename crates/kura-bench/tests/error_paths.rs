@@ -1,7 +1,9 @@
 //! Error paths of the load generator against a small in-process mock of an OpenAI-compatible server.
 //!
 //! The mock exists ONLY to produce failures a real server rarely produces on demand: HTTP 500s, streams
-//! that are not valid JSON, streams cut before `[DONE]`, error events, and an unreachable port. The happy
+//! that are not valid JSON, streams cut before `[DONE]`, error events, endless bodies, and an
+//! unreachable port; and a `/tokenize` that adds BOS (as Kura's does on a model that wants one, which
+//! the default model does not). The happy
 //! path (timings, cached tokens, token counts) is measured against real servers (Kura, llama.cpp), never
 //! against this mock.
 
@@ -305,4 +307,33 @@ async fn endless_bodies_and_lines_fail_their_requests_in_bounded_memory() {
         "{}",
         e.message
     );
+}
+
+/// A `/tokenize` that, like Kura's and vLLM's on a model that adds BOS, puts one token before every
+/// text: one per word after it.
+async fn tokenize_with_bos(axum::Json(body): axum::Json<serde_json::Value>) -> Response {
+    let words = body["prompt"]
+        .as_str()
+        .unwrap_or("")
+        .split_whitespace()
+        .count();
+    axum::Json(serde_json::json!({ "tokens": vec![1; words + 1] })).into_response()
+}
+
+#[tokio::test]
+async fn a_tokenizer_that_adds_bos_counts_a_text_without_it() {
+    // Each piece of a prompt is sized alone and the pieces are joined: a BOS in every count made each
+    // piece one token short of its target.
+    let app = Router::new().route("/tokenize", post(tokenize_with_bos));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let ep = config(format!("http://{addr}"), 1).endpoint;
+    let tok = kura_bench::client::RemoteTokenizer::probe(&reqwest::Client::new(), &ep)
+        .await
+        .unwrap();
+    assert_eq!(tok.count("one two three").await.unwrap(), 3);
+    assert_eq!(tok.count("").await.unwrap(), 0);
 }

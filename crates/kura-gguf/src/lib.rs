@@ -516,8 +516,9 @@ impl GgufFile {
 /// once. Tensors of a type Kura cannot read keep a size of 0 so that only a model that needs them fails.
 ///
 /// The data is laid out as ggml writes and reads it: in directory order, each tensor where the one
-/// before it ends (padded to the alignment). A tensor whose type or shape was changed no longer fits
-/// that layout, so its data is never read under the wrong format. After a tensor of a type Kura cannot
+/// before it ends (padded to the alignment). A tensor whose type or shape was changed so that its size
+/// changed no longer fits that layout, and is refused rather than read under the wrong format (a change
+/// between types of the same size, F16 and BF16, is not seen). After a tensor of a type Kura cannot
 /// size, the next one is only required not to start before it.
 fn place_tensors(
     path: &Path,
@@ -644,7 +645,7 @@ fn place_tensors(
     let mut next = (0u64, true, "");
     for (name, offset, n_bytes) in &order {
         let (at, exact, before) = next;
-        if (exact && *offset != at) || (!exact && *offset <= at) {
+        if (exact && *offset != at) || (!exact && *offset < at) {
             let info = &tensors[name];
             let what = if before.is_empty() {
                 "the data starts at 0".to_string()

@@ -458,7 +458,7 @@ fn tokenizer_keys_of_the_wrong_type_or_size_are_refused_naming_the_key() {
         &g,
         "'tokenizer.ggml.eos_token_id' is 4294967299, which is no token id (ids are below 2^32)",
     );
-    // A string id, like every other wrong type, is refused.
+    // A string id is refused, as it was (the other keys below were read as their defaults).
     let mut g = tiny_model();
     g.str("tokenizer.ggml.bos_token_id", "1");
     load_fails(

@@ -21,6 +21,10 @@ use serde::{Deserialize, Serialize};
 /// tenant to the part before it.
 pub const TENANT_SEPARATOR: char = '\u{1f}';
 
+/// How a [`TextCodec`] error starts when the text is longer than the context could hold whatever it
+/// says (refused before tokenizing): the HTTP layer answers it as `context_length_exceeded`.
+pub const TEXT_OVER_CONTEXT: &str = "the text is longer than the context could hold: ";
+
 /// How the next token is chosen (temperature 0 is greedy; with a seed, choice `i` of `n` uses
 /// `seed + i`; `logprobs: Some(k)` reports the sampled token's logprob and the `k` most likely
 /// alternatives).

@@ -212,6 +212,14 @@ fn output_of(meta: &Meta, text: &str) -> (Vec<Value>, ChatMessage) {
     (items, turn)
 }
 
+/// An error of the engine or the chat encoding in the Responses API's names: `max_output_tokens`
+/// for `max_tokens`, `input` for the prompt and the messages it became.
+fn for_responses(e: ApiError) -> ApiError {
+    e.rename_field("max_tokens", "max_output_tokens")
+        .rename_param("prompt", "input")
+        .rename_param("messages", "input")
+}
+
 pub async fn create(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -267,7 +275,8 @@ pub async fn create(
     let conversation_sent = with_history.then(|| messages.clone());
     let prompt_tokens =
         off_the_workers(move || encode_chat_prompt(codec.as_ref(), messages, tools.as_ref()))
-            .await?;
+            .await
+            .map_err(for_responses)?;
     let max_tokens = plan
         .checked
         .max_tokens
@@ -311,7 +320,6 @@ pub async fn create(
             .map(|_| style.format),
     };
     let (mut events, sender) = Events::new(1, 1);
-    let for_responses = |e: ApiError| e.rename_field("max_tokens", "max_output_tokens");
     events.add_guard(
         s.engine
             .submit(request, sender.sink(0))
@@ -643,9 +651,7 @@ fn stream(
                 Some(EngineEvent::Delta { text, .. }) => st.delta(text),
                 Some(EngineEvent::Finished { reason, .. }) => st.reason = Some(reason),
                 Some(EngineEvent::Done { usage }) => st.finish(usage),
-                Some(EngineEvent::Failed(e)) => {
-                    st.fail(ApiError::from(e).rename_field("max_tokens", "max_output_tokens"))
-                }
+                Some(EngineEvent::Failed(e)) => st.fail(for_responses(ApiError::from(e))),
                 None => st.fail(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
                 )),

@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use kura_request::{ChatMessage, TextCodec};
+use kura_request::{ChatMessage, TextCodec, TEXT_OVER_CONTEXT};
 
 use crate::model_text::ModelText;
 
@@ -44,12 +44,30 @@ impl ModelCodec {
         self
     }
 
+    /// The chat text of `messages` (and `tools`) tokenized, its length checked first: the check's own
+    /// message on a refusal (it starts with [`TEXT_OVER_CONTEXT`]).
+    fn encode_chat_checked(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, String> {
+        let refused = std::cell::Cell::new(None);
+        self.text
+            .chat_template
+            .encode_checked(&self.text.tokenizer, messages, tools, true, |n| {
+                self.check_len(n)
+                    .inspect_err(|e| refused.set(Some(e.clone())))
+            })
+            .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
+    }
+
     /// The text of `bytes` bytes against [`ModelCodec::with_max_tokens`]'s bound.
     fn check_len(&self, bytes: usize) -> Result<(), String> {
         match self.limit {
             Some((max, tokens, longest)) if bytes > max => Err(format!(
-                "the text is {bytes} bytes: more than {tokens} tokens, the context, can hold (no \
-                 token of this model covers more than {longest} bytes); shorten it"
+                "{TEXT_OVER_CONTEXT}{bytes} bytes, where {tokens} tokens of at most {longest} bytes \
+                 each (this model's longest) hold {max} at most, with room for normalization; \
+                 shorten it"
             )),
             _ => Ok(()),
         }
@@ -86,12 +104,7 @@ impl TextCodec for ModelCodec {
     }
 
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
-        self.text
-            .chat_template
-            .encode_checked(&self.text.tokenizer, messages, None, true, |n| {
-                self.check_len(n)
-            })
-            .map_err(|e| e.to_string())
+        self.encode_chat_checked(messages, None)
     }
 
     fn chat_content_spans(
@@ -147,11 +160,6 @@ impl TextCodec for ModelCodec {
         messages: &[ChatMessage],
         tools: &serde_json::Value,
     ) -> Result<Vec<u32>, String> {
-        self.text
-            .chat_template
-            .encode_checked(&self.text.tokenizer, messages, Some(tools), true, |n| {
-                self.check_len(n)
-            })
-            .map_err(|e| e.to_string())
+        self.encode_chat_checked(messages, Some(tools))
     }
 }

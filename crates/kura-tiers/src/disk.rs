@@ -168,9 +168,10 @@ impl DiskStore {
     /// Opens the store at `dir`, creating it if needed, for blocks written under `fingerprint` with payloads of
     /// `payload_len` bytes.
     ///
-    /// Deletes every file left in `tmp/`, reads the meta file (or creates it with a fresh random seed, mode
-    /// 0600 on unix, and then deletes every block file: their names came from a seed that is gone, so no
-    /// lookup could find them), and rebuilds the list of blocks from the files' headers alone: each must pass its magic,
+    /// Deletes every file left in `tmp/`, reads the meta file (or draws a fresh random seed, deletes every
+    /// block file, whose names came from a seed that is gone so that no lookup could find them, and only
+    /// then records the seed, mode 0600 on unix), and rebuilds the list of blocks from the files' headers
+    /// alone: each must pass its magic,
     /// version and header checksum, carry `fingerprint` and `payload_len`, be exactly header plus payload
     /// long, and be named after its block hash. Every file that fails is deleted and counted in the report.
     ///
@@ -200,7 +201,11 @@ impl DiskStore {
             elapsed: Duration::ZERO,
         };
         report.removed_tmp = clean_tmp(&tmp_dir)?;
-        let (seed, new_seed) = open_meta(dir, &tmp_dir)?;
+        // A new seed is recorded only once the old blocks are gone: killed during the scan, the next
+        // open finds no meta file again and deletes the rest.
+        let recorded = read_meta(dir)?;
+        let new_seed = recorded.is_none();
+        let seed = recorded.unwrap_or_else(rand::random);
         let store = DiskStore {
             dir: dir.to_path_buf(),
             blocks_dir,
@@ -220,6 +225,9 @@ impl DiskStore {
             })?;
         }
         store.scan(&mut report, new_seed)?;
+        if new_seed {
+            write_meta(dir, &store.tmp_dir, seed)?;
+        }
         report
             .blocks
             .sort_by(|(a, ta), (b, tb)| ta.cmp(tb).then(a.hash.cmp(&b.hash)));
@@ -564,9 +572,8 @@ fn clean_tmp(tmp_dir: &Path) -> Result<u64, TierError> {
     Ok(removed)
 }
 
-/// Reads the seed from `dir/kura-kv-disk`, creating the file with a random seed if it does not exist;
-/// says whether it was created.
-fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<(u64, bool), TierError> {
+/// The seed recorded in `dir/kura-kv-disk`; `None` when there is no such file.
+fn read_meta(dir: &Path) -> Result<Option<u64>, TierError> {
     let path = dir.join(META_NAME);
     // Never opened unless a regular file: opening a FIFO would block.
     if let Ok(meta) = std::fs::metadata(&path) {
@@ -582,7 +589,7 @@ fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<(u64, bool), TierError> {
             let mut text = String::new();
             let read = f.take(META_MAX_BYTES + 1).read_to_string(&mut text);
             match read {
-                Ok(_) => parse_meta(&path, &text).map(|seed| (seed, false)),
+                Ok(_) => parse_meta(&path, &text).map(Some),
                 Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(TierError::BadMeta {
                     path,
                     what: "not UTF-8 text".into(),
@@ -590,26 +597,30 @@ fn open_meta(dir: &Path, tmp_dir: &Path) -> Result<(u64, bool), TierError> {
                 Err(source) => Err(io_err("cannot read", &path)(source)),
             }
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            let seed: u64 = rand::random();
-            let text = format!("{META_MAGIC} {META_VERSION}\nseed {seed:016x}\n");
-            let tmp = tmp_dir.join(format!("{META_NAME}.{}.tmp", std::process::id()));
-            let written = create_private(&tmp).and_then(|mut f| {
-                f.write_all(text.as_bytes())?;
-                f.sync_all()
-            });
-            if let Err(source) = written {
-                let _ = fs::remove_file(&tmp);
-                return Err(io_err("cannot write", &tmp)(source));
-            }
-            if let Err(source) = fs::rename(&tmp, &path) {
-                let _ = fs::remove_file(&tmp);
-                return Err(io_err("cannot create", &path)(source));
-            }
-            Ok((seed, true))
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(io_err("cannot open", &path)(source)),
     }
+}
+
+/// Records `seed` in `dir/kura-kv-disk` (mode 0600 on unix): written whole in `tmp_dir`, fsynced and
+/// renamed into place.
+fn write_meta(dir: &Path, tmp_dir: &Path, seed: u64) -> Result<(), TierError> {
+    let path = dir.join(META_NAME);
+    let text = format!("{META_MAGIC} {META_VERSION}\nseed {seed:016x}\n");
+    let tmp = tmp_dir.join(format!("{META_NAME}.{}.tmp", std::process::id()));
+    let written = create_private(&tmp).and_then(|mut f| {
+        f.write_all(text.as_bytes())?;
+        f.sync_all()
+    });
+    if let Err(source) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err("cannot write", &tmp)(source));
+    }
+    if let Err(source) = fs::rename(&tmp, &path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err("cannot create", &path)(source));
+    }
+    Ok(())
 }
 
 /// `TierError::Io` for `op` on `path`, for `map_err`.
