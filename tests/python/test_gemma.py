@@ -9,6 +9,7 @@ not the prose.
 
 import os
 
+import httpx
 import pytest
 
 from conftest import EXACT, KuraServer, long_text
@@ -53,6 +54,12 @@ def test_gemma_serves_on_the_hybrid_pool(gemma):
         if ch.choices
     )
     assert "Paris" in text or "France" in text, text
+    # /tokenize counts a prompt as a completion does (Gemma adds BOS), or without it as vLLM's
+    # add_special_tokens false asks.
+    tok = lambda body: httpx.post(gemma.url + "/tokenize", json=body, timeout=60).json()  # noqa: E731
+    with_bos = tok({"prompt": "The capital of France is"})["tokens"]
+    bare = tok({"prompt": "The capital of France is", "add_special_tokens": False})["tokens"]
+    assert with_bos == [2] + bare, (with_bos, bare)
 
 
 @pytest.mark.parametrize("words", [60, 900])

@@ -158,6 +158,11 @@ pub struct TokenizeRequest {
     pub prompt: Option<String>,
     pub messages: Option<Vec<RequestMessage>>,
     pub tools: Option<Value>,
+    /// vLLM's: with a prompt, whether the tokens a completion adds (BOS where the model wants one)
+    /// are counted (default true). With messages only `false`: the chat template writes them.
+    pub add_special_tokens: Option<bool>,
+    /// vLLM's: with messages, only `true` (the default): a chat prompt ends with the assistant's turn.
+    pub add_generation_prompt: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize)]

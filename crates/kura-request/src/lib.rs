@@ -465,6 +465,11 @@ pub trait TextCodec: Send + Sync + 'static {
     /// model wants one); special-token markers in the text become their ids. Not for chat prompts: see
     /// [`TextCodec::encode_chat`].
     fn encode(&self, text: &str) -> Result<Vec<u32>, String>;
+    /// [`TextCodec::encode`] without the tokens it adds (no BOS): the text's own tokens. Special-token
+    /// markers in the text still become their ids. A codec that adds none answers as `encode`.
+    fn encode_without_added(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.encode(text)
+    }
     /// Text of `ids`, skipping special tokens. Incomplete UTF-8 at the end shows as U+FFFD.
     fn decode(&self, ids: &[u32]) -> String;
     /// The token's own bytes (possibly part of a UTF-8 character; a special token's text), as logprobs

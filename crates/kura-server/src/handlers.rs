@@ -361,11 +361,36 @@ pub async fn tokenize(
     if let Some(model) = &req.model {
         validate::check_model(model, &s.engine.info().model_name)?;
     }
+    let added = req.add_special_tokens.unwrap_or(req.prompt.is_some());
+    if req.messages.is_some() && added {
+        return Err(ApiError::invalid(
+            "add_special_tokens goes with prompt: with messages the chat template writes the special \
+             tokens (as the chat route counts them)",
+            Some("add_special_tokens"),
+        ));
+    }
+    if req.add_generation_prompt == Some(false) {
+        return Err(ApiError::invalid(
+            "add_generation_prompt false is not supported: a chat prompt ends with the assistant's \
+             turn, as the chat route writes it",
+            Some("add_generation_prompt"),
+        ));
+    }
+    if req.add_generation_prompt.is_some() && req.messages.is_none() {
+        return Err(ApiError::invalid(
+            "add_generation_prompt goes with messages",
+            Some("add_generation_prompt"),
+        ));
+    }
     let tokens = match (req.prompt, req.messages) {
-        (Some(p), None) if req.tools.is_none() => {
+        (Some(p), None) if req.tools.is_none() && added => {
             encode_prompts(&s.engine, vec![PromptInput::Text(p)])
                 .await?
                 .swap_remove(0)
+        }
+        (Some(p), None) if req.tools.is_none() => {
+            let codec = s.engine.codec().clone();
+            off_the_workers(move || codec.encode_without_added(&p).map_err(tokenize_error)).await?
         }
         (Some(_), None) => {
             return Err(ApiError::invalid(

@@ -83,6 +83,14 @@ impl TextCodec for ModelCodec {
             .map_err(|e| e.to_string())
     }
 
+    fn encode_without_added(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.check_len(text.len())?;
+        self.text
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| e.to_string())
+    }
+
     fn decode(&self, ids: &[u32]) -> String {
         // A decoding failure (an id the vocabulary lacks) shows as the replacement character rather
         // than failing a request that the model itself produced.
