@@ -285,6 +285,12 @@ impl From<RequestError> for ApiError {
     }
 }
 
+/// The fallback of a route that exists for other methods (the server's and the router's): a JSON 405
+/// naming the method and path.
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();

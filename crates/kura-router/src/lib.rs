@@ -396,7 +396,7 @@ fn app(fleet: Arc<Fleet>) -> axum::Router {
         .route("/health", get(proxy::health))
         .route("/metrics", get(proxy::metrics))
         .fallback(not_routed)
-        .method_not_allowed_fallback(method_not_allowed)
+        .method_not_allowed_fallback(kura_api::error::method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(fleet)
 }
@@ -409,13 +409,6 @@ async fn not_routed(uri: axum::http::Uri) -> kura_api::ApiError {
          /v1/models, /health and /metrics (send other routes to a replica)",
         uri.path()
     ))
-}
-
-async fn method_not_allowed(
-    method: axum::http::Method,
-    uri: axum::http::Uri,
-) -> kura_api::ApiError {
-    kura_api::ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
 }
 
 /// Routes on `listener` until `shutdown` resolves; then refuses new connections, lets requests in

@@ -260,7 +260,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
     app.route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
+        .method_not_allowed_fallback(kura_api::error::method_not_allowed)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .with_state(state)
 }
@@ -461,10 +461,6 @@ async fn metrics(State(s): State<AppState>) -> Response {
         s.engine.metrics().render_prometheus(),
     )
         .into_response()
-}
-
-async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> ApiError {
-    ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
 }
 
 async fn not_found(uri: Uri) -> ApiError {

@@ -61,6 +61,16 @@ impl ModelCodec {
             .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
     }
 
+    /// `text` tokenized once its length passed the bound, with the tokens the tokenizer adds (BOS) or
+    /// without.
+    fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+        self.check_len(text.len())?;
+        self.text
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| e.to_string())
+    }
+
     /// The text of `bytes` bytes against [`ModelCodec::with_max_tokens`]'s bound.
     fn check_len(&self, bytes: usize) -> Result<(), String> {
         match self.limit {
@@ -76,19 +86,11 @@ impl ModelCodec {
 
 impl TextCodec for ModelCodec {
     fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
-        self.check_len(text.len())?;
-        self.text
-            .tokenizer
-            .encode(text, true)
-            .map_err(|e| e.to_string())
+        self.encode_text(text, true)
     }
 
     fn encode_without_added(&self, text: &str) -> Result<Vec<u32>, String> {
-        self.check_len(text.len())?;
-        self.text
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| e.to_string())
+        self.encode_text(text, false)
     }
 
     fn decode(&self, ids: &[u32]) -> String {
