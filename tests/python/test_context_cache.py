@@ -370,8 +370,14 @@ def test_kura_cache_build_computes_a_context_offline_that_a_server_then_serves(t
     assert out.returncode == 0, out.stderr
     cid = out.stdout.strip()
     assert cid.startswith("ctx_"), out.stdout
+    # A document may come from a pipe (`--file <(make-doc)`, here stdin): read as the stream it is.
+    piped = subprocess.run([kura_bin(), "cache", "build", "--model", model_path(), "--kv-cache-memory", "64MiB",
+                            "--kv-disk-path", disk, "--file", "/dev/stdin", "--display-name", "piped"],
+                           input=long_text(80, seed=11), capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
     listed = subprocess.run([kura_bin(), "cache", "list", "--kv-disk-path", disk], capture_output=True, text=True)
     assert cid in listed.stdout and "manual" in listed.stdout
+    assert piped.stdout.strip() in listed.stdout and "piped" in listed.stdout
     s = KuraServer("--kv-cache-memory", "64MiB", "--kv-disk-path", disk)
     try:
         got = httpx.get(s.url + f"/v1/caches/{cid}", headers=s.headers()).json()
@@ -393,6 +399,9 @@ def test_kura_cache_build_computes_a_context_offline_that_a_server_then_serves(t
         (["--kv-disk-path", disk, "--file", str(doc), "--ttl", "forever"], "--ttl"),
         (["--kv-disk-path", disk, "--file", str(tmp_path / "missing.txt")], "reading --file"),
         (["--kv-disk-path", disk, "--messages-json", str(doc)], "expected an array"),
+        # A file that never ends stops at the limit, named.
+        (["--kv-disk-path", disk, "--file", "/dev/zero"], "larger than the 268435456 bytes"),
+        (["--kv-disk-path", disk, "--messages-json", "/dev/zero"], "larger than the 268435456 bytes"),
     ]:
         bad = subprocess.run([kura_bin(), "cache", "build", "--model", model_path(), "--kv-cache-memory", "64MiB",
                               *args], capture_output=True, text=True, timeout=120)

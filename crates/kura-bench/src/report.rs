@@ -173,30 +173,15 @@ impl BenchRun {
             what: format!("reading {}", path.display()),
             source: e,
         };
-        let meta = std::fs::metadata(path).map_err(io)?;
-        let refuse = |detail: String| BenchError::RunFile {
-            path: path.to_path_buf(),
-            detail,
-        };
-        if !meta.is_file() {
-            return Err(refuse(
-                "not a regular file (a directory, FIFO, socket or device)".into(),
-            ));
-        }
-        let mut text = String::new();
-        std::io::Read::read_to_string(
-            &mut std::io::Read::take(
-                std::fs::File::open(path).map_err(io)?,
-                RUN_FILE_MAX_BYTES + 1,
-            ),
-            &mut text,
-        )
-        .map_err(io)?;
-        if text.len() as u64 > RUN_FILE_MAX_BYTES {
-            return Err(refuse(format!(
-                "larger than the {RUN_FILE_MAX_BYTES} bytes a run file holds"
-            )));
-        }
+        let text = kura_files::read_text(path, RUN_FILE_MAX_BYTES).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData => {
+                BenchError::RunFile {
+                    path: path.to_path_buf(),
+                    detail: e.to_string(),
+                }
+            }
+            _ => io(e),
+        })?;
         serde_json::from_str(&text).map_err(|e| BenchError::RunFile {
             path: path.to_path_buf(),
             detail: e.to_string(),

@@ -33,7 +33,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
 }
 
 pub fn read_text(path: &Path) -> Result<String> {
-    kura_text::read_text_file(path, kura_text::MODEL_JSON_MAX_BYTES).map_err(io(path))
+    kura_files::read_text(path, kura_text::MODEL_JSON_MAX_BYTES).map_err(io(path))
 }
 
 impl SafetensorsDir {
@@ -84,6 +84,8 @@ impl SafetensorsDir {
         let mut shards = Vec::new();
         let mut index = HashMap::new();
         for path in files {
+            // Never opened unless a regular file: opening a FIFO would block.
+            kura_files::regular(&path).map_err(io(&path))?;
             let file = File::open(&path).map_err(io(&path))?;
             // SAFETY: read-only mapping of a model file that Kura never writes.
             let mmap = unsafe { Mmap::map(&file) }.map_err(io(&path))?;

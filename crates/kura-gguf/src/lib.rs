@@ -287,13 +287,7 @@ impl GgufFile {
             source,
         };
         // Never opened unless a regular file: opening a FIFO would block, and a device is no model.
-        let meta = std::fs::metadata(path).map_err(io)?;
-        if !meta.is_file() {
-            return Err(io(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "not a regular file (a directory, FIFO, socket or device)",
-            )));
-        }
+        kura_files::regular(path).map_err(io)?;
         let file = File::open(path).map_err(io)?;
         // SAFETY: the mapping is read-only and Kura never writes model files; a concurrent truncation by
         // another process is outside what any mmap-based loader can defend against.

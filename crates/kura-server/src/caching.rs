@@ -172,7 +172,7 @@ impl ContextStore {
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
                 continue;
             }
-            let parsed = kura_text::read_file(&path, CONTEXT_FILE_MAX_BYTES)
+            let parsed = kura_files::read(&path, CONTEXT_FILE_MAX_BYTES)
                 .map_err(|e| e.to_string())
                 .and_then(|b| serde_json::from_slice::<SavedContext>(&b).map_err(|e| e.to_string()))
                 .and_then(|c| {

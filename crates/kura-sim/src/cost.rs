@@ -215,26 +215,7 @@ impl CostModel {
     pub fn load(path: &Path) -> Result<Self, SimError> {
         const MAX_BYTES: u64 = 1 << 20;
         let fail = |what: String| SimError::Config(format!("reading {}: {what}", path.display()));
-        let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
-        if !meta.is_file() {
-            return Err(fail(
-                "not a regular file (a directory, FIFO, socket or device)".into(),
-            ));
-        }
-        let mut text = String::new();
-        std::io::Read::read_to_string(
-            &mut std::io::Read::take(
-                std::fs::File::open(path).map_err(|e| fail(e.to_string()))?,
-                MAX_BYTES + 1,
-            ),
-            &mut text,
-        )
-        .map_err(|e| fail(e.to_string()))?;
-        if text.len() as u64 > MAX_BYTES {
-            return Err(fail(format!(
-                "larger than the {MAX_BYTES} bytes a cost model holds"
-            )));
-        }
+        let text = kura_files::read_text(path, MAX_BYTES).map_err(|e| fail(e.to_string()))?;
         let model: CostModel = serde_json::from_str(&text).map_err(|e| {
             SimError::Config(format!("{} is not a cost model: {e}", path.display()))
         })?;

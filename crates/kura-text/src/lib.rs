@@ -10,7 +10,6 @@
 pub mod chat;
 mod codec;
 pub mod error;
-mod files;
 mod model_text;
 mod stop;
 pub mod tokenizer;
@@ -18,11 +17,14 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate, CHATML, GEMMA3};
 pub use codec::ModelCodec;
 pub use error::TextError;
-pub use files::{read_file, read_text_file, MODEL_JSON_MAX_BYTES};
 /// The seam the engine and the HTTP layer tokenize through (`kura-request`'s).
 pub use kura_request::TextCodec;
 pub use model_text::{default_template, gguf_model_spec, ModelText, TokenizerConfig};
 pub use stop::{StopChecker, StopReason};
+
+/// The most bytes read from a model's JSON files (`config.json`, `tokenizer.json`,
+/// `tokenizer_config.json`): the largest tokenizers are tens of MB.
+pub const MODEL_JSON_MAX_BYTES: u64 = 512 << 20;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Kura's cache folder: `$KURA_CACHE_DIR`, else `$XDG_CACHE_HOME/kura`, else `~/.cache/kura` (where the

@@ -49,7 +49,7 @@ pub fn gguf_model_spec(g: &GgufFile, arch: &str) -> std::result::Result<ModelSpe
 }
 
 fn read_text(path: &Path) -> Result<String> {
-    crate::read_text_file(path, crate::MODEL_JSON_MAX_BYTES).map_err(|source| TextError::Io {
+    kura_files::read_text(path, crate::MODEL_JSON_MAX_BYTES).map_err(|source| TextError::Io {
         path: path.to_path_buf(),
         source,
     })

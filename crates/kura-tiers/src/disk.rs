@@ -575,30 +575,22 @@ fn clean_tmp(tmp_dir: &Path) -> Result<u64, TierError> {
 /// The seed recorded in `dir/kura-kv-disk`; `None` when there is no such file.
 fn read_meta(dir: &Path) -> Result<Option<u64>, TierError> {
     let path = dir.join(META_NAME);
-    // Never opened unless a regular file: opening a FIFO would block.
-    if let Ok(meta) = std::fs::metadata(&path) {
-        if !meta.is_file() {
-            return Err(TierError::BadMeta {
-                path,
-                what: "not a regular file (a directory, FIFO, socket or device)".into(),
-            });
-        }
-    }
-    match File::open(&path) {
-        Ok(f) => {
-            let mut text = String::new();
-            let read = f.take(META_MAX_BYTES + 1).read_to_string(&mut text);
-            match read {
-                Ok(_) => parse_meta(&path, &text).map(Some),
-                Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(TierError::BadMeta {
-                    path,
-                    what: "not UTF-8 text".into(),
-                }),
-                Err(source) => Err(io_err("cannot read", &path)(source)),
-            }
-        }
+    // Never opened unless a regular file (opening a FIFO would block), nor read past its limit.
+    match kura_files::read_text(&path, META_MAX_BYTES) {
+        Ok(text) => parse_meta(&path, &text).map(Some),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(io_err("cannot open", &path)(source)),
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::InvalidInput | io::ErrorKind::InvalidData
+            ) =>
+        {
+            Err(TierError::BadMeta {
+                path,
+                what: e.to_string(),
+            })
+        }
+        Err(source) => Err(io_err("cannot read", &path)(source)),
     }
 }
 
@@ -635,9 +627,6 @@ fn parse_meta(path: &Path, text: &str) -> Result<u64, TierError> {
         path: path.to_path_buf(),
         what,
     };
-    if text.len() as u64 > META_MAX_BYTES {
-        return Err(bad(format!("longer than {META_MAX_BYTES} bytes")));
-    }
     let mut lines = text.lines();
     let version = lines
         .next()

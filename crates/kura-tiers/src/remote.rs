@@ -238,7 +238,8 @@ fn client(setup: &RemoteSetup, shown: &str) -> Result<redis::Client, TierError> 
                     path.display()
                 )));
             }
-            let pem = std::fs::read(path).map_err(|source| TierError::Io {
+            // A CA bundle is a few hundred KB at most; never a FIFO (the server would wait on it).
+            let pem = kura_files::read(path, 16 << 20).map_err(|source| TierError::Io {
                 op: "cannot read --kv-redis-ca-file",
                 path: path.clone(),
                 source,

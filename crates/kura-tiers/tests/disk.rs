@@ -456,6 +456,8 @@ fn a_corrupt_meta_file_is_an_error_naming_it_and_is_kept() {
         b"kura-kv-disk 1\nseed 12\n",
         b"kura-kv-disk 9\nseed 0000000000000001\n",
         b"\xff\xfe\x00",
+        // Longer than any meta file: refused before it is read whole.
+        &[b'k'; 4097][..],
     ] {
         fs::write(&meta, bad).unwrap();
         match DiskStore::open(&d.0, FP, LEN) {
@@ -466,6 +468,16 @@ fn a_corrupt_meta_file_is_an_error_naming_it_and_is_kept() {
             Ok(_) => panic!("a corrupt meta file {bad:?} was accepted"),
         }
         assert_eq!(fs::read(&meta).unwrap(), bad, "the meta file was replaced");
+    }
+    // A meta path that is not a regular file is named, and not opened (a FIFO would block).
+    fs::remove_file(&meta).unwrap();
+    fs::create_dir(&meta).unwrap();
+    match DiskStore::open(&d.0, FP, LEN) {
+        Err(e @ TierError::BadMeta { .. }) => {
+            assert!(e.to_string().contains("not a regular file"), "{e}");
+        }
+        Err(e) => panic!("expected BadMeta, got {e}"),
+        Ok(_) => panic!("a directory was taken for the meta file"),
     }
 }
 

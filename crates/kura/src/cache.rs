@@ -132,11 +132,15 @@ fn open(dir: &std::path::Path) -> Result<ContextStore> {
     Ok(store)
 }
 
+/// The most bytes `cache build` reads from `--file` or `--messages-json`: far more text than any
+/// model's context holds (the build refuses what does not fit, after tokenizing).
+const BUILD_FILE_MAX_BYTES: u64 = 256 << 20;
+
 /// The context a build saves, read from its file.
 fn read_kind(b: &BuildArgs) -> Result<ContextKind> {
     match (&b.file, &b.messages_json) {
         (Some(f), None) => {
-            let text = std::fs::read_to_string(f)
+            let text = kura_files::read_arg_text(f, BUILD_FILE_MAX_BYTES)
                 .with_context(|| format!("reading --file {}", f.display()))?;
             if text.is_empty() {
                 bail!("--file {} is empty: there is nothing to save", f.display());
@@ -144,7 +148,7 @@ fn read_kind(b: &BuildArgs) -> Result<ContextKind> {
             Ok(ContextKind::Prompt { text })
         }
         (None, Some(f)) => {
-            let bytes = std::fs::read(f)
+            let bytes = kura_files::read_arg(f, BUILD_FILE_MAX_BYTES)
                 .with_context(|| format!("reading --messages-json {}", f.display()))?;
             let messages: Vec<ChatMessage> = serde_json::from_slice(&bytes).with_context(|| {
                 format!(

@@ -31,6 +31,8 @@ use serde::Serialize;
 
 /// Tokens per forward call within a chunk.
 const PIECE: usize = 512;
+/// The most bytes read from `--text`: wikitext-103's whole training split is about 540 MB.
+const TEXT_MAX_BYTES: u64 = 1 << 30;
 
 #[derive(Debug, Args)]
 pub struct PerplexityArgs {
@@ -262,10 +264,8 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             config.max_context()
         );
     }
-    let bytes = std::fs::read(&args.text)
+    let text = kura_files::read_arg_text(&args.text, TEXT_MAX_BYTES)
         .with_context(|| format!("reading --text {}", args.text.display()))?;
-    let text = String::from_utf8(bytes)
-        .map_err(|e| anyhow::anyhow!("--text {} is not UTF-8: {e}", args.text.display()))?;
     let tokens = tokenizer.encode(&text, false)?;
     let whole = tokens.len() / args.context;
     if whole == 0 {

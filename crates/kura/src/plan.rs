@@ -184,7 +184,7 @@ fn load_spec(model: &str) -> Result<LoadedSpec> {
 }
 
 fn load_config(path: &Path) -> Result<LoadedSpec> {
-    let text = kura_text::read_text_file(path, kura_text::MODEL_JSON_MAX_BYTES)
+    let text = kura_files::read_text(path, kura_text::MODEL_JSON_MAX_BYTES)
         .with_context(|| format!("reading {}", path.display()))?;
     let name = path
         .parent()

@@ -33,7 +33,7 @@ pub fn warn_if_shared(path: &Path, what: &str) {
 /// The fleet's secret: the content of `file`, else of `$KURA_FLEET_SECRET`, else none.
 pub fn fleet_secret(file: Option<&PathBuf>) -> Result<Option<Secret>> {
     if let Some(path) = file {
-        let text = kura_text::read_text_file(path, SECRET_FILE_MAX_BYTES)
+        let text = kura_files::read_text(path, SECRET_FILE_MAX_BYTES)
             .with_context(|| format!("reading --fleet-secret-file {}", path.display()))?;
         warn_if_shared(path, "--fleet-secret-file");
         let secret = Secret::from_text(&text)
@@ -53,7 +53,7 @@ pub fn fleet_secret(file: Option<&PathBuf>) -> Result<Option<Secret>> {
 /// readable by the server's user only): made on first use, the same after every restart.
 pub fn server_secret(disk_dir: &Path) -> Result<Secret> {
     let path = disk_dir.join("server.secret");
-    match kura_text::read_file(&path, 4096) {
+    match kura_files::read(&path, 4096) {
         Ok(bytes) => {
             let bytes: [u8; 32] = bytes.as_slice().try_into().map_err(|_| {
                 anyhow::anyhow!(
@@ -105,7 +105,7 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
         bail!("--{flag_name} must not be empty");
     }
     if let Some(path) = file {
-        let text = kura_text::read_text_file(path, SECRET_FILE_MAX_BYTES)
+        let text = kura_files::read_text(path, SECRET_FILE_MAX_BYTES)
             .with_context(|| format!("reading --{flag_name}-file {}", path.display()))?;
         warn_if_shared(path, &format!("--{flag_name}-file"));
         let from_file = keys_of_file(&text);

@@ -730,7 +730,7 @@ fn redis_url(args: &ServeArgs) -> Result<Option<String>> {
         given.push(("--kv-redis-url".into(), url.trim().to_string()));
     }
     if let Some(path) = &args.kv_redis_url_file {
-        let text = kura_text::read_text_file(path, crate::secrets::SECRET_FILE_MAX_BYTES)
+        let text = kura_files::read_text(path, crate::secrets::SECRET_FILE_MAX_BYTES)
             .with_context(|| format!("reading --kv-redis-url-file {}", path.display()))?;
         crate::secrets::warn_if_shared(path, "--kv-redis-url-file");
         if text.trim().is_empty() {

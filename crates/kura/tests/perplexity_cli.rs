@@ -100,7 +100,10 @@ fn bad_input_is_a_clear_error() {
     let missing = dir.join("missing.txt");
     for (args, want) in [
         (vec!["--text", missing.to_str().unwrap()], "reading --text"),
-        (vec!["--text", binary.to_str().unwrap()], "is not UTF-8"),
+        (
+            vec!["--text", binary.to_str().unwrap()],
+            "not UTF-8 text (bad byte at offset 0)",
+        ),
         (
             vec!["--text", short.to_str().unwrap()],
             "fewer than one chunk",
