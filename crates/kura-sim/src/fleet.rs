@@ -121,6 +121,14 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
             sim.overlap_weight
         )));
     }
+    let blocks = (sim.replica.scheduler.num_blocks as u64)
+        .saturating_mul(sim.replicas as u64)
+        .saturating_add(sim.l4_blocks.unwrap_or(0) as u64);
+    workload.check_size(
+        sim.replica.output_tokens,
+        blocks,
+        crate::replay::available_memory_bytes(),
+    )?;
     let sessions = workload.sessions();
     if sessions.iter().any(|s| s.arrival_ms.is_none()) {
         return Err(SimError::Config(
@@ -167,7 +175,7 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let (mut prompt_tokens, mut cached_tokens, mut l4_tokens, mut output_tokens) =
         (0u64, 0u64, 0u64, 0u64);
-    let mut next_output_id = u32::MAX / 2;
+    let mut next_output_id = crate::serve::FIRST_OUTPUT_ID;
     let mut turn = 0usize;
     let mut next = 0usize;
     let mut now_ms = 0.0f64;

@@ -119,7 +119,7 @@ pub enum SimError {
 
 /// Bytes the replay holds per block of the cache (the manager's block table, hash index and free
 /// lists, and the replay's own): about 450 measured on x86-64 Linux, rounded up.
-const BYTES_PER_BLOCK: u64 = 512;
+pub(crate) const BYTES_PER_BLOCK: u64 = 512;
 
 /// Whether the bookkeeping of `blocks` blocks of `bs` tokens fits in `available` bytes (no check
 /// where that is unknown).
@@ -142,7 +142,7 @@ fn check_memory(blocks: u64, bs: usize, available: Option<u64>) -> Result<(), Si
 }
 
 /// `MemAvailable` of `/proc/meminfo`, where there is one.
-fn available_memory_bytes() -> Option<u64> {
+pub(crate) fn available_memory_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: u64 = text
         .lines()

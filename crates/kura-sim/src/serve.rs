@@ -41,6 +41,8 @@ const ROLE_ASSISTANT: u32 = 6;
 const CONTINUE: [u32; 2] = [7, 8];
 /// Ids of content start here (below: template tokens).
 const FIRST_CONTENT_ID: u32 = 100;
+/// Ids of generated tokens start here: content ids stay below.
+pub(crate) const FIRST_OUTPUT_ID: u32 = u32::MAX / 2;
 
 /// A workload of `kura bench`, by the same parameters.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -160,6 +162,152 @@ impl Workload {
             )));
         }
         Ok(())
+    }
+
+    /// What the run holds in memory and names, with `output_tokens` generated per request (a trace's
+    /// own lengths): the fresh content ids its sessions draw, the tokens it generates (each a fresh
+    /// id too), and the token ids it holds at most at once (the sessions' texts, a system message
+    /// once per session that sends it, and each session's history, its last prompt and answer).
+    /// `None` when a count overflows.
+    fn footprint(&self, output_tokens: usize) -> Option<(u64, u64, u64)> {
+        let n = |v: usize| v as u64;
+        // Template tokens a turn adds around its content and the answer's start (see `message`).
+        const TEMPLATE: u64 = 16;
+        let out = n(output_tokens).checked_add(TEMPLATE)?;
+        match *self {
+            Workload::SharedPrefix {
+                groups,
+                users_per_group,
+                system_tokens,
+                question_tokens,
+            } => {
+                let sessions = n(groups).checked_mul(n(users_per_group))?;
+                let (s, q) = (n(system_tokens), n(question_tokens));
+                let ids = n(groups)
+                    .checked_mul(s)?
+                    .checked_add(sessions.checked_mul(q)?)?;
+                let per_session = s.checked_add(q)?.checked_mul(2)?.checked_add(out)?;
+                Some((
+                    ids,
+                    sessions.checked_mul(n(output_tokens))?,
+                    sessions.checked_mul(per_session)?,
+                ))
+            }
+            Workload::MultiTurn {
+                conversations,
+                turns,
+                system_tokens,
+                user_tokens,
+            } => {
+                let text = n(turns)
+                    .checked_mul(n(user_tokens))?
+                    .checked_add(n(system_tokens))?;
+                let history = n(turns).checked_mul(out)?.checked_add(text)?;
+                Some((
+                    n(conversations).checked_mul(text)?,
+                    n(conversations)
+                        .checked_mul(n(turns))?
+                        .checked_mul(n(output_tokens))?,
+                    n(conversations).checked_mul(text.checked_add(history)?)?,
+                ))
+            }
+            Workload::Unique {
+                requests,
+                prompt_tokens,
+            } => {
+                let per = n(prompt_tokens).checked_mul(2)?.checked_add(out)?;
+                Some((
+                    n(requests).checked_mul(n(prompt_tokens))?,
+                    n(requests).checked_mul(n(output_tokens))?,
+                    n(requests).checked_mul(per)?,
+                ))
+            }
+            Workload::Trace {
+                ref requests,
+                max_prompt_tokens,
+                max_output_tokens,
+                ..
+            } => {
+                let (mut outputs, mut held) = (0u64, 0u64);
+                for r in requests {
+                    let prompt = u64::from(r.input_length());
+                    held =
+                        held.checked_add(max_prompt_tokens.map_or(prompt, |m| prompt.min(n(m))))?;
+                    let output = u64::from(r.output_length().max(1));
+                    outputs = outputs
+                        .checked_add(max_output_tokens.map_or(output, |m| output.min(n(m))))?;
+                }
+                Some((0, outputs, held))
+            }
+        }
+    }
+
+    /// Refuses, before anything is built, a run whose content ids would run into the answers' (a
+    /// wrapped id would join unrelated prompts in the cache) or whose tokens and KV bookkeeping
+    /// (`blocks` blocks, all replicas) need more memory than `available` (where that is known): the
+    /// kernel lends memory it does not have, and the process would grow until it is killed.
+    pub(crate) fn check_size(
+        &self,
+        output_tokens: usize,
+        blocks: u64,
+        available: Option<u64>,
+    ) -> Result<(), SimError> {
+        let too_large = || {
+            SimError::Config(format!(
+                "the {} workload is larger than the simulator takes: its prompts or its outputs \
+                 hold more than 2^31 token ids in all; give fewer requests or shorter texts",
+                self.name()
+            ))
+        };
+        let (ids, outputs, tokens) = self.footprint(output_tokens).ok_or_else(too_large)?;
+        if ids > u64::from(FIRST_OUTPUT_ID - FIRST_CONTENT_ID)
+            || outputs > u64::from(u32::MAX - FIRST_OUTPUT_ID)
+        {
+            return Err(too_large());
+        }
+        let Some(available) = available else {
+            return Ok(());
+        };
+        let needed = tokens
+            .saturating_mul(4)
+            .saturating_add(blocks.saturating_mul(crate::replay::BYTES_PER_BLOCK));
+        if needed <= available {
+            return Ok(());
+        }
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        Err(SimError::Config(format!(
+            "this {} run needs about {:.1} GiB ({tokens} token ids and the bookkeeping of {blocks} \
+             KV blocks), more than the {:.1} GiB this machine has available: give fewer or shorter \
+             requests, or fewer --kv-blocks",
+            self.name(),
+            gib(needed),
+            gib(available)
+        )))
+    }
+
+    /// The tokens of a closed-loop workload's first request, template included (as `simulate` builds
+    /// it); `None` for a trace, whose requests are checked as they are sent.
+    fn first_prompt_len(&self) -> Option<usize> {
+        const MESSAGE: usize = 5; // <|im_start|> role \n … <|im_end|> \n
+        const ANSWER: usize = 3; // <|im_start|> assistant \n
+        let system = |n: usize| if n > 0 { n.saturating_add(MESSAGE) } else { 0 };
+        let turn = |n: usize| n.saturating_add(MESSAGE + ANSWER);
+        match *self {
+            Workload::SharedPrefix {
+                system_tokens,
+                question_tokens,
+                ..
+            } => Some(system(system_tokens).saturating_add(turn(question_tokens))),
+            Workload::MultiTurn {
+                system_tokens,
+                user_tokens,
+                ..
+            } => Some(system(system_tokens).saturating_add(turn(user_tokens))),
+            Workload::Unique { prompt_tokens, .. } => {
+                Some(system(prompt_tokens).saturating_add(turn(CONTINUE.len())))
+            }
+            Workload::Trace { .. } => None,
+        }
     }
 
     /// The sessions, in the order their first requests queue.
@@ -312,6 +460,20 @@ struct InFlight {
     output: Vec<u32>,
 }
 
+fn too_long(
+    workload: &Workload,
+    prompt: usize,
+    output_tokens: usize,
+    max_model_len: usize,
+    hint: &str,
+) -> SimError {
+    SimError::Config(format!(
+        "a {} request of {prompt} prompt tokens and {output_tokens} output tokens is longer than \
+         the model's {max_model_len} tokens{hint}",
+        workload.name(),
+    ))
+}
+
 /// Runs `workload` under a closed loop of `sim.concurrency` clients through the engine's scheduler.
 pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimError> {
     workload.validate()?;
@@ -321,9 +483,26 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
             "concurrency and output tokens must be at least 1".into(),
         ));
     }
+    if let Some(first) = workload.first_prompt_len() {
+        // Checked again for each request as it is sent; here before the sessions are built.
+        if first.saturating_add(sim.output_tokens) > sim.max_model_len {
+            return Err(too_long(
+                workload,
+                first,
+                sim.output_tokens,
+                sim.max_model_len,
+                "",
+            ));
+        }
+    }
+    workload.check_size(
+        sim.output_tokens,
+        sim.scheduler.num_blocks as u64,
+        crate::replay::available_memory_bytes(),
+    )?;
     let sessions = workload.sessions();
     let mut sched = Scheduler::new(sim.scheduler.clone())?;
-    let mut next_output_id = u32::MAX / 2;
+    let mut next_output_id = FIRST_OUTPUT_ID;
     // A session's next request waits here (FIFO) for one of the `concurrency` permits.
     let mut queue: VecDeque<(usize, usize)> = (0..sessions.len()).map(|s| (s, 0)).collect();
     // The history sent so far per session (prompt of its last turn, then the answer).
@@ -380,18 +559,18 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
             next_request += 1;
             prompt_tokens += prompt.len() as u64;
             if prompt.len() + output_tokens > sim.max_model_len {
-                return Err(SimError::Config(format!(
-                    "a {} request of {} prompt tokens and {output_tokens} output tokens is longer than \
-                     the model's {} tokens{}",
-                    workload.name(),
+                let hint = if session.arrival_ms.is_some() {
+                    ": give --max-prompt-tokens and --max-output-tokens"
+                } else {
+                    ""
+                };
+                return Err(too_long(
+                    workload,
                     prompt.len(),
+                    output_tokens,
                     sim.max_model_len,
-                    if session.arrival_ms.is_some() {
-                        ": give --max-prompt-tokens and --max-output-tokens"
-                    } else {
-                        ""
-                    }
-                )));
+                    hint,
+                ));
             }
             // A trace request was sent at its time, which may lie inside the step just simulated.
             let sent = session.arrival_ms.unwrap_or(now_ms);
@@ -559,4 +738,64 @@ pub(crate) fn step_shape(sched: &Scheduler, items: &[Item], bs: usize) -> Vec<St
 /// stretched by a huge `--time-scale`), where the scheduler only compares and subtracts.
 pub(crate) fn at(ms: f64) -> Duration {
     Duration::try_from_secs_f64(ms.max(0.0) / 1e3).unwrap_or(Duration::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unique(requests: usize, prompt_tokens: usize) -> Workload {
+        Workload::Unique {
+            requests,
+            prompt_tokens,
+        }
+    }
+
+    #[test]
+    fn a_run_larger_than_memory_or_the_id_space_is_refused_before_it_is_built() {
+        let gib = 1u64 << 30;
+        // 16,000 prompts of 16 M tokens (once killed for memory at 24 GiB): the ids run out first.
+        let err = unique(16_000, 16_000_000)
+            .check_size(128, 1024, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("more than 2^31 token ids"), "{err}");
+        // Outputs are fresh ids too.
+        let err = unique(1 << 20, 8)
+            .check_size(1 << 12, 1024, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("its prompts or its outputs"), "{err}");
+        // Within the ids, against the memory available: 100 M tokens held twice, about 0.8 GiB.
+        let w = unique(100, 1_000_000);
+        let err = w.check_size(16, 0, Some(gib / 2)).unwrap_err().to_string();
+        assert!(
+            err.contains("needs about 0.7 GiB (200003200 token ids")
+                && err.contains("the 0.5 GiB this machine has available"),
+            "{err}"
+        );
+        assert!(w.check_size(16, 0, Some(gib)).is_ok());
+        // The KV bookkeeping counts: 100 M blocks of 512 bytes.
+        let err = unique(4, 10)
+            .check_size(16, 100_000_000, Some(gib))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("100000000 KV blocks"), "{err}");
+        // Overflowing counts are refused, not wrapped.
+        let shared = Workload::SharedPrefix {
+            groups: usize::MAX,
+            users_per_group: 2,
+            system_tokens: 1,
+            question_tokens: 1,
+        };
+        assert!(shared.check_size(1, 1, None).is_err());
+        // What the tests and the defaults run passes.
+        let multi = Workload::MultiTurn {
+            conversations: 64,
+            turns: 8,
+            system_tokens: 200,
+            user_tokens: 64,
+        };
+        assert!(multi.check_size(128, 4096, Some(gib)).is_ok());
+    }
 }

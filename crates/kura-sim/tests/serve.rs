@@ -135,6 +135,41 @@ fn a_pool_that_cannot_hold_one_request_is_an_error() {
     );
 }
 
+/// A first request longer than the model is refused before any session is built, at exactly the
+/// length the simulation itself would send: one token less room fails, and exactly enough runs.
+#[test]
+fn a_first_request_longer_than_the_model_is_refused_at_its_exact_length() {
+    let multi = Workload::MultiTurn {
+        conversations: 2,
+        turns: 1,
+        system_tokens: 300,
+        user_tokens: 40,
+    };
+    let unique = Workload::Unique {
+        requests: 2,
+        prompt_tokens: 500,
+    };
+    // System message and turn each in `<|im_start|>role\n … <|im_end|>\n`, then the answer's start.
+    for (w, first) in [
+        (SHARED, 1000 + 5 + 50 + 5 + 3),
+        (multi, 300 + 5 + 40 + 5 + 3),
+        (unique, 500 + 5 + 2 + 5 + 3),
+    ] {
+        let mut s = sim(4096, 1, true);
+        s.max_model_len = first + s.output_tokens - 1;
+        let err = simulate(&w, &s).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "request of {first} prompt tokens and 64 output tokens"
+            )),
+            "{err}"
+        );
+        s.max_model_len = first + s.output_tokens;
+        let r = simulate(&w, &s).unwrap();
+        assert_eq!(r.failed, 0, "{}", w.name());
+    }
+}
+
 /// A trace replayed open loop: every request is sent at its time (an idle server waits for it), prompts
 /// with shared hash ids share cached blocks, and a faster replay of the same trace queues more.
 #[test]

@@ -139,6 +139,32 @@ fn times_past_what_a_clock_holds_are_refused_or_saturated_never_a_panic() {
     ]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(err.contains("cost model base_ms is 1e300"), "{err}");
+    // A workload whose ids or memory the machine cannot hold is refused before it is built (these
+    // two grew until killed at 24 GiB).
+    let cost_arg = cost;
+    for (args, want) in [
+        (
+            &[
+                "--requests",
+                "16000",
+                "--prompt-tokens",
+                "16000000",
+                "--max-model-len",
+                "100000000",
+            ][..],
+            "more than 2^31 token ids",
+        ),
+        (
+            &["--kv-blocks", "4000000000"][..],
+            "bookkeeping of 4000000000 KV blocks), more than the",
+        ),
+    ] {
+        let mut all = vec!["--cost", cost_arg, "--workload", "unique"];
+        all.extend_from_slice(args);
+        let (code, out, err) = kura_sim(&all);
+        assert_eq!(code, 1, "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
     // A cost model that is not a regular file is refused at once (a FIFO blocked for ever).
     let (code, _, err) = kura_sim(&["--cost", "/dev/zero", "--workload", "unique"]);
     assert_eq!(code, 1);
