@@ -227,3 +227,43 @@ def test_logprob_alternatives_are_never_collapsed_and_bytes_are_the_tokens_own(e
     # The whole answer obeys the same rule, less a final end-of-turn token's bytes, which are not text.
     whole = b"".join(bytes(t.bytes) for t in content if t.token != "<|im_end|>")
     assert whole.decode("utf-8", errors="replace") == chat.choices[0].message.content
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_memory_a_burst_of_large_grammars_freed_is_given_back():
+    """Grammars of tens of thousands of rules, compiled on the server's threads, left 120–250 MB that
+    malloc kept after they were freed; the server gives it back within seconds."""
+    s = KuraServer("--kv-cache-memory", "64MiB")
+    try:
+        pid = s.proc.pid
+        chat = {"messages": [{"role": "user", "content": "pick one"}], "max_tokens": 4}
+        assert httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+        base = rss_kib(pid)
+        enum = [f"option-{i:06d}-" + "x" * (i % 13) for i in range(40000)]
+        schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "enum": enum}}}
+        for _ in range(3):
+            r = httpx.post(s.url + "/v1/chat/completions", json={**chat, "response_format": schema}, timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"].startswith('"option-'), r.text
+        lark = "start: " + " | ".join(f'"w{i}"' for i in range(60000))
+        r = httpx.post(s.url + "/v1/chat/completions", json={**chat, "structured_outputs": {"grammar": lark}},
+                       timeout=300)
+        assert r.status_code == 400 and "grammar" in r.text, r.text
+        # The burst held memory: the high-water mark rose well above where it started.
+        peak = rss_kib(pid, "VmHWM")
+        assert peak > base + 100 * 1024, (base, peak)
+        deadline = time.monotonic() + 30
+        while (now := rss_kib(pid)) > base + 48 * 1024 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert now <= base + 48 * 1024, f"resident {now} KiB, {now - base} KiB over {base} KiB before the burst"
+        # Still serving.
+        assert httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    finally:
+        s.stop()

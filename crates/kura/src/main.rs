@@ -19,6 +19,7 @@ mod serve;
 mod setup;
 mod sim;
 mod tiers;
+mod trim;
 
 #[derive(Parser)]
 #[command(

@@ -130,6 +130,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
         ..RouterConfig::new(args.replicas, args.policy, codec)
     };
     let addr = format!("{}:{}", args.host, args.port);
+    crate::trim::start();
     kura_router::serve_blocking(&addr, config).context("running the router")?;
     Ok(())
 }

@@ -711,6 +711,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .map(|n| n.get())
         .unwrap_or(2)
         .max(2);
+    crate::trim::start();
     let result =
         kura_server::serve_blocking(&addr, engine.clone(), server_config, tokenizer_threads)
             .with_context(|| format!("serving HTTP on {addr}"));
