@@ -280,6 +280,8 @@ BAD = [
                       "messages": [{"role": "user", "content": "x"}]}, 400, "context"),
     ("/v1/messages", {"model": "MODEL", "max_tokens": 5, "stop_sequences": "END",
                       "messages": [{"role": "user", "content": "x"}]}, 400, "stop_sequences must be an array"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5, "stop_sequences": ["z" * 5000],
+                      "messages": [{"role": "user", "content": "x"}]}, 400, "stop_sequences[0] may be at most 4096 bytes"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
                               "cached_content": "ctx_nope"}, 404, "no saved context"),
     ("/v1/completions", {"model": "MODEL", "prompt": "x", "cache_salt": "s",

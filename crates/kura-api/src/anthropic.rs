@@ -582,6 +582,13 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
             let mut out = Vec::new();
             for (i, s) in a.iter().enumerate() {
                 match s.as_str() {
+                    Some(s) if s.len() > crate::validate::MAX_STOP_BYTES => {
+                        return Err(invalid(format!(
+                            "stop_sequences[{i}] may be at most {} bytes, got {}",
+                            crate::validate::MAX_STOP_BYTES,
+                            s.len()
+                        )))
+                    }
                     Some(s) if !s.is_empty() => out.push(s.to_string()),
                     _ => {
                         return Err(invalid(format!(

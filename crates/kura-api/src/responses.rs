@@ -22,6 +22,21 @@ use crate::validate::{check_common, Checked, Ctx};
 
 /// Most `metadata` pairs (OpenAI's limit).
 pub const MAX_METADATA: usize = 16;
+/// Longest `metadata` key and value, in characters (OpenAI's limits).
+pub const MAX_METADATA_KEY: usize = 64;
+pub const MAX_METADATA_VALUE: usize = 512;
+/// Longest `safety_identifier`, in characters (OpenAI's limit).
+pub const MAX_SAFETY_IDENTIFIER: usize = 64;
+/// The `service_tier` values OpenAI's API takes; all are served alike here.
+pub const SERVICE_TIERS: [&str; 5] = ["auto", "default", "flex", "scale", "priority"];
+
+/// `text` cut to its first `chars` characters, for an error message.
+fn truncated(text: &str, chars: usize) -> String {
+    match text.char_indices().nth(chars) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
 
 /// A checked Responses request.
 #[derive(Debug, Clone)]
@@ -293,13 +308,53 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     }
     if let Some(m) = set("metadata") {
         match m.as_object() {
-            Some(m) if m.len() <= MAX_METADATA && m.values().all(Value::is_string) => {}
+            Some(m) if m.len() <= MAX_METADATA && m.values().all(Value::is_string) => {
+                // OpenAI's limits; a stored response keeps its metadata.
+                let long = m.iter().find(|(k, v)| {
+                    k.chars().count() > MAX_METADATA_KEY
+                        || v.as_str()
+                            .is_some_and(|v| v.chars().count() > MAX_METADATA_VALUE)
+                });
+                if let Some((k, _)) = long {
+                    return Err(bad(
+                        format!(
+                            "metadata keys may be at most {MAX_METADATA_KEY} characters and values \
+                             {MAX_METADATA_VALUE}; {:?} is longer",
+                            truncated(k, 64)
+                        ),
+                        "metadata",
+                    ));
+                }
+            }
             _ => {
                 return Err(bad(
                     format!("metadata must be an object of at most {MAX_METADATA} string values"),
                     "metadata",
                 ))
             }
+        }
+    }
+    if let Some(t) = set("service_tier") {
+        if !t.as_str().is_some_and(|t| SERVICE_TIERS.contains(&t)) {
+            return Err(bad(
+                format!(
+                    "service_tier must be one of {} (this server has one tier), got {}",
+                    SERVICE_TIERS.join(", "),
+                    truncated(&t.to_string(), 64)
+                ),
+                "service_tier",
+            ));
+        }
+    }
+    if let Some(id) = set("safety_identifier") {
+        if id
+            .as_str()
+            .is_none_or(|id| id.chars().count() > MAX_SAFETY_IDENTIFIER)
+        {
+            return Err(bad(
+                format!("safety_identifier must be a string of at most {MAX_SAFETY_IDENTIFIER} characters"),
+                "safety_identifier",
+            ));
         }
     }
     // The sampling fields Responses shares with chat, under the chat names `check_common` reads.
@@ -500,6 +555,18 @@ mod tests {
     }
 
     #[test]
+    fn bounded_fields_are_taken_at_their_limits() {
+        let body = json!({
+            "input": "x",
+            "metadata": {"k".repeat(64): "é".repeat(512)},
+            "service_tier": "flex",
+            "safety_identifier": "s".repeat(64),
+        });
+        let plan = prepare(&body, CTX).unwrap();
+        assert_eq!(plan.echo["service_tier"], "flex");
+    }
+
+    #[test]
     fn unsupported_fields_are_refused_by_name() {
         for (body, param) in [
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
@@ -537,6 +604,29 @@ mod tests {
                 "previous_response_id",
             ),
             (json!({}), "input"),
+            // What a stored response keeps is bounded as OpenAI bounds it.
+            (
+                json!({"input": "x", "metadata": {"k": "v".repeat(513)}}),
+                "metadata",
+            ),
+            (
+                json!({"input": "x", "metadata": {"k".repeat(65): "v"}}),
+                "metadata",
+            ),
+            (
+                json!({"input": "x", "service_tier": "x".repeat(100_000)}),
+                "service_tier",
+            ),
+            (json!({"input": "x", "service_tier": 1}), "service_tier"),
+            (
+                json!({"input": "x", "safety_identifier": "s".repeat(65)}),
+                "safety_identifier",
+            ),
+            (json!({"input": "x", "user": "u".repeat(1025)}), "user"),
+            (
+                json!({"input": "x", "cache_salt": "s".repeat(1025)}),
+                "cache_salt",
+            ),
         ] {
             match prepare(&body, CTX).unwrap_err() {
                 ApiError::InvalidRequest { param: Some(p), .. } => assert_eq!(p, param, "{body}"),

@@ -20,6 +20,13 @@ use crate::types::{
 pub const MAX_N: i64 = 64;
 /// Most stop strings per request.
 pub const MAX_STOP: usize = 16;
+/// Longest stop string, in bytes: each is searched for in the text after every token of every choice.
+pub const MAX_STOP_BYTES: usize = 4096;
+/// Most `stop_token_ids` per request: each choice checks every sampled token against them.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+/// Longest `cache_salt`, `prompt_cache_key` and `user`, in bytes: the salt is kept with the cache's
+/// blocks (and a day with its pins) after the request ends.
+pub const MAX_KEY_BYTES: usize = 1024;
 /// Most alternatives reported per token (OpenAI's limit).
 pub const MAX_LOGPROBS: i64 = 20;
 /// Most prompts in one `/v1/completions` request, and most choices over all of them (prompts × n).
@@ -141,11 +148,17 @@ pub fn check_common(
             ))
         }
     };
-    if c.prompt_cache_key.as_ref().is_some_and(|k| k.len() > 1024) {
-        return Err(ApiError::invalid(
-            "prompt_cache_key must be at most 1024 bytes",
-            Some("prompt_cache_key"),
-        ));
+    for (name, value) in [
+        ("prompt_cache_key", &c.prompt_cache_key),
+        ("cache_salt", &c.cache_salt),
+        ("user", &c.user),
+    ] {
+        if value.as_ref().is_some_and(|k| k.len() > MAX_KEY_BYTES) {
+            return Err(ApiError::invalid(
+                format!("{name} must be at most {MAX_KEY_BYTES} bytes"),
+                Some(name),
+            ));
+        }
     }
     let priority = match c.priority {
         None | Some(0) => 0,
@@ -213,6 +226,25 @@ pub fn check_common(
             Some("stop"),
         ));
     }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            format!(
+                "a stop string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                long.len()
+            ),
+            Some("stop"),
+        ));
+    }
+    let stop_token_ids = c.stop_token_ids.clone().unwrap_or_default();
+    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid(
+            format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {}",
+                stop_token_ids.len()
+            ),
+            Some("stop_token_ids"),
+        ));
+    }
     if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
         return Err(ApiError::invalid(
             "logit_bias is not supported by this server",
@@ -255,7 +287,7 @@ pub fn check_common(
             logprobs: None,
         },
         stop,
-        stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+        stop_token_ids,
         ignore_eos: c.ignore_eos,
         priority,
         cache_salt: c.cache_salt.clone(),
@@ -685,6 +717,51 @@ mod tests {
         let v = serde_json::json!({"prompt": many, "n": 2});
         let e = prepare_completion(&v, CTX).unwrap_err();
         assert!(e.to_string().contains("at most 256 choices"), "{e}");
+    }
+
+    #[test]
+    fn strings_kept_or_searched_for_each_token_are_bounded() {
+        let long = |n: usize| "z".repeat(n);
+        let ids: Vec<u32> = (0..=MAX_STOP_TOKEN_IDS as u32).collect();
+        for (body, param, words) in [
+            (
+                serde_json::json!({"stop": ["a", long(MAX_STOP_BYTES + 1)]}),
+                "stop",
+                "at most 4096 bytes, got one of 4097",
+            ),
+            (
+                serde_json::json!({"stop_token_ids": ids}),
+                "stop_token_ids",
+                "at most 1024 stop_token_ids",
+            ),
+            (
+                serde_json::json!({"cache_salt": long(1025)}),
+                "cache_salt",
+                "cache_salt must be at most 1024 bytes",
+            ),
+            (
+                serde_json::json!({"user": long(1025)}),
+                "user",
+                "user must be at most 1024 bytes",
+            ),
+        ] {
+            let text = body.to_string();
+            let e = check_common(&common(&text), CTX, None, "max_tokens").unwrap_err();
+            assert!(e.to_string().contains(words), "{e}");
+            match e {
+                ApiError::InvalidRequest { param: Some(p), .. } => assert_eq!(p, param),
+                other => panic!("{other:?}"),
+            }
+        }
+        // At the limits: accepted.
+        let body = serde_json::json!({
+            "stop": [long(MAX_STOP_BYTES)],
+            "stop_token_ids": (0..MAX_STOP_TOKEN_IDS as u32).collect::<Vec<_>>(),
+            "cache_salt": long(1024),
+            "user": long(1024),
+        });
+        let c = check_common(&common(&body.to_string()), CTX, None, "max_tokens").unwrap();
+        assert_eq!(c.stop_token_ids.len(), MAX_STOP_TOKEN_IDS);
     }
 
     #[test]

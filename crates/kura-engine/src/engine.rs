@@ -1031,7 +1031,11 @@ impl Core {
             }
         }
         for key in choices {
-            self.sample(key, logits);
+            // A choice that failed (its grammar could not go on) fails its whole request, the other
+            // choices with it: they are gone and have nothing left to sample.
+            if self.seqs.contains_key(&key) {
+                self.sample(key, logits);
+            }
         }
     }
 

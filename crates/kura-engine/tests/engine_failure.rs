@@ -181,3 +181,51 @@ fn a_failed_copy_on_write_ends_the_engine_before_a_step_reads_the_block() {
     assert_eq!(e.failure().as_deref(), Some(expected.as_str()));
     assert!(!e.is_alive());
 }
+
+/// A grammar whose walk fails at its first token (as llguidance may past its limits).
+#[derive(Debug)]
+struct FailingGrammar;
+
+struct FailingWalk;
+
+impl kura_engine::ConstraintSpec for FailingGrammar {
+    fn start(&self) -> Result<Box<dyn kura_engine::TokenConstraint>, String> {
+        Ok(Box::new(FailingWalk))
+    }
+}
+
+impl kura_engine::TokenConstraint for FailingWalk {
+    fn choose(
+        &mut self,
+        _budget: usize,
+        _sample: &mut dyn FnMut(&[u32]) -> u32,
+    ) -> Result<u32, String> {
+        Err("row has 60001 items; max is 2000".into())
+    }
+    fn accept(&mut self, _token: u32) -> Result<(), String> {
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn a_grammar_that_fails_one_choice_of_several_fails_its_request_and_the_engine_goes_on() {
+    // n = 3: the first choice's failure ends the request, its other choices with it, before they
+    // sample (they were sampled after it from the same logits, and found gone).
+    let fake = start(config(64, 16, 4));
+    let e = &fake.engine;
+    let mut r = request(6, 8);
+    r.n = 3;
+    r.constraint = Some(std::sync::Arc::new(FailingGrammar));
+    let (_g, rx) = submit(e, r);
+    match outcome(&rx).result {
+        Err(RequestError::Constraint(m)) => assert!(m.contains("60001 items"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // The engine lives on and serves the next request.
+    let (_h, rx) = submit(e, request(6, 4));
+    assert_eq!(common::wait(&rx).0.len(), 4);
+    assert!(e.is_alive());
+}

@@ -631,7 +631,8 @@ pub(crate) async fn models(State(fleet): State<Arc<Fleet>>, headers: HeaderMap) 
         }
         if let Ok(resp) = request.send().await {
             let status = resp.status();
-            if let Ok(bytes) = resp.bytes().await {
+            // A model list is a few hundred bytes; one past this limit is not taken from a replica.
+            if let Some(bytes) = crate::replica::read_bounded(resp, 1 << 20).await {
                 return (status, [(header::CONTENT_TYPE, "application/json")], bytes)
                     .into_response();
             }

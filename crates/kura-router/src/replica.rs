@@ -182,7 +182,10 @@ pub(crate) async fn check_health(fleet: Arc<Fleet>, r: usize) {
             .send()
             .await;
         if let Ok(resp) = metrics {
-            if let Ok(text) = resp.text().await {
+            if let Some(text) = read_bounded(resp, METRICS_MAX_BYTES)
+                .await
+                .and_then(|b| String::from_utf8(b).ok())
+            {
                 let load = ["kura:num_requests_running", "kura:num_requests_waiting"]
                     .iter()
                     .filter_map(|n| metric(&text, n))
@@ -193,6 +196,24 @@ pub(crate) async fn check_health(fleet: Arc<Fleet>, r: usize) {
             }
         }
     }
+}
+
+/// The most bytes read of a replica's `/metrics` (a replica's own run to about 20 KB).
+const METRICS_MAX_BYTES: usize = 4 << 20;
+
+/// A replica's answer whole, when it is at most `max` bytes; `None` past that or on a read error.
+pub(crate) async fn read_bounded(mut resp: reqwest::Response, max: usize) -> Option<Vec<u8>> {
+    if resp.content_length().is_some_and(|n| n > max as u64) {
+        return None;
+    }
+    let mut out = Vec::new();
+    while let Some(chunk) = resp.chunk().await.ok()? {
+        if out.len() + chunk.len() > max {
+            return None;
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Some(out)
 }
 
 /// A block's name: 32 hexadecimal digits, as replicas write them.

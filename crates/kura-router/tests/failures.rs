@@ -314,3 +314,42 @@ async fn a_body_announced_over_the_limit_gets_413_from_the_head_alone() {
         0.0
     );
 }
+
+/// A replica whose `/v1/models` never ends (chunks for as long as it is read); its health checks pass.
+async fn endless_models_replica() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Some(head) = read_head(&mut s).await else {
+                    return;
+                };
+                if !head.starts_with("GET /v1/models") {
+                    let _ = s
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n")
+                        .await;
+                    return;
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+                    .await;
+                let chunk = format!("10000\r\n{}\r\n", "x".repeat(0x10000));
+                while s.write_all(chunk.as_bytes()).await.is_ok() {}
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_replica_answer_that_never_ends_is_not_read_whole() {
+    // The first replica's model list never ends: the router stops reading it at its limit and
+    // answers from the next replica (before, it read until it ran out of memory).
+    let endless = endless_models_replica().await;
+    let good = fake_replica(Post::Close).await;
+    let r = router(vec![endless, good], Vec::new()).await;
+    let resp = reqwest::get(format!("{}/v1/models", r.url)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "ok\n");
+}

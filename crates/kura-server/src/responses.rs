@@ -43,6 +43,9 @@ use crate::{guided, AppState};
 
 /// Most responses kept at once (over all tenants); past it the oldest is dropped.
 pub const MAX_STORED: usize = 10_000;
+/// Most bytes the stored responses hold at once (their conversations and bodies, counted as JSON);
+/// past it the oldest are dropped.
+pub const MAX_STORED_BYTES: usize = 1 << 30;
 /// How long a stored response's prompt stays pinned in the cache.
 pub const STORED_PIN_MS: u64 = 3_600_000;
 
@@ -52,10 +55,44 @@ struct Stored {
     /// Every turn up to and including this response's output (no instructions).
     conversation: Vec<ChatMessage>,
     body: Value,
+    /// What it holds, counted as JSON ([`Stored::new`]).
+    bytes: usize,
 }
 
-/// The stored responses by id, and their ids oldest first.
-type Responses = (HashMap<String, Arc<Stored>>, VecDeque<String>);
+impl Stored {
+    fn new(owner: Option<String>, conversation: Vec<ChatMessage>, body: Value) -> Stored {
+        let bytes = json_len(&conversation)
+            .saturating_add(json_len(&body))
+            .saturating_add(owner.as_ref().map_or(0, String::len));
+        Stored {
+            owner,
+            conversation,
+            body,
+            bytes,
+        }
+    }
+}
+
+/// The length of `value` written as JSON, counted without writing it anywhere.
+fn json_len(value: &impl serde::Serialize) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 = self.0.saturating_add(buf.len());
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Serializing values that came from JSON cannot fail; a failure would count what was written.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
+/// The stored responses by id, their ids oldest first, and the bytes they hold.
+type Responses = (HashMap<String, Arc<Stored>>, VecDeque<String>, usize);
 
 /// The stored responses.
 #[derive(Default)]
@@ -69,26 +106,59 @@ impl ResponseStore {
         inner.0.get(id).filter(|s| &s.owner == owner).cloned()
     }
 
+    /// Keeps `stored` under `id`, within [`MAX_STORED`] responses and [`MAX_STORED_BYTES`]: room is
+    /// made by dropping the oldest, the tenant's own oldest first while it holds half of the store's
+    /// responses or bytes or more, so that one tenant's flood does not push out everyone else's.
     fn insert(&self, id: String, stored: Stored) {
+        self.insert_within(id, stored, MAX_STORED, MAX_STORED_BYTES);
+    }
+
+    fn insert_within(&self, id: String, stored: Stored, max_count: usize, max_bytes: usize) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *inner;
-        while map.len() >= MAX_STORED {
-            match order.pop_front() {
-                Some(old) => {
-                    map.remove(&old);
+        let (map, order, bytes) = &mut *inner;
+        let owner = stored.owner.clone();
+        let (mut own_count, mut own_bytes) = map
+            .values()
+            .filter(|s| s.owner == owner)
+            .fold((0usize, 0usize), |(n, b), s| {
+                (n + 1, b.saturating_add(s.bytes))
+            });
+        while !order.is_empty()
+            && (map.len() >= max_count || bytes.saturating_add(stored.bytes) > max_bytes)
+        {
+            let own_first =
+                own_count.saturating_mul(2) >= map.len() || own_bytes.saturating_mul(2) >= *bytes;
+            let at = own_first
+                .then(|| {
+                    order
+                        .iter()
+                        .position(|x| map.get(x).is_some_and(|s| s.owner == owner))
+                })
+                .flatten()
+                .unwrap_or(0);
+            let Some(old) = order.remove(at) else { break };
+            if let Some(s) = map.remove(&old) {
+                *bytes = bytes.saturating_sub(s.bytes);
+                if s.owner == owner {
+                    own_count -= 1;
+                    own_bytes = own_bytes.saturating_sub(s.bytes);
                 }
-                None => break,
             }
         }
+        *bytes = bytes.saturating_add(stored.bytes);
         order.push_back(id.clone());
-        map.insert(id, Arc::new(stored));
+        if let Some(replaced) = map.insert(id, Arc::new(stored)) {
+            *bytes = bytes.saturating_sub(replaced.bytes);
+        }
     }
 
     fn remove(&self, id: &str, owner: &Option<String>) -> bool {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *inner;
+        let (map, order, bytes) = &mut *inner;
         if map.get(id).is_some_and(|s| &s.owner == owner) {
-            map.remove(id);
+            if let Some(s) = map.remove(id) {
+                *bytes = bytes.saturating_sub(s.bytes);
+            }
             order.retain(|x| x != id);
             true
         } else {
@@ -350,11 +420,7 @@ fn keep_response(keep: Keep, id: &str, turn: ChatMessage, body: &Value) {
         conversation.push(turn);
         store.insert(
             id.to_string(),
-            Stored {
-                owner,
-                conversation,
-                body: body.clone(),
-            },
+            Stored::new(owner, conversation, body.clone()),
         );
     }
 }
@@ -684,5 +750,67 @@ pub async fn delete(
         ))
     } else {
         Err(not_found(&id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(owner: &str, text_len: usize) -> Stored {
+        Stored::new(
+            Some(owner.to_string()),
+            vec![ChatMessage::new("user", "x".repeat(text_len))],
+            json!({"object": "response"}),
+        )
+    }
+
+    fn ids_of(store: &ResponseStore, owner: &str) -> Vec<String> {
+        let inner = store.inner.lock().unwrap();
+        inner
+            .1
+            .iter()
+            .filter(|id| inner.0[*id].owner.as_deref() == Some(owner))
+            .cloned()
+            .collect()
+    }
+
+    #[test]
+    fn the_store_keeps_within_its_count_and_bytes_and_a_flood_pushes_out_its_own_first() {
+        let store = ResponseStore::default();
+        let one = stored("a", 1000).bytes;
+        assert!(one > 1000 && one < 1100, "{one}");
+        // Within 10 responses and 10 KB: tenant b's two stay while tenant a floods.
+        let (count, bytes) = (10, 10 * one);
+        for i in 0..2 {
+            store.insert_within(format!("b{i}"), stored("b", 1000), count, bytes);
+        }
+        for i in 0..50 {
+            store.insert_within(format!("a{i}"), stored("a", 1000), count, bytes);
+        }
+        assert_eq!(ids_of(&store, "b"), ["b0", "b1"]);
+        let a = ids_of(&store, "a");
+        assert_eq!(a.len(), 8);
+        assert_eq!(a.last().map(String::as_str), Some("a49"));
+        // Bytes: one response of four times the size makes room by dropping a's oldest.
+        store.insert_within("a-big".into(), stored("a", 4000), count, bytes);
+        let inner = store.inner.lock().unwrap();
+        assert!(inner.2 <= bytes, "{} > {bytes}", inner.2);
+        assert_eq!(inner.2, inner.0.values().map(|s| s.bytes).sum::<usize>());
+        drop(inner);
+        assert_eq!(ids_of(&store, "b"), ["b0", "b1"]);
+        // Removing gives its bytes back.
+        assert!(store.remove("a-big", &Some("a".into())));
+        let inner = store.inner.lock().unwrap();
+        assert_eq!(inner.2, inner.0.values().map(|s| s.bytes).sum::<usize>());
+    }
+
+    #[test]
+    fn alone_a_tenant_keeps_its_newest() {
+        let store = ResponseStore::default();
+        for i in 0..30 {
+            store.insert_within(format!("r{i}"), stored("t", 10), 5, usize::MAX);
+        }
+        assert_eq!(ids_of(&store, "t"), ["r25", "r26", "r27", "r28", "r29"]);
     }
 }
