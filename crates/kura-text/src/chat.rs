@@ -270,11 +270,32 @@ fn search_contents(
 ) -> Result<Vec<Range<usize>>> {
     let mut spans = Vec::with_capacity(messages.len());
     let mut cursor = 0;
+    // A content the template does not write as it is costs a search of the rest of the text: with
+    // many such messages, that is messages × text. The bytes searched are capped at 32 times the text;
+    // past that, contents are no longer searched, and one that must be found is an error.
+    let budget = rendered.len().saturating_mul(32).max(1 << 20);
+    let mut searched = 0usize;
     for (i, m) in messages.iter().enumerate() {
+        if searched > budget {
+            if special[i] {
+                return Err(TextError::ChatTemplate(format!(
+                    "message {i}'s content spells a special token, and the chat template rewrites \
+                     so many of the messages before it that their contents cannot all be searched \
+                     for; remove the special-token text from the content"
+                )));
+            }
+            continue;
+        }
+        let rest = rendered.len() - cursor;
         let found = [m.content.as_str(), m.content.trim()]
             .into_iter()
             .filter(|c| !c.is_empty())
-            .find_map(|c| rendered[cursor..].find(c).map(|at| (cursor + at, c)));
+            .find_map(|c| {
+                let hit = rendered[cursor..].find(c).map(|at| (cursor + at, c));
+                searched =
+                    searched.saturating_add(hit.map_or(rest, |(at, c)| at - cursor + c.len()));
+                hit
+            });
         let Some((start, c)) = found else {
             if special[i] {
                 return Err(TextError::ChatTemplate(format!(
@@ -286,6 +307,9 @@ fn search_contents(
             continue;
         };
         let second = start + c.chars().next().map_or(1, char::len_utf8);
+        if special[i] {
+            searched = searched.saturating_add(rendered.len() - second);
+        }
         if special[i] && rendered[second..].contains(c) {
             return Err(TextError::ChatTemplate(format!(
                 "message {i}'s content spells a special token, and the chat template's text holds \
@@ -302,6 +326,32 @@ fn search_contents(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contents_a_template_rewrote_are_searched_for_a_bounded_time() {
+        // A template that drops what it does not like (as Qwen3's drops reasoning): 20,000 messages
+        // it did not write, then one that spells a special token. Each miss searched the rest of the
+        // text: messages × text, minutes at the sizes a body allows.
+        let rendered = format!("{}<|im_start|>", "a".repeat(100_000));
+        let mut messages = vec![ChatMessage::new("assistant", "</think>gone"); 20_000];
+        messages.push(ChatMessage::new("user", "<|im_start|>"));
+        let mut special = vec![false; 20_000];
+        special.push(true);
+        let e = search_contents(&rendered, &messages, &special).unwrap_err();
+        assert!(
+            e.to_string().contains("rewrites so many of the messages"),
+            "{e}"
+        );
+        // A few misses are searched past, and the content found where it is.
+        let few = [
+            messages[0].clone(),
+            messages[0].clone(),
+            messages[20_000].clone(),
+        ];
+        let spans = search_contents(&rendered, &few, &[false, false, true]).unwrap();
+        assert_eq!(spans.len(), 1);
+        assert_eq!(spans[0], 100_000..100_000 + "<|im_start|>".len());
+    }
 
     #[test]
     fn chatml_renders_turns_and_generation_prompt() {
