@@ -258,11 +258,14 @@ def test_memory_a_burst_of_large_grammars_freed_is_given_back():
         assert r.status_code == 400 and "grammar" in r.text, r.text
         # The burst held memory: the high-water mark rose well above where it started.
         peak = rss_kib(pid, "VmHWM")
-        assert peak > base + 100 * 1024, (base, peak)
+        assert peak > base + 128 * 1024, (base, peak)
+        # Given back, all but what is still in use (here 30-50 MiB; the trim runs only past 64 MiB of
+        # growth): without it, 120-250 MiB stayed.
+        limit = base + 96 * 1024
         deadline = time.monotonic() + 30
-        while (now := rss_kib(pid)) > base + 48 * 1024 and time.monotonic() < deadline:
+        while (now := rss_kib(pid)) > limit and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert now <= base + 48 * 1024, f"resident {now} KiB, {now - base} KiB over {base} KiB before the burst"
+        assert now <= limit, f"resident {now} KiB, {now - base} KiB over {base} KiB before the burst (peak {peak})"
         # Still serving.
         assert httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
     finally:

@@ -80,6 +80,10 @@ pub struct RuntimeParams {
     /// Linear RoPE scaling of the full-attention layers (positions divided by this factor; Gemma 3's
     /// larger models).
     pub rope_linear_factor: Option<f64>,
+    /// Per-frequency divisors of the inverse frequencies (a GGUF's `rope_freqs.weight`, which
+    /// llama.cpp writes for Llama 3.1's scaling instead of its parameters): `head_dim / 2` positive
+    /// numbers.
+    pub rope_freq_factors: Option<Vec<f32>>,
     /// Attention scores are `q·k / sqrt(query_pre_attn_scalar)` when set (Gemma), else
     /// `q·k / sqrt(head_dim)`.
     pub query_pre_attn_scalar: Option<f64>,
@@ -508,7 +512,8 @@ impl ModelConfig {
             },
             rope_scaling: None,
             rope_theta_sliding: gemma.map(|_| GEMMA3_SLIDING_ROPE_THETA),
-            rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
+            rope_linear_factor: gguf_rope_linear_factor(g, &arch_name)?,
+            rope_freq_factors: gguf_rope_freq_factors(g, head_dim)?,
             query_pre_attn_scalar,
             qkv_bias: arch == Arch::Qwen2,
         };
@@ -578,6 +583,7 @@ impl ModelConfig {
             }
             _ => {
                 let (theta, scaling) = llama_rope(&raw)?;
+                refuse_llama_variants(&raw, arch)?;
                 (theta, scaling, None)
             }
         };
@@ -595,11 +601,40 @@ impl ModelConfig {
             rope_scaling,
             rope_theta_sliding: gemma.map(|g| g.rope_theta_sliding),
             rope_linear_factor: gemma.and_then(|g| g.rope_linear_factor),
+            rope_freq_factors: None,
             query_pre_attn_scalar: gemma.map(|g| g.query_pre_attn_scalar),
-            qkv_bias: arch == Arch::Qwen2 || raw.bool("attention_bias")?.unwrap_or(false),
+            // Qwen2's Q, K and V have biases; a Llama with `attention_bias` is refused above.
+            qkv_bias: arch == Arch::Qwen2,
         };
         ModelConfig::assemble(arch, spec, params).validate()
     }
+}
+
+/// Refuses what a Llama-family `config.json` may ask for that Kura's runtime does not compute (it
+/// would load, ignore it and compute another model): biases on the output projection and the FFN
+/// (transformers' `attention_bias` puts one on `o_proj` as well as Q/K/V; `mlp_bias` on gate, up and
+/// down) and an activation other than SiLU.
+fn refuse_llama_variants(raw: &Json<'_>, arch: Arch) -> Result<()> {
+    if arch != Arch::Qwen2 && raw.bool("attention_bias")? == Some(true) {
+        return Err(ModelError::Config(
+            "config.json: 'attention_bias' is true, which gives o_proj a bias as well as Q, K and \
+             V; Kura's runtime has no o_proj bias"
+                .into(),
+        ));
+    }
+    if raw.bool("mlp_bias")? == Some(true) {
+        return Err(ModelError::Config(
+            "config.json: 'mlp_bias' is true; Kura's runtime has no biases on gate, up and down"
+                .into(),
+        ));
+    }
+    let act = raw.str("hidden_act")?.unwrap_or("silu");
+    if !matches!(act, "silu" | "swish") {
+        return Err(ModelError::Config(format!(
+            "config.json: 'hidden_act' is '{act}'; Kura runs this architecture's FFN with silu"
+        )));
+    }
+    Ok(())
 }
 
 /// RoPE of a Llama-family `config.json`: its base and Llama-3 scaling.
@@ -844,7 +879,7 @@ impl<'a> Json<'a> {
 /// layer, unless [`rope_inv_freq_sliding`] gives the sliding ones their own), Llama-3 or linear scaling
 /// applied.
 pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    inv_freq(cfg.head_dim(), cfg.params.rope_theta, |f| {
+    let mut freqs = inv_freq(cfg.head_dim(), cfg.params.rope_theta, |f| {
         let mut f = match cfg.params.rope_scaling {
             Some(s) => llama3_scaled(f, &s),
             None => f,
@@ -853,7 +888,41 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
             f = (f as f64 / factor) as f32;
         }
         f
-    })
+    });
+    // As llama.cpp divides the angle's frequency by `rope_freqs.weight` (checked to be one positive
+    // factor per frequency when the file was read).
+    if let Some(factors) = &cfg.params.rope_freq_factors {
+        for (f, d) in freqs.iter_mut().zip(factors) {
+            *f /= d;
+        }
+    }
+    freqs
+}
+
+impl ModelConfig {
+    /// A digest of what computes K and V besides the weights: the RMSNorm epsilon, the RoPE style and
+    /// the inverse frequencies of every layer kind (its base, scaling and factors), as fixed-width
+    /// little-endian words. Cached KV is tied to it ([`crate::tensors::WeightsDigest`] covers the
+    /// tensors): a file whose RoPE is read differently (a GGUF's `rope_freqs.weight`, an edited
+    /// `config.json`) does not reuse KV computed without it.
+    pub fn kv_params_digest(&self) -> u128 {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(b"kura-kv-params\0");
+        bytes.extend_from_slice(&self.params.rms_norm_eps.to_bits().to_le_bytes());
+        let style: u32 = match self.params.rope_style {
+            RopeStyle::Interleaved => 1,
+            RopeStyle::Half => 2,
+        };
+        bytes.extend_from_slice(&style.to_le_bytes());
+        for freqs in [Some(rope_inv_freq(self)), rope_inv_freq_sliding(self)] {
+            let freqs = freqs.unwrap_or_default();
+            bytes.extend_from_slice(&(freqs.len() as u64).to_le_bytes());
+            for f in freqs {
+                bytes.extend_from_slice(&f.to_bits().to_le_bytes());
+            }
+        }
+        xxhash_rust::xxh3::xxh3_128(&bytes)
+    }
 }
 
 /// The inverse frequencies of the sliding layers when their RoPE base differs (Gemma 3); unscaled.
@@ -909,12 +978,67 @@ fn gemma3_query_pre_attn_scalar(
     }
 }
 
-/// What a Gemma 3 GGUF says beyond the common keys: its RoPE scaling (linear only), and that it uses
-/// no logit soft-capping (which Kura's runtime does not implement).
-#[derive(Debug, Clone, Copy)]
-struct GemmaGguf {
-    rope_linear_factor: Option<f64>,
+/// The linear RoPE factor of a GGUF (`<arch>.rope.scaling.type` `linear` and its
+/// `rope.scaling.factor`); `None` without scaling. Other kinds (YaRN, LongRoPE) are refused: Kura's
+/// runtime would compute another model.
+fn gguf_rope_linear_factor(g: &GgufFile, arch: &str) -> Result<Option<f64>> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let kind_key = k("rope.scaling.type");
+    let kind = match g.metadata.get(&kind_key) {
+        None => None,
+        Some(crate::gguf::Value::String(s)) => Some(s.as_str()),
+        Some(_) => {
+            return Err(ModelError::BadValue {
+                key: kind_key,
+                what: "is not a string".into(),
+            })
+        }
+    };
+    let factor_key = k("rope.scaling.factor");
+    let factor = g.opt_f64(&factor_key)?;
+    match (kind, factor) {
+        (None | Some("none"), _) => Ok(None),
+        (Some("linear"), Some(f)) if f.is_finite() && f > 0.0 => Ok((f != 1.0).then_some(f)),
+        (Some("linear"), f) => Err(ModelError::BadValue {
+            key: factor_key,
+            what: format!("is {f:?}; linear RoPE scaling needs a positive factor"),
+        }),
+        (Some(other), _) => Err(ModelError::BadValue {
+            key: kind_key,
+            what: format!("is '{other}'; Kura runs linear RoPE scaling or none"),
+        }),
+    }
 }
+
+/// The tensor `rope_freqs.weight` of a GGUF, when there is one: llama.cpp's converter writes Llama
+/// 3.1's RoPE scaling as one divisor per frequency. It must hold `head_dim / 2` positive finite
+/// numbers.
+fn gguf_rope_freq_factors(g: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>> {
+    const NAME: &str = "rope_freqs.weight";
+    if !g.tensors.contains_key(NAME) {
+        return Ok(None);
+    }
+    let (shape, values) = crate::tensors::TensorSource::load(g, NAME)?;
+    if !crate::tensors::shape_matches(&shape, &[head_dim / 2]) {
+        return Err(ModelError::TensorShape {
+            name: NAME.into(),
+            got: shape,
+            expected: vec![head_dim / 2],
+        });
+    }
+    if let Some(bad) = values.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+        return Err(ModelError::Config(format!(
+            "tensor '{NAME}' holds {bad}; RoPE frequency factors must be positive numbers"
+        )));
+    }
+    Ok(Some(values))
+}
+
+/// What a Gemma 3 GGUF says beyond the common keys: that it uses no logit soft-capping (which Kura's
+/// runtime does not implement). Its RoPE scaling is read as every architecture's
+/// ([`gguf_rope_linear_factor`]).
+#[derive(Debug, Clone, Copy)]
+struct GemmaGguf;
 
 impl GemmaGguf {
     fn read(g: &GgufFile, arch: &str) -> Result<Self> {
@@ -931,38 +1055,7 @@ impl GemmaGguf {
                 }
             }
         }
-        let kind_key = k("rope.scaling.type");
-        let kind = match g.metadata.get(&kind_key) {
-            None => None,
-            Some(crate::gguf::Value::String(s)) => Some(s.as_str()),
-            Some(_) => {
-                return Err(ModelError::BadValue {
-                    key: kind_key,
-                    what: "is not a string".into(),
-                })
-            }
-        };
-        let factor_key = k("rope.scaling.factor");
-        let factor = g.opt_f64(&factor_key)?;
-        let rope_linear_factor = match (kind, factor) {
-            (None | Some("none"), _) => None,
-            (Some("linear"), Some(f)) if f.is_finite() && f > 0.0 => (f != 1.0).then_some(f),
-            (Some("linear"), f) => {
-                return Err(ModelError::BadValue {
-                    key: factor_key,
-                    what: format!("is {f:?}; linear RoPE scaling needs a positive factor"),
-                })
-            }
-            (Some(other), _) => {
-                return Err(ModelError::BadValue {
-                    key: kind_key,
-                    what: format!(
-                        "is '{other}'; Kura runs Gemma 3 with linear RoPE scaling or none"
-                    ),
-                })
-            }
-        };
-        Ok(GemmaGguf { rope_linear_factor })
+        Ok(GemmaGguf)
     }
 }
 

@@ -95,7 +95,16 @@ impl SafetensorsDir {
                     what: format!("safetensors header: {e}"),
                 })?;
             for name in meta.offset_keys() {
-                index.insert(name, shards.len());
+                if let Some(first) = index.insert(name.clone(), shards.len()) {
+                    let first: &Shard = &shards[first];
+                    return Err(ModelError::Format {
+                        path: path.clone(),
+                        what: format!(
+                            "tensor '{name}' is also in {}: a tensor must be in one shard",
+                            first.path.display()
+                        ),
+                    });
+                }
             }
             shards.push(Shard {
                 path,
@@ -105,6 +114,33 @@ impl SafetensorsDir {
             });
         }
         Ok(SafetensorsDir { shards, index })
+    }
+
+    /// Every tensor of `expected` (name, PyTorch-order shape) is there, of the shape given and of an
+    /// element type Kura reads (F32, F16, BF16): a configuration and a checkpoint that disagree are
+    /// refused before anything is allocated for them, by every executor alike.
+    pub fn check(&self, expected: &[(String, Vec<usize>)]) -> Result<()> {
+        for (name, shape) in expected {
+            let info = self
+                .index
+                .get(name)
+                .and_then(|&s| self.shards[s].meta.info(name))
+                .ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
+            if !matches!(info.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+                return Err(ModelError::TensorType {
+                    name: name.clone(),
+                    dtype: format!("{:?}", info.dtype),
+                });
+            }
+            if !crate::tensors::shape_matches(&info.shape, shape) {
+                return Err(ModelError::TensorShape {
+                    name: name.clone(),
+                    got: info.shape.clone(),
+                    expected: shape.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

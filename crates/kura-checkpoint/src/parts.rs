@@ -56,8 +56,10 @@ impl ModelParts {
             let text =
                 ModelText::from_hf_dir(path, default_template(config.arch), config.vocab_size())?;
             let naming = Naming::hf(config.arch);
+            let source = SafetensorsDir::open(path)?;
+            source.check(&crate::tensors::expected_shapes(naming, &config))?;
             Ok(ModelParts {
-                source: Box::new(SafetensorsDir::open(path)?),
+                source: Box::new(source),
                 config,
                 text,
                 naming,

@@ -29,7 +29,6 @@ use kura_kv::storage::KvStorage;
 use crate::config::{rope_inv_freq, rope_inv_freq_sliding, Activation, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::hf::{read_text, SafetensorsDir};
 use crate::kernels::attention::{attention_part, partials_len, AttnSeq, AttnShape};
 use crate::kernels::matmul::{matmul_part, Act, ActBuf, ActShared};
 use crate::kernels::ops::{
@@ -39,6 +38,7 @@ use crate::kernels::qpacked::QBLOCK;
 use crate::kernels::team::{self, SharedMut, Team};
 use crate::weights::{Naming, Weights, WeightsDtype};
 use kura_checkpoint::parts::default_template;
+use kura_checkpoint::ModelParts;
 use kura_text::Tokenizer;
 use kura_text::{ChatMessage, ChatTemplate, ModelText};
 
@@ -153,11 +153,15 @@ impl Model {
     }
 
     fn load_hf_dir(dir: &Path, opts: LoadOptions) -> Result<Self> {
-        let config = ModelConfig::from_hf_json(&read_text(&dir.join("config.json"))?)?;
-        let text = ModelText::from_hf_dir(dir, default_template(config.arch), config.vocab_size())?;
-        let st = SafetensorsDir::open(dir)?;
-        let weights = Weights::load(&st, Naming::hf(config.arch), &config, opts.weights_dtype)?;
-        Ok(Self::assemble(config, text, weights))
+        // Opened as every executor opens it: the tensors checked against the configuration first.
+        let parts = ModelParts::open(dir)?;
+        let weights = Weights::load(
+            parts.source.as_ref(),
+            parts.naming,
+            &parts.config,
+            opts.weights_dtype,
+        )?;
+        Ok(Self::assemble(parts.config, parts.text, weights))
     }
 
     fn assemble(config: ModelConfig, text: ModelText, weights: Weights) -> Self {

@@ -102,6 +102,13 @@ impl Gguf {
         self
     }
 
+    /// An F32 tensor holding `values`.
+    fn tensor_values(&mut self, name: &str, torch_shape: &[u64], values: &[f32]) -> &mut Self {
+        self.tensor(name, torch_shape);
+        self.get(name).data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self
+    }
+
     fn get(&mut self, name: &str) -> &mut Tensor {
         self.tensors.iter_mut().find(|t| t.name == name).unwrap()
     }
@@ -772,6 +779,22 @@ fn hf_directories_with_bad_configs_or_shard_names_are_rejected() {
             "18446744073709551615",
             "'max_position_embeddings' is 18446744073709551615",
         ),
+        // What transformers computes for these and the runtime does not: refused, not ignored.
+        ("attention_bias", "true", "'attention_bias' is true"),
+        ("mlp_bias", "true", "'mlp_bias' is true"),
+        ("hidden_act", r#""gelu""#, "'hidden_act' is 'gelu'"),
+        // A configuration the checkpoint's tensors disagree with, refused before any allocation
+        // (a config of 2^46-element matrices over an 8 KiB file aborted on its allocation).
+        (
+            "intermediate_size",
+            "4096",
+            "model.layers.0.mlp.gate_proj.weight",
+        ),
+        (
+            "num_attention_heads",
+            "65536",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
     ] {
         let dir = hf_dir(key, |d| {
             let text = std::fs::read_to_string(d.join("config.json")).unwrap();
@@ -815,6 +838,32 @@ fn hf_directories_with_bad_configs_or_shard_names_are_rejected() {
         );
         std::fs::remove_dir_all(dir).ok();
     }
+    // tokenizer.json that is not a regular file: never opened (a FIFO blocked the start).
+    let dir = hf_dir("tokenizer-dir", |d| {
+        std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+        std::fs::create_dir(d.join("tokenizer.json")).unwrap();
+    });
+    let err = Model::load(&dir).err().unwrap().to_string();
+    assert!(
+        err.contains("tokenizer.json") && err.contains("not a regular file"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+    // A tensor in two shards: which one is meant cannot be known.
+    let dir = hf_dir("two-shards", |d| {
+        std::fs::copy(d.join("model.safetensors"), d.join("model-2.safetensors")).unwrap();
+        std::fs::write(
+            d.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "model.safetensors", "b": "model-2.safetensors"}}"#,
+        )
+        .unwrap();
+    });
+    let err = Model::load(&dir).err().unwrap().to_string();
+    assert!(
+        err.contains("is also in") && err.contains("a tensor must be in one shard"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).ok();
     // The object form loads.
     let dir = hf_dir("eos-object", |d| {
         let file = d.join("tokenizer_config.json");
@@ -968,4 +1017,69 @@ fn a_tokenizer_that_does_not_match_the_embedding_is_rejected_at_load() {
         &g,
         "token id 4, past the model's 4 embedding rows",
     );
+}
+
+/// RoPE scaling in a GGUF of any architecture: llama.cpp writes Llama 3.1's as the tensor
+/// `rope_freqs.weight` (a divisor per frequency), other models as `rope.scaling.type`. Both were read
+/// for Gemma 3 only: a Llama 3.1 GGUF ran unscaled, a model that is not the one in the file.
+#[test]
+fn rope_scaling_of_a_gguf_is_read_for_every_architecture() {
+    use kura_model::config::rope_inv_freq;
+    let load = |name: &str, g: &Gguf| {
+        let path = write(name, &g.bytes());
+        let model = Model::load(&path).unwrap();
+        std::fs::remove_file(path).ok();
+        model
+    };
+    let plain = load("rope-plain.gguf", &tiny_model());
+    let base = rope_inv_freq(plain.config());
+    assert_eq!(base.len(), 2, "head size 4: two frequencies");
+    let mut g = tiny_model();
+    g.tensor_values("rope_freqs.weight", &[2], &[1.0, 4.0]);
+    let scaled = load("rope-freqs.gguf", &g);
+    assert_eq!(rope_inv_freq(scaled.config()), [base[0], base[1] / 4.0]);
+    // KV computed without the factors is not KV of this model.
+    assert_ne!(
+        scaled.config().kv_params_digest(),
+        plain.config().kv_params_digest()
+    );
+    let mut g = tiny_model();
+    g.str("llama.rope.scaling.type", "linear")
+        .f32("llama.rope.scaling.factor", 4.0);
+    assert_eq!(
+        load("rope-linear.gguf", &g)
+            .config()
+            .params
+            .rope_linear_factor,
+        Some(4.0)
+    );
+    // What the runtime does not compute is refused, naming it.
+    for (name, edit, words) in [
+        (
+            "rope-freqs-len.gguf",
+            Box::new(|g: &mut Gguf| {
+                g.tensor_values("rope_freqs.weight", &[3], &[1.0, 2.0, 3.0]);
+            }) as Box<dyn Fn(&mut Gguf)>,
+            "tensor 'rope_freqs.weight' has shape [3], expected [2]",
+        ),
+        (
+            "rope-freqs-zero.gguf",
+            Box::new(|g: &mut Gguf| {
+                g.tensor_values("rope_freqs.weight", &[2], &[1.0, 0.0]);
+            }),
+            "'rope_freqs.weight' holds 0",
+        ),
+        (
+            "rope-yarn.gguf",
+            Box::new(|g: &mut Gguf| {
+                g.str("llama.rope.scaling.type", "yarn");
+            }),
+            "llama.rope.scaling.type",
+        ),
+    ] {
+        let mut g = tiny_model();
+        edit(&mut g);
+        let err = load_error(name, &g);
+        assert!(err.contains(words), "{name}: {err}");
+    }
 }

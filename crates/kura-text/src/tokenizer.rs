@@ -225,7 +225,10 @@ impl Tokenizer {
         bos: Option<&str>,
         eos: Option<&str>,
     ) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
+        // Read as every model JSON is: a regular file (a FIFO would block the start), within its limit.
+        let bytes = kura_files::read(tokenizer_json, crate::MODEL_JSON_MAX_BYTES)
+            .map_err(|e| TextError::Tokenizer(format!("{}: {e}", tokenizer_json.display())))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| TextError::Tokenizer(format!("{}: {e}", tokenizer_json.display())))?;
         let bos_id = bos.and_then(|t| inner.token_to_id(t));
         let eos_id = eos.and_then(|t| inner.token_to_id(t));

@@ -254,8 +254,14 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 ///
 /// A change of any of it makes blocks cached on disk under the old fingerprint foreign: the disk tier
 /// deletes them at start and the server says so.
-fn kv_fingerprint(weights: u128, compute: Compute, layout: &KvLayout, encoding: u128) -> u128 {
-    const VERSION: u32 = 3;
+fn kv_fingerprint(
+    weights: u128,
+    params: u128,
+    compute: Compute,
+    layout: &KvLayout,
+    encoding: u128,
+) -> u128 {
+    const VERSION: u32 = 4;
     let compute: u32 = match compute {
         Compute::Cpu(WeightsDtype::F32) => 1,
         Compute::Cpu(WeightsDtype::F16) => 2,
@@ -270,6 +276,7 @@ fn kv_fingerprint(weights: u128, compute: Compute, layout: &KvLayout, encoding: 
     bytes.extend_from_slice(b"kura-kv\0");
     bytes.extend_from_slice(&VERSION.to_le_bytes());
     bytes.extend_from_slice(&weights.to_le_bytes());
+    bytes.extend_from_slice(&params.to_le_bytes());
     bytes.extend_from_slice(&compute.to_le_bytes());
     layout.encode_for_fingerprint(&mut bytes);
     bytes.extend_from_slice(&encoding.to_le_bytes());
@@ -499,7 +506,13 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         None => Compute::Cuda,
         Some(m) => Compute::Cpu(m.weights_dtype()),
     };
-    let fingerprint = kv_fingerprint(weights_fingerprint, compute, &layout, encoding_fingerprint);
+    let fingerprint = kv_fingerprint(
+        weights_fingerprint,
+        config.kv_params_digest(),
+        compute,
+        &layout,
+        encoding_fingerprint,
+    );
     let host_blocks = tier_sizes.host_blocks(layout.bytes_per_block())?;
     // The pool is allocated by now: what remains must hold the host tier too.
     let host_bytes = u64::from(host_blocks) * layout.bytes_per_block();
@@ -794,17 +807,32 @@ mod tests {
         let weights = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
         let encoding = 0x1111_2222_3333_4444_5555_6666_7777_8888;
         let native = Compute::Cpu(WeightsDtype::Native);
-        let f = kv_fingerprint(weights, native, &layout, encoding);
-        assert_eq!(format!("{f:032x}"), "c02d94e7cd880f77ce87f285fba4c139");
+        let params = 0x9999_aaaa_bbbb_cccc_dddd_eeee_ffff_0000;
+        let f = kv_fingerprint(weights, params, native, &layout, encoding);
+        assert_eq!(format!("{f:032x}"), "0ac00faa7f877aeefc726c7f8568cd4b");
         // Each input counts.
         let others = [
-            kv_fingerprint(weights + 1, native, &layout, encoding),
-            kv_fingerprint(weights, Compute::Cpu(WeightsDtype::Bf16), &layout, encoding),
-            kv_fingerprint(weights, Compute::Cuda, &layout, encoding),
-            kv_fingerprint(weights, native, &layout, encoding + 1),
-            kv_fingerprint(weights, native, &layout.with_dtype(KvDtype::Int4), encoding),
+            kv_fingerprint(weights + 1, params, native, &layout, encoding),
+            kv_fingerprint(weights, params + 1, native, &layout, encoding),
             kv_fingerprint(
                 weights,
+                params,
+                Compute::Cpu(WeightsDtype::Bf16),
+                &layout,
+                encoding,
+            ),
+            kv_fingerprint(weights, params, Compute::Cuda, &layout, encoding),
+            kv_fingerprint(weights, params, native, &layout, encoding + 1),
+            kv_fingerprint(
+                weights,
+                params,
+                native,
+                &layout.with_dtype(KvDtype::Int4),
+                encoding,
+            ),
+            kv_fingerprint(
+                weights,
+                params,
                 native,
                 &layout.with_block_size(32).unwrap(),
                 encoding,
