@@ -138,20 +138,23 @@ impl Device {
         // A stream of its own (the legacy default stream cannot be captured into a graph).
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
-        let (cubin, compiled) = kernels::cubin_for(&arch, &kernels::cache_dir())?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-        let mut functions = HashMap::new();
-        let log_names = kernel_names();
-        for n in log_names {
-            let f = module.load_function(&n)?;
-            if let Some(bytes) = dynamic_smem(&n) {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )?;
+        let dir = kernels::cache_dir();
+        let (cubin, mut compiled) = kernels::cubin_for(&arch, &dir)?;
+        let functions = match load_kernels(&ctx, cubin) {
+            Ok(f) => f,
+            // A cached cubin the driver will not load (a file damaged past its ELF magic): compiled
+            // again and the cache's file replaced, once.
+            Err(e) if !compiled => {
+                tracing::warn!(
+                    error = %e,
+                    dir = %dir.display(),
+                    "the cached kernels would not load; compiling them again"
+                );
+                compiled = true;
+                load_kernels(&ctx, kernels::compile_to_cache(&arch, &dir)?)?
             }
-            functions.insert(n.clone(), f);
-        }
+            Err(e) => return Err(e),
+        };
         Ok(Device {
             ctx,
             stream,
@@ -625,6 +628,26 @@ fn alloc_failed(
             free,
         },
     }
+}
+
+/// Every kernel of Kura's module from `cubin`, with the dynamic shared memory each is allowed.
+fn load_kernels(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    cubin: Vec<u8>,
+) -> Result<HashMap<String, cudarc::driver::CudaFunction>> {
+    let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+    let mut functions = HashMap::new();
+    for n in kernel_names() {
+        let f = module.load_function(&n)?;
+        if let Some(bytes) = dynamic_smem(&n) {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )?;
+        }
+        functions.insert(n.clone(), f);
+    }
+    Ok(functions)
 }
 
 /// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V

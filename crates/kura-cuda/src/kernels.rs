@@ -193,12 +193,24 @@ pub fn cache_dir() -> PathBuf {
 pub fn cubin_for(arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
     let key = cache_key(arch, nvrtc_version()?);
     let path = dir.join(format!("kura-{arch}-{key}.cubin"));
-    if let Ok(bytes) = std::fs::read(&path) {
-        // A cubin is an ELF file; anything else (a damaged file) is compiled anew.
+    // Read only when a regular file of a cubin's size (a FIFO would block the start); a cubin is an
+    // ELF file, and anything else (a damaged file) is compiled anew.
+    if let Ok(bytes) = kura_files::read(&path, CUBIN_MAX_BYTES) {
         if bytes.starts_with(b"\x7fELF") {
             return Ok((bytes, false));
         }
     }
+    Ok((compile_to_cache(arch, dir)?, true))
+}
+
+/// The most bytes read from a cached cubin (Kura's module is a few MB).
+const CUBIN_MAX_BYTES: u64 = 256 << 20;
+
+/// [`SOURCE`] compiled for `arch`, and the cache's file for it (re)written: atomically, its bytes
+/// synced before the rename, so that a crash never leaves a half-written file under the cubin's name.
+pub fn compile_to_cache(arch: &str, dir: &Path) -> Result<Vec<u8>> {
+    let key = cache_key(arch, nvrtc_version()?);
+    let path = dir.join(format!("kura-{arch}-{key}.cubin"));
     let compiled = compile(arch, &include_dir()?)?;
     for (kernel, line) in spills(&compiled.log) {
         tracing::warn!("kernel {kernel} spills registers on {arch}: {line}");
@@ -209,7 +221,12 @@ pub fn cubin_for(arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
     };
     std::fs::create_dir_all(dir).map_err(cache_err)?;
     let tmp = dir.join(format!(".kura-{arch}-{key}.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, &compiled.cubin).map_err(cache_err)?;
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(cache_err)?;
+        f.write_all(&compiled.cubin).map_err(cache_err)?;
+        f.sync_all().map_err(cache_err)?;
+    }
     std::fs::rename(&tmp, &path).map_err(cache_err)?;
-    Ok((compiled.cubin, true))
+    Ok(compiled.cubin)
 }

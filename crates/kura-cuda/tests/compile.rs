@@ -62,6 +62,13 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
         third, first,
         "NVRTC compiles the same source to the same cubin"
     );
+    // A path that is not a regular file is never opened (a FIFO would block the start): compiled
+    // anew, and the compile cannot replace it, which is an error naming the cache.
+    std::fs::remove_file(&file).unwrap();
+    std::fs::create_dir(&file).unwrap();
+    let e = kernels::cubin_for("sm_90", &dir).unwrap_err().to_string();
+    assert!(e.contains(&dir.display().to_string()), "{e}");
+    std::fs::remove_dir(&file).unwrap();
     // Another architecture is another key.
     assert_ne!(
         kernels::cache_key("sm_80", (13, 0)),

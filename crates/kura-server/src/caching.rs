@@ -165,6 +165,10 @@ impl ContextStore {
         create_private_dir(&dir).map_err(|e| format!("could not create {}: {e}", dir.display()))?;
         let mut contexts = HashMap::new();
         let mut warnings = Vec::new();
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let latest_expiry = now_ms.saturating_add(MAX_CONTEXT_TTL_S.saturating_mul(1000));
         let entries = std::fs::read_dir(&dir)
             .map_err(|e| format!("could not read {}: {e}", dir.display()))?;
         for entry in entries.flatten() {
@@ -184,11 +188,34 @@ impl ContextStore {
                     }
                 });
             match parsed {
-                Ok(c) => {
+                Ok(mut c) => {
+                    // An expiry past the longest TTL from now (an edited file, or one from a clock
+                    // far ahead) is brought back to it: no file pins its blocks for ever.
+                    c.expires_at_ms = c.expires_at_ms.min(latest_expiry);
                     contexts.insert(c.id.clone(), c);
                 }
                 Err(e) => warnings.push(set_aside(&path, &e)),
             }
+        }
+        if contexts.len() > MAX_CONTEXTS {
+            // More files than a store holds (copied in from elsewhere): the ones expiring last are
+            // served, the others set aside.
+            let mut by_expiry: Vec<(u64, String)> = contexts
+                .values()
+                .map(|c| (c.expires_at_ms, c.id.clone()))
+                .collect();
+            by_expiry.sort_unstable();
+            let extra = contexts.len() - MAX_CONTEXTS;
+            for (_, id) in by_expiry.into_iter().take(extra) {
+                contexts.remove(&id);
+                let path = dir.join(format!("{id}.json"));
+                set_aside(&path, "over the store's limit");
+            }
+            warnings.push(format!(
+                "{} holds more than {MAX_CONTEXTS} saved contexts: the {extra} expiring first were \
+                 set aside as .bad",
+                dir.display()
+            ));
         }
         Ok((
             Self {
@@ -551,6 +578,28 @@ mod tests {
         store.insert(context(21, Some("c"), u64::MAX), 3).unwrap();
         assert!(store.delete_any(&format!("ctx_{:024x}", 10)).is_some());
         store.insert(context(20, Some("b"), u64::MAX), 3).unwrap();
+    }
+
+    #[test]
+    fn a_file_cannot_pin_its_context_past_the_longest_ttl() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        // As an edited file would say: never expires.
+        store.insert(context(7, None, u64::MAX), 10).unwrap();
+        drop(store);
+        let (again, warnings) = ContextStore::open(&dir).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let loaded = again.lock()[&format!("ctx_{:024x}", 7)].expires_at_ms;
+        assert!(loaded <= now_ms + MAX_CONTEXT_TTL_S * 1000, "{loaded}");
+        assert!(
+            loaded + 60_000 > now_ms + MAX_CONTEXT_TTL_S * 1000,
+            "{loaded}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -176,8 +176,19 @@ fn request_for(
     Ok(request)
 }
 
+/// Saved context `id` of the tenant whose salt is `salt`, checked on the blocking pool: its first
+/// use after a restart tokenizes its text (up to 64 MiB of it) against its tokens.
+pub(crate) async fn use_saved_context(
+    s: &AppState,
+    id: &str,
+    salt: Option<String>,
+) -> Result<SavedContext, ApiError> {
+    let (store, engine, id) = (s.contexts.clone(), s.engine.clone(), id.to_string());
+    off_the_workers(move || store.use_context(&id, &salt, &engine)).await
+}
+
 /// The saved context a request names (`cached_content`), checked against its tenant and the model.
-fn saved_context(
+async fn saved_context(
     s: &AppState,
     checked: &Checked,
     tenant: &Tenant,
@@ -192,7 +203,7 @@ fn saved_context(
         )),
         Some(id) => {
             let salt = effective_salt(tenant, None);
-            s.contexts.use_context(id, &salt, &s.engine).map(Some)
+            use_saved_context(s, id, salt).await.map(Some)
         }
         None => Ok(None),
     }
@@ -206,7 +217,7 @@ pub async fn completions(
     let info = s.engine.info();
     let plan = validate::prepare_completion(&value, s.ctx())?;
     drop(value);
-    let context = saved_context(&s, &plan.checked, &tenant)?;
+    let context = saved_context(&s, &plan.checked, &tenant).await?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
@@ -274,7 +285,7 @@ pub async fn chat_completions(
     let info = s.engine.info();
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
-    let context = saved_context(&s, &plan.checked, &tenant)?;
+    let context = saved_context(&s, &plan.checked, &tenant).await?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,

@@ -54,7 +54,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     drop(value);
     let salt = effective_salt(&tenant, None);
     let saved = match &plan.cached_content {
-        Some(id) => Some(s.contexts.use_context(id, &salt, &s.engine)?),
+        Some(id) => Some(crate::handlers::use_saved_context(&s, id, salt.clone()).await?),
         None => None,
     };
     let style = guided::tool_style(&s.engine);

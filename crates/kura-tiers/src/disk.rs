@@ -331,10 +331,19 @@ impl DiskStore {
                 got: out.len(),
             });
         }
-        let mut file = match File::open(&path) {
+        // Never opened unless a regular file: a FIFO put in its place would block this thread, and
+        // with it every load and store queued behind it.
+        let opened = kura_files::regular(&path).and_then(|_| File::open(&path));
+        let mut file = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(ReadError::Missing { path });
+            }
+            Err(e) if e.kind() == io::ErrorKind::InvalidInput => {
+                return Err(ReadError::Corrupt {
+                    path,
+                    what: Check::NotRegular,
+                });
             }
             Err(source) => return Err(ReadError::Io { path, source }),
         };

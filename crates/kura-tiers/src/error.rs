@@ -101,6 +101,8 @@ pub enum Check {
     PayloadChecksum,
     #[error("written under the hash seed of a meta file that is gone (its blocks' names can never be asked for)")]
     SeedLost,
+    #[error("not a regular file (a directory, FIFO, socket or device) where a block file belongs")]
+    NotRegular,
 }
 
 impl Check {

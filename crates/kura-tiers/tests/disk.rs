@@ -165,6 +165,25 @@ fn read_of_another_block_is_rejected_and_the_file_deleted() {
         other => panic!("expected BlockHash, got {other:?}"),
     }
     assert!(!store.path_of(base.hash).exists());
+    // A FIFO put where a block file was listed: refused without opening it (the open blocked the
+    // disk tier's thread, and every load and store behind it).
+    #[cfg(unix)]
+    {
+        let fifo = store.path_of(base.hash);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        match read(&store, &base) {
+            Err(ReadError::Corrupt {
+                what: Check::NotRegular,
+                ..
+            }) => {}
+            other => panic!("expected NotRegular, got {other:?}"),
+        }
+        fs::remove_file(&fifo).unwrap();
+    }
 }
 
 #[test]
