@@ -251,6 +251,48 @@ def test_tenants_prefixes_stay_apart_in_the_index(keyed_fleet):
             fresh.stop()
 
 
+def test_a_prompt_cache_key_keeps_requests_together_within_its_tenant_only(keyed_fleet):
+    """A `prompt_cache_key` keeps a tenant's requests on the replica its first went to; another tenant
+    giving the same key is routed as if it had never been given (it was one map for all tenants: the
+    replica a key pointed to told another tenant that someone had used that key, and where)."""
+    replicas = keyed_fleet
+    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
+    router = KuraRouter(replicas, *keys)
+    try:
+        model = replicas[0].model()
+        loads = [f"kura_router:replica_reported_load{label(r)}" for r in replicas]
+
+        def send(key: str, cache_key: str | None = None) -> int:
+            # Every replica seen idle first: ties between them then go by turn, in order.
+            router.wait_metric(lambda m: all(m[k] == 0 for k in loads))
+            body = {"model": model, "prompt": "Hi", "max_tokens": 1}  # under one block: held by none
+            if cache_key:
+                body["prompt_cache_key"] = cache_key
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=60,
+                           headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return int(r.headers["x-kura-replica"])
+
+        a, b = TENANT_KEYS
+        home = send(a, "user-123")
+        for _ in range(3):
+            send(b)  # moves the turn
+            assert send(a, "user-123") == home
+        # The turn points away from tenant a's replica: b's first request with the same key goes by it.
+        for _ in range(4):
+            if send(b) == home:
+                break
+        else:
+            raise AssertionError("the turn never came to tenant a's replica")
+        away = send(b, "user-123")
+        assert away != home, "tenant b was routed by tenant a's prompt_cache_key"
+        # ...and then keeps to its own replica, while a keeps to its own.
+        assert send(b, "user-123") == away
+        assert send(a, "user-123") == home
+    finally:
+        router.stop()
+
+
 def test_a_killed_replica_is_drained_and_every_request_ends():
     replicas = [KuraServer(*replica_args()) for _ in range(2)]
     router = KuraRouter(replicas, "--policy", "least-load")

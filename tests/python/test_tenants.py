@@ -387,3 +387,39 @@ def test_a_full_disk_is_a_clear_507_without_the_servers_paths():
             s.stop()
         subprocess.run(["umount", str(mount)], check=False)
         mount.rmdir()
+
+
+def test_ids_a_tenant_gets_back_count_nothing(op):
+    """Response ids were a server-wide counter and the time: the gap between two of a tenant's own ids
+    was how many requests the other tenants made in between. Now they are random."""
+    ids = {"cmpl": [], "chatcmpl": [], "msg": [], "resp": []}
+    for i in range(12):
+        r = httpx.post(op.url + "/v1/completions", headers=bearer(KEY_A), timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 1})
+        ids["cmpl"].append(r.json()["id"])
+        if i % 3 == 0:
+            # Another tenant's traffic in between.
+            httpx.post(op.url + "/v1/completions", headers=bearer(KEY_B), timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 1}).raise_for_status()
+    ids["chatcmpl"].append(httpx.post(op.url + "/v1/chat/completions", headers=bearer(KEY_A), timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).json()["id"])
+    ids["msg"].append(httpx.post(op.url + "/v1/messages", headers={"x-api-key": KEY_A}, timeout=60, json={
+        "model": op.model(), "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}).json()["id"])
+    ids["resp"].append(httpx.post(op.url + "/v1/responses", headers=bearer(KEY_A), timeout=60, json={
+        "input": "Hi", "max_output_tokens": 1, "store": False}).json()["id"])
+    for prefix, got in ids.items():
+        sep = "_" if prefix == "resp" else "-"
+        for i in got:
+            head, _, digits = i.partition(sep)
+            assert head == prefix and len(digits) == 24 and int(digits, 16) >= 0, i
+    values = [int(i.split("-")[1], 16) for i in ids["cmpl"]]
+    # Twelve random values in increasing order: one chance in 12! (a counter always is).
+    assert values != sorted(values), ids["cmpl"]
+    assert len(set(values)) == len(values)
+
+
+def test_a_salt_cannot_pose_as_another_tenants(op):
+    r = httpx.post(op.url + "/v1/completions", headers=bearer(KEY_A), timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 1, "cache_salt": "key-b\u001fx"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "cache_salt" and "U+001F" in r.json()["error"]["message"]

@@ -258,6 +258,14 @@ pub fn check_common(
                 Some("cache_salt"),
             ));
         }
+        // The engine reads a salt's tenant as what comes before this character (the server puts the
+        // API key's tenant there): a salt holding it could pose as another tenant's.
+        if salt.contains(kura_request::TENANT_SEPARATOR) {
+            return Err(ApiError::invalid(
+                "cache_salt must not contain the character U+001F",
+                Some("cache_salt"),
+            ));
+        }
     }
     let guide = output_guide(c)?;
     let include_usage = match &c.stream_options {

@@ -135,7 +135,7 @@ pub(crate) struct Fleet {
     index: Mutex<FleetIndex>,
     turn: Mutex<usize>,
     /// `prompt_cache_key` → the replica its last request went to.
-    affinity: Mutex<std::collections::HashMap<String, usize>>,
+    affinity: Mutex<std::collections::HashMap<proxy::AffinityKey, usize>>,
     client: reqwest::Client,
     /// Names a request's blocks as the replicas do (with the fleet's secret); `None` without one.
     namer: Option<ContentNamer>,

@@ -106,8 +106,13 @@ struct Prompt {
     names: Vec<u128>,
     block_size: usize,
     tokens: usize,
-    prompt_cache_key: Option<String>,
+    /// The request's `prompt_cache_key`, scoped to its cache salt (its tenant and own salt): one
+    /// tenant's key never names where another tenant's requests went.
+    prompt_cache_key: Option<AffinityKey>,
 }
+
+/// A `prompt_cache_key` within the cache salt of the request that gave it.
+pub(crate) type AffinityKey = (Option<String>, String);
 
 /// The prompt's blocks, computed as the replicas compute them (parsed and tokenized on the blocking
 /// pool, at most `tokenizer_threads` at once). `client_key` is the API key the request presents.
@@ -148,15 +153,15 @@ async fn read_prompt(
             ..
         } = routing_prompt(endpoint, &value, &info.model, codec.as_ref(), tenant).ok()?;
         let mut key = CacheKey::new().with_model_fingerprint(info.model_fingerprint.clone());
-        if let Some(salt) = cache_salt {
-            key = key.with_salt(salt);
+        if let Some(salt) = &cache_salt {
+            key = key.with_salt(salt.clone());
         }
         let mut namer = namer;
         Some(Prompt {
             names: prompt_names(&mut namer, &key, &tokens, info.block_size),
             block_size: info.block_size,
             tokens: tokens.len(),
-            prompt_cache_key,
+            prompt_cache_key: prompt_cache_key.map(|k| (cache_salt, k)),
         })
     })
     .await;

@@ -300,6 +300,16 @@ fn on_event(fleet: &Fleet, r: usize, e: &SseEvent) -> Result<(), StreamEnd> {
             let (seq, info, names) = snapshot(&parse(&e.data)?)
                 .map_err(|m| StreamEnd::Broken(format!("snapshot: {m}")))?;
             let n = names.len();
+            if !info.tenants && !fleet.config.api_keys.is_empty() {
+                // Keys here, none there: every client of the router shares the replica's cache, so
+                // one tenant's cached_tokens would tell it what another sent. Said at every snapshot
+                // (a replica's start or a resynchronization), not at every request.
+                tracing::warn!(
+                    replica = %rep.url,
+                    "the router has API keys but this replica does not: its cache is shared by \
+                     every client, which keeps no tenant apart; start the replicas with the same keys"
+                );
+            }
             lock(&fleet.index).reset(r, seq, &names);
             *lock(&rep.info) = Some(info);
             rep.snapshots.fetch_add(1, Ordering::Relaxed);

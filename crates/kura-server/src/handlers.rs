@@ -29,17 +29,12 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// A new response id: `prefix`, `-` and 24 hex digits of a random 96-bit value. Random, not counted:
+/// a server-wide counter in the ids a tenant gets back told it how many requests the others made in
+/// between, and made stored responses' ids guessable.
 pub(crate) fn response_id(prefix: &str) -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!(
-        "{prefix}-{:x}{nanos:08x}",
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    let random = crate::caching::new_context_id();
+    format!("{prefix}-{}", &random["ctx_".len()..])
 }
 
 /// Runs tokenizer work on the blocking pool, so that the async workers stay free.
