@@ -766,6 +766,10 @@ impl Core {
         for k in self.sched.remove_request(group_id) {
             self.seqs.remove(&k);
         }
+        // The scheduler may have removed the request itself already (one that can never fit) and
+        // named none of its sequences: they go by their group, or a late finish of one of them (a stop
+        // string the output stage saw a step behind) would find a sequence without its group.
+        self.seqs.retain(|_, s| s.group != group_id);
         if let Some(group) = self.groups.remove(&group_id) {
             if !group.admitted_once {
                 self.shared.queued.fetch_sub(1, Ordering::Relaxed);
@@ -820,6 +824,19 @@ impl Core {
         // writes the pool.
         self.run_tier_moves();
         let progressed = !plan.items.is_empty();
+        let gave_way = !progressed
+            && plan.pending_waits == 0
+            && self.sched.num_running() == 0
+            && self.sched.num_waiting() > 0
+            && self.pins.give_way(&mut self.sched);
+        if gave_way {
+            // Nothing runs, and the queue's head waits for room that pinned blocks hold (a request of
+            // more than the pool less the pins): a pin gives way, as it would for a new pin, and the
+            // next pass tries again. Otherwise it would wait for the pin's expiry, up to a day, and
+            // every request behind it too.
+            self.metrics.pins_demoted.add(1);
+            self.update_pin_gauges();
+        }
         let mut forward = Duration::ZERO;
         if progressed {
             forward = self.execute(plan);
@@ -838,8 +855,8 @@ impl Core {
                 .add(micros(started.elapsed().saturating_sub(forward)));
         }
         // Loads that landed after the pass (synchronous host loads, or ordered ones, reported as they
-        // start) let their requests run in the next.
-        progressed || self.loads_landed
+        // start) let their requests run in the next, as blocks a pin gave back do.
+        progressed || self.loads_landed || gave_way
     }
 
     /// Hands the KV manager's content events to the Redis tier (blocks to write) and to the event log.
@@ -1207,10 +1224,10 @@ impl Core {
             }
         }
         self.sched.finish(key);
-        let group = self
-            .groups
-            .get_mut(&seq.group)
-            .expect("sequence's group exists");
+        let Some(group) = self.groups.get_mut(&seq.group) else {
+            // Its request failed or was cancelled meanwhile: nothing is left to tell.
+            return;
+        };
         group.live_choices -= 1;
         group.reason = Some(reason);
         if group.live_choices == 0 {

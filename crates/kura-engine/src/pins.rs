@@ -10,7 +10,8 @@
 //! are demoted until it fits, each time the least recently used pin of the tenant that holds the most
 //! blocks (the new pin counted with its tenant's), so that one tenant's pins never push out those of a
 //! tenant holding less. When its own tenant is the largest holder and has nothing else in the pool, or
-//! when it alone is over the budget, the new pin is demoted itself. A pin's tenant is the part of its
+//! when it alone is over the budget, the new pin is demoted itself. Pins give way the same way to a
+//! request that cannot be admitted while nothing else runs ([`PinTable::give_way`]). A pin's tenant is the part of its
 //! cache salt before [`TENANT_SEPARATOR`] (the server salts a tenant's requests with its name, then the
 //! separator and the request's own `cache_salt`). A demoted pin's blocks are written to the lower tiers at the highest priority and
 //! become ordinary cached blocks of the pool; the next request that names the prefix finds them (in the
@@ -218,6 +219,14 @@ impl PinTable {
         let tokens = std::mem::replace(&mut e.tokens, Arc::from(Vec::new()));
         sched.store_prefix_down(&tokens, &pk.key, MAX_PRIORITY);
         true
+    }
+
+    /// Demotes one pin, of the tenant holding the most pinned blocks (its least recently used), to
+    /// give its blocks back to the pool: for a request that cannot be admitted while nothing else
+    /// runs. False when no pin holds a block.
+    pub fn give_way(&mut self, sched: &mut Scheduler) -> bool {
+        // A newcomer that holds nothing and brings nothing never wins the largest-holder count.
+        self.pinned_blocks > 0 && self.demote_from_largest_holder(sched, "\u{0}", 0)
     }
 
     /// Releases the pin of the prefix `tokens` under `key`; false when there is none.

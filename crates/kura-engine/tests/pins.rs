@@ -165,3 +165,25 @@ fn pinning_a_prefix_again_refreshes_it_and_release_frees_it() {
     assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
     e.stop();
 }
+
+/// A request that needs more than the pool less the pins (but fits the pool) waited for the pins'
+/// expiry, a minute here and up to a day when served, with every request behind it: with nothing
+/// else running, a pin now gives way.
+#[test]
+fn pins_give_way_to_a_request_that_cannot_run_beside_them() {
+    let fake = start(with_budget(32, 16));
+    let e = &fake.engine;
+    let doc = distinct_request(1000, 40, 1);
+    let (_g, rx) = submit(e, pinned(e, doc.clone(), 60_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
+    // 26 blocks of prompt and output: more than the 22 the pin leaves, less than the pool's 32.
+    let big = distinct_request(2000, 100, 4);
+    let (_b, big_rx) = submit(e, big);
+    let (_n, next_rx) = submit(e, distinct_request(3000, 8, 1));
+    assert_eq!(wait(&big_rx).0.len(), 4);
+    assert_eq!(wait(&next_rx).0.len(), 1);
+    assert_eq!(metric(e, "kura:kv_pins_demoted_total"), 1.0);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 0.0);
+    e.stop();
+}
