@@ -191,8 +191,7 @@ pub fn cache_dir() -> PathBuf {
 /// compiled and written there (atomically: a half-written file is never read). Returns whether it was
 /// compiled.
 pub fn cubin_for(arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
-    let key = cache_key(arch, nvrtc_version()?);
-    let path = dir.join(format!("kura-{arch}-{key}.cubin"));
+    let path = cache_file(arch, dir)?;
     // Read only when a regular file of a cubin's size (a FIFO would block the start); a cubin is an
     // ELF file, and anything else (a damaged file) is compiled anew.
     if let Ok(bytes) = kura_files::read(&path, CUBIN_MAX_BYTES) {
@@ -203,14 +202,19 @@ pub fn cubin_for(arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
     Ok((compile_to_cache(arch, dir)?, true))
 }
 
+/// The cache's file for [`SOURCE`] compiled for `arch` by this NVRTC.
+fn cache_file(arch: &str, dir: &Path) -> Result<PathBuf> {
+    let key = cache_key(arch, nvrtc_version()?);
+    Ok(dir.join(format!("kura-{arch}-{key}.cubin")))
+}
+
 /// The most bytes read from a cached cubin (Kura's module is a few MB).
 const CUBIN_MAX_BYTES: u64 = 256 << 20;
 
 /// [`SOURCE`] compiled for `arch`, and the cache's file for it (re)written: atomically, its bytes
 /// synced before the rename, so that a crash never leaves a half-written file under the cubin's name.
 pub fn compile_to_cache(arch: &str, dir: &Path) -> Result<Vec<u8>> {
-    let key = cache_key(arch, nvrtc_version()?);
-    let path = dir.join(format!("kura-{arch}-{key}.cubin"));
+    let path = cache_file(arch, dir)?;
     let compiled = compile(arch, &include_dir()?)?;
     for (kernel, line) in spills(&compiled.log) {
         tracing::warn!("kernel {kernel} spills registers on {arch}: {line}");
@@ -220,7 +224,8 @@ pub fn compile_to_cache(arch: &str, dir: &Path) -> Result<Vec<u8>> {
         source,
     };
     std::fs::create_dir_all(dir).map_err(cache_err)?;
-    let tmp = dir.join(format!(".kura-{arch}-{key}.{}.tmp", std::process::id()));
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("kura");
+    let tmp = dir.join(format!(".{stem}.{}.tmp", std::process::id()));
     {
         use std::io::Write;
         let mut f = std::fs::File::create(&tmp).map_err(cache_err)?;

@@ -763,12 +763,10 @@ impl Core {
 
     /// Frees every sequence of the group and forgets it.
     fn remove_group(&mut self, group_id: u64) {
-        for k in self.sched.remove_request(group_id) {
-            self.seqs.remove(&k);
-        }
-        // The scheduler may have removed the request itself already (one that can never fit) and
-        // named none of its sequences: they go by their group, or a late finish of one of them (a stop
-        // string the output stage saw a step behind) would find a sequence without its group.
+        self.sched.remove_request(group_id);
+        // By their group, not by the keys the scheduler returns: it may have removed the request
+        // itself already (one that can never fit) and name none, and a late finish of a sequence left
+        // behind (a stop string the output stage saw a step behind) would find it without its group.
         self.seqs.retain(|_, s| s.group != group_id);
         if let Some(group) = self.groups.remove(&group_id) {
             if !group.admitted_once {

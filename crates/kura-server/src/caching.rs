@@ -493,9 +493,14 @@ fn io_kind(e: &std::io::Error) -> &'static str {
     }
 }
 
-/// A new context id: `ctx_` and 24 hex digits of a random 96-bit value (the process's random hasher
-/// seeds, the time and a counter, mixed).
+/// A new context id: `ctx_` and [`random_hex96`].
 pub fn new_context_id() -> String {
+    format!("ctx_{}", random_hex96())
+}
+
+/// 24 hex digits of a random 96-bit value (the process's random hasher seeds, the time and a counter,
+/// mixed): context and response ids.
+pub(crate) fn random_hex96() -> String {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -513,7 +518,7 @@ pub fn new_context_id() -> String {
         h.write_u32(std::process::id());
         *w = h.finish();
     }
-    format!("ctx_{:016x}{:08x}", words[0], words[1] as u32)
+    format!("{:016x}{:08x}", words[0], words[1] as u32)
 }
 
 /// Whether `id` is a well-formed context id (what may name a file).

@@ -29,12 +29,11 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// A new response id: `prefix`, `-` and 24 hex digits of a random 96-bit value. Random, not counted:
+/// A new response id: `prefix`, `-` and [`crate::caching::random_hex96`]. Random, not counted:
 /// a server-wide counter in the ids a tenant gets back told it how many requests the others made in
 /// between, and made stored responses' ids guessable.
 pub(crate) fn response_id(prefix: &str) -> String {
-    let random = crate::caching::new_context_id();
-    format!("{prefix}-{}", &random["ctx_".len()..])
+    format!("{prefix}-{}", crate::caching::random_hex96())
 }
 
 /// Runs tokenizer work on the blocking pool, so that the async workers stay free.
