@@ -36,7 +36,13 @@ for r in kura:
     if r["what"] == "decode":
         graphs = {True: ", graphs", False: ", no graphs"}.get(r.get("graphs"), "")
         graphs += {True: " + dependent launch", False: ""}.get(r.get("dependent_launch"), "")
-        graphs += {True: ", fused kernels", False: ", separate kernels"}.get(r.get("fused"), "")
+        parts = (r.get("fused_attention"), r.get("fused_norm"))
+        if parts == (True, False):
+            graphs += ", fused attention only"
+        elif parts == (False, True):
+            graphs += ", fused norms only"
+        else:
+            graphs += {True: ", fused kernels", False: ", separate kernels"}.get(r.get("fused"), "")
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
         ratio = r[unit] / p[unit] if unit in p else None
     elif r["what"] == "prefill":
@@ -59,12 +65,14 @@ l2 = [json.loads(l) for l in open(sys.argv[1]) if '"l2_revisit"' in l and l.star
 if l2:
     print()
     print("A revisited prompt whose KV is only in the host tier (L2), then `new` tokens prefilled; from L2:")
-    print("a synchronous copy a block, then the step; ordered: loads layer by layer, the step issued at once:")
+    print("a synchronous copy a block, then the step; ordered: loads layer by layer, the step issued at once")
+    print("(copies of at least 128 KiB: a block's layers grouped; per layer: a copy a layer of a block):")
     print(f"{'tokens':>8}{'new':>6}{'KV':>6}{'host':>10}{'copy ms':>10}{'GB/s':>8}{'from L2':>10}{'ordered':>10}"
-          f"{'in HBM':>10}{'cold':>10}{'L2/(copy+HBM)':>15}{'ord/(copy+HBM)':>16}{'ord/max':>9}{'cold/best':>10}")
+          f"{'per layer':>10}{'in HBM':>10}{'cold':>10}{'L2/(copy+HBM)':>15}{'ord/(copy+HBM)':>16}{'ord/max':>9}{'cold/best':>10}")
     for r in l2:
         print(f"{r['tokens']:>8}{r.get('new', 16):>6}{r.get('kv', 'bf16'):>6}{r['host']:>10}{r['copy_ms']:>10.2f}"
               f"{r['copy_gbs']:>8.1f}{r['ttft_l2_ms']:>10.2f}{num(r, 'ttft_l2_ordered_ms'):>10.2f}"
+              f"{num(r, 'ttft_l2_ordered_per_layer_ms'):>10.2f}"
               f"{r['ttft_device_ms']:>10.2f}{r['ttft_cold_ms']:>10.1f}{r['l2_over_copy_plus_device']:>15.3f}"
               f"{num(r, 'ordered_over_copy_plus_device'):>16.3f}"
               f"{num(r, 'ordered_over_max_copy_device'):>9.3f}{r['speedup_over_cold']:>9.1f}x")

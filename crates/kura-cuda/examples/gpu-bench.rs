@@ -19,6 +19,7 @@ use std::error::Error;
 use std::io::Write;
 use std::time::Instant;
 
+use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
 use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
@@ -26,6 +27,9 @@ use kura_kv::codec::KvDtype;
 const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N]\n  \
     --divide N: every length, batch and step count divided by N (a power of two up to 32): the same \
     sections, smaller, as the emulated device's test runs them";
+
+/// How batch-1 decode runs: (graphs, dependent launches, (fused attention, fused norms)).
+type DecodeMode = (bool, bool, (bool, bool));
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -236,20 +240,23 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     gpu.forward_greedy(&[SeqInput::new(&p[..1], ctx, &table)])?;
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
-    // the same with the fused decode kernels, graphs with plain launches, then launch by launch; three
-    // rounds of the four, the median of each.
-    let modes = [
-        (true, true, false),
-        (true, true, true),
-        (true, false, false),
-        (false, false, false),
+    // the same with the fused decode kernels (both halves, then each alone: the attention's merge, the
+    // products' norms), graphs with plain launches, then launch by launch; three rounds of the six, the
+    // median of each.
+    let modes: [DecodeMode; 6] = [
+        (true, true, (false, false)),
+        (true, true, (true, true)),
+        (true, true, (true, false)),
+        (true, true, (false, true)),
+        (true, false, (false, false)),
+        (false, false, (false, false)),
     ];
     let mut rates = vec![Vec::new(); modes.len()];
     for _ in 0..len.runs(3) {
-        for (m, (graphs, dependent, fused)) in modes.iter().enumerate() {
+        for (m, (graphs, dependent, (attention, norm))) in modes.iter().enumerate() {
             gpu.set_graphs(*graphs);
             gpu.set_dependent_launch(*dependent);
-            gpu.set_fused_decode(*fused);
+            gpu.set_fused_parts(*attention, *norm);
             let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
             next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx, &table)])?[0];
             let steps = len.steps;
@@ -260,7 +267,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             rates[m].push(steps as f64 / t.elapsed().as_secs_f64());
         }
     }
-    let decode1: Vec<((bool, bool, bool), f64)> = modes
+    let decode1: Vec<(DecodeMode, f64)> = modes
         .iter()
         .zip(rates)
         .map(|(m, r)| (*m, median(r)))
@@ -274,11 +281,13 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     let has_dependent = gpu.device().has_dependent_launch();
     let card = gpu.device().name.clone();
     let datasheet = datasheet_tbs(&card);
-    for ((graphs, dependent, fused), tps) in decode1 {
+    for ((graphs, dependent, (attention, norm)), tps) in decode1 {
         let dependent = dependent && has_dependent;
+        let fused = attention && norm;
         report.figure(format!(
             "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
-             \"dependent_launch\":{dependent},\"fused\":{fused},\
+             \"dependent_launch\":{dependent},\"fused\":{fused},\"fused_attention\":{attention},\
+             \"fused_norm\":{norm},\
              \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
              \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
              \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
@@ -645,22 +654,29 @@ fn l2_revisit(
         gpu.device().synchronize()?;
         copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let mut ordered_ms = Vec::new();
+    // Ordered loads in copies of the default size, then a layer of a block a copy (for comparison).
+    let mut ordered_ms = [Vec::new(), Vec::new()];
     if host_kind == "pinned" && gpu.set_ordered_imports(true) {
-        for _ in 0..len.runs(5) {
-            let t = Instant::now();
-            for b in 0..nb {
-                let slot = &buf[b * block_bytes..(b + 1) * block_bytes];
-                if !gpu.try_start_import(b as u32, slot)? {
-                    return Err("an ordered load from pinned memory was not started".into());
+        for (times, copy_min) in ordered_ms.iter_mut().zip([LOAD_COPY_MIN_BYTES, 0]) {
+            gpu.set_load_copy_min(copy_min);
+            for _ in 0..len.runs(5) {
+                let t = Instant::now();
+                for b in 0..nb {
+                    let slot = &buf[b * block_bytes..(b + 1) * block_bytes];
+                    if !gpu.try_start_import(b as u32, slot)? {
+                        return Err("an ordered load from pinned memory was not started".into());
+                    }
                 }
+                gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, table)])?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+                await_loads(gpu, nb, &mut Vec::new())?;
             }
-            gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, table)])?;
-            ordered_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            await_loads(gpu, nb, &mut Vec::new())?;
         }
+        gpu.set_load_copy_min(LOAD_COPY_MIN_BYTES);
     }
+    let [ordered_ms, per_layer_ms] = ordered_ms;
     let ordered = (!ordered_ms.is_empty()).then(|| median(ordered_ms));
+    let per_layer = (!per_layer_ms.is_empty()).then(|| median(per_layer_ms));
     let (cold, device, l2, copy) = (
         median(cold),
         median(device_ms),
@@ -676,11 +692,12 @@ fn l2_revisit(
         "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"kv\":\"{kv}\",\"tokens\":{n},\"cached\":{cached},\
          \"new\":{new},\"host\":\"{host_kind}\",\"blocks\":{nb},\"block_bytes\":{block_bytes},\
          \"copy_ms\":{copy:.2},\"copy_gbs\":{:.1},\"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\
-         \"ttft_l2_ordered_ms\":{},\"ttft_cold_ms\":{cold:.1},\
+         \"ttft_l2_ordered_ms\":{},\"ttft_l2_ordered_per_layer_ms\":{},\"ttft_cold_ms\":{cold:.1},\
          \"l2_over_copy_plus_device\":{:.3},\"ordered_over_copy_plus_device\":{},\
          \"ordered_over_max_copy_device\":{},\"speedup_over_cold\":{:.2}}}",
         (nb * block_bytes) as f64 / copy / 1e6,
         json(ordered, 2),
+        json(per_layer, 2),
         l2 / (copy + device),
         json(ordered.map(|o| o / (copy + device)), 3),
         json(ordered.map(|o| o / copy.max(device)), 3),

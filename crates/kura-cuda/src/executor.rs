@@ -381,11 +381,18 @@ pub struct CudaExecutor {
     /// Whether prefill attention runs the wide kernel (4 warps of 32 query rows, Q in shared memory)
     /// rather than 8 warps of 16 rows.
     wide_prefill: bool,
-    /// Whether decode-sized steps run the fused kernels ([`CudaExecutor::set_fused_decode`]).
-    fused_decode: bool,
+    /// Whether the split-key attention merges its splits itself and prefetches K and V
+    /// ([`CudaExecutor::set_fused_decode`]).
+    fused_attention: bool,
+    /// Whether decode-sized steps' products norm their input themselves
+    /// ([`CudaExecutor::set_fused_decode`]).
+    fused_norm: bool,
     /// Whether host-tier loads are ordered layer by layer before later steps
     /// ([`Executor::imports_ordered`]; `transfers`), or whole-block copies the engine waits for.
     ordered_imports: bool,
+    /// The fewest bytes one copy of ordered loads moves: a block's consecutive layers are copied
+    /// together up to this ([`CudaExecutor::set_load_copy_min`]).
+    load_copy_min: usize,
 }
 
 /// Captured graphs by step shape.
@@ -453,6 +460,14 @@ impl PoolSpec {
 /// Bytes the split-key kernel's partials may take at once: a step with more split tokens than fit runs
 /// that kernel and its merge in waves of tokens over the same buffer.
 pub const PART_CAP_BYTES: usize = 64 << 20;
+
+/// The fewest bytes one copy of ordered host-tier loads moves: a block's consecutive layers go in one
+/// copy up to this, and each layer's event follows its group's copies. On an H200 each copy of a batch
+/// cost about 0.8–1 µs whatever its size (61,890 copies of 12 KiB took 50 ms; 32,768 of 33 KiB, fp8 KV
+/// of a 16-token block's layer in Llama-3.1-8B's shape, 33 ms where their bytes take 20 ms at the
+/// measured 55 GB/s), so copies under about 64 KiB ran at the rate of copies, not of bytes; 128 KiB
+/// takes 2.4 µs at 55 GB/s.
+pub const LOAD_COPY_MIN_BYTES: usize = 128 << 10;
 
 /// Split tokens per wave of the split-key kernel, each token's partials `heads × max_splits ×
 /// (head_dim + 2)` f32: as many as `cap` bytes hold ([`PART_CAP_BYTES`]), at least one, at most
@@ -558,8 +573,10 @@ impl CudaExecutor {
             part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
             wide_prefill: false,
-            fused_decode: false,
+            fused_attention: false,
+            fused_norm: false,
             ordered_imports: crate::libs::has_batch_copies(),
+            load_copy_min: LOAD_COPY_MIN_BYTES,
         })
     }
 
@@ -587,7 +604,15 @@ impl CudaExecutor {
     /// merge stays a kernel of its own past [`FUSED_MERGE_MAX_SPLITS`] splits. Off by default until measured on a
     /// GPU; the GPU tests compare the two, and `gpu-bench` times both.
     pub fn set_fused_decode(&mut self, on: bool) {
-        self.fused_decode = on;
+        self.set_fused_parts(on, on);
+    }
+
+    /// The two halves of [`CudaExecutor::set_fused_decode`] apart: `attention`, the split-key kernel
+    /// merging its splits itself (and prefetching K and V); `norm`, the products that norm their input
+    /// (and the FFN's SiLU · up in its product). Each gives the bits of the separate kernels.
+    pub fn set_fused_parts(&mut self, attention: bool, norm: bool) {
+        self.fused_attention = attention;
+        self.fused_norm = norm;
         self.graphs.clear();
     }
 
@@ -597,6 +622,12 @@ impl CudaExecutor {
     pub fn set_ordered_imports(&mut self, on: bool) -> bool {
         self.ordered_imports = on && crate::libs::has_batch_copies();
         self.ordered_imports == on
+    }
+
+    /// The fewest bytes one copy of ordered host-tier loads moves ([`LOAD_COPY_MIN_BYTES`]); 0 copies
+    /// each layer of each block alone.
+    pub fn set_load_copy_min(&mut self, bytes: usize) {
+        self.load_copy_min = bytes;
     }
 
     /// Runs decode steps as captured graphs (the default) or launch by launch (tests compare the two).
@@ -753,7 +784,7 @@ impl CudaExecutor {
 
     /// The step `plan` captured as a graph (not launched).
     fn capture(&self, plan: &StepPlan) -> Result<cudarc::driver::CudaGraph> {
-        if self.fused_decode {
+        if self.fused_norm {
             // The fused products' grids (a driver query, the first time) before the capture, not in it.
             let h = self.cfg.hidden_size();
             self.dev.prepare_normed(plan.n_tokens, h)?;
@@ -799,9 +830,13 @@ impl CudaExecutor {
         // The split kernel's flags. The merge is fused only over few splits: the last block of a
         // (token, KV head) merges all its heads' splits alone, which over hundreds of splits would
         // leave one block working at the kernel's end.
-        let fuse_merge = self.fused_decode && plan.max_splits <= FUSED_MERGE_MAX_SPLITS;
+        let fuse_merge = self.fused_attention && plan.max_splits <= FUSED_MERGE_MAX_SPLITS;
         let split_flags = (if fuse_merge { SPLIT_MERGE } else { 0 })
-            | (if self.fused_decode { SPLIT_PREFETCH } else { 0 });
+            | (if self.fused_attention {
+                SPLIT_PREFETCH
+            } else {
+                0
+            });
         let kv = match self.kv_dtype {
             KvDtype::F32 => "f32",
             KvDtype::Fp8 => "fp8",
@@ -820,7 +855,7 @@ impl CudaExecutor {
             .unwrap_or(16);
         let window = c.sliding_window().map_or(0, |w| w as i32);
         // The fused decode path norms inside the products ([`Device::gemv_norm_fits`]).
-        let fuse_norm = self.fused_decode && Device::gemv_norm_fits(t, h);
+        let fuse_norm = self.fused_norm && Device::gemv_norm_fits(t, h);
 
         dev.launch(
             "embed",
@@ -1036,7 +1071,7 @@ impl CudaExecutor {
             norm(t, 0, dev.ptr(&self.w.final_norm), xn)?;
             return dev.matmul(xn, t, head, vocab, h, dev.ptr(&s.every), false);
         }
-        if self.fused_decode && Device::gemv_norm_fits(n, h) {
+        if self.fused_norm && Device::gemv_norm_fits(n, h) {
             let (final_norm, logits) = (dev.ptr(&self.w.final_norm), dev.ptr(&s.logits));
             return dev.gemv_norm(
                 x,

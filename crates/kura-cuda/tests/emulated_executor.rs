@@ -291,12 +291,31 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
         gpu.set_graphs(false);
         gpu.set_dependent_launch(false);
         let reference = all(&mut gpu);
-        // The kernels of a decode step, by name: the fused ones where asked for.
-        for (fused, wanted) in [
-            (false, ["rms_norm", "silu_mul", "attn_merge"]),
-            (true, ["gemv_norm", "gemv_swiglu_norm", "attn_split"]),
+        // The kernels of a decode step, by name: the fused ones where asked for, each half alone too
+        // ((fused attention, fused norms), launched, not launched).
+        for ((attention, norm), wanted, gone) in [
+            (
+                (false, false),
+                &["rms_norm", "silu_mul", "attn_merge"][..],
+                &[][..],
+            ),
+            (
+                (true, true),
+                &["gemv_norm", "gemv_swiglu_norm", "attn_split"],
+                &["rms_norm", "silu_mul", "attn_merge"],
+            ),
+            (
+                (true, false),
+                &["rms_norm", "silu_mul", "attn_split"],
+                &["attn_merge", "gemv_norm"],
+            ),
+            (
+                (false, true),
+                &["gemv_norm", "attn_merge"],
+                &["rms_norm", "silu_mul"],
+            ),
         ] {
-            gpu.set_fused_decode(fused);
+            gpu.set_fused_parts(attention, norm);
             let launched: Vec<String> = gpu
                 .profile_greedy(&steps[0].1)
                 .unwrap()
@@ -306,16 +325,31 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
             for kernel in wanted {
                 assert!(
                     launched.iter().any(|k| k.starts_with(kernel)),
-                    "fused {fused}: no {kernel} in {launched:?}"
+                    "fused {attention} {norm}: no {kernel} in {launched:?}"
                 );
             }
-            if fused {
-                for gone in ["rms_norm", "silu_mul", "attn_merge"] {
-                    assert!(
-                        !launched.iter().any(|k| k.starts_with(gone)),
-                        "fused: {gone} in {launched:?}"
-                    );
-                }
+            for kernel in gone {
+                assert!(
+                    !launched.iter().any(|k| k.starts_with(kernel)),
+                    "fused {attention} {norm}: {kernel} in {launched:?}"
+                );
+            }
+        }
+        // Each half alone, in graphs with dependent launches (the modes the benchmark times).
+        for (attention, norm) in [(true, false), (false, true)] {
+            gpu.set_fused_parts(attention, norm);
+            gpu.set_graphs(true);
+            gpu.set_part_cap(usize::MAX);
+            gpu.set_dependent_launch(true);
+            let got = all(&mut gpu);
+            for (((step, _), a), b) in steps.iter().zip(&got).zip(&reference) {
+                assert!(
+                    same_bits(a, b),
+                    "{} KV, {step}, fused attention {attention}, fused norms {norm}: {:.2e} from the \
+                     reference",
+                    dtype.name(),
+                    rel(a, b)
+                );
             }
         }
         for fused in [false, true] {
@@ -696,29 +730,34 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     assert!(got >= est && got - est < 1024, "{}", mem[0]);
 
     let decode = with("decode");
-    let modes: Vec<(u64, bool, bool, bool)> = decode
+    // (batch, graphs, dependent launches, fused attention, fused norms).
+    let modes: Vec<(u64, bool, bool, bool, bool)> = decode
         .iter()
         .map(|v| {
             ms(v, "tokens_per_s");
+            let fused = v["fused"].as_bool().unwrap();
             (
                 v["batch"].as_u64().unwrap(),
                 v["graphs"].as_bool().unwrap_or(true),
                 v["dependent_launch"].as_bool().unwrap_or(true),
-                v["fused"].as_bool().unwrap(),
+                v["fused_attention"].as_bool().unwrap_or(fused),
+                v["fused_norm"].as_bool().unwrap_or(fused),
             )
         })
         .collect();
     assert_eq!(
         modes,
         [
-            (1, true, true, false),
-            (1, true, true, true),
-            (1, true, false, false),
-            (1, false, false, false),
-            (4, true, true, false),
-            (4, true, true, true),
-            (2, true, true, false),
-            (2, true, true, true),
+            (1, true, true, false, false),
+            (1, true, true, true, true),
+            (1, true, true, true, false),
+            (1, true, true, false, true),
+            (1, true, false, false, false),
+            (1, false, false, false, false),
+            (4, true, true, false, false),
+            (4, true, true, true, true),
+            (2, true, true, false, false),
+            (2, true, true, true, true),
         ]
     );
     let prefill: Vec<(u64, &str)> = with("prefill")
@@ -760,10 +799,12 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             ] {
                 ms(v, key);
             }
-            if v["host"] == "pinned" {
-                ms(v, "ttft_l2_ordered_ms");
-            } else {
-                assert!(v["ttft_l2_ordered_ms"].is_null(), "{v}");
+            for key in ["ttft_l2_ordered_ms", "ttft_l2_ordered_per_layer_ms"] {
+                if v["host"] == "pinned" {
+                    ms(v, key);
+                } else {
+                    assert!(v[key].is_null(), "{v}");
+                }
             }
             (
                 v["kv"].as_str().unwrap(),

@@ -250,9 +250,24 @@ fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logi
                             dtype.name()
                         ));
                     }
-                    if rel > LOGITS_TOL {
+                    // Head size 128: other key tiles (32 keys, not 64), so other summation orders and
+                    // bf16 roundings of P, which the 4-layer 8B shape carries as far as any two
+                    // implementations (on an H200: 8.7e-3 in bf16 and f32 KV, 1.2e-2 in fp8 KV, whose
+                    // rounding of K and V to 3 mantissa bits passes on a difference of layer 1's output).
+                    let tol = if model == "smol" {
+                        LOGITS_TOL
+                    } else {
+                        LOGITS_TOL_WIDE
+                    };
+                    if rel > tol {
                         failures.push(format!(
                             "{model} {} block {bs} prompt {i}: {rel:.2e} against the narrow kernel",
+                            dtype.name()
+                        ));
+                    }
+                    if argmax(&wide) != argmax(&narrow) {
+                        failures.push(format!(
+                            "{model} {} block {bs} prompt {i}: the argmax differs",
                             dtype.name()
                         ));
                     }

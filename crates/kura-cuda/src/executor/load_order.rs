@@ -9,6 +9,18 @@
 
 use std::collections::{HashMap, VecDeque};
 
+/// How many consecutive layers of a block one copy of ordered loads takes: the fewest whose bytes
+/// reach `min_bytes`, at least one and at most `layers` (each copy of a batch has a cost of its own,
+/// [`crate::executor::LOAD_COPY_MIN_BYTES`]). A step waits for layer *i* through its group's copies:
+/// larger groups overlap less of the loads with the step.
+pub(super) fn layers_per_copy(layer_bytes: usize, layers: usize, min_bytes: usize) -> usize {
+    let layers = layers.max(1);
+    if layer_bytes == 0 {
+        return layers;
+    }
+    min_bytes.div_ceil(layer_bytes).clamp(1, layers)
+}
+
 #[derive(Debug)]
 pub(super) struct LoadOrder {
     /// Loads started and not issued, in order: (block, its slot's host address).
@@ -117,6 +129,20 @@ impl LoadOrder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_takes_the_fewest_layers_that_reach_the_minimum() {
+        // fp8 KV of a 16-token block in Llama-3.1-8B's shape: about 33 KB a layer, 32 layers.
+        assert_eq!(layers_per_copy(33_280, 32, 128 << 10), 4);
+        // bf16: 65,536 bytes a layer: two.
+        assert_eq!(layers_per_copy(65_536, 32, 128 << 10), 2);
+        assert_eq!(layers_per_copy(1 << 20, 32, 128 << 10), 1);
+        // No minimum: a layer a copy; a minimum past the block: the whole block in one.
+        assert_eq!(layers_per_copy(12_288, 30, 0), 1);
+        assert_eq!(layers_per_copy(12_288, 30, 1 << 30), 30);
+        assert_eq!(layers_per_copy(0, 30, 128 << 10), 30);
+        assert_eq!(layers_per_copy(4096, 0, 128 << 10), 1);
+    }
 
     #[test]
     fn a_step_waits_for_the_newest_issue_that_writes_one_of_its_blocks() {

@@ -10,8 +10,10 @@
 //! - **ordered, layer by layer** (where the driver has `cuMemcpyBatchAsync_v2`, CUDA 13), reported to
 //!   the engine as landed when started ([`Executor::imports_ordered`]). The loads started between two
 //!   uses of the device are issued together before the next one ([`CudaExecutor::issue_imports`]): per
-//!   layer, one batched copy of that layer's bytes of every block (a block's bytes are layer-major, so
-//!   each is one run), then an event. A step whose block tables hold such a block makes the device
+//!   group of consecutive layers, one batched copy of those layers' bytes of every block (a block's
+//!   bytes are layer-major, so each is one run; a group is the fewest layers whose bytes reach
+//!   [`crate::executor::LOAD_COPY_MIN_BYTES`], since each copy costs about a microsecond whatever its
+//!   size), then an event for each of its layers. A step whose block tables hold such a block makes the device
 //!   stream wait for layer *i*'s event just before layer *i* writes or reads the pool: layer 0 computes
 //!   as soon as its bytes are in, while the copies of the later layers go on. A block copy or export of
 //!   such a block waits for all of it first.
@@ -32,7 +34,7 @@ use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{CudaEvent, CudaStream};
 use kura_engine::SeqInput;
 
-use super::load_order::LoadOrder;
+use super::load_order::{layers_per_copy, LoadOrder};
 use super::CudaExecutor;
 use crate::device::Device;
 use crate::error::{CudaError, Result};
@@ -227,8 +229,8 @@ impl CudaExecutor {
     }
 
     /// Issues the ordered loads started since the device was last used, on the transfer stream after
-    /// the device stream's work so far (which wrote their blocks before they were freed): per layer,
-    /// one batched copy of that layer's bytes of every block, then an event.
+    /// the device stream's work so far (which wrote their blocks before they were freed): per group of
+    /// layers, one batched copy of those layers' bytes of every block, then an event a layer.
     pub(super) fn issue_imports(&mut self) -> Result<()> {
         let Some(loads) = self.loads.as_mut() else {
             return Ok(());
@@ -251,6 +253,7 @@ impl CudaExecutor {
             pool: self.dev.ptr(&self.pool),
             block_bytes: self.block_bytes,
             queued: &queued,
+            layers_per_copy: layers_per_copy(self.block_bytes / layers, layers, self.load_copy_min),
         };
         let mut copy_time = None;
         if let Err(e) = copies.layered(loads, &start, &events) {
@@ -447,12 +450,14 @@ struct Copies<'a> {
     pool: u64,
     block_bytes: usize,
     queued: &'a [(u32, u64)],
+    /// Consecutive layers of a block one copy takes ([`layers_per_copy`]).
+    layers_per_copy: usize,
 }
 
 impl Copies<'_> {
     /// On the transfer stream after the device stream's work so far (which wrote these blocks before
-    /// they were freed): `start`, then per layer one batched copy of that layer's bytes of every block
-    /// and that layer's event.
+    /// they were freed): `start`, then per group of `layers_per_copy` layers one batched copy of those
+    /// layers' bytes of every block and the events of the group's layers.
     fn layered(
         &self,
         loads: &mut HostLoads,
@@ -479,20 +484,26 @@ impl Copies<'_> {
         };
         let mut attr_at = [0usize];
         let n = self.queued.len();
-        let (mut dsts, mut srcs) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let mut sizes = vec![layer_bytes; n];
+        let (mut dsts, mut srcs, mut sizes) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         // Whole blocks once a batched copy failed: every layer's event then follows every block.
         let mut whole = false;
-        for (layer, ev) in events.iter().enumerate() {
-            let at = (layer * layer_bytes) as u64;
+        let per = self.layers_per_copy.max(1);
+        for (g, group_events) in events.chunks(per).enumerate() {
+            let at = (g * per * layer_bytes) as u64;
             dsts.clear();
             srcs.clear();
+            sizes.clear();
+            sizes.resize(n, group_events.len() * layer_bytes);
             for &(block, host) in self.queued {
                 dsts.push(self.pool + (block as usize * self.block_bytes) as u64 + at);
                 srcs.push(host + at);
             }
-            // SAFETY (both forms): each destination is `layer_bytes` of a block within the pool (or
-            // the whole block, `block_bytes`), checked when the load was started; each source the
+            // SAFETY (both forms): each destination is the group's layers' bytes of a block within the
+            // pool (or the rest of the block), checked when the load was started; each source the
             // same bytes of a pinned host slot of `block_bytes`, which the engine writes again only
             // through a store, issued on this stream after this copy, and which outlives the copy
             // (`HostLoads` waits for its stream when dropped). The three arrays are `n` long and live
@@ -541,7 +552,9 @@ impl Copies<'_> {
                     .result()?;
                 }
             }
-            ev.record(&loads.stream)?;
+            for ev in group_events {
+                ev.record(&loads.stream)?;
+            }
         }
         Ok(())
     }

@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
 use kura_cuda::CudaExecutor;
 use kura_engine::{Executor, SeqInput};
 use kura_kv::codec::KvDtype;
@@ -263,7 +264,13 @@ pub fn ordered_loads(
     // (blocks of cached prefix, new tokens after it, the prefill kernel from): the split kernel launch
     // by launch, the prefill kernel, and a decode step (a captured graph). A region is pinned once, so
     // each case has an executor of its own.
-    for (nb, new, prefill_min) in [(15, 44, usize::MAX), (12, 108, 64), (18, 1, usize::MAX)] {
+    // Each with copies of its own size: a layer a copy (the step waits for each layer's copies),
+    // groups of layers up to the default minimum, and every layer of a block in one copy.
+    for (nb, new, prefill_min, copy_min) in [
+        (15, 44, usize::MAX, 0),
+        (12, 108, 64, LOAD_COPY_MIN_BYTES),
+        (18, 1, usize::MAX, usize::MAX),
+    ] {
         let mut gpu = make(num_blocks);
         assert!(
             gpu.set_ordered_imports(true),
@@ -272,6 +279,8 @@ pub fn ordered_loads(
         assert!(gpu.imports_ordered());
         gpu.set_prefill_min(prefill_min);
         let bb = gpu.block_bytes();
+        let copy_min = copy_min.min(bb);
+        gpu.set_load_copy_min(copy_min);
         let cached = nb * bs;
         let step = &p[cached..cached + new];
         let (want, region) = start_prefix_loads(&mut gpu, p, bs, nb, new, &there);
@@ -295,7 +304,7 @@ pub fn ordered_loads(
         let copy: Duration = done.iter().map(|d| d.1).sum();
         println!(
             "{new} new tokens over {cached} loaded: the bits of the step in place; ordered loads of \
-             {loads} blocks of {bb} bytes: {:.3} ms, {:.1} GB/s",
+             {loads} blocks of {bb} bytes, copies of at least {copy_min} bytes: {:.3} ms, {:.1} GB/s",
             copy.as_secs_f64() * 1e3,
             (loads * bb) as f64 / copy.as_secs_f64().max(1e-9) / 1e9
         );
