@@ -26,7 +26,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kura_kv::{CacheKey, EvictionPolicy, KvError, Tier};
+use kura_kv::{BlockCopy, CacheKey, EvictionPolicy, KvError, Tier, TierMove};
 
 use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
@@ -818,9 +818,13 @@ impl Core {
         for event in std::mem::take(&mut plan.events) {
             self.on_sched_event(event);
         }
+        // The blocks announced so far (loads that landed, above) are read for the Redis tier now: the
+        // pass may have evicted one of them, and a load or the forward pass would write other KV into
+        // it before the end of the step.
+        self.publish_kv_events();
         // Blocks the pass sent down are copied before anything (block copies, the forward pass)
-        // writes the pool.
-        self.run_tier_moves();
+        // writes the pool; a block copy whose source a load of the pass overwrites runs before it.
+        self.run_tier_moves_around(&mut plan.copies);
         let progressed = !plan.items.is_empty();
         let gave_way = !progressed
             && plan.pending_waits == 0
@@ -1309,6 +1313,43 @@ impl Core {
             return;
         }
         io.run(moves, self.executor.as_mut(), &mut self.loads_done);
+        self.report_loads();
+    }
+
+    /// The pass's tier moves, in order, and before each load from the host tier into a block that is
+    /// the source of one of the pass's block copies (a partial hit's block, released once its copy was
+    /// planned, then evicted and taken for the load by the same pass), those copies, taken out of
+    /// `copies`. The other copies run with the step, after every move: a copy's destination was taken
+    /// (and its old KV stored) before its source was released, so no store of the pass reads a
+    /// destination after the copy writes it. Loads from disk and Redis land in a later pass.
+    fn run_tier_moves_around(&mut self, copies: &mut Vec<BlockCopy>) {
+        let Some(io) = self.tiers.as_mut() else {
+            return;
+        };
+        let moves = self.sched.take_tier_moves();
+        if moves.is_empty() {
+            return;
+        }
+        let mut batch = Vec::with_capacity(moves.len());
+        for m in moves {
+            if let TierMove::LoadHost { block, .. } = m {
+                if copies.iter().any(|c| c.src == block) {
+                    io.run(
+                        batch.drain(..),
+                        self.executor.as_mut(),
+                        &mut self.loads_done,
+                    );
+                    for c in copies.iter().filter(|c| c.src == block) {
+                        self.executor
+                            .copy_block_prefix(c.src, c.dst, c.num_tokens)
+                            .or_end("a copy-on-write block copy");
+                    }
+                    copies.retain(|c| c.src != block);
+                }
+            }
+            batch.push(m);
+        }
+        io.run(batch, self.executor.as_mut(), &mut self.loads_done);
         self.report_loads();
     }
 

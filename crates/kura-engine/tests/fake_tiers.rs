@@ -746,3 +746,37 @@ fn measured_rates_replace_the_start_values() {
     );
     fake.engine.stop();
 }
+
+#[test]
+fn partial_hits_beside_host_tier_loads_give_the_cold_tokens() {
+    // In a pool of 20 blocks, 16 prompts in waves of 8 and of 16, six rounds each: a pass can release
+    // a partial hit's source once its copy is planned, evict it and load another prefix from the host
+    // tier into it (here a few times a run). The copy runs before that load; after it, the copy read
+    // the loaded KV, and the request gave other tokens.
+    let prompts = stem_prompts();
+    let cold = cold_tokens(&prompts);
+    for wave_size in [8, 16] {
+        let fake = start(with_tiers(20, 128, None));
+        for round in 0..6 {
+            let order: Vec<usize> = (0..prompts.len())
+                .map(|i| (i * 5 + round * 3) % prompts.len())
+                .collect();
+            for wave in order.chunks(wave_size) {
+                let pending: Vec<_> = wave
+                    .iter()
+                    .map(|&i| (i, submit(&fake.engine, prompts[i].clone())))
+                    .collect();
+                for (i, (_guard, rx)) in pending {
+                    let (tokens, _) = wait(&rx);
+                    assert_eq!(
+                        tokens, cold[i],
+                        "waves of {wave_size}, round {round}, prompt {i}"
+                    );
+                }
+            }
+        }
+        settle(&fake.engine);
+        assert!(tier_metric(&fake.engine, "kura:kv_tier_loads_total", "host") > 0.0);
+        fake.engine.stop();
+    }
+}

@@ -71,3 +71,71 @@ fn a_failed_copy_to_or_from_the_redis_tier_ends_the_engine_with_where_it_failed(
     assert_eq!(c.control.calls(), 0);
     c.engine.stop();
 }
+
+#[test]
+fn blocks_written_to_redis_hold_their_own_kv_when_loads_and_evictions_crowd_the_pool() {
+    // Blocks a server loads from its disk tier are announced (and written to Redis, the first time
+    // this process sees them) as the step after their read starts, and that step's pass may evict one
+    // and load or compute other KV into it. Each is read for Redis before that. A server with a disk
+    // tier runs 16 prompts over four shared stems; a second one, restarted over that disk tier with
+    // Redis and a pool of 20 blocks, runs them in waves, six rounds; a third with Redis alone then
+    // serves every prompt from the records: the cold tokens (a record holding other KV gives other
+    // tokens).
+    let redis = Redis::start();
+    let secret = Secret::random();
+    let prompts = stem_prompts();
+    let cold = cold_tokens(&prompts);
+    let dir = std::env::temp_dir().join(format!("kura-engine-redis-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let with_disk = |c: &mut kura_engine::EngineConfig| {
+        c.num_blocks = 20;
+        c.tiers = kura_engine::TierSetup {
+            disk: Some(kura_engine::DiskSetup {
+                dir: dir.clone(),
+                blocks: 1000,
+                fingerprint: 7,
+            }),
+            ..kura_engine::TierSetup::default()
+        };
+    };
+    let run_waves = |fake: &Fake| {
+        for round in 0..6 {
+            let order: Vec<usize> = (0..prompts.len())
+                .map(|i| (i * 5 + round * 3) % prompts.len())
+                .collect();
+            for wave in order.chunks(8) {
+                let pending: Vec<_> = wave
+                    .iter()
+                    .map(|&i| (i, submit(&fake.engine, prompts[i].clone())))
+                    .collect();
+                for (i, (_guard, rx)) in pending {
+                    assert_eq!(wait(&rx).0, cold[i], "round {round}, prompt {i}");
+                }
+            }
+        }
+    };
+    let mut c = config(20, 64, 8);
+    with_disk(&mut c);
+    let first = start(c);
+    run_waves(&first);
+    first.engine.stop();
+    let mut c = with_redis(&redis, &secret);
+    with_disk(&mut c);
+    let second = start(c);
+    second.control.async_exports();
+    run_waves(&second);
+    second.engine.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(keys(&redis) > 0, "no block reached Redis");
+    let third = start(with_redis(&redis, &secret));
+    for (i, r) in prompts.iter().enumerate() {
+        let (_guard, rx) = submit(&third.engine, r.clone());
+        let (tokens, usage) = wait(&rx);
+        assert_eq!(tokens, cold[i], "prompt {i} over the records in Redis");
+        assert!(
+            usage.cached_tokens > 0,
+            "prompt {i}: nothing came from Redis"
+        );
+    }
+    third.engine.stop();
+}

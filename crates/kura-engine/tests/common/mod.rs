@@ -675,3 +675,36 @@ pub fn settle(e: &EngineHandle) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// Prompts of four families: a family's 10-token stem cut inside its second or third block, then a tail of
+/// its own, so that a revisit or a sibling hits the stem's last whole blocks and copies a block it shares
+/// only in part.
+pub fn stem_prompts() -> Vec<GenerateRequest> {
+    let mut out = Vec::new();
+    for family in 0..4u32 {
+        let stem: Vec<u32> = (0..10).map(|i| (i * 5 + family * 11) % 60 + 1).collect();
+        for (j, cut) in [5usize, 6, 7, 9].into_iter().enumerate() {
+            let mut prompt = stem[..cut].to_vec();
+            prompt
+                .extend((0..3 + j as u32).map(|i| (i * 3 + family * 17 + j as u32 * 29) % 60 + 1));
+            let mut r = GenerateRequest::greedy(prompt, 5);
+            r.ignore_eos = true;
+            out.push(r);
+        }
+    }
+    out
+}
+
+/// Each request's tokens computed cold, one at a time, in a pool that holds them all.
+pub fn cold_tokens(requests: &[GenerateRequest]) -> Vec<Vec<u32>> {
+    let fake = start(config(256, 64, 8));
+    let out = requests
+        .iter()
+        .map(|r| {
+            let (_guard, rx) = submit(&fake.engine, r.clone());
+            wait(&rx).0
+        })
+        .collect();
+    fake.engine.stop();
+    out
+}
