@@ -187,3 +187,21 @@ fn pins_give_way_to_a_request_that_cannot_run_beside_them() {
     assert_eq!(metric(e, "kura:kv_pinned_blocks"), 0.0);
     e.stop();
 }
+
+/// A running request alone whose output outgrows the pool less the pins (but fits the pool) failed
+/// with CannotFit: it steps back to the queue, and a pin gives way.
+#[test]
+fn pins_give_way_to_a_running_request_that_outgrows_the_room_they_leave() {
+    let fake = start(with_budget(32, 16));
+    let e = &fake.engine;
+    let doc = distinct_request(1000, 40, 1);
+    let (_g, rx) = submit(e, pinned(e, doc.clone(), 60_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
+    // 20 blocks of prompt fit beside the pin; 40 tokens of output make 30 blocks, past the 22 left.
+    let grows = distinct_request(2000, 80, 40);
+    let (_b, rx) = submit(e, grows);
+    assert_eq!(wait(&rx).0.len(), 40);
+    assert_eq!(metric(e, "kura:kv_pins_demoted_total"), 1.0);
+    e.stop();
+}

@@ -757,10 +757,14 @@ impl Scheduler {
                 continue;
             }
             let request = seq.request;
-            if self.running.len() == 1 {
+            let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
+            let pinned_room =
+                self.kv.usage().pinned_idle_blocks > 0 && needed_blocks <= self.config.num_blocks;
+            if self.running.len() == 1 && !pinned_room {
                 // Alone and still out of blocks: it can never fit (admission checks make this rare:
-                // only when the pool is smaller than one request's prompt plus output).
-                let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
+                // only when the pool is smaller than one request's prompt plus output). Where pins
+                // hold the room it lacks, it steps back instead (below): with nothing running and the
+                // queue's head unable to start, the engine has a pin give way.
                 self.remove_request(request);
                 plan.events.push(SchedEvent::CannotFit {
                     request,
