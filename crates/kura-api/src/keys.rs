@@ -71,13 +71,12 @@ pub fn presented_keys(headers: &axum::http::HeaderMap) -> [Option<&str>; 2] {
     [bearer, x_api_key]
 }
 
-/// Constant-time comparison, so that response timing does not reveal how much of a key matched.
+/// Compares the keys' BLAKE3 digests, in constant time (`blake3::Hash`'s equality), so that response
+/// timing reveals neither how much of a key matched nor whether its length did (a byte-wise comparison
+/// answers a key of another length at once). Hashing takes as long for any key of up to 64 bytes (one
+/// BLAKE3 block).
 pub fn same_key(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
+    blake3::hash(a.as_bytes()) == blake3::hash(b.as_bytes())
 }
 
 /// The engine's cache salt for a request: the tenant (a digest of its key, when keys are configured)
@@ -87,5 +86,20 @@ pub fn effective_salt(tenant: &Tenant, salt: Option<String>) -> Option<String> {
         (None, salt) => salt,
         (Some(t), None) => Some(t.to_string()),
         (Some(t), Some(s)) => Some(format!("{t}{TENANT_SEPARATOR}{s}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_match_only_whole() {
+        assert!(same_key("sk-tenant-a-0123", "sk-tenant-a-0123"));
+        assert!(!same_key("sk-tenant-a-0123", "sk-tenant-a-0124"));
+        assert!(!same_key("sk-tenant-a-0123", "sk-tenant-a-012"));
+        assert!(!same_key("sk-tenant-a-0123", "sk-tenant-a-01234"));
+        assert!(!same_key("sk-tenant-a-0123", ""));
+        assert!(same_key("", ""));
     }
 }

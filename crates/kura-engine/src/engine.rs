@@ -840,6 +840,11 @@ impl Core {
             self.update_pin_gauges();
         }
         let mut forward = Duration::ZERO;
+        if !progressed {
+            // Copies of sequences admitted this pass that wait for blocks still loading or being
+            // computed: their destinations count the copied tokens as computed from now on.
+            Self::run_copies(self.executor.as_mut(), &plan.copies);
+        }
         if progressed {
             forward = self.execute(plan);
             // Write-through of blocks this step completed.
@@ -933,11 +938,7 @@ impl Core {
     /// Runs the planned step; returns the time spent in the executor.
     fn execute(&mut self, plan: Plan) -> Duration {
         let forward_started = Instant::now();
-        for c in &plan.copies {
-            self.executor
-                .copy_block_prefix(c.src, c.dst, c.num_tokens)
-                .or_end("a copy-on-write block copy");
-        }
+        Self::run_copies(self.executor.as_mut(), &plan.copies);
         // A hybrid pool's layers address pages of their own.
         let pages: Vec<Vec<u32>> = plan
             .items
@@ -1316,12 +1317,22 @@ impl Core {
         self.report_loads();
     }
 
+    /// Runs the plan's block copies (copy-on-write of partial hits), in order.
+    fn run_copies(executor: &mut dyn Executor, copies: &[BlockCopy]) {
+        for c in copies {
+            executor
+                .copy_block_prefix(c.src, c.dst, c.num_tokens)
+                .or_end("a copy-on-write block copy");
+        }
+    }
+
     /// The pass's tier moves, in order, and before each load from the host tier into a block that is
     /// the source of one of the pass's block copies (a partial hit's block, released once its copy was
-    /// planned, then evicted and taken for the load by the same pass), those copies, taken out of
-    /// `copies`. The other copies run with the step, after every move: a copy's destination was taken
-    /// (and its old KV stored) before its source was released, so no store of the pass reads a
-    /// destination after the copy writes it. Loads from disk and Redis land in a later pass.
+    /// planned, then evicted and taken for the load by the same pass), the copies up to the last such,
+    /// in order, taken out of `copies`. The other copies run with the step, after every move: a copy's
+    /// destination was taken (and its old KV stored) before its source was released, so no store of
+    /// the pass reads a destination after the copy writes it. Loads from disk and Redis land in a
+    /// later pass.
     fn run_tier_moves_around(&mut self, copies: &mut Vec<BlockCopy>) {
         let Some(io) = self.tiers.as_mut() else {
             return;
@@ -1333,18 +1344,16 @@ impl Core {
         let mut batch = Vec::with_capacity(moves.len());
         for m in moves {
             if let TierMove::LoadHost { block, .. } = m {
-                if copies.iter().any(|c| c.src == block) {
+                // The copies up to the last that reads `block`, in the plan's order: a later copy may
+                // write an earlier one's source (a block evicted and taken again as a destination).
+                if let Some(last) = copies.iter().rposition(|c| c.src == block) {
                     io.run(
                         batch.drain(..),
                         self.executor.as_mut(),
                         &mut self.loads_done,
                     );
-                    for c in copies.iter().filter(|c| c.src == block) {
-                        self.executor
-                            .copy_block_prefix(c.src, c.dst, c.num_tokens)
-                            .or_end("a copy-on-write block copy");
-                    }
-                    copies.retain(|c| c.src != block);
+                    let early: Vec<BlockCopy> = copies.drain(..=last).collect();
+                    Self::run_copies(self.executor.as_mut(), &early);
                 }
             }
             batch.push(m);
