@@ -124,6 +124,13 @@ def words_for(server, tokens):
     return max(1, int(tokens / per_word))
 
 
+def engine_times(server):
+    """The engine's forward seconds, the rest of its steps' seconds, and its scheduling passes so far."""
+    return (server.metric("kura:engine_forward_seconds_total"),
+            server.metric("kura:engine_step_other_seconds_total"),
+            server.metric("kura:scheduler_passes_total"))
+
+
 def med(xs):
     return statistics.median(xs)
 
@@ -318,10 +325,19 @@ def hostconvoy(a, tmp):
         for other in range(int(pool_blocks // max(1, prefix_tokens // 16)) + 1):
             s.ask(text(9900 + 100 * rep + other, n_words), max_tokens=1)
         loads0 = s.metric('kura:kv_tier_loads_total{tier="host"}')
+        engine0 = engine_times(s)
         from_host = at_once(s, [prefix + convoy_suffix(k) for k in range(32)])
+        engine1 = engine_times(s)
         loads = s.metric('kura:kv_tier_loads_total{tier="host"}') - loads0
         from_pool = at_once(s, [prefix + convoy_suffix(32 + k) for k in range(32)])
+        engine2 = engine_times(s)
         s.stop()
+        # Where each convoy's time went in the engine: its forward passes, the rest of its steps (the
+        # scheduler, tier moves, output), and how many passes (the time outside the steps is HTTP,
+        # tokenization and waiting).
+        for what, a0, a1 in (("host tier", engine0, engine1), ("pool", engine1, engine2)):
+            print(f"  host convoy run {rep}, from the {what}: engine forward {(a1[0] - a0[0]) * 1e3:.1f} ms, "
+                  f"rest of the steps {(a1[1] - a0[1]) * 1e3:.1f} ms, {a1[2] - a0[2]:.0f} passes", flush=True)
         cached = min(r[3] for r in from_host)
         worst_host, worst_pool = max(r[0] for r in from_host), max(r[0] for r in from_pool)
         results.append((loads, cached, worst_host, worst_pool, prefix_tokens // 16))

@@ -41,7 +41,7 @@ else
 fi
 {
   echo "== hostconvoy: exit $convoy_rc (124: over $((limit / 2)) s)"
-  grep -E "host convoy" "$out/hostconvoy.log" | tail -4
+  grep -E "host convoy" "$out/hostconvoy.log" | tail -8
   echo "== swap sweep: exit $sweep_rc (124: over $((limit / 2)) s)"
   tail -30 "$out/swap-sweep.log"
   [ -f "$out/swap-sweep/compare/compare.md" ] && head -40 "$out/swap-sweep/compare/compare.md"
