@@ -238,6 +238,8 @@ pub struct Plan {
     /// Running sequences that had nothing to compute because another sequence is computing blocks
     /// they reuse.
     pub pending_waits: u64,
+    /// The sequence each of `copies` is for, while the pass plans.
+    copy_owners: Vec<SeqKey>,
 }
 
 /// What [`Scheduler::computed`] learnt about a planned item.
@@ -731,6 +733,16 @@ impl Scheduler {
                 plan.pending_waits += 1;
             }
         }
+        // A copy for a sequence that the pass preempted or removed after planning it is dropped: its
+        // destination went back to the pool, and a later admission may have taken it for other KV.
+        let owners = std::mem::take(&mut plan.copy_owners);
+        let copies = std::mem::take(&mut plan.copies);
+        plan.copies = copies
+            .into_iter()
+            .zip(owners)
+            .filter(|(_, key)| self.seqs.get(key).is_some_and(|s| s.kv.is_some()))
+            .map(|(c, _)| c)
+            .collect();
         plan
     }
 
@@ -746,6 +758,8 @@ impl Scheduler {
             }
             match self.kv.allocate_slots(id, &seq.tokens[kv_len..], None) {
                 Ok(Some(alloc)) => {
+                    plan.copy_owners
+                        .extend(std::iter::repeat_n(key, alloc.copies.len()));
                     plan.copies.extend(alloc.copies);
                     return true;
                 }
@@ -758,8 +772,11 @@ impl Scheduler {
             }
             let request = seq.request;
             let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
-            let pinned_room =
-                self.kv.usage().pinned_idle_blocks > 0 && needed_blocks <= self.config.num_blocks;
+            // (Not in a hybrid pool, whose pages run out before its logical blocks do: there the
+            // block count says nothing of whether the sequence could ever fit.)
+            let pinned_room = self.kv.page_usage().is_none()
+                && self.kv.usage().pinned_idle_blocks > 0
+                && needed_blocks <= self.config.num_blocks;
             if self.running.len() == 1 && !pinned_room {
                 // Alone and still out of blocks: it can never fit (admission checks make this rare:
                 // only when the pool is smaller than one request's prompt plus output). Where pins
@@ -884,6 +901,8 @@ impl Scheduler {
                 .allocate_slots(id, &seq.tokens[cached..], Some(&hit))
             {
                 Ok(Some(alloc)) => {
+                    plan.copy_owners
+                        .extend(std::iter::repeat_n(c.seq, alloc.copies.len()));
                     plan.copies.extend(alloc.copies);
                     self.on_admitted(c.seq, id, &hit, plan);
                     return Admit::Admitted;
