@@ -256,12 +256,13 @@ def test_memory_a_burst_of_large_grammars_freed_is_given_back():
         r = httpx.post(s.url + "/v1/chat/completions", json={**chat, "structured_outputs": {"grammar": lark}},
                        timeout=300)
         assert r.status_code == 400 and "grammar" in r.text, r.text
-        # The burst held memory: the high-water mark rose well above where it started.
-        peak = rss_kib(pid, "VmHWM")
-        assert peak > base + 128 * 1024, (base, peak)
         # Given back, all but what is still in use (here 30-50 MiB; the trim runs only past 64 MiB of
         # growth): without it, 120-250 MiB stayed.
         limit = base + 96 * 1024
+        # The burst held memory: the high-water mark rose past the limit by more than the noise, so that
+        # a server keeping what it held fails the check below (it rose 126-250 MiB on these machines).
+        peak = rss_kib(pid, "VmHWM")
+        assert peak > limit + 16 * 1024, (base, peak)
         deadline = time.monotonic() + 30
         while (now := rss_kib(pid)) > limit and time.monotonic() < deadline:
             time.sleep(0.5)
