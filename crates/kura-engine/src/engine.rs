@@ -840,15 +840,14 @@ impl Core {
             self.update_pin_gauges();
         }
         let mut forward = Duration::ZERO;
-        if !progressed {
-            // Copies of sequences admitted this pass that wait for blocks still loading or being
-            // computed: their destinations count the copied tokens as computed from now on.
-            Self::run_copies(self.executor.as_mut(), &plan.copies);
-        }
         if progressed {
             forward = self.execute(plan);
             // Write-through of blocks this step completed.
             self.run_tier_moves();
+        } else {
+            // Copies of sequences admitted this pass that wait for blocks still loading or being
+            // computed: their destinations count the copied tokens as computed from now on.
+            Self::run_copies(self.executor.as_mut(), &plan.copies);
         }
         self.cancel_closed();
         self.update_gauges();
@@ -1304,17 +1303,9 @@ impl Core {
     }
 
     /// Runs the block moves the scheduler decided since the last call, and reports the loads they
-    /// finished (host loads finish at once).
+    /// finished (host loads finish at once): [`Core::run_tier_moves_around`] with no copies.
     fn run_tier_moves(&mut self) {
-        let Some(io) = self.tiers.as_mut() else {
-            return;
-        };
-        let moves = self.sched.take_tier_moves();
-        if moves.is_empty() {
-            return;
-        }
-        io.run(moves, self.executor.as_mut(), &mut self.loads_done);
-        self.report_loads();
+        self.run_tier_moves_around(&mut Vec::new());
     }
 
     /// Runs the plan's block copies (copy-on-write of partial hits), in order.

@@ -757,24 +757,7 @@ fn partial_hits_beside_host_tier_loads_give_the_cold_tokens() {
     let cold = cold_tokens(&prompts);
     for wave_size in [8, 16] {
         let fake = start(with_tiers(20, 128, None));
-        for round in 0..6 {
-            let order: Vec<usize> = (0..prompts.len())
-                .map(|i| (i * 5 + round * 3) % prompts.len())
-                .collect();
-            for wave in order.chunks(wave_size) {
-                let pending: Vec<_> = wave
-                    .iter()
-                    .map(|&i| (i, submit(&fake.engine, prompts[i].clone())))
-                    .collect();
-                for (i, (_guard, rx)) in pending {
-                    let (tokens, _) = wait(&rx);
-                    assert_eq!(
-                        tokens, cold[i],
-                        "waves of {wave_size}, round {round}, prompt {i}"
-                    );
-                }
-            }
-        }
+        run_in_waves(&fake.engine, &prompts, &cold, wave_size, 6);
         settle(&fake.engine);
         assert!(tier_metric(&fake.engine, "kura:kv_tier_loads_total", "host") > 0.0);
         fake.engine.stop();

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{config, distinct_request, metric, start, submit, wait, BLOCK};
+use common::{config, distinct_request, metric, start, submit, wait, Fake, BLOCK};
 use kura_engine::{EngineConfig, EngineHandle, GenerateRequest, PinSpec};
 
 fn with_budget(num_blocks: usize, budget: usize) -> EngineConfig {
@@ -166,17 +166,23 @@ fn pinning_a_prefix_again_refreshes_it_and_release_frees_it() {
     e.stop();
 }
 
+/// A pool of 32 blocks with a 40-token prompt's 10 blocks pinned for a minute.
+fn pool_of_32_with_10_pinned() -> Fake {
+    let fake = start(with_budget(32, 16));
+    let e = &fake.engine;
+    let (_g, rx) = submit(e, pinned(e, distinct_request(1000, 40, 1), 60_000));
+    wait(&rx);
+    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
+    fake
+}
+
 /// A request that needs more than the pool less the pins (but fits the pool) waited for the pins'
 /// expiry, a minute here and up to a day when served, with every request behind it: with nothing
 /// else running, a pin now gives way.
 #[test]
 fn pins_give_way_to_a_request_that_cannot_run_beside_them() {
-    let fake = start(with_budget(32, 16));
+    let fake = pool_of_32_with_10_pinned();
     let e = &fake.engine;
-    let doc = distinct_request(1000, 40, 1);
-    let (_g, rx) = submit(e, pinned(e, doc.clone(), 60_000));
-    wait(&rx);
-    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
     // 26 blocks of prompt and output: more than the 22 the pin leaves, less than the pool's 32.
     let big = distinct_request(2000, 100, 4);
     let (_b, big_rx) = submit(e, big);
@@ -192,12 +198,8 @@ fn pins_give_way_to_a_request_that_cannot_run_beside_them() {
 /// with CannotFit: it steps back to the queue, and a pin gives way.
 #[test]
 fn pins_give_way_to_a_running_request_that_outgrows_the_room_they_leave() {
-    let fake = start(with_budget(32, 16));
+    let fake = pool_of_32_with_10_pinned();
     let e = &fake.engine;
-    let doc = distinct_request(1000, 40, 1);
-    let (_g, rx) = submit(e, pinned(e, doc.clone(), 60_000));
-    wait(&rx);
-    assert_eq!(metric(e, "kura:kv_pinned_blocks"), 10.0);
     // 20 blocks of prompt fit beside the pin; 40 tokens of output make 30 blocks, past the 22 left.
     let grows = distinct_request(2000, 80, 40);
     let (_b, rx) = submit(e, grows);

@@ -98,32 +98,16 @@ fn blocks_written_to_redis_hold_their_own_kv_when_loads_and_evictions_crowd_the_
             ..kura_engine::TierSetup::default()
         };
     };
-    let run_waves = |fake: &Fake| {
-        for round in 0..6 {
-            let order: Vec<usize> = (0..prompts.len())
-                .map(|i| (i * 5 + round * 3) % prompts.len())
-                .collect();
-            for wave in order.chunks(8) {
-                let pending: Vec<_> = wave
-                    .iter()
-                    .map(|&i| (i, submit(&fake.engine, prompts[i].clone())))
-                    .collect();
-                for (i, (_guard, rx)) in pending {
-                    assert_eq!(wait(&rx).0, cold[i], "round {round}, prompt {i}");
-                }
-            }
-        }
-    };
     let mut c = config(20, 64, 8);
     with_disk(&mut c);
     let first = start(c);
-    run_waves(&first);
+    run_in_waves(&first.engine, &prompts, &cold, 8, 6);
     first.engine.stop();
     let mut c = with_redis(&redis, &secret);
     with_disk(&mut c);
     let second = start(c);
     second.control.async_exports();
-    run_waves(&second);
+    run_in_waves(&second.engine, &prompts, &cold, 8, 6);
     second.engine.stop();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(keys(&redis) > 0, "no block reached Redis");

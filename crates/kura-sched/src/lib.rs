@@ -242,6 +242,15 @@ pub struct Plan {
     copy_owners: Vec<SeqKey>,
 }
 
+impl Plan {
+    /// Plans `copies` for sequence `owner`.
+    fn add_copies(&mut self, owner: SeqKey, copies: Vec<BlockCopy>) {
+        self.copy_owners
+            .extend(std::iter::repeat_n(owner, copies.len()));
+        self.copies.extend(copies);
+    }
+}
+
 /// What [`Scheduler::computed`] learnt about a planned item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Computed {
@@ -758,9 +767,7 @@ impl Scheduler {
             }
             match self.kv.allocate_slots(id, &seq.tokens[kv_len..], None) {
                 Ok(Some(alloc)) => {
-                    plan.copy_owners
-                        .extend(std::iter::repeat_n(key, alloc.copies.len()));
-                    plan.copies.extend(alloc.copies);
+                    plan.add_copies(key, alloc.copies);
                     return true;
                 }
                 Ok(None) => {}
@@ -901,9 +908,7 @@ impl Scheduler {
                 .allocate_slots(id, &seq.tokens[cached..], Some(&hit))
             {
                 Ok(Some(alloc)) => {
-                    plan.copy_owners
-                        .extend(std::iter::repeat_n(c.seq, alloc.copies.len()));
-                    plan.copies.extend(alloc.copies);
+                    plan.add_copies(c.seq, alloc.copies);
                     self.on_admitted(c.seq, id, &hit, plan);
                     return Admit::Admitted;
                 }

@@ -708,3 +708,32 @@ pub fn cold_tokens(requests: &[GenerateRequest]) -> Vec<Vec<u32>> {
     fake.engine.stop();
     out
 }
+
+/// Sends `requests` to `e` in waves of `wave_size` at once, `rounds` times in a different order each
+/// round, and checks that each gives its `cold` tokens.
+pub fn run_in_waves(
+    e: &EngineHandle,
+    requests: &[GenerateRequest],
+    cold: &[Vec<u32>],
+    wave_size: usize,
+    rounds: usize,
+) {
+    for round in 0..rounds {
+        let order: Vec<usize> = (0..requests.len())
+            .map(|i| (i * 5 + round * 3) % requests.len())
+            .collect();
+        for wave in order.chunks(wave_size) {
+            let pending: Vec<_> = wave
+                .iter()
+                .map(|&i| (i, submit(e, requests[i].clone())))
+                .collect();
+            for (i, (_guard, rx)) in pending {
+                assert_eq!(
+                    wait(&rx).0,
+                    cold[i],
+                    "waves of {wave_size}, round {round}, request {i}"
+                );
+            }
+        }
+    }
+}
