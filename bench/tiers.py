@@ -308,7 +308,8 @@ def convoy(a, tmp):
 def hostconvoy(a, tmp):
     """32 requests over one prefix only in the host tier, against the same 32 over the prefix in the pool.
 
-    The prefix ends on a block boundary and each suffix starts with a token of its own, so every request
+    Both follow a warm-up convoy of 32 over another prefix, so that neither pays for the first steps of
+    their shape. The prefix ends on a block boundary and each suffix starts with a token of its own, so every request
     computes only its suffix. Other prompts as long as the prefix, sent after it until they alone would
     fill the pool, evict it into the host tier."""
     n = a.convoy_tokens
@@ -316,6 +317,11 @@ def hostconvoy(a, tmp):
     results = []
     for rep in range(a.reps):
         s = Server(a.kura, a.model, a.threads, *args)
+        # A warm-up convoy first, over a prefix of its own in the pool: the step shapes of 32 sequences
+        # (buffers sized, on a GPU the kernels' first launches) cost once, before either measured convoy.
+        warm, _ = block_prefix(s, 7000 + rep, n)
+        s.ask(warm + convoy_suffix(63), max_tokens=1)
+        at_once(s, [warm + convoy_suffix(k) for k in range(32)])
         prefix, prefix_tokens = block_prefix(s, 8888 + rep, n)
         s.ask(prefix + convoy_suffix(63), max_tokens=1)
         # Prompts as long as the prefix, sent after it (the pool evicts the oldest first), until they alone
