@@ -325,6 +325,19 @@ template <typename T> T shfl_xor(unsigned mask, T v, int lm) {
   return r;
 }
 
+// __any_sync: whether any lane's predicate holds.
+inline int any_sync(unsigned mask, int pred) {
+  if (mask != 0xffffffffu) fail("a vote with a partial mask");
+  int mine = pred != 0;
+  Exchange s = warp_enter(&mine, sizeof(mine));
+  for (int l = 0; l < 32; l++) {
+    int v;
+    std::memcpy(&v, s.data[l], sizeof(v));
+    if (v) return 1;
+  }
+  return 0;
+}
+
 inline uint16_t b16_at(const unsigned char* p, int i) {
   uint16_t v;
   std::memcpy(&v, p + 2 * i, 2);
@@ -497,5 +510,6 @@ inline void __syncthreads() { emu::syncthreads(); }
 template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
   return emu::shfl_xor(mask, v, lane_mask);
 }
+inline int __any_sync(unsigned mask, int pred) { return emu::any_sync(mask, pred); }
 // The kernels' dynamic shared memory (`KURA_DYNAMIC_SHARED`).
 #define KURA_EMU_DYNAMIC(name) unsigned char* name = emu::G().dynamic.data()

@@ -1,5 +1,6 @@
 //! Compiles a CUDA C file as Kura compiles its kernels and prints ptxas' report of the kernels whose
-//! names contain a filter: `nvrtc-report FILE ARCH [FILTER]`.
+//! names contain a filter: `nvrtc-report FILE ARCH [FILTER]`. With `KURA_CUBIN_OUT=PATH` it also writes
+//! the cubin there (for `nvdisasm`, to read the instructions a kernel compiles to).
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -18,6 +19,12 @@ fn main() {
     });
     match kura_cuda::kernels::compile_source(&src, &args[2], &include) {
         Ok(c) => {
+            if let Some(path) = std::env::var_os("KURA_CUBIN_OUT") {
+                if let Err(e) = std::fs::write(&path, &c.cubin) {
+                    eprintln!("{}: {e}", std::path::Path::new(&path).display());
+                    std::process::exit(1)
+                }
+            }
             let mut show = false;
             for line in c.log.lines() {
                 if line.contains("Compiling entry function") {

@@ -648,7 +648,15 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// 2^x in one instruction, subnormal results flushed to zero (`exp2f` adds a range test and two
+// multiplications to keep them): a weight under 2^-126 beside the row's largest, 1, changes nothing.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
 #else
+__device__ __forceinline__ float exp2_ftz(float x) { return exp2f(x); }
 __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) { emu::mma16816(c, a, b); }
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) { emu::ldmatrix(r, p, 4, false); }
 __device__ __forceinline__ void ldmatrix_x2(u32* r, const void* p) { emu::ldmatrix(r, p, 2, false); }
@@ -658,33 +666,78 @@ __device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
 __device__ __forceinline__ void cp_async_wait1() { emu::cp_async_wait(1); }
 #endif
 
-// K and V rows of keys kt..kt+NK (past `last`: zeros) into one stage, 8 elements a thread at a time.
-template <int D, int NK>
-__device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, const int* tables, const PoolShape& p,
-                                          int layer, int kvh, int toff, int kt, int last) {
-  constexpr int KS = D + 8;
-  for (int i = threadIdx.x; i < NK * (D / 8); i += blockDim.x) {
-    int key = i / (D / 8), c = (i % (D / 8)) * 8;
-    int kp = kt + key;
-    bool ok = kp <= last;
-    size_t at = 0;
-    if (ok) at = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size) + c;
-    cp_async16(ks + key * KS + c, pool + at, ok ? 16 : 0);
-    cp_async16(vs + key * KS + c, pool + at + (size_t)p.kv_heads * p.block_size * D, ok ? 16 : 0);
+// Where one thread's share of a K/V tile comes from. With NT threads, 16-byte chunk n of a thread is key
+// `key0 + n * (NT / (D / 8))` of the tile, columns c..c+7 (the share of `i = tid + n * NT`, key `i / (D /
+// 8)`); its pool address is the block's (from the table) times `block_stride` plus `base` plus the slot's
+// row, with no division where the block size is a power of two.
+struct TileSrc {
+  size_t block_stride;  // elements from a block to the next (bf16 and f32 pools)
+  size_t base;          // pool_at(block 0, layer, K, kvh, slot 0) + c
+  size_t kind_stride;   // elements from a K row to its V row
+  int key0, c, shift;   // shift: log2 of the block size if it is a power of two, else -1
+  int layer, kvh;       // (fp8 pools address rows through KvAddr)
+};
+template <int D, int NT>
+__device__ __forceinline__ TileSrc tile_src(const PoolShape& p, int layer, int kvh) {
+  TileSrc t;
+  t.key0 = threadIdx.x / (D / 8);
+  t.c = (threadIdx.x % (D / 8)) * 8;
+  int bs = p.block_size, shift = 0;
+  while ((1 << shift) < bs) shift++;
+  t.shift = (1 << shift) == bs ? shift : -1;
+  t.block_stride = (size_t)p.layers * 2 * p.kv_heads * bs * D;
+  t.base = pool_at(p, 0, layer, 0, kvh, 0) + t.c;
+  t.kind_stride = (size_t)p.kv_heads * bs * D;
+  t.layer = layer;
+  t.kvh = kvh;
+  return t;
+}
+// Block (table index) and slot of position kp.
+__device__ __forceinline__ void tile_pos(const TileSrc& t, const PoolShape& p, int kp, int& blk, int& slot) {
+  if (t.shift >= 0) {
+    blk = kp >> t.shift;
+    slot = kp & ((1 << t.shift) - 1);
+  } else {
+    blk = kp / p.block_size;
+    slot = kp - blk * p.block_size;
   }
 }
-template <int D, int NK>
+
+// K and V rows of keys kt..kt+NK (past `last`: zeros) into one stage, this thread's chunks of 8 elements.
+template <int D, int NK, int NT>
+__device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, const int* tables, const PoolShape& p,
+                                          const TileSrc& t, int toff, int kt, int last) {
+  constexpr int KS = D + 8, STEP = NT / (D / 8);
+  static_assert(NT % (D / 8) == 0 && NK % STEP == 0, "a tile is whole chunks of every thread");
+#pragma unroll
+  for (int n = 0; n < NK / STEP; n++) {
+    int key = t.key0 + n * STEP, kp = kt + key;
+    bool ok = kp <= last;
+    size_t at = 0;
+    if (ok) {
+      int blk, slot;
+      tile_pos(t, p, kp, blk, slot);
+      at = (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
+    }
+    cp_async16(ks + key * KS + t.c, pool + at, ok ? 16 : 0);
+    cp_async16(vs + key * KS + t.c, pool + at + t.kind_stride, ok ? 16 : 0);
+  }
+}
+template <int D, int NK, int NT>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool, const int* tables,
-                                          const PoolShape& p, int layer, int kvh, int toff, int kt, int last) {
-  constexpr int KS = D + 8;
-  for (int i = threadIdx.x; i < NK * (D / 8); i += blockDim.x) {
-    int key = i / (D / 8), c = (i % (D / 8)) * 8;
-    int kp = kt + key;
+                                          const PoolShape& p, const TileSrc& t, int toff, int kt, int last) {
+  constexpr int KS = D + 8, STEP = NT / (D / 8);
+  static_assert(NT % (D / 8) == 0 && NK % STEP == 0, "a tile is whole chunks of every thread");
+#pragma unroll
+  for (int n = 0; n < NK / STEP; n++) {
+    int key = t.key0 + n * STEP, kp = kt + key;
     float kf[8], vf[8];
     if (kp <= last) {
-      size_t at = pool_at(p, tables[toff + kp / p.block_size], layer, 0, kvh, kp % p.block_size) + c;
+      int blk, slot;
+      tile_pos(t, p, kp, blk, slot);
+      size_t at = (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
       load8(pool + at, kf);
-      load8(pool + at + (size_t)p.kv_heads * p.block_size * D, vf);
+      load8(pool + at + t.kind_stride, vf);
     } else {
 #pragma unroll
       for (int j = 0; j < 8; j++) kf[j] = vf[j] = 0.f;
@@ -694,24 +747,27 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool,
     kw.z = pack_bf16(kf[4], kf[5]); kw.w = pack_bf16(kf[6], kf[7]);
     vw.x = pack_bf16(vf[0], vf[1]); vw.y = pack_bf16(vf[2], vf[3]);
     vw.z = pack_bf16(vf[4], vf[5]); vw.w = pack_bf16(vf[6], vf[7]);
-    *reinterpret_cast<uint4*>(ks + key * KS + c) = kw;
-    *reinterpret_cast<uint4*>(vs + key * KS + c) = vw;
+    *reinterpret_cast<uint4*>(ks + key * KS + t.c) = kw;
+    *reinterpret_cast<uint4*>(vs + key * KS + t.c) = vw;
   }
 }
 
-template <int D, int NK>
+template <int D, int NK, int NT>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned char* pool, const int* tables,
-                                          const PoolShape& p, int layer, int kvh, int toff, int kt, int last) {
-  constexpr int KS = D + 8;
+                                          const PoolShape& p, const TileSrc& t, int toff, int kt, int last) {
+  constexpr int KS = D + 8, STEP = NT / (D / 8);
+  static_assert(NT % (D / 8) == 0 && NK % STEP == 0, "a tile is whole chunks of every thread");
   const size_t vstride = KvAddr<unsigned char>::kind_stride(p);
-  for (int i = threadIdx.x; i < NK * (D / 8); i += blockDim.x) {
-    int key = i / (D / 8), c = (i % (D / 8)) * 8;
-    int kp = kt + key;
+#pragma unroll
+  for (int n = 0; n < NK / STEP; n++) {
+    int key = t.key0 + n * STEP, kp = kt + key;
     float kf[8], vf[8];
     if (kp <= last) {
-      int blk = tables[toff + kp / p.block_size], slot = kp % p.block_size;
-      size_t at = KvAddr<unsigned char>::row(p, blk, layer, kvh, slot) + c;
-      size_t sat = KvAddr<unsigned char>::scales(p, blk, layer, kvh, slot) + (c / 64) * 2;
+      int blk, slot;
+      tile_pos(t, p, kp, blk, slot);
+      blk = tables[toff + blk];
+      size_t at = KvAddr<unsigned char>::row(p, blk, t.layer, t.kvh, slot) + t.c;
+      size_t sat = KvAddr<unsigned char>::scales(p, blk, t.layer, t.kvh, slot) + (t.c / 64) * 2;
       kv_load8(pool, at, sat, kf);
       kv_load8(pool, at + vstride, sat + vstride, vf);
     } else {
@@ -723,8 +779,8 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
     kw.z = pack_bf16(kf[4], kf[5]); kw.w = pack_bf16(kf[6], kf[7]);
     vw.x = pack_bf16(vf[0], vf[1]); vw.y = pack_bf16(vf[2], vf[3]);
     vw.z = pack_bf16(vf[4], vf[5]); vw.w = pack_bf16(vf[6], vf[7]);
-    *reinterpret_cast<uint4*>(ks + key * KS + c) = kw;
-    *reinterpret_cast<uint4*>(vs + key * KS + c) = vw;
+    *reinterpret_cast<uint4*>(ks + key * KS + t.c) = kw;
+    *reinterpret_cast<uint4*>(vs + key * KS + t.c) = vw;
   }
 }
 
@@ -741,6 +797,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   KURA_DEP();
   constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
   constexpr int WR = 16 * MT;  // query rows a warp
+  constexpr int NT = BR / WR * 32;  // threads a block (a warp for each WR of the BR rows)
   KURA_DYNAMIC_SHARED(smem_raw);
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
   // Stage s: K at smem + s * 2 * NK * KS, V right after it; (MT 2) the query rows after both stages.
@@ -761,7 +818,8 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       cp_async16(qs + r * KS + c, q + ((size_t)(row0 + (r < nrows ? r : 0)) * heads + h) * D + c, 16);
     }
   }
-  load_tile<D, NK>(smem, smem + NK * KS, pool, tables, p, layer, kvh, toff, first, last);
+  const TileSrc src = tile_src<D, NT>(p, layer, kvh);
+  load_tile<D, NK, NT>(smem, smem + NK * KS, pool, tables, p, src, toff, first, last);
   cp_async_commit();
   // MT 1: Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
   u32 qa[MT == 1 ? D / 16 : 1][4];
@@ -803,7 +861,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
     bf16* vs = ks + NK * KS;
     if (j + 1 < ntiles) {
       bf16* nk = smem + ((j + 1) & 1) * 2 * NK * KS;
-      load_tile<D, NK>(nk, nk + NK * KS, pool, tables, p, layer, kvh, toff, kt + NK, last);
+      load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + NK, last);
     }
     cp_async_commit();
     cp_async_wait1();
@@ -846,50 +904,76 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         }
       }
       // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8 of each m-tile. A
-      // tile every row of the warp sees whole needs no mask.
+      // tile every row of the warp sees whole needs no mask, and its scores are all finite: it takes a
+      // path without either test (the same operations on every score it keeps).
       bool whole = !mask_all && kt + NK - 1 <= warp_pos && (window <= 0 || kt > warp_last - window);
-      float c0[MT], c1[MT];
 #pragma unroll
       for (int mt = 0; mt < MT; mt++) {
         int qp0 = warp_pos + mt * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
         float mx0 = m0[mt], mx1 = m1[mt];
+        if (whole) {
 #pragma unroll
-        for (int nt = 0; nt < NK / 8; nt++) {
+          for (int nt = 0; nt < NK / 8; nt++) {
 #pragma unroll
-          for (int e = 0; e < 4; e++) {
-            int key = kt + nt * 8 + 2 * tq + (e & 1);
-            int qp = e < 2 ? qp0 : qp1;
-            bool ok = whole || (key <= qp && (window <= 0 || key > qp - window));
-            float v = ok ? s[mt][nt][e] * scale_log2 : KURA_NEG_INF;
-            s[mt][nt][e] = v;
-            if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+            for (int e = 0; e < 4; e++) {
+              float v = s[mt][nt][e] * scale_log2;
+              s[mt][nt][e] = v;
+              if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NK / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+              int key = kt + nt * 8 + 2 * tq + (e & 1);
+              int qp = e < 2 ? qp0 : qp1;
+              bool ok = key <= qp && (window <= 0 || key > qp - window);
+              float v = ok ? s[mt][nt][e] * scale_log2 : KURA_NEG_INF;
+              s[mt][nt][e] = v;
+              if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+            }
           }
         }
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        c0[mt] = exp2f(m0[mt] - mx0);
-        c1[mt] = exp2f(m1[mt] - mx1);
+        float c0 = exp2_ftz(m0[mt] - mx0), c1 = exp2_ftz(m1[mt] - mx1);
         m0[mt] = mx0;
         m1[mt] = mx1;
         float rs0 = 0.f, rs1 = 0.f;
+        if (whole) {
 #pragma unroll
-        for (int nt = 0; nt < NK / 8; nt++) {
-          // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
-          s[mt][nt][0] = s[mt][nt][0] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][0] - mx0);
-          s[mt][nt][1] = s[mt][nt][1] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][1] - mx0);
-          s[mt][nt][2] = s[mt][nt][2] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][2] - mx1);
-          s[mt][nt][3] = s[mt][nt][3] <= KURA_NEG_INF ? 0.f : exp2f(s[mt][nt][3] - mx1);
-          rs0 += s[mt][nt][0] + s[mt][nt][1];
-          rs1 += s[mt][nt][2] + s[mt][nt][3];
+          for (int nt = 0; nt < NK / 8; nt++) {
+            s[mt][nt][0] = exp2_ftz(s[mt][nt][0] - mx0);
+            s[mt][nt][1] = exp2_ftz(s[mt][nt][1] - mx0);
+            s[mt][nt][2] = exp2_ftz(s[mt][nt][2] - mx1);
+            s[mt][nt][3] = exp2_ftz(s[mt][nt][3] - mx1);
+            rs0 += s[mt][nt][0] + s[mt][nt][1];
+            rs1 += s[mt][nt][2] + s[mt][nt][3];
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NK / 8; nt++) {
+            // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
+            s[mt][nt][0] = s[mt][nt][0] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][0] - mx0);
+            s[mt][nt][1] = s[mt][nt][1] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][1] - mx0);
+            s[mt][nt][2] = s[mt][nt][2] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][2] - mx1);
+            s[mt][nt][3] = s[mt][nt][3] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][3] - mx1);
+            rs0 += s[mt][nt][0] + s[mt][nt][1];
+            rs1 += s[mt][nt][2] + s[mt][nt][3];
+          }
         }
-        l0[mt] = l0[mt] * c0[mt] + rs0;
-        l1[mt] = l1[mt] * c1[mt] + rs1;
+        l0[mt] = l0[mt] * c0 + rs0;
+        l1[mt] = l1[mt] * c1 + rs1;
+        // The outputs rescaled only when a row's maximum rose (otherwise both factors are exactly 1).
+        if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < D / 8; i++) {
-          o[mt][i][0] *= c0[mt]; o[mt][i][1] *= c0[mt];
-          o[mt][i][2] *= c1[mt]; o[mt][i][3] *= c1[mt];
+          for (int i = 0; i < D / 8; i++) {
+            o[mt][i][0] *= c0; o[mt][i][1] *= c0;
+            o[mt][i][2] *= c1; o[mt][i][3] *= c1;
+          }
         }
       }
       // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
