@@ -136,11 +136,23 @@ for t in threads:
         row += [fmt(k), fmt(lp), ratio(k, lp)]
     print("| " + " | ".join(row) + " |")
 dd = kura("default", "decode", "decode_tok_per_s")
-best = max(kura(t, "decode", "decode_tok_per_s") for t in threads)
+best_t = max(threads, key=lambda t: kura(t, "decode", "decode_tok_per_s"))
+best = kura(best_t, "decode", "decode_tok_per_s")
 threads_line = next((l for l in open(os.path.join(tmp, "kura-default.log")) if "compute threads" in l), "").strip()
+chosen = re.search(r"compute threads: (\d+)", threads_line)
+chosen = chosen.group(1) if chosen else None
 print(f"| default | {fmt(dd)} | | | |" + " | | |" * len(prompts))
 print()
 print(f"Decode at Kura's default thread count: {dd / best:.0%} of the best count's ({threads_line or 'no log line'}).")
+if chosen in threads:
+    # The default's count was also measured by name: every run at that count, the default's and the
+    # named ones, is a sample of what the default gives (two medians of 3 at one count differ by noise).
+    runs = [json.load(open(os.path.join(tmp, f)))["decode_tok_per_s"] for f in sorted(os.listdir(tmp))
+            if f.startswith(f"kura-{chosen}-decode-") or f.startswith("kura-default-decode-")]
+    pooled = statistics.median(runs)
+    print(f"The default chose {chosen} threads (the best count measured: {best_t}); every run at {chosen} "
+          f"threads, by default and by name ({len(runs)} runs), has a median of {pooled:,.0f} tokens/s: "
+          f"{pooled / best:.0%} of the best count's.")
 print()
 print(f"Kura reads {per_token / 1e6:.1f} MB of weights per decoded token; read bandwidth: "
       + ", ".join(f"{t} thread(s) {bw[t]:.1f} GB/s" for t in threads if t in bw) + ".")
