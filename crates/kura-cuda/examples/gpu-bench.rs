@@ -20,7 +20,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
-use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec};
+use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec, PrefillKernel};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 
@@ -329,21 +329,25 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         ))?;
     }
 
-    // Prefill TTFT, through the default prefill attention (8 warps of 16 query rows) and the wide one
-    // (4 warps of 32), runs interleaved.
+    // Prefill TTFT, through each prefill attention kernel (the default, 8 warps of 16 query rows; the
+    // wide one, 4 warps of 32; half tiles of 4 warps of 16), runs interleaved.
     for n in len.prefills {
         let p = tokens(n, n as u64, vocab);
-        let mut times = [Vec::new(), Vec::new()];
+        let mut times = PrefillKernel::ALL.map(|_| Vec::new());
         for _ in 0..len.runs(3) {
-            for (wide, times) in times.iter_mut().enumerate() {
-                gpu.set_wide_prefill(wide == 1);
+            for (kernel, times) in PrefillKernel::ALL.into_iter().zip(times.iter_mut()) {
+                gpu.set_prefill_kernel(kernel);
                 let t = Instant::now();
                 gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
         }
-        gpu.set_wide_prefill(false);
-        for (kernel, times) in ["narrow", "wide"].into_iter().zip(times) {
+        gpu.set_prefill_kernel(PrefillKernel::Narrow);
+        for (kernel, times) in PrefillKernel::ALL
+            .map(PrefillKernel::name)
+            .into_iter()
+            .zip(times)
+        {
             report.figure(format!(
                 "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
                  \"runs_ms\":{times:?}}}",
@@ -499,8 +503,18 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
                 "prefill_long_wide",
                 vec![SeqInput::new(&long_prompt, 0, &table)],
             ),
+            (
+                "prefill_long_half",
+                vec![SeqInput::new(&long_prompt, 0, &table)],
+            ),
         ] {
-            gpu.set_wide_prefill(what.ends_with("_wide"));
+            gpu.set_prefill_kernel(if what.ends_with("_wide") {
+                PrefillKernel::Wide
+            } else if what.ends_with("_half") {
+                PrefillKernel::Half
+            } else {
+                PrefillKernel::Narrow
+            });
             gpu.set_fused_decode(what.ends_with("_fused"));
             gpu.forward_greedy(&items)?;
             let prof = gpu.profile_greedy(&items)?;

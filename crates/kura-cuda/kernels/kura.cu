@@ -789,22 +789,31 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
 // bf16 each), read once per key tile: each K and V fragment a warp reads from shared memory serves two
 // m-tiles, half the shared-memory reads per product. NK: keys a tile. With the same NK both give the same
 // bits: every score and output element is summed in the same order (k-steps, key tiles and key steps
-// ascending), and a warp's rows that a tile does not reach add exact zeros.
-template <typename KV, int D, int MT, int NK>
+// ascending), and a warp's rows that a tile does not reach add exact zeros. HALVES 2 ("half"): a block
+// takes half a tile, 64 rows of 4 warps (MT 1), the later half first; each warp computes what it would
+// in the 8-warp kernel (the same key tiles in the same order), so the bits are that kernel's, and two
+// blocks share a multiprocessor, where the 8-warp kernel's one block has all its warps meet at every
+// key tile.
+template <typename KV, int D, int MT, int NK, int HALVES>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
                              PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
                              int mask_all) {
   KURA_DEP();
   constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
   constexpr int WR = 16 * MT;  // query rows a warp
-  constexpr int NT = BR / WR * 32;  // threads a block (a warp for each WR of the BR rows)
+  constexpr int ROWS = BR / HALVES;  // query rows a block
+  constexpr int NT = ROWS / WR * 32;  // threads a block (a warp for each WR of its rows)
+  static_assert(HALVES == 1 || MT == 1, "half tiles are for the 8-warp kernel's warps");
   KURA_DYNAMIC_SHARED(smem_raw);
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
   // Stage s: K at smem + s * 2 * NK * KS, V right after it; (MT 2) the query rows after both stages.
   bf16* qs = smem + 2 * 2 * NK * KS;
-  int tile = tiles - 1 - blockIdx.x, h = blockIdx.y;  // longest tiles first
-  int row0 = tile_info[4 * tile], nrows = tile_info[4 * tile + 1], pos0 = tile_info[4 * tile + 2],
-      toff = tile_info[4 * tile + 3];
+  int tile = tiles - 1 - (int)blockIdx.x / HALVES, h = blockIdx.y;  // longest tiles first
+  int half = HALVES - 1 - (int)blockIdx.x % HALVES;                  // (and their later rows)
+  int row0 = tile_info[4 * tile] + half * ROWS, nrows = tile_info[4 * tile + 1] - half * ROWS,
+      pos0 = tile_info[4 * tile + 2] + half * ROWS, toff = tile_info[4 * tile + 3];
+  if (nrows <= 0) return;  // the second half of a tile of at most ROWS rows
+  nrows = min(nrows, ROWS);
   int group = heads / p.kv_heads, kvh = h / group;
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   int last = pos0 + nrows - 1;
@@ -813,7 +822,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   int ntiles = (last - first) / NK + 1;
   if constexpr (MT > 1) {
     // The tile's query rows (rows past the tile read row 0 and are dropped), in the first copy group.
-    for (int i = threadIdx.x; i < BR * (D / 8); i += blockDim.x) {
+    for (int i = threadIdx.x; i < ROWS * (D / 8); i += blockDim.x) {
       int r = i / (D / 8), c = (i % (D / 8)) * 8;
       cp_async16(qs + r * KS + c, q + ((size_t)(row0 + (r < nrows ? r : 0)) * heads + h) * D + c, 16);
     }
@@ -1025,17 +1034,23 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
 }
 
 // `attn_prefill_{kv}_{d}`: 8 warps of 16 rows; `attn_prefill_wide_{kv}_{d}`: 4 warps of 32 rows, two blocks
-// a multiprocessor.
+// a multiprocessor; `attn_prefill_half_{kv}_{d}`: 4 warps of 16 rows, half a tile a block (2 × tiles
+// blocks), two blocks a multiprocessor.
 #define ATTN_PREFILL(KVN, KVT, D)                                                                            \
   extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_##KVN##_##D(                                 \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
       int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+    attn_prefill<KVT, D, 1, BC, 1>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_wide_##KVN##_##D(                            \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
       int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 2, WIDE_NK(D)>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+    attn_prefill<KVT, D, 2, WIDE_NK(D), 1>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_half_##KVN##_##D(                            \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 1, BC, 2>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
   }
 ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)

@@ -651,8 +651,8 @@ fn load_kernels(
 }
 
 /// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V
-/// tiles (64 keys × (head_dim + 8) bf16 each); the wide prefill kernel's two stages of `wide_keys`
-/// keys and then its 128 query rows.
+/// tiles (64 keys × (head_dim + 8) bf16 each; the half-tile kernel's too); the wide prefill kernel's
+/// two stages of `wide_keys` keys and then its 128 query rows.
 pub fn dynamic_smem(kernel: &str) -> Option<u32> {
     let rest = kernel.strip_prefix("attn_prefill_")?;
     let d: u32 = rest.rsplit('_').next()?.parse().ok()?;
@@ -710,6 +710,7 @@ pub fn kernel_names() -> Vec<String> {
         for d in [64, 128] {
             v.push(format!("attn_prefill_{kv}_{d}"));
             v.push(format!("attn_prefill_wide_{kv}_{d}"));
+            v.push(format!("attn_prefill_half_{kv}_{d}"));
             for g in [1, 2, 4, 8, 16] {
                 v.push(format!("attn_split_{kv}_{d}_g{g}"));
             }
@@ -792,6 +793,11 @@ mod tests {
         assert_eq!(
             dynamic_smem("attn_prefill_wide_bf16_64"),
             Some(2 * 2 * 64 * 72 * 2 + 128 * 72 * 2)
+        );
+        // Half tiles: the 8-warp kernel's stages.
+        assert_eq!(
+            dynamic_smem("attn_prefill_half_bf16_128"),
+            Some(2 * 2 * 64 * 136 * 2)
         );
         assert_eq!(dynamic_smem("attn_split_bf16_128_g4"), None);
         // Every launched kernel that takes shared memory has its size, within sm_80's 163 KiB.

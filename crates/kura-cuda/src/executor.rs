@@ -32,6 +32,57 @@ use transfers::HostLoads;
 pub const PREFILL_MIN: usize = 64;
 /// Query rows of a prefill tile (`BR` in `kura.cu`).
 const TILE: usize = 128;
+
+/// The prefill attention kernels (`attn_prefill_*` in `kura.cu`), each over tiles of 128 query rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// 8 warps of 16 rows, a tile a block (the default).
+    Narrow,
+    /// 4 warps of 32 rows, the tile's queries in shared memory: each K and V fragment read from shared
+    /// memory serves two row tiles. At a head size of 64 it gives `Narrow`'s bits; at 128 its key tiles
+    /// are 32 keys, not 64, so its sums are rounded at other points.
+    Wide,
+    /// 4 warps of 16 rows, half a tile a block (two blocks a multiprocessor, each with its own key
+    /// tiles and barriers): `Narrow`'s bits.
+    Half,
+}
+
+impl PrefillKernel {
+    /// Every kernel, the default first.
+    pub const ALL: [PrefillKernel; 3] = [Self::Narrow, Self::Wide, Self::Half];
+
+    /// Its name in reports (`gpu-bench`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Narrow => "narrow",
+            Self::Wide => "wide",
+            Self::Half => "half",
+        }
+    }
+
+    /// The part of its kernels' names after `attn_prefill_`.
+    fn prefix(self) -> &'static str {
+        match self {
+            Self::Narrow => "",
+            Self::Wide => "wide_",
+            Self::Half => "half_",
+        }
+    }
+
+    fn threads(self) -> u32 {
+        match self {
+            Self::Narrow => 256,
+            Self::Wide | Self::Half => 128,
+        }
+    }
+
+    fn blocks_a_tile(self) -> usize {
+        match self {
+            Self::Narrow | Self::Wide => 1,
+            Self::Half => 2,
+        }
+    }
+}
 /// Keys of one split of the split-key kernel (`SPLIT` in `kura.cu`).
 const SPLIT: usize = 128;
 /// The most splits whose merge the split-key kernel's last block does itself in the fused decode path
@@ -378,9 +429,8 @@ pub struct CudaExecutor {
     /// Bytes the split-key kernel's partials may take at once ([`PART_CAP_BYTES`]).
     part_cap: usize,
     mask_all_tiles: bool,
-    /// Whether prefill attention runs the wide kernel (4 warps of 32 query rows, Q in shared memory)
-    /// rather than 8 warps of 16 rows.
-    wide_prefill: bool,
+    /// The prefill attention kernel ([`PrefillKernel`]).
+    prefill_kernel: PrefillKernel,
     /// Whether the split-key attention merges its splits itself and prefetches K and V
     /// ([`CudaExecutor::set_fused_decode`]).
     fused_attention: bool,
@@ -572,7 +622,7 @@ impl CudaExecutor {
             use_dependent: true,
             part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
-            wide_prefill: false,
+            prefill_kernel: PrefillKernel::Narrow,
             fused_attention: false,
             fused_norm: false,
             ordered_imports: crate::libs::has_batch_copies(),
@@ -586,12 +636,9 @@ impl CudaExecutor {
         self.mask_all_tiles = on;
     }
 
-    /// Runs prefill attention through the wide kernel (`attn_prefill_wide_*`: 4 warps of 32 query rows
-    /// a tile, each K and V fragment read from shared memory once for two m-tiles) instead of 8 warps of
-    /// 16 rows (the default). At a head size of 64 both give the same bits; at 128 the wide kernel's key
-    /// tiles are 32 keys, not 64, so its sums are rounded at other points.
-    pub fn set_wide_prefill(&mut self, on: bool) {
-        self.wide_prefill = on;
+    /// Runs prefill attention through another of its kernels ([`PrefillKernel`]; `Narrow` by default).
+    pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
+        self.prefill_kernel = kernel;
         self.graphs.clear();
     }
 
@@ -1018,15 +1065,11 @@ impl CudaExecutor {
                 )?;
             }
             if plan.tiles > 0 {
-                let (variant, threads) = if self.wide_prefill {
-                    ("wide_", 128)
-                } else {
-                    ("", 256)
-                };
+                let k = self.prefill_kernel;
                 dev.launch(
-                    &format!("attn_prefill_{variant}{kv}_{d}"),
-                    (plan.tiles as u32, heads as u32, 1),
-                    threads,
+                    &format!("attn_prefill_{}{kv}_{d}", k.prefix()),
+                    ((plan.tiles * k.blocks_a_tile()) as u32, heads as u32, 1),
+                    k.threads(),
                     &[
                         Arg::Ptr(q),
                         Arg::Ptr(pool),

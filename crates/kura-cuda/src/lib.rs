@@ -17,5 +17,5 @@ pub mod weights;
 
 pub use device::{parse_device, Device};
 pub use error::{CudaError, Result};
-pub use executor::{block_bytes, check_pool_format, CudaExecutor, PoolSpec};
+pub use executor::{block_bytes, check_pool_format, CudaExecutor, PoolSpec, PrefillKernel};
 pub use weights::DevWeights;

@@ -1,6 +1,6 @@
 //! Kura's CUDA kernels run on the CPU: `emu/check.cpp` compiles `kernels/kura.cu` with a C++ compiler
 //! against `emu/emu.h` (each GPU thread a fiber; barriers, warp shuffles, `ldmatrix`, `mma.sync` and
-//! `cp.async` emulated) and checks the prefill kernels (8-warp and wide), the split-key kernel with and
+//! `cp.async` emulated) and checks the prefill kernels (8-warp, wide and half-tile), the split-key kernel with and
 //! without its fused merge, and the matrix-vector kernels that norm their input, against attention in
 //! double and against each other bit for bit. What it cannot check — the GPU's own floating-point
 //! results, memory ordering between blocks, speed — `scripts/test-gpu.sh` checks on a device.
@@ -70,6 +70,7 @@ fn the_kernels_run_on_the_cpu_agree_with_attention_in_double_and_the_fused_ones_
     assert!(stdout.contains("0 failed"), "{stdout}");
     for what in [
         "the wide kernel gives the 8-warp kernel's bits",
+        "the half-tile kernel gives the 8-warp kernel's bits",
         "the fused merge (blocks in shuffled order) gives the bits of attn_merge",
         "the bits of rms_norm + gemv_4 + silu_mul",
     ] {

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
+use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel};
 use kura_engine::{ExecError, Executor, SeqInput};
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
@@ -236,20 +236,26 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_both_prefill_kernels() {
                 (cpu_logits(&cpu, &p, dtype), LOGITS_TOL)
             };
             let mut runs = Vec::new();
-            for (wide, mask_all) in [(false, false), (true, false), (false, true)] {
+            for (kernel, mask_all) in [
+                (PrefillKernel::Narrow, false),
+                (PrefillKernel::Wide, false),
+                (PrefillKernel::Narrow, true),
+                (PrefillKernel::Half, false),
+            ] {
+                let name = kernel.name();
                 let mut gpu = exec(dtype, 16, table.len() + 1);
-                gpu.set_wide_prefill(wide);
+                gpu.set_prefill_kernel(kernel);
                 gpu.set_mask_all_tiles(mask_all);
                 let got = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
                 let rel = rel(&got, &want);
                 println!(
-                    "{} KV, {n} tokens, wide {wide}, every tile masked {mask_all}: {rel:.2e} from the CPU \
+                    "{} KV, {n} tokens, {name} kernel, every tile masked {mask_all}: {rel:.2e} from the CPU \
                      runtime (allowed {allowed:.2e})",
                     dtype.name()
                 );
                 assert!(
                     rel <= allowed,
-                    "{} {n} wide {wide}: {rel:.2e}",
+                    "{} {n} {name} kernel: {rel:.2e}",
                     dtype.name()
                 );
                 if dtype != KvDtype::Fp8 {
@@ -257,12 +263,17 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_both_prefill_kernels() {
                 }
                 runs.push(got);
             }
-            // At head size 64 the wide kernel computes what the 8-warp one does, and masking every
-            // tile changes nothing.
+            // At head size 64 the wide kernel computes what the 8-warp one does, masking every tile
+            // changes nothing, and half tiles are the 8-warp kernel's warps.
             assert!(same_bits(&runs[0], &runs[1]), "{} {n}: wide", dtype.name());
             assert!(
                 same_bits(&runs[0], &runs[2]),
                 "{} {n}: masked",
+                dtype.name()
+            );
+            assert!(
+                same_bits(&runs[0], &runs[3]),
+                "{} {n}: half tiles",
                 dtype.name()
             );
         }
@@ -772,8 +783,10 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
         [
             (128, "narrow"),
             (128, "wide"),
+            (128, "half"),
             (512, "narrow"),
-            (512, "wide")
+            (512, "wide"),
+            (512, "half")
         ]
     );
     let cached = with("cached_ttft");
@@ -883,4 +896,5 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
         "{narrow:?}"
     );
     assert!(has(&kernels("prefill_long_wide"), "attn_prefill_wide"));
+    assert!(has(&kernels("prefill_long_half"), "attn_prefill_half"));
 }

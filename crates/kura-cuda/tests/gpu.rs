@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec};
+use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
@@ -202,9 +202,11 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
-fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logits_at_128() {
+fn the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_size_64() {
     // Every prompt's first 200 tokens in one step and the rest in a second (a cached prefix), all
-    // through the prefill kernel, narrow and then wide, over the same shuffled blocks.
+    // through the prefill kernel, narrow, then wide, then half tiles, over the same shuffled blocks. The
+    // half-tile kernel gives the narrow one's bits at every head size; the wide one at head size 64, and
+    // the same logits within the tolerance at 128.
     let prompts = prompts();
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
@@ -224,14 +226,28 @@ fn the_wide_prefill_kernel_gives_the_same_bits_at_head_size_64_and_the_same_logi
                     let blocks = p.len().div_ceil(bs);
                     let table: Vec<u32> = (1..=blocks as u32).rev().collect();
                     // Each run writes every position's K and V again before it reads them.
-                    let mut run = |wide: bool| {
-                        gpu.set_wide_prefill(wide);
+                    let mut run = |kernel: PrefillKernel| {
+                        gpu.set_prefill_kernel(kernel);
                         gpu.forward_logits(&[SeqInput::new(&p[..200], 0, &table)])
                             .unwrap();
                         gpu.forward_logits(&[SeqInput::new(&p[200..], 200, &table)])
                             .unwrap()
                     };
-                    let (narrow, wide) = (run(false), run(true));
+                    let narrow = run(PrefillKernel::Narrow);
+                    let wide = run(PrefillKernel::Wide);
+                    let half = run(PrefillKernel::Half);
+                    gpu.set_prefill_kernel(PrefillKernel::Narrow);
+                    if half
+                        .iter()
+                        .zip(&narrow)
+                        .any(|(a, b)| a.to_bits() != b.to_bits())
+                    {
+                        failures.push(format!(
+                            "{model} {} block {bs} prompt {i}: the half-tile kernel's bits differ ({:.2e})",
+                            dtype.name(),
+                            errors(&half, &narrow).0
+                        ));
+                    }
                     let (rel, max) = errors(&wide, &narrow);
                     let same = wide
                         .iter()
