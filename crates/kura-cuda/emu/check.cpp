@@ -537,6 +537,8 @@ int main() {
   prefill_case<bf16>(Kv::Bf16, 64, 16, 100, r);
   prefill_case<bf16>(Kv::Bf16, 128, 16, 0, r);
   prefill_case<float>(Kv::F32, 64, 16, 0, r);
+  prefill_case<float>(Kv::F32, 128, 3, 20, r);
+  prefill_case<bf16>(Kv::Bf16, 64, 1, 0, r);
   prefill_case<unsigned char>(Kv::Fp8, 64, 16, 0, r);
   prefill_case<unsigned char>(Kv::Fp8, 128, 8, 70, r);
   prefill_case<bf16>(Kv::Bf16, 128, 16, 0, r, 7);

@@ -925,7 +925,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
           for (int nt = 0; nt < NK / 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-              float v = s[mt][nt][e] * scale_log2;
+              float v = __fmul_rn(s[mt][nt][e], scale_log2);  // never fused into the exponent's FMA
               s[mt][nt][e] = v;
               if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
             }
@@ -938,7 +938,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
               int key = kt + nt * 8 + 2 * tq + (e & 1);
               int qp = e < 2 ? qp0 : qp1;
               bool ok = key <= qp && (window <= 0 || key > qp - window);
-              float v = ok ? s[mt][nt][e] * scale_log2 : KURA_NEG_INF;
+              float v = ok ? __fmul_rn(s[mt][nt][e], scale_log2) : KURA_NEG_INF;
               s[mt][nt][e] = v;
               if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
             }

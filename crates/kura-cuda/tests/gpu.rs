@@ -204,9 +204,10 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_size_64() {
     // Every prompt's first 200 tokens in one step and the rest in a second (a cached prefix), all
-    // through the prefill kernel, narrow, then wide, then half tiles, over the same shuffled blocks. The
-    // half-tile kernel gives the narrow one's bits at every head size; the wide one at head size 64, and
-    // the same logits within the tolerance at 128.
+    // through the prefill kernel, narrow, then wide, then half tiles, then narrow with every tile
+    // masked, over the same shuffled blocks. The half-tile kernel and the masked tiles give the narrow
+    // kernel's bits at every head size; the wide one at head size 64, and the same logits within the
+    // tolerance at 128.
     let prompts = prompts();
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
@@ -226,27 +227,33 @@ fn the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_siz
                     let blocks = p.len().div_ceil(bs);
                     let table: Vec<u32> = (1..=blocks as u32).rev().collect();
                     // Each run writes every position's K and V again before it reads them.
-                    let mut run = |kernel: PrefillKernel| {
+                    let mut run = |kernel: PrefillKernel, mask_all: bool| {
                         gpu.set_prefill_kernel(kernel);
+                        gpu.set_mask_all_tiles(mask_all);
                         gpu.forward_logits(&[SeqInput::new(&p[..200], 0, &table)])
                             .unwrap();
                         gpu.forward_logits(&[SeqInput::new(&p[200..], 200, &table)])
                             .unwrap()
                     };
-                    let narrow = run(PrefillKernel::Narrow);
-                    let wide = run(PrefillKernel::Wide);
-                    let half = run(PrefillKernel::Half);
-                    gpu.set_prefill_kernel(PrefillKernel::Narrow);
-                    if half
-                        .iter()
-                        .zip(&narrow)
-                        .any(|(a, b)| a.to_bits() != b.to_bits())
-                    {
-                        failures.push(format!(
-                            "{model} {} block {bs} prompt {i}: the half-tile kernel's bits differ ({:.2e})",
-                            dtype.name(),
-                            errors(&half, &narrow).0
-                        ));
+                    let narrow = run(PrefillKernel::Narrow, false);
+                    let wide = run(PrefillKernel::Wide, false);
+                    let half = run(PrefillKernel::Half, false);
+                    let masked = run(PrefillKernel::Narrow, true);
+                    for (what, got) in [
+                        ("the half-tile kernel", &half),
+                        ("masking every tile", &masked),
+                    ] {
+                        if got
+                            .iter()
+                            .zip(&narrow)
+                            .any(|(a, b)| a.to_bits() != b.to_bits())
+                        {
+                            failures.push(format!(
+                                "{model} {} block {bs} prompt {i}: {what} changes the bits ({:.2e})",
+                                dtype.name(),
+                                errors(got, &narrow).0
+                            ));
+                        }
                     }
                     let (rel, max) = errors(&wide, &narrow);
                     let same = wide
