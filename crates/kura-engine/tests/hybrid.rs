@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kura_engine::{
     start_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, MissReason, ModelCodec,
-    RequestGuard, Usage,
+    PinSpec, RequestGuard, Usage,
 };
 use kura_kv::codec::KvDtype;
 use kura_model::{LoadOptions, Model, WeightsDtype};
@@ -29,6 +29,17 @@ fn tiny(name: &str) -> Arc<Model> {
 
 /// An engine over a hybrid pool of `pages` pages (one layer of `block` tokens each), f32 KV.
 fn engine(model: &Arc<Model>, block: usize, pages: u64, batched: usize) -> EngineHandle {
+    engine_with(model, block, pages, batched, |_| {})
+}
+
+/// [`engine`] with its configuration changed by `adjust`.
+fn engine_with(
+    model: &Arc<Model>,
+    block: usize,
+    pages: u64,
+    batched: usize,
+    adjust: impl FnOnce(&mut EngineConfig),
+) -> EngineHandle {
     let layout = model.kv_layout(KvDtype::F32, block).unwrap();
     let window = layout
         .window_pool(pages * layout.layer_bytes_per_block(0))
@@ -50,6 +61,8 @@ fn engine(model: &Arc<Model>, block: usize, pages: u64, batched: usize) -> Engin
         window: Some(window),
         ..EngineConfig::default()
     };
+    let mut config = config;
+    adjust(&mut config);
     start_engine(
         config,
         Box::new(kura_model::ModelExecutor::new(model.clone(), storage)),
@@ -225,5 +238,37 @@ fn a_pool_too_small_to_keep_windows_still_gives_the_cold_tokens() {
     assert_eq!(metric(&e, "kura:kv_pages_total"), 60.0);
     // Idle, every page is free or kept for a cached block (full pages of cached blocks, idle windows).
     assert!(metric(&e, "kura:kv_pages_free") + metric(&e, "kura:kv_pages_idle_window") <= 60.0);
+    e.stop();
+}
+
+/// A request running alone whose output outgrows the pages the pins leave (but fits the pool) failed
+/// with CannotFit: it steps back to the queue, and a pin gives way, as in a pool of whole blocks.
+#[test]
+fn pins_give_way_to_a_lone_request_that_outgrows_the_pages_they_leave() {
+    let model = tiny("tiny-qwen2-swa");
+    // One full layer and one sliding one (window 8), blocks of 2 tokens: a sequence takes a page of
+    // the full layer for each of its blocks and about 5 of the sliding one.
+    let e = engine_with(&model, 2, 80, 64, |c| c.pin_budget_blocks = Some(40));
+    let doc = prompt(60, 11);
+    let mut r = GenerateRequest::greedy(doc.clone(), 1);
+    r.cache_salt = Some("t".into());
+    r.pins = vec![PinSpec {
+        tokens: doc.len(),
+        expires_at_ms: e.cache_now_ms() + 600_000,
+        persist: false,
+    }];
+    let (_g, rx) = submit(&e, r);
+    wait(&rx);
+    assert!(metric(&e, "kura:kv_pinned_blocks") >= 29.0);
+    // 20 tokens of prompt fit beside the pin; with 70 of output the sequence takes 45 pages of the
+    // full layer and about 5 of the sliding one: more than the 80 less the pin's 35 or so, less than 80.
+    let grows = prompt(20, 12);
+    let (tokens, _) = run(&e, &grows, "u", 70);
+    assert_eq!(tokens.len(), 70);
+    assert_eq!(metric(&e, "kura:kv_pins_demoted_total"), 1.0);
+    // The same tokens as on a pool without pins.
+    let fresh = engine(&model, 2, 80, 64);
+    assert_eq!(run(&fresh, &grows, "u", 70).0, tokens);
+    fresh.stop();
     e.stop();
 }

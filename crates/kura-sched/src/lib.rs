@@ -779,12 +779,7 @@ impl Scheduler {
             }
             let request = seq.request;
             let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
-            // (Not in a hybrid pool, whose pages run out before its logical blocks do: there the
-            // block count says nothing of whether the sequence could ever fit.)
-            let pinned_room = self.kv.page_usage().is_none()
-                && self.kv.usage().pinned_idle_blocks > 0
-                && needed_blocks <= self.config.num_blocks;
-            if self.running.len() == 1 && !pinned_room {
+            if self.running.len() == 1 && !self.pins_hold_room(needed_blocks) {
                 // Alone and still out of blocks: it can never fit (admission checks make this rare:
                 // only when the pool is smaller than one request's prompt plus output). Where pins
                 // hold the room it lacks, it steps back instead (below): with nothing running and the
@@ -830,18 +825,32 @@ impl Scheduler {
                 continue;
             }
             if self.running.len() == 1 && self.kv.page_usage().is_some() {
-                // Alone, and not even one token's window fits: the pool is smaller than one window.
                 let request = self.seqs[&key].request;
                 let needed_blocks = self.seqs[&key].tokens.len().div_ceil(self.kv.block_size());
-                self.remove_request(request);
-                plan.events.push(SchedEvent::CannotFit {
-                    request,
-                    needed_blocks,
-                    total_blocks: self.config.num_blocks,
-                });
+                if self.pins_hold_room(needed_blocks) {
+                    // Pins hold the pages it lacks: it steps back, and the engine has a pin give way.
+                    self.preempt(key, plan);
+                } else {
+                    // Alone, and not even one token's window fits: the pool is smaller than one window.
+                    self.remove_request(request);
+                    plan.events.push(SchedEvent::CannotFit {
+                        request,
+                        needed_blocks,
+                        total_blocks: self.config.num_blocks,
+                    });
+                }
             }
             return None;
         }
+    }
+
+    /// Whether pinned blocks that no sequence uses hold room a sequence of `needed_blocks` blocks, alone
+    /// and out of room, could have if they gave way: then it steps back to the queue rather than fail,
+    /// and with nothing running the engine has a pin give way (one a pass, until it fits or no pin is
+    /// left). In a hybrid pool the pins' blocks hold pages of every layer, which run out before the
+    /// logical blocks do.
+    fn pins_hold_room(&self, needed_blocks: usize) -> bool {
+        self.kv.usage().pinned_idle_blocks > 0 && needed_blocks <= self.config.num_blocks
     }
 
     /// The layer pages of a running sequence's blocks (see `KvCacheManager::layer_pages`), into `out`;
