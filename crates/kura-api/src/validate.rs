@@ -31,6 +31,11 @@ pub const MAX_KEY_BYTES: usize = 1024;
 pub const MAX_LOGPROBS: i64 = 20;
 /// Most prompts in one `/v1/completions` request, and most choices over all of them (prompts × n).
 pub const MAX_PROMPTS: usize = 256;
+/// Most log-probabilities (each sampled token's and its alternatives') a response that is not streamed
+/// may hold: it is held whole until the request ends, a few hundred bytes a log-probability, where a
+/// stream sends them as they come. Without a bound one request (64 choices, 20 alternatives, a long
+/// context) could hold tens of GB.
+pub const MAX_HELD_LOGPROBS: u64 = 1 << 20;
 
 /// What validation needs to know about the server.
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +51,8 @@ pub struct Ctx<'a> {
 pub struct Checked {
     /// `None`: the caller picks a default once the prompt length is known.
     pub max_tokens: Option<u32>,
+    /// The field that gave `max_tokens` (`max_tokens` or `max_completion_tokens`), for errors.
+    pub max_tokens_name: &'static str,
     pub n: u32,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
@@ -280,6 +287,7 @@ pub fn check_common(
     };
     Ok(Checked {
         max_tokens,
+        max_tokens_name,
         n,
         sampling: SamplingParams {
             temperature,
@@ -306,6 +314,45 @@ pub fn check_common(
         return_token_ids: c.return_token_ids,
         guide,
     })
+}
+
+/// The `max_tokens` of a request over `choices` choices whose response, not streamed, holds
+/// `choices × max_tokens × (1 + alternatives)` log-probabilities (`logprobs`: the alternatives a
+/// token, `None` without log-probabilities; `top_name`: the field that gave them). Past
+/// [`MAX_HELD_LOGPROBS`] a `max_tokens` the client gave is refused, naming what to lower; a default one
+/// (the context's room) is lowered to fit, and the choices end with `length` there.
+pub fn held_logprobs_max_tokens(
+    checked: &Checked,
+    choices: usize,
+    logprobs: Option<u32>,
+    top_name: &'static str,
+    max_tokens: u32,
+) -> Result<u32, ApiError> {
+    let Some(top) = logprobs else {
+        return Ok(max_tokens);
+    };
+    if checked.stream {
+        return Ok(max_tokens);
+    }
+    let per_token = (choices.max(1) as u64).saturating_mul(1 + u64::from(top));
+    let most = (MAX_HELD_LOGPROBS / per_token).max(1);
+    if u64::from(max_tokens) <= most {
+        return Ok(max_tokens);
+    }
+    if checked.max_tokens.is_none() {
+        return Ok(u32::try_from(most).unwrap_or(u32::MAX));
+    }
+    let name = checked.max_tokens_name;
+    let held = per_token.saturating_mul(u64::from(max_tokens));
+    Err(ApiError::invalid(
+        format!(
+            "a response with log-probabilities that is not streamed holds at most \
+             {MAX_HELD_LOGPROBS} of them: {choices} choice(s) × {name} {max_tokens} × (1 + \
+             {top_name} {top}) = {held}; lower {name} (at most {most} here), n or {top_name}, or \
+             stream the response"
+        ),
+        Some(name),
+    ))
 }
 
 /// `logprobs` of `/v1/completions` (0..=20 alternatives) or `top_logprobs` of chat.
@@ -708,6 +755,53 @@ mod tests {
         };
         let c = check_common(&common(r#"{"priority": -5}"#), ctx, None, "max_tokens").unwrap();
         assert_eq!(c.priority, -5);
+    }
+
+    #[test]
+    fn a_response_with_logprobs_that_is_not_streamed_holds_a_bounded_number() {
+        // 64 choices × 20 alternatives: 1 + 20 log-probabilities a token each, 780 tokens fit.
+        let chat = |extra: serde_json::Value| {
+            let mut v = serde_json::json!({"messages": [{"role": "user", "content": "x"}], "n": 64,
+                                           "logprobs": true, "top_logprobs": 20});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            prepare_chat(&v, CTX).unwrap()
+        };
+        let held = |p: &ChatPlan, m: u32| {
+            held_logprobs_max_tokens(&p.checked, 64, p.logprobs, "top_logprobs", m)
+        };
+        let given = chat(serde_json::json!({"max_completion_tokens": 1000}));
+        let e = held(&given, 1000).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("max_completion_tokens 1000") && text.contains("at most 780 here"),
+            "{text}"
+        );
+        assert_eq!(param_of(e), "max_completion_tokens");
+        assert_eq!(held(&given, 780).unwrap(), 780);
+        // The default (the context's room) is lowered to fit instead.
+        let default = chat(serde_json::json!({}));
+        assert_eq!(held(&default, 8000).unwrap(), 780);
+        // Streamed, or without log-probabilities, nothing is held: nothing changes.
+        let streamed = chat(serde_json::json!({"max_tokens": 1000, "stream": true}));
+        assert_eq!(held(&streamed, 1000).unwrap(), 1000);
+        let plain = serde_json::json!({"messages": [{"role": "user", "content": "x"}], "n": 64,
+                                       "max_tokens": 8000});
+        let plain = prepare_chat(&plain, CTX).unwrap();
+        assert_eq!(
+            held_logprobs_max_tokens(&plain.checked, 64, plain.logprobs, "top_logprobs", 8000)
+                .unwrap(),
+            8000
+        );
+        // Completions: prompts × n choices, `logprobs` alternatives.
+        let v =
+            serde_json::json!({"prompt": ["a", "b"], "n": 4, "logprobs": 5, "max_tokens": 30000});
+        let plan = prepare_completion(&v, CTX).unwrap();
+        let e = held_logprobs_max_tokens(&plan.checked, 8, plan.logprobs, "logprobs", 30000)
+            .unwrap_err();
+        assert!(e.to_string().contains("(1 + logprobs 5)"), "{e}");
+        assert_eq!(param_of(e), "max_tokens");
     }
 
     #[test]

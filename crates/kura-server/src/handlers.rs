@@ -5,6 +5,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
+use axum::http::header;
 use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -142,7 +143,7 @@ async fn start(
             .into_response())
     } else {
         let body = output::finish_before(deadline, output::collect(&meta, events)).await?;
-        Ok(Json(body).into_response())
+        Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }
 }
 
@@ -238,7 +239,13 @@ pub async fn completions(
         }
     };
     // OpenAI's default for the legacy endpoint.
-    let max_tokens = plan.checked.max_tokens.unwrap_or(16);
+    let max_tokens = validate::held_logprobs_max_tokens(
+        &plan.checked,
+        prompts.len().saturating_mul(plan.checked.n as usize),
+        plan.logprobs,
+        "logprobs",
+        plan.checked.max_tokens.unwrap_or(16),
+    )?;
     let requests: Vec<GenerateRequest> = prompts
         .into_iter()
         .map(|p| {
@@ -320,10 +327,15 @@ pub async fn chat_completions(
                 .await?
             }
         };
-    let max_tokens = plan
-        .checked
-        .max_tokens
-        .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len()));
+    let max_tokens = validate::held_logprobs_max_tokens(
+        &plan.checked,
+        plan.checked.n as usize,
+        plan.logprobs,
+        "top_logprobs",
+        plan.checked
+            .max_tokens
+            .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len())),
+    )?;
     let request = request_for(
         &s,
         &plan.checked,

@@ -444,8 +444,10 @@ struct ChoiceAcc {
     finish: Option<FinishReason>,
 }
 
-/// Waits for the whole request and builds the non-streaming response body.
-pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, ApiError> {
+/// Waits for the whole request and builds the non-streaming response body, serialized (straight from
+/// the typed response: a `Value` tree of a response with log-probabilities would take several times
+/// its bytes).
+pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>, ApiError> {
     let mut choices: Vec<ChoiceAcc> = (0..events.total_choices())
         .map(|_| ChoiceAcc::default())
         .collect();
@@ -479,7 +481,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
     };
     let usage = UsageBody::from(usage);
     let body = match meta.shape {
-        Shape::Completion => serde_json::to_value(CompletionResponse {
+        Shape::Completion => serde_json::to_vec(&CompletionResponse {
             id: meta.id.clone(),
             object: "text_completion",
             created: meta.created,
@@ -499,7 +501,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Value, A
                 .collect(),
             usage: Some(usage),
         }),
-        Shape::Chat => serde_json::to_value(ChatCompletionResponse {
+        Shape::Chat => serde_json::to_vec(&ChatCompletionResponse {
             id: meta.id.clone(),
             object: "chat.completion",
             created: meta.created,

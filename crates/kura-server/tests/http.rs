@@ -261,6 +261,54 @@ async fn streams_are_framed_as_server_sent_events_ending_with_done() {
         .is_empty());
 }
 
+/// A response that is not streamed holds every log-probability until the request ends: one request of
+/// 64 choices with 20 alternatives over a long context held tens of GB. Their number is bounded.
+#[tokio::test]
+async fn a_response_with_logprobs_that_is_not_streamed_holds_a_bounded_number() {
+    // Room for 64 sequences of 800 tokens at once.
+    let s = TestServer::start(Setup {
+        num_blocks: 16384,
+        ..Setup::default()
+    })
+    .await;
+    // 64 choices × 1,000 tokens × (1 + 20) log-probabilities: refused up front, naming max_tokens.
+    let body = json!({"prompt": "hi", "n": 64, "logprobs": 20, "max_tokens": 1000});
+    let r = post(&s.url("/v1/completions"), &body).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_openai_error(&e);
+    assert_eq!(e["error"]["param"], "max_tokens");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("at most 780 here") && message.contains("stream"),
+        "{message}"
+    );
+    // Streamed, the same request is served (and cancelled here by dropping it).
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = post(&s.url("/v1/completions"), &streamed).await;
+    assert_eq!(r.status(), 200);
+    drop(r);
+    // Chat without max_tokens: the context's room (about 8,000 tokens) is lowered to the 780 that fit.
+    let r = post(
+        &s.url("/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "hi"}], "n": 64, "logprobs": true,
+                "top_logprobs": 20, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 64);
+    for c in choices {
+        assert_eq!(c["finish_reason"], "length");
+        let content = c["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 780);
+        assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 20);
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 64 * 780);
+}
+
 #[tokio::test]
 async fn a_list_of_prompts_gets_choices_numbered_prompt_major() {
     let s = TestServer::start(Setup::default()).await;
