@@ -241,14 +241,10 @@ fn a_pool_too_small_to_keep_windows_still_gives_the_cold_tokens() {
     e.stop();
 }
 
-/// A request running alone whose output outgrows the pages the pins leave (but fits the pool) failed
-/// with CannotFit: it steps back to the queue, and a pin gives way, as in a pool of whole blocks.
-#[test]
-fn pins_give_way_to_a_lone_request_that_outgrows_the_pages_they_leave() {
-    let model = tiny("tiny-qwen2-swa");
-    // One full layer and one sliding one (window 8), blocks of 2 tokens: a sequence takes a page of
-    // the full layer for each of its blocks and about 5 of the sliding one.
-    let e = engine_with(&model, 2, 80, 64, |c| c.pin_budget_blocks = Some(40));
+/// A pool of 80 pages (blocks of 2 tokens over one full and one sliding layer) with a 60-token prompt
+/// pinned: about 35 of its pages held.
+fn hybrid_pool_with_a_pin(model: &Arc<Model>) -> EngineHandle {
+    let e = engine_with(model, 2, 80, 64, |c| c.pin_budget_blocks = Some(40));
     let doc = prompt(60, 11);
     let mut r = GenerateRequest::greedy(doc.clone(), 1);
     r.cache_salt = Some("t".into());
@@ -260,6 +256,15 @@ fn pins_give_way_to_a_lone_request_that_outgrows_the_pages_they_leave() {
     let (_g, rx) = submit(&e, r);
     wait(&rx);
     assert!(metric(&e, "kura:kv_pinned_blocks") >= 29.0);
+    e
+}
+
+/// A request running alone whose output outgrows the pages the pins leave (but fits the pool) failed
+/// with CannotFit: it steps back to the queue, and a pin gives way, as in a pool of whole blocks.
+#[test]
+fn pins_give_way_to_a_lone_request_that_outgrows_the_pages_they_leave() {
+    let model = tiny("tiny-qwen2-swa");
+    let e = hybrid_pool_with_a_pin(&model);
     // 20 tokens of prompt fit beside the pin; with 70 of output the sequence takes 45 pages of the
     // full layer and about 5 of the sliding one: more than the 80 less the pin's 35 or so, less than 80.
     let grows = prompt(20, 12);
@@ -270,5 +275,52 @@ fn pins_give_way_to_a_lone_request_that_outgrows_the_pages_they_leave() {
     let fresh = engine(&model, 2, 80, 64);
     assert_eq!(run(&fresh, &grows, "u", 70).0, tokens);
     fresh.stop();
+    e.stop();
+}
+
+/// The same, with smaller requests arriving all along beside it (a few always in flight): they run,
+/// and the one that steps back for the pins' room still gets it, while they keep coming (a pass where
+/// it steps back admits no one else, so that a pin gives way).
+#[test]
+fn a_request_that_steps_back_for_pins_is_not_starved_by_others() {
+    let model = tiny("tiny-qwen2-swa");
+    let e = Arc::new(hybrid_pool_with_a_pin(&model));
+    let mut big = GenerateRequest::greedy(prompt(20, 12), 70);
+    big.cache_salt = Some("u".into());
+    big.ignore_eos = true;
+    let (_b, big_rx) = submit(&e, big);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // At most this many small requests: the feeder stops there whatever happened.
+    const MOST: u32 = 3000;
+    let feeder = {
+        let (e, done) = (e.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut sent = 0u32;
+            let mut in_flight = std::collections::VecDeque::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && sent < MOST {
+                let mut r = GenerateRequest::greedy(prompt(6, 100 + sent), 4);
+                r.cache_salt = Some("v".into());
+                r.ignore_eos = true;
+                in_flight.push_back(submit(&e, r));
+                sent += 1;
+                if in_flight.len() >= 4 {
+                    let (_g, rx) = in_flight.pop_front().unwrap();
+                    assert_eq!(wait(&rx).0.len(), 4);
+                }
+            }
+            for (_g, rx) in in_flight {
+                assert_eq!(wait(&rx).0.len(), 4);
+            }
+            sent
+        })
+    };
+    assert_eq!(wait(&big_rx).0.len(), 70);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = feeder.join().unwrap();
+    assert!(
+        sent < MOST,
+        "the request that stepped back finished only once the others stopped coming"
+    );
+    assert!(metric(&e, "kura:kv_pins_demoted_total") >= 1.0);
     e.stop();
 }

@@ -240,6 +240,9 @@ pub struct Plan {
     pub pending_waits: u64,
     /// The sequence each of `copies` is for, while the pass plans.
     copy_owners: Vec<SeqKey>,
+    /// A sequence running alone stepped back for room that pins hold: the pass admits no one else,
+    /// so that nothing runs and the engine has a pin give way.
+    waits_for_pins: bool,
 }
 
 impl Plan {
@@ -697,7 +700,10 @@ impl Scheduler {
                 continue;
             }
             if c.waiting {
-                if !admitting || self.running.len() >= self.config.max_num_seqs {
+                if !admitting
+                    || plan.waits_for_pins
+                    || self.running.len() >= self.config.max_num_seqs
+                {
                     continue;
                 }
                 match self.admit(c, &cands[i + 1..], &mut plan) {
@@ -779,7 +785,8 @@ impl Scheduler {
             }
             let request = seq.request;
             let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
-            if self.running.len() == 1 && !self.pins_hold_room(needed_blocks) {
+            let for_pins = self.pins_hold_room(needed_blocks);
+            if self.running.len() == 1 && !for_pins {
                 // Alone and still out of blocks: it can never fit (admission checks make this rare:
                 // only when the pool is smaller than one request's prompt plus output). Where pins
                 // hold the room it lacks, it steps back instead (below): with nothing running and the
@@ -791,6 +798,7 @@ impl Scheduler {
                     total_blocks: self.config.num_blocks,
                 });
             } else {
+                plan.waits_for_pins |= self.running.len() == 1;
                 self.preempt(key, plan);
             }
             return false;
@@ -829,6 +837,7 @@ impl Scheduler {
                 let needed_blocks = self.seqs[&key].tokens.len().div_ceil(self.kv.block_size());
                 if self.pins_hold_room(needed_blocks) {
                     // Pins hold the pages it lacks: it steps back, and the engine has a pin give way.
+                    plan.waits_for_pins = true;
                     self.preempt(key, plan);
                 } else {
                     // Alone, and not even one token's window fits: the pool is smaller than one window.
@@ -847,10 +856,13 @@ impl Scheduler {
     /// Whether pinned blocks that no sequence uses hold room a sequence of `needed_blocks` blocks, alone
     /// and out of room, could have if they gave way: then it steps back to the queue rather than fail,
     /// and with nothing running the engine has a pin give way (one a pass, until it fits or no pin is
-    /// left). In a hybrid pool the pins' blocks hold pages of every layer, which run out before the
-    /// logical blocks do.
+    /// left). A sequence the pool could not hold even empty ([`KvCacheManager::could_hold`]: in a
+    /// hybrid pool its pages) fails instead, leaving the pins. The test is of the sequence's length
+    /// now, not of its prompt plus `max_tokens`: its output may end sooner (an end token, a stop
+    /// string; a chat's default `max_tokens` is the whole context), so a pin may give way to a request
+    /// that then outgrows the pool anyway, one pin for each time it runs out of room.
     fn pins_hold_room(&self, needed_blocks: usize) -> bool {
-        self.kv.usage().pinned_idle_blocks > 0 && needed_blocks <= self.config.num_blocks
+        self.kv.usage().pinned_idle_blocks > 0 && self.kv.could_hold(needed_blocks)
     }
 
     /// The layer pages of a running sequence's blocks (see `KvCacheManager::layer_pages`), into `out`;

@@ -419,6 +419,22 @@ impl KvCacheManager {
             .map_or(0, |p| p.sliding.window_blocks(self.config.block_size))
     }
 
+    /// Whether one sequence of `num_blocks` blocks could be held at all, the pool otherwise empty: its
+    /// block ids, and in a hybrid pool the pages of one step (every block's full-layer pages, and its
+    /// window's parts), which run out before the block ids do.
+    pub fn could_hold(&self, num_blocks: usize) -> bool {
+        if num_blocks > self.pool.num_blocks() as usize {
+            return false;
+        }
+        match &self.pages {
+            None => true,
+            Some(p) => {
+                let parts = num_blocks.min(self.window_blocks());
+                self.pages_for_blocks(num_blocks, parts) <= p.usage().0 as usize
+            }
+        }
+    }
+
     /// Whether the pool has a sliding window paged apart.
     pub fn is_hybrid(&self) -> bool {
         self.pages.is_some()
