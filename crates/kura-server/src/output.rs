@@ -389,6 +389,17 @@ impl EventsSender {
     }
 }
 
+/// `x` as a JSON number written as the f32 it is (`-0.1`, as the typed fields beside it are written),
+/// where `Value::from` would widen it to the f64 `-0.10000000149011612`; `null` when not finite, as
+/// serde_json writes a non-finite float.
+fn f32_number(x: f32) -> Value {
+    x.to_string()
+        .parse::<f64>()
+        .ok()
+        .and_then(serde_json::Number::from_f64)
+        .map_or(Value::Null, Value::Number)
+}
+
 fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for lp in lps {
@@ -404,7 +415,7 @@ fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> CompletionLo
             } else {
                 c.text.clone()
             };
-            top.insert(key, Value::from(c.logprob));
+            top.insert(key, f32_number(c.logprob));
         }
         out.top_logprobs.push(top);
         out.text_offset.push(*offset);

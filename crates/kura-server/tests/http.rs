@@ -309,6 +309,47 @@ async fn a_response_with_logprobs_that_is_not_streamed_holds_a_bounded_number() 
     assert_eq!(v["usage"]["completion_tokens"], 64 * 780);
 }
 
+/// A token's log-probability is written once as a number of its own and once in its alternatives:
+/// both as the same f32, so that a client reads the same value from each.
+#[tokio::test]
+async fn a_tokens_logprob_reads_the_same_among_its_alternatives() {
+    let s = TestServer::start(Setup::default()).await;
+    for stream in [false, true] {
+        let r = post(
+            &s.url("/v1/completions"),
+            &json!({"prompt": "hi", "max_tokens": 5, "logprobs": 3, "temperature": 0,
+                    "stream": stream}),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        let bodies: Vec<Value> = if stream {
+            let text = r.text().await.unwrap();
+            let payloads = sse_payloads(&text);
+            payloads[..payloads.len() - 1]
+                .iter()
+                .map(|p| serde_json::from_str(p).unwrap())
+                .collect()
+        } else {
+            vec![r.json().await.unwrap()]
+        };
+        let mut seen = 0;
+        for b in &bodies {
+            for c in b["choices"].as_array().unwrap() {
+                let lp = &c["logprobs"];
+                let Some(tokens) = lp["tokens"].as_array() else {
+                    continue;
+                };
+                for (i, t) in tokens.iter().enumerate() {
+                    let top = &lp["top_logprobs"][i][t.as_str().unwrap()];
+                    assert_eq!(top, &lp["token_logprobs"][i], "stream {stream}: {lp}");
+                    seen += 1;
+                }
+            }
+        }
+        assert_eq!(seen, 5, "stream {stream}");
+    }
+}
+
 #[tokio::test]
 async fn a_list_of_prompts_gets_choices_numbered_prompt_major() {
     let s = TestServer::start(Setup::default()).await;
