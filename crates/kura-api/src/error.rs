@@ -271,11 +271,13 @@ impl From<RequestError> for ApiError {
             // The request was accepted and then cut at the end of the shutdown grace.
             RequestError::ShuttingDown => ApiError::CancelledAtShutdown,
             RequestError::EngineFailed(m) => ApiError::EngineFailed(m),
-            RequestError::CannotFit { .. } => ApiError::InvalidRequest {
-                message: e.to_string(),
-                param: Some("max_tokens"),
-                code: Some("kv_cache_capacity_exceeded"),
-            },
+            RequestError::CannotFit { .. } | RequestError::CannotFitPages { .. } => {
+                ApiError::InvalidRequest {
+                    message: e.to_string(),
+                    param: Some("max_tokens"),
+                    code: Some("kv_cache_capacity_exceeded"),
+                }
+            }
             // The request's own grammar could go no further (a limit of llguidance's reached while
             // generating): the request's to change, as a grammar refused when it was compiled.
             RequestError::Constraint(_) => ApiError::invalid(e.to_string(), None),

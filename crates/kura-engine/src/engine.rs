@@ -924,13 +924,20 @@ impl Core {
                 request,
                 needed_blocks,
                 total_blocks,
-            } => self.fail_group(
-                request,
-                RequestError::CannotFit {
-                    needed_blocks,
-                    total_blocks,
-                },
-            ),
+            } => {
+                let error = match self.sched.kv().pages_to_hold(needed_blocks) {
+                    Some((needed_pages, total_pages)) => RequestError::CannotFitPages {
+                        needed_blocks,
+                        needed_pages,
+                        total_pages,
+                    },
+                    None => RequestError::CannotFit {
+                        needed_blocks,
+                        total_blocks,
+                    },
+                };
+                self.fail_group(request, error)
+            }
         }
     }
 

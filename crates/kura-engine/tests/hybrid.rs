@@ -324,3 +324,31 @@ fn a_request_that_steps_back_for_pins_is_not_starved_by_others() {
     assert!(metric(&e, "kura:kv_pins_demoted_total") >= 1.0);
     e.stop();
 }
+
+/// A request whose blocks fit the logical pool but whose pages do not fails naming the pages, not the
+/// blocks (it said "needs 76 KV blocks at once but the pool has only 80").
+#[test]
+fn a_request_too_large_for_the_pages_is_told_so_in_pages() {
+    let model = tiny("tiny-qwen2-swa");
+    let e = engine(&model, 2, 80, 64);
+    // 156 tokens: 78 of the 80 logical blocks; their pages of the full layer and the window's parts of
+    // the sliding one are more than the 80 pages.
+    let mut r = GenerateRequest::greedy(prompt(20, 13), 136);
+    r.ignore_eos = true;
+    let (_g, rx) = submit(&e, r);
+    let failed = loop {
+        match rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("engine answers")
+        {
+            EngineEvent::Failed(e) => break e.to_string(),
+            EngineEvent::Done { .. } => panic!("a request larger than the pool's pages finished"),
+            _ => {}
+        }
+    };
+    assert!(
+        failed.contains("KV pages at once") && failed.contains("the pool has only 80"),
+        "{failed}"
+    );
+    e.stop();
+}

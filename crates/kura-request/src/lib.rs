@@ -349,6 +349,18 @@ pub enum RequestError {
         needed_blocks: usize,
         total_blocks: usize,
     },
+    /// The same in a pool whose sliding-window layers are paged apart (Gemma 3's), where pages of
+    /// layers run out before block ids do.
+    #[error(
+        "the request needs {needed_pages} KV pages at once (its {needed_blocks} blocks' pages of the \
+         full-attention layers and its window's of the sliding ones) but the pool has only \
+         {total_pages}; lower max_tokens or n, or raise --kv-cache-memory"
+    )]
+    CannotFitPages {
+        needed_blocks: usize,
+        needed_pages: usize,
+        total_pages: usize,
+    },
 }
 
 /// Where the engine sends a request's events. `send` returns `false` when the reader is gone, which

@@ -420,19 +420,23 @@ impl KvCacheManager {
     }
 
     /// Whether one sequence of `num_blocks` blocks could be held at all, the pool otherwise empty: its
-    /// block ids, and in a hybrid pool the pages of one step (every block's full-layer pages, and its
-    /// window's parts), which run out before the block ids do.
+    /// block ids, and in a hybrid pool the pages of one step, which run out before the block ids do.
     pub fn could_hold(&self, num_blocks: usize) -> bool {
-        if num_blocks > self.pool.num_blocks() as usize {
-            return false;
-        }
-        match &self.pages {
-            None => true,
-            Some(p) => {
-                let parts = num_blocks.min(self.window_blocks());
-                self.pages_for_blocks(num_blocks, parts) <= p.usage().0 as usize
-            }
-        }
+        num_blocks <= self.pool.num_blocks() as usize
+            && self
+                .pages_to_hold(num_blocks)
+                .is_none_or(|(needed, total)| needed <= total)
+    }
+
+    /// In a hybrid pool, the pages one step of a sequence of `num_blocks` blocks takes (every block's
+    /// full-layer pages, and its window's parts) and the pool's pages; `None` in other pools.
+    pub fn pages_to_hold(&self, num_blocks: usize) -> Option<(usize, usize)> {
+        let p = self.pages.as_ref()?;
+        let parts = num_blocks.min(self.window_blocks());
+        Some((
+            self.pages_for_blocks(num_blocks, parts),
+            p.usage().0 as usize,
+        ))
     }
 
     /// Whether the pool has a sliding window paged apart.
