@@ -702,6 +702,15 @@ __device__ __forceinline__ void tile_pos(const TileSrc& t, const PoolShape& p, i
     slot = kp - blk * p.block_size;
   }
 }
+// Where this thread's chunk of position kp's K row starts in a bf16 or f32 pool (its V row is
+// `kind_stride` further).
+template <int D>
+__device__ __forceinline__ size_t tile_row(const TileSrc& t, const PoolShape& p, const int* tables, int toff,
+                                           int kp) {
+  int blk, slot;
+  tile_pos(t, p, kp, blk, slot);
+  return (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
+}
 
 // K and V rows of keys kt..kt+NK (past `last`: zeros) into one stage, this thread's chunks of 8 elements.
 template <int D, int NK, int NT>
@@ -714,11 +723,7 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, 
     int key = t.key0 + n * STEP, kp = kt + key;
     bool ok = kp <= last;
     size_t at = 0;
-    if (ok) {
-      int blk, slot;
-      tile_pos(t, p, kp, blk, slot);
-      at = (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
-    }
+    if (ok) at = tile_row<D>(t, p, tables, toff, kp);
     cp_async16(ks + key * KS + t.c, pool + at, ok ? 16 : 0);
     cp_async16(vs + key * KS + t.c, pool + at + t.kind_stride, ok ? 16 : 0);
   }
@@ -733,9 +738,7 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool,
     int key = t.key0 + n * STEP, kp = kt + key;
     float kf[8], vf[8];
     if (kp <= last) {
-      int blk, slot;
-      tile_pos(t, p, kp, blk, slot);
-      size_t at = (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
+      size_t at = tile_row<D>(t, p, tables, toff, kp);
       load8(pool + at, kf);
       load8(pool + at + t.kind_stride, vf);
     } else {

@@ -783,22 +783,11 @@ impl Scheduler {
                 self.preempt(victim, plan);
                 continue;
             }
-            let request = seq.request;
-            let needed_blocks = seq.tokens.len().div_ceil(self.kv.block_size());
-            let for_pins = self.pins_hold_room(needed_blocks);
-            if self.running.len() == 1 && !for_pins {
-                // Alone and still out of blocks: it can never fit (admission checks make this rare:
-                // only when the pool is smaller than one request's prompt plus output). Where pins
-                // hold the room it lacks, it steps back instead (below): with nothing running and the
-                // queue's head unable to start, the engine has a pin give way.
-                self.remove_request(request);
-                plan.events.push(SchedEvent::CannotFit {
-                    request,
-                    needed_blocks,
-                    total_blocks: self.config.num_blocks,
-                });
+            if self.running.len() == 1 {
+                // Alone and still out of blocks (admission checks make this rare: only when the pool
+                // is smaller than one request's prompt plus output).
+                self.alone_out_of_room(key, plan);
             } else {
-                plan.waits_for_pins |= self.running.len() == 1;
                 self.preempt(key, plan);
             }
             return false;
@@ -833,23 +822,31 @@ impl Scheduler {
                 continue;
             }
             if self.running.len() == 1 && self.kv.page_usage().is_some() {
-                let request = self.seqs[&key].request;
-                let needed_blocks = self.seqs[&key].tokens.len().div_ceil(self.kv.block_size());
-                if self.pins_hold_room(needed_blocks) {
-                    // Pins hold the pages it lacks: it steps back, and the engine has a pin give way.
-                    plan.waits_for_pins = true;
-                    self.preempt(key, plan);
-                } else {
-                    // Alone, and not even one token's window fits: the pool is smaller than one window.
-                    self.remove_request(request);
-                    plan.events.push(SchedEvent::CannotFit {
-                        request,
-                        needed_blocks,
-                        total_blocks: self.config.num_blocks,
-                    });
-                }
+                // Alone, and not even one token's window fits.
+                self.alone_out_of_room(key, plan);
             }
             return None;
+        }
+    }
+
+    /// A sequence running alone that cannot get the room it needs: where pins hold it
+    /// ([`Self::pins_hold_room`]) it steps back to the queue and the pass admits no one else, so that
+    /// with nothing running the engine has a pin give way; otherwise it can never fit and its request
+    /// fails with `CannotFit`.
+    fn alone_out_of_room(&mut self, key: SeqKey, plan: &mut Plan) {
+        let seq = &self.seqs[&key];
+        let (request, needed_blocks) =
+            (seq.request, seq.tokens.len().div_ceil(self.kv.block_size()));
+        if self.pins_hold_room(needed_blocks) {
+            plan.waits_for_pins = true;
+            self.preempt(key, plan);
+        } else {
+            self.remove_request(request);
+            plan.events.push(SchedEvent::CannotFit {
+                request,
+                needed_blocks,
+                total_blocks: self.config.num_blocks,
+            });
         }
     }
 
