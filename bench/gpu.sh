@@ -5,7 +5,8 @@
 # the TTFT of a 4,096-token prompt with 4,080 cached. Needs gpu-bin/ (scripts/gpu-build.sh).
 # Writes the JSON lines of both to OUT_DIR (default: a temporary folder) and prints a table. With
 # KURA_GPU_SERVE_MODEL set to a model directory, also runs `kura bench shared-prefix` against
-# `kura serve --device cuda` on that model. A step that fails or runs past its limit (KURA_BENCH_LIMIT_S,
+# `kura serve --device cuda` on that model, and `kura sim --calibrate --device cuda` then `kura sim` on the
+# same workload (bench/gpu/sim_vs_served.py prints both). A step that fails or runs past its limit (KURA_BENCH_LIMIT_S,
 # KURA_HF_LIMIT_S) does not stop the next; the script then exits 1.
 # KURA_GPU_BENCH_CONFIG overrides the model config. KURA_GPU_PREFLIGHT=1 (scripts/gpu/preflight.sh, on the
 # CPU's stand-in driver): gpu-bench at a 32nd of its lengths (--divide 32), hf_peer.py --small, and a
@@ -27,6 +28,14 @@ timeout --foreground -k 10 "${KURA_HF_LIMIT_S:-120}" python3 bench/gpu/hf_peer.p
   || failed+=("hf_peer.py (exit ${PIPESTATUS[0]}; 124: over ${KURA_HF_LIMIT_S:-120} s)")
 python3 bench/gpu/table.py "$out/kura.jsonl" "$out/hf.jsonl" || failed+=("table.py")
 if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
+  # The simulator's cost model of this GPU, timed before the server takes the device: `kura sim` then
+  # predicts the shared-prefix run below, and the two are printed side by side.
+  calibrated=""
+  timeout --foreground -k 10 "${KURA_CALIBRATE_LIMIT_S:-120}" gpu-bin/kura sim --calibrate --device cuda \
+    --model "$KURA_GPU_SERVE_MODEL" --repeats "$([ -n "$small" ] && echo 1 || echo 3)" --cost "$out/cost-cuda.json" \
+    2> "$out/calibrate.log" && calibrated=1 \
+    || { tail -5 "$out/calibrate.log" >&2; failed+=("kura sim --calibrate --device cuda"); }
+  [ -z "$calibrated" ] || grep -E '^fit:|front end' "$out/calibrate.log"
   port=8391
   pool=8GiB
   [ -z "$small" ] || pool=1GiB # the stand-in device of KURA_GPU_PREFLIGHT has 4 GiB
@@ -47,10 +56,19 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
   else
     if [ -n "$small" ]; then shape=(--groups 2 --users-per-group 4 --system-tokens 200 --question-tokens 20 --output-tokens 8)
     else shape=(--groups 4 --users-per-group 8 --system-tokens 2000 --question-tokens 50 --output-tokens 32); fi
-    gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" "${shape[@]}" --out "$out/shared-prefix" 2>&1 | tail -25 \
-      || failed+=("kura bench shared-prefix")
+    gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" "${shape[@]}" --concurrency 8 \
+      --out "$out/shared-prefix" 2>&1 | tail -25 || failed+=("kura bench shared-prefix")
     kill $serve_pid
     wait $serve_pid 2>/dev/null || true
+    blocks=$(sed -n 's/.*KV cache: \([0-9]*\) blocks.*/\1/p' "$out/serve.log" | head -1)
+    if [ -n "$calibrated" ] && [ -n "$blocks" ] && [ -f "$out/shared-prefix/run.json" ]; then
+      gpu-bin/kura sim --workload shared-prefix "${shape[@]}" --concurrency 8 --kv-blocks "$blocks" \
+        --cost "$out/cost-cuda.json" --json > "$out/sim-shared-prefix.json" \
+        && python3 bench/gpu/sim_vs_served.py "$out/sim-shared-prefix.json" "$out/shared-prefix/run.json" \
+        || failed+=("kura sim --workload shared-prefix with the GPU's cost model")
+    else
+      failed+=("kura sim against the GPU server (calibrated: ${calibrated:-no}; pool: ${blocks:-not in serve.log})")
+    fi
   fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then

@@ -9,7 +9,8 @@
 #     both attention kernels, greedy tokens cold / cached / chunked / batched / every block size, block
 #     export, import and copy-on-write, errors;
 #  3. `kura serve --device cuda` through the official openai client: exact cached_tokens, the pool against
-#     `kura plan --gpu`, and revisits served from the host tier (asynchronous copies) with the cold text;
+#     `kura plan --gpu`, revisits served from the host tier (asynchronous copies) with the cold text, and
+#     `kura generate --device cuda` giving the GPU server's prompt tokens and text;
 #  4. `kura perplexity --device cuda` on the small model: f32 KV against the f32 reference exact (the GPU
 #     path is deterministic), bf16 and fp8 finite.
 # Usage: scripts/test-gpu.sh [WORK_DIR] (default a temporary folder).

@@ -7,6 +7,8 @@ the same greedy text cold and cached. The GPU server sizes its pool as a share o
 driver's total, from the same log>` prints for the same model and flags. Then a GPU server with a small
 pool and a host tier (`--kv-host-memory`): prompts revisited after the pool evicted them come back from
 the host tier (copied asynchronously, beside other steps) with the cold text and every full block cached.
+Last, `kura generate --device cuda` on the completion's prompt: the GPU server's prompt tokens and text, at
+blocks of 16 and of 1 token (the kernels read keys in the same order whatever the block size).
 Usage: serve_check.py KURA MODEL [DEVICE] (DEVICE cuda by default; cpu runs the host-tier check alone, on
 the CPU). Exits non-zero on any failure."""
 
@@ -182,6 +184,31 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
     return []
 
 
+def check_generate(kura: str, model: str, gpu: dict, words: int = 700) -> list[str]:
+    """`kura generate --device cuda` on the prompt of `run`'s completions: the GPU server's prompt tokens and
+    greedy text (both stop at the model's end-of-sequence tokens), at blocks of 16 and of 1 token."""
+    usage, _, text, _, _, _ = gpu["completions"]
+    prompt = prompt_text(random.Random(5), words)
+    failures = []
+    for block in [BLOCK, 1]:
+        out = subprocess.run(
+            [kura, "generate", "--device", "cuda", "--model", model, "--prompt", prompt, "--max-tokens", "16",
+             "--block-size", str(block), "--json"],
+            capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            failures.append(f"kura generate --device cuda --block-size {block} failed: {out.stderr.strip()[-2000:]}")
+            continue
+        report = json.loads(out.stdout)
+        same = report["prompt_tokens"] == usage.prompt_tokens and report["text"] == text
+        print(f"kura generate --device cuda --block-size {block}: {report['prompt_tokens']} prompt tokens, "
+              f"{report['generated_tokens']} generated, TTFT {report['ttft_ms']:.1f} ms, decode "
+              f"{report['decode_tok_per_s']:.1f} tok/s; the GPU server's prompt and text: {same}")
+        if not same:
+            failures.append(f"kura generate --device cuda --block-size {block}: {report['prompt_tokens']} prompt "
+                            f"tokens and {report['text']!r}; the GPU server: {usage.prompt_tokens} and {text!r}")
+    return failures
+
+
 def compare(gpu: dict, cpu: dict) -> list[str]:
     """The GPU server's answers (`run` on cuda) against the CPU server's (`run` on cpu): the same prompt
     tokens and `cached_tokens`, cold 0 and warm every whole block but the last token's, and the same text
@@ -221,6 +248,7 @@ def main() -> int:
     failures = check_plan(kura, model, gpu_log)
     failures += check_host_tier(kura, model, "cuda")
     failures += compare(gpu, cpu)
+    failures += check_generate(kura, model, gpu)
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

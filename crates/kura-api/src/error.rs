@@ -280,7 +280,7 @@ impl From<RequestError> for ApiError {
             }
             // The request's own grammar could go no further (a limit of llguidance's reached while
             // generating): the request's to change, as a grammar refused when it was compiled.
-            RequestError::Constraint(_) => ApiError::invalid(e.to_string(), None),
+            RequestError::Constraint { param, .. } => ApiError::invalid(e.to_string(), param),
             RequestError::Model(_) => ApiError::Internal(e.to_string()),
             RequestError::ClientStalled { .. } => ApiError::ClientStalled(e.to_string()),
         }
@@ -389,6 +389,14 @@ mod tests {
             max_queue: 3,
         });
         assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
+        // A grammar that could not go on while generating names the field it came from.
+        let e = ApiError::from(RequestError::Constraint {
+            message: "no token allowed".into(),
+            param: Some("tools"),
+        });
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.body()["error"]["param"], "tools");
+        assert!(e.to_string().contains("no token allowed"), "{e}");
     }
 
     #[test]

@@ -343,9 +343,23 @@ static void gemv_case(int k, int n, int inter, int grid_blocks, Rng& r) {
   auto product = [&](const std::vector<bf16>& wt, int rows_out, const std::vector<bf16>& xn) {
     std::vector<float> y((size_t)T * rows_out, NAN);
     emu::launch({(unsigned)((rows_out + 7) / 8), 1, 1}, {256, 1, 1}, 0,
-                [&] { gemv<T>(wt.data(), xn.data(), y.data(), rows_out, k, 0); });
+                [&] { gemv<T, false>(wt.data(), xn.data(), y.data(), rows_out, k, 0); });
     return y;
   };
+  // gemv_ahead_T (the L2 window) gives gemv_T's bits, adding to y as well as writing it.
+  {
+    std::vector<bf16> xn = norm(nullptr);
+    for (int accumulate : {0, 1}) {
+      std::vector<float> y4((size_t)T * n), y8;
+      for (auto& v : y4) v = r.uniform();
+      y8 = y4;
+      dim3 g{(unsigned)((n + 7) / 8), 1, 1}, b{256, 1, 1};
+      emu::launch(g, b, 0, [&] { gemv<T, false>(w.data(), xn.data(), y4.data(), n, k, accumulate); });
+      emu::launch(g, b, 0, [&] { gemv<T, true>(w.data(), xn.data(), y8.data(), n, k, accumulate); });
+      check(same_bits(y4.data(), y8.data(), y4.size() * 4), "gemv_ahead_%d (%d rows of %d, accumulate %d): the bits of gemv_%d",
+            T, n, k, accumulate, T);
+    }
+  }
   // A fused kernel, on `grid_blocks` blocks (fewer than its rows need: grid-stride) in shuffled order.
   const dim3 g{(unsigned)grid_blocks, 1, 1};
   auto fused = [&](const std::function<void()>& kernel) {

@@ -29,7 +29,7 @@ const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N]\n  \
     sections, smaller, as the emulated device's test runs them";
 
 /// How batch-1 decode runs: (graphs, dependent launches, (fused attention, fused norms)).
-type DecodeMode = (bool, bool, (bool, bool));
+type DecodeMode = (bool, bool, (bool, bool), bool);
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -241,22 +241,24 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
     // the same with the fused decode kernels (both halves, then each alone: the attention's merge, the
-    // products' norms), graphs with plain launches, then launch by launch; three rounds of the six, the
-    // median of each.
-    let modes: [DecodeMode; 6] = [
-        (true, true, (false, false)),
-        (true, true, (true, true)),
-        (true, true, (true, false)),
-        (true, true, (false, true)),
-        (true, false, (false, false)),
-        (false, false, (false, false)),
+    // products' norms), with the products' L2 window (`gemv_ahead`), graphs with plain launches, then
+    // launch by launch; three rounds of the seven, the median of each.
+    let modes: [DecodeMode; 7] = [
+        (true, true, (false, false), false),
+        (true, true, (true, true), false),
+        (true, true, (true, false), false),
+        (true, true, (false, true), false),
+        (true, true, (false, false), true),
+        (true, false, (false, false), false),
+        (false, false, (false, false), false),
     ];
     let mut rates = vec![Vec::new(); modes.len()];
     for _ in 0..len.runs(3) {
-        for (m, (graphs, dependent, (attention, norm))) in modes.iter().enumerate() {
+        for (m, (graphs, dependent, (attention, norm), ahead)) in modes.iter().enumerate() {
             gpu.set_graphs(*graphs);
             gpu.set_dependent_launch(*dependent);
             gpu.set_fused_parts(*attention, *norm);
+            gpu.set_gemv_ahead(*ahead);
             let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
             next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx, &table)])?[0];
             let steps = len.steps;
@@ -275,19 +277,20 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     gpu.set_graphs(true);
     gpu.set_dependent_launch(true);
     gpu.set_fused_decode(false);
+    gpu.set_gemv_ahead(false);
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device(), len.copy_bytes)?;
     let bound = bandwidth / weight_bytes as f64;
     let has_dependent = gpu.device().has_dependent_launch();
     let card = gpu.device().name.clone();
     let datasheet = datasheet_tbs(&card);
-    for ((graphs, dependent, (attention, norm)), tps) in decode1 {
+    for ((graphs, dependent, (attention, norm), ahead), tps) in decode1 {
         let dependent = dependent && has_dependent;
         let fused = attention && norm;
         report.figure(format!(
             "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
              \"dependent_launch\":{dependent},\"fused\":{fused},\"fused_attention\":{attention},\
-             \"fused_norm\":{norm},\
+             \"fused_norm\":{norm},\"gemv_ahead\":{ahead},\
              \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
              \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
              \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
@@ -300,16 +303,19 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     }
 
     // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
-    // themselves in the fused path): separate kernels, then fused, three rounds of the two.
+    // themselves in the fused path): separate kernels, fused, then separate with the products' L2
+    // window; three rounds of the three.
     let per4 = (ctx + len.steps + 32).div_ceil(bs);
     let tables4: Vec<Vec<u32>> = (0..4)
         .map(|i| table[i * per4..(i + 1) * per4].to_vec())
         .collect();
     let prompts4: Vec<Vec<u32>> = (0..4).map(|i| tokens(ctx, 50 + i as u64, vocab)).collect();
-    let mut rates4 = [Vec::new(), Vec::new()];
+    let modes4 = [(false, false), (true, false), (false, true)];
+    let mut rates4 = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..len.runs(3) {
-        for (fused, rates) in rates4.iter_mut().enumerate() {
-            gpu.set_fused_decode(fused == 1);
+        for ((fused, ahead), rates) in modes4.iter().zip(rates4.iter_mut()) {
+            gpu.set_fused_decode(*fused);
+            gpu.set_gemv_ahead(*ahead);
             let items: Vec<SeqInput<'_>> = (0..4)
                 .map(|i| SeqInput::new(&prompts4[i], 0, &tables4[i]))
                 .collect();
@@ -320,11 +326,11 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         }
     }
     gpu.set_fused_decode(false);
-    for (fused, rates) in rates4.into_iter().enumerate() {
+    gpu.set_gemv_ahead(false);
+    for ((fused, ahead), rates) in modes4.into_iter().zip(rates4) {
         report.figure(format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{},\
-             \"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
-            fused == 1,
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{fused},\
+             \"gemv_ahead\":{ahead},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
             median(rates.clone())
         ))?;
     }
@@ -497,6 +503,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         for (what, items) in [
             ("decode_b1", vec![SeqInput::new(&[5], ctx, &table)]),
             ("decode_b1_fused", vec![SeqInput::new(&[5], ctx, &table)]),
+            ("decode_b1_ahead", vec![SeqInput::new(&[5], ctx, &table)]),
             ("decode_batch", b64),
             ("prefill_long", vec![SeqInput::new(&long_prompt, 0, &table)]),
             (
@@ -516,6 +523,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
                 PrefillKernel::Narrow
             });
             gpu.set_fused_decode(what.ends_with("_fused"));
+            gpu.set_gemv_ahead(what.ends_with("_ahead"));
             gpu.forward_greedy(&items)?;
             let prof = gpu.profile_greedy(&items)?;
             let total: f64 = prof.iter().map(|p| p.1).sum();

@@ -52,6 +52,14 @@ __device__ __forceinline__ void dep_launch() {
   dep_wait();      \
   dep_launch()
 
+// Asks L2 for the 128-byte line holding `p` (sm_90; nothing elsewhere, and the emulation has no
+// caches). Holds no register and changes no value.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x);
@@ -1069,7 +1077,13 @@ ATTN_PREFILL(fp8, unsigned char, 128)
 // The dot products of R ≤ 2 rows of W (`row0`, `row1`, each k long) with the T rows of x, in lane
 // `lane`'s share of k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction),
 // so that a row's sum has the same bits whichever kernel computes it.
-template <int T, int R>
+//
+// AHEAD: each chunk's load also asks L2 for the chunk 4 KiB further along its row (`prefetch`, which
+// holds no register), continuing where `gemv_prefetch` stopped. The compiler keeps only one or two
+// chunks of loads in flight a lane (it schedules them for a cache hit's latency, and the sum's order
+// is one chain), so a matrix of 4,096 rows, a warp each, has too few bytes in flight to reach the
+// memory's bandwidth; with the window each warp has 4 KiB more on the way. The same bits either way.
+template <int T, int R, bool AHEAD = false>
 __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, const bf16* x, int k, int lane,
                                           float (&acc)[R][T]) {
 #pragma unroll
@@ -1084,6 +1098,7 @@ __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, co
     float wf[R][8];
 #pragma unroll
     for (int r = 0; r < R; r++) {
+      if (AHEAD && i + 256 < k8) prefetch_l2(reinterpret_cast<const uint4*>(r == 0 ? row0 : row1) + i + 256);
       uint4 wv = __ldg(reinterpret_cast<const uint4*>(r == 0 ? row0 : row1) + i);
       const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
 #pragma unroll
@@ -1116,12 +1131,10 @@ __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, co
 // for the start of a row, a 128-byte line a lane (4 KiB: every resident warp's together stay well inside
 // L2).
 __device__ __forceinline__ void gemv_prefetch(const bf16* row, int k, int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (lane * 64 < k) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + lane * 64));
-#endif
+  if (lane * 64 < k) prefetch_l2(row + lane * 64);
 }
 
-template <int T>
+template <int T, bool AHEAD>
 __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
   int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   const bf16* row = w + (size_t)warp * k;
@@ -1129,7 +1142,7 @@ __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int a
   KURA_DEP();
   if (warp >= n) return;
   float acc[1][T];
-  gemv_dots<T, 1>(row, row, x, k, lane, acc);
+  gemv_dots<T, 1, AHEAD>(row, row, x, k, lane, acc);
   if (lane == 0) {
 #pragma unroll
     for (int t = 0; t < T; t++) {
@@ -1138,10 +1151,15 @@ __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int a
     }
   }
 }
+// gemv_ahead_T: with the L2 window of `gemv_dots`' AHEAD; `CudaExecutor::set_gemv_ahead`.
 #define GEMV(T)                                                                                              \
   extern "C" __global__ void __launch_bounds__(256) gemv_##T(const bf16* w, const bf16* x, float* y, int n,  \
                                                              int k, int accumulate) {                        \
-    gemv<T>(w, x, y, n, k, accumulate);                                                                       \
+    gemv<T, false>(w, x, y, n, k, accumulate);                                                                \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) gemv_ahead_##T(const bf16* w, const bf16* x, float* y,   \
+                                                                   int n, int k, int accumulate) {          \
+    gemv<T, true>(w, x, y, n, k, accumulate);                                                                 \
   }
 GEMV(1)
 GEMV(2)

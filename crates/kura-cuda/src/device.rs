@@ -57,6 +57,8 @@ pub struct Device {
     marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
     /// Whether Kura's launches are programmatic dependent launches now ([`Device::set_dependent`]).
     dependent: std::cell::Cell<bool>,
+    /// Whether decode products take `gemv_ahead_T` ([`Device::set_gemv_ahead`]).
+    gemv_ahead: std::cell::Cell<bool>,
     /// Blocks of a kernel resident on one multiprocessor, by (kernel, dynamic shared memory): the
     /// driver's occupancy answer, asked once.
     resident: std::cell::RefCell<HashMap<(String, u32), usize>>,
@@ -168,6 +170,7 @@ impl Device {
             setup_seconds: t0.elapsed().as_secs_f64(),
             marks: std::cell::RefCell::new(None),
             dependent: std::cell::Cell::new(false),
+            gemv_ahead: std::cell::Cell::new(false),
             resident: std::cell::RefCell::new(HashMap::new()),
             pinned: Vec::new(),
         })
@@ -180,6 +183,12 @@ impl Device {
             .strip_prefix("sm_")
             .and_then(|v| v.parse::<u32>().ok())
             .is_some_and(|v| v >= 90)
+    }
+
+    /// Decode products (at most 8 rows) through `gemv_ahead_T`, which ask L2 for each row 4 KiB ahead
+    /// of their loads: the same bits ([`crate::CudaExecutor::set_gemv_ahead`]).
+    pub fn set_gemv_ahead(&self, on: bool) {
+        self.gemv_ahead.set(on);
     }
 
     /// Launches Kura's kernels from now on as programmatic dependent launches (`on`, where the device
@@ -428,8 +437,13 @@ impl Device {
         }
         if t <= 8 && k.is_multiple_of(8) {
             let warps_per_block = 8;
+            let ahead = if self.gemv_ahead.get() {
+                "_ahead_"
+            } else {
+                "_"
+            };
             self.launch_as(
-                &format!("gemv_{t}"),
+                &format!("gemv{ahead}{t}"),
                 (n.div_ceil(warps_per_block) as u32, 1, 1),
                 32 * warps_per_block as u32,
                 0,
@@ -441,7 +455,7 @@ impl Device {
                     Arg::I32(k as i32),
                     Arg::I32(accumulate as i32),
                 ],
-                || format!("gemv {t}x{n}x{k}"),
+                || format!("gemv{} {t}x{n}x{k}", ahead.trim_end_matches('_')),
             )?;
             return Ok(());
         }
@@ -717,6 +731,7 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
+    v.extend((1..=8).map(|t| format!("gemv_ahead_{t}")));
     v.extend((1..=GEMV_NORM_MAX_TOKENS).map(|t| format!("gemv_norm_{t}")));
     v.extend((1..=GEMV_NORM_MAX_TOKENS).map(|t| format!("gemv_swiglu_norm_{t}")));
     v

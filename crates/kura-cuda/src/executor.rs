@@ -697,6 +697,16 @@ impl CudaExecutor {
         self.graphs.clear();
     }
 
+    /// The decode products (steps of at most 8 tokens) through `gemv_ahead_T`: each load of W also
+    /// asks L2 for the part of its row 4 KiB further on, so that a product of few rows (4,096, a warp
+    /// each) has more bytes on the way than the one or two loads a lane the compiler keeps in flight.
+    /// Off by default (`gemv_T`) until a GPU has timed it; the same bits either way (the GPU tests
+    /// compare the two, and `gpu-bench` times both).
+    pub fn set_gemv_ahead(&mut self, on: bool) {
+        self.dev.set_gemv_ahead(on);
+        self.graphs.clear();
+    }
+
     /// Sends sequences with at least `n` new tokens through the prefill kernel (default
     /// [`PREFILL_MIN`]): 1 sends every sequence there, `usize::MAX` none (tests compare the two).
     pub fn set_prefill_min(&mut self, n: usize) {

@@ -302,6 +302,14 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
         gpu.set_graphs(false);
         gpu.set_dependent_launch(false);
         let reference = all(&mut gpu);
+        // The kernels the first step launches, by name.
+        let launched = |g: &mut CudaExecutor| -> Vec<String> {
+            g.profile_greedy(&steps[0].1)
+                .unwrap()
+                .into_iter()
+                .map(|(kernel, _, _)| kernel)
+                .collect()
+        };
         // The kernels of a decode step, by name: the fused ones where asked for, each half alone too
         // ((fused attention, fused norms), launched, not launched).
         for ((attention, norm), wanted, gone) in [
@@ -327,12 +335,7 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
             ),
         ] {
             gpu.set_fused_parts(attention, norm);
-            let launched: Vec<String> = gpu
-                .profile_greedy(&steps[0].1)
-                .unwrap()
-                .into_iter()
-                .map(|(kernel, _, _)| kernel)
-                .collect();
+            let launched = launched(&mut gpu);
             for kernel in wanted {
                 assert!(
                     launched.iter().any(|k| k.starts_with(kernel)),
@@ -346,6 +349,29 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
                 );
             }
         }
+        // The products' L2 window: `gemv_ahead_T` launched instead of `gemv_T`, the same bits in
+        // graphs with dependent launches and launch by launch.
+        gpu.set_fused_parts(false, false);
+        gpu.set_gemv_ahead(true);
+        let launched = launched(&mut gpu);
+        assert!(
+            launched.iter().any(|k| k.starts_with("gemv_ahead")),
+            "no gemv_ahead in {launched:?}"
+        );
+        for graphs in [true, false] {
+            gpu.set_graphs(graphs);
+            gpu.set_dependent_launch(graphs);
+            let got = all(&mut gpu);
+            for (((step, _), a), b) in steps.iter().zip(&got).zip(&reference) {
+                assert!(
+                    same_bits(a, b),
+                    "{} KV, {step}, the products' L2 window, graphs {graphs}: {:.2e} from the reference",
+                    dtype.name(),
+                    rel(a, b)
+                );
+            }
+        }
+        gpu.set_gemv_ahead(false);
         // Each half alone, in graphs with dependent launches (the modes the benchmark times).
         for (attention, norm) in [(true, false), (false, true)] {
             gpu.set_fused_parts(attention, norm);
@@ -741,8 +767,8 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     assert!(got >= est && got - est < 1024, "{}", mem[0]);
 
     let decode = with("decode");
-    // (batch, graphs, dependent launches, fused attention, fused norms).
-    let modes: Vec<(u64, bool, bool, bool, bool)> = decode
+    // (batch, graphs, dependent launches, fused attention, fused norms, the products' L2 window).
+    let modes: Vec<(u64, bool, bool, bool, bool, bool)> = decode
         .iter()
         .map(|v| {
             ms(v, "tokens_per_s");
@@ -753,22 +779,25 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
                 v["dependent_launch"].as_bool().unwrap_or(true),
                 v["fused_attention"].as_bool().unwrap_or(fused),
                 v["fused_norm"].as_bool().unwrap_or(fused),
+                v["gemv_ahead"].as_bool().unwrap_or(false),
             )
         })
         .collect();
     assert_eq!(
         modes,
         [
-            (1, true, true, false, false),
-            (1, true, true, true, true),
-            (1, true, true, true, false),
-            (1, true, true, false, true),
-            (1, true, false, false, false),
-            (1, false, false, false, false),
-            (4, true, true, false, false),
-            (4, true, true, true, true),
-            (2, true, true, false, false),
-            (2, true, true, true, true),
+            (1, true, true, false, false, false),
+            (1, true, true, true, true, false),
+            (1, true, true, true, false, false),
+            (1, true, true, false, true, false),
+            (1, true, true, false, false, true),
+            (1, true, false, false, false, false),
+            (1, false, false, false, false, false),
+            (4, true, true, false, false, false),
+            (4, true, true, true, true, false),
+            (4, true, true, false, false, true),
+            (2, true, true, false, false, false),
+            (2, true, true, true, true, false),
         ]
     );
     let prefill: Vec<(u64, &str)> = with("prefill")
@@ -884,6 +913,12 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     let has = |ks: &[String], name: &str| ks.iter().any(|k| k.starts_with(name));
     let b1 = kernels("decode_b1");
     assert!(has(&b1, "rms_norm") && !has(&b1, "gemv_norm"), "{b1:?}");
+    assert!(has(&b1, "gemv ") && !has(&b1, "gemv_ahead"), "{b1:?}");
+    let ahead = kernels("decode_b1_ahead");
+    assert!(
+        has(&ahead, "gemv_ahead") && !has(&ahead, "gemv "),
+        "{ahead:?}"
+    );
     let fused = kernels("decode_b1_fused");
     assert!(
         has(&fused, "gemv_norm") && !has(&fused, "rms_norm"),

@@ -1111,6 +1111,16 @@ impl Core {
             .set(self.pins.pinned_blocks() as f64);
     }
 
+    /// Fails a group whose grammar could not go on, naming the field the grammar came from.
+    fn fail_constraint(&mut self, group_id: u64, message: String) {
+        let param = self.groups[&group_id]
+            .request
+            .constraint
+            .as_ref()
+            .and_then(|c| c.param());
+        self.fail_group(group_id, RequestError::Constraint { message, param });
+    }
+
     /// Samples the next token of one choice and hands it to the output stage; ends the choice on a stop
     /// token, at `max_tokens` or at the context limit.
     fn sample(&mut self, key: SeqKey, logits: &[f32]) {
@@ -1138,7 +1148,7 @@ impl Core {
         let token = match token {
             Ok(t) => t,
             Err(e) => {
-                self.fail_group(group_id, RequestError::Constraint(e));
+                self.fail_constraint(group_id, e);
                 return;
             }
         };
@@ -1151,7 +1161,7 @@ impl Core {
                 Ok(()) if c.is_done() => Some(FinishReason::Stop),
                 Ok(()) => None,
                 Err(e) => {
-                    self.fail_group(group_id, RequestError::Constraint(e));
+                    self.fail_constraint(group_id, e);
                     return;
                 }
             },

@@ -192,6 +192,9 @@ impl kura_engine::ConstraintSpec for FailingGrammar {
     fn start(&self) -> Result<Box<dyn kura_engine::TokenConstraint>, String> {
         Ok(Box::new(FailingWalk))
     }
+    fn param(&self) -> Option<&'static str> {
+        Some("response_format")
+    }
 }
 
 impl kura_engine::TokenConstraint for FailingWalk {
@@ -221,7 +224,11 @@ fn a_grammar_that_fails_one_choice_of_several_fails_its_request_and_the_engine_g
     r.constraint = Some(std::sync::Arc::new(FailingGrammar));
     let (_g, rx) = submit(e, r);
     match outcome(&rx).result {
-        Err(RequestError::Constraint(m)) => assert!(m.contains("60001 items"), "{m}"),
+        Err(RequestError::Constraint { message: m, param }) => {
+            assert!(m.contains("60001 items"), "{m}");
+            // The error names the field the grammar came from (the HTTP error's `param`).
+            assert_eq!(param, Some("response_format"));
+        }
         other => panic!("{other:?}"),
     }
     // The engine lives on and serves the next request.

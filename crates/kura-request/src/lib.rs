@@ -131,6 +131,11 @@ pub struct GenerateRequest {
 pub trait ConstraintSpec: Send + Sync + std::fmt::Debug {
     /// A fresh walker at the grammar's start, for one choice.
     fn start(&self) -> Result<Box<dyn TokenConstraint>, String>;
+    /// The request field the grammar came from (`response_format`, `tools`, …), named by an error
+    /// the walk meets while generating.
+    fn param(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// One choice's walk through a grammar: which tokens may come next, and the token that came.
@@ -328,8 +333,12 @@ pub enum RequestError {
     #[error("the model failed while running this request: {0}")]
     Model(String),
     /// The request's grammar (structured output, constrained tool call) could not go on.
-    #[error("the output's grammar could not go on: {0}")]
-    Constraint(String),
+    #[error("the output's grammar could not go on: {message}")]
+    Constraint {
+        message: String,
+        /// The request field the grammar came from ([`ConstraintSpec::param`]).
+        param: Option<&'static str>,
+    },
     /// The request's sink stayed full (its client stopped reading) for longer than the engine's
     /// `stalled_client_timeout`; the request was cancelled and its KV blocks freed.
     #[error(

@@ -67,7 +67,27 @@ pub(crate) async fn constraint(
                 Some(param),
             )
         })?;
-        Ok(Some(compiled as Arc<dyn ConstraintSpec>))
+        Ok(Some(Arc::new(FromParam {
+            spec: compiled,
+            param,
+        }) as Arc<dyn ConstraintSpec>))
     })
     .await
+}
+
+/// A compiled grammar and the request field it came from, which an error met while generating names.
+#[derive(Debug)]
+struct FromParam<S> {
+    spec: Arc<S>,
+    param: &'static str,
+}
+
+impl<S: ConstraintSpec> ConstraintSpec for FromParam<S> {
+    fn start(&self) -> Result<Box<dyn kura_engine::TokenConstraint>, String> {
+        self.spec.start()
+    }
+
+    fn param(&self) -> Option<&'static str> {
+        Some(self.param)
+    }
 }
