@@ -7,7 +7,7 @@
 # KURA_GPU_SERVE_MODEL set to a model directory, also runs `kura bench shared-prefix` against
 # `kura serve --device cuda` on that model, and `kura sim --calibrate --device cuda` then `kura sim` on the
 # same workload (bench/gpu/sim_vs_served.py prints both). A step that fails or runs past its limit (KURA_BENCH_LIMIT_S,
-# KURA_HF_LIMIT_S) does not stop the next; the script then exits 1.
+# KURA_HF_LIMIT_S, KURA_CALIBRATE_LIMIT_S) does not stop the next; the script then exits 1.
 # KURA_GPU_BENCH_CONFIG overrides the model config. KURA_GPU_PREFLIGHT=1 (scripts/gpu/preflight.sh, on the
 # CPU's stand-in driver): gpu-bench at a 32nd of its lengths (--divide 32), hf_peer.py --small, and a
 # smaller shared-prefix run against a 1 GiB pool.
@@ -35,7 +35,7 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
     --model "$KURA_GPU_SERVE_MODEL" --repeats "$([ -n "$small" ] && echo 1 || echo 3)" --cost "$out/cost-cuda.json" \
     2> "$out/calibrate.log" && calibrated=1 \
     || { tail -5 "$out/calibrate.log" >&2; failed+=("kura sim --calibrate --device cuda"); }
-  [ -z "$calibrated" ] || grep -E '^fit:|front end' "$out/calibrate.log"
+  if [ -n "$calibrated" ]; then grep -E '^fit:|front end' "$out/calibrate.log" || true; fi
   port=8391
   pool=8GiB
   [ -z "$small" ] || pool=1GiB # the stand-in device of KURA_GPU_PREFLIGHT has 4 GiB
@@ -58,7 +58,7 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
     else shape=(--groups 4 --users-per-group 8 --system-tokens 2000 --question-tokens 50 --output-tokens 32); fi
     gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" "${shape[@]}" --concurrency 8 \
       --out "$out/shared-prefix" 2>&1 | tail -25 || failed+=("kura bench shared-prefix")
-    kill $serve_pid
+    kill $serve_pid 2>/dev/null || true
     wait $serve_pid 2>/dev/null || true
     blocks=$(sed -n 's/.*KV cache: \([0-9]*\) blocks.*/\1/p' "$out/serve.log" | head -1)
     if [ -n "$calibrated" ] && [ -n "$blocks" ] && [ -f "$out/shared-prefix/run.json" ]; then

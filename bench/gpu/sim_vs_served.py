@@ -27,6 +27,10 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for s, r in zip(sim, run):
         m = r["summary"]
+        if not m.get("ttft_ms") or not m.get("itl_ms"):
+            print(f"sim_vs_served: the measured run has no TTFT or ITL (no request succeeded?): {m}",
+                  file=sys.stderr)
+            return 1
         pairs = [(s["ttft_ms"]["p50"], m["ttft_ms"]["p50"]), (s["ttft_ms"]["p99"], m["ttft_ms"]["p99"]),
                  (s["itl_ms"]["p50"], m["itl_ms"]["p50"]), (s["output_tokens_per_s"], m["output_tok_per_s"])]
         cells = [f"{a:,.1f} / {b:,.1f} ({a / b:.2f})" if b else f"{a:,.1f} / –" for a, b in pairs]

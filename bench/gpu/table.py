@@ -45,6 +45,8 @@ for r in kura:
             graphs += {True: ", fused kernels", False: ", separate kernels"}.get(r.get("fused"), "")
         if r.get("gemv_ahead"):
             graphs += ", L2 window"
+        if r.get("split_prefetch"):
+            graphs += ", K/V prefetch"
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
         ratio = r[unit] / p[unit] if unit in p else None
     elif r["what"] == "prefill":

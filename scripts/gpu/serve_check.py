@@ -191,14 +191,18 @@ def check_generate(kura: str, model: str, gpu: dict, words: int = 700) -> list[s
     prompt = prompt_text(random.Random(5), words)
     failures = []
     for block in [BLOCK, 1]:
-        out = subprocess.run(
-            [kura, "generate", "--device", "cuda", "--model", model, "--prompt", prompt, "--max-tokens", "16",
-             "--block-size", str(block), "--json"],
-            capture_output=True, text=True, timeout=300)
-        if out.returncode != 0:
+        try:
+            out = subprocess.run(
+                [kura, "generate", "--device", "cuda", "--model", model, "--prompt", prompt, "--max-tokens", "16",
+                 "--block-size", str(block), "--json"],
+                capture_output=True, text=True, timeout=300)
+            report = json.loads(out.stdout) if out.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError) as e:
+            failures.append(f"kura generate --device cuda --block-size {block}: {e}")
+            continue
+        if report is None:
             failures.append(f"kura generate --device cuda --block-size {block} failed: {out.stderr.strip()[-2000:]}")
             continue
-        report = json.loads(out.stdout)
         same = report["prompt_tokens"] == usage.prompt_tokens and report["text"] == text
         print(f"kura generate --device cuda --block-size {block}: {report['prompt_tokens']} prompt tokens, "
               f"{report['generated_tokens']} generated, TTFT {report['ttft_ms']:.1f} ms, decode "

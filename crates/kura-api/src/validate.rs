@@ -36,6 +36,9 @@ pub const MAX_PROMPTS: usize = 256;
 /// stream sends them as they come. Without a bound one request (64 choices, 20 alternatives, a long
 /// context) could hold tens of GB.
 pub const MAX_HELD_LOGPROBS: u64 = 1 << 20;
+/// Default of the most log-probabilities all non-streamed responses in progress may hold together
+/// (`kura serve --max-held-logprobs`): four requests at [`MAX_HELD_LOGPROBS`].
+pub const DEFAULT_SERVER_HELD_LOGPROBS: u64 = 4 * MAX_HELD_LOGPROBS;
 
 /// What validation needs to know about the server.
 #[derive(Debug, Clone, Copy)]
@@ -316,17 +319,35 @@ pub fn check_common(
     })
 }
 
+/// The log-probabilities a response over `choices` choices holds until its request ends:
+/// `choices × max_tokens × (1 + alternatives)` when it is not streamed (`logprobs`: the alternatives a
+/// token, `None` without log-probabilities), 0 otherwise.
+pub fn held_logprobs(
+    checked: &Checked,
+    choices: usize,
+    logprobs: Option<u32>,
+    max_tokens: u32,
+) -> u64 {
+    match logprobs {
+        Some(top) if !checked.stream => (choices.max(1) as u64)
+            .saturating_mul(1 + u64::from(top))
+            .saturating_mul(u64::from(max_tokens)),
+        _ => 0,
+    }
+}
+
 /// The `max_tokens` of a request over `choices` choices whose response, not streamed, holds
-/// `choices × max_tokens × (1 + alternatives)` log-probabilities (`logprobs`: the alternatives a
-/// token, `None` without log-probabilities; `top_name`: the field that gave them). Past
-/// [`MAX_HELD_LOGPROBS`] a `max_tokens` the client gave is refused, naming what to lower; a default one
-/// (the context's room) is lowered to fit, and the choices end with `length` there.
+/// [`held_logprobs`] log-probabilities (`top_name`: the field that gave the alternatives). Past
+/// `limit` (at most [`MAX_HELD_LOGPROBS`]; less where the server's own bound is lower) a `max_tokens`
+/// the client gave is refused, naming what to lower; a default one (the context's room) is lowered to
+/// fit, and the choices end with `length` there.
 pub fn held_logprobs_max_tokens(
     checked: &Checked,
     choices: usize,
     logprobs: Option<u32>,
     top_name: &'static str,
     max_tokens: u32,
+    limit: u64,
 ) -> Result<u32, ApiError> {
     let Some(top) = logprobs else {
         return Ok(max_tokens);
@@ -335,7 +356,8 @@ pub fn held_logprobs_max_tokens(
         return Ok(max_tokens);
     }
     let per_token = (choices.max(1) as u64).saturating_mul(1 + u64::from(top));
-    let most = (MAX_HELD_LOGPROBS / per_token).max(1);
+    let limit = limit.clamp(1, MAX_HELD_LOGPROBS);
+    let most = (limit / per_token).max(1);
     if u64::from(max_tokens) <= most {
         return Ok(max_tokens);
     }
@@ -347,7 +369,7 @@ pub fn held_logprobs_max_tokens(
     Err(ApiError::invalid(
         format!(
             "a response with log-probabilities that is not streamed holds at most \
-             {MAX_HELD_LOGPROBS} of them: {choices} choice(s) × {name} {max_tokens} × (1 + \
+             {limit} of them: {choices} choice(s) × {name} {max_tokens} × (1 + \
              {top_name} {top}) = {held}; lower {name} (at most {most} here), n or {top_name}, or \
              stream the response"
         ),
@@ -769,7 +791,14 @@ mod tests {
             prepare_chat(&v, CTX).unwrap()
         };
         let held = |p: &ChatPlan, m: u32| {
-            held_logprobs_max_tokens(&p.checked, 64, p.logprobs, "top_logprobs", m)
+            held_logprobs_max_tokens(
+                &p.checked,
+                64,
+                p.logprobs,
+                "top_logprobs",
+                m,
+                MAX_HELD_LOGPROBS,
+            )
         };
         let given = chat(serde_json::json!({"max_completion_tokens": 1000}));
         let e = held(&given, 1000).unwrap_err();
@@ -786,22 +815,55 @@ mod tests {
         // Streamed, or without log-probabilities, nothing is held: nothing changes.
         let streamed = chat(serde_json::json!({"max_tokens": 1000, "stream": true}));
         assert_eq!(held(&streamed, 1000).unwrap(), 1000);
+        assert_eq!(
+            held_logprobs(&streamed.checked, 64, streamed.logprobs, 1000),
+            0
+        );
         let plain = serde_json::json!({"messages": [{"role": "user", "content": "x"}], "n": 64,
                                        "max_tokens": 8000});
         let plain = prepare_chat(&plain, CTX).unwrap();
         assert_eq!(
-            held_logprobs_max_tokens(&plain.checked, 64, plain.logprobs, "top_logprobs", 8000)
-                .unwrap(),
+            held_logprobs_max_tokens(
+                &plain.checked,
+                64,
+                plain.logprobs,
+                "top_logprobs",
+                8000,
+                MAX_HELD_LOGPROBS
+            )
+            .unwrap(),
             8000
         );
         // Completions: prompts × n choices, `logprobs` alternatives.
         let v =
             serde_json::json!({"prompt": ["a", "b"], "n": 4, "logprobs": 5, "max_tokens": 30000});
         let plan = prepare_completion(&v, CTX).unwrap();
-        let e = held_logprobs_max_tokens(&plan.checked, 8, plan.logprobs, "logprobs", 30000)
-            .unwrap_err();
+        let e = held_logprobs_max_tokens(
+            &plan.checked,
+            8,
+            plan.logprobs,
+            "logprobs",
+            30000,
+            MAX_HELD_LOGPROBS,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("(1 + logprobs 5)"), "{e}");
         assert_eq!(param_of(e), "max_tokens");
+        // What the response holds: 8 choices × 100 tokens × (1 + 5); a server's lower bound applies.
+        assert_eq!(held_logprobs(&plan.checked, 8, plan.logprobs, 100), 4800);
+        assert_eq!(held_logprobs(&plan.checked, 8, None, 100), 0);
+        let e = held_logprobs_max_tokens(&plan.checked, 8, plan.logprobs, "logprobs", 100, 4000)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("at most 4000 of them")
+                && e.to_string().contains("at most 83 here"),
+            "{e}"
+        );
+        assert_eq!(
+            held_logprobs_max_tokens(&plan.checked, 8, plan.logprobs, "logprobs", 83, 4000)
+                .unwrap(),
+            83
+        );
     }
 
     #[test]

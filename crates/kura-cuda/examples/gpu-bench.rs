@@ -28,8 +28,40 @@ const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N]\n  \
     --divide N: every length, batch and step count divided by N (a power of two up to 32): the same \
     sections, smaller, as the emulated device's test runs them";
 
-/// How batch-1 decode runs: (graphs, dependent launches, (fused attention, fused norms)).
-type DecodeMode = (bool, bool, (bool, bool), bool);
+/// How a decode step runs.
+#[derive(Debug, Clone, Copy, Default)]
+struct DecodeMode {
+    graphs: bool,
+    dependent: bool,
+    /// The split-key kernel merging its splits itself (and prefetching K and V).
+    attention: bool,
+    /// The products norming their input.
+    norm: bool,
+    /// The products' L2 window (`gemv_ahead_T`).
+    ahead: bool,
+    /// The split-key kernel's prefetch of K and V alone.
+    prefetch: bool,
+}
+
+impl DecodeMode {
+    /// The default: captured graphs with dependent launches, separate kernels.
+    const DEFAULT: DecodeMode = DecodeMode {
+        graphs: true,
+        dependent: true,
+        attention: false,
+        norm: false,
+        ahead: false,
+        prefetch: false,
+    };
+
+    fn apply(&self, gpu: &mut CudaExecutor) {
+        gpu.set_graphs(self.graphs);
+        gpu.set_dependent_launch(self.dependent);
+        gpu.set_fused_parts(self.attention, self.norm);
+        gpu.set_gemv_ahead(self.ahead);
+        gpu.set_split_prefetch(self.prefetch);
+    }
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -241,24 +273,46 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
     // the same with the fused decode kernels (both halves, then each alone: the attention's merge, the
-    // products' norms), with the products' L2 window (`gemv_ahead`), graphs with plain launches, then
-    // launch by launch; three rounds of the seven, the median of each.
-    let modes: [DecodeMode; 7] = [
-        (true, true, (false, false), false),
-        (true, true, (true, true), false),
-        (true, true, (true, false), false),
-        (true, true, (false, true), false),
-        (true, true, (false, false), true),
-        (true, false, (false, false), false),
-        (false, false, (false, false), false),
+    // products' norms), with the products' L2 window (`gemv_ahead`), with the split-key kernel's K and V
+    // prefetch alone, with both, graphs with plain launches, then launch by launch; three rounds of the
+    // nine, the median of each.
+    let d = DecodeMode::DEFAULT;
+    let modes = [
+        d,
+        DecodeMode {
+            attention: true,
+            norm: true,
+            ..d
+        },
+        DecodeMode {
+            attention: true,
+            ..d
+        },
+        DecodeMode { norm: true, ..d },
+        DecodeMode { ahead: true, ..d },
+        DecodeMode {
+            prefetch: true,
+            ..d
+        },
+        DecodeMode {
+            ahead: true,
+            prefetch: true,
+            ..d
+        },
+        DecodeMode {
+            dependent: false,
+            ..d
+        },
+        DecodeMode {
+            graphs: false,
+            dependent: false,
+            ..d
+        },
     ];
     let mut rates = vec![Vec::new(); modes.len()];
     for _ in 0..len.runs(3) {
-        for (m, (graphs, dependent, (attention, norm), ahead)) in modes.iter().enumerate() {
-            gpu.set_graphs(*graphs);
-            gpu.set_dependent_launch(*dependent);
-            gpu.set_fused_parts(*attention, *norm);
-            gpu.set_gemv_ahead(*ahead);
+        for (m, mode) in modes.iter().enumerate() {
+            mode.apply(&mut gpu);
             let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
             next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx, &table)])?[0];
             let steps = len.steps;
@@ -274,23 +328,28 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         .zip(rates)
         .map(|(m, r)| (*m, median(r)))
         .collect();
-    gpu.set_graphs(true);
-    gpu.set_dependent_launch(true);
-    gpu.set_fused_decode(false);
-    gpu.set_gemv_ahead(false);
+    DecodeMode::DEFAULT.apply(&mut gpu);
     // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
     let bandwidth = copy_bandwidth(gpu.device(), len.copy_bytes)?;
     let bound = bandwidth / weight_bytes as f64;
     let has_dependent = gpu.device().has_dependent_launch();
     let card = gpu.device().name.clone();
     let datasheet = datasheet_tbs(&card);
-    for ((graphs, dependent, (attention, norm), ahead), tps) in decode1 {
-        let dependent = dependent && has_dependent;
+    for (mode, tps) in decode1 {
+        let DecodeMode {
+            graphs,
+            attention,
+            norm,
+            ahead,
+            prefetch,
+            ..
+        } = mode;
+        let dependent = mode.dependent && has_dependent;
         let fused = attention && norm;
         report.figure(format!(
             "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
              \"dependent_launch\":{dependent},\"fused\":{fused},\"fused_attention\":{attention},\
-             \"fused_norm\":{norm},\"gemv_ahead\":{ahead},\
+             \"fused_norm\":{norm},\"gemv_ahead\":{ahead},\"split_prefetch\":{prefetch},\
              \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
              \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
              \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
@@ -304,18 +363,29 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
     // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
     // themselves in the fused path): separate kernels, fused, then separate with the products' L2
-    // window; three rounds of the three.
+    // window and the split-key kernel's prefetch; three rounds of the three.
     let per4 = (ctx + len.steps + 32).div_ceil(bs);
     let tables4: Vec<Vec<u32>> = (0..4)
         .map(|i| table[i * per4..(i + 1) * per4].to_vec())
         .collect();
     let prompts4: Vec<Vec<u32>> = (0..4).map(|i| tokens(ctx, 50 + i as u64, vocab)).collect();
-    let modes4 = [(false, false), (true, false), (false, true)];
+    let modes4 = [
+        d,
+        DecodeMode {
+            attention: true,
+            norm: true,
+            ..d
+        },
+        DecodeMode {
+            ahead: true,
+            prefetch: true,
+            ..d
+        },
+    ];
     let mut rates4 = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..len.runs(3) {
-        for ((fused, ahead), rates) in modes4.iter().zip(rates4.iter_mut()) {
-            gpu.set_fused_decode(*fused);
-            gpu.set_gemv_ahead(*ahead);
+        for (mode, rates) in modes4.iter().zip(rates4.iter_mut()) {
+            mode.apply(&mut gpu);
             let items: Vec<SeqInput<'_>> = (0..4)
                 .map(|i| SeqInput::new(&prompts4[i], 0, &tables4[i]))
                 .collect();
@@ -325,12 +395,14 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             rates.push(4.0 * steps as f64 / s);
         }
     }
-    gpu.set_fused_decode(false);
-    gpu.set_gemv_ahead(false);
-    for ((fused, ahead), rates) in modes4.into_iter().zip(rates4) {
+    d.apply(&mut gpu);
+    for (mode, rates) in modes4.into_iter().zip(rates4) {
         report.figure(format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{fused},\
-             \"gemv_ahead\":{ahead},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{},\
+             \"gemv_ahead\":{},\"split_prefetch\":{},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
+            mode.attention && mode.norm,
+            mode.ahead,
+            mode.prefetch,
             median(rates.clone())
         ))?;
     }

@@ -186,7 +186,8 @@ impl Device {
     }
 
     /// Decode products (at most 8 rows) through `gemv_ahead_T`, which ask L2 for each row 4 KiB ahead
-    /// of their loads: the same bits ([`crate::CudaExecutor::set_gemv_ahead`]).
+    /// of their loads: the same bits. Graphs captured before keep the kernels they captured:
+    /// [`crate::CudaExecutor::set_gemv_ahead`] clears them.
     pub fn set_gemv_ahead(&self, on: bool) {
         self.gemv_ahead.set(on);
     }

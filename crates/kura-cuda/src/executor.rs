@@ -434,6 +434,9 @@ pub struct CudaExecutor {
     /// Whether the split-key attention merges its splits itself and prefetches K and V
     /// ([`CudaExecutor::set_fused_decode`]).
     fused_attention: bool,
+    /// The split-key kernel asks L2 for each key's K and V rows before reading them
+    /// ([`CudaExecutor::set_split_prefetch`]; also part of the fused attention).
+    split_prefetch: bool,
     /// Whether decode-sized steps' products norm their input themselves
     /// ([`CudaExecutor::set_fused_decode`]).
     fused_norm: bool,
@@ -624,6 +627,7 @@ impl CudaExecutor {
             mask_all_tiles: false,
             prefill_kernel: PrefillKernel::Narrow,
             fused_attention: false,
+            split_prefetch: false,
             fused_norm: false,
             ordered_imports: crate::libs::has_batch_copies(),
             load_copy_min: LOAD_COPY_MIN_BYTES,
@@ -660,6 +664,15 @@ impl CudaExecutor {
     pub fn set_fused_parts(&mut self, attention: bool, norm: bool) {
         self.fused_attention = attention;
         self.fused_norm = norm;
+        self.graphs.clear();
+    }
+
+    /// The split-key kernel asks L2 for each key's K and V rows as it starts (the fused attention's
+    /// prefetch, without its merge): a thread's first K line and its weighted sum's V loads then wait
+    /// on L2, not on memory. The same bits; off by default until a GPU has timed it alone
+    /// (`gpu-bench`'s `"split_prefetch"`).
+    pub fn set_split_prefetch(&mut self, on: bool) {
+        self.split_prefetch = on;
         self.graphs.clear();
     }
 
@@ -889,7 +902,7 @@ impl CudaExecutor {
         // leave one block working at the kernel's end.
         let fuse_merge = self.fused_attention && plan.max_splits <= FUSED_MERGE_MAX_SPLITS;
         let split_flags = (if fuse_merge { SPLIT_MERGE } else { 0 })
-            | (if self.fused_attention {
+            | (if self.fused_attention || self.split_prefetch {
                 SPLIT_PREFETCH
             } else {
                 0

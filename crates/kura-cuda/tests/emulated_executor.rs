@@ -349,10 +349,12 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
                 );
             }
         }
-        // The products' L2 window: `gemv_ahead_T` launched instead of `gemv_T`, the same bits in
-        // graphs with dependent launches and launch by launch.
+        // The products' L2 window (`gemv_ahead_T` launched instead of `gemv_T`) and the split-key
+        // kernel's prefetch without its merge: the same bits in graphs with dependent launches and
+        // launch by launch.
         gpu.set_fused_parts(false, false);
         gpu.set_gemv_ahead(true);
+        gpu.set_split_prefetch(true);
         let launched = launched(&mut gpu);
         assert!(
             launched.iter().any(|k| k.starts_with("gemv_ahead")),
@@ -372,6 +374,7 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
             }
         }
         gpu.set_gemv_ahead(false);
+        gpu.set_split_prefetch(false);
         // Each half alone, in graphs with dependent launches (the modes the benchmark times).
         for (attention, norm) in [(true, false), (false, true)] {
             gpu.set_fused_parts(attention, norm);
@@ -767,8 +770,10 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     assert!(got >= est && got - est < 1024, "{}", mem[0]);
 
     let decode = with("decode");
-    // (batch, graphs, dependent launches, fused attention, fused norms, the products' L2 window).
-    let modes: Vec<(u64, bool, bool, bool, bool, bool)> = decode
+    // (batch, graphs, dependent launches, fused attention, fused norms, the products' L2 window, the
+    // split-key kernel's prefetch).
+    type Mode = (u64, bool, bool, bool, bool, bool, bool);
+    let modes: Vec<Mode> = decode
         .iter()
         .map(|v| {
             ms(v, "tokens_per_s");
@@ -780,24 +785,28 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
                 v["fused_attention"].as_bool().unwrap_or(fused),
                 v["fused_norm"].as_bool().unwrap_or(fused),
                 v["gemv_ahead"].as_bool().unwrap_or(false),
+                v["split_prefetch"].as_bool().unwrap_or(false),
             )
         })
         .collect();
+    let (t, f) = (true, false);
     assert_eq!(
         modes,
         [
-            (1, true, true, false, false, false),
-            (1, true, true, true, true, false),
-            (1, true, true, true, false, false),
-            (1, true, true, false, true, false),
-            (1, true, true, false, false, true),
-            (1, true, false, false, false, false),
-            (1, false, false, false, false, false),
-            (4, true, true, false, false, false),
-            (4, true, true, true, true, false),
-            (4, true, true, false, false, true),
-            (2, true, true, false, false, false),
-            (2, true, true, true, true, false),
+            (1, t, t, f, f, f, f),
+            (1, t, t, t, t, f, f),
+            (1, t, t, t, f, f, f),
+            (1, t, t, f, t, f, f),
+            (1, t, t, f, f, t, f),
+            (1, t, t, f, f, f, t),
+            (1, t, t, f, f, t, t),
+            (1, t, f, f, f, f, f),
+            (1, f, f, f, f, f, f),
+            (4, t, t, f, f, f, f),
+            (4, t, t, t, t, f, f),
+            (4, t, t, f, f, t, t),
+            (2, t, t, f, f, f, f),
+            (2, t, t, t, t, f, f),
         ]
     );
     let prefill: Vec<(u64, &str)> = with("prefill")

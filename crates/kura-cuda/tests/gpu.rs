@@ -310,9 +310,10 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
     // of the second (the output head's rows are tokens 2 and 3); then a 20-token chunk of the third
     // (cuBLAS products; the merge still fused into the split kernel); then a decode of a fifth sequence
     // at 4,200 tokens (past 32 splits, where `attn_merge` runs again beside the fused products). Each
-    // step is run with the separate kernels, with the products' L2 window (`gemv_ahead_T`), then fused
-    // in graphs, launch by launch, and in waves of one token; every run writes the same K and V rows
-    // before reading them, so the logits must agree bit for bit.
+    // step is run with the separate kernels, with the products' L2 window (`gemv_ahead_T`) and the
+    // split-key kernel's K/V prefetch, then fused in graphs, launch by launch, and in waves of one
+    // token; every run writes the same K and V rows before reading them, so the logits must agree bit
+    // for bit.
     let prompts = prompts();
     let mut failures = Vec::new();
     for (model, dtypes) in [
@@ -367,9 +368,11 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                     "{model}: no {kernel} at 4,200 tokens in {long:?}"
                 );
             }
-            // The products' L2 window (`gemv_ahead_T`), separate kernels, in graphs: the same bits.
+            // The products' L2 window (`gemv_ahead_T`) and the split-key kernel's prefetch without
+            // its merge, separate kernels, in graphs: the same bits.
             gpu.set_fused_decode(false);
             gpu.set_gemv_ahead(true);
+            gpu.set_split_prefetch(true);
             let launched = launches(&mut gpu, &steps[0].1);
             assert!(
                 launched.iter().any(|k| k.starts_with("gemv_ahead")),
@@ -379,7 +382,7 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
             for (((step, _), a), b) in steps.iter().zip(&ahead).zip(&separate) {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                 println!(
-                    "{model} {} KV, {step}, the products' L2 window: same bits {same}",
+                    "{model} {} KV, {step}, the products' L2 window and K/V prefetch: same bits {same}",
                     dtype.name()
                 );
                 if !same {
@@ -387,6 +390,7 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                 }
             }
             gpu.set_gemv_ahead(false);
+            gpu.set_split_prefetch(false);
             gpu.set_fused_decode(true);
             for (what, graphs, cap) in [
                 ("in graphs", true, usize::MAX),

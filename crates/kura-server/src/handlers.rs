@@ -120,12 +120,41 @@ pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 
 }
 
 /// Submits one engine request per prompt and answers with the merged events, as JSON or SSE.
+/// Takes `count` of the server's log-probabilities for a response that holds them until its request
+/// ends (non-streamed, with log-probabilities; 0 takes nothing): held until the returned permit drops
+/// (the response built, or the request dropped with its connection). Over the server's bound: 429.
+fn hold_logprobs(
+    s: &AppState,
+    count: u64,
+) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ApiError> {
+    if count == 0 {
+        return Ok(None);
+    }
+    let busy = || {
+        let held = s
+            .max_held_logprobs
+            .saturating_sub(s.held_logprobs.available_permits() as u64);
+        ApiError::QueueFull(format!(
+            "responses in progress that are not streamed hold {held} of this server's {} \
+             log-probabilities, and this one needs {count}: retry later, or stream the response",
+            s.max_held_logprobs
+        ))
+    };
+    // `count` is at most `held_logprobs_limit()`, at most 2^20.
+    let n = u32::try_from(count).map_err(|_| busy())?;
+    match s.held_logprobs.clone().try_acquire_many_owned(n) {
+        Ok(permit) => Ok(Some(permit)),
+        Err(_) => Err(busy()),
+    }
+}
+
 async fn start(
     s: &AppState,
     requests: Vec<GenerateRequest>,
     meta: ResponseMeta,
     stream: bool,
     include_usage: bool,
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> Result<Response, ApiError> {
     let n = requests.first().map(|r| r.n).unwrap_or(1);
     let (mut events, sender) = Events::new(requests.len() as u32, n);
@@ -143,6 +172,8 @@ async fn start(
             .into_response())
     } else {
         let body = output::finish_before(deadline, output::collect(&meta, events)).await?;
+        // The log-probabilities are in `body` now, in the form sent.
+        drop(held);
         Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }
 }
@@ -239,12 +270,14 @@ pub async fn completions(
         }
     };
     // OpenAI's default for the legacy endpoint.
+    let choices = prompts.len().saturating_mul(plan.checked.n as usize);
     let max_tokens = validate::held_logprobs_max_tokens(
         &plan.checked,
-        prompts.len().saturating_mul(plan.checked.n as usize),
+        choices,
         plan.logprobs,
         "logprobs",
         plan.checked.max_tokens.unwrap_or(16),
+        s.held_logprobs_limit(),
     )?;
     let requests: Vec<GenerateRequest> = prompts
         .into_iter()
@@ -275,7 +308,11 @@ pub async fn completions(
         tools: None,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
-    start(&s, requests, meta, stream, include_usage).await
+    let held = hold_logprobs(
+        &s,
+        validate::held_logprobs(&plan.checked, choices, plan.logprobs, max_tokens),
+    )?;
+    start(&s, requests, meta, stream, include_usage, held).await
 }
 
 pub async fn chat_completions(
@@ -335,6 +372,7 @@ pub async fn chat_completions(
         plan.checked
             .max_tokens
             .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len())),
+        s.held_logprobs_limit(),
     )?;
     let request = request_for(
         &s,
@@ -366,7 +404,16 @@ pub async fn chat_completions(
             .map(|_| style.format),
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
-    start(&s, vec![request], meta, stream, include_usage).await
+    let held = hold_logprobs(
+        &s,
+        validate::held_logprobs(
+            &plan.checked,
+            plan.checked.n as usize,
+            plan.logprobs,
+            max_tokens,
+        ),
+    )?;
+    start(&s, vec![request], meta, stream, include_usage, held).await
 }
 
 pub async fn tokenize(

@@ -86,6 +86,10 @@ pub struct ServerConfig {
     /// Route the console (`/console` and `GET /v1/kv/summary`): behind the operator key when there is
     /// one, open when there are no keys at all, and never with tenant keys only.
     pub console: bool,
+    /// Most log-probabilities all non-streamed responses in progress may hold together (each holds
+    /// its own until its request ends); a request that would pass it gets 429, and one that needs more
+    /// alone gets 400. At least 1.
+    pub max_held_logprobs: u64,
 }
 
 /// What each tenant may hold at once. (Pins need no quota: when the pin budget is full, the tenant
@@ -123,6 +127,7 @@ impl Default for ServerConfig {
             contexts: None,
             debug_clock: false,
             console: false,
+            max_held_logprobs: validate::DEFAULT_SERVER_HELD_LOGPROBS,
         }
     }
 }
@@ -148,9 +153,18 @@ struct AppState {
     guides: guided::GuidesCell,
     /// Stored responses of `/v1/responses`.
     responses: Arc<responses::ResponseStore>,
+    /// The log-probabilities non-streamed responses in progress hold ([`ServerConfig::max_held_logprobs`]
+    /// permits; each such request holds its count until its response is built or it is dropped).
+    held_logprobs: Arc<tokio::sync::Semaphore>,
+    max_held_logprobs: u64,
 }
 
 impl AppState {
+    /// The most log-probabilities one non-streamed response may hold here.
+    fn held_logprobs_limit(&self) -> u64 {
+        self.max_held_logprobs.min(validate::MAX_HELD_LOGPROBS)
+    }
+
     fn ctx(&self) -> validate::Ctx<'_> {
         validate::Ctx {
             served_model: &self.engine.info().model_name,
@@ -201,6 +215,13 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         instance: instance_name().into(),
         guides: Arc::default(),
         responses: Arc::default(),
+        // At most the semaphore's own maximum of permits (about 2^61).
+        held_logprobs: Arc::new(tokio::sync::Semaphore::new(
+            usize::try_from(config.max_held_logprobs)
+                .unwrap_or(usize::MAX)
+                .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+        )),
+        max_held_logprobs: config.max_held_logprobs.max(1),
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))

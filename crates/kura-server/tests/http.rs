@@ -309,6 +309,85 @@ async fn a_response_with_logprobs_that_is_not_streamed_holds_a_bounded_number() 
     assert_eq!(v["usage"]["completion_tokens"], 64 * 780);
 }
 
+/// Non-streamed responses hold their log-probabilities until their requests end: together they are
+/// bounded server-wide (`ServerConfig::max_held_logprobs`). A request that would pass the bound gets
+/// 429 while others hold it, and is served once they are done or gone; streams and requests without
+/// log-probabilities are not held back; one that needs more than the bound alone gets 400.
+#[tokio::test]
+async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound() {
+    let s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            // 400 steps of 10 ms: the first request is still running while the others are sent.
+            step_delay: Duration::from_millis(10),
+            ..Behaviour::default()
+        },
+        server: ServerConfig {
+            max_held_logprobs: 1000,
+            ..Setup::default().server
+        },
+        ..Setup::default()
+    })
+    .await;
+    let url = s.url("/v1/completions");
+    // 400 tokens × (1 + 1): 800 of the 1,000 held while it runs; sent, and running.
+    let run_long = |what: &'static str| {
+        let url = url.clone();
+        let body = json!({"prompt": "hi", "max_tokens": 400, "logprobs": 1, "ignore_eos": true});
+        let s = &s;
+        async move {
+            let task = tokio::spawn(async move { post(&url, &body).await });
+            wait_for(|| s.metric("kura:num_requests_running") == 1.0, what).await;
+            task
+        }
+    };
+    let first = run_long("the first request to run").await;
+    // 100 × 2 = 200 more would make 1,000: served; 101 × 2 would pass it: 429, saying why.
+    let more = |tokens: u32| json!({"prompt": "hi", "max_tokens": tokens, "logprobs": 1});
+    let r = post(&url, &more(101)).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let e: Value = r.json().await.unwrap();
+    assert_openai_error(&e);
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("hold 800 of this server's 1000")
+            && message.contains("needs 202")
+            && message.contains("stream"),
+        "{message}"
+    );
+    assert_eq!(post(&url, &more(100)).await.status(), 200);
+    // Streamed, or without log-probabilities, nothing is held.
+    let mut streamed = more(300);
+    streamed["stream"] = json!(true);
+    let r = post(&url, &streamed).await;
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap();
+    let r = post(&url, &json!({"prompt": "hi", "max_tokens": 300})).await;
+    assert_eq!(r.status(), 200);
+    // More than the whole bound alone: 400, naming max_tokens (500 fit).
+    let r = post(&url, &more(501)).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "max_tokens");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 500 here"),
+        "{e}"
+    );
+    // The first ends: its 800 are free again.
+    assert_eq!(first.await.unwrap().status(), 200);
+    assert_eq!(post(&url, &more(500)).await.status(), 200);
+    // A client that goes away gives its share back with its request.
+    run_long("the request that goes away to run").await.abort();
+    assert!(
+        s.wait_blocks_free(PATIENCE).await,
+        "the request that went away still holds its blocks"
+    );
+    assert_eq!(post(&url, &more(500)).await.status(), 200);
+}
+
 /// A token's log-probability is written once as a number of its own and once in its alternatives:
 /// both as the same f32, so that a client reads the same value from each.
 #[tokio::test]

@@ -113,6 +113,12 @@ pub struct ServeArgs {
     /// Most KV event streams open at once (1..=1024); past it, 429.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_kv_event_streams: u64,
+    /// Most log-probabilities that non-streamed responses in progress hold together (each holds its
+    /// own until its request ends, a few hundred bytes apiece); past it, 429. One response holds at
+    /// most 1,048,576, or this where lower (1..=1073741824).
+    #[arg(long, default_value_t = kura_api::validate::DEFAULT_SERVER_HELD_LOGPROBS,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    max_held_logprobs: u64,
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -716,6 +722,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         contexts,
         debug_clock: args.debug_clock,
         console,
+        max_held_logprobs: args.max_held_logprobs,
     };
     let addr = format!("{}:{}", args.host, args.port);
     // Tokenizing a large prompt takes a core for a while: as many at once as there are cores (and at
