@@ -330,17 +330,18 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     .await;
     let url = s.url("/v1/completions");
     // 400 tokens × (1 + 1): 800 of the 1,000 held while it runs; sent, and running.
-    let run_long = |what: &'static str| {
-        let url = url.clone();
+    async fn run_long(
+        s: &TestServer,
+        url: &str,
+        what: &str,
+    ) -> tokio::task::JoinHandle<reqwest::Response> {
+        let url = url.to_string();
         let body = json!({"prompt": "hi", "max_tokens": 400, "logprobs": 1, "ignore_eos": true});
-        let s = &s;
-        async move {
-            let task = tokio::spawn(async move { post(&url, &body).await });
-            wait_for(|| s.metric("kura:num_requests_running") == 1.0, what).await;
-            task
-        }
-    };
-    let first = run_long("the first request to run").await;
+        let task = tokio::spawn(async move { post(&url, &body).await });
+        wait_for(|| s.metric("kura:num_requests_running") == 1.0, what).await;
+        task
+    }
+    let first = run_long(&s, &url, "the first request to run").await;
     // 100 × 2 = 200 more would make 1,000: served; 101 × 2 would pass it: 429, saying why.
     let more = |tokens: u32| json!({"prompt": "hi", "max_tokens": tokens, "logprobs": 1});
     let r = post(&url, &more(101)).await;
@@ -380,7 +381,9 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     assert_eq!(first.await.unwrap().status(), 200);
     assert_eq!(post(&url, &more(500)).await.status(), 200);
     // A client that goes away gives its share back with its request.
-    run_long("the request that goes away to run").await.abort();
+    run_long(&s, &url, "the request that goes away to run")
+        .await
+        .abort();
     assert!(
         s.wait_blocks_free(PATIENCE).await,
         "the request that went away still holds its blocks"
