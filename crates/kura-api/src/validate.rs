@@ -357,7 +357,18 @@ pub fn held_logprobs_max_tokens(
     }
     let per_token = (choices.max(1) as u64).saturating_mul(1 + u64::from(top));
     let limit = limit.clamp(1, MAX_HELD_LOGPROBS);
-    let most = (limit / per_token).max(1);
+    if per_token > limit {
+        // Not even one token fits: no max_tokens would do.
+        return Err(ApiError::invalid(
+            format!(
+                "a response with log-probabilities that is not streamed holds at most {limit} of \
+                 them on this server, and {choices} choice(s) × (1 + {top_name} {top}) = \
+                 {per_token} a token is more; lower n or {top_name}, or stream the response"
+            ),
+            Some(top_name),
+        ));
+    }
+    let most = limit / per_token;
     if u64::from(max_tokens) <= most {
         return Ok(max_tokens);
     }
@@ -864,6 +875,12 @@ mod tests {
                 .unwrap(),
             83
         );
+        // Not one token fits (8 × 6 = 48 a token over a bound of 40): refused naming the alternatives,
+        // whatever max_tokens.
+        let e = held_logprobs_max_tokens(&plan.checked, 8, plan.logprobs, "logprobs", 1, 40)
+            .unwrap_err();
+        assert!(e.to_string().contains("48 a token is more"), "{e}");
+        assert_eq!(param_of(e), "logprobs");
     }
 
     #[test]

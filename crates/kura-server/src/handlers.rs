@@ -9,6 +9,7 @@ use axum::http::header;
 use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use futures::StreamExt;
 use kura_engine::{ChatMessage, EngineHandle, GenerateRequest};
 
 use crate::body::JsonBody;
@@ -119,10 +120,10 @@ pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 
     room.clamp(1, u32::MAX as usize) as u32
 }
 
-/// Submits one engine request per prompt and answers with the merged events, as JSON or SSE.
-/// Takes `count` of the server's log-probabilities for a response that holds them until its request
-/// ends (non-streamed, with log-probabilities; 0 takes nothing): held until the returned permit drops
-/// (the response built, or the request dropped with its connection). Over the server's bound: 429.
+/// Takes `count` of the server's log-probabilities for a response that holds them until it is sent
+/// (non-streamed, with log-probabilities; 0 takes nothing): held until the returned permit drops (the
+/// response's body sent or dropped, or the request dropped with its connection). Over the server's
+/// bound: 429.
 fn hold_logprobs(
     s: &AppState,
     count: u64,
@@ -140,7 +141,7 @@ fn hold_logprobs(
             s.max_held_logprobs
         ))
     };
-    // `count` is at most `held_logprobs_limit()`, at most 2^20.
+    // `count` is at most `held_logprobs_limit()` (validated), at most 2^20.
     let n = u32::try_from(count).map_err(|_| busy())?;
     match s.held_logprobs.clone().try_acquire_many_owned(n) {
         Ok(permit) => Ok(Some(permit)),
@@ -148,6 +149,8 @@ fn hold_logprobs(
     }
 }
 
+/// Submits one engine request per prompt and answers with the merged events, as JSON or SSE. `held`:
+/// the response's share of the server's log-probabilities, kept until its body is sent or dropped.
 async fn start(
     s: &AppState,
     requests: Vec<GenerateRequest>,
@@ -172,10 +175,36 @@ async fn start(
             .into_response())
     } else {
         let body = output::finish_before(deadline, output::collect(&meta, events)).await?;
-        // The log-probabilities are in `body` now, in the form sent.
-        drop(held);
-        Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
+        let Some(held) = held else {
+            return Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response());
+        };
+        // The log-probabilities are in `body` now, in the form sent: it keeps their share of the
+        // bound until it has been written out (a client may read slowly) or dropped.
+        Ok(held_body(body, held))
     }
+}
+
+/// A JSON body of `bytes` that keeps `held` until the body has been sent or dropped: pieces of 64 KiB
+/// of one buffer, with its length declared.
+fn held_body(bytes: Vec<u8>, held: tokio::sync::OwnedSemaphorePermit) -> Response {
+    const PIECE: usize = 64 * 1024;
+    let len = bytes.len();
+    let bytes = axum::body::Bytes::from(bytes);
+    let pieces = (0..len)
+        .step_by(PIECE)
+        .map(move |at| Ok::<_, std::convert::Infallible>(bytes.slice(at..(at + PIECE).min(len))));
+    let stream = futures::stream::iter(pieces).map(move |piece| {
+        let _held = &held;
+        piece
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "application/json".to_string()),
+            (header::CONTENT_LENGTH, len.to_string()),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 fn request_for(

@@ -173,6 +173,14 @@ impl AppState {
     }
 }
 
+/// The permits of the semaphore that bounds held log-probabilities: `max`, at least 1 and at most the
+/// semaphore's own maximum (2^61 on 64-bit targets, 2^29 on 32-bit ones).
+fn held_logprobs_permits(max: u64) -> usize {
+    usize::try_from(max)
+        .unwrap_or(usize::MAX)
+        .clamp(1, tokio::sync::Semaphore::MAX_PERMITS)
+}
+
 /// A name for this process that a restart changes: its id and start time.
 fn instance_name() -> String {
     let nanos = SystemTime::now()
@@ -215,13 +223,10 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         instance: instance_name().into(),
         guides: Arc::default(),
         responses: Arc::default(),
-        // At most the semaphore's own maximum of permits (about 2^61).
-        held_logprobs: Arc::new(tokio::sync::Semaphore::new(
-            usize::try_from(config.max_held_logprobs)
-                .unwrap_or(usize::MAX)
-                .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
-        )),
-        max_held_logprobs: config.max_held_logprobs.max(1),
+        held_logprobs: Arc::new(tokio::sync::Semaphore::new(held_logprobs_permits(
+            config.max_held_logprobs,
+        ))),
+        max_held_logprobs: held_logprobs_permits(config.max_held_logprobs) as u64,
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))

@@ -380,10 +380,10 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     // The first ends: its 800 are free again.
     assert_eq!(first.await.unwrap().status(), 200);
     assert_eq!(post(&url, &more(500)).await.status(), 200);
-    // A client that goes away gives its share back with its request.
-    run_long(&s, &url, "the request that goes away to run")
-        .await
-        .abort();
+    // A client that goes away gives its share back with its request (taken while it ran: 429).
+    let gone = run_long(&s, &url, "the request that goes away to run").await;
+    assert_eq!(post(&url, &more(101)).await.status(), 429);
+    gone.abort();
     assert!(
         s.wait_blocks_free(PATIENCE).await,
         "the request that went away still holds its blocks"
