@@ -3,7 +3,8 @@
 What is tested: the router sends a shared prefix to the replica that holds it (KV events → index →
 cost), tenants' keys keep their prefixes apart in the router's index as in the replicas, a replica killed
 with SIGKILL in the middle of a run is drained and every request in flight there is sent again to the
-survivor, an event gap makes the router resynchronize from a snapshot, and the Anthropic API goes through.
+survivor, an event gap makes the router resynchronize from a snapshot, one server named by two addresses
+is routed as one, and the Anthropic API goes through.
 KV events are the operator's (a tenant's key gets 403) and name blocks without their tokens. The router
 holds against hostile clients as `kura serve` does: idle connections past its cap are evicted, a header
 trickle is cut, a body that does not come gets 408, a request without a key gets 401 before its body is
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import types
 
 import anthropic
 import httpx
@@ -199,6 +201,33 @@ def test_kv_routing_keeps_each_prefix_on_the_replica_that_holds_it(fleet):
     # The replicas' own counters agree with what the router saw come back.
     hits = sum(r.metrics()["kura:prefix_cache_hits_total"] for r in replicas)
     assert hits == reported
+
+
+def test_one_server_named_twice_is_routed_as_one():
+    """`localhost` and `127.0.0.1` reach the same replica: both KV snapshots name the same server
+    process, so the router marks the second address a duplicate (a metric, a warning naming both) and
+    sends every request to the first, even in turn."""
+    replica = KuraServer(*replica_args())
+    twin = types.SimpleNamespace(url=replica.url.replace("127.0.0.1", "localhost"))
+    assert twin.url != replica.url
+    router = None
+    try:
+        router = KuraRouter([replica, twin], "--policy", "round-robin")
+        m = router.wait_metric(lambda m: m["kura_router:replica_duplicate" + label(twin)] == 1)
+        assert m["kura_router:replica_duplicate" + label(replica)] == 0
+        assert m["kura_router:replica_up" + label(twin)] == 1
+        client = router.client()
+        served = [chat(client, replica.model(), f"System prompt {i}.", "Hello?")[0] for i in range(4)]
+        assert served == [0, 0, 0, 0], served
+        m = router.metrics()
+        assert m["kura_router:requests_total" + label(twin)] == 0
+        assert m["kura_router:requests_total" + label(replica)] == 4
+        log = router.log()
+        assert "list each server once" in log and twin.url in log and replica.url in log, log[-3000:]
+    finally:
+        if router:
+            router.stop()
+        replica.stop()
 
 
 def test_round_robin_scatters_what_kv_routing_keeps_together(fleet):

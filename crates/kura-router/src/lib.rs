@@ -266,7 +266,7 @@ impl Fleet {
     fn metrics_text(&self) -> String {
         let mut e = Exposition::new();
         let index = lock(&self.index);
-        let per_replica: [ReplicaMetric; 11] = [
+        let per_replica: [ReplicaMetric; 12] = [
             (
                 "kura_router:requests_total",
                 Kind::Counter,
@@ -303,6 +303,13 @@ impl Fleet {
                 Kind::Gauge,
                 "1 while the replica passes its health checks.",
                 |r| u64::from(r.is_up()),
+            ),
+            (
+                "kura_router:replica_duplicate",
+                Kind::Gauge,
+                "1 while an earlier --replica reaches the same server (the same instance): no requests \
+                 go to this address.",
+                |r| u64::from(r.is_duplicate()),
             ),
             (
                 "kura_router:replica_mark_downs_total",

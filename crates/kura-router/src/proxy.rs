@@ -177,7 +177,7 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
         .iter()
         .enumerate()
         .map(|(r, rep)| Candidate {
-            eligible: rep.is_up() && !tried[r],
+            eligible: rep.routable() && !tried[r],
             load: rep
                 .in_flight
                 .load(Ordering::Relaxed)

@@ -45,6 +45,11 @@ pub(crate) struct Replica {
     pub gaps: AtomicU64,
     /// Times the replica went from up to down.
     pub mark_downs: AtomicU64,
+    /// The server process behind the address, as its last KV snapshot named it (`instance`).
+    instance: Mutex<Option<String>>,
+    /// Whether an earlier address in `--replica` reaches the same server (the same `instance`): then
+    /// requests go there, not here, so that one server is not counted twice.
+    duplicate: AtomicBool,
     /// The last health probe made after a failed request: when, and whether the replica answered.
     probe: tokio::sync::Mutex<Option<(Instant, bool)>>,
 }
@@ -68,12 +73,25 @@ impl Replica {
             snapshots: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
             mark_downs: AtomicU64::new(0),
+            instance: Mutex::new(None),
+            duplicate: AtomicBool::new(false),
             probe: tokio::sync::Mutex::new(None),
         }
     }
 
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Acquire)
+    }
+
+    /// Whether an earlier address reaches the same server ([`Fleet::note_instance`]).
+    pub fn is_duplicate(&self) -> bool {
+        self.duplicate.load(Ordering::Acquire)
+    }
+
+    /// Whether requests may go to this address: up, and not a second address of a server listed
+    /// before it.
+    pub fn routable(&self) -> bool {
+        self.is_up() && !self.is_duplicate()
     }
 }
 
@@ -88,6 +106,37 @@ impl Fleet {
             tracing::warn!(replica = %rep.url, reason = why, "replica down: draining it");
         }
         lock(&self.index).forget(r);
+    }
+
+    /// Records the server process behind replica `r` (its snapshot's `instance`), and marks every
+    /// address that reaches the same process as an earlier one a duplicate (said once in the log, with
+    /// both addresses): the same server listed twice (`localhost` and `127.0.0.1`, say) would otherwise
+    /// count twice, its cache indexed as two and its load split in two.
+    pub(crate) fn note_instance(&self, r: usize, instance: Option<String>) {
+        *lock(&self.replicas[r].instance) = instance;
+        let names: Vec<Option<String>> = self
+            .replicas
+            .iter()
+            .map(|rep| lock(&rep.instance).clone())
+            .collect();
+        for (k, rep) in self.replicas.iter().enumerate() {
+            let first = names[k]
+                .as_ref()
+                .and_then(|name| names[..k].iter().position(|n| n.as_ref() == Some(name)));
+            let was = rep.duplicate.swap(first.is_some(), Ordering::AcqRel);
+            match (first, was) {
+                (Some(j), false) => tracing::warn!(
+                    replica = %rep.url,
+                    same_as = %self.replicas[j].url,
+                    "this replica is the server another --replica already names (the same instance): \
+                     requests go to the first address only; list each server once"
+                ),
+                (None, true) => {
+                    tracing::info!(replica = %rep.url, "this replica is a server of its own again")
+                }
+                _ => {}
+            }
+        }
     }
 
     fn check_passed(&self, r: usize) {
@@ -233,7 +282,11 @@ fn name(v: Option<&Value>, what: &str) -> Result<u128, String> {
     }
 }
 
-fn snapshot(v: &Value) -> Result<(u64, ReplicaInfo, Vec<u128>), String> {
+/// A snapshot's sequence number, what it says of the replica, its block names, and the name of the
+/// server process that sent it (`instance`; absent from older replicas).
+type Snapshot = (u64, ReplicaInfo, Vec<u128>, Option<String>);
+
+fn snapshot(v: &Value) -> Result<Snapshot, String> {
     let seq = v.get("seq").and_then(Value::as_u64).ok_or("no seq")?;
     let text = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
     let info = ReplicaInfo {
@@ -255,7 +308,11 @@ fn snapshot(v: &Value) -> Result<(u64, ReplicaInfo, Vec<u128>), String> {
         .iter()
         .map(|b| name(b.get("name"), "a block"))
         .collect::<Result<_, _>>()?;
-    Ok((seq, info, names))
+    let instance = v
+        .get("instance")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    Ok((seq, info, names, instance))
 }
 
 fn change(v: &Value) -> Result<(u64, Change), String> {
@@ -297,7 +354,7 @@ fn on_event(fleet: &Fleet, r: usize, e: &SseEvent) -> Result<(), StreamEnd> {
     };
     match e.event.as_deref() {
         Some("snapshot") => {
-            let (seq, info, names) = snapshot(&parse(&e.data)?)
+            let (seq, info, names, instance) = snapshot(&parse(&e.data)?)
                 .map_err(|m| StreamEnd::Broken(format!("snapshot: {m}")))?;
             let n = names.len();
             if !info.tenants && !fleet.config.api_keys.is_empty() {
@@ -312,6 +369,7 @@ fn on_event(fleet: &Fleet, r: usize, e: &SseEvent) -> Result<(), StreamEnd> {
             }
             lock(&fleet.index).reset(r, seq, &names);
             *lock(&rep.info) = Some(info);
+            fleet.note_instance(r, instance);
             rep.snapshots.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(replica = %rep.url, seq, blocks = n, "KV snapshot");
             Ok(())
@@ -497,8 +555,9 @@ mod tests {
                           {"name":"0000000000000000000000000000000b","tokens":[1,2,3]}]}"#,
         )
         .unwrap();
-        let (seq, info, names) = snapshot(&v).unwrap();
+        let (seq, info, names, instance) = snapshot(&v).unwrap();
         assert_eq!((seq, names), (9, vec![10, 11]));
+        assert_eq!(instance.as_deref(), Some("i"));
         assert_eq!((info.block_size, info.tenants), (16, true));
         let bad: Value = serde_json::from_str(
             r#"{"seq":1,"block_size":16,"model":"m","model_fingerprint":"f","blocks":[{"name":"g"}]}"#,
