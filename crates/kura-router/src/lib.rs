@@ -133,6 +133,10 @@ pub(crate) struct Fleet {
     config: RouterConfig,
     replicas: Vec<Replica>,
     index: Mutex<FleetIndex>,
+    /// The server process behind each replica's address, as its last KV snapshot named it
+    /// (`instance`; `None` before one): which addresses are duplicates of others
+    /// ([`Fleet::note_instance`]). Taken alone, never with another of the fleet's locks.
+    instances: Mutex<Vec<Option<String>>>,
     turn: Mutex<usize>,
     /// `prompt_cache_key` → the replica its last request went to.
     affinity: Mutex<std::collections::HashMap<proxy::AffinityKey, usize>>,
@@ -240,6 +244,7 @@ impl Fleet {
             .map_err(|e| RouterError::Config(format!("HTTP client: {e}")))?;
         Ok(Self {
             index: Mutex::new(FleetIndex::new(replicas.len())),
+            instances: Mutex::new(vec![None; replicas.len()]),
             replicas,
             turn: Mutex::new(0),
             affinity: Mutex::new(Default::default()),

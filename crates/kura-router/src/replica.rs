@@ -45,10 +45,8 @@ pub(crate) struct Replica {
     pub gaps: AtomicU64,
     /// Times the replica went from up to down.
     pub mark_downs: AtomicU64,
-    /// The server process behind the address, as its last KV snapshot named it (`instance`).
-    instance: Mutex<Option<String>>,
-    /// Whether an earlier address in `--replica` reaches the same server (the same `instance`): then
-    /// requests go there, not here, so that one server is not counted twice.
+    /// Whether an earlier address in `--replica`, up, reaches the same server (the same `instance`):
+    /// then requests go there, not here, so that one server is not counted twice.
     duplicate: AtomicBool,
     /// The last health probe made after a failed request: when, and whether the replica answered.
     probe: tokio::sync::Mutex<Option<(Instant, bool)>>,
@@ -73,7 +71,6 @@ impl Replica {
             snapshots: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
             mark_downs: AtomicU64::new(0),
-            instance: Mutex::new(None),
             duplicate: AtomicBool::new(false),
             probe: tokio::sync::Mutex::new(None),
         }
@@ -104,25 +101,31 @@ impl Fleet {
         if rep.up.swap(false, Ordering::AcqRel) {
             rep.mark_downs.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(replica = %rep.url, reason = why, "replica down: draining it");
+            // A later address of the same server may take its place.
+            self.refresh_duplicates(&lock(&self.instances));
         }
         lock(&self.index).forget(r);
     }
 
-    /// Records the server process behind replica `r` (its snapshot's `instance`), and marks every
-    /// address that reaches the same process as an earlier one a duplicate (said once in the log, with
-    /// both addresses): the same server listed twice (`localhost` and `127.0.0.1`, say) would otherwise
-    /// count twice, its cache indexed as two and its load split in two.
+    /// Records the server process behind replica `r` (its snapshot's `instance`; `Fleet::instances`)
+    /// and marks again which addresses are duplicates ([`Fleet::refresh_duplicates`]).
     pub(crate) fn note_instance(&self, r: usize, instance: Option<String>) {
-        *lock(&self.replicas[r].instance) = instance;
-        let names: Vec<Option<String>> = self
-            .replicas
-            .iter()
-            .map(|rep| lock(&rep.instance).clone())
-            .collect();
+        let mut names = lock(&self.instances);
+        names[r] = instance;
+        self.refresh_duplicates(&names);
+    }
+
+    /// Marks every address that reaches the same server process as an earlier address that is up a
+    /// duplicate, and the others not (said in the log when it changes, with both addresses): the same
+    /// server listed twice (`localhost` and `127.0.0.1`, say) would otherwise count twice, its cache
+    /// indexed as two and its load split in two. Called with `Fleet::instances` held, so that
+    /// concurrent snapshots and health changes apply one after the other; when an address goes down
+    /// or comes back, and at every snapshot.
+    fn refresh_duplicates(&self, names: &[Option<String>]) {
         for (k, rep) in self.replicas.iter().enumerate() {
-            let first = names[k]
-                .as_ref()
-                .and_then(|name| names[..k].iter().position(|n| n.as_ref() == Some(name)));
+            let first = names[k].as_ref().and_then(|name| {
+                (0..k).find(|&j| names[j].as_ref() == Some(name) && self.replicas[j].is_up())
+            });
             let was = rep.duplicate.swap(first.is_some(), Ordering::AcqRel);
             match (first, was) {
                 (Some(j), false) => tracing::warn!(
@@ -131,9 +134,10 @@ impl Fleet {
                     "this replica is the server another --replica already names (the same instance): \
                      requests go to the first address only; list each server once"
                 ),
-                (None, true) => {
-                    tracing::info!(replica = %rep.url, "this replica is a server of its own again")
-                }
+                (None, true) => tracing::info!(
+                    replica = %rep.url,
+                    "requests go to this replica again (no earlier address of its server is up)"
+                ),
                 _ => {}
             }
         }
@@ -144,6 +148,7 @@ impl Fleet {
         rep.failed_checks.store(0, Ordering::Relaxed);
         if !rep.up.swap(true, Ordering::AcqRel) {
             tracing::info!(replica = %rep.url, "replica up again");
+            self.refresh_duplicates(&lock(&self.instances));
         }
     }
 
