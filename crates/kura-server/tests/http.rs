@@ -391,6 +391,91 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     assert_eq!(post(&url, &more(500)).await.status(), 200);
 }
 
+/// A response's share of the held log-probabilities is kept until its body has been written out: a
+/// client that stops reading a body of tens of MB (more than the sockets' buffers) keeps it, and gives
+/// it back once it has read to the end.
+#[tokio::test]
+async fn a_client_that_reads_slowly_keeps_its_share_until_its_body_is_written() {
+    let s = TestServer::start(Setup {
+        num_blocks: 16384,
+        server: ServerConfig {
+            max_held_logprobs: (1 << 20) + 1000,
+            ..Setup::default().server
+        },
+        ..Setup::default()
+    })
+    .await;
+    // 64 choices × 780 tokens × (1 + 20): 1,048,320 held, 1,256 left.
+    let body = json!({"prompt": "hi", "n": 64, "logprobs": 20, "max_tokens": 780,
+                      "ignore_eos": true})
+    .to_string();
+    // A receive buffer of its own size (set before connecting, it does not grow with the kernel's
+    // autotuning): what the client does not read stays on the server's side.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    let mut slow = socket.connect(s.addr).await.unwrap();
+    slow.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // The head comes once every choice has ended; then nothing more is read for a while.
+    let mut head = vec![0u8; 4096];
+    let n = tokio::time::timeout(PATIENCE, slow.read(&mut head))
+        .await
+        .expect("the response's head")
+        .unwrap();
+    assert!(
+        head[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&head[..n])
+    );
+    let url = s.url("/v1/completions");
+    let more = json!({"prompt": "hi", "max_tokens": 700, "logprobs": 1});
+    let r = post(&url, &more).await;
+    assert_eq!(
+        r.status(),
+        429,
+        "the share went back before the body was read"
+    );
+    // Read to the end: the whole body came (more than the sockets could hold), and the share is back.
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, slow.read_to_end(&mut rest))
+        .await
+        .expect("the rest of the body")
+        .unwrap();
+    // More than a socket's send buffer holds at most by default (4 MiB) and the 64 KiB received.
+    assert!(
+        n + rest.len() > 8 << 20,
+        "a body of {} bytes",
+        n + rest.len()
+    );
+    wait_for_status(&url, &more, 200).await;
+}
+
+/// Posts `body` to `url` until it answers `status` (what another request gives back may take a moment
+/// after its client has read its response); fails after [`PATIENCE`].
+async fn wait_for_status(url: &str, body: &Value, status: u16) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let got = post(url, body).await.status();
+        if got == status {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url} answered {got}, never {status}"
+        );
+        // Poll interval: the deadline only turns a hang into a failure.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A token's log-probability is written once as a number of its own and once in its alternatives:
 /// both as the same f32, so that a client reads the same value from each.
 #[tokio::test]
