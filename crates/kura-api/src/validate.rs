@@ -349,13 +349,11 @@ pub fn held_logprobs_max_tokens(
     max_tokens: u32,
     limit: u64,
 ) -> Result<u32, ApiError> {
-    let Some(top) = logprobs else {
+    // What one token of each choice holds: 0 streamed or without log-probabilities.
+    let per_token = held_logprobs(checked, choices, logprobs, 1);
+    let (Some(top), true) = (logprobs, per_token > 0) else {
         return Ok(max_tokens);
     };
-    if checked.stream {
-        return Ok(max_tokens);
-    }
-    let per_token = (choices.max(1) as u64).saturating_mul(1 + u64::from(top));
     let limit = limit.clamp(1, MAX_HELD_LOGPROBS);
     if per_token > limit {
         // Not even one token fits: no max_tokens would do.

@@ -438,13 +438,13 @@ impl Device {
         }
         if t <= 8 && k.is_multiple_of(8) {
             let warps_per_block = 8;
-            let ahead = if self.gemv_ahead.get() {
-                "_ahead_"
+            let kernel = if self.gemv_ahead.get() {
+                "gemv_ahead"
             } else {
-                "_"
+                "gemv"
             };
             self.launch_as(
-                &format!("gemv{ahead}{t}"),
+                &format!("{kernel}_{t}"),
                 (n.div_ceil(warps_per_block) as u32, 1, 1),
                 32 * warps_per_block as u32,
                 0,
@@ -456,7 +456,7 @@ impl Device {
                     Arg::I32(k as i32),
                     Arg::I32(accumulate as i32),
                 ],
-                || format!("gemv{} {t}x{n}x{k}", ahead.trim_end_matches('_')),
+                || format!("{kernel} {t}x{n}x{k}"),
             )?;
             return Ok(());
         }

@@ -199,6 +199,7 @@ fn unix_now() -> u64 {
 
 /// The router of every route, with authentication and the body limit applied.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
+    let held_permits = held_logprobs_permits(config.max_held_logprobs);
     let state = AppState {
         engine,
         api_keys: Arc::new(
@@ -223,10 +224,8 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         instance: instance_name().into(),
         guides: Arc::default(),
         responses: Arc::default(),
-        held_logprobs: Arc::new(tokio::sync::Semaphore::new(held_logprobs_permits(
-            config.max_held_logprobs,
-        ))),
-        max_held_logprobs: held_logprobs_permits(config.max_held_logprobs) as u64,
+        held_logprobs: Arc::new(tokio::sync::Semaphore::new(held_permits)),
+        max_held_logprobs: held_permits as u64,
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))
