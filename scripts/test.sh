@@ -51,7 +51,32 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # tests, with the workspace's features. (A `cargo build -p kura` would resolve the features of that crate
 # alone and compile many dependencies a second time.)
 started=$SECONDS
-cargo test --workspace
+cargo test --workspace --no-run
+# kura-cuda's emulated executor (its kernels run on the CPU one thread at a time: one core, minutes) runs
+# beside the rest of the workspace's tests, which leave it out (`test = false` in its manifest). The
+# same package selection as the run below, so the same build.
+emulated=$(cargo test --workspace --test emulated_executor --no-run --message-format=json |
+  python3 -c 'import json, sys
+exes = [m["executable"] for m in map(json.loads, sys.stdin)
+        if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "emulated_executor"
+        and m.get("executable")]
+assert len(exes) == 1, f"expected one emulated_executor test binary, got {exes}"
+print(exes[0])')
+emulated_log=$(mktemp)
+# As cargo runs a test binary: from its package's folder.
+(cd crates/kura-cuda && exec "$emulated") >"$emulated_log" 2>&1 &
+emulated_pid=$!
+rust_rc=0
+cargo test --workspace || rust_rc=$?
+emulated_rc=0
+wait "$emulated_pid" || emulated_rc=$?
+echo "test.sh: kura-cuda's emulated executor tests ($emulated):" >&2
+cat "$emulated_log" >&2
+rm -f "$emulated_log"
+if [ "$rust_rc" -ne 0 ] || [ "$emulated_rc" -ne 0 ]; then
+  echo "test.sh: Rust tests failed (workspace exit $rust_rc, emulated executor exit $emulated_rc)" >&2
+  exit 1
+fi
 echo "test.sh: Rust build and tests took $((SECONDS - started)) s" >&2
 
 if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 2>&1; then
@@ -65,6 +90,7 @@ if [ -f tests/python/requirements.txt ] && ls tests/python/test_*.py >/dev/null 
     exit 1
   fi
   started=$SECONDS
-  KURA_BIN="$PWD/target/debug/kura" "$venv/bin/python" -m pytest -q tests/python
+  # --durations: the slowest tests in the log, where the suite's time goes.
+  KURA_BIN="$PWD/target/debug/kura" "$venv/bin/python" -m pytest -q --durations=15 tests/python
   echo "test.sh: Python tests took $((SECONDS - started)) s" >&2
 fi
