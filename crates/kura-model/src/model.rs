@@ -569,35 +569,55 @@ impl Model {
                 let x_in = norm_tokens(&lw.attn_norm, &mut row);
                 matmul_part(tm, x_in, t_total, &lw.wqkv, qkvs, false);
                 tm.sync();
+                let (cos, sin) = match (&sliding_angles, c.layer_window(li)) {
+                    (Some((cs, sn)), Some(_)) => (cs, sn),
+                    _ => (&cos, &sin),
+                };
+                let angles_of = |t: usize| {
+                    (
+                        &cos[t * half..(t + 1) * half],
+                        &sin[t * half..(t + 1) * half],
+                    )
+                };
+                // K and V of every token on thread 0, which writes them to the storage; the queries
+                // of the tokens on the other threads (on thread 0 too when it is alone). Element by
+                // element: the same bits whoever computes them.
                 if tm.index() == 0 {
                     let kv = unsafe { kvs.get_mut() };
                     let slots = &slots_of[if paged { li } else { 0 }];
-                    let (cos, sin) = match (&sliding_angles, c.layer_window(li)) {
-                        (Some((cs, sn)), Some(_)) => (cs, sn),
-                        _ => (&cos, &sin),
-                    };
-                    for t in 0..t_total {
-                        let row = unsafe { qkvs.part_mut(t * qkv_dim..(t + 1) * qkv_dim) };
+                    for (t, &(block, slot)) in slots.iter().enumerate() {
+                        let row = unsafe { qkvs.part_mut(t * qkv_dim + q_dim..(t + 1) * qkv_dim) };
                         if let Some(b) = &lw.bqkv {
-                            add_in_place(row, b);
+                            add_in_place(row, &b[q_dim..]);
                         }
-                        let (cs, sn) = (
-                            &cos[t * half..(t + 1) * half],
-                            &sin[t * half..(t + 1) * half],
-                        );
-                        let (qr, rest) = row.split_at_mut(q_dim);
-                        let (kr, vr) = rest.split_at_mut(kv_dim);
+                        let (cs, sn) = angles_of(t);
+                        let (kr, vr) = row.split_at_mut(kv_dim);
                         if let Some(g) = &lw.gemma {
-                            norm_heads(qr, &g.q_norm, eps, &mut heads);
                             norm_heads(kr, &g.k_norm, eps, &mut heads);
                         }
-                        rope(qr, d, c.params.rope_style, cs, sn);
                         rope(kr, d, c.params.rope_style, cs, sn);
-                        if let Some(s) = q_scale {
-                            scale_in_place(qr, s);
-                        }
-                        let (block, slot) = slots[t];
                         kv.write_token(li, block, slot, kr, vr);
+                    }
+                }
+                let q_tokens = if tm.size() == 1 {
+                    0..t_total
+                } else if tm.index() == 0 {
+                    0..0
+                } else {
+                    team::split(t_total, tm.size() - 1, tm.index() - 1)
+                };
+                for t in q_tokens {
+                    let qr = unsafe { qkvs.part_mut(t * qkv_dim..t * qkv_dim + q_dim) };
+                    if let Some(b) = &lw.bqkv {
+                        add_in_place(qr, &b[..q_dim]);
+                    }
+                    let (cs, sn) = angles_of(t);
+                    if let Some(g) = &lw.gemma {
+                        norm_heads(qr, &g.q_norm, eps, &mut heads);
+                    }
+                    rope(qr, d, c.params.rope_style, cs, sn);
+                    if let Some(s) = q_scale {
+                        scale_in_place(qr, s);
                     }
                 }
                 tm.sync();

@@ -81,13 +81,14 @@ fn transpose_sum4(a: &[__m256; 4]) -> __m128 {
 /// of them), into `scores[g · n_ctx + col ..][..n]`, 3 heads at a time.
 ///
 /// # Safety
-/// avx2, fma and f16c are present; each row holds `job.head_dim` elements, and `job.q` `group` heads.
+/// avx2, fma and f16c are present; each row holds `job.head_dim` elements, and `job.q` `group` heads;
+/// `scores` holds `group · n_ctx` values and `col + n ≤ n_ctx`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn heads_scores<K: Lanes8>(
     job: &Job<'_, '_>,
     rows: [*const K; 4],
     n: usize,
-    scores: &mut [f32],
+    scores: *mut f32,
     n_ctx: usize,
     col: usize,
 ) {
@@ -97,24 +98,34 @@ unsafe fn heads_scores<K: Lanes8>(
     while g0 < group {
         let gb = (group - g0).min(3);
         let qp = job.q[g0 * head_dim..(g0 + gb) * head_dim].as_ptr();
-        let mut sums = [[0f32; 4]; 3];
         // SAFETY: the caller's guarantee; heads g0..g0 + gb lie inside q.
-        unsafe {
+        let sums = unsafe {
             match gb {
-                1 => qk::<K, 1>(qp, rows, head_dim, scale, &mut sums),
-                2 => qk::<K, 2>(qp, rows, head_dim, scale, &mut sums),
-                _ => qk::<K, 3>(qp, rows, head_dim, scale, &mut sums),
+                1 => qk::<K, 1>(qp, rows, head_dim, scale),
+                2 => qk::<K, 2>(qp, rows, head_dim, scale),
+                _ => qk::<K, 3>(qp, rows, head_dim, scale),
             }
-        }
+        };
         for (g, row) in sums[..gb].iter().enumerate() {
-            scores[(g0 + g) * n_ctx + col..][..n].copy_from_slice(&row[..n]);
+            // SAFETY: scores of head g0 + g, columns col..col + n, lie inside (the caller's guarantee).
+            unsafe {
+                let dst = scores.add((g0 + g) * n_ctx + col);
+                if n == 4 {
+                    _mm_storeu_ps(dst, *row);
+                } else {
+                    let mut four = [0f32; 4];
+                    _mm_storeu_ps(four.as_mut_ptr(), *row);
+                    std::ptr::copy_nonoverlapping(four.as_ptr(), dst, n);
+                }
+            }
         }
         g0 += gb;
     }
 }
 
 /// The scaled scores of `G` query heads (rows of `head_dim` from `q`) against 4 keys (rows of `head_dim`
-/// at `k`), into `out[g][..4]`: each score's lanes summed in chunk order, then by [`transpose_sum4`].
+/// at `k`), per head in key order (heads past `G` zero): each score's lanes summed in chunk order, then
+/// by [`transpose_sum4`].
 ///
 /// # Safety
 /// avx2, fma and f16c are present; `q` holds `G` rows and each of `k` one row of `head_dim` (a multiple
@@ -126,8 +137,7 @@ unsafe fn qk<K: Lanes8, const G: usize>(
     k: [*const K; 4],
     head_dim: usize,
     scale: __m256,
-    out: &mut [[f32; 4]; 3],
-) {
+) -> [__m128; 3] {
     let mut acc = [[_mm256_setzero_ps(); 4]; G];
     for c in (0..head_dim).step_by(8) {
         // SAFETY: the caller's guarantee.
@@ -141,15 +151,11 @@ unsafe fn qk<K: Lanes8, const G: usize>(
             }
         }
     }
+    let mut out = [_mm_setzero_ps(); 3];
     for (o, a) in out.iter_mut().zip(&acc) {
-        // SAFETY: 4 floats.
-        unsafe {
-            _mm_storeu_ps(
-                o.as_mut_ptr(),
-                _mm_mul_ps(transpose_sum4(a), _mm256_castps256_ps128(scale)),
-            )
-        };
+        *o = _mm_mul_ps(transpose_sum4(a), _mm256_castps256_ps128(scale));
     }
+    out
 }
 
 /// e^x, lane-wise, for x ≤ 0: x = n·ln 2 + r with |r| ≤ ln 2 / 2, a degree-6 Taylor polynomial for e^r
@@ -265,8 +271,11 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     super::fit(scratch, group * n_ctx + tile_len);
     let (scores, tile) = scratch.split_at_mut(group * n_ctx);
     let tp = tile.as_mut_ptr();
+    let sp = scores.as_mut_ptr();
     for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
         let k = R::typed(kv.k_head_block(block, kvh));
+        assert!(k.len() >= (last + 1) * ru);
+        let kp = k.as_ptr();
         let next_k = next.map(|b| R::typed(kv.k_head_block(b, kvh)).as_ptr());
         let mut s0 = first;
         while s0 <= last {
@@ -277,19 +286,21 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
                 }
             }
             // Key j's row; past the last key, the last one again (its scores are not kept).
-            let row = |j: usize| k[(s0 + j.min(keys - 1)) * ru..][..ru].as_ptr();
+            // SAFETY: slots up to `last` lie inside the block (asserted above).
+            let row = |j: usize| unsafe { kp.add((s0 + j.min(keys - 1)) * ru) };
             let col = at + s0 - first;
             if direct {
                 let rows: [*const R; 4] = std::array::from_fn(row);
-                // SAFETY: each row holds head_dim elements; q holds group × head_dim (asserted).
-                unsafe { heads_scores(job, rows, keys, scores, n_ctx, col) };
+                // SAFETY: each row holds head_dim elements; q holds group × head_dim (asserted);
+                // the span's columns lie inside the context's n_ctx.
+                unsafe { heads_scores(job, rows, keys, sp, n_ctx, col) };
             } else {
                 for j in 0..keys {
-                    let kp = row(j);
+                    let rp = row(j);
                     for c in 0..chunks {
                         // SAFETY: the row holds head_dim elements; the tile 8 rows of head_dim.
                         unsafe {
-                            _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(kp.add(8 * c)))
+                            _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(rp.add(8 * c)))
                         };
                     }
                 }
@@ -299,7 +310,7 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
                         tp.cast_const().wrapping_add((k0 + j.min(n - 1)) * head_dim)
                     });
                     // SAFETY: rows k0..k0 + n of the tile are inside it, widened above.
-                    unsafe { heads_scores(job, rows, n, scores, n_ctx, col + k0) };
+                    unsafe { heads_scores(job, rows, n, sp, n_ctx, col + k0) };
                 }
             }
             s0 += keys;
@@ -365,25 +376,34 @@ unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
     } = *job;
     let mut acc = [[_mm256_setzero_ps(); W]; G];
     let ru = kv.vector_units();
+    let prefetch = g0 == 0 && c0 == 0;
+    assert!(scores.len() >= (g0 + G) * n_ctx);
     for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
         let v = R::typed(kv.v_head_block(block, kvh));
+        assert!(v.len() >= (last + 1) * ru);
         let next_v = next
-            .filter(|_| g0 == 0 && c0 == 0)
+            .filter(|_| prefetch)
             .map(|b| R::typed(kv.v_head_block(b, kvh)).as_ptr());
-        for slot in first..=last {
-            if let Some(nv) = next_v {
-                prefetch_row(nv.wrapping_add(slot * ru), ru);
-            }
-            let vp = v[slot * ru..(slot + 1) * ru].as_ptr();
-            let p: [__m256; G] = std::array::from_fn(|g| {
-                _mm256_set1_ps(scores[(g0 + g) * n_ctx + at + slot - first])
-            });
-            for c in 0..W {
-                // SAFETY: lanes 8·c0 .. 8·(c0 + W) lie inside the row (the contract).
-                let x = unsafe { R::load8(vp.add(8 * (c0 + c))) };
-                for (ag, pg) in acc.iter_mut().zip(&p) {
-                    ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
+        let n = last + 1 - first;
+        debug_assert!(at + n <= n_ctx);
+        // SAFETY: slots first..=last of the block lie inside `v` (asserted); positions at..at + n of
+        // each head's scores inside `scores` (spans stay inside the context, n_ctx of them).
+        unsafe {
+            let mut vp = v.as_ptr().add(first * ru + 8 * c0);
+            let sp: [*const f32; G] =
+                std::array::from_fn(|g| scores.as_ptr().add((g0 + g) * n_ctx + at));
+            for i in 0..n {
+                if let Some(nv) = next_v {
+                    prefetch_row(nv.wrapping_add((first + i) * ru), ru);
                 }
+                let p: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*sp[g].add(i)));
+                for c in 0..W {
+                    let x = R::load8(vp.add(8 * c));
+                    for (ag, pg) in acc.iter_mut().zip(&p) {
+                        ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
+                    }
+                }
+                vp = vp.add(ru);
             }
         }
     }
