@@ -216,6 +216,10 @@ def test_one_server_named_twice_is_routed_as_one():
         m = router.wait_metric(lambda m: m["kura_router:replica_duplicate" + label(twin)] == 1)
         assert m["kura_router:replica_duplicate" + label(replica)] == 0
         assert m["kura_router:replica_up" + label(twin)] == 1
+        # Two addresses, one server: /health counts it once, and the second address apart.
+        health = httpx.get(router.url + "/health", timeout=10)
+        assert health.status_code == 200
+        assert health.json() == {"replicas": 2, "replicas_up": 1, "duplicates": 1}, health.text
         client = router.client()
         served = [chat(client, replica.model(), f"System prompt {i}.", "Hello?")[0] for i in range(4)]
         assert served == [0, 0, 0, 0], served

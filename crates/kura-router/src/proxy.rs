@@ -646,9 +646,16 @@ pub(crate) async fn models(State(fleet): State<Arc<Fleet>>, headers: HeaderMap) 
     unavailable(Endpoint::ChatCompletions, "no replica is available")
 }
 
-/// `GET /health`: 200 while a replica is up.
+/// `GET /health`: 200 while a replica is up. `replicas_up` counts the servers requests may go to: an
+/// address that is up but reaches a server an earlier address already names is counted apart, in
+/// `duplicates`, not as a second replica.
 pub(crate) async fn health(State(fleet): State<Arc<Fleet>>) -> Response {
-    let up = fleet.replicas.iter().filter(|r| r.is_up()).count();
+    let up = fleet.replicas.iter().filter(|r| r.routable()).count();
+    let duplicates = fleet
+        .replicas
+        .iter()
+        .filter(|r| r.is_up() && r.is_duplicate())
+        .count();
     let status = if up > 0 {
         StatusCode::OK
     } else {
@@ -656,7 +663,11 @@ pub(crate) async fn health(State(fleet): State<Arc<Fleet>>) -> Response {
     };
     (
         status,
-        Json(json!({"replicas": fleet.replicas.len(), "replicas_up": up})),
+        Json(json!({
+            "replicas": fleet.replicas.len(),
+            "replicas_up": up,
+            "duplicates": duplicates,
+        })),
     )
         .into_response()
 }
