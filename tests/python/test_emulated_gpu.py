@@ -179,3 +179,22 @@ def test_requests_preempted_to_the_host_tier_on_the_emulated_gpu_give_the_text_t
     assert roomy_metrics.get("kura:num_preemptions_total") == 0
     assert metrics.get("kura:num_preemptions_total", 0) > 0, "the pool of 48 blocks never ran out"
     assert tight == roomy
+
+
+def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulated, monkeypatch):
+    """`kura generate --device cuda --json` says which device ran the model and reports no CPU thread count
+    (the CPU's threads do not run it); the same command on the CPU reports its threads."""
+    libs, model = emulated
+    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    reports = {}
+    for device in ["cuda", "cpu"]:
+        out = subprocess.run(
+            [kura_bin(), "generate", "--model", model, "--prompt", "the cache of keys", "--max-tokens", "4",
+             "--ignore-eos", "--device", device, "--threads", "2", "--json"],
+            capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        reports[device] = json.loads(out.stdout)
+    gpu, cpu = reports["cuda"], reports["cpu"]
+    assert gpu["device"] == "cuda:0" and gpu["threads"] is None, gpu
+    assert cpu["device"] == "cpu" and cpu["threads"] == 2, cpu
+    assert gpu["generated_tokens"] == cpu["generated_tokens"] == 4, (gpu, cpu)

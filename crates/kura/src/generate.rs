@@ -76,7 +76,10 @@ struct Report {
     /// Bytes of weights a decode step reads: with the measured memory bandwidth, the bound on decode.
     weight_bytes_per_token: usize,
     kv_dtype: String,
-    threads: usize,
+    /// `cpu`, or `cuda:N` for a run on GPU `N`.
+    device: String,
+    /// Compute threads of a CPU run; none (`null`) on a GPU.
+    threads: Option<usize>,
     kv_cache: bool,
     block_size: usize,
     load_ms: f64,
@@ -250,7 +253,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             (None, Runner::Cpu(_)) => unreachable!("a CPU runner runs the CPU model"),
         },
         kv_dtype: args.kv_dtype.to_string(),
-        threads: kura_model::num_threads(),
+        device: match device {
+            Some(n) => format!("cuda:{n}"),
+            None => "cpu".to_string(),
+        },
+        threads: device.is_none().then(kura_model::num_threads),
         kv_cache: !args.no_kv_cache,
         block_size: args.block_size,
         load_ms,
@@ -276,7 +283,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         eprintln!(
-            "load {:.0} ms | prompt {} tok, TTFT {:.1} ms ({:.1} tok/s) | {} tok generated, ITL median {:.2} ms, decode {:.1} tok/s | {} threads, weights {}, kv {}{}",
+            "load {:.0} ms | prompt {} tok, TTFT {:.1} ms ({:.1} tok/s) | {} tok generated, ITL median {:.2} ms, decode {:.1} tok/s | {}, weights {}, kv {}{}",
             report.load_ms,
             report.prompt_tokens,
             report.ttft_ms,
@@ -284,7 +291,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             report.generated_tokens,
             report.itl_ms_median,
             report.decode_tok_per_s,
-            report.threads,
+            match report.threads {
+                Some(n) => format!("{n} threads"),
+                None => report.device.clone(),
+            },
             report.weights_dtype,
             report.kv_dtype,
             if report.kv_cache { "" } else { ", no KV cache" },
