@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import types
 
@@ -231,6 +232,93 @@ def test_one_server_named_twice_is_routed_as_one():
     finally:
         if router:
             router.stop()
+        replica.stop()
+
+
+class Relay:
+    """A TCP relay from a port of its own to `port` on 127.0.0.1, in threads, until stopped: a second
+    address of one server that can go away while the server stays."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self):
+        """Closes the port (new connections are refused) and every connection through it."""
+        self.listener.close()
+        with self.lock:
+            for c in self.conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                c.close()
+
+
+def test_a_duplicate_address_takes_over_when_the_first_goes_down():
+    """One server behind two addresses, the first a relay: requests go to the first while it is up and
+    the second is a duplicate; when the relay goes away the router marks the first down and the second
+    takes the requests, counted in /health as the one replica up."""
+    replica = KuraServer(*replica_args())
+    relay = Relay(int(replica.url.rsplit(":", 1)[1]))
+    router = None
+    try:
+        router = KuraRouter([relay, replica], "--policy", "round-robin")
+        router.wait_metric(lambda m: m["kura_router:replica_duplicate" + label(replica)] == 1)
+        client = router.client()
+        model = replica.model()
+        served = [chat(client, model, f"System prompt {i}.", "Hello?")[0] for i in range(3)]
+        assert served == [0, 0, 0], served
+        assert httpx.get(router.url + "/health", timeout=10).json() == {
+            "replicas": 2, "replicas_up": 1, "duplicates": 1}
+        relay.stop()
+        m = router.wait_metric(lambda m: m["kura_router:replica_up" + label(relay)] == 0
+                               and m["kura_router:replica_duplicate" + label(replica)] == 0)
+        assert m["kura_router:replica_up" + label(replica)] == 1, router.log()[-3000:]
+        served = [chat(client, model, f"Other prompt {i}.", "Hello?")[0] for i in range(3)]
+        assert served == [1, 1, 1], served
+        health = httpx.get(router.url + "/health", timeout=10)
+        assert health.status_code == 200
+        assert health.json() == {"replicas": 2, "replicas_up": 1, "duplicates": 0}, health.text
+        assert "requests go to this replica again" in router.log(), router.log()[-3000:]
+    finally:
+        if router:
+            router.stop()
+        relay.stop()
         replica.stop()
 
 
