@@ -84,26 +84,23 @@ fn main() {
         for _ in 0..10 {
             run();
         }
-        let mut times: Vec<f64> = (0..reps)
-            .map(|_| {
-                let start = Instant::now();
-                run();
-                start.elapsed().as_secs_f64()
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        let warm = times[reps / 2];
-        let cold_reps = (reps / 10).max(10);
-        let mut colds: Vec<f64> = (0..cold_reps)
-            .map(|_| {
-                std::hint::black_box(evict.iter().fold(0u64, |a, x| a.wrapping_add(*x)));
-                let start = Instant::now();
-                run();
-                start.elapsed().as_secs_f64()
-            })
-            .collect();
-        colds.sort_by(f64::total_cmp);
-        let cold = colds[cold_reps / 2];
+        // The median of `n` calls, each after `before` (untimed).
+        let mut median = |n: usize, before: &dyn Fn()| {
+            let mut times: Vec<f64> = (0..n)
+                .map(|_| {
+                    before();
+                    let start = Instant::now();
+                    run();
+                    start.elapsed().as_secs_f64()
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[n / 2]
+        };
+        let warm = median(reps, &|| ());
+        let cold = median((reps / 10).max(10), &|| {
+            std::hint::black_box(evict.iter().fold(0u64, |a, x| a.wrapping_add(*x)));
+        });
         let per = |s: f64| s * 1e9 / (ctx * KV_HEADS) as f64;
         println!(
             "context {ctx}: warm {:.1} µs ({:.1} ns a position of a KV head), cold {:.1} µs ({:.1} ns)",
