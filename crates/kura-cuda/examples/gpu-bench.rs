@@ -408,7 +408,8 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     }
 
     // Prefill TTFT, through each prefill attention kernel (the default, 8 warps of 16 query rows; the
-    // wide one, 4 warps of 32; half tiles of 4 warps of 16), runs interleaved.
+    // wide one, 4 warps of 32; half tiles of 4 warps of 16; the small one, half tiles over the wide
+    // one's key tiles, three blocks a multiprocessor), runs interleaved.
     for n in len.prefills {
         let p = tokens(n, n as u64, vocab);
         let mut times = PrefillKernel::ALL.map(|_| Vec::new());
@@ -586,14 +587,16 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
                 "prefill_long_half",
                 vec![SeqInput::new(&long_prompt, 0, &table)],
             ),
+            (
+                "prefill_long_small",
+                vec![SeqInput::new(&long_prompt, 0, &table)],
+            ),
         ] {
-            gpu.set_prefill_kernel(if what.ends_with("_wide") {
-                PrefillKernel::Wide
-            } else if what.ends_with("_half") {
-                PrefillKernel::Half
-            } else {
-                PrefillKernel::Narrow
-            });
+            let kernel = PrefillKernel::ALL
+                .into_iter()
+                .find(|k| what.ends_with(&format!("_{}", k.name())))
+                .unwrap_or(PrefillKernel::Narrow);
+            gpu.set_prefill_kernel(kernel);
             gpu.set_fused_decode(what.ends_with("_fused"));
             gpu.set_gemv_ahead(what.ends_with("_ahead"));
             gpu.forward_greedy(&items)?;

@@ -1046,7 +1046,16 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
 
 // `attn_prefill_{kv}_{d}`: 8 warps of 16 rows; `attn_prefill_wide_{kv}_{d}`: 4 warps of 32 rows, two blocks
 // a multiprocessor; `attn_prefill_half_{kv}_{d}`: 4 warps of 16 rows, half a tile a block (2 × tiles
-// blocks), two blocks a multiprocessor.
+// blocks), two blocks a multiprocessor; `attn_prefill_small_{kv}_{d}`: the half-tile kernel over the wide
+// kernel's key tiles (`WIDE_NK`, so the wide kernel's bits), whose 168 registers a thread let three
+// blocks share a multiprocessor on sm_90 (12 warps, where the others have 8: each of a multiprocessor's
+// four schedulers has three warps to issue from while the others wait on a product or a shared-memory
+// read). sm_80's code needs a few registers more at a head size of 128 (it would spill): two blocks there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define SMALL_BLOCKS 2
+#else
+#define SMALL_BLOCKS 3
+#endif
 #define ATTN_PREFILL(KVN, KVT, D)                                                                            \
   extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_##KVN##_##D(                                 \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
@@ -1062,6 +1071,11 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
       int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
     attn_prefill<KVT, D, 1, BC, 2>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(128, SMALL_BLOCKS) attn_prefill_small_##KVN##_##D(                \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 1, WIDE_NK(D), 2>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
   }
 ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)

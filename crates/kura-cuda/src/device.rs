@@ -667,14 +667,18 @@ fn load_kernels(
 
 /// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V
 /// tiles (64 keys × (head_dim + 8) bf16 each; the half-tile kernel's too); the wide prefill kernel's
-/// two stages of `wide_keys` keys and then its 128 query rows.
+/// two stages of `wide_keys` keys and then its 128 query rows; the small one's two stages of
+/// `wide_keys` keys.
 pub fn dynamic_smem(kernel: &str) -> Option<u32> {
     let rest = kernel.strip_prefix("attn_prefill_")?;
     let d: u32 = rest.rsplit('_').next()?.parse().ok()?;
     let row = (d + 8) * 2;
-    Some(match rest.strip_prefix("wide_") {
-        Some(_) => 2 * 2 * wide_keys(d) * row + 128 * row,
-        None => 2 * 2 * 64 * row,
+    Some(if rest.starts_with("wide_") {
+        2 * 2 * wide_keys(d) * row + 128 * row
+    } else if rest.starts_with("small_") {
+        2 * 2 * wide_keys(d) * row
+    } else {
+        2 * 2 * 64 * row
     })
 }
 
@@ -726,6 +730,7 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("attn_prefill_{kv}_{d}"));
             v.push(format!("attn_prefill_wide_{kv}_{d}"));
             v.push(format!("attn_prefill_half_{kv}_{d}"));
+            v.push(format!("attn_prefill_small_{kv}_{d}"));
             for g in [1, 2, 4, 8, 16] {
                 v.push(format!("attn_split_{kv}_{d}_g{g}"));
             }
@@ -814,6 +819,15 @@ mod tests {
         assert_eq!(
             dynamic_smem("attn_prefill_half_bf16_128"),
             Some(2 * 2 * 64 * 136 * 2)
+        );
+        // Small: the wide kernel's stages without its query rows (three blocks fit sm_90's 227 KiB).
+        assert_eq!(
+            dynamic_smem("attn_prefill_small_fp8_128"),
+            Some(2 * 2 * 32 * 136 * 2)
+        );
+        assert_eq!(
+            dynamic_smem("attn_prefill_small_bf16_64"),
+            Some(2 * 2 * 64 * 72 * 2)
         );
         assert_eq!(dynamic_smem("attn_split_bf16_128_g4"), None);
         // Every launched kernel that takes shared memory has its size, within sm_80's 163 KiB.

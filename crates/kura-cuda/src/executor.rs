@@ -45,11 +45,15 @@ pub enum PrefillKernel {
     /// 4 warps of 16 rows, half a tile a block (two blocks a multiprocessor, each with its own key
     /// tiles and barriers): `Narrow`'s bits.
     Half,
+    /// `Half` over `Wide`'s key tiles (32 keys at a head size of 128): 168 registers a thread, so three
+    /// blocks share a multiprocessor on sm_90 (12 warps where the others have 8; two blocks on sm_80).
+    /// `Wide`'s bits.
+    Small,
 }
 
 impl PrefillKernel {
     /// Every kernel, the default first.
-    pub const ALL: [PrefillKernel; 3] = [Self::Narrow, Self::Wide, Self::Half];
+    pub const ALL: [PrefillKernel; 4] = [Self::Narrow, Self::Wide, Self::Half, Self::Small];
 
     /// Its name in reports (`gpu-bench`).
     pub fn name(self) -> &'static str {
@@ -57,6 +61,7 @@ impl PrefillKernel {
             Self::Narrow => "narrow",
             Self::Wide => "wide",
             Self::Half => "half",
+            Self::Small => "small",
         }
     }
 
@@ -66,20 +71,21 @@ impl PrefillKernel {
             Self::Narrow => "",
             Self::Wide => "wide_",
             Self::Half => "half_",
+            Self::Small => "small_",
         }
     }
 
     fn threads(self) -> u32 {
         match self {
             Self::Narrow => 256,
-            Self::Wide | Self::Half => 128,
+            Self::Wide | Self::Half | Self::Small => 128,
         }
     }
 
     fn blocks_a_tile(self) -> usize {
         match self {
             Self::Narrow | Self::Wide => 1,
-            Self::Half => 2,
+            Self::Half | Self::Small => 2,
         }
     }
 }

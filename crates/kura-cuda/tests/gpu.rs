@@ -204,10 +204,10 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_size_64() {
     // Every prompt's first 200 tokens in one step and the rest in a second (a cached prefix), all
-    // through the prefill kernel, narrow, then wide, then half tiles, then narrow with every tile
-    // masked, over the same shuffled blocks. The half-tile kernel and the masked tiles give the narrow
-    // kernel's bits at every head size; the wide one at head size 64, and the same logits within the
-    // tolerance at 128.
+    // through the prefill kernel, narrow, then wide, then half tiles, then small, then narrow with
+    // every tile masked, over the same shuffled blocks. The half-tile kernel and the masked tiles give
+    // the narrow kernel's bits at every head size, the small one the wide one's; the wide one the
+    // narrow one's at head size 64, and the same logits within the tolerance at 128.
     let prompts = prompts();
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
@@ -238,20 +238,22 @@ fn the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_siz
                     let narrow = run(PrefillKernel::Narrow, false);
                     let wide = run(PrefillKernel::Wide, false);
                     let half = run(PrefillKernel::Half, false);
+                    let small = run(PrefillKernel::Small, false);
                     let masked = run(PrefillKernel::Narrow, true);
-                    for (what, got) in [
-                        ("the half-tile kernel", &half),
-                        ("masking every tile", &masked),
+                    for (what, got, want) in [
+                        ("the half-tile kernel", &half, &narrow),
+                        ("masking every tile", &masked, &narrow),
+                        ("the small kernel (against the wide one)", &small, &wide),
                     ] {
                         if got
                             .iter()
-                            .zip(&narrow)
+                            .zip(want)
                             .any(|(a, b)| a.to_bits() != b.to_bits())
                         {
                             failures.push(format!(
                                 "{model} {} block {bs} prompt {i}: {what} changes the bits ({:.2e})",
                                 dtype.name(),
-                                errors(got, &narrow).0
+                                errors(got, want).0
                             ));
                         }
                     }
