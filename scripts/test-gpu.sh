@@ -40,7 +40,7 @@ tests=$(gpu-bin/kura-cuda-gpu-tests --ignored --list --format terse | sed -n 's/
 # others in their listed order: where a session's time limit cuts the run, it cuts tests that have passed
 # on a device before.
 first=${KURA_GPU_TESTS_FIRST-the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones \
-the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_size_64 \
+the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_bits \
 fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte \
 host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit \
 host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for_byte \

@@ -202,7 +202,7 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
-fn the_half_tile_prefill_kernel_gives_the_same_bits_and_the_wide_one_at_head_size_64() {
+fn the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_bits() {
     // Every prompt's first 200 tokens in one step and the rest in a second (a cached prefix), all
     // through the prefill kernel, narrow, then wide, then half tiles, then small, then narrow with
     // every tile masked, over the same shuffled blocks. The half-tile kernel and the masked tiles give
