@@ -43,7 +43,7 @@ cp crates/kura-cuda/emu/nvidia-smi "$work/emu/"
 echo "== scripts/gpu/all.sh $out on the stand-in (models in $work/models)" >&2
 PATH="$work/emu:$venv/bin:$PATH" LD_LIBRARY_PATH="$work/emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   KURA_GPU_PREFLIGHT=1 KURA_GPU_WORK="$work/models" KURA_GPU_BENCH_CONFIG="$work/models/llama8b4/config.json" \
-  KURA_BENCH_LIMIT_S=900 KURA_HF_LIMIT_S=300 KURA_CALIBRATE_LIMIT_S=900 \
+  KURA_BENCH_LIMIT_S=1500 KURA_HF_LIMIT_S=300 KURA_CALIBRATE_LIMIT_S=900 \
   KURA_GPU_TESTS_LEFT_OUT="the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones \
 the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_bits \
 greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_size" \
