@@ -92,3 +92,18 @@ for r in itl:
           f"({r['copy_ms']:.1f} ms of copies): {r['step_ms_alone']:.2f} ms alone, {r['step_ms_beside_loads']:.2f} ms "
           f"beside the copies (max {r['step_ms_beside_loads_max']:.2f}), {r['step_ms_with_loading_request']:.2f} ms "
           f"for the step that holds the loading request too")
+prof = [json.loads(l) for l in open(sys.argv[1]) if '"profile"' in l and l.startswith("{")]
+prefill = [r for r in prof if r["step"].startswith("prefill_long")]
+if prefill:
+    print()
+    print("Where a long prefill's attention time goes (launch by launch; the probes are the 8-warp kernel with a")
+    print("part left out: noload = no copies after the first key tile, nosoftmax = no mask, maxima, exponentials")
+    print("or rescaling, loadonly = the copies and barriers alone, mmaonly = the two products alone):")
+    full = None
+    for r in prefill:
+        attn = sum(k["ms"] for k in r["top"] if k["kernel"].startswith("attn_prefill"))
+        name = r["step"][len("prefill_long"):].lstrip("_") or "narrow"
+        if name == "narrow":
+            full = attn
+        share = f"{attn / full:>7.2f}x the 8-warp kernel" if full else ""
+        print(f"  {name:<16}{r['tokens']:>8} tokens: attention {attn:>9.1f} ms of the step's {r['total_ms']:>9.1f} ms{share}")

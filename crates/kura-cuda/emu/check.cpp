@@ -3,7 +3,8 @@
 //   warps of 16 rows, and the small one: half tiles over the wide kernel's key tiles) agree with
 //   attention computed in double from the same K/V, over paged blocks in shuffled order, a cached
 //   prefix, several sequences, a sliding window, bf16 / f32 / fp8 pools; the half-tile kernel gives the
-//   8-warp kernel's bits, the small one the wide one's, and at head size 64 all four give the same.
+//   8-warp kernel's bits, the small one the wide one's, and at head size 64 all four give the same;
+//   the timing probes (the 8-warp kernel with a part left out) keep what they do not leave out.
 // - The split-key kernel with its merge fused (the last block of a token's KV head merges) gives the
 //   bits of the split kernel and `attn_merge`, whatever the order blocks finish in, leaves its counters
 //   at zero, and agrees with attention in double.
@@ -16,6 +17,7 @@
 #include "../kernels/kura.cu"
 
 #include <cstdarg>
+#include <type_traits>
 #include <string>
 
 static int failures = 0;
@@ -268,6 +270,38 @@ static void prefill_case(Kv kv, int d, int bs, int window, Rng& r, int group = 2
   if (d == 64)
     check(same_bits(narrow.data(), wide.data(), narrow.size() * 2), "%s: the wide kernel gives the 8-warp kernel's bits",
           what.c_str());
+  if constexpr (std::is_same_v<KVT, bf16>) {
+    // The timing probes: the 8-warp kernel with a part left out. Without copies after the first tile,
+    // the rows that see only the first key tile (the first sequence's first 64) keep their bits and
+    // later rows change; without the softmax (no row sums), and without products, every row is zero.
+    auto probe = [&](auto kernel) {
+      std::vector<bf16> out((size_t)rows * heads * d, __float2bfloat16(NAN));
+      dim3 grid{(unsigned)tiles, (unsigned)heads, 1};
+      emu::launch(grid, {256u, 1, 1}, (size_t)2 * 2 * BC * (d + 8) * 2, [&] {
+        kernel(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, 0);
+      }, all_blocks(grid, &r));
+      return out;
+    };
+    auto probes = [&](auto noload, auto nosoftmax, auto loadonly, auto mmaonly) {
+      auto nl = probe(noload);
+      size_t first = (size_t)std::min(64, seqs[0].n) * heads * d;
+      check(same_bits(narrow.data(), nl.data(), first * 2) && !same_bits(narrow.data(), nl.data(), nl.size() * 2),
+            "%s: the probe without copies keeps the rows of the first key tile only", what.c_str());
+      const char* names[3] = {"without the softmax", "of the copies alone", "of the products alone"};
+      std::vector<bf16> outs[3] = {probe(nosoftmax), probe(loadonly), probe(mmaonly)};
+      for (int i = 0; i < 3; i++) {
+        bool zero = true;
+        for (bf16 x : outs[i]) zero = zero && __bfloat162float(x) == 0.f;
+        check(zero, "%s: the probe %s writes every row, zeros", what.c_str(), names[i]);
+      }
+    };
+    if (d == 64)
+      probes(attn_prefill<bf16, 64, 1, BC, 1, PROBE_NO_LOAD>, attn_prefill<bf16, 64, 1, BC, 1, PROBE_NO_SOFTMAX>,
+             attn_prefill<bf16, 64, 1, BC, 1, PROBE_LOAD_ONLY>, attn_prefill<bf16, 64, 1, BC, 1, PROBE_MMA_ONLY>);
+    else
+      probes(attn_prefill<bf16, 128, 1, BC, 1, PROBE_NO_LOAD>, attn_prefill<bf16, 128, 1, BC, 1, PROBE_NO_SOFTMAX>,
+             attn_prefill<bf16, 128, 1, BC, 1, PROBE_LOAD_ONLY>, attn_prefill<bf16, 128, 1, BC, 1, PROBE_MMA_ONLY>);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------

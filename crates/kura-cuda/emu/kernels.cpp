@@ -80,12 +80,18 @@ const std::map<std::string, Binder>& kernels() {
     KV_D(f32, 128)
     KV_D(fp8, 64)
     KV_D(fp8, 128)
+#define PROBES(D)                                                                                        \
+  K(attn_prefill_probe_noload_bf16_##D) K(attn_prefill_probe_nosoftmax_bf16_##D)                          \
+      K(attn_prefill_probe_loadonly_bf16_##D) K(attn_prefill_probe_mmaonly_bf16_##D)
+    PROBES(64)
+    PROBES(128)
     K(gemv_1) K(gemv_2) K(gemv_3) K(gemv_4) K(gemv_5) K(gemv_6) K(gemv_7) K(gemv_8)
     K(gemv_ahead_1) K(gemv_ahead_2) K(gemv_ahead_3) K(gemv_ahead_4) K(gemv_ahead_5) K(gemv_ahead_6) K(gemv_ahead_7)
     K(gemv_ahead_8)
     K(gemv_norm_1) K(gemv_norm_2) K(gemv_norm_3) K(gemv_norm_4)
     K(gemv_swiglu_norm_1) K(gemv_swiglu_norm_2) K(gemv_swiglu_norm_3) K(gemv_swiglu_norm_4)
 #undef KV_D
+#undef PROBES
 #undef K
     return m;
   }();

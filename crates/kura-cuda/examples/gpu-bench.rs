@@ -20,7 +20,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
-use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec, PrefillKernel};
+use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec, PrefillKernel, PrefillProbe};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 
@@ -565,7 +565,9 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     report.line(&all)?;
     let mut profile = || -> Result<(), Box<dyn Error>> {
         // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
-        // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill.
+        // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill
+        // with each prefill kernel, then with each timing probe of the 8-warp kernel (its time without
+        // the copies, without the softmax, the copies alone, the products alone).
         let p1 = tokens(ctx, 7, vocab);
         gpu.forward_greedy(&[SeqInput::new(&p1, 0, &table)])?;
         let long_prompt = tokens(long, long as u64, vocab);
@@ -573,30 +575,34 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         let b64: Vec<SeqInput<'_>> = (0..batch)
             .map(|i| SeqInput::new(&toks[i], ctx + steps - 1, &tables[i]))
             .collect();
-        for (what, items) in [
-            ("decode_b1", vec![SeqInput::new(&[5], ctx, &table)]),
-            ("decode_b1_fused", vec![SeqInput::new(&[5], ctx, &table)]),
-            ("decode_b1_ahead", vec![SeqInput::new(&[5], ctx, &table)]),
-            ("decode_batch", b64),
-            ("prefill_long", vec![SeqInput::new(&long_prompt, 0, &table)]),
-            (
-                "prefill_long_wide",
-                vec![SeqInput::new(&long_prompt, 0, &table)],
-            ),
-            (
-                "prefill_long_half",
-                vec![SeqInput::new(&long_prompt, 0, &table)],
-            ),
-            (
-                "prefill_long_small",
-                vec![SeqInput::new(&long_prompt, 0, &table)],
-            ),
-        ] {
-            let kernel = PrefillKernel::ALL
-                .into_iter()
-                .find(|k| what.ends_with(&format!("_{}", k.name())))
-                .unwrap_or(PrefillKernel::Narrow);
+        // (step, prefill kernel, timing probe, inputs): the decode steps, then the long prompt with each
+        // prefill kernel and with each probe of the 8-warp kernel (whose outputs are not attention:
+        // nothing after the profile reads this prompt's KV or tokens).
+        let b1 = || vec![SeqInput::new(&[5], ctx, &table)];
+        let long_in = || vec![SeqInput::new(&long_prompt, 0, &table)];
+        let narrow = PrefillKernel::Narrow;
+        let mut profiles = vec![
+            ("decode_b1".to_string(), narrow, None, b1()),
+            ("decode_b1_fused".to_string(), narrow, None, b1()),
+            ("decode_b1_ahead".to_string(), narrow, None, b1()),
+            ("decode_batch".to_string(), narrow, None, b64),
+        ];
+        for k in PrefillKernel::ALL {
+            let what = match k {
+                PrefillKernel::Narrow => "prefill_long".to_string(),
+                _ => format!("prefill_long_{}", k.name()),
+            };
+            profiles.push((what, k, None, long_in()));
+        }
+        for p in PrefillProbe::ALL {
+            let what = format!("prefill_long_probe_{}", p.name());
+            profiles.push((what, narrow, Some(p), long_in()));
+        }
+        for (what, kernel, probe, items) in profiles {
             gpu.set_prefill_kernel(kernel);
+            if !gpu.set_prefill_probe(probe) {
+                return Err(format!("{what}: the prefill probes take a bf16 pool").into());
+            }
             gpu.set_fused_decode(what.ends_with("_fused"));
             gpu.set_gemv_ahead(what.ends_with("_ahead"));
             gpu.forward_greedy(&items)?;
@@ -614,6 +620,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
                 top.join(",")
             ))?;
         }
+        gpu.set_prefill_probe(None);
         Ok(())
     };
     if let Err(e) = profile() {

@@ -805,7 +805,17 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
 // in the 8-warp kernel (the same key tiles in the same order), so the bits are that kernel's, and two
 // blocks share a multiprocessor, where the 8-warp kernel's one block has all its warps meet at every
 // key tile.
-template <typename KV, int D, int MT, int NK, int HALVES>
+//
+// PROBE (timing probes, `attn_prefill_probe_*`, which only `gpu-bench` launches): the kernel with one part
+// left out, to place its time on a device. Their outputs are not attention.
+enum : int {
+  PROBE_NONE = 0,
+  PROBE_NO_LOAD = 1,     // every key tile is read from the first tile's stage: no copy after the first
+  PROBE_NO_SOFTMAX = 2,  // no mask, maxima, exponentials or rescaling: P is S as the product leaves it
+  PROBE_LOAD_ONLY = 3,   // the copies, waits and barriers alone
+  PROBE_MMA_ONLY = 4,    // the products over the first tile's stage, no softmax
+};
+template <typename KV, int D, int MT, int NK, int HALVES, int PROBE = PROBE_NONE>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
                              PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
                              int mask_all) {
@@ -815,6 +825,9 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   constexpr int ROWS = BR / HALVES;  // query rows a block
   constexpr int NT = ROWS / WR * 32;  // threads a block (a warp for each WR of its rows)
   static_assert(HALVES == 1 || MT == 1, "half tiles are for the 8-warp kernel's warps");
+  constexpr bool LOADS = PROBE != PROBE_NO_LOAD && PROBE != PROBE_MMA_ONLY;  // a copy for every key tile
+  constexpr bool SOFTMAX = PROBE == PROBE_NONE || PROBE == PROBE_NO_LOAD;
+  constexpr bool PRODUCTS = PROBE != PROBE_LOAD_ONLY;
   KURA_DYNAMIC_SHARED(smem_raw);
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
   // Stage s: K at smem + s * 2 * NK * KS, V right after it; (MT 2) the query rows after both stages.
@@ -877,9 +890,9 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
   for (int j = 0; j < ntiles; j++) {
     int kt = first + j * NK;
-    bf16* ks = smem + (j & 1) * 2 * NK * KS;
+    bf16* ks = smem + (LOADS ? j & 1 : 0) * 2 * NK * KS;
     bf16* vs = ks + NK * KS;
-    if (j + 1 < ntiles) {
+    if (LOADS && j + 1 < ntiles) {
       bf16* nk = smem + ((j + 1) & 1) * 2 * NK * KS;
       load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + NK, last);
     }
@@ -887,7 +900,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
     cp_async_wait1();
     __syncthreads();
     // A warp whose rows all end before this tile (or whose window starts after it) skips it.
-    if (kt <= warp_last && kt + NK > warp_first) {
+    if (PRODUCTS && kt <= warp_last && kt + NK > warp_first) {
       // S = Q Kᵀ for WR rows × NK keys, k-steps in order for every element.
       float s[MT][NK / 8][4];
 #pragma unroll
@@ -928,7 +941,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       // path without either test (the same operations on every score it keeps).
       bool whole = !mask_all && kt + NK - 1 <= warp_pos && (window <= 0 || kt > warp_last - window);
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
+      for (int mt = 0; mt < (SOFTMAX ? MT : 0); mt++) {
         int qp0 = warp_pos + mt * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
         float mx0 = m0[mt], mx1 = m1[mt];
         if (whole) {
@@ -1083,6 +1096,22 @@ ATTN_PREFILL(f32, float, 64)
 ATTN_PREFILL(f32, float, 128)
 ATTN_PREFILL(fp8, unsigned char, 64)
 ATTN_PREFILL(fp8, unsigned char, 128)
+
+// `attn_prefill_probe_{what}_bf16_{d}`: the 8-warp kernel over a bf16 pool with one part left out (PROBE).
+#define ATTN_PROBE(NAME, PROBE, D)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_probe_##NAME##_bf16_##D(                     \
+      const bf16* q, const bf16* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<bf16, D, 1, BC, 1, PROBE>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, \
+                                           tiles, mask_all);                                                 \
+  }
+#define ATTN_PROBES(D)                                                                                        \
+  ATTN_PROBE(noload, PROBE_NO_LOAD, D)                                                                        \
+  ATTN_PROBE(nosoftmax, PROBE_NO_SOFTMAX, D)                                                                  \
+  ATTN_PROBE(loadonly, PROBE_LOAD_ONLY, D)                                                                    \
+  ATTN_PROBE(mmaonly, PROBE_MMA_ONLY, D)
+ATTN_PROBES(64)
+ATTN_PROBES(128)
 
 // ---------------------------------------------------------------------------------------------------
 // y[t][n] (+)= Σ_k W[n][k] · x[t][k] for T ≤ 8 tokens (decode): a warp per output row, 16-byte loads of

@@ -12,6 +12,7 @@ use cudarc::driver::{
 };
 
 use crate::error::{CudaError, Result};
+use crate::executor::PrefillKernel;
 use crate::kernels;
 
 /// The K/V pool's shape as the kernels take it (`PoolShape` in `kura.cu`).
@@ -49,6 +50,8 @@ pub struct Device {
     /// Multiprocessors.
     pub sms: usize,
     functions: HashMap<String, CudaFunction>,
+    /// Dynamic shared memory of the prefill timing probes on this device ([`probe_smem`]).
+    probe_smem: u32,
     /// Whether the kernels were compiled at this start (else read from the cache).
     pub compiled: bool,
     /// Seconds spent creating the context and loading (or compiling) the kernels.
@@ -137,12 +140,18 @@ impl Device {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )?
             .max(1) as usize;
+        let smem_per_sm = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )?
+            .max(0) as u32;
+        let probe_smem = probe_smem(smem_per_sm);
         // A stream of its own (the legacy default stream cannot be captured into a graph).
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let dir = kernels::cache_dir();
         let (cubin, mut compiled) = kernels::cubin_for(&arch, &dir)?;
-        let functions = match load_kernels(&ctx, cubin) {
+        let functions = match load_kernels(&ctx, cubin, probe_smem) {
             Ok(f) => f,
             // A cached cubin the driver will not load (a file damaged past its ELF magic): compiled
             // again and the cache's file replaced, once.
@@ -153,7 +162,7 @@ impl Device {
                     "the cached kernels would not load; compiling them again"
                 );
                 compiled = true;
-                load_kernels(&ctx, kernels::compile_to_cache(&arch, &dir)?)?
+                load_kernels(&ctx, kernels::compile_to_cache(&arch, &dir)?, probe_smem)?
             }
             Err(e) => return Err(e),
         };
@@ -166,6 +175,7 @@ impl Device {
             arch,
             sms,
             functions,
+            probe_smem,
             compiled,
             setup_seconds: t0.elapsed().as_secs_f64(),
             marks: std::cell::RefCell::new(None),
@@ -331,7 +341,11 @@ impl Device {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let smem = dynamic_smem(name).unwrap_or(0);
+        let smem = if is_probe(name) {
+            self.probe_smem
+        } else {
+            dynamic_smem(name).unwrap_or(0)
+        };
         self.launch_as(name, grid, block, smem, args, || name.to_string())
     }
 
@@ -645,16 +659,23 @@ fn alloc_failed(
     }
 }
 
-/// Every kernel of Kura's module from `cubin`, with the dynamic shared memory each is allowed.
+/// Every kernel of Kura's module from `cubin`, with the dynamic shared memory each is allowed (the
+/// timing probes `probe_smem`).
 fn load_kernels(
     ctx: &Arc<cudarc::driver::CudaContext>,
     cubin: Vec<u8>,
+    probe_smem: u32,
 ) -> Result<HashMap<String, cudarc::driver::CudaFunction>> {
     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
     let mut functions = HashMap::new();
     for n in kernel_names() {
         let f = module.load_function(&n)?;
-        if let Some(bytes) = dynamic_smem(&n) {
+        let smem = if is_probe(&n) {
+            Some(probe_smem)
+        } else {
+            dynamic_smem(&n)
+        };
+        if let Some(bytes) = smem {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
@@ -665,21 +686,29 @@ fn load_kernels(
     Ok(functions)
 }
 
-/// Dynamic shared memory of the kernels that take it: the prefill attention's two stages of K and V
-/// tiles (64 keys × (head_dim + 8) bf16 each; the half-tile kernel's too); the wide prefill kernel's
-/// two stages of `wide_keys` keys and then its 128 query rows; the small one's two stages of
-/// `wide_keys` keys.
+/// Dynamic shared memory of the kernels that take it: the prefill attention kernels'
+/// ([`PrefillKernel::shared_bytes`], by the name's form and head size).
 pub fn dynamic_smem(kernel: &str) -> Option<u32> {
     let rest = kernel.strip_prefix("attn_prefill_")?;
     let d: u32 = rest.rsplit('_').next()?.parse().ok()?;
-    let row = (d + 8) * 2;
-    Some(if rest.starts_with("wide_") {
-        2 * 2 * wide_keys(d) * row + 128 * row
-    } else if rest.starts_with("small_") {
-        2 * 2 * wide_keys(d) * row
-    } else {
-        2 * 2 * 64 * row
-    })
+    let form = PrefillKernel::ALL
+        .into_iter()
+        .find(|k| !k.prefix().is_empty() && rest.starts_with(k.prefix()))
+        .unwrap_or(PrefillKernel::Narrow);
+    Some(form.shared_bytes(d))
+}
+
+/// Whether `kernel` is a timing probe of the prefill attention (`attn_prefill_probe_*`).
+fn is_probe(kernel: &str) -> bool {
+    kernel.starts_with("attn_prefill_probe_")
+}
+
+/// Dynamic shared memory of the prefill timing probes on a device with `per_sm` bytes of shared memory
+/// a multiprocessor: more than half of it, so that each probe runs one block a multiprocessor as the
+/// 8-warp kernel does (which its registers hold to one), whatever registers the probe needs (the
+/// copies alone need 40); at least that kernel's two stages.
+pub fn probe_smem(per_sm: u32) -> u32 {
+    (per_sm / 2 + 1024).max(PrefillKernel::Narrow.shared_bytes(128))
 }
 
 /// Dynamic shared memory the matrix-vector kernels that norm their input may take: `t × k` bf16 rows.
@@ -695,15 +724,6 @@ pub const GEMV_NORM_MAX_TOKENS: usize = 4;
 /// Threads of a block of the kernels that take a row's RMS (`NORM_THREADS` in `kura.cu`): `rms_norm`
 /// and the matrix-vector kernels that norm their input, whose sums must agree to the bit.
 pub const NORM_THREADS: u32 = 256;
-
-/// Keys a tile of the wide prefill kernel (`WIDE_NK` in `kura.cu`).
-fn wide_keys(head_dim: u32) -> u32 {
-    if head_dim > 64 {
-        32
-    } else {
-        64
-    }
-}
 
 /// Every kernel of `kura.cu` the executor launches.
 pub fn kernel_names() -> Vec<String> {
@@ -727,13 +747,15 @@ pub fn kernel_names() -> Vec<String> {
     .collect();
     for kv in ["bf16", "f32", "fp8"] {
         for d in [64, 128] {
-            v.push(format!("attn_prefill_{kv}_{d}"));
-            v.push(format!("attn_prefill_wide_{kv}_{d}"));
-            v.push(format!("attn_prefill_half_{kv}_{d}"));
-            v.push(format!("attn_prefill_small_{kv}_{d}"));
+            v.extend(PrefillKernel::ALL.iter().map(|k| k.kernel(kv, d)));
             for g in [1, 2, 4, 8, 16] {
                 v.push(format!("attn_split_{kv}_{d}_g{g}"));
             }
+        }
+    }
+    for probe in crate::executor::PrefillProbe::ALL {
+        for d in [64, 128] {
+            v.push(format!("attn_prefill_probe_{}_bf16_{d}", probe.name()));
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
@@ -837,5 +859,24 @@ mod tests {
                 assert!(bytes <= 163 * 1024, "{k}: {bytes} bytes");
             }
         }
+    }
+
+    #[test]
+    fn a_prefill_probe_runs_one_block_a_multiprocessor_within_the_per_block_limit() {
+        // (shared memory a multiprocessor, the most a block may opt in to): sm_90, sm_80, sm_86 / sm_89.
+        for (per_sm, optin) in [
+            (228 << 10, 227 << 10),
+            (164 << 10, 163 << 10),
+            (100 << 10, 99 << 10),
+        ] {
+            let bytes = probe_smem(per_sm);
+            assert!(2 * bytes > per_sm && bytes <= optin, "{per_sm}: {bytes}");
+            assert!(bytes >= dynamic_smem("attn_prefill_bf16_128").unwrap());
+        }
+        let probes: Vec<String> = kernel_names().into_iter().filter(|k| is_probe(k)).collect();
+        assert_eq!(probes.len(), 8, "{probes:?}");
+        assert!(probes
+            .iter()
+            .all(|k| k.ends_with("_bf16_64") || k.ends_with("_bf16_128")));
     }
 }

@@ -65,8 +65,34 @@ impl PrefillKernel {
         }
     }
 
+    /// Its kernel over a `kv` pool (`bf16`, `f32`, `fp8`) at head size `d`.
+    pub(crate) fn kernel(self, kv: &str, d: usize) -> String {
+        format!("attn_prefill_{}{kv}_{d}", self.prefix())
+    }
+
+    /// Keys of its key tiles at head size `d` (`BC`, or `WIDE_NK(d)` in `kura.cu`).
+    pub(crate) fn keys(self, d: u32) -> u32 {
+        match self {
+            Self::Narrow | Self::Half => 64,
+            Self::Wide | Self::Small if d > 64 => 32,
+            Self::Wide | Self::Small => 64,
+        }
+    }
+
+    /// Dynamic shared memory of its kernel at head size `d`: two stages of K and V tiles of
+    /// [`Self::keys`] rows of `d + 8` bf16 each, then (`Wide`) the tile's 128 query rows.
+    pub(crate) fn shared_bytes(self, d: u32) -> u32 {
+        let row = (d + 8) * 2;
+        let queries = if self == Self::Wide {
+            TILE as u32 * row
+        } else {
+            0
+        };
+        2 * 2 * self.keys(d) * row + queries
+    }
+
     /// The part of its kernels' names after `attn_prefill_`.
-    fn prefix(self) -> &'static str {
+    pub(crate) fn prefix(self) -> &'static str {
         match self {
             Self::Narrow => "",
             Self::Wide => "wide_",
@@ -89,6 +115,36 @@ impl PrefillKernel {
         }
     }
 }
+/// Timing probes of the prefill attention (`attn_prefill_probe_*` in `kura.cu`, bf16 pools): the
+/// `Narrow` kernel with one part left out, so that a device's profile says where its time goes (the
+/// full kernel's time against each). Their outputs are not attention: only `gpu-bench` runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillProbe {
+    /// Every key tile read from the first tile's shared-memory stage: no copy from the pool after it.
+    NoLoad,
+    /// No mask, maxima, exponentials or rescaling: the scores go to the second product as they are.
+    NoSoftmax,
+    /// The copies from the pool, their waits and the barriers alone.
+    LoadOnly,
+    /// The two products over the first tile's stage alone (neither copies nor softmax).
+    MmaOnly,
+}
+
+impl PrefillProbe {
+    pub const ALL: [PrefillProbe; 4] =
+        [Self::NoLoad, Self::NoSoftmax, Self::LoadOnly, Self::MmaOnly];
+
+    /// Its name in reports and in its kernels' names (`attn_prefill_probe_{name}_bf16_{d}`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NoLoad => "noload",
+            Self::NoSoftmax => "nosoftmax",
+            Self::LoadOnly => "loadonly",
+            Self::MmaOnly => "mmaonly",
+        }
+    }
+}
+
 /// Keys of one split of the split-key kernel (`SPLIT` in `kura.cu`).
 const SPLIT: usize = 128;
 /// The most splits whose merge the split-key kernel's last block does itself in the fused decode path
@@ -437,6 +493,8 @@ pub struct CudaExecutor {
     mask_all_tiles: bool,
     /// The prefill attention kernel ([`PrefillKernel`]).
     prefill_kernel: PrefillKernel,
+    /// A timing probe in place of the prefill kernel ([`PrefillProbe`]; none by default).
+    prefill_probe: Option<PrefillProbe>,
     /// Whether the split-key attention merges its splits itself and prefetches K and V
     /// ([`CudaExecutor::set_fused_decode`]).
     fused_attention: bool,
@@ -632,6 +690,7 @@ impl CudaExecutor {
             part_cap: PART_CAP_BYTES,
             mask_all_tiles: false,
             prefill_kernel: PrefillKernel::Narrow,
+            prefill_probe: None,
             fused_attention: false,
             split_prefetch: false,
             fused_norm: false,
@@ -650,6 +709,18 @@ impl CudaExecutor {
     pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
         self.prefill_kernel = kernel;
         self.graphs.clear();
+    }
+
+    /// Runs prefill attention through a timing probe instead (`None`: the kernel again). The probes
+    /// are built for bf16 pools only: with another pool this returns false and changes nothing. What a
+    /// step computes with a probe is not attention, so its tokens and KV are to be thrown away.
+    pub fn set_prefill_probe(&mut self, probe: Option<PrefillProbe>) -> bool {
+        if probe.is_some() && self.kv_dtype != KvDtype::Bf16 {
+            return false;
+        }
+        self.prefill_probe = probe;
+        self.graphs.clear();
+        true
     }
 
     /// Runs fewer, fused kernels a layer (the same bits): the split-key attention kernel merges its
@@ -1094,9 +1165,15 @@ impl CudaExecutor {
                 )?;
             }
             if plan.tiles > 0 {
-                let k = self.prefill_kernel;
+                let (k, name) = match self.prefill_probe {
+                    Some(p) => (
+                        PrefillKernel::Narrow,
+                        format!("attn_prefill_probe_{}_{kv}_{d}", p.name()),
+                    ),
+                    None => (self.prefill_kernel, self.prefill_kernel.kernel(kv, d)),
+                };
                 dev.launch(
-                    &format!("attn_prefill_{}{kv}_{d}", k.prefix()),
+                    &name,
                     ((plan.tiles * k.blocks_a_tile()) as u32, heads as u32, 1),
                     k.threads(),
                     &[

@@ -17,5 +17,7 @@ pub mod weights;
 
 pub use device::{parse_device, Device};
 pub use error::{CudaError, Result};
-pub use executor::{block_bytes, check_pool_format, CudaExecutor, PoolSpec, PrefillKernel};
+pub use executor::{
+    block_bytes, check_pool_format, CudaExecutor, PoolSpec, PrefillKernel, PrefillProbe,
+};
 pub use weights::DevWeights;

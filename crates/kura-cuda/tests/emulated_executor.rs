@@ -947,4 +947,9 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     assert!(has(&kernels("prefill_long_wide"), "attn_prefill_wide"));
     assert!(has(&kernels("prefill_long_half"), "attn_prefill_half"));
     assert!(has(&kernels("prefill_long_small"), "attn_prefill_small"));
+    for probe in kura_cuda::PrefillProbe::ALL {
+        let ks = kernels(&format!("prefill_long_probe_{}", probe.name()));
+        let name = format!("attn_prefill_probe_{}_bf16", probe.name());
+        assert!(has(&ks, &name) && !has(&ks, "attn_prefill_bf16"), "{ks:?}");
+    }
 }
