@@ -122,7 +122,9 @@ impl Device {
             });
         }
         let ctx = CudaContext::new(ordinal)?;
-        // SAFETY: the executor uses one stream; nothing relies on cudarc's cross-stream events.
+        // SAFETY: cudarc's buffers live on the device stream only. The host tier's copies run on a
+        // second stream through raw pointers (`executor/transfers.rs`), ordered against the device
+        // stream by events of their own; nothing relies on cudarc's cross-stream events.
         unsafe { ctx.disable_event_tracking() };
         let name = ctx.name()?;
         let (major, minor) = ctx.compute_capability()?;

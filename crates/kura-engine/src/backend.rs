@@ -143,8 +143,9 @@ pub trait Executor: Send + 'static {
     /// `false` (the default) where this executor copies synchronously only, and the engine calls
     /// [`Executor::export_block`] instead. The executor orders whatever it is asked to do afterwards
     /// (a step that overwrites the block, a load of the same slot) after the copy; the engine reads
-    /// `out` only after [`Executor::exports_fence`]. On an accelerator the copy then runs beside the
-    /// next forward pass instead of holding it back.
+    /// `out` only after [`Executor::exports_fence`]. On an accelerator the host goes on at once (the
+    /// engine schedules and uploads the next step while the copy runs); the next step's work on the
+    /// device waits for the copy, since it may write the block.
     fn start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool, ExecError> {
         let _ = (block, out);
         Ok(false)
