@@ -8,7 +8,8 @@
 // - work on a stream (kernels, copies, memsets, event records, frees) runs only when the host waits for
 //   it: `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`, a second `cuEventQuery` (the
 //   first of a pending event answers not ready), `cuStreamWaitEvent`, or a synchronous copy (which waits
-//   for the legacy stream and the blocking streams only, as the driver's does). A read of a copy's
+//   for the legacy stream and the blocking streams only, as the driver's does). A wait on an event runs
+//   its stream up to the event's latest record only: work queued after it stays pending. A read of a copy's
 //   destination before such a wait reads the old bytes; a write to a pinned source before it changes
 //   what is copied.
 // - copies from pageable host memory read their source when called; copies to pageable host memory wait
@@ -61,6 +62,10 @@ struct Event {
   bool pending = false;      // recorded, not yet run
   bool done = false;         // has run at least once
   bool queried = false;      // answered "not ready" once for this record
+  uint64_t records = 0;      // how many times it was recorded: only the latest record completes it
+  int queued = 0;            // its records on streams' queues, not yet run
+  bool captured = false;     // recorded into a graph (then never freed: a graph may run it any time)
+  bool destroyed = false;    // destroyed with records still queued: the last of them frees it
   double ms = 0;
 };
 
@@ -180,6 +185,18 @@ bool refused_in_capture() {
 
 void run(Stream* s) {
   while (!s->queue.empty()) {
+    Op op = std::move(s->queue.front());
+    s->queue.pop_front();
+    op();
+  }
+}
+
+// Runs the work of `e`'s stream up to its latest record and no further (what a wait on it waits for:
+// work queued after the record may still be pending, as on a GPU). A record captured into a graph is
+// not on the stream's queue: then the whole queue runs.
+void run_to(Event* e) {
+  Stream* s = e->stream;
+  while (e->pending && !s->queue.empty()) {
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
     op();
@@ -628,8 +645,10 @@ CUresult CUDAAPI cuStreamWaitEvent(CUstream hs, CUevent he, unsigned int) {
   FAULT("cuStreamWaitEvent");
   Event* e = reinterpret_cast<Event*>(he);
   Stream* s = stream_of(hs);
-  // The event's stream runs now, before anything later on `hs`: one order the wait allows.
-  if (e->stream && e->stream != s && !e->stream->capture) run(e->stream);
+  // The event's stream runs now up to the record, before anything later on `hs`: one order the wait
+  // allows. What that stream queued after the record stays pending (a wait on an earlier event than
+  // the one that covers the work needed shows as stale bytes).
+  if (e->stream && e->stream != s && !e->stream->capture && e->pending) run_to(e);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuLaunchHostFunc(CUstream hs, CUhostFn fn, void* data) {
@@ -644,9 +663,12 @@ CUresult CUDAAPI cuEventCreate(CUevent* e, unsigned int) {
 CUresult CUDAAPI cuEventDestroy(CUevent he) {
   GUARD;
   Event* e = reinterpret_cast<Event*>(he);
-  // A pending record still runs (the driver releases the event once it has).
-  if (e->pending && e->stream) run(e->stream);
-  delete e;
+  // Nothing runs: a pending record still runs when its stream does, and the driver releases the event
+  // once it has (a destroyed event does not order anything, so dropping one is no wait).
+  if (e->queued > 0 || e->captured)
+    e->destroyed = true;
+  else
+    delete e;
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuEventRecord(CUevent he, CUstream hs) {
@@ -657,10 +679,20 @@ CUresult CUDAAPI cuEventRecord(CUevent he, CUstream hs) {
   e->stream = s;
   e->pending = true;
   e->queried = false;
-  enqueue(s, [e] {
-    e->pending = false;
-    e->done = true;
-    e->ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - S().start).count();
+  uint64_t record = ++e->records;
+  bool queued = !s->capture;
+  if (queued)
+    e->queued++;
+  else
+    e->captured = true;
+  enqueue(s, [e, record, queued] {
+    if (queued) e->queued--;
+    if (record == e->records) {  // else recorded again since: the later record completes it
+      e->pending = false;
+      e->done = true;
+      e->ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - S().start).count();
+    }
+    if (e->destroyed && e->queued == 0 && !e->captured) delete e;
   });
   return CUDA_SUCCESS;
 }
@@ -672,13 +704,13 @@ CUresult CUDAAPI cuEventQuery(CUevent he) {
     e->queried = true;
     return CUDA_ERROR_NOT_READY;
   }
-  run(e->stream);
+  run_to(e);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuEventSynchronize(CUevent he) {
   GUARD;
   Event* e = reinterpret_cast<Event*>(he);
-  if (e->pending) run(e->stream);
+  if (e->pending) run_to(e);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent a, CUevent b) {

@@ -795,7 +795,7 @@ fn l2_revisit(
     Ok(format!(
         "{{\"peer\":\"kura\",\"what\":\"l2_revisit\",\"kv\":\"{kv}\",\"tokens\":{n},\"cached\":{cached},\
          \"new\":{new},\"host\":\"{host_kind}\",\"blocks\":{nb},\"block_bytes\":{block_bytes},\
-         \"copy_ms\":{copy:.2},\"copy_gbs\":{:.1},\"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\
+         \"copy_ms\":{copy:.4},\"copy_gbs\":{:.1},\"ttft_device_ms\":{device:.2},\"ttft_l2_ms\":{l2:.2},\
          \"ttft_l2_ordered_ms\":{},\"ttft_l2_ordered_per_layer_ms\":{},\"ttft_cold_ms\":{cold:.1},\
          \"l2_over_copy_plus_device\":{:.3},\"ordered_over_copy_plus_device\":{},\
          \"ordered_over_max_copy_device\":{},\"speedup_over_cold\":{:.2}}}",

@@ -193,6 +193,29 @@ pub fn whole_block_loads_and_stores(mut gpu: CudaExecutor, p: &[u32], bs: usize,
         "block 5 loaded from the slot block 7 was stored into"
     );
     gpu.exports_fence().unwrap();
+    // Two stores and one fence: the fence waits for the later store too (block 6 holds block 0's
+    // bytes, block 7 block 1's).
+    region.fill(0);
+    assert!(gpu.start_export(6, &mut region[..bb]).unwrap());
+    assert!(gpu.start_export(7, &mut region[bb..]).unwrap());
+    gpu.exports_fence().unwrap();
+    assert_eq!(&region[..bb], &want0[..], "the first of two stores");
+    assert_eq!(
+        &region[bb..],
+        &want1[..],
+        "the second of two stores, fenced once"
+    );
+    // Two stores, then a write of the later one's block: the write waits for both.
+    region.fill(0);
+    assert!(gpu.start_export(6, &mut region[..bb]).unwrap());
+    assert!(gpu.start_export(7, &mut region[bb..]).unwrap());
+    gpu.copy_block_prefix(6, 7, bs).unwrap();
+    gpu.exports_fence().unwrap();
+    assert_eq!(
+        &region[bb..],
+        &want1[..],
+        "the second of two stores, not the copy issued after both"
+    );
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }
