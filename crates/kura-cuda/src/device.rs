@@ -343,11 +343,7 @@ impl Device {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let smem = if is_probe(name) {
-            self.probe_smem
-        } else {
-            dynamic_smem(name).unwrap_or(0)
-        };
+        let smem = kernel_smem(name, self.probe_smem).unwrap_or(0);
         self.launch_as(name, grid, block, smem, args, || name.to_string())
     }
 
@@ -672,12 +668,7 @@ fn load_kernels(
     let mut functions = HashMap::new();
     for n in kernel_names() {
         let f = module.load_function(&n)?;
-        let smem = if is_probe(&n) {
-            Some(probe_smem)
-        } else {
-            dynamic_smem(&n)
-        };
-        if let Some(bytes) = smem {
+        if let Some(bytes) = kernel_smem(&n, probe_smem) {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
@@ -703,6 +694,16 @@ pub fn dynamic_smem(kernel: &str) -> Option<u32> {
 /// Whether `kernel` is a timing probe of the prefill attention (`attn_prefill_probe_*`).
 fn is_probe(kernel: &str) -> bool {
     kernel.starts_with("attn_prefill_probe_")
+}
+
+/// Dynamic shared memory `kernel` is allowed and launched with on a device whose prefill timing probes
+/// take `probe_smem` ([`probe_smem`]); the others' from [`dynamic_smem`].
+fn kernel_smem(kernel: &str, probe_smem: u32) -> Option<u32> {
+    if is_probe(kernel) {
+        Some(probe_smem)
+    } else {
+        dynamic_smem(kernel)
+    }
 }
 
 /// Dynamic shared memory of the prefill timing probes on a device with `per_sm` bytes of shared memory
@@ -757,7 +758,7 @@ pub fn kernel_names() -> Vec<String> {
     }
     for probe in crate::executor::PrefillProbe::ALL {
         for d in [64, 128] {
-            v.push(format!("attn_prefill_probe_{}_bf16_{d}", probe.name()));
+            v.push(probe.kernel(d));
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));

@@ -143,6 +143,11 @@ impl PrefillProbe {
             Self::MmaOnly => "mmaonly",
         }
     }
+
+    /// Its kernel at head size `d` (over a bf16 pool, the only one the probes are built for).
+    pub(crate) fn kernel(self, d: usize) -> String {
+        format!("attn_prefill_probe_{}_bf16_{d}", self.name())
+    }
 }
 
 /// Keys of one split of the split-key kernel (`SPLIT` in `kura.cu`).
@@ -1166,10 +1171,7 @@ impl CudaExecutor {
             }
             if plan.tiles > 0 {
                 let (k, name) = match self.prefill_probe {
-                    Some(p) => (
-                        PrefillKernel::Narrow,
-                        format!("attn_prefill_probe_{}_{kv}_{d}", p.name()),
-                    ),
+                    Some(p) => (PrefillKernel::Narrow, p.kernel(d)),
                     None => (self.prefill_kernel, self.prefill_kernel.kernel(kv, d)),
                 };
                 dev.launch(
