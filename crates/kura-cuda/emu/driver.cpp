@@ -17,14 +17,15 @@
 //   driver) is read and written when the copy runs.
 // - a kernel's parameters are copied at the launch; a launch names a kernel of the loaded module, its
 //   block at most 1,024 threads, its shared memory (static, from the cubin, and dynamic) within 48 KiB or
-//   what the kernel was allowed (up to 227 KiB).
+//   what the kernel was allowed (up to what a block may opt in to: below).
 // - every device range a copy names lies within one allocation; elapsed time needs both events done.
 // - while a stream captures a graph, its work goes into the graph, and calls the driver refuses during a
 //   capture (synchronous copies, allocations and frees outside the stream, synchronisation) fail and
 //   invalidate it.
 // `kura_emu_fail` makes chosen calls fail, for tests of the executor's error paths.
-// The device: compute capability 9.0 (`KURA_EMU_CC`, e.g. `8.0`, overrides), 4 multiprocessors, 227 KiB
-// of shared memory a block with opt-in, `KURA_EMU_MEMORY_MB` of memory (default 4,096).
+// The device: compute capability 9.0 (`KURA_EMU_CC`, e.g. `8.0`, overrides), 4 multiprocessors, the shared
+// memory of its compute capability (a block with opt-in / a multiprocessor: 227 / 228 KiB from 9.0, 163 /
+// 164 on 8.0 and 8.7, 99 / 100 on the others), `KURA_EMU_MEMORY_MB` of memory (default 4,096).
 #include <cuda.h>
 
 #include <algorithm>
@@ -76,7 +77,6 @@ struct Func {
 };
 
 constexpr int kBlockShared = 48 << 10;     // static + dynamic shared memory a block has without opt-in
-constexpr int kBlockSharedOptin = 227 << 10;  // ... with opt-in
 
 // Each kernel's static shared memory in a cubin: the size of its section `.nv.shared.<kernel>`, less
 // the 1 KiB a block reserves for the system where the cubin says so (`.nv.shared.reserved.0`), as
@@ -167,6 +167,16 @@ void compute_capability(int* major, int* minor) {
   *major = 9;
   *minor = 0;
   if (const char* cc = std::getenv("KURA_EMU_CC")) std::sscanf(cc, "%d.%d", major, minor);
+}
+
+// Static + dynamic shared memory a block may have with opt-in, by compute capability (a multiprocessor
+// has 1 KiB more).
+int block_shared_optin() {
+  int major, minor;
+  compute_capability(&major, &minor);
+  if (major >= 9) return 227 << 10;
+  if (major == 8 && (minor == 0 || minor == 7)) return 163 << 10;
+  return 99 << 10;
 }
 
 Stream* stream_of(CUstream s) {
@@ -407,8 +417,8 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d) 
     case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: *v = 2048; break;
     case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *v = 32; break;
     case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *v = 48 << 10; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *v = 227 << 10; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *v = 228 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *v = block_shared_optin(); break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *v = block_shared_optin() + (1 << 10); break;
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
     default: *v = 0;
   }
@@ -811,7 +821,7 @@ CUresult CUDAAPI cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v)
   GUARD;
   Func* fn = reinterpret_cast<Func*>(f);
   if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
-    if (v < 0 || v > kBlockSharedOptin - fn->static_bytes) return CUDA_ERROR_INVALID_VALUE;
+    if (v < 0 || v > block_shared_optin() - fn->static_bytes) return CUDA_ERROR_INVALID_VALUE;
     fn->max_dynamic = v;
   }
   return CUDA_SUCCESS;

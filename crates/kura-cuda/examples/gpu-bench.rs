@@ -407,14 +407,16 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         ))?;
     }
 
-    // Prefill TTFT, through each prefill attention kernel (the default, 8 warps of 16 query rows; the
-    // wide one, 4 warps of 32; half tiles of 4 warps of 16; the small one, half tiles over the wide
-    // one's key tiles, three blocks a multiprocessor), runs interleaved.
+    // Prefill TTFT, through each prefill attention kernel this device loaded (the default, 8 warps of
+    // 16 query rows; the wide one, 4 warps of 32; half tiles of 4 warps of 16; the small one, half tiles
+    // over the wide one's key tiles, three blocks a multiprocessor; the 8-warp and half-tile ones with
+    // three stages and one barrier a key tile), runs interleaved.
+    let kernels = loaded_prefill_kernels(&mut gpu, &mut report)?;
     for n in len.prefills {
         let p = tokens(n, n as u64, vocab);
-        let mut times = PrefillKernel::ALL.map(|_| Vec::new());
+        let mut times = vec![Vec::new(); kernels.len()];
         for _ in 0..len.runs(3) {
-            for (kernel, times) in PrefillKernel::ALL.into_iter().zip(times.iter_mut()) {
+            for (&kernel, times) in kernels.iter().zip(times.iter_mut()) {
                 gpu.set_prefill_kernel(kernel);
                 let t = Instant::now();
                 gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
@@ -422,11 +424,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             }
         }
         gpu.set_prefill_kernel(PrefillKernel::Narrow);
-        for (kernel, times) in PrefillKernel::ALL
-            .map(PrefillKernel::name)
-            .into_iter()
-            .zip(times)
-        {
+        for (kernel, times) in kernels.iter().map(|k| k.name()).zip(times) {
             report.figure(format!(
                 "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
                  \"runs_ms\":{times:?}}}",
@@ -587,7 +585,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ("decode_b1_ahead".to_string(), narrow, None, b1()),
             ("decode_batch".to_string(), narrow, None, b64),
         ];
-        for k in PrefillKernel::ALL {
+        for &k in &kernels {
             let what = match k {
                 PrefillKernel::Narrow => "prefill_long".to_string(),
                 _ => format!("prefill_long_{}", k.name()),
@@ -599,7 +597,11 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             profiles.push((what, narrow, Some(p), long_in()));
         }
         for (what, kernel, probe, items) in profiles {
-            gpu.set_prefill_kernel(kernel);
+            if !gpu.set_prefill_kernel(kernel) {
+                return Err(
+                    format!("{what}: the {} prefill kernel is not loaded", kernel.name()).into(),
+                );
+            }
             if !gpu.set_prefill_probe(probe) {
                 return Err(format!("{what}: the prefill probes take a bf16 pool").into());
             }
@@ -672,6 +674,27 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
 /// `steps` greedy decode steps of the sequences with block tables `tables`, from their tokens `last` at
 /// position `pos` on: their last tokens, and the seconds the steps took.
+/// The prefill attention kernels this device loaded: [`PrefillKernel::ALL`] less those that take more
+/// shared memory than a block may have there, each of which the report names.
+fn loaded_prefill_kernels(
+    gpu: &mut CudaExecutor,
+    report: &mut Report<'_>,
+) -> std::io::Result<Vec<PrefillKernel>> {
+    let mut loaded = Vec::new();
+    for k in PrefillKernel::ALL {
+        if gpu.set_prefill_kernel(k) {
+            loaded.push(k);
+        } else {
+            report.line(&format!(
+                "prefill kernel {}: not loaded on this device (more shared memory than a block may have)",
+                k.name()
+            ))?;
+        }
+    }
+    gpu.set_prefill_kernel(PrefillKernel::Narrow);
+    Ok(loaded)
+}
+
 fn decode_steps(
     gpu: &mut CudaExecutor,
     tables: &[Vec<u32>],

@@ -806,6 +806,11 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
 // blocks share a multiprocessor, where the 8-warp kernel's one block has all its warps meet at every
 // key tile.
 //
+// STAGES 3 ("deep"): three stages of K and V, and one barrier a key tile instead of two. Tile j + 2's
+// copy is issued right after tile j's barrier, into the stage tile j - 1 was read from (every thread
+// has passed that barrier, so none still reads it), and it has two tiles' products to land instead of
+// one. The same operations in the same order as with two stages: the same bits.
+//
 // PROBE (timing probes, `attn_prefill_probe_*`, which only `gpu-bench` launches): the kernel with one part
 // left out, to place its time on a device. Their outputs are not attention.
 enum : int {
@@ -815,7 +820,7 @@ enum : int {
   PROBE_LOAD_ONLY = 3,   // the copies, waits and barriers alone
   PROBE_MMA_ONLY = 4,    // the products over the first tile's stage, no softmax
 };
-template <typename KV, int D, int MT, int NK, int HALVES, int PROBE = PROBE_NONE>
+template <typename KV, int D, int MT, int NK, int HALVES, int PROBE = PROBE_NONE, int STAGES = 2>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
                              PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
                              int mask_all) {
@@ -825,13 +830,15 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   constexpr int ROWS = BR / HALVES;  // query rows a block
   constexpr int NT = ROWS / WR * 32;  // threads a block (a warp for each WR of its rows)
   static_assert(HALVES == 1 || MT == 1, "half tiles are for the 8-warp kernel's warps");
+  static_assert(STAGES == 2 || (STAGES == 3 && PROBE == PROBE_NONE), "two stages, or three without a probe");
+  constexpr int STAGE = 2 * NK * KS;  // elements of a stage (K, then V)
   constexpr bool LOADS = PROBE != PROBE_NO_LOAD && PROBE != PROBE_MMA_ONLY;  // a copy for every key tile
   constexpr bool SOFTMAX = PROBE == PROBE_NONE || PROBE == PROBE_NO_LOAD;
   constexpr bool PRODUCTS = PROBE != PROBE_LOAD_ONLY;
   KURA_DYNAMIC_SHARED(smem_raw);
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
-  // Stage s: K at smem + s * 2 * NK * KS, V right after it; (MT 2) the query rows after both stages.
-  bf16* qs = smem + 2 * 2 * NK * KS;
+  // Stage s: K at smem + s * STAGE, V right after it; (MT 2) the query rows after the stages.
+  bf16* qs = smem + STAGES * STAGE;
   int tile = tiles - 1 - (int)blockIdx.x / HALVES, h = blockIdx.y;  // longest tiles first
   int half = HALVES - 1 - (int)blockIdx.x % HALVES;                  // (and their later rows)
   int row0 = tile_info[4 * tile] + half * ROWS, nrows = tile_info[4 * tile + 1] - half * ROWS,
@@ -854,6 +861,11 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   const TileSrc src = tile_src<D, NT>(p, layer, kvh);
   load_tile<D, NK, NT>(smem, smem + NK * KS, pool, tables, p, src, toff, first, last);
   cp_async_commit();
+  if constexpr (STAGES == 3) {
+    // The second tile's copy too: every tile's copy starts two tiles ahead of its products.
+    if (ntiles > 1) load_tile<D, NK, NT>(smem + STAGE, smem + STAGE + NK * KS, pool, tables, p, src, toff, first + NK, last);
+    cp_async_commit();
+  }
   // MT 1: Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
   u32 qa[MT == 1 ? D / 16 : 1][4];
   if constexpr (MT == 1) {
@@ -888,17 +900,33 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   int q_row = lane & 15, q_col = (lane >> 4) * 8;
   int k_row = lane & 7, k_col = (lane >> 3) * 8, k2_col = ((lane >> 3) & 1) * 8;
   int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
+  int stage = 0;  // (STAGES 3) tile j's stage, j % 3
   for (int j = 0; j < ntiles; j++) {
     int kt = first + j * NK;
-    bf16* ks = smem + (LOADS ? j & 1 : 0) * 2 * NK * KS;
-    bf16* vs = ks + NK * KS;
-    if (LOADS && j + 1 < ntiles) {
-      bf16* nk = smem + ((j + 1) & 1) * 2 * NK * KS;
-      load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + NK, last);
+    bf16* ks;
+    if constexpr (STAGES == 2) {
+      ks = smem + (LOADS ? j & 1 : 0) * STAGE;
+      if (LOADS && j + 1 < ntiles) {
+        bf16* nk = smem + ((j + 1) & 1) * STAGE;
+        load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + NK, last);
+      }
+      cp_async_commit();
+      cp_async_wait1();
+      __syncthreads();
+    } else {
+      ks = smem + stage * STAGE;
+      // Every group but the newest (tile j + 1's) has landed: tile j's, this thread's part; the barrier
+      // makes every thread's visible, and every thread is past tile j - 1's products.
+      cp_async_wait1();
+      __syncthreads();
+      if (j + 2 < ntiles) {
+        bf16* nk = smem + (stage == 0 ? 2 : stage - 1) * STAGE;  // stage (j + 2) % 3, tile j - 1's
+        load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + 2 * NK, last);
+      }
+      cp_async_commit();
+      stage = stage == 2 ? 0 : stage + 1;
     }
-    cp_async_commit();
-    cp_async_wait1();
-    __syncthreads();
+    bf16* vs = ks + NK * KS;
     // A warp whose rows all end before this tile (or whose window starts after it) skips it.
     if (PRODUCTS && kt <= warp_last && kt + NK > warp_first) {
       // S = Q Kᵀ for WR rows × NK keys, k-steps in order for every element.
@@ -1032,7 +1060,9 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         }
       }
     }
-    __syncthreads();
+    // (Three stages: the next tile's barrier is the only one; the stage read here is written again
+    // only after the barrier of the tile after it.)
+    if constexpr (STAGES == 2) __syncthreads();
   }
   // Row sums across the quad, then write rows g and g + 8 of each of this warp's m-tiles.
 #pragma unroll
@@ -1064,6 +1094,10 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
 // blocks share a multiprocessor on sm_90 (12 warps, where the others have 8: each of a multiprocessor's
 // four schedulers has three warps to issue from while the others wait on a product or a shared-memory
 // read). sm_80's code needs a few registers more at a head size of 128 (it would spill): two blocks there.
+// `attn_prefill_deep_{kv}_{d}` and `attn_prefill_halfdeep_{kv}_{d}`: the 8-warp and half-tile kernels with
+// three stages and one barrier a key tile (their bits), 102 KiB of shared memory a block at a head size
+// of 128: more than sm_86's and sm_89's 99, where they are not loaded; two half-tile blocks share an sm_90
+// multiprocessor (227 KiB), one an sm_80's.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define SMALL_BLOCKS 2
 #else
@@ -1089,6 +1123,18 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
       int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
     attn_prefill<KVT, D, 1, WIDE_NK(D), 2>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_deep_##KVN##_##D(                            \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 1, BC, 1, PROBE_NONE, 3>(q, pool, tables, tile_info, out, p, layer, heads, window,      \
+                                                  scale_log2, tiles, mask_all);                               \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_halfdeep_##KVN##_##D(                        \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 1, BC, 2, PROBE_NONE, 3>(q, pool, tables, tile_info, out, p, layer, heads, window,      \
+                                                  scale_log2, tiles, mask_all);                               \
   }
 ATTN_PREFILL(bf16, bf16, 64)
 ATTN_PREFILL(bf16, bf16, 128)

@@ -148,12 +148,17 @@ impl Device {
             )?
             .max(0) as u32;
         let probe_smem = probe_smem(smem_per_sm);
+        let smem_optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?
+            .max(0) as u32;
         // A stream of its own (the legacy default stream cannot be captured into a graph).
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let dir = kernels::cache_dir();
         let (cubin, mut compiled) = kernels::cubin_for(&arch, &dir)?;
-        let functions = match load_kernels(&ctx, cubin, probe_smem) {
+        let functions = match load_kernels(&ctx, cubin, probe_smem, smem_optin) {
             Ok(f) => f,
             // A cached cubin the driver will not load (a file damaged past its ELF magic): compiled
             // again and the cache's file replaced, once.
@@ -164,7 +169,12 @@ impl Device {
                     "the cached kernels would not load; compiling them again"
                 );
                 compiled = true;
-                load_kernels(&ctx, kernels::compile_to_cache(&arch, &dir)?, probe_smem)?
+                load_kernels(
+                    &ctx,
+                    kernels::compile_to_cache(&arch, &dir)?,
+                    probe_smem,
+                    smem_optin,
+                )?
             }
             Err(e) => return Err(e),
         };
@@ -632,6 +642,12 @@ impl Device {
         })
     }
 
+    /// Whether kernel `name` of Kura's module was loaded on this device (every one is, but those that
+    /// take more shared memory than a block may have here).
+    pub fn has_kernel(&self, name: &str) -> bool {
+        self.functions.contains_key(name)
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
@@ -658,17 +674,27 @@ fn alloc_failed(
 }
 
 /// Every kernel of Kura's module from `cubin`, with the dynamic shared memory each is allowed (the
-/// timing probes `probe_smem`).
+/// timing probes `probe_smem`), but those that take more than a block may have on this device
+/// (`smem_optin`): a prefill kernel of three stages on sm_86 ([`Device::has_kernel`]).
 fn load_kernels(
     ctx: &Arc<cudarc::driver::CudaContext>,
     cubin: Vec<u8>,
     probe_smem: u32,
+    smem_optin: u32,
 ) -> Result<HashMap<String, cudarc::driver::CudaFunction>> {
     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
     let mut functions = HashMap::new();
     for n in kernel_names() {
+        let smem = kernel_smem(&n, probe_smem);
+        if !fits_a_block(smem, smem_optin) {
+            tracing::debug!(
+                kernel = n,
+                "not loaded: takes more shared memory than a block may have on this device ({smem_optin} bytes)"
+            );
+            continue;
+        }
         let f = module.load_function(&n)?;
-        if let Some(bytes) = kernel_smem(&n, probe_smem) {
+        if let Some(bytes) = smem {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
@@ -689,6 +715,12 @@ pub fn dynamic_smem(kernel: &str) -> Option<u32> {
         .find(|k| !k.prefix().is_empty() && rest.starts_with(k.prefix()))
         .unwrap_or(PrefillKernel::Narrow);
     Some(form.shared_bytes(d))
+}
+
+/// Whether a kernel of `smem` bytes of dynamic shared memory (None: none) fits a block on a device whose
+/// blocks may opt in to `smem_optin` bytes.
+fn fits_a_block(smem: Option<u32>, smem_optin: u32) -> bool {
+    smem.is_none_or(|bytes| bytes <= smem_optin)
 }
 
 /// Whether `kernel` is a timing probe of the prefill attention (`attn_prefill_probe_*`).
@@ -862,6 +894,46 @@ mod tests {
                 assert!(bytes <= 163 * 1024, "{k}: {bytes} bytes");
             }
         }
+    }
+
+    #[test]
+    fn three_stage_prefill_kernels_at_head_size_128_are_the_only_ones_too_big_for_sm_86() {
+        assert_eq!(
+            dynamic_smem("attn_prefill_deep_bf16_128"),
+            Some(3 * 2 * 64 * 136 * 2)
+        );
+        assert_eq!(
+            dynamic_smem("attn_prefill_halfdeep_fp8_64"),
+            Some(3 * 2 * 64 * 72 * 2)
+        );
+        // (the most a block may opt in to, the per-multiprocessor size): sm_90, sm_80, sm_86 / sm_89.
+        for (optin, per_sm) in [
+            (227 << 10, 228 << 10),
+            (163 << 10, 164 << 10),
+            (99 << 10, 100 << 10),
+        ] {
+            let probe = probe_smem(per_sm);
+            let mut left_out: Vec<String> = kernel_names()
+                .into_iter()
+                .filter(|k| !fits_a_block(kernel_smem(k, probe), optin))
+                .collect();
+            left_out.sort();
+            let want = if optin < (100 << 10) {
+                [
+                    "attn_prefill_deep_bf16_128",
+                    "attn_prefill_deep_f32_128",
+                    "attn_prefill_deep_fp8_128",
+                    "attn_prefill_halfdeep_bf16_128",
+                    "attn_prefill_halfdeep_f32_128",
+                    "attn_prefill_halfdeep_fp8_128",
+                ]
+                .as_slice()
+            } else {
+                &[]
+            };
+            assert_eq!(left_out, want, "opt-in {optin}");
+        }
+        assert!(fits_a_block(None, 0));
     }
 
     #[test]

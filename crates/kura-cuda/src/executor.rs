@@ -49,11 +49,25 @@ pub enum PrefillKernel {
     /// blocks share a multiprocessor on sm_90 (12 warps where the others have 8; two blocks on sm_80).
     /// `Wide`'s bits.
     Small,
+    /// `Narrow` with three stages of K and V and one barrier a key tile (each tile's copy issued two
+    /// tiles ahead of its products): `Narrow`'s bits. 102 KiB of shared memory at a head size of 128,
+    /// more than a block may have on sm_86 and sm_89, where it is not loaded.
+    Deep,
+    /// `Half` with `Deep`'s three stages and one barrier: `Narrow`'s bits; two blocks share an sm_90
+    /// multiprocessor (one on sm_80; not loaded on sm_86 and sm_89 at a head size of 128).
+    HalfDeep,
 }
 
 impl PrefillKernel {
     /// Every kernel, the default first.
-    pub const ALL: [PrefillKernel; 4] = [Self::Narrow, Self::Wide, Self::Half, Self::Small];
+    pub const ALL: [PrefillKernel; 6] = [
+        Self::Narrow,
+        Self::Wide,
+        Self::Half,
+        Self::Small,
+        Self::Deep,
+        Self::HalfDeep,
+    ];
 
     /// Its name in reports (`gpu-bench`).
     pub fn name(self) -> &'static str {
@@ -62,6 +76,8 @@ impl PrefillKernel {
             Self::Wide => "wide",
             Self::Half => "half",
             Self::Small => "small",
+            Self::Deep => "deep",
+            Self::HalfDeep => "halfdeep",
         }
     }
 
@@ -73,14 +89,14 @@ impl PrefillKernel {
     /// Keys of its key tiles at head size `d` (`BC`, or `WIDE_NK(d)` in `kura.cu`).
     pub(crate) fn keys(self, d: u32) -> u32 {
         match self {
-            Self::Narrow | Self::Half => 64,
+            Self::Narrow | Self::Half | Self::Deep | Self::HalfDeep => 64,
             Self::Wide | Self::Small if d > 64 => 32,
             Self::Wide | Self::Small => 64,
         }
     }
 
-    /// Dynamic shared memory of its kernel at head size `d`: two stages of K and V tiles of
-    /// [`Self::keys`] rows of `d + 8` bf16 each, then (`Wide`) the tile's 128 query rows.
+    /// Dynamic shared memory of its kernel at head size `d`: two stages (`Deep`, `HalfDeep`: three) of
+    /// K and V tiles of [`Self::keys`] rows of `d + 8` bf16 each, then (`Wide`) the tile's 128 query rows.
     pub(crate) fn shared_bytes(self, d: u32) -> u32 {
         let row = (d + 8) * 2;
         let queries = if self == Self::Wide {
@@ -88,7 +104,11 @@ impl PrefillKernel {
         } else {
             0
         };
-        2 * 2 * self.keys(d) * row + queries
+        let stages = match self {
+            Self::Deep | Self::HalfDeep => 3,
+            _ => 2,
+        };
+        stages * 2 * self.keys(d) * row + queries
     }
 
     /// The part of its kernels' names after `attn_prefill_`.
@@ -98,20 +118,22 @@ impl PrefillKernel {
             Self::Wide => "wide_",
             Self::Half => "half_",
             Self::Small => "small_",
+            Self::Deep => "deep_",
+            Self::HalfDeep => "halfdeep_",
         }
     }
 
     fn threads(self) -> u32 {
         match self {
-            Self::Narrow => 256,
-            Self::Wide | Self::Half | Self::Small => 128,
+            Self::Narrow | Self::Deep => 256,
+            Self::Wide | Self::Half | Self::Small | Self::HalfDeep => 128,
         }
     }
 
     fn blocks_a_tile(self) -> usize {
         match self {
-            Self::Narrow | Self::Wide => 1,
-            Self::Half | Self::Small => 2,
+            Self::Narrow | Self::Wide | Self::Deep => 1,
+            Self::Half | Self::Small | Self::HalfDeep => 2,
         }
     }
 }
@@ -711,9 +733,26 @@ impl CudaExecutor {
     }
 
     /// Runs prefill attention through another of its kernels ([`PrefillKernel`]; `Narrow` by default).
-    pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
+    /// A kernel this device did not load for the pool's format and the model's head size (more shared
+    /// memory than a block may have here: [`PrefillKernel::Deep`] on sm_86) is refused: this returns
+    /// false and changes nothing.
+    pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) -> bool {
+        let name = kernel.kernel(self.kv_name(), self.cfg.head_dim());
+        if !self.dev.has_kernel(&name) {
+            return false;
+        }
         self.prefill_kernel = kernel;
         self.graphs.clear();
+        true
+    }
+
+    /// The pool's format in kernel names.
+    fn kv_name(&self) -> &'static str {
+        match self.kv_dtype {
+            KvDtype::F32 => "f32",
+            KvDtype::Fp8 => "fp8",
+            _ => "bf16",
+        }
     }
 
     /// Runs prefill attention through a timing probe instead (`None`: the kernel again). The probes
@@ -989,11 +1028,7 @@ impl CudaExecutor {
             } else {
                 0
             });
-        let kv = match self.kv_dtype {
-            KvDtype::F32 => "f32",
-            KvDtype::Fp8 => "fp8",
-            _ => "bf16",
-        };
+        let kv = self.kv_name();
         let eps = c.params.rms_norm_eps;
         let style = match c.params.rope_style {
             kura_checkpoint::config::RopeStyle::Half => 0,

@@ -1,6 +1,6 @@
 //! Kura's CUDA kernels run on the CPU: `emu/check.cpp` compiles `kernels/kura.cu` with a C++ compiler
 //! against `emu/emu.h` (each GPU thread a fiber; barriers, warp shuffles, `ldmatrix`, `mma.sync` and
-//! `cp.async` emulated) and checks the prefill kernels (8-warp, wide, half-tile and small) and their timing
+//! `cp.async` emulated) and checks the prefill kernels (8-warp, wide, half-tile, small and the three-stage ones) and their timing
 //! probes, the split-key kernel with and without its fused merge, and the matrix-vector kernels that norm their input, against attention in
 //! double and against each other bit for bit. What it cannot check — the GPU's own floating-point
 //! results, memory ordering between blocks, speed — `scripts/test-gpu.sh` checks on a device.

@@ -242,10 +242,12 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
                 (PrefillKernel::Narrow, true),
                 (PrefillKernel::Half, false),
                 (PrefillKernel::Small, false),
+                (PrefillKernel::Deep, false),
+                (PrefillKernel::HalfDeep, false),
             ] {
                 let name = kernel.name();
                 let mut gpu = exec(dtype, 16, table.len() + 1);
-                gpu.set_prefill_kernel(kernel);
+                assert!(gpu.set_prefill_kernel(kernel), "{name} kernel not loaded");
                 gpu.set_mask_all_tiles(mask_all);
                 let got = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
                 let rel = rel(&got, &want);
@@ -266,7 +268,8 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
             }
             // At head size 64 the wide kernel computes what the 8-warp one does, masking every tile
             // changes nothing, and half tiles are the 8-warp kernel's warps (the small kernel's too:
-            // at 64 its key tiles are the 8-warp kernel's).
+            // at 64 its key tiles are the 8-warp kernel's); a third stage changes when copies land,
+            // not what is computed.
             assert!(same_bits(&runs[0], &runs[1]), "{} {n}: wide", dtype.name());
             assert!(
                 same_bits(&runs[0], &runs[2]),
@@ -279,6 +282,12 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
                 dtype.name()
             );
             assert!(same_bits(&runs[0], &runs[4]), "{} {n}: small", dtype.name());
+            assert!(same_bits(&runs[0], &runs[5]), "{} {n}: deep", dtype.name());
+            assert!(
+                same_bits(&runs[0], &runs[6]),
+                "{} {n}: half tiles, deep",
+                dtype.name()
+            );
         }
     }
 }
@@ -826,10 +835,14 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             (128, "wide"),
             (128, "half"),
             (128, "small"),
+            (128, "deep"),
+            (128, "halfdeep"),
             (512, "narrow"),
             (512, "wide"),
             (512, "half"),
-            (512, "small")
+            (512, "small"),
+            (512, "deep"),
+            (512, "halfdeep")
         ]
     );
     let cached = with("cached_ttft");
@@ -947,6 +960,11 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     assert!(has(&kernels("prefill_long_wide"), "attn_prefill_wide"));
     assert!(has(&kernels("prefill_long_half"), "attn_prefill_half"));
     assert!(has(&kernels("prefill_long_small"), "attn_prefill_small"));
+    assert!(has(&kernels("prefill_long_deep"), "attn_prefill_deep"));
+    assert!(has(
+        &kernels("prefill_long_halfdeep"),
+        "attn_prefill_halfdeep"
+    ));
     for probe in kura_cuda::PrefillProbe::ALL {
         let ks = kernels(&format!("prefill_long_probe_{}", probe.name()));
         let name = format!("attn_prefill_probe_{}_bf16", probe.name());
