@@ -22,7 +22,8 @@
 // - while a stream captures a graph, its work goes into the graph, and calls the driver refuses during a
 //   capture (synchronous copies, allocations and frees outside the stream, synchronisation) fail and
 //   invalidate it.
-// `kura_emu_fail` makes chosen calls fail, for tests of the executor's error paths.
+// `kura_emu_fail` makes chosen calls fail, for tests of the executor's error paths; `kura_emu_shared_optin`
+// lowers the shared memory a block may opt in to.
 // The device: compute capability 9.0 (`KURA_EMU_CC`, e.g. `8.0`, overrides), 4 multiprocessors, the shared
 // memory of its compute capability (a block with opt-in / a multiprocessor: 227 / 228 KiB from 9.0, 163 /
 // 164 on 8.0 and 8.7, 99 / 100 on the others), `KURA_EMU_MEMORY_MB` of memory (default 4,096).
@@ -169,9 +170,16 @@ void compute_capability(int* major, int* minor) {
   if (const char* cc = std::getenv("KURA_EMU_CC")) std::sscanf(cc, "%d.%d", major, minor);
 }
 
-// Static + dynamic shared memory a block may have with opt-in, by compute capability (a multiprocessor
-// has 1 KiB more).
+// What `kura_emu_shared_optin` set (0: none).
+int& shared_optin_set() {
+  static int bytes = 0;
+  return bytes;
+}
+
+// Static + dynamic shared memory a block may have with opt-in, by compute capability or as
+// `kura_emu_shared_optin` set it (a multiprocessor has 1 KiB more).
 int block_shared_optin() {
+  if (shared_optin_set() > 0) return shared_optin_set();
   int major, minor;
   compute_capability(&major, &minor);
   if (major >= 9) return 227 << 10;
@@ -362,6 +370,14 @@ void kura_emu_fail(const char* name, long pass, long fail, int code) {
     faults().erase(name);
   else
     faults()[name] = Fault{pass, fail, (CUresult)code};
+}
+
+// Makes the device's blocks opt in to at most `bytes` of shared memory (0: its compute capability's
+// again), for tests of a device on which some kernels do not fit a block. Devices opened before keep what
+// they read.
+void kura_emu_shared_optin(int bytes) {
+  GUARD;
+  shared_optin_set() = bytes;
 }
 
 int kura_emu_enqueue(void* stream, void (*fn)(void*), void (*drop)(void*), void* data) {

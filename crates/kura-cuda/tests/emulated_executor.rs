@@ -102,6 +102,33 @@ fn inject(name: &str, pass: i64, fail: i64, code: i32) {
     }
 }
 
+/// Lowers the shared memory the stand-in device's blocks may opt in to, to `bytes`, for the devices opened
+/// until it is dropped (then the compute capability's again, also when a test fails).
+struct SharedOptin;
+
+impl SharedOptin {
+    fn set(bytes: i32) -> SharedOptin {
+        shared_optin(bytes);
+        SharedOptin
+    }
+}
+
+impl Drop for SharedOptin {
+    fn drop(&mut self) {
+        shared_optin(0);
+    }
+}
+
+fn shared_optin(bytes: i32) {
+    // SAFETY: the stand-in exports `kura_emu_shared_optin` with this C signature.
+    unsafe {
+        let f = loaded()[0]
+            .get::<unsafe extern "C" fn(i32)>(b"kura_emu_shared_optin\0")
+            .expect("the stand-in driver exports kura_emu_shared_optin");
+        f(bytes);
+    }
+}
+
 /// A deterministic stream of numbers in [-1, 1).
 struct Rng(u64);
 impl Rng {
@@ -290,6 +317,49 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
             );
         }
     }
+}
+
+#[test]
+fn a_device_whose_blocks_have_less_shared_memory_runs_the_prefill_kernels_that_fit_and_refuses_the_others(
+) {
+    let _turn = emulated();
+    // 50 KiB a block (sm_86 has 99; at head size 128 the three-stage kernels take 102 KiB): at head size
+    // 64 the 8-warp, half-tile and small kernels take 36 KiB (two stages of 64 keys), the wide one 54 KiB
+    // (its 128 query rows too), the three-stage ones 54 KiB (three stages).
+    let _optin = SharedOptin::set(50 << 10);
+    let n = 150;
+    let p = prompt(n, 3);
+    let table: Vec<u32> = (0..n.div_ceil(16) as u32).collect();
+    let mut gpu = exec(KvDtype::Bf16, 16, table.len() + 1);
+    let narrow = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
+    let mut refused = Vec::new();
+    for kernel in PrefillKernel::ALL {
+        let name = match kernel.name() {
+            "narrow" => "attn_prefill_bf16_64".to_string(),
+            form => format!("attn_prefill_{form}_bf16_64"),
+        };
+        let loaded = gpu.device().has_kernel(&name);
+        assert_eq!(
+            gpu.set_prefill_kernel(kernel),
+            loaded,
+            "{}: chosen only where loaded",
+            kernel.name()
+        );
+        if !loaded {
+            refused.push(kernel.name());
+        }
+        // A refused kernel leaves the one before it: every run gives the 8-warp kernel's bits.
+        let mut fresh = exec(KvDtype::Bf16, 16, table.len() + 1);
+        fresh.set_prefill_kernel(kernel);
+        let got = fresh
+            .forward_logits(&[SeqInput::new(&p, 0, &table)])
+            .unwrap_or_else(|e| panic!("{}: {e}", kernel.name()));
+        assert!(same_bits(&got, &narrow), "{}", kernel.name());
+    }
+    assert_eq!(refused, ["wide", "deep", "halfdeep"]);
+    // The kernels of head size 128 that fit are loaded too: the half-tile one (70 KiB at 128) is not.
+    assert!(gpu.device().has_kernel("attn_prefill_small_bf16_128"));
+    assert!(!gpu.device().has_kernel("attn_prefill_half_bf16_128"));
 }
 
 #[test]
