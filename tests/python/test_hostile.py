@@ -126,27 +126,34 @@ def test_health_stays_fast_while_large_prompts_are_tokenized():
     try:
         big = ("The quick brown fox jumps over the lazy dog near the river bank. " * 3200)[:200_000]
         results = []
+        stop = threading.Event()
 
         def send():
-            r = httpx.post(s.url + "/tokenize", json={"prompt": big}, timeout=300)
-            results.append(r.status_code)
+            # Back to back until the probes are done: a tokenization is in flight whenever one is taken,
+            # however fast this machine tokenizes.
+            while not stop.is_set():
+                r = httpx.post(s.url + "/tokenize", json={"prompt": big}, timeout=300)
+                results.append(r.status_code)
 
         threads = [threading.Thread(target=send) for _ in range(4)]
         for t in threads:
             t.start()
         health_ms = []
-        while any(t.is_alive() for t in threads):
-            t0 = time.perf_counter()
-            assert httpx.get(s.url + "/health", timeout=10).status_code == 200
-            health_ms.append((time.perf_counter() - t0) * 1000)
-            time.sleep(0.02)  # paces the probes
-        for t in threads:
-            t.join()
-        assert results == [200] * 4
+        try:
+            while len(health_ms) < 10:
+                assert all(t.is_alive() for t in threads), results
+                t0 = time.perf_counter()
+                assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+                health_ms.append((time.perf_counter() - t0) * 1000)
+                time.sleep(0.02)  # paces the probes
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert len(results) >= 4 and results == [200] * len(results), results
         health_ms.sort()
-        print(f"\n/health during 4 x 200 KB tokenization: {len(health_ms)} probes, "
+        print(f"\n/health during {len(results)} x 200 KB tokenization: {len(health_ms)} probes, "
               f"median {health_ms[len(health_ms) // 2]:.1f} ms, max {health_ms[-1]:.1f} ms")
-        assert len(health_ms) >= 3, "tokenization finished before /health could be probed"
     finally:
         s.stop()
 
