@@ -672,8 +672,6 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     }
 }
 
-/// `steps` greedy decode steps of the sequences with block tables `tables`, from their tokens `last` at
-/// position `pos` on: their last tokens, and the seconds the steps took.
 /// The prefill attention kernels this device loaded: [`PrefillKernel::ALL`] less those that take more
 /// shared memory than a block may have there, each of which the report names.
 fn loaded_prefill_kernels(
@@ -695,6 +693,8 @@ fn loaded_prefill_kernels(
     Ok(loaded)
 }
 
+/// `steps` greedy decode steps of the sequences with block tables `tables`, from their tokens `last` at
+/// position `pos` on: their last tokens, and the seconds the steps took.
 fn decode_steps(
     gpu: &mut CudaExecutor,
     tables: &[Vec<u32>],
