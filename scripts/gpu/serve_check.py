@@ -184,6 +184,28 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
     return []
 
 
+FORMS = ["narrow", "wide", "half", "small", "deep", "halfdeep"]
+
+
+def check_prefill_kernel(log: str) -> list[str]:
+    """The GPU server named its prefill attention kernel once: a form, and where it timed them, one whose
+    output was the 8-warp kernel's bit for bit (`KURA_PREFILL_KERNEL` unset)."""
+    lines = [l.split("prefill attention: ", 1)[1] for l in log.splitlines() if "prefill attention: " in l]
+    if len(lines) != 1:
+        return [f"the GPU server's log names its prefill attention kernel {len(lines)} times, not once"]
+    print("server: prefill attention:", lines[0])
+    chosen = lines[0].split(" ", 1)[0]
+    if chosen not in FORMS:
+        return [f"the GPU server's prefill attention kernel {chosen!r} is not one of {FORMS}"]
+    timed = re.findall(r"(?:: |, )(\w+) [\d.]+ ms( \(other bits\))?", lines[0])
+    if "KURA_PREFILL_KERNEL)" not in lines[0]:
+        if sorted(t[0] for t in timed) != sorted(set(t[0] for t in timed)) or "narrow" not in [t[0] for t in timed]:
+            return [f"the timed forms are not each form once with narrow among them: {lines[0]}"]
+        if (chosen, " (other bits)") in timed:
+            return [f"the GPU server chose {chosen}, whose output was not the 8-warp kernel's: {lines[0]}"]
+    return []
+
+
 def check_generate(kura: str, model: str, gpu: dict, words: int = 700) -> list[str]:
     """`kura generate --device cuda` on the prompt of `run`'s completions: the GPU server's prompt tokens and
     greedy text (both stop at the model's end-of-sequence tokens), at blocks of 16 and of 1 token."""
@@ -250,6 +272,7 @@ def main() -> int:
         return 1 if failures else 0
     (gpu, gpu_log), (cpu, _) = run(kura, model, "cuda"), run(kura, model, "cpu")
     failures = check_plan(kura, model, gpu_log)
+    failures += check_prefill_kernel(gpu_log)
     failures += check_host_tier(kura, model, "cuda")
     failures += compare(gpu, cpu)
     failures += check_generate(kura, model, gpu)

@@ -95,10 +95,18 @@ def emulated(tmp_path_factory):
     return str(libs), str(work / "model")
 
 
+def on_emulated_device(monkeypatch, libs: str, prefill_kernel: str = "narrow") -> None:
+    """Commands run from here on load the stand-in driver from `libs`. Their prefill attention kernel is
+    `prefill_kernel`: by default the 8-warp one, untimed, since timing every form over a prompt of up
+    to 4,096 tokens (what `auto` does when a GPU executor starts) takes the emulation minutes."""
+    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    monkeypatch.setenv("KURA_PREFILL_KERNEL", prefill_kernel)
+
+
 def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_serves_revisits_from_the_host_tier(
         emulated, monkeypatch):
     libs, model = emulated
-    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    on_emulated_device(monkeypatch, libs)
     # A device of 2 GiB: the plan's CUDA context and reserve leave a pool of some hundreds of MiB.
     monkeypatch.setenv("KURA_EMU_MEMORY_MB", "2048")
     kura = kura_bin()
@@ -106,6 +114,7 @@ def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_ser
     assert "Kura emulated GPU" in gpu_log, gpu_log[-3000:]
     cpu, _ = serve_check.run(kura, model, "cpu", words=60)
     failures = serve_check.check_plan(kura, model, gpu_log)
+    failures += serve_check.check_prefill_kernel(gpu_log)
     # 16 KiB a block of bf16 KV: a pool of 64 blocks, four prompts of about 20 blocks each, so that the
     # pool evicts and the revisits come back from the host tier.
     failures += serve_check.check_host_tier(kura, model, "cuda", pool=str(64 * 16 * 1024), words=60)
@@ -121,7 +130,7 @@ def test_perplexity_on_the_emulated_gpu_is_exact_in_f32_kv_and_finite_in_bf16_an
     the GPU path is deterministic, so f32 KV against its own f32 reference changes nothing, as
     scripts/test-gpu.sh checks on a device."""
     libs, model = emulated
-    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    on_emulated_device(monkeypatch, libs)
     rng = random.Random(0)
     words = "the cache of keys and values is kept in blocks on a device for later".split()
     text = tmp_path / "text.txt"
@@ -153,7 +162,7 @@ def test_requests_preempted_to_the_host_tier_on_the_emulated_gpu_give_the_text_t
     import openai
 
     libs, model = emulated
-    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    on_emulated_device(monkeypatch, libs)
     prompts = [serve_check.prompt_text(random.Random(200 + i), 25) for i in range(6)]
     kura = kura_bin()
 
@@ -185,7 +194,7 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
     """`kura generate --device cuda --json` says which device ran the model and reports no CPU thread count
     (the CPU's threads do not run it); the same command on the CPU reports its threads."""
     libs, model = emulated
-    monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    on_emulated_device(monkeypatch, libs)
     reports = {}
     for device in ["cuda", "cpu"]:
         out = subprocess.run(
@@ -198,3 +207,49 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
     assert gpu["device"] == "cuda:0" and gpu["threads"] is None, gpu
     assert cpu["device"] == "cpu" and cpu["threads"] == 2, cpu
     assert gpu["generated_tokens"] == cpu["generated_tokens"] == 4, (gpu, cpu)
+
+
+def test_generate_on_the_emulated_gpu_times_the_prefill_kernels_and_keeps_the_default_ones_tokens(
+        emulated, monkeypatch):
+    """With `KURA_PREFILL_KERNEL` unset (or `auto`) a GPU executor times every prefill attention form over a
+    prompt as long as its steps allow (here the prompt's ~100 tokens) and runs the fastest that gives the
+    8-warp kernel's bits: the log names each form's time and the one chosen, and the tokens are those of
+    the 8-warp kernel named outright. A name that is not a form is a clear error."""
+    libs, model = emulated
+    prompt = serve_check.prompt_text(random.Random(9), 60)
+
+    def generate() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [kura_bin(), "generate", "--model", model, "--prompt", prompt, "--max-tokens", "6", "--ignore-eos",
+             "--device", "cuda", "--json"],
+            capture_output=True, text=True, timeout=600)
+
+    runs = {}
+    for form in ["narrow", "auto", ""]:
+        on_emulated_device(monkeypatch, libs, form)
+        if not form:
+            monkeypatch.delenv("KURA_PREFILL_KERNEL")
+        out = generate()
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[form] = (json.loads(out.stdout), out.stderr)
+    report, log = runs["narrow"]
+    assert report["prompt_tokens"] >= 64, report
+    assert "prefill attention: narrow (KURA_PREFILL_KERNEL)" in log, log[-3000:]
+    for form in ["auto", ""]:
+        got, log = runs[form]
+        tuned = [line for line in log.splitlines() if "prefill attention: " in line]
+        assert len(tuned) == 1, log[-3000:]
+        # "<chosen> (a <n>-token prompt, 2 layers: narrow <ms> ms, wide <ms> ms, ...)"
+        timed = tuned[0].split("prefill attention: ", 1)[1]
+        chosen = timed.split(" ", 1)[0]
+        assert f"-token prompt, 2 layers: narrow " in timed, timed
+        for name in ["narrow", "wide", "half", "small", "deep", "halfdeep"]:
+            assert f" {name} " in timed, timed
+        assert chosen in ["narrow", "wide", "half", "small", "deep", "halfdeep"], timed
+        assert "other bits" not in timed, timed
+        assert got["text"] == report["text"] and got["generated_tokens"] == report["generated_tokens"], (got, report)
+
+    on_emulated_device(monkeypatch, libs, "widest")
+    out = generate()
+    assert out.returncode != 0
+    assert "KURA_PREFILL_KERNEL=widest: not a prefill attention kernel" in out.stderr, out.stderr[-3000:]

@@ -412,6 +412,30 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     // over the wide one's key tiles, three blocks a multiprocessor; the 8-warp and half-tile ones with
     // three stages and one barrier a key tile), runs interleaved.
     let kernels = loaded_prefill_kernels(&mut gpu, &mut report)?;
+    // What a server starting on this device runs (`CudaExecutor::tune_prefill`, over the shorter
+    // prompt: 4,096 tokens, as `kura serve` times them): each form's time over 8 layers and whether it
+    // gave the 8-warp kernel's bits. It writes the first blocks, which the prefills below write again.
+    if let Some(t) = gpu.tune_prefill(len.prefills[0])? {
+        let forms: Vec<String> = t
+            .forms
+            .iter()
+            .map(|f| {
+                format!(
+                    "{{\"kernel\":\"{}\",\"ms\":{:.3},\"same_bits\":{}}}",
+                    f.kernel.name(),
+                    f.ms,
+                    f.same_bits
+                )
+            })
+            .collect();
+        report.line(&format!(
+            "{{\"what\":\"prefill_tuning\",\"tokens\":{},\"layers\":{},\"chosen\":\"{}\",\"forms\":[{}]}}",
+            t.tokens,
+            t.layers,
+            t.chosen.name(),
+            forms.join(",")
+        ))?;
+    }
     for n in len.prefills {
         let p = tokens(n, n as u64, vocab);
         let mut times = vec![Vec::new(); kernels.len()];

@@ -26,7 +26,9 @@ use crate::weights::DevWeights;
 
 mod load_order;
 mod transfers;
+mod tuning;
 use transfers::HostLoads;
+pub use tuning::{FormTiming, PrefillTuning, TUNE_TOKENS};
 
 /// Sequences with at least this many new tokens take the prefill kernel.
 pub const PREFILL_MIN: usize = 64;
@@ -82,7 +84,7 @@ impl PrefillKernel {
     }
 
     /// Its kernel over a `kv` pool (`bf16`, `f32`, `fp8`) at head size `d`.
-    pub(crate) fn kernel(self, kv: &str, d: usize) -> String {
+    pub fn kernel(self, kv: &str, d: usize) -> String {
         format!("attn_prefill_{}{kv}_{d}", self.prefix())
     }
 
@@ -561,6 +563,11 @@ impl std::ops::DerefMut for Graphs {
     }
 }
 
+/// The attention kernels' score scale at head size `d`, in base 2 (they exponentiate with `exp2`).
+fn scale_log2(d: usize) -> f32 {
+    (1.0 / (d as f32).sqrt()) * std::f32::consts::LOG2_E
+}
+
 /// Steps of at most this many new tokens (and no prefill tile) run as captured graphs.
 const GRAPH_MAX_TOKENS: usize = 8;
 /// Graphs kept at most (all dropped when full: shapes of a running server change slowly).
@@ -1034,13 +1041,12 @@ impl CudaExecutor {
             kura_checkpoint::config::RopeStyle::Half => 0,
             kura_checkpoint::config::RopeStyle::Interleaved => 1,
         };
-        let scale_log2 = (1.0 / (d as f32).sqrt()) * std::f32::consts::LOG2_E;
+        let scale_log2 = scale_log2(d);
         let group = heads / kvh;
         let g = [1, 2, 4, 8, 16]
             .into_iter()
             .find(|g| *g >= group)
             .unwrap_or(16);
-        let window = c.sliding_window().map_or(0, |w| w as i32);
         // The fused decode path norms inside the products ([`Device::gemv_norm_fits`]).
         let fuse_norm = self.fused_norm && Device::gemv_norm_fits(t, h);
 
@@ -1209,25 +1215,7 @@ impl CudaExecutor {
                     Some(p) => (PrefillKernel::Narrow, p.kernel(d)),
                     None => (self.prefill_kernel, self.prefill_kernel.kernel(kv, d)),
                 };
-                dev.launch(
-                    &name,
-                    ((plan.tiles * k.blocks_a_tile()) as u32, heads as u32, 1),
-                    k.threads(),
-                    &[
-                        Arg::Ptr(q),
-                        Arg::Ptr(pool),
-                        Arg::Ptr(m(plan.at_tables)),
-                        Arg::Ptr(m(plan.at_tiles)),
-                        Arg::Ptr(attn),
-                        Arg::Shape(self.shape),
-                        Arg::I32(li as i32),
-                        Arg::I32(heads as i32),
-                        Arg::I32(window),
-                        Arg::F32(scale_log2),
-                        Arg::I32(plan.tiles as i32),
-                        Arg::I32(self.mask_all_tiles as i32),
-                    ],
-                )?;
+                self.launch_prefill(&name, k, plan, li)?;
             }
             dev.matmul(attn, t, dev.ptr(&lw.wo), h, q_dim, x, true)?;
             if fuse_norm {
@@ -1274,6 +1262,45 @@ impl CudaExecutor {
         let last = dev.ptr(&s.last);
         norm(n, m(plan.at_last), dev.ptr(&self.w.final_norm), last)?;
         dev.matmul(last, n, head, vocab, h, dev.ptr(&s.logits), false)
+    }
+
+    /// Launches layer `li`'s prefill attention over the tiles of `plan` (whose metadata is on the
+    /// device), reading the queries in `q` and writing `attn`, through kernel `name`: `kernel`'s own, or
+    /// a probe's (whose grid and block are `Narrow`'s).
+    fn launch_prefill(
+        &self,
+        name: &str,
+        kernel: PrefillKernel,
+        plan: &StepPlan,
+        li: usize,
+    ) -> Result<()> {
+        let (dev, s, c) = (&self.dev, &self.s, &self.cfg);
+        let meta = dev.ptr(&s.meta);
+        let m = |at: usize| meta + 4 * at as u64;
+        let heads = c.num_heads();
+        dev.launch(
+            name,
+            (
+                (plan.tiles * kernel.blocks_a_tile()) as u32,
+                heads as u32,
+                1,
+            ),
+            kernel.threads(),
+            &[
+                Arg::Ptr(dev.ptr(&s.q)),
+                Arg::Ptr(dev.ptr(&self.pool)),
+                Arg::Ptr(m(plan.at_tables)),
+                Arg::Ptr(m(plan.at_tiles)),
+                Arg::Ptr(dev.ptr(&s.attn)),
+                Arg::Shape(self.shape),
+                Arg::I32(li as i32),
+                Arg::I32(heads as i32),
+                Arg::I32(c.sliding_window().map_or(0, |w| w as i32)),
+                Arg::F32(scale_log2(c.head_dim())),
+                Arg::I32(plan.tiles as i32),
+                Arg::I32(self.mask_all_tiles as i32),
+            ],
+        )
     }
 
     /// Each sequence's last-token logits, `n × vocab` row by row.

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel};
+use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel, PrefillTuning};
 use kura_engine::{ExecError, Executor, SeqInput};
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
@@ -147,9 +147,20 @@ impl Rng {
 /// The model's folder: config, random bf16 weights and the tokenizer of kura-model's `tiny-llama`.
 fn model_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        // Written anew by each run (the same bytes each time).
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kura-cuda-emulated-model");
+    DIR.get_or_init(|| write_model("kura-cuda-emulated-model", HEAD_DIM))
+}
+
+/// The same model with heads of 128 (Llama-3's), where some prefill forms sum in another order.
+fn model_dir_128() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| write_model("kura-cuda-emulated-model-128", 128))
+}
+
+/// Writes the model with heads of `head_dim` into the folder `name` of the target's temporary folder
+/// (anew by each run: the same bytes each time).
+fn write_model(name: &str, head_dim: usize) -> PathBuf {
+    {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let tiny =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../kura-model/tests/data/tiny-llama");
@@ -159,7 +170,7 @@ fn model_dir() -> &'static Path {
         let config = serde_json::json!({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
-            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": head_dim,
             "vocab_size": VOCAB, "tie_word_embeddings": true, "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": false, "mlp_bias": false,
             "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16",
@@ -182,7 +193,7 @@ fn model_dir() -> &'static Path {
             0.5,
         );
         add("model.norm.weight".into(), vec![HIDDEN], 1.0, 0.2);
-        let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+        let (q, kv) = (HEADS * head_dim, KV_HEADS * head_dim);
         for l in 0..LAYERS {
             let p = format!("model.layers.{l}");
             for (name, shape) in [
@@ -214,7 +225,7 @@ fn model_dir() -> &'static Path {
             .collect();
         safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
         dir
-    })
+    }
 }
 
 /// A prompt of `n` token ids (other seeds, other prompts).
@@ -226,13 +237,13 @@ fn prompt(n: usize, seed: u64) -> Vec<u32> {
 }
 
 fn exec(dtype: KvDtype, block_size: usize, num_blocks: usize) -> CudaExecutor {
+    exec_of(model_dir(), dtype, block_size, num_blocks)
+}
+
+fn exec_of(model: &Path, dtype: KvDtype, block_size: usize, num_blocks: usize) -> CudaExecutor {
     let dev = Device::open(0).unwrap_or_else(|e| panic!("the emulated device: {e}"));
-    CudaExecutor::load(
-        dev,
-        model_dir(),
-        PoolSpec::new(dtype, block_size, num_blocks),
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    CudaExecutor::load(dev, model, PoolSpec::new(dtype, block_size, num_blocks))
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -334,11 +345,7 @@ fn a_device_whose_blocks_have_less_shared_memory_runs_the_prefill_kernels_that_f
     let narrow = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
     let mut refused = Vec::new();
     for kernel in PrefillKernel::ALL {
-        let name = match kernel.name() {
-            "narrow" => "attn_prefill_bf16_64".to_string(),
-            form => format!("attn_prefill_{form}_bf16_64"),
-        };
-        let loaded = gpu.device().has_kernel(&name);
+        let loaded = gpu.device().has_kernel(&kernel.kernel("bf16", 64));
         assert_eq!(
             gpu.set_prefill_kernel(kernel),
             loaded,
@@ -360,6 +367,68 @@ fn a_device_whose_blocks_have_less_shared_memory_runs_the_prefill_kernels_that_f
     // The kernels of head size 128 that fit are loaded too: the half-tile one (70 KiB at 128) is not.
     assert!(gpu.device().has_kernel("attn_prefill_small_bf16_128"));
     assert!(!gpu.device().has_kernel("attn_prefill_half_bf16_128"));
+}
+
+#[test]
+fn prefill_tuning_times_every_loaded_form_and_runs_the_fastest_that_gives_narrows_bits() {
+    let _turn = emulated();
+    let forms = |t: &PrefillTuning| t.forms.iter().map(|f| f.kernel).collect::<Vec<_>>();
+    let other_bits = |t: &PrefillTuning| {
+        t.forms
+            .iter()
+            .filter(|f| !f.same_bits)
+            .map(|f| f.kernel.name())
+            .collect::<Vec<_>>()
+    };
+    let check = |t: &PrefillTuning, gpu: &CudaExecutor| {
+        println!("prefill tuning: {t}");
+        for f in &t.forms {
+            assert!(f.ms.is_finite() && f.ms > 0.0, "{t}");
+        }
+        assert_eq!(t.chosen, PrefillTuning::choose(&t.forms), "{t}");
+        assert_eq!(gpu.prefill_kernel(), t.chosen);
+    };
+    let n = 100;
+    let p = prompt(n, 4);
+    let table: Vec<u32> = (0..n.div_ceil(16) as u32).collect();
+    for (model, other) in [
+        (model_dir(), &[][..]),
+        (model_dir_128(), &["wide", "small"][..]),
+    ] {
+        // The 8-warp kernel's logits, on a pool the tuning never wrote.
+        let want = exec_of(model, KvDtype::Bf16, 16, 8)
+            .forward_logits(&[SeqInput::new(&p, 0, &table)])
+            .unwrap();
+        // A pool of 8 blocks of 16: the tuning's prompt is its 128 tokens, over both layers.
+        let mut gpu = exec_of(model, KvDtype::Bf16, 16, 8);
+        let t = gpu
+            .tune_prefill(4096)
+            .unwrap()
+            .expect("128 tokens take the prefill kernel");
+        assert_eq!((t.tokens, t.layers), (128, LAYERS));
+        assert_eq!(forms(&t), PrefillKernel::ALL, "{t}");
+        // At head size 64 every form gives the 8-warp kernel's bits; at 128 the wide and small ones
+        // sum 32-key tiles, found out and never chosen.
+        assert_eq!(other_bits(&t), other, "{t}");
+        check(&t, &gpu);
+        // Whichever was chosen, over the blocks the tuning wrote: the 8-warp kernel's logits.
+        let got = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
+        assert!(same_bits(&got, &want), "{t}");
+    }
+    // Blocks of 50 KiB: the forms that do not fit are not timed.
+    {
+        let _optin = SharedOptin::set(50 << 10);
+        let mut gpu = exec(KvDtype::F32, 16, 16);
+        let t = gpu.tune_prefill(80).unwrap().expect("80 tokens");
+        assert_eq!(t.tokens, 80);
+        use PrefillKernel::{Half, Narrow, Small};
+        assert_eq!(forms(&t), [Narrow, Half, Small], "{t}");
+        check(&t, &gpu);
+    }
+    // Too few tokens for the prefill kernel in the pool (3 blocks of 16): nothing timed or changed.
+    let mut gpu = exec(KvDtype::Bf16, 16, 3);
+    assert!(gpu.tune_prefill(4096).unwrap().is_none());
+    assert_eq!(gpu.prefill_kernel(), PrefillKernel::Narrow);
 }
 
 #[test]
@@ -915,6 +984,29 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             (512, "halfdeep")
         ]
     );
+    // The kernel a server would choose, timed over the shorter prefill's prompt: every form, each with
+    // the 8-warp kernel's bits at head size 64.
+    let tuning = with("prefill_tuning");
+    assert_eq!(tuning.len(), 1);
+    assert_eq!(
+        (&tuning[0]["tokens"], &tuning[0]["layers"]),
+        (&128.into(), &2.into())
+    );
+    let forms: Vec<(&str, bool)> = tuning[0]["forms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            ms(f, "ms");
+            (
+                f["kernel"].as_str().unwrap(),
+                f["same_bits"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let names: Vec<&str> = PrefillKernel::ALL.iter().map(|k| k.name()).collect();
+    assert_eq!(forms, names.iter().map(|n| (*n, true)).collect::<Vec<_>>());
+    assert!(names.contains(&tuning[0]["chosen"].as_str().unwrap()));
     let cached = with("cached_ttft");
     assert_eq!(cached.len(), 1);
     assert_eq!(

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel};
+use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel, PrefillTuning};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
@@ -195,6 +195,35 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
                 ));
             }
             first.get_or_insert(g);
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn prefill_tuning_on_the_gpu_runs_a_form_with_the_narrow_kernels_bits() {
+    // What `kura serve --device cuda` does when it starts: every loaded form timed over a 4,096-token
+    // prompt; the one chosen gives the 8-warp kernel's bits (checked again here on a prompt of its own).
+    let mut failures = Vec::new();
+    for model in ["smol", "llama8b4"] {
+        let mut gpu = exec(model, KvDtype::Bf16, 16, 4096 / 16 + 1);
+        let t = gpu.tune_prefill(4096).unwrap().expect("4,096 tokens take the prefill kernel");
+        println!("{model}: prefill attention: {t}");
+        let forms: Vec<PrefillKernel> = t.forms.iter().map(|f| f.kernel).collect();
+        if forms[..4] != [PrefillKernel::Narrow, PrefillKernel::Wide, PrefillKernel::Half, PrefillKernel::Small] {
+            failures.push(format!("{model}: the forms timed: {t}"));
+        }
+        if t.tokens != 4096 || t.chosen != PrefillTuning::choose(&t.forms) || gpu.prefill_kernel() != t.chosen {
+            failures.push(format!("{model}: chose {} against the rule: {t}", t.chosen.name()));
+        }
+        let p = &prompts()[1];
+        let table: Vec<u32> = (1..=p.len().div_ceil(16) as u32).rev().collect();
+        let chosen = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
+        gpu.set_prefill_kernel(PrefillKernel::Narrow);
+        let narrow = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
+        if chosen.iter().zip(&narrow).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            failures.push(format!("{model}: the chosen {} changes the bits: {t}", t.chosen.name()));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 
 use kura_cuda::budget::{self, Dims, PoolPlan, PoolRequest};
-use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec};
+use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec, PrefillKernel};
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
 use kura_model::{ModelConfig, ModelParts};
@@ -215,8 +215,71 @@ impl GpuSetup {
                 layout.bytes_per_block()
             );
         }
+        let mut exec = exec;
+        let form = std::env::var(PREFILL_KERNEL_VAR).ok();
+        choose_prefill_kernel(&mut exec, form.as_deref())?;
         Ok(exec)
     }
+}
+
+/// The environment variable that names the prefill attention kernel (`auto`, the default: timed at
+/// start, [`CudaExecutor::tune_prefill`]).
+pub const PREFILL_KERNEL_VAR: &str = "KURA_PREFILL_KERNEL";
+
+/// Sets the prefill attention kernel of a new executor (its pool still empty): the form `form` names,
+/// or with `auto` or none the fastest of those that give the default form's bits, timed on this device
+/// over a prompt of up to [`kura_cuda::TUNE_TOKENS`] tokens. Says which in the log.
+pub fn choose_prefill_kernel(exec: &mut CudaExecutor, form: Option<&str>) -> Result<()> {
+    match form.map(str::trim) {
+        None | Some("") | Some("auto") => {
+            let tuned = exec.tune_prefill(kura_cuda::TUNE_TOKENS).with_context(|| {
+                format!(
+                    "timing the prefill attention kernels on {} ({PREFILL_KERNEL_VAR}=narrow runs \
+                     the default one without timing them)",
+                    exec.device().name
+                )
+            })?;
+            match tuned {
+                Some(t) => tracing::info!(
+                    kernel = t.chosen.name(),
+                    "prefill attention: {t}; {PREFILL_KERNEL_VAR} overrides"
+                ),
+                None => tracing::debug!(
+                    "prefill attention: {} (the pool or steps hold too few tokens to time the others)",
+                    exec.prefill_kernel().name()
+                ),
+            }
+        }
+        Some(name) => {
+            let names = || {
+                PrefillKernel::ALL
+                    .iter()
+                    .map(|k| k.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let Some(kernel) = PrefillKernel::ALL.into_iter().find(|k| k.name() == name) else {
+                bail!(
+                    "{PREFILL_KERNEL_VAR}={name}: not a prefill attention kernel (give auto or one of {})",
+                    names()
+                );
+            };
+            if !exec.set_prefill_kernel(kernel) {
+                bail!(
+                    "{PREFILL_KERNEL_VAR}={name}: {} did not load that kernel for this model and KV \
+                     format (it takes more shared memory than a block may have there); give auto or \
+                     another of {}",
+                    exec.device().name,
+                    names()
+                );
+            }
+            tracing::info!(
+                kernel = name,
+                "prefill attention: {name} ({PREFILL_KERNEL_VAR})"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One sequence on a GPU for `kura generate --device cuda`: the prompt prefilled in one step, then one

@@ -126,7 +126,7 @@ impl Drop for HostLoads {
     }
 }
 
-const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
+pub(super) const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
 const UNTIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
 
 impl CudaExecutor {
