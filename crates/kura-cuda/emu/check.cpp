@@ -603,6 +603,16 @@ int main() {
   prefill_case<unsigned char>(Kv::Fp8, 64, 16, 0, r);
   prefill_case<unsigned char>(Kv::Fp8, 128, 8, 70, r);
   prefill_case<bf16>(Kv::Bf16, 128, 16, 0, r, 7);
+  // Again with every cp.async copy landing as it is issued (the earliest a GPU may deliver it) and each
+  // warp running on to the next barrier before the next warp starts: a copy into a stage that another
+  // warp still reads before the barrier that should guard it (a stage reused a tile too soon) changes
+  // that warp's keys, and the kernel's outputs with them.
+  std::printf("copies landing as they are issued, each warp running ahead to the next barrier:\n");
+  emu::emu_copies_land_early = emu::emu_warps_run_ahead = true;
+  prefill_case<bf16>(Kv::Bf16, 64, 16, 0, r);
+  prefill_case<bf16>(Kv::Bf16, 128, 16, 0, r);
+  prefill_case<unsigned char>(Kv::Fp8, 128, 8, 70, r);
+  emu::emu_copies_land_early = emu::emu_warps_run_ahead = false;
 
   split_case<bf16, 64, 2>(Kv::Bf16, 16, 0, r);
   split_case<bf16, 64, 4>(Kv::Bf16, 7, 200, r);

@@ -6,9 +6,12 @@
 // it involves has arrived. This is one legal schedule of the kernel, chosen to expose what a GPU would
 // also get wrong:
 // - a block's threads run in turn between barriers, so a read of shared memory that another warp writes
-//   without a barrier in between reads the old value;
+//   without a barrier in between reads the old value; or, with `emu_warps_run_ahead`, each warp runs on
+//   to the next barrier before the next warp starts, so such a read reads the new value;
 // - `cp.async` copies land only at the `cp.async.wait_group` that must wait for them (the latest a GPU
-//   may deliver them), so a read before that wait reads the old value;
+//   may deliver them), so a read before that wait reads the old value; or, with
+//   `emu_copies_land_early`, as they are issued (the earliest), so that a copy into shared memory that
+//   another thread still reads before the next barrier (a stage reused too soon) changes what it reads;
 // - `__shared__` variables are static storage reused by every block, so a block that reads what it did
 //   not write sees the previous block's values, and dynamic shared memory is filled with a NaN pattern
 //   before each block;
@@ -407,7 +410,27 @@ inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
   std::memcpy(c, d, 16);
 }
 
-inline void cp_async16(void* dst, const void* src, int bytes) { me().open.push_back({dst, src, bytes}); }
+// Whether each cp.async copy lands as it is issued instead of at the wait that must wait for it.
+inline bool emu_copies_land_early = false;
+// Whether each warp of a block runs on until it waits at a block barrier (or ends) before the next warp
+// runs, instead of every thread in turn from one synchronisation point to the next: with copies landing
+// early, what one warp copies into shared memory before a barrier is there when the others read it
+// before that barrier.
+inline bool emu_warps_run_ahead = false;
+
+inline void land(const Copy& c) {
+  if (c.bytes == 16)
+    std::memcpy(c.dst, c.src, 16);
+  else
+    std::memset(c.dst, 0, 16);
+}
+
+inline void cp_async16(void* dst, const void* src, int bytes) {
+  if (emu_copies_land_early)
+    land({dst, src, bytes});
+  else
+    me().open.push_back({dst, src, bytes});
+}
 inline void cp_async_commit() {
   me().groups.push_back(std::move(me().open));
   me().open.clear();
@@ -416,12 +439,7 @@ inline void cp_async_commit() {
 inline void cp_async_wait(size_t keep) {
   auto& gs = me().groups;
   while (gs.size() > keep) {
-    for (const Copy& c : gs.front()) {
-      if (c.bytes == 16)
-        std::memcpy(c.dst, c.src, 16);
-      else
-        std::memset(c.dst, 0, 16);
-    }
+    for (const Copy& c : gs.front()) land(c);
     gs.erase(gs.begin());
   }
 }
@@ -479,6 +497,23 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
     for (;;) {
       unsigned long before = g.progress;
       bool all_done = true, all_waiting = true;
+      if (emu_warps_run_ahead) {
+        // Each warp in turn, until none of its threads can go on (all at a block barrier, or done).
+        for (int w = 0; w < (n + 31) / 32; w++) {
+          for (;;) {
+            unsigned long warp_before = g.progress;
+            bool stuck = true;
+            for (int i = 32 * w; i < std::min(n, 32 * w + 32); i++) {
+              Fiber& f = g.fibers[i];
+              if (f.done) continue;
+              g.current = &f;
+              emu_switch(&g.sched, f.sp);
+              stuck &= f.done || f.waiting;
+            }
+            if (stuck && g.progress == warp_before) break;
+          }
+        }
+      }
       for (auto& f : g.fibers) {
         if (f.done) continue;
         g.current = &f;

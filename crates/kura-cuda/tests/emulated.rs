@@ -2,7 +2,9 @@
 //! against `emu/emu.h` (each GPU thread a fiber; barriers, warp shuffles, `ldmatrix`, `mma.sync` and
 //! `cp.async` emulated) and checks the prefill kernels (8-warp, wide, half-tile, small and the three-stage ones) and their timing
 //! probes, the split-key kernel with and without its fused merge, and the matrix-vector kernels that norm their input, against attention in
-//! double and against each other bit for bit. What it cannot check — the GPU's own floating-point
+//! double and against each other bit for bit; the prefill kernels also with every `cp.async` copy landing
+//! as it is issued and each warp running on to the next barrier before the next starts, where a stage
+//! of K and V reused before every warp has read it changes the outputs. What it cannot check — the GPU's own floating-point
 //! results, memory ordering between blocks, speed — `scripts/test-gpu.sh` checks on a device.
 //!
 //! The compiler is `$KURA_CXX`, else `c++` on PATH (`scripts/fetch-cxx.sh` installs one); without one

@@ -208,22 +208,45 @@ fn prefill_tuning_on_the_gpu_runs_a_form_with_the_narrow_kernels_bits() {
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
         let mut gpu = exec(model, KvDtype::Bf16, 16, 4096 / 16 + 1);
-        let t = gpu.tune_prefill(4096).unwrap().expect("4,096 tokens take the prefill kernel");
+        let t = gpu
+            .tune_prefill(4096)
+            .unwrap()
+            .expect("4,096 tokens take the prefill kernel");
         println!("{model}: prefill attention: {t}");
         let forms: Vec<PrefillKernel> = t.forms.iter().map(|f| f.kernel).collect();
-        if forms[..4] != [PrefillKernel::Narrow, PrefillKernel::Wide, PrefillKernel::Half, PrefillKernel::Small] {
+        if forms[..4]
+            != [
+                PrefillKernel::Narrow,
+                PrefillKernel::Wide,
+                PrefillKernel::Half,
+                PrefillKernel::Small,
+            ]
+        {
             failures.push(format!("{model}: the forms timed: {t}"));
         }
-        if t.tokens != 4096 || t.chosen != PrefillTuning::choose(&t.forms) || gpu.prefill_kernel() != t.chosen {
-            failures.push(format!("{model}: chose {} against the rule: {t}", t.chosen.name()));
+        if t.tokens != 4096
+            || t.chosen != PrefillTuning::choose(&t.forms)
+            || gpu.prefill_kernel() != t.chosen
+        {
+            failures.push(format!(
+                "{model}: chose {} against the rule: {t}",
+                t.chosen.name()
+            ));
         }
         let p = &prompts()[1];
         let table: Vec<u32> = (1..=p.len().div_ceil(16) as u32).rev().collect();
         let chosen = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
         gpu.set_prefill_kernel(PrefillKernel::Narrow);
         let narrow = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
-        if chosen.iter().zip(&narrow).any(|(a, b)| a.to_bits() != b.to_bits()) {
-            failures.push(format!("{model}: the chosen {} changes the bits: {t}", t.chosen.name()));
+        if chosen
+            .iter()
+            .zip(&narrow)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            failures.push(format!(
+                "{model}: the chosen {} changes the bits: {t}",
+                t.chosen.name()
+            ));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
