@@ -693,7 +693,9 @@ fn load_kernels(
             );
             continue;
         }
-        let f = module.load_function(&n)?;
+        let f = module
+            .load_function(&n)
+            .map_err(|e| CudaError::from_driver_code(e.0, format!("loading kernel {n}: {e:?}")))?;
         if let Some(bytes) = smem {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
