@@ -92,12 +92,13 @@ for r in itl:
           f"({r['copy_ms']:.1f} ms of copies): {r['step_ms_alone']:.2f} ms alone, {r['step_ms_beside_loads']:.2f} ms "
           f"beside the copies (max {r['step_ms_beside_loads_max']:.2f}), {r['step_ms_with_loading_request']:.2f} ms "
           f"for the step that holds the loading request too")
-for r in [json.loads(l) for l in open(sys.argv[1]) if '"prefill_tuning"' in l and l.startswith("{")]:
+for r in [json.loads(l) for l in open(sys.argv[1]) if '"tuning"' in l and l.startswith("{")]:
     print()
-    forms = ", ".join(f"{f['kernel']} {f['ms']:.3f} ms" + ("" if f["same_bits"] else " (other bits)")
-                      for f in r["forms"])
-    print(f"Prefill kernel a server would choose here: {r['chosen']} (a {r['tokens']:,}-token prompt, "
-          f"{r['layers']} layers: {forms})")
+    def timed(items, key):
+        return ", ".join(f"{f[key]} {f['ms']:.3f} ms" + ("" if f["same_bits"] else " (other bits)") for f in items)
+    print(f"Kernels a server would choose here (a {r['tokens']:,}-token prompt): prefill {r['prefill_chosen']} "
+          f"({r['layers']} layers: {timed(r['prefill'], 'kernel')}); decode {r['decode_chosen']} "
+          f"(a batch-1 step: {timed(r['decode'], 'options')})")
 prof = [json.loads(l) for l in open(sys.argv[1]) if '"profile"' in l and l.startswith("{")]
 prefill = [r for r in prof if r["step"].startswith("prefill_long")]
 if prefill:

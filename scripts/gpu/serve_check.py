@@ -188,21 +188,30 @@ FORMS = ["narrow", "wide", "half", "small", "deep", "halfdeep"]
 
 
 def check_prefill_kernel(log: str) -> list[str]:
-    """The GPU server named its prefill attention kernel once: a form, and where it timed them, one whose
-    output was the 8-warp kernel's bit for bit (`KURA_PREFILL_KERNEL` unset)."""
+    """The GPU server named its prefill attention kernel once: a form, and where it timed them
+    (`KURA_GPU_KERNELS` unset), one whose output was the 8-warp kernel's bit for bit, as the decode options
+    it timed (the next line) were the default's."""
     lines = [l.split("prefill attention: ", 1)[1] for l in log.splitlines() if "prefill attention: " in l]
     if len(lines) != 1:
         return [f"the GPU server's log names its prefill attention kernel {len(lines)} times, not once"]
     print("server: prefill attention:", lines[0])
-    chosen = lines[0].split(" ", 1)[0]
+    chosen = lines[0].split(" ", 1)[0].rstrip(",")
     if chosen not in FORMS:
         return [f"the GPU server's prefill attention kernel {chosen!r} is not one of {FORMS}"]
+    if "KURA_GPU_KERNELS)" in lines[0] or "KURA_GPU_KERNELS=" in lines[0] or "too few tokens" in lines[0]:
+        return []
     timed = re.findall(r"(?:: |, )(\w+) [\d.]+ ms( \(other bits\))?", lines[0])
-    if "KURA_PREFILL_KERNEL)" not in lines[0]:
-        if sorted(t[0] for t in timed) != sorted(set(t[0] for t in timed)) or "narrow" not in [t[0] for t in timed]:
-            return [f"the timed forms are not each form once with narrow among them: {lines[0]}"]
-        if (chosen, " (other bits)") in timed:
-            return [f"the GPU server chose {chosen}, whose output was not the 8-warp kernel's: {lines[0]}"]
+    names = [t[0] for t in timed]
+    if len(names) != len(set(names)) or "narrow" not in names:
+        return [f"the timed forms are not each form once with narrow among them: {lines[0]}"]
+    if (chosen, " (other bits)") in timed:
+        return [f"the GPU server chose {chosen}, whose output was not the 8-warp kernel's: {lines[0]}"]
+    decode = [l.split(" decode: ", 1)[1] for l in log.splitlines() if " decode: " in l]
+    if len(decode) != 1:
+        return [f"the GPU server's log names its decode options {len(decode)} times, not once"]
+    print("server: decode:", decode[0])
+    if "other bits" in decode[0]:
+        return [f"a decode option changed the bits: {decode[0]}"]
     return []
 
 

@@ -95,12 +95,12 @@ def emulated(tmp_path_factory):
     return str(libs), str(work / "model")
 
 
-def on_emulated_device(monkeypatch, libs: str, prefill_kernel: str = "narrow") -> None:
-    """Commands run from here on load the stand-in driver from `libs`. Their prefill attention kernel is
-    `prefill_kernel`: by default the 8-warp one, untimed, since timing every form over a prompt of up
-    to 4,096 tokens (what `auto` does when a GPU executor starts) takes the emulation minutes."""
+def on_emulated_device(monkeypatch, libs: str, kernels: str = "default") -> None:
+    """Commands run from here on load the stand-in driver from `libs`, with `KURA_GPU_KERNELS=kernels`: by
+    default the default kernels, untimed, since timing every form over a prompt of up to 4,096 tokens
+    (what `auto` does when a GPU executor starts) takes the emulation minutes."""
     monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    monkeypatch.setenv("KURA_PREFILL_KERNEL", prefill_kernel)
+    monkeypatch.setenv("KURA_GPU_KERNELS", kernels)
 
 
 def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_serves_revisits_from_the_host_tier(
@@ -209,12 +209,12 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
     assert gpu["generated_tokens"] == cpu["generated_tokens"] == 4, (gpu, cpu)
 
 
-def test_generate_on_the_emulated_gpu_times_the_prefill_kernels_and_keeps_the_default_ones_tokens(
-        emulated, monkeypatch):
-    """With `KURA_PREFILL_KERNEL` unset (or `auto`) a GPU executor times every prefill attention form over a
-    prompt as long as its steps allow (here the prompt's ~100 tokens) and runs the fastest that gives the
-    8-warp kernel's bits: the log names each form's time and the one chosen, and the tokens are those of
-    the 8-warp kernel named outright. A name that is not a form is a clear error."""
+def test_generate_on_the_emulated_gpu_times_the_kernels_and_keeps_the_default_ones_tokens(emulated, monkeypatch):
+    """With `KURA_GPU_KERNELS` unset (or `auto`) a GPU executor times every prefill attention form and every
+    decode option over a prompt as long as its steps allow (here the prompt's ~100 tokens) and runs the
+    fastest that give the default kernels' bits: the log names each one's time and those chosen, and the
+    tokens are those of the default kernels (`default`) and of the 8-warp kernel named outright. A name that
+    is not a form is a clear error."""
     libs, model = emulated
     prompt = serve_check.prompt_text(random.Random(9), 60)
 
@@ -225,31 +225,38 @@ def test_generate_on_the_emulated_gpu_times_the_prefill_kernels_and_keeps_the_de
             capture_output=True, text=True, timeout=600)
 
     runs = {}
-    for form in ["narrow", "auto", ""]:
-        on_emulated_device(monkeypatch, libs, form)
-        if not form:
-            monkeypatch.delenv("KURA_PREFILL_KERNEL")
+    for kernels in ["default", "narrow", "auto", ""]:
+        on_emulated_device(monkeypatch, libs, kernels)
+        if not kernels:
+            monkeypatch.delenv("KURA_GPU_KERNELS")
         out = generate()
         assert out.returncode == 0, out.stderr[-3000:]
-        runs[form] = (json.loads(out.stdout), out.stderr)
-    report, log = runs["narrow"]
+        runs[kernels] = (json.loads(out.stdout), out.stderr)
+    report, log = runs["default"]
     assert report["prompt_tokens"] >= 64, report
-    assert "prefill attention: narrow (KURA_PREFILL_KERNEL)" in log, log[-3000:]
-    for form in ["auto", ""]:
-        got, log = runs[form]
-        tuned = [line for line in log.splitlines() if "prefill attention: " in line]
-        assert len(tuned) == 1, log[-3000:]
-        # "<chosen> (a <n>-token prompt, 2 layers: narrow <ms> ms, wide <ms> ms, ...)"
-        timed = tuned[0].split("prefill attention: ", 1)[1]
-        chosen = timed.split(" ", 1)[0]
-        assert f"-token prompt, 2 layers: narrow " in timed, timed
-        for name in ["narrow", "wide", "half", "small", "deep", "halfdeep"]:
-            assert f" {name} " in timed, timed
-        assert chosen in ["narrow", "wide", "half", "small", "deep", "halfdeep"], timed
-        assert "other bits" not in timed, timed
+    assert "prefill attention: narrow, decode: default (KURA_GPU_KERNELS=default)" in log, log[-3000:]
+    assert "prefill attention: narrow, decode: default (KURA_GPU_KERNELS)" in runs["narrow"][1], runs["narrow"][1]
+    for kernels in ["narrow", "auto", ""]:
+        got, log = runs[kernels]
         assert got["text"] == report["text"] and got["generated_tokens"] == report["generated_tokens"], (got, report)
+        if kernels == "narrow":
+            continue
+        assert not serve_check.check_prefill_kernel(log), log[-3000:]
+        prefill = [line.split("prefill attention: ", 1)[1] for line in log.splitlines() if "prefill attention: " in line]
+        decode = [line.split("decode: ", 1)[1] for line in log.splitlines() if " decode: " in line]
+        assert len(prefill) == 1 and len(decode) == 1, log[-3000:]
+        # "<chosen> (a <n>-token prompt, 2 layers: narrow <ms> ms, wide <ms> ms, ...)"
+        assert "-token prompt, 2 layers: narrow " in prefill[0], prefill[0]
+        for name in serve_check.FORMS:
+            assert f" {name} " in prefill[0], prefill[0]
+        # "<chosen> (batch-1 steps over <n> tokens: default <ms> ms, gemv_ahead <ms> ms, ...)"
+        assert decode[0].split(" ", 1)[0] in ["default", "gemv_ahead", "split_prefetch", "gemv_ahead+split_prefetch"]
+        for name in ["default", "gemv_ahead", "split_prefetch", "gemv_ahead+split_prefetch"]:
+            assert f" {name} " in decode[0], decode[0]
+        assert "other bits" not in prefill[0] + decode[0], (prefill, decode)
 
     on_emulated_device(monkeypatch, libs, "widest")
     out = generate()
     assert out.returncode != 0
-    assert "KURA_PREFILL_KERNEL=widest: not a prefill attention kernel" in out.stderr, out.stderr[-3000:]
+    assert "KURA_GPU_KERNELS=widest: give auto, default or a prefill attention kernel" in out.stderr, \
+        out.stderr[-3000:]

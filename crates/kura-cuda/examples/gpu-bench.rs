@@ -412,11 +412,13 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     // over the wide one's key tiles, three blocks a multiprocessor; the 8-warp and half-tile ones with
     // three stages and one barrier a key tile), runs interleaved.
     let kernels = loaded_prefill_kernels(&mut gpu, &mut report)?;
-    // What a server starting on this device runs (`CudaExecutor::tune_prefill`, over the shorter
-    // prompt: 4,096 tokens, as `kura serve` times them): each form's time over 8 layers and whether it
-    // gave the 8-warp kernel's bits. It writes the first blocks, which the prefills below write again.
-    if let Some(t) = gpu.tune_prefill(len.prefills[0])? {
+    // What a server starting on this device runs (`CudaExecutor::tune`, over the shorter prompt:
+    // 4,096 tokens, as `kura serve` times them): each prefill form's time over 8 layers and each decode
+    // option's time a batch-1 step, and whether each gave the default's bits. It writes the first
+    // blocks, which the prefills below write again; the decode options go back to the default after.
+    if let Some(t) = gpu.tune(len.prefills[0])? {
         let forms: Vec<String> = t
+            .prefill
             .forms
             .iter()
             .map(|f| {
@@ -428,13 +430,30 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
                 )
             })
             .collect();
+        let options: Vec<String> = t
+            .decode
+            .options
+            .iter()
+            .map(|o| {
+                format!(
+                    "{{\"options\":\"{}\",\"ms\":{:.3},\"same_bits\":{}}}",
+                    o.options.name(),
+                    o.ms,
+                    o.same_bits
+                )
+            })
+            .collect();
         report.line(&format!(
-            "{{\"what\":\"prefill_tuning\",\"tokens\":{},\"layers\":{},\"chosen\":\"{}\",\"forms\":[{}]}}",
-            t.tokens,
-            t.layers,
-            t.chosen.name(),
-            forms.join(",")
+            "{{\"what\":\"tuning\",\"tokens\":{},\"layers\":{},\"prefill_chosen\":\"{}\",\
+             \"prefill\":[{}],\"decode_chosen\":\"{}\",\"decode\":[{}]}}",
+            t.prefill.tokens,
+            t.prefill.layers,
+            t.prefill.chosen.name(),
+            forms.join(","),
+            t.decode.chosen.name(),
+            options.join(",")
         ))?;
+        gpu.set_decode_options(kura_cuda::DecodeOptions::default());
     }
     for n in len.prefills {
         let p = tokens(n, n as u64, vocab);

@@ -214,6 +214,11 @@ impl Device {
         self.gemv_ahead.set(on);
     }
 
+    /// Whether decode products take `gemv_ahead_T` ([`Device::set_gemv_ahead`]).
+    pub fn gemv_ahead(&self) -> bool {
+        self.gemv_ahead.get()
+    }
+
     /// Launches Kura's kernels from now on as programmatic dependent launches (`on`, where the device
     /// has them), or plainly. Each kernel waits on the one before it (`dep_wait` in `kura.cu`) before
     /// it reads or writes anything but the weights, so the results are the same either way; what

@@ -28,7 +28,9 @@ mod load_order;
 mod transfers;
 mod tuning;
 use transfers::HostLoads;
-pub use tuning::{FormTiming, PrefillTuning, TUNE_TOKENS};
+pub use tuning::{
+    DecodeOptions, DecodeTuning, FormTiming, OptionTiming, PrefillTuning, Tuning, TUNE_TOKENS,
+};
 
 /// Sequences with at least this many new tokens take the prefill kernel.
 pub const PREFILL_MIN: usize = 64;

@@ -18,7 +18,7 @@ pub mod weights;
 pub use device::{parse_device, Device};
 pub use error::{CudaError, Result};
 pub use executor::{
-    block_bytes, check_pool_format, CudaExecutor, FormTiming, PoolSpec, PrefillKernel,
-    PrefillProbe, PrefillTuning, TUNE_TOKENS,
+    block_bytes, check_pool_format, CudaExecutor, DecodeOptions, DecodeTuning, FormTiming,
+    OptionTiming, PoolSpec, PrefillKernel, PrefillProbe, PrefillTuning, Tuning, TUNE_TOKENS,
 };
 pub use weights::DevWeights;

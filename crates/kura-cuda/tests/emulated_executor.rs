@@ -20,7 +20,10 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel, PrefillTuning};
+use kura_cuda::{
+    CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, PoolSpec, PrefillKernel,
+    PrefillTuning, Tuning,
+};
 use kura_engine::{ExecError, Executor, SeqInput};
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
@@ -370,65 +373,92 @@ fn a_device_whose_blocks_have_less_shared_memory_runs_the_prefill_kernels_that_f
 }
 
 #[test]
-fn prefill_tuning_times_every_loaded_form_and_runs_the_fastest_that_gives_narrows_bits() {
+fn kernel_tuning_times_every_loaded_form_and_option_and_runs_the_fastest_that_give_the_defaults_bits(
+) {
     let _turn = emulated();
-    let forms = |t: &PrefillTuning| t.forms.iter().map(|f| f.kernel).collect::<Vec<_>>();
-    let other_bits = |t: &PrefillTuning| {
-        t.forms
+    let forms = |t: &Tuning| t.prefill.forms.iter().map(|f| f.kernel).collect::<Vec<_>>();
+    let other_bits = |t: &Tuning| {
+        t.prefill
+            .forms
             .iter()
             .filter(|f| !f.same_bits)
             .map(|f| f.kernel.name())
             .collect::<Vec<_>>()
     };
-    let check = |t: &PrefillTuning, gpu: &CudaExecutor| {
-        println!("prefill tuning: {t}");
-        for f in &t.forms {
-            assert!(f.ms.is_finite() && f.ms > 0.0, "{t}");
+    let check = |t: &Tuning, gpu: &CudaExecutor| {
+        println!("prefill attention: {}; decode: {}", t.prefill, t.decode);
+        for f in &t.prefill.forms {
+            assert!(f.ms.is_finite() && f.ms > 0.0, "{}", t.prefill);
         }
-        assert_eq!(t.chosen, PrefillTuning::choose(&t.forms), "{t}");
-        assert_eq!(gpu.prefill_kernel(), t.chosen);
+        assert_eq!(t.prefill.chosen, PrefillTuning::choose(&t.prefill.forms));
+        assert_eq!(gpu.prefill_kernel(), t.prefill.chosen);
+        // Every decode option, the default first, each with the default's logits.
+        let options: Vec<(DecodeOptions, bool)> = t
+            .decode
+            .options
+            .iter()
+            .map(|o| {
+                assert!(o.ms.is_finite() && o.ms > 0.0, "{}", t.decode);
+                (o.options, o.same_bits)
+            })
+            .collect();
+        let want: Vec<(DecodeOptions, bool)> =
+            DecodeOptions::ALL.iter().map(|&o| (o, true)).collect();
+        assert_eq!(options, want, "{}", t.decode);
+        assert_eq!(t.decode.context, t.prefill.tokens);
+        assert_eq!(t.decode.chosen, DecodeTuning::choose(&t.decode.options));
+        assert_eq!(gpu.decode_options(), t.decode.chosen);
     };
     let n = 100;
     let p = prompt(n, 4);
     let table: Vec<u32> = (0..n.div_ceil(16) as u32).collect();
+    // The prompt, then one decode step: (the prompt's logits, the step's).
+    let run = |gpu: &mut CudaExecutor| {
+        let prefill = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
+        let next = [argmax(&prefill) as u32];
+        let step = gpu
+            .forward_logits(&[SeqInput::new(&next, n, &table)])
+            .unwrap();
+        (prefill, step)
+    };
     for (model, other) in [
         (model_dir(), &[][..]),
         (model_dir_128(), &["wide", "small"][..]),
     ] {
-        // The 8-warp kernel's logits, on a pool the tuning never wrote.
-        let want = exec_of(model, KvDtype::Bf16, 16, 8)
-            .forward_logits(&[SeqInput::new(&p, 0, &table)])
-            .unwrap();
+        // The default kernels' logits, on a pool the tuning never wrote.
+        let (want_prefill, want_step) = run(&mut exec_of(model, KvDtype::Bf16, 16, 8));
         // A pool of 8 blocks of 16: the tuning's prompt is its 128 tokens, over both layers.
         let mut gpu = exec_of(model, KvDtype::Bf16, 16, 8);
         let t = gpu
-            .tune_prefill(4096)
+            .tune(4096)
             .unwrap()
             .expect("128 tokens take the prefill kernel");
-        assert_eq!((t.tokens, t.layers), (128, LAYERS));
-        assert_eq!(forms(&t), PrefillKernel::ALL, "{t}");
+        assert_eq!((t.prefill.tokens, t.prefill.layers), (128, LAYERS));
+        assert_eq!(forms(&t), PrefillKernel::ALL, "{}", t.prefill);
         // At head size 64 every form gives the 8-warp kernel's bits; at 128 the wide and small ones
         // sum 32-key tiles, found out and never chosen.
-        assert_eq!(other_bits(&t), other, "{t}");
+        assert_eq!(other_bits(&t), other, "{}", t.prefill);
         check(&t, &gpu);
-        // Whichever was chosen, over the blocks the tuning wrote: the 8-warp kernel's logits.
-        let got = gpu.forward_logits(&[SeqInput::new(&p, 0, &table)]).unwrap();
-        assert!(same_bits(&got, &want), "{t}");
+        // Whichever were chosen, over the blocks the tuning wrote: the default kernels' logits.
+        let (prefill, step) = run(&mut gpu);
+        assert!(same_bits(&prefill, &want_prefill), "{}", t.prefill);
+        assert!(same_bits(&step, &want_step), "{}", t.decode);
     }
-    // Blocks of 50 KiB: the forms that do not fit are not timed.
+    // Blocks of 50 KiB: the prefill forms that do not fit are not timed.
     {
         let _optin = SharedOptin::set(50 << 10);
         let mut gpu = exec(KvDtype::F32, 16, 16);
-        let t = gpu.tune_prefill(80).unwrap().expect("80 tokens");
-        assert_eq!(t.tokens, 80);
+        let t = gpu.tune(80).unwrap().expect("80 tokens");
+        assert_eq!(t.prefill.tokens, 80);
         use PrefillKernel::{Half, Narrow, Small};
-        assert_eq!(forms(&t), [Narrow, Half, Small], "{t}");
+        assert_eq!(forms(&t), [Narrow, Half, Small], "{}", t.prefill);
         check(&t, &gpu);
     }
     // Too few tokens for the prefill kernel in the pool (3 blocks of 16): nothing timed or changed.
     let mut gpu = exec(KvDtype::Bf16, 16, 3);
-    assert!(gpu.tune_prefill(4096).unwrap().is_none());
+    assert!(gpu.tune(4096).unwrap().is_none());
     assert_eq!(gpu.prefill_kernel(), PrefillKernel::Narrow);
+    assert_eq!(gpu.decode_options(), DecodeOptions::default());
 }
 
 #[test]
@@ -984,29 +1014,37 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             (512, "halfdeep")
         ]
     );
-    // The kernel a server would choose, timed over the shorter prefill's prompt: every form, each with
-    // the 8-warp kernel's bits at head size 64.
-    let tuning = with("prefill_tuning");
+    // The kernels a server would choose, timed over the shorter prefill's prompt: every prefill form
+    // and decode option, each with the default's bits (at head size 64 every form's are).
+    let tuning = with("tuning");
     assert_eq!(tuning.len(), 1);
     assert_eq!(
         (&tuning[0]["tokens"], &tuning[0]["layers"]),
         (&128.into(), &2.into())
     );
-    let forms: Vec<(&str, bool)> = tuning[0]["forms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| {
-            ms(f, "ms");
-            (
-                f["kernel"].as_str().unwrap(),
-                f["same_bits"].as_bool().unwrap(),
-            )
-        })
-        .collect();
-    let names: Vec<&str> = PrefillKernel::ALL.iter().map(|k| k.name()).collect();
-    assert_eq!(forms, names.iter().map(|n| (*n, true)).collect::<Vec<_>>());
-    assert!(names.contains(&tuning[0]["chosen"].as_str().unwrap()));
+    let timed = |key: &str, name: &str| -> Vec<(String, bool)> {
+        tuning[0][key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                ms(f, "ms");
+                (
+                    f[name].as_str().unwrap().to_string(),
+                    f["same_bits"].as_bool().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let all = |names: Vec<&str>| -> Vec<(String, bool)> {
+        names.into_iter().map(|n| (n.to_string(), true)).collect()
+    };
+    let forms: Vec<&str> = PrefillKernel::ALL.iter().map(|k| k.name()).collect();
+    let options: Vec<&str> = DecodeOptions::ALL.iter().map(|o| o.name()).collect();
+    assert_eq!(timed("prefill", "kernel"), all(forms.clone()));
+    assert_eq!(timed("decode", "options"), all(options.clone()));
+    assert!(forms.contains(&tuning[0]["prefill_chosen"].as_str().unwrap()));
+    assert!(options.contains(&tuning[0]["decode_chosen"].as_str().unwrap()));
     let cached = with("cached_ttft");
     assert_eq!(cached.len(), 1);
     assert_eq!(

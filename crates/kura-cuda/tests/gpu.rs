@@ -7,7 +7,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kura_cuda::{CudaError, CudaExecutor, Device, PoolSpec, PrefillKernel, PrefillTuning};
+use kura_cuda::{
+    CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, PoolSpec, PrefillKernel,
+    PrefillTuning,
+};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
@@ -202,18 +205,22 @@ fn both_attention_kernels_agree_with_each_other_and_the_cpu_in_bf16_and_f32_kv()
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
-fn prefill_tuning_on_the_gpu_runs_a_form_with_the_narrow_kernels_bits() {
-    // What `kura serve --device cuda` does when it starts: every loaded form timed over a 4,096-token
-    // prompt; the one chosen gives the 8-warp kernel's bits (checked again here on a prompt of its own).
+fn kernel_tuning_on_the_gpu_runs_forms_with_the_default_kernels_bits() {
+    // What `kura serve --device cuda` does when it starts: every loaded prefill form and every decode
+    // option timed over a 4,096-token prompt; those chosen give the default kernels' bits (checked again
+    // here on a prompt of its own and a decode step after it).
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
         let mut gpu = exec(model, KvDtype::Bf16, 16, 4096 / 16 + 1);
         let t = gpu
-            .tune_prefill(4096)
+            .tune(4096)
             .unwrap()
             .expect("4,096 tokens take the prefill kernel");
-        println!("{model}: prefill attention: {t}");
-        let forms: Vec<PrefillKernel> = t.forms.iter().map(|f| f.kernel).collect();
+        println!(
+            "{model}: prefill attention: {}; decode: {}",
+            t.prefill, t.decode
+        );
+        let forms: Vec<PrefillKernel> = t.prefill.forms.iter().map(|f| f.kernel).collect();
         if forms[..4]
             != [
                 PrefillKernel::Narrow,
@@ -222,30 +229,44 @@ fn prefill_tuning_on_the_gpu_runs_a_form_with_the_narrow_kernels_bits() {
                 PrefillKernel::Small,
             ]
         {
-            failures.push(format!("{model}: the forms timed: {t}"));
+            failures.push(format!("{model}: the forms timed: {}", t.prefill));
         }
-        if t.tokens != 4096
-            || t.chosen != PrefillTuning::choose(&t.forms)
-            || gpu.prefill_kernel() != t.chosen
+        if t.prefill.tokens != 4096
+            || t.prefill.chosen != PrefillTuning::choose(&t.prefill.forms)
+            || gpu.prefill_kernel() != t.prefill.chosen
+            || t.decode.chosen != DecodeTuning::choose(&t.decode.options)
+            || gpu.decode_options() != t.decode.chosen
         {
             failures.push(format!(
-                "{model}: chose {} against the rule: {t}",
-                t.chosen.name()
+                "{model}: a choice against the rule: {}; {}",
+                t.prefill, t.decode
+            ));
+        }
+        if t.decode.options.iter().any(|o| !o.same_bits) {
+            failures.push(format!(
+                "{model}: a decode option changes the bits: {}",
+                t.decode
             ));
         }
         let p = &prompts()[1];
-        let table: Vec<u32> = (1..=p.len().div_ceil(16) as u32).rev().collect();
-        let chosen = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
+        let table: Vec<u32> = (1..=p.len().div_ceil(16) as u32 + 1).rev().collect();
+        let run = |gpu: &mut CudaExecutor| {
+            let first = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
+            let next = [5u32];
+            let step = gpu
+                .forward_logits(&[SeqInput::new(&next, p.len(), &table)])
+                .unwrap();
+            (first, step)
+        };
+        let chosen = run(&mut gpu);
         gpu.set_prefill_kernel(PrefillKernel::Narrow);
-        let narrow = gpu.forward_logits(&[SeqInput::new(p, 0, &table)]).unwrap();
-        if chosen
-            .iter()
-            .zip(&narrow)
-            .any(|(a, b)| a.to_bits() != b.to_bits())
-        {
+        gpu.set_decode_options(DecodeOptions::default());
+        let default = run(&mut gpu);
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        if !same(&chosen.0, &default.0) || !same(&chosen.1, &default.1) {
             failures.push(format!(
-                "{model}: the chosen {} changes the bits: {t}",
-                t.chosen.name()
+                "{model}: the chosen kernels change the bits: {}; {}",
+                t.prefill, t.decode
             ));
         }
     }

@@ -216,67 +216,78 @@ impl GpuSetup {
             );
         }
         let mut exec = exec;
-        let form = std::env::var(PREFILL_KERNEL_VAR).ok();
-        choose_prefill_kernel(&mut exec, form.as_deref())?;
+        let choice = std::env::var(GPU_KERNELS_VAR).ok();
+        choose_kernels(&mut exec, choice.as_deref())?;
         Ok(exec)
     }
 }
 
-/// The environment variable that names the prefill attention kernel (`auto`, the default: timed at
-/// start, [`CudaExecutor::tune_prefill`]).
-pub const PREFILL_KERNEL_VAR: &str = "KURA_PREFILL_KERNEL";
+/// The environment variable that says which kernels a GPU executor runs: `auto` (the default) times the
+/// forms that give the same bits when it starts and keeps the fastest ([`CudaExecutor::tune`]);
+/// `default` runs the default ones untimed; a prefill attention form's name (`narrow`, `half`, ...)
+/// runs that form, and the default decode options, untimed.
+pub const GPU_KERNELS_VAR: &str = "KURA_GPU_KERNELS";
 
-/// Sets the prefill attention kernel of a new executor (its pool still empty): the form `form` names,
-/// or with `auto` or none the fastest of those that give the default form's bits, timed on this device
-/// over a prompt of up to [`kura_cuda::TUNE_TOKENS`] tokens. Says which in the log.
-pub fn choose_prefill_kernel(exec: &mut CudaExecutor, form: Option<&str>) -> Result<()> {
-    match form.map(str::trim) {
+/// Chooses the kernels of a new executor (its pool still empty) as `choice` ([`GPU_KERNELS_VAR`]'s
+/// value) says, and says which in the log.
+pub fn choose_kernels(exec: &mut CudaExecutor, choice: Option<&str>) -> Result<()> {
+    let forms = || {
+        PrefillKernel::ALL
+            .iter()
+            .map(|k| k.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match choice.map(str::trim) {
         None | Some("") | Some("auto") => {
-            let tuned = exec.tune_prefill(kura_cuda::TUNE_TOKENS).with_context(|| {
+            let tuned = exec.tune(kura_cuda::TUNE_TOKENS).with_context(|| {
                 format!(
-                    "timing the prefill attention kernels on {} ({PREFILL_KERNEL_VAR}=narrow runs \
-                     the default one without timing them)",
+                    "timing the kernels on {} ({GPU_KERNELS_VAR}=default runs the default ones \
+                     without timing them)",
                     exec.device().name
                 )
             })?;
             match tuned {
-                Some(t) => tracing::info!(
-                    kernel = t.chosen.name(),
-                    "prefill attention: {t}; {PREFILL_KERNEL_VAR} overrides"
-                ),
-                None => tracing::debug!(
-                    "prefill attention: {} (the pool or steps hold too few tokens to time the others)",
+                Some(t) => {
+                    tracing::info!(
+                        kernel = t.prefill.chosen.name(),
+                        "prefill attention: {}; {GPU_KERNELS_VAR} overrides",
+                        t.prefill
+                    );
+                    tracing::info!(
+                        options = t.decode.chosen.name(),
+                        "decode: {}; {GPU_KERNELS_VAR} overrides",
+                        t.decode
+                    );
+                }
+                None => tracing::info!(
+                    "prefill attention: {}, decode: default (the pool or steps hold too few tokens to \
+                     time the others)",
                     exec.prefill_kernel().name()
                 ),
             }
         }
+        Some("default") => tracing::info!(
+            "prefill attention: {}, decode: default ({GPU_KERNELS_VAR}=default)",
+            exec.prefill_kernel().name()
+        ),
         Some(name) => {
-            let names = || {
-                PrefillKernel::ALL
-                    .iter()
-                    .map(|k| k.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
             let Some(kernel) = PrefillKernel::ALL.into_iter().find(|k| k.name() == name) else {
                 bail!(
-                    "{PREFILL_KERNEL_VAR}={name}: not a prefill attention kernel (give auto or one of {})",
-                    names()
+                    "{GPU_KERNELS_VAR}={name}: give auto, default or a prefill attention kernel ({})",
+                    forms()
                 );
             };
             if !exec.set_prefill_kernel(kernel) {
                 bail!(
-                    "{PREFILL_KERNEL_VAR}={name}: {} did not load that kernel for this model and KV \
-                     format (it takes more shared memory than a block may have there); give auto or \
-                     another of {}",
+                    "{GPU_KERNELS_VAR}={name}: {} did not load that prefill attention kernel for this \
+                     model and KV format (it takes more shared memory than a block may have there); \
+                     give auto, default or another of {}",
                     exec.device().name,
-                    names()
+                    forms()
                 );
             }
-            tracing::info!(
-                kernel = name,
-                "prefill attention: {name} ({PREFILL_KERNEL_VAR})"
-            );
+            tracing::info!("prefill attention: {name}, decode: default ({GPU_KERNELS_VAR})");
         }
     }
     Ok(())

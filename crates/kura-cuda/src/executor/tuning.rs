@@ -1,16 +1,22 @@
-//! Choosing the prefill attention kernel on the device at hand: every form this device loaded
-//! ([`PrefillKernel`]) is run over the same prompt, those whose output is not `Narrow`'s bit for bit
-//! are set aside, and the fastest of the others is kept when it beats `Narrow` by more than the timings'
-//! spread. A prompt's tokens therefore never depend on the choice, only its time to first token.
+//! Choosing kernels on the device at hand. Some forms of the same computation (the prefill attention
+//! kernels of [`PrefillKernel`]; the decode products' L2 window and the split-key kernel's K/V
+//! prefetch) give the same bits and differ only in speed, by amounts that depend on the GPU. When an
+//! executor starts, each is run over the same prompt, those whose output is not the default's bit for
+//! bit are set aside, and the fastest of the others is kept when it beats the default by more than the
+//! timings' spread. A prompt's tokens therefore never depend on the choice, only its speed.
 //!
 //! ```text
 //!   one forward pass over a prompt of `tokens` (K/V in the pool, the last layer's queries in `q`)
-//!     ─▶ each form once on the last layer: its output against Narrow's, bit for bit
-//!     ─▶ each form over up to 8 layers, 3 rounds interleaved: the median time (device events)
-//!     ─▶ the fastest form with Narrow's bits, if it is more than 3 % faster; else Narrow
+//!     ─▶ prefill: each form once on the last layer, its output against Narrow's, bit for bit;
+//!                 then each over up to 8 layers, 3 rounds interleaved: median time (device events)
+//!     ─▶ decode:  batch-1 steps at the prompt's last position (each rewrites the same slot with the
+//!                 same K and V): each option's logits against the default's, then 8 steps a round,
+//!                 3 rounds interleaved: median time a step (wall clock, graphs as served)
+//!     ─▶ each: the fastest with the default's bits, if more than 3 % faster; else the default
 //! ```
 
 use std::fmt;
+use std::time::Instant;
 
 use half::bf16;
 use kura_engine::SeqInput;
@@ -19,17 +25,19 @@ use super::transfers::TIMED;
 use super::{CudaExecutor, PrefillKernel};
 use crate::error::Result;
 
-/// The prompt a server times the prefill kernels over when it starts (fewer tokens where its pool or
-/// its steps hold fewer): long enough that every multiprocessor runs several tiles of queries, as in
-/// the long prompts where attention takes most of a step.
+/// The prompt an executor times its kernels over when it starts (fewer tokens where its pool or its
+/// steps hold fewer): long enough that every multiprocessor runs several tiles of queries, as in the
+/// long prompts where attention takes most of a step.
 pub const TUNE_TOKENS: usize = 4096;
-/// Layers each timing launches the kernel for (spread over the model): enough to last well beyond the
-/// events' resolution.
+/// Layers each prefill timing launches the kernel for (spread over the model): enough to last well
+/// beyond the events' resolution.
 const TUNE_LAYERS: usize = 8;
 /// Rounds of timings, each form once a round.
 const TUNE_ROUNDS: usize = 3;
-/// How much faster than `Narrow` another form must be to be chosen: the spread of such timings from
-/// one round to the next is a few per cent.
+/// Decode steps timed a round for each option.
+const TUNE_STEPS: usize = 8;
+/// How much faster than the default another form must be to be chosen: the spread of such timings
+/// from one round to the next is a few per cent.
 const TUNE_MARGIN: f64 = 0.03;
 
 /// One form's timing.
@@ -42,7 +50,7 @@ pub struct FormTiming {
     pub same_bits: bool,
 }
 
-/// What [`CudaExecutor::tune_prefill`] measured and chose.
+/// What [`CudaExecutor::tune`] measured and chose for prefill attention.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefillTuning {
     /// The prompt's tokens.
@@ -54,19 +62,123 @@ pub struct PrefillTuning {
     pub chosen: PrefillKernel,
 }
 
+/// The decode options [`CudaExecutor::tune`] times: the products' L2 window
+/// ([`CudaExecutor::set_gemv_ahead`]) and the split-key kernel's K/V prefetch
+/// ([`CudaExecutor::set_split_prefetch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DecodeOptions {
+    pub gemv_ahead: bool,
+    pub split_prefetch: bool,
+}
+
+impl DecodeOptions {
+    /// Every combination, the default (neither) first.
+    pub const ALL: [DecodeOptions; 4] = [
+        DecodeOptions {
+            gemv_ahead: false,
+            split_prefetch: false,
+        },
+        DecodeOptions {
+            gemv_ahead: true,
+            split_prefetch: false,
+        },
+        DecodeOptions {
+            gemv_ahead: false,
+            split_prefetch: true,
+        },
+        DecodeOptions {
+            gemv_ahead: true,
+            split_prefetch: true,
+        },
+    ];
+
+    /// Its name in the log: `default`, `gemv_ahead`, `split_prefetch` or `gemv_ahead+split_prefetch`.
+    pub fn name(self) -> &'static str {
+        match (self.gemv_ahead, self.split_prefetch) {
+            (false, false) => "default",
+            (true, false) => "gemv_ahead",
+            (false, true) => "split_prefetch",
+            (true, true) => "gemv_ahead+split_prefetch",
+        }
+    }
+}
+
+/// One decode option's timing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptionTiming {
+    pub options: DecodeOptions,
+    /// Median milliseconds of a batch-1 step.
+    pub ms: f64,
+    /// Whether its logits were the default's bit for bit (only those may be chosen).
+    pub same_bits: bool,
+}
+
+/// What [`CudaExecutor::tune`] measured and chose for decode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeTuning {
+    /// Tokens of context each step attends to.
+    pub context: usize,
+    /// Each option, the default first.
+    pub options: Vec<OptionTiming>,
+    pub chosen: DecodeOptions,
+}
+
+/// Both choices.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tuning {
+    pub prefill: PrefillTuning,
+    pub decode: DecodeTuning,
+}
+
+/// The index of the fastest of `timings` (milliseconds, same bits as the first) with the first's bits
+/// that is more than [`TUNE_MARGIN`] faster than the first; 0 (the first, the default) otherwise.
+fn fastest(timings: &[(f64, bool)]) -> usize {
+    let Some(&(default, _)) = timings.first() else {
+        return 0;
+    };
+    timings
+        .iter()
+        .enumerate()
+        .filter(|(_, &(ms, same))| same && ms < default * (1.0 - TUNE_MARGIN))
+        .min_by(|a, b| a.1 .0.total_cmp(&b.1 .0))
+        .map_or(0, |(i, _)| i)
+}
+
 impl PrefillTuning {
     /// The form to run given `forms` (`Narrow` first): the fastest of those with `Narrow`'s bits when
     /// it is more than [`TUNE_MARGIN`] faster than `Narrow`, else `Narrow`.
     pub fn choose(forms: &[FormTiming]) -> PrefillKernel {
-        let Some(narrow) = forms.iter().find(|f| f.kernel == PrefillKernel::Narrow) else {
+        if forms.first().map(|f| f.kernel) != Some(PrefillKernel::Narrow) {
             return PrefillKernel::Narrow;
-        };
-        forms
-            .iter()
-            .filter(|f| f.same_bits && f.ms < narrow.ms * (1.0 - TUNE_MARGIN))
-            .min_by(|a, b| a.ms.total_cmp(&b.ms))
-            .map_or(PrefillKernel::Narrow, |f| f.kernel)
+        }
+        let t: Vec<(f64, bool)> = forms.iter().map(|f| (f.ms, f.same_bits)).collect();
+        forms[fastest(&t)].kernel
     }
+}
+
+impl DecodeTuning {
+    /// The options to run given `options` (the default first), by the rule of
+    /// [`PrefillTuning::choose`].
+    pub fn choose(options: &[OptionTiming]) -> DecodeOptions {
+        if options.first().map(|o| o.options) != Some(DecodeOptions::default()) {
+            return DecodeOptions::default();
+        }
+        let t: Vec<(f64, bool)> = options.iter().map(|o| (o.ms, o.same_bits)).collect();
+        options[fastest(&t)].options
+    }
+}
+
+/// `name 1.234 ms` for each, ` (other bits)` after those whose output differed.
+fn timings<'a>(
+    f: &mut fmt::Formatter<'_>,
+    items: impl Iterator<Item = (&'a str, f64, bool)>,
+) -> fmt::Result {
+    for (i, (name, ms, same)) in items.enumerate() {
+        let sep = if i == 0 { " " } else { ", " };
+        let bits = if same { "" } else { " (other bits)" };
+        write!(f, "{sep}{name} {ms:.3} ms{bits}")?;
+    }
+    Ok(())
 }
 
 impl fmt::Display for PrefillTuning {
@@ -79,11 +191,31 @@ impl fmt::Display for PrefillTuning {
             self.tokens,
             self.layers
         )?;
-        for (i, t) in self.forms.iter().enumerate() {
-            let sep = if i == 0 { " " } else { ", " };
-            let bits = if t.same_bits { "" } else { " (other bits)" };
-            write!(f, "{sep}{} {:.3} ms{bits}", t.kernel.name(), t.ms)?;
-        }
+        timings(
+            f,
+            self.forms
+                .iter()
+                .map(|t| (t.kernel.name(), t.ms, t.same_bits)),
+        )?;
+        write!(f, ")")
+    }
+}
+
+impl fmt::Display for DecodeTuning {
+    /// `gemv_ahead (batch-1 steps over 4096 tokens: default 5.100 ms, gemv_ahead 4.800 ms, ...)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (batch-1 steps over {} tokens:",
+            self.chosen.name(),
+            self.context
+        )?;
+        timings(
+            f,
+            self.options
+                .iter()
+                .map(|t| (t.options.name(), t.ms, t.same_bits)),
+        )?;
         write!(f, ")")
     }
 }
@@ -94,12 +226,27 @@ impl CudaExecutor {
         self.prefill_kernel
     }
 
-    /// Times every prefill form this device loaded over a prompt of `tokens` (fewer where the pool,
-    /// the model's context or the reserved activation buffers hold fewer) and runs steps through the
-    /// one [`PrefillTuning::choose`] picks. `None` (nothing changed) when that leaves too few tokens
-    /// for the prefill kernel. The prompt's K and V are written into the pool's first blocks: call it
-    /// before the pool holds anything. A timing probe set before is set again after.
-    pub fn tune_prefill(&mut self, tokens: usize) -> Result<Option<PrefillTuning>> {
+    /// The decode options steps run with.
+    pub fn decode_options(&self) -> DecodeOptions {
+        DecodeOptions {
+            gemv_ahead: self.dev.gemv_ahead(),
+            split_prefetch: self.split_prefetch,
+        }
+    }
+
+    /// Runs steps with `options` (clears the captured graphs).
+    pub fn set_decode_options(&mut self, options: DecodeOptions) {
+        self.set_gemv_ahead(options.gemv_ahead);
+        self.set_split_prefetch(options.split_prefetch);
+    }
+
+    /// Times every prefill form this device loaded and every decode option over a prompt of
+    /// `tokens` (fewer where the pool, the model's context or the reserved activation buffers hold
+    /// fewer) and runs steps through those [`PrefillTuning::choose`] and [`DecodeTuning::choose`]
+    /// pick. `None` (nothing changed) when that leaves too few tokens for the prefill kernel. The
+    /// prompt's K and V are written into the pool's first blocks: call it before the pool holds
+    /// anything. A timing probe set before is set again after.
+    pub fn tune(&mut self, tokens: usize) -> Result<Option<Tuning>> {
         let bs = self.shape.block_size as usize;
         let mut n = tokens
             .min(self.num_blocks.saturating_mul(bs))
@@ -116,7 +263,7 @@ impl CudaExecutor {
         tuned
     }
 
-    fn tune_over(&mut self, n: usize) -> Result<Option<PrefillTuning>> {
+    fn tune_over(&mut self, n: usize) -> Result<Option<Tuning>> {
         let bs = self.shape.block_size as usize;
         let vocab = self.cfg.vocab_size();
         let prompt: Vec<u32> = (0..n).map(|i| ((i * 7919 + 11) % vocab) as u32).collect();
@@ -189,12 +336,71 @@ impl CudaExecutor {
         let chosen = PrefillTuning::choose(&forms);
         let set = self.set_prefill_kernel(chosen);
         debug_assert!(set, "{} was loaded", chosen.name());
-        Ok(Some(PrefillTuning {
+        let prefill = PrefillTuning {
             tokens: n,
             layers: timed,
             forms,
             chosen,
-        }))
+        };
+        let decode = self.tune_decode(&prompt, &table)?;
+        Ok(Some(Tuning { prefill, decode }))
+    }
+
+    /// Times batch-1 decode steps at the last position of `prompt` (whose K and V are in the blocks of
+    /// `table`) with each of [`DecodeOptions::ALL`], and keeps the one [`DecodeTuning::choose`] picks.
+    fn tune_decode(&mut self, prompt: &[u32], table: &[u32]) -> Result<DecodeTuning> {
+        let n = prompt.len();
+        // Each step writes the last token's K and V into its slot again, the same values: every step
+        // sees the same context and computes the same logits.
+        let last = [prompt[n - 1]];
+        let step = [SeqInput::new(&last, n - 1, table)];
+        let mut default: Vec<f32> = Vec::new();
+        let mut same_bits = Vec::with_capacity(DecodeOptions::ALL.len());
+        for options in DecodeOptions::ALL {
+            self.set_decode_options(options);
+            let logits = self.forward_logits(&step)?;
+            if options == DecodeOptions::default() {
+                default = logits;
+                same_bits.push(true);
+            } else {
+                same_bits.push(
+                    logits
+                        .iter()
+                        .zip(&default)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                );
+            }
+        }
+        let mut times = vec![Vec::with_capacity(TUNE_ROUNDS); DecodeOptions::ALL.len()];
+        for _ in 0..TUNE_ROUNDS {
+            for (&options, times) in DecodeOptions::ALL.iter().zip(times.iter_mut()) {
+                self.set_decode_options(options);
+                // The first step captures the step's graph.
+                self.forward_greedy(&step)?;
+                let t = Instant::now();
+                for _ in 0..TUNE_STEPS {
+                    self.forward_greedy(&step)?;
+                }
+                times.push(t.elapsed().as_secs_f64() * 1e3 / TUNE_STEPS as f64);
+            }
+        }
+        let options: Vec<OptionTiming> = DecodeOptions::ALL
+            .into_iter()
+            .zip(times)
+            .zip(same_bits)
+            .map(|((options, times), same_bits)| OptionTiming {
+                options,
+                ms: median(times),
+                same_bits,
+            })
+            .collect();
+        let chosen = DecodeTuning::choose(&options);
+        self.set_decode_options(chosen);
+        Ok(DecodeTuning {
+            context: n,
+            options,
+            chosen,
+        })
     }
 }
 
@@ -216,7 +422,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fastest_form_with_narrows_bits_is_chosen_only_when_clearly_faster() {
+    fn the_fastest_form_with_the_defaults_bits_is_chosen_only_when_clearly_faster() {
         use PrefillKernel::*;
         // Half beats Narrow by 10 %, Wide by more but with other bits.
         let forms = [
@@ -250,5 +456,32 @@ mod tests {
             "half (a 4096-token prompt, 8 layers: narrow 1.234 ms, wide 1.100 ms (other bits), half \
              1.000 ms)"
         );
+
+        // The decode options by the same rule.
+        let [none, ahead, prefetch, both] = DecodeOptions::ALL;
+        let o = |options, ms, same_bits| OptionTiming {
+            options,
+            ms,
+            same_bits,
+        };
+        let options = [
+            o(none, 5.0, true),
+            o(ahead, 4.5, true),
+            o(prefetch, 4.0, false),
+            o(both, 4.6, true),
+        ];
+        assert_eq!(DecodeTuning::choose(&options), ahead);
+        let options = [o(none, 5.0, true), o(ahead, 4.9, true)];
+        assert_eq!(DecodeTuning::choose(&options), none);
+        let tuning = DecodeTuning {
+            context: 4096,
+            options: options.to_vec(),
+            chosen: none,
+        };
+        assert_eq!(
+            tuning.to_string(),
+            "default (batch-1 steps over 4096 tokens: default 5.000 ms, gemv_ahead 4.900 ms)"
+        );
+        assert_eq!(both.name(), "gemv_ahead+split_prefetch");
     }
 }
