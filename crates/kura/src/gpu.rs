@@ -216,7 +216,11 @@ impl GpuSetup {
             );
         }
         let mut exec = exec;
-        let choice = std::env::var(GPU_KERNELS_VAR).ok();
+        let choice = match std::env::var(GPU_KERNELS_VAR) {
+            Ok(v) => Some(v),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(e) => bail!("{GPU_KERNELS_VAR}: {e}"),
+        };
         choose_kernels(&mut exec, choice.as_deref())?;
         Ok(exec)
     }
