@@ -210,7 +210,7 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
 
 
 def test_generate_on_the_emulated_gpu_times_the_kernels_and_keeps_the_default_ones_tokens(emulated, monkeypatch):
-    """With `KURA_GPU_KERNELS` unset (or `auto`) a GPU executor times every prefill attention form and every
+    """With `KURA_GPU_KERNELS` unset (as `auto`) a GPU executor times every prefill attention form and every
     decode option over a prompt as long as its steps allow (here the prompt's ~100 tokens) and runs the
     fastest that give the default kernels' bits: the log names each one's time and those chosen, and the
     tokens are those of the default kernels (`default`) and of the 8-warp kernel named outright. A name that
@@ -225,7 +225,7 @@ def test_generate_on_the_emulated_gpu_times_the_kernels_and_keeps_the_default_on
             capture_output=True, text=True, timeout=600)
 
     runs = {}
-    for kernels in ["default", "narrow", "auto", ""]:
+    for kernels in ["default", "narrow", ""]:
         on_emulated_device(monkeypatch, libs, kernels)
         if not kernels:
             monkeypatch.delenv("KURA_GPU_KERNELS")
@@ -236,7 +236,7 @@ def test_generate_on_the_emulated_gpu_times_the_kernels_and_keeps_the_default_on
     assert report["prompt_tokens"] >= 64, report
     assert "prefill attention: narrow, decode: default (KURA_GPU_KERNELS=default)" in log, log[-3000:]
     assert "prefill attention: narrow, decode: default (KURA_GPU_KERNELS)" in runs["narrow"][1], runs["narrow"][1]
-    for kernels in ["narrow", "auto", ""]:
+    for kernels in ["narrow", ""]:
         got, log = runs[kernels]
         assert got["text"] == report["text"] and got["generated_tokens"] == report["generated_tokens"], (got, report)
         if kernels == "narrow":

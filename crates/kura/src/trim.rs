@@ -6,17 +6,23 @@
 //! of hundreds of thousands of rules) the process kept hundreds of megabytes it no longer used: with
 //! the KV cache sized against the memory available, that is memory taken from a container's limit for
 //! good. A thread of its own reads the resident size every [`PERIOD`] and, when it has grown by more
-//! than [`STEP`] since the last trim, calls `malloc_trim(0)`, which gives every arena's free pages
-//! back. The KV pool is one allocation of its own (a mapping, which malloc does not keep), and a step
-//! allocates little, so a trim finds only what requests left; growth that is kept (the pool's pages
-//! touched for the first time) costs one trim per [`STEP`] of it.
+//! than [`STEP`] since the level it started from, calls `malloc_trim(0)`, which gives every arena's
+//! free pages back. A trim in the middle of a burst finds little free yet, and what the burst frees
+//! after it raises no resident size, so the thread trims again every period while the size stays more
+//! than [`STEP`] above that level, up to [`SETTLE`] trims; only then is the size reached taken as the
+//! new level (growth that is kept). The KV pool is one allocation of its own (a mapping, which malloc
+//! does not keep), and a step allocates little, so a trim finds only what requests left; growth that
+//! is kept (the pool's pages touched for the first time) costs [`SETTLE`] trims per [`STEP`] of it.
 
 use std::time::Duration;
 
 /// How often the resident size is read.
 pub const PERIOD: Duration = Duration::from_secs(2);
-/// Growth of the resident size since the last trim that calls for another.
+/// Growth of the resident size over its level that calls for a trim.
 pub const STEP: u64 = 64 << 20;
+/// Trims, a period apart, while the size stays over its level by [`STEP`] before the size is taken as
+/// the new level.
+pub const SETTLE: u32 = 8;
 
 /// Starts the trimming thread (glibc on Linux; elsewhere nothing to do).
 pub fn start() {
@@ -26,6 +32,8 @@ pub fn start() {
             .name("kura-trim".into())
             .spawn(|| {
                 let mut floor = resident_bytes().unwrap_or(0);
+                // Trims left before the size reached is taken as the new level (0: none under way).
+                let mut settle = 0u32;
                 loop {
                     std::thread::sleep(PERIOD);
                     let Some(now) = resident_bytes() else {
@@ -34,9 +42,13 @@ pub fn start() {
                     if now > floor.saturating_add(STEP) {
                         // SAFETY: malloc_trim takes no pointer and may be called from any thread.
                         unsafe { libc::malloc_trim(0) };
-                        floor = resident_bytes().unwrap_or(now);
+                        settle = if settle == 0 { SETTLE } else { settle } - 1;
+                        if settle == 0 {
+                            floor = resident_bytes().unwrap_or(now);
+                        }
                     } else {
                         floor = floor.min(now);
+                        settle = 0;
                     }
                 }
             });
