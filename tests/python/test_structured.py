@@ -32,27 +32,31 @@ def server():
     s.stop()
 
 
-def schema_runs(server: KuraServer, max_tokens: int = 400) -> list[tuple[int, float, int, str, str]]:
-    """Every schema greedy and at temperature 1 (the latter with n = 2), eight requests at a time (so
-    that steps batch constrained choices): (schema, temperature, choice, finish reason, text)."""
+def schema_runs(server: KuraServer, max_tokens: int = 400,
+                plan: list[tuple[int, float, int]] | None = None) -> list[tuple[int, float, int, str, str]]:
+    """Every schema greedy and at temperature 1 (the latter with n = 2), or the (schema, temperature, n)
+    of `plan`, eight requests at a time (so that steps batch constrained choices): (schema, temperature,
+    choice, finish reason, text)."""
     c = server.client()
     model = server.model()
+    if plan is None:
+        plan = [(i, t, 1 if t == 0 else 2) for i in range(len(SCHEMAS)) for t in (0.0, 1.0)]
 
-    def one(i: int, temperature: float):
+    def one(i: int, temperature: float, n: int):
         r = c.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "Fill in this form as JSON."}],
             max_tokens=max_tokens,
             temperature=temperature,
             seed=i,
-            n=1 if temperature == 0 else 2,
+            n=n,
             response_format={"type": "json_schema",
                              "json_schema": {"name": f"form_{i}", "schema": SCHEMAS[i], "strict": True}},
         )
         return [(i, temperature, ch.index, ch.finish_reason, ch.message.content) for ch in r.choices]
 
     with cf.ThreadPoolExecutor(8) as ex:
-        runs = ex.map(lambda a: one(*a), [(i, t) for i in range(len(SCHEMAS)) for t in (0.0, 1.0)])
+        runs = ex.map(lambda a: one(*a), plan)
         return [x for run in runs for x in run]
 
 

@@ -15,7 +15,7 @@ include=${KURA_CUDA_INCLUDE:?KURA_CUDA_INCLUDE names the folder holding cuda.h (
 command -v "$cxx" >/dev/null || { echo "no C++ compiler $cxx: run scripts/fetch-cxx.sh, or set KURA_CXX" >&2; exit 1; }
 mkdir -p "$out"
 # -ffp-contract=off: one rounding per written operation, as the kernels' claims are checked (emu.h).
-flags=(-std=c++17 -O2 -fPIC -shared -ffp-contract=off -fno-strict-aliasing -Wall -Werror -Wno-unknown-pragmas
+flags=(-std=c++17 -O2 -fPIC -fno-semantic-interposition -shared -ffp-contract=off -fno-strict-aliasing -Wall -Werror -Wno-unknown-pragmas
   -Wno-sign-compare -Wno-unused-variable)
 # Built under temporary names and renamed: a process that loads the folder never sees half a library.
 "$cxx" "${flags[@]}" -I"$include" -Wl,-soname,libcuda.so -o "$out/libcuda.so.$$" "$here/driver.cpp" "$here/kernels.cpp"

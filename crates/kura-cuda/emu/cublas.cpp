@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "driver.h"
 
@@ -56,18 +57,42 @@ struct Gemm {
   const void *a, *b;
   float* c;
   void run() const {
-    // C (m × n, column-major) = alpha · op(A) · op(B) + beta · C.
+    // C (m × n, column-major) = alpha · op(A) · op(B) + beta · C. The operands are read once into rows
+    // of k floats (op(A)'s rows, op(B)'s columns); each output element is then summed in order over k.
+    std::vector<float> ar((size_t)m * k), bc((size_t)n * k);
+    for (int i = 0; i < m; i++)
+      for (int l = 0; l < k; l++) ar[(size_t)i * k + l] = load(a, at, ta ? (int64_t)i * lda + l : (int64_t)l * lda + i);
     for (int j = 0; j < n; j++)
-      for (int i = 0; i < m; i++) {
-        float acc = 0;
+      for (int l = 0; l < k; l++) bc[(size_t)j * k + l] = load(b, bt, tb ? (int64_t)l * ldb + j : (int64_t)j * ldb + l);
+    for (int j = 0; j < n; j++) {
+      const float* y = &bc[(size_t)j * k];
+      int i = 0;
+      // Four elements at a time (four independent sums, each in order).
+      for (; i + 4 <= m; i += 4) {
+        const float *x0 = &ar[(size_t)i * k], *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+        float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
         for (int l = 0; l < k; l++) {
-          float x = load(a, at, ta ? (int64_t)i * lda + l : (int64_t)l * lda + i);
-          float y = load(b, bt, tb ? (int64_t)l * ldb + j : (int64_t)j * ldb + l);
-          acc += x * y;
+          s0 += x0[l] * y[l];
+          s1 += x1[l] * y[l];
+          s2 += x2[l] * y[l];
+          s3 += x3[l] * y[l];
         }
-        float& out = c[(int64_t)j * ldc + i];
-        out = beta == 0.f ? alpha * acc : alpha * acc + beta * out;
+        store(i, j, s0);
+        store(i + 1, j, s1);
+        store(i + 2, j, s2);
+        store(i + 3, j, s3);
       }
+      for (; i < m; i++) {
+        const float* x = &ar[(size_t)i * k];
+        float acc = 0;
+        for (int l = 0; l < k; l++) acc += x[l] * y[l];
+        store(i, j, acc);
+      }
+    }
+  }
+  void store(int i, int j, float acc) const {
+    float& out = c[(int64_t)j * ldc + i];
+    out = beta == 0.f ? alpha * acc : alpha * acc + beta * out;
   }
 };
 

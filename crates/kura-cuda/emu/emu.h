@@ -31,6 +31,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #define __global__
@@ -185,8 +187,9 @@ using std::max;
 using std::min;
 
 // ---------------------------------------------------------------------------------------------------
-// Fibers, barriers and warp collectives.
-namespace emu {
+// Fibers, barriers and warp collectives. Hidden: within the stand-in driver they are called directly
+// (no lookup through the PLT), and nothing outside it calls them.
+namespace emu __attribute__((visibility("hidden"))) {
 
 // The kernel running, named in a fault's report (set by whoever launches; empty: unnamed).
 inline const char*& running() {
@@ -211,6 +214,7 @@ extern "C" void emu_switch(void** save, void* next);
 asm(R"(
   .text
   .globl emu_switch
+  .hidden emu_switch
   .type emu_switch, @function
 emu_switch:
   pushq %rbp
@@ -233,7 +237,8 @@ emu_switch:
 
 struct Fiber {
   void* sp = nullptr;  // its stack pointer while it is switched out
-  std::vector<char> stack;
+  // Its stack, left uninitialised (the pages a thread never reaches are never touched).
+  std::unique_ptr<char[]> stack;
   dim3 tid;
   int linear = 0;
   bool done = false;
@@ -254,29 +259,53 @@ struct Barrier {
 struct WarpSlot {
   Barrier in;
   unsigned char data[2][32][64];
+  // An `mma.sync`'s outputs, every lane's, computed by the first lane to read that collective's inputs
+  // (`mma_of`: the barrier generation that completed it) and copied by the others.
+  float mma_d[2][32][4];
+  unsigned long mma_of[2] = {~0ul, ~0ul};
 };
-// The inputs of one collective, a row a lane.
+// The inputs of one collective, a row a lane; the warp's slot and which of its two areas holds them.
 struct Exchange {
   unsigned char (*data)[64];
+  WarpSlot* slot;
+  int area;
 };
 
 struct Grid {
   dim3 grid, block, block_idx;
-  std::vector<Fiber> fibers;
+  std::vector<Fiber> fibers;  // the launch's threads first; kept, stacks and all, for later launches
   std::vector<WarpSlot> warps;
   Barrier block_barrier;
   void* sched = nullptr;  // the scheduler's stack pointer while a fiber runs
   Fiber* current = nullptr;
+  int finished = 0;  // the block's threads that have ended
+  // The round under way: threads up to `round_end` run in turn, each until it yields; whether every
+  // thread that ran has ended, and whether each has ended or waits.
+  int round_end = 0;
+  bool round_all_done = true, round_all_waiting = true;
   unsigned long progress = 0;
   std::function<void()> body;
   std::vector<unsigned char> dynamic;
 };
-inline Grid& G() {
-  static Grid g;
-  return g;
-}
+inline Grid the_grid;
+inline Grid& G() { return the_grid; }
 inline Fiber& me() { return *G().current; }
-inline void yield() { emu_switch(&me().sp, G().sched); }
+// Ends the running thread's turn: on to the next thread of the round that has not ended (switching to
+// it directly), or, past the round's last, back to the scheduler.
+inline void yield() {
+  Grid& g = G();
+  Fiber& f = *g.current;
+  g.round_all_done &= f.done;
+  g.round_all_waiting &= f.done || f.waiting;
+  for (int i = f.linear + 1; i < g.round_end; i++) {
+    Fiber& next = g.fibers[i];
+    if (next.done) continue;
+    g.current = &next;
+    emu_switch(&f.sp, next.sp);
+    return;
+  }
+  emu_switch(&f.sp, g.sched);
+}
 
 inline int block_threads() { return (int)(G().block.x * G().block.y * G().block.z); }
 inline int warp_of(int linear) { return linear >> 5; }
@@ -288,9 +317,7 @@ inline void wait_at(Barrier& b, int count, bool finished_count) {
   unsigned long gen = b.generation;
   b.arrived++;
   for (;;) {
-    int done = 0;
-    if (finished_count)
-      for (auto& f : G().fibers) done += f.done;
+    int done = finished_count ? G().finished : 0;
     if (b.generation != gen) break;
     if (b.arrived + done >= count) {
       b.arrived = 0;
@@ -312,10 +339,11 @@ inline Exchange warp_enter(const void* in, size_t bytes) {
   int w = warp_of(me().linear), lane = me().linear & 31;
   if (lanes_in_warp(w) != 32) fail("a warp collective in a warp of fewer than 32 threads");
   WarpSlot& s = G().warps[w];
-  unsigned char(*rows)[64] = s.data[me().collectives++ & 1];
+  int area = me().collectives++ & 1;
+  unsigned char(*rows)[64] = s.data[area];
   std::memcpy(rows[lane], in, bytes);
   wait_at(s.in, 32, false);
-  return {rows};
+  return {rows, &s, area};
 }
 inline int lane() { return me().linear & 31; }
 
@@ -381,6 +409,14 @@ inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
   std::memcpy(in.b, b, 8);
   std::memcpy(in.c, c, 16);
   Exchange s = warp_enter(&in, sizeof(in));
+  // The generation that completed this collective: no lane can complete the warp's next one before
+  // this lane arrives there.
+  unsigned long of = s.slot->in.generation;
+  float(*out)[4] = s.slot->mma_d[s.area];
+  if (s.slot->mma_of[s.area] == of) {
+    std::memcpy(c, out[lane()], 16);
+    return;
+  }
   double A[16][16], B[16][8], C[16][8];
   for (int l = 0; l < 32; l++) {
     In x;
@@ -399,15 +435,17 @@ inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
     C[g + 8][2 * t] = x.c[2];
     C[g + 8][2 * t + 1] = x.c[3];
   }
-  int l = lane(), g = l >> 2, t = l & 3;
-  int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
-  float d[4];
-  for (int e = 0; e < 4; e++) {
-    double acc = C[rows[e]][cols[e]];
-    for (int k = 0; k < 16; k++) acc += A[rows[e]][k] * B[k][cols[e]];
-    d[e] = (float)acc;
+  for (int l = 0; l < 32; l++) {
+    int g = l >> 2, t = l & 3;
+    int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+    for (int e = 0; e < 4; e++) {
+      double acc = C[rows[e]][cols[e]];
+      for (int k = 0; k < 16; k++) acc += A[rows[e]][k] * B[k][cols[e]];
+      out[l][e] = (float)acc;
+    }
   }
-  std::memcpy(c, d, 16);
+  s.slot->mma_of[s.area] = of;
+  std::memcpy(c, out[lane()], 16);
 }
 
 // Whether each cp.async copy lands as it is issued instead of at the wait that must wait for it.
@@ -448,10 +486,30 @@ inline void cp_async_wait(size_t keep) {
 extern "C" inline void emu_fiber_start() {
   G().body();
   me().done = true;
+  G().finished++;
   G().progress++;
-  emu_switch(&me().sp, G().sched);
+  yield();
   fail("a finished thread was resumed");
 }
+
+// Runs threads `lo` to `hi` (not those that ended) in turn, each until it yields. Returns whether all
+// of them have ended, and whether each has ended or waits.
+inline std::pair<bool, bool> run_round(int lo, int hi) {
+  Grid& g = G();
+  g.round_end = hi;
+  g.round_all_done = g.round_all_waiting = true;
+  for (int i = lo; i < hi; i++) {
+    Fiber& f = g.fibers[i];
+    if (f.done) continue;
+    g.current = &f;
+    emu_switch(&g.sched, f.sp);  // back here after the round's last turn
+    break;
+  }
+  return {g.round_all_done, g.round_all_waiting};
+}
+
+// A thread's stack, in bytes.
+constexpr size_t kStack = 256 * 1024;
 
 // Runs `body` (a kernel call) over `grid` × `block` threads, blocks in `order` (every block once; empty:
 // in order), with `dynamic` bytes of dynamic shared memory.
@@ -468,13 +526,14 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
     for (unsigned z = 0; z < grid.z; z++)
       for (unsigned y = 0; y < grid.y; y++)
         for (unsigned x = 0; x < grid.x; x++) order.push_back({x, y, z});
-  g.fibers.resize(n);
+  if (g.fibers.size() < (size_t)n) g.fibers.resize(n);
   g.warps.assign((n + 31) / 32, WarpSlot{});
-  for (auto& f : g.fibers)
-    if (f.stack.empty()) f.stack.resize(256 * 1024);
+  for (int i = 0; i < n; i++)
+    if (!g.fibers[i].stack) g.fibers[i].stack.reset(new char[kStack]);
   for (const dim3& b : order) {
     g.block_idx = b;
     g.block_barrier = Barrier{};
+    g.finished = 0;
     // Dynamic shared memory starts as NaNs (0xff bytes): a read of what no thread wrote shows.
     std::memset(g.dynamic.data(), 0xff, g.dynamic.size());
     for (int i = 0; i < n; i++) {
@@ -487,7 +546,7 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
       f.open.clear();
       // The stack as `emu_switch` leaves it: six saved registers, then the address it returns to (the
       // start), then a return address for the start itself, 16-byte aligned as after a call.
-      uintptr_t top = ((uintptr_t)(f.stack.data() + f.stack.size())) & ~(uintptr_t)15;
+      uintptr_t top = ((uintptr_t)(f.stack.get() + kStack)) & ~(uintptr_t)15;
       void** sp = (void**)top;
       *--sp = nullptr;
       *--sp = (void*)&emu_fiber_start;
@@ -496,36 +555,23 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
     }
     for (;;) {
       unsigned long before = g.progress;
-      bool all_done = true, all_waiting = true;
       if (emu_warps_run_ahead) {
         // Each warp in turn, until none of its threads can go on (all at a block barrier, or done).
         for (int w = 0; w < (n + 31) / 32; w++) {
           for (;;) {
             unsigned long warp_before = g.progress;
-            bool stuck = true;
-            for (int i = 32 * w; i < std::min(n, 32 * w + 32); i++) {
-              Fiber& f = g.fibers[i];
-              if (f.done) continue;
-              g.current = &f;
-              emu_switch(&g.sched, f.sp);
-              stuck &= f.done || f.waiting;
-            }
+            bool stuck = run_round(32 * w, std::min(n, 32 * w + 32)).second;
             if (stuck && g.progress == warp_before) break;
           }
         }
       }
-      for (auto& f : g.fibers) {
-        if (f.done) continue;
-        g.current = &f;
-        emu_switch(&g.sched, f.sp);
-        all_done &= f.done;
-        all_waiting &= f.done || f.waiting;
-      }
+      auto [all_done, all_waiting] = run_round(0, n);
       if (all_done) break;
       if (all_waiting && g.progress == before) fail("threads wait at a barrier or collective that others never reach");
     }
     // (A committed group of no copies may stay: the kernel's last wait leaves the newest group.)
-    for (auto& f : g.fibers) {
+    for (int i = 0; i < n; i++) {
+      const Fiber& f = g.fibers[i];
       bool pending = !f.open.empty();
       for (auto& grp : f.groups) pending |= !grp.empty();
       if (pending) fail("a thread ended with cp.async copies never waited for");

@@ -170,8 +170,13 @@ pub fn kernels_reported(log: &str) -> Vec<String> {
 
 /// The cache key of [`SOURCE`] compiled for `arch` by NVRTC `version` (a hex digest).
 pub fn cache_key(arch: &str, version: (i32, i32)) -> String {
+    cache_key_of(SOURCE, arch, version)
+}
+
+/// The cache key of `source` compiled for `arch` by NVRTC `version`.
+pub fn cache_key_of(source: &str, arch: &str, version: (i32, i32)) -> String {
     let mut h = blake3::Hasher::new();
-    h.update(SOURCE.as_bytes());
+    h.update(source.as_bytes());
     for o in OPTIONS {
         h.update(o.as_bytes());
         h.update(&[0]);
@@ -191,7 +196,12 @@ pub fn cache_dir() -> PathBuf {
 /// compiled and written there (atomically: a half-written file is never read). Returns whether it was
 /// compiled.
 pub fn cubin_for(arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
-    let path = cache_file(arch, dir)?;
+    cubin_of(SOURCE, arch, dir)
+}
+
+/// [`cubin_for`] of another source (the cache's tests compile a small one).
+pub fn cubin_of(source: &str, arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
+    let path = cache_file(source, arch, dir)?;
     // Read only when a regular file of a cubin's size (a FIFO would block the start); a cubin is an
     // ELF file, and anything else (a damaged file) is compiled anew.
     if let Ok(bytes) = kura_files::read(&path, CUBIN_MAX_BYTES) {
@@ -199,12 +209,12 @@ pub fn cubin_for(arch: &str, dir: &Path) -> Result<(Vec<u8>, bool)> {
             return Ok((bytes, false));
         }
     }
-    Ok((compile_to_cache(arch, dir)?, true))
+    Ok((compile_to_cache_of(source, arch, dir)?, true))
 }
 
-/// The cache's file for [`SOURCE`] compiled for `arch` by this NVRTC.
-fn cache_file(arch: &str, dir: &Path) -> Result<PathBuf> {
-    let key = cache_key(arch, nvrtc_version()?);
+/// The cache's file for `source` compiled for `arch` by this NVRTC.
+fn cache_file(source: &str, arch: &str, dir: &Path) -> Result<PathBuf> {
+    let key = cache_key_of(source, arch, nvrtc_version()?);
     Ok(dir.join(format!("kura-{arch}-{key}.cubin")))
 }
 
@@ -214,8 +224,12 @@ const CUBIN_MAX_BYTES: u64 = 256 << 20;
 /// [`SOURCE`] compiled for `arch`, and the cache's file for it (re)written: atomically, its bytes
 /// synced before the rename, so that a crash never leaves a half-written file under the cubin's name.
 pub fn compile_to_cache(arch: &str, dir: &Path) -> Result<Vec<u8>> {
-    let path = cache_file(arch, dir)?;
-    let compiled = compile(arch, &include_dir()?)?;
+    compile_to_cache_of(SOURCE, arch, dir)
+}
+
+fn compile_to_cache_of(source: &str, arch: &str, dir: &Path) -> Result<Vec<u8>> {
+    let path = cache_file(source, arch, dir)?;
+    let compiled = compile_source(source, arch, &include_dir()?)?;
     for (kernel, line) in spills(&compiled.log) {
         tracing::warn!("kernel {kernel} spills registers on {arch}: {line}");
     }

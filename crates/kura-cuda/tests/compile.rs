@@ -5,37 +5,48 @@
 use kura_cuda::device::kernel_names;
 use kura_cuda::kernels;
 
+/// A kernel that compiles in a moment, for the cache's test.
+const SMALL: &str = "extern \"C\" __global__ void add_one(float* x) { x[threadIdx.x] += 1.f; }\n";
+
+// One test an architecture: the two compiles (the longest of these tests) run at once.
 #[test]
-fn every_kernel_compiles_for_ampere_and_hopper_without_spills() {
+fn every_kernel_compiles_for_ampere_without_spills() {
+    every_kernel_compiles_without_spills("sm_80");
+}
+
+#[test]
+fn every_kernel_compiles_for_hopper_without_spills() {
+    every_kernel_compiles_without_spills("sm_90");
+}
+
+fn every_kernel_compiles_without_spills(arch: &str) {
     let include = kernels::include_dir().expect("CUDA headers (run scripts/fetch-nvrtc.sh)");
     let version = kernels::nvrtc_version().expect("NVRTC (run scripts/fetch-nvrtc.sh)");
     assert!(version.0 >= 12, "NVRTC {version:?}");
-    for arch in ["sm_80", "sm_90"] {
-        let c = kernels::compile(arch, &include).unwrap_or_else(|e| panic!("{e}"));
-        assert!(c.cubin.starts_with(b"\x7fELF"), "{arch}: not a cubin");
-        let reported = kernels::kernels_reported(&c.log);
-        for k in kernel_names() {
-            assert!(
-                reported.iter().any(|r| r == &k),
-                "{arch}: kernel {k} is not in ptxas' report:\n{}",
-                c.log
-            );
-        }
-        let spills = kernels::spills(&c.log);
+    let c = kernels::compile(arch, &include).unwrap_or_else(|e| panic!("{e}"));
+    assert!(c.cubin.starts_with(b"\x7fELF"), "{arch}: not a cubin");
+    let reported = kernels::kernels_reported(&c.log);
+    for k in kernel_names() {
         assert!(
-            spills.is_empty(),
-            "{arch}: kernels spill: {spills:?}\n{}",
+            reported.iter().any(|r| r == &k),
+            "{arch}: kernel {k} is not in ptxas' report:\n{}",
             c.log
         );
-        // Each kernel's registers and shared memory, for the record (`cargo test -- --nocapture`).
-        let mut kernel = "";
-        for line in c.log.lines() {
-            if let Some(name) = line.split("Function properties for ").nth(1) {
-                kernel = name.trim();
-            } else if line.contains("registers") {
-                let used = line.split("Used ").nth(1).unwrap_or(line).trim();
-                println!("{arch}: {kernel}: {used}");
-            }
+    }
+    let spills = kernels::spills(&c.log);
+    assert!(
+        spills.is_empty(),
+        "{arch}: kernels spill: {spills:?}\n{}",
+        c.log
+    );
+    // Each kernel's registers and shared memory, for the record (`cargo test -- --nocapture`).
+    let mut kernel = "";
+    for line in c.log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            kernel = name.trim();
+        } else if line.contains("registers") {
+            let used = line.split("Used ").nth(1).unwrap_or(line).trim();
+            println!("{arch}: {kernel}: {used}");
         }
     }
 }
@@ -44,9 +55,12 @@ fn every_kernel_compiles_for_ampere_and_hopper_without_spills() {
 fn the_kernel_cache_compiles_once_and_then_reads() {
     let dir = std::env::temp_dir().join(format!("kura-kcache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let (first, compiled) = kernels::cubin_for("sm_90", &dir).unwrap_or_else(|e| panic!("{e}"));
+    // A small source, compiled in a moment: the cache's logic is `cubin_for`'s for Kura's kernels (whose
+    // compiles, the longest of these tests, the tests above run once an architecture).
+    let cubin_for = |arch: &str, dir: &std::path::Path| kernels::cubin_of(SMALL, arch, dir);
+    let (first, compiled) = cubin_for("sm_90", &dir).unwrap_or_else(|e| panic!("{e}"));
     assert!(compiled, "an empty cache compiles");
-    let (second, compiled_again) = kernels::cubin_for("sm_90", &dir).unwrap();
+    let (second, compiled_again) = cubin_for("sm_90", &dir).unwrap();
     assert!(!compiled_again, "the second start reads the cache");
     assert_eq!(first, second);
     // A damaged file is compiled anew, not loaded.
@@ -56,7 +70,7 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
         .find(|p| p.extension().is_some_and(|e| e == "cubin"))
         .unwrap();
     std::fs::write(&file, b"not a cubin").unwrap();
-    let (third, recompiled) = kernels::cubin_for("sm_90", &dir).unwrap();
+    let (third, recompiled) = cubin_for("sm_90", &dir).unwrap();
     assert!(recompiled);
     assert_eq!(
         third, first,
@@ -66,7 +80,7 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
     // anew, and the compile cannot replace it, which is an error naming the cache.
     std::fs::remove_file(&file).unwrap();
     std::fs::create_dir(&file).unwrap();
-    let e = kernels::cubin_for("sm_90", &dir).unwrap_err().to_string();
+    let e = cubin_for("sm_90", &dir).unwrap_err().to_string();
     assert!(e.contains(&dir.display().to_string()), "{e}");
     std::fs::remove_dir(&file).unwrap();
     // Another architecture is another key.
@@ -77,6 +91,11 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
     assert_ne!(
         kernels::cache_key("sm_90", (13, 0)),
         kernels::cache_key("sm_90", (13, 1))
+    );
+    // Another source is another key.
+    assert_ne!(
+        kernels::cache_key_of(SMALL, "sm_90", (13, 0)),
+        kernels::cache_key("sm_90", (13, 0))
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

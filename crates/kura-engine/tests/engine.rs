@@ -426,14 +426,22 @@ fn blocks_from_the_host_and_disk_tiers_give_the_cold_tokens() {
     tiers_give_the_cold_tokens(KvDtype::F32);
 }
 
-/// The same in each quantised format: a request served from cached int8 (fp8, int4) blocks, from the
-/// pool, the host tier or the disk, is bit-identical to a cold run in that format, since a block's
-/// scales travel inside its bytes.
+// The same in each quantised format: a request served from cached int8 (fp8, int4) blocks, from the
+// pool, the host tier or the disk, is bit-identical to a cold run in that format, since a block's
+// scales travel inside its bytes. (A test a format: they run at once.)
 #[test]
-fn quantised_blocks_from_the_pool_and_the_tiers_give_the_cold_tokens() {
-    for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Int4] {
-        tiers_give_the_cold_tokens(dtype);
-    }
+fn int8_blocks_from_the_pool_and_the_tiers_give_the_cold_tokens() {
+    tiers_give_the_cold_tokens(KvDtype::Int8);
+}
+
+#[test]
+fn fp8_blocks_from_the_pool_and_the_tiers_give_the_cold_tokens() {
+    tiers_give_the_cold_tokens(KvDtype::Fp8);
+}
+
+#[test]
+fn int4_blocks_from_the_pool_and_the_tiers_give_the_cold_tokens() {
+    tiers_give_the_cold_tokens(KvDtype::Int4);
 }
 
 fn tiers_give_the_cold_tokens(dtype: KvDtype) {
