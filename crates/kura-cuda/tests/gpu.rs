@@ -217,7 +217,8 @@ fn kernel_tuning_on_the_gpu_runs_forms_with_the_default_kernels_bits() {
     };
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
-        let mut gpu = exec(model, KvDtype::Bf16, 16, tokens / 16 + 1);
+        // (A pool of 4,096 tokens, for the prompts below as well.)
+        let mut gpu = exec(model, KvDtype::Bf16, 16, 4096 / 16 + 1);
         let t = gpu
             .tune(tokens)
             .unwrap()
