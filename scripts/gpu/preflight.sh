@@ -15,7 +15,7 @@
 # tokens; tests/python/test_emulated_gpu.py runs a command's in CI).
 # Needs cargo, a C++ compiler (scripts/fetch-cxx.sh), NVRTC (scripts/fetch-nvrtc.sh) and PyPI: torch,
 # transformers, httpx and the openai client go into a virtual environment under the cache (a few GB on
-# first use). About 20-30 minutes on 2 cores; exits as all.sh does (non-zero when a test or bench step failed).
+# first use). About 15-30 minutes on 2 cores (16 on a quiet one); exits as all.sh does (non-zero when a test or bench step failed).
 # Usage: scripts/gpu/preflight.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

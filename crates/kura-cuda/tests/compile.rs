@@ -57,10 +57,10 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
     let _ = std::fs::remove_dir_all(&dir);
     // A small source, compiled in a moment: the cache's logic is `cubin_for`'s for Kura's kernels (whose
     // compiles, the longest of these tests, the tests above run once an architecture).
-    let cubin_for = |arch: &str, dir: &std::path::Path| kernels::cubin_of(SMALL, arch, dir);
-    let (first, compiled) = cubin_for("sm_90", &dir).unwrap_or_else(|e| panic!("{e}"));
+    let cached = |arch: &str, dir: &std::path::Path| kernels::cubin_of(SMALL, arch, dir);
+    let (first, compiled) = cached("sm_90", &dir).unwrap_or_else(|e| panic!("{e}"));
     assert!(compiled, "an empty cache compiles");
-    let (second, compiled_again) = cubin_for("sm_90", &dir).unwrap();
+    let (second, compiled_again) = cached("sm_90", &dir).unwrap();
     assert!(!compiled_again, "the second start reads the cache");
     assert_eq!(first, second);
     // A damaged file is compiled anew, not loaded.
@@ -70,7 +70,7 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
         .find(|p| p.extension().is_some_and(|e| e == "cubin"))
         .unwrap();
     std::fs::write(&file, b"not a cubin").unwrap();
-    let (third, recompiled) = cubin_for("sm_90", &dir).unwrap();
+    let (third, recompiled) = cached("sm_90", &dir).unwrap();
     assert!(recompiled);
     assert_eq!(
         third, first,
@@ -80,7 +80,7 @@ fn the_kernel_cache_compiles_once_and_then_reads() {
     // anew, and the compile cannot replace it, which is an error naming the cache.
     std::fs::remove_file(&file).unwrap();
     std::fs::create_dir(&file).unwrap();
-    let e = cubin_for("sm_90", &dir).unwrap_err().to_string();
+    let e = cached("sm_90", &dir).unwrap_err().to_string();
     assert!(e.contains(&dir.display().to_string()), "{e}");
     std::fs::remove_dir(&file).unwrap();
     // Another architecture is another key.
