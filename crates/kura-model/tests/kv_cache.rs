@@ -185,7 +185,9 @@ fn prefill_chunks_and_decode_give_bit_identical_logits_in_every_format_on_every_
             Model::load_with(&common::default_model_path(), LoadOptions { weights_dtype }).unwrap();
         let kv_dtypes = match forced.as_deref() {
             None => KvDtype::ALL.to_vec(),
-            Some("avx2") if weights_dtype == WeightsDtype::Native => KvDtype::ALL.to_vec(),
+            Some("avx2" | "avx512") if weights_dtype == WeightsDtype::Native => {
+                KvDtype::ALL.to_vec()
+            }
             Some(_) => vec![KvDtype::Bf16],
         };
         check_invariance(&model, weights_dtype, &kv_dtypes);
@@ -195,6 +197,10 @@ fn prefill_chunks_and_decode_give_bit_identical_logits_in_every_format_on_every_
     }
     // The narrower paths, each in a process of its own.
     let mut narrower = Vec::new();
+    // AMX tiles for the quantized products' prefill: `KURA_ISA=avx512` runs the VNNI kernel instead.
+    if kura_model::kernels::paths().contains("quant=Amx") {
+        narrower.push("avx512");
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         narrower.push("avx2");
@@ -218,13 +224,13 @@ fn prefill_chunks_and_decode_give_bit_identical_logits_in_every_format_on_every_
             out.status.success() && stdout.contains("1 passed"),
             "KURA_ISA={forced}:\n{stdout}\n{stderr}"
         );
-        let isa_name = if forced == "avx2" {
-            "avx2+fma"
-        } else {
-            "scalar"
+        let (isa_name, quant) = match forced {
+            "avx512" => ("avx512", "quant=Vnni"),
+            "avx2" => ("avx2+fma", "quant="),
+            _ => ("scalar", "quant="),
         };
         assert!(
-            stderr.contains(&format!("isa={isa_name} ")),
+            stderr.contains(&format!("isa={isa_name} ")) && stderr.contains(quant),
             "KURA_ISA={forced} ran another path:\n{stderr}"
         );
         eprintln!("compared: {isa_name}");

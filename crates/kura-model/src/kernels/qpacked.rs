@@ -29,6 +29,9 @@ use half::f16;
 
 use super::arena::{Plain, Stored};
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
+
 use super::dot::{Isa, Vnni};
 use super::team::{chunk_tokens, SharedMut, Team};
 
@@ -40,6 +43,8 @@ pub const QBLOCK: usize = 32;
 const TILE_TOKENS: usize = 8;
 /// Tokens per cache chunk in prefill.
 const CHUNK_TOKENS: usize = 64;
+/// Tokens per AMX tile (the rows of its A tile); products of fewer tokens take the VNNI kernel.
+const AMX_TOKENS: usize = 16;
 /// Up to this many tokens, threads split rows only, so that each weight is read from memory once.
 const ROWS_ONLY_UP_TO: usize = 16;
 
@@ -296,11 +301,14 @@ unsafe fn matmul_part_on(
     assert_eq!(x.q.len(), t * w.cols, "x is t × cols");
     assert_eq!(x.ds.len(), t * w.blocks, "x has t × blocks scales");
     assert_eq!(out.len(), t * w.rows, "out is t × rows");
+    // AMX tiles from a whole group of tokens on (fewer are faster on the VNNI kernel).
+    let amx = path == Path::Amx && t >= AMX_TOKENS;
+    let tile_tokens = if amx { AMX_TOKENS } else { TILE_TOKENS };
     let chunk = chunk_tokens(
         t,
         w.panels,
         tm.size(),
-        (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
+        (ROWS_ONLY_UP_TO, CHUNK_TOKENS, tile_tokens),
     );
     #[cfg(target_arch = "x86_64")]
     if t == 1 && path != Path::Portable {
@@ -325,8 +333,8 @@ unsafe fn matmul_part_on(
             // panels' records.
             unsafe {
                 match (path, w.bits) {
-                    (Path::Vnni, QBits::U4) => x86::panels_vnni_one::<true>(&tile, n),
-                    (Path::Vnni, QBits::U8) => x86::panels_vnni_one::<false>(&tile, n),
+                    (Path::Vnni | Path::Amx, QBits::U4) => x86::panels_vnni_one::<true>(&tile, n),
+                    (Path::Vnni | Path::Amx, QBits::U8) => x86::panels_vnni_one::<false>(&tile, n),
                     (_, QBits::U4) => x86::panels_avx2_one::<true>(&tile, n),
                     (_, QBits::U8) => x86::panels_avx2_one::<false>(&tile, n),
                 }
@@ -341,6 +349,26 @@ unsafe fn matmul_part_on(
             let r0 = p * QROWS;
             let valid = QROWS.min(w.rows - r0);
             let (t_lo, t_hi) = (c * chunk, ((c + 1) * chunk).min(t));
+            #[cfg(target_arch = "x86_64")]
+            if amx {
+                let tile = Tile {
+                    panel: &w.bytes_slice()[p * w.blocks * w.bits.record_bytes()..],
+                    blocks: w.blocks,
+                    bits: w.bits,
+                    xq: &x.q[t_lo * w.cols..t_hi * w.cols],
+                    xds: &x.ds[t_lo * w.blocks..t_hi * w.blocks],
+                    // SAFETY: rows r0..r0+valid of tokens t_lo..t_hi lie inside `out` and belong to
+                    // this work item alone (the caller's guarantee on `out`).
+                    out: unsafe { out.ptr().add(t_lo * w.rows + r0) },
+                    ldo: w.rows,
+                    valid,
+                    add,
+                };
+                // SAFETY: `Path::Amx` was detected on this CPU (AMX granted); the tile's slices hold
+                // the chunk's tokens and the panel's records.
+                unsafe { amx::tile(&tile, t_hi - t_lo) };
+                continue;
+            }
             let mut t0 = t_lo;
             while t0 < t_hi {
                 let m = (t_hi - t0).min(TILE_TOKENS);
@@ -361,7 +389,7 @@ unsafe fn matmul_part_on(
                 // panel's records.
                 unsafe {
                     match path {
-                        Path::Vnni => x86::tile_dispatch(&tile, m),
+                        Path::Vnni | Path::Amx => x86::tile_dispatch(&tile, m),
                         Path::Avx2 => x86::tile_dispatch_avx2(&tile, m),
                         Path::Portable => tile_portable(&tile, m),
                     }
@@ -372,10 +400,11 @@ unsafe fn matmul_part_on(
     });
 }
 
-/// The kernel this CPU runs: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` (AVX2 with FMA and F16C), or the
-/// portable loop; all three give the same bits.
+/// The kernel this CPU runs: AMX tiles for prefill with `vpdpbusd` for decode, `vpdpbusd` (AVX-512
+/// VNNI), `vpmaddubsw` (AVX2 with FMA and F16C), or the portable loop; all four give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
+    Amx,
     Vnni,
     Avx2,
     Portable,
@@ -383,6 +412,10 @@ pub enum Path {
 
 impl Path {
     pub fn detect() -> Path {
+        #[cfg(target_arch = "x86_64")]
+        if amx::Amx::detect().is_some() {
+            return Path::Amx;
+        }
         if Vnni::detect().is_some() {
             return Path::Vnni;
         }
@@ -1156,6 +1189,14 @@ mod tests {
         if crate::kernels::compared("int8 blocks, AVX-512 VNNI", vnni, Vnni::detect().is_some()) {
             p.push(Path::Vnni);
         }
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::compared(
+            "int8 blocks, AMX tiles (tdpbsud)",
+            vnni && amx::cpu_and_os_have_amx(),
+            amx::Amx::detect().is_some(),
+        ) {
+            p.push(Path::Amx);
+        }
         p
     }
 
@@ -1165,7 +1206,7 @@ mod tests {
         for bits in [QBits::U4, QBits::U8] {
             let (rows, cols) = (45, 160);
             let w = matrix(rows, cols, bits, 99);
-            for t in [1, 2, 3, 4, 5, 6, 7, 8, 9, 30] {
+            for t in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 30, 47, 100] {
                 let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.29).sin()).collect();
                 let (q, ds) = quantized(&x, cols);
                 let act = QAct { q: &q, ds: &ds };
@@ -1223,17 +1264,19 @@ mod tests {
                 row.scale.fill(1.0);
                 row.min.fill(0.0);
             });
+            // 17 tokens: a whole AMX group and a padded one.
+            let t = 17;
             for sign in [1.0f32, -1.0] {
-                let x = vec![sign * 3.0; cols];
+                let x = vec![sign * 3.0; t * cols];
                 let (q, ds) = quantized(&x, cols);
                 assert!(q.iter().all(|v| i32::from(*v) == 127 * sign as i32));
                 let act = QAct { q: &q, ds: &ds };
                 let exact = f32::from(u) * 3.0 * sign * cols as f32;
                 for &path in &paths {
-                    let mut out = vec![0f32; rows];
+                    let mut out = vec![0f32; t * rows];
                     let shared = SharedMut::new(&mut out);
                     // SAFETY: `paths` lists what this CPU has; every thread passes the same arguments.
-                    team::run(|tm| unsafe { matmul_part_on(path, tm, act, 1, &w, shared, false) });
+                    team::run(|tm| unsafe { matmul_part_on(path, tm, act, t, &w, shared, false) });
                     for v in &out {
                         assert!(
                             (v - exact).abs() <= exact.abs() * 1e-5,
