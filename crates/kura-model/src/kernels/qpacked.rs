@@ -236,8 +236,22 @@ pub struct QAct<'a> {
 }
 
 /// Quantizes one row of activations (`x.len()` a multiple of 32) as llama.cpp's Q8_1: per block,
-/// `dx = max|x| / 127` and `q = round(x / dx)`.
+/// `dx = max|x| / 127` and `q = round(x / dx)`. With AVX-512 sixteen values at a time, the same bits as
+/// the portable loop ([`quantize_act_row_portable`]).
 pub fn quantize_act_row(x: &[f32], q: &mut [i8], ds: &mut [[f32; 2]]) {
+    assert!(x.len().is_multiple_of(QBLOCK) && q.len() == x.len());
+    assert!(ds.len() >= x.len() / QBLOCK);
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx512 {
+        // SAFETY: AVX-512F is present; the slices hold whole blocks (asserted).
+        unsafe { x86::quantize_act_row_avx512(x, q, ds) };
+        return;
+    }
+    quantize_act_row_portable(x, q, ds);
+}
+
+/// [`quantize_act_row`] one value at a time: the reference.
+pub(crate) fn quantize_act_row_portable(x: &[f32], q: &mut [i8], ds: &mut [[f32; 2]]) {
     debug_assert!(x.len().is_multiple_of(QBLOCK) && q.len() == x.len());
     for ((xb, qb), d) in x
         .chunks_exact(QBLOCK)
@@ -249,7 +263,8 @@ pub fn quantize_act_row(x: &[f32], q: &mut [i8], ds: &mut [[f32; 2]]) {
         let inv = if dx > 0.0 { 1.0 / dx } else { 0.0 };
         let mut sum = 0i32;
         for (qv, xv) in qb.iter_mut().zip(xb) {
-            let v = round_half_away(xv * inv);
+            // Within ±127 whatever the block: where `dx` is subnormal, `inv` is infinite.
+            let v = round_half_away(xv * inv).clamp(-127, 127);
             *qv = v as i8;
             sum += v;
         }
@@ -528,6 +543,55 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{QBits, Tile, QBLOCK, QROWS};
+
+    /// [`super::quantize_act_row_portable`] sixteen values at a time, each step the same IEEE operation
+    /// on each value: the largest magnitude (a NaN is passed over, as `f32::max` does), `dx` and its
+    /// inverse, `x · inv` rounded half away from zero by the same truncation of `v ± (½ − ½ ulp)` (a NaN
+    /// to 0, as `as i32` does) within ±127, and the exact integer sum.
+    ///
+    /// # Safety
+    /// avx512f is present; `x` and `q` hold the same whole blocks, `ds` one entry per block.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn quantize_act_row_avx512(x: &[f32], q: &mut [i8], ds: &mut [[f32; 2]]) {
+        let magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFF_FFFF));
+        let sign = _mm512_castsi512_ps(_mm512_set1_epi32(i32::MIN));
+        let below_half = _mm512_set1_ps(0.499_999_97);
+        let (lowest, highest) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        for ((xb, qb), d) in x
+            .chunks_exact(QBLOCK)
+            .zip(q.chunks_exact_mut(QBLOCK))
+            .zip(ds.iter_mut())
+        {
+            // SAFETY: each block is 32 values and 32 bytes.
+            unsafe {
+                let v = [
+                    _mm512_loadu_ps(xb.as_ptr()),
+                    _mm512_loadu_ps(xb.as_ptr().add(16)),
+                ];
+                // `max(a, m)` gives m where a is NaN; m is never NaN.
+                let mut m = _mm512_setzero_ps();
+                for h in v {
+                    m = _mm512_max_ps(_mm512_and_ps(h, magnitude), m);
+                }
+                let amax = _mm512_reduce_max_ps(m);
+                let dx = amax / 127.0;
+                let inv = _mm512_set1_ps(if dx > 0.0 { 1.0 / dx } else { 0.0 });
+                let mut sum = _mm512_setzero_si512();
+                for (k, h) in v.into_iter().enumerate() {
+                    let y = _mm512_mul_ps(h, inv);
+                    let r = _mm512_add_ps(y, _mm512_or_ps(below_half, _mm512_and_ps(y, sign)));
+                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(r, r);
+                    // Clamped before the truncation, which gives i32::MIN for +∞ where `as i32`
+                    // saturates (the portable loop clamps the integer).
+                    let r = _mm512_min_ps(_mm512_max_ps(r, lowest), highest);
+                    let i = _mm512_maskz_cvttps_epi32(ordered, r);
+                    sum = _mm512_add_epi32(sum, i);
+                    _mm_storeu_si128(qb.as_mut_ptr().add(16 * k).cast(), _mm512_cvtepi32_epi8(i));
+                }
+                *d = [dx, dx * _mm512_reduce_add_epi32(sum) as f32];
+            }
+        }
+    }
 
     /// # Safety
     /// avx512f, avx512bw and avx512vnni are present; see [`super::tile_portable`] for `out`.
@@ -1104,6 +1168,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn activations_quantize_to_the_same_bits_on_every_path() {
+        // Spread values, halves and values either side of them, zeros of both signs, NaN, infinities,
+        // subnormals, and blocks whose largest magnitude is zero, subnormal or infinite.
+        let mut x: Vec<f32> = (0..32 * 40)
+            .map(|i| ((i as f32) * 0.173).sin() * 9.0)
+            .collect();
+        for (j, v) in x[..32 * 8].iter_mut().enumerate() {
+            let h = (j % 255) as f32 - 127.0 + 0.5;
+            *v = [h, h.next_up(), h.next_down(), -h][j % 4];
+        }
+        x[32 * 8..32 * 9].fill(0.0);
+        x[32 * 9 + 3] = -0.0;
+        x[32 * 10 + 5] = f32::NAN;
+        x[32 * 11 + 7] = f32::INFINITY;
+        x[32 * 12 + 1] = f32::NEG_INFINITY;
+        x[32 * 13..32 * 14].fill(f32::MIN_POSITIVE / 8.0);
+        x[32 * 14..32 * 15].fill(-1e-42);
+        x[32 * 15 + 9] = f32::MAX;
+        let n = x.len();
+        let (mut q0, mut ds0) = (vec![0i8; n], vec![[0f32; 2]; n / 32]);
+        quantize_act_row_portable(&x, &mut q0, &mut ds0);
+        let compared = crate::kernels::compared(
+            "int8 activations, AVX-512",
+            crate::kernels::cpu_has(Isa::Avx512),
+            Isa::detect() == Isa::Avx512,
+        );
+        let (mut q1, mut ds1) = (vec![0i8; n], vec![[0f32; 2]; n / 32]);
+        quantize_act_row(&x, &mut q1, &mut ds1);
+        assert_eq!(q0, q1);
+        assert!(q0.iter().all(|v| v.unsigned_abs() <= 127));
+        let bits = |d: &[[f32; 2]]| d.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&ds0), bits(&ds1), "compared: {compared}");
     }
 
     #[test]
