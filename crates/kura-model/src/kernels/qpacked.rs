@@ -1254,7 +1254,8 @@ mod tests {
         quantize_act_row_portable(&x, &mut q0, &mut ds0);
         assert!(q0.iter().all(|v| v.unsigned_abs() <= 127));
         let bits = |d: &[[f32; 2]]| d.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
-        let check = |name: &str, f: &dyn Fn(&mut [i8], &mut [[f32; 2]])| {
+        type Quantizer<'a> = &'a dyn Fn(&mut [i8], &mut [[f32; 2]]);
+        let check = |name: &str, f: Quantizer<'_>| {
             let (mut q1, mut ds1) = (vec![0i8; n], vec![[0f32; 2]; n / 32]);
             f(&mut q1, &mut ds1);
             assert_eq!(q0, q1, "{name}");
