@@ -93,13 +93,14 @@ if [ "$PEERS" = 1 ]; then
     fi
     tl=$(echo $THREADS | tr ' ' ',')
     pl=$(echo $PROMPTS | tr ' ' ',')
-    # A CPU may report AMX to a process the kernel does not let use it: llama.cpp's AMX kernels (an
-    # extra buffer type) then fault, and the run goes on without its extra buffer types.
+    # llama.cpp's AMX kernels (an extra buffer type) have faulted on machines that report AMX (an illegal
+    # instruction where the guest could not use the tiles; a general protection fault on a Xeon where
+    # Kura's AMX kernel runs): the run then goes on without its extra buffer types.
     extra=()
     if ! "$BIN/llama-bench" -m "$MODEL" -t 1 -p 8 -n 0 -r 1 >/dev/null 2>&1; then
         extra=(--repack 0)
-        echo "llama.cpp ran with \`--repack 0\`: with its extra buffer types it faulted on this machine" \
-            "(AMX reported by the CPU, not usable by the process)."
+        echo "llama.cpp ran with \`--repack 0\`: with its extra buffer types (AMX, repacking) it faulted" \
+            "on this machine."
         echo
     fi
     "$BIN/llama-bench" -m "$MODEL" -t "$tl" -p "$pl" -n 64 -r "$REPS" "${extra[@]}" -o json \

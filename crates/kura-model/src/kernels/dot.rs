@@ -24,7 +24,18 @@ impl Isa {
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
+            // `KURA_ISA` narrows the kernels: `scalar`, `avx2`, or `avx512` (AVX-512 without its
+            // optional extensions: no `vdpbf16ps`, no AMX tiles).
             let forced = std::env::var("KURA_ISA").ok();
+            if let Some(other) = forced
+                .as_deref()
+                .filter(|v| !["scalar", "avx2", "avx512"].contains(v))
+            {
+                tracing::warn!(
+                    "KURA_ISA={other:?} is not a kernel set (scalar, avx2 or avx512): the kernels \
+                     stay those the CPU has, less AVX-512's optional extensions"
+                );
+            }
             if forced.as_deref() == Some("scalar") {
                 return Isa::Scalar;
             }
