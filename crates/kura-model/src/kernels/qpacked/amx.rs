@@ -9,6 +9,10 @@
 //! value vector, unpacked once per work item. The 16 × 16 exact int32 sums go to memory and take the VNNI
 //! kernel's fused multiply-adds in its order, so every token gets the same bits on this path as on the
 //! others (and so in any batch).
+//!
+//! Those float steps, the same as the VNNI kernel's, are most of the time left: measured on a Xeon with
+//! AMX, the tile instructions and the AVX-512 float work do not overlap (docs/performance.md), so the
+//! kernel gains what the tiles save over `vpdpbusd`, about a tenth of a prefill.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -16,6 +20,7 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::{QBits, Tile, AMX_TOKENS as GROUP, QBLOCK, QROWS};
+
 /// Bytes of one block's B tile: 8 rows of 64.
 const B_BYTES: usize = 8 * 64;
 
@@ -220,8 +225,8 @@ struct Group {
     tokens: usize,
 }
 
-/// Blocks multiplied on the tiles before their sums are stored: the sums of `BATCH` blocks are stored
-/// together, as a load after a tile store waits for it.
+/// Blocks multiplied on the tiles before their sums are stored together and scaled (the fastest of the
+/// orders measured).
 const BATCH: usize = 4;
 
 /// Four blocks' sums (blocks `b`..`b + 4`) into `out`: each block's A and B tiles loaded
@@ -287,8 +292,8 @@ unsafe fn sums1(a: *const i8, lda: usize, bt: *const u8, out: &mut Sums) {
     }
 }
 
-/// One group of sixteen tokens over every block: the offsets (`min · sx`) first, then the products
-/// block after block, block b's tiles issued before block b − 1's sums are scaled.
+/// One group of sixteen tokens over every block: the offsets (`min · sx`) first, then the products,
+/// [`BATCH`] blocks at a time multiplied, stored, then scaled in block order.
 ///
 /// # Safety
 /// See [`tile_on`]; `g` points at sixteen tokens and the panel's B tiles.
