@@ -242,19 +242,23 @@ fn check_invariance(model: &Model, weights_dtype: WeightsDtype, kv_dtypes: &[KvD
         .tokenizer()
         .encode(
             "The quick brown fox jumps over the lazy dog because it wanted to see what was on the \
-             other side of the old stone wall at the edge of the quiet village",
+             other side of the old stone wall at the edge of the quiet village. The dog, who had \
+             seen the wall every day of its long life, did not move, and the fox went on alone \
+             through the tall grass towards the river and the bridge.",
             true,
         )
         .unwrap();
     let n = prompt.len();
-    assert!(n > 30, "{n} tokens");
+    // Long enough that the whole prompt takes the AMX kernel where the CPU has it (64 tokens and more)
+    // while its pieces below do not; six blocks of 16 hold it.
+    assert!((64..=96).contains(&n), "{n} tokens");
     // Quantised formats too: a token's stored bytes depend on that token alone, and attention reads
     // them the same way in a prefill chunk or a decode step.
     for &dtype in kv_dtypes {
         let layout = model.kv_layout(dtype, 16).unwrap();
-        let table = [0u32, 1, 2, 3];
+        let table = [0u32, 1, 2, 3, 4, 5];
         let run = |parts: &[(usize, usize)]| -> Vec<f32> {
-            let mut kv = model.kv_storage(&layout, 4).unwrap();
+            let mut kv = model.kv_storage(&layout, table.len()).unwrap();
             let mut last = Vec::new();
             for &(a, b) in parts {
                 let out = model
@@ -273,10 +277,10 @@ fn check_invariance(model: &Model, weights_dtype: WeightsDtype, kv_dtypes: &[KvD
             last
         };
         let whole = run(&[(0, n)]);
-        // A cached prefix, a 10-token chunk, then three single-token steps.
+        // A cached prefix of 40 tokens, a chunk of the rest but 3, then three single-token steps.
         let pieces = run(&[
-            (0, n - 13),
-            (n - 13, n - 3),
+            (0, 40),
+            (40, n - 3),
             (n - 3, n - 2),
             (n - 2, n - 1),
             (n - 1, n),
