@@ -370,42 +370,31 @@ unsafe fn matmul_part_on(
             let r0 = p * QROWS;
             let valid = QROWS.min(w.rows - r0);
             let (t_lo, t_hi) = (c * chunk, ((c + 1) * chunk).min(t));
+            // Tokens t0..t1 (within the chunk) × the panel's rows.
+            let tile_of = |t0: usize, t1: usize| Tile {
+                panel: &w.bytes_slice()[p * w.blocks * w.bits.record_bytes()..],
+                blocks: w.blocks,
+                bits: w.bits,
+                xq: &x.q[t0 * w.cols..t1 * w.cols],
+                xds: &x.ds[t0 * w.blocks..t1 * w.blocks],
+                // SAFETY: rows r0..r0+valid of tokens t0..t1 lie inside `out` and belong to this work
+                // item alone (the caller's guarantee on `out`).
+                out: unsafe { out.ptr().add(t0 * w.rows + r0) },
+                ldo: w.rows,
+                valid,
+                add,
+            };
             #[cfg(target_arch = "x86_64")]
             if amx {
-                let tile = Tile {
-                    panel: &w.bytes_slice()[p * w.blocks * w.bits.record_bytes()..],
-                    blocks: w.blocks,
-                    bits: w.bits,
-                    xq: &x.q[t_lo * w.cols..t_hi * w.cols],
-                    xds: &x.ds[t_lo * w.blocks..t_hi * w.blocks],
-                    // SAFETY: rows r0..r0+valid of tokens t_lo..t_hi lie inside `out` and belong to
-                    // this work item alone (the caller's guarantee on `out`).
-                    out: unsafe { out.ptr().add(t_lo * w.rows + r0) },
-                    ldo: w.rows,
-                    valid,
-                    add,
-                };
                 // SAFETY: `Path::Amx` was detected on this CPU (AMX granted); the tile's slices hold
                 // the chunk's tokens and the panel's records.
-                unsafe { amx::tile(&tile, t_hi - t_lo) };
+                unsafe { amx::tile(&tile_of(t_lo, t_hi), t_hi - t_lo) };
                 continue;
             }
             let mut t0 = t_lo;
             while t0 < t_hi {
                 let m = (t_hi - t0).min(TILE_TOKENS);
-                let tile = Tile {
-                    panel: &w.bytes_slice()[p * w.blocks * w.bits.record_bytes()..],
-                    blocks: w.blocks,
-                    bits: w.bits,
-                    xq: &x.q[t0 * w.cols..(t0 + m) * w.cols],
-                    xds: &x.ds[t0 * w.blocks..(t0 + m) * w.blocks],
-                    // SAFETY: rows r0..r0+valid of tokens t0..t0+m lie inside `out` and belong to this work
-                    // item alone (the caller's guarantee on `out`).
-                    out: unsafe { out.ptr().add(t0 * w.rows + r0) },
-                    ldo: w.rows,
-                    valid,
-                    add,
-                };
+                let tile = tile_of(t0, t0 + m);
                 // SAFETY: `path` was detected on this CPU; the tile's slices hold m tokens and the
                 // panel's records.
                 unsafe {
@@ -996,23 +985,10 @@ mod x86 {
                 }
             }
             let valid = (tile.valid - p * QROWS).min(QROWS);
-            let mask: __mmask16 = if valid >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << valid) - 1
-            };
             let a = _mm512_add_ps(products, offsets);
             // SAFETY: the first `valid` of panel p's 16 rows of the token are writable (the caller's
             // guarantee).
-            unsafe {
-                let o = tile.out.add(p * QROWS);
-                let v = if tile.add {
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), a)
-                } else {
-                    a
-                };
-                _mm512_mask_storeu_ps(o, mask, v);
-            }
+            unsafe { store_row(tile.out.add(p * QROWS), valid, tile.add, a) };
         }
     }
 
@@ -1093,23 +1069,34 @@ mod x86 {
                 }
             }
         }
-        let mask: __mmask16 = if tile.valid >= 16 {
-            0xFFFF
-        } else {
-            (1u16 << tile.valid) - 1
-        };
         for (i, a) in acc.iter().enumerate() {
             let a = _mm512_add_ps(a[0], a[1]);
             // SAFETY: the first `valid` of these 16 columns of token i are writable (caller's guarantee).
-            unsafe {
-                let p = tile.out.add(i * tile.ldo);
-                let v = if tile.add {
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask, p), a)
-                } else {
-                    a
-                };
-                _mm512_mask_storeu_ps(p, mask, v);
-            }
+            unsafe { store_row(tile.out.add(i * tile.ldo), tile.valid, tile.add, a) };
+        }
+    }
+
+    /// One token's result for a panel: `a` written to the first `valid` of the 16 floats at `o`, or
+    /// added to what they hold (`add`, a residual connection).
+    ///
+    /// # Safety
+    /// avx512f is present; the first `valid` floats at `o` are writable.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn store_row(o: *mut f32, valid: usize, add: bool, a: __m512) {
+        let mask: __mmask16 = if valid >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << valid) - 1
+        };
+        // SAFETY: the caller's guarantee; masked lanes are neither read nor written.
+        unsafe {
+            let v = if add {
+                _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), a)
+            } else {
+                a
+            };
+            _mm512_mask_storeu_ps(o, mask, v);
         }
     }
 }

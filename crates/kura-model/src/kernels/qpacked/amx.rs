@@ -19,6 +19,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use super::x86::store_row;
 use super::{QBits, Tile, AMX_TOKENS as GROUP, QBLOCK, QROWS};
 
 /// Bytes of one block's B tile: 8 rows of 64.
@@ -146,7 +147,7 @@ pub(super) unsafe fn tile(tile: &Tile<'_>, m: usize) {
 /// As [`tile`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile_on<const U4: bool>(tile: &Tile<'_>, m: usize, s: &mut Scratch) {
-    let (blocks, cols, rec, _) = tile.shape::<U4>(m);
+    let (blocks, cols, rec, vb) = tile.shape::<U4>(m);
     // The B tiles: the records themselves (8-bit), or their nibbles unpacked (4-bit).
     let (b_base, b_step) = if U4 {
         s.b.resize_with(blocks, || BTile([0; B_BYTES]));
@@ -203,9 +204,12 @@ unsafe fn tile_on<const U4: bool>(tile: &Tile<'_>, m: usize, s: &mut Scratch) {
                     out: tile.out.add(g * tile.ldo),
                     tokens: n,
                 },
-                blocks,
-                cols,
-                rec,
+                Shape {
+                    blocks,
+                    cols,
+                    rec,
+                    vb,
+                },
             )
         };
         g += n;
@@ -223,6 +227,15 @@ struct Group {
     out: *mut f32,
     /// Tokens to store (the rest are padding).
     tokens: usize,
+}
+
+/// A panel's blocks, the activations' columns, and its record's bytes and value bytes
+/// ([`Tile::shape`]).
+struct Shape {
+    blocks: usize,
+    cols: usize,
+    rec: usize,
+    vb: usize,
 }
 
 /// Blocks multiplied on the tiles before their sums are stored together and scaled (the fastest of the
@@ -298,12 +311,13 @@ unsafe fn sums1(a: *const i8, lda: usize, bt: *const u8, out: &mut Sums) {
 /// # Safety
 /// See [`tile_on`]; `g` points at sixteen tokens and the panel's B tiles.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn group(tile: &Tile<'_>, g: Group, blocks: usize, cols: usize, rec: usize) {
-    let vb = if tile.bits == QBits::U4 {
-        QROWS * QBLOCK / 2
-    } else {
-        QROWS * QBLOCK
-    };
+unsafe fn group(tile: &Tile<'_>, g: Group, shape: Shape) {
+    let Shape {
+        blocks,
+        cols,
+        rec,
+        vb,
+    } = shape;
     let p = tile.panel.as_ptr();
     // SAFETY: b < blocks keeps every record, activation and scale read inside the tile (`shape`) or
     // the padded group; the sums buffers are this function's.
@@ -342,20 +356,9 @@ unsafe fn group(tile: &Tile<'_>, g: Group, blocks: usize, cols: usize, rec: usiz
                 b += 1;
             }
         }
-        let mask: __mmask16 = if tile.valid >= 16 {
-            0xFFFF
-        } else {
-            (1u16 << tile.valid) - 1
-        };
         for i in 0..g.tokens {
             let a = _mm512_add_ps(products[i], offsets[i]);
-            let o = g.out.add(i * tile.ldo);
-            let v = if tile.add {
-                _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), a)
-            } else {
-                a
-            };
-            _mm512_mask_storeu_ps(o, mask, v);
+            store_row(g.out.add(i * tile.ldo), tile.valid, tile.add, a);
         }
     }
 }
