@@ -1,6 +1,6 @@
 //! The weight products of one batch-1 decode step alone, against the read bandwidth they are bound by:
 //! the default model's shapes (SmolLM2-135M: 30 layers of 4-bit Q/K/V, O, gate/up and down panels, and
-//! the 8-bit output head, 98 MB), seeded values, one parallel region with a barrier after each product as
+//! the 8-bit output head, 98 MB), seeded values, one parallel region, each product done before the next as
 //! in the forward pass, and a plain read of as many bytes (eight sums per thread, as the `bandwidth`
 //! bench) in the same run. Best of 20 steps, for 1 thread and for every core, or for the counts in
 //! `KURA_BANDWIDTH_THREADS`.
@@ -9,7 +9,7 @@
 //!
 //! With `KURA_PRODUCTS_IN_CACHE=1`, the kernels' own rate instead: a 4-bit matrix of the Q/K/V shape
 //! (346 KB) and an 8-bit one of 320 rows (207 KB), each small enough for a core's L2, multiplied 500
-//! times in one region (a barrier after each); best of 20. Where this rate is not well above a core's
+//! times in one region (each done before the next); best of 20. Where this rate is not well above a core's
 //! read bandwidth, the kernel, not memory, bounds decode.
 
 use std::time::Instant;
@@ -116,9 +116,8 @@ fn main() {
                                 _ => s_gu,
                             };
                             // SAFETY: every thread passes the same arguments; the outputs are only
-                            // written by the products, between barriers.
+                            // written by the products, one at a time.
                             unsafe { matmul_part(tm, a, 1, w, out, false) };
-                            tm.sync();
                         }
                     }
                     let a = QAct {
@@ -169,9 +168,8 @@ fn in_cache() {
                     team::run(|tm| {
                         for _ in 0..REPS {
                             // SAFETY: every thread passes the same arguments; the output is only
-                            // written by the products, between barriers.
+                            // written by the products, one at a time.
                             unsafe { matmul_part(tm, a, 1, w, s_out, false) };
-                            tm.sync();
                         }
                     });
                 });

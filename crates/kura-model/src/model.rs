@@ -10,9 +10,9 @@
 //! ```
 //!
 //! then RMSNorm and the output head on the last token of each sequence only. The whole step is one
-//! parallel region ([`crate::kernels::team`]): every thread takes its share of each operation and the
-//! threads meet at a barrier between operations; the residual adds are fused into the products that
-//! precede them.
+//! parallel region ([`crate::kernels::team`]): each operation is dealt to the threads in chunks, and a
+//! thread goes on to the next once every chunk is done; the residual adds are fused into the products
+//! that precede them.
 //!
 //! Gemma 3 differs in a few places: the embeddings are scaled by √hidden, Q and K get an RMSNorm per head
 //! before RoPE, the sliding layers use a RoPE base of their own, the FFN gates with GELU (tanh), and the
@@ -540,14 +540,16 @@ impl Model {
         let kvs = KvShared(kv);
         let eps = c.params.rms_norm_eps;
 
-        // One parallel region for the whole step: each thread takes its share of every operation (its
-        // tokens for the row-wise ones, its rows or tiles of each product, its attention units), with a
-        // barrier between operations. SAFETY (for every access below): between two barriers each buffer
-        // is either only read, or written in parts that no two threads share (a thread's own tokens,
-        // the output rows `matmul_part` gives it, the heads of its attention units, or everything on
-        // thread 0 alone); all buffers outlive the region.
+        // One parallel region for the whole step: every operation is a deal ([`Team::deal`]) of work
+        // items (tokens for the row-wise ones, rows or tiles of each product, attention units), and
+        // a thread goes on to the next operation once every item of this one is done. SAFETY (for
+        // every access below): during a deal each buffer is either only read, or written in parts
+        // that no two items share (a token, the output rows of a product's item, the heads of an
+        // attention unit, or the whole K/V write in one item); all buffers outlive the region. A
+        // thread that was switched out and comes back after the team has moved on finds every deal
+        // it reaches done and takes no item: the rows it norms into its own buffer meanwhile (decode)
+        // may be read while a later deal writes `x`, and are never used, as its next product is done.
         team::run(|tm| {
-            let mine = tm.range(t_total);
             let mut row = vec![0f32; h.max(inter)];
             // Scratch of the per-head Q/K norms (models that have them).
             let mut heads = vec![0f32; heads_len];
@@ -560,15 +562,14 @@ impl Model {
                 own_last.as_mut().map(ActBuf::shared),
             );
             // The tokens normed with `weight`, as the next product reads them.
-            // SAFETY: called between a barrier after the last write of `x` and the product, with `xns`
-            // free (see `normed`).
+            // SAFETY: called after the deal that last wrote `x` and before the product, with `xns` free
+            // (see `normed`).
             let norm_tokens = |weight: &[f32], row: &mut [f32]| unsafe {
                 normed(tm, own_xn, xns, xs, h, t_total, |t| t, weight, eps, row)
             };
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 let x_in = norm_tokens(&lw.attn_norm, &mut row);
                 matmul_part(tm, x_in, t_total, &lw.wqkv, qkvs, false);
-                tm.sync();
                 let (cos, sin) = match (&sliding_angles, c.layer_window(li)) {
                     (Some((cs, sn)), Some(_)) => (cs, sn),
                     _ => (&cos, &sin),
@@ -579,48 +580,47 @@ impl Model {
                         &sin[t * half..(t + 1) * half],
                     )
                 };
-                // K and V of every token on thread 0, which writes them to the storage; the queries
-                // of the tokens on the other threads (on thread 0 too when it is alone). Element by
-                // element: the same bits whoever computes them.
-                if tm.index() == 0 {
-                    let kv = unsafe { kvs.get_mut() };
-                    let slots = &slots_of[if paged { li } else { 0 }];
-                    for (t, &(block, slot)) in slots.iter().enumerate() {
-                        let row = unsafe { qkvs.part_mut(t * qkv_dim + q_dim..(t + 1) * qkv_dim) };
+                // K and V of every token in one work item, which writes them to the storage; the
+                // query of each token in one item each. Element by element: the same bits whoever
+                // computes them.
+                tm.deal(1 + t_total, |items| {
+                    for item in items {
+                        if item == 0 {
+                            // SAFETY: only this item writes the storage until the deal is done.
+                            let kv = unsafe { kvs.get_mut() };
+                            let slots = &slots_of[if paged { li } else { 0 }];
+                            for (t, &(block, slot)) in slots.iter().enumerate() {
+                                let row = unsafe {
+                                    qkvs.part_mut(t * qkv_dim + q_dim..(t + 1) * qkv_dim)
+                                };
+                                if let Some(b) = &lw.bqkv {
+                                    add_in_place(row, &b[q_dim..]);
+                                }
+                                let (cs, sn) = angles_of(t);
+                                let (kr, vr) = row.split_at_mut(kv_dim);
+                                if let Some(g) = &lw.gemma {
+                                    norm_heads(kr, &g.k_norm, eps, &mut heads);
+                                }
+                                rope(kr, d, c.params.rope_style, cs, sn);
+                                kv.write_token(li, block, slot, kr, vr);
+                            }
+                            continue;
+                        }
+                        let t = item - 1;
+                        let qr = unsafe { qkvs.part_mut(t * qkv_dim..t * qkv_dim + q_dim) };
                         if let Some(b) = &lw.bqkv {
-                            add_in_place(row, &b[q_dim..]);
+                            add_in_place(qr, &b[..q_dim]);
                         }
                         let (cs, sn) = angles_of(t);
-                        let (kr, vr) = row.split_at_mut(kv_dim);
                         if let Some(g) = &lw.gemma {
-                            norm_heads(kr, &g.k_norm, eps, &mut heads);
+                            norm_heads(qr, &g.q_norm, eps, &mut heads);
                         }
-                        rope(kr, d, c.params.rope_style, cs, sn);
-                        kv.write_token(li, block, slot, kr, vr);
+                        rope(qr, d, c.params.rope_style, cs, sn);
+                        if let Some(s) = q_scale {
+                            scale_in_place(qr, s);
+                        }
                     }
-                }
-                let q_tokens = if tm.size() == 1 {
-                    0..t_total
-                } else if tm.index() == 0 {
-                    0..0
-                } else {
-                    team::split(t_total, tm.size() - 1, tm.index() - 1)
-                };
-                for t in q_tokens {
-                    let qr = unsafe { qkvs.part_mut(t * qkv_dim..t * qkv_dim + q_dim) };
-                    if let Some(b) = &lw.bqkv {
-                        add_in_place(qr, &b[..q_dim]);
-                    }
-                    let (cs, sn) = angles_of(t);
-                    if let Some(g) = &lw.gemma {
-                        norm_heads(qr, &g.q_norm, eps, &mut heads);
-                    }
-                    rope(qr, d, c.params.rope_style, cs, sn);
-                    if let Some(s) = q_scale {
-                        scale_in_place(qr, s);
-                    }
-                }
-                tm.sync();
+                });
                 let layer_kv = unsafe { kvs.get() }.layer(li);
                 let shape = AttnShape {
                     window: c.layer_window(li),
@@ -638,54 +638,49 @@ impl Model {
                         attns,
                     )
                 };
-                tm.sync();
                 match &lw.gemma {
                     Some(g) => {
                         unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, projs, false) };
-                        tm.sync();
                         unsafe {
-                            add_normed(mine.clone(), projs, xs, &g.post_attn_norm, eps, &mut row)
+                            add_normed(tm, t_total, projs, xs, &g.post_attn_norm, eps, &mut row)
                         };
                     }
                     None => unsafe { matmul_part(tm, attns.read(), t_total, &lw.wo, xs, true) },
                 }
-                tm.sync();
                 let x_in = norm_tokens(&lw.ffn_norm, &mut row);
                 matmul_part(tm, x_in, t_total, &lw.w_gate_up, gus, false);
-                tm.sync();
-                // Each thread's tokens, whole; with fewer tokens than threads (decode), its own blocks of
-                // 32 columns of every token instead, so that the exponentials and the quantization are
-                // not left to one thread while the others wait. Element by element: the same bits.
-                let (tokens, c0, c1) = if !decode {
-                    (mine.clone(), 0, inter)
-                } else {
-                    let blocks = tm.range(inter.div_ceil(QBLOCK));
-                    let c1 = (blocks.end * QBLOCK).min(inter);
-                    (0..t_total, blocks.start * QBLOCK, c1)
-                };
-                for t in tokens.filter(|_| c0 < c1) {
-                    let base = t * 2 * inter;
-                    let g = unsafe { gus.part_mut(base + c0..base + c1) };
-                    let u = unsafe { gus.part_mut(base + inter + c0..base + inter + c1) };
-                    let out = &mut row[..c1 - c0];
-                    match activation {
-                        Activation::Silu => silu_mul(g, u, out),
-                        Activation::GeluTanh => gelu_tanh_mul(g, u, out),
+                // Work items of whole tokens; with fewer tokens than threads (decode), of 32 columns of
+                // every token instead, so that the exponentials and the quantization are not left to
+                // one thread while the others wait. Element by element: the same bits.
+                let blocks = inter.div_ceil(QBLOCK);
+                tm.deal(if decode { blocks } else { t_total }, |items| {
+                    let (tokens, c0, c1) = if decode {
+                        let c1 = (items.end * QBLOCK).min(inter);
+                        (0..t_total, items.start * QBLOCK, c1)
+                    } else {
+                        (items, 0, inter)
+                    };
+                    for t in tokens {
+                        let base = t * 2 * inter;
+                        let g = unsafe { gus.part_mut(base + c0..base + c1) };
+                        let u = unsafe { gus.part_mut(base + inter + c0..base + inter + c1) };
+                        let out = &mut row[..c1 - c0];
+                        match activation {
+                            Activation::Silu => silu_mul(g, u, out),
+                            Activation::GeluTanh => gelu_tanh_mul(g, u, out),
+                        }
+                        unsafe { acts.write(t, c0, out) };
                     }
-                    unsafe { acts.write(t, c0, out) };
-                }
-                tm.sync();
+                });
                 match &lw.gemma {
                     Some(g) => {
                         unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, projs, false) };
-                        tm.sync();
                         unsafe {
-                            add_normed(mine.clone(), projs, xs, &g.post_ffn_norm, eps, &mut row)
+                            add_normed(tm, t_total, projs, xs, &g.post_ffn_norm, eps, &mut row)
                         };
                     }
                     None => unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) },
                 }
-                tm.sync();
             }
             // The output head only for each sequence's last token (or for every token).
             let token = |i: usize| {
@@ -736,11 +731,12 @@ fn norm_heads(x: &mut [f32], weight: &[f32], eps: f32, scratch: &mut [f32]) {
 /// Rows `token(i)`, `i < rows`, of `x` (`h` wide) normed with `weight`, in the activation buffer the next
 /// product reads. With a buffer of this thread's own (`own`: decode, fewer tokens than threads), every
 /// thread norms all the rows into its own: the same arithmetic on each, so every thread multiplies the
-/// same values, with no barrier and no thread idle while one norms. Otherwise each thread norms its share
-/// into `shared`, and the team meets at a barrier.
+/// same values, with no deal to wait for and no thread idle while one norms. Otherwise the rows are
+/// dealt to the team and normed into `shared`.
 ///
 /// # Safety
-/// Nothing writes `x` until the next barrier, and nothing else uses `shared` until the one after.
+/// Nothing writes `x` during the call, and nothing else uses `shared` until the product that reads it
+/// is done.
 #[allow(clippy::too_many_arguments)]
 unsafe fn normed<'b>(
     tm: &Team<'_>,
@@ -756,31 +752,38 @@ unsafe fn normed<'b>(
 ) -> Act<'b> {
     // SAFETY: the caller's guarantee.
     let x = unsafe { x.all() };
-    let (dst, mine) = match own {
-        Some(o) => (o, 0..rows),
-        None => (shared, tm.range(rows)),
+    let mut norm_rows = |dst: ActShared<'b>, rows: std::ops::Range<usize>| {
+        for i in rows {
+            let t = token(i);
+            rms_norm(&x[t * h..(t + 1) * h], weight, eps, &mut scratch[..h]);
+            // SAFETY: row i of `dst` is this thread's (its own buffer, or a dealt row).
+            unsafe { dst.write(i, 0, &scratch[..h]) };
+        }
     };
-    for i in mine {
-        let t = token(i);
-        rms_norm(&x[t * h..(t + 1) * h], weight, eps, &mut scratch[..h]);
-        // SAFETY: row i of `dst` is this thread's (its own buffer, or its share of the rows).
-        unsafe { dst.write(i, 0, &scratch[..h]) };
-    }
-    if own.is_none() {
-        tm.sync();
-    }
-    // SAFETY: written above (and by the others before the barrier); nothing writes it until the next
-    // barrier.
+    let dst = match own {
+        Some(o) => {
+            norm_rows(o, 0..rows);
+            o
+        }
+        None => {
+            tm.deal(rows, |r| norm_rows(shared, r));
+            shared
+        }
+    };
+    // SAFETY: written above (or by the deal's items, all done); nothing writes it until the product
+    // that reads it is done.
     unsafe { dst.read() }
 }
 
-/// `x[t] += RMSNorm(y[t])` for this thread's tokens `mine` (Gemma's post-attention and post-FFN norms,
-/// applied to a sublayer's output before its residual add); `row` at least `weight.len()` long.
+/// `x[t] += RMSNorm(y[t])` for every token `t < tokens`, dealt to the team (Gemma's post-attention and
+/// post-FFN norms, applied to a sublayer's output before its residual add); `row` at least
+/// `weight.len()` long.
 ///
 /// # Safety
-/// Until the next barrier no other thread touches tokens `mine` of `x` and `y`.
+/// During the deal nothing else touches `x` and `y`.
 unsafe fn add_normed(
-    mine: std::ops::Range<usize>,
+    tm: &Team<'_>,
+    tokens: usize,
     y: SharedMut<'_, f32>,
     x: SharedMut<'_, f32>,
     weight: &[f32],
@@ -788,32 +791,34 @@ unsafe fn add_normed(
     row: &mut [f32],
 ) {
     let h = weight.len();
-    for t in mine {
-        // SAFETY: the caller's guarantee.
-        let (yr, xr) = unsafe {
-            (
-                y.part_mut(t * h..(t + 1) * h),
-                x.part_mut(t * h..(t + 1) * h),
-            )
-        };
-        rms_norm(yr, weight, eps, &mut row[..h]);
-        add_in_place(xr, &row[..h]);
-    }
+    tm.deal(tokens, |mine| {
+        for t in mine {
+            // SAFETY: the caller's guarantee; token t is this work item's.
+            let (yr, xr) = unsafe {
+                (
+                    y.part_mut(t * h..(t + 1) * h),
+                    x.part_mut(t * h..(t + 1) * h),
+                )
+            };
+            rms_norm(yr, weight, eps, &mut row[..h]);
+            add_in_place(xr, &row[..h]);
+        }
+    });
 }
 
-/// The KV storage, shared by the threads of a step: written by thread 0 alone between two barriers, read
-/// by all between others.
+/// The KV storage, shared by the threads of a step: written by one work item of a deal, read by all
+/// in later deals.
 #[derive(Clone, Copy)]
 struct KvShared(*mut KvStorage);
 
-// SAFETY: see `Model::forward`: writes (thread 0 only) and reads are separated by barriers.
+// SAFETY: see `Model::forward`: writes (one work item) and reads are in different deals.
 unsafe impl Send for KvShared {}
 // SAFETY: as above.
 unsafe impl Sync for KvShared {}
 
 impl KvShared {
     /// # Safety
-    /// No other thread uses the storage until the next barrier.
+    /// No other thread uses the storage until the deal that writes it is done.
     #[allow(clippy::mut_from_ref)]
     unsafe fn get_mut(&self) -> &mut KvStorage {
         // SAFETY: the caller's guarantee; the storage outlives the step.
@@ -821,7 +826,7 @@ impl KvShared {
     }
 
     /// # Safety
-    /// No thread writes the storage until the next barrier.
+    /// No thread writes the storage while the reference is used.
     unsafe fn get(&self) -> &KvStorage {
         // SAFETY: the caller's guarantee; the storage outlives the step.
         unsafe { &*self.0 }

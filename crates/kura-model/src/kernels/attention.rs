@@ -368,14 +368,15 @@ pub fn partials_len(seqs: &[AttnSeq<'_>], shape: AttnShape) -> usize {
     n * shape.num_kv_heads * partial_len(shape)
 }
 
-/// This thread's share of `out` (`tokens × heads × head_dim`) = attention of `q` (rows `q_stride` apart,
+/// `out` (`tokens × heads × head_dim`) = attention of `q` (rows `q_stride` apart,
 /// each starting with the token's `heads × head_dim` query) over each token's context in `kv`. The new
 /// tokens' own K and V must already be written to `kv`. `partials` (at least [`partials_len`]) is scratch.
-/// When some token's context spans several segments, meets the other threads at a barrier inside.
+/// The work is dealt to the team (units of about equal cost, then the merges of tokens whose context
+/// spans several segments) and done when it returns.
 ///
 /// # Safety
 /// Every thread of the team calls it with the same arguments, and nothing else touches `out` or
-/// `partials` until the next barrier after it returns.
+/// `partials` while it runs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn attention_part(
     tm: &Team<'_>,
@@ -443,96 +444,107 @@ unsafe fn attention_part_on(
     // differ), so dealing them out in turn can give one thread twice the work of the other. Which thread
     // computes a unit does not change its bits. A token with one segment is finished at once (the same
     // arithmetic as a merge of one); the others leave their partials for phase 2.
-    let mut dealer = Dealer::new(batch_positions(seqs), window, num_kv_heads, tm.size());
-    let mut first = 0usize;
-    for seq in seqs {
-        for i in 0..seq.n_tokens {
-            let t = seq.first_token + i;
-            let pos = seq.start_pos + i;
-            let lo = context_start(pos, window);
-            let n_seg = segments(pos, window);
-            for (j, (k, cost)) in token_units(pos, window).enumerate() {
-                for kvh in 0..num_kv_heads {
-                    if dealer.deal(cost) != tm.index() {
-                        continue;
-                    }
-                    let q_base = t * q_stride + kvh * group * head_dim;
-                    let q = rotated_query(
-                        kv.dtype(),
-                        head_dim,
-                        &q[q_base..q_base + group * head_dim],
-                        &mut qrot,
-                    );
-                    if kv.dtype() == KvDtype::Int8 {
-                        qq.fill(q, head_dim);
-                    }
-                    let job = Job {
-                        q,
-                        qq: &qq,
-                        seq,
-                        kv,
-                        kvh,
-                        lo: lo.max(k * SEGMENT),
-                        pos: pos.min(k * SEGMENT + SEGMENT - 1),
-                        group,
-                        head_dim,
-                        scale,
-                    };
-                    let part: &mut [f32] = if n_seg == 1 {
-                        &mut own
-                    } else {
-                        let at = ((first + j) * num_kv_heads + kvh) * plen;
-                        // SAFETY: this unit alone writes this partial, until the barrier below.
-                        unsafe { partials.part_mut(at..at + plen) }
-                    };
-                    attend_dtype(kv.dtype(), isa, &job, &mut scores, part);
-                    if n_seg == 1 {
-                        merge(std::iter::once(&own[..]), group, head_dim, &mut o);
-                        unrotate(kv.dtype(), head_dim, &mut o);
-                        // SAFETY: the heads of (t, kvh) are written by this unit only, until the
-                        // barrier.
-                        unsafe { out.write(t, kvh * group * head_dim, &o) };
+    // The runs are dealt to the threads as work items: a thread that is switched out takes none.
+    tm.deal(tm.size(), |runs| {
+        let mut dealer = Dealer::new(batch_positions(seqs), window, num_kv_heads, tm.size());
+        let mut first = 0usize;
+        for seq in seqs {
+            for i in 0..seq.n_tokens {
+                let t = seq.first_token + i;
+                let pos = seq.start_pos + i;
+                let lo = context_start(pos, window);
+                let n_seg = segments(pos, window);
+                for (j, (k, cost)) in token_units(pos, window).enumerate() {
+                    for kvh in 0..num_kv_heads {
+                        if !runs.contains(&dealer.deal(cost)) {
+                            continue;
+                        }
+                        let q_base = t * q_stride + kvh * group * head_dim;
+                        let q = rotated_query(
+                            kv.dtype(),
+                            head_dim,
+                            &q[q_base..q_base + group * head_dim],
+                            &mut qrot,
+                        );
+                        if kv.dtype() == KvDtype::Int8 {
+                            qq.fill(q, head_dim);
+                        }
+                        let job = Job {
+                            q,
+                            qq: &qq,
+                            seq,
+                            kv,
+                            kvh,
+                            lo: lo.max(k * SEGMENT),
+                            pos: pos.min(k * SEGMENT + SEGMENT - 1),
+                            group,
+                            head_dim,
+                            scale,
+                        };
+                        let part: &mut [f32] = if n_seg == 1 {
+                            &mut own
+                        } else {
+                            let at = ((first + j) * num_kv_heads + kvh) * plen;
+                            // SAFETY: this unit alone writes this partial, until the deal is done.
+                            unsafe { partials.part_mut(at..at + plen) }
+                        };
+                        attend_dtype(kv.dtype(), isa, &job, &mut scores, part);
+                        if n_seg == 1 {
+                            merge(std::iter::once(&own[..]), group, head_dim, &mut o);
+                            unrotate(kv.dtype(), head_dim, &mut o);
+                            // SAFETY: the heads of (t, kvh) are written by this unit only, until the
+                            // deal is done.
+                            unsafe { out.write(t, kvh * group * head_dim, &o) };
+                        }
                     }
                 }
-            }
-            if n_seg > 1 {
-                first += n_seg;
+                if n_seg > 1 {
+                    first += n_seg;
+                }
             }
         }
-    }
+    });
     SCORES.with(|s| s.replace(scores));
     if needed == 0 {
         return;
     }
-    tm.sync();
     // Phase 2: one unit per (token with several segments, KV head) merges its segments in order.
-    // SAFETY: nobody writes the partials until the next barrier.
+    // SAFETY: nobody writes the partials until the next deal.
     let all = unsafe { partials.all() };
-    let (mut first, mut v) = (0usize, 0usize);
-    for seq in seqs {
-        for i in 0..seq.n_tokens {
-            let t = seq.first_token + i;
-            let n_seg = segments(seq.start_pos + i, window);
-            if n_seg == 1 {
-                continue;
-            }
-            for kvh in 0..num_kv_heads {
-                v += 1;
-                if (v - 1) % tm.size() != tm.index() {
+    let merges = seqs
+        .iter()
+        .flat_map(|seq| (0..seq.n_tokens).map(move |i| segments(seq.start_pos + i, window)))
+        .filter(|&n_seg| n_seg > 1)
+        .count()
+        * num_kv_heads;
+    tm.deal(merges, |units| {
+        let (mut first, mut v) = (0usize, 0usize);
+        for seq in seqs {
+            for i in 0..seq.n_tokens {
+                let t = seq.first_token + i;
+                let n_seg = segments(seq.start_pos + i, window);
+                if n_seg == 1 {
                     continue;
                 }
-                let parts = (0..n_seg).map(|j| {
-                    let at = ((first + j) * num_kv_heads + kvh) * plen;
-                    &all[at..at + plen]
-                });
-                merge(parts, group, head_dim, &mut o);
-                unrotate(kv.dtype(), head_dim, &mut o);
-                // SAFETY: the heads of (t, kvh) are written by this unit only, until the barrier.
-                unsafe { out.write(t, kvh * group * head_dim, &o) };
+                for kvh in 0..num_kv_heads {
+                    v += 1;
+                    if !units.contains(&(v - 1)) {
+                        continue;
+                    }
+                    let parts = (0..n_seg).map(|j| {
+                        let at = ((first + j) * num_kv_heads + kvh) * plen;
+                        &all[at..at + plen]
+                    });
+                    merge(parts, group, head_dim, &mut o);
+                    unrotate(kv.dtype(), head_dim, &mut o);
+                    // SAFETY: the heads of (t, kvh) are written by this unit only, until the deal is
+                    // done.
+                    unsafe { out.write(t, kvh * group * head_dim, &o) };
+                }
+                first += n_seg;
             }
-            first += n_seg;
         }
-    }
+    });
 }
 
 /// A unit's query heads as attention over `dtype` reads them: for a rotated format each head's groups

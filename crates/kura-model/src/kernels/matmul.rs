@@ -18,7 +18,7 @@
 use super::dot::{F32Act, GroupDot, Isa, WeightElem, MAX_GROUP};
 use super::packed::{self, pack_act_row};
 use super::qpacked::{self, quantize_act_row, QAct, QBLOCK};
-use super::team::{self, split, SharedMut, Team};
+use super::team::{self, SharedMut, Team};
 use crate::weights::{MatData, Matrix};
 
 const ROW_BLOCK: usize = 16;
@@ -108,7 +108,7 @@ impl<'a> ActShared<'a> {
     /// with another write; for int8 blocks, it covers whole blocks of 32.
     ///
     /// # Safety
-    /// No other thread touches these elements until the next barrier.
+    /// No other thread touches these elements until the deal that writes them is done.
     pub unsafe fn write(&self, t: usize, col0: usize, vals: &[f32]) {
         let end = col0 + vals.len();
         assert!(end <= self.cols, "write past the end of the row");
@@ -151,7 +151,7 @@ impl<'a> ActShared<'a> {
     /// The whole buffer, to multiply.
     ///
     /// # Safety
-    /// Nobody writes it until the next barrier.
+    /// Nobody writes it while the activations are used.
     pub unsafe fn read(&self) -> Act<'a> {
         // SAFETY: the caller's guarantee.
         unsafe {
@@ -193,8 +193,8 @@ pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     team::run(|tm| unsafe { matmul_part(tm, xs.read(), t, w, out, false) });
 }
 
-/// This thread's share of `out` (`t × w.rows`) (+)= `x` · Wᵀ. Every thread of the team calls it with the
-/// same arguments; `out` must not be touched by anything else until the next barrier.
+/// `out` (`t × w.rows`) (+)= `x` · Wᵀ, dealt to the team and done when it returns. Every thread of the
+/// team calls it with the same arguments; nothing else touches `out` while it runs.
 pub fn matmul_part(
     tm: &Team<'_>,
     x: Act<'_>,
@@ -228,7 +228,7 @@ pub fn matmul_part(
     }
 }
 
-/// This thread's rows of a row-major matrix through the row kernel.
+/// A row-major matrix's rows dealt to the team, through the row kernel.
 fn rows_part<T: WeightElem>(
     tm: &Team<'_>,
     x: &[f32],
@@ -239,8 +239,10 @@ fn rows_part<T: WeightElem>(
     add: bool,
 ) {
     assert_eq!(x.len(), t * w.cols, "x is t × cols");
-    let rows = split(w.rows, tm.size(), tm.index());
-    rows_on(Isa::detect(), x, t, d, w.rows, w.cols, out, rows, add)
+    let isa = Isa::detect();
+    tm.deal(w.rows, |rows| {
+        rows_on(isa, x, t, d, w.rows, w.cols, out, rows, add)
+    })
 }
 
 /// Rows `range` of a row-major matrix into their output columns, with the row kernel of `isa`. Where a
@@ -360,6 +362,7 @@ mod tests {
     use half::bf16;
 
     use super::*;
+    use crate::kernels::team::split;
     use crate::weights::WeightsDtype;
 
     fn naive(x: &[f32], t: usize, w: &[f32], rows: usize, cols: usize) -> Vec<f32> {

@@ -153,13 +153,13 @@ pub fn pack_act_row(src: &[f32], dst: &mut [u32]) {
     }
 }
 
-/// This thread's share of `out (t × w.rows) (+)= x · Wᵀ`, with `x` as `t` rows of `w.steps` values (bf16
-/// pairs for [`PackedBf16`], f32 for [`PackedF32`]): with `add`, the product is added to what `out` holds
-/// (a residual connection), else it replaces it.
+/// `out (t × w.rows) (+)= x · Wᵀ`, dealt to the team and done when it returns, with `x` as `t` rows of
+/// `w.steps` values (bf16 pairs for [`PackedBf16`], f32 for [`PackedF32`]): with `add`, the product is
+/// added to what `out` holds (a residual connection), else it replaces it.
 ///
 /// # Safety
-/// Every thread of the team calls this with the same arguments, and nothing else touches `out` until the
-/// next barrier. (The CPU features are proven by the matrix: a `Packed` is made with a `Bf16Act` or an
+/// Every thread of the team calls this with the same arguments, and nothing else touches `out` while it
+/// runs. (The CPU features are proven by the matrix: a `Packed` is made with a `Bf16Act` or an
 /// `F32Panels`.)
 pub unsafe fn matmul_part<W: Tile>(
     tm: &Team<'_>,

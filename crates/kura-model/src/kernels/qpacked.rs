@@ -289,12 +289,12 @@ fn round_half_away(v: f32) -> i32 {
     (v + BELOW_HALF.copysign(v)) as i32
 }
 
-/// This thread's share of `out (t × w.rows) (+)= x · Wᵀ`; with `add` the product is added to what `out`
-/// holds (a residual connection).
+/// `out (t × w.rows) (+)= x · Wᵀ`, dealt to the team and done when it returns; with `add` the product is
+/// added to what `out` holds (a residual connection).
 ///
 /// # Safety
-/// Every thread of the team calls this with the same arguments, and nothing else touches `out` until the
-/// next barrier.
+/// Every thread of the team calls this with the same arguments, and nothing else touches `out` while it
+/// runs.
 pub unsafe fn matmul_part(
     tm: &Team<'_>,
     x: QAct<'_>,

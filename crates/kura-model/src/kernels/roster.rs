@@ -1,23 +1,25 @@
 //! How many of the compute pool's threads take part in a step: all of them, or fewer while a core is
 //! taken by something else.
 //!
-//! A step's threads meet at hundreds of barriers, so a thread that shares its core with another busy
-//! process holds every other thread at each one for as long as the scheduler keeps it off its core (a
-//! tick, milliseconds). On 2 cores with a busy process on one of them, a team of 2 decoded more slowly
-//! than 1 thread; a team that leaves one thread out runs at the speed of the free cores. Which thread
-//! takes which share never changes a token's bits, so the team's size may change from one step to the
-//! next.
+//! A step's work is dealt in chunks to whichever threads come for them ([`super::team`]), and a chunk
+//! whose thread is switched out is done again by another, so a thread that shares its core with a busy
+//! process does not hold the others during the step. It holds them at its end: the step returns when
+//! every member has left it, and a member that is off its core then is back only when the scheduler
+//! gives it a turn (a time slice, milliseconds). Which thread takes which chunk never changes a token's
+//! bits, so the team's size may change from one step to the next.
 //!
-//! After each step every member says whether it was held up: it was switched out involuntarily and
-//! waited on a run queue (Linux's `/proc/thread-self/schedstat`) for more than [`HELD_UP_NS`] and more
-//! than an eighth of the step. After [`HELD_UP_STEPS`] held-up steps in a row the team shrinks by one;
-//! after `wait` clean steps it grows by one again, `wait` doubling with each shrink (from
-//! [`FIRST_WAIT`] to [`LONGEST_WAIT`]) and starting over once the whole team has run [`SETTLED`] clean
-//! steps. One preemption (a kernel thread, a neighbour's burst) never shrinks the team; a busy core,
-//! which holds its thread up at nearly every step, does within three.
+//! A step was held up when its last member left it more than [`HELD_UP_NS`] after the first, and more
+//! than the step's time divided by the team's size after it: the wait cost more than the member's share
+//! of the work brought. With 16 threads, one whose core is busy costs more than it brings; with 2 on
+//! two busy cores, each brings half of the work and the team keeps both. After [`HELD_UP_STEPS`]
+//! held-up steps in a row the team shrinks by one; after `wait` clean steps it grows by one again,
+//! `wait` doubling with each shrink (from [`FIRST_WAIT`] to [`LONGEST_WAIT`]) and starting over once
+//! the whole team has run [`SETTLED`] clean steps. One preemption (a kernel thread, a neighbour's
+//! burst) never shrinks the team; a busy core, which holds its thread up at most steps, does within
+//! three.
 
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::Duration;
 
 /// Held-up steps in a row that shrink the team.
 pub const HELD_UP_STEPS: usize = 3;
@@ -27,7 +29,7 @@ pub const FIRST_WAIT: usize = 4;
 pub const LONGEST_WAIT: usize = 256;
 /// Clean steps of the whole team after which the wait starts over from [`FIRST_WAIT`].
 pub const SETTLED: usize = 1024;
-/// The least time on a run queue, in a step, that counts as being held up.
+/// The least wait for a step's last member that counts as being held up.
 pub const HELD_UP_NS: u64 = 100_000;
 
 /// The team size of one pool and what decides it.
@@ -88,9 +90,7 @@ static GLOBAL: Mutex<Option<Roster>> = Mutex::new(None);
 
 /// Lets the steps run on the global pool (`threads` threads) adapt their team size.
 pub fn enable(threads: usize) {
-    if Mark::now().is_some() {
-        *GLOBAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Roster::new(threads));
-    }
+    *GLOBAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Roster::new(threads));
 }
 
 /// The team size for the next step on the global pool of `threads` threads, or `None` where the team
@@ -111,76 +111,11 @@ pub fn global_after_step(threads: usize, held_up: bool) {
     }
 }
 
-/// What a thread's scheduler statistics were when it started its share of a step.
-pub struct Mark {
-    at: Instant,
-    run_delay_ns: u64,
-    involuntary: i64,
-}
-
-impl Mark {
-    /// This thread's statistics now, or `None` where they cannot be read.
-    pub fn now() -> Option<Mark> {
-        let involuntary = involuntary_switches()?;
-        Some(Mark {
-            at: Instant::now(),
-            run_delay_ns: run_delay_ns()?,
-            involuntary,
-        })
-    }
-
-    /// Whether this thread was held up since the mark: switched out involuntarily, and on a run queue
-    /// for more than [`HELD_UP_NS`] and more than an eighth of the time since. The run queue's time is
-    /// read only after an involuntary switch (a `getrusage`), as most steps have none.
-    pub fn held_up(&self) -> bool {
-        if involuntary_switches().is_none_or(|n| n == self.involuntary) {
-            return false;
-        }
-        let Some(run_delay_ns) = run_delay_ns() else {
-            return false;
-        };
-        let waited = run_delay_ns.saturating_sub(self.run_delay_ns);
-        let elapsed = u64::try_from(self.at.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        waited > HELD_UP_NS && waited.saturating_mul(8) > elapsed
-    }
-}
-
-/// This thread's time on a run queue (ns).
-#[cfg(target_os = "linux")]
-fn run_delay_ns() -> Option<u64> {
-    use std::os::unix::fs::FileExt;
-    thread_local! {
-        /// This thread's schedstat, opened once: a read at offset 0 gives the figures of the moment.
-        static SCHEDSTAT: Option<std::fs::File> =
-            std::fs::File::open("/proc/thread-self/schedstat").ok();
-    }
-    // "<ns on the CPU> <ns on a run queue> <time slices>": three decimal u64s, well under 96 bytes.
-    let mut buf = [0u8; 96];
-    let len = SCHEDSTAT.with(|f| f.as_ref()?.read_at(&mut buf, 0).ok())?;
-    let text = std::str::from_utf8(&buf[..len]).ok()?;
-    text.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// This thread's involuntary context switches.
-#[cfg(target_os = "linux")]
-fn involuntary_switches() -> Option<i64> {
-    // SAFETY: getrusage writes a plain struct that is zeroed here first.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid pointer to a rusage of this thread.
-    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
-        return None;
-    }
-    Some(usage.ru_nivcsw)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn run_delay_ns() -> Option<u64> {
-    None
-}
-
-#[cfg(not(target_os = "linux"))]
-fn involuntary_switches() -> Option<i64> {
-    None
+/// Whether a step was held up by its last member: it left `tail` after the first, in a step of
+/// `elapsed` (from its start to the last member's leaving) on `count` threads.
+pub fn held_up(tail: Duration, elapsed: Duration, count: usize) -> bool {
+    tail > Duration::from_nanos(HELD_UP_NS)
+        && tail.saturating_mul(u32::try_from(count).unwrap_or(u32::MAX)) > elapsed
 }
 
 #[cfg(test)]
@@ -253,63 +188,19 @@ mod tests {
         }
     }
 
-    /// Keeps the calling thread on one of the CPUs it may use.
-    #[cfg(target_os = "linux")]
-    fn pin_to_one_cpu() {
-        // SAFETY: plain syscalls on a zeroed cpu_set_t of this thread.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            assert_eq!(
-                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
-                0
-            );
-            let cpu = (0..libc::CPU_SETSIZE as usize)
-                .find(|&c| libc::CPU_ISSET(c, &set))
-                .expect("a CPU this thread may use");
-            let mut one: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut one);
-            assert_eq!(
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one),
-                0
-            );
-        }
-    }
-
-    #[cfg(target_os = "linux")]
     #[test]
-    fn a_thread_that_shares_its_core_with_a_busy_one_is_held_up() {
-        // This thread and a spinning one on the same CPU, both busy for 200 ms: the scheduler takes
-        // turns between them, and each waits on the run queue about half of the time.
-        let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-        std::thread::scope(|s| {
-            pin_to_one_cpu();
-            let spinning = busy.clone();
-            // A thread inherits its creator's affinity: the spinner shares this thread's CPU.
-            s.spawn(move || {
-                while spinning.load(std::sync::atomic::Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            });
-            let mark = Mark::now().expect("Linux gives a thread's scheduler statistics");
-            let start = Instant::now();
-            while start.elapsed() < std::time::Duration::from_millis(200) {
-                std::hint::spin_loop();
-            }
-            let held_up = mark.held_up();
-            busy.store(false, std::sync::atomic::Ordering::Relaxed);
-            assert!(
-                held_up,
-                "200 ms beside a busy thread on one CPU is being held up"
-            );
-        });
-    }
-
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn a_thread_that_only_sleeps_is_not_held_up() {
-        // Sleeping is voluntary: it neither waits on a run queue nor counts as a preemption.
-        let mark = Mark::now().expect("Linux gives a thread's scheduler statistics");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        assert!(!mark.held_up());
+    fn a_step_is_held_up_when_its_last_member_costs_more_than_its_share() {
+        let ms = Duration::from_millis;
+        // 16 threads, a 2 ms step that waited 1 ms for its last member: held up.
+        assert!(held_up(ms(1), ms(2), 16));
+        // 2 threads, a 7 ms step that waited 2 ms: the member brought more than it cost.
+        assert!(!held_up(ms(2), ms(7), 2));
+        assert!(held_up(ms(4), ms(7), 2));
+        // Waits too short to be the scheduler's turn never count.
+        assert!(!held_up(
+            Duration::from_micros(50),
+            Duration::from_micros(60),
+            16
+        ));
     }
 }

@@ -1,18 +1,26 @@
-//! One parallel region per forward step: every thread of the pool runs the whole step, takes its share
-//! of each operation, and meets the others at a spin barrier between operations.
+//! One parallel region per forward step: every thread of the pool runs the whole step, and each
+//! operation is a deal of work items that the threads take in chunks as they come for more.
 //!
 //! Waking a thread pool costs microseconds; a decode step of a small model is a few hundred operations
 //! of a few microseconds each, so waking the pool per operation (a `par_iter` per product) spends more
 //! time starting work than doing it, and a second thread made decode slower. A region wakes the pool once
-//! per step; a barrier between operations costs a few hundred nanoseconds. A thread that waits long
-//! (its peer descheduled on a busy machine) goes to sleep, and the last to arrive wakes it: a sleeper
-//! leaves its core to whatever else runs there and, woken, gets it back at once, where a thread that
-//! yielded waits its turn behind the other processes, a time slice (milliseconds) at every barrier.
+//! per step. A thread goes on to the next operation once every chunk of this one is done, whoever did
+//! them: a thread that the scheduler has switched out (its core shared with another busy process) holds
+//! nobody unless it holds a chunk, and when it comes back it finds the deals it missed done and catches
+//! up. A thread that waits long for a chunk (its taker switched out) goes to sleep, and the chunk's
+//! taker wakes it: a sleeper leaves its core to whatever else runs there (on Linux an idle core takes
+//! the switched-out thread at once), where a thread that yielded waits its turn behind the other
+//! processes, a time slice (milliseconds) each time.
+//!
+//! Deals replace the barriers the threads met at between operations: there a thread switched out
+//! anywhere held every other at the next barrier. [`Team::sync`], a barrier, remains for tests and
+//! benchmarks that want every thread at one point.
 
 use super::roster;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 /// The calling thread's place in a region.
 pub struct Team<'a> {
@@ -53,49 +61,73 @@ impl<'a> Team<'a> {
         self.n
     }
 
-    /// This thread's contiguous share of `0..items`: shares differ in size by at most one.
-    pub fn range(&self, items: usize) -> Range<usize> {
-        split(items, self.n, self.tid)
+    /// Runs `f` on chunks of `0..items` that together cover each item once, dealt to the threads as they
+    /// come for more, and returns when every chunk is done (what each chunk wrote is then visible to
+    /// this thread). A thread that runs slower (a shared memory bus, a neighbour on its core) takes
+    /// fewer, and a thread that is not running when a deal starts (switched out by the scheduler) takes
+    /// none: the others finish the deal without waiting for it. The chunks are contiguous and shrink as
+    /// the items run out (a share of half of what is left, split among the threads), so most of a
+    /// product streams in long runs. Which thread takes an item never changes what is computed for it.
+    ///
+    /// Every thread of the team calls the same deals in the same order, with the same `items`. A
+    /// thread that comes late to a deal the others have finished finds no chunk left and goes on: it
+    /// catches up with the team without holding it. Only a thread switched out while it holds a chunk
+    /// holds the team, until it runs again; the others then sleep at the deal's end, and an idle
+    /// core takes the switched-out thread (Linux moves a waiting thread to an idle core).
+    pub fn deal(&self, items: usize, mut f: impl FnMut(Range<usize>)) {
+        self.deal_with(items, &mut f);
     }
 
-    /// Runs `f` on chunks of `0..items` that together cover each item once, dealt to the threads as they
-    /// come for more: a thread that runs slower (a shared memory bus, a neighbour on its core) takes
-    /// fewer, and the team meets at the next barrier sooner than with fixed shares. The chunks are
-    /// contiguous and shrink as the items run out (a share of half of what is left, split among the
-    /// threads), so most of a product streams in long runs. Which thread takes an item never changes
-    /// what is computed for it.
-    ///
-    /// Every thread of the team calls `deal` with the same `items`, and two deals are always separated
-    /// by a barrier ([`Team::sync`]): a deal's counter is the one the deal before last used, and is
-    /// cleared while the previous one is in use.
-    pub fn deal(&self, items: usize, mut f: impl FnMut(Range<usize>)) {
-        let Some(barrier) = self.barrier else {
+    fn deal_with(&self, items: usize, f: &mut impl FnMut(Range<usize>)) {
+        let Some(board) = self.barrier else {
             if items > 0 {
                 f(0..items);
             }
             return;
         };
-        let k = self.deals.get();
-        self.deals.set(k + 1);
-        if self.tid == 0 {
-            // Last used by deal k − 1, which every thread finished before the barrier that ended it;
-            // deal k + 1 starts after the barrier that ends this one.
-            barrier.counters[(k + 1) % 2].store(0, Ordering::Relaxed);
+        let k = self.deals.get() as u64 + 1;
+        self.deals.set(k as usize);
+        let n = self.n;
+        let chunks = chunk_count(items, n);
+        if chunks == 0 {
+            return;
         }
-        let counter = &barrier.counters[k % 2];
+        assert!(
+            chunks <= board.states.len(),
+            "a deal's chunks fit the board"
+        );
         // Chunk `j` starts at `start`; a thread's chunks come in increasing order.
         let (mut j, mut start) = (0, 0);
         loop {
-            let chunk = counter.fetch_add(1, Ordering::Relaxed);
-            while j < chunk && start < items {
-                start += chunk_len(items - start, self.n);
-                j += 1;
-            }
-            if start >= items {
+            let w = board.claim.load(Ordering::Acquire);
+            let c = match tag(w).cmp(&k) {
+                // The team is past this deal: every chunk is taken.
+                std::cmp::Ordering::Greater => break,
+                // The first thread to this deal: chunk 0.
+                std::cmp::Ordering::Less => 0,
+                std::cmp::Ordering::Equal => count(w),
+            };
+            if c >= chunks {
                 break;
             }
-            f(start..start + chunk_len(items - start, self.n));
+            // Release as well: what this thread read before comes before the claim, so a claim that
+            // succeeds means the deal was still open when it read (nothing a deal reads is written
+            // before the deal is done).
+            if board
+                .claim
+                .compare_exchange_weak(w, pack(k, c + 1), Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            while j < c {
+                start += chunk_len(items - start, n);
+                j += 1;
+            }
+            f(start..start + chunk_len(items - start, n));
+            board.mark_done(k, c, chunks);
         }
+        board.wait_done(k, chunks);
     }
 
     /// Waits until every thread of the team has reached this point; what each wrote before is visible to
@@ -118,6 +150,35 @@ pub fn split(items: usize, n: usize, i: usize) -> Range<usize> {
 /// share, at least one.
 fn chunk_len(left: usize, n: usize) -> usize {
     left.div_ceil(2 * n).max(1)
+}
+
+/// How many chunks [`Team::deal`] cuts `items` into for `n` threads.
+fn chunk_count(items: usize, n: usize) -> usize {
+    let (mut start, mut chunks) = (0, 0);
+    while start < items {
+        start += chunk_len(items - start, n);
+        chunks += 1;
+    }
+    chunks
+}
+
+/// The most chunks a deal can have, per thread: each chunk but the last `2n` takes at least a `1 / (2n)`
+/// share of what is left, so a deal of fewer than 2⁶⁴ items has fewer than `2n (ln 2⁶⁴ + 1) + 2n`.
+const CHUNKS_PER_THREAD: usize = 2 * 47;
+
+/// A board word: a deal's number in the high bits, a count of chunks in the low [`COUNT_BITS`].
+const COUNT_BITS: u32 = 24;
+
+fn pack(deal: u64, count: usize) -> u64 {
+    (deal << COUNT_BITS) | count as u64
+}
+
+fn tag(w: u64) -> u64 {
+    w >> COUNT_BITS
+}
+
+fn count(w: u64) -> usize {
+    (w & ((1 << COUNT_BITS) - 1)) as usize
 }
 
 /// Tokens per work item of a panel kernel: all of them for small batches (up to `rows_only`: threads
@@ -208,53 +269,68 @@ fn rethrow(first_panic: FirstPanic) {
 /// steps at once could each hold some of the threads and wait for the rest forever.
 static ADAPTIVE_STEP: Mutex<()> = Mutex::new(());
 
-/// A step on `count` of the global pool's `n` threads (the calling thread alone for one), which then
-/// tell the roster whether any of them was held up.
+/// A step on `count` of the global pool's `n` threads (the calling thread alone for one); the roster
+/// then hears whether its last member held it up ([`roster::held_up`]).
 fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, f: F) {
     let _one_at_a_time = ADAPTIVE_STEP.lock().unwrap_or_else(|e| e.into_inner());
-    let held_up = AtomicBool::new(false);
-    let note = |mark: Option<roster::Mark>| {
-        if mark.is_some_and(|m| m.held_up()) {
-            held_up.store(true, Ordering::Relaxed);
-        }
-    };
+    let held_up = run_on(count, &f);
+    roster::global_after_step(n, held_up);
+}
+
+/// Runs a step on `count` threads of the current pool (the calling thread alone for one) and says
+/// whether its last member held it up.
+fn run_on<F: Fn(&Team<'_>) + Sync>(count: usize, f: &F) -> bool {
     let first_panic = Mutex::new(None);
     if count <= 1 {
         // As a member, so that a region opened inside runs solo (it would wait for this step's lock).
-        let mark = roster::Mark::now();
-        member(&Team::solo(), &first_panic, &f);
-        note(mark);
-    } else {
-        let barrier = SpinBarrier::new(count);
-        let slots = AtomicUsize::new(0);
-        // The jobs go to whichever threads come for them first: a thread whose core is busy comes last
-        // and finds none left.
-        rayon::scope(|s| {
-            for _ in 0..count {
-                s.spawn(|_| {
-                    let team =
-                        Team::member_of(slots.fetch_add(1, Ordering::Relaxed), count, &barrier);
-                    let mark = roster::Mark::now();
-                    member(&team, &first_panic, &f);
-                    note(mark);
-                });
-            }
-        });
+        member(&Team::solo(), &first_panic, f);
+        rethrow(first_panic);
+        return false;
     }
+    let barrier = SpinBarrier::new(count);
+    let slots = AtomicUsize::new(0);
+    let start = Instant::now();
+    // When the first and the last member left the step (ns from its start).
+    let (first_out, last_out) = (AtomicU64::new(u64::MAX), AtomicU64::new(0));
+    // The jobs go to whichever threads come for them first: a thread whose core is busy comes last
+    // and finds no work left.
+    rayon::scope(|s| {
+        for _ in 0..count {
+            s.spawn(|_| {
+                let team = Team::member_of(slots.fetch_add(1, Ordering::Relaxed), count, &barrier);
+                member(&team, &first_panic, f);
+                let out = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                first_out.fetch_min(out, Ordering::Relaxed);
+                last_out.fetch_max(out, Ordering::Relaxed);
+            });
+        }
+    });
     rethrow(first_panic);
-    roster::global_after_step(n, held_up.load(Ordering::Relaxed));
+    let (first, last) = (
+        first_out.load(Ordering::Relaxed),
+        last_out.load(Ordering::Relaxed),
+    );
+    roster::held_up(
+        Duration::from_nanos(last.saturating_sub(first)),
+        Duration::from_nanos(last),
+        count,
+    )
 }
 
-/// A reusable barrier for a fixed number of threads that spins briefly, then sleeps. The counter that
-/// arrivals write, the generation that waiters poll and the count of sleepers sit on separate cache
-/// lines.
+/// What a team's threads share: the board of its deals (which chunk of which deal is claimed next, and
+/// in which deal each chunk was last done) and a reusable barrier ([`Team::sync`]). Waiters spin
+/// briefly, then sleep. Every word that one thread writes and others poll sits on a cache line of its
+/// own.
 pub struct SpinBarrier {
     n: usize,
     arrived: CacheLine<AtomicUsize>,
     generation: CacheLine<AtomicUsize>,
     sleepers: CacheLine<AtomicUsize>,
-    /// The next chunk of the current [`Team::deal`]s, by the deal's parity.
-    counters: [CacheLine<AtomicUsize>; 2],
+    /// The latest deal any thread has claimed a chunk of, and how many of its chunks are claimed
+    /// ([`pack`]).
+    claim: CacheLine<AtomicU64>,
+    /// Per chunk: the latest deal in which it is done.
+    states: Box<[CacheLine<AtomicU64>]>,
     poisoned: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -276,6 +352,16 @@ const MAX_SPINS: u32 = 20_000;
 /// The fewest.
 const MIN_SPINS: u32 = 64;
 
+/// Halves the spin limit after a wait that ended asleep, doubles it after one that ended spinning.
+fn adapt_spin_limit(limit: u32, slept: bool) {
+    let next = if slept {
+        (limit / 2).max(MIN_SPINS)
+    } else {
+        limit.saturating_mul(2).min(MAX_SPINS)
+    };
+    SPIN_LIMIT.with(|l| l.set(next));
+}
+
 thread_local! {
     /// This thread's spins before it sleeps, adapted to how its waits end: halved after a wait that
     /// ended asleep, doubled after one that ended spinning. Where its peer runs on the same core (more
@@ -291,10 +377,10 @@ impl SpinBarrier {
             arrived: CacheLine(AtomicUsize::new(0)),
             generation: CacheLine(AtomicUsize::new(0)),
             sleepers: CacheLine(AtomicUsize::new(0)),
-            counters: [
-                CacheLine(AtomicUsize::new(0)),
-                CacheLine(AtomicUsize::new(0)),
-            ],
+            claim: CacheLine(AtomicU64::new(0)),
+            states: (0..CHUNKS_PER_THREAD * n.max(1))
+                .map(|_| CacheLine(AtomicU64::new(0)))
+                .collect(),
             poisoned: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -326,25 +412,57 @@ impl SpinBarrier {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
-                self.sleep(generation);
+                self.sleep_until(|| self.generation.load(Ordering::SeqCst) != generation);
                 slept = true;
             }
         }
-        let next = if slept {
-            (limit / 2).max(MIN_SPINS)
-        } else {
-            limit.saturating_mul(2).min(MAX_SPINS)
-        };
-        SPIN_LIMIT.with(|l| l.set(next));
+        adapt_spin_limit(limit, slept);
     }
 
-    /// Sleeps until the generation moves on from `generation` or the barrier is poisoned.
-    fn sleep(&self, generation: usize) {
+    /// Marks chunk `c` of deal `k` (`chunks` chunks) done, and wakes the sleepers if the deal is.
+    fn mark_done(&self, k: u64, c: usize, chunks: usize) {
+        // Release: what the chunk wrote is visible to whoever sees the mark. SeqCst with the
+        // sleepers' count: a sleeper counted itself before it looked at the marks, so either it sees
+        // this one or it is counted here and woken once the deal is done.
+        self.states[c].store(k, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 && self.is_done(k, chunks, &mut 0) {
+            self.wake_all();
+        }
+    }
+
+    /// Whether every chunk of deal `k` is done; `from`: the chunks before it are known done, and it
+    /// moves on past those found done.
+    fn is_done(&self, k: u64, chunks: usize, from: &mut usize) -> bool {
+        while *from < chunks && self.states[*from].load(Ordering::SeqCst) >= k {
+            *from += 1;
+        }
+        *from == chunks
+    }
+
+    /// Waits until deal `k` is done: spins a while, then sleeps.
+    fn wait_done(&self, k: u64, chunks: usize) {
+        let limit = SPIN_LIMIT.with(|l| l.get());
+        let (mut spins, mut slept, mut from) = (0u32, false, 0);
+        while !self.is_done(k, chunks, &mut from) {
+            if self.poisoned.load(Ordering::Acquire) {
+                std::panic::resume_unwind(Box::new(Poisoned));
+            }
+            if spins < limit {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                self.sleep_until(|| self.is_done(k, chunks, &mut from.clone()));
+                slept = true;
+            }
+        }
+        adapt_spin_limit(limit, slept);
+    }
+
+    /// Sleeps until `woken` holds or the barrier is poisoned.
+    fn sleep_until(&self, woken: impl Fn() -> bool) {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        while self.generation.load(Ordering::SeqCst) == generation
-            && !self.poisoned.load(Ordering::SeqCst)
-        {
+        while !woken() && !self.poisoned.load(Ordering::SeqCst) {
             guard = self.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
         }
         drop(guard);
@@ -450,6 +568,131 @@ mod tests {
                 assert!(seen.iter().all(|c| *c == 1), "items={items} n={n}");
             }
         }
+    }
+
+    /// A team of `threads` on a pool of its own.
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool")
+    }
+
+    #[test]
+    fn a_team_finishes_its_deals_without_a_thread_that_is_not_running() {
+        // One member takes part in the first ten deals, then stays away (as if switched out) until the
+        // others have finished every deal: they must not wait for it, and when it comes back it finds
+        // nothing left and leaves.
+        let sizes: Vec<usize> = (0..40).map(|r| 1 + (r * 37) % 101).collect();
+        let seen: Vec<Vec<AtomicUsize>> = sizes
+            .iter()
+            .map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect())
+            .collect();
+        let late_took = AtomicUsize::new(0);
+        let (finished, late_may_come) = std::sync::mpsc::channel();
+        let late_may_come = Mutex::new(late_may_come);
+        let others_waited = AtomicBool::new(false);
+        pool(3).install(|| {
+            run(|tm| {
+                let late = tm.index() == 2;
+                for (round, &n) in sizes.iter().enumerate() {
+                    if late && round == 10 {
+                        let waited = late_may_come
+                            .lock()
+                            .unwrap()
+                            .recv_timeout(std::time::Duration::from_secs(60));
+                        others_waited.store(waited.is_err(), Ordering::Relaxed);
+                    }
+                    tm.deal(n, |r| {
+                        if late && round >= 10 {
+                            late_took.fetch_add(r.len(), Ordering::Relaxed);
+                        }
+                        for i in r {
+                            seen[round][i].fetch_add(1, Ordering::Relaxed);
+                        }
+                    });
+                }
+                if tm.index() == 0 {
+                    finished.send(()).expect("the late member listens");
+                }
+            })
+        });
+        assert!(
+            !others_waited.load(Ordering::Relaxed),
+            "the team waited for its absent member"
+        );
+        assert_eq!(late_took.load(Ordering::Relaxed), 0);
+        for (round, s) in seen.iter().enumerate() {
+            assert!(
+                s.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                "round {round}"
+            );
+        }
+    }
+
+    #[test]
+    fn what_a_deal_wrote_is_seen_by_every_thread_after_it() {
+        // Each round one deal writes every cell, the next reads them all on every thread.
+        let mut cells = vec![0usize; 64];
+        let shared = SharedMut::new(&mut cells);
+        let bad = AtomicUsize::new(0);
+        pool(3).install(|| {
+            run(|tm| {
+                for round in 1..=300 {
+                    tm.deal(64, |r| {
+                        // SAFETY: the dealt cells are this chunk's.
+                        unsafe { shared.part_mut(r) }.fill(round);
+                    });
+                    // SAFETY: nothing writes the cells until the next round's deal, which every
+                    // thread reaches only after this read (the deal below is done by all).
+                    if unsafe { shared.all() }.iter().any(|c| *c != round) {
+                        bad.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tm.sync();
+                }
+            })
+        });
+        assert_eq!(bad.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_thread_asleep_at_the_end_of_a_deal_wakes_when_the_taker_of_a_chunk_panics() {
+        let taken = AtomicBool::new(false);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool(2).install(|| {
+                run(|tm| {
+                    // Thread 1 takes the first chunk; thread 0 the other, then waits for the first.
+                    while tm.index() == 0 && !taken.load(Ordering::Relaxed) {
+                        std::thread::yield_now();
+                    }
+                    tm.deal(2, |_| {
+                        if tm.index() == 1 {
+                            taken.store(true, Ordering::Relaxed);
+                            until_asleep(tm, 1);
+                            panic!("member fails in a chunk");
+                        }
+                    });
+                })
+            })
+        }));
+        let payload = result.expect_err("the region must panic");
+        assert_eq!(
+            payload.downcast_ref::<&str>(),
+            Some(&"member fails in a chunk")
+        );
+    }
+
+    #[test]
+    fn a_step_whose_last_member_comes_late_is_held_up() {
+        let held_up = pool(2).install(|| {
+            run_on(2, &|tm: &Team<'_>| {
+                tm.deal(10, |_| {});
+                if tm.index() == 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+            })
+        });
+        assert!(held_up);
     }
 
     #[test]
