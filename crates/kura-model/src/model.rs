@@ -649,14 +649,16 @@ impl Model {
                 }
                 let x_in = norm_tokens(&lw.ffn_norm, &mut row);
                 matmul_part(tm, x_in, t_total, &lw.w_gate_up, gus, false);
-                // Work items of whole tokens; with fewer tokens than threads (decode), of 32 columns of
-                // every token instead, so that the exponentials and the quantization are not left to
-                // one thread while the others wait. Element by element: the same bits.
-                let blocks = inter.div_ceil(QBLOCK);
-                tm.deal(if decode { blocks } else { t_total }, |items| {
+                // Work items of whole tokens; with fewer tokens than threads (decode), one per thread
+                // of equal runs of 32 columns of every token instead, so that the exponentials and
+                // the quantization are not left to one thread while the others wait. Element by
+                // element: the same bits.
+                let (n, blocks) = (tm.size(), inter.div_ceil(QBLOCK));
+                tm.deal(if decode { n } else { t_total }, |items| {
                     let (tokens, c0, c1) = if decode {
-                        let c1 = (items.end * QBLOCK).min(inter);
-                        (0..t_total, items.start * QBLOCK, c1)
+                        let b0 = team::split(blocks, n, items.start).start;
+                        let b1 = team::split(blocks, n, items.end - 1).end;
+                        (0..t_total, b0 * QBLOCK, (b1 * QBLOCK).min(inter))
                     } else {
                         (items, 0, inter)
                     };
