@@ -630,21 +630,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn what_a_deal_wrote_is_seen_by_every_thread_after_it() {
-        // Each round one deal writes every cell, the next reads them all on every thread.
-        let mut cells = vec![0usize; 64];
+    /// Rounds on a team of 3 in which `write` fills `cells` cells with the round's number (and makes
+    /// the writes visible: a barrier or a deal), after which every thread reads them all; how many
+    /// reads saw a cell of another round.
+    fn rounds_unseen(
+        cells: usize,
+        rounds: usize,
+        write: impl Fn(&Team<'_>, SharedMut<'_, usize>, usize) + Sync,
+    ) -> usize {
+        let mut cells = vec![0usize; cells];
         let shared = SharedMut::new(&mut cells);
         let bad = AtomicUsize::new(0);
         pool(3).install(|| {
             run(|tm| {
-                for round in 1..=300 {
-                    tm.deal(64, |r| {
-                        // SAFETY: the dealt cells are this chunk's.
-                        unsafe { shared.part_mut(r) }.fill(round);
-                    });
-                    // SAFETY: nothing writes the cells until the next round's deal, which every
-                    // thread reaches only after this read (the deal below is done by all).
+                for round in 1..=rounds {
+                    write(tm, shared, round);
+                    // SAFETY: nobody writes until the next round, which every thread reaches only
+                    // after the barrier below.
                     if unsafe { shared.all() }.iter().any(|c| *c != round) {
                         bad.fetch_add(1, Ordering::Relaxed);
                     }
@@ -652,7 +654,18 @@ mod tests {
                 }
             })
         });
-        assert_eq!(bad.load(Ordering::Relaxed), 0);
+        bad.into_inner()
+    }
+
+    #[test]
+    fn what_a_deal_wrote_is_seen_by_every_thread_after_it() {
+        let unseen = rounds_unseen(64, 300, |tm, shared, round| {
+            tm.deal(64, |r| {
+                // SAFETY: the dealt cells are this chunk's.
+                unsafe { shared.part_mut(r) }.fill(round);
+            })
+        });
+        assert_eq!(unseen, 0);
     }
 
     #[test]
@@ -771,30 +784,14 @@ mod tests {
 
     #[test]
     fn barrier_orders_phases_across_threads() {
-        // Each round every thread writes its own cell, then reads all cells: after the barrier every
-        // thread must see every write of the round.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .expect("pool");
-        let mut cells = vec![0usize; 3];
-        let shared = SharedMut::new(&mut cells);
-        let bad = AtomicUsize::new(0);
-        pool.install(|| {
-            run(|tm| {
-                for round in 1..=500 {
-                    // SAFETY: each thread writes only its own cell between barriers.
-                    unsafe { shared.part_mut(tm.index()..tm.index() + 1)[0] = round };
-                    tm.sync();
-                    // SAFETY: nobody writes until the next barrier.
-                    if unsafe { shared.all() }.iter().any(|c| *c != round) {
-                        bad.fetch_add(1, Ordering::Relaxed);
-                    }
-                    tm.sync();
-                }
-            })
+        // Each round every thread writes its own cell: after the barrier every thread must see every
+        // write of the round.
+        let unseen = rounds_unseen(3, 500, |tm, shared, round| {
+            // SAFETY: each thread writes only its own cell between barriers.
+            unsafe { shared.part_mut(tm.index()..tm.index() + 1)[0] = round };
+            tm.sync();
         });
-        assert_eq!(bad.load(Ordering::Relaxed), 0);
+        assert_eq!(unseen, 0);
     }
 
     /// Waits (yielding) until `n` threads sleep at the team's barrier.
