@@ -401,22 +401,7 @@ impl SpinBarrier {
             }
             return;
         }
-        let limit = SPIN_LIMIT.with(|l| l.get());
-        let mut spins = 0u32;
-        let mut slept = false;
-        while self.generation.load(Ordering::Acquire) == generation {
-            if self.poisoned.load(Ordering::Acquire) {
-                std::panic::resume_unwind(Box::new(Poisoned));
-            }
-            if spins < limit {
-                spins += 1;
-                std::hint::spin_loop();
-            } else {
-                self.sleep_until(|| self.generation.load(Ordering::SeqCst) != generation);
-                slept = true;
-            }
-        }
-        adapt_spin_limit(limit, slept);
+        self.wait_for(|| self.generation.load(Ordering::SeqCst) != generation);
     }
 
     /// Marks chunk `c` of deal `k` (`chunks` chunks) done, and wakes the sleepers if the deal is.
@@ -439,11 +424,25 @@ impl SpinBarrier {
         *from == chunks
     }
 
-    /// Waits until deal `k` is done: spins a while, then sleeps.
+    /// Waits until deal `k` is done.
     fn wait_done(&self, k: u64, chunks: usize) {
+        // The chunks before `from` are known done.
+        let from = std::cell::Cell::new(0);
+        self.wait_for(|| {
+            let mut f = from.get();
+            let done = self.is_done(k, chunks, &mut f);
+            from.set(f);
+            done
+        });
+    }
+
+    /// Spins until `ready` holds, for at most this thread's spin limit, then sleeps until a
+    /// [`SpinBarrier::wake_all`] finds it holds; adapts the limit to how the wait ended. Resumes the
+    /// region's panic if the barrier is poisoned meanwhile.
+    fn wait_for(&self, ready: impl Fn() -> bool) {
         let limit = SPIN_LIMIT.with(|l| l.get());
-        let (mut spins, mut slept, mut from) = (0u32, false, 0);
-        while !self.is_done(k, chunks, &mut from) {
+        let (mut spins, mut slept) = (0u32, false);
+        while !ready() {
             if self.poisoned.load(Ordering::Acquire) {
                 std::panic::resume_unwind(Box::new(Poisoned));
             }
@@ -451,7 +450,7 @@ impl SpinBarrier {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
-                self.sleep_until(|| self.is_done(k, chunks, &mut from.clone()));
+                self.sleep_until(&ready);
                 slept = true;
             }
         }
