@@ -653,16 +653,17 @@ impl Model {
                 // of equal runs of 32 columns of every token instead, so that the exponentials and
                 // the quantization are not left to one thread while the others wait. Element by
                 // element: the same bits.
-                let (n, blocks) = (tm.size(), inter.div_ceil(QBLOCK));
-                tm.deal(if decode { n } else { t_total }, |items| {
+                let (threads, blocks) = (tm.size(), inter.div_ceil(QBLOCK));
+                tm.deal(if decode { threads } else { t_total }, |items| {
                     let (tokens, c0, c1) = if decode {
-                        let b0 = team::split(blocks, n, items.start).start;
-                        let b1 = team::split(blocks, n, items.end - 1).end;
+                        let b0 = team::split(blocks, threads, items.start).start;
+                        let b1 = team::split(blocks, threads, items.end - 1).end;
                         (0..t_total, b0 * QBLOCK, (b1 * QBLOCK).min(inter))
                     } else {
                         (items, 0, inter)
                     };
-                    for t in tokens {
+                    // A run of no columns (fewer blocks than threads) has nothing to do.
+                    for t in tokens.filter(|_| c0 < c1) {
                         let base = t * 2 * inter;
                         let g = unsafe { gus.part_mut(base + c0..base + c1) };
                         let u = unsafe { gus.part_mut(base + inter + c0..base + inter + c1) };

@@ -45,7 +45,7 @@ pub fn units_cost(positions: impl Iterator<Item = usize>, window: Option<usize>)
 /// Deals a step's units, in order, to the threads: each unit goes to the thread whose even share of
 /// the total cost holds the unit's midpoint. Each thread's units are then one contiguous run, and its
 /// summed cost is within one unit of `total / threads`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Dealer {
     done: usize,
     total: usize,

@@ -445,8 +445,9 @@ unsafe fn attention_part_on(
     // computes a unit does not change its bits. A token with one segment is finished at once (the same
     // arithmetic as a merge of one); the others leave their partials for phase 2.
     // The runs are dealt to the threads as work items: a thread that is switched out takes none.
+    let runs_of = Dealer::new(batch_positions(seqs), window, num_kv_heads, tm.size());
     tm.deal(tm.size(), |runs| {
-        let mut dealer = Dealer::new(batch_positions(seqs), window, num_kv_heads, tm.size());
+        let mut dealer = runs_of.clone();
         let mut first = 0usize;
         for seq in seqs {
             for i in 0..seq.n_tokens {

@@ -1,11 +1,11 @@
 //! How many of the compute pool's threads take part in a step: all of them, or fewer while a core is
 //! taken by something else.
 //!
-//! A step's work is dealt in chunks to whichever threads come for them ([`super::team`]), and a chunk
-//! whose thread is switched out is done again by another, so a thread that shares its core with a busy
-//! process does not hold the others during the step. It holds them at its end: the step returns when
-//! every member has left it, and a member that is off its core then is back only when the scheduler
-//! gives it a turn (a time slice, milliseconds). Which thread takes which chunk never changes a token's
+//! A step's work is dealt in chunks to whichever threads come for them ([`super::team`]), so a thread
+//! that shares its core with a busy process holds the others during the step only while it holds a
+//! chunk. It holds them at the step's end too: the step returns when every member has left it, and a
+//! member that is off its core then is back only when the scheduler gives it a turn (a time slice,
+//! milliseconds). Which thread takes which chunk never changes a token's
 //! bits, so the team's size may change from one step to the next.
 //!
 //! A step was held up when its last member left it more than [`HELD_UP_NS`] after the first, and more

@@ -29,7 +29,7 @@ pub struct Team<'a> {
     barrier: Option<&'a SpinBarrier>,
     /// How many [`Team::deal`]s this thread has run in the region: every thread runs the same ones, so
     /// the count names the same deal on each.
-    deals: std::cell::Cell<usize>,
+    deals: std::cell::Cell<u64>,
 }
 
 impl<'a> Team<'a> {
@@ -75,18 +75,14 @@ impl<'a> Team<'a> {
     /// holds the team, until it runs again; the others then sleep at the deal's end, and an idle
     /// core takes the switched-out thread (Linux moves a waiting thread to an idle core).
     pub fn deal(&self, items: usize, mut f: impl FnMut(Range<usize>)) {
-        self.deal_with(items, &mut f);
-    }
-
-    fn deal_with(&self, items: usize, f: &mut impl FnMut(Range<usize>)) {
         let Some(board) = self.barrier else {
             if items > 0 {
                 f(0..items);
             }
             return;
         };
-        let k = self.deals.get() as u64 + 1;
-        self.deals.set(k as usize);
+        let k = self.deals.get() + 1;
+        self.deals.set(k);
         let n = self.n;
         let chunks = chunk_count(items, n);
         if chunks == 0 {
@@ -352,16 +348,6 @@ const MAX_SPINS: u32 = 20_000;
 /// The fewest.
 const MIN_SPINS: u32 = 64;
 
-/// Halves the spin limit after a wait that ended asleep, doubles it after one that ended spinning.
-fn adapt_spin_limit(limit: u32, slept: bool) {
-    let next = if slept {
-        (limit / 2).max(MIN_SPINS)
-    } else {
-        limit.saturating_mul(2).min(MAX_SPINS)
-    };
-    SPIN_LIMIT.with(|l| l.set(next));
-}
-
 thread_local! {
     /// This thread's spins before it sleeps, adapted to how its waits end: halved after a wait that
     /// ended asleep, doubled after one that ended spinning. Where its peer runs on the same core (more
@@ -454,7 +440,13 @@ impl SpinBarrier {
                 slept = true;
             }
         }
-        adapt_spin_limit(limit, slept);
+        // Halved after a wait that ended asleep, doubled after one that ended spinning.
+        let next = if slept {
+            (limit / 2).max(MIN_SPINS)
+        } else {
+            limit.saturating_mul(2).min(MAX_SPINS)
+        };
+        SPIN_LIMIT.with(|l| l.set(next));
     }
 
     /// Sleeps until `woken` holds or the barrier is poisoned.
@@ -696,12 +688,20 @@ mod tests {
 
     #[test]
     fn a_step_whose_last_member_comes_late_is_held_up() {
+        // Member 1 stays in the step 100 ms longer than member 0, counted from when member 0 has
+        // finished its part: the wait for it is longer than half of the step.
+        let first_done = AtomicBool::new(false);
         let held_up = pool(2).install(|| {
             run_on(2, &|tm: &Team<'_>| {
                 tm.deal(10, |_| {});
-                if tm.index() == 1 {
-                    std::thread::sleep(std::time::Duration::from_millis(50));
+                if tm.index() == 0 {
+                    first_done.store(true, Ordering::SeqCst);
+                    return;
                 }
+                while !first_done.load(Ordering::SeqCst) {
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
             })
         });
         assert!(held_up);
