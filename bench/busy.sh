@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Batch-1 decode beside busy processes: Kura (and llama.cpp, on the same model file) quiet, beside one
-# busy process pinned to the last CPU ("one busy core"), and beside one busy process per CPU ("every
-# core busy"), the modes interleaved run by run so that a neighbour's load falls on all of them alike.
+# busy process pinned to the last CPU ("one busy core"), beside one busy process per CPU ("every core
+# busy": the scheduler places them, and may put two on one core), and beside one busy process pinned to
+# each CPU ("every core busy, pinned": each core shared by one), the modes interleaved run by run so
+# that a neighbour's load falls on all of them alike.
 # Each run decodes 128 tokens after a ~130-token prompt (`kura generate --ignore-eos --json`,
 # `llama-bench -p 0 -n 128 -r 1`). Prints tokens/s, medians of REPS runs with their ranges, and each
 # mode's slowdown against quiet.
 #
 # Usage: bench/busy.sh
-# Environment: THREADS [the CPUs this process may use]  REPS [5]  MODES ["quiet one all"]
+# Environment: THREADS [the CPUs this process may use]  REPS [5]  MODES ["quiet one all pinned"]
 #   MODEL [scripts/fetch-model.sh]  KURA_BIN [target/release/kura, built here]  BASE_BIN (a second Kura
 #   binary measured in the same runs, e.g. an older build)  PEERS [1] (0: Kura only; llama.cpp from
 #   bench/peers/build-llama-cpp.sh, or LLAMA_BIN: a directory holding llama-bench)
@@ -18,12 +20,12 @@ REPO=$(cd "$HERE/.." && pwd)
 CPUS=$(nproc)
 THREADS="${THREADS:-$CPUS}"
 REPS="${REPS:-5}"
-MODES="${MODES:-quiet one all}"
+MODES="${MODES:-quiet one all pinned}"
 PEERS="${PEERS:-1}"
 case "$THREADS" in '' | *[!0-9]* | 0) echo "busy.sh: THREADS must be a count of at least 1, got '$THREADS'" >&2; exit 2 ;; esac
 case "$REPS" in '' | *[!0-9]* | 0) echo "busy.sh: REPS must be at least 1, got '$REPS'" >&2; exit 2 ;; esac
 for m in $MODES; do
-    case "$m" in quiet | one | all) ;; *) echo "busy.sh: MODES are quiet, one and all, got '$m'" >&2; exit 2 ;; esac
+    case "$m" in quiet | one | all | pinned) ;; *) echo "busy.sh: MODES are quiet, one, all and pinned, got '$m'" >&2; exit 2 ;; esac
 done
 MODEL="${MODEL:-$("$REPO/scripts/fetch-model.sh")}"
 KURA="${KURA_BIN:-$REPO/target/release/kura}"
@@ -49,7 +51,7 @@ fi
 
 exec python3 - "$KURA" "${BASE_BIN:-}" "$LLAMA" "${LLAMA_EXTRA:-}" "$MODEL" "$THREADS" "$REPS" "$CPUS" \
     $MODES <<'EOF'
-import json, statistics, subprocess, sys, time
+import json, os, statistics, subprocess, sys, time
 
 kura, base, llama, llama_extra, model, threads, reps, cpus = sys.argv[1:9]
 modes = sys.argv[9:]
@@ -76,11 +78,17 @@ if base:
 if llama:
     engines.append(("llama.cpp", llama_run))
 
+# The CPUs this process may run on (a container's cpuset need not start at 0).
+allowed = sorted(os.sched_getaffinity(0))
+
 def hogs(mode):
     if mode == "one":
-        return [subprocess.Popen(["taskset", "-c", str(cpus - 1), "yes"], stdout=subprocess.DEVNULL)]
+        return [subprocess.Popen(["taskset", "-c", str(allowed[-1]), "yes"], stdout=subprocess.DEVNULL)]
     if mode == "all":
         return [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(cpus)]
+    if mode == "pinned":
+        return [subprocess.Popen(["taskset", "-c", str(c), "yes"], stdout=subprocess.DEVNULL)
+                for c in allowed]
     return []
 
 runs = {}
@@ -96,7 +104,8 @@ for _ in range(reps):
                 h.kill()
                 h.wait()
 
-names = {"quiet": "quiet", "one": "one busy core", "all": "every core busy"}
+names = {"quiet": "quiet", "one": "one busy core", "all": "every core busy",
+         "pinned": "every core busy, pinned"}
 print(f"# Decode beside busy processes, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}\n")
 print(f"{threads} threads on {cpus} CPUs, batch-1 decode of 128 tokens, tokens/s: medians of {reps} "
       "(ranges); slowdown against the same engine quiet\n")

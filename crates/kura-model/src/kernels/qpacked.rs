@@ -333,34 +333,37 @@ unsafe fn matmul_part_on(
     );
     #[cfg(target_arch = "x86_64")]
     if t == 1 && path != Path::Portable {
-        // One token (decode): each dealt run of panels streams through one call.
-        tm.deal(w.panels, |panels| {
-            let r0 = panels.start * QROWS;
-            let tile = Tile {
-                panel: &w.bytes_slice()[panels.start * w.blocks * w.bits.record_bytes()..],
-                blocks: w.blocks,
-                bits: w.bits,
-                xq: x.q,
-                xds: x.ds,
-                // SAFETY: rows r0.. of the token lie inside `out` and belong to this run alone (the
-                // caller's guarantee on `out`).
-                out: unsafe { out.ptr().add(r0) },
-                ldo: w.rows,
-                valid: w.rows - r0,
-                add,
-            };
-            let n = panels.len();
-            // SAFETY: `path` was detected on this CPU; the tile's slices hold the token and the
-            // panels' records.
-            unsafe {
+        // One token (decode): each dealt run of panels streams through one call, into its rows of the
+        // token.
+        let rows =
+            |panels: std::ops::Range<usize>| panels.start * QROWS..(panels.end * QROWS).min(w.rows);
+        // SAFETY: every thread passes the same arguments (this function's contract); a run of panels
+        // writes its rows of the token alone; the kernel's addresses and lengths come from the matrix's
+        // shape, never from the activations it reads.
+        unsafe {
+            tm.deal_out(w.panels, out, add, rows, |panels, dest| {
+                let tile = Tile {
+                    panel: &w.bytes_slice()[panels.start * w.blocks * w.bits.record_bytes()..],
+                    blocks: w.blocks,
+                    bits: w.bits,
+                    xq: x.q,
+                    xds: x.ds,
+                    out: dest.as_mut_ptr(),
+                    ldo: w.rows,
+                    valid: dest.len(),
+                    add,
+                };
+                let n = panels.len();
+                // SAFETY: `path` was detected on this CPU; the tile's slices hold the token and the
+                // panels' records, and `dest` its valid rows of them.
                 match (path, w.bits) {
                     (Path::Vnni | Path::Amx, QBits::U4) => x86::panels_vnni_one::<true>(&tile, n),
                     (Path::Vnni | Path::Amx, QBits::U8) => x86::panels_vnni_one::<false>(&tile, n),
                     (_, QBits::U4) => x86::panels_avx2_one::<true>(&tile, n),
                     (_, QBits::U8) => x86::panels_avx2_one::<false>(&tile, n),
                 }
-            }
-        });
+            });
+        }
         return;
     }
     let chunks = t.div_ceil(chunk.max(1));
@@ -1384,6 +1387,49 @@ mod tests {
                     match &first {
                         None => first = Some(out),
                         Some(f) => assert_eq!(&out, f, "{path:?} {bits:?} t={t}"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_decode_product_gives_the_same_bits_when_its_chunks_are_published_from_buffers() {
+        // The redo form of a decode product (each chunk computed into a thread's buffer, then copied
+        // out by whoever finishes it first) against the chunks written in place, on teams of 1 to 3.
+        let paths = paths();
+        for bits in [QBits::U4, QBits::U8] {
+            for (rows, cols) in [(45, 160), (130, 576), (16, 32)] {
+                let w = matrix(rows, cols, bits, rows as u64 + 7);
+                let x: Vec<f32> = (0..cols).map(|i| ((i as f32) * 0.41).cos()).collect();
+                let (q, ds) = quantized(&x, cols);
+                let act = QAct { q: &q, ds: &ds };
+                for &path in &paths {
+                    for threads in 1..=3 {
+                        let product = |add: bool| {
+                            let mut out: Vec<f32> = (0..rows).map(|r| r as f32 * 0.5).collect();
+                            let shared = SharedMut::new(&mut out);
+                            rayon::ThreadPoolBuilder::new()
+                                .num_threads(threads)
+                                .build()
+                                .expect("pool")
+                                // SAFETY: `paths` lists what this CPU has; every thread passes the
+                                // same arguments.
+                                .install(|| {
+                                    team::run(|tm| unsafe {
+                                        matmul_part_on(path, tm, act, 1, &w, shared, add)
+                                    })
+                                });
+                            out
+                        };
+                        for add in [false, true] {
+                            let in_place = product(add);
+                            let published = team::with_redo_form(|| product(add));
+                            assert_eq!(
+                                published, in_place,
+                                "{path:?} {bits:?} {rows}×{cols} threads={threads} add={add}"
+                            );
+                        }
                     }
                 }
             }

@@ -18,7 +18,7 @@
 
 use super::roster;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,90 @@ impl<'a> Team<'a> {
             }
             return;
         };
+        self.run_deal(
+            board,
+            items,
+            |k, c, chunks, r| {
+                f(r);
+                board.mark_done(k, c, chunks);
+            },
+            false,
+        );
+    }
+
+    /// [`Team::deal`] for an operation whose chunk `r` writes `out[span(r)]`, the whole of it and
+    /// nothing else of `out`: `f(r, dest)` computes chunk `r` into `dest`, which holds what
+    /// `out[span(r)]` held before the deal when `keep` (an operation that adds to `out`). While recent
+    /// steps have waited long ([`REDO_SPAN`]), a thread that runs out of chunks while one is held by a
+    /// thread that is not running (switched out by the scheduler, its core shared with a busy process)
+    /// does that chunk again instead of waiting a time slice for its taker: every thread then computes
+    /// a chunk into a buffer of its own, and the first to finish it copies its buffer into `out`; the
+    /// other's is dropped. Either computes the same bits. Otherwise chunks write `out` in place.
+    ///
+    /// # Safety
+    /// Every thread of the team calls the same deals in the same order with the same arguments; the
+    /// spans of distinct chunks lie inside `out` and do not overlap; nothing else reads or writes
+    /// `out[span(r)]` during the deal. What `f` reads must stay readable until the region ends, and
+    /// nothing it reads may decide an address or a loop's length: a thread switched out in the middle
+    /// of a chunk that another has since done finishes it later, while later deals may be rewriting
+    /// what it reads (as a seqlock's reader, it then finds the chunk done and drops what it computed).
+    pub unsafe fn deal_out(
+        &self,
+        items: usize,
+        out: SharedMut<'_, f32>,
+        keep: bool,
+        span: impl Fn(Range<usize>) -> Range<usize>,
+        mut f: impl FnMut(Range<usize>, &mut [f32]),
+    ) {
+        let Some(board) = self.barrier.filter(|b| b.redo) else {
+            // SAFETY: each chunk's span is its own, and nothing else touches it during the deal (the
+            // caller's guarantee).
+            return self.deal(items, |r| f(r.clone(), unsafe { out.part_mut(span(r)) }));
+        };
+        self.run_deal(
+            board,
+            items,
+            |k, c, chunks, r| {
+                let dest = span(r.clone());
+                assert!(
+                    dest.start <= dest.end && dest.end <= out.len(),
+                    "a chunk's span lies inside the output"
+                );
+                let mut buf = OUT_BUFFER.with(|b| std::mem::take(&mut *b.borrow_mut()));
+                buf.clear();
+                if keep {
+                    // SAFETY: in bounds (asserted). Until the chunk is done nobody writes these
+                    // elements; a thread that finishes a chunk that another has done may read them
+                    // while they are rewritten, and then drops what it computed (the caller's
+                    // guarantee on `f`).
+                    buf.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(out.ptr().add(dest.start), dest.len())
+                    });
+                } else {
+                    buf.resize(dest.len(), 0.0);
+                }
+                f(r, &mut buf);
+                board.publish(k, c, chunks, || {
+                    // SAFETY: this thread moved the chunk to "being written" in this deal, which only
+                    // one thread does; the span is this chunk's alone (the caller's guarantee).
+                    unsafe { out.part_mut(dest) }.copy_from_slice(&buf)
+                });
+                OUT_BUFFER.with(|b| *b.borrow_mut() = buf);
+            },
+            true,
+        );
+    }
+
+    /// A deal's claim loop: `chunk(k, c, chunks, r)` does chunk `c` (items `r`) of deal `k` of `chunks`
+    /// and marks it done. With `redo`, a thread that runs out of chunks while one is not yet done does
+    /// it again rather than sleep once it has spun its limit ([`SpinBarrier::wait_for`]).
+    fn run_deal(
+        &self,
+        board: &SpinBarrier,
+        items: usize,
+        mut chunk: impl FnMut(u64, usize, usize, Range<usize>),
+        redo: bool,
+    ) {
         let k = self.deals.get() + 1;
         self.deals.set(k);
         let n = self.n;
@@ -97,8 +181,10 @@ impl<'a> Team<'a> {
         loop {
             let w = board.claim.load(Ordering::Acquire);
             let c = match tag(w).cmp(&k) {
-                // The team is past this deal: every chunk is taken.
-                std::cmp::Ordering::Greater => break,
+                // The team is past this deal: every chunk is done (a thread claims a chunk of the next
+                // deal only once this one is done, and its claim is a release: what the chunks wrote is
+                // visible here).
+                std::cmp::Ordering::Greater => return,
                 // The first thread to this deal: chunk 0.
                 std::cmp::Ordering::Less => 0,
                 std::cmp::Ordering::Equal => count(w),
@@ -120,10 +206,17 @@ impl<'a> Team<'a> {
                 start += chunk_len(items - start, n);
                 j += 1;
             }
-            f(start..start + chunk_len(items - start, n));
-            board.mark_done(k, c, chunks);
+            chunk(k, c, chunks, start..start + chunk_len(items - start, n));
         }
-        board.wait_done(k, chunks);
+        if redo {
+            board.wait_done(
+                k,
+                chunks,
+                Some(&mut |c| chunk(k, c, chunks, chunk_range(items, n, c))),
+            );
+        } else {
+            board.wait_done(k, chunks, None);
+        }
     }
 
     /// Waits until every thread of the team has reached this point; what each wrote before is visible to
@@ -158,6 +251,15 @@ fn chunk_count(items: usize, n: usize) -> usize {
     chunks
 }
 
+/// The items of chunk `c` of a deal of `items` for `n` threads.
+fn chunk_range(items: usize, n: usize, c: usize) -> Range<usize> {
+    let mut start = 0;
+    for _ in 0..c {
+        start += chunk_len(items - start, n);
+    }
+    start..start + chunk_len(items - start, n)
+}
+
 /// The most chunks a deal can have, per thread: each chunk but the last `2n` takes at least a `1 / (2n)`
 /// share of what is left, so a deal of fewer than 2⁶⁴ items has fewer than `2n (ln 2⁶⁴ + 1) + 2n`.
 const CHUNKS_PER_THREAD: usize = 2 * 47;
@@ -167,6 +269,16 @@ const COUNT_BITS: u32 = 24;
 
 fn pack(deal: u64, count: usize) -> u64 {
     (deal << COUNT_BITS) | count as u64
+}
+
+/// A chunk's state once a thread has begun to write it in deal `k` ([`SpinBarrier::publish`]).
+fn writing(k: u64) -> u64 {
+    2 * k
+}
+
+/// A chunk's state once it is done in deal `k`: later deals' states are greater.
+fn done(k: u64) -> u64 {
+    2 * k + 1
 }
 
 fn tag(w: u64) -> u64 {
@@ -198,6 +310,8 @@ pub fn chunk_tokens(
 }
 
 thread_local! {
+    /// The buffer this thread computes a chunk of [`Team::deal_out`] into.
+    static OUT_BUFFER: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Whether this thread is running a region's closure: a region opened from inside one runs solo, as
     /// only some threads of the outer region would take part in it and the others would never arrive.
     static IN_REGION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -224,13 +338,66 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
             return;
         }
     }
-    let barrier = SpinBarrier::new(n);
+    let (barrier, waits) = step_board(n);
     let first_panic = std::sync::Mutex::new(None);
     rayon::broadcast(|ctx| {
         let team = Team::member_of(ctx.index(), ctx.num_threads(), &barrier);
         member(&team, &first_panic, &f);
     });
+    after_step(waits);
     rethrow(first_panic);
+}
+
+/// Steps that run [`Team::deal_out`] in its redo form after one in which a wait outlasted its spins
+/// (a thread held a chunk while switched out, as where another process keeps a core busy). On a quiet
+/// machine the form costs a copy and an atomic operation a chunk (about 0.7 µs a decode product at 2
+/// threads with the weights in L2), so it is used only while waits are long.
+const REDO_SPAN: u32 = 64;
+
+/// Steps left to run in the redo form ([`REDO_SPAN`]).
+static REDO_LEFT: AtomicU32 = AtomicU32::new(0);
+
+/// Waits that outlasted their spins (ended asleep, or doing a chunk again), in every region.
+static LONG_WAITS: AtomicU64 = AtomicU64::new(0);
+
+/// Regions running that use the redo form whatever the waits (tests).
+static REDO_FORCED: AtomicUsize = AtomicUsize::new(0);
+
+/// A step's board for `n` threads, in the redo form if recent steps waited long, and the count of long
+/// waits before it ([`after_step`]).
+fn step_board(n: usize) -> (SpinBarrier, u64) {
+    let redo = REDO_LEFT.load(Ordering::Relaxed) > 0 || REDO_FORCED.load(Ordering::Relaxed) > 0;
+    (
+        SpinBarrier::with_redo(n, redo),
+        LONG_WAITS.load(Ordering::Relaxed),
+    )
+}
+
+/// Starts [`REDO_SPAN`] steps of the redo form if a wait outlasted its spins during the step (the long
+/// waits now differ from `before`), or counts down one.
+fn after_step(before: u64) {
+    if LONG_WAITS.load(Ordering::Relaxed) != before {
+        REDO_LEFT.store(REDO_SPAN, Ordering::Relaxed);
+    } else {
+        let _ = REDO_LEFT.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+            left.checked_sub(1)
+        });
+    }
+}
+
+/// Runs `f` with every region's [`Team::deal_out`] in its redo form (a chunk computed into a buffer and
+/// copied out by whoever finishes it first), whatever the waits.
+#[cfg(test)]
+pub(crate) fn with_redo_form<R>(f: impl FnOnce() -> R) -> R {
+    struct Forced;
+    impl Drop for Forced {
+        fn drop(&mut self) {
+            REDO_FORCED.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    REDO_FORCED.fetch_add(1, Ordering::Relaxed);
+    let _forced = Forced;
+    f()
 }
 
 /// The first real panic of a region's threads, handed on to the caller.
@@ -283,7 +450,7 @@ fn run_on<F: Fn(&Team<'_>) + Sync>(count: usize, f: &F) -> bool {
         rethrow(first_panic);
         return false;
     }
-    let barrier = SpinBarrier::new(count);
+    let (barrier, waits) = step_board(count);
     let slots = AtomicUsize::new(0);
     let start = Instant::now();
     // When the first and the last member left the step (ns from its start).
@@ -301,6 +468,7 @@ fn run_on<F: Fn(&Team<'_>) + Sync>(count: usize, f: &F) -> bool {
             });
         }
     });
+    after_step(waits);
     rethrow(first_panic);
     let (first, last) = (
         first_out.load(Ordering::Relaxed),
@@ -325,11 +493,14 @@ pub struct SpinBarrier {
     /// The latest deal any thread has claimed a chunk of, and how many of its chunks are claimed
     /// ([`pack`]).
     claim: CacheLine<AtomicU64>,
-    /// Per chunk: the latest deal in which it is done.
+    /// Per chunk: how far it has come in the latest deal that reached it ([`writing`], [`done`]).
     states: Box<[CacheLine<AtomicU64>]>,
     poisoned: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
+    /// Whether [`Team::deal_out`] computes each chunk into a buffer and publishes it, so that a waiting
+    /// thread may do a held chunk again; otherwise its chunks write `out` in place.
+    redo: bool,
 }
 
 #[repr(align(64))]
@@ -358,7 +529,13 @@ thread_local! {
 
 impl SpinBarrier {
     pub fn new(n: usize) -> Self {
+        Self::with_redo(n, false)
+    }
+
+    /// A board for `n` threads whose [`Team::deal_out`]s run in the redo form or not.
+    fn with_redo(n: usize, redo: bool) -> Self {
         SpinBarrier {
+            redo,
             n,
             arrived: CacheLine(AtomicUsize::new(0)),
             generation: CacheLine(AtomicUsize::new(0)),
@@ -387,7 +564,10 @@ impl SpinBarrier {
             }
             return;
         }
-        self.wait_for(|| self.generation.load(Ordering::SeqCst) != generation);
+        self.wait_for(
+            || self.generation.load(Ordering::SeqCst) != generation,
+            || false,
+        );
     }
 
     /// Marks chunk `c` of deal `k` (`chunks` chunks) done, and wakes the sleepers if the deal is.
@@ -395,7 +575,7 @@ impl SpinBarrier {
         // Release: what the chunk wrote is visible to whoever sees the mark. SeqCst with the
         // sleepers' count: a sleeper counted itself before it looked at the marks, so either it sees
         // this one or it is counted here and woken once the deal is done.
-        self.states[c].store(k, Ordering::SeqCst);
+        self.states[c].store(done(k), Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) > 0 && self.is_done(k, chunks, &mut 0) {
             self.wake_all();
         }
@@ -404,28 +584,62 @@ impl SpinBarrier {
     /// Whether every chunk of deal `k` is done; `from`: the chunks before it are known done, and it
     /// moves on past those found done.
     fn is_done(&self, k: u64, chunks: usize, from: &mut usize) -> bool {
-        while *from < chunks && self.states[*from].load(Ordering::SeqCst) >= k {
+        while *from < chunks && self.states[*from].load(Ordering::SeqCst) >= done(k) {
             *from += 1;
         }
         *from == chunks
     }
 
-    /// Waits until deal `k` is done.
-    fn wait_done(&self, k: u64, chunks: usize) {
-        // The chunks before `from` are known done.
-        let from = std::cell::Cell::new(0);
-        self.wait_for(|| {
-            let mut f = from.get();
-            let done = self.is_done(k, chunks, &mut f);
-            from.set(f);
-            done
-        });
+    /// Writes chunk `c` of deal `k` (`chunks` chunks) with `write` and marks it done, unless another
+    /// thread has begun to (then returns without calling `write`): of the threads that computed the
+    /// chunk, the first to come here writes it, once.
+    fn publish(&self, k: u64, c: usize, chunks: usize, write: impl FnOnce()) {
+        let state = &self.states[c];
+        let now = state.load(Ordering::Acquire);
+        if now >= writing(k)
+            || state
+                .compare_exchange(now, writing(k), Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        write();
+        self.mark_done(k, c, chunks);
     }
 
-    /// Spins until `ready` holds, for at most this thread's spin limit, then sleeps until a
-    /// [`SpinBarrier::wake_all`] finds it holds; adapts the limit to how the wait ended. Resumes the
-    /// region's panic if the barrier is poisoned meanwhile.
-    fn wait_for(&self, ready: impl Fn() -> bool) {
+    /// Waits until deal `k` (`chunks` chunks) is done. Once it has spun its limit, it calls `redo` (if
+    /// any) on a chunk that nobody has begun to write yet (its taker is likely switched out) instead of
+    /// sleeping; it sleeps once every chunk not done is being written.
+    fn wait_done(&self, k: u64, chunks: usize, mut redo: Option<&mut dyn FnMut(usize)>) {
+        // The chunks before `from` are known done.
+        let from = std::cell::Cell::new(0);
+        self.wait_for(
+            || {
+                let mut f = from.get();
+                let done = self.is_done(k, chunks, &mut f);
+                from.set(f);
+                done
+            },
+            || {
+                let Some(redo) = redo.as_mut() else {
+                    return false;
+                };
+                let held = (from.get()..chunks)
+                    .find(|&c| self.states[c].load(Ordering::Acquire) < writing(k));
+                let Some(c) = held else {
+                    return false;
+                };
+                redo(c);
+                true
+            },
+        );
+    }
+
+    /// Spins until `ready` holds, for at most this thread's spin limit, then asks `help` to do some
+    /// of the work waited for (it says whether it did, and the spinning starts over) and otherwise
+    /// sleeps until a [`SpinBarrier::wake_all`] finds `ready` holds; adapts the limit to how the wait
+    /// ended. Resumes the region's panic if the barrier is poisoned meanwhile.
+    fn wait_for(&self, ready: impl Fn() -> bool, mut help: impl FnMut() -> bool) {
         let limit = SPIN_LIMIT.with(|l| l.get());
         let (mut spins, mut slept) = (0u32, false);
         while !ready() {
@@ -436,8 +650,16 @@ impl SpinBarrier {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
-                self.sleep_until(&ready);
+                // Helping or sleeping: either way the wait outlasted the spins.
+                if !slept {
+                    LONG_WAITS.fetch_add(1, Ordering::Relaxed);
+                }
                 slept = true;
+                if help() {
+                    spins = 0;
+                } else {
+                    self.sleep_until(&ready);
+                }
             }
         }
         // Halved after a wait that ended asleep, doubled after one that ended spinning.
@@ -619,6 +841,127 @@ mod tests {
                 "round {round}"
             );
         }
+    }
+
+    #[test]
+    fn deal_out_writes_each_span_once_in_both_forms() {
+        // Every round adds to each element once (`keep`) or overwrites it; in place and in the redo
+        // form, on teams of 1 to 3, over sizes that cut into chunks of one to many elements.
+        let sizes: Vec<usize> = (0..30).map(|r| (r * 53) % 97).collect();
+        for threads in 1..=3 {
+            for redo in [false, true] {
+                for keep in [false, true] {
+                    let mut out = vec![0f32; 200];
+                    let shared = SharedMut::new(&mut out);
+                    let rounds = || {
+                        pool(threads).install(|| {
+                            run(|tm| {
+                                for (round, &n) in sizes.iter().enumerate() {
+                                    // Element i of a round lies at 2i + 1: spans in steps of two.
+                                    let span = |r: Range<usize>| 2 * r.start..2 * r.end;
+                                    // SAFETY: every thread passes the same arguments; spans of
+                                    // distinct chunks are disjoint and inside `out`; `f` reads
+                                    // nothing that decides an address.
+                                    unsafe {
+                                        tm.deal_out(n, shared, keep, span, |r, dest| {
+                                            assert_eq!(dest.len(), 2 * r.len());
+                                            for (i, pair) in r.zip(dest.chunks_mut(2)) {
+                                                let v = (i + round) as f32;
+                                                pair[1] = if keep { pair[1] + v } else { v };
+                                            }
+                                        })
+                                    }
+                                }
+                            })
+                        })
+                    };
+                    if redo {
+                        with_redo_form(rounds);
+                    } else {
+                        rounds();
+                    }
+                    for i in 0..100 {
+                        let want: f32 = if keep {
+                            sizes
+                                .iter()
+                                .enumerate()
+                                .filter(|&(_, &n)| i < n)
+                                .map(|(round, _)| (i + round) as f32)
+                                .sum()
+                        } else {
+                            sizes
+                                .iter()
+                                .enumerate()
+                                .filter(|&(_, &n)| i < n)
+                                .map(|(round, _)| (i + round) as f32)
+                                .next_back()
+                                .unwrap_or(0.0)
+                        };
+                        let what = format!("threads={threads} redo={redo} keep={keep} i={i}");
+                        assert_eq!(out[2 * i], 0.0, "{what}: a span's other elements kept");
+                        assert_eq!(out[2 * i + 1], want, "{what}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunk_held_by_a_thread_that_is_not_running_is_done_again_and_its_late_result_dropped() {
+        // Member 1 takes the deal's first chunk and stays in it (as if switched out) until member 0 has
+        // finished the deal: member 0 must do that chunk itself rather than wait; what member 1 then
+        // computes (here NaN, where it would be the same bits) must not reach `out`.
+        let mut out = vec![1f32; 64];
+        let shared = SharedMut::new(&mut out);
+        let (finished, member_1_may_go) = std::sync::mpsc::channel();
+        let member_1_may_go = Mutex::new(member_1_may_go);
+        let holding = AtomicBool::new(false);
+        let (member_0_waited, member_1_waited) = (AtomicBool::new(false), AtomicBool::new(false));
+        let timeout = Duration::from_secs(20);
+        with_redo_form(|| {
+            pool(2).install(|| {
+                run(|tm| {
+                    if tm.index() == 0 {
+                        let since = Instant::now();
+                        while !holding.load(Ordering::Acquire) && since.elapsed() < timeout {
+                            std::thread::yield_now();
+                        }
+                    }
+                    let since = Instant::now();
+                    // SAFETY: both threads pass the same arguments; a chunk's span is its items.
+                    unsafe {
+                        tm.deal_out(
+                            64,
+                            shared,
+                            true,
+                            |r| r,
+                            |_, dest| {
+                                if tm.index() == 1 && !holding.swap(true, Ordering::AcqRel) {
+                                    let waited =
+                                        member_1_may_go.lock().unwrap().recv_timeout(timeout);
+                                    member_1_waited.store(waited.is_err(), Ordering::Relaxed);
+                                    dest.fill(f32::NAN);
+                                    return;
+                                }
+                                for d in dest {
+                                    *d += 1.0;
+                                }
+                            },
+                        )
+                    }
+                    if tm.index() == 0 {
+                        member_0_waited.store(since.elapsed() >= timeout, Ordering::Relaxed);
+                        finished.send(()).expect("member 1 listens");
+                    }
+                })
+            })
+        });
+        assert!(holding.load(Ordering::Relaxed), "member 1 took a chunk");
+        assert!(
+            !member_0_waited.load(Ordering::Relaxed) && !member_1_waited.load(Ordering::Relaxed),
+            "member 0 waited for the chunk's taker"
+        );
+        assert!(out.iter().all(|v| *v == 2.0), "{out:?}");
     }
 
     /// Rounds on a team of 3 in which `write` fills `cells` cells with the round's number (and makes
