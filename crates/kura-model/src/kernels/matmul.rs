@@ -240,6 +240,28 @@ fn rows_part<T: WeightElem>(
 ) {
     assert_eq!(x.len(), t * w.cols, "x is t × cols");
     let isa = Isa::detect();
+    if t == 1 {
+        // One token (decode): a run of rows writes its outputs alone, computed as rows 0.. of the
+        // matrix that starts at the run's first row (a row's dot product is the same wherever it
+        // lies in a block).
+        let cols = w.cols;
+        // SAFETY: every thread passes the same arguments; a run of rows writes its outputs alone;
+        // addresses and lengths come from the matrix's shape, never from the activations.
+        unsafe {
+            tm.deal_out(
+                w.rows,
+                out,
+                add,
+                |rows| rows,
+                |rows, dest| {
+                    let n = rows.len();
+                    let part = &d[rows.start * cols..rows.end * cols];
+                    rows_on(isa, x, 1, part, n, cols, SharedMut::new(dest), 0..n, add)
+                },
+            )
+        }
+        return;
+    }
     tm.deal(w.rows, |rows| {
         rows_on(isa, x, t, d, w.rows, w.cols, out, rows, add)
     })

@@ -177,6 +177,37 @@ pub unsafe fn matmul_part<W: Tile>(
         tm.size(),
         (ROWS_ONLY_UP_TO, CHUNK_TOKENS, TILE_TOKENS),
     );
+    if t == 1 {
+        // One token (decode): a run of panels writes its rows of the token, one tile a panel.
+        let rows = |panels: std::ops::Range<usize>| {
+            panels.start * PANEL_ROWS..(panels.end * PANEL_ROWS).min(w.rows)
+        };
+        // SAFETY: every thread passes the same arguments (this function's contract); a run of panels
+        // writes its rows alone; the tiles' addresses and lengths come from the matrix's shape, never
+        // from the activations they read.
+        unsafe {
+            tm.deal_out(w.panels, out, add, rows, |panels, dest| {
+                for p in panels.clone() {
+                    let at = (p - panels.start) * PANEL_ROWS;
+                    let valid = PANEL_ROWS.min(w.rows - p * PANEL_ROWS);
+                    // SAFETY: the panel holds steps × 64 words, x one row of steps values, and `dest`
+                    // this panel's `valid` rows from `at`. The CPU features: `w` was made with their
+                    // proof.
+                    let args = (
+                        w.panel(p).as_ptr(),
+                        w.steps,
+                        x.as_ptr(),
+                        dest[at..at + valid].as_mut_ptr(),
+                        w.rows,
+                        valid,
+                        add,
+                    );
+                    W::tile::<1>(args);
+                }
+            });
+        }
+        return;
+    }
     let chunks = t.div_ceil(chunk.max(1));
     tm.deal(chunks * w.panels, |items| {
         for item in items {

@@ -386,9 +386,9 @@ fn after_step(before: u64) {
 }
 
 /// Runs `f` with every region's [`Team::deal_out`] in its redo form (a chunk computed into a buffer and
-/// copied out by whoever finishes it first), whatever the waits.
-#[cfg(test)]
-pub(crate) fn with_redo_form<R>(f: impl FnOnce() -> R) -> R {
+/// copied out by whoever finishes it first), whatever the waits: for tests, which check that both
+/// forms give the same bits.
+pub fn with_redo_form<R>(f: impl FnOnce() -> R) -> R {
     struct Forced;
     impl Drop for Forced {
         fn drop(&mut self) {
