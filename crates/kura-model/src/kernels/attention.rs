@@ -446,7 +446,11 @@ unsafe fn attention_part_on(
     // arithmetic as a merge of one); the others leave their partials for phase 2.
     // The runs are dealt to the threads as work items: a thread that is switched out takes none.
     let runs_of = Dealer::new(batch_positions(seqs), window, num_kv_heads, tm.size());
-    tm.deal(tm.size(), |runs| {
+    let mut stage = Staged::default();
+    let run_units = |runs: std::ops::Range<usize>, mut staged: Option<&mut Staged>| {
+        if let Some(stage) = staged.as_deref_mut() {
+            stage.clear();
+        }
         let mut dealer = runs_of.clone();
         let mut first = 0usize;
         for seq in seqs {
@@ -482,20 +486,26 @@ unsafe fn attention_part_on(
                             head_dim,
                             scale,
                         };
-                        let part: &mut [f32] = if n_seg == 1 {
-                            &mut own
-                        } else {
-                            let at = ((first + j) * num_kv_heads + kvh) * plen;
+                        let at = ((first + j) * num_kv_heads + kvh) * plen;
+                        let part: &mut [f32] = match (n_seg, staged.as_deref_mut()) {
+                            (1, _) => &mut own,
+                            (_, Some(stage)) => stage.slot(StagedWrite::Partial(at), plen),
                             // SAFETY: this unit alone writes this partial, until the deal is done.
-                            unsafe { partials.part_mut(at..at + plen) }
+                            (_, None) => unsafe { partials.part_mut(at..at + plen) },
                         };
                         attend_dtype(kv.dtype(), isa, &job, &mut scores, part);
                         if n_seg == 1 {
                             merge(std::iter::once(&own[..]), group, head_dim, &mut o);
                             unrotate(kv.dtype(), head_dim, &mut o);
-                            // SAFETY: the heads of (t, kvh) are written by this unit only, until the
-                            // deal is done.
-                            unsafe { out.write(t, kvh * group * head_dim, &o) };
+                            let col = kvh * group * head_dim;
+                            match staged.as_deref_mut() {
+                                Some(stage) => stage
+                                    .slot(StagedWrite::Out(t, col), o.len())
+                                    .copy_from_slice(&o),
+                                // SAFETY: the heads of (t, kvh) are written by this unit only,
+                                // until the deal is done.
+                                None => unsafe { out.write(t, col, &o) },
+                            }
                         }
                     }
                 }
@@ -504,7 +514,15 @@ unsafe fn attention_part_on(
                 }
             }
         }
-    });
+    };
+    // SAFETY: every thread passes the same arguments; a unit computes the same bits on any thread,
+    // staged or in place; units write disjoint partials and heads; the block tables and positions that
+    // decide addresses stay as they are until the region ends (a step's batch is the caller's).
+    unsafe {
+        tm.deal_staged(tm.size(), &mut stage, run_units, |stage| {
+            stage.publish(partials, out)
+        });
+    }
     SCORES.with(|s| s.replace(scores));
     if needed == 0 {
         return;
@@ -546,6 +564,56 @@ unsafe fn attention_part_on(
             }
         }
     });
+}
+
+/// What a run of attention units computed, kept until it is published ([`Team::deal_staged`]): each
+/// write's destination and length, in order, and their values end to end.
+#[derive(Default)]
+struct Staged {
+    writes: Vec<(StagedWrite, usize)>,
+    vals: Vec<f32>,
+}
+
+/// Where a staged write goes: a partial at an offset of the partials, or query heads of a token from
+/// a column of the output.
+#[derive(Clone, Copy)]
+enum StagedWrite {
+    Partial(usize),
+    Out(usize, usize),
+}
+
+impl Staged {
+    fn clear(&mut self) {
+        self.writes.clear();
+        self.vals.clear();
+    }
+
+    /// Room for a write of `len` values to `to`.
+    fn slot(&mut self, to: StagedWrite, len: usize) -> &mut [f32] {
+        let start = self.vals.len();
+        self.vals.resize(start + len, 0.0);
+        self.writes.push((to, len));
+        &mut self.vals[start..]
+    }
+
+    /// Writes what was staged.
+    ///
+    /// # Safety
+    /// This thread alone writes these partials and heads until the deal is done.
+    unsafe fn publish(&self, partials: SharedMut<'_, f32>, out: ActShared<'_>) {
+        let mut start = 0;
+        for &(to, len) in &self.writes {
+            let vals = &self.vals[start..start + len];
+            start += len;
+            // SAFETY: the caller's guarantee.
+            unsafe {
+                match to {
+                    StagedWrite::Partial(at) => partials.part_mut(at..at + len).copy_from_slice(vals),
+                    StagedWrite::Out(t, col) => out.write(t, col, vals),
+                }
+            }
+        }
+    }
 }
 
 /// A unit's query heads as attention over `dtype` reads them: for a rotated format each head's groups
@@ -1491,6 +1559,33 @@ mod tests {
                 errs[0] < errs[2] && errs[2] < errs[4],
                 "dim {dim}: {errs:?}"
             );
+        }
+    }
+
+    #[test]
+    fn units_give_the_same_bits_staged_or_in_place() {
+        // Runs of units computed into each thread's stage and published by whoever finishes first
+        // (while a core is busy with another process) against runs written in place, on teams of 1 to
+        // 3: decode and a short prefill, with one segment and with several (partials, then merges).
+        let isa = vector_isas().into_iter().next().unwrap_or(Isa::Scalar);
+        for (dtype, past, tokens) in [
+            (KvDtype::F32, 40, 1),
+            (KvDtype::Bf16, 2 * SEGMENT + 30, 1),
+            (KvDtype::Int8, SEGMENT - 3, 6),
+        ] {
+            for threads in 1..=3 {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let go = || both(isa, dtype, 16, 6, 2, 64, past, tokens, None).0;
+                let in_place = pool.install(go);
+                let staged = pool.install(|| team::with_redo_form(go));
+                assert_eq!(
+                    staged, in_place,
+                    "{dtype:?} past {past} tokens {tokens} threads {threads}"
+                );
+            }
         }
     }
 

@@ -94,20 +94,13 @@ impl<'a> Team<'a> {
 
     /// [`Team::deal`] for an operation whose chunk `r` writes `out[span(r)]`, the whole of it and
     /// nothing else of `out`: `f(r, dest)` computes chunk `r` into `dest`, which holds what
-    /// `out[span(r)]` held before the deal when `keep` (an operation that adds to `out`). While recent
-    /// steps have waited long ([`REDO_SPAN`]), a thread that runs out of chunks while one is held by a
-    /// thread that is not running (switched out by the scheduler, its core shared with a busy process)
-    /// does that chunk again instead of waiting a time slice for its taker: every thread then computes
-    /// a chunk into a buffer of its own, and the first to finish it copies its buffer into `out`; the
-    /// other's is dropped. Either computes the same bits. Otherwise chunks write `out` in place.
+    /// `out[span(r)]` held before the deal when `keep` (an operation that adds to `out`). Through
+    /// [`Team::deal_staged`]: while recent steps have waited long, each chunk is computed into a
+    /// thread's buffer and copied out by the first thread to finish it.
     ///
     /// # Safety
-    /// Every thread of the team calls the same deals in the same order with the same arguments; the
-    /// spans of distinct chunks lie inside `out` and do not overlap; nothing else reads or writes
-    /// `out[span(r)]` during the deal. What `f` reads must stay readable until the region ends, and
-    /// nothing it reads may decide an address or a loop's length: a thread switched out in the middle
-    /// of a chunk that another has since done finishes it later, while later deals may be rewriting
-    /// what it reads (as a seqlock's reader, it then finds the chunk done and drops what it computed).
+    /// As [`Team::deal_staged`]; the spans of distinct chunks lie inside `out` and do not overlap, and
+    /// nothing else reads or writes `out[span(r)]` during the deal.
     pub unsafe fn deal_out(
         &self,
         items: usize,
@@ -116,40 +109,81 @@ impl<'a> Team<'a> {
         span: impl Fn(Range<usize>) -> Range<usize>,
         mut f: impl FnMut(Range<usize>, &mut [f32]),
     ) {
+        let mut stage = (0..0, OUT_BUFFER.with(|b| std::mem::take(&mut *b.borrow_mut())));
+        // SAFETY: the caller's guarantee, and the stage holds the chunk's span and values alone.
+        unsafe {
+            self.deal_staged(
+                items,
+                &mut stage,
+                |r, staged| {
+                    let dest = span(r.clone());
+                    let Some((at, buf)) = staged else {
+                        // SAFETY: the chunk's span is its own, and nothing else touches it during
+                        // the deal (the caller's guarantee).
+                        return f(r, out.part_mut(dest));
+                    };
+                    assert!(
+                        dest.start <= dest.end && dest.end <= out.len(),
+                        "a chunk's span lies inside the output"
+                    );
+                    buf.clear();
+                    if keep {
+                        // SAFETY: in bounds (asserted). Until the chunk is done nobody writes these
+                        // elements; a thread that finishes a chunk that another has done may read
+                        // them while they are rewritten, and then drops what it computed (the
+                        // caller's guarantee on `f`).
+                        buf.extend_from_slice(std::slice::from_raw_parts(
+                            out.ptr().add(dest.start),
+                            dest.len(),
+                        ));
+                    } else {
+                        buf.resize(dest.len(), 0.0);
+                    }
+                    f(r, buf);
+                    *at = dest;
+                },
+                // SAFETY: the publisher of a chunk is one thread, once; the span is the chunk's alone.
+                |(at, buf)| out.part_mut(at.clone()).copy_from_slice(buf),
+            );
+        }
+        OUT_BUFFER.with(|b| *b.borrow_mut() = stage.1);
+    }
+
+    /// [`Team::deal`] for an operation whose chunks may be done twice. `f(r, None)` does chunk `r`,
+    /// writing its results in place; `f(r, Some(stage))` computes them into `stage` (this thread's,
+    /// reset by `f`) and writes nothing shared, and `publish(stage)` then writes them. While recent
+    /// steps have waited long ([`REDO_SPAN`]), every chunk goes through a stage: a thread that runs
+    /// out of chunks while one is held by a thread that is not running (switched out by the scheduler,
+    /// its core shared with a busy process) does that chunk again instead of waiting a time slice for
+    /// its taker, and of the threads that computed a chunk the first to finish publishes it; the
+    /// other's stage is dropped. Otherwise chunks write in place (a stage costs a copy and an atomic
+    /// operation a chunk).
+    ///
+    /// # Safety
+    /// Every thread of the team calls the same deals in the same order with the same arguments (each
+    /// its own `stage`); `f` computes the same bits for a chunk on any thread, in place or staged; the
+    /// writes of distinct chunks do not overlap, and nothing else reads or writes them during the deal.
+    /// What `f` reads must stay readable until the region ends, and nothing it reads may decide an
+    /// address or a loop's length unless nothing rewrites it before the region ends: a thread switched
+    /// out in the middle of a chunk that another has since done finishes it later, while later deals
+    /// may be rewriting what it reads (as a seqlock's reader, it then finds the chunk done and drops
+    /// its stage).
+    pub unsafe fn deal_staged<S>(
+        &self,
+        items: usize,
+        stage: &mut S,
+        mut f: impl FnMut(Range<usize>, Option<&mut S>),
+        mut publish: impl FnMut(&S),
+    ) {
         let Some(board) = self.barrier.filter(|b| b.redo) else {
-            // SAFETY: each chunk's span is its own, and nothing else touches it during the deal (the
-            // caller's guarantee).
-            return self.deal(items, |r| f(r.clone(), unsafe { out.part_mut(span(r)) }));
+            return self.deal(items, |r| f(r, None));
         };
         self.run_deal(
             board,
             items,
             |k, c, chunks, r| {
-                let dest = span(r.clone());
-                assert!(
-                    dest.start <= dest.end && dest.end <= out.len(),
-                    "a chunk's span lies inside the output"
-                );
-                let mut buf = OUT_BUFFER.with(|b| std::mem::take(&mut *b.borrow_mut()));
-                buf.clear();
-                if keep {
-                    // SAFETY: in bounds (asserted). Until the chunk is done nobody writes these
-                    // elements; a thread that finishes a chunk that another has done may read them
-                    // while they are rewritten, and then drops what it computed (the caller's
-                    // guarantee on `f`).
-                    buf.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(out.ptr().add(dest.start), dest.len())
-                    });
-                } else {
-                    buf.resize(dest.len(), 0.0);
-                }
-                f(r, &mut buf);
-                board.publish(k, c, chunks, || {
-                    // SAFETY: this thread moved the chunk to "being written" in this deal, which only
-                    // one thread does; the span is this chunk's alone (the caller's guarantee).
-                    unsafe { out.part_mut(dest) }.copy_from_slice(&buf)
-                });
-                OUT_BUFFER.with(|b| *b.borrow_mut() = buf);
+                f(r, Some(&mut *stage));
+                board.publish(k, c, chunks, || publish(stage));
             },
             true,
         );
@@ -310,7 +344,7 @@ pub fn chunk_tokens(
 }
 
 thread_local! {
-    /// The buffer this thread computes a chunk of [`Team::deal_out`] into.
+    /// The buffer this thread computes a staged chunk of [`Team::deal_out`] into.
     static OUT_BUFFER: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Whether this thread is running a region's closure: a region opened from inside one runs solo, as
     /// only some threads of the outer region would take part in it and the others would never arrive.
