@@ -608,7 +608,9 @@ impl Staged {
             // SAFETY: the caller's guarantee.
             unsafe {
                 match to {
-                    StagedWrite::Partial(at) => partials.part_mut(at..at + len).copy_from_slice(vals),
+                    StagedWrite::Partial(at) => {
+                        partials.part_mut(at..at + len).copy_from_slice(vals)
+                    }
                     StagedWrite::Out(t, col) => out.write(t, col, vals),
                 }
             }

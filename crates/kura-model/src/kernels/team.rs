@@ -109,7 +109,10 @@ impl<'a> Team<'a> {
         span: impl Fn(Range<usize>) -> Range<usize>,
         mut f: impl FnMut(Range<usize>, &mut [f32]),
     ) {
-        let mut stage = (0..0, OUT_BUFFER.with(|b| std::mem::take(&mut *b.borrow_mut())));
+        let mut stage = (
+            0..0,
+            OUT_BUFFER.with(|b| std::mem::take(&mut *b.borrow_mut())),
+        );
         // SAFETY: the caller's guarantee, and the stage holds the chunk's span and values alone.
         unsafe {
             self.deal_staged(
@@ -1308,6 +1311,35 @@ mod tests {
         }));
         let payload = result.expect_err("the step must panic");
         assert_eq!(payload.downcast_ref::<&str>(), Some(&"member fails"));
+    }
+
+    #[test]
+    fn a_panic_in_a_step_opened_from_outside_the_pool_reaches_the_caller() {
+        // A step opened from outside the pool, on the global pool: a member's panic wakes the others
+        // and reaches the caller, and the pool runs steps after it.
+        let n = rayon::current_num_threads();
+        for round in 0..3 {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run_adaptive(n, n, |tm| {
+                    if tm.index() + 1 == tm.size() {
+                        panic!("member fails");
+                    }
+                    tm.sync();
+                })
+            }));
+            let payload = result.expect_err("the step must panic");
+            assert_eq!(
+                payload.downcast_ref::<&str>(),
+                Some(&"member fails"),
+                "round {round}"
+            );
+        }
+        let members = AtomicUsize::new(0);
+        run_adaptive(n, n, |tm| {
+            tm.sync();
+            members.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(members.into_inner(), n);
     }
 
     #[test]
