@@ -155,7 +155,7 @@ impl<'a> Team<'a> {
     /// [`Team::deal`] for an operation whose chunks may be done twice. `f(r, None)` does chunk `r`,
     /// writing its results in place; `f(r, Some(stage))` computes them into `stage` (this thread's,
     /// reset by `f`) and writes nothing shared, and `publish(stage)` then writes them. While recent
-    /// steps have waited long ([`REDO_SPAN`]), every chunk goes through a stage: a thread that runs
+    /// steps have waited long ([`REDO_WINDOW`]), every chunk goes through a stage: a thread that runs
     /// out of chunks while one is held by a thread that is not running (switched out by the scheduler,
     /// its core shared with a busy process) does that chunk again instead of waiting a time slice for
     /// its taker, and of the threads that computed a chunk the first to finish publishes it; the
@@ -215,6 +215,7 @@ impl<'a> Team<'a> {
         );
         // Chunk `j` starts at `start`; a thread's chunks come in increasing order.
         let (mut j, mut start) = (0, 0);
+        let mut pace = Redo::default();
         loop {
             let w = board.claim.load(Ordering::Acquire);
             let c = match tag(w).cmp(&k) {
@@ -243,13 +244,21 @@ impl<'a> Team<'a> {
                 start += chunk_len(items - start, n);
                 j += 1;
             }
-            chunk(k, c, chunks, start..start + chunk_len(items - start, n));
+            let len = chunk_len(items - start, n);
+            if redo {
+                let began = Instant::now();
+                chunk(k, c, chunks, start..start + len);
+                pace.took(len, began.elapsed());
+            } else {
+                chunk(k, c, chunks, start..start + len);
+            }
         }
         if redo {
+            pace.items_of = Some((items, n));
             board.wait_done(
                 k,
                 chunks,
-                Some(&mut |c| chunk(k, c, chunks, chunk_range(items, n, c))),
+                Some((&mut |c| chunk(k, c, chunks, chunk_range(items, n, c)), pace)),
             );
         } else {
             board.wait_done(k, chunks, None);
@@ -385,16 +394,68 @@ pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
     rethrow(first_panic);
 }
 
-/// Steps that run [`Team::deal_out`] in its redo form after one in which a wait outlasted its spins
-/// (a thread held a chunk while switched out, as where another process keeps a core busy). On a quiet
-/// machine the form costs a copy and an atomic operation a chunk (about 0.7 µs a decode product at 2
-/// threads with the weights in L2), so it is used only while waits are long.
-const REDO_SPAN: u32 = 64;
+/// A step runs [`Team::deal_staged`] in its redo form while at least [`REDO_LONG_STEPS`] of the last
+/// `REDO_WINDOW` steps had a long wait (a thread held a chunk while switched out, as where another
+/// process keeps a core busy: [`LONG_WAIT_NS`]). On a quiet machine the form costs a copy and an atomic
+/// operation a chunk (about 0.7 µs a decode product at 2 threads with the weights in L2); there a long
+/// wait comes once in hundreds of steps (a kernel thread, a neighbour's burst), and one alone does not
+/// switch the form on.
+const REDO_WINDOW: u32 = 16;
+/// See [`REDO_WINDOW`].
+const REDO_LONG_STEPS: u32 = 2;
 
-/// Steps left to run in the redo form ([`REDO_SPAN`]).
-static REDO_LEFT: AtomicU32 = AtomicU32::new(0);
+/// The least time a waiting thread gives the taker of a chunk, once its spins have run out, before it
+/// does the chunk again: a taker that is running finishes a decode chunk in microseconds, one that
+/// was switched out comes back after a scheduler's turn (milliseconds).
+const REDO_AFTER_NS: u64 = 50_000;
 
-/// Waits that outlasted their spins (ended asleep, or doing a chunk again), in every region.
+/// A wait this long (asleep) counts as long ([`LONG_WAITS`]): a chunk's taker was away from its core,
+/// not merely slower.
+const LONG_WAIT_NS: u64 = 200_000;
+
+/// What a waiting thread does once its spins have run out.
+enum Help {
+    /// It did a chunk again: spin anew.
+    Did,
+    /// A chunk may be done again later: spin on.
+    NotYet,
+    /// Nothing to do: sleep.
+    Sleep,
+}
+
+/// A thread's pace in a deal of the redo form: the items and time of the chunks it took, from which
+/// how long another's chunk should take.
+#[derive(Default, Clone, Copy)]
+struct Redo {
+    items: usize,
+    time: Duration,
+    /// The deal's items and team size (to size a chunk).
+    items_of: Option<(usize, usize)>,
+}
+
+impl Redo {
+    fn took(&mut self, items: usize, time: Duration) {
+        self.items += items;
+        self.time += time;
+    }
+
+    /// How long to give the taker of chunk `c` before doing it again: twice what it should take at
+    /// this thread's pace, [`REDO_AFTER_NS`] at least; four times that where this thread took none.
+    fn patience(&self, c: usize) -> Duration {
+        let least = Duration::from_nanos(REDO_AFTER_NS);
+        let Some((items, n)) = self.items_of.filter(|_| self.items > 0) else {
+            return 4 * least;
+        };
+        let len = u32::try_from(chunk_range(items, n, c).len()).unwrap_or(u32::MAX);
+        let per_item = self.time / u32::try_from(self.items).unwrap_or(u32::MAX);
+        (2 * per_item.saturating_mul(len)).max(least)
+    }
+}
+
+/// Which of the latest steps had a long wait: bit `i` for the step `i` steps before the last.
+static LONG_STEPS: AtomicU32 = AtomicU32::new(0);
+
+/// Long waits (a chunk done again, or [`LONG_WAIT_NS`] asleep), in every region.
 static LONG_WAITS: AtomicU64 = AtomicU64::new(0);
 
 /// Regions running that use the redo form whatever the waits (tests).
@@ -403,23 +464,26 @@ static REDO_FORCED: AtomicUsize = AtomicUsize::new(0);
 /// A step's board for `n` threads, in the redo form if recent steps waited long, and the count of long
 /// waits before it ([`after_step`]).
 fn step_board(n: usize) -> (SpinBarrier, u64) {
-    let redo = REDO_LEFT.load(Ordering::Relaxed) > 0 || REDO_FORCED.load(Ordering::Relaxed) > 0;
+    let redo =
+        redo_due(LONG_STEPS.load(Ordering::Relaxed)) || REDO_FORCED.load(Ordering::Relaxed) > 0;
     (
         SpinBarrier::with_redo(n, redo),
         LONG_WAITS.load(Ordering::Relaxed),
     )
 }
 
-/// Starts [`REDO_SPAN`] steps of the redo form if a wait outlasted its spins during the step (the long
-/// waits now differ from `before`), or counts down one.
+/// Whether the next step runs in the redo form, given which of the latest steps had a long wait (bit
+/// `i`: `i` steps before the last).
+fn redo_due(long_steps: u32) -> bool {
+    (long_steps & ((1 << REDO_WINDOW) - 1)).count_ones() >= REDO_LONG_STEPS
+}
+
+/// Records whether a wait was long during the step (the long waits now differ from `before`).
 fn after_step(before: u64) {
-    if LONG_WAITS.load(Ordering::Relaxed) != before {
-        REDO_LEFT.store(REDO_SPAN, Ordering::Relaxed);
-    } else {
-        let _ = REDO_LEFT.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
-            left.checked_sub(1)
-        });
-    }
+    let long = u32::from(LONG_WAITS.load(Ordering::Relaxed) != before);
+    let _ = LONG_STEPS.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |steps| {
+        Some(steps << 1 | long)
+    });
 }
 
 /// Runs `f` with every region's [`Team::deal_out`] in its redo form (a chunk computed into a buffer and
@@ -603,7 +667,7 @@ impl SpinBarrier {
         }
         self.wait_for(
             || self.generation.load(Ordering::SeqCst) != generation,
-            || false,
+            || Help::Sleep,
         );
     }
 
@@ -644,12 +708,17 @@ impl SpinBarrier {
         self.mark_done(k, c, chunks);
     }
 
-    /// Waits until deal `k` (`chunks` chunks) is done. Once it has spun its limit, it calls `redo` (if
-    /// any) on a chunk that nobody has begun to write yet (its taker is likely switched out) instead of
-    /// sleeping; it sleeps once every chunk not done is being written.
-    fn wait_done(&self, k: u64, chunks: usize, mut redo: Option<&mut dyn FnMut(usize)>) {
+    /// Waits until deal `k` (`chunks` chunks) is done. With `redo` (a function that does a chunk
+    /// again, and this thread's time per item in its own chunks of the deal, if it took any), once it
+    /// has spun its limit it does again a chunk that nobody has begun to write yet and whose taker has
+    /// had twice the time it should take ([`REDO_AFTER_NS`] at least: a thread switched out is away
+    /// a scheduler's turn, milliseconds), instead of sleeping; it sleeps once every chunk not done is
+    /// being written.
+    fn wait_done(&self, k: u64, chunks: usize, mut redo: Option<(&mut dyn FnMut(usize), Redo)>) {
         // The chunks before `from` are known done.
         let from = std::cell::Cell::new(0);
+        // When the spins ran out.
+        let mut spun: Option<Instant> = None;
         self.wait_for(
             || {
                 let mut f = from.get();
@@ -658,27 +727,33 @@ impl SpinBarrier {
                 done
             },
             || {
-                let Some(redo) = redo.as_mut() else {
-                    return false;
+                let Some((redo, pace)) = redo.as_mut() else {
+                    return Help::Sleep;
                 };
                 let held = (from.get()..chunks)
                     .find(|&c| self.states[c].load(Ordering::Acquire) < writing(k));
                 let Some(c) = held else {
-                    return false;
+                    return Help::Sleep;
                 };
+                let since = *spun.get_or_insert_with(Instant::now);
+                if since.elapsed() < pace.patience(c) {
+                    return Help::NotYet;
+                }
+                spun = None;
                 redo(c);
-                true
+                Help::Did
             },
         );
     }
 
     /// Spins until `ready` holds, for at most this thread's spin limit, then asks `help` to do some
-    /// of the work waited for (it says whether it did, and the spinning starts over) and otherwise
-    /// sleeps until a [`SpinBarrier::wake_all`] finds `ready` holds; adapts the limit to how the wait
-    /// ended. Resumes the region's panic if the barrier is poisoned meanwhile.
-    fn wait_for(&self, ready: impl Fn() -> bool, mut help: impl FnMut() -> bool) {
+    /// of the work waited for (when it did, the spinning starts over) and otherwise sleeps until a
+    /// [`SpinBarrier::wake_all`] finds `ready` holds; adapts the limit to how the wait ended, and
+    /// counts a wait that helped or slept [`LONG_WAIT_NS`] or more ([`LONG_WAITS`]). Resumes the
+    /// region's panic if the barrier is poisoned meanwhile.
+    fn wait_for(&self, ready: impl Fn() -> bool, mut help: impl FnMut() -> Help) {
         let limit = SPIN_LIMIT.with(|l| l.get());
-        let (mut spins, mut slept) = (0u32, false);
+        let (mut spins, mut slept, mut long) = (0u32, false, false);
         while !ready() {
             if self.poisoned.load(Ordering::Acquire) {
                 std::panic::resume_unwind(Box::new(Poisoned));
@@ -686,18 +761,25 @@ impl SpinBarrier {
             if spins < limit {
                 spins += 1;
                 std::hint::spin_loop();
-            } else {
-                // Helping or sleeping: either way the wait outlasted the spins.
-                if !slept {
-                    LONG_WAITS.fetch_add(1, Ordering::Relaxed);
-                }
-                slept = true;
-                if help() {
+                continue;
+            }
+            // Helping or sleeping: either way the wait outlasted the spins.
+            slept = true;
+            match help() {
+                Help::Did => {
                     spins = 0;
-                } else {
+                    long = true;
+                }
+                Help::NotYet => std::hint::spin_loop(),
+                Help::Sleep => {
+                    let asleep = Instant::now();
                     self.sleep_until(&ready);
+                    long |= asleep.elapsed() >= Duration::from_nanos(LONG_WAIT_NS);
                 }
             }
+        }
+        if long {
+            LONG_WAITS.fetch_add(1, Ordering::Relaxed);
         }
         // Halved after a wait that ended asleep, doubled after one that ended spinning.
         let next = if slept {
@@ -941,6 +1023,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_redo_form_runs_while_long_waits_recur_and_not_after_one() {
+        // Steps one after another, each with a long wait or not: the form is on from the second long
+        // wait within the window, and off once fewer than two of the window's steps had one.
+        let run = |long: &[bool]| {
+            let mut steps = 0u32;
+            long.iter()
+                .map(|&l| {
+                    steps = steps << 1 | u32::from(l);
+                    redo_due(steps)
+                })
+                .collect::<Vec<_>>()
+        };
+        // One long wait now and then (a quiet machine): never.
+        let mut quiet = vec![false; 100];
+        quiet[3] = true;
+        quiet[3 + REDO_WINDOW as usize] = true;
+        quiet[60] = true;
+        assert!(run(&quiet).iter().all(|on| !on));
+        // Long waits step after step (a busy core): from the second on, and for as long as two of
+        // the window's steps had one.
+        let mut busy = vec![true; 10];
+        busy.extend([false; 20]);
+        let on = run(&busy);
+        assert_eq!(
+            on[..10],
+            [false, true, true, true, true, true, true, true, true, true]
+        );
+        // The last step whose window still holds the two last long waits (steps 8 and 9).
+        let last_on = on.iter().rposition(|&o| o).unwrap();
+        assert_eq!(last_on, 8 + REDO_WINDOW as usize - 1);
     }
 
     #[test]
