@@ -10,7 +10,10 @@
 //! up. A thread that waits long for a chunk (its taker switched out) goes to sleep, and the chunk's
 //! taker wakes it: a sleeper leaves its core to whatever else runs there (on Linux an idle core takes
 //! the switched-out thread at once), where a thread that yielded waits its turn behind the other
-//! processes, a time slice (milliseconds) each time.
+//! processes, a time slice (milliseconds) each time. Where every core is busy there is no idle core to
+//! take it: operations whose chunks may be done twice ([`Team::deal_staged`]: the decode products,
+//! attention) then run in a redo form, in which a waiter does the held chunk itself and the taker's
+//! late result is dropped.
 //!
 //! Deals replace the barriers the threads met at between operations: there a thread switched out
 //! anywhere held every other at the next barrier. [`Team::sync`], a barrier, remains for tests and
@@ -73,7 +76,8 @@ impl<'a> Team<'a> {
     /// thread that comes late to a deal the others have finished finds no chunk left and goes on: it
     /// catches up with the team without holding it. Only a thread switched out while it holds a chunk
     /// holds the team, until it runs again; the others then sleep at the deal's end, and an idle
-    /// core takes the switched-out thread (Linux moves a waiting thread to an idle core).
+    /// core takes the switched-out thread (Linux moves a waiting thread to an idle core). A deal whose
+    /// chunks may be done twice is [`Team::deal_staged`]'s.
     pub fn deal(&self, items: usize, mut f: impl FnMut(Range<usize>)) {
         let Some(board) = self.barrier else {
             if items > 0 {
@@ -556,19 +560,16 @@ fn run_on<F: Fn(&Team<'_>) + Sync>(count: usize, f: &F) -> bool {
     let start = Instant::now();
     // When the first and the last member left the step (ns from its start).
     let (first_out, last_out) = (AtomicU64::new(u64::MAX), AtomicU64::new(0));
+    let take_part = || {
+        let team = Team::member_of(slots.fetch_add(1, Ordering::Relaxed), count, &barrier);
+        member(&team, &first_panic, f);
+        let out = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        first_out.fetch_min(out, Ordering::Relaxed);
+        last_out.fetch_max(out, Ordering::Relaxed);
+    };
     // The jobs go to whichever threads come for them first: a thread whose core is busy comes last
     // and finds no work left.
-    rayon::scope(|s| {
-        for _ in 0..count {
-            s.spawn(|_| {
-                let team = Team::member_of(slots.fetch_add(1, Ordering::Relaxed), count, &barrier);
-                member(&team, &first_panic, f);
-                let out = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                first_out.fetch_min(out, Ordering::Relaxed);
-                last_out.fetch_max(out, Ordering::Relaxed);
-            });
-        }
-    });
+    spawn_and_wait(count, &take_part);
     after_step(waits);
     rethrow(first_panic);
     let (first, last) = (
@@ -580,6 +581,55 @@ fn run_on<F: Fn(&Team<'_>) + Sync>(count: usize, f: &F) -> bool {
         Duration::from_nanos(last),
         count,
     )
+}
+
+/// Runs `job` on `count` jobs of the current pool, taken by whichever of its threads come first, and
+/// returns once every one has run to its end. The calling thread (outside the pool) sleeps meanwhile
+/// and is woken once, by the last job: a `rayon::scope` opened from outside the pool runs its body on
+/// one of the pool's threads, which sleeps until the last job wakes it and then wakes the caller, two
+/// wake-ups in a row, each a scheduler's turn late on a busy machine. From a thread of the pool, which
+/// must run jobs while it waits (a job left in its own queue might never start otherwise), through
+/// `rayon::scope`. `job` must not unwind (a region's member catches its panics).
+fn spawn_and_wait(count: usize, job: &(dyn Fn() + Sync)) {
+    if rayon::current_thread_index().is_some() {
+        rayon::scope(|s| {
+            for _ in 0..count {
+                s.spawn(|_| job());
+            }
+        });
+        return;
+    }
+    /// Jobs left, and whether the last has ended.
+    struct Left {
+        jobs: AtomicUsize,
+        ended: Mutex<bool>,
+        wake: Condvar,
+    }
+    let left = std::sync::Arc::new(Left {
+        jobs: AtomicUsize::new(count),
+        ended: Mutex::new(false),
+        wake: Condvar::new(),
+    });
+    // SAFETY: this function returns only once every job has returned from `job` (each counts itself
+    // out after the call, and the last wakes the wait below), so `job` and what it borrows outlive
+    // every use; after counting itself out a job touches only its own `Arc` of `left`. A job that
+    // unwound out of `job` would abort the process (rayon's handling of a panicking spawn) before it
+    // could be counted out early.
+    let job: &'static (dyn Fn() + Sync) = unsafe { std::mem::transmute(job) };
+    for _ in 0..count {
+        let left = std::sync::Arc::clone(&left);
+        rayon::spawn(move || {
+            job();
+            if left.jobs.fetch_sub(1, Ordering::AcqRel) == 1 {
+                *left.ended.lock().unwrap_or_else(|e| e.into_inner()) = true;
+                left.wake.notify_one();
+            }
+        });
+    }
+    let mut ended = left.ended.lock().unwrap_or_else(|e| e.into_inner());
+    while !*ended {
+        ended = left.wake.wait(ended).unwrap_or_else(|e| e.into_inner());
+    }
 }
 
 /// What a team's threads share: the board of its deals (which chunk of which deal is claimed next, and
