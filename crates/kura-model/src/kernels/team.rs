@@ -616,6 +616,7 @@ fn spawn_and_wait(count: usize, job: &(dyn Fn() + Sync)) {
     // unwound out of `job` would abort the process (rayon's handling of a panicking spawn) before it
     // could be counted out early.
     let job: &'static (dyn Fn() + Sync) = unsafe { std::mem::transmute(job) };
+    let step = STEPS_SPAWNED.fetch_add(1, Ordering::Relaxed) + 1;
     for _ in 0..count {
         let left = std::sync::Arc::clone(&left);
         rayon::spawn(move || {
@@ -624,6 +625,16 @@ fn spawn_and_wait(count: usize, job: &(dyn Fn() + Sync)) {
                 *left.ended.lock().unwrap_or_else(|e| e.into_inner()) = true;
                 left.wake.notify_one();
             }
+            // Awake a while for the next step: a thread of the pool that sleeps between steps is
+            // woken for the next one, a scheduler's turn late where its core is shared.
+            let since = Instant::now();
+            while STEPS_SPAWNED.load(Ordering::Relaxed) == step
+                && since.elapsed() < Duration::from_nanos(LINGER_NS)
+            {
+                for _ in 0..32 {
+                    std::hint::spin_loop();
+                }
+            }
         });
     }
     let mut ended = left.ended.lock().unwrap_or_else(|e| e.into_inner());
@@ -631,6 +642,13 @@ fn spawn_and_wait(count: usize, job: &(dyn Fn() + Sync)) {
         ended = left.wake.wait(ended).unwrap_or_else(|e| e.into_inner());
     }
 }
+
+/// Steps spawned by [`spawn_and_wait`].
+static STEPS_SPAWNED: AtomicU64 = AtomicU64::new(0);
+
+/// How long a member stays awake after its step for the next ([`spawn_and_wait`]): longer than the
+/// caller's work between decode steps (sampling, tens of microseconds).
+const LINGER_NS: u64 = 200_000;
 
 /// What a team's threads share: the board of its deals (which chunk of which deal is claimed next, and
 /// in which deal each chunk was last done) and a reusable barrier ([`Team::sync`]). Waiters spin
