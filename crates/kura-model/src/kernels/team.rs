@@ -1068,21 +1068,16 @@ mod tests {
                         rounds();
                     }
                     for i in 0..100 {
+                        // What the rounds that reached element i wrote to it.
+                        let mut wrote = sizes
+                            .iter()
+                            .enumerate()
+                            .filter(|&(_, &n)| i < n)
+                            .map(|(round, _)| (i + round) as f32);
                         let want: f32 = if keep {
-                            sizes
-                                .iter()
-                                .enumerate()
-                                .filter(|&(_, &n)| i < n)
-                                .map(|(round, _)| (i + round) as f32)
-                                .sum()
+                            wrote.sum()
                         } else {
-                            sizes
-                                .iter()
-                                .enumerate()
-                                .filter(|&(_, &n)| i < n)
-                                .map(|(round, _)| (i + round) as f32)
-                                .next_back()
-                                .unwrap_or(0.0)
+                            wrote.next_back().unwrap_or(0.0)
                         };
                         let what = format!("threads={threads} redo={redo} keep={keep} i={i}");
                         assert_eq!(out[2 * i], 0.0, "{what}: a span's other elements kept");
