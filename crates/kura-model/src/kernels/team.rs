@@ -219,7 +219,7 @@ impl<'a> Team<'a> {
         );
         // Chunk `j` starts at `start`; a thread's chunks come in increasing order.
         let (mut j, mut start) = (0, 0);
-        let mut pace = Redo::default();
+        let mut pace = Redo::new(items, n);
         loop {
             let w = board.claim.load(Ordering::Acquire);
             let c = match tag(w).cmp(&k) {
@@ -258,7 +258,6 @@ impl<'a> Team<'a> {
             }
         }
         if redo {
-            pace.items_of = Some((items, n));
             board.wait_done(
                 k,
                 chunks,
@@ -429,15 +428,24 @@ enum Help {
 
 /// A thread's pace in a deal of the redo form: the items and time of the chunks it took, from which
 /// how long another's chunk should take.
-#[derive(Default, Clone, Copy)]
+#[derive(Clone, Copy)]
 struct Redo {
+    /// The deal's items and team size (to size a chunk).
+    deal: (usize, usize),
     items: usize,
     time: Duration,
-    /// The deal's items and team size (to size a chunk).
-    items_of: Option<(usize, usize)>,
 }
 
 impl Redo {
+    /// No chunk taken yet in a deal of `items` for `n` threads.
+    fn new(items: usize, n: usize) -> Redo {
+        Redo {
+            deal: (items, n),
+            items: 0,
+            time: Duration::ZERO,
+        }
+    }
+
     fn took(&mut self, items: usize, time: Duration) {
         self.items += items;
         self.time += time;
@@ -447,9 +455,10 @@ impl Redo {
     /// this thread's pace, [`REDO_AFTER_NS`] at least; four times that where this thread took none.
     fn patience(&self, c: usize) -> Duration {
         let least = Duration::from_nanos(REDO_AFTER_NS);
-        let Some((items, n)) = self.items_of.filter(|_| self.items > 0) else {
+        if self.items == 0 {
             return 4 * least;
-        };
+        }
+        let (items, n) = self.deal;
         let len = u32::try_from(chunk_range(items, n, c).len()).unwrap_or(u32::MAX);
         let per_item = self.time / u32::try_from(self.items).unwrap_or(u32::MAX);
         (2 * per_item.saturating_mul(len)).max(least)
@@ -490,8 +499,8 @@ fn after_step(before: u64) {
     });
 }
 
-/// Runs `f` with every region's [`Team::deal_out`] in its redo form (a chunk computed into a buffer and
-/// copied out by whoever finishes it first), whatever the waits: for tests, which check that both
+/// Runs `f` with every region's [`Team::deal_staged`] in its redo form (a chunk computed into a stage
+/// and published by whoever finishes it first), whatever the waits: for tests, which check that both
 /// forms give the same bits.
 pub fn with_redo_form<R>(f: impl FnOnce() -> R) -> R {
     struct Forced;
@@ -667,8 +676,8 @@ pub struct SpinBarrier {
     poisoned: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
-    /// Whether [`Team::deal_out`] computes each chunk into a buffer and publishes it, so that a waiting
-    /// thread may do a held chunk again; otherwise its chunks write `out` in place.
+    /// Whether [`Team::deal_staged`] computes each chunk into a stage and publishes it, so that a
+    /// waiting thread may do a held chunk again; otherwise its chunks write in place.
     redo: bool,
 }
 
@@ -701,7 +710,7 @@ impl SpinBarrier {
         Self::with_redo(n, false)
     }
 
-    /// A board for `n` threads whose [`Team::deal_out`]s run in the redo form or not.
+    /// A board for `n` threads whose [`Team::deal_staged`]s run in the redo form or not.
     fn with_redo(n: usize, redo: bool) -> Self {
         SpinBarrier {
             redo,
