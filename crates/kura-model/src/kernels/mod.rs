@@ -8,6 +8,7 @@ pub mod ops;
 pub mod packed;
 pub mod qpacked;
 pub mod roster;
+pub mod seats;
 pub mod team;
 
 /// The kernel paths this process dispatches to, for the log: the vector instruction set (which

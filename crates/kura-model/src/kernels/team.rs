@@ -19,7 +19,7 @@
 //! anywhere held every other at the next barrier. [`Team::sync`], a barrier, remains for tests and
 //! benchmarks that want every thread at one point.
 
-use super::roster;
+use super::{roster, seats};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -629,21 +629,29 @@ fn spawn_and_wait(count: usize, job: &(dyn Fn() + Sync)) {
     for _ in 0..count {
         let left = std::sync::Arc::clone(&left);
         rayon::spawn(move || {
+            seats::take();
             job();
             if left.jobs.fetch_sub(1, Ordering::AcqRel) == 1 {
                 *left.ended.lock().unwrap_or_else(|e| e.into_inner()) = true;
                 left.wake.notify_one();
             }
             // Awake a while for the next step: a thread of the pool that sleeps between steps is
-            // woken for the next one, a scheduler's turn late where its core is shared.
+            // woken for the next one, a scheduler's turn late where its core is shared. Yielding
+            // where spinning would slow the step down ([`seats::give_way`]).
             let since = Instant::now();
             while STEPS_SPAWNED.load(Ordering::Relaxed) == step
                 && since.elapsed() < Duration::from_nanos(LINGER_NS)
             {
-                for _ in 0..32 {
-                    std::hint::spin_loop();
+                if seats::give_way(true) {
+                    std::thread::yield_now();
+                    seats::here();
+                } else {
+                    for _ in 0..32 {
+                        std::hint::spin_loop();
+                    }
                 }
             }
+            seats::leave();
         });
     }
     let mut ended = left.ended.lock().unwrap_or_else(|e| e.into_inner());
@@ -831,12 +839,28 @@ impl SpinBarrier {
     fn wait_for(&self, ready: impl Fn() -> bool, mut help: impl FnMut() -> Help) {
         let limit = SPIN_LIMIT.with(|l| l.get());
         let (mut spins, mut slept, mut long) = (0u32, false, false);
+        // A teammate on this thread's CPU is given the core rather than spun against.
+        let give_way = || {
+            let give = seats::give_way(false);
+            if give {
+                std::thread::yield_now();
+                seats::here();
+            }
+            give
+        };
         while !ready() {
             if self.poisoned.load(Ordering::Acquire) {
                 std::panic::resume_unwind(Box::new(Poisoned));
             }
             if spins < limit {
                 spins += 1;
+                if spins % 64 == 1 {
+                    // This thread may have moved since it last said where it runs.
+                    seats::here();
+                    if give_way() {
+                        continue;
+                    }
+                }
                 std::hint::spin_loop();
                 continue;
             }
@@ -847,10 +871,16 @@ impl SpinBarrier {
                     spins = 0;
                     long = true;
                 }
-                Help::NotYet => std::hint::spin_loop(),
+                Help::NotYet => {
+                    if !give_way() {
+                        std::hint::spin_loop();
+                    }
+                }
                 Help::Sleep => {
                     let asleep = Instant::now();
+                    seats::away();
                     self.sleep_until(&ready);
+                    seats::here();
                     long |= asleep.elapsed() >= Duration::from_nanos(LONG_WAIT_NS);
                 }
             }
@@ -1580,6 +1610,100 @@ mod tests {
         });
         assert_eq!(*inner_sizes.lock().unwrap(), vec![1]);
         assert!(!IN_REGION.with(|r| r.get()));
+    }
+
+    /// The CPUs this process may run on.
+    fn allowed_cpus() -> Vec<usize> {
+        // SAFETY: an all-zero set is a valid empty set, which the call fills.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is as large as the size given.
+        assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut set) }, 0);
+        let cpus = usize::try_from(libc::CPU_SETSIZE).expect("a count");
+        // SAFETY: every CPU asked about is below the set's size.
+        (0..cpus)
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+            .collect()
+    }
+
+    /// Runs the calling thread on `cpus` alone.
+    fn pin(cpus: &[usize]) {
+        // SAFETY: an all-zero set is a valid empty set; each CPU added is one the process may use.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &c in cpus {
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is as large as the size given.
+        assert_eq!(unsafe { libc::sched_setaffinity(0, size, &set) }, 0);
+    }
+
+    #[test]
+    fn a_thread_of_the_pool_gives_its_core_to_a_teammate_on_it_and_a_shared_core_to_a_free_teammate(
+    ) {
+        // Steps of two members opened from outside the global pool, whose members wait for each
+        // other at the ends of deals and for the next step between steps.
+        let cpus = allowed_cpus();
+        let n = rayon::current_num_threads();
+        assert!(
+            cpus.len() >= 2 && n >= 2,
+            "needs two CPUs and a pool of two threads: CPUs {cpus:?}, {n} threads"
+        );
+        // Puts the member of index `i` of a step on `at(i)`: the barrier makes them two threads.
+        let place = |at: &(dyn Fn(usize) -> Vec<usize> + Sync)| {
+            run_adaptive(n, 2, |tm| {
+                pin(&at(tm.index()));
+                tm.sync();
+            })
+        };
+        let steps = |count: usize| {
+            for _ in 0..count {
+                run_adaptive(n, 2, |tm| {
+                    for _ in 0..8 {
+                        tm.deal(64, |r| {
+                            for i in r {
+                                let mut x = i as u64;
+                                for _ in 0..400 {
+                                    x = std::hint::black_box(
+                                        x.wrapping_mul(6364136223846793005) + 1,
+                                    );
+                                }
+                            }
+                        });
+                    }
+                });
+            }
+        };
+        // Both members on one CPU, as the scheduler may place them where another core is busy.
+        place(&|_| vec![cpus[0]]);
+        let before = seats::gave_way();
+        steps(50);
+        let same_cpu = seats::gave_way();
+        // One member beside a busy thread, the other on a CPU of its own.
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let busy = {
+            let (stop, cpu) = (stop.clone(), cpus[1]);
+            std::thread::spawn(move || {
+                pin(&[cpu]);
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        place(&|i| vec![cpus[i]]);
+        steps(300);
+        let shared_core = seats::gave_way();
+        stop.store(true, Ordering::Relaxed);
+        busy.join().expect("the busy thread");
+        place(&|_| cpus.clone());
+        assert!(
+            same_cpu.0 > before.0,
+            "no member gave its CPU to the other: {before:?} -> {same_cpu:?}"
+        );
+        assert!(
+            shared_core.1 > same_cpu.1,
+            "the member beside a busy thread never gave way: {same_cpu:?} -> {shared_core:?}"
+        );
     }
 
     #[test]
