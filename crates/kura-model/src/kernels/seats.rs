@@ -48,7 +48,8 @@ thread_local! {
 /// A thread's share of time spent ready but not running, measured over windows.
 #[derive(Debug)]
 pub struct Waiting {
-    /// The thread's own statistics file, once opened (`None` inside: it cannot be).
+    /// The thread's own statistics file, once opened (`Some(None)`: it cannot be).
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     file: Option<Option<std::fs::File>>,
     /// When the window began (ns) and the thread's total waiting time then.
     began: Option<(u64, u64)>,
@@ -89,18 +90,26 @@ impl Waiting {
                 return self.shared;
             }
         }
-        let file = self
-            .file
-            .get_or_insert_with(|| std::fs::File::open("/proc/thread-self/schedstat").ok());
-        let Some(file) = file else {
-            return false;
-        };
-        let mut buf = [0u8; 128];
-        let read = std::os::unix::fs::FileExt::read_at(&*file, &mut buf, 0);
-        match read.ok().and_then(|n| waited_ns(&buf[..n])) {
+        match self.waited() {
             Some(waited) => self.observe(now, waited),
             None => self.shared,
         }
+    }
+
+    /// The thread's total time spent waiting to run, from its statistics file (opened once).
+    #[cfg(target_os = "linux")]
+    fn waited(&mut self) -> Option<u64> {
+        let file = self
+            .file
+            .get_or_insert_with(|| std::fs::File::open("/proc/thread-self/schedstat").ok());
+        let mut buf = [0u8; 128];
+        let n = std::os::unix::fs::FileExt::read_at(file.as_ref()?, &mut buf, 0).ok()?;
+        waited_ns(&buf[..n])
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn waited(&mut self) -> Option<u64> {
+        None
     }
 }
 
@@ -131,9 +140,14 @@ fn now_ns() -> u64 {
 
 /// The CPU this thread runs on, + 1 (0 where unknown).
 fn cpu() -> u64 {
-    // SAFETY: no arguments; reads the CPU number the kernel keeps for this thread.
-    let c = unsafe { libc::sched_getcpu() };
-    u64::try_from(c).map_or(0, |c| c + 1)
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: no arguments; reads the CPU number the kernel keeps for this thread.
+        let c = unsafe { libc::sched_getcpu() };
+        u64::try_from(c).map_or(0, |c| c + 1)
+    }
+    #[cfg(not(target_os = "linux"))]
+    0
 }
 
 /// Gives this thread of the current pool a seat (a step's job, until [`leave`]): its CPU, and whether
@@ -308,6 +322,7 @@ mod tests {
         assert_eq!(waited_ns(&[0xff, 0x20, 0x31]), None);
     }
 
+    #[cfg(target_os = "linux")]
     #[test]
     fn this_threads_schedstat_reads_on_linux() {
         let text = std::fs::read("/proc/thread-self/schedstat")

@@ -14,6 +14,9 @@
 //! take it: operations whose chunks may be done twice ([`Team::deal_staged`]: the decode products,
 //! attention) then run in a redo form, in which a waiter does the held chunk itself and the taker's
 //! late result is dropped.
+//! A thread with nothing to do gives its core away rather than spin where spinning slows the team
+//! ([`super::seats`]): to a teammate on the same CPU, and, between steps, from a core shared with a
+//! busy process to a teammate that has a core of its own.
 //!
 //! Deals replace the barriers the threads met at between operations: there a thread switched out
 //! anywhere held every other at the next barrier. [`Team::sync`], a barrier, remains for tests and
@@ -1612,6 +1615,7 @@ mod tests {
         assert!(!IN_REGION.with(|r| r.get()));
     }
 
+    #[cfg(target_os = "linux")]
     /// The CPUs this process may run on.
     fn allowed_cpus() -> Vec<usize> {
         // SAFETY: an all-zero set is a valid empty set, which the call fills.
@@ -1626,6 +1630,7 @@ mod tests {
             .collect()
     }
 
+    #[cfg(target_os = "linux")]
     /// Runs the calling thread on `cpus` alone.
     fn pin(cpus: &[usize]) {
         // SAFETY: an all-zero set is a valid empty set; each CPU added is one the process may use.
@@ -1638,6 +1643,7 @@ mod tests {
         assert_eq!(unsafe { libc::sched_setaffinity(0, size, &set) }, 0);
     }
 
+    #[cfg(target_os = "linux")]
     #[test]
     fn a_thread_of_the_pool_gives_its_core_to_a_teammate_on_it_and_a_shared_core_to_a_free_teammate(
     ) {
