@@ -1615,8 +1615,8 @@ mod tests {
         assert!(!IN_REGION.with(|r| r.get()));
     }
 
-    #[cfg(target_os = "linux")]
     /// The CPUs this process may run on.
+    #[cfg(target_os = "linux")]
     fn allowed_cpus() -> Vec<usize> {
         // SAFETY: an all-zero set is a valid empty set, which the call fills.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
@@ -1630,8 +1630,8 @@ mod tests {
             .collect()
     }
 
-    #[cfg(target_os = "linux")]
     /// Runs the calling thread on `cpus` alone.
+    #[cfg(target_os = "linux")]
     fn pin(cpus: &[usize]) {
         // SAFETY: an all-zero set is a valid empty set; each CPU added is one the process may use.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
@@ -1645,8 +1645,7 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     #[test]
-    fn a_thread_of_the_pool_gives_its_core_to_a_teammate_on_it_and_a_shared_core_to_a_free_teammate(
-    ) {
+    fn members_give_their_core_to_a_teammate_on_it_and_leave_a_shared_core_to_a_free_teammate() {
         // Steps of two members opened from outside the global pool, whose members wait for each
         // other at the ends of deals and for the next step between steps.
         let cpus = allowed_cpus();
