@@ -8,7 +8,7 @@
 //! spinner takes the time of the teammate it waits for. And where this thread's core is shared with
 //! another busy process while a teammate has a core to itself, the teammate can do the step's work at
 //! full speed: this thread, staying awake beside the busy process, takes its chunks at half speed and
-//! holds the team (beside one busy process on one of two cores, decode was 20 % slower than with
+//! holds the team (beside one busy process on one of two cores, decode was up to 18 % slower than with
 //! threads that slept between steps). In both cases the thread yields its core instead.
 //!
 //! Each thread of the pool, while it takes part in a step or waits for the next, has a seat: its CPU
