@@ -2,8 +2,9 @@
 # Kura and llama.cpp across thread counts in one run, on one model file: batch-1 decode, prefill of
 # ~1,024 and ~4,096 tokens, medians of REPS runs (llama-bench: means of its REPS repetitions), the ratio
 # Kura / llama.cpp, and decode as a share of the bound that memory read bandwidth sets (the highest of three
-# bandwidth measurements at that thread count / weight bytes read per token, all in the same run). Prints
-# a markdown report.
+# bandwidth measurements at that thread count / weight bytes read per token, all in the same run), and how
+# often Kura's compute threads gave their core away in the decode runs (`kura generate --json`'s
+# `gave_way`). Prints a markdown report.
 #
 # Usage: bench/threads.sh
 # Environment: THREADS ["1 2 … up to the cores"]  REPS [3]  PROMPTS ["1024 4096"]
@@ -173,4 +174,17 @@ print(f"Kura reads {per_token / 1e6:.1f} MB of weights per decoded token; read b
       "and after the runs; the bound takes the highest): "
       + ", ".join(f"{t} thread(s) " + " / ".join(f"{x:.1f}" for x in bws[t]) + " GB/s"
                   for t in threads if t in bws) + ".")
+# How often the compute threads yielded their core instead of spinning (kernels/seats.rs), in the decode runs.
+gave = {}
+for t in threads:
+    runs = [json.load(open(os.path.join(tmp, f))).get("gave_way") for f in sorted(os.listdir(tmp))
+            if f.startswith(f"kura-{t}-decode-")]
+    runs = [r for r in runs if r]
+    if runs:
+        gave[t] = (statistics.median(r["same_cpu"] for r in runs), statistics.median(r["shared_core"] for r in runs))
+if gave:
+    print()
+    print("Compute threads that gave their core away in a decode run (medians; to a teammate on the same CPU / "
+          "from a core shared with a busy process): "
+          + ", ".join(f"{t} thread(s) {a:,.0f} / {b:,.0f}" for t, (a, b) in gave.items()) + ".")
 EOF

@@ -91,7 +91,19 @@ struct Report {
     prompt_tok_per_s: f64,
     decode_tok_per_s: f64,
     total_ms: f64,
+    /// Times the compute threads of a CPU run gave their core away instead of spinning; none (`null`)
+    /// on a GPU.
+    gave_way: Option<GaveWay>,
     text: String,
+}
+
+/// Times the compute threads gave their core away instead of spinning (`kura_model::kernels::seats`).
+#[derive(Debug, Serialize)]
+struct GaveWay {
+    /// To a teammate running on the same CPU.
+    same_cpu: u64,
+    /// Between steps, from a core shared with a busy process to a teammate with a core of its own.
+    shared_core: u64,
 }
 
 /// Where the forward pass runs.
@@ -277,6 +289,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             0.0
         },
         total_ms,
+        gave_way: device.is_none().then(|| {
+            let (same_cpu, shared_core) = kura_model::kernels::seats::gave_way();
+            GaveWay {
+                same_cpu,
+                shared_core,
+            }
+        }),
         text,
     };
     if args.json {
