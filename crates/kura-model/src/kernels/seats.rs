@@ -47,7 +47,7 @@ thread_local! {
 
 /// A thread's share of time spent ready but not running, measured over windows.
 #[derive(Debug)]
-pub struct Waiting {
+struct Waiting {
     /// The thread's own statistics file, once opened (`Some(None)`: it cannot be).
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     file: Option<Option<std::fs::File>>,
@@ -58,7 +58,7 @@ pub struct Waiting {
 }
 
 impl Waiting {
-    pub const fn new() -> Waiting {
+    const fn new() -> Waiting {
         Waiting {
             file: None,
             began: None,
@@ -68,7 +68,7 @@ impl Waiting {
 
     /// Takes the thread's total time spent waiting to run, `waited` ns, at `now` ns, and says whether
     /// the core is shared: as found by the last window of at least [`WINDOW_NS`].
-    pub fn observe(&mut self, now: u64, waited: u64) -> bool {
+    fn observe(&mut self, now: u64, waited: u64) -> bool {
         match self.began {
             Some((t0, w0)) if now >= t0 => {
                 let span = now - t0;
@@ -113,15 +113,9 @@ impl Waiting {
     }
 }
 
-impl Default for Waiting {
-    fn default() -> Self {
-        Waiting::new()
-    }
-}
-
 /// The time a thread spent ready but not running, from its `schedstat` (`<ran> <waited> <slices>`,
 /// nanoseconds), or `None` where the text is not of that form.
-pub fn waited_ns(schedstat: &[u8]) -> Option<u64> {
+fn waited_ns(schedstat: &[u8]) -> Option<u64> {
     let text = std::str::from_utf8(schedstat).ok()?;
     let mut fields = text.split_whitespace();
     fields.next()?.parse::<u64>().ok()?;
@@ -173,19 +167,20 @@ pub fn leave() {
 /// Marks this seated thread as running again (after a sleep, or to note a move to another CPU):
 /// records its CPU.
 pub fn here() {
-    if let Some(i) = MINE.with(|m| m.get()) {
-        let word = &SEATED[i].0;
-        let shared = word.load(Ordering::Relaxed) & SHARED;
-        word.store(cpu() | shared, Ordering::Relaxed);
-    }
+    record_cpu(cpu());
 }
 
 /// Marks this seated thread as asleep: nobody should give way to it.
 pub fn away() {
+    record_cpu(0);
+}
+
+/// Records `cpu` (+ 1; 0 for none) in this thread's seat, if it has one, keeping whether it is shared.
+fn record_cpu(cpu: u64) {
     if let Some(i) = MINE.with(|m| m.get()) {
         let word = &SEATED[i].0;
         let shared = word.load(Ordering::Relaxed) & SHARED;
-        word.store(shared, Ordering::Relaxed);
+        word.store(cpu | shared, Ordering::Relaxed);
     }
 }
 
@@ -210,9 +205,9 @@ pub fn gave_way() -> (u64, u64) {
     )
 }
 
-/// Whether this seated thread should give its core away rather than spin: a teammate runs on the same
-/// CPU, or, with `between_steps`, this thread's core is shared with another busy process while a
-/// teammate's is not.
+/// Gives this seated thread's core away (yields it, then records where the thread runs again) where
+/// that beats spinning: a teammate runs on the same CPU, or, with `between_steps`, this thread's core
+/// is shared with another busy process while a teammate's is not. Says whether it did.
 pub fn give_way(between_steps: bool) -> bool {
     let Some(me) = MINE.with(|m| m.get()) else {
         return false;
@@ -224,6 +219,8 @@ pub fn give_way(between_steps: bool) -> bool {
         return false;
     };
     GAVE_WAY[why as usize].fetch_add(1, Ordering::Relaxed);
+    std::thread::yield_now();
+    here();
     true
 }
 

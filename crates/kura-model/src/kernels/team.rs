@@ -645,10 +645,7 @@ fn spawn_and_wait(count: usize, job: &(dyn Fn() + Sync)) {
             while STEPS_SPAWNED.load(Ordering::Relaxed) == step
                 && since.elapsed() < Duration::from_nanos(LINGER_NS)
             {
-                if seats::give_way(true) {
-                    std::thread::yield_now();
-                    seats::here();
-                } else {
+                if !seats::give_way(true) {
                     for _ in 0..32 {
                         std::hint::spin_loop();
                     }
@@ -842,15 +839,6 @@ impl SpinBarrier {
     fn wait_for(&self, ready: impl Fn() -> bool, mut help: impl FnMut() -> Help) {
         let limit = SPIN_LIMIT.with(|l| l.get());
         let (mut spins, mut slept, mut long) = (0u32, false, false);
-        // A teammate on this thread's CPU is given the core rather than spun against.
-        let give_way = || {
-            let give = seats::give_way(false);
-            if give {
-                std::thread::yield_now();
-                seats::here();
-            }
-            give
-        };
         while !ready() {
             if self.poisoned.load(Ordering::Acquire) {
                 std::panic::resume_unwind(Box::new(Poisoned));
@@ -858,9 +846,10 @@ impl SpinBarrier {
             if spins < limit {
                 spins += 1;
                 if spins % 64 == 1 {
-                    // This thread may have moved since it last said where it runs.
+                    // This thread may have moved since it last said where it runs; a teammate on
+                    // its CPU is given the core rather than spun against.
                     seats::here();
-                    if give_way() {
+                    if seats::give_way(false) {
                         continue;
                     }
                 }
@@ -875,7 +864,7 @@ impl SpinBarrier {
                     long = true;
                 }
                 Help::NotYet => {
-                    if !give_way() {
+                    if !seats::give_way(false) {
                         std::hint::spin_loop();
                     }
                 }
