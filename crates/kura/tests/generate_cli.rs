@@ -1,31 +1,18 @@
 //! `kura generate --json` on the default model: what it reports of its compute threads.
 
+mod common;
+
 #[cfg(target_os = "linux")]
 #[test]
 fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_counts_it() {
     use std::os::unix::process::CommandExt;
     use std::process::Command;
-    let model = kura_model::default_model_path();
-    assert!(
-        model.is_file(),
-        "default model missing at {}: run scripts/fetch-model.sh",
-        model.display()
-    );
-    // The first CPU this process may run on: the command runs on it alone.
-    // SAFETY: an all-zero set is a valid empty set, which the call fills; it is as large as the size.
-    let mut allowed: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut allowed) }, 0);
-    let cpus = usize::try_from(libc::CPU_SETSIZE).expect("a count");
-    // SAFETY: every CPU asked about is below the set's size.
-    let cpu = (0..cpus)
-        .find(|&c| unsafe { libc::CPU_ISSET(c, &allowed) })
-        .expect("a CPU this process may use");
+    let model = common::default_model();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kura"));
     cmd.args([
         "generate",
         "--model",
-        model.to_str().expect("a UTF-8 path"),
+        &model,
         "--threads",
         "2",
         "--prompt",
@@ -35,10 +22,13 @@ fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_cou
         "--ignore-eos",
         "--json",
     ]);
-    // SAFETY: between fork and exec the child only builds a CPU set on its stack and makes one system
-    // call, both async-signal-safe.
+    // The command runs on the one CPU its process starts on (one it may use).
+    // SAFETY: between fork and exec the child only reads its CPU, builds a CPU set on its stack and
+    // makes one system call, all async-signal-safe.
     unsafe {
-        cmd.pre_exec(move || {
+        cmd.pre_exec(|| {
+            let cpu = usize::try_from(libc::sched_getcpu())
+                .map_err(|_| std::io::Error::last_os_error())?;
             let mut one: libc::cpu_set_t = std::mem::zeroed();
             libc::CPU_SET(cpu, &mut one);
             if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one) != 0 {

@@ -1,8 +1,12 @@
 //! `kura plan` end to end: the real binary on the default model file, catalog names, config files, and every
 //! kind of bad input getting a clear error.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
+
+use common::default_model;
 
 fn kura(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kura"))
@@ -22,23 +26,13 @@ fn json(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
 }
 
-fn default_model() -> PathBuf {
-    let p = kura_model::default_model_path();
-    assert!(
-        p.is_file(),
-        "default model missing at {}: run scripts/fetch-model.sh",
-        p.display()
-    );
-    p
-}
-
 #[test]
 fn plans_the_default_gguf_model_from_its_metadata() {
     let model = default_model();
     let r = json(&[
         "plan",
         "--model",
-        model.to_str().unwrap(),
+        &model,
         "--kv-cache-memory",
         "512MiB",
         "--context",

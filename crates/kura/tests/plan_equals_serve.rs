@@ -142,13 +142,7 @@ fn serve_pool_line(args: &[&str]) -> String {
 /// `kura serve` print the same pool, and a quantised pool's start-up log says what it gained over bf16.
 #[test]
 fn kura_plan_and_kura_serve_print_the_same_pool_for_the_default_model() {
-    let model = kura_model::default_model_path();
-    assert!(
-        model.is_file(),
-        "default model missing at {}: run scripts/fetch-model.sh",
-        model.display()
-    );
-    let model = model.to_str().unwrap();
+    let model = &common::default_model();
     let mut bf16_blocks = 0;
     for dtype in ["bf16", "int8", "fp8", "int4"] {
         let out = Command::new(env!("CARGO_BIN_EXE_kura"))

@@ -7,17 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{number_before, serve_line, start_serve};
-
-fn default_model() -> String {
-    let p = kura_model::default_model_path();
-    assert!(
-        p.is_file(),
-        "default model missing at {}: run scripts/fetch-model.sh",
-        p.display()
-    );
-    p.to_str().unwrap().to_string()
-}
+use common::{default_model, number_before, serve_line, start_serve};
 
 /// A directory of this test's own, removed when dropped.
 struct TempDir(PathBuf);

@@ -1,6 +1,8 @@
 //! `kura sim` end to end on bad flags and on input that is not a trace: each is a clear error naming the
 //! flag or the line, never a report of nonsense, a panic or unbounded reading.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -200,19 +202,14 @@ fn the_largest_hash_id_is_replayed_in_full() {
 /// prompts' shared prefix cached), and the same flags give the same report.
 #[test]
 fn calibrate_then_simulate_the_server() {
-    let model = kura_model::default_model_path();
-    assert!(
-        model.is_file(),
-        "default model missing at {}: run scripts/fetch-model.sh",
-        model.display()
-    );
+    let model = common::default_model();
     let dir = std::env::temp_dir().join(format!("kura-sim-cli-{}-cost", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cost = dir.join("cost.json");
     let (code, _, err) = kura_sim(&[
         "--calibrate",
         "--model",
-        model.to_str().unwrap(),
+        &model,
         "--threads",
         "1",
         "--repeats",

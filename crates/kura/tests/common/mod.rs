@@ -1,11 +1,23 @@
-//! Helpers shared by the tests that run the real `kura serve`: start it, read a line of its start-up log,
-//! take a number out of that line.
+//! Helpers shared by the tests that run the real binary on the default model: the model's path, and for
+//! `kura serve`, start it, read a line of its start-up log, take a number out of that line.
 
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// The default model's path (scripts/fetch-model.sh puts it there); fails the test, saying so, where
+/// it is missing.
+pub fn default_model() -> String {
+    let p = kura_model::default_model_path();
+    assert!(
+        p.is_file(),
+        "default model missing at {}: run scripts/fetch-model.sh",
+        p.display()
+    );
+    p.to_str().expect("the model's path is UTF-8").to_string()
+}
 
 /// `kura serve --port 0 ARGS`, its output piped.
 pub fn start_serve(args: &[&str]) -> Child {
