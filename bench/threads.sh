@@ -4,10 +4,11 @@
 # Kura / llama.cpp, and decode as a share of the bound that memory read bandwidth sets (the highest of three
 # bandwidth measurements at that thread count / weight bytes read per token, all in the same run), and how
 # often Kura's compute threads gave their core away in the decode runs (`kura generate --json`'s
-# `gave_way`). Prints a markdown report.
+# `gave_way`) and the team size their decode steps settled on (`pace`). Prints a markdown report.
 #
 # Usage: bench/threads.sh
-# Environment: THREADS ["1 2 … up to the cores"]  REPS [3]  PROMPTS ["1024 4096"]
+# Environment: THREADS ["1 2 … up to the cores"]  REPS [3]  PROMPTS ["1024 4096"]  DECODE [256] (tokens
+#   decoded a run, by Kura and by llama-bench)
 #   MODEL [scripts/fetch-model.sh]  KURA_BIN [target/release/kura]  PEERS [1] (0: Kura only)
 #   KURA_ISA is passed on to Kura (narrows its kernels); with KURA_ISA=avx2 the peer is llama.cpp built
 #   for AVX2 alone (ISA=avx2 bench/peers/build-llama-cpp.sh). LLAMA_BIN: a directory holding another
@@ -28,6 +29,8 @@ if [ -z "${THREADS:-}" ]; then
 fi
 REPS="${REPS:-3}"
 PROMPTS="${PROMPTS:-1024 4096}"
+# Decoded tokens a run: past the first trials of another team size (kernels/pace.rs: the first after 64 steps).
+export DECODE="${DECODE:-256}"
 PEERS="${PEERS:-1}"
 MODEL="${MODEL:-$("$REPO/scripts/fetch-model.sh")}"
 KURA="${KURA_BIN:-$REPO/target/release/kura}"
@@ -38,6 +41,7 @@ for t in $THREADS; do
     case "$t" in '' | *[!0-9]* | 0) echo "threads.sh: THREADS must be counts of at least 1, got '$t'" >&2; exit 2 ;; esac
 done
 case "$REPS" in '' | *[!0-9]* | 0) echo "threads.sh: REPS must be at least 1, got '$REPS'" >&2; exit 2 ;; esac
+case "$DECODE" in '' | *[!0-9]* | 0) echo "threads.sh: DECODE must be at least 1, got '$DECODE'" >&2; exit 2 ;; esac
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
@@ -70,10 +74,10 @@ sentence='The quick brown fox jumps over the lazy dog.'
 prompt() { python3 -c "import sys; print(' '.join([sys.argv[1]] * (int(sys.argv[2]) // 10)))" "$sentence" "$1"; }
 short=$(prompt 130)
 for r in $(seq "$REPS"); do
-    "$KURA" generate --model "$MODEL" --prompt "$short" --max-tokens 64 --ignore-eos \
+    "$KURA" generate --model "$MODEL" --prompt "$short" --max-tokens "$DECODE" --ignore-eos \
         --json >"$TMP/kura-default-decode-$r.json" 2>"$TMP/kura-default.log"
     for t in $THREADS; do
-        "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$short" --max-tokens 64 --ignore-eos \
+        "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$short" --max-tokens "$DECODE" --ignore-eos \
             --json >"$TMP/kura-$t-decode-$r.json" 2>"$TMP/kura.log"
         for p in $PROMPTS; do
             "$KURA" generate --model "$MODEL" --threads "$t" --prompt "$(prompt "$p")" --max-tokens 1 \
@@ -104,7 +108,7 @@ if [ "$PEERS" = 1 ]; then
             "on this machine."
         echo
     fi
-    "$BIN/llama-bench" -m "$MODEL" -t "$tl" -p "$pl" -n 64 -r "$REPS" "${extra[@]}" -o json \
+    "$BIN/llama-bench" -m "$MODEL" -t "$tl" -p "$pl" -n "$DECODE" -r "$REPS" "${extra[@]}" -o json \
         >"$TMP/llama.json" 2>"$TMP/llama.log"
 fi
 
@@ -143,7 +147,7 @@ fmt = lambda x: "–" if x is None else f"{x:,.0f}"
 ratio = lambda a, b: "–" if not b else f"{a / b:.2f}×"
 for t in threads:
     d = kura(t, "decode", "decode_tok_per_s")
-    ld = peer(t, 0, 64)
+    ld = peer(t, 0, int(os.environ["DECODE"]))
     bound = bw.get(t, 0) * 1e9 / per_token if t in bw else None
     row = [t, fmt(d), fmt(ld), ratio(d, ld), "–" if not bound else f"{d / bound:.0%}"]
     for p in prompts:
@@ -187,4 +191,18 @@ if gave:
     print("Compute threads that gave their core away in a decode run (medians; to a teammate on the same CPU / "
           "from a core shared with a busy process): "
           + ", ".join(f"{t} thread(s) {a:,.0f} / {b:,.0f}" for t, (a, b) in gave.items()) + ".")
+# The team size that decode steps settled on in each run (kernels/pace.rs): the trials' verdicts.
+paced = {}
+for t in threads:
+    runs = [json.load(open(os.path.join(tmp, f))).get("pace") for f in sorted(os.listdir(tmp))
+            if f.startswith(f"kura-{t}-decode-")]
+    runs = [r for r in runs if r]
+    if runs:
+        paced[t] = runs
+if paced:
+    print()
+    print("Team size of decode steps at the end of each decode run (trials judged, sizes kept, steps on a "
+          "trial's size): "
+          + "; ".join(f"{t} thread(s) " + ", ".join(f"{r['size']} ({r['trials']}, {r['changes']}, {r['trial_steps']})"
+                                                   for r in runs) for t, runs in paced.items()) + ".")
 EOF

@@ -191,9 +191,9 @@ def test_requests_preempted_to_the_host_tier_on_the_emulated_gpu_give_the_text_t
 
 
 def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulated, monkeypatch):
-    """`kura generate --device cuda --json` says which device ran the model and reports no CPU thread count
-    nor how often CPU threads gave their core away (the CPU's threads do not run it); the same command on
-    the CPU reports both."""
+    """`kura generate --device cuda --json` says which device ran the model and reports no CPU thread count,
+    how often CPU threads gave their core away, nor their decode team size (the CPU's threads do not run
+    it); the same command on the CPU reports all three."""
     libs, model = emulated
     on_emulated_device(monkeypatch, libs)
     reports = {}
@@ -206,8 +206,10 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
         reports[device] = json.loads(out.stdout)
     gpu, cpu = reports["cuda"], reports["cpu"]
     assert gpu["device"] == "cuda:0" and gpu["threads"] is None and gpu["gave_way"] is None, gpu
+    assert gpu["pace"] is None, gpu
     assert cpu["device"] == "cpu" and cpu["threads"] == 2, cpu
     assert set(cpu["gave_way"]) == {"same_cpu", "shared_core"}, cpu
+    assert cpu["pace"]["threads"] == 2 and cpu["pace"]["size"] in (1, 2), cpu
     assert gpu["generated_tokens"] == cpu["generated_tokens"] == 4, (gpu, cpu)
 
 

@@ -549,7 +549,7 @@ impl Model {
         // thread that was switched out and comes back after the team has moved on finds every deal
         // it reaches done and takes no item: the rows it norms into its own buffer meanwhile (decode)
         // may be read while a later deal writes `x`, and are never used, as its next product is done.
-        team::run(|tm| {
+        team::run_step(t_total, |tm| {
             let mut row = vec![0f32; h.max(inter)];
             // Scratch of the per-head Q/K norms (models that have them).
             let mut heads = vec![0f32; heads_len];

@@ -71,6 +71,61 @@ fn redo_form_gives_the_same_logits(dtype: WeightsDtype) {
 }
 
 #[test]
+fn every_team_size_gives_the_same_logits() {
+    // A step's team size changes from one step to the next (fewer threads while a core is busy,
+    // another size on trial for decode steps): the prefill and every decode step give the same bits
+    // on teams of one to four.
+    for dtype in [WeightsDtype::Native, WeightsDtype::Bf16, WeightsDtype::F32] {
+        let model = Model::load_with(
+            &common::default_model_path(),
+            LoadOptions {
+                weights_dtype: dtype,
+            },
+        )
+        .unwrap();
+        let prompt = model
+            .tokenizer()
+            .encode("The lighthouse keeper climbed the stairs at dusk and", true)
+            .unwrap();
+        let decode = || {
+            let mut run = kura_model::SoloRun::new(
+                &model,
+                &prompt,
+                8,
+                kura_kv::codec::KvDtype::F32,
+                16,
+                true,
+            )
+            .unwrap();
+            let mut all = Vec::new();
+            for _ in 0..8 {
+                let logits = run.next_logits().unwrap().row(0).to_vec();
+                run.push(kura_engine::sampling::argmax(&logits)).unwrap();
+                all.push(logits);
+            }
+            all
+        };
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(decode)
+        };
+        let one = on(1);
+        assert_eq!(one.len(), 8);
+        for threads in 2..=4 {
+            for (step, (a, b)) in one.iter().zip(&on(threads)).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{dtype:?} step {step}: {threads} threads give other logits than one"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn incremental_detokenization_streams_the_same_text() {
     let model = Model::load(&common::default_model_path()).unwrap();
     let tok = model.tokenizer();

@@ -94,7 +94,24 @@ struct Report {
     /// Times the compute threads of a CPU run gave their core away instead of spinning; none (`null`)
     /// on a GPU.
     gave_way: Option<GaveWay>,
+    /// The team size of decode steps that the compute threads' trials settled on; none (`null`) on a
+    /// GPU.
+    pace: Option<Pace>,
     text: String,
+}
+
+/// Where the pacing of steps of few tokens stands (`kura_model::kernels::pace`).
+#[derive(Debug, Serialize)]
+struct Pace {
+    /// Threads in the pool.
+    threads: usize,
+    /// The team size of decode steps outside trials.
+    size: usize,
+    /// Trials judged, and of those, the ones whose size was kept.
+    trials: u64,
+    changes: u64,
+    /// Steps run on a trial's size.
+    trial_steps: u64,
 }
 
 /// Times the compute threads gave their core away instead of spinning (`kura_model::kernels::seats`).
@@ -296,6 +313,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 shared_core,
             }
         }),
+        pace: device
+            .is_none()
+            .then(kura_model::kernels::roster::global_pace)
+            .flatten()
+            .map(|p| Pace {
+                threads: p.threads,
+                size: p.size,
+                trials: p.trials,
+                changes: p.changes,
+                trial_steps: p.trial_steps,
+            }),
         text,
     };
     if args.json {

@@ -2,6 +2,19 @@
 
 mod common;
 
+/// One `kura generate` at a time: each takes both cores of a 2-core machine.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs `cmd` (a `kura generate --json`) and returns its report.
+fn report_of(cmd: &mut std::process::Command) -> serde_json::Value {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = cmd.output().expect("run kura generate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "kura generate failed: {stderr}");
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
 #[cfg(target_os = "linux")]
 #[test]
 fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_counts_it() {
@@ -37,11 +50,7 @@ fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_cou
             Ok(())
         })
     };
-    let out = cmd.output().expect("run kura generate");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "kura generate failed: {stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    let report = report_of(&mut cmd);
     assert_eq!(report["threads"], 2, "{report}");
     assert_eq!(report["generated_tokens"], 8, "{report}");
     // Both threads of the pool run on the one CPU: a thread that waits for the other yields to it.
@@ -51,4 +60,40 @@ fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_cou
         "no thread gave its CPU to the other: {report}"
     );
     assert!(gave_way["shared_core"].is_u64(), "{report}");
+}
+
+#[test]
+fn decode_steps_try_another_team_size_now_and_then_and_the_report_counts_it() {
+    let model = common::default_model();
+    let report = report_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_kura")).args([
+            "generate",
+            "--model",
+            &model,
+            "--threads",
+            "2",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "200",
+            "--ignore-eos",
+            "--json",
+        ]),
+    );
+    assert_eq!(report["generated_tokens"], 200, "{report}");
+    // The first trial starts after 64 decode steps and tries one thread in place of two.
+    let pace = &report["pace"];
+    assert_eq!(pace["threads"], 2, "{report}");
+    assert!(
+        pace["trial_steps"].as_u64().is_some_and(|n| n > 0),
+        "no decode step ran on a trial's team size: {report}"
+    );
+    assert!(
+        pace["size"].as_u64().is_some_and(|n| (1..=2).contains(&n)),
+        "{report}"
+    );
+    assert!(
+        pace["trials"].is_u64() && pace["changes"].is_u64(),
+        "{report}"
+    );
 }

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod dot;
 pub mod matmul;
 pub mod ops;
+pub mod pace;
 pub mod packed;
 pub mod qpacked;
 pub mod roster;

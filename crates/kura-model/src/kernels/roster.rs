@@ -17,9 +17,18 @@
 //! the whole team has run [`SETTLED`] clean steps. One preemption (a kernel thread, a neighbour's
 //! burst) never shrinks the team; a busy core, which holds its thread up at most steps, does within
 //! three.
+//!
+//! Steps of few tokens (decode) are also paced ([`super::pace`]): they read every weight for a handful of
+//! tokens, so past some team size another thread adds no bandwidth, only one more member to deal to
+//! and wait for, and a step can take longer on 16 threads than on 12. Now and then such a step runs
+//! on a trial size, one step of the current size and one of the trial's in turn, and the trial's size
+//! is kept where its steps took less time; steps of more tokens (prefill, compute bound) keep every
+//! thread. The size never changes a token's bits.
 
 use std::sync::Mutex;
 use std::time::Duration;
+
+use super::pace::{Pace, PaceReport, PacedStep, PACED_TOKENS};
 
 /// Held-up steps in a row that shrink the team.
 pub const HELD_UP_STEPS: usize = 3;
@@ -42,6 +51,8 @@ pub struct Roster {
     held_up: usize,
     clean: usize,
     wait: usize,
+    /// The team size of steps of few tokens, at most `count`.
+    pub pace: Pace,
 }
 
 impl Roster {
@@ -52,7 +63,26 @@ impl Roster {
             held_up: 0,
             clean: 0,
             wait: FIRST_WAIT,
+            pace: Pace::new(threads.max(1)),
         }
+    }
+
+    /// The team size of the next step: `count`, or for a step of `tokens` new tokens, at most
+    /// [`PACED_TOKENS`], the paced size (which may be a trial's).
+    pub fn next_size(&mut self, tokens: Option<usize>) -> usize {
+        match tokens {
+            Some(t) if t <= PACED_TOKENS => self.pace.next_size(self.count),
+            _ => self.count,
+        }
+    }
+
+    /// Takes the outcome of a step: the size it ran on and how long it took, when it was paced
+    /// ([`Roster::next_size`]), and whether a member held it up.
+    pub fn after_sized_step(&mut self, paced: Option<PacedStep>, held_up: bool) {
+        if let Some(step) = paced.filter(|s| s.tokens <= PACED_TOKENS) {
+            self.pace.after_step(step, held_up);
+        }
+        self.after_step(held_up);
     }
 
     /// Takes the outcome of a step of `self.count` threads: whether any member was held up.
@@ -93,22 +123,29 @@ pub fn enable(threads: usize) {
     *GLOBAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Roster::new(threads));
 }
 
-/// The team size for the next step on the global pool of `threads` threads, or `None` where the team
-/// does not adapt (not enabled, or another pool).
-pub fn global_count(threads: usize) -> Option<usize> {
-    let roster = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+/// The team size for the next step on the global pool of `threads` threads (of `tokens` new tokens,
+/// when it is a forward step: [`Roster::next_size`]), or `None` where the team does not adapt (not
+/// enabled, or another pool).
+pub fn global_count(threads: usize, tokens: Option<usize>) -> Option<usize> {
+    let mut roster = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
     roster
-        .as_ref()
+        .as_mut()
         .filter(|r| r.threads == threads)
-        .map(|r| r.count)
+        .map(|r| r.next_size(tokens))
 }
 
-/// Records the outcome of a step run on the global pool.
-pub fn global_after_step(threads: usize, held_up: bool) {
+/// Records the outcome of a step run on the global pool ([`Roster::after_sized_step`]).
+pub fn global_after_step(threads: usize, paced: Option<PacedStep>, held_up: bool) {
     let mut roster = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(r) = roster.as_mut().filter(|r| r.threads == threads) {
-        r.after_step(held_up);
+        r.after_sized_step(paced, held_up);
     }
+}
+
+/// Where the global pool's pacing stands: `None` before [`enable`].
+pub fn global_pace() -> Option<PaceReport> {
+    let roster = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+    roster.as_ref().map(|r| r.pace.report())
 }
 
 /// Whether a step was held up by its last member: it left `tail` after the first, in a step of

@@ -22,6 +22,7 @@
 //! anywhere held every other at the next barrier. [`Team::sync`], a barrier, remains for tests and
 //! benchmarks that want every thread at one point.
 
+use super::pace::PacedStep;
 use super::{roster, seats};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -379,14 +380,24 @@ struct Poisoned;
 /// On the global pool, once `set_threads` has built it, a step opened from outside the pool runs on as
 /// many of its threads as [`super::roster`] says: fewer while a core is busy with something else.
 pub fn run<F: Fn(&Team<'_>) + Sync>(f: F) {
+    run_tokens(None, f);
+}
+
+/// [`run`] for a forward step of `tokens` new tokens: on the global pool a step of few tokens (decode)
+/// runs on the team size that [`super::pace`] finds fastest.
+pub fn run_step<F: Fn(&Team<'_>) + Sync>(tokens: usize, f: F) {
+    run_tokens(Some(tokens), f);
+}
+
+fn run_tokens<F: Fn(&Team<'_>) + Sync>(tokens: Option<usize>, f: F) {
     let n = rayon::current_num_threads();
     if n <= 1 || IN_REGION.with(|r| r.get()) {
         f(&Team::solo());
         return;
     }
     if rayon::current_thread_index().is_none() {
-        if let Some(count) = roster::global_count(n) {
-            run_adaptive(n, count, f);
+        if let Some(count) = roster::global_count(n, tokens) {
+            run_adaptive(n, count, tokens, f);
             return;
         }
     }
@@ -549,12 +560,19 @@ fn rethrow(first_panic: FirstPanic) {
 /// steps at once could each hold some of the threads and wait for the rest forever.
 static ADAPTIVE_STEP: Mutex<()> = Mutex::new(());
 
-/// A step on `count` of the global pool's `n` threads (the calling thread alone for one); the roster
-/// then hears whether its last member held it up ([`roster::held_up`]).
-fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, f: F) {
+/// A step of `tokens` new tokens (where it is a forward step) on `count` of the global pool's `n`
+/// threads (the calling thread alone for one); the roster then hears how long it took and whether its
+/// last member held it up ([`roster::held_up`]).
+fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, tokens: Option<usize>, f: F) {
     let _one_at_a_time = ADAPTIVE_STEP.lock().unwrap_or_else(|e| e.into_inner());
+    let start = Instant::now();
     let held_up = run_on(count, &f);
-    roster::global_after_step(n, held_up);
+    let paced = tokens.map(|tokens| PacedStep {
+        tokens,
+        size: count,
+        elapsed: start.elapsed(),
+    });
+    roster::global_after_step(n, paced, held_up);
 }
 
 /// Runs a step on `count` threads of the current pool (the calling thread alone for one) and says
@@ -1478,7 +1496,7 @@ mod tests {
                 .map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect())
                 .collect();
             pool.install(|| {
-                run_adaptive(4, count, |tm| {
+                run_adaptive(4, count, None, |tm| {
                     members.lock().unwrap().push((tm.index(), tm.size()));
                     for (round, &n) in sizes.iter().enumerate() {
                         tm.deal(n, |r| {
@@ -1510,7 +1528,7 @@ mod tests {
             .expect("pool");
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             pool.install(|| {
-                run_adaptive(3, 2, |tm| {
+                run_adaptive(3, 2, None, |tm| {
                     if tm.index() == 1 {
                         panic!("member fails");
                     }
@@ -1529,7 +1547,7 @@ mod tests {
         let n = rayon::current_num_threads();
         for round in 0..3 {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                run_adaptive(n, n, |tm| {
+                run_adaptive(n, n, None, |tm| {
                     if tm.index() + 1 == tm.size() {
                         panic!("member fails");
                     }
@@ -1544,7 +1562,7 @@ mod tests {
             );
         }
         let members = AtomicUsize::new(0);
-        run_adaptive(n, n, |tm| {
+        run_adaptive(n, n, None, |tm| {
             tm.sync();
             members.fetch_add(1, Ordering::Relaxed);
         });
@@ -1562,7 +1580,7 @@ mod tests {
             let (steps, done) = (steps.clone(), done.clone());
             std::thread::spawn(move || {
                 for _ in 0..50 {
-                    run_adaptive(n, n, |tm| {
+                    run_adaptive(n, n, None, |tm| {
                         tm.sync();
                         if tm.index() == 0 {
                             steps.fetch_add(1, Ordering::Relaxed);
@@ -1590,7 +1608,7 @@ mod tests {
         let (done, finished) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             s.spawn(|| {
-                run_adaptive(n, 1, |tm| {
+                run_adaptive(n, 1, None, |tm| {
                     assert_eq!(tm.size(), 1);
                     run(|inner| inner_sizes.lock().unwrap().push(inner.size()));
                 });
@@ -1645,14 +1663,14 @@ mod tests {
         );
         // Puts the member of index `i` of a step on `at(i)`: the barrier makes them two threads.
         let place = |at: &(dyn Fn(usize) -> Vec<usize> + Sync)| {
-            run_adaptive(n, 2, |tm| {
+            run_adaptive(n, 2, None, |tm| {
                 pin(&at(tm.index()));
                 tm.sync();
             })
         };
         let steps = |count: usize| {
             for _ in 0..count {
-                run_adaptive(n, 2, |tm| {
+                run_adaptive(n, 2, None, |tm| {
                     for _ in 0..8 {
                         tm.deal(64, |r| {
                             for i in r {
