@@ -8,8 +8,8 @@
 #   3. to Q4_1 with llama-quantize: the default model's quantization, the file Kura and llama-bench read
 #      (same tensors, types and shapes as the default model's file; random values)
 #   4. bench/threads.sh with the kit's kura, llama-bench and bandwidth bench, in two passes:
-#      a. THREADS ["1 2 4 8 12 16"], REPS [3], PROMPTS ["1024"]: decode, prefill of ~1,024 tokens, the
-#         decode bound, the "default" row -> OUT_DIR/threads.md
+#      a. THREADS ["1 2 4 8 12 16"], REPS [3], PROMPTS ["1024"], DECODE [1024]: decode of DECODE tokens,
+#         prefill of ~1,024 tokens, the decode bound, the "default" row -> OUT_DIR/threads.md
 #      b. LONG_THREADS ["1 4 16"], LONG_REPS [1], LONG_PROMPTS ["4096"] -> OUT_DIR/threads-long.md
 #         (LONG_PROMPTS="" skips it). Prefill of ~4,096 tokens is what costs: at 1 thread on a 2-core
 #         AMD EPYC (shared) llama-bench took 63 s per run and runs it REPS + 1 times (a warm-up run),
@@ -31,6 +31,10 @@ WORK="${WORK:-/tmp/kura-device-model}"
 PY="${PYTHON:-python3}"
 FULL="${FULL:-0}"
 export THREADS="${THREADS:-1 2 4 8 12 16}" REPS="${REPS:-3}"
+# Decode runs of 1,024 tokens: a decode step of the small model takes about half a millisecond on 16
+# cores, and the team size of its steps settles by trials in the first few hundred
+# (crates/kura-model/src/kernels/pace.rs); llama-bench decodes as many.
+export DECODE="${DECODE:-1024}"
 if [ "$FULL" = 1 ]; then
   export PROMPTS="${PROMPTS:-1024 4096}"
   LONG_PROMPTS=""
@@ -51,7 +55,7 @@ done
 start=$SECONDS
 log() { echo "run-threads [$((SECONDS - start)) s]: $*" | tee -a "$LOG" >&2; }
 : >"$LOG"
-log "$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); THREADS='$THREADS' REPS=$REPS PROMPTS='$PROMPTS'; LONG_THREADS='$LONG_THREADS' LONG_REPS=$LONG_REPS LONG_PROMPTS='$LONG_PROMPTS'"
+log "$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); THREADS='$THREADS' REPS=$REPS DECODE=$DECODE PROMPTS='$PROMPTS'; LONG_THREADS='$LONG_THREADS' LONG_REPS=$LONG_REPS LONG_PROMPTS='$LONG_PROMPTS'"
 [ -f "$KIT/README.txt" ] && head -1 "$KIT/README.txt" >>"$LOG"
 
 Q4="$WORK/model.Q4_1.gguf"
