@@ -22,8 +22,8 @@
 //! tokens, so past some team size another thread adds no bandwidth, only one more member to deal to
 //! and wait for, and a step can take longer on 16 threads than on 12. Now and then such a step runs
 //! on a trial size, one step of the current size and one of the trial's in turn, and the trial's size
-//! is kept where its steps took less time; steps of more tokens (prefill, compute bound) keep every
-//! thread. The size never changes a token's bits.
+//! is kept where its steps were clearly faster; steps of more tokens (prefill, compute bound) keep
+//! every thread the roster allows. The size never changes a token's bits.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -46,7 +46,7 @@ pub const HELD_UP_NS: u64 = 100_000;
 pub struct Roster {
     /// Threads in the pool.
     pub threads: usize,
-    /// Threads that take part in the next step, 1 to `threads`.
+    /// Threads that take part in the next step, 1 to `threads` (a paced step may take fewer).
     pub count: usize,
     held_up: usize,
     clean: usize,
