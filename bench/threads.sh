@@ -178,27 +178,23 @@ print(f"Kura reads {per_token / 1e6:.1f} MB of weights per decoded token; read b
       "and after the runs; the bound takes the highest): "
       + ", ".join(f"{t} thread(s) " + " / ".join(f"{x:.1f}" for x in bws[t]) + " GB/s"
                   for t in threads if t in bws) + ".")
-# How often the compute threads yielded their core instead of spinning (kernels/seats.rs), in the decode runs.
-gave = {}
-for t in threads:
-    runs = [json.load(open(os.path.join(tmp, f))).get("gave_way") for f in sorted(os.listdir(tmp))
+
+def decode_reports(t, key):
+    """`key` of each decode run's report at `t` threads, where it has one."""
+    runs = [json.load(open(os.path.join(tmp, f))).get(key) for f in sorted(os.listdir(tmp))
             if f.startswith(f"kura-{t}-decode-")]
-    runs = [r for r in runs if r]
-    if runs:
-        gave[t] = (statistics.median(r["same_cpu"] for r in runs), statistics.median(r["shared_core"] for r in runs))
+    return [r for r in runs if r]
+
+# How often the compute threads yielded their core instead of spinning (kernels/seats.rs), in the decode runs.
+gave = {t: (statistics.median(r["same_cpu"] for r in runs), statistics.median(r["shared_core"] for r in runs))
+        for t in threads if (runs := decode_reports(t, "gave_way"))}
 if gave:
     print()
     print("Compute threads that gave their core away in a decode run (medians; to a teammate on the same CPU / "
           "from a core shared with a busy process): "
           + ", ".join(f"{t} thread(s) {a:,.0f} / {b:,.0f}" for t, (a, b) in gave.items()) + ".")
 # The team size that decode steps settled on in each run (kernels/pace.rs): the trials' verdicts.
-paced = {}
-for t in threads:
-    runs = [json.load(open(os.path.join(tmp, f))).get("pace") for f in sorted(os.listdir(tmp))
-            if f.startswith(f"kura-{t}-decode-")]
-    runs = [r for r in runs if r]
-    if runs:
-        paced[t] = runs
+paced = {t: runs for t in threads if (runs := decode_reports(t, "pace"))}
 if paced:
     print()
     print("Team size of decode steps at the end of each decode run (trials judged, sizes kept, steps on a "

@@ -32,29 +32,8 @@ fn decode_gives_the_same_logits_when_products_redo_held_chunks() {
 }
 
 fn redo_form_gives_the_same_logits(dtype: WeightsDtype) {
-    let model = Model::load_with(
-        &common::default_model_path(),
-        LoadOptions {
-            weights_dtype: dtype,
-        },
-    )
-    .unwrap();
-    let prompt = model
-        .tokenizer()
-        .encode("A short story about a lighthouse keeper:", true)
-        .unwrap();
-    let decode = || {
-        let mut run =
-            kura_model::SoloRun::new(&model, &prompt, 12, kura_kv::codec::KvDtype::F32, 16, true)
-                .unwrap();
-        let mut all = Vec::new();
-        for _ in 0..12 {
-            let logits = run.next_logits().unwrap().row(0).to_vec();
-            run.push(kura_engine::sampling::argmax(&logits)).unwrap();
-            all.push(logits);
-        }
-        all
-    };
+    let model = model_in(dtype);
+    let decode = || greedy_logits(&model, "A short story about a lighthouse keeper:", 12);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
@@ -62,12 +41,7 @@ fn redo_form_gives_the_same_logits(dtype: WeightsDtype) {
     let in_place = pool.install(decode);
     let redone = pool.install(|| kura_model::kernels::team::with_redo_form(decode));
     assert_eq!(in_place.len(), 12);
-    for (step, (a, b)) in in_place.iter().zip(&redone).enumerate() {
-        assert!(
-            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{dtype:?} step {step}: logits differ"
-        );
-    }
+    assert_same_bits(&in_place, &redone, &format!("{dtype:?}, the redo form"));
 }
 
 #[test]
@@ -76,52 +50,69 @@ fn every_team_size_gives_the_same_logits() {
     // another size on trial for decode steps): the prefill and every decode step give the same bits
     // on teams of one to four.
     for dtype in [WeightsDtype::Native, WeightsDtype::Bf16, WeightsDtype::F32] {
-        let model = Model::load_with(
-            &common::default_model_path(),
-            LoadOptions {
-                weights_dtype: dtype,
-            },
-        )
-        .unwrap();
-        let prompt = model
-            .tokenizer()
-            .encode("The lighthouse keeper climbed the stairs at dusk and", true)
-            .unwrap();
-        let decode = || {
-            let mut run = kura_model::SoloRun::new(
-                &model,
-                &prompt,
-                8,
-                kura_kv::codec::KvDtype::F32,
-                16,
-                true,
-            )
-            .unwrap();
-            let mut all = Vec::new();
-            for _ in 0..8 {
-                let logits = run.next_logits().unwrap().row(0).to_vec();
-                run.push(kura_engine::sampling::argmax(&logits)).unwrap();
-                all.push(logits);
-            }
-            all
-        };
+        let model = model_in(dtype);
         let on = |threads: usize| {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .unwrap()
-                .install(decode)
+                .install(|| {
+                    greedy_logits(
+                        &model,
+                        "The lighthouse keeper climbed the stairs at dusk and",
+                        8,
+                    )
+                })
         };
         let one = on(1);
         assert_eq!(one.len(), 8);
         for threads in 2..=4 {
-            for (step, (a, b)) in one.iter().zip(&on(threads)).enumerate() {
-                assert!(
-                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{dtype:?} step {step}: {threads} threads give other logits than one"
-                );
-            }
+            assert_same_bits(&one, &on(threads), &format!("{dtype:?}, {threads} threads"));
         }
+    }
+}
+
+/// The default model with its weights in `dtype`.
+fn model_in(dtype: WeightsDtype) -> Model {
+    Model::load_with(
+        &common::default_model_path(),
+        LoadOptions {
+            weights_dtype: dtype,
+        },
+    )
+    .unwrap()
+}
+
+/// The logits of `steps` greedy steps after `prompt` (f32 KV in blocks of 16): the prompt's last
+/// token's, then each decoded token's.
+fn greedy_logits(model: &Model, prompt: &str, steps: usize) -> Vec<Vec<f32>> {
+    let prompt = model.tokenizer().encode(prompt, true).unwrap();
+    let mut run = kura_model::SoloRun::new(
+        model,
+        &prompt,
+        steps,
+        kura_kv::codec::KvDtype::F32,
+        16,
+        true,
+    )
+    .unwrap();
+    let mut all = Vec::new();
+    for _ in 0..steps {
+        let logits = run.next_logits().unwrap().row(0).to_vec();
+        run.push(kura_engine::sampling::argmax(&logits)).unwrap();
+        all.push(logits);
+    }
+    all
+}
+
+/// Asserts that every step's logits in `b` have the bits of `a`'s.
+fn assert_same_bits(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: steps");
+    for (step, (a, b)) in a.iter().zip(b).enumerate() {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}, step {step}: logits differ"
+        );
     }
 }
 

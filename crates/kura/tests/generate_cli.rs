@@ -5,6 +5,22 @@ mod common;
 /// One `kura generate` at a time: each takes both cores of a 2-core machine.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// `kura generate --json` of `max_tokens` tokens after `prompt` on the default model, 2 compute threads,
+/// ignoring the end of text.
+fn generate(prompt: &str, max_tokens: usize) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kura"));
+    cmd.args([
+        "generate",
+        "--model",
+        &common::default_model(),
+        "--threads",
+        "2",
+    ])
+    .args(["--prompt", prompt, "--max-tokens", &max_tokens.to_string()])
+    .args(["--ignore-eos", "--json"]);
+    cmd
+}
+
 /// Runs `cmd` (a `kura generate --json`) and returns its report.
 fn report_of(cmd: &mut std::process::Command) -> serde_json::Value {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -19,22 +35,7 @@ fn report_of(cmd: &mut std::process::Command) -> serde_json::Value {
 #[test]
 fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_counts_it() {
     use std::os::unix::process::CommandExt;
-    use std::process::Command;
-    let model = common::default_model();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kura"));
-    cmd.args([
-        "generate",
-        "--model",
-        &model,
-        "--threads",
-        "2",
-        "--prompt",
-        "The quick brown fox jumps over the lazy dog.",
-        "--max-tokens",
-        "8",
-        "--ignore-eos",
-        "--json",
-    ]);
+    let mut cmd = generate("The quick brown fox jumps over the lazy dog.", 8);
     // The command runs on the one CPU its process starts on (one it may use).
     // SAFETY: between fork and exec the child only reads its CPU, builds a CPU set on its stack and
     // makes one system call, all async-signal-safe.
@@ -64,22 +65,7 @@ fn two_compute_threads_on_one_cpu_give_the_core_to_each_other_and_the_report_cou
 
 #[test]
 fn decode_steps_try_another_team_size_now_and_then_and_the_report_counts_it() {
-    let model = common::default_model();
-    let report = report_of(
-        std::process::Command::new(env!("CARGO_BIN_EXE_kura")).args([
-            "generate",
-            "--model",
-            &model,
-            "--threads",
-            "2",
-            "--prompt",
-            "Once upon a time",
-            "--max-tokens",
-            "200",
-            "--ignore-eos",
-            "--json",
-        ]),
-    );
+    let report = report_of(&mut generate("Once upon a time", 200));
     assert_eq!(report["generated_tokens"], 200, "{report}");
     // The first trial starts after 64 decode steps and tries one thread in place of two.
     let pace = &report["pace"];

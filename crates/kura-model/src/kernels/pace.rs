@@ -298,19 +298,26 @@ mod tests {
     ) -> Vec<usize> {
         let mut on = vec![0; pace.threads + 1];
         for i in 0..steps {
-            let size = pace.next_size(pace.threads);
+            let size = step(pace, pace.threads, tokens(i), |s| time(i, s));
             on[size] += 1;
-            let elapsed = Duration::from_micros(time(i, size));
-            pace.after_step(
-                PacedStep {
-                    tokens: tokens(i),
-                    size,
-                    elapsed,
-                },
-                false,
-            );
         }
         on
+    }
+
+    /// One paced step of `tokens` tokens where the roster allows `cap` threads, taking `time(size)` µs
+    /// on the size the pace gives, not held up; returns that size.
+    fn step(pace: &mut Pace, cap: usize, tokens: usize, time: impl Fn(usize) -> u64) -> usize {
+        let size = pace.next_size(cap);
+        let elapsed = Duration::from_micros(time(size));
+        pace.after_step(
+            PacedStep {
+                tokens,
+                size,
+                elapsed,
+            },
+            false,
+        );
+        size
     }
 
     /// A 16-thread decode step's time (µs) by team size, fastest on 12.
@@ -399,12 +406,12 @@ mod tests {
         run(&mut pace, FIRST_TRIAL_WAIT, |_| 1, |_, s| sixteen_cores(s));
         let size = pace.next_size(16);
         assert!(pace.trial.is_some() && size == 16);
-        let step = PacedStep {
+        let held = PacedStep {
             tokens: 1,
             size,
             elapsed: Duration::from_micros(900),
         };
-        pace.after_step(step, true);
+        pace.after_step(held, true);
         assert!(pace.trial.is_none());
         assert_eq!((pace.size, pace.report().trials), (16, 0));
 
@@ -412,17 +419,7 @@ mod tests {
         // trial starts.
         let mut pace = Pace::new(16);
         for _ in 0..1_000 {
-            let size = pace.next_size(5);
-            assert_eq!(size, 5);
-            let elapsed = Duration::from_micros(sixteen_cores(size));
-            pace.after_step(
-                PacedStep {
-                    tokens: 1,
-                    size,
-                    elapsed,
-                },
-                false,
-            );
+            assert_eq!(step(&mut pace, 5, 1, sixteen_cores), 5);
         }
         assert_eq!((pace.size, pace.report().trial_steps), (16, 0));
     }
@@ -447,16 +444,8 @@ mod tests {
             let trials = pace.trials;
             let before = pace.size;
             while pace.trials == trials {
-                let size = pace.next_size(2);
-                let elapsed = Duration::from_micros(noise());
-                pace.after_step(
-                    PacedStep {
-                        tokens: 1,
-                        size,
-                        elapsed,
-                    },
-                    false,
-                );
+                let time = noise();
+                step(&mut pace, 2, 1, |_| time);
             }
             kept += usize::from(pace.size != before);
         }
