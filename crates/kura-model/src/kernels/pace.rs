@@ -15,10 +15,11 @@
 //! favours neither). The trial's size is kept when its step was the faster in [`TAKE_WINS`] pairs and
 //! its steps took at least [`TAKE_PER_MILLE`] less time in all; a trial stops as soon as it has lost
 //! too many pairs to be kept, or its size is a quarter slower or worse (on a 2-core machine a trial of
-//! one thread then costs about one step's worth of one thread's time). A step
-//! that a busy core held up says nothing about the size and ends the trial unjudged. A trial that is kept
-//! is followed soon by another in the same direction; one that is not turns the next the other way.
-//! Which thread computes what never changes a token's bits, so neither does the size.
+//! one thread then costs about one step's worth of one thread's time). A step that a busy core held
+//! up says nothing about the size and ends the trial unjudged, as does a fall of the roster's count
+//! or too few like pairs. A trial that is kept is followed soon by another in the same direction; one
+//! that is not turns the next the other way and waits twice as long, as does an unjudged one. Which
+//! thread computes what never changes a token's bits, so neither does the size.
 
 use std::time::Duration;
 
@@ -43,8 +44,8 @@ pub const GIVE_UP_PAIRS: usize = 1;
 /// See [`GIVE_UP_PAIRS`].
 pub const GIVE_UP_PER_MILLE: u32 = 250;
 /// The most steps a trial lasts: pairs of steps of unlike tokens (a server's batch changed) are not
-/// compared, and a trial that gathers too few like pairs ends unjudged.
-const TRIAL_STEPS: usize = 8 * TRIAL_PAIRS;
+/// compared, and a trial that has dropped four pairs ends unjudged.
+const TRIAL_STEPS: usize = 2 * (TRIAL_PAIRS + 4);
 
 /// A paced step's outcome: its new tokens, the team size it ran on, and its time from its start to
 /// its last member's leaving.
@@ -257,6 +258,9 @@ impl Pace {
             return;
         };
         self.since = 0;
+        // Whether this trial tried fewer threads (the way the next goes after a kept trial; the other
+        // way after a rejected one).
+        let fewer = t.size < self.size;
         match verdict {
             Verdict::Kept => {
                 let gain = 100.0 * (1.0 - t.tried.as_secs_f64() / t.current.as_secs_f64());
@@ -272,14 +276,17 @@ impl Pace {
                 self.size = t.size;
                 self.trials += 1;
                 self.changes += 1;
+                self.down = fewer;
                 self.wait = FIRST_TRIAL_WAIT;
             }
             Verdict::Rejected => {
                 self.trials += 1;
-                self.down = !self.down;
+                self.down = !fewer;
                 self.wait = (self.wait * 2).min(LONGEST_TRIAL_WAIT);
             }
-            Verdict::Unjudged => {}
+            // Steps that could not judge it (a busy core, a batch that keeps changing) would likely
+            // not judge the next either: it waits as long as after a rejected trial.
+            Verdict::Unjudged => self.wait = (self.wait * 2).min(LONGEST_TRIAL_WAIT),
         }
     }
 }
@@ -427,7 +434,7 @@ mod tests {
     #[test]
     fn noise_alone_seldom_changes_the_size() {
         // Two sizes equally fast, each step's time a third more or less at random (a busy neighbour):
-        // of many trials, few keep the other size, and each that does is soon undone.
+        // of many trials, few keep the other size.
         let mut pace = Pace::new(2);
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut noise = move || {
@@ -450,6 +457,46 @@ mod tests {
             kept += usize::from(pace.size != before);
         }
         assert!(kept <= 400 / 20, "{kept} of 400 trials changed the size");
+    }
+
+    #[test]
+    fn a_kept_trial_is_followed_by_one_the_same_way_even_where_it_could_go_one_way_only() {
+        // The next trial was to try more threads, but the pool has no more: it tries fewer, 3 of 4,
+        // keeps them, and the trial after goes on to 2.
+        let mut pace = Pace::new(4);
+        pace.down = false;
+        let time = |s: usize| [0, 900, 600, 800, 1_000][s];
+        while pace.size == 4 {
+            step(&mut pace, 4, 1, time);
+        }
+        assert_eq!(pace.size, 3);
+        while pace.trial.is_none() {
+            step(&mut pace, 4, 1, time);
+        }
+        assert_eq!(pace.trial.as_ref().map(|t| t.size), Some(2));
+        while pace.size == 3 {
+            step(&mut pace, 4, 1, time);
+        }
+        assert_eq!(pace.size, 2);
+    }
+
+    #[test]
+    fn trials_that_cannot_be_judged_grow_rarer() {
+        // A batch that changes every step: no pair is compared, every trial ends unjudged, and the
+        // steps on a trial's size stay a small share.
+        let mut pace = Pace::new(16);
+        let on = run(&mut pace, 20_000, |i| 1 + i % 3, |_, s| sixteen_cores(s));
+        assert_eq!((pace.size, pace.report().trials), (16, 0));
+        assert!(on[16] >= 20_000 * 99 / 100, "{on:?}");
+
+        // A roster that drops below the paced size during a trial ends it unjudged.
+        let mut pace = Pace::new(16);
+        while pace.trial.is_none() {
+            step(&mut pace, 16, 1, sixteen_cores);
+        }
+        assert_eq!(step(&mut pace, 10, 1, sixteen_cores), 10);
+        assert!(pace.trial.is_none());
+        assert_eq!((pace.size, pace.report().trials), (16, 0));
     }
 
     #[test]

@@ -77,10 +77,16 @@ impl Roster {
     }
 
     /// Takes the outcome of a step: the size it ran on and how long it took, when it was paced
-    /// ([`Roster::next_size`]), and whether a member held it up.
+    /// ([`Roster::next_size`]), and whether a member held it up. A held-up step of fewer threads than
+    /// the count counts as held up; a clean one says nothing of the threads it left out and does not
+    /// bring one back.
     pub fn after_sized_step(&mut self, paced: Option<PacedStep>, held_up: bool) {
         if let Some(step) = paced.filter(|s| s.tokens <= PACED_TOKENS) {
             self.pace.after_step(step, held_up);
+            if !held_up && step.size < self.count {
+                self.held_up = 0;
+                return;
+            }
         }
         self.after_step(held_up);
     }
@@ -214,6 +220,36 @@ mod tests {
         steps(&mut r, false, SETTLED);
         steps(&mut r, true, HELD_UP_STEPS);
         assert_eq!(clean_until_it_grows(&mut r), 2 * FIRST_WAIT);
+    }
+
+    #[test]
+    fn clean_steps_of_fewer_threads_than_the_count_bring_none_back() {
+        let mut r = Roster::new(4);
+        steps(&mut r, true, HELD_UP_STEPS);
+        assert_eq!(r.count, 3);
+        // Decode steps paced on 2 threads, clean: the thread left out of the count stays out.
+        let paced = |size| {
+            Some(PacedStep {
+                tokens: 1,
+                size,
+                elapsed: Duration::from_micros(500),
+            })
+        };
+        for _ in 0..1_000 {
+            r.after_sized_step(paced(2), false);
+        }
+        assert_eq!(r.count, 3);
+        // Held up on 2 threads: counted.
+        for _ in 0..HELD_UP_STEPS {
+            r.after_sized_step(paced(2), true);
+        }
+        assert_eq!(r.count, 2);
+        // Clean steps on the whole count bring threads back.
+        r.after_sized_step(paced(2), false);
+        for _ in 0..1_000 {
+            r.after_sized_step(None, false);
+        }
+        assert_eq!(r.count, 4);
     }
 
     #[test]

@@ -396,10 +396,14 @@ fn run_tokens<F: Fn(&Team<'_>) + Sync>(tokens: Option<usize>, f: F) {
         return;
     }
     if rayon::current_thread_index().is_none() {
+        // The step's size is asked for under the lock that runs steps one at a time, so that steps
+        // take their sizes (a trial's among them) in the order they run.
+        let one_at_a_time = ADAPTIVE_STEP.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(count) = roster::global_count(n, tokens) {
-            run_adaptive(n, count, tokens, f);
+            step_on(n, count, tokens, &f);
             return;
         }
+        drop(one_at_a_time);
     }
     let (barrier, waits) = step_board(n);
     let first_panic = std::sync::Mutex::new(None);
@@ -560,13 +564,20 @@ fn rethrow(first_panic: FirstPanic) {
 /// steps at once could each hold some of the threads and wait for the rest forever.
 static ADAPTIVE_STEP: Mutex<()> = Mutex::new(());
 
-/// A step of `tokens` new tokens (where it is a forward step) on `count` of the global pool's `n`
-/// threads (the calling thread alone for one); the roster then hears how long it took and whether its
-/// last member held it up ([`roster::held_up`]).
+/// A step on `count` threads of the current pool, as a step of the global pool's `n` threads runs
+/// ([`step_on`]), for tests that choose its size.
+#[cfg(test)]
 fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, tokens: Option<usize>, f: F) {
     let _one_at_a_time = ADAPTIVE_STEP.lock().unwrap_or_else(|e| e.into_inner());
+    step_on(n, count, tokens, &f);
+}
+
+/// A step of `tokens` new tokens (where it is a forward step) on `count` of the global pool's `n`
+/// threads (the calling thread alone for one), with [`ADAPTIVE_STEP`] held; the roster then hears how
+/// long it took and whether its last member held it up ([`roster::held_up`]).
+fn step_on<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, tokens: Option<usize>, f: &F) {
     let start = Instant::now();
-    let held_up = run_on(count, &f);
+    let held_up = run_on(count, f);
     let paced = tokens.map(|tokens| PacedStep {
         tokens,
         size: count,
