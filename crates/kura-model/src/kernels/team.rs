@@ -567,9 +567,9 @@ static ADAPTIVE_STEP: Mutex<()> = Mutex::new(());
 /// A step on `count` threads of the current pool, as a step of the global pool's `n` threads runs
 /// ([`step_on`]), for tests that choose its size.
 #[cfg(test)]
-fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, tokens: Option<usize>, f: F) {
+fn run_adaptive<F: Fn(&Team<'_>) + Sync>(n: usize, count: usize, f: F) {
     let _one_at_a_time = ADAPTIVE_STEP.lock().unwrap_or_else(|e| e.into_inner());
-    step_on(n, count, tokens, &f);
+    step_on(n, count, None, &f);
 }
 
 /// A step of `tokens` new tokens (where it is a forward step) on `count` of the global pool's `n`
@@ -1507,7 +1507,7 @@ mod tests {
                 .map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect())
                 .collect();
             pool.install(|| {
-                run_adaptive(4, count, None, |tm| {
+                run_adaptive(4, count, |tm| {
                     members.lock().unwrap().push((tm.index(), tm.size()));
                     for (round, &n) in sizes.iter().enumerate() {
                         tm.deal(n, |r| {
@@ -1539,7 +1539,7 @@ mod tests {
             .expect("pool");
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             pool.install(|| {
-                run_adaptive(3, 2, None, |tm| {
+                run_adaptive(3, 2, |tm| {
                     if tm.index() == 1 {
                         panic!("member fails");
                     }
@@ -1558,7 +1558,7 @@ mod tests {
         let n = rayon::current_num_threads();
         for round in 0..3 {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                run_adaptive(n, n, None, |tm| {
+                run_adaptive(n, n, |tm| {
                     if tm.index() + 1 == tm.size() {
                         panic!("member fails");
                     }
@@ -1573,7 +1573,7 @@ mod tests {
             );
         }
         let members = AtomicUsize::new(0);
-        run_adaptive(n, n, None, |tm| {
+        run_adaptive(n, n, |tm| {
             tm.sync();
             members.fetch_add(1, Ordering::Relaxed);
         });
@@ -1591,7 +1591,7 @@ mod tests {
             let (steps, done) = (steps.clone(), done.clone());
             std::thread::spawn(move || {
                 for _ in 0..50 {
-                    run_adaptive(n, n, None, |tm| {
+                    run_adaptive(n, n, |tm| {
                         tm.sync();
                         if tm.index() == 0 {
                             steps.fetch_add(1, Ordering::Relaxed);
@@ -1619,7 +1619,7 @@ mod tests {
         let (done, finished) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             s.spawn(|| {
-                run_adaptive(n, 1, None, |tm| {
+                run_adaptive(n, 1, |tm| {
                     assert_eq!(tm.size(), 1);
                     run(|inner| inner_sizes.lock().unwrap().push(inner.size()));
                 });
@@ -1674,14 +1674,14 @@ mod tests {
         );
         // Puts the member of index `i` of a step on `at(i)`: the barrier makes them two threads.
         let place = |at: &(dyn Fn(usize) -> Vec<usize> + Sync)| {
-            run_adaptive(n, 2, None, |tm| {
+            run_adaptive(n, 2, |tm| {
                 pin(&at(tm.index()));
                 tm.sync();
             })
         };
         let steps = |count: usize| {
             for _ in 0..count {
-                run_adaptive(n, 2, None, |tm| {
+                run_adaptive(n, 2, |tm| {
                     for _ in 0..8 {
                         tm.deal(64, |r| {
                             for i in r {
