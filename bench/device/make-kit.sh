@@ -2,7 +2,8 @@
 # Builds, on a machine with cargo and a C++ compiler, what bench/device/run-threads.sh needs on a machine
 # with neither (the lent 16-core x86-64 machine, no network), into device-kit/ (ignored by git; the folder
 # to carry, at most 60 MiB):
-#   kura, bandwidth                the release `kura` and the read-bandwidth bench (stripped)
+#   kura, bandwidth, products      the release `kura`, the read-bandwidth bench and the decode products'
+#                                  bench of kura-model (stripped)
 #   llama/                         llama.cpp's llama-bench and llama-quantize with their shared libraries and
 #                                  the CPU variant backends for recent x86 servers (the best one is picked
 #                                  at run time; RUNPATH $ORIGIN): ISA=variants bench/peers/build-llama-cpp.sh
@@ -27,15 +28,18 @@ echo "make-kit: cargo build --release -p kura" >&2
 CARGO_INCREMENTAL=0 nice -n "$NICE" cargo build --release -q -p kura >&2
 cp target/release/kura "$KIT/kura"
 
-echo "make-kit: the bandwidth bench" >&2
-bw=$(CARGO_INCREMENTAL=0 nice -n "$NICE" cargo bench -p kura-model --bench bandwidth --no-run \
-  --message-format=json 2>/dev/null | python3 -c 'import json,sys
+echo "make-kit: the bandwidth and products benches" >&2
+benches=$(CARGO_INCREMENTAL=0 nice -n "$NICE" cargo bench -p kura-model --bench bandwidth --bench products \
+  --no-run --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "bandwidth":
-        print(m["executable"])')
-[ -n "$bw" ] || { echo "make-kit: no bandwidth bench executable in cargo's output" >&2; exit 1; }
-cp "$bw" "$KIT/bandwidth"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("bandwidth", "products"):
+        print(m["target"]["name"], m["executable"])')
+for name in bandwidth products; do
+  exe=$(awk -v n="$name" '$1 == n {print $2}' <<<"$benches")
+  [ -n "$exe" ] || { echo "make-kit: no $name bench executable in cargo's output" >&2; exit 1; }
+  cp "$exe" "$KIT/$name"
+done
 
 echo "make-kit: the default model's tokenizer" >&2
 CARGO_INCREMENTAL=0 nice -n "$NICE" cargo build --release -q -p kura-cuda --example export-tokenizer >&2
@@ -68,7 +72,7 @@ mkdir -p "$KIT/convert/gguf-py"
 rm -rf "$KIT/convert/gguf-py/gguf/scripts"
 cp bench/device/make_model.py "$KIT/"
 
-strip "$KIT/kura" "$KIT/bandwidth"
+strip "$KIT/kura" "$KIT/bandwidth" "$KIT/products"
 strip --strip-unneeded "$KIT"/llama/*
 chmod -R u+w "$KIT"
 

@@ -7,21 +7,26 @@
 #   2. to GGUF (f16) with llama.cpp's convert_hf_to_gguf.py (the kit's copy, with its gguf-py)
 #   3. to Q4_1 with llama-quantize: the default model's quantization, the file Kura and llama-bench read
 #      (same tensors, types and shapes as the default model's file; random values)
-#   4. bench/threads.sh with the kit's kura, llama-bench and bandwidth bench, in two passes:
+#   4. bench/threads.sh with the kit's kura, llama-bench and bandwidth bench, in two passes with a step
+#      between:
 #      a. THREADS ["1 2 4 8 12 16"], REPS [3], PROMPTS ["1024"], DECODE [1024]: decode of DECODE tokens,
 #         prefill of ~1,024 tokens, the decode bound, the "default" row -> OUT_DIR/threads.md
-#      b. LONG_THREADS ["1 4 16"], LONG_REPS [1], LONG_PROMPTS ["4096"] -> OUT_DIR/threads-long.md
+#      b. the chunk grain of decode products (crates/kura-model/src/kernels/team.rs, CHUNK_BYTES): the
+#         products bench in L2 at each of THREADS with chunks of down to one panel (KURA_CHUNK_BYTES=1)
+#         and at the default, then Kura's decode alone at GRAIN_THREADS [the two largest of THREADS]
+#         with KURA_CHUNK_BYTES=1 (against pass a's rows) -> OUT_DIR/grain.md
+#      c. LONG_THREADS ["1 4 16"], LONG_REPS [1], LONG_PROMPTS ["4096"] -> OUT_DIR/threads-long.md
 #         (LONG_PROMPTS="" skips it). Prefill of ~4,096 tokens is what costs: at 1 thread on a 2-core
 #         AMD EPYC (shared) llama-bench took 63 s per run and runs it REPS + 1 times (a warm-up run),
 #         Kura 38 s; all six counts at REPS=3 in one pass were estimated at 9-17 minutes on 16 cores,
-#         past the device tool's 10-minute command. Pass b stops at DEADLINE_S [540] s after the start
-#         (pass a's report is already written then). FULL=1: one pass, THREADS with REPS and
+#         past the device tool's 10-minute command. Pass c stops at DEADLINE_S [540] s after the start
+#         (pass a's and step b's reports are written then). FULL=1: one pass, THREADS with REPS and
 #         PROMPTS ["1024 4096"] (no deadline).
 # Usage (from the repository root): bench/device/run-threads.sh OUT_DIR
-# Writes OUT_DIR/threads.md (+ threads-long.md), OUT_DIR/run.log (steps, timings, the llama.cpp CPU
+# Writes OUT_DIR/threads.md, grain.md (+ threads-long.md), OUT_DIR/run.log (steps, timings, the llama.cpp CPU
 # variant) and OUT_DIR/model.txt (the model's tensor types). Environment also: KIT [device-kit]
 #   WORK [/tmp/kura-device-model] (the model files; a finished Q4_1 there is reused) PYTHON [python3]
-#   (with torch + transformers) LAYERS (a model of fewer layers, for a quick test).
+#   (with torch + transformers) LAYERS (a model of fewer layers, for a quick test) GRAIN_THREADS (step b).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:?usage: bench/device/run-threads.sh OUT_DIR}"
@@ -42,12 +47,14 @@ else
   export PROMPTS="${PROMPTS:-1024}"
   LONG_PROMPTS="${LONG_PROMPTS-4096}"
 fi
+# shellcheck disable=SC2086
+GRAIN_THREADS="${GRAIN_THREADS:-$(printf '%s\n' $THREADS | sort -n | tail -2 | xargs)}"
 LONG_THREADS="${LONG_THREADS:-1 4 16}" LONG_REPS="${LONG_REPS:-1}" DEADLINE_S="${DEADLINE_S:-540}"
 mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/run.log"
 export LD_LIBRARY_PATH="$KIT/llama${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for f in kura bandwidth llama/llama-bench llama/llama-quantize convert/convert_hf_to_gguf.py make_model.py \
+for f in kura bandwidth products llama/llama-bench llama/llama-quantize convert/convert_hf_to_gguf.py make_model.py \
   tokenizer/tokenizer.json; do
   [ -e "$KIT/$f" ] || { echo "run-threads: $KIT/$f is missing (bench/device/make-kit.sh makes the kit)" >&2; exit 1; }
 done
@@ -97,6 +104,29 @@ log "4/4 bench/threads.sh: THREADS='$THREADS' REPS=$REPS PROMPTS='$PROMPTS'"
 bench/threads.sh >"$OUT/threads.md"
 log "done: $OUT/threads.md"
 cat "$OUT/threads.md"
+log "4/4 b. the chunk grain: the products bench at THREADS='$THREADS', then decode at GRAIN_THREADS='$GRAIN_THREADS' with KURA_CHUNK_BYTES=1"
+{
+  echo "# The chunk grain of decode products"
+  echo
+  echo "The products bench in L2 (\`KURA_PRODUCTS_IN_CACHE=1\`), chunks of down to one panel, then the default grain:"
+  echo
+  for bytes in 1 default; do
+    echo "KURA_CHUNK_BYTES=$bytes:"
+    echo '```'
+    if [ "$bytes" = default ]; then
+      KURA_PRODUCTS_IN_CACHE=1 KURA_BANDWIDTH_THREADS="$THREADS" "$KIT/products" --bench 2>&1 | grep 'thread(s)'
+    else
+      KURA_CHUNK_BYTES=$bytes KURA_PRODUCTS_IN_CACHE=1 KURA_BANDWIDTH_THREADS="$THREADS" "$KIT/products" --bench 2>&1 | grep 'thread(s)'
+    fi
+    echo '```'
+  done
+  echo
+  echo "Kura's decode with KURA_CHUNK_BYTES=1 (the default grain's rows are threads.md's):"
+  echo
+  KURA_CHUNK_BYTES=1 PEERS=0 THREADS="$GRAIN_THREADS" PROMPTS=1024 bench/threads.sh
+} >"$OUT/grain.md" 2>>"$LOG" || log "the grain step failed (its output so far is in grain.md)"
+log "done: $OUT/grain.md"
+cat "$OUT/grain.md"
 if [ -n "$LONG_PROMPTS" ]; then
   left=$((DEADLINE_S - SECONDS + start))
   log "4/4 bench/threads.sh: THREADS='$LONG_THREADS' REPS=$LONG_REPS PROMPTS='$LONG_PROMPTS' (stopped after $left s)"

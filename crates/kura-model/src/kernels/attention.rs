@@ -519,7 +519,7 @@ unsafe fn attention_part_on(
     // staged or in place; units write disjoint partials and heads; the block tables and positions that
     // decide addresses stay as they are until the region ends (a step's batch is the caller's).
     unsafe {
-        tm.deal_staged(tm.size(), &mut stage, run_units, |stage| {
+        tm.deal_staged(tm.size(), 1, &mut stage, run_units, |stage| {
             stage.publish(partials, out)
         });
     }

@@ -250,6 +250,7 @@ fn rows_part<T: WeightElem>(
         unsafe {
             tm.deal_out(
                 w.rows,
+                team::grain(cols * std::mem::size_of::<T>()),
                 out,
                 add,
                 |rows| rows,

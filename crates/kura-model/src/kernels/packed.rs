@@ -24,7 +24,7 @@ use half::bf16;
 
 use super::arena::{Plain, Stored};
 use super::dot::{Bf16Act, F32Panels, Isa};
-use super::team::{chunk_tokens, SharedMut, Team};
+use super::team::{self, chunk_tokens, SharedMut, Team};
 
 /// Rows per panel.
 pub const PANEL_ROWS: usize = 64;
@@ -186,7 +186,8 @@ pub unsafe fn matmul_part<W: Tile>(
         // writes its rows alone; the tiles' addresses and lengths come from the matrix's shape, never
         // from the activations they read.
         unsafe {
-            tm.deal_out(w.panels, out, add, rows, |panels, dest| {
+            let grain = team::grain(std::mem::size_of_val(w.panel(0)));
+            tm.deal_out(w.panels, grain, out, add, rows, |panels, dest| {
                 for p in panels.clone() {
                     let at = (p - panels.start) * PANEL_ROWS;
                     let valid = PANEL_ROWS.min(w.rows - p * PANEL_ROWS);

@@ -33,7 +33,7 @@ use super::arena::{Plain, Stored};
 mod amx;
 
 use super::dot::{Isa, Vnni};
-use super::team::{chunk_tokens, SharedMut, Team};
+use super::team::{self, chunk_tokens, SharedMut, Team};
 
 /// Rows per panel: the 16 i32 lanes of a 512-bit register.
 pub const QROWS: usize = 16;
@@ -341,7 +341,8 @@ unsafe fn matmul_part_on(
         // writes its rows of the token alone; the kernel's addresses and lengths come from the matrix's
         // shape, never from the activations it reads.
         unsafe {
-            tm.deal_out(w.panels, out, add, rows, |panels, dest| {
+            let grain = team::grain(w.blocks * w.bits.record_bytes());
+            tm.deal_out(w.panels, grain, out, add, rows, |panels, dest| {
                 let tile = Tile {
                     panel: &w.bytes_slice()[panels.start * w.blocks * w.bits.record_bytes()..],
                     blocks: w.blocks,

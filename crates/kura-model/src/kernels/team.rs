@@ -92,6 +92,7 @@ impl<'a> Team<'a> {
         self.run_deal(
             board,
             items,
+            1,
             |k, c, chunks, r| {
                 f(r);
                 board.mark_done(k, c, chunks);
@@ -104,7 +105,8 @@ impl<'a> Team<'a> {
     /// nothing else of `out`: `f(r, dest)` computes chunk `r` into `dest`, which holds what
     /// `out[span(r)]` held before the deal when `keep` (an operation that adds to `out`). Through
     /// [`Team::deal_staged`]: while recent steps have waited long, each chunk is computed into a
-    /// thread's buffer and copied out by the first thread to finish it.
+    /// thread's buffer and copied out by the first thread to finish it. Chunks take `grain` items at
+    /// least ([`grain`]), but for the last, which takes what is left.
     ///
     /// # Safety
     /// As [`Team::deal_staged`]; the spans of distinct chunks lie inside `out` and do not overlap, and
@@ -112,6 +114,7 @@ impl<'a> Team<'a> {
     pub unsafe fn deal_out(
         &self,
         items: usize,
+        grain: usize,
         out: SharedMut<'_, f32>,
         keep: bool,
         span: impl Fn(Range<usize>) -> Range<usize>,
@@ -125,6 +128,7 @@ impl<'a> Team<'a> {
         unsafe {
             self.deal_staged(
                 items,
+                grain,
                 &mut stage,
                 |r, staged| {
                     let dest = span(r.clone());
@@ -168,7 +172,7 @@ impl<'a> Team<'a> {
     /// its core shared with a busy process) does that chunk again instead of waiting a time slice for
     /// its taker, and of the threads that computed a chunk the first to finish publishes it; the
     /// other's stage is dropped. Otherwise chunks write in place (a stage costs a copy and an atomic
-    /// operation a chunk).
+    /// operation a chunk). Chunks take `grain` items at least, but for the last.
     ///
     /// # Safety
     /// Every thread of the team calls the same deals in the same order with the same arguments (each
@@ -182,16 +186,33 @@ impl<'a> Team<'a> {
     pub unsafe fn deal_staged<S>(
         &self,
         items: usize,
+        grain: usize,
         stage: &mut S,
         mut f: impl FnMut(Range<usize>, Option<&mut S>),
         mut publish: impl FnMut(&S),
     ) {
-        let Some(board) = self.barrier.filter(|b| b.redo) else {
-            return self.deal(items, |r| f(r, None));
+        let Some(board) = self.barrier else {
+            if items > 0 {
+                f(0..items, None);
+            }
+            return;
         };
+        if !board.redo {
+            return self.run_deal(
+                board,
+                items,
+                grain,
+                |k, c, chunks, r| {
+                    f(r, None);
+                    board.mark_done(k, c, chunks);
+                },
+                false,
+            );
+        }
         self.run_deal(
             board,
             items,
+            grain,
             |k, c, chunks, r| {
                 f(r, Some(&mut *stage));
                 board.publish(k, c, chunks, || publish(stage));
@@ -207,13 +228,15 @@ impl<'a> Team<'a> {
         &self,
         board: &SpinBarrier,
         items: usize,
+        grain: usize,
         mut chunk: impl FnMut(u64, usize, usize, Range<usize>),
         redo: bool,
     ) {
         let k = self.deals.get() + 1;
         self.deals.set(k);
         let n = self.n;
-        let chunks = chunk_count(items, n);
+        let grain = grain.max(1);
+        let chunks = chunk_count(items, n, grain);
         if chunks == 0 {
             return;
         }
@@ -223,7 +246,7 @@ impl<'a> Team<'a> {
         );
         // Chunk `j` starts at `start`; a thread's chunks come in increasing order.
         let (mut j, mut start) = (0, 0);
-        let mut pace = Redo::new(items, n);
+        let mut pace = Redo::new(items, n, grain);
         loop {
             let w = board.claim.load(Ordering::Acquire);
             let c = match tag(w).cmp(&k) {
@@ -249,10 +272,10 @@ impl<'a> Team<'a> {
                 continue;
             }
             while j < c {
-                start += chunk_len(items - start, n);
+                start += chunk_len(items - start, n, grain);
                 j += 1;
             }
-            let len = chunk_len(items - start, n);
+            let len = chunk_len(items - start, n, grain);
             if redo {
                 let began = Instant::now();
                 chunk(k, c, chunks, start..start + len);
@@ -265,7 +288,10 @@ impl<'a> Team<'a> {
             board.wait_done(
                 k,
                 chunks,
-                Some((&mut |c| chunk(k, c, chunks, chunk_range(items, n, c)), pace)),
+                Some((
+                    &mut |c| chunk(k, c, chunks, chunk_range(items, n, grain, c)),
+                    pace,
+                )),
             );
         } else {
             board.wait_done(k, chunks, None);
@@ -288,29 +314,69 @@ pub fn split(items: usize, n: usize, i: usize) -> Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
-/// The length of [`Team::deal`]'s next chunk for `n` threads when `left` items are left: a `1 / (2n)`
-/// share, at least one.
-fn chunk_len(left: usize, n: usize) -> usize {
-    left.div_ceil(2 * n).max(1)
+/// The least weight bytes a chunk of a decode product streams ([`grain`]). A chunk costs a claim (a
+/// compare-and-swap on the deal's one claim word) and a mark (a store to the chunk's own cache line,
+/// which every waiter reads): each a cache line passed between cores, a fraction of a microsecond that
+/// a chunk of a few kilobytes does not earn back (a panel of 16 rows of the default model's 4-bit
+/// matrices is 5 KB; with a chunk a panel the deal's last chunks were single panels). The guided
+/// chunks (a `1 / (2n)` share of what is left) keep their sizes down to this one, so the last thread
+/// to finish waits for at most one chunk of it. Measured on 2 threads (`docs/performance.md`).
+pub const CHUNK_BYTES: usize = 16 * 1024;
+
+/// The least items a chunk of a decode product takes where each item streams `item_bytes` of weights:
+/// [`CHUNK_BYTES`] worth, or `KURA_CHUNK_BYTES` where that is set (a benchmark's way to compare grains;
+/// 1 gives chunks of down to one item).
+pub fn grain(item_bytes: usize) -> usize {
+    grain_of(chunk_bytes(), item_bytes)
 }
 
-/// How many chunks [`Team::deal`] cuts `items` into for `n` threads.
-fn chunk_count(items: usize, n: usize) -> usize {
+/// The least items of `item_bytes` each that make `chunk_bytes`, one at least.
+fn grain_of(chunk_bytes: usize, item_bytes: usize) -> usize {
+    chunk_bytes.div_ceil(item_bytes.max(1)).max(1)
+}
+
+fn chunk_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let Some(v) = std::env::var_os("KURA_CHUNK_BYTES") else {
+            return CHUNK_BYTES;
+        };
+        match v.to_str().map(str::parse::<usize>) {
+            Some(Ok(bytes)) if bytes >= 1 => bytes,
+            _ => {
+                tracing::warn!(
+                    "KURA_CHUNK_BYTES={v:?} is not a count of bytes of at least 1: the chunks of \
+                     decode products keep {CHUNK_BYTES} bytes at least"
+                );
+                CHUNK_BYTES
+            }
+        }
+    })
+}
+
+/// The length of [`Team::deal`]'s next chunk for `n` threads when `left` (≥ 1) items are left: a
+/// `1 / (2n)` share, at least `grain` (≥ 1) items, at most what is left.
+fn chunk_len(left: usize, n: usize, grain: usize) -> usize {
+    left.div_ceil(2 * n).max(grain).min(left)
+}
+
+/// How many chunks [`Team::deal`] cuts `items` into for `n` threads, chunks of `grain` items at least.
+fn chunk_count(items: usize, n: usize, grain: usize) -> usize {
     let (mut start, mut chunks) = (0, 0);
     while start < items {
-        start += chunk_len(items - start, n);
+        start += chunk_len(items - start, n, grain);
         chunks += 1;
     }
     chunks
 }
 
-/// The items of chunk `c` of a deal of `items` for `n` threads.
-fn chunk_range(items: usize, n: usize, c: usize) -> Range<usize> {
+/// The items of chunk `c` of a deal of `items` for `n` threads, chunks of `grain` items at least.
+fn chunk_range(items: usize, n: usize, grain: usize, c: usize) -> Range<usize> {
     let mut start = 0;
     for _ in 0..c {
-        start += chunk_len(items - start, n);
+        start += chunk_len(items - start, n, grain);
     }
-    start..start + chunk_len(items - start, n)
+    start..start + chunk_len(items - start, n, grain)
 }
 
 /// The most chunks a deal can have, per thread: each chunk but the last `2n` takes at least a `1 / (2n)`
@@ -448,17 +514,17 @@ enum Help {
 /// how long another's chunk should take.
 #[derive(Clone, Copy)]
 struct Redo {
-    /// The deal's items and team size (to size a chunk).
-    deal: (usize, usize),
+    /// The deal's items, team size and grain (to size a chunk).
+    deal: (usize, usize, usize),
     items: usize,
     time: Duration,
 }
 
 impl Redo {
-    /// No chunk taken yet in a deal of `items` for `n` threads.
-    fn new(items: usize, n: usize) -> Redo {
+    /// No chunk taken yet in a deal of `items` for `n` threads, chunks of `grain` items at least.
+    fn new(items: usize, n: usize, grain: usize) -> Redo {
         Redo {
-            deal: (items, n),
+            deal: (items, n, grain),
             items: 0,
             time: Duration::ZERO,
         }
@@ -476,8 +542,8 @@ impl Redo {
         if self.items == 0 {
             return 4 * least;
         }
-        let (items, n) = self.deal;
-        let len = u32::try_from(chunk_range(items, n, c).len()).unwrap_or(u32::MAX);
+        let (items, n, grain) = self.deal;
+        let len = u32::try_from(chunk_range(items, n, grain, c).len()).unwrap_or(u32::MAX);
         let per_item = self.time / u32::try_from(self.items).unwrap_or(u32::MAX);
         (2 * per_item.saturating_mul(len)).max(least)
     }
@@ -1110,13 +1176,20 @@ mod tests {
                                     // distinct chunks are disjoint and inside `out`; `f` reads
                                     // nothing that decides an address.
                                     unsafe {
-                                        tm.deal_out(n, shared, keep, span, |r, dest| {
-                                            assert_eq!(dest.len(), 2 * r.len());
-                                            for (i, pair) in r.zip(dest.chunks_mut(2)) {
-                                                let v = (i + round) as f32;
-                                                pair[1] = if keep { pair[1] + v } else { v };
-                                            }
-                                        })
+                                        tm.deal_out(
+                                            n,
+                                            1 + round % 4,
+                                            shared,
+                                            keep,
+                                            span,
+                                            |r, dest| {
+                                                assert_eq!(dest.len(), 2 * r.len());
+                                                for (i, pair) in r.zip(dest.chunks_mut(2)) {
+                                                    let v = (i + round) as f32;
+                                                    pair[1] = if keep { pair[1] + v } else { v };
+                                                }
+                                            },
+                                        )
                                     }
                                 }
                             })
@@ -1207,6 +1280,7 @@ mod tests {
                     unsafe {
                         tm.deal_out(
                             64,
+                            1,
                             shared,
                             true,
                             |r| r,
@@ -1384,19 +1458,32 @@ mod tests {
     }
 
     #[test]
-    fn chunks_shrink_to_one_and_cover_the_items() {
+    fn chunks_shrink_to_the_grain_and_cover_the_items() {
         for n in 1..=16 {
-            for items in [1usize, 2, 3, 36, 60, 192, 3072] {
-                let (mut start, mut last) = (0, usize::MAX);
-                while start < items {
-                    let len = chunk_len(items - start, n);
-                    assert!(len >= 1 && len <= last && start + len <= items);
-                    (start, last) = (start + len, len);
+            for grain in [1usize, 2, 3, 7, 100] {
+                for items in [1usize, 2, 3, 36, 60, 192, 3072] {
+                    let (mut start, mut last, mut chunks) = (0, usize::MAX, 0);
+                    while start < items {
+                        let len = chunk_len(items - start, n, grain);
+                        assert!(len >= 1 && len <= last && start + len <= items);
+                        // A chunk shorter than the grain takes every item left.
+                        assert!(len >= grain || start + len == items);
+                        assert_eq!(chunk_range(items, n, grain, chunks), start..start + len);
+                        (start, last, chunks) = (start + len, len, chunks + 1);
+                    }
+                    assert_eq!(start, items);
+                    assert_eq!(chunks, chunk_count(items, n, grain));
+                    assert!(chunks <= CHUNKS_PER_THREAD * n, "the chunks fit the board");
+                    assert!(last <= grain, "the last chunks are of the grain or less");
                 }
-                assert_eq!(start, items);
-                assert_eq!(last, 1, "the last chunks are single items");
             }
         }
+        // A grain of 16 KB of weights: a small model's 4-bit panels (5 KB) go four to a chunk, so 60 of
+        // them make 9 chunks for 2 threads (1 a panel: 12) and 15 for 16 threads (46).
+        assert_eq!(grain_of(CHUNK_BYTES, 5_184), 4);
+        assert_eq!(grain_of(1, 5_184), 1);
+        assert_eq!((chunk_count(60, 2, 1), chunk_count(60, 2, 4)), (12, 9));
+        assert_eq!((chunk_count(60, 16, 1), chunk_count(60, 16, 4)), (46, 15));
     }
 
     #[test]
