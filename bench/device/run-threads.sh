@@ -104,22 +104,24 @@ log "4/4 bench/threads.sh: THREADS='$THREADS' REPS=$REPS PROMPTS='$PROMPTS'"
 bench/threads.sh >"$OUT/threads.md"
 log "done: $OUT/threads.md"
 cat "$OUT/threads.md"
+# The products bench with its weights in L2 at each of THREADS, with the environment assignments given
+# (none: the default grain, whatever the caller's environment holds), in a markdown code block.
+products_in_l2() {
+  echo '```'
+  env -u KURA_CHUNK_BYTES "$@" KURA_PRODUCTS_IN_CACHE=1 KURA_BANDWIDTH_THREADS="$THREADS" "$KIT/products" --bench 2>&1 \
+    | grep 'thread(s)'
+  echo '```'
+}
 log "4/4 b. the chunk grain: the products bench at THREADS='$THREADS', then decode at GRAIN_THREADS='$GRAIN_THREADS' with KURA_CHUNK_BYTES=1"
 {
   echo "# The chunk grain of decode products"
   echo
   echo "The products bench in L2 (\`KURA_PRODUCTS_IN_CACHE=1\`), chunks of down to one panel, then the default grain:"
   echo
-  for bytes in 1 default; do
-    echo "KURA_CHUNK_BYTES=$bytes:"
-    echo '```'
-    if [ "$bytes" = default ]; then
-      KURA_PRODUCTS_IN_CACHE=1 KURA_BANDWIDTH_THREADS="$THREADS" "$KIT/products" --bench 2>&1 | grep 'thread(s)'
-    else
-      KURA_CHUNK_BYTES=$bytes KURA_PRODUCTS_IN_CACHE=1 KURA_BANDWIDTH_THREADS="$THREADS" "$KIT/products" --bench 2>&1 | grep 'thread(s)'
-    fi
-    echo '```'
-  done
+  echo "KURA_CHUNK_BYTES=1:"
+  products_in_l2 KURA_CHUNK_BYTES=1
+  echo "The default grain:"
+  products_in_l2
   echo
   echo "Kura's decode with KURA_CHUNK_BYTES=1 (the default grain's rows are threads.md's):"
   echo

@@ -182,11 +182,11 @@ pub unsafe fn matmul_part<W: Tile>(
         let rows = |panels: std::ops::Range<usize>| {
             panels.start * PANEL_ROWS..(panels.end * PANEL_ROWS).min(w.rows)
         };
+        let grain = team::grain(w.steps * PANEL_ROWS * std::mem::size_of::<W>());
         // SAFETY: every thread passes the same arguments (this function's contract); a run of panels
         // writes its rows alone; the tiles' addresses and lengths come from the matrix's shape, never
         // from the activations they read.
         unsafe {
-            let grain = team::grain(std::mem::size_of_val(w.panel(0)));
             tm.deal_out(w.panels, grain, out, add, rows, |panels, dest| {
                 for p in panels.clone() {
                     let at = (p - panels.start) * PANEL_ROWS;

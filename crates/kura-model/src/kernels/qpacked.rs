@@ -337,14 +337,15 @@ unsafe fn matmul_part_on(
         // token.
         let rows =
             |panels: std::ops::Range<usize>| panels.start * QROWS..(panels.end * QROWS).min(w.rows);
+        let panel_bytes = w.blocks * w.bits.record_bytes();
+        let grain = team::grain(panel_bytes);
         // SAFETY: every thread passes the same arguments (this function's contract); a run of panels
         // writes its rows of the token alone; the kernel's addresses and lengths come from the matrix's
         // shape, never from the activations it reads.
         unsafe {
-            let grain = team::grain(w.blocks * w.bits.record_bytes());
             tm.deal_out(w.panels, grain, out, add, rows, |panels, dest| {
                 let tile = Tile {
-                    panel: &w.bytes_slice()[panels.start * w.blocks * w.bits.record_bytes()..],
+                    panel: &w.bytes_slice()[panels.start * panel_bytes..],
                     blocks: w.blocks,
                     bits: w.bits,
                     xq: x.q,

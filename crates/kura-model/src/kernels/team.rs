@@ -82,7 +82,12 @@ impl<'a> Team<'a> {
     /// holds the team, until it runs again; the others then sleep at the deal's end, and an idle
     /// core takes the switched-out thread (Linux moves a waiting thread to an idle core). A deal whose
     /// chunks may be done twice is [`Team::deal_staged`]'s.
-    pub fn deal(&self, items: usize, mut f: impl FnMut(Range<usize>)) {
+    pub fn deal(&self, items: usize, f: impl FnMut(Range<usize>)) {
+        self.deal_grain(items, 1, f);
+    }
+
+    /// [`Team::deal`] with chunks of `grain` items at least, but for the last.
+    fn deal_grain(&self, items: usize, grain: usize, mut f: impl FnMut(Range<usize>)) {
         let Some(board) = self.barrier else {
             if items > 0 {
                 f(0..items);
@@ -92,7 +97,7 @@ impl<'a> Team<'a> {
         self.run_deal(
             board,
             items,
-            1,
+            grain,
             |k, c, chunks, r| {
                 f(r);
                 board.mark_done(k, c, chunks);
@@ -191,24 +196,9 @@ impl<'a> Team<'a> {
         mut f: impl FnMut(Range<usize>, Option<&mut S>),
         mut publish: impl FnMut(&S),
     ) {
-        let Some(board) = self.barrier else {
-            if items > 0 {
-                f(0..items, None);
-            }
-            return;
+        let Some(board) = self.barrier.filter(|b| b.redo) else {
+            return self.deal_grain(items, grain, |r| f(r, None));
         };
-        if !board.redo {
-            return self.run_deal(
-                board,
-                items,
-                grain,
-                |k, c, chunks, r| {
-                    f(r, None);
-                    board.mark_done(k, c, chunks);
-                },
-                false,
-            );
-        }
         self.run_deal(
             board,
             items,
@@ -235,7 +225,6 @@ impl<'a> Team<'a> {
         let k = self.deals.get() + 1;
         self.deals.set(k);
         let n = self.n;
-        let grain = grain.max(1);
         let chunks = chunk_count(items, n, grain);
         if chunks == 0 {
             return;
@@ -355,7 +344,7 @@ fn chunk_bytes() -> usize {
 }
 
 /// The length of [`Team::deal`]'s next chunk for `n` threads when `left` (≥ 1) items are left: a
-/// `1 / (2n)` share, at least `grain` (≥ 1) items, at most what is left.
+/// `1 / (2n)` share (one at least), at least `grain` items, at most what is left.
 fn chunk_len(left: usize, n: usize, grain: usize) -> usize {
     left.div_ceil(2 * n).max(grain).min(left)
 }
