@@ -81,6 +81,9 @@ pub(crate) struct Seq {
     /// The grammar the choice's output follows ([`GenerateRequest::constraint`]), or why it could not
     /// start (the choice then fails at its first token).
     pub constraint: Result<Option<Box<dyn TokenConstraint>>, String>,
+    /// The token its sampler chose for this step ahead of the step's bookkeeping, beside the other
+    /// sequences of the batch (`Engine::choose_batch`).
+    pub chosen: Option<u32>,
 }
 
 impl Seq {
@@ -103,6 +106,7 @@ impl Seq {
             stop_tokens,
             last_token_at: None,
             constraint: request.constraint.as_ref().map(|c| c.start()).transpose(),
+            chosen: None,
         }
     }
 }

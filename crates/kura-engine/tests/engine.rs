@@ -277,6 +277,61 @@ fn n_choices_fork_the_prompt_and_seeded_sampling_repeats() {
 }
 
 #[test]
+fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
+    // In a batch, every sequence's sampler draws at once beside the others' (the engine's
+    // `choose_batch`); alone, a request's one sequence draws in the step's bookkeeping. Seeded, the
+    // tokens must be the same either way.
+    let model = model();
+    let e = engine(&model, 256, 512);
+    let requests: Vec<GenerateRequest> = (0..5)
+        .map(|i| {
+            let mut r = GenerateRequest::greedy(prompt(&model, 30 + 7 * i, 10 + i), 24);
+            r.ignore_eos = true;
+            r.sampling.seed = Some(100 + i as u64);
+            match i {
+                0 => r.sampling.temperature = 1.0,
+                1 => {
+                    r.sampling.temperature = 0.8;
+                    r.sampling.top_p = 0.9;
+                }
+                2 => {
+                    r.sampling.temperature = 1.2;
+                    r.sampling.top_k = 20;
+                    r.sampling.repetition_penalty = 1.1;
+                }
+                3 => {
+                    r.sampling.temperature = 1.0;
+                    r.sampling.min_p = 0.05;
+                }
+                _ => {} // greedy
+            }
+            r
+        })
+        .collect();
+    let alone: Vec<Vec<u32>> = requests
+        .iter()
+        .map(|r| {
+            let (_g, rx) = submit(&e, r.clone());
+            wait(&rx, 1).tokens.remove(0)
+        })
+        .collect();
+    let together: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            r.cache_salt = Some("together".into());
+            submit(&e, r)
+        })
+        .collect();
+    for (i, (_g, rx)) in together.iter().enumerate() {
+        let o = wait(rx, 1);
+        assert_eq!(o.tokens[0], alone[i], "request {i}");
+        assert_eq!(o.tokens[0].len(), 24);
+    }
+    e.stop();
+}
+
+#[test]
 fn a_full_pool_preempts_and_everything_completes_without_leaks() {
     let model = model();
     // 24 blocks of 16 = 384 tokens for 6 requests of ~60 + 60 tokens each: not all fit at once.
