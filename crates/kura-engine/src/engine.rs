@@ -1006,7 +1006,7 @@ impl Core {
         let rows: HashMap<SeqKey, usize> = items
             .iter()
             .enumerate()
-            .filter(|(_, it)| it.end >= self.sched.tokens(it.seq).len())
+            .filter(|(_, it)| self.sched.completes(**it))
             .map(|(r, it)| (it.seq, r))
             .collect();
         if rows.len() < 2 {

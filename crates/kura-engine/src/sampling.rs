@@ -162,28 +162,25 @@ fn draw(p: &SamplingParams, l: &[f32], u: f32) -> u32 {
         Some(idx) => idx.iter().map(|&i| l[i]).fold(f32::NEG_INFINITY, f32::max),
         None => lanes::max(&span_max),
     };
+    let each = Weigh {
+        l,
+        max,
+        inv_t,
+        table: None,
+    };
     WEIGHTS.with(|table| {
         let mut table = table.borrow_mut();
-        let (sum, table) = match &topk {
-            Some(idx) => {
-                let w = Weigh {
-                    l,
-                    max,
-                    inv_t,
-                    table: None,
-                };
-                (idx.iter().map(|&i| w.weight(i)).sum(), None)
-            }
+        let (sum, w) = match &topk {
+            Some(idx) => (idx.iter().map(|&i| each.weight(i)).sum(), each),
             None => {
                 table.resize(n, 0.0);
-                (lanes::weights(l, max, inv_t, &mut table), Some(&table[..]))
+                let sum = lanes::weights(l, max, inv_t, &mut table);
+                let w = Weigh {
+                    table: Some(&table[..]),
+                    ..each
+                };
+                (sum, w)
             }
-        };
-        let w = Weigh {
-            l,
-            max,
-            inv_t,
-            table,
         };
         walk(p, u, w, sum, topk.as_deref(), &span_max)
     })
@@ -204,7 +201,6 @@ fn walk(
     topk: Option<&[usize]>,
     span_max: &[f32],
 ) -> u32 {
-    let (max, inv_t) = (w.max, w.inv_t);
     let mut order = Order {
         w,
         topk,
@@ -221,7 +217,7 @@ fn walk(
     if p.min_p > 0.0 {
         // The most likely candidate has weight 1: the survivors weigh at least min_p (the first
         // always survives).
-        let heavy = order.count_at_least(max + p.min_p.ln() / inv_t).max(1);
+        let heavy = order.count_at_least(w.logit_of(p.min_p)).max(1);
         keep = Some(keep.map_or(heavy, |kp| kp.min(heavy)));
     }
     let total = match keep {
@@ -316,14 +312,13 @@ impl Order<'_> {
             w.logit_of(TIER_BOUNDS[t - 1])
         };
         let l = w.l;
-        let in_tier = |i: usize| l[i] >= lo && (t == 0 || l[i] < hi);
+        let in_tier = |v: f32| v >= lo && (t == 0 || v < hi);
         let start = self.members.len();
         match self.topk {
             Some(idx) => self
                 .members
-                .extend(idx.iter().copied().filter(|&i| in_tier(i))),
+                .extend(idx.iter().copied().filter(|&i| in_tier(l[i]))),
             None => {
-                let top = t == 0;
                 for (s, values) in l.chunks(SPAN).enumerate() {
                     if self.span_max[s] < lo {
                         continue;
@@ -335,7 +330,7 @@ impl Order<'_> {
                     for c in chunks {
                         let mut mask = 0u32;
                         for (j, &v) in c.iter().enumerate() {
-                            mask |= u32::from(v >= lo && (top || v < hi)) << j;
+                            mask |= u32::from(in_tier(v)) << j;
                         }
                         while mask != 0 {
                             self.members.push(at + mask.trailing_zeros() as usize);
@@ -344,7 +339,7 @@ impl Order<'_> {
                         at += 16;
                     }
                     self.members
-                        .extend((at..at + rest.len()).filter(|&i| in_tier(i)));
+                        .extend((at..at + rest.len()).filter(|&i| in_tier(l[i])));
                 }
             }
         }
@@ -433,13 +428,14 @@ impl Order<'_> {
         }
     }
 
-    /// The candidates of the first `count` positions of the order (every candidate for `None`).
-    fn prefix(&mut self, count: Option<usize>) -> Vec<usize> {
-        let count = count.unwrap_or(usize::MAX);
+    /// Finds tiers until one holds position `count - 1`, and puts that tier's candidates among the
+    /// first `count` positions before its others; returns the tier, or `None` where there are fewer
+    /// candidates than `count` (every tier found).
+    fn cut(&mut self, count: usize) -> Option<usize> {
         let mut t = 0;
         loop {
             if t == self.tiers.len() && !self.next_tier() {
-                return self.members.clone();
+                return None;
             }
             let end = self.tiers[t].0;
             if end >= count {
@@ -450,39 +446,38 @@ impl Order<'_> {
                 if within < s.len() {
                     s.select_nth_unstable_by(within, |a, b| w.cmp(*a, *b));
                 }
-                return self.members[..count].to_vec();
+                return Some(t);
             }
             t += 1;
         }
     }
 
+    /// The candidates of the first `count` positions of the order (every candidate for `None`).
+    fn prefix(&mut self, count: Option<usize>) -> Vec<usize> {
+        let count = count.unwrap_or(usize::MAX);
+        match self.cut(count) {
+            Some(_) => self.members[..count].to_vec(),
+            None => self.members.clone(),
+        }
+    }
+
     /// The total weight of the first `count` positions of the order.
     fn prefix_weight(&mut self, count: usize) -> f32 {
-        let mut total = 0f64;
-        let mut t = 0;
-        loop {
-            if t == self.tiers.len() && !self.next_tier() {
-                return total as f32;
-            }
-            let (end, mass) = self.tiers[t];
-            if end <= count {
-                total += mass;
-                if end == count {
-                    return total as f32;
-                }
-                t += 1;
-                continue;
-            }
-            let start = self.tier_start(t);
+        let Some(t) = self.cut(count) else {
+            return self.tiers.iter().map(|&(_, mass)| mass).sum::<f64>() as f32;
+        };
+        let before: f64 = self.tiers[..t].iter().map(|&(_, mass)| mass).sum();
+        let (end, mass) = self.tiers[t];
+        let part = if end == count {
+            mass
+        } else {
             let w = self.w;
-            let s = &mut self.members[start..end];
-            let within = count - start;
-            if within > 0 {
-                s.select_nth_unstable_by(within, |a, b| w.cmp(*a, *b));
-            }
-            let part: f64 = s[..within].iter().map(|&i| f64::from(w.weight(i))).sum();
-            return (total + part) as f32;
-        }
+            self.members[self.tier_start(t)..count]
+                .iter()
+                .map(|&i| f64::from(w.weight(i)))
+                .sum()
+        };
+        (before + part) as f32
     }
 
     /// Of the first `count` positions (every candidate for `None`), the last in the order that weighs

@@ -82,7 +82,7 @@ pub(crate) struct Seq {
     /// start (the choice then fails at its first token).
     pub constraint: Result<Option<Box<dyn TokenConstraint>>, String>,
     /// The token its sampler chose for this step ahead of the step's bookkeeping, beside the other
-    /// sequences of the batch (`Engine::choose_batch`).
+    /// sequences of the batch (`Core::choose_batch`).
     pub chosen: Option<u32>,
 }
 

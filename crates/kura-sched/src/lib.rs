@@ -590,8 +590,15 @@ impl Scheduler {
         self.running.is_empty() && self.waiting.is_empty()
     }
 
+    /// Whether a planned item reaches the end of its sequence's tokens: once computed, the sequence
+    /// samples its next token from the item's logits.
+    pub fn completes(&self, item: Item) -> bool {
+        item.end >= self.tokens(item.seq).len()
+    }
+
     /// Records that the forward pass computed a planned item's KV.
     pub fn computed(&mut self, item: Item) -> Computed {
+        let complete = self.completes(item);
         let seq = self
             .seqs
             .get_mut(&item.seq)
@@ -601,7 +608,6 @@ impl Scheduler {
             .mark_computed(id, item.end)
             .expect("the scheduled range was computable");
         let prefill = seq.prefilling;
-        let complete = item.end >= seq.tokens.len();
         if complete {
             seq.prefilling = false;
         }
