@@ -524,9 +524,11 @@ static void store_case(int d, int bs, Rng& r) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Greedy sampling: the first index of each row's largest logit; a row of only NaN or -inf gives 0.
+// Greedy sampling: the first index of each row's largest logit, as the host's `sampling::argmax` finds it
+// (a walk from the first logit that moves on to each strictly greater one: NaN is never the largest unless
+// it comes first, and a row of only NaN or -inf gives 0).
 static void argmax_case(Rng& r) {
-  const int vocab = 5000, rows = 5;
+  const int vocab = 5000, rows = 7;
   std::vector<float> logits((size_t)rows * vocab);
   for (auto& x : logits) x = r.uniform() * 10.f;
   float* row = logits.data();
@@ -536,23 +538,33 @@ static void argmax_case(Rng& r) {
   row = logits.data() + 2 * vocab;
   row[vocab - 1] = 1e30f;  // the last index
   row = logits.data() + 3 * vocab;
-  for (int i = 0; i < vocab; i++) row[i] = i == 2500 ? 3.f : NAN;  // NaN beside one number
+  for (int i = 0; i < vocab; i++) row[i] = i == 2500 ? 3.f : NAN;  // NaN first, beside one number
+  row = logits.data() + 4 * vocab;
+  for (int i = 0; i < vocab; i++) row[i] = i == 0 ? -INFINITY : i == 3000 ? -3.4028235e38f : NAN;
+  row = logits.data() + 5 * vocab;
+  for (int i = 0; i < vocab; i++) row[i] = i % 7 ? NAN : -1.f;  // NaN among equal numbers
+  row[4998] = -0.5f;
+  row = logits.data() + 6 * vocab;
+  for (int i = 0; i < vocab; i++) row[i] = -INFINITY;
   std::vector<int> want(rows);
   for (int i = 0; i < rows; i++) {
     const float* x = logits.data() + (size_t)i * vocab;
-    int best = -1;
-    for (int j = 0; j < vocab; j++)
-      if (!std::isnan(x[j]) && x[j] > -INFINITY && (best < 0 || x[j] > x[best])) best = j;
-    want[i] = best < 0 ? 0 : best;
+    int best = 0;
+    for (int j = 1; j < vocab; j++)
+      if (x[j] > x[best]) best = j;
+    want[i] = best;
   }
   std::vector<u32> got(rows, 0xdeadbeef);
   emu::launch({(unsigned)rows, 1, 1}, {1024, 1, 1}, 0, [&] { argmax_rows(logits.data(), got.data(), vocab); });
   bool ok = true;
   for (int i = 0; i < rows; i++) ok &= got[i] == (u32)want[i];
-  check(ok && want[0] == 17 && want[1] == 0 && want[3] == 2500,
-        "argmax_rows: the first largest logit of each row (a tie, the last index, NaN rows give 0)");
+  check(ok && want[0] == 17 && want[1] == 0 && want[2] == vocab - 1 && want[3] == 0 && want[4] == 3000 &&
+            want[5] == 4998 && want[6] == 0,
+        "argmax_rows: the first largest logit of each row, as the host's walk finds it (a tie, the last index, "
+        "NaN first, -inf first, NaN among numbers, a row of -inf)");
 }
 
+// ---------------------------------------------------------------------------------------------------
 // Copy-on-write of a partial block: the first n slots of every region of block src into dst, the rest of
 // dst untouched (bf16 and fp8 pools).
 static void copy_case(Kv kv, Rng& r) {

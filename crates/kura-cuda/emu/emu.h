@@ -169,6 +169,11 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline void __threadfence() {}
@@ -183,6 +188,7 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return old;
 }
 using std::isfinite;
+using std::isnan;
 using std::max;
 using std::min;
 

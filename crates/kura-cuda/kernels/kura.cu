@@ -1329,14 +1329,18 @@ GEMV_NORM(3)
 GEMV_NORM(4)
 
 // ---------------------------------------------------------------------------------------------------
-// Greedy sampling on the device: out[r] = the first index of row r's largest logit. One block per row.
+// Greedy sampling on the device: out[r] = the first index of row r's largest logit, as the host's
+// `sampling::argmax` finds it: NaN is never the largest (unless it comes first: token 0), and a row with
+// no number above -inf gives token 0. One block per row.
 extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab) {
   KURA_DEP();
   __shared__ float bv[32];
   __shared__ int bi[32];
   const float* row = logits + (size_t)blockIdx.x * vocab;
-  float best = -3.402823466e38f;
-  int idx = 0x7fffffff;
+  const float neg_inf = __int_as_float((int)0xff800000);
+  const int none = 0x7fffffff;
+  float best = neg_inf;
+  int idx = none;
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
     float v = row[i];
     if (v > best) { best = v; idx = i; }
@@ -1351,16 +1355,14 @@ extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab)
   __syncthreads();
   if (warp == 0) {
     int nw = blockDim.x >> 5;
-    best = lane < nw ? bv[lane] : -3.402823466e38f;
-    idx = lane < nw ? bi[lane] : 0x7fffffff;
+    best = lane < nw ? bv[lane] : neg_inf;
+    idx = lane < nw ? bi[lane] : none;
     for (int o = 16; o > 0; o >>= 1) {
       float ov = __shfl_xor_sync(0xffffffffu, best, o);
       int oi = __shfl_xor_sync(0xffffffffu, idx, o);
       if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
     }
-    // A row with no number above -FLT_MAX (all NaN or -inf) gives token 0, never an index past the
-    // vocabulary.
-    if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
+    if (lane == 0) out[blockIdx.x] = idx == none || isnan(row[0]) ? 0u : (u32)idx;
   }
 }
 

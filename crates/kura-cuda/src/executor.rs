@@ -16,7 +16,7 @@ use half::bf16;
 
 use kura_checkpoint::config::rope_inv_freq;
 use kura_checkpoint::{ModelConfig, ModelParts};
-use kura_engine::{ExecError, Executor, SeqInput};
+use kura_engine::{ExecError, Executor, Row, SeqInput, Want};
 use kura_kv::codec::KvDtype;
 
 use crate::budget::{self, Dims, ACTIVATIONS};
@@ -504,6 +504,10 @@ pub struct CudaExecutor {
     /// Copies between the pool and the host tier under way; declared first so that it is dropped
     /// (waiting for its copies) before the device unpins the host region they use.
     loads: Option<HostLoads>,
+    /// Page-locked host memory that rows of logits the engine asks for land in
+    /// ([`CudaExecutor::forward_rows`]): a copy from device memory into it runs at the bus's speed, into
+    /// pageable memory at a fraction of it. Grown with the steps' rows; dropped before the device.
+    host_logits: Option<cudarc::driver::PinnedHostSlice<f32>>,
     dev: Device,
     cfg: ModelConfig,
     w: DevWeights,
@@ -709,6 +713,7 @@ impl CudaExecutor {
         let s = scratch;
         Ok(CudaExecutor {
             loads: None,
+            host_logits: None,
             dev,
             cfg,
             w,
@@ -1349,7 +1354,82 @@ impl CudaExecutor {
     /// Each sequence's greedy next token, chosen on the device (only the ids come back).
     pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<u32>> {
         let plan = self.run(batch, false)?;
-        let n = plan.n_seqs;
+        let out = self.argmax_ids(plan.n_seqs)?;
+        self.dev.synchronize()?;
+        Ok(out)
+    }
+
+    /// Each sequence's answer as `wants` asks ([`Executor::forward_rows`]): a greedy token found on
+    /// the device (its id comes back), a row of logits copied back through page-locked memory, or
+    /// nothing (no copy at all for a prefill chunk with more to come).
+    pub fn forward_rows(&mut self, batch: &[SeqInput<'_>], wants: &[Want]) -> Result<Vec<Row>> {
+        if wants.len() != batch.len() {
+            return Err(CudaError::Batch(format!(
+                "{} answers asked of a step of {} sequences",
+                wants.len(),
+                batch.len()
+            )));
+        }
+        let plan = self.run(batch, false)?;
+        let (n, vocab) = (plan.n_seqs, self.cfg.vocab_size());
+        let ids = if wants.contains(&Want::Argmax) {
+            self.argmax_ids(n)?
+        } else {
+            Vec::new()
+        };
+        // Each run of consecutive rows asked for is one copy, to the same place in the host buffer.
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for (r, want) in wants.iter().enumerate() {
+            if *want != Want::Logits {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if run.end == r => run.end = r + 1,
+                _ => runs.push(r..r + 1),
+            }
+        }
+        let host: &mut [f32] = match runs.last() {
+            Some(last) => {
+                let len = last.end * vocab;
+                if self.host_logits.as_ref().is_none_or(|h| h.len() < len) {
+                    // Room for as many rows as the step buffers hold, so that it is seldom grown.
+                    let room = (self.s.rows.max(last.end)) * vocab;
+                    self.host_logits = None;
+                    // SAFETY: page-locked host memory of `room` floats, written by the copies below
+                    // before it is read. Not write-combined (cudarc's default): the host reads it.
+                    self.host_logits =
+                        Some(unsafe { self.dev.ctx.alloc_pinned_with_flags(room, 0) }?);
+                }
+                let host = self
+                    .host_logits
+                    .as_mut()
+                    .expect("made room above")
+                    .as_mut_slice()?;
+                for run in &runs {
+                    let at = run.start * vocab..run.end * vocab;
+                    self.dev
+                        .stream
+                        .memcpy_dtoh(&self.s.logits.slice(at.clone()), &mut host[at])?;
+                }
+                host
+            }
+            None => &mut [],
+        };
+        self.dev.synchronize()?;
+        Ok(wants
+            .iter()
+            .enumerate()
+            .map(|(r, want)| match want {
+                Want::Nothing => Row::Nothing,
+                Want::Argmax => Row::Token(ids[r]),
+                Want::Logits => Row::Logits(host[r * vocab..(r + 1) * vocab].to_vec()),
+            })
+            .collect())
+    }
+
+    /// Finds each of the step's `n` rows' greedy token on the device and queues the copy of their ids
+    /// to the host (landed at the next synchronisation).
+    fn argmax_ids(&mut self, n: usize) -> Result<Vec<u32>> {
         self.dev.launch(
             "argmax_rows",
             (n as u32, 1, 1),
@@ -1364,7 +1444,6 @@ impl CudaExecutor {
         self.dev
             .stream
             .memcpy_dtoh(&self.s.ids.slice(0..n), &mut out)?;
-        self.dev.synchronize()?;
         Ok(out)
     }
 
@@ -1470,6 +1549,14 @@ impl Executor for CudaExecutor {
         let vocab = self.cfg.vocab_size();
         let flat = self.forward_logits(batch)?;
         Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn forward_rows(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+    ) -> std::result::Result<Vec<Row>, ExecError> {
+        Ok(CudaExecutor::forward_rows(self, batch, wants)?)
     }
 
     fn copy_block_prefix(

@@ -24,7 +24,7 @@ use kura_cuda::{
     CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, PoolSpec, PrefillKernel,
     PrefillTuning, Tuning,
 };
-use kura_engine::{ExecError, Executor, SeqInput};
+use kura_engine::{sampling, ExecError, Executor, Row, SeqInput, Want};
 use kura_kv::codec::KvDtype;
 use kura_model::Model;
 
@@ -612,6 +612,34 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
                     "{step}: row {r}"
                 );
             }
+        }
+        // Each row as the engine asks for it ([`Executor::forward_rows`]): its logits (the reference's
+        // bits, through page-locked memory, one copy per run of rows), its greedy token (the host's
+        // argmax of the reference's row), or nothing.
+        let asks = [Want::Logits, Want::Argmax, Want::Nothing];
+        for (i, ((step, batch), logits)) in steps.iter().zip(&reference).enumerate() {
+            let wants: Vec<Want> = (0..batch.len()).map(|r| asks[(r + i) % 3]).collect();
+            let rows = Executor::forward_rows(&mut gpu, batch, &wants).unwrap();
+            let vocab = logits.len() / batch.len();
+            assert_eq!(rows.len(), batch.len(), "{step}");
+            for (r, (want, row)) in wants.iter().zip(&rows).enumerate() {
+                let reference = &logits[r * vocab..(r + 1) * vocab];
+                match (want, row) {
+                    (Want::Logits, Row::Logits(got)) => {
+                        assert!(same_bits(got, reference), "{step}: row {r}'s logits")
+                    }
+                    (Want::Argmax, &Row::Token(t)) => {
+                        assert_eq!(t, sampling::argmax(reference), "{step}: row {r}'s token")
+                    }
+                    (Want::Nothing, Row::Nothing) => {}
+                    (want, _) => panic!("{step}: row {r} asked {want:?}, answered otherwise"),
+                }
+            }
+        }
+        let (step, batch) = &steps[0];
+        match Executor::forward_rows(&mut gpu, batch, &[Want::Argmax]) {
+            Err(ExecError::Step(e)) => assert!(e.contains("1 answers asked of a step of 4"), "{e}"),
+            other => panic!("{step} with one answer asked: {other:?}"),
         }
         println!(
             "{} KV: every decode path gives the reference's bits",

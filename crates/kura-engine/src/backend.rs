@@ -3,7 +3,8 @@
 //! engine thread).
 //!
 //! The engine never looks inside a model: it hands the executor a batch of (new tokens, first position,
-//! block table) and gets back the logits of each item's last position. The engine links no model
+//! block table) and gets back, for each item's last position, what its sequence takes of it ([`Want`]:
+//! nothing, the most likely token, or the row of logits). The engine links no model
 //! runtime: `kura-model`'s `ModelExecutor` (the CPU forward pass) and `kura-cuda`'s `CudaExecutor`
 //! implement [`Executor`]; tests adapt small deterministic models.
 
@@ -73,11 +74,69 @@ impl<T> OrEnd<T> for Result<T, ExecError> {
     }
 }
 
+/// What the engine takes from an item's last position after a step ([`Executor::forward_rows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// Nothing: a prefill chunk with more of its prompt to compute before its first token.
+    Nothing,
+    /// The most likely token only, as [`crate::sampling::argmax`] finds it (the first on ties): a
+    /// greedy sampler without penalties, logprobs or a grammar. An executor on an accelerator finds it
+    /// there and copies back one id instead of a row of logits.
+    Argmax,
+    /// The whole row of logits: a sampler that draws, penalises, reports logprobs or follows a grammar.
+    Logits,
+}
+
+/// One item's answer to its [`Want`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Row {
+    Nothing,
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
+impl Row {
+    /// The row of logits, when it was asked for.
+    pub fn logits(&self) -> Option<&[f32]> {
+        match self {
+            Row::Logits(l) => Some(l),
+            Row::Nothing | Row::Token(_) => None,
+        }
+    }
+}
+
 /// The forward pass over paged KV, and the block copies that copy-on-write needs.
 pub trait Executor: Send + 'static {
     /// Writes K/V of every item's tokens into its blocks and returns, per item, the logits of its last
     /// token (`vocab_size` values each).
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError>;
+    /// [`Executor::forward`], answering each item as `wants` (one per item) asks: what the engine
+    /// calls. The default computes every row's logits and answers on the host; an executor on an
+    /// accelerator chooses greedy tokens on the device and copies back only the rows asked for (a
+    /// batch of 64 greedy sequences of a 128,000-token vocabulary copies 256 bytes, not 33 MB).
+    fn forward_rows(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+    ) -> Result<Vec<Row>, ExecError> {
+        if wants.len() != batch.len() {
+            return Err(ExecError::Step(format!(
+                "{} answers asked of a step of {} items",
+                wants.len(),
+                batch.len()
+            )));
+        }
+        let rows = self.forward(batch)?;
+        Ok(rows
+            .into_iter()
+            .zip(wants)
+            .map(|(logits, want)| match want {
+                Want::Nothing => Row::Nothing,
+                Want::Argmax => Row::Token(crate::sampling::argmax(&logits)),
+                Want::Logits => Row::Logits(logits),
+            })
+            .collect())
+    }
     /// Copies the K/V of the first `num_tokens` token slots of block `src` into block `dst`.
     fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize)
         -> Result<(), ExecError>;

@@ -34,7 +34,7 @@ use crate::miss::SeenLog;
 use crate::sampling::Sampled;
 
 use crate::backend::{
-    executor_failed, ExecError, Executor, ExecutorFailed, OrEnd, SeqInput, TextCodec,
+    executor_failed, ExecError, Executor, ExecutorFailed, OrEnd, Row, SeqInput, TextCodec, Want,
 };
 use crate::cost::{CostModel, CostTier, TierCostCheck};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
@@ -967,13 +967,22 @@ impl Core {
                 layer_pages: pages,
             })
             .collect();
-        let result = self.executor.forward(&batch);
+        let wants: Vec<Want> = plan.items.iter().map(|it| self.want(*it)).collect();
+        let result = self.executor.forward_rows(&batch, &wants);
         let forward = forward_started.elapsed();
         drop(batch);
         self.observe_prefill(&plan, forward);
         self.metrics.steps.add(1);
-        let logits = match result {
-            Ok(l) => l,
+        let rows = match result {
+            Ok(rows) if rows.len() == plan.items.len() => rows,
+            Ok(rows) => executor_failed(
+                "a forward step",
+                &ExecError::Fatal(format!(
+                    "the executor answered {} of a step's {} items",
+                    rows.len(),
+                    plan.items.len()
+                )),
+            ),
             Err(e @ ExecError::Fatal(_)) => executor_failed("a forward step", &e),
             Err(ExecError::Step(e)) => {
                 let mut groups: Vec<u64> = plan
@@ -988,11 +997,32 @@ impl Core {
                 return forward;
             }
         };
-        self.choose_batch(&plan.items, &logits);
-        for (item, row) in plan.items.iter().zip(&logits) {
+        self.choose_batch(&plan.items, &rows);
+        for (item, row) in plan.items.iter().zip(&rows) {
             self.after_forward(*item, row);
         }
         forward
+    }
+
+    /// What a planned item's step gives its sequence: nothing for a prefill chunk with more to come,
+    /// the most likely token for a lone greedy choice that needs nothing else of its row, the row of
+    /// logits otherwise (the first token of `n > 1` choices: each draws from the same row).
+    fn want(&self, item: Item) -> Want {
+        if !self.sched.completes(item) {
+            return Want::Nothing;
+        }
+        let Some(seq) = self.seqs.get(&item.seq) else {
+            return Want::Nothing; // its group failed: nothing is sampled
+        };
+        let alone = self
+            .groups
+            .get(&seq.group)
+            .is_some_and(|g| g.forked || g.request.n <= 1);
+        if alone && matches!(seq.constraint, Ok(None)) && seq.sampler.argmax_only() {
+            Want::Argmax
+        } else {
+            Want::Logits
+        }
     }
 
     /// Has the sampler of every sequence that samples from this step's logits, and follows no grammar,
@@ -1002,28 +1032,28 @@ impl Core {
     /// would in turn (its own RNG, its counts unchanged until its token is recorded), so the tokens
     /// are those of drawing one by one. A first step of `n > 1` choices forks them later and draws
     /// those in turn.
-    fn choose_batch(&mut self, items: &[Item], logits: &[Vec<f32>]) {
-        let rows: HashMap<SeqKey, usize> = items
+    fn choose_batch(&mut self, items: &[Item], rows: &[Row]) {
+        let logits: HashMap<SeqKey, &[f32]> = items
             .iter()
-            .enumerate()
-            .filter(|(_, it)| self.sched.completes(**it))
-            .map(|(r, it)| (it.seq, r))
+            .zip(rows)
+            .filter(|(it, _)| self.sched.completes(**it))
+            .filter_map(|(it, row)| Some((it.seq, row.logits()?)))
             .collect();
-        if rows.len() < 2 {
+        if logits.len() < 2 {
             return;
         }
         let mut draws: Vec<(&mut Seq, &[f32])> = self
             .seqs
             .iter_mut()
             .filter(|(_, seq)| matches!(seq.constraint, Ok(None)))
-            .filter_map(|(key, seq)| rows.get(key).map(|&r| (seq, &logits[r][..])))
+            .filter_map(|(key, seq)| logits.get(key).map(|&row| (seq, row)))
             .collect();
         draws.par_iter_mut().for_each(|(seq, row)| {
             seq.chosen = Some(seq.sampler.choose(row, None));
         });
     }
 
-    fn after_forward(&mut self, item: Item, logits: &[f32]) {
+    fn after_forward(&mut self, item: Item, row: &Row) {
         let Some(group_id) = self.seqs.get(&item.seq).map(|s| s.group) else {
             return; // its group failed earlier in this loop
         };
@@ -1090,7 +1120,7 @@ impl Core {
             // A choice that failed (its grammar could not go on) fails its whole request, the other
             // choices with it: they are gone and have nothing left to sample.
             if self.seqs.contains_key(&key) {
-                self.sample(key, logits);
+                self.sample(key, row);
             }
         }
     }
@@ -1151,9 +1181,10 @@ impl Core {
         self.fail_group(group_id, RequestError::Constraint { message, param });
     }
 
-    /// Samples the next token of one choice and hands it to the output stage; ends the choice on a stop
-    /// token, at `max_tokens` or at the context limit.
-    fn sample(&mut self, key: SeqKey, logits: &[f32]) {
+    /// Samples the next token of one choice from its row (or takes the token chosen for it, [`Want`])
+    /// and hands it to the output stage; ends the choice on a stop token, at `max_tokens` or at the
+    /// context limit.
+    fn sample(&mut self, key: SeqKey, row: &Row) {
         let now = Instant::now();
         let seq = self.seqs.get_mut(&key).expect("sampled sequence exists");
         let group_id = seq.group;
@@ -1171,10 +1202,14 @@ impl Core {
         };
         let sampler = &mut seq.sampler;
         let chosen = seq.chosen.take();
-        let token = match &mut seq.constraint {
-            Ok(None) => Ok(chosen.unwrap_or_else(|| sampler.choose(logits, None))),
-            Ok(Some(c)) => c.choose(budget, &mut |mask| sampler.choose(logits, Some(mask))),
-            Err(e) => Err(e.clone()),
+        let token = match (&mut seq.constraint, row) {
+            (Err(e), _) => Err(e.clone()),
+            (Ok(None), &Row::Token(t)) => Ok(t),
+            (Ok(None), Row::Logits(l)) => Ok(chosen.unwrap_or_else(|| sampler.choose(l, None))),
+            (Ok(Some(c)), Row::Logits(l)) => {
+                c.choose(budget, &mut |mask| sampler.choose(l, Some(mask)))
+            }
+            (Ok(_), _) => unreachable!("a sequence that samples was asked its row's logits"),
         };
         let token = match token {
             Ok(t) => t,
@@ -1183,7 +1218,10 @@ impl Core {
                 return;
             }
         };
-        let Sampled { token, logprob } = seq.sampler.record(logits, token);
+        let Sampled { token, logprob } = match row.logits() {
+            Some(l) => seq.sampler.record(l, token),
+            None => seq.sampler.record_chosen(token),
+        };
         // A complete grammar ends the choice: `length` when it was closed early because the budget
         // ran short.
         let grammar_end = match &mut seq.constraint {

@@ -119,10 +119,21 @@ impl Sampler {
         }
     }
 
+    /// Whether this sampler's token is the first largest raw logit ([`argmax`]) and it needs nothing
+    /// else of the row: greedy, with no penalty and no logprobs. Such a sampler takes a token chosen
+    /// where the logits are ([`Sampler::record_chosen`]); a grammar's mask is the caller's to check.
+    pub fn argmax_only(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && p.logprobs.is_none()
+    }
+
     /// Records `token` as generated (for the penalties), with its logprobs when asked.
     pub fn record(&mut self, logits: &[f32], token: u32) -> Sampled {
-        *self.generated.entry(token).or_insert(0) += 1;
-        self.seen.insert(token);
+        self.count(token);
         // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
         let logprob = self.params.logprobs.map(|k| {
             let lse = log_sum_exp(logits);
@@ -137,6 +148,25 @@ impl Sampler {
             }
         });
         Sampled { token, logprob }
+    }
+
+    /// Records `token`, the [`argmax`] of a row this sampler did not see, as generated: for a sampler
+    /// that is [`Sampler::argmax_only`], what [`Sampler::sample`] of that row gives.
+    pub fn record_chosen(&mut self, token: u32) -> Sampled {
+        debug_assert!(
+            self.argmax_only(),
+            "a token chosen for a sampler that draws"
+        );
+        self.count(token);
+        Sampled {
+            token,
+            logprob: None,
+        }
+    }
+
+    fn count(&mut self, token: u32) {
+        *self.generated.entry(token).or_insert(0) += 1;
+        self.seen.insert(token);
     }
 }
 

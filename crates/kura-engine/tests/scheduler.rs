@@ -80,3 +80,139 @@ fn n_choices_compute_the_prompt_once() {
     assert_eq!(prompt_items, vec![&(0, 10)]);
     e.stop();
 }
+
+/// A grammar that allows every token: it changes no choice, but its sampler needs each row's logits.
+#[derive(Debug)]
+struct AnyToken;
+
+impl kura_engine::ConstraintSpec for AnyToken {
+    fn start(&self) -> Result<Box<dyn kura_engine::TokenConstraint>, String> {
+        Ok(Box::new(AnyToken))
+    }
+}
+
+impl kura_engine::TokenConstraint for AnyToken {
+    fn choose(
+        &mut self,
+        _budget: usize,
+        sample: &mut dyn FnMut(&[u32]) -> u32,
+    ) -> Result<u32, String> {
+        Ok(sample(&[u32::MAX; common::VOCAB.div_ceil(32)]))
+    }
+    fn accept(&mut self, _token: u32) -> Result<(), String> {
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn each_step_asks_the_executor_for_no_more_than_its_sequences_take() {
+    use kura_engine::Want::{Argmax, Logits, Nothing};
+    // Each request alone, with a prompt of its own of 40 tokens in chunks of 16: two chunks that sample nothing,
+    // then its last chunk and 3 decode steps, each asking `last` (an `n = 2` request: its first token
+    // from logits, as both choices draw from that row, then a token for each).
+    let kinds: Vec<(
+        &str,
+        kura_engine::GenerateRequest,
+        Vec<Vec<kura_engine::Want>>,
+    )> = vec![
+        (
+            "greedy",
+            common::distinct_request(11, 40, 4),
+            vec![vec![Argmax]; 4],
+        ),
+        (
+            "temperature 1",
+            {
+                let mut r = common::distinct_request(12, 40, 4);
+                r.sampling.temperature = 1.0;
+                r.sampling.seed = Some(7);
+                r
+            },
+            vec![vec![Logits]; 4],
+        ),
+        (
+            "greedy with logprobs",
+            {
+                let mut r = common::distinct_request(13, 40, 4);
+                r.sampling.logprobs = Some(2);
+                r
+            },
+            vec![vec![Logits]; 4],
+        ),
+        (
+            "greedy with a repetition penalty",
+            {
+                let mut r = common::distinct_request(14, 40, 4);
+                r.sampling.repetition_penalty = 1.3;
+                r
+            },
+            vec![vec![Logits]; 4],
+        ),
+        (
+            "greedy with presence and frequency penalties",
+            {
+                let mut r = common::distinct_request(15, 40, 4);
+                r.sampling.presence_penalty = 0.5;
+                r.sampling.frequency_penalty = 0.5;
+                r
+            },
+            vec![vec![Logits]; 4],
+        ),
+        (
+            "greedy under a grammar",
+            {
+                let mut r = common::distinct_request(16, 40, 4);
+                r.constraint = Some(std::sync::Arc::new(AnyToken));
+                r
+            },
+            vec![vec![Logits]; 4],
+        ),
+        (
+            "greedy, n = 2",
+            {
+                let mut r = common::distinct_request(17, 40, 4);
+                r.n = 2;
+                r
+            },
+            vec![
+                vec![Logits],
+                vec![Argmax, Argmax],
+                vec![Argmax, Argmax],
+                vec![Argmax, Argmax],
+            ],
+        ),
+    ];
+    let asked = common::start(common::config(256, 16, 8));
+    let every_row = common::start(common::config(256, 16, 8));
+    every_row.control.answer_every_row();
+    for (name, r, last) in kinds {
+        let from = asked.control.wants().len();
+        let (_g, rx) = submit(&asked.engine, r.clone());
+        let (tokens, _) = wait(&rx);
+        let wants = asked.control.wants()[from..].to_vec();
+        let mut expected = vec![vec![Nothing], vec![Nothing]];
+        expected.extend(last);
+        assert_eq!(wants, expected, "{name}");
+        // Answered with every row, the engine makes the same tokens: a token chosen by the executor
+        // is the one its sampler would have taken from the row.
+        let (_g, rx) = submit(&every_row.engine, r);
+        assert_eq!(wait(&rx).0, tokens, "{name}");
+    }
+    // Alongside another request's decode steps, a chunk of a prompt still asks nothing.
+    let from = asked.control.wants().len();
+    let (_a, a_rx) = submit(&asked.engine, common::distinct_request(1, 8, 40));
+    let first = a_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(matches!(first, EngineEvent::Delta { .. }));
+    let (_b, b_rx) = submit(&asked.engine, common::distinct_request(2, 60, 2));
+    wait(&b_rx);
+    let wants = asked.control.wants()[from..].to_vec();
+    assert!(
+        wants.contains(&vec![Argmax, Nothing]),
+        "a decode token and a prompt's chunk in one step: {wants:?}"
+    );
+    asked.engine.stop();
+    every_row.engine.stop();
+}

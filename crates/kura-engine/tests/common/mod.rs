@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kura_engine::{
     start_engine, ChatMessage, EngineConfig, EngineEvent, EngineHandle, ExecError, Executor,
-    GenerateRequest, RequestError, RequestGuard, SeqInput, TextCodec, Usage,
+    GenerateRequest, RequestError, RequestGuard, Row, SeqInput, TextCodec, Usage, Want,
 };
 
 pub const VOCAB: usize = 64;
@@ -52,6 +52,10 @@ struct ControlState {
     async_exports: bool,
     /// Exports started so far.
     exports_started: usize,
+    /// What each forward call was asked to answer, item by item ([`Executor::forward_rows`]).
+    wants: Vec<Vec<Want>>,
+    /// Whether forward calls answer every item with its row of logits, whatever was asked.
+    every_row: bool,
 }
 
 impl ControlState {
@@ -229,6 +233,17 @@ impl Control {
         self.state.lock().unwrap().host_region
     }
 
+    /// What each forward call so far was asked to answer, item by item.
+    pub fn wants(&self) -> Vec<Vec<Want>> {
+        self.state.lock().unwrap().wants.clone()
+    }
+
+    /// From now on forward calls answer every item with its row of logits, as an executor without a
+    /// way to choose tokens itself would (more than the engine asks).
+    pub fn answer_every_row(&self) {
+        self.state.lock().unwrap().every_row = true;
+    }
+
     /// Forward calls so far.
     pub fn calls(&self) -> usize {
         self.state.lock().unwrap().calls
@@ -360,6 +375,31 @@ impl Executor for FakeModel {
                 let mut logits = vec![0.0; VOCAB];
                 logits[(sum as usize * 7 + last) % (VOCAB - 1) + 1] = 1.0;
                 logits
+            })
+            .collect())
+    }
+
+    /// Answers as asked (a token is the argmax of its row, as a device finds it), or with every row.
+    fn forward_rows(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+    ) -> Result<Vec<Row>, ExecError> {
+        let every_row = {
+            let mut state = self.control.state.lock().unwrap();
+            state.wants.push(wants.to_vec());
+            state.every_row
+        };
+        assert_eq!(wants.len(), batch.len(), "one answer asked per item");
+        let rows = self.forward(batch)?;
+        Ok(rows
+            .into_iter()
+            .zip(wants)
+            .map(|(logits, want)| match want {
+                _ if every_row => Row::Logits(logits),
+                Want::Nothing => Row::Nothing,
+                Want::Argmax => Row::Token(kura_engine::sampling::argmax(&logits)),
+                Want::Logits => Row::Logits(logits),
             })
             .collect())
     }
