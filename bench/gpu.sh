@@ -5,7 +5,8 @@
 # the TTFT of a 4,096-token prompt with 4,080 cached. Needs gpu-bin/ (scripts/gpu-build.sh).
 # Writes the JSON lines of both to OUT_DIR (default: a temporary folder) and prints a table. With
 # KURA_GPU_SERVE_MODEL set to a model directory, also runs `kura bench shared-prefix` against
-# `kura serve --device cuda` on that model, and `kura sim --calibrate --device cuda` then `kura sim` on the
+# `kura serve --device cuda` on that model, decode through it at batch 64 greedy and at temperature 1
+# (`kura bench unique`), and `kura sim --calibrate --device cuda` then `kura sim` on the
 # same workload (bench/gpu/sim_vs_served.py prints both). A step that fails or runs past its limit (KURA_BENCH_LIMIT_S,
 # KURA_HF_LIMIT_S, KURA_CALIBRATE_LIMIT_S) does not stop the next; the script then exits 1.
 # KURA_GPU_BENCH_CONFIG overrides the model config. KURA_GPU_PREFLIGHT=1 (scripts/gpu/preflight.sh, on the
@@ -58,6 +59,17 @@ if [ -n "${KURA_GPU_SERVE_MODEL:-}" ]; then
     else shape=(--groups 4 --users-per-group 8 --system-tokens 2000 --question-tokens 50 --output-tokens 32); fi
     gpu-bin/kura bench shared-prefix --url "http://127.0.0.1:$port" "${shape[@]}" --concurrency 8 \
       --out "$out/shared-prefix" 2>&1 | tail -25 || failed+=("kura bench shared-prefix")
+    # Decode through the server at batch 64, greedy (tokens chosen on the device) and at temperature 1
+    # (rows of logits copied back and sampled on the host): output tokens/s of each.
+    if [ -n "$small" ]; then decode=(--requests 16 --concurrency 8 --prompt-tokens 64 --output-tokens 16)
+    else decode=(--requests 128 --concurrency 64 --prompt-tokens 512 --output-tokens 128); fi
+    for temperature in 0 1; do
+      echo "== kura serve --device cuda, decode at temperature $temperature: kura bench unique ${decode[*]}"
+      gpu-bin/kura bench unique --url "http://127.0.0.1:$port" "${decode[@]}" --temperature $temperature \
+        --seed $((10 + temperature)) --quiet --out "$out/decode-t$temperature" 2>&1 | tail -5 \
+        && grep -E '^\|' "$out/decode-t$temperature/summary.md" | head -4 \
+        || failed+=("kura bench unique at temperature $temperature")
+    done
     kill $serve_pid 2>/dev/null || true
     wait $serve_pid 2>/dev/null || true
     blocks=$(sed -n 's/.*KV cache: \([0-9]*\) blocks.*/\1/p' "$out/serve.log" | head -1)

@@ -38,6 +38,9 @@ pub struct Endpoint {
     /// Send `ignore_eos: true` so that every request generates exactly `max_tokens` (llama.cpp, vLLM,
     /// SGLang and Kura accept it); without it output lengths depend on the model's choices.
     pub ignore_eos: bool,
+    /// Sent as `temperature`: 0 decodes greedily (the same output on every run of a deterministic
+    /// server); above 0 the server samples, which costs it more per token.
+    pub temperature: f64,
     pub request_timeout: Duration,
 }
 
@@ -89,7 +92,7 @@ fn request_body(ep: &Endpoint, messages: &[Message], max_tokens: u32) -> Value {
     };
     let obj = body.as_object_mut().expect("json! object literal");
     obj.insert("max_tokens".into(), json!(max_tokens));
-    obj.insert("temperature".into(), json!(0.0));
+    obj.insert("temperature".into(), json!(ep.temperature));
     obj.insert("stream".into(), json!(true));
     obj.insert("stream_options".into(), json!({ "include_usage": true }));
     if ep.ignore_eos {
@@ -444,5 +447,36 @@ impl RemoteTokenizer {
                     snippet(&value.to_string())
                 ))
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_sends_the_runs_temperature_and_output_length() {
+        let mut ep = Endpoint {
+            base_url: "http://127.0.0.1:1".into(),
+            api_key: None,
+            model: "m".into(),
+            api: Api::Chat,
+            ignore_eos: true,
+            temperature: 0.0,
+            request_timeout: Duration::from_secs(1),
+        };
+        let messages = [Message {
+            role: "user",
+            content: "hi".into(),
+        }];
+        let greedy = request_body(&ep, &messages, 16);
+        assert_eq!(greedy["temperature"], json!(0.0));
+        assert_eq!(greedy["max_tokens"], json!(16));
+        assert_eq!(greedy["ignore_eos"], json!(true));
+        ep.temperature = 0.7;
+        ep.api = Api::Completions;
+        let sampled = request_body(&ep, &messages, 16);
+        assert_eq!(sampled["temperature"], json!(0.7));
+        assert_eq!(sampled["prompt"], json!("hi"));
     }
 }

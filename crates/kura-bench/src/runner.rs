@@ -152,8 +152,15 @@ pub async fn run(mut cfg: RunConfig) -> Result<BenchRun, BenchError> {
         ));
         points.push(point);
     }
-    let (params, token_counting, wl_notes) =
+    let (mut params, token_counting, wl_notes) =
         workload_meta.ok_or_else(|| BenchError::Config("no load point to run".into()))?;
+    // How the requests sampled, beside what they asked (a sampled run costs a server more per token).
+    if let Some(obj) = params.as_object_mut() {
+        obj.insert(
+            "temperature".into(),
+            serde_json::json!(cfg.endpoint.temperature),
+        );
+    }
     notes.extend(wl_notes);
     Ok(BenchRun {
         kura_bench_version: env!("CARGO_PKG_VERSION").to_string(),

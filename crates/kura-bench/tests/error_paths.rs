@@ -144,6 +144,7 @@ fn config(url: String, requests: usize) -> RunConfig {
             model: "mock".into(),
             api: Api::Chat,
             ignore_eos: true,
+            temperature: 0.0,
             request_timeout: Duration::from_secs(10),
         },
         label: "mock".into(),

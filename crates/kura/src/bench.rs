@@ -151,6 +151,10 @@ struct CommonArgs {
     /// Let the model stop at end-of-sequence (by default `ignore_eos` makes every output full length).
     #[arg(long)]
     allow_eos: bool,
+    /// The `temperature` every request sends, 0 to 2: 0 (the default) decodes greedily; above 0 the
+    /// server samples each token, as most chat clients ask.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
     #[arg(long, default_value_t = 300.0)]
     request_timeout_s: f64,
     /// Requests in flight at once (the default load).
@@ -207,6 +211,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             common.request_timeout_s
         );
     }
+    if !(0.0..=2.0).contains(&common.temperature) {
+        bail!(
+            "--temperature must be between 0 and 2, got {}",
+            common.temperature
+        );
+    }
     let cfg = RunConfig {
         endpoint: Endpoint {
             base_url: common.url.clone(),
@@ -214,6 +224,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             model: common.model.clone().unwrap_or_default(),
             api: common.api,
             ignore_eos: !common.allow_eos,
+            temperature: common.temperature,
             request_timeout: Duration::from_secs_f64(common.request_timeout_s),
         },
         label: common.label.clone().unwrap_or_else(|| common.url.clone()),
