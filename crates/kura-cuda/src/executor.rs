@@ -16,7 +16,7 @@ use half::bf16;
 
 use kura_checkpoint::config::rope_inv_freq;
 use kura_checkpoint::{ModelConfig, ModelParts};
-use kura_engine::{ExecError, Executor, Row, SeqInput, Want};
+use kura_engine::{ExecError, Executor, HostRows, Logits, Row, SeqInput, Want};
 use kura_kv::codec::KvDtype;
 
 use crate::budget::{self, Dims, ACTIVATIONS};
@@ -507,7 +507,7 @@ pub struct CudaExecutor {
     /// Page-locked host memory that rows of logits the engine asks for land in
     /// ([`CudaExecutor::forward_rows`]): a copy from device memory into it runs at the bus's speed, into
     /// pageable memory at a fraction of it. Grown with the steps' rows; dropped before the device.
-    host_logits: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    host_logits: Option<std::sync::Arc<PinnedRows>>,
     dev: Device,
     cfg: ModelConfig,
     w: DevWeights,
@@ -545,6 +545,42 @@ pub struct CudaExecutor {
     /// The fewest bytes one copy of ordered loads moves: a block's consecutive layers are copied
     /// together up to this ([`CudaExecutor::set_load_copy_min`]).
     load_copy_min: usize,
+}
+
+/// Page-locked host memory that a step's rows of logits land in, shared with the engine's [`Logits`]
+/// of that step: written again only once the engine has dropped them (`Arc::get_mut`).
+struct PinnedRows {
+    buf: cudarc::driver::PinnedHostSlice<f32>,
+    /// `buf`'s memory, taken once.
+    at: *mut f32,
+}
+
+// SAFETY: `at` addresses `buf`'s memory, which lives as long as `buf` and is written only through
+// `&mut PinnedRows`; reads through `&PinnedRows` see it whole.
+unsafe impl Send for PinnedRows {}
+unsafe impl Sync for PinnedRows {}
+
+impl PinnedRows {
+    /// `len` floats of page-locked memory: not write-combined (cudarc's default), since the host reads
+    /// them.
+    fn new(dev: &Device, len: usize) -> Result<Self> {
+        // SAFETY: the memory is written by the copies of a step before any of it is read.
+        let mut buf = unsafe { dev.ctx.alloc_pinned_with_flags::<f32>(len, 0) }?;
+        let at = buf.as_mut_ptr()?;
+        Ok(PinnedRows { buf, at })
+    }
+
+    fn values_mut(&mut self) -> &mut [f32] {
+        // SAFETY: see the `Send` impl; `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.at, self.buf.len()) }
+    }
+}
+
+impl HostRows for PinnedRows {
+    fn values(&self) -> &[f32] {
+        // SAFETY: see the `Send` impl.
+        unsafe { std::slice::from_raw_parts(self.at, self.buf.len()) }
+    }
 }
 
 /// Captured graphs by step shape.
@@ -1388,43 +1424,56 @@ impl CudaExecutor {
                 _ => runs.push(r..r + 1),
             }
         }
-        let host: &mut [f32] = match runs.last() {
+        let host = match runs.last() {
             Some(last) => {
-                let len = last.end * vocab;
-                if self.host_logits.as_ref().is_none_or(|h| h.len() < len) {
-                    // Room for as many rows as the step buffers hold, so that it is seldom grown.
-                    let room = (self.s.rows.max(last.end)) * vocab;
-                    self.host_logits = None;
-                    // SAFETY: page-locked host memory of `room` floats, written by the copies below
-                    // before it is read. Not write-combined (cudarc's default): the host reads it.
-                    self.host_logits =
-                        Some(unsafe { self.dev.ctx.alloc_pinned_with_flags(room, 0) }?);
-                }
-                let host = self
-                    .host_logits
-                    .as_mut()
-                    .expect("made room above")
-                    .as_mut_slice()?;
+                self.make_rows_room(last.end * vocab)?;
+                let host = self.host_logits.as_mut().expect("made room");
+                let values = std::sync::Arc::get_mut(host)
+                    .expect("make_rows_room leaves rows no step shares")
+                    .values_mut();
                 for run in &runs {
                     let at = run.start * vocab..run.end * vocab;
                     self.dev
                         .stream
-                        .memcpy_dtoh(&self.s.logits.slice(at.clone()), &mut host[at])?;
+                        .memcpy_dtoh(&self.s.logits.slice(at.clone()), &mut values[at])?;
                 }
-                host
+                Some(std::sync::Arc::clone(host) as std::sync::Arc<dyn HostRows>)
             }
-            None => &mut [],
+            None => None,
         };
         self.dev.synchronize()?;
-        Ok(wants
+        wants
             .iter()
             .enumerate()
-            .map(|(r, want)| match want {
-                Want::Nothing => Row::Nothing,
-                Want::Argmax => Row::Token(ids[r]),
-                Want::Logits => Row::Logits(host[r * vocab..(r + 1) * vocab].to_vec()),
+            .map(|(r, want)| match (want, &host) {
+                (Want::Nothing, _) => Ok(Row::Nothing),
+                (Want::Argmax, _) => Ok(Row::Token(ids[r])),
+                (Want::Logits, Some(host)) => {
+                    Logits::shared(host.clone(), r * vocab..(r + 1) * vocab)
+                        .map(Row::Logits)
+                        .map_err(|e| CudaError::Batch(e.to_string()))
+                }
+                (Want::Logits, None) => unreachable!("rows of logits asked for have a buffer"),
             })
-            .collect())
+            .collect()
+    }
+
+    /// Page-locked memory for `len` floats of logits that no earlier step's rows still share: the last
+    /// one's when the engine has dropped its rows and it is large enough, else a new one with room for
+    /// as many rows as the step buffers hold, so that it is seldom made again.
+    fn make_rows_room(&mut self, len: usize) -> Result<()> {
+        let reusable = match self.host_logits.as_mut() {
+            Some(rows) => std::sync::Arc::get_mut(rows).is_some_and(|r| r.buf.len() >= len),
+            None => false,
+        };
+        if !reusable {
+            let vocab = self.cfg.vocab_size();
+            let room = len.max(self.s.rows.saturating_mul(vocab));
+            // The old buffer goes first (or with the engine's last rows of it).
+            self.host_logits = None;
+            self.host_logits = Some(std::sync::Arc::new(PinnedRows::new(&self.dev, room)?));
+        }
+        Ok(())
     }
 
     /// Finds each of the step's `n` rows' greedy token on the device and queues the copy of their ids

@@ -615,14 +615,13 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
         }
         // Each row as the engine asks for it ([`Executor::forward_rows`]): its logits (the reference's
         // bits, through page-locked memory, one copy per run of rows), its greedy token (the host's
-        // argmax of the reference's row), or nothing.
+        // argmax of the reference's row), or nothing. The rows of each step are still held while the
+        // next runs (its rows land elsewhere): they keep their bits.
         let asks = [Want::Logits, Want::Argmax, Want::Nothing];
-        for (i, ((step, batch), logits)) in steps.iter().zip(&reference).enumerate() {
-            let wants: Vec<Want> = (0..batch.len()).map(|r| asks[(r + i) % 3]).collect();
-            let rows = Executor::forward_rows(&mut gpu, batch, &wants).unwrap();
-            let vocab = logits.len() / batch.len();
-            assert_eq!(rows.len(), batch.len(), "{step}");
-            for (r, (want, row)) in wants.iter().zip(&rows).enumerate() {
+        let check = |step: &str, wants: &[Want], rows: &[Row], logits: &[f32]| {
+            let vocab = logits.len() / wants.len();
+            assert_eq!(rows.len(), wants.len(), "{step}");
+            for (r, (want, row)) in wants.iter().zip(rows).enumerate() {
                 let reference = &logits[r * vocab..(r + 1) * vocab];
                 match (want, row) {
                     (Want::Logits, Row::Logits(got)) => {
@@ -635,7 +634,25 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
                     (want, _) => panic!("{step}: row {r} asked {want:?}, answered otherwise"),
                 }
             }
+        };
+        // The last step's name, asks, rows and reference.
+        type Held<'a> = (&'a str, Vec<Want>, Vec<Row>, &'a Vec<f32>);
+        let mut held: Option<Held> = None;
+        for (i, ((step, batch), logits)) in steps.iter().zip(&reference).enumerate() {
+            let wants: Vec<Want> = (0..batch.len()).map(|r| asks[(r + i) % 3]).collect();
+            let rows = Executor::forward_rows(&mut gpu, batch, &wants).unwrap();
+            check(step, &wants, &rows, logits);
+            if let Some((step, wants, rows, logits)) = held.take() {
+                check(
+                    &format!("{step}, held over the next step"),
+                    &wants,
+                    &rows,
+                    logits,
+                );
+            }
+            held = Some((step, wants, rows, logits));
         }
+        drop(held);
         let (step, batch) = &steps[0];
         match Executor::forward_rows(&mut gpu, batch, &[Want::Argmax]) {
             Err(ExecError::Step(e)) => assert!(e.contains("1 answers asked of a step of 4"), "{e}"),

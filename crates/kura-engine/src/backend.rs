@@ -92,7 +92,7 @@ pub enum Want {
 pub enum Row {
     Nothing,
     Token(u32),
-    Logits(Vec<f32>),
+    Logits(Logits),
 }
 
 impl Row {
@@ -102,6 +102,69 @@ impl Row {
             Row::Logits(l) => Some(l),
             Row::Nothing | Row::Token(_) => None,
         }
+    }
+}
+
+/// Rows of logits in memory an executor keeps (on an accelerator, the page-locked host memory the
+/// device copied a step's rows into), shared by that step's [`Logits`] without a copy.
+pub trait HostRows: Send + Sync {
+    fn values(&self) -> &[f32];
+}
+
+/// One item's row of logits: its own, or a range of rows shared with the others of its step
+/// ([`HostRows`]): copying each row of a batch of 64 out of one buffer of 33 MB would take the engine
+/// thread milliseconds a step. The executor that shares rows writes their buffer again only once the
+/// engine has dropped them (an `Arc` no longer shared).
+#[derive(Clone)]
+pub struct Logits(Held);
+
+#[derive(Clone)]
+enum Held {
+    Own(Vec<f32>),
+    Shared(std::sync::Arc<dyn HostRows>, std::ops::Range<usize>),
+}
+
+impl Logits {
+    /// Values `range` of `rows`. Fails where the range is not within them.
+    pub fn shared(
+        rows: std::sync::Arc<dyn HostRows>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Self, ExecError> {
+        if range.start > range.end || range.end > rows.values().len() {
+            return Err(ExecError::Step(format!(
+                "logits {range:?} of a buffer of {} values",
+                rows.values().len()
+            )));
+        }
+        Ok(Logits(Held::Shared(rows, range)))
+    }
+}
+
+impl From<Vec<f32>> for Logits {
+    fn from(v: Vec<f32>) -> Self {
+        Logits(Held::Own(v))
+    }
+}
+
+impl std::ops::Deref for Logits {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match &self.0 {
+            Held::Own(v) => v,
+            Held::Shared(rows, range) => &rows.values()[range.clone()],
+        }
+    }
+}
+
+impl PartialEq for Logits {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Logits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Logits({} values)", self.len())
     }
 }
 
@@ -133,7 +196,7 @@ pub trait Executor: Send + 'static {
             .map(|(logits, want)| match want {
                 Want::Nothing => Row::Nothing,
                 Want::Argmax => Row::Token(crate::sampling::argmax(&logits)),
-                Want::Logits => Row::Logits(logits),
+                Want::Logits => Row::Logits(logits.into()),
             })
             .collect())
     }

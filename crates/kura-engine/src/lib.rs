@@ -24,7 +24,9 @@ mod miss;
 mod seq;
 mod tiers;
 
-pub use backend::{ChatMessage, ExecError, Executor, Row, SeqInput, TextCodec, Want};
+pub use backend::{
+    ChatMessage, ExecError, Executor, HostRows, Logits, Row, SeqInput, TextCodec, Want,
+};
 pub use cost::{load_wins, CostTier, TierCostCheck, TierRates};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};

@@ -396,10 +396,10 @@ impl Executor for FakeModel {
             .into_iter()
             .zip(wants)
             .map(|(logits, want)| match want {
-                _ if every_row => Row::Logits(logits),
+                _ if every_row => Row::Logits(logits.into()),
                 Want::Nothing => Row::Nothing,
                 Want::Argmax => Row::Token(kura_engine::sampling::argmax(&logits)),
-                Want::Logits => Row::Logits(logits),
+                Want::Logits => Row::Logits(logits.into()),
             })
             .collect())
     }
