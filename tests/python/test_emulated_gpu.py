@@ -213,6 +213,30 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
     assert gpu["generated_tokens"] == cpu["generated_tokens"] == 4, (gpu, cpu)
 
 
+def test_generate_on_the_emulated_gpu_samples_from_rows_copied_back_and_decodes_greedily_on_the_device(
+        emulated, monkeypatch):
+    """Greedy decoding takes the device's argmax (only token ids come back); a sampler that draws takes rows
+    of logits copied back: seeded, the same tokens on every run, and at temperature 2 over a random model
+    not the greedy ones."""
+    libs, model = emulated
+    on_emulated_device(monkeypatch, libs)
+
+    def generate(*sampling: str) -> list:
+        out = subprocess.run(
+            [kura_bin(), "generate", "--model", model, "--prompt", "the cache of keys", "--max-tokens", "12",
+             "--ignore-eos", "--device", "cuda", "--json", *sampling],
+            capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads(out.stdout)
+        assert report["generated_tokens"] == 12, report
+        return report["text"]
+
+    greedy = generate()
+    sampled = generate("--temperature", "2", "--seed", "3")
+    assert generate("--temperature", "2", "--seed", "3") == sampled
+    assert sampled != greedy, (sampled, greedy)
+
+
 def test_generate_on_the_emulated_gpu_times_the_kernels_and_keeps_the_default_ones_tokens(emulated, monkeypatch):
     """With `KURA_GPU_KERNELS` unset (as `auto`) a GPU executor times every prefill attention form and every
     decode option over a prompt as long as its steps allow (here the prompt's ~100 tokens) and runs the

@@ -134,7 +134,7 @@ impl Runner<'_> {
     fn next(&mut self, sampler: &mut Sampler) -> anyhow::Result<u32> {
         Ok(match self {
             Runner::Cpu(r) => sampler.sample(r.next_logits()?.row(0)).token,
-            Runner::Gpu(r) => sampler.sample(&r.next_logits()?).token,
+            Runner::Gpu(r) => r.next(sampler)?,
         })
     }
 

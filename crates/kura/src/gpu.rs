@@ -339,13 +339,24 @@ impl GpuRun {
         })
     }
 
-    /// The logits after the last token: the tokens not yet in the blocks in one step.
-    pub fn next_logits(&mut self) -> Result<Vec<f32>> {
+    /// The token `sampler` takes after the last one, the tokens not yet in the blocks computed in one
+    /// step: chosen on the device for a greedy sampler that needs nothing else (only its id comes
+    /// back), else drawn from the row of logits copied back.
+    pub fn next(&mut self, sampler: &mut kura_engine::Sampler) -> Result<u32> {
         let item =
             kura_engine::SeqInput::new(&self.tokens[self.computed..], self.computed, &self.table);
-        let logits = self.exec.forward_logits(&[item])?;
+        let want = if sampler.argmax_only() {
+            kura_engine::Want::Argmax
+        } else {
+            kura_engine::Want::Logits
+        };
+        let row = self.exec.forward_rows(&[item], &[want])?;
         self.computed = self.tokens.len();
-        Ok(logits)
+        Ok(match row.first() {
+            Some(&kura_engine::Row::Token(t)) => sampler.record_chosen(t).token,
+            Some(kura_engine::Row::Logits(l)) => sampler.sample(l).token,
+            _ => bail!("the GPU step answered no token and no logits"),
+        })
     }
 
     pub fn push(&mut self, token: u32) {
