@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The engine loop's time outside the forward pass (scheduling, sampling, detokenization, stop checks,
-# logprob texts, emitting), per step, from `kura serve`'s own counters: 8 concurrent chat requests of 64
-# tokens, greedy, then at the API's default temperature (1), then with 20 top logprobs each and a stop
+# logprob texts, emitting), per step, from `kura serve`'s own counters: STREAMS (8) concurrent chat
+# requests of 64 tokens, greedy, then at the API's default temperature (1), then with 20 top logprobs each and a stop
 # string that never matches; and the decode tokens/s of each run.
 #
-#   bench/engine-overhead.sh          (THREADS=2 PORT=8012 KURA_BIN=...)
+#   bench/engine-overhead.sh          (THREADS=2 STREAMS=8 PORT=8012 KURA_BIN=...)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 THREADS=${THREADS:-2}
+STREAMS=${STREAMS:-8}
 PORT=${PORT:-8012}
 KURA=${KURA_BIN:-$REPO/target/release/kura}
 if [ -z "${KURA_BIN:-}" ]; then
@@ -35,7 +36,7 @@ run() { # label extra-json
   local t0 gen0
   t0=$(date +%s.%N)
   gen0=$(metric kura:generation_tokens_total)
-  for i in $(seq 1 8); do
+  for i in $(seq 1 "$STREAMS"); do
     curl -fsS "$URL/v1/chat/completions" -H 'content-type: application/json' -d "{
       \"messages\": [{\"role\": \"user\", \"content\": \"Tell story number $i about a cache.\"}],
       \"max_tokens\": 64, \"ignore_eos\": true $2}" >/dev/null &
@@ -53,7 +54,7 @@ run() { # label extra-json
       l, n, (f - f0) * 1e3 / n, (o - o0) * 1e6 / n, 100 * (o - o0) / ((f - f0) + (o - o0)), (g - g0) / (t1 - t0) }'
 }
 
-echo "load $(cut -d' ' -f1-3 /proc/loadavg), $THREADS threads"
+echo "load $(cut -d' ' -f1-3 /proc/loadavg), $THREADS threads, $STREAMS streams"
 for r in 1 2 3; do
   run "greedy (run $r)" ', "temperature": 0'
   run "plain (run $r)" ""
