@@ -1049,7 +1049,9 @@ impl Core {
             .filter_map(|(key, seq)| logits.get(key).map(|&row| (seq, row)))
             .collect();
         draws.par_iter_mut().for_each(|(seq, row)| {
-            seq.chosen = Some(seq.sampler.choose(row, None));
+            let token = seq.sampler.choose(row, None);
+            let logprob = seq.sampler.logprob(row, token);
+            seq.chosen = Some(Sampled { token, logprob });
         });
     }
 
@@ -1205,7 +1207,9 @@ impl Core {
         let token = match (&mut seq.constraint, row) {
             (Err(e), _) => Err(e.clone()),
             (Ok(None), &Row::Token(t)) => Ok(t),
-            (Ok(None), Row::Logits(l)) => Ok(chosen.unwrap_or_else(|| sampler.choose(l, None))),
+            (Ok(None), Row::Logits(l)) => Ok(chosen
+                .as_ref()
+                .map_or_else(|| sampler.choose(l, None), |c| c.token)),
             (Ok(Some(c)), Row::Logits(l)) => {
                 c.choose(budget, &mut |mask| sampler.choose(l, Some(mask)))
             }
@@ -1218,9 +1222,11 @@ impl Core {
                 return;
             }
         };
-        let Sampled { token, logprob } = match row.logits() {
-            Some(l) => seq.sampler.record(l, token),
-            None => seq.sampler.record_chosen(token),
+        let Sampled { token, logprob } = match (chosen, row.logits()) {
+            // Chosen and scored beside the batch's other rows.
+            (Some(c), _) => seq.sampler.record_sampled(c),
+            (None, Some(l)) => seq.sampler.record(l, token),
+            (None, None) => seq.sampler.record_chosen(token),
         };
         // A complete grammar ends the choice: `length` when it was closed early because the budget
         // ran short.

@@ -133,9 +133,15 @@ impl Sampler {
 
     /// Records `token` as generated (for the penalties), with its logprobs when asked.
     pub fn record(&mut self, logits: &[f32], token: u32) -> Sampled {
-        self.count(token);
+        let logprob = self.logprob(logits, token);
+        self.record_sampled(Sampled { token, logprob })
+    }
+
+    /// `token`'s logprobs in `logits` when this sampler reports them ([`Sampler::record`] without
+    /// recording: a batch's rows are scored at once, each recorded in turn).
+    pub fn logprob(&self, logits: &[f32], token: u32) -> Option<TokenLogprob> {
         // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
-        let logprob = self.params.logprobs.map(|k| {
+        self.params.logprobs.map(|k| {
             let lse = log_sum_exp(logits);
             TokenLogprob {
                 token,
@@ -146,8 +152,14 @@ impl Sampler {
                     .map(|i| (i as u32, logits[i] - lse))
                     .collect(),
             }
-        });
-        Sampled { token, logprob }
+        })
+    }
+
+    /// Records a token chosen and scored from a row ([`Sampler::choose`], [`Sampler::logprob`]) as
+    /// generated, and gives it back.
+    pub fn record_sampled(&mut self, sampled: Sampled) -> Sampled {
+        self.count(sampled.token);
+        sampled
     }
 
     /// Records `token`, the [`argmax`] of a row this sampler did not see, as generated: for a sampler
@@ -157,11 +169,10 @@ impl Sampler {
             self.argmax_only(),
             "a token chosen for a sampler that draws"
         );
-        self.count(token);
-        Sampled {
+        self.record_sampled(Sampled {
             token,
             logprob: None,
-        }
+        })
     }
 
     fn count(&mut self, token: u32) {

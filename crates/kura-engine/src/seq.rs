@@ -12,7 +12,7 @@ use std::time::Instant;
 use kura_kv::CacheKey;
 use kura_text::IncrementalDecoder;
 
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampled, Sampler, SamplingParams};
 
 use crate::backend::TextCodec;
 use crate::output::SinkSlot;
@@ -81,9 +81,9 @@ pub(crate) struct Seq {
     /// The grammar the choice's output follows ([`GenerateRequest::constraint`]), or why it could not
     /// start (the choice then fails at its first token).
     pub constraint: Result<Option<Box<dyn TokenConstraint>>, String>,
-    /// The token its sampler chose for this step ahead of the step's bookkeeping, beside the other
-    /// sequences of the batch (`Core::choose_batch`).
-    pub chosen: Option<u32>,
+    /// The token its sampler chose for this step, with its logprobs when asked, ahead of the step's
+    /// bookkeeping, beside the other sequences of the batch (`Core::choose_batch`); not yet recorded.
+    pub chosen: Option<Sampled>,
 }
 
 impl Seq {

@@ -95,6 +95,7 @@ fn submit(e: &EngineHandle, r: GenerateRequest) -> (RequestGuard, Receiver<Engin
 struct Outcome {
     texts: Vec<String>,
     tokens: Vec<Vec<u32>>,
+    logprobs: Vec<Vec<kura_engine::TokenLogprob>>,
     finish: Vec<Option<FinishReason>>,
     usage: Usage,
 }
@@ -103,6 +104,7 @@ fn wait(rx: &Receiver<EngineEvent>, n: usize) -> Outcome {
     let mut o = Outcome {
         texts: vec![String::new(); n],
         tokens: vec![Vec::new(); n],
+        logprobs: vec![Vec::new(); n],
         finish: vec![None; n],
         ..Outcome::default()
     };
@@ -115,10 +117,11 @@ fn wait(rx: &Receiver<EngineEvent>, n: usize) -> Outcome {
                 choice,
                 text,
                 token_ids,
-                ..
+                logprobs,
             } => {
                 o.texts[choice as usize].push_str(&text);
                 o.tokens[choice as usize].extend(token_ids);
+                o.logprobs[choice as usize].extend(logprobs);
             }
             EngineEvent::Finished { choice, reason, .. } => {
                 o.finish[choice as usize] = Some(reason)
@@ -279,11 +282,12 @@ fn n_choices_fork_the_prompt_and_seeded_sampling_repeats() {
 #[test]
 fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
     // In a batch, every sequence's sampler draws at once beside the others' (the engine's
-    // `choose_batch`); alone, a request's one sequence draws in the step's bookkeeping. Seeded, the
-    // tokens must be the same either way.
+    // `choose_batch`), and scores its token's logprobs there; alone, a request's one sequence draws
+    // and scores in the step's bookkeeping. Seeded, the tokens and logprobs must be the same either
+    // way.
     let model = model();
     let e = engine(&model, 256, 512);
-    let requests: Vec<GenerateRequest> = (0..5)
+    let requests: Vec<GenerateRequest> = (0..7)
         .map(|i| {
             let mut r = GenerateRequest::greedy(prompt(&model, 30 + 7 * i, 10 + i), 24);
             r.ignore_eos = true;
@@ -303,18 +307,32 @@ fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
                     r.sampling.temperature = 1.0;
                     r.sampling.min_p = 0.05;
                 }
-                _ => {} // greedy
+                4 => {
+                    r.sampling.temperature = 1.0;
+                    r.sampling.logprobs = Some(5);
+                }
+                5 => r.sampling.logprobs = Some(20), // greedy, with logprobs
+                _ => {}                              // greedy
             }
             r
         })
         .collect();
-    let alone: Vec<Vec<u32>> = requests
+    let alone: Vec<(Vec<u32>, Vec<kura_engine::TokenLogprob>)> = requests
         .iter()
         .map(|r| {
             let (_g, rx) = submit(&e, r.clone());
-            wait(&rx, 1).tokens.remove(0)
+            let mut o = wait(&rx, 1);
+            (o.tokens.remove(0), o.logprobs.remove(0))
         })
         .collect();
+    for (i, (tokens, logprobs)) in alone.iter().enumerate() {
+        let scored = requests[i].sampling.logprobs.is_some();
+        assert_eq!(logprobs.len(), if scored { tokens.len() } else { 0 }, "request {i}");
+        for (lp, &t) in logprobs.iter().zip(tokens) {
+            assert_eq!(lp.sampled.token_id, t, "request {i}");
+            assert_eq!(lp.top.len(), requests[i].sampling.logprobs.unwrap());
+        }
+    }
     let together: Vec<_> = requests
         .iter()
         .map(|r| {
@@ -325,7 +343,8 @@ fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
         .collect();
     for (i, (_g, rx)) in together.iter().enumerate() {
         let o = wait(rx, 1);
-        assert_eq!(o.tokens[0], alone[i], "request {i}");
+        assert_eq!(o.tokens[0], alone[i].0, "request {i}");
+        assert_eq!(o.logprobs[0], alone[i].1, "request {i}'s logprobs");
         assert_eq!(o.tokens[0].len(), 24);
     }
     e.stop();
