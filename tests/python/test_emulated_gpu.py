@@ -216,8 +216,8 @@ def test_generate_on_the_emulated_gpu_reports_the_device_not_cpu_threads(emulate
 def test_generate_on_the_emulated_gpu_samples_from_rows_copied_back_and_decodes_greedily_on_the_device(
         emulated, monkeypatch):
     """Greedy decoding takes the device's argmax (only token ids come back); a sampler that draws takes rows
-    of logits copied back: seeded, the same tokens on every run, and at temperature 2 over a random model
-    not the greedy ones."""
+    of logits copied back: top-k 1 there takes the greedy tokens; seeded, the same tokens on every run, and
+    at temperature 2 over a random model not the greedy ones."""
     libs, model = emulated
     on_emulated_device(monkeypatch, libs)
 
@@ -232,6 +232,8 @@ def test_generate_on_the_emulated_gpu_samples_from_rows_copied_back_and_decodes_
         return report["text"]
 
     greedy = generate()
+    # Top-k 1 samples from the row copied back: the host's choice is the device's argmax.
+    assert generate("--temperature", "1", "--top-k", "1", "--seed", "4") == greedy
     sampled = generate("--temperature", "2", "--seed", "3")
     assert generate("--temperature", "2", "--seed", "3") == sampled
     assert sampled != greedy, (sampled, greedy)

@@ -1431,11 +1431,21 @@ impl CudaExecutor {
                 let values = std::sync::Arc::get_mut(host)
                     .expect("make_rows_room leaves rows no step shares")
                     .values_mut();
+                let mut copied = Ok(());
                 for run in &runs {
                     let at = run.start * vocab..run.end * vocab;
-                    self.dev
+                    copied = self
+                        .dev
                         .stream
-                        .memcpy_dtoh(&self.s.logits.slice(at.clone()), &mut values[at])?;
+                        .memcpy_dtoh(&self.s.logits.slice(at.clone()), &mut values[at]);
+                    if copied.is_err() {
+                        break;
+                    }
+                }
+                if let Err(e) = copied {
+                    // The copies already queued land before the buffer can be freed or reused.
+                    let _ = self.dev.synchronize();
+                    return Err(e.into());
                 }
                 Some(std::sync::Arc::clone(host) as std::sync::Arc<dyn HostRows>)
             }

@@ -653,6 +653,24 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
             held = Some((step, wants, rows, logits));
         }
         drop(held);
+        // Rows the engine has dropped: the next step's land in the same page-locked buffer, every
+        // row of a step in its place in it (one buffer shared, not a copy a row).
+        for round in 0..2 {
+            let (step, batch) = &steps[0];
+            let wants = vec![Want::Logits; batch.len()];
+            let rows = Executor::forward_rows(&mut gpu, batch, &wants).unwrap();
+            check(
+                &format!("{step}, round {round}"),
+                &wants,
+                &rows,
+                &reference[0],
+            );
+            let at = |r: usize| rows[r].logits().unwrap().as_ptr() as usize;
+            let vocab = reference[0].len() / batch.len();
+            for r in 1..batch.len() {
+                assert_eq!(at(r) - at(0), r * vocab * 4, "{step}: row {r} in its place");
+            }
+        }
         let (step, batch) = &steps[0];
         match Executor::forward_rows(&mut gpu, batch, &[Want::Argmax]) {
             Err(ExecError::Step(e)) => assert!(e.contains("1 answers asked of a step of 4"), "{e}"),

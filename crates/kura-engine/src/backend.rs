@@ -87,6 +87,20 @@ pub enum Want {
     Logits,
 }
 
+impl Want {
+    /// Whether `row` answers this: anything answers [`Want::Nothing`], a token or the row of logits
+    /// [`Want::Argmax`], only the row of logits [`Want::Logits`]. The engine ends (as on a fatal
+    /// executor error) on any other answer.
+    pub fn answered_by(self, row: &Row) -> bool {
+        matches!(
+            (self, row),
+            (Want::Nothing, _)
+                | (Want::Argmax, Row::Token(_) | Row::Logits(_))
+                | (Want::Logits, Row::Logits(_))
+        )
+    }
+}
+
 /// One item's answer to its [`Want`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Row {
@@ -176,7 +190,9 @@ pub trait Executor: Send + 'static {
     /// [`Executor::forward`], answering each item as `wants` (one per item) asks: what the engine
     /// calls. The default computes every row's logits and answers on the host; an executor on an
     /// accelerator chooses greedy tokens on the device and copies back only the rows asked for (a
-    /// batch of 64 greedy sequences of a 128,000-token vocabulary copies 256 bytes, not 33 MB).
+    /// batch of 64 greedy sequences of a 128,000-token vocabulary copies 256 bytes, not 33 MB). An
+    /// answer may give more than asked, never less ([`Want::answered_by`]); a token given for
+    /// [`Want::Argmax`] is the one [`crate::sampling::argmax`] finds in the row.
     fn forward_rows(
         &mut self,
         batch: &[SeqInput<'_>],
@@ -189,9 +205,11 @@ pub trait Executor: Send + 'static {
                 batch.len()
             )));
         }
+        use rayon::prelude::*;
         let rows = self.forward(batch)?;
+        // The argmaxes of a batch at once, on the compute pool's threads (a pass over a row each).
         Ok(rows
-            .into_iter()
+            .into_par_iter()
             .zip(wants)
             .map(|(logits, want)| match want {
                 Want::Nothing => Row::Nothing,

@@ -974,8 +974,7 @@ impl Core {
         self.observe_prefill(&plan, forward);
         self.metrics.steps.add(1);
         let rows = match result {
-            Ok(rows) if rows.len() == plan.items.len() => rows,
-            Ok(rows) => executor_failed(
+            Ok(rows) if rows.len() != plan.items.len() => executor_failed(
                 "a forward step",
                 &ExecError::Fatal(format!(
                     "the executor answered {} of a step's {} items",
@@ -983,6 +982,18 @@ impl Core {
                     plan.items.len()
                 )),
             ),
+            Ok(rows) => {
+                if let Some(i) = wants.iter().zip(&rows).position(|(w, r)| !w.answered_by(r)) {
+                    executor_failed(
+                        "a forward step",
+                        &ExecError::Fatal(format!(
+                            "the executor answered item {i}'s {:?} with {:?}",
+                            wants[i], rows[i]
+                        )),
+                    )
+                }
+                rows
+            }
             Err(e @ ExecError::Fatal(_)) => executor_failed("a forward step", &e),
             Err(ExecError::Step(e)) => {
                 let mut groups: Vec<u64> = plan

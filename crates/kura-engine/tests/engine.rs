@@ -327,7 +327,11 @@ fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
         .collect();
     for (i, (tokens, logprobs)) in alone.iter().enumerate() {
         let scored = requests[i].sampling.logprobs.is_some();
-        assert_eq!(logprobs.len(), if scored { tokens.len() } else { 0 }, "request {i}");
+        assert_eq!(
+            logprobs.len(),
+            if scored { tokens.len() } else { 0 },
+            "request {i}"
+        );
         for (lp, &t) in logprobs.iter().zip(tokens) {
             assert_eq!(lp.sampled.token_id, t, "request {i}");
             assert_eq!(lp.top.len(), requests[i].sampling.logprobs.unwrap());

@@ -117,6 +117,30 @@ fn a_fatal_executor_error_ends_the_engine_as_a_panic_does_and_names_the_step() {
 }
 
 #[test]
+fn an_executor_that_answers_less_than_asked_ends_the_engine_and_names_what_it_gave() {
+    // A sampled request needs its row of logits: a token in its place is the executor's fault, and
+    // what the engine then knows of its pool is in doubt, as after a fault.
+    let fake = start(config(64, 16, 1));
+    let e = &fake.engine;
+    fake.control.answer_short();
+    let mut r = request(6, 10);
+    r.sampling.temperature = 1.0;
+    let (_a, a_rx) = submit(e, r);
+    let a = outcome(&a_rx);
+    assert!(a.tokens.is_empty(), "{a:?}");
+    let expected =
+        "the executor failed at a forward step: the executor answered item 0's Logits with Token";
+    match &a.result {
+        Err(RequestError::EngineFailed(reason)) => {
+            assert!(reason.starts_with(expected), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!e.is_alive());
+    e.stop();
+}
+
+#[test]
 fn a_step_error_fails_only_that_steps_requests_and_the_engine_goes_on() {
     let fake = start(config(64, 16, 1));
     let e = &fake.engine;

@@ -203,11 +203,13 @@ fn each_step_asks_the_executor_for_no_more_than_its_sequences_take() {
     }
     // Alongside another request's decode steps, a chunk of a prompt still asks nothing.
     let from = asked.control.wants().len();
-    let (_a, a_rx) = submit(&asked.engine, common::distinct_request(1, 8, 40));
+    // (A decodes for long enough, and is dropped once B is done.)
+    let (a, a_rx) = submit(&asked.engine, common::distinct_request(1, 8, 800));
     let first = a_rx.recv_timeout(Duration::from_secs(10)).unwrap();
     assert!(matches!(first, EngineEvent::Delta { .. }));
     let (_b, b_rx) = submit(&asked.engine, common::distinct_request(2, 60, 2));
     wait(&b_rx);
+    drop(a);
     let wants = asked.control.wants()[from..].to_vec();
     assert!(
         wants.contains(&vec![Argmax, Nothing]),

@@ -56,6 +56,8 @@ struct ControlState {
     wants: Vec<Vec<Want>>,
     /// Whether forward calls answer every item with its row of logits, whatever was asked.
     every_row: bool,
+    /// Whether forward calls answer a row of logits asked for with its argmax only (a broken executor).
+    short_answers: bool,
 }
 
 impl ControlState {
@@ -244,6 +246,12 @@ impl Control {
         self.state.lock().unwrap().every_row = true;
     }
 
+    /// From now on forward calls answer a row of logits asked for with its argmax only, as a broken
+    /// executor would.
+    pub fn answer_short(&self) {
+        self.state.lock().unwrap().short_answers = true;
+    }
+
     /// Forward calls so far.
     pub fn calls(&self) -> usize {
         self.state.lock().unwrap().calls
@@ -385,10 +393,10 @@ impl Executor for FakeModel {
         batch: &[SeqInput<'_>],
         wants: &[Want],
     ) -> Result<Vec<Row>, ExecError> {
-        let every_row = {
+        let (every_row, short) = {
             let mut state = self.control.state.lock().unwrap();
             state.wants.push(wants.to_vec());
-            state.every_row
+            (state.every_row, state.short_answers)
         };
         assert_eq!(wants.len(), batch.len(), "one answer asked per item");
         let rows = self.forward(batch)?;
@@ -397,6 +405,7 @@ impl Executor for FakeModel {
             .zip(wants)
             .map(|(logits, want)| match want {
                 _ if every_row => Row::Logits(logits.into()),
+                Want::Logits if short => Row::Token(kura_engine::sampling::argmax(&logits)),
                 Want::Nothing => Row::Nothing,
                 Want::Argmax => Row::Token(kura_engine::sampling::argmax(&logits)),
                 Want::Logits => Row::Logits(logits.into()),
