@@ -1472,10 +1472,11 @@ impl CudaExecutor {
     /// one's when the engine has dropped its rows and it is large enough, else a new one with room for
     /// as many rows as the step buffers hold, so that it is seldom made again.
     fn make_rows_room(&mut self, len: usize) -> Result<()> {
-        let reusable = match self.host_logits.as_mut() {
-            Some(rows) => std::sync::Arc::get_mut(rows).is_some_and(|r| r.buf.len() >= len),
-            None => false,
-        };
+        let reusable = self
+            .host_logits
+            .as_mut()
+            .and_then(std::sync::Arc::get_mut)
+            .is_some_and(|r| r.buf.len() >= len);
         if !reusable {
             let vocab = self.cfg.vocab_size();
             let room = len.max(self.s.rows.saturating_mul(vocab));

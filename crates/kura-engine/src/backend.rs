@@ -101,6 +101,26 @@ impl Want {
     }
 }
 
+/// Why `rows` do not answer `wants`, item by item: a count that differs, or an answer that gives less
+/// than asked ([`Want::answered_by`]).
+pub(crate) fn unanswered(wants: &[Want], rows: &[Row]) -> Option<String> {
+    if rows.len() != wants.len() {
+        return Some(format!(
+            "the executor answered {} of a step's {} items",
+            rows.len(),
+            wants.len()
+        ));
+    }
+    let i = wants
+        .iter()
+        .zip(rows)
+        .position(|(w, r)| !w.answered_by(r))?;
+    Some(format!(
+        "the executor answered item {i}'s {:?} with {:?}",
+        wants[i], rows[i]
+    ))
+}
+
 /// One item's answer to its [`Want`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Row {
@@ -110,6 +130,16 @@ pub enum Row {
 }
 
 impl Row {
+    /// The answer to `want` from the item's row of `logits`, computed on the host: what
+    /// [`Executor::forward_rows`]'s default gives.
+    pub fn answering(want: Want, logits: Vec<f32>) -> Row {
+        match want {
+            Want::Nothing => Row::Nothing,
+            Want::Argmax => Row::Token(crate::sampling::argmax(&logits)),
+            Want::Logits => Row::Logits(logits.into()),
+        }
+    }
+
     /// The row of logits, when it was asked for.
     pub fn logits(&self) -> Option<&[f32]> {
         match self {
@@ -211,11 +241,7 @@ pub trait Executor: Send + 'static {
         Ok(rows
             .into_par_iter()
             .zip(wants)
-            .map(|(logits, want)| match want {
-                Want::Nothing => Row::Nothing,
-                Want::Argmax => Row::Token(crate::sampling::argmax(&logits)),
-                Want::Logits => Row::Logits(logits.into()),
-            })
+            .map(|(logits, &want)| Row::answering(want, logits))
             .collect())
     }
     /// Copies the K/V of the first `num_tokens` token slots of block `src` into block `dst`.

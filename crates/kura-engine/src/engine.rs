@@ -34,7 +34,8 @@ use crate::miss::SeenLog;
 use crate::sampling::Sampled;
 
 use crate::backend::{
-    executor_failed, ExecError, Executor, ExecutorFailed, OrEnd, Row, SeqInput, TextCodec, Want,
+    executor_failed, unanswered, ExecError, Executor, ExecutorFailed, OrEnd, Row, SeqInput,
+    TextCodec, Want,
 };
 use crate::cost::{CostModel, CostTier, TierCostCheck};
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
@@ -974,23 +975,9 @@ impl Core {
         self.observe_prefill(&plan, forward);
         self.metrics.steps.add(1);
         let rows = match result {
-            Ok(rows) if rows.len() != plan.items.len() => executor_failed(
-                "a forward step",
-                &ExecError::Fatal(format!(
-                    "the executor answered {} of a step's {} items",
-                    rows.len(),
-                    plan.items.len()
-                )),
-            ),
             Ok(rows) => {
-                if let Some(i) = wants.iter().zip(&rows).position(|(w, r)| !w.answered_by(r)) {
-                    executor_failed(
-                        "a forward step",
-                        &ExecError::Fatal(format!(
-                            "the executor answered item {i}'s {:?} with {:?}",
-                            wants[i], rows[i]
-                        )),
-                    )
+                if let Some(why) = unanswered(&wants, &rows) {
+                    executor_failed("a forward step", &ExecError::Fatal(why))
                 }
                 rows
             }

@@ -110,9 +110,9 @@ impl kura_engine::TokenConstraint for AnyToken {
 #[test]
 fn each_step_asks_the_executor_for_no_more_than_its_sequences_take() {
     use kura_engine::Want::{Argmax, Logits, Nothing};
-    // Each request alone, with a prompt of its own of 40 tokens in chunks of 16: two chunks that sample nothing,
-    // then its last chunk and 3 decode steps, each asking `last` (an `n = 2` request: its first token
-    // from logits, as both choices draw from that row, then a token for each).
+    // Each request alone, with a prompt of its own of 40 tokens in chunks of 16: two chunks that
+    // sample nothing, then its last chunk and 3 decode steps, each asking `last` (an `n = 2` request:
+    // its first token from logits, as both choices draw from that row, then a token for each).
     let kinds: Vec<(
         &str,
         kura_engine::GenerateRequest,

@@ -403,12 +403,10 @@ impl Executor for FakeModel {
         Ok(rows
             .into_iter()
             .zip(wants)
-            .map(|(logits, want)| match want {
+            .map(|(logits, &want)| match want {
                 _ if every_row => Row::Logits(logits.into()),
-                Want::Logits if short => Row::Token(kura_engine::sampling::argmax(&logits)),
-                Want::Nothing => Row::Nothing,
-                Want::Argmax => Row::Token(kura_engine::sampling::argmax(&logits)),
-                Want::Logits => Row::Logits(logits.into()),
+                Want::Logits if short => Row::answering(Want::Argmax, logits),
+                _ => Row::answering(want, logits),
             })
             .collect())
     }
