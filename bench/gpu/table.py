@@ -43,8 +43,9 @@ for r in kura:
             graphs += ", fused norms only"
         else:
             graphs += {True: ", fused kernels", False: ", separate kernels"}.get(r.get("fused"), "")
-        if r.get("gemv_ahead"):
-            graphs += ", L2 window"
+        # ("gemv_ahead": true in runs before the batched form)
+        gemv = r.get("gemv", "gemv_ahead" if r.get("gemv_ahead") else "gemv")
+        graphs += {"gemv_ahead": ", L2 window", "gemv_batched": ", batched loads"}.get(gemv, "")
         if r.get("split_prefetch"):
             graphs += ", K/V prefetch"
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"

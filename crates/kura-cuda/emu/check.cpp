@@ -10,7 +10,8 @@
 //   bits of the split kernel and `attn_merge`, whatever the order blocks finish in, leaves its counters
 //   at zero, and agrees with attention in double.
 // - The matrix-vector kernels that norm their input (`gemv_norm_T`, `gemv_swiglu_norm_T`) give the bits
-//   of `rms_norm`, `gemv_T` and `silu_mul`, on grids smaller than their rows (grid-stride).
+//   of `rms_norm`, `gemv_T` and `silu_mul`, on grids smaller than their rows (grid-stride); the L2
+//   window's (`gemv_ahead_T`) and the staged copies' (`gemv_batched_T`) forms give `gemv_T`'s.
 // Built and run by `cargo test -p kura-cuda --test emulated`; prints one line per check, exits 1 on a
 // failed check (naming it) and 3 on a fault the emulation caught (a divergent barrier, a copy never
 // waited for).
@@ -390,21 +391,26 @@ static void gemv_case(int k, int n, int inter, int grid_blocks, Rng& r) {
   auto product = [&](const std::vector<bf16>& wt, int rows_out, const std::vector<bf16>& xn) {
     std::vector<float> y((size_t)T * rows_out, NAN);
     emu::launch({(unsigned)((rows_out + 7) / 8), 1, 1}, {256, 1, 1}, 0,
-                [&] { gemv<T, false>(wt.data(), xn.data(), y.data(), rows_out, k, 0); });
+                [&] { gemv<T, GEMV_PLAIN>(wt.data(), xn.data(), y.data(), rows_out, k, 0); });
     return y;
   };
-  // gemv_ahead_T (the L2 window) gives gemv_T's bits, adding to y as well as writing it.
+  // gemv_ahead_T (the L2 window) and gemv_batched_T (a lane's chunks staged in batches) give gemv_T's bits,
+  // adding to y as well as writing it.
   {
     std::vector<bf16> xn = norm(nullptr);
     for (int accumulate : {0, 1}) {
-      std::vector<float> y4((size_t)T * n), y8;
+      std::vector<float> y4((size_t)T * n), y8, yb;
       for (auto& v : y4) v = r.uniform();
       y8 = y4;
+      yb = y4;
       dim3 g{(unsigned)((n + 7) / 8), 1, 1}, b{256, 1, 1};
-      emu::launch(g, b, 0, [&] { gemv<T, false>(w.data(), xn.data(), y4.data(), n, k, accumulate); });
-      emu::launch(g, b, 0, [&] { gemv<T, true>(w.data(), xn.data(), y8.data(), n, k, accumulate); });
+      emu::launch(g, b, 0, [&] { gemv<T, GEMV_PLAIN>(w.data(), xn.data(), y4.data(), n, k, accumulate); });
+      emu::launch(g, b, 0, [&] { gemv<T, GEMV_AHEAD>(w.data(), xn.data(), y8.data(), n, k, accumulate); });
+      emu::launch(g, b, 0, [&] { gemv<T, GEMV_BATCHED>(w.data(), xn.data(), yb.data(), n, k, accumulate); });
       check(same_bits(y4.data(), y8.data(), y4.size() * 4), "gemv_ahead_%d (%d rows of %d, accumulate %d): the bits of gemv_%d",
             T, n, k, accumulate, T);
+      check(same_bits(y4.data(), yb.data(), y4.size() * 4),
+            "gemv_batched_%d (%d rows of %d, accumulate %d): the bits of gemv_%d", T, n, k, accumulate, T);
     }
   }
   // A fused kernel, on `grid_blocks` blocks (fewer than its rows need: grid-stride) in shuffled order.
@@ -451,6 +457,27 @@ static void gemv_case(int k, int n, int inter, int grid_blocks, Rng& r) {
     }
   });
   check(same_bits(two.data(), one.data(), two.size() * 4), "gemv_dots<%d, 2>: each row's sum has the bits of gemv_dots<%d, 1>", T, T);
+  // The staged copies over rows of whole batches (4,096: 16 chunks a lane, four batches), of a chunk
+  // more for some lanes than others (2,400: 300 chunks, 9 or 10 a lane), of fewer chunks than a batch
+  // (576: 2 or 3 a lane) and of the down product's 14,336 (56 a lane): each row's sum has the bits of
+  // gemv_dots, the stages reused from row to row.
+  for (int kb : {4096, 2400, 576, 14336}) {
+    std::vector<bf16> wr = random_bf16((size_t)pairs * kb, r), xb = random_bf16((size_t)T * kb, r);
+    std::vector<float> plain(pairs * T), batched(pairs * T);
+    std::vector<uint4> stage(GEMV_STAGES * GEMV_BATCH * 32);
+    emu::launch({1, 1, 1}, {32, 1, 1}, 0, [&] {
+      for (int p = 0; p < pairs; p++) {
+        const bf16* row = wr.data() + (size_t)p * kb;
+        float a[1][T], bt[1][T];
+        gemv_dots<T, 1>(row, row, xb.data(), kb, threadIdx.x & 31, a);
+        gemv_dots_staged<T>(row, xb.data(), kb, threadIdx.x & 31, stage.data(), bt);
+        if (threadIdx.x == 0)
+          for (int t = 0; t < T; t++) plain[p * T + t] = a[0][t], batched[p * T + t] = bt[0][t];
+      }
+    });
+    check(same_bits(plain.data(), batched.data(), plain.size() * 4),
+          "gemv_dots_staged<%d> (rows of %d): each row's sum has the bits of gemv_dots<%d, 1>", T, kb, T);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -89,6 +89,8 @@ const std::map<std::string, Binder>& kernels() {
     K(gemv_1) K(gemv_2) K(gemv_3) K(gemv_4) K(gemv_5) K(gemv_6) K(gemv_7) K(gemv_8)
     K(gemv_ahead_1) K(gemv_ahead_2) K(gemv_ahead_3) K(gemv_ahead_4) K(gemv_ahead_5) K(gemv_ahead_6) K(gemv_ahead_7)
     K(gemv_ahead_8)
+    K(gemv_batched_1) K(gemv_batched_2) K(gemv_batched_3) K(gemv_batched_4) K(gemv_batched_5) K(gemv_batched_6)
+    K(gemv_batched_7) K(gemv_batched_8)
     K(gemv_norm_1) K(gemv_norm_2) K(gemv_norm_3) K(gemv_norm_4)
     K(gemv_swiglu_norm_1) K(gemv_swiglu_norm_2) K(gemv_swiglu_norm_3) K(gemv_swiglu_norm_4)
 #undef KV_D

@@ -20,7 +20,9 @@ use std::io::Write;
 use std::time::Instant;
 
 use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
-use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec, PrefillKernel, PrefillProbe};
+use kura_cuda::{
+    CudaExecutor, DevWeights, Device, GemvForm, PoolSpec, PrefillKernel, PrefillProbe,
+};
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
 
@@ -37,8 +39,8 @@ struct DecodeMode {
     attention: bool,
     /// The products norming their input.
     norm: bool,
-    /// The products' L2 window (`gemv_ahead_T`).
-    ahead: bool,
+    /// The products' form (`gemv_T`, the L2 window's `gemv_ahead_T`, the batched loads' `gemv_batched_T`).
+    gemv: GemvForm,
     /// The split-key kernel's prefetch of K and V alone.
     prefetch: bool,
 }
@@ -50,7 +52,7 @@ impl DecodeMode {
         dependent: true,
         attention: false,
         norm: false,
-        ahead: false,
+        gemv: GemvForm::Plain,
         prefetch: false,
     };
 
@@ -58,7 +60,7 @@ impl DecodeMode {
         gpu.set_graphs(self.graphs);
         gpu.set_dependent_launch(self.dependent);
         gpu.set_fused_parts(self.attention, self.norm);
-        gpu.set_gemv_ahead(self.ahead);
+        gpu.set_gemv(self.gemv);
         gpu.set_split_prefetch(self.prefetch);
     }
 }
@@ -273,9 +275,9 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
     // the same with the fused decode kernels (both halves, then each alone: the attention's merge, the
-    // products' norms), with the products' L2 window (`gemv_ahead`), with the split-key kernel's K and V
-    // prefetch alone, with both, graphs with plain launches, then launch by launch; three rounds of the
-    // nine, the median of each.
+    // products' norms), with the products' L2 window (`gemv_ahead`), with their batched loads
+    // (`gemv_batched`), with the split-key kernel's K and V prefetch alone, with it and each of the two,
+    // graphs with plain launches, then launch by launch; three rounds of the eleven, the median of each.
     let d = DecodeMode::DEFAULT;
     let modes = [
         d,
@@ -289,13 +291,25 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ..d
         },
         DecodeMode { norm: true, ..d },
-        DecodeMode { ahead: true, ..d },
+        DecodeMode {
+            gemv: GemvForm::Ahead,
+            ..d
+        },
+        DecodeMode {
+            gemv: GemvForm::Batched,
+            ..d
+        },
         DecodeMode {
             prefetch: true,
             ..d
         },
         DecodeMode {
-            ahead: true,
+            gemv: GemvForm::Ahead,
+            prefetch: true,
+            ..d
+        },
+        DecodeMode {
+            gemv: GemvForm::Batched,
             prefetch: true,
             ..d
         },
@@ -340,16 +354,17 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             graphs,
             attention,
             norm,
-            ahead,
+            gemv,
             prefetch,
             ..
         } = mode;
+        let gemv = gemv.kernel();
         let dependent = mode.dependent && has_dependent;
         let fused = attention && norm;
         report.figure(format!(
             "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
              \"dependent_launch\":{dependent},\"fused\":{fused},\"fused_attention\":{attention},\
-             \"fused_norm\":{norm},\"gemv_ahead\":{ahead},\"split_prefetch\":{prefetch},\
+             \"fused_norm\":{norm},\"gemv\":{gemv:?},\"split_prefetch\":{prefetch},\
              \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
              \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
              \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
@@ -362,8 +377,8 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     }
 
     // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
-    // themselves in the fused path): separate kernels, fused, then separate with the products' L2
-    // window and the split-key kernel's prefetch; three rounds of the three.
+    // themselves in the fused path): separate kernels, fused, then separate with the split-key kernel's
+    // prefetch and the products' L2 window, then with their batched loads; three rounds of the four.
     let per4 = (ctx + len.steps + 32).div_ceil(bs);
     let tables4: Vec<Vec<u32>> = (0..4)
         .map(|i| table[i * per4..(i + 1) * per4].to_vec())
@@ -377,12 +392,17 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ..d
         },
         DecodeMode {
-            ahead: true,
+            gemv: GemvForm::Ahead,
+            prefetch: true,
+            ..d
+        },
+        DecodeMode {
+            gemv: GemvForm::Batched,
             prefetch: true,
             ..d
         },
     ];
-    let mut rates4 = [Vec::new(), Vec::new(), Vec::new()];
+    let mut rates4 = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..len.runs(3) {
         for (mode, rates) in modes4.iter().zip(rates4.iter_mut()) {
             mode.apply(&mut gpu);
@@ -399,9 +419,9 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     for (mode, rates) in modes4.into_iter().zip(rates4) {
         report.figure(format!(
             "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{},\
-             \"gemv_ahead\":{},\"split_prefetch\":{},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
+             \"gemv\":{:?},\"split_prefetch\":{},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
             mode.attention && mode.norm,
-            mode.ahead,
+            mode.gemv.kernel(),
             mode.prefetch,
             median(rates.clone())
         ))?;
@@ -626,6 +646,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ("decode_b1".to_string(), narrow, None, b1()),
             ("decode_b1_fused".to_string(), narrow, None, b1()),
             ("decode_b1_ahead".to_string(), narrow, None, b1()),
+            ("decode_b1_batched".to_string(), narrow, None, b1()),
             ("decode_batch".to_string(), narrow, None, b64),
         ];
         for &k in &kernels {
@@ -649,7 +670,13 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
                 return Err(format!("{what}: the prefill probes take a bf16 pool").into());
             }
             gpu.set_fused_decode(what.ends_with("_fused"));
-            gpu.set_gemv_ahead(what.ends_with("_ahead"));
+            gpu.set_gemv(if what.ends_with("_ahead") {
+                GemvForm::Ahead
+            } else if what.ends_with("_batched") {
+                GemvForm::Batched
+            } else {
+                GemvForm::Plain
+            });
             gpu.forward_greedy(&items)?;
             let prof = gpu.profile_greedy(&items)?;
             let total: f64 = prof.iter().map(|p| p.1).sum();

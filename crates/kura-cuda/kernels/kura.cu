@@ -656,6 +656,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// Waits until at most the newest N groups of this thread's copies are still on the way.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // 2^x in one instruction, subnormal results flushed to zero (`exp2f` adds a range test and two
 // multiplications to keep them): a weight under 2^-126 beside the row's largest, 1, changes nothing.
 __device__ __forceinline__ float exp2_ftz(float x) {
@@ -672,6 +675,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) { emu::
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) { emu::cp_async16(dst, src, bytes); }
 __device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
 __device__ __forceinline__ void cp_async_wait1() { emu::cp_async_wait(1); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }
 #endif
 
 // Where one thread's share of a K/V tile comes from. With NT threads, 16-byte chunk n of a thread is key
@@ -1172,6 +1177,37 @@ ATTN_PROBES(128)
 // chunks of loads in flight a lane (it schedules them for a cache hit's latency, and the sum's order
 // is one chain), so a matrix of 4,096 rows, a warp each, has too few bytes in flight to reach the
 // memory's bandwidth; with the window each warp has 4 KiB more on the way. The same bits either way.
+// One 16-byte chunk of each of R rows of W (`wv[r]`, chunk `i` of the row: elements 8i..8i+7) into
+// acc[r][t], with the same elements of the T rows of x: two multiply-adds an element pair, in order.
+// Every form of the products adds a lane's chunks through this, in ascending `i`, so that a row's sum
+// has the same bits whichever form computes it.
+template <int T, int R>
+__device__ __forceinline__ void gemv_chunk(const uint4 (&wv)[R], const bf16* x, int k, int i, float (&acc)[R][T]) {
+  float wf[R][8];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[r]);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      float2 f = __bfloat1622float2(w2[j]);
+      wf[r][2 * j] = f.x;
+      wf[r][2 * j + 1] = f.y;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; t++) {
+    uint4 xv = *(reinterpret_cast<const uint4*>(x + (size_t)t * k) + i);
+    const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      float2 f = __bfloat1622float2(x2[j]);
+#pragma unroll
+      for (int r = 0; r < R; r++)
+        acc[r][t] = __fmaf_rn(wf[r][2 * j + 1], f.y, __fmaf_rn(wf[r][2 * j], f.x, acc[r][t]));
+    }
+  }
+}
+
 template <int T, int R, bool AHEAD = false>
 __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, const bf16* x, int k, int lane,
                                           float (&acc)[R][T]) {
@@ -1184,36 +1220,79 @@ __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, co
   constexpr int UNROLL = 4 / R;
 #pragma unroll UNROLL
   for (int i = lane; i < k8; i += 32) {
-    float wf[R][8];
+    uint4 wv[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
       if (AHEAD && i + 256 < k8) prefetch_l2(reinterpret_cast<const uint4*>(r == 0 ? row0 : row1) + i + 256);
-      uint4 wv = __ldg(reinterpret_cast<const uint4*>(r == 0 ? row0 : row1) + i);
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        float2 f = __bfloat1622float2(w2[j]);
-        wf[r][2 * j] = f.x;
-        wf[r][2 * j + 1] = f.y;
-      }
+      wv[r] = __ldg(reinterpret_cast<const uint4*>(r == 0 ? row0 : row1) + i);
     }
-#pragma unroll
-    for (int t = 0; t < T; t++) {
-      uint4 xv = *(reinterpret_cast<const uint4*>(x + (size_t)t * k) + i);
-      const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        float2 f = __bfloat1622float2(x2[j]);
-#pragma unroll
-        for (int r = 0; r < R; r++)
-          acc[r][t] = __fmaf_rn(wf[r][2 * j + 1], f.y, __fmaf_rn(wf[r][2 * j], f.x, acc[r][t]));
-      }
-    }
+    gemv_chunk<T, R>(wv, x, k, i, acc);
   }
 #pragma unroll
   for (int r = 0; r < R; r++)
 #pragma unroll
     for (int t = 0; t < T; t++) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+// The dot products of one row of W with the T rows of x, a lane's chunks of W staged through shared
+// memory: asynchronous copies (`cp.async`) into slots of the lane's own, GEMV_BATCH chunks a batch,
+// GEMV_STAGES - 1 batches issued ahead of the one being added. A lane then has 8 chunks on the way (4 KiB
+// a warp) whatever the compiler's schedule: it keeps a load into registers one or two chunks ahead of
+// its use however the source orders them (it schedules for a cache hit's latency), but a copy has no
+// register to wait on and is issued where it is written. Each lane reads back only what it copied,
+// after its own wait: no barrier. The chunks are added in the order `gemv_dots` adds them: the same
+// bits. `stage`: this warp's GEMV_STAGES × GEMV_BATCH × 32 slots.
+constexpr int GEMV_BATCH = 4, GEMV_STAGES = 3, GEMV_WARPS = 8;
+template <int T>
+__device__ __forceinline__ void gemv_dots_staged(const bf16* row, const bf16* x, int k, int lane, uint4* stage,
+                                                 float (&acc)[1][T]) {
+#pragma unroll
+  for (int t = 0; t < T; t++) acc[0][t] = 0.f;
+  const uint4* w = reinterpret_cast<const uint4*>(row);
+  int k8 = k / 8;
+  int n = lane < k8 ? (k8 - lane + 31) / 32 : 0;  // this lane's chunks: lane + 32 j, j < n
+  int batches = ((k8 + 31) / 32 + GEMV_BATCH - 1) / GEMV_BATCH;  // lane 0's, the most (the same in a warp)
+  int whole = k8 / 32 / GEMV_BATCH;  // batches whole in every lane
+  // Batch m's copies into stage m % GEMV_STAGES, one group (empty past the lane's chunks).
+  auto issue = [&](int m) {
+    uint4* s = stage + (m % GEMV_STAGES) * GEMV_BATCH * 32 + lane;
+#pragma unroll
+    for (int b = 0; b < GEMV_BATCH; b++) {
+      int j = m * GEMV_BATCH + b;
+      if (j < n) cp_async16(s + b * 32, w + lane + 32 * j, 16);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int m = 0; m < GEMV_STAGES - 1; m++) issue(m);
+#pragma unroll 1
+  for (int m = 0; m < batches; m++) {
+    // Into the stage batch m - 1 was read from (its values already added: the lane is past them).
+    issue(m + GEMV_STAGES - 1);
+    cp_async_wait<GEMV_STAGES - 1>();  // every group but the newest two: batch m
+    const uint4* s = stage + (m % GEMV_STAGES) * GEMV_BATCH * 32 + lane;
+    if (m < whole) {
+      // Every lane has the whole batch: no test between the chunks, whose reads may then all be
+      // issued at once (for at most two rows of x: more would hold their chunks of x in too many
+      // registers, and spill).
+#pragma unroll(T <= 2 ? GEMV_BATCH : 1)
+      for (int b = 0; b < GEMV_BATCH; b++) {
+        uint4 wv[1] = {s[b * 32]};
+        gemv_chunk<T, 1>(wv, x, k, lane + 32 * (m * GEMV_BATCH + b), acc);
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < GEMV_BATCH; b++) {
+        int j = m * GEMV_BATCH + b;
+        if (j < n) {
+          uint4 wv[1] = {s[b * 32]};
+          gemv_chunk<T, 1>(wv, x, k, lane + 32 * j, acc);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; t++) acc[0][t] = warp_sum(acc[0][t]);
 }
 
 // The weights depend on no earlier kernel: while the kernel before drains (a dependent launch), ask L2
@@ -1223,7 +1302,10 @@ __device__ __forceinline__ void gemv_prefetch(const bf16* row, int k, int lane) 
   if (lane * 64 < k) prefetch_l2(row + lane * 64);
 }
 
-template <int T, bool AHEAD>
+// FORM: GEMV_PLAIN (`gemv_T`), GEMV_AHEAD (`gemv_ahead_T`, the L2 window of `gemv_dots`) or GEMV_BATCHED
+// (`gemv_batched_T`, `gemv_dots_staged`; blocks of GEMV_WARPS warps): the same bits.
+enum : int { GEMV_PLAIN = 0, GEMV_AHEAD = 1, GEMV_BATCHED = 2 };
+template <int T, int FORM>
 __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int accumulate) {
   int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   const bf16* row = w + (size_t)warp * k;
@@ -1231,7 +1313,12 @@ __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int a
   KURA_DEP();
   if (warp >= n) return;
   float acc[1][T];
-  gemv_dots<T, 1, AHEAD>(row, row, x, k, lane, acc);
+  if constexpr (FORM == GEMV_BATCHED) {
+    __shared__ uint4 stage[GEMV_WARPS][GEMV_STAGES * GEMV_BATCH * 32];  // 48 KiB
+    gemv_dots_staged<T>(row, x, k, lane, stage[threadIdx.x >> 5], acc);
+  } else {
+    gemv_dots<T, 1, FORM == GEMV_AHEAD>(row, row, x, k, lane, acc);
+  }
   if (lane == 0) {
 #pragma unroll
     for (int t = 0; t < T; t++) {
@@ -1240,15 +1327,20 @@ __device__ void gemv(const bf16* w, const bf16* x, float* y, int n, int k, int a
     }
   }
 }
-// gemv_ahead_T: with the L2 window of `gemv_dots`' AHEAD; `CudaExecutor::set_gemv_ahead`.
+// gemv_ahead_T: with the L2 window of `gemv_dots`' AHEAD; gemv_batched_T: a lane's chunks of W staged
+// through shared memory in batches (`gemv_dots_staged`); `CudaExecutor::set_gemv`.
 #define GEMV(T)                                                                                              \
   extern "C" __global__ void __launch_bounds__(256) gemv_##T(const bf16* w, const bf16* x, float* y, int n,  \
                                                              int k, int accumulate) {                        \
-    gemv<T, false>(w, x, y, n, k, accumulate);                                                                \
+    gemv<T, GEMV_PLAIN>(w, x, y, n, k, accumulate);                                                           \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256) gemv_ahead_##T(const bf16* w, const bf16* x, float* y,   \
                                                                    int n, int k, int accumulate) {          \
-    gemv<T, true>(w, x, y, n, k, accumulate);                                                                 \
+    gemv<T, GEMV_AHEAD>(w, x, y, n, k, accumulate);                                                           \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) gemv_batched_##T(const bf16* w, const bf16* x, float* y, \
+                                                                     int n, int k, int accumulate) {        \
+    gemv<T, GEMV_BATCHED>(w, x, y, n, k, accumulate);                                                         \
   }
 GEMV(1)
 GEMV(2)

@@ -38,6 +38,34 @@ pub enum Arg {
     Shape(PoolShape),
 }
 
+/// The forms of the decode products (at most 8 rows: `gemv_T` and its kin), all of the same bits: a
+/// lane's chunks of W added in the same order, the loads issued differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GemvForm {
+    /// `gemv_T`: four loads of W a lane unrolled, scheduled as the compiler sees fit.
+    #[default]
+    Plain,
+    /// `gemv_ahead_T`: each load of W also asks L2 for the part of its row 4 KiB further on.
+    Ahead,
+    /// `gemv_batched_T`: a lane's loads of W issued eight at a time, all before the first is used
+    /// (4 KiB a warp on the way).
+    Batched,
+}
+
+impl GemvForm {
+    /// Every form, the default first.
+    pub const ALL: [GemvForm; 3] = [GemvForm::Plain, GemvForm::Ahead, GemvForm::Batched];
+
+    /// Its kernels' name, without the row count (`gemv`, `gemv_ahead`, `gemv_batched`).
+    pub fn kernel(self) -> &'static str {
+        match self {
+            GemvForm::Plain => "gemv",
+            GemvForm::Ahead => "gemv_ahead",
+            GemvForm::Batched => "gemv_batched",
+        }
+    }
+}
+
 /// A device opened for the executor.
 pub struct Device {
     pub ctx: Arc<CudaContext>,
@@ -60,8 +88,8 @@ pub struct Device {
     marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
     /// Whether Kura's launches are programmatic dependent launches now ([`Device::set_dependent`]).
     dependent: std::cell::Cell<bool>,
-    /// Whether decode products take `gemv_ahead_T` ([`Device::set_gemv_ahead`]).
-    gemv_ahead: std::cell::Cell<bool>,
+    /// The form of the decode products ([`Device::set_gemv`]).
+    gemv: std::cell::Cell<GemvForm>,
     /// Blocks of a kernel resident on one multiprocessor, by (kernel, dynamic shared memory): the
     /// driver's occupancy answer, asked once.
     resident: std::cell::RefCell<HashMap<(String, u32), usize>>,
@@ -192,7 +220,7 @@ impl Device {
             setup_seconds: t0.elapsed().as_secs_f64(),
             marks: std::cell::RefCell::new(None),
             dependent: std::cell::Cell::new(false),
-            gemv_ahead: std::cell::Cell::new(false),
+            gemv: std::cell::Cell::new(GemvForm::Plain),
             resident: std::cell::RefCell::new(HashMap::new()),
             pinned: Vec::new(),
         })
@@ -207,16 +235,15 @@ impl Device {
             .is_some_and(|v| v >= 90)
     }
 
-    /// Decode products (at most 8 rows) through `gemv_ahead_T`, which ask L2 for each row 4 KiB ahead
-    /// of their loads: the same bits. Graphs captured before keep the kernels they captured:
-    /// [`crate::CudaExecutor::set_gemv_ahead`] clears them.
-    pub fn set_gemv_ahead(&self, on: bool) {
-        self.gemv_ahead.set(on);
+    /// Decode products (at most 8 rows) through the kernels of `form`: the same bits whichever. Graphs
+    /// captured before keep the kernels they captured: [`crate::CudaExecutor::set_gemv`] clears them.
+    pub fn set_gemv(&self, form: GemvForm) {
+        self.gemv.set(form);
     }
 
-    /// Whether decode products take `gemv_ahead_T` ([`Device::set_gemv_ahead`]).
-    pub fn gemv_ahead(&self) -> bool {
-        self.gemv_ahead.get()
+    /// The form of the decode products ([`Device::set_gemv`]).
+    pub fn gemv(&self) -> GemvForm {
+        self.gemv.get()
     }
 
     /// Launches Kura's kernels from now on as programmatic dependent launches (`on`, where the device
@@ -465,11 +492,7 @@ impl Device {
         }
         if t <= 8 && k.is_multiple_of(8) {
             let warps_per_block = 8;
-            let kernel = if self.gemv_ahead.get() {
-                "gemv_ahead"
-            } else {
-                "gemv"
-            };
+            let kernel = self.gemv.get().kernel();
             self.launch_as(
                 &format!("{kernel}_{t}"),
                 (n.div_ceil(warps_per_block) as u32, 1, 1),
@@ -801,7 +824,11 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.extend((1..=8).map(|t| format!("gemv_{t}")));
-    v.extend((1..=8).map(|t| format!("gemv_ahead_{t}")));
+    for form in GemvForm::ALL {
+        if form != GemvForm::Plain {
+            v.extend((1..=8).map(|t| format!("{}_{t}", form.kernel())));
+        }
+    }
     v.extend((1..=GEMV_NORM_MAX_TOKENS).map(|t| format!("gemv_norm_{t}")));
     v.extend((1..=GEMV_NORM_MAX_TOKENS).map(|t| format!("gemv_swiglu_norm_{t}")));
     v

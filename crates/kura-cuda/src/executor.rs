@@ -881,13 +881,14 @@ impl CudaExecutor {
         self.graphs.clear();
     }
 
-    /// The decode products (steps of at most 8 tokens) through `gemv_ahead_T`: each load of W also
-    /// asks L2 for the part of its row 4 KiB further on, so that a product of few rows (4,096, a warp
-    /// each) has more bytes on the way than the one or two loads a lane the compiler keeps in flight.
-    /// Off by default (`gemv_T`) until a GPU has timed it; the same bits either way (the GPU tests
-    /// compare the two, and `gpu-bench` times both).
-    pub fn set_gemv_ahead(&mut self, on: bool) {
-        self.dev.set_gemv_ahead(on);
+    /// The decode products (steps of at most 8 tokens) in `form`. A product of few rows (4,096, a
+    /// warp each) needs more bytes on the way than the one or two loads a lane the compiler keeps in
+    /// flight in `gemv_T`: `gemv_ahead_T` has each load of W also ask L2 for the part of its row 4 KiB
+    /// further on, `gemv_batched_T` issues a lane's loads eight at a time before using any. `gemv_T`
+    /// by default until a GPU has timed the others ([`CudaExecutor::tune`] does at start); the same
+    /// bits in every form (the GPU tests compare them, and `gpu-bench` times each).
+    pub fn set_gemv(&mut self, form: crate::GemvForm) {
+        self.dev.set_gemv(form);
         self.graphs.clear();
     }
 

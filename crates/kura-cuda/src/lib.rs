@@ -15,7 +15,7 @@ pub mod kernels;
 pub mod libs;
 pub mod weights;
 
-pub use device::{parse_device, Device};
+pub use device::{parse_device, Device, GemvForm};
 pub use error::{CudaError, Result};
 pub use executor::{
     block_bytes, check_pool_format, CudaExecutor, DecodeOptions, DecodeTuning, FormTiming,

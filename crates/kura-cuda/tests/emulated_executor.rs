@@ -21,8 +21,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use kura_cuda::{
-    CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, PoolSpec, PrefillKernel,
-    PrefillTuning, Tuning,
+    CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, GemvForm, PoolSpec,
+    PrefillKernel, PrefillTuning, Tuning,
 };
 use kura_engine::{sampling, ExecError, Executor, Row, SeqInput, Want};
 use kura_kv::codec::KvDtype;
@@ -530,31 +530,34 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
                 );
             }
         }
-        // The products' L2 window (`gemv_ahead_T` launched instead of `gemv_T`) and the split-key
-        // kernel's prefetch without its merge: the same bits in graphs with dependent launches and
-        // launch by launch.
+        // The products' L2 window (`gemv_ahead_T` launched instead of `gemv_T`) and their batched
+        // loads (`gemv_batched_T`), each with the split-key kernel's prefetch without its merge: the
+        // same bits in graphs with dependent launches and launch by launch.
         gpu.set_fused_parts(false, false);
-        gpu.set_gemv_ahead(true);
         gpu.set_split_prefetch(true);
-        let launched = launched(&mut gpu);
-        assert!(
-            launched.iter().any(|k| k.starts_with("gemv_ahead")),
-            "no gemv_ahead in {launched:?}"
-        );
-        for graphs in [true, false] {
-            gpu.set_graphs(graphs);
-            gpu.set_dependent_launch(graphs);
-            let got = all(&mut gpu);
-            for (((step, _), a), b) in steps.iter().zip(&got).zip(&reference) {
-                assert!(
-                    same_bits(a, b),
-                    "{} KV, {step}, the products' L2 window, graphs {graphs}: {:.2e} from the reference",
-                    dtype.name(),
-                    rel(a, b)
-                );
+        for form in [GemvForm::Ahead, GemvForm::Batched] {
+            gpu.set_gemv(form);
+            let kernel = form.kernel();
+            let ran = launched(&mut gpu);
+            assert!(
+                ran.iter().any(|k| k.starts_with(&format!("{kernel} "))),
+                "no {kernel} in {ran:?}"
+            );
+            for graphs in [true, false] {
+                gpu.set_graphs(graphs);
+                gpu.set_dependent_launch(graphs);
+                let got = all(&mut gpu);
+                for (((step, _), a), b) in steps.iter().zip(&got).zip(&reference) {
+                    assert!(
+                        same_bits(a, b),
+                        "{} KV, {step}, the products as {kernel}, graphs {graphs}: {:.2e} from the reference",
+                        dtype.name(),
+                        rel(a, b)
+                    );
+                }
             }
         }
-        gpu.set_gemv_ahead(false);
+        gpu.set_gemv(GemvForm::Plain);
         gpu.set_split_prefetch(false);
         // Each half alone, in graphs with dependent launches (the modes the benchmark times).
         for (attention, norm) in [(true, false), (false, true)] {
@@ -1014,9 +1017,9 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     assert!(got >= est && got - est < 1024, "{}", mem[0]);
 
     let decode = with("decode");
-    // (batch, graphs, dependent launches, fused attention, fused norms, the products' L2 window, the
+    // (batch, graphs, dependent launches, fused attention, fused norms, the products' form, the
     // split-key kernel's prefetch).
-    type Mode = (u64, bool, bool, bool, bool, bool, bool);
+    type Mode<'a> = (u64, bool, bool, bool, bool, &'a str, bool);
     let modes: Vec<Mode> = decode
         .iter()
         .map(|v| {
@@ -1028,29 +1031,33 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
                 v["dependent_launch"].as_bool().unwrap_or(true),
                 v["fused_attention"].as_bool().unwrap_or(fused),
                 v["fused_norm"].as_bool().unwrap_or(fused),
-                v["gemv_ahead"].as_bool().unwrap_or(false),
+                v["gemv"].as_str().unwrap_or("gemv"),
                 v["split_prefetch"].as_bool().unwrap_or(false),
             )
         })
         .collect();
     let (t, f) = (true, false);
+    let (plain, ahead, batched) = ("gemv", "gemv_ahead", "gemv_batched");
     assert_eq!(
         modes,
         [
-            (1, t, t, f, f, f, f),
-            (1, t, t, t, t, f, f),
-            (1, t, t, t, f, f, f),
-            (1, t, t, f, t, f, f),
-            (1, t, t, f, f, t, f),
-            (1, t, t, f, f, f, t),
-            (1, t, t, f, f, t, t),
-            (1, t, f, f, f, f, f),
-            (1, f, f, f, f, f, f),
-            (4, t, t, f, f, f, f),
-            (4, t, t, t, t, f, f),
-            (4, t, t, f, f, t, t),
-            (2, t, t, f, f, f, f),
-            (2, t, t, t, t, f, f),
+            (1, t, t, f, f, plain, f),
+            (1, t, t, t, t, plain, f),
+            (1, t, t, t, f, plain, f),
+            (1, t, t, f, t, plain, f),
+            (1, t, t, f, f, ahead, f),
+            (1, t, t, f, f, batched, f),
+            (1, t, t, f, f, plain, t),
+            (1, t, t, f, f, ahead, t),
+            (1, t, t, f, f, batched, t),
+            (1, t, f, f, f, plain, f),
+            (1, f, f, f, f, plain, f),
+            (4, t, t, f, f, plain, f),
+            (4, t, t, t, t, plain, f),
+            (4, t, t, f, f, ahead, t),
+            (4, t, t, f, f, batched, t),
+            (2, t, t, f, f, plain, f),
+            (2, t, t, t, t, plain, f),
         ]
     );
     let prefill: Vec<(u64, &str)> = with("prefill")
@@ -1203,12 +1210,17 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     let has = |ks: &[String], name: &str| ks.iter().any(|k| k.starts_with(name));
     let b1 = kernels("decode_b1");
     assert!(has(&b1, "rms_norm") && !has(&b1, "gemv_norm"), "{b1:?}");
-    assert!(has(&b1, "gemv ") && !has(&b1, "gemv_ahead"), "{b1:?}");
-    let ahead = kernels("decode_b1_ahead");
     assert!(
-        has(&ahead, "gemv_ahead") && !has(&ahead, "gemv "),
-        "{ahead:?}"
+        has(&b1, "gemv ") && !has(&b1, "gemv_ahead") && !has(&b1, "gemv_batched"),
+        "{b1:?}"
     );
+    for form in ["ahead", "batched"] {
+        let ks = kernels(&format!("decode_b1_{form}"));
+        assert!(
+            has(&ks, &format!("gemv_{form} ")) && !has(&ks, "gemv "),
+            "{ks:?}"
+        );
+    }
     let fused = kernels("decode_b1_fused");
     assert!(
         has(&fused, "gemv_norm") && !has(&fused, "rms_norm"),

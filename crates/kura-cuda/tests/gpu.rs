@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kura_cuda::{
-    CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, PoolSpec, PrefillKernel,
-    PrefillTuning,
+    CudaError, CudaExecutor, DecodeOptions, DecodeTuning, Device, GemvForm, PoolSpec,
+    PrefillKernel, PrefillTuning,
 };
 use kura_engine::SeqInput;
 use kura_kv::codec::KvDtype;
@@ -424,8 +424,8 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
     // of the second (the output head's rows are tokens 2 and 3); then a 20-token chunk of the third
     // (cuBLAS products; the merge still fused into the split kernel); then a decode of a fifth sequence
     // at 4,200 tokens (past 32 splits, where `attn_merge` runs again beside the fused products). Each
-    // step is run with the separate kernels, with the products' L2 window (`gemv_ahead_T`) and the
-    // split-key kernel's K/V prefetch, then fused in graphs, launch by launch, and in waves of one
+    // step is run with the separate kernels, with the products' L2 window (`gemv_ahead_T`) or batched
+    // loads (`gemv_batched_T`) and the split-key kernel's K/V prefetch, then fused in graphs, launch by launch, and in waves of one
     // token; every run writes the same K and V rows before reading them, so the logits must agree bit
     // for bit.
     let prompts = prompts();
@@ -482,28 +482,34 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                     "{model}: no {kernel} at 4,200 tokens in {long:?}"
                 );
             }
-            // The products' L2 window (`gemv_ahead_T`) and the split-key kernel's prefetch without
-            // its merge, separate kernels, in graphs: the same bits.
+            // The products' L2 window (`gemv_ahead_T`) and their batched loads (`gemv_batched_T`),
+            // each with the split-key kernel's prefetch without its merge, separate kernels, in
+            // graphs: the same bits.
             gpu.set_fused_decode(false);
-            gpu.set_gemv_ahead(true);
             gpu.set_split_prefetch(true);
-            let launched = launches(&mut gpu, &steps[0].1);
-            assert!(
-                launched.iter().any(|k| k.starts_with("gemv_ahead")),
-                "{model}: no gemv_ahead in {launched:?}"
-            );
-            let ahead = all(&mut gpu);
-            for (((step, _), a), b) in steps.iter().zip(&ahead).zip(&separate) {
-                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                println!(
-                    "{model} {} KV, {step}, the products' L2 window and K/V prefetch: same bits {same}",
-                    dtype.name()
+            for form in [GemvForm::Ahead, GemvForm::Batched] {
+                gpu.set_gemv(form);
+                let kernel = form.kernel();
+                let launched = launches(&mut gpu, &steps[0].1);
+                assert!(
+                    launched
+                        .iter()
+                        .any(|k| k.starts_with(&format!("{kernel} "))),
+                    "{model}: no {kernel} in {launched:?}"
                 );
-                if !same {
-                    failures.push(format!("{model} {} {step} gemv_ahead", dtype.name()));
+                let other = all(&mut gpu);
+                for (((step, _), a), b) in steps.iter().zip(&other).zip(&separate) {
+                    let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    println!(
+                        "{model} {} KV, {step}, the products as {kernel} and K/V prefetch: same bits {same}",
+                        dtype.name()
+                    );
+                    if !same {
+                        failures.push(format!("{model} {} {step} {kernel}", dtype.name()));
+                    }
                 }
             }
-            gpu.set_gemv_ahead(false);
+            gpu.set_gemv(GemvForm::Plain);
             gpu.set_split_prefetch(false);
             gpu.set_fused_decode(true);
             for (what, graphs, cap) in [

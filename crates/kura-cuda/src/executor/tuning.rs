@@ -24,6 +24,7 @@ use kura_engine::SeqInput;
 use super::transfers::TIMED;
 use super::{CudaExecutor, PrefillKernel};
 use crate::error::Result;
+use crate::GemvForm;
 
 /// The prompt an executor times its kernels over when it starts (fewer tokens where its pool or its
 /// steps hold fewer): long enough that every multiprocessor runs several tiles of queries, as in the
@@ -62,43 +63,43 @@ pub struct PrefillTuning {
     pub chosen: PrefillKernel,
 }
 
-/// The decode options [`CudaExecutor::tune`] times: the products' L2 window
-/// ([`CudaExecutor::set_gemv_ahead`]) and the split-key kernel's K/V prefetch
-/// ([`CudaExecutor::set_split_prefetch`]).
+/// The decode options [`CudaExecutor::tune`] times: the products' form
+/// ([`CudaExecutor::set_gemv`]: plain, the L2 window or batched loads) and the split-key kernel's K/V
+/// prefetch ([`CudaExecutor::set_split_prefetch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DecodeOptions {
-    pub gemv_ahead: bool,
+    pub gemv: GemvForm,
     pub split_prefetch: bool,
 }
 
 impl DecodeOptions {
-    /// Every combination, the default (neither) first.
-    pub const ALL: [DecodeOptions; 4] = [
-        DecodeOptions {
-            gemv_ahead: false,
+    /// Every combination, the default (plain products, no prefetch) first.
+    pub const ALL: [DecodeOptions; 6] = {
+        let mut all = [DecodeOptions {
+            gemv: GemvForm::Plain,
             split_prefetch: false,
-        },
-        DecodeOptions {
-            gemv_ahead: true,
-            split_prefetch: false,
-        },
-        DecodeOptions {
-            gemv_ahead: false,
-            split_prefetch: true,
-        },
-        DecodeOptions {
-            gemv_ahead: true,
-            split_prefetch: true,
-        },
-    ];
+        }; 6];
+        let mut i = 0;
+        while i < 6 {
+            all[i] = DecodeOptions {
+                gemv: GemvForm::ALL[i % 3],
+                split_prefetch: i >= 3,
+            };
+            i += 1;
+        }
+        all
+    };
 
-    /// Its name in the log: `default`, `gemv_ahead`, `split_prefetch` or `gemv_ahead+split_prefetch`.
+    /// Its name in the log: `default`, `gemv_ahead`, `gemv_batched`, `split_prefetch`,
+    /// `gemv_ahead+split_prefetch` or `gemv_batched+split_prefetch`.
     pub fn name(self) -> &'static str {
-        match (self.gemv_ahead, self.split_prefetch) {
-            (false, false) => "default",
-            (true, false) => "gemv_ahead",
-            (false, true) => "split_prefetch",
-            (true, true) => "gemv_ahead+split_prefetch",
+        match (self.gemv, self.split_prefetch) {
+            (GemvForm::Plain, false) => "default",
+            (GemvForm::Ahead, false) => "gemv_ahead",
+            (GemvForm::Batched, false) => "gemv_batched",
+            (GemvForm::Plain, true) => "split_prefetch",
+            (GemvForm::Ahead, true) => "gemv_ahead+split_prefetch",
+            (GemvForm::Batched, true) => "gemv_batched+split_prefetch",
         }
     }
 }
@@ -229,14 +230,14 @@ impl CudaExecutor {
     /// The decode options steps run with.
     pub fn decode_options(&self) -> DecodeOptions {
         DecodeOptions {
-            gemv_ahead: self.dev.gemv_ahead(),
+            gemv: self.dev.gemv(),
             split_prefetch: self.split_prefetch,
         }
     }
 
     /// Runs steps with `options` (clears the captured graphs).
     pub fn set_decode_options(&mut self, options: DecodeOptions) {
-        self.set_gemv_ahead(options.gemv_ahead);
+        self.set_gemv(options.gemv);
         self.set_split_prefetch(options.split_prefetch);
     }
 
@@ -458,7 +459,21 @@ mod tests {
         );
 
         // The decode options by the same rule.
-        let [none, ahead, prefetch, both] = DecodeOptions::ALL;
+        let [none, ahead, batched, prefetch, both, batched_prefetch] = DecodeOptions::ALL;
+        assert_eq!(
+            DecodeOptions::ALL.map(DecodeOptions::name),
+            [
+                "default",
+                "gemv_ahead",
+                "gemv_batched",
+                "split_prefetch",
+                "gemv_ahead+split_prefetch",
+                "gemv_batched+split_prefetch"
+            ]
+        );
+        assert_eq!(none, DecodeOptions::default());
+        assert_eq!(batched_prefetch.gemv, GemvForm::Batched);
+        assert!(batched_prefetch.split_prefetch);
         let o = |options, ms, same_bits| OptionTiming {
             options,
             ms,
@@ -467,10 +482,18 @@ mod tests {
         let options = [
             o(none, 5.0, true),
             o(ahead, 4.5, true),
+            o(batched, 4.7, true),
             o(prefetch, 4.0, false),
             o(both, 4.6, true),
+            o(batched_prefetch, 4.55, true),
         ];
         assert_eq!(DecodeTuning::choose(&options), ahead);
+        let options = [
+            o(none, 5.0, true),
+            o(batched, 4.4, true),
+            o(ahead, 4.5, true),
+        ];
+        assert_eq!(DecodeTuning::choose(&options), batched);
         let options = [o(none, 5.0, true), o(ahead, 4.9, true)];
         assert_eq!(DecodeTuning::choose(&options), none);
         let tuning = DecodeTuning {
