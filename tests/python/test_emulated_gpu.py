@@ -280,8 +280,10 @@ def test_generate_on_the_emulated_gpu_times_the_kernels_and_keeps_the_default_on
         for name in serve_check.FORMS:
             assert f" {name} " in prefill[0], prefill[0]
         # "<chosen> (batch-1 steps over <n> tokens: default <ms> ms, gemv_ahead <ms> ms, ...)"
-        assert decode[0].split(" ", 1)[0] in ["default", "gemv_ahead", "split_prefetch", "gemv_ahead+split_prefetch"]
-        for name in ["default", "gemv_ahead", "split_prefetch", "gemv_ahead+split_prefetch"]:
+        options = ["default", "gemv_ahead", "gemv_batched", "split_prefetch", "gemv_ahead+split_prefetch",
+                   "gemv_batched+split_prefetch"]
+        assert decode[0].split(" ", 1)[0] in options, decode[0]
+        for name in options:
             assert f" {name} " in decode[0], decode[0]
         assert "other bits" not in prefill[0] + decode[0], (prefill, decode)
 
