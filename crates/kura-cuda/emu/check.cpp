@@ -581,14 +581,27 @@ static void argmax_case(Rng& r) {
       if (x[j] > x[best]) best = j;
     want[i] = best;
   }
-  std::vector<u32> got(rows, 0xdeadbeef);
-  emu::launch({(unsigned)rows, 1, 1}, {1024, 1, 1}, 0, [&] { argmax_rows(logits.data(), got.data(), vocab); });
-  bool ok = true;
-  for (int i = 0; i < rows; i++) ok &= got[i] == (u32)want[i];
-  check(ok && want[0] == 17 && want[1] == 0 && want[2] == vocab - 1 && want[3] == 0 && want[4] == 3000 &&
-            want[5] == 4998 && want[6] == 0,
-        "argmax_rows: the first largest logit of each row, as the host's walk finds it (a tie, the last index, "
-        "NaN first, -inf first, NaN among numbers, a row of -inf)");
+  check(want[0] == 17 && want[1] == 0 && want[2] == vocab - 1 && want[3] == 0 && want[4] == 3000 && want[5] == 4998 &&
+            want[6] == 0,
+        "argmax: the host's walk finds the cases meant");
+  // Segments of the executor's 4,096 (two a row), of 512 (ten: the tie, the NaN and -inf runs across
+  // segments), of 4,000 (a short last one) and of 333 (not whole 16-byte chunks: a logit a load), the
+  // segments' blocks in shuffled order.
+  for (int seg : {4096, 512, 4000, 333}) {
+    int segs = (vocab + seg - 1) / seg;
+    std::vector<float> part((size_t)rows * segs * 2, NAN);
+    std::vector<u32> got(rows, 0xdeadbeef);
+    dim3 g{(unsigned)rows, (unsigned)segs, 1};
+    emu::launch(g, {256, 1, 1}, 0, [&] { argmax_part(logits.data(), part.data(), vocab, seg); }, all_blocks(g, &r));
+    emu::launch({(unsigned)rows, 1, 1}, {32, 1, 1}, 0,
+                [&] { argmax_merge(logits.data(), part.data(), got.data(), vocab, segs); });
+    bool ok = true;
+    for (int i = 0; i < rows; i++) ok &= got[i] == (u32)want[i];
+    check(ok,
+          "argmax_part + argmax_merge (segments of %d): the first largest logit of each row, as the host's walk "
+          "finds it (a tie, the last index, NaN first, -inf first, NaN among numbers, a row of -inf)",
+          seg);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -174,6 +174,11 @@ inline float __int_as_float(int i) {
   std::memcpy(&f, &i, sizeof f);
   return f;
 }
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, sizeof i);
+  return i;
+}
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline void __threadfence() {}

@@ -64,7 +64,7 @@ const std::map<std::string, Binder>& kernels() {
     K(rope_store_f32)
     K(rope_table)
     K(attn_merge)
-    K(argmax_rows)
+    K(argmax_part) K(argmax_merge)
     K(copy_block_prefix)
     K(copy_block_prefix_fp8)
     K(rope_kv_inplace)

@@ -16,7 +16,8 @@
 //! the block tables, whose length is the context's) and the split-key kernel's partials (`part`: split
 //! tokens × heads × splits × (head_dim + 2) f32, where splits grow with the context, 128 keys each; the
 //! kernel runs in waves of tokens so that they stay within `PART_CAP_BYTES`, 64 MiB, or one token's),
-//! with its arrival counters (`arrive`: an i32 per token of a wave and KV head). All are grown by the
+//! with its arrival counters (`arrive`: an i32 per token of a wave and KV head); greedy sampling's
+//! segment maxima share `part` (two f32 per 4,096 logits of a row). All are grown by the
 //! step that first needs them, out of [`DEVICE_RESERVE`].
 
 use kura_checkpoint::ModelConfig;

@@ -186,6 +186,17 @@ const FUSED_MERGE_MAX_SPLITS: usize = 32;
 const SPLIT_MERGE: i32 = 1;
 const SPLIT_PREFETCH: i32 = 2;
 
+/// Logits of a row that one block of greedy sampling's first launch (`argmax_part`) reads: 32 blocks
+/// for a 128,256-token vocabulary.
+const ARGMAX_SEG: usize = 4096;
+
+/// f32s of the attention partials that greedy sampling over `rows` rows of `vocab` logits takes: each
+/// segment's largest and its index.
+fn argmax_part_len(rows: usize, vocab: usize) -> usize {
+    rows.saturating_mul(vocab.div_ceil(ARGMAX_SEG))
+        .saturating_mul(2)
+}
+
 /// Per-step buffers, grown to the largest step seen.
 struct Scratch {
     tokens: usize,
@@ -958,7 +969,8 @@ impl CudaExecutor {
             self.part_cap,
         );
         let part_len =
-            wave.min(plan.split_tokens) * c.num_heads() * plan.max_splits * (c.head_dim() + 2);
+            (wave.min(plan.split_tokens) * c.num_heads() * plan.max_splits * (c.head_dim() + 2))
+                .max(argmax_part_len(n, c.vocab_size()));
         let arrive_len = wave.min(plan.split_tokens) * c.num_kv_heads();
         let s = &mut self.s;
         let before = (s.tokens, s.rows, s.meta.len(), s.part.len(), s.arrive.len());
@@ -1490,15 +1502,33 @@ impl CudaExecutor {
 
     /// Finds each of the step's `n` rows' greedy token on the device and queues the copy of their ids
     /// to the host (landed at the next synchronisation).
+    /// Each row's `vocab.div_ceil(ARGMAX_SEG)` segments are read by blocks of their own (`argmax_part`,
+    /// into the attention partials, which the step has finished with and made room for: [`argmax_part_len`]),
+    /// then merged (`argmax_merge`).
     fn argmax_ids(&mut self, n: usize) -> Result<Vec<u32>> {
+        let vocab = self.cfg.vocab_size();
+        let segs = vocab.div_ceil(ARGMAX_SEG);
         self.dev.launch(
-            "argmax_rows",
-            (n as u32, 1, 1),
-            1024,
+            "argmax_part",
+            (n as u32, segs as u32, 1),
+            256,
             &[
                 Arg::Ptr(self.dev.ptr(&self.s.logits)),
+                Arg::Ptr(self.dev.ptr(&self.s.part)),
+                Arg::I32(vocab as i32),
+                Arg::I32(ARGMAX_SEG as i32),
+            ],
+        )?;
+        self.dev.launch(
+            "argmax_merge",
+            (n as u32, 1, 1),
+            32,
+            &[
+                Arg::Ptr(self.dev.ptr(&self.s.logits)),
+                Arg::Ptr(self.dev.ptr(&self.s.part)),
                 Arg::Ptr(self.dev.ptr(&self.s.ids)),
-                Arg::I32(self.cfg.vocab_size() as i32),
+                Arg::I32(vocab as i32),
+                Arg::I32(segs as i32),
             ],
         )?;
         let mut out = vec![0u32; n];
