@@ -1168,15 +1168,6 @@ ATTN_PROBES(128)
 // y[t][n] (+)= Σ_k W[n][k] · x[t][k] for T ≤ 8 tokens (decode): a warp per output row, 16-byte loads of
 // W, f32 accumulation, fixed order. `accumulate` adds to y (the residual add). K % 8 == 0.
 //
-// The dot products of R ≤ 2 rows of W (`row0`, `row1`, each k long) with the T rows of x, in lane
-// `lane`'s share of k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction),
-// so that a row's sum has the same bits whichever kernel computes it.
-//
-// AHEAD: each chunk's load also asks L2 for the chunk 4 KiB further along its row (`prefetch`, which
-// holds no register), continuing where `gemv_prefetch` stopped. The compiler keeps only one or two
-// chunks of loads in flight a lane (it schedules them for a cache hit's latency, and the sum's order
-// is one chain), so a matrix of 4,096 rows, a warp each, has too few bytes in flight to reach the
-// memory's bandwidth; with the window each warp has 4 KiB more on the way. The same bits either way.
 // One 16-byte chunk of each of R rows of W (`wv[r]`, chunk `i` of the row: elements 8i..8i+7) into
 // acc[r][t], with the same elements of the T rows of x: two multiply-adds an element pair, in order.
 // Every form of the products adds a lane's chunks through this, in ascending `i`, so that a row's sum
@@ -1208,6 +1199,15 @@ __device__ __forceinline__ void gemv_chunk(const uint4 (&wv)[R], const bf16* x, 
   }
 }
 
+// The dot products of R ≤ 2 rows of W (`row0`, `row1`, each k long) with the T rows of x, in lane
+// `lane`'s share of k: acc[r][t]. Explicit multiply-adds (nothing left to the compiler's contraction),
+// so that a row's sum has the same bits whichever kernel computes it.
+//
+// AHEAD: each chunk's load also asks L2 for the chunk 4 KiB further along its row (`prefetch`, which
+// holds no register), continuing where `gemv_prefetch` stopped. The compiler keeps only one or two
+// chunks of loads in flight a lane (it schedules them for a cache hit's latency, and the sum's order
+// is one chain), so a matrix of 4,096 rows, a warp each, has too few bytes in flight to reach the
+// memory's bandwidth; with the window each warp has 4 KiB more on the way. The same bits either way.
 template <int T, int R, bool AHEAD = false>
 __device__ __forceinline__ void gemv_dots(const bf16* row0, const bf16* row1, const bf16* x, int k, int lane,
                                           float (&acc)[R][T]) {
