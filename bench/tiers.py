@@ -241,6 +241,19 @@ def block_prefix(server, seed, tokens):
     return prefix, server.tokens(prefix)
 
 
+def prefix_as_long(server, seed, tokens, want):
+    """`block_prefix` of the first of up to 64 seeds from `seed` on whose token count is `want` (else the
+    nearest): a second prefix as long as a first."""
+    best = None
+    for j in range(64):
+        prefix, count = block_prefix(server, seed + 1000 * j, tokens)
+        if best is None or abs(count - want) < abs(best[1] - want):
+            best = (prefix, count)
+        if count == want:
+            break
+    return best
+
+
 def convoy_suffix(k):
     """A suffix whose first token is a word of its own (lower or capitalized): no partial-block reuse."""
     w = WORDS[k % len(WORDS)]
@@ -306,12 +319,16 @@ def convoy(a, tmp):
 
 
 def hostconvoy(a, tmp):
-    """32 requests over one prefix only in the host tier, against the same 32 over the prefix in the pool.
+    """32 requests over one prefix only in the host tier, against the same 32 suffixes over another prefix
+    as long, in the pool.
 
-    Both follow a warm-up convoy of 32 over another prefix, so that neither pays for the first steps of
-    their shape. The prefix ends on a block boundary and each suffix starts with a token of its own, so every request
-    computes only its suffix. Other prompts as long as the prefix, sent after it until they alone would
-    fill the pool, evict it into the host tier."""
+    Both follow a warm-up convoy of 32 over a third prefix, so that neither pays for the first steps of
+    their shape. The prefixes end on a block boundary, so every request computes only its suffix. Other
+    prompts as long as the prefix, sent after it until they alone would fill the pool, evict it into the
+    host tier. The convoy from the pool has the host tier's suffixes over a prefix of its own (asked once
+    just before, so in the pool), not other suffixes over the same prefix: the same work, and no block of
+    the first convoy to reuse (other suffixes share words, and a tokenizer's first tokens of them, with
+    the first convoy's; before, the second convoy reused those and computed fewer tokens)."""
     n = a.convoy_tokens
     args = ["--kv-cache-memory", a.convoy_pool, "--kv-host-memory", "4GiB", "--max-num-seqs", "64"]
     results = []
@@ -335,23 +352,30 @@ def hostconvoy(a, tmp):
         from_host = at_once(s, [prefix + convoy_suffix(k) for k in range(32)])
         engine1 = engine_times(s)
         loads = s.metric('kura:kv_tier_loads_total{tier="host"}') - loads0
-        from_pool = at_once(s, [prefix + convoy_suffix(32 + k) for k in range(32)])
+        # The same suffixes over another prefix as long (asked once just before: in the pool).
+        prefix2, prefix2_tokens = prefix_as_long(s, 8800 + rep, n, prefix_tokens)
+        s.ask(prefix2 + convoy_suffix(63), max_tokens=1)
+        engine1b = engine_times(s)
+        from_pool = at_once(s, [prefix2 + convoy_suffix(k) for k in range(32)])
         engine2 = engine_times(s)
         s.stop()
         # Where each convoy's time went in the engine: its forward passes, the rest of its steps (the
         # scheduler, tier moves, output), and how many passes (the time outside the steps is HTTP,
         # tokenization and waiting).
-        for what, a0, a1 in (("host tier", engine0, engine1), ("pool", engine1, engine2)):
+        for what, a0, a1 in (("host tier", engine0, engine1), ("pool", engine1b, engine2)):
             print(f"  host convoy run {rep}, from the {what}: engine forward {(a1[0] - a0[0]) * 1e3:.1f} ms, "
                   f"rest of the steps {(a1[1] - a0[1]) * 1e3:.1f} ms, {a1[2] - a0[2]:.0f} passes", flush=True)
         cached = min(r[3] for r in from_host)
         worst_host, worst_pool = max(r[0] for r in from_host), max(r[0] for r in from_pool)
         results.append((loads, cached, worst_host, worst_pool, prefix_tokens // 16))
-        print(f"  host convoy run {rep} ({DEVICE}): a prefix of {prefix_tokens} tokens; the 32 from "
-              f"the host tier: {loads:.0f} block loads, fewest cached {cached}, TTFT median "
-              f"{med([r[0] for r in from_host])*1e3:.1f} ms, max {worst_host*1e3:.1f} ms; the 32 from the pool: "
-              f"median {med([r[0] for r in from_pool])*1e3:.1f} ms, max {worst_pool*1e3:.1f} ms "
-              f"(load {load():.1f})", flush=True)
+        # Prompt tokens each convoy computed (the same suffixes: the same, but for the prefixes' lengths).
+        computed = [sum(r[2] - r[3] for r in rs) for rs in (from_host, from_pool)]
+        print(f"  host convoy run {rep} ({DEVICE}): prefixes of {prefix_tokens} and {prefix2_tokens} tokens; "
+              f"the 32 from the host tier: {loads:.0f} block loads, fewest cached {cached}, {computed[0]} prompt "
+              f"tokens computed, TTFT median {med([r[0] for r in from_host])*1e3:.1f} ms, max "
+              f"{worst_host*1e3:.1f} ms; the 32 from the pool: {computed[1]} computed, median "
+              f"{med([r[0] for r in from_pool])*1e3:.1f} ms, max {worst_pool*1e3:.1f} ms (load {load():.1f})",
+              flush=True)
     worst = med([r[2] for r in results])
     worst_pool = med([r[3] for r in results])
     print(f"  host convoy: worst of 32 from the host tier {worst*1e3:.1f} ms, {worst/worst_pool:.2f}x the same 32 "

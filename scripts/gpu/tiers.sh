@@ -4,7 +4,7 @@
 # here if missing), on the Llama-3.1-8B-shaped model cut to 4 layers (random bf16 weights):
 #  1. bench/tiers.py hostconvoy: 32 concurrent requests sharing a 4,096-token prefix that is only in the
 #     host tier: block loads (the prefix read once), fewest cached tokens, worst TTFT against the same 32
-#     with the prefix in the pool;
+#     suffixes over a prefix as long in the pool (each convoy's computed prompt tokens printed);
 #  2. bench/swap-sweep.sh: the cliff past the pool's knee, preemption by swap (over PCIe) against
 #     recompute, in one run (ITL p99 per concurrency in the compare report).
 # Each step under half of LIMIT_S; logs and results under OUT_DIR, a summary printed last.
