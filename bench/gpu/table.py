@@ -45,7 +45,7 @@ for r in kura:
             graphs += {True: ", fused kernels", False: ", separate kernels"}.get(r.get("fused"), "")
         # ("gemv_ahead": true in runs before the batched form)
         gemv = r.get("gemv", "gemv_ahead" if r.get("gemv_ahead") else "gemv")
-        graphs += {"gemv_ahead": ", L2 window", "gemv_batched": ", batched loads"}.get(gemv, "")
+        graphs += {"gemv_ahead": ", L2 window", "gemv_batched": ", W staged by cp.async"}.get(gemv, "")
         if r.get("split_prefetch"):
             graphs += ", K/V prefetch"
         name, unit = f"decode batch {r['batch']}, {r['context']} context{graphs} (tok/s)", "tokens_per_s"
