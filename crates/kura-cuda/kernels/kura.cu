@@ -133,6 +133,10 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float*
                                                                     const int* __restrict__ rows,
                                                                     const float* __restrict__ w,
                                                                     bf16* __restrict__ out, int hidden, float eps) {
+  // The norm's weights depend on no earlier kernel: while the kernel before drains (a dependent
+  // launch), ask L2 for them, a 128-byte line a thread (a decode token's weights stream through L2
+  // between one use of a norm's weights and the next, so they come from memory, about a microsecond).
+  for (int i = threadIdx.x * 32; i < hidden; i += NORM_THREADS * 32) prefetch_l2(w + i);
   KURA_DEP();
   __shared__ float red[32];
   int r = blockIdx.x;
