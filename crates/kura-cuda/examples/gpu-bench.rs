@@ -39,7 +39,7 @@ struct DecodeMode {
     attention: bool,
     /// The products norming their input.
     norm: bool,
-    /// The products' form (`gemv_T`, the L2 window's `gemv_ahead_T`, the batched loads' `gemv_batched_T`).
+    /// The products' form (`gemv_T`, the L2 window's `gemv_ahead_T`, W staged by `cp.async` in `gemv_batched_T`).
     gemv: GemvForm,
     /// The split-key kernel's prefetch of K and V alone.
     prefetch: bool,
@@ -275,8 +275,8 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
     // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
     // the same with the fused decode kernels (both halves, then each alone: the attention's merge, the
-    // products' norms), with the products' L2 window (`gemv_ahead`), with their batched loads
-    // (`gemv_batched`), with the split-key kernel's K and V prefetch alone, with it and each of the two,
+    // products' norms), with the products' L2 window (`gemv_ahead`), with W staged through shared
+    // memory (`gemv_batched`), with the split-key kernel's K and V prefetch alone, with it and each of the two,
     // graphs with plain launches, then launch by launch; three rounds of the eleven, the median of each.
     let d = DecodeMode::DEFAULT;
     let modes = [
@@ -378,7 +378,7 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 
     // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
     // themselves in the fused path): separate kernels, fused, then separate with the split-key kernel's
-    // prefetch and the products' L2 window, then with their batched loads; three rounds of the four.
+    // prefetch and the products' L2 window, then with W staged; three rounds of the four.
     let per4 = (ctx + len.steps + 32).div_ceil(bs);
     let tables4: Vec<Vec<u32>> = (0..4)
         .map(|i| table[i * per4..(i + 1) * per4].to_vec())

@@ -47,8 +47,9 @@ pub enum GemvForm {
     Plain,
     /// `gemv_ahead_T`: each load of W also asks L2 for the part of its row 4 KiB further on.
     Ahead,
-    /// `gemv_batched_T`: a lane's loads of W issued eight at a time, all before the first is used
-    /// (4 KiB a warp on the way).
+    /// `gemv_batched_T`: a lane's chunks of W copied into shared memory by `cp.async`, two batches of
+    /// four issued ahead of the one being added (4 KiB a warp on the way, whatever the compiler's
+    /// schedule).
     Batched,
 }
 
@@ -491,6 +492,7 @@ impl Device {
             return Ok(());
         }
         if t <= 8 && k.is_multiple_of(8) {
+            // (`GEMV_WARPS` in `kura.cu`: `gemv_batched_T`'s shared memory has a stage for each.)
             let warps_per_block = 8;
             let kernel = self.gemv.get().kernel();
             self.launch_as(

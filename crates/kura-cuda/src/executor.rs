@@ -190,10 +190,15 @@ const SPLIT_PREFETCH: i32 = 2;
 /// for a 128,256-token vocabulary.
 const ARGMAX_SEG: usize = 4096;
 
+/// Segments of `ARGMAX_SEG` logits in a row of `vocab`.
+fn argmax_segments(vocab: usize) -> usize {
+    vocab.div_ceil(ARGMAX_SEG)
+}
+
 /// f32s of the attention partials that greedy sampling over `rows` rows of `vocab` logits takes: each
 /// segment's largest and its index.
 fn argmax_part_len(rows: usize, vocab: usize) -> usize {
-    rows.saturating_mul(vocab.div_ceil(ARGMAX_SEG))
+    rows.saturating_mul(argmax_segments(vocab))
         .saturating_mul(2)
 }
 
@@ -895,9 +900,10 @@ impl CudaExecutor {
     /// The decode products (steps of at most 8 tokens) in `form`. A product of few rows (4,096, a
     /// warp each) needs more bytes on the way than the one or two loads a lane the compiler keeps in
     /// flight in `gemv_T`: `gemv_ahead_T` has each load of W also ask L2 for the part of its row 4 KiB
-    /// further on, `gemv_batched_T` issues a lane's loads eight at a time before using any. `gemv_T`
-    /// by default until a GPU has timed the others ([`CudaExecutor::tune`] does at start); the same
-    /// bits in every form (the GPU tests compare them, and `gpu-bench` times each).
+    /// further on, `gemv_batched_T` stages a lane's chunks of W through shared memory by `cp.async`,
+    /// two batches of four ahead of the one it adds. `gemv_T` by default until a GPU has timed the
+    /// others ([`CudaExecutor::tune`] does at start); the same bits in every form (the GPU tests
+    /// compare them, and `gpu-bench` times each).
     pub fn set_gemv(&mut self, form: crate::GemvForm) {
         self.dev.set_gemv(form);
         self.graphs.clear();
@@ -1501,13 +1507,12 @@ impl CudaExecutor {
     }
 
     /// Finds each of the step's `n` rows' greedy token on the device and queues the copy of their ids
-    /// to the host (landed at the next synchronisation).
-    /// Each row's `vocab.div_ceil(ARGMAX_SEG)` segments are read by blocks of their own (`argmax_part`,
-    /// into the attention partials, which the step has finished with and made room for: [`argmax_part_len`]),
-    /// then merged (`argmax_merge`).
+    /// to the host (landed at the next synchronisation): each row's segments are read by blocks of
+    /// their own (`argmax_part`, into the attention partials, which the step has finished with and made
+    /// room for: [`argmax_part_len`]), then merged (`argmax_merge`).
     fn argmax_ids(&mut self, n: usize) -> Result<Vec<u32>> {
         let vocab = self.cfg.vocab_size();
-        let segs = vocab.div_ceil(ARGMAX_SEG);
+        let segs = argmax_segments(vocab);
         self.dev.launch(
             "argmax_part",
             (n as u32, segs as u32, 1),

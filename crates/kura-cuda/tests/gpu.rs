@@ -482,7 +482,7 @@ fn the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones() {
                     "{model}: no {kernel} at 4,200 tokens in {long:?}"
                 );
             }
-            // The products' L2 window (`gemv_ahead_T`) and their batched loads (`gemv_batched_T`),
+            // The products' L2 window (`gemv_ahead_T`) and W staged through shared memory (`gemv_batched_T`),
             // each with the split-key kernel's prefetch without its merge, separate kernels, in
             // graphs: the same bits.
             gpu.set_fused_decode(false);

@@ -64,7 +64,7 @@ pub struct PrefillTuning {
 }
 
 /// The decode options [`CudaExecutor::tune`] times: the products' form
-/// ([`CudaExecutor::set_gemv`]: plain, the L2 window or batched loads) and the split-key kernel's K/V
+/// ([`CudaExecutor::set_gemv`]: plain, the L2 window or W staged through shared memory) and the split-key kernel's K/V
 /// prefetch ([`CudaExecutor::set_split_prefetch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DecodeOptions {
