@@ -459,6 +459,62 @@ inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
   std::memcpy(c, out[lane()], 16);
 }
 
+// A `wgmma` shared-memory descriptor (no swizzle) of `p`, which must lie in the block's dynamic shared
+// memory, 16-byte aligned: its offset there, `lbo` and `sbo`, each in 16-byte units in 14 bits.
+inline uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  const std::vector<unsigned char>& dyn = G().dynamic;
+  ptrdiff_t off = static_cast<const unsigned char*>(p) - dyn.data();
+  if (off < 0 || (size_t)off >= dyn.size() || off % 16)
+    fail("a wgmma descriptor of memory outside the dynamic shared memory, or not 16-byte aligned");
+  if (off >= (1 << 18) || lbo % 16 || sbo % 16 || lbo >= (1u << 18) || sbo >= (1u << 18))
+    fail("a wgmma descriptor field out of its 14 bits");
+  return (uint64_t)(off >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 with A in registers, B through descriptor `desc`
+// (`imm-trans-b` = `trans`), computed when issued: this warp's 16 rows of the warpgroup's 64 (A: this
+// warp's m16n8k16 fragments; D: `mma.sync`'s C layout, n-tile after n-tile), each element's sum exact in
+// double as `mma16816`'s. B's element (k, n) lies at `start + (n / 8)·sbo + (k / 8)·lbo` plus, K-major
+// (trans 0), `(n % 8)·16 + (k % 8)·2`, or, N-major (trans 1), `(k % 8)·16 + (n % 8)·2` bytes (the PTX
+// ISA's canonical layouts without swizzle: core matrices of 8 rows of 16 bytes).
+inline void wgmma(float* d, int n, const uint32_t* a, uint64_t desc, int trans) {
+  if (block_threads() % 128) fail("a warpgroup product in a block that is not whole warpgroups");
+  if (desc >> 62) fail("a swizzled wgmma descriptor");
+  uint32_t mine[4];
+  std::memcpy(mine, a, 16);
+  Exchange s = warp_enter(mine, sizeof(mine));
+  double A[16][16];
+  for (int l = 0; l < 32; l++) {
+    uint32_t x[4];
+    std::memcpy(x, s.data[l], sizeof(x));
+    int g = l >> 2, t = l & 3;
+    for (int h = 0; h < 2; h++) {
+      A[g][2 * t + h] = bf16_bits(x[0], h);
+      A[g + 8][2 * t + h] = bf16_bits(x[1], h);
+      A[g][2 * t + 8 + h] = bf16_bits(x[2], h);
+      A[g + 8][2 * t + 8 + h] = bf16_bits(x[3], h);
+    }
+  }
+  const std::vector<unsigned char>& dyn = G().dynamic;
+  size_t start = (size_t)(desc & 0x3fff) << 4, lbo = (size_t)((desc >> 16) & 0x3fff) << 4,
+         sbo = (size_t)((desc >> 32) & 0x3fff) << 4;
+  auto b = [&](int k, int col) {
+    size_t at = start + (size_t)(col / 8) * sbo + (size_t)(k / 8) * lbo +
+                (trans ? (size_t)(k % 8) * 16 + (size_t)(col % 8) * 2 : (size_t)(col % 8) * 16 + (size_t)(k % 8) * 2);
+    if (at + 2 > dyn.size()) fail("a wgmma operand past the dynamic shared memory");
+    return (double)__bfloat162float({b16_at(dyn.data() + at, 0)});
+  };
+  int g = lane() >> 2, t = lane() & 3;
+  for (int j = 0; j < n / 8; j++) {
+    for (int e = 0; e < 4; e++) {
+      int row = g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+      double acc = d[4 * j + e];
+      for (int k = 0; k < 16; k++) acc += A[row][k] * b(k, col);
+      d[4 * j + e] = (float)acc;
+    }
+  }
+}
+
 // Whether each cp.async copy lands as it is issued instead of at the wait that must wait for it.
 inline bool emu_copies_land_early = false;
 // Whether each warp of a block runs on until it waits at a block barrier (or ends) before the next warp

@@ -743,7 +743,8 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
 }
 
 /// The prefill attention kernels this device loaded: [`PrefillKernel::ALL`] less those that take more
-/// shared memory than a block may have there, each of which the report names.
+/// shared memory than a block may have there or need sm_90 (the warpgroup products), each of which the
+/// report names.
 fn loaded_prefill_kernels(
     gpu: &mut CudaExecutor,
     report: &mut Report<'_>,
@@ -753,8 +754,13 @@ fn loaded_prefill_kernels(
         if gpu.set_prefill_kernel(k) {
             loaded.push(k);
         } else {
+            let why = if k.needs_sm90a() {
+                "warpgroup products, sm_90 only"
+            } else {
+                "more shared memory than a block may have"
+            };
             report.line(&format!(
-                "prefill kernel {}: not loaded on this device (more shared memory than a block may have)",
+                "prefill kernel {}: not loaded on this device ({why})",
                 k.name()
             ))?;
         }

@@ -683,10 +683,80 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }
 #endif
 
+// Hopper's warpgroup products (`wgmma.mma_async`, sm_90a only: the module is compiled for `sm_90a` on
+// compute capability 9.0; their emulation in `emu/emu.h`). A warpgroup (4 consecutive warps, 128
+// threads) multiplies its 64 rows of A by a 16 × N tile of B and adds the products to its accumulators.
+// A is in registers, each warp's 16 rows (warp w of the group: rows 16w..16w + 15) as an `mma.sync`
+// m16n8k16 A fragment; a warp's accumulators are its 16 rows in `mma.sync`'s C layout n-tile after
+// n-tile (`d[j][e]`: row g + 8·(e / 2), column 8j + 2·tq + e % 2), so each element is the sum a chain of
+// `mma16816` gives over the same k-steps. The tensor cores read B from shared memory through a
+// descriptor: B lies there as core matrices of 8 × 8 values, 128 contiguous bytes each (8 rows of 16
+// bytes, no swizzle), `lbo` bytes from one to the next along k and `sbo` along N. TRANS 0: a core
+// matrix's row holds 8 values of k for one column of B (K-major, as K rows give Kᵀ); TRANS 1: 8 columns
+// for one k (N-major, as V rows give V). Issued asynchronously: `wg_fence` orders the registers written
+// before (accumulators, A) ahead of the products, `wg_wait` waits for them, and `reg_fence` after it
+// keeps the compiler from reading an accumulator, or reusing an A register, before that wait.
+#if defined(KURA_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KURA_WGMMA 1
+#endif
+#if defined(KURA_WGMMA) && !defined(KURA_EMU)
+__device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
+  return (u64)((smem_addr(p) >> 4) & 0x3fff) | ((u64)((lbo >> 4) & 0x3fff) << 16) |
+         ((u64)((sbo >> 4) & 0x3fff) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// This thread's writes to shared memory (its landed copies, its stores) made visible to the tensor
+// cores' reads, which go through the async proxy.
+__device__ __forceinline__ void smem_to_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+#define WG_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+template <int TRANS>
+__device__ __forceinline__ void wg_mma(float (&d)[8][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+      : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS), "r"(1));
+}
+template <int TRANS>
+__device__ __forceinline__ void wg_mma(float (&d)[16][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+      "%62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+      : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7), WG_D4(8), WG_D4(9),
+        WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS), "r"(1));
+}
+#undef WG_D4
+#elif defined(KURA_EMU)
+__device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) { return emu::wg_desc(p, lbo, sbo); }
+// The emulation computes each product as it is issued.
+__device__ __forceinline__ void wg_fence() {}
+__device__ __forceinline__ void wg_commit() {}
+__device__ __forceinline__ void wg_wait() {}
+__device__ __forceinline__ void smem_to_async() {}
+__device__ __forceinline__ void reg_fence(float&) {}
+__device__ __forceinline__ void reg_fence(u32&) {}
+template <int TRANS, int N>
+__device__ __forceinline__ void wg_mma(float (&d)[N][4], const u32 (&a)[4], u64 desc) {
+  emu::wgmma(&d[0][0], 8 * N, a, desc, TRANS);
+}
+#endif
+
 // Where one thread's share of a K/V tile comes from. With NT threads, 16-byte chunk n of a thread is key
 // `key0 + n * (NT / (D / 8))` of the tile, columns c..c+7 (the share of `i = tid + n * NT`, key `i / (D /
-// 8)`); its pool address is the block's (from the table) times `block_stride` plus `base` plus the slot's
-// row, with no division where the block size is a power of two.
+// 8)`; CM: 8 consecutive threads take 8 consecutive keys of one column, a core matrix of `tile_at`); its
+// pool address is the block's (from the table) times `block_stride` plus `base` plus the slot's row, with
+// no division where the block size is a power of two.
 struct TileSrc {
   size_t block_stride;  // elements from a block to the next (bf16 and f32 pools)
   size_t base;          // pool_at(block 0, layer, K, kvh, slot 0) + c
@@ -694,11 +764,16 @@ struct TileSrc {
   int key0, c, shift;   // shift: log2 of the block size if it is a power of two, else -1
   int layer, kvh;       // (fp8 pools address rows through KvAddr)
 };
-template <int D, int NT>
+template <int D, int NT, bool CM = false>
 __device__ __forceinline__ TileSrc tile_src(const PoolShape& p, int layer, int kvh) {
   TileSrc t;
-  t.key0 = threadIdx.x / (D / 8);
-  t.c = (threadIdx.x % (D / 8)) * 8;
+  if (CM) {
+    t.key0 = (threadIdx.x & 7) + 8 * ((int)threadIdx.x / D);
+    t.c = (((int)threadIdx.x >> 3) % (D / 8)) * 8;
+  } else {
+    t.key0 = threadIdx.x / (D / 8);
+    t.c = (threadIdx.x % (D / 8)) * 8;
+  }
   int bs = p.block_size, shift = 0;
   while ((1 << shift) < bs) shift++;
   t.shift = (1 << shift) == bs ? shift : -1;
@@ -729,27 +804,38 @@ __device__ __forceinline__ size_t tile_row(const TileSrc& t, const PoolShape& p,
   return (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
 }
 
+// Where chunk (key, c..c + 7) of a K or V tile lies in its stage, in elements: in rows of D + 8 (read
+// through ldmatrix without bank conflicts), or (CM, for the warpgroup products) in core matrices of 8
+// keys × 8 columns, 64 contiguous elements each, one key group's D / 8 of them after another's; 8
+// threads writing one core matrix write 128 contiguous bytes.
+template <int D, bool CM>
+__device__ __forceinline__ int tile_at(int key, int c) {
+  return CM ? ((key >> 3) * (D / 8) + (c >> 3)) * 64 + (key & 7) * 8 : key * (D + 8) + c;
+}
+
 // K and V rows of keys kt..kt+NK (past `last`: zeros) into one stage, this thread's chunks of 8 elements.
-template <int D, int NK, int NT>
+template <int D, int NK, int NT, bool CM = false>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const bf16* pool, const int* tables, const PoolShape& p,
                                           const TileSrc& t, int toff, int kt, int last) {
-  constexpr int KS = D + 8, STEP = NT / (D / 8);
+  constexpr int STEP = NT / (D / 8);
   static_assert(NT % (D / 8) == 0 && NK % STEP == 0, "a tile is whole chunks of every thread");
+  static_assert(!CM || (NT % D == 0 && NK % 8 == 0), "CM: whole core matrices of 8 threads");
 #pragma unroll
   for (int n = 0; n < NK / STEP; n++) {
     int key = t.key0 + n * STEP, kp = kt + key;
     bool ok = kp <= last;
     size_t at = 0;
     if (ok) at = tile_row<D>(t, p, tables, toff, kp);
-    cp_async16(ks + key * KS + t.c, pool + at, ok ? 16 : 0);
-    cp_async16(vs + key * KS + t.c, pool + at + t.kind_stride, ok ? 16 : 0);
+    cp_async16(ks + tile_at<D, CM>(key, t.c), pool + at, ok ? 16 : 0);
+    cp_async16(vs + tile_at<D, CM>(key, t.c), pool + at + t.kind_stride, ok ? 16 : 0);
   }
 }
-template <int D, int NK, int NT>
+template <int D, int NK, int NT, bool CM = false>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool, const int* tables,
                                           const PoolShape& p, const TileSrc& t, int toff, int kt, int last) {
-  constexpr int KS = D + 8, STEP = NT / (D / 8);
+  constexpr int STEP = NT / (D / 8);
   static_assert(NT % (D / 8) == 0 && NK % STEP == 0, "a tile is whole chunks of every thread");
+  static_assert(!CM || (NT % D == 0 && NK % 8 == 0), "CM: whole core matrices of 8 threads");
 #pragma unroll
   for (int n = 0; n < NK / STEP; n++) {
     int key = t.key0 + n * STEP, kp = kt + key;
@@ -767,16 +853,17 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const float* pool,
     kw.z = pack_bf16(kf[4], kf[5]); kw.w = pack_bf16(kf[6], kf[7]);
     vw.x = pack_bf16(vf[0], vf[1]); vw.y = pack_bf16(vf[2], vf[3]);
     vw.z = pack_bf16(vf[4], vf[5]); vw.w = pack_bf16(vf[6], vf[7]);
-    *reinterpret_cast<uint4*>(ks + key * KS + t.c) = kw;
-    *reinterpret_cast<uint4*>(vs + key * KS + t.c) = vw;
+    *reinterpret_cast<uint4*>(ks + tile_at<D, CM>(key, t.c)) = kw;
+    *reinterpret_cast<uint4*>(vs + tile_at<D, CM>(key, t.c)) = vw;
   }
 }
 
-template <int D, int NK, int NT>
+template <int D, int NK, int NT, bool CM = false>
 __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned char* pool, const int* tables,
                                           const PoolShape& p, const TileSrc& t, int toff, int kt, int last) {
-  constexpr int KS = D + 8, STEP = NT / (D / 8);
+  constexpr int STEP = NT / (D / 8);
   static_assert(NT % (D / 8) == 0 && NK % STEP == 0, "a tile is whole chunks of every thread");
+  static_assert(!CM || (NT % D == 0 && NK % 8 == 0), "CM: whole core matrices of 8 threads");
   const size_t vstride = KvAddr<unsigned char>::kind_stride(p);
 #pragma unroll
   for (int n = 0; n < NK / STEP; n++) {
@@ -799,8 +886,8 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
     kw.z = pack_bf16(kf[4], kf[5]); kw.w = pack_bf16(kf[6], kf[7]);
     vw.x = pack_bf16(vf[0], vf[1]); vw.y = pack_bf16(vf[2], vf[3]);
     vw.z = pack_bf16(vf[4], vf[5]); vw.w = pack_bf16(vf[6], vf[7]);
-    *reinterpret_cast<uint4*>(ks + key * KS + t.c) = kw;
-    *reinterpret_cast<uint4*>(vs + key * KS + t.c) = vw;
+    *reinterpret_cast<uint4*>(ks + tile_at<D, CM>(key, t.c)) = kw;
+    *reinterpret_cast<uint4*>(vs + tile_at<D, CM>(key, t.c)) = vw;
   }
 }
 
@@ -829,18 +916,21 @@ enum : int {
   PROBE_LOAD_ONLY = 3,   // the copies, waits and barriers alone
   PROBE_MMA_ONLY = 4,    // the products over the first tile's stage, no softmax
 };
-template <typename KV, int D, int MT, int NK, int HALVES, int PROBE = PROBE_NONE, int STAGES = 2>
+template <typename KV, int D, int MT, int NK, int HALVES, int PROBE = PROBE_NONE, int STAGES = 2, int WG = 0>
 __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, const int* tile_info, bf16* out,
                              PoolShape p, int layer, int heads, int window, float scale_log2, int tiles,
                              int mask_all) {
   KURA_DEP();
-  constexpr int KS = D + 8;  // row stride of the K and V tiles (bf16): 16-byte rows, no bank conflicts
+  constexpr int KS = D + 8;  // row stride of the query tile (MT 2) and of the K and V tiles (bf16): 16-byte
+                             // rows, no bank conflicts in ldmatrix
+  constexpr int TS = WG ? D : KS;  // elements a key of a K or V tile takes (WG: core matrices, `tile_at`)
   constexpr int WR = 16 * MT;  // query rows a warp
   constexpr int ROWS = BR / HALVES;  // query rows a block
   constexpr int NT = ROWS / WR * 32;  // threads a block (a warp for each WR of its rows)
   static_assert(HALVES == 1 || MT == 1, "half tiles are for the 8-warp kernel's warps");
   static_assert(STAGES == 2 || (STAGES == 3 && PROBE == PROBE_NONE), "two stages, or three without a probe");
-  constexpr int STAGE = 2 * NK * KS;  // elements of a stage (K, then V)
+  static_assert(!WG || (MT == 1 && NK == 64 && PROBE == PROBE_NONE), "warpgroup products: warps of 16 rows");
+  constexpr int STAGE = 2 * NK * TS;  // elements of a stage (K, then V)
   constexpr bool LOADS = PROBE != PROBE_NO_LOAD && PROBE != PROBE_MMA_ONLY;  // a copy for every key tile
   constexpr bool SOFTMAX = PROBE == PROBE_NONE || PROBE == PROBE_NO_LOAD;
   constexpr bool PRODUCTS = PROBE != PROBE_LOAD_ONLY;
@@ -867,12 +957,13 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       cp_async16(qs + r * KS + c, q + ((size_t)(row0 + (r < nrows ? r : 0)) * heads + h) * D + c, 16);
     }
   }
-  const TileSrc src = tile_src<D, NT>(p, layer, kvh);
-  load_tile<D, NK, NT>(smem, smem + NK * KS, pool, tables, p, src, toff, first, last);
+  const TileSrc src = tile_src<D, NT, WG>(p, layer, kvh);
+  load_tile<D, NK, NT, WG>(smem, smem + NK * TS, pool, tables, p, src, toff, first, last);
   cp_async_commit();
   if constexpr (STAGES == 3) {
     // The second tile's copy too: every tile's copy starts two tiles ahead of its products.
-    if (ntiles > 1) load_tile<D, NK, NT>(smem + STAGE, smem + STAGE + NK * KS, pool, tables, p, src, toff, first + NK, last);
+    if (ntiles > 1)
+      load_tile<D, NK, NT, WG>(smem + STAGE, smem + STAGE + NK * TS, pool, tables, p, src, toff, first + NK, last);
     cp_async_commit();
   }
   // MT 1: Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
@@ -904,6 +995,11 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   int warp_pos = pos0 + warp * WR;  // position of this warp's first row
   int warp_last = min(warp_pos + WR - 1, last);
   int warp_first = window > 0 ? max(0, warp_pos + 1 - window) : 0;
+  // The rows that decide whether a tile is computed: this warp's, or (WG) its warpgroup's.
+  constexpr int GROUP = WG ? 4 : 1;
+  int group_pos = pos0 + (warp / GROUP) * GROUP * WR;
+  int group_last = min(group_pos + GROUP * WR - 1, last);
+  int group_first = window > 0 ? max(0, group_pos + 1 - window) : 0;
   // ldmatrix lane addressing: Q (MT 2; the rows of one 16 × 16 fragment), K (non-transposed, two
   // k-steps; k2: one, MT 2) and V (transposed, two n-tiles).
   int q_row = lane & 15, q_col = (lane >> 4) * 8;
@@ -917,34 +1013,54 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       ks = smem + (LOADS ? j & 1 : 0) * STAGE;
       if (LOADS && j + 1 < ntiles) {
         bf16* nk = smem + ((j + 1) & 1) * STAGE;
-        load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + NK, last);
+        load_tile<D, NK, NT, WG>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + NK, last);
       }
       cp_async_commit();
       cp_async_wait1();
+#ifdef KURA_WGMMA
+      if constexpr (WG) smem_to_async();
+#endif
       __syncthreads();
     } else {
       ks = smem + stage * STAGE;
       // Every group but the newest (tile j + 1's) has landed: tile j's, this thread's part; the barrier
       // makes every thread's visible, and every thread is past tile j - 1's products.
       cp_async_wait1();
+#ifdef KURA_WGMMA
+      if constexpr (WG) smem_to_async();
+#endif
       __syncthreads();
       if (j + 2 < ntiles) {
         bf16* nk = smem + (stage == 0 ? 2 : stage - 1) * STAGE;  // stage (j + 2) % 3, tile j - 1's
-        load_tile<D, NK, NT>(nk, nk + NK * KS, pool, tables, p, src, toff, kt + 2 * NK, last);
+        load_tile<D, NK, NT, WG>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + 2 * NK, last);
       }
       cp_async_commit();
       stage = stage == 2 ? 0 : stage + 1;
     }
-    bf16* vs = ks + NK * KS;
-    // A warp whose rows all end before this tile (or whose window starts after it) skips it.
-    if (PRODUCTS && kt <= warp_last && kt + NK > warp_first) {
+    bf16* vs = ks + NK * TS;
+    // A warp whose rows all end before this tile (or whose window starts after it) skips it; WG: a
+    // warpgroup whose rows all do (the others' weights in it are zeros, which change nothing).
+    if (PRODUCTS && kt <= group_last && kt + NK > group_first) {
       // S = Q Kᵀ for WR rows × NK keys, k-steps in order for every element.
       float s[MT][NK / 8][4];
 #pragma unroll
       for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int nt = 0; nt < NK / 8; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
-      if constexpr (MT == 1) {
+      if constexpr (WG) {
+#ifdef KURA_WGMMA
+        // The warpgroup's 64 rows × 64 keys, a k-step (16 columns of Q and K) a product, in order.
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wg_mma<0>(s[0], qa[kk], wg_desc(ks + kk * 128, 128, D / 8 * 128));
+        wg_commit();
+        wg_wait();
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(s[0][nt][e]);
+#endif
+      } else if constexpr (MT == 1) {
 #pragma unroll
         for (int nt = 0; nt < NK / 8; nt++) {
 #pragma unroll
@@ -1047,24 +1163,53 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         }
       }
       // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
+      if constexpr (WG) {
+#ifdef KURA_WGMMA
+        // Every k-step's fragment first (the products read them after they are issued), then a product
+        // of the warpgroup's 64 rows by 16 keys' V rows (N-major: a core matrix row is 8 columns of V),
+        // k-steps in order.
+        u32 pa[NK / 16][4];
 #pragma unroll
-      for (int kk = 0; kk < NK / 16; kk++) {
-        u32 a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-          a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        for (int kk = 0; kk < NK / 16; kk++) {
+          pa[kk][0] = pack_bf16(s[0][2 * kk][0], s[0][2 * kk][1]);
+          pa[kk][1] = pack_bf16(s[0][2 * kk][2], s[0][2 * kk][3]);
+          pa[kk][2] = pack_bf16(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+          pa[kk][3] = pack_bf16(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
         }
+        wg_fence();
 #pragma unroll
-        for (int nt = 0; nt < D / 8; nt += 2) {
-          u32 b[4];
-          ldmatrix_x4_trans(b, vs + (kk * 16 + v_row) * KS + nt * 8 + v_col);
+        for (int kk = 0; kk < NK / 16; kk++) wg_mma<1>(o[0], pa[kk], wg_desc(vs + kk * 2 * D * 8, D / 8 * 128, 128));
+        wg_commit();
+        wg_wait();
+#pragma unroll
+        for (int i = 0; i < D / 8; i++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(o[0][i][e]);
+#pragma unroll
+        for (int kk = 0; kk < NK / 16; kk++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(pa[kk][e]);
+#endif
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < NK / 16; kk++) {
+          u32 a[MT][4];
 #pragma unroll
           for (int mt = 0; mt < MT; mt++) {
-            mma16816(o[mt][nt], a[mt], b);
-            mma16816(o[mt][nt + 1], a[mt], b + 2);
+            a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          }
+#pragma unroll
+          for (int nt = 0; nt < D / 8; nt += 2) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, vs + (kk * 16 + v_row) * KS + nt * 8 + v_col);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+              mma16816(o[mt][nt], a[mt], b);
+              mma16816(o[mt][nt + 1], a[mt], b + 2);
+            }
           }
         }
       }
@@ -1151,6 +1296,36 @@ ATTN_PREFILL(f32, float, 64)
 ATTN_PREFILL(f32, float, 128)
 ATTN_PREFILL(fp8, unsigned char, 64)
 ATTN_PREFILL(fp8, unsigned char, 128)
+
+// `attn_prefill_wg_{kv}_{d}` and `attn_prefill_halfwg_{kv}_{d}`: the 8-warp and half-tile kernels with
+// their products on Hopper's warpgroup instructions (sm_90a; not in the module elsewhere): each warp
+// keeps its 16 rows, scores and softmax, and the two products of a key tile are 8 and 4 `wgmma`s of a
+// warpgroup (64 rows) reading K and V from shared memory, where each warp issued 64 `mma.sync` and 32
+// `ldmatrix` for each. K and V tiles lie in core matrices (`tile_at`), 64 KiB a block at a head size of
+// 128. The same products over the same k-steps in the same order: the 8-warp kernel's bits where the
+// tensor cores round a warpgroup's k-step as they round `mma.sync`'s (the emulated check holds them to
+// it; the GPU tests compare them on the device).
+#ifdef KURA_WGMMA
+#define ATTN_PREFILL_WG(KVN, KVT, D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wg_##KVN##_##D(                              \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 1, BC, 1, PROBE_NONE, 2, 1>(q, pool, tables, tile_info, out, p, layer, heads, window,  \
+                                                     scale_log2, tiles, mask_all);                            \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_halfwg_##KVN##_##D(                          \
+      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
+      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
+    attn_prefill<KVT, D, 1, BC, 2, PROBE_NONE, 2, 1>(q, pool, tables, tile_info, out, p, layer, heads, window,  \
+                                                     scale_log2, tiles, mask_all);                            \
+  }
+ATTN_PREFILL_WG(bf16, bf16, 64)
+ATTN_PREFILL_WG(bf16, bf16, 128)
+ATTN_PREFILL_WG(f32, float, 64)
+ATTN_PREFILL_WG(f32, float, 128)
+ATTN_PREFILL_WG(fp8, unsigned char, 64)
+ATTN_PREFILL_WG(fp8, unsigned char, 128)
+#endif
 
 // `attn_prefill_probe_{what}_bf16_{d}`: the 8-warp kernel over a bf16 pool with one part left out (PROBE).
 #define ATTN_PROBE(NAME, PROBE, D)                                                                           \

@@ -186,8 +186,8 @@ impl Device {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let dir = kernels::cache_dir();
-        let (cubin, mut compiled) = kernels::cubin_for(&arch, &dir)?;
-        let functions = match load_kernels(&ctx, cubin, probe_smem, smem_optin) {
+        let (cubin, mut compiled) = kernels::cubin_for(compile_arch(&arch), &dir)?;
+        let functions = match load_kernels(&ctx, &arch, cubin, probe_smem, smem_optin) {
             Ok(f) => f,
             // A cached cubin the driver will not load (a file damaged past its ELF magic): compiled
             // again and the cache's file replaced, once.
@@ -200,7 +200,8 @@ impl Device {
                 compiled = true;
                 load_kernels(
                     &ctx,
-                    kernels::compile_to_cache(&arch, &dir)?,
+                    &arch,
+                    kernels::compile_to_cache(compile_arch(&arch), &dir)?,
                     probe_smem,
                     smem_optin,
                 )?
@@ -703,11 +704,13 @@ fn alloc_failed(
     }
 }
 
-/// Every kernel of Kura's module from `cubin`, with the dynamic shared memory each is allowed (the
-/// timing probes `probe_smem`), but those that take more than a block may have on this device
-/// (`smem_optin`): a prefill kernel of three stages on sm_86 ([`Device::has_kernel`]).
+/// Every kernel of Kura's module from `cubin` (compiled for `arch`'s [`compile_arch`]), with the dynamic
+/// shared memory each is allowed (the timing probes `probe_smem`), but those that take more than a block
+/// may have on this device (`smem_optin`): a prefill kernel of three stages on sm_86
+/// ([`Device::has_kernel`]).
 fn load_kernels(
     ctx: &Arc<cudarc::driver::CudaContext>,
+    arch: &str,
     cubin: Vec<u8>,
     probe_smem: u32,
     smem_optin: u32,
@@ -715,6 +718,9 @@ fn load_kernels(
     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
     let mut functions = HashMap::new();
     for n in kernel_names() {
+        if !in_module(&n, arch) {
+            continue;
+        }
         let smem = kernel_smem(&n, probe_smem);
         if !fits_a_block(smem, smem_optin) {
             tracing::debug!(
@@ -747,6 +753,29 @@ pub fn dynamic_smem(kernel: &str) -> Option<u32> {
         .find(|k| !k.prefix().is_empty() && rest.starts_with(k.prefix()))
         .unwrap_or(PrefillKernel::Narrow);
     Some(form.shared_bytes(d))
+}
+
+/// The architecture Kura's module is compiled for on a device of architecture `arch` (`sm_80`, …):
+/// `sm_90a` on compute capability 9.0, whose warpgroup products (`wgmma`) exist only in code for that
+/// one architecture; `arch` elsewhere.
+pub fn compile_arch(arch: &str) -> &str {
+    if arch == "sm_90" {
+        "sm_90a"
+    } else {
+        arch
+    }
+}
+
+/// Whether kernel `name` is in Kura's module compiled for a device of architecture `arch` (every kernel
+/// but the prefill forms on warpgroup products, [`PrefillKernel::needs_sm90a`], which only sm_90 has).
+pub fn in_module(name: &str, arch: &str) -> bool {
+    let hopper_only = PrefillKernel::ALL.into_iter().any(|k| {
+        k.needs_sm90a()
+            && name
+                .strip_prefix("attn_prefill_")
+                .is_some_and(|rest| rest.starts_with(k.prefix()))
+    });
+    !hopper_only || compile_arch(arch) == "sm_90a"
 }
 
 /// Whether a kernel of `smem` bytes of dynamic shared memory (None: none) fits a block on a device whose
@@ -792,7 +821,8 @@ pub const GEMV_NORM_MAX_TOKENS: usize = 4;
 /// and the matrix-vector kernels that norm their input, whose sums must agree to the bit.
 pub const NORM_THREADS: u32 = 256;
 
-/// Every kernel of `kura.cu` the executor launches.
+/// Every kernel of `kura.cu` the executor launches (those on warpgroup products are in the module for
+/// sm_90 only: [`in_module`]).
 pub fn kernel_names() -> Vec<String> {
     let mut v: Vec<String> = [
         "embed",
@@ -840,6 +870,32 @@ pub fn kernel_names() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compute_capability_9_0_compiles_for_sm_90a_and_only_it_has_the_warpgroup_kernels() {
+        assert_eq!(compile_arch("sm_90"), "sm_90a");
+        for arch in ["sm_80", "sm_86", "sm_89", "sm_100", "sm_120"] {
+            assert_eq!(compile_arch(arch), arch);
+        }
+        for k in PrefillKernel::ALL {
+            for kv in ["bf16", "f32", "fp8"] {
+                let name = k.kernel(kv, 128);
+                assert!(in_module(&name, "sm_90"), "{name}");
+                assert!(in_module(&name, "sm_90a"), "{name}");
+                for arch in ["sm_80", "sm_89", "sm_100"] {
+                    assert_eq!(in_module(&name, arch), !k.needs_sm90a(), "{name} on {arch}");
+                }
+            }
+        }
+        let wg = kernel_names()
+            .into_iter()
+            .filter(|n| !in_module(n, "sm_80"))
+            .collect::<Vec<_>>();
+        assert_eq!(wg.len(), 12, "{wg:?}");
+        assert!(wg
+            .iter()
+            .all(|n| n.starts_with("attn_prefill_wg_") || n.starts_with("attn_prefill_halfwg_")));
+    }
 
     #[test]
     fn a_failed_allocation_is_a_device_fault_when_the_context_is_gone_and_else_out_of_memory() {

@@ -60,17 +60,28 @@ pub enum PrefillKernel {
     /// `Half` with `Deep`'s three stages and one barrier: `Narrow`'s bits; two blocks share an sm_90
     /// multiprocessor (one on sm_80; not loaded on sm_86 and sm_89 at a head size of 128).
     HalfDeep,
+    /// `Narrow` with its two products on Hopper's warpgroup instructions (`wgmma`, 8 and 4 of a
+    /// warpgroup of 64 rows a key tile, reading K and V from shared memory, where each warp issued 64
+    /// `mma.sync` and 32 `ldmatrix` for each); each warp keeps its rows, scores and softmax. The same
+    /// products over the same k-steps in the same order: `Narrow`'s bits where the tensor cores round a
+    /// warpgroup's k-step as they round `mma.sync`'s. Compute capability 9.0 only (the module is
+    /// compiled for `sm_90a` there; elsewhere it is not loaded).
+    Wg,
+    /// `Half` on warpgroup products: a warpgroup a block, two blocks a multiprocessor. As `Wg`.
+    HalfWg,
 }
 
 impl PrefillKernel {
     /// Every kernel, the default first.
-    pub const ALL: [PrefillKernel; 6] = [
+    pub const ALL: [PrefillKernel; 8] = [
         Self::Narrow,
         Self::Wide,
         Self::Half,
         Self::Small,
         Self::Deep,
         Self::HalfDeep,
+        Self::Wg,
+        Self::HalfWg,
     ];
 
     /// Its name in reports (`gpu-bench`).
@@ -82,7 +93,15 @@ impl PrefillKernel {
             Self::Small => "small",
             Self::Deep => "deep",
             Self::HalfDeep => "halfdeep",
+            Self::Wg => "wg",
+            Self::HalfWg => "halfwg",
         }
+    }
+
+    /// Whether its kernels exist only where the module is compiled for `sm_90a` (Hopper's warpgroup
+    /// products).
+    pub fn needs_sm90a(self) -> bool {
+        matches!(self, Self::Wg | Self::HalfWg)
     }
 
     /// Its kernel over a `kv` pool (`bf16`, `f32`, `fp8`) at head size `d`.
@@ -93,16 +112,21 @@ impl PrefillKernel {
     /// Keys of its key tiles at head size `d` (`BC`, or `WIDE_NK(d)` in `kura.cu`).
     pub(crate) fn keys(self, d: u32) -> u32 {
         match self {
-            Self::Narrow | Self::Half | Self::Deep | Self::HalfDeep => 64,
+            Self::Narrow | Self::Half | Self::Deep | Self::HalfDeep | Self::Wg | Self::HalfWg => 64,
             Self::Wide | Self::Small if d > 64 => 32,
             Self::Wide | Self::Small => 64,
         }
     }
 
     /// Dynamic shared memory of its kernel at head size `d`: two stages (`Deep`, `HalfDeep`: three) of
-    /// K and V tiles of [`Self::keys`] rows of `d + 8` bf16 each, then (`Wide`) the tile's 128 query rows.
+    /// K and V tiles of [`Self::keys`] rows of `d + 8` bf16 each (`Wg`, `HalfWg`: `d`, in core
+    /// matrices), then (`Wide`) the tile's 128 query rows.
     pub(crate) fn shared_bytes(self, d: u32) -> u32 {
-        let row = (d + 8) * 2;
+        let row = if self.needs_sm90a() {
+            d * 2
+        } else {
+            (d + 8) * 2
+        };
         let queries = if self == Self::Wide {
             TILE as u32 * row
         } else {
@@ -124,20 +148,22 @@ impl PrefillKernel {
             Self::Small => "small_",
             Self::Deep => "deep_",
             Self::HalfDeep => "halfdeep_",
+            Self::Wg => "wg_",
+            Self::HalfWg => "halfwg_",
         }
     }
 
     fn threads(self) -> u32 {
         match self {
-            Self::Narrow | Self::Deep => 256,
-            Self::Wide | Self::Half | Self::Small | Self::HalfDeep => 128,
+            Self::Narrow | Self::Deep | Self::Wg => 256,
+            Self::Wide | Self::Half | Self::Small | Self::HalfDeep | Self::HalfWg => 128,
         }
     }
 
     fn blocks_a_tile(self) -> usize {
         match self {
-            Self::Narrow | Self::Wide | Self::Deep => 1,
-            Self::Half | Self::Small | Self::HalfDeep => 2,
+            Self::Narrow | Self::Wide | Self::Deep | Self::Wg => 1,
+            Self::Half | Self::Small | Self::HalfDeep | Self::HalfWg => 2,
         }
     }
 }

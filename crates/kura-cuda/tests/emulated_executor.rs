@@ -285,6 +285,8 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
                 (PrefillKernel::Small, false),
                 (PrefillKernel::Deep, false),
                 (PrefillKernel::HalfDeep, false),
+                (PrefillKernel::Wg, false),
+                (PrefillKernel::HalfWg, false),
             ] {
                 let name = kernel.name();
                 let mut gpu = exec(dtype, 16, table.len() + 1);
@@ -329,6 +331,14 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
                 "{} {n}: half tiles, deep",
                 dtype.name()
             );
+            // Warpgroup products: the same k-steps in the same order (the emulation rounds a
+            // warpgroup's k-step as `mma.sync`'s), K and V in core matrices.
+            assert!(same_bits(&runs[0], &runs[7]), "{} {n}: wg", dtype.name());
+            assert!(
+                same_bits(&runs[0], &runs[8]),
+                "{} {n}: half tiles, wg",
+                dtype.name()
+            );
         }
     }
 }
@@ -339,7 +349,8 @@ fn a_device_whose_blocks_have_less_shared_memory_runs_the_prefill_kernels_that_f
     let _turn = emulated();
     // 50 KiB a block (sm_86 has 99; at head size 128 the three-stage kernels take 102 KiB): at head size
     // 64 the 8-warp, half-tile and small kernels take 36 KiB (two stages of 64 keys), the wide one 54 KiB
-    // (its 128 query rows too), the three-stage ones 54 KiB (three stages).
+    // (its 128 query rows too), the three-stage ones 54 KiB (three stages), those on warpgroup products
+    // 32 KiB (two stages in core matrices, no padding).
     let _optin = SharedOptin::set(50 << 10);
     let n = 150;
     let p = prompt(n, 3);
@@ -444,14 +455,20 @@ fn kernel_tuning_times_every_loaded_form_and_option_and_runs_the_fastest_that_gi
         assert!(same_bits(&prefill, &want_prefill), "{}", t.prefill);
         assert!(same_bits(&step, &want_step), "{}", t.decode);
     }
-    // Blocks of 50 KiB: the prefill forms that do not fit are not timed.
+    // Blocks of 50 KiB: the prefill forms that do not fit are not timed (the warpgroup ones, 32 KiB
+    // at head size 64, fit).
     {
         let _optin = SharedOptin::set(50 << 10);
         let mut gpu = exec(KvDtype::F32, 16, 16);
         let t = gpu.tune(80).unwrap().expect("80 tokens");
         assert_eq!(t.prefill.tokens, 80);
-        use PrefillKernel::{Half, Narrow, Small};
-        assert_eq!(forms(&t), [Narrow, Half, Small], "{}", t.prefill);
+        use PrefillKernel::{Half, HalfWg, Narrow, Small, Wg};
+        assert_eq!(
+            forms(&t),
+            [Narrow, Half, Small, Wg, HalfWg],
+            "{}",
+            t.prefill
+        );
         check(&t, &gpu);
     }
     // Too few tokens for the prefill kernel in the pool (3 blocks of 16): nothing timed or changed.
@@ -1076,12 +1093,16 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             (128, "small"),
             (128, "deep"),
             (128, "halfdeep"),
+            (128, "wg"),
+            (128, "halfwg"),
             (512, "narrow"),
             (512, "wide"),
             (512, "half"),
             (512, "small"),
             (512, "deep"),
-            (512, "halfdeep")
+            (512, "halfdeep"),
+            (512, "wg"),
+            (512, "halfwg")
         ]
     );
     // The kernels a server would choose, timed over the shorter prefill's prompt: every prefill form

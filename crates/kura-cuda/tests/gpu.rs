@@ -343,6 +343,40 @@ fn the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_
                             )),
                         }
                     }
+                    // Warpgroup products (sm_90 only): the same k-steps in the same order. Whether
+                    // the tensor cores round a warpgroup's k-step as they round `mma.sync`'s is the
+                    // device's to say (printed); a wrong layout of K or V is of order 1.
+                    for kernel in [PrefillKernel::Wg, PrefillKernel::HalfWg] {
+                        match run(kernel, false) {
+                            Some(logits) => {
+                                let (rel, max) = errors(&logits, &narrow);
+                                let same = logits
+                                    .iter()
+                                    .zip(&narrow)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                                println!(
+                                    "{model} {} KV, block {bs}, prompt {i}: {} against narrow rel \
+                                     {rel:.2e} max {max:.2e}, same bits {same}",
+                                    dtype.name(),
+                                    kernel.name()
+                                );
+                                if rel > LOGITS_TOL || argmax(&logits) != argmax(&narrow) {
+                                    failures.push(format!(
+                                        "{model} {} block {bs} prompt {i}: the {} kernel is \
+                                         {rel:.2e} from the narrow one",
+                                        dtype.name(),
+                                        kernel.name()
+                                    ));
+                                }
+                            }
+                            None if arch != "sm_90" => {}
+                            None => failures.push(format!(
+                                "{model} {} on {arch}: the {} kernel was not loaded",
+                                dtype.name(),
+                                kernel.name()
+                            )),
+                        }
+                    }
                     let mut same_as = vec![
                         ("the half-tile kernel", &half, &narrow),
                         ("masking every tile", &masked, &narrow),
