@@ -26,7 +26,7 @@ bench_rc=$?
 rm -rf "$out/bench/shared-prefix/plots"
 {
   echo "== scripts/test-gpu.sh: exit $test_rc (124: over ${test_limit} s)"
-  grep -E '^test |test result|FAIL|panicked|within|against float32|fp8 KV|^pool:|^server:|host tier:|cached_tokens on|reference exact|ordered loads of|kura generate --device|== ' \
+  grep -E '^test |test result|FAIL|panicked|within|against float32|fp8 KV|^pool:|^server:|host tier:|cached_tokens on|reference exact|ordered loads of|warpgroup products|kura generate --device|== ' \
     "$out/test.log" | tail -70
   if [ "$test_rc" -ne 0 ]; then
     echo "-- why (each panic's message, then the log's last lines):"

@@ -289,6 +289,8 @@ fn the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_
     // the narrow kernel's bits at every head size, the small one the wide one's; the wide one the
     // narrow one's at head size 64, and the same logits within the tolerance at 128.
     let prompts = prompts();
+    // Per warpgroup form: runs, runs with the narrow kernel's bits, the largest distance from it.
+    let mut warpgroup: Vec<(&str, usize, usize, f64)> = Vec::new();
     let mut failures = Vec::new();
     for model in ["smol", "llama8b4"] {
         for dtype in [KvDtype::Bf16, KvDtype::F32, KvDtype::Fp8] {
@@ -360,6 +362,15 @@ fn the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_
                                     dtype.name(),
                                     kernel.name()
                                 );
+                                let name = kernel.name();
+                                match warpgroup.iter_mut().find(|w| w.0 == name) {
+                                    Some(w) => {
+                                        w.1 += 1;
+                                        w.2 += usize::from(same);
+                                        w.3 = w.3.max(rel);
+                                    }
+                                    None => warpgroup.push((name, 1, usize::from(same), rel)),
+                                }
                                 if rel > LOGITS_TOL || argmax(&logits) != argmax(&narrow) {
                                     failures.push(format!(
                                         "{model} {} block {bs} prompt {i}: the {} kernel is \
@@ -445,6 +456,12 @@ fn the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_
                 }
             }
         }
+    }
+    for (name, runs, same, worst) in &warpgroup {
+        println!(
+            "warpgroup products: {name} gave the narrow kernel's bits in {same} of {runs} runs (the \
+             largest distance {worst:.2e})"
+        );
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
