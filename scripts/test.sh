@@ -26,10 +26,10 @@ KURA_EVAL_TEXT=$(scripts/fetch-eval-text.sh)
 export KURA_EVAL_TEXT
 KURA_REDIS_SERVER=$(scripts/fetch-redis.sh)
 export KURA_REDIS_SERVER
-# KURA_NVRTC_LIB and KURA_CUDA_INCLUDE, for kura-cuda's kernel compile tests.
+# KURA_NVRTC_LIB, KURA_CUDA_INCLUDE and KURA_NVDISASM, for kura-cuda's kernel compile tests.
 nvrtc_env=$(scripts/fetch-nvrtc.sh)
 eval "$nvrtc_env"
-export KURA_NVRTC_LIB KURA_CUDA_INCLUDE
+export KURA_NVRTC_LIB KURA_CUDA_INCLUDE KURA_NVDISASM
 # KURA_CXX, for the CPU emulation of the CUDA kernels (crates/kura-cuda/emu).
 cxx_env=$(scripts/fetch-cxx.sh)
 eval "$cxx_env"

@@ -966,20 +966,29 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       load_tile<D, NK, NT, WG>(smem + STAGE, smem + STAGE + NK * TS, pool, tables, p, src, toff, first + NK, last);
     cp_async_commit();
   }
-  // MT 1: Q fragments of this warp's 16 rows, in registers (rows past the tile read row 0 and are dropped).
-  u32 qa[MT == 1 ? D / 16 : 1][4];
+  // MT 1: Q fragments of this warp's 16 rows (rows past the tile read row 0 and are dropped): in
+  // registers for the whole kernel; WG: read again for each key tile's product (`q_frags`), since ptxas
+  // of CUDA 13.0 gives fragments kept across the loop the registers of P's fragments for the second
+  // product, so that from the second key tile on the scores were computed from the previous tile's P
+  // (at a head size of 64; its SASS shows it, and CUDA 13.5's compiles them apart).
+  const bf16* q0 = q;
+  const bf16* q1 = q;
   if constexpr (MT == 1) {
     int r0 = warp * 16 + g, r1 = r0 + 8;
-    const bf16* q0 = q + ((size_t)(row0 + (r0 < nrows ? r0 : 0)) * heads + h) * D;
-    const bf16* q1 = q + ((size_t)(row0 + (r1 < nrows ? r1 : 0)) * heads + h) * D;
+    q0 = q + ((size_t)(row0 + (r0 < nrows ? r0 : 0)) * heads + h) * D;
+    q1 = q + ((size_t)(row0 + (r1 < nrows ? r1 : 0)) * heads + h) * D;
+  }
+  auto q_frags = [&](u32 (&f)[D / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-      qa[kk][0] = *reinterpret_cast<const u32*>(q0 + kk * 16 + 2 * tq);
-      qa[kk][1] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq);
-      qa[kk][2] = *reinterpret_cast<const u32*>(q0 + kk * 16 + 2 * tq + 8);
-      qa[kk][3] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq + 8);
+      f[kk][0] = *reinterpret_cast<const u32*>(q0 + kk * 16 + 2 * tq);
+      f[kk][1] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq);
+      f[kk][2] = *reinterpret_cast<const u32*>(q0 + kk * 16 + 2 * tq + 8);
+      f[kk][3] = *reinterpret_cast<const u32*>(q1 + kk * 16 + 2 * tq + 8);
     }
-  }
+  };
+  u32 qa[MT == 1 && !WG ? D / 16 : 1][4];
+  if constexpr (MT == 1 && !WG) q_frags(qa);
   float o[MT][D / 8][4];
 #pragma unroll
   for (int mt = 0; mt < MT; mt++)
@@ -1049,16 +1058,32 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         for (int nt = 0; nt < NK / 8; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
       if constexpr (WG) {
 #ifdef KURA_WGMMA
-        // The warpgroup's 64 rows × 64 keys, a k-step (16 columns of Q and K) a product, in order.
+        // The warpgroup's 64 rows × 64 keys, a k-step (16 columns of Q and K) a product, in order. The
+        // register fences around the products keep their operands' writes before `wg_fence` and their
+        // reads and reuse after `wg_wait`, as the compiler sees them.
+        u32 qt[D / 16][4];
+        q_frags(qt);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(qt[kk][e]);
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(s[0][nt][e]);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) wg_mma<0>(s[0], qa[kk], wg_desc(ks + kk * 128, 128, D / 8 * 128));
+        for (int kk = 0; kk < D / 16; kk++) wg_mma<0>(s[0], qt[kk], wg_desc(ks + kk * 128, 128, D / 8 * 128));
         wg_commit();
         wg_wait();
 #pragma unroll
         for (int nt = 0; nt < NK / 8; nt++)
 #pragma unroll
           for (int e = 0; e < 4; e++) reg_fence(s[0][nt][e]);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(qt[kk][e]);
 #endif
       } else if constexpr (MT == 1) {
 #pragma unroll
@@ -1176,6 +1201,14 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
           pa[kk][2] = pack_bf16(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
           pa[kk][3] = pack_bf16(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
         }
+#pragma unroll
+        for (int kk = 0; kk < NK / 16; kk++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(pa[kk][e]);
+#pragma unroll
+        for (int i = 0; i < D / 8; i++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) reg_fence(o[0][i][e]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < NK / 16; kk++) wg_mma<1>(o[0], pa[kk], wg_desc(vs + kk * 2 * D * 8, D / 8 * 128, 128));

@@ -1,6 +1,10 @@
 //! Every kernel compiles with NVRTC for sm_80 and sm_90a with no register spills, on a machine with no
 //! GPU: NVRTC and the CUDA headers come from PyPI (`scripts/fetch-nvrtc.sh`; `scripts/test.sh` sets
-//! `KURA_NVRTC_LIB` and `KURA_CUDA_INCLUDE`). A missing NVRTC fails these tests.
+//! `KURA_NVRTC_LIB` and `KURA_CUDA_INCLUDE`). A missing NVRTC fails these tests. The machine code of
+//! sm_90a's warpgroup kernels is read with nvdisasm (`KURA_NVDISASM`, from the same script): the
+//! compiler's own scheduling of asynchronous products is checked where no GPU runs them.
+
+use std::collections::HashMap;
 
 use kura_cuda::device::{in_module, kernel_names};
 use kura_cuda::kernels;
@@ -17,10 +21,220 @@ fn every_kernel_compiles_for_ampere_without_spills() {
 #[test]
 fn every_kernel_compiles_for_hopper_without_spills() {
     // Compute capability 9.0's module is compiled for sm_90a (its warpgroup products).
-    every_kernel_compiles_without_spills(kura_cuda::device::compile_arch("sm_90"));
+    let cubin = every_kernel_compiles_without_spills(kura_cuda::device::compile_arch("sm_90"));
+    warpgroup_products_keep_their_registers(&cubin);
 }
 
-fn every_kernel_compiles_without_spills(arch: &str) {
+/// In the machine code of every prefill kernel on warpgroup products (`HGMMA`): no instruction writes a
+/// register that a product issued since the last `WARPGROUP.ARRIVE` reads or accumulates into before
+/// its `WARPGROUP.DEPBAR` (the products run asynchronously), and the Q fragments the score product reads
+/// are loaded again in each pass of the key-tile loop, before that product. ptxas of CUDA 13.0 gave Q
+/// fragments kept in registers across the loop the registers of P's fragments, so that from the second
+/// key tile on the scores came from the previous tile's P (at a head size of 64).
+fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
+    let listing = disassemble(cubin);
+    let names: Vec<String> = kernel_names()
+        .into_iter()
+        .filter(|n| !in_module(n, "sm_80"))
+        .collect();
+    assert!(!names.is_empty());
+    let mut failures = Vec::new();
+    for name in &names {
+        let Some(code) = listing.get(name) else {
+            failures.push(format!("{name}: not in nvdisasm's listing"));
+            continue;
+        };
+        // (1) Nothing writes an in-flight product's registers.
+        let mut in_flight: Option<Vec<u32>> = None;
+        for (at, ins) in &code.ins {
+            if ins.opcode.starts_with("WARPGROUP.ARRIVE") {
+                in_flight = Some(Vec::new());
+            } else if ins.opcode.starts_with("WARPGROUP.DEPBAR") {
+                in_flight = None;
+            } else if let Some(regs) = in_flight.as_mut() {
+                if let Some(g) = ins.hgmma() {
+                    regs.extend(g.d..g.d + g.n / 2);
+                    regs.extend(g.a.map_or(0..0, |a| a..a + 4));
+                } else if let Some(d) = ins.dest.filter(|d| regs.contains(d)) {
+                    failures.push(format!(
+                        "{name}: {at:#x} `{}` writes R{d}, in flight",
+                        ins.text
+                    ));
+                }
+            }
+        }
+        // (2) The score product's A fragments (Q) are written inside the loop, before it.
+        let scores: Vec<(u64, Hgmma)> = code
+            .ins
+            .iter()
+            .filter_map(|(at, i)| i.hgmma().filter(|g| !g.trans_b).map(|g| (*at, g)))
+            .collect();
+        let Some(&(first, _)) = scores.first() else {
+            failures.push(format!("{name}: no score product in its code"));
+            continue;
+        };
+        let head = code.ins.iter().find_map(|(at, i)| {
+            let target = *code.labels.get(i.branch.as_ref()?)?;
+            (*at > first && target < first).then_some(target)
+        });
+        let Some(head) = head else {
+            failures.push(format!("{name}: no loop back over the score product"));
+            continue;
+        };
+        let written: Vec<u32> = code
+            .ins
+            .iter()
+            .filter(|(at, _)| (head..first).contains(at))
+            .filter_map(|(_, i)| i.dest)
+            .collect();
+        for (at, g) in &scores {
+            let Some(a) = g.a else {
+                failures.push(format!(
+                    "{name}: {at:#x}: the score product's A is not in registers"
+                ));
+                continue;
+            };
+            if let Some(r) = (a..a + 4).find(|r| !written.contains(r)) {
+                failures.push(format!(
+                    "{name}: {at:#x}: R{r} of the score product's Q fragments is not loaded in the loop \
+                     (from {head:#x}) before it"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One instruction of nvdisasm's listing.
+struct Ins {
+    text: String,
+    opcode: String,
+    /// The register it writes, where its first operand is one (`R12`).
+    dest: Option<u32>,
+    /// The label a branch goes to.
+    branch: Option<String>,
+}
+
+/// A warpgroup product: `n` columns, accumulators from `d`, A from `a` (None: from shared memory).
+struct Hgmma {
+    n: u32,
+    d: u32,
+    a: Option<u32>,
+    trans_b: bool,
+}
+
+fn reg(op: &str) -> Option<u32> {
+    op.trim().strip_prefix('R')?.parse().ok()
+}
+
+impl Ins {
+    fn parse(text: &str) -> Ins {
+        let mut words = text.split_whitespace().peekable();
+        if words.peek().is_some_and(|w| w.starts_with('@')) {
+            words.next();
+        }
+        let opcode = words.next().unwrap_or_default().to_string();
+        let operands: Vec<&str> = text
+            .split_once(opcode.as_str())
+            .map_or("", |(_, rest)| rest)
+            .split(',')
+            .collect();
+        let dest = if opcode.starts_with("HGMMA") || opcode.starts_with("ST") {
+            None
+        } else {
+            operands.first().and_then(|o| reg(o))
+        };
+        let branch = opcode
+            .starts_with("BRA")
+            .then(|| {
+                text.split("(")
+                    .nth(1)?
+                    .split(')')
+                    .next()
+                    .map(str::to_string)
+            })
+            .flatten();
+        Ins {
+            text: text.to_string(),
+            opcode,
+            dest,
+            branch,
+        }
+    }
+
+    fn hgmma(&self) -> Option<Hgmma> {
+        let shape = self.opcode.strip_prefix("HGMMA.64x")?;
+        let n = shape.split('x').next()?.parse().ok()?;
+        let mut ops = self
+            .text
+            .split_once(self.opcode.as_str())?
+            .1
+            .split(',')
+            .map(str::trim);
+        let d = reg(ops.next()?)?;
+        let a = reg(ops.next()?);
+        Some(Hgmma {
+            n,
+            d,
+            a,
+            trans_b: self.text.contains("tnspB"),
+        })
+    }
+}
+
+/// A kernel's instructions (address, instruction) and its labels' addresses.
+#[derive(Default)]
+struct Code {
+    ins: Vec<(u64, Ins)>,
+    labels: HashMap<String, u64>,
+}
+
+/// Every kernel of `cubin` as nvdisasm lists it (`KURA_NVDISASM`).
+fn disassemble(cubin: &[u8]) -> HashMap<String, Code> {
+    let nvdisasm = std::env::var_os("KURA_NVDISASM")
+        .expect("KURA_NVDISASM names nvdisasm (scripts/fetch-nvrtc.sh fetches it)");
+    let path = std::env::temp_dir().join(format!("kura-sm90a-{}.cubin", std::process::id()));
+    std::fs::write(&path, cubin).unwrap();
+    let out = std::process::Command::new(&nvdisasm)
+        .arg("-c")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", std::path::Path::new(&nvdisasm).display()));
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "nvdisasm: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut kernels: HashMap<String, Code> = HashMap::new();
+    let mut current: Option<String> = None;
+    let mut pending: Vec<String> = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let t = line.trim();
+        if let Some(name) = t.strip_prefix(".text.").and_then(|r| r.strip_suffix(':')) {
+            current = Some(name.to_string());
+            pending.clear();
+        } else if let Some(label) = t.strip_suffix(':').filter(|l| l.starts_with(".L")) {
+            pending.push(label.to_string());
+        } else if let (Some(name), Some(rest)) = (&current, t.strip_prefix("/*")) {
+            let Some((addr, ins)) = rest.split_once("*/") else {
+                continue;
+            };
+            let Ok(at) = u64::from_str_radix(addr.trim(), 16) else {
+                continue;
+            };
+            let ins = ins.trim().trim_end_matches(';').trim();
+            let code = kernels.entry(name.clone()).or_default();
+            for l in pending.drain(..) {
+                code.labels.insert(l, at);
+            }
+            code.ins.push((at, Ins::parse(ins)));
+        }
+    }
+    kernels
+}
+
+fn every_kernel_compiles_without_spills(arch: &str) -> Vec<u8> {
     let include = kernels::include_dir().expect("CUDA headers (run scripts/fetch-nvrtc.sh)");
     let version = kernels::nvrtc_version().expect("NVRTC (run scripts/fetch-nvrtc.sh)");
     assert!(version.0 >= 12, "NVRTC {version:?}");
@@ -54,6 +268,7 @@ fn every_kernel_compiles_without_spills(arch: &str) {
             println!("{arch}: {kernel}: {used}");
         }
     }
+    c.cubin
 }
 
 #[test]
