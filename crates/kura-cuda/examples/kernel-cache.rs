@@ -1,6 +1,7 @@
 //! Fills the kernel cache (`$KURA_CACHE_DIR/cuda-kernels`) for the given architectures, so that a GPU
 //! machine with the same NVRTC version loads Kura's kernels without compiling them:
-//! `kernel-cache sm_90 [sm_80 …]`.
+//! `kernel-cache sm_90 [sm_80 …]` (a device's architecture: sm_90's module is compiled for sm_90a,
+//! `kura_cuda::device::compile_arch`).
 
 fn main() {
     let archs: Vec<String> = std::env::args().skip(1).collect();
@@ -9,9 +10,10 @@ fn main() {
         std::process::exit(2);
     }
     for arch in archs {
-        match kura_cuda::kernels::cubin_for(&arch, &kura_cuda::kernels::cache_dir()) {
+        let target = kura_cuda::device::compile_arch(&arch);
+        match kura_cuda::kernels::cubin_for(target, &kura_cuda::kernels::cache_dir()) {
             Ok((cubin, compiled)) => println!(
-                "{arch}: {} bytes ({})",
+                "{arch} ({target}): {} bytes ({})",
                 cubin.len(),
                 if compiled {
                     "compiled"
