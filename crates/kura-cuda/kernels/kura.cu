@@ -751,6 +751,16 @@ __device__ __forceinline__ void wg_mma(float (&d)[N][4], const u32 (&a)[4], u64 
   emu::wgmma(&d[0][0], 8 * N, a, desc, TRANS);
 }
 #endif
+#ifdef KURA_WGMMA
+// `reg_fence` on every register of a fragment array (accumulators, A fragments).
+template <typename T, int N>
+__device__ __forceinline__ void reg_fences(T (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) reg_fence(r[i][e]);
+}
+#endif
 
 // Where one thread's share of a K/V tile comes from. With NT threads, 16-byte chunk n of a thread is key
 // `key0 + n * (NT / (D / 8))` of the tile, columns c..c+7 (the share of `i = tid + n * NT`, key `i / (D /
@@ -1063,27 +1073,15 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         // reads and reuse after `wg_wait`, as the compiler sees them.
         u32 qt[D / 16][4];
         q_frags(qt);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(qt[kk][e]);
-#pragma unroll
-        for (int nt = 0; nt < NK / 8; nt++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(s[0][nt][e]);
+        reg_fences(qt);
+        reg_fences(s[0]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wg_mma<0>(s[0], qt[kk], wg_desc(ks + kk * 128, 128, D / 8 * 128));
         wg_commit();
         wg_wait();
-#pragma unroll
-        for (int nt = 0; nt < NK / 8; nt++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(s[0][nt][e]);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(qt[kk][e]);
+        reg_fences(s[0]);
+        reg_fences(qt);
 #endif
       } else if constexpr (MT == 1) {
 #pragma unroll
@@ -1201,27 +1199,15 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
           pa[kk][2] = pack_bf16(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
           pa[kk][3] = pack_bf16(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
         }
-#pragma unroll
-        for (int kk = 0; kk < NK / 16; kk++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(pa[kk][e]);
-#pragma unroll
-        for (int i = 0; i < D / 8; i++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(o[0][i][e]);
+        reg_fences(pa);
+        reg_fences(o[0]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < NK / 16; kk++) wg_mma<1>(o[0], pa[kk], wg_desc(vs + kk * 2 * D * 8, D / 8 * 128, 128));
         wg_commit();
         wg_wait();
-#pragma unroll
-        for (int i = 0; i < D / 8; i++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(o[0][i][e]);
-#pragma unroll
-        for (int kk = 0; kk < NK / 16; kk++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) reg_fence(pa[kk][e]);
+        reg_fences(o[0]);
+        reg_fences(pa);
 #endif
       } else {
 #pragma unroll
