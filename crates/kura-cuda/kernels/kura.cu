@@ -814,6 +814,16 @@ __device__ __forceinline__ size_t tile_row(const TileSrc& t, const PoolShape& p,
   return (size_t)tables[toff + blk] * t.block_stride + t.base + (size_t)slot * D;
 }
 
+// The A fragment of P for k-step kk (keys 16kk..16kk + 15): the scores of two adjacent 8-key n-tiles, as
+// their C fragments hold them, rounded to bf16.
+template <int NT8>
+__device__ __forceinline__ void p_frag(const float (&s)[NT8][4], int kk, u32 (&a)[4]) {
+  a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // Where chunk (key, c..c + 7) of a K or V tile lies in its stage, in elements: in rows of D + 8 (read
 // through ldmatrix without bank conflicts), or (CM, for the warpgroup products) in core matrices of 8
 // keys × 8 columns, 64 contiguous elements each, one key group's D / 8 of them after another's; 8
@@ -1193,12 +1203,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         // k-steps in order.
         u32 pa[NK / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < NK / 16; kk++) {
-          pa[kk][0] = pack_bf16(s[0][2 * kk][0], s[0][2 * kk][1]);
-          pa[kk][1] = pack_bf16(s[0][2 * kk][2], s[0][2 * kk][3]);
-          pa[kk][2] = pack_bf16(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-          pa[kk][3] = pack_bf16(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-        }
+        for (int kk = 0; kk < NK / 16; kk++) p_frag(s[0], kk, pa[kk]);
         reg_fences(pa);
         reg_fences(o[0]);
         wg_fence();
@@ -1214,12 +1219,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         for (int kk = 0; kk < NK / 16; kk++) {
           u32 a[MT][4];
 #pragma unroll
-          for (int mt = 0; mt < MT; mt++) {
-            a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-          }
+          for (int mt = 0; mt < MT; mt++) p_frag(s[mt], kk, a[mt]);
 #pragma unroll
           for (int nt = 0; nt < D / 8; nt += 2) {
             u32 b[4];
@@ -1276,45 +1276,26 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
 #else
 #define SMALL_BLOCKS 3
 #endif
-#define ATTN_PREFILL(KVN, KVT, D)                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_##KVN##_##D(                                 \
+// Kernel `NAME` of `THREADS` threads a block (at least `BLOCKS` blocks a multiprocessor) over a `KVT` pool:
+// `attn_prefill<KVT, ...>` with the template arguments after `BLOCKS`.
+#define ATTN_PREFILL_KERNEL(NAME, KVT, THREADS, BLOCKS, ...)                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(                                          \
       const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
       int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC, 1>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_wide_##KVN##_##D(                            \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 2, WIDE_NK(D), 1>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_half_##KVN##_##D(                            \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC, 2>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128, SMALL_BLOCKS) attn_prefill_small_##KVN##_##D(                \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, WIDE_NK(D), 2>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, mask_all); \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_deep_##KVN##_##D(                            \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC, 1, PROBE_NONE, 3>(q, pool, tables, tile_info, out, p, layer, heads, window,      \
-                                                  scale_log2, tiles, mask_all);                               \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_halfdeep_##KVN##_##D(                        \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC, 2, PROBE_NONE, 3>(q, pool, tables, tile_info, out, p, layer, heads, window,      \
-                                                  scale_log2, tiles, mask_all);                               \
+    attn_prefill<KVT, __VA_ARGS__>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, tiles, \
+                                   mask_all);                                                                 \
   }
-ATTN_PREFILL(bf16, bf16, 64)
-ATTN_PREFILL(bf16, bf16, 128)
-ATTN_PREFILL(f32, float, 64)
-ATTN_PREFILL(f32, float, 128)
-ATTN_PREFILL(fp8, unsigned char, 64)
-ATTN_PREFILL(fp8, unsigned char, 128)
+#define ATTN_PREFILL(KVN, KVT, D)                                                                            \
+  ATTN_PREFILL_KERNEL(attn_prefill_##KVN##_##D, KVT, 256, 1, D, 1, BC, 1)                                        \
+  ATTN_PREFILL_KERNEL(attn_prefill_wide_##KVN##_##D, KVT, 128, 2, D, 2, WIDE_NK(D), 1)                           \
+  ATTN_PREFILL_KERNEL(attn_prefill_half_##KVN##_##D, KVT, 128, 2, D, 1, BC, 2)                                   \
+  ATTN_PREFILL_KERNEL(attn_prefill_small_##KVN##_##D, KVT, 128, SMALL_BLOCKS, D, 1, WIDE_NK(D), 2)               \
+  ATTN_PREFILL_KERNEL(attn_prefill_deep_##KVN##_##D, KVT, 256, 1, D, 1, BC, 1, PROBE_NONE, 3)                    \
+  ATTN_PREFILL_KERNEL(attn_prefill_halfdeep_##KVN##_##D, KVT, 128, 2, D, 1, BC, 2, PROBE_NONE, 3)
+// `M(kv name, KV type, head size)` for every pool format and head size.
+#define ATTN_EVERY_KV_D(M) \
+  M(bf16, bf16, 64) M(bf16, bf16, 128) M(f32, float, 64) M(f32, float, 128) M(fp8, unsigned char, 64) M(fp8, unsigned char, 128)
+ATTN_EVERY_KV_D(ATTN_PREFILL)
 
 // `attn_prefill_wg_{kv}_{d}` and `attn_prefill_halfwg_{kv}_{d}`: the 8-warp and half-tile kernels with
 // their products on Hopper's warpgroup instructions (sm_90a; not in the module elsewhere): each warp
@@ -1326,34 +1307,14 @@ ATTN_PREFILL(fp8, unsigned char, 128)
 // it; the GPU tests compare them on the device).
 #ifdef KURA_WGMMA
 #define ATTN_PREFILL_WG(KVN, KVT, D)                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wg_##KVN##_##D(                              \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC, 1, PROBE_NONE, 2, 1>(q, pool, tables, tile_info, out, p, layer, heads, window,  \
-                                                     scale_log2, tiles, mask_all);                            \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_halfwg_##KVN##_##D(                          \
-      const bf16* q, const KVT* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<KVT, D, 1, BC, 2, PROBE_NONE, 2, 1>(q, pool, tables, tile_info, out, p, layer, heads, window,  \
-                                                     scale_log2, tiles, mask_all);                            \
-  }
-ATTN_PREFILL_WG(bf16, bf16, 64)
-ATTN_PREFILL_WG(bf16, bf16, 128)
-ATTN_PREFILL_WG(f32, float, 64)
-ATTN_PREFILL_WG(f32, float, 128)
-ATTN_PREFILL_WG(fp8, unsigned char, 64)
-ATTN_PREFILL_WG(fp8, unsigned char, 128)
+  ATTN_PREFILL_KERNEL(attn_prefill_wg_##KVN##_##D, KVT, 256, 1, D, 1, BC, 1, PROBE_NONE, 2, 1)                   \
+  ATTN_PREFILL_KERNEL(attn_prefill_halfwg_##KVN##_##D, KVT, 128, 2, D, 1, BC, 2, PROBE_NONE, 2, 1)
+ATTN_EVERY_KV_D(ATTN_PREFILL_WG)
 #endif
 
 // `attn_prefill_probe_{what}_bf16_{d}`: the 8-warp kernel over a bf16 pool with one part left out (PROBE).
-#define ATTN_PROBE(NAME, PROBE, D)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_probe_##NAME##_bf16_##D(                     \
-      const bf16* q, const bf16* pool, const int* tables, const int* tile_info, bf16* out, PoolShape p,        \
-      int layer, int heads, int window, float scale_log2, int tiles, int mask_all) {                          \
-    attn_prefill<bf16, D, 1, BC, 1, PROBE>(q, pool, tables, tile_info, out, p, layer, heads, window, scale_log2, \
-                                           tiles, mask_all);                                                 \
-  }
+#define ATTN_PROBE(NAME, PROBE, D) \
+  ATTN_PREFILL_KERNEL(attn_prefill_probe_##NAME##_bf16_##D, bf16, 256, 1, D, 1, BC, 1, PROBE)
 #define ATTN_PROBES(D)                                                                                        \
   ATTN_PROBE(noload, PROBE_NO_LOAD, D)                                                                        \
   ATTN_PROBE(nosoftmax, PROBE_NO_SOFTMAX, D)                                                                  \
