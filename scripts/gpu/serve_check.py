@@ -184,7 +184,7 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
     return []
 
 
-FORMS = ["narrow", "wide", "half", "small", "deep", "halfdeep", "wg", "halfwg"]
+FORMS = ["narrow", "wide", "half", "small", "deep", "halfdeep", "wg", "halfwg", "wgpipe", "halfwgpipe"]
 
 
 def check_prefill_kernel(log: str) -> list[str]:

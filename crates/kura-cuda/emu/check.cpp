@@ -239,34 +239,39 @@ static void prefill_case(Kv kv, int d, int bs, int window, Rng& r, int group = 2
   const KVT* pv = reinterpret_cast<const KVT*>(pool.bytes.data());
   // Kernel 0: 8 warps; 1: wide; 2: half tiles; 3: small (half tiles over the wide kernel's key tiles);
   // 4: deep (8 warps, three stages); 5: half tiles with three stages; 6: 8 warps on warpgroup products;
-  // 7: half tiles on warpgroup products.
+  // 7: half tiles on warpgroup products; 8 and 9: 6 and 7 with a tile's score product and softmax
+  // overlapping the value product of the tile before (three stages).
   auto run = [&](int kind, int mask_all) {
-    bool wide = kind == 1, halves = kind == 2 || kind == 3 || kind == 5 || kind == 7, wg = kind >= 6;
+    bool wide = kind == 1, halves = kind == 2 || kind == 3 || kind == 5 || kind == 7 || kind == 9, wg = kind >= 6;
     std::vector<bf16> out((size_t)rows * heads * d, __float2bfloat16(NAN));
-    int nk = kind == 1 || kind == 3 ? WIDE_NK(d) : BC, stages = kind == 4 || kind == 5 ? 3 : 2;
+    int nk = kind == 1 || kind == 3 ? WIDE_NK(d) : BC, stages = kind == 4 || kind == 5 || kind >= 8 ? 3 : 2;
     size_t smem = (size_t)stages * 2 * nk * (wg ? d : d + 8) * 2 + (wide ? (size_t)128 * (d + 8) * 2 : 0);
     using Kernel = void (*)(const bf16*, const KVT*, const int*, const int*, bf16*, PoolShape, int, int, int, float, int,
                             int);
-    Kernel kernels64[8] = {attn_prefill<KVT, 64, 1, BC, 1>, attn_prefill<KVT, 64, 2, WIDE_NK(64), 1>,
+    Kernel kernels64[10] = {attn_prefill<KVT, 64, 1, BC, 1>, attn_prefill<KVT, 64, 2, WIDE_NK(64), 1>,
                            attn_prefill<KVT, 64, 1, BC, 2>, attn_prefill<KVT, 64, 1, WIDE_NK(64), 2>,
                            attn_prefill<KVT, 64, 1, BC, 1, PROBE_NONE, 3>, attn_prefill<KVT, 64, 1, BC, 2, PROBE_NONE, 3>,
                            attn_prefill<KVT, 64, 1, BC, 1, PROBE_NONE, 2, 1>,
-                           attn_prefill<KVT, 64, 1, BC, 2, PROBE_NONE, 2, 1>};
-    Kernel kernels128[8] = {attn_prefill<KVT, 128, 1, BC, 1>, attn_prefill<KVT, 128, 2, WIDE_NK(128), 1>,
+                           attn_prefill<KVT, 64, 1, BC, 2, PROBE_NONE, 2, 1>,
+                           attn_prefill<KVT, 64, 1, BC, 1, PROBE_NONE, 3, 2>,
+                           attn_prefill<KVT, 64, 1, BC, 2, PROBE_NONE, 3, 2>};
+    Kernel kernels128[10] = {attn_prefill<KVT, 128, 1, BC, 1>, attn_prefill<KVT, 128, 2, WIDE_NK(128), 1>,
                             attn_prefill<KVT, 128, 1, BC, 2>, attn_prefill<KVT, 128, 1, WIDE_NK(128), 2>,
                             attn_prefill<KVT, 128, 1, BC, 1, PROBE_NONE, 3>,
                             attn_prefill<KVT, 128, 1, BC, 2, PROBE_NONE, 3>,
                             attn_prefill<KVT, 128, 1, BC, 1, PROBE_NONE, 2, 1>,
-                            attn_prefill<KVT, 128, 1, BC, 2, PROBE_NONE, 2, 1>};
+                            attn_prefill<KVT, 128, 1, BC, 2, PROBE_NONE, 2, 1>,
+                            attn_prefill<KVT, 128, 1, BC, 1, PROBE_NONE, 3, 2>,
+                            attn_prefill<KVT, 128, 1, BC, 2, PROBE_NONE, 3, 2>};
     Kernel kernel = d == 64 ? kernels64[kind] : kernels128[kind];
     dim3 grid{(unsigned)(halves ? 2 * tiles : tiles), (unsigned)heads, 1};
-    emu::launch(grid, {kind == 0 || kind == 4 || kind == 6 ? 256u : 128u, 1, 1}, smem, [&] {
+    emu::launch(grid, {kind == 0 || kind == 4 || kind == 6 || kind == 8 ? 256u : 128u, 1, 1}, smem, [&] {
       kernel(q.data(), pv, tables.data(), tile_info.data(), out.data(), ps, layer, heads, window, scale_log2, tiles, mask_all);
     }, all_blocks(grid, &r));
     return out;
   };
   auto narrow = run(0, 0), wide = run(1, 0), masked = run(0, 1), half = run(2, 0), small = run(3, 0), deep = run(4, 0),
-       halfdeep = run(5, 0), wg = run(6, 0), halfwg = run(7, 0);
+       halfdeep = run(5, 0), wg = run(6, 0), halfwg = run(7, 0), wgpipe = run(8, 0), halfwgpipe = run(9, 0);
   double en = worst_error(narrow, pool, seqs, q, heads, layer, window);
   double ew = worst_error(wide, pool, seqs, q, heads, layer, window);
   // bf16 output (8 bits of mantissa) of values within [-1, 1], and P rounded to bf16 for the product.
@@ -289,6 +294,10 @@ static void prefill_case(Kv kv, int d, int bs, int window, Rng& r, int group = 2
         "%s: the 8-warp kernel on warpgroup products gives its bits", what.c_str());
   check(same_bits(narrow.data(), halfwg.data(), narrow.size() * 2),
         "%s: the half-tile kernel on warpgroup products gives the 8-warp kernel's bits", what.c_str());
+  check(same_bits(narrow.data(), wgpipe.data(), narrow.size() * 2),
+        "%s: the 8-warp kernel on overlapped warpgroup products gives its bits", what.c_str());
+  check(same_bits(narrow.data(), halfwgpipe.data(), narrow.size() * 2),
+        "%s: the half-tile kernel on overlapped warpgroup products gives the 8-warp kernel's bits", what.c_str());
   if (d == 64)
     check(same_bits(narrow.data(), wide.data(), narrow.size() * 2), "%s: the wide kernel gives the 8-warp kernel's bits",
           what.c_str());

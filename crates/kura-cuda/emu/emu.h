@@ -219,6 +219,16 @@ struct Copy {
   int bytes;  // 16, or 0: write zeros
 };
 
+// An issued warpgroup product (`wgmma`): its accumulators and A fragment (this thread's registers,
+// read and written when it is computed), its B descriptor and whether B is N-major.
+struct Mma {
+  float* d;
+  int n;
+  const uint32_t* a;
+  uint64_t desc;
+  int trans;
+};
+
 // Saves the callee-saved registers on this stack and its pointer in *save, then continues on the stack
 // `next` (System V x86-64: what a call may not change; the kernels change no control register).
 extern "C" void emu_switch(void** save, void* next);
@@ -257,6 +267,8 @@ struct Fiber {
   unsigned collectives = 0;  // warp collectives entered: which exchange area is next
   std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
   std::vector<Copy> open;                 // issued since the last commit
+  std::vector<std::vector<Mma>> mma_groups;  // committed warpgroup products, oldest first
+  std::vector<Mma> mma_open;                 // issued since the last commit
 };
 
 struct Barrier {
@@ -472,16 +484,17 @@ inline uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
 }
 
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 with A in registers, B through descriptor `desc`
-// (`imm-trans-b` = `trans`), computed when issued: this warp's 16 rows of the warpgroup's 64 (A: this
-// warp's m16n8k16 fragments; D: `mma.sync`'s C layout, n-tile after n-tile), each element's sum exact in
-// double as `mma16816`'s. B's element (k, n) lies at `start + (n / 8)·sbo + (k / 8)·lbo` plus, K-major
-// (trans 0), `(n % 8)·16 + (k % 8)·2`, or, N-major (trans 1), `(k % 8)·16 + (n % 8)·2` bytes (the PTX
-// ISA's canonical layouts without swizzle: core matrices of 8 rows of 16 bytes).
-inline void wgmma(float* d, int n, const uint32_t* a, uint64_t desc, int trans) {
-  if (block_threads() % 128) fail("a warpgroup product in a block that is not whole warpgroups");
-  if (desc >> 62) fail("a swizzled wgmma descriptor");
+// (`imm-trans-b` = `trans`): this warp's 16 rows of the warpgroup's 64 (A: this warp's m16n8k16
+// fragments; D: `mma.sync`'s C layout, n-tile after n-tile), each element's sum exact in double as
+// `mma16816`'s. B's element (k, n) lies at `start + (n / 8)·sbo + (k / 8)·lbo` plus, K-major (trans 0),
+// `(n % 8)·16 + (k % 8)·2`, or, N-major (trans 1), `(k % 8)·16 + (n % 8)·2` bytes (the PTX ISA's
+// canonical layouts without swizzle: core matrices of 8 rows of 16 bytes). Computed at the latest
+// moment the hardware may compute it, the `wgmma.wait_group` that must wait for it (`wg_wait`): A, the
+// accumulators and B are read then, so a kernel that writes any of them, or reads the accumulators,
+// between the issue and that wait gets other results (as it may on a GPU).
+inline void wgmma_now(const Mma& m) {
   uint32_t mine[4];
-  std::memcpy(mine, a, 16);
+  std::memcpy(mine, m.a, 16);
   Exchange s = warp_enter(mine, sizeof(mine));
   double A[16][16];
   for (int l = 0; l < 32; l++) {
@@ -496,22 +509,43 @@ inline void wgmma(float* d, int n, const uint32_t* a, uint64_t desc, int trans) 
     }
   }
   const std::vector<unsigned char>& dyn = G().dynamic;
+  uint64_t desc = m.desc;
   size_t start = (size_t)(desc & 0x3fff) << 4, lbo = (size_t)((desc >> 16) & 0x3fff) << 4,
          sbo = (size_t)((desc >> 32) & 0x3fff) << 4;
   auto b = [&](int k, int col) {
     size_t at = start + (size_t)(col / 8) * sbo + (size_t)(k / 8) * lbo +
-                (trans ? (size_t)(k % 8) * 16 + (size_t)(col % 8) * 2 : (size_t)(col % 8) * 16 + (size_t)(k % 8) * 2);
+                (m.trans ? (size_t)(k % 8) * 16 + (size_t)(col % 8) * 2
+                         : (size_t)(col % 8) * 16 + (size_t)(k % 8) * 2);
     if (at + 2 > dyn.size()) fail("a wgmma operand past the dynamic shared memory");
     return (double)__bfloat162float({b16_at(dyn.data() + at, 0)});
   };
   int g = lane() >> 2, t = lane() & 3;
-  for (int j = 0; j < n / 8; j++) {
+  for (int j = 0; j < m.n / 8; j++) {
     for (int e = 0; e < 4; e++) {
       int row = g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
-      double acc = d[4 * j + e];
+      double acc = m.d[4 * j + e];
       for (int k = 0; k < 16; k++) acc += A[row][k] * b(k, col);
-      d[4 * j + e] = (float)acc;
+      m.d[4 * j + e] = (float)acc;
     }
+  }
+}
+inline void wgmma(float* d, int n, const uint32_t* a, uint64_t desc, int trans) {
+  if (block_threads() % 128) fail("a warpgroup product in a block that is not whole warpgroups");
+  if (desc >> 62) fail("a swizzled wgmma descriptor");
+  me().mma_open.push_back({d, n, a, desc, trans});
+}
+inline void wg_commit() {
+  me().mma_groups.push_back(std::move(me().mma_open));
+  me().mma_open.clear();
+}
+// Computes every committed group of products but the newest `keep`, oldest first.
+inline void wg_wait(size_t keep) {
+  if (!me().mma_open.empty()) fail("a warpgroup product waited for before its group was committed");
+  auto& gs = me().mma_groups;
+  while (gs.size() > keep) {
+    std::vector<Mma> grp = std::move(gs.front());
+    gs.erase(gs.begin());
+    for (const Mma& m : grp) wgmma_now(m);
   }
 }
 
@@ -611,6 +645,8 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
       f.collectives = 0;
       f.groups.clear();
       f.open.clear();
+      f.mma_groups.clear();
+      f.mma_open.clear();
       // The stack as `emu_switch` leaves it: six saved registers, then the address it returns to (the
       // start), then a return address for the start itself, 16-byte aligned as after a call.
       uintptr_t top = ((uintptr_t)(f.stack.get() + kStack)) & ~(uintptr_t)15;
@@ -642,6 +678,8 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic, const std::function<vo
       bool pending = !f.open.empty();
       for (auto& grp : f.groups) pending |= !grp.empty();
       if (pending) fail("a thread ended with cp.async copies never waited for");
+      if (!f.mma_open.empty() || !f.mma_groups.empty())
+        fail("a thread ended with warpgroup products never waited for");
     }
   }
   g.current = nullptr;

@@ -74,6 +74,7 @@ const std::map<std::string, Binder>& kernels() {
   K(attn_prefill_##KVN##_##D) K(attn_prefill_wide_##KVN##_##D) K(attn_prefill_half_##KVN##_##D)          \
       K(attn_prefill_small_##KVN##_##D) K(attn_prefill_deep_##KVN##_##D) K(attn_prefill_halfdeep_##KVN##_##D) \
       K(attn_prefill_wg_##KVN##_##D) K(attn_prefill_halfwg_##KVN##_##D)                                     \
+      K(attn_prefill_wgpipe_##KVN##_##D) K(attn_prefill_halfwgpipe_##KVN##_##D)                             \
       K(attn_split_##KVN##_##D##_g1) K(attn_split_##KVN##_##D##_g2)                                           \
           K(attn_split_##KVN##_##D##_g4) K(attn_split_##KVN##_##D##_g8) K(attn_split_##KVN##_##D##_g16)
     KV_D(bf16, 64)

@@ -706,7 +706,10 @@ __device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N committed groups of this warpgroup's products are not complete (the oldest
+// complete first).
+template <int N = 0>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // This thread's writes to shared memory (its landed copies, its stores) made visible to the tensor
 // cores' reads, which go through the async proxy.
 __device__ __forceinline__ void smem_to_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -739,10 +742,11 @@ __device__ __forceinline__ void wg_mma(float (&d)[16][4], const u32 (&a)[4], u64
 #undef WG_D4
 #elif defined(KURA_EMU)
 __device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) { return emu::wg_desc(p, lbo, sbo); }
-// The emulation computes each product as it is issued.
+// The emulation computes each product at the wait that must wait for it.
 __device__ __forceinline__ void wg_fence() {}
-__device__ __forceinline__ void wg_commit() {}
-__device__ __forceinline__ void wg_wait() {}
+__device__ __forceinline__ void wg_commit() { emu::wg_commit(); }
+template <int N = 0>
+__device__ __forceinline__ void wg_wait() { emu::wg_wait(N); }
 __device__ __forceinline__ void smem_to_async() {}
 __device__ __forceinline__ void reg_fence(float&) {}
 __device__ __forceinline__ void reg_fence(u32&) {}
@@ -911,6 +915,90 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
   }
 }
 
+// Mask (causal, window, past the keys) and the online softmax of a warp's rows g and g + 8 (positions
+// `qp0` and `qp0 + 8`) over the scores `s` of the key tile from `kt`, as `mma.sync`'s C fragments leave
+// them: `s` becomes the weights P, the rows' running maxima `m0`, `m1` and sums `l0`, `l1` move on, and
+// `c0` and `c1` are what the rows' outputs are to be multiplied by. A tile `whole` (every row of the
+// warp sees all its keys) needs no mask, and its scores are all finite: it takes a path without either
+// test (the same operations on every score it keeps).
+template <int NK>
+__device__ __forceinline__ void online_softmax(float (&s)[NK / 8][4], int kt, bool whole, int qp0, int window,
+                                               float scale_log2, int tq, float& m0, float& m1, float& l0, float& l1,
+                                               float& c0, float& c1) {
+  int qp1 = qp0 + 8;
+  float mx0 = m0, mx1 = m1;
+  if (whole) {
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float v = __fmul_rn(s[nt][e], scale_log2);  // never fused into the exponent's FMA
+        s[nt][e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int key = kt + nt * 8 + 2 * tq + (e & 1);
+        int qp = e < 2 ? qp0 : qp1;
+        bool ok = key <= qp && (window <= 0 || key > qp - window);
+        float v = ok ? __fmul_rn(s[nt][e], scale_log2) : KURA_NEG_INF;
+        s[nt][e] = v;
+        if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+      }
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  c0 = exp2_ftz(m0 - mx0);
+  c1 = exp2_ftz(m1 - mx1);
+  m0 = mx0;
+  m1 = mx1;
+  float rs0 = 0.f, rs1 = 0.f;
+  if (whole) {
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++) {
+      s[nt][0] = exp2_ftz(s[nt][0] - mx0);
+      s[nt][1] = exp2_ftz(s[nt][1] - mx0);
+      s[nt][2] = exp2_ftz(s[nt][2] - mx1);
+      s[nt][3] = exp2_ftz(s[nt][3] - mx1);
+      rs0 += s[nt][0] + s[nt][1];
+      rs1 += s[nt][2] + s[nt][3];
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NK / 8; nt++) {
+      // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
+      s[nt][0] = s[nt][0] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[nt][0] - mx0);
+      s[nt][1] = s[nt][1] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[nt][1] - mx0);
+      s[nt][2] = s[nt][2] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[nt][2] - mx1);
+      s[nt][3] = s[nt][3] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[nt][3] - mx1);
+      rs0 += s[nt][0] + s[nt][1];
+      rs1 += s[nt][2] + s[nt][3];
+    }
+  }
+  l0 = l0 * c0 + rs0;
+  l1 = l1 * c1 + rs1;
+}
+
+// A warp's outputs of rows g and g + 8 multiplied by their factors, only where a row's maximum rose
+// (otherwise both factors are exactly 1).
+template <int D>
+__device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], float c0, float c1) {
+  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+      o[i][0] *= c0; o[i][1] *= c0;
+      o[i][2] *= c1; o[i][3] *= c1;
+    }
+  }
+}
+
 // MT: m-tiles of 16 query rows a warp. MT 1: 8 warps, each warp's Q fragments in registers. MT 2 ("wide"):
 // 4 warps of 32 rows, Q in shared memory (`2 stages` are followed by the tile's 128 query rows, D + 8
 // bf16 each), read once per key tile: each K and V fragment a warp reads from shared memory serves two
@@ -926,6 +1014,13 @@ __device__ __forceinline__ void load_tile(bf16* ks, bf16* vs, const unsigned cha
 // copy is issued right after tile j's barrier, into the stage tile j - 1 was read from (every thread
 // has passed that barrier, so none still reads it), and it has two tiles' products to land instead of
 // one. The same operations in the same order as with two stages: the same bits.
+//
+// WG 1 ("wg"): the two products of a key tile on Hopper's warpgroup instructions, each issued and
+// waited for in turn. WG 2 ("wgpipe", with three stages): tile j's score product is issued before tile
+// j - 1's value product, and tile j's softmax runs while the tensor cores add that product (FA3's
+// overlap within a warpgroup); tile j's copy is issued one tile ahead, as with two stages, into the
+// stage of tile j - 2, and one barrier a key tile. Each product over the same operands, and each
+// rescaling of the outputs between the same two products, as with WG 1: the same bits.
 //
 // PROBE (timing probes, `attn_prefill_probe_*`, which only `gpu-bench` launches): the kernel with one part
 // left out, to place its time on a device. Their outputs are not attention.
@@ -950,6 +1045,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   static_assert(HALVES == 1 || MT == 1, "half tiles are for the 8-warp kernel's warps");
   static_assert(STAGES == 2 || (STAGES == 3 && PROBE == PROBE_NONE), "two stages, or three without a probe");
   static_assert(!WG || (MT == 1 && NK == 64 && PROBE == PROBE_NONE), "warpgroup products: warps of 16 rows");
+  static_assert(WG != 2 || STAGES == 3, "overlapped warpgroup products: three stages");
   constexpr int STAGE = 2 * NK * TS;  // elements of a stage (K, then V)
   constexpr bool LOADS = PROBE != PROBE_NO_LOAD && PROBE != PROBE_MMA_ONLY;  // a copy for every key tile
   constexpr bool SOFTMAX = PROBE == PROBE_NONE || PROBE == PROBE_NO_LOAD;
@@ -977,13 +1073,14 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       cp_async16(qs + r * KS + c, q + ((size_t)(row0 + (r < nrows ? r : 0)) * heads + h) * D + c, 16);
     }
   }
-  const TileSrc src = tile_src<D, NT, WG>(p, layer, kvh);
-  load_tile<D, NK, NT, WG>(smem, smem + NK * TS, pool, tables, p, src, toff, first, last);
+  const TileSrc src = tile_src<D, NT, (WG > 0)>(p, layer, kvh);
+  load_tile<D, NK, NT, (WG > 0)>(smem, smem + NK * TS, pool, tables, p, src, toff, first, last);
   cp_async_commit();
-  if constexpr (STAGES == 3) {
+  if constexpr (STAGES == 3 && WG != 2) {
     // The second tile's copy too: every tile's copy starts two tiles ahead of its products.
     if (ntiles > 1)
-      load_tile<D, NK, NT, WG>(smem + STAGE, smem + STAGE + NK * TS, pool, tables, p, src, toff, first + NK, last);
+      load_tile<D, NK, NT, (WG > 0)>(smem + STAGE, smem + STAGE + NK * TS, pool, tables, p, src, toff, first + NK,
+                                     last);
     cp_async_commit();
   }
   // MT 1: Q fragments of this warp's 16 rows (rows past the tile read row 0 and are dropped): in
@@ -1034,15 +1131,68 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
   int q_row = lane & 15, q_col = (lane >> 4) * 8;
   int k_row = lane & 7, k_col = (lane >> 3) * 8, k2_col = ((lane >> 3) & 1) * 8;
   int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
+#ifdef KURA_WGMMA
+  // `issue_scores`: the warpgroup's score product over the K tile at `ks`, issued: its 64 rows × 64
+  // keys into `s` (zeros before), a k-step (16 columns of Q and K) a product, in order, A the Q
+  // fragments it loads into `qt`. `issue_values`: its value product over the V tile at `vs` into the
+  // outputs, issued: A the weights' fragments `pa`, a product of the 64 rows by 16 keys' V rows
+  // (N-major: a core matrix row is 8 columns of V) a k-step, in order. The register fences around the
+  // products keep their operands' writes before `wg_fence`, and the caller's after `wg_wait` keep
+  // their reads and reuse after the wait, as the compiler sees them.
+  auto issue_scores = [&](float (&s)[NK / 8][4], u32 (&qt)[D / 16][4], const bf16* ks) {
+    if constexpr (WG > 0) {
+      q_frags(qt);
+      reg_fences(qt);
+      reg_fences(s);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) wg_mma<0>(s, qt[kk], wg_desc(ks + kk * 128, 128, D / 8 * 128));
+      wg_commit();
+    }
+  };
+  auto issue_values = [&](u32 (&pa)[NK / 16][4], const bf16* vs) {
+    if constexpr (WG > 0) {
+      reg_fences(pa);
+      reg_fences(o[0]);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < NK / 16; kk++)
+        wg_mma<1>(o[0], pa[kk], wg_desc(vs + kk * 2 * D * 8, D / 8 * 128, 128));
+      wg_commit();
+    }
+  };
+#endif
+  // (WG 2) The weights' fragments of the last tile computed, whose value product is not yet issued,
+  // and its V tile.
+  u32 pa[WG == 2 ? NK / 16 : 1][4];
+  bool pending = false;
+  const bf16* pending_vs = nullptr;
   int stage = 0;  // (STAGES 3) tile j's stage, j % 3
   for (int j = 0; j < ntiles; j++) {
     int kt = first + j * NK;
     bf16* ks;
-    if constexpr (STAGES == 2) {
+    if constexpr (WG == 2) {
+      // Three stages, a tile's copy issued one tile ahead of its score product: tile j + 1's goes into
+      // the stage of tile j - 2, whose value product every thread waited for before this barrier
+      // (tile j - 1's V is still read by its value product, issued in this pass).
+      ks = smem + stage * STAGE;
+      cp_async_wait<0>();
+#ifdef KURA_WGMMA
+      smem_to_async();
+#endif
+      __syncthreads();
+      int next = stage == 2 ? 0 : stage + 1;
+      if (j + 1 < ntiles) {
+        bf16* nk = smem + next * STAGE;
+        load_tile<D, NK, NT, true>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + NK, last);
+      }
+      cp_async_commit();
+      stage = next;
+    } else if constexpr (STAGES == 2) {
       ks = smem + (LOADS ? j & 1 : 0) * STAGE;
       if (LOADS && j + 1 < ntiles) {
         bf16* nk = smem + ((j + 1) & 1) * STAGE;
-        load_tile<D, NK, NT, WG>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + NK, last);
+        load_tile<D, NK, NT, (WG > 0)>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + NK, last);
       }
       cp_async_commit();
       cp_async_wait1();
@@ -1061,7 +1211,7 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
       __syncthreads();
       if (j + 2 < ntiles) {
         bf16* nk = smem + (stage == 0 ? 2 : stage - 1) * STAGE;  // stage (j + 2) % 3, tile j - 1's
-        load_tile<D, NK, NT, WG>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + 2 * NK, last);
+        load_tile<D, NK, NT, (WG > 0)>(nk, nk + NK * TS, pool, tables, p, src, toff, kt + 2 * NK, last);
       }
       cp_async_commit();
       stage = stage == 2 ? 0 : stage + 1;
@@ -1069,7 +1219,56 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
     bf16* vs = ks + NK * TS;
     // A warp whose rows all end before this tile (or whose window starts after it) skips it; WG: a
     // warpgroup whose rows all do (the others' weights in it are zeros, which change nothing).
-    if (PRODUCTS && kt <= group_last && kt + NK > group_first) {
+    bool computed = PRODUCTS && kt <= group_last && kt + NK > group_first;
+    if constexpr (WG == 2) {
+#ifdef KURA_WGMMA
+      // This tile's score product is issued before the value product of the tile before (its P in
+      // `pa`), and the softmax of these scores runs while the tensor cores add that product: each
+      // product over the same operands in the same order as `Wg`'s, each rescaling of the outputs
+      // between the same two products.
+      float s[MT][NK / 8][4];
+      u32 qt[D / 16][4];
+      // Each product waited for in the branch that issues it: ptxas serializes every warpgroup product
+      // of a kernel where one is in flight across a branch it cannot prove uniform.
+      if (computed) {
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; nt++) s[0][nt][0] = s[0][nt][1] = s[0][nt][2] = s[0][nt][3] = 0.f;
+        float c0, c1;
+        bool whole = !mask_all && kt + NK - 1 <= warp_pos && (window <= 0 || kt > warp_last - window);
+        auto softmax = [&] {
+          online_softmax<NK>(s[0], kt, whole, warp_pos + g, window, scale_log2, tq, m0[0], m1[0], l0[0], l1[0], c0,
+                             c1);
+        };
+        if (pending) {
+          issue_scores(s[0], qt, ks);
+          issue_values(pa, pending_vs);
+          wg_wait<1>();  // the scores; the value product may still run
+          reg_fences(s[0]);
+          reg_fences(qt);
+          softmax();
+          wg_wait();
+          reg_fences(o[0]);
+          reg_fences(pa);
+        } else {
+          issue_scores(s[0], qt, ks);
+          wg_wait();
+          reg_fences(s[0]);
+          reg_fences(qt);
+          softmax();
+        }
+        rescale_rows<D>(o[0], c0, c1);
+#pragma unroll
+        for (int kk = 0; kk < NK / 16; kk++) p_frag(s[0], kk, pa[kk]);
+        pending_vs = vs;
+      } else if (pending) {
+        issue_values(pa, pending_vs);
+        wg_wait();
+        reg_fences(o[0]);
+        reg_fences(pa);
+      }
+      pending = computed;
+#endif
+    } else if (computed) {
       // S = Q Kᵀ for WR rows × NK keys, k-steps in order for every element.
       float s[MT][NK / 8][4];
 #pragma unroll
@@ -1078,17 +1277,8 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
         for (int nt = 0; nt < NK / 8; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
       if constexpr (WG) {
 #ifdef KURA_WGMMA
-        // The warpgroup's 64 rows × 64 keys, a k-step (16 columns of Q and K) a product, in order. The
-        // register fences around the products keep their operands' writes before `wg_fence` and their
-        // reads and reuse after `wg_wait`, as the compiler sees them.
         u32 qt[D / 16][4];
-        q_frags(qt);
-        reg_fences(qt);
-        reg_fences(s[0]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) wg_mma<0>(s[0], qt[kk], wg_desc(ks + kk * 128, 128, D / 8 * 128));
-        wg_commit();
+        issue_scores(s[0], qt, ks);
         wg_wait();
         reg_fences(s[0]);
         reg_fences(qt);
@@ -1122,94 +1312,21 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
           }
         }
       }
-      // Mask (causal, window, past the keys) and the online softmax of rows g and g + 8 of each m-tile. A
-      // tile every row of the warp sees whole needs no mask, and its scores are all finite: it takes a
-      // path without either test (the same operations on every score it keeps).
       bool whole = !mask_all && kt + NK - 1 <= warp_pos && (window <= 0 || kt > warp_last - window);
 #pragma unroll
       for (int mt = 0; mt < (SOFTMAX ? MT : 0); mt++) {
-        int qp0 = warp_pos + mt * 16 + g, qp1 = qp0 + 8;  // positions of this thread's two rows
-        float mx0 = m0[mt], mx1 = m1[mt];
-        if (whole) {
-#pragma unroll
-          for (int nt = 0; nt < NK / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-              float v = __fmul_rn(s[mt][nt][e], scale_log2);  // never fused into the exponent's FMA
-              s[mt][nt][e] = v;
-              if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-            }
-          }
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < NK / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-              int key = kt + nt * 8 + 2 * tq + (e & 1);
-              int qp = e < 2 ? qp0 : qp1;
-              bool ok = key <= qp && (window <= 0 || key > qp - window);
-              float v = ok ? __fmul_rn(s[mt][nt][e], scale_log2) : KURA_NEG_INF;
-              s[mt][nt][e] = v;
-              if (e < 2) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-            }
-          }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        float c0 = exp2_ftz(m0[mt] - mx0), c1 = exp2_ftz(m1[mt] - mx1);
-        m0[mt] = mx0;
-        m1[mt] = mx1;
-        float rs0 = 0.f, rs1 = 0.f;
-        if (whole) {
-#pragma unroll
-          for (int nt = 0; nt < NK / 8; nt++) {
-            s[mt][nt][0] = exp2_ftz(s[mt][nt][0] - mx0);
-            s[mt][nt][1] = exp2_ftz(s[mt][nt][1] - mx0);
-            s[mt][nt][2] = exp2_ftz(s[mt][nt][2] - mx1);
-            s[mt][nt][3] = exp2_ftz(s[mt][nt][3] - mx1);
-            rs0 += s[mt][nt][0] + s[mt][nt][1];
-            rs1 += s[mt][nt][2] + s[mt][nt][3];
-          }
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < NK / 8; nt++) {
-            // A fully masked row keeps m = -1e30: its weights are zero, not exp2(0).
-            s[mt][nt][0] = s[mt][nt][0] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][0] - mx0);
-            s[mt][nt][1] = s[mt][nt][1] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][1] - mx0);
-            s[mt][nt][2] = s[mt][nt][2] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][2] - mx1);
-            s[mt][nt][3] = s[mt][nt][3] <= KURA_NEG_INF ? 0.f : exp2_ftz(s[mt][nt][3] - mx1);
-            rs0 += s[mt][nt][0] + s[mt][nt][1];
-            rs1 += s[mt][nt][2] + s[mt][nt][3];
-          }
-        }
-        l0[mt] = l0[mt] * c0 + rs0;
-        l1[mt] = l1[mt] * c1 + rs1;
-        // The outputs rescaled only when a row's maximum rose (otherwise both factors are exactly 1).
-        if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-          for (int i = 0; i < D / 8; i++) {
-            o[mt][i][0] *= c0; o[mt][i][1] *= c0;
-            o[mt][i][2] *= c1; o[mt][i][3] *= c1;
-          }
-        }
+        float c0, c1;
+        online_softmax<NK>(s[mt], kt, whole, warp_pos + mt * 16 + g, window, scale_log2, tq, m0[mt], m1[mt], l0[mt],
+                           l1[mt], c0, c1);
+        rescale_rows<D>(o[mt], c0, c1);
       }
       // O += P V: P's A fragments straight from the S accumulators of two adjacent 8-key tiles.
       if constexpr (WG) {
 #ifdef KURA_WGMMA
-        // Every k-step's fragment first (the products read them after they are issued), then a product
-        // of the warpgroup's 64 rows by 16 keys' V rows (N-major: a core matrix row is 8 columns of V),
-        // k-steps in order.
         u32 pa[NK / 16][4];
 #pragma unroll
         for (int kk = 0; kk < NK / 16; kk++) p_frag(s[0], kk, pa[kk]);
-        reg_fences(pa);
-        reg_fences(o[0]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < NK / 16; kk++) wg_mma<1>(o[0], pa[kk], wg_desc(vs + kk * 2 * D * 8, D / 8 * 128, 128));
-        wg_commit();
+        issue_values(pa, vs);
         wg_wait();
         reg_fences(o[0]);
         reg_fences(pa);
@@ -1236,6 +1353,17 @@ __device__ void attn_prefill(const bf16* q, const KV* pool, const int* tables, c
     // (Three stages: the next tile's barrier is the only one; the stage read here is written again
     // only after the barrier of the tile after it.)
     if constexpr (STAGES == 2) __syncthreads();
+  }
+  if constexpr (WG == 2) {
+#ifdef KURA_WGMMA
+    // The last computed tile's value product.
+    if (pending) {
+      issue_values(pa, pending_vs);
+      wg_wait();
+      reg_fences(o[0]);
+      reg_fences(pa);
+    }
+#endif
   }
   // Row sums across the quad, then write rows g and g + 8 of each of this warp's m-tiles.
 #pragma unroll
@@ -1304,11 +1432,15 @@ ATTN_EVERY_KV_D(ATTN_PREFILL)
 // `ldmatrix` for each. K and V tiles lie in core matrices (`tile_at`), 64 KiB a block at a head size of
 // 128. The same products over the same k-steps in the same order: the 8-warp kernel's bits where the
 // tensor cores round a warpgroup's k-step as they round `mma.sync`'s (the emulated check holds them to
-// it; the GPU tests compare them on the device).
+// it; the GPU tests compare them on the device). `attn_prefill_wgpipe_{kv}_{d}` and
+// `attn_prefill_halfwgpipe_{kv}_{d}`: the same with a tile's score product and softmax overlapping the
+// value product of the tile before (WG 2), three stages, 96 KiB a block at 128: the same bits.
 #ifdef KURA_WGMMA
 #define ATTN_PREFILL_WG(KVN, KVT, D)                                                                         \
   ATTN_PREFILL_KERNEL(attn_prefill_wg_##KVN##_##D, KVT, 256, 1, D, 1, BC, 1, PROBE_NONE, 2, 1)                   \
-  ATTN_PREFILL_KERNEL(attn_prefill_halfwg_##KVN##_##D, KVT, 128, 2, D, 1, BC, 2, PROBE_NONE, 2, 1)
+  ATTN_PREFILL_KERNEL(attn_prefill_halfwg_##KVN##_##D, KVT, 128, 2, D, 1, BC, 2, PROBE_NONE, 2, 1)               \
+  ATTN_PREFILL_KERNEL(attn_prefill_wgpipe_##KVN##_##D, KVT, 256, 1, D, 1, BC, 1, PROBE_NONE, 3, 2)               \
+  ATTN_PREFILL_KERNEL(attn_prefill_halfwgpipe_##KVN##_##D, KVT, 128, 2, D, 1, BC, 2, PROBE_NONE, 3, 2)
 ATTN_EVERY_KV_D(ATTN_PREFILL_WG)
 #endif
 

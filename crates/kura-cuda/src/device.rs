@@ -891,10 +891,15 @@ mod tests {
             .into_iter()
             .filter(|n| !in_module(n, "sm_80"))
             .collect::<Vec<_>>();
-        assert_eq!(wg.len(), 12, "{wg:?}");
-        assert!(wg
-            .iter()
-            .all(|n| n.starts_with("attn_prefill_wg_") || n.starts_with("attn_prefill_halfwg_")));
+        assert_eq!(wg.len(), 24, "{wg:?}");
+        assert!(wg.iter().all(|n| [
+            "attn_prefill_wg_",
+            "attn_prefill_halfwg_",
+            "attn_prefill_wgpipe_",
+            "attn_prefill_halfwgpipe_"
+        ]
+        .iter()
+        .any(|p| n.starts_with(p))));
     }
 
     #[test]

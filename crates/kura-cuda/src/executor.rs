@@ -69,11 +69,19 @@ pub enum PrefillKernel {
     Wg,
     /// `Half` on warpgroup products: a warpgroup a block, two blocks a multiprocessor. As `Wg`.
     HalfWg,
+    /// `Wg` with each key tile's score product and softmax overlapping the value product of the tile
+    /// before (FA3's overlap within a warpgroup: the tensor cores add P·V while the warp computes the
+    /// next tile's exponentials), three stages of K and V (96 KiB at a head size of 128) and one
+    /// barrier a key tile. `Wg`'s bits: the same products in the same order, each rescaling of the
+    /// outputs between the same two.
+    WgPipe,
+    /// `HalfWg` with `WgPipe`'s overlap: two blocks a multiprocessor. As `WgPipe`.
+    HalfWgPipe,
 }
 
 impl PrefillKernel {
     /// Every kernel, the default first.
-    pub const ALL: [PrefillKernel; 8] = [
+    pub const ALL: [PrefillKernel; 10] = [
         Self::Narrow,
         Self::Wide,
         Self::Half,
@@ -82,6 +90,8 @@ impl PrefillKernel {
         Self::HalfDeep,
         Self::Wg,
         Self::HalfWg,
+        Self::WgPipe,
+        Self::HalfWgPipe,
     ];
 
     /// Its name in reports (`gpu-bench`).
@@ -95,13 +105,18 @@ impl PrefillKernel {
             Self::HalfDeep => "halfdeep",
             Self::Wg => "wg",
             Self::HalfWg => "halfwg",
+            Self::WgPipe => "wgpipe",
+            Self::HalfWgPipe => "halfwgpipe",
         }
     }
 
     /// Whether its kernels exist only where the module is compiled for `sm_90a` (Hopper's warpgroup
     /// products).
     pub fn needs_sm90a(self) -> bool {
-        matches!(self, Self::Wg | Self::HalfWg)
+        matches!(
+            self,
+            Self::Wg | Self::HalfWg | Self::WgPipe | Self::HalfWgPipe
+        )
     }
 
     /// Its kernel over a `kv` pool (`bf16`, `f32`, `fp8`) at head size `d`.
@@ -112,15 +127,22 @@ impl PrefillKernel {
     /// Keys of its key tiles at head size `d` (`BC`, or `WIDE_NK(d)` in `kura.cu`).
     pub(crate) fn keys(self, d: u32) -> u32 {
         match self {
-            Self::Narrow | Self::Half | Self::Deep | Self::HalfDeep | Self::Wg | Self::HalfWg => 64,
+            Self::Narrow
+            | Self::Half
+            | Self::Deep
+            | Self::HalfDeep
+            | Self::Wg
+            | Self::HalfWg
+            | Self::WgPipe
+            | Self::HalfWgPipe => 64,
             Self::Wide | Self::Small if d > 64 => 32,
             Self::Wide | Self::Small => 64,
         }
     }
 
-    /// Dynamic shared memory of its kernel at head size `d`: two stages (`Deep`, `HalfDeep`: three) of
-    /// K and V tiles of [`Self::keys`] rows of `d + 8` bf16 each (`Wg`, `HalfWg`: `d`, in core
-    /// matrices), then (`Wide`) the tile's 128 query rows.
+    /// Dynamic shared memory of its kernel at head size `d`: two stages (`Deep`, `HalfDeep`, `WgPipe`,
+    /// `HalfWgPipe`: three) of K and V tiles of [`Self::keys`] rows of `d + 8` bf16 each (on warpgroup
+    /// products: `d`, in core matrices), then (`Wide`) the tile's 128 query rows.
     pub(crate) fn shared_bytes(self, d: u32) -> u32 {
         let row = if self.needs_sm90a() {
             d * 2
@@ -133,7 +155,7 @@ impl PrefillKernel {
             0
         };
         let stages = match self {
-            Self::Deep | Self::HalfDeep => 3,
+            Self::Deep | Self::HalfDeep | Self::WgPipe | Self::HalfWgPipe => 3,
             _ => 2,
         };
         stages * 2 * self.keys(d) * row + queries
@@ -150,20 +172,27 @@ impl PrefillKernel {
             Self::HalfDeep => "halfdeep_",
             Self::Wg => "wg_",
             Self::HalfWg => "halfwg_",
+            Self::WgPipe => "wgpipe_",
+            Self::HalfWgPipe => "halfwgpipe_",
         }
     }
 
     fn threads(self) -> u32 {
         match self {
-            Self::Narrow | Self::Deep | Self::Wg => 256,
-            Self::Wide | Self::Half | Self::Small | Self::HalfDeep | Self::HalfWg => 128,
+            Self::Narrow | Self::Deep | Self::Wg | Self::WgPipe => 256,
+            Self::Wide
+            | Self::Half
+            | Self::Small
+            | Self::HalfDeep
+            | Self::HalfWg
+            | Self::HalfWgPipe => 128,
         }
     }
 
     fn blocks_a_tile(self) -> usize {
         match self {
-            Self::Narrow | Self::Wide | Self::Deep | Self::Wg => 1,
-            Self::Half | Self::Small | Self::HalfDeep | Self::HalfWg => 2,
+            Self::Narrow | Self::Wide | Self::Deep | Self::Wg | Self::WgPipe => 1,
+            Self::Half | Self::Small | Self::HalfDeep | Self::HalfWg | Self::HalfWgPipe => 2,
         }
     }
 }

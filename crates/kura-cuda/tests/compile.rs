@@ -26,9 +26,11 @@ fn every_kernel_compiles_for_hopper_without_spills() {
 }
 
 /// In the machine code of every prefill kernel on warpgroup products (`HGMMA`): no instruction writes a
-/// register that a product issued since the last `WARPGROUP.ARRIVE` reads or accumulates into before
-/// its `WARPGROUP.DEPBAR` (the products run asynchronously), and the Q fragments the score product reads
-/// are loaded again in each pass of the key-tile loop, before that product. ptxas of CUDA 13.0 gave Q
+/// register that a product in flight reads or accumulates into (the products run asynchronously: a
+/// group, closed by the product marked `gsb0`, is in flight until a `WARPGROUP.DEPBAR.LE gsb0, N` leaves
+/// at most N newer groups; the code is read in address order, each branch's code after the one before),
+/// and the Q fragments the score product reads are loaded again in each pass of the key-tile loop,
+/// before that product. ptxas of CUDA 13.0 gave Q
 /// fragments kept in registers across the loop the registers of P's fragments, so that from the second
 /// key tile on the scores came from the previous tile's P (at a head size of 64).
 fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
@@ -44,23 +46,31 @@ fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
             failures.push(format!("{name}: not in nvdisasm's listing"));
             continue;
         };
-        // (1) Nothing writes an in-flight product's registers.
-        let mut in_flight: Option<Vec<u32>> = None;
+        // (1) Nothing writes an in-flight product's registers: the groups in flight, oldest first,
+        // and the products issued since the last group closed.
+        let mut groups: Vec<Vec<u32>> = Vec::new();
+        let mut open: Vec<u32> = Vec::new();
         for (at, ins) in &code.ins {
-            if ins.opcode.starts_with("WARPGROUP.ARRIVE") {
-                in_flight = Some(Vec::new());
-            } else if ins.opcode.starts_with("WARPGROUP.DEPBAR") {
-                in_flight = None;
-            } else if let Some(regs) = in_flight.as_mut() {
-                if let Some(g) = ins.hgmma() {
-                    regs.extend(g.d..g.d + g.n / 2);
-                    regs.extend(g.a.map_or(0..0, |a| a..a + 4));
-                } else if let Some(d) = ins.dest.filter(|d| regs.contains(d)) {
-                    failures.push(format!(
-                        "{name}: {at:#x} `{}` writes R{d}, in flight",
-                        ins.text
-                    ));
+            if let Some(g) = ins.hgmma() {
+                open.extend(g.d..g.d + g.n / 2);
+                open.extend(g.a.map_or(0..0, |a| a..a + 4));
+                if ins.text.contains("gsb0") {
+                    groups.push(std::mem::take(&mut open));
                 }
+            } else if ins.opcode.starts_with("WARPGROUP.DEPBAR") {
+                let Some(keep) = ins.depbar_keep() else {
+                    failures.push(format!("{name}: {at:#x} `{}`: no group count", ins.text));
+                    continue;
+                };
+                groups.drain(..groups.len().saturating_sub(keep));
+            } else if let Some(d) = ins
+                .dests()
+                .find(|d| open.contains(d) || groups.iter().any(|g| g.contains(d)))
+            {
+                failures.push(format!(
+                    "{name}: {at:#x} `{}` writes R{d}, in flight",
+                    ins.text
+                ));
             }
         }
         // (2) The score product's A fragments (Q) are written inside the loop, before it.
@@ -81,12 +91,6 @@ fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
             failures.push(format!("{name}: no loop back over the score product"));
             continue;
         };
-        let written: Vec<u32> = code
-            .ins
-            .iter()
-            .filter(|(at, _)| (head..first).contains(at))
-            .filter_map(|(_, i)| i.dest)
-            .collect();
         for (at, g) in &scores {
             let Some(a) = g.a else {
                 failures.push(format!(
@@ -94,10 +98,26 @@ fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
                 ));
                 continue;
             };
+            // Written in the loop on the way to the product: from the start of its block of code
+            // (the last label before it, or the loop's head), where an overlapped kernel has a
+            // score product in each of two branches.
+            let from = code
+                .labels
+                .values()
+                .copied()
+                .filter(|l| *l > head && l <= at)
+                .max()
+                .unwrap_or(head);
+            let written: Vec<u32> = code
+                .ins
+                .iter()
+                .filter(|(i, _)| (from..*at).contains(i))
+                .flat_map(|(_, i)| i.dests())
+                .collect();
             if let Some(r) = (a..a + 4).find(|r| !written.contains(r)) {
                 failures.push(format!(
                     "{name}: {at:#x}: R{r} of the score product's Q fragments is not loaded in the loop \
-                     (from {head:#x}) before it"
+                     (from {from:#x}) before it"
                 ));
             }
         }
@@ -160,6 +180,29 @@ impl Ins {
             dest,
             branch,
         }
+    }
+
+    /// The registers it writes: [`Self::dest`] and, for a wider result, the ones after it (`.64`:
+    /// two, `.128`: four; `LDSM` `.X2`/`.X4`: two or four; `IMAD.WIDE`: two).
+    fn dests(&self) -> impl Iterator<Item = u32> {
+        let o = self.opcode.as_str();
+        let width = if o.contains(".128") || (o.starts_with("LDSM") && o.contains(".X4")) {
+            4
+        } else if o.contains(".64")
+            || o.contains(".WIDE")
+            || (o.starts_with("LDSM") && o.contains(".X2"))
+        {
+            2
+        } else {
+            1
+        };
+        self.dest.into_iter().flat_map(move |d| d..d + width)
+    }
+
+    /// N of `WARPGROUP.DEPBAR.LE gsb0, N`: the groups it leaves in flight.
+    fn depbar_keep(&self) -> Option<usize> {
+        let n = self.text.rsplit(',').next()?.trim();
+        usize::from_str_radix(n.strip_prefix("0x")?, 16).ok()
     }
 
     fn hgmma(&self) -> Option<Hgmma> {
@@ -252,6 +295,15 @@ fn every_kernel_compiles_without_spills(arch: &str) -> Vec<u8> {
             c.log
         );
     }
+    // ptxas makes every warpgroup product of a kernel wait for the one before where it cannot prove
+    // their operands safe (a product in flight across a branch it cannot prove uniform, for one), and
+    // says so as a "Potential Performance Loss".
+    let serialized: Vec<&str> = c
+        .log
+        .lines()
+        .filter(|l| l.contains("Potential Performance Loss"))
+        .collect();
+    assert!(serialized.is_empty(), "{arch}: {serialized:#?}");
     let spills = kernels::spills(&c.log);
     assert!(
         spills.is_empty(),

@@ -287,6 +287,8 @@ fn logits_match_the_cpu_runtime_for_every_kv_format_and_prefill_kernel() {
                 (PrefillKernel::HalfDeep, false),
                 (PrefillKernel::Wg, false),
                 (PrefillKernel::HalfWg, false),
+                (PrefillKernel::WgPipe, false),
+                (PrefillKernel::HalfWgPipe, false),
             ] {
                 let name = kernel.name();
                 let mut gpu = exec(dtype, 16, table.len() + 1);
@@ -350,7 +352,7 @@ fn a_device_whose_blocks_have_less_shared_memory_runs_the_prefill_kernels_that_f
     // 50 KiB a block (sm_86 has 99; at head size 128 the three-stage kernels take 102 KiB): at head size
     // 64 the 8-warp, half-tile and small kernels take 36 KiB (two stages of 64 keys), the wide one 54 KiB
     // (its 128 query rows too), the three-stage ones 54 KiB (three stages), those on warpgroup products
-    // 32 KiB (two stages in core matrices, no padding).
+    // 32 KiB (two stages in core matrices, no padding) and 48 KiB with three stages (the overlapped ones).
     let _optin = SharedOptin::set(50 << 10);
     let n = 150;
     let p = prompt(n, 3);
@@ -455,17 +457,17 @@ fn kernel_tuning_times_every_loaded_form_and_option_and_runs_the_fastest_that_gi
         assert!(same_bits(&prefill, &want_prefill), "{}", t.prefill);
         assert!(same_bits(&step, &want_step), "{}", t.decode);
     }
-    // Blocks of 50 KiB: the prefill forms that do not fit are not timed (the warpgroup ones, 32 KiB
-    // at head size 64, fit).
+    // Blocks of 50 KiB: the prefill forms that do not fit are not timed (the warpgroup ones, 32 and
+    // 48 KiB at head size 64, fit).
     {
         let _optin = SharedOptin::set(50 << 10);
         let mut gpu = exec(KvDtype::F32, 16, 16);
         let t = gpu.tune(80).unwrap().expect("80 tokens");
         assert_eq!(t.prefill.tokens, 80);
-        use PrefillKernel::{Half, HalfWg, Narrow, Small, Wg};
+        use PrefillKernel::{Half, HalfWg, HalfWgPipe, Narrow, Small, Wg, WgPipe};
         assert_eq!(
             forms(&t),
-            [Narrow, Half, Small, Wg, HalfWg],
+            [Narrow, Half, Small, Wg, HalfWg, WgPipe, HalfWgPipe],
             "{}",
             t.prefill
         );
@@ -1095,6 +1097,8 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             (128, "halfdeep"),
             (128, "wg"),
             (128, "halfwg"),
+            (128, "wgpipe"),
+            (128, "halfwgpipe"),
             (512, "narrow"),
             (512, "wide"),
             (512, "half"),
@@ -1102,7 +1106,9 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
             (512, "deep"),
             (512, "halfdeep"),
             (512, "wg"),
-            (512, "halfwg")
+            (512, "halfwg"),
+            (512, "wgpipe"),
+            (512, "halfwgpipe")
         ]
     );
     // The kernels a server would choose, timed over the shorter prefill's prompt: every prefill form

@@ -347,10 +347,30 @@ fn the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_
                     }
                     // Warpgroup products (sm_90 only): the same k-steps in the same order. Whether
                     // the tensor cores round a warpgroup's k-step as they round `mma.sync`'s is the
-                    // device's to say (printed); a wrong layout of K or V is of order 1.
-                    for kernel in [PrefillKernel::Wg, PrefillKernel::HalfWg] {
+                    // device's to say (printed); a wrong layout of K or V is of order 1. The
+                    // overlapped forms issue the same products in the same order as `Wg`: its bits,
+                    // or a product read or wrote registers or shared memory while in flight.
+                    let mut wg: Option<Vec<f32>> = None;
+                    for kernel in [
+                        PrefillKernel::Wg,
+                        PrefillKernel::HalfWg,
+                        PrefillKernel::WgPipe,
+                        PrefillKernel::HalfWgPipe,
+                    ] {
                         match run(kernel, false) {
                             Some(logits) => {
+                                match (&wg, kernel) {
+                                    (None, PrefillKernel::Wg) => wg = Some(logits.clone()),
+                                    (Some(w), _) if w.iter().zip(&logits).any(|(a, b)| a.to_bits() != b.to_bits()) => {
+                                        failures.push(format!(
+                                            "{model} {} block {bs} prompt {i}: the {} kernel does not \
+                                             give the wg kernel's bits",
+                                            dtype.name(),
+                                            kernel.name()
+                                        ))
+                                    }
+                                    _ => {}
+                                }
                                 let (rel, max) = errors(&logits, &narrow);
                                 let same = logits
                                     .iter()

@@ -286,7 +286,8 @@ pub fn choose_kernels(exec: &mut CudaExecutor, choice: Option<&str>) -> Result<(
                 bail!(
                     "{GPU_KERNELS_VAR}={name}: {} did not load that prefill attention kernel for this \
                      model and KV format (it takes more shared memory than a block may have there, or, \
-                     wg and halfwg, Hopper's warpgroup products); give auto, default or another of {}",
+                     the forms on Hopper's warpgroup products, wg, halfwg, wgpipe and halfwgpipe); give \
+                     auto, default or another of {}",
                     exec.device().name,
                     forms()
                 );
