@@ -32,6 +32,14 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
   delete h;
   return CUBLAS_STATUS_SUCCESS;
 }
+// The stand-in's own version (cuBLAS 13.0 says 130000 and up): a KV fingerprint tells its numerics
+// from a real cuBLAS'.
+cublasStatus_t cublasGetVersion_v2(cublasHandle_t h, int* version) {
+  if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!version) return CUBLAS_STATUS_INVALID_VALUE;
+  *version = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
 cublasStatus_t cublasSetStream_v2(cublasHandle_t h, void* stream) {
   if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
   h->stream = stream;

@@ -85,6 +85,11 @@ pub struct Device {
     pub compiled: bool,
     /// Seconds spent creating the context and loading (or compiling) the kernels.
     pub setup_seconds: f64,
+    /// What the bits of this device's computations depend on beyond the model and their inputs
+    /// ([`numerics_of`]): KV computed on two devices that agree on it is the same bit for bit, so a
+    /// KV fingerprint names it (a tier shared by a fleet, or kept across an upgrade of cuBLAS or of
+    /// Kura, never serves one device's KV to another that would have computed other bits).
+    pub numerics: u128,
     /// While profiling: an event after each launch, with what was launched ([`Device::profile`]).
     marks: std::cell::RefCell<Option<Vec<(String, cudarc::driver::CudaEvent)>>>,
     /// Whether Kura's launches are programmatic dependent launches now ([`Device::set_dependent`]).
@@ -185,6 +190,17 @@ impl Device {
         // A stream of its own (the legacy default stream cannot be captured into a graph).
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let mut cublas_version = 0;
+        // SAFETY: a live handle and a valid out-pointer.
+        unsafe { blas_sys::cublasGetVersion_v2(*blas.handle(), &mut cublas_version) }
+            .result()
+            .map_err(|e| CudaError::driver(format!("cublasGetVersion: {e:?}")))?;
+        let numerics = numerics_of(
+            &kernels::cache_key(compile_arch(&arch), kernels::nvrtc_version()?),
+            &name,
+            sms,
+            cublas_version,
+        );
         let dir = kernels::cache_dir();
         let (cubin, mut compiled) = kernels::cubin_for(compile_arch(&arch), &dir)?;
         let functions = match load_kernels(&ctx, &arch, cubin, probe_smem, smem_optin) {
@@ -220,6 +236,7 @@ impl Device {
             probe_smem,
             compiled,
             setup_seconds: t0.elapsed().as_secs_f64(),
+            numerics,
             marks: std::cell::RefCell::new(None),
             dependent: std::cell::Cell::new(false),
             gemv: std::cell::Cell::new(GemvForm::Plain),
@@ -766,6 +783,24 @@ pub fn compile_arch(arch: &str) -> &str {
     }
 }
 
+/// The identity of a device's numerics ([`Device::numerics`]): Kura's kernels as compiled for it (their
+/// cache key `kernels`: the source, the compile options, the architecture and NVRTC's version), the
+/// device's name and multiprocessors (cuBLAS chooses its algorithms, and so the order of its sums, by
+/// the device) and cuBLAS' version.
+pub fn numerics_of(kernels: &str, name: &str, sms: usize, cublas_version: i32) -> u128 {
+    let mut h = blake3::Hasher::new();
+    h.update(b"kura-cuda-numerics\0");
+    for part in [kernels.as_bytes(), name.as_bytes()] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.update(&(sms as u64).to_le_bytes());
+    h.update(&cublas_version.to_le_bytes());
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    u128::from_le_bytes(out)
+}
+
 /// Whether kernel `name` is in Kura's module compiled for a device of architecture `arch` (every kernel
 /// but the prefill forms on warpgroup products, [`PrefillKernel::needs_sm90a`], which only sm_90 has).
 pub fn in_module(name: &str, arch: &str) -> bool {
@@ -991,6 +1026,38 @@ mod tests {
                 let bytes = dynamic_smem(&k).unwrap_or_else(|| panic!("{k}: no size"));
                 assert!(bytes <= 163 * 1024, "{k}: {bytes} bytes");
             }
+        }
+    }
+
+    #[test]
+    fn each_part_of_a_devices_numerics_counts() {
+        let key = kernels::cache_key("sm_90a", (13, 0));
+        let h100 = numerics_of(&key, "NVIDIA H100 80GB HBM3", 132, 130_000);
+        assert_eq!(
+            h100,
+            numerics_of(&key, "NVIDIA H100 80GB HBM3", 132, 130_000)
+        );
+        for other in [
+            numerics_of(
+                &kernels::cache_key("sm_90a", (13, 1)),
+                "NVIDIA H100 80GB HBM3",
+                132,
+                130_000,
+            ),
+            numerics_of(
+                &kernels::cache_key("sm_80", (13, 0)),
+                "NVIDIA H100 80GB HBM3",
+                132,
+                130_000,
+            ),
+            numerics_of(&key, "NVIDIA H100 PCIe", 132, 130_000),
+            // A MIG slice of the same GPU: fewer multiprocessors, which cuBLAS chooses by.
+            numerics_of(&key, "NVIDIA H100 80GB HBM3", 66, 130_000),
+            numerics_of(&key, "NVIDIA H100 80GB HBM3", 132, 130_100),
+            // The parts are delimited: a name's end is not the key's.
+            numerics_of(&format!("{key}N"), "VIDIA H100 80GB HBM3", 132, 130_000),
+        ] {
+            assert_ne!(other, h100);
         }
     }
 

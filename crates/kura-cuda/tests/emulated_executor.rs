@@ -717,11 +717,20 @@ fn blocks_export_import_and_copy_and_a_missing_device_or_memory_is_an_error() {
         Err(e) => panic!("cuda:1: {e}"),
         Ok(_) => panic!("cuda:1: one emulated device"),
     }
-    let Err(too_big) = CudaExecutor::load(
-        Device::open(0).unwrap(),
-        model_dir(),
-        PoolSpec::new(KvDtype::Bf16, 16, 1 << 20),
-    ) else {
+    // The device's numerics are its kernels as compiled there, its name and multiprocessors, and the
+    // stand-in cuBLAS' version (1).
+    let dev = Device::open(0).unwrap();
+    let kernels = kura_cuda::kernels::cache_key(
+        kura_cuda::device::compile_arch(&dev.arch),
+        kura_cuda::kernels::nvrtc_version().unwrap(),
+    );
+    assert_eq!(
+        dev.numerics,
+        kura_cuda::device::numerics_of(&kernels, &dev.name, dev.sms, 1)
+    );
+    let Err(too_big) =
+        CudaExecutor::load(dev, model_dir(), PoolSpec::new(KvDtype::Bf16, 16, 1 << 20))
+    else {
         panic!("a pool of 16 GiB on a device of 4 GiB")
     };
     println!("{too_big}");

@@ -118,6 +118,11 @@ impl GpuSetup {
         &self.dev.name
     }
 
+    /// The device's numerics (`Device::numerics`), which the KV fingerprint is made from too.
+    pub fn numerics(&self) -> u128 {
+        self.dev.numerics
+    }
+
     /// The weights' identity (`DevWeights::fingerprint`), which the KV fingerprint is made from.
     pub fn weights_fingerprint(&self) -> u128 {
         self.weights.fingerprint

@@ -248,12 +248,17 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 ///
 /// ```text
 /// 8 bytes   "kura-kv\0"
-/// u32       encoding version, 3 (version 1 hashed Debug text; version 2's CPU forward pass took SiLU's
-///           exponential from the C library, version 3's from its own polynomial: other bits)
+/// u32       encoding version, 4 (version 1 hashed Debug text; version 2's CPU forward pass took SiLU's
+///           exponential from the C library, version 3's from its own polynomial: other bits; version
+///           4 added the model's RoPE and norm parameters)
 /// u128      the weights' digest
+/// u128      the digest of the model's RoPE and norm parameters
 /// u32       compute format: f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6, native 7 (the CPU
 ///           runtime's weights), the CUDA executor 8 (its kernels round otherwise: a GPU's blocks
 ///           and a CPU's are never served for each other)
+/// u128      (the CUDA executor only) the device's numerics, `kura_cuda::Device::numerics`: its
+///           kernels as compiled there, the GPU and its multiprocessors, cuBLAS' version (a fleet's
+///           shared tier never serves one GPU's blocks to another that computes other bits)
 /// ...       the layout, KvLayout::encode_for_fingerprint
 /// u128      the digest of the KV encoding (the key offsets quantised formats subtract)
 /// ```
@@ -268,6 +273,7 @@ fn kv_fingerprint(
     encoding: u128,
 ) -> u128 {
     const VERSION: u32 = 4;
+    let compute_of = compute;
     let compute: u32 = match compute {
         Compute::Cpu(WeightsDtype::F32) => 1,
         Compute::Cpu(WeightsDtype::F16) => 2,
@@ -276,7 +282,7 @@ fn kv_fingerprint(
         Compute::Cpu(WeightsDtype::Int8) => 5,
         Compute::Cpu(WeightsDtype::Int4) => 6,
         Compute::Cpu(WeightsDtype::Native) => 7,
-        Compute::Cuda => 8,
+        Compute::Cuda(_) => 8,
     };
     let mut bytes = Vec::with_capacity(128 + 32 * layout.layers.len());
     bytes.extend_from_slice(b"kura-kv\0");
@@ -284,16 +290,21 @@ fn kv_fingerprint(
     bytes.extend_from_slice(&weights.to_le_bytes());
     bytes.extend_from_slice(&params.to_le_bytes());
     bytes.extend_from_slice(&compute.to_le_bytes());
+    if let Compute::Cuda(numerics) = compute_of {
+        bytes.extend_from_slice(&numerics.to_le_bytes());
+    }
     layout.encode_for_fingerprint(&mut bytes);
     bytes.extend_from_slice(&encoding.to_le_bytes());
     xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
-/// What computes the KV a server caches: the CPU runtime with its weights format, or the CUDA executor.
+/// What computes the KV a server caches: the CPU runtime with its weights format (whose bits are the
+/// same on every x86 machine), or the CUDA executor on a device of the numerics it names
+/// (`kura_cuda::Device::numerics`: its kernels as compiled there, the device, cuBLAS' version).
 #[derive(Debug, Clone, Copy)]
 enum Compute {
     Cpu(WeightsDtype),
-    Cuda,
+    Cuda(u128),
 }
 
 /// Longest `--request-timeout-s`: a week.
@@ -496,6 +507,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         (None, Some(g)) => (g.weights_fingerprint(), 0),
         (None, None) => unreachable!("the model is loaded on the CPU or on a GPU"),
     };
+    let gpu_numerics = gpu.as_ref().map(|g| g.numerics());
     let executor: Box<dyn kura_engine::Executor> = match (gpu.take(), &model) {
         (Some(g), _) => Box::new(g.executor(&layout, num_blocks as usize)?),
         (None, None) => unreachable!("the model is loaded on the CPU or on a GPU"),
@@ -508,9 +520,10 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             Box::new(kura_model::ModelExecutor::new(model.clone(), storage))
         }
     };
-    let compute = match &model {
-        None => Compute::Cuda,
-        Some(m) => Compute::Cpu(m.weights_dtype()),
+    let compute = match (&model, gpu_numerics) {
+        (Some(m), _) => Compute::Cpu(m.weights_dtype()),
+        (None, Some(numerics)) => Compute::Cuda(numerics),
+        (None, None) => unreachable!("the model is loaded on the CPU or on a GPU"),
     };
     let fingerprint = kv_fingerprint(
         weights_fingerprint,
@@ -828,7 +841,8 @@ mod tests {
                 &layout,
                 encoding,
             ),
-            kv_fingerprint(weights, params, Compute::Cuda, &layout, encoding),
+            kv_fingerprint(weights, params, Compute::Cuda(1), &layout, encoding),
+            kv_fingerprint(weights, params, Compute::Cuda(2), &layout, encoding),
             kv_fingerprint(weights, params, native, &layout, encoding + 1),
             kv_fingerprint(
                 weights,
