@@ -25,10 +25,11 @@ fn every_kernel_compiles_for_hopper_without_spills() {
     warpgroup_products_keep_their_registers(&cubin);
 }
 
-/// In the machine code of every prefill kernel on warpgroup products (`HGMMA`): no instruction writes a
-/// register that a product in flight reads or accumulates into (the products run asynchronously: a
-/// group, closed by the product marked `gsb0`, is in flight until a `WARPGROUP.DEPBAR.LE gsb0, N` leaves
-/// at most N newer groups; the code is read in address order, each branch's code after the one before),
+/// In the machine code of every prefill kernel on warpgroup products (`HGMMA`): no instruction reads or
+/// writes a register that a product in flight reads or accumulates into, and no product uses one of a
+/// group before it (the products run asynchronously: a group, closed by the product marked `gsb0`, is
+/// in flight until a `WARPGROUP.DEPBAR.LE gsb0, N` leaves at most N newer groups; the code is read in
+/// address order, each branch's code after the one before),
 /// and the Q fragments the score product reads are loaded again in each pass of the key-tile loop,
 /// before that product. ptxas of CUDA 13.0 gave Q
 /// fragments kept in registers across the loop the registers of P's fragments, so that from the second
@@ -46,33 +47,12 @@ fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
             failures.push(format!("{name}: not in nvdisasm's listing"));
             continue;
         };
-        // (1) Nothing writes an in-flight product's registers: the groups in flight, oldest first,
-        // and the products issued since the last group closed.
-        let mut groups: Vec<Vec<u32>> = Vec::new();
-        let mut open: Vec<u32> = Vec::new();
-        for (at, ins) in &code.ins {
-            if let Some(g) = ins.hgmma() {
-                open.extend(g.d..g.d + g.n / 2);
-                open.extend(g.a.map_or(0..0, |a| a..a + 4));
-                if ins.text.contains("gsb0") {
-                    groups.push(std::mem::take(&mut open));
-                }
-            } else if ins.opcode.starts_with("WARPGROUP.DEPBAR") {
-                let Some(keep) = ins.depbar_keep() else {
-                    failures.push(format!("{name}: {at:#x} `{}`: no group count", ins.text));
-                    continue;
-                };
-                groups.drain(..groups.len().saturating_sub(keep));
-            } else if let Some(d) = ins
-                .dests()
-                .find(|d| open.contains(d) || groups.iter().any(|g| g.contains(d)))
-            {
-                failures.push(format!(
-                    "{name}: {at:#x} `{}` writes R{d}, in flight",
-                    ins.text
-                ));
-            }
-        }
+        // (1) Nothing touches an in-flight product's registers.
+        failures.extend(
+            in_flight_uses(code)
+                .into_iter()
+                .map(|f| format!("{name}: {f}")),
+        );
         // (2) The score product's A fragments (Q) are written inside the loop, before it.
         let scores: Vec<(u64, Hgmma)> = code
             .ins
@@ -123,6 +103,91 @@ fn warpgroup_products_keep_their_registers(cubin: &[u8]) {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Where `code` reads or writes a register of a warpgroup product in flight, or a product uses one of a
+/// group before it (the rule of [`warpgroup_products_keep_their_registers`]): the groups in flight,
+/// oldest first, and the products issued since the last group closed, followed in address order.
+fn in_flight_uses(code: &Code) -> Vec<String> {
+    let mut failures = Vec::new();
+    let mut groups: Vec<Vec<u32>> = Vec::new();
+    let mut open: Vec<u32> = Vec::new();
+    for (at, ins) in &code.ins {
+        if let Some(g) = ins.hgmma() {
+            let regs: Vec<u32> = (g.d..g.d + g.n / 2)
+                .chain(g.a.map_or(0..0, |a| a..a + 4))
+                .collect();
+            if let Some(r) = regs.iter().find(|r| groups.iter().any(|g| g.contains(r))) {
+                failures.push(format!(
+                    "{at:#x} `{}` uses R{r} of a group in flight",
+                    ins.text
+                ));
+            }
+            open.extend(regs);
+            if ins.text.contains("gsb0") {
+                groups.push(std::mem::take(&mut open));
+            }
+        } else if ins.opcode.starts_with("WARPGROUP.DEPBAR") {
+            let Some(keep) = ins.depbar_keep() else {
+                failures.push(format!("{at:#x} `{}`: no group count", ins.text));
+                continue;
+            };
+            groups.drain(..groups.len().saturating_sub(keep));
+        } else if let Some(r) = ins
+            .registers()
+            .into_iter()
+            .find(|r| open.contains(r) || groups.iter().any(|g| g.contains(r)))
+        {
+            failures.push(format!(
+                "{at:#x} `{}` reads or writes R{r}, in flight",
+                ins.text
+            ));
+        }
+    }
+    failures
+}
+
+#[test]
+fn the_machine_code_check_sees_every_use_of_a_register_in_flight() {
+    // A score group (accumulators R24..R55, A R88..R91) and a value group (R56..R87, A R92..R95),
+    // then a wait that leaves the value group in flight, then one that ends it.
+    let listing = |between: &str| {
+        format!(
+            "\t.text.k:\n\
+             /*0000*/ WARPGROUP.ARRIVE ;\n\
+             /*0010*/ HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR4], RZ, !UPT, gsb0 ;\n\
+             /*0020*/ WARPGROUP.ARRIVE ;\n\
+             /*0030*/ HGMMA.64x64x16.F32.BF16 R56, R92, gdesc[UR8].tnspB, R56, gsb0 ;\n\
+             /*0040*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n\
+             /*0050*/ {between} ;\n\
+             /*0060*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n\
+             /*0070*/ FMUL R56, R56, R1 ;\n"
+        )
+    };
+    let uses = |between: &str| in_flight_uses(&parse_listing(&listing(between))["k"]);
+    // The scores, done, are free; so are registers no product names.
+    for clean in [
+        "FMUL R24, R24, R2",
+        "SHFL.BFLY PT, R55, R54, 0x1, 0x1f",
+        "MOV R96, R88",
+        "LDS.64 R96, [R2.64]",
+    ] {
+        assert_eq!(uses(clean), Vec::<String>::new(), "{clean}");
+    }
+    // The value group's accumulators and A, written or read, by any form of operand.
+    for hazard in [
+        "FMUL R60, R60, R2",                 // an accumulator written and read
+        "SHFL.BFLY PT, R87, R54, 0x1, 0x1f", // written after a predicate
+        "FADD R2, R57, R3",                  // an accumulator read
+        "F2FP.BF16.F32.PACK_AB R95, R3, R2", // A overwritten
+        "LDS.64 R86, [R2]",                  // the second register of a wide load
+        "STS.128 [R2], R84",                 // the data of a wide store
+        "IMAD.WIDE R86, R2, 0x4, RZ",        // the second register of a wide result
+        "LDG.E R2, desc[UR4][R92.64]",       // an address register pair
+        "HGMMA.64x64x16.F32.BF16 R56, R88, gdesc[UR4], R56, gsb0", // a product into a group in flight
+    ] {
+        assert_eq!(uses(hazard).len(), 1, "{hazard}: {:?}", uses(hazard));
+    }
 }
 
 /// One instruction of nvdisasm's listing.
@@ -199,6 +264,70 @@ impl Ins {
         self.dest.into_iter().flat_map(move |d| d..d + width)
     }
 
+    /// Every register it names, read or written: its destination as wide as [`Self::dests`] says, a
+    /// store's data as wide as the store, an address register two wide where marked `.64` (`[R2.64]`),
+    /// any other one.
+    fn registers(&self) -> Vec<u32> {
+        let dest_width = self.dests().count().max(1) as u32;
+        let store_width = if self.opcode.contains(".128") {
+            4
+        } else if self.opcode.contains(".64") {
+            2
+        } else {
+            1
+        };
+        let store = self.opcode.starts_with("ST");
+        let operands = self
+            .text
+            .split_once(self.opcode.as_str())
+            .map_or("", |(_, rest)| rest);
+        let bytes = operands.as_bytes();
+        let mut regs = Vec::new();
+        let (mut i, mut in_address, mut first) = (0, false, true);
+        while i < bytes.len() {
+            match bytes[i] {
+                b'[' => in_address = true,
+                b']' => in_address = false,
+                _ => {}
+            }
+            let starts = bytes[i] == b'R'
+                && (i == 0 || !bytes[i - 1].is_ascii_alphanumeric())
+                && bytes.get(i + 1).is_some_and(u8::is_ascii_digit);
+            if !starts {
+                i += 1;
+                continue;
+            }
+            let digits = bytes[i + 1..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+            let end = i + 1 + digits;
+            let r: u32 = operands[i + 1..end].parse().unwrap_or(u32::MAX);
+            let wide = operands[end..].starts_with(".64");
+            let width = if in_address {
+                if wide {
+                    2
+                } else {
+                    1
+                }
+            } else if first && self.dest == Some(r) {
+                dest_width
+            } else if store {
+                store_width
+            } else if wide {
+                2
+            } else {
+                1
+            };
+            if !in_address {
+                first = false;
+            }
+            regs.extend(r..r.saturating_add(width));
+            i = end;
+        }
+        regs
+    }
+
     /// N of `WARPGROUP.DEPBAR.LE gsb0, N`: the groups it leaves in flight.
     fn depbar_keep(&self) -> Option<usize> {
         let n = self.text.rsplit(',').next()?.trim();
@@ -249,10 +378,15 @@ fn disassemble(cubin: &[u8]) -> HashMap<String, Code> {
         "nvdisasm: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    parse_listing(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// nvdisasm's listing (`-c`) as kernels.
+fn parse_listing(listing: &str) -> HashMap<String, Code> {
     let mut kernels: HashMap<String, Code> = HashMap::new();
     let mut current: Option<String> = None;
     let mut pending: Vec<String> = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
+    for line in listing.lines() {
         let t = line.trim();
         if let Some(name) = t.strip_prefix(".text.").and_then(|r| r.strip_suffix(':')) {
             current = Some(name.to_string());
