@@ -248,17 +248,19 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 ///
 /// ```text
 /// 8 bytes   "kura-kv\0"
-/// u32       encoding version, 4 (version 1 hashed Debug text; version 2's CPU forward pass took SiLU's
+/// u32       encoding version, 5 (version 1 hashed Debug text; version 2's CPU forward pass took SiLU's
 ///           exponential from the C library, version 3's from its own polynomial: other bits; version
-///           4 added the model's RoPE and norm parameters)
+///           4 added the model's RoPE and norm parameters; version 5 the CPU's numerics)
 /// u128      the weights' digest
 /// u128      the digest of the model's RoPE and norm parameters
 /// u32       compute format: f32 1, f16 2, bf16 3, fp8 4, int8 5, int4 6, native 7 (the CPU
 ///           runtime's weights), the CUDA executor 8 (its kernels round otherwise: a GPU's blocks
 ///           and a CPU's are never served for each other)
-/// u128      (the CUDA executor only) the device's numerics, `kura_cuda::Device::numerics`: its
-///           kernels as compiled there, the GPU and its multiprocessors, cuBLAS' version (a fleet's
-///           shared tier never serves one GPU's blocks to another that computes other bits)
+/// u128      the numerics of what computes it: on the CPU `kura_model::kernels::numerics`, its kernel
+///           paths that compute other bits on other CPUs (the instruction set, VNNI, AVX-512 BF16,
+///           each layer's attention kernel); on a GPU `kura_cuda::Device::numerics`, its kernels as
+///           compiled there, the GPU and its multiprocessors, cuBLAS' version (a fleet's shared tier
+///           never serves one machine's blocks to another that computes other bits)
 /// ...       the layout, KvLayout::encode_for_fingerprint
 /// u128      the digest of the KV encoding (the key offsets quantised formats subtract)
 /// ```
@@ -272,17 +274,16 @@ fn kv_fingerprint(
     layout: &KvLayout,
     encoding: u128,
 ) -> u128 {
-    const VERSION: u32 = 4;
-    let compute_of = compute;
-    let compute: u32 = match compute {
-        Compute::Cpu(WeightsDtype::F32) => 1,
-        Compute::Cpu(WeightsDtype::F16) => 2,
-        Compute::Cpu(WeightsDtype::Bf16) => 3,
-        Compute::Cpu(WeightsDtype::Fp8) => 4,
-        Compute::Cpu(WeightsDtype::Int8) => 5,
-        Compute::Cpu(WeightsDtype::Int4) => 6,
-        Compute::Cpu(WeightsDtype::Native) => 7,
-        Compute::Cuda(_) => 8,
+    const VERSION: u32 = 5;
+    let (compute, numerics): (u32, u128) = match compute {
+        Compute::Cpu(WeightsDtype::F32, n) => (1, n),
+        Compute::Cpu(WeightsDtype::F16, n) => (2, n),
+        Compute::Cpu(WeightsDtype::Bf16, n) => (3, n),
+        Compute::Cpu(WeightsDtype::Fp8, n) => (4, n),
+        Compute::Cpu(WeightsDtype::Int8, n) => (5, n),
+        Compute::Cpu(WeightsDtype::Int4, n) => (6, n),
+        Compute::Cpu(WeightsDtype::Native, n) => (7, n),
+        Compute::Cuda(n) => (8, n),
     };
     let mut bytes = Vec::with_capacity(128 + 32 * layout.layers.len());
     bytes.extend_from_slice(b"kura-kv\0");
@@ -290,20 +291,19 @@ fn kv_fingerprint(
     bytes.extend_from_slice(&weights.to_le_bytes());
     bytes.extend_from_slice(&params.to_le_bytes());
     bytes.extend_from_slice(&compute.to_le_bytes());
-    if let Compute::Cuda(numerics) = compute_of {
-        bytes.extend_from_slice(&numerics.to_le_bytes());
-    }
+    bytes.extend_from_slice(&numerics.to_le_bytes());
     layout.encode_for_fingerprint(&mut bytes);
     bytes.extend_from_slice(&encoding.to_le_bytes());
     xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
-/// What computes the KV a server caches: the CPU runtime with its weights format (whose bits are the
-/// same on every x86 machine), or the CUDA executor on a device of the numerics it names
-/// (`kura_cuda::Device::numerics`: its kernels as compiled there, the device, cuBLAS' version).
+/// What computes the KV a server caches: the CPU runtime with its weights format on a CPU of the
+/// numerics it names (`kura_model::kernels::numerics`: the kernel paths that compute other bits on other
+/// CPUs), or the CUDA executor on a device of the numerics it names (`kura_cuda::Device::numerics`: its
+/// kernels as compiled there, the device, cuBLAS' version).
 #[derive(Debug, Clone, Copy)]
 enum Compute {
-    Cpu(WeightsDtype),
+    Cpu(WeightsDtype, u128),
     Cuda(u128),
 }
 
@@ -521,7 +521,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         }
     };
     let compute = match (&model, gpu_numerics) {
-        (Some(m), _) => Compute::Cpu(m.weights_dtype()),
+        (Some(m), _) => Compute::Cpu(m.weights_dtype(), kura_model::kernels::numerics(&layout)),
         (None, Some(numerics)) => Compute::Cuda(numerics),
         (None, None) => unreachable!("the model is loaded on the CPU or on a GPU"),
     };
@@ -826,10 +826,10 @@ mod tests {
         .unwrap();
         let weights = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
         let encoding = 0x1111_2222_3333_4444_5555_6666_7777_8888;
-        let native = Compute::Cpu(WeightsDtype::Native);
+        let native = Compute::Cpu(WeightsDtype::Native, 0x42);
         let params = 0x9999_aaaa_bbbb_cccc_dddd_eeee_ffff_0000;
         let f = kv_fingerprint(weights, params, native, &layout, encoding);
-        assert_eq!(format!("{f:032x}"), "0ac00faa7f877aeefc726c7f8568cd4b");
+        assert_eq!(format!("{f:032x}"), "45259823656487160a0383a3ce4c2365");
         // Each input counts.
         let others = [
             kv_fingerprint(weights + 1, params, native, &layout, encoding),
@@ -837,7 +837,14 @@ mod tests {
             kv_fingerprint(
                 weights,
                 params,
-                Compute::Cpu(WeightsDtype::Bf16),
+                Compute::Cpu(WeightsDtype::Bf16, 0x42),
+                &layout,
+                encoding,
+            ),
+            kv_fingerprint(
+                weights,
+                params,
+                Compute::Cpu(WeightsDtype::Native, 0x43),
                 &layout,
                 encoding,
             ),

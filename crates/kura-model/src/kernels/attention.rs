@@ -16,10 +16,10 @@
 //! `o = Σ e^(score − m) · V`; the segments of a token are merged in order (`Σ e^(m_s − M) o_s / Σ e^(m_s −
 //! M) l_s`). Positions are visited in the same order whatever the paging, so the result does not depend
 //! on the block size, and each token is computed the same way whether it comes in a prefill chunk or alone
-//! in a decode step, so a token's output does not depend on its batch. With AVX-512 and a head size of 64
-//! or 128 a vector kernel computes 16 scores at a time (see [`x86`]); with AVX2 and plain rows (f32,
+//! in a decode step, so a token's output does not depend on its batch. With AVX-512 and a head size of 64,
+//! 128 or 256 a vector kernel computes 16 scores at a time (see [`x86`]); with AVX2 and plain rows (f32,
 //! bf16, f16) of a head size that is a multiple of 8, one computes 8 at a time (see [`avx2`]); other
-//! shapes and CPUs take a portable loop. Cost: O(tokens × heads × context × head_dim).
+//! shapes and CPUs take a portable loop ([`attention_kernel`] says which a unit takes). Cost: O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
 use kura_kv::codec::{self, KvDtype, QUANT_GROUP};
@@ -151,9 +151,9 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     }
 }
 
-/// Scales of the groups (one for head size 64, two for 128) of a row whose payload is `payload` bytes,
-/// each group's scale `stride` bytes after the last; `mul` folded in. A single group's scale stands in
-/// for the second.
+/// Scales of the groups (one for head size 64, two for 128, four for 256) of a row whose payload is
+/// `payload` bytes, each group's scale `stride` bytes after the last; `mul` folded in. Where the row has
+/// fewer groups, the first group's scale stands in for the others.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn group_scales(
@@ -162,16 +162,18 @@ unsafe fn group_scales(
     stride: usize,
     groups: usize,
     mul: f32,
-) -> [f32; 2] {
+) -> [f32; 4] {
     // SAFETY: the caller's guarantee that the row is readable.
     unsafe {
         let s0 = f16_at(row.add(payload)) * mul;
-        let s1 = if groups > 1 {
-            f16_at(row.add(payload + stride)) * mul
-        } else {
-            s0
+        let at = |g: usize| {
+            if groups > g {
+                f16_at(row.add(payload + g * stride)) * mul
+            } else {
+                s0
+            }
         };
-        [s0, s1]
+        [s0, at(1), at(2), at(3)]
     }
 }
 
@@ -192,7 +194,7 @@ macro_rules! byte_row {
             type Unit = u8;
             const INTEGER_SCORES: bool = $integer;
             #[cfg(target_arch = "x86_64")]
-            type Params = [f32; 2];
+            type Params = [f32; 4];
             fn typed(s: KvSlice<'_>) -> &[u8] {
                 quant_units(s)
             }
@@ -201,20 +203,20 @@ macro_rules! byte_row {
             }
             #[cfg(target_arch = "x86_64")]
             #[inline(always)]
-            unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 2] {
+            unsafe fn params(row: *const u8, head_dim: usize) -> [f32; 4] {
                 // SAFETY: the caller's guarantee.
                 unsafe { group_scales(row, head_dim, 2, head_dim / QUANT_GROUP, $mul) }
             }
             #[cfg(target_arch = "x86_64")]
             #[inline(always)]
-            unsafe fn load16(row: *const u8, c: usize, p: &[f32; 2]) -> std::arch::x86_64::__m512 {
+            unsafe fn load16(row: *const u8, c: usize, p: &[f32; 4]) -> std::arch::x86_64::__m512 {
                 use std::arch::x86_64::*;
                 // SAFETY: the caller's guarantee: 16 payload bytes at 16c.
                 unsafe { _mm512_mul_ps(Self::load16_unscaled(row, c), _mm512_set1_ps(p[c / 4])) }
             }
             #[cfg(target_arch = "x86_64")]
             #[inline(always)]
-            fn single_scale(p: &[f32; 2]) -> Option<f32> {
+            fn single_scale(p: &[f32; 4]) -> Option<f32> {
                 Some(p[0])
             }
             #[cfg(target_arch = "x86_64")]
@@ -247,7 +249,7 @@ byte_row!(Fp8Row, KvDtype::Fp8, false, 256.0, |b| {
 impl KvRow for Int4Row {
     type Unit = u8;
     #[cfg(target_arch = "x86_64")]
-    type Params = [[f32; 2]; 2];
+    type Params = [[f32; 4]; 2];
     fn typed(s: KvSlice<'_>) -> &[u8] {
         quant_units(s)
     }
@@ -256,7 +258,7 @@ impl KvRow for Int4Row {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn params(row: *const u8, head_dim: usize) -> [[f32; 2]; 2] {
+    unsafe fn params(row: *const u8, head_dim: usize) -> [[f32; 4]; 2] {
         let payload = head_dim / 2;
         // SAFETY: the caller's guarantee.
         unsafe {
@@ -268,7 +270,7 @@ impl KvRow for Int4Row {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(row: *const u8, c: usize, p: &[[f32; 2]; 2]) -> std::arch::x86_64::__m512 {
+    unsafe fn load16(row: *const u8, c: usize, p: &[[f32; 4]; 2]) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         // Group c / 4 has 32 bytes; its chunks 0, 1 are the low nibbles of bytes 0..16, 16..32 and its
         // chunks 2, 3 the high nibbles of the same bytes.
@@ -646,6 +648,55 @@ fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
     }
 }
 
+/// The kernel that computes a unit of attention. Each gives its own bits (its own order of additions,
+/// its own exponential), the same whatever the batch, the chunk or the block size: KV computed through
+/// one is served only where the same one would compute it ([`cpu_numerics`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// The portable loop: other CPUs, head sizes and formats the vector kernels do not take.
+    Portable,
+    /// The AVX2 kernel (`attention_avx2.rs`): plain rows of a head size that is a multiple of 8, up to
+    /// 256, on a CPU with AVX2, FMA and F16C but no AVX-512 (or with `KURA_ISA=avx2`).
+    Avx2,
+    /// The AVX-512 kernel ([`x86::attend`]): every format but int8, at head sizes 64, 128 and 256.
+    Avx512,
+    /// The AVX-512 kernel with int8 scores by `vpdpbusd` ([`x86::attend_int8`]), at head sizes 64, 128
+    /// and 256.
+    Avx512Vnni,
+}
+
+impl AttnKernel {
+    /// Its code in a KV fingerprint ([`cpu_numerics`]).
+    pub fn code(self) -> u8 {
+        match self {
+            AttnKernel::Portable => 1,
+            AttnKernel::Avx2 => 2,
+            AttnKernel::Avx512 => 3,
+            AttnKernel::Avx512Vnni => 4,
+        }
+    }
+}
+
+/// The kernel that computes attention over `dtype` rows of `head_dim` elements through `isa`'s kernels,
+/// `vnni` saying whether the CPU has AVX-512 VNNI with BW (what the int8 kernel needs). What every unit's
+/// dispatch follows.
+pub fn attention_kernel(isa: Isa, vnni: bool, dtype: KvDtype, head_dim: usize) -> AttnKernel {
+    let vector_head = matches!(head_dim, 64 | 128 | 256);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma if !dtype.is_quantized() && avx2::takes(head_dim) => AttnKernel::Avx2,
+        Isa::Avx512 if vector_head && dtype == KvDtype::Int8 => {
+            if vnni {
+                AttnKernel::Avx512Vnni
+            } else {
+                AttnKernel::Portable
+            }
+        }
+        Isa::Avx512 if vector_head && cfg!(target_arch = "x86_64") => AttnKernel::Avx512,
+        _ => AttnKernel::Portable,
+    }
+}
+
 /// One unit's partials through the kernel of `dtype`'s rows.
 fn attend_dtype(
     dtype: KvDtype,
@@ -654,26 +705,28 @@ fn attend_dtype(
     scores: &mut Vec<f32>,
     part: &mut [f32],
 ) {
+    let vnni = super::dot::Vnni::detect().is_some();
+    let kernel = attention_kernel(isa, vnni, dtype, job.head_dim);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2Fma && avx2::takes(job.head_dim) {
-        // SAFETY: `takes` checked the CPU's features and the head size.
+    if kernel == AttnKernel::Avx2 {
+        // SAFETY: `attention_kernel` chose it through `avx2::takes`, which checked the CPU's features
+        // and the head size.
         unsafe {
             match dtype {
                 KvDtype::F32 => return avx2::attend::<f32>(job, scores, part),
                 KvDtype::Bf16 => return avx2::attend::<bf16>(job, scores, part),
                 KvDtype::F16 => return avx2::attend::<f16>(job, scores, part),
-                _ => {}
+                _ => unreachable!("the AVX2 kernel takes plain rows"),
             }
         }
     }
-    let use_avx512 = isa == Isa::Avx512;
     match dtype {
-        KvDtype::F32 => attend_any::<f32>(use_avx512, job, scores, part),
-        KvDtype::Bf16 => attend_any::<bf16>(use_avx512, job, scores, part),
-        KvDtype::F16 => attend_any::<f16>(use_avx512, job, scores, part),
-        KvDtype::Int8 => attend_any::<Int8Row>(use_avx512, job, scores, part),
-        KvDtype::Fp8 => attend_any::<Fp8Row>(use_avx512, job, scores, part),
-        KvDtype::Int4 => attend_any::<Int4Row>(use_avx512, job, scores, part),
+        KvDtype::F32 => attend_any::<f32>(kernel, job, scores, part),
+        KvDtype::Bf16 => attend_any::<bf16>(kernel, job, scores, part),
+        KvDtype::F16 => attend_any::<f16>(kernel, job, scores, part),
+        KvDtype::Int8 => attend_any::<Int8Row>(kernel, job, scores, part),
+        KvDtype::Fp8 => attend_any::<Fp8Row>(kernel, job, scores, part),
+        KvDtype::Int4 => attend_any::<Int4Row>(kernel, job, scores, part),
     }
 }
 
@@ -782,39 +835,43 @@ struct Job<'a, 'b> {
     scale: f32,
 }
 
-/// [`attend`], or on AVX-512 with a head size of 64 or 128 the vector kernel [`x86::attend`].
+/// A unit through `kernel` (the AVX-512 ones at head sizes 64, 128 and 256; the AVX2 kernel is
+/// [`attend_dtype`]'s), or the portable loop [`attend`].
 fn attend_any<'a, R: KvRow + 'a>(
-    use_avx512: bool,
+    kernel: AttnKernel,
     job: &Job<'a, '_>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if use_avx512 {
-        if R::INTEGER_SCORES {
-            // Integer dot products (the portable loop computes the same bits).
-            if super::dot::Vnni::detect().is_some() {
-                // SAFETY: Vnni::detect checked avx512f, avx512bw and avx512vnni; the storage is int8.
-                unsafe {
-                    match job.head_dim {
-                        64 => return x86::attend_int8::<4>(job, scores, out),
-                        128 => return x86::attend_int8::<8>(job, scores, out),
-                        _ => {}
-                    }
-                }
+    match kernel {
+        // SAFETY: `attention_kernel` chose it for a CPU with avx512f, avx512bw and avx512vnni (the
+        // `vnni` it was given, `Vnni::detect`), int8 storage and one of these head sizes.
+        AttnKernel::Avx512Vnni => unsafe {
+            match job.head_dim {
+                64 => return x86::attend_int8::<4, 1>(job, scores, out),
+                128 => return x86::attend_int8::<8, 2>(job, scores, out),
+                256 => return x86::attend_int8::<16, 4>(job, scores, out),
+                _ => {}
             }
-            return attend::<R>(job, scores, out);
-        }
-        // SAFETY: use_avx512 comes from Isa::detect, which checked avx512f.
-        unsafe {
+        },
+        // SAFETY: `attention_kernel` chose it for `Isa::Avx512`, which `Isa::detect` (or the tests'
+        // `cpu_has`) checked, and one of these head sizes.
+        AttnKernel::Avx512 => unsafe {
             match job.head_dim {
                 64 => return x86::attend::<R, 4>(job, scores, out),
                 128 => return x86::attend::<R, 8>(job, scores, out),
+                256 => return x86::attend::<R, 16>(job, scores, out),
                 _ => {}
             }
-        }
+        },
+        AttnKernel::Portable | AttnKernel::Avx2 => {}
     }
-    let _ = use_avx512;
+    debug_assert!(
+        matches!(kernel, AttnKernel::Portable),
+        "{kernel:?} at head size {} reached the portable loop",
+        job.head_dim
+    );
     attend::<R>(job, scores, out)
 }
 
@@ -1036,7 +1093,7 @@ mod x86 {
         // K: 16 keys at a time, each row read (and dequantised) once into a tile of registers spilled to
         // L1, then every query head of the group takes its 16 scores from the tile. Each score is the same
         // chain of fused multiply-adds over the row as when every head read the row itself. The tile
-        // (4 or 8 KiB) is cleared once a unit, not for every 16 keys, where clearing it wrote twice the
+        // (4, 8 or 16 KiB) is cleared once a unit, not for every 16 keys, where clearing it wrote twice the
         // bytes of K that were read: a group reads only its `keys` rows, each written first.
         let mut tile = [[_mm512_setzero_ps(); CH]; 16];
         for (block, first, last, at, next) in spans.clone() {
@@ -1065,14 +1122,31 @@ mod x86 {
                     (1u16 << keys) - 1
                 };
                 for g in 0..group {
-                    // SAFETY: q holds group × head_dim values.
-                    let qv: [__m512; CH] = std::array::from_fn(|c| unsafe {
-                        _mm512_loadu_ps(q.as_ptr().add(g * head_dim + 16 * c))
-                    });
                     let mut acc = [_mm512_setzero_ps(); 16];
-                    for (a, t) in acc.iter_mut().zip(&tile).take(keys) {
-                        for (qc, tc) in qv.iter().zip(t) {
-                            *a = _mm512_fmadd_ps(*qc, *tc, *a);
+                    if CH <= 8 {
+                        // SAFETY: q holds group × head_dim values.
+                        let qv: [__m512; CH] = std::array::from_fn(|c| unsafe {
+                            _mm512_loadu_ps(q.as_ptr().add(g * head_dim + 16 * c))
+                        });
+                        for (a, t) in acc.iter_mut().zip(&tile).take(keys) {
+                            for (qc, tc) in qv.iter().zip(t) {
+                                *a = _mm512_fmadd_ps(*qc, *tc, *a);
+                            }
+                        }
+                    } else {
+                        // A head of 256: 16 query vectors and 16 sums would take every register, so
+                        // the query comes in halves of 8 vectors, each taken by every key in turn.
+                        // Each sum is still the chain over c = 0, 1, ... of the loop above.
+                        for half in 0..CH / 8 {
+                            // SAFETY: q holds group × head_dim values, 16 (8 half + c) < head_dim.
+                            let qv: [__m512; 8] = std::array::from_fn(|c| unsafe {
+                                _mm512_loadu_ps(q.as_ptr().add(g * head_dim + 16 * (8 * half + c)))
+                            });
+                            for (a, t) in acc.iter_mut().zip(&tile).take(keys) {
+                                for (qc, tc) in qv.iter().zip(&t[8 * half..]) {
+                                    *a = _mm512_fmadd_ps(*qc, *tc, *a);
+                                }
+                            }
                         }
                     }
                     let sums = _mm512_mul_ps(transpose_sum(&acc), scale_v);
@@ -1087,17 +1161,17 @@ mod x86 {
         unsafe { softmax_pv::<R, CH>(job, scores, n_ctx, out) }
     }
 
-    /// The int8 unit for head size `16 · CH` (`CH` a multiple of 4): scores by integer dot products of
-    /// the quantised query ([`super::QuantQuery`]) with the stored rows, `vpdpbusd` taking 64 products
-    /// a row and head, then softmax and V as in [`attend`]. The row bytes are made unsigned (`k + 128`)
+    /// The int8 unit for head size `16 · CH` (`CH` = 4 · `G`, `G` groups of 64): scores by integer dot
+    /// products of the quantised query ([`super::QuantQuery`]) with the stored rows, `vpdpbusd` taking
+    /// 64 products a row and head, then softmax and V as in [`attend`]. The row bytes are made unsigned (`k + 128`)
     /// and `128 · Σ qi` taken off after; every sum is an integer below 2^24, exact in f32, so each score
     /// has the bits of [`super::QuantQuery::score`].
     ///
     /// # Safety
-    /// avx512f, avx512bw and avx512vnni are present; `job.head_dim == 16 · CH`, `CH` is 4 or 8; `out`
+    /// avx512f, avx512bw and avx512vnni are present; `job.head_dim == 16 · CH`, `CH == 4 · G`; `out`
     /// holds `group × (head_dim + 2)` values; the storage is int8.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn attend_int8<'a, const CH: usize>(
+    pub unsafe fn attend_int8<'a, const CH: usize, const G: usize>(
         job: &Job<'a, '_>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -1114,22 +1188,22 @@ mod x86 {
             scale,
             ..
         } = *job;
-        debug_assert!(head_dim == 16 * CH && CH.is_multiple_of(4) && CH <= 8);
-        let groups = CH / 4;
+        debug_assert!(head_dim == 16 * CH && CH == 4 * G);
+        let groups = G;
         let n_ctx = pos + 1 - lo;
         super::fit(scores, group * n_ctx);
         let ru = kv.vector_units();
         let scale_v = _mm512_set1_ps(scale);
         let bias = _mm512_set1_epi8(-128);
         // Cleared once a unit (see `attend`): a group reads only its `keys` rows, each written first.
-        let mut tile = [[_mm512_setzero_si512(); 2]; 16];
+        let mut tile = [[_mm512_setzero_si512(); G]; 16];
         for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
             let k = Int8Row::typed(kv.k_head_block(block, kvh));
             let next_k = next.map(|b| Int8Row::typed(kv.k_head_block(b, kvh)).as_ptr());
             let mut s0 = first;
             while s0 <= last {
                 let keys = (last + 1 - s0).min(16);
-                let mut sk_bits = [[0u16; 16]; 2];
+                let mut sk_bits = [[0u16; 16]; G];
                 for (j, t) in tile.iter_mut().enumerate().take(keys) {
                     if let Some(nk) = next_k {
                         prefetch_row(nk.wrapping_add((s0 + j) * ru), ru);
@@ -1149,7 +1223,7 @@ mod x86 {
                     (1u16 << keys) - 1
                 };
                 // SAFETY: 16 u16 in each array.
-                let sk: [__m512; 2] = std::array::from_fn(|gr| unsafe {
+                let sk: [__m512; G] = std::array::from_fn(|gr| unsafe {
                     _mm512_cvtph_ps(_mm256_loadu_si256(sk_bits[gr].as_ptr().cast()))
                 });
                 for g in 0..group {
@@ -1210,10 +1284,16 @@ mod x86 {
             out[g * (head_dim + 2)] = m;
             out[g * (head_dim + 2) + 1] = l;
         }
-        // V: heads in blocks of up to 4 (2 for head size 128), whose sums stay in registers while each
-        // V row is loaded once per block. Each (head, lane) still sums the positions in order, one fused
-        // multiply-add after another, so the blocking does not change any result.
-        let most = if CH <= 4 { 4 } else { 2 };
+        // V: heads in blocks of up to 4 (2 for head size 128, 1 for 256), whose sums stay in registers
+        // while each V row is loaded once per block. Each (head, lane) still sums the positions in order,
+        // one fused multiply-add after another, so the blocking does not change any result.
+        let most = if CH <= 4 {
+            4
+        } else if CH <= 8 {
+            2
+        } else {
+            1
+        };
         let mut g0 = 0;
         while g0 < group {
             let gb = (group - g0).min(most);
@@ -1480,9 +1560,16 @@ mod tests {
             // short group for int4: 80 = 64 + 16).
             (KvDtype::Int8, 16, 4, 2, 80, 10, 5, None),
             (KvDtype::Int4, 16, 4, 2, 80, 10, 5, None),
-            // Shapes of the AVX2 kernel alone: head sizes of 256 (Gemma 3), 80 and 40 (lane vectors
-            // not a multiple of 4), groups of 4 and 5 (heads in threes), across a segment boundary.
+            // Gemma 3's head size of 256 (4 query heads on 1 KV head) in every format, across a
+            // segment boundary, in a sliding window, with a short last tile of keys.
             (KvDtype::Bf16, 16, 4, 1, 256, 40, 20, None),
+            (KvDtype::F32, 16, 4, 1, 256, 1015, 12, Some(512)),
+            (KvDtype::F16, 5, 8, 2, 256, 3, 9, None),
+            (KvDtype::Int8, 16, 4, 1, 256, 1000, 30, None),
+            (KvDtype::Fp8, 7, 4, 1, 256, 33, 9, None),
+            (KvDtype::Int4, 16, 4, 1, 256, 1020, 8, Some(700)),
+            // Shapes of the AVX2 kernel alone: head sizes of 80 and 40 (lane vectors not a multiple
+            // of 4), groups of 4 and 5 (heads in threes), across a segment boundary.
             (KvDtype::F16, 16, 8, 2, 80, 1020, 8, None),
             (KvDtype::F32, 3, 5, 1, 40, 9, 11, Some(13)),
         ];
@@ -1512,7 +1599,69 @@ mod tests {
                     .fold(0f32, f32::max);
                 assert!(err < 1e-4, "{isa:?} case {i}: max |Δ| {err}");
                 assert!(portable.iter().any(|v| *v != 0.0), "case {i}: all zero");
+                // A vector kernel has its own order of additions and its own exponential: where one
+                // is chosen, some bits differ from the portable loop's (it ran).
+                let vnni = crate::kernels::dot::Vnni::detect().is_some();
+                let kernel = attention_kernel(isa, vnni, dtype, dim);
+                assert_eq!(
+                    vector
+                        .iter()
+                        .zip(&portable)
+                        .any(|(a, b)| a.to_bits() != b.to_bits()),
+                    kernel != AttnKernel::Portable,
+                    "{isa:?} case {i}: {kernel:?}"
+                );
             }
+        }
+    }
+
+    #[test]
+    fn each_head_size_and_format_has_its_kernel() {
+        use AttnKernel::*;
+        let plain = [KvDtype::F32, KvDtype::Bf16, KvDtype::F16];
+        for dim in [64, 128, 256] {
+            for dtype in plain.into_iter().chain([KvDtype::Fp8, KvDtype::Int4]) {
+                assert_eq!(attention_kernel(Isa::Avx512, true, dtype, dim), Avx512);
+            }
+            assert_eq!(
+                attention_kernel(Isa::Avx512, true, KvDtype::Int8, dim),
+                Avx512Vnni
+            );
+            assert_eq!(
+                attention_kernel(Isa::Avx512, false, KvDtype::Int8, dim),
+                Portable
+            );
+        }
+        for dim in [16, 80, 96, 512] {
+            for dtype in plain {
+                assert_eq!(attention_kernel(Isa::Avx512, true, dtype, dim), Portable);
+            }
+        }
+        for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Scalar] {
+            assert_eq!(attention_kernel(isa, true, KvDtype::Int4, 80), Portable);
+        }
+        assert_eq!(
+            attention_kernel(Isa::Scalar, false, KvDtype::Bf16, 64),
+            Portable
+        );
+        // The AVX2 kernel takes plain rows of a multiple of 8 up to 256, where the CPU has it.
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = crate::kernels::cpu_has(Isa::Avx2Fma) && is_x86_feature_detected!("f16c");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
+        for (dtype, dim, takes) in [
+            (KvDtype::Bf16, 256, true),
+            (KvDtype::F32, 40, true),
+            (KvDtype::F16, 264, false),
+            (KvDtype::Int8, 64, false),
+            (KvDtype::Fp8, 128, false),
+        ] {
+            let want = if takes && avx2 { Avx2 } else { Portable };
+            assert_eq!(
+                attention_kernel(Isa::Avx2Fma, false, dtype, dim),
+                want,
+                "{dtype:?} {dim}"
+            );
         }
     }
 
@@ -1601,6 +1750,9 @@ mod tests {
             (KvDtype::Int8, 16, 64),
             (KvDtype::Fp8, 5, 128),
             (KvDtype::Int4, 16, 64),
+            (KvDtype::Bf16, 16, 256),
+            (KvDtype::Int8, 5, 256),
+            (KvDtype::Int4, 3, 256),
         ] {
             let n = 37;
             for isa in vector_isas().into_iter().chain([Isa::Scalar]) {

@@ -28,6 +28,46 @@ pub fn paths() -> String {
     )
 }
 
+/// What decides the bits of the KV this process computes for a layout, besides the model, its weights
+/// format and the layout itself: a digest of the kernel paths that compute other bits on other CPUs.
+/// The vector instruction set (AVX-512, AVX2 or the portable loops, as `KURA_ISA` leaves it), whether
+/// AVX-512 VNNI is there (int8 attention scores) and AVX-512 BF16 (the bf16 products, `vdpbf16ps`), and
+/// the attention kernel of each layer ([`attention::attention_kernel`]: each has its own order of
+/// additions and its own exponential). The quantized products give the same bits on every path (AMX,
+/// VNNI, AVX2 and portable; `qpacked`), so they do not count. A server's KV fingerprint holds it: blocks
+/// one CPU computed are never served to a process whose kernels would compute them otherwise (a fleet's
+/// shared tier, a disk tier moved to another machine).
+pub fn numerics(layout: &kura_kv::layout::KvLayout) -> u128 {
+    numerics_of(
+        dot::Isa::detect(),
+        dot::Vnni::detect().is_some(),
+        dot::Bf16Act::detect().is_some(),
+        layout,
+    )
+}
+
+/// [`numerics`] for a CPU with these paths.
+pub(crate) fn numerics_of(
+    isa: dot::Isa,
+    vnni: bool,
+    bf16_pairs: bool,
+    layout: &kura_kv::layout::KvLayout,
+) -> u128 {
+    let isa_code: u8 = match isa {
+        dot::Isa::Scalar => 1,
+        dot::Isa::Avx2Fma => 2,
+        dot::Isa::Avx512 => 3,
+    };
+    let mut bytes = vec![isa_code, u8::from(vnni), u8::from(bf16_pairs)];
+    bytes.extend(
+        layout
+            .layers
+            .iter()
+            .map(|l| attention::attention_kernel(isa, vnni, layout.dtype, l.head_dim).code()),
+    );
+    xxhash_rust::xxh3::xxh3_128(&bytes)
+}
+
 /// For kernel tests: says whether the path `name` is compared, and fails when this CPU has the
 /// path's instructions but the test could not run it (only a `KURA_ISA` that narrows the dispatch on
 /// purpose excuses that). A path the CPU lacks is reported as not compared, never passed in silence.
@@ -61,5 +101,39 @@ pub(crate) fn cpu_has(isa: dot::Isa) -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     {
         isa == dot::Isa::Scalar
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kura_kv::codec::KvDtype;
+    use kura_kv::layout::{KvLayout, LayerKv};
+
+    use super::dot::Isa;
+    use super::numerics_of;
+
+    #[test]
+    fn each_kernel_path_counts_in_the_numerics() {
+        let layout = |dtype, dim| KvLayout::new(vec![LayerKv::full(1, dim); 3], dtype, 16).unwrap();
+        let bf16 = layout(KvDtype::Bf16, 256);
+        let base = numerics_of(Isa::Avx512, true, true, &bf16);
+        assert_eq!(base, numerics_of(Isa::Avx512, true, true, &bf16));
+        for other in [
+            numerics_of(Isa::Avx2Fma, false, false, &bf16),
+            numerics_of(Isa::Scalar, false, false, &bf16),
+            numerics_of(Isa::Avx512, false, true, &bf16),
+            numerics_of(Isa::Avx512, true, false, &bf16),
+            // The same paths, other kernels: the AVX-512 kernel at 256, the portable loop at 80.
+            numerics_of(Isa::Avx512, true, true, &layout(KvDtype::Bf16, 80)),
+            numerics_of(Isa::Avx512, true, true, &layout(KvDtype::Int8, 256)),
+        ] {
+            assert_ne!(other, base);
+        }
+        // int8 rows: the VNNI kernel or the portable loop, one per layer.
+        let int8 = layout(KvDtype::Int8, 128);
+        assert_ne!(
+            numerics_of(Isa::Avx512, true, false, &int8),
+            numerics_of(Isa::Avx512, false, false, &int8)
+        );
     }
 }
