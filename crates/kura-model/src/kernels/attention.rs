@@ -1284,43 +1284,50 @@ mod x86 {
             out[g * (head_dim + 2)] = m;
             out[g * (head_dim + 2) + 1] = l;
         }
-        // V: heads in blocks of up to 4 (2 for head size 128, 1 for 256), whose sums stay in registers
-        // while each V row is loaded once per block. Each (head, lane) still sums the positions in order,
-        // one fused multiply-add after another, so the blocking does not change any result.
-        let most = if CH <= 4 {
-            4
-        } else if CH <= 8 {
-            2
-        } else {
-            1
-        };
-        let mut g0 = 0;
-        while g0 < group {
-            let gb = (group - g0).min(most);
-            let args = (&scores[..], n_ctx, g0);
-            // SAFETY: avx512f is present (this function's contract); pv writes heads g0..g0+gb of out.
-            unsafe {
-                match gb {
-                    1 => pv::<R, CH, 1>(job, args, out.as_mut_ptr()),
-                    2 => pv::<R, CH, 2>(job, args, out.as_mut_ptr()),
-                    3 => pv::<R, CH, 3>(job, args, out.as_mut_ptr()),
-                    _ => pv::<R, CH, 4>(job, args, out.as_mut_ptr()),
+        // V: heads in blocks of up to 4 (2 for head size 128 and 256), whose sums stay in registers
+        // while each V row is loaded once per block; at head size 256 a row in two halves of 8 vectors
+        // (2 heads × 16 vectors of sums would take every register). Each (head, lane) still sums the
+        // positions in order, one fused multiply-add after another, so the blocking does not change any
+        // result.
+        let most = if CH <= 4 { 4 } else { 2 };
+        for col0 in (0..CH).step_by(CH.min(8)) {
+            let mut g0 = 0;
+            while g0 < group {
+                let gb = (group - g0).min(most);
+                let args = (&scores[..], n_ctx, g0, col0);
+                let o = out.as_mut_ptr();
+                // SAFETY: avx512f is present (this function's contract); pv writes columns
+                // 16 col0 .. 16 (col0 + COLS) of heads g0..g0+gb of out.
+                unsafe {
+                    if CH <= 8 {
+                        match gb {
+                            1 => pv::<R, CH, 1, CH>(job, args, o),
+                            2 => pv::<R, CH, 2, CH>(job, args, o),
+                            3 => pv::<R, CH, 3, CH>(job, args, o),
+                            _ => pv::<R, CH, 4, CH>(job, args, o),
+                        }
+                    } else {
+                        match gb {
+                            1 => pv::<R, CH, 1, 8>(job, args, o),
+                            _ => pv::<R, CH, 2, 8>(job, args, o),
+                        }
+                    }
                 }
+                g0 += gb;
             }
-            g0 += gb;
         }
     }
 
-    /// Heads `g0..g0 + G` of the weighted sum of V: `o[g] = Σ_pos scores[g][pos] · V[pos]`, into the
-    /// `o` part of each head's `[m, l, o]` in `out`.
+    /// Heads `g0..g0 + G` of the weighted sum of V: `o[g] = Σ_pos scores[g][pos] · V[pos]`, its lanes
+    /// `16 col0 .. 16 (col0 + COLS)`, into the `o` part of each head's `[m, l, o]` in `out`.
     ///
     /// # Safety
-    /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values and
-    /// `g0 + G ≤ group`.
+    /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values,
+    /// `g0 + G ≤ group` and `col0 + COLS ≤ CH`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn pv<'a, R: KvRow + 'a, const CH: usize, const G: usize>(
+    unsafe fn pv<'a, R: KvRow + 'a, const CH: usize, const G: usize, const COLS: usize>(
         job: &Job<'a, '_>,
-        (scores, n_ctx, g0): (&[f32], usize, usize),
+        (scores, n_ctx, g0, col0): (&[f32], usize, usize, usize),
         out: *mut f32,
     ) {
         let Job {
@@ -1332,12 +1339,12 @@ mod x86 {
             head_dim,
             ..
         } = *job;
-        let mut acc = [[_mm512_setzero_ps(); CH]; G];
+        let mut acc = [[_mm512_setzero_ps(); COLS]; G];
         let ru = kv.vector_units();
         for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
             let v = R::typed(kv.v_head_block(block, kvh));
             let next_v = next
-                .filter(|_| g0 == 0)
+                .filter(|_| g0 == 0 && col0 == 0)
                 .map(|b| R::typed(kv.v_head_block(b, kvh)).as_ptr());
             for slot in first..=last {
                 if let Some(nv) = next_v {
@@ -1348,12 +1355,16 @@ mod x86 {
                 let pr = unsafe { R::params(vp, head_dim) };
                 // A row with one scale (int8, fp8 at head size 64) is read unscaled and its scale goes
                 // into each head's weight: one multiply a head instead of one a lane.
-                let folded = if CH == 4 { R::single_scale(&pr) } else { None };
-                // SAFETY: as above, and 16c < head_dim.
-                let vv: [__m512; CH] = std::array::from_fn(|c| unsafe {
+                let folded = if CH == 4 && COLS == 4 {
+                    R::single_scale(&pr)
+                } else {
+                    None
+                };
+                // SAFETY: as above, and 16 (col0 + c) < head_dim.
+                let vv: [__m512; COLS] = std::array::from_fn(|c| unsafe {
                     match folded {
-                        Some(_) => R::load16_unscaled(vp, c),
-                        None => R::load16(vp, c, &pr),
+                        Some(_) => R::load16_unscaled(vp, col0 + c),
+                        None => R::load16(vp, col0 + c, &pr),
                     }
                 });
                 for (g, ag) in acc.iter_mut().enumerate() {
@@ -1367,8 +1378,11 @@ mod x86 {
         }
         for (g, ag) in acc.iter().enumerate() {
             for (c, a) in ag.iter().enumerate() {
-                // SAFETY: head g0 + g < group, so the 16 values lie inside out (its [m, l, o] triple).
-                unsafe { _mm512_storeu_ps(out.add((g0 + g) * (head_dim + 2) + 2 + 16 * c), *a) };
+                // SAFETY: head g0 + g < group and col0 + c < CH, so the 16 values lie inside out (its
+                // [m, l, o] triple).
+                unsafe {
+                    _mm512_storeu_ps(out.add((g0 + g) * (head_dim + 2) + 2 + 16 * (col0 + c)), *a)
+                };
             }
         }
     }
