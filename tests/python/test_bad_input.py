@@ -155,6 +155,9 @@ def test_messages_name_the_field_and_tokenize_counts_what_chat_sends():
         assert with_tools == chat["usage"]["prompt_tokens"] > bare, (bare, with_tools, chat["usage"])
         r = post("/tokenize", {"prompt": [1, 2, 3]})
         assert r.status_code == 400 and "expected a string" in r.json()["error"]["message"], r.text
+        for body in ({"prompt": "hi", "messages": msgs}, {}):
+            r = post("/tokenize", body)
+            assert r.status_code == 400 and "exactly one of prompt" in r.json()["error"]["message"], r.text
         r = post("/v1/caches", {"messages": [{"role": None, "content": "x"}]})
         assert "messages[0].role" in r.json()["error"]["message"], r.text
         for method in (httpx.get, httpx.delete):

@@ -2,6 +2,7 @@
 
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -36,6 +37,23 @@ def test_different_cache_salt_shares_nothing(server):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert same.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_cache_salt_keeps_anthropic_messages_apart(server):
+    """`cache_salt` on /v1/messages (an extension, as on the OpenAI routes), through the official client:
+    another salt reads nothing of the first's blocks, the same salt reads them."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    kw = dict(model=server.model(), max_tokens=1,
+              messages=[{"role": "user", "content": long_text(300, seed=14)}])
+    first = client.messages.create(extra_body={"cache_salt": "messages-a"}, **kw).usage
+    other = client.messages.create(extra_body={"cache_salt": "messages-b"}, **kw).usage
+    same = client.messages.create(extra_body={"cache_salt": "messages-a"}, **kw).usage
+    assert first.cache_read_input_tokens == 0, first
+    assert other.cache_read_input_tokens == 0, other
+    assert same.cache_read_input_tokens >= first.input_tokens - BLOCK, same
+    for bad, says in (("", "must not be empty"), (5, "must be a string"), ("s" * 1025, "at most 1024")):
+        with pytest.raises(anthropic.BadRequestError, match=says):
+            client.messages.create(extra_body={"cache_salt": bad}, **kw)
 
 
 def test_api_keys_are_tenants(tmp_path):

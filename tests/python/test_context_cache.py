@@ -180,7 +180,10 @@ def test_saved_context_is_used_by_chat_completions_and_messages(srv):
         model=srv.model(), max_tokens=5,
         messages=[{"role": "user", "content": "Summarise."}], extra_body={"cached_content": ctx["id"], **GREEDY})
     assert msg.usage.cache_read_input_tokens >= ctx["token_count"] - BLOCK
-    # PATCH changes the expiry; DELETE removes it.
+    # PATCH changes the expiry (and nothing else: a field it would drop is refused); DELETE removes it.
+    p = httpx.patch(srv.url + f"/v1/caches/{ctx['id']}", headers=srv.headers(),
+                    json={"ttl": "3h", "display_name": "renamed"})
+    assert p.status_code == 400 and "only ttl can be changed; display_name" in p.json()["error"]["message"], p.text
     p = httpx.patch(srv.url + f"/v1/caches/{ctx['id']}", headers=srv.headers(), json={"ttl": "2h"})
     assert p.status_code == 200 and p.json()["expires_at"] - ctx["created_at"] >= 7200
     d = httpx.delete(srv.url + f"/v1/caches/{ctx['id']}", headers=srv.headers())
@@ -286,6 +289,9 @@ BAD = [
                               "cached_content": "ctx_nope"}, 404, "no saved context"),
     ("/v1/completions", {"model": "MODEL", "prompt": "x", "cache_salt": "s",
                          "cached_content": "ctx_000000000000000000000000"}, 400, "cannot be combined"),
+    ("/v1/messages", {"model": "MODEL", "max_tokens": 5, "cache_salt": "s",
+                      "cached_content": "ctx_000000000000000000000000",
+                      "messages": [{"role": "user", "content": "x"}]}, 400, "cannot be combined"),
     ("/v1/completions", {"model": "MODEL", "prompt": "x", "prompt_cache_retention": "forever"}, 400,
      "prompt_cache_retention"),
     ("/v1/caches", {"prompt": "x", "ttl": "0s"}, 400, "ttl must be"),
@@ -295,6 +301,11 @@ BAD = [
     ("/v1/caches", {"ttl": "1h"}, 400, "exactly one of messages"),
     ("/v1/caches", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "exactly one of messages"),
     ("/v1/caches", {"prompt": ""}, 400, "non-empty"),
+    ("/v1/caches", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools are not saved with a context"),
+    ("/v1/caches", {"prompt": "x", "cache_salt": "s"}, 400, "belongs to its API key"),
+    ("/v1/caches", {"prompt": "x", "cached_content": "ctx_000000000000000000000000"}, 400,
+     "cannot start from another"),
     ("/v1/caches", {"model": "other", "prompt": "x"}, 404, "does not exist"),
 ]
 

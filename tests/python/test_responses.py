@@ -98,6 +98,22 @@ def test_function_calls_and_their_outputs_continue_from_the_cache(server):
     jsonschema.validate(json.loads(args), WEATHER["parameters"])
 
 
+def test_a_tool_whose_parameters_admit_no_value_fails_by_name(server):
+    """A schema that only refers to itself compiles (the call's opening can start), then no token can
+    go on: the request fails naming the problem, streamed as `response.failed` with the error's own
+    code, not a server error, and as a 400 whole."""
+    c = server.client()
+    selfish = {"type": "function", "name": "loop", "parameters": {"$ref": "#"}}
+    kw = dict(model=server.model(), input="Call it.", tools=[selfish], tool_choice="required", store=False,
+              max_output_tokens=40, temperature=0)
+    events = list(c.responses.create(stream=True, **kw))
+    failed = [e for e in events if e.type == "response.failed"]
+    assert failed and failed[0].response.error.code == "invalid_request_error", events[-1]
+    assert "no token can continue the output here" in failed[0].response.error.message
+    with pytest.raises(openai.BadRequestError, match="admits no value"):
+        c.responses.create(**kw)
+
+
 def test_text_format_json_schema(server):
     c = server.client()
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},

@@ -105,10 +105,15 @@ def test_operator_routes_answer_the_operator_key_only(op, method, path, body):
     for key, status in ((KEY_A, 403), (None, 401), (OPERATOR, 200)):
         with httpx.stream("GET", op.url + "/v1/kv/events", headers=bearer(key), timeout=10) as r:
             assert r.status_code == status, key
-    # And the operator key is no tenant.
+    # And the operator key is no tenant, which the answer says (not an invalid key), on the Anthropic
+    # route in Anthropic's shape.
     r = httpx.post(op.url + "/v1/completions", headers=bearer(OPERATOR),
                    json={"model": op.model(), "prompt": "hi", "max_tokens": 1})
-    assert r.status_code == 401
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_only", r.text
+    assert "takes a tenant's API key" in r.json()["error"]["message"], r.text
+    r = httpx.post(op.url + "/v1/messages", headers={"x-api-key": OPERATOR},
+                   json={"model": op.model(), "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
 
 
 def test_operator_routes_are_off_without_an_operator_key():

@@ -143,6 +143,9 @@ pub struct MessagesPlan {
     pub stream: bool,
     /// A saved context (`/v1/caches`) whose tokens start the prompt.
     pub cached_content: Option<String>,
+    /// `cache_salt` (an extension, as on the OpenAI routes): requests share cached KV only with
+    /// requests of the same salt.
+    pub cache_salt: Option<String>,
     /// The request's tools, if it has any.
     pub tools: Option<ToolPlan>,
     /// Breakpoints after tool definitions: (tool index, TTL).
@@ -520,10 +523,14 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         let role = match m.get("role") {
             Some(Value::String(r)) if r == "user" || r == "assistant" => r.as_str(),
             Some(r) if !r.is_null() => {
+                let hint = match r.as_str() {
+                    Some("system") => " (the system prompt goes in the top-level system field)",
+                    Some("tool") => " (a tool's result goes in a user message's tool_result block)",
+                    _ => "",
+                };
                 return Err(invalid(format!(
-                    "{at}.role must be \"user\" or \"assistant\", got {r} (the system prompt \
-                     goes in the top-level system field)"
-                )))
+                    "{at}.role must be \"user\" or \"assistant\", got {r}{hint}"
+                )));
             }
             _ => return Err(invalid(format!("{at}.role is missing"))),
         };
@@ -571,7 +578,8 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
             Some(k) if (0..=i64::from(u32::MAX)).contains(&k) => k as usize,
             _ => {
                 return Err(invalid(format!(
-                    "top_k must be a non-negative integer, got {v}"
+                    "top_k must be an integer from 0 to {}, got {v}",
+                    u32::MAX
                 )))
             }
         },
@@ -626,6 +634,27 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
             )))
         }
     };
+    let cache_salt = match o.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => {
+            crate::validate::check_salt(s)?;
+            Some(s.clone())
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                format!("cache_salt must be a string, got {v}"),
+                Some("cache_salt"),
+            ))
+        }
+    };
+    // A saved context is owned, and its blocks salted, by its tenant alone (as on the OpenAI routes).
+    if cache_salt.is_some() && cached_content.is_some() {
+        return Err(ApiError::invalid(
+            "cache_salt cannot be combined with cached_content: a saved context's KV belongs to its \
+             API key, not to a salt",
+            Some("cache_salt"),
+        ));
+    }
     let sampling = SamplingParams {
         temperature: temperature as f32,
         top_p: top_p as f32,
@@ -640,6 +669,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         stop,
         stream,
         cached_content,
+        cache_salt,
         tools,
         tool_breakpoints,
         guide,

@@ -73,13 +73,20 @@ fn shape_hint(path: &str) -> Option<&'static str> {
     }
 }
 
-/// serde names Rust types ("expected i64"); clients think in JSON types.
+/// serde names Rust types ("expected i64"); clients think in JSON types, and an integer out of a
+/// type's range ("invalid value: integer `2^63`, expected i64") needs the range.
 fn json_type_names(message: &str) -> String {
     let mut m = message.to_string();
     for (rust, json) in [
-        ("expected i64", "expected an integer"),
-        ("expected i32", "expected an integer"),
-        ("expected u32", "expected a non-negative integer"),
+        (
+            "expected i64",
+            "expected an integer from -9223372036854775808 to 9223372036854775807",
+        ),
+        (
+            "expected i32",
+            "expected an integer from -2147483648 to 2147483647",
+        ),
+        ("expected u32", "expected an integer from 0 to 4294967295"),
         ("expected f32", "expected a number"),
         ("expected a sequence", "expected an array"),
         ("expected a boolean", "expected true or false"),

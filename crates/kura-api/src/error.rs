@@ -24,6 +24,11 @@ pub enum ApiError {
     /// A tenant's key on an operator route.
     #[error("{0} is for the operator key only (--admin-api-key-file); an API key cannot use it")]
     Forbidden(String),
+    /// The operator's key on a tenant's route: it names no tenant, so it reads no tenant's cache.
+    #[error(
+        "{0} takes a tenant's API key (--api-key); the operator key (--admin-api-key-file) cannot use it"
+    )]
+    TenantOnly(String),
     /// A tenant reached one of its own limits (saved contexts, pins, event streams).
     #[error("{message}")]
     QuotaExceeded { message: String, code: &'static str },
@@ -135,7 +140,7 @@ impl ApiError {
             | ApiError::CacheNotFound(_)
             | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Forbidden(_) | ApiError::TenantOnly(_) => StatusCode::FORBIDDEN,
             ApiError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::StorageFull(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -154,6 +159,13 @@ impl ApiError {
         }
     }
 
+    /// The code a streamed failure reports (the Responses API's `response.failed`): the error's own
+    /// code where it has one, else its type (`invalid_request_error`, `server_error`, ...).
+    pub fn code_or_type(&self) -> &'static str {
+        let (kind, _, code) = self.kind_and_code();
+        code.unwrap_or(kind)
+    }
+
     fn kind_and_code(&self) -> (&'static str, Option<&'static str>, Option<&'static str>) {
         match self {
             ApiError::InvalidRequest { param, code, .. } => {
@@ -166,6 +178,7 @@ impl ApiError {
             ),
             ApiError::Unauthorized => ("authentication_error", None, Some("invalid_api_key")),
             ApiError::Forbidden(_) => ("permission_error", None, Some("operator_only")),
+            ApiError::TenantOnly(_) => ("permission_error", None, Some("tenant_only")),
             ApiError::QuotaExceeded { code, .. } => ("rate_limit_error", None, Some(*code)),
             ApiError::StorageFull(_) => ("server_error", None, Some("insufficient_storage")),
             ApiError::BodyTooLarge { .. } => {

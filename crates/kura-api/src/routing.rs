@@ -86,7 +86,7 @@ pub fn routing_prompt(
         Endpoint::Messages => {
             let plan = anthropic::prepare(value, served_model)?;
             let (tokens, _) = anthropic::encode_messages(codec, &plan, None)?;
-            (tokens, None, plan.stream)
+            (tokens, plan.cache_salt, plan.stream)
         }
     };
     Ok(RoutingPrompt {

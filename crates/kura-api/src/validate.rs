@@ -27,6 +27,32 @@ pub const MAX_STOP_TOKEN_IDS: usize = 1024;
 /// Longest `cache_salt`, `prompt_cache_key` and `user`, in bytes: the salt is kept with the cache's
 /// blocks (and a day with its pins) after the request ends.
 pub const MAX_KEY_BYTES: usize = 1024;
+/// A request's `cache_salt` (every route's): not empty, at most [`MAX_KEY_BYTES`], and without the
+/// character that separates a tenant from its salt.
+pub fn check_salt(salt: &str) -> Result<(), ApiError> {
+    if salt.is_empty() {
+        return Err(ApiError::invalid(
+            "cache_salt must not be empty when given",
+            Some("cache_salt"),
+        ));
+    }
+    if salt.len() > MAX_KEY_BYTES {
+        return Err(ApiError::invalid(
+            format!("cache_salt must be at most {MAX_KEY_BYTES} bytes"),
+            Some("cache_salt"),
+        ));
+    }
+    // The engine reads a salt's tenant as what comes before this character (the server puts the
+    // API key's tenant there): a salt holding it could pose as another tenant's.
+    if salt.contains(kura_request::TENANT_SEPARATOR) {
+        return Err(ApiError::invalid(
+            "cache_salt must not contain the character U+001F",
+            Some("cache_salt"),
+        ));
+    }
+    Ok(())
+}
+
 /// Most alternatives reported per token (OpenAI's limit).
 pub const MAX_LOGPROBS: i64 = 20;
 /// Most prompts in one `/v1/completions` request, and most choices over all of them (prompts × n).
@@ -207,7 +233,10 @@ pub fn check_common(
         Some(k) if (1..=u32::MAX as i64).contains(&k) => k as usize,
         Some(k) => {
             return Err(ApiError::invalid(
-                format!("top_k must be -1 or 0 (disabled) or at least 1, got {k}"),
+                format!(
+                    "top_k must be -1 or 0 (disabled), or from 1 to {}, got {k}",
+                    u32::MAX
+                ),
                 Some("top_k"),
             ))
         }
@@ -262,20 +291,7 @@ pub fn check_common(
         ));
     }
     if let Some(salt) = &c.cache_salt {
-        if salt.is_empty() {
-            return Err(ApiError::invalid(
-                "cache_salt must not be empty when given",
-                Some("cache_salt"),
-            ));
-        }
-        // The engine reads a salt's tenant as what comes before this character (the server puts the
-        // API key's tenant there): a salt holding it could pose as another tenant's.
-        if salt.contains(kura_request::TENANT_SEPARATOR) {
-            return Err(ApiError::invalid(
-                "cache_salt must not contain the character U+001F",
-                Some("cache_salt"),
-            ));
-        }
+        check_salt(salt)?;
     }
     let guide = output_guide(c)?;
     let include_usage = match &c.stream_options {

@@ -153,7 +153,8 @@ impl SeenLog {
             (MissReason::WindowDropped, cached)
         } else if seen >= cached + block {
             (MissReason::Evicted, cached)
-        } else if differs && seen >= cached {
+        } else if differs && seen > 0 && seen >= cached {
+            // (Sharing no token with anything the tenant sent is not diverging: never seen, below.)
             if seen < history {
                 (MissReason::TemplateRerendered, seen)
             } else {
@@ -217,6 +218,13 @@ mod tests {
         // Seen only in part, and not cached that far: evicted.
         let m = log.explain(&a, &longer, 32, 16, 0, false).unwrap();
         assert_eq!((m.reason, m.at), (MissReason::Evicted, 32));
+        // Nothing of the tenant's shares even its first token: never seen, not diverged at 0, with a
+        // rendered history or without.
+        let unrelated: Vec<u32> = (500..564).collect();
+        for history in [0, 20] {
+            let m = log.explain(&a, &unrelated, 0, 16, history, false).unwrap();
+            assert_eq!((m.reason, m.at), (MissReason::NeverSeen, 0));
+        }
         // The same tenant under another salt had it; another tenant's prompts are never looked at.
         let b = salt("t1\u{1f}mine");
         assert_eq!(

@@ -149,10 +149,10 @@ impl Guides {
         // large), is refused here rather than failing the request once it runs.
         let mut first = matcher.deep_clone();
         Walk::mask_of(&mut first, &self.eos, &mut Vec::new()).map_err(|e| {
-            if e.contains("NoExtensionBias") {
+            if e.starts_with("no token can continue") {
                 "the grammar matches no text: no token can start it".to_string()
             } else {
-                first_line(&e)
+                e
             }
         })?;
         Ok(Arc::new(Compiled {
@@ -163,9 +163,24 @@ impl Guides {
     }
 }
 
-/// The first line of an llguidance error: what went wrong, without the parser's state that follows.
+/// An llguidance error as a client reads it: its first line (what went wrong, without the parser's
+/// state that follows), with the two that name llguidance's internals said in the request's terms.
 fn first_line(e: &str) -> String {
-    e.lines().next().unwrap_or_default().trim_end().to_string()
+    let line = e.lines().next().unwrap_or_default().trim_end();
+    if line.contains("NoExtensionBias") {
+        // The grammar had a way on, but no token fits it: a schema that admits no finite value.
+        "no token can continue the output here: a schema (a tool's parameters or the response \
+         format) admits no value (for example one that refers only to itself)"
+            .to_string()
+    } else if let Some(what) = line.strip_prefix("panic: ") {
+        // llguidance stops on its own limits (symbols, states) with an assertion it catches.
+        format!(
+            "the grammar is larger than the compiler takes ({what}): give fewer tools or smaller \
+             schemas"
+        )
+    } else {
+        line.to_string()
+    }
 }
 
 /// A compiled grammar: each choice starts from a copy of it.
@@ -759,6 +774,50 @@ mod tests {
         // Too small a budget for even the closing: the walk does not pretend.
         let (text, done, _) = run(&codec, &spec, "", &birch, 8);
         assert!(!done, "{text}");
+    }
+
+    #[test]
+    fn llguidances_own_failures_are_told_in_the_requests_terms() {
+        let codec = Bytes::new();
+        // A schema with no finite value after text that can start: compiled, then stuck at the schema.
+        let spec = guides(&codec)
+            .compile(&Guide::Lark(
+                r##"start: "<x>" %json {"$ref": "#"}"##.to_string(),
+            ))
+            .unwrap();
+        let mut walk = spec.start().unwrap();
+        let mut err = None;
+        for b in "<x>".bytes().map(u32::from).chain([b'{'.into()]) {
+            match walk.choose(100, &mut |_: &[u32]| b) {
+                Ok(t) => walk.accept(t).unwrap(),
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        let err = err.expect("the walk went past a schema with no value");
+        assert!(
+            err.starts_with("no token can continue the output here"),
+            "{err}"
+        );
+        assert!(!err.contains("NoExtensionBias"), "{err}");
+        // The same schema alone matches no text at all.
+        let e = guides(&codec)
+            .compile(&Guide::JsonSchema(serde_json::json!({"$ref": "#"})))
+            .unwrap_err();
+        assert_eq!(e, "the grammar matches no text: no token can start it");
+        // A grammar past llguidance's own limits (it asserts on more than 65,525 symbols).
+        let alternatives: Vec<String> = (0..70_000).map(|i| format!("\"w{i}\"")).collect();
+        let lark = format!("start: {}", alternatives.join(" | "));
+        match guides(&codec).compile(&Guide::Lark(lark)) {
+            Ok(_) => panic!("70,000 alternatives compiled"),
+            Err(e) => assert!(
+                e.starts_with("the grammar is larger than the compiler takes (")
+                    && e.ends_with("give fewer tools or smaller schemas"),
+                "{e}"
+            ),
+        }
     }
 
     #[test]

@@ -34,6 +34,25 @@ pub async fn create(
 ) -> Result<Json<Value>, ApiError> {
     let info = s.engine.info().clone();
     let o = value.as_object().expect("JsonBody is an object");
+    // Fields of the generation routes that a context would otherwise drop without a word.
+    for (field, why) in [
+        (
+            "tools",
+            "tools are not saved with a context: send them with each request that uses it",
+        ),
+        (
+            "cached_content",
+            "a context cannot start from another saved context: save the whole text",
+        ),
+        (
+            "cache_salt",
+            "a saved context's KV belongs to its API key, not to a salt",
+        ),
+    ] {
+        if o.get(field).is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(why, Some(field)));
+        }
+    }
     if let Some(m) = o.get("model").filter(|v| !v.is_null()) {
         match m.as_str() {
             Some(m) => validate::check_model(m, &info.model_name)?,
@@ -189,6 +208,16 @@ pub async fn patch(
 ) -> Result<Json<Value>, ApiError> {
     let salt = kura_api::effective_salt(&tenant, None);
     let now = s.engine.cache_now_ms();
+    let o = value.as_object().expect("JsonBody is an object");
+    if let Some(other) = o.keys().find(|k| k.as_str() != "ttl") {
+        return Err(ApiError::invalid(
+            format!(
+                "only ttl can be changed; {other} is fixed when the context is made (delete it and \
+                 save it again)"
+            ),
+            None,
+        ));
+    }
     let Some(ttl) = value.get("ttl").filter(|v| !v.is_null()) else {
         return Err(ApiError::invalid(
             "give ttl, the context's new time to live from now",

@@ -454,6 +454,16 @@ pub async fn tokenize(
     if let Some(model) = &req.model {
         validate::check_model(model, &s.engine.info().model_name)?;
     }
+    if req.prompt.is_some() == req.messages.is_some() {
+        return Err(ApiError::invalid(
+            "give exactly one of prompt (a string) or messages",
+            Some(if req.prompt.is_some() {
+                "messages"
+            } else {
+                "prompt"
+            }),
+        ));
+    }
     let added = req.add_special_tokens.unwrap_or(req.prompt.is_some());
     if req.messages.is_some() && added {
         return Err(ApiError::invalid(
@@ -500,12 +510,7 @@ pub async fn tokenize(
             })
             .await?
         }
-        _ => {
-            return Err(ApiError::invalid(
-                "give exactly one of prompt (a string) or messages",
-                Some("prompt"),
-            ))
-        }
+        (None, None) | (Some(_), Some(_)) => unreachable!("exactly one was checked above"),
     };
     Ok(Json(TokenizeResponse {
         count: tokens.len(),

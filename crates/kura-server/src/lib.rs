@@ -408,12 +408,28 @@ async fn authenticate(
         let [bearer, x_api_key] = presented_keys(req.headers());
         let known =
             |k: Option<&str>| k.and_then(|k| s.api_keys.iter().find(|(x, _)| same_key(x, k)));
-        match known(bearer).or_else(|| known(x_api_key)) {
-            Some((_, tenant)) => Tenant(Some(tenant.clone())),
-            None if req.uri().path() == "/v1/messages" => {
-                return Ok(kura_api::AnthropicError(ApiError::Unauthorized).into_response())
+        let found = known(bearer)
+            .or_else(|| known(x_api_key))
+            .map(|(_, tenant)| tenant.clone());
+        // The operator's key names no tenant: said so, rather than called invalid.
+        let operator = [bearer, x_api_key]
+            .into_iter()
+            .flatten()
+            .any(|k| s.admin_keys.iter().any(|a| same_key(a, k)));
+        match found {
+            Some(tenant) => Tenant(Some(tenant)),
+            None => {
+                let path = req.uri().path();
+                let refused = if operator {
+                    ApiError::TenantOnly(path.to_string())
+                } else {
+                    ApiError::Unauthorized
+                };
+                if path == "/v1/messages" {
+                    return Ok(kura_api::AnthropicError(refused).into_response());
+                }
+                return Err(refused);
             }
-            None => return Err(ApiError::Unauthorized),
         }
     };
     req.extensions_mut().insert(tenant);

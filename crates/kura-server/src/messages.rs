@@ -52,7 +52,7 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     let info = s.engine.info().clone();
     let plan = prepare(&value, &info.model_name)?;
     drop(value);
-    let salt = effective_salt(&tenant, None);
+    let salt = effective_salt(&tenant, plan.cache_salt.clone());
     let saved = match &plan.cached_content {
         Some(id) => Some(crate::handlers::use_saved_context(&s, id, salt.clone()).await?),
         None => None,

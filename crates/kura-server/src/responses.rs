@@ -667,7 +667,7 @@ impl St {
     fn fail(&mut self, e: ApiError) {
         let body = self.meta.body("failed", Vec::new(), None);
         let mut body = body;
-        body["error"] = json!({"code": "server_error", "message": e.to_string()});
+        body["error"] = json!({"code": e.code_or_type(), "message": e.to_string()});
         self.emit("response.failed", json!({"response": body}));
         self.done = true;
     }

@@ -88,13 +88,21 @@ pub fn server_secret(disk_dir: &Path) -> Result<Secret> {
     }
 }
 
-/// Keys of a key file: one per line, blank lines and `#` comments ignored.
-pub fn keys_of_file(text: &str) -> Vec<String> {
+/// Keys of a key file, each with its line number (from 1): one per line, blank lines and `#` comments
+/// ignored.
+fn numbered_keys(text: &str) -> Vec<(usize, String)> {
     text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(String::from)
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim()))
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
+        .map(|(i, l)| (i, l.to_string()))
         .collect()
+}
+
+/// Whether a client can send `key`: an `Authorization: Bearer` or `x-api-key` header carries visible
+/// ASCII (a key of other characters, or with a space inside, could never match).
+fn sendable(key: &str) -> bool {
+    key.bytes().all(|b| b.is_ascii_graphic())
 }
 
 /// The keys given as `flag` values and in `file` (`flag_name`'s file flag), checked: none empty, and a
@@ -104,11 +112,25 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
     if keys.iter().any(|k| k.is_empty()) {
         bail!("--{flag_name} must not be empty");
     }
+    if let Some(i) = keys.iter().position(|k| !sendable(k)) {
+        bail!(
+            "--{flag_name} (the {} given): a key must be visible ASCII characters, without spaces, \
+             as an HTTP header carries it; this one could never be sent",
+            ordinal(i + 1)
+        );
+    }
     if let Some(path) = file {
         let text = kura_files::read_text(path, SECRET_FILE_MAX_BYTES)
             .with_context(|| format!("reading --{flag_name}-file {}", path.display()))?;
         warn_if_shared(path, &format!("--{flag_name}-file"));
-        let from_file = keys_of_file(&text);
+        let from_file = numbered_keys(&text);
+        if let Some((line, _)) = from_file.iter().find(|(_, k)| !sendable(k)) {
+            bail!(
+                "--{flag_name}-file {} line {line}: a key must be visible ASCII characters, without \
+                 spaces, as an HTTP header carries it; this one could never be sent",
+                path.display()
+            );
+        }
         if from_file.is_empty() {
             let noun = match flag_name {
                 "api-key" => "API key",
@@ -131,9 +153,31 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
                 path.display()
             );
         }
-        keys.extend(from_file);
+        keys.extend(from_file.into_iter().map(|(_, k)| k));
+    }
+    // A key given twice is one key: counted once.
+    let before = keys.len();
+    let mut seen = std::collections::HashSet::new();
+    keys.retain(|k| seen.insert(k.clone()));
+    if keys.len() < before {
+        tracing::warn!(
+            "--{flag_name}: {} key(s) given more than once, counted once",
+            before - keys.len()
+        );
     }
     Ok(keys)
+}
+
+/// `1st`, `2nd`, `3rd`, `4th`, ...
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
 }
 
 /// The operator keys: `--admin-api-key`, `--admin-api-key-file`, else `$KURA_ADMIN_API_KEY`.
@@ -157,8 +201,11 @@ mod tests {
 
     #[test]
     fn a_key_file_of_comments_and_blank_lines_holds_no_key() {
-        assert!(keys_of_file("# keys\n\n   \n# none yet\n").is_empty());
-        assert_eq!(keys_of_file("a\n  b  \n#c\n"), vec!["a", "b"]);
+        assert!(numbered_keys("# keys\n\n   \n# none yet\n").is_empty());
+        assert_eq!(
+            numbered_keys("a\n  b  \n#c\n"),
+            vec![(1, "a".to_string()), (2, "b".to_string())]
+        );
     }
 
     #[test]
@@ -188,6 +235,22 @@ mod tests {
         std::fs::write(&file, "# none\n").unwrap();
         let err = read_keys(&[], Some(&file), "admin-api-key").unwrap_err();
         assert!(err.to_string().contains("--admin-api-key-file"), "{err:#}");
+        // A key no header can carry is refused by its line; one given twice counts once.
+        std::fs::write(&file, "# keys\nkey-a\n\nключ\n").unwrap();
+        let err = read_keys(&[], Some(&file), "api-key").unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("line 4: a key must be visible ASCII"),
+            "{err:#}"
+        );
+        let err = read_keys(&["key a".into()], None, "api-key").unwrap_err();
+        assert!(
+            err.to_string().contains("--api-key (the 1st given)"),
+            "{err:#}"
+        );
+        std::fs::write(&file, "key-a\nkey-b\nkey-a\n").unwrap();
+        let keys = read_keys(&["key-b".into()], Some(&file), "api-key").unwrap();
+        assert_eq!(keys, vec!["key-b", "key-a"]);
         std::fs::write(&file, "tiny\n").unwrap();
         let err = fleet_secret(Some(&file)).unwrap_err();
         assert!(format!("{err:#}").contains("at least 32"), "{err:#}");
