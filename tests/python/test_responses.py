@@ -98,6 +98,33 @@ def test_function_calls_and_their_outputs_continue_from_the_cache(server):
     jsonschema.validate(json.loads(args), WEATHER["parameters"])
 
 
+def test_a_stored_response_in_progress_can_be_read_and_deleted(server):
+    """While a stored response is generated (a long prompt's prefill), GET shows it in progress, it is
+    no `previous_response_id` yet, and DELETE holds: it is not kept when it completes."""
+    c = server.client()
+    long_prompt = "Describe the harbor, the river and the stones. " * 160
+    stream = c.responses.create(model=server.model(), input=long_prompt, max_output_tokens=300,
+                                temperature=0, stream=True)
+    events = iter(stream)
+    created = next(events)
+    assert created.type == "response.created", created
+    rid = created.response.id
+    seen = c.responses.retrieve(rid)
+    assert seen.status == "in_progress" and seen.id == rid, seen
+    with pytest.raises(openai.BadRequestError, match="still in progress"):
+        c.responses.create(model=server.model(), input="And then?", previous_response_id=rid,
+                           max_output_tokens=1)
+    c.responses.delete(rid)
+    # Another tenant does not see it.
+    other = server.client(KEY_B)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(rid)
+    rest = [e.type for e in events]
+    assert rest[-1] in ("response.completed", "response.incomplete"), rest[-3:]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(rid)
+
+
 def test_a_tool_whose_parameters_admit_no_value_fails_by_name(server):
     """A schema that only refers to itself compiles (the call's opening can start), then no token can
     go on: the request fails naming the problem, streamed as `response.failed` with the error's own

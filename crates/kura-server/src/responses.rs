@@ -94,16 +94,85 @@ fn json_len(value: &impl serde::Serialize) -> usize {
 /// The stored responses by id, their ids oldest first, and the bytes they hold.
 type Responses = (HashMap<String, Arc<Stored>>, VecDeque<String>, usize);
 
-/// The stored responses.
+/// The stored responses, and those to be stored that are still being generated.
 #[derive(Default)]
 pub(crate) struct ResponseStore {
     inner: Mutex<Responses>,
+    pending: Mutex<HashMap<String, Pending>>,
+}
+
+/// A response to be stored, still being generated: its owner, its body as `response.in_progress`
+/// showed it, and whether its owner deleted it meanwhile (then it is not kept when it completes).
+struct Pending {
+    owner: Option<String>,
+    body: Value,
+    deleted: bool,
+}
+
+/// What a stored response's id finds.
+enum Found {
+    Done(Arc<Stored>),
+    /// Its body while in progress.
+    InProgress(Value),
+}
+
+/// A pending response's place in the store: dropped (a failure, a cancelled request, a client gone)
+/// before [`ResponseStore::finish`], it takes the pending entry away.
+struct PendingGuard {
+    store: Arc<ResponseStore>,
+    id: String,
+}
+
+impl Drop for PendingGuard {
+    fn drop(&mut self) {
+        let mut pending = self.store.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.remove(&self.id);
+    }
 }
 
 impl ResponseStore {
-    fn get(&self, id: &str, owner: &Option<String>) -> Option<Arc<Stored>> {
+    fn get(&self, id: &str, owner: &Option<String>) -> Option<Found> {
+        {
+            let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = pending.get(id).filter(|p| &p.owner == owner) {
+                return (!p.deleted).then(|| Found::InProgress(p.body.clone()));
+            }
+        }
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.0.get(id).filter(|s| &s.owner == owner).cloned()
+        inner
+            .0
+            .get(id)
+            .filter(|s| &s.owner == owner)
+            .cloned()
+            .map(Found::Done)
+    }
+
+    /// Marks `id` as a response of `owner` to be stored once it completes (`body`: as it is now).
+    fn begin(self: &Arc<Self>, id: &str, owner: Option<String>, body: Value) -> PendingGuard {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.insert(
+            id.to_string(),
+            Pending {
+                owner,
+                body,
+                deleted: false,
+            },
+        );
+        PendingGuard {
+            store: self.clone(),
+            id: id.to_string(),
+        }
+    }
+
+    /// Keeps a completed response, unless its owner deleted it while it was generated.
+    fn finish(&self, id: &str, stored: Stored) {
+        let deleted = {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            pending.remove(id).is_some_and(|p| p.deleted)
+        };
+        if !deleted {
+            self.insert(id.to_string(), stored);
+        }
     }
 
     /// Keeps `stored` under `id`, within [`MAX_STORED`] responses and [`MAX_STORED_BYTES`]: room is
@@ -153,6 +222,12 @@ impl ResponseStore {
     }
 
     fn remove(&self, id: &str, owner: &Option<String>) -> bool {
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = pending.get_mut(id).filter(|p| &p.owner == owner) {
+                return !std::mem::replace(&mut p.deleted, true);
+            }
+        }
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (map, order, bytes) = &mut *inner;
         if map.get(id).is_some_and(|s| &s.owner == owner) {
@@ -301,7 +376,14 @@ pub async fn create(
     let owner = effective_salt(&tenant, None);
     let mut conversation = match &plan.previous_response_id {
         Some(id) => match s.responses.get(id, &owner) {
-            Some(prev) => prev.conversation.clone(),
+            Some(Found::Done(prev)) => prev.conversation.clone(),
+            Some(Found::InProgress(_)) => return Err(ApiError::invalid(
+                format!(
+                    "previous_response_id {id:?} is still in progress: continue from it once it \
+                         has completed"
+                ),
+                Some("previous_response_id"),
+            )),
             None => {
                 return Err(ApiError::invalid(
                     format!("previous_response_id {id:?} was not found"),
@@ -396,9 +478,14 @@ pub async fn create(
             .map_err(|e| for_responses(e.into()))?,
     );
     drop(sender);
-    let keep = plan
-        .store
-        .then(|| (s.responses.clone(), owner, conversation));
+    let keep = plan.store.then(|| {
+        let guard = s.responses.begin(
+            &meta.id,
+            owner.clone(),
+            meta.body("in_progress", Vec::new(), None),
+        );
+        (guard, owner, conversation)
+    });
     let deadline = output::deadline(s.request_timeout);
     if plan.checked.stream {
         let body = stream(meta, events, keep, deadline);
@@ -412,16 +499,16 @@ pub async fn create(
     Ok(Json(body).into_response())
 }
 
-/// Where a finished response is kept: the store, its owner and the turns before its output.
-type Keep = Option<(Arc<ResponseStore>, Option<String>, Vec<ChatMessage>)>;
+/// Where a finished response is kept: its place in the store, its owner and the turns before its
+/// output.
+type Keep = Option<(PendingGuard, Option<String>, Vec<ChatMessage>)>;
 
 fn keep_response(keep: Keep, id: &str, turn: ChatMessage, body: &Value) {
-    if let Some((store, owner, mut conversation)) = keep {
+    if let Some((guard, owner, mut conversation)) = keep {
         conversation.push(turn);
-        store.insert(
-            id.to_string(),
-            Stored::new(owner, conversation, body.clone()),
-        );
+        guard
+            .store
+            .finish(id, Stored::new(owner, conversation, body.clone()));
     }
 }
 
@@ -732,10 +819,11 @@ pub async fn get(
     PathId(id): PathId,
 ) -> Result<Json<Value>, ApiError> {
     let owner = effective_salt(&tenant, None);
-    s.responses
-        .get(&id, &owner)
-        .map(|r| Json(r.body.clone()))
-        .ok_or_else(|| not_found(&id))
+    match s.responses.get(&id, &owner) {
+        Some(Found::Done(r)) => Ok(Json(r.body.clone())),
+        Some(Found::InProgress(body)) => Ok(Json(body)),
+        None => Err(not_found(&id)),
+    }
 }
 
 pub async fn delete(
@@ -773,6 +861,36 @@ mod tests {
             .filter(|id| inner.0[*id].owner.as_deref() == Some(owner))
             .cloned()
             .collect()
+    }
+
+    #[test]
+    fn a_response_in_progress_is_found_deleted_or_dropped() {
+        let store = Arc::new(ResponseStore::default());
+        let (a, b) = (Some("a".to_string()), Some("b".to_string()));
+        let found = |id: &str, owner: &Option<String>| match store.get(id, owner) {
+            Some(Found::Done(_)) => "done",
+            Some(Found::InProgress(_)) => "in progress",
+            None => "none",
+        };
+        // Completed: kept.
+        let guard = store.begin("r1", a.clone(), json!({"status": "in_progress"}));
+        assert_eq!((found("r1", &a), found("r1", &b)), ("in progress", "none"));
+        guard.store.finish("r1", stored("a", 10));
+        drop(guard);
+        assert_eq!(found("r1", &a), "done");
+        // Deleted while in progress (by its owner only, once): not kept when it completes.
+        let guard = store.begin("r2", a.clone(), json!({}));
+        assert!(!store.remove("r2", &b));
+        assert!(store.remove("r2", &a));
+        assert!(!store.remove("r2", &a));
+        assert_eq!(found("r2", &a), "none");
+        guard.store.finish("r2", stored("a", 10));
+        drop(guard);
+        assert_eq!(found("r2", &a), "none");
+        // Failed or cancelled (its guard dropped unfinished): gone.
+        drop(store.begin("r3", a.clone(), json!({})));
+        assert_eq!(found("r3", &a), "none");
+        assert!(store.pending.lock().unwrap().is_empty());
     }
 
     #[test]
