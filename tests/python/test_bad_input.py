@@ -82,6 +82,7 @@ def cases(model: str, max_len: int):
         ("tokenize: tools with a prompt", "/tokenize", {"prompt": "x", "tools": []}, 400),
         ("tokenize: unknown model", "/tokenize", {"prompt": "x", "model": "gpt-4"}, 404),
         ("responses: text is a string", "/v1/responses", {"input": "x", "text": "x"}, 400),
+        ("chat: service_tier a number", ch, {"messages": msgs, "service_tier": 123}, 400),
         ("responses: reasoning with an unknown field", "/v1/responses", {"input": "x", "reasoning": {"a": 1}}, 400),
         ("caches: a message without a string role", "/v1/caches", {"messages": [{"role": None, "content": "x"}]}, 400),
     ]

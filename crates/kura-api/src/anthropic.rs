@@ -634,6 +634,21 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
             )))
         }
     };
+    // Ignored (one tier; no abuse monitoring here), but checked as Anthropic's API checks them.
+    crate::responses::check_service_tier(o.get("service_tier"), &["auto", "standard_only"])?;
+    match o.get("metadata") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) => match m.get("user_id") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(u)) if u.chars().count() <= 256 => {}
+            Some(_) => {
+                return Err(invalid(
+                    "metadata.user_id must be a string of at most 256 characters",
+                ))
+            }
+        },
+        Some(v) => return Err(invalid(format!("metadata must be an object, got {v}"))),
+    }
     let cache_salt = match o.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => {

@@ -30,6 +30,22 @@ pub const MAX_SAFETY_IDENTIFIER: usize = 64;
 /// The `service_tier` values OpenAI's API takes; all are served alike here.
 pub const SERVICE_TIERS: [&str; 5] = ["auto", "default", "flex", "scale", "priority"];
 
+/// An ignored `service_tier` (one tier here) is still one of the API's values (`tiers`), as the API
+/// itself would check.
+pub fn check_service_tier(tier: Option<&Value>, tiers: &[&str]) -> Result<(), ApiError> {
+    match tier {
+        Some(t) if !t.is_null() && !t.as_str().is_some_and(|t| tiers.contains(&t)) => Err(bad(
+            format!(
+                "service_tier must be one of {} (this server has one tier), got {}",
+                tiers.join(", "),
+                truncated(&t.to_string(), 64)
+            ),
+            "service_tier",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// `text` cut to its first `chars` characters, for an error message.
 fn truncated(text: &str, chars: usize) -> String {
     match text.char_indices().nth(chars) {
@@ -334,18 +350,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
             }
         }
     }
-    if let Some(t) = set("service_tier") {
-        if !t.as_str().is_some_and(|t| SERVICE_TIERS.contains(&t)) {
-            return Err(bad(
-                format!(
-                    "service_tier must be one of {} (this server has one tier), got {}",
-                    SERVICE_TIERS.join(", "),
-                    truncated(&t.to_string(), 64)
-                ),
-                "service_tier",
-            ));
-        }
-    }
+    check_service_tier(set("service_tier"), &SERVICE_TIERS)?;
     if let Some(id) = set("safety_identifier") {
         if id
             .as_str()

@@ -682,6 +682,10 @@ pub fn refuse_fields(value: &Value, refused: &[(&'static str, &str)]) -> Result<
 /// Checks a chat completions body (already known to be one JSON object).
 pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan, ApiError> {
     refuse_fields(value, &CHAT_REFUSED)?;
+    crate::responses::check_service_tier(
+        value.get("service_tier"),
+        &crate::responses::SERVICE_TIERS,
+    )?;
     let common: CommonParams = from_value(value)?;
     let req: ChatCompletionRequest = from_value(value)?;
     let checked = match req.max_completion_tokens {

@@ -377,13 +377,15 @@ pub async fn create(
     let mut conversation = match &plan.previous_response_id {
         Some(id) => match s.responses.get(id, &owner) {
             Some(Found::Done(prev)) => prev.conversation.clone(),
-            Some(Found::InProgress(_)) => return Err(ApiError::invalid(
-                format!(
+            Some(Found::InProgress(_)) => {
+                return Err(ApiError::invalid(
+                    format!(
                     "previous_response_id {id:?} is still in progress: continue from it once it \
                          has completed"
                 ),
-                Some("previous_response_id"),
-            )),
+                    Some("previous_response_id"),
+                ))
+            }
             None => {
                 return Err(ApiError::invalid(
                     format!("previous_response_id {id:?} was not found"),
