@@ -71,6 +71,8 @@ def cases(model: str, max_len: int):
         ("unknown role", ch, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
         ("image content part", ch, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
         ("content is a number", ch, {"messages": [{"role": "user", "content": 7}]}, 400),
+        ("a user message without content", ch, {"messages": [{"role": "user", "content": None}]}, 400),
+        ("a system message without content", ch, {"messages": [{"role": "system"}, *msgs]}, 400),
         ("top_logprobs without logprobs", ch, {"messages": msgs, "top_logprobs": 2}, 400),
         ("max_completion_tokens 0", ch, {"messages": msgs, "max_completion_tokens": 0}, 400),
         ("chat prompt beyond the context", ch, {"messages": [{"role": "user", "content": big}]}, 400),

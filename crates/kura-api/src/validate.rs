@@ -472,6 +472,16 @@ pub fn flatten_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
                     Some("messages"),
                 ));
             }
+            if m.content.is_none() && m.role != "assistant" {
+                return Err(ApiError::invalid(
+                    format!(
+                        "messages[{i}].content is required for a {} message (only an assistant's \
+                         may be absent, beside its tool_calls)",
+                        m.role
+                    ),
+                    Some("messages"),
+                ));
+            }
             let content = content_text(i, &m.content)?;
             // `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
             let role = if m.role == "developer" {
