@@ -19,7 +19,8 @@
 //! in a decode step, so a token's output does not depend on its batch. With AVX-512 and a head size of 64,
 //! 128 or 256 a vector kernel computes 16 scores at a time (see [`x86`]); with AVX2 and plain rows (f32,
 //! bf16, f16) of a head size that is a multiple of 8, one computes 8 at a time (see [`avx2`]); other
-//! shapes and CPUs take a portable loop ([`attention_kernel`] says which a unit takes). Cost: O(tokens × heads × context × head_dim).
+//! shapes and CPUs take a portable loop ([`attention_kernel`] says which a unit takes). Cost:
+//! O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
 use kura_kv::codec::{self, KvDtype, QUANT_GROUP};
@@ -650,7 +651,7 @@ fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
 
 /// The kernel that computes a unit of attention. Each gives its own bits (its own order of additions,
 /// its own exponential), the same whatever the batch, the chunk or the block size: KV computed through
-/// one is served only where the same one would compute it ([`cpu_numerics`]).
+/// one is served only where the same one would compute it ([`super::numerics`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnKernel {
     /// The portable loop: other CPUs, head sizes and formats the vector kernels do not take.
@@ -666,7 +667,7 @@ pub enum AttnKernel {
 }
 
 impl AttnKernel {
-    /// Its code in a KV fingerprint ([`cpu_numerics`]).
+    /// Its code in a KV fingerprint ([`super::numerics`]).
     pub fn code(self) -> u8 {
         match self {
             AttnKernel::Portable => 1,
