@@ -1,14 +1,15 @@
 //! One decode token's attention (by default SmolLM2-135M's shape: 9 query heads, 3 KV heads, head size
-//! 64; KV in blocks of 16) over contexts of several lengths, on one thread: medians of many calls, in
-//! nanoseconds per context position of a KV head (its query heads' scores and weighted sum of V), with K
-//! and V warm in the caches and cold (a 64 MiB read between calls evicts them, as a decode step's weights
-//! do).
+//! 64; KV in blocks of 16) over contexts of several lengths: medians of many calls, in nanoseconds per
+//! context position of a KV head (its query heads' scores and weighted sum of V), with K and V warm in the
+//! caches and cold (a 64 MiB read between calls evicts them, as a decode step's weights do). The units
+//! (a KV head and a segment of 1,024 positions each) are dealt to the threads of rayon's pool, one per
+//! core: `RAYON_NUM_THREADS=1` for a single thread's figures.
 //!
 //! `cargo bench -p kura-model --bench attention`; `KURA_ATTN_CONTEXTS` (default "130 300 1000 4000"),
 //! `KURA_ATTN_DTYPE` (default bf16), `KURA_ATTN_SHAPE` (query heads, KV heads, head size; default
-//! "9,3,64", SmolLM2's; Gemma 3 270M's is "4,1,256"). The kernel is this CPU's (`KURA_ISA=avx2` narrows it). On a shared
-//! machine a neighbour on the same physical core can halve the figures for a while: compare builds in
-//! runs interleaved with each other.
+//! "9,3,64", SmolLM2's; Gemma 3 270M's is "4,1,256"). The kernel is this CPU's (`KURA_ISA=avx2` narrows
+//! it). On a shared machine a neighbour on the same physical core can halve the figures for a while:
+//! compare builds in runs interleaved with each other.
 
 use std::time::Instant;
 
