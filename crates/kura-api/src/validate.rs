@@ -184,11 +184,8 @@ pub fn check_common(
             ))
         }
     };
-    for (name, value) in [
-        ("prompt_cache_key", &c.prompt_cache_key),
-        ("cache_salt", &c.cache_salt),
-        ("user", &c.user),
-    ] {
+    // (`cache_salt`'s length: `check_salt`, below.)
+    for (name, value) in [("prompt_cache_key", &c.prompt_cache_key), ("user", &c.user)] {
         if value.as_ref().is_some_and(|k| k.len() > MAX_KEY_BYTES) {
             return Err(ApiError::invalid(
                 format!("{name} must be at most {MAX_KEY_BYTES} bytes"),

@@ -411,14 +411,14 @@ async fn authenticate(
         let found = known(bearer)
             .or_else(|| known(x_api_key))
             .map(|(_, tenant)| tenant.clone());
-        // The operator's key names no tenant: said so, rather than called invalid.
-        let operator = [bearer, x_api_key]
-            .into_iter()
-            .flatten()
-            .any(|k| s.admin_keys.iter().any(|a| same_key(a, k)));
         match found {
             Some(tenant) => Tenant(Some(tenant)),
             None => {
+                // The operator's key names no tenant: said so, rather than called invalid.
+                let operator = [bearer, x_api_key]
+                    .into_iter()
+                    .flatten()
+                    .any(|k| s.admin_keys.iter().any(|a| same_key(a, k)));
                 let path = req.uri().path();
                 let refused = if operator {
                     ApiError::TenantOnly(path.to_string())

@@ -505,12 +505,12 @@ pub async fn create(
 /// output.
 type Keep = Option<(PendingGuard, Option<String>, Vec<ChatMessage>)>;
 
-fn keep_response(keep: Keep, id: &str, turn: ChatMessage, body: &Value) {
+fn keep_response(keep: Keep, turn: ChatMessage, body: &Value) {
     if let Some((guard, owner, mut conversation)) = keep {
         conversation.push(turn);
         guard
             .store
-            .finish(id, Stored::new(owner, conversation, body.clone()));
+            .finish(&guard.id, Stored::new(owner, conversation, body.clone()));
     }
 }
 
@@ -537,7 +537,7 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
         "completed"
     };
     let body = meta.body(status, items, Some(&usage));
-    keep_response(keep, &meta.id, turn, &body);
+    keep_response(keep, turn, &body);
     Ok(body)
 }
 
@@ -749,7 +749,7 @@ impl St {
         if !calls.is_empty() {
             turn.tool_calls = Some(Value::Array(calls));
         }
-        keep_response(self.keep.take(), &self.meta.id.clone(), turn, &body);
+        keep_response(self.keep.take(), turn, &body);
         self.done = true;
     }
 

@@ -99,6 +99,10 @@ fn numbered_keys(text: &str) -> Vec<(usize, String)> {
         .collect()
 }
 
+/// The reason given for a key that [`sendable`] refuses.
+const UNSENDABLE: &str = "a key must be visible ASCII characters, without spaces, as an HTTP \
+                          header carries it; this one could never be sent";
+
 /// Whether a client can send `key`: an `Authorization: Bearer` or `x-api-key` header carries visible
 /// ASCII (a key of other characters, or with a space inside, could never match).
 fn sendable(key: &str) -> bool {
@@ -113,11 +117,7 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
         bail!("--{flag_name} must not be empty");
     }
     if let Some(i) = keys.iter().position(|k| !sendable(k)) {
-        bail!(
-            "--{flag_name} (the {} given): a key must be visible ASCII characters, without spaces, \
-             as an HTTP header carries it; this one could never be sent",
-            ordinal(i + 1)
-        );
+        bail!("--{flag_name} (the {} given): {UNSENDABLE}", ordinal(i + 1));
     }
     if let Some(path) = file {
         let text = kura_files::read_text(path, SECRET_FILE_MAX_BYTES)
@@ -126,8 +126,7 @@ pub fn read_keys(given: &[String], file: Option<&PathBuf>, flag_name: &str) -> R
         let from_file = numbered_keys(&text);
         if let Some((line, _)) = from_file.iter().find(|(_, k)| !sendable(k)) {
             bail!(
-                "--{flag_name}-file {} line {line}: a key must be visible ASCII characters, without \
-                 spaces, as an HTTP header carries it; this one could never be sent",
+                "--{flag_name}-file {} line {line}: {UNSENDABLE}",
                 path.display()
             );
         }

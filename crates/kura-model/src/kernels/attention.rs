@@ -1164,8 +1164,8 @@ mod x86 {
 
     /// The int8 unit for head size `16 · CH` (`CH` = 4 · `G`, `G` groups of 64): scores by integer dot
     /// products of the quantised query ([`super::QuantQuery`]) with the stored rows, `vpdpbusd` taking
-    /// 64 products a row and head, then softmax and V as in [`attend`]. The row bytes are made unsigned (`k + 128`)
-    /// and `128 · Σ qi` taken off after; every sum is an integer below 2^24, exact in f32, so each score
+    /// 64 products a row and head, then softmax and V as in [`attend`]. The row bytes are made unsigned
+    /// (`k + 128`) and `128 · Σ qi` taken off after; every sum is an integer below 2^24, exact in f32, so each score
     /// has the bits of [`super::QuantQuery::score`].
     ///
     /// # Safety
