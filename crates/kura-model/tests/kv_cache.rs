@@ -178,7 +178,7 @@ fn prefill_chunks_and_decode_give_bit_identical_logits_in_every_format_on_every_
     eprintln!("kernel paths: {}", kura_model::kernels::paths());
     // Every weights format with every KV format on the path this process runs; on a narrower path
     // (slower, in a child process) every weights format with bf16 KV, and every KV format with native
-    // weights on the AVX2 path (its attention is the portable loop, as on the portable path).
+    // weights on the AVX2 path (its own attention kernel, which reads every KV format).
     let forced = std::env::var("KURA_ISA").ok();
     for weights_dtype in [WeightsDtype::Native, WeightsDtype::Bf16, WeightsDtype::F32] {
         let model =

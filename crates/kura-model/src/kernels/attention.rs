@@ -143,7 +143,7 @@ struct Int4Row;
 unsafe fn f16_at(p: *const u8) -> f32 {
     use std::arch::x86_64::*;
     // SAFETY: the caller's guarantee that two bytes are readable at p, and (called from the AVX-512
-    // kernel only) that avx512f, which implies f16c, is present.
+    // kernel, whose avx512f implies f16c, and the AVX2 one, which checks it) that f16c is present.
     unsafe {
         let bits = std::ptr::read_unaligned(p as *const u16);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le(
@@ -656,8 +656,9 @@ fn unrotate(dtype: KvDtype, head_dim: usize, o: &mut [f32]) {
 pub enum AttnKernel {
     /// The portable loop: other CPUs, head sizes and formats the vector kernels do not take.
     Portable,
-    /// The AVX2 kernel (`attention_avx2.rs`): plain rows of a head size that is a multiple of 8, up to
-    /// 256, on a CPU with AVX2, FMA and F16C but no AVX-512 (or with `KURA_ISA=avx2`).
+    /// The AVX2 kernel (`attention_avx2.rs`): plain rows of a head size that is a multiple of 8 and
+    /// encoded ones of a multiple of 64, up to 256, on a CPU with AVX2, FMA and F16C; with AVX-512, what
+    /// its own kernels do not take (other head sizes, int8 without VNNI).
     Avx2,
     /// The AVX-512 kernel ([`x86::attend`]): every format but int8, at head sizes 64, 128 and 256.
     Avx512,
@@ -682,18 +683,17 @@ impl AttnKernel {
 /// `vnni` saying whether the CPU has AVX-512 VNNI with BW (what the int8 kernel needs). What every unit's
 /// dispatch follows.
 pub fn attention_kernel(isa: Isa, vnni: bool, dtype: KvDtype, head_dim: usize) -> AttnKernel {
-    let vector_head = matches!(head_dim, 64 | 128 | 256);
+    let vector_head = matches!(head_dim, 64 | 128 | 256) && cfg!(target_arch = "x86_64");
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = || avx2::takes(dtype, head_dim);
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx2 = || false;
     match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma if !dtype.is_quantized() && avx2::takes(head_dim) => AttnKernel::Avx2,
-        Isa::Avx512 if vector_head && dtype == KvDtype::Int8 => {
-            if vnni {
-                AttnKernel::Avx512Vnni
-            } else {
-                AttnKernel::Portable
-            }
-        }
-        Isa::Avx512 if vector_head && cfg!(target_arch = "x86_64") => AttnKernel::Avx512,
+        Isa::Avx512 if vector_head && dtype == KvDtype::Int8 && vnni => AttnKernel::Avx512Vnni,
+        Isa::Avx512 if vector_head && dtype != KvDtype::Int8 => AttnKernel::Avx512,
+        // What the AVX-512 kernels do not take (other head sizes, int8 without VNNI), the AVX2 kernel
+        // does, on the same CPU.
+        Isa::Avx512 | Isa::Avx2Fma if avx2() => AttnKernel::Avx2,
         _ => AttnKernel::Portable,
     }
 }
@@ -711,13 +711,15 @@ fn attend_dtype(
     #[cfg(target_arch = "x86_64")]
     if kernel == AttnKernel::Avx2 {
         // SAFETY: `attention_kernel` chose it through `avx2::takes`, which checked the CPU's features
-        // and the head size.
+        // and the head size for this format; int8's quantised query is filled wherever KV is int8.
         unsafe {
             match dtype {
                 KvDtype::F32 => return avx2::attend::<f32>(job, scores, part),
                 KvDtype::Bf16 => return avx2::attend::<bf16>(job, scores, part),
                 KvDtype::F16 => return avx2::attend::<f16>(job, scores, part),
-                _ => unreachable!("the AVX2 kernel takes plain rows"),
+                KvDtype::Int8 => return avx2::attend::<Int8Row>(job, scores, part),
+                KvDtype::Fp8 => return avx2::attend::<Fp8Row>(job, scores, part),
+                KvDtype::Int4 => return avx2::attend::<Int4Row>(job, scores, part),
             }
         }
     }
@@ -1587,6 +1589,12 @@ mod tests {
             // of 4), groups of 4 and 5 (heads in threes), across a segment boundary.
             (KvDtype::F16, 16, 8, 2, 80, 1020, 8, None),
             (KvDtype::F32, 3, 5, 1, 40, 9, 11, Some(13)),
+            // Encoded rows of 3 groups (head size 192, the AVX2 kernel's on every x86 CPU): int8's
+            // integer products for an odd group of heads (in twos), fp8 and int4 widened into the tile
+            // for a group of 5, across a segment boundary, with a short last run of keys.
+            (KvDtype::Int8, 16, 9, 3, 192, 1000, 30, None),
+            (KvDtype::Fp8, 7, 10, 2, 192, 1020, 9, Some(700)),
+            (KvDtype::Int4, 5, 5, 1, 192, 33, 9, None),
         ];
         // Which kernels run here, said aloud; one this CPU has but did not run fails.
         #[cfg(target_arch = "x86_64")]
@@ -1633,7 +1641,14 @@ mod tests {
     #[test]
     fn each_head_size_and_format_has_its_kernel() {
         use AttnKernel::*;
+        // The AVX2 kernel is chosen only where the CPU has it.
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = crate::kernels::cpu_has(Isa::Avx2Fma) && is_x86_feature_detected!("f16c");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
+        let or_portable = |k: AttnKernel| if avx2 { k } else { Portable };
         let plain = [KvDtype::F32, KvDtype::Bf16, KvDtype::F16];
+        let encoded = [KvDtype::Int8, KvDtype::Fp8, KvDtype::Int4];
         for dim in [64, 128, 256] {
             for dtype in plain.into_iter().chain([KvDtype::Fp8, KvDtype::Int4]) {
                 assert_eq!(attention_kernel(Isa::Avx512, true, dtype, dim), Avx512);
@@ -1642,41 +1657,125 @@ mod tests {
                 attention_kernel(Isa::Avx512, true, KvDtype::Int8, dim),
                 Avx512Vnni
             );
+            // Int8 without VNNI: AVX2's integer products.
             assert_eq!(
                 attention_kernel(Isa::Avx512, false, KvDtype::Int8, dim),
-                Portable
+                or_portable(Avx2)
             );
         }
-        for dim in [16, 80, 96, 512] {
-            for dtype in plain {
-                assert_eq!(attention_kernel(Isa::Avx512, true, dtype, dim), Portable);
-            }
+        // Head sizes the AVX-512 kernel does not take: the AVX2 kernel's, on the same CPU.
+        for (dtype, dim, takes) in [
+            (KvDtype::F32, 16, true),
+            (KvDtype::Bf16, 80, true),
+            (KvDtype::F16, 96, true),
+            (KvDtype::Int8, 192, true),
+            (KvDtype::Int4, 192, true),
+            (KvDtype::Bf16, 512, false),
+            (KvDtype::Int8, 512, false),
+            (KvDtype::Fp8, 96, false),
+        ] {
+            let want = if takes { or_portable(Avx2) } else { Portable };
+            assert_eq!(
+                attention_kernel(Isa::Avx512, true, dtype, dim),
+                want,
+                "{dtype:?} {dim}"
+            );
         }
+        // Encoded rows need whole groups of 64; the portable loop takes the rest, on every CPU.
         for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Scalar] {
-            assert_eq!(attention_kernel(isa, true, KvDtype::Int4, 80), Portable);
+            for dtype in encoded {
+                assert_eq!(attention_kernel(isa, true, dtype, 80), Portable);
+            }
         }
         assert_eq!(
             attention_kernel(Isa::Scalar, false, KvDtype::Bf16, 64),
             Portable
         );
-        // The AVX2 kernel takes plain rows of a multiple of 8 up to 256, where the CPU has it.
-        #[cfg(target_arch = "x86_64")]
-        let avx2 = crate::kernels::cpu_has(Isa::Avx2Fma) && is_x86_feature_detected!("f16c");
-        #[cfg(not(target_arch = "x86_64"))]
-        let avx2 = false;
+        // The AVX2 kernel takes plain rows of a multiple of 8 and encoded ones of a multiple of 64, up to
+        // 256, where the CPU has it.
         for (dtype, dim, takes) in [
             (KvDtype::Bf16, 256, true),
             (KvDtype::F32, 40, true),
             (KvDtype::F16, 264, false),
-            (KvDtype::Int8, 64, false),
-            (KvDtype::Fp8, 128, false),
+            (KvDtype::Int8, 64, true),
+            (KvDtype::Fp8, 128, true),
+            (KvDtype::Int4, 256, true),
+            (KvDtype::Int8, 96, false),
+            (KvDtype::Fp8, 320, false),
         ] {
-            let want = if takes && avx2 { Avx2 } else { Portable };
-            assert_eq!(
-                attention_kernel(Isa::Avx2Fma, false, dtype, dim),
-                want,
-                "{dtype:?} {dim}"
-            );
+            let want = if takes { or_portable(Avx2) } else { Portable };
+            for vnni in [false, true] {
+                assert_eq!(
+                    attention_kernel(Isa::Avx2Fma, vnni, dtype, dim),
+                    want,
+                    "{dtype:?} {dim}"
+                );
+            }
+        }
+    }
+
+    /// Int8 scores are integer dot products formed group by group as the portable loop forms them: the
+    /// AVX2 kernel's scores are the portable loop's, bit for bit (each key alone, where the largest score
+    /// of a one-position context is its score; and the largest of a whole context).
+    #[test]
+    fn avx2_int8_scores_are_the_portable_loops() {
+        #[cfg(target_arch = "x86_64")]
+        let has = crate::kernels::cpu_has(Isa::Avx2Fma) && is_x86_feature_detected!("f16c");
+        #[cfg(not(target_arch = "x86_64"))]
+        let has = false;
+        if !crate::kernels::compared("attention, AVX2 int8 scores", has, has) {
+            return;
+        }
+        for (heads, dim) in [(3, 64), (5, 128), (2, 192), (4, 256)] {
+            let layout = KvLayout::uniform(1, 1, dim, KvDtype::Int8, 16).unwrap();
+            let n = 45;
+            let mut kv = KvStorage::new(&layout, 3).unwrap();
+            let val = |i: usize| ((i * 2654435761usize % 1000) as f32 / 500.0 - 1.0) * 3.0;
+            for p in 0..n {
+                let k: Vec<f32> = (0..dim).map(|i| val(p * 977 + i)).collect();
+                kv.write_token(0, p / 16, p % 16, &k, &k);
+            }
+            let table = [0u32, 1, 2];
+            let seq = AttnSeq {
+                first_token: 0,
+                n_tokens: 1,
+                start_pos: n - 1,
+                block_table: &table,
+            };
+            let q: Vec<f32> = (0..heads * dim).map(|i| val(i * 31 + 5)).collect();
+            let mut qq = QuantQuery::default();
+            qq.fill(&q, dim);
+            let spans = (0..n).map(|p| (p, p)).chain([(0, n - 1), (3, n - 2)]);
+            for (lo, pos) in spans {
+                let job = Job {
+                    q: &q,
+                    qq: &qq,
+                    seq: &seq,
+                    kv: kv.layer(0),
+                    kvh: 0,
+                    lo,
+                    pos,
+                    group: heads,
+                    head_dim: dim,
+                    scale: 1.0 / (dim as f32).sqrt(),
+                };
+                let largest = |isa| {
+                    let mut part = vec![0f32; heads * (dim + 2)];
+                    attend_dtype(KvDtype::Int8, isa, &job, &mut Vec::new(), &mut part);
+                    (0..heads)
+                        .map(|g| part[g * (dim + 2)].to_bits())
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(
+                    attention_kernel(Isa::Avx2Fma, false, KvDtype::Int8, dim),
+                    AttnKernel::Avx2
+                );
+                assert_eq!(
+                    largest(Isa::Avx2Fma),
+                    largest(Isa::Scalar),
+                    "{heads} heads of {dim}, positions {lo}..={pos}"
+                );
+            }
         }
     }
 

@@ -1,58 +1,70 @@
-//! The AVX2 kernel of [`super`]'s attention, for plain rows (f32, bf16, f16) of any head size that is a
-//! multiple of 8, up to [`MAX_HEAD_DIM`]: CPUs without AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP,
-//! most small cloud instances) no longer fall back to the portable loop, whose scalar `exp` and SSE
-//! products made a long prompt's attention cost more than its matrix products.
+//! The AVX2 kernel of [`super`]'s attention, for rows of any format: plain (f32, bf16, f16) of a head
+//! size that is a multiple of 8 up to [`MAX_HEAD_DIM`], and encoded (int8, fp8, int4) of a multiple of
+//! [`QUANT_GROUP`] up to the same. CPUs without AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP, most
+//! small cloud instances) no longer fall back to the portable loop, whose scalar `exp`, SSE products and
+//! scalar decoding of encoded rows made a long prompt's attention cost more than its matrix products;
+//! AVX-512 CPUs take it for what their own kernel does not (other head sizes; int8 without VNNI).
 //!
 //! Scores come 4 keys × 3 query heads at a time (12 accumulators in registers), each key's row widened
-//! from its stored format as it is read; a group of more than 3 query heads first widens 8 keys into a
-//! tile in L1, which each pass of 3 heads then reads. Each key's 8 partial sums are reduced by one fixed
-//! tree of `hadd`s, so a key's score is computed the same way wherever it sits among the others. The
-//! softmax uses a vector exp; V is summed in registers, position after position, in column slices of 32
-//! lanes for up to 3 heads at once (12 accumulators, 3 scores and one V vector fill the 16 registers).
-//! Each token is computed the same way in a prefill and alone in a decode step, as in the other kernels.
+//! (and dequantised) from its stored format as it is read; a group of more than 3 query heads first
+//! widens 8 keys into a tile in L1, which each pass of 3 heads then reads. Each key's 8 partial sums are
+//! reduced by one fixed tree of `hadd`s, so a key's score is computed the same way wherever it sits among
+//! the others. Int8 keys are scored as integer dot products with the query quantised (`vpmaddubsw` on
+//! `|k|` and `q` with k's sign, then `vpmaddwd`), 4 keys × 2 heads at a time: the integer sums are exact,
+//! and each group's term is formed as the portable loop forms it, so the scores are the portable loop's,
+//! bit for bit. The softmax uses a vector exp; V is summed in registers, position after position, in
+//! column slices of 32 lanes for up to 3 heads at once (12 accumulators, 3 scores and one V vector fill
+//! the 16 registers). Each token is computed the same way in a prefill and alone in a decode step, as in
+//! the other kernels.
 
 use std::arch::x86_64::*;
 
 use half::{bf16, f16};
+use kura_kv::codec::{KvDtype, QUANT_GROUP};
 
-use super::{prefetch_row, spans, Job, KvRow};
+use super::{prefetch_row, spans, Fp8Row, Int4Row, Int8Row, Job, KvRow};
 
-/// The largest head size the kernel takes (the tile of 8 widened keys stays in 8 KiB).
+/// The largest head size the kernel takes (the tile of 8 widened keys stays in 8 KiB; an encoded row
+/// has at most the 4 groups whose scales [`KvRow::params`] holds).
 pub(super) const MAX_HEAD_DIM: usize = 256;
 
-/// Whether the kernel takes a head size, and this CPU has what it needs.
-pub(super) fn takes(head_dim: usize) -> bool {
-    head_dim.is_multiple_of(8)
+/// Whether the kernel takes rows of `dtype` at a head size, and this CPU has what it needs.
+pub(super) fn takes(dtype: KvDtype, head_dim: usize) -> bool {
+    let unit = if dtype.is_quantized() { QUANT_GROUP } else { 8 };
+    head_dim > 0
+        && head_dim.is_multiple_of(unit)
         && head_dim <= MAX_HEAD_DIM
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
 }
 
-/// A plain element, read 8 lanes at a time as f32 (exactly: every format widens without rounding).
-pub(super) trait Lanes8: KvRow<Unit = Self> + Sized {
-    /// Elements `p..p + 8` as f32.
+/// A row read 8 lanes at a time as f32: plain elements widen exactly; encoded ones are dequantised in
+/// registers with the row's scales ([`KvRow::params`]).
+pub(super) trait Lanes8: KvRow {
+    /// Elements `8c..8c + 8` of the row at `row`, as f32.
     ///
     /// # Safety
-    /// avx2 and f16c are present; 8 elements are readable at `p`.
-    unsafe fn load8(p: *const Self) -> __m256;
+    /// avx2 and f16c are present; a whole row of a head size the kernel takes is readable at `row`,
+    /// `8c` is below that head size, and `p` is that row's [`KvRow::params`].
+    unsafe fn load8(row: *const Self::Unit, c: usize, p: &Self::Params) -> __m256;
 }
 
 impl Lanes8 for f32 {
     #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
+    unsafe fn load8(row: *const f32, c: usize, _: &()) -> __m256 {
         // SAFETY: the caller's guarantee.
-        unsafe { _mm256_loadu_ps(p) }
+        unsafe { _mm256_loadu_ps(row.add(8 * c)) }
     }
 }
 
 impl Lanes8 for bf16 {
     #[inline(always)]
-    unsafe fn load8(p: *const bf16) -> __m256 {
+    unsafe fn load8(row: *const bf16, c: usize, _: &()) -> __m256 {
         // SAFETY: the caller's guarantee; bf16 widens by a 16-bit shift.
         unsafe {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128(p.cast()),
+                _mm_loadu_si128(row.add(8 * c).cast()),
             )))
         }
     }
@@ -60,9 +72,64 @@ impl Lanes8 for bf16 {
 
 impl Lanes8 for f16 {
     #[inline(always)]
-    unsafe fn load8(p: *const f16) -> __m256 {
+    unsafe fn load8(row: *const f16, c: usize, _: &()) -> __m256 {
         // SAFETY: the caller's guarantee.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(row.add(8 * c).cast())) }
+    }
+}
+
+/// The 8 payload bytes of lanes `8c..8c + 8` of a one-byte format.
+///
+/// # Safety
+/// 8 bytes are readable at `row + 8c`.
+#[inline(always)]
+unsafe fn bytes8(row: *const u8, c: usize) -> __m128i {
+    // SAFETY: the caller's guarantee.
+    unsafe { _mm_loadl_epi64(row.add(8 * c).cast()) }
+}
+
+/// A one-byte format (int8, fp8): its lanes are the raw values (`$raw`, of the 8 payload bytes `$b`)
+/// times their group's scale.
+macro_rules! byte_lanes {
+    ($row:ident, |$b:ident| $raw:expr) => {
+        impl Lanes8 for $row {
+            #[inline(always)]
+            unsafe fn load8(row: *const u8, c: usize, p: &[f32; 4]) -> __m256 {
+                // SAFETY: the caller's guarantee; lanes 8c.. lie in group 8c / 64.
+                unsafe {
+                    let $b = bytes8(row, c);
+                    _mm256_mul_ps($raw, _mm256_set1_ps(p[c / 8]))
+                }
+            }
+        }
+    };
+}
+
+byte_lanes!(Int8Row, |b| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+// As the AVX-512 kernel reads e4m3: each byte s eeee mmm becomes the f16 s 0eeee mmm0000000, its
+// exponent 8 short, 2^8 in the scale.
+byte_lanes!(Fp8Row, |b| {
+    let b = _mm_cvtepu8_epi16(b);
+    let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7F)));
+    let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
+    _mm256_cvtph_ps(_mm_or_si128(mag, sign))
+});
+
+impl Lanes8 for Int4Row {
+    #[inline(always)]
+    unsafe fn load8(row: *const u8, c: usize, p: &[[f32; 4]; 2]) -> __m256 {
+        // Group c / 8 has 32 bytes: its lanes 0..32 are the low nibbles of those bytes, its lanes 32..64
+        // the high nibbles, so its chunks 0..4 of 8 lanes read bytes 8·cc.. low, chunks 4..8 the same
+        // bytes high.
+        let (g, cc) = (c / 8, c % 8);
+        // SAFETY: the caller's guarantee: the group's 32 payload bytes are readable.
+        unsafe {
+            let b = _mm_loadl_epi64(row.add(g * 32 + (cc % 4) * 8).cast());
+            let b = if cc >= 4 { _mm_srli_epi16::<4>(b) } else { b };
+            let q = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+            let x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+            _mm256_fmadd_ps(x, _mm256_set1_ps(p[0][g]), _mm256_set1_ps(p[1][g]))
+        }
     }
 }
 
@@ -77,16 +144,17 @@ fn transpose_sum4(a: &[__m256; 4]) -> __m128 {
     _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u))
 }
 
-/// The scores of every query head of `job` against up to 4 keys (`n` of the rows; the others repeat one
-/// of them), into `scores[g · n_ctx + col ..][..n]`, 3 heads at a time.
+/// The scores of every query head of `job` against up to 4 keys (`n` of the rows, `params` theirs; the
+/// others repeat one of them), into `scores[g · n_ctx + col ..][..n]`, 3 heads at a time.
 ///
 /// # Safety
-/// avx2, fma and f16c are present; each row holds `job.head_dim` elements, and `job.q` `group` heads;
-/// `scores` holds `group · n_ctx` values and `col + n ≤ n_ctx`.
+/// avx2, fma and f16c are present; each row holds a whole row of `job.head_dim` elements, and `job.q`
+/// `group` heads; `scores` holds `group · n_ctx` values and `col + n ≤ n_ctx`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn heads_scores<K: Lanes8>(
     job: &Job<'_, '_>,
-    rows: [*const K; 4],
+    rows: [*const K::Unit; 4],
+    params: &[K::Params; 4],
     n: usize,
     scores: *mut f32,
     n_ctx: usize,
@@ -101,50 +169,168 @@ unsafe fn heads_scores<K: Lanes8>(
         // SAFETY: the caller's guarantee; heads g0..g0 + gb lie inside q.
         let sums = unsafe {
             match gb {
-                1 => qk::<K, 1>(qp, rows, head_dim, scale),
-                2 => qk::<K, 2>(qp, rows, head_dim, scale),
-                _ => qk::<K, 3>(qp, rows, head_dim, scale),
+                1 => qk::<K, 1>(qp, rows, params, head_dim, scale),
+                2 => qk::<K, 2>(qp, rows, params, head_dim, scale),
+                _ => qk::<K, 3>(qp, rows, params, head_dim, scale),
             }
         };
         for (g, row) in sums[..gb].iter().enumerate() {
             // SAFETY: scores of head g0 + g, columns col..col + n, lie inside (the caller's guarantee).
-            unsafe {
-                let dst = scores.add((g0 + g) * n_ctx + col);
-                if n == 4 {
-                    _mm_storeu_ps(dst, *row);
-                } else {
-                    let mut four = [0f32; 4];
-                    _mm_storeu_ps(four.as_mut_ptr(), *row);
-                    std::ptr::copy_nonoverlapping(four.as_ptr(), dst, n);
-                }
-            }
+            unsafe { store_scores(scores.add((g0 + g) * n_ctx + col), *row, n) };
         }
         g0 += gb;
     }
 }
 
-/// The scaled scores of `G` query heads (rows of `head_dim` from `q`) against 4 keys (rows of `head_dim`
-/// at `k`), per head in key order (heads past `G` zero): each score's lanes summed in chunk order, then
-/// by [`transpose_sum4`].
+/// The first `n` (up to 4) of a key's 4 scores, to `dst`.
 ///
 /// # Safety
-/// avx2, fma and f16c are present; `q` holds `G` rows and each of `k` one row of `head_dim` (a multiple
-/// of 8) values.
+/// `n` values are writable at `dst`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn store_scores(dst: *mut f32, four: __m128, n: usize) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        if n == 4 {
+            _mm_storeu_ps(dst, four);
+        } else {
+            let mut buf = [0f32; 4];
+            _mm_storeu_ps(buf.as_mut_ptr(), four);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, n);
+        }
+    }
+}
+
+/// The scores of every query head of `job` against up to 4 int8 keys (as [`heads_scores`]), 2 heads at
+/// a time, as integer dot products with the quantised query (`job.qq`): per group of [`QUANT_GROUP`]
+/// lanes, `Σ q·k` by `vpmaddubsw` on `|k|` and `q` with k's sign (pairs of products at most 2 · 128 · 127,
+/// inside an i16) and `vpmaddwd` by ones, exact; then the group's term `d · (scale_k · scale_q)` and the
+/// sum of the terms in group order, as [`super::QuantQuery::score`] forms them (the same bits).
+///
+/// # Safety
+/// avx2, fma and f16c are present; each row is a whole int8 row of `job.head_dim` (a multiple of
+/// [`QUANT_GROUP`]) lanes; `job.qq` holds the quantised `group` heads; `scores` holds `group · n_ctx`
+/// values and `col + n ≤ n_ctx`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int8_scores(
+    job: &Job<'_, '_>,
+    rows: [*const u8; 4],
+    n: usize,
+    scores: *mut f32,
+    n_ctx: usize,
+    col: usize,
+) {
+    let (group, head_dim, qq) = (job.group, job.head_dim, job.qq);
+    let groups = head_dim / QUANT_GROUP;
+    let scale = _mm_set1_ps(job.scale);
+    // The keys' scales, group by group: [key 0, …, key 3].
+    let mut sk = [_mm_setzero_ps(); 4];
+    for (gr, s) in sk.iter_mut().enumerate().take(groups) {
+        let bits: [u16; 4] = std::array::from_fn(|j| {
+            // SAFETY: the group's scale lies inside the row (the caller's guarantee).
+            unsafe { std::ptr::read_unaligned(rows[j].add(head_dim + 2 * gr).cast::<u16>()) }
+        });
+        // SAFETY: 4 u16 in `bits`; f16c is present.
+        *s = unsafe { _mm_cvtph_ps(_mm_loadl_epi64(bits.as_ptr().cast())) };
+    }
+    let mut g0 = 0;
+    while g0 < group {
+        let gb = (group - g0).min(2);
+        let mut score = [_mm_setzero_ps(); 2];
+        for (gr, skg) in sk.iter().enumerate().take(groups) {
+            let off = gr * QUANT_GROUP;
+            let qi = |h: usize| qq.qi[(g0 + h) * head_dim + off..].as_ptr();
+            // SAFETY: heads g0..g0 + gb of the quantised query and each row's payload hold lanes off..off
+            // + QUANT_GROUP (the caller's guarantee).
+            let d = unsafe {
+                match gb {
+                    1 => {
+                        let [d] = int8_dots::<1>([qi(0)], rows, off);
+                        [d, d]
+                    }
+                    _ => int8_dots::<2>([qi(0), qi(1)], rows, off),
+                }
+            };
+            for (h, dh) in d.iter().enumerate().take(gb) {
+                let i = (g0 + h) * groups + gr;
+                let term = _mm_mul_ps(*dh, _mm_mul_ps(*skg, _mm_set1_ps(qq.scale[i])));
+                score[h] = if gr == 0 {
+                    term
+                } else {
+                    _mm_add_ps(score[h], term)
+                };
+            }
+        }
+        for (h, s) in score.iter().enumerate().take(gb) {
+            // SAFETY: scores of head g0 + h, columns col..col + n, lie inside (the caller's guarantee).
+            unsafe { store_scores(scores.add((g0 + h) * n_ctx + col), _mm_mul_ps(*s, scale), n) };
+        }
+        g0 += gb;
+    }
+}
+
+/// `[Σ q·k0, …, Σ q·k3]` over lanes `off..off + QUANT_GROUP` of 4 int8 rows, for each of `H` quantised
+/// query heads (their lanes at `q[h]`), exact (below 2^24, so exact in f32 too).
+///
+/// # Safety
+/// avx2 is present; `QUANT_GROUP` lanes are readable at each `q[h]` and at `rows[j] + off`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn int8_dots<const H: usize>(
+    q: [*const i8; H],
+    rows: [*const u8; 4],
+    off: usize,
+) -> [__m128; H] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_si256(); 4]; H];
+    for half in 0..QUANT_GROUP / 32 {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            let qv: [__m256i; H] =
+                std::array::from_fn(|h| _mm256_loadu_si256(q[h].add(32 * half).cast()));
+            for j in 0..4 {
+                let kb = _mm256_loadu_si256(rows[j].add(off + 32 * half).cast());
+                let ak = _mm256_abs_epi8(kb);
+                for (a, x) in acc.iter_mut().zip(&qv) {
+                    let p = _mm256_maddubs_epi16(ak, _mm256_sign_epi8(*x, kb));
+                    a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+    }
+    acc.map(|a| {
+        let u = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+        _mm_cvtepi32_ps(_mm_add_epi32(
+            _mm256_castsi256_si128(u),
+            _mm256_extracti128_si256::<1>(u),
+        ))
+    })
+}
+
+/// The scaled scores of `G` query heads (rows of `head_dim` from `q`) against 4 keys (rows of `head_dim`
+/// at `k`, their params `p`), per head in key order (heads past `G` zero): each score's lanes summed in
+/// chunk order, then by [`transpose_sum4`].
+///
+/// # Safety
+/// avx2, fma and f16c are present; `q` holds `G` rows and each of `k` one whole row of `head_dim` (a
+/// head size the kernel takes) values.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn qk<K: Lanes8, const G: usize>(
     q: *const f32,
-    k: [*const K; 4],
+    k: [*const K::Unit; 4],
+    p: &[K::Params; 4],
     head_dim: usize,
     scale: __m256,
 ) -> [__m128; 3] {
     let mut acc = [[_mm256_setzero_ps(); 4]; G];
-    for c in (0..head_dim).step_by(8) {
+    for c in 0..head_dim / 8 {
         // SAFETY: the caller's guarantee.
         unsafe {
-            let qv: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * head_dim + c)));
+            let qv: [__m256; G] =
+                std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * head_dim + 8 * c)));
             for j in 0..4 {
-                let kv = K::load8(k[j].add(c));
+                let kv = K::load8(k[j], c, &p[j]);
                 for (a, x) in acc.iter_mut().zip(&qv) {
                     a[j] = _mm256_fmadd_ps(*x, kv, a[j]);
                 }
@@ -240,7 +426,8 @@ fn exp_sum(x: &mut [f32]) -> (f32, f32) {
 /// One unit: writes, per query head, the partial `[m, l, o]` (see [`super::attend`]).
 ///
 /// # Safety
-/// [`takes`]`(job.head_dim)` is true; `out` holds `group × (head_dim + 2)` values.
+/// [`takes`]`(dtype, job.head_dim)` is true for `R`'s format; for int8, `job.qq` holds the quantised
+/// query; `out` holds `group × (head_dim + 2)` values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     job: &Job<'a, '_>,
@@ -259,13 +446,15 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
         ..
     } = *job;
     debug_assert!(head_dim.is_multiple_of(8) && head_dim <= MAX_HEAD_DIM);
+    debug_assert!(!R::INTEGER_SCORES || job.qq.qi.len() >= group * head_dim);
     assert!(q.len() >= group * head_dim && out.len() >= group * (head_dim + 2));
     let chunks = head_dim / 8;
     let n_ctx = pos + 1 - lo;
     let ru = kv.vector_units();
     // Up to 3 query heads read each key once, so a key is widened inside the product; a larger group
     // widens 8 keys into a tile in L1 first, which each pass of 3 heads then reads (the scratch's tail).
-    let direct = group <= 3;
+    // Int8 keys are read as they are stored, by integer products.
+    let direct = group <= 3 || R::INTEGER_SCORES;
     let tile_len = if direct { 0 } else { 8 * head_dim };
     // Every tile row, like every score, is written before it is read.
     super::fit(scratch, group * n_ctx + tile_len);
@@ -289,18 +478,27 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
             // SAFETY: slots up to `last` lie inside the block (asserted above).
             let row = |j: usize| unsafe { kp.add((s0 + j.min(keys - 1)) * ru) };
             let col = at + s0 - first;
-            if direct {
-                let rows: [*const R; 4] = std::array::from_fn(row);
-                // SAFETY: each row holds head_dim elements; q holds group × head_dim (asserted);
-                // the span's columns lie inside the context's n_ctx.
-                unsafe { heads_scores(job, rows, keys, sp, n_ctx, col) };
+            if R::INTEGER_SCORES {
+                let rows: [*const u8; 4] = std::array::from_fn(|j| row(j).cast());
+                // SAFETY: int8 rows (the only format with integer scores) of head_dim lanes and their
+                // scales; qq holds group quantised heads (asserted); columns inside n_ctx.
+                unsafe { int8_scores(job, rows, keys, sp, n_ctx, col) };
+            } else if direct {
+                let rows: [*const R::Unit; 4] = std::array::from_fn(row);
+                // SAFETY: each row is a whole row of head_dim elements.
+                let params = rows.map(|r| unsafe { R::params(r, head_dim) });
+                // SAFETY: as above; q holds group × head_dim (asserted); the span's columns lie inside
+                // the context's n_ctx.
+                unsafe { heads_scores::<R>(job, rows, &params, keys, sp, n_ctx, col) };
             } else {
                 for j in 0..keys {
                     let rp = row(j);
+                    // SAFETY: a whole row of head_dim elements.
+                    let pr = unsafe { R::params(rp, head_dim) };
                     for c in 0..chunks {
                         // SAFETY: the row holds head_dim elements; the tile 8 rows of head_dim.
                         unsafe {
-                            _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(rp.add(8 * c)))
+                            _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(rp, c, &pr))
                         };
                     }
                 }
@@ -310,7 +508,7 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
                         tp.cast_const().wrapping_add((k0 + j.min(n - 1)) * head_dim)
                     });
                     // SAFETY: rows k0..k0 + n of the tile are inside it, widened above.
-                    unsafe { heads_scores(job, rows, n, sp, n_ctx, col + k0) };
+                    unsafe { heads_scores::<f32>(job, rows, &[(); 4], n, sp, n_ctx, col + k0) };
                 }
             }
             s0 += keys;
@@ -389,16 +587,17 @@ unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
         // SAFETY: slots first..=last of the block lie inside `v` (asserted); positions at..at + n of
         // each head's scores inside `scores` (spans stay inside the context, n_ctx of them).
         unsafe {
-            let mut vp = v.as_ptr().add(first * ru + 8 * c0);
+            let mut vp = v.as_ptr().add(first * ru);
             let sp: [*const f32; G] =
                 std::array::from_fn(|g| scores.as_ptr().add((g0 + g) * n_ctx + at));
             for i in 0..n {
                 if let Some(nv) = next_v {
                     prefetch_row(nv.wrapping_add((first + i) * ru), ru);
                 }
+                let pr = R::params(vp, head_dim);
                 let p: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*sp[g].add(i)));
                 for c in 0..W {
-                    let x = R::load8(vp.add(8 * c));
+                    let x = R::load8(vp, c0 + c, &pr);
                     for (ag, pg) in acc.iter_mut().zip(&p) {
                         ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
                     }
