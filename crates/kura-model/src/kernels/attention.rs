@@ -17,9 +17,11 @@
 //! M) l_s`). Positions are visited in the same order whatever the paging, so the result does not depend
 //! on the block size, and each token is computed the same way whether it comes in a prefill chunk or alone
 //! in a decode step, so a token's output does not depend on its batch. With AVX-512 and a head size of 64,
-//! 128 or 256 a vector kernel computes 16 scores at a time (see [`x86`]); with AVX2 and plain rows (f32,
-//! bf16, f16) of a head size that is a multiple of 8, one computes 8 at a time (see [`avx2`]); other
-//! shapes and CPUs take a portable loop ([`attention_kernel`] says which a unit takes). Cost:
+//! 128 or 256 a vector kernel computes 16 scores at a time (see [`x86`]); with AVX2, plain rows (f32,
+//! bf16, f16) of a head size that is a multiple of 8 and encoded ones (int8, fp8, int4) of a multiple of
+//! 64 go through one that computes 8 at a time (see [`avx2`]), also on AVX-512 CPUs for what their own
+//! kernels do not take; other shapes and CPUs take a portable loop ([`attention_kernel`] says which a
+//! unit takes). Cost:
 //! O(tokens × heads × context × head_dim).
 
 use half::{bf16, f16};
@@ -37,8 +39,9 @@ use super::team::{SharedMut, Team};
 mod avx2;
 
 /// How one stored K or V row (one token's vector of one head) is read: its units (elements of a plain
-/// format, bytes of an encoded one), its decoding to f32 for the portable loop, and for AVX-512 its 16
-/// lanes at a time, dequantised in registers.
+/// format, bytes of an encoded one), its decoding to f32 for the portable loop, its scales (read once per
+/// row), and for AVX-512 its 16 lanes at a time, dequantised in registers (the AVX2 kernel's 8 lanes:
+/// `attention_avx2.rs`).
 trait KvRow {
     type Unit: Copy;
     /// Whether scores against these rows are integer dot products with the query quantised
@@ -152,7 +155,7 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     }
 }
 
-/// Scales of the groups (one for head size 64, two for 128, four for 256) of a row whose payload is
+/// Scales of the groups (one for head size 64, two for 128, three for 192, four for 256) of a row whose payload is
 /// `payload` bytes, each group's scale `stride` bytes after the last; `mul` folded in. Where the row has
 /// fewer groups, the first group's scale stands in for the others.
 #[cfg(target_arch = "x86_64")]
@@ -768,7 +771,7 @@ fn merge<'p>(
 /// group of [`QUANT_GROUP`] elements, `q ≈ scale · qi` with `qi ∈ [−127, 127]` and `scale = max|q| / 127`
 /// (in f32), and the group's `Σ qi`. The score of a key row is then
 /// `Σ_group (Σ qi · ki) · (scale_k · scale_q)`, the integer sums exact: the same bits from the VNNI
-/// kernel and the portable loop.
+/// kernel, the AVX2 kernel and the portable loop.
 #[derive(Default)]
 struct QuantQuery {
     qi: Vec<i8>,

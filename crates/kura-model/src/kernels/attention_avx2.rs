@@ -42,6 +42,8 @@ pub(super) fn takes(dtype: KvDtype, head_dim: usize) -> bool {
 /// A row read 8 lanes at a time as f32: plain elements widen exactly; encoded ones are dequantised in
 /// registers with the row's scales ([`KvRow::params`]).
 pub(super) trait Lanes8: KvRow {
+    /// What the head size is a multiple of: 8 lanes, or an encoded format's group.
+    const HEAD_UNIT: usize = 8;
     /// Elements `8c..8c + 8` of the row at `row`, as f32.
     ///
     /// # Safety
@@ -93,6 +95,7 @@ unsafe fn bytes8(row: *const u8, c: usize) -> __m128i {
 macro_rules! byte_lanes {
     ($row:ident, |$b:ident| $raw:expr) => {
         impl Lanes8 for $row {
+            const HEAD_UNIT: usize = QUANT_GROUP;
             #[inline(always)]
             unsafe fn load8(row: *const u8, c: usize, p: &[f32; 4]) -> __m256 {
                 // SAFETY: the caller's guarantee; lanes 8c.. lie in group 8c / 64.
@@ -116,6 +119,7 @@ byte_lanes!(Fp8Row, |b| {
 });
 
 impl Lanes8 for Int4Row {
+    const HEAD_UNIT: usize = QUANT_GROUP;
     #[inline(always)]
     unsafe fn load8(row: *const u8, c: usize, p: &[[f32; 4]; 2]) -> __m256 {
         // Group c / 8 has 32 bytes: its lanes 0..32 are the low nibbles of those bytes, its lanes 32..64
@@ -239,7 +243,11 @@ unsafe fn int8_scores(
         let mut score = [_mm_setzero_ps(); 2];
         for (gr, skg) in sk.iter().enumerate().take(groups) {
             let off = gr * QUANT_GROUP;
-            let qi = |h: usize| qq.qi[(g0 + h) * head_dim + off..].as_ptr();
+            // Checked: the group's lanes of the head lie inside the quantised query.
+            let qi = |h: usize| {
+                let at = (g0 + h) * head_dim + off;
+                qq.qi[at..at + QUANT_GROUP].as_ptr()
+            };
             // SAFETY: heads g0..g0 + gb of the quantised query and each row's payload hold lanes off..off
             // + QUANT_GROUP (the caller's guarantee).
             let d = unsafe {
@@ -445,8 +453,8 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
         head_dim,
         ..
     } = *job;
-    debug_assert!(head_dim.is_multiple_of(8) && head_dim <= MAX_HEAD_DIM);
-    debug_assert!(!R::INTEGER_SCORES || job.qq.qi.len() >= group * head_dim);
+    assert!(head_dim > 0 && head_dim.is_multiple_of(R::HEAD_UNIT) && head_dim <= MAX_HEAD_DIM);
+    assert!(!R::INTEGER_SCORES || job.qq.qi.len() >= group * head_dim);
     assert!(q.len() >= group * head_dim && out.len() >= group * (head_dim + 2));
     let chunks = head_dim / 8;
     let n_ctx = pos + 1 - lo;

@@ -123,13 +123,15 @@ mod tests {
             numerics_of(Isa::Scalar, false, false, &bf16),
             numerics_of(Isa::Avx512, false, true, &bf16),
             numerics_of(Isa::Avx512, true, false, &bf16),
-            // The same paths, other kernels: the AVX-512 kernel at 256, the portable loop at 80.
+            // The same paths, other kernels: the AVX-512 kernel at 256, the AVX2 kernel (or, without
+            // AVX2, the portable loop) at 80.
             numerics_of(Isa::Avx512, true, true, &layout(KvDtype::Bf16, 80)),
             numerics_of(Isa::Avx512, true, true, &layout(KvDtype::Int8, 256)),
         ] {
             assert_ne!(other, base);
         }
-        // int8 rows: the VNNI kernel or the portable loop, one per layer.
+        // int8 rows: the VNNI kernel, or without VNNI the AVX2 kernel (the portable loop without AVX2),
+        // one per layer.
         let int8 = layout(KvDtype::Int8, 128);
         assert_ne!(
             numerics_of(Isa::Avx512, true, false, &int8),
