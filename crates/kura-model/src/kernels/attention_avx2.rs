@@ -44,15 +44,26 @@ pub(super) fn takes(dtype: KvDtype, head_dim: usize) -> bool {
 pub(super) trait Lanes8: KvRow {
     /// What the head size is a multiple of: 8 lanes, or an encoded format's group.
     const HEAD_UNIT: usize = 8;
+    /// What the lanes of one group need from the row's scales, in registers (`()` for plain rows).
+    type Group: Copy;
+    /// That of the group holding lanes `8c..`, from the row's [`KvRow::params`]: taken once a group,
+    /// not once a lane vector.
+    ///
+    /// # Safety
+    /// avx2 is present.
+    unsafe fn group(p: &Self::Params, c: usize) -> Self::Group;
     /// Elements `8c..8c + 8` of the row at `row`, as f32.
     ///
     /// # Safety
     /// avx2 and f16c are present; a whole row of a head size the kernel takes is readable at `row`,
-    /// `8c` is below that head size, and `p` is that row's [`KvRow::params`].
-    unsafe fn load8(row: *const Self::Unit, c: usize, p: &Self::Params) -> __m256;
+    /// `8c` is below that head size, and `s` is [`Lanes8::group`] of that row's params at `c`.
+    unsafe fn load8(row: *const Self::Unit, c: usize, s: &Self::Group) -> __m256;
 }
 
 impl Lanes8 for f32 {
+    type Group = ();
+    #[inline(always)]
+    unsafe fn group(_: &(), _: usize) {}
     #[inline(always)]
     unsafe fn load8(row: *const f32, c: usize, _: &()) -> __m256 {
         // SAFETY: the caller's guarantee.
@@ -61,6 +72,9 @@ impl Lanes8 for f32 {
 }
 
 impl Lanes8 for bf16 {
+    type Group = ();
+    #[inline(always)]
+    unsafe fn group(_: &(), _: usize) {}
     #[inline(always)]
     unsafe fn load8(row: *const bf16, c: usize, _: &()) -> __m256 {
         // SAFETY: the caller's guarantee; bf16 widens by a 16-bit shift.
@@ -73,6 +87,9 @@ impl Lanes8 for bf16 {
 }
 
 impl Lanes8 for f16 {
+    type Group = ();
+    #[inline(always)]
+    unsafe fn group(_: &(), _: usize) {}
     #[inline(always)]
     unsafe fn load8(row: *const f16, c: usize, _: &()) -> __m256 {
         // SAFETY: the caller's guarantee.
@@ -96,12 +113,19 @@ macro_rules! byte_lanes {
     ($row:ident, |$b:ident| $raw:expr) => {
         impl Lanes8 for $row {
             const HEAD_UNIT: usize = QUANT_GROUP;
+            type Group = __m256;
             #[inline(always)]
-            unsafe fn load8(row: *const u8, c: usize, p: &[f32; 4]) -> __m256 {
-                // SAFETY: the caller's guarantee; lanes 8c.. lie in group 8c / 64.
+            unsafe fn group(p: &[f32; 4], c: usize) -> __m256 {
+                // Lanes 8c.. lie in group 8c / 64.
+                // SAFETY: the caller's guarantee (avx2, which implies avx).
+                unsafe { _mm256_set1_ps(p[c / 8]) }
+            }
+            #[inline(always)]
+            unsafe fn load8(row: *const u8, c: usize, scale: &__m256) -> __m256 {
+                // SAFETY: the caller's guarantee.
                 unsafe {
                     let $b = bytes8(row, c);
-                    _mm256_mul_ps($raw, _mm256_set1_ps(p[c / 8]))
+                    _mm256_mul_ps($raw, *scale)
                 }
             }
         }
@@ -110,18 +134,25 @@ macro_rules! byte_lanes {
 
 byte_lanes!(Int8Row, |b| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
 // As the AVX-512 kernel reads e4m3: each byte s eeee mmm becomes the f16 s 0eeee mmm0000000, its
-// exponent 8 short, 2^8 in the scale.
+// exponent 8 short, 2^8 in the scale. Here in three steps: the byte into the high half of a 16-bit lane
+// (s eeee mmm 00000000), an arithmetic shift right by one (s s eeee mmm 0000000), bit 14 cleared.
 byte_lanes!(Fp8Row, |b| {
-    let b = _mm_cvtepu8_epi16(b);
-    let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7F)));
-    let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
-    _mm256_cvtph_ps(_mm_or_si128(mag, sign))
+    let hi = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
+    let h = _mm_and_si128(_mm_srai_epi16::<1>(hi), _mm_set1_epi16(0xBFFFu16 as i16));
+    _mm256_cvtph_ps(h)
 });
 
 impl Lanes8 for Int4Row {
     const HEAD_UNIT: usize = QUANT_GROUP;
+    /// The group's scale and minimum.
+    type Group = (__m256, __m256);
     #[inline(always)]
-    unsafe fn load8(row: *const u8, c: usize, p: &[[f32; 4]; 2]) -> __m256 {
+    unsafe fn group(p: &[[f32; 4]; 2], c: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's guarantee (avx2, which implies avx).
+        unsafe { (_mm256_set1_ps(p[0][c / 8]), _mm256_set1_ps(p[1][c / 8])) }
+    }
+    #[inline(always)]
+    unsafe fn load8(row: *const u8, c: usize, s: &(__m256, __m256)) -> __m256 {
         // Group c / 8 has 32 bytes: its lanes 0..32 are the low nibbles of those bytes, its lanes 32..64
         // the high nibbles, so its chunks 0..4 of 8 lanes read bytes 8·cc.. low, chunks 4..8 the same
         // bytes high.
@@ -132,7 +163,7 @@ impl Lanes8 for Int4Row {
             let b = if cc >= 4 { _mm_srli_epi16::<4>(b) } else { b };
             let q = _mm_and_si128(b, _mm_set1_epi8(0x0F));
             let x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-            _mm256_fmadd_ps(x, _mm256_set1_ps(p[0][g]), _mm256_set1_ps(p[1][g]))
+            _mm256_fmadd_ps(x, s.0, s.1)
         }
     }
 }
@@ -332,15 +363,21 @@ unsafe fn qk<K: Lanes8, const G: usize>(
     scale: __m256,
 ) -> [__m128; 3] {
     let mut acc = [[_mm256_setzero_ps(); 4]; G];
-    for c in 0..head_dim / 8 {
-        // SAFETY: the caller's guarantee.
-        unsafe {
-            let qv: [__m256; G] =
-                std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * head_dim + 8 * c)));
-            for j in 0..4 {
-                let kv = K::load8(k[j], c, &p[j]);
-                for (a, x) in acc.iter_mut().zip(&qv) {
-                    a[j] = _mm256_fmadd_ps(*x, kv, a[j]);
+    let chunks = head_dim / 8;
+    // A group of 64 lanes (8 lane vectors) at a time, its scales taken once; chunks in order.
+    for c0 in (0..chunks).step_by(8) {
+        // SAFETY: avx2 is present.
+        let sg: [K::Group; 4] = std::array::from_fn(|j| unsafe { K::group(&p[j], c0) });
+        for c in c0..chunks.min(c0 + 8) {
+            // SAFETY: the caller's guarantee.
+            unsafe {
+                let qv: [__m256; G] =
+                    std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * head_dim + 8 * c)));
+                for j in 0..4 {
+                    let kv = K::load8(k[j], c, &sg[j]);
+                    for (a, x) in acc.iter_mut().zip(&qv) {
+                        a[j] = _mm256_fmadd_ps(*x, kv, a[j]);
+                    }
                 }
             }
         }
@@ -503,11 +540,15 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
                     let rp = row(j);
                     // SAFETY: a whole row of head_dim elements.
                     let pr = unsafe { R::params(rp, head_dim) };
-                    for c in 0..chunks {
-                        // SAFETY: the row holds head_dim elements; the tile 8 rows of head_dim.
-                        unsafe {
-                            _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(rp, c, &pr))
-                        };
+                    for c0 in (0..chunks).step_by(8) {
+                        // SAFETY: avx2 is present.
+                        let sg = unsafe { R::group(&pr, c0) };
+                        for c in c0..chunks.min(c0 + 8) {
+                            // SAFETY: the row holds head_dim elements; the tile 8 rows of head_dim.
+                            unsafe {
+                                _mm256_storeu_ps(tp.add(j * head_dim + 8 * c), R::load8(rp, c, &sg))
+                            };
+                        }
                     }
                 }
                 for k0 in (0..keys).step_by(4) {
@@ -602,10 +643,11 @@ unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
                 if let Some(nv) = next_v {
                     prefetch_row(nv.wrapping_add((first + i) * ru), ru);
                 }
-                let pr = R::params(vp, head_dim);
+                // Lanes 8c0.. of at most 4 vectors (c0 a multiple of 4) lie in one group.
+                let sg = R::group(&R::params(vp, head_dim), c0);
                 let p: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*sp[g].add(i)));
                 for c in 0..W {
-                    let x = R::load8(vp, c0 + c, &pr);
+                    let x = R::load8(vp, c0 + c, &sg);
                     for (ag, pg) in acc.iter_mut().zip(&p) {
                         ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
                     }
