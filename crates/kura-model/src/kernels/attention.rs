@@ -242,12 +242,14 @@ byte_row!(Int8Row, KvDtype::Int8, true, 1.0, |b| _mm512_cvtepi32_ps(
     _mm512_cvtepi8_epi32(b)
 ));
 // e4m3 is read as an f16 whose exponent is 8 short (bias 15, not 7): 2^8 goes into the scale. Each byte
-// s eeee mmm becomes the f16 s 0eeee mmm0000000: magnitude bits shifted left 7, the sign to bit 15.
+// s eeee mmm becomes the f16 s 0eeee mmm0000000: the byte into the high half of a 16-bit lane (s eeee
+// mmm 00000000), an arithmetic shift right by one (s s eeee mmm 0000000), bit 14 cleared.
 byte_row!(Fp8Row, KvDtype::Fp8, false, 256.0, |b| {
-    let b = _mm256_cvtepu8_epi16(b);
-    let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)));
-    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
-    _mm512_cvtph_ps(_mm256_or_si256(mag, sign))
+    let hi = _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(b));
+    _mm512_cvtph_ps(_mm256_and_si256(
+        _mm256_srai_epi16::<1>(hi),
+        _mm256_set1_epi16(0xBFFFu16 as i16),
+    ))
 });
 
 impl KvRow for Int4Row {
