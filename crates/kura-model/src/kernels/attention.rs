@@ -155,9 +155,9 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     }
 }
 
-/// Scales of the groups (one for head size 64, two for 128, three for 192, four for 256) of a row whose payload is
-/// `payload` bytes, each group's scale `stride` bytes after the last; `mul` folded in. Where the row has
-/// fewer groups, the first group's scale stands in for the others.
+/// Scales of the groups (one for head size 64, two for 128, three for 192, four for 256) of a row whose
+/// payload is `payload` bytes, each group's scale `stride` bytes after the last; `mul` folded in. Where
+/// the row has fewer groups, the first group's scale stands in for the others.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn group_scales(

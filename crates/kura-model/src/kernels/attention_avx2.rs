@@ -28,12 +28,16 @@ use super::{prefetch_row, spans, Fp8Row, Int4Row, Int8Row, Job, KvRow};
 /// has at most the 4 groups whose scales [`KvRow::params`] holds).
 pub(super) const MAX_HEAD_DIM: usize = 256;
 
+/// Whether the kernel takes rows of `dtype` at a head size: a multiple of 8 lanes for plain rows, of
+/// an encoded format's group for the others, up to [`MAX_HEAD_DIM`].
+fn takes_shape(dtype: KvDtype, head_dim: usize) -> bool {
+    let unit = if dtype.is_quantized() { QUANT_GROUP } else { 8 };
+    head_dim > 0 && head_dim.is_multiple_of(unit) && head_dim <= MAX_HEAD_DIM
+}
+
 /// Whether the kernel takes rows of `dtype` at a head size, and this CPU has what it needs.
 pub(super) fn takes(dtype: KvDtype, head_dim: usize) -> bool {
-    let unit = if dtype.is_quantized() { QUANT_GROUP } else { 8 };
-    head_dim > 0
-        && head_dim.is_multiple_of(unit)
-        && head_dim <= MAX_HEAD_DIM
+    takes_shape(dtype, head_dim)
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
@@ -42,8 +46,6 @@ pub(super) fn takes(dtype: KvDtype, head_dim: usize) -> bool {
 /// A row read 8 lanes at a time as f32: plain elements widen exactly; encoded ones are dequantised in
 /// registers with the row's scales ([`KvRow::params`]).
 pub(super) trait Lanes8: KvRow {
-    /// What the head size is a multiple of: 8 lanes, or an encoded format's group.
-    const HEAD_UNIT: usize = 8;
     /// What the lanes of one group need from the row's scales, in registers (`()` for plain rows).
     type Group: Copy;
     /// That of the group holding lanes `8c..`, from the row's [`KvRow::params`]: taken once a group,
@@ -112,7 +114,6 @@ unsafe fn bytes8(row: *const u8, c: usize) -> __m128i {
 macro_rules! byte_lanes {
     ($row:ident, |$b:ident| $raw:expr) => {
         impl Lanes8 for $row {
-            const HEAD_UNIT: usize = QUANT_GROUP;
             type Group = __m256;
             #[inline(always)]
             unsafe fn group(p: &[f32; 4], c: usize) -> __m256 {
@@ -143,7 +144,6 @@ byte_lanes!(Fp8Row, |b| {
 });
 
 impl Lanes8 for Int4Row {
-    const HEAD_UNIT: usize = QUANT_GROUP;
     /// The group's scale and minimum.
     type Group = (__m256, __m256);
     #[inline(always)]
@@ -490,7 +490,7 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
         head_dim,
         ..
     } = *job;
-    assert!(head_dim > 0 && head_dim.is_multiple_of(R::HEAD_UNIT) && head_dim <= MAX_HEAD_DIM);
+    assert!(takes_shape(kv.dtype(), head_dim));
     assert!(!R::INTEGER_SCORES || job.qq.qi.len() >= group * head_dim);
     assert!(q.len() >= group * head_dim && out.len() >= group * (head_dim + 2));
     let chunks = head_dim / 8;
