@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -128,9 +129,21 @@ def test_the_playground_shows_the_second_turn_cached(server, browser):
     def say(words: str, n: int):
         browser.find_element(By.ID, "pg-input").send_keys(words)
         browser.find_element(By.ID, "pg-send").click()
-        WebDriverWait(browser, 60).until(
-            lambda d: len(d.find_elements(By.CSS_SELECTOR, ".turn.assistant[data-done='1']")) >= n)
+        # Wait for the n-th answer or for any turn the page marks failed; a timeout says what the page shows.
+        finished = ".turn.assistant[data-done='1'], .turn.error"
+        try:
+            WebDriverWait(browser, 60).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, finished)) >= n)
+        except TimeoutException:
+            pytest.fail(f"turn {n} did not finish in 60 s; the page shows {turns()!r}; "
+                        f"server log:\n{server.log()[-4000:]}")
+        errors = browser.find_elements(By.CSS_SELECTOR, ".turn.error")
+        assert not errors, f"turn {n} failed: {turns()!r}; server log:\n{server.log()[-4000:]}"
         return browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[n - 1]
+
+    def turns():
+        return browser.execute_script(
+            "return Array.from(document.querySelectorAll('#pg-turns .turn'))"
+            ".map(t => [t.className, t.dataset.done || '', t.textContent.slice(0, 300)])")
 
     first = say("Tell me about rivers and stones and lanterns in a harbor at night. " * 4, 1)
     second = say("And what about the meadow?", 2)
