@@ -2,8 +2,8 @@
 headless, driven through ChromeDriver by selenium, against a real `kura serve` on the default model.
 
 The page loads with no JavaScript error and no console error; after a known workload its numbers equal
-`/metrics`; it keeps updating; the playground's second turn shows the first turn cached; a screenshot is
-not blank. The summary behind it holds no token text and no tenant identity, and a tenant key sees
+`/metrics`; it keeps updating; the playground's second turn shows the first turn cached, and a turn the server
+refuses or never answers is shown failed and left out of the conversation; a screenshot is not blank. The summary behind it holds no token text and no tenant identity, and a tenant key sees
 nothing at all.
 """
 
@@ -155,6 +155,44 @@ def test_the_playground_shows_the_second_turn_cached(server, browser):
     assert f"cached {cached} of" in second.text
     assert float(second.get_attribute("data-ttft-ms")) > 0
     no_errors(browser)
+
+
+def test_a_failed_turn_is_shown_failed_and_left_out_of_the_conversation(browser):
+    s = KuraServer("--kv-cache-memory", "64MiB", "--max-model-len", "2048")
+    try:
+        open_console(browser, s)
+        conversation = "return conversation.map(m => m.role + ':' + m.content)"
+
+        def say(words: str, n: int):
+            browser.find_element(By.ID, "pg-input").send_keys(words)
+            browser.find_element(By.ID, "pg-send").click()
+            WebDriverWait(browser, 60).until(
+                lambda d: len(d.find_elements(By.CSS_SELECTOR, "#pg-turns .turn[data-done='1']")) >= n)
+            return browser.find_elements(By.CSS_SELECTOR, "#pg-turns .turn[data-done='1']")[n - 1]
+
+        # A request the server refuses: the turn says why, and the conversation does not keep it.
+        temp = browser.find_element(By.ID, "pg-temp")
+        temp.clear()
+        temp.send_keys("5")
+        refused = say("Refused?", 1)
+        assert "error" in refused.get_attribute("class").split(), refused.get_attribute("class")
+        assert "HTTP 400" in refused.text and "temperature" in refused.text, refused.text
+        assert browser.execute_script(conversation) == []
+        temp.clear()
+        temp.send_keys("0")
+        answered = say("Hello there", 2)
+        assert "assistant" in answered.get_attribute("class").split()
+        assert [m.split(":")[0] for m in browser.execute_script(conversation)] == ["user", "assistant"]
+        # The server dies: the next turn fails with the browser's network error, the page stays usable.
+        s.proc.kill()
+        s.proc.wait()
+        lost = say("Are you there?", 3)
+        assert "error" in lost.get_attribute("class").split(), lost.get_attribute("class")
+        assert "Failed to fetch" in lost.text, lost.text
+        assert [m.split(":")[0] for m in browser.execute_script(conversation)] == ["user", "assistant"]
+        assert browser.execute_script("return window.__errors") == []
+    finally:
+        s.stop()
 
 
 def test_the_summary_holds_no_text_and_no_tenant_identity_and_a_tenant_key_sees_nothing():

@@ -266,6 +266,18 @@ async function send(userText) {
   messages.push(...conversation);
   addTurn("user", userText);
   const turn = addTurn("assistant", "");
+  try {
+    await stream(turn, messages);
+  } catch (err) {
+    // The server went away or the stream broke: this turn failed; the conversation goes on without it.
+    turn.className = "turn error";
+    turn.querySelector(".content").textContent = String(err);
+    if (conversation.length && conversation[conversation.length - 1].role === "user") conversation.pop();
+  }
+  turn.dataset.done = "1";
+}
+
+async function stream(turn, messages) {
   const body = turn.querySelector(".content");
   const started = performance.now();
   let first = null, reply = "", usage = null, chunks = 0;
@@ -297,6 +309,7 @@ async function send(userText) {
       for (const line of event.split("\n")) {
         if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
         const chunk = JSON.parse(line.slice(6));
+        if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
         if (chunk.usage) usage = chunk.usage;
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
         if (delta && delta.content) {
@@ -325,7 +338,6 @@ async function send(userText) {
   turn.dataset.prompt = String(usage ? usage.prompt_tokens : 0);
   turn.dataset.ttftMs = Number.isFinite(ttft) ? ttft.toFixed(1) : "";
   turn.dataset.miss = details.cache_miss ? details.cache_miss.reason : "";
-  turn.dataset.done = "1";
 }
 
 $("pg-form").addEventListener("submit", (e) => {
@@ -334,10 +346,7 @@ $("pg-form").addEventListener("submit", (e) => {
   const value = input.value.trim();
   if (!value) return;
   input.value = "";
-  send(value).catch((err) => {
-    const t = addTurn("error", String(err));
-    t.dataset.done = "1";
-  });
+  send(value);
 });
 
 $("pg-clear").addEventListener("click", () => {
