@@ -263,6 +263,9 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 ///           never serves one machine's blocks to another that computes other bits)
 /// ...       the layout, KvLayout::encode_for_fingerprint
 /// u128      the digest of the KV encoding (the key offsets quantised formats subtract)
+/// u32       int4 layouts only: 1, the CPU scoring int4 keys as integer products with the quantised
+///           query (other bits than the dequantised keys' f32 products before it; the other formats'
+///           fingerprints, and the blocks and saved contexts under them, stay as they were)
 /// ```
 ///
 /// A change of any of it makes blocks cached on disk under the old fingerprint foreign: the disk tier
@@ -294,6 +297,9 @@ fn kv_fingerprint(
     bytes.extend_from_slice(&numerics.to_le_bytes());
     layout.encode_for_fingerprint(&mut bytes);
     bytes.extend_from_slice(&encoding.to_le_bytes());
+    if layout.dtype == KvDtype::Int4 {
+        bytes.extend_from_slice(&1u32.to_le_bytes());
+    }
     xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
@@ -830,6 +836,11 @@ mod tests {
         let params = 0x9999_aaaa_bbbb_cccc_dddd_eeee_ffff_0000;
         let f = kv_fingerprint(weights, params, native, &layout, encoding);
         assert_eq!(format!("{f:032x}"), "45259823656487160a0383a3ce4c2365");
+        // Int4 KV: its integer-scored keys count too.
+        let mut int4 = layout.clone();
+        int4.dtype = KvDtype::Int4;
+        let f4 = kv_fingerprint(weights, params, native, &int4, encoding);
+        assert_eq!(format!("{f4:032x}"), "95d3b35888c586594cb0834684e26a05");
         // Each input counts.
         let others = [
             kv_fingerprint(weights + 1, params, native, &layout, encoding),

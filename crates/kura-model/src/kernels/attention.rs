@@ -254,6 +254,7 @@ byte_row!(Fp8Row, KvDtype::Fp8, false, 256.0, |b| {
 
 impl KvRow for Int4Row {
     type Unit = u8;
+    const INTEGER_SCORES: bool = true;
     #[cfg(target_arch = "x86_64")]
     type Params = [[f32; 4]; 2];
     fn typed(s: KvSlice<'_>) -> &[u8] {
@@ -479,7 +480,7 @@ unsafe fn attention_part_on(
                             &q[q_base..q_base + group * head_dim],
                             &mut qrot,
                         );
-                        if kv.dtype() == KvDtype::Int8 {
+                        if integer_scores(kv.dtype()) {
                             qq.fill(q, head_dim);
                         }
                         let job = Job {
@@ -663,12 +664,12 @@ pub enum AttnKernel {
     Portable,
     /// The AVX2 kernel (`attention_avx2.rs`): plain rows of a head size that is a multiple of 8 and
     /// encoded ones of a multiple of 64, up to 256, on a CPU with AVX2, FMA and F16C; with AVX-512, what
-    /// its own kernels do not take (other head sizes, int8 without VNNI).
+    /// its own kernels do not take (other head sizes, int8 and int4 without VNNI).
     Avx2,
-    /// The AVX-512 kernel ([`x86::attend`]): every format but int8, at head sizes 64, 128 and 256.
+    /// The AVX-512 kernel ([`x86::attend`]): f32, bf16, f16 and fp8 rows, at head sizes 64, 128 and 256.
     Avx512,
-    /// The AVX-512 kernel with int8 scores by `vpdpbusd` ([`x86::attend_int8`]), at head sizes 64, 128
-    /// and 256.
+    /// The AVX-512 kernel with int8 and int4 scores by `vpdpbusd` ([`x86::attend_int`]), at head sizes
+    /// 64, 128 and 256.
     Avx512Vnni,
 }
 
@@ -694,10 +695,10 @@ pub fn attention_kernel(isa: Isa, vnni: bool, dtype: KvDtype, head_dim: usize) -
     #[cfg(not(target_arch = "x86_64"))]
     let avx2 = || false;
     match isa {
-        Isa::Avx512 if vector_head && dtype == KvDtype::Int8 && vnni => AttnKernel::Avx512Vnni,
-        Isa::Avx512 if vector_head && dtype != KvDtype::Int8 => AttnKernel::Avx512,
-        // What the AVX-512 kernels do not take (other head sizes, int8 without VNNI), the AVX2 kernel
-        // does, on the same CPU.
+        Isa::Avx512 if vector_head && integer_scores(dtype) && vnni => AttnKernel::Avx512Vnni,
+        Isa::Avx512 if vector_head && !integer_scores(dtype) => AttnKernel::Avx512,
+        // What the AVX-512 kernels do not take (other head sizes, int8 and int4 without VNNI), the AVX2
+        // kernel does, on the same CPU.
         Isa::Avx512 | Isa::Avx2Fma if avx2() => AttnKernel::Avx2,
         _ => AttnKernel::Portable,
     }
@@ -769,11 +770,18 @@ fn merge<'p>(
     }
 }
 
-/// A unit's query heads quantised for int8 K, so that a score is an integer dot product: per head and
-/// group of [`QUANT_GROUP`] elements, `q ≈ scale · qi` with `qi ∈ [−127, 127]` and `scale = max|q| / 127`
-/// (in f32), and the group's `Σ qi`. The score of a key row is then
-/// `Σ_group (Σ qi · ki) · (scale_k · scale_q)`, the integer sums exact: the same bits from the VNNI
-/// kernel, the AVX2 kernel and the portable loop.
+/// A unit's query heads quantised for int8 and int4 K, so that a score is an integer dot product: per
+/// head and group of [`QUANT_GROUP`] elements, `q ≈ scale · qi` with `qi ∈ [−127, 127]` and
+/// `scale = max|q| / 127` (in f32), and the group's `Σ qi`. The score of an int8 row (`k ≈ s · ki`) is
+/// then `Σ_group (Σ qi · ki) · (s · scale_q)`; of an int4 row (`k ≈ m + s · ni`, `ni ∈ [0, 15]`)
+/// `Σ_group ((Σ qi · ni) · (s · scale_q) + (m · scale_q) · Σ qi)`; the integer sums exact, each group's
+/// term formed in that order and the terms added in group order: the same bits from the VNNI kernel,
+/// the AVX2 kernel and the portable loop. (llama.cpp scores its 4-bit K against an 8-bit query too.)
+/// Whether keys of `dtype` are scored as integer dot products with the quantised query ([`QuantQuery`]).
+fn integer_scores(dtype: KvDtype) -> bool {
+    matches!(dtype, KvDtype::Int8 | KvDtype::Int4)
+}
+
 #[derive(Default)]
 struct QuantQuery {
     qi: Vec<i8>,
@@ -806,8 +814,54 @@ impl QuantQuery {
         }
     }
 
+    /// The score of query head `g` against a row of `dtype`, int8 or int4 (before the softmax scale).
+    fn score(&self, dtype: KvDtype, g: usize, head_dim: usize, row: &[u8]) -> f32 {
+        match dtype {
+            KvDtype::Int8 => self.score_int8(g, head_dim, row),
+            KvDtype::Int4 => self.score_int4(g, head_dim, row),
+            _ => unreachable!("{dtype} keys are not scored as integers"),
+        }
+    }
+
+    /// The score of query head `g` against an int4 row: per group (the last one may be shorter), its
+    /// nibbles' exact `Σ qi · ni`, then the group's term as the type's documentation writes it.
+    fn score_int4(&self, g: usize, head_dim: usize, row: &[u8]) -> f32 {
+        let groups = head_dim.div_ceil(QUANT_GROUP);
+        let payload = KvDtype::Int4.payload_bytes(head_dim);
+        let mut acc = 0f32;
+        let mut at = 0;
+        for gr in 0..groups {
+            let lo = gr * QUANT_GROUP;
+            let n = (head_dim - lo).min(QUANT_GROUP);
+            // Byte b of the group holds element b (low nibble) and element b + half (high nibble).
+            let half = n.div_ceil(2);
+            let qi = &self.qi[g * head_dim + lo..g * head_dim + lo + n];
+            let bytes = &row[at..at + half];
+            let d: i32 = qi
+                .iter()
+                .enumerate()
+                .map(|(i, q)| {
+                    let nib = if i < half {
+                        bytes[i] & 0x0F
+                    } else {
+                        bytes[i - half] >> 4
+                    };
+                    i32::from(*q) * i32::from(nib)
+                })
+                .sum();
+            let sc = payload + 4 * gr;
+            let (sk, mk) = (codec::read_f16(&row[sc..]), codec::read_f16(&row[sc + 2..]));
+            let i = g * groups + gr;
+            let sq = self.scale[i];
+            let term = d as f32 * (sk * sq) + (mk * sq) * self.sum[i] as f32;
+            acc = if gr == 0 { term } else { acc + term };
+            at += half;
+        }
+        acc
+    }
+
     /// The score of query head `g` against an int8 row (before the softmax scale).
-    fn score(&self, g: usize, head_dim: usize, row: &[u8]) -> f32 {
+    fn score_int8(&self, g: usize, head_dim: usize, row: &[u8]) -> f32 {
         let groups = head_dim.div_ceil(QUANT_GROUP);
         let mut acc = 0f32;
         for gr in 0..groups {
@@ -854,12 +908,21 @@ fn attend_any<'a, R: KvRow + 'a>(
     #[cfg(target_arch = "x86_64")]
     match kernel {
         // SAFETY: `attention_kernel` chose it for a CPU with avx512f, avx512bw and avx512vnni (the
-        // `vnni` it was given, `Vnni::detect`), int8 storage and one of these head sizes.
+        // `vnni` it was given, `Vnni::detect`), int8 or int4 storage and one of these head sizes.
+        AttnKernel::Avx512Vnni if job.kv.dtype() == KvDtype::Int4 => unsafe {
+            match job.head_dim {
+                64 => return x86::attend_int::<true, 4, 1>(job, scores, out),
+                128 => return x86::attend_int::<true, 8, 2>(job, scores, out),
+                256 => return x86::attend_int::<true, 16, 4>(job, scores, out),
+                _ => {}
+            }
+        },
+        // SAFETY: as above.
         AttnKernel::Avx512Vnni => unsafe {
             match job.head_dim {
-                64 => return x86::attend_int8::<4, 1>(job, scores, out),
-                128 => return x86::attend_int8::<8, 2>(job, scores, out),
-                256 => return x86::attend_int8::<16, 4>(job, scores, out),
+                64 => return x86::attend_int::<false, 4, 1>(job, scores, out),
+                128 => return x86::attend_int::<false, 8, 2>(job, scores, out),
+                256 => return x86::attend_int::<false, 16, 4>(job, scores, out),
                 _ => {}
             }
         },
@@ -941,7 +1004,7 @@ fn attend<'a, R: KvRow + 'a>(job: &Job<'a, '_>, scores: &mut Vec<f32>, out: &mut
                 let bytes = &quant_units(kv.k_head_block(block, kvh))[slot * ru..(slot + 1) * ru];
                 for g in 0..group {
                     scores[g * n_ctx + at + slot - first] =
-                        job.qq.score(g, head_dim, bytes) * scale;
+                        job.qq.score(kv.dtype(), g, head_dim, bytes) * scale;
                 }
                 continue;
             }
@@ -989,7 +1052,9 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{prefetch_row, spans, Int8Row, Job, KvRow};
+    use kura_kv::codec::KvDtype;
+
+    use super::{prefetch_row, spans, Int4Row, Int8Row, Job, KvRow};
 
     /// `[Σ a0, Σ a1, …, Σ a15]`: the lane sums of 16 vectors, in order, by the same tree for each.
     #[target_feature(enable = "avx512f")]
@@ -1069,8 +1134,8 @@ mod x86 {
         (m, _mm512_reduce_add_ps(sum))
     }
 
-    /// One unit for head size `16 · CH`: writes the partial `[m, l, o]` of each query head (see
-    /// [`super::attend`]).
+    /// One unit for head size `16 · CH` of f32, bf16, f16 or fp8 rows: writes the partial `[m, l, o]` of
+    /// each query head (see [`super::attend`]).
     ///
     /// # Safety
     /// avx512f is present; `job.head_dim == 16 · CH`; `out` holds `group × (head_dim + 2)` values.
@@ -1093,6 +1158,11 @@ mod x86 {
             scale,
         } = *job;
         debug_assert_eq!(head_dim, 16 * CH);
+        // Integer-scored rows take `attend_int`: these f32 scores would not be their bits.
+        assert!(
+            !R::INTEGER_SCORES,
+            "integer-scored keys reached the f32 kernel"
+        );
         let n_ctx = pos + 1 - lo;
         super::fit(scores, group * n_ctx);
         let spans = spans(seq, kv.block_size_tokens, lo, pos);
@@ -1169,17 +1239,21 @@ mod x86 {
         unsafe { softmax_pv::<R, CH>(job, scores, n_ctx, out) }
     }
 
-    /// The int8 unit for head size `16 · CH` (`CH` = 4 · `G`, `G` groups of 64): scores by integer dot
-    /// products of the quantised query ([`super::QuantQuery`]) with the stored rows, `vpdpbusd` taking
-    /// 64 products a row and head, then softmax and V as in [`attend`]. The row bytes are made unsigned
-    /// (`k + 128`) and `128 · Σ qi` taken off after; every sum is an integer below 2^24, exact in f32, so each score
-    /// has the bits of [`super::QuantQuery::score`].
+    /// The int8 (`INT4` false) or int4 (`INT4` true) unit for head size `16 · CH` (`CH` = 4 · `G`, `G`
+    /// groups of 64): scores by integer dot products of the quantised query ([`super::QuantQuery`]) with
+    /// the stored rows, `vpdpbusd` taking 64 products a row and head, then softmax and V as in
+    /// [`attend`]. Int8 bytes are made unsigned (`k + 128`) and `128 · Σ qi` taken off after; int4
+    /// nibbles are unsigned already, the group's 32 bytes unpacked to its 64 lanes in order (low
+    /// nibbles, then high ones). Every sum is an integer below 2^24, exact in f32, and each group's term
+    /// is formed as the portable loop forms it, so each score has the bits of
+    /// [`super::QuantQuery::score`].
     ///
     /// # Safety
     /// avx512f, avx512bw and avx512vnni are present; `job.head_dim == 16 · CH`, `CH == 4 · G`; `out`
-    /// holds `group × (head_dim + 2)` values; the storage is int8.
+    /// holds `group × (head_dim + 2)` values; the storage is int4 if `INT4`, int8 otherwise; `job.qq`
+    /// holds the quantised query.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn attend_int8<'a, const CH: usize, const G: usize>(
+    pub unsafe fn attend_int<'a, const INT4: bool, const CH: usize, const G: usize>(
         job: &Job<'a, '_>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -1196,13 +1270,22 @@ mod x86 {
             scale,
             ..
         } = *job;
-        debug_assert!(head_dim == 16 * CH && CH == 4 * G);
+        assert!(head_dim == 16 * CH && CH == 4 * G);
+        assert_eq!(kv.dtype(), if INT4 { KvDtype::Int4 } else { KvDtype::Int8 });
+        assert!(qq.qi.len() >= group * head_dim && qq.scale.len() >= group * G);
         let groups = G;
+        // Where the groups' scales (int4: scale, then minimum) start, and their stride.
+        let (payload, stride) = if INT4 {
+            (head_dim / 2, 4)
+        } else {
+            (head_dim, 2)
+        };
         let n_ctx = pos + 1 - lo;
         super::fit(scores, group * n_ctx);
         let ru = kv.vector_units();
         let scale_v = _mm512_set1_ps(scale);
         let bias = _mm512_set1_epi8(-128);
+        let low = _mm256_set1_epi8(0x0F);
         // Cleared once a unit (see `attend`): a group reads only its `keys` rows, each written first.
         let mut tile = [[_mm512_setzero_si512(); G]; 16];
         for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
@@ -1212,17 +1295,33 @@ mod x86 {
             while s0 <= last {
                 let keys = (last + 1 - s0).min(16);
                 let mut sk_bits = [[0u16; 16]; G];
+                let mut mk_bits = [[0u16; 16]; G];
                 for (j, t) in tile.iter_mut().enumerate().take(keys) {
                     if let Some(nk) = next_k {
                         prefetch_row(nk.wrapping_add((s0 + j) * ru), ru);
                     }
                     let row = &k[(s0 + j) * ru..(s0 + j + 1) * ru];
                     for gr in 0..groups {
-                        // SAFETY: the group's 64 payload bytes lie inside the row.
-                        let b = unsafe { _mm512_loadu_si512(row.as_ptr().add(64 * gr).cast()) };
-                        t[gr] = _mm512_xor_si512(b, bias);
-                        let at = head_dim + 2 * gr;
+                        t[gr] = if INT4 {
+                            // SAFETY: the group's 32 payload bytes lie inside the row (sliced).
+                            let b = unsafe {
+                                _mm256_loadu_si256(row[32 * gr..32 * gr + 32].as_ptr().cast())
+                            };
+                            let lo = _mm256_and_si256(b, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(b), low);
+                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                        } else {
+                            // SAFETY: the group's 64 payload bytes lie inside the row (sliced).
+                            let b = unsafe {
+                                _mm512_loadu_si512(row[64 * gr..64 * gr + 64].as_ptr().cast())
+                            };
+                            _mm512_xor_si512(b, bias)
+                        };
+                        let at = payload + stride * gr;
                         sk_bits[gr][j] = u16::from_le_bytes([row[at], row[at + 1]]);
+                        if INT4 {
+                            mk_bits[gr][j] = u16::from_le_bytes([row[at + 2], row[at + 3]]);
+                        }
                     }
                 }
                 let m: __mmask16 = if keys == 16 {
@@ -1234,11 +1333,15 @@ mod x86 {
                 let sk: [__m512; G] = std::array::from_fn(|gr| unsafe {
                     _mm512_cvtph_ps(_mm256_loadu_si256(sk_bits[gr].as_ptr().cast()))
                 });
+                // SAFETY: as above.
+                let mk: [__m512; G] = std::array::from_fn(|gr| unsafe {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(mk_bits[gr].as_ptr().cast()))
+                });
                 for g in 0..group {
                     let mut score = _mm512_setzero_ps();
                     for gr in 0..groups {
                         let at = g * head_dim + 64 * gr;
-                        // SAFETY: the head's group holds 64 quantised values.
+                        // SAFETY: the head's group holds 64 quantised values (sliced).
                         let qv = unsafe { _mm512_loadu_si512(qq.qi[at..at + 64].as_ptr().cast()) };
                         let mut acc = [_mm512_setzero_ps(); 16];
                         for (a, t) in acc.iter_mut().zip(&tile).take(keys) {
@@ -1249,12 +1352,23 @@ mod x86 {
                             ));
                         }
                         let i = g * groups + gr;
-                        let d = _mm512_sub_ps(
-                            transpose_sum(&acc),
-                            _mm512_set1_ps((128 * qq.sum[i]) as f32),
-                        );
-                        let term =
-                            _mm512_mul_ps(d, _mm512_mul_ps(sk[gr], _mm512_set1_ps(qq.scale[i])));
+                        let sq = _mm512_set1_ps(qq.scale[i]);
+                        let term = if INT4 {
+                            let d = transpose_sum(&acc);
+                            _mm512_add_ps(
+                                _mm512_mul_ps(d, _mm512_mul_ps(sk[gr], sq)),
+                                _mm512_mul_ps(
+                                    _mm512_mul_ps(mk[gr], sq),
+                                    _mm512_set1_ps(qq.sum[i] as f32),
+                                ),
+                            )
+                        } else {
+                            let d = _mm512_sub_ps(
+                                transpose_sum(&acc),
+                                _mm512_set1_ps((128 * qq.sum[i]) as f32),
+                            );
+                            _mm512_mul_ps(d, _mm512_mul_ps(sk[gr], sq))
+                        };
                         score = if gr == 0 {
                             term
                         } else {
@@ -1270,7 +1384,13 @@ mod x86 {
             }
         }
         // SAFETY: avx512f is present (this function's contract).
-        unsafe { softmax_pv::<Int8Row, CH>(job, scores, n_ctx, out) }
+        unsafe {
+            if INT4 {
+                softmax_pv::<Int4Row, CH>(job, scores, n_ctx, out)
+            } else {
+                softmax_pv::<Int8Row, CH>(job, scores, n_ctx, out)
+            }
+        }
     }
 
     /// The softmax of each query head's scores (into the `m`, `l` of its partial) and the weighted sum of
@@ -1490,7 +1610,7 @@ mod tests {
                 let qu = rotated_query(dtype, head_dim, &q[at..at + group * head_dim], &mut qrot);
                 let segments: Vec<Vec<f32>> = (lo / SEGMENT..=pos / SEGMENT)
                     .map(|k| {
-                        if dtype == KvDtype::Int8 {
+                        if integer_scores(dtype) {
                             qq.fill(qu, head_dim);
                         }
                         let job = Job {
@@ -1609,7 +1729,7 @@ mod tests {
         #[cfg(not(target_arch = "x86_64"))]
         let vnni = false;
         crate::kernels::compared(
-            "attention, int8 with VNNI",
+            "attention, int8 and int4 with VNNI",
             vnni,
             crate::kernels::dot::Vnni::detect().is_some(),
         );
@@ -1655,18 +1775,17 @@ mod tests {
         let plain = [KvDtype::F32, KvDtype::Bf16, KvDtype::F16];
         let encoded = [KvDtype::Int8, KvDtype::Fp8, KvDtype::Int4];
         for dim in [64, 128, 256] {
-            for dtype in plain.into_iter().chain([KvDtype::Fp8, KvDtype::Int4]) {
+            for dtype in plain.into_iter().chain([KvDtype::Fp8]) {
                 assert_eq!(attention_kernel(Isa::Avx512, true, dtype, dim), Avx512);
             }
-            assert_eq!(
-                attention_kernel(Isa::Avx512, true, KvDtype::Int8, dim),
-                Avx512Vnni
-            );
-            // Int8 without VNNI: AVX2's integer products.
-            assert_eq!(
-                attention_kernel(Isa::Avx512, false, KvDtype::Int8, dim),
-                or_portable(Avx2)
-            );
+            for dtype in [KvDtype::Int8, KvDtype::Int4] {
+                assert_eq!(attention_kernel(Isa::Avx512, true, dtype, dim), Avx512Vnni);
+                // Without VNNI: AVX2's integer products.
+                assert_eq!(
+                    attention_kernel(Isa::Avx512, false, dtype, dim),
+                    or_portable(Avx2)
+                );
+            }
         }
         // Head sizes the AVX-512 kernel does not take: the AVX2 kernel's, on the same CPU.
         for (dtype, dim, takes) in [
@@ -1719,67 +1838,120 @@ mod tests {
         }
     }
 
-    /// Int8 scores are integer dot products formed group by group as the portable loop forms them: the
-    /// AVX2 kernel's scores are the portable loop's, bit for bit (each key alone, where the largest score
-    /// of a one-position context is its score; and the largest of a whole context).
+    /// Int8 and int4 scores are integer dot products formed group by group as the portable loop forms
+    /// them: the AVX2 kernel's scores and the VNNI kernel's are the portable loop's, bit for bit (each
+    /// key alone, where the largest score of a one-position context is its score; and the largest of a
+    /// whole context).
     #[test]
-    fn avx2_int8_scores_are_the_portable_loops() {
+    fn integer_scores_are_the_portable_loops() {
         #[cfg(target_arch = "x86_64")]
-        let has = crate::kernels::cpu_has(Isa::Avx2Fma) && is_x86_feature_detected!("f16c");
+        let (avx2, vnni) = (
+            crate::kernels::cpu_has(Isa::Avx2Fma) && is_x86_feature_detected!("f16c"),
+            crate::kernels::cpu_has(Isa::Avx512)
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni"),
+        );
         #[cfg(not(target_arch = "x86_64"))]
-        let has = false;
-        if !crate::kernels::compared("attention, AVX2 int8 scores", has, has) {
-            return;
+        let (avx2, vnni) = (false, false);
+        let mut kernels = Vec::new();
+        if crate::kernels::compared("attention, AVX2 integer scores", avx2, avx2) {
+            kernels.push((Isa::Avx2Fma, AttnKernel::Avx2));
         }
-        for (heads, dim) in [(3, 64), (5, 128), (2, 192), (4, 256)] {
-            let layout = KvLayout::uniform(1, 1, dim, KvDtype::Int8, 16).unwrap();
-            let n = 45;
-            let mut kv = KvStorage::new(&layout, 3).unwrap();
-            let val = |i: usize| ((i * 2654435761usize % 1000) as f32 / 500.0 - 1.0) * 3.0;
-            for p in 0..n {
-                let k: Vec<f32> = (0..dim).map(|i| val(p * 977 + i)).collect();
-                kv.write_token(0, p / 16, p % 16, &k, &k);
+        let runs = crate::kernels::dot::Vnni::detect().is_some();
+        if crate::kernels::compared("attention, VNNI integer scores", vnni, runs) {
+            kernels.push((Isa::Avx512, AttnKernel::Avx512Vnni));
+        }
+        let cases = [(3, 64), (5, 128), (2, 192), (4, 256)];
+        for dtype in [KvDtype::Int8, KvDtype::Int4] {
+            for (heads, dim) in cases {
+                let layout = KvLayout::uniform(1, 1, dim, dtype, 16).unwrap();
+                let n = 45;
+                let mut kv = KvStorage::new(&layout, 3).unwrap();
+                let val = |i: usize| ((i * 2654435761usize % 1000) as f32 / 500.0 - 1.0) * 3.0;
+                for p in 0..n {
+                    // Int4's minimum is then not 0, and differs from row to row.
+                    let k: Vec<f32> = (0..dim)
+                        .map(|i| val(p * 977 + i) + (p % 5) as f32)
+                        .collect();
+                    kv.write_token(0, p / 16, p % 16, &k, &k);
+                }
+                let table = [0u32, 1, 2];
+                let seq = AttnSeq {
+                    first_token: 0,
+                    n_tokens: 1,
+                    start_pos: n - 1,
+                    block_table: &table,
+                };
+                let q: Vec<f32> = (0..heads * dim).map(|i| val(i * 31 + 5)).collect();
+                let mut qq = QuantQuery::default();
+                qq.fill(&q, dim);
+                let spans = (0..n).map(|p| (p, p)).chain([(0, n - 1), (3, n - 2)]);
+                for (lo, pos) in spans {
+                    let job = Job {
+                        q: &q,
+                        qq: &qq,
+                        seq: &seq,
+                        kv: kv.layer(0),
+                        kvh: 0,
+                        lo,
+                        pos,
+                        group: heads,
+                        head_dim: dim,
+                        scale: 1.0 / (dim as f32).sqrt(),
+                    };
+                    let largest = |isa| {
+                        let mut part = vec![0f32; heads * (dim + 2)];
+                        attend_dtype(dtype, isa, &job, &mut Vec::new(), &mut part);
+                        (0..heads)
+                            .map(|g| part[g * (dim + 2)].to_bits())
+                            .collect::<Vec<_>>()
+                    };
+                    for &(isa, kernel) in &kernels {
+                        if attention_kernel(isa, runs, dtype, dim) != kernel {
+                            // VNNI's kernel takes 64, 128 and 256 only.
+                            assert_eq!((kernel, dim), (AttnKernel::Avx512Vnni, 192));
+                            continue;
+                        }
+                        assert_eq!(
+                            largest(isa),
+                            largest(Isa::Scalar),
+                            "{kernel:?} {dtype}: {heads} heads of {dim}, positions {lo}..={pos}"
+                        );
+                    }
+                }
             }
-            let table = [0u32, 1, 2];
-            let seq = AttnSeq {
-                first_token: 0,
-                n_tokens: 1,
-                start_pos: n - 1,
-                block_table: &table,
-            };
+        }
+    }
+
+    /// An int4 score (the query quantised, the nibbles' products exact) is the score of the query
+    /// against the decoded row up to the query's rounding: within 0.5 % of `Σ |q| · |k|`, for whole
+    /// groups and a short last one (head size 80 = 64 + 16), rows with a minimum far from 0 included.
+    #[test]
+    fn int4_scores_are_the_decoded_rows_scores() {
+        let val = |i: usize| ((i * 2654435761usize % 1000) as f32 / 500.0 - 1.0) * 3.0;
+        for dim in [64, 80, 128] {
+            let heads = 2;
             let q: Vec<f32> = (0..heads * dim).map(|i| val(i * 31 + 5)).collect();
             let mut qq = QuantQuery::default();
             qq.fill(&q, dim);
-            let spans = (0..n).map(|p| (p, p)).chain([(0, n - 1), (3, n - 2)]);
-            for (lo, pos) in spans {
-                let job = Job {
-                    q: &q,
-                    qq: &qq,
-                    seq: &seq,
-                    kv: kv.layer(0),
-                    kvh: 0,
-                    lo,
-                    pos,
-                    group: heads,
-                    head_dim: dim,
-                    scale: 1.0 / (dim as f32).sqrt(),
-                };
-                let largest = |isa| {
-                    let mut part = vec![0f32; heads * (dim + 2)];
-                    attend_dtype(KvDtype::Int8, isa, &job, &mut Vec::new(), &mut part);
-                    (0..heads)
-                        .map(|g| part[g * (dim + 2)].to_bits())
-                        .collect::<Vec<_>>()
-                };
-                assert_eq!(
-                    attention_kernel(Isa::Avx2Fma, false, KvDtype::Int8, dim),
-                    AttnKernel::Avx2
-                );
-                assert_eq!(
-                    largest(Isa::Avx2Fma),
-                    largest(Isa::Scalar),
-                    "{heads} heads of {dim}, positions {lo}..={pos}"
-                );
+            for p in 0..20 {
+                let k: Vec<f32> = (0..dim)
+                    .map(|i| val(p * 977 + i) + p as f32 - 8.0)
+                    .collect();
+                let mut row = vec![0u8; KvDtype::Int4.bytes_per_vector(dim)];
+                codec::encode_vector(KvDtype::Int4, &k, &mut row, &mut vec![0f32; dim]);
+                let mut decoded = vec![0f32; dim];
+                codec::decode_stored(KvDtype::Int4, &row, &mut decoded);
+                for g in 0..heads {
+                    let qg = &q[g * dim..(g + 1) * dim];
+                    let exact: f32 = qg.iter().zip(&decoded).map(|(a, b)| a * b).sum();
+                    let size: f32 = qg.iter().zip(&decoded).map(|(a, b)| (a * b).abs()).sum();
+                    let got = qq.score(KvDtype::Int4, g, dim, &row);
+                    assert!(
+                        (got - exact).abs() <= 0.005 * size,
+                        "dim {dim} row {p} head {g}: {got} against {exact} (of {size})"
+                    );
+                }
             }
         }
     }

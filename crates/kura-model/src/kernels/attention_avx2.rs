@@ -3,16 +3,16 @@
 //! [`QUANT_GROUP`] up to the same. CPUs without AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP, most
 //! small cloud instances) no longer fall back to the portable loop, whose scalar `exp`, SSE products and
 //! scalar decoding of encoded rows made a long prompt's attention cost more than its matrix products;
-//! AVX-512 CPUs take it for what their own kernel does not (other head sizes; int8 without VNNI).
+//! AVX-512 CPUs take it for what their own kernel does not (other head sizes; int8 and int4 without VNNI).
 //!
 //! Scores come 4 keys × 3 query heads at a time (12 accumulators in registers), each key's row widened
 //! (and dequantised) from its stored format as it is read; a group of more than 3 query heads first
 //! widens 8 keys into a tile in L1, which each pass of 3 heads then reads. Each key's 8 partial sums are
 //! reduced by one fixed tree of `hadd`s, so a key's score is computed the same way wherever it sits among
-//! the others. Int8 keys are scored as integer dot products with the query quantised (`vpmaddubsw` on
-//! `|k|` and `q` with k's sign, then `vpmaddwd`), 4 keys × 2 heads at a time: the integer sums are exact,
-//! and each group's term is formed as the portable loop forms it, so the scores are the portable loop's,
-//! bit for bit. The softmax uses a vector exp; V is summed in registers, position after position, in
+//! the others. Int8 and int4 keys are scored as integer dot products with the query quantised
+//! (`vpmaddubsw` on `|k|` and `q` with k's sign, or on the unsigned nibbles and `q`, then `vpmaddwd`), 4
+//! keys × 2 heads at a time: the integer sums are exact, and each group's term is formed as the portable
+//! loop forms it, so the scores are the portable loop's, bit for bit. The softmax uses a vector exp; V is summed in registers, position after position, in
 //! column slices of 32 lanes for up to 3 heads at once (12 accumulators, 3 scores and one V vector fill
 //! the 16 registers). Each token is computed the same way in a prefill and alone in a decode step, as in
 //! the other kernels.
@@ -236,18 +236,18 @@ unsafe fn store_scores(dst: *mut f32, four: __m128, n: usize) {
     }
 }
 
-/// The scores of every query head of `job` against up to 4 int8 keys (as [`heads_scores`]), 2 heads at
-/// a time, as integer dot products with the quantised query (`job.qq`): per group of [`QUANT_GROUP`]
-/// lanes, `Σ q·k` by `vpmaddubsw` on `|k|` and `q` with k's sign (pairs of products at most 2 · 128 · 127,
-/// inside an i16) and `vpmaddwd` by ones, exact; then the group's term `d · (scale_k · scale_q)` and the
+/// The scores of every query head of `job` against up to 4 int8 (`INT4` false) or int4 (`INT4` true)
+/// keys (as [`heads_scores`]), 2 heads at a time, as integer dot products with the quantised query
+/// (`job.qq`): per group of [`QUANT_GROUP`] lanes, `Σ q·k` ([`int8_dots`], [`int4_dots`]), exact; then
+/// the group's term (int8: `d · (s · scale_q)`; int4: `d · (s · scale_q) + (m · scale_q) · Σ q`) and the
 /// sum of the terms in group order, as [`super::QuantQuery::score`] forms them (the same bits).
 ///
 /// # Safety
-/// avx2, fma and f16c are present; each row is a whole int8 row of `job.head_dim` (a multiple of
-/// [`QUANT_GROUP`]) lanes; `job.qq` holds the quantised `group` heads; `scores` holds `group · n_ctx`
-/// values and `col + n ≤ n_ctx`.
+/// avx2, fma and f16c are present; each row is a whole row of the format of `job.head_dim` (a multiple
+/// of [`QUANT_GROUP`]) lanes; `job.qq` holds the quantised `group` heads; `scores` holds
+/// `group · n_ctx` values and `col + n ≤ n_ctx`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int8_scores(
+unsafe fn int_scores<const INT4: bool>(
     job: &Job<'_, '_>,
     rows: [*const u8; 4],
     n: usize,
@@ -257,42 +257,66 @@ unsafe fn int8_scores(
 ) {
     let (group, head_dim, qq) = (job.group, job.head_dim, job.qq);
     let groups = head_dim / QUANT_GROUP;
+    // Where the groups' scales (int4: scale, then minimum) start, and their stride.
+    let (payload, stride) = if INT4 {
+        (head_dim / 2, 4)
+    } else {
+        (head_dim, 2)
+    };
     let scale = _mm_set1_ps(job.scale);
-    // The keys' scales, group by group: [key 0, …, key 3].
-    let mut sk = [_mm_setzero_ps(); 4];
-    for (gr, s) in sk.iter_mut().enumerate().take(groups) {
+    // The f16 at byte `at` of each of the 4 rows: [key 0, …, key 3].
+    let f16x4 = |at: usize| {
         let bits: [u16; 4] = std::array::from_fn(|j| {
-            // SAFETY: the group's scale lies inside the row (the caller's guarantee).
-            unsafe { std::ptr::read_unaligned(rows[j].add(head_dim + 2 * gr).cast::<u16>()) }
+            // SAFETY: `at` is a group's scale or minimum, inside the row (the caller's guarantee).
+            unsafe { std::ptr::read_unaligned(rows[j].add(at).cast::<u16>()) }
         });
         // SAFETY: 4 u16 in `bits`; f16c is present.
-        *s = unsafe { _mm_cvtph_ps(_mm_loadl_epi64(bits.as_ptr().cast())) };
+        unsafe { _mm_cvtph_ps(_mm_loadl_epi64(bits.as_ptr().cast())) }
+    };
+    // The keys' scales (and int4's minimums), group by group.
+    let mut sk = [_mm_setzero_ps(); 4];
+    let mut mk = [_mm_setzero_ps(); 4];
+    for gr in 0..groups {
+        sk[gr] = f16x4(payload + stride * gr);
+        if INT4 {
+            mk[gr] = f16x4(payload + stride * gr + 2);
+        }
     }
     let mut g0 = 0;
     while g0 < group {
         let gb = (group - g0).min(2);
         let mut score = [_mm_setzero_ps(); 2];
-        for (gr, skg) in sk.iter().enumerate().take(groups) {
+        for gr in 0..groups {
             let off = gr * QUANT_GROUP;
             // Checked: the group's lanes of the head lie inside the quantised query.
             let qi = |h: usize| {
                 let at = (g0 + h) * head_dim + off;
                 qq.qi[at..at + QUANT_GROUP].as_ptr()
             };
-            // SAFETY: heads g0..g0 + gb of the quantised query and each row's payload hold lanes off..off
-            // + QUANT_GROUP (the caller's guarantee).
+            // SAFETY: heads g0..g0 + gb of the quantised query and each row's payload hold the group's
+            // lanes (the caller's guarantee).
             let d = unsafe {
-                match gb {
-                    1 => {
+                match (gb, INT4) {
+                    (1, false) => {
                         let [d] = int8_dots::<1>([qi(0)], rows, off);
                         [d, d]
                     }
-                    _ => int8_dots::<2>([qi(0), qi(1)], rows, off),
+                    (_, false) => int8_dots::<2>([qi(0), qi(1)], rows, off),
+                    (1, true) => {
+                        let [d] = int4_dots::<1>([qi(0)], rows, gr);
+                        [d, d]
+                    }
+                    (_, true) => int4_dots::<2>([qi(0), qi(1)], rows, gr),
                 }
             };
             for (h, dh) in d.iter().enumerate().take(gb) {
                 let i = (g0 + h) * groups + gr;
-                let term = _mm_mul_ps(*dh, _mm_mul_ps(*skg, _mm_set1_ps(qq.scale[i])));
+                let sq = _mm_set1_ps(qq.scale[i]);
+                let mut term = _mm_mul_ps(*dh, _mm_mul_ps(sk[gr], sq));
+                if INT4 {
+                    let sum = _mm_set1_ps(qq.sum[i] as f32);
+                    term = _mm_add_ps(term, _mm_mul_ps(_mm_mul_ps(mk[gr], sq), sum));
+                }
                 score[h] = if gr == 0 {
                     term
                 } else {
@@ -306,6 +330,44 @@ unsafe fn int8_scores(
         }
         g0 += gb;
     }
+}
+
+/// `[Σ q·n0, …, Σ q·n3]` over the 64 lanes of group `gr` of 4 int4 rows (their nibbles n, unsigned:
+/// the group's 32 bytes hold lanes 0..32 in their low nibbles and 32..64 in their high ones), for each
+/// of `H` quantised query heads (the group's lanes at `q[h]`), exact: a pair of products is at most
+/// 2 · 15 · 127 and two pairs 7,620, inside an i16.
+///
+/// # Safety
+/// avx2 is present; `QUANT_GROUP` lanes are readable at each `q[h]` and the group's 32 payload bytes at
+/// `rows[j] + 32 · gr`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn int4_dots<const H: usize>(
+    q: [*const i8; H],
+    rows: [*const u8; 4],
+    gr: usize,
+) -> [__m128; H] {
+    let ones = _mm256_set1_epi16(1);
+    let low = _mm256_set1_epi8(0x0F);
+    let mut acc = [[_mm256_setzero_si256(); 4]; H];
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        let qlo: [__m256i; H] = std::array::from_fn(|h| _mm256_loadu_si256(q[h].cast()));
+        let qhi: [__m256i; H] = std::array::from_fn(|h| _mm256_loadu_si256(q[h].add(32).cast()));
+        for j in 0..4 {
+            let b = _mm256_loadu_si256(rows[j].add(32 * gr).cast());
+            let lo = _mm256_and_si256(b, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(b), low);
+            for h in 0..H {
+                let p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, qlo[h]),
+                    _mm256_maddubs_epi16(hi, qhi[h]),
+                );
+                acc[h][j] = _mm256_madd_epi16(p, ones);
+            }
+        }
+    }
+    acc.map(|a| lane_sums4(&a))
 }
 
 /// `[Σ q·k0, …, Σ q·k3]` over lanes `off..off + QUANT_GROUP` of 4 int8 rows, for each of `H` quantised
@@ -337,13 +399,18 @@ unsafe fn int8_dots<const H: usize>(
             }
         }
     }
-    acc.map(|a| {
-        let u = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-        _mm_cvtepi32_ps(_mm_add_epi32(
-            _mm256_castsi256_si128(u),
-            _mm256_extracti128_si256::<1>(u),
-        ))
-    })
+    acc.map(|a| lane_sums4(&a))
+}
+
+/// `[Σ a0, …, Σ a3]`: the integer lane sums of 4 vectors, as f32 (exact below 2^24).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lane_sums4(a: &[__m256i; 4]) -> __m128 {
+    let u = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    _mm_cvtepi32_ps(_mm_add_epi32(
+        _mm256_castsi256_si128(u),
+        _mm256_extracti128_si256::<1>(u),
+    ))
 }
 
 /// The scaled scores of `G` query heads (rows of `head_dim` from `q`) against 4 keys (rows of `head_dim`
@@ -471,8 +538,8 @@ fn exp_sum(x: &mut [f32]) -> (f32, f32) {
 /// One unit: writes, per query head, the partial `[m, l, o]` (see [`super::attend`]).
 ///
 /// # Safety
-/// [`takes`]`(dtype, job.head_dim)` is true for `R`'s format; for int8, `job.qq` holds the quantised
-/// query; `out` holds `group × (head_dim + 2)` values.
+/// [`takes`]`(dtype, job.head_dim)` is true for `R`'s format; for int8 and int4, `job.qq` holds the
+/// quantised query; `out` holds `group × (head_dim + 2)` values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     job: &Job<'a, '_>,
@@ -498,7 +565,7 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     let ru = kv.vector_units();
     // Up to 3 query heads read each key once, so a key is widened inside the product; a larger group
     // widens 8 keys into a tile in L1 first, which each pass of 3 heads then reads (the scratch's tail).
-    // Int8 keys are read as they are stored, by integer products.
+    // Int8 and int4 keys are read as they are stored, by integer products.
     let direct = group <= 3 || R::INTEGER_SCORES;
     let tile_len = if direct { 0 } else { 8 * head_dim };
     // Every tile row, like every score, is written before it is read.
@@ -525,9 +592,16 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
             let col = at + s0 - first;
             if R::INTEGER_SCORES {
                 let rows: [*const u8; 4] = std::array::from_fn(|j| row(j).cast());
-                // SAFETY: int8 rows (the only format with integer scores) of head_dim lanes and their
-                // scales; qq holds group quantised heads (asserted); columns inside n_ctx.
-                unsafe { int8_scores(job, rows, keys, sp, n_ctx, col) };
+                // SAFETY: int8 or int4 rows (the formats with integer scores, as the storage says) of
+                // head_dim lanes and their scales; qq holds group quantised heads (asserted); columns
+                // inside n_ctx.
+                unsafe {
+                    if kv.dtype() == KvDtype::Int4 {
+                        int_scores::<true>(job, rows, keys, sp, n_ctx, col)
+                    } else {
+                        int_scores::<false>(job, rows, keys, sp, n_ctx, col)
+                    }
+                };
             } else if direct {
                 let rows: [*const R::Unit; 4] = std::array::from_fn(row);
                 // SAFETY: each row is a whole row of head_dim elements.
