@@ -40,7 +40,7 @@ if [ "$PPL" = 1 ]; then
         chunks=${spec##*:}
         json="$OUT/perplexity-$ctx.json"
         "$KURA" perplexity --text "$TEXT" --context "$ctx" --chunks "$chunks" --kv-dtype "$FORMATS" \
-            --threads 2 --json > "$json"
+            --weights-dtype bf16 --threads 2 --json > "$json"
         python3 - "$json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

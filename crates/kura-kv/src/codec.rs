@@ -28,7 +28,7 @@
 //!   `r / scale`, `scale = max|r| / 448`, rounded to nearest even.
 //! - int4: asymmetric, `r ≈ min + scale · q`, `q ∈ [0, 15]`, over the range (min–max, or clipped towards its
 //!   middle) that leaves the least squared error ([`int4_range`]). Byte `b` of a group of `n` holds element
-//!   `b` in its low nibble and element `b + n/2` in its high one (so 16 bytes unpack to two runs of 16).
+//!   `b` in its low nibble and element `b + ⌈n/2⌉` in its high one (so 16 bytes unpack to two runs of 16).
 //!
 //! Scales are rounded to f16 before the elements are encoded with them, so decoding with the stored scale
 //! is exactly the arithmetic the encoder assumed. Sizes are O(1); encoding a vector is O(elements).

@@ -263,9 +263,10 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
 ///           never serves one machine's blocks to another that computes other bits)
 /// ...       the layout, KvLayout::encode_for_fingerprint
 /// u128      the digest of the KV encoding (the key offsets quantised formats subtract)
-/// u32       int4 layouts only: 1, the CPU scoring int4 keys as integer products with the quantised
-///           query (other bits than the dequantised keys' f32 products before it; the other formats'
-///           fingerprints, and the blocks and saved contexts under them, stay as they were)
+/// u32       int4 layouts only: 1, int4 keys scored as integer products with the quantised query
+///           (on the CPU: other bits than the dequantised keys' f32 products before it; the CUDA pool
+///           takes no int4); the other formats' fingerprints, and the blocks and saved contexts under
+///           them, stay as they were
 /// ```
 ///
 /// A change of any of it makes blocks cached on disk under the old fingerprint foreign: the disk tier
@@ -815,8 +816,9 @@ mod tests {
 
     #[test]
     fn the_kv_fingerprint_is_a_fixed_byte_encoding() {
-        // GOLDEN: a change of this constant means every disk tier and saved context written before
-        // becomes foreign. Change it only with the encoding's version (see kv_fingerprint).
+        // GOLDEN: a change of these constants means every disk tier and saved context written before
+        // becomes foreign. Change them only with the encoding's version, or a marker of what changed
+        // for one format (see kv_fingerprint).
         let layout = KvLayout::new(
             vec![
                 kura_kv::layout::LayerKv::full(3, 64),

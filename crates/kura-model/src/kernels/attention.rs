@@ -686,7 +686,7 @@ impl AttnKernel {
 }
 
 /// The kernel that computes attention over `dtype` rows of `head_dim` elements through `isa`'s kernels,
-/// `vnni` saying whether the CPU has AVX-512 VNNI with BW (what the int8 kernel needs). What every unit's
+/// `vnni` saying whether the CPU has AVX-512 VNNI with BW (what the int8 and int4 kernel needs). What every unit's
 /// dispatch follows.
 pub fn attention_kernel(isa: Isa, vnni: bool, dtype: KvDtype, head_dim: usize) -> AttnKernel {
     let vector_head = matches!(head_dim, 64 | 128 | 256) && cfg!(target_arch = "x86_64");
@@ -717,7 +717,8 @@ fn attend_dtype(
     #[cfg(target_arch = "x86_64")]
     if kernel == AttnKernel::Avx2 {
         // SAFETY: `attention_kernel` chose it through `avx2::takes`, which checked the CPU's features
-        // and the head size for this format; int8's quantised query is filled wherever KV is int8.
+        // and the head size for this format; the quantised query is filled wherever KV is int8 or int4
+        // (`integer_scores`).
         unsafe {
             match dtype {
                 KvDtype::F32 => return avx2::attend::<f32>(job, scores, part),
@@ -770,6 +771,11 @@ fn merge<'p>(
     }
 }
 
+/// Whether keys of `dtype` are scored as integer dot products with the quantised query ([`QuantQuery`]).
+fn integer_scores(dtype: KvDtype) -> bool {
+    matches!(dtype, KvDtype::Int8 | KvDtype::Int4)
+}
+
 /// A unit's query heads quantised for int8 and int4 K, so that a score is an integer dot product: per
 /// head and group of [`QUANT_GROUP`] elements, `q ≈ scale · qi` with `qi ∈ [−127, 127]` and
 /// `scale = max|q| / 127` (in f32), and the group's `Σ qi`. The score of an int8 row (`k ≈ s · ki`) is
@@ -777,11 +783,6 @@ fn merge<'p>(
 /// `Σ_group ((Σ qi · ni) · (s · scale_q) + (m · scale_q) · Σ qi)`; the integer sums exact, each group's
 /// term formed in that order and the terms added in group order: the same bits from the VNNI kernel,
 /// the AVX2 kernel and the portable loop. (llama.cpp scores its 4-bit K against an 8-bit query too.)
-/// Whether keys of `dtype` are scored as integer dot products with the quantised query ([`QuantQuery`]).
-fn integer_scores(dtype: KvDtype) -> bool {
-    matches!(dtype, KvDtype::Int8 | KvDtype::Int4)
-}
-
 #[derive(Default)]
 struct QuantQuery {
     qi: Vec<i8>,
@@ -885,7 +886,7 @@ impl QuantQuery {
 /// One unit: a token's query heads of one KV head, over the context positions `lo..=pos`.
 struct Job<'a, 'b> {
     q: &'a [f32],
-    /// The query heads quantised for int8 K (empty for other formats).
+    /// The query heads quantised for int8 and int4 K (empty for other formats).
     qq: &'a QuantQuery,
     seq: &'a AttnSeq<'b>,
     kv: &'a LayerStorage,
@@ -1714,9 +1715,9 @@ mod tests {
             // of 4), groups of 4 and 5 (heads in threes), across a segment boundary.
             (KvDtype::F16, 16, 8, 2, 80, 1020, 8, None),
             (KvDtype::F32, 3, 5, 1, 40, 9, 11, Some(13)),
-            // Encoded rows of 3 groups (head size 192, the AVX2 kernel's on every x86 CPU): int8's
-            // integer products for an odd group of heads (in twos), fp8 and int4 widened into the tile
-            // for a group of 5, across a segment boundary, with a short last run of keys.
+            // Encoded rows of 3 groups (head size 192, the AVX2 kernel's on every x86 CPU): int8's and
+            // int4's integer products for odd groups of heads (3 and 5, in twos), fp8 widened into the
+            // tile for a group of 5, across a segment boundary, with a short last run of keys.
             (KvDtype::Int8, 16, 9, 3, 192, 1000, 30, None),
             (KvDtype::Fp8, 7, 10, 2, 192, 1020, 9, Some(700)),
             (KvDtype::Int4, 5, 5, 1, 192, 33, 9, None),
@@ -1971,7 +1972,7 @@ mod tests {
         .collect()
     }
 
-    /// Attention over quantised K and V (int8 with its quantised query too) stays close to attention
+    /// Attention over quantised K and V (int8 and int4 with their quantised query too) stays close to attention
     /// over the same vectors in f32, on random data whose V elements lie in [−2, 2], through the vector
     /// kernel and the portable loop alike: int8 within 0.5 % of that range, fp8 2 %, int4 7.5 %.
     #[test]

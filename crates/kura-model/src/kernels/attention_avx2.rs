@@ -12,10 +12,10 @@
 //! the others. Int8 and int4 keys are scored as integer dot products with the query quantised
 //! (`vpmaddubsw` on `|k|` and `q` with k's sign, or on the unsigned nibbles and `q`, then `vpmaddwd`), 4
 //! keys × 2 heads at a time: the integer sums are exact, and each group's term is formed as the portable
-//! loop forms it, so the scores are the portable loop's, bit for bit. The softmax uses a vector exp; V is summed in registers, position after position, in
-//! column slices of 32 lanes for up to 3 heads at once (12 accumulators, 3 scores and one V vector fill
-//! the 16 registers). Each token is computed the same way in a prefill and alone in a decode step, as in
-//! the other kernels.
+//! loop forms it, so the scores are the portable loop's, bit for bit. The softmax uses a vector exp; V
+//! is summed in registers, position after position, in column slices of 32 lanes for up to 3 heads at
+//! once (12 accumulators, 3 scores and one V vector fill the 16 registers). Each token is computed the
+//! same way in a prefill and alone in a decode step, as in the other kernels.
 
 use std::arch::x86_64::*;
 
