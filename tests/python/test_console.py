@@ -2,9 +2,10 @@
 headless, driven through ChromeDriver by selenium, against a real `kura serve` on the default model.
 
 The page loads with no JavaScript error and no console error; after a known workload its numbers equal
-`/metrics`; it keeps updating; the playground's second turn shows the first turn cached, and a turn the server
-refuses or never answers is shown failed and left out of the conversation; a screenshot is not blank. The summary behind it holds no token text and no tenant identity, and a tenant key sees
-nothing at all.
+`/metrics`; it keeps updating; the playground's second turn shows the first turn cached, and a turn the
+server refuses or never answers is shown failed and left out of the conversation; a screenshot is not
+blank. The summary behind it holds no token text and no tenant identity, and a tenant key sees nothing at
+all.
 """
 
 import io
@@ -72,6 +73,27 @@ def no_errors(b) -> None:
     assert severe == [], severe
 
 
+def turns(b) -> list:
+    """The playground's turns as the page shows them: class, done mark, the start of the text."""
+    return b.execute_script(
+        "return Array.from(document.querySelectorAll('#pg-turns .turn'))"
+        ".map(t => [t.className, t.dataset.done || '', t.textContent.slice(0, 300)])")
+
+
+def say(b, server: KuraServer, words: str, n: int):
+    """Sends `words` in the playground and returns the n-th finished turn (answered or failed); a turn that
+    never finishes fails the test with what the page shows and the server's log."""
+    b.find_element(By.ID, "pg-input").send_keys(words)
+    b.find_element(By.ID, "pg-send").click()
+    finished = "#pg-turns .turn[data-done='1']"
+    try:
+        WebDriverWait(b, 60).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, finished)) >= n)
+    except TimeoutException:
+        pytest.fail(f"turn {n} did not finish in 60 s; the page shows {turns(b)!r}; "
+                    f"server log:\n{server.log()[-4000:]}")
+    return b.find_elements(By.CSS_SELECTOR, finished)[n - 1]
+
+
 def workload(server: KuraServer) -> None:
     """Three prompts sharing a long prefix under one salt: the second and third hit the first's blocks."""
     c = server.client()
@@ -126,27 +148,14 @@ def test_the_playground_shows_the_second_turn_cached(server, browser):
     browser.find_element(By.ID, "pg-max").clear()
     browser.find_element(By.ID, "pg-max").send_keys("24")
 
-    def say(words: str, n: int):
-        browser.find_element(By.ID, "pg-input").send_keys(words)
-        browser.find_element(By.ID, "pg-send").click()
-        # Wait for the n-th answer or for any turn the page marks failed; a timeout says what the page shows.
-        finished = ".turn.assistant[data-done='1'], .turn.error"
-        try:
-            WebDriverWait(browser, 60).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, finished)) >= n)
-        except TimeoutException:
-            pytest.fail(f"turn {n} did not finish in 60 s; the page shows {turns()!r}; "
-                        f"server log:\n{server.log()[-4000:]}")
-        errors = browser.find_elements(By.CSS_SELECTOR, ".turn.error")
-        assert not errors, f"turn {n} failed: {turns()!r}; server log:\n{server.log()[-4000:]}"
-        return browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[n - 1]
+    def answered(words: str, n: int):
+        turn = say(browser, server, words, n)
+        assert "assistant" in turn.get_attribute("class").split(), \
+            f"turn {n} failed: {turns(browser)!r}; server log:\n{server.log()[-4000:]}"
+        return turn
 
-    def turns():
-        return browser.execute_script(
-            "return Array.from(document.querySelectorAll('#pg-turns .turn'))"
-            ".map(t => [t.className, t.dataset.done || '', t.textContent.slice(0, 300)])")
-
-    first = say("Tell me about rivers and stones and lanterns in a harbor at night. " * 4, 1)
-    second = say("And what about the meadow?", 2)
+    first = answered("Tell me about rivers and stones and lanterns in a harbor at night. " * 4, 1)
+    second = answered("And what about the meadow?", 2)
     p1 = int(first.get_attribute("data-prompt"))
     cached = int(second.get_attribute("data-cached"))
     # The second turn resends the first turn's prompt and answer: every whole block of the first prompt
@@ -163,30 +172,23 @@ def test_a_failed_turn_is_shown_failed_and_left_out_of_the_conversation(browser)
         open_console(browser, s)
         conversation = "return conversation.map(m => m.role + ':' + m.content)"
 
-        def say(words: str, n: int):
-            browser.find_element(By.ID, "pg-input").send_keys(words)
-            browser.find_element(By.ID, "pg-send").click()
-            WebDriverWait(browser, 60).until(
-                lambda d: len(d.find_elements(By.CSS_SELECTOR, "#pg-turns .turn[data-done='1']")) >= n)
-            return browser.find_elements(By.CSS_SELECTOR, "#pg-turns .turn[data-done='1']")[n - 1]
-
         # A request the server refuses: the turn says why, and the conversation does not keep it.
         temp = browser.find_element(By.ID, "pg-temp")
         temp.clear()
         temp.send_keys("5")
-        refused = say("Refused?", 1)
+        refused = say(browser, s, "Refused?", 1)
         assert "error" in refused.get_attribute("class").split(), refused.get_attribute("class")
         assert "HTTP 400" in refused.text and "temperature" in refused.text, refused.text
         assert browser.execute_script(conversation) == []
         temp.clear()
         temp.send_keys("0")
-        answered = say("Hello there", 2)
+        answered = say(browser, s, "Hello there", 2)
         assert "assistant" in answered.get_attribute("class").split()
         assert [m.split(":")[0] for m in browser.execute_script(conversation)] == ["user", "assistant"]
         # The server dies: the next turn fails with the browser's network error, the page stays usable.
         s.proc.kill()
         s.proc.wait()
-        lost = say("Are you there?", 3)
+        lost = say(browser, s, "Are you there?", 3)
         assert "error" in lost.get_attribute("class").split(), lost.get_attribute("class")
         assert "Failed to fetch" in lost.text, lost.text
         assert [m.split(":")[0] for m in browser.execute_script(conversation)] == ["user", "assistant"]

@@ -391,6 +391,18 @@ pub fn encode_vector(dtype: KvDtype, x: &[f32], out: &mut [u8], scratch: &mut [f
     }
 }
 
+/// Code `i` (in `0..=15`) of an int4 group whose payload is `bytes` (⌈n/2⌉ bytes for n elements): the
+/// low nibble of byte `i`, or for the group's second part the high nibble of byte `i − ⌈n/2⌉`.
+#[inline]
+pub fn int4_code(bytes: &[u8], i: usize) -> u8 {
+    let half = bytes.len();
+    if i < half {
+        bytes[i] & 0x0F
+    } else {
+        bytes[i - half] >> 4
+    }
+}
+
 /// Decodes one stored vector into `out` (`out.len()` elements) in the stored basis: for rotated formats
 /// that is the rotated vector, which is what attention reads. [`decode_vector`] rotates it back.
 pub fn decode_stored(dtype: KvDtype, bytes: &[u8], out: &mut [f32]) {
@@ -417,10 +429,9 @@ pub fn decode_stored(dtype: KvDtype, bytes: &[u8], out: &mut [f32]) {
             KvDtype::Int4 => {
                 let min = read_f16(&sc[2..4]);
                 let half = vals.len().div_ceil(2);
+                let bytes = &payload[at..at + half];
                 for (i, o) in vals.iter_mut().enumerate() {
-                    let b = payload[at + i % half];
-                    let q = if i < half { b & 0x0F } else { b >> 4 };
-                    *o = min + s * f32::from(q);
+                    *o = min + s * f32::from(int4_code(bytes, i));
                 }
                 at += half;
             }

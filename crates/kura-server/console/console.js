@@ -267,16 +267,18 @@ async function send(userText) {
   addTurn("user", userText);
   const turn = addTurn("assistant", "");
   try {
-    await stream(turn, messages);
+    conversation.push({ role: "assistant", content: await stream(turn, messages) });
   } catch (err) {
-    // The server went away or the stream broke: this turn failed; the conversation goes on without it.
+    // The server refused it, went away or broke the stream: this turn failed; the conversation goes on
+    // without it (its user message, the last one pushed).
     turn.className = "turn error";
-    turn.querySelector(".content").textContent = String(err);
-    if (conversation.length && conversation[conversation.length - 1].role === "user") conversation.pop();
+    turn.querySelector(".content").textContent = err.message || String(err);
+    conversation.pop();
   }
   turn.dataset.done = "1";
 }
 
+// Streams the answer to `messages` into `turn` and its figures into the turn's dataset; returns its text.
 async function stream(turn, messages) {
   const body = turn.querySelector(".content");
   const started = performance.now();
@@ -289,12 +291,7 @@ async function stream(turn, messages) {
       temperature: Number($("pg-temp").value), max_tokens: Number($("pg-max").value),
     }),
   });
-  if (!r.ok) {
-    turn.className = "turn error";
-    body.textContent = "HTTP " + r.status + ": " + (await r.text());
-    conversation.pop();
-    return;
-  }
+  if (!r.ok) throw new Error("HTTP " + r.status + ": " + (await r.text()));
   const reader = r.body.getReader();
   const decoder = new TextDecoder();
   let buffered = "";
@@ -322,7 +319,6 @@ async function stream(turn, messages) {
     }
   }
   const end = performance.now();
-  conversation.push({ role: "assistant", content: reply });
   const details = (usage && usage.prompt_tokens_details) || {};
   const cached = details.cached_tokens || 0;
   const ttft = first === null ? NaN : first - started;
@@ -338,6 +334,7 @@ async function stream(turn, messages) {
   turn.dataset.prompt = String(usage ? usage.prompt_tokens : 0);
   turn.dataset.ttftMs = Number.isFinite(ttft) ? ttft.toFixed(1) : "";
   turn.dataset.miss = details.cache_miss ? details.cache_miss.reason : "";
+  return reply;
 }
 
 $("pg-form").addEventListener("submit", (e) => {

@@ -834,21 +834,13 @@ impl QuantQuery {
         for gr in 0..groups {
             let lo = gr * QUANT_GROUP;
             let n = (head_dim - lo).min(QUANT_GROUP);
-            // Byte b of the group holds element b (low nibble) and element b + half (high nibble).
             let half = n.div_ceil(2);
             let qi = &self.qi[g * head_dim + lo..g * head_dim + lo + n];
             let bytes = &row[at..at + half];
             let d: i32 = qi
                 .iter()
                 .enumerate()
-                .map(|(i, q)| {
-                    let nib = if i < half {
-                        bytes[i] & 0x0F
-                    } else {
-                        bytes[i - half] >> 4
-                    };
-                    i32::from(*q) * i32::from(nib)
-                })
+                .map(|(i, q)| i32::from(*q) * i32::from(codec::int4_code(bytes, i)))
                 .sum();
             let sc = payload + 4 * gr;
             let (sk, mk) = (codec::read_f16(&row[sc..]), codec::read_f16(&row[sc + 2..]));
