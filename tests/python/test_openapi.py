@@ -4,7 +4,8 @@
 - every field of the request schemas is placed in docs/api-fields.md (honoured, ignored or refused), and
   a real server refuses each refused field by name and accepts each ignored one;
 - responses and stream chunks of a real server validate against the specification's schemas (chat,
-  completions, models, Responses and its events, Anthropic's messages), with and without tools.
+  completions, models, Responses and its events, Anthropic's messages, the two token counts), with and
+  without tools.
 """
 
 import json
@@ -24,6 +25,8 @@ ENDPOINTS = {
     "/v1/completions": ("openai", "CreateCompletionRequest"),
     "/v1/responses": ("openai", "CreateResponse"),
     "/v1/messages": ("anthropic", "CreateMessageParams"),
+    "/v1/responses/input_tokens": ("openai", "TokenCountsBody"),
+    "/v1/messages/count_tokens": ("anthropic", "CountMessageTokensParams"),
 }
 
 # A value other than the neutral one, per field the docs refuse or ignore.
@@ -116,6 +119,8 @@ def base_body(endpoint: str, model: str) -> dict:
         "/v1/completions": {"model": model, "prompt": "Hi", "max_tokens": 2},
         "/v1/responses": {"model": model, "input": "Hi", "max_output_tokens": 2, "store": False},
         "/v1/messages": {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/responses/input_tokens": {"model": model, "input": "Hi"},
+        "/v1/messages/count_tokens": {"model": model, "messages": [{"role": "user", "content": "Hi"}]},
     }[endpoint]
 
 
@@ -215,3 +220,15 @@ def test_anthropic_messages_follow_the_specification(server, specs):
         r = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers(), timeout=60)
         assert r.status_code == 200, r.text
         valid(spec, "Message", r.json())
+        count = {k: v for k, v in body.items() if k != "max_tokens"}
+        r = httpx.post(server.url + "/v1/messages/count_tokens", json=count, headers=server.headers(), timeout=60)
+        assert r.status_code == 200, r.text
+        valid(spec, "CountMessageTokensResponse", r.json())
+
+
+def test_token_counts_follow_the_specification(server, specs):
+    r = httpx.post(server.url + "/v1/responses/input_tokens", json={"input": "Weather in Rome?", "tools": [
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]},
+        headers=server.headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    valid(specs["openai"], "TokenCountsResource", r.json())

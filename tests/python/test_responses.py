@@ -176,6 +176,44 @@ def test_stored_responses_belong_to_their_tenant(server):
         a.responses.retrieve(r.id)
 
 
+
+def test_input_tokens_count_is_the_prompt_responses_computes(server):
+    """`responses.input_tokens.count` counts what `/v1/responses` computes for the same input,
+    instructions, tools and previous response (its `usage.input_tokens`), and finds another tenant's
+    previous response no more than `create` does."""
+    a = server.client()
+    model = server.model()
+    first = a.responses.create(model=model, instructions=INSTRUCTIONS, input="Name a river.", max_output_tokens=8,
+                               temperature=0)
+    cases = [
+        dict(input="Name a mountain."),
+        dict(input="Name a mountain.", instructions=INSTRUCTIONS),
+        dict(input="Weather in Bern?", instructions=INSTRUCTIONS, tools=[WEATHER], tool_choice="required"),
+        dict(input=[{"role": "user", "content": "Go on."}], instructions=INSTRUCTIONS, previous_response_id=first.id),
+    ]
+    counts = []
+    for case in cases:
+        n = a.responses.input_tokens.count(model=model, **case)
+        assert n.object == "response.input_tokens", n
+        r = a.responses.create(model=model, max_output_tokens=1, temperature=0, store=False, **case)
+        assert n.input_tokens == r.usage.input_tokens, (case, n, r.usage)
+        counts.append(n.input_tokens)
+    assert counts[0] < counts[1] < counts[2], counts
+    assert counts[3] > first.usage.input_tokens + first.usage.output_tokens, (counts, first.usage)
+    # `model` may be left out.
+    assert a.responses.input_tokens.count(input="Name a mountain.").input_tokens == counts[0]
+    b = server.client(api_key=KEY_B)
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.input_tokens.count(model=model, input="Go on.", previous_response_id=first.id)
+    assert e.value.response.json()["error"]["param"] == "previous_response_id"
+    for extra, words in [({"max_output_tokens": 5}, "max_output_tokens is not a field of input_tokens"),
+                         ({"reasoning": {"effort": "high"}}, "no reasoning mode"),
+                         ({"model": "other-model"}, "other-model")]:
+        r = httpx.post(server.url + "/v1/responses/input_tokens", json={"input": "x", **extra},
+                       headers=server.headers())
+        assert r.status_code in (400, 404), r.text
+        assert words in r.json()["error"]["message"], r.text
+
 BAD = [
     ({"input": "x", "previous_response_id": "resp_unknown"}, 400, "previous_response_id", "was not found"),
     ({"input": "x", "truncation": "auto"}, 400, "truncation", "disabled"),

@@ -323,3 +323,52 @@ def test_anthropic_output_config_format_constrains_the_text(server):
                           extra_body={"temperature": 0, "output_config": {"format": {
                               "type": "json_schema", "schema": {"enum": ["yes", "no"]}}}})
     assert "".join(b.text for b in r.content if b.type == "text") in ('"yes"', '"no"'), r
+
+
+def test_anthropic_count_tokens_is_the_prompt_messages_computes(server):
+    """`messages.count_tokens` counts what `/v1/messages` computes for the same system prompt, messages
+    and tools (its usage's three input counts), with tools, tool turns and breakpoints too."""
+    c = claude(server)
+    model = server.model()
+    uses = [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Lima", "unit": "celsius"}}]
+    turns = [{"role": "user", "content": "Weather in Lima?"}, {"role": "assistant", "content": uses},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "19 degrees"}]}]
+    cached_system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    bodies = [
+        dict(messages=[{"role": "user", "content": "Hello"}]),
+        dict(system=SYSTEM, messages=[{"role": "user", "content": "Hello"}]),
+        dict(system=SYSTEM, tools=A_TOOLS, tool_choice={"type": "any"}, messages=[{"role": "user", "content": "Hi"}]),
+        dict(system=SYSTEM, tools=A_TOOLS, messages=turns),
+        dict(system=cached_system, messages=[{"role": "user", "content": "Hello"}]),
+    ]
+    counts = []
+    for body in bodies:
+        n = c.messages.count_tokens(model=model, **body).input_tokens
+        u = c.messages.create(model=model, max_tokens=1, extra_body={"temperature": 0}, **body).usage
+        assert n == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens, (body, n, u)
+        counts.append(n)
+    # The system prompt, the tools and the tool turns are all counted.
+    assert counts[0] < counts[1] < counts[2] < counts[3], counts
+    assert counts[4] == counts[1], counts
+    # The count is a count: it caches nothing (the next request with a new system prompt misses).
+    fresh = "A system prompt nobody has sent before. " * 10
+    c.messages.count_tokens(model=model, system=fresh, messages=[{"role": "user", "content": "Hello"}])
+    after = c.messages.create(model=model, max_tokens=1, system=fresh, messages=[{"role": "user", "content": "Hello"}],
+                              extra_body={"temperature": 0}).usage
+    assert after.cache_read_input_tokens < BLOCK * 2, after
+
+
+@pytest.mark.parametrize("extra,status,words", [
+    ({"max_tokens": 5}, 400, "max_tokens is not a field of count_tokens"),
+    ({"stream": True}, 400, "stream is not a field of count_tokens"),
+    ({"model": "no-such-model"}, 404, "no-such-model"),
+    ({"messages": []}, 400, "at least one message"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking is not supported"),
+    ({"tools": [{"name": "f"}]}, 400, "input_schema is missing"),
+])
+def test_bad_count_tokens_requests_name_the_problem(server, extra, status, words):
+    body = {"model": server.model(), "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json=body, headers=server.headers())
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["type"] == "error" and words in err["error"]["message"], err

@@ -466,6 +466,36 @@ fn number(o: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
     }
 }
 
+/// The fields of a `POST /v1/messages/count_tokens` request (Anthropic's schema allows no others).
+pub const COUNT_FIELDS: [&str; 8] = [
+    "cache_control",
+    "messages",
+    "model",
+    "output_config",
+    "system",
+    "thinking",
+    "tool_choice",
+    "tools",
+];
+
+/// A `count_tokens` request, checked as [`prepare`] checks the same fields of a Messages request: its
+/// plan's prompt ([`encode_messages`]) is the one `/v1/messages` would compute for them, whose usage
+/// (`input_tokens` + `cache_creation_input_tokens` + `cache_read_input_tokens`) is its length. A field
+/// of Messages that is not one of count_tokens' (`max_tokens`, `stream`, sampling) is refused by name.
+pub fn prepare_count(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
+    let o = value.as_object().expect("parse_json_object gives objects");
+    if let Some(k) = o.keys().find(|k| !COUNT_FIELDS.contains(&k.as_str())) {
+        return Err(invalid(format!(
+            "{k} is not a field of count_tokens (it takes {})",
+            COUNT_FIELDS.join(", ")
+        )));
+    }
+    let mut o = o.clone();
+    // The prompt does not depend on the output's length: any valid one.
+    o.insert("max_tokens".into(), json!(1));
+    prepare(&Value::Object(o), served_model)
+}
+
 pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
     for unsupported in ["thinking", "mcp_servers", "container"] {
@@ -697,6 +727,31 @@ mod tests {
 
     fn plan(body: Value) -> Result<MessagesPlan, ApiError> {
         prepare(&body, "m")
+    }
+
+    #[test]
+    fn a_count_reads_the_prompt_fields_as_messages_does_and_refuses_the_rest() {
+        let body = json!({
+            "model": "m", "system": [{"type": "text", "text": "abc", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "w", "input_schema": {"type": "object"}}],
+        });
+        let count = prepare_count(&body, "m").unwrap();
+        let mut with_max = body.clone();
+        with_max["max_tokens"] = json!(8);
+        let messages = plan(with_max).unwrap();
+        assert_eq!(count.messages, messages.messages);
+        assert_eq!(count.breakpoints, messages.breakpoints);
+        assert_eq!(count.tools, messages.tools);
+        for extra in ["max_tokens", "stream", "temperature", "cache_salt"] {
+            let mut b = body.clone();
+            b[extra] = json!(1);
+            let e = prepare_count(&b, "m").unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{extra} is not a field of count_tokens")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -251,6 +251,43 @@ fn chat_tool_choice(v: &Value) -> Value {
     }
 }
 
+/// The fields of a `POST /v1/responses/input_tokens` request (OpenAI's `TokenCountsBody`).
+pub const COUNT_FIELDS: [&str; 11] = [
+    "model",
+    "input",
+    "previous_response_id",
+    "tools",
+    "text",
+    "reasoning",
+    "truncation",
+    "instructions",
+    "conversation",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+
+/// An `input_tokens` request, checked as [`prepare`] checks the same fields of a Responses request
+/// (`model` may be left out: the served model): the prompt written from its plan is the one
+/// `/v1/responses` would compute, whose `usage.input_tokens` is its length. A field of Responses that is
+/// not one of input_tokens' (`max_output_tokens`, `stream`, sampling, `store`) is refused by name.
+pub fn prepare_count(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
+    let o = value.as_object().expect("parse_json_object gives objects");
+    if let Some(k) = o.keys().find(|k| !COUNT_FIELDS.contains(&k.as_str())) {
+        return Err(ApiError::invalid(
+            format!(
+                "{k} is not a field of input_tokens (it takes {})",
+                COUNT_FIELDS.join(", ")
+            ),
+            None,
+        ));
+    }
+    let mut o = o.clone();
+    if o.get("model").is_none_or(Value::is_null) {
+        o.insert("model".into(), Value::String(ctx.served_model.to_string()));
+    }
+    prepare(&Value::Object(o), ctx)
+}
+
 /// Checks a `/v1/responses` body (already known to be one JSON object).
 pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
@@ -526,6 +563,34 @@ mod tests {
         served_model: "m",
         priority_scheduling: false,
     };
+
+    #[test]
+    fn a_count_reads_the_prompt_fields_as_create_does_and_refuses_the_rest() {
+        let v = json!({"input": "Hi", "instructions": "Be brief.",
+                       "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}]});
+        let count = prepare_count(&v, CTX).unwrap();
+        let mut with_model = v.clone();
+        with_model["model"] = json!("m");
+        let create = prepare(&with_model, CTX).unwrap();
+        assert_eq!(count.input, create.input);
+        assert_eq!(count.instructions, create.instructions);
+        assert_eq!(count.tools, create.tools);
+        for extra in ["max_output_tokens", "stream", "store", "temperature"] {
+            let mut v = v.clone();
+            v[extra] = json!(1);
+            let e = prepare_count(&v, CTX).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{extra} is not a field of input_tokens")),
+                "{e}"
+            );
+        }
+        let mut other = v.clone();
+        other["model"] = json!("other");
+        assert_eq!(
+            prepare_count(&other, CTX).unwrap_err().status().as_u16(),
+            404
+        );
+    }
 
     #[test]
     fn items_become_turns() {

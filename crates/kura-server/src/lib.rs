@@ -231,7 +231,9 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route(
             "/v1/responses/{id}",
             get(responses::get).delete(responses::delete),

@@ -1,5 +1,5 @@
 //! `POST /v1/messages`: Anthropic's Messages API over the same engine, with `cache_control`
-//! breakpoints.
+//! breakpoints; `POST /v1/messages/count_tokens`: the length of the prompt it would compute.
 //!
 //! A request's `system` (a string or text blocks) and `messages` (text blocks) become chat messages for
 //! the model's template. A block with `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` is a
@@ -21,7 +21,9 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::Stream;
-use kura_api::anthropic::{anthropic_body, encode_messages, prepare, AnthropicError};
+use kura_api::anthropic::{
+    anthropic_body, encode_messages, prepare, prepare_count, AnthropicError,
+};
 use kura_api::body;
 use kura_api::tools::ToolFormat;
 use kura_api::{effective_salt, ApiError, Tenant};
@@ -135,6 +137,28 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     )
     .await?;
     Ok((StatusCode::OK, Json(body)).into_response())
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": n}`, the length of the prompt `/v1/messages`
+/// would compute for the same system prompt, messages and tools (its usage's three input counts add
+/// up to it). Nothing runs on the engine and nothing is cached; errors in Anthropic's shape.
+pub async fn count_tokens(State(s): State<AppState>, req: Request) -> Response {
+    let count = async {
+        body::check_json_content_type(req.headers())?;
+        let bytes = body::read_body(req, &s, s.body_timeout, s.max_body_bytes).await?;
+        let value = body::parse_json_object(&bytes)?;
+        drop(bytes);
+        let plan = prepare_count(&value, &s.engine.info().model_name)?;
+        drop(value);
+        let codec = s.engine.codec().clone();
+        let (tokens, _) =
+            handlers::off_the_workers(move || encode_messages(codec.as_ref(), &plan, None)).await?;
+        Ok::<_, ApiError>(Json(json!({"input_tokens": tokens.len()})).into_response())
+    };
+    match count.await {
+        Ok(r) => r,
+        Err(e) => AnthropicError(e).into_response(),
+    }
 }
 
 /// Anthropic's usage object of an engine usage.

@@ -1,5 +1,6 @@
 //! `POST /v1/responses`, `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`: OpenAI's Responses API
-//! over the same engine (request reading is `kura_api::responses`).
+//! over the same engine (request reading is `kura_api::responses`); `POST /v1/responses/input_tokens`:
+//! the length of the prompt a request would have.
 //!
 //! A stored response (`store`, the default) keeps its conversation — the turns before it, its input and
 //! its output, without `instructions` — so that a request naming it as `previous_response_id` continues
@@ -28,7 +29,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::Stream;
-use kura_api::responses::prepare;
+use kura_api::responses::{prepare, prepare_count, ResponsesPlan};
 use kura_api::tools::{
     check_tool_turns_named, encode_chat_prompt, template_call, ToolFormat, TurnNames,
 };
@@ -365,17 +366,16 @@ fn for_responses(e: ApiError) -> ApiError {
         .rename_param("messages", "input")
 }
 
-pub async fn create(
-    State(s): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-    JsonBody(value): JsonBody,
-) -> Result<Response, ApiError> {
-    let info = s.engine.info().clone();
-    let plan = prepare(&value, s.ctx())?;
-    drop(value);
-    let owner = effective_salt(&tenant, None);
+/// The turns a response continues from (its previous response's conversation, then its `input`) and
+/// the messages its prompt is written from (`instructions` first), the tool turns of `input` checked.
+/// A previous response of another tenant is not found.
+fn turns_of(
+    s: &AppState,
+    owner: &Option<String>,
+    plan: &ResponsesPlan,
+) -> Result<(Vec<ChatMessage>, Vec<ChatMessage>), ApiError> {
     let mut conversation = match &plan.previous_response_id {
-        Some(id) => match s.responses.get(id, &owner) {
+        Some(id) => match s.responses.get(id, owner) {
             Some(Found::Done(prev)) => prev.conversation.clone(),
             Some(Found::InProgress(_)) => {
                 return Err(ApiError::invalid(
@@ -415,6 +415,41 @@ pub async fn create(
             param: "input",
         },
     )?;
+    Ok((conversation, messages))
+}
+
+/// `POST /v1/responses/input_tokens`: `{"object": "response.input_tokens", "input_tokens": n}`, the
+/// length of the prompt `/v1/responses` would compute for the same input, instructions, previous
+/// response and tools (its `usage.input_tokens`). Nothing runs on the engine and nothing is cached.
+pub async fn input_tokens(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(value): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let plan = prepare_count(&value, s.ctx())?;
+    drop(value);
+    let owner = effective_salt(&tenant, None);
+    let (_, messages) = turns_of(&s, &owner, &plan)?;
+    let (codec, tools) = (s.engine.codec().clone(), plan.tools);
+    let tokens =
+        off_the_workers(move || encode_chat_prompt(codec.as_ref(), messages, tools.as_ref()))
+            .await
+            .map_err(for_responses)?;
+    Ok(Json(
+        json!({"object": "response.input_tokens", "input_tokens": tokens.len()}),
+    ))
+}
+
+pub async fn create(
+    State(s): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(value): JsonBody,
+) -> Result<Response, ApiError> {
+    let info = s.engine.info().clone();
+    let plan = prepare(&value, s.ctx())?;
+    drop(value);
+    let owner = effective_salt(&tenant, None);
+    let (conversation, messages) = turns_of(&s, &owner, &plan)?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
