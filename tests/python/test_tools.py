@@ -73,6 +73,29 @@ def test_required_and_named_calls_parse_and_validate(server):
                 assert {t.function.name for t in ch.message.tool_calls} == {"get_time"}
 
 
+def test_a_named_function_is_called_exactly_once(server):
+    """OpenAI's forced function is one call of it, even with `parallel_tool_calls` (by default true):
+    a question that asks for two cities still gets one call (chat and Responses alike)."""
+    c = server.client()
+    model = server.model()
+    msgs = ask("What is the weather in Paris and in Rome?")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        for parallel in (None, True):
+            extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+            r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=300,
+                                          temperature=1, seed=seed, **extra)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+            check_calls(ch.message.tool_calls)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = c.responses.create(model=model, input="What is the weather in Paris and in Rome?", tools=tools,
+                           tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=300,
+                           temperature=0, store=False)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather", r.output
+
+
 def test_streamed_calls_arrive_as_openai_streams_them(server):
     c = server.client()
     model = server.model()

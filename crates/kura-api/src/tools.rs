@@ -32,7 +32,8 @@ pub enum ToolChoice {
 pub struct ToolPlan {
     pub tools: Vec<ToolDef>,
     pub choice: ToolChoice,
-    /// More than one call per turn allowed (`parallel_tool_calls`, default true).
+    /// More than one call per turn allowed (`parallel_tool_calls`, default true; never with OpenAI's
+    /// named function, which is one call).
     pub parallel: bool,
 }
 
@@ -220,10 +221,13 @@ pub fn openai_tools(
     if defs.is_empty() {
         return Ok(None);
     }
+    // OpenAI's forced function is "exactly one call of that function", whatever
+    // `parallel_tool_calls` says (as vLLM serves it too).
+    let parallel = !matches!(choice, ToolChoice::Named(_)) && parallel.unwrap_or(true);
     Ok(Some(ToolPlan {
         tools: defs,
         choice,
-        parallel: parallel.unwrap_or(true),
+        parallel,
     }))
 }
 
