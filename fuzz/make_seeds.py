@@ -301,6 +301,14 @@ write("messages_json", "tools", json.dumps({
                                                "cache_control": {"type": "ephemeral"}},
                                               {"type": "text", "text": "And tomorrow?"}]}]}))
 
+# A count_tokens body (no max_tokens): read by prepare_count as well as refused by prepare.
+write("messages_json", "count-tokens", json.dumps({
+    "model": "model", "cache_control": {"type": "ephemeral"},
+    "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+    "tools": [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+    "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": {"type": "disabled"},
+    "messages": [{"role": "user", "content": "Weather?"}]}))
+
 # responses_json: Responses bodies.
 write("responses_json", "items-and-tools", json.dumps({
     "model": "model", "instructions": "Be brief.", "max_output_tokens": 32, "store": True,
@@ -316,6 +324,13 @@ write("responses_json", "text-format", json.dumps({
     "model": "model", "input": "A person.", "stream": True, "truncation": "disabled", "include": [],
     "text": {"format": {"type": "json_schema", "name": "p", "strict": True,
                         "schema": {"type": "object", "properties": {"age": {"type": "integer"}}}}}}))
+
+# An input_tokens body: only the fields a token count takes, `model` left out.
+write("responses_json", "input-tokens", json.dumps({
+    "instructions": "Be brief.", "previous_response_id": "resp_1", "truncation": "disabled",
+    "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+    "tool_choice": "required", "parallel_tool_calls": True, "reasoning": {"effort": None},
+    "text": {"format": {"type": "json_object"}}, "input": [{"role": "user", "content": "Weather?"}]}))
 
 # block_record: 8 bytes of block seed, a damage byte, then the payload or the (position, value) triples.
 for name, seed, damage, rest in [("intact-overwrites", 7, 0, bytes(range(60))),

@@ -61,6 +61,8 @@ pub fn fuzz_responses(body: &[u8]) -> Result<(), ApiError> {
         served_model: "model",
         priority_scheduling: false,
     };
+    // The same body read as a token count (`/v1/responses/input_tokens`), which refuses other fields.
+    let _ = responses::prepare_count(&value, ctx);
     let plan = responses::prepare(&value, ctx)?;
     tools::check_tool_turns(&plan.input)?;
     let _ = tools::fallback_messages(plan.input, plan.tools.as_ref());
@@ -71,5 +73,7 @@ pub fn fuzz_responses(body: &[u8]) -> Result<(), ApiError> {
 /// never panics, whatever the bytes.
 pub fn fuzz_messages(body: &[u8]) -> Result<(), ApiError> {
     let value = body::parse_json_object(body)?;
+    // The same body read as a token count (`/v1/messages/count_tokens`), which refuses other fields.
+    let _ = anthropic::prepare_count(&value, "model");
     anthropic::prepare(&value, "model").map(drop)
 }
