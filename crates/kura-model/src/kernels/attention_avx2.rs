@@ -60,6 +60,18 @@ pub(super) trait Lanes8: KvRow {
     /// avx2 and f16c are present; a whole row of a head size the kernel takes is readable at `row`,
     /// `8c` is below that head size, and `s` is [`Lanes8::group`] of that row's params at `c`.
     unsafe fn load8(row: *const Self::Unit, c: usize, s: &Self::Group) -> __m256;
+    /// Elements `8c..8c + 8` before the scale of [`KvRow::single_scale`] (rows of one group that
+    /// have one).
+    ///
+    /// # Safety
+    /// As [`Lanes8::load8`].
+    unsafe fn load8_unscaled(_row: *const Self::Unit, _c: usize) -> __m256 {
+        unreachable!("only rows with a single scale are read unscaled")
+    }
+    /// Whether keys are widened into the tile in L1 before their scores, whatever the group of query
+    /// heads: a format whose widening needs registers of its own (fp8's mask), which beside the 12
+    /// accumulators of 3 heads × 4 keys would spill them to the stack in the loop.
+    const WIDEN_KEYS: bool = false;
 }
 
 impl Lanes8 for f32 {
@@ -112,7 +124,7 @@ unsafe fn bytes8(row: *const u8, c: usize) -> __m128i {
 /// A one-byte format (int8, fp8): its lanes are the raw values (`$raw`, of the 8 payload bytes `$b`)
 /// times their group's scale.
 macro_rules! byte_lanes {
-    ($row:ident, |$b:ident| $raw:expr) => {
+    ($row:ident, $widen:expr, |$b:ident| $raw:expr) => {
         impl Lanes8 for $row {
             type Group = __m256;
             #[inline(always)]
@@ -124,20 +136,28 @@ macro_rules! byte_lanes {
             #[inline(always)]
             unsafe fn load8(row: *const u8, c: usize, scale: &__m256) -> __m256 {
                 // SAFETY: the caller's guarantee.
+                unsafe { _mm256_mul_ps(Self::load8_unscaled(row, c), *scale) }
+            }
+            #[inline(always)]
+            unsafe fn load8_unscaled(row: *const u8, c: usize) -> __m256 {
+                // SAFETY: the caller's guarantee.
                 unsafe {
                     let $b = bytes8(row, c);
-                    _mm256_mul_ps($raw, *scale)
+                    $raw
                 }
             }
+            const WIDEN_KEYS: bool = $widen;
         }
     };
 }
 
-byte_lanes!(Int8Row, |b| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+byte_lanes!(Int8Row, false, |b| _mm256_cvtepi32_ps(
+    _mm256_cvtepi8_epi32(b)
+));
 // As the AVX-512 kernel reads e4m3: each byte s eeee mmm becomes the f16 s 0eeee mmm0000000, its
 // exponent 8 short, 2^8 in the scale. Here in three steps: the byte into the high half of a 16-bit lane
 // (s eeee mmm 00000000), an arithmetic shift right by one (s s eeee mmm 0000000), bit 14 cleared.
-byte_lanes!(Fp8Row, |b| {
+byte_lanes!(Fp8Row, true, |b| {
     let hi = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
     let h = _mm_and_si128(_mm_srai_epi16::<1>(hi), _mm_set1_epi16(0xBFFFu16 as i16));
     _mm256_cvtph_ps(h)
@@ -563,10 +583,11 @@ pub(super) unsafe fn attend<'a, R: Lanes8 + 'a>(
     let chunks = head_dim / 8;
     let n_ctx = pos + 1 - lo;
     let ru = kv.vector_units();
-    // Up to 3 query heads read each key once, so a key is widened inside the product; a larger group
-    // widens 8 keys into a tile in L1 first, which each pass of 3 heads then reads (the scratch's tail).
+    // Up to 3 query heads read each key once, so a key is widened inside the product; a larger group,
+    // or a format that widens keys first (fp8), widens 8 keys into a tile in L1 first, which each pass
+    // of 3 heads then reads (the scratch's tail).
     // Int8 and int4 keys are read as they are stored, by integer products.
-    let direct = group <= 3 || R::INTEGER_SCORES;
+    let direct = (group <= 3 && !R::WIDEN_KEYS) || R::INTEGER_SCORES;
     let tile_len = if direct { 0 } else { 8 * head_dim };
     // Every tile row, like every score, is written before it is read.
     super::fit(scratch, group * n_ctx + tile_len);
@@ -698,6 +719,7 @@ unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
     let mut acc = [[_mm256_setzero_ps(); W]; G];
     let ru = kv.vector_units();
     let prefetch = g0 == 0 && c0 == 0;
+    let one_group = head_dim == QUANT_GROUP;
     assert!(scores.len() >= (g0 + G) * n_ctx);
     for (block, first, last, at, next) in spans(seq, kv.block_size_tokens, lo, pos) {
         let v = R::typed(kv.v_head_block(block, kvh));
@@ -717,13 +739,32 @@ unsafe fn pv<'a, R: Lanes8 + 'a, const G: usize, const W: usize>(
                 if let Some(nv) = next_v {
                     prefetch_row(nv.wrapping_add((first + i) * ru), ru);
                 }
-                // Lanes 8c0.. of at most 4 vectors (c0 a multiple of 4) lie in one group.
-                let sg = R::group(&R::params(vp, head_dim), c0);
-                let p: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*sp[g].add(i)));
-                for c in 0..W {
-                    let x = R::load8(vp, c0 + c, &sg);
-                    for (ag, pg) in acc.iter_mut().zip(&p) {
-                        ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
+                let pr = R::params(vp, head_dim);
+                match R::single_scale(&pr).filter(|_| one_group) {
+                    // A row with one scale (int8, fp8 at head size 64) is read unscaled and its
+                    // scale goes into each head's weight: one multiply a head instead of one a lane
+                    // vector, and no register for the scale.
+                    Some(scale) => {
+                        let p: [__m256; G] =
+                            std::array::from_fn(|g| _mm256_set1_ps(*sp[g].add(i) * scale));
+                        for c in 0..W {
+                            let x = R::load8_unscaled(vp, c0 + c);
+                            for (ag, pg) in acc.iter_mut().zip(&p) {
+                                ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
+                            }
+                        }
+                    }
+                    None => {
+                        // Lanes 8c0.. of at most 4 vectors (c0 a multiple of 4) lie in one group.
+                        let sg = R::group(&pr, c0);
+                        let p: [__m256; G] =
+                            std::array::from_fn(|g| _mm256_broadcast_ss(&*sp[g].add(i)));
+                        for c in 0..W {
+                            let x = R::load8(vp, c0 + c, &sg);
+                            for (ag, pg) in acc.iter_mut().zip(&p) {
+                                ag[c] = _mm256_fmadd_ps(*pg, x, ag[c]);
+                            }
+                        }
                     }
                 }
                 vp = vp.add(ru);
