@@ -59,12 +59,26 @@ pub(crate) fn numerics_of(
         dot::Isa::Avx512 => 3,
     };
     let mut bytes = vec![isa_code, u8::from(vnni), u8::from(bf16_pairs)];
-    bytes.extend(
-        layout
-            .layers
-            .iter()
-            .map(|l| attention::attention_kernel(isa, vnni, layout.dtype, l.head_dim).code()),
-    );
+    let kernels: Vec<attention::AttnKernel> = layout
+        .layers
+        .iter()
+        .map(|l| attention::attention_kernel(isa, vnni, layout.dtype, l.head_dim))
+        .collect();
+    bytes.extend(kernels.iter().map(|k| k.code()));
+    // Revision 1 of the AVX2 kernel: an int8 or fp8 V row of one scale (head size 64) is read unscaled
+    // and its scale folded into the weights, which gives other bits than before; blocks computed before
+    // are foreign. Every other layout keeps its numerics (and its cached blocks).
+    let folds = layout.layers.iter().zip(&kernels).any(|(l, k)| {
+        *k == attention::AttnKernel::Avx2
+            && matches!(
+                layout.dtype,
+                kura_kv::codec::KvDtype::Int8 | kura_kv::codec::KvDtype::Fp8
+            )
+            && l.head_dim == kura_kv::codec::QUANT_GROUP
+    });
+    if folds {
+        bytes.push(1);
+    }
     xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
@@ -136,6 +150,36 @@ mod tests {
         assert_ne!(
             numerics_of(Isa::Avx512, true, false, &int8),
             numerics_of(Isa::Avx512, false, false, &int8)
+        );
+    }
+
+    #[test]
+    fn the_avx2_kernels_scale_folding_is_its_revision_1() {
+        let layout = |dtype, dim| KvLayout::new(vec![LayerKv::full(1, dim); 3], dtype, 16).unwrap();
+        // ISA, VNNI, bf16 pairs, then each layer's kernel (2: AVX2), as before the revision.
+        let before = xxhash_rust::xxh3::xxh3_128(&[2, 0, 0, 2, 2, 2]);
+        let revised = xxhash_rust::xxh3::xxh3_128(&[2, 0, 0, 2, 2, 2, 1]);
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            assert_eq!(
+                numerics_of(Isa::Avx2Fma, false, false, &layout(dtype, 64)),
+                revised
+            );
+            // Several scales a row: read as before.
+            assert_eq!(
+                numerics_of(Isa::Avx2Fma, false, false, &layout(dtype, 128)),
+                before
+            );
+        }
+        for dtype in [KvDtype::Bf16, KvDtype::Int4] {
+            assert_eq!(
+                numerics_of(Isa::Avx2Fma, false, false, &layout(dtype, 64)),
+                before
+            );
+        }
+        // An AVX-512 CPU without VNNI runs int8 on the AVX2 kernel too.
+        assert_eq!(
+            numerics_of(Isa::Avx512, false, true, &layout(KvDtype::Int8, 64)),
+            xxhash_rust::xxh3::xxh3_128(&[3, 0, 1, 2, 2, 2, 1])
         );
     }
 }
