@@ -484,12 +484,7 @@ pub const COUNT_FIELDS: [&str; 8] = [
 /// of Messages that is not one of count_tokens' (`max_tokens`, `stream`, sampling) is refused by name.
 pub fn prepare_count(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
-    if let Some(k) = o.keys().find(|k| !COUNT_FIELDS.contains(&k.as_str())) {
-        return Err(invalid(format!(
-            "{k} is not a field of count_tokens (it takes {})",
-            COUNT_FIELDS.join(", ")
-        )));
-    }
+    crate::body::only_fields(o, &COUNT_FIELDS, "count_tokens")?;
     let mut o = o.clone();
     // The prompt does not depend on the output's length: any valid one.
     o.insert("max_tokens".into(), json!(1));

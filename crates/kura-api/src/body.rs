@@ -122,6 +122,25 @@ pub fn from_value<T: DeserializeOwned>(value: &serde_json::Value) -> Result<T, A
     serde_path_to_error::deserialize(value).map_err(parse_error)
 }
 
+/// Refuses a body field outside `fields`, naming it and what `request` takes (a request whose schema
+/// allows no other field).
+pub fn only_fields(
+    body: &serde_json::Map<String, serde_json::Value>,
+    fields: &[&str],
+    request: &str,
+) -> Result<(), ApiError> {
+    match body.keys().find(|k| !fields.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(
+            format!(
+                "{k} is not a field of {request} (it takes {})",
+                fields.join(", ")
+            ),
+            None,
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Exactly one JSON object, with nothing but white space after it.
 pub fn parse_json_object(bytes: &[u8]) -> Result<serde_json::Value, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);

@@ -272,15 +272,7 @@ pub const COUNT_FIELDS: [&str; 11] = [
 /// not one of input_tokens' (`max_output_tokens`, `stream`, sampling, `store`) is refused by name.
 pub fn prepare_count(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
-    if let Some(k) = o.keys().find(|k| !COUNT_FIELDS.contains(&k.as_str())) {
-        return Err(ApiError::invalid(
-            format!(
-                "{k} is not a field of input_tokens (it takes {})",
-                COUNT_FIELDS.join(", ")
-            ),
-            None,
-        ));
-    }
+    crate::body::only_fields(o, &COUNT_FIELDS, "input_tokens")?;
     let mut o = o.clone();
     if o.get("model").is_none_or(Value::is_null) {
         o.insert("model".into(), Value::String(ctx.served_model.to_string()));
