@@ -93,6 +93,12 @@ for r in itl:
           f"({r['copy_ms']:.1f} ms of copies): {r['step_ms_alone']:.2f} ms alone, {r['step_ms_beside_loads']:.2f} ms "
           f"beside the copies (max {r['step_ms_beside_loads_max']:.2f}), {r['step_ms_with_loading_request']:.2f} ms "
           f"for the step that holds the loading request too")
+for r in [json.loads(l) for l in open(sys.argv[1]) if '"itl_after_swap_out"' in l and l.startswith("{")]:
+    print()
+    print(f"Batch-{r['batch']} decode steps right after a {r['swapped_tokens']:,}-token sequence is swapped out to "
+          f"the host tier ({r['store_ms']:.1f} ms of copies): {r['step_ms_alone']:.2f} ms alone, "
+          f"{r['step_ms_after_stores']:.2f} ms right after the stores start, {r['step_ms_reusing_first_stored']:.2f} ms "
+          f"for the step that also writes the block stored first")
 for r in [json.loads(l) for l in open(sys.argv[1]) if '"tuning"' in l and l.startswith("{")]:
     print()
     def timed(items, key):

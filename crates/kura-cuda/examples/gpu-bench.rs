@@ -622,6 +622,22 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             )),
         }
     }
+    // The same steps right after a 16,384-token sequence is swapped out to the host tier.
+    if pinned_ok {
+        match itl_after_swap_out(
+            &mut gpu,
+            &mut host,
+            &tables,
+            &mut last,
+            ctx + steps - 1,
+            len,
+        ) {
+            Ok(line) => report.figure(line)?,
+            Err(e) => failed.push(format!(
+                "the steps after a swap-out to the host tier (itl_after_swap_out): {e}"
+            )),
+        }
+    }
     let all = format!("[{}]", report.figures.join(","));
     report.line(&all)?;
     let mut profile = || -> Result<(), Box<dyn Error>> {
@@ -938,20 +954,8 @@ fn itl_while_loading(
     }
     let load_table: Vec<u32> = (first..first + nb as u32 + 1).collect();
     let batch = tables.len();
-    let step = |gpu: &mut CudaExecutor,
-                last: &mut Vec<u32>,
-                extra: Option<SeqInput<'_>>|
-     -> Result<f64, Box<dyn Error>> {
-        let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
-        let mut items: Vec<SeqInput<'_>> = (0..batch)
-            .map(|i| SeqInput::new(&toks[i], pos, &tables[i]))
-            .collect();
-        items.extend(extra);
-        let t = Instant::now();
-        let ids = gpu.forward_greedy(&items)?;
-        let ms = t.elapsed().as_secs_f64() * 1e3;
-        *last = ids[..batch].to_vec();
-        Ok(ms)
+    let step = |gpu: &mut CudaExecutor, last: &mut Vec<u32>, extra: Option<SeqInput<'_>>| {
+        batch_step(gpu, tables, last, pos, extra)
     };
     let start_loads = |gpu: &mut CudaExecutor| -> Result<(), Box<dyn Error>> {
         for (b, &dst) in load_table[..nb].iter().enumerate() {
@@ -995,6 +999,96 @@ fn itl_while_loading(
         median(beside),
         median(beside_max),
         median(with_request)
+    ))
+}
+
+/// One decode step of a batch (`tables`, each sequence's next token in `last`, at position `pos`), with
+/// `extra` in the same step: its time in ms (the host's, token ids read back); `last` becomes the batch's
+/// next tokens.
+fn batch_step(
+    gpu: &mut CudaExecutor,
+    tables: &[Vec<u32>],
+    last: &mut Vec<u32>,
+    pos: usize,
+    extra: Option<SeqInput<'_>>,
+) -> Result<f64, Box<dyn Error>> {
+    let batch = tables.len();
+    let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
+    let mut items: Vec<SeqInput<'_>> = (0..batch)
+        .map(|i| SeqInput::new(&toks[i], pos, &tables[i]))
+        .collect();
+    items.extend(extra);
+    let t = Instant::now();
+    let ids = gpu.forward_greedy(&items)?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    *last = ids[..batch].to_vec();
+    Ok(ms)
+}
+
+/// Inter-token latency of a decoding batch (as [`itl_while_loading`]) right after a swap-out: stores of
+/// the `host.len() / block_bytes` blocks after the batch's (a 16,384-token sequence) into the pinned host
+/// tier, started tail first as the engine asks for them, then at once a step of the batch, which writes
+/// none of them; and the same with the step also writing the block stored first (as the step that
+/// reuses the first block the pool evicts does). Each against the copies' time (the host fence after
+/// starting them) and the step alone. Medians of 3. One JSON line.
+fn itl_after_swap_out(
+    gpu: &mut CudaExecutor,
+    host: &mut [u8],
+    tables: &[Vec<u32>],
+    last: &mut Vec<u32>,
+    pos: usize,
+    len: &Lengths,
+) -> Result<String, Box<dyn Error>> {
+    use kura_engine::Executor;
+    let block_bytes = Executor::block_bytes(gpu);
+    let nb = host.len() / block_bytes;
+    let first = tables.iter().flatten().max().map_or(0, |b| b + 1);
+    if nb == 0 || first as usize + nb > gpu.num_blocks() {
+        return Err("the pool has no room for the swapped-out sequence beside the batch".into());
+    }
+    // Tail first, each block into its own slot.
+    let start_stores = |gpu: &mut CudaExecutor, host: &mut [u8]| -> Result<(), Box<dyn Error>> {
+        for (b, slot) in host.chunks_exact_mut(block_bytes).enumerate().rev() {
+            if !gpu.try_start_export(first + b as u32, slot)? {
+                return Err("a store into pinned memory was not started".into());
+            }
+        }
+        Ok(())
+    };
+    let stored_first = first + nb as u32 - 1;
+    let mut saved = vec![0u8; block_bytes];
+    gpu.try_export_block(stored_first, &mut saved)?;
+    let alone: Vec<f64> = (0..len.runs(10))
+        .map(|_| batch_step(gpu, tables, last, pos, None))
+        .collect::<Result<_, _>>()?;
+    let reuse_tok = [last[0]];
+    let reuse_table = [stored_first];
+    let (mut copy, mut after, mut reusing) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..len.runs(3) {
+        let t = Instant::now();
+        start_stores(gpu, host)?;
+        gpu.try_stores_fence()?;
+        copy.push(t.elapsed().as_secs_f64() * 1e3);
+        start_stores(gpu, host)?;
+        after.push(batch_step(gpu, tables, last, pos, None)?);
+        gpu.try_stores_fence()?;
+        start_stores(gpu, host)?;
+        let extra = SeqInput::new(&reuse_tok, 0, &reuse_table);
+        reusing.push(batch_step(gpu, tables, last, pos, Some(extra))?);
+        gpu.try_stores_fence()?;
+        // The block the step wrote, as it was (its store holds it).
+        gpu.try_import_block(stored_first, &saved)?;
+    }
+    Ok(format!(
+        "{{\"peer\":\"kura\",\"what\":\"itl_after_swap_out\",\"batch\":{},\"swapped_tokens\":{},\
+         \"store_ms\":{:.2},\"step_ms_alone\":{:.2},\"step_ms_after_stores\":{:.2},\
+         \"step_ms_reusing_first_stored\":{:.2}}}",
+        tables.len(),
+        nb * 16,
+        median(copy),
+        median(alone),
+        median(after),
+        median(reusing)
     ))
 }
 

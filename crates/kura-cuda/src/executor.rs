@@ -25,6 +25,7 @@ use crate::error::{CudaError, Result};
 use crate::weights::DevWeights;
 
 mod load_order;
+mod store_order;
 mod transfers;
 mod tuning;
 use transfers::HostLoads;
@@ -1014,10 +1015,15 @@ impl CudaExecutor {
     fn run(&mut self, batch: &[SeqInput<'_>], every: bool) -> Result<StepPlan> {
         let plan = plan_step(batch, self.limits())?;
         self.dev.ctx.bind_to_thread()?;
-        // A step writes the pool: after the stores that read it. Loads started since the last step go
-        // out now; a step that reads one of their blocks waits for each layer's bytes before that
-        // layer's attention.
-        self.after_stores()?;
+        // A step writes its new tokens' blocks: after the stores that read them. Loads started since
+        // the last step go out now; a step that reads one of their blocks waits for each layer's bytes
+        // before that layer's attention.
+        self.after_stores_of(store_order::blocks_written(
+            batch
+                .iter()
+                .map(|s| (s.start_pos, s.tokens.len(), s.block_table)),
+            self.shape.block_size as usize,
+        ))?;
         self.issue_imports()?;
         let wait = self.imports_read_by(batch);
         let c = &self.cfg;
@@ -1637,7 +1643,7 @@ impl CudaExecutor {
     pub fn try_copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize) -> Result<()> {
         let (s, d) = (self.check_block(src)?, self.check_block(dst)?);
         self.dev.ctx.bind_to_thread()?;
-        self.after_stores()?;
+        self.after_stores_of([dst])?;
         self.after_imports_of(&[src, dst])?;
         let bs = self.shape.block_size as usize;
         if num_tokens > bs {
@@ -1686,7 +1692,7 @@ impl CudaExecutor {
     pub fn try_import_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
         let b = self.check_block_bytes(block, bytes.len())?;
         self.dev.ctx.bind_to_thread()?;
-        self.after_stores()?;
+        self.after_stores_of([block])?;
         self.after_imports_of(&[block])?;
         let at = b * self.block_bytes;
         let mut view = self.pool.slice_mut(at..at + self.block_bytes);

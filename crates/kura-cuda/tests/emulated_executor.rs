@@ -748,6 +748,15 @@ fn host_tier_loads_and_stores_through_pinned_memory_arrive_byte_for_byte_and_in_
 }
 
 #[test]
+fn a_host_tier_store_holds_back_only_the_work_that_writes_its_block() {
+    // The stand-in runs a stream's work only when something waits for it: the host slots show which
+    // stores the device waited for.
+    let _turn = emulated();
+    let gpu = exec(KvDtype::Bf16, 16, 8);
+    scenarios::stores_wait_only_for_their_blocks_writers(gpu, &prompt(40, 6), 16, true);
+}
+
+#[test]
 fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
     // The stand-in runs a stream's work only when the host waits for it: a step that did not wait for
     // a layer's copies would read the junk in their blocks, whatever the padding behind them.
@@ -1214,6 +1223,17 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
         ms(itl[0], key);
     }
     assert_eq!(itl[0]["prefix_tokens"], 512);
+    let swap = with("itl_after_swap_out");
+    assert_eq!(swap.len(), 1);
+    for key in [
+        "store_ms",
+        "step_ms_alone",
+        "step_ms_after_stores",
+        "step_ms_reusing_first_stored",
+    ] {
+        ms(swap[0], key);
+    }
+    assert_eq!(swap[0]["swapped_tokens"], 512);
 
     // The line of all: every figure printed before it, in order.
     let all = lines

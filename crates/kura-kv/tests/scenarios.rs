@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use kura_kv::hash::BlockHasher;
 use kura_kv::{
     BlockCopy, CacheKey, EvictedBlock, EvictionHook, EvictionPolicy, KvCacheConfig, KvCacheManager,
-    KvError, KvEvent, RetentionRange, SeqId,
+    KvError, KvEvent, OffloadPolicy, RetentionRange, SeqId, TierConfig, TierMove,
 };
 
 const BS: usize = 4;
@@ -553,6 +553,48 @@ fn the_eviction_hook_sees_each_evicted_block_with_its_tokens() {
     assert!(seen[0].2);
     assert_eq!(seen[1].1, toks(0..4));
     assert!(!seen[1].2, "a root has no parent hash");
+}
+
+#[test]
+fn a_swapped_out_sequence_is_stored_in_the_order_the_pool_reuses_its_blocks() {
+    // An executor copies stores in order on a stream of its own (the GPU's), and work that writes a
+    // block waits for its store and every store before it: the block the pool hands on first must be
+    // the one stored first, or the first step after a swap-out waits for the whole sequence's copies.
+    let mut kv = manager_with(4, |c| {
+        c.tiers = TierConfig {
+            host_blocks: 8,
+            disk_blocks: 0,
+            policy: OffloadPolicy::WriteBack,
+        }
+    });
+    let key = CacheKey::new();
+    let seq = run(&mut kv, &key, &toks(0..16), false);
+    let table = kv.block_table(seq).unwrap().to_vec();
+    assert_eq!(kv.swap_out(seq).unwrap(), 4);
+    let stored: Vec<u32> = kv
+        .drain_tier_moves()
+        .map(|m| match m {
+            TierMove::Demote { block, .. } => block,
+            other => panic!("a swap-out into an empty host tier only stores: {other:?}"),
+        })
+        .collect();
+    kv.free(seq).unwrap();
+    // Another prompt takes the pool's blocks one at a time, as decode steps do.
+    let other = kv.add_sequence(&CacheKey::new().with_salt("other"));
+    let mut taken = Vec::new();
+    for i in 0..4u32 {
+        kv.allocate_slots(other, &toks(100 + 4 * i..104 + 4 * i), None)
+            .unwrap()
+            .expect("the swapped-out blocks are evictable");
+        taken.push(*kv.block_table(other).unwrap().last().unwrap());
+        kv.mark_computed(other, 4 * (i as usize + 1)).unwrap();
+        // Evicted blocks already in the host tier are not stored again.
+        assert_eq!(kv.drain_tier_moves().count(), 0);
+        kv.check_invariants().unwrap();
+    }
+    assert_eq!(taken, stored, "reused in the order they were stored");
+    let tail_first: Vec<u32> = table.iter().rev().copied().collect();
+    assert_eq!(stored, tail_first);
 }
 
 #[test]

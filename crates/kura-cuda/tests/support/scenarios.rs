@@ -220,6 +220,94 @@ pub fn whole_block_loads_and_stores(mut gpu: CudaExecutor, p: &[u32], bs: usize,
     drop(gpu);
 }
 
+/// Host-tier stores waited for only by the work that writes their blocks (`gpu`: blocks of `bs`, 8
+/// blocks; `p` fills blocks 0 and 1 and part of 2 at least): a step that writes none of the stored
+/// blocks leaves the three stores pending, a block copy into the second stored block waits for the first
+/// two stores and not the third, a step into the third waits for it, and each store keeps the bytes its
+/// block had when it was issued. With `lazy` (the stand-in driver, which runs a stream's work only when
+/// something waits for it) the host slots also show which stores have run: none after the step, the
+/// first two after the copy.
+pub fn stores_wait_only_for_their_blocks_writers(
+    mut gpu: CudaExecutor,
+    p: &[u32],
+    bs: usize,
+    lazy: bool,
+) {
+    let p = &p[..p.len().min(3 * bs - 1)];
+    assert!(
+        p.len() > 2 * bs,
+        "the prompt fills blocks 0 and 1 and part of 2"
+    );
+    gpu.forward_logits(&[SeqInput::new(p, 0, &[0, 1, 2])])
+        .unwrap();
+    let bb = gpu.block_bytes();
+    let export = |gpu: &CudaExecutor, b: u32| {
+        let mut v = vec![0u8; bb];
+        gpu.export_block(b, &mut v).unwrap();
+        v
+    };
+    let want: Vec<Vec<u8>> = (0..3).map(|b| export(&gpu, b)).collect();
+    assert!(want[0] != want[1] && want[1] != want[2] && want[0] != want[2]);
+    let mut region = vec![0u8; 3 * bb];
+    assert!(gpu.register_host_region(&mut region));
+    for (b, slot) in region.chunks_exact_mut(bb).enumerate() {
+        assert!(gpu.start_export(b as u32, slot).unwrap());
+    }
+    assert_eq!(gpu.stores_pending(), 3);
+    // Another sequence's step, in blocks 5 and 6: no store reads them.
+    gpu.forward_logits(&[SeqInput::new(&p[..bs + 1], 0, &[5, 6])])
+        .unwrap();
+    assert_eq!(
+        gpu.stores_pending(),
+        3,
+        "a step that writes no stored block waits for no store"
+    );
+    if lazy {
+        assert!(
+            region.iter().all(|x| *x == 0),
+            "no store ran: nothing waited for one"
+        );
+    }
+    // A copy into block 1 (stored second): after the stores of blocks 0 and 1, which its stream runs
+    // in order, and not after the store of block 2.
+    gpu.copy_block_prefix(5, 1, bs).unwrap();
+    assert_eq!(
+        gpu.stores_pending(),
+        1,
+        "a copy into the second stored block waits for the first two stores"
+    );
+    if lazy {
+        assert_eq!(&region[..bb], &want[0][..], "the first store ran");
+        assert_eq!(&region[bb..2 * bb], &want[1][..], "the second store ran");
+        assert!(
+            region[2 * bb..].iter().all(|x| *x == 0),
+            "the third store did not run: the copy does not write its block"
+        );
+    }
+    // A decode step into block 2 (its next free slot) waits for the third.
+    gpu.forward_logits(&[SeqInput::new(&p[..1], p.len(), &[0, 1, 2])])
+        .unwrap();
+    assert_eq!(gpu.stores_pending(), 0);
+    gpu.exports_fence().unwrap();
+    for (b, (got, want)) in region.chunks_exact(bb).zip(&want).enumerate() {
+        assert_eq!(
+            got,
+            &want[..],
+            "block {b}'s store holds the bytes it had when the store was issued"
+        );
+    }
+    let copied = export(&gpu, 5);
+    assert_ne!(copied, want[1]);
+    assert_eq!(export(&gpu, 1), copied, "the copy issued after the store");
+    assert_ne!(
+        export(&gpu, 2),
+        want[2],
+        "the step wrote block 2 after its store"
+    );
+    // The executor (which unpins the region) goes before the region.
+    drop(gpu);
+}
+
 /// The byte the blocks that loads go to are filled with first.
 pub const JUNK: u8 = 0x3f;
 

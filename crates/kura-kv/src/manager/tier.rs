@@ -195,13 +195,18 @@ impl KvCacheManager {
 
     /// Swap-out of a sequence about to be preempted: its computed, cached full blocks are copied into the
     /// host tier now, so that the pool may evict them while it waits. Returns the blocks copied or found.
+    ///
+    /// The copies are asked for tail first, the order in which the pool evicts the freed sequence's
+    /// blocks (leaves first): an executor that copies in order on a stream of its own, beside the steps
+    /// (the GPU's), then holds back the step that reuses the first evicted block only for that block's
+    /// copy, not for the whole sequence's.
     pub fn swap_out(&mut self, id: SeqId) -> Result<usize, KvError> {
         if !self.tiers.has_host() {
             return Ok(0);
         }
         let table = self.seq(id)?.table.clone();
         let mut n = 0;
-        for b in table {
+        for b in table.into_iter().rev() {
             if self.is_full_cached(b) {
                 let priority = self.pool.meta[b as usize].effective_priority(self.clock.now_ms);
                 let src = PoolBlock::new(&self.pool, &self.index, b);
