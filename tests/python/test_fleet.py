@@ -512,6 +512,29 @@ def test_the_anthropic_api_goes_through_the_router(fleet):
     assert used[1][1] > 100
 
 
+def test_anthropic_token_counts_go_through_the_router_untokenized(fleet):
+    """`messages.count_tokens` through the router: a replica's count, the replica named, nothing placed by
+    the prompt (the router neither tokenizes it nor notes its blocks on a replica), and a replica's refusal
+    passed on in Anthropic's shape."""
+    replicas, router = fleet
+    model = replicas[0].model()
+    client = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+    direct = anthropic.Anthropic(base_url=replicas[0].url, api_key="unused", max_retries=0)
+    system = "Counted through the router. " + long_text(120, seed=12)
+    msgs = [{"role": "user", "content": "How many?"}]
+    before = router.metrics()
+    raw = client.messages.with_raw_response.count_tokens(model=model, system=system, messages=msgs)
+    assert int(raw.headers["x-kura-replica"]) in range(len(replicas))
+    counted = raw.parse().input_tokens
+    assert counted > 100
+    assert counted == direct.messages.count_tokens(model=model, system=system, messages=msgs).input_tokens
+    after = router.metrics()
+    assert after["kura_router:tokenized_requests_total"] == before["kura_router:tokenized_requests_total"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.count_tokens(model=model, messages=msgs, extra_body={"max_tokens": 5})
+    assert e.value.body["type"] == "error" and "max_tokens" in e.value.body["error"]["message"], e.value.body
+
+
 def test_routes_the_router_does_not_route_get_json_errors_naming_those_it_does(fleet):
     _, router = fleet
     for method, path, status, code in [
@@ -709,9 +732,13 @@ def test_requests_without_a_valid_key_get_401_and_are_never_tokenized(keyed_flee
             anthropic.Anthropic(base_url=router.url, api_key="wrong", max_retries=0).messages.create(
                 model=model, max_tokens=1, messages=[{"role": "user", "content": doc}])
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=router.url, api_key="wrong", max_retries=0).messages.count_tokens(
+                model=model, messages=[{"role": "user", "content": doc}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
         assert httpx.get(router.url + "/v1/models").status_code == 401
         m = router.metrics()
-        assert m["kura_router:unauthorized_total"] == 4
+        assert m["kura_router:unauthorized_total"] == 5
         assert m["kura_router:tokenized_requests_total"] == 0
         assert sum(v for k, v in m.items() if k.startswith("kura_router:requests_total")) == 0
         # A tenant's request is tokenized (the counter counts).

@@ -20,6 +20,8 @@ pub enum Endpoint {
     ChatCompletions,
     /// `POST /v1/messages` (Anthropic)
     Messages,
+    /// `POST /v1/messages/count_tokens` (Anthropic): a prompt's length, computed without the engine.
+    MessagesCountTokens,
 }
 
 impl Endpoint {
@@ -28,7 +30,19 @@ impl Endpoint {
             Endpoint::Completions => "/v1/completions",
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::MessagesCountTokens => "/v1/messages/count_tokens",
         }
+    }
+
+    /// Whether the route answers in Anthropic's shape (its errors too).
+    pub fn anthropic(self) -> bool {
+        matches!(self, Endpoint::Messages | Endpoint::MessagesCountTokens)
+    }
+
+    /// Whether a request runs its prompt on the server (and so leaves its KV there): what a router
+    /// places by the prompt's blocks. A token count computes nothing there.
+    pub fn runs_prompt(self) -> bool {
+        !matches!(self, Endpoint::MessagesCountTokens)
     }
 }
 
@@ -87,6 +101,11 @@ pub fn routing_prompt(
             let plan = anthropic::prepare(value, served_model)?;
             let (tokens, _) = anthropic::encode_messages(codec, &plan, None)?;
             (tokens, plan.cache_salt, plan.stream)
+        }
+        Endpoint::MessagesCountTokens => {
+            let plan = anthropic::prepare_count(value, served_model)?;
+            let (tokens, _) = anthropic::encode_messages(codec, &plan, None)?;
+            (tokens, plan.cache_salt, false)
         }
     };
     Ok(RoutingPrompt {

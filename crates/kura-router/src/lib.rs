@@ -398,6 +398,7 @@ fn app(fleet: Arc<Fleet>) -> axum::Router {
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/messages", post(proxy::messages))
+        .route("/v1/messages/count_tokens", post(proxy::count_tokens))
         .route("/v1/models", get(proxy::models))
         .route_layer(axum::middleware::from_fn_with_state(
             fleet.clone(),
@@ -418,7 +419,7 @@ fn app(fleet: Arc<Fleet>) -> axum::Router {
 async fn not_routed(uri: axum::http::Uri) -> kura_api::ApiError {
     kura_api::ApiError::NotFound(format!(
         "{} on the router, which routes /v1/chat/completions, /v1/completions, /v1/messages, \
-         /v1/models, /health and /metrics (send other routes to a replica)",
+         /v1/messages/count_tokens, /v1/models, /health and /metrics (send other routes to a replica)",
         uri.path()
     ))
 }

@@ -62,9 +62,10 @@ struct ClientKey(String);
 
 /// An error in the route's API shape: Anthropic's on `/v1/messages`, OpenAI's elsewhere.
 fn api_error(endpoint: Endpoint, e: ApiError) -> Response {
-    match endpoint {
-        Endpoint::Messages => AnthropicError(e).into_response(),
-        _ => e.into_response(),
+    if endpoint.anthropic() {
+        AnthropicError(e).into_response()
+    } else {
+        e.into_response()
     }
 }
 
@@ -89,11 +90,11 @@ pub(crate) async fn authenticate(
         }
         None => {
             fleet.unauthorized.fetch_add(1, Ordering::Relaxed);
-            let endpoint = if req.uri().path() == Endpoint::Messages.path() {
-                Endpoint::Messages
-            } else {
-                Endpoint::ChatCompletions
-            };
+            let path = req.uri().path();
+            let endpoint = [Endpoint::Messages, Endpoint::MessagesCountTokens]
+                .into_iter()
+                .find(|e| e.path() == path)
+                .unwrap_or(Endpoint::ChatCompletions);
             api_error(endpoint, ApiError::Unauthorized)
         }
     }
@@ -349,7 +350,7 @@ impl SseTail {
 /// The event that ends a stream whose replica failed, in the route's API shape.
 fn failure_event(endpoint: Endpoint) -> Bytes {
     let text = match endpoint {
-        Endpoint::Messages => {
+        e if e.anthropic() => {
             let data = json!({"type": "error", "error": {"type": "api_error", "message": FAILED_MID_STREAM}});
             format!("event: error\ndata: {data}\n\n")
         }
@@ -433,7 +434,7 @@ impl Stream for Relay {
 
 fn unavailable(endpoint: Endpoint, message: &str) -> Response {
     let body = match endpoint {
-        Endpoint::Messages => {
+        e if e.anthropic() => {
             json!({"type": "error", "error": {"type": "overloaded_error", "message": message}})
         }
         _ => {
@@ -446,7 +447,7 @@ fn unavailable(endpoint: Endpoint, message: &str) -> Response {
 /// 502: the replica's connection broke before it answered, and the replica is alive.
 fn bad_gateway(endpoint: Endpoint, message: &str) -> Response {
     let body = match endpoint {
-        Endpoint::Messages => {
+        e if e.anthropic() => {
             json!({"type": "error", "error": {"type": "api_error", "message": message}})
         }
         _ => {
@@ -528,7 +529,13 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
         Ok(body) => body,
         Err(response) => return response,
     };
-    let prompt = read_prompt(&fleet, endpoint, client_key, body.clone()).await;
+    // A request that runs no prompt (a token count) goes to the least loaded replica, and the index is
+    // not told that it holds blocks it was never asked to compute.
+    let prompt = if endpoint.runs_prompt() {
+        read_prompt(&fleet, endpoint, client_key, body.clone()).await
+    } else {
+        Prompt::default()
+    };
     let mut tried = vec![false; fleet.replicas.len()];
     loop {
         let Some((r, held)) = pick(&fleet, &prompt, &tried) else {
@@ -623,6 +630,10 @@ pub(crate) async fn completions(State(fleet): State<Arc<Fleet>>, req: Request) -
 
 pub(crate) async fn messages(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
     forward(fleet, Endpoint::Messages, req).await
+}
+
+pub(crate) async fn count_tokens(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
+    forward(fleet, Endpoint::MessagesCountTokens, req).await
 }
 
 /// `GET /v1/models`: the first replica up answers.
