@@ -6,8 +6,10 @@
 //! Work on the device stream that writes a block (a step's new K/V, a block copy, a synchronous import)
 //! must not overtake a store still reading it; work that writes other blocks need not wait. The stream
 //! runs its copies in order, so waiting for store *k* is waiting for every store before it: a writer
-//! waits for the newest store that reads one of its blocks, and from then on no store up to *k* needs a
-//! wait. A store the host has seen land needs none either.
+//! waits for the newest store that reads one of its blocks, and from then on no device work waits for a
+//! store up to *k*. The host is another matter: a wait on the device orders the device's later work, not
+//! the host's reads, so before reading a stored slot the host waits for every store it has not seen
+//! land itself, whether the device waited for them or not.
 //!
 //! A block is stored when the pool evicts it (and then handed to the owner that needed it), when a
 //! sequence is swapped out (its blocks stay cached until evicted, tail first: the engine stores them in
@@ -18,11 +20,14 @@ use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug)]
 pub(super) struct StoreOrder<E> {
-    /// Stores neither waited for by the device stream nor seen landed by the host, oldest first:
-    /// (number, block, event after the copy).
+    /// Stores the host has not seen land, oldest first: (number, block, event after the copy). A
+    /// store the device stream has waited for stays here until then: the device's wait orders its
+    /// own later work, not the host's reads.
     pending: VecDeque<(u64, u32, E)>,
     /// The number the next store gets (from 1).
     next_seq: u64,
+    /// Every store up to this number is ordered before the device stream's later work.
+    device_through: u64,
     /// For each block of `pending`, the newest store reading it.
     newest: HashMap<u32, u64>,
 }
@@ -32,6 +37,7 @@ impl<E> Default for StoreOrder<E> {
         StoreOrder {
             pending: VecDeque::new(),
             next_seq: 1,
+            device_through: 0,
             newest: HashMap::new(),
         }
     }
@@ -48,37 +54,47 @@ impl<E> StoreOrder<E> {
         seq
     }
 
-    /// The newest pending store that reads one of `blocks` (what work writing them waits for).
+    /// The newest store not yet ordered before the device stream that reads one of `blocks` (what
+    /// device work writing them waits for).
     pub fn newest_reading(&self, blocks: impl IntoIterator<Item = u32>) -> Option<u64> {
-        if self.pending.is_empty() {
+        if self.unordered() == 0 {
             return None;
         }
         blocks
             .into_iter()
             .filter_map(|b| self.newest.get(&b).copied())
+            .filter(|s| *s > self.device_through)
             .max()
     }
 
-    /// The event of pending store `seq`.
+    /// The event of store `seq`, while the host has not seen it land.
     pub fn event(&self, seq: u64) -> Option<&E> {
         let first = self.pending.front()?.0;
         let at = usize::try_from(seq.checked_sub(first)?).ok()?;
         self.pending.get(at).map(|p| &p.2)
     }
 
-    /// The newest pending store's number and event (what the host waits on to see every store land).
+    /// The newest store the host has not seen land, and its event (what the host waits on to see every
+    /// store land).
     pub fn newest(&self) -> Option<(u64, &E)> {
         self.pending.back().map(|p| (p.0, &p.2))
     }
 
-    /// The oldest pending store's event.
-    pub fn oldest(&self) -> Option<&E> {
-        self.pending.front().map(|p| &p.2)
+    /// The oldest store the host has not seen land, and its event.
+    pub fn oldest(&self) -> Option<(u64, &E)> {
+        self.pending.front().map(|p| (p.0, &p.2))
     }
 
-    /// Store `seq`, and so every store before it, needs no wait any more: the device stream waits for
-    /// it, or the host saw it land. Their events are dropped.
-    pub fn ordered_through(&mut self, seq: u64) {
+    /// The device stream waits for store `seq`, and so for every store before it: device work issued
+    /// after this needs no wait for them.
+    pub fn device_waited(&mut self, seq: u64) {
+        self.device_through = self.device_through.max(seq);
+    }
+
+    /// The host saw store `seq` land, and so every store before it: neither the host nor the device
+    /// waits for them again. Their events are dropped.
+    pub fn landed_through(&mut self, seq: u64) {
+        self.device_through = self.device_through.max(seq);
         while self.pending.front().is_some_and(|p| p.0 <= seq) {
             let (s, block, _) = self.pending.pop_front().expect("looked at");
             if self.newest.get(&block) == Some(&s) {
@@ -87,14 +103,14 @@ impl<E> StoreOrder<E> {
         }
     }
 
-    /// Stores pending.
+    /// Stores the host has not seen land.
     pub fn len(&self) -> usize {
         self.pending.len()
     }
 
-    /// The oldest pending store's number.
-    pub fn oldest_seq(&self) -> Option<u64> {
-        self.pending.front().map(|p| p.0)
+    /// Stores the device stream has not waited for and the host has not seen land.
+    pub fn unordered(&self) -> usize {
+        self.pending.len() - self.pending.partition_point(|p| p.0 <= self.device_through)
     }
 }
 
@@ -134,19 +150,38 @@ mod tests {
         // Store 2 follows store 1 on the stream: waiting for it covers both.
         assert_eq!(o.newest_reading([4, 5]), Some(2));
         assert_eq!(o.event(2), Some(&'b'));
-        assert_eq!(o.newest(), Some((3, &'c')));
-        o.ordered_through(2);
+        o.device_waited(2);
         assert_eq!(o.newest_reading([4, 5]), None);
-        assert_eq!(o.event(1), None, "dropped");
         assert_eq!(o.newest_reading([4, 5, 6]), Some(3));
-        assert_eq!(
-            (o.len(), o.oldest_seq(), o.oldest()),
-            (1, Some(3), Some(&'c'))
-        );
-        o.ordered_through(3);
-        assert_eq!(o.newest_reading([6]), None);
+        assert_eq!(o.unordered(), 1);
+        // The host has not seen any land: it still waits for the newest, whose wait covers all.
+        assert_eq!((o.len(), o.newest()), (3, Some((3, &'c'))));
+        assert_eq!(o.oldest(), Some((1, &'a')));
+        // An older wait than one already made changes nothing.
+        o.device_waited(1);
+        assert_eq!(o.unordered(), 1);
+        o.landed_through(1);
+        assert_eq!((o.len(), o.oldest()), (2, Some((2, &'b'))));
+        assert_eq!(o.event(1), None, "dropped");
+        assert_eq!(o.newest_reading([6]), Some(3));
+        o.landed_through(3);
+        assert_eq!(o.newest_reading([4, 5, 6]), None);
+        assert_eq!((o.len(), o.unordered(), o.newest()), (0, 0, None));
+    }
+
+    #[test]
+    fn a_store_the_device_waited_for_is_still_waited_for_by_the_host() {
+        // The device's wait orders its own later work: the host, before it reads a stored slot, must
+        // see the copy land itself.
+        let mut o = StoreOrder::default();
+        o.started(1, ());
+        o.started(2, ());
+        o.device_waited(2);
+        assert_eq!(o.unordered(), 0);
+        assert_eq!(o.newest_reading([1, 2]), None);
+        assert_eq!(o.newest().map(|n| n.0), Some(2));
+        o.landed_through(2);
         assert_eq!(o.newest(), None);
-        assert_eq!(o.len(), 0);
     }
 
     #[test]
@@ -156,12 +191,14 @@ mod tests {
         o.started(8, ());
         o.started(7, ());
         assert_eq!(o.newest_reading([7]), Some(3));
-        // The first store of 7 is ordered: its newer one still reads the block.
-        o.ordered_through(1);
+        // The first store of 7 landed: its newer one still reads the block.
+        o.landed_through(1);
         assert_eq!(o.newest_reading([7]), Some(3));
         assert_eq!(o.newest_reading([8]), Some(2));
-        o.ordered_through(3);
+        o.device_waited(3);
         assert_eq!(o.newest_reading([7, 8]), None);
+        o.landed_through(3);
+        assert_eq!(o.len(), 0);
     }
 
     #[test]
@@ -173,17 +210,18 @@ mod tests {
             if round % 7 == 0 {
                 if let Some(s) = o.newest_reading([round % 5, round % 11]) {
                     assert!(o.event(s).is_some(), "round {round}: store {s}");
-                    o.ordered_through(s);
+                    o.device_waited(s);
                 }
             }
             if round % 17 == 0 {
-                if let Some(s) = o.oldest_seq() {
-                    o.ordered_through(s);
+                if let Some((s, _)) = o.oldest() {
+                    o.landed_through(s);
                 }
             }
             if let Some(s) = o.newest_reading(0..13) {
                 assert!(o.event(s).is_some(), "round {round}: store {s}");
             }
+            assert!(o.unordered() <= o.len());
         }
     }
 

@@ -211,12 +211,11 @@ impl CudaExecutor {
         // Stores of blocks that are never rewritten (write-through, swap-outs of blocks that stay
         // cached) and never fenced would pile up: past a bound, those that landed are let go.
         if loads.stores.len() > STORES_HELD {
-            while let Some(ev) = loads.stores.oldest() {
+            while let Some((seq, ev)) = loads.stores.oldest() {
                 if !ev.try_is_complete()? {
                     break;
                 }
-                let seq = loads.stores.oldest_seq().expect("looked at");
-                loads.stores.ordered_through(seq);
+                loads.stores.landed_through(seq);
             }
         }
         Ok(true)
@@ -388,7 +387,7 @@ impl CudaExecutor {
                 .event(seq)
                 .expect("a pending store has its event");
             self.dev.stream.wait(ev)?;
-            loads.stores.ordered_through(seq);
+            loads.stores.device_waited(seq);
         }
         Ok(())
     }
@@ -398,15 +397,16 @@ impl CudaExecutor {
         if let Some(loads) = self.loads.as_mut() {
             if let Some((seq, ev)) = loads.stores.newest() {
                 ev.synchronize()?;
-                loads.stores.ordered_through(seq);
+                loads.stores.landed_through(seq);
             }
         }
         Ok(())
     }
 
-    /// Stores pending: not yet waited for by the device stream nor seen landed by the host (for tests).
-    pub fn stores_pending(&self) -> usize {
-        self.loads.as_ref().map_or(0, |l| l.stores.len())
+    /// Stores that device work writing their blocks would still wait for: neither waited for by the
+    /// device stream nor seen landed by the host (for tests).
+    pub fn stores_unordered(&self) -> usize {
+        self.loads.as_ref().map_or(0, |l| l.stores.unordered())
     }
 
     /// Appends the blocks whose started loads have finished (in issue order, with each copy's own time;

@@ -253,12 +253,12 @@ pub fn stores_wait_only_for_their_blocks_writers(
     for (b, slot) in region.chunks_exact_mut(bb).enumerate() {
         assert!(gpu.start_export(b as u32, slot).unwrap());
     }
-    assert_eq!(gpu.stores_pending(), 3);
+    assert_eq!(gpu.stores_unordered(), 3);
     // Another sequence's step, in blocks 5 and 6: no store reads them.
     gpu.forward_logits(&[SeqInput::new(&p[..bs + 1], 0, &[5, 6])])
         .unwrap();
     assert_eq!(
-        gpu.stores_pending(),
+        gpu.stores_unordered(),
         3,
         "a step that writes no stored block waits for no store"
     );
@@ -272,7 +272,7 @@ pub fn stores_wait_only_for_their_blocks_writers(
     // in order, and not after the store of block 2.
     gpu.copy_block_prefix(5, 1, bs).unwrap();
     assert_eq!(
-        gpu.stores_pending(),
+        gpu.stores_unordered(),
         1,
         "a copy into the second stored block waits for the first two stores"
     );
@@ -287,7 +287,7 @@ pub fn stores_wait_only_for_their_blocks_writers(
     // A decode step into block 2 (its next free slot) waits for the third.
     gpu.forward_logits(&[SeqInput::new(&p[..1], p.len(), &[0, 1, 2])])
         .unwrap();
-    assert_eq!(gpu.stores_pending(), 0);
+    assert_eq!(gpu.stores_unordered(), 0);
     gpu.exports_fence().unwrap();
     for (b, (got, want)) in region.chunks_exact(bb).zip(&want).enumerate() {
         assert_eq!(
