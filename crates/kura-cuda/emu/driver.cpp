@@ -7,11 +7,11 @@
 // to run work, so that a missing wait shows:
 // - work on a stream (kernels, copies, memsets, event records, frees) runs only when the host waits for
 //   it: `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`, a second `cuEventQuery` (the
-//   first of a pending event answers not ready), `cuStreamWaitEvent`, or a synchronous copy (which waits
-//   for the legacy stream and the blocking streams only, as the driver's does). A wait on an event runs
-//   its stream up to the event's latest record only: work queued after it stays pending. A read of a copy's
-//   destination before such a wait reads the old bytes; a write to a pinned source before it changes
-//   what is copied.
+//   first of a pending event answers not ready), or a synchronous copy (which waits for the legacy
+//   stream and the blocking streams only, as the driver's does). `cuStreamWaitEvent` is a wait on the
+//   device: the event's stream runs up to that record when the waiting stream reaches the wait, not
+//   before, and work queued after the record stays pending. A read of a copy's destination before such
+//   a wait reads the old bytes; a write to a pinned source before it changes what is copied.
 // - copies from pageable host memory read their source when called; copies to pageable host memory wait
 //   for the stream (the driver stages pageable memory); pinned memory (registered or allocated by the
 //   driver) is read and written when the copy runs.
@@ -65,6 +65,7 @@ struct Event {
   bool done = false;         // has run at least once
   bool queried = false;      // answered "not ready" once for this record
   uint64_t records = 0;      // how many times it was recorded: only the latest record completes it
+  uint64_t completed = 0;    // the newest of its records that has run
   int queued = 0;            // its records on streams' queues, not yet run
   bool captured = false;     // recorded into a graph (then never freed: a graph may run it any time)
   bool destroyed = false;    // destroyed with records still queued: the last of them frees it
@@ -217,6 +218,16 @@ void run_to(Event* e) {
   while (e->pending && !s->queue.empty()) {
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
+    op();
+  }
+}
+
+// Runs `from` until record `record` of `e` has run (a wait on the device, when the waiting stream
+// reaches it).
+void run_until(Event* e, Stream* from, uint64_t record) {
+  while (e->completed < record && !from->queue.empty()) {
+    Op op = std::move(from->queue.front());
+    from->queue.pop_front();
     op();
   }
 }
@@ -671,10 +682,25 @@ CUresult CUDAAPI cuStreamWaitEvent(CUstream hs, CUevent he, unsigned int) {
   FAULT("cuStreamWaitEvent");
   Event* e = reinterpret_cast<Event*>(he);
   Stream* s = stream_of(hs);
-  // The event's stream runs now up to the record, before anything later on `hs`: one order the wait
-  // allows. What that stream queued after the record stays pending (a wait on an earlier event than
-  // the one that covers the work needed shows as stale bytes).
-  if (e->stream && e->stream != s && !e->stream->capture && e->pending) run_to(e);
+  if (!(e->stream && e->stream != s && !e->stream->capture && e->pending)) return CUDA_SUCCESS;
+  if (s->capture) {
+    // Into a graph: the event's stream runs now up to the record, one order the wait allows.
+    run_to(e);
+    return CUDA_SUCCESS;
+  }
+  // On the device, not the host: the event's stream runs up to this record only when `hs` reaches the
+  // wait, so the host sees nothing of that work before it waits for `hs` or for the event itself (a
+  // host read that counted on another stream's wait shows as stale bytes). What the event's stream
+  // queued after the record stays pending (a wait on an earlier event than the one that covers the
+  // work needed shows as stale bytes too). The wait holds the event until it runs.
+  Stream* from = e->stream;
+  uint64_t record = e->records;
+  e->queued++;
+  enqueue(s, [e, from, record] {
+    run_until(e, from, record);
+    e->queued--;
+    if (e->destroyed && e->queued == 0 && !e->captured) delete e;
+  });
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuLaunchHostFunc(CUstream hs, CUhostFn fn, void* data) {
@@ -713,6 +739,7 @@ CUresult CUDAAPI cuEventRecord(CUevent he, CUstream hs) {
     e->captured = true;
   enqueue(s, [e, record, queued] {
     if (queued) e->queued--;
+    e->completed = std::max(e->completed, record);
     if (record == e->records) {  // else recorded again since: the later record completes it
       e->pending = false;
       e->done = true;

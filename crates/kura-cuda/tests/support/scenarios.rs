@@ -141,6 +141,8 @@ pub fn whole_block_loads_and_stores(mut gpu: CudaExecutor, p: &[u32], bs: usize,
     let bb = gpu.block_bytes();
     // A host tier of two slots holding blocks 0 and 1, as the engine's arena would.
     let mut region = vec![0u8; 2 * bb];
+    // Dropped before the region, also when an assertion fails (a parameter is dropped last).
+    let mut gpu = gpu;
     gpu.export_block(0, &mut region[..bb]).unwrap();
     gpu.export_block(1, &mut region[bb..]).unwrap();
     // Pageable bytes are not started: the engine then imports them synchronously.
@@ -249,6 +251,8 @@ pub fn stores_wait_only_for_their_blocks_writers(
     let want: Vec<Vec<u8>> = (0..3).map(|b| export(&gpu, b)).collect();
     assert!(want[0] != want[1] && want[1] != want[2] && want[0] != want[2]);
     let mut region = vec![0u8; 3 * bb];
+    // Dropped before the region, also when an assertion fails (a parameter is dropped last).
+    let mut gpu = gpu;
     assert!(gpu.register_host_region(&mut region));
     for (b, slot) in region.chunks_exact_mut(bb).enumerate() {
         assert!(gpu.start_export(b as u32, slot).unwrap());
@@ -276,9 +280,11 @@ pub fn stores_wait_only_for_their_blocks_writers(
         1,
         "a copy into the second stored block waits for the first two stores"
     );
+    // The host waits for the device stream (an export of another block does): the copy's wait has run.
+    export(&gpu, 7);
     if lazy {
-        assert_eq!(&region[..bb], &want[0][..], "the first store ran");
-        assert_eq!(&region[bb..2 * bb], &want[1][..], "the second store ran");
+        assert!(region[..bb] == want[0][..], "the first store ran");
+        assert!(region[bb..2 * bb] == want[1][..], "the second store ran");
         assert!(
             region[2 * bb..].iter().all(|x| *x == 0),
             "the third store did not run: the copy does not write its block"
@@ -298,12 +304,25 @@ pub fn stores_wait_only_for_their_blocks_writers(
     }
     let copied = export(&gpu, 5);
     assert_ne!(copied, want[1]);
-    assert_eq!(export(&gpu, 1), copied, "the copy issued after the store");
+    assert!(export(&gpu, 1) == copied, "the copy issued after the store");
     assert_ne!(
         export(&gpu, 2),
         want[2],
         "the step wrote block 2 after its store"
     );
+    // A store the device waits for before a copy into its block, then the host's fence with nothing
+    // run between: the fence still waits for the store itself (the device's wait orders the device's
+    // work, not the host's read).
+    region[..bb].fill(0);
+    assert!(gpu.start_export(0, &mut region[..bb]).unwrap());
+    gpu.copy_block_prefix(5, 0, bs).unwrap();
+    assert_eq!(gpu.stores_unordered(), 0);
+    gpu.exports_fence().unwrap();
+    assert!(
+        region[..bb] == want[0][..],
+        "the fence waits for a store the device waited for"
+    );
+    assert!(export(&gpu, 0) == copied, "the copy after the store");
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }
