@@ -114,3 +114,29 @@ def test_logprobs(server):
         model=server.model(), prompt="Hello", max_tokens=3, temperature=0, logprobs=1
     )
     assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+
+
+def test_logit_bias_bans_and_forces_tokens(server):
+    """`logit_bias` through the official client: -100 on the greedy answer's first token makes another
+    one first, +100 on one token makes it every token generated, in completions and chat, with the
+    logprobs of the model's own distribution."""
+    client = server.client()
+    kw = dict(model=server.model(), prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    free = client.completions.create(**kw).choices[0]
+    first = free.model_extra["token_ids"][0]
+    banned = client.completions.create(logit_bias={str(first): -100}, **kw).choices[0]
+    assert banned.model_extra["token_ids"][0] != first
+    # The model's logprob of the token it chose, unbiased: the same as without a bias where both chose it.
+    free_lp, banned_lp = free.logprobs.token_logprobs, banned.logprobs.token_logprobs
+    assert banned_lp[0] < free_lp[0] <= 0
+    forced_id = 1000
+    forced = client.completions.create(logit_bias={str(forced_id): 100}, **kw).choices[0]
+    assert forced.model_extra["token_ids"] == [forced_id] * 4
+    # Drawn at temperature 1, and in chat.
+    chat = client.chat.completions.create(
+        model=server.model(), messages=[{"role": "user", "content": "Say hello."}], max_tokens=3,
+        temperature=1.0, seed=3, logit_bias={str(forced_id): 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert chat.choices[0].model_extra["token_ids"] == [forced_id] * 3

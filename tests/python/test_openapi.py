@@ -34,7 +34,7 @@ VALUES = {
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto",
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "web_search_options": {},
-    "store": True, "logit_bias": {"1": 5}, "echo": True, "suffix": "tail",
+    "store": True, "echo": True, "suffix": "tail",
     "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "low"}, "background": True,
     "conversation": "conv_1", "prompt": {"id": "pmpt_1"}, "max_tool_calls": 3, "top_logprobs": 2,
     "context_management": [{"type": "compaction"}], "thinking": {"type": "enabled", "budget_tokens": 1024},

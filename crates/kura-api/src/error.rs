@@ -273,6 +273,9 @@ impl From<SubmitError> for ApiError {
                 ApiError::invalid(e.to_string(), Some("prompt"))
             }
             SubmitError::ZeroChoices => ApiError::invalid(e.to_string(), Some("n")),
+            SubmitError::BiasOutOfVocab { .. } => {
+                ApiError::invalid(e.to_string(), Some("logit_bias"))
+            }
             SubmitError::BadSampling(m) => ApiError::invalid(m, None),
         }
     }

@@ -125,6 +125,46 @@ impl Checked {
     }
 }
 
+/// OpenAI's `logit_bias`: token ids (the object's keys, in decimal) to biases from -100 to 100, as
+/// (token, bias) in ascending order of token. Whether each id is in the vocabulary is the engine's
+/// check (it knows the model).
+fn logit_bias(m: Option<&serde_json::Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(m) = m else {
+        return Ok(Vec::new());
+    };
+    let bad = |message: String| ApiError::invalid(message, Some("logit_bias"));
+    // A key is echoed in an error, at most this many characters of it.
+    let shown = |k: &str| k.chars().take(24).collect::<String>();
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        let token = Some(k)
+            .filter(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|k| k.parse::<u32>().ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias keys are token ids (decimal integers); {:?} is not one",
+                    shown(k)
+                ))
+            })?;
+        let bias = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias of token {token} must be a number from -100 to 100, got {}",
+                    shown(&v.to_string())
+                ))
+            })?;
+        out.push((token, bias as f32));
+    }
+    out.sort_by_key(|b| b.0);
+    // "7" and "007" name the same token.
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(bad(format!("logit_bias names token {} twice", w[0].0)));
+    }
+    Ok(out)
+}
+
 fn in_range(
     name: &'static str,
     v: Option<f64>,
@@ -281,12 +321,7 @@ pub fn check_common(
             Some("stop_token_ids"),
         ));
     }
-    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::invalid(
-            "logit_bias is not supported by this server",
-            Some("logit_bias"),
-        ));
-    }
+    let logit_bias = logit_bias(c.logit_bias.as_ref())?;
     if let Some(salt) = &c.cache_salt {
         check_salt(salt)?;
     }
@@ -317,6 +352,7 @@ pub fn check_common(
             seed: c.seed.map(|s| s as u64),
             // Set per request from the route's own logprob fields (`into_request`).
             logprobs: None,
+            logit_bias,
         },
         stop,
         stop_token_ids,
@@ -979,6 +1015,24 @@ mod tests {
     }
 
     #[test]
+    fn logit_bias_is_read_as_ascending_token_ids_with_their_biases() {
+        let c = check_common(
+            &common(r#"{"logit_bias": {"50256": -100, "3": 100, "17": 0.5}}"#),
+            CTX,
+            None,
+            "max_tokens",
+        )
+        .unwrap();
+        assert_eq!(
+            c.sampling.logit_bias,
+            [(3, 100.0), (17, 0.5), (50256, -100.0)]
+        );
+        assert!(c.sampling.validate().is_ok());
+        let none = check_common(&common(r#"{"logit_bias": {}}"#), CTX, None, "max_tokens").unwrap();
+        assert_eq!(none.sampling, SamplingParams::default());
+    }
+
+    #[test]
     fn out_of_range_values_name_the_parameter() {
         for (body, param) in [
             (r#"{"temperature": 3}"#, "temperature"),
@@ -991,6 +1045,13 @@ mod tests {
             (r#"{"n": 0}"#, "n"),
             (r#"{"presence_penalty": -2.5}"#, "presence_penalty"),
             (r#"{"stop": [""]}"#, "stop"),
+            (r#"{"logit_bias": {"12": 101}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"12": "5"}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"-3": 5}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"a": 5}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"": 5}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"4294967296": 5}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"7": 1, "007": 2}}"#, "logit_bias"),
         ] {
             let e = check_common(&common(body), CTX, None, "max_tokens").unwrap_err();
             match e {

@@ -395,6 +395,17 @@ fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitErr
             vocab_size: info.vocab_size,
         });
     }
+    if let Some(&(token_id, _)) = r
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|b| b.0 as usize >= info.vocab_size)
+    {
+        return Err(SubmitError::BiasOutOfVocab {
+            token_id,
+            vocab_size: info.vocab_size,
+        });
+    }
     let prompt_tokens = r.prompt_tokens.len();
     if prompt_tokens >= info.max_model_len {
         return Err(SubmitError::PromptTooLong {

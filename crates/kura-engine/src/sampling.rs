@@ -77,8 +77,10 @@ impl Sampler {
     /// one taken.
     pub fn choose(&mut self, logits: &[f32], allowed: Option<&[u32]>) -> u32 {
         let p = &self.params;
-        let penalized =
-            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let penalized = p.repetition_penalty != 1.0
+            || p.presence_penalty != 0.0
+            || p.frequency_penalty != 0.0
+            || !p.logit_bias.is_empty();
         let mut owned = Vec::new();
         if penalized || allowed.is_some() {
             owned = logits.to_vec();
@@ -88,6 +90,12 @@ impl Sampler {
                 if mask.get(i / 32).is_none_or(|w| w >> (i % 32) & 1 == 0) {
                     *v = f32::NEG_INFINITY;
                 }
+            }
+        }
+        // The request's biases first (a masked-out token stays out), then the penalties.
+        for &(t, b) in &p.logit_bias {
+            if let Some(v) = owned.get_mut(t as usize) {
+                *v += b;
             }
         }
         let penalized = penalized || allowed.is_some();
@@ -120,14 +128,16 @@ impl Sampler {
     }
 
     /// Whether this sampler's token is the first largest raw logit ([`argmax`]) and it needs nothing
-    /// else of the row: greedy, with no penalty and no logprobs. Such a sampler takes a token chosen
-    /// where the logits are ([`Sampler::record_chosen`]); a grammar's mask is the caller's to check.
+    /// else of the row: greedy, with no penalty, no bias and no logprobs. Such a sampler takes a token
+    /// chosen where the logits are ([`Sampler::record_chosen`]); a grammar's mask is the caller's to
+    /// check.
     pub fn argmax_only(&self) -> bool {
         let p = &self.params;
         p.temperature == 0.0
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
+            && p.logit_bias.is_empty()
             && p.logprobs.is_none()
     }
 
@@ -864,6 +874,43 @@ pub fn top_k_indices(l: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logit_bias_moves_the_choice_and_not_the_logprobs() {
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        let biased = |bias: Vec<(u32, f32)>, temperature: f32| SamplingParams {
+            temperature,
+            logit_bias: bias,
+            logprobs: Some(1),
+            seed: Some(7),
+            ..SamplingParams::default()
+        };
+        // Greedy: the bias decides, token 0 up by 2.5 beats token 1.
+        let mut s = Sampler::new(biased(vec![(0, 2.5)], 0.0), &[]);
+        assert!(!s.argmax_only(), "a biased sampler needs the row");
+        let got = s.sample(&logits);
+        assert_eq!(got.token, 0);
+        // The logprob is the model's, not the biased one.
+        let lse = log_sum_exp(&logits);
+        let lp = got.logprob.unwrap();
+        assert_eq!(lp.logprob, logits[0] - lse);
+        assert_eq!(lp.top[0].0, 1, "the model's own most likely token");
+        // -100 keeps a token out when others are near; a bias past the row's length is ignored.
+        let mut s = Sampler::new(biased(vec![(1, -100.0), (9, 50.0)], 0.0), &[]);
+        assert_eq!(s.sample(&logits).token, 2);
+        // Drawn: +100 on one token takes every draw.
+        let mut s = Sampler::new(biased(vec![(3, 100.0)], 1.0), &[]);
+        for _ in 0..50 {
+            assert_eq!(s.sample(&logits).token, 3);
+        }
+        // A grammar's mask still wins over a bias.
+        let mut s = Sampler::new(biased(vec![(3, 100.0)], 0.0), &[]);
+        let mask = [0b0100u32];
+        assert_eq!(s.sample_allowed(&logits, Some(&mask)).token, 2);
+        // Unbiased: the plain argmax, as a device would choose it.
+        let plain = SamplingParams::greedy();
+        assert!(Sampler::new(plain, &[]).argmax_only());
+    }
 
     #[test]
     fn greedy_picks_argmax_and_reports_logprobs() {

@@ -47,6 +47,10 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Return this many top alternatives with each token's logprob (`None` = no logprobs).
     pub logprobs: Option<usize>,
+    /// Added to the logits of these tokens before one is chosen (OpenAI's `logit_bias`): (token,
+    /// bias), tokens ascending and each once. Logprobs stay those of the model's own distribution.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -61,6 +65,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -92,6 +97,17 @@ impl SamplingParams {
         }
         if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
             return Err("presence_penalty and frequency_penalty must be finite".into());
+        }
+        if let Some(&(token, bias)) = self.logit_bias.iter().find(|b| !b.1.is_finite()) {
+            return Err(format!(
+                "logit_bias of token {token} must be finite, got {bias}"
+            ));
+        }
+        if let Some(w) = self.logit_bias.windows(2).find(|w| w[0].0 >= w[1].0) {
+            return Err(format!(
+                "logit_bias must list each token once, in ascending order: {} then {}",
+                w[0].0, w[1].0
+            ));
         }
         Ok(())
     }
@@ -411,6 +427,8 @@ pub enum SubmitError {
     BadSampling(String),
     #[error("token id {token_id} is outside the vocabulary of {vocab_size} tokens")]
     TokenOutOfVocab { token_id: u32, vocab_size: usize },
+    #[error("logit_bias names token id {token_id}, outside the vocabulary of {vocab_size} tokens")]
+    BiasOutOfVocab { token_id: u32, vocab_size: usize },
     #[error(
         "the prompt has {prompt_tokens} tokens but this model's maximum context length is \
          {max_model_len} tokens, at least one generated token included: {excess} tokens too many"
