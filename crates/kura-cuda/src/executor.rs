@@ -1753,6 +1753,10 @@ impl Executor for CudaExecutor {
         Ok(self.try_stores_fence()?)
     }
 
+    fn exports_fence_slot(&mut self, slot: &[u8]) -> std::result::Result<(), ExecError> {
+        Ok(self.try_stores_fence_slot(slot)?)
+    }
+
     fn imports_done(
         &mut self,
         wait: std::time::Duration,

@@ -320,6 +320,13 @@ pub trait Executor: Send + 'static {
     fn exports_fence(&mut self) -> Result<(), ExecError> {
         Ok(())
     }
+    /// Waits until the exports started into `slot` (a slot of the host region, as given to
+    /// [`Executor::start_export`]) have landed in host memory; exports into other slots may go on.
+    /// The default waits for every export ([`Executor::exports_fence`]).
+    fn exports_fence_slot(&mut self, slot: &[u8]) -> Result<(), ExecError> {
+        let _ = slot;
+        self.exports_fence()
+    }
     /// Offers the host tier's bytes, which blocks are exported to and imported from, to the executor
     /// before the first step. The region outlives the executor and never moves. An executor whose pool
     /// is on an accelerator may pin its pages, so that each block's copy runs at the bus's speed instead

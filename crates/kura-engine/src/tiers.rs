@@ -120,8 +120,9 @@ pub(crate) struct TierIo {
     copy_times: Vec<Duration>,
     /// Scratch for [`Executor::imports_done`].
     imported: Vec<(u32, Duration)>,
-    /// Whether host slots were filled by exports the executor may still be copying
-    /// ([`Executor::start_export`]): the engine fences them before it reads a host slot itself.
+    /// Whether the executor has started exports asynchronously ([`Executor::start_export`]), which
+    /// may still be copying into host slots: the engine fences a slot's before it reads or writes that
+    /// slot itself.
     exports_pending: bool,
     /// Stored blocks found failing a check: at open, and by reads since (each file was deleted).
     pub corrupt_found: u64,
@@ -302,13 +303,15 @@ impl TierIo {
                         self.exports_pending = true;
                     } else {
                         // No earlier store may land on top of this one.
-                        self.fence_exports(exec);
+                        self.fence_slot(exec, slot);
                         exec.export_block(block, self.host_mut().slot_mut(slot))
                             .or_end("a store into the host tier");
                     }
                 }
                 TierMove::HostToDisk { slot, record: r } => {
-                    self.fence_exports(exec);
+                    // Only the stores into this slot: those into others (a swap-out's, the one the
+                    // move before this started) go on while the engine works.
+                    self.fence_slot(exec, slot);
                     let payload = self.host_mut().slot(slot).to_vec();
                     self.submit(DiskJob::Write {
                         rec: record(r),
@@ -352,7 +355,7 @@ impl TierIo {
                         }
                         continue;
                     }
-                    self.fence_exports(exec);
+                    self.fence_slot(exec, slot);
                     let host = self.host.as_ref().expect("checked above");
                     exec.import_block(block, host.slot(slot))
                         .or_end("a load from the host tier");
@@ -452,11 +455,16 @@ impl TierIo {
         self.copy_times.drain(..)
     }
 
-    /// Waits for the exports the executor may still be copying into host slots.
-    fn fence_exports(&mut self, exec: &mut dyn Executor) {
+    /// Waits for the exports the executor may still be copying into host slot `slot` (those into
+    /// other slots go on).
+    fn fence_slot(&mut self, exec: &mut dyn Executor, slot: u32) {
         if self.exports_pending {
-            exec.exports_fence().or_end("a store into the host tier");
-            self.exports_pending = false;
+            let host = self
+                .host
+                .as_ref()
+                .expect("exports go only into the host tier");
+            exec.exports_fence_slot(host.slot(slot))
+                .or_end("a store into the host tier");
         }
     }
 

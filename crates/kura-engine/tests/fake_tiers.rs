@@ -417,6 +417,16 @@ fn stores_and_loads_through_host_and_disk(loads: Loads) {
         "{}",
         fake.control.exports_started()
     );
+    // The engine fences a slot's stores before it reads that slot (a spill to disk, a synchronous
+    // load), never all of them: the stores into other slots go on.
+    let (whole, past_others) = fake.control.fences();
+    assert_eq!(whole, 0, "no fence of every store");
+    if async_loads {
+        assert!(
+            past_others > 0,
+            "spills to disk left other slots' stores copying"
+        );
+    }
     assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "host") > 0.0);
     let tiers: &[&str] = if async_loads {
         assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "disk") > 0.0);

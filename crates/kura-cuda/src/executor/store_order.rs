@@ -20,10 +20,10 @@ use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug)]
 pub(super) struct StoreOrder<E> {
-    /// Stores the host has not seen land, oldest first: (number, block, event after the copy). A
-    /// store the device stream has waited for stays here until then: the device's wait orders its
-    /// own later work, not the host's reads.
-    pending: VecDeque<(u64, u32, E)>,
+    /// Stores the host has not seen land, oldest first: (number, block, the host address it copies
+    /// to, event after the copy). A store the device stream has waited for stays here until then: the
+    /// device's wait orders its own later work, not the host's reads.
+    pending: VecDeque<(u64, u32, u64, E)>,
     /// The number the next store gets (from 1).
     next_seq: u64,
     /// Every store up to this number is ordered before the device stream's later work.
@@ -44,14 +44,20 @@ impl<E> Default for StoreOrder<E> {
 }
 
 impl<E> StoreOrder<E> {
-    /// A store of `block` was issued on the transfer stream, with `event` recorded after it: returns
-    /// its number.
-    pub fn started(&mut self, block: u32, event: E) -> u64 {
+    /// A store of `block` into host address `host` was issued on the transfer stream, with `event`
+    /// recorded after it: returns its number.
+    pub fn started(&mut self, block: u32, host: u64, event: E) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.pending.push_back((seq, block, event));
+        self.pending.push_back((seq, block, host, event));
         self.newest.insert(block, seq);
         seq
+    }
+
+    /// The newest store into host address `host` the host has not seen land (what a read of that
+    /// slot waits for; the stores before it land first).
+    pub fn newest_into(&self, host: u64) -> Option<u64> {
+        self.pending.iter().rev().find(|p| p.2 == host).map(|p| p.0)
     }
 
     /// The newest store not yet ordered before the device stream that reads one of `blocks` (what
@@ -71,18 +77,18 @@ impl<E> StoreOrder<E> {
     pub fn event(&self, seq: u64) -> Option<&E> {
         let first = self.pending.front()?.0;
         let at = usize::try_from(seq.checked_sub(first)?).ok()?;
-        self.pending.get(at).map(|p| &p.2)
+        self.pending.get(at).map(|p| &p.3)
     }
 
     /// The newest store the host has not seen land, and its event (what the host waits on to see every
     /// store land).
     pub fn newest(&self) -> Option<(u64, &E)> {
-        self.pending.back().map(|p| (p.0, &p.2))
+        self.pending.back().map(|p| (p.0, &p.3))
     }
 
     /// The oldest store the host has not seen land, and its event.
     pub fn oldest(&self) -> Option<(u64, &E)> {
-        self.pending.front().map(|p| (p.0, &p.2))
+        self.pending.front().map(|p| (p.0, &p.3))
     }
 
     /// The device stream waits for store `seq`, and so for every store before it: device work issued
@@ -96,7 +102,7 @@ impl<E> StoreOrder<E> {
     pub fn landed_through(&mut self, seq: u64) {
         self.device_through = self.device_through.max(seq);
         while self.pending.front().is_some_and(|p| p.0 <= seq) {
-            let (s, block, _) = self.pending.pop_front().expect("looked at");
+            let (s, block, _, _) = self.pending.pop_front().expect("looked at");
             if self.newest.get(&block) == Some(&s) {
                 self.newest.remove(&block);
             }
@@ -137,13 +143,32 @@ pub(super) fn blocks_written<'a>(
 mod tests {
     use super::*;
 
+    /// A made-up host slot address for block `b`.
+    fn host(b: u32) -> u64 {
+        0x1000 * u64::from(b)
+    }
+
+    #[test]
+    fn a_read_of_a_slot_waits_for_the_newest_store_into_it() {
+        let mut o = StoreOrder::default();
+        o.started(1, 0xa000, ());
+        o.started(2, 0xb000, ());
+        o.started(3, 0xa000, ());
+        assert_eq!(o.newest_into(0xa000), Some(3));
+        assert_eq!(o.newest_into(0xb000), Some(2));
+        assert_eq!(o.newest_into(0xc000), None);
+        o.landed_through(2);
+        assert_eq!(o.newest_into(0xb000), None);
+        assert_eq!(o.newest_into(0xa000), Some(3));
+    }
+
     #[test]
     fn a_writer_waits_for_the_newest_store_of_its_blocks_and_no_other() {
         let mut o = StoreOrder::default();
         assert_eq!(o.newest_reading([1, 2]), None, "nothing stored");
-        assert_eq!(o.started(4, 'a'), 1);
-        assert_eq!(o.started(5, 'b'), 2);
-        assert_eq!(o.started(6, 'c'), 3);
+        assert_eq!(o.started(4, host(4), 'a'), 1);
+        assert_eq!(o.started(5, host(5), 'b'), 2);
+        assert_eq!(o.started(6, host(6), 'c'), 3);
         // Blocks no store reads: no wait.
         assert_eq!(o.newest_reading([1, 2, 3]), None);
         assert_eq!(o.newest_reading([4]), Some(1));
@@ -174,8 +199,8 @@ mod tests {
         // The device's wait orders its own later work: the host, before it reads a stored slot, must
         // see the copy land itself.
         let mut o = StoreOrder::default();
-        o.started(1, ());
-        o.started(2, ());
+        o.started(1, host(1), ());
+        o.started(2, host(2), ());
         o.device_waited(2);
         assert_eq!(o.unordered(), 0);
         assert_eq!(o.newest_reading([1, 2]), None);
@@ -187,9 +212,9 @@ mod tests {
     #[test]
     fn a_block_stored_twice_waits_for_its_newer_store() {
         let mut o = StoreOrder::default();
-        o.started(7, ());
-        o.started(8, ());
-        o.started(7, ());
+        o.started(7, host(7), ());
+        o.started(8, host(8), ());
+        o.started(7, host(7), ());
         assert_eq!(o.newest_reading([7]), Some(3));
         // The first store of 7 landed: its newer one still reads the block.
         o.landed_through(1);
@@ -205,7 +230,7 @@ mod tests {
     fn every_store_a_writer_is_told_to_wait_for_has_its_event() {
         let mut o = StoreOrder::default();
         for round in 0..200u32 {
-            let seq = o.started(round % 13, round);
+            let seq = o.started(round % 13, host(round % 13), round);
             assert_eq!(o.event(seq), Some(&round));
             if round % 7 == 0 {
                 if let Some(s) = o.newest_reading([round % 5, round % 11]) {

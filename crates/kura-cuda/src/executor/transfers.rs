@@ -207,7 +207,7 @@ impl CudaExecutor {
         .result()?;
         let stored = self.dev.ctx.new_event(UNTIMED)?;
         stored.record(&loads.stream)?;
-        loads.stores.started(block, stored);
+        loads.stores.started(block, out.as_ptr() as u64, stored);
         // Stores of blocks that are never rewritten (write-through, swap-outs of blocks that stay
         // cached) and never fenced would pile up: past a bound, those that landed are let go.
         if loads.stores.len() > STORES_HELD {
@@ -396,6 +396,23 @@ impl CudaExecutor {
     pub fn try_stores_fence(&mut self) -> Result<()> {
         if let Some(loads) = self.loads.as_mut() {
             if let Some((seq, ev)) = loads.stores.newest() {
+                ev.synchronize()?;
+                loads.stores.landed_through(seq);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the stores started into `slot` (its first byte's address, as given to
+    /// [`CudaExecutor::try_start_export`]) have landed in host memory, and with them every store
+    /// started before the newest of those (the transfer stream runs in order); later stores go on.
+    pub fn try_stores_fence_slot(&mut self, slot: &[u8]) -> Result<()> {
+        if let Some(loads) = self.loads.as_mut() {
+            if let Some(seq) = loads.stores.newest_into(slot.as_ptr() as u64) {
+                let ev = loads
+                    .stores
+                    .event(seq)
+                    .expect("a pending store has its event");
                 ev.synchronize()?;
                 loads.stores.landed_through(seq);
             }

@@ -323,6 +323,23 @@ pub fn stores_wait_only_for_their_blocks_writers(
         "the fence waits for a store the device waited for"
     );
     assert!(export(&gpu, 0) == copied, "the copy after the store");
+    // A fence of one slot: its store lands (with those before it on the stream); a later store into
+    // another slot goes on.
+    let (now0, now2) = (export(&gpu, 0), export(&gpu, 2));
+    assert!(now0 != now2);
+    region.fill(0);
+    assert!(gpu.start_export(0, &mut region[..bb]).unwrap());
+    assert!(gpu.start_export(2, &mut region[bb..2 * bb]).unwrap());
+    gpu.exports_fence_slot(&region[..bb]).unwrap();
+    assert!(region[..bb] == now0[..], "the fenced slot's store landed");
+    if lazy {
+        assert!(
+            region[bb..2 * bb].iter().all(|x| *x == 0),
+            "the later store into another slot was not waited for"
+        );
+    }
+    gpu.exports_fence().unwrap();
+    assert!(region[bb..2 * bb] == now2[..], "the later store, fenced");
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }

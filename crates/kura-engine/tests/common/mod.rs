@@ -52,6 +52,10 @@ struct ControlState {
     async_exports: bool,
     /// Exports started so far.
     exports_started: usize,
+    /// Fences of every export ([`Executor::exports_fence`]), and fences of one slot's that left
+    /// exports into other slots copying ([`Executor::exports_fence_slot`]).
+    whole_fences: usize,
+    slot_fences_past_others: usize,
     /// What each forward call was asked to answer, item by item ([`Executor::forward_rows`]).
     wants: Vec<Vec<Want>>,
     /// Whether forward calls answer every item with its row of logits, whatever was asked.
@@ -209,6 +213,12 @@ impl Control {
     /// Exports started asynchronously so far.
     pub fn exports_started(&self) -> usize {
         self.state.lock().unwrap().exports_started
+    }
+
+    /// Fences of every export so far, and fences of one slot's that left other slots' copying.
+    pub fn fences(&self) -> (usize, usize) {
+        let s = self.state.lock().unwrap();
+        (s.whole_fences, s.slot_fences_past_others)
     }
 
     /// Blocks until at least `n` imports have been started asynchronously.
@@ -474,7 +484,28 @@ impl Executor for FakeModel {
 
     fn exports_fence(&mut self) -> Result<(), ExecError> {
         self.control.fault(Op::Fence)?;
+        self.control.state.lock().unwrap().whole_fences += 1;
         self.land_stores();
+        Ok(())
+    }
+
+    fn exports_fence_slot(&mut self, slot: &[u8]) -> Result<(), ExecError> {
+        self.control.fault(Op::Fence)?;
+        // Only that slot's stores: an engine that reads another slot after fencing this one reads
+        // the 0xEE of a store not landed.
+        let at = slot.as_ptr();
+        let (this, others): (Vec<_>, Vec<_>) = self
+            .stores
+            .drain(..)
+            .partition(|(p, _)| std::ptr::eq(*p as *const u8, at));
+        if !others.is_empty() {
+            self.control.state.lock().unwrap().slot_fences_past_others += 1;
+        }
+        self.stores = others;
+        for (p, bytes) in this {
+            // SAFETY: see `stores`: a live slot of the host region, `bytes.len()` long.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
+        }
         Ok(())
     }
 
