@@ -359,7 +359,13 @@ impl CudaExecutor {
             return Ok(false);
         };
         if let Some(host) = loads.order.queued_host(block) {
-            if let Some((_, ev)) = loads.stores.newest() {
+            // The stores into that slot (the bookkeeping, which `&self` cannot change, waits again
+            // at the next fence).
+            if let Some(seq) = loads.stores.newest_into(host) {
+                let ev = loads
+                    .stores
+                    .event(seq)
+                    .expect("a pending store has its event");
                 ev.synchronize()?;
             }
             // SAFETY: a pinned slot of `block_bytes` in the host region (checked when the load was

@@ -340,6 +340,18 @@ pub fn stores_wait_only_for_their_blocks_writers(
     }
     gpu.exports_fence().unwrap();
     assert!(region[bb..2 * bb] == now2[..], "the later store, fenced");
+    // A load of a slot queued behind a store into it, and the loaded block exported before the load
+    // is issued: the export reads the slot once the store has landed.
+    if gpu.set_ordered_imports(true) {
+        region.fill(0);
+        assert!(gpu.start_export(2, &mut region[..bb]).unwrap());
+        assert!(gpu.start_import(6, &region[..bb]).unwrap());
+        assert!(
+            export(&gpu, 6) == now2,
+            "the block a queued load fills, as the store into its slot left it"
+        );
+        gpu.exports_fence().unwrap();
+    }
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
 }
