@@ -3,11 +3,11 @@
 //!
 //! Stores (device → host) are one copy per block, each with an event after it; a step, block copy or
 //! import that writes a stored block waits for its store, on the device (the engine frees a block as it
-//! stores it, and may hand it on at once), and the host waits for every store before it reads a stored
-//! slot. Work that writes no stored block does not wait, nor does the host: a swap-out of a long
-//! sequence (2 GiB for 16,384 tokens of Llama-3.1-8B, about 40 ms at 50 GB/s) runs beside the steps
-//! after it, and holds one back only for the copies up to the store of the first of its blocks that
-//! step writes ([`super::store_order`]).
+//! stores it, and may hand it on at once), and the host waits for the stores into a slot before it
+//! reads or writes that slot. Work that writes no stored block does not wait, nor does the host: a
+//! swap-out of a long sequence (2 GiB for 16,384 tokens of Llama-3.1-8B, about 40 ms at 50 GB/s) runs
+//! beside the steps after it, and holds one back only for the copies up to the store of the first of
+//! its blocks that step writes ([`super::store_order`]).
 //!
 //! Loads (host → device) take one of two forms:
 //! - **whole blocks**, one copy each, reported by [`CudaExecutor::try_imports_done`] when they land; the
@@ -57,8 +57,8 @@ pub(super) struct HostLoads {
     order: LoadOrder,
     /// The events of the issues `order` has in flight, oldest first.
     layered: VecDeque<Layered>,
-    /// Stores that work writing their blocks has yet to wait for, each with the event after its copy
-    /// (the newest is what the host waits on before reading stored bytes).
+    /// Stores the host has not seen land, each with the event after its copy, and which of them the
+    /// device stream has waited for (work writing their blocks waits for the others).
     stores: StoreOrder<CudaEvent>,
     /// Whether batched copies work here; after one fails, ordered loads are whole-block copies (a step
     /// that reads one then waits for all of it).
