@@ -412,6 +412,17 @@ pub struct StepPlan {
     pub tiles: usize,
 }
 
+impl StepPlan {
+    /// The pool block each new token's K and V are written to, in token order (a block once per token
+    /// it receives): the blocks the step writes.
+    pub fn blocks_written(&self) -> impl Iterator<Item = u32> + '_ {
+        self.meta[self.at_slots..self.at_slots + 2 * self.n_tokens]
+            .iter()
+            .step_by(2)
+            .map(|&b| b as u32)
+    }
+}
+
 /// What the pool and model look like to [`plan_step`].
 #[derive(Debug, Clone, Copy)]
 pub struct StepLimits {
@@ -1018,12 +1029,7 @@ impl CudaExecutor {
         // A step writes its new tokens' blocks: after the stores that read them. Loads started since
         // the last step go out now; a step that reads one of their blocks waits for each layer's bytes
         // before that layer's attention.
-        self.after_stores_of(store_order::blocks_written(
-            batch
-                .iter()
-                .map(|s| (s.start_pos, s.tokens.len(), s.block_table)),
-            self.shape.block_size as usize,
-        ))?;
+        self.after_stores_of(plan.blocks_written())?;
         self.issue_imports()?;
         let wait = self.imports_read_by(batch);
         let c = &self.cfg;
@@ -1815,6 +1821,7 @@ mod tests {
             &p.meta[p.at_slots..p.at_last],
             &[7, 2, 7, 3, 3, 0, 3, 1, 3, 2, 9, 2]
         );
+        assert_eq!(p.blocks_written().collect::<Vec<_>>(), [7, 7, 3, 3, 3, 9]);
         assert_eq!(&p.meta[p.at_last..p.at_tok_info], &[4, 5]);
         assert_eq!((p.split_tokens, p.tiles, p.max_splits), (1, 1, 1));
         // The decode token: row 5, position 6, its table at 2, no window.

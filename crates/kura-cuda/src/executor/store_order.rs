@@ -120,25 +120,6 @@ impl<E> StoreOrder<E> {
     }
 }
 
-/// The blocks a step writes: for each sequence, those holding its new tokens' positions
-/// (`start_pos .. start_pos + tokens`, `block_size` slots a block), as its table names them.
-pub(super) fn blocks_written<'a>(
-    seqs: impl IntoIterator<Item = (usize, usize, &'a [u32])> + 'a,
-    block_size: usize,
-) -> impl Iterator<Item = u32> + 'a {
-    seqs.into_iter().flat_map(move |(start, tokens, table)| {
-        let first = start / block_size;
-        let end = if tokens == 0 {
-            first
-        } else {
-            (start + tokens).div_ceil(block_size)
-        };
-        table[first.min(table.len())..end.min(table.len())]
-            .iter()
-            .copied()
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,23 +229,5 @@ mod tests {
             }
             assert!(o.unordered() <= o.len());
         }
-    }
-
-    #[test]
-    fn a_step_writes_the_blocks_of_its_new_positions() {
-        let t = [10u32, 11, 12, 13];
-        let table: &[u32] = &t;
-        // 16 slots a block: a decode token at position 31 writes block 1; at 32, block 2.
-        let w = |s: usize, n: usize| blocks_written([(s, n, table)], 16).collect::<Vec<_>>();
-        assert_eq!(w(31, 1), [11]);
-        assert_eq!(w(32, 1), [12]);
-        // A prompt of 40 tokens after 8 cached: positions 8..48, blocks 0..3.
-        assert_eq!(w(8, 40), [10, 11, 12]);
-        assert_eq!(w(0, 64), [10, 11, 12, 13]);
-        assert_eq!(w(5, 0), Vec::<u32>::new());
-        // Several sequences.
-        let other: &[u32] = &[20, 21];
-        let both: Vec<u32> = blocks_written([(15, 2, table), (0, 3, other)], 16).collect();
-        assert_eq!(both, [10, 11, 20]);
     }
 }
