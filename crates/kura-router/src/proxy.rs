@@ -529,8 +529,8 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
         Ok(body) => body,
         Err(response) => return response,
     };
-    // A request that runs no prompt (a token count) goes to the least loaded replica, and the index is
-    // not told that it holds blocks it was never asked to compute.
+    // A request that runs no prompt (a token count) is placed without blocks (by work and load, or in turn),
+    // and the index is not told that a replica holds blocks it was never asked to compute.
     let prompt = if endpoint.runs_prompt() {
         read_prompt(&fleet, endpoint, client_key, body.clone()).await
     } else {
