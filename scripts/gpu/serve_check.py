@@ -153,6 +153,14 @@ def check_host_tier(kura: str, model: str, device: str, pool: str | None = None,
             failures.append(f"host tier: no block came back from it ({hits})")
         if fails != 0:
             failures.append(f"host tier: {fails} load failures")
+        ahead = metric("kura:kv_host_stored_ahead_blocks_total")
+        copied = metric("kura:kv_evictions_copied_total")
+        evictions = metric("kura:kv_cache_evictions_total")
+        print(f"host tier: {ahead:.0f} blocks stored ahead; {copied:.0f} of {evictions:.0f} evictions copied their block")
+        if device == "cuda" and (ahead <= 0 or copied != 0):
+            # The pinned host tier's stores run beside the steps: by default the pool's next evictions
+            # are stored ahead, and one prompt at a time never evicts a block not stored yet.
+            failures.append(f"host tier: {ahead:.0f} blocks stored ahead, {copied:.0f} evictions copied their block")
     finally:
         stop(proc)
     return failures

@@ -162,6 +162,32 @@ def test_revisits_are_served_from_the_host_and_disk_tiers(tmp_path):
         s.stop()
 
 
+def test_blocks_stored_ahead_are_evicted_without_a_copy():
+    # Pool: 182 blocks; host tier: 364. `--kv-store-ahead 150` keeps the pool's next 150 evictions
+    # copied to the host tier ahead of need (what a GPU server does by default, so that no step waits
+    # for the copy of a block its own pass evicted), so the third prompt's 94 blocks evict blocks
+    # already stored, and revisits load them back with the cold tokens.
+    s = KuraServer("--kv-cache-memory", "64MiB", "--kv-host-memory", "128MiB", "--kv-store-ahead", "150",
+                   *EXACT)
+    try:
+        assert "stored in the host tier ahead of need" in plain_log(s), plain_log(s)[-3000:]
+        prompts = [text(1500, seed=f"ahead-{i}") for i in range(3)]
+        cold = [complete(s, p) for p in prompts]
+        for p, c in zip(prompts, cold):
+            r = complete(s, p)
+            assert r.usage.prompt_tokens_details.cached_tokens >= full_blocks_before_last(r.usage.prompt_tokens)
+            assert r.choices[0].text == c.choices[0].text
+        m = s.wait_idle()
+        assert m["kura:kv_cache_evictions_total"] > 0
+        assert tier(m, "kv_tier_hit_blocks_total", "host") > 0
+        assert m["kura:kv_host_stored_ahead_blocks_total"] > 0
+        assert m["kura:kv_evictions_copied_total"] == 0, (
+            f"{m['kura:kv_evictions_copied_total']:.0f} of {m['kura:kv_cache_evictions_total']:.0f} "
+            "evictions copied their block")
+    finally:
+        assert_stops_cleanly(s)
+
+
 def test_disk_tier_survives_a_clean_restart(tmp_path, reference):
     disk = tmp_path / "kv"
     prompt = text(4000, seed="restart")
@@ -427,9 +453,11 @@ def start_fails(*args: str, timeout: float = 60) -> tuple[int, str, float]:
         (("--kv-host-memory", "1000TB"), ("--kv-host-memory 1000TB", "available")),
         (("--kv-offload-policy", "write-through"), ("--kv-offload-policy write-through",)),
         (("--kv-disk-path", "{file}"), ("{file}",)),
+        (("--kv-store-ahead", "64"), ("--kv-store-ahead needs a host tier", "--kv-host-memory")),
+        (("--kv-host-memory", "64MiB", "--kv-store-ahead", "lots"), ("--kv-store-ahead",)),
     ],
     ids=["disk-size-0", "disk-size-less-than-a-block", "disk-path-empty", "swap-without-host", "host-1PB", "host-more-than-memory", "write-through-without-tier",
-         "disk-path-is-a-file"],
+         "disk-path-is-a-file", "store-ahead-without-host", "store-ahead-not-a-number"],
 )
 def test_bad_tier_flags_stop_the_server(tmp_path, args, expect):
     file = tmp_path / "not-a-dir"

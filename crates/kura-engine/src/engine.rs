@@ -308,15 +308,24 @@ pub fn start_engine(
         .spawn(move || crate::output::run(out_rx, output_codec, finished_tx, handled))?;
     // The host tier offered to the executor last, when nothing can fail any more: the engine's core
     // drops the executor (which may have pinned it) before the arena.
+    let mut pinned = false;
     if let Some(region) = tiers.as_mut().and_then(TierIo::host_region_mut) {
         let (bytes, t) = (region.len(), Instant::now());
-        if executor.register_host_region(region) {
+        pinned = executor.register_host_region(region);
+        if pinned {
             tracing::info!(
                 bytes,
                 ms = t.elapsed().as_millis() as u64,
                 "host KV tier pinned for the executor's copies"
             );
         }
+    }
+    let store_ahead = store_ahead_blocks(&config, pinned && tiers.is_some());
+    if store_ahead > 0 {
+        tracing::info!(
+            blocks = store_ahead,
+            "the pool's next evictions are stored in the host tier ahead of need"
+        );
     }
     let config_block_size = config.block_size_tokens;
     let core = Core {
@@ -345,6 +354,7 @@ pub fn start_engine(
         cost,
         seen: SeenLog::default(),
         tick_times: TickTimes::default(),
+        store_ahead,
     };
     let thread = std::thread::Builder::new()
         .name("kura-engine".into())
@@ -386,6 +396,30 @@ struct Core {
     tick_times: TickTimes,
     /// Recent sequences per cache salt, to tell why a prompt missed the cache.
     seen: SeenLog,
+    /// Blocks kept free or stored ahead of their eviction ([`TierSetup::store_ahead`]); 0: off.
+    store_ahead: usize,
+}
+
+/// The blocks [`TierSetup::store_ahead`] resolves to: as given, or where the executor's stores run
+/// beside its steps (`async_stores`: it pinned the host tier) the blocks one step can take (its token
+/// budget's blocks, and one more for each sequence a decode step may carry over a block boundary),
+/// else none. Never more than the pool, nor half the host tier: blocks stored ahead that pushed one
+/// another out of the host tier would be copied again at every step.
+fn store_ahead_blocks(config: &EngineConfig, async_stores: bool) -> usize {
+    if config.tiers.host_blocks == 0 {
+        return 0;
+    }
+    let blocks = match config.tiers.store_ahead {
+        Some(n) => n as usize,
+        None if async_stores => config
+            .max_num_batched_tokens
+            .div_ceil(config.block_size_tokens.max(1))
+            .saturating_add(config.max_num_seqs),
+        None => 0,
+    };
+    blocks
+        .min(config.num_blocks)
+        .min(config.tiers.host_blocks as usize / 2)
 }
 
 /// The engine's side of the output stage's channel, counting what it sent so that a step can wait for
@@ -827,6 +861,9 @@ impl Core {
         // Blocks the pass sent down are copied before anything (block copies, the forward pass)
         // writes the pool; a block copy whose source a load of the pass overwrites runs before it.
         self.run_tier_moves_around(&mut plan.copies);
+        // The blocks the next pass may evict in place of those this one took: copied beside this
+        // step's forward pass.
+        self.store_ahead();
         let progressed = !plan.items.is_empty();
         let gave_way = !progressed
             && plan.pending_waits == 0
@@ -852,6 +889,8 @@ impl Core {
             Self::run_copies(self.executor.as_mut(), &plan.copies);
         }
         self.cancel_closed();
+        // Blocks this step left idle may be among the next evictions.
+        self.store_ahead();
         self.update_gauges();
         self.publish_kv_events();
         self.out.end_step();
@@ -1394,6 +1433,14 @@ impl Core {
 
     /// Runs the block moves the scheduler decided since the last call, and reports the loads they
     /// finished (host loads finish at once): [`Core::run_tier_moves_around`] with no copies.
+    /// Copies the pool's next evictions into the host tier ahead of need ([`TierSetup::store_ahead`]),
+    /// so that the pass which evicts them copies nothing and the step after it waits for no copy.
+    fn store_ahead(&mut self) {
+        if self.store_ahead > 0 && self.sched.store_ahead(self.store_ahead) > 0 {
+            self.run_tier_moves();
+        }
+    }
+
     fn run_tier_moves(&mut self) {
         self.run_tier_moves_around(&mut Vec::new());
     }
@@ -1602,6 +1649,8 @@ impl Core {
                 tm.evictions.set_total(evictions);
             }
             m.tier_full_drops.set_total(st.tier_full_drops);
+            m.host_stored_ahead.set_total(st.host_stored_ahead);
+            m.evictions_copied.set_total(st.evictions_copied);
             m.tier_checksum_failures.set_total(io.corrupt_found);
             if let Some(d) = io.disk_stats() {
                 m.disk_reads.set_total(d.reads + d.read_errors);
@@ -1610,5 +1659,39 @@ impl Core {
             }
             m.disk_queue.set(io.disk_queue() as f64);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_ahead_blocks_default_to_one_steps_take_where_stores_run_beside_the_steps() {
+        let mut c = EngineConfig {
+            block_size_tokens: 16,
+            num_blocks: 10_000,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 8192,
+            ..EngineConfig::default()
+        };
+        assert_eq!(store_ahead_blocks(&c, true), 0, "no host tier");
+        c.tiers.host_blocks = 4096;
+        assert_eq!(store_ahead_blocks(&c, true), 8192 / 16 + 64);
+        assert_eq!(
+            store_ahead_blocks(&c, false),
+            0,
+            "stores on the host's time"
+        );
+        c.tiers.store_ahead = Some(100);
+        assert_eq!(store_ahead_blocks(&c, false), 100, "as given");
+        c.tiers.store_ahead = Some(0);
+        assert_eq!(store_ahead_blocks(&c, true), 0, "off");
+        c.tiers.store_ahead = None;
+        c.tiers.host_blocks = 200;
+        assert_eq!(store_ahead_blocks(&c, true), 100, "half the host tier");
+        c.tiers.host_blocks = 100_000;
+        c.num_blocks = 50;
+        assert_eq!(store_ahead_blocks(&c, true), 50, "the pool");
     }
 }

@@ -81,6 +81,10 @@ pub struct EngineMetrics {
     pub disk: TierMetrics,
     /// Blocks that could not go down because their tier was full of blocks being loaded.
     pub tier_full_drops: Counter,
+    /// Blocks copied into the host tier ahead of their eviction from the pool (`--kv-store-ahead`).
+    pub host_stored_ahead: Counter,
+    /// Evictions from the pool that copied their block down as they evicted it (not stored ahead).
+    pub evictions_copied: Counter,
     /// Stored blocks that failed a check when read (checksum, header, identity) or when the disk tier was
     /// opened; each was removed and never served.
     pub tier_checksum_failures: Counter,
@@ -503,6 +507,16 @@ impl EngineMetrics {
             "kura:prefill_tokens_per_second",
             "Prefill rate the tier cost check compares the tiers with (tokens per second of forward steps that are mostly prefill).",
             self.prefill_tokens_per_s.get(),
+        );
+        e.counter(
+            "kura:kv_host_stored_ahead_blocks_total",
+            "Blocks copied into the host KV tier ahead of their eviction from the pool (among the host tier's stores).",
+            self.host_stored_ahead.get(),
+        );
+        e.counter(
+            "kura:kv_evictions_copied_total",
+            "Evictions from the KV pool that copied their block down to a lower tier as they evicted it (on a GPU, the step reusing the block waits for that copy); blocks stored ahead are evicted without one.",
+            self.evictions_copied.get(),
         );
         e.counter(
             "kura:kv_tier_full_drops_total",

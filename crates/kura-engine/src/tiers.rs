@@ -49,6 +49,11 @@ pub struct TierSetup {
     /// The disk tier (L3), if any.
     pub disk: Option<DiskSetup>,
     pub policy: OffloadPolicy,
+    /// Blocks of the pool kept free or already stored in the host tier ahead of their eviction
+    /// (`KvCacheManager::store_ahead`), so that a step reusing an evicted block need not wait for its
+    /// copy. `None`: the blocks one step can take where the executor's stores run beside its steps (it
+    /// pinned the host tier), else none; `Some(0)`: off.
+    pub store_ahead: Option<u32>,
 }
 
 impl TierSetup {

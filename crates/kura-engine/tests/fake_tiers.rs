@@ -175,7 +175,18 @@ fn runs_until_the_engine_fails(fake: &Fake, expected: &str, case: &str) {
         if s == 0 && fake.control.calls() > 0 {
             settle(e);
         }
-        let (_g, rx) = submit(e, distinct_request(s, 24, 6));
+        // The engine may fail between two requests (storing blocks ahead of their eviction): the
+        // next one is refused with the failure.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let _g = match e.submit(distinct_request(s, 24, 6), move |ev| tx.send(ev).is_ok()) {
+            Ok(g) => g,
+            Err(kura_engine::SubmitError::EngineFailed(reason)) => {
+                assert_eq!(reason, expected, "{case}: prompt {s} refused");
+                assert!(!e.is_alive(), "{case}");
+                return;
+            }
+            Err(other) => panic!("{case}: prompt {s} refused: {other:?}"),
+        };
         match outcome(&rx).result {
             Ok(_) => continue,
             Err(kura_engine::RequestError::EngineFailed(reason)) => {
@@ -442,6 +453,43 @@ fn stores_and_loads_through_host_and_disk(loads: Loads) {
         );
     }
     fake.engine.stop();
+}
+
+#[test]
+fn blocks_stored_ahead_are_evicted_without_a_copy() {
+    // On an accelerator a step that writes a block waits for that block's store: evicted by the
+    // step's own pass, its copy starts just before it. Stored ahead (at the end of a step, or beside
+    // its forward pass), the copy has run by then.
+    let cold = cold_outputs();
+    for store_ahead in [0, 8] {
+        let mut c = with_tiers(12, 64, None);
+        c.tiers.store_ahead = Some(store_ahead);
+        let fake = start(c);
+        fake.control.async_exports();
+        // One at a time (each evicts the one before), then revisits from the host tier.
+        for (i, s) in [0, 1, 2, 3, 4, 2, 1, 0].into_iter().enumerate() {
+            let (tokens, _) = run(&fake.engine, distinct_request(s, 24, 6));
+            assert_eq!(
+                tokens, cold[s as usize],
+                "request {i}, prompt {s}, {store_ahead} blocks stored ahead"
+            );
+        }
+        settle(&fake.engine);
+        let e = &fake.engine;
+        let evictions = metric(e, "kura:kv_cache_evictions_total");
+        let copied = metric(e, "kura:kv_evictions_copied_total");
+        let ahead = metric(e, "kura:kv_host_stored_ahead_blocks_total");
+        assert!(evictions > 0.0);
+        assert!(tier_metric(e, "kura:kv_tier_hit_blocks_total", "host") > 0.0);
+        if store_ahead == 0 {
+            // Blocks loaded back are evicted again without a copy: the host tier still holds them.
+            assert!(copied > 0.0 && ahead == 0.0, "{copied} {ahead}");
+        } else {
+            assert_eq!(copied, 0.0, "of {evictions} evictions");
+            assert!(ahead > 0.0);
+        }
+        fake.engine.stop();
+    }
 }
 
 #[test]

@@ -134,6 +134,25 @@ impl Evictor {
         None
     }
 
+    /// Appends the next `n` candidates (fewer where there are fewer) to `out`, in the order
+    /// [`Evictor::pop`] would take them, and leaves them candidates; stale entries met on the way are
+    /// dropped. O(n log entries). Under [`EvictionPolicy::LeafLru`] these are the present leaves only:
+    /// a parent becomes a candidate once its last cached child has gone.
+    pub fn peek(&mut self, meta: &[BlockMeta], n: usize, out: &mut Vec<BlockId>) {
+        let mut live = Vec::with_capacity(n.min(self.heap.len()));
+        while live.len() < n {
+            let Some(Reverse(e)) = self.heap.pop() else {
+                break;
+            };
+            let m = &meta[e.block as usize];
+            if m.heap_token == e.token && self.is_candidate(m) {
+                live.push(e);
+            }
+        }
+        out.extend(live.iter().map(|e| e.block));
+        self.heap.extend(live.into_iter().map(Reverse));
+    }
+
     fn compact(&mut self, meta: &[BlockMeta]) {
         let entries = std::mem::take(&mut self.heap).into_vec();
         self.heap = entries
@@ -212,6 +231,25 @@ mod tests {
         pool.meta[0].num_children = 1;
         pool.meta[1].ref_count = 1; // became referenced: not idle
         assert_eq!(ev.pop(&mut pool.meta), None);
+    }
+
+    #[test]
+    fn peek_names_the_next_candidates_in_order_and_leaves_them() {
+        let mut pool = idle_pool(5);
+        let mut ev = Evictor::new(EvictionPolicy::LeafLru, 5);
+        for (b, used) in [(0, 4), (1, 2), (2, 0), (3, 3), (4, 1)] {
+            pool.meta[b as usize].last_used = used;
+            ev.offer(&mut pool.meta, b, 0);
+        }
+        pool.meta[4].ref_count = 1; // no longer idle: its entry is stale
+        let mut next = Vec::new();
+        ev.peek(&pool.meta, 3, &mut next);
+        assert_eq!(next, vec![2, 1, 3]);
+        next.clear();
+        ev.peek(&pool.meta, 10, &mut next);
+        assert_eq!(next, vec![2, 1, 3, 0], "fewer than asked: every candidate");
+        let popped: Vec<_> = std::iter::from_fn(|| ev.pop(&mut pool.meta)).collect();
+        assert_eq!(popped, vec![2, 1, 3, 0], "peeking took nothing");
     }
 
     #[test]

@@ -47,6 +47,12 @@ pub struct KvStats {
     pub disk_refused_blocks: u64,
     /// Blocks copied from the pool into the host tier (on eviction, write-through or swap).
     pub host_stores: u64,
+    /// Of those, blocks copied ahead of their eviction ([`crate::KvCacheManager::store_ahead`]).
+    pub host_stored_ahead: u64,
+    /// Evictions from the pool that copied their block down as they evicted it (a lower tier lacked
+    /// it): where copies run beside the steps, each holds back the step that reuses the block until it
+    /// has landed. Blocks stored ahead (or written through) are evicted without one.
+    pub evictions_copied: u64,
     /// Blocks written to disk.
     pub disk_stores: u64,
     /// Blocks evicted from the host tier (written to disk first when there is one).

@@ -25,6 +25,17 @@ fn manager_with(num_blocks: u32, f: impl FnOnce(&mut KvCacheConfig)) -> KvCacheM
     KvCacheManager::new(c).unwrap()
 }
 
+/// A manager of `num_blocks` blocks with a host tier of `host_blocks`, write-back.
+fn manager_with_host(num_blocks: u32, host_blocks: u32) -> KvCacheManager {
+    manager_with(num_blocks, |c| {
+        c.tiers = TierConfig {
+            host_blocks,
+            disk_blocks: 0,
+            policy: OffloadPolicy::WriteBack,
+        }
+    })
+}
+
 /// Runs a prompt to completion the way the scheduler would: lookup, allocate, compute, optionally free.
 fn run(kv: &mut KvCacheManager, key: &CacheKey, prompt: &[u32], free: bool) -> SeqId {
     let seq = kv.add_sequence(key);
@@ -560,13 +571,7 @@ fn a_swapped_out_sequence_is_stored_in_the_order_the_pool_reuses_its_blocks() {
     // An executor copies stores in order on a stream of its own (the GPU's), and work that writes a
     // block waits for its store and every store before it: the block the pool hands on first must be
     // the one stored first, or the first step after a swap-out waits for the whole sequence's copies.
-    let mut kv = manager_with(4, |c| {
-        c.tiers = TierConfig {
-            host_blocks: 8,
-            disk_blocks: 0,
-            policy: OffloadPolicy::WriteBack,
-        }
-    });
+    let mut kv = manager_with_host(4, 8);
     let key = CacheKey::new();
     let seq = run(&mut kv, &key, &toks(0..16), false);
     let table = kv.block_table(seq).unwrap().to_vec();
@@ -595,6 +600,98 @@ fn a_swapped_out_sequence_is_stored_in_the_order_the_pool_reuses_its_blocks() {
     assert_eq!(taken, stored, "reused in the order they were stored");
     let tail_first: Vec<u32> = table.iter().rev().copied().collect();
     assert_eq!(stored, tail_first);
+}
+
+#[test]
+fn stored_ahead_blocks_are_evicted_without_a_copy() {
+    // An executor whose stores run beside its steps (a GPU's) holds back a step that writes a block
+    // until that block's store has landed: blocks stored ahead of their eviction spare it the wait.
+    let mut kv = manager_with_host(8, 16);
+    let key = CacheKey::new();
+    let older = run(&mut kv, &key, &toks(0..16), false);
+    let older_table = kv.block_table(older).unwrap().to_vec();
+    kv.free(older).unwrap();
+    let newer = run(&mut kv, &key, &toks(100..112), false);
+    let newer_table = kv.block_table(newer).unwrap().to_vec();
+    kv.free(newer).unwrap();
+    assert_eq!(kv.usage().free_blocks, 1);
+    assert_eq!(kv.store_ahead(1), 0, "enough blocks free: nothing to do");
+    assert_eq!(kv.drain_tier_moves().count(), 0);
+    // Four more evictions to keep clean: the older sequence's chain, tail first, as leaf-first
+    // eviction will take it.
+    assert_eq!(kv.store_ahead(5), 4);
+    let stored: Vec<u32> = kv
+        .drain_tier_moves()
+        .map(|m| match m {
+            TierMove::Demote { block, .. } => block,
+            other => panic!("only stores into an empty host tier: {other:?}"),
+        })
+        .collect();
+    let tail_first: Vec<u32> = older_table.iter().rev().copied().collect();
+    assert_eq!(stored, tail_first);
+    assert_eq!(kv.stats().host_stored_ahead, 4);
+    assert_eq!(kv.store_ahead(5), 0, "held already: not stored again");
+    assert_eq!(kv.drain_tier_moves().count(), 0);
+    kv.check_invariants().unwrap();
+    // The blocks stay cached in the pool until they are needed.
+    let hit = kv.find_cached_prefix(&toks(0..16), &key);
+    assert_eq!(hit.num_full_blocks(), 4);
+    // A prompt of five blocks takes the free one and evicts the four stored ahead: no copy.
+    let taker = kv.add_sequence(&CacheKey::new().with_salt("other"));
+    kv.allocate_slots(taker, &toks(200..220), None)
+        .unwrap()
+        .expect("the idle blocks are evictable");
+    assert_eq!(kv.stats().evictions, 4);
+    assert_eq!(
+        kv.drain_tier_moves().count(),
+        0,
+        "evicted blocks were stored"
+    );
+    assert_eq!(kv.stats().evictions_copied, 0);
+    kv.mark_computed(taker, 20).unwrap();
+    kv.check_invariants().unwrap();
+    // Nothing free now: the newer sequence's chain is next.
+    assert_eq!(kv.store_ahead(8), 3);
+    let stored: Vec<u32> = kv
+        .drain_tier_moves()
+        .map(|m| match m {
+            TierMove::Demote { block, .. } => block,
+            other => panic!("only stores: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        stored,
+        newer_table.iter().rev().copied().collect::<Vec<_>>()
+    );
+    // And the older prompt comes back from the host tier.
+    let hit = kv.find_cached_prefix(&toks(0..16), &key);
+    assert_eq!(hit.num_cached_tokens(), 16);
+    assert_eq!(hit.num_full_blocks(), 0, "not in the pool any more");
+}
+
+#[test]
+fn an_eviction_that_copies_its_block_down_is_counted() {
+    let mut kv = manager_with_host(2, 8);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    run(&mut kv, &key, &toks(10..18), true);
+    assert_eq!(kv.drain_tier_moves().count(), 2);
+    assert_eq!((kv.stats().evictions, kv.stats().evictions_copied), (2, 2));
+    // Stored ahead, the next two are evicted without a copy.
+    assert_eq!(kv.store_ahead(2), 2);
+    assert_eq!(kv.drain_tier_moves().count(), 2);
+    run(&mut kv, &key, &toks(20..28), true);
+    assert_eq!(kv.drain_tier_moves().count(), 0);
+    assert_eq!((kv.stats().evictions, kv.stats().evictions_copied), (4, 2));
+}
+
+#[test]
+fn store_ahead_needs_a_host_tier() {
+    let mut kv = manager(2);
+    let key = CacheKey::new();
+    run(&mut kv, &key, &toks(0..8), true);
+    assert_eq!(kv.store_ahead(2), 0);
+    assert_eq!(kv.drain_tier_moves().count(), 0);
 }
 
 #[test]

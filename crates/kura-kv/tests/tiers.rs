@@ -274,6 +274,11 @@ impl Driver {
                 let on = self.rng.random_range(0..3) > 0;
                 self.kv.set_tier_loadable(tier, on);
             }
+            98..=99 => {
+                // The engine's store-ahead, with a reserve anywhere from none to the whole pool.
+                let reserve = self.rng.random_range(0..=self.pool.len());
+                self.kv.store_ahead(reserve);
+            }
             _ => {}
         }
         // Moves decided after a forward pass (write-through of computed blocks) or by a completed load
@@ -286,7 +291,7 @@ impl Driver {
 
 #[test]
 fn random_operations_keep_every_tier_consistent() {
-    let mut loads = 0;
+    let (mut loads, mut stored_ahead) = (0, 0);
     for (seed, policy) in [
         (1, OffloadPolicy::WriteBack),
         (2, OffloadPolicy::WriteThrough { min_hits: 0 }),
@@ -305,6 +310,7 @@ fn random_operations_keep_every_tier_consistent() {
             }
             let s = d.kv.stats();
             loads += s.host_hit_blocks + s.disk_hit_blocks;
+            stored_ahead += s.host_stored_ahead;
             assert_eq!(s.load_failures, d.loads_failed);
         }
     }
@@ -312,6 +318,7 @@ fn random_operations_keep_every_tier_consistent() {
         loads > 1_000,
         "the tiers were hardly exercised: {loads} loads"
     );
+    assert!(stored_ahead > 100, "{stored_ahead} blocks stored ahead");
 }
 
 #[test]

@@ -400,6 +400,13 @@ impl Scheduler {
         self.kv.drain_events().collect()
     }
 
+    /// Copies the pool's next evictions into the host tier ahead of need, keeping `reserve` blocks
+    /// free or stored ([`KvCacheManager::store_ahead`]); the copies are among the next tier moves.
+    /// Returns the blocks stored.
+    pub fn store_ahead(&mut self, reserve: usize) -> usize {
+        self.kv.store_ahead(reserve)
+    }
+
     /// The block moves between the pool and the lower tiers decided since the last call, in the order
     /// they must run (before the next forward pass).
     pub fn take_tier_moves(&mut self) -> Vec<TierMove> {

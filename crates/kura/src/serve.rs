@@ -554,6 +554,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             None => None,
         },
         policy: tier_sizes.policy,
+        store_ahead: tier_sizes.store_ahead,
     };
     let model_name = served_model_name(args.served_model_name.as_deref(), &path)?;
     let pin_budget = pin_budget_blocks(&args.kv_pin_budget, num_blocks, layout.bytes_per_block())?;

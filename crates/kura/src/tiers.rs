@@ -35,6 +35,12 @@ pub struct TierArgs {
     /// is computed). Blocks reused are the ones worth keeping.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub kv_offload_min_hits: u32,
+    /// Blocks of the pool kept free or already copied to the host tier ahead of their eviction, so
+    /// that a step reusing an evicted block waits for no copy. Default: on a GPU (whose copies run
+    /// beside the forward passes), the blocks one step can take; on the CPU none. 0 = off. At most
+    /// half the host tier and the pool.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100_000_000))]
+    pub kv_store_ahead: Option<u32>,
     /// What preemption does with a request's blocks: `swap` copies them to the host tier and loads
     /// them back on resumption (the default with --kv-host-memory), `recompute` recomputes what the
     /// pool evicted meanwhile (the default without).
@@ -56,6 +62,8 @@ pub struct TierSizes {
     pub disk: Option<(PathBuf, u64)>,
     pub policy: OffloadPolicy,
     pub preemption: PreemptionMode,
+    /// `--kv-store-ahead`, where given.
+    pub store_ahead: Option<u32>,
 }
 
 impl TierArgs {
@@ -88,6 +96,9 @@ impl TierArgs {
                 }
             }
         };
+        if self.kv_store_ahead.is_some_and(|n| n > 0) && host_bytes == 0 {
+            bail!("--kv-store-ahead needs a host tier to store into: give --kv-host-memory");
+        }
         let preemption = match self.preemption_mode {
             Some(PreemptionMode::Swap) if host_bytes == 0 => {
                 bail!("--preemption-mode swap needs a host tier to swap to: give --kv-host-memory")
@@ -101,6 +112,7 @@ impl TierArgs {
             disk,
             policy,
             preemption,
+            store_ahead: self.kv_store_ahead,
         })
     }
 }

@@ -171,6 +171,10 @@ fn bad_tier_flags_get_the_same_errors_from_plan_and_serve() {
             "--kv-offload-policy write-through needs a lower tier",
         ),
         (
+            vec!["--kv-store-ahead", "8"],
+            "--kv-store-ahead needs a host tier to store into",
+        ),
+        (
             vec!["--kv-disk-path", disk, "--kv-disk-size", "100"],
             "--kv-disk-size 100 B holds no KV block",
         ),

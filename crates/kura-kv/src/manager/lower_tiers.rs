@@ -376,6 +376,11 @@ impl LowerTiers {
         }
     }
 
+    /// Whether there is a host tier and it lacks the block of `hash`.
+    pub fn host_lacks(&self, hash: BlockHash) -> bool {
+        self.host.as_ref().is_some_and(|h| h.get(hash).is_none())
+    }
+
     /// Whether there is a disk tier and it lacks the block of `hash`.
     pub fn disk_lacks(&self, hash: BlockHash) -> bool {
         self.disk.as_ref().is_some_and(|d| d.get(hash).is_none())

@@ -15,8 +15,9 @@
 use super::lower_tiers::{PoolBlock, LOADER, LOAD_GROUP};
 use super::{Allocation, KvCacheManager, SeqId};
 use crate::error::KvError;
+use crate::evict::EvictionPolicy;
 use crate::hash::{BlockHash, CacheKey};
-use crate::pool::{BlockId, DEFAULT_PRIORITY, NO_WRITER};
+use crate::pool::{BlockId, DEFAULT_PRIORITY, NO_BLOCK, NO_WRITER, ORPHAN};
 use crate::prefix::PrefixHit;
 use crate::stats::TierUsage;
 use crate::tier::{OffloadPolicy, Tier, TierBlock, TierMove};
@@ -156,7 +157,11 @@ impl KvCacheManager {
         if self.is_full_cached(b) {
             let priority = self.pool.meta[b as usize].effective_priority(self.clock.now_ms);
             let host = self.tiers.has_host();
+            let stores = self.stats.host_stores + self.stats.disk_stores;
             self.store_down(b, priority, host, !host);
+            if self.stats.host_stores + self.stats.disk_stores > stores {
+                self.stats.evictions_copied += 1;
+            }
         }
     }
 
@@ -218,6 +223,66 @@ impl KvCacheManager {
             }
         }
         Ok(n)
+    }
+
+    /// Keeps the pool's next evictions clean (write-back ahead of need): while fewer than `reserve`
+    /// blocks are free, the idle cached blocks next in eviction order, up to `reserve` less the free
+    /// ones, are copied into the host tier now where it does not hold them, so that the pass which
+    /// evicts them later finds them stored and copies nothing. Where the executor's stores run beside
+    /// its steps (a GPU's transfer stream), a step that reuses an evicted block then waits for no copy:
+    /// the copies ran during the steps before. A block the pool keeps after all (hit again) keeps its
+    /// host copy as well, as under write-through; a block already held is not marked used (the host
+    /// tier's order stays that of real evictions). Returns the blocks stored; none without a host tier.
+    ///
+    /// The order is the evictor's: its present candidates, and under leaf-first eviction each one's
+    /// chain of idle ancestors that no other cached block hangs from (they become candidates, tail
+    /// first, as it goes). O(reserve log idle blocks).
+    pub fn store_ahead(&mut self, reserve: usize) -> usize {
+        if !self.tiers.has_host() {
+            return 0;
+        }
+        let need = reserve.saturating_sub(self.pool.free.len());
+        if need == 0 {
+            return 0;
+        }
+        self.evictor.expire(&mut self.pool.meta, self.clock.now_ms);
+        let mut leaves = Vec::new();
+        self.evictor.peek(&self.pool.meta, need, &mut leaves);
+        let leaf_first = self.config.eviction_policy == EvictionPolicy::LeafLru;
+        let (mut seen, mut stored) = (0, 0);
+        'leaves: for leaf in leaves {
+            let mut b = leaf;
+            loop {
+                if seen == need {
+                    break 'leaves;
+                }
+                seen += 1;
+                let m = &self.pool.meta[b as usize];
+                if self.is_full_cached(b) && self.tiers.host_lacks(m.hash) {
+                    let priority = m.effective_priority(self.clock.now_ms);
+                    let src = PoolBlock::new(&self.pool, &self.index, b);
+                    if self
+                        .tiers
+                        .store_host(src, priority, &mut self.stats)
+                        .is_none()
+                    {
+                        break 'leaves; // the host tier is full of blocks being loaded
+                    }
+                    stored += 1;
+                }
+                let parent = self.pool.meta[b as usize].parent;
+                if !leaf_first || parent == NO_BLOCK || parent == ORPHAN {
+                    continue 'leaves;
+                }
+                let p = &self.pool.meta[parent as usize];
+                if !p.is_idle() || p.num_children != 1 {
+                    continue 'leaves;
+                }
+                b = parent;
+            }
+        }
+        self.stats.host_stored_ahead += stored as u64;
+        stored
     }
 
     /// Write-back to disk of everything cached above it (every computed full block of the pool and of
