@@ -55,7 +55,7 @@ for mode in recompute swap; do
   "$KURA" bench unique --url "$URL" --requests "$REQUESTS" --sweep-concurrency "$SWEEP" \
     --prompt-tokens "$PROMPT" --output-tokens "$OUTPUT" \
     --label "preemption $mode" --out "$OUT/$mode" >&2
-  curl -fsS "$URL/metrics" | grep -E '^kura:(num_preemptions_total|kv_swapped_out_blocks_total|prompt_tokens_computed_total|kv_tier_hit_blocks_total)' \
+  curl -fsS "$URL/metrics" | grep -E '^kura:(num_preemptions_total|kv_swapped_out_blocks_total|prompt_tokens_computed_total|kv_tier_hit_blocks_total|kv_cache_evictions_total|kv_evictions_copied_total|kv_host_stored_ahead_blocks_total)' \
     >"$OUT/metrics-$mode.txt"
   kill -INT "$PID"
   wait "$PID" || true
