@@ -45,6 +45,7 @@ fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte \
 host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit \
 host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for_byte \
 a_host_tier_store_holds_back_only_the_work_that_writes_its_block \
+host_tier_loads_and_stores_go_both_ways_at_once_and_keep_their_order_where_it_matters \
 every_positions_logits_are_each_prefixs_last_logits}
 listed=" $(echo $tests) "
 ordered=""

@@ -99,6 +99,10 @@ for r in [json.loads(l) for l in open(sys.argv[1]) if '"itl_after_swap_out"' in 
           f"the host tier ({r['store_ms']:.1f} ms of copies): {r['step_ms_alone']:.2f} ms alone, "
           f"{r['step_ms_after_stores']:.2f} ms right after the stores start, {r['step_ms_reusing_first_stored']:.2f} ms "
           f"for the step that also writes the block stored first")
+    if "load_ms_alone" in r:
+        print(f"Both directions at once: {r['duplex_blocks']} blocks loaded in {r['load_ms_alone']:.1f} ms alone, "
+              f"{r['load_ms_beside_stores']:.1f} ms right after the stores of {r['duplex_blocks']} others start "
+              f"(those stores alone: {r['duplex_store_ms']:.1f} ms; one stream for both would take about the sum)")
 for r in [json.loads(l) for l in open(sys.argv[1]) if '"tuning"' in l and l.startswith("{")]:
     print()
     def timed(items, key):

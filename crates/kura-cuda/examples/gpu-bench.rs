@@ -1030,7 +1030,10 @@ fn batch_step(
 /// tier, started tail first as the engine asks for them, then at once a step of the batch, which writes
 /// none of them; and the same with the step also writing the block stored first (as the step that
 /// reuses the first block the pool evicts does). Each against the copies' time (the host fence after
-/// starting them) and the step alone. Medians of 3. One JSON line.
+/// starting them) and the step alone. Then both directions at once: whole-block loads of half the
+/// swapped blocks' bytes into other blocks, alone and started right after the stores of the other half
+/// (loads and stores run on streams of their own: PCIe carries both at once, and the loads do not
+/// queue behind the stores). Medians of 3. One JSON line.
 fn itl_after_swap_out(
     gpu: &mut CudaExecutor,
     host: &mut [u8],
@@ -1079,17 +1082,77 @@ fn itl_after_swap_out(
         // The block the step wrote, as it was (its store holds it).
         gpu.try_import_block(stored_first, &saved)?;
     }
+    let (load_alone, load_beside, half_store) = loads_beside_stores(gpu, host, first, nb, len)?;
     Ok(format!(
         "{{\"peer\":\"kura\",\"what\":\"itl_after_swap_out\",\"batch\":{},\"swapped_tokens\":{},\
          \"store_ms\":{:.2},\"step_ms_alone\":{:.2},\"step_ms_after_stores\":{:.2},\
-         \"step_ms_reusing_first_stored\":{:.2}}}",
+         \"step_ms_reusing_first_stored\":{:.2},\"duplex_blocks\":{},\"duplex_store_ms\":{:.2},\
+         \"load_ms_alone\":{:.2},\"load_ms_beside_stores\":{:.2}}}",
         tables.len(),
         nb * 16,
         median(copy),
         median(alone),
         median(after),
-        median(reusing)
+        median(reusing),
+        nb / 2,
+        half_store,
+        load_alone,
+        load_beside
     ))
+}
+
+/// Whole-block loads of the second half of `host`'s `nb` slots into pool blocks `first..` (the first
+/// half of the swapped blocks), alone and started right after the stores of blocks `first + nb / 2..`
+/// into the first half's slots: (load ms alone, load ms beside the stores, the stores' ms alone),
+/// medians of 3, each load timed from its start to the last one reported. The two share no block
+/// and no slot, so nothing orders one after the other.
+fn loads_beside_stores(
+    gpu: &mut CudaExecutor,
+    host: &mut [u8],
+    first: u32,
+    nb: usize,
+    len: &Lengths,
+) -> Result<(f64, f64, f64), Box<dyn Error>> {
+    use kura_engine::Executor;
+    let block_bytes = Executor::block_bytes(gpu);
+    let half = nb / 2;
+    if half == 0 {
+        return Err("too few blocks to load and store at once".into());
+    }
+    let ordered = gpu.set_ordered_imports(false);
+    let (stored_slots, load_slots) = host.split_at_mut(half * block_bytes);
+    let loads = |gpu: &mut CudaExecutor| -> Result<f64, Box<dyn Error>> {
+        let t = Instant::now();
+        for (i, slot) in load_slots.chunks_exact(block_bytes).take(half).enumerate() {
+            if !gpu.try_start_import(first + i as u32, slot)? {
+                return Err("a load from pinned memory was not started".into());
+            }
+        }
+        let mut done = Vec::new();
+        await_loads(gpu, half, &mut done)?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    let mut stores = |gpu: &mut CudaExecutor| -> Result<(), Box<dyn Error>> {
+        for (i, slot) in stored_slots.chunks_exact_mut(block_bytes).enumerate() {
+            if !gpu.try_start_export(first + (half + i) as u32, slot)? {
+                return Err("a store into pinned memory was not started".into());
+            }
+        }
+        Ok(())
+    };
+    let (mut alone, mut beside, mut store) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..len.runs(3) {
+        alone.push(loads(gpu)?);
+        let t = Instant::now();
+        stores(gpu)?;
+        gpu.try_stores_fence()?;
+        store.push(t.elapsed().as_secs_f64() * 1e3);
+        stores(gpu)?;
+        beside.push(loads(gpu)?);
+        gpu.try_stores_fence()?;
+    }
+    gpu.set_ordered_imports(ordered);
+    Ok((median(alone), median(beside), median(store)))
 }
 
 /// How long a benchmark waits for started host-tier loads to be reported before it gives up (their

@@ -757,6 +757,15 @@ fn a_host_tier_store_holds_back_only_the_work_that_writes_its_block() {
 }
 
 #[test]
+fn host_tier_loads_and_stores_go_both_ways_at_once_and_keep_their_order_where_it_matters() {
+    // The stand-in runs a stream's work only when something waits for it: a load that waited for an
+    // unrelated store would have run it.
+    let _turn = emulated();
+    let gpu = exec(KvDtype::Bf16, 16, 8);
+    scenarios::loads_and_stores_go_both_ways_at_once(gpu, &prompt(40, 6), 16, LIMIT, true);
+}
+
+#[test]
 fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
     // The stand-in runs a stream's work only when the host waits for it: a step that did not wait for
     // a layer's copies would read the junk in their blocks, whatever the padding behind them.
@@ -1230,10 +1239,14 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
         "step_ms_alone",
         "step_ms_after_stores",
         "step_ms_reusing_first_stored",
+        "duplex_store_ms",
+        "load_ms_alone",
+        "load_ms_beside_stores",
     ] {
         ms(swap[0], key);
     }
     assert_eq!(swap[0]["swapped_tokens"], 512);
+    assert_eq!(swap[0]["duplex_blocks"], 16);
 
     // The line of all: every figure printed before it, in order.
     let all = lines

@@ -913,6 +913,19 @@ fn host_tier_loads_and_stores_copy_asynchronously_through_pinned_memory_byte_for
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn host_tier_loads_and_stores_go_both_ways_at_once_and_keep_their_order_where_it_matters() {
+    let gpu = exec("smol", KvDtype::Bf16, 16, 8);
+    scenarios::loads_and_stores_go_both_ways_at_once(
+        gpu,
+        &prompts()[0],
+        16,
+        Duration::from_secs(10),
+        false,
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn a_host_tier_store_holds_back_only_the_work_that_writes_its_block() {
     let gpu = exec("smol", KvDtype::Bf16, 16, 8);
     scenarios::stores_wait_only_for_their_blocks_writers(gpu, &prompts()[0], 16, false);

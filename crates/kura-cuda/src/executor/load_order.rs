@@ -1,9 +1,9 @@
 //! The bookkeeping of ordered host-tier loads, apart from the device's events (so that it is tested
 //! without a GPU): the loads queued and not issued, the issues in flight (numbered, oldest first, as the
-//! transfer stream runs them), and for each block of an issue the device stream has not waited for, the
+//! load stream runs them), and for each block of an issue the device stream has not waited for, the
 //! newest issue that writes it.
 //!
-//! The transfer stream runs issues in order: waiting for issue *k*'s layer *i* is waiting for every
+//! The load stream runs issues in order: waiting for issue *k*'s layer *i* is waiting for every
 //! earlier issue whole. So a step waits for the newest issue that writes one of its blocks, and once the
 //! device waits for issue *k*, every block of issues up to *k* is ordered.
 

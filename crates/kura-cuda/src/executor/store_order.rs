@@ -1,6 +1,6 @@
-//! The bookkeeping of host-tier stores (device → host copies on the transfer stream), apart from the
+//! The bookkeeping of host-tier stores (device → host copies on the store stream), apart from the
 //! device's events (so that it is tested without a GPU): the stores that device work may still have to
-//! wait for, numbered in the order the transfer stream runs them, each with the block it reads and its
+//! wait for, numbered in the order the store stream runs them, each with the block it reads and its
 //! event (`E`).
 //!
 //! Work on the device stream that writes a block (a step's new K/V, a block copy, a synchronous import)
@@ -44,7 +44,7 @@ impl<E> Default for StoreOrder<E> {
 }
 
 impl<E> StoreOrder<E> {
-    /// A store of `block` into host address `host` was issued on the transfer stream, with `event`
+    /// A store of `block` into host address `host` was issued on the store stream, with `event`
     /// recorded after it: returns its number.
     pub fn started(&mut self, block: u32, host: u64, event: E) -> u64 {
         let seq = self.next_seq;

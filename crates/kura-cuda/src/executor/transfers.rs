@@ -1,5 +1,6 @@
-//! Copies between the device pool and the host tier's pinned region on a stream of their own, beside the
-//! forward passes on the device's stream ([`Executor::start_import`], [`Executor::start_export`]).
+//! Copies between the device pool and the host tier's pinned region on streams of their own, one for
+//! each direction, beside the forward passes on the device's stream ([`Executor::start_import`],
+//! [`Executor::start_export`]).
 //!
 //! Stores (device → host) are one copy per block, each with an event after it; a step, block copy or
 //! import that writes a stored block waits for its store, on the device (the engine frees a block as it
@@ -24,12 +25,19 @@
 //!   such a block waits for all of it first.
 //!
 //! ```text
-//!   transfer stream:  [layer 0 of every block]─e0─[layer 1]─e1─ … ─[layer L−1]─e(L−1)
+//!   load stream:      [layer 0 of every block]─e0─[layer 1]─e1─ … ─[layer L−1]─e(L−1)
 //!   device stream:    embed, qkv ─wait e0─ attention 0 … ─wait e1─ attention 1 … ─wait e(L−1)─ …
 //! ```
 //!
-//! One stream carries both directions and every form, in the order they were asked for: a load of a
-//! host slot follows the store that filled it, a store into a slot follows the loads that read it.
+//! Loads and stores run on two streams, so that the bus carries both directions at once and a load (a
+//! request waits for it) never queues behind stores (which nothing waits for but the work that writes
+//! their blocks): a swap-out's or the pool's stores ahead of eviction run while a revisit's loads
+//! arrive. What one direction must not overtake in the other is waited for on the device:
+//! - a load waits for the newest store that reads the block it writes (the block's old KV, stored as
+//!   the pool evicted it) or writes the host slot it reads (a block stored and loaded back), and so for
+//!   the stores before it on their stream;
+//! - a store waits for every load issued before it (one into the block it reads, or out of the slot it
+//!   writes): a store never overtakes a load.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -45,11 +53,11 @@ use super::CudaExecutor;
 use crate::device::Device;
 use crate::error::{CudaError, Result};
 
-/// Host-tier loads and stores copied on a stream of their own, beside the forward passes on the
-/// device's stream. One stream for both directions keeps a load of a host slot after the store that
-/// filled it.
+/// Host-tier loads and stores copied on streams of their own, beside the forward passes on the device's
+/// stream: loads (host → device) on `stream`, stores (device → host) on `store_stream`.
 pub(super) struct HostLoads {
     stream: Arc<CudaStream>,
+    store_stream: Arc<CudaStream>,
     /// Started whole-block loads in the order they were issued: (block, an event before the copy, one
     /// after).
     in_flight: VecDeque<(u32, CudaEvent, CudaEvent)>,
@@ -102,11 +110,33 @@ impl HostLoads {
             .expect("an issue is waited for only while it is in flight")
     }
 
+    /// Makes the load stream wait for the newest store that reads one of the blocks of `copies` (block,
+    /// host slot) or writes one of their slots, and so for the stores before it on their stream: a load
+    /// must not overwrite a block before its old KV is stored, nor read a slot before its store lands.
+    /// Stores the device stream waited for are covered by the load stream's wait for the device's
+    /// work, which comes after.
+    fn after_stores_over(&self, copies: &[(u32, u64)]) -> Result<()> {
+        let reading = self.stores.newest_reading(copies.iter().map(|c| c.0));
+        let into = copies
+            .iter()
+            .filter_map(|c| self.stores.newest_into(c.1))
+            .max();
+        if let Some(seq) = reading.max(into) {
+            let ev = self
+                .stores
+                .event(seq)
+                .expect("a pending store has its event");
+            self.stream.wait(ev)?;
+        }
+        Ok(())
+    }
+
     /// The executor's transfers, made with their stream on first use.
     fn get<'a>(loads: &'a mut Option<HostLoads>, dev: &Device) -> Result<&'a mut HostLoads> {
         if loads.is_none() {
             *loads = Some(HostLoads {
                 stream: dev.ctx.new_stream()?,
+                store_stream: dev.ctx.new_stream()?,
                 in_flight: VecDeque::new(),
                 order: LoadOrder::default(),
                 layered: VecDeque::new(),
@@ -123,7 +153,17 @@ impl Drop for HostLoads {
     fn drop(&mut self) {
         // The copies read pinned host memory that is unpinned (and freed) after this.
         let _ = self.stream.synchronize();
+        let _ = self.store_stream.synchronize();
     }
+}
+
+/// Which way a host-tier copy goes, and so which stream it runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    /// Host → device, on the load stream.
+    Load,
+    /// Device → host, on the store stream.
+    Store,
 }
 
 pub(super) const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -135,8 +175,8 @@ impl CudaExecutor {
     /// Starts copying `bytes` into block `block` and returns `true`; `false` (nothing started) when
     /// `bytes` are not in a pinned host region, whose copies the driver would stage synchronously
     /// anyway. An ordered load is queued and issued with the others before the executor next uses the
-    /// device; a whole-block one is copied on the transfer stream after everything already issued on
-    /// the device's stream.
+    /// device; a whole-block one is copied on the load stream after everything already issued on the
+    /// device's stream and the stores it must follow.
     pub fn try_start_import(&mut self, block: u32, bytes: &[u8]) -> Result<bool> {
         if self.ordered_imports {
             if !self.dev.is_pinned(bytes) {
@@ -157,7 +197,7 @@ impl CudaExecutor {
             loads.order.queue(block, bytes.as_ptr() as u64);
             return Ok(true);
         }
-        let Some(dst) = self.begin_transfer(block, bytes)? else {
+        let Some(dst) = self.begin_transfer(block, bytes, Direction::Load)? else {
             return Ok(false);
         };
         let loads = self.loads.as_mut().expect("begin_transfer made it");
@@ -182,13 +222,13 @@ impl CudaExecutor {
         Ok(true)
     }
 
-    /// Starts copying block `block` into `out` on the transfer stream, after everything already issued
-    /// on the device's stream (the steps that wrote the block), and returns `true`; `false` (nothing
+    /// Starts copying block `block` into `out` on the store stream, after everything already issued on
+    /// the device's stream (the steps that wrote the block) and every load issued so far, and returns `true`; `false` (nothing
     /// started) when `out` is not in a pinned host region. Pool writes issued after it wait for it on
     /// the device ([`CudaExecutor::after_stores`]); the host reads `out` after
     /// [`CudaExecutor::try_stores_fence`].
     pub fn try_start_export(&mut self, block: u32, out: &mut [u8]) -> Result<bool> {
-        let Some(src) = self.begin_transfer(block, out)? else {
+        let Some(src) = self.begin_transfer(block, out, Direction::Store)? else {
             return Ok(false);
         };
         let loads = self.loads.as_mut().expect("begin_transfer made it");
@@ -201,12 +241,12 @@ impl CudaExecutor {
                 out.as_mut_ptr().cast(),
                 src,
                 out.len(),
-                loads.stream.cu_stream(),
+                loads.store_stream.cu_stream(),
             )
         }
         .result()?;
         let stored = self.dev.ctx.new_event(UNTIMED)?;
-        stored.record(&loads.stream)?;
+        stored.record(&loads.store_stream)?;
         loads.stores.started(block, out.as_ptr() as u64, stored);
         // Stores of blocks that are never rewritten (write-through, swap-outs of blocks that stay
         // cached) and never fenced would pile up: past a bound, those that landed are let go.
@@ -221,12 +261,19 @@ impl CudaExecutor {
         Ok(true)
     }
 
-    /// For a copy of block `block` to or from `host` on the transfer stream: checks both, issues the
-    /// ordered loads queued before it, orders the transfer stream after the device stream's work so far
-    /// (the steps and block copies that wrote the block, or wrote it before it was freed and handed
-    /// on), and returns the block's address in the pool; `None` (nothing done) when `host` is not in a
-    /// pinned region, whose copies the driver would stage synchronously anyway.
-    fn begin_transfer(&mut self, block: u32, host: &[u8]) -> Result<Option<u64>> {
+    /// For a copy of block `block` to or from `host` on the stream of its direction: checks both,
+    /// issues the ordered loads queued before it, orders that stream after the device stream's work so
+    /// far (the steps and block copies that wrote the block, or wrote it before it was freed and handed
+    /// on) and after what it must not overtake in the other direction (a load: the stores of its block
+    /// and into its slot; a store: every load issued before it), and returns the block's address in
+    /// the pool; `None` (nothing done) when `host` is not in a pinned region, whose copies the driver
+    /// would stage synchronously anyway.
+    fn begin_transfer(
+        &mut self,
+        block: u32,
+        host: &[u8],
+        direction: Direction,
+    ) -> Result<Option<u64>> {
         if !self.dev.is_pinned(host) {
             return Ok(None);
         }
@@ -236,14 +283,25 @@ impl CudaExecutor {
         let loads = HostLoads::get(&mut self.loads, &self.dev)?;
         let issued = self.dev.ctx.new_event(UNTIMED)?;
         issued.record(&self.dev.stream)?;
-        loads.stream.wait(&issued)?;
+        match direction {
+            Direction::Load => {
+                loads.stream.wait(&issued)?;
+                loads.after_stores_over(&[(block, host.as_ptr() as u64)])?;
+            }
+            Direction::Store => {
+                loads.store_stream.wait(&issued)?;
+                let loaded = self.dev.ctx.new_event(UNTIMED)?;
+                loaded.record(&loads.stream)?;
+                loads.store_stream.wait(&loaded)?;
+            }
+        }
         Ok(Some(
             self.dev.ptr(&self.pool) + (b * self.block_bytes) as u64,
         ))
     }
 
-    /// Issues the ordered loads started since the device was last used, on the transfer stream after
-    /// the device stream's work so far (which wrote their blocks before they were freed): per group of
+    /// Issues the ordered loads started since the device was last used, on the load stream after the
+    /// device stream's work so far (which wrote their blocks before they were freed): per group of
     /// layers, one batched copy of those layers' bytes of every block, then an event a layer.
     pub(super) fn issue_imports(&mut self) -> Result<()> {
         let Some(loads) = self.loads.as_mut() else {
@@ -276,7 +334,7 @@ impl CudaExecutor {
             // recorded, are not waited for or timed again).
             tracing::error!("issuing host-tier loads failed ({e}); copying them synchronously");
             let t = std::time::Instant::now();
-            match copies.now(&loads.stream) {
+            match copies.now(loads) {
                 Ok(()) => copy_time = Some(t.elapsed()),
                 Err(sync) => {
                     loads.lost = Some((
@@ -297,7 +355,7 @@ impl CudaExecutor {
     }
 
     /// The issue of ordered loads a step over `batch` waits for, layer by layer: the newest not waited
-    /// for that writes a block of the step's tables (the transfer stream runs in order: its layer *i*
+    /// for that writes a block of the step's tables (the load stream runs in order: its layer *i*
     /// follows every earlier issue's copies), if any.
     pub(super) fn imports_read_by(&self, batch: &[SeqInput<'_>]) -> Option<u64> {
         let loads = self.loads.as_ref()?;
@@ -330,7 +388,7 @@ impl CudaExecutor {
     }
 
     /// Notes that the device stream now waits for the ordered loads issued as `wait` and before it (the
-    /// transfer stream runs its copies in order).
+    /// load stream runs its copies in order).
     pub(super) fn waited_for(&mut self, wait: Option<u64>) {
         if let (Some(seq), Some(loads)) = (wait, self.loads.as_mut()) {
             loads.order.waited_for(seq);
@@ -382,7 +440,7 @@ impl CudaExecutor {
 
     /// Makes the device stream wait (on the device, not the host) for the stores that read any of
     /// `blocks`, before work that writes them: for the newest such store, and so for every store before
-    /// it on the transfer stream. Stores of other blocks go on beside that work.
+    /// it on the store stream. Stores of other blocks go on beside that work.
     pub(super) fn after_stores_of(&mut self, blocks: impl IntoIterator<Item = u32>) -> Result<()> {
         let Some(loads) = self.loads.as_mut() else {
             return Ok(());
@@ -411,7 +469,7 @@ impl CudaExecutor {
 
     /// Waits until the stores started into `slot` (its first byte's address, as given to
     /// [`CudaExecutor::try_start_export`]) have landed in host memory, and with them every store
-    /// started before the newest of those (the transfer stream runs in order); later stores go on.
+    /// started before the newest of those (the store stream runs in order); later stores go on.
     pub fn try_stores_fence_slot(&mut self, slot: &[u8]) -> Result<()> {
         if let Some(loads) = self.loads.as_mut() {
             if let Some(seq) = loads.stores.newest_into(slot.as_ptr() as u64) {
@@ -502,8 +560,8 @@ struct Copies<'a> {
 }
 
 impl Copies<'_> {
-    /// On the transfer stream after the device stream's work so far (which wrote these blocks before
-    /// they were freed): `start`, then per group of `layers_per_copy` layers one batched copy of those
+    /// On the load stream after the device stream's work so far (which wrote these blocks before they
+    /// were freed) and the stores of these blocks and into these slots: `start`, then per group of `layers_per_copy` layers one batched copy of those
     /// layers' bytes of every block and the events of the group's layers.
     fn layered(
         &self,
@@ -514,6 +572,7 @@ impl Copies<'_> {
         let issued = self.dev.ctx.new_event(UNTIMED)?;
         issued.record(&self.dev.stream)?;
         loads.stream.wait(&issued)?;
+        loads.after_stores_over(self.queued)?;
         start.record(&loads.stream)?;
         // A block is every layer's K then V, layer by layer (`pool_at` in kura.cu).
         let layer_bytes = self.block_bytes / events.len();
@@ -606,10 +665,12 @@ impl Copies<'_> {
         Ok(())
     }
 
-    /// Whole blocks, synchronously, after everything the device stream and `transfers` have started.
-    fn now(&self, transfers: &CudaStream) -> Result<()> {
+    /// Whole blocks, synchronously, after everything the device stream and both transfer streams have
+    /// started.
+    fn now(&self, transfers: &HostLoads) -> Result<()> {
         self.dev.synchronize()?;
-        transfers.synchronize()?;
+        transfers.stream.synchronize()?;
+        transfers.store_stream.synchronize()?;
         for &(block, host) in self.queued {
             // SAFETY: as in `layered`, a whole block, with both streams idle.
             unsafe {

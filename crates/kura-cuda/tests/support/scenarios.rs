@@ -184,7 +184,7 @@ pub fn whole_block_loads_and_stores(mut gpu: CudaExecutor, p: &[u32], bs: usize,
     );
     gpu.export_block(1, &mut back).unwrap();
     assert_eq!(back, want0, "the copy issued after the store");
-    // A load of a slot follows the store into it (one transfer stream for both directions).
+    // A load of a slot follows the store into it (the load stream waits for it).
     assert!(gpu.start_export(7, &mut region[..bb]).unwrap());
     assert!(gpu.start_import(5, &region[..bb]).unwrap());
     let done = reported(&mut gpu, 1, limit);
@@ -351,6 +351,111 @@ pub fn stores_wait_only_for_their_blocks_writers(
             "the block a queued load fills, as the store into its slot left it"
         );
         gpu.exports_fence().unwrap();
+    }
+    // The executor (which unpins the region) goes before the region.
+    drop(gpu);
+}
+
+/// Loads and stores on streams of their own (`gpu`: blocks of `bs`, 8 blocks; `p` fills blocks 0 and 1
+/// and part of 2 at least): a load does not wait for a store it has nothing to do with, a load into a
+/// block waits for the store of the block's old bytes, a store of a block waits for the load into it
+/// (whole-block and, where the driver has them, ordered loads). With `lazy` (the stand-in driver, which
+/// runs a stream's work only when something waits for it) the host slots also show that a load
+/// reported landed left an unrelated store unrun.
+pub fn loads_and_stores_go_both_ways_at_once(
+    mut gpu: CudaExecutor,
+    p: &[u32],
+    bs: usize,
+    limit: Duration,
+    lazy: bool,
+) {
+    let p = &p[..p.len().min(3 * bs - 1)];
+    assert!(
+        p.len() > 2 * bs,
+        "the prompt fills blocks 0 and 1 and part of 2"
+    );
+    gpu.forward_logits(&[SeqInput::new(p, 0, &[0, 1, 2])])
+        .unwrap();
+    assert!(gpu.set_ordered_imports(false));
+    let bb = gpu.block_bytes();
+    let export = |gpu: &CudaExecutor, b: u32| {
+        let mut v = vec![0u8; bb];
+        gpu.export_block(b, &mut v).unwrap();
+        v
+    };
+    let want: Vec<Vec<u8>> = (0..3).map(|b| export(&gpu, b)).collect();
+    assert!(want[0] != want[1] && want[1] != want[2] && want[0] != want[2]);
+    let mut region = vec![0u8; 4 * bb];
+    // Dropped before the region, also when an assertion fails (a parameter is dropped last).
+    let mut gpu = gpu;
+    assert!(gpu.register_host_region(&mut region));
+    region[3 * bb..].copy_from_slice(&want[2]);
+    // A store of block 0, then a load of slot 3 into block 5: reported landed before the store ran.
+    let (slot0, rest) = region.split_at_mut(bb);
+    assert!(gpu.start_export(0, slot0).unwrap());
+    assert!(gpu.start_import(5, &rest[2 * bb..]).unwrap());
+    let done = reported(&mut gpu, 1, limit);
+    assert_eq!(done[0].0, 5);
+    if lazy {
+        assert!(
+            region[..bb].iter().all(|x| *x == 0),
+            "the load waited for a store of another block into another slot"
+        );
+    }
+    assert!(export(&gpu, 5) == want[2], "block 5 loaded");
+    gpu.exports_fence().unwrap();
+    assert!(region[..bb] == want[0][..], "the store, fenced");
+    // A store of block 1, then a load into block 1: the store keeps the bytes the load overwrites.
+    region[bb..2 * bb].fill(0);
+    let (head, tail) = region.split_at_mut(2 * bb);
+    assert!(gpu.start_export(1, &mut head[bb..]).unwrap());
+    assert!(gpu.start_import(1, &tail[bb..]).unwrap());
+    reported(&mut gpu, 1, limit);
+    assert!(export(&gpu, 1) == want[2], "block 1 loaded");
+    gpu.exports_fence().unwrap();
+    assert!(
+        region[bb..2 * bb] == want[1][..],
+        "the store of block 1 holds its bytes from before the load into it"
+    );
+    // A load into block 6, then a store of block 6 at once: the store holds the loaded bytes.
+    region[..bb].fill(0);
+    let (slot0, rest) = region.split_at_mut(bb);
+    assert!(gpu.start_import(6, &rest[2 * bb..]).unwrap());
+    assert!(gpu.start_export(6, slot0).unwrap());
+    gpu.exports_fence().unwrap();
+    assert!(
+        region[..bb] == want[2][..],
+        "the store of a block follows the load into it"
+    );
+    reported(&mut gpu, 1, limit);
+    // The same with ordered loads (queued, issued before the next use of the device).
+    if gpu.set_ordered_imports(true) {
+        region[3 * bb..].copy_from_slice(&want[0]);
+        region[2 * bb..3 * bb].fill(0);
+        let (head, tail) = region.split_at_mut(3 * bb);
+        assert!(gpu.start_export(2, &mut head[2 * bb..]).unwrap());
+        assert!(gpu.start_import(2, tail).unwrap());
+        // Another sequence's step issues the load (without waiting for it: it reads blocks 5 and 6).
+        gpu.forward_logits(&[SeqInput::new(&p[..bs + 1], 0, &[5, 6])])
+            .unwrap();
+        // The load first (an export of its block waits for it), then the store.
+        assert!(export(&gpu, 2) == want[0], "block 2 loaded, ordered");
+        gpu.exports_fence().unwrap();
+        assert!(
+            region[2 * bb..3 * bb] == want[2][..],
+            "the store of block 2 holds its bytes from before the ordered load into it"
+        );
+        region[..bb].fill(0);
+        let (slot0, rest) = region.split_at_mut(bb);
+        assert!(gpu.start_import(7, &rest[2 * bb..]).unwrap());
+        assert!(gpu.start_export(7, slot0).unwrap());
+        gpu.exports_fence().unwrap();
+        assert!(
+            region[..bb] == want[0][..],
+            "the store of a block follows the ordered load into it"
+        );
+        let mut done = Vec::new();
+        gpu.imports_done(limit, &mut done).unwrap();
     }
     // The executor (which unpins the region) goes before the region.
     drop(gpu);
