@@ -222,6 +222,28 @@ pub fn whole_block_loads_and_stores(mut gpu: CudaExecutor, p: &[u32], bs: usize,
     drop(gpu);
 }
 
+/// `gpu`'s block `b`, as `export_block` writes it.
+fn exported(gpu: &CudaExecutor, b: u32) -> Vec<u8> {
+    let mut v = vec![0u8; gpu.block_bytes()];
+    gpu.export_block(b, &mut v).unwrap();
+    v
+}
+
+/// Computes `p`, cut to fill blocks 0 and 1 and part of 2 (of `bs`), into those blocks: the prompt
+/// computed and the three blocks' bytes, all different.
+fn three_blocks<'p>(gpu: &mut CudaExecutor, p: &'p [u32], bs: usize) -> (&'p [u32], Vec<Vec<u8>>) {
+    let p = &p[..p.len().min(3 * bs - 1)];
+    assert!(
+        p.len() > 2 * bs,
+        "the prompt fills blocks 0 and 1 and part of 2"
+    );
+    gpu.forward_logits(&[SeqInput::new(p, 0, &[0, 1, 2])])
+        .unwrap();
+    let want: Vec<Vec<u8>> = (0..3).map(|b| exported(gpu, b)).collect();
+    assert!(want[0] != want[1] && want[1] != want[2] && want[0] != want[2]);
+    (p, want)
+}
+
 /// Host-tier stores waited for only by the work that writes their blocks (`gpu`: blocks of `bs`, 8
 /// blocks; `p` fills blocks 0 and 1 and part of 2 at least): a step that writes none of the stored
 /// blocks leaves the three stores pending, a block copy into the second stored block waits for the first
@@ -235,21 +257,9 @@ pub fn stores_wait_only_for_their_blocks_writers(
     bs: usize,
     lazy: bool,
 ) {
-    let p = &p[..p.len().min(3 * bs - 1)];
-    assert!(
-        p.len() > 2 * bs,
-        "the prompt fills blocks 0 and 1 and part of 2"
-    );
-    gpu.forward_logits(&[SeqInput::new(p, 0, &[0, 1, 2])])
-        .unwrap();
+    let (p, want) = three_blocks(&mut gpu, p, bs);
     let bb = gpu.block_bytes();
-    let export = |gpu: &CudaExecutor, b: u32| {
-        let mut v = vec![0u8; bb];
-        gpu.export_block(b, &mut v).unwrap();
-        v
-    };
-    let want: Vec<Vec<u8>> = (0..3).map(|b| export(&gpu, b)).collect();
-    assert!(want[0] != want[1] && want[1] != want[2] && want[0] != want[2]);
+    let export = exported;
     let mut region = vec![0u8; 3 * bb];
     // Dropped before the region, also when an assertion fails (a parameter is dropped last).
     let mut gpu = gpu;
@@ -369,22 +379,10 @@ pub fn loads_and_stores_go_both_ways_at_once(
     limit: Duration,
     lazy: bool,
 ) {
-    let p = &p[..p.len().min(3 * bs - 1)];
-    assert!(
-        p.len() > 2 * bs,
-        "the prompt fills blocks 0 and 1 and part of 2"
-    );
-    gpu.forward_logits(&[SeqInput::new(p, 0, &[0, 1, 2])])
-        .unwrap();
+    let (p, want) = three_blocks(&mut gpu, p, bs);
     assert!(gpu.set_ordered_imports(false));
     let bb = gpu.block_bytes();
-    let export = |gpu: &CudaExecutor, b: u32| {
-        let mut v = vec![0u8; bb];
-        gpu.export_block(b, &mut v).unwrap();
-        v
-    };
-    let want: Vec<Vec<u8>> = (0..3).map(|b| export(&gpu, b)).collect();
-    assert!(want[0] != want[1] && want[1] != want[2] && want[0] != want[2]);
+    let export = exported;
     let mut region = vec![0u8; 4 * bb];
     // Dropped before the region, also when an assertion fails (a parameter is dropped last).
     let mut gpu = gpu;
