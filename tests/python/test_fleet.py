@@ -535,10 +535,79 @@ def test_anthropic_token_counts_go_through_the_router_untokenized(fleet):
     assert e.value.body["type"] == "error" and "max_tokens" in e.value.body["error"]["message"], e.value.body
 
 
+def test_responses_continue_on_the_replica_that_stored_them(fleet):
+    """The Responses API through a round-robin router, which would send each request to the other replica:
+    every turn that names a previous response (streamed or not, and `input_tokens`) goes to the replica that
+    stored it, which it learns from the answers it relays; a stored response is read and deleted through
+    the router; a second router, which has relayed none of them, finds where one lives by asking the
+    replicas."""
+    replicas, _ = fleet
+    model = replicas[0].model()
+    rr = KuraRouter(replicas, "--policy", "round-robin")
+    later = None
+    try:
+        client = rr.client()
+        ask = dict(model=model, max_output_tokens=6, temperature=0)
+        raw = client.responses.with_raw_response.create(input="Name a colour.", **ask)
+        home, prev = int(raw.headers["x-kura-replica"]), raw.parse()
+        for i in range(3):
+            raw = client.responses.with_raw_response.create(input=f"And another ({i})?",
+                                                            previous_response_id=prev.id, **ask)
+            assert int(raw.headers["x-kura-replica"]) == home, f"turn {i}"
+            prev = raw.parse()
+            assert prev.status in ("completed", "incomplete") and prev.previous_response_id is not None
+        # Streamed: the id read from the stream's events places the next turn too.
+        raw = client.responses.with_raw_response.create(input="One more?", previous_response_id=prev.id,
+                                                        stream=True, **ask)
+        assert int(raw.headers["x-kura-replica"]) == home
+        done = [e for e in raw.parse() if e.type in ("response.completed", "response.incomplete")]
+        assert len(done) == 1
+        streamed = done[0].response
+        raw = client.responses.with_raw_response.create(input="Last one?", previous_response_id=streamed.id,
+                                                        **ask)
+        assert int(raw.headers["x-kura-replica"]) == home
+        prev = raw.parse()
+        # A continuation's length, as the replica holding it counts it.
+        body = {"model": model, "input": "How long?", "previous_response_id": prev.id}
+        routed = httpx.post(rr.url + "/v1/responses/input_tokens", json=body, timeout=30)
+        direct = httpx.post(replicas[home].url + "/v1/responses/input_tokens", json=body, timeout=30)
+        assert routed.status_code == 200 and direct.status_code == 200, (routed.text, direct.text)
+        assert int(routed.headers["x-kura-replica"]) == home
+        assert routed.json()["input_tokens"] == direct.json()["input_tokens"] > 20
+        m = rr.metrics()
+        assert m["kura_router:responses_routed_total"] == 6
+        assert m["kura_router:response_probes_total"] == 0, "every id was learnt from an answer"
+        raw = client.responses.with_raw_response.retrieve(prev.id)
+        assert int(raw.headers["x-kura-replica"]) == home and raw.parse().id == prev.id
+        # A router that has relayed none of them asks the replicas.
+        later = KuraRouter(replicas, "--policy", "round-robin")
+        raw = later.client().responses.with_raw_response.retrieve(streamed.id)
+        assert int(raw.headers["x-kura-replica"]) == home and raw.parse().id == streamed.id
+        assert 1 <= later.metrics()["kura_router:response_probes_total"] <= 2
+        for i in range(2):
+            raw = later.client().responses.with_raw_response.create(
+                input=f"From the new router ({i})?", previous_response_id=prev.id, **ask)
+            assert int(raw.headers["x-kura-replica"]) == home
+        # Deleted through the router: gone, there and through the router.
+        client.responses.delete(prev.id)
+        for c in (client, later.client()):
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve(prev.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve("resp_" + "0" * 24)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(input="Go on.", previous_response_id=prev.id, **ask)
+        assert "previous_response_id" in str(e.value.body), e.value.body
+    finally:
+        rr.stop()
+        if later is not None:
+            later.stop()
+
+
 def test_routes_the_router_does_not_route_get_json_errors_naming_those_it_does(fleet):
     _, router = fleet
     for method, path, status, code in [
-        ("POST", "/v1/responses", 404, "unknown_url"),
+        ("POST", "/v1/caches", 404, "unknown_url"),
         ("POST", "/tokenize", 404, "unknown_url"),
         ("GET", "/v1/caches", 404, "unknown_url"),
         ("GET", "/a/../b%ff", 404, "unknown_url"),

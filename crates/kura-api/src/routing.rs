@@ -22,6 +22,11 @@ pub enum Endpoint {
     Messages,
     /// `POST /v1/messages/count_tokens` (Anthropic): a prompt's length, computed without the engine.
     MessagesCountTokens,
+    /// `POST /v1/responses` (OpenAI's Responses API): a request that names a `previous_response_id`
+    /// goes where that response is stored.
+    Responses,
+    /// `POST /v1/responses/input_tokens`: a Responses prompt's length, computed without the engine.
+    ResponsesInputTokens,
 }
 
 impl Endpoint {
@@ -31,6 +36,8 @@ impl Endpoint {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Messages => "/v1/messages",
             Endpoint::MessagesCountTokens => "/v1/messages/count_tokens",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::ResponsesInputTokens => "/v1/responses/input_tokens",
         }
     }
 
@@ -42,8 +49,28 @@ impl Endpoint {
     /// Whether a request runs its prompt on the server (and so leaves its KV there): what a router
     /// places by the prompt's blocks. A token count computes nothing there.
     pub fn runs_prompt(self) -> bool {
-        !matches!(self, Endpoint::MessagesCountTokens)
+        !matches!(
+            self,
+            Endpoint::MessagesCountTokens | Endpoint::ResponsesInputTokens
+        )
     }
+
+    /// Whether a request may continue a response stored on one server (`previous_response_id`).
+    pub fn continues_responses(self) -> bool {
+        matches!(self, Endpoint::Responses | Endpoint::ResponsesInputTokens)
+    }
+}
+
+/// The `previous_response_id` a Responses body names, if it is one JSON object that names one (a body
+/// the server refuses goes to a server anyway, which answers with its error).
+pub fn previous_response_id(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Previous {
+        previous_response_id: Option<String>,
+    }
+    serde_json::from_slice::<Previous>(body)
+        .ok()?
+        .previous_response_id
 }
 
 /// A request as the server will key its KV.
@@ -106,6 +133,26 @@ pub fn routing_prompt(
             let plan = anthropic::prepare_count(value, served_model)?;
             let (tokens, _) = anthropic::encode_messages(codec, &plan, None)?;
             (tokens, plan.cache_salt, false)
+        }
+        Endpoint::Responses | Endpoint::ResponsesInputTokens => {
+            let plan = match endpoint {
+                Endpoint::Responses => crate::responses::prepare(value, ctx)?,
+                _ => crate::responses::prepare_count(value, ctx)?,
+            };
+            // Continuing a stored response, the prompt starts with that response's conversation,
+            // which only the server holding it knows: the request goes there, whatever its blocks.
+            let tokens = match plan.previous_response_id {
+                Some(_) => Vec::new(),
+                None => {
+                    let mut messages = Vec::with_capacity(plan.input.len() + 1);
+                    if let Some(i) = plan.instructions {
+                        messages.push(kura_request::ChatMessage::new("system", i));
+                    }
+                    messages.extend(plan.input);
+                    crate::tools::encode_chat_prompt(codec, messages, plan.tools.as_ref())?
+                }
+            };
+            (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
     };
     Ok(RoutingPrompt {

@@ -15,6 +15,9 @@
 //! - `kura_fleet::policy` ([`Policy`]): `kv` (Dynamo's cost: `overlap_weight × blocks to prefill + blocks
 //!   of work in flight`), `round-robin`, `least-load`; the fleet simulator replays the same decisions.
 //! - [`proxy`]: the routes; the request is forwarded byte for byte and the response streamed back.
+//! - [`responses`]: the Responses API's stored responses: a request naming one (`previous_response_id`,
+//!   `GET`/`DELETE /v1/responses/{id}`) goes to the server holding it, learnt from the answers relayed
+//!   or asked of the replicas.
 //! - [`replica`]: each replica's health checks (every `health_interval`; down after two failures or a
 //!   refused connection, and then no longer routed to and its blocks forgotten), its load from its
 //!   metrics, and its event follower (resynchronizes from a snapshot on a gap).
@@ -28,6 +31,7 @@
 
 mod proxy;
 mod replica;
+mod responses;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -138,6 +142,8 @@ pub(crate) struct Fleet {
     /// ([`Fleet::note_instance`]). Taken alone, never with another of the fleet's locks.
     instances: Mutex<Vec<Option<String>>>,
     turn: Mutex<usize>,
+    /// Where each stored response lives (the Responses API's `previous_response_id`).
+    homes: responses::Homes,
     /// `prompt_cache_key` → the replica its last request went to.
     affinity: Mutex<std::collections::HashMap<proxy::AffinityKey, usize>>,
     client: reqwest::Client,
@@ -248,6 +254,7 @@ impl Fleet {
             replicas,
             turn: Mutex::new(0),
             affinity: Mutex::new(Default::default()),
+            homes: responses::Homes::default(),
             client,
             namer: config.fleet_secret.as_ref().map(ContentNamer::new),
             tenants: config.fleet_secret.as_ref().map(TenantNamer::new),
@@ -384,9 +391,24 @@ impl Fleet {
                 "Requests routed without their prompt's blocks because every tokenizer slot was busy.",
                 &self.tokenizer_busy,
             ),
+            (
+                "kura_router:responses_routed_total",
+                "Requests sent to the server holding the stored response they name (previous_response_id, GET and DELETE by id).",
+                &self.homes.routed,
+            ),
+            (
+                "kura_router:response_probes_total",
+                "Replicas asked whether they hold a stored response the router had not seen.",
+                &self.homes.probes,
+            ),
         ] {
             e.counter(name, help, v.load(Ordering::Relaxed));
         }
+        e.gauge(
+            "kura_router:stored_responses_known",
+            "Stored responses (Responses API) whose server the router knows.",
+            self.homes.len() as u64,
+        );
         e.finish()
     }
 }
@@ -399,6 +421,15 @@ fn app(fleet: Arc<Fleet>) -> axum::Router {
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/messages", post(proxy::messages))
         .route("/v1/messages/count_tokens", post(proxy::count_tokens))
+        .route("/v1/responses", post(proxy::responses))
+        .route(
+            "/v1/responses/input_tokens",
+            post(proxy::responses_input_tokens),
+        )
+        .route(
+            "/v1/responses/{id}",
+            get(responses::get).delete(responses::delete),
+        )
         .route("/v1/models", get(proxy::models))
         .route_layer(axum::middleware::from_fn_with_state(
             fleet.clone(),
@@ -414,12 +445,13 @@ fn app(fleet: Arc<Fleet>) -> axum::Router {
         .with_state(fleet)
 }
 
-/// A path the router does not route, as a JSON error that says which it does: the Responses API,
-/// saved contexts and `/tokenize` keep state on one replica, so they are sent to it directly.
+/// A path the router does not route, as a JSON error that says which it does: saved contexts and
+/// `/tokenize` keep state on one replica, so they are sent to it directly.
 async fn not_routed(uri: axum::http::Uri) -> kura_api::ApiError {
     kura_api::ApiError::NotFound(format!(
         "{} on the router, which routes /v1/chat/completions, /v1/completions, /v1/messages, \
-         /v1/messages/count_tokens, /v1/models, /health and /metrics (send other routes to a replica)",
+         /v1/messages/count_tokens, /v1/responses (with /v1/responses/input_tokens and \
+         /v1/responses/{{id}}), /v1/models, /health and /metrics (send other routes to a replica)",
         uri.path()
     ))
 }

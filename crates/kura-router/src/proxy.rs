@@ -33,11 +33,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
-use kura_api::routing::{routing_prompt, Endpoint, RoutingPrompt};
+use kura_api::routing::{previous_response_id, routing_prompt, Endpoint, RoutingPrompt};
 use kura_api::{same_key, AnthropicError, ApiError};
 use kura_kv::CacheKey;
 use serde_json::{json, Value};
 
+use crate::responses::{home_of, IdScan};
 use crate::{lock, Fleet};
 use kura_fleet::index::prompt_names;
 use kura_fleet::{choose, Candidate, Policy};
@@ -48,7 +49,7 @@ const AFFINITY_SLACK: u64 = 4;
 /// Most `prompt_cache_key`s remembered (the map is cleared when full).
 const MAX_AFFINITY_KEYS: usize = 100_000;
 /// The header naming the replica that served a response.
-const REPLICA_HEADER: &str = "x-kura-replica";
+pub(crate) const REPLICA_HEADER: &str = "x-kura-replica";
 /// Longest wait for a tokenizer slot; past it the request is routed without its prompt's blocks.
 const TOKENIZER_WAIT: Duration = Duration::from_millis(50);
 /// Most bytes of an unfinished SSE event held back (a stream without event boundaries is passed on).
@@ -317,7 +318,8 @@ impl CachedScan {
     }
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+/// Where `needle` first occurs in `hay`.
+pub(crate) fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
@@ -371,6 +373,8 @@ struct Relay {
     endpoint: Endpoint,
     /// `Some` when the answer is an SSE stream.
     sse: Option<SseTail>,
+    /// `Some` while a Responses answer's id (where the response is stored) has not been seen.
+    ids: Option<IdScan>,
     done: bool,
 }
 
@@ -404,6 +408,10 @@ impl Stream for Relay {
                     if let Some(n) = self.scan.feed(&chunk) {
                         self.flight.reported = Some(n);
                     }
+                    if let Some(id) = self.ids.as_mut().and_then(|s| s.feed(&chunk)) {
+                        self.flight.fleet.homes.note(id, self.flight.replica);
+                        self.ids = None;
+                    }
                     match self.sse.as_mut() {
                         None => return Poll::Ready(Some(Ok(chunk))),
                         Some(tail) => {
@@ -432,7 +440,7 @@ impl Stream for Relay {
     }
 }
 
-fn unavailable(endpoint: Endpoint, message: &str) -> Response {
+pub(crate) fn unavailable(endpoint: Endpoint, message: &str) -> Response {
     let body = match endpoint {
         e if e.anthropic() => {
             json!({"type": "error", "error": {"type": "overloaded_error", "message": message}})
@@ -458,12 +466,40 @@ fn bad_gateway(endpoint: Endpoint, message: &str) -> Response {
 }
 
 /// Headers not forwarded either way: the connection's own.
-fn hop_by_hop(name: &HeaderName) -> bool {
+pub(crate) fn hop_by_hop(name: &HeaderName) -> bool {
     name == header::HOST
         || name == header::CONNECTION
         || name == header::CONTENT_LENGTH
         || name == header::TRANSFER_ENCODING
         || name.as_str() == "keep-alive"
+}
+
+/// `request` with the client's headers but the connection's own.
+pub(crate) fn with_headers(
+    mut request: reqwest::RequestBuilder,
+    headers: &HeaderMap,
+) -> reqwest::RequestBuilder {
+    for (name, value) in headers {
+        if !hop_by_hop(name) {
+            request = request.header(name, value);
+        }
+    }
+    request
+}
+
+/// The head of the client's answer to replica `r`'s `resp`: its status and headers (but the
+/// connection's own), and the replica's number.
+pub(crate) fn relayed_head(resp: &reqwest::Response, r: usize) -> axum::http::response::Builder {
+    let mut out = Response::builder().status(resp.status());
+    if let Some(h) = out.headers_mut() {
+        for (name, value) in resp.headers() {
+            if !hop_by_hop(name) {
+                h.insert(name.clone(), value.clone());
+            }
+        }
+        h.insert(REPLICA_HEADER, HeaderValue::from(r));
+    }
+    out
 }
 
 /// The request's body, within the body limit (413) and the body timeout (408).
@@ -537,6 +573,23 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
         Prompt::default()
     };
     let mut tried = vec![false; fleet.replicas.len()];
+    // A request that continues a stored response goes to the server holding it, and only there (the
+    // others would answer that they do not know it); where none does, the policy picks one, which says so.
+    if endpoint.continues_responses() {
+        let b = body.clone();
+        let previous = tokio::task::spawn_blocking(move || previous_response_id(&b))
+            .await
+            .ok()
+            .flatten();
+        if let Some(id) = previous {
+            if let Some(home) = home_of(&fleet, &id, &headers).await {
+                fleet.homes.routed.fetch_add(1, Ordering::Relaxed);
+                for (r, t) in tried.iter_mut().enumerate() {
+                    *t = r != home;
+                }
+            }
+        }
+    }
     loop {
         let Some((r, held)) = pick(&fleet, &prompt, &tried) else {
             fleet.unroutable.fetch_add(1, Ordering::Relaxed);
@@ -554,11 +607,7 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
             .client
             .post(format!("{}{}", rep.url, endpoint.path()))
             .body(body.clone());
-        for (name, value) in &headers {
-            if !hop_by_hop(name) {
-                request = request.header(name, value);
-            }
-        }
+        request = with_headers(request, &headers);
         let resp = match request.send().await {
             Ok(resp) => resp,
             Err(e) => {
@@ -592,26 +641,20 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
             .fetch_add(prompt.tokens as u64, Ordering::Relaxed);
         let predicted = (held as usize).saturating_mul(prompt.block_size) as u64;
         rep.predicted_cached.fetch_add(predicted, Ordering::Relaxed);
+        let status = resp.status();
         let sse = resp
             .headers()
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-        let mut out = Response::builder().status(resp.status());
-        if let Some(h) = out.headers_mut() {
-            for (name, value) in resp.headers() {
-                if !hop_by_hop(name) {
-                    h.insert(name.clone(), value.clone());
-                }
-            }
-            h.insert(REPLICA_HEADER, HeaderValue::from(r));
-        }
+        let out = relayed_head(&resp, r);
         let relay = Relay {
             inner: resp.bytes_stream().boxed(),
             scan: CachedScan::default(),
             flight,
             endpoint,
             sse: sse.then(SseTail::default),
+            ids: (endpoint == Endpoint::Responses && status.is_success()).then(IdScan::default),
             done: false,
         };
         return out
@@ -636,15 +679,22 @@ pub(crate) async fn count_tokens(State(fleet): State<Arc<Fleet>>, req: Request) 
     forward(fleet, Endpoint::MessagesCountTokens, req).await
 }
 
+pub(crate) async fn responses(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
+    forward(fleet, Endpoint::Responses, req).await
+}
+
+pub(crate) async fn responses_input_tokens(
+    State(fleet): State<Arc<Fleet>>,
+    req: Request,
+) -> Response {
+    forward(fleet, Endpoint::ResponsesInputTokens, req).await
+}
+
 /// `GET /v1/models`: the first replica up answers.
 pub(crate) async fn models(State(fleet): State<Arc<Fleet>>, headers: HeaderMap) -> Response {
     for rep in fleet.replicas.iter().filter(|r| r.is_up()) {
         let mut request = fleet.client.get(format!("{}/v1/models", rep.url));
-        for (name, value) in &headers {
-            if !hop_by_hop(name) {
-                request = request.header(name, value);
-            }
-        }
+        request = with_headers(request, &headers);
         if let Ok(resp) = request.send().await {
             let status = resp.status();
             // A model list is a few hundred bytes; one past this limit is not taken from a replica.
