@@ -414,6 +414,46 @@ def test_a_prompt_cache_key_keeps_requests_together_within_its_tenant_only(keyed
         router.stop()
 
 
+def test_a_stored_response_stays_its_tenants_through_the_router(keyed_fleet):
+    """Where a stored response lives is the router's to know, whose it is the replicas' to check: another
+    tenant's key reads, continues and deletes nothing of it through the router, before and after the
+    router learnt where it lives (a fresh router asks the replicas with the asking tenant's key)."""
+    replicas = keyed_fleet
+    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
+    router = KuraRouter(replicas, *keys)
+    fresh = None
+    try:
+        model = replicas[0].model()
+        ask = dict(model=model, max_output_tokens=4, temperature=0)
+        a, b = (router.client(k) for k in TENANT_KEYS)
+        raw = a.responses.with_raw_response.create(input="Tenant a's question.", **ask)
+        home, made = int(raw.headers["x-kura-replica"]), raw.parse()
+
+        def b_is_refused(client):
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(made.id)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.responses.create(input="Go on.", previous_response_id=made.id, **ask)
+            assert "previous_response_id" in str(e.value.body), e.value.body
+            with pytest.raises(openai.NotFoundError):
+                client.responses.delete(made.id)
+
+        b_is_refused(b)
+        fresh = KuraRouter(replicas, *keys)
+        b_is_refused(fresh.client(TENANT_KEYS[1]))
+        assert fresh.metrics()["kura_router:stored_responses_known"] == 0, "b's probes found nothing"
+        for client in (a, fresh.client(TENANT_KEYS[0])):
+            raw = client.responses.with_raw_response.retrieve(made.id)
+            assert int(raw.headers["x-kura-replica"]) == home and raw.parse().id == made.id
+        b_is_refused(fresh.client(TENANT_KEYS[1]))
+        raw = a.responses.with_raw_response.create(input="And then?", previous_response_id=made.id, **ask)
+        assert int(raw.headers["x-kura-replica"]) == home
+    finally:
+        router.stop()
+        if fresh:
+            fresh.stop()
+
+
 def test_a_killed_replica_is_drained_and_every_request_ends():
     replicas = [KuraServer(*replica_args()) for _ in range(2)]
     router = KuraRouter(replicas, "--policy", "least-load")
