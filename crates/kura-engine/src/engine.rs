@@ -1431,8 +1431,6 @@ impl Core {
         }
     }
 
-    /// Runs the block moves the scheduler decided since the last call, and reports the loads they
-    /// finished (host loads finish at once): [`Core::run_tier_moves_around`] with no copies.
     /// Copies the pool's next evictions into the host tier ahead of need ([`TierSetup::store_ahead`]),
     /// so that the pass which evicts them copies nothing and the step after it waits for no copy.
     fn store_ahead(&mut self) {
@@ -1441,6 +1439,8 @@ impl Core {
         }
     }
 
+    /// Runs the block moves the scheduler decided since the last call, and reports the loads they
+    /// finished (host loads finish at once): [`Core::run_tier_moves_around`] with no copies.
     fn run_tier_moves(&mut self) {
         self.run_tier_moves_around(&mut Vec::new());
     }

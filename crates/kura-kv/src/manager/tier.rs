@@ -229,7 +229,7 @@ impl KvCacheManager {
     /// blocks are free, the idle cached blocks next in eviction order, up to `reserve` less the free
     /// ones, are copied into the host tier now where it does not hold them, so that the pass which
     /// evicts them later finds them stored and copies nothing. Where the executor's stores run beside
-    /// its steps (a GPU's transfer stream), a step that reuses an evicted block then waits for no copy:
+    /// its steps (a GPU's stream of stores), a step that reuses an evicted block then waits for no copy:
     /// the copies ran during the steps before. A block the pool keeps after all (hit again) keeps its
     /// host copy as well, as under write-through; a block already held is not marked used (the host
     /// tier's order stays that of real evictions). Returns the blocks stored; none without a host tier.
