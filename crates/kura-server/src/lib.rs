@@ -344,8 +344,11 @@ pub async fn serve(
     };
     let grace = match &failure {
         Some(message) => {
-            tracing::error!(error = %message, "the engine failed: closing every connection and exiting");
-            Duration::ZERO
+            // Every request in flight has failed with the engine's message: a short grace lets their
+            // answers (the error, a stream's error event) be written before the connections close,
+            // where closing at once would reset them unanswered.
+            tracing::error!(error = %message, "the engine failed: answering the requests in flight with its error, then exiting");
+            config.shutdown_grace.min(ENGINE_FAILED_GRACE)
         }
         None => {
             tracing::info!(
@@ -373,6 +376,10 @@ pub async fn serve(
         None => Ok(()),
     }
 }
+
+/// Longest wait, once the engine has failed, for the answers of the requests in flight (each has failed
+/// with the engine's message) before every connection is closed.
+const ENGINE_FAILED_GRACE: Duration = Duration::from_secs(2);
 
 /// Runs [`serve`] on its own tokio runtime, bound to `addr`, until Ctrl-C or SIGTERM (or the engine's
 /// death). `blocking_threads` bounds the pool that tokenizes prompts.
