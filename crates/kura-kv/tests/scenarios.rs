@@ -36,6 +36,17 @@ fn manager_with_host(num_blocks: u32, host_blocks: u32) -> KvCacheManager {
     })
 }
 
+/// The blocks the tier moves decided since the last drain store, in order; they must all be stores
+/// (into a host tier with room: no spill, no load).
+fn stored_blocks(kv: &mut KvCacheManager) -> Vec<u32> {
+    kv.drain_tier_moves()
+        .map(|m| match m {
+            TierMove::Demote { block, .. } => block,
+            other => panic!("only stores into a host tier with room: {other:?}"),
+        })
+        .collect()
+}
+
 /// Runs a prompt to completion the way the scheduler would: lookup, allocate, compute, optionally free.
 fn run(kv: &mut KvCacheManager, key: &CacheKey, prompt: &[u32], free: bool) -> SeqId {
     let seq = kv.add_sequence(key);
@@ -576,13 +587,7 @@ fn a_swapped_out_sequence_is_stored_in_the_order_the_pool_reuses_its_blocks() {
     let seq = run(&mut kv, &key, &toks(0..16), false);
     let table = kv.block_table(seq).unwrap().to_vec();
     assert_eq!(kv.swap_out(seq).unwrap(), 4);
-    let stored: Vec<u32> = kv
-        .drain_tier_moves()
-        .map(|m| match m {
-            TierMove::Demote { block, .. } => block,
-            other => panic!("a swap-out into an empty host tier only stores: {other:?}"),
-        })
-        .collect();
+    let stored = stored_blocks(&mut kv);
     kv.free(seq).unwrap();
     // Another prompt takes the pool's blocks one at a time, as decode steps do.
     let other = kv.add_sequence(&CacheKey::new().with_salt("other"));
@@ -620,13 +625,7 @@ fn stored_ahead_blocks_are_evicted_without_a_copy() {
     // Four more evictions to keep clean: the older sequence's chain, tail first, as leaf-first
     // eviction will take it.
     assert_eq!(kv.store_ahead(5), 4);
-    let stored: Vec<u32> = kv
-        .drain_tier_moves()
-        .map(|m| match m {
-            TierMove::Demote { block, .. } => block,
-            other => panic!("only stores into an empty host tier: {other:?}"),
-        })
-        .collect();
+    let stored = stored_blocks(&mut kv);
     let tail_first: Vec<u32> = older_table.iter().rev().copied().collect();
     assert_eq!(stored, tail_first);
     assert_eq!(kv.stats().host_stored_ahead, 4);
@@ -652,13 +651,7 @@ fn stored_ahead_blocks_are_evicted_without_a_copy() {
     kv.check_invariants().unwrap();
     // Nothing free now: the newer sequence's chain is next.
     assert_eq!(kv.store_ahead(8), 3);
-    let stored: Vec<u32> = kv
-        .drain_tier_moves()
-        .map(|m| match m {
-            TierMove::Demote { block, .. } => block,
-            other => panic!("only stores: {other:?}"),
-        })
-        .collect();
+    let stored = stored_blocks(&mut kv);
     assert_eq!(
         stored,
         newer_table.iter().rev().copied().collect::<Vec<_>>()
