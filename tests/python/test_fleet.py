@@ -590,12 +590,16 @@ def test_responses_continue_on_the_replica_that_stored_them(fleet):
         ask = dict(model=model, max_output_tokens=6, temperature=0)
         raw = client.responses.with_raw_response.create(input="Name a colour.", **ask)
         home, prev = int(raw.headers["x-kura-replica"]), raw.parse()
+        tokenized = rr.metrics()["kura_router:tokenized_requests_total"]
+        assert tokenized == 1, "a new conversation is placed by its blocks"
         for i in range(3):
             raw = client.responses.with_raw_response.create(input=f"And another ({i})?",
                                                             previous_response_id=prev.id, **ask)
             assert int(raw.headers["x-kura-replica"]) == home, f"turn {i}"
             prev = raw.parse()
             assert prev.status in ("completed", "incomplete") and prev.previous_response_id is not None
+        assert rr.metrics()["kura_router:tokenized_requests_total"] == tokenized, (
+            "a continuation's prompt is its server's to know: not tokenized by the router")
         # Streamed: the id read from the stream's events places the next turn too.
         raw = client.responses.with_raw_response.create(input="One more?", previous_response_id=prev.id,
                                                         stream=True, **ask)

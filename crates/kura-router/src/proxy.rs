@@ -565,31 +565,35 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
         Ok(body) => body,
         Err(response) => return response,
     };
+    // A request that continues a stored response goes to the server holding it, and only there (the
+    // others would answer that they do not know it); where none does, the policy picks one, which says so.
+    // Its prompt starts with a conversation only that server knows: it is not tokenized here.
+    let previous = match endpoint.continues_responses() {
+        true => {
+            let b = body.clone();
+            tokio::task::spawn_blocking(move || previous_response_id(&b))
+                .await
+                .ok()
+                .flatten()
+        }
+        false => None,
+    };
+    let mut tried = vec![false; fleet.replicas.len()];
+    if let Some(id) = &previous {
+        if let Some(home) = home_of(&fleet, id, &headers).await {
+            fleet.homes.routed.fetch_add(1, Ordering::Relaxed);
+            for (r, t) in tried.iter_mut().enumerate() {
+                *t = r != home;
+            }
+        }
+    }
     // A request that runs no prompt (a token count) is placed without blocks (by work and load, or in turn),
     // and the index is not told that a replica holds blocks it was never asked to compute.
-    let prompt = if endpoint.runs_prompt() {
+    let prompt = if endpoint.runs_prompt() && previous.is_none() {
         read_prompt(&fleet, endpoint, client_key, body.clone()).await
     } else {
         Prompt::default()
     };
-    let mut tried = vec![false; fleet.replicas.len()];
-    // A request that continues a stored response goes to the server holding it, and only there (the
-    // others would answer that they do not know it); where none does, the policy picks one, which says so.
-    if endpoint.continues_responses() {
-        let b = body.clone();
-        let previous = tokio::task::spawn_blocking(move || previous_response_id(&b))
-            .await
-            .ok()
-            .flatten();
-        if let Some(id) = previous {
-            if let Some(home) = home_of(&fleet, &id, &headers).await {
-                fleet.homes.routed.fetch_add(1, Ordering::Relaxed);
-                for (r, t) in tried.iter_mut().enumerate() {
-                    *t = r != home;
-                }
-            }
-        }
-    }
     loop {
         let Some((r, held)) = pick(&fleet, &prompt, &tried) else {
             fleet.unroutable.fetch_add(1, Ordering::Relaxed);
