@@ -35,6 +35,8 @@ from conftest import (KuraServer, closed_by_peer, free_port, kura_bin, long_text
                       wait_healthy)
 
 TENANT_KEYS = ("key-a", "key-b")
+# `kura router`'s flags naming both tenants' keys.
+TENANT_KEY_ARGS = tuple(a for k in TENANT_KEYS for a in ("--api-key", k))
 NINE_MIB = 9 * 1024 * 1024
 
 
@@ -64,8 +66,7 @@ def replica_args(*extra: str) -> tuple[str, ...]:
 
 
 def keyed_replica(*extra: str) -> KuraServer:
-    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
-    return KuraServer(*replica_args(*keys, *extra), api_key=TENANT_KEYS[0])
+    return KuraServer(*replica_args(*TENANT_KEY_ARGS, *extra), api_key=TENANT_KEYS[0])
 
 
 def clean_env() -> dict:
@@ -337,8 +338,7 @@ def test_round_robin_scatters_what_kv_routing_keeps_together(fleet):
 
 def test_tenants_prefixes_stay_apart_in_the_index(keyed_fleet):
     replicas = keyed_fleet
-    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
-    router = KuraRouter(replicas, *keys)
+    router = KuraRouter(replicas, *TENANT_KEY_ARGS)
     fresh = None
     try:
         model = replicas[0].model()
@@ -350,7 +350,7 @@ def test_tenants_prefixes_stay_apart_in_the_index(keyed_fleet):
         assert ra2 == ra and cached_a >= prompt - 32
         # A router that never routed this prefix finds it from the replica's events alone: it names
         # tenant a's blocks as the replicas do (the tenant's name is keyed with the fleet's secret).
-        fresh = KuraRouter(replicas, *keys)
+        fresh = KuraRouter(replicas, *TENANT_KEY_ARGS)
         key = "kura_router:predicted_cached_tokens_total" + label(replicas[ra])
         ra3, cached_a, prompt = chat(fresh.client(TENANT_KEYS[0]), model, doc, "Third?")
         assert ra3 == ra and cached_a >= prompt - 32
@@ -377,8 +377,7 @@ def test_a_prompt_cache_key_keeps_requests_together_within_its_tenant_only(keyed
     giving the same key is routed as if it had never been given (it was one map for all tenants: the
     replica a key pointed to told another tenant that someone had used that key, and where)."""
     replicas = keyed_fleet
-    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
-    router = KuraRouter(replicas, *keys)
+    router = KuraRouter(replicas, *TENANT_KEY_ARGS)
     try:
         model = replicas[0].model()
         loads = [f"kura_router:replica_reported_load{label(r)}" for r in replicas]
@@ -419,8 +418,7 @@ def test_a_stored_response_stays_its_tenants_through_the_router(keyed_fleet):
     tenant's key reads, continues and deletes nothing of it through the router, before and after the
     router learnt where it lives (a fresh router asks the replicas with the asking tenant's key)."""
     replicas = keyed_fleet
-    keys = [a for k in TENANT_KEYS for a in ("--api-key", k)]
-    router = KuraRouter(replicas, *keys)
+    router = KuraRouter(replicas, *TENANT_KEY_ARGS)
     fresh = None
     try:
         model = replicas[0].model()
@@ -439,7 +437,7 @@ def test_a_stored_response_stays_its_tenants_through_the_router(keyed_fleet):
                 client.responses.delete(made.id)
 
         b_is_refused(b)
-        fresh = KuraRouter(replicas, *keys)
+        fresh = KuraRouter(replicas, *TENANT_KEY_ARGS)
         b_is_refused(fresh.client(TENANT_KEYS[1]))
         assert fresh.metrics()["kura_router:stored_responses_known"] == 0, "b's probes found nothing"
         for client in (a, fresh.client(TENANT_KEYS[0])):
