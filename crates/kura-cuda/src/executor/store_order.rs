@@ -16,7 +16,7 @@
 //! that order, so the first block reused waits for one copy, not the whole sequence's), and on
 //! write-through (a cached block that stays where it is): only the first kind is rewritten at once.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 #[derive(Debug)]
 pub(super) struct StoreOrder<E> {
@@ -58,6 +58,17 @@ impl<E> StoreOrder<E> {
     /// slot waits for; the stores before it land first).
     pub fn newest_into(&self, host: u64) -> Option<u64> {
         self.pending.iter().rev().find(|p| p.2 == host).map(|p| p.0)
+    }
+
+    /// The newest store into any of host addresses `hosts` the host has not seen land (what a load of
+    /// those slots waits for), in one pass over the pending stores whatever the number of slots.
+    pub fn newest_into_any(&self, hosts: &[u64]) -> Option<u64> {
+        let hosts: HashSet<u64> = hosts.iter().copied().collect();
+        self.pending
+            .iter()
+            .rev()
+            .find(|p| hosts.contains(&p.2))
+            .map(|p| p.0)
     }
 
     /// The newest store not yet ordered before the device stream that reads one of `blocks` (what
@@ -138,6 +149,9 @@ mod tests {
         assert_eq!(o.newest_into(0xa000), Some(3));
         assert_eq!(o.newest_into(0xb000), Some(2));
         assert_eq!(o.newest_into(0xc000), None);
+        assert_eq!(o.newest_into_any(&[0xb000, 0xc000]), Some(2));
+        assert_eq!(o.newest_into_any(&[0xb000, 0xa000]), Some(3));
+        assert_eq!(o.newest_into_any(&[0xc000]), None);
         o.landed_through(2);
         assert_eq!(o.newest_into(0xb000), None);
         assert_eq!(o.newest_into(0xa000), Some(3));

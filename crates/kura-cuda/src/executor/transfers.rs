@@ -117,10 +117,8 @@ impl HostLoads {
     /// work, which comes after.
     fn after_stores_over(&self, copies: &[(u32, u64)]) -> Result<()> {
         let reading = self.stores.newest_reading(copies.iter().map(|c| c.0));
-        let into = copies
-            .iter()
-            .filter_map(|c| self.stores.newest_into(c.1))
-            .max();
+        let slots: Vec<u64> = copies.iter().map(|c| c.1).collect();
+        let into = self.stores.newest_into_any(&slots);
         if let Some(seq) = reading.max(into) {
             let ev = self
                 .stores
