@@ -2,7 +2,8 @@
 same model: a long prompt sent twice (completions, then chat) is cold the first time and served from
 cached blocks the second, with exactly the `cached_tokens` the CPU server reports for the same requests
 (both run the same engine and KV manager), at least the prompt's whole blocks but the last token's, and
-the same greedy text cold and cached. The GPU server sizes its pool as a share of the device
+the same greedy text cold and cached; the prompt scored (`echo` with `logprobs`) twice gives the same
+scores, none from the cache, close to the CPU's. The GPU server sizes its pool as a share of the device
 (`--kv-cache-memory 50%`); its log's block count must equal what `kura plan --gpu H100 --memory <the
 driver's total, from the same log>` prints for the same model and flags. Then a GPU server with a small
 pool and a host tier (`--kv-host-memory`): prompts revisited after the pool evicted them come back from
@@ -102,6 +103,11 @@ def run(kura: str, model: str, device: str, words: int = 700) -> tuple[dict, str
             cold, cold_text, cold_s = ask()
             warm, warm_text, warm_s = ask()
             out[kind] = (cold, warm, cold_text, warm_text, cold_s, warm_s)
+        # The prompt scored (`echo` with `logprobs`): every position's logits, from the executor's
+        # `forward_every_position`; nothing cached is read, though the prompt is cached by now.
+        scored = [client.completions.create(model=name, prompt=prompt, max_tokens=0, temperature=0, echo=True,
+                                            logprobs=1) for _ in range(2)]
+        out["echo"] = [(r.usage, r.choices[0].logprobs.token_logprobs) for r in scored]
         log.seek(0)
         return out, log.read()
     finally:
@@ -272,6 +278,31 @@ def compare(gpu: dict, cpu: dict) -> list[str]:
             failures.append(f"{kind}: cached_tokens {got} on the GPU, {want} on the CPU")
         if cold_text != warm_text:
             failures.append(f"{kind}: the cached answer differs: {cold_text!r} vs {warm_text!r}")
+    failures += compare_echo(gpu["echo"], cpu["echo"])
+    return failures
+
+
+def compare_echo(gpu: list, cpu: list) -> list[str]:
+    """A prompt scored twice on the GPU (`echo`, `logprobs` 1, `max_tokens` 0) against the CPU's: a score
+    for every prompt token (the first `null`), nothing cached either time, the same scores both times, and
+    close to the CPU's (a mean difference under 0.1: scores read one position off would differ by nats)."""
+    failures = []
+    (usage, scores), (_, again) = gpu
+    cpu_scores = cpu[0][1]
+    n = usage.prompt_tokens
+    cached = [u.prompt_tokens_details.cached_tokens for u, _ in gpu]
+    diff = [abs(a - b) for a, b in zip(scores[1:], cpu_scores[1:]) if a is not None and b is not None]
+    mean = sum(diff) / max(len(diff), 1)
+    print(f"echo: {len(scores)} scores for {n} prompt tokens; cached_tokens {cached}; the same scores twice: "
+          f"{scores == again}; mean difference from the CPU's {mean:.4f}")
+    if len(scores) != n or scores[0] is not None or len(cpu_scores) != n:
+        failures.append(f"echo: {len(scores)} scores on the GPU, {len(cpu_scores)} on the CPU, for {n} tokens")
+    if cached != [0, 0]:
+        failures.append(f"echo: a scored prompt read {cached} cached tokens")
+    if scores != again:
+        failures.append("echo: the same prompt scored twice gave different scores")
+    if len(diff) != n - 1 or mean >= 0.1:
+        failures.append(f"echo: scores differ from the CPU's by {mean:.4f} on average")
     return failures
 
 

@@ -2,7 +2,8 @@
 Kura reports (never_seen, evicted, diverged, template_rerendered, salt_differs) is produced on purpose,
 read from the response's usage (`prompt_tokens_details.cache_miss`, Anthropic's `usage.cache_miss`,
 Responses' `input_tokens_details.cache_miss`) and counted in `kura:prefix_cache_misses_total{reason}`.
-The sixth, window_dropped, needs a model with a sliding window: test_gemma.py produces it.
+The sixth, window_dropped, needs a model with a sliding window: test_gemma.py produces it; the seventh,
+prompt_logprobs (a prompt scored by `echo` with `logprobs`), test_echo.py.
 """
 
 import httpx

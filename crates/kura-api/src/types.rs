@@ -227,12 +227,13 @@ impl From<kura_request::Usage> for UsageBody {
     }
 }
 
-/// Legacy completions logprobs (parallel arrays).
+/// Legacy completions logprobs (parallel arrays). An echoed prompt's first token has `null` in
+/// `token_logprobs` and `top_logprobs` (nothing before it scores it).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
     pub text_offset: Vec<usize>,
 }
 

@@ -121,6 +121,7 @@ impl Checked {
             pins: Vec::new(),
             constraint: None,
             history_tokens: 0,
+            prompt_logprobs: None,
         }
     }
 }
@@ -599,6 +600,9 @@ pub struct CompletionPlan {
     /// One or more prompts; each gets `n` choices, numbered prompt-major as OpenAI numbers them.
     pub prompts: Vec<PromptInput>,
     pub logprobs: Option<u32>,
+    /// Each choice's text starts with its prompt (and, with `logprobs`, its log-probabilities with the
+    /// prompt's: the first token's is `null`).
+    pub echo: bool,
     pub user: Option<String>,
 }
 
@@ -620,10 +624,17 @@ pub fn prepare_completion(
 ) -> Result<CompletionPlan, ApiError> {
     let common: CommonParams = from_value(value)?;
     let req: CompletionRequest = from_value(value)?;
-    let checked = check_common(&common, ctx, common.max_tokens, "max_tokens")?;
-    if req.echo {
+    // With `echo`, `max_tokens` 0 asks for the prompt alone (scored, with `logprobs`).
+    let prompt_only = req.echo && common.max_tokens == Some(0);
+    let max_tokens = if prompt_only { None } else { common.max_tokens };
+    let mut checked = check_common(&common, ctx, max_tokens, "max_tokens")?;
+    if prompt_only {
+        checked.max_tokens = Some(0);
+    }
+    if req.echo && common.cached_content.is_some() {
         return Err(ApiError::invalid(
-            "echo is not supported by this server",
+            "echo cannot be combined with cached_content: the prompt would start with a saved \
+             context the request does not hold",
             Some("echo"),
         ));
     }
@@ -672,6 +683,7 @@ pub fn prepare_completion(
         checked,
         prompts,
         logprobs,
+        echo: req.echo,
         user: common.user,
     })
 }

@@ -1722,6 +1722,13 @@ impl Executor for CudaExecutor {
         Ok(CudaExecutor::forward_rows(self, batch, wants)?)
     }
 
+    fn forward_every_position(
+        &mut self,
+        item: SeqInput<'_>,
+    ) -> std::result::Result<Vec<f32>, ExecError> {
+        Ok(CudaExecutor::forward_every_position(self, item)?)
+    }
+
     fn copy_block_prefix(
         &mut self,
         src: u32,

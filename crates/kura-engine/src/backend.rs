@@ -244,6 +244,19 @@ pub trait Executor: Send + 'static {
             .map(|(logits, &want)| Row::answering(want, logits))
             .collect())
     }
+    /// Writes K/V of one item's tokens, as [`Executor::forward`], and returns the logits of every one
+    /// of them, `tokens × vocab_size` row by row: what scoring a prompt needs
+    /// ([`crate::GenerateRequest::prompt_logprobs`]). The engine keeps such an item to a few thousand
+    /// rows ([`crate::engine`]'s `SCORE_ROWS_BYTES`). An executor that cannot answers
+    /// [`ExecError::Step`], and the request fails with its message.
+    fn forward_every_position(&mut self, item: SeqInput<'_>) -> Result<Vec<f32>, ExecError> {
+        let _ = item;
+        Err(ExecError::Step(
+            "this executor does not give every position's logits, which a prompt's \
+             log-probabilities need"
+                .into(),
+        ))
+    }
     /// Copies the K/V of the first `num_tokens` token slots of block `src` into block `dst`.
     fn copy_block_prefix(&mut self, src: u32, dst: u32, num_tokens: usize)
         -> Result<(), ExecError>;

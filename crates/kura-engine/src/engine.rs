@@ -32,6 +32,7 @@ use rayon::prelude::*;
 use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
 use crate::sampling::Sampled;
+use crate::score::{score_chunk, PromptScores};
 
 use crate::backend::{
     executor_failed, unanswered, ExecError, Executor, ExecutorFailed, OrEnd, Row, SeqInput,
@@ -44,7 +45,7 @@ use crate::metrics::EngineMetrics;
 use crate::output::{OutMsg, SinkSlot};
 use crate::pins::PinTable;
 use crate::remote::{Adoption, RemoteTier, RemoteTierSetup};
-use crate::request::{EngineEvent, FinishReason, RequestError, Usage};
+use crate::request::{CacheMiss, EngineEvent, FinishReason, MissReason, RequestError, Usage};
 use crate::seq::{Group, Seq};
 use crate::tiers::{LoadDone, TierIo, TierSetup};
 use kura_sched::{
@@ -639,6 +640,9 @@ impl Core {
                     stop: request.stop.clone(),
                 });
                 let key = self.cache_key(&request.cache_salt);
+                let scores = request
+                    .prompt_logprobs
+                    .map(|top| PromptScores::new(request.prompt_tokens.len(), top));
                 let group = Group {
                     slot,
                     usage: Usage {
@@ -657,6 +661,7 @@ impl Core {
                     full_since: None,
                     reason: None,
                     prompt_computed: Default::default(),
+                    scores,
                 };
                 // A prompt whose blocks may be in the Redis tier waits for its lookup first.
                 let seq = match self.remote.as_mut() {
@@ -738,6 +743,27 @@ impl Core {
             },
         );
         self.seqs.insert(seq_key, seq);
+        if group.scores.is_some() {
+            let chunk = score_chunk(self.shared.info.vocab_size);
+            self.sched.score_prompt(id, chunk);
+            // A one-token prompt has nothing to score.
+            self.send_scores_when_done(id);
+        }
+    }
+
+    /// Sends a request's prompt scores once every prompt token has its score, and lets the scheduler
+    /// read its cached prefix again (after a preemption).
+    fn send_scores_when_done(&mut self, id: u64) {
+        let Some(group) = self.groups.get_mut(&id) else {
+            return;
+        };
+        let Some(rest) = group.scores.as_mut().and_then(PromptScores::take) else {
+            return;
+        };
+        group.scores = None;
+        let first = group.request.prompt_tokens[0];
+        self.sched.prompt_scored(id);
+        self.out.send(OutMsg::PromptLogprobs { id, first, rest });
     }
 
     /// Requests whose Redis lookup is answered (or given up): their blocks adopted, then scheduled.
@@ -1008,14 +1034,41 @@ impl Core {
             })
             .collect();
         let wants: Vec<Want> = plan.items.iter().map(|it| self.want(*it)).collect();
-        let result = self.executor.forward_rows(&batch, &wants);
+        // Items of prompts being scored need every position's logits: each is its own call, after
+        // the step's other items.
+        let scored: Vec<bool> = plan.items.iter().map(|it| self.scores(*it)).collect();
+        let (mut batch_rest, mut wants_rest) = (Vec::new(), Vec::new());
+        for ((input, want), &scored) in batch.iter().zip(&wants).zip(&scored) {
+            if !scored {
+                batch_rest.push(*input);
+                wants_rest.push(*want);
+            }
+        }
+        let result = if batch_rest.is_empty() {
+            Ok(Vec::new())
+        } else {
+            self.executor.forward_rows(&batch_rest, &wants_rest)
+        };
+        // Each scored item's logits of every position, or why its request fails.
+        let mut every: Vec<Option<Result<Vec<f32>, String>>> = Vec::new();
+        if result.is_ok() {
+            for (input, &scored) in batch.iter().zip(&scored) {
+                every.push(
+                    scored.then(|| match self.executor.forward_every_position(*input) {
+                        Ok(rows) => Ok(rows),
+                        Err(e @ ExecError::Fatal(_)) => executor_failed("a forward step", &e),
+                        Err(ExecError::Step(e)) => Err(e),
+                    }),
+                );
+            }
+        }
         let forward = forward_started.elapsed();
         drop(batch);
         self.observe_prefill(&plan, forward);
         self.metrics.steps.add(1);
         let rows = match result {
             Ok(rows) => {
-                if let Some(why) = unanswered(&wants, &rows) {
+                if let Some(why) = unanswered(&wants_rest, &rows) {
                     executor_failed("a forward step", &ExecError::Fatal(why))
                 }
                 rows
@@ -1034,11 +1087,66 @@ impl Core {
                 return forward;
             }
         };
+        // Every item's row, in the plan's order: the scored items' from their last position.
+        let mut rows = rows.into_iter();
+        let vocab = self.shared.info.vocab_size;
+        let rows: Vec<Row> = plan
+            .items
+            .iter()
+            .zip(&wants)
+            .zip(every.into_iter().chain(std::iter::repeat_with(|| None)))
+            .map(|((item, &want), every)| match every {
+                None => rows.next().unwrap_or(Row::Nothing),
+                Some(Ok(logits)) => self.score(*item, want, logits, vocab),
+                Some(Err(e)) => {
+                    if let Some(g) = self.sched.request_of(item.seq) {
+                        self.fail_group(g, RequestError::Model(e));
+                    }
+                    Row::Nothing
+                }
+            })
+            .collect();
         self.choose_batch(&plan.items, &rows);
         for (item, row) in plan.items.iter().zip(&rows) {
             self.after_forward(*item, row);
         }
         forward
+    }
+
+    /// Whether a planned item computes positions of a prompt being scored.
+    fn scores(&self, item: Item) -> bool {
+        self.seqs
+            .get(&item.seq)
+            .and_then(|seq| self.groups.get(&seq.group))
+            .is_some_and(|g| g.scores.is_some() && item.start + 1 < g.request.prompt_tokens.len())
+    }
+
+    /// Records what a scored item's logits of every position say of its prompt (sending the scores
+    /// once the prompt is done), and answers its `want` from its last position.
+    fn score(&mut self, item: Item, want: Want, logits: Vec<f32>, vocab: usize) -> Row {
+        let rows = item.end - item.start;
+        if vocab == 0 || logits.len() != rows.saturating_mul(vocab) {
+            executor_failed(
+                "a forward step",
+                &ExecError::Fatal(format!(
+                    "the executor gave {} logits for {rows} positions of {vocab} tokens",
+                    logits.len()
+                )),
+            )
+        }
+        if let Some(g) = self.sched.request_of(item.seq) {
+            if let Some(group) = self.groups.get_mut(&g) {
+                let prompt = &group.request.prompt_tokens;
+                if let Some(scores) = group.scores.as_mut() {
+                    scores.record(prompt, item.start, &logits, vocab);
+                }
+            }
+            self.send_scores_when_done(g);
+        }
+        match want {
+            Want::Nothing => Row::Nothing,
+            want => Row::answering(want, logits[(rows - 1) * vocab..].to_vec()),
+        }
     }
 
     /// What a planned item's step gives its sequence: nothing for a prefill chunk with more to come,
@@ -1051,10 +1159,13 @@ impl Core {
         let Some(seq) = self.seqs.get(&item.seq) else {
             return Want::Nothing; // its group failed: nothing is sampled
         };
-        let alone = self
-            .groups
-            .get(&seq.group)
-            .is_some_and(|g| g.forked || g.request.n <= 1);
+        let Some(group) = self.groups.get(&seq.group) else {
+            return Want::Nothing;
+        };
+        if group.request.max_tokens == 0 {
+            return Want::Nothing; // a prompt scored only: its choices end without a token
+        }
+        let alone = group.forked || group.request.n <= 1;
         if alone && matches!(seq.constraint, Ok(None)) && seq.sampler.argmax_only() {
             Want::Argmax
         } else {
@@ -1123,14 +1234,22 @@ impl Core {
             group.usage.cached_tokens = cached as u32;
             let salt = &group.request.cache_salt;
             let prompt = &group.request.prompt_tokens;
-            group.usage.miss = self.seen.explain(
-                salt,
-                prompt,
-                cached,
-                self.config.block_size_tokens,
-                group.request.history_tokens,
-                group.window_cut,
-            );
+            group.usage.miss = if group.request.prompt_logprobs.is_some() {
+                // Scored: it read nothing cached, whatever the cache held.
+                Some(CacheMiss {
+                    reason: MissReason::PromptLogprobs,
+                    at: 0,
+                })
+            } else {
+                self.seen.explain(
+                    salt,
+                    prompt,
+                    cached,
+                    self.config.block_size_tokens,
+                    group.request.history_tokens,
+                    group.window_cut,
+                )
+            };
             if let Some(m) = group.usage.miss {
                 self.metrics.count_miss(m.reason);
             }
@@ -1239,6 +1358,17 @@ impl Core {
                 .saturating_sub(self.sched.tokens(key).len());
             by_max.min(by_context)
         };
+        if budget == 0 {
+            // `max_tokens` 0 (a prompt scored only): the choice ends without a token.
+            let choice = seq.choice;
+            self.out.send(OutMsg::Ended {
+                id: group_id,
+                choice,
+                reason: FinishReason::Length,
+            });
+            self.finish_seq(key, FinishReason::Length);
+            return;
+        }
         let sampler = &mut seq.sampler;
         let chosen = seq.chosen.take();
         let token = match (&mut seq.constraint, row) {

@@ -21,6 +21,7 @@ pub mod sampling;
 /// The request vocabulary is `kura-request`'s.
 use kura_request as request;
 mod miss;
+mod score;
 mod seq;
 mod tiers;
 
@@ -33,8 +34,8 @@ pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use inspect::{KvInspect, PrefixView};
 pub use kura_request::{
     CacheMiss, ConstraintSpec, EngineEvent, EventSink, FinishReason, GenerateRequest, MissReason,
-    PinSpec, RequestError, SamplingParams, SubmitError, TokenCandidate, TokenConstraint,
-    TokenLogprob, Usage, TENANT_SEPARATOR,
+    PinSpec, PromptLogprobs, RequestError, SamplingParams, SubmitError, TokenCandidate,
+    TokenConstraint, TokenLogprob, Usage, TENANT_SEPARATOR,
 };
 pub use kura_sched::{
     AdmissionMode, Computed, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler,

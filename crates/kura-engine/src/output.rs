@@ -28,7 +28,8 @@ use kura_text::{StopChecker, StopReason};
 
 use crate::backend::TextCodec;
 use crate::request::{
-    EngineEvent, EventSink, FinishReason, RequestError, TokenCandidate, TokenLogprob, Usage,
+    EngineEvent, EventSink, FinishReason, PromptLogprobs, RequestError, TokenCandidate,
+    TokenLogprob, Usage,
 };
 use crate::seq::Detokenizer;
 
@@ -90,6 +91,18 @@ pub(crate) enum OutMsg {
         logprob: Option<crate::sampling::TokenLogprob>,
         stop_token: bool,
         last: Option<FinishReason>,
+    },
+    /// A choice ended without a token (`max_tokens` 0: a prompt scored only).
+    Ended {
+        id: u64,
+        choice: u32,
+        reason: FinishReason,
+    },
+    /// The request's prompt is scored: its first token, and the scores of the others.
+    PromptLogprobs {
+        id: u64,
+        first: u32,
+        rest: Vec<crate::sampling::TokenLogprob>,
     },
     /// Every choice has finished in the engine.
     Done { id: u64, usage: Usage },
@@ -242,17 +255,8 @@ fn handle(
                     let _ = finished.send((id, choice));
                 }
             }
-            let candidate = |token_id: u32, logprob: f32| TokenCandidate {
-                token_id,
-                text: codec.decode(&[token_id]),
-                bytes: codec.token_bytes(token_id),
-                logprob,
-            };
             let logprobs: Vec<TokenLogprob> = logprob
-                .map(|lp| TokenLogprob {
-                    sampled: candidate(lp.token, lp.logprob),
-                    top: lp.top.iter().map(|&(t, l)| candidate(t, l)).collect(),
-                })
+                .map(|lp| with_texts(codec, &lp))
                 .into_iter()
                 .collect();
             r.slot.send(EngineEvent::Delta {
@@ -266,6 +270,32 @@ fn handle(
                     choice,
                     reason,
                     stop_sequence,
+                });
+            }
+        }
+        OutMsg::Ended { id, choice, reason } => {
+            let Some(r) = requests.get_mut(&id) else {
+                return;
+            };
+            let c = r.choices.entry(choice).or_default();
+            if !c.finished {
+                c.finished = true;
+                r.slot.send(EngineEvent::Finished {
+                    choice,
+                    reason,
+                    stop_sequence: None,
+                });
+            }
+        }
+        OutMsg::PromptLogprobs { id, first, rest } => {
+            if let Some(r) = requests.get(&id) {
+                let logprobs = PromptLogprobs {
+                    first: candidate(codec, first, 0.0),
+                    rest: rest.iter().map(|lp| with_texts(codec, lp)).collect(),
+                };
+                r.slot.send(EngineEvent::PromptLogprobs {
+                    prompt: 0,
+                    logprobs: Arc::new(logprobs),
                 });
             }
         }
@@ -283,6 +313,28 @@ fn handle(
         OutMsg::Forget { id } => {
             requests.remove(&id);
         }
+    }
+}
+
+/// A token with its text and bytes, as clients read it.
+fn candidate(codec: &Arc<dyn TextCodec>, token_id: u32, logprob: f32) -> TokenCandidate {
+    TokenCandidate {
+        token_id,
+        text: codec.decode(&[token_id]),
+        bytes: codec.token_bytes(token_id),
+        logprob,
+    }
+}
+
+/// A token's scores with the texts and bytes of the token and its alternatives.
+fn with_texts(codec: &Arc<dyn TextCodec>, lp: &crate::sampling::TokenLogprob) -> TokenLogprob {
+    TokenLogprob {
+        sampled: candidate(codec, lp.token, lp.logprob),
+        top: lp
+            .top
+            .iter()
+            .map(|&(t, l)| candidate(codec, t, l))
+            .collect(),
     }
 }
 

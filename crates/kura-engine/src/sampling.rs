@@ -150,19 +150,9 @@ impl Sampler {
     /// `token`'s logprobs in `logits` when this sampler reports them ([`Sampler::record`] without
     /// recording: a batch's rows are scored at once, each recorded in turn).
     pub fn logprob(&self, logits: &[f32], token: u32) -> Option<TokenLogprob> {
-        // Log-probabilities of the model's distribution: logit − log Σ exp (no vector of them is made).
-        self.params.logprobs.map(|k| {
-            let lse = log_sum_exp(logits);
-            TokenLogprob {
-                token,
-                logprob: logits[token as usize] - lse,
-                // The order of the logits is that of their log-probabilities.
-                top: top_k_indices(logits, k)
-                    .into_iter()
-                    .map(|i| (i as u32, logits[i] - lse))
-                    .collect(),
-            }
-        })
+        self.params
+            .logprobs
+            .map(|k| token_logprob(logits, token, k))
     }
 
     /// Records a token chosen and scored from a row ([`Sampler::choose`], [`Sampler::logprob`]) as
@@ -188,6 +178,21 @@ impl Sampler {
     fn count(&mut self, token: u32) {
         *self.generated.entry(token).or_insert(0) += 1;
         self.seen.insert(token);
+    }
+}
+
+/// `token`'s log-probability in the model's distribution `logits` (logit − log Σ exp: no vector of
+/// them is made), with the `k` most likely tokens' (most likely first).
+pub fn token_logprob(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
+    let lse = log_sum_exp(logits);
+    TokenLogprob {
+        token,
+        logprob: logits[token as usize] - lse,
+        // The order of the logits is that of their log-probabilities.
+        top: top_k_indices(logits, k)
+            .into_iter()
+            .map(|i| (i as u32, logits[i] - lse))
+            .collect(),
     }
 }
 

@@ -46,6 +46,8 @@ pub(crate) struct Group {
     /// Prompt positions this request computed itself before its first token; the rest were served
     /// from the cache (any tier) or computed by another request it waited for.
     pub prompt_computed: PromptCoverage,
+    /// While its prompt is being scored ([`GenerateRequest::prompt_logprobs`]): the scores so far.
+    pub scores: Option<crate::score::PromptScores>,
 }
 
 /// A set of prompt positions, one bit each (positions computed twice, after a preemption, count once).

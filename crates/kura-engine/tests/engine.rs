@@ -131,6 +131,7 @@ fn wait(rx: &Receiver<EngineEvent>, n: usize) -> Outcome {
                 return o;
             }
             EngineEvent::Failed(e) => panic!("request failed: {e}"),
+            EngineEvent::PromptLogprobs { .. } => panic!("prompt scores not asked for"),
         }
     }
 }

@@ -128,6 +128,7 @@ fn low_then_high(policy: SchedulingPolicy) -> (Vec<&'static str>, Vec<u32>, Vec<
             EngineEvent::Finished { .. } => {}
             EngineEvent::Done { .. } => done.push(tag),
             EngineEvent::Failed(err) => panic!("{tag}: {err}"),
+            EngineEvent::PromptLogprobs { .. } => panic!("{tag}: prompt scores not asked for"),
         }
     }
     assert_eq!(tokens[0], alone(&low));
@@ -177,6 +178,7 @@ fn logprob_candidates_carry_the_codecs_token_bytes() {
             EngineEvent::Finished { .. } => {}
             EngineEvent::Done { .. } => break,
             EngineEvent::Failed(e) => panic!("{e}"),
+            EngineEvent::PromptLogprobs { .. } => panic!("prompt scores not asked for"),
         }
     }
     assert_eq!(candidates, 5 * 4);

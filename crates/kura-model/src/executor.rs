@@ -20,17 +20,18 @@ impl ModelExecutor {
     }
 }
 
+fn batch_item<'a>(s: &SeqInput<'a>) -> SeqBatchItem<'a> {
+    SeqBatchItem {
+        tokens: s.tokens,
+        start_pos: s.start_pos,
+        block_table: s.block_table,
+        layer_pages: s.layer_pages,
+    }
+}
+
 impl Executor for ModelExecutor {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let items: Vec<SeqBatchItem<'_>> = batch
-            .iter()
-            .map(|s| SeqBatchItem {
-                tokens: s.tokens,
-                start_pos: s.start_pos,
-                block_table: s.block_table,
-                layer_pages: s.layer_pages,
-            })
-            .collect();
+        let items: Vec<SeqBatchItem<'_>> = batch.iter().map(batch_item).collect();
         let logits = self
             .model
             .forward(&items, &mut self.storage)
@@ -38,6 +39,13 @@ impl Executor for ModelExecutor {
         Ok((0..logits.num_rows())
             .map(|i| logits.row(i).to_vec())
             .collect())
+    }
+
+    fn forward_every_position(&mut self, item: SeqInput<'_>) -> Result<Vec<f32>, ExecError> {
+        self.model
+            .forward_every_position(&[batch_item(&item)], &mut self.storage)
+            .map(|logits| logits.data)
+            .map_err(|e| ExecError::Step(e.to_string()))
     }
 
     fn copy_block_prefix(

@@ -141,6 +141,12 @@ pub struct GenerateRequest {
     /// Prompt tokens that hold the earlier turns of a conversation (0: none): a prompt that differs
     /// from the cached one inside them is a [`MissReason::TemplateRerendered`].
     pub history_tokens: usize,
+    /// Score the prompt as well (OpenAI's `echo` with `logprobs`): the log-probability of each prompt
+    /// token after the first, given the tokens before it, with this many most likely alternatives,
+    /// sent as one [`EngineEvent::PromptLogprobs`] before the first token. Every position's logits
+    /// are needed, so the prompt is computed whole: its cached prefix is not read
+    /// ([`MissReason::PromptLogprobs`]). `None`: not scored.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A grammar the output must follow, ready to start (compiled once per request).
@@ -206,6 +212,7 @@ impl GenerateRequest {
             pins: Vec::new(),
             constraint: None,
             history_tokens: 0,
+            prompt_logprobs: None,
         }
     }
 }
@@ -247,6 +254,17 @@ pub struct TokenLogprob {
     pub top: Vec<TokenCandidate>,
 }
 
+/// A prompt's own log-probabilities ([`GenerateRequest::prompt_logprobs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobs {
+    /// The first prompt token's text and bytes (no token comes before it to score it: its logprob is
+    /// reported as none, and `logprob` here is 0).
+    pub first: TokenCandidate,
+    /// Each later prompt token's log-probability given the tokens before it, in order, with the most
+    /// likely alternatives at its position.
+    pub rest: Vec<TokenLogprob>,
+}
+
 /// Why a prompt's cached part stopped where it did, when a longer one could have been cached: told to
 /// the client with its usage, and counted by reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -277,16 +295,20 @@ pub enum MissReason {
     /// layer reads (a hybrid pool reclaims those first): the prefix is cut back to where the window
     /// can be served.
     WindowDropped,
+    /// The request asked for its prompt's log-probabilities ([`GenerateRequest::prompt_logprobs`]):
+    /// they need the logits of every prompt position, so no cached block was read.
+    PromptLogprobs,
 }
 
 impl MissReason {
-    pub const ALL: [MissReason; 6] = [
+    pub const ALL: [MissReason; 7] = [
         MissReason::NeverSeen,
         MissReason::Evicted,
         MissReason::Diverged,
         MissReason::TemplateRerendered,
         MissReason::SaltDiffers,
         MissReason::WindowDropped,
+        MissReason::PromptLogprobs,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -297,6 +319,7 @@ impl MissReason {
             MissReason::TemplateRerendered => "template_rerendered",
             MissReason::SaltDiffers => "salt_differs",
             MissReason::WindowDropped => "window_dropped",
+            MissReason::PromptLogprobs => "prompt_logprobs",
         }
     }
 }
@@ -317,8 +340,8 @@ pub struct Usage {
     pub miss: Option<CacheMiss>,
 }
 
-/// Everything the engine reports about a request, in order: any number of `Delta`s and one
-/// `Finished` per choice, then one `Done` — or a single `Failed` at any point, after which nothing follows.
+/// Everything the engine reports about a request, in order: its `PromptLogprobs` when asked, any
+/// number of `Delta`s and one `Finished` per choice, then one `Done` — or a single `Failed` at any point, after which nothing follows.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
     /// New text of one choice. `text` may be empty while a multi-byte character or a possible stop
@@ -339,6 +362,13 @@ pub enum EngineEvent {
         usage: Usage,
     },
     Failed(RequestError),
+    /// The prompt's log-probabilities, when asked ([`GenerateRequest::prompt_logprobs`]), before any
+    /// `Delta`. `prompt`: 0 from the engine; a caller that merges several requests' events numbers
+    /// their prompts here.
+    PromptLogprobs {
+        prompt: u32,
+        logprobs: Arc<PromptLogprobs>,
+    },
 }
 
 /// Why a running request ended without finishing.

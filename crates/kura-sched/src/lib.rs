@@ -275,6 +275,9 @@ struct Request {
     limit: OutputLimit,
     /// Choices that have a sequence so far (1, then `n` once forked).
     choices: usize,
+    /// While its prompt is scored ([`Scheduler::score_prompt`]): the most tokens one step computes of
+    /// it. Its cached prefix is then not read.
+    scoring: Option<usize>,
 }
 
 /// One choice of a request as the scheduler sees it.
@@ -497,6 +500,7 @@ impl Scheduler {
                 prompt_len: prompt.len(),
                 limit,
                 choices: 1,
+                scoring: None,
             },
         );
         let seq = self.next_seq;
@@ -514,6 +518,24 @@ impl Scheduler {
         );
         self.waiting.push(seq);
         seq
+    }
+
+    /// Has a request's prompt computed whole, for the logits of every position (its prompt's
+    /// log-probabilities): no cached or pending block of its prefix is read, and each step computes at
+    /// most `max_chunk` tokens of it (what one step's logits of every position may take), until
+    /// [`Scheduler::prompt_scored`]. Its own blocks are cached as any others.
+    pub fn score_prompt(&mut self, id: u64, max_chunk: usize) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.scoring = Some(max_chunk.max(1));
+        }
+    }
+
+    /// Ends [`Scheduler::score_prompt`]: the request's prompt is scored, and a sequence of it admitted
+    /// again (after a preemption) reads its cached prefix as any other.
+    pub fn prompt_scored(&mut self, id: u64) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.scoring = None;
+        }
     }
 
     /// Whether a request is skipped by the next passes (its client is behind). A running sequence keeps
@@ -741,7 +763,11 @@ impl Scheduler {
                 Err(e) => panic!("KV sequence of a running request is unknown: {e}"),
             };
             let start = status.computed_tokens;
-            let end = status.computable_tokens.min(start.saturating_add(budget));
+            let most = match self.requests.get(&seq.request).and_then(|r| r.scoring) {
+                Some(chunk) => budget.min(chunk),
+                None => budget,
+            };
+            let end = status.computable_tokens.min(start.saturating_add(most));
             let end = if end > start {
                 match self.fit_window(c.seq, id, start, end, &cands[i + 1..], &mut plan) {
                     Some(end) => end,
@@ -908,7 +934,11 @@ impl Scheduler {
                 return Admit::Gone;
             };
             let id = self.kv.add_sequence(&request.key);
-            let lookup = &seq.tokens[..seq.tokens.len() - 1];
+            // A prompt being scored needs every position's logits: it reads nothing cached.
+            let lookup = match request.scoring {
+                Some(_) => &[],
+                None => &seq.tokens[..seq.tokens.len() - 1],
+            };
             let hit = self.kv.find_cached_prefix(lookup, &request.key);
             let cached = hit.num_cached_tokens();
             if guaranteed {

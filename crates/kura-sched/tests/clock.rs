@@ -217,3 +217,39 @@ fn a_full_pool_preempts_the_most_recent_and_resumes_it_from_its_cached_blocks() 
         "from its cached prompt blocks: {b_resumed:?}"
     );
 }
+
+#[test]
+fn a_scored_prompt_reads_nothing_cached_and_is_computed_in_chunks_of_its_own_size() {
+    let mut s = Scheduler::new(config(32, 16, 4)).unwrap();
+    let at = Duration::ZERO;
+    // A first request caches the prompt's three full blocks.
+    s.add_request(0, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
+    let plan = step(&mut s, at);
+    assert_eq!(items(&plan), vec![(0, 0, 14)]);
+    s.remove_request(0);
+
+    // The same prompt, scored: admitted with nothing cached, and computed 5 tokens a step although
+    // the step's budget is 16.
+    let key = s.add_request(1, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
+    s.score_prompt(1, 5);
+    let plan = step(&mut s, at);
+    let cached: Vec<usize> = plan
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            SchedEvent::Admitted { cached_tokens, .. } => Some(*cached_tokens),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(cached, vec![0]);
+    assert_eq!(items(&plan), vec![(key, 0, 5)]);
+    assert_eq!(items(&step(&mut s, at)), vec![(key, 5, 10)]);
+    // Once scored, it is stepped within the whole budget again.
+    s.prompt_scored(1);
+    assert_eq!(items(&step(&mut s, at)), vec![(key, 10, 14)]);
+    s.remove_request(1);
+
+    // Not scored, the same prompt reads the three cached blocks.
+    let key = s.add_request(2, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
+    assert_eq!(items(&step(&mut s, at)), vec![(key, 12, 14)]);
+}

@@ -65,6 +65,25 @@ async fn encode_prompts(
     .await
 }
 
+/// What `echo` starts each prompt's choices with: the prompt's text as given, or a token prompt's
+/// tokens decoded.
+async fn echo_prompts(
+    engine: &EngineHandle,
+    texts: Vec<Option<String>>,
+    prompts: &[Vec<u32>],
+) -> Result<std::sync::Arc<[String]>, ApiError> {
+    let codec = engine.codec().clone();
+    let prompts = prompts.to_vec();
+    off_the_workers(move || {
+        Ok(texts
+            .into_iter()
+            .zip(&prompts)
+            .map(|(text, tokens)| text.unwrap_or_else(|| codec.decode(tokens)))
+            .collect())
+    })
+    .await
+}
+
 /// The chat template applied and tokenized in one step, off the async workers: the template writes
 /// the special tokens, so none are added again (no second BOS).
 async fn encode_chat(
@@ -282,6 +301,16 @@ pub async fn completions(
         style,
     )
     .await?;
+    // `echo`: the prompts' texts as given (token prompts are decoded once tokenized).
+    let echo_texts: Option<Vec<Option<String>>> = plan.echo.then(|| {
+        plan.prompts
+            .iter()
+            .map(|p| match p {
+                PromptInput::Text(t) => Some(t.clone()),
+                PromptInput::Tokens(_) => None,
+            })
+            .collect()
+    });
     let prompts = match &context {
         None => encode_prompts(&s.engine, plan.prompts).await?,
         Some(c) => {
@@ -298,16 +327,45 @@ pub async fn completions(
             .await?
         }
     };
-    // OpenAI's default for the legacy endpoint.
+    let echo = match echo_texts {
+        Some(texts) => Some(echo_prompts(&s.engine, texts, &prompts).await?),
+        None => None,
+    };
+    // An echoed prompt's log-probabilities, held with the output's (each choice repeats them).
+    let scored = plan.logprobs.filter(|_| plan.echo);
     let choices = prompts.len().saturating_mul(plan.checked.n as usize);
-    let max_tokens = validate::held_logprobs_max_tokens(
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let prompt_held = validate::held_logprobs(
         &plan.checked,
         choices,
-        plan.logprobs,
-        "logprobs",
-        plan.checked.max_tokens.unwrap_or(16),
-        s.held_logprobs_limit(),
-    )?;
+        scored,
+        u32::try_from(longest).unwrap_or(u32::MAX),
+    );
+    let limit = s.held_logprobs_limit();
+    if prompt_held > limit {
+        return Err(ApiError::invalid(
+            format!(
+                "a response with log-probabilities that is not streamed holds at most {limit} of \
+                 them on this server, and the echoed prompts alone hold {prompt_held} ({choices} \
+                 choice(s) × {longest} prompt tokens × (1 + logprobs)); lower n or logprobs, or \
+                 stream the response"
+            ),
+            Some("logprobs"),
+        ));
+    }
+    // OpenAI's default for the legacy endpoint.
+    let max_tokens = match plan.checked.max_tokens {
+        // A prompt scored alone (`echo` with `max_tokens` 0).
+        Some(0) => 0,
+        asked => validate::held_logprobs_max_tokens(
+            &plan.checked,
+            choices,
+            plan.logprobs,
+            "logprobs",
+            asked.unwrap_or(16),
+            limit - prompt_held,
+        )?,
+    };
     let requests: Vec<GenerateRequest> = prompts
         .into_iter()
         .map(|p| {
@@ -322,6 +380,7 @@ pub async fn completions(
             )
             .map(|mut r| {
                 r.constraint = constraint.clone();
+                r.prompt_logprobs = scored.map(|k| k as usize);
                 r
             })
         })
@@ -335,11 +394,13 @@ pub async fn completions(
         logprobs: plan.logprobs.is_some(),
         token_ids: plan.checked.return_token_ids && !plan.checked.stream,
         tools: None,
+        echo,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(
         &s,
-        validate::held_logprobs(&plan.checked, choices, plan.logprobs, max_tokens),
+        validate::held_logprobs(&plan.checked, choices, plan.logprobs, max_tokens)
+            .saturating_add(prompt_held),
     )?;
     start(&s, requests, meta, stream, include_usage, held).await
 }
@@ -431,6 +492,7 @@ pub async fn chat_completions(
             .as_ref()
             .filter(|t| t.parses_calls())
             .map(|_| style.format),
+        echo: None,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(

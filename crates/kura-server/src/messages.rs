@@ -229,6 +229,8 @@ async fn collect(
             }
             Some(EngineEvent::Done { usage }) => break usage,
             Some(EngineEvent::Failed(e)) => return Err(e.into()),
+            // Not asked of a chat: there is none.
+            Some(EngineEvent::PromptLogprobs { .. }) => {}
             None => {
                 return Err(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
@@ -491,6 +493,7 @@ fn stream(
                         .push_back(event("error", anthropic_body(&ApiError::from(e))));
                     st.done = true;
                 }
+                Some(EngineEvent::PromptLogprobs { .. }) => {}
                 None => {
                     let e = ApiError::Internal(
                         "the engine dropped the request without finishing it".into(),

@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use axum::response::sse::Event;
 use futures::Stream;
-use kura_engine::{EngineEvent, EventSink, FinishReason, RequestGuard, TokenLogprob, Usage};
+use kura_engine::{
+    EngineEvent, EventSink, FinishReason, PromptLogprobs, RequestGuard, TokenLogprob, Usage,
+};
 use serde_json::{Map, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
@@ -46,6 +48,9 @@ pub struct ResponseMeta {
     pub token_ids: bool,
     /// Tool calls are read out of each chat choice's text, in this format.
     pub tools: Option<ToolFormat>,
+    /// Completions' `echo`: each prompt's text, which starts its choices' texts (and, with
+    /// `logprobs`, its scores their log-probabilities).
+    pub echo: Option<Arc<[String]>>,
 }
 
 impl ResponseMeta {
@@ -368,6 +373,9 @@ impl Events {
                     EngineEvent::Done { usage: self.usage }
                 }
                 failed @ EngineEvent::Failed(_) => failed,
+                EngineEvent::PromptLogprobs { logprobs, .. } => {
+                    EngineEvent::PromptLogprobs { prompt, logprobs }
+                }
             });
         }
     }
@@ -403,11 +411,34 @@ fn f32_number(x: f32) -> Value {
 fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for lp in lps {
-        out.tokens.push(lp.sampled.text.clone());
-        out.token_logprobs.push(lp.sampled.logprob);
-        // Legacy completions key alternatives by their text. Distinct tokens can decode to the same
-        // text (or to the same replacement character); a later one then keys by its id, as vLLM's
-        // `token_id:N` does, so that no alternative is lost.
+        push_completion_logprob(&mut out, &lp.sampled.text, Some(lp), offset);
+    }
+    out
+}
+
+/// An echoed prompt's log-probabilities: its first token's `null`, then the others'.
+fn prompt_completion_logprobs(p: &PromptLogprobs, offset: &mut usize) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    push_completion_logprob(&mut out, &p.first.text, None, offset);
+    for lp in &p.rest {
+        push_completion_logprob(&mut out, &lp.sampled.text, Some(lp), offset);
+    }
+    out
+}
+
+/// One token of legacy completions logprobs (`lp`: `None` for an echoed prompt's first token).
+fn push_completion_logprob(
+    out: &mut CompletionLogprobs,
+    text: &str,
+    lp: Option<&TokenLogprob>,
+    offset: &mut usize,
+) {
+    out.tokens.push(text.to_owned());
+    out.token_logprobs.push(lp.map(|lp| lp.sampled.logprob));
+    // Legacy completions key alternatives by their text. Distinct tokens can decode to the same
+    // text (or to the same replacement character); a later one then keys by its id, as vLLM's
+    // `token_id:N` does, so that no alternative is lost.
+    out.top_logprobs.push(lp.map(|lp| {
         let mut top = Map::new();
         for c in &lp.top {
             let key = if top.contains_key(&c.text) {
@@ -417,11 +448,39 @@ fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> CompletionLo
             };
             top.insert(key, f32_number(c.logprob));
         }
-        out.top_logprobs.push(top);
-        out.text_offset.push(*offset);
-        *offset += lp.sampled.text.len();
-    }
-    out
+        top
+    }));
+    out.text_offset.push(*offset);
+    *offset += text.len();
+}
+
+/// A completion choice's text and log-probabilities, its echoed prompt's first.
+fn echoed_choice(
+    meta: &ResponseMeta,
+    prompt: usize,
+    scores: Option<&PromptLogprobs>,
+    text: String,
+    lps: &[TokenLogprob],
+) -> (String, Option<CompletionLogprobs>) {
+    let echo = meta.echo.as_ref().and_then(|e| e.get(prompt));
+    let logprobs = meta.logprobs.then(|| {
+        let mut offset = 0;
+        let mut out = match (echo, scores) {
+            (Some(_), Some(p)) => prompt_completion_logprobs(p, &mut offset),
+            _ => CompletionLogprobs::default(),
+        };
+        let more = completion_logprobs(lps, &mut offset);
+        out.tokens.extend(more.tokens);
+        out.token_logprobs.extend(more.token_logprobs);
+        out.top_logprobs.extend(more.top_logprobs);
+        out.text_offset.extend(more.text_offset);
+        out
+    });
+    let text = match echo {
+        Some(e) => format!("{e}{text}"),
+        None => text,
+    };
+    (text, logprobs)
 }
 
 fn chat_logprobs(lps: &[TokenLogprob]) -> ChatLogprobs {
@@ -462,6 +521,8 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
     let mut choices: Vec<ChoiceAcc> = (0..events.total_choices())
         .map(|_| ChoiceAcc::default())
         .collect();
+    let mut prompt_scores: Vec<Option<Arc<PromptLogprobs>>> = vec![None; events.prompts as usize];
+    let n = events.n.max(1) as usize;
     let usage = loop {
         let Some(event) = events.next().await else {
             return Err(ApiError::Internal(
@@ -488,6 +549,11 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
             }
             EngineEvent::Done { usage } => break usage,
             EngineEvent::Failed(e) => return Err(e.into()),
+            EngineEvent::PromptLogprobs { prompt, logprobs } => {
+                if let Some(p) = prompt_scores.get_mut(prompt as usize) {
+                    *p = Some(logprobs);
+                }
+            }
         }
     };
     let usage = UsageBody::from(usage);
@@ -500,14 +566,17 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
             choices: choices
                 .into_iter()
                 .enumerate()
-                .map(|(i, c)| CompletionChoice {
-                    index: i as u32,
-                    logprobs: meta
-                        .logprobs
-                        .then(|| completion_logprobs(&c.logprobs, &mut 0)),
-                    text: c.text,
-                    finish_reason: c.finish.map(FinishReason::as_str),
-                    token_ids: meta.token_ids.then_some(c.token_ids),
+                .map(|(i, c)| {
+                    let prompt = i / n;
+                    let scores = prompt_scores.get(prompt).and_then(Option::as_deref);
+                    let (text, logprobs) = echoed_choice(meta, prompt, scores, c.text, &c.logprobs);
+                    CompletionChoice {
+                        index: i as u32,
+                        logprobs,
+                        text,
+                        finish_reason: c.finish.map(FinishReason::as_str),
+                        token_ids: meta.token_ids.then_some(c.token_ids),
+                    }
                 })
                 .collect(),
             usage: Some(usage),
@@ -581,20 +650,15 @@ impl SseState {
         finish_reason: Option<&'static str>,
     ) -> Event {
         let value = match self.meta.shape {
-            Shape::Completion => serde_json::to_string(&CompletionResponse {
-                id: self.meta.id.clone(),
-                object: "text_completion",
-                created: self.meta.created,
-                model: self.meta.model.clone(),
-                choices: vec![CompletionChoice {
+            Shape::Completion => {
+                return self.completion_chunk(CompletionChoice {
                     index: choice,
                     text: text.unwrap_or_default(),
                     logprobs: self.meta.logprobs.then(|| completion_logprobs(lps, offset)),
                     finish_reason,
                     token_ids: None,
-                }],
-                usage: None,
-            }),
+                })
+            }
             Shape::Chat => serde_json::to_string(&ChatCompletionChunk {
                 id: self.meta.id.clone(),
                 object: "chat.completion.chunk",
@@ -614,6 +678,46 @@ impl SseState {
             }),
         };
         Event::default().data(value.unwrap_or_default())
+    }
+
+    /// A completions chunk of one choice.
+    fn completion_chunk(&self, choice: CompletionChoice) -> Event {
+        let value = serde_json::to_string(&CompletionResponse {
+            id: self.meta.id.clone(),
+            object: "text_completion",
+            created: self.meta.created,
+            model: self.meta.model.clone(),
+            choices: vec![choice],
+            usage: None,
+        });
+        Event::default().data(value.unwrap_or_default())
+    }
+
+    /// The chunks that open an echoing completion's choices of prompt `prompt`: its text, and with
+    /// `logprobs` its scores.
+    fn push_echo(&mut self, prompt: u32, scores: Option<&PromptLogprobs>) {
+        let Some(text) = self.meta.echo.as_ref().and_then(|e| e.get(prompt as usize)) else {
+            return;
+        };
+        let n = self.events.n;
+        for choice in prompt.saturating_mul(n)..prompt.saturating_add(1).saturating_mul(n) {
+            let mut offset = 0;
+            let logprobs = match scores {
+                Some(p) if self.meta.logprobs => Some(prompt_completion_logprobs(p, &mut offset)),
+                _ => None,
+            };
+            if let Some(o) = self.offsets.get_mut(choice as usize) {
+                *o = offset;
+            }
+            let e = self.completion_chunk(CompletionChoice {
+                index: choice,
+                text: text.clone(),
+                logprobs,
+                finish_reason: None,
+                token_ids: None,
+            });
+            self.queue.push_back(e);
+        }
     }
 
     fn usage_chunk(&self, usage: Usage) -> Event {
@@ -713,6 +817,11 @@ impl SseState {
                 self.queue.push_back(Event::default().data("[DONE]"));
                 self.finished = true;
             }
+            EngineEvent::PromptLogprobs { prompt, logprobs } => {
+                if self.meta.logprobs {
+                    self.push_echo(prompt, Some(&logprobs));
+                }
+            }
         }
     }
 }
@@ -735,6 +844,13 @@ pub fn sse_stream(
         finished: false,
         deadline,
     };
+    // An echo without log-probabilities opens each choice with its prompt at once; with them, when
+    // the prompt is scored.
+    if state.meta.echo.is_some() && !state.meta.logprobs {
+        for prompt in 0..state.events.prompts {
+            state.push_echo(prompt, None);
+        }
+    }
     if state.meta.shape == Shape::Chat {
         for choice in 0..n {
             let chunk = ChatCompletionChunk {

@@ -558,6 +558,8 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
             Some(EngineEvent::Finished { reason: r, .. }) => reason = Some(r),
             Some(EngineEvent::Done { usage }) => break usage,
             Some(EngineEvent::Failed(e)) => return Err(e.into()),
+            // Not asked of a response: there is none.
+            Some(EngineEvent::PromptLogprobs { .. }) => {}
             None => {
                 return Err(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
@@ -842,6 +844,7 @@ fn stream(
                 Some(EngineEvent::Finished { reason, .. }) => st.reason = Some(reason),
                 Some(EngineEvent::Done { usage }) => st.finish(usage),
                 Some(EngineEvent::Failed(e)) => st.fail(for_responses(ApiError::from(e))),
+                Some(EngineEvent::PromptLogprobs { .. }) => {}
                 None => st.fail(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
                 )),

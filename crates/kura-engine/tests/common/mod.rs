@@ -27,6 +27,8 @@ pub type Batch = Vec<(usize, usize)>;
 #[derive(Default)]
 struct ControlState {
     calls: usize,
+    /// Calls for every position's logits (a prompt scored).
+    every_position_calls: usize,
     hold_at: Option<usize>,
     holding: bool,
     panic_at: Option<usize>,
@@ -262,6 +264,11 @@ impl Control {
         self.state.lock().unwrap().short_answers = true;
     }
 
+    /// Calls for every position's logits so far.
+    pub fn every_position_calls(&self) -> usize {
+        self.state.lock().unwrap().every_position_calls
+    }
+
     /// Forward calls so far.
     pub fn calls(&self) -> usize {
         self.state.lock().unwrap().calls
@@ -358,6 +365,37 @@ impl FakeModel {
     }
 }
 
+impl FakeModel {
+    /// Writes an item's tokens into its slots.
+    fn write(&mut self, s: &SeqInput<'_>) {
+        for (i, &t) in s.tokens.iter().enumerate() {
+            let pos = s.start_pos + i;
+            let slot = s.block_table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
+            self.kv[slot] = Some(t);
+        }
+    }
+
+    /// The logits at position `last` of an item's sequence ([`fake_logits`]), reading every earlier
+    /// token back through the block table.
+    fn logits_at(&self, s: &SeqInput<'_>, last: usize) -> Vec<f32> {
+        let tokens: Vec<u32> = (0..=last)
+            .map(|p| {
+                let slot = s.block_table[p / BLOCK] as usize * BLOCK + p % BLOCK;
+                self.kv[slot].expect("every earlier position was written")
+            })
+            .collect();
+        fake_logits(&tokens)
+    }
+}
+
+/// The fake model's logits after `tokens` ("attention": their sum): 1 at one token, 0 elsewhere.
+pub fn fake_logits(tokens: &[u32]) -> Vec<f32> {
+    let sum: u32 = tokens.iter().sum();
+    let mut logits = vec![0.0; VOCAB];
+    logits[(sum as usize * 7 + tokens.len() - 1) % (VOCAB - 1) + 1] = 1.0;
+    logits
+}
+
 impl Executor for FakeModel {
     fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         self.control.enter()?;
@@ -377,24 +415,24 @@ impl Executor for FakeModel {
         Ok(batch
             .iter()
             .map(|s| {
-                for (i, &t) in s.tokens.iter().enumerate() {
-                    let pos = s.start_pos + i;
-                    let slot = s.block_table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
-                    self.kv[slot] = Some(t);
-                }
-                // "Attention": the sum of every earlier token as read back through the block table.
-                let last = s.start_pos + s.tokens.len() - 1;
-                let sum: u32 = (0..=last)
-                    .map(|p| {
-                        let slot = s.block_table[p / BLOCK] as usize * BLOCK + p % BLOCK;
-                        self.kv[slot].expect("every earlier position was written")
-                    })
-                    .sum();
-                let mut logits = vec![0.0; VOCAB];
-                logits[(sum as usize * 7 + last) % (VOCAB - 1) + 1] = 1.0;
-                logits
+                self.write(s);
+                self.logits_at(s, s.start_pos + s.tokens.len() - 1)
             })
             .collect())
+    }
+
+    /// Every position's row, as `forward` gives the last one's.
+    fn forward_every_position(&mut self, item: SeqInput<'_>) -> Result<Vec<f32>, ExecError> {
+        self.control.enter()?;
+        self.land_ordered();
+        self.batches
+            .lock()
+            .unwrap()
+            .push(vec![(item.start_pos, item.tokens.len())]);
+        self.control.state.lock().unwrap().every_position_calls += 1;
+        self.write(&item);
+        let positions = item.start_pos..item.start_pos + item.tokens.len();
+        Ok(positions.flat_map(|p| self.logits_at(&item, p)).collect())
     }
 
     /// Answers as asked (a token is the argmax of its row, as a device finds it), or with every row.
@@ -687,7 +725,7 @@ pub fn outcome(rx: &Receiver<EngineEvent>) -> Outcome {
     loop {
         match rx.recv_timeout(PATIENCE).expect("the engine answers") {
             EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
-            EngineEvent::Finished { .. } => {}
+            EngineEvent::Finished { .. } | EngineEvent::PromptLogprobs { .. } => {}
             EngineEvent::Done { usage } => {
                 return Outcome {
                     tokens,

@@ -1,0 +1,121 @@
+"""`echo` on /v1/completions, through the official `openai` client and the real model: each choice's text
+starts with its prompt, and with `logprobs` the prompt's tokens are scored too (the first with `null`), as
+lm-evaluation-harness's log-likelihood tasks ask (`echo`, `logprobs` 1, `max_tokens` 1, token prompts) and
+read (`token_logprobs[ctxlen:-1]`, greedy when each token's logprob is the top one's)."""
+
+import httpx
+
+from conftest import long_text
+
+
+def generate(client, model, tokens, n):
+    """`n` greedy tokens after `tokens`, with their logprobs."""
+    c = client.completions.create(model=model, prompt=tokens, max_tokens=n, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = c.choices[0]
+    return choice.model_extra["token_ids"], choice.logprobs.token_logprobs
+
+
+def test_echo_scores_the_prompt_as_the_model_generates_it(server):
+    client, model = server.client(), server.model()
+    context = server.tokenize("The capital of France is")
+    continuation, gen_logprobs = generate(client, model, context, 6)
+
+    # lm-evaluation-harness's request: token prompts, echo, logprobs 1, max_tokens 1.
+    other = server.tokenize("Water boils at a temperature of")
+    c = client.completions.create(model=model, prompt=[context + continuation, other], echo=True, logprobs=1,
+                                  max_tokens=1, temperature=0, seed=1234)
+    assert len(c.choices) == 2
+    first, second = sorted(c.choices, key=lambda ch: ch.index)
+    lp = first.logprobs
+    assert len(lp.token_logprobs) == len(context) + len(continuation) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert len(second.logprobs.token_logprobs) == len(other) + 1
+    # Echoed: the prompt's text, then the generated token's.
+    assert first.text.startswith("The capital of France is")
+    assert "".join(lp.tokens) == first.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    # The continuation's scores are those the model gave its tokens as it generated them, and it is
+    # greedy: each is the most likely token at its position (lm-eval's `is_greedy`).
+    scored = lp.token_logprobs[len(context):-1]
+    tops = lp.top_logprobs[len(context):-1]
+    assert len(scored) == len(continuation)
+    for got, want in zip(scored, gen_logprobs):
+        assert abs(got - want) < 1e-4, (scored, gen_logprobs)
+    assert all(abs(x - max(top.values())) < 1e-6 for x, top in zip(scored, tops))
+    # Not greedy where the prompt says something else.
+    surprise = server.tokenize(" Berlin")[0]
+    c = client.completions.create(model=model, prompt=context + [surprise], echo=True, logprobs=1, max_tokens=0,
+                                  temperature=0)
+    tail = c.choices[0].logprobs
+    assert tail.token_logprobs[-1] < max(tail.top_logprobs[-1].values())
+    assert c.usage.completion_tokens == 0 and c.choices[0].finish_reason == "length"
+
+
+def test_a_scored_prompt_is_computed_whole_and_scores_the_same_cached_or_not(server):
+    client, model = server.client(), server.model()
+    prompt = long_text(300, seed=41)
+    kw = dict(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    # Its KV cached first, by a plain request.
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    for c in (a, b):
+        details = c.usage.prompt_tokens_details
+        assert details.cached_tokens == 0
+        assert details.model_extra["cache_miss"]["reason"] == "prompt_logprobs"
+        assert c.choices[0].text == prompt
+        assert len(c.choices[0].logprobs.token_logprobs) == plain.usage.prompt_tokens
+    assert a.choices[0].logprobs.token_logprobs == b.choices[0].logprobs.token_logprobs
+    assert a.choices[0].logprobs.top_logprobs == b.choices[0].logprobs.top_logprobs
+    m = server.metrics()
+    assert m['kura:prefix_cache_misses_total{reason="prompt_logprobs"}'] >= 2
+
+
+def test_echo_streams_the_prompt_first(server):
+    client, model = server.client(), server.model()
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, n=2)
+    for logprobs in (None, 1):
+        whole = client.completions.create(logprobs=logprobs, **kw)
+        chunks = [ch for ch in client.completions.create(stream=True, logprobs=logprobs, **kw) if ch.choices]
+        for i in range(2):
+            mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == i]
+            assert mine[0].text == "Once upon a time"
+            text = "".join(ch.text for ch in mine)
+            assert text == whole.choices[i].text
+            if logprobs:
+                streamed = [x for ch in mine if ch.logprobs for x in ch.logprobs.token_logprobs]
+                assert streamed == whole.choices[i].logprobs.token_logprobs
+                assert streamed[0] is None
+
+
+def test_echo_without_logprobs_reads_the_cache(server):
+    client, model = server.client(), server.model()
+    prompt = long_text(200, seed=42)
+    kw = dict(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].text.startswith(prompt) and len(a.choices[0].text) > len(prompt)
+    assert b.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_echo_refusals_name_the_field(server):
+    url = server.url + "/v1/completions"
+    model = server.model()
+    r = httpx.post(url, json={"model": model, "prompt": "Hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = httpx.post(url, json={"model": model, "prompt": "Hi", "echo": True, "cached_content": "cachedContents/x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    r = httpx.post(url, json={"model": model, "prompt": "Hi", "echo": True, "max_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    # The echoed prompts' scores count toward what a response not streamed may hold (2^20): 9 choices ×
+    # 6,000 prompt tokens × (1 + 20) is past it, refused before anything runs.
+    r = httpx.post(url, json={"model": model, "prompt": [7] * 6000, "echo": True, "logprobs": 20, "n": 9,
+                              "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert "echoed prompts" in r.json()["error"]["message"]
