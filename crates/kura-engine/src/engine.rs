@@ -32,7 +32,7 @@ use rayon::prelude::*;
 use crate::inspect::{self, TickTimes};
 use crate::miss::SeenLog;
 use crate::sampling::Sampled;
-use crate::score::{score_chunk, PromptScores};
+use crate::score::{score_chunk, PromptScores, SCORE_ROWS_BYTES};
 
 use crate::backend::{
     executor_failed, unanswered, ExecError, Executor, ExecutorFailed, OrEnd, Row, SeqInput,
@@ -94,6 +94,9 @@ pub struct EngineConfig {
     /// Whether a block is loaded from a lower tier only when that is faster than recomputing it
     /// ([`crate::cost`]); off by default here, on (measured) in `kura serve`.
     pub tier_cost: TierCostCheck,
+    /// The most bytes of logits one step brings back for a prompt being scored (its chunk's rows of
+    /// every position): the chunk is cut to fit ([`crate::score`]).
+    pub score_rows_bytes: usize,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -123,6 +126,7 @@ impl Default for EngineConfig {
             kv_events: None,
             remote: None,
             tier_cost: TierCostCheck::Off,
+            score_rows_bytes: SCORE_ROWS_BYTES,
         }
     }
 }
@@ -406,6 +410,36 @@ struct Core {
 /// budget's blocks, and one more for each sequence a decode step may carry over a block boundary),
 /// else none. Never more than the pool, nor half the host tier: blocks stored ahead that pushed one
 /// another out of the host tier would be copied again at every step.
+/// Records what a scored item's logits of every position (`logits`, rows of `vocab`) say of its
+/// group's prompt, and gives back its last position's row (the next token's). An executor that gave
+/// other than a row per position ends the engine, as a fatal executor error.
+fn score_rows(
+    groups: &mut HashMap<u64, Group>,
+    group: Option<u64>,
+    item: Item,
+    mut logits: Vec<f32>,
+    vocab: usize,
+) -> Vec<f32> {
+    let rows = item.end - item.start;
+    if vocab == 0 || rows == 0 || logits.len() != rows.saturating_mul(vocab) {
+        executor_failed(
+            "a forward step",
+            &ExecError::Fatal(format!(
+                "the executor gave {} logits for {rows} positions of {vocab} tokens",
+                logits.len()
+            )),
+        )
+    }
+    if let Some(group) = group.and_then(|g| groups.get_mut(&g)) {
+        let prompt = &group.request.prompt_tokens;
+        if let Some(scores) = group.scores.as_mut() {
+            scores.record(prompt, item.start, &logits, vocab);
+        }
+    }
+    logits.drain(..(rows - 1) * vocab);
+    logits
+}
+
 fn store_ahead_blocks(config: &EngineConfig, async_stores: bool) -> usize {
     if config.tiers.host_blocks == 0 {
         return 0;
@@ -665,7 +699,8 @@ impl Core {
                 };
                 // A prompt whose blocks may be in the Redis tier waits for its lookup first.
                 let seq = match self.remote.as_mut() {
-                    Some(remote) => {
+                    // A prompt being scored reads nothing cached: it does not wait for Redis.
+                    Some(remote) if group.scores.is_none() => {
                         let sched = &mut self.sched;
                         let key = &group.key;
                         let load = self.cost.load(CostTier::Redis);
@@ -673,7 +708,7 @@ impl Core {
                             sched.held_prefix_blocks(t, key)
                         })
                     }
-                    None => Some(seq),
+                    _ => Some(seq),
                 };
                 self.groups.insert(id, group);
                 if let Some(seq) = seq {
@@ -744,7 +779,7 @@ impl Core {
         );
         self.seqs.insert(seq_key, seq);
         if group.scores.is_some() {
-            let chunk = score_chunk(self.shared.info.vocab_size);
+            let chunk = score_chunk(self.config.score_rows_bytes, self.shared.info.vocab_size);
             self.sched.score_prompt(id, chunk);
             // A one-token prompt has nothing to score.
             self.send_scores_when_done(id);
@@ -1049,17 +1084,25 @@ impl Core {
         } else {
             self.executor.forward_rows(&batch_rest, &wants_rest)
         };
-        // Each scored item's logits of every position, or why its request fails.
+        // Each scored item's last row once its positions are scored (one item's logits held at a
+        // time), or why its request fails.
+        let vocab = self.shared.info.vocab_size;
         let mut every: Vec<Option<Result<Vec<f32>, String>>> = Vec::new();
         if result.is_ok() {
-            for (input, &scored) in batch.iter().zip(&scored) {
-                every.push(
-                    scored.then(|| match self.executor.forward_every_position(*input) {
-                        Ok(rows) => Ok(rows),
-                        Err(e @ ExecError::Fatal(_)) => executor_failed("a forward step", &e),
-                        Err(ExecError::Step(e)) => Err(e),
-                    }),
-                );
+            for ((input, item), &scored) in batch.iter().zip(&plan.items).zip(&scored) {
+                if !scored {
+                    every.push(None);
+                    continue;
+                }
+                let last = match self.executor.forward_every_position(*input) {
+                    Ok(logits) => {
+                        let group = self.seqs.get(&item.seq).map(|s| s.group);
+                        Ok(score_rows(&mut self.groups, group, *item, logits, vocab))
+                    }
+                    Err(e @ ExecError::Fatal(_)) => executor_failed("a forward step", &e),
+                    Err(ExecError::Step(e)) => Err(e),
+                };
+                every.push(Some(last));
             }
         }
         let forward = forward_started.elapsed();
@@ -1089,7 +1132,6 @@ impl Core {
         };
         // Every item's row, in the plan's order: the scored items' from their last position.
         let mut rows = rows.into_iter();
-        let vocab = self.shared.info.vocab_size;
         let rows: Vec<Row> = plan
             .items
             .iter()
@@ -1097,7 +1139,15 @@ impl Core {
             .zip(every.into_iter().chain(std::iter::repeat_with(|| None)))
             .map(|((item, &want), every)| match every {
                 None => rows.next().unwrap_or(Row::Nothing),
-                Some(Ok(logits)) => self.score(*item, want, logits, vocab),
+                Some(Ok(last)) => {
+                    if let Some(g) = self.sched.request_of(item.seq) {
+                        self.send_scores_when_done(g);
+                    }
+                    match want {
+                        Want::Nothing => Row::Nothing,
+                        want => Row::answering(want, last),
+                    }
+                }
                 Some(Err(e)) => {
                     if let Some(g) = self.sched.request_of(item.seq) {
                         self.fail_group(g, RequestError::Model(e));
@@ -1119,34 +1169,6 @@ impl Core {
             .get(&item.seq)
             .and_then(|seq| self.groups.get(&seq.group))
             .is_some_and(|g| g.scores.is_some() && item.start + 1 < g.request.prompt_tokens.len())
-    }
-
-    /// Records what a scored item's logits of every position say of its prompt (sending the scores
-    /// once the prompt is done), and answers its `want` from its last position.
-    fn score(&mut self, item: Item, want: Want, logits: Vec<f32>, vocab: usize) -> Row {
-        let rows = item.end - item.start;
-        if vocab == 0 || logits.len() != rows.saturating_mul(vocab) {
-            executor_failed(
-                "a forward step",
-                &ExecError::Fatal(format!(
-                    "the executor gave {} logits for {rows} positions of {vocab} tokens",
-                    logits.len()
-                )),
-            )
-        }
-        if let Some(g) = self.sched.request_of(item.seq) {
-            if let Some(group) = self.groups.get_mut(&g) {
-                let prompt = &group.request.prompt_tokens;
-                if let Some(scores) = group.scores.as_mut() {
-                    scores.record(prompt, item.start, &logits, vocab);
-                }
-            }
-            self.send_scores_when_done(g);
-        }
-        match want {
-            Want::Nothing => Row::Nothing,
-            want => Row::answering(want, logits[(rows - 1) * vocab..].to_vec()),
-        }
     }
 
     /// What a planned item's step gives its sequence: nothing for a prefill chunk with more to come,

@@ -6,21 +6,23 @@
 //! Token `p`'s score comes from the logits at position `p - 1`, so every prompt position's logits are
 //! needed: a prompt being scored reads nothing cached (the scheduler's `score_prompt`; its own blocks
 //! are cached as any others), and each step computes at most [`score_chunk`] tokens of it, through
-//! [`crate::Executor::forward_every_position`], beside the step's other items. The scores are sent as
-//! one event once the whole prompt is scored, before its first token.
+//! [`crate::Executor::forward_every_position`], after the step's other items; each scored item's rows
+//! are scored before the next item's are computed, so a step holds one item's rows at a time. The
+//! scores are sent as one event once the whole prompt is scored, before its first token.
 
 use rayon::prelude::*;
 
 use crate::sampling::{token_logprob, TokenLogprob};
 
-/// The most bytes of logits one step's scoring item brings back (every position's row).
+/// The most bytes of logits one step's scoring item brings back (every position's row) by default
+/// (`EngineConfig::score_rows_bytes`).
 pub(crate) const SCORE_ROWS_BYTES: usize = 32 << 20;
 
 /// The most prompt tokens one step computes of a prompt being scored: their rows of logits within
-/// [`SCORE_ROWS_BYTES`] (682 tokens of a 12,288-token vocabulary, 170 of SmolLM2's 49,152, 32 of
-/// Gemma 3's 262,144), and at least one.
-pub(crate) fn score_chunk(vocab: usize) -> usize {
-    (SCORE_ROWS_BYTES / vocab.saturating_mul(4).max(1)).max(1)
+/// `bytes` (with the default 32 MiB: 682 tokens of a 12,288-token vocabulary, 170 of SmolLM2's 49,152,
+/// 32 of Gemma 3's 262,144), and at least one.
+pub(crate) fn score_chunk(bytes: usize, vocab: usize) -> usize {
+    (bytes / vocab.saturating_mul(4).max(1)).max(1)
 }
 
 /// A prompt's scores as its chunks are computed.
@@ -120,9 +122,10 @@ mod tests {
 
     #[test]
     fn the_chunk_keeps_a_steps_rows_within_the_bound() {
-        assert_eq!(score_chunk(49_152), 170);
-        assert_eq!(score_chunk(262_144), 32);
-        assert_eq!(score_chunk(usize::MAX), 1);
-        assert!(score_chunk(0) >= 1);
+        assert_eq!(score_chunk(SCORE_ROWS_BYTES, 49_152), 170);
+        assert_eq!(score_chunk(SCORE_ROWS_BYTES, 262_144), 32);
+        assert_eq!(score_chunk(SCORE_ROWS_BYTES, usize::MAX), 1);
+        assert_eq!(score_chunk(0, 64), 1);
+        assert!(score_chunk(SCORE_ROWS_BYTES, 0) >= 1);
     }
 }

@@ -83,6 +83,13 @@ fn check_scores(p: &PromptLogprobs, prompt: &[u32], top: usize) {
     }
 }
 
+/// The positions a list of (first position, tokens) calls computed, in order of position.
+fn covered(calls: &[(usize, usize)]) -> Vec<usize> {
+    let mut positions: Vec<usize> = calls.iter().flat_map(|&(s, n)| s..s + n).collect();
+    positions.sort_unstable();
+    positions
+}
+
 #[test]
 fn a_scored_prompt_gets_each_tokens_logprob_and_reads_nothing_cached() {
     let Fake {
@@ -105,7 +112,11 @@ fn a_scored_prompt_gets_each_tokens_logprob_and_reads_nothing_cached() {
         s.usage.miss.map(|m| m.reason),
         Some(MissReason::PromptLogprobs)
     );
-    assert!(control.every_position_calls() >= 1);
+    // Its 40 positions, each computed once for every position's logits.
+    assert_eq!(
+        covered(&control.every_position_calls()),
+        (0..40).collect::<Vec<_>>()
+    );
     // The letters of the codec name each token.
     assert_eq!(s.scores.unwrap().rest[0].sampled.text.len(), 1);
 
@@ -168,4 +179,104 @@ fn a_scored_prompt_shares_steps_without_changing_anyone_elses_output() {
     // Every call kept to the step's budget, the scored prompt's chunks too.
     let batches = batches.lock().unwrap();
     assert!(batches.iter().all(|b| b.iter().all(|&(_, n)| n <= 16)));
+}
+
+#[test]
+fn a_scored_prompt_preempted_half_way_is_computed_again_whole_and_scored_once() {
+    // A pool of 16 blocks of 4 holds one of the two requests (13 blocks each at full length), and a
+    // step's budget of 8 tokens scores the 40-token prompt in five steps: the higher-priority request
+    // arrives in the third and preempts it.
+    let Fake {
+        engine, control, ..
+    } = start(kura_engine::EngineConfig {
+        scheduling_policy: kura_engine::SchedulingPolicy::Priority,
+        ..config(16, 8, 8)
+    });
+    let mut low = scored(40, 12, 1);
+    low.priority = 5;
+    let prompt = low.prompt_tokens.clone();
+    let alone = run_scored(&start(config(64, 8, 8)).engine, low.clone());
+    let mut high = common::distinct_request(1, 10, 40);
+    high.priority = -10;
+
+    control.hold_at(3);
+    let (_l, low_rx) = submit(&engine, low);
+    control.wait_held();
+    let (_h, high_rx) = submit(&engine, high);
+    control.release();
+    wait(&high_rx);
+    let mut scores = None;
+    let mut tokens = Vec::new();
+    let usage = loop {
+        match low_rx.recv_timeout(PATIENCE).expect("the engine answers") {
+            EngineEvent::PromptLogprobs { logprobs, .. } => {
+                assert!(scores.is_none(), "the scores come once");
+                assert!(tokens.is_empty(), "the scores come before the first token");
+                scores = Some((*logprobs).clone());
+            }
+            EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
+            EngineEvent::Finished { .. } => {}
+            EngineEvent::Done { usage } => break usage,
+            EngineEvent::Failed(e) => panic!("the scored request failed: {e}"),
+        }
+    };
+    assert!(common::metric(&engine, "kura:num_preemptions_total") >= 1.0);
+    // Computed again from its first token after the preemption (more than the five steps of one pass),
+    // every token scored once, as alone.
+    assert!(control.every_position_calls().len() > 5);
+    let scores = scores.expect("scores sent");
+    check_scores(&scores, &prompt, 1);
+    assert_eq!(Some(scores), alone.scores);
+    assert_eq!(tokens, alone.tokens);
+    assert_eq!(usage.cached_tokens, 0);
+}
+
+#[test]
+fn a_scored_prompts_chunks_keep_their_logits_within_the_bound() {
+    // Rows of 64 logits (256 bytes): a bound of 5 rows cuts a step's chunk of the 23-token prompt to
+    // 5 tokens, although the step's budget is 64.
+    let Fake {
+        engine, control, ..
+    } = start(kura_engine::EngineConfig {
+        score_rows_bytes: 5 * 64 * 4,
+        ..config(256, 64, 4)
+    });
+    let r = scored(23, 2, 1);
+    let prompt = r.prompt_tokens.clone();
+    let s = run_scored(&engine, r);
+    check_scores(s.scores.as_ref().expect("scores sent"), &prompt, 1);
+    let calls = control.every_position_calls();
+    assert_eq!(calls, vec![(0, 5), (5, 5), (10, 5), (15, 5), (20, 3)]);
+    // Unbounded, the same prompt in one step gives the same scores and tokens.
+    let alone = run_scored(&start(config(256, 64, 4)).engine, scored(23, 2, 1));
+    assert_eq!(alone.scores, s.scores);
+    assert_eq!(alone.tokens, s.tokens);
+}
+
+#[test]
+fn an_executor_that_cannot_score_fails_that_request_alone() {
+    let Fake {
+        engine, control, ..
+    } = start(config(256, 64, 4));
+    control.fail_at(
+        1,
+        kura_engine::ExecError::Step("no logits of every position here".into()),
+    );
+    let (_g, rx) = submit(&engine, scored(12, 3, 1));
+    let failed = loop {
+        match rx.recv_timeout(PATIENCE).expect("the engine answers") {
+            EngineEvent::Failed(e) => break e,
+            EngineEvent::Done { .. } => panic!("the scored request finished"),
+            _ => {}
+        }
+    };
+    assert!(
+        failed
+            .to_string()
+            .contains("no logits of every position here"),
+        "{failed}"
+    );
+    // The engine goes on.
+    let (_g, rx) = submit(&engine, request(12, 3));
+    assert_eq!(wait(&rx).0.len(), 3);
 }

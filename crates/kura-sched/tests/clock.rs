@@ -249,6 +249,16 @@ fn a_scored_prompt_reads_nothing_cached_and_is_computed_in_chunks_of_its_own_siz
     assert_eq!(items(&step(&mut s, at)), vec![(key, 10, 14)]);
     s.remove_request(1);
 
+    // A chunk larger than the step's budget is cut to the budget.
+    let key = s.add_request(3, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
+    s.score_prompt(3, 100);
+    assert_eq!(items(&step(&mut s, at)), vec![(key, 0, 14)]);
+    s.remove_request(3);
+    let mut small = Scheduler::new(config(32, 6, 4)).unwrap();
+    let key = small.add_request(0, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
+    small.score_prompt(0, 100);
+    assert_eq!(items(&step(&mut small, at)), vec![(key, 0, 6)]);
+
     // Not scored, the same prompt reads the three cached blocks.
     let key = s.add_request(2, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
     assert_eq!(items(&step(&mut s, at)), vec![(key, 12, 14)]);

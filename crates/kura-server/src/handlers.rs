@@ -334,21 +334,20 @@ pub async fn completions(
     // An echoed prompt's log-probabilities, held with the output's (each choice repeats them).
     let scored = plan.logprobs.filter(|_| plan.echo);
     let choices = prompts.len().saturating_mul(plan.checked.n as usize);
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let prompt_held = validate::held_logprobs(
-        &plan.checked,
-        choices,
-        scored,
-        u32::try_from(longest).unwrap_or(u32::MAX),
-    );
+    let prompt_held = prompts
+        .iter()
+        .map(|p| {
+            let len = u32::try_from(p.len()).unwrap_or(u32::MAX);
+            validate::held_logprobs(&plan.checked, plan.checked.n as usize, scored, len)
+        })
+        .fold(0u64, u64::saturating_add);
     let limit = s.held_logprobs_limit();
     if prompt_held > limit {
         return Err(ApiError::invalid(
             format!(
                 "a response with log-probabilities that is not streamed holds at most {limit} of \
-                 them on this server, and the echoed prompts alone hold {prompt_held} ({choices} \
-                 choice(s) × {longest} prompt tokens × (1 + logprobs)); lower n or logprobs, or \
-                 stream the response"
+                 them on this server, and the echoed prompts alone hold {prompt_held} (each \
+                 prompt's tokens × n × (1 + logprobs)); lower n or logprobs, or stream the response"
             ),
             Some("logprobs"),
         ));

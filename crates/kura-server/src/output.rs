@@ -246,20 +246,22 @@ pub const MAX_BACKLOG_BYTES: usize = 4 << 20;
 /// Roughly what an event will take once serialized; what the backlog counts.
 fn event_bytes(event: &EngineEvent) -> usize {
     match event {
-        EngineEvent::Delta { text, logprobs, .. } => {
-            let lps: usize = logprobs
-                .iter()
-                .map(|lp| {
-                    // `bytes` is a JSON array: up to four characters a byte.
-                    let candidate =
-                        |c: &kura_engine::TokenCandidate| 64 + c.text.len() + 4 * c.bytes.len();
-                    candidate(&lp.sampled) + lp.top.iter().map(candidate).sum::<usize>()
-                })
-                .sum();
-            128 + text.len() + lps
-        }
+        EngineEvent::Delta { text, logprobs, .. } => 128 + text.len() + logprobs_bytes(logprobs),
+        EngineEvent::PromptLogprobs { logprobs, .. } => 128 + logprobs_bytes(&logprobs.rest),
         _ => 128,
     }
+}
+
+/// Roughly what tokens' log-probabilities take once serialized.
+fn logprobs_bytes(logprobs: &[TokenLogprob]) -> usize {
+    logprobs
+        .iter()
+        .map(|lp| {
+            // `bytes` is a JSON array: up to four characters a byte.
+            let candidate = |c: &kura_engine::TokenCandidate| 64 + c.text.len() + 4 * c.bytes.len();
+            candidate(&lp.sampled) + lp.top.iter().map(candidate).sum::<usize>()
+        })
+        .sum()
 }
 
 /// One prompt's sink: forwards events, tagged with the prompt, and counts the bytes not yet read.

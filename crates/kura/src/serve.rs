@@ -592,6 +592,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             CostCheckArg::On => kura_engine::TierCostCheck::Measured,
             CostCheckArg::Off => kura_engine::TierCostCheck::Off,
         },
+        ..EngineConfig::default()
     };
     let codec = ModelCodec::from_text(text).with_max_tokens(max_model_len);
     let engine = start_engine(config, executor, Arc::new(codec)).context("starting the engine")?;

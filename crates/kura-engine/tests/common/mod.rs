@@ -27,8 +27,8 @@ pub type Batch = Vec<(usize, usize)>;
 #[derive(Default)]
 struct ControlState {
     calls: usize,
-    /// Calls for every position's logits (a prompt scored).
-    every_position_calls: usize,
+    /// Calls for every position's logits (a prompt scored): each one's first position and tokens.
+    every_position: Vec<(usize, usize)>,
     hold_at: Option<usize>,
     holding: bool,
     panic_at: Option<usize>,
@@ -264,9 +264,9 @@ impl Control {
         self.state.lock().unwrap().short_answers = true;
     }
 
-    /// Calls for every position's logits so far.
-    pub fn every_position_calls(&self) -> usize {
-        self.state.lock().unwrap().every_position_calls
+    /// Calls for every position's logits so far: each one's first position and tokens.
+    pub fn every_position_calls(&self) -> Vec<(usize, usize)> {
+        self.state.lock().unwrap().every_position.clone()
     }
 
     /// Forward calls so far.
@@ -388,11 +388,16 @@ impl FakeModel {
     }
 }
 
-/// The fake model's logits after `tokens` ("attention": their sum): 1 at one token, 0 elsewhere.
+/// The fake model's logits after `tokens` ("attention": their sum): 1 at one token, below a half
+/// elsewhere, in a pattern that moves with the sum and the position (so that each position's
+/// log-probabilities differ, not only its most likely token).
 pub fn fake_logits(tokens: &[u32]) -> Vec<f32> {
-    let sum: u32 = tokens.iter().sum();
-    let mut logits = vec![0.0; VOCAB];
-    logits[(sum as usize * 7 + tokens.len() - 1) % (VOCAB - 1) + 1] = 1.0;
+    let sum = tokens.iter().sum::<u32>() as usize;
+    let last = tokens.len() - 1;
+    let mut logits: Vec<f32> = (0..VOCAB)
+        .map(|i| ((i * 13 + sum + last * 5) % 17) as f32 / 34.0)
+        .collect();
+    logits[(sum * 7 + last) % (VOCAB - 1) + 1] = 1.0;
     logits
 }
 
@@ -429,7 +434,12 @@ impl Executor for FakeModel {
             .lock()
             .unwrap()
             .push(vec![(item.start_pos, item.tokens.len())]);
-        self.control.state.lock().unwrap().every_position_calls += 1;
+        self.control
+            .state
+            .lock()
+            .unwrap()
+            .every_position
+            .push((item.start_pos, item.tokens.len()));
         self.write(&item);
         let positions = item.start_pos..item.start_pos + item.tokens.len();
         Ok(positions.flat_map(|p| self.logits_at(&item, p)).collect())
