@@ -1,7 +1,9 @@
 """`echo` on /v1/completions, through the official `openai` client and the real model: each choice's text
 starts with its prompt, and with `logprobs` the prompt's tokens are scored too (the first with `null`), as
 lm-evaluation-harness's log-likelihood tasks ask (`echo`, `logprobs` 1, `max_tokens` 1, token prompts) and
-read (`token_logprobs[ctxlen:-1]`, greedy when each token's logprob is the top one's)."""
+read (`token_logprobs[ctxlen:-1]`, greedy when each token's logprob is the top one's). And vLLM's
+`prompt_logprobs` on completions and chat (each prompt token's logprob, rank and alternatives, as
+distillation teachers read them)."""
 
 import httpx
 
@@ -118,4 +120,55 @@ def test_echo_refusals_name_the_field(server):
     r = httpx.post(url, json={"model": model, "prompt": [7] * 6000, "echo": True, "logprobs": 20, "n": 9,
                               "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
-    assert "echoed prompts" in r.json()["error"]["message"]
+    assert "scored prompts" in r.json()["error"]["message"]
+
+
+def test_prompt_logprobs_as_vllm_reports_them(server):
+    client, model = server.client(), server.model()
+    prompt = server.tokenize("The capital of France is Paris, and the capital of Italy is Rome.")
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3})
+    choice = c.choices[0]
+    scores = choice.model_extra["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    legacy = choice.logprobs
+    for i, row in enumerate(scores[1:], start=1):
+        token = row[str(prompt[i])]
+        # The token's own entry: the echo's logprob, and its rank among the vocabulary.
+        assert token["logprob"] == legacy.token_logprobs[i]
+        best = max(e["logprob"] for e in row.values())
+        assert (token["rank"] == 1) == (token["logprob"] == best), row
+        assert token["rank"] >= 1 and isinstance(token["decoded_token"], str)
+        # The three most likely, ranks 1..3 in order of logprob (the token once if it is one of them).
+        top = sorted((e for k, e in row.items() if k != str(prompt[i]) or e["rank"] <= 3),
+                     key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == [1, 2, 3], row
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(top, top[1:]))
+        assert len(row) in (3, 4)
+        # The echo asked one alternative: it reports the most likely alone.
+        assert list(legacy.top_logprobs[i].values()) == [top[0]["logprob"]]
+    # Without echo the text is the completion alone, and the scores the same.
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 0})
+    again = plain.choices[0].model_extra["prompt_logprobs"]
+    assert plain.choices[0].text == choice.text[-len(plain.choices[0].text):]
+    assert plain.choices[0].logprobs is None
+    assert [r and {k: v["logprob"] for k, v in r.items()} for r in again] == \
+        [r and {str(t): r[str(t)]["logprob"]} for r, t in zip(scores, prompt)]
+
+    # Chat: the templated prompt's scores, once, at the top of the response.
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                         "temperature": 0, "n": 2, "prompt_logprobs": 1})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert body["prompt_logprobs"][0] is None
+    assert all(1 <= len(row) <= 2 for row in body["prompt_logprobs"][1:])
+    assert body["usage"]["prompt_tokens_details"]["cache_miss"]["reason"] == "prompt_logprobs"
+
+    url = server.url + "/v1/completions"
+    for extra in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        body = {"model": model, "prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 1, **extra}
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)

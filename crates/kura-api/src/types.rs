@@ -87,6 +87,8 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     #[serde(default)]
     pub echo: bool,
+    /// vLLM's extension: score the prompt's tokens too, with this many alternatives each.
+    pub prompt_logprobs: Option<i64>,
     pub suffix: Option<String>,
     pub best_of: Option<i64>,
 }
@@ -143,6 +145,8 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    /// vLLM's extension: score the prompt's tokens too, with this many alternatives each.
+    pub prompt_logprobs: Option<i64>,
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
@@ -246,6 +250,22 @@ pub struct CompletionChoice {
     /// With `return_token_ids`, in a non-streamed response.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// vLLM's `prompt_logprobs` ([`PromptLogprobsBody`]), when asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobsBody>,
+}
+
+/// vLLM's `prompt_logprobs` of a response: per prompt token, `null` for the first, then `{token id:
+/// {"logprob", "rank", "decoded_token"}}` for the token itself and the most likely alternatives at its
+/// position (the token once where it is one of them).
+/// Shared by the choices of one prompt.
+#[derive(Debug, Clone)]
+pub struct PromptLogprobsBody(pub std::sync::Arc<Vec<Option<serde_json::Map<String, Value>>>>);
+
+impl Serialize for PromptLogprobsBody {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -346,6 +366,9 @@ pub struct ChatCompletionResponse {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: UsageBody,
+    /// vLLM's `prompt_logprobs` ([`PromptLogprobsBody`]), when asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobsBody>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]

@@ -603,6 +603,8 @@ pub struct CompletionPlan {
     /// Each choice's text starts with its prompt (and, with `logprobs`, its log-probabilities with the
     /// prompt's: the first token's is `null`).
     pub echo: bool,
+    /// vLLM's `prompt_logprobs`: the prompt's tokens scored, with this many alternatives each.
+    pub prompt_logprobs: Option<u32>,
     pub user: Option<String>,
 }
 
@@ -614,6 +616,8 @@ pub struct ChatPlan {
     /// The request's tools, if it has any.
     pub tools: Option<ToolPlan>,
     pub logprobs: Option<u32>,
+    /// vLLM's `prompt_logprobs`: the prompt's tokens scored, with this many alternatives each.
+    pub prompt_logprobs: Option<u32>,
     pub user: Option<String>,
 }
 
@@ -679,11 +683,13 @@ pub fn prepare_completion(
             Some("prompt"),
         ));
     }
+    let prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, &checked)?;
     Ok(CompletionPlan {
         checked,
         prompts,
         logprobs,
         echo: req.echo,
+        prompt_logprobs,
         user: common.user,
     })
 }
@@ -773,13 +779,28 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
             ));
         }
     }
+    let prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, &checked)?;
     Ok(ChatPlan {
         checked,
         messages,
         tools,
         logprobs,
+        prompt_logprobs,
         user: common.user,
     })
+}
+
+/// vLLM's `prompt_logprobs` (0..=20 alternatives), which a streamed response does not carry.
+fn check_prompt_logprobs(v: Option<i64>, checked: &Checked) -> Result<Option<u32>, ApiError> {
+    let k = check_logprobs("prompt_logprobs", v)?;
+    if k.is_some() && checked.stream {
+        return Err(ApiError::invalid(
+            "prompt_logprobs are not streamed: ask without stream (or, on /v1/completions, stream \
+             echo with logprobs, whose first chunk scores the prompt)",
+            Some("prompt_logprobs"),
+        ));
+    }
+    Ok(k)
 }
 
 /// A prompt the tokenizer refused, as the client's error.

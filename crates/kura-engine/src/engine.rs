@@ -792,13 +792,18 @@ impl Core {
         let Some(group) = self.groups.get_mut(&id) else {
             return;
         };
-        let Some(rest) = group.scores.as_mut().and_then(PromptScores::take) else {
+        let Some((rest, ranks)) = group.scores.as_mut().and_then(PromptScores::take) else {
             return;
         };
         group.scores = None;
         let first = group.request.prompt_tokens[0];
         self.sched.prompt_scored(id);
-        self.out.send(OutMsg::PromptLogprobs { id, first, rest });
+        self.out.send(OutMsg::PromptLogprobs {
+            id,
+            first,
+            rest,
+            ranks,
+        });
     }
 
     /// Requests whose Redis lookup is answered (or given up): their blocks adopted, then scheduled.

@@ -103,6 +103,7 @@ pub(crate) enum OutMsg {
         id: u64,
         first: u32,
         rest: Vec<crate::sampling::TokenLogprob>,
+        ranks: Vec<u32>,
     },
     /// Every choice has finished in the engine.
     Done { id: u64, usage: Usage },
@@ -287,11 +288,17 @@ fn handle(
                 });
             }
         }
-        OutMsg::PromptLogprobs { id, first, rest } => {
+        OutMsg::PromptLogprobs {
+            id,
+            first,
+            rest,
+            ranks,
+        } => {
             if let Some(r) = requests.get(&id) {
                 let logprobs = PromptLogprobs {
                     first: candidate(codec, first, 0.0),
                     rest: rest.iter().map(|lp| with_texts(codec, lp)).collect(),
+                    ranks,
                 };
                 r.slot.send(EngineEvent::PromptLogprobs {
                     prompt: 0,

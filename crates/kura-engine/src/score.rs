@@ -30,8 +30,8 @@ pub(crate) fn score_chunk(bytes: usize, vocab: usize) -> usize {
 pub(crate) struct PromptScores {
     /// The most likely alternatives reported at each position.
     top: usize,
-    /// Entry `p - 1` scores prompt token `p`; `None` until computed.
-    got: Vec<Option<TokenLogprob>>,
+    /// Entry `p - 1` scores prompt token `p` (with its rank); `None` until computed.
+    got: Vec<Option<(TokenLogprob, u32)>>,
     /// Entries still `None`.
     left: usize,
 }
@@ -61,9 +61,12 @@ impl PromptScores {
             .map(|(i, row)| (start + i, row))
             .filter(|&(p, _)| p < self.got.len() && self.got[p].is_none())
             .collect();
-        let scored: Vec<(usize, TokenLogprob)> = rows
+        let scored: Vec<(usize, (TokenLogprob, u32))> = rows
             .into_par_iter()
-            .map(|(p, row)| (p, token_logprob(row, prompt[p + 1], top)))
+            .map(|(p, row)| {
+                let token = prompt[p + 1];
+                (p, (token_logprob(row, token, top), rank(row, token)))
+            })
             .collect();
         for (p, score) in scored {
             self.got[p] = Some(score);
@@ -76,13 +79,22 @@ impl PromptScores {
         self.left == 0
     }
 
-    /// The scores of prompt tokens `1..`, in order; `None` until [`PromptScores::is_done`].
-    pub fn take(&mut self) -> Option<Vec<TokenLogprob>> {
+    /// The scores of prompt tokens `1..`, in order, and their ranks; `None` until
+    /// [`PromptScores::is_done`].
+    pub fn take(&mut self) -> Option<(Vec<TokenLogprob>, Vec<u32>)> {
         if !self.is_done() {
             return None;
         }
         std::mem::take(&mut self.got).into_iter().collect()
     }
+}
+
+/// `token`'s rank in `row`: how many tokens are at least as likely, itself included (1 for the most
+/// likely; vLLM's count, so that tied tokens share the lower rank).
+fn rank(row: &[f32], token: u32) -> u32 {
+    let x = row[token as usize];
+    let n = row.iter().filter(|&&y| y >= x).count();
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]
@@ -103,8 +115,10 @@ mod tests {
         s.record(&prompt, 1, &vec![9.0; vocab], vocab);
         assert!(s.take().is_none());
         s.record(&prompt, 2, &[row(2), row(3), row(4)].concat(), vocab);
-        let got = s.take().expect("every token scored");
+        let (got, ranks) = s.take().expect("every token scored");
         assert_eq!(got.len(), 4);
+        // Rows rise with the token id: token t of a row of 4 has rank 4 - t.
+        assert_eq!(ranks, vec![3, 2, 1, 2]);
         // Each from the first row computed for its position (token 2's from row(1), not the 9s).
         for (i, lp) in got.iter().enumerate() {
             let want = token_logprob(&row(i), prompt[i + 1], 2);
@@ -117,7 +131,7 @@ mod tests {
     fn a_one_token_prompt_has_nothing_to_score() {
         let mut s = PromptScores::new(1, 0);
         assert!(s.is_done());
-        assert_eq!(s.take(), Some(Vec::new()));
+        assert_eq!(s.take(), Some((Vec::new(), Vec::new())));
     }
 
     #[test]

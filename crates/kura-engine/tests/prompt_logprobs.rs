@@ -62,6 +62,7 @@ fn scored(prompt_len: u32, max_tokens: u32, top: usize) -> GenerateRequest {
 fn check_scores(p: &PromptLogprobs, prompt: &[u32], top: usize) {
     assert_eq!(p.first.token_id, prompt[0]);
     assert_eq!(p.rest.len(), prompt.len() - 1);
+    assert_eq!(p.ranks.len(), p.rest.len());
     for (i, lp) in p.rest.iter().enumerate() {
         let row = fake_logits(&prompt[..=i]);
         let lse = row.iter().map(|x| x.exp()).sum::<f32>().ln();
@@ -74,6 +75,8 @@ fn check_scores(p: &PromptLogprobs, prompt: &[u32], top: usize) {
             i + 1,
             lp.sampled.logprob
         );
+        let rank = row.iter().filter(|&&x| x >= row[token as usize]).count();
+        assert_eq!(p.ranks[i] as usize, rank, "the rank of token {}", i + 1);
         assert_eq!(lp.top.len(), top);
         if top > 0 {
             let best = row.iter().position(|&x| x == 1.0).unwrap() as u32;

@@ -263,6 +263,9 @@ pub struct PromptLogprobs {
     /// Each later prompt token's log-probability given the tokens before it, in order, with the most
     /// likely alternatives at its position.
     pub rest: Vec<TokenLogprob>,
+    /// Each of `rest`'s tokens' rank in the vocabulary at its position: how many tokens are at least as
+    /// likely, itself included (1: the most likely), as vLLM counts it.
+    pub ranks: Vec<u32>,
 }
 
 /// Why a prompt's cached part stopped where it did, when a longer one could have been cached: told to

@@ -168,6 +168,38 @@ fn hold_logprobs(
     }
 }
 
+/// The log-probabilities a response not streamed holds for its scored prompts (`lens`: each prompt's
+/// tokens; `n`: the copies of each prompt's scores it carries; `top`: the alternatives a token, `None`
+/// when no prompt is scored), refused past `limit` naming `param`.
+fn prompt_scores_held(
+    checked: &Checked,
+    n: usize,
+    top: Option<u32>,
+    lens: &[usize],
+    limit: u64,
+    param: &'static str,
+) -> Result<u64, ApiError> {
+    let held = lens
+        .iter()
+        .map(|&len| {
+            let len = u32::try_from(len).unwrap_or(u32::MAX);
+            validate::held_logprobs(checked, n, top, len)
+        })
+        .fold(0u64, u64::saturating_add);
+    if held > limit {
+        return Err(ApiError::invalid(
+            format!(
+                "a response with log-probabilities that is not streamed holds at most {limit} of \
+                 them on this server, and its scored prompts alone hold {held} (each prompt's \
+                 tokens × the choices that repeat them × (1 + the alternatives a token)); lower n \
+                 or {param}, or stream the response"
+            ),
+            Some(param),
+        ));
+    }
+    Ok(held)
+}
+
 /// Submits one engine request per prompt and answers with the merged events, as JSON or SSE. `held`:
 /// the response's share of the server's log-probabilities, kept until its body is sent or dropped.
 async fn start(
@@ -331,27 +363,27 @@ pub async fn completions(
         Some(texts) => Some(echo_prompts(&s.engine, texts, &prompts).await?),
         None => None,
     };
-    // An echoed prompt's log-probabilities, held with the output's (each choice repeats them).
-    let scored = plan.logprobs.filter(|_| plan.echo);
+    // The prompts scored (an echo with `logprobs`, vLLM's `prompt_logprobs`) with the most
+    // alternatives either asks; held with the output's (each choice repeats them).
+    let scored = plan
+        .logprobs
+        .filter(|_| plan.echo)
+        .max(plan.prompt_logprobs);
     let choices = prompts.len().saturating_mul(plan.checked.n as usize);
-    let prompt_held = prompts
-        .iter()
-        .map(|p| {
-            let len = u32::try_from(p.len()).unwrap_or(u32::MAX);
-            validate::held_logprobs(&plan.checked, plan.checked.n as usize, scored, len)
-        })
-        .fold(0u64, u64::saturating_add);
     let limit = s.held_logprobs_limit();
-    if prompt_held > limit {
-        return Err(ApiError::invalid(
-            format!(
-                "a response with log-probabilities that is not streamed holds at most {limit} of \
-                 them on this server, and the echoed prompts alone hold {prompt_held} (each \
-                 prompt's tokens × n × (1 + logprobs)); lower n or logprobs, or stream the response"
-            ),
-            Some("logprobs"),
-        ));
-    }
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let param = match plan.prompt_logprobs {
+        Some(_) => "prompt_logprobs",
+        None => "logprobs",
+    };
+    let prompt_held = prompt_scores_held(
+        &plan.checked,
+        plan.checked.n as usize,
+        scored,
+        &lens,
+        limit,
+        param,
+    )?;
     // OpenAI's default for the legacy endpoint.
     let max_tokens = match plan.checked.max_tokens {
         // A prompt scored alone (`echo` with `max_tokens` 0).
@@ -394,6 +426,8 @@ pub async fn completions(
         token_ids: plan.checked.return_token_ids && !plan.checked.stream,
         tools: None,
         echo,
+        top_logprobs: plan.logprobs.unwrap_or(0),
+        prompt_logprobs: plan.prompt_logprobs,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(
@@ -453,6 +487,16 @@ pub async fn chat_completions(
                 .await?
             }
         };
+    // vLLM's `prompt_logprobs`: the prompt scored, held once (the response carries it once).
+    let limit = s.held_logprobs_limit();
+    let prompt_held = prompt_scores_held(
+        &plan.checked,
+        1,
+        plan.prompt_logprobs,
+        &[prompt_tokens.len()],
+        limit,
+        "prompt_logprobs",
+    )?;
     let max_tokens = validate::held_logprobs_max_tokens(
         &plan.checked,
         plan.checked.n as usize,
@@ -461,7 +505,7 @@ pub async fn chat_completions(
         plan.checked
             .max_tokens
             .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len())),
-        s.held_logprobs_limit(),
+        limit - prompt_held,
     )?;
     let request = request_for(
         &s,
@@ -474,6 +518,7 @@ pub async fn chat_completions(
     )?;
     let mut request = request;
     request.constraint = constraint;
+    request.prompt_logprobs = plan.prompt_logprobs.map(|k| k as usize);
     if let Some(conversation) = conversation {
         request.history_tokens =
             history_of(&s.engine, conversation, plan.tools.clone(), &request).await?;
@@ -492,6 +537,8 @@ pub async fn chat_completions(
             .filter(|t| t.parses_calls())
             .map(|_| style.format),
         echo: None,
+        top_logprobs: plan.logprobs.unwrap_or(0),
+        prompt_logprobs: plan.prompt_logprobs,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(
@@ -501,7 +548,8 @@ pub async fn chat_completions(
             plan.checked.n as usize,
             plan.logprobs,
             max_tokens,
-        ),
+        )
+        .saturating_add(prompt_held),
     )?;
     start(&s, vec![request], meta, stream, include_usage, held).await
 }

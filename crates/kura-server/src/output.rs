@@ -51,6 +51,12 @@ pub struct ResponseMeta {
     /// Completions' `echo`: each prompt's text, which starts its choices' texts (and, with
     /// `logprobs`, its scores their log-probabilities).
     pub echo: Option<Arc<[String]>>,
+    /// The alternatives a token the client asked for in `logprobs` / `top_logprobs` (a prompt scored
+    /// for vLLM's `prompt_logprobs` may carry more, which the echo leaves out).
+    pub top_logprobs: u32,
+    /// vLLM's `prompt_logprobs`: each choice (completions) or the response (chat) carries its prompt's
+    /// scores with this many alternatives a token.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl ResponseMeta {
@@ -418,14 +424,49 @@ fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> CompletionLo
     out
 }
 
-/// An echoed prompt's log-probabilities: its first token's `null`, then the others'.
-fn prompt_completion_logprobs(p: &PromptLogprobs, offset: &mut usize) -> CompletionLogprobs {
+/// An echoed prompt's log-probabilities with `top` alternatives a token: its first token's `null`,
+/// then the others'.
+fn prompt_completion_logprobs(
+    p: &PromptLogprobs,
+    top: u32,
+    offset: &mut usize,
+) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     push_completion_logprob(&mut out, &p.first.text, None, offset);
     for lp in &p.rest {
-        push_completion_logprob(&mut out, &lp.sampled.text, Some(lp), offset);
+        let mut lp = std::borrow::Cow::Borrowed(lp);
+        if lp.top.len() > top as usize {
+            lp.to_mut().top.truncate(top as usize);
+        }
+        push_completion_logprob(&mut out, &lp.sampled.text, Some(&lp), offset);
     }
     out
+}
+
+/// vLLM's `prompt_logprobs` of a prompt with `top` alternatives a token: `null` for the first token,
+/// then `{token id: {"logprob", "rank", "decoded_token"}}` of the token (its rank in the vocabulary)
+/// and of the most likely tokens (ranks 1..=`top`), the token once where it is one of them.
+fn vllm_prompt_logprobs(p: &PromptLogprobs, top: u32) -> PromptLogprobsBody {
+    let entry = |logprob: f32, rank: u32, text: &str| {
+        let mut e = Map::new();
+        e.insert("logprob".into(), f32_number(logprob));
+        e.insert("rank".into(), Value::from(rank));
+        e.insert("decoded_token".into(), Value::from(text));
+        Value::Object(e)
+    };
+    let rows = std::iter::once(None)
+        .chain(p.rest.iter().zip(&p.ranks).map(|(lp, &rank)| {
+            let mut m = Map::new();
+            let s = &lp.sampled;
+            m.insert(s.token_id.to_string(), entry(s.logprob, rank, &s.text));
+            for (c, rank) in lp.top.iter().take(top as usize).zip(1..) {
+                m.entry(c.token_id.to_string())
+                    .or_insert_with(|| entry(c.logprob, rank, &c.text));
+            }
+            Some(m)
+        }))
+        .collect();
+    PromptLogprobsBody(Arc::new(rows))
 }
 
 /// One token of legacy completions logprobs (`lp`: `None` for an echoed prompt's first token).
@@ -468,7 +509,7 @@ fn echoed_choice(
     let logprobs = meta.logprobs.then(|| {
         let mut offset = 0;
         let mut out = match (echo, scores) {
-            (Some(_), Some(p)) => prompt_completion_logprobs(p, &mut offset),
+            (Some(_), Some(p)) => prompt_completion_logprobs(p, meta.top_logprobs, &mut offset),
             _ => CompletionLogprobs::default(),
         };
         let more = completion_logprobs(lps, &mut offset);
@@ -524,6 +565,8 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
         .map(|_| ChoiceAcc::default())
         .collect();
     let mut prompt_scores: Vec<Option<Arc<PromptLogprobs>>> = vec![None; events.prompts as usize];
+    // vLLM's `prompt_logprobs`, made once a prompt.
+    let mut bodies: Vec<Option<PromptLogprobsBody>> = vec![None; events.prompts as usize];
     let n = events.n.max(1) as usize;
     let usage = loop {
         let Some(event) = events.next().await else {
@@ -552,6 +595,11 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
             EngineEvent::Done { usage } => break usage,
             EngineEvent::Failed(e) => return Err(e.into()),
             EngineEvent::PromptLogprobs { prompt, logprobs } => {
+                if let (Some(top), Some(b)) =
+                    (meta.prompt_logprobs, bodies.get_mut(prompt as usize))
+                {
+                    *b = Some(vllm_prompt_logprobs(&logprobs, top));
+                }
                 if let Some(p) = prompt_scores.get_mut(prompt as usize) {
                     *p = Some(logprobs);
                 }
@@ -578,6 +626,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                         text,
                         finish_reason: c.finish.map(FinishReason::as_str),
                         token_ids: meta.token_ids.then_some(c.token_ids),
+                        prompt_logprobs: bodies.get(prompt).cloned().flatten(),
                     }
                 })
                 .collect(),
@@ -609,6 +658,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                 })
                 .collect(),
             usage,
+            prompt_logprobs: bodies.first().cloned().flatten(),
         }),
     };
     body.map_err(|e| ApiError::Internal(format!("serializing the response: {e}")))
@@ -659,6 +709,7 @@ impl SseState {
                     logprobs: self.meta.logprobs.then(|| completion_logprobs(lps, offset)),
                     finish_reason,
                     token_ids: None,
+                    prompt_logprobs: None,
                 })
             }
             Shape::Chat => serde_json::to_string(&ChatCompletionChunk {
@@ -705,7 +756,11 @@ impl SseState {
         for choice in prompt.saturating_mul(n)..prompt.saturating_add(1).saturating_mul(n) {
             let mut offset = 0;
             let logprobs = match scores {
-                Some(p) if self.meta.logprobs => Some(prompt_completion_logprobs(p, &mut offset)),
+                Some(p) if self.meta.logprobs => Some(prompt_completion_logprobs(
+                    p,
+                    self.meta.top_logprobs,
+                    &mut offset,
+                )),
                 _ => None,
             };
             if let Some(o) = self.offsets.get_mut(choice as usize) {
@@ -717,6 +772,7 @@ impl SseState {
                 logprobs,
                 finish_reason: None,
                 token_ids: None,
+                prompt_logprobs: None,
             });
             self.queue.push_back(e);
         }
