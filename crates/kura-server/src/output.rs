@@ -675,6 +675,9 @@ struct SseState {
     /// Per chat choice, when calls are read out of the text.
     tool_streams: Vec<ToolStream>,
     queue: VecDeque<Event>,
+    /// Echo chunks to write before anything in `queue`: (prompt, choice, the prompt's scores when
+    /// reported).
+    echoes: VecDeque<(u32, u32, Option<Arc<PromptLogprobs>>)>,
     finished: bool,
     /// When the stream is cut with a timeout error (and the request cancelled), with the limit in s.
     deadline: Deadline,
@@ -746,36 +749,48 @@ impl SseState {
         Event::default().data(value.unwrap_or_default())
     }
 
-    /// The chunks that open an echoing completion's choices of prompt `prompt`: its text, and with
-    /// `logprobs` its scores.
-    fn push_echo(&mut self, prompt: u32, scores: Option<&PromptLogprobs>) {
-        let Some(text) = self.meta.echo.as_ref().and_then(|e| e.get(prompt as usize)) else {
+    /// Queues the chunks that open an echoing completion's choices of prompt `prompt`: its text, and
+    /// with `logprobs` its scores. Each is written when it is next to go ([`SseState::next_echo`]):
+    /// `n` choices of a long prompt's scores are one copy of them until then, not `n` chunks.
+    fn push_echo(&mut self, prompt: u32, scores: Option<Arc<PromptLogprobs>>) {
+        if self
+            .meta
+            .echo
+            .as_ref()
+            .and_then(|e| e.get(prompt as usize))
+            .is_none()
+        {
             return;
-        };
+        }
+        let scores = scores.filter(|_| self.meta.logprobs);
+        // Where each choice's own text starts in its `text_offset`s: after the prompt's tokens.
+        let offset = scores.as_ref().map_or(0, |p| {
+            p.first.text.len() + p.rest.iter().map(|lp| lp.sampled.text.len()).sum::<usize>()
+        });
         let n = self.events.n;
         for choice in prompt.saturating_mul(n)..prompt.saturating_add(1).saturating_mul(n) {
-            let mut offset = 0;
-            let logprobs = match scores {
-                Some(p) if self.meta.logprobs => Some(prompt_completion_logprobs(
-                    p,
-                    self.meta.top_logprobs,
-                    &mut offset,
-                )),
-                _ => None,
-            };
             if let Some(o) = self.offsets.get_mut(choice as usize) {
                 *o = offset;
             }
-            let e = self.completion_chunk(CompletionChoice {
-                index: choice,
-                text: text.clone(),
-                logprobs,
-                finish_reason: None,
-                token_ids: None,
-                prompt_logprobs: None,
-            });
-            self.queue.push_back(e);
+            self.echoes.push_back((prompt, choice, scores.clone()));
         }
+    }
+
+    /// The next queued echo chunk ([`SseState::push_echo`]), written now.
+    fn next_echo(&mut self) -> Option<Event> {
+        let (prompt, choice, scores) = self.echoes.pop_front()?;
+        let text = self.meta.echo.as_ref()?.get(prompt as usize)?.clone();
+        let logprobs = scores
+            .as_deref()
+            .map(|p| prompt_completion_logprobs(p, self.meta.top_logprobs, &mut 0));
+        Some(self.completion_chunk(CompletionChoice {
+            index: choice,
+            text,
+            logprobs,
+            finish_reason: None,
+            token_ids: None,
+            prompt_logprobs: None,
+        }))
     }
 
     fn usage_chunk(&self, usage: Usage) -> Event {
@@ -877,7 +892,7 @@ impl SseState {
             }
             EngineEvent::PromptLogprobs { prompt, logprobs } => {
                 if self.meta.logprobs {
-                    self.push_echo(prompt, Some(&logprobs));
+                    self.push_echo(prompt, Some(logprobs));
                 }
             }
         }
@@ -899,6 +914,7 @@ pub fn sse_stream(
         offsets: vec![0; n as usize],
         tool_streams: (0..n).map(|_| ToolStream::default()).collect(),
         queue: VecDeque::new(),
+        echoes: VecDeque::new(),
         finished: false,
         deadline,
     };
@@ -934,6 +950,10 @@ pub fn sse_stream(
     }
     futures::stream::unfold(state, |mut state| async move {
         loop {
+            // A choice's echo goes before its first chunk: echoes go before anything queued.
+            if let Some(e) = state.next_echo() {
+                return Some((Ok(e), state));
+            }
             if let Some(e) = state.queue.pop_front() {
                 return Some((Ok(e), state));
             }
