@@ -140,3 +140,29 @@ def test_logit_bias_bans_and_forces_tokens(server):
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     assert chat.choices[0].model_extra["token_ids"] == [forced_id] * 3
+
+
+def test_return_token_ids_gives_the_prompt_tokens_too(server):
+    """vLLM's `return_token_ids`: a completion choice carries its prompt's tokens (`prompt_token_ids`) beside
+    its generated ones, a chat response the templated prompt's, so that a client continues from exactly
+    those tokens; a streamed response carries neither."""
+    client, model = server.client(), server.model()
+    text = "The capital of France is"
+    c = client.completions.create(model=model, prompt=[text, "Hello"], n=2, max_tokens=3, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    want = [server.tokenize(text)] * 2 + [server.tokenize("Hello")] * 2
+    got = [ch.model_extra["prompt_token_ids"] for ch in sorted(c.choices, key=lambda ch: ch.index)]
+    assert got == want
+    assert all(len(ch.model_extra["token_ids"]) == 3 or ch.finish_reason == "stop" for ch in c.choices)
+    tokens = [1, 504, 3575, 282, 4649]
+    c = client.completions.create(model=model, prompt=tokens, max_tokens=1, extra_body={"return_token_ids": True})
+    assert c.choices[0].model_extra["prompt_token_ids"] == tokens
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    templated = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat.model_extra["prompt_token_ids"] == templated
+    assert len(templated) == chat.usage.prompt_tokens
+    streamed = [ch for ch in client.completions.create(model=model, prompt=text, max_tokens=2, stream=True,
+                                                       extra_body={"return_token_ids": True})]
+    assert all("prompt_token_ids" not in (ch.choices[0].model_extra if ch.choices else {}) for ch in streamed)

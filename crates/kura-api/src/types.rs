@@ -250,6 +250,9 @@ pub struct CompletionChoice {
     /// With `return_token_ids`, in a non-streamed response.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// With `return_token_ids`, in a non-streamed response: the tokens of the choice's prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<PromptTokenIds>,
     /// vLLM's `prompt_logprobs` ([`PromptLogprobsBody`]), when asked.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<PromptLogprobsBody>,
@@ -258,6 +261,16 @@ pub struct CompletionChoice {
 /// vLLM's `prompt_logprobs` of a response: per prompt token, `null` for the first, then `{token id:
 /// {"logprob", "rank", "decoded_token"}}` for the token itself and the most likely alternatives at its
 /// position (the token once where it is one of them).
+/// A prompt's tokens (vLLM's `prompt_token_ids`), shared by the choices of one prompt.
+#[derive(Debug, Clone)]
+pub struct PromptTokenIds(pub std::sync::Arc<[u32]>);
+
+impl Serialize for PromptTokenIds {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
 /// Shared by the choices of one prompt.
 #[derive(Debug, Clone)]
 pub struct PromptLogprobsBody(pub std::sync::Arc<Vec<Option<serde_json::Map<String, Value>>>>);
@@ -366,6 +379,9 @@ pub struct ChatCompletionResponse {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: UsageBody,
+    /// With `return_token_ids`: the prompt's tokens (the chat template applied).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<PromptTokenIds>,
     /// vLLM's `prompt_logprobs` ([`PromptLogprobsBody`]), when asked.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<PromptLogprobsBody>,

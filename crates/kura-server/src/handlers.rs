@@ -18,6 +18,7 @@ use crate::caching::{self, SavedContext};
 use crate::error::ApiError;
 use crate::guided;
 use crate::output::{self, Events, ResponseMeta, Shape};
+use crate::types::PromptTokenIds;
 use crate::types::{TokenizeRequest, TokenizeResponse};
 use crate::validate::{self, template_error, tokenize_error, Checked, PromptInput};
 use crate::AppState;
@@ -397,6 +398,14 @@ pub async fn completions(
             limit - prompt_held,
         )?,
     };
+    let token_ids = plan.checked.return_token_ids && !plan.checked.stream;
+    let prompt_token_ids: Vec<PromptTokenIds> = match token_ids {
+        true => prompts
+            .iter()
+            .map(|p| PromptTokenIds(p.as_slice().into()))
+            .collect(),
+        false => Vec::new(),
+    };
     let requests: Vec<GenerateRequest> = prompts
         .into_iter()
         .map(|p| {
@@ -423,7 +432,8 @@ pub async fn completions(
         model: info.model_name.clone(),
         shape: Shape::Completion,
         logprobs: plan.logprobs.is_some(),
-        token_ids: plan.checked.return_token_ids && !plan.checked.stream,
+        token_ids,
+        prompt_token_ids,
         tools: None,
         echo,
         top_logprobs: plan.logprobs.unwrap_or(0),
@@ -531,6 +541,10 @@ pub async fn chat_completions(
         shape: Shape::Chat,
         logprobs: plan.logprobs.is_some(),
         token_ids: plan.checked.return_token_ids && !plan.checked.stream,
+        prompt_token_ids: match plan.checked.return_token_ids && !plan.checked.stream {
+            true => vec![PromptTokenIds(request.prompt_tokens.as_slice().into())],
+            false => Vec::new(),
+        },
         tools: plan
             .tools
             .as_ref()

@@ -46,6 +46,9 @@ pub struct ResponseMeta {
     pub logprobs: bool,
     /// Whether each choice of a non-streamed response carries its generated tokens' ids.
     pub token_ids: bool,
+    /// With `token_ids`: each prompt's tokens, which a completion choice (or a chat response) carries
+    /// as vLLM's `prompt_token_ids`.
+    pub prompt_token_ids: Vec<PromptTokenIds>,
     /// Tool calls are read out of each chat choice's text, in this format.
     pub tools: Option<ToolFormat>,
     /// Completions' `echo`: each prompt's text, which starts its choices' texts (and, with
@@ -626,6 +629,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                         text,
                         finish_reason: c.finish.map(FinishReason::as_str),
                         token_ids: meta.token_ids.then_some(c.token_ids),
+                        prompt_token_ids: meta.prompt_token_ids.get(prompt).cloned(),
                         prompt_logprobs: bodies.get(prompt).cloned().flatten(),
                     }
                 })
@@ -658,6 +662,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                 })
                 .collect(),
             usage,
+            prompt_token_ids: meta.prompt_token_ids.first().cloned(),
             prompt_logprobs: bodies.first().cloned().flatten(),
         }),
     };
@@ -712,6 +717,7 @@ impl SseState {
                     logprobs: self.meta.logprobs.then(|| completion_logprobs(lps, offset)),
                     finish_reason,
                     token_ids: None,
+                    prompt_token_ids: None,
                     prompt_logprobs: None,
                 })
             }
@@ -789,6 +795,7 @@ impl SseState {
             logprobs,
             finish_reason: None,
             token_ids: None,
+            prompt_token_ids: None,
             prompt_logprobs: None,
         }))
     }
