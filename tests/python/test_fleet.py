@@ -205,6 +205,31 @@ def test_kv_routing_keeps_each_prefix_on_the_replica_that_holds_it(fleet):
     assert hits == reported
 
 
+def test_a_scored_prompt_counts_no_cached_block_where_it_is_routed(fleet):
+    """A prompt scored (`echo` with `logprobs`) is computed whole wherever it goes: the router counts no
+    held block for it (its prediction of cached tokens does not move) and the replica reads none, while a
+    plain request for the same prompt is predicted and found cached."""
+    replicas, router = fleet
+    client = router.client()
+    model = replicas[0].model()
+    doc = "Scored document. " + long_text(150, seed=77)
+
+    def predicted():
+        m = router.metrics()
+        return sum(m["kura_router:predicted_cached_tokens_total" + label(r)] for r in replicas)
+
+    client.completions.create(model=model, prompt=doc, max_tokens=1, temperature=0)
+    before = predicted()
+    scored = client.completions.create(model=model, prompt=doc, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0)
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    assert len(scored.choices[0].logprobs.token_logprobs) == scored.usage.prompt_tokens
+    assert predicted() == before
+    plain = client.completions.create(model=model, prompt=doc, max_tokens=1, temperature=0)
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0
+    assert predicted() > before
+
+
 def test_one_server_named_twice_is_routed_as_one():
     """`localhost` and `127.0.0.1` reach the same replica: both KV snapshots name the same server
     process, so the router marks the second address a duplicate (a metric, a warning naming both) and

@@ -84,6 +84,9 @@ pub struct RoutingPrompt {
     pub prompt_cache_key: Option<String>,
     /// Whether the response is a stream.
     pub stream: bool,
+    /// Whether the prompt is scored (`echo` with `logprobs`, `prompt_logprobs`): a server computes it
+    /// whole, reading nothing cached, so where its prefix is cached does not matter.
+    pub scored: bool,
 }
 
 /// The prompt and cache salt of a request body (one JSON object) for `endpoint`, validated as the
@@ -108,9 +111,11 @@ pub fn routing_prompt(
         .get("prompt_cache_key")
         .and_then(Value::as_str)
         .map(str::to_string);
+    let mut scored = false;
     let (tokens, salt, stream) = match endpoint {
         Endpoint::Completions => {
             let plan = validate::prepare_completion(value, ctx)?;
+            scored = (plan.echo && plan.logprobs.is_some()) || plan.prompt_logprobs.is_some();
             let tokens = match plan.prompts.into_iter().next() {
                 Some(PromptInput::Text(t)) => codec.encode(&t).map_err(tokenize_error)?,
                 Some(PromptInput::Tokens(t)) => t,
@@ -120,6 +125,7 @@ pub fn routing_prompt(
         }
         Endpoint::ChatCompletions => {
             let plan = validate::prepare_chat(value, ctx)?;
+            scored = plan.prompt_logprobs.is_some();
             let tokens =
                 crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?;
             (tokens, plan.checked.cache_salt, plan.checked.stream)
@@ -160,5 +166,6 @@ pub fn routing_prompt(
         cache_salt: effective_salt(&tenant, salt),
         prompt_cache_key,
         stream,
+        scored,
     })
 }

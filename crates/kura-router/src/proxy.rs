@@ -108,6 +108,9 @@ struct Prompt {
     names: Vec<u128>,
     block_size: usize,
     tokens: usize,
+    /// The prompt is scored: a replica computes it whole whatever it holds, so the choice counts no
+    /// held block (its blocks are still noted as routed there: it caches them).
+    scored: bool,
     /// The request's `prompt_cache_key`, scoped to its cache salt (its tenant and own salt): one
     /// tenant's key never names where another tenant's requests went.
     prompt_cache_key: Option<AffinityKey>,
@@ -152,6 +155,7 @@ async fn read_prompt(
             tokens,
             cache_salt,
             prompt_cache_key,
+            scored,
             ..
         } = routing_prompt(endpoint, &value, &info.model, codec.as_ref(), tenant).ok()?;
         let mut key = CacheKey::new().with_model_fingerprint(info.model_fingerprint.clone());
@@ -163,6 +167,7 @@ async fn read_prompt(
             names: prompt_names(&mut namer, &key, &tokens, info.block_size),
             block_size: info.block_size,
             tokens: tokens.len(),
+            scored,
             prompt_cache_key: prompt_cache_key.map(|k| (cache_salt, k)),
         })
     })
@@ -185,7 +190,10 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
                 .load(Ordering::Relaxed)
                 .max(rep.reported_load.load(Ordering::Relaxed)),
             work_blocks: rep.work_blocks.load(Ordering::Relaxed),
-            held_blocks: index.held_prefix(r, &prompt.names, now) as u64,
+            held_blocks: match prompt.scored {
+                true => 0,
+                false => index.held_prefix(r, &prompt.names, now) as u64,
+            },
         })
         .collect();
     let policy = fleet.config.policy;
