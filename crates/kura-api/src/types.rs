@@ -258,9 +258,6 @@ pub struct CompletionChoice {
     pub prompt_logprobs: Option<PromptLogprobsBody>,
 }
 
-/// vLLM's `prompt_logprobs` of a response: per prompt token, `null` for the first, then `{token id:
-/// {"logprob", "rank", "decoded_token"}}` for the token itself and the most likely alternatives at its
-/// position (the token once where it is one of them).
 /// A prompt's tokens (vLLM's `prompt_token_ids`), shared by the choices of one prompt.
 #[derive(Debug, Clone)]
 pub struct PromptTokenIds(pub std::sync::Arc<[u32]>);
@@ -271,7 +268,9 @@ impl Serialize for PromptTokenIds {
     }
 }
 
-/// Shared by the choices of one prompt.
+/// vLLM's `prompt_logprobs` of a response: per prompt token, `null` for the first, then `{token id:
+/// {"logprob", "rank", "decoded_token"}}` for the token itself and the most likely alternatives at its
+/// position (the token once where it is one of them); shared by the choices of one prompt.
 #[derive(Debug, Clone)]
 pub struct PromptLogprobsBody(pub std::sync::Arc<Vec<Option<serde_json::Map<String, Value>>>>);
 

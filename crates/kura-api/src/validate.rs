@@ -404,7 +404,8 @@ pub fn held_logprobs_max_tokens(
     let (Some(top), true) = (logprobs, per_token > 0) else {
         return Ok(max_tokens);
     };
-    let limit = limit.clamp(1, MAX_HELD_LOGPROBS);
+    // 0 where a response's scored prompts took the whole bound: not even one token fits then.
+    let limit = limit.min(MAX_HELD_LOGPROBS);
     if per_token > limit {
         // Not even one token fits: no max_tokens would do.
         return Err(ApiError::invalid(

@@ -90,7 +90,7 @@ impl PromptScores {
 }
 
 /// `token`'s rank in `row`: how many tokens are at least as likely, itself included (1 for the most
-/// likely; vLLM's count, so that tied tokens share the lower rank).
+/// likely; vLLM's count: two tokens tied for the most likely are both 2).
 fn rank(row: &[f32], token: u32) -> u32 {
     let x = row[token as usize];
     let n = row.iter().filter(|&&y| y >= x).count();

@@ -264,7 +264,8 @@ pub struct PromptLogprobs {
     /// likely alternatives at its position.
     pub rest: Vec<TokenLogprob>,
     /// Each of `rest`'s tokens' rank in the vocabulary at its position: how many tokens are at least as
-    /// likely, itself included (1: the most likely), as vLLM counts it.
+    /// likely, itself included (1: the most likely; two tied for the most likely are both 2), as vLLM
+    /// counts it.
     pub ranks: Vec<u32>,
 }
 

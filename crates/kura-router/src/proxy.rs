@@ -208,7 +208,8 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
         )?
     };
     let chosen = match &prompt.prompt_cache_key {
-        Some(key) if policy == Policy::Kv => {
+        // A scored prompt holds nothing anywhere: the least work decides, not the key's replica.
+        Some(key) if policy == Policy::Kv && !prompt.scored => {
             let mut affinity = lock(&fleet.affinity);
             let least = candidates
                 .iter()

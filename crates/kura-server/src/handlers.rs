@@ -170,30 +170,33 @@ fn hold_logprobs(
 }
 
 /// The log-probabilities a response not streamed holds for its scored prompts (`lens`: each prompt's
-/// tokens; `n`: the copies of each prompt's scores it carries; `top`: the alternatives a token, `None`
-/// when no prompt is scored), refused past `limit` naming `param`.
+/// tokens; `n`: the copies of each prompt's scores it carries; `tops`: the alternatives a token of each
+/// form it writes them in, `None` for a form not asked), refused past `limit` naming `param`.
 fn prompt_scores_held(
     checked: &Checked,
     n: usize,
-    top: Option<u32>,
+    tops: &[Option<u32>],
     lens: &[usize],
     limit: u64,
     param: &'static str,
 ) -> Result<u64, ApiError> {
-    let held = lens
+    let held = tops
         .iter()
-        .map(|&len| {
-            let len = u32::try_from(len).unwrap_or(u32::MAX);
-            validate::held_logprobs(checked, n, top, len)
+        .flat_map(|&top| {
+            lens.iter().map(move |&len| {
+                let len = u32::try_from(len).unwrap_or(u32::MAX);
+                validate::held_logprobs(checked, n, top, len)
+            })
         })
         .fold(0u64, u64::saturating_add);
     if held > limit {
+        let lower = if n > 1 { "n or " } else { "" };
         return Err(ApiError::invalid(
             format!(
                 "a response with log-probabilities that is not streamed holds at most {limit} of \
                  them on this server, and its scored prompts alone hold {held} (each prompt's \
-                 tokens × the choices that repeat them × (1 + the alternatives a token)); lower n \
-                 or {param}, or stream the response"
+                 tokens × the choices that repeat them × (1 + the alternatives a token)); lower \
+                 {lower}{param}, or stream the response"
             ),
             Some(param),
         ));
@@ -377,10 +380,11 @@ pub async fn completions(
         Some(_) => "prompt_logprobs",
         None => "logprobs",
     };
+    // Each choice writes the echo's legacy arrays and vLLM's `prompt_logprobs` apart.
     let prompt_held = prompt_scores_held(
         &plan.checked,
         plan.checked.n as usize,
-        scored,
+        &[plan.logprobs.filter(|_| plan.echo), plan.prompt_logprobs],
         &lens,
         limit,
         param,
@@ -502,7 +506,7 @@ pub async fn chat_completions(
     let prompt_held = prompt_scores_held(
         &plan.checked,
         1,
-        plan.prompt_logprobs,
+        &[plan.prompt_logprobs],
         &[prompt_tokens.len()],
         limit,
         "prompt_logprobs",

@@ -448,7 +448,8 @@ fn prompt_completion_logprobs(
 
 /// vLLM's `prompt_logprobs` of a prompt with `top` alternatives a token: `null` for the first token,
 /// then `{token id: {"logprob", "rank", "decoded_token"}}` of the token (its rank in the vocabulary)
-/// and of the most likely tokens (ranks 1..=`top`), the token once where it is one of them.
+/// and of the most likely tokens (ranks 1..=`top`), the token once where it is one of them (with its
+/// place among them).
 fn vllm_prompt_logprobs(p: &PromptLogprobs, top: u32) -> PromptLogprobsBody {
     let entry = |logprob: f32, rank: u32, text: &str| {
         let mut e = Map::new();
@@ -462,9 +463,10 @@ fn vllm_prompt_logprobs(p: &PromptLogprobs, top: u32) -> PromptLogprobsBody {
             let mut m = Map::new();
             let s = &lp.sampled;
             m.insert(s.token_id.to_string(), entry(s.logprob, rank, &s.text));
+            // The most likely last, as vLLM writes them: a token that is one of them is ranked by
+            // its place among them (tied tokens in order of id).
             for (c, rank) in lp.top.iter().take(top as usize).zip(1..) {
-                m.entry(c.token_id.to_string())
-                    .or_insert_with(|| entry(c.logprob, rank, &c.text));
+                m.insert(c.token_id.to_string(), entry(c.logprob, rank, &c.text));
             }
             Some(m)
         }))
