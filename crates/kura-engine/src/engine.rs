@@ -1146,6 +1146,10 @@ impl Core {
                 None => rows.next().unwrap_or(Row::Nothing),
                 Some(Ok(last)) => {
                     if let Some(g) = self.sched.request_of(item.seq) {
+                        let scored = self.groups.get(&g).and_then(|g| g.scores.as_ref());
+                        if let Some(tokens) = scored.map(PromptScores::scored_tokens) {
+                            self.sched.prompt_scored_to(g, tokens);
+                        }
                         self.send_scores_when_done(g);
                     }
                     match want {

@@ -5,7 +5,8 @@
 //!
 //! Token `p`'s score comes from the logits at position `p - 1`, so every prompt position's logits are
 //! needed: a prompt being scored reads nothing cached (the scheduler's `score_prompt`; its own blocks
-//! are cached as any others), and each step computes at most [`score_chunk`] tokens of it, through
+//! are cached as any others; admitted again after a preemption, it reads the blocks of the positions
+//! it has scored, `prompt_scored_to`), and each step computes at most [`score_chunk`] tokens of it, through
 //! [`crate::Executor::forward_every_position`], after the step's other items; each scored item's rows
 //! are scored before the next item's are computed, so a step holds one item's rows at a time. The
 //! scores are sent as one event once the whole prompt is scored, before its first token.
@@ -34,6 +35,8 @@ pub(crate) struct PromptScores {
     got: Vec<Option<(TokenLogprob, u32)>>,
     /// Entries still `None`.
     left: usize,
+    /// Entries `0..leading` are all scored.
+    leading: usize,
 }
 
 impl PromptScores {
@@ -44,6 +47,7 @@ impl PromptScores {
             top,
             got: vec![None; n],
             left: n,
+            leading: 0,
         }
     }
 
@@ -72,6 +76,15 @@ impl PromptScores {
             self.got[p] = Some(score);
             self.left -= 1;
         }
+        while self.got.get(self.leading).is_some_and(Option::is_some) {
+            self.leading += 1;
+        }
+    }
+
+    /// The prompt's first tokens whose positions are all scored: what a computation of it again (after
+    /// a preemption) may read from the cache.
+    pub fn scored_tokens(&self) -> usize {
+        self.leading
     }
 
     /// Whether every scored token of the prompt has its score.
@@ -114,6 +127,8 @@ mod tests {
         s.record(&prompt, 0, &[row(0), row(1)].concat(), vocab);
         s.record(&prompt, 1, &vec![9.0; vocab], vocab);
         assert!(s.take().is_none());
+        // Positions 0 and 1 scored: the first two tokens could be read from the cache.
+        assert_eq!(s.scored_tokens(), 2);
         s.record(&prompt, 2, &[row(2), row(3), row(4)].concat(), vocab);
         let (got, ranks) = s.take().expect("every token scored");
         assert_eq!(got.len(), 4);

@@ -156,6 +156,15 @@ pub struct OutputLimit {
     pub n: usize,
 }
 
+/// A request's prompt being scored ([`Scheduler::score_prompt`]).
+#[derive(Debug, Clone, Copy)]
+struct Scoring {
+    /// The most tokens one step computes of it.
+    chunk: usize,
+    /// Its first tokens that may be read from the cache ([`Scheduler::prompt_scored_to`]).
+    reusable: usize,
+}
+
 /// Seconds of waiting that improve a request's effective priority by one level.
 pub const PRIORITY_AGING_S: f64 = 10.0;
 
@@ -276,8 +285,9 @@ struct Request {
     /// Choices that have a sequence so far (1, then `n` once forked).
     choices: usize,
     /// While its prompt is scored ([`Scheduler::score_prompt`]): the most tokens one step computes of
-    /// it. Its cached prefix is then not read.
-    scoring: Option<usize>,
+    /// it, and how many of its first tokens may be read from the cache (those whose positions are
+    /// scored already).
+    scoring: Option<Scoring>,
 }
 
 /// One choice of a request as the scheduler sees it.
@@ -526,7 +536,19 @@ impl Scheduler {
     /// [`Scheduler::prompt_scored`]. Its own blocks are cached as any others.
     pub fn score_prompt(&mut self, id: u64, max_chunk: usize) {
         if let Some(r) = self.requests.get_mut(&id) {
-            r.scoring = Some(max_chunk.max(1));
+            r.scoring = Some(Scoring {
+                chunk: max_chunk.max(1),
+                reusable: 0,
+            });
+        }
+    }
+
+    /// Tells the scheduler that the positions of a scored prompt's first `tokens` tokens are scored:
+    /// a sequence of it admitted again (after a preemption) may read those tokens' cached blocks, and
+    /// computes the rest.
+    pub fn prompt_scored_to(&mut self, id: u64, tokens: usize) {
+        if let Some(s) = self.requests.get_mut(&id).and_then(|r| r.scoring.as_mut()) {
+            s.reusable = s.reusable.max(tokens);
         }
     }
 
@@ -764,7 +786,7 @@ impl Scheduler {
             };
             let start = status.computed_tokens;
             let most = match self.requests.get(&seq.request).and_then(|r| r.scoring) {
-                Some(chunk) => budget.min(chunk),
+                Some(s) => budget.min(s.chunk),
                 None => budget,
             };
             let end = status.computable_tokens.min(start.saturating_add(most));
@@ -934,10 +956,12 @@ impl Scheduler {
                 return Admit::Gone;
             };
             let id = self.kv.add_sequence(&request.key);
-            // A prompt being scored needs every position's logits: it reads nothing cached.
+            // A prompt being scored needs every position's logits: it reads nothing cached past the
+            // positions it has scored.
+            let last = seq.tokens.len() - 1;
             let lookup = match request.scoring {
-                Some(_) => &[],
-                None => &seq.tokens[..seq.tokens.len() - 1],
+                Some(s) => &seq.tokens[..s.reusable.min(last)],
+                None => &seq.tokens[..last],
             };
             let hit = self.kv.find_cached_prefix(lookup, &request.key);
             let cached = hit.num_cached_tokens();
