@@ -53,4 +53,13 @@ pub enum KvError {
     },
     #[error("block {block} has KV but lost its sliding layers' pages, which {seq:?} still reads")]
     WindowLost { seq: SeqId, block: u32 },
+    #[error("{seq:?}: {why}")]
+    Draft { seq: SeqId, why: &'static str },
+    #[error("{seq:?} keeps {keep} tokens of a draft that spans {from}..{num_tokens}")]
+    DraftKeep {
+        seq: SeqId,
+        keep: usize,
+        from: usize,
+        num_tokens: usize,
+    },
 }

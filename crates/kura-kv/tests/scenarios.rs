@@ -1067,3 +1067,135 @@ fn the_pool_lists_its_cached_prefixes_largest_first() {
     kv.free(held).unwrap();
     kv.check_invariants().unwrap();
 }
+
+/// A sequence of 6 computed tokens (`0..6`) holding a draft of 7 more (`[100, 107)`), computed: blocks
+/// `|0 1 2 3|4 5 100 101|102 103 104 105|106 . . .|`.
+fn with_computed_draft(kv: &mut KvCacheManager, key: &CacheKey) -> SeqId {
+    let seq = run(kv, key, &toks(0..6), false);
+    let indexed = kv.num_indexed_blocks();
+    kv.allocate_draft_slots(seq, &toks(100..107))
+        .unwrap()
+        .expect("room for the draft");
+    assert_eq!(kv.num_tokens(seq).unwrap(), 13);
+    assert_eq!(kv.draft_from(seq).unwrap(), Some(6));
+    kv.mark_computed(seq, 13).unwrap();
+    // The two blocks the draft filled are not findable while it may be taken back.
+    assert_eq!(kv.num_indexed_blocks(), indexed);
+    let mut draft_prompt = toks(0..6);
+    draft_prompt.extend(toks(100..107));
+    assert_eq!(
+        kv.find_cached_prefix(&draft_prompt, key).num_full_blocks(),
+        1
+    );
+    kv.check_invariants().unwrap();
+    seq
+}
+
+#[test]
+fn a_settled_draft_keeps_its_accepted_tokens_and_indexes_only_their_blocks() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let seq = with_computed_draft(&mut kv, &key);
+    let free_before = kv.num_available_blocks();
+    // Keep 3 of the 7 draft tokens: |0 1 2 3|4 5 100 101|102 . . .|, the fourth block given back.
+    kv.settle_draft(seq, 9).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_tokens(seq).unwrap(), 9);
+    assert_eq!(kv.draft_from(seq).unwrap(), None);
+    assert_eq!(kv.block_table(seq).unwrap().len(), 3);
+    assert_eq!(kv.num_available_blocks(), free_before + 1);
+    // The kept full block is found; the taken-back tokens are not, even where the block held them.
+    let mut kept = toks(0..6);
+    kept.extend(toks(100..103));
+    assert_eq!(kv.find_cached_prefix(&kept, &key).num_full_blocks(), 2);
+    let mut rejected = toks(0..6);
+    rejected.extend(toks(100..107));
+    rejected.push(7);
+    assert_eq!(kv.find_cached_prefix(&rejected, &key).num_full_blocks(), 2);
+    // The sequence goes on from its kept tokens: the cut block fills with the next ones and is indexed.
+    kv.allocate_slots(seq, &[50, 51, 52], None)
+        .unwrap()
+        .expect("room");
+    let status = kv.pending_status(seq).unwrap();
+    assert_eq!((status.computed_tokens, status.computable_tokens), (9, 12));
+    kv.mark_computed(seq, 12).unwrap();
+    kv.free(seq).unwrap();
+    kv.check_invariants().unwrap();
+    let mut went_on = kept.clone();
+    went_on.extend([50, 51, 52]);
+    assert_eq!(kv.find_cached_prefix(&went_on, &key).num_full_blocks(), 3);
+    let mut taken_back = kept;
+    taken_back.extend([103, 104, 105]);
+    assert_eq!(
+        kv.find_cached_prefix(&taken_back, &key).num_full_blocks(),
+        2
+    );
+}
+
+#[test]
+fn a_draft_taken_back_whole_or_kept_whole_leaves_the_cache_as_appending_would() {
+    for keep in [6, 13] {
+        let mut kv = manager(16);
+        let key = CacheKey::new();
+        let seq = with_computed_draft(&mut kv, &key);
+        kv.settle_draft(seq, keep).unwrap();
+        kv.check_invariants().unwrap();
+        assert_eq!(kv.block_table(seq).unwrap().len(), keep.div_ceil(BS));
+        kv.free(seq).unwrap();
+        kv.check_invariants().unwrap();
+        let mut all = toks(0..6);
+        all.extend(toks(100..107));
+        // Taken back whole: only the block before the draft; kept whole: the two it filled too.
+        assert_eq!(
+            kv.find_cached_prefix(&all, &key).num_full_blocks(),
+            keep / BS
+        );
+        let announced = kv
+            .drain_events()
+            .filter(|e| matches!(e, KvEvent::Stored { .. }))
+            .count();
+        assert_eq!(announced, keep / BS, "keep {keep}");
+    }
+}
+
+#[test]
+fn drafts_are_refused_where_they_cannot_be_taken_back() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let seq = with_computed_draft(&mut kv, &key);
+    assert!(matches!(
+        kv.allocate_draft_slots(seq, &[1]),
+        Err(KvError::Draft { .. })
+    ));
+    assert!(matches!(kv.fork(seq), Err(KvError::Draft { .. })));
+    assert!(matches!(
+        kv.settle_draft(seq, 5),
+        Err(KvError::DraftKeep {
+            keep: 5,
+            from: 6,
+            ..
+        })
+    ));
+    assert!(matches!(
+        kv.settle_draft(seq, 14),
+        Err(KvError::DraftKeep { keep: 14, .. })
+    ));
+    kv.check_invariants().unwrap();
+    // Out of room: nothing changes, and the sequence holds no draft.
+    let mut small = manager(3);
+    let seq = run(&mut small, &key, &toks(0..6), false);
+    assert!(small
+        .allocate_draft_slots(seq, &toks(100..107))
+        .unwrap()
+        .is_none());
+    assert_eq!(small.draft_from(seq).unwrap(), None);
+    assert_eq!(small.num_tokens(seq).unwrap(), 6);
+    small.check_invariants().unwrap();
+    // Freed while holding a draft: every block of it goes back.
+    let mut kv = manager(16);
+    let seq = with_computed_draft(&mut kv, &key);
+    kv.free(seq).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_indexed_blocks(), 1);
+    assert_eq!(kv.num_available_blocks(), 16);
+}

@@ -169,7 +169,7 @@ impl KvCacheManager {
             tokens = &tokens[n..];
             let seq = self.seq_mut(id)?;
             seq.num_tokens += n;
-            if fill + n == bs {
+            if fill + n == bs && seq.draft_from.is_none() {
                 self.index_full_block(id, block_index)?;
             }
         }

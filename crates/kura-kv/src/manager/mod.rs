@@ -303,6 +303,7 @@ impl KvCacheManager {
             cacheable: true,
             retention: Vec::new(),
             win_from: 0,
+            draft_from: None,
         };
         self.seqs.insert(seq)
     }
@@ -538,6 +539,12 @@ impl KvCacheManager {
     /// A new sequence sharing all of this one's blocks (n > 1 samples, beams); a shared partially filled
     /// last block is copied by whichever sequence appends to it first. The sequence must be fully computed.
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId, KvError> {
+        if self.seq(id)?.draft_from.is_some() {
+            return Err(KvError::Draft {
+                seq: id,
+                why: "a sequence holding a draft is forked",
+            });
+        }
         let status = self.pending_status(id)?;
         if status.computed_tokens < status.num_tokens {
             return Err(KvError::ForkUncomputed {
@@ -558,6 +565,7 @@ impl KvCacheManager {
             cacheable: seq.cacheable,
             retention: seq.retention.clone(),
             win_from: seq.win_from,
+            draft_from: None,
         };
         self.index.retain_key(child.key_id);
         for &b in &child.table {
@@ -668,6 +676,7 @@ impl KvCacheManager {
 
 mod alloc;
 mod check;
+mod draft;
 mod inspect;
 mod lower_tiers;
 mod outbox;

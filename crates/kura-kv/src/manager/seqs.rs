@@ -27,6 +27,9 @@ pub(super) struct Sequence {
     /// First block of `table` this sequence holds a window reference on (hybrid pool; see the `window`
     /// module).
     pub win_from: usize,
+    /// Where a draft's tokens start ([`super::KvCacheManager::allocate_draft_slots`]): the blocks that
+    /// fill from here on are not entered in the index until the draft is settled.
+    pub draft_from: Option<usize>,
 }
 
 #[derive(Debug, Default)]
