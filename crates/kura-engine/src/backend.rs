@@ -121,6 +121,30 @@ pub(crate) fn unanswered(wants: &[Want], rows: &[Row]) -> Option<String> {
     ))
 }
 
+/// Why `tails` (rows per item, [`Executor::forward_tails`]) do not fit `batch` and `wants`.
+pub fn check_tails(
+    batch: &[SeqInput<'_>],
+    wants: &[Want],
+    tails: &[usize],
+) -> Result<(), ExecError> {
+    if wants.len() != batch.len() || tails.len() != batch.len() {
+        return Err(ExecError::Step(format!(
+            "{} answers and {} row counts asked of a step of {} items",
+            wants.len(),
+            tails.len(),
+            batch.len()
+        )));
+    }
+    if let Some(i) = (0..batch.len()).find(|&i| tails[i] == 0 || tails[i] > batch[i].tokens.len()) {
+        return Err(ExecError::Step(format!(
+            "{} rows asked of item {i} of {} tokens",
+            tails[i],
+            batch[i].tokens.len()
+        )));
+    }
+    Ok(())
+}
+
 /// One item's answer to its [`Want`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Row {
@@ -243,6 +267,57 @@ pub trait Executor: Send + 'static {
             .zip(wants)
             .map(|(logits, &want)| Row::answering(want, logits))
             .collect())
+    }
+    /// [`Executor::forward_rows`], answering for item `i` its last `tails[i]` positions (at least 1:
+    /// its last) as `wants[i]` asks, in position order: what checking a draft needs (speculative
+    /// decoding, [`crate::NgramDraft`]: the draft's tokens sit at an item's end, and each position's
+    /// logits give the token that follows it). Each row is the one [`Executor::forward_rows`] would
+    /// give that position as an item's last (a step gives a token the same bits whatever else it
+    /// computes). The default runs the items with one row through [`Executor::forward_rows`] and each
+    /// other item through [`Executor::forward_every_position`]; an executor that can batches them.
+    fn forward_tails(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+        tails: &[usize],
+    ) -> Result<Vec<Vec<Row>>, ExecError> {
+        check_tails(batch, wants, tails)?;
+        let lone: Vec<usize> = (0..batch.len()).filter(|&i| tails[i] <= 1).collect();
+        let lone_batch: Vec<SeqInput<'_>> = lone.iter().map(|&i| batch[i]).collect();
+        let lone_wants: Vec<Want> = lone.iter().map(|&i| wants[i]).collect();
+        let mut lone_rows = if lone.is_empty() {
+            Vec::new()
+        } else {
+            self.forward_rows(&lone_batch, &lone_wants)?
+        }
+        .into_iter();
+        let mut out = Vec::with_capacity(batch.len());
+        for (i, item) in batch.iter().enumerate() {
+            if tails[i] <= 1 {
+                let row = lone_rows.next().ok_or_else(|| {
+                    ExecError::Fatal("the executor answered fewer items than asked".into())
+                })?;
+                out.push(vec![row]);
+                continue;
+            }
+            let logits = self.forward_every_position(*item)?;
+            let vocab = logits.len() / item.tokens.len().max(1);
+            if vocab == 0 || logits.len() != vocab * item.tokens.len() {
+                return Err(ExecError::Fatal(format!(
+                    "{} logits for an item of {} tokens",
+                    logits.len(),
+                    item.tokens.len()
+                )));
+            }
+            let first = item.tokens.len() - tails[i];
+            out.push(
+                logits[first * vocab..]
+                    .chunks(vocab)
+                    .map(|row| Row::answering(wants[i], row.to_vec()))
+                    .collect(),
+            );
+        }
+        Ok(out)
     }
     /// Writes K/V of one item's tokens, as [`Executor::forward`], and returns the logits of every one
     /// of them, `tokens × vocab_size` row by row: what scoring a prompt needs

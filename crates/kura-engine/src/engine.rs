@@ -39,6 +39,7 @@ use crate::backend::{
     TextCodec, Want,
 };
 use crate::cost::{CostModel, CostTier, TierCostCheck};
+use crate::draft::NgramDraft;
 use crate::handle::{Command, EngineExit, EngineHandle, EngineInfo, Shared};
 use crate::kv_events::{KvEventLog, KvEventsSetup};
 use crate::metrics::EngineMetrics;
@@ -97,6 +98,9 @@ pub struct EngineConfig {
     /// The most bytes of logits one step brings back for a prompt being scored (its chunk's rows of
     /// every position): the chunk is cut to fit ([`crate::score`]).
     pub score_rows_bytes: usize,
+    /// Speculative decoding by n-gram lookup ([`crate::NgramDraft`]); off by default. Not with a
+    /// hybrid pool.
+    pub speculative: Option<NgramDraft>,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -127,6 +131,7 @@ impl Default for EngineConfig {
             remote: None,
             tier_cost: TierCostCheck::Off,
             score_rows_bytes: SCORE_ROWS_BYTES,
+            speculative: None,
         }
     }
 }
@@ -160,6 +165,17 @@ pub fn start_engine(
             "{} KV blocks is too many",
             config.num_blocks
         )));
+    }
+    if let Some(draft) = &config.speculative {
+        draft.check().map_err(EngineStartError::Config)?;
+        if config.window.is_some() {
+            return Err(EngineStartError::Config(
+                "speculative decoding takes draft tokens back, which the hybrid pool of \
+                 sliding-window layers cannot (give --no-hybrid-pool, or leave speculative \
+                 decoding off)"
+                    .into(),
+            ));
+        }
     }
     let metrics = Arc::new(EngineMetrics::default());
     let remote = match &config.remote {
@@ -915,6 +931,7 @@ impl Core {
         self.check_backlogs();
         // This pass sees every load reported so far.
         self.loads_landed = false;
+        self.propose_drafts();
         let mut plan = self.sched.schedule(self.started.elapsed());
         self.metrics.pending_waits.add(plan.pending_waits);
         for event in std::mem::take(&mut plan.events) {
@@ -1074,20 +1091,52 @@ impl Core {
             })
             .collect();
         let wants: Vec<Want> = plan.items.iter().map(|it| self.want(*it)).collect();
+        // Rows of each item's last positions: a draft's, and the token before it (speculative decoding).
+        let tails: Vec<usize> = plan
+            .items
+            .iter()
+            .map(|it| match self.sched.num_draft(it.seq) {
+                d if d > 0 && self.sched.completes(*it) => d + 1,
+                _ => 1,
+            })
+            .collect();
         // Items of prompts being scored need every position's logits: each is its own call, after
         // the step's other items.
         let scored: Vec<bool> = plan.items.iter().map(|it| self.scores(*it)).collect();
-        let (mut batch_rest, mut wants_rest) = (Vec::new(), Vec::new());
-        for ((input, want), &scored) in batch.iter().zip(&wants).zip(&scored) {
+        let (mut batch_rest, mut wants_rest, mut tails_rest) = (Vec::new(), Vec::new(), Vec::new());
+        for (((input, want), &scored), &tail) in batch.iter().zip(&wants).zip(&scored).zip(&tails) {
             if !scored {
                 batch_rest.push(*input);
                 wants_rest.push(*want);
+                tails_rest.push(tail);
             }
         }
+        // Each item's rows before its last: a draft's, empty for the others (in the order of
+        // `batch_rest`; none when no item checks a draft).
+        let mut drafts_rows: Vec<Vec<Row>> = Vec::new();
         let result = if batch_rest.is_empty() {
             Ok(Vec::new())
-        } else {
+        } else if tails_rest.iter().all(|&t| t == 1) {
             self.executor.forward_rows(&batch_rest, &wants_rest)
+        } else {
+            self.executor
+                .forward_tails(&batch_rest, &wants_rest, &tails_rest)
+                .and_then(|items| {
+                    let mut last = Vec::with_capacity(items.len());
+                    for ((mut rows, &tail), &want) in
+                        items.into_iter().zip(&tails_rest).zip(&wants_rest)
+                    {
+                        if rows.len() != tail || !rows.iter().all(|r| want.answered_by(r)) {
+                            return Err(ExecError::Fatal(format!(
+                                "the executor answered an item's last {tail} positions' {want:?} \
+                                 with {rows:?}"
+                            )));
+                        }
+                        last.push(rows.pop().expect("a tail has a row"));
+                        drafts_rows.push(rows);
+                    }
+                    Ok(last)
+                })
         };
         // Each scored item's last row once its positions are scored (one item's logits held at a
         // time), or why its request fails.
@@ -1166,8 +1215,14 @@ impl Core {
             })
             .collect();
         self.choose_batch(&plan.items, &rows);
-        for (item, row) in plan.items.iter().zip(&rows) {
-            self.after_forward(*item, row);
+        // Each item's rows before its last (a draft's check), in the plan's order less the scored items.
+        let mut drafts_rows = drafts_rows.into_iter();
+        for ((item, row), &scored) in plan.items.iter().zip(&rows).zip(&scored) {
+            let before = match scored {
+                false => drafts_rows.next().unwrap_or_default(),
+                true => Vec::new(),
+            };
+            self.after_forward(*item, row, before);
         }
         forward
     }
@@ -1215,7 +1270,7 @@ impl Core {
         let logits: HashMap<SeqKey, &[f32]> = items
             .iter()
             .zip(rows)
-            .filter(|(it, _)| self.sched.completes(**it))
+            .filter(|(it, _)| self.sched.completes(**it) && self.sched.num_draft(it.seq) == 0)
             .filter_map(|(it, row)| Some((it.seq, row.logits()?)))
             .collect();
         if logits.len() < 2 {
@@ -1234,7 +1289,10 @@ impl Core {
         });
     }
 
-    fn after_forward(&mut self, item: Item, row: &Row) {
+    /// Records a planned item's step, and samples the next token of its sequence (its choices) where
+    /// the item completes it. `before`: the rows of a draft's positions before the item's last
+    /// (speculative decoding), empty otherwise.
+    fn after_forward(&mut self, item: Item, row: &Row, before: Vec<Row>) {
         let Some(group_id) = self.seqs.get(&item.seq).map(|s| s.group) else {
             return; // its group failed earlier in this loop
         };
@@ -1308,9 +1366,62 @@ impl Core {
         for key in choices {
             // A choice that failed (its grammar could not go on) fails its whole request, the other
             // choices with it: they are gone and have nothing left to sample.
-            if self.seqs.contains_key(&key) {
-                self.sample(key, row);
+            if !self.seqs.contains_key(&key) {
+                continue;
             }
+            if before.is_empty() {
+                self.sample(key, row);
+            } else {
+                self.check_draft(key, before.iter().chain([row]));
+            }
+        }
+    }
+
+    /// Samples a sequence's tokens from the rows of its draft's step, one position after another, as
+    /// one step at a time would: the first row is its last token's, each next one a draft token's. It
+    /// goes on while the token drawn is the draft's next (whose position's row then gives the token
+    /// after it) and the sequence goes on; the KV of the draft tokens drawn is kept, the rest given back.
+    fn check_draft<'r>(&mut self, key: SeqKey, rows: impl Iterator<Item = &'r Row>) {
+        let draft = self.sched.take_draft(key);
+        self.metrics.spec_drafts.add(1);
+        self.metrics.spec_draft_tokens.add(draft.len() as u64);
+        let mut accepted = 0;
+        for (i, row) in rows.enumerate() {
+            self.sample(key, row);
+            if !self.seqs.contains_key(&key) {
+                break; // it ended (or failed) on this token
+            }
+            match (draft.get(i), self.sched.tokens(key).last()) {
+                (Some(d), Some(t)) if d == t => accepted += 1,
+                _ => break,
+            }
+        }
+        self.metrics.spec_accepted_tokens.add(accepted);
+        self.sched.settle_draft(key);
+    }
+
+    /// Proposes each decoding sequence's draft for the next pass (speculative decoding): within the
+    /// tokens its request may still generate and the context, less the one its step samples anyway.
+    fn propose_drafts(&mut self) {
+        let Some(draft) = self.config.speculative else {
+            return;
+        };
+        let keys: Vec<SeqKey> = self
+            .seqs
+            .keys()
+            .copied()
+            .filter(|&k| self.sched.decoding(k))
+            .collect();
+        for key in keys {
+            let Some(group) = self.seqs.get(&key).and_then(|s| self.groups.get(&s.group)) else {
+                continue;
+            };
+            let tokens = self.sched.tokens(key);
+            let by_max =
+                (group.request.max_tokens as usize).saturating_sub(self.sched.num_generated(key));
+            let by_context = self.config.max_model_len.saturating_sub(tokens.len());
+            let proposal = draft.propose(tokens, by_max.min(by_context).saturating_sub(1));
+            self.sched.propose_draft(key, proposal);
         }
     }
 

@@ -9,6 +9,7 @@
 
 mod backend;
 mod cost;
+mod draft;
 mod engine;
 mod handle;
 mod inspect;
@@ -26,9 +27,10 @@ mod seq;
 mod tiers;
 
 pub use backend::{
-    ChatMessage, ExecError, Executor, HostRows, Logits, Row, SeqInput, TextCodec, Want,
+    check_tails, ChatMessage, ExecError, Executor, HostRows, Logits, Row, SeqInput, TextCodec, Want,
 };
 pub use cost::{load_wins, CostTier, TierCostCheck, TierRates};
+pub use draft::{NgramDraft, MAX_DRAFT_TOKENS, MAX_NGRAM};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use inspect::{KvInspect, PrefixView};

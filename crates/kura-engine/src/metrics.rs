@@ -49,6 +49,10 @@ pub struct EngineMetrics {
     /// Prompt tokens whose K/V this engine actually computed (prompt minus cache hits and waits).
     pub prompt_tokens_computed: Counter,
     pub generation_tokens: Counter,
+    /// Speculative decoding: drafts checked, their tokens, and the tokens of them the sampler kept.
+    pub spec_drafts: Counter,
+    pub spec_draft_tokens: Counter,
+    pub spec_accepted_tokens: Counter,
     // requests
     pub requests_finished_stop: Counter,
     pub requests_finished_length: Counter,
@@ -318,6 +322,21 @@ impl EngineMetrics {
             "kura:generation_tokens_total",
             "Tokens generated.",
             self.generation_tokens.get(),
+        );
+        e.counter(
+            "kura:spec_decode_num_drafts_total",
+            "Drafts of speculative decoding checked by a forward step.",
+            self.spec_drafts.get(),
+        );
+        e.counter(
+            "kura:spec_decode_num_draft_tokens_total",
+            "Draft tokens checked by a forward step.",
+            self.spec_draft_tokens.get(),
+        );
+        e.counter(
+            "kura:spec_decode_num_accepted_tokens_total",
+            "Draft tokens the sampler drew as proposed, kept without a step of their own.",
+            self.spec_accepted_tokens.get(),
         );
         let name = "kura:request_success_total";
         e.family(name, "Requests finished, by finish reason.", Kind::Counter);

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kura_engine::{ExecError, Executor, SeqInput};
+use kura_engine::{check_tails, ExecError, Executor, Row, SeqInput, Want};
 use kura_kv::storage::KvStorage;
 
 use crate::{Model, SeqBatchItem};
@@ -38,6 +38,36 @@ impl Executor for ModelExecutor {
             .map_err(|e| ExecError::Step(e.to_string()))?;
         Ok((0..logits.num_rows())
             .map(|i| logits.row(i).to_vec())
+            .collect())
+    }
+
+    fn forward_tails(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+        tails: &[usize],
+    ) -> Result<Vec<Vec<Row>>, ExecError> {
+        use rayon::prelude::*;
+        check_tails(batch, wants, tails)?;
+        let items: Vec<SeqBatchItem<'_>> = batch.iter().map(batch_item).collect();
+        let logits = self
+            .model
+            .forward_tails(&items, &mut self.storage, tails)
+            .map_err(|e| ExecError::Step(e.to_string()))?;
+        // Each row answered on the compute pool's threads (an argmax is a pass over the row).
+        let want_of: Vec<Want> = wants
+            .iter()
+            .zip(tails)
+            .flat_map(|(&w, &k)| std::iter::repeat_n(w, k))
+            .collect();
+        let rows: Vec<Row> = (0..logits.num_rows())
+            .into_par_iter()
+            .map(|i| Row::answering(want_of[i], logits.row(i).to_vec()))
+            .collect();
+        let mut rows = rows.into_iter();
+        Ok(tails
+            .iter()
+            .map(|&k| rows.by_ref().take(k).collect())
             .collect())
     }
 

@@ -417,7 +417,36 @@ impl Model {
     /// Runs the new tokens of every sequence through the model, writing their K and V into `kv` at their
     /// positions, and returns the logits of each sequence's last new token.
     pub fn forward(&self, batch: &[SeqBatchItem<'_>], kv: &mut KvStorage) -> Result<Logits> {
-        self.forward_rows(batch, kv, false)
+        self.forward_rows(batch, kv, Heads::Last)
+    }
+
+    /// As [`Model::forward`], but returns the logits of each sequence's last `tails[i]` new tokens
+    /// (at least 1), sequence by sequence in position order: the rows a draft's check needs
+    /// (speculative decoding). Each row is the one [`Model::forward`] gives that token as its
+    /// sequence's last.
+    pub fn forward_tails(
+        &self,
+        batch: &[SeqBatchItem<'_>],
+        kv: &mut KvStorage,
+        tails: &[usize],
+    ) -> Result<Logits> {
+        if tails.len() != batch.len() {
+            return Err(ModelError::Forward(format!(
+                "{} row counts for a batch of {} sequences",
+                tails.len(),
+                batch.len()
+            )));
+        }
+        if let Some(i) =
+            (0..batch.len()).find(|&i| tails[i] == 0 || tails[i] > batch[i].tokens.len())
+        {
+            return Err(ModelError::Forward(format!(
+                "sequence {i}: {} rows asked of {} new tokens",
+                tails[i],
+                batch[i].tokens.len()
+            )));
+        }
+        self.forward_rows(batch, kv, Heads::Tails(tails))
     }
 
     /// As [`Model::forward`], but returns the logits of every new token, in batch order (`kura
@@ -427,14 +456,14 @@ impl Model {
         batch: &[SeqBatchItem<'_>],
         kv: &mut KvStorage,
     ) -> Result<Logits> {
-        self.forward_rows(batch, kv, true)
+        self.forward_rows(batch, kv, Heads::Every)
     }
 
     fn forward_rows(
         &self,
         batch: &[SeqBatchItem<'_>],
         kv: &mut KvStorage,
-        every_position: bool,
+        heads: Heads<'_>,
     ) -> Result<Logits> {
         self.check_batch(batch, kv)?;
         let c = &self.config;
@@ -498,8 +527,20 @@ impl Model {
 
         let head = self.weights.lm_head();
         let kind = head.act_kind();
-        // Rows of the output head: each sequence's last token, or every token.
-        let n = if every_position { t_total } else { batch.len() };
+        // Rows of the output head: the tokens (in the step's order) whose logits are returned.
+        let head_tokens: Vec<usize> = match heads {
+            Heads::Every => (0..t_total).collect(),
+            Heads::Last => seqs
+                .iter()
+                .map(|s| s.first_token + s.n_tokens - 1)
+                .collect(),
+            Heads::Tails(tails) => seqs
+                .iter()
+                .zip(tails)
+                .flat_map(|(s, &k)| s.first_token + s.n_tokens - k..s.first_token + s.n_tokens)
+                .collect(),
+        };
+        let n = head_tokens.len();
         let mut xn = ActBuf::new(kind, t_total, h);
         let mut qkv = vec![0f32; t_total * qkv_dim];
         let mut attn = ActBuf::new(kind, t_total, q_dim);
@@ -685,14 +726,8 @@ impl Model {
                     None => unsafe { matmul_part(tm, acts.read(), t_total, &lw.w_down, xs, true) },
                 }
             }
-            // The output head only for each sequence's last token (or for every token).
-            let token = |i: usize| {
-                if every_position {
-                    i
-                } else {
-                    seqs[i].first_token + seqs[i].n_tokens - 1
-                }
-            };
+            // The output head only for the tokens asked.
+            let token = |i: usize| head_tokens[i];
             let final_norm = &self.weights.final_norm;
             let x_in = unsafe {
                 normed(
@@ -706,6 +741,17 @@ impl Model {
             data: logits,
         })
     }
+}
+
+/// Which new tokens' logits a forward pass returns.
+#[derive(Clone, Copy)]
+enum Heads<'a> {
+    /// Each sequence's last.
+    Last,
+    /// Every one.
+    Every,
+    /// Each sequence's last `tails[i]`.
+    Tails(&'a [usize]),
 }
 
 /// The chat template of a model that ships none: Gemma 3's own for Gemma 3, else ChatML.

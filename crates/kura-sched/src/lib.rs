@@ -304,6 +304,8 @@ struct SeqState {
     admitted_order: u64,
     /// Computing tokens that are not a single decode step (a prompt, or recomputation after preemption).
     prefilling: bool,
+    /// Draft tokens at the end of `tokens`, on trial in this step ([`Scheduler::propose_draft`]).
+    draft: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -334,6 +336,8 @@ pub struct Scheduler {
     waiting: Vec<SeqKey>,
     next_seq: SeqKey,
     next_order: u64,
+    /// Drafts proposed for the next pass ([`Scheduler::propose_draft`]).
+    proposals: HashMap<SeqKey, Vec<u32>>,
 }
 
 impl Scheduler {
@@ -370,6 +374,7 @@ impl Scheduler {
             waiting: Vec::new(),
             next_seq: 0,
             next_order: 0,
+            proposals: HashMap::new(),
         })
     }
 
@@ -524,6 +529,7 @@ impl Scheduler {
                 tokens: prompt,
                 admitted_order: 0,
                 prefilling: true,
+                draft: 0,
             },
         );
         self.waiting.push(seq);
@@ -603,11 +609,107 @@ impl Scheduler {
         self.seqs.get(&seq).map_or(&[], |s| &s.tokens)
     }
 
-    /// Tokens generated so far by a sequence.
+    /// Tokens generated so far by a sequence (a draft on trial is not among them).
     pub fn num_generated(&self, seq: SeqKey) -> usize {
         self.seqs
             .get(&seq)
-            .map_or(0, |s| s.tokens.len() - s.prompt_len)
+            .map_or(0, |s| s.tokens.len() - s.prompt_len - s.draft)
+    }
+
+    /// Whether a sequence is running and decoding: its next step computes its last sampled token (the
+    /// only sequences a draft is taken for).
+    pub fn decoding(&self, seq: SeqKey) -> bool {
+        self.seqs
+            .get(&seq)
+            .is_some_and(|s| s.kv.is_some() && !s.prefilling)
+    }
+
+    /// Proposes draft tokens to follow a decoding sequence's last token in the next pass (speculative
+    /// decoding): the pass appends what fits of them (the step's token budget, free blocks; never
+    /// preempting for them) and its item computes them beside the last token, whose logits and theirs
+    /// the caller checks them against. After the step the caller takes the draft back
+    /// ([`Scheduler::take_draft`]), pushes the tokens it samples, and settles the KV
+    /// ([`Scheduler::settle_draft`]). A proposal the next pass does not use is dropped.
+    pub fn propose_draft(&mut self, seq: SeqKey, draft: Vec<u32>) {
+        if !draft.is_empty() && self.decoding(seq) {
+            self.proposals.insert(seq, draft);
+        }
+    }
+
+    /// Draft tokens a sequence holds on trial (at the end of [`Scheduler::tokens`]).
+    pub fn num_draft(&self, seq: SeqKey) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.draft)
+    }
+
+    /// Takes a sequence's draft tokens off its tokens after the step that computed them (its KV keeps
+    /// them until [`Scheduler::settle_draft`]); returns them.
+    pub fn take_draft(&mut self, seq: SeqKey) -> Vec<u32> {
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return Vec::new();
+        };
+        let at = s.tokens.len() - s.draft;
+        s.draft = 0;
+        s.tokens.split_off(at)
+    }
+
+    /// Keeps the KV of the draft tokens that the sequence's tokens now hold (those sampled equal to
+    /// the draft, pushed since [`Scheduler::take_draft`]; all but the last token pushed, which the next
+    /// step computes) and gives the rest back. A sequence without a draft is left as it is.
+    pub fn settle_draft(&mut self, seq: SeqKey) {
+        let Some(s) = self.seqs.get(&seq) else {
+            return;
+        };
+        let Some(id) = s.kv else { return };
+        let Ok(Some(from)) = self.kv.draft_from(id) else {
+            return;
+        };
+        let held = self.kv.num_tokens(id).expect("running sequence is known");
+        let keep = s.tokens.len().saturating_sub(1).clamp(from, held);
+        self.kv
+            .settle_draft(id, keep)
+            .expect("the kept tokens lie within the draft");
+    }
+
+    /// Takes a sequence's draft off its tokens and gives back its KV slots.
+    fn drop_draft(kv: &mut KvCacheManager, seq: &mut SeqState) {
+        if seq.draft == 0 {
+            return;
+        }
+        let firm = seq.tokens.len() - seq.draft;
+        seq.tokens.truncate(firm);
+        seq.draft = 0;
+        if let Some(id) = seq.kv {
+            kv.settle_draft(id, firm)
+                .expect("a draft keeps the tokens before it");
+        }
+    }
+
+    /// Appends what fits of a proposed draft to a decoding sequence that holds its slots for the pass:
+    /// within `budget` tokens for its item, in free blocks.
+    fn take_proposal(&mut self, key: SeqKey, id: SeqId, budget: usize, plan: &mut Plan) {
+        let Some(mut draft) = self.proposals.remove(&key) else {
+            return;
+        };
+        let Some(seq) = self.seqs.get(&key) else {
+            return;
+        };
+        if seq.prefilling {
+            return;
+        }
+        let status = self
+            .kv
+            .pending_status(id)
+            .expect("running sequence is known");
+        draft.truncate(budget.saturating_sub(status.num_tokens - status.computed_tokens));
+        if draft.is_empty() {
+            return;
+        }
+        if let Ok(Some(alloc)) = self.kv.allocate_draft_slots(id, &draft) {
+            plan.add_copies(key, alloc.copies);
+            let seq = self.seqs.get_mut(&key).expect("checked above");
+            seq.draft = draft.len();
+            seq.tokens.extend(draft);
+        }
     }
 
     /// The blocks of a running sequence, in token order.
@@ -684,6 +786,7 @@ impl Scheduler {
             prompt_len: p.prompt_len,
             admitted_order: self.next_order,
             prefilling: false,
+            draft: 0,
         };
         self.next_order += 1;
         if let Some(r) = self.requests.get_mut(&child.request) {
@@ -717,6 +820,13 @@ impl Scheduler {
     pub fn schedule(&mut self, now: Duration) -> Plan {
         self.kv
             .set_time_ms(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
+        // A draft lives for one step: one its step did not settle (its item was not computed) is
+        // dropped.
+        for &key in &self.running {
+            if let Some(seq) = self.seqs.get_mut(&key) {
+                Self::drop_draft(&mut self.kv, seq);
+            }
+        }
         let mut cands: Vec<Candidate> = self
             .running
             .iter()
@@ -777,6 +887,7 @@ impl Scheduler {
                 if !self.grow(c.seq, id, &cands[i + 1..], &mut plan) {
                     continue;
                 }
+                self.take_proposal(c.seq, id, budget, &mut plan);
             }
             let seq = &self.seqs[&c.seq];
             let Some(id) = seq.kv else { continue };
@@ -809,6 +920,7 @@ impl Scheduler {
                 plan.pending_waits += 1;
             }
         }
+        self.proposals.clear();
         // A copy for a sequence that the pass preempted or removed after planning it is dropped: its
         // destination went back to the pool, and a later admission may have taken it for other KV.
         let owners = std::mem::take(&mut plan.copy_owners);
@@ -1098,6 +1210,7 @@ impl Scheduler {
             return;
         };
         let mut swapped_blocks = 0;
+        Self::drop_draft(&mut self.kv, seq);
         if let Some(id) = seq.kv.take() {
             if self.config.preemption == PreemptionMode::Swap {
                 swapped_blocks = self.kv.swap_out(id).expect("running sequence is known");

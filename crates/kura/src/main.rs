@@ -18,6 +18,7 @@ mod secrets;
 mod serve;
 mod setup;
 mod sim;
+mod speculative;
 mod tiers;
 mod trim;
 
@@ -41,7 +42,7 @@ enum Command {
     /// Perplexity of a text with each KV format, against f32 KV: KL divergence and top-1 agreement.
     Perplexity(perplexity::PerplexityArgs),
     /// Serve the OpenAI-compatible API (completions, chat, streaming, /metrics) on a model.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Route requests over several `kura serve` replicas by where their prefix is cached.
     Router(router::RouterArgs),
     /// Measure an OpenAI-compatible server (Kura or another) on KV-cache workloads; reports and plots.
@@ -87,7 +88,7 @@ fn main() -> std::process::ExitCode {
         Command::Plan(args) => plan::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Router(args) => router::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sim(args) => sim::run(args),

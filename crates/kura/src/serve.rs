@@ -122,6 +122,15 @@ pub struct ServeArgs {
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Speculative decoding, as vLLM's `--speculative-config` spells it:
+    /// `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}` drafts the next
+    /// tokens of a sequence by looking up its final n-gram (`prompt_lookup_min`..=`prompt_lookup_max`
+    /// tokens, the longest first) earlier in its prompt and output, and checks up to
+    /// `num_speculative_tokens` of them in its next step. The output is what decoding one token a
+    /// step gives, bit for bit (seeded sampling included); drafts only save steps where text repeats
+    /// (quoting, editing, extraction). Off by default; not with the hybrid pool (`--no-hybrid-pool`).
+    #[arg(long, value_parser = crate::speculative::parse_speculative_config)]
+    speculative_config: Option<kura_engine::NgramDraft>,
     /// Give a model with sliding-window layers whole-model blocks (every layer holding the whole
     /// context) instead of the hybrid pool, whose sliding layers hold only their window: for
     /// comparisons.
@@ -588,6 +597,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             }),
             _ => None,
         },
+        speculative: args.speculative_config,
         tier_cost: match args.tier_cost_check {
             CostCheckArg::On => kura_engine::TierCostCheck::Measured,
             CostCheckArg::Off => kura_engine::TierCostCheck::Off,
