@@ -30,6 +30,8 @@ struct Driver {
     pins: Vec<PinId>,
     now_ms: u64,
     next_token: u32,
+    /// Drafts settled.
+    stats_drafts: usize,
 }
 
 impl Driver {
@@ -55,6 +57,7 @@ impl Driver {
             pins: Vec::new(),
             now_ms: 0,
             next_token: 1000,
+            stats_drafts: 0,
         }
     }
 
@@ -196,10 +199,52 @@ impl Driver {
         if self.kv.allocate_slots(seq, &[t], None).unwrap().is_some() {
             self.live[i].tokens.push(t);
             let n = st.num_tokens;
+            if self.rng.random_bool(0.5) && self.draft(i, n + 1) {
+                return;
+            }
             if self.kv.prepare_window(seq, n, n + 1).unwrap() {
                 self.kv.mark_computed(seq, n + 1).unwrap();
             }
         }
+    }
+
+    /// A draft after the sequence's `firm` tokens (speculative decoding), computed with its last token,
+    /// then a random part of it kept; sometimes the sequence is freed or forked while it holds the
+    /// draft. Returns false, changing nothing, where no draft was taken (no room; a hybrid pool).
+    fn draft(&mut self, i: usize, firm: usize) -> bool {
+        let seq = self.live[i].seq;
+        let draft: Vec<u32> = (0..self.rng.random_range(1..7))
+            .map(|_| self.rng.random_range(0..6))
+            .collect();
+        match self.kv.allocate_draft_slots(seq, &draft) {
+            Ok(Some(_)) => {}
+            Ok(None) => return false,
+            Err(kura_kv::KvError::Draft { .. }) => return false, // a hybrid pool
+            Err(e) => panic!("{e}"),
+        }
+        // Its blocks are not findable while on trial.
+        let mut trial = self.live[i].tokens.clone();
+        trial.extend(&draft);
+        let key = self.live[i].key;
+        self.check_lookup(&trial, key);
+        self.kv.mark_computed(seq, firm + draft.len()).unwrap();
+        if let Err(e) = self.kv.check_invariants() {
+            panic!("invariant broken with a draft: {e}");
+        }
+        assert!(
+            self.kv.fork(seq).is_err(),
+            "a sequence holding a draft is forked"
+        );
+        if self.rng.random_bool(0.1) {
+            let l = self.live.swap_remove(i);
+            self.kv.free(l.seq).unwrap();
+            return true;
+        }
+        let keep = self.rng.random_range(0..=draft.len());
+        self.kv.settle_draft(seq, firm + keep).unwrap();
+        self.live[i].tokens.extend(&draft[..keep]);
+        self.stats_drafts += 1;
+        true
     }
 
     fn fork(&mut self) {
@@ -290,6 +335,9 @@ fn run_with(
     for _ in 0..steps {
         d.step();
         d.kv.drain_events().for_each(drop);
+    }
+    if d.kv.page_usage().is_none() && steps >= 500 {
+        assert!(d.stats_drafts > 3, "only {} drafts settled", d.stats_drafts);
     }
     // Freeing everything leaves no block referenced and none leaked.
     for l in std::mem::take(&mut d.live) {

@@ -164,3 +164,60 @@ fn a_quantized_model_whose_widths_the_kernels_do_not_take_computes_in_bf16() {
     let bf16 = Model::load(&path).unwrap();
     assert_eq!(model.weight_bytes_held(), bf16.weight_bytes_held());
 }
+
+#[test]
+fn the_rows_of_a_drafts_positions_are_the_bits_of_their_prefill_beside_another_sequence() {
+    // Speculative decoding checks a draft with the rows of an item's last positions
+    // (`Model::forward_tails`): each must be the row that position gets in any other step.
+    let model = native();
+    let text = |s: &str| model.tokenizer().encode(s, false).unwrap();
+    let a = text("Kura checks a draft of tokens in the step that computes the token before them.");
+    let b = text("Another sequence shares the step.");
+    let layout = model.kv_layout(KvDtype::F32, 16).unwrap();
+    let blocks_a = a.len().div_ceil(16);
+    let blocks_b = b.len().div_ceil(16);
+    let mut kv = model.kv_storage(&layout, blocks_a + blocks_b).unwrap();
+    let table_a: Vec<u32> = (0..blocks_a as u32).collect();
+    let table_b: Vec<u32> = (blocks_a as u32..(blocks_a + blocks_b) as u32).collect();
+    let every_a = model
+        .forward_every_position(&[SeqBatchItem::new(&a, 0, &table_a)], &mut kv)
+        .unwrap();
+    let last_b = model
+        .forward(&[SeqBatchItem::new(&b, 0, &table_b)], &mut kv)
+        .unwrap();
+    // Again: `a` up to its last 5 tokens, then those 5 (5 rows) beside all of `b` (its last row).
+    let mut kv = model.kv_storage(&layout, blocks_a + blocks_b).unwrap();
+    let cut = a.len() - 5;
+    model
+        .forward(&[SeqBatchItem::new(&a[..cut], 0, &table_a)], &mut kv)
+        .unwrap();
+    let rows = model
+        .forward_tails(
+            &[
+                SeqBatchItem::new(&a[cut..], cut, &table_a),
+                SeqBatchItem::new(&b, 0, &table_b),
+            ],
+            &mut kv,
+            &[5, 1],
+        )
+        .unwrap();
+    assert_eq!(rows.num_rows(), 6);
+    for i in 0..5 {
+        assert_eq!(rows.row(i), every_a.row(cut + i), "position {}", cut + i);
+    }
+    assert_eq!(rows.row(5), last_b.row(0));
+    // More rows than an item's tokens, or a count per item missing, is refused.
+    for tails in [&[6usize, 1][..], &[5], &[0, 1]] {
+        let e = model
+            .forward_tails(
+                &[
+                    SeqBatchItem::new(&a[cut..], cut, &table_a),
+                    SeqBatchItem::new(&b, 0, &table_b),
+                ],
+                &mut kv,
+                tails,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("row"), "{e}");
+    }
+}

@@ -690,6 +690,11 @@ pub struct Fake {
 }
 
 pub fn start(config: EngineConfig) -> Fake {
+    try_start(config).unwrap()
+}
+
+/// [`start`], or why the engine refused to start.
+pub fn try_start(config: EngineConfig) -> Result<Fake, kura_engine::EngineStartError> {
     let batches = Arc::new(Mutex::new(Vec::new()));
     let control = Arc::new(Control::default());
     let model = FakeModel {
@@ -700,12 +705,12 @@ pub fn start(config: EngineConfig) -> Fake {
         stores: Vec::new(),
         landed: Vec::new(),
     };
-    let engine = start_engine(config, Box::new(model), Arc::new(Letters)).unwrap();
-    Fake {
+    let engine = start_engine(config, Box::new(model), Arc::new(Letters))?;
+    Ok(Fake {
         engine,
         batches,
         control,
-    }
+    })
 }
 
 pub fn engine(

@@ -1,0 +1,148 @@
+//! Speculative decoding (`EngineConfig::speculative`) on the deterministic fake model, whose executor
+//! answers a draft's rows through the default `Executor::forward_tails` (each drafting item computed on
+//! its own, every position's logits): the tokens are those of decoding one token a step, greedy and
+//! seeded, with several choices and stop tokens, also when a full pool preempts sequences holding a draft;
+//! no block leaks; and the engine refuses a configuration it cannot run.
+
+mod common;
+
+use common::{config, distinct_request, metric, settle, start, submit, PATIENCE};
+use kura_engine::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, NgramDraft};
+
+/// One request's tokens by choice, each choice's finish, and its completion tokens.
+type Outcome = (Vec<Vec<u32>>, Vec<(u32, FinishReason)>, u32);
+
+fn outcome(rx: &std::sync::mpsc::Receiver<EngineEvent>) -> Outcome {
+    let (mut tokens, mut finished) = (Vec::<Vec<u32>>::new(), Vec::new());
+    loop {
+        match rx.recv_timeout(PATIENCE).expect("the engine answers") {
+            EngineEvent::Delta {
+                choice, token_ids, ..
+            } => {
+                let c = choice as usize;
+                if tokens.len() <= c {
+                    tokens.resize(c + 1, Vec::new());
+                }
+                tokens[c].extend(token_ids);
+            }
+            EngineEvent::Finished { choice, reason, .. } => finished.push((choice, reason)),
+            EngineEvent::Done { usage } => {
+                finished.sort_by_key(|f| f.0);
+                return (tokens, finished, usage.completion_tokens);
+            }
+            EngineEvent::PromptLogprobs { .. } => {}
+            EngineEvent::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+}
+
+const DRAFT: NgramDraft = NgramDraft {
+    num_tokens: 4,
+    min_n: 1,
+    max_n: 3,
+};
+
+/// Requests of every sampling kind: greedy, seeded with top-k and penalties, three choices, a stop token.
+fn requests() -> Vec<GenerateRequest> {
+    (0..8)
+        .map(|i| {
+            let mut r = distinct_request(i, 6 + i, 30);
+            match i % 4 {
+                0 => {}
+                1 => {
+                    r.sampling.temperature = 0.9;
+                    r.sampling.top_k = 12;
+                    r.sampling.frequency_penalty = 0.4;
+                    r.sampling.seed = Some(u64::from(i));
+                }
+                2 => {
+                    r.sampling.temperature = 1.0;
+                    r.sampling.seed = Some(7);
+                    r.n = 3;
+                }
+                _ => r.stop_token_ids = vec![5, 9],
+            }
+            r
+        })
+        .collect()
+}
+
+/// Every request's outcome, all submitted at once; the draft tokens checked and the preemptions.
+fn run(config: EngineConfig) -> (Vec<Outcome>, f64, f64) {
+    let fake = start(config);
+    let e = &fake.engine;
+    let rs = requests();
+    let pending: Vec<_> = rs.iter().map(|r| submit(e, r.clone())).collect();
+    let out = pending.iter().map(|(_, rx)| outcome(rx)).collect();
+    settle(e);
+    assert_eq!(
+        metric(e, "kura:kv_cache_blocks_used"),
+        0.0,
+        "no block leaks"
+    );
+    let drafted = metric(e, "kura:spec_decode_num_draft_tokens_total");
+    let accepted = metric(e, "kura:spec_decode_num_accepted_tokens_total");
+    assert!(accepted <= drafted);
+    if drafted > 0.0 {
+        // The fake model's greedy choices run in cycles: drafts from their history are kept.
+        assert!(accepted > 0.0, "no draft token kept of {drafted}");
+    }
+    let preemptions = metric(e, "kura:num_preemptions_total");
+    let every_position = fake.control.every_position_calls().len();
+    e.stop();
+    if drafted > 0.0 {
+        assert!(
+            every_position > 0,
+            "the default forward_tails checks drafts"
+        );
+    }
+    (out, drafted, preemptions)
+}
+
+#[test]
+fn drafting_gives_the_tokens_of_one_token_a_step() {
+    let (plain, drafted, _) = run(config(256, 64, 16));
+    assert_eq!(drafted, 0.0);
+    let (spec, drafted, _) = run(EngineConfig {
+        speculative: Some(DRAFT),
+        ..config(256, 64, 16)
+    });
+    assert!(drafted > 0.0, "no draft was checked");
+    assert_eq!(spec, plain);
+}
+
+#[test]
+fn drafting_in_a_full_pool_preempts_and_gives_the_same_tokens() {
+    // 40 blocks of 4 tokens for 8 requests of up to 13 + 30 tokens (some with three choices).
+    let (plain, _, _) = run(config(256, 32, 16));
+    let (spec, drafted, preemptions) = run(EngineConfig {
+        speculative: Some(DRAFT),
+        ..config(40, 32, 16)
+    });
+    assert!(
+        drafted > 0.0 && preemptions > 0.0,
+        "{drafted} {preemptions}"
+    );
+    assert_eq!(spec, plain);
+}
+
+#[test]
+fn bad_drafting_configurations_are_refused_at_start() {
+    for (draft, says) in [
+        (
+            NgramDraft {
+                num_tokens: 0,
+                ..DRAFT
+            },
+            "num_speculative_tokens 0",
+        ),
+        (NgramDraft { min_n: 4, ..DRAFT }, "prompt_lookup_min 4"),
+    ] {
+        let c = EngineConfig {
+            speculative: Some(draft),
+            ..config(16, 16, 4)
+        };
+        let e = common::try_start(c).err().expect("refused");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+}
