@@ -8,8 +8,9 @@ scores, none from the cache, close to the CPU's. The GPU server sizes its pool a
 driver's total, from the same log>` prints for the same model and flags. Then a GPU server with a small
 pool and a host tier (`--kv-host-memory`): prompts revisited after the pool evicted them come back from
 the host tier (copied asynchronously, beside other steps) with the cold text and every full block cached.
-Last, `kura generate --device cuda` on the completion's prompt: the GPU server's prompt tokens and text, at
-blocks of 16 and of 1 token (the kernels read keys in the same order whatever the block size).
+Then `kura generate --device cuda` on the completion's prompt: the GPU server's prompt tokens and text, at
+blocks of 16 and of 1 token (the kernels read keys in the same order whatever the block size). Last, a
+GPU server that drafts (`--speculative-config`) writes the same greedy text as one that does not.
 Usage: serve_check.py KURA MODEL [DEVICE] (DEVICE cuda by default; cpu runs the host-tier check alone, on
 the CPU). Exits non-zero on any failure."""
 
@@ -306,6 +307,42 @@ def compare_echo(gpu: list, cpu: list) -> list[str]:
     return failures
 
 
+def check_speculative(kura: str, model: str, device: str, words: int = 120) -> list[str]:
+    """A server that drafts (`--speculative-config`, n-gram lookup) against one that does not, on the same
+    device: a completion that goes on copying the text it was given, greedy, the same text from both, with
+    drafts checked (the CUDA executor answers a drafting sequence's rows through `forward_every_position`)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                       "prompt_lookup_max": 4})
+    text = prompt_text(random.Random(300), words)
+    prompt = "Notes:\n" + text + "\n\nThe same notes again:\n" + text[:40]
+    out, failures = {}, []
+    for mode, flags in [("plain", []), ("drafting", ["--speculative-config", spec])]:
+        kv = GPU_KV if device == "cuda" else "256MiB"
+        try:
+            proc, url, _ = start(kura, model, device, "--kv-cache-memory", kv, *flags)
+        except RuntimeError as e:
+            return [str(e)]
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+            name = client.models.list().data[0].id
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=48, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            counts = [float(re.search(r"^kura:spec_decode_num_" + what + r"_total ([0-9.e+-]+)$", metrics,
+                                      re.M).group(1)) for what in ("draft_tokens", "accepted_tokens")]
+            out[mode] = (r.choices[0].text, counts)
+        finally:
+            stop(proc)
+    (drafted, kept) = out["drafting"][1]
+    print(f"speculative decoding: {drafted:.0f} draft tokens checked, {kept:.0f} kept; "
+          f"the same text: {out['plain'][0] == out['drafting'][0]}")
+    if out["plain"][0] != out["drafting"][0]:
+        failures.append(f"speculative decoding: the text {out['drafting'][0]!r}, without drafts {out['plain'][0]!r}")
+    if drafted <= 0:
+        failures.append("speculative decoding: no draft was checked")
+    return failures
+
+
 def main() -> int:
     args = sys.argv[1:]
     if len(args) not in (2, 3) or args[0] in ("-h", "--help") or args[2:] not in ([], ["cuda"], ["cpu"]):
@@ -324,6 +361,7 @@ def main() -> int:
     failures += check_host_tier(kura, model, "cuda")
     failures += compare(gpu, cpu)
     failures += check_generate(kura, model, gpu)
+    failures += check_speculative(kura, model, "cuda")
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

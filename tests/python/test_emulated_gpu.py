@@ -119,6 +119,7 @@ def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_ser
     # pool evicts and the revisits come back from the host tier.
     failures += serve_check.check_host_tier(kura, model, "cuda", pool=str(64 * 16 * 1024), words=60)
     failures += serve_check.compare(gpu, cpu)
+    failures += serve_check.check_speculative(kura, model, "cuda", words=40)
     for kind in ["completions", "chat"]:
         if gpu[kind][2] != cpu[kind][2]:
             failures.append(f"{kind}: the GPU's text {gpu[kind][2]!r}, the CPU's {cpu[kind][2]!r}")
