@@ -1779,7 +1779,8 @@ impl Core {
         for it in &plan.items {
             let n = it.end - it.start;
             all += n;
-            if n > 1 {
+            // A draft's check is a decode step, however many positions it computes.
+            if n > 1 && self.sched.num_draft(it.seq) == 0 {
                 prefill += n;
             }
         }

@@ -1199,3 +1199,24 @@ fn drafts_are_refused_where_they_cannot_be_taken_back() {
     assert_eq!(kv.num_indexed_blocks(), 1);
     assert_eq!(kv.num_available_blocks(), 16);
 }
+
+#[test]
+fn a_draft_settled_as_its_owners_tokens_keeps_the_tokens_drawn_in_place() {
+    let mut kv = manager(16);
+    let key = CacheKey::new();
+    let seq = with_computed_draft(&mut kv, &key);
+    // The owner drew 100 and 101 as drafted, then 999 where the draft said 102.
+    let mut tokens = toks(0..6);
+    tokens.extend([100, 101, 999]);
+    assert_eq!(kv.settle_draft_as(seq, &tokens).unwrap(), 8);
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_tokens(seq).unwrap(), 8);
+    // Both blocks full of drawn tokens are findable; a sequence without a draft is left as it is.
+    assert_eq!(kv.find_cached_prefix(&tokens, &key).num_full_blocks(), 2);
+    assert_eq!(kv.settle_draft_as(seq, &toks(0..3)).unwrap(), 8);
+    // The tokens before the draft are always kept, even when the owner has fewer.
+    let mut kv = manager(16);
+    let seq = with_computed_draft(&mut kv, &key);
+    assert_eq!(kv.settle_draft_as(seq, &toks(0..6)).unwrap(), 6);
+    kv.check_invariants().unwrap();
+}

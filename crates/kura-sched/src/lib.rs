@@ -590,7 +590,10 @@ impl Scheduler {
     }
 
     fn drop_seq(&mut self, key: SeqKey) {
-        if let Some(seq) = self.seqs.remove(&key) {
+        if let Some(mut seq) = self.seqs.remove(&key) {
+            // A draft's tokens drawn before the sequence ended keep their blocks cached, as one token a
+            // step would have.
+            Self::drop_draft(&mut self.kv, &mut seq);
             if let Some(id) = seq.kv {
                 self.kv.free(id).expect("running sequence is known");
             }
@@ -652,41 +655,39 @@ impl Scheduler {
         s.tokens.split_off(at)
     }
 
-    /// Keeps the KV of the draft tokens that the sequence's tokens now hold (those sampled equal to
-    /// the draft, pushed since [`Scheduler::take_draft`]; all but the last token pushed, which the next
-    /// step computes) and gives the rest back. A sequence without a draft is left as it is.
+    /// Keeps the KV of the draft tokens that the sequence's tokens now hold in their places (those
+    /// sampled equal to the draft, pushed since [`Scheduler::take_draft`]) and gives the rest back. A
+    /// sequence without a draft is left as it is.
     pub fn settle_draft(&mut self, seq: SeqKey) {
-        let Some(s) = self.seqs.get(&seq) else {
-            return;
-        };
-        let Some(id) = s.kv else { return };
-        let Ok(Some(from)) = self.kv.draft_from(id) else {
-            return;
-        };
-        let held = self.kv.num_tokens(id).expect("running sequence is known");
-        let keep = s.tokens.len().saturating_sub(1).clamp(from, held);
-        self.kv
-            .settle_draft(id, keep)
-            .expect("the kept tokens lie within the draft");
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            Self::drop_draft(&mut self.kv, s);
+        }
     }
 
-    /// Takes a sequence's draft off its tokens and gives back its KV slots.
+    /// Takes a sequence's draft off its tokens (if a step has not taken it) and settles its KV: the
+    /// draft's tokens the sequence's tokens hold in their places are kept, the rest given back.
     fn drop_draft(kv: &mut KvCacheManager, seq: &mut SeqState) {
-        if seq.draft == 0 {
-            return;
-        }
         let firm = seq.tokens.len() - seq.draft;
         seq.tokens.truncate(firm);
         seq.draft = 0;
         if let Some(id) = seq.kv {
-            kv.settle_draft(id, firm)
-                .expect("a draft keeps the tokens before it");
+            kv.settle_draft_as(id, &seq.tokens)
+                .expect("a running sequence is known");
         }
     }
 
     /// Appends what fits of a proposed draft to a decoding sequence that holds its slots for the pass:
-    /// within `budget` tokens for its item, in free blocks.
-    fn take_proposal(&mut self, key: SeqKey, id: SeqId, budget: usize, plan: &mut Plan) {
+    /// within `budget` tokens for its item, in free blocks beyond one for each running sequence after
+    /// it in the pass (`rest`), which may need one for its next token: a draft never evicts a cached
+    /// block nor makes another sequence wait.
+    fn take_proposal(
+        &mut self,
+        key: SeqKey,
+        id: SeqId,
+        budget: usize,
+        rest: &[Candidate],
+        plan: &mut Plan,
+    ) {
         let Some(mut draft) = self.proposals.remove(&key) else {
             return;
         };
@@ -701,6 +702,17 @@ impl Scheduler {
             .pending_status(id)
             .expect("running sequence is known");
         draft.truncate(budget.saturating_sub(status.num_tokens - status.computed_tokens));
+        let later = rest.iter().filter(|c| !c.waiting).count();
+        let room = self.kv.num_free_blocks().saturating_sub(later);
+        while !draft.is_empty()
+            && self
+                .kv
+                .blocks_needed(id, draft.len())
+                .expect("running sequence is known")
+                > room
+        {
+            draft.pop();
+        }
         if draft.is_empty() {
             return;
         }
@@ -887,7 +899,7 @@ impl Scheduler {
                 if !self.grow(c.seq, id, &cands[i + 1..], &mut plan) {
                     continue;
                 }
-                self.take_proposal(c.seq, id, budget, &mut plan);
+                self.take_proposal(c.seq, id, budget, &cands[i + 1..], &mut plan);
             }
             let seq = &self.seqs[&c.seq];
             let Some(id) = seq.kv else { continue };

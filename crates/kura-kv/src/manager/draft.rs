@@ -92,6 +92,30 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// [`Self::settle_draft`], keeping the tokens of the draft that `tokens` (the sequence's tokens as
+    /// its owner now has them, from the start) holds in the same places: the draft's leading tokens
+    /// that the sampler drew as proposed. Returns the tokens kept.
+    pub fn settle_draft_as(&mut self, id: SeqId, tokens: &[u32]) -> Result<usize, KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let Some(from) = seq.draft_from else {
+            return Ok(seq.num_tokens);
+        };
+        let mut keep = from;
+        while keep < seq.num_tokens
+            && tokens.get(keep) == Some(&self.pool.tokens_of(seq.table[keep / bs])[keep % bs])
+        {
+            keep += 1;
+        }
+        self.settle_draft(id, keep)?;
+        Ok(keep)
+    }
+
+    /// Blocks on the free list: what a draft may take (it never evicts a cached block).
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.free.len()
+    }
+
     /// Where the sequence's unsettled draft starts, if it holds one.
     pub fn draft_from(&self, id: SeqId) -> Result<Option<usize>, KvError> {
         Ok(self.seq(id)?.draft_from)
