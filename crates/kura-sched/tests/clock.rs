@@ -1,7 +1,10 @@
 //! The scheduler on its own, driven by a clock the test gives it and a pretend forward pass that computes
 //! whatever was planned: the same calls give the same plans, priorities age on the given clock (not on
 //! wall time), prompts are chunked within the token budget, a second request waits for blocks a first one
-//! is computing instead of computing them again, and a full pool preempts the most recent request.
+//! is computing instead of computing them again, a full pool preempts the most recent request, and a draft
+//! (speculative decoding) is computed in its sequence's item, takes only free blocks that the sequences
+//! after it do not need (no eviction, no preemption for it), and leaves what the sampler kept of it cached
+//! when the sequence ends on it.
 
 use std::time::Duration;
 
@@ -262,4 +265,108 @@ fn a_scored_prompt_reads_nothing_cached_and_is_computed_in_chunks_of_its_own_siz
     // Not scored, the same prompt reads the three cached blocks.
     let key = s.add_request(2, CacheKey::new(), 0, at, prompt(0, 14), LIMIT);
     assert_eq!(items(&step(&mut s, at)), vec![(key, 12, 14)]);
+}
+
+/// A request of `prompt` computed and given its first token `first`: a decoding sequence.
+fn decoding(s: &mut Scheduler, id: u64, prompt: Vec<u32>, first: u32) -> SeqKey {
+    let key = s.add_request(id, CacheKey::new(), 0, Duration::ZERO, prompt, LIMIT);
+    let plan = s.schedule(Duration::ZERO);
+    let item = *plan.items.iter().find(|i| i.seq == key).expect("admitted");
+    assert!(s.computed(item).complete);
+    s.push_token(key, first);
+    assert!(s.decoding(key));
+    key
+}
+
+#[test]
+fn a_draft_is_computed_in_its_sequences_item_and_settled_to_the_tokens_drawn() {
+    let mut s = Scheduler::new(config(16, 64, 8)).unwrap();
+    let a = decoding(&mut s, 1, prompt(0, 6), 50);
+    s.propose_draft(a, vec![51, 52, 53]);
+    let plan = s.schedule(Duration::ZERO);
+    assert_eq!(plan.items.len(), 1);
+    let item = plan.items[0];
+    assert_eq!(
+        (item.start, item.end),
+        (6, 10),
+        "the last token and the draft"
+    );
+    assert_eq!(s.num_draft(a), 3);
+    assert_eq!(s.num_generated(a), 1, "a draft is not generated yet");
+    assert!(s.computed(item).complete);
+    assert_eq!(s.take_draft(a), vec![51, 52, 53]);
+    // The sampler drew 51, then 60 where the draft said 52.
+    s.push_token(a, 51);
+    s.push_token(a, 60);
+    s.settle_draft(a);
+    assert_eq!(s.num_generated(a), 3);
+    let plan = s.schedule(Duration::ZERO);
+    assert_eq!(
+        items(&plan),
+        [(a, 8, 9)],
+        "the next step computes the token after the kept draft token"
+    );
+    assert_eq!(s.tokens(a), [0, 1, 2, 3, 4, 5, 50, 51, 60]);
+}
+
+#[test]
+fn a_draft_takes_only_free_blocks_that_later_sequences_do_not_need() {
+    // 4 blocks: a holds 2 (7 tokens), b holds 2 (8 tokens, its next token needs a new block).
+    let mut s = Scheduler::new(config(5, 64, 8)).unwrap();
+    let a = decoding(&mut s, 1, prompt(0, 6), 50);
+    let b = decoding(&mut s, 2, prompt(100, 7), 150);
+    // One block is free, and b needs it for its next token: a's draft of 3 would need it too.
+    s.propose_draft(a, vec![51, 52, 53]);
+    let plan = s.schedule(Duration::ZERO);
+    assert!(
+        plan.events.is_empty(),
+        "nobody is preempted: {:?}",
+        plan.events
+    );
+    let spans: Vec<_> = plan
+        .items
+        .iter()
+        .map(|i| (i.seq, i.end - i.start))
+        .collect();
+    assert_eq!(
+        spans,
+        [(a, 2), (b, 1)],
+        "a's draft cut to the slot left in its last block"
+    );
+    assert_eq!(s.num_draft(a), 1);
+}
+
+#[test]
+fn a_sequence_that_ends_inside_its_draft_leaves_the_drawn_tokens_blocks_cached() {
+    let mut s = Scheduler::new(config(16, 64, 8)).unwrap();
+    let a = decoding(&mut s, 1, prompt(0, 6), 50);
+    s.propose_draft(a, vec![51, 52, 53]);
+    let plan = s.schedule(Duration::ZERO);
+    assert!(s.computed(plan.items[0]).complete);
+    s.take_draft(a);
+    // 51 and 52 drawn as drafted; then a stop token, which is not pushed: the sequence ends.
+    s.push_token(a, 51);
+    s.push_token(a, 52);
+    s.finish(a);
+    // The two full blocks (0..4 and 4 5 50 51) are cached: a new request with that prefix finds them.
+    let b = s.add_request(
+        2,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        vec![0, 1, 2, 3, 4, 5, 50, 51, 52, 9],
+        LIMIT,
+    );
+    let plan = s.schedule(Duration::ZERO);
+    let admitted = plan
+        .events
+        .iter()
+        .find_map(|e| match e {
+            SchedEvent::Admitted {
+                seq, cached_tokens, ..
+            } if *seq == b => Some(*cached_tokens),
+            _ => None,
+        })
+        .expect("admitted");
+    assert_eq!(admitted, 8);
 }

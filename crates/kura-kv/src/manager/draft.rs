@@ -111,11 +111,6 @@ impl KvCacheManager {
         Ok(keep)
     }
 
-    /// Blocks on the free list: what a draft may take (it never evicts a cached block).
-    pub fn num_free_blocks(&self) -> usize {
-        self.pool.free.len()
-    }
-
     /// Where the sequence's unsettled draft starts, if it holds one.
     pub fn draft_from(&self, id: SeqId) -> Result<Option<usize>, KvError> {
         Ok(self.seq(id)?.draft_from)

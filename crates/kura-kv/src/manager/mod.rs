@@ -640,6 +640,11 @@ impl KvCacheManager {
         self.pool.free.len() + self.evictor.num_idle as usize
     }
 
+    /// Blocks on the free list, without evicting a cached one (what a draft may take).
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.free.len()
+    }
+
     pub fn stats(&self) -> &KvStats {
         &self.stats
     }
