@@ -173,8 +173,9 @@ def check_host_tier(kura: str, model: str, device: str, pool: str | None = None,
     return failures
 
 
-def check_plan(kura: str, model: str, log: str) -> list[str]:
-    """The GPU server's pool against `kura plan --gpu` with the device's total memory and the same flags."""
+def check_plan(kura: str, model: str, log: str, *flags: str) -> list[str]:
+    """The GPU server's pool against `kura plan --gpu` with the device's total memory and the same flags
+    (`flags`: the server's beyond the pool's)."""
     for line in log.splitlines():
         if "planned | measured" in line:
             print("server:", line.split("INFO", 1)[-1].strip())
@@ -184,7 +185,7 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
         return ["the GPU server's log has no device total or no pool line"]
     out = subprocess.run(
         [kura, "plan", "--model", model, "--gpu", "H100", "--memory", total.group(1), "--kv-cache-memory",
-         GPU_KV, "--block-size", str(BLOCK), "--kv-dtype", "bf16", "--json"],
+         GPU_KV, "--block-size", str(BLOCK), "--kv-dtype", "bf16", "--json", *flags],
         capture_output=True, text=True)
     if out.returncode != 0:
         return [f"kura plan failed: {out.stderr.strip()}"]
@@ -195,7 +196,8 @@ def check_plan(kura: str, model: str, log: str) -> list[str]:
           f"{served_blocks} blocks; planned weights {cuda.get('weights_bytes')} B, context {cuda.get('context_bytes')} B, "
           f"activations {cuda.get('activation_bytes')} B")
     if planned != served_blocks or cuda.get("num_blocks") != served_blocks:
-        return [f"the pool: kura plan says {planned} blocks, kura serve --device cuda holds {served_blocks}"]
+        return [f"the pool: kura plan {' '.join(flags)} says {planned} blocks, kura serve --device cuda holds "
+                f"{served_blocks}"]
     return []
 
 
@@ -310,7 +312,9 @@ def compare_echo(gpu: list, cpu: list) -> list[str]:
 def check_speculative(kura: str, model: str, device: str, words: int = 120) -> list[str]:
     """A server that drafts (`--speculative-config`, n-gram lookup) against one that does not, on the same
     device: a completion that goes on copying the text it was given, greedy, the same text from both, with
-    drafts checked (the CUDA executor answers a drafting sequence's rows through `forward_every_position`)."""
+    drafts checked (the CUDA executor checks them in one step with the other sequences, its output head
+    on each draft position). On a GPU the drafting server's pool is `kura plan --speculative-config`'s:
+    its logits buffers hold a row per draft token."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                        "prompt_lookup_max": 4})
     text = prompt_text(random.Random(300), words)
@@ -319,7 +323,7 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
     for mode, flags in [("plain", []), ("drafting", ["--speculative-config", spec])]:
         kv = GPU_KV if device == "cuda" else "256MiB"
         try:
-            proc, url, _ = start(kura, model, device, "--kv-cache-memory", kv, *flags)
+            proc, url, log = start(kura, model, device, "--kv-cache-memory", kv, *flags)
         except RuntimeError as e:
             return [str(e)]
         try:
@@ -331,6 +335,9 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
             counts = [float(re.search(r"^kura:spec_decode_num_" + what + r"_total ([0-9.e+-]+)$", metrics,
                                       re.M).group(1)) for what in ("draft_tokens", "accepted_tokens")]
             out[mode] = (r.choices[0].text, counts)
+            if device == "cuda" and flags:
+                log.seek(0)
+                failures += check_plan(kura, model, log.read(), *flags)
         finally:
             stop(proc)
     (drafted, kept) = out["drafting"][1]

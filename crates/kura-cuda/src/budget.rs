@@ -75,7 +75,8 @@ impl Dims {
 pub enum Per {
     /// One row per new token of the step.
     Token,
-    /// One row per sequence of the step.
+    /// One row per row of the output head: each sequence's last token, and each draft token a step
+    /// checks (speculative decoding: [`head_rows`]).
     Seq,
 }
 
@@ -138,6 +139,19 @@ const fn buf(
         per,
         width,
     }
+}
+
+/// The most rows the output head computes in a step of up to `max_tokens` new tokens over `max_seqs`
+/// sequences, each checking at most `draft_tokens` draft tokens (speculative decoding; 0: none): a
+/// row per sequence, and one per draft token — never more than the step's tokens. What the
+/// per-sequence buffers ([`Per::Seq`]) are sized for.
+pub fn head_rows(max_tokens: usize, max_seqs: usize, draft_tokens: usize) -> usize {
+    if draft_tokens == 0 {
+        return max_seqs;
+    }
+    max_seqs
+        .saturating_mul(draft_tokens.saturating_add(1))
+        .min(max_tokens.max(max_seqs))
 }
 
 /// Elements a buffer asked for `n` elements gets (`ensure`: the next power of two; at least the one
@@ -261,22 +275,27 @@ pub struct PoolPlan {
     /// The step budget the activation buffers are sized for.
     pub max_tokens: usize,
     pub max_seqs: usize,
+    /// Draft tokens a sequence's step may check, and the output head's rows ([`head_rows`]).
+    pub draft_tokens: usize,
+    pub head_rows: usize,
 }
 
 /// The pool of `block_bytes`-byte blocks `request` gets on a device of `total_bytes` for a model of `d`
-/// run in steps of up to `max_tokens` new tokens over `max_seqs` sequences. An error says what does not
-/// fit, naming both sides.
+/// run in steps of up to `max_tokens` new tokens over `max_seqs` sequences, each checking at most
+/// `draft_tokens` draft tokens. An error says what does not fit, naming both sides.
 pub fn plan_pool(
     d: &Dims,
     total_bytes: u64,
     request: PoolRequest,
     max_tokens: usize,
     max_seqs: usize,
+    draft_tokens: usize,
     block_bytes: u64,
 ) -> Result<PoolPlan, String> {
     let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
     let weights_bytes = weight_bytes(d);
-    let activations = activation_bytes(d, max_tokens, max_seqs);
+    let rows = head_rows(max_tokens, max_seqs, draft_tokens);
+    let activations = activation_bytes(d, max_tokens, rows);
     let base = match request {
         PoolRequest::Utilization(u) if !(u > 0.0 && u <= 1.0) => {
             return Err(format!("a memory utilization must be in (0, 1], got {u}"))
@@ -297,11 +316,12 @@ pub fn plan_pool(
     let Some(left_bytes) = base.checked_sub(needs) else {
         return Err(format!(
             "the model does not fit: weights {} + CUDA context and libraries {} + activation buffers {} \
-             (steps of {max_tokens} tokens over {max_seqs} sequences) + reserve {} = {} exceed the {} of \
+             (steps of {max_tokens} tokens over {max_seqs} sequences{}) + reserve {} = {} exceed the {} of \
              the device{}; short by {}",
             gb(weights_bytes),
             gb(CONTEXT_BYTES),
             gb(activations),
+            drafts_note(draft_tokens, rows),
             gb(DEVICE_RESERVE),
             gb(needs),
             gb(base),
@@ -344,7 +364,18 @@ pub fn plan_pool(
         num_blocks: budget_bytes / block_bytes.max(1),
         max_tokens,
         max_seqs,
+        draft_tokens,
+        head_rows: rows,
     })
+}
+
+/// `, each checking up to K draft tokens: R rows of logits` where a step checks drafts.
+pub fn drafts_note(draft_tokens: usize, rows: usize) -> String {
+    if draft_tokens == 0 {
+        String::new()
+    } else {
+        format!(", each checking up to {draft_tokens} draft tokens: {rows} rows of logits")
+    }
 }
 
 #[cfg(test)]
@@ -439,11 +470,52 @@ mod tests {
     }
 
     #[test]
+    fn drafts_size_the_logits_rows_by_their_tokens_within_the_steps_tokens() {
+        // Without drafts a row per sequence; with drafts of 4, five per sequence, but never more rows
+        // than a step's tokens (nor fewer than its sequences).
+        assert_eq!(head_rows(8192, 256, 0), 256);
+        assert_eq!(head_rows(8192, 256, 4), 1280);
+        assert_eq!(head_rows(1024, 256, 4), 1024);
+        assert_eq!(head_rows(128, 256, 4), 256);
+        assert_eq!(head_rows(usize::MAX, usize::MAX, 32), usize::MAX);
+        // The pool gives the extra rows' logits (Llama-3.1-8B: 128,256 f32 a row) to the buffers.
+        let d = llama8b();
+        let (block, total) = (16 * 131_072, 80_000_000_000);
+        let plain = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, 0, block).unwrap();
+        let drafts = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, 4, block).unwrap();
+        assert_eq!((plain.head_rows, drafts.head_rows), (64, 320));
+        assert_eq!(
+            drafts.activation_bytes,
+            activation_bytes(&d, 8192, 320),
+            "the buffers for 320 rows"
+        );
+        assert!(drafts.activation_bytes - plain.activation_bytes >= 256 * 128_256 * 4);
+        assert_eq!(
+            plain.left_bytes - drafts.left_bytes,
+            drafts.activation_bytes - plain.activation_bytes
+        );
+        let e = plan_pool(
+            &d,
+            16_000_000_000,
+            PoolRequest::Share(1.0),
+            8192,
+            64,
+            4,
+            block,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("each checking up to 4 draft tokens: 320 rows of logits"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn the_pool_is_what_the_rest_leaves_as_asked() {
         let d = llama8b();
         let block = 16 * 131_072;
         let total = 80_000_000_000;
-        let all = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, block).unwrap();
+        let all = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, 0, block).unwrap();
         assert_eq!(
             all.left_bytes,
             total
@@ -453,17 +525,25 @@ mod tests {
                 - DEVICE_RESERVE
         );
         assert_eq!(all.num_blocks, all.left_bytes / block);
-        let half = plan_pool(&d, total, PoolRequest::Share(0.5), 8192, 64, block).unwrap();
+        let half = plan_pool(&d, total, PoolRequest::Share(0.5), 8192, 64, 0, block).unwrap();
         assert_eq!(half.budget_bytes, all.left_bytes / 2);
-        let util = plan_pool(&d, total, PoolRequest::Utilization(0.9), 8192, 64, block).unwrap();
+        let util = plan_pool(&d, total, PoolRequest::Utilization(0.9), 8192, 64, 0, block).unwrap();
         assert_eq!(util.budget_bytes, 72_000_000_000 - (total - all.left_bytes));
-        let one = plan_pool(&d, total, PoolRequest::Bytes(1 << 30), 8192, 64, block).unwrap();
+        let one = plan_pool(&d, total, PoolRequest::Bytes(1 << 30), 8192, 64, 0, block).unwrap();
         assert_eq!(one.num_blocks, 512);
-        let e = plan_pool(&d, total, PoolRequest::Bytes(total), 8192, 64, block).unwrap_err();
+        let e = plan_pool(&d, total, PoolRequest::Bytes(total), 8192, 64, 0, block).unwrap_err();
         assert!(e.contains("are left of the device"), "{e}");
-        let e =
-            plan_pool(&d, 16_000_000_000, PoolRequest::Share(1.0), 8192, 64, block).unwrap_err();
+        let e = plan_pool(
+            &d,
+            16_000_000_000,
+            PoolRequest::Share(1.0),
+            8192,
+            64,
+            0,
+            block,
+        )
+        .unwrap_err();
         assert!(e.contains("does not fit") && e.contains("short by"), "{e}");
-        assert!(plan_pool(&d, total, PoolRequest::Share(1.5), 8192, 64, block).is_err());
+        assert!(plan_pool(&d, total, PoolRequest::Share(1.5), 8192, 64, 0, block).is_err());
     }
 }

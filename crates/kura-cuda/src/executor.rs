@@ -397,6 +397,9 @@ pub struct StepPlan {
     pub meta: Vec<i32>,
     pub n_tokens: usize,
     pub n_seqs: usize,
+    /// Rows the output head computes: one per sequence, or with tails ([`plan_tails`]) each sequence's
+    /// last `tails[i]`. The per-sequence buffers (`last`, `logits`, `ids`) hold one row each.
+    pub n_rows: usize,
     /// Offsets into `meta`.
     pub at_tokens: usize,
     pub at_pos: usize,
@@ -439,11 +442,35 @@ pub struct StepLimits {
 }
 
 /// Checks a batch and lays out its metadata: every bad index is an error naming the sequence, never a
-/// write outside the pool.
+/// write outside the pool. The output head runs on each sequence's last token.
 pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
+    plan_tails(batch, &vec![1; batch.len()], lim)
+}
+
+/// [`plan_step`], with the output head on the last `tails[i]` tokens of sequence `i` (at least 1, at
+/// most its new tokens), in position order: the rows that check a draft (speculative decoding).
+pub fn plan_tails(batch: &[SeqInput<'_>], tails: &[usize], lim: StepLimits) -> Result<StepPlan> {
     let bad = |m: String| Err(CudaError::Batch(m));
     if batch.is_empty() {
         return bad("the batch is empty".into());
+    }
+    if tails.len() != batch.len() {
+        return bad(format!(
+            "{} tails asked of a step of {} sequences",
+            tails.len(),
+            batch.len()
+        ));
+    }
+    if let Some((i, (s, k))) = batch
+        .iter()
+        .zip(tails)
+        .enumerate()
+        .find(|(_, (s, &k))| !s.tokens.is_empty() && (k == 0 || k > s.tokens.len()))
+    {
+        return bad(format!(
+            "sequence {i}: {k} rows of logits asked of its {} new tokens (1 to {0} may be)",
+            s.tokens.len()
+        ));
     }
     let bs = lim.block_size;
     let mut slots = std::collections::HashSet::new();
@@ -511,12 +538,13 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
     let mut pos = Vec::with_capacity(t);
     let mut slot_block = Vec::with_capacity(2 * t);
     let mut tables = Vec::with_capacity(table_len);
-    let mut last = Vec::with_capacity(batch.len());
+    let n_rows: usize = tails.iter().sum();
+    let mut last = Vec::with_capacity(n_rows);
     let mut tok_info = Vec::new();
     let mut tiles = Vec::new();
     let mut max_splits = 0;
     let mut row = 0usize;
-    for s in batch {
+    for (s, &tail) in batch.iter().zip(tails) {
         let n = s.tokens.len();
         let end = s.start_pos + n;
         let toff = tables.len();
@@ -547,19 +575,20 @@ pub fn plan_step(batch: &[SeqInput<'_>], lim: StepLimits) -> Result<StepPlan> {
             }
         }
         row += n;
-        last.push((row - 1) as i32);
+        last.extend((row - tail..row).map(|r| r as i32));
     }
     // Every offset but the tables' depends on the step's shape alone (a captured graph's arguments).
     let mut p = StepPlan {
         n_tokens: t,
         n_seqs: batch.len(),
+        n_rows,
         at_tokens: 0,
         at_pos: t,
         at_slots: 2 * t,
         at_last: 4 * t,
-        at_tok_info: 4 * t + batch.len(),
-        at_tiles: 4 * t + batch.len() + tok_info.len(),
-        at_tables: 4 * t + batch.len() + tok_info.len() + tiles.len(),
+        at_tok_info: 4 * t + n_rows,
+        at_tiles: 4 * t + n_rows + tok_info.len(),
+        at_tables: 4 * t + n_rows + tok_info.len() + tiles.len(),
         split_tokens: tok_info.len() / 4,
         // Rounded up to a power of two: fewer shapes for the graphs of decode steps (the extra splits
         // of a token are empty).
@@ -1021,10 +1050,19 @@ impl CudaExecutor {
         }
     }
 
-    /// Runs the step and leaves each sequence's last-token logits in `s.logits` (`n_seqs × vocab`), or
-    /// with `every`, every token's in `s.every` (`n_tokens × vocab`, which the caller made room for).
-    fn run(&mut self, batch: &[SeqInput<'_>], every: bool) -> Result<StepPlan> {
-        let plan = plan_step(batch, self.limits())?;
+    /// Runs the step and leaves each sequence's last-token logits in `s.logits` (`n_seqs × vocab`; with
+    /// `tails`, each sequence's last `tails[i]` tokens' rows, `n_rows × vocab`), or with `every`,
+    /// every token's in `s.every` (`n_tokens × vocab`, which the caller made room for).
+    fn run(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        tails: Option<&[usize]>,
+        every: bool,
+    ) -> Result<StepPlan> {
+        let plan = match tails {
+            Some(tails) => plan_tails(batch, tails, self.limits())?,
+            None => plan_step(batch, self.limits())?,
+        };
         self.dev.ctx.bind_to_thread()?;
         // A step writes its new tokens' blocks: after the stores that read them. Loads started since
         // the last step go out now; a step that reads one of their blocks waits for each layer's bytes
@@ -1033,7 +1071,7 @@ impl CudaExecutor {
         self.issue_imports()?;
         let wait = self.imports_read_by(batch);
         let c = &self.cfg;
-        let (t, n) = (plan.n_tokens, plan.n_seqs);
+        let (t, n) = (plan.n_tokens, plan.n_rows);
         let wave = split_wave(
             plan.split_tokens,
             c.num_heads(),
@@ -1115,7 +1153,7 @@ impl CudaExecutor {
             // The fused products' grids (a driver query, the first time) before the capture, not in it.
             let h = self.cfg.hidden_size();
             self.dev.prepare_normed(plan.n_tokens, h)?;
-            self.dev.prepare_normed(plan.n_seqs, h)?;
+            self.dev.prepare_normed(plan.n_rows, h)?;
         }
         self.dev.stream.begin_capture(
             cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
@@ -1139,7 +1177,7 @@ impl CudaExecutor {
         let (heads, kvh) = (c.num_heads(), c.num_kv_heads());
         let (q_dim, qkv_dim) = (heads * d, (heads + 2 * kvh) * d);
         let vocab = c.vocab_size();
-        let (t, n) = (plan.n_tokens, plan.n_seqs);
+        let (t, n) = (plan.n_tokens, plan.n_rows);
         let dev = &self.dev;
         let s = &self.s;
         let meta = dev.ptr(&s.meta);
@@ -1434,8 +1472,8 @@ impl CudaExecutor {
 
     /// Each sequence's last-token logits, `n × vocab` row by row.
     pub fn forward_logits(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<f32>> {
-        let plan = self.run(batch, false)?;
-        let n = plan.n_seqs * self.cfg.vocab_size();
+        let plan = self.run(batch, None, false)?;
+        let n = plan.n_rows * self.cfg.vocab_size();
         let mut out = vec![0f32; n];
         self.dev
             .stream
@@ -1464,7 +1502,7 @@ impl CudaExecutor {
             n,
             "every position's logits",
         )?;
-        self.run(&[item], true)?;
+        self.run(&[item], None, true)?;
         let mut out = vec![0f32; n];
         self.dev
             .stream
@@ -1475,8 +1513,8 @@ impl CudaExecutor {
 
     /// Each sequence's greedy next token, chosen on the device (only the ids come back).
     pub fn forward_greedy(&mut self, batch: &[SeqInput<'_>]) -> Result<Vec<u32>> {
-        let plan = self.run(batch, false)?;
-        let out = self.argmax_ids(plan.n_seqs)?;
+        let plan = self.run(batch, None, false)?;
+        let out = self.argmax_ids(plan.n_rows)?;
         self.dev.synchronize()?;
         Ok(out)
     }
@@ -1492,8 +1530,49 @@ impl CudaExecutor {
                 batch.len()
             )));
         }
-        let plan = self.run(batch, false)?;
-        let (n, vocab) = (plan.n_seqs, self.cfg.vocab_size());
+        let plan = self.run(batch, None, false)?;
+        self.answer_rows(&plan, wants)
+    }
+
+    /// Each sequence's last `tails[i]` positions answered as `wants[i]` asks, in position order
+    /// ([`Executor::forward_tails`]): one step over the whole batch, whose output head runs on those
+    /// rows alone; greedy tokens are found on the device and rows of logits asked for copied back, as
+    /// [`CudaExecutor::forward_rows`] does.
+    pub fn forward_tails(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+        tails: &[usize],
+    ) -> Result<Vec<Vec<Row>>> {
+        if wants.len() != batch.len() {
+            return Err(CudaError::Batch(format!(
+                "{} answers asked of a step of {} sequences",
+                wants.len(),
+                batch.len()
+            )));
+        }
+        let plan = self.run(batch, Some(tails), false)?;
+        let row_wants: Vec<Want> = wants
+            .iter()
+            .zip(tails)
+            .flat_map(|(&want, &k)| std::iter::repeat_n(want, k))
+            .collect();
+        let mut rows = self.answer_rows(&plan, &row_wants)?.into_iter();
+        Ok(tails
+            .iter()
+            .map(|&k| rows.by_ref().take(k).collect())
+            .collect())
+    }
+
+    /// The rows of the step `plan` (just run) answered as `wants` (one per row) asks.
+    fn answer_rows(&mut self, plan: &StepPlan, wants: &[Want]) -> Result<Vec<Row>> {
+        let (n, vocab) = (plan.n_rows, self.cfg.vocab_size());
+        if wants.len() != n {
+            return Err(CudaError::Batch(format!(
+                "{} answers asked of a step of {n} rows",
+                wants.len()
+            )));
+        }
         let ids = if wants.contains(&Want::Argmax) {
             self.argmax_ids(n)?
         } else {
@@ -1722,6 +1801,15 @@ impl Executor for CudaExecutor {
         Ok(CudaExecutor::forward_rows(self, batch, wants)?)
     }
 
+    fn forward_tails(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        wants: &[Want],
+        tails: &[usize],
+    ) -> std::result::Result<Vec<Vec<Row>>, ExecError> {
+        Ok(CudaExecutor::forward_tails(self, batch, wants, tails)?)
+    }
+
     fn forward_every_position(
         &mut self,
         item: SeqInput<'_>,
@@ -1837,6 +1925,43 @@ mod tests {
         assert_eq!(&p.meta[p.at_tiles..p.at_tables], &[0, 5, 2, 0]);
         // Last, only the blocks the positions reach: 2 of sequence 0's, 2 of sequence 1's (of 3 given).
         assert_eq!(&p.meta[p.at_tables..], &[7, 3, 1, 9]);
+    }
+
+    #[test]
+    fn tails_put_each_sequences_last_rows_before_the_next_sequences_and_bad_tails_are_refused() {
+        // A 4-token draft check (rows 0..4, its last 3 asked) beside a lone decode token (row 4) and a
+        // 2-token item asking only its last: rows 1, 2, 3, 4, 6 — and every offset after them moved
+        // by the two extra rows.
+        let (t0, t1, t2) = ([10u32, 11, 12, 13], [20u32], [30u32, 31]);
+        let (b0, b1, b2) = ([0u32, 1], [2u32, 3], [4u32]);
+        let batch = [
+            SeqInput::new(&t0, 3, &b0),
+            SeqInput::new(&t1, 5, &b1),
+            SeqInput::new(&t2, 0, &b2),
+        ];
+        let p = plan_tails(&batch, &[3, 1, 1], lim()).unwrap();
+        assert_eq!((p.n_tokens, p.n_seqs, p.n_rows), (7, 3, 5));
+        assert_eq!(&p.meta[p.at_last..p.at_tok_info], &[1, 2, 3, 4, 6]);
+        let plain = plan_step(&batch, lim()).unwrap();
+        assert_eq!(plain.n_rows, 3);
+        assert_eq!(&plain.meta[plain.at_last..plain.at_tok_info], &[3, 4, 6]);
+        // The same metadata after the rows: the step is the same, only its output head differs.
+        assert_eq!(&p.meta[p.at_tok_info..], &plain.meta[plain.at_tok_info..]);
+        assert_eq!(plan_tails(&batch, &[1, 1, 1], lim()).unwrap(), plain);
+        for (tails, expect) in [
+            (
+                &[0usize, 1, 1][..],
+                "sequence 0: 0 rows of logits asked of its 4 new tokens",
+            ),
+            (
+                &[1, 2, 1],
+                "sequence 1: 2 rows of logits asked of its 1 new tokens (1 to 1",
+            ),
+            (&[1, 1], "2 tails asked of a step of 3 sequences"),
+        ] {
+            let err = plan_tails(&batch, tails, lim()).unwrap_err().to_string();
+            assert!(err.contains(expect), "{tails:?}: {err}");
+        }
     }
 
     #[test]

@@ -706,6 +706,40 @@ fn decode_steps_give_the_same_bits_fused_in_graphs_in_waves_and_with_dependent_l
 }
 
 #[test]
+fn a_draft_checks_rows_are_each_positions_logits_in_one_step_in_graphs_and_not() {
+    // Speculative decoding's step: several rows of one sequence's end through the output head, the
+    // other sequences' last rows beside them; held to the CPU runtime row by row, then the same bits
+    // launch by launch and in graphs (each shape runs five times a call: captured, then replayed),
+    // with the fused kernels and without.
+    let _turn = emulated();
+    let cpu = Model::load(model_dir()).unwrap();
+    let bs = 16;
+    let tokens: Vec<Vec<u32>> = [40usize, 130, 60]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(n + 20, 30 + i as u64))
+        .collect();
+    let mut gpu = exec(KvDtype::Bf16, bs, scenarios::Sequences::blocks(&tokens, bs));
+    let seqs = scenarios::Sequences::prefill(&mut gpu, tokens, bs);
+    gpu.set_graphs(false);
+    gpu.set_dependent_launch(false);
+    let reference = scenarios::tail_rows(&mut gpu, &cpu, &seqs, LOGITS_TOL);
+    gpu.set_graphs(true);
+    gpu.set_dependent_launch(true);
+    for fused in [false, true] {
+        gpu.set_fused_decode(fused);
+        let got = scenarios::tail_rows(&mut gpu, &cpu, &seqs, LOGITS_TOL);
+        for (shape, (a, b)) in got.iter().zip(&reference).enumerate() {
+            assert!(
+                same_bits(a, b),
+                "shape {shape}, fused {fused}, in graphs: {:.2e} from launch by launch",
+                rel(a, b)
+            );
+        }
+    }
+}
+
+#[test]
 fn blocks_export_import_and_copy_and_a_missing_device_or_memory_is_an_error() {
     let _turn = emulated();
     let cpu = Model::load(model_dir()).unwrap();

@@ -961,6 +961,38 @@ fn every_positions_logits_are_each_prefixs_last_logits() {
 
 #[test]
 #[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
+fn a_draft_checks_rows_are_each_positions_logits_in_one_step() {
+    // Speculative decoding's step on the device, SmolLM2's shape: each row asked within the tolerance
+    // of the CPU runtime's last logits of its prefix, greedy tokens its argmax, tails of 1 the bits of
+    // a plain step; then in graphs, the same bits.
+    let dir = models().join("smol");
+    let cpu = Model::load(&dir).unwrap();
+    let bs = 16;
+    let tokens: Vec<Vec<u32>> = prompts().into_iter().take(3).collect();
+    assert_eq!(tokens.len(), 3, "prompts.json holds three prompts");
+    let mut gpu = exec(
+        "smol",
+        KvDtype::Bf16,
+        bs,
+        scenarios::Sequences::blocks(&tokens, bs),
+    );
+    let seqs = scenarios::Sequences::prefill(&mut gpu, tokens, bs);
+    gpu.set_graphs(false);
+    let plain = scenarios::tail_rows(&mut gpu, &cpu, &seqs, LOGITS_TOL);
+    // Each shape runs five times a call: captured, then replayed.
+    gpu.set_graphs(true);
+    let graphs = scenarios::tail_rows(&mut gpu, &cpu, &seqs, LOGITS_TOL);
+    for (shape, (a, b)) in graphs.iter().zip(&plain).enumerate() {
+        assert!(
+            scenarios::same_bits(a, b),
+            "shape {shape}, in graphs: {:.2e} from launch by launch",
+            scenarios::rel(a, b)
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/test-gpu.sh runs it"]
 fn host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit() {
     // Each load comes with 2,048 more into other blocks, which make one layer's copies last far longer
     // than a layer's compute (2,048 blocks' layer: 24 MB, about half a millisecond at 55 GB/s).

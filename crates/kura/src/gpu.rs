@@ -24,13 +24,15 @@ pub fn pool_request(request: KvMemoryRequest) -> PoolRequest {
 }
 
 /// The pool `kura serve --device cuda` plans on a device of `total` bytes: [`budget::plan_pool`] with the
-/// server's flags (`kura plan --gpu` calls the same).
+/// server's flags (`kura plan --gpu` calls the same); `draft_tokens` is `--speculative-config`'s
+/// `num_speculative_tokens` (0 without it).
 pub fn plan_pool(
     dims: &Dims,
     total: u64,
     request: PoolRequest,
     max_num_batched_tokens: usize,
     max_num_seqs: usize,
+    draft_tokens: usize,
     layout: &KvLayout,
 ) -> Result<PoolPlan> {
     budget::plan_pool(
@@ -39,6 +41,7 @@ pub fn plan_pool(
         request,
         max_num_batched_tokens,
         max_num_seqs,
+        draft_tokens,
         layout.bytes_per_block(),
     )
     .map_err(anyhow::Error::msg)
@@ -63,6 +66,8 @@ pub struct GpuSetup {
     kv_dtype: KvDtype,
     max_tokens: usize,
     max_seqs: usize,
+    /// Draft tokens a sequence's step may check ([`GpuSetup::checking_drafts`]).
+    draft_tokens: usize,
     /// Device memory free before the weights were loaded, and after.
     free_before_weights: u64,
     free_after_weights: u64,
@@ -108,9 +113,17 @@ impl GpuSetup {
             kv_dtype,
             max_tokens,
             max_seqs,
+            draft_tokens: 0,
             free_before_weights: free_before_weights as u64,
             free_after_weights: free_after_weights as u64,
         })
+    }
+
+    /// Steps that check drafts of up to `draft_tokens` tokens a sequence (`--speculative-config`): the
+    /// output head's buffers are planned and allocated for their rows ([`budget::head_rows`]).
+    pub fn checking_drafts(mut self, draft_tokens: usize) -> Self {
+        self.draft_tokens = draft_tokens;
+        self
     }
 
     /// The GPU's name, as the driver gives it.
@@ -140,6 +153,7 @@ impl GpuSetup {
             pool_request(request),
             self.max_tokens,
             self.max_seqs,
+            self.draft_tokens,
             layout,
         )
         .with_context(|| format!("--kv-cache-memory on {}", self.dev.name))?;
@@ -155,7 +169,7 @@ impl GpuSetup {
         tracing::info!(
             "GPU memory of {}: {total} bytes in all ({}); planned | measured: weights {} | {} ({} counted by the loader); \
              CUDA context and libraries {} | {}; activation buffers {} (steps of {} tokens over {} \
-             sequences); reserve {}; left for the KV pool {} | {}",
+             sequences{}); reserve {}; left for the KV pool {} | {}",
             self.dev.name,
             gb(total),
             gb(plan.weights_bytes),
@@ -166,6 +180,7 @@ impl GpuSetup {
             gb(plan.activation_bytes),
             self.max_tokens,
             self.max_seqs,
+            budget::drafts_note(self.draft_tokens, plan.head_rows),
             gb(plan.reserve_bytes),
             gb(plan.left_bytes),
             gb(measured_left),
@@ -202,7 +217,7 @@ impl GpuSetup {
             block_size: layout.block_size_tokens,
             num_blocks,
             reserve_tokens: self.max_tokens,
-            reserve_seqs: self.max_seqs,
+            reserve_seqs: budget::head_rows(self.max_tokens, self.max_seqs, self.draft_tokens),
         };
         let exec = CudaExecutor::new(self.dev, self.config, self.weights, spec)?;
         if let Ok((free, _)) = exec.device().memory() {

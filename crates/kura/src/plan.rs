@@ -81,6 +81,10 @@ pub struct PlanArgs {
     /// logits buffers are sized by it).
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
+    /// With --gpu: as `kura serve --speculative-config` (the GPU's logits buffers hold a row for each
+    /// draft token a step checks too).
+    #[arg(long, value_parser = crate::speculative::parse_speculative_config)]
+    speculative_config: Option<kura_engine::NgramDraft>,
     /// Admission, as `kura serve --scheduling`: with `guaranteed` the plan also says how many requests
     /// of `--context` tokens are admitted at once with every KV block of their full length reserved.
     #[arg(long, value_enum, default_value_t = Scheduling::MaxUtilization)]
@@ -443,12 +447,15 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String, Option<PoolPlan>)> {
                     Some(r) => crate::gpu::pool_request(r),
                     None => PoolRequest::Utilization(args.memory_utilization),
                 };
+                let max_tokens = usize::try_from(args.max_batched_tokens).unwrap_or(usize::MAX);
+                let drafts = args.speculative_config.map_or(0, |d| d.num_tokens);
                 let planned = crate::gpu::plan_pool(
                     &dims,
                     memory,
                     request,
-                    usize::try_from(args.max_batched_tokens).unwrap_or(usize::MAX),
+                    max_tokens,
                     args.max_num_seqs,
+                    drafts,
                     &req.pool_layout()?,
                 );
                 // The server's terms, so that the breakdown and a shortfall are the server's too.
@@ -457,8 +464,8 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String, Option<PoolPlan>)> {
                     Some(kura_cuda::budget::CONTEXT_BYTES + kura_cuda::budget::DEVICE_RESERVE);
                 req.activation_bytes = Some(kura_cuda::budget::activation_bytes(
                     &dims,
-                    usize::try_from(args.max_batched_tokens).unwrap_or(usize::MAX),
-                    args.max_num_seqs,
+                    max_tokens,
+                    kura_cuda::budget::head_rows(max_tokens, args.max_num_seqs, drafts),
                 ));
                 match planned {
                     Ok(p) => {
@@ -525,6 +532,8 @@ fn cuda_json(c: &PoolPlan) -> serde_json::Value {
         "num_blocks": c.num_blocks,
         "max_num_batched_tokens": c.max_tokens,
         "max_num_seqs": c.max_seqs,
+        "num_speculative_tokens": c.draft_tokens,
+        "logits_rows": c.head_rows,
     })
 }
 
@@ -669,10 +678,11 @@ fn print_cuda(c: &PoolPlan, memory_note: &str) {
         format_bytes(c.context_bytes)
     );
     println!(
-        "  − activation buffers {:>12}  the executor's, for steps of {} tokens over {} sequences",
+        "  − activation buffers {:>12}  the executor's, for steps of {} tokens over {} sequences{}",
         format_bytes(c.activation_bytes),
         c.max_tokens,
-        c.max_seqs
+        c.max_seqs,
+        kura_cuda::budget::drafts_note(c.draft_tokens, c.head_rows)
     );
     println!(
         "  − reserve            {:>12}  attention partials, step metadata, cuBLAS",
@@ -761,11 +771,27 @@ mod tests {
 
     /// What `kura serve --device cuda` plans (`GpuSetup::pool`) on a device of `total` bytes with
     /// these flags: the runtime's config, the server's layout and `--kv-cache-memory` parser.
-    fn serve_pool(config: &str, total: u64, kv: &str, tokens: usize, seqs: usize) -> PoolPlan {
+    fn serve_pool(
+        config: &str,
+        total: u64,
+        kv: &str,
+        tokens: usize,
+        seqs: usize,
+        drafts: usize,
+    ) -> PoolPlan {
         let cfg = kura_model::ModelConfig::from_hf_json(config).unwrap();
         let layout = cfg.kv_layout(KvDtype::Bf16, 16).unwrap();
         let request = crate::gpu::pool_request(KvMemoryRequest::parse(kv).unwrap());
-        crate::gpu::plan_pool(&Dims::of(&cfg), total, request, tokens, seqs, &layout).unwrap()
+        crate::gpu::plan_pool(
+            &Dims::of(&cfg),
+            total,
+            request,
+            tokens,
+            seqs,
+            drafts,
+            &layout,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -775,25 +801,35 @@ mod tests {
         std::fs::write(dir.join("config.json"), LLAMA_8B).unwrap();
         let model = dir.display().to_string();
         let h100 = find_gpu("H100").unwrap().memory_bytes;
-        for (kv, tokens, seqs) in [
-            ("90%", "8192", "64"),
-            ("1GiB", "8192", "64"),
-            ("0.5", "2048", "256"),
-            ("40GiB", "8192", "256"),
+        let mut by_drafts = Vec::new();
+        for (kv, tokens, seqs, drafts) in [
+            ("90%", "8192", "64", 0),
+            ("1GiB", "8192", "64", 0),
+            ("0.5", "2048", "256", 0),
+            ("40GiB", "8192", "256", 0),
+            ("90%", "8192", "256", 0),
+            ("90%", "8192", "256", 4),
         ] {
-            let cli = PlanCli::parse_from([
-                "plan",
-                "--model",
-                &model,
-                "--gpu",
-                "H100",
-                "--kv-cache-memory",
-                kv,
-                "--max-num-batched-tokens",
-                tokens,
-                "--max-num-seqs",
-                seqs,
-            ]);
+            let mut flags = vec![
+                "plan".to_string(),
+                "--model".into(),
+                model.clone(),
+                "--gpu".into(),
+                "H100".into(),
+                "--kv-cache-memory".into(),
+                kv.into(),
+                "--max-num-batched-tokens".into(),
+                tokens.into(),
+                "--max-num-seqs".into(),
+                seqs.into(),
+            ];
+            if drafts > 0 {
+                flags.push("--speculative-config".into());
+                flags.push(format!(
+                    r#"{{"method":"ngram","num_speculative_tokens":{drafts}}}"#
+                ));
+            }
+            let cli = PlanCli::parse_from(flags);
             let (report, _, cuda) = plan(&cli.args).unwrap();
             let serve = serve_pool(
                 LLAMA_8B,
@@ -801,10 +837,24 @@ mod tests {
                 kv,
                 tokens.parse().unwrap(),
                 seqs.parse().unwrap(),
+                drafts,
             );
-            assert_eq!(report.num_blocks, serve.num_blocks, "{kv} {tokens} {seqs}");
-            assert_eq!(cuda.as_ref(), Some(&serve), "{kv} {tokens} {seqs}");
+            assert_eq!(
+                report.num_blocks, serve.num_blocks,
+                "{kv} {tokens} {seqs} {drafts}"
+            );
+            assert_eq!(cuda.as_ref(), Some(&serve), "{kv} {tokens} {seqs} {drafts}");
+            if kv == "90%" && seqs == "256" {
+                by_drafts.push(serve);
+            }
         }
+        // Drafts of 4 give 256 sequences 1,280 rows of logits: the pool gives up what they take.
+        let [plain, drafting] = &by_drafts[..] else {
+            panic!("two plans with and without drafts")
+        };
+        assert_eq!((plain.head_rows, drafting.head_rows), (256, 1280));
+        assert!(drafting.activation_bytes > plain.activation_bytes + 1024 * 128_256 * 4);
+        assert!(drafting.num_blocks < plain.num_blocks);
         // The plan's own question (no --kv-cache-memory): --memory-utilization of the device, with the
         // server's terms: weights as the GPU holds them, the measured context, the executor's buffers.
         let cli = PlanCli::parse_from(["plan", "--model", &model, "--gpu", "H100"]);

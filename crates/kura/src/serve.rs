@@ -394,7 +394,8 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
                 args.kv_dtype,
                 args.max_num_batched_tokens,
                 args.max_num_seqs,
-            )?;
+            )?
+            .checking_drafts(args.speculative_config.map_or(0, |d| d.num_tokens));
             (None, Some(setup), parts.config, Arc::new(parts.text))
         }
         None => {

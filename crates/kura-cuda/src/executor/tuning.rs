@@ -271,7 +271,7 @@ impl CudaExecutor {
         let table: Vec<u32> = (0..n.div_ceil(bs) as u32).collect();
         // One forward pass: each layer's K and V in the pool, the last layer's queries in `q`, and the
         // step's tiles in the metadata, which the launches below read.
-        let plan = self.run(&[SeqInput::new(&prompt, 0, &table)], false)?;
+        let plan = self.run(&[SeqInput::new(&prompt, 0, &table)], None, false)?;
         if plan.tiles == 0 {
             return Ok(None);
         }

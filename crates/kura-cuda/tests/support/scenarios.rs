@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
 use kura_cuda::CudaExecutor;
-use kura_engine::{Executor, SeqInput};
+use kura_engine::{sampling, ExecError, Executor, Row, SeqInput, Want};
 use kura_kv::codec::KvDtype;
 use kura_model::{Model, SeqBatchItem};
 
@@ -675,4 +675,127 @@ pub fn run_steps(gpu: &mut CudaExecutor, steps: &[(&str, Vec<SeqInput<'_>>)]) ->
         .iter()
         .map(|(_, batch)| gpu.forward_logits(batch).unwrap())
         .collect()
+}
+
+/// A step checking drafts (speculative decoding: [`Executor::forward_tails`]) over `seqs`' first three
+/// sequences, in two shapes: drafts of 4 and 2 tokens beside a decode token (9 tokens: the products'
+/// many-row path), and a draft of 2 beside a decode token (4 tokens: a decode step's shape, in a
+/// graph where `gpu` uses them). Every row asked is the logits of the tokens up to its position:
+/// within `tol` of the CPU runtime's last logits of that prefix, with its argmax. Asked for greedy
+/// tokens, the step gives each row's argmax; asked for one row an item (tails of 1), it gives the
+/// rows `forward_rows` gives, bit for bit; asked for mixed answers, each as asked; bad tails and
+/// answers are refused. Each run of a shape writes the same K and V before reading them, so each
+/// gives the same bits. Returns each shape's rows of logits, in order.
+pub fn tail_rows(gpu: &mut CudaExecutor, cpu: &Model, seqs: &Sequences, tol: f64) -> Vec<Vec<f32>> {
+    // (sequence, new tokens, rows asked) per item.
+    type Items = &'static [(usize, usize, usize)];
+    let shapes: [(&str, Items); 2] = [
+        (
+            "drafts of 4 and 2 beside a decode",
+            &[(0, 5, 5), (1, 1, 1), (2, 3, 2)],
+        ),
+        ("a draft of 2 beside a decode", &[(0, 3, 3), (1, 1, 1)]),
+    ];
+    let mut out = Vec::new();
+    for (shape, items) in shapes {
+        let batch: Vec<SeqInput<'_>> = items.iter().map(|&(i, n, _)| seqs.item(i, n)).collect();
+        let tails: Vec<usize> = items.iter().map(|&(_, _, k)| k).collect();
+        let rows = gpu
+            .forward_tails(&batch, &vec![Want::Logits; batch.len()], &tails)
+            .unwrap_or_else(|e| panic!("{shape}: {e}"));
+        assert_eq!(rows.len(), batch.len(), "{shape}");
+        let mut flat = Vec::new();
+        for ((&(i, n, k), item_rows), item) in items.iter().zip(&rows).zip(&batch) {
+            assert_eq!(item_rows.len(), k, "{shape}: sequence {i}'s rows");
+            for (j, row) in item_rows.iter().enumerate() {
+                let Row::Logits(got) = row else {
+                    panic!("{shape}: sequence {i}, row {j}: {row:?} where logits were asked");
+                };
+                // The row of the item's token `n - k + j`, at position `start_pos + n - k + j`.
+                let end = item.start_pos + n - k + j + 1;
+                let want = cpu_logits(cpu, &seqs.tokens[i][..end], KvDtype::Bf16);
+                let d = rel(got, &want);
+                println!(
+                    "{shape}: sequence {i}, position {}: {d:.2e} from the CPU runtime",
+                    end - 1
+                );
+                assert!(
+                    d <= tol,
+                    "{shape}: sequence {i}, position {}: {d:.2e}",
+                    end - 1
+                );
+                assert_eq!(
+                    sampling::argmax(got),
+                    sampling::argmax(&want),
+                    "{shape}: sequence {i}, position {}",
+                    end - 1
+                );
+                flat.extend_from_slice(got);
+            }
+        }
+        let vocab = flat.len() / tails.iter().sum::<usize>();
+        let row = |r: usize| &flat[r * vocab..(r + 1) * vocab];
+        // Greedy tokens on the device: each row's argmax.
+        let tokens = gpu
+            .forward_tails(&batch, &vec![Want::Argmax; batch.len()], &tails)
+            .unwrap();
+        for (r, t) in tokens.iter().flatten().enumerate() {
+            assert_eq!(*t, Row::Token(sampling::argmax(row(r))), "{shape}: row {r}");
+        }
+        // Mixed answers, each as asked, the others' rows in their places.
+        let asks = [Want::Argmax, Want::Logits, Want::Nothing];
+        let wants: Vec<Want> = (0..batch.len()).map(|i| asks[i % 3]).collect();
+        let mixed = gpu.forward_tails(&batch, &wants, &tails).unwrap();
+        let mut r = 0;
+        for (i, (want, item_rows)) in wants.iter().zip(&mixed).enumerate() {
+            assert_eq!(item_rows.len(), tails[i], "{shape}: item {i}");
+            for got in item_rows {
+                match (want, got) {
+                    (Want::Argmax, Row::Token(t)) => {
+                        assert_eq!(*t, sampling::argmax(row(r)), "{shape}: row {r}")
+                    }
+                    (Want::Logits, Row::Logits(l)) => {
+                        assert!(same_bits(l, row(r)), "{shape}: row {r}'s logits")
+                    }
+                    (Want::Nothing, Row::Nothing) => {}
+                    (want, got) => panic!("{shape}: row {r} asked {want:?}, answered {got:?}"),
+                }
+                r += 1;
+            }
+        }
+        // One row an item: `forward_rows`' rows, bit for bit.
+        let ones = vec![1; batch.len()];
+        let logits = vec![Want::Logits; batch.len()];
+        let lone = gpu.forward_tails(&batch, &logits, &ones).unwrap();
+        let plain = Executor::forward_rows(gpu, &batch, &logits).unwrap();
+        for (i, (a, b)) in lone.iter().zip(&plain).enumerate() {
+            assert_eq!(a.len(), 1, "{shape}: item {i}");
+            let (Some(a), Some(b)) = (a[0].logits(), b.logits()) else {
+                panic!("{shape}: item {i}: logits asked");
+            };
+            assert!(
+                same_bits(a, b),
+                "{shape}: item {i}, tails of 1 and forward_rows"
+            );
+        }
+        out.push(flat);
+    }
+    // Refused by name: a tail longer than its item, none, and answers or tails for too few items.
+    let batch = [seqs.item(0, 2), seqs.item(1, 1)];
+    for (wants, tails, expect) in [
+        (
+            2,
+            &[3usize, 1][..],
+            "sequence 0: 3 rows of logits asked of its 2 new tokens",
+        ),
+        (2, &[2, 0], "sequence 1: 0 rows of logits"),
+        (1, &[2, 1], "1 answers asked of a step of 2"),
+        (2, &[2], "1 tails asked of a step of 2"),
+    ] {
+        match Executor::forward_tails(gpu, &batch, &vec![Want::Argmax; wants], tails) {
+            Err(ExecError::Step(e)) => assert!(e.contains(expect), "{tails:?}: {e}"),
+            other => panic!("{tails:?}: {other:?}"),
+        }
+    }
+    out
 }
