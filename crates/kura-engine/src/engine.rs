@@ -1413,14 +1413,18 @@ impl Core {
             .filter(|&k| self.sched.decoding(k))
             .collect();
         for key in keys {
-            let Some(group) = self.seqs.get(&key).and_then(|s| self.groups.get(&s.group)) else {
+            let Some(seq) = self.seqs.get_mut(&key) else {
+                continue;
+            };
+            let Some(group) = self.groups.get(&seq.group) else {
                 continue;
             };
             let tokens = self.sched.tokens(key);
             let by_max =
                 (group.request.max_tokens as usize).saturating_sub(self.sched.num_generated(key));
             let by_context = self.config.max_model_len.saturating_sub(tokens.len());
-            let proposal = draft.propose(tokens, by_max.min(by_context).saturating_sub(1));
+            let most = by_max.min(by_context).saturating_sub(1);
+            let proposal = draft.propose_indexed(&mut seq.ngrams, tokens, most);
             self.sched.propose_draft(key, proposal);
         }
     }

@@ -86,6 +86,9 @@ pub(crate) struct Seq {
     /// The token its sampler chose for this step, with its logprobs when asked, ahead of the step's
     /// bookkeeping, beside the other sequences of the batch (`Core::choose_batch`); not yet recorded.
     pub chosen: Option<Sampled>,
+    /// Its tokens' n-grams, where speculative decoding looks up its drafts
+    /// ([`crate::NgramDraft::propose_indexed`]; empty until the first lookup).
+    pub ngrams: crate::NgramIndex,
 }
 
 impl Seq {
@@ -109,6 +112,7 @@ impl Seq {
             last_token_at: None,
             constraint: request.constraint.as_ref().map(|c| c.start()).transpose(),
             chosen: None,
+            ngrams: crate::NgramIndex::default(),
         }
     }
 }
