@@ -1635,7 +1635,9 @@ impl CudaExecutor {
 
     /// Page-locked memory for `len` floats of logits that no earlier step's rows still share: the last
     /// one's when the engine has dropped its rows and it is large enough, else a new one with room for
-    /// as many rows as the step buffers hold, so that it is seldom made again.
+    /// the next power of two of rows (at most as many as the step buffers hold), so that it is seldom
+    /// made again and never pins more than twice the rows a step asked for (the step buffers may hold
+    /// a row for every draft token: [`budget::head_rows`]).
     fn make_rows_room(&mut self, len: usize) -> Result<()> {
         let reusable = self
             .host_logits
@@ -1643,8 +1645,9 @@ impl CudaExecutor {
             .and_then(std::sync::Arc::get_mut)
             .is_some_and(|r| r.buf.len() >= len);
         if !reusable {
-            let vocab = self.cfg.vocab_size();
-            let room = len.max(self.s.rows.saturating_mul(vocab));
+            let vocab = self.cfg.vocab_size().max(1);
+            let rows = budget::rows_cap(len.div_ceil(vocab)).min(self.s.rows);
+            let room = len.max(rows.saturating_mul(vocab));
             // The old buffer goes first (or with the engine's last rows of it).
             self.host_logits = None;
             self.host_logits = Some(std::sync::Arc::new(PinnedRows::new(&self.dev, room)?));

@@ -75,11 +75,17 @@ impl NgramDraft {
         if u32::try_from(len).is_err() {
             return self.propose(tokens, most);
         }
-        let lengths = self.max_n - self.min_n + 1;
-        if index.latest.len() != lengths || len <= index.ended {
+        // Indexed for other lengths, or for tokens these are not (fewer, or another last token
+        // where the index ended): indexed again from the start.
+        let same = index.lengths == (self.min_n, self.max_n)
+            && len > index.ended
+            && (index.ended == 0 || tokens[index.ended - 1] == index.last);
+        if !same {
+            let lengths = self.max_n - self.min_n + 1;
             index.latest = (0..lengths)
                 .map(|_| HashMap::with_capacity_and_hasher(len, Default::default()))
                 .collect();
+            index.lengths = (self.min_n, self.max_n);
             index.ended = 0;
         }
         // The n-grams ending before the last token: every occurrence but the final one.
@@ -93,6 +99,9 @@ impl NgramDraft {
             }
         }
         index.ended = index.ended.max(len.saturating_sub(1));
+        if index.ended > 0 {
+            index.last = tokens[index.ended - 1];
+        }
         if k == 0 {
             return Vec::new();
         }
@@ -128,16 +137,21 @@ impl NgramDraft {
 }
 
 /// A sequence's n-grams of the lengths an [`NgramDraft`] looks up, by where each last ended
-/// ([`NgramDraft::propose_indexed`]): a hash and a position per n-gram length per token, about 16
-/// bytes each (80 bytes a token with vLLM's 5 to 5 lookup; the KV of a token is 23 KB for SmolLM2 in
-/// bf16, 128 KiB for Llama-3.1-8B).
+/// ([`NgramDraft::propose_indexed`]): a hash and a position per n-gram length per token, 16 bytes and
+/// a control byte in a hash table at most 7/8 full — 20 to 40 bytes a token for each length (one
+/// length with vLLM's 5 to 5 lookup; the KV of a token is 23 KB for SmolLM2 in bf16, 128 KiB for
+/// Llama-3.1-8B). The engine drops a sequence's index when it is preempted.
 #[derive(Debug)]
 pub struct NgramIndex {
     /// Per n-gram length (`n - min_n`): an n-gram's hash → the end (exclusive) of its latest indexed
     /// occurrence.
     latest: Vec<HashMap<u64, u32, BuildHasherDefault<Mixed>>>,
-    /// The n-grams ending at positions `1..=ended` are indexed.
+    /// The shortest and longest length indexed.
+    lengths: (usize, usize),
+    /// The n-grams ending at positions `1..=ended` are indexed, and `last` is the token before
+    /// `ended` (a sequence whose token there differs is not the one indexed).
     ended: usize,
+    last: u32,
     /// The hash bits kept (all; fewer in tests, to make n-grams share hashes).
     mask: u64,
 }
@@ -146,7 +160,9 @@ impl Default for NgramIndex {
     fn default() -> Self {
         NgramIndex {
             latest: Vec::new(),
+            lengths: (0, 0),
             ended: 0,
+            last: 0,
             mask: u64::MAX,
         }
     }
@@ -302,16 +318,21 @@ mod tests {
             d.propose(&other, 4)
         );
         assert_eq!(index.len(), 3 + 2 + 1);
-        // A configuration of other lengths starts again too.
-        let one = NgramDraft {
-            min_n: 1,
-            max_n: 1,
-            ..d
-        };
-        assert_eq!(
-            one.propose_indexed(&mut index, &other, 4),
-            one.propose(&other, 4)
-        );
+        // A configuration of other lengths starts again too, also with as many lengths.
+        for (min_n, max_n) in [(1, 1), (3, 5), (1, 3)] {
+            let other_lengths = NgramDraft { min_n, max_n, ..d };
+            let more = [7, 8, 9, 7, 8, 9, 7, 8];
+            assert_eq!(
+                other_lengths.propose_indexed(&mut index, &more, 4),
+                other_lengths.propose(&more, 4),
+                "{min_n} to {max_n}"
+            );
+        }
+        // A sequence as long, or longer, whose token where the index ended differs: indexed again.
+        let a = [1, 2, 3, 1, 2, 3, 1, 2];
+        let b = [5, 6, 5, 6, 5, 6, 5, 6, 5];
+        assert_eq!(d.propose_indexed(&mut index, &a, 4), d.propose(&a, 4));
+        assert_eq!(d.propose_indexed(&mut index, &b, 4), d.propose(&b, 4));
     }
 
     #[test]

@@ -1042,6 +1042,10 @@ impl Core {
             } => {
                 self.metrics.preemptions.add(1);
                 self.metrics.swapped_out_blocks.add(swapped_blocks as u64);
+                // Its n-gram index waits with it no longer: built again when it decodes again.
+                if let Some(s) = self.seqs.get_mut(&seq) {
+                    s.ngrams = crate::NgramIndex::default();
+                }
                 tracing::debug!(seq, request, swapped_blocks, "preempted: out of KV blocks");
             }
             SchedEvent::CannotFit {

@@ -678,23 +678,27 @@ pub fn run_steps(gpu: &mut CudaExecutor, steps: &[(&str, Vec<SeqInput<'_>>)]) ->
 }
 
 /// A step checking drafts (speculative decoding: [`Executor::forward_tails`]) over `seqs`' first three
-/// sequences, in two shapes: drafts of 4 and 2 tokens beside a decode token (9 tokens: the products'
-/// many-row path), and a draft of 2 beside a decode token (4 tokens: a decode step's shape, in a
-/// graph where `gpu` uses them). Every row asked is the logits of the tokens up to its position:
-/// within `tol` of the CPU runtime's last logits of that prefix, with its argmax. Asked for greedy
-/// tokens, the step gives each row's argmax; asked for one row an item (tails of 1), it gives the
-/// rows `forward_rows` gives, bit for bit; asked for mixed answers, each as asked; bad tails and
+/// sequences, in four shapes: a draft of 4 beside a decode token and a 3-token chunk's last 2 rows (9
+/// tokens: the products' many-row path); a draft of 2 beside a decode token, then the same the other
+/// way round (4 tokens and 4 rows each: a decode step's shape, one graph for both where `gpu` uses
+/// them); drafts of 3 and 1 (6 rows: the output head's separate norm). Every row asked is the logits of
+/// the tokens up to its position: within `tol` of the CPU runtime's last logits of that prefix, with
+/// its argmax; in a step of at most 8 tokens, the bits of a step of that position's token alone (one
+/// token a step). Asked for greedy tokens, the step gives each row's argmax; asked for one row an item
+/// (tails of 1), the rows `forward_rows` gives; asked for mixed answers, each as asked; bad tails and
 /// answers are refused. Each run of a shape writes the same K and V before reading them, so each
 /// gives the same bits. Returns each shape's rows of logits, in order.
 pub fn tail_rows(gpu: &mut CudaExecutor, cpu: &Model, seqs: &Sequences, tol: f64) -> Vec<Vec<f32>> {
     // (sequence, new tokens, rows asked) per item.
     type Items = &'static [(usize, usize, usize)];
-    let shapes: [(&str, Items); 2] = [
+    let shapes: [(&str, Items); 4] = [
         (
-            "drafts of 4 and 2 beside a decode",
+            "a draft of 4, a decode token and a chunk's last 2 rows",
             &[(0, 5, 5), (1, 1, 1), (2, 3, 2)],
         ),
         ("a draft of 2 beside a decode", &[(0, 3, 3), (1, 1, 1)]),
+        ("a decode beside a draft of 2", &[(0, 1, 1), (1, 3, 3)]),
+        ("drafts of 3 and 1", &[(0, 4, 4), (1, 2, 2)]),
     ];
     let mut out = Vec::new();
     for (shape, items) in shapes {
@@ -777,6 +781,25 @@ pub fn tail_rows(gpu: &mut CudaExecutor, cpu: &Model, seqs: &Sequences, tol: f64
                 same_bits(a, b),
                 "{shape}: item {i}, tails of 1 and forward_rows"
             );
+        }
+        // Within 8 tokens a step sums each token's products in one order whatever else it computes:
+        // each row is the one its position's token gives alone (its K and V rows rewritten with the
+        // same bits).
+        if batch.iter().map(|s| s.tokens.len()).sum::<usize>() <= 8 {
+            let mut r = 0;
+            for (&(i, n, k), item) in items.iter().zip(&batch) {
+                for j in 0..k {
+                    let p = item.start_pos + n - k + j;
+                    let alone = SeqInput::new(&seqs.tokens[i][p..=p], p, &seqs.tables[i]);
+                    let got = gpu.forward_logits(&[alone]).unwrap();
+                    assert!(
+                        same_bits(&got, row(r)),
+                        "{shape}: sequence {i}, position {p}: {:.2e} from its token alone",
+                        rel(&got, row(r))
+                    );
+                    r += 1;
+                }
+            }
         }
         out.push(flat);
     }
