@@ -206,6 +206,16 @@ impl Hasher for Mixed {
     }
 }
 
+/// The most tokens a sequence's next draft may have, after a draft of `drafted` tokens of which it
+/// kept `kept`: one more than it kept where it turned a token down (a draft longer than that would
+/// likely be turned down at the same distance again, and each token turned down costs a position's
+/// compute), all of `most` (`num_speculative_tokens`) again where it kept them all (text that
+/// repeats goes on repeating); never below 1. Which tokens are drawn never depends on it.
+pub fn next_room(drafted: usize, kept: usize, most: usize) -> usize {
+    let next = if kept < drafted { kept + 1 } else { most };
+    next.clamp(1, most.max(1))
+}
+
 /// The most draft tokens a step checks for one sequence.
 pub const MAX_DRAFT_TOKENS: usize = 32;
 /// The longest n-gram looked up.
@@ -333,6 +343,20 @@ mod tests {
         let b = [5, 6, 5, 6, 5, 6, 5, 6, 5];
         assert_eq!(d.propose_indexed(&mut index, &a, 4), d.propose(&a, 4));
         assert_eq!(d.propose_indexed(&mut index, &b, 4), d.propose(&b, 4));
+    }
+
+    #[test]
+    fn a_draft_turned_down_leaves_room_for_one_more_than_it_kept_and_one_kept_whole_for_all() {
+        // Turned down at its first token: room for 1; at its third: for 3.
+        assert_eq!(next_room(4, 0, 4), 1);
+        assert_eq!(next_room(4, 2, 4), 3);
+        // Kept whole (also a draft shorter than the most): room for the most again.
+        assert_eq!(next_room(1, 1, 4), 4);
+        assert_eq!(next_room(2, 2, 4), 4);
+        assert_eq!(next_room(0, 0, 32), 32);
+        // Never below 1, nor above the most.
+        assert_eq!(next_room(0, 0, 0), 1);
+        assert_eq!(next_room(9, 8, 4), 4);
     }
 
     #[test]

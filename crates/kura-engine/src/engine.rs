@@ -1401,6 +1401,13 @@ impl Core {
             }
         }
         self.metrics.spec_accepted_tokens.add(accepted);
+        if let (Some(seq), Some(config)) = (self.seqs.get_mut(&key), self.config.speculative) {
+            seq.draft_room = Some(crate::next_draft_room(
+                draft.len(),
+                accepted as usize,
+                config.num_tokens,
+            ));
+        }
         self.sched.settle_draft(key);
     }
 
@@ -1427,7 +1434,10 @@ impl Core {
             let by_max =
                 (group.request.max_tokens as usize).saturating_sub(self.sched.num_generated(key));
             let by_context = self.config.max_model_len.saturating_sub(tokens.len());
-            let most = by_max.min(by_context).saturating_sub(1);
+            let most = by_max
+                .min(by_context)
+                .saturating_sub(1)
+                .min(seq.draft_room.unwrap_or(draft.num_tokens));
             let proposal = draft.propose_indexed(&mut seq.ngrams, tokens, most);
             self.sched.propose_draft(key, proposal);
         }

@@ -30,7 +30,9 @@ pub use backend::{
     check_tails, ChatMessage, ExecError, Executor, HostRows, Logits, Row, SeqInput, TextCodec, Want,
 };
 pub use cost::{load_wins, CostTier, TierCostCheck, TierRates};
-pub use draft::{NgramDraft, NgramIndex, MAX_DRAFT_TOKENS, MAX_NGRAM};
+pub use draft::{
+    next_room as next_draft_room, NgramDraft, NgramIndex, MAX_DRAFT_TOKENS, MAX_NGRAM,
+};
 pub use engine::{start_engine, EngineConfig, EngineStartError, DEFAULT_MAX_BATCHED_TOKENS};
 pub use handle::{EngineExit, EngineHandle, EngineInfo, RequestGuard};
 pub use inspect::{KvInspect, PrefixView};

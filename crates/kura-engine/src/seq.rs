@@ -89,6 +89,10 @@ pub(crate) struct Seq {
     /// Its tokens' n-grams, where speculative decoding looks up its drafts
     /// ([`crate::NgramDraft::propose_indexed`]; empty until the first lookup).
     pub ngrams: crate::NgramIndex,
+    /// The most draft tokens its next draft may have (speculative decoding): `num_speculative_tokens`
+    /// at first and after a draft kept whole, one more than the tokens kept after a draft turned
+    /// down ([`crate::next_draft_room`]).
+    pub draft_room: Option<usize>,
 }
 
 impl Seq {
@@ -113,6 +117,7 @@ impl Seq {
             constraint: request.constraint.as_ref().map(|c| c.start()).transpose(),
             chosen: None,
             ngrams: crate::NgramIndex::default(),
+            draft_room: None,
         }
     }
 }

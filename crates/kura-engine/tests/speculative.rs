@@ -126,6 +126,79 @@ fn drafting_in_a_full_pool_preempts_and_gives_the_same_tokens() {
     assert_eq!(spec, plain);
 }
 
+/// A greedy sequence's drafts, replayed from its prompt and output: each step proposes from the
+/// tokens so far, cut to the tokens it may still generate and to the sequence's draft room
+/// (`num_speculative_tokens` when `adaptive` is off), keeps the draft's tokens its output repeats and
+/// draws one more. The draft count and the draft tokens checked.
+fn replay_drafts(prompt: &[u32], out: &[u32], max_tokens: usize, adaptive: bool) -> (usize, usize) {
+    let (mut room, mut drafts, mut drafted) = (DRAFT.num_tokens, 0, 0);
+    // The prefill step draws the first token; drafts start with the first decode step.
+    let mut at = 1;
+    while at < out.len() {
+        let tokens: Vec<u32> = prompt.iter().chain(&out[..at]).copied().collect();
+        let most = (max_tokens - at).saturating_sub(1).min(room);
+        let draft = DRAFT.propose(&tokens, most);
+        let kept = draft
+            .iter()
+            .zip(&out[at..])
+            .take_while(|(d, t)| d == t)
+            .count();
+        at += kept + 1;
+        if !draft.is_empty() {
+            drafts += 1;
+            drafted += draft.len();
+            if adaptive {
+                room = kura_engine::next_draft_room(draft.len(), kept, DRAFT.num_tokens);
+            }
+        }
+    }
+    (drafts, drafted)
+}
+
+#[test]
+fn a_sequences_drafts_shrink_to_one_more_than_it_kept_and_grow_back_whole_once_one_is_kept() {
+    // One greedy sequence of the fake model, whose drafts are often turned down at their first
+    // tokens: the engine checked the drafts the replay of its own output says, with the room each
+    // draft left for the next — fewer draft tokens than drafts of `num_speculative_tokens` would
+    // have been, in as many drafts, and the same output as one token a step.
+    let fake = start(EngineConfig {
+        speculative: Some(DRAFT),
+        ..config(256, 64, 16)
+    });
+    let e = &fake.engine;
+    let max_tokens = 120;
+    let r = distinct_request(3, 9, max_tokens);
+    let (_guard, rx) = submit(e, r.clone());
+    let (tokens, finished, _) = outcome(&rx);
+    settle(e);
+    assert_eq!(finished, vec![(0, FinishReason::Length)]);
+    let out = &tokens[0];
+    assert_eq!(out.len(), max_tokens as usize);
+    let drafts = metric(e, "kura:spec_decode_num_drafts_total") as usize;
+    let drafted = metric(e, "kura:spec_decode_num_draft_tokens_total") as usize;
+    e.stop();
+    let adaptive = replay_drafts(&r.prompt_tokens, out, max_tokens as usize, true);
+    let fixed = replay_drafts(&r.prompt_tokens, out, max_tokens as usize, false);
+    println!(
+        "(drafts, draft tokens): {adaptive:?}; drafts of {} always: {fixed:?}",
+        DRAFT.num_tokens
+    );
+    assert_eq!(
+        (drafts, drafted),
+        adaptive,
+        "drafts and draft tokens checked"
+    );
+    assert!(
+        adaptive.1 < fixed.1,
+        "the replay's draft tokens {adaptive:?}, with drafts of {} always {fixed:?}",
+        DRAFT.num_tokens
+    );
+    let plain = start(config(256, 64, 16));
+    let (_guard, rx) = submit(&plain.engine, r);
+    assert_eq!(outcome(&rx).0, tokens, "the output of one token a step");
+    plain.engine.stop();
+}
+
 #[test]
 fn bad_drafting_configurations_are_refused_at_start() {
     for (draft, says) in [
