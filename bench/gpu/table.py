@@ -86,6 +86,15 @@ if l2:
         print(f"fp8 against bf16 KV, 16,384 tokens from L2: "
               f"{at[('bf16', 'pinned')]['ttft_l2_ms'] / at[('fp8', 'pinned')]['ttft_l2_ms']:.2f}x faster "
               f"(ordered loads: {num(at[('bf16', 'pinned')], 'ttft_l2_ordered_ms') / num(at[('fp8', 'pinned')], 'ttft_l2_ordered_ms'):.2f}x)")
+drafts = [json.loads(l) for l in open(sys.argv[1]) if '"draft_check"' in l and l.startswith("{")]
+if drafts:
+    print()
+    print(f"Checking drafts (speculative decoding): a step of each sequence's last token and k draft tokens at "
+          f"{drafts[0]['context']} tokens of context, greedy at every position, against a plain decode step:")
+    print(f"{'batch':>6}{'k':>4}{'ms/step':>10}{'plain ms':>10}{'x plain':>9}")
+    for r in drafts:
+        print(f"{r['batch']:>6}{r['draft_tokens']:>4}{r['ms_per_step']:>10.3f}{r['plain_ms_per_step']:>10.3f}"
+              f"{r['over_plain']:>8.2f}x")
 itl = [json.loads(l) for l in open(sys.argv[1]) if '"itl_while_loading"' in l and l.startswith("{")]
 for r in itl:
     print()

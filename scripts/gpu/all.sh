@@ -35,6 +35,6 @@ rm -rf "$out/bench/shared-prefix/plots"
   fi
   echo "== bench/gpu.sh: exit $bench_rc (124: over ${bench_limit} s)"
   # Without the JSON lines (in bench/kura.jsonl and bench/hf.jsonl): the tables, errors and shared-prefix run.
-  grep -v '^[{[]' "$out/bench.log" | tail -90
+  grep -v '^[{[]' "$out/bench.log" | tail -110
 } | tee "$out/summary.txt"
 exit $((test_rc | bench_rc))

@@ -8,7 +8,8 @@
 //! per token over the measured copy bandwidth and over the card's datasheet bandwidth; with the separate
 //! and the fused decode kernels, as batch-4 and batch-64 decode are too), prefill of 4,096
 //! and 16,384 tokens (TTFT: one step and the first token; through each prefill attention kernel),
-//! decode at batch 64 with 1,024 tokens of context each (and its step times while a
+//! the cost of checking drafts of 1 to 15 tokens at batch 1 and 4 (speculative decoding) against a
+//! plain decode step, decode at batch 64 with 1,024 tokens of context each (and its step times while a
 //! 16,384-token prefix loads from the host tier beside it), and the TTFT of a 4,096-token prompt whose
 //! first 4,080 tokens are cached. Times are the executor's: host clock around steps that
 //! end in a synchronisation (the token ids back on the host). Each line is printed as soon as it is
@@ -23,7 +24,7 @@ use kura_cuda::executor::LOAD_COPY_MIN_BYTES;
 use kura_cuda::{
     CudaExecutor, DevWeights, Device, GemvForm, PoolSpec, PrefillKernel, PrefillProbe,
 };
-use kura_engine::SeqInput;
+use kura_engine::{SeqInput, Want};
 use kura_kv::codec::KvDtype;
 
 const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N]\n  \
@@ -425,6 +426,61 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             mode.prefetch,
             median(rates.clone())
         ))?;
+    }
+
+    // Checking drafts (speculative decoding, `forward_tails`): a step of each sequence's last token and
+    // `k` draft tokens at 1,024 tokens of context, a greedy token found on the device at every position,
+    // against a plain decode step of the same sequences; batch 1 and 4, k = 1, 2, 4 and 7 (a batch-1
+    // step within 8 tokens: the matrix-vector products) then 8 and 15 (cuBLAS). Each draft writes the
+    // positions after the context again; the sequences' KV before it stays. Three rounds, interleaved,
+    // the median of each.
+    let draft_ks = [1usize, 2, 4, 7, 8, 15];
+    for batch in [1usize, 4] {
+        let tables: Vec<&[u32]> = if batch == 1 {
+            vec![&table[..]]
+        } else {
+            tables4.iter().map(Vec::as_slice).collect()
+        };
+        if batch == 1 {
+            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
+        }
+        let drafts: Vec<Vec<u32>> = (0..batch)
+            .map(|i| tokens(16, 90 + i as u64, vocab))
+            .collect();
+        let steps = len.steps;
+        let mut plain_ms = Vec::new();
+        let mut draft_ms = vec![Vec::new(); draft_ks.len()];
+        for _ in 0..len.runs(3) {
+            let items: Vec<SeqInput<'_>> = (0..batch)
+                .map(|i| SeqInput::new(&drafts[i][..1], ctx, tables[i]))
+                .collect();
+            let t = Instant::now();
+            for _ in 0..steps {
+                gpu.forward_greedy(&items)?;
+            }
+            plain_ms.push(t.elapsed().as_secs_f64() * 1e3 / steps as f64);
+            for (k, ms) in draft_ks.iter().zip(draft_ms.iter_mut()) {
+                let items: Vec<SeqInput<'_>> = (0..batch)
+                    .map(|i| SeqInput::new(&drafts[i][..=*k], ctx, tables[i]))
+                    .collect();
+                let (wants, tails) = (vec![Want::Argmax; batch], vec![k + 1; batch]);
+                let t = Instant::now();
+                for _ in 0..steps {
+                    gpu.forward_tails(&items, &wants, &tails)?;
+                }
+                ms.push(t.elapsed().as_secs_f64() * 1e3 / steps as f64);
+            }
+        }
+        let plain = median(plain_ms);
+        for (k, ms) in draft_ks.iter().zip(draft_ms) {
+            let ms = median(ms);
+            report.figure(format!(
+                "{{\"peer\":\"kura\",\"what\":\"draft_check\",\"batch\":{batch},\"context\":{ctx},\
+                 \"draft_tokens\":{k},\"ms_per_step\":{ms:.3},\"plain_ms_per_step\":{plain:.3},\
+                 \"over_plain\":{:.3}}}",
+                ms / plain
+            ))?;
+        }
     }
 
     // Prefill TTFT, through each prefill attention kernel this device loaded (the default, 8 warps of

@@ -1096,6 +1096,26 @@ fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() 
     );
     assert!(got >= est && got - est < 1024, "{}", mem[0]);
 
+    // Draft checks at batch 1 and 4, of 1 to 15 draft tokens, each beside its plain step's time.
+    let drafts: Vec<(u64, u64)> = with("draft_check")
+        .iter()
+        .map(|v| {
+            ms(v, "ms_per_step");
+            ms(v, "plain_ms_per_step");
+            ms(v, "over_plain");
+            (
+                v["batch"].as_u64().unwrap(),
+                v["draft_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let ks = [1, 2, 4, 7, 8, 15];
+    let want: Vec<(u64, u64)> = [1, 4]
+        .iter()
+        .flat_map(|&b| ks.iter().map(move |&k| (b, k)))
+        .collect();
+    assert_eq!(drafts, want);
+
     let decode = with("decode");
     // (batch, graphs, dependent launches, fused attention, fused norms, the products' form, the
     // split-key kernel's prefetch).
