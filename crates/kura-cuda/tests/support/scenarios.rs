@@ -728,12 +728,36 @@ pub fn tail_rows(gpu: &mut CudaExecutor, cpu: &Model, seqs: &Sequences, tol: f64
                     "{shape}: sequence {i}, position {}: {d:.2e}",
                     end - 1
                 );
-                assert_eq!(
-                    sampling::argmax(got),
-                    sampling::argmax(&want),
-                    "{shape}: sequence {i}, position {}",
-                    end - 1
-                );
+                // The same greedy token where the CPU's best leads its second by more than twice the
+                // largest difference between the two rows (random weights give near ties, which
+                // rounding may turn either way).
+                let c = sampling::argmax(&want) as usize;
+                let second = want
+                    .iter()
+                    .enumerate()
+                    .filter(|&(t, _)| t != c)
+                    .map(|(_, v)| *v)
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let apart = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                if want[c] - second > 2.0 * apart {
+                    assert_eq!(
+                        sampling::argmax(got) as usize,
+                        c,
+                        "{shape}: sequence {i}, position {}",
+                        end - 1
+                    );
+                } else {
+                    println!(
+                        "{shape}: sequence {i}, position {}: a near tie on the CPU ({:.2e} apart, rows \
+                         {apart:.2e} apart), its argmax not compared",
+                        end - 1,
+                        want[c] - second
+                    );
+                }
                 flat.extend_from_slice(got);
             }
         }
