@@ -232,6 +232,18 @@ pub fn activation_bytes(d: &Dims, tokens: usize, seqs: usize) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
+/// Bytes the per-step buffers take for steps of up to `max_tokens` new tokens over `max_seqs`
+/// sequences, each checking at most `draft_tokens` draft tokens: [`activation_bytes`] for the
+/// output head's [`head_rows`] (what [`plan_pool`] counts).
+pub fn step_activation_bytes(
+    d: &Dims,
+    max_tokens: usize,
+    max_seqs: usize,
+    draft_tokens: usize,
+) -> u64 {
+    activation_bytes(d, max_tokens, head_rows(max_tokens, max_seqs, draft_tokens))
+}
+
 /// Bytes the weights take on the device, as [`crate::DevWeights::load`] counts them: bf16 matrices (Q,
 /// K, V, O, gate, up, down per layer, the embeddings, the output head unless tied), f32 norms and Q/K/V
 /// biases.
@@ -295,7 +307,7 @@ pub fn plan_pool(
     let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
     let weights_bytes = weight_bytes(d);
     let rows = head_rows(max_tokens, max_seqs, draft_tokens);
-    let activations = activation_bytes(d, max_tokens, rows);
+    let activations = step_activation_bytes(d, max_tokens, max_seqs, draft_tokens);
     let base = match request {
         PoolRequest::Utilization(u) if !(u > 0.0 && u <= 1.0) => {
             return Err(format!("a memory utilization must be in (0, 1], got {u}"))

@@ -52,12 +52,9 @@ impl NgramDraft {
             return Vec::new();
         }
         for n in (self.min_n..=self.max_n.min(len.saturating_sub(1))).rev() {
-            let pattern = &tokens[len - n..];
-            let Some(start) = (0..len - n).rev().find(|&s| tokens[s..s + n] == *pattern) else {
-                continue;
-            };
-            let from = start + n;
-            return tokens[from..(from + k).min(len)].to_vec();
+            if let Some(end) = earlier_end(tokens, n) {
+                return tokens[end..(end + k).min(len)].to_vec();
+            }
         }
         Vec::new()
     }
@@ -125,8 +122,8 @@ impl NgramDraft {
                 end
             } else {
                 // Another n-gram with the same hash occurred last: the scan finds this one's latest.
-                match (0..len - n).rev().find(|&s| tokens[s..s + n] == *pattern) {
-                    Some(start) => start + n,
+                match earlier_end(tokens, n) {
+                    Some(end) => end,
                     None => continue,
                 }
             };
@@ -134,6 +131,17 @@ impl NgramDraft {
         }
         Vec::new()
     }
+}
+
+/// Where the latest occurrence of `tokens`' final `n`-gram before the final one ends (exclusive), by a
+/// scan back from the end.
+fn earlier_end(tokens: &[u32], n: usize) -> Option<usize> {
+    let len = tokens.len();
+    let pattern = &tokens[len - n..];
+    (0..len - n)
+        .rev()
+        .find(|&s| tokens[s..s + n] == *pattern)
+        .map(|s| s + n)
 }
 
 /// A sequence's n-grams of the lengths an [`NgramDraft`] looks up, by where each last ended

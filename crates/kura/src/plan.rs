@@ -462,10 +462,11 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String, Option<PoolPlan>)> {
                 req.weights_bytes = Some(kura_cuda::budget::weight_bytes(&dims));
                 req.overhead_bytes =
                     Some(kura_cuda::budget::CONTEXT_BYTES + kura_cuda::budget::DEVICE_RESERVE);
-                req.activation_bytes = Some(kura_cuda::budget::activation_bytes(
+                req.activation_bytes = Some(kura_cuda::budget::step_activation_bytes(
                     &dims,
                     max_tokens,
-                    kura_cuda::budget::head_rows(max_tokens, args.max_num_seqs, drafts),
+                    args.max_num_seqs,
+                    drafts,
                 ));
                 match planned {
                     Ok(p) => {
