@@ -39,7 +39,9 @@ tests=$(gpu-bin/kura-cuda-gpu-tests --ignored --list --format terse | sed -n 's/
 # The tests of what has never run on a GPU first (KURA_GPU_TESTS_FIRST overrides the list), then the
 # others in their listed order: where a session's time limit cuts the run, it cuts tests that have passed
 # on a device before.
-first=${KURA_GPU_TESTS_FIRST-the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones \
+first=${KURA_GPU_TESTS_FIRST-a_draft_checks_rows_are_each_positions_logits_in_one_step \
+kernel_tuning_on_the_gpu_runs_forms_with_the_default_kernels_bits \
+the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones \
 the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_bits \
 fp8_kv_stays_as_close_to_bf16_as_the_cpus_fp8_and_moves_byte_for_byte \
 host_tier_loads_ordered_layer_by_layer_are_read_by_the_next_step_bit_for_bit \

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A lent GPU machine's whole session in one call that ends within the device tool's 10-minute command:
+# scripts/gpu/all.sh (the GPU tests, then bench/gpu.sh), then scripts/gpu/tiers.sh (the host tier through
+# `kura serve --device cuda`) in what is left before DEADLINE_S,
+# then Kura's CPU decode across thread counts on the machine's cores (bench/device/kura-threads.sh) in what
+# is left, then a file set that comes back whole: at most 8 files, none deeper than two folders
+# (OUT_DIR/all-summary.txt, tiers-summary.txt, threads.md, the benchmark's JSON lines and one archive of
+# every log). The summaries are printed last.
+# Usage, on the GPU machine with gpu-bin/ and .whl/ carried (scripts/gpu-build.sh,
+# scripts/gpu/fetch-wheels.sh): scripts/gpu/session.sh OUT_DIR
+# Environment: DEADLINE_S [570] seconds from the start by which everything has ended; TEST_LIMIT_S [220]
+#   and BENCH_LIMIT_S [250] for all.sh's two steps; TIERS_MIN_S [100] the least time tiers.sh is started with.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+out=${1:?usage: scripts/gpu/session.sh OUT_DIR}
+deadline=${DEADLINE_S:-570}
+for v in "$deadline" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" "${TIERS_MIN_S:-100}"; do
+  case "$v" in '' | *[!0-9]* | 0) echo "session.sh: limits are whole seconds above 0, got '$v'" >&2; exit 2 ;; esac
+done
+start=$(date +%s)
+mkdir -p "$out/all" "$out/tiers"
+bash scripts/gpu/all.sh "$out/all" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" >"$out/all.log" 2>&1
+all_rc=$?
+left=$((deadline - ($(date +%s) - start) - 15))
+tiers_rc=0
+# tiers.sh gives each of its two steps half its limit: at most 200 s in all, and 45 s kept for the thread
+# counts below where that still leaves it TIERS_MIN_S.
+tiers_limit=$((left - 45 >= ${TIERS_MIN_S:-100} ? left - 45 : left))
+[ "$tiers_limit" -le 200 ] || tiers_limit=200
+if [ "$left" -ge "${TIERS_MIN_S:-100}" ]; then
+  bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
+  tiers_rc=$?
+else
+  echo "tiers.sh not run: ${left} s left before the ${deadline} s deadline" | tee "$out/tiers/summary.txt"
+  tiers_rc=1
+fi
+# Kura's CPU decode across thread counts on this machine's cores, in what is left (the GPU is idle by now).
+left=$((deadline - ($(date +%s) - start) - 10))
+work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
+if [ "$left" -ge 30 ] && [ -f "$work/smol/config.json" ]; then
+  DEADLINE_S=$((left - 15)) bash bench/device/kura-threads.sh gpu-bin/kura "$work/smol" "$out/tiers/threads.jsonl" \
+    >"$out/threads.md" 2>&1 || echo "bench/device/kura-threads.sh failed" >>"$out/threads.md"
+else
+  echo "bench/device/kura-threads.sh not run: ${left} s left, or no model at $work/smol" >"$out/threads.md"
+fi
+cp "$out/all/summary.txt" "$out/all-summary.txt" 2>/dev/null || echo "all.sh wrote no summary" >"$out/all-summary.txt"
+cp "$out/tiers/summary.txt" "$out/tiers-summary.txt" 2>/dev/null || echo "tiers.sh wrote no summary" >"$out/tiers-summary.txt"
+for f in kura.jsonl hf.jsonl; do
+  [ -f "$out/all/bench/$f" ] && cp "$out/all/bench/$f" "$out/$f"
+done
+[ -f "$out/tiers/hostconvoy.json" ] && cp "$out/tiers/hostconvoy.json" "$out/hostconvoy.json"
+(cd "$out" && tar czf logs.tgz all tiers all.log tiers.log --remove-files 2>/dev/null) || echo "packing the logs failed" >&2
+echo "== session: all.sh exit $all_rc, tiers.sh exit $tiers_rc, $(($(date +%s) - start)) s"
+cat "$out/all-summary.txt" "$out/tiers-summary.txt" "$out/threads.md"
+exit $((all_rc | tiers_rc))
