@@ -31,6 +31,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:?usage: bench/device/run-threads.sh OUT_DIR}"
 KIT="${KIT:-device-kit}"
+# device-kit/ may have travelled packed (scripts/gpu/pack.sh, beside gpu-bin/).
+bash scripts/gpu/unpack.sh
 KIT=$(cd "$KIT" && pwd)
 WORK="${WORK:-/tmp/kura-device-model}"
 PY="${PYTHON:-python3}"

@@ -6,8 +6,8 @@
 # is left, then a file set that comes back whole: at most 8 files, none deeper than two folders
 # (OUT_DIR/all-summary.txt, tiers-summary.txt, threads.md, the benchmark's JSON lines and one archive of
 # every log). The summaries are printed last.
-# Usage, on the GPU machine with gpu-bin/ and .whl/ carried (scripts/gpu-build.sh,
-# scripts/gpu/fetch-wheels.sh): scripts/gpu/session.sh OUT_DIR
+# Usage, on the GPU machine with gpu-bin/ (or device-pack/) and .whl/ carried (scripts/gpu-build.sh,
+# scripts/gpu/pack.sh, scripts/gpu/fetch-wheels.sh): scripts/gpu/session.sh OUT_DIR
 # Environment: DEADLINE_S [570] seconds from the start by which everything has ended; TEST_LIMIT_S [220]
 #   and BENCH_LIMIT_S [250] for all.sh's two steps; TIERS_MIN_S [100] the least time tiers.sh is started with.
 set -uo pipefail
@@ -19,6 +19,8 @@ for v in "$deadline" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" "${TIERS_MIN
 done
 start=$(date +%s)
 mkdir -p "$out/all" "$out/tiers"
+# gpu-bin/ may have travelled packed (scripts/gpu/pack.sh: device-pack/, 10 MB in place of 42).
+bash scripts/gpu/unpack.sh || exit 1
 bash scripts/gpu/all.sh "$out/all" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" >"$out/all.log" 2>&1
 all_rc=$?
 left=$((deadline - ($(date +%s) - start) - 15))

@@ -101,6 +101,31 @@ def test_a_json_schema_and_a_stream_are_the_same(servers):
     assert streamed[0] == streamed[1] and "paged blocks" in streamed[1], streamed
 
 
+def test_drafting_pauses_while_the_batch_is_at_disable_by_batch_size(servers):
+    """vLLM's `disable_by_batch_size`: three choices decoding together draft nothing at 2 (each pass is
+    counted as paused) and give the plain server's tokens; a lone choice drafts."""
+    plain, _ = servers
+    cfg = json.loads(SPEC) | {"disable_by_batch_size": 2}
+    paused = KuraServer("--threads", "1", "--kv-cache-memory", "256MiB", "--speculative-config", json.dumps(cfg))
+    try:
+        before = paused.metrics()
+        kw = {"messages": REPEAT, "max_tokens": 40, "temperature": 0.7, "seed": 5, "n": 3, "logprobs": True}
+        same_choices(chat(plain, **kw), chat(paused, **kw))
+        after = paused.metrics()
+        steps = {k: after[k] - before[k] for k in (
+            "kura:spec_decode_paused_steps_total", "kura:spec_decode_num_draft_tokens_total")}
+        # 39 decode passes of three choices, whose sampled tokens end none of them early.
+        assert steps["kura:spec_decode_paused_steps_total"] >= 30, steps
+        assert steps["kura:spec_decode_num_draft_tokens_total"] == 0, steps
+        kw = {"messages": REPEAT, "max_tokens": 60, "temperature": 0}
+        same_choices(chat(plain, **kw), chat(paused, **kw))
+        lone = paused.metrics()
+        assert lone["kura:spec_decode_num_accepted_tokens_total"] > 0, "a lone choice drafts"
+        assert lone["kura:spec_decode_paused_steps_total"] == after["kura:spec_decode_paused_steps_total"]
+    finally:
+        paused.stop()
+
+
 @pytest.mark.parametrize("config,says", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', '"eagle" is not available'),
     ('{"method": "ngram"}', "num_speculative_tokens is missing"),
@@ -108,6 +133,8 @@ def test_a_json_schema_and_a_stream_are_the_same(servers):
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
      "prompt_lookup_min 3"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown field `k`"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}',
+     "disable_by_batch_size 1 must be at least 2"),
     ("ngram", "not a speculative configuration"),
 ])
 def test_bad_configurations_are_refused_at_start(config, says):

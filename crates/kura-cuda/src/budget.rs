@@ -141,16 +141,39 @@ const fn buf(
     }
 }
 
+/// What speculative decoding asks of a step's output head: each drafting sequence checks up to
+/// `tokens` draft tokens, and at most `seqs` sequences draft in one step (`disable_by_batch_size` − 1
+/// where drafting pauses at that batch size; `usize::MAX`: any number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drafts {
+    pub tokens: usize,
+    pub seqs: usize,
+}
+
+impl Drafts {
+    /// No drafts.
+    pub const NONE: Drafts = Drafts { tokens: 0, seqs: 0 };
+
+    /// Drafts of up to `tokens` tokens, by every sequence or (`paused_at`: drafting pauses in a step
+    /// of that many decoding sequences) by fewer than `paused_at`.
+    pub fn of(tokens: usize, paused_at: Option<usize>) -> Drafts {
+        Drafts {
+            tokens,
+            seqs: paused_at.map_or(usize::MAX, |n| n.saturating_sub(1)),
+        }
+    }
+}
+
 /// The most rows the output head computes in a step of up to `max_tokens` new tokens over `max_seqs`
-/// sequences, each checking at most `draft_tokens` draft tokens (speculative decoding; 0: none): a
-/// row per sequence, and one per draft token — never more than the step's tokens. What the
-/// per-sequence buffers ([`Per::Seq`]) are sized for.
-pub fn head_rows(max_tokens: usize, max_seqs: usize, draft_tokens: usize) -> usize {
-    if draft_tokens == 0 {
+/// sequences, of which drafting ones check `drafts` (speculative decoding): a row per sequence, and
+/// one per draft token — never more than the step's tokens. What the per-sequence buffers
+/// ([`Per::Seq`]) are sized for.
+pub fn head_rows(max_tokens: usize, max_seqs: usize, drafts: Drafts) -> usize {
+    if drafts.tokens == 0 || drafts.seqs == 0 {
         return max_seqs;
     }
     max_seqs
-        .saturating_mul(draft_tokens.saturating_add(1))
+        .saturating_add(max_seqs.min(drafts.seqs).saturating_mul(drafts.tokens))
         .min(max_tokens.max(max_seqs))
 }
 
@@ -233,15 +256,10 @@ pub fn activation_bytes(d: &Dims, tokens: usize, seqs: usize) -> u64 {
 }
 
 /// Bytes the per-step buffers take for steps of up to `max_tokens` new tokens over `max_seqs`
-/// sequences, each checking at most `draft_tokens` draft tokens: [`activation_bytes`] for the
-/// output head's [`head_rows`] (what [`plan_pool`] counts).
-pub fn step_activation_bytes(
-    d: &Dims,
-    max_tokens: usize,
-    max_seqs: usize,
-    draft_tokens: usize,
-) -> u64 {
-    activation_bytes(d, max_tokens, head_rows(max_tokens, max_seqs, draft_tokens))
+/// sequences, of which drafting ones check `drafts`: [`activation_bytes`] for the output head's
+/// [`head_rows`] (what [`plan_pool`] counts).
+pub fn step_activation_bytes(d: &Dims, max_tokens: usize, max_seqs: usize, drafts: Drafts) -> u64 {
+    activation_bytes(d, max_tokens, head_rows(max_tokens, max_seqs, drafts))
 }
 
 /// Bytes the weights take on the device, as [`crate::DevWeights::load`] counts them: bf16 matrices (Q,
@@ -293,21 +311,22 @@ pub struct PoolPlan {
 }
 
 /// The pool of `block_bytes`-byte blocks `request` gets on a device of `total_bytes` for a model of `d`
-/// run in steps of up to `max_tokens` new tokens over `max_seqs` sequences, each checking at most
-/// `draft_tokens` draft tokens. An error says what does not fit, naming both sides.
+/// run in steps of up to `max_tokens` new tokens over `max_seqs` sequences, of which drafting ones
+/// check `drafts`. An error says what does not fit, naming both sides.
 pub fn plan_pool(
     d: &Dims,
     total_bytes: u64,
     request: PoolRequest,
     max_tokens: usize,
     max_seqs: usize,
-    draft_tokens: usize,
+    drafts: Drafts,
     block_bytes: u64,
 ) -> Result<PoolPlan, String> {
     let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
     let weights_bytes = weight_bytes(d);
-    let rows = head_rows(max_tokens, max_seqs, draft_tokens);
-    let activations = step_activation_bytes(d, max_tokens, max_seqs, draft_tokens);
+    let rows = head_rows(max_tokens, max_seqs, drafts);
+    let activations = step_activation_bytes(d, max_tokens, max_seqs, drafts);
+    let draft_tokens = drafts.tokens;
     let base = match request {
         PoolRequest::Utilization(u) if !(u > 0.0 && u <= 1.0) => {
             return Err(format!("a memory utilization must be in (0, 1], got {u}"))
@@ -485,16 +504,25 @@ mod tests {
     fn drafts_size_the_logits_rows_by_their_tokens_within_the_steps_tokens() {
         // Without drafts a row per sequence; with drafts of 4, five per sequence, but never more rows
         // than a step's tokens (nor fewer than its sequences).
-        assert_eq!(head_rows(8192, 256, 0), 256);
-        assert_eq!(head_rows(8192, 256, 4), 1280);
-        assert_eq!(head_rows(1024, 256, 4), 1024);
-        assert_eq!(head_rows(128, 256, 4), 256);
-        assert_eq!(head_rows(usize::MAX, usize::MAX, 32), usize::MAX);
+        let every = |tokens| Drafts::of(tokens, None);
+        assert_eq!(head_rows(8192, 256, Drafts::NONE), 256);
+        assert_eq!(head_rows(8192, 256, every(0)), 256);
+        assert_eq!(head_rows(8192, 256, every(4)), 1280);
+        assert_eq!(head_rows(1024, 256, every(4)), 1024);
+        assert_eq!(head_rows(128, 256, every(4)), 256);
+        assert_eq!(head_rows(usize::MAX, usize::MAX, every(32)), usize::MAX);
+        // Drafting paused at 8 decoding sequences: at most 7 draft, a row per sequence beside.
+        assert_eq!(head_rows(8192, 256, Drafts::of(4, Some(8))), 256 + 7 * 4);
+        assert_eq!(head_rows(8192, 4, Drafts::of(4, Some(8))), 4 * 5);
         // The pool gives the extra rows' logits (Llama-3.1-8B: 128,256 f32 a row) to the buffers.
         let d = llama8b();
         let (block, total) = (16 * 131_072, 80_000_000_000);
-        let plain = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, 0, block).unwrap();
-        let drafts = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, 4, block).unwrap();
+        let plan = |drafts| plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, drafts, block);
+        let plain = plan(Drafts::NONE).unwrap();
+        let drafts = plan(every(4)).unwrap();
+        let paused = plan(Drafts::of(4, Some(16))).unwrap();
+        assert_eq!(paused.head_rows, 64 + 15 * 4);
+        assert!(paused.left_bytes > drafts.left_bytes && paused.left_bytes < plain.left_bytes);
         assert_eq!((plain.head_rows, drafts.head_rows), (64, 320));
         assert_eq!(
             drafts.activation_bytes,
@@ -512,7 +540,7 @@ mod tests {
             PoolRequest::Share(1.0),
             8192,
             64,
-            4,
+            every(4),
             block,
         )
         .unwrap_err();
@@ -527,7 +555,16 @@ mod tests {
         let d = llama8b();
         let block = 16 * 131_072;
         let total = 80_000_000_000;
-        let all = plan_pool(&d, total, PoolRequest::Share(1.0), 8192, 64, 0, block).unwrap();
+        let all = plan_pool(
+            &d,
+            total,
+            PoolRequest::Share(1.0),
+            8192,
+            64,
+            Drafts::NONE,
+            block,
+        )
+        .unwrap();
         assert_eq!(
             all.left_bytes,
             total
@@ -537,13 +574,49 @@ mod tests {
                 - DEVICE_RESERVE
         );
         assert_eq!(all.num_blocks, all.left_bytes / block);
-        let half = plan_pool(&d, total, PoolRequest::Share(0.5), 8192, 64, 0, block).unwrap();
+        let half = plan_pool(
+            &d,
+            total,
+            PoolRequest::Share(0.5),
+            8192,
+            64,
+            Drafts::NONE,
+            block,
+        )
+        .unwrap();
         assert_eq!(half.budget_bytes, all.left_bytes / 2);
-        let util = plan_pool(&d, total, PoolRequest::Utilization(0.9), 8192, 64, 0, block).unwrap();
+        let util = plan_pool(
+            &d,
+            total,
+            PoolRequest::Utilization(0.9),
+            8192,
+            64,
+            Drafts::NONE,
+            block,
+        )
+        .unwrap();
         assert_eq!(util.budget_bytes, 72_000_000_000 - (total - all.left_bytes));
-        let one = plan_pool(&d, total, PoolRequest::Bytes(1 << 30), 8192, 64, 0, block).unwrap();
+        let one = plan_pool(
+            &d,
+            total,
+            PoolRequest::Bytes(1 << 30),
+            8192,
+            64,
+            Drafts::NONE,
+            block,
+        )
+        .unwrap();
         assert_eq!(one.num_blocks, 512);
-        let e = plan_pool(&d, total, PoolRequest::Bytes(total), 8192, 64, 0, block).unwrap_err();
+        let e = plan_pool(
+            &d,
+            total,
+            PoolRequest::Bytes(total),
+            8192,
+            64,
+            Drafts::NONE,
+            block,
+        )
+        .unwrap_err();
         assert!(e.contains("are left of the device"), "{e}");
         let e = plan_pool(
             &d,
@@ -551,11 +624,20 @@ mod tests {
             PoolRequest::Share(1.0),
             8192,
             64,
-            0,
+            Drafts::NONE,
             block,
         )
         .unwrap_err();
         assert!(e.contains("does not fit") && e.contains("short by"), "{e}");
-        assert!(plan_pool(&d, total, PoolRequest::Share(1.5), 8192, 64, 0, block).is_err());
+        assert!(plan_pool(
+            &d,
+            total,
+            PoolRequest::Share(1.5),
+            8192,
+            64,
+            Drafts::NONE,
+            block
+        )
+        .is_err());
     }
 }

@@ -32,6 +32,7 @@ fn lookups(c: &mut Criterion) {
             num_tokens: 4,
             min_n,
             max_n,
+            disable_by_batch_size: None,
         };
         for len in [1024usize, 8192, 32768] {
             // Room for the tokens the indexed runs append, a step each.

@@ -22,6 +22,10 @@ pub struct NgramDraft {
     /// Shortest and longest n-gram at the sequence's end that is looked up (the longest found first).
     pub min_n: usize,
     pub max_n: usize,
+    /// Drafting pauses for a step in which at least this many sequences decode (vLLM's
+    /// `disable_by_batch_size`): a full batch's step is no longer bound by reading the weights, and
+    /// each draft token then costs about what a token of its own would. `None`: never paused.
+    pub disable_by_batch_size: Option<usize>,
 }
 
 impl NgramDraft {
@@ -39,7 +43,21 @@ impl NgramDraft {
                 self.min_n, self.max_n
             ));
         }
+        if let Some(n) = self.disable_by_batch_size {
+            if n < 2 {
+                return Err(format!(
+                    "disable_by_batch_size {n} must be at least 2 (drafting pauses in a step where that \
+                     many sequences decode; leave it out to draft at any batch size)"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether a step in which `decoding` sequences decode checks drafts at all
+    /// ([`NgramDraft::disable_by_batch_size`]).
+    pub fn drafts_at(&self, decoding: usize) -> bool {
+        self.disable_by_batch_size.is_none_or(|n| decoding < n)
     }
 
     /// The draft for a sequence of `tokens`, at most `most` tokens: what followed the latest earlier
@@ -237,6 +255,7 @@ mod tests {
         num_tokens: 3,
         min_n: 1,
         max_n: 3,
+        disable_by_batch_size: None,
     };
 
     #[test]
@@ -290,6 +309,7 @@ mod tests {
                         num_tokens,
                         min_n,
                         max_n,
+                        disable_by_batch_size: None,
                     };
                     let tokens = random_tokens(300, vocab, seed);
                     let mut index = NgramIndex {
@@ -322,6 +342,7 @@ mod tests {
             num_tokens: 4,
             min_n: 2,
             max_n: 4,
+            disable_by_batch_size: None,
         };
         let tokens = random_tokens(1000, 1 << 20, 9);
         let mut index = NgramIndex::default();
@@ -382,12 +403,25 @@ mod tests {
             NgramDraft { min_n: 0, ..CFG },
             NgramDraft { min_n: 4, ..CFG },
             NgramDraft { max_n: 17, ..CFG },
+            NgramDraft {
+                disable_by_batch_size: Some(1),
+                ..CFG
+            },
         ] {
             let e = bad.check().unwrap_err();
             assert!(
-                e.contains("num_speculative_tokens") || e.contains("prompt_lookup"),
+                e.contains("num_speculative_tokens")
+                    || e.contains("prompt_lookup")
+                    || e.contains("disable_by_batch_size 1 must be at least 2"),
                 "{e}"
             );
         }
+        let paused = NgramDraft {
+            disable_by_batch_size: Some(4),
+            ..CFG
+        };
+        assert!(paused.check().is_ok());
+        assert!(paused.drafts_at(3) && !paused.drafts_at(4) && !paused.drafts_at(9));
+        assert!(CFG.drafts_at(1 << 20));
     }
 }

@@ -1412,7 +1412,8 @@ impl Core {
     }
 
     /// Proposes each decoding sequence's draft for the next pass (speculative decoding): within the
-    /// tokens its request may still generate and the context, less the one its step samples anyway.
+    /// tokens its request may still generate and the context, less the one its step samples anyway;
+    /// none while at least `disable_by_batch_size` sequences decode.
     fn propose_drafts(&mut self) {
         let Some(draft) = self.config.speculative else {
             return;
@@ -1423,6 +1424,10 @@ impl Core {
             .copied()
             .filter(|&k| self.sched.decoding(k))
             .collect();
+        if !keys.is_empty() && !draft.drafts_at(keys.len()) {
+            self.metrics.spec_paused_steps.add(1);
+            return;
+        }
         for key in keys {
             let Some(seq) = self.seqs.get_mut(&key) else {
                 continue;

@@ -53,6 +53,8 @@ pub struct EngineMetrics {
     pub spec_drafts: Counter,
     pub spec_draft_tokens: Counter,
     pub spec_accepted_tokens: Counter,
+    /// Passes in which no sequence drafted because at least `disable_by_batch_size` decoded.
+    pub spec_paused_steps: Counter,
     // requests
     pub requests_finished_stop: Counter,
     pub requests_finished_length: Counter,
@@ -337,6 +339,11 @@ impl EngineMetrics {
             "kura:spec_decode_num_accepted_tokens_total",
             "Draft tokens the sampler drew as proposed, kept without a step of their own.",
             self.spec_accepted_tokens.get(),
+        );
+        e.counter(
+            "kura:spec_decode_paused_steps_total",
+            "Passes in which no sequence drafted: at least disable_by_batch_size sequences decoded.",
+            self.spec_paused_steps.get(),
         );
         let name = "kura:request_success_total";
         e.family(name, "Requests finished, by finish reason.", Kind::Counter);

@@ -40,6 +40,7 @@ const DRAFT: NgramDraft = NgramDraft {
     num_tokens: 4,
     min_n: 1,
     max_n: 3,
+    disable_by_batch_size: None,
 };
 
 /// Requests of every sampling kind: greedy, seeded with top-k and penalties, three choices, a stop token.
@@ -69,9 +70,15 @@ fn requests() -> Vec<GenerateRequest> {
 
 /// Every request's outcome, all submitted at once; the draft tokens checked and the preemptions.
 fn run(config: EngineConfig) -> (Vec<Outcome>, f64, f64) {
+    let (out, drafted, preemptions, _) = run_these(config, requests());
+    (out, drafted, preemptions)
+}
+
+/// [`run`] for these requests, with the passes in which drafting paused
+/// (`kura:spec_decode_paused_steps_total`).
+fn run_these(config: EngineConfig, rs: Vec<GenerateRequest>) -> (Vec<Outcome>, f64, f64, f64) {
     let fake = start(config);
     let e = &fake.engine;
-    let rs = requests();
     let pending: Vec<_> = rs.iter().map(|r| submit(e, r.clone())).collect();
     let out = pending.iter().map(|(_, rx)| outcome(rx)).collect();
     settle(e);
@@ -88,6 +95,7 @@ fn run(config: EngineConfig) -> (Vec<Outcome>, f64, f64) {
         assert!(accepted > 0.0, "no draft token kept of {drafted}");
     }
     let preemptions = metric(e, "kura:num_preemptions_total");
+    let paused = metric(e, "kura:spec_decode_paused_steps_total");
     let every_position = fake.control.every_position_calls().len();
     e.stop();
     if drafted > 0.0 {
@@ -96,7 +104,7 @@ fn run(config: EngineConfig) -> (Vec<Outcome>, f64, f64) {
             "the default forward_tails checks drafts"
         );
     }
-    (out, drafted, preemptions)
+    (out, drafted, preemptions, paused)
 }
 
 #[test]
@@ -109,6 +117,52 @@ fn drafting_gives_the_tokens_of_one_token_a_step() {
     });
     assert!(drafted > 0.0, "no draft was checked");
     assert_eq!(spec, plain);
+}
+
+/// A configuration that drafts as `DRAFT` does, pausing at `disable_by_batch_size`.
+fn pausing_at(disable_by_batch_size: Option<usize>) -> EngineConfig {
+    EngineConfig {
+        speculative: Some(NgramDraft {
+            disable_by_batch_size,
+            ..DRAFT
+        }),
+        ..config(256, 64, 16)
+    }
+}
+
+#[test]
+fn drafting_pauses_while_at_least_disable_by_batch_size_sequences_decode() {
+    // One request of three choices (top-k 1: each greedy, drafts kept as often), decoding together
+    // to their last token: at 3 no pass drafts, at 4 none pauses.
+    let mut three = distinct_request(3, 9, 24);
+    three.n = 3;
+    three.sampling.temperature = 1.0;
+    three.sampling.top_k = 1;
+    three.sampling.seed = Some(5);
+    let (plain, _, _, _) = run_these(config(256, 64, 16), vec![three.clone()]);
+    let (at3, drafted3, _, paused3) = run_these(pausing_at(Some(3)), vec![three.clone()]);
+    assert_eq!(drafted3, 0.0, "drafts checked while three sequences decode");
+    assert!(
+        paused3 >= 20.0,
+        "{paused3} passes paused for 23 decode steps"
+    );
+    let (at4, drafted4, _, paused4) = run_these(pausing_at(Some(4)), vec![three]);
+    assert_eq!(paused4, 0.0);
+    assert!(drafted4 > 0.0, "no draft below the batch size that pauses");
+    assert_eq!(at3, plain);
+    assert_eq!(at4, plain);
+    // Eight requests (ten sequences) at 3: paused while the batch is full, drafting as it thins out
+    // (the stop-token request ends early), the tokens of one a step throughout.
+    let (plain, _, _) = run(config(256, 64, 16));
+    let (free, drafted_free, _, paused_free) = run_these(pausing_at(None), requests());
+    assert_eq!(paused_free, 0.0);
+    let (low, drafted_low, _, paused_low) = run_these(pausing_at(Some(3)), requests());
+    assert!(
+        paused_low > 0.0 && drafted_low < drafted_free,
+        "{paused_low} {drafted_low} {drafted_free}"
+    );
+    assert_eq!(free, plain);
+    assert_eq!(low, plain);
 }
 
 #[test]
@@ -210,6 +264,13 @@ fn bad_drafting_configurations_are_refused_at_start() {
             "num_speculative_tokens 0",
         ),
         (NgramDraft { min_n: 4, ..DRAFT }, "prompt_lookup_min 4"),
+        (
+            NgramDraft {
+                disable_by_batch_size: Some(0),
+                ..DRAFT
+            },
+            "disable_by_batch_size 0",
+        ),
     ] {
         let c = EngineConfig {
             speculative: Some(draft),

@@ -24,15 +24,15 @@ pub fn pool_request(request: KvMemoryRequest) -> PoolRequest {
 }
 
 /// The pool `kura serve --device cuda` plans on a device of `total` bytes: [`budget::plan_pool`] with the
-/// server's flags (`kura plan --gpu` calls the same); `draft_tokens` is `--speculative-config`'s
-/// `num_speculative_tokens` (0 without it).
+/// server's flags (`kura plan --gpu` calls the same); `drafts` is what `--speculative-config` asks
+/// ([`drafts_of`]).
 pub fn plan_pool(
     dims: &Dims,
     total: u64,
     request: PoolRequest,
     max_num_batched_tokens: usize,
     max_num_seqs: usize,
-    draft_tokens: usize,
+    drafts: budget::Drafts,
     layout: &KvLayout,
 ) -> Result<PoolPlan> {
     budget::plan_pool(
@@ -41,10 +41,18 @@ pub fn plan_pool(
         request,
         max_num_batched_tokens,
         max_num_seqs,
-        draft_tokens,
+        drafts,
         layout.bytes_per_block(),
     )
     .map_err(anyhow::Error::msg)
+}
+
+/// What `--speculative-config` asks of a GPU step's output head: drafts of `num_speculative_tokens`,
+/// by fewer sequences than `disable_by_batch_size` where it is given; none without it.
+pub fn drafts_of(config: Option<&kura_engine::NgramDraft>) -> budget::Drafts {
+    config.map_or(budget::Drafts::NONE, |d| {
+        budget::Drafts::of(d.num_tokens, d.disable_by_batch_size)
+    })
 }
 
 /// That the GPU pool holds `kv_dtype` (bf16, f32 or fp8): checked before a device is opened.
@@ -66,8 +74,8 @@ pub struct GpuSetup {
     kv_dtype: KvDtype,
     max_tokens: usize,
     max_seqs: usize,
-    /// Draft tokens a sequence's step may check ([`GpuSetup::checking_drafts`]).
-    draft_tokens: usize,
+    /// Draft tokens a step may check ([`GpuSetup::checking_drafts`]).
+    drafts: budget::Drafts,
     /// Device memory free before the weights were loaded, and after.
     free_before_weights: u64,
     free_after_weights: u64,
@@ -113,16 +121,16 @@ impl GpuSetup {
             kv_dtype,
             max_tokens,
             max_seqs,
-            draft_tokens: 0,
+            drafts: budget::Drafts::NONE,
             free_before_weights: free_before_weights as u64,
             free_after_weights: free_after_weights as u64,
         })
     }
 
-    /// Steps that check drafts of up to `draft_tokens` tokens a sequence (`--speculative-config`): the
-    /// output head's buffers are planned and allocated for their rows ([`budget::head_rows`]).
-    pub fn checking_drafts(mut self, draft_tokens: usize) -> Self {
-        self.draft_tokens = draft_tokens;
+    /// Steps that check `drafts` (`--speculative-config`, [`drafts_of`]): the output head's buffers
+    /// are planned and allocated for their rows ([`budget::head_rows`]).
+    pub fn checking_drafts(mut self, drafts: budget::Drafts) -> Self {
+        self.drafts = drafts;
         self
     }
 
@@ -153,7 +161,7 @@ impl GpuSetup {
             pool_request(request),
             self.max_tokens,
             self.max_seqs,
-            self.draft_tokens,
+            self.drafts,
             layout,
         )
         .with_context(|| format!("--kv-cache-memory on {}", self.dev.name))?;
@@ -180,7 +188,7 @@ impl GpuSetup {
             gb(plan.activation_bytes),
             self.max_tokens,
             self.max_seqs,
-            budget::drafts_note(self.draft_tokens, plan.head_rows),
+            budget::drafts_note(self.drafts.tokens, plan.head_rows),
             gb(plan.reserve_bytes),
             gb(plan.left_bytes),
             gb(measured_left),
@@ -217,7 +225,7 @@ impl GpuSetup {
             block_size: layout.block_size_tokens,
             num_blocks,
             reserve_tokens: self.max_tokens,
-            reserve_seqs: budget::head_rows(self.max_tokens, self.max_seqs, self.draft_tokens),
+            reserve_seqs: budget::head_rows(self.max_tokens, self.max_seqs, self.drafts),
         };
         let exec = CudaExecutor::new(self.dev, self.config, self.weights, spec)?;
         if let Ok((free, _)) = exec.device().memory() {

@@ -448,7 +448,7 @@ fn plan(args: &PlanArgs) -> Result<(PlanReport, String, Option<PoolPlan>)> {
                     None => PoolRequest::Utilization(args.memory_utilization),
                 };
                 let max_tokens = usize::try_from(args.max_batched_tokens).unwrap_or(usize::MAX);
-                let drafts = args.speculative_config.map_or(0, |d| d.num_tokens);
+                let drafts = crate::gpu::drafts_of(args.speculative_config.as_ref());
                 let planned = crate::gpu::plan_pool(
                     &dims,
                     memory,
@@ -778,7 +778,7 @@ mod tests {
         kv: &str,
         tokens: usize,
         seqs: usize,
-        drafts: usize,
+        drafts: kura_cuda::budget::Drafts,
     ) -> PoolPlan {
         let cfg = kura_model::ModelConfig::from_hf_json(config).unwrap();
         let layout = cfg.kv_layout(KvDtype::Bf16, 16).unwrap();
@@ -803,13 +803,14 @@ mod tests {
         let model = dir.display().to_string();
         let h100 = find_gpu("H100").unwrap().memory_bytes;
         let mut by_drafts = Vec::new();
-        for (kv, tokens, seqs, drafts) in [
-            ("90%", "8192", "64", 0),
-            ("1GiB", "8192", "64", 0),
-            ("0.5", "2048", "256", 0),
-            ("40GiB", "8192", "256", 0),
-            ("90%", "8192", "256", 0),
-            ("90%", "8192", "256", 4),
+        for (kv, tokens, seqs, (drafts, paused_at)) in [
+            ("90%", "8192", "64", (0, None)),
+            ("1GiB", "8192", "64", (0, None)),
+            ("0.5", "2048", "256", (0, None)),
+            ("40GiB", "8192", "256", (0, None)),
+            ("90%", "8192", "256", (0, None)),
+            ("90%", "8192", "256", (4, None)),
+            ("90%", "8192", "256", (4, Some(16))),
         ] {
             let mut flags = vec![
                 "plan".to_string(),
@@ -825,9 +826,12 @@ mod tests {
                 seqs.into(),
             ];
             if drafts > 0 {
+                let paused = paused_at.map_or(String::new(), |n| {
+                    format!(r#","disable_by_batch_size":{n}"#)
+                });
                 flags.push("--speculative-config".into());
                 flags.push(format!(
-                    r#"{{"method":"ngram","num_speculative_tokens":{drafts}}}"#
+                    r#"{{"method":"ngram","num_speculative_tokens":{drafts}{paused}}}"#
                 ));
             }
             let cli = PlanCli::parse_from(flags);
@@ -838,7 +842,7 @@ mod tests {
                 kv,
                 tokens.parse().unwrap(),
                 seqs.parse().unwrap(),
-                drafts,
+                kura_cuda::budget::Drafts::of(drafts, paused_at),
             );
             assert_eq!(
                 report.num_blocks, serve.num_blocks,
@@ -849,13 +853,17 @@ mod tests {
                 by_drafts.push(serve);
             }
         }
-        // Drafts of 4 give 256 sequences 1,280 rows of logits: the pool gives up what they take.
-        let [plain, drafting] = &by_drafts[..] else {
-            panic!("two plans with and without drafts")
+        // Drafts of 4 give 256 sequences 1,280 rows of logits: the pool gives up what they take; with
+        // drafting paused at 16 decoding sequences, 15 draft at most: 256 + 60 rows.
+        let [plain, drafting, paused] = &by_drafts[..] else {
+            panic!("three plans: without drafts, with, and paused at a batch size")
         };
-        assert_eq!((plain.head_rows, drafting.head_rows), (256, 1280));
+        assert_eq!(
+            (plain.head_rows, drafting.head_rows, paused.head_rows),
+            (256, 1280, 316)
+        );
         assert!(drafting.activation_bytes > plain.activation_bytes + 1024 * 128_256 * 4);
-        assert!(drafting.num_blocks < plain.num_blocks);
+        assert!(drafting.num_blocks < paused.num_blocks && paused.num_blocks < plain.num_blocks);
         // The plan's own question (no --kv-cache-memory): --memory-utilization of the device, with the
         // server's terms: weights as the GPU holds them, the measured context, the executor's buffers.
         let cli = PlanCli::parse_from(["plan", "--model", &model, "--gpu", "H100"]);

@@ -395,7 +395,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
                 args.max_num_batched_tokens,
                 args.max_num_seqs,
             )?
-            .checking_drafts(args.speculative_config.map_or(0, |d| d.num_tokens));
+            .checking_drafts(crate::gpu::drafts_of(args.speculative_config.as_ref()));
             (None, Some(setup), parts.config, Arc::new(parts.text))
         }
         None => {

@@ -9,11 +9,13 @@ struct SpeculativeConfig {
     num_speculative_tokens: Option<usize>,
     prompt_lookup_min: Option<usize>,
     prompt_lookup_max: Option<usize>,
+    disable_by_batch_size: Option<usize>,
 }
 
 /// Reads `--speculative-config`: `{"method": "ngram", "num_speculative_tokens": K}`, with
 /// `prompt_lookup_min` and `prompt_lookup_max` (the n-grams looked up; as in vLLM, 5 and 5 when both
-/// are left out, and one given sets the other).
+/// are left out, and one given sets the other) and `disable_by_batch_size` (no drafts in a step where
+/// at least that many sequences decode).
 pub fn parse_speculative_config(text: &str) -> Result<NgramDraft, String> {
     let c: SpeculativeConfig = serde_json::from_str(text).map_err(|e| {
         format!(
@@ -39,6 +41,7 @@ pub fn parse_speculative_config(text: &str) -> Result<NgramDraft, String> {
         num_tokens,
         min_n,
         max_n,
+        disable_by_batch_size: c.disable_by_batch_size,
     };
     draft.check()?;
     Ok(draft)
@@ -63,6 +66,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!((d.min_n, d.max_n), (1, 4));
+        assert_eq!(d.disable_by_batch_size, None);
+        let d = parse_speculative_config(
+            r#"{"method":"ngram","num_speculative_tokens":3,"disable_by_batch_size":8}"#,
+        )
+        .unwrap();
+        assert_eq!(d.disable_by_batch_size, Some(8));
     }
 
     #[test]
@@ -74,6 +83,14 @@ mod tests {
                 "\"eagle\" is not available",
             ),
             (r#"{"method":"ngram"}"#, "num_speculative_tokens is missing"),
+            (
+                r#"{"method":"ngram","num_speculative_tokens":2,"disable_by_batch_size":1}"#,
+                "disable_by_batch_size 1 must be at least 2",
+            ),
+            (
+                r#"{"method":"ngram","num_speculative_tokens":2,"disable_by_batch_size":-3}"#,
+                "not a speculative configuration",
+            ),
             (
                 r#"{"method":"ngram","num_speculative_tokens":0}"#,
                 "num_speculative_tokens 0",
