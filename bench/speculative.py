@@ -7,12 +7,17 @@ draft tokens kept, and checks that both servers wrote the same text.
 
     python3 bench/speculative.py [--kura target/release/kura] [--model PATH] [--threads 1,2] [--runs 5]
         [--config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}']
+        [--concurrency N]
+
+With `--concurrency N` each run sends N requests of the task at once (each its own cache salt) and the rate is
+theirs together: their tokens after each one's first, over the time from the first of those to the last.
 
 Tasks: `copy` (a completion that goes on copying a paragraph), `edit` (a function with one name changed), `free` (a story: little
 repeats, so drafts are mostly given back: the cost of drafting where it does not help).
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -109,7 +114,17 @@ def decode(url: str, model: str, task: tuple[str, str], max_tokens: int) -> tupl
                     first = first or now
                     last = now
                     text += piece
-    return (tokens - 1) / (last - first), tokens, text
+    return (tokens - 1) / (last - first), tokens, text, first, last
+
+
+def decode_together(url: str, model: str, task: tuple[str, str], max_tokens: int, n: int) -> tuple[float, int, str]:
+    """`decode` of `n` requests at once: their decode rate together, the first one's tokens and text."""
+    if n == 1:
+        return decode(url, model, task, max_tokens)[:3]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        done = list(pool.map(lambda _: decode(url, model, task, max_tokens), range(n)))
+    span = max(d[4] for d in done) - min(d[3] for d in done)
+    return sum(d[1] - 1 for d in done) / span, done[0][1], done[0][2]
 
 
 def main() -> None:
@@ -119,12 +134,16 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--config", default=json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
     a = ap.parse_args()
     model = a.model or subprocess.run([str(REPO / "scripts/fetch-model.sh")], capture_output=True, text=True,
                                       check=True).stdout.strip()
-    print(f"speculative config: {a.config}; {a.runs} runs each, interleaved; medians\n")
+    if a.concurrency < 1:
+        raise SystemExit(f"--concurrency must be at least 1, got {a.concurrency}")
+    print(f"speculative config: {a.config}; {a.runs} runs each, interleaved; {a.concurrency} request(s) at once; "
+          "medians\n")
     print("| threads | task | tokens | plain tok/s | drafting tok/s | ratio | draft tokens kept | same text |")
     print("|---:|---|---:|---:|---:|---:|---:|---|")
     for threads in [int(t) for t in a.threads.split(",")]:
@@ -138,7 +157,7 @@ def main() -> None:
                 d0, k0 = spec_metrics(spec_url)
                 for _ in range(a.runs):
                     for mode, url in (("plain", plain_url), ("spec", spec_url)):
-                        rate, tokens, text = decode(url, name, spec_of, a.max_tokens)
+                        rate, tokens, text = decode_together(url, name, spec_of, a.max_tokens, a.concurrency)
                         rates[mode].append(rate)
                         texts[mode], counts[mode] = text, tokens
                 d1, k1 = spec_metrics(spec_url)
