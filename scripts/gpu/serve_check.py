@@ -314,13 +314,18 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
     device: a completion that goes on copying the text it was given, greedy, the same text from both, with
     drafts checked (the CUDA executor checks them in one step with the other sequences, its output head
     on each draft position). On a GPU the drafting server's pool is `kura plan --speculative-config`'s:
-    its logits buffers hold a row per draft token."""
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                       "prompt_lookup_max": 4})
+    its logits buffers hold a row per draft token; and a third server, whose drafting pauses at 8 decoding
+    sequences (`disable_by_batch_size`: rows for 7 sequences' drafts), plans as `kura plan` does too and
+    gives the same text (its one request drafts)."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = json.dumps(config)
+    modes = [("plain", []), ("drafting", ["--speculative-config", spec])]
+    if device == "cuda":
+        modes.append(("paused at 8", ["--speculative-config", json.dumps(config | {"disable_by_batch_size": 8})]))
     text = prompt_text(random.Random(300), words)
     prompt = "Notes:\n" + text + "\n\nThe same notes again:\n" + text[:40]
     out, failures = {}, []
-    for mode, flags in [("plain", []), ("drafting", ["--speculative-config", spec])]:
+    for mode, flags in modes:
         kv = GPU_KV if device == "cuda" else "256MiB"
         try:
             proc, url, log = start(kura, model, device, "--kv-cache-memory", kv, *flags)
@@ -343,10 +348,11 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
     (drafted, kept) = out["drafting"][1]
     print(f"speculative decoding: {drafted:.0f} draft tokens checked, {kept:.0f} kept; "
           f"the same text: {out['plain'][0] == out['drafting'][0]}")
-    if out["plain"][0] != out["drafting"][0]:
-        failures.append(f"speculative decoding: the text {out['drafting'][0]!r}, without drafts {out['plain'][0]!r}")
-    if drafted <= 0:
-        failures.append("speculative decoding: no draft was checked")
+    for mode, (text, (checked, _)) in out.items():
+        if text != out["plain"][0]:
+            failures.append(f"speculative decoding, {mode}: the text {text!r}, without drafts {out['plain'][0]!r}")
+        if mode != "plain" and checked <= 0:
+            failures.append(f"speculative decoding, {mode}: no draft was checked")
     return failures
 
 
