@@ -21,7 +21,10 @@ start=$(date +%s)
 mkdir -p "$out/all" "$out/tiers"
 # gpu-bin/ may have travelled packed (scripts/gpu/pack.sh: device-pack/, 10 MB in place of 42).
 bash scripts/gpu/unpack.sh || exit 1
-bash scripts/gpu/all.sh "$out/all" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" >"$out/all.log" 2>&1
+# Each step also under a limit of its own from outside, so that nothing it leaves hanging (a model made
+# again, a server) outlasts the deadline and the packing below.
+timeout -k 10 $((${TEST_LIMIT_S:-220} + ${BENCH_LIMIT_S:-250} + 30)) \
+  bash scripts/gpu/all.sh "$out/all" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" >"$out/all.log" 2>&1
 all_rc=$?
 left=$((deadline - ($(date +%s) - start) - 15))
 tiers_rc=0
@@ -30,7 +33,7 @@ tiers_rc=0
 tiers_limit=$((left - 45 >= ${TIERS_MIN_S:-100} ? left - 45 : left))
 [ "$tiers_limit" -le 200 ] || tiers_limit=200
 if [ "$left" -ge "${TIERS_MIN_S:-100}" ]; then
-  bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
+  timeout -k 10 $((tiers_limit + 10)) bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
   tiers_rc=$?
 else
   echo "tiers.sh not run: ${left} s left before the ${deadline} s deadline" | tee "$out/tiers/summary.txt"
@@ -40,7 +43,7 @@ fi
 left=$((deadline - ($(date +%s) - start) - 10))
 work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
 if [ "$left" -ge 30 ] && [ -f "$work/smol/config.json" ]; then
-  DEADLINE_S=$((left - 15)) bash bench/device/kura-threads.sh gpu-bin/kura "$work/smol" "$out/tiers/threads.jsonl" \
+  DEADLINE_S=$((left - 15)) timeout -k 5 "$left" bash bench/device/kura-threads.sh gpu-bin/kura "$work/smol" "$out/tiers/threads.jsonl" \
     >"$out/threads.md" 2>&1 || echo "bench/device/kura-threads.sh failed" >>"$out/threads.md"
 else
   echo "bench/device/kura-threads.sh not run: ${left} s left, or no model at $work/smol" >"$out/threads.md"
@@ -51,7 +54,11 @@ for f in kura.jsonl hf.jsonl; do
   [ -f "$out/all/bench/$f" ] && cp "$out/all/bench/$f" "$out/$f"
 done
 [ -f "$out/tiers/hostconvoy.json" ] && cp "$out/tiers/hostconvoy.json" "$out/hostconvoy.json"
-(cd "$out" && tar czf logs.tgz all tiers all.log tiers.log --remove-files 2>/dev/null) || echo "packing the logs failed" >&2
+logs=()
+for p in all tiers all.log tiers.log; do [ -e "$out/$p" ] && logs+=("$p"); done
+(cd "$out" && tar czf logs.tgz "${logs[@]}" --remove-files) || echo "packing the logs failed" >&2
+# A file over 16 MiB does not come back from the device machine.
+echo "logs.tgz: $(du -b "$out/logs.tgz" 2>/dev/null | cut -f1) bytes (at most 16 MiB come back)"
 echo "== session: all.sh exit $all_rc, tiers.sh exit $tiers_rc, $(($(date +%s) - start)) s"
 cat "$out/all-summary.txt" "$out/tiers-summary.txt" "$out/threads.md"
 exit $((all_rc | tiers_rc))

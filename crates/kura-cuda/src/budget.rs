@@ -155,8 +155,11 @@ impl Drafts {
     pub const NONE: Drafts = Drafts { tokens: 0, seqs: 0 };
 
     /// Drafts of up to `tokens` tokens, by every sequence or (`paused_at`: drafting pauses in a step
-    /// of that many decoding sequences) by fewer than `paused_at`.
+    /// of that many decoding sequences) by fewer than `paused_at`; [`Drafts::NONE`] for 0 tokens.
     pub fn of(tokens: usize, paused_at: Option<usize>) -> Drafts {
+        if tokens == 0 {
+            return Drafts::NONE;
+        }
         Drafts {
             tokens,
             seqs: paused_at.map_or(usize::MAX, |n| n.saturating_sub(1)),
@@ -305,8 +308,8 @@ pub struct PoolPlan {
     /// The step budget the activation buffers are sized for.
     pub max_tokens: usize,
     pub max_seqs: usize,
-    /// Draft tokens a sequence's step may check, and the output head's rows ([`head_rows`]).
-    pub draft_tokens: usize,
+    /// The drafts a step may check, and the output head's rows ([`head_rows`]).
+    pub drafts: Drafts,
     pub head_rows: usize,
 }
 
@@ -326,7 +329,6 @@ pub fn plan_pool(
     let weights_bytes = weight_bytes(d);
     let rows = head_rows(max_tokens, max_seqs, drafts);
     let activations = step_activation_bytes(d, max_tokens, max_seqs, drafts);
-    let draft_tokens = drafts.tokens;
     let base = match request {
         PoolRequest::Utilization(u) if !(u > 0.0 && u <= 1.0) => {
             return Err(format!("a memory utilization must be in (0, 1], got {u}"))
@@ -352,7 +354,7 @@ pub fn plan_pool(
             gb(weights_bytes),
             gb(CONTEXT_BYTES),
             gb(activations),
-            drafts_note(draft_tokens, rows),
+            drafts_note(drafts, max_seqs, rows),
             gb(DEVICE_RESERVE),
             gb(needs),
             gb(base),
@@ -395,17 +397,22 @@ pub fn plan_pool(
         num_blocks: budget_bytes / block_bytes.max(1),
         max_tokens,
         max_seqs,
-        draft_tokens,
+        drafts,
         head_rows: rows,
     })
 }
 
-/// `, each checking up to K draft tokens: R rows of logits` where a step checks drafts.
-pub fn drafts_note(draft_tokens: usize, rows: usize) -> String {
-    if draft_tokens == 0 {
+/// `, each checking up to K draft tokens: R rows of logits` where a step of up to `max_seqs` sequences
+/// checks `drafts` (`, up to S of them checking …` where fewer may draft at once).
+pub fn drafts_note(drafts: Drafts, max_seqs: usize, rows: usize) -> String {
+    let k = drafts.tokens;
+    if k == 0 || drafts.seqs == 0 {
         String::new()
+    } else if drafts.seqs >= max_seqs {
+        format!(", each checking up to {k} draft tokens: {rows} rows of logits")
     } else {
-        format!(", each checking up to {draft_tokens} draft tokens: {rows} rows of logits")
+        let s = drafts.seqs;
+        format!(", up to {s} of them checking up to {k} draft tokens each: {rows} rows of logits")
     }
 }
 
@@ -522,6 +529,11 @@ mod tests {
         let drafts = plan(every(4)).unwrap();
         let paused = plan(Drafts::of(4, Some(16))).unwrap();
         assert_eq!(paused.head_rows, 64 + 15 * 4);
+        assert_eq!(
+            drafts_note(paused.drafts, 64, paused.head_rows),
+            ", up to 15 of them checking up to 4 draft tokens each: 124 rows of logits"
+        );
+        assert_eq!(drafts_note(Drafts::NONE, 64, 64), "");
         assert!(paused.left_bytes > drafts.left_bytes && paused.left_bytes < plain.left_bytes);
         assert_eq!((plain.head_rows, drafts.head_rows), (64, 320));
         assert_eq!(

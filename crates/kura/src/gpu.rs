@@ -188,7 +188,7 @@ impl GpuSetup {
             gb(plan.activation_bytes),
             self.max_tokens,
             self.max_seqs,
-            budget::drafts_note(self.drafts.tokens, plan.head_rows),
+            budget::drafts_note(self.drafts, self.max_seqs, plan.head_rows),
             gb(plan.reserve_bytes),
             gb(plan.left_bytes),
             gb(measured_left),

@@ -533,7 +533,8 @@ fn cuda_json(c: &PoolPlan) -> serde_json::Value {
         "num_blocks": c.num_blocks,
         "max_num_batched_tokens": c.max_tokens,
         "max_num_seqs": c.max_seqs,
-        "num_speculative_tokens": c.draft_tokens,
+        "num_speculative_tokens": c.drafts.tokens,
+        "drafting_seqs": c.drafts.seqs.min(c.max_seqs),
         "logits_rows": c.head_rows,
     })
 }
@@ -683,7 +684,7 @@ fn print_cuda(c: &PoolPlan, memory_note: &str) {
         format_bytes(c.activation_bytes),
         c.max_tokens,
         c.max_seqs,
-        kura_cuda::budget::drafts_note(c.draft_tokens, c.head_rows)
+        kura_cuda::budget::drafts_note(c.drafts, c.max_seqs, c.head_rows)
     );
     println!(
         "  − reserve            {:>12}  attention partials, step metadata, cuBLAS",
