@@ -82,7 +82,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
     /// With --gpu: as `kura serve --speculative-config` (the GPU's logits buffers hold a row for each
-    /// draft token a step checks too).
+    /// draft token a step checks too; with `disable_by_batch_size` N, those of N − 1 sequences).
     #[arg(long, value_parser = crate::speculative::parse_speculative_config)]
     speculative_config: Option<kura_engine::NgramDraft>,
     /// Admission, as `kura serve --scheduling`: with `guaranteed` the plan also says how many requests

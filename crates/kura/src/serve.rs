@@ -128,7 +128,8 @@ pub struct ServeArgs {
     /// tokens, the longest first) earlier in its prompt and output, and checks up to
     /// `num_speculative_tokens` of them in its next step. The output is what decoding one token a
     /// step gives, bit for bit (seeded sampling included); drafts only save steps where text repeats
-    /// (quoting, editing, extraction). Off by default; not with the hybrid pool (`--no-hybrid-pool`).
+    /// (quoting, editing, extraction). `disable_by_batch_size` N: no drafts in a step where N or more
+    /// sequences decode. Off by default; not with the hybrid pool (`--no-hybrid-pool`).
     #[arg(long, value_parser = crate::speculative::parse_speculative_config)]
     speculative_config: Option<kura_engine::NgramDraft>,
     /// Give a model with sliding-window layers whole-model blocks (every layer holding the whole
