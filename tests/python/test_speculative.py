@@ -67,6 +67,12 @@ def test_greedy_repeated_text_takes_fewer_steps_with_the_same_tokens(servers):
     # Each accepted draft token is a token without a step of its own.
     plain_steps = p1[3] - p0[3]
     assert steps == plain_steps - accepted, (steps, plain_steps, accepted)
+    # vLLM's acceptance by position: one series per draft position (4), the kept tokens in all.
+    m = spec.metrics()
+    per_pos = [m[f'kura:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(4)]
+    assert f'kura:spec_decode_num_accepted_tokens_per_pos_total{{position="4"}}' not in m
+    assert sum(per_pos) == s1[2] and per_pos == sorted(per_pos, reverse=True) and per_pos[3] > 0, per_pos
+    assert not any("per_pos" in k for k in plain.metrics()), "the plain server has no draft positions"
 
 
 @pytest.mark.parametrize("kw", [

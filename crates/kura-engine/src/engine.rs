@@ -178,6 +178,11 @@ pub fn start_engine(
         }
     }
     let metrics = Arc::new(EngineMetrics::default());
+    if let Some(draft) = &config.speculative {
+        metrics
+            .spec_positions
+            .store(draft.num_tokens, std::sync::atomic::Ordering::Relaxed);
+    }
     let remote = match &config.remote {
         None => None,
         Some(setup) => {
@@ -1401,6 +1406,14 @@ impl Core {
             }
         }
         self.metrics.spec_accepted_tokens.add(accepted);
+        for kept in self
+            .metrics
+            .spec_accepted_per_pos
+            .iter()
+            .take(accepted as usize)
+        {
+            kept.add(1);
+        }
         if let (Some(seq), Some(config)) = (self.seqs.get_mut(&key), self.config.speculative) {
             seq.draft_room = Some(crate::next_draft_room(
                 draft.len(),

@@ -55,6 +55,10 @@ pub struct EngineMetrics {
     pub spec_accepted_tokens: Counter,
     /// Passes in which no sequence drafted because at least `disable_by_batch_size` decoded.
     pub spec_paused_steps: Counter,
+    /// Draft tokens kept by their position in the draft (0: its first), for the first
+    /// `spec_positions` positions (`num_speculative_tokens`; 0 without speculative decoding).
+    pub spec_accepted_per_pos: [Counter; crate::draft::MAX_DRAFT_TOKENS],
+    pub spec_positions: std::sync::atomic::AtomicUsize,
     // requests
     pub requests_finished_stop: Counter,
     pub requests_finished_length: Counter,
@@ -340,6 +344,21 @@ impl EngineMetrics {
             "Draft tokens the sampler drew as proposed, kept without a step of their own.",
             self.spec_accepted_tokens.get(),
         );
+        let positions = self
+            .spec_positions
+            .load(Ordering::Relaxed)
+            .min(self.spec_accepted_per_pos.len());
+        if positions > 0 {
+            let name = "kura:spec_decode_num_accepted_tokens_per_pos_total";
+            e.family(
+                name,
+                "Draft tokens kept, by their position in their draft (0: a draft's first token).",
+                Kind::Counter,
+            );
+            for (i, c) in self.spec_accepted_per_pos[..positions].iter().enumerate() {
+                e.sample(name, &[("position", &i.to_string())], c.get());
+            }
+        }
         e.counter(
             "kura:spec_decode_paused_steps_total",
             "Passes in which no sequence drafted: at least disable_by_batch_size sequences decoded.",

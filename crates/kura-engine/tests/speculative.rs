@@ -77,6 +77,7 @@ fn run(config: EngineConfig) -> (Vec<Outcome>, f64, f64) {
 /// [`run`] for these requests, with the passes in which drafting paused
 /// (`kura:spec_decode_paused_steps_total`).
 fn run_these(config: EngineConfig, rs: Vec<GenerateRequest>) -> (Vec<Outcome>, f64, f64, f64) {
+    let config_drafts = config.speculative.map(|d| d.num_tokens);
     let fake = start(config);
     let e = &fake.engine;
     let pending: Vec<_> = rs.iter().map(|r| submit(e, r.clone())).collect();
@@ -96,6 +97,24 @@ fn run_these(config: EngineConfig, rs: Vec<GenerateRequest>) -> (Vec<Outcome>, f
     }
     let preemptions = metric(e, "kura:num_preemptions_total");
     let paused = metric(e, "kura:spec_decode_paused_steps_total");
+    // Kept tokens by their position in the draft: one series per position up to
+    // num_speculative_tokens, together the kept tokens, fewer at each later position.
+    let text = e.metrics().render_prometheus();
+    let per_pos: Vec<f64> = text
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("kura:spec_decode_num_accepted_tokens_per_pos_total{position=\"")
+        })
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    match &config_drafts {
+        Some(k) => {
+            assert_eq!(per_pos.len(), *k, "{text}");
+            assert_eq!(per_pos.iter().sum::<f64>(), accepted);
+            assert!(per_pos.windows(2).all(|w| w[0] >= w[1]), "{per_pos:?}");
+        }
+        None => assert!(per_pos.is_empty(), "{per_pos:?}"),
+    }
     let every_position = fake.control.every_position_calls().len();
     e.stop();
     if drafted > 0.0 {
