@@ -3,7 +3,7 @@
 # scripts/gpu/all.sh (the GPU tests, then bench/gpu.sh), then scripts/gpu/tiers.sh (the host tier through
 # `kura serve --device cuda`) in what is left before DEADLINE_S,
 # then Kura's CPU decode across thread counts on the machine's cores (bench/device/kura-threads.sh) in what
-# is left, then a file set that comes back whole: at most 8 files, none deeper than two folders
+# is left, then a file set that comes back whole: at most 7 files, none deeper than two folders
 # (OUT_DIR/all-summary.txt, tiers-summary.txt, threads.md, the benchmark's JSON lines and one archive of
 # every log). The summaries are printed last.
 # Usage, on the GPU machine with gpu-bin/ (or device-pack/) and .whl/ carried (scripts/gpu-build.sh,
@@ -14,7 +14,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 out=${1:?usage: scripts/gpu/session.sh OUT_DIR}
 deadline=${DEADLINE_S:-570}
-for v in "$deadline" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" "${TIERS_MIN_S:-100}"; do
+test_limit=${TEST_LIMIT_S:-220}
+bench_limit=${BENCH_LIMIT_S:-250}
+tiers_min=${TIERS_MIN_S:-100}
+for v in "$deadline" "$test_limit" "$bench_limit" "$tiers_min"; do
   case "$v" in '' | *[!0-9]* | 0) echo "session.sh: limits are whole seconds above 0, got '$v'" >&2; exit 2 ;; esac
 done
 start=$(date +%s)
@@ -23,16 +26,16 @@ mkdir -p "$out/all" "$out/tiers"
 bash scripts/gpu/unpack.sh || exit 1
 # Each step also under a limit of its own from outside, so that nothing it leaves hanging (a model made
 # again, a server) outlasts the deadline and the packing below.
-timeout -k 10 $((${TEST_LIMIT_S:-220} + ${BENCH_LIMIT_S:-250} + 30)) \
-  bash scripts/gpu/all.sh "$out/all" "${TEST_LIMIT_S:-220}" "${BENCH_LIMIT_S:-250}" >"$out/all.log" 2>&1
+timeout -k 10 $((test_limit + bench_limit + 30)) \
+  bash scripts/gpu/all.sh "$out/all" "$test_limit" "$bench_limit" >"$out/all.log" 2>&1
 all_rc=$?
 left=$((deadline - ($(date +%s) - start) - 15))
 tiers_rc=0
 # tiers.sh gives each of its two steps half its limit: at most 200 s in all, and 45 s kept for the thread
 # counts below where that still leaves it TIERS_MIN_S.
-tiers_limit=$((left - 45 >= ${TIERS_MIN_S:-100} ? left - 45 : left))
+tiers_limit=$((left - 45 >= tiers_min ? left - 45 : left))
 [ "$tiers_limit" -le 200 ] || tiers_limit=200
-if [ "$left" -ge "${TIERS_MIN_S:-100}" ]; then
+if [ "$left" -ge "$tiers_min" ]; then
   timeout -k 10 $((tiers_limit + 10)) bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
   tiers_rc=$?
 else

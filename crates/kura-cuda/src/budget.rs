@@ -154,6 +154,11 @@ impl Drafts {
     /// No drafts.
     pub const NONE: Drafts = Drafts { tokens: 0, seqs: 0 };
 
+    /// Whether no step checks a draft token.
+    pub fn is_none(self) -> bool {
+        self.tokens == 0 || self.seqs == 0
+    }
+
     /// Drafts of up to `tokens` tokens, by every sequence or (`paused_at`: drafting pauses in a step
     /// of that many decoding sequences) by fewer than `paused_at`; [`Drafts::NONE`] for 0 tokens.
     pub fn of(tokens: usize, paused_at: Option<usize>) -> Drafts {
@@ -172,7 +177,7 @@ impl Drafts {
 /// one per draft token — never more than the step's tokens. What the per-sequence buffers
 /// ([`Per::Seq`]) are sized for.
 pub fn head_rows(max_tokens: usize, max_seqs: usize, drafts: Drafts) -> usize {
-    if drafts.tokens == 0 || drafts.seqs == 0 {
+    if drafts.is_none() {
         return max_seqs;
     }
     max_seqs
@@ -406,7 +411,7 @@ pub fn plan_pool(
 /// checks `drafts` (`, up to S of them checking …` where fewer may draft at once).
 pub fn drafts_note(drafts: Drafts, max_seqs: usize, rows: usize) -> String {
     let k = drafts.tokens;
-    if k == 0 || drafts.seqs == 0 {
+    if drafts.is_none() {
         String::new()
     } else if drafts.seqs >= max_seqs {
         format!(", each checking up to {k} draft tokens: {rows} rows of logits")
@@ -567,16 +572,8 @@ mod tests {
         let d = llama8b();
         let block = 16 * 131_072;
         let total = 80_000_000_000;
-        let all = plan_pool(
-            &d,
-            total,
-            PoolRequest::Share(1.0),
-            8192,
-            64,
-            Drafts::NONE,
-            block,
-        )
-        .unwrap();
+        let plan = |request| plan_pool(&d, total, request, 8192, 64, Drafts::NONE, block);
+        let all = plan(PoolRequest::Share(1.0)).unwrap();
         assert_eq!(
             all.left_bytes,
             total
@@ -586,49 +583,13 @@ mod tests {
                 - DEVICE_RESERVE
         );
         assert_eq!(all.num_blocks, all.left_bytes / block);
-        let half = plan_pool(
-            &d,
-            total,
-            PoolRequest::Share(0.5),
-            8192,
-            64,
-            Drafts::NONE,
-            block,
-        )
-        .unwrap();
+        let half = plan(PoolRequest::Share(0.5)).unwrap();
         assert_eq!(half.budget_bytes, all.left_bytes / 2);
-        let util = plan_pool(
-            &d,
-            total,
-            PoolRequest::Utilization(0.9),
-            8192,
-            64,
-            Drafts::NONE,
-            block,
-        )
-        .unwrap();
+        let util = plan(PoolRequest::Utilization(0.9)).unwrap();
         assert_eq!(util.budget_bytes, 72_000_000_000 - (total - all.left_bytes));
-        let one = plan_pool(
-            &d,
-            total,
-            PoolRequest::Bytes(1 << 30),
-            8192,
-            64,
-            Drafts::NONE,
-            block,
-        )
-        .unwrap();
+        let one = plan(PoolRequest::Bytes(1 << 30)).unwrap();
         assert_eq!(one.num_blocks, 512);
-        let e = plan_pool(
-            &d,
-            total,
-            PoolRequest::Bytes(total),
-            8192,
-            64,
-            Drafts::NONE,
-            block,
-        )
-        .unwrap_err();
+        let e = plan(PoolRequest::Bytes(total)).unwrap_err();
         assert!(e.contains("are left of the device"), "{e}");
         let e = plan_pool(
             &d,
@@ -641,15 +602,6 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("does not fit") && e.contains("short by"), "{e}");
-        assert!(plan_pool(
-            &d,
-            total,
-            PoolRequest::Share(1.5),
-            8192,
-            64,
-            Drafts::NONE,
-            block
-        )
-        .is_err());
+        assert!(plan(PoolRequest::Share(1.5)).is_err());
     }
 }
