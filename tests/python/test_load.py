@@ -1,4 +1,5 @@
-"""Many clients at once: a shared system prompt computed once, and overload against a small KV pool."""
+"""Many clients at once: a shared system prompt computed once, overload against a small KV pool, and a
+long prompt cut into steps beside a stream (`--prefill-step-ms`)."""
 
 import asyncio
 import threading
@@ -240,3 +241,60 @@ def test_a_client_that_half_closes_is_taken_as_gone():
         sock.close()
     finally:
         s.stop()
+
+
+def streams_beside_a_long_prompt(s: KuraServer) -> tuple[int, str, str, float]:
+    """A streams 160 tokens; once it has 5, B sends a ~1,500-token prompt. Returns how many of A's tokens
+    arrived between B's request and B's first token, A's and B's texts, and the prefill cap gauge."""
+    model = s.model()
+    client = s.client()
+    arrivals: list[float] = []
+    a_text: list[str] = []
+    started = threading.Event()
+
+    def stream_a():
+        stream = client.completions.create(model=model, prompt="Count from one to a thousand:", max_tokens=160,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                arrivals.append(time.monotonic())
+                a_text.append(chunk.choices[0].text)
+                if len(arrivals) == 5:
+                    started.set()
+
+    a = threading.Thread(target=stream_a)
+    a.start()
+    assert started.wait(60), "A streams"
+    sent = time.monotonic()
+    first = None
+    b_text = []
+    for chunk in client.completions.create(model=model, prompt=long_text(1400, seed=5), max_tokens=4,
+                                           temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            first = first or time.monotonic()
+            b_text.append(chunk.choices[0].text)
+    a.join(120)
+    assert first is not None and not a.is_alive()
+    between = sum(1 for t in arrivals if sent < t < first)
+    return between, "".join(a_text), "".join(b_text), s.metrics()["kura:prefill_cap_tokens"]
+
+
+def test_a_long_prompt_beside_a_stream_is_cut_into_steps_and_the_stream_keeps_coming():
+    # --prefill-step-ms 1: far below a decode step, so each step beside A's decode takes the floor of
+    # 64 prompt tokens and B's ~1,500 tokens take about 23 steps, each with one of A's tokens.
+    runs = {}
+    for step in ("1", "0"):
+        s = KuraServer("--prefill-step-ms", step, *EXACT)
+        try:
+            runs[step] = streams_beside_a_long_prompt(s)
+        finally:
+            s.stop()
+    (between_cut, a_cut, b_cut, cap_cut), (between_whole, a_whole, b_whole, cap_whole) = runs["1"], runs["0"]
+    # The gauge: the floor of 64 tokens with the cut, 0 without one.
+    assert (cap_cut, cap_whole) == (64, 0), (cap_cut, cap_whole)
+    print(f"\nA's tokens while B's prompt was computed: cut {between_cut}, whole {between_whole}")
+    # Uncut, B's prompt is one step that A waits for; cut, A's tokens keep coming while it is computed.
+    assert between_whole <= 6, between_whole
+    assert between_cut >= 12, between_cut
+    # The same texts either way.
+    assert (a_cut, b_cut) == (a_whole, b_whole)

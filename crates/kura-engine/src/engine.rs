@@ -49,6 +49,7 @@ use crate::remote::{Adoption, RemoteTier, RemoteTierSetup};
 use crate::request::{CacheMiss, EngineEvent, FinishReason, MissReason, RequestError, Usage};
 use crate::seq::{Group, Seq};
 use crate::tiers::{LoadDone, TierIo, TierSetup};
+use kura_sched::pace::PrefillPace;
 use kura_sched::{
     AdmissionMode, Item, OutputLimit, Plan, PreemptionMode, SchedEvent, Scheduler, SchedulerConfig,
     SchedulingPolicy, SeqKey,
@@ -101,6 +102,10 @@ pub struct EngineConfig {
     /// Speculative decoding by n-gram lookup ([`crate::NgramDraft`]); off by default. Not with a
     /// hybrid pool.
     pub speculative: Option<NgramDraft>,
+    /// While a sequence decodes, a step computes only as many prompt tokens as take about this long
+    /// at the measured prefill rate ([`kura_sched::pace`]), so that decodes do not wait for whole
+    /// prompts; `None` (the default here; `kura serve` sets it): the step's token budget alone.
+    pub prefill_step: Option<Duration>,
 }
 
 /// Tokens of the largest forward step by default (vLLM's chunked-prefill budget); `kura plan` sizes its
@@ -132,6 +137,7 @@ impl Default for EngineConfig {
             tier_cost: TierCostCheck::Off,
             score_rows_bytes: SCORE_ROWS_BYTES,
             speculative: None,
+            prefill_step: None,
         }
     }
 }
@@ -354,6 +360,7 @@ pub fn start_engine(
         );
     }
     let config_block_size = config.block_size_tokens;
+    let pace = config.prefill_step.map(PrefillPace::new);
     let core = Core {
         out: Outbox {
             tx: out_tx,
@@ -378,6 +385,7 @@ pub fn start_engine(
         pins: PinTable::new(pin_budget, config_block_size),
         remote,
         cost,
+        pace,
         seen: SeenLog::default(),
         tick_times: TickTimes::default(),
         store_ahead,
@@ -418,6 +426,8 @@ struct Core {
     remote: Option<RemoteTier>,
     /// The tier cost check's rates and decisions.
     cost: CostModel,
+    /// The prefill cap's figures, when steps beside decodes are paced.
+    pace: Option<PrefillPace>,
     /// (KV manager tick, time) samples: the ages of [`inspect`]'s prefixes.
     tick_times: TickTimes,
     /// Recent sequences per cache salt, to tell why a prompt missed the cache.
@@ -937,6 +947,12 @@ impl Core {
         // This pass sees every load reported so far.
         self.loads_landed = false;
         self.propose_drafts();
+        if let Some(p) = &self.pace {
+            let cap = p.cap();
+            self.sched.set_prefill_cap(Some(cap));
+            let first = cap.fit(0, cap.room_s).max(cap.min_tokens);
+            self.metrics.prefill_cap_tokens.set(first as f64);
+        }
         let mut plan = self.sched.schedule(self.started.elapsed());
         self.metrics.pending_waits.add(plan.pending_waits);
         for event in std::mem::take(&mut plan.events) {
@@ -1809,9 +1825,11 @@ impl Core {
     }
 
     /// A step that was mostly prefill (at least a block's worth of tokens, nine in ten of them in
-    /// chunks longer than one token) is a sample of the prefill rate.
+    /// chunks longer than one token) is a sample of the prefill rate; every step (its prompt chunks,
+    /// decode tokens and time) is one for the prefill cap's pace.
     fn observe_prefill(&mut self, plan: &Plan, forward: Duration) {
         let (mut all, mut prefill) = (0, 0);
+        let mut prompt = Vec::new();
         for it in &plan.items {
             let n = it.end - it.start;
             all += n;
@@ -1819,9 +1837,16 @@ impl Core {
             if n > 1 && self.sched.num_draft(it.seq) == 0 {
                 prefill += n;
             }
+            if self.sched.is_prefilling(it.seq) {
+                prompt.push((it.start, n));
+            }
         }
         if prefill >= self.config.block_size_tokens && prefill * 10 >= all * 9 {
             self.cost.observe_prefill(all, forward);
+        }
+        if let Some(p) = &mut self.pace {
+            let decode = all - prompt.iter().map(|c| c.1).sum::<usize>();
+            p.observe(&prompt, decode, forward);
         }
     }
 

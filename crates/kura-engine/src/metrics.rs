@@ -86,6 +86,8 @@ pub struct EngineMetrics {
     pub tier_cost: [TierCostMetrics; 3],
     /// The prefill rate the tier cost check uses (tokens per second).
     pub prefill_tokens_per_s: Gauge,
+    /// The prompt tokens a step beside decodes may compute (`EngineConfig::prefill_step`); 0: no cap.
+    pub prefill_cap_tokens: Gauge,
     /// The lower tiers: host memory (L2) and disk (L3).
     pub host: TierMetrics,
     pub disk: TierMetrics,
@@ -552,6 +554,11 @@ impl EngineMetrics {
             "kura:prefill_tokens_per_second",
             "Prefill rate the tier cost check compares the tiers with (tokens per second of forward steps that are mostly prefill).",
             self.prefill_tokens_per_s.get(),
+        );
+        e.gauge(
+            "kura:prefill_cap_tokens",
+            "Prompt tokens a step that carries decodes may compute, sized to --prefill-step-ms at the measured prefill rate (0: no cap).",
+            self.prefill_cap_tokens.get(),
         );
         e.counter(
             "kura:kv_host_stored_ahead_blocks_total",

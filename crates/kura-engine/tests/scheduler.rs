@@ -1,5 +1,6 @@
 //! The scheduler with a deterministic stand-in model, so that batches can be inspected: chunked prefill
-//! mixed with decode in one forward call, the token budget and the sequence limit, and cached blocks
+//! mixed with decode in one forward call, the token budget and the sequence limit, the prefill cap beside
+//! decodes, and cached blocks
 //! reused by a later request. The stand-in's next token depends on the last input token and its position,
 //! so any mix-up of positions or block tables changes the output.
 
@@ -47,6 +48,69 @@ fn prefill_chunks_and_decode_tokens_share_forward_calls_within_the_budget() {
     assert_eq!(usage.cached_tokens, 99);
     e.stop();
     fresh.stop();
+}
+
+/// A decodes while B's prompt of 300 tokens arrives: every forward call, and B's and A's tokens.
+fn prompt_beside_a_decode(
+    prefill_step: Option<Duration>,
+) -> (Vec<common::Batch>, Vec<u32>, Vec<u32>, f64) {
+    let mut config = common::config(1024, 4096, 8);
+    config.prefill_step = prefill_step;
+    let fake = common::start(config);
+    let e = &fake.engine;
+    let (_a, a_rx) = submit(e, request(6, 40));
+    let first = a_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let EngineEvent::Delta { token_ids, .. } = first else {
+        panic!("A's first event: {first:?}")
+    };
+    let (_b, b_rx) = submit(e, common::distinct_request(3, 300, 4));
+    let (b_tokens, _) = wait(&b_rx);
+    let (mut a_tokens, _) = wait(&a_rx);
+    a_tokens.splice(0..0, token_ids);
+    let cap = common::metric(e, "kura:prefill_cap_tokens");
+    e.stop();
+    let batches = fake.batches.lock().unwrap().clone();
+    (batches, a_tokens, b_tokens, cap)
+}
+
+#[test]
+fn beside_decodes_a_prompt_is_cut_to_the_prefill_cap_and_the_tokens_stay_the_same() {
+    let (plain, a_plain, b_plain, cap) = prompt_beside_a_decode(None);
+    assert_eq!(cap, 0.0, "no cap without a target");
+    // Without a target the prompt goes in one call beside A's decode.
+    assert!(
+        plain.iter().any(|b| b.contains(&(0, 300))),
+        "B's prompt in one call: {plain:?}"
+    );
+    // A target far below a decode step's time: the cap is its floor, and B's prompt takes five calls
+    // of at most 64 tokens, each beside A's decode.
+    let (paced, a_paced, b_paced, cap) = prompt_beside_a_decode(Some(Duration::from_nanos(1)));
+    assert_eq!(cap, kura_sched::pace::MIN_CHUNK as f64);
+    // (A's own prompt of 6 went alone in the first call.)
+    assert_eq!(paced[0], vec![(0, 6)]);
+    let chunks: Vec<(usize, usize)> = paced[1..]
+        .iter()
+        .flat_map(|b| b.iter().copied().filter(|&(_, n)| n > 1))
+        .collect();
+    assert_eq!(
+        chunks,
+        vec![(0, 64), (64, 64), (128, 64), (192, 64), (256, 44)],
+        "{paced:?}"
+    );
+    assert!(
+        paced[1..]
+            .iter()
+            .filter(|b| b.iter().any(|&(_, n)| n > 1))
+            .all(|b| b.len() == 2 && b.iter().any(|&(_, n)| n == 1)),
+        "every chunk beside A's decode: {paced:?}"
+    );
+    // Cut or not, the same tokens.
+    assert_eq!((a_paced, b_paced), (a_plain.clone(), b_plain.clone()));
+    // A target of an hour at the start's assumed rate (a thousand tokens a second) cuts nothing.
+    let (long, a_long, b_long, cap) = prompt_beside_a_decode(Some(Duration::from_secs(3600)));
+    assert!(cap >= 3.6e6, "{cap}");
+    assert!(long.iter().any(|b| b.contains(&(0, 300))), "{long:?}");
+    assert_eq!((a_long, b_long), (a_plain, b_plain));
 }
 
 #[test]

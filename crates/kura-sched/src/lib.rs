@@ -36,7 +36,10 @@
 //!
 //! A chunk is the range `[computed, computable)` that the KV manager reports, cut to the step's token
 //! budget: tokens that another request is computing right now (pending blocks) are waited for, never
-//! computed twice. Prefill chunks and decode tokens go into the same forward call. Because effective
+//! computed twice. Prefill chunks and decode tokens go into the same forward call; while a sequence
+//! decodes, the prompt tokens of a step are also cut to the prefill cap ([`Scheduler::set_prefill_cap`],
+//! sized by [`pace::PrefillPace`] to a time per step), so that decodes do not wait for whole prompts,
+//! and no one is admitted past a prompt the cap holds back. Because effective
 //! priority falls linearly with age for everyone alike, the order of two requests never flips, so
 //! preemption cannot cycle, and a low-priority request eventually overtakes fresh higher-priority ones
 //! (no starvation). Cost: O(sequences · log sequences) per step plus the KV manager's calls.
@@ -44,8 +47,12 @@
 //! What the pass did besides planning (admissions with their prefix hits, preemptions, a request that
 //! can never fit) comes back as [`SchedEvent`]s in the [`Plan`], for the caller's metrics and clients.
 
+pub mod pace;
+
 use std::collections::HashMap;
 use std::time::Duration;
+
+use crate::pace::PrefillCap;
 
 use kura_kv::{
     BlockCopy, BlockId, CacheKey, EvictionPolicy, KvCacheConfig, KvCacheManager, KvError, PinId,
@@ -338,6 +345,8 @@ pub struct Scheduler {
     next_order: u64,
     /// Drafts proposed for the next pass ([`Scheduler::propose_draft`]).
     proposals: HashMap<SeqKey, Vec<u32>>,
+    /// What a step may compute of prompts while a sequence decodes ([`pace`]); `None`: the budget.
+    prefill_cap: Option<PrefillCap>,
 }
 
 impl Scheduler {
@@ -375,7 +384,23 @@ impl Scheduler {
             next_seq: 0,
             next_order: 0,
             proposals: HashMap::new(),
+            prefill_cap: None,
         })
+    }
+
+    /// From the next pass on, a step that carries a decoding sequence computes only the prompt tokens
+    /// (prompts and recomputation, every sequence's together) whose cost fits `cap`'s room, and at
+    /// least its `min_tokens` (and one), so that the decodes' next tokens do not wait for whole
+    /// prompts ([`pace::PrefillPace`] sizes it); `None`: only `max_num_batched_tokens` limits them. A
+    /// step without decodes is never cut.
+    pub fn set_prefill_cap(&mut self, cap: Option<PrefillCap>) {
+        self.prefill_cap = cap;
+    }
+
+    /// Whether a sequence is computing its prompt (or recomputing after preemption) rather than
+    /// decoding: what its planned item counts as ([`Computed::prefill`]) before the step is reported.
+    pub fn is_prefilling(&self, seq: SeqKey) -> bool {
+        self.seqs.get(&seq).is_some_and(|s| s.prefilling)
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -864,6 +889,11 @@ impl Scheduler {
 
         let mut plan = Plan::default();
         let mut budget = self.config.max_num_batched_tokens;
+        // What the step may still spend on prompts beside its decodes: seconds of the cap's room, and
+        // the prompt tokens planned so far (the cap's floor).
+        let cap = self.prefill_cap.filter(|_| self.any_decoding());
+        let mut prefill_room = cap.map_or(f64::INFINITY, |c| c.room_s);
+        let mut prefill_planned = 0usize;
         let mut admitting = true;
         for i in 0..cands.len() {
             if budget == 0 {
@@ -879,6 +909,12 @@ impl Scheduler {
                 continue;
             }
             if c.waiting {
+                // Admission's order stays FCFS: nobody is admitted past a prompt the cap holds back.
+                if cap
+                    .is_some_and(|c| prefill_room <= 0.0 && prefill_planned >= c.min_tokens.max(1))
+                {
+                    admitting = false;
+                }
                 if !admitting
                     || plan.waits_for_pins
                     || self.running.len() >= self.config.max_num_seqs
@@ -912,6 +948,14 @@ impl Scheduler {
                 Some(s) => budget.min(s.chunk),
                 None => budget,
             };
+            let prefilling = seq.prefilling;
+            let most = match cap {
+                Some(c) if prefilling => {
+                    let floor = c.min_tokens.max(1).saturating_sub(prefill_planned);
+                    most.min(c.fit(start, prefill_room).max(floor))
+                }
+                _ => most,
+            };
             let end = status.computable_tokens.min(start.saturating_add(most));
             let end = if end > start {
                 match self.fit_window(c.seq, id, start, end, &cands[i + 1..], &mut plan) {
@@ -928,6 +972,10 @@ impl Scheduler {
                     end,
                 });
                 budget -= end - start;
+                if let Some(c) = cap.filter(|_| prefilling) {
+                    prefill_room -= c.cost(start, end - start);
+                    prefill_planned += end - start;
+                }
             } else if status.waiting_blocks > 0 {
                 plan.pending_waits += 1;
             }
@@ -944,6 +992,18 @@ impl Scheduler {
             .map(|(c, _)| c)
             .collect();
         plan
+    }
+
+    /// Whether a running sequence decodes (holds blocks, has its prompt computed, and its client is not
+    /// behind): a step then carries it, and the prefill cap applies.
+    fn any_decoding(&self) -> bool {
+        self.running.iter().any(|k| {
+            self.seqs.get(k).is_some_and(|s| {
+                s.kv.is_some()
+                    && !s.prefilling
+                    && !self.requests.get(&s.request).is_some_and(|r| r.blocked)
+            })
+        })
     }
 
     /// Gives a running sequence the slots of its tokens not yet in the KV sequence (the token sampled in

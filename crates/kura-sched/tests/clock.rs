@@ -1,14 +1,15 @@
 //! The scheduler on its own, driven by a clock the test gives it and a pretend forward pass that computes
 //! whatever was planned: the same calls give the same plans, priorities age on the given clock (not on
 //! wall time), prompts are chunked within the token budget, a second request waits for blocks a first one
-//! is computing instead of computing them again, a full pool preempts the most recent request, and a draft
-//! (speculative decoding) is computed in its sequence's item, takes only free blocks that the sequences
+//! is computing instead of computing them again, a full pool preempts the most recent request, prompts
+//! beside decodes stay within the prefill cap, and a draft (speculative decoding) is computed in its sequence's item, takes only free blocks that the sequences
 //! after it do not need (no eviction, no preemption for it), and leaves what the sampler kept of it cached
 //! when the sequence ends on it.
 
 use std::time::Duration;
 
 use kura_kv::{CacheKey, EvictionPolicy};
+use kura_sched::pace::PrefillCap;
 use kura_sched::{
     Item, OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
 };
@@ -151,6 +152,61 @@ fn prompts_are_chunked_within_the_budget_and_decode_joins_them() {
     assert_eq!(items(&plan), vec![(a, 5, 6), (b, 14, 20)]);
     assert_eq!(s.tokens(b).len(), 21, "B sampled its first token");
     assert_eq!(s.num_generated(a), 4);
+}
+
+#[test]
+fn beside_a_decode_prompts_take_at_most_the_prefill_cap_a_step_and_alone_the_whole_budget() {
+    let mut s = Scheduler::new(config(64, 64, 8)).unwrap();
+    s.set_prefill_cap(Some(PrefillCap::tokens(5)));
+    // Nothing decodes yet: the first prompt takes the budget, whatever the cap.
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 12), LIMIT);
+    let plan = step(&mut s, Duration::ZERO);
+    assert_eq!(items(&plan), vec![(a, 0, 12)]);
+    // A decodes: B's and C's prompts share 5 tokens a step, B first; C is admitted only once B's
+    // prompt leaves room in a step's cap.
+    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, prompt(100, 7), LIMIT);
+    let c = s.add_request(2, CacheKey::new(), 0, Duration::ZERO, prompt(200, 6), LIMIT);
+    let plan = step(&mut s, Duration::from_millis(1));
+    assert_eq!(items(&plan), vec![(a, 12, 13), (b, 0, 5)]);
+    let plan = step(&mut s, Duration::from_millis(2));
+    assert_eq!(items(&plan), vec![(a, 13, 14), (b, 5, 7), (c, 0, 3)]);
+    // B decodes now beside A; C's rest.
+    let plan = step(&mut s, Duration::from_millis(3));
+    assert_eq!(items(&plan), vec![(a, 14, 15), (b, 7, 8), (c, 3, 6)]);
+    // No cap: a prompt beside decodes takes what the budget leaves.
+    s.set_prefill_cap(None);
+    let d = s.add_request(
+        3,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        prompt(300, 40),
+        LIMIT,
+    );
+    let plan = step(&mut s, Duration::from_millis(4));
+    assert_eq!(
+        items(&plan),
+        vec![(a, 15, 16), (b, 8, 9), (c, 6, 7), (d, 0, 40)]
+    );
+    // A cap of 0 still lets a prompt progress a token a step.
+    s.set_prefill_cap(Some(PrefillCap::tokens(0)));
+    let e = s.add_request(4, CacheKey::new(), 0, Duration::ZERO, prompt(400, 3), LIMIT);
+    let mut e_steps = 0;
+    for t in 5..20 {
+        let plan = step(&mut s, Duration::from_millis(t));
+        if let Some(&(_, start, end)) = items(&plan).iter().find(|i| i.0 == e) {
+            assert!(
+                end - start == 1 || start >= 3,
+                "a token a step: {start}..{end}"
+            );
+            e_steps += 1;
+        }
+        if s.decoding(e) {
+            break;
+        }
+    }
+    assert_eq!(e_steps, 3, "three prompt tokens in three steps");
+    assert_eq!(s.tokens(e).len(), 4, "E sampled its first token");
 }
 
 #[test]

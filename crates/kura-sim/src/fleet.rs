@@ -24,8 +24,9 @@ use kura_sched::{Item, OutputLimit, SchedEvent, Scheduler};
 use serde::Serialize;
 
 use crate::replay::SimError;
-use crate::serve::{at, step_shape, Dist, ServeSim, Workload};
+use crate::serve::{at, observe_step, set_cap, step_shape, Dist, ServeSim, Workload};
 use kura_fleet::{choose, Candidate, Policy};
+use kura_sched::pace::PrefillPace;
 
 /// The settings of one fleet run.
 #[derive(Debug, Clone)]
@@ -62,6 +63,8 @@ pub struct FleetReport {
 
 struct Replica {
     sched: Scheduler,
+    /// Its prefill pacing (`ServeSim::prefill_step`).
+    pace: Option<PrefillPace>,
     /// The step in progress: when it ends and what it computes.
     step: Option<(f64, Vec<Item>)>,
     in_flight: u64,
@@ -145,6 +148,7 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
         .map(|_| {
             Ok(Replica {
                 sched: Scheduler::new(sim.replica.scheduler.clone())?,
+                pace: sim.replica.prefill_step.map(PrefillPace::new),
                 step: None,
                 in_flight: 0,
                 work_blocks: 0,
@@ -383,6 +387,7 @@ fn start_step(
     report: &mut FleetReport,
     cached_tokens: &mut u64,
 ) -> Result<(), SimError> {
+    set_cap(&rep.pace, &mut rep.sched);
     let plan = rep.sched.schedule(at(now_ms));
     for event in &plan.events {
         match *event {
@@ -410,7 +415,8 @@ fn start_step(
         &plan.items,
         sim.replica.scheduler.block_size_tokens,
     );
-    let end = now_ms + sim.replica.cost.step_ms(&shape);
-    rep.step = Some((end, plan.items));
+    let step_ms = sim.replica.cost.step_ms(&shape);
+    observe_step(&mut rep.pace, &rep.sched, &plan.items, step_ms);
+    rep.step = Some((now_ms + step_ms, plan.items));
     Ok(())
 }

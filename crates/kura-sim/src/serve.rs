@@ -1,7 +1,7 @@
 //! The server simulated: `kura bench`'s workloads (closed loop) and traces (open loop, at their times)
 //! replayed through the engine's own [`Scheduler`] (admission, chunked prefill, early reuse of pending
-//! blocks, preemption, priorities), on the simulator's clock, with a [`CostModel`] for the time of each
-//! step instead of the model.
+//! blocks, preemption, priorities, the prefill cap beside decodes paced on the steps' simulated times),
+//! on the simulator's clock, with a [`CostModel`] for the time of each step instead of the model.
 //!
 //! ```text
 //!  clients (closed loop: at most `concurrency` requests in flight, FIFO; a session's turns in order)
@@ -23,6 +23,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use kura_kv::CacheKey;
+use kura_sched::pace::PrefillPace;
 use kura_sched::{Item, OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
@@ -447,6 +448,36 @@ pub struct ServeSim {
     pub concurrency: usize,
     pub output_tokens: usize,
     pub max_model_len: usize,
+    /// `kura serve --prefill-step-ms`: the time a step beside decodes is cut to (`None`: no cut).
+    pub prefill_step: Option<Duration>,
+}
+
+/// The server's prefill pacing ([`kura_sched::pace`]) on simulated steps: the cap a pass plans with.
+pub(crate) fn set_cap(pace: &Option<PrefillPace>, sched: &mut Scheduler) {
+    if let Some(p) = pace {
+        sched.set_prefill_cap(Some(p.cap()));
+    }
+}
+
+/// A planned step's prompt and decode tokens and its simulated time, as the engine reports its own
+/// (before the items are reported computed).
+pub(crate) fn observe_step(
+    pace: &mut Option<PrefillPace>,
+    sched: &Scheduler,
+    items: &[Item],
+    ms: f64,
+) {
+    if let Some(p) = pace {
+        let (mut prompt, mut all) = (Vec::new(), 0);
+        for it in items {
+            all += it.end - it.start;
+            if sched.is_prefilling(it.seq) {
+                prompt.push((it.start, it.end - it.start));
+            }
+        }
+        let decode = all - prompt.iter().map(|c| c.1).sum::<usize>();
+        p.observe(&prompt, decode, Duration::from_secs_f64(ms.max(0.0) / 1e3));
+    }
 }
 
 struct InFlight {
@@ -502,6 +533,7 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
     )?;
     let sessions = workload.sessions();
     let mut sched = Scheduler::new(sim.scheduler.clone())?;
+    let mut pace = sim.prefill_step.map(PrefillPace::new);
     let mut next_output_id = FIRST_OUTPUT_ID;
     // A session's next request waits here (FIFO) for one of the `concurrency` permits.
     let mut queue: VecDeque<(usize, usize)> = (0..sessions.len()).map(|s| (s, 0)).collect();
@@ -622,6 +654,7 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
                 k += 1;
             }
         }
+        set_cap(&pace, &mut sched);
         let plan = sched.schedule(at(now_ms));
         for event in &plan.events {
             match *event {
@@ -654,7 +687,9 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
         }
         idle_passes = 0;
         let shape = step_shape(&sched, &plan.items, sim.scheduler.block_size_tokens);
-        now_ms += sim.cost.step_ms(&shape);
+        let step_ms = sim.cost.step_ms(&shape);
+        observe_step(&mut pace, &sched, &plan.items, step_ms);
+        now_ms += step_ms;
         report.steps += 1;
         for &item in &plan.items {
             if !sched.computed(item).complete {

@@ -41,6 +41,7 @@ fn server(num_blocks: usize) -> ServeSim {
         concurrency: 1,
         output_tokens: 8,
         max_model_len: 8192,
+        prefill_step: None,
     }
 }
 

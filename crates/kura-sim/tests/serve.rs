@@ -1,6 +1,7 @@
 //! The server simulated through the engine's scheduler: every request of a workload completes with its
 //! output, a shared system prompt is served from the cache (and TTFT falls with it), a pool too small for
-//! the clients preempts, and the same settings give the same figures.
+//! the clients preempts, prompts paced beside decodes keep the time between tokens near the target, and
+//! the same settings give the same figures.
 
 use kura_kv::EvictionPolicy;
 use kura_sched::{SchedulerConfig, SchedulingPolicy};
@@ -39,6 +40,7 @@ fn sim(num_blocks: usize, concurrency: usize, prefix_caching: bool) -> ServeSim 
         concurrency,
         output_tokens: 64,
         max_model_len: 8192,
+        prefill_step: None,
     }
 }
 
@@ -111,6 +113,26 @@ fn a_pool_too_small_for_the_clients_preempts() {
     assert_eq!(over.output_tokens, fits.output_tokens);
     // Past the pool, more clients only wait longer: throughput stays, latency grows.
     assert!(over.e2e_ms.p50 > fits.e2e_ms.p50, "{over:?} vs {fits:?}");
+}
+
+#[test]
+fn paced_prefill_beside_decodes_keeps_the_time_between_tokens_near_the_target() {
+    // Prompts of 1,065 tokens (about 530 ms of prefill at this cost model) arriving while 15 others
+    // decode: uncut, each holds every stream's next token for its whole prefill.
+    let unique = Workload::Unique {
+        requests: 48,
+        prompt_tokens: 1050,
+    };
+    let plain = simulate(&unique, &sim(4096, 16, true)).unwrap();
+    let mut paced_sim = sim(4096, 16, true);
+    paced_sim.prefill_step = Some(std::time::Duration::from_millis(100));
+    let paced = simulate(&unique, &paced_sim).unwrap();
+    assert_eq!(paced.requests, 48);
+    assert_eq!(paced.output_tokens, plain.output_tokens);
+    assert!(plain.itl_ms.p99 > 400.0, "{plain:?}");
+    // Steps of about 100 ms (the cap settles on the simulated steps' times).
+    assert!(paced.itl_ms.p99 < 140.0, "{paced:?}");
+    assert!(paced.steps > plain.steps);
 }
 
 #[test]

@@ -67,6 +67,13 @@ pub struct ServeArgs {
     /// Token budget of one engine step (prefill chunks plus decode tokens).
     #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
     max_num_batched_tokens: usize,
+    /// While requests decode, a step computes only as many prompt tokens as take about this many
+    /// milliseconds at the prefill rate measured on the server's own steps (at least 64), so that a
+    /// new prompt does not hold every stream's next token for its whole prefill; a long prompt then
+    /// takes several steps. Steps without decodes still take up to --max-num-batched-tokens.
+    /// 0: no cut (vLLM's behaviour).
+    #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    prefill_step_ms: u64,
     /// Longest context (prompt + output) accepted. Default: the model's.
     #[arg(long)]
     max_model_len: Option<usize>,
@@ -600,6 +607,8 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             _ => None,
         },
         speculative: args.speculative_config,
+        prefill_step: (args.prefill_step_ms > 0)
+            .then(|| Duration::from_millis(args.prefill_step_ms)),
         tier_cost: match args.tier_cost_check {
             CostCheckArg::On => kura_engine::TierCostCheck::Measured,
             CostCheckArg::Off => kura_engine::TierCostCheck::Off,
@@ -618,6 +627,16 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
             "scheduling: {admission}: requests are admitted on their prompt's KV blocks; when the pool runs \
              out the most recent is preempted ({})",
             tier_sizes.preemption.as_str()
+        ),
+    }
+    match args.prefill_step_ms {
+        0 => tracing::info!(
+            "prefill beside decodes: no cut (--prefill-step-ms 0): a step takes up to {} tokens",
+            args.max_num_batched_tokens
+        ),
+        ms => tracing::info!(
+            "prefill beside decodes: steps of about {ms} ms (prompt tokens cut at the measured prefill \
+             rate, kura:prefill_cap_tokens; --prefill-step-ms)"
         ),
     }
     Ok(engine)

@@ -81,6 +81,10 @@ pub struct SimArgs {
     max_num_batched_tokens: usize,
     #[arg(long, default_value_t = 8192)]
     max_model_len: usize,
+    /// As `kura serve --prefill-step-ms`: beside decodes, a step's prompt tokens are cut to about this
+    /// many milliseconds at the prefill rate measured on the simulated steps; 0: no cut.
+    #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    prefill_step_ms: u64,
     /// Turn prefix caching off in the simulated server.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -250,6 +254,7 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
             concurrency,
             output_tokens: args.output_tokens,
             max_model_len: args.max_model_len,
+            prefill_step: prefill_step(args),
         };
         reports.push(simulate(&workload, &sim)?);
     }
@@ -314,6 +319,7 @@ fn fleet_sim(args: &SimArgs, workload: &Workload, cost: CostModel) -> Result<()>
         concurrency: 1,
         output_tokens: args.output_tokens,
         max_model_len: args.max_model_len,
+        prefill_step: prefill_step(args),
     };
     let mut reports = Vec::new();
     for &l4 in &args.l4_blocks {
@@ -372,6 +378,11 @@ fn fleet_sim(args: &SimArgs, workload: &Workload, cost: CostModel) -> Result<()>
         );
     }
     Ok(())
+}
+
+/// `--prefill-step-ms` as the simulated server's pacing (0: none).
+fn prefill_step(args: &SimArgs) -> Option<std::time::Duration> {
+    (args.prefill_step_ms > 0).then(|| std::time::Duration::from_millis(args.prefill_step_ms))
 }
 
 /// Each simulated server's scheduler, from the flags.

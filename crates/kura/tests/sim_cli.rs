@@ -1,5 +1,6 @@
 //! `kura sim` end to end on bad flags and on input that is not a trace: each is a clear error naming the
-//! flag or the line, never a report of nonsense, a panic or unbounded reading.
+//! flag or the line, never a report of nonsense, a panic or unbounded reading; and `--prefill-step-ms`
+//! reaching the simulated server.
 
 mod common;
 
@@ -87,6 +88,46 @@ fn degenerate_flags_name_the_flag() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("62500000000 blocks"), "{out}");
+}
+
+#[test]
+fn a_prefill_step_past_an_hour_or_not_a_count_of_milliseconds_is_refused_by_serve_and_sim() {
+    for cmd in ["serve", "sim"] {
+        for bad in ["3600001", "-1", "0.5", "x"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_kura"))
+                .args([cmd, &format!("--prefill-step-ms={bad}")])
+                .output()
+                .expect("run kura");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd} {bad}: {err}");
+            assert!(err.contains("--prefill-step-ms"), "{cmd} {bad}: {err}");
+        }
+    }
+    // The simulated server paces with the flag as the server does: cut, its ITL stays near the target.
+    let run = |ms: &str| {
+        let (code, out, err) = kura_sim(&[
+            "--workload",
+            "unique",
+            "--concurrency",
+            "16",
+            "--kv-blocks",
+            "4096",
+            "--json",
+            "--cost",
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../data/cost/smollm2-135m-q4_1-2t-f32kv.json"
+            ),
+            "--prefill-step-ms",
+            ms,
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        v["points"][0]["itl_ms"]["p99"].as_f64().expect("ITL p99")
+    };
+    let (whole, cut) = (run("0"), run("250"));
+    assert!(whole > 1_000.0, "{whole}");
+    assert!(cut < 300.0, "{cut}");
 }
 
 #[test]
