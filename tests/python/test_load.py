@@ -293,8 +293,9 @@ def test_a_long_prompt_beside_a_stream_is_cut_into_steps_and_the_stream_keeps_co
     # The gauge: the floor of 64 tokens with the cut, 0 without one.
     assert (cap_cut, cap_whole) == (64, 0), (cap_cut, cap_whole)
     print(f"\nA's tokens while B's prompt was computed: cut {between_cut}, whole {between_whole}")
-    # Uncut, B's prompt is one step that A waits for; cut, A's tokens keep coming while it is computed.
-    assert between_whole <= 6, between_whole
+    # Uncut, B's prompt is one step that A waits for; cut, A's tokens keep coming while it is computed
+    # (both counts also hold the tokens A got while B's request was read and tokenized).
     assert between_cut >= 12, between_cut
+    assert between_cut >= between_whole + 10, (between_cut, between_whole)
     # The same texts either way.
     assert (a_cut, b_cut) == (a_whole, b_whole)

@@ -948,9 +948,10 @@ impl Core {
         self.loads_landed = false;
         self.propose_drafts();
         if let Some(p) = &self.pace {
-            let cap = p.cap();
+            let cap = p.cap(self.sched.num_decoding());
             self.sched.set_prefill_cap(Some(cap));
             let first = cap.fit(0, cap.room_s).max(cap.min_tokens);
+            let first = first.min(self.config.max_num_batched_tokens);
             self.metrics.prefill_cap_tokens.set(first as f64);
         }
         let mut plan = self.sched.schedule(self.started.elapsed());
@@ -1186,7 +1187,10 @@ impl Core {
         }
         let forward = forward_started.elapsed();
         drop(batch);
-        self.observe_prefill(&plan, forward);
+        // A step that failed says nothing of what a step costs.
+        if result.is_ok() {
+            self.observe_prefill(&plan, forward);
+        }
         self.metrics.steps.add(1);
         let rows = match result {
             Ok(rows) => {

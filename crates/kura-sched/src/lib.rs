@@ -891,7 +891,7 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         // What the step may still spend on prompts beside its decodes: seconds of the cap's room, and
         // the prompt tokens planned so far (the cap's floor).
-        let cap = self.prefill_cap.filter(|_| self.any_decoding());
+        let cap = self.prefill_cap.filter(|_| self.num_decoding() > 0);
         let mut prefill_room = cap.map_or(f64::INFINITY, |c| c.room_s);
         let mut prefill_planned = 0usize;
         let mut admitting = true;
@@ -909,10 +909,11 @@ impl Scheduler {
                 continue;
             }
             if c.waiting {
-                // Admission's order stays FCFS: nobody is admitted past a prompt the cap holds back.
-                if cap
-                    .is_some_and(|c| prefill_room <= 0.0 && prefill_planned >= c.min_tokens.max(1))
-                {
+                // Admission's order stays FCFS: nobody is admitted past a prompt the cap holds back (no
+                // token of a prompt fits the room left, and the floor is reached).
+                if cap.is_some_and(|c| {
+                    c.fit(0, prefill_room) == 0 && prefill_planned >= c.min_tokens.max(1)
+                }) {
                     admitting = false;
                 }
                 if !admitting
@@ -994,16 +995,19 @@ impl Scheduler {
         plan
     }
 
-    /// Whether a running sequence decodes (holds blocks, has its prompt computed, and its client is not
-    /// behind): a step then carries it, and the prefill cap applies.
-    fn any_decoding(&self) -> bool {
-        self.running.iter().any(|k| {
-            self.seqs.get(k).is_some_and(|s| {
-                s.kv.is_some()
-                    && !s.prefilling
-                    && !self.requests.get(&s.request).is_some_and(|r| r.blocked)
+    /// Running sequences that decode (hold blocks, have their prompt computed, and whose client is not
+    /// behind): a step carries them, and while there is one the prefill cap applies.
+    pub fn num_decoding(&self) -> usize {
+        self.running
+            .iter()
+            .filter(|k| {
+                self.seqs.get(k).is_some_and(|s| {
+                    s.kv.is_some()
+                        && !s.prefilling
+                        && !self.requests.get(&s.request).is_some_and(|r| r.blocked)
+                })
             })
-        })
+            .count()
     }
 
     /// Gives a running sequence the slots of its tokens not yet in the KV sequence (the token sampled in

@@ -11,11 +11,14 @@
 //!   n · (a + b · (s + (n − 1) / 2) / 1000)
 //! ```
 //!
-//! and a step beside decodes gets `target − decode_time` seconds of it ([`PrefillCap`]; at least
-//! [`MIN_CHUNK`] tokens, so that a prompt always progresses). `a` and `b` are fitted by least squares,
-//! with older steps weighing less, to the prompt's share of each step that computed at least
-//! [`MIN_CHUNK`] prompt tokens (its time less the decode-only step time); `decode_time` is averaged over
-//! the steps that computed decodes only. With one position per step the fit cannot tell `a` from `b`
+//! and a step beside `k` decode tokens gets `target − k · decode_time` seconds of it ([`PrefillCap`]; at
+//! least [`MIN_CHUNK`] tokens, so that a prompt always progresses). `a` and `b` are fitted by least
+//! squares, with older steps weighing less, to the prompt's share of each step that computed at least
+//! [`MIN_CHUNK`] prompt tokens (its time less its decodes' estimated time); `decode_time`, a decode
+//! token's share of a step, is averaged over the steps that computed decodes only, and lowered where a
+//! step with prompt tokens shows its decodes took less than half of it (so that a figure from a larger
+//! batch, or a slower moment, cannot hold the cap at its floor while every step carries a prompt). With
+//! one position per step the fit cannot tell `a` from `b`
 //! and takes the plain rate (`b` = 0). Measured on the steps themselves, the cut finds its size on any
 //! machine: a fixed cost per step that the fit does not see makes a capped step's measured cost per
 //! token rise until the steps take the target (the cap's fixed point). The driver (the server's engine
@@ -76,7 +79,13 @@ impl PrefillCap {
         let c = self.per_token_context_s / 1000.0;
         let lin = self.per_token_s + c * start as f64 - c / 2.0;
         let n = if c > 0.0 {
-            (-lin + (lin * lin + 2.0 * c * room).sqrt()) / c
+            // The root in the form that keeps its digits when c · room is small beside lin².
+            let disc = (lin * lin + 2.0 * c * room).sqrt();
+            if lin > 0.0 {
+                2.0 * room / (lin + disc)
+            } else {
+                (disc - lin) / c
+            }
         } else if lin > 0.0 {
             room / lin
         } else {
@@ -103,7 +112,7 @@ pub struct PrefillPace {
     /// tokens, `m` their positions summed over 1000 and `t` the prompt's share of its time.
     sums: [f64; 5],
     fitted: bool,
-    /// Seconds of a step that computed decodes only; 0 until measured.
+    /// Seconds a decode token adds to a step; 0 until measured.
     decode_s: f64,
     decode_samples: u64,
 }
@@ -134,25 +143,25 @@ impl PrefillPace {
         let n: usize = prompt.iter().map(|p| p.1).sum();
         if n == 0 {
             if decode > 0 {
+                let per = secs / decode as f64;
                 self.decode_s = if self.decode_samples == 0 {
-                    secs
+                    per
                 } else {
-                    self.decode_s + WEIGHT * (secs - self.decode_s)
+                    self.decode_s + WEIGHT * (per - self.decode_s)
                 };
                 self.decode_samples += 1;
             }
             return;
         }
+        // A step with prompt tokens bounds its decodes' share: at most half of it.
+        if decode > 0 && self.decode_s * decode as f64 > secs / 2.0 {
+            self.decode_s = secs / (2.0 * decode as f64);
+        }
         if n < MIN_CHUNK {
             return;
         }
-        // The prompt's share: the step's time less what its decodes alone take (never below a tenth
-        // of the step, should the decode figure be stale and larger).
-        let t = if decode > 0 {
-            (secs - self.decode_s).max(secs / 10.0)
-        } else {
-            secs
-        };
+        // The prompt's share: the step's time less what its decodes take (at least half of it).
+        let t = secs - self.decode_s * decode as f64;
         let unit = PrefillCap {
             room_s: 0.0,
             per_token_s: 0.0,
@@ -191,16 +200,16 @@ impl PrefillPace {
         (nt / nn, 0.0)
     }
 
-    /// Seconds of a decode-only step (0 until one is measured).
-    pub fn decode_seconds(&self) -> f64 {
-        self.decode_s
+    /// Seconds `decode` decode tokens take of a step (0 until one is measured).
+    pub fn decode_seconds(&self, decode: usize) -> f64 {
+        self.decode_s * decode as f64
     }
 
-    /// What a step beside decodes may compute of prompts.
-    pub fn cap(&self) -> PrefillCap {
+    /// What a step beside `decode` decode tokens may compute of prompts.
+    pub fn cap(&self, decode: usize) -> PrefillCap {
         let (a, b) = self.per_token();
         PrefillCap {
-            room_s: (self.target.as_secs_f64() - self.decode_s).max(0.0),
+            room_s: (self.target.as_secs_f64() - self.decode_seconds(decode)).max(0.0),
             per_token_s: a,
             per_token_context_s: b,
             min_tokens: MIN_CHUNK,
@@ -232,6 +241,16 @@ mod tests {
         // Farther into a prompt, fewer tokens fit.
         assert!(cap.fit(10_000, 0.25) < cap.fit(0, 0.25));
         assert_eq!(PrefillCap::tokens(5).fit(1_000_000, 5.0), 5);
+        // A context term far below the token's own cost keeps the root's digits.
+        let nearly_flat = PrefillCap {
+            per_token_s: 0.0005,
+            per_token_context_s: 1e-17,
+            ..cap
+        };
+        for start in [0, 100_000] {
+            let n = nearly_flat.fit(start, 0.2501);
+            assert_eq!(n, 500, "{start}");
+        }
         assert_eq!(cap.fit(0, 0.0), 0);
         assert_eq!(cap.fit(0, -1.0), 0);
         let free = PrefillCap {
@@ -245,28 +264,41 @@ mod tests {
     #[test]
     fn the_cap_is_the_rate_over_the_target_less_the_decode_time() {
         let mut p = PrefillPace::new(ms(250.0));
+        let first = |p: &PrefillPace, decode: usize| {
+            let c = p.cap(decode);
+            c.fit(0, c.room_s)
+        };
         // Before anything is measured: the prior over the whole target.
-        assert_eq!(p.cap().fit(0, p.cap().room_s), 250);
+        assert_eq!(first(&p, 8), 250);
         // 2,000 prompt tokens alone in 1 s at one position... (a single chunk: the plain rate).
         p.observe(&[(0, 2_000)], 0, ms(1_000.0));
         let (a, b) = p.per_token();
         assert!((a - 0.0005).abs() < 1e-12 && b == 0.0, "{a} {b}");
-        assert_eq!(p.cap().fit(0, p.cap().room_s), 500);
-        // Decode-only steps of 50 ms leave 200 ms of the target to prompts.
+        assert_eq!(first(&p, 8), 500);
+        // Decode-only steps of 8 tokens in 50 ms leave 200 ms of the target to prompts beside 8
+        // decodes, 225 beside 4.
         p.observe(&[], 8, ms(50.0));
-        assert_eq!(p.cap().fit(0, p.cap().room_s), 400);
+        assert_eq!(first(&p, 8), 400);
+        assert_eq!(first(&p, 4), 450);
         // A target below the decodes' own time leaves no room (the scheduler's floor applies).
         let mut slow = PrefillPace::new(ms(20.0));
         slow.observe(&[], 64, ms(30.0));
-        assert_eq!(slow.cap().room_s, 0.0);
-        assert_eq!(slow.cap().min_tokens, MIN_CHUNK);
+        assert_eq!(slow.cap(64).room_s, 0.0);
+        assert_eq!(slow.cap(64).min_tokens, MIN_CHUNK);
+        // Fewer decodes than the figure was measured on leave room again.
+        assert!(slow.cap(8).room_s > 0.0);
+        // A step with prompt tokens whose decodes' estimate is more than half of it lowers the
+        // estimate: a figure from a slow moment does not hold the cap at its floor.
+        slow.observe(&[(0, 100)], 64, ms(20.0));
+        assert!((slow.decode_seconds(64) - 0.010).abs() < 1e-12);
+        assert!(slow.cap(64).room_s > 0.0);
         // Steps of too few prompt tokens, of no time or of no tokens say nothing.
         let before = p.per_token();
         p.observe(&[(0, MIN_CHUNK - 1)], 0, ms(1.0));
         p.observe(&[(0, 1_000)], 0, Duration::ZERO);
         p.observe(&[], 0, ms(5.0));
         assert_eq!(p.per_token(), before);
-        assert!((p.decode_seconds() - 0.05).abs() < 1e-12);
+        assert!((p.decode_seconds(8) - 0.05).abs() < 1e-12);
     }
 
     #[test]
@@ -314,7 +346,7 @@ mod tests {
             for _prompt in 0..6 {
                 let mut at = 0;
                 while at < 4_000 {
-                    let cap = p.cap();
+                    let cap = p.cap(8);
                     let n = cap.fit(at, cap.room_s).max(cap.min_tokens).min(4_000 - at);
                     let took = decode + fixed + machine.cost(at, n);
                     p.observe(&[(at, n)], 8, Duration::from_secs_f64(took));

@@ -210,6 +210,38 @@ fn beside_a_decode_prompts_take_at_most_the_prefill_cap_a_step_and_alone_the_who
 }
 
 #[test]
+fn no_one_is_admitted_past_a_prompt_the_cap_holds_back_whatever_its_room_leaves() {
+    let mut s = Scheduler::new(config(64, 64, 8)).unwrap();
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 4), LIMIT);
+    step(&mut s, Duration::ZERO);
+    // Three tokens of 0.3 s fit a room of 1 s; the 0.1 s left holds no token of anyone's prompt.
+    s.set_prefill_cap(Some(PrefillCap {
+        room_s: 1.0,
+        per_token_s: 0.3,
+        per_token_context_s: 0.0,
+        min_tokens: 1,
+    }));
+    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, prompt(100, 8), LIMIT);
+    let c = s.add_request(2, CacheKey::new(), 0, Duration::ZERO, prompt(200, 8), LIMIT);
+    let plan = step(&mut s, Duration::from_millis(1));
+    assert_eq!(items(&plan), vec![(a, 4, 5), (b, 0, 3)]);
+    let admitted: Vec<u64> = plan
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            SchedEvent::Admitted { request, .. } => Some(*request),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(admitted, vec![1], "C waits, holding no blocks");
+    assert_eq!(s.num_decoding(), 1);
+    let plan = step(&mut s, Duration::from_millis(2));
+    assert_eq!(items(&plan), vec![(a, 5, 6), (b, 3, 6)]);
+    let plan = step(&mut s, Duration::from_millis(3));
+    assert_eq!(items(&plan), vec![(a, 6, 7), (b, 6, 8), (c, 0, 1)]);
+}
+
+#[test]
 fn a_second_request_waits_for_blocks_being_computed_instead_of_computing_them() {
     let mut s = Scheduler::new(config(64, 20, 4)).unwrap();
     let shared = prompt(0, 16);

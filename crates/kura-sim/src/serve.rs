@@ -455,7 +455,7 @@ pub struct ServeSim {
 /// The server's prefill pacing ([`kura_sched::pace`]) on simulated steps: the cap a pass plans with.
 pub(crate) fn set_cap(pace: &Option<PrefillPace>, sched: &mut Scheduler) {
     if let Some(p) = pace {
-        sched.set_prefill_cap(Some(p.cap()));
+        sched.set_prefill_cap(Some(p.cap(sched.num_decoding())));
     }
 }
 
