@@ -948,8 +948,7 @@ impl Core {
         self.loads_landed = false;
         self.propose_drafts();
         if let Some(p) = &self.pace {
-            let cap = p.cap(self.sched.num_decoding());
-            self.sched.set_prefill_cap(Some(cap));
+            let cap = p.plan(&mut self.sched);
             let first = cap.fit(0, cap.room_s).max(cap.min_tokens);
             let first = first.min(self.config.max_num_batched_tokens);
             self.metrics.prefill_cap_tokens.set(first as f64);
@@ -1833,7 +1832,6 @@ impl Core {
     /// decode tokens and time) is one for the prefill cap's pace.
     fn observe_prefill(&mut self, plan: &Plan, forward: Duration) {
         let (mut all, mut prefill) = (0, 0);
-        let mut prompt = Vec::new();
         for it in &plan.items {
             let n = it.end - it.start;
             all += n;
@@ -1841,16 +1839,12 @@ impl Core {
             if n > 1 && self.sched.num_draft(it.seq) == 0 {
                 prefill += n;
             }
-            if self.sched.is_prefilling(it.seq) {
-                prompt.push((it.start, n));
-            }
         }
         if prefill >= self.config.block_size_tokens && prefill * 10 >= all * 9 {
             self.cost.observe_prefill(all, forward);
         }
         if let Some(p) = &mut self.pace {
-            let decode = all - prompt.iter().map(|c| c.1).sum::<usize>();
-            p.observe(&prompt, decode, forward);
+            p.observe_step(&self.sched, &plan.items, forward);
         }
     }
 

@@ -22,10 +22,12 @@
 //! and takes the plain rate (`b` = 0). Measured on the steps themselves, the cut finds its size on any
 //! machine: a fixed cost per step that the fit does not see makes a capped step's measured cost per
 //! token rise until the steps take the target (the cap's fixed point). The driver (the server's engine
-//! on the wall clock, `kura sim` on its cost model) reports each step ([`PrefillPace::observe`]) and
-//! hands the cap to [`crate::Scheduler::set_prefill_cap`] before each pass.
+//! on the wall clock, `kura sim` on its cost model) hands the scheduler the cap before each pass
+//! ([`PrefillPace::plan`]) and reports each step's items and time ([`PrefillPace::observe_step`]).
 
 use std::time::Duration;
+
+use crate::{Item, Scheduler};
 
 /// The fewest prompt tokens a step computes beside decodes, whatever the figures: a prompt always
 /// progresses, and a step is not cut below where its own fixed cost dominates.
@@ -129,8 +131,27 @@ impl PrefillPace {
         }
     }
 
-    pub fn target(&self) -> Duration {
-        self.target
+    /// Hands `sched` the cap for its next pass, beside the sequences it decodes now; returns it.
+    pub fn plan(&self, sched: &mut Scheduler) -> PrefillCap {
+        let cap = self.cap(sched.num_decoding());
+        sched.set_prefill_cap(Some(cap));
+        cap
+    }
+
+    /// A planned step of `items` that took `elapsed`, reported before the items are to `sched`
+    /// (while it still knows which were prompt tokens).
+    pub fn observe_step(&mut self, sched: &Scheduler, items: &[Item], elapsed: Duration) {
+        let mut prompt = Vec::new();
+        let mut decode = 0;
+        for it in items {
+            let n = it.end - it.start;
+            if sched.is_prefilling(it.seq) {
+                prompt.push((it.start, n));
+            } else {
+                decode += n;
+            }
+        }
+        self.observe(&prompt, decode, elapsed);
     }
 
     /// A forward step that computed the prompt chunks `prompt` (each its first position and its

@@ -24,7 +24,7 @@ use kura_sched::{Item, OutputLimit, SchedEvent, Scheduler};
 use serde::Serialize;
 
 use crate::replay::SimError;
-use crate::serve::{at, observe_step, set_cap, step_shape, Dist, ServeSim, Workload};
+use crate::serve::{at, step_shape, Dist, ServeSim, Workload};
 use kura_fleet::{choose, Candidate, Policy};
 use kura_sched::pace::PrefillPace;
 
@@ -387,7 +387,9 @@ fn start_step(
     report: &mut FleetReport,
     cached_tokens: &mut u64,
 ) -> Result<(), SimError> {
-    set_cap(&rep.pace, &mut rep.sched);
+    if let Some(p) = &rep.pace {
+        p.plan(&mut rep.sched);
+    }
     let plan = rep.sched.schedule(at(now_ms));
     for event in &plan.events {
         match *event {
@@ -416,7 +418,9 @@ fn start_step(
         sim.replica.scheduler.block_size_tokens,
     );
     let step_ms = sim.replica.cost.step_ms(&shape);
-    observe_step(&mut rep.pace, &rep.sched, &plan.items, step_ms);
+    if let Some(p) = &mut rep.pace {
+        p.observe_step(&rep.sched, &plan.items, at(step_ms));
+    }
     rep.step = Some((now_ms + step_ms, plan.items));
     Ok(())
 }

@@ -452,34 +452,6 @@ pub struct ServeSim {
     pub prefill_step: Option<Duration>,
 }
 
-/// The server's prefill pacing ([`kura_sched::pace`]) on simulated steps: the cap a pass plans with.
-pub(crate) fn set_cap(pace: &Option<PrefillPace>, sched: &mut Scheduler) {
-    if let Some(p) = pace {
-        sched.set_prefill_cap(Some(p.cap(sched.num_decoding())));
-    }
-}
-
-/// A planned step's prompt and decode tokens and its simulated time, as the engine reports its own
-/// (before the items are reported computed).
-pub(crate) fn observe_step(
-    pace: &mut Option<PrefillPace>,
-    sched: &Scheduler,
-    items: &[Item],
-    ms: f64,
-) {
-    if let Some(p) = pace {
-        let (mut prompt, mut all) = (Vec::new(), 0);
-        for it in items {
-            all += it.end - it.start;
-            if sched.is_prefilling(it.seq) {
-                prompt.push((it.start, it.end - it.start));
-            }
-        }
-        let decode = all - prompt.iter().map(|c| c.1).sum::<usize>();
-        p.observe(&prompt, decode, Duration::from_secs_f64(ms.max(0.0) / 1e3));
-    }
-}
-
 struct InFlight {
     session: usize,
     turn: usize,
@@ -654,7 +626,9 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
                 k += 1;
             }
         }
-        set_cap(&pace, &mut sched);
+        if let Some(p) = &pace {
+            p.plan(&mut sched);
+        }
         let plan = sched.schedule(at(now_ms));
         for event in &plan.events {
             match *event {
@@ -688,7 +662,9 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
         idle_passes = 0;
         let shape = step_shape(&sched, &plan.items, sim.scheduler.block_size_tokens);
         let step_ms = sim.cost.step_ms(&shape);
-        observe_step(&mut pace, &sched, &plan.items, step_ms);
+        if let Some(p) = &mut pace {
+            p.observe_step(&sched, &plan.items, at(step_ms));
+        }
         now_ms += step_ms;
         report.steps += 1;
         for &item in &plan.items {
