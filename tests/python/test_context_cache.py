@@ -355,6 +355,13 @@ def test_a_saved_context_of_another_model_is_refused_and_survives_a_restart(tmp_
     # A damaged file is set aside, not served; a FIFO is never opened (reading it would block the start).
     (pathlib.Path(disk) / "contexts" / "ctx_ffffffffffffffffffffffff.json").write_text("{not json")
     os.mkfifo(pathlib.Path(disk) / "contexts" / "ctx_eeeeeeeeeeeeeeeeeeeeeeee.json")
+    # A link to a valid record kept elsewhere: set aside, not followed (followed, it would be served).
+    linked = "ctx_dddddddddddddddddddddddd"
+    rec = json.loads((pathlib.Path(disk) / "contexts" / f"{cid}.json").read_text())
+    rec["id"] = linked
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(rec))
+    os.symlink(elsewhere, pathlib.Path(disk) / "contexts" / f"{linked}.json")
     s = KuraServer("--kv-cache-memory", "128MiB", "--kv-disk-path", disk, *EXACT)
     try:
         warm = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=120,
@@ -366,6 +373,10 @@ def test_a_saved_context_of_another_model_is_refused_and_survives_a_restart(tmp_
         assert "damaged" in s.log()
         assert (pathlib.Path(disk) / "contexts" / "ctx_ffffffffffffffffffffffff.json.bad").exists()
         assert (pathlib.Path(disk) / "contexts" / "ctx_eeeeeeeeeeeeeeeeeeeeeeee.json.bad").exists()
+        assert (pathlib.Path(disk) / "contexts" / f"{linked}.json.bad").is_symlink()
+        gone = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=60,
+                          json={"prompt": " tail", "max_tokens": 1, "cached_content": linked})
+        assert gone.status_code == 404, gone.text
         damaged = httpx.post(s.url + "/v1/completions", headers=s.headers(), timeout=60,
                              json={"prompt": " tail", "max_tokens": 1, "cached_content": eid})
         assert damaged.status_code == 400, damaged.text

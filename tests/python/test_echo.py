@@ -121,6 +121,12 @@ def test_echo_refusals_name_the_field(server):
                               "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     assert "scored prompts" in r.json()["error"]["message"]
+    # A prompt is scored whole before any of it is sent, so a stream holds its scores as well (once,
+    # whatever its n): 9 prompts × 6,000 tokens × (1 + 20) is past the bound streamed too.
+    r = httpx.post(url, json={"model": model, "prompt": [[7] * 6000] * 9, "echo": True, "logprobs": 20,
+                              "max_tokens": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert "streamed or not" in r.json()["error"]["message"]
 
 
 def test_prompt_logprobs_as_vllm_reports_them(server):

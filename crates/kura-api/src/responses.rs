@@ -157,10 +157,12 @@ pub fn input_messages(input: &Value) -> Result<(Vec<ChatMessage>, Vec<usize>), A
             Some("function_call") => {
                 let call_id = str_field(item, "call_id", &at)?;
                 let name = str_field(item, "name", &at)?;
-                let arguments = item
-                    .get("arguments")
-                    .and_then(Value::as_str)
-                    .unwrap_or("{}");
+                let Some(arguments) = item.get("arguments").and_then(Value::as_str) else {
+                    return Err(bad(
+                        format!("{at}.arguments must be the call's arguments as JSON text"),
+                        "input",
+                    ));
+                };
                 let args = parse_arguments(arguments, &format!("{at}.arguments"))
                     .map_err(|e| bad(e.to_string(), "input"))?;
                 let call = template_call(call_id, name, arguments, Some(args));
@@ -290,6 +292,24 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         ("max_tool_calls", "it is not enforced here"),
         ("top_logprobs", "logprobs are on /v1/chat/completions"),
         ("context_management", "there is no server-side compaction"),
+        ("messages", "the conversation is input, with instructions"),
+        ("max_tokens", "the bound is max_output_tokens"),
+        ("max_completion_tokens", "the bound is max_output_tokens"),
+        (
+            "n",
+            "a response has one output; send the request again for another",
+        ),
+        ("logprobs", "logprobs are on /v1/chat/completions"),
+        ("response_format", "the output's format is text.format"),
+        ("structured_outputs", "the output's format is text.format"),
+        ("guided_json", "the output's format is text.format"),
+        ("guided_regex", "the output's format is text.format"),
+        ("guided_choice", "the output's format is text.format"),
+        ("guided_grammar", "the output's format is text.format"),
+        (
+            "return_token_ids",
+            "token ids are on /v1/chat/completions and /v1/completions",
+        ),
         (
             "cached_content",
             "saved contexts go with /v1/chat/completions, /v1/completions and /v1/messages; here \
@@ -408,6 +428,12 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        // vLLM's extensions, as on chat.
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logit_bias",
+        "priority",
     ] {
         if let Some(v) = set(name) {
             common_json.insert(name.into(), v.clone());
@@ -629,6 +655,22 @@ mod tests {
     }
 
     #[test]
+    fn vllms_sampling_extensions_are_taken_as_chat_takes_them() {
+        let body = json!({"input": "x", "stop": ["\n\n", "END"], "stop_token_ids": [7],
+                          "ignore_eos": true, "logit_bias": {"5": -100}, "priority": -3});
+        let ctx = Ctx {
+            priority_scheduling: true,
+            ..CTX
+        };
+        let c = prepare(&body, ctx).unwrap().checked;
+        assert_eq!(c.stop, ["\n\n", "END"]);
+        assert_eq!(c.stop_token_ids, [7]);
+        assert!(c.ignore_eos);
+        assert_eq!(c.priority, -3);
+        assert_eq!(c.sampling.logit_bias, [(5, -100.0)]);
+    }
+
+    #[test]
     fn unsupported_fields_are_refused_by_name() {
         for (body, param) in [
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
@@ -689,6 +731,30 @@ mod tests {
                 json!({"input": "x", "cache_salt": "s".repeat(1025)}),
                 "cache_salt",
             ),
+            // Chat's and completions' own fields, which a response has no place for, are named
+            // rather than dropped.
+            (json!({"input": "x", "n": 2}), "n"),
+            (json!({"input": "x", "max_tokens": 5}), "max_tokens"),
+            (json!({"input": "x", "logprobs": true}), "logprobs"),
+            (json!({"input": "x", "guided_regex": "a+"}), "guided_regex"),
+            (
+                json!({"input": "x", "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"input": "x", "return_token_ids": true}),
+                "return_token_ids",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                  "arguments": {"city": "Paris"}}]}),
+                "input",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}),
+                "input",
+            ),
+            (json!({"input": "x", "priority": 1}), "priority"),
         ] {
             match prepare(&body, CTX).unwrap_err() {
                 ApiError::InvalidRequest { param: Some(p), .. } => assert_eq!(p, param, "{body}"),

@@ -107,10 +107,18 @@ pub fn routing_prompt(
         served_model,
         priority_scheduling: true,
     };
-    let prompt_cache_key = value
-        .get("prompt_cache_key")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    // OpenAI's field, on OpenAI's routes only, whose validation below caps its length (the router keeps
+    // it); Anthropic's routes have no such field, and a server ignores it there.
+    let prompt_cache_key = match endpoint {
+        Endpoint::Completions
+        | Endpoint::ChatCompletions
+        | Endpoint::Responses
+        | Endpoint::ResponsesInputTokens => value
+            .get("prompt_cache_key")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        Endpoint::Messages | Endpoint::MessagesCountTokens => None,
+    };
     let mut scored = false;
     let (tokens, salt, stream) = match endpoint {
         Endpoint::Completions => {
@@ -168,4 +176,83 @@ pub fn routing_prompt(
         stream,
         scored,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ops::Range;
+
+    use kura_request::ChatMessage;
+    use serde_json::json;
+
+    use super::*;
+
+    /// Bytes as tokens; a chat is its contents one after another.
+    struct Bytes;
+
+    impl TextCodec for Bytes {
+        fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn decode(&self, ids: &[u32]) -> String {
+            ids.iter().map(|&i| char::from(i as u8)).collect()
+        }
+        fn token_bytes(&self, id: u32) -> Vec<u8> {
+            vec![id as u8]
+        }
+        fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+            Ok(messages.iter().map(|m| m.content.as_str()).collect())
+        }
+        fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+            self.encode(&self.render_chat(messages)?)
+        }
+        fn chat_content_spans(
+            &self,
+            _: &str,
+            _: usize,
+            _: &[ChatMessage],
+        ) -> Result<Vec<Range<usize>>, String> {
+            Ok(Vec::new())
+        }
+        fn encode_with_plain_spans(
+            &self,
+            text: &str,
+            _: &[Range<usize>],
+        ) -> Result<Vec<u32>, String> {
+            self.encode(text)
+        }
+        fn eos_token_ids(&self) -> &[u32] {
+            &[0]
+        }
+        fn vocab_size(&self) -> usize {
+            256
+        }
+    }
+
+    fn key_of(endpoint: Endpoint, body: Value) -> Result<Option<String>, ApiError> {
+        routing_prompt(endpoint, &body, "m", &Bytes, None).map(|p| p.prompt_cache_key)
+    }
+
+    #[test]
+    fn the_prompt_cache_key_is_read_on_openais_routes_only_and_never_past_its_bound() {
+        let messages = json!([{"role": "user", "content": "hi"}]);
+        let chat = |key: &str| json!({"model": "m", "messages": messages, "prompt_cache_key": key});
+        assert_eq!(
+            key_of(Endpoint::ChatCompletions, chat("k"))
+                .unwrap()
+                .as_deref(),
+            Some("k")
+        );
+        let long = "x".repeat(validate::MAX_KEY_BYTES + 1);
+        // OpenAI's routes refuse a key past the bound, as the servers do.
+        assert!(key_of(Endpoint::ChatCompletions, chat(&long)).is_err());
+        let completion = json!({"model": "m", "prompt": "hi", "prompt_cache_key": long});
+        assert!(key_of(Endpoint::Completions, completion).is_err());
+        // Anthropic's routes have no such field: whatever its length, the router keeps none.
+        for key in ["k".to_string(), "y".repeat(8 << 20)] {
+            let body = json!({"model": "m", "max_tokens": 1, "messages": messages,
+                              "prompt_cache_key": key});
+            assert_eq!(key_of(Endpoint::Messages, body).unwrap(), None);
+        }
+    }
 }

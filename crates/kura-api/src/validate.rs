@@ -379,11 +379,19 @@ pub fn held_logprobs(
     max_tokens: u32,
 ) -> u64 {
     match logprobs {
-        Some(top) if !checked.stream => (choices.max(1) as u64)
-            .saturating_mul(1 + u64::from(top))
-            .saturating_mul(u64::from(max_tokens)),
+        Some(top) if !checked.stream => {
+            logprobs_of(choices.max(1) as u64, top, u64::from(max_tokens))
+        }
         _ => 0,
     }
+}
+
+/// The log-probabilities `copies` copies of `tokens` tokens' scores hold with `top` alternatives a
+/// token: copies × tokens × (1 + top), saturating.
+pub fn logprobs_of(copies: u64, top: u32, tokens: u64) -> u64 {
+    copies
+        .saturating_mul(1 + u64::from(top))
+        .saturating_mul(tokens)
 }
 
 /// The `max_tokens` of a request over `choices` choices whose response, not streamed, holds

@@ -89,6 +89,46 @@ fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
     })
 }
 
+/// Creates `dir` (and its parents) readable by the process's user only (mode 700 where it is new).
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(dir)
+}
+
+/// Writes `bytes` to `path` whole or not at all, readable by the process's user only: into
+/// `<path>.tmp` (a leftover one removed first; the new one created exclusively, so that a link planted
+/// there is never followed), synced, renamed over `path`, and the directory synced so that the rename
+/// outlives a power loss.
+pub fn write_private_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let written = options.open(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|_| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => std::fs::File::open(dir)?.sync_all(),
+        None => std::fs::File::open(".")?.sync_all(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,5 +200,31 @@ mod tests {
             assert!(e.to_string().contains("not a regular file"), "{e}");
         }
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn an_atomic_write_replaces_the_file_and_never_follows_a_planted_link() {
+        let dir =
+            std::env::temp_dir().join(format!("kura-files-{}-{}", std::process::id(), line!()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ctx.json");
+        write_private_atomic(&path, b"one").unwrap();
+        write_private_atomic(&path, b"two").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        // A link where the temporary file goes: removed, not written through.
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&victim, dir.join("ctx.json.tmp")).unwrap();
+            write_private_atomic(&path, b"three").unwrap();
+            assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+            assert_eq!(std::fs::read(&path).unwrap(), b"three");
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        assert!(!dir.join("ctx.json.tmp").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -18,6 +18,10 @@ use crate::naming::ContentNamer;
 pub const ROUTED_TTL_MS: u64 = 10_000;
 /// Most routed names kept per replica before expired ones are dropped.
 const MAX_ROUTED: usize = 1 << 20;
+/// Most blocks a replica is known to hold (8 Mi names, about 270 MB of index): past it, what a
+/// replica reports storing is not recorded (a routing hint lost), so a replica that reports without
+/// end cannot grow the router's memory without end.
+const MAX_HELD: usize = 1 << 23;
 
 /// A change in a replica's pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +66,8 @@ pub fn prompt_names(
 #[derive(Debug)]
 pub struct FleetIndex {
     replicas: Vec<ReplicaBlocks>,
+    /// [`MAX_HELD`] (smaller in tests).
+    max_held: usize,
 }
 
 impl FleetIndex {
@@ -69,13 +75,14 @@ impl FleetIndex {
     pub fn new(replicas: usize) -> Self {
         Self {
             replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
+            max_held: MAX_HELD,
         }
     }
 
     /// Replaces replica `r`'s blocks with a snapshot of `names` current at event `seq`.
     pub fn reset(&mut self, r: usize, seq: u64, names: &[u128]) {
         self.replicas[r] = ReplicaBlocks {
-            held: names.iter().copied().collect(),
+            held: names.iter().copied().take(self.max_held).collect(),
             routed: HashMap::new(),
             seq: Some(seq),
         };
@@ -86,7 +93,10 @@ impl FleetIndex {
     pub fn apply(&mut self, r: usize, seq: u64, change: &Change) -> Result<(), OutOfOrder> {
         let rep = &mut self.replicas[r];
         let expected = match rep.seq {
-            Some(last) => last + 1,
+            Some(last) => last.checked_add(1).ok_or(OutOfOrder {
+                expected: last,
+                got: seq,
+            })?,
             None => {
                 return Err(OutOfOrder {
                     expected: 0,
@@ -99,7 +109,9 @@ impl FleetIndex {
         }
         match change {
             Change::Stored { name } => {
-                rep.held.insert(*name);
+                if rep.held.len() < self.max_held {
+                    rep.held.insert(*name);
+                }
             }
             Change::Removed { name } => {
                 rep.held.remove(name);
@@ -145,11 +157,18 @@ impl FleetIndex {
     }
 
     /// Records that a prompt of `names` was sent to replica `r` at `now_ms`.
+    /// At most `MAX_ROUTED` routed blocks are kept a replica: past it the stale ones go, then, in a
+    /// burst where fresh ones alone pass it, all of them (they are hints), and a prompt longer than
+    /// the bound is noted by its first blocks.
     pub fn note_routed(&mut self, r: usize, names: &[u128], now_ms: u64) {
         let rep = &mut self.replicas[r];
+        let names = &names[..names.len().min(MAX_ROUTED)];
         if rep.routed.len() + names.len() > MAX_ROUTED {
             rep.routed
                 .retain(|_, &mut t| now_ms.saturating_sub(t) < ROUTED_TTL_MS);
+            if rep.routed.len() + names.len() > MAX_ROUTED {
+                rep.routed.clear();
+            }
         }
         for &n in names {
             rep.routed.insert(n, now_ms);
@@ -169,6 +188,49 @@ mod tests {
     }
 
     const FLEET: &str = "a fleet secret of at least thirty-two characters";
+
+    #[test]
+    fn a_replica_reporting_blocks_without_end_is_recorded_up_to_the_bound() {
+        let mut index = FleetIndex::new(1);
+        index.max_held = 100;
+        let names: Vec<u128> = (0..150).collect();
+        index.reset(0, 0, &names);
+        assert_eq!(index.num_blocks(0), 100);
+        for seq in 1..=50u64 {
+            let name = 1_000 + u128::from(seq);
+            index.apply(0, seq, &Change::Stored { name }).unwrap();
+        }
+        assert_eq!(index.num_blocks(0), 100);
+        // A removal makes room again.
+        index.apply(0, 51, &Change::Removed { name: 0 }).unwrap();
+        index.apply(0, 52, &Change::Stored { name: 7_000 }).unwrap();
+        assert_eq!(index.held_prefix(0, &[7_000], 0), 1);
+    }
+
+    #[test]
+    fn an_event_after_the_last_sequence_number_is_out_of_order_not_a_panic() {
+        let mut index = FleetIndex::new(1);
+        index.reset(0, u64::MAX, &[1, 2]);
+        let e = index.apply(0, 0, &Change::Stored { name: 3 }).unwrap_err();
+        assert_eq!(e.got, 0);
+        assert_eq!(index.num_blocks(0), 2);
+    }
+
+    #[test]
+    fn routed_blocks_stay_within_their_bound_in_a_burst() {
+        let mut index = FleetIndex::new(1);
+        // Two prompts of 600,000 blocks within the TTL, then one of more blocks than the bound.
+        let burst: Vec<u128> = (0..600_000).collect();
+        index.note_routed(0, &burst, 0);
+        let more: Vec<u128> = (1_000_000..1_600_000).collect();
+        index.note_routed(0, &more, 1);
+        assert!(index.replicas[0].routed.len() <= MAX_ROUTED);
+        assert_eq!(index.held_prefix(0, &more, 2), more.len());
+        let huge: Vec<u128> = (2_000_000..2_000_000 + MAX_ROUTED as u128 + 5).collect();
+        index.note_routed(0, &huge, 3);
+        assert_eq!(index.replicas[0].routed.len(), MAX_ROUTED);
+        assert_eq!(index.held_prefix(0, &huge, 4), MAX_ROUTED);
+    }
 
     #[test]
     fn a_prompt_finds_the_replica_holding_its_prefix_under_its_key_only() {

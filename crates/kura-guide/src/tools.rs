@@ -19,6 +19,9 @@ use serde_json::{json, Value};
 
 use crate::lark_literal;
 
+mod stream;
+pub use stream::{CallView, PartialStream, PartialView};
+
 /// How a model family writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolFormat {

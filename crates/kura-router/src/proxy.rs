@@ -220,7 +220,7 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
             match affinity.get(key) {
                 Some(&r)
                     if candidates[r].eligible
-                        && candidates[r].load <= least + AFFINITY_SLACK
+                        && candidates[r].load <= least.saturating_add(AFFINITY_SLACK)
                         && candidates[r].held_blocks >= candidates[chosen].held_blocks =>
                 {
                     r

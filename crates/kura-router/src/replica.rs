@@ -291,33 +291,62 @@ fn name(v: Option<&Value>, what: &str) -> Result<u128, String> {
 /// server process that sent it (`instance`; absent from older replicas).
 type Snapshot = (u64, ReplicaInfo, Vec<u128>, Option<String>);
 
-fn snapshot(v: &Value) -> Result<Snapshot, String> {
-    let seq = v.get("seq").and_then(Value::as_u64).ok_or("no seq")?;
-    let text = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+/// A snapshot as a replica sends it, read without a JSON tree: a snapshot of millions of blocks (up to
+/// the 256 MiB an event may hold) would take several times its size as one. Each block keeps its name
+/// only; its tokens (a replica's --kv-events-tokens) are skipped.
+#[derive(serde::Deserialize)]
+struct SnapshotWire {
+    seq: Option<u64>,
+    model: Option<String>,
+    model_fingerprint: Option<String>,
+    block_size: Option<u64>,
+    tenants: Option<bool>,
+    blocks: Option<Vec<BlockWire>>,
+    instance: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct BlockWire {
+    #[serde(default)]
+    name: BlockName,
+}
+
+/// A block's name, or why it is not one ([`name`]'s message).
+struct BlockName(Result<u128, String>);
+
+impl Default for BlockName {
+    fn default() -> Self {
+        BlockName(name(None, "a block"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for BlockName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        Ok(BlockName(name(Some(&v), "a block")))
+    }
+}
+
+fn snapshot(data: &str) -> Result<Snapshot, String> {
+    let v: SnapshotWire = serde_json::from_str(data).map_err(|e| format!("not a snapshot: {e}"))?;
+    let seq = v.seq.ok_or("no seq")?;
     let info = ReplicaInfo {
-        model: text("model").ok_or("no model")?,
-        model_fingerprint: text("model_fingerprint").ok_or("no model_fingerprint")?,
+        model: v.model.ok_or("no model")?,
+        model_fingerprint: v.model_fingerprint.ok_or("no model_fingerprint")?,
         block_size: v
-            .get("block_size")
-            .and_then(Value::as_u64)
+            .block_size
             .filter(|&b| b > 0)
             .and_then(|b| usize::try_from(b).ok())
             .ok_or("no block_size")?,
-        tenants: v.get("tenants").and_then(Value::as_bool).unwrap_or(false),
+        tenants: v.tenants.unwrap_or(false),
     };
-    // A block may also carry its tokens (a replica's --kv-events-tokens): not needed here.
     let names = v
-        .get("blocks")
-        .and_then(Value::as_array)
+        .blocks
         .ok_or("no blocks")?
-        .iter()
-        .map(|b| name(b.get("name"), "a block"))
+        .into_iter()
+        .map(|b| b.name.0)
         .collect::<Result<_, _>>()?;
-    let instance = v
-        .get("instance")
-        .and_then(Value::as_str)
-        .map(str::to_string);
-    Ok((seq, info, names, instance))
+    Ok((seq, info, names, v.instance))
 }
 
 fn change(v: &Value) -> Result<(u64, Change), String> {
@@ -359,8 +388,8 @@ fn on_event(fleet: &Fleet, r: usize, e: &SseEvent) -> Result<(), StreamEnd> {
     };
     match e.event.as_deref() {
         Some("snapshot") => {
-            let (seq, info, names, instance) = snapshot(&parse(&e.data)?)
-                .map_err(|m| StreamEnd::Broken(format!("snapshot: {m}")))?;
+            let (seq, info, names, instance) =
+                snapshot(&e.data).map_err(|m| StreamEnd::Broken(format!("snapshot: {m}")))?;
             let n = names.len();
             if !info.tenants && !fleet.config.api_keys.is_empty() {
                 // Keys here, none there: every client of the router shares the replica's cache, so
@@ -553,21 +582,33 @@ mod tests {
 
     #[test]
     fn a_snapshot_gives_its_names_and_ignores_debug_tokens() {
-        let v: Value = serde_json::from_str(
-            r#"{"object":"kv.snapshot","instance":"i","seq":9,"block_size":16,"model":"m",
+        let v = r#"{"object":"kv.snapshot","instance":"i","seq":9,"block_size":16,"model":"m",
                 "model_fingerprint":"f","tenants":true,"tier":"pool",
                 "blocks":[{"name":"0000000000000000000000000000000a"},
-                          {"name":"0000000000000000000000000000000b","tokens":[1,2,3]}]}"#,
-        )
-        .unwrap();
-        let (seq, info, names, instance) = snapshot(&v).unwrap();
+                          {"name":"0000000000000000000000000000000b","tokens":[1,2,3]}]}"#;
+        let (seq, info, names, instance) = snapshot(v).unwrap();
         assert_eq!((seq, names), (9, vec![10, 11]));
         assert_eq!(instance.as_deref(), Some("i"));
         assert_eq!((info.block_size, info.tenants), (16, true));
-        let bad: Value = serde_json::from_str(
-            r#"{"seq":1,"block_size":16,"model":"m","model_fingerprint":"f","blocks":[{"name":"g"}]}"#,
-        )
-        .unwrap();
-        assert!(snapshot(&bad).unwrap_err().contains("\"g\""));
+        let bad = r#"{"seq":1,"block_size":16,"model":"m","model_fingerprint":"f","blocks":[{"name":"g"}]}"#;
+        assert!(snapshot(bad).unwrap_err().contains("\"g\""));
+        for (body, says) in [
+            (
+                r#"{"block_size":16,"model":"m","model_fingerprint":"f","blocks":[]}"#,
+                "no seq",
+            ),
+            (
+                r#"{"seq":1,"block_size":16,"model":"m","model_fingerprint":"f","blocks":[{}]}"#,
+                "without a name",
+            ),
+            (
+                r#"{"seq":1,"block_size":0,"model":"m","model_fingerprint":"f","blocks":[]}"#,
+                "no block_size",
+            ),
+            (r#"[1]"#, "not a snapshot"),
+        ] {
+            let e = snapshot(body).unwrap_err();
+            assert!(e.contains(says), "{body}: {e}");
+        }
     }
 }

@@ -141,6 +141,10 @@ fn set_aside(path: &Path, why: &str) -> String {
 pub struct ContextStore {
     dir: Option<PathBuf>,
     contexts: Mutex<HashMap<String, SavedContext>>,
+    /// Held by each change to an existing context (a new expiry, a deletion, expiry sweeps, owner
+    /// moves) from its read to its last write, so that a change never puts back a context another
+    /// one has just removed; reads take only `contexts`.
+    changes: Mutex<()>,
 }
 
 /// Why a saved context could not be used.
@@ -154,6 +158,7 @@ impl ContextStore {
         Self {
             dir: None,
             contexts: Mutex::new(HashMap::new()),
+            changes: Mutex::new(()),
         }
     }
 
@@ -162,7 +167,8 @@ impl ContextStore {
     /// warnings, one per file set aside.
     pub fn open(disk_dir: &Path) -> Result<(Self, Vec<String>), String> {
         let dir = disk_dir.join("contexts");
-        create_private_dir(&dir).map_err(|e| format!("could not create {}: {e}", dir.display()))?;
+        kura_files::create_private_dir(&dir)
+            .map_err(|e| format!("could not create {}: {e}", dir.display()))?;
         let mut contexts = HashMap::new();
         let mut warnings = Vec::new();
         let now_ms = std::time::SystemTime::now()
@@ -173,20 +179,31 @@ impl ContextStore {
             .map_err(|e| format!("could not read {}: {e}", dir.display()))?;
         for entry in entries.flatten() {
             let path = entry.path();
+            if path.to_str().is_some_and(|p| p.ends_with(".json.tmp")) {
+                // A write cut short by a crash: the context it was for is whole or absent.
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
                 continue;
             }
-            let parsed = kura_files::read(&path, CONTEXT_FILE_MAX_BYTES)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<SavedContext>(&b).map_err(|e| e.to_string()))
-                .and_then(|c| {
-                    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
-                    if c.id == stem && valid_id(&c.id) {
-                        Ok(c)
-                    } else {
-                        Err(format!("its id {:?} does not match its file name", c.id))
-                    }
-                });
+            // The entry's own type: a link here is set aside, not followed to a file elsewhere (a
+            // FIFO or a directory is refused by the read below).
+            let link = entry.file_type().is_ok_and(|t| t.is_symlink());
+            let parsed = match link {
+                true => Err(std::io::Error::other("a link, which is not followed")),
+                false => kura_files::read(&path, CONTEXT_FILE_MAX_BYTES),
+            }
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<SavedContext>(&b).map_err(|e| e.to_string()))
+            .and_then(|c| {
+                let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+                if c.id == stem && valid_id(&c.id) {
+                    Ok(c)
+                } else {
+                    Err(format!("its id {:?} does not match its file name", c.id))
+                }
+            });
             match parsed {
                 Ok(mut c) => {
                     // An expiry past the longest TTL from now (an edited file, or one from a clock
@@ -221,6 +238,7 @@ impl ContextStore {
             Self {
                 dir: Some(dir),
                 contexts: Mutex::new(contexts),
+                changes: Mutex::new(()),
             },
             warnings,
         ))
@@ -228,6 +246,11 @@ impl ContextStore {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, SavedContext>> {
         self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The turn to change existing contexts ([`ContextStore::changes`]).
+    fn changing(&self) -> MutexGuard<'_, ()> {
+        self.changes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn path_of(&self, id: &str) -> Option<PathBuf> {
@@ -241,20 +264,16 @@ impl ContextStore {
         let Some(path) = self.path_of(&c.id) else {
             return Ok(());
         };
-        let tmp = path.with_extension("json.tmp");
         let bytes = serde_json::to_vec(c)
             .map_err(|e| ApiError::Internal(format!("serializing a saved context: {e}")))?;
-        write_private(&tmp, &bytes)
-            .and_then(|_| std::fs::rename(&tmp, &path))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                tracing::error!(file = %path.display(), error = %e, "could not write a saved context");
-                ApiError::StorageFull(format!(
-                    "the saved context could not be stored: the server's storage is full or failing \
+        kura_files::write_private_atomic(&path, &bytes).map_err(|e| {
+            tracing::error!(file = %path.display(), error = %e, "could not write a saved context");
+            ApiError::StorageFull(format!(
+                "the saved context could not be stored: the server's storage is full or failing \
                      ({})",
-                    io_kind(&e)
-                ))
-            })
+                io_kind(&e)
+            ))
+        })
     }
 
     fn remove_files(&self, ids: &[String]) {
@@ -303,6 +322,7 @@ impl ContextStore {
 
     /// Drops every context expired at `now_ms`, and then their files (outside the lock). Blocking I/O.
     pub fn expire(&self, now_ms: u64) {
+        let _turn = self.changing();
         let gone: Vec<String> = {
             let mut map = self.lock();
             let gone: Vec<String> = map
@@ -321,6 +341,7 @@ impl ContextStore {
     /// Moves contexts owned by an old tenant name to its new one (`(old, new)` pairs), rewriting their
     /// files; returns how many moved. Blocking I/O.
     pub fn migrate_owners(&self, renames: &[(String, String)]) -> Result<usize, ApiError> {
+        let _turn = self.changing();
         let moved: Vec<SavedContext> = {
             let mut map = self.lock();
             let mut moved = Vec::new();
@@ -427,6 +448,7 @@ impl ContextStore {
         now_ms: u64,
         expires_at_ms: u64,
     ) -> Result<SavedContext, ApiError> {
+        let _turn = self.changing();
         let mut c = self.get(id, tenant, now_ms)?;
         c.expires_at_ms = expires_at_ms;
         self.write(&c)?;
@@ -441,6 +463,7 @@ impl ContextStore {
         tenant: &Option<String>,
         now_ms: u64,
     ) -> Result<SavedContext, ApiError> {
+        let _turn = self.changing();
         let c = self.get(id, tenant, now_ms)?;
         self.lock().remove(id);
         self.remove_files(std::slice::from_ref(&c.id));
@@ -449,6 +472,7 @@ impl ContextStore {
 
     /// Deletes a context whatever its tenant (the operator's `kura cache rm`).
     pub fn delete_any(&self, id: &str) -> Option<SavedContext> {
+        let _turn = self.changing();
         let c = self.lock().remove(id)?;
         self.remove_files(std::slice::from_ref(&c.id));
         Some(c)
@@ -460,27 +484,6 @@ impl ContextStore {
         out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         out
     }
-}
-
-/// Creates `dir` (and its parents) readable by the server's user only.
-fn create_private_dir(dir: &Path) -> std::io::Result<()> {
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    #[cfg(unix)]
-    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
-    builder.create(dir)
-}
-
-/// Writes `bytes` to a new file at `path` readable by the server's user only.
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let mut f = options.open(path)?;
-    f.write_all(bytes)?;
-    f.sync_data()
 }
 
 /// What kind of failure an I/O error is, without any path.
@@ -583,6 +586,40 @@ mod tests {
         store.insert(context(21, Some("c"), u64::MAX), 3).unwrap();
         assert!(store.delete_any(&format!("ctx_{:024x}", 10)).is_some());
         store.insert(context(20, Some("b"), u64::MAX), 3).unwrap();
+    }
+
+    #[test]
+    fn a_context_deleted_while_its_expiry_changes_stays_deleted() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        let store = Arc::new(store);
+        let tenant: Option<String> = None;
+        // A change of expiry writes the context's file and then its entry; a deletion between the two
+        // used to be undone by the entry (and the file) coming back.
+        for i in 0..300 {
+            let c = context(i, None, u64::MAX);
+            let id = c.id.clone();
+            store.insert(c, 1_000).unwrap();
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let patch = {
+                let (store, start, id, tenant) =
+                    (store.clone(), start.clone(), id.clone(), tenant.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    store.set_expiry(&id, &tenant, 0, u64::MAX - 1).is_ok()
+                })
+            };
+            start.wait();
+            let deleted = store.delete(&id, &tenant, 0).is_ok();
+            let patched = patch.join().unwrap();
+            assert!(deleted || patched, "{i}");
+            if deleted {
+                assert!(store.get(&id, &tenant, 0).is_err(), "context {i} came back");
+                let file = dir.join("contexts").join(format!("{id}.json"));
+                assert!(!file.exists(), "context {i}'s file came back");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub(crate) async fn constraint(
     guide: Option<(Guide, &'static str)>,
     tools: Option<&ToolPlan>,
     style: ToolStyle,
+    deadline: crate::output::Deadline,
 ) -> Result<Option<Arc<dyn ConstraintSpec>>, ApiError> {
     let (guide, param) = match tools.and_then(ToolPlan::constrained) {
         Some(defs) => {
@@ -45,13 +46,19 @@ pub(crate) async fn constraint(
         },
     };
     // Compiles take turns, a few at a time: each holds memory in proportion to its grammar (up to
-    // tens of MB), and many at once must not take the machine's memory.
-    let _turn = COMPILES
-        .acquire()
-        .await
-        .map_err(|_| ApiError::Internal("the grammar compiler's queue is closed".into()))?;
+    // tens of MB), and many at once must not take the machine's memory. The turn goes with the
+    // compile: a client that leaves while its grammar compiles drops the wait, not the compile, which
+    // keeps its turn until it ends.
+    let turn = crate::output::finish_before(deadline, async {
+        COMPILES
+            .acquire()
+            .await
+            .map_err(|_| ApiError::Internal("the grammar compiler's queue is closed".into()))
+    })
+    .await?;
     let (codec, cell) = (engine.codec().clone(), cell.clone());
     off_the_workers(move || {
+        let _turn = turn;
         let guides = cell
             .get_or_init(|| Guides::new(codec))
             .as_ref()

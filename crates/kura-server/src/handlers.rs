@@ -141,9 +141,9 @@ pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 
 }
 
 /// Takes `count` of the server's log-probabilities for a response that holds them until it is sent
-/// (non-streamed, with log-probabilities; 0 takes nothing): held until the returned permit drops (the
-/// response's body sent or dropped, or the request dropped with its connection). Over the server's
-/// bound: 429.
+/// (non-streamed, with log-probabilities, or with a scored prompt, streamed or not; 0 takes nothing):
+/// held until the returned permit drops (the response's body sent or dropped, or the request dropped
+/// with its connection). Over the server's bound: 429.
 fn hold_logprobs(
     s: &AppState,
     count: u64,
@@ -156,8 +156,9 @@ fn hold_logprobs(
             .max_held_logprobs
             .saturating_sub(s.held_logprobs.available_permits() as u64);
         ApiError::QueueFull(format!(
-            "responses in progress that are not streamed hold {held} of this server's {} \
-             log-probabilities, and this one needs {count}: retry later, or stream the response",
+            "responses in progress hold {held} of this server's {} log-probabilities (those not \
+             streamed, and scored prompts), and this one needs {count}: retry later, or stream the \
+             response (a stream holds only its scored prompts)",
             s.max_held_logprobs
         ))
     };
@@ -169,9 +170,11 @@ fn hold_logprobs(
     }
 }
 
-/// The log-probabilities a response not streamed holds for its scored prompts (`lens`: each prompt's
-/// tokens; `n`: the copies of each prompt's scores it carries; `tops`: the alternatives a token of each
-/// form it writes them in, `None` for a form not asked), refused past `limit` naming `param`.
+/// The log-probabilities a response holds for its scored prompts (`lens`: each prompt's tokens; `n`:
+/// the copies of each prompt's scores it carries; `tops`: the alternatives a token of each form it
+/// writes them in, `None` for a form not asked), refused past `limit` naming `param`. A prompt's scores
+/// are computed whole before any is sent, so a stream holds them too, once (its choices write them in
+/// turn from one copy).
 fn prompt_scores_held(
     checked: &Checked,
     n: usize,
@@ -180,23 +183,28 @@ fn prompt_scores_held(
     limit: u64,
     param: &'static str,
 ) -> Result<u64, ApiError> {
+    let copies = if checked.stream { 1 } else { n.max(1) as u64 };
     let held = tops
         .iter()
+        .flatten()
         .flat_map(|&top| {
-            lens.iter().map(move |&len| {
-                let len = u32::try_from(len).unwrap_or(u32::MAX);
-                validate::held_logprobs(checked, n, top, len)
-            })
+            lens.iter()
+                .map(move |&len| validate::logprobs_of(copies, top, len as u64))
         })
         .fold(0u64, u64::saturating_add);
     if held > limit {
-        let lower = if n > 1 { "n or " } else { "" };
+        let lower = if copies > 1 { "n or " } else { "" };
+        let stream = match checked.stream {
+            true => "",
+            false => ", or stream the response",
+        };
         return Err(ApiError::invalid(
             format!(
-                "a response with log-probabilities that is not streamed holds at most {limit} of \
-                 them on this server, and its scored prompts alone hold {held} (each prompt's \
-                 tokens × the choices that repeat them × (1 + the alternatives a token)); lower \
-                 {lower}{param}, or stream the response"
+                "a response holds at most {limit} log-probabilities on this server, and its scored \
+                 prompts alone hold {held} (each prompt's tokens × the copies of its scores the \
+                 response writes × (1 + the alternatives a token); a prompt is scored whole before \
+                 any of it is sent, streamed or not); lower {lower}{param}, or shorten the \
+                 prompt{stream}"
             ),
             Some(param),
         ));
@@ -213,6 +221,7 @@ async fn start(
     stream: bool,
     include_usage: bool,
     held: Option<tokio::sync::OwnedSemaphorePermit>,
+    deadline: output::Deadline,
 ) -> Result<Response, ApiError> {
     let n = requests.first().map(|r| r.n).unwrap_or(1);
     let (mut events, sender) = Events::new(requests.len() as u32, n);
@@ -222,7 +231,6 @@ async fn start(
         events.add_guard(guard);
     }
     drop(sender);
-    let deadline = output::deadline(s.request_timeout);
     if stream {
         let body = output::sse_stream(meta, include_usage, events, deadline);
         Ok(Sse::new(body)
@@ -322,8 +330,10 @@ async fn saved_context(
 pub async fn completions(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(arrival): Extension<output::Arrival>,
     JsonBody(value): JsonBody,
 ) -> Result<Response, ApiError> {
+    let deadline = output::deadline(s.request_timeout, arrival);
     let info = s.engine.info();
     let plan = validate::prepare_completion(&value, s.ctx())?;
     drop(value);
@@ -335,6 +345,7 @@ pub async fn completions(
         plan.checked.guide.clone(),
         None,
         style,
+        deadline,
     )
     .await?;
     // `echo`: the prompts' texts as given (token prompts are decoded once tokenized).
@@ -449,14 +460,16 @@ pub async fn completions(
         validate::held_logprobs(&plan.checked, choices, plan.logprobs, max_tokens)
             .saturating_add(prompt_held),
     )?;
-    start(&s, requests, meta, stream, include_usage, held).await
+    start(&s, requests, meta, stream, include_usage, held, deadline).await
 }
 
 pub async fn chat_completions(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(arrival): Extension<output::Arrival>,
     JsonBody(value): JsonBody,
 ) -> Result<Response, ApiError> {
+    let deadline = output::deadline(s.request_timeout, arrival);
     let info = s.engine.info();
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
@@ -468,6 +481,7 @@ pub async fn chat_completions(
         plan.checked.guide.clone(),
         plan.tools.as_ref(),
         style,
+        deadline,
     )
     .await?;
     // The conversation as sent, for telling a re-rendered history from a new turn on a miss.
@@ -569,7 +583,16 @@ pub async fn chat_completions(
         )
         .saturating_add(prompt_held),
     )?;
-    start(&s, vec![request], meta, stream, include_usage, held).await
+    start(
+        &s,
+        vec![request],
+        meta,
+        stream,
+        include_usage,
+        held,
+        deadline,
+    )
+    .await
 }
 
 pub async fn tokenize(

@@ -442,6 +442,8 @@ async fn authenticate(
         }
     };
     req.extensions_mut().insert(tenant);
+    req.extensions_mut()
+        .insert(output::Arrival(tokio::time::Instant::now()));
     Ok(next.run(req).await)
 }
 

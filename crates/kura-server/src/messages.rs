@@ -38,15 +38,22 @@ use crate::{guided, handlers};
 pub async fn messages(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(arrival): Extension<output::Arrival>,
     req: Request,
 ) -> Response {
-    match messages_inner(s, tenant, req).await {
+    match messages_inner(s, tenant, arrival, req).await {
         Ok(r) => r,
         Err(e) => AnthropicError(e).into_response(),
     }
 }
 
-async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Response, ApiError> {
+async fn messages_inner(
+    s: AppState,
+    tenant: Tenant,
+    arrival: output::Arrival,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let deadline = output::deadline(s.request_timeout, arrival);
     body::check_json_content_type(req.headers())?;
     let bytes = body::read_body(req, &s, s.body_timeout, s.max_body_bytes).await?;
     let value = body::parse_json_object(&bytes)?;
@@ -61,8 +68,15 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     };
     let style = guided::tool_style(&s.engine);
     let guide = plan.guide.clone().map(|g| (g, "output_config"));
-    let constraint =
-        guided::constraint(&s.engine, &s.guides, guide, plan.tools.as_ref(), style).await?;
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        guide,
+        plan.tools.as_ref(),
+        style,
+        deadline,
+    )
+    .await?;
     let (engine, plan_for_encode) = (s.engine.clone(), plan.clone());
     let saved_for_encode = saved.clone();
     let (prompt_tokens, positions) = handlers::off_the_workers(move || {
@@ -113,7 +127,6 @@ async fn messages_inner(s: AppState, tenant: Tenant, req: Request) -> Result<Res
     events.add_guard(guard);
     drop(sender);
     let id = handlers::response_id("msg");
-    let deadline = output::deadline(s.request_timeout);
     if plan.stream {
         let body = stream(
             id,

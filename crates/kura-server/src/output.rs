@@ -24,6 +24,7 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
 use kura_api::tools::ToolFormat;
+use kura_guide::tools::PartialStream;
 
 use crate::error::ApiError;
 use crate::types::*;
@@ -115,7 +116,9 @@ fn read_calls(
 /// What a streamed chat choice has sent of its content and calls so far.
 #[derive(Default)]
 pub(crate) struct ToolStream {
-    text: String,
+    /// The reply so far, parsed as it grows (made with the first piece, when the format is known):
+    /// a piece costs about its own length, not the reply's.
+    parse: Option<PartialStream>,
     content_sent: usize,
     /// Per call: whether its name went out, and how many bytes of its arguments.
     calls: Vec<(bool, usize)>,
@@ -129,60 +132,32 @@ impl ToolStream {
         format: ToolFormat,
         text: &str,
     ) -> (String, Vec<ToolCallDelta>) {
-        self.text.push_str(text);
-        let p = format.parse_partial(&self.text);
-        let content = p
+        let ToolStream {
+            parse,
+            content_sent,
+            calls,
+        } = self;
+        let view = parse
+            .get_or_insert_with(|| PartialStream::new(format))
+            .push(text);
+        let content = view
             .content
-            .get(self.content_sent..)
+            .get(*content_sent..)
             .unwrap_or_default()
             .to_string();
-        self.content_sent = self.content_sent.max(p.content.len());
+        *content_sent = (*content_sent).max(view.content.len());
         let mut deltas = Vec::new();
-        for (i, call) in p.calls.iter().enumerate() {
-            self.push_call(ids, i, call.name.as_deref(), &call.arguments, &mut deltas);
+        for (k, call) in view.calls.iter().enumerate() {
+            push_call(
+                calls,
+                ids,
+                view.first + k,
+                call.name,
+                call.arguments,
+                &mut deltas,
+            );
         }
         (content, deltas)
-    }
-
-    fn push_call(
-        &mut self,
-        ids: &str,
-        i: usize,
-        name: Option<&str>,
-        arguments: &str,
-        deltas: &mut Vec<ToolCallDelta>,
-    ) {
-        if self.calls.len() <= i {
-            self.calls.resize(i + 1, (false, 0));
-        }
-        let (named, sent) = &mut self.calls[i];
-        if !*named {
-            let Some(name) = name else {
-                return;
-            };
-            deltas.push(ToolCallDelta {
-                index: i as u32,
-                id: Some(format!("{ids}-{i}")),
-                kind: Some("function"),
-                function: FunctionDelta {
-                    name: Some(name.to_string()),
-                    arguments: String::new(),
-                },
-            });
-            *named = true;
-        }
-        if let Some(more) = arguments.get(*sent..).filter(|m| !m.is_empty()) {
-            deltas.push(ToolCallDelta {
-                index: i as u32,
-                id: None,
-                kind: None,
-                function: FunctionDelta {
-                    name: None,
-                    arguments: more.to_string(),
-                },
-            });
-            *sent = arguments.len();
-        }
     }
 
     /// The rest once the choice is finished: content held back, the calls' last pieces, and whether
@@ -192,34 +167,85 @@ impl ToolStream {
         ids: &str,
         format: ToolFormat,
     ) -> (String, Vec<ToolCallDelta>, bool) {
-        let (_, calls) = format.parse(&self.text);
-        if calls.is_empty() {
-            let rest = self
-                .text
+        let text = self.parse.as_ref().map_or("", PartialStream::text);
+        let (_, parsed) = format.parse(text);
+        if parsed.is_empty() {
+            let rest = text
                 .get(self.content_sent..)
                 .unwrap_or_default()
                 .to_string();
-            self.content_sent = self.text.len();
+            self.content_sent = text.len();
             return (rest, Vec::new(), false);
         }
         let mut deltas = Vec::new();
-        for (i, c) in calls.iter().enumerate() {
-            self.push_call(ids, i, Some(&c.name), &c.arguments, &mut deltas);
+        for (i, c) in parsed.iter().enumerate() {
+            push_call(
+                &mut self.calls,
+                ids,
+                i,
+                Some(&c.name),
+                &c.arguments,
+                &mut deltas,
+            );
         }
         (String::new(), deltas, true)
+    }
+}
+
+/// Call `i`'s pieces not sent yet (`calls`: what went out of each): its name and id once, then what
+/// its arguments gained.
+fn push_call(
+    calls: &mut Vec<(bool, usize)>,
+    ids: &str,
+    i: usize,
+    name: Option<&str>,
+    arguments: &str,
+    deltas: &mut Vec<ToolCallDelta>,
+) {
+    if calls.len() <= i {
+        calls.resize(i + 1, (false, 0));
+    }
+    let (named, sent) = &mut calls[i];
+    if !*named {
+        let Some(name) = name else {
+            return;
+        };
+        deltas.push(ToolCallDelta {
+            index: i as u32,
+            id: Some(format!("{ids}-{i}")),
+            kind: Some("function"),
+            function: FunctionDelta {
+                name: Some(name.to_string()),
+                arguments: String::new(),
+            },
+        });
+        *named = true;
+    }
+    if let Some(more) = arguments.get(*sent..).filter(|m| !m.is_empty()) {
+        deltas.push(ToolCallDelta {
+            index: i as u32,
+            id: None,
+            kind: None,
+            function: FunctionDelta {
+                name: None,
+                arguments: more.to_string(),
+            },
+        });
+        *sent = arguments.len();
     }
 }
 
 /// When a request's time is up (`--request-timeout`): the instant, and the limit in seconds.
 pub(crate) type Deadline = Option<(tokio::time::Instant, u64)>;
 
-/// The deadline of a request starting now.
-pub(crate) fn deadline(timeout: Option<std::time::Duration>) -> Deadline {
-    timeout.and_then(|t| {
-        tokio::time::Instant::now()
-            .checked_add(t)
-            .map(|at| (at, t.as_secs()))
-    })
+/// When a request arrived (its head read, as it is authenticated): `--request-timeout` counts from it,
+/// so a wait for a grammar compile's turn, the compile and tokenization are inside the limit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Arrival(pub(crate) tokio::time::Instant);
+
+/// The deadline of a request that arrived at `arrival`.
+pub(crate) fn deadline(timeout: Option<std::time::Duration>, arrival: Arrival) -> Deadline {
+    timeout.and_then(|t| arrival.0.checked_add(t).map(|at| (at, t.as_secs())))
 }
 
 /// The next event of `events`, or `Err(seconds)` when the deadline passes first.

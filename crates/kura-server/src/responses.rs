@@ -443,8 +443,10 @@ pub async fn input_tokens(
 pub async fn create(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
+    Extension(arrival): Extension<output::Arrival>,
     JsonBody(value): JsonBody,
 ) -> Result<Response, ApiError> {
+    let deadline = output::deadline(s.request_timeout, arrival);
     let info = s.engine.info().clone();
     let plan = prepare(&value, s.ctx())?;
     drop(value);
@@ -457,6 +459,7 @@ pub async fn create(
         plan.guide(),
         plan.tools.as_ref(),
         style,
+        deadline,
     )
     .await?;
     let (codec, tools) = (s.engine.codec().clone(), plan.tools.clone());
@@ -523,7 +526,6 @@ pub async fn create(
         );
         (guard, owner, conversation)
     });
-    let deadline = output::deadline(s.request_timeout);
     if plan.checked.stream {
         let body = stream(meta, events, keep, deadline);
         return Ok(Sse::new(body)

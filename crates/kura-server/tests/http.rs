@@ -705,6 +705,49 @@ async fn a_body_shorter_than_its_length_gets_408() {
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
 }
 
+/// `request_timeout` counts from a request's arrival, not from when it reaches the engine: a body
+/// that takes longer than the limit to arrive (within the body timeout) leaves no time to generate.
+#[tokio::test]
+async fn the_request_timeout_counts_from_arrival() {
+    let s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            step_delay: Duration::from_millis(10),
+            ..Behaviour::default()
+        },
+        server: ServerConfig {
+            body_timeout: Duration::from_secs(30),
+            request_timeout: Some(Duration::from_secs(2)),
+            ..ServerConfig::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let body = br#"{"prompt": "hi", "max_tokens": 10, "ignore_eos": true}"#;
+    for late in [false, true] {
+        let mut c = TcpStream::connect(s.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        c.write_all(head.as_bytes()).await.unwrap();
+        if late {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+        }
+        c.write_all(body).await.unwrap();
+        let answer = read_to_close(&mut c, PATIENCE).await.expect("an answer");
+        let text = String::from_utf8_lossy(&answer);
+        match late {
+            // 10 steps of 10 ms fit in the two seconds.
+            false => assert!(text.starts_with("HTTP/1.1 200"), "{text}"),
+            true => assert!(
+                text.starts_with("HTTP/1.1 504") && text.contains("request_timeout"),
+                "{text}"
+            ),
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_flood_of_silent_connections_does_not_stop_health() {
     let mut limits = quick_limits();

@@ -51,6 +51,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
+use kura_files::create_private_dir;
+
 use crate::error::{Check, ReadError, TierError};
 
 /// The identity of a stored block: what a reader must present to get its payload back.
@@ -185,8 +187,9 @@ impl DiskStore {
         let started = Instant::now();
         let blocks_dir = dir.join("blocks");
         let tmp_dir = dir.join("tmp");
+        // Private: block names are prompt digests, and their files' times say when a tenant was active.
         for d in [dir, &blocks_dir, &tmp_dir] {
-            fs::create_dir_all(d).map_err(|source| TierError::Io {
+            create_private_dir(d).map_err(|source| TierError::Io {
                 op: "cannot create directory",
                 path: d.to_path_buf(),
                 source,
@@ -218,7 +221,7 @@ impl DiskStore {
         };
         for fan in 0..=255u8 {
             let d = store.blocks_dir.join(format!("{fan:02x}"));
-            fs::create_dir_all(&d).map_err(|source| TierError::Io {
+            create_private_dir(&d).map_err(|source| TierError::Io {
                 op: "cannot create directory",
                 path: d.clone(),
                 source,
@@ -302,7 +305,7 @@ impl DiskStore {
         if matches!(&moved, Err(e) if e.kind() == io::ErrorKind::NotFound) {
             // The fan-out directory was removed under us: recreate it once.
             if let Some(parent) = dest.parent() {
-                let _ = fs::create_dir_all(parent);
+                let _ = create_private_dir(parent);
             }
             moved = fs::rename(&tmp, &dest);
         }
@@ -935,6 +938,25 @@ mod tests {
             ..rec.clone()
         };
         assert_eq!(decode_record(&bytes, 7, 64, &other), Err(Check::ParentHash));
+    }
+
+    #[test]
+    #[cfg(unix)]
+    fn a_new_store_keeps_its_directories_to_the_servers_user() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("kura-disk-perm-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let (_store, _) = DiskStore::open(&dir, 7, 64).unwrap();
+        for d in [
+            dir.clone(),
+            dir.join("blocks"),
+            dir.join("tmp"),
+            dir.join("blocks").join("ab"),
+        ] {
+            let mode = fs::metadata(&d).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{}", d.display());
+        }
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -66,21 +66,10 @@ pub fn server_secret(disk_dir: &Path) -> Result<Secret> {
             Ok(Secret::from_bytes(bytes))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            use std::io::Write;
             std::fs::create_dir_all(disk_dir)
                 .with_context(|| format!("creating {}", disk_dir.display()))?;
             let secret = Secret::random();
-            let tmp = disk_dir.join("server.secret.tmp");
-            let mut options = std::fs::OpenOptions::new();
-            options.write(true).create(true).truncate(true);
-            #[cfg(unix)]
-            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-            let mut f = options
-                .open(&tmp)
-                .with_context(|| format!("creating {}", tmp.display()))?;
-            f.write_all(&secret.to_bytes())
-                .and_then(|_| f.sync_all())
-                .and_then(|_| std::fs::rename(&tmp, &path))
+            kura_files::write_private_atomic(&path, &secret.to_bytes())
                 .with_context(|| format!("writing {}", path.display()))?;
             Ok(secret)
         }
