@@ -417,6 +417,22 @@ def test_kura_cache_build_computes_a_context_offline_that_a_server_then_serves(t
         assert s.metrics()['kura:kv_tier_hit_blocks_total{tier="disk"}'] >= got["token_count"] // BLOCK - 1
     finally:
         s.stop()
+    # A key from --api-key-file owns the context as one from --api-key does: its tenant sees it, others not.
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-a\n")
+    owned = subprocess.run([kura_bin(), "cache", "build", "--model", model_path(), "--kv-cache-memory", "64MiB",
+                            "--kv-disk-path", disk, "--file", "/dev/stdin", "--api-key-file", str(keys)],
+                           input=long_text(80, seed=12), capture_output=True, text=True, timeout=300)
+    assert owned.returncode == 0, owned.stderr
+    owned_id = owned.stdout.strip()
+    s = KuraServer("--kv-cache-memory", "64MiB", "--kv-disk-path", disk, "--api-key", "key-a", "--api-key", "key-b")
+    try:
+        mine = httpx.get(s.url + f"/v1/caches/{owned_id}", headers={"Authorization": "Bearer key-a"})
+        assert mine.status_code == 200, mine.text
+        theirs = httpx.get(s.url + f"/v1/caches/{owned_id}", headers={"Authorization": "Bearer key-b"})
+        assert theirs.status_code == 404, theirs.text
+    finally:
+        s.stop()
     rm = subprocess.run([kura_bin(), "cache", "rm", "--kv-disk-path", disk, cid], capture_output=True, text=True)
     assert rm.returncode == 0 and f"deleted {cid}" in rm.stdout
     again = subprocess.run([kura_bin(), "cache", "rm", "--kv-disk-path", disk, cid], capture_output=True, text=True)
@@ -427,6 +443,8 @@ def test_kura_cache_build_computes_a_context_offline_that_a_server_then_serves(t
         (["--kv-disk-path", disk, "--file", str(doc), "--ttl", "forever"], "--ttl"),
         (["--kv-disk-path", disk, "--file", str(tmp_path / "missing.txt")], "reading --file"),
         (["--kv-disk-path", disk, "--messages-json", str(doc)], "expected an array"),
+        (["--kv-disk-path", disk, "--file", str(doc), "--api-key", "key-b", "--api-key-file", str(keys)],
+         "give at most one API key"),
         # A file that never ends stops at the limit, named.
         (["--kv-disk-path", disk, "--file", "/dev/zero"], "larger than the 268435456 bytes"),
         (["--kv-disk-path", disk, "--messages-json", "/dev/zero"], "larger than the 268435456 bytes"),

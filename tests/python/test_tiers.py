@@ -455,9 +455,12 @@ def start_fails(*args: str, timeout: float = 60) -> tuple[int, str, float]:
         (("--kv-disk-path", "{file}"), ("{file}",)),
         (("--kv-store-ahead", "64"), ("--kv-store-ahead needs a host tier", "--kv-host-memory")),
         (("--kv-host-memory", "64MiB", "--kv-store-ahead", "lots"), ("--kv-store-ahead",)),
+        (("--kv-host-memory", "100KiB", "--preemption-mode", "swap"), ("--kv-host-memory 100.00 KiB holds no KV block",)),
+        (("--kv-host-memory", "64MiB", "--no-prefix-cache"), ("--no-prefix-cache", "--kv-host-memory")),
     ],
     ids=["disk-size-0", "disk-size-less-than-a-block", "disk-path-empty", "swap-without-host", "host-1PB", "host-more-than-memory", "write-through-without-tier",
-         "disk-path-is-a-file", "store-ahead-without-host", "store-ahead-not-a-number"],
+         "disk-path-is-a-file", "store-ahead-without-host", "store-ahead-not-a-number", "host-less-than-a-block",
+         "tiers-without-prefix-cache"],
 )
 def test_bad_tier_flags_stop_the_server(tmp_path, args, expect):
     file = tmp_path / "not-a-dir"

@@ -92,9 +92,14 @@ fn tick(v: &f64) -> String {
     }
 }
 
+/// The largest magnitude a plot's axis spans.
+const AXIS_LIMIT: f64 = 1e15;
+
 fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> (f64, f64) {
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
-    for v in values.filter(|v| v.is_finite()) {
+    // Values past ±1e15 (an edited run.json, a mark of 1e308) are left off the axis: its margin
+    // would overflow to infinity, on which the plotting library's tick search never ends.
+    for v in values.filter(|v| v.is_finite() && v.abs() <= AXIS_LIMIT) {
         lo = lo.min(v);
         hi = hi.max(v);
     }
@@ -146,6 +151,14 @@ impl Chart for LineChart {
             .draw()
             .map_err(err)?;
         for s in &self.series {
+            // Only what the axes span: a point past them would be rasterised across billions of
+            // pixels.
+            let points: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .copied()
+                .filter(|&(x, y)| (x0..=x1).contains(&x) && (y0..=y1).contains(&y))
+                .collect();
             let color = COLORS[s.color % COLORS.len()];
             let style = color.stroke_width(2);
             let legend =
@@ -157,24 +170,28 @@ impl Chart for LineChart {
                         + PathElement::new(vec![(10, 0), (16, 0)], style)
                 };
                 chart
-                    .draw_series(DashedLineSeries::new(s.points.iter().copied(), 6, 4, style))
+                    .draw_series(DashedLineSeries::new(points.iter().copied(), 6, 4, style))
                     .map_err(err)?
                     .label(&s.label)
                     .legend(dashes);
             } else {
                 chart
-                    .draw_series(LineSeries::new(s.points.iter().copied(), style))
+                    .draw_series(LineSeries::new(points.iter().copied(), style))
                     .map_err(err)?
                     .label(&s.label)
                     .legend(legend);
             }
             if s.markers {
                 chart
-                    .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+                    .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
                     .map_err(err)?;
             }
         }
-        if let Some(mark) = &self.mark {
+        if let Some(mark) = self
+            .mark
+            .as_ref()
+            .filter(|m| (x0..=x1).contains(&m.concurrency))
+        {
             let style = BLACK.stroke_width(2);
             let points = vec![(mark.concurrency, y0), (mark.concurrency, y1)];
             chart
@@ -492,4 +509,51 @@ pub fn write_plots(
 /// The plot directory of a report directory.
 pub fn plots_dir(out: &Path) -> PathBuf {
     out.join("plots")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axes_stay_finite_whatever_the_values() {
+        for values in [
+            vec![1.0, 1.75e308],
+            vec![f64::MAX, f64::MIN],
+            vec![f64::NAN, f64::INFINITY],
+            vec![],
+        ] {
+            let (lo, hi) = range(values.into_iter(), true);
+            assert!(lo.is_finite() && hi.is_finite() && lo < hi, "{lo} {hi}");
+        }
+        assert_eq!(range([2.0, 4.0].into_iter(), false), (2.0, 4.1));
+    }
+
+    /// A mark or values near f64::MAX made the axis margin infinite, and drawing never returned.
+    #[test]
+    fn a_chart_of_absurd_values_is_drawn() {
+        register_font();
+        let chart = LineChart {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            series: vec![Series {
+                label: "s".into(),
+                color: 0,
+                dashed: false,
+                markers: true,
+                points: vec![(1.0, 5.0), (2.0, 1.7e308)],
+            }],
+            mark: Some(Mark {
+                concurrency: 1.75e308,
+                label: "m".into(),
+            }),
+        };
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+            chart.draw(&root).unwrap();
+        }
+        assert!(svg.contains("<svg"), "{svg}");
+    }
 }

@@ -138,21 +138,122 @@ impl WorkloadSpec {
                 positive(*requests, "--requests")?;
                 positive(*prompt_tokens, "--prompt-tokens")
             }
-            WorkloadSpec::Trace { time_scale, .. } => {
+            WorkloadSpec::Trace {
+                time_scale,
+                max_requests,
+                max_prompt_tokens,
+                max_output_tokens,
+                ..
+            } => {
                 if !(time_scale.is_finite() && *time_scale >= 0.0) {
                     return Err(BenchError::Config(format!(
                         "--time-scale must be a number >= 0, got {time_scale}"
                     )));
                 }
+                for (v, flag) in [
+                    (max_requests, "--max-requests"),
+                    (max_prompt_tokens, "--max-prompt-tokens"),
+                    (max_output_tokens, "--max-output-tokens"),
+                ] {
+                    if let Some(v) = v {
+                        positive(*v, flag)?;
+                    }
+                }
                 Ok(())
             }
+        }?;
+        self.check_size()
+    }
+
+    /// That the texts and the number of requests stay within what a client builds in memory (as
+    /// `kura sim` bounds the same workloads): every text at most [`MAX_TEXT_TOKENS`] tokens, at most
+    /// [`MAX_REQUESTS`] requests.
+    fn check_size(&self) -> Result<(), BenchError> {
+        // (value, flag) pairs: each text's tokens, and the counts whose product is the requests.
+        type Flags = Vec<(usize, &'static str)>;
+        let (texts, counts): (Flags, Flags) = match *self {
+            WorkloadSpec::SharedPrefix {
+                groups,
+                users_per_group,
+                system_tokens,
+                question_tokens,
+                ..
+            } => (
+                vec![
+                    (system_tokens, "--system-tokens"),
+                    (question_tokens, "--question-tokens"),
+                ],
+                vec![(groups, "--groups"), (users_per_group, "--users-per-group")],
+            ),
+            WorkloadSpec::MultiTurn {
+                conversations,
+                turns,
+                system_tokens,
+                user_tokens,
+            } => (
+                vec![
+                    (system_tokens, "--system-tokens"),
+                    (user_tokens, "--user-tokens"),
+                ],
+                vec![(conversations, "--conversations"), (turns, "--turns")],
+            ),
+            WorkloadSpec::LongDoc {
+                doc_tokens,
+                questions,
+                question_tokens,
+            } => (
+                vec![
+                    (doc_tokens, "--doc-tokens"),
+                    (question_tokens, "--question-tokens"),
+                ],
+                vec![(questions, "--questions")],
+            ),
+            WorkloadSpec::Unique {
+                requests,
+                prompt_tokens,
+            } => (
+                vec![(prompt_tokens, "--prompt-tokens")],
+                vec![(requests, "--requests")],
+            ),
+            WorkloadSpec::Trace {
+                max_prompt_tokens, ..
+            } => (
+                max_prompt_tokens
+                    .map(|n| (n, "--max-prompt-tokens"))
+                    .into_iter()
+                    .collect(),
+                vec![],
+            ),
+        };
+        if let Some((n, flag)) = texts.iter().find(|(n, _)| *n > MAX_TEXT_TOKENS) {
+            return Err(BenchError::Config(format!(
+                "{flag} {n}: a text may hold at most {MAX_TEXT_TOKENS} tokens"
+            )));
         }
+        let requests = counts
+            .iter()
+            .try_fold(1usize, |all, (n, _)| all.checked_mul(*n))
+            .filter(|n| *n <= MAX_REQUESTS);
+        if requests.is_none() {
+            let flags: Vec<String> = counts.iter().map(|(n, f)| format!("{f} {n}")).collect();
+            return Err(BenchError::Config(format!(
+                "{} make more than the {MAX_REQUESTS} requests a run may send",
+                flags.join(" × ")
+            )));
+        }
+        Ok(())
     }
 
     pub fn params(&self) -> Value {
         serde_json::to_value(self).unwrap_or(Value::Null)
     }
 }
+
+/// The most tokens one text of a workload may hold (a prompt a client builds in memory).
+pub const MAX_TEXT_TOKENS: usize = 1 << 24;
+
+/// The most requests one workload may make.
+pub const MAX_REQUESTS: usize = 1 << 24;
 
 /// The longest a trace replay may last, in milliseconds (a week of real time).
 pub const MAX_REPLAY_MS: f64 = 7.0 * 86_400_000.0;
@@ -455,6 +556,78 @@ mod tests {
                 format!("{sys}|{}", turns.join("|"))
             })
             .collect()
+    }
+
+    #[test]
+    fn workloads_past_what_a_client_builds_are_refused_naming_the_flag() {
+        let cases = [
+            (
+                WorkloadSpec::Unique {
+                    requests: 1,
+                    prompt_tokens: usize::MAX,
+                },
+                "--prompt-tokens 18446744073709551615: a text may hold at most 16777216 tokens",
+            ),
+            (
+                WorkloadSpec::LongDoc {
+                    doc_tokens: MAX_TEXT_TOKENS + 1,
+                    questions: 1,
+                    question_tokens: 1,
+                },
+                "--doc-tokens 16777217",
+            ),
+            (
+                WorkloadSpec::SharedPrefix {
+                    groups: 1 << 13,
+                    users_per_group: 1 << 12,
+                    system_tokens: 10,
+                    question_tokens: 10,
+                    burst: false,
+                },
+                "--groups 8192 × --users-per-group 4096 make more than the 16777216 requests",
+            ),
+            (
+                WorkloadSpec::MultiTurn {
+                    conversations: usize::MAX,
+                    turns: 2,
+                    system_tokens: 0,
+                    user_tokens: 10,
+                },
+                "make more than the 16777216 requests",
+            ),
+            (
+                WorkloadSpec::Trace {
+                    path: "t.jsonl".into(),
+                    format: TraceFormat::Mooncake,
+                    max_requests: Some(0),
+                    time_scale: 1.0,
+                    max_prompt_tokens: None,
+                    max_output_tokens: None,
+                },
+                "--max-requests must be at least 1",
+            ),
+            (
+                WorkloadSpec::Trace {
+                    path: "t.jsonl".into(),
+                    format: TraceFormat::Mooncake,
+                    max_requests: None,
+                    time_scale: 1.0,
+                    max_prompt_tokens: Some(0),
+                    max_output_tokens: None,
+                },
+                "--max-prompt-tokens must be at least 1",
+            ),
+        ];
+        for (spec, expected) in cases {
+            let e = spec.validate().unwrap_err().to_string();
+            assert!(e.contains(expected), "{e}");
+        }
+        // At the limits, accepted.
+        let at = WorkloadSpec::Unique {
+            requests: MAX_REQUESTS,
+            prompt_tokens: MAX_TEXT_TOKENS,
+        };
+        assert!(at.validate().is_ok());
     }
 
     #[test]

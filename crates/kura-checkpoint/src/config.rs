@@ -360,6 +360,27 @@ impl ModelConfig {
                 self.num_layers()
             ));
         }
+        // The runtime computes in f32: a value that is positive in f64 may still be 0 or infinite
+        // there (a RoPE base of 1e-50 or 1e39), which would make every angle NaN or no rotation.
+        let freqs = rope_inv_freq(&self);
+        let sliding = rope_inv_freq_sliding(&self).unwrap_or_default();
+        if let Some(f) = freqs
+            .iter()
+            .chain(&sliding)
+            .find(|f| !(f.is_finite() && **f > 0.0))
+        {
+            return bad(format!(
+                "the RoPE settings ({} {}, its scaling and the sliding layers' base) give an inverse \
+                 frequency of {f} in f32; each must be a positive number",
+                k.theta, self.params.rope_theta
+            ));
+        }
+        if let Some(q) = self.query_scale().filter(|q| !(q.is_finite() && *q > 0.0)) {
+            return bad(format!(
+                "query_pre_attn_scalar {} gives a query scale of {q} in f32; it must be a positive number",
+                self.params.query_pre_attn_scalar.unwrap_or_default()
+            ));
+        }
         Ok(self)
     }
 
@@ -1015,16 +1036,22 @@ fn gguf_rope_linear_factor(g: &GgufFile, arch: &str) -> Result<Option<f64>> {
 /// numbers.
 fn gguf_rope_freq_factors(g: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>> {
     const NAME: &str = "rope_freqs.weight";
-    if !g.tensors.contains_key(NAME) {
+    let Some(info) = g.tensors.get(NAME) else {
         return Ok(None);
+    };
+    // The shape first, from the directory: a large tensor under this name is not dequantized to be
+    // refused.
+    let shape_error = |got: Vec<usize>| ModelError::TensorShape {
+        name: NAME.into(),
+        got,
+        expected: vec![head_dim / 2],
+    };
+    if info.dims.iter().product::<usize>() != head_dim / 2 {
+        return Err(shape_error(info.dims.iter().rev().copied().collect()));
     }
     let (shape, values) = crate::tensors::TensorSource::load(g, NAME)?;
     if !crate::tensors::shape_matches(&shape, &[head_dim / 2]) {
-        return Err(ModelError::TensorShape {
-            name: NAME.into(),
-            got: shape,
-            expected: vec![head_dim / 2],
-        });
+        return Err(shape_error(shape));
     }
     if let Some(bad) = values.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
         return Err(ModelError::Config(format!(
@@ -1195,6 +1222,10 @@ mod tests {
                 r#","query_pre_attn_scalar":0"#,
                 "query_pre_attn_scalar 0 must be a positive number",
             ),
+            (
+                r#","query_pre_attn_scalar":1e-300"#,
+                "gives a query scale of inf in f32",
+            ),
         ] {
             let err = cfg(extra).unwrap_err().to_string();
             assert!(
@@ -1248,6 +1279,13 @@ mod tests {
             (r#","hidden_size":"64""#.into(), "'hidden_size' must be a positive integer"),
             (r#","rms_norm_eps":-1.0"#.into(), "rms_norm_eps -1 must be a positive number"),
             (r#","rope_theta":0"#.into(), "rope_theta 0 must be a positive number"),
+            // Positive in f64, 0 or infinite in f32, as the runtime computes.
+            (r#","rope_theta":1e-50"#.into(), "give an inverse frequency of inf in f32"),
+            (r#","rope_theta":1e39"#.into(), "give an inverse frequency of 0 in f32"),
+            (
+                r#","rope_scaling":{"rope_type":"llama3","factor":1e-300,"low_freq_factor":1,"high_freq_factor":4,"original_max_position_embeddings":8192}"#.into(),
+                "give an inverse frequency of inf in f32",
+            ),
             (
                 r#","rope_scaling":{"rope_type":"llama3","low_freq_factor":4,"high_freq_factor":4}"#.into(),
                 "rope_scaling.high_freq_factor 4 must exceed low_freq_factor 4",

@@ -186,18 +186,19 @@ pub fn head_rows(max_tokens: usize, max_seqs: usize, drafts: Drafts) -> usize {
 }
 
 /// Elements a buffer asked for `n` elements gets (`ensure`: the next power of two; at least the one
-/// element every buffer starts with).
+/// element every buffer starts with). Saturates at `usize::MAX`: a size past any device is then
+/// refused as too large, not wrapped to a small one.
 pub fn alloc_len(n: usize) -> usize {
-    n.max(1).next_power_of_two()
+    n.max(1).checked_next_power_of_two().unwrap_or(usize::MAX)
 }
 
 /// Rows the buffers are grown for when a step has `n` tokens (or sequences): the next power of two, so
-/// that every step up to it fits without growing again (0: not grown).
+/// that every step up to it fits without growing again (0: not grown; saturating as [`alloc_len`]).
 pub fn rows_cap(n: usize) -> usize {
     if n == 0 {
         0
     } else {
-        n.next_power_of_two()
+        n.checked_next_power_of_two().unwrap_or(usize::MAX)
     }
 }
 
@@ -448,6 +449,17 @@ mod tests {
         assert_eq!(bytes, 2_086_667_264);
         // Measured: 16.07 GB of weights (bf16, untied head).
         assert_eq!(weight_bytes(&llama8b()), 16_061_054_976);
+    }
+
+    #[test]
+    fn steps_past_any_device_saturate_rather_than_wrap() {
+        // A step of 2^63 + 1 tokens has no next power of two in a usize: its buffers must come out as
+        // large as can be (refused by the budget), not wrapped to 0.
+        let huge = (1usize << 63) + 1;
+        assert_eq!(rows_cap(huge), usize::MAX);
+        assert_eq!(alloc_len(huge), usize::MAX);
+        assert_eq!(activation_bytes(&llama8b(), huge, huge), u64::MAX);
+        assert_eq!(activation_bytes(&llama8b(), usize::MAX, 1), u64::MAX);
     }
 
     #[test]

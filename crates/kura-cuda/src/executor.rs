@@ -803,9 +803,18 @@ pub fn block_bytes(cfg: &ModelConfig, dtype: KvDtype, block_size: usize) -> usiz
     cfg.num_layers() * 2 * cfg.num_kv_heads() * block_size * row_bytes(dtype, cfg.head_dim())
 }
 
-/// Whether the GPU pool holds `dtype` in blocks of `block_size` tokens: bf16 and f32 at any size, fp8
-/// (its regions of payload rows and scale rows kept 16-byte aligned) in blocks of a multiple of 8.
+/// Most tokens a block of the GPU pool holds (the CPU's pool holds up to 1,024).
+pub const MAX_BLOCK_SIZE: usize = 256;
+
+/// Whether the GPU pool holds `dtype` in blocks of `block_size` tokens: blocks of 1 to
+/// [`MAX_BLOCK_SIZE`] tokens; bf16 and f32 at any of those sizes, fp8 (its regions of payload rows
+/// and scale rows kept 16-byte aligned) in blocks of a multiple of 8.
 pub fn check_pool_format(dtype: KvDtype, block_size: usize) -> Result<()> {
+    if !(1..=MAX_BLOCK_SIZE).contains(&block_size) {
+        return Err(CudaError::Unsupported(format!(
+            "blocks of {block_size} tokens: the GPU pool holds blocks of 1 to {MAX_BLOCK_SIZE} tokens"
+        )));
+    }
     match dtype {
         KvDtype::Bf16 | KvDtype::F32 => Ok(()),
         KvDtype::Fp8 if block_size.is_multiple_of(8) => Ok(()),
@@ -831,12 +840,6 @@ impl CudaExecutor {
     pub fn new(dev: Device, cfg: ModelConfig, w: DevWeights, pool: PoolSpec) -> Result<Self> {
         crate::weights::check_supported(&cfg)?;
         check_pool_format(pool.kv_dtype, pool.block_size)?;
-        if !(1..=256).contains(&pool.block_size) {
-            return Err(CudaError::Unsupported(format!(
-                "block size {}: give 1 to 256 tokens",
-                pool.block_size
-            )));
-        }
         let block_bytes = block_bytes(&cfg, pool.kv_dtype, pool.block_size);
         let total =
             block_bytes
@@ -2106,6 +2109,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("int8") && e.contains("bf16, f32 or fp8"), "{e}");
+        for bs in [0, 257, 1024] {
+            let e = check_pool_format(KvDtype::Bf16, bs)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("blocks of 1 to 256 tokens"), "{e}");
+        }
+        assert!(check_pool_format(KvDtype::Bf16, 1).is_ok());
+        assert!(check_pool_format(KvDtype::F32, 256).is_ok());
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub use device::{parse_device, Device, GemvForm};
 pub use error::{CudaError, Result};
 pub use executor::{
     block_bytes, check_pool_format, CudaExecutor, DecodeOptions, DecodeTuning, FormTiming,
-    OptionTiming, PoolSpec, PrefillKernel, PrefillProbe, PrefillTuning, Tuning, TUNE_TOKENS,
+    OptionTiming, PoolSpec, PrefillKernel, PrefillProbe, PrefillTuning, Tuning, MAX_BLOCK_SIZE,
+    TUNE_TOKENS,
 };
 pub use weights::DevWeights;

@@ -162,6 +162,12 @@ struct Cursor<'a> {
 /// memory where the file may spend 8 on it (an empty string), so this bounds what the metadata costs.
 pub const MAX_ARRAY_ELEMENTS: usize = 1 << 24;
 
+/// Metadata entries a file may declare (real models have a few dozen; arrays count as one).
+pub const MAX_METADATA_ENTRIES: usize = 1 << 16;
+
+/// Tensors a file may declare (real models have hundreds to tens of thousands, one a weight).
+pub const MAX_TENSORS: usize = 1 << 20;
+
 impl<'a> Cursor<'a> {
     fn err(&self, what: impl Into<String>) -> GgufError {
         GgufError::GgufMalformed {
@@ -333,7 +339,13 @@ impl GgufFile {
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
         let n_kv = c.count(n_kv, MIN_KV_BYTES, "metadata entries")?;
-        let mut metadata = HashMap::with_capacity(n_kv);
+        if n_kv > MAX_METADATA_ENTRIES {
+            return Err(c.err(format!(
+                "metadata entries: {n_kv} declared; at most {MAX_METADATA_ENTRIES} are read"
+            )));
+        }
+        // Reserved as read: a count the file's size allows may still be far more than it holds.
+        let mut metadata = HashMap::with_capacity(n_kv.min(1 << 8));
         for i in 0..n_kv {
             let key = c.string(&format!("metadata key #{i}"))?;
             let ty = c.u32(&key)?;
@@ -343,7 +355,12 @@ impl GgufFile {
             }
         }
         let n_tensors = c.count(n_tensors, MIN_TENSOR_INFO_BYTES, "tensor entries")?;
-        let mut raw = Vec::with_capacity(n_tensors);
+        if n_tensors > MAX_TENSORS {
+            return Err(c.err(format!(
+                "tensor entries: {n_tensors} declared; at most {MAX_TENSORS} are read"
+            )));
+        }
+        let mut raw = Vec::with_capacity(n_tensors.min(1 << 12));
         for i in 0..n_tensors {
             let at = c.pos as u64;
             let name = c.string(&format!("tensor name #{i}"))?;

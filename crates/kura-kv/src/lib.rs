@@ -24,7 +24,7 @@ pub use evict::EvictionPolicy;
 pub use hash::{BlockHash, CacheKey, Secret};
 pub use manager::{
     Allocation, BlockCopy, KvCacheConfig, KvCacheManager, PendingStatus, PinId, PrefixChain,
-    RetentionRange, SeqId, WindowPool, NO_PAGE,
+    RetentionRange, SeqId, WindowPool, MAX_BLOCK_SIZE, NO_PAGE,
 };
 pub use pool::{BlockId, DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use prefix::PrefixHit;

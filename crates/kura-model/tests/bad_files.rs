@@ -528,6 +528,40 @@ fn tokenizer_keys_of_the_wrong_type_or_size_are_refused_naming_the_key() {
         &g,
         "'tokenizer.ggml.scores' has 2 entries for 4 tokens",
     );
+    // A chat template that is not a string is named, not replaced by the default.
+    let mut g = tiny_model();
+    g.raw(
+        "tokenizer.chat_template",
+        T_U32,
+        7u32.to_le_bytes().to_vec(),
+    );
+    load_fails(
+        "template-type.gguf",
+        &g,
+        "'tokenizer.chat_template' has the wrong type: expected a string",
+    );
+    // A token text given twice would leave the first id without a text.
+    for model in ["gpt2", "llama"] {
+        let mut g = tiny_model();
+        g.str("tokenizer.ggml.model", model);
+        g.strs("tokenizer.ggml.tokens", &["a", "b", "a", "<|end|>"]);
+        load_fails(
+            &format!("dup-{model}.gguf"),
+            &g,
+            "tokenizer.ggml.tokens: token 2 is \"a\", as token 0 is",
+        );
+    }
+    // SentencePiece merges are rebuilt from the pieces: pieces too long to do so in bounded time are
+    // refused (a vocabulary of "a", "aa", … would otherwise cost the cube of its size).
+    let mut g = tiny_model();
+    g.str("tokenizer.ggml.model", "llama");
+    let long = "x".repeat(20_000);
+    g.strs("tokenizer.ggml.tokens", &["a", "b", &long, "<|end|>"]);
+    load_fails(
+        "long-pieces.gguf",
+        &g,
+        "tokenizer.ggml.tokens: the pieces are too long to rebuild SentencePiece merges from",
+    );
     // The right types load.
     let mut g = tiny_model();
     g.raw("tokenizer.ggml.token_type", T_ARRAY, ints(&[1, 1, 1, 3]));
@@ -559,6 +593,17 @@ fn huge_declared_counts_fail_without_allocating() {
     let mut g = tiny_model();
     g.n_kv = Some(u64::MAX);
     rejects("nkv.gguf", &g, &["metadata entries", "declared"]);
+    // A count the file's bytes could hold, past what a model declares.
+    let mut g = tiny_model();
+    let mut pad = (1u64 << 20).to_le_bytes().to_vec();
+    pad.resize(pad.len() + (1 << 20), b'x');
+    g.raw("general.pad", T_STRING, pad);
+    g.n_kv = Some(kura_gguf::MAX_METADATA_ENTRIES as u64 + 1);
+    rejects(
+        "nkv-many.gguf",
+        &g,
+        &["metadata entries: 65537 declared; at most 65536"],
+    );
     let mut g = tiny_model();
     g.n_tensors = Some(1 << 59);
     rejects("nt.gguf", &g, &["tensor entries", "declared"]);

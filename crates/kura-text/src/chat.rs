@@ -44,6 +44,33 @@ pub struct ChatTemplate {
 /// largest request body holds.
 pub const RENDER_FUEL: u64 = 20_000_000;
 
+/// Bytes one render may write. Fuel counts instructions, not bytes: a template from a hostile file could
+/// write `'a' * 100000000` in a loop well within its fuel. Past this, far beyond any model's context, the
+/// render fails.
+pub const RENDER_MAX_BYTES: usize = 64 << 20;
+
+/// A render's text, refusing to grow past [`RENDER_MAX_BYTES`].
+#[derive(Default)]
+struct CappedText {
+    bytes: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for CappedText {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > RENDER_MAX_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("chat template output too long"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn raise_exception(msg: String) -> std::result::Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
@@ -93,14 +120,25 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
-        t.render(context! {
-            messages => messages,
-            tools => tools,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => &self.bos_token,
-            eos_token => &self.eos_token,
-        })
-        .map_err(|e| TextError::ChatTemplate(format!("rendering failed: {e}")))
+        let mut out = CappedText::default();
+        let rendered = t.render_captured_to(
+            context! {
+                messages => messages,
+                tools => tools,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            },
+            &mut out,
+        );
+        match rendered {
+            Ok(_) => String::from_utf8(out.bytes)
+                .map_err(|e| TextError::ChatTemplate(format!("rendering failed: {e}"))),
+            Err(_) if out.over => Err(TextError::ChatTemplate(format!(
+                "rendering failed: the template wrote more than {RENDER_MAX_BYTES} bytes"
+            ))),
+            Err(e) => Err(TextError::ChatTemplate(format!("rendering failed: {e}"))),
+        }
     }
 
     /// Prompt tokens of `messages`: the rendered template tokenized with nothing added (the template
@@ -403,6 +441,25 @@ mod tests {
         let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
         let s = t.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
         assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn a_template_writing_without_end_is_cut_off() {
+        // 100 MB of output in 200 instructions: fuel alone would let it through.
+        let t = ChatTemplate::new(
+            "{% for i in range(100) %}{{ 'a' * 1000000 }}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let e = t.render(&[], false).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("more than {RENDER_MAX_BYTES} bytes")),
+            "{e}"
+        );
+        // Just under the cap renders whole.
+        let t = ChatTemplate::new("{{ 'a' * 67108864 }}", "", "").unwrap();
+        assert_eq!(t.render(&[], false).unwrap().len(), RENDER_MAX_BYTES);
     }
 
     #[test]

@@ -96,8 +96,8 @@ impl ModelText {
         let tokenizer = Tokenizer::from_gguf(g)?;
         check_ids(&tokenizer, vocab_size)?;
         let template = match g.metadata.get("tokenizer.chat_template") {
-            Some(Value::String(s)) => s.clone(),
-            _ => default_template.to_string(),
+            None => default_template.to_string(),
+            Some(_) => g.get_str("tokenizer.chat_template")?.to_string(),
         };
         let name = |id: Option<u32>| {
             id.and_then(|i| tokenizer.id_to_token(i))

@@ -105,11 +105,7 @@ impl Tokenizer {
             })
             .collect::<Result<_>>()?;
         let types = token_types(g, tokens.len())?;
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
+        let vocab = vocab_of(&tokens)?;
         let pre = match g.metadata.get("tokenizer.ggml.pre") {
             None => None,
             Some(_) => Some(g.get_str("tokenizer.ggml.pre")?),
@@ -145,15 +141,23 @@ impl Tokenizer {
         )?
         .unwrap_or_else(|| vec![0.0; tokens.len()]);
         let types = token_types(g, tokens.len())?;
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
+        let vocab = vocab_of(&tokens)?;
         let mut merges: Vec<(f64, u32, u32, String, String)> = Vec::new();
+        // Each split of a piece looks both halves up (hashing the piece's bytes) and may keep them as a
+        // merge: a piece of n bytes costs about n² bytes. Real pieces are a few dozen bytes; a file of
+        // long pieces would take time and memory in the cube of its size.
+        let mut work: u64 = 0;
         for (id, piece) in tokens.iter().enumerate() {
             if types.get(id) != Some(&1) {
                 continue; // only normal pieces are made by merging
+            }
+            let n = piece.len() as u64;
+            work = work.saturating_add(n.saturating_mul(n));
+            if work > SPM_MERGE_WORK {
+                return Err(TextError::Tokenizer(format!(
+                    "tokenizer.ggml.tokens: the pieces are too long to rebuild SentencePiece merges from \
+                     (past {SPM_MERGE_WORK} bytes of work at token {id}, a piece of {n} bytes)"
+                )));
             }
             for (split, _) in piece.char_indices().skip(1) {
                 let (l, r) = piece.split_at(split);
@@ -528,6 +532,24 @@ fn byte_fallback_byte(piece: &str) -> Option<u8> {
         return None;
     }
     u8::from_str_radix(hex, 16).ok()
+}
+
+/// Work [`Tokenizer::spm_from_gguf`] may spend rebuilding merges: the sum over normal pieces of their
+/// length squared, in bytes. Gemma 3's 262,144 pieces take about a tenth of it (25.6 million).
+const SPM_MERGE_WORK: u64 = 1 << 28;
+
+/// Each token's id by its text; a text given twice is refused (the earlier id would have no text to
+/// encode to, and llama.cpp refuses such a file too).
+fn vocab_of(tokens: &[String]) -> Result<Vocab> {
+    let mut vocab = Vocab::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        if let Some(first) = vocab.insert(t.clone(), i as u32) {
+            return Err(TextError::Tokenizer(format!(
+                "tokenizer.ggml.tokens: token {i} is {t:?}, as token {first} is"
+            )));
+        }
+    }
+    Ok(vocab)
 }
 
 fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>> {

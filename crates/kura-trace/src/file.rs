@@ -162,6 +162,8 @@ struct Parser<'a> {
     format: TraceFormat,
     limit: usize,
     first_s: Option<f64>,
+    /// The latest line's time.
+    last_s: Option<f64>,
     out: Vec<TraceRequest>,
 }
 
@@ -172,6 +174,7 @@ impl<'a> Parser<'a> {
             format,
             limit: max_requests.unwrap_or(usize::MAX),
             first_s: None,
+            last_s: None,
             out: Vec::new(),
         }
     }
@@ -187,6 +190,21 @@ impl<'a> Parser<'a> {
         Ok(self.out)
     }
 
+    /// The first request's time, after checking that `t` (this line's, in the file's unit) is not
+    /// earlier than the line before's: a trace is replayed in its order, as the Mooncake reader
+    /// refuses one that goes back.
+    fn arrival(&mut self, line_no: usize, t: f64, field: &str) -> Result<f64, TraceFileError> {
+        if let Some(prev) = self.last_s.filter(|prev| t < *prev) {
+            return Err(bad(
+                self.path,
+                line_no,
+                format!("{field} goes back in time ({t} after {prev} on an earlier line)"),
+            ));
+        }
+        self.last_s = Some(t);
+        Ok(*self.first_s.get_or_insert(t))
+    }
+
     fn line(&mut self, line_no: usize, line: &str) -> Result<(), TraceFileError> {
         let path = self.path;
         let line = line.trim();
@@ -199,9 +217,9 @@ impl<'a> Parser<'a> {
                 let m = mooncake::parse_line(line)
                     .map_err(|e| bad(path, line_no, format!("not a Mooncake record: {e}")))?;
                 let ts = m.timestamp_ms() as f64;
-                let t0 = *self.first_s.get_or_insert(ts);
+                let t0 = self.arrival(line_no, ts, "timestamp")?;
                 self.out.push(TraceRequest {
-                    arrival_ms: (ts - t0).max(0.0),
+                    arrival_ms: ts - t0,
                     input_tokens: m.input_length() as usize,
                     output_tokens: m.output_length() as usize,
                     hash_ids: m.hash_ids().iter().map(|&h| u64::from(h)).collect(),
@@ -250,9 +268,9 @@ impl<'a> Parser<'a> {
                 }
                 let input_tokens = tokens(path, line_no, "ContextTokens", input_tokens)?;
                 let output_tokens = tokens(path, line_no, "GeneratedTokens", output_tokens)?;
-                let t0 = *self.first_s.get_or_insert(secs);
+                let t0 = self.arrival(line_no, secs, "TIMESTAMP")?;
                 self.out.push(TraceRequest {
-                    arrival_ms: ((secs - t0) * 1e3).max(0.0),
+                    arrival_ms: (secs - t0) * 1e3,
                     input_tokens,
                     output_tokens,
                     hash_ids: Vec::new(),
@@ -272,7 +290,7 @@ fn parse_azure_timestamp(ts: &str) -> Option<f64> {
     if d.next().is_some()
         || !(1..=9999).contains(&y)
         || !(1..=12).contains(&m)
-        || !(1..=31).contains(&day)
+        || !(1..=days_in_month(y, m)).contains(&day)
     {
         return None;
     }
@@ -290,6 +308,16 @@ fn parse_azure_timestamp(ts: &str) -> Option<f64> {
         return None;
     }
     Some((days_from_civil(y, m, day) * 86_400 + h * 3_600 + min * 60) as f64 + s)
+}
+
+/// Days in month `m` (1..=12) of year `y`, Gregorian.
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        2 if y % 4 == 0 && (y % 100 != 0 || y % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
 }
 
 /// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
@@ -318,6 +346,17 @@ mod tests {
         let reqs = parse_trace(p(), text, TraceFormat::Mooncake, None).unwrap();
         assert_eq!(reqs.len(), 2);
         assert_eq!(reqs[1].arrival_ms, 250.0);
+        // A line earlier than the one before is refused, as the streaming reader refuses it.
+        let back = format!(
+            "{text}{{\"timestamp\": 300, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [0]}}\n"
+        );
+        let err = parse_trace(p(), &back, TraceFormat::Mooncake, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("t.jsonl:4") && err.contains("timestamp goes back in time"),
+            "{err}"
+        );
         assert_eq!(reqs[0].hash_ids, [0, 1]);
         assert_eq!(
             parse_trace(p(), text, TraceFormat::Mooncake, Some(1))
@@ -359,10 +398,14 @@ mod tests {
             reqs[1].arrival_ms
         );
         assert_eq!((reqs[1].input_tokens, reqs[1].output_tokens), (396, 109));
+        assert!(parse_azure_timestamp("2024-02-29 00:00:00").is_some());
         for (line, why) in [
             ("2023-11-16 18:15:46,374", "expected 3 fields"),
             ("2023-13-16 18:15:46,374,4", "timestamp"),
             ("2023-11-16 18:15:46,many,4", "ContextTokens `many`"),
+            ("2023-02-29 18:15:51,10,4", "timestamp `2023-02-29"),
+            ("2023-11-31 18:15:51,10,4", "timestamp `2023-11-31"),
+            ("2023-11-16 18:15:49.5,10,4", "TIMESTAMP goes back in time"),
         ] {
             let err = parse_trace(
                 Path::new("a.csv"),

@@ -26,11 +26,19 @@ pub struct BenchArgs {
 #[derive(Args, Debug, Clone)]
 struct MarkArgs {
     /// Draw a vertical line at this concurrency on sweep plots (e.g. the KV pool `kura plan` predicts).
-    #[arg(long)]
+    #[arg(long, value_parser = mark_concurrency_arg)]
     mark_concurrency: Option<f64>,
     /// The legend of --mark-concurrency.
     #[arg(long, default_value = "KV pool (kura plan)")]
     mark_label: String,
+}
+
+/// `--mark-concurrency`: a concurrency, more than 0 and at most 10^9.
+fn mark_concurrency_arg(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(c) if c > 0.0 && c <= 1e9 => Ok(c),
+        _ => Err(format!("`{s}`: give a concurrency above 0, at most 1e9")),
+    }
 }
 
 impl MarkArgs {
@@ -146,7 +154,7 @@ struct CommonArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Tokens generated per request.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     output_tokens: u32,
     /// Let the model stop at end-of-sequence (by default `ignore_eos` makes every output full length).
     #[arg(long)]
@@ -337,6 +345,16 @@ fn workload_spec(w: WorkloadCmd) -> Result<(WorkloadSpec, CommonArgs)> {
             shaping,
             common,
         } => {
+            if common.concurrency.is_some()
+                || common.rate.is_some()
+                || !common.sweep_concurrency.is_empty()
+                || !common.sweep_rate.is_empty()
+            {
+                bail!(
+                    "kura bench trace sends each request at its time in the trace: --concurrency, \
+                     --rate and --sweep-* do not apply (--time-scale speeds the replay up or down)"
+                );
+            }
             let format = match format {
                 Some(format) => format,
                 None => TraceFormat::infer(&file).with_context(|| {

@@ -189,10 +189,13 @@ fn build(b: BuildArgs) -> Result<()> {
         Err(_) => serde_json::json!(b.ttl),
     })
     .map_err(|e| anyhow::anyhow!("--ttl: {e}"))?;
-    let owner_key = match b.serve.api_keys() {
+    let owner_key = match &b.serve.api_keys()?[..] {
         [] => None,
         [key] => Some(key.clone()),
-        _ => bail!("give at most one --api-key: the context belongs to that key's tenant"),
+        _ => bail!(
+            "give at most one API key (--api-key or a line of --api-key-file): the context belongs \
+             to that key's tenant"
+        ),
     };
     if let Some(name) = &b.display_name {
         if name.len() > 128 {

@@ -42,7 +42,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub no_kv_cache: bool,
     /// Tokens per KV block (1..=1024).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::setup::block_size_arg)]
     pub block_size: usize,
     /// Element format of stored K/V: bf16 (default), f16, f32, or quantised int8, fp8
     /// (e4m3) or int4.
@@ -170,6 +170,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
     if device.is_some() && args.no_kv_cache {
         bail!("--no-kv-cache runs on the CPU only; leave out --device");
+    }
+    if device.is_some() {
+        crate::gpu::check_weights(args.weights_dtype)?;
+        crate::gpu::check_pool(args.kv_dtype, args.block_size)?;
     }
     let t_load = Instant::now();
     // The CPU model, or the file opened once for a GPU (its weights go to the device below).

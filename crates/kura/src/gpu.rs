@@ -8,7 +8,7 @@ use kura_cuda::budget::{self, Dims, PoolPlan, PoolRequest};
 use kura_cuda::{CudaExecutor, DevWeights, Device, PoolSpec, PrefillKernel};
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::KvLayout;
-use kura_model::{ModelConfig, ModelParts};
+use kura_model::{ModelConfig, ModelParts, WeightsDtype};
 
 use crate::memory::KvMemoryRequest;
 
@@ -55,12 +55,42 @@ pub fn drafts_of(config: Option<&kura_engine::NgramDraft>) -> budget::Drafts {
     })
 }
 
-/// That the GPU pool holds `kv_dtype` (bf16, f32 or fp8): checked before a device is opened.
-pub fn check_kv_dtype(kv_dtype: KvDtype) -> Result<()> {
+/// That the GPU pool holds `kv_dtype` (bf16, f32 or fp8) in blocks of `block_size` tokens (1 to
+/// [`kura_cuda::MAX_BLOCK_SIZE`]; fp8 in multiples of 8): checked before a device is opened.
+pub fn check_pool(kv_dtype: KvDtype, block_size: usize) -> Result<()> {
     if !matches!(kv_dtype, KvDtype::Bf16 | KvDtype::F32 | KvDtype::Fp8) {
         bail!(
             "--kv-dtype {}: the GPU pool holds bf16, f32 or fp8 KV (--device cpu has int8 and int4)",
             kv_dtype.name()
+        );
+    }
+    if !(1..=kura_cuda::MAX_BLOCK_SIZE).contains(&block_size) {
+        bail!(
+            "--block-size {block_size}: the GPU pool holds blocks of 1 to {} tokens (--device cpu \
+             takes up to {})",
+            kura_cuda::MAX_BLOCK_SIZE,
+            kura_kv::MAX_BLOCK_SIZE
+        );
+    }
+    match kura_cuda::check_pool_format(kv_dtype, block_size) {
+        Err(kura_cuda::CudaError::Unsupported(why)) => {
+            bail!(
+                "--kv-dtype {} --block-size {block_size}: {why}",
+                kv_dtype.name()
+            )
+        }
+        other => Ok(other?),
+    }
+}
+
+/// That `weights_dtype` is what the GPU holds: bf16 (a GGUF's blocks are dequantized to it at load;
+/// `native` means that on the device). Checked before a device is opened.
+pub fn check_weights(weights_dtype: WeightsDtype) -> Result<()> {
+    if !matches!(weights_dtype, WeightsDtype::Native | WeightsDtype::Bf16) {
+        bail!(
+            "--weights-dtype {}: the GPU holds bf16 weights (give native or bf16; --device cpu has \
+             the others)",
+            weights_dtype.name()
         );
     }
     Ok(())
@@ -88,10 +118,11 @@ impl GpuSetup {
         path: &std::path::Path,
         parts: &ModelParts,
         kv_dtype: KvDtype,
+        block_size: usize,
         max_tokens: usize,
         max_seqs: usize,
     ) -> Result<Self> {
-        check_kv_dtype(kv_dtype)?;
+        check_pool(kv_dtype, block_size)?;
         let dev = Device::open(ordinal).with_context(|| format!("--device cuda:{ordinal}"))?;
         tracing::info!(
             "GPU {ordinal}: {} ({}); kernels {} in {:.2} s",
@@ -348,15 +379,24 @@ impl GpuRun {
         kv_dtype: KvDtype,
         block_size: usize,
     ) -> Result<Self> {
-        let setup = GpuSetup::load(ordinal, path, parts, kv_dtype, prompt.len().max(1), 1)?;
-        let total = prompt.len() + max_tokens;
-        if total > setup.config.max_context() {
-            bail!(
-                "the prompt ({} tokens) and --max-tokens {max_tokens} exceed the model's context of {}",
-                prompt.len(),
-                setup.config.max_context()
-            );
-        }
+        let context = parts.config.max_context();
+        let total = match prompt.len().checked_add(max_tokens) {
+            Some(total) if total <= context => total,
+            _ => bail!(
+                "the prompt ({} tokens) and --max-tokens {max_tokens} exceed the model's context of \
+                 {context}",
+                prompt.len()
+            ),
+        };
+        let setup = GpuSetup::load(
+            ordinal,
+            path,
+            parts,
+            kv_dtype,
+            block_size,
+            prompt.len().max(1),
+            1,
+        )?;
         let blocks = total.div_ceil(block_size.max(1));
         let layout = setup.config.kv_layout(kv_dtype, block_size)?;
         let exec = setup.executor(&layout, blocks)?;

@@ -56,7 +56,7 @@ pub struct PerplexityArgs {
     #[arg(long)]
     pub chunks: Option<usize>,
     /// Tokens per KV block (1..=1024).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::setup::block_size_arg)]
     pub block_size: usize,
     /// Worker threads (default: one per physical core this process may use).
     #[arg(long)]
@@ -172,7 +172,8 @@ impl Source {
                 path,
                 parts,
             } => {
-                let setup = crate::gpu::GpuSetup::load(*ordinal, path, parts, dtype, PIECE, 1)?;
+                let setup =
+                    crate::gpu::GpuSetup::load(*ordinal, path, parts, dtype, block_size, PIECE, 1)?;
                 let exec = setup.executor(&layout, blocks).with_context(|| {
                     format!("{dtype} KV for {context} tokens on cuda:{ordinal}")
                 })?;
@@ -240,8 +241,9 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let device =
         kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
     if device.is_some() {
+        crate::gpu::check_weights(args.weights_dtype)?;
         for &d in &args.kv_dtype {
-            crate::gpu::check_kv_dtype(d)?;
+            crate::gpu::check_pool(d, args.block_size)?;
         }
     }
     let path = crate::setup::model_path(args.model.as_ref())?;

@@ -48,7 +48,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1)]
     pp: usize,
     /// Tokens per KV block (1..=1024).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::setup::block_size_arg)]
     block_size: usize,
     /// An accelerator of the catalog (see --list-gpus), for its memory. With a single-GPU model and flags
     /// `kura serve --device cuda` takes, the plan is that server's (its weights, measured CUDA context,
@@ -75,11 +75,16 @@ pub struct PlanArgs {
     activation: Option<u64>,
     /// Tokens of the largest forward step, for the activation estimate (`kura serve
     /// --max-num-batched-tokens`).
-    #[arg(long, alias = "max-num-batched-tokens", default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
+    #[arg(
+        long,
+        alias = "max-num-batched-tokens",
+        default_value_t = DEFAULT_MAX_BATCHED_TOKENS,
+        value_parser = clap::value_parser!(u64).range(1..=1 << 32)
+    )]
     max_batched_tokens: u64,
     /// With --gpu: sequences of the largest forward step, as `kura serve --max-num-seqs` (the GPU's
     /// logits buffers are sized by it).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::setup::step_count_arg)]
     max_num_seqs: usize,
     /// With --gpu: as `kura serve --speculative-config` (the GPU's logits buffers hold a row for each
     /// draft token a step checks too; with `disable_by_batch_size` N, those of N − 1 sequences).
@@ -362,6 +367,13 @@ fn not_cuda(args: &PlanArgs, loaded: &LoadedSpec) -> Option<String> {
     }
     if args.overhead.is_some() || args.activation.is_some() {
         return Some("--overhead/--activation replace the server's own terms".into());
+    }
+    if args.block_size > kura_cuda::MAX_BLOCK_SIZE {
+        return Some(format!(
+            "--block-size {}: the GPU pool holds blocks of 1 to {} tokens",
+            args.block_size,
+            kura_cuda::MAX_BLOCK_SIZE
+        ));
     }
     if let Err(kura_cuda::CudaError::Unsupported(why)) =
         kura_cuda::check_pool_format(args.kv_dtype, args.block_size)
@@ -899,6 +911,26 @@ mod tests {
         ]);
         let e = format!("{:#}", plan(&cli.args).unwrap_err());
         assert!(e.contains("are left of the device"), "{e}");
+        // A block size the GPU pool does not hold is not planned as the server's, and says why.
+        let cli = PlanCli::parse_from([
+            "plan",
+            "--model",
+            &model,
+            "--gpu",
+            "H100",
+            "--block-size",
+            "512",
+        ]);
+        let (report, _, cuda) = plan(&cli.args).unwrap();
+        assert!(cuda.is_none());
+        assert!(
+            report
+                .warnings
+                .iter()
+                .any(|w| w.contains("--block-size 512: the GPU pool holds blocks of 1 to 256")),
+            "{:?}",
+            report.warnings
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 
@@ -1097,6 +1129,7 @@ mod tests {
             &["--kv-offload-policy", "write-through"],
             &["--kv-host-memory", "lots"],
             &["--kv-host-memory", "15EiB"],
+            &["--kv-host-memory", "100", "--preemption-mode", "swap"],
         ] {
             let serve = serve_tiers(flags, &layout).unwrap_err();
             let mut args = vec![

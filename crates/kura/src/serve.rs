@@ -44,7 +44,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Tokens per KV block (1..=1024).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::setup::block_size_arg)]
     block_size: usize,
     /// KV pool size: bytes (`512MiB`, `2GB`) or a share of the memory available once the model is loaded
     /// (`0.25`, `25%`); checked against MemAvailable, cgroup and rlimit limits, leaving 5 % (at least
@@ -62,10 +62,10 @@ pub struct ServeArgs {
     #[arg(long, default_value = "native")]
     weights_dtype: WeightsDtype,
     /// Most requests holding KV blocks at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::setup::step_count_arg)]
     max_num_seqs: usize,
     /// Token budget of one engine step (prefill chunks plus decode tokens).
-    #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS, value_parser = crate::setup::step_count_arg)]
     max_num_batched_tokens: usize,
     /// While requests decode, a step computes only as many prompt tokens as take about this many
     /// milliseconds at the prefill rate measured on the server's own steps (at least 64), so that a
@@ -223,9 +223,9 @@ impl ServeArgs {
         crate::secrets::fleet_secret(self.fleet_secret_file.as_ref())
     }
 
-    /// The keys given with `--api-key`.
-    pub fn api_keys(&self) -> &[String] {
-        &self.api_keys
+    /// The tenants' keys: `--api-key` and the lines of `--api-key-file`.
+    pub fn api_keys(&self) -> Result<Vec<String>> {
+        crate::secrets::read_keys(&self.api_keys, self.api_key_file.as_ref(), "api-key")
     }
 }
 
@@ -250,6 +250,13 @@ fn pin_budget_blocks(text: &str, num_blocks: u64, block_bytes: u64) -> Result<us
                     "--kv-pin-budget {text:?}: give a share of the pool (25%) or bytes (256MiB)"
                 )
             })?;
+            if bytes > 0 && bytes < block_bytes {
+                bail!(
+                    "--kv-pin-budget {text:?} is less than one KV block ({}): give at least that, or 0 \
+                     to pin nothing",
+                    format_bytes(block_bytes)
+                );
+            }
             (bytes / block_bytes.max(1)).min(num_blocks)
         }
     };
@@ -379,12 +386,24 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         None => None,
     };
     let tier_sizes = args.tiers.sizes()?;
+    if args.no_prefix_cache && (tier_sizes.host_bytes > 0 || tier_sizes.disk.is_some()) {
+        // Blocks go down a tier, and come back, by their place in the prefix cache.
+        bail!(
+            "--no-prefix-cache leaves the KV tiers nothing to hold (they keep the prefix cache's \
+             blocks, and swap moves a sequence's blocks through them): drop --kv-host-memory and \
+             --kv-disk-path, or --no-prefix-cache"
+        );
+    }
     let kv_request = KvMemoryRequest::parse(&args.kv_cache_memory)?;
     let device =
         kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
-    if device.is_none() {
+    match device {
         // Checked before the model loads too, so that a size this machine cannot hold fails at once.
-        kv_budget_bytes(kv_request, &args.kv_cache_memory)?;
+        None => kv_budget_bytes(kv_request, &args.kv_cache_memory).map(drop)?,
+        Some(_) => {
+            crate::gpu::check_weights(args.weights_dtype)?;
+            crate::gpu::check_pool(args.kv_dtype, args.block_size)?;
+        }
     }
     let path = crate::setup::model_path(args.model.as_ref())?;
     let load_start = Instant::now();
@@ -400,6 +419,7 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
                 &path,
                 &parts,
                 args.kv_dtype,
+                args.block_size,
                 args.max_num_batched_tokens,
                 args.max_num_seqs,
             )?
@@ -706,8 +726,7 @@ pub fn open_contexts(args: &ServeArgs) -> Result<Option<Arc<ContextStore>>> {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let api_keys =
-        crate::secrets::read_keys(&args.api_keys, args.api_key_file.as_ref(), "api-key")?;
+    let api_keys = args.api_keys()?;
     let admin_keys =
         crate::secrets::admin_keys(&args.admin_api_keys, args.admin_api_key_file.as_ref())?;
     if args.kv_events && admin_keys.is_empty() {
@@ -924,7 +943,8 @@ mod tests {
         assert_eq!(pin_budget_blocks("100B", 100, 10).unwrap(), 10);
         assert_eq!(pin_budget_blocks("1GiB", 100, 10).unwrap(), 100);
         assert_eq!(pin_budget_blocks("0%", 100, 10).unwrap(), 0);
-        for bad in ["150%", "-1%", "1.5", "lots", ""] {
+        assert_eq!(pin_budget_blocks("0", 100, 10).unwrap(), 0);
+        for bad in ["150%", "-1%", "1.5", "lots", "", "9B"] {
             let e = pin_budget_blocks(bad, 100, 10).unwrap_err();
             assert!(format!("{e:#}").contains("--kv-pin-budget"), "{bad}: {e:#}");
         }

@@ -97,6 +97,26 @@ fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
 }
 
 /// `--model`, or the default model's path; an error that says how to get it when it is not there.
+/// `--block-size`: tokens per KV block, 1..=[`kura_kv::MAX_BLOCK_SIZE`], checked as the flags are
+/// parsed (a 0 would otherwise reach a division before any layout check).
+pub fn block_size_arg(s: &str) -> std::result::Result<usize, String> {
+    let max = kura_kv::MAX_BLOCK_SIZE;
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("`{s}`: a block holds 1 to {max} tokens")),
+    }
+}
+
+/// A count of sequences or tokens a step may hold (`--max-num-seqs`, `--max-num-batched-tokens`): 1
+/// to 2^32, checked as the flags are parsed rather than after the model has loaded.
+pub fn step_count_arg(s: &str) -> std::result::Result<usize, String> {
+    const MAX: usize = 1 << 32;
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX).contains(&n) => Ok(n),
+        _ => Err(format!("`{s}`: give a whole number from 1 to {MAX}")),
+    }
+}
+
 pub fn model_path(model: Option<&PathBuf>) -> Result<PathBuf> {
     let path = model
         .cloned()

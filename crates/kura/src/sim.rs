@@ -32,7 +32,7 @@ pub struct SimArgs {
     #[arg(long, default_value = "data/traces/mooncake_conversation_trace.jsonl")]
     trace: PathBuf,
     /// Tokens per KV block (1..=1024); each 512-token hash id of the trace is mapped to its tokens.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::setup::block_size_arg)]
     block_size: usize,
     /// Cache capacity in tokens, at least one block (rounded down to whole blocks). Default: unbounded
     /// (nothing is ever evicted).
@@ -166,6 +166,9 @@ pub fn run(args: SimArgs) -> Result<()> {
     if let Some(w) = args.workload {
         return serve_sim(&args, w);
     }
+    if !args.replicas.is_empty() {
+        bail!("--replicas simulates a fleet on a trace: give --workload trace");
+    }
     let cfg = SimConfig {
         block_size: args.block_size,
         capacity_tokens: args.capacity_tokens,
@@ -237,17 +240,18 @@ fn serve_sim(args: &SimArgs, w: WorkloadArg) -> Result<()> {
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         bail!("--concurrency takes one or more counts of at least 1");
     }
+    if matches!(w, WorkloadArg::Trace) && args.concurrency.len() > 1 {
+        bail!(
+            "--workload trace sends each request at its time in the trace: one run, so --concurrency \
+             takes no list"
+        );
+    }
     let cost = CostModel::load(&args.cost)?;
     if !args.replicas.is_empty() {
         return fleet_sim(args, &workload, cost);
     }
     let mut reports = Vec::new();
-    // A trace is open loop: one run, whatever --concurrency says.
-    let loads = match w {
-        WorkloadArg::Trace => &args.concurrency[..1],
-        _ => &args.concurrency[..],
-    };
-    for &concurrency in loads {
+    for &concurrency in &args.concurrency {
         let sim = ServeSim {
             scheduler: scheduler_config(args),
             cost: cost.clone(),
@@ -526,8 +530,12 @@ fn calibrate(args: &SimArgs) -> Result<()> {
     }
     let device =
         kura_cuda::parse_device(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
-    if device.is_none() {
-        crate::setup::threads(args.threads)?;
+    match device {
+        None => crate::setup::threads(args.threads)?,
+        Some(_) => {
+            crate::gpu::check_weights(args.weights_dtype)?;
+            crate::gpu::check_pool(args.kv_dtype, args.block_size)?;
+        }
     }
     let path = crate::setup::model_path(args.model.as_ref())?;
     let shapes = calibration_shapes();
@@ -564,6 +572,7 @@ fn calibrate(args: &SimArgs) -> Result<()> {
                 &path,
                 &parts,
                 args.kv_dtype,
+                bs,
                 max_tokens,
                 max_seqs,
             )?;

@@ -120,7 +120,16 @@ impl TierArgs {
 impl TierSizes {
     /// Blocks of the host tier for blocks of `block_bytes`.
     pub fn host_blocks(&self, block_bytes: u64) -> Result<u32> {
-        blocks_in(self.host_bytes, block_bytes, "--kv-host-memory")
+        let n = blocks_in(self.host_bytes, block_bytes, "--kv-host-memory")?;
+        if n == 0 && self.host_bytes > 0 {
+            bail!(
+                "--kv-host-memory {} holds no KV block: one block takes {}; give at least that (or 0 \
+                 for no host tier)",
+                format_bytes(self.host_bytes),
+                format_bytes(block_bytes)
+            );
+        }
+        Ok(n)
     }
 
     /// Blocks the disk budget holds (each file is a header and the block).

@@ -237,7 +237,7 @@ fn bad_input_gets_a_clear_error() {
                 "--block-size",
                 "0",
             ],
-            "block size must be between 1 and 1024",
+            "invalid value '0' for '--block-size <BLOCK_SIZE>': `0`: a block holds 1 to 1024 tokens",
         ),
         (
             &[

@@ -43,10 +43,6 @@ fn degenerate_flags_name_the_flag() {
         ),
         (vec!["--limit", "0"], "--max-requests 0 replays no request"),
         (
-            vec!["--block-size", "0"],
-            "--block-size 0 is outside 1..=1024",
-        ),
-        (
             vec!["--capacity-tokens", "0"],
             "--capacity-tokens 0 holds no block of 16 tokens",
         ),
@@ -74,6 +70,25 @@ fn degenerate_flags_name_the_flag() {
         assert!(err.contains(why), "{args:?}: {err}");
         assert!(!err.contains("capacity of 0 blocks"), "{err}");
     }
+    // A block size is checked as the flags are read (clap's usage error, status 2), before the
+    // calibration's division by it.
+    for extra in [&[][..], &["--calibrate"]] {
+        let mut all = vec!["--trace", t, "--block-size", "0"];
+        all.extend(extra);
+        let (code, out, err) = kura_sim(&all);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains("`0`: a block holds 1 to 1024 tokens"), "{err}");
+    }
+    // A fleet is simulated on a trace only; a trace is one open-loop run.
+    let (code, out, err) = kura_sim(&["--trace", t, "--replicas", "4"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("--replicas simulates a fleet on a trace"),
+        "{err}"
+    );
+    let (code, out, err) = kura_sim(&["--workload", "trace", "--trace", t, "--concurrency", "1,2"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("--concurrency takes no list"), "{err}");
     // The server simulation reads a trace through the same refusal.
     let (code, out, err) = kura_sim(&["--workload", "trace", "--trace", t, "--max-requests", "0"]);
     assert_eq!(code, 1, "{out}{err}");
