@@ -241,6 +241,46 @@ impl WorkloadSpec {
                 flags.join(" × ")
             )));
         }
+        // The texts a run builds before it sends anything: every session's own copy of each.
+        let built = match *self {
+            WorkloadSpec::SharedPrefix {
+                groups,
+                users_per_group,
+                system_tokens,
+                question_tokens,
+                ..
+            } => groups
+                .checked_mul(users_per_group)
+                .and_then(|n| n.checked_mul(system_tokens.checked_add(question_tokens)?)),
+            WorkloadSpec::MultiTurn {
+                conversations,
+                turns,
+                system_tokens,
+                user_tokens,
+            } => turns
+                .checked_mul(user_tokens)
+                .and_then(|t| t.checked_add(system_tokens))
+                .and_then(|t| t.checked_mul(conversations)),
+            WorkloadSpec::LongDoc {
+                doc_tokens,
+                questions,
+                question_tokens,
+            } => doc_tokens
+                .checked_add(question_tokens)
+                .and_then(|t| t.checked_mul(questions)),
+            WorkloadSpec::Unique {
+                requests,
+                prompt_tokens,
+            } => requests.checked_mul(prompt_tokens),
+            WorkloadSpec::Trace { .. } => Some(0),
+        };
+        if built.is_none_or(|n| n > MAX_BUILT_TOKENS) {
+            return Err(BenchError::Config(format!(
+                "the {} workload's prompts hold more than {MAX_BUILT_TOKENS} tokens in all, which a \
+                 run builds before it sends them: give fewer requests or shorter texts",
+                self.name()
+            )));
+        }
         Ok(())
     }
 
@@ -254,6 +294,10 @@ pub const MAX_TEXT_TOKENS: usize = 1 << 24;
 
 /// The most requests one workload may make.
 pub const MAX_REQUESTS: usize = 1 << 24;
+
+/// The most tokens the prompts of one workload may hold in all (each session's copy of a shared text
+/// counted): a run builds them before it sends anything.
+pub const MAX_BUILT_TOKENS: usize = 1 << 27;
 
 /// The longest a trace replay may last, in milliseconds (a week of real time).
 pub const MAX_REPLAY_MS: f64 = 7.0 * 86_400_000.0;
@@ -622,10 +666,36 @@ mod tests {
             let e = spec.validate().unwrap_err().to_string();
             assert!(e.contains(expected), "{e}");
         }
-        // At the limits, accepted.
-        let at = WorkloadSpec::Unique {
+        // Within each limit, but more text in all than a run builds.
+        let e = WorkloadSpec::Unique {
             requests: MAX_REQUESTS,
             prompt_tokens: MAX_TEXT_TOKENS,
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("the unique workload's prompts hold more than 134217728 tokens"),
+            "{e}"
+        );
+        let e = WorkloadSpec::LongDoc {
+            doc_tokens: 1 << 20,
+            questions: 1 << 8,
+            question_tokens: 1,
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("long-doc workload's prompts"), "{e}");
+        // At the limits, accepted.
+        let at = WorkloadSpec::Unique {
+            requests: 1 << 11,
+            prompt_tokens: 1 << 16,
+        };
+        assert!(at.validate().is_ok());
+        let at = WorkloadSpec::Unique {
+            requests: MAX_REQUESTS,
+            prompt_tokens: 8,
         };
         assert!(at.validate().is_ok());
     }

@@ -89,23 +89,52 @@ fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
     })
 }
 
-/// Creates `dir` (and its parents) readable by the process's user only (mode 700 where it is new).
+/// Creates `dir` (and its parents) readable by the process's user only: mode 700 where it is new, and
+/// an existing `dir` open to others (made by an earlier version, or by hand) narrowed to its owner
+/// where the process may change it (one it does not own is left as its owner made it).
 pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     let mut builder = std::fs::DirBuilder::new();
     builder.recursive(true);
     #[cfg(unix)]
     std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
-    builder.create(dir)
+    builder.create(dir)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir)?.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            let narrowed = std::fs::Permissions::from_mode(mode & !0o077);
+            match std::fs::set_permissions(dir, narrowed) {
+                Err(e) if e.kind() == ErrorKind::PermissionDenied => {}
+                other => other?,
+            }
+        }
+    }
+    Ok(())
 }
 
+/// The name of the file a temporary file of [`write_private_atomic`] (`<name>.<pid>-<n>.tmp`) was
+/// for, or `None` for any other name: what a start-up removes as a write cut short.
+pub fn atomic_tmp_target(file_name: &str) -> Option<&str> {
+    let (target, tag) = file_name.strip_suffix(".tmp")?.rsplit_once('.')?;
+    let (pid, n) = tag.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(pid) && digits(n) && !target.is_empty()).then_some(target)
+}
+
+/// Temporary files [`write_private_atomic`] has made in this process, for their names.
+static TMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Writes `bytes` to `path` whole or not at all, readable by the process's user only: into
-/// `<path>.tmp` (a leftover one removed first; the new one created exclusively, so that a link planted
-/// there is never followed), synced, renamed over `path`, and the directory synced so that the rename
-/// outlives a power loss.
+/// `<path>.<pid>-<n>.tmp`, a name of this write alone (a leftover of that name removed first; the new
+/// one created exclusively, so that a link planted there is never followed), synced, renamed over
+/// `path`, and the directory synced so that the rename outlives a power loss. Where that last sync
+/// fails, `path` is removed again: an error means the bytes are not there, not that they may be.
 pub fn write_private_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
+    let n = TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
+    tmp.push(format!(".{}-{n}.tmp", std::process::id()));
     let tmp = std::path::PathBuf::from(tmp);
     match std::fs::remove_file(&tmp) {
         Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
@@ -123,10 +152,15 @@ pub fn write_private_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(dir) => std::fs::File::open(dir)?.sync_all(),
-        None => std::fs::File::open(".")?.sync_all(),
-    }
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(path);
+        })
 }
 
 #[cfg(test)]
@@ -202,6 +236,15 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// The temporary files a write of `path` leaves in its directory.
+    fn tmp_files(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.unwrap().file_name().into_string().ok())
+            .filter(|n| atomic_tmp_target(n).is_some())
+            .collect()
+    }
+
     #[test]
     fn an_atomic_write_replaces_the_file_and_never_follows_a_planted_link() {
         let dir =
@@ -211,20 +254,82 @@ mod tests {
         write_private_atomic(&path, b"one").unwrap();
         write_private_atomic(&path, b"two").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"two");
-        // A link where the temporary file goes: removed, not written through.
+        // Links where the next temporary files go: removed, not written through.
         let victim = dir.join("victim");
         std::fs::write(&victim, b"keep").unwrap();
         #[cfg(unix)]
         {
-            std::os::unix::fs::symlink(&victim, dir.join("ctx.json.tmp")).unwrap();
+            let next = TMP_COUNTER.load(std::sync::atomic::Ordering::Relaxed);
+            for n in next..next + 64 {
+                let name = format!("ctx.json.{}-{n}.tmp", std::process::id());
+                std::os::unix::fs::symlink(&victim, dir.join(name)).unwrap();
+            }
             write_private_atomic(&path, b"three").unwrap();
             assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
             assert_eq!(std::fs::read(&path).unwrap(), b"three");
             use std::os::unix::fs::PermissionsExt;
             let mode = std::fs::metadata(&path).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o600);
+            for t in tmp_files(&dir) {
+                std::fs::remove_file(dir.join(t)).unwrap();
+            }
         }
-        assert!(!dir.join("ctx.json.tmp").exists());
+        // Writers at once: each write is whole, none fails, and none leaves a temporary file.
+        let writers: Vec<_> = (0..8u8)
+            .map(|w| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        write_private_atomic(&path, &[w; 4096]).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        let last = std::fs::read(&path).unwrap();
+        assert!(last.len() == 4096 && last.iter().all(|&b| b == last[0]));
+        assert!(tmp_files(&dir).is_empty(), "{:?}", tmp_files(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn temporary_names_are_told_from_others() {
+        assert_eq!(atomic_tmp_target("ctx_a.json.12-0.tmp"), Some("ctx_a.json"));
+        assert_eq!(
+            atomic_tmp_target("server.secret.4-17.tmp"),
+            Some("server.secret")
+        );
+        for other in [
+            "ctx_a.json",
+            "ctx_a.json.tmp",
+            "a.x-1.tmp",
+            "a.1-.tmp",
+            ".1-2.tmp",
+            "1-2.tmp",
+        ] {
+            assert_eq!(atomic_tmp_target(other), None, "{other}");
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_private_dir_is_narrowed_when_it_was_open() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch("narrowed");
+        let sub = dir.join("blocks");
+        std::fs::create_dir_all(&sub).unwrap();
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+        create_private_dir(&sub).unwrap();
+        let mode = std::fs::metadata(&sub).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let new = dir.join("new");
+        create_private_dir(&new).unwrap();
+        assert_eq!(
+            std::fs::metadata(&new).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -551,6 +551,13 @@ fn tokenizer_keys_of_the_wrong_type_or_size_are_refused_naming_the_key() {
             "tokenizer.ggml.tokens: token 2 is \"a\", as token 0 is",
         );
     }
+    // Empty texts may repeat (llama.cpp loads such files): no text encodes to one.
+    let mut g = tiny_model();
+    g.str("tokenizer.ggml.model", "llama");
+    g.strs("tokenizer.ggml.tokens", &["a", "", "", "<|end|>"]);
+    let path = write("empty-twice.gguf", &g.bytes());
+    Model::load(&path).unwrap();
+    std::fs::remove_file(path).ok();
     // SentencePiece merges are rebuilt from the pieces: pieces too long to do so in bounded time are
     // refused (a vocabulary of "a", "aa", … would otherwise cost the cube of its size).
     let mut g = tiny_model();

@@ -179,7 +179,9 @@ impl ContextStore {
             .map_err(|e| format!("could not read {}: {e}", dir.display()))?;
         for entry in entries.flatten() {
             let path = entry.path();
-            if path.to_str().is_some_and(|p| p.ends_with(".json.tmp")) {
+            let name = entry.file_name();
+            let tmp_of = name.to_str().and_then(kura_files::atomic_tmp_target);
+            if tmp_of.is_some_and(|target| target.ends_with(".json")) {
                 // A write cut short by a crash: the context it was for is whole or absent.
                 let _ = std::fs::remove_file(&path);
                 continue;
@@ -406,6 +408,8 @@ impl ContextStore {
             .as_ref()
             != Some(&c.tokens)
         {
+            // A change's turn: a change to it under way (a new expiry) does not write it back.
+            let _turn = self.changing();
             self.lock().remove(id);
             if let Some(path) = self.path_of(id) {
                 tracing::warn!("{}", set_aside(&path, "its tokens are not its text's"));
@@ -629,8 +633,15 @@ mod tests {
         // As an edited file would say: never expires.
         store.insert(context(7, None, u64::MAX), 10).unwrap();
         drop(store);
+        // A write a crash cut short is removed at the next start; other files are left alone.
+        let contexts = dir.join("contexts");
+        let leftover = contexts.join(format!("ctx_{:024x}.json.4242-3.tmp", 8));
+        std::fs::write(&leftover, b"{\"half").unwrap();
+        std::fs::write(contexts.join("notes.tmp"), b"mine").unwrap();
         let (again, warnings) = ContextStore::open(&dir).unwrap();
         assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(!leftover.exists());
+        assert!(contexts.join("notes.tmp").exists());
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()

@@ -57,7 +57,9 @@ pub(crate) async fn constraint(
     })
     .await?;
     let (codec, cell) = (engine.codec().clone(), cell.clone());
-    off_the_workers(move || {
+    // Within the deadline too: past it the request is answered (504) while the compile, which keeps
+    // its turn, runs on to its end.
+    let compile = off_the_workers(move || {
         let _turn = turn;
         let guides = cell
             .get_or_init(|| Guides::new(codec))
@@ -78,8 +80,8 @@ pub(crate) async fn constraint(
             spec: compiled,
             param,
         }) as Arc<dyn ConstraintSpec>))
-    })
-    .await
+    });
+    crate::output::finish_before(deadline, compile).await
 }
 
 /// A compiled grammar and the request field it came from, which an error met while generating names.

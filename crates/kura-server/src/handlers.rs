@@ -223,6 +223,7 @@ async fn start(
     held: Option<tokio::sync::OwnedSemaphorePermit>,
     deadline: output::Deadline,
 ) -> Result<Response, ApiError> {
+    output::before_deadline(deadline)?;
     let n = requests.first().map(|r| r.n).unwrap_or(1);
     let (mut events, sender) = Events::new(requests.len() as u32, n);
     for (i, request) in requests.into_iter().enumerate() {
@@ -232,7 +233,11 @@ async fn start(
     }
     drop(sender);
     if stream {
-        let body = output::sse_stream(meta, include_usage, events, deadline);
+        // A stream's held share (its scored prompts) is kept until the stream ends or is dropped.
+        let body = output::sse_stream(meta, include_usage, events, deadline).map(move |e| {
+            let _held = &held;
+            e
+        });
         Ok(Sse::new(body)
             .keep_alive(KeepAlive::default())
             .into_response())

@@ -122,6 +122,7 @@ async fn messages_inner(
         .as_ref()
         .filter(|t| t.parses_calls())
         .map(|_| style.format);
+    output::before_deadline(deadline)?;
     let (mut events, sender) = Events::new(1, 1);
     let guard = s.engine.submit(request, sender.sink(0))?;
     events.add_guard(guard);

@@ -261,6 +261,17 @@ pub(crate) async fn next_before(
     }
 }
 
+/// The timeout error where `deadline` has passed: a request whose compile or tokenization took its
+/// time is not handed to the engine.
+pub(crate) fn before_deadline(deadline: Deadline) -> Result<(), ApiError> {
+    match deadline {
+        Some((at, seconds)) if tokio::time::Instant::now() >= at => {
+            Err(ApiError::Timeout { seconds })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// `body` done before the deadline, or the timeout error (the collecting future is then dropped with its
 /// request guards: the requests are cancelled).
 pub(crate) async fn finish_before<T>(

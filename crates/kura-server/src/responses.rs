@@ -511,6 +511,7 @@ pub async fn create(
             .filter(|t| t.parses_calls())
             .map(|_| style.format),
     };
+    output::before_deadline(deadline).map_err(for_responses)?;
     let (mut events, sender) = Events::new(1, 1);
     events.add_guard(
         s.engine

@@ -391,6 +391,52 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     assert_eq!(post(&url, &more(500)).await.status(), 200);
 }
 
+/// A stream holds its scored prompts' log-probabilities (a prompt is scored whole before any of it is
+/// sent) until the stream ends: a request that would pass the bound meanwhile gets 429.
+#[tokio::test]
+async fn a_stream_keeps_its_scored_prompts_share_until_it_ends() {
+    let s = TestServer::start(Setup {
+        behaviour: Behaviour {
+            step_delay: Duration::from_millis(10),
+            ..Behaviour::default()
+        },
+        server: ServerConfig {
+            max_held_logprobs: 1000,
+            ..Setup::default().server
+        },
+        ..Setup::default()
+    })
+    .await;
+    let url = s.url("/v1/completions");
+    // 300 prompt tokens (one a byte) × (1 + 1): 600 held while it streams its 400 tokens.
+    let body = json!({"prompt": "a".repeat(300), "echo": true, "logprobs": 1, "max_tokens": 400,
+                      "ignore_eos": true, "stream": true});
+    let streamed = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let r = post(&url, &body).await;
+            let status = r.status();
+            (status, r.text().await.unwrap())
+        })
+    };
+    wait_for(
+        || s.metric("kura:num_requests_running") == 1.0 || streamed.is_finished(),
+        "the stream to run",
+    )
+    .await;
+    assert!(!streamed.is_finished(), "{:?}", streamed.await.unwrap());
+    // 201 × 2 = 402 more would pass the 1,000 beside the stream's 600; 200 × 2 would not.
+    let more = |tokens: u32| json!({"prompt": "hi", "max_tokens": tokens, "logprobs": 1});
+    let r = post(&url, &more(201)).await;
+    assert_eq!(r.status(), 429, "{}", r.text().await.unwrap());
+    assert_eq!(post(&url, &more(200)).await.status(), 200);
+    let (status, text) = streamed.await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // Ended: its share is back.
+    wait_for_status(&url, &more(201), 200).await;
+}
+
 /// A response's share of the held log-probabilities is kept until its body has been written out: a
 /// client that stops reading a body of tens of MB (more than the sockets' buffers) keeps it, and gives
 /// it back once it has read to the end.
@@ -746,6 +792,51 @@ async fn the_request_timeout_counts_from_arrival() {
             ),
         }
     }
+}
+
+/// A request whose tokenization outlasts `request_timeout` is answered 504 and never reaches the
+/// engine, streamed or not (a stream would otherwise have begun, 200, and carried the timeout as an
+/// error event).
+#[tokio::test]
+async fn a_request_past_its_deadline_before_it_reaches_the_engine_gets_504() {
+    let gate = Gate::closed();
+    let s = TestServer::start_gated(
+        Setup {
+            server: ServerConfig {
+                request_timeout: Some(Duration::from_secs(1)),
+                ..ServerConfig::default()
+            },
+            ..Setup::default()
+        },
+        gate.clone(),
+    )
+    .await;
+    let mut pending = Vec::new();
+    for stream in [false, true] {
+        let url = s.url("/v1/completions");
+        pending.push(tokio::spawn(async move {
+            let r = post(
+                &url,
+                &json!({"prompt": "hi", "max_tokens": 4, "stream": stream}),
+            )
+            .await;
+            let status = r.status();
+            (status, r.text().await.unwrap())
+        }));
+    }
+    wait_for(
+        || gate.waiting.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "both tokenizations to block",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    gate.release();
+    for p in pending {
+        let (status, text) = p.await.unwrap();
+        assert_eq!(status, 504, "{text}");
+        assert!(text.contains("request_timeout"), "{text}");
+    }
+    assert_eq!(s.metric("kura:prompt_tokens_total"), 0.0);
 }
 
 #[tokio::test]

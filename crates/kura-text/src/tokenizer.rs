@@ -539,11 +539,12 @@ fn byte_fallback_byte(piece: &str) -> Option<u8> {
 const SPM_MERGE_WORK: u64 = 1 << 28;
 
 /// Each token's id by its text; a text given twice is refused (the earlier id would have no text to
-/// encode to, and llama.cpp refuses such a file too).
+/// encode to; llama.cpp refuses such a file too). Empty texts may repeat, as llama.cpp takes them:
+/// no text encodes to one, and each decodes to nothing.
 fn vocab_of(tokens: &[String]) -> Result<Vocab> {
     let mut vocab = Vocab::with_capacity(tokens.len());
     for (i, t) in tokens.iter().enumerate() {
-        if let Some(first) = vocab.insert(t.clone(), i as u32) {
+        if let Some(first) = vocab.insert(t.clone(), i as u32).filter(|_| !t.is_empty()) {
             return Err(TextError::Tokenizer(format!(
                 "tokenizer.ggml.tokens: token {i} is {t:?}, as token {first} is"
             )));

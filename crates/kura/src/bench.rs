@@ -424,4 +424,38 @@ mod tests {
                 .is_err()
         );
     }
+
+    #[test]
+    fn flags_that_would_do_nothing_or_never_end_are_refused() {
+        for (args, expected) in [
+            (
+                &["unique", "--mark-concurrency", "1.75e308"][..],
+                "give a concurrency above 0, at most 1e9",
+            ),
+            (&["unique", "--mark-concurrency", "0"], "above 0"),
+            (&["unique", "--mark-concurrency", "NaN"], "above 0"),
+            (&["unique", "--output-tokens", "0"], "0 is not in 1.."),
+        ] {
+            let e = Cli::try_parse_from(std::iter::once("kura-bench").chain(args.iter().copied()))
+                .err()
+                .unwrap_or_else(|| panic!("{args:?} parsed"))
+                .to_string();
+            assert!(e.contains(expected), "{args:?}: {e}");
+        }
+        // A trace is sent at its own times: a load of clients or a rate would be ignored.
+        for load in [
+            &["--concurrency", "4"][..],
+            &["--rate", "2"],
+            &["--sweep-concurrency", "1,2"],
+            &["--sweep-rate", "1,2"],
+        ] {
+            let args = ["kura-bench", "trace", "t.jsonl"].iter().chain(load);
+            let cli = Cli::try_parse_from(args).unwrap();
+            let e = run(cli.bench).unwrap_err().to_string();
+            assert!(
+                e.contains("--concurrency, --rate and --sweep-* do not apply"),
+                "{load:?}: {e}"
+            );
+        }
+    }
 }

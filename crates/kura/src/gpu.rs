@@ -441,3 +441,42 @@ impl GpuRun {
         self.exec.weight_bytes()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_gpu_does_not_hold_is_refused_naming_the_flag() {
+        for (kv, bs, expected) in [
+            (
+                KvDtype::Bf16,
+                512,
+                "--block-size 512: the GPU pool holds blocks of 1 to 256 tokens",
+            ),
+            (KvDtype::F32, 0, "--block-size 0:"),
+            (
+                KvDtype::Int8,
+                16,
+                "--kv-dtype int8: the GPU pool holds bf16, f32 or fp8 KV",
+            ),
+            (
+                KvDtype::Fp8,
+                12,
+                "--kv-dtype fp8 --block-size 12: fp8 KV on the GPU in blocks of 12 tokens",
+            ),
+        ] {
+            let e = check_pool(kv, bs).unwrap_err().to_string();
+            assert!(e.contains(expected), "{kv:?} {bs}: {e}");
+        }
+        for (kv, bs) in [(KvDtype::Bf16, 1), (KvDtype::F32, 256), (KvDtype::Fp8, 16)] {
+            check_pool(kv, bs).unwrap();
+        }
+        for w in [WeightsDtype::F32, WeightsDtype::Int8, WeightsDtype::Int4] {
+            let e = check_weights(w).unwrap_err().to_string();
+            assert!(e.contains("the GPU holds bf16 weights"), "{w:?}: {e}");
+        }
+        check_weights(WeightsDtype::Native).unwrap();
+        check_weights(WeightsDtype::Bf16).unwrap();
+    }
+}

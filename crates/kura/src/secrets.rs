@@ -66,8 +66,18 @@ pub fn server_secret(disk_dir: &Path) -> Result<Secret> {
             Ok(Secret::from_bytes(bytes))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::create_dir_all(disk_dir)
+            kura_files::create_private_dir(disk_dir)
                 .with_context(|| format!("creating {}", disk_dir.display()))?;
+            // What a first start killed while it wrote the secret left behind.
+            for entry in std::fs::read_dir(disk_dir)
+                .with_context(|| format!("reading {}", disk_dir.display()))?
+                .flatten()
+            {
+                let name = entry.file_name();
+                if name.to_str().and_then(kura_files::atomic_tmp_target) == Some("server.secret") {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
             let secret = Secret::random();
             kura_files::write_private_atomic(&path, &secret.to_bytes())
                 .with_context(|| format!("writing {}", path.display()))?;

@@ -96,7 +96,6 @@ fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
     Some(cpus)
 }
 
-/// `--model`, or the default model's path; an error that says how to get it when it is not there.
 /// `--block-size`: tokens per KV block, 1..=[`kura_kv::MAX_BLOCK_SIZE`], checked as the flags are
 /// parsed (a 0 would otherwise reach a division before any layout check).
 pub fn block_size_arg(s: &str) -> std::result::Result<usize, String> {
@@ -117,6 +116,7 @@ pub fn step_count_arg(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// `--model`, or the default model's path; an error that says how to get it when it is not there.
 pub fn model_path(model: Option<&PathBuf>) -> Result<PathBuf> {
     let path = model
         .cloned()
@@ -139,6 +139,22 @@ pub fn load_model(path: &Path, weights_dtype: WeightsDtype) -> Result<Model> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_sizes_and_step_counts_are_checked_as_flags_are_read() {
+        assert_eq!(block_size_arg("16"), Ok(16));
+        assert_eq!(block_size_arg("1024"), Ok(1024));
+        for bad in ["0", "1025", "-1", "", "lots", "18446744073709551616"] {
+            let e = block_size_arg(bad).unwrap_err();
+            assert!(e.contains("a block holds 1 to 1024 tokens"), "{bad}: {e}");
+        }
+        assert_eq!(step_count_arg("64"), Ok(64));
+        assert_eq!(step_count_arg("4294967296"), Ok(1 << 32));
+        for bad in ["0", "4294967297", "18446744073709551615", "x"] {
+            let e = step_count_arg(bad).unwrap_err();
+            assert!(e.contains("from 1 to 4294967296"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn cpu_lists_parse_as_the_kernel_writes_them() {

@@ -67,6 +67,18 @@ impl Executor for FakeModel {
             .collect())
     }
 
+    /// Every position's row as `forward` would give it for the tokens up to there (the last row is
+    /// `forward`'s): what scoring a prompt (`echo` with `logprobs`) needs.
+    fn forward_every_position(&mut self, item: SeqInput<'_>) -> Result<Vec<f32>, ExecError> {
+        let mut rows = vec![0.0; item.tokens.len() * VOCAB];
+        let mut sum = 0usize;
+        for (i, &t) in item.tokens.iter().enumerate() {
+            sum += t as usize;
+            rows[i * VOCAB + (sum * 7 + item.start_pos + i) % (VOCAB - 1) + 1] = 10.0;
+        }
+        Ok(rows)
+    }
+
     fn copy_block_prefix(
         &mut self,
         _src: u32,
