@@ -654,15 +654,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
-// 16 bytes global → shared, asynchronously; `bytes` 0 writes zeros.
+// 16 bytes global → shared, asynchronously; `bytes` 0 writes zeros. The copies and the waits clobber
+// memory: `volatile` alone lets the compiler move this thread's own shared-memory loads across them
+// (a load of a stage above the wait that completes it, or one of the stage a copy then overwrites
+// below the copy), which nothing but a barrier would otherwise keep in order (the GEMV's stages have
+// none).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 // Waits until at most the newest N groups of this thread's copies are still on the way.
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 // 2^x in one instruction, subnormal results flushed to zero (`exp2f` adds a range test and two
 // multiplications to keep them): a weight under 2^-126 beside the row's largest, 1, changes nothing.
 __device__ __forceinline__ float exp2_ftz(float x) {
