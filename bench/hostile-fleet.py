@@ -66,7 +66,10 @@ class Fleet:
         self.router = f"http://127.0.0.1:{self.router_port}"
         cmd = [args.kura, "router", "--model", args.model, "--port", str(self.router_port),
                "--api-key-file", str(tmp / "tenants.keys"), "--fleet-secret-file", str(tmp / "fleet.secret"),
-               "--replica-admin-key-file", str(tmp / "operator.key")]
+               "--replica-admin-key-file", str(tmp / "operator.key"),
+               # Which replica served an answer, for the checks below (off by default: it tells a
+               # tenant where the others' requests went).
+               "--replica-header"]
         for url in self.replicas:
             cmd += ["--replica", url]
         self.router_proc = self.spawn("router", cmd)

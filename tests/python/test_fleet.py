@@ -82,7 +82,8 @@ class KuraRouter:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile(prefix="kura-router-", suffix=".log", delete=False)
-        cmd = [kura_bin(), "router", "--model", model_path(), "--port", str(self.port)]
+        # --replica-header: the tests read which replica served each answer.
+        cmd = [kura_bin(), "router", "--model", model_path(), "--port", str(self.port), "--replica-header"]
         for r in replicas:
             cmd += ["--replica", r.url]
         if fleet_keys:

@@ -82,6 +82,9 @@ pub struct RouterConfig {
     pub conn: ConnLimits,
     /// After a shutdown signal, how long requests in flight may run before every connection closes.
     pub shutdown_grace: Duration,
+    /// Answers carry `x-kura-replica`, the replica that served them (`--replica-header`; off by
+    /// default: it tells every client where the others' requests went).
+    pub replica_header: bool,
 }
 
 impl RouterConfig {
@@ -101,6 +104,7 @@ impl RouterConfig {
             body_timeout: Duration::from_secs(30),
             conn: ConnLimits::default(),
             shutdown_grace: Duration::from_secs(30),
+            replica_header: false,
         }
     }
 }

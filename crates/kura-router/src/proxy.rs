@@ -497,8 +497,14 @@ pub(crate) fn with_headers(
 }
 
 /// The head of the client's answer to replica `r`'s `resp`: its status and headers (but the
-/// connection's own), and the replica's number.
-pub(crate) fn relayed_head(resp: &reqwest::Response, r: usize) -> axum::http::response::Builder {
+/// connection's own), and the replica's number where `show_replica` (`--replica-header`: a client
+/// that sees where its requests went learns where the others' went, and under `round-robin` how many
+/// there were).
+pub(crate) fn relayed_head(
+    resp: &reqwest::Response,
+    r: usize,
+    show_replica: bool,
+) -> axum::http::response::Builder {
     let mut out = Response::builder().status(resp.status());
     if let Some(h) = out.headers_mut() {
         for (name, value) in resp.headers() {
@@ -506,7 +512,9 @@ pub(crate) fn relayed_head(resp: &reqwest::Response, r: usize) -> axum::http::re
                 h.insert(name.clone(), value.clone());
             }
         }
-        h.insert(REPLICA_HEADER, HeaderValue::from(r));
+        if show_replica {
+            h.insert(REPLICA_HEADER, HeaderValue::from(r));
+        }
     }
     out
 }
@@ -660,7 +668,7 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-        let out = relayed_head(&resp, r);
+        let out = relayed_head(&resp, r, fleet.config.replica_header);
         let relay = Relay {
             inner: resp.bytes_stream().boxed(),
             scan: CachedScan::default(),

@@ -204,7 +204,7 @@ async fn by_id(fleet: Arc<Fleet>, method: Method, id: String, headers: HeaderMap
     if method == Method::DELETE && status.is_success() {
         fleet.homes.forget(&id);
     }
-    relayed_head(&resp, r)
+    relayed_head(&resp, r, fleet.config.replica_header)
         .body(Body::from_stream(resp.bytes_stream().boxed()))
         .unwrap_or_else(|e| {
             ApiError::Internal(format!("building the response: {e}")).into_response()

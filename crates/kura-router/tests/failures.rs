@@ -129,10 +129,16 @@ struct Router {
 }
 
 async fn router(replicas: Vec<String>, api_keys: Vec<String>) -> Router {
+    router_with(replicas, api_keys, true).await
+}
+
+/// A round-robin router; `replica_header`: `--replica-header`.
+async fn router_with(replicas: Vec<String>, api_keys: Vec<String>, replica_header: bool) -> Router {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let mut config = RouterConfig::new(replicas, Policy::RoundRobin, Arc::new(NoCodec));
     config.api_keys = api_keys;
+    config.replica_header = replica_header;
     config.health_interval = Duration::from_secs(10);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -199,6 +205,17 @@ async fn a_refusal_is_the_clients_answer_and_an_unreachable_replica_is_drained()
     let resp = post(&r, "/v1/messages", b"{}".to_vec()).await.unwrap();
     assert_eq!(resp.status(), 413);
     assert_eq!(resp.headers()["x-kura-replica"], "1");
+    // Without --replica-header, no answer says where it was served: under round-robin the gap
+    // between two of a client's replicas would count the others' requests.
+    let other = fake_replica(Post::TooLarge).await;
+    let quiet = router_with(vec![refusing.clone(), other], vec![], false).await;
+    for _ in 0..2 {
+        let resp = post(&quiet, "/v1/completions", b"{}".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 413);
+        assert!(resp.headers().get("x-kura-replica").is_none());
+    }
     for _ in 0..3 {
         let resp = post(&r, "/v1/completions", b"{}".to_vec()).await.unwrap();
         assert_eq!(resp.status(), 413);

@@ -151,13 +151,11 @@ fn hold_logprobs(
     if count == 0 {
         return Ok(None);
     }
+    // What the others hold is not said: it would count other tenants' requests as they run.
     let busy = || {
-        let held = s
-            .max_held_logprobs
-            .saturating_sub(s.held_logprobs.available_permits() as u64);
         ApiError::QueueFull(format!(
-            "responses in progress hold {held} of this server's {} log-probabilities (those not \
-             streamed, and scored prompts), and this one needs {count}: retry later, or stream the \
+            "responses in progress hold too many of this server's {} log-probabilities (those not \
+             streamed, and scored prompts) for this one's {count}: retry later, or stream the \
              response (a stream holds only its scored prompts)",
             s.max_held_logprobs
         ))

@@ -351,11 +351,13 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     assert_openai_error(&e);
     let message = e["error"]["message"].as_str().unwrap();
     assert!(
-        message.contains("hold 800 of this server's 1000")
-            && message.contains("needs 202")
+        message.contains("hold too many of this server's 1000")
+            && message.contains("this one's 202")
             && message.contains("stream"),
         "{message}"
     );
+    // What the others hold is not told: it would count other tenants' requests.
+    assert!(!message.contains("800"), "{message}");
     assert_eq!(post(&url, &more(100)).await.status(), 200);
     // Streamed, or without log-probabilities, nothing is held.
     let mut streamed = more(300);

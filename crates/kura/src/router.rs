@@ -55,6 +55,11 @@ pub struct RouterArgs {
     /// A file of API keys, one per line (blank lines and `#` comments ignored).
     #[arg(long)]
     api_key_file: Option<PathBuf>,
+    /// Tell clients which replica served each answer (an `x-kura-replica` header: its number in
+    /// `--replica` order), for debugging a fleet. Off by default: a client that sees where its own
+    /// requests went learns where the others' went, and under `round-robin` how many they sent.
+    #[arg(long)]
+    replica_header: bool,
     /// Milliseconds between health checks of each replica (50..=10000); a replica is drained after two
     /// failed checks or a refused connection.
     #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(50..=10_000))]
@@ -127,6 +132,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
         body_timeout: http.body_timeout,
         conn: http.conn,
         shutdown_grace: http.shutdown_grace,
+        replica_header: args.replica_header,
         ..RouterConfig::new(args.replicas, args.policy, codec)
     };
     let addr = format!("{}:{}", args.host, args.port);
