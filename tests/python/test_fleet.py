@@ -635,9 +635,11 @@ def test_responses_continue_on_the_replica_that_stored_them(fleet):
                                                         **ask)
         assert int(raw.headers["x-kura-replica"]) == home
         prev = raw.parse()
-        # A continuation's length, as the replica holding it counts it.
+        # A continuation's length, as the replica holding it counts it (with the key that made it: the
+        # router's table is kept per key).
         body = {"model": model, "input": "How long?", "previous_response_id": prev.id}
-        routed = httpx.post(rr.url + "/v1/responses/input_tokens", json=body, timeout=30)
+        routed = httpx.post(rr.url + "/v1/responses/input_tokens", json=body, timeout=30,
+                            headers={"Authorization": "Bearer unused"})
         direct = httpx.post(replicas[home].url + "/v1/responses/input_tokens", json=body, timeout=30)
         assert routed.status_code == 200 and direct.status_code == 200, (routed.text, direct.text)
         assert int(routed.headers["x-kura-replica"]) == home

@@ -384,6 +384,8 @@ struct Relay {
     sse: Option<SseTail>,
     /// `Some` while a Responses answer's id (where the response is stored) has not been seen.
     ids: Option<IdScan>,
+    /// Whose key the request presented ([`crate::responses::Homes::owner_of`]).
+    owner: u64,
     done: bool,
 }
 
@@ -418,7 +420,8 @@ impl Stream for Relay {
                         self.flight.reported = Some(n);
                     }
                     if let Some(id) = self.ids.as_mut().and_then(|s| s.feed(&chunk)) {
-                        self.flight.fleet.homes.note(id, self.flight.replica);
+                        let owner = self.owner;
+                        self.flight.fleet.homes.note(owner, id, self.flight.replica);
                         self.ids = None;
                     }
                     match self.sse.as_mut() {
@@ -676,6 +679,7 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
             endpoint,
             sse: sse.then(SseTail::default),
             ids: (endpoint == Endpoint::Responses && status.is_success()).then(IdScan::default),
+            owner: fleet.homes.owner_of(&headers),
             done: false,
         };
         return out

@@ -8,7 +8,8 @@
 //! started, or forgotten past [`MAX_HOMES`]) is looked for: the replicas up are asked in turn
 //! (`GET /v1/responses/{id}` with the client's key and nothing else of its request), and the first that
 //! has it is where it lives. Ownership stays the servers' to check: a server answers "not found" for
-//! another tenant's response whoever asks, and the router's table names places, not owners.
+//! another tenant's response whoever asks. The table is kept per presented key, so that another
+//! key's id is looked for as an unknown one is, and its answer says nothing of where it lives.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,10 +37,12 @@ const ID_PREFIX: &[u8] = b"resp_";
 /// Longest response id looked for or sent on (the servers' are 29 characters).
 const MAX_ID_LEN: usize = 128;
 
-/// Where each stored response lives, as far as the router has seen.
+/// Where each stored response lives, as far as the router has seen, by the key that made or found it.
 #[derive(Default)]
 pub(crate) struct Homes {
-    map: Mutex<HashMap<String, usize>>,
+    map: Mutex<HashMap<(u64, String), usize>>,
+    /// Keys the digests of presented API keys (drawn at each start: the table holds no key).
+    keys: std::collections::hash_map::RandomState,
     /// Replicas asked whether they hold a response the table did not name.
     pub probes: AtomicU64,
     /// Requests sent to the server holding the response they name.
@@ -47,21 +50,33 @@ pub(crate) struct Homes {
 }
 
 impl Homes {
-    /// Response `id` lives on `replica`.
-    pub fn note(&self, id: String, replica: usize) {
+    /// The owner a request's `headers` name: a keyed digest of the API key it presents (one value for
+    /// none).
+    pub fn owner_of(&self, headers: &HeaderMap) -> u64 {
+        use std::hash::BuildHasher;
+        let key = kura_api::presented_keys(headers)
+            .into_iter()
+            .flatten()
+            .next();
+        self.keys.hash_one(key)
+    }
+
+    /// Response `id`, made or found with `owner`'s key, lives on `replica`.
+    pub fn note(&self, owner: u64, id: String, replica: usize) {
         let mut map = lock(&self.map);
-        if map.len() >= MAX_HOMES && !map.contains_key(&id) {
+        let key = (owner, id);
+        if map.len() >= MAX_HOMES && !map.contains_key(&key) {
             map.clear();
         }
-        map.insert(id, replica);
+        map.insert(key, replica);
     }
 
-    fn forget(&self, id: &str) {
-        lock(&self.map).remove(id);
+    fn forget(&self, owner: u64, id: &str) {
+        lock(&self.map).remove(&(owner, id.to_string()));
     }
 
-    fn get(&self, id: &str) -> Option<usize> {
-        lock(&self.map).get(id).copied()
+    fn get(&self, owner: u64, id: &str) -> Option<usize> {
+        lock(&self.map).get(&(owner, id.to_string())).copied()
     }
 
     /// Response ids whose server the table names.
@@ -86,7 +101,8 @@ pub(crate) async fn home_of(fleet: &Fleet, id: &str, headers: &HeaderMap) -> Opt
     if !plausible_id(id) {
         return None;
     }
-    if let Some(r) = fleet.homes.get(id) {
+    let owner = fleet.homes.owner_of(headers);
+    if let Some(r) = fleet.homes.get(owner, id) {
         if fleet.replicas[r].routable() {
             return Some(r);
         }
@@ -107,7 +123,7 @@ pub(crate) async fn home_of(fleet: &Fleet, id: &str, headers: &HeaderMap) -> Opt
         }
         if let Ok(resp) = ask.send().await {
             if resp.status() == StatusCode::OK {
-                fleet.homes.note(id.to_string(), r);
+                fleet.homes.note(owner, id.to_string(), r);
                 return Some(r);
             }
         }
@@ -202,7 +218,7 @@ async fn by_id(fleet: Arc<Fleet>, method: Method, id: String, headers: HeaderMap
     };
     let status = resp.status();
     if method == Method::DELETE && status.is_success() {
-        fleet.homes.forget(&id);
+        fleet.homes.forget(fleet.homes.owner_of(&headers), &id);
     }
     relayed_head(&resp, r, fleet.config.replica_header)
         .body(Body::from_stream(resp.bytes_stream().boxed()))
@@ -256,14 +272,37 @@ mod tests {
     fn the_table_is_bounded() {
         let homes = Homes::default();
         for i in 0..MAX_HOMES + 5 {
-            homes.note(format!("resp_{i}"), i % 3);
+            homes.note(7, format!("resp_{i}"), i % 3);
         }
         assert!(homes.len() <= MAX_HOMES);
         assert_eq!(
-            homes.get(&format!("resp_{}", MAX_HOMES + 4)),
+            homes.get(7, &format!("resp_{}", MAX_HOMES + 4)),
             Some((MAX_HOMES + 4) % 3)
         );
-        homes.forget(&format!("resp_{}", MAX_HOMES + 4));
-        assert_eq!(homes.get(&format!("resp_{}", MAX_HOMES + 4)), None);
+        homes.forget(7, &format!("resp_{}", MAX_HOMES + 4));
+        assert_eq!(homes.get(7, &format!("resp_{}", MAX_HOMES + 4)), None);
+    }
+
+    #[test]
+    fn a_response_is_found_under_the_key_that_made_it_only() {
+        let homes = Homes::default();
+        let with = |key: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                header::AUTHORIZATION,
+                format!("Bearer {key}").parse().unwrap(),
+            );
+            homes.owner_of(&h)
+        };
+        let (a, b) = (with("key-a"), with("key-b"));
+        assert_ne!(a, b);
+        let mut x = HeaderMap::new();
+        x.insert("x-api-key", "key-a".parse().unwrap());
+        assert_eq!(homes.owner_of(&x), a, "either header names the same key");
+        homes.note(a, "resp_1".into(), 2);
+        assert_eq!(homes.get(a, "resp_1"), Some(2));
+        // Another key's lookup finds nothing, as for an id nobody made.
+        assert_eq!(homes.get(b, "resp_1"), None);
+        assert_eq!(homes.get(homes.owner_of(&HeaderMap::new()), "resp_1"), None);
     }
 }
