@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::http::header;
 use kura_kv::Secret;
-use kura_request::TENANT_SEPARATOR;
+pub use kura_request::TENANT_SEPARATOR;
 
 /// Which tenant a request belongs to: a keyed digest of the API key it authenticated with (stable across
 /// restarts and key reordering, so that saved contexts and disk blocks keep their owner), if keys are

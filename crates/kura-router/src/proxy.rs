@@ -46,8 +46,41 @@ use kura_fleet::{choose, Candidate, Policy};
 /// A replica whose load exceeds the least loaded one's by no more than this keeps the requests of a
 /// `prompt_cache_key` it served before.
 const AFFINITY_SLACK: u64 = 4;
-/// Most `prompt_cache_key`s remembered (the map is cleared when full).
+/// Most `prompt_cache_key`s remembered (when full, the scope holding the most gives way:
+/// [`make_room`]).
 const MAX_AFFINITY_KEYS: usize = 100_000;
+
+/// Room for one more entry in a map of `max` entries, each kept for an owner (`owner_of`: a tenant, or
+/// an API key's digest): when the map is full, every entry of the owner holding the most is dropped,
+/// as the pool's pins give way, so that one tenant's flood of keys clears its own and not the others'.
+pub(crate) fn make_room<K, V, O: Eq + std::hash::Hash>(
+    map: &mut std::collections::HashMap<K, V>,
+    max: usize,
+    owner_of: impl Fn(&K) -> O,
+) {
+    if map.len() < max {
+        return;
+    }
+    let mut counts: std::collections::HashMap<O, usize> = std::collections::HashMap::new();
+    for k in map.keys() {
+        *counts.entry(owner_of(k)).or_default() += 1;
+    }
+    if let Some((largest, _)) = counts.into_iter().max_by_key(|(_, n)| *n) {
+        map.retain(|k, _| owner_of(k) != largest);
+    }
+}
+
+/// Whose an affinity key is: the tenant its cache salt starts with (a salt of its own after the
+/// separator does not make another owner, so that many salts are still one tenant's keys); without
+/// tenants, the salt.
+fn affinity_owner((scope, _): &AffinityKey) -> Option<String> {
+    scope.as_deref().map(|s| {
+        s.split(kura_api::keys::TENANT_SEPARATOR)
+            .next()
+            .unwrap_or(s)
+            .to_string()
+    })
+}
 /// The header naming the replica that served a response.
 pub(crate) const REPLICA_HEADER: &str = "x-kura-replica";
 /// Longest wait for a tokenizer slot; past it the request is routed without its prompt's blocks.
@@ -226,8 +259,8 @@ fn pick(fleet: &Fleet, prompt: &Prompt, tried: &[bool]) -> Option<(usize, u64)> 
                     r
                 }
                 _ => {
-                    if affinity.len() >= MAX_AFFINITY_KEYS {
-                        affinity.clear();
+                    if !affinity.contains_key(key) {
+                        make_room(&mut affinity, MAX_AFFINITY_KEYS, affinity_owner);
                     }
                     affinity.insert(key.clone(), chosen);
                     chosen
@@ -769,6 +802,32 @@ pub(crate) async fn metrics(State(fleet): State<Arc<Fleet>>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_map_makes_room_from_its_largest_owner() {
+        let mut map: std::collections::HashMap<AffinityKey, usize> = Default::default();
+        let a = Some("tenant-a".to_string());
+        let b = Some("tenant-b".to_string());
+        for i in 0..10 {
+            map.insert((a.clone(), format!("a{i}")), 0);
+        }
+        // B fills the rest with a flood of keys, each under a salt of its own.
+        let mut i = 0;
+        while map.len() < MAX_AFFINITY_KEYS {
+            let salted = Some(format!("tenant-b{}{i}", kura_api::keys::TENANT_SEPARATOR));
+            map.insert((salted, format!("b{i}")), 1);
+            i += 1;
+        }
+        make_room(&mut map, MAX_AFFINITY_KEYS, affinity_owner);
+        // B's keys are gone, A's all kept.
+        assert_eq!(map.len(), 10);
+        assert!(map.keys().all(|(scope, _)| *scope == a));
+        // Below the bound, nothing is dropped.
+        make_room(&mut map, MAX_AFFINITY_KEYS, affinity_owner);
+        assert_eq!(map.len(), 10);
+        assert_eq!(affinity_owner(&(b.clone(), "k".into())), b);
+        assert_eq!(affinity_owner(&(None, "k".into())), None);
+    }
 
     #[test]
     fn cached_tokens_are_found_across_pieces() {

@@ -27,8 +27,8 @@ use kura_api::ApiError;
 use crate::proxy::{find, relayed_head, unavailable, with_headers};
 use crate::{lock, Fleet};
 
-/// Most response ids whose server the router remembers (the table is cleared when full; an id then
-/// forgotten is looked for again).
+/// Most response ids whose server the router remembers (when full, the key holding the most gives
+/// way; an id then forgotten is looked for again).
 pub(crate) const MAX_HOMES: usize = 100_000;
 /// Longest wait for one replica's answer to whether it holds a response.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -65,8 +65,8 @@ impl Homes {
     pub fn note(&self, owner: u64, id: String, replica: usize) {
         let mut map = lock(&self.map);
         let key = (owner, id);
-        if map.len() >= MAX_HOMES && !map.contains_key(&key) {
-            map.clear();
+        if !map.contains_key(&key) {
+            crate::proxy::make_room(&mut map, MAX_HOMES, |(owner, _)| *owner);
         }
         map.insert(key, replica);
     }
@@ -279,6 +279,14 @@ mod tests {
             homes.get(7, &format!("resp_{}", MAX_HOMES + 4)),
             Some((MAX_HOMES + 4) % 3)
         );
+        // Another key's ids are kept when one key fills the table: that key gives way.
+        let homes = Homes::default();
+        homes.note(1, "resp_mine".into(), 2);
+        for i in 0..MAX_HOMES + 5 {
+            homes.note(7, format!("resp_{i}"), i % 3);
+        }
+        assert_eq!(homes.get(1, "resp_mine"), Some(2));
+        assert!(homes.len() <= MAX_HOMES);
         homes.forget(7, &format!("resp_{}", MAX_HOMES + 4));
         assert_eq!(homes.get(7, &format!("resp_{}", MAX_HOMES + 4)), None);
     }
