@@ -89,15 +89,21 @@ fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
     })
 }
 
-/// Creates `dir` (and its parents) readable by the process's user only: mode 700 where it is new, and
-/// an existing `dir` open to others (made by an earlier version, or by hand) narrowed to its owner
-/// where the process may change it (one it does not own is left as its owner made it).
+/// Creates `dir` (and its parents) readable by the process's user only where they are new (mode 700);
+/// an existing one is left as it is (a directory the user named may be theirs for other things).
 pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     let mut builder = std::fs::DirBuilder::new();
     builder.recursive(true);
     #[cfg(unix)]
     std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
-    builder.create(dir)?;
+    builder.create(dir)
+}
+
+/// [`create_private_dir`] for a directory of the process's own (its blocks, its saved contexts): an
+/// existing one open to others (made by an earlier version, or by hand) is narrowed to its owner where
+/// the process may change it (one it does not own is left as its owner made it).
+pub fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    create_private_dir(dir)?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -321,7 +327,11 @@ mod tests {
         let sub = dir.join("blocks");
         std::fs::create_dir_all(&sub).unwrap();
         std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // A directory the user named is left as it is; one of the process's own is narrowed.
         create_private_dir(&sub).unwrap();
+        let mode = std::fs::metadata(&sub).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o755);
+        make_private_dir(&sub).unwrap();
         let mode = std::fs::metadata(&sub).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o700);
         let new = dir.join("new");

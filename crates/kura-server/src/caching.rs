@@ -167,7 +167,7 @@ impl ContextStore {
     /// warnings, one per file set aside.
     pub fn open(disk_dir: &Path) -> Result<(Self, Vec<String>), String> {
         let dir = disk_dir.join("contexts");
-        kura_files::create_private_dir(&dir)
+        kura_files::make_private_dir(&dir)
             .map_err(|e| format!("could not create {}: {e}", dir.display()))?;
         let mut contexts = HashMap::new();
         let mut warnings = Vec::new();

@@ -51,7 +51,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
-use kura_files::create_private_dir;
+use kura_files::{create_private_dir, make_private_dir};
 
 use crate::error::{Check, ReadError, TierError};
 
@@ -188,8 +188,15 @@ impl DiskStore {
         let blocks_dir = dir.join("blocks");
         let tmp_dir = dir.join("tmp");
         // Private: block names are prompt digests, and their files' times say when a tenant was active.
-        for d in [dir, &blocks_dir, &tmp_dir] {
-            create_private_dir(d).map_err(|source| TierError::Io {
+        // The directory named keeps its mode if it exists (it may be the user's for other things);
+        // the tier's own are narrowed to 700.
+        create_private_dir(dir).map_err(|source| TierError::Io {
+            op: "cannot create directory",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        for d in [&blocks_dir, &tmp_dir] {
+            make_private_dir(d).map_err(|source| TierError::Io {
                 op: "cannot create directory",
                 path: d.to_path_buf(),
                 source,
@@ -221,7 +228,7 @@ impl DiskStore {
         };
         for fan in 0..=255u8 {
             let d = store.blocks_dir.join(format!("{fan:02x}"));
-            create_private_dir(&d).map_err(|source| TierError::Io {
+            make_private_dir(&d).map_err(|source| TierError::Io {
                 op: "cannot create directory",
                 path: d.clone(),
                 source,
@@ -955,6 +962,27 @@ mod tests {
         ] {
             let mode = fs::metadata(&d).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o700, "{}", d.display());
+        }
+        drop(_store);
+        // A store an earlier version left open: its own directories are narrowed at the next open,
+        // the directory named keeps the mode its user gave it.
+        for d in [
+            dir.clone(),
+            dir.join("blocks"),
+            dir.join("tmp"),
+            dir.join("blocks").join("ab"),
+        ] {
+            fs::set_permissions(&d, fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let (_store, _) = DiskStore::open(&dir, 7, 64).unwrap();
+        let mode_of = |d: &std::path::Path| fs::metadata(d).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode_of(&dir), 0o755);
+        for d in [
+            dir.join("blocks"),
+            dir.join("tmp"),
+            dir.join("blocks").join("ab"),
+        ] {
+            assert_eq!(mode_of(&d), 0o700, "{}", d.display());
         }
         fs::remove_dir_all(&dir).unwrap();
     }
