@@ -111,7 +111,12 @@ pub fn make_private_dir(dir: &Path) -> std::io::Result<()> {
         if mode & 0o077 != 0 {
             let narrowed = std::fs::Permissions::from_mode(mode & !0o077);
             match std::fs::set_permissions(dir, narrowed) {
-                Err(e) if e.kind() == ErrorKind::PermissionDenied => {}
+                // Not the process's to change, or on a read-only mount: left as it is.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::PermissionDenied | ErrorKind::ReadOnlyFilesystem
+                    ) => {}
                 other => other?,
             }
         }

@@ -51,8 +51,9 @@ const AFFINITY_SLACK: u64 = 4;
 const MAX_AFFINITY_KEYS: usize = 100_000;
 
 /// Room for one more entry in a map of `max` entries, each kept for an owner (`owner_of`: a tenant, or
-/// an API key's digest): when the map is full, every entry of the owner holding the most is dropped,
-/// as the pool's pins give way, so that one tenant's flood of keys clears its own and not the others'.
+/// an API key's digest): when the map is full, every entry of the owner holding the most (at least a
+/// sixteenth of the map) is dropped, as the pool's pins give way, so that one tenant's flood of keys
+/// clears its own and not the others'; with no such owner, the whole map.
 pub(crate) fn make_room<K, V, O: Eq + std::hash::Hash>(
     map: &mut std::collections::HashMap<K, V>,
     max: usize,
@@ -65,10 +66,17 @@ pub(crate) fn make_room<K, V, O: Eq + std::hash::Hash>(
     for k in map.keys() {
         *counts.entry(owner_of(k)).or_default() += 1;
     }
-    if let Some((largest, _)) = counts.into_iter().max_by_key(|(_, n)| *n) {
-        map.retain(|k, _| owner_of(k) != largest);
+    match counts.into_iter().max_by_key(|(_, n)| *n) {
+        // A flood spread over many owners (new salts or unchecked keys, one entry each) has no
+        // largest owner to give way: the map is cleared, so that the count runs once a fill, not once
+        // an entry, and no owner pays for the others' spread.
+        Some((largest, n)) if n >= max / ROOM_SHARE => map.retain(|k, _| owner_of(k) != largest),
+        _ => map.clear(),
     }
 }
+
+/// The share of a full map ([`make_room`]) its largest owner must hold to give way alone.
+const ROOM_SHARE: usize = 16;
 
 /// Whose an affinity key is: the tenant its cache salt starts with (a salt of its own after the
 /// separator does not make another owner, so that many salts are still one tenant's keys); without
@@ -92,7 +100,27 @@ const FAILED_MID_STREAM: &str = "the replica serving this request failed mid-str
 
 /// The API key a request was authenticated with (set by [`authenticate`] when the router has keys).
 #[derive(Clone)]
-struct ClientKey(String);
+pub(crate) struct ClientKey(String);
+
+#[cfg(test)]
+impl ClientKey {
+    pub(crate) fn for_tests(key: &str) -> Self {
+        ClientKey(key.to_string())
+    }
+}
+
+/// The API key a request is served under: the one [`authenticate`] accepted (with keys configured, a
+/// request may also present another, unknown one), else the first it presents.
+pub(crate) fn client_key(accepted: Option<&ClientKey>, headers: &HeaderMap) -> Option<String> {
+    match accepted {
+        Some(ClientKey(key)) => Some(key.clone()),
+        None => kura_api::presented_keys(headers)
+            .into_iter()
+            .flatten()
+            .next()
+            .map(str::to_string),
+    }
+}
 
 /// An error in the route's API shape: Anthropic's on `/v1/messages`, OpenAI's elsewhere.
 fn api_error(endpoint: Endpoint, e: ApiError) -> Response {
@@ -605,14 +633,8 @@ impl SendFailure {
 }
 
 async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Response {
-    let client_key = match req.extensions().get::<ClientKey>() {
-        Some(ClientKey(key)) => Some(key.clone()),
-        None => kura_api::presented_keys(req.headers())
-            .into_iter()
-            .flatten()
-            .next()
-            .map(str::to_string),
-    };
+    let client_key = client_key(req.extensions().get::<ClientKey>(), req.headers());
+    let owner = fleet.homes.owner_of(client_key.as_deref());
     let headers = req.headers().clone();
     let body = match read_body(&fleet, endpoint, req).await {
         Ok(body) => body,
@@ -633,7 +655,7 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
     };
     let mut tried = vec![false; fleet.replicas.len()];
     if let Some(id) = &previous {
-        if let Some(home) = home_of(&fleet, id, &headers).await {
+        if let Some(home) = home_of(&fleet, id, &headers, owner).await {
             fleet.homes.routed.fetch_add(1, Ordering::Relaxed);
             for (r, t) in tried.iter_mut().enumerate() {
                 *t = r != home;
@@ -712,7 +734,7 @@ async fn forward(fleet: Arc<Fleet>, endpoint: Endpoint, req: Request) -> Respons
             endpoint,
             sse: sse.then(SseTail::default),
             ids: (endpoint == Endpoint::Responses && status.is_success()).then(IdScan::default),
-            owner: fleet.homes.owner_of(&headers),
+            owner,
             done: false,
         };
         return out
@@ -825,6 +847,15 @@ mod tests {
         // Below the bound, nothing is dropped.
         make_room(&mut map, MAX_AFFINITY_KEYS, affinity_owner);
         assert_eq!(map.len(), 10);
+        // A flood of one key each under new salts without tenants: no owner gives way alone, and
+        // the map is cleared once rather than scanned for every new key.
+        let mut i = 0;
+        while map.len() < MAX_AFFINITY_KEYS {
+            map.insert((Some(format!("salt-{i}")), format!("k{i}")), 1);
+            i += 1;
+        }
+        make_room(&mut map, MAX_AFFINITY_KEYS, affinity_owner);
+        assert!(map.is_empty());
         assert_eq!(affinity_owner(&(b.clone(), "k".into())), b);
         assert_eq!(affinity_owner(&(None, "k".into())), None);
     }

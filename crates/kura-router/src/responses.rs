@@ -17,14 +17,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use kura_api::routing::Endpoint;
 use kura_api::ApiError;
 
-use crate::proxy::{find, relayed_head, unavailable, with_headers};
+use crate::proxy::{client_key, find, relayed_head, unavailable, with_headers, ClientKey};
 use crate::{lock, Fleet};
 
 /// Most response ids whose server the router remembers (when full, the key holding the most gives
@@ -50,14 +50,10 @@ pub(crate) struct Homes {
 }
 
 impl Homes {
-    /// The owner a request's `headers` name: a keyed digest of the API key it presents (one value for
-    /// none).
-    pub fn owner_of(&self, headers: &HeaderMap) -> u64 {
+    /// The owner of a request served under `key` ([`crate::proxy::client_key`]): a keyed digest of it
+    /// (one value for none).
+    pub fn owner_of(&self, key: Option<&str>) -> u64 {
         use std::hash::BuildHasher;
-        let key = kura_api::presented_keys(headers)
-            .into_iter()
-            .flatten()
-            .next();
         self.keys.hash_one(key)
     }
 
@@ -97,11 +93,15 @@ fn plausible_id(id: &str) -> bool {
 /// The replica up that holds stored response `id`: the one the table names, else the first replica up
 /// that answers `GET /v1/responses/{id}` with 200 for the client's key (taken from `headers`); `None`
 /// when none does.
-pub(crate) async fn home_of(fleet: &Fleet, id: &str, headers: &HeaderMap) -> Option<usize> {
+pub(crate) async fn home_of(
+    fleet: &Fleet,
+    id: &str,
+    headers: &HeaderMap,
+    owner: u64,
+) -> Option<usize> {
     if !plausible_id(id) {
         return None;
     }
-    let owner = fleet.homes.owner_of(headers);
     if let Some(r) = fleet.homes.get(owner, id) {
         if fleet.replicas[r].routable() {
             return Some(r);
@@ -179,25 +179,40 @@ impl IdScan {
 /// `GET /v1/responses/{id}`.
 pub(crate) async fn get(
     State(fleet): State<Arc<Fleet>>,
+    accepted: Option<Extension<ClientKey>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    by_id(fleet, Method::GET, id, headers).await
+    let owner = fleet
+        .homes
+        .owner_of(client_key(accepted.as_deref(), &headers).as_deref());
+    by_id(fleet, Method::GET, id, headers, owner).await
 }
 
 /// `DELETE /v1/responses/{id}`.
 pub(crate) async fn delete(
     State(fleet): State<Arc<Fleet>>,
+    accepted: Option<Extension<ClientKey>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    by_id(fleet, Method::DELETE, id, headers).await
+    let owner = fleet
+        .homes
+        .owner_of(client_key(accepted.as_deref(), &headers).as_deref());
+    by_id(fleet, Method::DELETE, id, headers, owner).await
 }
 
 /// Sends a request for stored response `id` to the server holding it, and its answer back. An id that
-/// no server holds is "not found", in the servers' words.
-async fn by_id(fleet: Arc<Fleet>, method: Method, id: String, headers: HeaderMap) -> Response {
-    let Some(r) = home_of(&fleet, &id, &headers).await else {
+/// no server holds is "not found", in the servers' words. `owner`: whose key the request is served
+/// under ([`Homes::owner_of`]).
+async fn by_id(
+    fleet: Arc<Fleet>,
+    method: Method,
+    id: String,
+    headers: HeaderMap,
+    owner: u64,
+) -> Response {
+    let Some(r) = home_of(&fleet, &id, &headers, owner).await else {
         return ApiError::ResponseNotFound(id).into_response();
     };
     fleet.homes.routed.fetch_add(1, Ordering::Relaxed);
@@ -218,7 +233,7 @@ async fn by_id(fleet: Arc<Fleet>, method: Method, id: String, headers: HeaderMap
     };
     let status = resp.status();
     if method == Method::DELETE && status.is_success() {
-        fleet.homes.forget(fleet.homes.owner_of(&headers), &id);
+        fleet.homes.forget(owner, &id);
     }
     relayed_head(&resp, r, fleet.config.replica_header)
         .body(Body::from_stream(resp.bytes_stream().boxed()))
@@ -294,23 +309,37 @@ mod tests {
     #[test]
     fn a_response_is_found_under_the_key_that_made_it_only() {
         let homes = Homes::default();
-        let with = |key: &str| {
+        let with = |name: &str, value: &str| {
             let mut h = HeaderMap::new();
             h.insert(
-                header::AUTHORIZATION,
-                format!("Bearer {key}").parse().unwrap(),
+                axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                value.parse().unwrap(),
             );
-            homes.owner_of(&h)
+            homes.owner_of(client_key(None, &h).as_deref())
         };
-        let (a, b) = (with("key-a"), with("key-b"));
+        let (a, b) = (
+            with("authorization", "Bearer key-a"),
+            with("authorization", "Bearer key-b"),
+        );
         assert_ne!(a, b);
-        let mut x = HeaderMap::new();
-        x.insert("x-api-key", "key-a".parse().unwrap());
-        assert_eq!(homes.owner_of(&x), a, "either header names the same key");
+        assert_eq!(
+            with("x-api-key", "key-a"),
+            a,
+            "either header names the same key"
+        );
+        // The key the router accepted counts, not another one presented beside it.
+        let mut both = HeaderMap::new();
+        both.insert(header::AUTHORIZATION, "Bearer placeholder".parse().unwrap());
+        both.insert("x-api-key", "key-b".parse().unwrap());
+        let accepted = ClientKey::for_tests("key-b");
+        assert_eq!(
+            homes.owner_of(client_key(Some(&accepted), &both).as_deref()),
+            b
+        );
         homes.note(a, "resp_1".into(), 2);
         assert_eq!(homes.get(a, "resp_1"), Some(2));
         // Another key's lookup finds nothing, as for an id nobody made.
         assert_eq!(homes.get(b, "resp_1"), None);
-        assert_eq!(homes.get(homes.owner_of(&HeaderMap::new()), "resp_1"), None);
+        assert_eq!(homes.get(homes.owner_of(None), "resp_1"), None);
     }
 }
