@@ -167,11 +167,13 @@ impl WorkloadSpec {
 
     /// That the texts and the number of requests stay within what a client builds in memory (as
     /// `kura sim` bounds the same workloads): every text at most [`MAX_TEXT_TOKENS`] tokens, at most
-    /// [`MAX_REQUESTS`] requests.
+    /// [`MAX_REQUESTS`] requests and [`MAX_BUILT_TOKENS`] tokens in all.
     fn check_size(&self) -> Result<(), BenchError> {
-        // (value, flag) pairs: each text's tokens, and the counts whose product is the requests.
+        // (value, flag) pairs: each text's tokens, and the counts whose product is the requests; and
+        // the tokens the texts a run builds before it sends anything hold (every session's own copy
+        // of each), `None` past a usize.
         type Flags = Vec<(usize, &'static str)>;
-        let (texts, counts): (Flags, Flags) = match *self {
+        let (texts, counts, built): (Flags, Flags, Option<usize>) = match *self {
             WorkloadSpec::SharedPrefix {
                 groups,
                 users_per_group,
@@ -184,6 +186,9 @@ impl WorkloadSpec {
                     (question_tokens, "--question-tokens"),
                 ],
                 vec![(groups, "--groups"), (users_per_group, "--users-per-group")],
+                groups
+                    .checked_mul(users_per_group)
+                    .and_then(|n| n.checked_mul(system_tokens.checked_add(question_tokens)?)),
             ),
             WorkloadSpec::MultiTurn {
                 conversations,
@@ -196,6 +201,10 @@ impl WorkloadSpec {
                     (user_tokens, "--user-tokens"),
                 ],
                 vec![(conversations, "--conversations"), (turns, "--turns")],
+                turns
+                    .checked_mul(user_tokens)
+                    .and_then(|t| t.checked_add(system_tokens))
+                    .and_then(|t| t.checked_mul(conversations)),
             ),
             WorkloadSpec::LongDoc {
                 doc_tokens,
@@ -207,6 +216,9 @@ impl WorkloadSpec {
                     (question_tokens, "--question-tokens"),
                 ],
                 vec![(questions, "--questions")],
+                doc_tokens
+                    .checked_add(question_tokens)
+                    .and_then(|t| t.checked_mul(questions)),
             ),
             WorkloadSpec::Unique {
                 requests,
@@ -214,6 +226,7 @@ impl WorkloadSpec {
             } => (
                 vec![(prompt_tokens, "--prompt-tokens")],
                 vec![(requests, "--requests")],
+                requests.checked_mul(prompt_tokens),
             ),
             WorkloadSpec::Trace {
                 max_prompt_tokens, ..
@@ -223,6 +236,7 @@ impl WorkloadSpec {
                     .into_iter()
                     .collect(),
                 vec![],
+                Some(0),
             ),
         };
         if let Some((n, flag)) = texts.iter().find(|(n, _)| *n > MAX_TEXT_TOKENS) {
@@ -241,39 +255,6 @@ impl WorkloadSpec {
                 flags.join(" × ")
             )));
         }
-        // The texts a run builds before it sends anything: every session's own copy of each.
-        let built = match *self {
-            WorkloadSpec::SharedPrefix {
-                groups,
-                users_per_group,
-                system_tokens,
-                question_tokens,
-                ..
-            } => groups
-                .checked_mul(users_per_group)
-                .and_then(|n| n.checked_mul(system_tokens.checked_add(question_tokens)?)),
-            WorkloadSpec::MultiTurn {
-                conversations,
-                turns,
-                system_tokens,
-                user_tokens,
-            } => turns
-                .checked_mul(user_tokens)
-                .and_then(|t| t.checked_add(system_tokens))
-                .and_then(|t| t.checked_mul(conversations)),
-            WorkloadSpec::LongDoc {
-                doc_tokens,
-                questions,
-                question_tokens,
-            } => doc_tokens
-                .checked_add(question_tokens)
-                .and_then(|t| t.checked_mul(questions)),
-            WorkloadSpec::Unique {
-                requests,
-                prompt_tokens,
-            } => requests.checked_mul(prompt_tokens),
-            WorkloadSpec::Trace { .. } => Some(0),
-        };
         if built.is_none_or(|n| n > MAX_BUILT_TOKENS) {
             return Err(BenchError::Config(format!(
                 "the {} workload's prompts hold more than {MAX_BUILT_TOKENS} tokens in all, which a \

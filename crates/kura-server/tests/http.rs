@@ -309,15 +309,11 @@ async fn a_response_with_logprobs_that_is_not_streamed_holds_a_bounded_number() 
     assert_eq!(v["usage"]["completion_tokens"], 64 * 780);
 }
 
-/// Non-streamed responses hold their log-probabilities until their requests end: together they are
-/// bounded server-wide (`ServerConfig::max_held_logprobs`). A request that would pass the bound gets
-/// 429 while others hold it, and is served once they are done or gone; streams and requests without
-/// log-probabilities are not held back; one that needs more than the bound alone gets 400.
-#[tokio::test]
-async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound() {
-    let s = TestServer::start(Setup {
+/// A server that holds at most 1,000 log-probabilities at once, whose steps take 10 ms (a long
+/// request is still running while others are sent).
+async fn held_logprobs_server() -> TestServer {
+    TestServer::start(Setup {
         behaviour: Behaviour {
-            // 400 steps of 10 ms: the first request is still running while the others are sent.
             step_delay: Duration::from_millis(10),
             ..Behaviour::default()
         },
@@ -327,7 +323,22 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
         },
         ..Setup::default()
     })
-    .await;
+    .await
+}
+
+/// A non-streamed completion of `tokens` tokens with one alternative each: it holds `tokens` × 2.
+fn scored(tokens: u32) -> Value {
+    json!({"prompt": "hi", "max_tokens": tokens, "logprobs": 1})
+}
+
+/// Non-streamed responses hold their log-probabilities until their requests end: together they are
+/// bounded server-wide (`ServerConfig::max_held_logprobs`). A request that would pass the bound gets
+/// 429 while others hold it, and is served once they are done or gone; streams and requests without
+/// log-probabilities are not held back; one that needs more than the bound alone gets 400.
+#[tokio::test]
+async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound() {
+    // 400 steps of 10 ms: the first request is still running while the others are sent.
+    let s = held_logprobs_server().await;
     let url = s.url("/v1/completions");
     // 400 tokens × (1 + 1): 800 of the 1,000 held while it runs; sent, and running.
     async fn run_long(
@@ -343,8 +354,7 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     }
     let first = run_long(&s, &url, "the first request to run").await;
     // 100 × 2 = 200 more would make 1,000: served; 101 × 2 would pass it: 429, saying why.
-    let more = |tokens: u32| json!({"prompt": "hi", "max_tokens": tokens, "logprobs": 1});
-    let r = post(&url, &more(101)).await;
+    let r = post(&url, &scored(101)).await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     let e: Value = r.json().await.unwrap();
@@ -358,9 +368,9 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     );
     // What the others hold is not told: it would count other tenants' requests.
     assert!(!message.contains("800"), "{message}");
-    assert_eq!(post(&url, &more(100)).await.status(), 200);
+    assert_eq!(post(&url, &scored(100)).await.status(), 200);
     // Streamed, or without log-probabilities, nothing is held.
-    let mut streamed = more(300);
+    let mut streamed = scored(300);
     streamed["stream"] = json!(true);
     let r = post(&url, &streamed).await;
     assert_eq!(r.status(), 200);
@@ -368,7 +378,7 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     let r = post(&url, &json!({"prompt": "hi", "max_tokens": 300})).await;
     assert_eq!(r.status(), 200);
     // More than the whole bound alone: 400, naming max_tokens (500 fit).
-    let r = post(&url, &more(501)).await;
+    let r = post(&url, &scored(501)).await;
     assert_eq!(r.status(), 400);
     let e: Value = r.json().await.unwrap();
     assert_eq!(e["error"]["param"], "max_tokens");
@@ -381,34 +391,23 @@ async fn responses_with_logprobs_that_are_not_streamed_share_a_server_wide_bound
     );
     // The first ends: its 800 are free again.
     assert_eq!(first.await.unwrap().status(), 200);
-    assert_eq!(post(&url, &more(500)).await.status(), 200);
+    assert_eq!(post(&url, &scored(500)).await.status(), 200);
     // A client that goes away gives its share back with its request (taken while it ran: 429).
     let gone = run_long(&s, &url, "the request that goes away to run").await;
-    assert_eq!(post(&url, &more(101)).await.status(), 429);
+    assert_eq!(post(&url, &scored(101)).await.status(), 429);
     gone.abort();
     assert!(
         s.wait_blocks_free(PATIENCE).await,
         "the request that went away still holds its blocks"
     );
-    assert_eq!(post(&url, &more(500)).await.status(), 200);
+    assert_eq!(post(&url, &scored(500)).await.status(), 200);
 }
 
 /// A stream holds its scored prompts' log-probabilities (a prompt is scored whole before any of it is
 /// sent) until the stream ends: a request that would pass the bound meanwhile gets 429.
 #[tokio::test]
 async fn a_stream_keeps_its_scored_prompts_share_until_it_ends() {
-    let s = TestServer::start(Setup {
-        behaviour: Behaviour {
-            step_delay: Duration::from_millis(10),
-            ..Behaviour::default()
-        },
-        server: ServerConfig {
-            max_held_logprobs: 1000,
-            ..Setup::default().server
-        },
-        ..Setup::default()
-    })
-    .await;
+    let s = held_logprobs_server().await;
     let url = s.url("/v1/completions");
     // 300 prompt tokens (one a byte) × (1 + 1): 600 held while it streams its 400 tokens.
     let body = json!({"prompt": "a".repeat(300), "echo": true, "logprobs": 1, "max_tokens": 400,
@@ -428,15 +427,14 @@ async fn a_stream_keeps_its_scored_prompts_share_until_it_ends() {
     .await;
     assert!(!streamed.is_finished(), "{:?}", streamed.await.unwrap());
     // 201 × 2 = 402 more would pass the 1,000 beside the stream's 600; 200 × 2 would not.
-    let more = |tokens: u32| json!({"prompt": "hi", "max_tokens": tokens, "logprobs": 1});
-    let r = post(&url, &more(201)).await;
+    let r = post(&url, &scored(201)).await;
     assert_eq!(r.status(), 429, "{}", r.text().await.unwrap());
-    assert_eq!(post(&url, &more(200)).await.status(), 200);
+    assert_eq!(post(&url, &scored(200)).await.status(), 200);
     let (status, text) = streamed.await.unwrap();
     assert_eq!(status, 200, "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     // Ended: its share is back.
-    wait_for_status(&url, &more(201), 200).await;
+    wait_for_status(&url, &scored(201), 200).await;
 }
 
 /// A response's share of the held log-probabilities is kept until its body has been written out: a

@@ -899,28 +899,15 @@ mod tests {
                 - cuda.activation_bytes
                 - cuda.reserve_bytes
         );
+        let on_h100 = |flag: &str, value: &str| {
+            PlanCli::parse_from(["plan", "--model", &model, "--gpu", "H100", flag, value])
+        };
         // What the server cannot hold is an error naming both sides, as the server's is.
-        let cli = PlanCli::parse_from([
-            "plan",
-            "--model",
-            &model,
-            "--gpu",
-            "H100",
-            "--kv-cache-memory",
-            "80GiB",
-        ]);
+        let cli = on_h100("--kv-cache-memory", "80GiB");
         let e = format!("{:#}", plan(&cli.args).unwrap_err());
         assert!(e.contains("are left of the device"), "{e}");
         // A block size the GPU pool does not hold is not planned as the server's, and says why.
-        let cli = PlanCli::parse_from([
-            "plan",
-            "--model",
-            &model,
-            "--gpu",
-            "H100",
-            "--block-size",
-            "512",
-        ]);
+        let cli = on_h100("--block-size", "512");
         let (report, _, cuda) = plan(&cli.args).unwrap();
         assert!(cuda.is_none());
         assert!(
