@@ -368,29 +368,11 @@ fn not_cuda(args: &PlanArgs, loaded: &LoadedSpec) -> Option<String> {
     if args.overhead.is_some() || args.activation.is_some() {
         return Some("--overhead/--activation replace the server's own terms".into());
     }
-    if args.block_size > kura_cuda::MAX_BLOCK_SIZE {
-        return Some(format!(
-            "--block-size {}: the GPU pool holds blocks of 1 to {} tokens",
-            args.block_size,
-            kura_cuda::MAX_BLOCK_SIZE
-        ));
-    }
-    if let Err(kura_cuda::CudaError::Unsupported(why)) =
-        kura_cuda::check_pool_format(args.kv_dtype, args.block_size)
+    // The checks `kura serve --device cuda` makes of the same flags, in its words.
+    let pool = crate::gpu::check_pool(args.kv_dtype, args.block_size);
+    if let Err(e) = pool.and_then(|()| args.weights_dtype.map_or(Ok(()), crate::gpu::check_weights))
     {
-        return Some(match args.kv_dtype {
-            KvDtype::Fp8 => format!("--kv-dtype fp8: {why}"),
-            other => format!(
-                "--kv-dtype {}: the GPU pool holds bf16, f32 or fp8",
-                other.name()
-            ),
-        });
-    }
-    if !matches!(
-        args.weights_dtype,
-        None | Some(WeightsDtype::Native) | Some(WeightsDtype::Bf16)
-    ) {
-        return Some("--weights-dtype: the GPU holds bf16 weights".into());
+        return Some(format!("{e:#}"));
     }
     cuda_dims(loaded).err()
 }
