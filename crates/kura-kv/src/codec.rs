@@ -20,7 +20,7 @@
 //! a few) over the whole group, so one large element no longer stretches the step of all the others; it
 //! is orthogonal, so attention rotates the query the same way and its output back, and reads the
 //! rotated rows as they are. On the default model it cut int8's KL divergence from f32 KV by 3.4× and
-//! int4's perplexity change by half (`kura perplexity`, README).
+//! int4's perplexity change by half (`kura perplexity`, docs/quantized-kv.md).
 //!
 //! - int8: symmetric, `r ≈ scale · q`, `q ∈ [−127, 127]`, `scale = max|r| / 127` (llama.cpp's q8_0 with one
 //!   scale per 64 elements instead of 32, which keeps int8 under half of bf16's bytes).

@@ -35,7 +35,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// `cpu` (default), or `cuda` / `cuda:N`: the forward pass on GPU N (Llama-family models, bf16
-    /// weights, bf16 or f32 KV; `--weights-dtype` and `--no-kv-cache` are the CPU's).
+    /// weights, bf16, f32 or fp8 KV; `--weights-dtype` and `--no-kv-cache` are the CPU's).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Recompute the whole sequence at every step instead of reusing K/V.

@@ -49,7 +49,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Saved contexts without a server: build a document's KV into the disk tier, list, remove.
     Cache(cache::CacheArgs),
-    /// Replay a serving trace through the KV cache manager (no model): hit ratios, evictions, throughput.
+    /// Replay a serving trace through the KV cache manager (no model), or simulate the server or a fleet:
+    /// hit ratios, evictions, throughput, TTFT.
     Sim(sim::SimArgs),
 }
 

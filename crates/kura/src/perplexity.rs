@@ -39,7 +39,7 @@ pub struct PerplexityArgs {
     /// A GGUF file or an HF directory (default: the model fetched by scripts/fetch-model.sh, or $KURA_MODEL).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// The text to score, UTF-8 (scripts/fetch-eval-text.sh fetches the one the README's figures use).
+    /// The text to score, UTF-8 (scripts/fetch-eval-text.sh fetches the one docs/quantized-kv.md's figures use).
     #[arg(long)]
     pub text: PathBuf,
     /// Tokens per chunk; the second half of each chunk is scored.

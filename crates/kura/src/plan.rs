@@ -70,7 +70,7 @@ pub struct PlanArgs {
     /// Runtime overhead (default: 1 GiB on an accelerator, 256 MiB on the CPU).
     #[arg(long, value_parser = parse_size)]
     overhead: Option<u64>,
-    /// Activation peak (default: estimated from the largest forward step; see README).
+    /// Activation peak (default: estimated from the largest forward step; see docs/plan.md).
     #[arg(long, value_parser = parse_size)]
     activation: Option<u64>,
     /// Tokens of the largest forward step, for the activation estimate (`kura serve
