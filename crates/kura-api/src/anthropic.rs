@@ -11,14 +11,16 @@ use kura_request::SamplingParams;
 use kura_request::{ChatMessage, TextCodec};
 use serde_json::{json, Map, Value};
 
-use crate::cache_control::{encode_with_breakpoints, CacheTtl, ContextKind, MAX_BREAKPOINTS};
+use crate::cache_control::{
+    encode_with_breakpoints, encode_with_breakpoints_and_tools, CacheTtl, ContextKind,
+    MAX_BREAKPOINTS,
+};
 use crate::error::ApiError;
 use crate::tools::{
     check_function_name, check_named, check_parameters, check_tool_turns, check_unique,
     prompt_messages, template_call, Guide, ToolChoice, ToolDef, ToolPlan, ToolStyle,
     END_OF_CONTENT,
 };
-use crate::validate::template_error;
 use kura_guide::tools::layout_json;
 
 /// An error in Anthropic's shape.
@@ -433,19 +435,17 @@ pub fn encode_messages(
         &plan.breakpoints,
         &plan.tool_breakpoints,
     );
-    if let Some(tools) = tools_json {
-        if !marks.is_empty() || saved.is_some() {
-            return Err(invalid(
-                "cache_control breakpoints and cached_content cannot be combined with tools on this \
-                 model: its chat template writes the tools itself",
-            ));
-        }
-        let tokens = codec
-            .encode_chat_with_tools(&messages, &tools)
-            .map_err(template_error)?;
-        return Ok((tokens, Vec::new()));
-    }
-    let (tokens, positions) = encode_with_breakpoints(codec, &messages, &marks, saved)?;
+    let (tokens, positions) =
+        match tools_json {
+            Some(_) if saved.is_some() => return Err(invalid(
+                "cached_content cannot be combined with tools on this model: its chat template \
+                 writes the tools itself, ahead of the saved context",
+            )),
+            // Breakpoints are placed in the text the template writes with the tools (a breakpoint on
+            // the tools ends with the first message's content, where such templates write them).
+            Some(tools) => encode_with_breakpoints_and_tools(codec, &messages, &marks, &tools)?,
+            None => encode_with_breakpoints(codec, &messages, &marks, saved)?,
+        };
     Ok((
         tokens,
         positions

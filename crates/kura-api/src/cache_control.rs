@@ -162,6 +162,28 @@ pub fn encode_with_breakpoints(
     breakpoints: &[(usize, usize, CacheTtl)],
     saved: Option<(&ContextKind, &[u32])>,
 ) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
+    encode_marked(codec, messages, breakpoints, saved, None)
+}
+
+/// [`encode_with_breakpoints`] for a template that writes the request's tools itself (OpenAI's
+/// `tools` array handed to it), without a saved context: such a template writes the tools ahead of
+/// any message, so a saved context's tokens would not start the prompt.
+pub fn encode_with_breakpoints_and_tools(
+    codec: &dyn TextCodec,
+    messages: &[ChatMessage],
+    breakpoints: &[(usize, usize, CacheTtl)],
+    tools: &serde_json::Value,
+) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
+    encode_marked(codec, messages, breakpoints, None, Some(tools))
+}
+
+fn encode_marked(
+    codec: &dyn TextCodec,
+    messages: &[ChatMessage],
+    breakpoints: &[(usize, usize, CacheTtl)],
+    saved: Option<(&ContextKind, &[u32])>,
+    tools: Option<&serde_json::Value>,
+) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
     let (all, text_prefix, offset) = match saved.map(|(kind, _)| kind) {
         Some(ContextKind::Messages { messages: before }) => {
             let mut all = before.clone();
@@ -171,22 +193,33 @@ pub fn encode_with_breakpoints(
         Some(ContextKind::Prompt { text }) => (messages.to_vec(), Some(text.as_str()), 0),
         None => (messages.to_vec(), None, 0),
     };
-    let rendered = codec.render_chat(&all).map_err(template_error)?;
+    let rendered = match tools {
+        Some(t) => codec.render_chat_with_tools(&all, t),
+        None => codec.render_chat(&all),
+    }
+    .map_err(template_error)?;
     // A prompt context's tokens are the plain tokenization of its text; a chat prompt's come from the
     // template. Breakpoints need the plain tokenization of the whole text too, and how many tokens
     // (BOS) plain encoding puts before the template's own.
     let (full_text, chat_tokens) = match text_prefix {
         Some(prefix) => (format!("{prefix}{rendered}"), None),
         None => {
-            let tokens = codec.encode_chat(&all).map_err(template_error)?;
+            let tokens = match tools {
+                Some(t) => codec.encode_chat_with_tools(&all, t),
+                None => codec.encode_chat(&all),
+            }
+            .map_err(template_error)?;
             (rendered, Some(tokens))
         }
     };
     // The messages' contents in `full_text`, where special-token text stays text.
     let plain = if chat_tokens.is_none() || !breakpoints.is_empty() {
-        codec
-            .chat_content_spans(&full_text, text_prefix.map_or(0, str::len), &all)
-            .map_err(template_error)?
+        let from = text_prefix.map_or(0, str::len);
+        match tools {
+            Some(t) => codec.chat_content_spans_with_tools(&full_text, from, &all, t),
+            None => codec.chat_content_spans(&full_text, from, &all),
+        }
+        .map_err(template_error)?
     } else {
         Vec::new()
     };

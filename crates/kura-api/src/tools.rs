@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 
 use kura_guide::tools::fallback_tool_response;
-pub use kura_guide::tools::{ParsedCall, ToolDef, ToolFormat};
+pub use kura_guide::tools::{CallReader, ParsedCall, ToolDef, ToolFormat};
 pub use kura_guide::Guide;
 use kura_request::{ChatMessage, TextCodec};
 use serde_json::{json, Value};
@@ -57,6 +57,18 @@ impl ToolPlan {
     /// Whether calls are read out of the output (not with `none`).
     pub fn parses_calls(&self) -> bool {
         self.choice != ToolChoice::None
+    }
+
+    /// How calls are read out of the output of a template writing them in `format` (none with
+    /// `none`): calls of these tools alone, one a turn without `parallel`.
+    pub fn reader(&self, format: ToolFormat) -> Option<CallReader> {
+        self.parses_calls().then(|| {
+            CallReader::new(
+                format,
+                self.tools.iter().map(|t| t.name.clone()),
+                self.parallel,
+            )
+        })
     }
 
     /// The tools as OpenAI's `tools` array (what a template's tools section reads).

@@ -696,7 +696,9 @@ mod tests {
         let mut walk = spec.start().unwrap();
         let mut out = Vec::new();
         for left in (1..=budget).rev() {
-            let scripted = script.as_bytes().get(out.len()).map(|&b| u32::from(b));
+            // The script goes on from the bytes written (a forced word may be several).
+            let written: usize = out.iter().map(|&t| codec.token_bytes(t).len()).sum();
+            let scripted = script.as_bytes().get(written).map(|&b| u32::from(b));
             let mut model = |mask: &[u32]| {
                 scripted
                     .iter()
@@ -817,6 +819,53 @@ mod tests {
                     && e.ends_with("give fewer tools or smaller schemas"),
                 "{e}"
             ),
+        }
+    }
+
+    #[test]
+    fn tools_the_model_may_call_beside_a_format_allow_a_call_or_an_answer_in_it() {
+        let codec = Bytes::new();
+        let tools = [crate::tools::ToolDef {
+            name: "w".into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object",
+                "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+        }];
+        let answer = serde_json::json!({"type": "object",
+            "properties": {"temp": {"type": "integer"}}, "required": ["temp"]});
+        for (format, parallel) in [
+            crate::tools::ToolFormat::Hermes,
+            crate::tools::ToolFormat::Llama3Json,
+            crate::tools::ToolFormat::Mistral,
+        ]
+        .into_iter()
+        .flat_map(|f| [(f, false), (f, true)])
+        {
+            let grammar = format.call_or_json_grammar(&tools, parallel, &answer);
+            let spec = guides(&codec).compile(&Guide::Lark(grammar)).unwrap();
+            let call = format.write_calls(&[crate::tools::ParsedCall {
+                name: "w".into(),
+                arguments: r#"{"city": "Oslo"}"#.into(),
+            }]);
+            // Mistral's tag is a control token the grammar leaves out.
+            let call = call.trim_start_matches("[TOOL_CALLS]");
+            let (text, done, early) = run(&codec, &spec, call, &[], 200);
+            if parallel {
+                // More calls may follow: the walk goes on past the script.
+                assert!(text.starts_with(call), "{format:?}: {text}");
+            } else {
+                assert!(done && !early, "{format:?}: {text}");
+                assert_eq!(text, call, "{format:?}");
+            }
+            let (text, done, early) = run(&codec, &spec, r#"{"temp": 21}"#, &[], 200);
+            assert!(text.starts_with(r#"{"temp": 21}"#), "{format:?}: {text}");
+            if !parallel {
+                assert!(done && !early, "{format:?}: {text}");
+                assert_eq!(text, r#"{"temp": 21}"#, "{format:?}");
+            }
+            // Text that is neither is not written: the walk leaves the script at its first byte.
+            let (text, _, _) = run(&codec, &spec, "Hello", &[], 200);
+            assert!(!text.starts_with('H'), "{format:?}: {text}");
         }
     }
 

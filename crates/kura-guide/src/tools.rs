@@ -79,6 +79,55 @@ pub struct PartialCall {
     pub arguments: String,
 }
 
+/// How calls are read out of one request's output: the template's format, the names of the request's
+/// tools, and whether a turn may make more than one call (`parallel_tool_calls`). A call of a name the
+/// request did not offer is no call: the reply is text, whole (a model asked for JSON may well write an
+/// object with a `"name"`). Without `parallel`, a turn's first call alone is its call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallReader {
+    pub format: ToolFormat,
+    names: std::sync::Arc<[String]>,
+    pub parallel: bool,
+}
+
+impl CallReader {
+    pub fn new(
+        format: ToolFormat,
+        names: impl IntoIterator<Item = String>,
+        parallel: bool,
+    ) -> Self {
+        CallReader {
+            format,
+            names: names.into_iter().collect(),
+            parallel,
+        }
+    }
+
+    /// Whether the request offered a tool of this name.
+    pub fn knows(&self, name: &str) -> bool {
+        self.names.iter().any(|n| n == name)
+    }
+
+    /// The calls in finished text and the text around them ([`ToolFormat::parse`]), when every call
+    /// names an offered tool; else no calls and the text, whole. Without `parallel`, the first call.
+    pub fn parse(&self, text: &str) -> (String, Vec<ParsedCall>) {
+        let (content, mut calls) = self.format.parse(text);
+        if calls.iter().any(|c| !self.knows(&c.name)) {
+            return (text.trim().to_string(), Vec::new());
+        }
+        if !self.parallel {
+            calls.truncate(1);
+        }
+        (content, calls)
+    }
+
+    /// Whether streamed call `index`, once named `name`, goes out as a call: an offered tool's, and
+    /// (without `parallel`) the first.
+    pub fn streams(&self, index: usize, name: &str) -> bool {
+        (self.parallel || index == 0) && self.knows(name)
+    }
+}
+
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
@@ -183,6 +232,66 @@ impl ToolFormat {
         g
     }
 
+    /// A Lark grammar whose sentences are [`ToolFormat::call_grammar`]'s calls or, instead, one JSON
+    /// value valid under `schema`: a request with tools the model may call (`tool_choice: auto`) and
+    /// an output format its answer follows when it calls none. Where a call is itself bare JSON
+    /// (Llama 3's object, Mistral's array) the call and the answer are one JSON schema, either of
+    /// the two (llguidance cannot tell a literal call prefix from a JSON value that starts at the same
+    /// byte); the first call's schema then holds each tool's `parameters` under the call's own
+    /// schema's root, so a tool schema's `$ref`s resolve only in Hermes' form.
+    pub fn call_or_json_grammar(self, tools: &[ToolDef], parallel: bool, schema: &Value) -> String {
+        let key = match self {
+            ToolFormat::Llama3Json => "parameters",
+            _ => "arguments",
+        };
+        let call_schemas = || -> Vec<Value> {
+            tools
+                .iter()
+                .map(|t| {
+                    json!({"type": "object",
+                           "properties": {"name": {"const": t.name}, key: t.parameters},
+                           "required": ["name", key], "additionalProperties": false})
+                })
+                .collect()
+        };
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback => {
+                let calls = self
+                    .call_grammar(tools, parallel)
+                    .replacen("start:", "tool_calls:", 1);
+                format!(
+                    "start: tool_calls | answer\nanswer: %json {}\n{calls}",
+                    crate::with_layout(schema)
+                )
+            }
+            ToolFormat::Llama3Json => {
+                let mut first = call_schemas();
+                first.push(schema.clone());
+                let first = crate::with_layout(&json!({"anyOf": first}));
+                if parallel {
+                    // Later calls as `call_grammar` writes them, after the first value.
+                    let rest = self.call_grammar(tools, true);
+                    let rules = rest.split_once('\n').map_or("", |(_, r)| r);
+                    format!(
+                        "start: first ({} call)*\nfirst: %json {first}\n{rules}",
+                        lark_literal(self.separator())
+                    )
+                } else {
+                    format!("start: %json {first}\n")
+                }
+            }
+            ToolFormat::Mistral => {
+                let mut array = json!({"type": "array", "minItems": 1,
+                                       "items": {"anyOf": call_schemas()}});
+                if !parallel {
+                    array["maxItems"] = json!(1);
+                }
+                let both = crate::with_layout(&json!({"anyOf": [array, schema]}));
+                format!("start: %json {both}\n")
+            }
+        }
+    }
+
     /// The calls in finished text, and the text around them (trimmed). Text that does not hold
     /// well-formed calls is content, whole.
     pub fn parse(self, text: &str) -> (String, Vec<ParsedCall>) {
@@ -221,7 +330,7 @@ impl ToolFormat {
                 }
                 let mut calls = Vec::new();
                 for part in split_top_level(body, &['\n', ';']) {
-                    match call_object(part.trim()) {
+                    match call_object(part.trim()).filter(|_| has_arguments(part.trim())) {
                         Some(c) => calls.push(c),
                         None => return whole(),
                     }
@@ -237,7 +346,7 @@ impl ToolFormat {
                 let items = &body[1..body.len() - 1];
                 let mut calls = Vec::new();
                 for part in split_top_level(items, &[',']) {
-                    match call_object(part.trim()) {
+                    match call_object(part.trim()).filter(|_| has_arguments(part.trim())) {
                         Some(c) => calls.push(c),
                         None => return whole(),
                     }
@@ -334,6 +443,14 @@ fn hold_back<'a>(text: &'a str, marker: &str) -> &'a str {
     text
 }
 
+/// Whether a finished object names its arguments (`arguments` or `parameters`): formats whose calls
+/// are bare JSON (Llama 3's, Mistral's) are told from a JSON answer by this key as well as by the name.
+fn has_arguments(text: &str) -> bool {
+    top_level_fields(text)
+        .iter()
+        .any(|f| f.key == "arguments" || f.key == "parameters")
+}
+
 /// A finished call object: `{"name": "..", "arguments"|"parameters": {..} or "<json text>"}`.
 fn call_object(text: &str) -> Option<ParsedCall> {
     let v: Value = serde_json::from_str(text).ok()?;
@@ -381,7 +498,15 @@ fn partial_call(text: &str) -> PartialCall {
                 }
             }
             "arguments" | "parameters" => {
-                call.arguments = text[f.start..f.end.unwrap_or(text.len())].to_string();
+                let value = &text[f.start..f.end.unwrap_or(text.len())];
+                call.arguments = match value.starts_with('"') {
+                    // A JSON string holding the object: its text, once the string ended.
+                    true => f
+                        .end
+                        .and_then(|_| serde_json::from_str::<String>(value).ok())
+                        .unwrap_or_default(),
+                    false => value.to_string(),
+                };
             }
             _ => {}
         }
@@ -589,6 +714,74 @@ pub fn fallback_tool_response(content: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reader_takes_calls_of_the_offered_tools_only() {
+        let reader = |format, parallel| CallReader::new(format, ["w".to_string()], parallel);
+        // A JSON answer with a "name" is text, whole, in every format.
+        let person = r#"{"name": "Alice", "age": 30}"#;
+        for format in [ToolFormat::Llama3Json, ToolFormat::Hermes] {
+            let text = match format {
+                ToolFormat::Hermes => format!("<tool_call>\n{person}\n</tool_call>"),
+                _ => person.to_string(),
+            };
+            assert_eq!(reader(format, true).parse(&text), (text.clone(), vec![]));
+        }
+        // A name offered, but no arguments key: a bare-JSON format's answer, not a call.
+        let bare = r#"{"name": "w"}"#;
+        assert_eq!(
+            reader(ToolFormat::Llama3Json, true).parse(bare),
+            (bare.to_string(), vec![])
+        );
+        assert_eq!(
+            reader(ToolFormat::Mistral, true).parse(&format!("[{bare}]")),
+            (format!("[{bare}]"), vec![])
+        );
+        // Two calls, one a turn: the first.
+        let two = r#"{"name": "w", "parameters": {"city": "Oslo"}}
+{"name": "w", "parameters": {"city": "Rome"}}"#;
+        let (_, calls) = reader(ToolFormat::Llama3Json, false).parse(two);
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].arguments, r#"{"city": "Oslo"}"#);
+        assert_eq!(reader(ToolFormat::Llama3Json, true).parse(two).1.len(), 2);
+        // Streaming asks the same of each call as it is named.
+        assert!(reader(ToolFormat::Hermes, false).streams(0, "w"));
+        assert!(!reader(ToolFormat::Hermes, false).streams(1, "w"));
+        assert!(!reader(ToolFormat::Hermes, true).streams(0, "Alice"));
+    }
+
+    #[test]
+    fn arguments_written_as_a_string_stream_as_the_object_they_hold() {
+        let text = r#"<tool_call>
+{"name": "w", "arguments": "{\"a\": 1}"}
+</tool_call>"#;
+        let (_, calls) = ToolFormat::Hermes.parse(text);
+        assert_eq!(calls[0].arguments, r#"{"a": 1}"#);
+        let mut stream = PartialStream::new(ToolFormat::Hermes);
+        let mut last = String::new();
+        for (i, c) in text.char_indices() {
+            let view = stream.push(&text[i..i + c.len_utf8()]);
+            if let Some(call) = view.calls.last() {
+                // Nothing of the string before it ends, then the whole object: a prefix of the
+                // finished call's arguments at every step.
+                assert!(
+                    calls[0].arguments.starts_with(call.arguments),
+                    "{:?}",
+                    call.arguments
+                );
+                last = call.arguments.to_string();
+            }
+            let partial = ToolFormat::Hermes.parse_partial(&text[..i + c.len_utf8()]);
+            if let Some(call) = partial.calls.last() {
+                assert!(
+                    calls[0].arguments.starts_with(&call.arguments),
+                    "{:?}",
+                    call.arguments
+                );
+            }
+        }
+        assert_eq!(last, calls[0].arguments);
+    }
 
     fn call(name: &str, args: &str) -> ParsedCall {
         ParsedCall {

@@ -601,4 +601,25 @@ pub trait TextCodec: Send + Sync + 'static {
         let _ = (messages, tools);
         Err("this model's chat template has no tools section".into())
     }
+    /// [`TextCodec::render_chat`] with the request's tool definitions handed to the template (the text
+    /// [`TextCodec::encode_chat_with_tools`] tokenizes).
+    fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &serde_json::Value,
+    ) -> Result<String, String> {
+        let _ = (messages, tools);
+        Err("this model's chat template has no tools section".into())
+    }
+    /// [`TextCodec::chat_content_spans`] of a text [`TextCodec::render_chat_with_tools`] wrote.
+    fn chat_content_spans_with_tools(
+        &self,
+        text: &str,
+        from: usize,
+        messages: &[ChatMessage],
+        tools: &serde_json::Value,
+    ) -> Result<Vec<Range<usize>>, String> {
+        let _ = (text, from, messages, tools);
+        Err("this model's chat template has no tools section".into())
+    }
 }

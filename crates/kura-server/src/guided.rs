@@ -23,7 +23,9 @@ pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
 }
 
 /// The grammar a chat or completions request's output follows: its tool calls when `tool_choice` asks
-/// for one (`required`, a named function), else its output format, compiled for the served model.
+/// for one (`required`, a named function); calls or an answer in its output format when it has both
+/// tools the model may call (`auto`) and a JSON format; else its output format; compiled for the
+/// served model.
 pub(crate) async fn constraint(
     engine: &EngineHandle,
     cell: &GuidesCell,
@@ -40,9 +42,35 @@ pub(crate) async fn constraint(
                 "tools",
             )
         }
-        None => match guide {
-            Some(g) => g,
-            None => return Ok(None),
+        None => match (guide, tools.filter(|t| t.parses_calls())) {
+            (None, _) => return Ok(None),
+            (Some(g), None) => g,
+            // The model may call a tool or answer: the answer alone follows the format.
+            (Some((g, param)), Some(plan)) => {
+                let schema = match g {
+                    Guide::JsonObject => serde_json::json!({"type": "object"}),
+                    Guide::JsonSchema(schema) => schema,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "{param} with tools the model may call (tool_choice auto) must be \
+                                 a JSON schema or json_object: a call or an answer in that format \
+                                 is what the output can be; send tool_choice none to answer in \
+                                 this format only"
+                            ),
+                            Some(param),
+                        ))
+                    }
+                };
+                (
+                    Guide::Lark(style.format.call_or_json_grammar(
+                        &plan.tools,
+                        plan.parallel,
+                        &schema,
+                    )),
+                    param,
+                )
+            }
         },
     };
     // Compiles take turns, a few at a time: each holds memory in proportion to its grammar (up to

@@ -566,11 +566,7 @@ pub async fn chat_completions(
             true => vec![PromptTokenIds(request.prompt_tokens.as_slice().into())],
             false => Vec::new(),
         },
-        tools: plan
-            .tools
-            .as_ref()
-            .filter(|t| t.parses_calls())
-            .map(|_| style.format),
+        tools: plan.tools.as_ref().and_then(|t| t.reader(style.format)),
         echo: None,
         top_logprobs: plan.logprobs.unwrap_or(0),
         prompt_logprobs: plan.prompt_logprobs,

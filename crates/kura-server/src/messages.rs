@@ -25,7 +25,7 @@ use kura_api::anthropic::{
     anthropic_body, encode_messages, prepare, prepare_count, AnthropicError,
 };
 use kura_api::body;
-use kura_api::tools::ToolFormat;
+use kura_api::tools::CallReader;
 use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{EngineEvent, FinishReason, GenerateRequest, PinSpec, Usage};
 use serde_json::{json, Value};
@@ -117,11 +117,7 @@ async fn messages_inner(
         )
         .await?;
     }
-    let tools = plan
-        .tools
-        .as_ref()
-        .filter(|t| t.parses_calls())
-        .map(|_| style.format);
+    let tools = plan.tools.as_ref().and_then(|t| t.reader(style.format));
     output::before_deadline(deadline)?;
     let (mut events, sender) = Events::new(1, 1);
     let guard = s.engine.submit(request, sender.sink(0))?;
@@ -225,7 +221,7 @@ async fn collect(
     id: String,
     model: String,
     mut events: Events,
-    tools: Option<ToolFormat>,
+    tools: Option<CallReader>,
 ) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut reason = None;
@@ -253,7 +249,7 @@ async fn collect(
         }
     };
     let (content, calls) = match tools {
-        Some(format) => format.parse(&text),
+        Some(reader) => reader.parse(&text),
         None => (text, Vec::new()),
     };
     let mut blocks = Vec::new();
@@ -295,8 +291,8 @@ enum Open {
 
 /// The content blocks of a streamed message as they open, grow and close.
 struct Blocks {
-    /// Calls are read out of the text in this format (the text block then opens only for text).
-    tools: Option<(ToolFormat, ToolStream)>,
+    /// Calls are read out of the text so (the text block then opens only for text).
+    tools: Option<(CallReader, ToolStream)>,
     ids: String,
     open: Open,
     /// Index of the block open now (blocks are numbered from 0 as they open).
@@ -374,8 +370,8 @@ impl Blocks {
 
     fn delta(&mut self, text: String, queue: &mut std::collections::VecDeque<Event>) {
         match &mut self.tools {
-            Some((format, ts)) => {
-                let (content, deltas) = ts.advance(&self.ids, *format, &text);
+            Some((reader, ts)) => {
+                let (content, deltas) = ts.advance(&self.ids, reader, &text);
                 self.text(content, queue);
                 self.calls(deltas, queue);
             }
@@ -384,10 +380,13 @@ impl Blocks {
     }
 
     fn finish(&mut self, queue: &mut std::collections::VecDeque<Event>) {
-        if let Some((format, ts)) = &mut self.tools {
-            let (content, deltas, _) = ts.finish(&self.ids, *format);
+        if let Some((reader, ts)) = &mut self.tools {
+            let (content, deltas, made_calls) = ts.finish(&self.ids, reader);
             self.text(content, queue);
             self.calls(deltas, queue);
+            // The stop reason is the finished reply's: calls that opened blocks while streaming but
+            // do not read back as calls (one cut off at max_tokens) are not a `tool_use` stop.
+            self.made_calls = made_calls;
         }
         if self.opened == 0 {
             self.start(
@@ -410,7 +409,7 @@ fn stream(
     prompt_len: usize,
     events: Events,
     deadline: output::Deadline,
-    tools: Option<ToolFormat>,
+    tools: Option<CallReader>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     struct St {
         events: Events,
@@ -433,14 +432,14 @@ fn stream(
         }}),
     ));
     let mut blocks = Blocks {
-        tools: tools.map(|f| (f, ToolStream::default())),
+        tools: tools.map(|r| (r, ToolStream::default())),
         ids: tool_ids(&id),
         open: Open::None,
         index: 0,
         opened: 0,
         made_calls: false,
     };
-    if tools.is_none() {
+    if blocks.tools.is_none() {
         // Without tools the one text block opens at once.
         blocks.start(
             json!({"type": "text", "text": "", "citations": null}),

@@ -23,7 +23,7 @@ use kura_engine::{
 use serde_json::{Map, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
-use kura_api::tools::ToolFormat;
+use kura_api::tools::CallReader;
 use kura_guide::tools::PartialStream;
 
 use crate::error::ApiError;
@@ -50,8 +50,8 @@ pub struct ResponseMeta {
     /// With `token_ids`: each prompt's tokens, which a completion choice (or a chat response) carries
     /// as vLLM's `prompt_token_ids`.
     pub prompt_token_ids: Vec<PromptTokenIds>,
-    /// Tool calls are read out of each chat choice's text, in this format.
-    pub tools: Option<ToolFormat>,
+    /// Tool calls are read out of each chat choice's text, so.
+    pub tools: Option<CallReader>,
     /// Completions' `echo`: each prompt's text, which starts its choices' texts (and, with
     /// `logprobs`, its scores their log-probabilities).
     pub echo: Option<Arc<[String]>>,
@@ -83,10 +83,10 @@ fn read_calls(
     Option<&'static str>,
 ) {
     let reason = finish.map(FinishReason::as_str);
-    let Some(format) = meta.tools else {
+    let Some(reader) = &meta.tools else {
         return (Some(text), None, reason);
     };
-    let (content, calls) = format.parse(&text);
+    let (content, calls) = reader.parse(&text);
     if calls.is_empty() {
         return (Some(text), None, reason);
     }
@@ -129,7 +129,7 @@ impl ToolStream {
     pub(crate) fn advance(
         &mut self,
         ids: &str,
-        format: ToolFormat,
+        reader: &CallReader,
         text: &str,
     ) -> (String, Vec<ToolCallDelta>) {
         let ToolStream {
@@ -138,7 +138,7 @@ impl ToolStream {
             calls,
         } = self;
         let view = parse
-            .get_or_insert_with(|| PartialStream::new(format))
+            .get_or_insert_with(|| PartialStream::new(reader.format))
             .push(text);
         let content = view
             .content
@@ -148,6 +148,11 @@ impl ToolStream {
         *content_sent = (*content_sent).max(view.content.len());
         let mut deltas = Vec::new();
         for (k, call) in view.calls.iter().enumerate() {
+            // A call goes out once it names an offered tool (and, one call a turn, is the first);
+            // any other is text, sent whole when the reply ends.
+            if !call.name.is_some_and(|n| reader.streams(view.first + k, n)) {
+                continue;
+            }
             push_call(
                 calls,
                 ids,
@@ -165,10 +170,10 @@ impl ToolStream {
     pub(crate) fn finish(
         &mut self,
         ids: &str,
-        format: ToolFormat,
+        reader: &CallReader,
     ) -> (String, Vec<ToolCallDelta>, bool) {
         let text = self.parse.as_ref().map_or("", PartialStream::text);
-        let (_, parsed) = format.parse(text);
+        let (_, parsed) = reader.parse(text);
         if parsed.is_empty() {
             let rest = text
                 .get(self.content_sent..)
@@ -865,7 +870,7 @@ impl SseState {
     /// Turns one engine event into zero or more SSE events on the queue.
     fn push(&mut self, event: EngineEvent) {
         let tools = match self.meta.shape {
-            Shape::Chat => self.meta.tools,
+            Shape::Chat => self.meta.tools.clone(),
             Shape::Completion => None,
         };
         match event {
@@ -879,10 +884,10 @@ impl SseState {
                     return;
                 }
                 let mut offset = self.offsets.get(choice as usize).copied().unwrap_or(0);
-                let e = match (tools, self.tool_streams.get_mut(choice as usize)) {
-                    (Some(format), Some(ts)) => {
+                let e = match (&tools, self.tool_streams.get_mut(choice as usize)) {
+                    (Some(reader), Some(ts)) => {
                         let ids = self.meta.call_ids(choice);
-                        let (content, calls) = ts.advance(&ids, format, &text);
+                        let (content, calls) = ts.advance(&ids, reader, &text);
                         if content.is_empty() && calls.is_empty() && logprobs.is_empty() {
                             return;
                         }
@@ -899,11 +904,11 @@ impl SseState {
             }
             EngineEvent::Finished { choice, reason, .. } => {
                 let mut finish = reason.as_str();
-                if let (Some(format), Some(ts)) =
-                    (tools, self.tool_streams.get_mut(choice as usize))
+                if let (Some(reader), Some(ts)) =
+                    (&tools, self.tool_streams.get_mut(choice as usize))
                 {
                     let ids = self.meta.call_ids(choice);
-                    let (content, calls, made_calls) = ts.finish(&ids, format);
+                    let (content, calls, made_calls) = ts.finish(&ids, reader);
                     if made_calls && reason == FinishReason::Stop {
                         finish = "tool_calls";
                     }

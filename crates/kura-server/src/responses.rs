@@ -31,7 +31,7 @@ use axum::{Extension, Json};
 use futures::Stream;
 use kura_api::responses::{prepare, prepare_count, ResponsesPlan};
 use kura_api::tools::{
-    check_tool_turns_named, encode_chat_prompt, template_call, ToolFormat, TurnNames,
+    check_tool_turns_named, encode_chat_prompt, template_call, CallReader, TurnNames,
 };
 use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{ChatMessage, EngineEvent, FinishReason, PinSpec, Usage};
@@ -264,7 +264,7 @@ struct Meta {
     previous: Option<String>,
     store: bool,
     echo: Map<String, Value>,
-    tools: Option<ToolFormat>,
+    tools: Option<CallReader>,
 }
 
 impl Meta {
@@ -327,10 +327,11 @@ fn call_item(id: &str, name: &str, arguments: &str, status: &str) -> Value {
            "status": status})
 }
 
-/// A finished response's output items and the assistant turn they make.
-fn output_of(meta: &Meta, text: &str) -> (Vec<Value>, ChatMessage) {
-    let (content, calls) = match meta.tools {
-        Some(format) => format.parse(text),
+/// A finished response's output items and the assistant turn they make; `incomplete` (cut at
+/// `max_output_tokens`): its last item is `incomplete`, as OpenAI marks it.
+fn output_of(meta: &Meta, text: &str, incomplete: bool) -> (Vec<Value>, ChatMessage) {
+    let (content, calls) = match &meta.tools {
+        Some(reader) => reader.parse(text),
         None => (text.to_string(), Vec::new()),
     };
     let content = if calls.is_empty() {
@@ -348,6 +349,9 @@ fn output_of(meta: &Meta, text: &str) -> (Vec<Value>, ChatMessage) {
         let id = format!("{ids}-{i}");
         items.push(call_item(&id, &c.name, &c.arguments, "completed"));
         turn_calls.push(template_call(&id, &c.name, &c.arguments, None));
+    }
+    if let Some(last) = items.last_mut().filter(|_| incomplete) {
+        last["status"] = json!("incomplete");
     }
     let turn = ChatMessage {
         role: "assistant".into(),
@@ -505,11 +509,7 @@ pub async fn create(
         previous: plan.previous_response_id.clone(),
         store: plan.store,
         echo: plan.echo.clone(),
-        tools: plan
-            .tools
-            .as_ref()
-            .filter(|t| t.parses_calls())
-            .map(|_| style.format),
+        tools: plan.tools.as_ref().and_then(|t| t.reader(style.format)),
     };
     output::before_deadline(deadline).map_err(for_responses)?;
     let (mut events, sender) = Events::new(1, 1);
@@ -570,8 +570,9 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
             }
         }
     };
-    let (items, turn) = output_of(&meta, &text);
-    let status = if reason == Some(FinishReason::Length) {
+    let incomplete = reason == Some(FinishReason::Length);
+    let (items, turn) = output_of(&meta, &text, incomplete);
+    let status = if incomplete {
         "incomplete"
     } else {
         "completed"
@@ -603,6 +604,10 @@ struct St {
     index: usize,
     items: Vec<Value>,
     text: String,
+    /// The whole reply so far (the turn kept is read from it as a whole response reads it).
+    reply: String,
+    /// The status the item closed next is given (`incomplete` for the last of a response cut short).
+    closing: &'static str,
     /// The open call: its id, name and arguments so far.
     call: (String, String, String),
     deadline: output::Deadline,
@@ -637,7 +642,7 @@ impl St {
                     json!({"item_id": id, "output_index": self.index,
                     "content_index": 0, "part": part}),
                 );
-                let item = message_item(&id, &text, "completed");
+                let item = message_item(&id, &text, self.closing);
                 self.emit(
                     "response.output_item.done",
                     json!({"output_index": self.index, "item": item}),
@@ -651,7 +656,7 @@ impl St {
                     json!({"item_id": id,
                     "output_index": self.index, "name": name, "arguments": args}),
                 );
-                let item = call_item(&id, &name, &args, "completed");
+                let item = call_item(&id, &name, &args, self.closing);
                 self.emit(
                     "response.output_item.done",
                     json!({"output_index": self.index, "item": item}),
@@ -716,9 +721,10 @@ impl St {
     }
 
     fn delta(&mut self, text: String) {
-        match (&mut self.tools, self.meta.tools) {
-            (Some(ts), Some(format)) => {
-                let (content, deltas) = ts.advance(&self.meta.call_ids(), format, &text);
+        self.reply.push_str(&text);
+        match (&mut self.tools, &self.meta.tools) {
+            (Some(ts), Some(reader)) => {
+                let (content, deltas) = ts.advance(&self.meta.call_ids(), reader, &text);
                 self.text(content);
                 self.calls(deltas);
             }
@@ -727,8 +733,8 @@ impl St {
     }
 
     fn finish(&mut self, usage: Usage) {
-        if let (Some(ts), Some(format)) = (&mut self.tools, self.meta.tools) {
-            let (content, deltas, _) = ts.finish(&self.meta.call_ids(), format);
+        if let (Some(ts), Some(reader)) = (&mut self.tools, &self.meta.tools) {
+            let (content, deltas, _) = ts.finish(&self.meta.call_ids(), reader);
             self.text(content);
             self.calls(deltas);
         }
@@ -747,8 +753,11 @@ impl St {
             self.emit("response.content_part.added", json!({"item_id": id, "output_index": 0,
                 "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
         }
-        self.close();
         let incomplete = self.reason == Some(FinishReason::Length);
+        if incomplete {
+            self.closing = "incomplete";
+        }
+        self.close();
         let status = if incomplete {
             "incomplete"
         } else {
@@ -761,34 +770,8 @@ impl St {
             "response.completed"
         };
         self.emit(kind, json!({"response": body}));
-        // The turn as the whole response reads it.
-        let text: String = self
-            .items
-            .iter()
-            .map(|i| {
-                if i["type"] == "message" {
-                    i["content"][0]["text"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_string()
-                } else {
-                    String::new()
-                }
-            })
-            .collect();
-        let mut turn = ChatMessage::new("assistant", text);
-        let calls: Vec<Value> = self
-            .items
-            .iter()
-            .filter(|i| i["type"] == "function_call")
-            .map(|i| {
-                let field = |k: &str| i[k].as_str().unwrap_or_default();
-                template_call(field("call_id"), field("name"), field("arguments"), None)
-            })
-            .collect();
-        if !calls.is_empty() {
-            turn.tool_calls = Some(Value::Array(calls));
-        }
+        // The turn as the whole response reads it (a call cut off while streaming is no call of it).
+        let (_, turn) = output_of(&self.meta, &self.reply, incomplete);
         keep_response(self.keep.take(), turn, &body);
         self.done = true;
     }
@@ -809,7 +792,7 @@ fn stream(
     deadline: output::Deadline,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut st = St {
-        tools: meta.tools.map(|_| ToolStream::default()),
+        tools: meta.tools.as_ref().map(|_| ToolStream::default()),
         meta,
         events,
         keep,
@@ -821,6 +804,8 @@ fn stream(
         index: 0,
         items: Vec::new(),
         text: String::new(),
+        reply: String::new(),
+        closing: "completed",
         call: Default::default(),
         deadline,
     };

@@ -93,6 +93,12 @@ impl ChatTemplate {
         })
     }
 
+    /// A template of another source with this one's BOS and EOS texts (a template given in place of
+    /// a model's own).
+    pub fn with_source(&self, source: &str) -> Result<Self> {
+        ChatTemplate::new(source, &self.bos_token, &self.eos_token)
+    }
+
     /// The template's source text.
     pub fn source(&self) -> &str {
         &self.source
@@ -212,7 +218,8 @@ impl ChatTemplate {
         self.content_spans_with_tools(rendered, messages, None, add_generation_prompt, tokenizer)
     }
 
-    fn content_spans_with_tools(
+    /// [`ChatTemplate::content_spans`] of a text rendered with tool definitions.
+    pub fn content_spans_with_tools(
         &self,
         rendered: &str,
         messages: &[ChatMessage],

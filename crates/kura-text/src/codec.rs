@@ -6,12 +6,15 @@ use std::sync::Arc;
 
 use kura_request::{ChatMessage, TextCodec, TEXT_OVER_CONTEXT};
 
+use crate::chat::ChatTemplate;
 use crate::model_text::ModelText;
 
 /// A model's tokenizer and chat template behind [`TextCodec`] (the weights are not needed: a router
 /// holds this alone, from [`ModelText::load`]).
 pub struct ModelCodec {
     text: Arc<ModelText>,
+    /// A chat template given in place of the model's own ([`ModelCodec::with_chat_template`]).
+    template: Option<ChatTemplate>,
     /// The longest text encoded: `(bytes, the context it stands for, bytes a token covers at most)`.
     limit: Option<(usize, usize, usize)>,
 }
@@ -23,7 +26,23 @@ const NORMALIZER_SLACK: usize = 4;
 
 impl ModelCodec {
     pub fn from_text(text: Arc<ModelText>) -> Self {
-        Self { text, limit: None }
+        Self {
+            text,
+            template: None,
+            limit: None,
+        }
+    }
+
+    /// Chats written by `source` (a Jinja chat template, as `tokenizer_config.json`'s) instead of the
+    /// model's own template, with the model's BOS and EOS texts: an error naming what does not compile.
+    pub fn with_chat_template(mut self, source: &str) -> crate::error::Result<Self> {
+        self.template = Some(self.text.chat_template.with_source(source)?);
+        Ok(self)
+    }
+
+    /// The chat template in use: the one given, else the model's.
+    fn chat_template(&self) -> &ChatTemplate {
+        self.template.as_ref().unwrap_or(&self.text.chat_template)
     }
 
     /// Refuses, before any tokenizing, a text (a prompt, or the messages of a chat) that could not
@@ -52,13 +71,34 @@ impl ModelCodec {
         tools: Option<&serde_json::Value>,
     ) -> Result<Vec<u32>, String> {
         let refused = std::cell::Cell::new(None);
-        self.text
-            .chat_template
+        self.chat_template()
             .encode_checked(&self.text.tokenizer, messages, tools, true, |n| {
                 self.check_len(n)
                     .inspect_err(|e| refused.set(Some(e.clone())))
             })
             .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
+    }
+
+    /// The byte ranges of `text[from..]` (the chat text of `messages`, with `tools` or without) that
+    /// hold the messages' contents, in `text`'s offsets.
+    fn content_spans_of(
+        &self,
+        text: &str,
+        from: usize,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<Range<usize>>, String> {
+        let rendered = text
+            .get(from..)
+            .ok_or_else(|| format!("chat text starts at byte {from}, outside its text"))?;
+        let spans = self
+            .chat_template()
+            .content_spans_with_tools(rendered, messages, tools, true, &self.text.tokenizer)
+            .map_err(|e| e.to_string())?;
+        Ok(spans
+            .into_iter()
+            .map(|r| r.start + from..r.end + from)
+            .collect())
     }
 
     /// `text` tokenized once its length passed the bound, with the tokens the tokenizer adds (BOS) or
@@ -107,9 +147,18 @@ impl TextCodec for ModelCodec {
     }
 
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
-        self.text
-            .chat_template
+        self.chat_template()
             .render(messages, true)
+            .map_err(|e| e.to_string())
+    }
+
+    fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &serde_json::Value,
+    ) -> Result<String, String> {
+        self.chat_template()
+            .render_with_tools(messages, Some(tools), true)
             .map_err(|e| e.to_string())
     }
 
@@ -123,18 +172,17 @@ impl TextCodec for ModelCodec {
         from: usize,
         messages: &[ChatMessage],
     ) -> Result<Vec<Range<usize>>, String> {
-        let rendered = text
-            .get(from..)
-            .ok_or_else(|| format!("chat text starts at byte {from}, outside its text"))?;
-        let spans = self
-            .text
-            .chat_template
-            .content_spans(rendered, messages, true, &self.text.tokenizer)
-            .map_err(|e| e.to_string())?;
-        Ok(spans
-            .into_iter()
-            .map(|r| r.start + from..r.end + from)
-            .collect())
+        self.content_spans_of(text, from, messages, None)
+    }
+
+    fn chat_content_spans_with_tools(
+        &self,
+        text: &str,
+        from: usize,
+        messages: &[ChatMessage],
+        tools: &serde_json::Value,
+    ) -> Result<Vec<Range<usize>>, String> {
+        self.content_spans_of(text, from, messages, Some(tools))
     }
 
     fn encode_with_plain_spans(
@@ -162,7 +210,7 @@ impl TextCodec for ModelCodec {
     }
 
     fn chat_template_source(&self) -> &str {
-        self.text.chat_template.source()
+        self.chat_template().source()
     }
 
     fn encode_chat_with_tools(

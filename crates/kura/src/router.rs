@@ -27,6 +27,10 @@ pub struct RouterArgs {
     /// template only. Default: Kura's default model (scripts/fetch-model.sh).
     #[arg(long, short)]
     model: Option<PathBuf>,
+    /// The chat template file the replicas were given (`kura serve --chat-template`), so that chats
+    /// are tokenized here as they are there.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -116,7 +120,10 @@ pub fn run(args: RouterArgs) -> Result<()> {
     let (text, context) = ModelText::load_with_context(&path)
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
     // The replicas serve at most the model's context: a longer text is refused before tokenizing.
-    let codec = ModelCodec::from_text(Arc::new(text));
+    let codec = crate::setup::with_chat_template(
+        ModelCodec::from_text(Arc::new(text)),
+        args.chat_template.as_ref(),
+    )?;
     let codec = Arc::new(match context.and_then(|c| usize::try_from(c).ok()) {
         Some(c) => codec.with_max_tokens(c),
         None => codec,

@@ -27,6 +27,11 @@ pub struct ServeArgs {
     /// A GGUF file or an HF model directory. Default: Kura's default model (scripts/fetch-model.sh).
     #[arg(long, short)]
     model: Option<PathBuf>,
+    /// A Jinja chat template file to write chats with instead of the model's own (HF's
+    /// `chat_template`; e.g. one with a tools section, so that tools and calls are written the way the
+    /// model was trained to read them). A router in front must be given the same file.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// The model name clients send as `model`. Default: the file or directory name without extension.
     #[arg(long)]
     served_model_name: Option<String>,
@@ -635,7 +640,10 @@ pub fn start(args: &ServeArgs, fleet_secret: Option<&kura_kv::Secret>) -> Result
         },
         ..EngineConfig::default()
     };
-    let codec = ModelCodec::from_text(text).with_max_tokens(max_model_len);
+    let codec = crate::setup::with_chat_template(
+        ModelCodec::from_text(text).with_max_tokens(max_model_len),
+        args.chat_template.as_ref(),
+    )?;
     let engine = start_engine(config, executor, Arc::new(codec)).context("starting the engine")?;
     let admission = args.scheduling;
     match admission {

@@ -117,6 +117,26 @@ pub fn step_count_arg(s: &str) -> std::result::Result<usize, String> {
 }
 
 /// `--model`, or the default model's path; an error that says how to get it when it is not there.
+/// The most bytes read from a `--chat-template` file (the largest templates models ship are tens of
+/// KB).
+pub const CHAT_TEMPLATE_MAX_BYTES: u64 = 1 << 20;
+
+/// `codec` writing chats with the template in `file` (`--chat-template`) when one is given: an error
+/// naming the file when it cannot be read or does not compile.
+pub fn with_chat_template(
+    codec: kura_text::ModelCodec,
+    file: Option<&PathBuf>,
+) -> Result<kura_text::ModelCodec> {
+    let Some(file) = file else {
+        return Ok(codec);
+    };
+    let source = kura_files::read_text(file, CHAT_TEMPLATE_MAX_BYTES)
+        .with_context(|| format!("--chat-template {}", file.display()))?;
+    codec
+        .with_chat_template(&source)
+        .with_context(|| format!("--chat-template {}", file.display()))
+}
+
 pub fn model_path(model: Option<&PathBuf>) -> Result<PathBuf> {
     let path = model
         .cloned()

@@ -140,6 +140,9 @@ struct CallScan {
     /// From the fields that ended.
     name: Option<String>,
     arguments: Option<(usize, Option<usize>)>,
+    /// Arguments written as a JSON string holding the object, decoded once the string ended: they
+    /// stream as the object's text (as the finished call reads them), not as a string literal.
+    decoded: Option<String>,
 }
 
 impl CallScan {
@@ -154,6 +157,7 @@ impl CallScan {
             value_scan: ValueScan::default(),
             name: None,
             arguments: None,
+            decoded: None,
         }
     }
 
@@ -237,7 +241,12 @@ impl CallScan {
                     self.name = string_value(&text[start..end]);
                 }
             }
-            "arguments" | "parameters" => self.arguments = Some((start, end)),
+            "arguments" | "parameters" => {
+                self.arguments = Some((start, end));
+                self.decoded = end
+                    .filter(|_| text.as_bytes().get(start) == Some(&b'"'))
+                    .and_then(|end| string_value(&text[start..end]));
+            }
             _ => {}
         }
     }
@@ -248,9 +257,17 @@ impl CallScan {
         if self.stage == Stage::Value && matches!(self.key.as_str(), "arguments" | "parameters") {
             arguments = Some((self.value_start, None));
         }
+        let arguments = match arguments {
+            None => "",
+            // A string is sent decoded, whole, once it ended (nothing of it before).
+            Some((s, _)) if text.as_bytes().get(s) == Some(&b'"') => {
+                self.decoded.as_deref().unwrap_or("")
+            }
+            Some((s, e)) => &text[s..e.unwrap_or(text.len())],
+        };
         CallView {
             name: self.name.as_deref(),
-            arguments: arguments.map_or("", |(s, e)| &text[s..e.unwrap_or(text.len())]),
+            arguments,
         }
     }
 }

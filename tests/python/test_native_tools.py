@@ -1,0 +1,141 @@
+"""Tools on a model whose chat template writes them itself: `kura serve --chat-template` gives the default
+model a template in the form of Qwen2.5's (a tools section, calls in `<tool_call>` tags, results in
+`<tool_response>`), through the official `openai` and `anthropic` clients. Calls are read as the template
+writes them and only for the tools offered; Anthropic's `cache_control` breakpoints are placed in the text
+the template writes with the tools; an output format beside tools the model may call lets it call one or
+answer in that format; a template file that cannot be read or does not compile stops the server, named.
+"""
+
+import json
+import os
+import subprocess
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from conftest import BLOCK, KuraServer, kura_bin, model_path
+
+TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "hermes_tools.jinja")
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": WEATHER}}]
+SYSTEM = "You are a helpful assistant. Use the tools to answer questions about the weather. " * 8
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = KuraServer("--kv-cache-memory", "256MiB", "--chat-template", TEMPLATE)
+    yield s
+    s.stop()
+
+
+def ask(user: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def tokenize(server: KuraServer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    body = {"messages": messages} | ({"tools": tools} if tools else {})
+    r = httpx.post(server.url + "/tokenize", json=body, headers=server.headers())
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def test_the_template_writes_the_tools_and_calls_read_back_in_its_format(server):
+    c = server.client()
+    model = server.model()
+    plain = tokenize(server, ask("Weather in Oslo?"))
+    with_tools = tokenize(server, ask("Weather in Oslo?"), TOOLS)
+    # The tools section is the template's: in the system turn, ahead of the conversation.
+    assert len(with_tools) > len(plain) + 40, (len(with_tools), len(plain))
+    r = c.chat.completions.create(model=model, messages=ask("Weather in Oslo?"), tools=TOOLS,
+                                  tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                  temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # The result goes back in the template's own form and the conversation goes on from the cache.
+    msgs = ask("Weather in Oslo?") + [ch.message.model_dump(exclude_none=True),
+                                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=20, temperature=0)
+    assert second.usage.prompt_tokens > r.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens // BLOCK * BLOCK - BLOCK
+
+
+def test_anthropic_breakpoints_are_placed_in_the_text_written_with_the_tools(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": "Current weather of a city", "input_schema": WEATHER,
+              "cache_control": {"type": "ephemeral"}}]
+    # A system prompt of its own: nothing of it is cached before this test.
+    text = "You answer questions about the weather in Europe, briefly. " * 8
+    system = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
+    kw = dict(model=server.model(), max_tokens=16, system=system, tools=tools, extra_body={"temperature": 0})
+    first = client.messages.create(messages=[{"role": "user", "content": "Weather in Paris?"}], **kw)
+    u = first.usage
+    total = u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
+    # The system prompt (with the template's tools section) is written to the cache at its breakpoint.
+    # (Its first tokens, `<|im_start|>system`, are every earlier prompt's too: read, to the token.)
+    assert u.cache_creation_input_tokens >= 4 * BLOCK and u.cache_read_input_tokens < BLOCK, u
+    again = client.messages.create(messages=[{"role": "user", "content": "And in Madrid, please?"}], **kw)
+    v = again.usage
+    assert v.cache_read_input_tokens >= u.cache_creation_input_tokens - BLOCK, (u, v)
+    assert v.cache_read_input_tokens + v.cache_creation_input_tokens + v.input_tokens > 0
+    assert total == client.messages.count_tokens(
+        model=server.model(), system=system, tools=tools,
+        messages=[{"role": "user", "content": "Weather in Paris?"}]).input_tokens
+
+
+def test_a_format_beside_tools_the_model_may_call_gives_a_call_or_an_answer_in_it(server):
+    c = server.client()
+    model = server.model()
+    answer = {"type": "object", "properties": {"reply": {"type": "string", "maxLength": 40}},
+              "required": ["reply"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
+    seen = set()
+    for user in ["Weather in Oslo?", "Say hello to me.", "What is two plus two?", "Weather in Rome?"]:
+        for seed in range(3):
+            r = c.chat.completions.create(model=model, messages=ask(user), tools=TOOLS, response_format=fmt,
+                                          max_tokens=120, temperature=1, seed=seed)
+            ch = r.choices[0]
+            if ch.message.tool_calls:
+                assert ch.finish_reason == "tool_calls", ch
+                for call in ch.message.tool_calls:
+                    assert call.function.name == "get_weather"
+                    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+                seen.add("call")
+            else:
+                assert ch.finish_reason == "stop", ch
+                jsonschema.validate(json.loads(ch.message.content), answer)
+                seen.add("answer")
+    # The grammar leaves the model both ways out (a format alone would never let it call).
+    assert seen == {"call", "answer"}, seen
+    # A format that is not JSON cannot be an answer beside calls: refused, named.
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(),
+                   json={"model": model, "messages": ask("Hi"), "tools": TOOLS, "max_tokens": 5,
+                         "structured_outputs": {"regex": "[a-z]+"}})
+    assert r.status_code == 400, r.text
+    assert "tool_choice none" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "no such file"),
+    ("{% for %}", "does not compile"),
+])
+def test_a_template_file_that_cannot_be_used_stops_the_server_named(tmp_path, content, needle):
+    path = tmp_path / "template.jinja"
+    if content is not None:
+        path.write_text(content)
+    p = subprocess.run([kura_bin(), "serve", "--model", model_path(), "--port", "0", "--chat-template", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "--chat-template" in p.stderr and str(path) in p.stderr, p.stderr
+    assert needle in p.stderr.lower(), p.stderr
