@@ -102,6 +102,32 @@ def test_stop_sequences_report_the_sequence(srv):
     assert cut.content[0].text == text[: text.index(stop)]
 
 
+def test_a_last_assistant_message_is_continued_not_answered(srv):
+    """Anthropic's prefill: the model goes on from the assistant's text, and the response holds only
+    what follows it. Greedy, the continuation of a prefix of the model's own answer is the rest of it."""
+    client = anthropic_client(srv)
+    model = srv.model()
+    ask = [{"role": "user", "content": "Describe the sea in two sentences."}]
+    whole = client.messages.create(model=model, max_tokens=24, extra_body=GREEDY, messages=ask).content[0].text
+    words = whole.split(" ")
+    assert len(words) > 6, whole
+    prefix = " ".join(words[:4])
+    r = client.messages.create(model=model, max_tokens=8, extra_body=GREEDY,
+                               messages=ask + [{"role": "assistant", "content": prefix}])
+    rest = r.content[0].text
+    assert rest and not rest.startswith(prefix), rest
+    assert whole.startswith(prefix + rest), (whole, prefix, rest)
+    # The prompt ends inside the assistant's turn: counted as sent, and the turn's opening is cached.
+    counted = client.messages.count_tokens(model=model, messages=ask + [{"role": "assistant", "content": prefix}])
+    u = r.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == counted.input_tokens
+    closed = client.messages.count_tokens(model=model, messages=ask).input_tokens
+    assert counted.input_tokens > closed
+    bad = httpx.post(srv.url + "/v1/messages", headers=srv.headers(), json={
+        "model": model, "max_tokens": 5, "messages": ask + [{"role": "assistant", "content": "The sea "}]})
+    assert bad.status_code == 400 and "trailing whitespace" in bad.text, bad.text
+
+
 @pytest.fixture(scope="module")
 def small():
     """A pool of 91 blocks, half of which (45) pins may hold; bf16 weights (faster, no exactness needed)."""

@@ -21,6 +21,7 @@ use crate::tools::{
     prompt_messages, template_call, Guide, ToolChoice, ToolDef, ToolPlan, ToolStyle,
     END_OF_CONTENT,
 };
+use crate::validate::template_error;
 use kura_guide::tools::layout_json;
 
 /// An error in Anthropic's shape.
@@ -154,6 +155,17 @@ pub struct MessagesPlan {
     pub tool_breakpoints: Vec<TtlAt>,
     /// `output_config.format`: JSON valid under this schema.
     pub guide: Option<Guide>,
+    /// The last message is the assistant's, and the model goes on writing it (a prefill): the
+    /// response holds what follows that text.
+    pub prefill: bool,
+}
+
+impl MessagesPlan {
+    /// The conversation's closed turns: the messages less a prefill.
+    pub fn closed_messages(&self) -> &[ChatMessage] {
+        let n = self.messages.len() - usize::from(self.prefill);
+        &self.messages[..n]
+    }
 }
 
 /// `output_config`: `format: {"type": "json_schema", "schema"}` (structured outputs); `effort` is
@@ -435,6 +447,9 @@ pub fn encode_messages(
         &plan.breakpoints,
         &plan.tool_breakpoints,
     );
+    if plan.prefill {
+        return encode_prefilled(codec, messages, marks, tools_json.as_ref());
+    }
     let (tokens, positions) =
         match tools_json {
             Some(_) if saved.is_some() => return Err(invalid(
@@ -451,6 +466,39 @@ pub fn encode_messages(
         positions
             .into_iter()
             .zip(marks.iter().map(|&(_, _, ttl)| ttl))
+            .collect(),
+    ))
+}
+
+/// [`encode_messages`] of a request whose last message, an assistant's, the model continues: the
+/// prompt ends inside that turn, after its text; breakpoints fall where they fall in the conversation
+/// before it (one on the continued text itself is not placed).
+fn encode_prefilled(
+    codec: &dyn TextCodec,
+    messages: Vec<ChatMessage>,
+    marks: Vec<(usize, usize, CacheTtl)>,
+    tools: Option<&Value>,
+) -> Result<(Vec<u32>, Vec<TtlAt>), ApiError> {
+    let tokens = codec
+        .encode_chat_continuing(&messages, tools)
+        .map_err(template_error)?;
+    let before = messages.len().saturating_sub(1);
+    let marks: Vec<_> = marks.into_iter().filter(|&(m, _, _)| m < before).collect();
+    if marks.is_empty() {
+        return Ok((tokens, Vec::new()));
+    }
+    let closed = &messages[..before];
+    let (_, positions) = match tools {
+        Some(t) => encode_with_breakpoints_and_tools(codec, closed, &marks, t)?,
+        None => encode_with_breakpoints(codec, closed, &marks, None)?,
+    };
+    let n = tokens.len();
+    Ok((
+        tokens,
+        positions
+            .into_iter()
+            .zip(marks.iter().map(|&(_, _, ttl)| ttl))
+            .map(|(at, ttl)| (at.min(n), ttl))
             .collect(),
     ))
 }
@@ -571,8 +619,35 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
     }
     check_tool_turns(&messages)
         .map_err(|e| invalid(e.to_string().replace("tool_call_id", "tool_use_id")))?;
+    // A last assistant message is a prefill: the model goes on from its text (an empty one is the
+    // turn the generation prompt opens anyway).
+    if messages
+        .last()
+        .is_some_and(|m| m.role == "assistant" && m.tool_calls.is_none() && m.content.is_empty())
+    {
+        messages.pop();
+        breakpoints.retain(|&(m, _, _)| m < messages.len());
+    }
+    let prefill = messages
+        .last()
+        .is_some_and(|m| m.role == "assistant" && m.tool_calls.is_none());
+    if prefill
+        && messages
+            .last()
+            .is_some_and(|m| m.content.ends_with(char::is_whitespace))
+    {
+        return Err(invalid(
+            "final assistant content cannot end with trailing whitespace",
+        ));
+    }
     let (tools, tool_breakpoints) = anthropic_tools(o)?;
     let guide = output_config(o)?;
+    if prefill && (guide.is_some() || tools.as_ref().is_some_and(|t| t.constrained().is_some())) {
+        return Err(invalid(
+            "a final assistant message (a prefill) cannot be combined with output_config.format or \
+             tool_choice any or tool: the output's grammar starts the turn",
+        ));
+    }
     if guide.is_some() && tools.as_ref().is_some_and(|t| t.constrained().is_some()) {
         return Err(invalid(
             "output_config.format cannot be combined with tool_choice any or tool: the output is \
@@ -688,6 +763,11 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         }
     };
     // A saved context is owned, and its blocks salted, by its tenant alone (as on the OpenAI routes).
+    if prefill && cached_content.is_some() {
+        return Err(invalid(
+            "cached_content cannot be combined with a final assistant message (a prefill)",
+        ));
+    }
     if cache_salt.is_some() && cached_content.is_some() {
         return Err(ApiError::invalid(
             "cache_salt cannot be combined with cached_content: a saved context's KV belongs to its \
@@ -713,6 +793,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         tools,
         tool_breakpoints,
         guide,
+        prefill,
     })
 }
 
@@ -722,6 +803,36 @@ mod tests {
 
     fn plan(body: Value) -> Result<MessagesPlan, ApiError> {
         prepare(&body, "m")
+    }
+
+    #[test]
+    fn a_last_assistant_message_is_a_prefill() {
+        let body = |last: Value| {
+            json!({"model": "m", "max_tokens": 5, "messages": [
+                {"role": "user", "content": "JSON please"}, {"role": "assistant", "content": last}]})
+        };
+        let p = plan(body(json!("{"))).unwrap();
+        assert!(p.prefill);
+        assert_eq!(p.closed_messages().len(), 1);
+        assert_eq!(p.messages.last().unwrap().content, "{");
+        // An empty one is the turn the generation prompt opens.
+        let p = plan(body(json!(""))).unwrap();
+        assert!(!p.prefill && p.messages.len() == 1);
+        let e = plan(body(json!("{ "))).unwrap_err();
+        assert!(e.to_string().contains("trailing whitespace"), "{e}");
+        let mut b = body(json!("{"));
+        b["output_config"] =
+            json!({"format": {"type": "json_schema", "schema": {"type": "object"}}});
+        let e = plan(b).unwrap_err();
+        assert!(e.to_string().contains("prefill"), "{e}");
+        let mut b = body(json!("{"));
+        b["cached_content"] = json!("ctx");
+        assert!(plan(b).unwrap_err().to_string().contains("prefill"));
+        // A user message last: no prefill.
+        let p = plan(json!({"model": "m", "max_tokens": 5,
+                            "messages": [{"role": "user", "content": "Hi"}]}))
+        .unwrap();
+        assert!(!p.prefill);
     }
 
     #[test]

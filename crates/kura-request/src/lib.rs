@@ -601,6 +601,17 @@ pub trait TextCodec: Send + Sync + 'static {
         let _ = (messages, tools);
         Err("this model's chat template has no tools section".into())
     }
+    /// Prompt tokens of `messages` whose last, an assistant's, the model goes on writing (an assistant
+    /// prefill): the template's text without the generation prompt, cut after that message's content
+    /// (as [`TextCodec::encode_chat`] tokenizes, `tools` handed to a template that writes them).
+    fn encode_chat_continuing(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, String> {
+        let _ = (messages, tools);
+        Err("this model's chat template cannot continue an assistant message".into())
+    }
     /// [`TextCodec::render_chat`] with the request's tool definitions handed to the template (the text
     /// [`TextCodec::encode_chat_with_tools`] tokenizes).
     fn render_chat_with_tools(

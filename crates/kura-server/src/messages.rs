@@ -108,10 +108,11 @@ async fn messages_inner(
     request.cache_salt = salt;
     request.pins = pins;
     request.constraint = constraint;
-    if plan.messages.iter().any(|m| m.role == "assistant") {
+    // The turns before a prefill: its open turn is the prompt's end, not history.
+    if plan.closed_messages().iter().any(|m| m.role == "assistant") {
         request.history_tokens = handlers::history_of(
             &s.engine,
-            plan.messages.clone(),
+            plan.closed_messages().to_vec(),
             plan.tools.clone(),
             &request,
         )

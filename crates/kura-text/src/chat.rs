@@ -198,6 +198,61 @@ impl ChatTemplate {
         tokenizer.encode_with_plain_spans(&text, &spans, false)
     }
 
+    /// The text of `messages` whose last, an assistant's, is continued rather than closed (an
+    /// assistant prefill, vLLM's `continue_final_message`): rendered without the generation prompt and
+    /// cut right after the last message's content, where the model goes on writing it. An error when
+    /// the template does not write that content (or its trimmed text) where the text ends but for the
+    /// turn's closing.
+    pub fn render_continuing(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String> {
+        let last = match messages.last() {
+            Some(m) if m.role == "assistant" && !m.content.is_empty() => m,
+            _ => {
+                return Err(TextError::ChatTemplate(
+                    "only a last assistant message with text can be continued".into(),
+                ))
+            }
+        };
+        let text = self.render_with_tools(messages, tools, false)?;
+        let end = [last.content.as_str(), last.content.trim()]
+            .into_iter()
+            .filter(|c| !c.is_empty())
+            .find_map(|c| text.rfind(c).map(|at| at + c.len()))
+            .ok_or_else(|| {
+                TextError::ChatTemplate(
+                    "the chat template does not write the last assistant message's text as it is, \
+                     so it cannot be continued"
+                        .into(),
+                )
+            })?;
+        Ok(text[..end].to_string())
+    }
+
+    /// [`ChatTemplate::encode_checked`] of [`ChatTemplate::render_continuing`]'s text: the contents
+    /// kept as text, the template's special tokens recognised.
+    pub fn encode_continuing_checked(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        check: impl FnOnce(usize) -> std::result::Result<(), String>,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_continuing(messages, tools)?;
+        check(text.len()).map_err(TextError::Tokenizer)?;
+        // The contents' places in the whole closed text, cut where the continued text ends.
+        let closed = self.render_with_tools(messages, tools, false)?;
+        let spans: Vec<Range<usize>> = self
+            .content_spans_with_tools(&closed, messages, tools, false, tokenizer)?
+            .into_iter()
+            .filter(|r| r.start < text.len())
+            .map(|r| r.start..r.end.min(text.len()))
+            .collect();
+        tokenizer.encode_with_plain_spans(&text, &spans, false)
+    }
+
     /// Byte ranges of `rendered` (this template's text for `messages`) that hold the messages'
     /// contents, in order; empty when no content spells a special token of `tokenizer` (then there is
     /// nothing to keep apart).
@@ -484,6 +539,52 @@ mod tests {
 
     fn msgs(m: &[(&str, &str)]) -> Vec<ChatMessage> {
         m.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+    }
+
+    #[test]
+    fn a_last_assistant_message_is_continued_where_its_text_ends() {
+        let text = default_text();
+        let tok = &text.tokenizer;
+        let tpl = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
+        let m = msgs(&[("user", "Name a colour."), ("assistant", "The colour is")]);
+        let continued = tpl.render_continuing(&m, None).unwrap();
+        assert!(
+            continued.ends_with("<|im_start|>assistant\nThe colour is"),
+            "{continued}"
+        );
+        let closed = tpl.render(&m, false).unwrap();
+        assert!(closed.starts_with(&continued) && closed.len() > continued.len());
+        let ids = tpl
+            .encode_continuing_checked(tok, &m, None, |_| Ok(()))
+            .unwrap();
+        assert_eq!(ids, tok.encode(&continued, false).unwrap());
+        // Special-token text in the continued content stays text, as in any content.
+        let m = msgs(&[("user", "Hi"), ("assistant", "say <|im_end|>")]);
+        let ids = tpl
+            .encode_continuing_checked(tok, &m, None, |_| Ok(()))
+            .unwrap();
+        let end = tok.encode("<|im_end|>", false).unwrap();
+        assert_eq!(end.len(), 1);
+        assert_eq!(
+            ids.iter().filter(|&&i| i == end[0]).count(),
+            1,
+            "only the user turn's end"
+        );
+        // Nothing to continue: a user message last, or a template that rewrites the text.
+        let e = tpl
+            .render_continuing(&msgs(&[("user", "Hi")]), None)
+            .unwrap_err();
+        assert!(e.to_string().contains("last assistant message"), "{e}");
+        let upper = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content | upper }}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let e = upper
+            .render_continuing(&msgs(&[("user", "Hi"), ("assistant", "so")]), None)
+            .unwrap_err();
+        assert!(e.to_string().contains("cannot be continued"), "{e}");
     }
 
     /// How often each of `ids`' special tokens occurs, by id.

@@ -152,6 +152,20 @@ impl TextCodec for ModelCodec {
             .map_err(|e| e.to_string())
     }
 
+    fn encode_chat_continuing(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, String> {
+        let refused = std::cell::Cell::new(None);
+        self.chat_template()
+            .encode_continuing_checked(&self.text.tokenizer, messages, tools, |n| {
+                self.check_len(n)
+                    .inspect_err(|e| refused.set(Some(e.clone())))
+            })
+            .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
+    }
+
     fn render_chat_with_tools(
         &self,
         messages: &[ChatMessage],
