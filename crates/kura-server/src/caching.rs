@@ -136,11 +136,39 @@ fn set_aside(path: &Path, why: &str) -> String {
     )
 }
 
+/// The contexts in memory, and the room taken by contexts being written.
+#[derive(Debug, Default)]
+struct Book {
+    map: HashMap<String, SavedContext>,
+    /// New contexts whose files are being written, per tenant: counted against the quotas from the
+    /// check of room to the insert (or its failure), so that creates at once cannot all pass one
+    /// check and together go past a limit.
+    reserved: HashMap<Option<String>, usize>,
+}
+
+impl Book {
+    fn reserved_total(&self) -> usize {
+        self.reserved.values().sum()
+    }
+
+    /// Gives back one reservation of `tenant`'s.
+    fn release(&mut self, tenant: &Option<String>) {
+        if let Some(n) = self.reserved.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.reserved.remove(tenant);
+            }
+        }
+    }
+}
+
 /// Every saved context of the server, with their files.
 #[derive(Debug)]
 pub struct ContextStore {
     dir: Option<PathBuf>,
-    contexts: Mutex<HashMap<String, SavedContext>>,
+    contexts: Mutex<Book>,
+    /// Most contexts in all: [`MAX_CONTEXTS`] (smaller in tests).
+    limit: usize,
     /// Held by each change to an existing context (a new expiry, a deletion, expiry sweeps, owner
     /// moves) from its read to its last write, so that a change never puts back a context another
     /// one has just removed; reads take only `contexts`.
@@ -157,7 +185,8 @@ impl ContextStore {
     pub fn in_memory() -> Self {
         Self {
             dir: None,
-            contexts: Mutex::new(HashMap::new()),
+            contexts: Mutex::new(Book::default()),
+            limit: MAX_CONTEXTS,
             changes: Mutex::new(()),
         }
     }
@@ -239,14 +268,18 @@ impl ContextStore {
         Ok((
             Self {
                 dir: Some(dir),
-                contexts: Mutex::new(contexts),
+                contexts: Mutex::new(Book {
+                    map: contexts,
+                    reserved: HashMap::new(),
+                }),
+                limit: MAX_CONTEXTS,
                 changes: Mutex::new(()),
             },
             warnings,
         ))
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, SavedContext>> {
+    fn lock(&self) -> MutexGuard<'_, Book> {
         self.contexts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -287,19 +320,42 @@ impl ContextStore {
     }
 
     /// Adds a new context (and its file) if its tenant has room under `per_tenant` and the server under
-    /// [`MAX_CONTEXTS`]. Blocking I/O.
+    /// [`MAX_CONTEXTS`]. The room is taken when it is checked, before the file is written, and given
+    /// back if the write fails: creates at once never go past a limit together. Blocking I/O.
     pub fn insert(&self, c: SavedContext, per_tenant: usize) -> Result<(), ApiError> {
-        self.check_room(&c.tenant, per_tenant)?;
-        self.write(&c)?;
-        self.lock().insert(c.id.clone(), c);
+        {
+            let mut book = self.lock();
+            self.room(&book, &c.tenant, per_tenant)?;
+            *book.reserved.entry(c.tenant.clone()).or_insert(0) += 1;
+        }
+        let written = self.write(&c);
+        let mut book = self.lock();
+        book.release(&c.tenant);
+        written?;
+        book.map.insert(c.id.clone(), c);
         Ok(())
     }
 
     /// Whether `tenant` may save another context: fewer than `per_tenant` of its own, and fewer than
-    /// [`MAX_CONTEXTS`] in all (expired ones not yet dropped are counted).
+    /// [`MAX_CONTEXTS`] in all (expired ones not yet dropped, and new ones being written, are
+    /// counted). A check ahead of the work of a create; [`Self::insert`] checks again.
     pub fn check_room(&self, tenant: &Option<String>, per_tenant: usize) -> Result<(), ApiError> {
-        let map = self.lock();
-        let mine = map.values().filter(|c| &c.tenant == tenant).count();
+        self.room(&self.lock(), tenant, per_tenant)
+    }
+
+    fn room(
+        &self,
+        book: &Book,
+        tenant: &Option<String>,
+        per_tenant: usize,
+    ) -> Result<(), ApiError> {
+        let reserved = book.reserved.get(tenant).copied().unwrap_or(0);
+        let mine = book
+            .map
+            .values()
+            .filter(|c| &c.tenant == tenant)
+            .count()
+            .saturating_add(reserved);
         if mine >= per_tenant {
             return Err(ApiError::QuotaExceeded {
                 message: format!(
@@ -309,8 +365,8 @@ impl ContextStore {
                 code: "too_many_caches",
             });
         }
-        let n = map.len();
-        if n >= MAX_CONTEXTS {
+        let n = book.map.len().saturating_add(book.reserved_total());
+        if n >= self.limit {
             return Err(ApiError::QuotaExceeded {
                 message: format!(
                     "this server holds {n} saved contexts, its limit; delete some (DELETE \
@@ -326,7 +382,8 @@ impl ContextStore {
     pub fn expire(&self, now_ms: u64) {
         let _turn = self.changing();
         let gone: Vec<String> = {
-            let mut map = self.lock();
+            let mut book = self.lock();
+            let map = &mut book.map;
             let gone: Vec<String> = map
                 .values()
                 .filter(|c| c.expires_at_ms <= now_ms)
@@ -345,7 +402,8 @@ impl ContextStore {
     pub fn migrate_owners(&self, renames: &[(String, String)]) -> Result<usize, ApiError> {
         let _turn = self.changing();
         let moved: Vec<SavedContext> = {
-            let mut map = self.lock();
+            let mut book = self.lock();
+            let map = &mut book.map;
             let mut moved = Vec::new();
             for c in map.values_mut() {
                 if let Some((_, new)) = renames
@@ -372,6 +430,7 @@ impl ContextStore {
         now_ms: u64,
     ) -> Result<SavedContext, ApiError> {
         self.lock()
+            .map
             .get(id)
             .filter(|c| &c.tenant == tenant && c.expires_at_ms > now_ms)
             .cloned()
@@ -410,7 +469,7 @@ impl ContextStore {
         {
             // A change's turn: a change to it under way (a new expiry) does not write it back.
             let _turn = self.changing();
-            self.lock().remove(id);
+            self.lock().map.remove(id);
             if let Some(path) = self.path_of(id) {
                 tracing::warn!("{}", set_aside(&path, "its tokens are not its text's"));
             }
@@ -423,7 +482,7 @@ impl ContextStore {
                 code: Some("cache_damaged"),
             });
         }
-        if let Some(stored) = self.lock().get_mut(id) {
+        if let Some(stored) = self.lock().map.get_mut(id) {
             stored.verified = true;
         }
         Ok(SavedContext {
@@ -436,6 +495,7 @@ impl ContextStore {
     pub fn list(&self, tenant: &Option<String>, now_ms: u64) -> Vec<SavedContext> {
         let mut out: Vec<SavedContext> = self
             .lock()
+            .map
             .values()
             .filter(|c| &c.tenant == tenant && c.expires_at_ms > now_ms)
             .cloned()
@@ -456,7 +516,7 @@ impl ContextStore {
         let mut c = self.get(id, tenant, now_ms)?;
         c.expires_at_ms = expires_at_ms;
         self.write(&c)?;
-        self.lock().insert(c.id.clone(), c.clone());
+        self.lock().map.insert(c.id.clone(), c.clone());
         Ok(c)
     }
 
@@ -469,7 +529,7 @@ impl ContextStore {
     ) -> Result<SavedContext, ApiError> {
         let _turn = self.changing();
         let c = self.get(id, tenant, now_ms)?;
-        self.lock().remove(id);
+        self.lock().map.remove(id);
         self.remove_files(std::slice::from_ref(&c.id));
         Ok(c)
     }
@@ -477,14 +537,14 @@ impl ContextStore {
     /// Deletes a context whatever its tenant (the operator's `kura cache rm`).
     pub fn delete_any(&self, id: &str) -> Option<SavedContext> {
         let _turn = self.changing();
-        let c = self.lock().remove(id)?;
+        let c = self.lock().map.remove(id)?;
         self.remove_files(std::slice::from_ref(&c.id));
         Some(c)
     }
 
     /// Every context, whatever its tenant or expiry (the operator's `kura cache list`).
     pub fn all(&self) -> Vec<SavedContext> {
-        let mut out: Vec<SavedContext> = self.lock().values().cloned().collect();
+        let mut out: Vec<SavedContext> = self.lock().map.values().cloned().collect();
         out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         out
     }
@@ -593,6 +653,82 @@ mod tests {
     }
 
     #[test]
+    fn creates_at_once_never_go_past_a_quota() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (mut store, _) = ContextStore::open(&dir).unwrap();
+        store.limit = 30;
+        let store = Arc::new(store);
+        // Each create checks for room, writes its file (synced) and enters the context: 60 of them at
+        // once, for two tenants of a quota of 20 each on a server that holds 30, used to all pass
+        // their checks before any was entered.
+        let start = Arc::new(std::sync::Barrier::new(60));
+        let creates: Vec<_> = (0..60)
+            .map(|i| {
+                let (store, start) = (store.clone(), start.clone());
+                std::thread::spawn(move || {
+                    let tenant = if i % 2 == 0 { "a" } else { "b" };
+                    start.wait();
+                    store.insert(context(100 + i, Some(tenant), u64::MAX), 20)
+                })
+            })
+            .collect();
+        let results: Vec<_> = creates.into_iter().map(|t| t.join().unwrap()).collect();
+        let made = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(made, 30, "the server's limit");
+        for e in results.iter().filter_map(|r| r.as_ref().err()) {
+            assert_eq!(e.status().as_u16(), 429, "{e}");
+        }
+        for tenant in ["a", "b"] {
+            let n = store.list(&Some(tenant.into()), 0).len();
+            assert!(n <= 20, "tenant {tenant} holds {n}");
+        }
+        let files = std::fs::read_dir(dir.join("contexts")).unwrap().count();
+        assert_eq!(files, 30);
+        // One tenant alone, under its own quota.
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        let store = Arc::new(store);
+        let start = Arc::new(std::sync::Barrier::new(50));
+        let creates: Vec<_> = (0..50)
+            .map(|i| {
+                let (store, start) = (store.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    store
+                        .insert(context(200 + i, Some("c"), u64::MAX), 7)
+                        .is_ok()
+                })
+            })
+            .collect();
+        let made = creates
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .filter(|&ok| ok)
+            .count();
+        assert_eq!(made, 7);
+        assert_eq!(store.list(&Some("c".into()), 0).len(), 7);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_create_whose_file_cannot_be_written_gives_its_room_back() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        // The directory gone and a file in its place: every write fails.
+        std::fs::remove_dir_all(dir.join("contexts")).unwrap();
+        std::fs::write(dir.join("contexts"), b"in the way").unwrap();
+        let e = store
+            .insert(context(1, Some("a"), u64::MAX), 1)
+            .unwrap_err();
+        assert_eq!(e.status().as_u16(), 507, "{e}");
+        assert!(store.all().is_empty());
+        std::fs::remove_file(dir.join("contexts")).unwrap();
+        std::fs::create_dir(dir.join("contexts")).unwrap();
+        store.check_room(&Some("a".into()), 1).unwrap();
+        store.insert(context(2, Some("a"), u64::MAX), 1).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn a_context_deleted_while_its_expiry_changes_stays_deleted() {
         let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
         let (store, _) = ContextStore::open(&dir).unwrap();
@@ -646,7 +782,7 @@ mod tests {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_millis() as u64;
-        let loaded = again.lock()[&format!("ctx_{:024x}", 7)].expires_at_ms;
+        let loaded = again.lock().map[&format!("ctx_{:024x}", 7)].expires_at_ms;
         assert!(loaded <= now_ms + MAX_CONTEXT_TTL_S * 1000, "{loaded}");
         assert!(
             loaded + 60_000 > now_ms + MAX_CONTEXT_TTL_S * 1000,
