@@ -103,6 +103,10 @@ pub enum Check {
     SeedLost,
     #[error("not a regular file (a directory, FIFO, socket or device) where a block file belongs")]
     NotRegular,
+    #[error(
+        "its parent chain comes back to it (a block's hash covers its parent's: damaged or forged)"
+    )]
+    ParentCycle,
 }
 
 impl Check {
