@@ -52,7 +52,8 @@ pub enum ReadError {
     /// been deleted.
     #[error("block file {path} rejected and deleted: {what}")]
     Corrupt { path: PathBuf, what: Check },
-    /// The operating system failed to read the file; it is left in place.
+    /// The operating system failed to read the file; it is left in place (Kura's cache manager drops
+    /// the block and has the file removed).
     #[error("cannot read block file {path}: {source}")]
     Io {
         path: PathBuf,
