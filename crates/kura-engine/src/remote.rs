@@ -2,8 +2,9 @@
 //! request whose prompt has blocks the pool and the local tiers lack looks them up there first.
 //!
 //! ```text
-//!  Submit ─▶ held locally? ─ all ─────────────────────────────────────────────▶ scheduler
-//!              │ some missing: GETRANGE of the rest, pipelined (kura-kv-redis thread); the request waits
+//!  Submit ─▶ held locally? ─ all, or some pending, loading or in a lower tier ──▶ scheduler
+//!              │ the pool's computed blocks, then some missing: GETRANGE of the rest, pipelined
+//!              │ (kura-kv-redis thread); the request waits
 //!              ▼
 //!   answer (or FETCH_WAIT passed) ─▶ leading verified blocks adopted into the pool ─▶ scheduler
 //!   (KvCacheManager::begin_adoption; tier moves run; bytes imported; finish_adoption)
@@ -222,9 +223,12 @@ impl RemoteTier {
     }
 
     /// Starts the lookup of `prompt`'s blocks beyond the first `held` (of its whole blocks before its last
-    /// token) and parks the request; gives `seq` back when there is nothing to look up, the lookup
-    /// could not be queued, or `load` is false (the tier cost check judged recomputing the missing
-    /// blocks faster: they are counted in `refused_blocks`).
+    /// token: the pool's computed ones, [`kura_kv::KvCacheManager::adoptable_prefix_blocks`]) and parks
+    /// the request; gives `seq` back when there is nothing to look up, when `held` is `None` (part of
+    /// the local prefix is pending, being loaded or in a lower tier: what the lookup brought could not
+    /// be adopted after it, so it is not sent; the request loads or waits for that part and computes
+    /// the rest), when the lookup could not be queued, or when `load` is false (the tier cost check
+    /// judged recomputing the missing blocks faster: they are counted in `refused_blocks`).
     pub fn park(
         &mut self,
         id: u64,
@@ -232,7 +236,7 @@ impl RemoteTier {
         prompt: &[u32],
         key: &CacheKey,
         load: bool,
-        held: impl FnOnce(&[u32]) -> usize,
+        held: impl FnOnce(&[u32]) -> Option<usize>,
     ) -> Option<Seq> {
         let bs = self.block_size;
         let whole = prompt.len().saturating_sub(1) / bs * bs;
@@ -240,7 +244,9 @@ impl RemoteTier {
             return Some(seq);
         }
         let tokens = &prompt[..whole];
-        let held = held(tokens);
+        let Some(held) = held(tokens) else {
+            return Some(seq);
+        };
         if held * bs >= whole {
             return Some(seq);
         }
