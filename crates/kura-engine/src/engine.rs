@@ -736,7 +736,7 @@ impl Core {
                         let key = &group.key;
                         let load = self.cost.load(CostTier::Redis);
                         remote.park(id, seq, &group.request.prompt_tokens, key, load, |t| {
-                            sched.held_prefix_blocks(t, key)
+                            sched.adoptable_prefix_blocks(t, key)
                         })
                     }
                     _ => Some(seq),

@@ -612,7 +612,7 @@ impl EngineMetrics {
             ("kura:kv_remote_errors_total", "Redis commands that failed (unreachable, timeout, error); the request was served without the tier.", live(|s| &s.errors)),
             ("kura:kv_remote_corrupt_total", "Records in Redis that failed a check and were deleted, never served.", live(|s| &s.corrupt)),
             ("kura:kv_remote_rejected_total", "Records in Redis whose MAC failed (written without the fleet secret, or copied under another name): never served, deleted.", live(|s| &s.rejected)),
-            ("kura:kv_remote_dropped_total", "Redis writes or lookups dropped (queue full or Redis unreachable).", live(|s| &s.dropped)),
+            ("kura:kv_remote_dropped_total", "Redis writes or lookups dropped (queue full, Redis unreachable, a write refused with an error reply, a lookup past its wait).", live(|s| &s.dropped)),
         ] {
             e.counter(name, help, v);
         }

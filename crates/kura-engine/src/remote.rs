@@ -2,8 +2,9 @@
 //! request whose prompt has blocks the pool and the local tiers lack looks them up there first.
 //!
 //! ```text
-//!  Submit ─▶ held locally? ─ all ─────────────────────────────────────────────▶ scheduler
-//!              │ some missing: GETRANGE of the rest, pipelined (kura-kv-redis thread); the request waits
+//!  Submit ─▶ held locally? ─ all, or some pending, loading or in a lower tier ──▶ scheduler
+//!              │ the pool's computed blocks, then some missing: GETRANGE of the rest, pipelined
+//!              │ (kura-kv-redis thread); the request waits
 //!              ▼
 //!   answer (or FETCH_WAIT passed) ─▶ leading verified blocks adopted into the pool ─▶ scheduler
 //!   (KvCacheManager::begin_adoption; tier moves run; bytes imported; finish_adoption)
@@ -20,8 +21,14 @@
 //! over its Redis key and its bytes (kura-tiers), so that a record written without the fleet secret, or
 //! copied under another name, is never adopted. The engine never waits on Redis: a lookup not answered within `FETCH_WAIT` is given up, and
 //! Redis down means every lookup a miss at once.
+//!
+//! A block is written once per name while Redis can be expected to hold it: its name is marked when
+//! its write is queued, for the tier's TTL from then (the key expires no sooner), and the mark is
+//! taken back when the write is not queued (the queue full) or not stored (Redis unreachable, the
+//! connection lost, an error reply: the Redis thread reports it). A block whose write failed, or whose
+//! key has expired, is written again when the pool next announces it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kura_fleet::ContentNamer;
@@ -32,7 +39,8 @@ use crate::seq::Seq;
 
 /// Longest a request waits for its Redis lookup.
 const FETCH_WAIT: Duration = Duration::from_millis(500);
-/// Names of blocks written or found, remembered to skip writing them again (cleared when full).
+/// Names of blocks written or found, remembered to skip writing them again (the lapsed ones dropped
+/// when full, or all of them when most are live).
 const MAX_WRITTEN: usize = 1 << 20;
 
 /// The Redis tier `kura serve --kv-redis-url` was given. Its `Debug` hides the URL's user and password.
@@ -93,7 +101,11 @@ pub(crate) struct RemoteTier {
     fingerprint: u128,
     /// This replica's block hash → (name, root name), for blocks in the pool.
     names: HashMap<u128, (u128, u128)>,
-    written: HashSet<u128>,
+    /// Names written, being written or found, each with when its mark lapses (`None`: never, a TTL
+    /// past what an `Instant` holds).
+    written: HashMap<u128, Option<Instant>>,
+    /// How long a mark lasts: the tier's TTL.
+    mark_for: Duration,
     parked: HashMap<u64, Parked>,
     /// Blocks not looked up because the tier cost check judged recomputing them faster.
     pub refused_blocks: u64,
@@ -128,22 +140,40 @@ impl RemoteTier {
             block_size,
             fingerprint,
             names: HashMap::new(),
-            written: HashSet::new(),
+            written: HashMap::new(),
+            mark_for: Duration::from_secs(setup.ttl_s),
             parked: HashMap::new(),
             refused_blocks: 0,
             samples: Vec::new(),
         })
     }
 
-    fn remember_written(&mut self, name: u128) -> bool {
-        if self.written.len() >= MAX_WRITTEN {
-            self.written.clear();
+    /// Marks `name` written (or found) for the TTL from `now`; `false` when a mark of it has not
+    /// lapsed (Redis may be expected to hold it, or its write is under way).
+    fn remember_written(&mut self, name: u128, now: Instant) -> bool {
+        let live = |until: &Option<Instant>| until.is_none_or(|t| now < t);
+        if self.written.get(&name).is_some_and(live) {
+            return false;
         }
-        self.written.insert(name)
+        if self.written.len() >= MAX_WRITTEN {
+            self.written.retain(|_, until| live(until));
+            // Mostly live marks: dropping them all costs some writes again, and bounds the work.
+            if self.written.len() >= MAX_WRITTEN / 4 * 3 {
+                self.written.clear();
+            }
+        }
+        self.written.insert(name, now.checked_add(self.mark_for));
+        true
     }
 
-    /// Writes the blocks the pool announced (once per name), reading each one's bytes with `export`.
+    /// Writes the blocks the pool announced (once per name while the mark lasts), reading each one's
+    /// bytes with `export`. The marks of writes the Redis thread reports as not stored are taken back
+    /// first, so that those blocks are written again when announced.
     pub fn on_events(&mut self, events: &[KvEvent], mut export: impl FnMut(u32) -> Vec<u8>) {
+        for name in self.worker.failed_puts() {
+            self.written.remove(&name);
+        }
+        let now = Instant::now();
         for event in events {
             match event {
                 KvEvent::Stored {
@@ -166,7 +196,7 @@ impl RemoteTier {
                     };
                     let name = self.namer.chain(parent_name, tokens);
                     self.names.insert(hash.0, (name, key_digest));
-                    if !self.remember_written(name) {
+                    if !self.remember_written(name, now) {
                         continue;
                     }
                     let record = BlockRecord {
@@ -176,7 +206,13 @@ impl RemoteTier {
                         tokens: tokens.clone(),
                     };
                     let bytes = encode_record(self.fingerprint, &record, &export(*block));
-                    self.worker.try_put(redis_key(key_digest, name), bytes);
+                    if !self
+                        .worker
+                        .try_put(name, redis_key(key_digest, name), bytes)
+                    {
+                        // The queue is full: not written, so not marked.
+                        self.written.remove(&name);
+                    }
                 }
                 KvEvent::Removed { hash, .. } => {
                     self.names.remove(&hash.0);
@@ -187,9 +223,12 @@ impl RemoteTier {
     }
 
     /// Starts the lookup of `prompt`'s blocks beyond the first `held` (of its whole blocks before its last
-    /// token) and parks the request; gives `seq` back when there is nothing to look up, the lookup
-    /// could not be queued, or `load` is false (the tier cost check judged recomputing the missing
-    /// blocks faster: they are counted in `refused_blocks`).
+    /// token: the pool's computed ones, [`kura_kv::KvCacheManager::adoptable_prefix_blocks`]) and parks
+    /// the request; gives `seq` back when there is nothing to look up, when `held` is `None` (part of
+    /// the local prefix is pending, being loaded or in a lower tier: what the lookup brought could not
+    /// be adopted after it, so it is not sent; the request loads or waits for that part and computes
+    /// the rest), when the lookup could not be queued, or when `load` is false (the tier cost check
+    /// judged recomputing the missing blocks faster: they are counted in `refused_blocks`).
     pub fn park(
         &mut self,
         id: u64,
@@ -197,7 +236,7 @@ impl RemoteTier {
         prompt: &[u32],
         key: &CacheKey,
         load: bool,
-        held: impl FnOnce(&[u32]) -> usize,
+        held: impl FnOnce(&[u32]) -> Option<usize>,
     ) -> Option<Seq> {
         let bs = self.block_size;
         let whole = prompt.len().saturating_sub(1) / bs * bs;
@@ -205,7 +244,9 @@ impl RemoteTier {
             return Some(seq);
         }
         let tokens = &prompt[..whole];
-        let held = held(tokens);
+        let Some(held) = held(tokens) else {
+            return Some(seq);
+        };
         if held * bs >= whole {
             return Some(seq);
         }
@@ -226,15 +267,18 @@ impl RemoteTier {
                 (redis_key(key_digest, names[i]), record)
             })
             .collect();
-        if !self.worker.try_fetch(id, lookups) {
+        let started = Instant::now();
+        let deadline = started + FETCH_WAIT;
+        // Past the deadline the Redis thread does not run the lookup: its answer would be ignored.
+        if !self.worker.try_fetch(id, lookups, deadline) {
             return Some(seq);
         }
         self.parked.insert(
             id,
             Parked {
                 seq,
-                started: Instant::now(),
-                deadline: Instant::now() + FETCH_WAIT,
+                started,
+                deadline,
                 tokens: tokens.to_vec(),
                 held,
                 key: key.clone(),
@@ -292,15 +336,78 @@ impl RemoteTier {
         out
     }
 
-    /// Names of adopted blocks, so that announcing them does not write them back.
+    /// Names of adopted blocks, so that announcing them does not write them back. (Their keys' TTLs
+    /// ran from their writes, elsewhere: one that expires before its mark here lapses is written again
+    /// once the mark has.)
     pub fn adopted(&mut self, a: &Adoption) {
+        let now = Instant::now();
         for &name in &a.names {
-            self.remember_written(name);
+            self.remember_written(name, now);
         }
     }
 
     /// The Redis thread's counters.
     pub fn stats(&self) -> &std::sync::Arc<kura_tiers::RemoteStats> {
         self.worker.stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    /// A tier whose Redis is never there (nothing listens on port 1).
+    fn unreachable(ttl_s: u64) -> RemoteTier {
+        let setup = RemoteTierSetup {
+            url: "redis://127.0.0.1:1".into(),
+            ttl_s,
+            timeout: Duration::from_millis(50),
+            secret: Secret::random(),
+            ca_file: None,
+        };
+        RemoteTier::open(&setup, 4, 64, 1).unwrap()
+    }
+
+    #[test]
+    fn a_mark_lasts_the_ttl() {
+        let mut tier = unreachable(600);
+        let now = Instant::now();
+        assert!(tier.remember_written(7, now));
+        assert!(!tier.remember_written(7, now + Duration::from_secs(599)));
+        // The key has expired by now: written again, and marked anew.
+        assert!(tier.remember_written(7, now + Duration::from_secs(600)));
+        assert!(!tier.remember_written(7, now + Duration::from_secs(1199)));
+    }
+
+    #[test]
+    fn a_write_redis_did_not_store_is_offered_again_when_its_block_is_announced_again() {
+        let mut tier = unreachable(600);
+        let stored = KvEvent::Stored {
+            hash: kura_kv::BlockHash(1),
+            parent: None,
+            block: 0,
+            tokens: vec![1, 2, 3, 4],
+            key: Some(CacheKey::new().with_salt("t")),
+        };
+        let dropped = |tier: &RemoteTier| tier.stats().dropped.load(Ordering::Relaxed);
+        tier.on_events(std::slice::from_ref(&stored), |_| vec![0; 64]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while dropped(&tier) < 1 {
+            assert!(Instant::now() < deadline, "the write was not dropped");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The thread's report comes back on the next announcement, which then writes the block again
+        // (it used to be marked written for good).
+        let mut offered = 1;
+        while dropped(&tier) < 2 {
+            assert!(Instant::now() < deadline, "the block was not offered again");
+            tier.on_events(std::slice::from_ref(&stored), |_| {
+                offered += 1;
+                vec![0; 64]
+            });
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(offered >= 2);
     }
 }

@@ -136,19 +136,83 @@ pub fn atomic_tmp_target(file_name: &str) -> Option<&str> {
 /// Temporary files [`write_private_atomic`] has made in this process, for their names.
 static TMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Why [`replace_private_atomic`] failed.
+#[derive(Debug)]
+pub enum ReplaceError {
+    /// Nothing changed: `path` holds what it held before (or is still absent).
+    NotWritten(Error),
+    /// `path` holds the new bytes, but its directory could not be synced after the rename: a power
+    /// loss may still bring the old file back (or take the new one away).
+    NotSynced(Error),
+}
+
+impl ReplaceError {
+    /// The I/O error behind it.
+    pub fn io_error(&self) -> &Error {
+        match self {
+            ReplaceError::NotWritten(e) | ReplaceError::NotSynced(e) => e,
+        }
+    }
+}
+
+impl std::fmt::Display for ReplaceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplaceError::NotWritten(e) => write!(f, "{e}"),
+            ReplaceError::NotSynced(e) => write!(
+                f,
+                "written, but its directory could not be synced (a power loss may undo it): {e}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ReplaceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.io_error())
+    }
+}
+
+/// The directory `path` is in (`.` for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Syncs directory `dir`, so that the names created, renamed or removed in it outlive a power loss.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// Writes `bytes` to `path` whole or not at all, readable by the process's user only: into
 /// `<path>.<pid>-<n>.tmp`, a name of this write alone (a leftover of that name removed first; the new
 /// one created exclusively, so that a link planted there is never followed), synced, renamed over
 /// `path`, and the directory synced so that the rename outlives a power loss. Where that last sync
 /// fails, `path` is removed again: an error means the bytes are not there, not that they may be.
+/// For a new file; [`replace_private_atomic`] replaces one whose old bytes must not be lost.
 pub fn write_private_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    match replace_private_atomic(path, bytes) {
+        Ok(()) => Ok(()),
+        Err(ReplaceError::NotWritten(e)) => Err(e),
+        Err(ReplaceError::NotSynced(e)) => {
+            let _ = std::fs::remove_file(path);
+            Err(e)
+        }
+    }
+}
+
+/// [`write_private_atomic`] for a file that may hold bytes already: where the directory sync after
+/// the rename fails, the new file is left in place ([`ReplaceError::NotSynced`]) rather than removed,
+/// which would lose the old bytes and the new ones both.
+pub fn replace_private_atomic(path: &Path, bytes: &[u8]) -> Result<(), ReplaceError> {
     use std::io::Write;
     let n = TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".{}-{n}.tmp", std::process::id()));
     let tmp = std::path::PathBuf::from(tmp);
     match std::fs::remove_file(&tmp) {
-        Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+        Err(e) if e.kind() != ErrorKind::NotFound => return Err(ReplaceError::NotWritten(e)),
         _ => {}
     }
     let mut options = std::fs::OpenOptions::new();
@@ -161,17 +225,9 @@ pub fn write_private_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     });
     if let Err(e) = written.and_then(|_| std::fs::rename(&tmp, path)) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e);
+        return Err(ReplaceError::NotWritten(e));
     }
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .inspect_err(|_| {
-            let _ = std::fs::remove_file(path);
-        })
+    sync_dir(parent_dir(path)).map_err(ReplaceError::NotSynced)
 }
 
 #[cfg(test)]
@@ -302,6 +358,30 @@ mod tests {
         let last = std::fs::read(&path).unwrap();
         assert!(last.len() == 4096 && last.iter().all(|&b| b == last[0]));
         assert!(tmp_files(&dir).is_empty(), "{:?}", tmp_files(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_replace_that_cannot_write_leaves_the_old_file() {
+        let dir =
+            std::env::temp_dir().join(format!("kura-files-{}-{}", std::process::id(), line!()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ctx.json");
+        replace_private_atomic(&path, b"old").unwrap();
+        replace_private_atomic(&path, b"new").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        sync_dir(&dir).unwrap();
+        // Directories where the next temporary files go: nothing can be written, and the file keeps
+        // its bytes.
+        let next = TMP_COUNTER.load(std::sync::atomic::Ordering::Relaxed);
+        for n in next..next + 64 {
+            let name = format!("ctx.json.{}-{n}.tmp", std::process::id());
+            std::fs::create_dir(dir.join(name)).unwrap();
+        }
+        let e = replace_private_atomic(&path, b"newer").unwrap_err();
+        assert!(matches!(e, ReplaceError::NotWritten(_)), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        assert!(sync_dir(&dir.join("absent")).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -86,7 +86,7 @@ pub enum TierMove {
     HostToDisk { slot: u32, record: TierBlock },
     /// Write L1 block `block` to disk as `record` (no host tier, or a flush).
     BlockToDisk { block: u32, record: TierBlock },
-    /// Delete the disk copy of a block.
+    /// Delete the disk copy of a block (the disk tier evicted it, or a load of it failed).
     DropDisk { hash: BlockHash },
     /// Copy host slot `slot` into L1 block `block`, then report the load done.
     LoadHost { slot: u32, block: u32 },

@@ -1013,6 +1013,41 @@ fn adopted_blocks_become_cached_hits_without_counting_an_admission() {
 }
 
 #[test]
+fn blocks_are_adoptable_only_after_a_computed_prefix_in_the_pool() {
+    let key = CacheKey::new().with_salt("t");
+    let doc = toks(0..16); // 4 blocks
+    let mut kv = manager_with_host(4, 16);
+    // Being computed: held (a lookup elsewhere need not bring them), but nothing can be adopted after
+    // them until they are computed.
+    let seq = kv.add_sequence(&key);
+    kv.allocate_slots(seq, &doc[..8], None)
+        .unwrap()
+        .expect("room");
+    assert_eq!(kv.held_prefix_blocks(&doc, &key), 2);
+    assert_eq!(kv.adoptable_prefix_blocks(&doc, &key), None, "pending");
+    assert!(kv.begin_adoption(&doc, &key, 2).unwrap().is_none());
+    kv.mark_computed(seq, 8).unwrap();
+    assert_eq!(kv.adoptable_prefix_blocks(&doc, &key), Some(2));
+    kv.free(seq).unwrap();
+    kv.drain_tier_moves().for_each(drop);
+    // Pushed out of the pool into the host tier: held there, and again nothing adoptable after them.
+    for s in 1..3u32 {
+        run(&mut kv, &key, &toks(100 * s..100 * s + 16), true);
+        kv.drain_tier_moves().for_each(drop);
+    }
+    assert_eq!(kv.held_prefix_blocks(&doc, &key), 2);
+    assert_eq!(
+        kv.adoptable_prefix_blocks(&doc, &key),
+        None,
+        "in the host tier"
+    );
+    assert!(kv.begin_adoption(&doc, &key, 2).unwrap().is_none());
+    // Nothing held: adoptable from the first block.
+    assert_eq!(kv.adoptable_prefix_blocks(&toks(500..516), &key), Some(0));
+    kv.check_invariants().unwrap();
+}
+
+#[test]
 fn the_pool_lists_its_cached_prefixes_largest_first() {
     let mut kv = manager(32);
     let (a, b) = (

@@ -5,7 +5,7 @@
 //! holds bytes, the disk holds exactly the blocks its index names, and every sequence whose blocks are all
 //! present reads back exactly the KV of its own tokens (no block anywhere with another block's content).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -40,6 +40,8 @@ struct Driver {
     pool: Vec<Option<u64>>,
     host: Vec<Option<u64>>,
     disk: HashMap<BlockHash, u64>,
+    /// Files a failed read deleted (a check failed), whose index entries the manager then drops.
+    deleted_by_read: HashSet<BlockHash>,
     /// Disk loads in flight: (block, hash).
     reading: Vec<(u32, BlockHash)>,
     fail_reads: bool,
@@ -77,6 +79,7 @@ impl Driver {
             pool: vec![None; pool as usize],
             host: vec![None; host as usize],
             disk: HashMap::new(),
+            deleted_by_read: HashSet::new(),
             reading: Vec::new(),
             fail_reads: true,
             loads_failed: 0,
@@ -111,10 +114,12 @@ impl Driver {
                     self.disk.insert(record.hash, bytes);
                 }
                 TierMove::DropDisk { hash } => {
-                    assert!(
-                        self.disk.remove(&hash).is_some(),
-                        "dropped a block never written"
-                    );
+                    if self.disk.remove(&hash).is_none() {
+                        assert!(
+                            self.deleted_by_read.remove(&hash),
+                            "dropped a block never written"
+                        );
+                    }
                 }
                 TierMove::LoadHost { slot, block } => {
                     self.pool[block as usize] =
@@ -140,8 +145,12 @@ impl Driver {
             .reading
             .remove(self.rng.random_range(0..self.reading.len()));
         if self.fail_reads && self.rng.random_range(0..10) == 0 {
-            // A corrupt file: the store deletes it, the manager drops it from its index.
-            self.disk.remove(&hash);
+            // A corrupt file, which the store deletes, or one the disk fails to read, which stays
+            // until the manager, dropping it from its index, has it deleted too.
+            if self.rng.random_range(0..2) == 0 {
+                self.disk.remove(&hash);
+                self.deleted_by_read.insert(hash);
+            }
             self.kv.complete_load(block, false).unwrap();
             self.loads_failed += 1;
             // Another load of the same hash may be queued: it fails too (file gone).
@@ -417,6 +426,48 @@ fn compute_prompt(d: &mut Driver, key: usize, tokens: &[u32]) {
     let l = d.live.pop().unwrap();
     d.kv.free(l.seq).unwrap();
     d.run_moves();
+}
+
+#[test]
+fn a_failed_disk_load_has_its_file_deleted() {
+    // A pool of 8 blocks and a disk tier of 64: a 6-block prefix pushed out of the pool is on disk.
+    let mut d = Driver::new(31, 8, 0, 64, OffloadPolicy::WriteBack);
+    d.fail_reads = false;
+    let prefix: Vec<u32> = (0..25).map(|i| (i * 7 + 1) % 5).collect();
+    compute_prompt(&mut d, 0, &prefix);
+    for s in 0..4u32 {
+        let other: Vec<u32> = (0..29).map(|i| (i * 3 + s) % 5).collect();
+        compute_prompt(&mut d, 1, &other);
+    }
+    let k = d.keys[0].clone();
+    let seq = d.kv.add_sequence(&k);
+    let hit = d.kv.find_cached_prefix(&prefix[..24], &k);
+    assert!(hit.num_tier_blocks(Tier::Disk) >= 2, "the prefix went down");
+    let cached = hit.num_cached_tokens();
+    d.kv.allocate_slots(seq, &prefix[cached..], Some(&hit))
+        .unwrap()
+        .expect("room");
+    d.run_moves();
+    // Every read fails with an I/O error, which leaves the file where it is: the manager drops the
+    // block from its index and has the file deleted, or it would hold disk space outside the budget.
+    let failed: Vec<(u32, BlockHash)> = d.reading.drain(..).collect();
+    assert_eq!(failed.len(), hit.num_tier_blocks(Tier::Disk));
+    for &(block, _) in &failed {
+        d.kv.complete_load(block, false).unwrap();
+    }
+    let dropped: Vec<BlockHash> =
+        d.kv.drain_tier_moves()
+            .filter_map(|m| match m {
+                TierMove::DropDisk { hash } => Some(hash),
+                _ => None,
+            })
+            .collect();
+    for (_, hash) in &failed {
+        assert!(dropped.contains(hash), "the file of a failed load is kept");
+        assert!(!d.kv.tier_has(Tier::Disk, *hash));
+    }
+    d.kv.free(seq).unwrap();
+    d.kv.check_invariants().unwrap();
 }
 
 #[test]

@@ -423,6 +423,11 @@ impl Scheduler {
         self.kv.held_prefix_blocks(tokens, key)
     }
 
+    /// See [`KvCacheManager::adoptable_prefix_blocks`].
+    pub fn adoptable_prefix_blocks(&mut self, tokens: &[u32], key: &CacheKey) -> Option<usize> {
+        self.kv.adoptable_prefix_blocks(tokens, key)
+    }
+
     /// See [`KvCacheManager::begin_adoption`].
     pub fn begin_adoption(
         &mut self,

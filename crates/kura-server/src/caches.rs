@@ -226,7 +226,7 @@ pub async fn patch(
     };
     let ttl_s = parse_context_ttl(ttl)?;
     let store = s.contexts.clone();
-    let c = handlers::off_the_workers(move || {
+    let changed = handlers::off_the_workers(move || {
         store.set_expiry(
             &id,
             &salt,
@@ -235,8 +235,13 @@ pub async fn patch(
         )
     })
     .await?;
+    let c = changed.context;
     // A shorter life takes effect at once: the old pin goes, the next use pins to the new expiry.
+    // (So too when the change could not be synced: it is in effect.)
     s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
+    if let Some(e) = changed.not_durable {
+        return Err(e);
+    }
     Ok(Json(c.to_json()))
 }
 
@@ -247,8 +252,12 @@ pub async fn delete(
 ) -> Result<Json<Value>, ApiError> {
     let salt = kura_api::effective_salt(&tenant, None);
     let (store, now) = (s.contexts.clone(), s.engine.cache_now_ms());
-    let c = handlers::off_the_workers(move || store.delete(&id, &salt, now)).await?;
+    let changed = handlers::off_the_workers(move || store.delete(&id, &salt, now)).await?;
+    let c = changed.context;
     s.engine.release_pin(c.tenant.clone(), c.tokens.clone());
+    if let Some(e) = changed.not_durable {
+        return Err(e);
+    }
     Ok(Json(
         json!({"id": c.id, "object": "cached_content.deleted", "deleted": true}),
     ))

@@ -136,11 +136,39 @@ fn set_aside(path: &Path, why: &str) -> String {
     )
 }
 
+/// The contexts in memory, and the room taken by contexts being written.
+#[derive(Debug, Default)]
+struct Book {
+    map: HashMap<String, SavedContext>,
+    /// New contexts whose files are being written, per tenant: counted against the quotas from the
+    /// check of room to the insert (or its failure), so that creates at once cannot all pass one
+    /// check and together go past a limit.
+    reserved: HashMap<Option<String>, usize>,
+}
+
+impl Book {
+    fn reserved_total(&self) -> usize {
+        self.reserved.values().sum()
+    }
+
+    /// Gives back one reservation of `tenant`'s.
+    fn release(&mut self, tenant: &Option<String>) {
+        if let Some(n) = self.reserved.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.reserved.remove(tenant);
+            }
+        }
+    }
+}
+
 /// Every saved context of the server, with their files.
 #[derive(Debug)]
 pub struct ContextStore {
     dir: Option<PathBuf>,
-    contexts: Mutex<HashMap<String, SavedContext>>,
+    contexts: Mutex<Book>,
+    /// Most contexts in all: [`MAX_CONTEXTS`] (smaller in tests).
+    limit: usize,
     /// Held by each change to an existing context (a new expiry, a deletion, expiry sweeps, owner
     /// moves) from its read to its last write, so that a change never puts back a context another
     /// one has just removed; reads take only `contexts`.
@@ -157,7 +185,8 @@ impl ContextStore {
     pub fn in_memory() -> Self {
         Self {
             dir: None,
-            contexts: Mutex::new(HashMap::new()),
+            contexts: Mutex::new(Book::default()),
+            limit: MAX_CONTEXTS,
             changes: Mutex::new(()),
         }
     }
@@ -239,14 +268,18 @@ impl ContextStore {
         Ok((
             Self {
                 dir: Some(dir),
-                contexts: Mutex::new(contexts),
+                contexts: Mutex::new(Book {
+                    map: contexts,
+                    reserved: HashMap::new(),
+                }),
+                limit: MAX_CONTEXTS,
                 changes: Mutex::new(()),
             },
             warnings,
         ))
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, SavedContext>> {
+    fn lock(&self) -> MutexGuard<'_, Book> {
         self.contexts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -259,47 +292,109 @@ impl ContextStore {
         self.dir.as_ref().map(|d| d.join(format!("{id}.json")))
     }
 
-    /// Writes a context's file, readable by the server's user only (a temporary file renamed into
+    /// Writes a new context's file, readable by the server's user only (a temporary file renamed into
     /// place). Blocking I/O: callers on an async runtime run it on the blocking pool. A failure is
-    /// logged with the file's path and answered without it (507).
+    /// logged with the file's path and answered without it (507); the file is then absent.
     fn write(&self, c: &SavedContext) -> Result<(), ApiError> {
         let Some(path) = self.path_of(&c.id) else {
             return Ok(());
         };
-        let bytes = serde_json::to_vec(c)
-            .map_err(|e| ApiError::Internal(format!("serializing a saved context: {e}")))?;
+        let bytes = serialize(c)?;
         kura_files::write_private_atomic(&path, &bytes).map_err(|e| {
             tracing::error!(file = %path.display(), error = %e, "could not write a saved context");
-            ApiError::StorageFull(format!(
-                "the saved context could not be stored: the server's storage is full or failing \
-                     ({})",
-                io_kind(&e)
-            ))
+            storage_failed("the saved context could not be stored", &e)
         })
     }
 
-    fn remove_files(&self, ids: &[String]) {
-        for id in ids {
-            if let Some(path) = self.path_of(id) {
-                let _ = std::fs::remove_file(path);
+    /// Writes an existing context's file anew (a new expiry, a new owner). `Err` (507): nothing
+    /// changed, the old file is in place. `Ok(Some(error))`: the new file is in place but its
+    /// directory could not be synced, so a power loss may bring the old one back; the change stands
+    /// (removing the new file would lose the context) and the error is for the answer. Blocking I/O.
+    fn rewrite(&self, c: &SavedContext) -> Result<Option<ApiError>, ApiError> {
+        let Some(path) = self.path_of(&c.id) else {
+            return Ok(None);
+        };
+        let bytes = serialize(c)?;
+        match kura_files::replace_private_atomic(&path, &bytes) {
+            Ok(()) => Ok(None),
+            Err(kura_files::ReplaceError::NotWritten(e)) => {
+                tracing::error!(file = %path.display(), error = %e, "could not write a saved context");
+                Err(storage_failed("the saved context could not be changed", &e))
+            }
+            Err(kura_files::ReplaceError::NotSynced(e)) => {
+                tracing::error!(file = %path.display(), error = %e,
+                    "a saved context was changed, but its directory could not be synced: a power \
+                     loss may undo the change");
+                Ok(Some(not_durable("the change is in effect", &e)))
             }
         }
     }
 
+    /// Removes context `id`'s file; one already gone is no error. A failure is logged with the path.
+    fn remove_file(&self, id: &str) -> std::io::Result<()> {
+        let Some(path) = self.path_of(id) else {
+            return Ok(());
+        };
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                tracing::error!(file = %path.display(), error = %e,
+                    "could not remove a saved context's file");
+                Err(e)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Syncs the contexts' directory after removals, so that they outlive a power loss. A failure is
+    /// logged.
+    fn sync_removals(&self) -> std::io::Result<()> {
+        let Some(dir) = &self.dir else {
+            return Ok(());
+        };
+        kura_files::sync_dir(dir).inspect_err(|e| {
+            tracing::error!(dir = %dir.display(), error = %e,
+                "saved contexts were removed, but their directory could not be synced: a power loss \
+                 may bring them back");
+        })
+    }
+
     /// Adds a new context (and its file) if its tenant has room under `per_tenant` and the server under
-    /// [`MAX_CONTEXTS`]. Blocking I/O.
+    /// [`MAX_CONTEXTS`]. The room is taken when it is checked, before the file is written, and given
+    /// back if the write fails: creates at once never go past a limit together. Blocking I/O.
     pub fn insert(&self, c: SavedContext, per_tenant: usize) -> Result<(), ApiError> {
-        self.check_room(&c.tenant, per_tenant)?;
-        self.write(&c)?;
-        self.lock().insert(c.id.clone(), c);
+        {
+            let mut book = self.lock();
+            self.room(&book, &c.tenant, per_tenant)?;
+            *book.reserved.entry(c.tenant.clone()).or_insert(0) += 1;
+        }
+        let written = self.write(&c);
+        let mut book = self.lock();
+        book.release(&c.tenant);
+        written?;
+        book.map.insert(c.id.clone(), c);
         Ok(())
     }
 
     /// Whether `tenant` may save another context: fewer than `per_tenant` of its own, and fewer than
-    /// [`MAX_CONTEXTS`] in all (expired ones not yet dropped are counted).
+    /// [`MAX_CONTEXTS`] in all (expired ones not yet dropped, and new ones being written, are
+    /// counted). A check ahead of the work of a create; [`Self::insert`] checks again.
     pub fn check_room(&self, tenant: &Option<String>, per_tenant: usize) -> Result<(), ApiError> {
-        let map = self.lock();
-        let mine = map.values().filter(|c| &c.tenant == tenant).count();
+        self.room(&self.lock(), tenant, per_tenant)
+    }
+
+    fn room(
+        &self,
+        book: &Book,
+        tenant: &Option<String>,
+        per_tenant: usize,
+    ) -> Result<(), ApiError> {
+        let reserved = book.reserved.get(tenant).copied().unwrap_or(0);
+        let mine = book
+            .map
+            .values()
+            .filter(|c| &c.tenant == tenant)
+            .count()
+            .saturating_add(reserved);
         if mine >= per_tenant {
             return Err(ApiError::QuotaExceeded {
                 message: format!(
@@ -309,8 +404,8 @@ impl ContextStore {
                 code: "too_many_caches",
             });
         }
-        let n = map.len();
-        if n >= MAX_CONTEXTS {
+        let n = book.map.len().saturating_add(book.reserved_total());
+        if n >= self.limit {
             return Err(ApiError::QuotaExceeded {
                 message: format!(
                     "this server holds {n} saved contexts, its limit; delete some (DELETE \
@@ -322,22 +417,30 @@ impl ContextStore {
         Ok(())
     }
 
-    /// Drops every context expired at `now_ms`, and then their files (outside the lock). Blocking I/O.
+    /// Drops every context expired at `now_ms` whose file is removed, and syncs the directory. A
+    /// context whose file cannot be removed stays (expired: never served) and is tried again at the
+    /// next sweep, rather than come back at the next start while its record is gone. Blocking I/O.
     pub fn expire(&self, now_ms: u64) {
         let _turn = self.changing();
-        let gone: Vec<String> = {
-            let mut map = self.lock();
-            let gone: Vec<String> = map
-                .values()
-                .filter(|c| c.expires_at_ms <= now_ms)
-                .map(|c| c.id.clone())
-                .collect();
-            for id in &gone {
-                map.remove(id);
-            }
-            gone
-        };
-        self.remove_files(&gone);
+        let due: Vec<String> = self
+            .lock()
+            .map
+            .values()
+            .filter(|c| c.expires_at_ms <= now_ms)
+            .map(|c| c.id.clone())
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let gone: Vec<&String> = due
+            .iter()
+            .filter(|id| self.remove_file(id).is_ok())
+            .collect();
+        let _ = self.sync_removals();
+        let mut book = self.lock();
+        for id in gone {
+            book.map.remove(id);
+        }
     }
 
     /// Moves contexts owned by an old tenant name to its new one (`(old, new)` pairs), rewriting their
@@ -345,7 +448,8 @@ impl ContextStore {
     pub fn migrate_owners(&self, renames: &[(String, String)]) -> Result<usize, ApiError> {
         let _turn = self.changing();
         let moved: Vec<SavedContext> = {
-            let mut map = self.lock();
+            let mut book = self.lock();
+            let map = &mut book.map;
             let mut moved = Vec::new();
             for c in map.values_mut() {
                 if let Some((_, new)) = renames
@@ -358,8 +462,9 @@ impl ContextStore {
             }
             moved
         };
+        // A file in place whose directory sync failed keeps its change (logged).
         for c in &moved {
-            self.write(c)?;
+            self.rewrite(c)?;
         }
         Ok(moved.len())
     }
@@ -372,6 +477,7 @@ impl ContextStore {
         now_ms: u64,
     ) -> Result<SavedContext, ApiError> {
         self.lock()
+            .map
             .get(id)
             .filter(|c| &c.tenant == tenant && c.expires_at_ms > now_ms)
             .cloned()
@@ -410,7 +516,7 @@ impl ContextStore {
         {
             // A change's turn: a change to it under way (a new expiry) does not write it back.
             let _turn = self.changing();
-            self.lock().remove(id);
+            self.lock().map.remove(id);
             if let Some(path) = self.path_of(id) {
                 tracing::warn!("{}", set_aside(&path, "its tokens are not its text's"));
             }
@@ -423,7 +529,7 @@ impl ContextStore {
                 code: Some("cache_damaged"),
             });
         }
-        if let Some(stored) = self.lock().get_mut(id) {
+        if let Some(stored) = self.lock().map.get_mut(id) {
             stored.verified = true;
         }
         Ok(SavedContext {
@@ -436,6 +542,7 @@ impl ContextStore {
     pub fn list(&self, tenant: &Option<String>, now_ms: u64) -> Vec<SavedContext> {
         let mut out: Vec<SavedContext> = self
             .lock()
+            .map
             .values()
             .filter(|c| &c.tenant == tenant && c.expires_at_ms > now_ms)
             .cloned()
@@ -451,40 +558,61 @@ impl ContextStore {
         tenant: &Option<String>,
         now_ms: u64,
         expires_at_ms: u64,
-    ) -> Result<SavedContext, ApiError> {
+    ) -> Result<Changed, ApiError> {
         let _turn = self.changing();
         let mut c = self.get(id, tenant, now_ms)?;
         c.expires_at_ms = expires_at_ms;
-        self.write(&c)?;
-        self.lock().insert(c.id.clone(), c.clone());
-        Ok(c)
+        let not_durable = self.rewrite(&c)?;
+        self.lock().map.insert(c.id.clone(), c.clone());
+        Ok(Changed {
+            context: c,
+            not_durable,
+        })
     }
 
-    /// Deletes a context (and its file).
+    /// Deletes a context (and its file). Blocking I/O.
     pub fn delete(
         &self,
         id: &str,
         tenant: &Option<String>,
         now_ms: u64,
-    ) -> Result<SavedContext, ApiError> {
+    ) -> Result<Changed, ApiError> {
         let _turn = self.changing();
         let c = self.get(id, tenant, now_ms)?;
-        self.lock().remove(id);
-        self.remove_files(std::slice::from_ref(&c.id));
-        Ok(c)
+        self.remove(c)
     }
 
-    /// Deletes a context whatever its tenant (the operator's `kura cache rm`).
-    pub fn delete_any(&self, id: &str) -> Option<SavedContext> {
+    /// Deletes a context whatever its tenant (the operator's `kura cache rm`); `None` if there is no
+    /// such context. Blocking I/O.
+    pub fn delete_any(&self, id: &str) -> Result<Option<Changed>, ApiError> {
         let _turn = self.changing();
-        let c = self.lock().remove(id)?;
-        self.remove_files(std::slice::from_ref(&c.id));
-        Some(c)
+        let Some(c) = self.lock().map.get(id).cloned() else {
+            return Ok(None);
+        };
+        self.remove(c).map(Some)
+    }
+
+    /// Removes `c`'s file, then its record, and syncs the directory (the caller holds the changes'
+    /// turn). A file that cannot be removed leaves the context as it was (507): gone from memory only,
+    /// it would come back at the next start.
+    fn remove(&self, c: SavedContext) -> Result<Changed, ApiError> {
+        self.remove_file(&c.id).map_err(|e| {
+            storage_failed("the saved context could not be deleted; it is kept", &e)
+        })?;
+        self.lock().map.remove(&c.id);
+        let not_durable = self
+            .sync_removals()
+            .err()
+            .map(|e| not_durable("the saved context was deleted", &e));
+        Ok(Changed {
+            context: c,
+            not_durable,
+        })
     }
 
     /// Every context, whatever its tenant or expiry (the operator's `kura cache list`).
     pub fn all(&self) -> Vec<SavedContext> {
-        let mut out: Vec<SavedContext> = self.lock().values().cloned().collect();
+        let mut out: Vec<SavedContext> = self.lock().map.values().cloned().collect();
         out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         out
     }
@@ -498,6 +626,37 @@ fn io_kind(e: &std::io::Error) -> &'static str {
         Some(30) => "read-only file system",
         _ => "input/output error",
     }
+}
+
+/// A change made to a saved context ([`ContextStore::set_expiry`], [`ContextStore::delete`]).
+#[derive(Debug)]
+pub struct Changed {
+    /// The context as changed (as it was, for a deletion).
+    pub context: SavedContext,
+    /// The error to answer with when the change is in effect but its directory could not be synced
+    /// afterwards, so that a power loss may undo it (507).
+    pub not_durable: Option<ApiError>,
+}
+
+fn serialize(c: &SavedContext) -> Result<Vec<u8>, ApiError> {
+    serde_json::to_vec(c)
+        .map_err(|e| ApiError::Internal(format!("serializing a saved context: {e}")))
+}
+
+/// 507 for a failed write or removal (`what` happened, nothing changed), without any path.
+fn storage_failed(what: &str, e: &std::io::Error) -> ApiError {
+    ApiError::StorageFull(format!(
+        "{what}: the server's storage is full or failing ({})",
+        io_kind(e)
+    ))
+}
+
+/// 507 for a change in effect that its storage could not make durable.
+fn not_durable(what: &str, e: &std::io::Error) -> ApiError {
+    ApiError::StorageFull(format!(
+        "{what}, but the server's storage failed to make it durable ({}): a power loss may undo it",
+        io_kind(e)
+    ))
 }
 
 /// A new context id: `ctx_` and [`random_hex96`].
@@ -588,8 +747,126 @@ mod tests {
         assert_eq!(e.status().as_u16(), 429);
         assert!(e.to_string().contains("this API key holds 3"), "{e}");
         store.insert(context(21, Some("c"), u64::MAX), 3).unwrap();
-        assert!(store.delete_any(&format!("ctx_{:024x}", 10)).is_some());
+        assert!(store
+            .delete_any(&format!("ctx_{:024x}", 10))
+            .unwrap()
+            .is_some());
         store.insert(context(20, Some("b"), u64::MAX), 3).unwrap();
+    }
+
+    #[test]
+    fn creates_at_once_never_go_past_a_quota() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (mut store, _) = ContextStore::open(&dir).unwrap();
+        store.limit = 30;
+        let store = Arc::new(store);
+        // Each create checks for room, writes its file (synced) and enters the context: 60 of them at
+        // once, for two tenants of a quota of 20 each on a server that holds 30, used to all pass
+        // their checks before any was entered.
+        let start = Arc::new(std::sync::Barrier::new(60));
+        let creates: Vec<_> = (0..60)
+            .map(|i| {
+                let (store, start) = (store.clone(), start.clone());
+                std::thread::spawn(move || {
+                    let tenant = if i % 2 == 0 { "a" } else { "b" };
+                    start.wait();
+                    store.insert(context(100 + i, Some(tenant), u64::MAX), 20)
+                })
+            })
+            .collect();
+        let results: Vec<_> = creates.into_iter().map(|t| t.join().unwrap()).collect();
+        let made = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(made, 30, "the server's limit");
+        for e in results.iter().filter_map(|r| r.as_ref().err()) {
+            assert_eq!(e.status().as_u16(), 429, "{e}");
+        }
+        for tenant in ["a", "b"] {
+            let n = store.list(&Some(tenant.into()), 0).len();
+            assert!(n <= 20, "tenant {tenant} holds {n}");
+        }
+        let files = std::fs::read_dir(dir.join("contexts")).unwrap().count();
+        assert_eq!(files, 30);
+        // One tenant alone, under its own quota.
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        let store = Arc::new(store);
+        let start = Arc::new(std::sync::Barrier::new(50));
+        let creates: Vec<_> = (0..50)
+            .map(|i| {
+                let (store, start) = (store.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    store
+                        .insert(context(200 + i, Some("c"), u64::MAX), 7)
+                        .is_ok()
+                })
+            })
+            .collect();
+        let made = creates
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .filter(|&ok| ok)
+            .count();
+        assert_eq!(made, 7);
+        assert_eq!(store.list(&Some("c".into()), 0).len(), 7);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_create_whose_file_cannot_be_written_gives_its_room_back() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        // The directory gone and a file in its place: every write fails.
+        std::fs::remove_dir_all(dir.join("contexts")).unwrap();
+        std::fs::write(dir.join("contexts"), b"in the way").unwrap();
+        let e = store
+            .insert(context(1, Some("a"), u64::MAX), 1)
+            .unwrap_err();
+        assert_eq!(e.status().as_u16(), 507, "{e}");
+        assert!(store.all().is_empty());
+        std::fs::remove_file(dir.join("contexts")).unwrap();
+        std::fs::create_dir(dir.join("contexts")).unwrap();
+        store.check_room(&Some("a".into()), 1).unwrap();
+        store.insert(context(2, Some("a"), u64::MAX), 1).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_context_whose_file_cannot_be_removed_is_kept_not_lost_from_memory_only() {
+        let dir = std::env::temp_dir().join(format!("kura-ctx-{}-{}", std::process::id(), line!()));
+        let (store, _) = ContextStore::open(&dir).unwrap();
+        let tenant = Some("a".to_string());
+        let (c1, c2) = (context(1, Some("a"), 5_000), context(2, Some("a"), 5_000));
+        let (id1, id2) = (c1.id.clone(), c2.id.clone());
+        store.insert(c1, 10).unwrap();
+        store.insert(c2, 10).unwrap();
+        // A file that cannot be unlinked (a directory, not empty, in its place).
+        let file = dir.join("contexts").join(format!("{id1}.json"));
+        std::fs::remove_file(&file).unwrap();
+        std::fs::create_dir_all(file.join("x")).unwrap();
+        let e = store.delete(&id1, &tenant, 0).unwrap_err();
+        assert_eq!(e.status().as_u16(), 507, "{e}");
+        assert!(e.to_string().contains("could not be deleted"), "{e}");
+        assert!(store.get(&id1, &tenant, 0).is_ok(), "kept, as its file is");
+        assert!(store.delete_any(&id1).is_err());
+        // Expired: the one whose file stays is kept (never served) and tried again at the next sweep.
+        store.expire(5_000);
+        assert!(store.get(&id1, &tenant, 0).is_ok());
+        assert!(store.get(&id1, &tenant, 5_000).is_err(), "expired");
+        assert_eq!(store.all().len(), 1);
+        assert!(!dir.join("contexts").join(format!("{id2}.json")).exists());
+        std::fs::remove_dir_all(&file).unwrap();
+        store.expire(5_000);
+        assert!(store.all().is_empty());
+        // A deletion is in memory and on disk, and stays so at the next start.
+        store.insert(context(3, Some("a"), u64::MAX), 10).unwrap();
+        let changed = store
+            .delete(&format!("ctx_{:024x}", 3), &tenant, 0)
+            .unwrap();
+        assert!(changed.not_durable.is_none());
+        let (again, warnings) = ContextStore::open(&dir).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(again.all().is_empty());
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
@@ -646,7 +923,7 @@ mod tests {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_millis() as u64;
-        let loaded = again.lock()[&format!("ctx_{:024x}", 7)].expires_at_ms;
+        let loaded = again.lock().map[&format!("ctx_{:024x}", 7)].expires_at_ms;
         assert!(loaded <= now_ms + MAX_CONTEXT_TTL_S * 1000, "{loaded}");
         assert!(
             loaded + 60_000 > now_ms + MAX_CONTEXT_TTL_S * 1000,

@@ -76,7 +76,7 @@ pub struct ScanReport {
     pub blocks: Vec<(BlockRecord, SystemTime)>,
     /// Files deleted because they were damaged: bad magic, version, header length or checksum, a size other
     /// than the header says, a name that is not the header's block hash or not a block file name, not a
-    /// regular file, or unreadable.
+    /// regular file, unreadable, or its own ancestor (a parent chain that loops).
     pub removed_corrupt: u64,
     /// Intact files deleted because they belong to another configuration (another fingerprint or payload
     /// size).
@@ -235,6 +235,7 @@ impl DiskStore {
             })?;
         }
         store.scan(&mut report, new_seed)?;
+        store.drop_parent_cycles(&mut report);
         if new_seed {
             write_meta(dir, &store.tmp_dir, seed)?;
         }
@@ -500,6 +501,73 @@ impl DiskStore {
             }
         }
         Ok(())
+    }
+
+    /// Deletes the blocks kept whose parent chain, followed through the blocks kept, comes back to
+    /// them (a block its own parent, or a longer loop). A chained hash covers its parent's, so no
+    /// block written by Kura is in one: such a file is damaged or forged, and as its own descendant it
+    /// would never be a leaf of the tier's leaf-first eviction order, so never evicted. A block that
+    /// only hangs from a loop is kept, as one whose parent is gone. O(blocks).
+    fn drop_parent_cycles(&self, report: &mut ScanReport) {
+        let at: std::collections::HashMap<u128, usize> = report
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, (r, _))| (r.hash, i))
+            .collect();
+        // Per block: not seen, on the chain being followed, in a loop, or not in one.
+        #[derive(Clone, Copy, PartialEq)]
+        enum Seen {
+            No,
+            OnChain,
+            Loop,
+            Done,
+        }
+        let mut seen = vec![Seen::No; report.blocks.len()];
+        let mut chain = Vec::new();
+        for start in 0..report.blocks.len() {
+            let mut b = start;
+            let mut looped = false;
+            while seen[b] == Seen::No {
+                seen[b] = Seen::OnChain;
+                chain.push(b);
+                match at.get(&report.blocks[b].0.parent_hash) {
+                    Some(&parent) => {
+                        b = parent;
+                        looped = seen[b] == Seen::OnChain;
+                    }
+                    None => break,
+                }
+            }
+            if looped {
+                // The chain came back to `b`: it and the blocks after it on the chain form the loop.
+                let from = chain.iter().position(|&c| c == b).unwrap_or(0);
+                for &c in &chain[from..] {
+                    seen[c] = Seen::Loop;
+                }
+            }
+            for c in chain.drain(..) {
+                if seen[c] == Seen::OnChain {
+                    seen[c] = Seen::Done;
+                }
+            }
+        }
+        if !seen.contains(&Seen::Loop) {
+            return;
+        }
+        let blocks = std::mem::take(&mut report.blocks);
+        for ((rec, mtime), seen) in blocks.into_iter().zip(seen) {
+            if seen != Seen::Loop {
+                report.blocks.push((rec, mtime));
+                continue;
+            }
+            // The scan checked the file's size against its header: this is it.
+            let size = block_file_bytes(rec.tokens.len(), self.payload_len);
+            report.bytes = report.bytes.saturating_sub(size);
+            tracing::warn!(path = %self.path_of(rec.hash).display(),
+                "disk tier: a block file is its own ancestor; removing it");
+            discard(&self.path_of(rec.hash), Check::ParentCycle, report);
+        }
     }
 
     /// Checks one block file from its header; returns its record, modification time and size.

@@ -52,7 +52,8 @@ pub enum ReadError {
     /// been deleted.
     #[error("block file {path} rejected and deleted: {what}")]
     Corrupt { path: PathBuf, what: Check },
-    /// The operating system failed to read the file; it is left in place.
+    /// The operating system failed to read the file; it is left in place (Kura's cache manager drops
+    /// the block and has the file removed).
     #[error("cannot read block file {path}: {source}")]
     Io {
         path: PathBuf,
@@ -103,6 +104,10 @@ pub enum Check {
     SeedLost,
     #[error("not a regular file (a directory, FIFO, socket or device) where a block file belongs")]
     NotRegular,
+    #[error(
+        "its parent chain comes back to it (a block's hash covers its parent's: damaged or forged)"
+    )]
+    ParentCycle,
 }
 
 impl Check {

@@ -28,7 +28,12 @@
 //! Redis is a cache here, never a dependency: the engine never waits on this thread. Jobs are offered
 //! with `try_*` and dropped (counted) when the queue is full; a connection failure answers fetches as
 //! misses and drops writes until a reconnection, tried at most once a second, succeeds; every command has
-//! a timeout. Costs: a write copies the record once into the job; a fetch moves each payload once.
+//! a timeout. A write that is not stored — dropped while Redis is unreachable, lost with the connection,
+//! or answered with an error (`OOM` under `noeviction`, a read-only replica) — is reported back by its
+//! tag ([`RemoteWorker::failed_puts`]), so that the caller may write it again later; an error reply
+//! fails only its own write, not the connection. A fetch still queued when its caller's deadline has
+//! passed is answered empty without being run. Costs: a write copies the record once into the job; a
+//! fetch moves each payload once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
@@ -285,27 +290,36 @@ pub struct RemoteStats {
     /// Values with a good MAC whose record then failed a check (another fingerprint, block or payload
     /// checksum), deleted.
     pub corrupt: AtomicU64,
-    /// Jobs dropped because the queue was full or Redis unreachable.
+    /// Jobs dropped because the queue was full or Redis unreachable, writes refused with an error
+    /// reply, and fetches whose deadline passed before they ran.
     pub dropped: AtomicU64,
     /// 1 while connected.
     pub connected: AtomicU64,
 }
 
 enum Job {
-    Put {
-        key: String,
-        record: Vec<u8>,
-    },
+    Put(Put),
     Fetch {
         ticket: u64,
         blocks: Vec<(String, BlockRecord)>,
+        /// When the caller stops waiting for the answer: a fetch reached after it is not run.
+        deadline: Instant,
     },
+}
+
+/// A write: its caller's tag (reported back if the write fails), the Redis key and the record.
+struct Put {
+    tag: u128,
+    key: String,
+    record: Vec<u8>,
 }
 
 /// The shared tier's thread and its queues.
 pub struct RemoteWorker {
     tx: Option<SyncSender<Job>>,
     done: Receiver<FetchDone>,
+    /// Tags of writes that were not stored.
+    failed: Receiver<u128>,
     thread: Option<JoinHandle<()>>,
     stats: Arc<RemoteStats>,
 }
@@ -324,6 +338,7 @@ impl RemoteWorker {
         let client = client(&setup, &shown_url)?;
         let (tx, rx) = mpsc::sync_channel(QUEUE);
         let (done_tx, done) = mpsc::channel();
+        let (failed_tx, failed) = mpsc::channel();
         let stats = Arc::new(RemoteStats::default());
         let mut thread = Thread {
             setup,
@@ -333,6 +348,8 @@ impl RemoteWorker {
             retry_at: Instant::now(),
             stats: stats.clone(),
             done: done_tx,
+            failed: failed_tx,
+            error_replies: false,
         };
         let handle = std::thread::Builder::new()
             .name("kura-kv-redis".into())
@@ -341,6 +358,7 @@ impl RemoteWorker {
         Ok(Self {
             tx: Some(tx),
             done,
+            failed,
             thread: Some(handle),
             stats,
         })
@@ -361,15 +379,32 @@ impl RemoteWorker {
         }
     }
 
-    /// Queues a write of `record` under `key`; `false` (dropped) when the queue is full.
-    pub fn try_put(&self, key: String, record: Vec<u8>) -> bool {
-        self.offer(Job::Put { key, record })
+    /// Queues a write of `record` under `key`; `false` (dropped) when the queue is full. If the write is
+    /// queued but then not stored, `tag` comes back from [`RemoteWorker::failed_puts`].
+    pub fn try_put(&self, tag: u128, key: String, record: Vec<u8>) -> bool {
+        self.offer(Job::Put(Put { tag, key, record }))
     }
 
     /// Queues a fetch of `blocks` (key, expected record), a prompt's leading blocks in order; its answer
-    /// comes back from [`RemoteWorker::poll`] under `ticket`. `false` when the queue is full.
-    pub fn try_fetch(&self, ticket: u64, blocks: Vec<(String, BlockRecord)>) -> bool {
-        self.offer(Job::Fetch { ticket, blocks })
+    /// comes back from [`RemoteWorker::poll`] under `ticket`: empty, without asking Redis, if the thread
+    /// reaches it only after `deadline` (its caller has stopped waiting). `false` when the queue is full.
+    pub fn try_fetch(
+        &self,
+        ticket: u64,
+        blocks: Vec<(String, BlockRecord)>,
+        deadline: Instant,
+    ) -> bool {
+        self.offer(Job::Fetch {
+            ticket,
+            blocks,
+            deadline,
+        })
+    }
+
+    /// Tags of the writes queued and then not stored (Redis unreachable, the connection lost, or an
+    /// error reply) since the last call.
+    pub fn failed_puts(&self) -> Vec<u128> {
+        self.failed.try_iter().collect()
     }
 
     /// Fetches answered since the last call.
@@ -403,6 +438,9 @@ struct Thread {
     retry_at: Instant,
     stats: Arc<RemoteStats>,
     done: mpsc::Sender<FetchDone>,
+    failed: mpsc::Sender<u128>,
+    /// Whether the last write pipeline had an error reply (logged once per run of them).
+    error_replies: bool,
 }
 
 impl Thread {
@@ -412,10 +450,20 @@ impl Thread {
             let mut next = Some(first);
             while let Some(job) = next.take() {
                 match job {
-                    Job::Put { key, record } => puts.push((key, record)),
-                    Job::Fetch { ticket, blocks } => {
+                    Job::Put(put) => puts.push(put),
+                    Job::Fetch {
+                        ticket,
+                        blocks,
+                        deadline,
+                    } => {
                         self.write(std::mem::take(&mut puts));
-                        let payloads = self.fetch(&blocks);
+                        // Its caller has given up on it: its answer would be ignored.
+                        let payloads = if Instant::now() >= deadline {
+                            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                            Vec::new()
+                        } else {
+                            self.fetch(&blocks)
+                        };
                         let _ = self.done.send(FetchDone { ticket, payloads });
                     }
                 }
@@ -463,39 +511,75 @@ impl Thread {
         self.retry_at = Instant::now() + RECONNECT_EVERY;
     }
 
-    fn write(&mut self, puts: Vec<(String, Vec<u8>)>) {
+    /// Reports writes that were not stored (their tags back to the caller).
+    fn not_stored<'a>(&self, puts: impl IntoIterator<Item = &'a Put>) {
+        for put in puts {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            // The receiver lives as long as the worker, which joins this thread before dropping it.
+            let _ = self.failed.send(put.tag);
+        }
+    }
+
+    fn write(&mut self, puts: Vec<Put>) {
         if puts.is_empty() {
             return;
         }
         let ttl = self.setup.ttl_s;
-        let n = puts.len() as u64;
         let mac_key = self.setup.mac_key;
         let Some(conn) = self.conn() else {
-            self.stats.dropped.fetch_add(n, Ordering::Relaxed);
+            self.not_stored(&puts);
             return;
         };
         let mut pipe = redis::pipe();
-        for (key, record) in &puts {
+        for put in &puts {
             let sealed = Sealed {
-                record,
-                mac: record_mac(&mac_key, key, record),
+                record: &put.record,
+                mac: record_mac(&mac_key, &put.key, &put.record),
             };
-            pipe.cmd("SET")
-                .arg(key)
-                .arg(sealed)
-                .arg("EX")
-                .arg(ttl)
-                .ignore();
+            pipe.cmd("SET").arg(&put.key).arg(sealed).arg("EX").arg(ttl);
         }
-        match pipe.query::<()>(conn) {
-            Ok(()) => {
-                self.stats.stores.fetch_add(n, Ordering::Relaxed);
-            }
+        // Read as raw replies, so that an error reply (OOM under `noeviction`, a read-only replica)
+        // fails its own write and leaves the connection up.
+        let replies = match conn.req_packed_commands(&pipe.get_packed_pipeline(), 0, puts.len()) {
+            Ok(replies) => replies,
             Err(e) => {
-                self.stats.dropped.fetch_add(n, Ordering::Relaxed);
                 self.failed(&e);
+                self.not_stored(&puts);
+                return;
+            }
+        };
+        let mut refused = Vec::new();
+        let mut first_error = None;
+        for (put, reply) in puts.iter().zip(&replies) {
+            match reply {
+                redis::Value::ServerError(e) => {
+                    first_error.get_or_insert_with(|| e.clone());
+                    refused.push(put);
+                }
+                _ => {
+                    self.stats.stores.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
+        // Fewer replies than writes: the rest were not confirmed.
+        refused.extend(puts.iter().skip(replies.len()));
+        match &first_error {
+            Some(e) if !self.error_replies => {
+                tracing::warn!(url = %self.shown_url, code = %e.code(), refused = refused.len(),
+                    "Redis KV tier (L4) refused writes (each is written again when its block is next computed or loaded)");
+            }
+            Some(e) => {
+                tracing::debug!(code = %e.code(), refused = refused.len(), "Redis KV tier (L4) refused writes");
+            }
+            None => {}
+        }
+        self.error_replies = first_error.is_some();
+        if !refused.is_empty() {
+            self.stats
+                .errors
+                .fetch_add(refused.len() as u64, Ordering::Relaxed);
+        }
+        self.not_stored(refused);
     }
 
     /// The verified payloads of the leading blocks found.

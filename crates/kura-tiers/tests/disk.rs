@@ -533,6 +533,52 @@ fn reopen_lists_exactly_the_blocks_written() {
 }
 
 #[test]
+fn blocks_that_are_their_own_ancestors_are_removed_at_open() {
+    let d = TestDir::new("cycles");
+    let block = |hash: u128, parent: u128| BlockRecord {
+        hash,
+        parent_hash: parent,
+        key_digest: 0xaaaa,
+        tokens: vec![hash as u32, 1, 2],
+    };
+    let h = |i: u128| i << 100 | i;
+    // Its own parent; a loop of two and one of three; a block hanging from the loop of three; a
+    // chain from a root (the key digest) that loops nowhere.
+    let looped = [
+        block(h(1), h(1)),
+        block(h(2), h(3)),
+        block(h(3), h(2)),
+        block(h(4), h(5)),
+        block(h(5), h(6)),
+        block(h(6), h(4)),
+    ];
+    let kept = [
+        block(h(7), h(5)),
+        block(h(8), 0xaaaa),
+        block(h(9), h(8)),
+        block(h(10), h(9)),
+    ];
+    {
+        let (store, _) = open(&d.0);
+        for (i, r) in looped.iter().chain(&kept).enumerate() {
+            store.write(r, &payload(i as u64)).unwrap();
+        }
+    }
+    let (store, report) = open(&d.0);
+    assert_eq!(records(&report), sorted(kept.to_vec()));
+    assert_eq!(report.removed_corrupt, looped.len() as u64);
+    let bytes: u64 = kept.iter().map(|r| (header_len(r) + LEN) as u64).sum();
+    assert_eq!(report.bytes, bytes);
+    for r in &looped {
+        assert!(!store.path_of(r.hash).exists());
+    }
+    // Nothing left to remove at the next open.
+    let (_, again) = open(&d.0);
+    assert_eq!(records(&again), sorted(kept.to_vec()));
+    assert_eq!(again.removed_corrupt, 0);
+}
+
+#[test]
 fn the_listing_is_oldest_first() {
     let d = TestDir::new("mtime");
     let (store, _) = open(&d.0);

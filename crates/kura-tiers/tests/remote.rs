@@ -57,7 +57,7 @@ fn key(i: u32) -> String {
 fn put(w: &RemoteWorker, key: &str, i: u32) {
     let (rec, payload) = block(i);
     let before = w.stats().stores.load(Ordering::Relaxed);
-    assert!(w.try_put(key.into(), encode_record(FP, &rec, &payload)));
+    assert!(w.try_put(u128::from(i), key.into(), encode_record(FP, &rec, &payload)));
     let deadline = Instant::now() + Duration::from_secs(10);
     while w.stats().stores.load(Ordering::Relaxed) == before {
         assert!(Instant::now() < deadline, "the write was not stored");
@@ -73,7 +73,7 @@ fn fetch(w: &RemoteWorker, blocks: &[(String, u32)]) -> Vec<Vec<u8>> {
         .iter()
         .map(|(k, i)| (k.clone(), block(*i).0))
         .collect();
-    assert!(w.try_fetch(ticket, lookups));
+    assert!(w.try_fetch(ticket, lookups, Instant::now() + Duration::from_secs(10)));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(done) = w.poll().into_iter().find(|d| d.ticket == ticket) {
@@ -193,7 +193,7 @@ fn a_good_mac_on_a_record_failing_its_checks_is_counted_corrupt() {
     // Same fleet key, another model fingerprint.
     let other = RemoteWorker::start(setup(&redis.url, KEY_A, FP ^ 1)).unwrap();
     let (rec, payload) = block(9);
-    assert!(other.try_put(key(9), encode_record(FP ^ 1, &rec, &payload)));
+    assert!(other.try_put(9, key(9), encode_record(FP ^ 1, &rec, &payload)));
     let deadline = Instant::now() + Duration::from_secs(10);
     while !redis.exists(&key(9)) {
         assert!(Instant::now() < deadline);
@@ -215,6 +215,124 @@ fn a_fetch_stops_at_the_first_missing_block() {
     assert_eq!(got, vec![block(10).1]);
     assert_eq!(counts(&w), (0, 0, 0));
     assert!(redis.exists(&key(12)));
+}
+
+/// Offers block `i`'s write under `key(i)` and waits until it is stored (`true`) or reported as not
+/// stored (`false`).
+fn try_store(w: &RemoteWorker, i: u32) -> bool {
+    let (rec, payload) = block(i);
+    let before = w.stats().stores.load(Ordering::Relaxed);
+    assert!(w.try_put(u128::from(i), key(i), encode_record(FP, &rec, &payload)));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if w.stats().stores.load(Ordering::Relaxed) > before {
+            return true;
+        }
+        let failed = w.failed_puts();
+        if !failed.is_empty() {
+            assert_eq!(failed, vec![u128::from(i)]);
+            return false;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the write was neither stored nor failed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_write_dropped_while_redis_is_down_is_reported_and_stored_when_offered_again() {
+    let port = redis_server::free_port();
+    let mut s = setup(&format!("redis://127.0.0.1:{port}"), KEY_A, FP);
+    s.timeout = Duration::from_millis(200);
+    let w = RemoteWorker::start(s).unwrap();
+    // Nothing listens: the write is dropped, and its tag comes back so that it can be offered again.
+    assert!(!try_store(&w, 20));
+    assert_eq!(w.stats().connected.load(Ordering::Relaxed), 0);
+    let redis = Redis::start_on(port);
+    assert!(!redis.exists(&key(20)));
+    // Reconnection is tried at most once a second: offered again until it is stored.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !try_store(&w, 20) {
+        assert!(
+            Instant::now() < deadline,
+            "never stored after Redis came back"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(redis.exists(&key(20)));
+    assert_eq!(fetch(&w, &[(key(20), 20)]), vec![block(20).1]);
+    // Redis restarted (empty): a write on the lost connection fails and is reported too.
+    drop(redis);
+    let redis = Redis::start_on(port);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !try_store(&w, 21) {
+        assert!(
+            Instant::now() < deadline,
+            "never stored after Redis restarted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(redis.exists(&key(21)));
+}
+
+#[test]
+fn an_error_reply_fails_its_write_and_keeps_the_connection() {
+    let redis = Redis::start();
+    let w = worker(&redis, KEY_A);
+    assert!(try_store(&w, 30));
+    // Out of memory under noeviction: Redis answers every SET with an error.
+    for (name, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query::<()>(&mut redis.conn())
+            .unwrap();
+    }
+    let connections = redis.connections_received();
+    assert!(!try_store(&w, 31));
+    assert!(!redis.exists(&key(31)));
+    assert_eq!(w.stats().connected.load(Ordering::Relaxed), 1);
+    assert_eq!(counts(&w), (0, 0, 1));
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query::<()>(&mut redis.conn())
+        .unwrap();
+    // Offered again, it is stored at once, on the same connection (a lost one would drop writes for
+    // a second).
+    assert!(try_store(&w, 31));
+    assert!(redis.exists(&key(31)));
+    // No new connection but the helper's own: two checks of the key, the CONFIG SET, this count.
+    assert_eq!(redis.connections_received(), connections + 4);
+    assert_eq!(w.stats().connected.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_fetch_reached_after_its_deadline_is_answered_empty_without_asking_redis() {
+    let redis = Redis::start();
+    let w = worker(&redis, KEY_A);
+    put(&w, &key(40), 40);
+    assert!(w.try_fetch(1 << 40, vec![(key(40), block(40).0)], Instant::now()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let done = loop {
+        if let Some(done) = w.poll().into_iter().next() {
+            break done;
+        }
+        assert!(Instant::now() < deadline, "the fetch was not answered");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(done.ticket, 1 << 40);
+    assert!(done.payloads.is_empty());
+    assert_eq!(redis.calls("getrange"), 0);
+    assert_eq!(w.stats().fetches.load(Ordering::Relaxed), 0);
+    assert_eq!(w.stats().dropped.load(Ordering::Relaxed), 1);
+    // In time, it runs.
+    assert_eq!(fetch(&w, &[(key(40), 40)]), vec![block(40).1]);
+    assert_eq!(redis.calls("getrange"), 1);
 }
 
 #[test]

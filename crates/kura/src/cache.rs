@@ -102,8 +102,14 @@ pub fn run(args: CacheArgs) -> Result<()> {
             let mut missing = Vec::new();
             for id in &ids {
                 match store.delete_any(id) {
-                    Some(_) => println!("deleted {id}"),
-                    None => missing.push(id.as_str()),
+                    Ok(Some(changed)) => {
+                        println!("deleted {id}");
+                        if let Some(e) = changed.not_durable {
+                            eprintln!("warning: {id}: {e}");
+                        }
+                    }
+                    Ok(None) => missing.push(id.as_str()),
+                    Err(e) => bail!("{id}: {e}"),
                 }
             }
             if !missing.is_empty() {

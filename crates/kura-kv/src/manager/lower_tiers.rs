@@ -224,9 +224,11 @@ impl LowerTiers {
         );
     }
 
-    /// Ends the load into pool block `block`; without `ok`, the stored copy did not verify and is
-    /// dropped from its tier (unless other loads read it). Returns the load's group, for
-    /// [`Self::load_done`].
+    /// Ends the load into pool block `block`; without `ok`, the stored copy could not be had (it failed
+    /// a check, or the read failed) and is dropped from its tier (unless other loads read it): a disk
+    /// block's file is deleted too ([`TierMove::DropDisk`]), since a file that failed with an I/O error
+    /// is still there, and one that failed a check may not have been deleted, and either would hold
+    /// disk space outside the tier's budget. Returns the load's group, for [`Self::load_done`].
     pub fn end_load(
         &mut self,
         block: BlockId,
@@ -243,7 +245,10 @@ impl LowerTiers {
         ix.drop_busy(load.slot);
         if !ok {
             if !ix.is_busy(load.slot) {
-                ix.remove(load.slot);
+                let dropped = ix.remove(load.slot);
+                if load.tier == Tier::Disk {
+                    self.moves.push(TierMove::DropDisk { hash: dropped.hash });
+                }
             }
             stats.load_failures += 1;
         }

@@ -339,6 +339,22 @@ impl KvCacheManager {
         hit.blocks.len() + hit.tier.len()
     }
 
+    /// The blocks of `tokens` (whole blocks) under `key` that the pool holds computed, from the first
+    /// on, when they are the whole of what the pool and the lower tiers hold: the `held` that blocks
+    /// computed elsewhere may be adopted after ([`Self::begin_adoption`]). `None` when part of that
+    /// prefix is pending (being computed by a request), being loaded, or only in a lower tier: blocks
+    /// fetched now could not be adopted after it; and in a hybrid pool, which adopts nothing. Counts no
+    /// admission.
+    pub fn adoptable_prefix_blocks(&mut self, tokens: &[u32], key: &CacheKey) -> Option<usize> {
+        if self.pages.is_some() {
+            return None;
+        }
+        let saved = self.stats.clone();
+        let hit = self.find_cached_prefix(tokens, key);
+        self.stats = saved;
+        (hit.num_pending_blocks() == 0 && hit.tier.is_empty()).then_some(hit.blocks.len())
+    }
+
     /// Starts adopting blocks computed elsewhere (the shared tier, L4): `tokens` (whole blocks) under
     /// `key`, of which the pool already holds the first `held` blocks, computed and idle or in use.
     /// Returns the sequence and the fresh blocks for `tokens[held × block_size..]` in order, whose bytes the

@@ -33,13 +33,22 @@ pub struct Redis {
     dir: PathBuf,
 }
 
+/// A port no one listens on now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 impl Redis {
     pub fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        Self::start_on(free_port())
+    }
+
+    /// A server on `port` (one stopped earlier, started again).
+    pub fn start_on(port: u16) -> Self {
         let dir =
             std::env::temp_dir().join(format!("kura-tiers-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -103,15 +112,39 @@ impl Redis {
             == 1
     }
 
+    /// Calls of `command` Redis has run so far (`INFO commandstats`).
+    pub fn calls(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.conn())
+            .unwrap();
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .map_or(0, |rest| {
+                rest.split(',').next().unwrap_or("0").parse().unwrap()
+            })
+    }
+
     /// Bytes Redis has sent to its clients so far.
     pub fn net_output_bytes(&self) -> u64 {
+        self.stat("total_net_output_bytes")
+    }
+
+    /// Connections Redis has accepted so far (each of this helper's own calls opens one).
+    pub fn connections_received(&self) -> u64 {
+        self.stat("total_connections_received")
+    }
+
+    fn stat(&self, name: &str) -> u64 {
         let info: String = redis::cmd("INFO")
             .arg("stats")
             .query(&mut self.conn())
             .unwrap();
+        let prefix = format!("{name}:");
         info.lines()
-            .find_map(|l| l.strip_prefix("total_net_output_bytes:"))
-            .expect("INFO stats has total_net_output_bytes")
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("INFO stats has {name}"))
             .trim()
             .parse()
             .unwrap()
