@@ -371,12 +371,16 @@ fn push_message(
                 let Some(id) = b.get("tool_use_id").and_then(Value::as_str) else {
                     return Err(invalid(format!("{bat} (tool_result) needs a tool_use_id")));
                 };
-                let (mut result, _) = match b.get("content") {
+                let (mut result, mut inner) = match b.get("content") {
                     None | Some(Value::Null) => (String::new(), Vec::new()),
                     Some(c) => content_of(c, &format!("{bat}.content"))?,
                 };
                 if b.get("is_error").and_then(Value::as_bool) == Some(true) {
-                    result = format!("Error: {result}");
+                    const ERROR: &str = "Error: ";
+                    result = format!("{ERROR}{result}");
+                    for (at, _) in &mut inner {
+                        *at = at.saturating_add(ERROR.len());
+                    }
                 }
                 if !text.is_empty() {
                     return Err(invalid(format!(
@@ -389,8 +393,11 @@ fn push_message(
                     tool_call_id: Some(id.to_string()),
                     ..Default::default()
                 });
+                // Breakpoints on the result's own blocks fall inside the tool message.
+                let at = messages.len() - 1;
+                breakpoints.extend(inner.into_iter().map(|(off, ttl)| (at, off, ttl)));
                 if let Some(ttl) = control(b)? {
-                    breakpoints.push((messages.len() - 1, END_OF_CONTENT, ttl));
+                    breakpoints.push((at, END_OF_CONTENT, ttl));
                 }
             }
             (Some("tool_use" | "tool_result"), _) => {
@@ -803,6 +810,29 @@ mod tests {
 
     fn plan(body: Value) -> Result<MessagesPlan, ApiError> {
         prepare(&body, "m")
+    }
+
+    #[test]
+    fn breakpoints_inside_a_tool_results_blocks_are_placed_and_counted() {
+        let body = |n: usize| {
+            let blocks: Vec<Value> = (0..n)
+                .map(|_| json!({"type": "text", "text": "sunny", "cache_control": {"type": "ephemeral"}}))
+                .collect();
+            json!({"model": "m", "max_tokens": 5, "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": true,
+                                              "content": blocks}]}]})
+        };
+        let p = plan(body(1)).unwrap();
+        let tool = p.messages.iter().position(|m| m.role == "tool").unwrap();
+        assert_eq!(p.messages[tool].content, "Error: sunny");
+        assert_eq!(
+            p.breakpoints,
+            vec![(tool, "Error: sunny".len(), CacheTtl::FiveMinutes)]
+        );
+        let e = plan(body(MAX_BREAKPOINTS + 1)).unwrap_err();
+        assert!(e.to_string().contains("at most"), "{e}");
     }
 
     #[test]
