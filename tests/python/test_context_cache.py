@@ -128,6 +128,38 @@ def test_a_last_assistant_message_is_continued_not_answered(srv):
     assert bad.status_code == 400 and "trailing whitespace" in bad.text, bad.text
 
 
+def test_continue_final_message_continues_the_assistants_text(srv):
+    """vLLM's `continue_final_message` on chat completions: as Anthropic's prefill, through the
+    `openai` client; /tokenize counts the same prompt; bad combinations are refused by name."""
+    c = srv.client()
+    model = srv.model()
+    ask = [{"role": "user", "content": "Describe a forest in two sentences."}]
+    whole = c.chat.completions.create(model=model, messages=ask, max_tokens=24, temperature=0)
+    words = whole.choices[0].message.content.split(" ")
+    assert len(words) > 6, words
+    prefix = " ".join(words[:4])
+    msgs = ask + [{"role": "assistant", "content": prefix}]
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    rest = r.choices[0].message.content
+    assert rest and whole.choices[0].message.content.startswith(prefix + rest), (prefix, rest)
+    t = httpx.post(srv.url + "/tokenize", headers=srv.headers(),
+                   json={"messages": msgs, "continue_final_message": True, "add_generation_prompt": False})
+    assert t.status_code == 200 and t.json()["count"] == r.usage.prompt_tokens, t.text
+    # Without the field the assistant's message is a closed turn, and a new one is answered.
+    closed = c.chat.completions.create(model=model, messages=msgs, max_tokens=1, temperature=0)
+    assert closed.usage.prompt_tokens > r.usage.prompt_tokens
+    for extra, words_ in [({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+                          ({"continue_final_message": True, "response_format": {"type": "json_object"}},
+                           "output format")]:
+        bad = httpx.post(srv.url + "/v1/chat/completions", headers=srv.headers(),
+                         json={"model": model, "messages": msgs, "max_tokens": 4} | extra)
+        assert bad.status_code == 400 and words_ in bad.text, bad.text
+    bad = httpx.post(srv.url + "/v1/chat/completions", headers=srv.headers(),
+                     json={"model": model, "messages": ask, "max_tokens": 4, "continue_final_message": True})
+    assert bad.status_code == 400 and "last message from the assistant" in bad.text, bad.text
+
+
 @pytest.fixture(scope="module")
 def small():
     """A pool of 91 blocks, half of which (45) pins may hold; bf16 weights (faster, no exactness needed)."""

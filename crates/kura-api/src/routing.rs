@@ -134,8 +134,14 @@ pub fn routing_prompt(
         Endpoint::ChatCompletions => {
             let plan = validate::prepare_chat(value, ctx)?;
             scored = plan.prompt_logprobs.is_some();
-            let tokens =
-                crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?;
+            let tokens = match plan.continue_final {
+                true => {
+                    crate::tools::encode_chat_continuing(codec, plan.messages, plan.tools.as_ref())?
+                }
+                false => {
+                    crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?
+                }
+            };
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::Messages => {

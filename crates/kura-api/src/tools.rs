@@ -587,6 +587,20 @@ pub fn encode_chat_prompt(
     .map_err(crate::validate::template_error)
 }
 
+/// [`encode_chat_prompt`] of a conversation whose last message, an assistant's, the model continues
+/// (vLLM's `continue_final_message`, Anthropic's prefill).
+pub fn encode_chat_continuing(
+    codec: &dyn TextCodec,
+    messages: Vec<ChatMessage>,
+    tools: Option<&ToolPlan>,
+) -> Result<Vec<u32>, ApiError> {
+    let (messages, _, tools_json) =
+        prompt_messages::<()>(messages, tools, ToolStyle::of(codec), &[], &[]);
+    codec
+        .encode_chat_continuing(&messages, tools_json.as_ref())
+        .map_err(crate::validate::template_error)
+}
+
 /// How many of `prompt`'s tokens hold the earlier turns of the conversation — every message up to
 /// the last assistant turn — as [`encode_chat_prompt`] writes them (0 when there is no earlier turn).
 /// A prompt that differs from the cached one inside them had its history written differently.

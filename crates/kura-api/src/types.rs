@@ -150,6 +150,10 @@ pub struct ChatCompletionRequest {
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: the last message, an assistant's, is continued rather than answered.
+    pub continue_final_message: Option<bool>,
+    /// vLLM's: only `true` (the default), or `false` beside `continue_final_message`.
+    pub add_generation_prompt: Option<bool>,
 }
 
 /// `POST /tokenize`: a prompt, or chat messages (with the tools the chat request would carry) as the
@@ -165,8 +169,10 @@ pub struct TokenizeRequest {
     /// vLLM's: with a prompt, whether the tokens a completion adds (BOS where the model wants one)
     /// are counted (default true). With messages only `false`: the chat template writes them.
     pub add_special_tokens: Option<bool>,
-    /// vLLM's: with messages, only `true` (the default): a chat prompt ends with the assistant's turn.
+    /// vLLM's: with messages, `true` (the default), or `false` with `continue_final_message`.
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the last message, an assistant's, is continued (as the chat route's field).
+    pub continue_final_message: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -628,6 +628,17 @@ pub struct ChatPlan {
     /// vLLM's `prompt_logprobs`: the prompt's tokens scored, with this many alternatives each.
     pub prompt_logprobs: Option<u32>,
     pub user: Option<String>,
+    /// vLLM's `continue_final_message`: the last message, an assistant's, is continued (the prompt
+    /// ends inside its turn, after its text) rather than answered.
+    pub continue_final: bool,
+}
+
+impl ChatPlan {
+    /// The conversation's closed turns: the messages less one being continued.
+    pub fn closed_messages(&self) -> &[ChatMessage] {
+        let n = self.messages.len() - usize::from(self.continue_final);
+        &self.messages[..n]
+    }
 }
 
 /// Checks a completions body (already known to be one JSON object).
@@ -789,6 +800,7 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         }
     }
     let prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, &checked)?;
+    let continue_final = check_continue_final(&req, &messages, &checked, tools.as_ref())?;
     Ok(ChatPlan {
         checked,
         messages,
@@ -796,7 +808,63 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         logprobs,
         prompt_logprobs,
         user: common.user,
+        continue_final,
     })
+}
+
+/// vLLM's `continue_final_message` and `add_generation_prompt`: whether the last message is
+/// continued. `add_generation_prompt: false` goes only with it (a prompt otherwise ends with the
+/// assistant's turn opened); the message continued is an assistant's, with text and no calls; nothing
+/// that starts the output's grammar or the prompt elsewhere goes with it.
+fn check_continue_final(
+    req: &ChatCompletionRequest,
+    messages: &[ChatMessage],
+    checked: &Checked,
+    tools: Option<&ToolPlan>,
+) -> Result<bool, ApiError> {
+    const P: &str = "continue_final_message";
+    let continued = req.continue_final_message == Some(true);
+    match (continued, req.add_generation_prompt) {
+        (true, Some(true)) => {
+            return Err(ApiError::invalid(
+                "continue_final_message cannot be combined with add_generation_prompt true: the \
+                 prompt ends inside the last message's turn",
+                Some("add_generation_prompt"),
+            ))
+        }
+        (false, Some(false)) => {
+            return Err(ApiError::invalid(
+                "add_generation_prompt false is supported only with continue_final_message true",
+                Some("add_generation_prompt"),
+            ))
+        }
+        (false, _) => return Ok(false),
+        (true, _) => {}
+    }
+    let last = messages.last();
+    if !last
+        .is_some_and(|m| m.role == "assistant" && m.tool_calls.is_none() && !m.content.is_empty())
+    {
+        return Err(ApiError::invalid(
+            "continue_final_message needs a last message from the assistant, with text and no tool \
+             calls",
+            Some(P),
+        ));
+    }
+    let why = if checked.guide.is_some() || tools.is_some_and(|t| t.constrained().is_some()) {
+        Some("an output format or a forced tool call (the output's grammar starts the turn)")
+    } else if checked.cached_content.is_some() {
+        Some("cached_content")
+    } else {
+        None
+    };
+    match why {
+        Some(what) => Err(ApiError::invalid(
+            format!("continue_final_message cannot be combined with {what}"),
+            Some(P),
+        )),
+        None => Ok(true),
+    }
 }
 
 /// vLLM's `prompt_logprobs` (0..=20 alternatives), which a streamed response does not carry.

@@ -489,14 +489,24 @@ pub async fn chat_completions(
     .await?;
     // The conversation as sent, for telling a re-rendered history from a new turn on a miss.
     let conversation = plan
-        .messages
+        .closed_messages()
         .iter()
         .any(|m| m.role == "assistant")
-        .then(|| plan.messages.clone());
+        .then(|| plan.closed_messages().to_vec());
     let (messages, _, tools_json) =
         prompt_messages::<()>(plan.messages, plan.tools.as_ref(), style, &[], &[]);
     let prompt_tokens =
         match (&context, tools_json) {
+            // Checked: a saved context does not go with a continued message.
+            (None, tools) if plan.continue_final => {
+                let codec = s.engine.codec().clone();
+                off_the_workers(move || {
+                    codec
+                        .encode_chat_continuing(&messages, tools.as_ref())
+                        .map_err(template_error)
+                })
+                .await?
+            }
             (None, None) => encode_chat(&s.engine, messages).await?,
             (None, Some(tools)) => encode_chat_tools(&s.engine, messages, tools).await?,
             (Some(_), Some(_)) => return Err(ApiError::invalid(
@@ -621,14 +631,22 @@ pub async fn tokenize(
             Some("add_special_tokens"),
         ));
     }
-    if req.add_generation_prompt == Some(false) {
-        return Err(ApiError::invalid(
-            "add_generation_prompt false is not supported: a chat prompt ends with the assistant's \
-             turn, as the chat route writes it",
+    let continued = req.continue_final_message == Some(true);
+    match (continued, req.add_generation_prompt) {
+        (false, Some(false)) => return Err(ApiError::invalid(
+            "add_generation_prompt false is supported only with continue_final_message true: a \
+                 chat prompt ends with the assistant's turn, as the chat route writes it",
             Some("add_generation_prompt"),
-        ));
+        )),
+        (true, Some(true)) => {
+            return Err(ApiError::invalid(
+                "continue_final_message cannot be combined with add_generation_prompt true",
+                Some("add_generation_prompt"),
+            ))
+        }
+        _ => {}
     }
-    if req.add_generation_prompt.is_some() && req.messages.is_none() {
+    if (req.add_generation_prompt.is_some() || continued) && req.messages.is_none() {
         return Err(ApiError::invalid(
             "add_generation_prompt goes with messages",
             Some("add_generation_prompt"),
@@ -654,8 +672,15 @@ pub async fn tokenize(
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
             let (codec, messages) = (s.engine.codec().clone(), validate::flatten_messages(&m)?);
-            off_the_workers(move || {
-                kura_api::tools::encode_chat_prompt(codec.as_ref(), messages, tools.as_ref())
+            off_the_workers(move || match continued {
+                true => kura_api::tools::encode_chat_continuing(
+                    codec.as_ref(),
+                    messages,
+                    tools.as_ref(),
+                ),
+                false => {
+                    kura_api::tools::encode_chat_prompt(codec.as_ref(), messages, tools.as_ref())
+                }
             })
             .await?
         }
