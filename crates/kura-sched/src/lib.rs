@@ -14,7 +14,8 @@
 //!  │ running    │ slot for its newly sampled token; if the pool is empty, preempt the worst running │
 //!  │            │ sequence after it in the order (or itself); then its next chunk within the budget │
 //!  │ waiting    │ prefix lookup (cached and pending blocks), allocate the rest; if the pool is      │
-//!  │            │ empty, preempt strictly worse running sequences; else stop admitting (FCFS)       │
+//!  │            │ empty, preempt strictly worse running sequences; else stop admitting (FCFS),      │
+//!  │            │ unless the pool could not hold it even empty: then it fails (CannotFit)           │
 //!  └────────────┴──────────────────────────────────────────────────────────────────────────────────┘
 //! ```
 //!
@@ -236,7 +237,8 @@ pub enum SchedEvent {
         request: u64,
         swapped_blocks: usize,
     },
-    /// A request that can never fit (alone, it still runs out of blocks) was removed.
+    /// A request that can never fit (alone, it still runs out of blocks, or waiting, the pool could not
+    /// hold it even empty) was removed.
     CannotFit {
         request: u64,
         needed_blocks: usize,
@@ -1195,9 +1197,30 @@ impl Scheduler {
             }
             match self.pick_victim(rest, Some(c.priority)) {
                 Some(victim) => self.preempt(victim, plan),
-                None => return Admit::NoRoom,
+                None => return self.no_room(c.seq, plan),
             }
         }
+    }
+
+    /// A waiting sequence the pool cannot hold now, with nobody to preempt for it: it waits for room
+    /// (and stops admission behind it), unless the pool could not hold it even empty
+    /// ([`KvCacheManager::could_hold`]; in a hybrid pool its pages, which run out before the block ids
+    /// the submission checks): then it would wait for ever, and every request behind it too, so its
+    /// request fails with `CannotFit`.
+    fn no_room(&mut self, key: SeqKey, plan: &mut Plan) -> Admit {
+        let seq = &self.seqs[&key];
+        let (request, needed_blocks) =
+            (seq.request, seq.tokens.len().div_ceil(self.kv.block_size()));
+        if self.kv.could_hold(needed_blocks) {
+            return Admit::NoRoom;
+        }
+        self.remove_request(request);
+        plan.events.push(SchedEvent::CannotFit {
+            request,
+            needed_blocks,
+            total_blocks: self.config.num_blocks,
+        });
+        Admit::Gone
     }
 
     /// Tokens of KV a choice of `r` holds at its full length: the prompt and every output token but the

@@ -71,6 +71,17 @@ impl WindowPool {
         window_tokens.saturating_sub(1).div_ceil(block_size) + 1
     }
 
+    /// Pages one step of a sequence of `num_blocks` blocks takes, the pool otherwise empty: every block's
+    /// full-attention pages and the window parts of the blocks a window overlaps (what
+    /// [`KvCacheManager::allocate_slots`] asks for a prompt of that many blocks). A request whose blocks
+    /// fit the logical pool may still need more pages than the arena has.
+    pub fn pages_to_hold(&self, num_blocks: usize, block_size: usize) -> usize {
+        let parts = num_blocks.min(Self::window_blocks(self.window_tokens, block_size));
+        num_blocks
+            .saturating_mul(self.full_layers())
+            .saturating_add(parts.saturating_mul(self.sliding_layers()))
+    }
+
     /// Logical blocks to give the manager for this arena: enough that pages, not block ids, run out
     /// first (each block costs at least its full pages; with no full layer, a sequence still holds a
     /// block id per block of its context).
@@ -431,11 +442,10 @@ impl KvCacheManager {
     /// In a hybrid pool, the pages one step of a sequence of `num_blocks` blocks takes (every block's
     /// full-layer pages, and its window's parts) and the pool's pages; `None` in other pools.
     pub fn pages_to_hold(&self, num_blocks: usize) -> Option<(usize, usize)> {
-        let p = self.pages.as_ref()?;
-        let parts = num_blocks.min(self.window_blocks());
+        let w = self.config.window.as_ref()?;
         Some((
-            self.pages_for_blocks(num_blocks, parts),
-            p.usage().0 as usize,
+            w.pages_to_hold(num_blocks, self.config.block_size),
+            w.num_pages as usize,
         ))
     }
 

@@ -1,0 +1,89 @@
+//! The scheduler over a hybrid pool (sliding-window layers paged apart; one full-attention and one
+//! sliding layer, window 8, blocks of 2 tokens: a window overlaps 5 blocks), where pages run out before
+//! block ids do: a waiting prompt that the pages could not hold even empty is refused instead of holding
+//! up the queue behind it, and a sequence that cannot get its window's pages while a sequence before it
+//! waits on its pending blocks steps back instead of keeping everything, so that the waiter computes
+//! them.
+
+use std::time::Duration;
+
+use kura_kv::{CacheKey, EvictionPolicy, WindowPool};
+use kura_sched::{OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy};
+
+fn config(pages: u32, budget: usize) -> SchedulerConfig {
+    let window = WindowPool {
+        sliding: vec![false, true],
+        window_tokens: 8,
+        num_pages: pages,
+    };
+    SchedulerConfig {
+        block_size_tokens: 2,
+        num_blocks: window.logical_blocks() as usize,
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        enable_prefix_caching: true,
+        policy: SchedulingPolicy::Fcfs,
+        eviction_policy: EvictionPolicy::LeafLru,
+        hash_seed: Some(7),
+        tiers: Default::default(),
+        preemption: Default::default(),
+        admission: Default::default(),
+        window: Some(window),
+        record_kv_events: false,
+    }
+}
+
+const LIMIT: OutputLimit = OutputLimit {
+    max_tokens: 64,
+    n: 1,
+};
+
+/// Runs one pass at `t` ms: every planned item is computed and every sequence whose tokens are all
+/// computed gets a token.
+fn step(s: &mut Scheduler, t: u64) -> Plan {
+    let plan = s.schedule(Duration::from_millis(t));
+    for &item in &plan.items {
+        if s.computed(item).complete {
+            s.push_token(item.seq, 5000 + t as u32);
+        }
+    }
+    plan
+}
+
+#[test]
+fn a_prompt_the_pages_cannot_hold_is_refused_and_the_queue_goes_on() {
+    // 80 pages: 80 logical blocks. A prompt of 152 tokens is 76 blocks, fewer than 80, but its pages
+    // are 76 of the full layer and 5 of the sliding one: 81. It waited for room that never came, and
+    // every request behind it with it.
+    let mut s = Scheduler::new(config(80, 256)).unwrap();
+    assert!(!s.kv().could_hold(76));
+    s.add_request(
+        0,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        (0..152).collect(),
+        LIMIT,
+    );
+    let next = s.add_request(
+        1,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        (500..510).collect(),
+        LIMIT,
+    );
+    let plan = step(&mut s, 0);
+    assert!(
+        plan.events.contains(&SchedEvent::CannotFit {
+            request: 0,
+            needed_blocks: 76,
+            total_blocks: 80,
+        }),
+        "{:?}",
+        plan.events
+    );
+    assert_eq!(plan.items.len(), 1, "the request behind it runs");
+    assert_eq!(plan.items[0].seq, next);
+    assert_eq!(s.num_waiting(), 0);
+}
