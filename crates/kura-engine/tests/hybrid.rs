@@ -348,7 +348,9 @@ fn a_request_too_large_for_the_pages_is_refused_at_submission() {
             "{text}"
         );
     }
-    // The engine goes on.
+    // The largest that fits, 75 blocks (150 tokens of KV) and 80 pages, runs to its end.
+    let (tokens, _) = run(&e, &prompt(140, 14), "s", 11);
+    assert_eq!(tokens.len(), 11);
     let (tokens, _) = run(&e, &prompt(10, 15), "s", 3);
     assert_eq!(tokens.len(), 3);
     e.stop();

@@ -445,7 +445,8 @@ impl KvCacheManager {
     }
 
     /// Declares the KV of tokens `[0, upto)` of the sequence written (by this sequence, by a copy, or by the
-    /// writers it waited for). Full blocks become hittable as computed.
+    /// writers it waited for). Full blocks become hittable as computed; in a hybrid pool the sequence's
+    /// window references on blocks no token from `upto` on reads are dropped.
     pub fn mark_computed(&mut self, id: SeqId, upto: usize) -> Result<(), KvError> {
         let bs = self.config.block_size;
         let seq = self.seq(id)?;
@@ -483,7 +484,8 @@ impl KvCacheManager {
         }
         let seq = self.seq_mut(id)?;
         seq.num_computed = seq.num_computed.max(upto);
-        Ok(())
+        let computed = seq.num_computed;
+        self.release_window_behind(id, computed)
     }
 
     /// Where the sequence stands: which tokens have KV, which it must compute itself (claiming blocks whose

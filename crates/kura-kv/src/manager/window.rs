@@ -267,6 +267,31 @@ impl KvCacheManager {
         Ok(true)
     }
 
+    /// Drops the sequence's window references on the blocks no token from `pos` on reads: its tokens
+    /// before `pos` are computed, and it never computes them again. Their parts become idle (a hit may
+    /// still want them) or go back, so that the sequence's next block finds those pages: until its next
+    /// step's window moved on ([`Self::prepare_window`]), the references the last chunk took on every
+    /// block it read held them, and a sequence that fits the pool exactly found it full.
+    pub(super) fn release_window_behind(&mut self, id: SeqId, pos: usize) -> Result<(), KvError> {
+        let Some(p) = &self.pages else {
+            return Ok(());
+        };
+        let seq = self.seq(id)?;
+        let first = p
+            .sliding
+            .window_start(pos, self.config.block_size)
+            .min(seq.table.len());
+        if first <= seq.win_from {
+            return Ok(());
+        }
+        let gone: Vec<BlockId> = seq.table[seq.win_from..first].to_vec();
+        self.seq_mut(id)?.win_from = first;
+        for b in gone {
+            self.win_unref(b);
+        }
+        Ok(())
+    }
+
     /// The prefix index's lookup of `tokens` under `key_id` into `hit`: partial reuse only from blocks
     /// whose window part is there to copy (a hybrid pool).
     pub(super) fn lookup_pool(&mut self, key_id: u32, tokens: &[u32], hit: &mut PrefixHit) {
