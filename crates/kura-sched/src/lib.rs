@@ -1047,8 +1047,9 @@ impl Scheduler {
 
     /// Gives the sliding layers of a hybrid pool the pages for computing tokens `[start, end)` of the
     /// sequence, computing fewer tokens (down to one) when the pool is short, then preempting worse
-    /// sequences (after it in `rest`). Returns the end that fits, or `None` when the sequence waits this
-    /// step (or can never fit: then its request fails with `CannotFit`).
+    /// sequences (after it in `rest`), then itself. Returns the end that fits, or `None` when the
+    /// sequence does not compute this step (preempted, or alone and unable to fit: see
+    /// [`Self::alone_out_of_room`]).
     fn fit_window(
         &mut self,
         key: SeqKey,
@@ -1075,6 +1076,13 @@ impl Scheduler {
             if self.running.len() == 1 && self.kv.page_usage().is_some() {
                 // Alone, and not even one token's window fits.
                 self.alone_out_of_room(key, plan);
+            } else {
+                // As `grow` does: it steps back for those before it. Keeping its pages and waiting
+                // could wait for ever: a sequence before it may be waiting for its pending blocks
+                // (a better priority attached to them, or an older request admitted again), and that
+                // reader's window references keep those blocks' parts as it computes them, so that it
+                // runs out. Preempted, it withdraws them and the reader computes them.
+                self.preempt(key, plan);
             }
             return None;
         }

@@ -125,3 +125,64 @@ fn a_sequence_that_fits_the_pages_is_not_failed_for_window_references_left_behin
     }
     panic!("{} of 11 tokens generated", s.num_generated(seq));
 }
+/// Early reuse where the reader comes first: W computes a long prompt in chunks; R, of a better
+/// priority and with the same prefix, arrives meanwhile, attaches to W's pending blocks and waits for
+/// them, before W in the order. R's window references on those blocks keep their parts as W moves on,
+/// and W ran out of pages with no one after it to preempt: it kept everything and waited, R waited for
+/// W, and nothing ever ran again. W steps back instead (its pending blocks withdrawn), R computes them,
+/// and both finish.
+#[test]
+fn a_writer_out_of_window_pages_steps_back_for_a_reader_before_it() {
+    let mut config = config(48, 8);
+    config.policy = SchedulingPolicy::Priority;
+    let mut s = Scheduler::new(config).unwrap();
+    // 60 shared tokens (30 blocks) and one of each own: alone, 31 blocks and 5 window parts.
+    let shared: Vec<u32> = (1000..1060).collect();
+    let mut w_prompt = shared.clone();
+    w_prompt.push(1);
+    let mut r_prompt = shared;
+    r_prompt.push(2);
+    let w = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, w_prompt, LIMIT);
+    let mut r = None;
+    let mut r_waited_for_w = false;
+    let mut idle = 0;
+    for t in 0..400 {
+        if t == 1 {
+            let ms = Duration::from_millis(1);
+            r = Some(s.add_request(1, CacheKey::new(), -1, ms, r_prompt.clone(), LIMIT));
+        }
+        let plan = step(&mut s, t);
+        assert!(
+            !plan
+                .events
+                .iter()
+                .any(|e| matches!(e, SchedEvent::CannotFit { .. })),
+            "{:?}",
+            plan.events
+        );
+        r_waited_for_w |= plan.pending_waits > 0 && plan.items.iter().any(|i| i.seq == w);
+        if plan.items.is_empty() {
+            idle += 1;
+            assert!(
+                idle < 3,
+                "pass {t}: nothing planned, {} running, {} waiting for pending blocks",
+                s.num_running(),
+                plan.pending_waits
+            );
+        } else {
+            idle = 0;
+        }
+        for k in [Some(w), r].into_iter().flatten() {
+            if s.num_generated(k) >= 3 {
+                let request = s.request_of(k).unwrap();
+                s.finish(k);
+                s.remove_request(request);
+            }
+        }
+        if t > 1 && s.is_idle() {
+            assert!(r_waited_for_w, "R never waited for W's blocks");
+            return;
+        }
+    }
+    panic!("not done after 400 passes");
+}
