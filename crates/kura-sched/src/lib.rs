@@ -1014,7 +1014,8 @@ impl Scheduler {
 
     /// Gives a running sequence the slots of its tokens not yet in the KV sequence (the token sampled in
     /// the last step), preempting worse sequences (after it in `rest`) or itself when the pool is full.
-    /// Returns whether it is still running.
+    /// Returns whether it has them: when not, it was preempted, failed, or (alone) waits for room
+    /// ([`Self::alone_out_of_room`]).
     fn grow(&mut self, key: SeqKey, id: SeqId, rest: &[Candidate], plan: &mut Plan) -> bool {
         loop {
             let kv_len = self.kv.num_tokens(id).expect("running sequence is known");
@@ -1088,14 +1089,21 @@ impl Scheduler {
         }
     }
 
-    /// A sequence running alone that cannot get the room it needs: where pins hold it
-    /// ([`Self::pins_hold_room`]) it steps back to the queue and the pass admits no one else, so that
-    /// with nothing running the engine has a pin give way; otherwise it can never fit and its request
-    /// fails with `CannotFit`.
+    /// A sequence running alone that cannot get the room it needs: where loads from a lower tier are in
+    /// flight it keeps its blocks and waits for them (the loader holds the blocks it loads into, a
+    /// cancelled request's too, until its reads are reported: then they are the pool's again); where
+    /// pins hold it ([`Self::pins_hold_room`]) it steps back to the queue and the pass admits no one
+    /// else, so that with nothing running the engine has a pin give way; otherwise it can never fit and
+    /// its request fails with `CannotFit`.
     fn alone_out_of_room(&mut self, key: SeqKey, plan: &mut Plan) {
         let seq = &self.seqs[&key];
         let (request, needed_blocks) =
             (seq.request, seq.tokens.len().div_ceil(self.kv.block_size()));
+        if self.kv.num_loads() > 0 && self.kv.could_hold(needed_blocks) {
+            // The engine waits on the loads when a pass plans nothing, and the next pass after they
+            // land gives it the room (it comes first: it is running).
+            return;
+        }
         if self.pins_hold_room(needed_blocks) {
             plan.waits_for_pins = true;
             self.preempt(key, plan);
