@@ -19,7 +19,9 @@
 //!  └────────────┴──────────────────────────────────────────────────────────────────────────────────┘
 //! ```
 //!
-//! A request marked blocked (its client is behind) is skipped: not admitted, not stepped.
+//! A request marked blocked (its client is behind) is skipped: not admitted, not stepped; a running
+//! sequence of it that others wait for (pending blocks they attached) is preempted, leaving the blocks
+//! to them.
 //!
 //! Under [`AdmissionMode::Guaranteed`] a waiting request is admitted only when the blocks it will take
 //! until every choice reaches its full length (prompt plus `max_tokens`: [`OutputLimit`]), less the
@@ -866,6 +868,8 @@ impl Scheduler {
                 Self::drop_draft(&mut self.kv, seq);
             }
         }
+        let mut plan = Plan::default();
+        self.preempt_blocked_writers(&mut plan);
         let mut cands: Vec<Candidate> = self
             .running
             .iter()
@@ -889,7 +893,6 @@ impl Scheduler {
                 .then(a.order.cmp(&b.order))
         });
 
-        let mut plan = Plan::default();
         let mut budget = self.config.max_num_batched_tokens;
         // What the step may still spend on prompts beside its decodes: seconds of the cap's room, and
         // the prompt tokens planned so far (the cap's floor).
@@ -995,6 +998,32 @@ impl Scheduler {
             .map(|(c, _)| c)
             .collect();
         plan
+    }
+
+    /// Preempts the running sequences of requests whose client is behind that others wait for (blocks
+    /// they attached as pending, which the sequence was to compute). Not stepped, such a sequence could
+    /// keep them waiting up to the engine's stalled-client timeout; preempted, it withdraws those blocks
+    /// and the first of the others computes them. Its computed blocks stay cached for its return (a
+    /// blocked request is not admitted again until its client catches up); one nobody waits for keeps
+    /// its blocks. O(running × blocks it has not computed).
+    fn preempt_blocked_writers(&mut self, plan: &mut Plan) {
+        let blocked: Vec<SeqKey> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|k| {
+                let seq = &self.seqs[k];
+                self.requests.get(&seq.request).is_some_and(|r| r.blocked)
+                    && seq.kv.is_some_and(|id| {
+                        self.kv
+                            .is_waited_for(id)
+                            .expect("running sequence is known")
+                    })
+            })
+            .collect();
+        for key in blocked {
+            self.preempt(key, plan);
+        }
     }
 
     /// Running sequences that decode (hold blocks, have their prompt computed, and whose client is not

@@ -538,6 +538,18 @@ impl KvCacheManager {
         })
     }
 
+    /// Whether other sequences wait for blocks this one is computing: blocks it writes and has not
+    /// computed that they hold too (attached as pending). A sequence that will not compute for a while
+    /// (its client is behind) is better preempted then, leaving those blocks to them.
+    pub fn is_waited_for(&self, id: SeqId) -> Result<bool, KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        Ok(seq.table[seq.num_computed / bs..].iter().any(|&b| {
+            let m = &self.pool.meta[b as usize];
+            m.writer == id.index && m.computed < m.filled && m.ref_count > 1
+        }))
+    }
+
     /// A new sequence sharing all of this one's blocks (n > 1 samples, beams); a shared partially filled
     /// last block is copied by whichever sequence appends to it first. The sequence must be fully computed.
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId, KvError> {
