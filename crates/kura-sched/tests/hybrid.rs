@@ -186,3 +186,52 @@ fn a_writer_out_of_window_pages_steps_back_for_a_reader_before_it() {
     }
     panic!("not done after 400 passes");
 }
+
+/// A prompt that fits the pages exactly, whose prefix is cached with its window's parts, is admitted
+/// with nothing else running. Admission counted the hit's parts in its first window and the parts of
+/// its last window together (84 pages of 80), though it holds one window's at a time: it waited for
+/// ever, and every request behind it.
+#[test]
+fn a_prompt_that_fits_the_pages_with_a_cached_prefix_is_admitted() {
+    let mut s = Scheduler::new(config(80, 64)).unwrap();
+    let a = s.add_request(
+        0,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        (0..20).collect(),
+        LIMIT,
+    );
+    while s.num_generated(a) == 0 {
+        step(&mut s, 0);
+    }
+    s.finish(a);
+    s.remove_request(0);
+    // 20 tokens of A's and 130 more: 75 blocks, 75 pages of the full layer and 5 of the sliding one.
+    let limit = OutputLimit {
+        max_tokens: 1,
+        n: 1,
+    };
+    let b = s.add_request(
+        1,
+        CacheKey::new(),
+        0,
+        Duration::ZERO,
+        (0..150).collect(),
+        limit,
+    );
+    // Its window's pages are all the room there is: its chunks are a token or two.
+    for t in 1..400 {
+        let plan = step(&mut s, t);
+        assert!(!plan.items.is_empty(), "pass {t}: nothing planned");
+        if s.num_generated(b) == 1 {
+            assert!(s.kv().stats().prefix_hit_tokens >= 16, "it read A's blocks");
+            return;
+        }
+    }
+    panic!(
+        "B not done: {} running, {} waiting",
+        s.num_running(),
+        s.num_waiting()
+    );
+}

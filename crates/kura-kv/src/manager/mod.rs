@@ -418,10 +418,21 @@ impl KvCacheManager {
             return Ok(None);
         }
         if self.pages.is_some() {
-            let taken = pinned_down as usize * self.pages_for_blocks(1, 0)
-                + hit.map_or(0, |h| self.hit_window_pages(h));
-            let reclaimable = self.reclaimable_pages().saturating_sub(taken);
-            if self.pages_for_blocks(needed, window_parts) > reclaimable {
+            // The hit's idle parts in the next token's window gain a reference now; the new blocks'
+            // parts are attached as the window reaches them, and the hit's are let go as it leaves
+            // them (`mark_computed`): one window's parts at a time, never both sets whole.
+            let (parts, src_part) = match hit {
+                Some(h) => {
+                    let (hit_parts, src_part) = self.hit_window_parts(h);
+                    (
+                        (hit_parts + window_parts).min(self.window_blocks()),
+                        src_part,
+                    )
+                }
+                None => (window_parts, 0),
+            };
+            let pages = self.pages_for_blocks(needed + pinned_down as usize, parts + src_part);
+            if pages > self.reclaimable_pages() {
                 return Ok(None);
             }
         }

@@ -379,22 +379,22 @@ impl KvCacheManager {
         blocks[first.min(blocks.len())..].to_vec()
     }
 
-    /// Window pages a hit attached to a fresh sequence takes from the reclaimable ones: its idle parts
+    /// Window parts a hit attached to a fresh sequence takes from the reclaimable ones: its idle parts
     /// within the next token's window (they gain a reference), and the partly reused block's (held while
     /// it is copied).
-    pub(super) fn hit_window_pages(&self, hit: &PrefixHit) -> usize {
-        let Some(p) = &self.pages else { return 0 };
+    pub(super) fn hit_window_parts(&self, hit: &PrefixHit) -> (usize, usize) {
+        let Some(p) = &self.pages else { return (0, 0) };
         let bs = self.config.block_size;
         let first = p.sliding.window_start(self.hit_next_position(hit), bs);
         let idle = |b: BlockId| p.sliding.is_idle_part(&p.arena, b);
-        let parts = hit
+        let window = hit
             .blocks
             .iter()
             .skip(first)
             .filter(|&&(b, _)| idle(b))
-            .count()
-            + hit.partial.map_or(0, |(src, _, _)| usize::from(idle(src)));
-        parts * p.sliding.pages_per_block()
+            .count();
+        let partial = hit.partial.map_or(0, |(src, _, _)| usize::from(idle(src)));
+        (window, partial)
     }
 
     /// Drops every idle window part (clearing the cache).
