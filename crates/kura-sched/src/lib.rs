@@ -1198,8 +1198,7 @@ impl Scheduler {
                 Some(s) => &seq.tokens[..s.reusable.min(last)],
                 None => &seq.tokens[..last],
             };
-            let hit = self.kv.find_cached_prefix(lookup, &request.key);
-            let cached = hit.num_cached_tokens();
+            let mut hit = self.kv.find_cached_prefix(lookup, &request.key);
             if guaranteed {
                 let (need, alone) = self.admission_need(seq, request, &hit);
                 let request_id = seq.request;
@@ -1223,10 +1222,18 @@ impl Scheduler {
                     return Admit::NoRoom;
                 }
             }
-            match self
-                .kv
-                .allocate_slots(id, &seq.tokens[cached..], Some(&hit))
-            {
+            let mut allocated =
+                self.kv
+                    .allocate_slots(id, &seq.tokens[hit.num_cached_tokens()..], Some(&hit));
+            if matches!(allocated, Ok(None)) && self.kv.drop_partial(&mut hit) {
+                // Copying a partly reused block holds its source beside the copy: rather than wait or
+                // preempt for that one block (for ever, where the sequence fills the pool), its tokens
+                // are computed.
+                allocated =
+                    self.kv
+                        .allocate_slots(id, &seq.tokens[hit.num_cached_tokens()..], Some(&hit));
+            }
+            match allocated {
                 Ok(Some(alloc)) => {
                     plan.add_copies(c.seq, alloc.copies);
                     self.on_admitted(c.seq, id, &hit, plan);

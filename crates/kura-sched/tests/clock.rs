@@ -488,3 +488,26 @@ fn a_writer_whose_client_is_behind_leaves_its_pending_blocks_to_those_waiting_fo
     let plan = step(&mut s, Duration::from_millis(11));
     assert!(items(&plan).contains(&(w, 40, 41)), "{:?}", items(&plan));
 }
+
+#[test]
+fn a_prompt_as_large_as_the_pool_is_admitted_past_a_partly_reused_block() {
+    // 8 blocks of 4 tokens. A leaves 3 blocks cached; B's prompt is 8 blocks, the first 10 tokens A's:
+    // 2 blocks hit, and the third of A's matches 2 of B's tokens (a partial hit, copied). The copy holds
+    // its source beside its destination: 9 blocks at once, with nothing running to give way. B waited
+    // for ever, and every request behind it.
+    let mut s = Scheduler::new(config(8, 64, 4)).unwrap();
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 12), LIMIT);
+    step(&mut s, Duration::ZERO);
+    s.finish(a);
+    s.remove_request(0);
+    let mut b_prompt = prompt(0, 10);
+    b_prompt.extend(prompt(500, 22));
+    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, b_prompt, LIMIT);
+    let plan = step(&mut s, Duration::from_millis(1));
+    assert!(
+        plan.items.iter().any(|i| i.seq == b),
+        "B was not admitted: {:?}",
+        plan.events
+    );
+    assert_eq!(s.kv().stats().prefix_hit_tokens, 8, "its 2 full blocks hit");
+}

@@ -346,6 +346,18 @@ impl KvCacheManager {
         hit
     }
 
+    /// Takes the partly reused block out of `hit` (from [`Self::find_cached_prefix`]), cutting it back to
+    /// the window as the lookup would have without it: its tokens are then computed instead of copied.
+    /// The copy holds its source beside its destination, one block more than the sequence: a pool with
+    /// room for the sequence but not for both admits it without. False when `hit` had none.
+    pub fn drop_partial(&self, hit: &mut PrefixHit) -> bool {
+        if hit.partial.take().is_none() {
+            return false;
+        }
+        self.fit_hit_to_window(hit);
+        true
+    }
+
     /// The admission counters of a fresh sequence's hit, attached.
     fn count_admission(&mut self, hit: &PrefixHit) {
         let bs = self.config.block_size as u64;
