@@ -21,7 +21,7 @@
 //!
 //! A request marked blocked (its client is behind) is skipped: not admitted, not stepped; a running
 //! sequence of it that others wait for (pending blocks they attached) is preempted, leaving the blocks
-//! to them.
+//! to them (except under guaranteed admission, which never preempts).
 //!
 //! Under [`AdmissionMode::Guaranteed`] a waiting request is admitted only when the blocks it will take
 //! until every choice reaches its full length (prompt plus `max_tokens`: [`OutputLimit`]), less the
@@ -1005,8 +1005,12 @@ impl Scheduler {
     /// keep them waiting up to the engine's stalled-client timeout; preempted, it withdraws those blocks
     /// and the first of the others computes them. Its computed blocks stay cached for its return (a
     /// blocked request is not admitted again until its client catches up); one nobody waits for keeps
-    /// its blocks. O(running × blocks it has not computed).
+    /// its blocks. Not under [`AdmissionMode::Guaranteed`], which promises that an admitted request is
+    /// never preempted (there the others wait for its client). O(running × blocks it has not computed).
     fn preempt_blocked_writers(&mut self, plan: &mut Plan) {
+        if self.config.admission == AdmissionMode::Guaranteed {
+            return;
+        }
         let blocked: Vec<SeqKey> = self
             .running
             .iter()

@@ -511,3 +511,27 @@ fn a_prompt_as_large_as_the_pool_is_admitted_past_a_partly_reused_block() {
     );
     assert_eq!(s.kv().stats().prefix_hit_tokens, 8, "its 2 full blocks hit");
 }
+
+#[test]
+fn under_guaranteed_admission_a_writer_whose_client_is_behind_is_not_preempted() {
+    let mut c = config(64, 8, 4);
+    c.admission = kura_sched::AdmissionMode::Guaranteed;
+    let mut s = Scheduler::new(c).unwrap();
+    let shared = prompt(0, 40);
+    s.add_request(0, CacheKey::new(), 0, Duration::ZERO, shared.clone(), LIMIT);
+    step(&mut s, Duration::ZERO);
+    s.set_blocked(0, true);
+    let mut r_prompt = shared;
+    r_prompt.extend(prompt(500, 2));
+    s.add_request(1, CacheKey::new(), 0, Duration::ZERO, r_prompt, LIMIT);
+    for t in 1..5 {
+        let plan = step(&mut s, Duration::from_millis(t));
+        assert!(
+            !plan
+                .events
+                .iter()
+                .any(|e| matches!(e, SchedEvent::Preempted { .. })),
+            "an admitted request is never preempted"
+        );
+    }
+}
