@@ -259,11 +259,13 @@ impl From<SubmitError> for ApiError {
                 param: Some("max_tokens"),
                 code: Some("context_length_exceeded"),
             },
-            SubmitError::CannotFit { .. } => ApiError::InvalidRequest {
-                message: e.to_string(),
-                param: Some("max_tokens"),
-                code: Some("kv_cache_capacity_exceeded"),
-            },
+            SubmitError::CannotFit { .. } | SubmitError::CannotFitPages { .. } => {
+                ApiError::InvalidRequest {
+                    message: e.to_string(),
+                    param: Some("max_tokens"),
+                    code: Some("kv_cache_capacity_exceeded"),
+                }
+            }
             SubmitError::PromptTooLong { .. } => ApiError::InvalidRequest {
                 message: e.to_string(),
                 param: Some("prompt"),

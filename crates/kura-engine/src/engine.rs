@@ -304,6 +304,7 @@ pub fn start_engine(
         vocab_size: codec.vocab_size(),
         block_size_tokens: config.block_size_tokens,
         num_blocks: config.num_blocks,
+        window: config.window.clone(),
         max_queue: config.max_queue,
         prefix_caching: config.enable_prefix_caching,
         scheduling_policy: config.scheduling_policy,

@@ -31,6 +31,9 @@ pub struct EngineInfo {
     pub vocab_size: usize,
     pub block_size_tokens: usize,
     pub num_blocks: usize,
+    /// Sliding layers paged apart (a hybrid pool): `num_blocks` is then its logical blocks, and its
+    /// pages are what run out first.
+    pub window: Option<kura_kv::WindowPool>,
     /// Longest waiting queue before new requests are refused.
     pub max_queue: usize,
     pub prefix_caching: bool,
@@ -323,7 +326,10 @@ impl EngineHandle {
             return Err(SubmitError::ShuttingDown);
         }
         check_request(&self.shared.info, &request).inspect_err(|e| {
-            if matches!(e, SubmitError::CannotFit { .. }) {
+            if matches!(
+                e,
+                SubmitError::CannotFit { .. } | SubmitError::CannotFitPages { .. }
+            ) {
                 self.shared.metrics.requests_rejected_too_large.add(1);
             }
         })?;
@@ -435,6 +441,20 @@ fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitErr
             capacity_tokens: info.num_blocks * info.block_size_tokens,
             total_blocks: info.num_blocks,
         });
+    }
+    // A hybrid pool's logical blocks are its pages over the full-attention layers: a request within
+    // them may still need more pages, with its window's parts of the sliding layers (what admission
+    // asks for; it would wait for them for ever, and every request behind it).
+    if let Some(w) = &info.window {
+        let needed_pages = w.pages_to_hold(needed_blocks, info.block_size_tokens);
+        if needed_pages > w.num_pages as usize {
+            return Err(SubmitError::CannotFitPages {
+                needed_tokens,
+                needed_blocks,
+                needed_pages,
+                total_pages: w.num_pages as usize,
+            });
+        }
     }
     Ok(())
 }

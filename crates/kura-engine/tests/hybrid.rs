@@ -325,30 +325,33 @@ fn a_request_that_steps_back_for_pins_is_not_starved_by_others() {
     e.stop();
 }
 
-/// A request whose blocks fit the logical pool but whose pages do not fails naming the pages, not the
-/// blocks (it said "needs 76 KV blocks at once but the pool has only 80").
+/// A request whose blocks fit the logical pool but whose pages do not is refused at submission, naming
+/// the pages. A prompt of that size was queued, and its admission never found the pages, so that it and
+/// every request behind it waited for ever; one whose output would outgrow them ran and then failed
+/// ("needs 76 KV blocks at once but the pool has only 80" before that was told in pages).
 #[test]
-fn a_request_too_large_for_the_pages_is_told_so_in_pages() {
+fn a_request_too_large_for_the_pages_is_refused_at_submission() {
     let model = tiny("tiny-qwen2-swa");
     let e = engine(&model, 2, 80, 64);
-    // 156 tokens: 78 of the 80 logical blocks; their pages of the full layer and the window's parts of
-    // the sliding one are more than the 80 pages.
-    let mut r = GenerateRequest::greedy(prompt(20, 13), 136);
-    r.ignore_eos = true;
-    let (_g, rx) = submit(&e, r);
-    let failed = loop {
-        match rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("engine answers")
-        {
-            EngineEvent::Failed(e) => break e.to_string(),
-            EngineEvent::Done { .. } => panic!("a request larger than the pool's pages finished"),
-            _ => {}
-        }
-    };
-    assert!(
-        failed.contains("KV pages at once") && failed.contains("the pool has only 80"),
-        "{failed}"
-    );
+    // 152 tokens of prompt and one to generate: 76 of the 80 logical blocks, their 76 pages of the full
+    // layer and 5 of the sliding one (the blocks a window overlaps). Then 20 of prompt and 136 of output:
+    // 78 blocks, 83 pages.
+    for (prompt_len, max_tokens, needed) in [(152, 1, "81 KV pages"), (20, 136, "83 KV pages")] {
+        let mut r = GenerateRequest::greedy(prompt(prompt_len, 13), max_tokens);
+        r.ignore_eos = true;
+        let err = e
+            .submit(r, |_| true)
+            .expect_err("a request larger than the pool's pages is refused");
+        let text = err.to_string();
+        assert!(
+            text.contains(needed) && text.contains("holds 80 pages"),
+            "{text}"
+        );
+    }
+    // The largest that fits, 75 blocks (150 tokens of KV) and 80 pages, runs to its end.
+    let (tokens, _) = run(&e, &prompt(140, 14), "s", 11);
+    assert_eq!(tokens.len(), 11);
+    let (tokens, _) = run(&e, &prompt(10, 15), "s", 3);
+    assert_eq!(tokens.len(), 3);
     e.stop();
 }

@@ -1,5 +1,6 @@
 //! Property tests of `KvLayout`'s byte math: linear in context and batch, exact under tensor parallelism,
-//! ordered by element width, and paging never loses a token.
+//! ordered by element width, paging never loses a token, and a hybrid pool's pages for a sequence are
+//! the layout's bytes for it.
 
 use kura_kv::codec::KvDtype;
 use kura_kv::layout::{AttentionKind, KvLayout, LayerKv};
@@ -77,6 +78,27 @@ proptest! {
         // A window overlaps at most ceil((window - 1) / bs) + 1 blocks, never more than the context's.
         let overlap = ((window as u64 - 1).div_ceil(bs as u64) + 1) * bs as u64;
         prop_assert_eq!(windowed.bytes_for_sequence(ctx).unwrap(), full.bytes_for_sequence(ctx.min(overlap)).unwrap());
+    }
+
+    #[test]
+    fn the_pages_a_hybrid_pool_asks_for_a_sequence_are_the_layouts_bytes_for_it(
+        window in 1usize..5_000, ctx in 1u64..50_000, bs in 1usize..=256,
+        sliding in 1usize..=5, full in 0usize..=3,
+    ) {
+        // What submission refuses a request by (`WindowPool::pages_to_hold`) and what `kura plan` and
+        // the server's concurrency count (`bytes_for_sequence`) are one figure.
+        let sw = LayerKv { kv_heads: 8, head_dim: 128, attention: AttentionKind::SlidingWindow { window_tokens: window } };
+        let fa = LayerKv { kv_heads: 8, head_dim: 128, attention: AttentionKind::Full };
+        let layers: Vec<LayerKv> =
+            std::iter::repeat_n(fa, full).chain(std::iter::repeat_n(sw, sliding)).collect();
+        let layout = KvLayout::new(layers, KvDtype::F16, bs).unwrap();
+        let page = layout.layer_bytes_per_block(0);
+        let pool = layout.window_pool(page * 1000).unwrap();
+        let blocks = ctx.div_ceil(bs as u64) as usize;
+        prop_assert_eq!(
+            pool.pages_to_hold(blocks, bs) as u64 * page,
+            layout.bytes_for_sequence(ctx).unwrap()
+        );
     }
 
     #[test]

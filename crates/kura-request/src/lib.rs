@@ -493,6 +493,21 @@ pub enum SubmitError {
         capacity_tokens: usize,
         total_blocks: usize,
     },
+    /// The same in a pool whose sliding-window layers are paged apart (Gemma 3's): its blocks fit the
+    /// pool's logical blocks, but their pages (every block's of the full-attention layers, the window's
+    /// of the sliding ones) are more than the pool's.
+    #[error(
+        "the request needs {needed_tokens} tokens of KV cache: {needed_blocks} blocks, \
+         {needed_pages} KV pages (every block's of the full-attention layers, its window's of the \
+         sliding ones), but the whole pool holds {total_pages} pages; lower max_tokens or n, or raise \
+         --kv-cache-memory"
+    )]
+    CannotFitPages {
+        needed_tokens: usize,
+        needed_blocks: usize,
+        needed_pages: usize,
+        total_pages: usize,
+    },
     #[error("the queue is full ({waiting} requests waiting, limit {max_queue}); retry later")]
     QueueFull { waiting: usize, max_queue: usize },
     #[error("the server is shutting down")]

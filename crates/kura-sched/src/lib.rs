@@ -14,11 +14,14 @@
 //!  │ running    │ slot for its newly sampled token; if the pool is empty, preempt the worst running │
 //!  │            │ sequence after it in the order (or itself); then its next chunk within the budget │
 //!  │ waiting    │ prefix lookup (cached and pending blocks), allocate the rest; if the pool is      │
-//!  │            │ empty, preempt strictly worse running sequences; else stop admitting (FCFS)       │
+//!  │            │ empty, preempt strictly worse running sequences; else stop admitting (FCFS),      │
+//!  │            │ unless the pool could not hold it even empty: then it fails (CannotFit)           │
 //!  └────────────┴──────────────────────────────────────────────────────────────────────────────────┘
 //! ```
 //!
-//! A request marked blocked (its client is behind) is skipped: not admitted, not stepped.
+//! A request marked blocked (its client is behind) is skipped: not admitted, not stepped; a running
+//! sequence of it that others wait for (pending blocks they attached) is preempted, leaving the blocks
+//! to them (except under guaranteed admission, which never preempts).
 //!
 //! Under [`AdmissionMode::Guaranteed`] a waiting request is admitted only when the blocks it will take
 //! until every choice reaches its full length (prompt plus `max_tokens`: [`OutputLimit`]), less the
@@ -236,7 +239,8 @@ pub enum SchedEvent {
         request: u64,
         swapped_blocks: usize,
     },
-    /// A request that can never fit (alone, it still runs out of blocks) was removed.
+    /// A request that can never fit (alone, it still runs out of blocks, or waiting, the pool could not
+    /// hold it even empty) was removed.
     CannotFit {
         request: u64,
         needed_blocks: usize,
@@ -869,6 +873,8 @@ impl Scheduler {
                 Self::drop_draft(&mut self.kv, seq);
             }
         }
+        let mut plan = Plan::default();
+        self.preempt_blocked_writers(&mut plan);
         let mut cands: Vec<Candidate> = self
             .running
             .iter()
@@ -892,7 +898,6 @@ impl Scheduler {
                 .then(a.order.cmp(&b.order))
         });
 
-        let mut plan = Plan::default();
         let mut budget = self.config.max_num_batched_tokens;
         // What the step may still spend on prompts beside its decodes: seconds of the cap's room, and
         // the prompt tokens planned so far (the cap's floor).
@@ -1000,6 +1005,36 @@ impl Scheduler {
         plan
     }
 
+    /// Preempts the running sequences of requests whose client is behind that others wait for (blocks
+    /// they attached as pending, which the sequence was to compute). Not stepped, such a sequence could
+    /// keep them waiting up to the engine's stalled-client timeout; preempted, it withdraws those blocks
+    /// and the first of the others computes them. Its computed blocks stay cached for its return (a
+    /// blocked request is not admitted again until its client catches up); one nobody waits for keeps
+    /// its blocks. Not under [`AdmissionMode::Guaranteed`], which promises that an admitted request is
+    /// never preempted (there the others wait for its client). O(running × blocks it has not computed).
+    fn preempt_blocked_writers(&mut self, plan: &mut Plan) {
+        if self.config.admission == AdmissionMode::Guaranteed {
+            return;
+        }
+        let blocked: Vec<SeqKey> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|k| {
+                let seq = &self.seqs[k];
+                self.requests.get(&seq.request).is_some_and(|r| r.blocked)
+                    && seq.kv.is_some_and(|id| {
+                        self.kv
+                            .is_waited_for(id)
+                            .expect("running sequence is known")
+                    })
+            })
+            .collect();
+        for key in blocked {
+            self.preempt(key, plan);
+        }
+    }
+
     /// Running sequences that decode (hold blocks, have their prompt computed, and whose client is not
     /// behind): a step carries them, and while there is one the prefill cap applies.
     pub fn num_decoding(&self) -> usize {
@@ -1017,7 +1052,8 @@ impl Scheduler {
 
     /// Gives a running sequence the slots of its tokens not yet in the KV sequence (the token sampled in
     /// the last step), preempting worse sequences (after it in `rest`) or itself when the pool is full.
-    /// Returns whether it is still running.
+    /// Returns whether it has them: when not, it was preempted, failed, or (alone) waits for room
+    /// ([`Self::alone_out_of_room`]).
     fn grow(&mut self, key: SeqKey, id: SeqId, rest: &[Candidate], plan: &mut Plan) -> bool {
         loop {
             let kv_len = self.kv.num_tokens(id).expect("running sequence is known");
@@ -1050,8 +1086,9 @@ impl Scheduler {
 
     /// Gives the sliding layers of a hybrid pool the pages for computing tokens `[start, end)` of the
     /// sequence, computing fewer tokens (down to one) when the pool is short, then preempting worse
-    /// sequences (after it in `rest`). Returns the end that fits, or `None` when the sequence waits this
-    /// step (or can never fit: then its request fails with `CannotFit`).
+    /// sequences (after it in `rest`), then itself. Returns the end that fits, or `None` when the
+    /// sequence does not compute this step (preempted, or alone and unable to fit: see
+    /// [`Self::alone_out_of_room`]).
     fn fit_window(
         &mut self,
         key: SeqKey,
@@ -1078,19 +1115,33 @@ impl Scheduler {
             if self.running.len() == 1 && self.kv.page_usage().is_some() {
                 // Alone, and not even one token's window fits.
                 self.alone_out_of_room(key, plan);
+            } else {
+                // As `grow` does: it steps back for those before it. Keeping its pages and waiting
+                // could wait for ever: a sequence before it may be waiting for its pending blocks
+                // (a better priority attached to them, or an older request admitted again), and that
+                // reader's window references keep those blocks' parts as it computes them, so that it
+                // runs out. Preempted, it withdraws them and the reader computes them.
+                self.preempt(key, plan);
             }
             return None;
         }
     }
 
-    /// A sequence running alone that cannot get the room it needs: where pins hold it
-    /// ([`Self::pins_hold_room`]) it steps back to the queue and the pass admits no one else, so that
-    /// with nothing running the engine has a pin give way; otherwise it can never fit and its request
-    /// fails with `CannotFit`.
+    /// A sequence running alone that cannot get the room it needs: where loads from a lower tier are in
+    /// flight it keeps its blocks and waits for them (the loader holds the blocks it loads into, a
+    /// cancelled request's too, until its reads are reported: then they are the pool's again); where
+    /// pins hold it ([`Self::pins_hold_room`]) it steps back to the queue and the pass admits no one
+    /// else, so that with nothing running the engine has a pin give way; otherwise it can never fit and
+    /// its request fails with `CannotFit`.
     fn alone_out_of_room(&mut self, key: SeqKey, plan: &mut Plan) {
         let seq = &self.seqs[&key];
         let (request, needed_blocks) =
             (seq.request, seq.tokens.len().div_ceil(self.kv.block_size()));
+        if self.kv.num_loads() > 0 && self.kv.could_hold(needed_blocks) {
+            // The engine waits on the loads when a pass plans nothing, and the next pass after they
+            // land gives it the room (it comes first: it is running).
+            return;
+        }
         if self.pins_hold_room(needed_blocks) {
             plan.waits_for_pins = true;
             self.preempt(key, plan);
@@ -1156,8 +1207,7 @@ impl Scheduler {
                 Some(s) => &seq.tokens[..s.reusable.min(last)],
                 None => &seq.tokens[..last],
             };
-            let hit = self.kv.find_cached_prefix(lookup, &request.key);
-            let cached = hit.num_cached_tokens();
+            let mut hit = self.kv.find_cached_prefix(lookup, &request.key);
             if guaranteed {
                 let (need, alone) = self.admission_need(seq, request, &hit);
                 let request_id = seq.request;
@@ -1181,10 +1231,18 @@ impl Scheduler {
                     return Admit::NoRoom;
                 }
             }
-            match self
-                .kv
-                .allocate_slots(id, &seq.tokens[cached..], Some(&hit))
-            {
+            let mut allocated =
+                self.kv
+                    .allocate_slots(id, &seq.tokens[hit.num_cached_tokens()..], Some(&hit));
+            if matches!(allocated, Ok(None)) && self.kv.drop_partial(&mut hit) {
+                // Copying a partly reused block holds its source beside the copy: rather than wait or
+                // preempt for that one block (for ever, where the sequence fills the pool), its tokens
+                // are computed.
+                allocated =
+                    self.kv
+                        .allocate_slots(id, &seq.tokens[hit.num_cached_tokens()..], Some(&hit));
+            }
+            match allocated {
                 Ok(Some(alloc)) => {
                     plan.add_copies(c.seq, alloc.copies);
                     self.on_admitted(c.seq, id, &hit, plan);
@@ -1200,9 +1258,30 @@ impl Scheduler {
             }
             match self.pick_victim(rest, Some(c.priority)) {
                 Some(victim) => self.preempt(victim, plan),
-                None => return Admit::NoRoom,
+                None => return self.no_room(c.seq, plan),
             }
         }
+    }
+
+    /// A waiting sequence the pool cannot hold now, with nobody to preempt for it: it waits for room
+    /// (and stops admission behind it), unless the pool could not hold it even empty
+    /// ([`KvCacheManager::could_hold`]; in a hybrid pool its pages, which run out before the block ids
+    /// the submission checks): then it would wait for ever, and every request behind it too, so its
+    /// request fails with `CannotFit`.
+    fn no_room(&mut self, key: SeqKey, plan: &mut Plan) -> Admit {
+        let seq = &self.seqs[&key];
+        let (request, needed_blocks) =
+            (seq.request, seq.tokens.len().div_ceil(self.kv.block_size()));
+        if self.kv.could_hold(needed_blocks) {
+            return Admit::NoRoom;
+        }
+        self.remove_request(request);
+        plan.events.push(SchedEvent::CannotFit {
+            request,
+            needed_blocks,
+            total_blocks: self.config.num_blocks,
+        });
+        Admit::Gone
     }
 
     /// Tokens of KV a choice of `r` holds at its full length: the prompt and every output token but the

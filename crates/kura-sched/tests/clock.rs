@@ -4,7 +4,8 @@
 //! is computing instead of computing them again, a full pool preempts the most recent request, prompts
 //! beside decodes stay within the prefill cap, and a draft (speculative decoding) is computed in its sequence's item, takes only free blocks that the sequences
 //! after it do not need (no eviction, no preemption for it), and leaves what the sampler kept of it cached
-//! when the sequence ends on it.
+//! when the sequence ends on it; a sequence whose client is behind leaves the pending blocks others wait
+//! for to them.
 
 use std::time::Duration;
 
@@ -457,4 +458,80 @@ fn a_sequence_that_ends_inside_its_draft_leaves_the_drawn_tokens_blocks_cached()
         })
         .expect("admitted");
     assert_eq!(admitted, 8);
+}
+
+#[test]
+fn a_writer_whose_client_is_behind_leaves_its_pending_blocks_to_those_waiting_for_them() {
+    let mut s = Scheduler::new(config(64, 8, 4)).unwrap();
+    let shared = prompt(0, 40);
+    let w = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, shared.clone(), LIMIT);
+    assert_eq!(items(&step(&mut s, Duration::ZERO)), vec![(w, 0, 8)]);
+    // W's client falls behind (the sink of a request of several prompts is shared: another prompt's
+    // output fills it): W is not stepped, up to the stalled-client timeout (30 s by default).
+    s.set_blocked(0, true);
+    // R, with the same 40 tokens and 2 of its own, attaches to W's 8 pending blocks. It waited for W
+    // all that time; it computes them itself.
+    let mut r_prompt = shared;
+    r_prompt.extend(prompt(500, 2));
+    let r = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, r_prompt, LIMIT);
+    for t in 1..10 {
+        let plan = step(&mut s, Duration::from_millis(t));
+        assert!(plan.items.iter().all(|i| i.seq != w), "W is not stepped");
+    }
+    assert!(s.num_generated(r) > 0, "R waited for W's blocks");
+    assert_eq!(s.kv().stats().withdrawn_blocks, 8);
+    // W's client catches up: W is admitted again, finds its prompt cached and computes only its last
+    // token, for its logits.
+    s.set_blocked(0, false);
+    let plan = step(&mut s, Duration::from_millis(10));
+    assert!(items(&plan).contains(&(w, 39, 40)), "{:?}", items(&plan));
+    let plan = step(&mut s, Duration::from_millis(11));
+    assert!(items(&plan).contains(&(w, 40, 41)), "{:?}", items(&plan));
+}
+
+#[test]
+fn a_prompt_as_large_as_the_pool_is_admitted_past_a_partly_reused_block() {
+    // 8 blocks of 4 tokens. A leaves 3 blocks cached; B's prompt is 8 blocks, the first 10 tokens A's:
+    // 2 blocks hit, and the third of A's matches 2 of B's tokens (a partial hit, copied). The copy holds
+    // its source beside its destination: 9 blocks at once, with nothing running to give way. B waited
+    // for ever, and every request behind it.
+    let mut s = Scheduler::new(config(8, 64, 4)).unwrap();
+    let a = s.add_request(0, CacheKey::new(), 0, Duration::ZERO, prompt(0, 12), LIMIT);
+    step(&mut s, Duration::ZERO);
+    s.finish(a);
+    s.remove_request(0);
+    let mut b_prompt = prompt(0, 10);
+    b_prompt.extend(prompt(500, 22));
+    let b = s.add_request(1, CacheKey::new(), 0, Duration::ZERO, b_prompt, LIMIT);
+    let plan = step(&mut s, Duration::from_millis(1));
+    assert!(
+        plan.items.iter().any(|i| i.seq == b),
+        "B was not admitted: {:?}",
+        plan.events
+    );
+    assert_eq!(s.kv().stats().prefix_hit_tokens, 8, "its 2 full blocks hit");
+}
+
+#[test]
+fn under_guaranteed_admission_a_writer_whose_client_is_behind_is_not_preempted() {
+    let mut c = config(64, 8, 4);
+    c.admission = kura_sched::AdmissionMode::Guaranteed;
+    let mut s = Scheduler::new(c).unwrap();
+    let shared = prompt(0, 40);
+    s.add_request(0, CacheKey::new(), 0, Duration::ZERO, shared.clone(), LIMIT);
+    step(&mut s, Duration::ZERO);
+    s.set_blocked(0, true);
+    let mut r_prompt = shared;
+    r_prompt.extend(prompt(500, 2));
+    s.add_request(1, CacheKey::new(), 0, Duration::ZERO, r_prompt, LIMIT);
+    for t in 1..5 {
+        let plan = step(&mut s, Duration::from_millis(t));
+        assert!(
+            !plan
+                .events
+                .iter()
+                .any(|e| matches!(e, SchedEvent::Preempted { .. })),
+            "an admitted request is never preempted"
+        );
+    }
 }

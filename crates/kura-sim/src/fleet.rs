@@ -217,6 +217,14 @@ pub fn simulate_fleet(workload: &Workload, sim: &FleetSim) -> Result<FleetReport
                     sim.replica.max_model_len
                 )));
             }
+            if let Some(e) = crate::serve::prompt_too_large(
+                "trace",
+                prompt.len(),
+                bs,
+                sim.replica.scheduler.num_blocks,
+            ) {
+                return Err(e);
+            }
             prompt_tokens += prompt.len() as u64;
             let whole = prompt.len().saturating_sub(1) / bs * bs;
             let blocks = (whole / bs) as u64;

@@ -477,6 +477,24 @@ fn too_long(
     ))
 }
 
+/// A request whose prompt alone needs more blocks than the whole pool: the scheduler refuses it at
+/// admission (`CannotFit`), and a simulation of such a pool is a configuration error, as the server
+/// refuses it at submission.
+pub(crate) fn prompt_too_large(
+    what: &str,
+    prompt: usize,
+    block_size: usize,
+    num_blocks: usize,
+) -> Option<SimError> {
+    let needed = prompt.div_ceil(block_size.max(1));
+    (needed > num_blocks).then(|| {
+        SimError::Config(format!(
+            "a {what} request of {prompt} prompt tokens needs {needed} KV blocks of {block_size} \
+             tokens: the KV pool of {num_blocks} blocks cannot hold it"
+        ))
+    })
+}
+
 /// Runs `workload` under a closed loop of `sim.concurrency` clients through the engine's scheduler.
 pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimError> {
     workload.validate()?;
@@ -575,6 +593,14 @@ pub fn simulate(workload: &Workload, sim: &ServeSim) -> Result<ServeReport, SimE
                     sim.max_model_len,
                     hint,
                 ));
+            }
+            if let Some(e) = prompt_too_large(
+                workload.name(),
+                prompt.len(),
+                sim.scheduler.block_size_tokens,
+                sim.scheduler.num_blocks,
+            ) {
+                return Err(e);
             }
             // A trace request was sent at its time, which may lie inside the step just simulated.
             let sent = session.arrival_ms.unwrap_or(now_ms);

@@ -346,6 +346,18 @@ impl KvCacheManager {
         hit
     }
 
+    /// Takes the partly reused block out of `hit` (from [`Self::find_cached_prefix`]), cutting it back to
+    /// the window as the lookup would have without it: its tokens are then computed instead of copied.
+    /// The copy holds its source beside its destination, one block more than the sequence: a pool with
+    /// room for the sequence but not for both admits it without. False when `hit` had none.
+    pub fn drop_partial(&self, hit: &mut PrefixHit) -> bool {
+        if hit.partial.take().is_none() {
+            return false;
+        }
+        self.fit_hit_to_window(hit);
+        true
+    }
+
     /// The admission counters of a fresh sequence's hit, attached.
     fn count_admission(&mut self, hit: &PrefixHit) {
         let bs = self.config.block_size as u64;
@@ -418,10 +430,21 @@ impl KvCacheManager {
             return Ok(None);
         }
         if self.pages.is_some() {
-            let taken = pinned_down as usize * self.pages_for_blocks(1, 0)
-                + hit.map_or(0, |h| self.hit_window_pages(h));
-            let reclaimable = self.reclaimable_pages().saturating_sub(taken);
-            if self.pages_for_blocks(needed, window_parts) > reclaimable {
+            // The hit's idle parts in the next token's window gain a reference now; the new blocks'
+            // parts are attached as the window reaches them, and the hit's are let go as it leaves
+            // them (`mark_computed`): one window's parts at a time, never both sets whole.
+            let (parts, src_part) = match hit {
+                Some(h) => {
+                    let (hit_parts, src_part) = self.hit_window_parts(h);
+                    (
+                        (hit_parts + window_parts).min(self.window_blocks()),
+                        src_part,
+                    )
+                }
+                None => (window_parts, 0),
+            };
+            let pages = self.pages_for_blocks(needed + pinned_down as usize, parts + src_part);
+            if pages > self.reclaimable_pages() {
                 return Ok(None);
             }
         }
@@ -445,7 +468,8 @@ impl KvCacheManager {
     }
 
     /// Declares the KV of tokens `[0, upto)` of the sequence written (by this sequence, by a copy, or by the
-    /// writers it waited for). Full blocks become hittable as computed.
+    /// writers it waited for). Full blocks become hittable as computed; in a hybrid pool the sequence's
+    /// window references on blocks no token from `upto` on reads are dropped.
     pub fn mark_computed(&mut self, id: SeqId, upto: usize) -> Result<(), KvError> {
         let bs = self.config.block_size;
         let seq = self.seq(id)?;
@@ -483,7 +507,8 @@ impl KvCacheManager {
         }
         let seq = self.seq_mut(id)?;
         seq.num_computed = seq.num_computed.max(upto);
-        Ok(())
+        let computed = seq.num_computed;
+        self.release_window_behind(id, computed)
     }
 
     /// Where the sequence stands: which tokens have KV, which it must compute itself (claiming blocks whose
@@ -534,6 +559,18 @@ impl KvCacheManager {
             num_tokens: n,
             waiting_blocks: waiting,
         })
+    }
+
+    /// Whether other sequences wait for blocks this one is computing: blocks it writes and has not
+    /// computed that they hold too (attached as pending). A sequence that will not compute for a while
+    /// (its client is behind) is better preempted then, leaving those blocks to them.
+    pub fn is_waited_for(&self, id: SeqId) -> Result<bool, KvError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        Ok(seq.table[seq.num_computed / bs..].iter().any(|&b| {
+            let m = &self.pool.meta[b as usize];
+            m.writer == id.index && m.computed < m.filled && m.ref_count > 1
+        }))
     }
 
     /// A new sequence sharing all of this one's blocks (n > 1 samples, beams); a shared partially filled

@@ -71,6 +71,17 @@ impl WindowPool {
         window_tokens.saturating_sub(1).div_ceil(block_size) + 1
     }
 
+    /// Pages one step of a sequence of `num_blocks` blocks takes, the pool otherwise empty: every block's
+    /// full-attention pages and the window parts of the blocks a window overlaps (what
+    /// [`KvCacheManager::allocate_slots`] asks for a prompt of that many blocks). A request whose blocks
+    /// fit the logical pool may still need more pages than the arena has.
+    pub fn pages_to_hold(&self, num_blocks: usize, block_size: usize) -> usize {
+        let parts = num_blocks.min(Self::window_blocks(self.window_tokens, block_size));
+        num_blocks
+            .saturating_mul(self.full_layers())
+            .saturating_add(parts.saturating_mul(self.sliding_layers()))
+    }
+
     /// Logical blocks to give the manager for this arena: enough that pages, not block ids, run out
     /// first (each block costs at least its full pages; with no full layer, a sequence still holds a
     /// block id per block of its context).
@@ -256,6 +267,31 @@ impl KvCacheManager {
         Ok(true)
     }
 
+    /// Drops the sequence's window references on the blocks no token from `pos` on reads: its tokens
+    /// before `pos` are computed, and it never computes them again. Their parts become idle (a hit may
+    /// still want them) or go back, so that the sequence's next block finds those pages: until its next
+    /// step's window moved on ([`Self::prepare_window`]), the references the last chunk took on every
+    /// block it read held them, and a sequence that fits the pool exactly found it full.
+    pub(super) fn release_window_behind(&mut self, id: SeqId, pos: usize) -> Result<(), KvError> {
+        let Some(p) = &self.pages else {
+            return Ok(());
+        };
+        let seq = self.seq(id)?;
+        let first = p
+            .sliding
+            .window_start(pos, self.config.block_size)
+            .min(seq.table.len());
+        if first <= seq.win_from {
+            return Ok(());
+        }
+        let gone: Vec<BlockId> = seq.table[seq.win_from..first].to_vec();
+        self.seq_mut(id)?.win_from = first;
+        for b in gone {
+            self.win_unref(b);
+        }
+        Ok(())
+    }
+
     /// The prefix index's lookup of `tokens` under `key_id` into `hit`: partial reuse only from blocks
     /// whose window part is there to copy (a hybrid pool).
     pub(super) fn lookup_pool(&mut self, key_id: u32, tokens: &[u32], hit: &mut PrefixHit) {
@@ -343,22 +379,22 @@ impl KvCacheManager {
         blocks[first.min(blocks.len())..].to_vec()
     }
 
-    /// Window pages a hit attached to a fresh sequence takes from the reclaimable ones: its idle parts
+    /// Window parts a hit attached to a fresh sequence takes from the reclaimable ones: its idle parts
     /// within the next token's window (they gain a reference), and the partly reused block's (held while
     /// it is copied).
-    pub(super) fn hit_window_pages(&self, hit: &PrefixHit) -> usize {
-        let Some(p) = &self.pages else { return 0 };
+    pub(super) fn hit_window_parts(&self, hit: &PrefixHit) -> (usize, usize) {
+        let Some(p) = &self.pages else { return (0, 0) };
         let bs = self.config.block_size;
         let first = p.sliding.window_start(self.hit_next_position(hit), bs);
         let idle = |b: BlockId| p.sliding.is_idle_part(&p.arena, b);
-        let parts = hit
+        let window = hit
             .blocks
             .iter()
             .skip(first)
             .filter(|&&(b, _)| idle(b))
-            .count()
-            + hit.partial.map_or(0, |(src, _, _)| usize::from(idle(src)));
-        parts * p.sliding.pages_per_block()
+            .count();
+        let partial = hit.partial.map_or(0, |(src, _, _)| usize::from(idle(src)));
+        (window, partial)
     }
 
     /// Drops every idle window part (clearing the cache).
@@ -431,11 +467,10 @@ impl KvCacheManager {
     /// In a hybrid pool, the pages one step of a sequence of `num_blocks` blocks takes (every block's
     /// full-layer pages, and its window's parts) and the pool's pages; `None` in other pools.
     pub fn pages_to_hold(&self, num_blocks: usize) -> Option<(usize, usize)> {
-        let p = self.pages.as_ref()?;
-        let parts = num_blocks.min(self.window_blocks());
+        let w = self.config.window.as_ref()?;
         Some((
-            self.pages_for_blocks(num_blocks, parts),
-            p.usage().0 as usize,
+            w.pages_to_hold(num_blocks, self.config.block_size),
+            w.num_pages as usize,
         ))
     }
 
