@@ -578,13 +578,7 @@ pub fn encode_chat_prompt(
     messages: Vec<ChatMessage>,
     tools: Option<&ToolPlan>,
 ) -> Result<Vec<u32>, ApiError> {
-    let (messages, _, tools_json) =
-        prompt_messages::<()>(messages, tools, ToolStyle::of(codec), &[], &[]);
-    match tools_json {
-        Some(t) => codec.encode_chat_with_tools(&messages, &t),
-        None => codec.encode_chat(&messages),
-    }
-    .map_err(crate::validate::template_error)
+    encode_chat_as(codec, messages, tools, false)
 }
 
 /// [`encode_chat_prompt`] of a conversation whose last message, an assistant's, the model continues
@@ -594,11 +588,23 @@ pub fn encode_chat_continuing(
     messages: Vec<ChatMessage>,
     tools: Option<&ToolPlan>,
 ) -> Result<Vec<u32>, ApiError> {
+    encode_chat_as(codec, messages, tools, true)
+}
+
+fn encode_chat_as(
+    codec: &dyn TextCodec,
+    messages: Vec<ChatMessage>,
+    tools: Option<&ToolPlan>,
+    continuing: bool,
+) -> Result<Vec<u32>, ApiError> {
     let (messages, _, tools_json) =
         prompt_messages::<()>(messages, tools, ToolStyle::of(codec), &[], &[]);
-    codec
-        .encode_chat_continuing(&messages, tools_json.as_ref())
-        .map_err(crate::validate::template_error)
+    match (continuing, tools_json) {
+        (true, tools) => codec.encode_chat_continuing(&messages, tools.as_ref()),
+        (false, Some(t)) => codec.encode_chat_with_tools(&messages, &t),
+        (false, None) => codec.encode_chat(&messages),
+    }
+    .map_err(crate::validate::template_error)
 }
 
 /// How many of `prompt`'s tokens hold the earlier turns of the conversation — every message up to

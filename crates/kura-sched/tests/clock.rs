@@ -7,9 +7,11 @@
 //! when the sequence ends on it; a sequence whose client is behind leaves the pending blocks others wait
 //! for to them.
 
+mod common;
+
 use std::time::Duration;
 
-use kura_kv::{CacheKey, EvictionPolicy};
+use kura_kv::CacheKey;
 use kura_sched::pace::PrefillCap;
 use kura_sched::{
     Item, OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy, SeqKey,
@@ -17,19 +19,9 @@ use kura_sched::{
 
 fn config(num_blocks: usize, budget: usize, max_seqs: usize) -> SchedulerConfig {
     SchedulerConfig {
-        block_size_tokens: 4,
-        num_blocks,
         max_num_seqs: max_seqs,
-        max_num_batched_tokens: budget,
-        enable_prefix_caching: true,
         policy: SchedulingPolicy::Priority,
-        eviction_policy: EvictionPolicy::LeafLru,
-        hash_seed: Some(7),
-        tiers: Default::default(),
-        preemption: Default::default(),
-        admission: Default::default(),
-        window: None,
-        record_kv_events: false,
+        ..common::config(4, num_blocks, budget)
     }
 }
 

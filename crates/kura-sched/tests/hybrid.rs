@@ -5,10 +5,13 @@
 //! waits on its pending blocks steps back instead of keeping everything, so that the waiter computes
 //! them.
 
+mod common;
+
+use common::step;
 use std::time::Duration;
 
-use kura_kv::{CacheKey, EvictionPolicy, WindowPool};
-use kura_sched::{OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy};
+use kura_kv::{CacheKey, WindowPool};
+use kura_sched::{OutputLimit, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy};
 
 fn config(pages: u32, budget: usize) -> SchedulerConfig {
     let window = WindowPool {
@@ -17,19 +20,8 @@ fn config(pages: u32, budget: usize) -> SchedulerConfig {
         num_pages: pages,
     };
     SchedulerConfig {
-        block_size_tokens: 2,
-        num_blocks: window.logical_blocks() as usize,
-        max_num_seqs: 8,
-        max_num_batched_tokens: budget,
-        enable_prefix_caching: true,
-        policy: SchedulingPolicy::Fcfs,
-        eviction_policy: EvictionPolicy::LeafLru,
-        hash_seed: Some(7),
-        tiers: Default::default(),
-        preemption: Default::default(),
-        admission: Default::default(),
-        window: Some(window),
-        record_kv_events: false,
+        window: Some(window.clone()),
+        ..common::config(2, window.logical_blocks() as usize, budget)
     }
 }
 
@@ -37,18 +29,6 @@ const LIMIT: OutputLimit = OutputLimit {
     max_tokens: 64,
     n: 1,
 };
-
-/// Runs one pass at `t` ms: every planned item is computed and every sequence whose tokens are all
-/// computed gets a token.
-fn step(s: &mut Scheduler, t: u64) -> Plan {
-    let plan = s.schedule(Duration::from_millis(t));
-    for &item in &plan.items {
-        if s.computed(item).complete {
-            s.push_token(item.seq, 5000 + t as u32);
-        }
-    }
-    plan
-}
 
 #[test]
 fn a_prompt_the_pages_cannot_hold_is_refused_and_the_queue_goes_on() {

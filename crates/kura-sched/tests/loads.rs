@@ -2,29 +2,21 @@
 //! for loads still in flight come back when the loads land, so a sequence running alone that needs
 //! them waits instead of failing as unable to fit.
 
+mod common;
+
+use common::step;
 use std::time::Duration;
 
-use kura_kv::{CacheKey, EvictionPolicy, TierConfig, TierMove};
-use kura_sched::{OutputLimit, Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy};
+use kura_kv::{CacheKey, TierConfig, TierMove};
+use kura_sched::{OutputLimit, SchedEvent, Scheduler, SchedulerConfig};
 
 fn config(num_blocks: usize) -> SchedulerConfig {
     SchedulerConfig {
-        block_size_tokens: 4,
-        num_blocks,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 64,
-        enable_prefix_caching: true,
-        policy: SchedulingPolicy::Fcfs,
-        eviction_policy: EvictionPolicy::LeafLru,
-        hash_seed: Some(7),
         tiers: TierConfig {
             host_blocks: 64,
             ..TierConfig::default()
         },
-        preemption: Default::default(),
-        admission: Default::default(),
-        window: None,
-        record_kv_events: false,
+        ..common::config(4, num_blocks, 64)
     }
 }
 
@@ -32,18 +24,6 @@ const LIMIT: OutputLimit = OutputLimit {
     max_tokens: 32,
     n: 1,
 };
-
-/// Runs one pass at `t` ms: every planned item is computed and every sequence whose tokens are all
-/// computed gets a token.
-fn step(s: &mut Scheduler, t: u64) -> Plan {
-    let plan = s.schedule(Duration::from_millis(t));
-    for &item in &plan.items {
-        if s.computed(item).complete {
-            s.push_token(item.seq, 5000 + t as u32);
-        }
-    }
-    plan
-}
 
 /// The blocks the tier moves decided so far load into.
 fn loads(s: &mut Scheduler) -> Vec<u32> {

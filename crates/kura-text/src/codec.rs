@@ -64,19 +64,25 @@ impl ModelCodec {
     }
 
     /// The chat text of `messages` (and `tools`) tokenized, its length checked first: the check's own
-    /// message on a refusal (it starts with [`TEXT_OVER_CONTEXT`]).
+    /// message on a refusal (it starts with [`TEXT_OVER_CONTEXT`]). `continuing`: the last message is
+    /// continued, not answered.
     fn encode_chat_checked(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
+        continuing: bool,
     ) -> Result<Vec<u32>, String> {
         let refused = std::cell::Cell::new(None);
-        self.chat_template()
-            .encode_checked(&self.text.tokenizer, messages, tools, true, |n| {
-                self.check_len(n)
-                    .inspect_err(|e| refused.set(Some(e.clone())))
-            })
-            .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
+        let check = |n| {
+            self.check_len(n)
+                .inspect_err(|e| refused.set(Some(e.clone())))
+        };
+        let (template, tokenizer) = (self.chat_template(), &self.text.tokenizer);
+        match continuing {
+            true => template.encode_continuing_checked(tokenizer, messages, tools, check),
+            false => template.encode_checked(tokenizer, messages, tools, true, check),
+        }
+        .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
     }
 
     /// The byte ranges of `text[from..]` (the chat text of `messages`, with `tools` or without) that
@@ -157,13 +163,7 @@ impl TextCodec for ModelCodec {
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
     ) -> Result<Vec<u32>, String> {
-        let refused = std::cell::Cell::new(None);
-        self.chat_template()
-            .encode_continuing_checked(&self.text.tokenizer, messages, tools, |n| {
-                self.check_len(n)
-                    .inspect_err(|e| refused.set(Some(e.clone())))
-            })
-            .map_err(|e| refused.take().unwrap_or_else(|| e.to_string()))
+        self.encode_chat_checked(messages, tools, true)
     }
 
     fn render_chat_with_tools(
@@ -177,7 +177,7 @@ impl TextCodec for ModelCodec {
     }
 
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
-        self.encode_chat_checked(messages, None)
+        self.encode_chat_checked(messages, None, false)
     }
 
     fn chat_content_spans(
@@ -232,6 +232,6 @@ impl TextCodec for ModelCodec {
         messages: &[ChatMessage],
         tools: &serde_json::Value,
     ) -> Result<Vec<u32>, String> {
-        self.encode_chat_checked(messages, Some(tools))
+        self.encode_chat_checked(messages, Some(tools), false)
     }
 }
