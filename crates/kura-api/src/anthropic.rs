@@ -473,6 +473,7 @@ pub fn encode_messages(
         positions
             .into_iter()
             .zip(marks.iter().map(|&(_, _, ttl)| ttl))
+            .filter_map(|(at, ttl)| Some((at?, ttl)))
             .collect(),
     ))
 }
@@ -505,7 +506,7 @@ fn encode_prefilled(
         positions
             .into_iter()
             .zip(marks.iter().map(|&(_, _, ttl)| ttl))
-            .map(|(at, ttl)| (at.min(n), ttl))
+            .filter_map(|(at, ttl)| Some((at?.min(n), ttl)))
             .collect(),
     ))
 }
@@ -634,6 +635,11 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
     {
         messages.pop();
         breakpoints.retain(|&(m, _, _)| m < messages.len());
+        if messages.is_empty() {
+            return Err(invalid(
+                "messages must hold more than an empty assistant message",
+            ));
+        }
     }
     let prefill = messages
         .last()

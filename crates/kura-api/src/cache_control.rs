@@ -151,7 +151,8 @@ pub enum ContextKind {
 }
 
 /// The prompt tokens of `messages` (after a saved context — what it holds and its tokens — if any) and,
-/// per breakpoint (message index, byte offset in its content), the number of prompt tokens up to it.
+/// per breakpoint (message index, byte offset in its content), the number of prompt tokens up to it
+/// (`None` for one that cannot be placed: at or past a message the template does not write as it is).
 ///
 /// A breakpoint's position is found in the rendered template text (each message's content is searched
 /// in order) and mapped to tokens as the longest common prefix of the whole prompt's tokens and those of
@@ -161,7 +162,7 @@ pub fn encode_with_breakpoints(
     messages: &[ChatMessage],
     breakpoints: &[(usize, usize, CacheTtl)],
     saved: Option<(&ContextKind, &[u32])>,
-) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
+) -> Result<(Vec<u32>, Vec<Option<usize>>), ApiError> {
     encode_marked(codec, messages, breakpoints, saved, None)
 }
 
@@ -173,7 +174,7 @@ pub fn encode_with_breakpoints_and_tools(
     messages: &[ChatMessage],
     breakpoints: &[(usize, usize, CacheTtl)],
     tools: &serde_json::Value,
-) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
+) -> Result<(Vec<u32>, Vec<Option<usize>>), ApiError> {
     encode_marked(codec, messages, breakpoints, None, Some(tools))
 }
 
@@ -183,7 +184,7 @@ fn encode_marked(
     breakpoints: &[(usize, usize, CacheTtl)],
     saved: Option<(&ContextKind, &[u32])>,
     tools: Option<&serde_json::Value>,
-) -> Result<(Vec<u32>, Vec<usize>), ApiError> {
+) -> Result<(Vec<u32>, Vec<Option<usize>>), ApiError> {
     let (all, text_prefix, offset) = match saved.map(|(kind, _)| kind) {
         Some(ContextKind::Messages { messages: before }) => {
             let mut all = before.clone();
@@ -243,7 +244,14 @@ fn encode_marked(
         // Where each message's content starts in the text.
         let mut starts = Vec::with_capacity(all.len());
         let mut cursor = text_prefix.map_or(0, str::len);
-        for (i, m) in all.iter().enumerate() {
+        // Only the messages up to the last breakpoint's need placing.
+        let needed = breakpoints
+            .iter()
+            .map(|&(m, _, _)| m + offset + 1)
+            .max()
+            .unwrap_or(0)
+            .min(all.len());
+        for (i, m) in all[..needed].iter().enumerate() {
             // Templates that trim a message's content (`| trim`) are matched on the trimmed text, and the
             // start is taken back by what was trimmed (a breakpoint then ends at most that much early).
             let trimmed = m.content.trim();
@@ -265,19 +273,23 @@ fn encode_marked(
                     cursor = end;
                 }
                 None => {
-                    return Err(ApiError::invalid(
-                        format!(
-                            "could not place the cache_control breakpoint: the chat template does \
-                             not reproduce message {} verbatim",
-                            i.saturating_sub(offset)
-                        ),
-                        Some("messages"),
-                    ))
+                    // A breakpoint is a caching hint: those at or past a message the template does
+                    // not write as it is (Llama 3's tool results, JSON-encoded) are not placed.
+                    tracing::debug!(
+                        message = i.saturating_sub(offset),
+                        "a cache_control breakpoint at or past this message is not placed: the chat \
+                         template does not write its text as it is"
+                    );
+                    break;
                 }
             }
         }
         for &(message, at, _) in breakpoints {
-            let mut end = (starts[message + offset] + at).min(full_text.len());
+            let Some(&start) = starts.get(message + offset) else {
+                positions.push(None);
+                continue;
+            };
+            let mut end = (start + at).min(full_text.len());
             while !full_text.is_char_boundary(end) {
                 end -= 1;
             }
@@ -289,11 +301,11 @@ fn encode_marked(
             let part = codec
                 .encode_with_plain_spans(&full_text[..end], &plain_part)
                 .map_err(tokenize_error)?;
-            positions.push(
+            positions.push(Some(
                 lcp(&part, &whole)
                     .saturating_sub(bos_extra)
                     .min(tokens.len()),
-            );
+            ));
         }
     }
     Ok((tokens, positions))

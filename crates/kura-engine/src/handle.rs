@@ -45,6 +45,32 @@ pub struct EngineInfo {
     pub model_fingerprint: String,
 }
 
+impl EngineInfo {
+    /// The most tokens one sequence can hold in the pool (what submission lets through): its blocks,
+    /// and on a hybrid pool the most blocks whose pages, with the window's parts, fit the arena.
+    pub fn pool_tokens(&self) -> usize {
+        let blocks = match &self.window {
+            None => self.num_blocks,
+            Some(w) => {
+                // Pages grow with blocks: the largest count that fits, by bisection.
+                let fits =
+                    |b: usize| w.pages_to_hold(b, self.block_size_tokens) <= w.num_pages as usize;
+                let (mut lo, mut hi) = (0usize, self.num_blocks);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if fits(mid) {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                lo
+            }
+        };
+        blocks.saturating_mul(self.block_size_tokens)
+    }
+}
+
 pub(crate) enum Command {
     Submit {
         id: u64,

@@ -348,7 +348,12 @@ fn a_request_too_large_for_the_pages_is_refused_at_submission() {
             "{text}"
         );
     }
-    // The largest that fits, 75 blocks (150 tokens of KV) and 80 pages, runs to its end.
+    // The largest that fits, 75 blocks (150 tokens of KV) and 80 pages, runs to its end; it is what
+    // the pool is said to hold (a default `max_tokens` is bounded by it).
+    assert_eq!(e.info().pool_tokens(), 150);
+    let mut r = GenerateRequest::greedy(prompt(140, 13), 11);
+    r.ignore_eos = true;
+    assert!(e.submit(r, |_| true).is_ok());
     let (tokens, _) = run(&e, &prompt(140, 14), "s", 11);
     assert_eq!(tokens.len(), 11);
     let (tokens, _) = run(&e, &prompt(10, 15), "s", 3);

@@ -828,11 +828,12 @@ mod tests {
         let tools = [crate::tools::ToolDef {
             name: "w".into(),
             description: None,
-            parameters: serde_json::json!({"type": "object",
-                "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+            // Schemas with references of their own (as Pydantic writes nested models).
+            parameters: serde_json::json!({"$defs": {"City": {"type": "string"}}, "type": "object",
+                "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}),
         }];
-        let answer = serde_json::json!({"type": "object",
-            "properties": {"temp": {"type": "integer"}}, "required": ["temp"]});
+        let answer = serde_json::json!({"$defs": {"T": {"type": "integer"}}, "type": "object",
+            "properties": {"temp": {"$ref": "#/$defs/T"}}, "required": ["temp"]});
         for (format, parallel) in [
             crate::tools::ToolFormat::Hermes,
             crate::tools::ToolFormat::Llama3Json,

@@ -108,23 +108,36 @@ impl CallReader {
         self.names.iter().any(|n| n == name)
     }
 
-    /// The calls in finished text and the text around them ([`ToolFormat::parse`]), when every call
-    /// names an offered tool; else no calls and the text, whole. Without `parallel`, the first call.
-    pub fn parse(&self, text: &str) -> (String, Vec<ParsedCall>) {
-        let (content, mut calls) = self.format.parse(text);
-        if calls.iter().any(|c| !self.knows(&c.name)) {
+    /// The calls in finished text and the text around them ([`ToolFormat::parse`]): those of offered
+    /// tools (without `parallel`, the first call, if it is one), each with its place among the
+    /// reply's calls; with none, no calls and the text, whole.
+    pub fn parse_indexed(&self, text: &str) -> (String, Vec<(usize, ParsedCall)>) {
+        let (content, calls) = self.format.parse(text);
+        let take = if self.parallel { calls.len() } else { 1 };
+        let calls: Vec<(usize, ParsedCall)> = calls
+            .into_iter()
+            .enumerate()
+            .take(take)
+            .filter(|(_, c)| self.knows(&c.name))
+            .collect();
+        if calls.is_empty() {
             return (text.trim().to_string(), Vec::new());
-        }
-        if !self.parallel {
-            calls.truncate(1);
         }
         (content, calls)
     }
 
-    /// Whether streamed call `index`, once named `name`, goes out as a call: an offered tool's, and
-    /// (without `parallel`) the first.
-    pub fn streams(&self, index: usize, name: &str) -> bool {
-        (self.parallel || index == 0) && self.knows(name)
+    /// [`CallReader::parse_indexed`]'s content and calls.
+    pub fn parse(&self, text: &str) -> (String, Vec<ParsedCall>) {
+        let (content, calls) = self.parse_indexed(text);
+        (content, calls.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// Whether streamed call `index` (its place among the reply's calls), named `name`, goes out as a
+    /// call: an offered tool's, the first without `parallel`, and in the formats whose calls are bare
+    /// JSON only once its arguments key is written (`keyed`), as [`CallReader::parse`] reads them.
+    pub fn streams(&self, index: usize, name: &str, keyed: bool) -> bool {
+        let bare = matches!(self.format, ToolFormat::Llama3Json | ToolFormat::Mistral);
+        (self.parallel || index == 0) && self.knows(name) && (keyed || !bare)
     }
 }
 
@@ -237,37 +250,46 @@ impl ToolFormat {
     /// an output format its answer follows when it calls none. Where a call is itself bare JSON
     /// (Llama 3's object, Mistral's array) the call and the answer are one JSON schema, either of
     /// the two (llguidance cannot tell a literal call prefix from a JSON value that starts at the same
-    /// byte); the first call's schema then holds each tool's `parameters` under the call's own
-    /// schema's root, so a tool schema's `$ref`s resolve only in Hermes' form.
+    /// byte); each schema joined so keeps its own `$ref`s, moved under the whole's `$defs`.
     pub fn call_or_json_grammar(self, tools: &[ToolDef], parallel: bool, schema: &Value) -> String {
         let key = match self {
             ToolFormat::Llama3Json => "parameters",
             _ => "arguments",
         };
-        let call_schemas = || -> Vec<Value> {
-            tools
-                .iter()
-                .map(|t| {
-                    json!({"type": "object",
-                           "properties": {"name": {"const": t.name}, key: t.parameters},
-                           "required": ["name", key], "additionalProperties": false})
-                })
-                .collect()
+        if matches!(self, ToolFormat::Hermes | ToolFormat::Fallback) {
+            let calls = self
+                .call_grammar(tools, parallel)
+                .replacen("start:", "tool_calls:", 1);
+            return format!(
+                "start: tool_calls | answer\nanswer: %json {}\n{calls}",
+                crate::with_layout(schema)
+            );
+        }
+        // Every schema under `$defs`, by name; the calls' and the answer's refer to theirs.
+        let mut defs = serde_json::Map::new();
+        let mut nest = |name: String, schema: &Value| -> Value {
+            defs.insert(name.clone(), moved_refs(schema, &name));
+            json!({"$ref": format!("#/$defs/{name}")})
+        };
+        let calls: Vec<Value> = tools
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                json!({"type": "object",
+                       "properties": {"name": {"const": t.name},
+                                      key: nest(format!("kura_tool_{i}"), &t.parameters)},
+                       "required": ["name", key], "additionalProperties": false})
+            })
+            .collect();
+        let answer = nest("kura_answer".into(), schema);
+        let whole = |any_of: Vec<Value>| {
+            crate::with_layout(&json!({"$defs": defs.clone(), "anyOf": any_of}))
         };
         match self {
-            ToolFormat::Hermes | ToolFormat::Fallback => {
-                let calls = self
-                    .call_grammar(tools, parallel)
-                    .replacen("start:", "tool_calls:", 1);
-                format!(
-                    "start: tool_calls | answer\nanswer: %json {}\n{calls}",
-                    crate::with_layout(schema)
-                )
-            }
             ToolFormat::Llama3Json => {
-                let mut first = call_schemas();
-                first.push(schema.clone());
-                let first = crate::with_layout(&json!({"anyOf": first}));
+                let mut first = calls;
+                first.push(answer);
+                let first = whole(first);
                 if parallel {
                     // Later calls as `call_grammar` writes them, after the first value.
                     let rest = self.call_grammar(tools, true);
@@ -280,14 +302,12 @@ impl ToolFormat {
                     format!("start: %json {first}\n")
                 }
             }
-            ToolFormat::Mistral => {
-                let mut array = json!({"type": "array", "minItems": 1,
-                                       "items": {"anyOf": call_schemas()}});
+            _ => {
+                let mut array = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
                 if !parallel {
                     array["maxItems"] = json!(1);
                 }
-                let both = crate::with_layout(&json!({"anyOf": [array, schema]}));
-                format!("start: %json {both}\n")
+                format!("start: %json {}\n", whole(vec![array, answer]))
             }
         }
     }
@@ -449,6 +469,30 @@ fn has_arguments(text: &str) -> bool {
     top_level_fields(text)
         .iter()
         .any(|f| f.key == "arguments" || f.key == "parameters")
+}
+
+/// `schema` as it reads once moved to `#/$defs/<name>` of another document: each of its local
+/// `$ref`s (`#…`) points into its new place.
+fn moved_refs(schema: &Value, name: &str) -> Value {
+    match schema {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let v = match (k.as_str(), v) {
+                        // Values, not schemas.
+                        ("const" | "enum" | "default" | "examples", v) => v.clone(),
+                        ("$ref", Value::String(r)) if r.starts_with('#') => {
+                            Value::String(format!("#/$defs/{name}{}", &r[1..]))
+                        }
+                        _ => moved_refs(v, name),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(|v| moved_refs(v, name)).collect()),
+        other => other.clone(),
+    }
 }
 
 /// A finished call object: `{"name": "..", "arguments"|"parameters": {..} or "<json text>"}`.
@@ -745,9 +789,19 @@ mod tests {
         assert_eq!(calls[0].arguments, r#"{"city": "Oslo"}"#);
         assert_eq!(reader(ToolFormat::Llama3Json, true).parse(two).1.len(), 2);
         // Streaming asks the same of each call as it is named.
-        assert!(reader(ToolFormat::Hermes, false).streams(0, "w"));
-        assert!(!reader(ToolFormat::Hermes, false).streams(1, "w"));
-        assert!(!reader(ToolFormat::Hermes, true).streams(0, "Alice"));
+        assert!(reader(ToolFormat::Hermes, false).streams(0, "w", false));
+        assert!(!reader(ToolFormat::Hermes, false).streams(1, "w", true));
+        assert!(!reader(ToolFormat::Hermes, true).streams(0, "Alice", true));
+        assert!(!reader(ToolFormat::Llama3Json, true).streams(0, "w", false));
+        assert!(reader(ToolFormat::Llama3Json, true).streams(0, "w", true));
+        // An invented call beside an offered one: the offered one stands, at its place.
+        let mixed = "<tool_call>\n{\"name\": \"x\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"w\", \"arguments\": {}}\n</tool_call>";
+        let (_, calls) = reader(ToolFormat::Hermes, true).parse_indexed(mixed);
+        assert_eq!(calls.len(), 1);
+        assert_eq!((calls[0].0, calls[0].1.name.as_str()), (1, "w"));
+        // One call a turn: the first, which is invented, so none.
+        let (content, calls) = reader(ToolFormat::Hermes, false).parse(mixed);
+        assert!(calls.is_empty() && content == mixed);
     }
 
     #[test]

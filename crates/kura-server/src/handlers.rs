@@ -132,7 +132,7 @@ pub(crate) async fn history_of(
 /// Default `max_tokens` when the client gives none: whatever fits in the context and in the pool.
 pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 {
     let info = engine.info();
-    let pool_tokens = info.num_blocks.saturating_mul(info.block_size_tokens);
+    let pool_tokens = info.pool_tokens();
     let room = info
         .max_model_len
         .min(pool_tokens)

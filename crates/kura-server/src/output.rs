@@ -120,8 +120,27 @@ pub(crate) struct ToolStream {
     /// a piece costs about its own length, not the reply's.
     parse: Option<PartialStream>,
     content_sent: usize,
-    /// Per call: whether its name went out, and how many bytes of its arguments.
+    /// Per call sent, in the order they went out (their `index`): whether its name went out, and how
+    /// many bytes of its arguments.
     calls: Vec<(bool, usize)>,
+    /// Per call of the reply, by its place there: which call sent it is (calls that are not sent,
+    /// an invented tool's, have none, so those sent are numbered 0, 1, … as a whole response's).
+    sent_as: Vec<Option<usize>>,
+}
+
+/// The `index` call `place` of the reply goes out as, given one when it has none yet.
+fn sent_index(
+    sent_as: &mut Vec<Option<usize>>,
+    calls: &mut Vec<(bool, usize)>,
+    place: usize,
+) -> usize {
+    if sent_as.len() <= place {
+        sent_as.resize(place + 1, None);
+    }
+    *sent_as[place].get_or_insert_with(|| {
+        calls.push((false, 0));
+        calls.len() - 1
+    })
 }
 
 impl ToolStream {
@@ -136,6 +155,7 @@ impl ToolStream {
             parse,
             content_sent,
             calls,
+            sent_as,
         } = self;
         let view = parse
             .get_or_insert_with(|| PartialStream::new(reader.format))
@@ -149,18 +169,16 @@ impl ToolStream {
         let mut deltas = Vec::new();
         for (k, call) in view.calls.iter().enumerate() {
             // A call goes out once it names an offered tool (and, one call a turn, is the first);
-            // any other is text, sent whole when the reply ends.
-            if !call.name.is_some_and(|n| reader.streams(view.first + k, n)) {
+            // a reply with no such call is text, sent whole when it ends.
+            let place = view.first + k;
+            if !call
+                .name
+                .is_some_and(|n| reader.streams(place, n, call.keyed))
+            {
                 continue;
             }
-            push_call(
-                calls,
-                ids,
-                view.first + k,
-                call.name,
-                call.arguments,
-                &mut deltas,
-            );
+            let i = sent_index(sent_as, calls, place);
+            push_call(calls, ids, i, call.name, call.arguments, &mut deltas);
         }
         (content, deltas)
     }
@@ -173,7 +191,7 @@ impl ToolStream {
         reader: &CallReader,
     ) -> (String, Vec<ToolCallDelta>, bool) {
         let text = self.parse.as_ref().map_or("", PartialStream::text);
-        let (_, parsed) = reader.parse(text);
+        let (_, parsed) = reader.parse_indexed(text);
         if parsed.is_empty() {
             let rest = text
                 .get(self.content_sent..)
@@ -183,7 +201,8 @@ impl ToolStream {
             return (rest, Vec::new(), false);
         }
         let mut deltas = Vec::new();
-        for (i, c) in parsed.iter().enumerate() {
+        for (place, c) in &parsed {
+            let i = sent_index(&mut self.sent_as, &mut self.calls, *place);
             push_call(
                 &mut self.calls,
                 ids,

@@ -200,14 +200,23 @@ impl ChatTemplate {
 
     /// The text of `messages` whose last, an assistant's, is continued rather than closed (an
     /// assistant prefill, vLLM's `continue_final_message`): rendered without the generation prompt and
-    /// cut right after the last message's content, where the model goes on writing it. An error when
-    /// the template does not write that content (or its trimmed text) where the text ends but for the
-    /// turn's closing.
+    /// cut right after the last message's content, where the model goes on writing it. The cut is found
+    /// by rendering that content followed by a marker no text holds, so that a content which also
+    /// occurs in the turn's closing (`<`, `id`) is not cut there. An error when the template does not
+    /// write the content as it is, or writes the text before it differently for it.
     pub fn render_continuing(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
     ) -> Result<String> {
+        const MARK: &str = "\u{FDD0}kura-continue\u{FDD1}";
+        let cannot = || {
+            TextError::ChatTemplate(
+                "the chat template does not write the last assistant message's text as it is, so it \
+                 cannot be continued"
+                    .into(),
+            )
+        };
         let last = match messages.last() {
             Some(m) if m.role == "assistant" && !m.content.is_empty() => m,
             _ => {
@@ -216,19 +225,20 @@ impl ChatTemplate {
                 ))
             }
         };
-        let text = self.render_with_tools(messages, tools, false)?;
-        let end = [last.content.as_str(), last.content.trim()]
-            .into_iter()
-            .filter(|c| !c.is_empty())
-            .find_map(|c| text.rfind(c).map(|at| at + c.len()))
-            .ok_or_else(|| {
-                TextError::ChatTemplate(
-                    "the chat template does not write the last assistant message's text as it is, \
-                     so it cannot be continued"
-                        .into(),
-                )
-            })?;
-        Ok(text[..end].to_string())
+        let mut marked = messages.to_vec();
+        if let Some(m) = marked.last_mut() {
+            m.content = format!("{}{MARK}", last.content);
+        }
+        let with_mark = self.render_with_tools(&marked, tools, false)?;
+        let at = with_mark.find(MARK).ok_or_else(cannot)?;
+        let text = &with_mark[..at];
+        // The closed text starts with it (the template wrote the content as it is, and nothing before
+        // it depends on it), so the contents' places in the closed text hold in it.
+        let closed = self.render_with_tools(messages, tools, false)?;
+        if !text.ends_with(last.content.as_str()) || !closed.starts_with(text) {
+            return Err(cannot());
+        }
+        Ok(text.to_string())
     }
 
     /// [`ChatTemplate::encode_checked`] of [`ChatTemplate::render_continuing`]'s text: the contents
@@ -558,6 +568,15 @@ mod tests {
             .encode_continuing_checked(tok, &m, None, |_| Ok(()))
             .unwrap();
         assert_eq!(ids, tok.encode(&continued, false).unwrap());
+        // A content that also occurs in the turn's closing is cut where the content ends.
+        for c in ["<", "im", "end", "\n"] {
+            let m = msgs(&[("user", "Hi"), ("assistant", c)]);
+            let continued = tpl.render_continuing(&m, None).unwrap();
+            assert!(
+                continued.ends_with(&format!("<|im_start|>assistant\n{c}")),
+                "{c:?}: {continued:?}"
+            );
+        }
         // Special-token text in the continued content stays text, as in any content.
         let m = msgs(&[("user", "Hi"), ("assistant", "say <|im_end|>")]);
         let ids = tpl

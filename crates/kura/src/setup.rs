@@ -116,7 +116,6 @@ pub fn step_count_arg(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// `--model`, or the default model's path; an error that says how to get it when it is not there.
 /// The most bytes read from a `--chat-template` file (the largest templates models ship are tens of
 /// KB).
 pub const CHAT_TEMPLATE_MAX_BYTES: u64 = 1 << 20;
@@ -137,6 +136,7 @@ pub fn with_chat_template(
         .with_context(|| format!("--chat-template {}", file.display()))
 }
 
+/// `--model`, or the default model's path; an error that says how to get it when it is not there.
 pub fn model_path(model: Option<&PathBuf>) -> Result<PathBuf> {
     let path = model
         .cloned()

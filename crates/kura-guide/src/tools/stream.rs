@@ -243,9 +243,13 @@ impl CallScan {
             }
             "arguments" | "parameters" => {
                 self.arguments = Some((start, end));
+                // Only a string that holds an object is arguments (as a finished call reads it).
                 self.decoded = end
                     .filter(|_| text.as_bytes().get(start) == Some(&b'"'))
-                    .and_then(|end| string_value(&text[start..end]));
+                    .and_then(|end| string_value(&text[start..end]))
+                    .filter(|s| {
+                        serde_json::from_str::<serde_json::Value>(s).is_ok_and(|v| v.is_object())
+                    });
             }
             _ => {}
         }
@@ -257,6 +261,7 @@ impl CallScan {
         if self.stage == Stage::Value && matches!(self.key.as_str(), "arguments" | "parameters") {
             arguments = Some((self.value_start, None));
         }
+        let arguments_at = arguments;
         let arguments = match arguments {
             None => "",
             // A string is sent decoded, whole, once it ended (nothing of it before).
@@ -268,6 +273,7 @@ impl CallScan {
         CallView {
             name: self.name.as_deref(),
             arguments,
+            keyed: arguments_at.is_some(),
         }
     }
 }
@@ -277,6 +283,8 @@ impl CallScan {
 pub struct CallView<'a> {
     pub name: Option<&'a str>,
     pub arguments: &'a str,
+    /// Whether its arguments' key (`arguments`, `parameters`) is written yet.
+    pub keyed: bool,
 }
 
 /// A call that ended: its text is `text[..end]`.
