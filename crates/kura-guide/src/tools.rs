@@ -81,8 +81,9 @@ pub struct PartialCall {
 
 /// How calls are read out of one request's output: the template's format, the names of the request's
 /// tools, and whether a turn may make more than one call (`parallel_tool_calls`). A call of a name the
-/// request did not offer is no call: the reply is text, whole (a model asked for JSON may well write an
-/// object with a `"name"`). Without `parallel`, a turn's first call alone is its call.
+/// request did not offer is no call (a model asked for JSON may well write an object with a `"name"`):
+/// it is dropped beside offered ones, and a reply with none is text, whole. Without `parallel`, a
+/// turn's first call alone is its call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallReader {
     pub format: ToolFormat,
@@ -352,7 +353,10 @@ impl ToolFormat {
                 for part in split_top_level(body, &['\n', ';']) {
                     match call_object(part.trim()).filter(|_| has_arguments(part.trim())) {
                         Some(c) => calls.push(c),
-                        None => return whole(),
+                        None if calls.is_empty() => return whole(),
+                        // What follows the calls is not read (as a call cut off is dropped): the
+                        // calls streamed stand.
+                        None => break,
                     }
                 }
                 (String::new(), calls)
@@ -368,7 +372,8 @@ impl ToolFormat {
                 for part in split_top_level(items, &[',']) {
                     match call_object(part.trim()).filter(|_| has_arguments(part.trim())) {
                         Some(c) => calls.push(c),
-                        None => return whole(),
+                        None if calls.is_empty() => return whole(),
+                        None => break,
                     }
                 }
                 (String::new(), calls)
@@ -474,23 +479,45 @@ fn has_arguments(text: &str) -> bool {
 /// `schema` as it reads once moved to `#/$defs/<name>` of another document: each of its local
 /// `$ref`s (`#…`) points into its new place.
 fn moved_refs(schema: &Value, name: &str) -> Value {
-    match schema {
+    moved_refs_in(schema, name, true)
+}
+
+/// [`moved_refs`] of `v`: a schema (`schema`), or a map of names to schemas or a value.
+fn moved_refs_in(v: &Value, name: &str, schema: bool) -> Value {
+    match v {
         Value::Object(map) => Value::Object(
             map.iter()
                 .map(|(k, v)| {
-                    let v = match (k.as_str(), v) {
-                        // Values, not schemas.
-                        ("const" | "enum" | "default" | "examples", v) => v.clone(),
-                        ("$ref", Value::String(r)) if r.starts_with('#') => {
-                            Value::String(format!("#/$defs/{name}{}", &r[1..]))
+                    let v = match (schema, k.as_str(), v) {
+                        // In a schema these hold values, not schemas.
+                        (true, "const" | "enum" | "default" | "examples", v) => v.clone(),
+                        (true, "$ref", Value::String(r)) if r.starts_with('#') => {
+                            let rest = r[1..].trim_end_matches('/');
+                            Value::String(format!("#/$defs/{name}{rest}"))
                         }
-                        _ => moved_refs(v, name),
+                        // Maps of names to schemas: each value is a schema.
+                        (
+                            true,
+                            "properties" | "patternProperties" | "$defs" | "definitions"
+                            | "dependentSchemas",
+                            Value::Object(m),
+                        ) => Value::Object(
+                            m.iter()
+                                .map(|(n, s)| (n.clone(), moved_refs_in(s, name, true)))
+                                .collect(),
+                        ),
+                        _ => moved_refs_in(v, name, true),
                     };
                     (k.clone(), v)
                 })
                 .collect(),
         ),
-        Value::Array(items) => Value::Array(items.iter().map(|v| moved_refs(v, name)).collect()),
+        Value::Array(items) => Value::Array(
+            items
+                .iter()
+                .map(|v| moved_refs_in(v, name, schema))
+                .collect(),
+        ),
         other => other.clone(),
     }
 }
@@ -802,6 +829,34 @@ mod tests {
         // One call a turn: the first, which is invented, so none.
         let (content, calls) = reader(ToolFormat::Hermes, false).parse(mixed);
         assert!(calls.is_empty() && content == mixed);
+    }
+
+    #[test]
+    fn schemas_moved_under_defs_keep_their_references() {
+        let schema = json!({"$defs": {"Example": {"type": "object"}, "enum": {"type": "string"}},
+            "type": "object",
+            "properties": {"examples": {"type": "array", "items": {"$ref": "#/$defs/Example"}},
+                           "kind": {"$ref": "#/$defs/enum"}, "me": {"$ref": "#"}},
+            "examples": [{"$ref": "#/not/a/schema"}]});
+        let moved = moved_refs(&schema, "t");
+        assert_eq!(
+            moved["properties"]["examples"]["items"]["$ref"],
+            "#/$defs/t/$defs/Example"
+        );
+        assert_eq!(moved["properties"]["kind"]["$ref"], "#/$defs/t/$defs/enum");
+        assert_eq!(moved["properties"]["me"]["$ref"], "#/$defs/t");
+        // A schema's examples are values: left as they are.
+        assert_eq!(moved["examples"][0]["$ref"], "#/not/a/schema");
+    }
+
+    #[test]
+    fn what_follows_bare_json_calls_is_not_read() {
+        let text = "{\"name\": \"w\", \"parameters\": {}}\nLet me explain.";
+        let (content, calls) = ToolFormat::Llama3Json.parse(text);
+        assert_eq!((content.as_str(), calls.len()), ("", 1));
+        // Text first: no call.
+        let text = "Let me explain.\n{\"name\": \"w\", \"parameters\": {}}";
+        assert!(ToolFormat::Llama3Json.parse(text).1.is_empty());
     }
 
     #[test]

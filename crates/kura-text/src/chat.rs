@@ -235,10 +235,16 @@ impl ChatTemplate {
         // The closed text starts with it (the template wrote the content as it is, and nothing before
         // it depends on it), so the contents' places in the closed text hold in it.
         let closed = self.render_with_tools(messages, tools, false)?;
-        if !text.ends_with(last.content.as_str()) || !closed.starts_with(text) {
-            return Err(cannot());
+        if text.ends_with(last.content.as_str()) && closed.starts_with(text) {
+            return Ok(text.to_string());
         }
-        Ok(text.to_string())
+        // A template that trims contents (Llama 3's, Gemma 3's, Mistral's) writes the trimmed text:
+        // the cut is after it, as HF's `continue_final_message` cuts.
+        let (trimmed, content) = (text.trim_end(), last.content.trim());
+        if !content.is_empty() && trimmed.ends_with(content) && closed.starts_with(trimmed) {
+            return Ok(trimmed.to_string());
+        }
+        Err(cannot())
     }
 
     /// [`ChatTemplate::encode_checked`] of [`ChatTemplate::render_continuing`]'s text: the contents
@@ -574,6 +580,21 @@ mod tests {
             let continued = tpl.render_continuing(&m, None).unwrap();
             assert!(
                 continued.ends_with(&format!("<|im_start|>assistant\n{c}")),
+                "{c:?}: {continued:?}"
+            );
+        }
+        // A template that trims contents is continued after the trimmed text.
+        let trims = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}",
+            "",
+            "<|im_end|>",
+        )
+        .unwrap();
+        for c in ["```json\n", " Sure", "  x  "] {
+            let m = msgs(&[("user", "Hi"), ("assistant", c)]);
+            let continued = trims.render_continuing(&m, None).unwrap();
+            assert!(
+                continued.ends_with(&format!("<|im_start|>assistant\n{}", c.trim())),
                 "{c:?}: {continued:?}"
             );
         }
