@@ -209,6 +209,17 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
     ) -> Result<String> {
+        let (closed, cut) = self.closed_and_cut(messages, tools)?;
+        Ok(closed[..cut].to_string())
+    }
+
+    /// The closed text of `messages` (rendered without the generation prompt) and where
+    /// [`ChatTemplate::render_continuing`] cuts it: the continued text is always a prefix of it.
+    fn closed_and_cut(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<(String, usize)> {
         const MARK: &str = "\u{FDD0}kura-continue\u{FDD1}";
         let cannot = || {
             TextError::ChatTemplate(
@@ -236,13 +247,13 @@ impl ChatTemplate {
         // it depends on it), so the contents' places in the closed text hold in it.
         let closed = self.render_with_tools(messages, tools, false)?;
         if text.ends_with(last.content.as_str()) && closed.starts_with(text) {
-            return Ok(text.to_string());
+            return Ok((closed, text.len()));
         }
         // A template that trims contents (Llama 3's, Gemma 3's, Mistral's) writes the trimmed text:
         // the cut is after it, as HF's `continue_final_message` cuts.
         let (trimmed, content) = (text.trim_end(), last.content.trim());
         if !content.is_empty() && trimmed.ends_with(content) && closed.starts_with(trimmed) {
-            return Ok(trimmed.to_string());
+            return Ok((closed, trimmed.len()));
         }
         Err(cannot())
     }
@@ -256,17 +267,17 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         check: impl FnOnce(usize) -> std::result::Result<(), String>,
     ) -> Result<Vec<u32>> {
-        let text = self.render_continuing(messages, tools)?;
+        let (closed, cut) = self.closed_and_cut(messages, tools)?;
+        let text = &closed[..cut];
         check(text.len()).map_err(TextError::Tokenizer)?;
         // The contents' places in the whole closed text, cut where the continued text ends.
-        let closed = self.render_with_tools(messages, tools, false)?;
         let spans: Vec<Range<usize>> = self
             .content_spans_with_tools(&closed, messages, tools, false, tokenizer)?
             .into_iter()
             .filter(|r| r.start < text.len())
             .map(|r| r.start..r.end.min(text.len()))
             .collect();
-        tokenizer.encode_with_plain_spans(&text, &spans, false)
+        tokenizer.encode_with_plain_spans(text, &spans, false)
     }
 
     /// Byte ranges of `rendered` (this template's text for `messages`) that hold the messages'
