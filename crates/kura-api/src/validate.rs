@@ -812,10 +812,32 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
     })
 }
 
-/// vLLM's `continue_final_message` and `add_generation_prompt`: whether the last message is
-/// continued. `add_generation_prompt: false` goes only with it (a prompt otherwise ends with the
-/// assistant's turn opened); the message continued is an assistant's, with text and no calls; nothing
-/// that starts the output's grammar or the prompt elsewhere goes with it.
+/// vLLM's `continue_final_message` and `add_generation_prompt` as a chat request or `/tokenize`
+/// gives them: whether the last message is continued. `add_generation_prompt: false` goes only with
+/// it (a chat prompt otherwise ends with the assistant's turn opened), `true` never.
+pub fn continues_final_message(
+    continue_final_message: Option<bool>,
+    add_generation_prompt: Option<bool>,
+) -> Result<bool, ApiError> {
+    let continued = continue_final_message == Some(true);
+    match (continued, add_generation_prompt) {
+        (true, Some(true)) => Err(ApiError::invalid(
+            "continue_final_message cannot be combined with add_generation_prompt true: the \
+             prompt ends inside the last message's turn",
+            Some("add_generation_prompt"),
+        )),
+        (false, Some(false)) => Err(ApiError::invalid(
+            "add_generation_prompt false is supported only with continue_final_message true: a \
+             chat prompt ends with the assistant's turn opened",
+            Some("add_generation_prompt"),
+        )),
+        _ => Ok(continued),
+    }
+}
+
+/// vLLM's `continue_final_message` and `add_generation_prompt` of a chat request: whether the last
+/// message is continued ([`continues_final_message`]). The message continued is an assistant's, with
+/// text and no calls; nothing that starts the output's grammar or the prompt elsewhere goes with it.
 fn check_continue_final(
     req: &ChatCompletionRequest,
     messages: &[ChatMessage],
@@ -823,23 +845,8 @@ fn check_continue_final(
     tools: Option<&ToolPlan>,
 ) -> Result<bool, ApiError> {
     const P: &str = "continue_final_message";
-    let continued = req.continue_final_message == Some(true);
-    match (continued, req.add_generation_prompt) {
-        (true, Some(true)) => {
-            return Err(ApiError::invalid(
-                "continue_final_message cannot be combined with add_generation_prompt true: the \
-                 prompt ends inside the last message's turn",
-                Some("add_generation_prompt"),
-            ))
-        }
-        (false, Some(false)) => {
-            return Err(ApiError::invalid(
-                "add_generation_prompt false is supported only with continue_final_message true",
-                Some("add_generation_prompt"),
-            ))
-        }
-        (false, _) => return Ok(false),
-        (true, _) => {}
+    if !continues_final_message(req.continue_final_message, req.add_generation_prompt)? {
+        return Ok(false);
     }
     let last = messages.last();
     if !last

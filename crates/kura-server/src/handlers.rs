@@ -631,21 +631,8 @@ pub async fn tokenize(
             Some("add_special_tokens"),
         ));
     }
-    let continued = req.continue_final_message == Some(true);
-    match (continued, req.add_generation_prompt) {
-        (false, Some(false)) => return Err(ApiError::invalid(
-            "add_generation_prompt false is supported only with continue_final_message true: a \
-                 chat prompt ends with the assistant's turn, as the chat route writes it",
-            Some("add_generation_prompt"),
-        )),
-        (true, Some(true)) => {
-            return Err(ApiError::invalid(
-                "continue_final_message cannot be combined with add_generation_prompt true",
-                Some("add_generation_prompt"),
-            ))
-        }
-        _ => {}
-    }
+    let continued =
+        validate::continues_final_message(req.continue_final_message, req.add_generation_prompt)?;
     if (req.add_generation_prompt.is_some() || continued) && req.messages.is_none() {
         return Err(ApiError::invalid(
             "add_generation_prompt goes with messages",
