@@ -91,14 +91,7 @@ fn a_sequence_that_fits_the_pages_is_not_failed_for_window_references_left_behin
     );
     for t in 0..100 {
         let plan = step(&mut s, t);
-        assert!(
-            !plan
-                .events
-                .iter()
-                .any(|e| matches!(e, SchedEvent::CannotFit { .. })),
-            "{:?}",
-            plan.events
-        );
+        common::assert_none_failed(&plan, t);
         if s.num_generated(seq) == 11 {
             return;
         }
@@ -132,14 +125,7 @@ fn a_writer_out_of_window_pages_steps_back_for_a_reader_before_it() {
             r = Some(s.add_request(1, CacheKey::new(), -1, ms, r_prompt.clone(), LIMIT));
         }
         let plan = step(&mut s, t);
-        assert!(
-            !plan
-                .events
-                .iter()
-                .any(|e| matches!(e, SchedEvent::CannotFit { .. })),
-            "{:?}",
-            plan.events
-        );
+        common::assert_none_failed(&plan, t);
         r_waited_for_w |= plan.pending_waits > 0 && plan.items.iter().any(|i| i.seq == w);
         if plan.items.is_empty() {
             idle += 1;

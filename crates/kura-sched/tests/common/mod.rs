@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use kura_kv::EvictionPolicy;
-use kura_sched::{Plan, Scheduler, SchedulerConfig, SchedulingPolicy};
+use kura_sched::{Plan, SchedEvent, Scheduler, SchedulerConfig, SchedulingPolicy};
 
 /// Blocks of `block_size` tokens, `num_blocks` of them, at most 8 sequences and `budget` tokens a
 /// pass, FCFS, prefix caching on, no tiers and no window; a test changes what it needs.
@@ -38,4 +38,16 @@ pub fn step(s: &mut Scheduler, t: u64) -> Plan {
         }
     }
     plan
+}
+
+/// Asserts that pass `t`'s plan failed no request as unable to fit.
+pub fn assert_none_failed(plan: &Plan, t: u64) {
+    assert!(
+        !plan
+            .events
+            .iter()
+            .any(|e| matches!(e, SchedEvent::CannotFit { .. })),
+        "pass {t}: {:?}",
+        plan.events
+    );
 }
