@@ -8,28 +8,13 @@ mod common;
 #[path = "../../kura-tiers/tests/support/redis_server.rs"]
 mod redis_server;
 
-use std::time::Duration;
-
 use common::*;
-use kura_engine::{RemoteTierSetup, RequestError};
+use kura_engine::RequestError;
 use kura_kv::hash::Secret;
 use redis_server::Redis;
 
 fn with_redis(redis: &Redis, secret: &Secret) -> kura_engine::EngineConfig {
-    let mut c = config(64, 64, 8);
-    c.remote = Some(RemoteTierSetup {
-        url: redis.url.clone(),
-        ttl_s: 600,
-        timeout: Duration::from_secs(5),
-        secret: secret.clone(),
-        ca_file: None,
-    });
-    c
-}
-
-/// Keys in Redis now.
-fn keys(redis: &Redis) -> u64 {
-    ::redis::cmd("DBSIZE").query(&mut redis.conn()).unwrap()
+    with_remote(config(64, 64, 8), &redis.url, secret)
 }
 
 /// Prompt 0 on `fake`, whose executor call `op` fails: the request and the engine fail with `op`'s
@@ -56,7 +41,7 @@ fn a_failed_copy_to_or_from_the_redis_tier_ends_the_engine_with_where_it_failed(
     let a = start(with_redis(&redis, &secret));
     engine_fails_at(&a, "a store into the Redis tier", Op::Export);
     a.engine.stop();
-    assert_eq!(keys(&redis), 0, "nothing was written");
+    assert_eq!(redis.keys(), 0, "nothing was written");
 
     // A healthy server writes prompt 0's blocks; another one, whose imports fail, finds them there.
     let b = start(with_redis(&redis, &secret));
@@ -64,7 +49,7 @@ fn a_failed_copy_to_or_from_the_redis_tier_ends_the_engine_with_where_it_failed(
     wait(&rx);
     // Stopping runs the Redis writes still queued before the engine thread ends.
     b.engine.stop();
-    assert!(keys(&redis) > 0, "no block reached Redis");
+    assert!(redis.keys() > 0, "no block reached Redis");
     let c = start(with_redis(&redis, &secret));
     engine_fails_at(&c, "a load from the Redis tier", Op::Import);
     // No step computed over the blocks that did not arrive.
@@ -110,7 +95,7 @@ fn blocks_written_to_redis_hold_their_own_kv_when_loads_and_evictions_crowd_the_
     run_in_waves(&second.engine, &prompts, &cold, 8, 6);
     second.engine.stop();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(keys(&redis) > 0, "no block reached Redis");
+    assert!(redis.keys() > 0, "no block reached Redis");
     let third = start(with_redis(&redis, &secret));
     for (i, r) in prompts.iter().enumerate() {
         let (_guard, rx) = submit(&third.engine, r.clone());

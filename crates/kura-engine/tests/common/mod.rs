@@ -682,6 +682,18 @@ pub fn config(num_blocks: usize, budget: usize, max_num_seqs: usize) -> EngineCo
     }
 }
 
+/// `c` with a Redis tier at `url` (TTL 600 s, 5 s timeout), its records keyed by `secret`.
+pub fn with_remote(mut c: EngineConfig, url: &str, secret: &kura_kv::hash::Secret) -> EngineConfig {
+    c.remote = Some(kura_engine::RemoteTierSetup {
+        url: url.to_string(),
+        ttl_s: 600,
+        timeout: Duration::from_secs(5),
+        secret: secret.clone(),
+        ca_file: None,
+    });
+    c
+}
+
 /// The engine on the fake model, what its forward calls contained, and its control.
 pub struct Fake {
     pub engine: EngineHandle,

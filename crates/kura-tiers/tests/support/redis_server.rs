@@ -104,6 +104,11 @@ impl Redis {
             .unwrap();
     }
 
+    /// Keys in Redis now (`DBSIZE`).
+    pub fn keys(&self) -> u64 {
+        redis::cmd("DBSIZE").query(&mut self.conn()).unwrap()
+    }
+
     pub fn exists(&self, key: &str) -> bool {
         redis::cmd("EXISTS")
             .arg(key)
