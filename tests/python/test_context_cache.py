@@ -73,10 +73,14 @@ def test_messages_stream_has_anthropics_event_sequence_and_usage(srv):
     blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     messages = [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}]
     whole = client.messages.create(model=model, max_tokens=10, extra_body=GREEDY, system=blocks, messages=messages)
-    kinds = []
+    kinds, starts, deltas = [], [], []
     with client.messages.stream(model=model, max_tokens=10, extra_body=GREEDY, system=blocks, messages=messages) as s:
         for event in s:
             kinds.append(event.type)
+            if event.type == "message_start":
+                starts.append(event.message.usage)
+            if event.type == "message_delta":
+                deltas.append(event.usage)
         final = s.get_final_message()
     assert kinds[0] == "message_start"
     assert "content_block_start" in kinds and "content_block_stop" in kinds
@@ -85,6 +89,29 @@ def test_messages_stream_has_anthropics_event_sequence_and_usage(srv):
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.cache_read_input_tokens >= 576, final.usage
+    # message_start already splits the input as the last usage does (clients read it there).
+    start, last = starts[0], deltas[-1]
+    assert start.cache_read_input_tokens == last.cache_read_input_tokens >= 576, (start, last)
+    assert start.cache_creation_input_tokens == last.cache_creation_input_tokens == 0, (start, last)
+    assert start.input_tokens == last.input_tokens and start.output_tokens == 0, (start, last)
+
+
+def test_messages_stream_start_reports_the_cache_write(srv):
+    client = anthropic_client(srv)
+    model = srv.model()
+    system = system_of(400, srv, seed=3)
+    blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": "Say something."}]
+    counted = client.messages.count_tokens(model=model, system=blocks, messages=messages).input_tokens
+    with client.messages.stream(model=model, max_tokens=4, extra_body=GREEDY, system=blocks, messages=messages) as s:
+        starts = [e.message.usage for e in s if e.type == "message_start"]
+        final = s.get_final_message().usage
+    (start,) = starts
+    # At most the template's opening, which every earlier prompt shares, was read.
+    assert start.cache_read_input_tokens == final.cache_read_input_tokens < BLOCK, (start, final)
+    assert start.cache_creation_input_tokens == final.cache_creation_input_tokens >= 384, (start, final)
+    total = start.input_tokens + start.cache_creation_input_tokens + start.cache_read_input_tokens
+    assert total == counted, (start, counted)
 
 
 def test_stop_sequences_report_the_sequence(srv):

@@ -1375,6 +1375,16 @@ impl Core {
             if !group.request.pins.is_empty() {
                 self.pin_prefixes(group_id);
             }
+            if let Some(group) = self.groups.get(&group_id) {
+                let usage = Usage {
+                    completion_tokens: 0,
+                    ..group.usage
+                };
+                self.out.send(OutMsg::Prompted {
+                    id: group_id,
+                    usage,
+                });
+            }
         }
         let group = self
             .groups

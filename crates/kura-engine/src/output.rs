@@ -105,6 +105,8 @@ pub(crate) enum OutMsg {
         rest: Vec<crate::sampling::TokenLogprob>,
         ranks: Vec<u32>,
     },
+    /// The request's prompt is computed: its usage so far (the cache split).
+    Prompted { id: u64, usage: Usage },
     /// Every choice has finished in the engine.
     Done { id: u64, usage: Usage },
     /// The request failed or was cancelled with a reason its client is told.
@@ -304,6 +306,11 @@ fn handle(
                     prompt: 0,
                     logprobs: Arc::new(logprobs),
                 });
+            }
+        }
+        OutMsg::Prompted { id, usage } => {
+            if let Some(r) = requests.get(&id) {
+                r.slot.send(EngineEvent::Prompted { usage });
             }
         }
         OutMsg::Done { id, mut usage } => {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config, metric, request, settle, start, PATIENCE};
-use kura_engine::{EngineConfig, EngineEvent, EventSink, RequestError};
+use kura_engine::{EngineConfig, EngineEvent, EventSink, RequestError, Usage};
 
 /// A sink that reports full once it holds `limit` deltas, until the test drains it.
 struct BoundedSink {
@@ -38,6 +38,31 @@ struct Client {
     rx: Receiver<EngineEvent>,
     deltas: Arc<AtomicUsize>,
     drained: Arc<AtomicBool>,
+}
+
+impl Client {
+    /// The next event after the prompt's usage (`Prompted`, which comes before the first token).
+    fn next(&self) -> EngineEvent {
+        loop {
+            match self.rx.recv_timeout(PATIENCE).unwrap() {
+                EngineEvent::Prompted { .. } => {}
+                event => return event,
+            }
+        }
+    }
+
+    /// The tokens of the rest of the request, and its usage.
+    fn rest(&self) -> (Vec<u32>, Usage) {
+        let mut tokens = Vec::new();
+        loop {
+            match self.next() {
+                EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
+                EngineEvent::Done { usage } => return (tokens, usage),
+                EngineEvent::Failed(e) => panic!("request failed: {e}"),
+                _ => {}
+            }
+        }
+    }
 }
 
 fn bounded(limit: usize) -> (BoundedSink, Client) {
@@ -82,7 +107,7 @@ fn a_full_sink_pauses_its_request_while_the_loop_passes_and_resumes_when_drained
     let _guard = e.submit(request(6, 20), sink).unwrap();
     // The first step (the prefill) fills the sink; the engine must then stop stepping the request (after
     // at most one more step: the output of a step is made while the next is computed).
-    let first = client.rx.recv_timeout(PATIENCE).unwrap();
+    let first = client.next();
     assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
     passes_later(e, 3.0);
     let calls = fake.control.calls();
@@ -102,7 +127,7 @@ fn a_full_sink_pauses_its_request_while_the_loop_passes_and_resumes_when_drained
     );
 
     client.drained.store(true, Ordering::SeqCst);
-    let (tokens, usage) = common::wait(&client.rx);
+    let (tokens, usage) = client.rest();
     assert_eq!(usage.completion_tokens, 20);
     assert_eq!(tokens.len(), 19, "the other 19 tokens follow once drained");
     assert_eq!(metric(e, "kura:request_cancelled_stalled_total"), 0.0);
@@ -120,12 +145,12 @@ fn a_sink_full_past_the_timeout_is_cancelled_and_its_blocks_freed() {
     assert_eq!(e.info().stalled_client_timeout, Duration::from_millis(20));
     let (sink, client) = bounded(1);
     let _guard = e.submit(request(6, 20), sink).unwrap();
-    let first = client.rx.recv_timeout(PATIENCE).unwrap();
+    let first = client.next();
     assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
-    let mut last = client.rx.recv_timeout(PATIENCE).unwrap();
+    let mut last = client.next();
     if matches!(last, EngineEvent::Delta { .. }) {
         // The one step the engine may run before it sees the sink full.
-        last = client.rx.recv_timeout(PATIENCE).unwrap();
+        last = client.next();
     }
     match last {
         EngineEvent::Failed(RequestError::ClientStalled { waited_ms }) => {

@@ -132,6 +132,7 @@ fn wait(rx: &Receiver<EngineEvent>, n: usize) -> Outcome {
             }
             EngineEvent::Failed(e) => panic!("request failed: {e}"),
             EngineEvent::PromptLogprobs { .. } => panic!("prompt scores not asked for"),
+            EngineEvent::Prompted { .. } => {}
         }
     }
 }
@@ -380,6 +381,16 @@ fn a_full_pool_preempts_and_everything_completes_without_leaks() {
     e.stop();
 }
 
+/// The next event after the prompt's usage (`Prompted`, told before the first token).
+fn next_output(rx: &Receiver<EngineEvent>) -> EngineEvent {
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            EngineEvent::Prompted { .. } => {}
+            event => return event,
+        }
+    }
+}
+
 #[test]
 fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
     let model = model();
@@ -390,7 +401,7 @@ fn cancelling_frees_blocks_at_once_and_oversized_requests_are_refused() {
     // Wait for two tokens (the gauges are published at the end of the step that emitted the first),
     // then walk away.
     for _ in 0..2 {
-        let event = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        let event = next_output(&rx);
         assert!(matches!(event, EngineEvent::Delta { .. }), "{event:?}");
     }
     assert!(metric(&e, "kura:kv_cache_blocks_used") > 0.0);
@@ -429,7 +440,7 @@ fn a_higher_priority_request_overtakes_and_the_preempted_one_resumes_with_the_sa
     });
     let (_gl, low_rx) = submit(&e, request(&low_prompt, 5));
     // Wait until it runs (its first token), then the high-priority request arrives.
-    let mut low_text = match low_rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+    let mut low_text = match next_output(&low_rx) {
         EngineEvent::Delta { text, .. } => text,
         other => panic!("unexpected {other:?}"),
     };

@@ -79,13 +79,15 @@ fn dropping_the_guard_frees_the_blocks_of_a_running_and_a_queued_request() {
     assert_eq!(metric(e, "kura:kv_cache_blocks_used"), 0.0);
     assert_eq!(metric(e, "kura:request_cancelled_total"), 2.0);
     assert_eq!(e.queued(), 0, "the queued request gave its queue slot back");
-    // A got its two tokens and the one of the step in flight when it was cancelled, nothing after; B
-    // never started. Neither gets a terminal event: the reader is the one who left.
-    // The output stage delivers on its own thread; once the engine and that stage have let go of a
-    // cancelled request's sink, its channel disconnects, and every event it will ever get is in it.
+    // A got its prompt's usage, its two tokens and the one of the step in flight when it was
+    // cancelled, nothing after; B never started. Neither gets a terminal event: the reader is the one
+    // who left. The output stage delivers on its own thread; once the engine and that stage have let
+    // go of a cancelled request's sink, its channel disconnects, and every event it will ever get is
+    // in it.
     let a_events = until_disconnected(&a_rx);
-    assert_eq!(a_events.len(), 3, "{a_events:?}");
-    assert!(a_events
+    assert_eq!(a_events.len(), 4, "{a_events:?}");
+    assert!(matches!(a_events[0], EngineEvent::Prompted { .. }));
+    assert!(a_events[1..]
         .iter()
         .all(|ev| matches!(ev, EngineEvent::Delta { .. })));
     let b_events = until_disconnected(&b_rx);
@@ -125,7 +127,7 @@ fn low_then_high(policy: SchedulingPolicy) -> (Vec<&'static str>, Vec<u32>, Vec<
         let slot = usize::from(tag == "high");
         match ev {
             EngineEvent::Delta { token_ids, .. } => tokens[slot].extend(token_ids),
-            EngineEvent::Finished { .. } => {}
+            EngineEvent::Finished { .. } | EngineEvent::Prompted { .. } => {}
             EngineEvent::Done { .. } => done.push(tag),
             EngineEvent::Failed(err) => panic!("{tag}: {err}"),
             EngineEvent::PromptLogprobs { .. } => panic!("{tag}: prompt scores not asked for"),
@@ -175,7 +177,7 @@ fn logprob_candidates_carry_the_codecs_token_bytes() {
                     candidates += 1;
                 }
             }
-            EngineEvent::Finished { .. } => {}
+            EngineEvent::Finished { .. } | EngineEvent::Prompted { .. } => {}
             EngineEvent::Done { .. } => break,
             EngineEvent::Failed(e) => panic!("{e}"),
             EngineEvent::PromptLogprobs { .. } => panic!("prompt scores not asked for"),

@@ -34,6 +34,9 @@ fn run_scored(e: &EngineHandle, r: GenerateRequest) -> Scored {
     let mut seen = 0;
     loop {
         let event = rx.recv_timeout(PATIENCE).expect("the engine answers");
+        if matches!(event, EngineEvent::Prompted { .. }) {
+            continue; // the prompt's usage, checked by `common::outcome`
+        }
         seen += 1;
         match event {
             EngineEvent::PromptLogprobs { prompt, logprobs } => {
@@ -49,6 +52,7 @@ fn run_scored(e: &EngineHandle, r: GenerateRequest) -> Scored {
                 return out;
             }
             EngineEvent::Failed(e) => panic!("the scored request failed: {e}"),
+            EngineEvent::Prompted { .. } => unreachable!("skipped above"),
         }
     }
 }
@@ -219,7 +223,7 @@ fn a_scored_prompt_preempted_half_way_reads_back_what_it_scored_and_scores_the_r
                 scores = Some((*logprobs).clone());
             }
             EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
-            EngineEvent::Finished { .. } => {}
+            EngineEvent::Finished { .. } | EngineEvent::Prompted { .. } => {}
             EngineEvent::Done { usage } => break usage,
             EngineEvent::Failed(e) => panic!("the scored request failed: {e}"),
         }

@@ -17,7 +17,7 @@ fn prefill_chunks_and_decode_tokens_share_forward_calls_within_the_budget() {
     // A decodes for long enough (and is dropped once B is done).
     let (a, a_rx) = submit(&e, request(6, 3000));
     // Let A reach decode, then send a long prompt that needs several chunks.
-    let first = a_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let first = common::next_output(&a_rx);
     assert!(matches!(first, EngineEvent::Delta { .. }));
     let (_b, b_rx) = submit(&e, request(100, 3));
     let (b_tokens, b_usage) = wait(&b_rx);
@@ -60,7 +60,7 @@ fn prompt_beside_a_decode(
     let e = &fake.engine;
     // A decodes for as long as the test needs (it is dropped once B is done).
     let (a, a_rx) = submit(e, request(6, 3000));
-    let first = a_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let first = common::next_output(&a_rx);
     assert!(matches!(first, EngineEvent::Delta { .. }), "{first:?}");
     let (_b, b_rx) = submit(e, common::distinct_request(3, 300, 4));
     let (b_tokens, _) = wait(&b_rx);
@@ -71,7 +71,7 @@ fn prompt_beside_a_decode(
         a_tokens.extend(token_ids);
     }
     while a_tokens.len() < 20 {
-        match a_rx.recv_timeout(Duration::from_secs(10)).unwrap() {
+        match common::next_output(&a_rx) {
             EngineEvent::Delta { token_ids, .. } => a_tokens.extend(token_ids),
             other => panic!("A ended early: {other:?}"),
         }
@@ -280,7 +280,7 @@ fn each_step_asks_the_executor_for_no_more_than_its_sequences_take() {
     let from = asked.control.wants().len();
     // (A decodes for long enough, and is dropped once B is done.)
     let (a, a_rx) = submit(&asked.engine, common::distinct_request(1, 8, 800));
-    let first = a_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let first = common::next_output(&a_rx);
     assert!(matches!(first, EngineEvent::Delta { .. }));
     let (_b, b_rx) = submit(&asked.engine, common::distinct_request(2, 60, 2));
     wait(&b_rx);

@@ -30,7 +30,7 @@ fn outcome(rx: &std::sync::mpsc::Receiver<EngineEvent>) -> Outcome {
                 finished.sort_by_key(|f| f.0);
                 return (tokens, finished, usage.completion_tokens);
             }
-            EngineEvent::PromptLogprobs { .. } => {}
+            EngineEvent::PromptLogprobs { .. } | EngineEvent::Prompted { .. } => {}
             EngineEvent::Failed(e) => panic!("request failed: {e}"),
         }
     }

@@ -344,8 +344,8 @@ pub struct Usage {
     pub miss: Option<CacheMiss>,
 }
 
-/// Everything the engine reports about a request, in order: its `PromptLogprobs` when asked, any
-/// number of `Delta`s and one `Finished` per choice, then one `Done` — or a single `Failed` at any point, after which nothing follows.
+/// Everything the engine reports about a request, in order: its `PromptLogprobs` when asked, one
+/// `Prompted` when its prompt is computed, any number of `Delta`s and one `Finished` per choice, then one `Done` — or a single `Failed` at any point, after which nothing follows.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
     /// New text of one choice. `text` may be empty while a multi-byte character or a possible stop
@@ -361,6 +361,12 @@ pub enum EngineEvent {
         reason: FinishReason,
         /// The stop string that ended the choice, if one did.
         stop_sequence: Option<String>,
+    },
+    /// The prompt's side of the usage (`prompt_tokens`, `cached_tokens`, `cache_write_tokens`,
+    /// `miss`; `completion_tokens` 0), once the prompt is computed and before the first `Delta`:
+    /// the values `Done` reports for them, known before the first token is sent.
+    Prompted {
+        usage: Usage,
     },
     Done {
         usage: Usage,

@@ -241,7 +241,7 @@ async fn collect(
             Some(EngineEvent::Done { usage }) => break usage,
             Some(EngineEvent::Failed(e)) => return Err(e.into()),
             // Not asked of a chat: there is none.
-            Some(EngineEvent::PromptLogprobs { .. }) => {}
+            Some(EngineEvent::PromptLogprobs { .. } | EngineEvent::Prompted { .. }) => {}
             None => {
                 return Err(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
@@ -350,7 +350,6 @@ impl Blocks {
         for d in deltas {
             let call = d.index as usize;
             if let (Some(id), Some(name)) = (d.id, d.function.name) {
-                self.made_calls = true;
                 self.start(
                     json!({"type": "tool_use", "id": id, "name": name, "input": {},
                            "caller": {"type": "direct"}}),
@@ -403,7 +402,9 @@ impl Blocks {
 /// Anthropic's event sequence: `message_start`, `content_block_start`, `ping`, `content_block_delta`s,
 /// `content_block_stop` (with tools: a text block while there is text, and a `tool_use` block per
 /// call whose input arrives as `input_json_delta`s), `message_delta` (stop reason and the whole usage),
-/// `message_stop`; an `error` event when the request fails midway.
+/// `message_stop`; an `error` event when the request fails midway. `message_start` waits for the
+/// prompt to be computed, so that its usage splits the input into cache reads, cache writes and the
+/// rest as Anthropic's does (the SSE keep-alive covers the wait).
 fn stream(
     id: String,
     model: String,
@@ -416,23 +417,56 @@ fn stream(
         events: Events,
         queue: std::collections::VecDeque<Event>,
         blocks: Blocks,
+        /// `message_start` is sent.
+        started: bool,
+        id: String,
+        model: String,
+        prompt_len: usize,
         done: bool,
         reason: Option<FinishReason>,
         stop_sequence: Option<String>,
         deadline: output::Deadline,
     }
-    let mut queue = std::collections::VecDeque::new();
-    queue.push_back(event(
-        "message_start",
-        json!({"type": "message_start", "message": {
-            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": null, "stop_sequence": null, "stop_details": null, "container": null,
-            // The cache split is known once the prompt is computed: message_delta carries it.
-            "usage": {"input_tokens": prompt_len, "output_tokens": 0,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
-        }}),
-    ));
-    let mut blocks = Blocks {
+    impl St {
+        /// Sends `message_start` (once) with the prompt's usage, then the events that follow it
+        /// before any content.
+        fn start(&mut self, prompt: Option<&Usage>) {
+            if self.started {
+                return;
+            }
+            self.started = true;
+            let fallback = Usage {
+                prompt_tokens: u32::try_from(self.prompt_len).unwrap_or(u32::MAX),
+                ..Usage::default()
+            };
+            let mut usage = usage_body(&Usage {
+                completion_tokens: 0,
+                ..*prompt.unwrap_or(&fallback)
+            });
+            // What is known at the start: the cache split; the miss comes with the whole usage.
+            if let Some(u) = usage.as_object_mut() {
+                u.remove("cache_miss");
+            }
+            self.queue.push_back(event(
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null,
+                    "stop_details": null, "container": null, "usage": usage,
+                }}),
+            ));
+            if self.blocks.tools.is_none() {
+                // Without tools the one text block opens at once.
+                self.blocks.start(
+                    json!({"type": "text", "text": "", "citations": null}),
+                    Open::Text,
+                    &mut self.queue,
+                );
+            }
+            self.queue.push_back(event("ping", json!({"type": "ping"})));
+        }
+    }
+    let blocks = Blocks {
         tools: tools.map(|r| (r, ToolStream::default())),
         ids: tool_ids(&id),
         open: Open::None,
@@ -440,19 +474,14 @@ fn stream(
         opened: 0,
         made_calls: false,
     };
-    if blocks.tools.is_none() {
-        // Without tools the one text block opens at once.
-        blocks.start(
-            json!({"type": "text", "text": "", "citations": null}),
-            Open::Text,
-            &mut queue,
-        );
-    }
-    queue.push_back(event("ping", json!({"type": "ping"})));
     let st = St {
         events,
-        queue,
+        queue: std::collections::VecDeque::new(),
         blocks,
+        started: false,
+        id,
+        model,
+        prompt_len,
         done: false,
         reason: None,
         stop_sequence: None,
@@ -477,7 +506,9 @@ fn stream(
                 }
             };
             match next {
+                Some(EngineEvent::Prompted { usage }) => st.start(Some(&usage)),
                 Some(EngineEvent::Delta { text, .. }) => {
+                    st.start(None);
                     st.blocks.delta(text, &mut st.queue);
                 }
                 Some(EngineEvent::Finished {
@@ -489,6 +520,7 @@ fn stream(
                     st.stop_sequence = stop_sequence;
                 }
                 Some(EngineEvent::Done { usage }) => {
+                    st.start(Some(&usage));
                     st.blocks.finish(&mut st.queue);
                     let reason = stop_reason(st.reason, &st.stop_sequence, st.blocks.made_calls);
                     st.queue.push_back(event(

@@ -363,6 +363,22 @@ pub struct Events {
     prompts: u32,
     prompts_done: u32,
     usage: Usage,
+    /// Prompts computed so far, and their usage summed (what `Prompted` tells once all are).
+    prompts_prompted: u32,
+    prompted: Usage,
+}
+
+/// Adds one prompt's usage to the sum of a request's prompts; the first prompt's miss is told.
+fn add_usage(sum: &mut Usage, usage: &Usage) {
+    sum.prompt_tokens = sum.prompt_tokens.saturating_add(usage.prompt_tokens);
+    sum.completion_tokens = sum
+        .completion_tokens
+        .saturating_add(usage.completion_tokens);
+    sum.cached_tokens = sum.cached_tokens.saturating_add(usage.cached_tokens);
+    sum.cache_write_tokens = sum
+        .cache_write_tokens
+        .saturating_add(usage.cache_write_tokens);
+    sum.miss = sum.miss.or(usage.miss);
 }
 
 impl Events {
@@ -380,6 +396,8 @@ impl Events {
                 prompts,
                 prompts_done: 0,
                 usage: Usage::default(),
+                prompts_prompted: 0,
+                prompted: Usage::default(),
             },
             EventsSender { tx, backlog },
         )
@@ -427,17 +445,18 @@ impl Events {
                     reason,
                     stop_sequence,
                 },
+                EngineEvent::Prompted { usage } => {
+                    add_usage(&mut self.prompted, &usage);
+                    self.prompts_prompted += 1;
+                    if self.prompts_prompted < self.prompts {
+                        continue;
+                    }
+                    EngineEvent::Prompted {
+                        usage: self.prompted,
+                    }
+                }
                 EngineEvent::Done { usage } => {
-                    let u = &mut self.usage;
-                    u.prompt_tokens = u.prompt_tokens.saturating_add(usage.prompt_tokens);
-                    u.completion_tokens =
-                        u.completion_tokens.saturating_add(usage.completion_tokens);
-                    u.cached_tokens = u.cached_tokens.saturating_add(usage.cached_tokens);
-                    u.cache_write_tokens = u
-                        .cache_write_tokens
-                        .saturating_add(usage.cache_write_tokens);
-                    // Several prompts: the first one's miss is told.
-                    u.miss = u.miss.or(usage.miss);
+                    add_usage(&mut self.usage, &usage);
                     self.prompts_done += 1;
                     if self.prompts_done < self.prompts {
                         continue;
@@ -660,6 +679,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
             }
             EngineEvent::Done { usage } => break usage,
             EngineEvent::Failed(e) => return Err(e.into()),
+            EngineEvent::Prompted { .. } => {}
             EngineEvent::PromptLogprobs { prompt, logprobs } => {
                 if let (Some(top), Some(b)) =
                     (meta.prompt_logprobs, bodies.get_mut(prompt as usize))
@@ -960,6 +980,8 @@ impl SseState {
                 self.queue.push_back(Event::default().data("[DONE]"));
                 self.finished = true;
             }
+            // The usage comes whole at the end (`stream_options.include_usage`).
+            EngineEvent::Prompted { .. } => {}
             EngineEvent::PromptLogprobs { prompt, logprobs } => {
                 if self.meta.logprobs {
                     self.push_echo(prompt, Some(logprobs));

@@ -562,7 +562,7 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
             Some(EngineEvent::Done { usage }) => break usage,
             Some(EngineEvent::Failed(e)) => return Err(e.into()),
             // Not asked of a response: there is none.
-            Some(EngineEvent::PromptLogprobs { .. }) => {}
+            Some(EngineEvent::PromptLogprobs { .. } | EngineEvent::Prompted { .. }) => {}
             None => {
                 return Err(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
@@ -832,7 +832,7 @@ fn stream(
                 Some(EngineEvent::Finished { reason, .. }) => st.reason = Some(reason),
                 Some(EngineEvent::Done { usage }) => st.finish(usage),
                 Some(EngineEvent::Failed(e)) => st.fail(for_responses(ApiError::from(e))),
-                Some(EngineEvent::PromptLogprobs { .. }) => {}
+                Some(EngineEvent::PromptLogprobs { .. } | EngineEvent::Prompted { .. }) => {}
                 None => st.fail(ApiError::Internal(
                     "the engine dropped the request without finishing it".into(),
                 )),

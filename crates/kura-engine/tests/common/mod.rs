@@ -747,17 +747,49 @@ pub struct Outcome {
     pub result: Result<Usage, RequestError>,
 }
 
-pub fn outcome(rx: &Receiver<EngineEvent>) -> Outcome {
-    let mut tokens = Vec::new();
+/// The next event after the prompt's usage (`Prompted`, told before the first token).
+pub fn next_output(rx: &Receiver<EngineEvent>) -> EngineEvent {
     loop {
         match rx.recv_timeout(PATIENCE).expect("the engine answers") {
-            EngineEvent::Delta { token_ids, .. } => tokens.extend(token_ids),
+            EngineEvent::Prompted { .. } => {}
+            event => return event,
+        }
+    }
+}
+
+/// Also checks the prompt's usage: told once (`Prompted`) before the first token, as `Done` tells it.
+pub fn outcome(rx: &Receiver<EngineEvent>) -> Outcome {
+    let mut tokens = Vec::new();
+    let mut prompted: Option<Usage> = None;
+    loop {
+        match rx.recv_timeout(PATIENCE).expect("the engine answers") {
+            EngineEvent::Prompted { usage } => {
+                assert!(prompted.is_none(), "the prompt's usage is told once");
+                assert_eq!(usage.completion_tokens, 0, "{usage:?}");
+                prompted = Some(usage);
+            }
+            EngineEvent::Delta { token_ids, .. } => {
+                assert!(
+                    prompted.is_some(),
+                    "the prompt's usage comes before its first token"
+                );
+                tokens.extend(token_ids)
+            }
             EngineEvent::Finished { .. } | EngineEvent::PromptLogprobs { .. } => {}
             EngineEvent::Done { usage } => {
+                let told = prompted.expect("the prompt's usage was told before Done");
+                assert_eq!(
+                    Usage {
+                        completion_tokens: 0,
+                        ..usage
+                    },
+                    told,
+                    "Prompted and Done tell the same prompt usage"
+                );
                 return Outcome {
                     tokens,
                     result: Ok(usage),
-                }
+                };
             }
             EngineEvent::Failed(e) => {
                 return Outcome {
