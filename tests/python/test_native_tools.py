@@ -126,6 +126,63 @@ def test_a_format_beside_tools_the_model_may_call_gives_a_call_or_an_answer_in_i
     assert "tool_choice none" in r.json()["error"]["message"], r.text
 
 
+def test_strict_tools_the_model_may_call_are_called_only_with_valid_arguments(server):
+    c = server.client()
+    model = server.model()
+    # A schema the model's own calls do not meet: a required key of a single value.
+    strict_schema = {"type": "object", "additionalProperties": False, "required": ["city", "units"],
+                     "properties": {"city": {"type": "string", "maxLength": 20}, "units": {"enum": ["si-metric"]}}}
+    # The default model seldom calls a tool by itself: the tokens of a call are favoured, the same for
+    # both runs below.
+    favoured = server.tokenize('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    bias = {str(t): 5 for t in set(favoured)}
+
+    def outcomes(strict: bool) -> list[str]:
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                                   "parameters": strict_schema, "strict": strict}}]
+        out = []
+        for seed in range(3):
+            r = c.chat.completions.create(model=model, messages=ask("Weather in Oslo?"), tools=tools,
+                                          max_tokens=60, temperature=1, seed=seed, logit_bias=bias)
+            ch = r.choices[0]
+            if not ch.message.tool_calls:
+                out.append("answer")
+            for call in ch.message.tool_calls or []:
+                assert call.function.name == "get_weather"
+                try:
+                    jsonschema.validate(json.loads(call.function.arguments), strict_schema)
+                    out.append("valid call")
+                except (ValueError, jsonschema.ValidationError):
+                    out.append("invalid call")
+        return out
+
+    strict = outcomes(True)
+    # Strict: the model still answers or calls, and every call meets the schema.
+    assert set(strict) == {"answer", "valid call"}, strict
+    # Not strict, the same requests: no call the model writes meets it (the constraint did the work).
+    assert "valid call" not in outcomes(False)
+    # A turn that goes on from given text cannot start with the strict tools' grammar: refused, named.
+    a = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0)
+    strict_tool = {"name": "get_weather", "input_schema": strict_schema, "strict": True}
+    with pytest.raises(anthropic.BadRequestError, match="strict tool"):
+        a.messages.create(model=model, max_tokens=8, tools=[strict_tool],
+                          messages=[{"role": "user", "content": "Weather in Oslo?"},
+                                    {"role": "assistant", "content": "Let me"}])
+    with pytest.raises(anthropic.BadRequestError, match="strict must be a boolean"):
+        a.messages.create(model=model, max_tokens=8, tools=[strict_tool | {"strict": 1}],
+                          messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(),
+                   json={"model": model, "max_tokens": 5, "continue_final_message": True,
+                         "add_generation_prompt": False, "tools": [{"type": "function", "function": {
+                             "name": "get_weather", "parameters": strict_schema, "strict": True}}],
+                         "messages": ask("Hi") + [{"role": "assistant", "content": "Let me"}]})
+    assert r.status_code == 400 and "strict tool" in r.text, r.text
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(),
+                   json={"model": model, "messages": ask("Hi"), "max_tokens": 5,
+                         "tools": [{"type": "function", "function": {"name": "w", "strict": "yes"}}]})
+    assert r.status_code == 400 and "strict must be a boolean" in r.text, r.text
+
+
 @pytest.mark.parametrize("content,needle", [
     (None, "no such file"),
     ("{% for %}", "does not compile"),

@@ -250,10 +250,16 @@ fn anthropic_tools(o: &Map<String, Value>) -> Result<(Option<ToolPlan>, Vec<TtlA
                         CacheTtl::parse_control(cc, &format!("{at}.cache_control"))?,
                     ));
                 }
+                let strict = match t.get("strict") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(_) => return Err(invalid(format!("{at}.strict must be a boolean"))),
+                };
                 defs.push(ToolDef {
                     name: name.to_string(),
                     description,
                     parameters,
+                    strict,
                 });
             }
         }
@@ -655,10 +661,10 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
     }
     let (tools, tool_breakpoints) = anthropic_tools(o)?;
     let guide = output_config(o)?;
-    if prefill && (guide.is_some() || tools.as_ref().is_some_and(|t| t.constrained().is_some())) {
+    if prefill && (guide.is_some() || tools.as_ref().is_some_and(ToolPlan::grammar_starts_turn)) {
         return Err(invalid(
-            "a final assistant message (a prefill) cannot be combined with output_config.format or \
-             tool_choice any or tool: the output's grammar starts the turn",
+            "a final assistant message (a prefill) cannot be combined with output_config.format, \
+             tool_choice any or tool, or a strict tool: the output's grammar starts the turn",
         ));
     }
     if guide.is_some() && tools.as_ref().is_some_and(|t| t.constrained().is_some()) {

@@ -54,6 +54,18 @@ impl ToolPlan {
         }
     }
 
+    /// Whether the model may call the tools or answer (`auto`) and one of them is strict: its calls'
+    /// arguments are then held to its schema ([`ToolFormat::call_or_text_grammar`]).
+    pub fn strict_under_auto(&self) -> bool {
+        self.choice == ToolChoice::Auto && self.tools.iter().any(|t| t.strict)
+    }
+
+    /// Whether the output follows a grammar of these tools from its first token (a forced call, or
+    /// strict tools under `auto`): a turn that goes on from given text cannot take one.
+    pub fn grammar_starts_turn(&self) -> bool {
+        self.constrained().is_some() || self.strict_under_auto()
+    }
+
     /// Whether calls are read out of the output (not with `none`).
     pub fn parses_calls(&self) -> bool {
         self.choice != ToolChoice::None
@@ -280,14 +292,16 @@ fn openai_tool(i: usize, t: &Value) -> Result<ToolDef, ApiError> {
             ))
         }
     };
-    if f.get("strict")
-        .is_some_and(|s| !s.is_boolean() && !s.is_null())
-    {
-        return Err(bad(
-            format!("tools[{i}].function.strict must be a boolean"),
-            P,
-        ));
-    }
+    let strict = match f.get("strict") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(bad(
+                format!("tools[{i}].function.strict must be a boolean"),
+                P,
+            ))
+        }
+    };
     let parameters = check_parameters(
         f.get("parameters"),
         &format!("tools[{i}].function.parameters"),
@@ -297,6 +311,7 @@ fn openai_tool(i: usize, t: &Value) -> Result<ToolDef, ApiError> {
         name: name.to_string(),
         description,
         parameters,
+        strict,
     })
 }
 

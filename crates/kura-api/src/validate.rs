@@ -858,8 +858,11 @@ fn check_continue_final(
             Some(P),
         ));
     }
-    let why = if checked.guide.is_some() || tools.is_some_and(|t| t.constrained().is_some()) {
-        Some("an output format or a forced tool call (the output's grammar starts the turn)")
+    let why = if checked.guide.is_some() || tools.is_some_and(ToolPlan::grammar_starts_turn) {
+        Some(
+            "an output format, a forced tool call or a strict tool (the output's grammar starts \
+             the turn)",
+        )
     } else if checked.cached_content.is_some() {
         Some("cached_content")
     } else {

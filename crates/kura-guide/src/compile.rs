@@ -831,6 +831,7 @@ mod tests {
             // Schemas with references of their own (as Pydantic writes nested models).
             parameters: serde_json::json!({"$defs": {"City": {"type": "string"}}, "type": "object",
                 "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}),
+            strict: false,
         }];
         let answer = serde_json::json!({"$defs": {"T": {"type": "integer"}}, "type": "object",
             "properties": {"temp": {"$ref": "#/$defs/T"}}, "required": ["temp"]});
@@ -867,6 +868,88 @@ mod tests {
             // Text that is neither is not written: the walk leaves the script at its first byte.
             let (text, _, _) = run(&codec, &spec, "Hello", &[], 200);
             assert!(!text.starts_with('H'), "{format:?}: {text}");
+        }
+    }
+
+    #[test]
+    fn strict_tools_the_model_may_call_allow_an_answer_or_calls_valid_under_their_schemas() {
+        let codec = Bytes::new();
+        let tool = |name: &str, strict: bool| crate::tools::ToolDef {
+            name: name.into(),
+            description: None,
+            parameters: serde_json::json!({"type": "object",
+                "properties": {"unit": {"enum": ["kelvin"]}}, "required": ["unit"]}),
+            strict,
+        };
+        let tools = [tool("w", true), tool("loose", false)];
+        let eos = [codec.eos()];
+        let call = |name: &str, arguments: &str| crate::tools::ParsedCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        use crate::tools::ToolFormat::*;
+        for (format, parallel) in [Hermes, Fallback, Llama3Json, Mistral]
+            .into_iter()
+            .flat_map(|f| [(f, false), (f, true)])
+        {
+            let grammar = format.call_or_text_grammar(&tools, parallel);
+            let spec = guides(&codec)
+                .compile(&Guide::Lark(grammar.clone()))
+                .unwrap_or_else(|e| panic!("{format:?}: {e}\n{grammar}"));
+            let written = |calls: &[crate::tools::ParsedCall]| {
+                let text = format.write_calls(calls);
+                text.trim_start_matches("[TOOL_CALLS]").to_string()
+            };
+            // An answer with no call, ended by the model.
+            let answer = "It is cold <b>today</b>.";
+            let (text, done, _) = run(&codec, &spec, answer, &eos, 200);
+            assert_eq!(text, answer, "{format:?}");
+            assert!(done, "{format:?}");
+            // A strict call valid under its schema is written as it is.
+            let good = written(&[call("w", r#"{"unit": "kelvin"}"#)]);
+            let (text, done, _) = run(&codec, &spec, &good, &eos, 200);
+            assert!(text.starts_with(&good), "{format:?}: {text}");
+            if !parallel {
+                assert!(done && text == good, "{format:?}: {text}");
+            }
+            // A strict call the schema refuses leaves the script at the value it refuses.
+            let bad = written(&[call("w", r#"{"unit": "celsius"}"#)]);
+            let (text, _, _) = run(&codec, &spec, &bad, &eos, 200);
+            let at = bad.find("celsius").unwrap();
+            assert!(
+                text.starts_with(&bad[..at]) && !text[at..].starts_with('c'),
+                "{format:?}: {text}"
+            );
+            // A tool that is not strict takes any object.
+            let loose = written(&[call("loose", r#"{"unit": "celsius"}"#)]);
+            let (text, _, _) = run(&codec, &spec, &loose, &eos, 200);
+            assert!(text.starts_with(&loose), "{format:?}: {text}");
+            // A call of a tool not offered is not written.
+            let other = written(&[call("other", r#"{"unit": "kelvin"}"#)]);
+            let (text, _, _) = run(&codec, &spec, &other, &eos, 200);
+            assert!(!text.starts_with(&other), "{format:?}: {text}");
+            if matches!(format, Hermes | Fallback) {
+                // Text before the calls; two calls with parallel, one without.
+                let both = format!(
+                    "Let me check.\n{}",
+                    written(&[
+                        call("w", r#"{"unit": "kelvin"}"#),
+                        call("loose", r#"{"a": 1}"#)
+                    ])
+                );
+                let (text, done, _) = run(&codec, &spec, &both, &eos, 300);
+                let one = both.split("</tool_call>").next().unwrap().to_string() + "</tool_call>";
+                if parallel {
+                    assert!(done && text == both, "{format:?}: {text}");
+                } else {
+                    assert!(done && text == one, "{format:?}: {text}");
+                }
+            } else {
+                // The bare-JSON formats' answers do not start as a call does.
+                let start = if format == Llama3Json { "  {" } else { " [" };
+                let (text, _, _) = run(&codec, &spec, start, &eos, 200);
+                assert_ne!(text, start, "{format:?}");
+            }
         }
     }
 

@@ -40,6 +40,9 @@ pub struct ToolDef {
     pub description: Option<String>,
     /// The arguments' JSON schema (an object schema; `{"type": "object"}` when none was given).
     pub parameters: Value,
+    /// The arguments must be valid under `parameters` whenever the tool is called (OpenAI's and
+    /// Anthropic's `strict`), also where the model may answer instead (`tool_choice: auto`).
+    pub strict: bool,
 }
 
 impl ToolDef {
@@ -309,6 +312,74 @@ impl ToolFormat {
                     array["maxItems"] = json!(1);
                 }
                 format!("start: %json {}\n", whole(vec![array, answer]))
+            }
+        }
+    }
+
+    /// A Lark grammar for `tool_choice: auto` with strict tools: an answer with no call in it, or
+    /// calls of `tools` as [`ToolFormat::call_grammar`] writes them, each strict tool's arguments
+    /// valid under its schema (any JSON object for a tool that is not strict). Hermes's calls (and
+    /// the fallback's) may follow text, which ends at the first call's tag; the bare-JSON formats'
+    /// calls are the whole output, so an answer there does not start with what a call starts with
+    /// (`{` for Llama 3, `[` for Mistral, after any white space).
+    pub fn call_or_text_grammar(self, tools: &[ToolDef], parallel: bool) -> String {
+        let tools: Vec<ToolDef> = tools
+            .iter()
+            .map(|t| ToolDef {
+                parameters: if t.strict {
+                    t.parameters.clone()
+                } else {
+                    json!({"type": "object"})
+                },
+                ..t.clone()
+            })
+            .collect();
+        let calls = self
+            .call_grammar(&tools, parallel)
+            .replacen("start:", "tool_calls:", 1);
+        match self {
+            ToolFormat::Hermes | ToolFormat::Fallback => {
+                // The text before the calls ends with the first call's tag (a lazy lexeme: at its
+                // first occurrence); the first call goes on from there.
+                let open = crate::regex_literal(HERMES_OPEN);
+                let rest = if parallel {
+                    format!(" ({} call)*", lark_literal(self.separator()))
+                } else {
+                    String::new()
+                };
+                let mut g = format!(
+                    "start: ANSWER | before first{rest}\n\
+                     ANSWER: /(.|\\n)*/ & ~/(.|\\n)*{open}(.|\\n)*/\n\
+                     before[lazy]: /(.|\\n)*/ {}\n",
+                    lark_literal(HERMES_OPEN)
+                );
+                let alternatives: Vec<String> =
+                    (0..tools.len()).map(|i| format!("first_{i}")).collect();
+                g.push_str(&format!("first: {}\n", alternatives.join(" | ")));
+                for (i, t) in tools.iter().enumerate() {
+                    let prefix = self.call_prefix(&t.name);
+                    let prefix = prefix.strip_prefix(HERMES_OPEN).unwrap_or(&prefix);
+                    g.push_str(&format!(
+                        "first_{i}: {} %json {} {}\n",
+                        lark_literal(prefix),
+                        crate::with_layout(&t.parameters),
+                        lark_literal(self.call_suffix())
+                    ));
+                }
+                // `call` and its alternatives, for the calls after the first.
+                let rules = calls.split_once('\n').map_or("", |(_, r)| r);
+                g.push_str(rules);
+                g
+            }
+            ToolFormat::Llama3Json | ToolFormat::Mistral => {
+                let first = match self {
+                    ToolFormat::Llama3Json => "\\{",
+                    _ => "\\[",
+                };
+                format!(
+                    "start: ANSWER | tool_calls\n\
+                     ANSWER: /(.|\\n)*/ & ~/[ \\t\\r\\n]*{first}(.|\\n)*/\n{calls}"
+                )
             }
         }
     }
@@ -1007,11 +1078,13 @@ mod tests {
                 name: "a".into(),
                 description: None,
                 parameters: json!({"type": "object"}),
+                strict: false,
             },
             ToolDef {
                 name: "b".into(),
                 description: Some("B".into()),
                 parameters: json!({"type": "object", "properties": {"x": {"type": "integer"}}}),
+                strict: true,
             },
         ];
         let g = ToolFormat::Hermes.call_grammar(&tools, true);

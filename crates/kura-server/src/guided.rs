@@ -24,8 +24,9 @@ pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
 
 /// The grammar a chat or completions request's output follows: its tool calls when `tool_choice` asks
 /// for one (`required`, a named function); calls or an answer in its output format when it has both
-/// tools the model may call (`auto`) and a JSON format; else its output format; compiled for the
-/// served model.
+/// tools the model may call (`auto`) and a JSON format; else its output format; with no format and
+/// a strict tool the model may call, an answer or calls whose strict arguments are valid; compiled
+/// for the served model.
 pub(crate) async fn constraint(
     engine: &EngineHandle,
     cell: &GuidesCell,
@@ -43,6 +44,15 @@ pub(crate) async fn constraint(
             )
         }
         None => match (guide, tools.filter(|t| t.parses_calls())) {
+            // Strict tools the model may call: an answer, or calls held to their schemas.
+            (None, Some(plan)) if plan.strict_under_auto() => (
+                Guide::Lark(
+                    style
+                        .format
+                        .call_or_text_grammar(&plan.tools, plan.parallel),
+                ),
+                "tools",
+            ),
             (None, _) => return Ok(None),
             (Some(g), None) => g,
             // The model may call a tool or answer: the answer alone follows the format.
