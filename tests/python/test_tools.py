@@ -194,8 +194,6 @@ BAD = [
      "tools", "could not be compiled"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
       "tool_choice": "required"}, "tools", "must describe a JSON object"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-     "cannot be combined"),
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}, "messages",
      "no earlier assistant message called"),

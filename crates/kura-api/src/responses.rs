@@ -498,14 +498,6 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         }
     };
     let tools = openai_tools(tools.as_ref(), choice.as_ref(), parallel)?;
-    if let (Some(t), Some(_)) = (&tools, &checked.guide) {
-        if t.constrained().is_some() {
-            return Err(bad(
-                "text.format cannot be combined with tool_choice required or a named function",
-                "text",
-            ));
-        }
-    }
     let previous_response_id = match set("previous_response_id") {
         None => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),

@@ -790,15 +790,6 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?;
-    if let (Some(t), Some(_)) = (&tools, &checked.guide) {
-        if t.constrained().is_some() {
-            return Err(ApiError::invalid(
-                "response_format cannot be combined with tool_choice required or a named \
-                 function: the output is then the tool call",
-                Some("response_format"),
-            ));
-        }
-    }
     let prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, &checked)?;
     let continue_final = check_continue_final(&req, &messages, &checked, tools.as_ref())?;
     Ok(ChatPlan {
