@@ -553,8 +553,37 @@ pub fn prepare_count(value: &Value, served_model: &str) -> Result<MessagesPlan, 
     prepare(&Value::Object(o), served_model)
 }
 
+/// The fields of a `POST /v1/messages` request: Anthropic's (its schema allows no others), the beta
+/// `mcp_servers` (refused by name below), and Kura's extensions. Any other is refused by name, as
+/// Anthropic's API refuses it: a field sent in `extra_body` (`seed`, `logit_bias`) is not dropped
+/// without a word.
+pub const MESSAGE_FIELDS: [&str; 21] = [
+    "cache_control",
+    "cache_salt",
+    "cached_content",
+    "container",
+    "inference_geo",
+    "max_tokens",
+    "mcp_servers",
+    "messages",
+    "metadata",
+    "model",
+    "output_config",
+    "service_tier",
+    "stop_sequences",
+    "stream",
+    "system",
+    "temperature",
+    "thinking",
+    "tool_choice",
+    "tools",
+    "top_k",
+    "top_p",
+];
+
 pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
+    crate::body::only_fields(o, &MESSAGE_FIELDS, "messages")?;
     for unsupported in ["thinking", "mcp_servers", "container"] {
         // `{"type": "disabled"}` asks for what this server does anyway.
         let neutral = |v: &Value| {
@@ -875,6 +904,26 @@ mod tests {
                             "messages": [{"role": "user", "content": "Hi"}]}))
         .unwrap();
         assert!(!p.prefill);
+    }
+
+    #[test]
+    fn a_messages_request_refuses_fields_outside_anthropics_schema_and_kuras_extensions() {
+        let base = json!({"model": "m", "max_tokens": 1,
+                          "messages": [{"role": "user", "content": "x"}]});
+        assert!(prepare(&base, "m").is_ok());
+        for extra in ["seed", "logit_bias", "temprature", "n"] {
+            let mut b = base.clone();
+            b[extra] = json!(1);
+            let e = prepare(&b, "m").unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{extra} is not a field of messages")),
+                "{e}"
+            );
+        }
+        // Kura's extensions are fields.
+        let mut b = base.clone();
+        b["cache_salt"] = json!("tenant-a");
+        assert!(prepare(&b, "m").is_ok());
     }
 
     #[test]

@@ -254,11 +254,18 @@ mod tests {
         assert!(key_of(Endpoint::ChatCompletions, chat(&long)).is_err());
         let completion = json!({"model": "m", "prompt": "hi", "prompt_cache_key": long});
         assert!(key_of(Endpoint::Completions, completion).is_err());
-        // Anthropic's routes have no such field: whatever its length, the router keeps none.
+        // Anthropic's routes have no such field: the router keeps none, and refuses it by name as
+        // the servers do.
+        let body = json!({"model": "m", "max_tokens": 1, "messages": messages});
+        assert_eq!(key_of(Endpoint::Messages, body).unwrap(), None);
         for key in ["k".to_string(), "y".repeat(8 << 20)] {
             let body = json!({"model": "m", "max_tokens": 1, "messages": messages,
                               "prompt_cache_key": key});
-            assert_eq!(key_of(Endpoint::Messages, body).unwrap(), None);
+            let e = key_of(Endpoint::Messages, body).unwrap_err().to_string();
+            assert!(
+                e.starts_with("prompt_cache_key is not a field of messages"),
+                "{e}"
+            );
         }
     }
 }
