@@ -333,6 +333,11 @@ def test_tenants_neither_see_nor_hit_each_others_contexts():
                          json={"model": s.model(), "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
         assert bad.status_code == 401 and bad.json()["type"] == "error"
         assert bad.json()["error"]["type"] == "authentication_error"
+        # Its token counts too.
+        bad = httpx.post(s.url + "/v1/messages/count_tokens", headers={"x-api-key": "nope"},
+                         json={"model": s.model(), "messages": [{"role": "user", "content": "x"}]})
+        assert bad.status_code == 401 and bad.json()["type"] == "error", bad.text
+        assert bad.json()["error"]["type"] == "authentication_error", bad.text
     finally:
         s.stop()
 

@@ -691,6 +691,14 @@ def test_routes_the_router_does_not_route_get_json_errors_naming_those_it_does(f
             assert "which routes /v1/chat/completions" in err["message"], r.text
 
 
+def test_a_response_id_that_does_not_decode_gets_a_json_400(fleet):
+    _, router = fleet
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, router.url + "/v1/responses/resp_%ff", timeout=30)
+        assert r.status_code == 400, (method, r.status_code, r.text)
+        assert r.json()["error"]["message"].startswith("the id in the path: "), (method, r.text)
+
+
 def serve_fails(*args: str) -> str:
     p = subprocess.run([kura_bin(), "serve", "--model", model_path(), "--port", "0", *args],
                        capture_output=True, text=True, timeout=120, env=clean_env())

@@ -1,16 +1,36 @@
 //! Request bodies, strictly: `application/json` only (415 otherwise, so that a web page cannot drive an
 //! unkeyed local server with a "simple" cross-origin POST), one JSON object and nothing after it (no
 //! trailing bytes, no second object), the whole body within the body timeout (408) and the size limit
-//! (413). Type errors name the field in JSON's terms.
+//! (413). Type errors name the field in JSON's terms. And the id in a route's path ([`PathId`]), whose
+//! errors are JSON like every other.
 
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
+
+/// The one id a route's path holds (`/v1/models/{model}`, `/v1/responses/{id}`, …). A path that does
+/// not decode (percent-escapes that are not UTF-8, `%ff`) is a 400 in the API's JSON error shape.
+pub struct PathId(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(id)) => Ok(PathId(id)),
+            Err(rejection) => Err(ApiError::invalid(
+                format!("the id in the path: {}", rejection.body_text()),
+                None,
+            )),
+        }
+    }
+}
 
 /// `Content-Type` of a JSON route: `application/json`, optionally with `charset=utf-8` (any case).
 pub fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
@@ -257,5 +277,30 @@ mod tests {
         }
         let e = parse_json_object(br#"{"a": 1}{"b": 2}"#).unwrap_err();
         assert!(e.to_string().contains("data after its JSON object"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_path_id_that_does_not_decode_is_a_json_400() {
+        use tower::ServiceExt;
+        let app = axum::Router::new().route(
+            "/r/{id}",
+            axum::routing::get(|PathId(id): PathId| async move { id }),
+        );
+        let get = |uri: &'static str| {
+            let req = Request::builder()
+                .uri(uri)
+                .body(axum::body::Body::empty())
+                .unwrap();
+            app.clone().oneshot(req)
+        };
+        let body = |r: axum::response::Response| axum::body::to_bytes(r.into_body(), 1 << 16);
+        let ok = get("/r/resp_%41").await.unwrap();
+        assert_eq!(ok.status(), StatusCode::OK);
+        assert_eq!(&body(ok).await.unwrap()[..], b"resp_A");
+        let bad = get("/r/resp_%ff").await.unwrap();
+        assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+        let error: serde_json::Value = serde_json::from_slice(&body(bad).await.unwrap()).unwrap();
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("the id in the path: "), "{error}");
     }
 }

@@ -11,6 +11,10 @@ use crate::error::ApiError;
 use crate::keys::{effective_salt, Tenant};
 use crate::validate::{self, tokenize_error, Ctx, PromptInput};
 
+/// Most events one `event: kv` message of a server's `/v1/kv/events` carries: the server sends no more
+/// in one, and a router reading them refuses a message that far exceeds it.
+pub const KV_EVENTS_BATCH: usize = 256;
+
 /// The generation routes a router forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {

@@ -21,7 +21,7 @@ const MAX_ROUTED: usize = 1 << 20;
 /// Most blocks a replica is known to hold (8 Mi names, about 270 MB of index): past it, what a
 /// replica reports storing is not recorded (a routing hint lost), so a replica that reports without
 /// end cannot grow the router's memory without end.
-const MAX_HELD: usize = 1 << 23;
+pub const MAX_HELD: usize = 1 << 23;
 
 /// A change in a replica's pool.
 #[derive(Debug, Clone, PartialEq, Eq)]

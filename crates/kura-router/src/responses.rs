@@ -17,10 +17,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use kura_api::body::PathId;
 use kura_api::routing::Endpoint;
 use kura_api::ApiError;
 
@@ -180,7 +181,7 @@ impl IdScan {
 pub(crate) async fn get(
     State(fleet): State<Arc<Fleet>>,
     accepted: Option<Extension<ClientKey>>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     headers: HeaderMap,
 ) -> Response {
     let owner = fleet
@@ -193,7 +194,7 @@ pub(crate) async fn get(
 pub(crate) async fn delete(
     State(fleet): State<Arc<Fleet>>,
     accepted: Option<Extension<ClientKey>>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     headers: HeaderMap,
 ) -> Response {
     let owner = fleet

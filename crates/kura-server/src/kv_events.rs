@@ -31,7 +31,7 @@ use crate::AppState;
 /// How often a stream looks for new events.
 const POLL: Duration = Duration::from_millis(20);
 /// Most events one SSE message carries.
-const BATCH: usize = 256;
+const BATCH: usize = kura_api::routing::KV_EVENTS_BATCH;
 /// The only tier whose content is announced: the pool that attention reads.
 const TIER: &str = "pool";
 

@@ -43,6 +43,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 // The API's bodies, validation, errors, keys and connection layer are `kura-api`'s.
+use kura_api::routing::Endpoint;
 use kura_api::{
     accept_loop, error, presented_keys, same_key, shutdown_signal, types, validate, ApiError,
     Phase, Tenant,
@@ -434,7 +435,11 @@ async fn authenticate(
                 } else {
                     ApiError::Unauthorized
                 };
-                if path == "/v1/messages" {
+                // Anthropic's routes answer in Anthropic's shape, their refusals too.
+                let anthropic = [Endpoint::Messages, Endpoint::MessagesCountTokens]
+                    .iter()
+                    .any(|e| e.path() == path);
+                if anthropic {
                     return Ok(kura_api::AnthropicError(refused).into_response());
                 }
                 return Err(refused);
