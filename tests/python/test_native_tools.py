@@ -124,6 +124,16 @@ def test_a_format_beside_tools_the_model_may_call_gives_a_call_or_an_answer_in_i
                          "structured_outputs": {"regex": "[a-z]+"}})
     assert r.status_code == 400, r.text
     assert "tool_choice none" in r.json()["error"]["message"], r.text
+    # Nor beside a forced call (a JSON format is taken there: it is for a later turn's answer).
+    for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+        r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(),
+                       json={"model": model, "messages": ask("Hi"), "tools": TOOLS, "max_tokens": 5,
+                             "tool_choice": choice, "structured_outputs": {"regex": "[a-z]+"}})
+        assert r.status_code == 400 and "tool_choice none" in r.json()["error"]["message"], r.text
+        r = c.chat.completions.create(model=model, messages=ask("Weather in Oslo?"), tools=TOOLS, tool_choice=choice,
+                                      response_format=fmt, parallel_tool_calls=False, max_tokens=60, temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
 def test_strict_tools_the_model_may_call_are_called_only_with_valid_arguments(server):

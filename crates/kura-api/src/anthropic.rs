@@ -553,15 +553,17 @@ pub fn prepare_count(value: &Value, served_model: &str) -> Result<MessagesPlan, 
     prepare(&Value::Object(o), served_model)
 }
 
-/// The fields of a `POST /v1/messages` request: Anthropic's (its schema allows no others), the beta
-/// `mcp_servers` (refused by name below), and Kura's extensions. Any other is refused by name, as
-/// Anthropic's API refuses it: a field sent in `extra_body` (`seed`, `logit_bias`) is not dropped
-/// without a word.
-pub const MESSAGE_FIELDS: [&str; 21] = [
+/// The fields of a `POST /v1/messages` request: Anthropic's (its schema allows no others), its beta
+/// fields (`mcp_servers` and `output_format`, refused by name below; `context_management`, which
+/// Claude Code sends and which has nothing to clear here), and Kura's extensions. Any other is refused
+/// by name, as Anthropic's API refuses it: a field sent in `extra_body` (`seed`, `logit_bias`) is not
+/// dropped without a word.
+pub const MESSAGE_FIELDS: [&str; 23] = [
     "cache_control",
     "cache_salt",
     "cached_content",
     "container",
+    "context_management",
     "inference_geo",
     "max_tokens",
     "mcp_servers",
@@ -569,6 +571,7 @@ pub const MESSAGE_FIELDS: [&str; 21] = [
     "metadata",
     "model",
     "output_config",
+    "output_format",
     "service_tier",
     "stop_sequences",
     "stream",
@@ -584,6 +587,19 @@ pub const MESSAGE_FIELDS: [&str; 21] = [
 pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
     crate::body::only_fields(o, &MESSAGE_FIELDS, "messages")?;
+    if o.get("output_format").is_some_and(|v| !v.is_null()) {
+        return Err(invalid(
+            "output_format is the beta's name: give output_config.format (the same json_schema \
+             format)",
+        ));
+    }
+    // `context_management` (clearing old thinking blocks or tool results as a conversation grows)
+    // is checked as an object and has no effect: the prompt is the messages as sent.
+    if o.get("context_management")
+        .is_some_and(|v| !v.is_null() && !v.is_object())
+    {
+        return Err(invalid("context_management must be an object"));
+    }
     for unsupported in ["thinking", "mcp_servers", "container"] {
         // `{"type": "disabled"}` asks for what this server does anyway.
         let neutral = |v: &Value| {
@@ -920,10 +936,16 @@ mod tests {
                 "{e}"
             );
         }
-        // Kura's extensions are fields.
+        // Kura's extensions are fields; so is Claude Code's context_management, without effect.
         let mut b = base.clone();
         b["cache_salt"] = json!("tenant-a");
+        b["context_management"] =
+            json!({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]});
         assert!(prepare(&b, "m").is_ok());
+        let mut b = base.clone();
+        b["output_format"] = json!({"type": "json_schema", "schema": {"type": "object"}});
+        let e = prepare(&b, "m").unwrap_err().to_string();
+        assert!(e.contains("output_config.format"), "{e}");
     }
 
     #[test]

@@ -945,10 +945,17 @@ mod tests {
                     assert!(done && text == one, "{format:?}: {text}");
                 }
             } else {
-                // The bare-JSON formats' answers do not start as a call does.
-                let start = if format == Llama3Json { "  {" } else { " [" };
-                let (text, _, _) = run(&codec, &spec, start, &eos, 200);
-                assert_ne!(text, start, "{format:?}");
+                // The bare-JSON formats' answers do not start as a call does, after any white
+                // space or the format's tag written as text (what `parse` would read as calls).
+                let starts: &[&str] = if format == Llama3Json {
+                    &["  {", "\u{a0}{", "<|python_tag|>{", "<|python_tag|> {"]
+                } else {
+                    &[" [", "\u{2003}[", "[TOOL_CALLS][", "[TOOL_CALLS] ["]
+                };
+                for start in starts {
+                    let (text, _, _) = run(&codec, &spec, start, &eos, 200);
+                    assert!(!text.starts_with(start), "{format:?}: {text:?}");
+                }
             }
         }
     }

@@ -372,13 +372,16 @@ impl ToolFormat {
                 g
             }
             ToolFormat::Llama3Json | ToolFormat::Mistral => {
-                let first = match self {
-                    ToolFormat::Llama3Json => "\\{",
-                    _ => "\\[",
+                // What `parse` reads as calls: after white space (any, as `trim` takes it) and the
+                // format's tag written as text, an object or an array.
+                let (tag, first) = match self {
+                    ToolFormat::Llama3Json => (PYTHON_TAG, "\\{"),
+                    _ => (MISTRAL_TAG, "\\["),
                 };
+                let tag = crate::regex_literal(tag);
                 format!(
                     "start: ANSWER | tool_calls\n\
-                     ANSWER: /(.|\\n)*/ & ~/[ \\t\\r\\n]*{first}(.|\\n)*/\n{calls}"
+                     ANSWER: /(.|\\n)*/ & ~/\\s*({tag}\\s*)?{first}(.|\\n)*/\n{calls}"
                 )
             }
         }

@@ -364,7 +364,9 @@ pub enum EngineEvent {
     },
     /// The prompt's side of the usage (`prompt_tokens`, `cached_tokens`, `cache_write_tokens`,
     /// `miss`; `completion_tokens` 0), once the prompt is computed and before the first `Delta`:
-    /// the values `Done` reports for them, known before the first token is sent.
+    /// the values `Done` reports for them, known before the first token is sent. (A caller that
+    /// merges several requests' events tells the sum once all their prompts are computed: an earlier
+    /// prompt's `Delta`s may come before it.)
     Prompted {
         usage: Usage,
     },

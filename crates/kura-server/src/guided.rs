@@ -37,6 +37,21 @@ pub(crate) async fn constraint(
 ) -> Result<Option<Arc<dyn ConstraintSpec>>, ApiError> {
     let (guide, param) = match tools.and_then(ToolPlan::constrained) {
         Some(defs) => {
+            // The turn is the call; a JSON format beside it is for a later turn's text (as the OpenAI
+            // Agents SDK sends an agent's output type). A format no answer beside calls can take is
+            // refused here as beside `auto`.
+            if let Some((g, param)) = &guide {
+                if !matches!(g, Guide::JsonObject | Guide::JsonSchema(_)) {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "{param} beside tools must be a JSON schema or json_object (the \
+                             answer of a turn that calls none); send tool_choice none to answer \
+                             in this format only"
+                        ),
+                        Some(param),
+                    ));
+                }
+            }
             let parallel = tools.is_some_and(|t| t.parallel);
             (
                 Guide::Lark(style.format.call_grammar(&defs, parallel)),
