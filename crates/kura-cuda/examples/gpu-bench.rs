@@ -258,6 +258,12 @@ impl Report<'_> {
     }
 }
 
+/// Writes `line` and a newline to stderr in one write, so that a line does not come out broken by the
+/// JSON lines written to stdout into the same log.
+fn note(line: &str) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 /// The optional sections' bookkeeping: the time they may take, those that failed, and whether the CUDA
 /// context still answers.
 struct Optional {
@@ -269,14 +275,14 @@ struct Optional {
     stopped: Option<String>,
 }
 
-/// How much longer than its estimate a section may take and still be started.
+/// A section starts only where this many times its estimate fits in the time left.
 const ESTIMATE_MARGIN: f64 = 1.25;
 
 impl Optional {
     /// Whether the section `what`, estimated at `estimate` seconds, runs; stderr says why not.
     fn begin(&self, what: &str, estimate: f64) -> bool {
         if let Some(why) = &self.stopped {
-            eprintln!("gpu-bench: skipped {what}: {why}");
+            note(&format!("gpu-bench: skipped {what}: {why}"));
             return false;
         }
         let Some(within) = self.within else {
@@ -284,10 +290,10 @@ impl Optional {
         };
         let left = within - self.start.elapsed().as_secs_f64();
         if estimate * ESTIMATE_MARGIN > left {
-            eprintln!(
+            note(&format!(
                 "gpu-bench: skipped {what}: about {estimate:.1} s estimated, {:.1} s left of --within {within}",
                 left.max(0.0)
-            );
+            ));
             return false;
         }
         true
@@ -299,11 +305,11 @@ impl Optional {
         let Err(e) = result else {
             return;
         };
-        eprintln!("gpu-bench: {what} failed: {e}");
+        note(&format!("gpu-bench: {what} failed: {e}"));
         self.failed.push(format!("{what}: {e}"));
         if let Err(e) = dev.synchronize() {
             let why = format!("the CUDA context failed after {what} ({e})");
-            eprintln!("gpu-bench: {why}: no further section runs");
+            note(&format!("gpu-bench: {why}: no further section runs"));
             self.stopped = Some(why);
         }
     }
@@ -1112,7 +1118,7 @@ pub fn run(
         match fp8 {
             Ok(line) => report.line(&line)?,
             Err(e) => {
-                eprintln!("gpu-bench: {what} failed: {e}");
+                note(&format!("gpu-bench: {what} failed: {e}"));
                 opt.failed.push(format!("{what}: {e}"));
             }
         }
