@@ -12,7 +12,8 @@
 # scripts/gpu/tiers.sh run (its model and loads are sized for a device). The servers and commands start
 # with KURA_GPU_KERNELS=default: the timing of every kernel form over a 4,096-token prompt that a GPU does
 # in about a second at each start takes the stand-in minutes (the GPU test of that timing runs, over 256
-# tokens; tests/python/test_emulated_gpu.py runs a command's in CI).
+# tokens; tests/python/test_emulated_gpu.py runs a command's in CI), and the server check's requests get
+# 600 s each (KURA_GPU_REQUEST_TIMEOUT_S; 60 on a device).
 # Needs cargo, a C++ compiler (scripts/fetch-cxx.sh), NVRTC (scripts/fetch-nvrtc.sh) and PyPI: torch,
 # transformers, httpx and the openai client go into a virtual environment under the cache (a few GB on
 # first use). About 15-30 minutes on 2 cores (16 on a quiet one); exits as all.sh does (non-zero when a test or bench step failed).
@@ -47,6 +48,7 @@ echo "== scripts/gpu/all.sh $out on the stand-in (models in $work/models)" >&2
 PATH="$work/emu:$venv/bin:$PATH" LD_LIBRARY_PATH="$work/emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   KURA_GPU_PREFLIGHT=1 KURA_GPU_WORK="$work/models" KURA_GPU_BENCH_CONFIG="$work/models/llama8b4/config.json" \
   KURA_BENCH_LIMIT_S=1500 KURA_HF_LIMIT_S=300 KURA_CALIBRATE_LIMIT_S=900 KURA_GPU_KERNELS=default \
+  KURA_GPU_REQUEST_TIMEOUT_S=600 \
   KURA_GPU_TESTS_LEFT_OUT="the_fused_decode_kernels_give_the_same_bits_as_the_separate_ones \
 the_half_tile_and_small_prefill_kernels_give_the_narrow_and_the_wide_kernels_bits \
 greedy_tokens_are_the_same_cold_cached_chunked_batched_and_for_every_block_size" \

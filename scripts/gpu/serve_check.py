@@ -9,8 +9,14 @@ driver's total, from the same log>` prints for the same model and flags. Then a 
 pool and a host tier (`--kv-host-memory`): prompts revisited after the pool evicted them come back from
 the host tier (copied asynchronously, beside other steps) with the cold text and every full block cached.
 Then `kura generate --device cuda` on the completion's prompt: the GPU server's prompt tokens and text, at
-blocks of 16 and of 1 token (the kernels read keys in the same order whatever the block size). Last, a
-GPU server that drafts (`--speculative-config`) writes the same greedy text as one that does not.
+blocks of 16 and of 1 token (the kernels read keys in the same order whatever the block size). Then a
+GPU server that drafts (`--speculative-config`) writes the same greedy text as one that does not. Last,
+a GPU server that times its kernels as it starts (`KURA_GPU_KERNELS` as the caller has it: unset, every
+prefill form and decode option is timed) names the forms it timed and chose, none with other bits, and
+answers the completion with the other servers' text. The servers and commands before it run the default
+kernels, untimed (`KURA_GPU_KERNELS=default` unless the caller set it): a fault in a kernel form fails that
+check alone. Each request has KURA_GPU_REQUEST_TIMEOUT_S (60) to answer, without retries; a check that
+raises is a failure, and the checks after it still run.
 Usage: serve_check.py KURA MODEL [DEVICE] (DEVICE cuda by default; cpu runs the host-tier check alone, on
 the CPU). Exits non-zero on any failure."""
 
@@ -28,6 +34,8 @@ import httpx
 import openai
 
 BLOCK = 16
+# Seconds a request may take (the openai client's default is 600, with 2 retries).
+REQUEST_TIMEOUT_S = float(os.environ.get("KURA_GPU_REQUEST_TIMEOUT_S", "60"))
 # The GPU server's pool: a share of what the weights, CUDA context, activation buffers and reserve leave,
 # so that its block count depends on every term of the plan.
 GPU_KV = "50%"
@@ -45,14 +53,29 @@ def prompt_text(rng: random.Random, words: int) -> str:
                                 "kernel"]) for _ in range(words))
 
 
-def start(kura: str, model: str, device: str, *flags: str):
-    """`kura serve` on `device` with `flags`, healthy: (process, url, log file)."""
+def kernels_env(tune: bool = False) -> dict:
+    """The environment of a GPU command: with the default kernels, untimed, unless `tune` or the caller
+    set `KURA_GPU_KERNELS`."""
+    env = dict(os.environ)
+    if not tune:
+        env.setdefault("KURA_GPU_KERNELS", "default")
+    return env
+
+
+def client_of(url: str) -> openai.OpenAI:
+    """The openai client of the server at `url`: each request within REQUEST_TIMEOUT_S, not retried."""
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
+def start(kura: str, model: str, device: str, *flags: str, tune: bool = False):
+    """`kura serve` on `device` with `flags`, healthy: (process, url, log file). On a GPU the server runs
+    the default kernels unless `tune` (`kernels_env`)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [kura, "serve", "--device", device, "--model", model, "--port", str(port), "--block-size", str(BLOCK),
          *flags],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT, env=kernels_env(tune))
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:
@@ -85,7 +108,7 @@ def run(kura: str, model: str, device: str, words: int = 700) -> tuple[dict, str
     kv = GPU_KV if device == "cuda" else "2GiB"
     proc, url, log = start(kura, model, device, "--kv-cache-memory", kv)
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        client = client_of(url)
         name = client.models.list().data[0].id
         prompt = prompt_text(random.Random(5), words)
         out = {}
@@ -134,7 +157,7 @@ def check_host_tier(kura: str, model: str, device: str, pool: str | None = None,
         return [str(e)]
     failures = []
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        client = client_of(url)
         name = client.models.list().data[0].id
         prompts = [prompt_text(random.Random(100 + i), words) for i in range(4)]
         ask = lambda p: client.completions.create(model=name, prompt=p, max_tokens=16, temperature=0)
@@ -243,7 +266,7 @@ def check_generate(kura: str, model: str, gpu: dict, words: int = 700) -> list[s
             out = subprocess.run(
                 [kura, "generate", "--device", "cuda", "--model", model, "--prompt", prompt, "--max-tokens", "16",
                  "--block-size", str(block), "--json"],
-                capture_output=True, text=True, timeout=300)
+                capture_output=True, text=True, timeout=300, env=kernels_env())
             report = json.loads(out.stdout) if out.returncode == 0 else None
         except (subprocess.TimeoutExpired, ValueError) as e:
             failures.append(f"kura generate --device cuda --block-size {block}: {e}")
@@ -332,7 +355,7 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
         except RuntimeError as e:
             return [str(e)]
         try:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+            client = client_of(url)
             name = client.models.list().data[0].id
             r = client.completions.create(model=name, prompt=prompt, max_tokens=48, temperature=0,
                                           extra_body={"ignore_eos": True})
@@ -356,6 +379,39 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
     return failures
 
 
+def check_tuning(kura: str, model: str, gpu: dict, words: int = 700) -> list[str]:
+    """A GPU server that times its kernels as it starts (`start(..., tune=True)`): its log names the forms
+    it timed and chose, none with other bits (`check_prefill_kernel`), and it answers `run`'s completion
+    with the same prompt tokens and greedy text as the server of the default kernels (`gpu`)."""
+    usage, _, text, _, _, _ = gpu["completions"]
+    try:
+        proc, url, log = start(kura, model, "cuda", "--kv-cache-memory", GPU_KV, tune=True)
+    except RuntimeError as e:
+        return [f"the kernel-timing server: {e}"]
+    try:
+        c = client_of(url)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt_text(random.Random(5), words),
+                                 max_tokens=16, temperature=0)
+        log.seek(0)
+        failures = check_prefill_kernel(log.read())
+    finally:
+        stop(proc)
+    same = r.usage.prompt_tokens == usage.prompt_tokens and r.choices[0].text == text
+    print(f"the kernel-timing server: {r.usage.prompt_tokens} prompt tokens; the default kernels' text: {same}")
+    if not same:
+        failures.append(f"the kernel-timing server: {r.usage.prompt_tokens} prompt tokens and "
+                        f"{r.choices[0].text!r}; with the default kernels {usage.prompt_tokens} and {text!r}")
+    return failures
+
+
+def guarded(name: str, check, *args, **kwargs) -> list[str]:
+    """`check(*args, **kwargs)`'s failures, or the exception it raised as one."""
+    try:
+        return check(*args, **kwargs)
+    except Exception as e:  # a server that does not answer, a request past its time: this check fails
+        return [f"{name}: {type(e).__name__}: {e}"]
+
+
 def main() -> int:
     args = sys.argv[1:]
     if len(args) not in (2, 3) or args[0] in ("-h", "--help") or args[2:] not in ([], ["cuda"], ["cpu"]):
@@ -368,13 +424,28 @@ def main() -> int:
         for f in failures:
             print("FAIL:", f)
         return 1 if failures else 0
-    (gpu, gpu_log), (cpu, _) = run(kura, model, "cuda"), run(kura, model, "cpu")
-    failures = check_plan(kura, model, gpu_log)
-    failures += check_prefill_kernel(gpu_log)
-    failures += check_host_tier(kura, model, "cuda")
-    failures += compare(gpu, cpu)
-    failures += check_generate(kura, model, gpu)
-    failures += check_speculative(kura, model, "cuda")
+    failures = []
+    try:
+        gpu, gpu_log = run(kura, model, "cuda")
+    except Exception as e:
+        gpu, gpu_log = None, ""
+        failures.append(f"the GPU server: {type(e).__name__}: {e}")
+    try:
+        cpu, _ = run(kura, model, "cpu")
+    except Exception as e:
+        cpu = None
+        failures.append(f"the CPU server: {type(e).__name__}: {e}")
+    if gpu is not None:
+        failures += guarded("the pool against kura plan", check_plan, kura, model, gpu_log)
+        failures += guarded("the kernels named", check_prefill_kernel, gpu_log)
+    failures += guarded("host tier", check_host_tier, kura, model, "cuda")
+    if gpu is not None and cpu is not None:
+        failures += guarded("against the CPU server", compare, gpu, cpu)
+    if gpu is not None:
+        failures += guarded("kura generate", check_generate, kura, model, gpu)
+    failures += guarded("speculative decoding", check_speculative, kura, model, "cuda")
+    if gpu is not None:
+        failures += guarded("the kernel-timing server", check_tuning, kura, model, gpu)
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

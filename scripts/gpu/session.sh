@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# A lent GPU machine's whole session in one call that ends within the device tool's 10-minute command:
+# A lent GPU machine's whole session in one call that ends within the device tool's command limit:
 # scripts/gpu/all.sh (the GPU tests, then bench/gpu.sh), then scripts/gpu/tiers.sh (the host tier through
 # `kura serve --device cuda`) in what is left before DEADLINE_S,
 # then Kura's CPU decode across thread counts on the machine's cores (bench/device/kura-threads.sh) in what
 # is left, then a file set that comes back whole: at most 7 files, none deeper than two folders
 # (OUT_DIR/all-summary.txt, tiers-summary.txt, threads.md, the benchmark's JSON lines and one archive of
-# every log). The summaries are printed last.
+# every log). Each step's summary and results are copied to OUT_DIR as soon as the step returns (the
+# tests' summary as soon as the tests end), so that a call cut short still brings back what was done.
+# The summaries are printed last.
 # Usage, on the GPU machine with gpu-bin/ (or device-pack/) and .whl/ carried (scripts/gpu-build.sh,
-# scripts/gpu/pack.sh, scripts/gpu/fetch-wheels.sh): scripts/gpu/session.sh OUT_DIR
-# Environment: DEADLINE_S [570] seconds from the start by which everything has ended; TEST_LIMIT_S [220]
-#   and BENCH_LIMIT_S [250] for all.sh's two steps; TIERS_MIN_S [100] the least time tiers.sh is started with.
+# scripts/gpu/pack.sh, scripts/gpu/fetch-wheels.sh): DEADLINE_S=<the call's limit less 25> scripts/gpu/session.sh OUT_DIR
+# Environment: DEADLINE_S [570, for a call of 595 s] seconds from the start by which everything has ended;
+#   TEST_LIMIT_S [220] and BENCH_LIMIT_S [250] for all.sh's two steps, both cut in proportion where
+#   DEADLINE_S leaves all.sh less than their sum (DEADLINE_S less 50 s); TIERS_MIN_S [100] the least time
+#   tiers.sh is started with.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 out=${1:?usage: scripts/gpu/session.sh OUT_DIR}
@@ -21,14 +25,31 @@ for v in "$deadline" "$test_limit" "$bench_limit" "$tiers_min"; do
   case "$v" in '' | *[!0-9]* | 0) echo "session.sh: limits are whole seconds above 0, got '$v'" >&2; exit 2 ;; esac
 done
 start=$(date +%s)
+# all.sh's outer limit is its two steps' plus 30 s; 20 s more are kept for the packing at the end.
+room=$((deadline - 50))
+if [ "$room" -lt 60 ]; then
+  echo "session.sh: DEADLINE_S=$deadline leaves all.sh ${room} s, too few for the tests and benchmarks" >&2
+  exit 2
+fi
+if [ $((test_limit + bench_limit)) -gt "$room" ]; then
+  cut_test=$((room * test_limit / (test_limit + bench_limit)))
+  echo "session.sh: DEADLINE_S=$deadline leaves all.sh $room s: tests $cut_test s (of $test_limit), benchmarks $((room - cut_test)) s (of $bench_limit)"
+  test_limit=$cut_test
+  bench_limit=$((room - cut_test))
+fi
 mkdir -p "$out/all" "$out/tiers"
 # gpu-bin/ may have travelled packed (scripts/gpu/pack.sh: device-pack/, 10 MB in place of 42).
 bash scripts/gpu/unpack.sh || exit 1
 # Each step also under a limit of its own from outside, so that nothing it leaves hanging (a model made
 # again, a server) outlasts the deadline and the packing below.
-timeout -k 10 $((test_limit + bench_limit + 30)) \
+KURA_GPU_SUMMARY_COPY="$out/all-summary.txt" timeout -k 10 $((test_limit + bench_limit + 30)) \
   bash scripts/gpu/all.sh "$out/all" "$test_limit" "$bench_limit" >"$out/all.log" 2>&1
 all_rc=$?
+# all.sh's results up to OUT_DIR at once (its summary is there already where it wrote one).
+[ -f "$out/all-summary.txt" ] || echo "all.sh wrote no summary (exit $all_rc)" >"$out/all-summary.txt"
+for f in kura.jsonl hf.jsonl; do
+  [ -f "$out/all/bench/$f" ] && cp "$out/all/bench/$f" "$out/$f"
+done
 left=$((deadline - ($(date +%s) - start) - 15))
 tiers_rc=0
 # tiers.sh gives each of its two steps half its limit: at most 200 s in all, and 45 s kept for the thread
@@ -38,8 +59,11 @@ tiers_limit=$((left - 45 >= tiers_min ? left - 45 : left))
 if [ "$left" -ge "$tiers_min" ]; then
   timeout -k 10 $((tiers_limit + 10)) bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
   tiers_rc=$?
+  cp "$out/tiers/summary.txt" "$out/tiers-summary.txt" 2>/dev/null \
+    || echo "tiers.sh wrote no summary (exit $tiers_rc)" >"$out/tiers-summary.txt"
+  [ -f "$out/tiers/hostconvoy.json" ] && cp "$out/tiers/hostconvoy.json" "$out/hostconvoy.json"
 else
-  echo "tiers.sh not run: ${left} s left before the ${deadline} s deadline" | tee "$out/tiers/summary.txt"
+  echo "tiers.sh not run: ${left} s left before the ${deadline} s deadline" | tee "$out/tiers-summary.txt"
   tiers_rc=1
 fi
 # Kura's CPU decode across thread counts on this machine's cores, in what is left (the GPU is idle by now).
@@ -51,12 +75,6 @@ if [ "$left" -ge 30 ] && [ -f "$work/smol/config.json" ]; then
 else
   echo "bench/device/kura-threads.sh not run: ${left} s left, or no model at $work/smol" >"$out/threads.md"
 fi
-cp "$out/all/summary.txt" "$out/all-summary.txt" 2>/dev/null || echo "all.sh wrote no summary" >"$out/all-summary.txt"
-cp "$out/tiers/summary.txt" "$out/tiers-summary.txt" 2>/dev/null || echo "tiers.sh wrote no summary" >"$out/tiers-summary.txt"
-for f in kura.jsonl hf.jsonl; do
-  [ -f "$out/all/bench/$f" ] && cp "$out/all/bench/$f" "$out/$f"
-done
-[ -f "$out/tiers/hostconvoy.json" ] && cp "$out/tiers/hostconvoy.json" "$out/hostconvoy.json"
 logs=()
 for p in all tiers all.log tiers.log; do [ -e "$out/$p" ] && logs+=("$p"); done
 (cd "$out" && tar czf logs.tgz "${logs[@]}" --remove-files) || echo "packing the logs failed" >&2

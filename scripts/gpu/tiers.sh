@@ -7,7 +7,9 @@
 #     suffixes over a prefix as long in the pool (each convoy's computed prompt tokens printed);
 #  2. bench/swap-sweep.sh: the cliff past the pool's knee, preemption by swap (over PCIe) against
 #     recompute, in one run (ITL p99 per concurrency in the compare report).
-# Each step under half of LIMIT_S; logs and results under OUT_DIR, a summary printed last.
+# Each step under half of LIMIT_S; logs and results under OUT_DIR, a summary printed last. The servers
+# start with KURA_GPU_KERNELS=default (unless set): the kernel timing a GPU executor otherwise runs at
+# each start launches every kernel form, which the GPU tests cover.
 # Usage: scripts/gpu/tiers.sh OUT_DIR [LIMIT_S=240]
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -16,6 +18,19 @@ limit=${2:-240}
 work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
 source scripts/gpu/env.sh
 export KURA_CACHE_DIR="$PWD/gpu-bin/cache"
+export KURA_GPU_KERNELS=${KURA_GPU_KERNELS:-default}
+# Runs a step under `timeout -k 10 LIMIT` in a process group of its own, which the timeout ends whole,
+# the step's servers with it (`timeout --foreground` would end the step's first process alone). A TERM
+# or INT to this script (a limit around it, scripts/gpu/session.sh's) goes on to that group the same way.
+step=""
+bounded() {
+  local limit=$1
+  shift
+  timeout -k 10 "$limit" "$@" &
+  step=$!
+  wait "$step"
+}
+trap 'if [ -n "$step" ]; then kill -TERM "$step" 2>/dev/null; wait "$step" 2>/dev/null; fi; exit 143' TERM INT
 mkdir -p "$out" "$work"
 [ -x gpu-bin/kura ] || { echo "gpu-bin/kura is missing: run scripts/gpu-build.sh and carry gpu-bin" >&2; exit 1; }
 if [ ! -f "$work/llama8b4/config.json" ]; then
@@ -23,7 +38,7 @@ if [ ! -f "$work/llama8b4/config.json" ]; then
     || { tail -20 "$out/make_models.log"; exit 1; }
 fi
 model="$work/llama8b4"
-timeout $((limit / 2)) python3 bench/tiers.py --kura gpu-bin/kura --model "$model" --device cuda \
+bounded $((limit / 2)) python3 bench/tiers.py --kura gpu-bin/kura --model "$model" --device cuda \
   --only hostconvoy --reps 2 --json "$out/hostconvoy.json" >"$out/hostconvoy.log" 2>&1
 convoy_rc=$?
 # A pool of 64 MiB holds 4,096 tokens of this model (16 KiB a token): 16 requests growing to 1,024 tokens
@@ -31,9 +46,9 @@ convoy_rc=$?
 # both modes took 50 s; four concurrencies of 1,536-token outputs did not finish in 75 s).
 # bench/swap-sweep.sh polls the servers with curl: without it, it would wait out its limit.
 if command -v curl >/dev/null; then
-  DEVICE=cuda MODEL="$model" KURA_BIN=gpu-bin/kura POOL=64MiB HOST=4GiB SWEEP=2,8 REQUESTS=16 \
-    PROMPT=512 OUTPUT=512 BATCH=8192 OUT="$out/swap-sweep" \
-    timeout $((limit / 2)) bash bench/swap-sweep.sh >"$out/swap-sweep.log" 2>&1
+  bounded $((limit / 2)) env DEVICE=cuda MODEL="$model" KURA_BIN=gpu-bin/kura POOL=64MiB HOST=4GiB SWEEP=2,8 \
+    REQUESTS=16 PROMPT=512 OUTPUT=512 BATCH=8192 OUT="$out/swap-sweep" \
+    bash bench/swap-sweep.sh >"$out/swap-sweep.log" 2>&1
   sweep_rc=$?
 else
   echo "no curl on this machine: bench/swap-sweep.sh needs it; the swap sweep did not run" >"$out/swap-sweep.log"

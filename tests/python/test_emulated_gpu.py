@@ -101,6 +101,9 @@ def on_emulated_device(monkeypatch, libs: str, kernels: str = "default") -> None
     (what `auto` does when a GPU executor starts) takes the emulation minutes."""
     monkeypatch.setenv("LD_LIBRARY_PATH", libs + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
     monkeypatch.setenv("KURA_GPU_KERNELS", kernels)
+    # The emulated kernels answer in seconds where a GPU takes milliseconds: the server check's requests
+    # get ten minutes here.
+    monkeypatch.setattr(serve_check, "REQUEST_TIMEOUT_S", 600)
 
 
 def test_the_gpu_server_on_the_emulated_device_answers_as_the_cpu_server_and_serves_revisits_from_the_host_tier(

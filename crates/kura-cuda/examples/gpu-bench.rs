@@ -1,20 +1,29 @@
 //! Kura's CUDA executor on a model shape with random bf16 weights made on the device (no checkpoint):
-//! `gpu-bench CONFIG.json` prints one JSON line per figure, then all of them. `bench/gpu.sh` runs it
-//! beside HF transformers (`bench/gpu/hf_peer.py`) on the same GPU. `--divide N` runs the same sections
-//! at a fraction of the lengths below, each figure timed once: `tests/emulated_executor.rs` runs it so
-//! on the CPU's stand-in driver.
+//! `gpu-bench CONFIG.json [--divide N] [--within S]` prints one JSON line per figure as it is measured,
+//! then the line of all of them. `bench/gpu.sh` runs it beside HF transformers (`bench/gpu/hf_peer.py`)
+//! on the same GPU. `--divide N` runs the same sections at a fraction of the lengths below, each figure
+//! timed once: `tests/emulated_executor.rs` runs it so on the CPU's stand-in driver.
 //!
-//! Figures: batch-1 decode after a 1,024-token prompt (and its share of the HBM bound, weights read once
-//! per token over the measured copy bandwidth and over the card's datasheet bandwidth; with the separate
-//! and the fused decode kernels, as batch-4 and batch-64 decode are too), prefill of 4,096
-//! and 16,384 tokens (TTFT: one step and the first token; through each prefill attention kernel),
-//! the cost of checking drafts of 1 to 15 tokens at batch 1 and 4 (speculative decoding) against a
-//! plain decode step, decode at batch 64 with 1,024 tokens of context each (and its step times while a
-//! 16,384-token prefix loads from the host tier beside it), and the TTFT of a 4,096-token prompt whose
-//! first 4,080 tokens are cached. Times are the executor's: host clock around steps that
-//! end in a synchronisation (the token ids back on the host). Each line is printed as soon as it is
-//! measured; a host-tier section that fails (or whose loads are never reported) is named at the end
-//! (exit 1) without losing the other sections.
+//! First the figures the GPU is judged by, with the default kernels: batch-1 decode after a 1,024-token
+//! prompt (and its share of the HBM bound, weights read once per token over the measured copy bandwidth
+//! and over the card's datasheet bandwidth), prefill of 4,096 and 16,384 tokens (TTFT: one step and the
+//! first token), the TTFT of a 4,096-token prompt whose first 4,080 tokens are cached, and decode at
+//! batch 64 with 1,024 tokens of context each. An error there ends the run.
+//!
+//! Then the optional sections, newest first: the kernel timing a server runs at its start, the other
+//! prefill attention forms at both lengths, batch-1 decode with the decode options (the products' L2
+//! window and staged copies, the split-key kernel's prefetch, the fused kernels), batch 4 with them,
+//! batch 64 with the fused kernels, the cost of checking drafts of 1 to 15 tokens at batch 1 and 4
+//! (speculative decoding), the batch's steps right after a swap-out to the host tier; then those measured
+//! on a GPU before (batch 1 without dependent launches and without graphs, the batch's steps while a
+//! 16,384-token prefix loads from the host tier, revisits whose KV is only in the host tier); the
+//! profiles of single steps; and the fp8 revisit on an executor of its own. With `--within S`, a section
+//! whose estimate (from the figures measured before it) would end past S seconds from the start is
+//! skipped, and stderr says so. A section that fails is named on stderr at once and at the end (exit 1);
+//! the run goes on while the CUDA context still answers, and otherwise ends with what it printed.
+//!
+//! Times are the executor's: host clock around steps that end in a synchronisation (the token ids back
+//! on the host).
 
 use std::error::Error;
 use std::io::Write;
@@ -27,9 +36,10 @@ use kura_cuda::{
 use kura_engine::{SeqInput, Want};
 use kura_kv::codec::KvDtype;
 
-const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N]\n  \
+const USAGE: &str = "usage: gpu-bench CONFIG.json [--divide N] [--within S]\n  \
     --divide N: every length, batch and step count divided by N (a power of two up to 32): the same \
-    sections, smaller, as the emulated device's test runs them";
+    sections, smaller, as the emulated device's test runs them\n  \
+    --within S: the optional sections that would end past S seconds from the start are skipped";
 
 /// How a decode step runs.
 #[derive(Debug, Clone, Copy, Default)]
@@ -91,6 +101,8 @@ pub struct Lengths {
     pub context: usize,
     /// Decode steps timed at batch 1 and 4 (128).
     pub steps: usize,
+    /// Steps of each draft check, timed once (32).
+    pub draft_steps: usize,
     /// Sequences in the batch decode (64), and its steps (32).
     pub batch: usize,
     pub batch_steps: usize,
@@ -114,6 +126,7 @@ impl Lengths {
     pub const FULL: Lengths = Lengths {
         context: 1024,
         steps: 128,
+        draft_steps: 32,
         batch: 64,
         batch_steps: 32,
         prefills: [4096, 16_384],
@@ -135,6 +148,7 @@ impl Lengths {
         Ok(Lengths {
             context: f.context / n,
             steps: (f.steps / n).max(2),
+            draft_steps: (f.draft_steps / n).max(2),
             batch: (f.batch / n).max(2),
             batch_steps: (f.batch_steps / n).max(2),
             prefills: f.prefills.map(|p| p / n),
@@ -161,27 +175,62 @@ impl Lengths {
     }
 }
 
-/// `CONFIG.json [--divide N]`: the model config's path and the lengths.
-pub fn parse(args: &[String]) -> Result<(String, Lengths), String> {
-    match args {
-        [path] if !path.starts_with('-') => Ok((path.clone(), Lengths::FULL)),
-        [path, flag, n] if flag == "--divide" && !path.starts_with('-') => {
-            let n = n
-                .parse()
-                .map_err(|_| format!("--divide {n}: not a number\n{USAGE}"))?;
-            Ok((path.clone(), Lengths::divided(n)?))
+/// The command line: the model config's path, the lengths, and the seconds from the start within
+/// which the optional sections must end (none: every section runs).
+#[derive(Clone, Debug)]
+pub struct Args {
+    pub path: String,
+    pub lengths: Lengths,
+    pub within: Option<f64>,
+}
+
+/// `CONFIG.json [--divide N] [--within S]`.
+pub fn parse(args: &[String]) -> Result<Args, String> {
+    let (path, mut rest) = match args.split_first() {
+        Some((path, rest)) if !path.starts_with('-') => (path.clone(), rest),
+        _ => return Err(USAGE.into()),
+    };
+    let mut parsed = Args {
+        path,
+        lengths: Lengths::FULL,
+        within: None,
+    };
+    while let [flag, value, more @ ..] = rest {
+        match flag.as_str() {
+            "--divide" => {
+                let n = value
+                    .parse()
+                    .map_err(|_| format!("--divide {value}: not a number\n{USAGE}"))?;
+                parsed.lengths = Lengths::divided(n)?;
+            }
+            "--within" => {
+                let s: f64 = value
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                    .ok_or_else(|| {
+                        format!("--within {value}: seconds above 0 are wanted\n{USAGE}")
+                    })?;
+                parsed.within = Some(s);
+            }
+            _ => return Err(USAGE.into()),
         }
-        _ => Err(USAGE.into()),
+        rest = more;
     }
+    if !rest.is_empty() {
+        return Err(USAGE.into());
+    }
+    Ok(parsed)
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (path, lengths) = parse(&args).unwrap_or_else(|e| {
+    let args = parse(&args).unwrap_or_else(|e| {
         eprintln!("gpu-bench: {e}");
         std::process::exit(2);
     });
-    if let Err(e) = run(&path, &lengths, &mut std::io::stdout().lock()) {
+    let out = &mut std::io::stdout().lock();
+    if let Err(e) = run(&args.path, &args.lengths, args.within, out) {
         eprintln!("gpu-bench: {e}");
         std::process::exit(1);
     }
@@ -209,9 +258,234 @@ impl Report<'_> {
     }
 }
 
+/// Writes `line` and a newline to stderr in one write, so that a line does not come out broken by the
+/// JSON lines written to stdout into the same log.
+fn note(line: &str) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// The optional sections' bookkeeping: the time they may take, those that failed, and whether the CUDA
+/// context still answers.
+struct Optional {
+    start: Instant,
+    /// Seconds from `start` within which a section must end.
+    within: Option<f64>,
+    failed: Vec<String>,
+    /// Why no section runs any more (the context failed after a section's error).
+    stopped: Option<String>,
+}
+
+/// A section starts only where this many times its estimate fits in the time left.
+const ESTIMATE_MARGIN: f64 = 1.25;
+
+impl Optional {
+    /// Whether the section `what`, estimated at `estimate` seconds, runs; stderr says why not.
+    fn begin(&self, what: &str, estimate: f64) -> bool {
+        if let Some(why) = &self.stopped {
+            note(&format!("gpu-bench: skipped {what}: {why}"));
+            return false;
+        }
+        let Some(within) = self.within else {
+            return true;
+        };
+        let left = within - self.start.elapsed().as_secs_f64();
+        if estimate * ESTIMATE_MARGIN > left {
+            note(&format!(
+                "gpu-bench: skipped {what}: about {estimate:.1} s estimated, {:.1} s left of --within {within}",
+                left.max(0.0)
+            ));
+            return false;
+        }
+        true
+    }
+
+    /// Notes how the section `what` ended: a failure is named at once and kept for the end; after one,
+    /// a context that no longer synchronises stops the sections after it.
+    fn end(&mut self, what: &str, result: Result<(), Box<dyn Error>>, dev: &Device) {
+        let Err(e) = result else {
+            return;
+        };
+        note(&format!("gpu-bench: {what} failed: {e}"));
+        self.failed.push(format!("{what}: {e}"));
+        if let Err(e) = dev.synchronize() {
+            let why = format!("the CUDA context failed after {what} ({e})");
+            note(&format!("gpu-bench: {why}: no further section runs"));
+            self.stopped = Some(why);
+        }
+    }
+}
+
+/// What the figures measured first cost, in seconds: the optional sections' estimates are made of them.
+#[derive(Clone, Copy, Debug)]
+struct Costs {
+    /// A batch-1 decode step at the context.
+    step1: f64,
+    /// A prefill of the context's tokens, and of each of the two prefills'.
+    context_prefill: f64,
+    prefill: [f64; 2],
+    /// A batch decode step.
+    step_batch: f64,
+    /// The longest prompt's blocks copied between host and device (at 20 GB/s, less than pinned
+    /// memory's).
+    host_copy: f64,
+    /// Making the weights.
+    weights: f64,
+}
+
+/// A batch-1 decode figure's line.
+struct Decode1 {
+    ctx: usize,
+    weight_bytes: usize,
+    /// Device-to-device copy bandwidth, bytes a second.
+    bandwidth: f64,
+    has_dependent: bool,
+    card: String,
+    datasheet: Option<f64>,
+}
+
+impl Decode1 {
+    fn line(&self, mode: DecodeMode, tps: f64) -> String {
+        let DecodeMode {
+            graphs,
+            attention,
+            norm,
+            gemv,
+            prefetch,
+            ..
+        } = mode;
+        let (ctx, weight_bytes, card) = (self.ctx, self.weight_bytes, &self.card);
+        let gemv = gemv.kernel();
+        let dependent = mode.dependent && self.has_dependent;
+        let fused = attention && norm;
+        let bound = self.bandwidth / weight_bytes as f64;
+        format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
+             \"dependent_launch\":{dependent},\"fused\":{fused},\"fused_attention\":{attention},\
+             \"fused_norm\":{norm},\"gemv\":{gemv:?},\"split_prefetch\":{prefetch},\
+             \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
+             \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
+             \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
+            1e3 / tps,
+            self.bandwidth / 1e9,
+            tps / bound,
+            self.datasheet.map_or("null".into(), |b| format!("{b}")),
+            json(
+                self.datasheet
+                    .map(|b| tps / (b * 1e12 / weight_bytes as f64)),
+                3
+            ),
+        )
+    }
+}
+
+/// Batch-1 decode after the prompt `p` (its KV written again before each mode's steps) in each of
+/// `modes`, rounds interleaved: each mode's median tokens a second. Leaves the default mode set.
+fn decode1_rates(
+    gpu: &mut CudaExecutor,
+    modes: &[DecodeMode],
+    p: &[u32],
+    table: &[u32],
+    len: &Lengths,
+) -> Result<Vec<f64>, Box<dyn Error>> {
+    let ctx = p.len();
+    let mut rates = vec![Vec::new(); modes.len()];
+    for _ in 0..len.runs(3) {
+        for (m, mode) in modes.iter().enumerate() {
+            mode.apply(gpu);
+            let mut next = gpu.forward_greedy(&[SeqInput::new(p, 0, table)])?[0];
+            next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx, table)])?[0];
+            let t = Instant::now();
+            for i in 0..len.steps {
+                next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx + 1 + i, table)])?[0];
+            }
+            rates[m].push(len.steps as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    DecodeMode::DEFAULT.apply(gpu);
+    Ok(rates.into_iter().map(median).collect())
+}
+
+/// Prefills of `n` tokens through each of `kernels`, rounds interleaved: each kernel's times in ms.
+/// Leaves the 8-warp kernel set.
+fn prefill_times(
+    gpu: &mut CudaExecutor,
+    kernels: &[PrefillKernel],
+    n: usize,
+    table: &[u32],
+    len: &Lengths,
+) -> Result<Vec<Vec<f64>>, Box<dyn Error>> {
+    let p = tokens(n, n as u64, gpu.config().vocab_size());
+    let mut times = vec![Vec::new(); kernels.len()];
+    let timed = (|| -> Result<(), Box<dyn Error>> {
+        for _ in 0..len.runs(3) {
+            for (&kernel, times) in kernels.iter().zip(times.iter_mut()) {
+                gpu.set_prefill_kernel(kernel);
+                let t = Instant::now();
+                gpu.forward_greedy(&[SeqInput::new(&p, 0, table)])?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(())
+    })();
+    gpu.set_prefill_kernel(PrefillKernel::Narrow);
+    timed.map(|()| times)
+}
+
+fn prefill_line(kernel: PrefillKernel, n: usize, times: Vec<f64>) -> String {
+    format!(
+        "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{}\",\"tokens\":{n},\"ms\":{:.1},\
+         \"runs_ms\":{times:?}}}",
+        kernel.name(),
+        median(times.clone())
+    )
+}
+
+/// Batch-4 decode at the context in each of `modes` (each mode's prompts prefilled again), rounds
+/// interleaved: one line a mode. Leaves the default mode set.
+fn decode4(
+    gpu: &mut CudaExecutor,
+    report: &mut Report<'_>,
+    modes: &[DecodeMode],
+    (prompts, tables): (&[Vec<u32>], &[Vec<u32>]),
+    len: &Lengths,
+) -> Result<(), Box<dyn Error>> {
+    let ctx = len.context;
+    let mut rates = vec![Vec::new(); modes.len()];
+    for _ in 0..len.runs(3) {
+        for (mode, rates) in modes.iter().zip(rates.iter_mut()) {
+            mode.apply(gpu);
+            let items: Vec<SeqInput<'_>> = (0..4)
+                .map(|i| SeqInput::new(&prompts[i], 0, &tables[i]))
+                .collect();
+            let first = gpu.forward_greedy(&items)?;
+            let (_, s) = decode_steps(gpu, tables, first, ctx, len.steps)?;
+            rates.push(4.0 * len.steps as f64 / s);
+        }
+    }
+    DecodeMode::DEFAULT.apply(gpu);
+    for (mode, rates) in modes.iter().zip(rates) {
+        report.figure(format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{},\
+             \"gemv\":{:?},\"split_prefetch\":{},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
+            mode.attention && mode.norm,
+            mode.gemv.kernel(),
+            mode.prefetch,
+            median(rates.clone())
+        ))?;
+    }
+    Ok(())
+}
+
 /// The benchmark on the model config at `path` (weights made at random on device 0), at `len`, its
-/// JSON lines written to `out`. An error names each section that failed; the lines before it stand.
-pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+/// JSON lines written to `out`; the optional sections only where they end within `within` seconds of
+/// the start. An error names each section that failed; the lines before it stand.
+pub fn run(
+    path: &str,
+    len: &Lengths,
+    within: Option<f64>,
+    out: &mut dyn Write,
+) -> Result<(), Box<dyn Error>> {
+    let start = Instant::now();
     let mut report = Report {
         out,
         figures: Vec::new(),
@@ -231,10 +505,10 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     let w = DevWeights::random(&dev, &cfg, 1)?;
     let (free1, _) = dev.memory()?;
     let weight_bytes = w.bytes;
+    let weights_s = t.elapsed().as_secs_f64();
     eprintln!(
-        "weights: {:.2} GB made in {:.2} s",
-        weight_bytes as f64 / 1e9,
-        t.elapsed().as_secs_f64()
+        "weights: {:.2} GB made in {weights_s:.2} s",
+        weight_bytes as f64 / 1e9
     );
     let bs = 16;
     let (ctx, long) = (len.context, len.long());
@@ -264,9 +538,6 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
         CudaExecutor::activation_bytes(&cfg, len.reserve_tokens, len.reserve_seqs)
     ))?;
     let vocab = cfg.vocab_size();
-    // Sections that may fail without losing the figures before them (printed as they come) or the
-    // sections after them: their errors are reported at the end.
-    let mut failed: Vec<String> = Vec::new();
 
     // Warm-up: every kernel and product shape once.
     let table: Vec<u32> = (0..(long / bs) as u32).collect();
@@ -274,14 +545,225 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
     gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
     gpu.forward_greedy(&[SeqInput::new(&p[..1], ctx, &table)])?;
 
-    // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches (the default),
-    // the same with the fused decode kernels (both halves, then each alone: the attention's merge, the
-    // products' norms), with the products' L2 window (`gemv_ahead`), with W staged through shared
-    // memory (`gemv_batched`), with the split-key kernel's K and V prefetch alone, with it and each of the two,
-    // graphs with plain launches, then launch by launch; three rounds of the eleven, the median of each.
+    // The figures the GPU is judged by, with the default kernels, each printed as it is measured.
+    // Batch-1 decode after a 1,024-token prompt: captured graphs with dependent launches, separate
+    // kernels; three runs, the median.
     let d = DecodeMode::DEFAULT;
-    let modes = [
-        d,
+    let tps = decode1_rates(&mut gpu, &[d], &p, &table, len)?[0];
+    // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
+    let card = gpu.device().name.clone();
+    let b1 = Decode1 {
+        ctx,
+        weight_bytes,
+        bandwidth: copy_bandwidth(gpu.device(), len.copy_bytes)?,
+        has_dependent: gpu.device().has_dependent_launch(),
+        datasheet: datasheet_tbs(&card),
+        card,
+    };
+    report.figure(b1.line(d, tps))?;
+    // Prefill TTFT with the default prefill attention kernel (8 warps of 16 query rows).
+    let mut prefill_s = [0.0; 2];
+    for (n, s) in len.prefills.into_iter().zip(prefill_s.iter_mut()) {
+        let times = prefill_times(&mut gpu, &[PrefillKernel::Narrow], n, &table, len)?;
+        let times = times.into_iter().next().unwrap_or_default();
+        *s = median(times.clone()) / 1e3;
+        report.figure(prefill_line(PrefillKernel::Narrow, n, times))?;
+    }
+    // TTFT of 4,096 tokens with the first 4,080 cached (255 whole blocks).
+    let (prompt, cached) = (len.prefills[0], len.prefills[0] - 16);
+    let p_cached = tokens(prompt, 99, vocab);
+    gpu.forward_greedy(&[SeqInput::new(&p_cached[..cached], 0, &table)])?;
+    let mut times = Vec::new();
+    for _ in 0..len.runs(10) {
+        let t = Instant::now();
+        gpu.forward_greedy(&[SeqInput::new(&p_cached[cached..], cached, &table)])?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    report.figure(format!(
+        "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":{prompt},\"cached\":{cached},\"ms\":{:.2},\
+         \"runs_ms\":{:?}}}",
+        median(times.clone()),
+        times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
+    ))?;
+    // Batch-64 decode at 1,024 tokens of context each, separate kernels.
+    let (batch, steps) = (len.batch, len.batch_steps);
+    let per = (ctx + steps).div_ceil(bs);
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|i| tokens(ctx, 1000 + i as u64, vocab))
+        .collect();
+    let mut first = Vec::new();
+    for chunk in (0..batch).collect::<Vec<_>>().chunks(8) {
+        let items: Vec<SeqInput<'_>> = chunk
+            .iter()
+            .map(|i| SeqInput::new(&prompts[*i], 0, &tables[*i]))
+            .collect();
+        first.extend(gpu.forward_greedy(&items)?);
+    }
+    let batch_line = |fused: bool, s: f64| {
+        format!(
+            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"fused\":{fused},\
+             \"tokens_per_s\":{:.0},\"ms_per_step\":{:.2}}}",
+            (batch * steps) as f64 / s,
+            1e3 * s / steps as f64
+        )
+    };
+    // Each pass from the same tokens writes the same K and V rows, so every batch section reads the
+    // same context.
+    let (mut last, s) = decode_steps(&mut gpu, &tables, first.clone(), ctx, steps)?;
+    report.figure(batch_line(false, s))?;
+    let costs = Costs {
+        step1: 1.0 / tps,
+        context_prefill: prefill_s[0] * ctx as f64 / len.prefills[0] as f64,
+        prefill: prefill_s,
+        step_batch: s / steps as f64,
+        host_copy: host.len() as f64 / 20e9,
+        weights: weights_s,
+    };
+
+    // The optional sections: each may fail, or be skipped for time, without losing the figures before
+    // it (printed as they came); each is named on stderr where it is.
+    let mut opt = Optional {
+        start,
+        within,
+        failed: Vec::new(),
+        stopped: None,
+    };
+    let runs = |n: usize| len.runs(n) as f64;
+
+    // What a server starting on this device runs (`CudaExecutor::tune`, over the shorter prompt:
+    // 4,096 tokens, as `kura serve` times them): each prefill form's time over 8 layers and each decode
+    // option's time a batch-1 step, and whether each gave the default's bits. It writes the first
+    // blocks, which the sections below write again; the kernels go back to the default after.
+    let mut tuned = None;
+    let what = "the kernel timing (CudaExecutor::tune)";
+    if opt.begin(what, 3.0 * costs.prefill[0] + 200.0 * costs.step1 + 1.0) {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            let Some(t) = gpu.tune(len.prefills[0])? else {
+                return Ok(());
+            };
+            tuned = Some(t.prefill.chosen);
+            let forms: Vec<String> = t
+                .prefill
+                .forms
+                .iter()
+                .map(|f| {
+                    format!(
+                        "{{\"kernel\":\"{}\",\"ms\":{:.3},\"same_bits\":{}}}",
+                        f.kernel.name(),
+                        f.ms,
+                        f.same_bits
+                    )
+                })
+                .collect();
+            let options: Vec<String> = t
+                .decode
+                .options
+                .iter()
+                .map(|o| {
+                    format!(
+                        "{{\"options\":\"{}\",\"ms\":{:.3},\"same_bits\":{}}}",
+                        o.options.name(),
+                        o.ms,
+                        o.same_bits
+                    )
+                })
+                .collect();
+            report.line(&format!(
+                "{{\"what\":\"tuning\",\"tokens\":{},\"layers\":{},\"prefill_chosen\":\"{}\",\
+                 \"prefill\":[{}],\"decode_chosen\":\"{}\",\"decode\":[{}]}}",
+                t.prefill.tokens,
+                t.prefill.layers,
+                t.prefill.chosen.name(),
+                forms.join(","),
+                t.decode.chosen.name(),
+                options.join(",")
+            ))?;
+            Ok(())
+        })();
+        gpu.set_prefill_kernel(PrefillKernel::Narrow);
+        gpu.set_decode_options(kura_cuda::DecodeOptions::default());
+        opt.end(what, r, gpu.device());
+    }
+
+    // Prefill TTFT through each other prefill attention kernel this device loaded (the wide one, 4
+    // warps of 32; half tiles of 4 warps of 16; the small one, half tiles over the wide one's key
+    // tiles, three blocks a multiprocessor; the 8-warp and half-tile ones with three stages and one
+    // barrier a key tile; those with Hopper's warpgroup products), runs interleaved, each length a
+    // section.
+    let kernels = loaded_prefill_kernels(&mut gpu, &mut report)?;
+    let others: Vec<PrefillKernel> = kernels[1..].to_vec();
+    for (n, s) in len.prefills.into_iter().zip(costs.prefill) {
+        let what = format!("prefill of {n} tokens through the other kernels");
+        if others.is_empty() || !opt.begin(&what, 1.5 * runs(3) * others.len() as f64 * s) {
+            continue;
+        }
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            let times = prefill_times(&mut gpu, &others, n, &table, len)?;
+            for (&kernel, times) in others.iter().zip(times) {
+                report.figure(prefill_line(kernel, n, times))?;
+            }
+            Ok(())
+        })();
+        opt.end(&what, r, gpu.device());
+    }
+    // The same 16,384-token prefill with every key tile masked (what skipping whole tiles' masks saves).
+    let what = "the prefill with every key tile masked";
+    if std::env::var_os("KURA_BENCH_MASK_AB").is_some()
+        && opt.begin(what, runs(3) * 1.5 * costs.prefill[1])
+    {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            let p = tokens(long, long as u64, vocab);
+            gpu.set_mask_all_tiles(true);
+            let mut times = Vec::new();
+            let timed = (|| -> Result<(), Box<dyn Error>> {
+                for _ in 0..len.runs(3) {
+                    let t = Instant::now();
+                    gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok(())
+            })();
+            gpu.set_mask_all_tiles(false);
+            timed?;
+            report.line(&format!(
+                "{{\"peer\":\"kura\",\"what\":\"prefill_mask_all\",\"tokens\":{long},\"ms\":{:.1}}}",
+                median(times)
+            ))?;
+            Ok(())
+        })();
+        opt.end(what, r, gpu.device());
+    }
+
+    // Batch-1 decode with the decode options: the products' L2 window (`gemv_ahead`), W staged through
+    // shared memory (`gemv_batched`), the split-key kernel's K and V prefetch alone and with each of the
+    // two, then the fused decode kernels (both halves, then each alone: the attention's merge, the
+    // products' norms); three rounds, the median of each.
+    let decode_options = [
+        DecodeMode {
+            gemv: GemvForm::Ahead,
+            ..d
+        },
+        DecodeMode {
+            gemv: GemvForm::Batched,
+            ..d
+        },
+        DecodeMode {
+            prefetch: true,
+            ..d
+        },
+        DecodeMode {
+            gemv: GemvForm::Ahead,
+            prefetch: true,
+            ..d
+        },
+        DecodeMode {
+            gemv: GemvForm::Batched,
+            prefetch: true,
+            ..d
+        },
         DecodeMode {
             attention: true,
             norm: true,
@@ -292,89 +774,22 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ..d
         },
         DecodeMode { norm: true, ..d },
-        DecodeMode {
-            gemv: GemvForm::Ahead,
-            ..d
-        },
-        DecodeMode {
-            gemv: GemvForm::Batched,
-            ..d
-        },
-        DecodeMode {
-            prefetch: true,
-            ..d
-        },
-        DecodeMode {
-            gemv: GemvForm::Ahead,
-            prefetch: true,
-            ..d
-        },
-        DecodeMode {
-            gemv: GemvForm::Batched,
-            prefetch: true,
-            ..d
-        },
-        DecodeMode {
-            dependent: false,
-            ..d
-        },
-        DecodeMode {
-            graphs: false,
-            dependent: false,
-            ..d
-        },
     ];
-    let mut rates = vec![Vec::new(); modes.len()];
-    for _ in 0..len.runs(3) {
-        for (m, mode) in modes.iter().enumerate() {
-            mode.apply(&mut gpu);
-            let mut next = gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?[0];
-            next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx, &table)])?[0];
-            let steps = len.steps;
-            let t = Instant::now();
-            for i in 0..steps {
-                next = gpu.forward_greedy(&[SeqInput::new(&[next], ctx + 1 + i, &table)])?[0];
+    let decode1_estimate = |modes: usize, slower: f64| {
+        runs(3)
+            * modes as f64
+            * (costs.context_prefill + (len.steps + 2) as f64 * costs.step1 * slower)
+    };
+    let what = "batch-1 decode with the decode options and the fused kernels";
+    if opt.begin(what, decode1_estimate(decode_options.len(), 1.2)) {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            let rates = decode1_rates(&mut gpu, &decode_options, &p, &table, len)?;
+            for (mode, tps) in decode_options.iter().zip(rates) {
+                report.figure(b1.line(*mode, tps))?;
             }
-            rates[m].push(steps as f64 / t.elapsed().as_secs_f64());
-        }
-    }
-    let decode1: Vec<(DecodeMode, f64)> = modes
-        .iter()
-        .zip(rates)
-        .map(|(m, r)| (*m, median(r)))
-        .collect();
-    DecodeMode::DEFAULT.apply(&mut gpu);
-    // The HBM bound of batch-1 decode: the weights read once per token at the measured copy bandwidth.
-    let bandwidth = copy_bandwidth(gpu.device(), len.copy_bytes)?;
-    let bound = bandwidth / weight_bytes as f64;
-    let has_dependent = gpu.device().has_dependent_launch();
-    let card = gpu.device().name.clone();
-    let datasheet = datasheet_tbs(&card);
-    for (mode, tps) in decode1 {
-        let DecodeMode {
-            graphs,
-            attention,
-            norm,
-            gemv,
-            prefetch,
-            ..
-        } = mode;
-        let gemv = gemv.kernel();
-        let dependent = mode.dependent && has_dependent;
-        let fused = attention && norm;
-        report.figure(format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":1,\"context\":{ctx},\"graphs\":{graphs},\
-             \"dependent_launch\":{dependent},\"fused\":{fused},\"fused_attention\":{attention},\
-             \"fused_norm\":{norm},\"gemv\":{gemv:?},\"split_prefetch\":{prefetch},\
-             \"tokens_per_s\":{tps:.1},\"ms_per_token\":{:.3},\"weight_bytes\":{weight_bytes},\
-             \"copy_bandwidth_gbs\":{:.0},\"hbm_bound_tokens_per_s\":{bound:.1},\"fraction_of_bound\":{:.3},\
-             \"card\":{card:?},\"datasheet_tbs\":{},\"fraction_of_datasheet_bound\":{}}}",
-            1e3 / tps,
-            bandwidth / 1e9,
-            tps / bound,
-            datasheet.map_or("null".into(), |b| format!("{b}")),
-            json(datasheet.map(|b| tps / (b * 1e12 / weight_bytes as f64)), 3),
-        ))?;
+            Ok(())
+        })();
+        opt.end(what, r, gpu.device());
     }
 
     // Batch-4 decode at 1,024 tokens of context each (the most tokens whose products norm their input
@@ -403,412 +818,318 @@ pub fn run(path: &str, len: &Lengths, out: &mut dyn Write) -> Result<(), Box<dyn
             ..d
         },
     ];
-    let mut rates4 = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-    for _ in 0..len.runs(3) {
-        for (mode, rates) in modes4.iter().zip(rates4.iter_mut()) {
-            mode.apply(&mut gpu);
-            let items: Vec<SeqInput<'_>> = (0..4)
-                .map(|i| SeqInput::new(&prompts4[i], 0, &tables4[i]))
-                .collect();
-            let first = gpu.forward_greedy(&items)?;
-            let steps = len.steps;
-            let (_, s) = decode_steps(&mut gpu, &tables4, first, ctx, steps)?;
-            rates.push(4.0 * steps as f64 / s);
-        }
+    let what = "batch-4 decode with the decode options and the fused kernels";
+    let estimate = runs(3)
+        * modes4.len() as f64
+        * (4.0 * costs.context_prefill + len.steps as f64 * costs.step1 * 1.5);
+    if opt.begin(what, estimate) {
+        let r = decode4(&mut gpu, &mut report, &modes4, (&prompts4, &tables4), len);
+        opt.end(what, r, gpu.device());
     }
-    d.apply(&mut gpu);
-    for (mode, rates) in modes4.into_iter().zip(rates4) {
-        report.figure(format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":4,\"context\":{ctx},\"fused\":{},\
-             \"gemv\":{:?},\"split_prefetch\":{},\"tokens_per_s\":{:.1},\"runs\":{rates:.1?}}}",
-            mode.attention && mode.norm,
-            mode.gemv.kernel(),
-            mode.prefetch,
-            median(rates.clone())
-        ))?;
+
+    // Batch-64 decode with the fused kernels, from the same tokens as the separate ones above.
+    let what = "batch-64 decode with the fused kernels";
+    if opt.begin(what, 1.5 * steps as f64 * costs.step_batch) {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            gpu.set_fused_decode(true);
+            let stepped = decode_steps(&mut gpu, &tables, first.clone(), ctx, steps);
+            gpu.set_fused_decode(false);
+            let (ids, s) = stepped?;
+            last = ids;
+            report.figure(batch_line(true, s))?;
+            Ok(())
+        })();
+        opt.end(what, r, gpu.device());
     }
 
     // Checking drafts (speculative decoding, `forward_tails`): a step of each sequence's last token and
     // `k` draft tokens at 1,024 tokens of context, a greedy token found on the device at every position,
     // against a plain decode step of the same sequences; batch 1 and 4, k = 1, 2, 4 and 7 (a batch-1
-    // step within 8 tokens: the matrix-vector products) then 8 and 15 (cuBLAS). Each draft writes the
-    // positions after the context again; the sequences' KV before it stays. Three rounds, interleaved,
-    // the median of each.
+    // step within 8 tokens: the matrix-vector products) then 8 and 15 (cuBLAS); 32 steps of each, once.
+    // Each draft writes the positions after the context again; the sequences' KV before it stays.
     let draft_ks = [1usize, 2, 4, 7, 8, 15];
-    for batch in [1usize, 4] {
-        let tables: Vec<&[u32]> = if batch == 1 {
-            vec![&table[..]]
-        } else {
-            tables4.iter().map(Vec::as_slice).collect()
-        };
-        if batch == 1 {
-            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
-        }
-        let drafts: Vec<Vec<u32>> = (0..batch)
-            .map(|i| tokens(16, 90 + i as u64, vocab))
-            .collect();
-        let steps = len.steps;
-        let mut plain_ms = Vec::new();
-        let mut draft_ms = vec![Vec::new(); draft_ks.len()];
-        for _ in 0..len.runs(3) {
-            let items: Vec<SeqInput<'_>> = (0..batch)
-                .map(|i| SeqInput::new(&drafts[i][..1], ctx, tables[i]))
-                .collect();
-            let t = Instant::now();
-            for _ in 0..steps {
-                gpu.forward_greedy(&items)?;
-            }
-            plain_ms.push(t.elapsed().as_secs_f64() * 1e3 / steps as f64);
-            for (k, ms) in draft_ks.iter().zip(draft_ms.iter_mut()) {
-                let items: Vec<SeqInput<'_>> = (0..batch)
-                    .map(|i| SeqInput::new(&drafts[i][..=*k], ctx, tables[i]))
+    let what = "the draft checks";
+    let estimate = costs.context_prefill
+        + 2.0 * (1 + draft_ks.len()) as f64 * len.draft_steps as f64 * costs.step1 * 2.0;
+    if opt.begin(what, estimate) {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            for batch in [1usize, 4] {
+                let tables: Vec<&[u32]> = if batch == 1 {
+                    vec![&table[..]]
+                } else {
+                    tables4.iter().map(Vec::as_slice).collect()
+                };
+                if batch == 1 {
+                    gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
+                }
+                let drafts: Vec<Vec<u32>> = (0..batch)
+                    .map(|i| tokens(16, 90 + i as u64, vocab))
                     .collect();
-                let (wants, tails) = (vec![Want::Argmax; batch], vec![k + 1; batch]);
+                let steps = len.draft_steps;
+                let items: Vec<SeqInput<'_>> = (0..batch)
+                    .map(|i| SeqInput::new(&drafts[i][..1], ctx, tables[i]))
+                    .collect();
                 let t = Instant::now();
                 for _ in 0..steps {
-                    gpu.forward_tails(&items, &wants, &tails)?;
+                    gpu.forward_greedy(&items)?;
                 }
-                ms.push(t.elapsed().as_secs_f64() * 1e3 / steps as f64);
+                let plain = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+                for k in draft_ks {
+                    let items: Vec<SeqInput<'_>> = (0..batch)
+                        .map(|i| SeqInput::new(&drafts[i][..=k], ctx, tables[i]))
+                        .collect();
+                    let (wants, tails) = (vec![Want::Argmax; batch], vec![k + 1; batch]);
+                    let t = Instant::now();
+                    for _ in 0..steps {
+                        gpu.forward_tails(&items, &wants, &tails)?;
+                    }
+                    let ms = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+                    report.figure(format!(
+                        "{{\"peer\":\"kura\",\"what\":\"draft_check\",\"batch\":{batch},\"context\":{ctx},\
+                         \"draft_tokens\":{k},\"steps\":{steps},\"ms_per_step\":{ms:.3},\
+                         \"plain_ms_per_step\":{plain:.3},\"over_plain\":{:.3}}}",
+                        ms / plain
+                    ))?;
+                }
             }
-        }
-        let plain = median(plain_ms);
-        for (k, ms) in draft_ks.iter().zip(draft_ms) {
-            let ms = median(ms);
-            report.figure(format!(
-                "{{\"peer\":\"kura\",\"what\":\"draft_check\",\"batch\":{batch},\"context\":{ctx},\
-                 \"draft_tokens\":{k},\"ms_per_step\":{ms:.3},\"plain_ms_per_step\":{plain:.3},\
-                 \"over_plain\":{:.3}}}",
-                ms / plain
-            ))?;
-        }
+            Ok(())
+        })();
+        opt.end(what, r, gpu.device());
     }
 
-    // Prefill TTFT, through each prefill attention kernel this device loaded (the default, 8 warps of
-    // 16 query rows; the wide one, 4 warps of 32; half tiles of 4 warps of 16; the small one, half tiles
-    // over the wide one's key tiles, three blocks a multiprocessor; the 8-warp and half-tile ones with
-    // three stages and one barrier a key tile), runs interleaved.
-    let kernels = loaded_prefill_kernels(&mut gpu, &mut report)?;
-    // What a server starting on this device runs (`CudaExecutor::tune`, over the shorter prompt:
-    // 4,096 tokens, as `kura serve` times them): each prefill form's time over 8 layers and each decode
-    // option's time a batch-1 step, and whether each gave the default's bits. It writes the first
-    // blocks, which the prefills below write again; the decode options go back to the default after.
-    if let Some(t) = gpu.tune(len.prefills[0])? {
-        let forms: Vec<String> = t
-            .prefill
-            .forms
-            .iter()
-            .map(|f| {
-                format!(
-                    "{{\"kernel\":\"{}\",\"ms\":{:.3},\"same_bits\":{}}}",
-                    f.kernel.name(),
-                    f.ms,
-                    f.same_bits
-                )
-            })
-            .collect();
-        let options: Vec<String> = t
-            .decode
-            .options
-            .iter()
-            .map(|o| {
-                format!(
-                    "{{\"options\":\"{}\",\"ms\":{:.3},\"same_bits\":{}}}",
-                    o.options.name(),
-                    o.ms,
-                    o.same_bits
-                )
-            })
-            .collect();
-        report.line(&format!(
-            "{{\"what\":\"tuning\",\"tokens\":{},\"layers\":{},\"prefill_chosen\":\"{}\",\
-             \"prefill\":[{}],\"decode_chosen\":\"{}\",\"decode\":[{}]}}",
-            t.prefill.tokens,
-            t.prefill.layers,
-            t.prefill.chosen.name(),
-            forms.join(","),
-            t.decode.chosen.name(),
-            options.join(",")
-        ))?;
-        gpu.set_decode_options(kura_cuda::DecodeOptions::default());
+    // The batch's steps right after a 16,384-token sequence is swapped out to the pinned host tier.
+    let pinned = kura_engine::Executor::register_host_region(&mut gpu, &mut host);
+    let what = "the steps after a swap-out to the host tier (itl_after_swap_out)";
+    let estimate = 20.0 * costs.step_batch + 15.0 * costs.host_copy;
+    if pinned && opt.begin(what, estimate) {
+        let pos = ctx + steps - 1;
+        let r = itl_after_swap_out(&mut gpu, &mut host, &tables, &mut last, pos, len)
+            .and_then(|line| Ok(report.figure(line)?));
+        opt.end(what, r, gpu.device());
     }
-    for n in len.prefills {
-        let p = tokens(n, n as u64, vocab);
-        let mut times = vec![Vec::new(); kernels.len()];
-        for _ in 0..len.runs(3) {
-            for (&kernel, times) in kernels.iter().zip(times.iter_mut()) {
-                gpu.set_prefill_kernel(kernel);
-                let t = Instant::now();
-                gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+
+    // Measured on a GPU before. Batch-1 decode with graphs of plain launches, then launch by launch.
+    let launches = [
+        DecodeMode {
+            dependent: false,
+            ..d
+        },
+        DecodeMode {
+            graphs: false,
+            dependent: false,
+            ..d
+        },
+    ];
+    let what = "batch-1 decode without dependent launches and without graphs";
+    if opt.begin(what, decode1_estimate(launches.len(), 2.0)) {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            let rates = decode1_rates(&mut gpu, &launches, &p, &table, len)?;
+            for (mode, tps) in launches.iter().zip(rates) {
+                report.figure(b1.line(*mode, tps))?;
             }
-        }
-        gpu.set_prefill_kernel(PrefillKernel::Narrow);
-        for (kernel, times) in kernels.iter().map(|k| k.name()).zip(times) {
-            report.figure(format!(
-                "{{\"peer\":\"kura\",\"what\":\"prefill\",\"kernel\":\"{kernel}\",\"tokens\":{n},\"ms\":{:.1},\
-                 \"runs_ms\":{times:?}}}",
-                median(times.clone())
-            ))?;
-        }
+            Ok(())
+        })();
+        opt.end(what, r, gpu.device());
     }
-
-    // The same 16,384-token prefill with every key tile masked (what skipping whole tiles' masks saves).
-    if std::env::var_os("KURA_BENCH_MASK_AB").is_some() {
-        let p = tokens(long, long as u64, vocab);
-        gpu.set_mask_all_tiles(true);
-        let mut times = Vec::new();
-        for _ in 0..len.runs(3) {
-            let t = Instant::now();
-            gpu.forward_greedy(&[SeqInput::new(&p, 0, &table)])?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        gpu.set_mask_all_tiles(false);
-        report.line(&format!(
-            "{{\"peer\":\"kura\",\"what\":\"prefill_mask_all\",\"tokens\":{long},\"ms\":{:.1}}}",
-            median(times)
-        ))?;
+    // The batch's steps while a 16,384-token prefix loads from the host tier into other blocks.
+    let what = "the steps beside host-tier loads (itl_while_loading)";
+    let estimate = 20.0 * costs.step_batch + 8.0 * costs.host_copy;
+    if pinned && opt.begin(what, estimate) && gpu.set_ordered_imports(true) {
+        let pos = ctx + steps - 1;
+        let r = itl_while_loading(&mut gpu, &host, &tables, &mut last, pos, len)
+            .and_then(|line| Ok(report.figure(line)?));
+        opt.end(what, r, gpu.device());
     }
-
-    // TTFT of 4,096 tokens with the first 4,080 cached (255 whole blocks).
-    let (prompt, cached) = (len.prefills[0], len.prefills[0] - 16);
-    let p = tokens(prompt, 99, vocab);
-    gpu.forward_greedy(&[SeqInput::new(&p[..cached], 0, &table)])?;
-    let mut times = Vec::new();
-    for _ in 0..len.runs(10) {
-        let t = Instant::now();
-        gpu.forward_greedy(&[SeqInput::new(&p[cached..], cached, &table)])?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    report.figure(format!(
-        "{{\"peer\":\"kura\",\"what\":\"cached_ttft\",\"prompt\":{prompt},\"cached\":{cached},\"ms\":{:.2},\
-         \"runs_ms\":{:?}}}",
-        median(times.clone()),
-        times.iter().map(|t| (t * 100.0).round() / 100.0).collect::<Vec<_>>()
-    ))?;
-
     // A revisited prompt whose KV is only in the host tier (L2): its blocks exported to host memory, then
     // brought back one copy a block (as the engine's host tier does) before the last 16 tokens are
     // prefilled. Against the same prompt with its KV still in device memory, one pinned copy of the same
     // bytes, and the cold prefill. Pinned (the host tier of a GPU server) at every length; pageable
-    // memory at 4,096 tokens for comparison.
-    let pinned_ok = kura_engine::Executor::register_host_region(&mut gpu, &mut host);
-    let revisits = (|| -> Result<(), Box<dyn Error>> {
-        let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
-        let mut pageable = vec![0u8; len.prefills[0] / bs * block_bytes];
-        for (n, pinned) in [
-            (ctx, true),
-            (len.prefills[0], true),
-            (long, true),
-            (len.prefills[0], false),
-        ] {
-            let buf: &mut [u8] = if pinned { &mut host } else { &mut pageable };
-            let host_kind = if pinned && pinned_ok {
-                "pinned"
-            } else {
-                "pageable"
-            };
+    // memory at 4,096 tokens for comparison; then 16,384 cached tokens and 1,024 new ones, where
+    // ordered loads let the first layers compute while the later ones are copied.
+    let what = "the host-tier revisits (l2_revisit)";
+    let [short, long_s] = costs.prefill;
+    let estimate = runs(3) * (costs.context_prefill + 2.0 * short + 2.1 * long_s)
+        + runs(5) * 5.0 * (4.0 * costs.host_copy + 0.1 * long_s);
+    if opt.begin(what, estimate) {
+        let r = (|| -> Result<(), Box<dyn Error>> {
+            let mut staging = gpu.device().alloc::<u8>(host.len(), "the copy benchmark")?;
+            let mut pageable = vec![0u8; len.prefills[0] / bs * block_bytes];
+            for (n, in_pinned) in [
+                (ctx, true),
+                (len.prefills[0], true),
+                (long, true),
+                (len.prefills[0], false),
+            ] {
+                let buf: &mut [u8] = if in_pinned { &mut host } else { &mut pageable };
+                let host_kind = if in_pinned && pinned {
+                    "pinned"
+                } else {
+                    "pageable"
+                };
+                let line = l2_revisit(
+                    &mut gpu,
+                    buf,
+                    &mut staging,
+                    (n - 16, 16),
+                    &table,
+                    host_kind,
+                    len,
+                )?;
+                report.figure(line)?;
+            }
+            let long_table: Vec<u32> = (0..((long + len.overlap_new) / bs) as u32).collect();
             let line = l2_revisit(
                 &mut gpu,
-                buf,
+                &mut host,
                 &mut staging,
-                (n - 16, 16),
-                &table,
-                host_kind,
+                (long, len.overlap_new),
+                &long_table,
+                if pinned { "pinned" } else { "pageable" },
                 len,
             )?;
             report.figure(line)?;
-        }
-        // Overlap: 16,384 cached tokens in the host tier and 1,024 new ones; ordered loads let the
-        // first layers compute while the later ones are copied.
-        let long_table: Vec<u32> = (0..((long + len.overlap_new) / bs) as u32).collect();
-        let line = l2_revisit(
-            &mut gpu,
-            &mut host,
-            &mut staging,
-            (long, len.overlap_new),
-            &long_table,
-            if pinned_ok { "pinned" } else { "pageable" },
-            len,
-        )?;
-        report.figure(line)?;
-        Ok(())
-    })();
-    if let Err(e) = revisits {
-        failed.push(format!("the host-tier revisits (l2_revisit): {e}"));
-    }
-
-    // Batch-64 decode at 1,024 tokens of context each.
-    let (batch, steps) = (len.batch, len.batch_steps);
-    let per = (ctx + steps).div_ceil(bs);
-    let tables: Vec<Vec<u32>> = (0..batch)
-        .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
-        .collect();
-    let prompts: Vec<Vec<u32>> = (0..batch)
-        .map(|i| tokens(ctx, 1000 + i as u64, vocab))
-        .collect();
-    let mut last = Vec::new();
-    for chunk in (0..batch).collect::<Vec<_>>().chunks(8) {
-        let items: Vec<SeqInput<'_>> = chunk
-            .iter()
-            .map(|i| SeqInput::new(&prompts[*i], 0, &tables[*i]))
-            .collect();
-        last.extend(gpu.forward_greedy(&items)?);
-    }
-    // The same steps with the separate kernels (the default), then the fused ones: each pass writes
-    // the same K and V rows, so both read the same context.
-    let first = last.clone();
-    for fused in [false, true] {
-        gpu.set_fused_decode(fused);
-        let (ids, s) = decode_steps(&mut gpu, &tables, first.clone(), ctx, steps)?;
-        last = ids;
-        report.figure(format!(
-            "{{\"peer\":\"kura\",\"what\":\"decode\",\"batch\":{batch},\"context\":{ctx},\"fused\":{fused},\
-             \"tokens_per_s\":{:.0},\"ms_per_step\":{:.2}}}",
-            (batch * steps) as f64 / s,
-            1e3 * s / steps as f64
-        ))?;
-    }
-    gpu.set_fused_decode(false);
-    // The 64 sequences' steps while a 16,384-token prefix loads from the host tier into other blocks.
-    if pinned_ok && gpu.set_ordered_imports(true) {
-        match itl_while_loading(&mut gpu, &host, &tables, &mut last, ctx + steps - 1, len) {
-            Ok(line) => report.figure(line)?,
-            Err(e) => failed.push(format!(
-                "the steps beside host-tier loads (itl_while_loading): {e}"
-            )),
-        }
-    }
-    // The same steps right after a 16,384-token sequence is swapped out to the host tier.
-    if pinned_ok {
-        match itl_after_swap_out(
-            &mut gpu,
-            &mut host,
-            &tables,
-            &mut last,
-            ctx + steps - 1,
-            len,
-        ) {
-            Ok(line) => report.figure(line)?,
-            Err(e) => failed.push(format!(
-                "the steps after a swap-out to the host tier (itl_after_swap_out): {e}"
-            )),
-        }
+            Ok(())
+        })();
+        opt.end(what, r, gpu.device());
     }
     let all = format!("[{}]", report.figures.join(","));
     report.line(&all)?;
-    let mut profile = || -> Result<(), Box<dyn Error>> {
-        // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel):
-        // a batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill
-        // with each prefill kernel, then with each timing probe of the 8-warp kernel (its time without
-        // the copies, without the softmax, the copies alone, the products alone).
+
+    // Where a step's time goes, kernel by kernel (launch by launch, host-synchronised per kernel): a
+    // batch-1 decode step at 1,024 tokens of context, a batch-64 decode step, a 16,384-token prefill with
+    // the 8-warp kernel and with the one the kernel timing chose; then the batch-1 step with the fused
+    // kernels, the L2 window and W staged; then the prefill with each timing probe of the 8-warp kernel
+    // (its time without the copies, without the softmax, the copies alone, the products alone). Each
+    // profile only where its estimate fits the time left.
+    if opt.stopped.is_none() {
         let p1 = tokens(ctx, 7, vocab);
-        gpu.forward_greedy(&[SeqInput::new(&p1, 0, &table)])?;
         let long_prompt = tokens(long, long as u64, vocab);
         let toks: Vec<[u32; 1]> = last.iter().map(|t| [*t]).collect();
         let b64: Vec<SeqInput<'_>> = (0..batch)
             .map(|i| SeqInput::new(&toks[i], ctx + steps - 1, &tables[i]))
             .collect();
-        // (step, prefill kernel, timing probe, inputs): the decode steps, then the long prompt with each
-        // prefill kernel and with each probe of the 8-warp kernel (whose outputs are not attention:
-        // nothing after the profile reads this prompt's KV or tokens).
-        let b1 = || vec![SeqInput::new(&[5], ctx, &table)];
+        // (step, prefill kernel, timing probe, inputs, estimated seconds): nothing after the profiles
+        // reads the long prompt's KV or tokens (the probes' outputs are not attention).
+        let b1_in = || vec![SeqInput::new(&[5], ctx, &table)];
         let long_in = || vec![SeqInput::new(&long_prompt, 0, &table)];
         let narrow = PrefillKernel::Narrow;
+        let (e1, e64, elong) = (
+            10.0 * costs.step1,
+            10.0 * costs.step_batch,
+            3.0 * costs.prefill[1],
+        );
         let mut profiles = vec![
-            ("decode_b1".to_string(), narrow, None, b1()),
-            ("decode_b1_fused".to_string(), narrow, None, b1()),
-            ("decode_b1_ahead".to_string(), narrow, None, b1()),
-            ("decode_b1_batched".to_string(), narrow, None, b1()),
-            ("decode_batch".to_string(), narrow, None, b64),
+            ("decode_b1".to_string(), narrow, None, b1_in(), e1),
+            ("decode_batch".to_string(), narrow, None, b64, e64),
+            ("prefill_long".to_string(), narrow, None, long_in(), elong),
         ];
-        for &k in &kernels {
-            let what = match k {
-                PrefillKernel::Narrow => "prefill_long".to_string(),
-                _ => format!("prefill_long_{}", k.name()),
-            };
-            profiles.push((what, k, None, long_in()));
+        if let Some(k) = tuned.filter(|k| *k != narrow) {
+            let what = format!("prefill_long_{}", k.name());
+            profiles.push((what, k, None, long_in(), elong));
+        }
+        for form in ["fused", "ahead", "batched"] {
+            profiles.push((format!("decode_b1_{form}"), narrow, None, b1_in(), e1));
         }
         for p in PrefillProbe::ALL {
             let what = format!("prefill_long_probe_{}", p.name());
-            profiles.push((what, narrow, Some(p), long_in()));
+            profiles.push((what, narrow, Some(p), long_in(), elong));
         }
-        for (what, kernel, probe, items) in profiles {
-            if !gpu.set_prefill_kernel(kernel) {
-                return Err(
-                    format!("{what}: the {} prefill kernel is not loaded", kernel.name()).into(),
-                );
+        let what = "the profiles' context (a prefill of its tokens)";
+        let r = gpu.forward_greedy(&[SeqInput::new(&p1, 0, &table)]);
+        opt.end(what, r.map(|_| ()).map_err(Into::into), gpu.device());
+        for (what, kernel, probe, items, estimate) in profiles {
+            let section = format!("the profile of {what}");
+            if !opt.begin(&section, estimate) {
+                continue;
             }
-            if !gpu.set_prefill_probe(probe) {
-                return Err(format!("{what}: the prefill probes take a bf16 pool").into());
-            }
-            gpu.set_fused_decode(what.ends_with("_fused"));
-            gpu.set_gemv(if what.ends_with("_ahead") {
-                GemvForm::Ahead
-            } else if what.ends_with("_batched") {
-                GemvForm::Batched
-            } else {
-                GemvForm::Plain
-            });
-            gpu.forward_greedy(&items)?;
-            let prof = gpu.profile_greedy(&items)?;
-            let total: f64 = prof.iter().map(|p| p.1).sum();
-            let top: Vec<String> = prof
-                .iter()
-                .take(16)
-                .map(|(k, ms, n)| format!("{{\"kernel\":\"{k}\",\"ms\":{ms:.3},\"launches\":{n}}}"))
-                .collect();
-            report.line(&format!(
-                "{{\"what\":\"profile\",\"step\":\"{what}\",\"tokens\":{},\"total_ms\":{total:.3},\
-                 \"top\":[{}]}}",
-                items.iter().map(|i| i.tokens.len()).sum::<usize>(),
-                top.join(",")
-            ))?;
+            let r = (|| -> Result<(), Box<dyn Error>> {
+                if !gpu.set_prefill_kernel(kernel) {
+                    return Err(
+                        format!("the {} prefill kernel is not loaded", kernel.name()).into(),
+                    );
+                }
+                if !gpu.set_prefill_probe(probe) {
+                    return Err("the prefill probes take a bf16 pool".into());
+                }
+                gpu.set_fused_decode(what.ends_with("_fused"));
+                gpu.set_gemv(if what.ends_with("_ahead") {
+                    GemvForm::Ahead
+                } else if what.ends_with("_batched") {
+                    GemvForm::Batched
+                } else {
+                    GemvForm::Plain
+                });
+                gpu.forward_greedy(&items)?;
+                let prof = gpu.profile_greedy(&items)?;
+                let total: f64 = prof.iter().map(|p| p.1).sum();
+                let top: Vec<String> = prof
+                    .iter()
+                    .take(16)
+                    .map(|(k, ms, n)| {
+                        format!("{{\"kernel\":\"{k}\",\"ms\":{ms:.3},\"launches\":{n}}}")
+                    })
+                    .collect();
+                report.line(&format!(
+                    "{{\"what\":\"profile\",\"step\":\"{what}\",\"tokens\":{},\"total_ms\":{total:.3},\
+                     \"top\":[{}]}}",
+                    items.iter().map(|i| i.tokens.len()).sum::<usize>(),
+                    top.join(",")
+                ))?;
+                Ok(())
+            })();
+            gpu.set_prefill_probe(None);
+            gpu.set_prefill_kernel(narrow);
+            gpu.set_fused_decode(false);
+            gpu.set_gemv(GemvForm::Plain);
+            opt.end(&section, r, gpu.device());
         }
-        gpu.set_prefill_probe(None);
-        Ok(())
-    };
-    if let Err(e) = profile() {
-        failed.push(format!("profiling: {e}"));
     }
 
     // fp8 KV (half the bytes a block moves): the 16,384-token revisit from the host tier again, on a
     // fresh executor with an fp8 pool (the bf16 one and its weights freed first).
-    drop(gpu);
-    let bb8 = kura_cuda::block_bytes(&cfg, KvDtype::Fp8, bs);
-    let mut host8 = vec![0u8; long / bs * bb8];
-    let fp8 = (|| -> Result<String, Box<dyn Error>> {
-        let dev = Device::open(0)?;
-        let w = DevWeights::random(&dev, &cfg, 1)?;
-        let spec8 = PoolSpec {
-            reserve_tokens: len.reserve_tokens,
-            reserve_seqs: len.reserve_seqs,
-            ..PoolSpec::new(KvDtype::Fp8, bs, long / bs + 64)
-        };
-        let mut g8 = CudaExecutor::new(dev, cfg.clone(), w, spec8)?;
-        let pinned8 = kura_engine::Executor::register_host_region(&mut g8, &mut host8);
-        let mut staging8 = g8.device().alloc::<u8>(host8.len(), "the copy benchmark")?;
-        // The executor (which unpins `host8`) goes before it, as `gpu` before `host`.
-        l2_revisit(
-            &mut g8,
-            &mut host8,
-            &mut staging8,
-            (long - 16, 16),
-            &table,
-            if pinned8 { "pinned" } else { "pageable" },
-            len,
-        )
-    })();
-    match fp8 {
-        Ok(line) => report.line(&line)?,
-        Err(e) => failed.push(format!("the fp8 host-tier revisit: {e}")),
+    let what = "the fp8 host-tier revisit";
+    let estimate = costs.weights + 3.0 * 1.2 * costs.prefill[1] + 10.0 * costs.host_copy;
+    if opt.begin(what, estimate) {
+        drop(gpu);
+        let bb8 = kura_cuda::block_bytes(&cfg, KvDtype::Fp8, bs);
+        let mut host8 = vec![0u8; long / bs * bb8];
+        let fp8 = (|| -> Result<String, Box<dyn Error>> {
+            let dev = Device::open(0)?;
+            let w = DevWeights::random(&dev, &cfg, 1)?;
+            let spec8 = PoolSpec {
+                reserve_tokens: len.reserve_tokens,
+                reserve_seqs: len.reserve_seqs,
+                ..PoolSpec::new(KvDtype::Fp8, bs, long / bs + 64)
+            };
+            let mut g8 = CudaExecutor::new(dev, cfg.clone(), w, spec8)?;
+            let pinned8 = kura_engine::Executor::register_host_region(&mut g8, &mut host8);
+            let mut staging8 = g8.device().alloc::<u8>(host8.len(), "the copy benchmark")?;
+            // The executor (which unpins `host8`) goes before it, as `gpu` before `host`.
+            l2_revisit(
+                &mut g8,
+                &mut host8,
+                &mut staging8,
+                (long - 16, 16),
+                &table,
+                if pinned8 { "pinned" } else { "pageable" },
+                len,
+            )
+        })();
+        match fp8 {
+            Ok(line) => report.line(&line)?,
+            Err(e) => {
+                note(&format!("gpu-bench: {what} failed: {e}"));
+                opt.failed.push(format!("{what}: {e}"));
+            }
+        }
     }
-    if failed.is_empty() {
+    if opt.failed.is_empty() {
         Ok(())
     } else {
         Err(format!(
             "{} section(s) failed:\n  {}",
-            failed.len(),
-            failed.join("\n  ")
+            opt.failed.len(),
+            opt.failed.join("\n  ")
         )
         .into())
     }
