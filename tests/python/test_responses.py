@@ -87,6 +87,11 @@ def test_function_calls_and_their_outputs_continue_from_the_cache(server):
                                 input=[{"type": "function_call_output", "call_id": calls[0].call_id,
                                         "output": "4 degrees, snow"}])
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - BLOCK, second.usage
+    # A function tool that does not say is strict, as Responses defines it; one that says false is not.
+    assert [t.strict for t in second.tools] == [True], second.tools
+    loose = c.responses.create(model=model, input="Hi", tools=[WEATHER | {"strict": False}], max_output_tokens=2,
+                               store=False)
+    assert [t.strict for t in loose.tools] == [False], loose.tools
     # Streamed calls: the arguments arrive as deltas and add up to the call.
     events = list(c.responses.create(model=model, input="Weather in Bergen?", tools=[WEATHER], store=False,
                                      tool_choice={"type": "function", "name": "get_weather"},

@@ -224,6 +224,10 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
                 let mut f = t.clone();
                 if let Some(o) = f.as_object_mut() {
                     o.remove("type");
+                    // Responses' function tools are strict unless they say otherwise (null too).
+                    if o.get("strict").is_none_or(Value::is_null) {
+                        o.insert("strict".into(), Value::Bool(true));
+                    }
                 }
                 Ok(json!({"type": "function", "function": f}))
             }
@@ -515,13 +519,16 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     };
     let mut echo = Map::new();
     if let Some(Value::Array(ts)) = set("tools") {
-        // As the response object writes them: every function tool with its `strict`.
+        // As the response object writes them: every function tool with its `strict` (true unless
+        // it says otherwise, as Responses' schema defines it).
         let ts: Vec<Value> = ts
             .iter()
             .map(|t| {
                 let mut t = t.clone();
                 if let Some(o) = t.as_object_mut() {
-                    o.entry("strict").or_insert(Value::Bool(false));
+                    if o.get("strict").is_none_or(Value::is_null) {
+                        o.insert("strict".into(), Value::Bool(true));
+                    }
                     o.entry("parameters")
                         .or_insert(json!({"type": "object", "properties": {}}));
                 }
