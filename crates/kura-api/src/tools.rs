@@ -542,15 +542,25 @@ pub struct ToolStyle {
     pub format: ToolFormat,
     /// The template has a tools section: tools and tool turns are the template's to render.
     pub native: bool,
+    /// The control token a call starts with where the vocabulary has one (Mistral's
+    /// `[TOOL_CALLS]`): grammars let the model write it.
+    pub call_token: Option<u32>,
 }
 
 impl ToolStyle {
     pub fn of(codec: &dyn TextCodec) -> Self {
         let source = codec.chat_template_source();
         let format = ToolFormat::detect(source);
+        let call_token = format.call_tag().and_then(|tag| {
+            match codec.encode_without_added(tag).ok()?.as_slice() {
+                [id] if codec.is_special(*id) => Some(*id),
+                _ => None,
+            }
+        });
         ToolStyle {
             format,
             native: format != ToolFormat::Fallback && source.contains("tools"),
+            call_token,
         }
     }
 }
@@ -660,6 +670,74 @@ pub fn native_messages(messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A vocabulary of one control token (id 7, `[TOOL_CALLS]` where `control`) and bytes otherwise,
+    /// with a template of its own.
+    struct Vocab {
+        template: &'static str,
+        control: bool,
+    }
+
+    impl TextCodec for Vocab {
+        fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+            Ok(match text {
+                "[TOOL_CALLS]" if self.control => vec![7],
+                _ => text.bytes().map(|b| 256 + u32::from(b)).collect(),
+            })
+        }
+        fn decode(&self, _: &[u32]) -> String {
+            String::new()
+        }
+        fn token_bytes(&self, _: u32) -> Vec<u8> {
+            Vec::new()
+        }
+        fn render_chat(&self, _: &[ChatMessage]) -> Result<String, String> {
+            Err("none".into())
+        }
+        fn encode_chat(&self, _: &[ChatMessage]) -> Result<Vec<u32>, String> {
+            Err("none".into())
+        }
+        fn chat_content_spans(
+            &self,
+            _: &str,
+            _: usize,
+            _: &[ChatMessage],
+        ) -> Result<Vec<std::ops::Range<usize>>, String> {
+            Ok(Vec::new())
+        }
+        fn encode_with_plain_spans(
+            &self,
+            text: &str,
+            _: &[std::ops::Range<usize>],
+        ) -> Result<Vec<u32>, String> {
+            self.encode(text)
+        }
+        fn eos_token_ids(&self) -> &[u32] {
+            &[0]
+        }
+        fn vocab_size(&self) -> usize {
+            512
+        }
+        fn is_special(&self, id: u32) -> bool {
+            id == 7
+        }
+        fn chat_template_source(&self) -> &str {
+            self.template
+        }
+    }
+
+    #[test]
+    fn a_call_token_is_found_where_the_vocabulary_has_the_formats_control_token() {
+        let mistral = "{% for tool in tools %}{% endfor %}[TOOL_CALLS]";
+        let style = |template, control| ToolStyle::of(&Vocab { template, control });
+        let s = style(mistral, true);
+        assert_eq!((s.format, s.call_token), (ToolFormat::Mistral, Some(7)));
+        // Spelt in ordinary tokens: no control token to let the model write.
+        assert_eq!(style(mistral, false).call_token, None);
+        // Hermes writes its tag as text: none either.
+        let hermes = "{% if tools %}<tool_call>{% endif %}";
+        assert_eq!(style(hermes, true).call_token, None);
+    }
 
     fn plan(tools: Value, choice: Option<Value>) -> Result<Option<ToolPlan>, ApiError> {
         openai_tools(Some(&tools), choice.as_ref(), None)

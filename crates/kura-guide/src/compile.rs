@@ -624,11 +624,14 @@ mod tests {
     const WORDS: &[&str] = &[
         "birch", "\"}", "\", ", "}}", "\": ", "true", "000", "aaaa", "\"\"",
     ];
+    /// A control token, as Mistral's vocabulary has it (the last word).
+    const CONTROL: &str = "[TOOL_CALLS]";
 
     impl Bytes {
         fn new() -> Arc<Self> {
             let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
             words.extend(WORDS.iter().map(|w| w.as_bytes().to_vec()));
+            words.push(CONTROL.as_bytes().to_vec());
             Arc::new(Bytes { words })
         }
         fn eos(&self) -> u32 {
@@ -680,6 +683,9 @@ mod tests {
         fn vocab_size(&self) -> usize {
             self.words.len() + 1
         }
+        fn is_special(&self, id: u32) -> bool {
+            id as usize == self.words.len() - 1
+        }
     }
 
     /// A model that never wants to stop: it writes `script` (a byte token at a time), then takes the
@@ -693,11 +699,39 @@ mod tests {
         likes: &[u32],
         budget: usize,
     ) -> (String, bool, bool) {
+        run_after(codec, spec, &[], script, likes, budget)
+    }
+
+    /// [`run`] after the model has written `first` (each of which the walk must allow).
+    fn run_after(
+        codec: &Bytes,
+        spec: &Compiled,
+        first: &[u32],
+        script: &str,
+        likes: &[u32],
+        budget: usize,
+    ) -> (String, bool, bool) {
         let mut walk = spec.start().unwrap();
+        for &t in first {
+            let chosen = walk
+                .choose(budget, &mut |mask: &[u32]| {
+                    assert!(allows(mask, t), "token {t} is not allowed here");
+                    t
+                })
+                .unwrap();
+            walk.accept(chosen).unwrap();
+        }
+        // The script goes on after the bytes of the tokens written first.
+        let skip: usize = first.iter().map(|&t| codec.token_bytes(t).len()).sum();
+        let script = format!("{}{script}", " ".repeat(skip));
         let mut out = Vec::new();
         for left in (1..=budget).rev() {
             // The script goes on from the bytes written (a forced word may be several).
-            let written: usize = out.iter().map(|&t| codec.token_bytes(t).len()).sum();
+            let written: usize = skip
+                + out
+                    .iter()
+                    .map(|&t| codec.token_bytes(t).len())
+                    .sum::<usize>();
             let scripted = script.as_bytes().get(written).map(|&b| u32::from(b));
             let mut model = |mask: &[u32]| {
                 scripted
@@ -843,7 +877,8 @@ mod tests {
         .into_iter()
         .flat_map(|f| [(f, false), (f, true)])
         {
-            let grammar = format.call_or_json_grammar(&tools, parallel, &answer);
+            let tag = (format == crate::tools::ToolFormat::Mistral).then(|| codec.id(CONTROL));
+            let grammar = format.call_or_json_grammar(&tools, parallel, &answer, tag);
             let spec = guides(&codec).compile(&Guide::Lark(grammar)).unwrap();
             let call = format.write_calls(&[crate::tools::ParsedCall {
                 name: "w".into(),
@@ -868,6 +903,13 @@ mod tests {
             // Text that is neither is not written: the walk leaves the script at its first byte.
             let (text, _, _) = run(&codec, &spec, "Hello", &[], 200);
             assert!(!text.starts_with('H'), "{format:?}: {text}");
+            if let Some(tag) = tag {
+                // After Mistral's control token, the calls and not the answer.
+                let (text, _, _) = run_after(&codec, &spec, &[tag], call, &[], 200);
+                assert!(text.starts_with(call), "{format:?}: {text}");
+                let (text, _, _) = run_after(&codec, &spec, &[tag], r#"{"temp": 21}"#, &[], 200);
+                assert!(!text.starts_with('{'), "{format:?}: {text}");
+            }
         }
     }
 
@@ -892,7 +934,8 @@ mod tests {
             .into_iter()
             .flat_map(|f| [(f, false), (f, true)])
         {
-            let grammar = format.call_or_text_grammar(&tools, parallel);
+            let tag = (format == Mistral).then(|| codec.id(CONTROL));
+            let grammar = format.call_or_text_grammar(&tools, parallel, tag);
             let spec = guides(&codec)
                 .compile(&Guide::Lark(grammar.clone()))
                 .unwrap_or_else(|e| panic!("{format:?}: {e}\n{grammar}"));
@@ -955,6 +998,17 @@ mod tests {
                 for start in starts {
                     let (text, _, _) = run(&codec, &spec, start, &eos, 200);
                     assert!(!text.starts_with(start), "{format:?}: {text:?}");
+                }
+                if let Some(tag) = tag {
+                    // Mistral's control token may open the calls (as the model writes them); no
+                    // answer follows it.
+                    let (text, done, _) = run_after(&codec, &spec, &[tag], &good, &eos, 200);
+                    assert!(text.starts_with(&good), "{format:?}: {text}");
+                    if !parallel {
+                        assert!(done && text == good, "{format:?}: {text}");
+                    }
+                    let (text, _, _) = run_after(&codec, &spec, &[tag], answer, &eos, 200);
+                    assert!(!text.starts_with('I'), "{format:?}: {text}");
                 }
             }
         }

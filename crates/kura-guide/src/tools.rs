@@ -164,6 +164,12 @@ impl ToolFormat {
         }
     }
 
+    /// The text of the control token a call starts with, in the formats that have one a grammar
+    /// may let the model write (Mistral's).
+    pub fn call_tag(self) -> Option<&'static str> {
+        (self == ToolFormat::Mistral).then_some(MISTRAL_TAG)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ToolFormat::Hermes => "hermes",
@@ -221,10 +227,11 @@ impl ToolFormat {
     }
 
     /// A Lark grammar whose every sentence is one call (or, with `parallel`, one or more) of one of
-    /// `tools`, its arguments valid under the tool's schema. (Mistral's `[TOOL_CALLS]` is a control token
-    /// a grammar cannot write as text: the constrained text is the array alone, which
-    /// [`ToolFormat::parse`] reads with or without it.)
-    pub fn call_grammar(self, tools: &[ToolDef], parallel: bool) -> String {
+    /// `tools`, its arguments valid under the tool's schema. `tag`: the id of Mistral's
+    /// `[TOOL_CALLS]`, a control token a grammar cannot write as text, where the vocabulary has it:
+    /// the array may follow it (as the model writes calls) or stand alone, which [`ToolFormat::parse`]
+    /// reads too. Other formats have no such token.
+    pub fn call_grammar(self, tools: &[ToolDef], parallel: bool, tag: Option<u32>) -> String {
         let mut g = String::new();
         let calls = if parallel {
             format!("call ({} call)*", lark_literal(self.separator()))
@@ -232,7 +239,10 @@ impl ToolFormat {
             "call".to_string()
         };
         match self {
-            ToolFormat::Mistral => g.push_str(&format!("start: \"[\" {calls} \"]\"\n")),
+            ToolFormat::Mistral => g.push_str(&format!(
+                "start: {}\"[\" {calls} \"]\"\n",
+                tag.map_or(String::new(), |t| format!("<[{t}]>? "))
+            )),
             _ => g.push_str(&format!("start: {calls}\n")),
         }
         let alternatives: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
@@ -254,16 +264,23 @@ impl ToolFormat {
     /// an output format its answer follows when it calls none. Where a call is itself bare JSON
     /// (Llama 3's object, Mistral's array) the call and the answer are one JSON schema, either of
     /// the two (llguidance cannot tell a literal call prefix from a JSON value that starts at the same
-    /// byte); each schema joined so keeps its own `$ref`s, moved under the whole's `$defs`.
-    pub fn call_or_json_grammar(self, tools: &[ToolDef], parallel: bool, schema: &Value) -> String {
+    /// byte); each schema joined so keeps its own `$ref`s, moved under the whole's `$defs`. `tag`:
+    /// Mistral's call token, as in [`ToolFormat::call_grammar`] (an answer does not follow it).
+    pub fn call_or_json_grammar(
+        self,
+        tools: &[ToolDef],
+        parallel: bool,
+        schema: &Value,
+        tag: Option<u32>,
+    ) -> String {
         let key = match self {
             ToolFormat::Llama3Json => "parameters",
             _ => "arguments",
         };
         if matches!(self, ToolFormat::Hermes | ToolFormat::Fallback) {
-            let calls = self
-                .call_grammar(tools, parallel)
-                .replacen("start:", "tool_calls:", 1);
+            let calls =
+                self.call_grammar(tools, parallel, None)
+                    .replacen("start:", "tool_calls:", 1);
             return format!(
                 "start: tool_calls | answer\nanswer: %json {}\n{calls}",
                 crate::with_layout(schema)
@@ -296,7 +313,7 @@ impl ToolFormat {
                 let first = whole(first);
                 if parallel {
                     // Later calls as `call_grammar` writes them, after the first value.
-                    let rest = self.call_grammar(tools, true);
+                    let rest = self.call_grammar(tools, true, None);
                     let rules = rest.split_once('\n').map_or("", |(_, r)| r);
                     format!(
                         "start: first ({} call)*\nfirst: %json {first}\n{rules}",
@@ -311,7 +328,14 @@ impl ToolFormat {
                 if !parallel {
                     array["maxItems"] = json!(1);
                 }
-                format!("start: %json {}\n", whole(vec![array, answer]))
+                let either = whole(vec![array.clone(), answer]);
+                match tag {
+                    Some(t) => format!(
+                        "start: <[{t}]> %json {} | %json {either}\n",
+                        whole(vec![array])
+                    ),
+                    None => format!("start: %json {either}\n"),
+                }
             }
         }
     }
@@ -321,8 +345,14 @@ impl ToolFormat {
     /// valid under its schema (any JSON object for a tool that is not strict). Hermes's calls (and
     /// the fallback's) may follow text, which ends at the first call's tag; the bare-JSON formats'
     /// calls are the whole output, so an answer there does not start with what a call starts with
-    /// (`{` for Llama 3, `[` for Mistral, after any white space).
-    pub fn call_or_text_grammar(self, tools: &[ToolDef], parallel: bool) -> String {
+    /// (`{` for Llama 3, `[` for Mistral, after any white space). `tag`: Mistral's call token, as in
+    /// [`ToolFormat::call_grammar`].
+    pub fn call_or_text_grammar(
+        self,
+        tools: &[ToolDef],
+        parallel: bool,
+        tag: Option<u32>,
+    ) -> String {
         let tools: Vec<ToolDef> = tools
             .iter()
             .map(|t| ToolDef {
@@ -335,7 +365,7 @@ impl ToolFormat {
             })
             .collect();
         let calls = self
-            .call_grammar(&tools, parallel)
+            .call_grammar(&tools, parallel, tag)
             .replacen("start:", "tool_calls:", 1);
         match self {
             ToolFormat::Hermes | ToolFormat::Fallback => {
@@ -1090,11 +1120,13 @@ mod tests {
                 strict: true,
             },
         ];
-        let g = ToolFormat::Hermes.call_grammar(&tools, true);
+        let g = ToolFormat::Hermes.call_grammar(&tools, true, None);
         assert!(g.contains("call_0") && g.contains("call_1"), "{g}");
         assert!(g.starts_with("start: call (\"\\n\" call)*"), "{g}");
-        let g = ToolFormat::Mistral.call_grammar(&tools, false);
+        let g = ToolFormat::Mistral.call_grammar(&tools, false, None);
         assert!(g.starts_with("start: \"[\" call \"]\""), "{g}");
+        let g = ToolFormat::Mistral.call_grammar(&tools, false, Some(9));
+        assert!(g.starts_with("start: <[9]>? \"[\" call \"]\""), "{g}");
         assert!(fallback_system_text(&tools).contains("\"name\":\"b\""));
     }
 }

@@ -54,18 +54,18 @@ pub(crate) async fn constraint(
             }
             let parallel = tools.is_some_and(|t| t.parallel);
             (
-                Guide::Lark(style.format.call_grammar(&defs, parallel)),
+                Guide::Lark(style.format.call_grammar(&defs, parallel, style.call_token)),
                 "tools",
             )
         }
         None => match (guide, tools.filter(|t| t.parses_calls())) {
             // Strict tools the model may call: an answer, or calls held to their schemas.
             (None, Some(plan)) if plan.strict_under_auto() => (
-                Guide::Lark(
-                    style
-                        .format
-                        .call_or_text_grammar(&plan.tools, plan.parallel),
-                ),
+                Guide::Lark(style.format.call_or_text_grammar(
+                    &plan.tools,
+                    plan.parallel,
+                    style.call_token,
+                )),
                 "tools",
             ),
             (None, _) => return Ok(None),
@@ -92,6 +92,7 @@ pub(crate) async fn constraint(
                         &plan.tools,
                         plan.parallel,
                         &schema,
+                        style.call_token,
                     )),
                     param,
                 )
