@@ -1064,22 +1064,26 @@ fn the_gpu_benchmark_takes_only_its_flags_and_a_power_of_two_to_divide_by() {
 
 // Out of time (`--within`), the benchmark still measures and prints the figures the GPU is judged by,
 // and skips every optional section (each named on stderr), without failing.
-#[test]
-fn the_gpu_benchmark_out_of_time_prints_the_default_kernels_figures_and_skips_the_rest() {
-    let _turn = emulated();
+/// The lines gpu-bench prints (each one JSON) at lengths divided by 32, with `within` seconds.
+fn bench_lines(within: Option<f64>) -> Vec<serde_json::Value> {
     let len = gpu_bench::Lengths::divided(32).unwrap();
     let config = model_dir().join("config.json");
     let mut out = Vec::new();
-    let result = gpu_bench::run(config.to_str().unwrap(), &len, Some(1e-3), &mut out);
+    let result = gpu_bench::run(config.to_str().unwrap(), &len, within, &mut out);
     let text = String::from_utf8(out).unwrap();
     println!("{text}");
     if let Err(e) = result {
         panic!("gpu-bench failed: {e}");
     }
-    let lines: Vec<serde_json::Value> = text
-        .lines()
+    text.lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
-        .collect();
+        .collect()
+}
+
+#[test]
+fn the_gpu_benchmark_out_of_time_prints_the_default_kernels_figures_and_skips_the_rest() {
+    let _turn = emulated();
+    let lines = bench_lines(Some(1e-3));
     let figures: Vec<(&str, u64)> = lines
         .iter()
         .filter(|v| v["peer"] == "kura")
@@ -1110,26 +1114,14 @@ fn the_gpu_benchmark_out_of_time_prints_the_default_kernels_figures_and_skips_th
         !lines
             .iter()
             .any(|v| v["what"] == "profile" || v["what"] == "tuning"),
-        "{text}"
+        "{lines:?}"
     );
 }
 
 #[test]
 fn the_gpu_benchmark_runs_every_section_and_counts_memory_as_the_planner_does() {
     let _turn = emulated();
-    let len = gpu_bench::Lengths::divided(32).unwrap();
-    let config = model_dir().join("config.json");
-    let mut out = Vec::new();
-    let result = gpu_bench::run(config.to_str().unwrap(), &len, None, &mut out);
-    let text = String::from_utf8(out).unwrap();
-    println!("{text}");
-    if let Err(e) = result {
-        panic!("gpu-bench failed: {e}");
-    }
-    let lines: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
-        .collect();
+    let lines = bench_lines(None);
     let objects: Vec<&serde_json::Value> = lines.iter().filter(|v| v.is_object()).collect();
     let with = |what: &str| -> Vec<&serde_json::Value> {
         objects
