@@ -60,7 +60,9 @@ for r in kura:
     hv = f"{p[unit]:.1f}" if unit in p else "-"
     rt = f"{ratio:.2f}x" if ratio else "-"
     print(f"{name:<44}{r[unit]:>12.1f}{hv:>12}{rt:>12}")
-    if "fraction_of_bound" in r:
+    if "fraction_of_bound" in r and r["fraction_of_bound"] is None:
+        print("  HBM bound not known: the copy bandwidth was not measured")
+    elif "fraction_of_bound" in r:
         sheet = (f"; {r['fraction_of_datasheet_bound']:.1%} of the {r['card']}'s datasheet {r['datasheet_tbs']} TB/s"
                  if r.get("datasheet_tbs") else f"; no datasheet bandwidth known for {r.get('card', 'this card')}")
         print(f"  {r['fraction_of_bound']:.1%} of the HBM bound ({r['hbm_bound_tokens_per_s']:.0f} tok/s at the measured "
