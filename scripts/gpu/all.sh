@@ -18,9 +18,13 @@ mkdir -p "$out/bench"
 # The models the tests make stay here for a second call on the same machine (scripts/gpu/tiers.sh).
 work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
 mkdir -p "$work"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-# -k: whatever ignores the TERM at the limit is killed 10 s later (the whole process group either way).
-timeout -k 10 "$test_limit" bash scripts/test-gpu.sh "$work" >"$out/test.log" 2>&1
+# A driver that does not answer must not hold the session: 30 s at most.
+timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+# Each step in a process group of its own under its limit (scripts/gpu/bounded.sh): the TERM at the
+# limit goes to the whole group, and whatever of the group outlasts the step (a server) is ended after
+# it, killed 5 s later, before the next step starts; at most 10 s past the limit in all.
+source scripts/gpu/bounded.sh
+bounded "$test_limit" bash scripts/test-gpu.sh "$work" >"$out/test.log" 2>&1
 test_rc=$?
 {
   echo "== scripts/test-gpu.sh: exit $test_rc (124: over ${test_limit} s)"
@@ -34,8 +38,9 @@ test_rc=$?
 } >"$out/summary.txt"
 [ -z "${KURA_GPU_SUMMARY_COPY:-}" ] || cp "$out/summary.txt" "$KURA_GPU_SUMMARY_COPY"
 # The benchmarks' steps share their limit (KURA_BENCH_BUDGET_S), less 5 s for bench/gpu.sh's own end.
-KURA_GPU_SERVE_MODEL="$work/smol" KURA_BENCH_BUDGET_S=$((bench_limit > 10 ? bench_limit - 5 : bench_limit)) \
-  timeout -k 10 "$bench_limit" bash bench/gpu.sh "$out/bench" >"$out/bench.log" 2>&1
+bounded "$bench_limit" env KURA_GPU_SERVE_MODEL="$work/smol" \
+  KURA_BENCH_BUDGET_S=$((bench_limit > 10 ? bench_limit - 5 : bench_limit)) \
+  bash bench/gpu.sh "$out/bench" >"$out/bench.log" 2>&1
 bench_rc=$?
 # Plots are pictures, and a folder too deep to come back from the device machine: keep the files that do.
 rm -rf "$out/bench/shared-prefix/plots"

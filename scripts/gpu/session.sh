@@ -38,11 +38,13 @@ if [ $((test_limit + bench_limit)) -gt "$room" ]; then
   bench_limit=$((room - cut_test))
 fi
 mkdir -p "$out/all" "$out/tiers"
+source scripts/gpu/bounded.sh
 # gpu-bin/ may have travelled packed (scripts/gpu/pack.sh: device-pack/, 10 MB in place of 42).
 bash scripts/gpu/unpack.sh || exit 1
-# Each step also under a limit of its own from outside, so that nothing it leaves hanging (a model made
-# again, a server) outlasts the deadline and the packing below.
-KURA_GPU_SUMMARY_COPY="$out/all-summary.txt" timeout -k 10 $((test_limit + bench_limit + 30)) \
+# Each step also under a limit of its own from outside, in a process group of its own that is ended
+# whole after it (scripts/gpu/bounded.sh: at most 10 s past the limit), so that nothing it leaves
+# hanging (a model made again, a server) outlasts the deadline and the packing below.
+bounded $((test_limit + bench_limit + 30)) env KURA_GPU_SUMMARY_COPY="$out/all-summary.txt" \
   bash scripts/gpu/all.sh "$out/all" "$test_limit" "$bench_limit" >"$out/all.log" 2>&1
 all_rc=$?
 # all.sh's results up to OUT_DIR at once (its summary is there already where it wrote one).
@@ -57,7 +59,7 @@ tiers_rc=0
 tiers_limit=$((left - 45 >= tiers_min ? left - 45 : left))
 [ "$tiers_limit" -le 200 ] || tiers_limit=200
 if [ "$left" -ge "$tiers_min" ]; then
-  timeout -k 10 $((tiers_limit + 10)) bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
+  bounded $((tiers_limit + 10)) bash scripts/gpu/tiers.sh "$out/tiers" "$tiers_limit" >"$out/tiers.log" 2>&1
   tiers_rc=$?
   cp "$out/tiers/summary.txt" "$out/tiers-summary.txt" 2>/dev/null \
     || echo "tiers.sh wrote no summary (exit $tiers_rc)" >"$out/tiers-summary.txt"
@@ -67,10 +69,12 @@ else
   tiers_rc=1
 fi
 # Kura's CPU decode across thread counts on this machine's cores, in what is left (the GPU is idle by now).
+# kura-threads.sh starts runs until its DEADLINE_S and stops one still going 20 s past it (5 s more for
+# the KILL), then prints its table: 35 s before the outer limit leave the table 10 s.
 left=$((deadline - ($(date +%s) - start) - 10))
 work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
-if [ "$left" -ge 30 ] && [ -f "$work/smol/config.json" ]; then
-  DEADLINE_S=$((left - 15)) timeout -k 5 "$left" bash bench/device/kura-threads.sh gpu-bin/kura "$work/smol" "$out/tiers/threads.jsonl" \
+if [ "$left" -ge 45 ] && [ -f "$work/smol/config.json" ]; then
+  bounded "$left" env DEADLINE_S=$((left - 35)) bash bench/device/kura-threads.sh gpu-bin/kura "$work/smol" "$out/tiers/threads.jsonl" \
     >"$out/threads.md" 2>&1 || echo "bench/device/kura-threads.sh failed" >>"$out/threads.md"
 else
   echo "bench/device/kura-threads.sh not run: ${left} s left, or no model at $work/smol" >"$out/threads.md"

@@ -19,18 +19,11 @@ work=${KURA_GPU_WORK:-/tmp/kura-gpu-work}
 source scripts/gpu/env.sh
 export KURA_CACHE_DIR="$PWD/gpu-bin/cache"
 export KURA_GPU_KERNELS=${KURA_GPU_KERNELS:-default}
-# Runs a step under `timeout -k 10 LIMIT` in a process group of its own, which the timeout ends whole,
-# the step's servers with it (`timeout --foreground` would end the step's first process alone). A TERM
-# or INT to this script (a limit around it, scripts/gpu/session.sh's) goes on to that group the same way.
-step=""
-bounded() {
-  local limit=$1
-  shift
-  timeout -k 10 "$limit" "$@" &
-  step=$!
-  wait "$step"
-}
-trap 'if [ -n "$step" ]; then kill -TERM "$step" 2>/dev/null; wait "$step" 2>/dev/null; fi; exit 143' TERM INT
+# Each step under its limit in a process group of its own (scripts/gpu/bounded.sh), which the timeout
+# ends whole, the step's servers with it (`timeout --foreground` would end the step's first process
+# alone); what of the group outlasts the step is ended after it, killed 5 s later. A TERM or INT to this
+# script (a limit around it, scripts/gpu/session.sh's) goes on to that group the same way.
+source scripts/gpu/bounded.sh
 mkdir -p "$out" "$work"
 [ -x gpu-bin/kura ] || { echo "gpu-bin/kura is missing: run scripts/gpu-build.sh and carry gpu-bin" >&2; exit 1; }
 if [ ! -f "$work/llama8b4/config.json" ]; then
