@@ -275,9 +275,13 @@ def check_generate(kura: str, model: str, gpu: dict, words: int = 700) -> list[s
             failures.append(f"kura generate --device cuda --block-size {block} failed: {out.stderr.strip()[-2000:]}")
             continue
         same = report["prompt_tokens"] == usage.prompt_tokens and report["text"] == text
+        # A figure serde could not write as a number (not finite) comes as null.
+        ttft, rate = (report.get(k) for k in ("ttft_ms", "decode_tok_per_s"))
+        ttft = "-" if ttft is None else f"{ttft:.1f}"
+        rate = "-" if rate is None else f"{rate:.1f}"
         print(f"kura generate --device cuda --block-size {block}: {report['prompt_tokens']} prompt tokens, "
-              f"{report['generated_tokens']} generated, TTFT {report['ttft_ms']:.1f} ms, decode "
-              f"{report['decode_tok_per_s']:.1f} tok/s; the GPU server's prompt and text: {same}")
+              f"{report['generated_tokens']} generated, TTFT {ttft} ms, decode "
+              f"{rate} tok/s; the GPU server's prompt and text: {same}")
         if not same:
             failures.append(f"kura generate --device cuda --block-size {block}: {report['prompt_tokens']} prompt "
                             f"tokens and {report['text']!r}; the GPU server: {usage.prompt_tokens} and {text!r}")
@@ -353,7 +357,7 @@ def check_speculative(kura: str, model: str, device: str, words: int = 120) -> l
         try:
             proc, url, log = start(kura, model, device, "--kv-cache-memory", kv, *flags)
         except RuntimeError as e:
-            return [str(e)]
+            return failures + [str(e)]
         try:
             client = client_of(url)
             name = client.models.list().data[0].id
