@@ -320,6 +320,8 @@ pub struct RemoteWorker {
     done: Receiver<FetchDone>,
     /// Tags of writes that were not stored.
     failed: Receiver<u128>,
+    /// Tags taken off `failed` by [`RemoteWorker::wait_failed_put`], for the next `failed_puts`.
+    waited: std::sync::Mutex<Vec<u128>>,
     thread: Option<JoinHandle<()>>,
     stats: Arc<RemoteStats>,
 }
@@ -358,6 +360,7 @@ impl RemoteWorker {
         Ok(Self {
             tx: Some(tx),
             done,
+            waited: std::sync::Mutex::new(Vec::new()),
             failed,
             thread: Some(handle),
             stats,
@@ -404,7 +407,24 @@ impl RemoteWorker {
     /// Tags of the writes queued and then not stored (Redis unreachable, the connection lost, or an
     /// error reply) since the last call.
     pub fn failed_puts(&self) -> Vec<u128> {
-        self.failed.try_iter().collect()
+        let mut tags = std::mem::take(&mut *self.waited.lock().unwrap_or_else(|p| p.into_inner()));
+        tags.extend(self.failed.try_iter());
+        tags
+    }
+
+    /// Waits up to `timeout` for the Redis thread to report a write not stored (kept for the next
+    /// [`RemoteWorker::failed_puts`]); whether one came.
+    pub fn wait_failed_put(&self, timeout: Duration) -> bool {
+        match self.failed.recv_timeout(timeout) {
+            Ok(tag) => {
+                self.waited
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(tag);
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// Fetches answered since the last call.
