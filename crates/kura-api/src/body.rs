@@ -32,6 +32,65 @@ impl<S: Send + Sync> FromRequestParts<S> for PathId {
     }
 }
 
+/// The field names a struct reads from a JSON object (serde's own list for it): what a route's
+/// body may hold besides the fields it names by hand.
+pub fn fields_of<T: DeserializeOwned>() -> &'static [&'static str] {
+    use serde::de::{Deserializer, Error, Visitor};
+
+    /// A deserializer that records the fields of the struct asked of it, and gives nothing.
+    struct Fields<'a>(&'a mut &'static [&'static str]);
+
+    impl<'de> Deserializer<'de> for Fields<'_> {
+        type Error = serde::de::value::Error;
+
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(Error::custom("a struct's fields only"))
+        }
+
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(Error::custom("fields read"))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+            option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+            ignored_any
+        }
+    }
+
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Fields(&mut fields));
+    fields
+}
+
+/// Refuses a body field that is none of `known`'s, naming it: a field this server does not read
+/// (a misspelt one, another server's extension) is not dropped without a word.
+pub fn known_fields(
+    body: &serde_json::Map<String, serde_json::Value>,
+    known: &[&[&str]],
+    request: &str,
+) -> Result<(), ApiError> {
+    match body
+        .keys()
+        .find(|k| !known.iter().any(|list| list.contains(&k.as_str())))
+    {
+        Some(k) => Err(ApiError::invalid(
+            format!(
+                "{k} is not a field of {request} that this server reads (docs/api-fields.md lists \
+                 them)"
+            ),
+            None,
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `Content-Type` of a JSON route: `application/json`, optionally with `charset=utf-8` (any case).
 pub fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     let given = headers.get(header::CONTENT_TYPE);

@@ -286,9 +286,69 @@ pub fn prepare_count(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiEr
     prepare(&Value::Object(o), ctx)
 }
 
+/// Every field a `/v1/responses` body may hold: OpenAI's (honoured, ignored or refused by name
+/// below), Kura's extensions, and chat's fields, which are refused by name (docs/api-fields.md).
+pub const FIELDS: [&str; 54] = [
+    "background",
+    "cache_salt",
+    "cached_content",
+    "context_management",
+    "conversation",
+    "frequency_penalty",
+    "guided_choice",
+    "guided_grammar",
+    "guided_json",
+    "guided_regex",
+    "ignore_eos",
+    "include",
+    "input",
+    "instructions",
+    "logit_bias",
+    "logprobs",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "max_tokens",
+    "max_tool_calls",
+    "messages",
+    "metadata",
+    "min_p",
+    "model",
+    "n",
+    "parallel_tool_calls",
+    "presence_penalty",
+    "previous_response_id",
+    "priority",
+    "prompt",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning",
+    "repetition_penalty",
+    "response_format",
+    "return_token_ids",
+    "safety_identifier",
+    "seed",
+    "service_tier",
+    "stop",
+    "stop_token_ids",
+    "store",
+    "stream",
+    "stream_options",
+    "structured_outputs",
+    "temperature",
+    "text",
+    "tool_choice",
+    "tools",
+    "top_k",
+    "top_logprobs",
+    "top_p",
+    "truncation",
+    "user",
+];
+
 /// Checks a `/v1/responses` body (already known to be one JSON object).
 pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
     let o = value.as_object().expect("parse_json_object gives objects");
+    crate::body::known_fields(o, &[&FIELDS], "responses")?;
     let set = |name: &str| o.get(name).filter(|v| !v.is_null());
     for (name, why) in [
         ("conversation", "use previous_response_id"),

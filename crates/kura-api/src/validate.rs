@@ -646,6 +646,16 @@ pub fn prepare_completion(
     value: &serde_json::Value,
     ctx: Ctx<'_>,
 ) -> Result<CompletionPlan, ApiError> {
+    if let Some(o) = value.as_object() {
+        crate::body::known_fields(
+            o,
+            &[
+                crate::body::fields_of::<CommonParams>(),
+                crate::body::fields_of::<CompletionRequest>(),
+            ],
+            "completions",
+        )?;
+    }
     let common: CommonParams = from_value(value)?;
     let req: CompletionRequest = from_value(value)?;
     // With `echo`, `max_tokens` 0 asks for the prompt alone (scored, with `logprobs`).
@@ -739,6 +749,29 @@ const CHAT_REFUSED: [(&str, &str); 8] = [
     ),
 ];
 
+/// Fields of OpenAI's chat request that are read and have no effect here (docs/api-fields.md says
+/// why); `user` is read with the common fields.
+const CHAT_IGNORED: [&str; 4] = ["metadata", "safety_identifier", "service_tier", "verbosity"];
+
+/// Every field a chat completions body may hold: the common and the chat fields read, the ignored
+/// and the refused ones.
+fn check_chat_fields(value: &Value) -> Result<(), ApiError> {
+    let Some(o) = value.as_object() else {
+        return Ok(()); // the typed read names it
+    };
+    let refused: Vec<&str> = CHAT_REFUSED.iter().map(|(name, _)| *name).collect();
+    crate::body::known_fields(
+        o,
+        &[
+            crate::body::fields_of::<CommonParams>(),
+            crate::body::fields_of::<ChatCompletionRequest>(),
+            &CHAT_IGNORED,
+            &refused,
+        ],
+        "chat completions",
+    )
+}
+
 /// Refuses the fields of `refused` that `value` sets (to anything but null, false, an empty list, or
 /// `["text"]` for `modalities`).
 pub fn refuse_fields(value: &Value, refused: &[(&'static str, &str)]) -> Result<(), ApiError> {
@@ -762,6 +795,7 @@ pub fn refuse_fields(value: &Value, refused: &[(&'static str, &str)]) -> Result<
 
 /// Checks a chat completions body (already known to be one JSON object).
 pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan, ApiError> {
+    check_chat_fields(value)?;
     refuse_fields(value, &CHAT_REFUSED)?;
     crate::responses::check_service_tier(
         value.get("service_tier"),
@@ -933,6 +967,114 @@ mod tests {
         match e {
             ApiError::InvalidRequest { param: Some(p), .. } => p,
             other => panic!("not a parameter error: {other:?}"),
+        }
+    }
+
+    /// The fields docs/api-fields.md lists in its table for `endpoint` (a row may name several).
+    fn documented(endpoint: &str) -> Vec<String> {
+        let doc = include_str!("../../../docs/api-fields.md");
+        let section = doc
+            .split("\n## POST ")
+            .find(|s| s.starts_with(&format!("{endpoint}\n")))
+            .unwrap_or_else(|| panic!("no section for {endpoint}"));
+        section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .flat_map(|l| {
+                let cell = format!("`{}", l.split(" |").next().unwrap_or(""));
+                cell.split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// Kura's extensions on the OpenAI routes, as docs/api-fields.md names them.
+    const EXTENSIONS: [&str; 15] = [
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "stop_token_ids",
+        "ignore_eos",
+        "priority",
+        "cache_salt",
+        "cached_content",
+        "return_token_ids",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "prompt_logprobs",
+    ];
+
+    #[test]
+    fn every_documented_field_is_read_and_any_other_is_refused_by_name() {
+        let doc = include_str!("../../../docs/api-fields.md");
+        for name in EXTENSIONS {
+            assert!(
+                doc.contains(&format!("`{name}`")),
+                "{name} is not documented"
+            );
+        }
+        let chat = documented("/v1/chat/completions");
+        assert!(chat.len() > 30, "{chat:?}");
+        for name in chat.iter().map(String::as_str).chain(EXTENSIONS) {
+            let body = serde_json::json!({ name: null });
+            assert!(check_chat_fields(&body).is_ok(), "chat refuses {name}");
+        }
+        let completions = documented("/v1/completions");
+        assert!(completions.len() > 15, "{completions:?}");
+        for name in completions
+            .iter()
+            .map(String::as_str)
+            .chain(EXTENSIONS)
+            .chain(["response_format"])
+        {
+            let body = serde_json::json!({"model": "m", "prompt": "x", name: null});
+            let e = prepare_completion(&body, CTX).err().map(|e| e.to_string());
+            assert!(
+                e.as_ref().is_none_or(|e| !e.contains("is not a field")),
+                "completions refuses {name}: {e:?}"
+            );
+        }
+        let responses = documented("/v1/responses");
+        assert!(responses.len() > 40, "{responses:?}");
+        for name in &responses {
+            let body = serde_json::json!({"model": "m", "input": "x", name.as_str(): null});
+            let e = crate::responses::prepare(&body, CTX)
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                e.as_ref().is_none_or(|e| !e.contains("is not a field")),
+                "responses refuses {name}: {e:?}"
+            );
+        }
+        let body = serde_json::json!({"model": "m", "input": "x", "chat_template_kwargs": {}});
+        let e = crate::responses::prepare(&body, CTX)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.starts_with("chat_template_kwargs is not a field of responses"),
+            "{e}"
+        );
+        // Another server's extension or a misspelt name: refused, named.
+        for name in ["chat_template_kwargs", "max_token", "min_tokens"] {
+            let body = serde_json::json!({"model": "m", "messages": [], name: 1});
+            let e = check_chat_fields(&body).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{name} is not a field of chat completions")),
+                "{e}"
+            );
+            let body = serde_json::json!({"model": "m", "prompt": "x", name: 1});
+            let e = prepare_completion(&body, CTX).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{name} is not a field of completions")),
+                "{e}"
+            );
         }
     }
 
