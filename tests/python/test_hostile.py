@@ -99,7 +99,7 @@ def test_sigterm_exits_after_the_grace_despite_partial_requests_and_unread_strea
         unread = socket.create_connection(("127.0.0.1", s.port))
         unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True,
-                           "logprobs": 20, "extra": "x", "ignore_eos": True}).encode()
+                           "logprobs": 20, "user": "x", "ignore_eos": True}).encode()
         unread.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         held += [partial_head, short_body, unread]
