@@ -1,6 +1,9 @@
 """The OpenAI API of `kura serve`, driven by the official `openai` client."""
 
+import anthropic
 import httpx
+import openai
+import pytest
 
 from conftest import long_text
 
@@ -166,3 +169,25 @@ def test_return_token_ids_gives_the_prompt_tokens_too(server):
     streamed = [ch for ch in client.completions.create(model=model, prompt=text, max_tokens=2, stream=True,
                                                        extra_body={"return_token_ids": True})]
     assert all("prompt_token_ids" not in (ch.choices[0].model_extra if ch.choices else {}) for ch in streamed)
+
+
+def test_a_field_the_server_does_not_read_is_refused_by_name(server):
+    client = server.client()
+    model = server.model()
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    # Another server's extension (vLLM's) and a misspelt name: a 400 that names them, not a silent drop.
+    for extra in [{"chat_template_kwargs": {"enable_thinking": False}}, {"max_token": 5}]:
+        (name,) = extra
+        with pytest.raises(openai.BadRequestError, match=f"{name} is not a field of chat completions"):
+            client.chat.completions.create(**chat, extra_body=extra)
+        with pytest.raises(openai.BadRequestError, match=f"{name} is not a field of completions"):
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=extra)
+        with pytest.raises(openai.BadRequestError, match=f"{name} is not a field of responses"):
+            client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False, extra_body=extra)
+    a = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="seed is not a field of messages"):
+        a.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+                          extra_body={"seed": 1})
+    # The fields it reads, its extensions among them, still pass.
+    r = client.chat.completions.create(**chat, extra_body={"top_k": 5, "ignore_eos": True})
+    assert r.usage.completion_tokens == 2
