@@ -401,6 +401,7 @@ BAD = [
     ("/v1/caches", {"prompt": "x", "cached_content": "ctx_000000000000000000000000"}, 400,
      "cannot start from another"),
     ("/v1/caches", {"model": "other", "prompt": "x"}, 404, "does not exist"),
+    ("/v1/caches", {"prompt": "x", "ttl_seconds": 60}, 400, "ttl_seconds is not a field of caches"),
 ]
 
 

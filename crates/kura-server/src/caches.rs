@@ -27,6 +27,19 @@ const MAX_CLOCK_STEP_S: u64 = 10 * 365 * 24 * 3600;
 /// expiry times a year past it never saturate.
 const MAX_CLOCK_MS: u64 = 1000 * 365 * 24 * 3600 * 1000;
 
+/// The fields `POST /v1/caches` reads (`tools`, `cached_content` and `cache_salt` to refuse them by
+/// name).
+const CREATE_FIELDS: [&str; 8] = [
+    "cache_salt",
+    "cached_content",
+    "display_name",
+    "messages",
+    "model",
+    "prompt",
+    "tools",
+    "ttl",
+];
+
 pub async fn create(
     State(s): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -34,6 +47,8 @@ pub async fn create(
 ) -> Result<Json<Value>, ApiError> {
     let info = s.engine.info().clone();
     let o = value.as_object().expect("JsonBody is an object");
+    // A field this route does not read is refused by name, as on the generation routes.
+    kura_api::body::known_fields(o, &[&CREATE_FIELDS], "caches")?;
     // Fields of the generation routes that a context would otherwise drop without a word.
     for (field, why) in [
         (
