@@ -76,10 +76,7 @@ pub fn known_fields(
     known: &[&[&str]],
     request: &str,
 ) -> Result<(), ApiError> {
-    match body
-        .keys()
-        .find(|k| !known.iter().any(|list| list.contains(&k.as_str())))
-    {
+    match unknown_field(body, known) {
         Some(k) => Err(ApiError::invalid(
             format!(
                 "{k} is not a field of {request} that this server reads (docs/api-fields.md lists \
@@ -89,6 +86,15 @@ pub fn known_fields(
         )),
         None => Ok(()),
     }
+}
+
+/// The first field of `body` that none of `known`'s lists names.
+fn unknown_field<'a>(
+    body: &'a serde_json::Map<String, serde_json::Value>,
+    known: &[&[&str]],
+) -> Option<&'a String> {
+    body.keys()
+        .find(|k| !known.iter().any(|list| list.contains(&k.as_str())))
 }
 
 /// `Content-Type` of a JSON route: `application/json`, optionally with `charset=utf-8` (any case).
@@ -208,7 +214,7 @@ pub fn only_fields(
     fields: &[&str],
     request: &str,
 ) -> Result<(), ApiError> {
-    match body.keys().find(|k| !fields.contains(&k.as_str())) {
+    match unknown_field(body, &[fields]) {
         Some(k) => Err(ApiError::invalid(
             format!(
                 "{k} is not a field of {request} (it takes {})",

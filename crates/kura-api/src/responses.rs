@@ -224,10 +224,7 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
                 let mut f = t.clone();
                 if let Some(o) = f.as_object_mut() {
                     o.remove("type");
-                    // Responses' function tools are strict unless they say otherwise (null too).
-                    if o.get("strict").is_none_or(Value::is_null) {
-                        o.insert("strict".into(), Value::Bool(true));
-                    }
+                    strict_unless_said(o);
                 }
                 Ok(json!({"type": "function", "function": f}))
             }
@@ -241,6 +238,14 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Value::Array)
+}
+
+/// A Responses function tool is strict unless it says otherwise (null too), as Responses' schema
+/// defines `strict`.
+fn strict_unless_said(tool: &mut Map<String, Value>) {
+    if tool.get("strict").is_none_or(Value::is_null) {
+        tool.insert("strict".into(), Value::Bool(true));
+    }
 }
 
 /// Responses' `tool_choice` (`"auto"`, `"none"`, `"required"`, `{"type": "function", "name"}`) in
@@ -586,9 +591,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
             .map(|t| {
                 let mut t = t.clone();
                 if let Some(o) = t.as_object_mut() {
-                    if o.get("strict").is_none_or(Value::is_null) {
-                        o.insert("strict".into(), Value::Bool(true));
-                    }
+                    strict_unless_said(o);
                     o.entry("parameters")
                         .or_insert(json!({"type": "object", "properties": {}}));
                 }

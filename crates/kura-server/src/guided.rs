@@ -35,32 +35,25 @@ pub(crate) async fn constraint(
     style: ToolStyle,
     deadline: crate::output::Deadline,
 ) -> Result<Option<Arc<dyn ConstraintSpec>>, ApiError> {
+    let calls = tools.filter(|t| t.parses_calls());
+    // Beside tools the model may call, a format is the answer of a turn that calls none: a JSON one.
+    // (A forced call's turn is the call; its format is for a later turn's text, as the OpenAI Agents
+    // SDK sends an agent's output type.)
+    let answer = match (&guide, calls) {
+        (Some((g, param)), Some(_)) => Some(answer_schema(g, param)?),
+        _ => None,
+    };
     let (guide, param) = match tools.and_then(ToolPlan::constrained) {
         Some(defs) => {
-            // The turn is the call; a JSON format beside it is for a later turn's text (as the OpenAI
-            // Agents SDK sends an agent's output type). A format no answer beside calls can take is
-            // refused here as beside `auto`.
-            if let Some((g, param)) = &guide {
-                if !matches!(g, Guide::JsonObject | Guide::JsonSchema(_)) {
-                    return Err(ApiError::invalid(
-                        format!(
-                            "{param} beside tools must be a JSON schema or json_object (the \
-                             answer of a turn that calls none); send tool_choice none to answer \
-                             in this format only"
-                        ),
-                        Some(param),
-                    ));
-                }
-            }
             let parallel = tools.is_some_and(|t| t.parallel);
             (
                 Guide::Lark(style.format.call_grammar(&defs, parallel, style.call_token)),
                 "tools",
             )
         }
-        None => match (guide, tools.filter(|t| t.parses_calls())) {
+        None => match (guide, calls, answer) {
             // Strict tools the model may call: an answer, or calls held to their schemas.
-            (None, Some(plan)) if plan.strict_under_auto() => (
+            (None, Some(plan), _) if plan.strict_under_auto() => (
                 Guide::Lark(style.format.call_or_text_grammar(
                     &plan.tools,
                     plan.parallel,
@@ -68,35 +61,18 @@ pub(crate) async fn constraint(
                 )),
                 "tools",
             ),
-            (None, _) => return Ok(None),
-            (Some(g), None) => g,
+            (None, _, _) => return Ok(None),
             // The model may call a tool or answer: the answer alone follows the format.
-            (Some((g, param)), Some(plan)) => {
-                let schema = match g {
-                    Guide::JsonObject => serde_json::json!({"type": "object"}),
-                    Guide::JsonSchema(schema) => schema,
-                    _ => {
-                        return Err(ApiError::invalid(
-                            format!(
-                                "{param} with tools the model may call (tool_choice auto) must be \
-                                 a JSON schema or json_object: a call or an answer in that format \
-                                 is what the output can be; send tool_choice none to answer in \
-                                 this format only"
-                            ),
-                            Some(param),
-                        ))
-                    }
-                };
-                (
-                    Guide::Lark(style.format.call_or_json_grammar(
-                        &plan.tools,
-                        plan.parallel,
-                        &schema,
-                        style.call_token,
-                    )),
-                    param,
-                )
-            }
+            (Some((_, param)), Some(plan), Some(schema)) => (
+                Guide::Lark(style.format.call_or_json_grammar(
+                    &plan.tools,
+                    plan.parallel,
+                    &schema,
+                    style.call_token,
+                )),
+                param,
+            ),
+            (Some(g), _, _) => g,
         },
     };
     // Compiles take turns, a few at a time: each holds memory in proportion to its grammar (up to
@@ -136,6 +112,23 @@ pub(crate) async fn constraint(
         }) as Arc<dyn ConstraintSpec>))
     });
     crate::output::finish_before(deadline, compile).await
+}
+
+/// The schema of an answer in `guide` beside tool calls: JSON only (a regex, a grammar or a choice
+/// could not stand beside a call), refused by name otherwise.
+fn answer_schema(guide: &Guide, param: &'static str) -> Result<serde_json::Value, ApiError> {
+    match guide {
+        Guide::JsonObject => Ok(serde_json::json!({"type": "object"})),
+        Guide::JsonSchema(schema) => Ok(schema.clone()),
+        _ => Err(ApiError::invalid(
+            format!(
+                "{param} beside tools the model may call must be a JSON schema or json_object: a \
+                 call or an answer in that format is what the output can be; send tool_choice none \
+                 to answer in this format only"
+            ),
+            Some(param),
+        )),
+    }
 }
 
 /// A compiled grammar and the request field it came from, which an error met while generating names.
