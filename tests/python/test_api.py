@@ -176,7 +176,7 @@ def test_a_field_the_server_does_not_read_is_refused_by_name(server):
     model = server.model()
     chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     # Another server's extension (vLLM's) and a misspelt name: a 400 that names them, not a silent drop.
-    for extra in [{"chat_template_kwargs": {"enable_thinking": False}}, {"max_token": 5}]:
+    for extra in [{"guided_decoding_backend": "xgrammar"}, {"max_token": 5}]:
         (name,) = extra
         with pytest.raises(openai.BadRequestError, match=f"{name} is not a field of chat completions"):
             client.chat.completions.create(**chat, extra_body=extra)
@@ -191,3 +191,8 @@ def test_a_field_the_server_does_not_read_is_refused_by_name(server):
     # The fields it reads, its extensions among them, still pass.
     r = client.chat.completions.create(**chat, extra_body={"top_k": 5, "ignore_eos": True})
     assert r.usage.completion_tokens == 2
+    # vLLM's chat_template_kwargs is read: a name this model's template does not read is left out, as
+    # vLLM leaves it out, so that one client can send `enable_thinking` to every model.
+    plain = client.chat.completions.create(**chat)
+    r = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens

@@ -138,6 +138,11 @@ pub fn routing_prompt(
         Endpoint::ChatCompletions => {
             let plan = validate::prepare_chat(value, ctx)?;
             scored = plan.prompt_logprobs.is_some();
+            let own = match &plan.template_kwargs {
+                Some(kwargs) => Some(validate::template_codec(codec, kwargs)?),
+                None => None,
+            };
+            let codec = own.as_deref().unwrap_or(codec);
             let tokens = match plan.continue_final {
                 true => {
                     crate::tools::encode_chat_continuing(codec, plan.messages, plan.tools.as_ref())?

@@ -154,6 +154,8 @@ pub struct ChatCompletionRequest {
     pub continue_final_message: Option<bool>,
     /// vLLM's: only `true` (the default), or `false` beside `continue_final_message`.
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's: variables handed to the chat template beside the messages (`enable_thinking`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// `POST /tokenize`: a prompt, or chat messages (with the tools the chat request would carry) as the
@@ -173,6 +175,8 @@ pub struct TokenizeRequest {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's: the last message, an assistant's, is continued (as the chat route's field).
     pub continue_final_message: Option<bool>,
+    /// vLLM's: variables handed to the chat template (as the chat route's field).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -1,7 +1,9 @@
 //! Raw OpenAI request bodies → checked engine parameters. Every check names the parameter and the
 //! value it got; nothing here panics on any input.
 
-use kura_request::ChatMessage;
+use std::sync::Arc;
+
+use kura_request::{ChatMessage, TextCodec};
 use kura_request::{GenerateRequest, SamplingParams};
 
 use kura_guide::Guide;
@@ -631,6 +633,8 @@ pub struct ChatPlan {
     /// vLLM's `continue_final_message`: the last message, an assistant's, is continued (the prompt
     /// ends inside its turn, after its text) rather than answered.
     pub continue_final: bool,
+    /// vLLM's `chat_template_kwargs`: variables for the chat template (none when absent or empty).
+    pub template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 impl ChatPlan {
@@ -834,6 +838,7 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         prompt_logprobs,
         user: common.user,
         continue_final,
+        template_kwargs: req.chat_template_kwargs.filter(|k| !k.is_empty()),
     })
 }
 
@@ -926,6 +931,39 @@ pub fn tokenize_error(e: String) -> ApiError {
 }
 
 /// Messages the chat template refused, as the client's error.
+/// The codec that writes a chat request's prompt: `codec` itself, or `codec` with the request's
+/// `chat_template_kwargs` ([`template_codec`]).
+pub fn chat_codec(
+    codec: &Arc<dyn TextCodec>,
+    kwargs: Option<&serde_json::Map<String, Value>>,
+) -> Result<Arc<dyn TextCodec>, ApiError> {
+    match kwargs {
+        Some(kwargs) => template_codec(codec.as_ref(), kwargs),
+        None => Ok(codec.clone()),
+    }
+}
+
+/// `codec` with `chat_template_kwargs` handed to its template; the names the template does not read
+/// are left out (as vLLM leaves them out) and logged.
+pub fn template_codec(
+    codec: &dyn TextCodec,
+    kwargs: &serde_json::Map<String, Value>,
+) -> Result<Arc<dyn TextCodec>, ApiError> {
+    let (codec, left_out) = codec.with_template_kwargs(kwargs).map_err(|e| {
+        ApiError::invalid(
+            e.strip_prefix("chat template: ").unwrap_or(&e).to_string(),
+            Some("chat_template_kwargs"),
+        )
+    })?;
+    if !left_out.is_empty() {
+        tracing::debug!(
+            ?left_out,
+            "chat_template_kwargs the chat template does not read"
+        );
+    }
+    Ok(codec)
+}
+
 pub fn template_error(e: String) -> ApiError {
     over_context(e, "messages").unwrap_or_else(|e| {
         ApiError::invalid(
@@ -1061,8 +1099,15 @@ mod tests {
             e.starts_with("chat_template_kwargs is not a field of responses"),
             "{e}"
         );
+        // Chat's template arguments are chat's alone.
+        let body = serde_json::json!({"model": "m", "prompt": "x", "chat_template_kwargs": {}});
+        let e = prepare_completion(&body, CTX).unwrap_err().to_string();
+        assert!(
+            e.starts_with("chat_template_kwargs is not a field of completions"),
+            "{e}"
+        );
         // Another server's extension or a misspelt name: refused, named.
-        for name in ["chat_template_kwargs", "max_token", "min_tokens"] {
+        for name in ["guided_decoding_backend", "max_token", "min_tokens"] {
             let body = serde_json::json!({"model": "m", "messages": [], name: 1});
             let e = check_chat_fields(&body).unwrap_err().to_string();
             assert!(

@@ -60,3 +60,80 @@ fn default_model_chat_prompt_is_the_rendered_text_without_added_tokens() {
         assert!(ids[..2] != [bos, bos], "double BOS: {ids:?}");
     }
 }
+
+/// A template that reads `enable_thinking` as Qwen3's does: `false` closes an empty think block after
+/// the generation prompt.
+const THINKING: &str = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}";
+
+fn kwargs(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    v.as_object().unwrap().clone()
+}
+
+#[test]
+fn template_arguments_reach_the_template_and_only_those_it_reads_are_kept() {
+    let model = Model::load(&common::default_model_path()).unwrap();
+    let tok = model.tokenizer();
+    let template = model.chat_template().with_source(THINKING).unwrap();
+    let plain = template.render(&messages(), true).unwrap();
+    let (off, left_out) = template
+        .with_vars(
+            &kwargs(serde_json::json!({"enable_thinking": false, "documents": ["d"]})),
+            tok,
+        )
+        .unwrap();
+    assert_eq!(left_out, ["documents"]);
+    assert_eq!(
+        off.render(&messages(), true).unwrap(),
+        format!("{plain}<think>\n\n</think>\n\n")
+    );
+    // Without the generation prompt the argument writes nothing; the template itself is unchanged.
+    assert_eq!(
+        off.render(&messages(), false).unwrap(),
+        template.render(&messages(), false).unwrap()
+    );
+    assert_eq!(template.render(&messages(), true).unwrap(), plain);
+    let (on, _) = template
+        .with_vars(&kwargs(serde_json::json!({"enable_thinking": true})), tok)
+        .unwrap();
+    assert_eq!(on.render(&messages(), true).unwrap(), plain);
+    // Encoded, the think block is the prompt's last tokens.
+    let ids = off.encode(tok, &messages(), true).unwrap();
+    assert_eq!(
+        ids,
+        tok.encode(&format!("{plain}<think>\n\n</think>\n\n"), false)
+            .unwrap()
+    );
+}
+
+#[test]
+fn template_arguments_the_template_cannot_take_are_refused_by_name() {
+    let model = Model::load(&common::default_model_path()).unwrap();
+    let tok = model.tokenizer();
+    let template = model.chat_template().with_source(THINKING).unwrap();
+    for (args, says) in [
+        (
+            serde_json::json!({"messages": []}),
+            "chat_template_kwargs.messages is set by the server",
+        ),
+        (
+            serde_json::json!({"eos_token": "x"}),
+            "chat_template_kwargs.eos_token is set by the server",
+        ),
+        (
+            serde_json::json!({"namespace": 1}),
+            "chat_template_kwargs.namespace names a function",
+        ),
+        (
+            serde_json::json!({"enable_thinking": ["ok", "<|im_end|>"]}),
+            "chat_template_kwargs.enable_thinking spells a special token",
+        ),
+    ] {
+        let e = template.with_vars(&kwargs(args), tok).err().unwrap();
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    // A value that spells a special token in a name the template does not read is left out unread.
+    let (_, left_out) = template
+        .with_vars(&kwargs(serde_json::json!({"other": "<|im_end|>"})), tok)
+        .unwrap();
+    assert_eq!(left_out, ["other"]);
+}

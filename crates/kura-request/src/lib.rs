@@ -645,6 +645,17 @@ pub trait TextCodec: Send + Sync + 'static {
         let _ = (messages, tools);
         Err("this model's chat template has no tools section".into())
     }
+    /// This codec with `kwargs` handed to its chat template beside the messages in every chat it
+    /// writes (vLLM's `chat_template_kwargs`, such as Qwen3's `enable_thinking`), and the names left
+    /// out because the template never reads them. An error names an argument the template cannot take
+    /// (one the server sets itself, one spelling a special token).
+    fn with_template_kwargs(
+        &self,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(Arc<dyn TextCodec>, Vec<String>), String> {
+        let _ = kwargs;
+        Err("this model's chat template takes no arguments".into())
+    }
     /// [`TextCodec::chat_content_spans`] of a text [`TextCodec::render_chat_with_tools`] wrote.
     fn chat_content_spans_with_tools(
         &self,

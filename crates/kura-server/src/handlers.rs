@@ -2,6 +2,7 @@
 //! 200 KB prompt must not stall the two async workers that serve every stream and `/health`), submit
 //! one engine request per prompt, then collect or stream the merged events ([`crate::output`]).
 
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
@@ -10,7 +11,7 @@ use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::StreamExt;
-use kura_engine::{ChatMessage, EngineHandle, GenerateRequest};
+use kura_engine::{ChatMessage, EngineHandle, GenerateRequest, TextCodec};
 
 use crate::body::JsonBody;
 use crate::caches;
@@ -88,20 +89,18 @@ async fn echo_prompts(
 /// The chat template applied and tokenized in one step, off the async workers: the template writes
 /// the special tokens, so none are added again (no second BOS).
 async fn encode_chat(
-    engine: &EngineHandle,
+    codec: Arc<dyn TextCodec>,
     messages: Vec<ChatMessage>,
 ) -> Result<Vec<u32>, ApiError> {
-    let codec = engine.codec().clone();
     off_the_workers(move || codec.encode_chat(&messages).map_err(template_error)).await
 }
 
 /// [`encode_chat`] with tool definitions for a template that has a tools section.
 async fn encode_chat_tools(
-    engine: &EngineHandle,
+    codec: Arc<dyn TextCodec>,
     messages: Vec<ChatMessage>,
     tools: serde_json::Value,
 ) -> Result<Vec<u32>, ApiError> {
-    let codec = engine.codec().clone();
     off_the_workers(move || {
         codec
             .encode_chat_with_tools(&messages, &tools)
@@ -112,12 +111,12 @@ async fn encode_chat_tools(
 
 /// [`kura_api::tools::history_tokens`] of a request's prompt, off the async workers.
 pub(crate) async fn history_of(
-    engine: &EngineHandle,
+    codec: Arc<dyn TextCodec>,
     conversation: Vec<ChatMessage>,
     tools: Option<kura_api::tools::ToolPlan>,
     request: &GenerateRequest,
 ) -> Result<usize, ApiError> {
-    let (codec, prompt) = (engine.codec().clone(), request.prompt_tokens.clone());
+    let prompt = request.prompt_tokens.clone();
     off_the_workers(move || {
         Ok(kura_api::tools::history_tokens(
             codec.as_ref(),
@@ -477,6 +476,8 @@ pub async fn chat_completions(
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
     let context = saved_context(&s, &plan.checked, &tenant).await?;
+    // The codec writes the prompt with the request's template arguments.
+    let codec = validate::chat_codec(s.engine.codec(), plan.template_kwargs.as_ref())?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
@@ -499,7 +500,7 @@ pub async fn chat_completions(
         match (&context, tools_json) {
             // Checked: a saved context does not go with a continued message.
             (None, tools) if plan.continue_final => {
-                let codec = s.engine.codec().clone();
+                let codec = codec.clone();
                 off_the_workers(move || {
                     codec
                         .encode_chat_continuing(&messages, tools.as_ref())
@@ -507,15 +508,15 @@ pub async fn chat_completions(
                 })
                 .await?
             }
-            (None, None) => encode_chat(&s.engine, messages).await?,
-            (None, Some(tools)) => encode_chat_tools(&s.engine, messages, tools).await?,
+            (None, None) => encode_chat(codec.clone(), messages).await?,
+            (None, Some(tools)) => encode_chat_tools(codec.clone(), messages, tools).await?,
             (Some(_), Some(_)) => return Err(ApiError::invalid(
                 "cached_content cannot be combined with tools on this model: its chat template \
                  writes the tools itself, ahead of the saved context",
                 Some("cached_content"),
             )),
             (Some(c), None) => {
-                let (codec, c) = (s.engine.codec().clone(), c.clone());
+                let (codec, c) = (codec.clone(), c.clone());
                 off_the_workers(move || {
                     caching::encode_with_breakpoints(
                         codec.as_ref(),
@@ -562,7 +563,7 @@ pub async fn chat_completions(
     request.prompt_logprobs = plan.prompt_logprobs.map(|k| k as usize);
     if let Some(conversation) = conversation {
         request.history_tokens =
-            history_of(&s.engine, conversation, plan.tools.clone(), &request).await?;
+            history_of(codec, conversation, plan.tools.clone(), &request).await?;
     }
     tracing::debug!(user = ?plan.user, prompt_tokens = request.prompt_tokens.len(), max_tokens, "chat request");
     let meta = ResponseMeta {
@@ -633,6 +634,12 @@ pub async fn tokenize(
     }
     let continued =
         validate::continues_final_message(req.continue_final_message, req.add_generation_prompt)?;
+    if req.chat_template_kwargs.is_some() && req.messages.is_none() {
+        return Err(ApiError::invalid(
+            "chat_template_kwargs goes with messages (the chat template reads them)",
+            Some("chat_template_kwargs"),
+        ));
+    }
     if (req.add_generation_prompt.is_some() || continued) && req.messages.is_none() {
         return Err(ApiError::invalid(
             "add_generation_prompt goes with messages",
@@ -658,7 +665,9 @@ pub async fn tokenize(
         (None, Some(m)) => {
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
-            let (codec, messages) = (s.engine.codec().clone(), validate::flatten_messages(&m)?);
+            let kwargs = req.chat_template_kwargs.filter(|k| !k.is_empty());
+            let codec = validate::chat_codec(s.engine.codec(), kwargs.as_ref())?;
+            let messages = validate::flatten_messages(&m)?;
             off_the_workers(move || match continued {
                 true => kura_api::tools::encode_chat_continuing(
                     codec.as_ref(),

@@ -111,7 +111,7 @@ async fn messages_inner(
     // The turns before a prefill: its open turn is the prompt's end, not history.
     if plan.closed_messages().iter().any(|m| m.role == "assistant") {
         request.history_tokens = handlers::history_of(
-            &s.engine,
+            s.engine.codec().clone(),
             plan.closed_messages().to_vec(),
             plan.tools.clone(),
             &request,

@@ -499,7 +499,8 @@ pub async fn create(
     }
     request.constraint = constraint;
     if let Some(sent) = conversation_sent {
-        request.history_tokens = history_of(&s.engine, sent, plan.tools.clone(), &request).await?;
+        request.history_tokens =
+            history_of(s.engine.codec().clone(), sent, plan.tools.clone(), &request).await?;
     }
     let meta = Meta {
         id: format!("resp_{}", response_id("r").trim_start_matches("r-")),

@@ -14,8 +14,9 @@
 //! spell no special token is tokenized exactly as the rendered text always was.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use minijinja::{context, Environment, Error, ErrorKind};
+use minijinja::{context, Environment, Error, ErrorKind, Value};
 
 use crate::error::{Result, TextError};
 use crate::tokenizer::Tokenizer;
@@ -30,13 +31,27 @@ pub const GEMMA3: &str = include_str!("gemma3_chat_template.jinja");
 
 pub use kura_request::ChatMessage;
 
-/// A compiled chat template. Cheap to render many times; `Send + Sync`.
+/// A compiled chat template. Cheap to render many times, and to clone; `Send + Sync`.
+#[derive(Clone)]
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    env: Arc<Environment<'static>>,
     source: String,
     bos_token: String,
     eos_token: String,
+    /// Variables a request adds to every render ([`ChatTemplate::with_vars`]): a map, empty unless
+    /// given.
+    vars: Value,
 }
+
+/// The variables the server gives a chat template itself; a request's template arguments cannot set
+/// them (each has its own field, or none).
+pub const TEMPLATE_OWN_VARS: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
 
 /// Template instructions one render may run. A chat template comes from the model file, so a hostile or
 /// broken one could loop without end (nested `range`s, recursive macros): past this budget the render
@@ -86,11 +101,61 @@ impl ChatTemplate {
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TextError::ChatTemplate(format!("template does not compile: {e}")))?;
         Ok(ChatTemplate {
-            env,
+            env: Arc::new(env),
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
+            vars: Value::from(std::collections::BTreeMap::<String, Value>::new()),
         })
+    }
+
+    /// This template with `vars` given to every render beside the messages (vLLM's
+    /// `chat_template_kwargs`: Qwen3's `enable_thinking`, a template's `documents`), and the names
+    /// left out because the template never reads them (as vLLM leaves them out, so that a client may
+    /// send the same arguments to every model). An error names a variable the server sets itself
+    /// ([`TEMPLATE_OWN_VARS`]), one that would hide a function of the template's (`range`,
+    /// `raise_exception`), or a value that spells a special token of `tokenizer`: the template writes
+    /// such values as they are, where the text would become control tokens.
+    pub fn with_vars(
+        &self,
+        vars: &serde_json::Map<String, serde_json::Value>,
+        tokenizer: &Tokenizer,
+    ) -> Result<(Self, Vec<String>)> {
+        let read = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TextError::ChatTemplate(e.to_string()))?
+            .undeclared_variables(false);
+        let mut kept = serde_json::Map::new();
+        let mut left_out = Vec::new();
+        for (name, value) in vars {
+            if TEMPLATE_OWN_VARS.contains(&name.as_str()) {
+                return Err(TextError::ChatTemplate(format!(
+                    "chat_template_kwargs.{name} is set by the server (from the request's own \
+                     fields), not by template arguments"
+                )));
+            }
+            if self.env.globals().any(|(global, _)| global == name) {
+                return Err(TextError::ChatTemplate(format!(
+                    "chat_template_kwargs.{name} names a function of the chat template's, which a \
+                     template argument cannot replace"
+                )));
+            }
+            if !read.contains(name) {
+                left_out.push(name.clone());
+                continue;
+            }
+            if tokenizer.contains_special_text(name) || spells_special(value, tokenizer) {
+                return Err(TextError::ChatTemplate(format!(
+                    "chat_template_kwargs.{name} spells a special token of this model; the template \
+                     writes its arguments as they are, where only message contents are kept as text"
+                )));
+            }
+            kept.insert(name.clone(), value.clone());
+        }
+        let mut template = self.clone();
+        template.vars = Value::from_serialize(&kept);
+        Ok((template, left_out))
     }
 
     /// A template of another source with this one's BOS and EOS texts (a template given in place of
@@ -134,6 +199,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
+                ..self.vars.clone()
             },
             &mut out,
         );
@@ -345,16 +411,7 @@ fn check_tool_text(
     tools: Option<&serde_json::Value>,
     tokenizer: &Tokenizer,
 ) -> Result<()> {
-    fn spells(v: &serde_json::Value, tokenizer: &Tokenizer) -> bool {
-        match v {
-            serde_json::Value::String(s) => tokenizer.contains_special_text(s),
-            serde_json::Value::Array(a) => a.iter().any(|v| spells(v, tokenizer)),
-            serde_json::Value::Object(o) => o
-                .iter()
-                .any(|(k, v)| tokenizer.contains_special_text(k) || spells(v, tokenizer)),
-            _ => false,
-        }
-    }
+    let spells = spells_special;
     let refuse = |what: String| {
         Err(TextError::ChatTemplate(format!(
             "{what} spells a special token of this model; only message contents may (they are kept \
@@ -378,6 +435,18 @@ fn check_tool_text(
         return refuse("a tool's definition".into());
     }
     Ok(())
+}
+
+/// Whether a string of `v` (a key or a value, at any depth) spells a special token of `tokenizer`.
+fn spells_special(v: &serde_json::Value, tokenizer: &Tokenizer) -> bool {
+    match v {
+        serde_json::Value::String(s) => tokenizer.contains_special_text(s),
+        serde_json::Value::Array(a) => a.iter().any(|v| spells_special(v, tokenizer)),
+        serde_json::Value::Object(o) => o
+            .iter()
+            .any(|(k, v)| tokenizer.contains_special_text(k) || spells_special(v, tokenizer)),
+        _ => false,
+    }
 }
 
 /// Marks the start of a placeholder; a private-use character no template writes.

@@ -234,4 +234,19 @@ impl TextCodec for ModelCodec {
     ) -> Result<Vec<u32>, String> {
         self.encode_chat_checked(messages, Some(tools), false)
     }
+    fn with_template_kwargs(
+        &self,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(Arc<dyn TextCodec>, Vec<String>), String> {
+        let (template, left_out) = self
+            .chat_template()
+            .with_vars(kwargs, &self.text.tokenizer)
+            .map_err(|e| e.to_string())?;
+        let codec = ModelCodec {
+            text: self.text.clone(),
+            template: Some(template),
+            limit: self.limit,
+        };
+        Ok((Arc::new(codec), left_out))
+    }
 }
