@@ -1,5 +1,7 @@
 """The OpenAI API of `kura serve`, driven by the official `openai` client."""
 
+import re
+
 import anthropic
 import httpx
 import openai
@@ -196,3 +198,40 @@ def test_a_field_the_server_does_not_read_is_refused_by_name(server):
     plain = client.chat.completions.create(**chat)
     r = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_min_tokens_holds_back_the_end_and_stop_strings(server):
+    # vLLM's `min_tokens`: no end-of-sequence token and no stop string ends a choice before it has that
+    # many tokens; greedy, the output is the same up to where the end was held back.
+    c, model = server.client(), server.model()
+    messages = [{"role": "user", "content": "Say hi."}]
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0)
+    assert plain.choices[0].finish_reason == "stop", plain
+    n = plain.usage.completion_tokens + 8
+    held = c.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0,
+                                     extra_body={"min_tokens": n})
+    assert held.usage.completion_tokens >= n, held
+    assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
+    assert len(held.choices[0].message.content) > len(plain.choices[0].message.content)
+    # A stop string in the first `min_tokens` tokens does not end the choice; one after them does.
+    prompt = "The capital of France is"
+    cut = c.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0, stop=["."])
+    assert cut.choices[0].text == " Paris", cut
+    kept = c.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0, stop=["."],
+                                extra_body={"min_tokens": 10})
+    text = kept.choices[0].text
+    assert text.startswith(" Paris.") and kept.usage.completion_tokens >= 10, kept
+    streamed = c.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0, stop=["."],
+                                    stream=True, extra_body={"min_tokens": 10})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == text
+    # On /v1/responses too, as vLLM's extension.
+    r = c.responses.create(model=model, input="Say hi.", max_output_tokens=80, temperature=0, store=False,
+                           extra_body={"min_tokens": n})
+    assert r.usage.output_tokens >= n, r
+    # More than max_tokens, or negative: refused by name.
+    for bad, says in [(81, "min_tokens must be at most max_tokens (80), got 81"),
+                      (-1, "min_tokens must be at least 0")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(says)) as e:
+            c.chat.completions.create(model=model, messages=messages, max_tokens=80,
+                                      extra_body={"min_tokens": bad})
+        assert e.value.body["param"] == "min_tokens"

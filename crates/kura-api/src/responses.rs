@@ -293,7 +293,7 @@ pub fn prepare_count(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiEr
 
 /// Every field a `/v1/responses` body may hold: OpenAI's (honoured, ignored or refused by name
 /// below), Kura's extensions, and chat's fields, which are refused by name (docs/api-fields.md).
-pub const FIELDS: [&str; 54] = [
+pub const FIELDS: [&str; 55] = [
     "background",
     "cache_salt",
     "cached_content",
@@ -317,6 +317,7 @@ pub const FIELDS: [&str; 54] = [
     "messages",
     "metadata",
     "min_p",
+    "min_tokens",
     "model",
     "n",
     "parallel_tool_calls",
@@ -501,6 +502,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         "stop",
         "stop_token_ids",
         "ignore_eos",
+        "min_tokens",
         "logit_bias",
         "priority",
     ] {

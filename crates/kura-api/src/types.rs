@@ -66,6 +66,8 @@ pub struct CommonParams {
     pub cached_content: Option<String>,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// vLLM's: no choice ends on a stop token or stop string before it has this many tokens.
+    pub min_tokens: Option<i64>,
     /// vLLM's extension: each choice of a non-streamed response also carries its generated tokens' ids
     /// (`token_ids`), so a client can continue from exactly those tokens.
     #[serde(default)]

@@ -89,6 +89,8 @@ pub struct Checked {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// vLLM's `min_tokens` (0: none).
+    pub min_tokens: u32,
     pub priority: i32,
     pub cache_salt: Option<String>,
     pub prompt_cache_retention: Option<String>,
@@ -118,6 +120,7 @@ impl Checked {
             stop: self.stop,
             stop_token_ids: self.stop_token_ids,
             ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
             priority: self.priority,
             cache_salt: self.cache_salt,
             pins: Vec::new(),
@@ -226,6 +229,30 @@ pub fn check_common(
                 Some(max_tokens_name),
             ))
         }
+    };
+    let min_tokens = match c.min_tokens {
+        None => 0,
+        Some(m) if m < 0 => {
+            return Err(ApiError::invalid(
+                format!("min_tokens must be at least 0, got {m}"),
+                Some("min_tokens"),
+            ))
+        }
+        Some(m) if max_tokens.is_some_and(|max| m > i64::from(max)) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "min_tokens must be at most {max_tokens_name} ({}), got {m}",
+                    max_tokens.unwrap_or_default()
+                ),
+                Some("min_tokens"),
+            ))
+        }
+        Some(m) => u32::try_from(m).map_err(|_| {
+            ApiError::invalid(
+                format!("min_tokens must be at most {}, got {m}", u32::MAX),
+                Some("min_tokens"),
+            )
+        })?,
     };
     // (`cache_salt`'s length: `check_salt`, below.)
     for (name, value) in [("prompt_cache_key", &c.prompt_cache_key), ("user", &c.user)] {
@@ -360,6 +387,7 @@ pub fn check_common(
         stop,
         stop_token_ids,
         ignore_eos: c.ignore_eos,
+        min_tokens,
         priority,
         cache_salt: c.cache_salt.clone(),
         prompt_cache_retention: c.prompt_cache_retention.clone(),
@@ -1030,9 +1058,10 @@ mod tests {
     }
 
     /// Kura's extensions on the OpenAI routes, as docs/api-fields.md names them.
-    const EXTENSIONS: [&str; 15] = [
+    const EXTENSIONS: [&str; 16] = [
         "top_k",
         "min_p",
+        "min_tokens",
         "repetition_penalty",
         "stop_token_ids",
         "ignore_eos",
@@ -1107,7 +1136,7 @@ mod tests {
             "{e}"
         );
         // Another server's extension or a misspelt name: refused, named.
-        for name in ["guided_decoding_backend", "max_token", "min_tokens"] {
+        for name in ["guided_decoding_backend", "max_token", "bad_words"] {
             let body = serde_json::json!({"model": "m", "messages": [], name: 1});
             let e = check_chat_fields(&body).unwrap_err().to_string();
             assert!(

@@ -704,6 +704,7 @@ impl Core {
                     id,
                     slot: slot.clone(),
                     stop: request.stop.clone(),
+                    min_tokens: request.min_tokens,
                 });
                 let key = self.cache_key(&request.cache_salt);
                 let scores = request

@@ -75,11 +75,13 @@ impl SinkSlot {
 
 /// What the engine loop tells the output stage.
 pub(crate) enum OutMsg {
-    /// A new request: where its events go and the stop strings of its choices.
+    /// A new request: where its events go, the stop strings of its choices, and how many tokens of
+    /// each come before any stop string is looked for (`min_tokens`).
     Open {
         id: u64,
         slot: Arc<SinkSlot>,
         stop: Vec<String>,
+        min_tokens: u32,
     },
     /// A sampled token of one choice. `stop_token`: it ends the choice and is not part of the text;
     /// `last`: the engine ends the choice after it, for this reason (`Length`: `max_tokens` or the
@@ -127,6 +129,8 @@ struct ChoiceState {
 struct RequestState {
     slot: Arc<SinkSlot>,
     stop: Vec<String>,
+    /// Stop strings are looked for in the text of a choice's tokens after its first `min_tokens`.
+    min_tokens: u32,
     choices: HashMap<u32, ChoiceState>,
 }
 
@@ -220,12 +224,18 @@ fn handle(
     finished: &Sender<(u64, u32)>,
 ) {
     match msg {
-        OutMsg::Open { id, slot, stop } => {
+        OutMsg::Open {
+            id,
+            slot,
+            stop,
+            min_tokens,
+        } => {
             requests.insert(
                 id,
                 RequestState {
                     slot,
                     stop,
+                    min_tokens,
                     choices: HashMap::new(),
                 },
             );
@@ -250,7 +260,8 @@ fn handle(
                 return;
             }
             c.tokens += 1;
-            let (text, finish) = text_of(c, codec, token, stop_token, last);
+            let checked = c.tokens > r.min_tokens;
+            let (text, finish) = text_of(c, codec, token, stop_token, last, checked);
             if finish.is_some() {
                 c.finished = true;
                 if !stop_token && last.is_none() {
@@ -353,26 +364,32 @@ fn with_texts(codec: &Arc<dyn TextCodec>, lp: &crate::sampling::TokenLogprob) ->
 }
 
 /// The text a token adds to its choice, and whether it ends it (with the stop string that ended it).
+/// `checked`: stop strings are looked for in its text (past the request's `min_tokens`).
 fn text_of(
     c: &mut ChoiceState,
     codec: &Arc<dyn TextCodec>,
     token: u32,
     stop_token: bool,
     last: Option<FinishReason>,
+    checked: bool,
 ) -> (String, Option<(FinishReason, Option<String>)>) {
     let matched = |s: Option<StopReason>| match s {
         Some(StopReason::String(s)) => Some(s),
         _ => None,
     };
+    let push = |stop: &mut StopChecker, text: &str| match checked {
+        true => stop.push(text),
+        false => (text.to_string(), None),
+    };
     if stop_token {
         // The stop token's own text is not part of the output; release what was held back.
         let rest = c.detok.flush(codec);
-        let (mut out, _) = c.stop.push(&rest);
+        let (mut out, _) = push(&mut c.stop, &rest);
         out.push_str(&c.stop.flush());
         return (out, Some((FinishReason::Stop, None)));
     }
     let piece = c.detok.push(codec, token);
-    let (mut out, stopped) = c.stop.push(&piece);
+    let (mut out, stopped) = push(&mut c.stop, &piece);
     if stopped.is_some() {
         return (out, Some((FinishReason::Stop, matched(stopped))));
     }
@@ -380,7 +397,7 @@ fn text_of(
         return (out, None);
     };
     let rest = c.detok.flush(codec);
-    let (more, stopped) = c.stop.push(&rest);
+    let (more, stopped) = push(&mut c.stop, &rest);
     out.push_str(&more);
     if stopped.is_some() {
         (out, Some((FinishReason::Stop, matched(stopped))))

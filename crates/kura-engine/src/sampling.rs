@@ -39,6 +39,11 @@ pub struct Sampler {
     generated: std::collections::HashMap<u32, u32>,
     /// Prompt and generated tokens, for the repetition penalty.
     seen: std::collections::HashSet<u32>,
+    /// Tokens generated so far.
+    produced: u32,
+    /// Tokens not chosen while fewer than `held_until` are generated ([`Sampler::holding_back`]).
+    held: Vec<u32>,
+    held_until: u32,
 }
 
 impl Sampler {
@@ -52,7 +57,24 @@ impl Sampler {
             rng,
             generated: Default::default(),
             seen: prompt.iter().copied().collect(),
+            produced: 0,
+            held: Vec::new(),
+            held_until: 0,
         }
+    }
+
+    /// This sampler, which does not choose any of `tokens` (a request's stop tokens) before it has
+    /// recorded `min_tokens` tokens (vLLM's `min_tokens`), unless a grammar's mask allows nothing
+    /// else. Logprobs stay those of the model's own distribution.
+    pub fn holding_back(mut self, tokens: Vec<u32>, min_tokens: u32) -> Self {
+        self.held = tokens;
+        self.held_until = min_tokens;
+        self
+    }
+
+    /// Whether the tokens held back are still kept from being chosen.
+    fn holds_back(&self) -> bool {
+        self.produced < self.held_until && !self.held.is_empty()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -81,13 +103,27 @@ impl Sampler {
             || p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
             || !p.logit_bias.is_empty();
+        let holds_back = self.holds_back();
         let mut owned = Vec::new();
-        if penalized || allowed.is_some() {
+        if penalized || allowed.is_some() || holds_back {
             owned = logits.to_vec();
         }
+        let allows =
+            |mask: &[u32], i: usize| mask.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
         if let Some(mask) = allowed {
             for (i, v) in owned.iter_mut().enumerate() {
-                if mask.get(i / 32).is_none_or(|w| w >> (i % 32) & 1 == 0) {
+                if !allows(mask, i) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        // The stop tokens held back, unless a grammar allows nothing else (it may only end).
+        let others = |mask: &[u32]| {
+            (0..logits.len()).any(|i| allows(mask, i) && !self.held.contains(&(i as u32)))
+        };
+        if holds_back && allowed.is_none_or(others) {
+            for &t in &self.held {
+                if let Some(v) = owned.get_mut(t as usize) {
                     *v = f32::NEG_INFINITY;
                 }
             }
@@ -98,7 +134,7 @@ impl Sampler {
                 *v += b;
             }
         }
-        let penalized = penalized || allowed.is_some();
+        let penalized = penalized || allowed.is_some() || holds_back;
         let l: &mut [f32] = &mut owned;
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen {
@@ -133,7 +169,8 @@ impl Sampler {
     /// check.
     pub fn argmax_only(&self) -> bool {
         let p = &self.params;
-        p.temperature == 0.0
+        !self.holds_back()
+            && p.temperature == 0.0
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
@@ -176,6 +213,7 @@ impl Sampler {
     }
 
     fn count(&mut self, token: u32) {
+        self.produced = self.produced.saturating_add(1);
         *self.generated.entry(token).or_insert(0) += 1;
         self.seen.insert(token);
     }
@@ -879,6 +917,59 @@ pub fn top_k_indices(l: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_tokens_are_held_back_until_min_tokens_unless_a_grammar_allows_nothing_else() {
+        // Token 1 (the stop token) is the most likely at every step.
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        let params = SamplingParams {
+            logprobs: Some(1),
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params.clone(), &[]).holding_back(vec![1, 3], 2);
+        assert!(
+            !s.argmax_only(),
+            "a sampler holding tokens back needs the row"
+        );
+        let first = s.sample(&logits);
+        assert_eq!(first.token, 2, "the best token not held back");
+        // The logprobs are the model's own.
+        assert_eq!(first.logprob.unwrap().logprob, 2.0 - log_sum_exp(&logits));
+        // A grammar that allows only held tokens (it may only end) is followed.
+        assert_eq!(s.sample_allowed(&logits, Some(&[0b1010])).token, 1);
+        // Two tokens recorded: nothing is held back any more.
+        assert_eq!(s.sample(&logits).token, 1);
+        let greedy = Sampler::new(SamplingParams::greedy(), &[]).holding_back(vec![1], 1);
+        assert!(!greedy.argmax_only());
+        let mut greedy = greedy;
+        assert_eq!(greedy.sample(&logits).token, 2);
+        assert!(
+            greedy.argmax_only(),
+            "past min_tokens the device may choose again"
+        );
+        // Drawn: the held token never comes before min_tokens, whatever the draw.
+        let drawn = SamplingParams {
+            temperature: 1.0,
+            seed: Some(3),
+            ..SamplingParams::default()
+        };
+        for seed in 0..50 {
+            let mut s = Sampler::new(
+                SamplingParams {
+                    seed: Some(seed),
+                    ..drawn.clone()
+                },
+                &[],
+            )
+            .holding_back(vec![1], 5);
+            for _ in 0..5 {
+                assert_ne!(s.sample(&logits).token, 1);
+            }
+        }
+        // With none held, min_tokens does nothing.
+        let mut s = Sampler::new(params, &[]).holding_back(Vec::new(), 9);
+        assert!(s.sample(&logits).token == 1);
+    }
 
     #[test]
     fn logit_bias_moves_the_choice_and_not_the_logprobs() {

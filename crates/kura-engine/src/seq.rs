@@ -111,7 +111,8 @@ impl Seq {
         Self {
             group,
             choice,
-            sampler: Sampler::new(params, &request.prompt_tokens),
+            sampler: Sampler::new(params, &request.prompt_tokens)
+                .holding_back(stop_tokens.clone(), request.min_tokens),
             stop_tokens,
             last_token_at: None,
             constraint: request.constraint.as_ref().map(|c| c.start()).transpose(),

@@ -128,6 +128,10 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// vLLM's `min_tokens`: no choice ends on a stop token (end-of-sequence or one of
+    /// `stop_token_ids`) or a stop string before it has this many tokens (0: none held back). A
+    /// grammar that allows nothing but its end still ends.
+    pub min_tokens: u32,
     /// Lower runs first (vLLM's convention); 0 is the default. Ties are served first come, first served.
     pub priority: i32,
     /// Requests share cached blocks only when their salts are equal (tenant isolation).
@@ -207,6 +211,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
             priority: 0,
             cache_salt: None,
             pins: Vec::new(),
