@@ -139,7 +139,7 @@ pub fn routing_prompt(
             let plan = validate::prepare_chat(value, ctx)?;
             scored = plan.prompt_logprobs.is_some();
             let own = match &plan.template_kwargs {
-                Some(kwargs) => Some(validate::template_codec(codec, kwargs)?),
+                Some(kwargs) => Some(validate::template_codec(codec, kwargs)?.0),
                 None => None,
             };
             let codec = own.as_deref().unwrap_or(codec);

@@ -958,41 +958,41 @@ pub fn tokenize_error(e: String) -> ApiError {
     })
 }
 
-/// Messages the chat template refused, as the client's error.
 /// The codec that writes a chat request's prompt: `codec` itself, or `codec` with the request's
-/// `chat_template_kwargs` ([`template_codec`]).
+/// `chat_template_kwargs` ([`template_codec`]); and whether its template reads any of them.
 pub fn chat_codec(
     codec: &Arc<dyn TextCodec>,
     kwargs: Option<&serde_json::Map<String, Value>>,
-) -> Result<Arc<dyn TextCodec>, ApiError> {
+) -> Result<(Arc<dyn TextCodec>, bool), ApiError> {
     match kwargs {
         Some(kwargs) => template_codec(codec.as_ref(), kwargs),
-        None => Ok(codec.clone()),
+        None => Ok((codec.clone(), false)),
     }
 }
 
-/// `codec` with `chat_template_kwargs` handed to its template; the names the template does not read
-/// are left out (as vLLM leaves them out) and logged.
+/// `codec` with `chat_template_kwargs` handed to its template, and whether the template reads any of
+/// them; the names it does not read are left out (as vLLM leaves them out) and logged.
 pub fn template_codec(
     codec: &dyn TextCodec,
     kwargs: &serde_json::Map<String, Value>,
-) -> Result<Arc<dyn TextCodec>, ApiError> {
-    let (codec, left_out) = codec.with_template_kwargs(kwargs).map_err(|e| {
-        ApiError::invalid(
-            e.strip_prefix("chat template: ").unwrap_or(&e).to_string(),
-            Some("chat_template_kwargs"),
-        )
-    })?;
+) -> Result<(Arc<dyn TextCodec>, bool), ApiError> {
+    let (codec, left_out) = codec.with_template_kwargs(kwargs).map_err(template_error)?;
     if !left_out.is_empty() {
         tracing::debug!(
             ?left_out,
             "chat_template_kwargs the chat template does not read"
         );
     }
-    Ok(codec)
+    Ok((codec, left_out.len() < kwargs.len()))
 }
 
+/// Messages the chat template refused, as the client's error.
 pub fn template_error(e: String) -> ApiError {
+    // The request's template arguments refused, or the template failing only with them: named.
+    let own = e.strip_prefix("chat template: ").unwrap_or(&e);
+    if own.starts_with(kura_request::TEMPLATE_ARGUMENTS) {
+        return ApiError::invalid(own.to_string(), Some(kura_request::TEMPLATE_ARGUMENTS));
+    }
     over_context(e, "messages").unwrap_or_else(|e| {
         ApiError::invalid(
             format!("could not apply the chat template: {e}"),

@@ -25,6 +25,11 @@ pub const TENANT_SEPARATOR: char = '\u{1f}';
 /// says (refused before tokenizing): the HTTP layer answers it as `context_length_exceeded`.
 pub const TEXT_OVER_CONTEXT: &str = "the text is longer than the context could hold: ";
 
+/// The start of a codec's error about a request's chat template arguments (vLLM's
+/// `chat_template_kwargs`, after the text layer's `chat template: `), so that the HTTP layer names
+/// that field.
+pub const TEMPLATE_ARGUMENTS: &str = "chat_template_kwargs";
+
 /// How the next token is chosen (temperature 0 is greedy; with a seed, choice `i` of `n` uses
 /// `seed + i`; `logprobs: Some(k)` reports the sampled token's logprob and the `k` most likely
 /// alternatives).
@@ -659,7 +664,9 @@ pub trait TextCodec: Send + Sync + 'static {
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<(Arc<dyn TextCodec>, Vec<String>), String> {
         let _ = kwargs;
-        Err("this model's chat template takes no arguments".into())
+        Err(format!(
+            "{TEMPLATE_ARGUMENTS}: this model's chat template takes no arguments"
+        ))
     }
     /// [`TextCodec::chat_content_spans`] of a text [`TextCodec::render_chat_with_tools`] wrote.
     fn chat_content_spans_with_tools(

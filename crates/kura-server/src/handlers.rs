@@ -476,8 +476,25 @@ pub async fn chat_completions(
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
     let context = saved_context(&s, &plan.checked, &tenant).await?;
-    // The codec writes the prompt with the request's template arguments.
-    let codec = validate::chat_codec(s.engine.codec(), plan.template_kwargs.as_ref())?;
+    // The codec writes the prompt with the request's template arguments (their values checked off
+    // the async workers: a body may hold many).
+    let (codec, read) = {
+        let (base, kwargs) = (s.engine.codec().clone(), plan.template_kwargs.clone());
+        off_the_workers(move || validate::chat_codec(&base, kwargs.as_ref())).await?
+    };
+    let messages_context = context.as_ref().is_some_and(|c| {
+        matches!(
+            c.kind,
+            kura_api::cache_control::ContextKind::Messages { .. }
+        )
+    });
+    if read && messages_context {
+        return Err(ApiError::invalid(
+            "chat_template_kwargs cannot be combined with a saved context of messages: its \
+             messages were written without them, and the template may write them there",
+            Some("chat_template_kwargs"),
+        ));
+    }
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
@@ -665,8 +682,12 @@ pub async fn tokenize(
         (None, Some(m)) => {
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
-            let kwargs = req.chat_template_kwargs.filter(|k| !k.is_empty());
-            let codec = validate::chat_codec(s.engine.codec(), kwargs.as_ref())?;
+            let (base, kwargs) = (
+                s.engine.codec().clone(),
+                req.chat_template_kwargs.filter(|k| !k.is_empty()),
+            );
+            let (codec, _) =
+                off_the_workers(move || validate::chat_codec(&base, kwargs.as_ref())).await?;
             let messages = validate::flatten_messages(&m)?;
             off_the_workers(move || match continued {
                 true => kura_api::tools::encode_chat_continuing(

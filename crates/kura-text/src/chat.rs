@@ -41,7 +41,18 @@ pub struct ChatTemplate {
     /// Variables a request adds to every render ([`ChatTemplate::with_vars`]): a map, empty unless
     /// given.
     vars: Value,
+    /// `vars` with each string replaced by [`MASKED_ARGUMENT`], for telling the template's own
+    /// special tokens from those its arguments' text would make; `None` without vars.
+    masked: Option<Value>,
+    /// Every name the template's source spells (a superset of the variables it reads).
+    names: Arc<std::collections::HashSet<String>>,
 }
+
+/// What every string of a request's template arguments becomes in the render that tells the
+/// template's own special tokens from those of the arguments' text ([`ChatTemplate::with_vars`]).
+const MASKED_ARGUMENT: &str = "\u{F8F2}";
+
+pub use kura_request::TEMPLATE_ARGUMENTS;
 
 /// The variables the server gives a chat template itself; a request's template arguments cannot set
 /// them (each has its own field, or none).
@@ -100,12 +111,22 @@ impl ChatTemplate {
         env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TextError::ChatTemplate(format!("template does not compile: {e}")))?;
+        // The names a template spells. minijinja's `undeclared_variables` misses a variable read only
+        // where it is set from itself (`{% set enable_thinking = enable_thinking | default(true) %}`,
+        // as Qwen 3.5's template writes it): any identifier of the source counts as read.
+        let names = source
+            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty())
+            .map(str::to_string)
+            .collect();
         Ok(ChatTemplate {
             env: Arc::new(env),
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
             vars: Value::from(std::collections::BTreeMap::<String, Value>::new()),
+            masked: None,
+            names: Arc::new(names),
         })
     }
 
@@ -115,17 +136,15 @@ impl ChatTemplate {
     /// send the same arguments to every model). An error names a variable the server sets itself
     /// ([`TEMPLATE_OWN_VARS`]), one that would hide a function of the template's (`range`,
     /// `raise_exception`), or a value that spells a special token of `tokenizer`: the template writes
-    /// such values as they are, where the text would become control tokens.
+    /// such values as they are, where the text would become control tokens. Text the template makes
+    /// of them otherwise (joined, changed by a filter) is checked where the prompt is encoded
+    /// ([`ChatTemplate::content_spans`]): its special tokens must be the template's own.
     pub fn with_vars(
         &self,
         vars: &serde_json::Map<String, serde_json::Value>,
         tokenizer: &Tokenizer,
     ) -> Result<(Self, Vec<String>)> {
-        let read = self
-            .env
-            .get_template("chat")
-            .map_err(|e| TextError::ChatTemplate(e.to_string()))?
-            .undeclared_variables(false);
+        let read = &self.names;
         let mut kept = serde_json::Map::new();
         let mut left_out = Vec::new();
         for (name, value) in vars {
@@ -154,8 +173,47 @@ impl ChatTemplate {
             kept.insert(name.clone(), value.clone());
         }
         let mut template = self.clone();
-        template.vars = Value::from_serialize(&kept);
+        if !kept.is_empty() {
+            template.vars = Value::from_serialize(&kept);
+            let masked: serde_json::Map<_, _> = kept
+                .into_iter()
+                .map(|(name, value)| (name, masked_strings(value)))
+                .collect();
+            template.masked = Some(Value::from_serialize(&masked));
+        }
         Ok((template, left_out))
+    }
+
+    /// Refuses a render (`rendered`) whose special tokens are not the template's own: rendered once
+    /// more with every string of the request's template arguments masked, the template must write
+    /// the same special tokens, in the same order. (Without arguments, nothing to check.)
+    fn check_arguments_text(
+        &self,
+        rendered: &str,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        tokenizer: &Tokenizer,
+    ) -> Result<()> {
+        let Some(masked) = &self.masked else {
+            return Ok(());
+        };
+        let refuse = || {
+            TextError::ChatTemplate(format!(
+                "{TEMPLATE_ARGUMENTS}: the chat template makes special-token text of these \
+                 arguments' text (joined or changed by a filter), which a request cannot write"
+            ))
+        };
+        let mut plain = self.clone();
+        plain.vars = masked.clone();
+        plain.masked = None;
+        let own = plain
+            .render_with_tools(messages, tools, add_generation_prompt)
+            .map_err(|_| refuse())?;
+        match tokenizer.special_ids(rendered) == tokenizer.special_ids(&own) {
+            true => Ok(()),
+            false => Err(refuse()),
+        }
     }
 
     /// A template of another source with this one's BOS and EOS texts (a template given in place of
@@ -203,14 +261,33 @@ impl ChatTemplate {
             },
             &mut out,
         );
-        match rendered {
-            Ok(_) => String::from_utf8(out.bytes)
-                .map_err(|e| TextError::ChatTemplate(format!("rendering failed: {e}"))),
-            Err(_) if out.over => Err(TextError::ChatTemplate(format!(
-                "rendering failed: the template wrote more than {RENDER_MAX_BYTES} bytes"
-            ))),
-            Err(e) => Err(TextError::ChatTemplate(format!("rendering failed: {e}"))),
+        let failed = match rendered {
+            Ok(_) => {
+                return String::from_utf8(out.bytes)
+                    .map_err(|e| TextError::ChatTemplate(format!("rendering failed: {e}")))
+            }
+            Err(_) if out.over => {
+                format!("the template wrote more than {RENDER_MAX_BYTES} bytes")
+            }
+            Err(e) => e.to_string(),
+        };
+        // A render that fails only with the request's template arguments is theirs to answer for.
+        if self.masked.is_some() {
+            let mut without = self.clone();
+            without.vars = Value::from(std::collections::BTreeMap::<String, Value>::new());
+            without.masked = None;
+            if without
+                .render_with_tools(messages, tools, add_generation_prompt)
+                .is_ok()
+            {
+                return Err(TextError::ChatTemplate(format!(
+                    "{TEMPLATE_ARGUMENTS}: the chat template fails with these arguments: {failed}"
+                )));
+            }
         }
+        Err(TextError::ChatTemplate(format!(
+            "rendering failed: {failed}"
+        )))
     }
 
     /// Prompt tokens of `messages`: the rendered template tokenized with nothing added (the template
@@ -376,6 +453,7 @@ impl ChatTemplate {
         tokenizer: &Tokenizer,
     ) -> Result<Vec<Range<usize>>> {
         check_tool_text(messages, tools, tokenizer)?;
+        self.check_arguments_text(rendered, messages, tools, add_generation_prompt, tokenizer)?;
         let special: Vec<bool> = messages
             .iter()
             .map(|m| tokenizer.contains_special_text(&m.content))
@@ -435,6 +513,18 @@ fn check_tool_text(
         return refuse("a tool's definition".into());
     }
     Ok(())
+}
+
+/// `v` with every string value in it [`MASKED_ARGUMENT`] (keys stay, for the template's lookups;
+/// [`spells_special`] checks each one).
+fn masked_strings(v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        J::String(_) => J::String(MASKED_ARGUMENT.into()),
+        J::Array(a) => J::Array(a.into_iter().map(masked_strings).collect()),
+        J::Object(o) => J::Object(o.into_iter().map(|(k, v)| (k, masked_strings(v))).collect()),
+        other => other,
+    }
 }
 
 /// Whether a string of `v` (a key or a value, at any depth) spells a special token of `tokenizer`.

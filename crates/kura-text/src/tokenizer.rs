@@ -377,6 +377,11 @@ impl Tokenizer {
         !self.special_matches(text).is_empty()
     }
 
+    /// The ids of the special tokens that encoding `text` recognises, in order.
+    pub fn special_ids(&self, text: &str) -> Vec<u32> {
+        self.special_matches(text).iter().map(|m| m.id).collect()
+    }
+
     /// The special tokens that encoding `text` recognises, in order, as the tokenizer's added vocabulary
     /// finds them.
     fn special_matches(&self, text: &str) -> Vec<SpecialMatch> {
