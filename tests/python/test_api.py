@@ -228,6 +228,9 @@ def test_min_tokens_holds_back_the_end_and_stop_strings(server):
     r = c.responses.create(model=model, input="Say hi.", max_output_tokens=80, temperature=0, store=False,
                            extra_body={"min_tokens": n})
     assert r.usage.output_tokens >= n, r
+    # More than the default max_tokens (16 on /v1/completions) is refused too, naming it.
+    with pytest.raises(openai.BadRequestError, match=re.escape("(16, its default for this request)")):
+        c.completions.create(model=model, prompt=prompt, extra_body={"min_tokens": 17})
     # More than max_tokens, or negative: refused by name.
     for bad, says in [(81, "min_tokens must be at most max_tokens (80), got 81"),
                       (-1, "min_tokens must be at least 0")]:
@@ -235,3 +238,27 @@ def test_min_tokens_holds_back_the_end_and_stop_strings(server):
             c.chat.completions.create(model=model, messages=messages, max_tokens=80,
                                       extra_body={"min_tokens": bad})
         assert e.value.body["param"] == "min_tokens"
+
+
+def test_include_stop_str_in_output_and_allowed_token_ids(server):
+    # vLLM's `include_stop_str_in_output`: the stop string that ended the choice ends its text.
+    c, model = server.client(), server.model()
+    kw = dict(model=model, prompt="Count: 1, 2, 3, 4, 5, 6,", max_tokens=30, temperature=0, stop=[","])
+    cut = c.completions.create(**kw).choices[0]
+    kept = c.completions.create(**kw, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == cut.text + ",", (cut.text, kept.text)
+    streamed = c.completions.create(**kw, stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == kept.text
+    # vLLM's `allowed_token_ids`: only those tokens are written (end-of-sequence among the others).
+    ids = server.tokenize(" yes no")[-2:]
+    r = c.completions.create(model=model, prompt="Is Paris in France? Answer:", max_tokens=6,
+                             temperature=1.0, seed=3, logprobs=1,
+                             extra_body={"allowed_token_ids": ids, "return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and set(choice.model_extra["token_ids"]) <= set(ids), choice
+    # Logprobs stay the model's own: its most likely token need not be allowed.
+    assert len(choice.logprobs.tokens) == 6
+    for bad, says in [([], "at least one token"), ([10**8], "outside the vocabulary")]:
+        with pytest.raises(openai.BadRequestError, match=says) as e:
+            c.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": bad})
+        assert e.value.body["param"] == "allowed_token_ids"

@@ -278,6 +278,9 @@ impl From<SubmitError> for ApiError {
             SubmitError::BiasOutOfVocab { .. } => {
                 ApiError::invalid(e.to_string(), Some("logit_bias"))
             }
+            SubmitError::AllowedOutOfVocab { .. } => {
+                ApiError::invalid(e.to_string(), Some("allowed_token_ids"))
+            }
             SubmitError::BadSampling(m) => ApiError::invalid(m, None),
         }
     }

@@ -68,6 +68,11 @@ pub struct CommonParams {
     pub ignore_eos: bool,
     /// vLLM's: no choice ends on a stop token or stop string before it has this many tokens.
     pub min_tokens: Option<i64>,
+    /// vLLM's: a stop string that ends a choice is part of its text.
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    /// vLLM's: only these tokens may be chosen.
+    pub allowed_token_ids: Option<Vec<u32>>,
     /// vLLM's extension: each choice of a non-streamed response also carries its generated tokens' ids
     /// (`token_ids`), so a client can continue from exactly those tokens.
     #[serde(default)]

@@ -91,6 +91,8 @@ pub struct Checked {
     pub ignore_eos: bool,
     /// vLLM's `min_tokens` (0: none).
     pub min_tokens: u32,
+    /// vLLM's `include_stop_str_in_output`.
+    pub include_stop_str: bool,
     pub priority: i32,
     pub cache_salt: Option<String>,
     pub prompt_cache_retention: Option<String>,
@@ -103,6 +105,25 @@ pub struct Checked {
 }
 
 impl Checked {
+    /// Refuses a `min_tokens` above the `max_tokens` the request runs with (the one asked, or the
+    /// route's default once the prompt is known), as vLLM refuses it.
+    pub fn check_min_tokens(&self, max_tokens: u32) -> Result<(), ApiError> {
+        if self.min_tokens <= max_tokens {
+            return Ok(());
+        }
+        let how = match self.max_tokens {
+            Some(_) => "",
+            None => ", its default for this request",
+        };
+        Err(ApiError::invalid(
+            format!(
+                "min_tokens must be at most {} ({max_tokens}{how}), got {}",
+                self.max_tokens_name, self.min_tokens
+            ),
+            Some("min_tokens"),
+        ))
+    }
+
     pub fn into_request(
         self,
         prompt_tokens: Vec<u32>,
@@ -121,6 +142,7 @@ impl Checked {
             stop_token_ids: self.stop_token_ids,
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
+            include_stop_str: self.include_stop_str,
             priority: self.priority,
             cache_salt: self.cache_salt,
             pins: Vec::new(),
@@ -352,6 +374,22 @@ pub fn check_common(
         ));
     }
     let logit_bias = logit_bias(c.logit_bias.as_ref())?;
+    // vLLM's `allowed_token_ids`: ascending, each once (the engine checks them against the vocabulary).
+    let allowed_token_ids = match &c.allowed_token_ids {
+        None => Vec::new(),
+        Some(ids) if ids.is_empty() => {
+            return Err(ApiError::invalid(
+                "allowed_token_ids must name at least one token (leave it out to allow any)",
+                Some("allowed_token_ids"),
+            ))
+        }
+        Some(ids) => {
+            let mut ids = ids.clone();
+            ids.sort_unstable();
+            ids.dedup();
+            ids
+        }
+    };
     if let Some(salt) = &c.cache_salt {
         check_salt(salt)?;
     }
@@ -383,11 +421,13 @@ pub fn check_common(
             // Set per request from the route's own logprob fields (`into_request`).
             logprobs: None,
             logit_bias,
+            allowed_token_ids,
         },
         stop,
         stop_token_ids,
         ignore_eos: c.ignore_eos,
         min_tokens,
+        include_stop_str: c.include_stop_str_in_output,
         priority,
         cache_salt: c.cache_salt.clone(),
         prompt_cache_retention: c.prompt_cache_retention.clone(),
@@ -1058,10 +1098,12 @@ mod tests {
     }
 
     /// Kura's extensions on the OpenAI routes, as docs/api-fields.md names them.
-    const EXTENSIONS: [&str; 16] = [
+    const EXTENSIONS: [&str; 18] = [
         "top_k",
         "min_p",
         "min_tokens",
+        "include_stop_str_in_output",
+        "allowed_token_ids",
         "repetition_penalty",
         "stop_token_ids",
         "ignore_eos",
@@ -1150,6 +1192,51 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn min_tokens_is_bounded_by_the_max_tokens_the_request_runs_with() {
+        let c = check_common(
+            &common(r#"{"min_tokens": 20}"#),
+            CTX,
+            Some(10),
+            "max_tokens",
+        );
+        let e = c.unwrap_err().to_string();
+        assert!(
+            e.contains("min_tokens must be at most max_tokens (10), got 20"),
+            "{e}"
+        );
+        let e = check_common(&common(r#"{"min_tokens": -2}"#), CTX, None, "max_tokens");
+        assert!(e.unwrap_err().to_string().contains("at least 0"));
+        // Without max_tokens, the default the route picks once the prompt is known.
+        let c = check_common(&common(r#"{"min_tokens": 20}"#), CTX, None, "max_tokens").unwrap();
+        assert_eq!(c.min_tokens, 20);
+        let e = c.check_min_tokens(16).unwrap_err().to_string();
+        assert!(
+            e.contains("at most max_tokens (16, its default for this request)"),
+            "{e}"
+        );
+        assert!(c.check_min_tokens(20).is_ok());
+        let r = c.into_request(vec![1], 20, None);
+        assert_eq!(r.min_tokens, 20);
+        // allowed_token_ids: sorted, each once; an empty list is refused.
+        let c = check_common(
+            &common(r#"{"allowed_token_ids": [9, 2, 9], "include_stop_str_in_output": true}"#),
+            CTX,
+            None,
+            "max_tokens",
+        )
+        .unwrap();
+        assert_eq!(c.sampling.allowed_token_ids, [2, 9]);
+        assert!(c.include_stop_str);
+        let e = check_common(
+            &common(r#"{"allowed_token_ids": []}"#),
+            CTX,
+            None,
+            "max_tokens",
+        );
+        assert!(e.unwrap_err().to_string().contains("at least one token"));
     }
 
     #[test]

@@ -705,6 +705,7 @@ impl Core {
                     slot: slot.clone(),
                     stop: request.stop.clone(),
                     min_tokens: request.min_tokens,
+                    include_stop_str: request.include_stop_str,
                 });
                 let key = self.cache_key(&request.cache_salt);
                 let scores = request

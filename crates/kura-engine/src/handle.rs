@@ -438,6 +438,17 @@ fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitErr
             vocab_size: info.vocab_size,
         });
     }
+    if let Some(&token_id) = r
+        .sampling
+        .allowed_token_ids
+        .iter()
+        .find(|&&t| t as usize >= info.vocab_size)
+    {
+        return Err(SubmitError::AllowedOutOfVocab {
+            token_id,
+            vocab_size: info.vocab_size,
+        });
+    }
     let prompt_tokens = r.prompt_tokens.len();
     if prompt_tokens >= info.max_model_len {
         return Err(SubmitError::PromptTooLong {

@@ -82,6 +82,8 @@ pub(crate) enum OutMsg {
         slot: Arc<SinkSlot>,
         stop: Vec<String>,
         min_tokens: u32,
+        /// A stop string that ends a choice is part of its text (`include_stop_str_in_output`).
+        include_stop_str: bool,
     },
     /// A sampled token of one choice. `stop_token`: it ends the choice and is not part of the text;
     /// `last`: the engine ends the choice after it, for this reason (`Length`: `max_tokens` or the
@@ -131,6 +133,8 @@ struct RequestState {
     stop: Vec<String>,
     /// Stop strings are looked for in the text of a choice's tokens after its first `min_tokens`.
     min_tokens: u32,
+    /// A stop string that ends a choice is part of its text.
+    include_stop_str: bool,
     choices: HashMap<u32, ChoiceState>,
 }
 
@@ -229,6 +233,7 @@ fn handle(
             slot,
             stop,
             min_tokens,
+            include_stop_str,
         } => {
             requests.insert(
                 id,
@@ -236,6 +241,7 @@ fn handle(
                     slot,
                     stop,
                     min_tokens,
+                    include_stop_str,
                     choices: HashMap::new(),
                 },
             );
@@ -261,7 +267,10 @@ fn handle(
             }
             c.tokens += 1;
             let checked = c.tokens > r.min_tokens;
-            let (text, finish) = text_of(c, codec, token, stop_token, last, checked);
+            let (mut text, finish) = text_of(c, codec, token, stop_token, last, checked);
+            if let (true, Some((_, Some(s)))) = (r.include_stop_str, &finish) {
+                text.push_str(s);
+            }
             if finish.is_some() {
                 c.finished = true;
                 if !stop_token && last.is_none() {

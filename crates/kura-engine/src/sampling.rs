@@ -104,8 +104,10 @@ impl Sampler {
             || p.frequency_penalty != 0.0
             || !p.logit_bias.is_empty();
         let holds_back = self.holds_back();
+        let only = &p.allowed_token_ids;
+        let narrowed = allowed.is_some() || holds_back || !only.is_empty();
         let mut owned = Vec::new();
-        if penalized || allowed.is_some() || holds_back {
+        if penalized || narrowed {
             owned = logits.to_vec();
         }
         let allows =
@@ -117,11 +119,27 @@ impl Sampler {
                 }
             }
         }
-        // The stop tokens held back, unless a grammar allows nothing else (it may only end).
-        let others = |mask: &[u32]| {
-            (0..logits.len()).any(|i| allows(mask, i) && !self.held.contains(&(i as u32)))
+        // The request's allowed tokens, unless the grammar allows none of them.
+        let open = |v: &f32| *v > f32::NEG_INFINITY;
+        if !only.is_empty()
+            && only
+                .iter()
+                .any(|&t| owned.get(t as usize).is_some_and(open))
+        {
+            let mut kept = vec![f32::NEG_INFINITY; owned.len()];
+            for &t in only {
+                if let Some(v) = owned.get(t as usize) {
+                    kept[t as usize] = *v;
+                }
+            }
+            owned = kept;
+        }
+        // The stop tokens held back, unless nothing else is left (a grammar that may only end).
+        let others = |owned: &[f32]| {
+            let held = |i: usize| self.held.contains(&(i as u32));
+            owned.iter().enumerate().any(|(i, v)| open(v) && !held(i))
         };
-        if holds_back && allowed.is_none_or(others) {
+        if holds_back && others(&owned) {
             for &t in &self.held {
                 if let Some(v) = owned.get_mut(t as usize) {
                     *v = f32::NEG_INFINITY;
@@ -134,7 +152,7 @@ impl Sampler {
                 *v += b;
             }
         }
-        let penalized = penalized || allowed.is_some() || holds_back;
+        let penalized = penalized || narrowed;
         let l: &mut [f32] = &mut owned;
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen {
@@ -170,6 +188,7 @@ impl Sampler {
     pub fn argmax_only(&self) -> bool {
         let p = &self.params;
         !self.holds_back()
+            && p.allowed_token_ids.is_empty()
             && p.temperature == 0.0
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
@@ -935,6 +954,9 @@ mod tests {
         assert_eq!(first.token, 2, "the best token not held back");
         // The logprobs are the model's own.
         assert_eq!(first.logprob.unwrap().logprob, 2.0 - log_sum_exp(&logits));
+        // A grammar that allows a held token and a free one: the free one.
+        let mut t = Sampler::new(params.clone(), &[]).holding_back(vec![1, 3], 2);
+        assert_eq!(t.sample_allowed(&logits, Some(&[0b0110])).token, 2);
         // A grammar that allows only held tokens (it may only end) is followed.
         assert_eq!(s.sample_allowed(&logits, Some(&[0b1010])).token, 1);
         // Two tokens recorded: nothing is held back any more.
@@ -969,6 +991,42 @@ mod tests {
         // With none held, min_tokens does nothing.
         let mut s = Sampler::new(params, &[]).holding_back(Vec::new(), 9);
         assert!(s.sample(&logits).token == 1);
+    }
+
+    #[test]
+    fn only_the_allowed_tokens_are_chosen_unless_a_grammar_allows_none_of_them() {
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        let only = |ids: Vec<u32>, temperature: f32| SamplingParams {
+            temperature,
+            allowed_token_ids: ids,
+            logprobs: Some(1),
+            seed: Some(5),
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(only(vec![0, 3], 0.0), &[]);
+        assert!(!s.argmax_only(), "a restricted sampler needs the row");
+        let got = s.sample(&logits);
+        assert_eq!(got.token, 0, "the best of the allowed");
+        assert_eq!(
+            got.logprob.unwrap().top[0].0,
+            1,
+            "logprobs stay the model's own"
+        );
+        for _ in 0..50 {
+            let mut s = Sampler::new(only(vec![2, 3], 1.0), &[]);
+            assert!([2, 3].contains(&s.sample(&logits).token));
+        }
+        // With a grammar: both hold where they share a token; the grammar alone where they do not.
+        let mut s = Sampler::new(only(vec![0, 3], 0.0), &[]);
+        assert_eq!(s.sample_allowed(&logits, Some(&[0b1110])).token, 3);
+        assert_eq!(s.sample_allowed(&logits, Some(&[0b0110])).token, 1);
+        // An id past the row is no token: the others still hold.
+        let mut s = Sampler::new(only(vec![2, 99], 0.0), &[]);
+        assert_eq!(s.sample(&logits).token, 2);
+        // Held-back stop tokens among the allowed: the others first.
+        let mut s = Sampler::new(only(vec![1, 3], 0.0), &[]).holding_back(vec![1], 1);
+        assert_eq!(s.sample(&logits).token, 3);
+        assert_eq!(s.sample(&logits).token, 1);
     }
 
     #[test]

@@ -112,7 +112,7 @@ impl Seq {
             group,
             choice,
             sampler: Sampler::new(params, &request.prompt_tokens)
-                .holding_back(stop_tokens.clone(), request.min_tokens),
+                .holding_back(held_back(&stop_tokens, request, eos), request.min_tokens),
             stop_tokens,
             last_token_at: None,
             constraint: request.constraint.as_ref().map(|c| c.start()).transpose(),
@@ -121,6 +121,16 @@ impl Seq {
             draft_room: None,
         }
     }
+}
+
+/// The tokens a choice of `request` ends on, which `min_tokens` holds back: its stop tokens, and
+/// end-of-sequence under a grammar even when the request ignores it (a grammar's end ends the choice).
+fn held_back(stop_tokens: &[u32], request: &GenerateRequest, eos: &[u32]) -> Vec<u32> {
+    let mut held = stop_tokens.to_vec();
+    if request.constraint.is_some() {
+        held.extend(eos.iter().filter(|t| !stop_tokens.contains(t)));
+    }
+    held
 }
 
 /// Incremental detokenization over [`TextCodec::decode`]: kura-model's [`IncrementalDecoder`] (a short

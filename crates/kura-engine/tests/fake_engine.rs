@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::mpsc;
 
-use common::{config, distinct_request, metric, outcome, settle, start, submit, wait, PATIENCE};
+use common::{
+    config, distinct_request, metric, outcome, request, settle, start, submit, wait, PATIENCE,
+};
 use kura_engine::{EngineConfig, EngineEvent, GenerateRequest, SchedulingPolicy, TextCodec};
 
 /// Every event `rx` receives until its sender is dropped (the engine let go of the request's sink).
@@ -224,4 +226,36 @@ fn sampling_outside_the_samplers_domain_is_refused_at_submit() {
         }
     }
     fake.engine.stop();
+}
+
+#[test]
+fn min_tokens_holds_back_the_stop_tokens_of_every_choice() {
+    let fake = start(config(256, 64, 8));
+    let e = &fake.engine;
+    let free = request(6, 8);
+    let (_g, rx) = submit(e, free.clone());
+    let (tokens, _) = wait(&rx);
+    assert_ne!(
+        tokens[0], tokens[1],
+        "the test needs a second token unlike the first"
+    );
+    let stop = tokens[1];
+    // Its second token ends it...
+    let mut r = free.clone();
+    r.stop_token_ids = vec![stop];
+    let (_g, rx) = submit(e, r.clone());
+    let (cut, usage) = wait(&rx);
+    assert_eq!(usage.completion_tokens, 2, "{cut:?}");
+    // ...unless min_tokens holds it back: then not before the fifth token is chosen, in each choice.
+    r.min_tokens = 5;
+    let (_g, rx) = submit(e, r.clone());
+    let (held, _) = wait(&rx);
+    assert!(held.len() >= 5, "{held:?}");
+    assert_eq!(held[0], tokens[0]);
+    assert!(!held[..5].contains(&stop), "{held:?}");
+    r.n = 2;
+    let (_g, rx) = submit(e, r);
+    let (both, usage) = wait(&rx);
+    assert!(usage.completion_tokens >= 10, "{usage:?} {both:?}");
+    e.stop();
 }

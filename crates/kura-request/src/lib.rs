@@ -56,6 +56,10 @@ pub struct SamplingParams {
     /// bias), tokens ascending and each once. Logprobs stay those of the model's own distribution.
     #[serde(default)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be chosen (vLLM's `allowed_token_ids`), ascending and each once; empty:
+    /// any. Where a grammar's mask allows none of them, the grammar's mask alone holds.
+    #[serde(default)]
+    pub allowed_token_ids: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -71,6 +75,7 @@ impl Default for SamplingParams {
             seed: None,
             logprobs: None,
             logit_bias: Vec::new(),
+            allowed_token_ids: Vec::new(),
         }
     }
 }
@@ -114,6 +119,12 @@ impl SamplingParams {
                 w[0].0, w[1].0
             ));
         }
+        if let Some(w) = self.allowed_token_ids.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(format!(
+                "allowed_token_ids must list each token once, in ascending order: {} then {}",
+                w[0], w[1]
+            ));
+        }
         Ok(())
     }
 }
@@ -133,6 +144,8 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// vLLM's `include_stop_str_in_output`: a stop string that ends a choice is part of its text.
+    pub include_stop_str: bool,
     /// vLLM's `min_tokens`: no choice ends on a stop token (end-of-sequence or one of
     /// `stop_token_ids`) or a stop string before it has this many tokens (0: none held back). A
     /// grammar that allows nothing but its end still ends.
@@ -216,6 +229,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            include_stop_str: false,
             min_tokens: 0,
             priority: 0,
             cache_salt: None,
@@ -481,6 +495,10 @@ pub enum SubmitError {
     TokenOutOfVocab { token_id: u32, vocab_size: usize },
     #[error("logit_bias names token id {token_id}, outside the vocabulary of {vocab_size} tokens")]
     BiasOutOfVocab { token_id: u32, vocab_size: usize },
+    #[error(
+        "allowed_token_ids names token id {token_id}, outside the vocabulary of {vocab_size} tokens"
+    )]
+    AllowedOutOfVocab { token_id: u32, vocab_size: usize },
     #[error(
         "the prompt has {prompt_tokens} tokens but this model's maximum context length is \
          {max_model_len} tokens, at least one generated token included: {excess} tokens too many"

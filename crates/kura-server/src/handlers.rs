@@ -281,6 +281,7 @@ fn request_for(
     logprobs: Option<u32>,
     context: Option<&SavedContext>,
 ) -> Result<GenerateRequest, ApiError> {
+    checked.check_min_tokens(max_tokens)?;
     let now = s.engine.cache_now_ms();
     let retention = caching::retention_pin(
         checked.prompt_cache_retention.as_deref(),
