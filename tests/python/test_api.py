@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import long_text
+from conftest import KuraServer, long_text
 
 
 def test_models_health_and_tokenize(server):
@@ -262,3 +262,33 @@ def test_include_stop_str_in_output_and_allowed_token_ids(server):
         with pytest.raises(openai.BadRequestError, match=says) as e:
             c.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": bad})
         assert e.value.body["param"] == "allowed_token_ids"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
+    # vLLM's `truncate_prompt_tokens`: a prompt longer than the context is cut to its last tokens
+    # instead of refused, and `-1` cuts it to fit beside `max_tokens`. (A context of 512 keeps the
+    # prompts short.)
+    server = KuraServer("--max-model-len", "512", "--kv-cache-memory", "64MiB")
+    try:
+        c, model = server.client(), server.model()
+        text = long_text(700)
+        tokens = server.tokenize(text)
+        assert len(tokens) > 512
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            c.completions.create(model=model, prompt=text, max_tokens=2)
+        r = c.completions.create(model=model, prompt=text, max_tokens=2, temperature=0,
+                                 extra_body={"truncate_prompt_tokens": 100})
+        assert r.usage.prompt_tokens == 100
+        # The same as sending the last 100 tokens.
+        same = c.completions.create(model=model, prompt=tokens[-100:], max_tokens=2, temperature=0)
+        assert same.choices[0].text == r.choices[0].text
+        r = c.completions.create(model=model, prompt=text, max_tokens=4, extra_body={"truncate_prompt_tokens": -1})
+        assert r.usage.prompt_tokens == 512 - 4
+        chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                         max_tokens=2, extra_body={"truncate_prompt_tokens": 50})
+        assert chat.usage.prompt_tokens == 50
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be at least 1") as e:
+            c.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+    finally:
+        server.stop()

@@ -128,11 +128,14 @@ pub fn routing_prompt(
         Endpoint::Completions => {
             let plan = validate::prepare_completion(value, ctx)?;
             scored = (plan.echo && plan.logprobs.is_some()) || plan.prompt_logprobs.is_some();
-            let tokens = match plan.prompts.into_iter().next() {
+            let mut tokens = match plan.prompts.into_iter().next() {
                 Some(PromptInput::Text(t)) => codec.encode(&t).map_err(tokenize_error)?,
                 Some(PromptInput::Tokens(t)) => t,
                 None => Vec::new(),
             };
+            // A cut to a number of tokens, as the server cuts it (one to fit the context needs
+            // the server's context length, which the router does not know: the whole prompt).
+            plan.checked.truncate_prompt(&mut tokens, usize::MAX);
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::ChatCompletions => {
@@ -143,7 +146,7 @@ pub fn routing_prompt(
                 None => None,
             };
             let codec = own.as_deref().unwrap_or(codec);
-            let tokens = match plan.continue_final {
+            let mut tokens = match plan.continue_final {
                 true => {
                     crate::tools::encode_chat_continuing(codec, plan.messages, plan.tools.as_ref())?
                 }
@@ -151,6 +154,7 @@ pub fn routing_prompt(
                     crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?
                 }
             };
+            plan.checked.truncate_prompt(&mut tokens, usize::MAX);
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::Messages => {

@@ -73,6 +73,9 @@ pub struct CommonParams {
     pub include_stop_str_in_output: bool,
     /// vLLM's: only these tokens may be chosen.
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's: the prompt is cut to its last this many tokens (-1: as many as leave room for the
+    /// output).
+    pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's extension: each choice of a non-streamed response also carries its generated tokens' ids
     /// (`token_ids`), so a client can continue from exactly those tokens.
     #[serde(default)]

@@ -77,6 +77,15 @@ pub struct Ctx<'a> {
     pub priority_scheduling: bool,
 }
 
+/// How a prompt is cut to its last tokens (vLLM's `truncate_prompt_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Truncate {
+    /// To at most this many tokens.
+    Last(u32),
+    /// To as many as leave room in the context for `max_tokens` (one token when it is not given).
+    Fit,
+}
+
 /// Everything about a request except its prompt, checked.
 #[derive(Debug, Clone)]
 pub struct Checked {
@@ -93,6 +102,8 @@ pub struct Checked {
     pub min_tokens: u32,
     /// vLLM's `include_stop_str_in_output`.
     pub include_stop_str: bool,
+    /// vLLM's `truncate_prompt_tokens`.
+    pub truncate_prompt: Option<Truncate>,
     pub priority: i32,
     pub cache_salt: Option<String>,
     pub prompt_cache_retention: Option<String>,
@@ -105,6 +116,21 @@ pub struct Checked {
 }
 
 impl Checked {
+    /// `tokens` cut to their last ones as `truncate_prompt_tokens` asks, for a context of
+    /// `max_model_len` tokens; as they are otherwise, or when already short enough.
+    pub fn truncate_prompt(&self, tokens: &mut Vec<u32>, max_model_len: usize) {
+        let keep = match self.truncate_prompt {
+            None => return,
+            Some(Truncate::Last(k)) => k as usize,
+            Some(Truncate::Fit) => {
+                max_model_len.saturating_sub(self.max_tokens.map_or(1, |m| m.max(1)) as usize)
+            }
+        };
+        if tokens.len() > keep {
+            tokens.drain(..tokens.len() - keep);
+        }
+    }
+
     /// Refuses a `min_tokens` above the `max_tokens` the request runs with (the one asked, or the
     /// route's default once the prompt is known), as vLLM refuses it.
     pub fn check_min_tokens(&self, max_tokens: u32) -> Result<(), ApiError> {
@@ -276,6 +302,27 @@ pub fn check_common(
             )
         })?,
     };
+    let truncate_prompt = match c.truncate_prompt_tokens {
+        None => None,
+        Some(-1) => Some(Truncate::Fit),
+        Some(k) if (1..=i64::from(u32::MAX)).contains(&k) => Some(Truncate::Last(k as u32)),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "truncate_prompt_tokens must be at least 1 (or -1: as many as leave room for \
+                     the output), got {k}"
+                ),
+                Some("truncate_prompt_tokens"),
+            ))
+        }
+    };
+    if truncate_prompt.is_some() && c.cached_content.is_some() {
+        return Err(ApiError::invalid(
+            "truncate_prompt_tokens cannot be combined with cached_content: the prompt starts with \
+             the saved context, which a cut would leave out",
+            Some("truncate_prompt_tokens"),
+        ));
+    }
     // (`cache_salt`'s length: `check_salt`, below.)
     for (name, value) in [("prompt_cache_key", &c.prompt_cache_key), ("user", &c.user)] {
         if value.as_ref().is_some_and(|k| k.len() > MAX_KEY_BYTES) {
@@ -428,6 +475,7 @@ pub fn check_common(
         ignore_eos: c.ignore_eos,
         min_tokens,
         include_stop_str: c.include_stop_str_in_output,
+        truncate_prompt,
         priority,
         cache_salt: c.cache_salt.clone(),
         prompt_cache_retention: c.prompt_cache_retention.clone(),
@@ -762,6 +810,13 @@ pub fn prepare_completion(
         }
     }
     let logprobs = check_logprobs("logprobs", req.logprobs)?;
+    if req.echo && checked.truncate_prompt.is_some() {
+        return Err(ApiError::invalid(
+            "echo cannot be combined with truncate_prompt_tokens: the echoed prompt would not be \
+             the prompt computed",
+            Some("truncate_prompt_tokens"),
+        ));
+    }
     let prompts: Vec<PromptInput> = match req.prompt {
         Prompt::Text(t) => vec![PromptInput::Text(t)],
         Prompt::Tokens(t) if t.is_empty() => {
@@ -1098,12 +1153,13 @@ mod tests {
     }
 
     /// Kura's extensions on the OpenAI routes, as docs/api-fields.md names them.
-    const EXTENSIONS: [&str; 18] = [
+    const EXTENSIONS: [&str; 19] = [
         "top_k",
         "min_p",
         "min_tokens",
         "include_stop_str_in_output",
         "allowed_token_ids",
+        "truncate_prompt_tokens",
         "repetition_penalty",
         "stop_token_ids",
         "ignore_eos",
@@ -1237,6 +1293,46 @@ mod tests {
             "max_tokens",
         );
         assert!(e.unwrap_err().to_string().contains("at least one token"));
+    }
+
+    #[test]
+    fn truncate_prompt_tokens_keeps_the_last_tokens() {
+        let checked = |body: &str, max: Option<i64>| {
+            check_common(&common(body), CTX, max, "max_tokens").map_err(|e| e.to_string())
+        };
+        let mut t: Vec<u32> = (0..10).collect();
+        checked(r#"{"truncate_prompt_tokens": 4}"#, None)
+            .unwrap()
+            .truncate_prompt(&mut t, 100);
+        assert_eq!(t, [6, 7, 8, 9]);
+        // Shorter already: as it is.
+        checked(r#"{"truncate_prompt_tokens": 40}"#, None)
+            .unwrap()
+            .truncate_prompt(&mut t, 100);
+        assert_eq!(t, [6, 7, 8, 9]);
+        // -1: room for max_tokens in a context of 8.
+        let mut t: Vec<u32> = (0..10).collect();
+        checked(r#"{"truncate_prompt_tokens": -1}"#, Some(3))
+            .unwrap()
+            .truncate_prompt(&mut t, 8);
+        assert_eq!(t, [5, 6, 7, 8, 9]);
+        for (body, says) in [
+            (r#"{"truncate_prompt_tokens": 0}"#, "at least 1"),
+            (r#"{"truncate_prompt_tokens": -2}"#, "at least 1"),
+            (
+                r#"{"truncate_prompt_tokens": 5, "cached_content": "ctx_1"}"#,
+                "cannot be combined with cached_content",
+            ),
+        ] {
+            let e = checked(body, None).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
+        let body = serde_json::json!({"model": "m", "prompt": "x", "echo": true, "truncate_prompt_tokens": 2});
+        let e = prepare_completion(&body, CTX).unwrap_err().to_string();
+        assert!(
+            e.contains("echo cannot be combined with truncate_prompt_tokens"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -377,6 +377,10 @@ pub async fn completions(
             .await?
         }
     };
+    let mut prompts = prompts;
+    for p in &mut prompts {
+        plan.checked.truncate_prompt(p, info.max_model_len);
+    }
     let echo = match echo_texts {
         Some(texts) => Some(echo_prompts(&s.engine, texts, &prompts).await?),
         None => None,
@@ -547,6 +551,9 @@ pub async fn chat_completions(
                 .await?
             }
         };
+    let mut prompt_tokens = prompt_tokens;
+    plan.checked
+        .truncate_prompt(&mut prompt_tokens, info.max_model_len);
     // vLLM's `prompt_logprobs`: the prompt scored, held once (the response carries it once).
     let limit = s.held_logprobs_limit();
     let prompt_held = prompt_scores_held(
