@@ -292,3 +292,26 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
         assert e.value.body["param"] == "truncate_prompt_tokens"
     finally:
         server.stop()
+
+
+def test_skip_special_tokens_false_keeps_their_text(server):
+    # vLLM's `skip_special_tokens`: the special tokens a choice writes are left out of its text, unless
+    # it is false. A bias makes the model write `<|im_start|>` (not a stop token).
+    c, model = server.client(), server.model()
+    (im_start,) = server.tokenize("<|im_start|>")[-1:]
+    kw = dict(model=model, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(im_start): 100})
+    skipped = c.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    assert skipped.model_extra["token_ids"] == [im_start] * 3 and skipped.text == ""
+    kept = c.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0]
+    assert kept.text == "<|im_start|>" * 3
+    streamed = c.completions.create(**kw, stream=True, extra_body={"skip_special_tokens": False})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == kept.text
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                     temperature=0, logit_bias={str(im_start): 100},
+                                     extra_body={"skip_special_tokens": False})
+    assert chat.choices[0].message.content == "<|im_start|>" * 2
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError, match="cannot be combined with tools") as e:
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                  tools=tools, extra_body={"skip_special_tokens": False})
+    assert e.value.body["param"] == "skip_special_tokens"

@@ -102,6 +102,8 @@ pub struct Checked {
     pub min_tokens: u32,
     /// vLLM's `include_stop_str_in_output`.
     pub include_stop_str: bool,
+    /// vLLM's `skip_special_tokens: false`.
+    pub keep_special_tokens: bool,
     /// vLLM's `truncate_prompt_tokens`.
     pub truncate_prompt: Option<Truncate>,
     pub priority: i32,
@@ -169,6 +171,7 @@ impl Checked {
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
             include_stop_str: self.include_stop_str,
+            keep_special_tokens: self.keep_special_tokens,
             priority: self.priority,
             cache_salt: self.cache_salt,
             pins: Vec::new(),
@@ -475,6 +478,7 @@ pub fn check_common(
         ignore_eos: c.ignore_eos,
         min_tokens,
         include_stop_str: c.include_stop_str_in_output,
+        keep_special_tokens: c.skip_special_tokens == Some(false),
         truncate_prompt,
         priority,
         cache_salt: c.cache_salt.clone(),
@@ -953,6 +957,13 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
     )?;
     let prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, &checked)?;
     let continue_final = check_continue_final(&req, &messages, &checked, tools.as_ref())?;
+    if checked.keep_special_tokens && tools.is_some() {
+        return Err(ApiError::invalid(
+            "skip_special_tokens false cannot be combined with tools: calls are read from the text \
+             the model writes with its special tokens skipped",
+            Some("skip_special_tokens"),
+        ));
+    }
     Ok(ChatPlan {
         checked,
         messages,
@@ -1153,13 +1164,14 @@ mod tests {
     }
 
     /// Kura's extensions on the OpenAI routes, as docs/api-fields.md names them.
-    const EXTENSIONS: [&str; 19] = [
+    const EXTENSIONS: [&str; 20] = [
         "top_k",
         "min_p",
         "min_tokens",
         "include_stop_str_in_output",
         "allowed_token_ids",
         "truncate_prompt_tokens",
+        "skip_special_tokens",
         "repetition_penalty",
         "stop_token_ids",
         "ignore_eos",

@@ -706,6 +706,7 @@ impl Core {
                     stop: request.stop.clone(),
                     min_tokens: request.min_tokens,
                     include_stop_str: request.include_stop_str,
+                    keep_special: request.keep_special_tokens,
                 });
                 let key = self.cache_key(&request.cache_salt);
                 let scores = request

@@ -84,6 +84,8 @@ pub(crate) enum OutMsg {
         min_tokens: u32,
         /// A stop string that ends a choice is part of its text (`include_stop_str_in_output`).
         include_stop_str: bool,
+        /// The text keeps special tokens (`skip_special_tokens: false`).
+        keep_special: bool,
     },
     /// A sampled token of one choice. `stop_token`: it ends the choice and is not part of the text;
     /// `last`: the engine ends the choice after it, for this reason (`Length`: `max_tokens` or the
@@ -135,6 +137,8 @@ struct RequestState {
     min_tokens: u32,
     /// A stop string that ends a choice is part of its text.
     include_stop_str: bool,
+    /// The text keeps special tokens.
+    keep_special: bool,
     choices: HashMap<u32, ChoiceState>,
 }
 
@@ -234,6 +238,7 @@ fn handle(
             stop,
             min_tokens,
             include_stop_str,
+            keep_special,
         } => {
             requests.insert(
                 id,
@@ -242,6 +247,7 @@ fn handle(
                     stop,
                     min_tokens,
                     include_stop_str,
+                    keep_special,
                     choices: HashMap::new(),
                 },
             );
@@ -258,8 +264,10 @@ fn handle(
                 return;
             };
             let stop = &r.stop;
+            let keep_special = r.keep_special;
             let c = r.choices.entry(choice).or_insert_with(|| ChoiceState {
                 stop: StopChecker::new(Vec::new(), stop.clone()),
+                detok: Detokenizer::keeping_special(keep_special),
                 ..ChoiceState::default()
             });
             if c.finished {

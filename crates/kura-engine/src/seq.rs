@@ -135,23 +135,47 @@ fn held_back(stop_tokens: &[u32], request: &GenerateRequest, eos: &[u32]) -> Vec
 
 /// Incremental detokenization over [`TextCodec::decode`]: kura-model's [`IncrementalDecoder`] (a short
 /// window of recent tokens, text released only once it no longer ends in an incomplete UTF-8 character)
-/// driven through the engine's codec interface. O(window) per token.
+/// driven through the engine's codec interface. O(window) per token. Special tokens are skipped,
+/// unless it keeps them ([`Detokenizer::keeping_special`]).
 #[derive(Debug, Default, Clone)]
-pub(crate) struct Detokenizer(IncrementalDecoder);
+pub(crate) struct Detokenizer {
+    decoder: IncrementalDecoder,
+    keep_special: bool,
+}
 
 impl Detokenizer {
+    /// A detokenizer that writes special tokens' text too (`skip_special_tokens: false`) when
+    /// `keep_special`.
+    pub fn keeping_special(keep_special: bool) -> Self {
+        Self {
+            keep_special,
+            ..Self::default()
+        }
+    }
+
     pub fn push(&mut self, codec: &Arc<dyn TextCodec>, id: u32) -> String {
-        let Ok(text) = self
-            .0
-            .push_with(id, |ids| Ok::<_, Infallible>(codec.decode(ids)));
+        let decode = decoding(codec, self.keep_special);
+        let Ok(text) = self.decoder.push_with(id, decode);
         text
     }
 
     /// Whatever is still held back (an incomplete character at the end of generation).
     pub fn flush(&mut self, codec: &Arc<dyn TextCodec>) -> String {
-        let Ok(text) = self
-            .0
-            .flush_with(|ids| Ok::<_, Infallible>(codec.decode(ids)));
+        let decode = decoding(codec, self.keep_special);
+        let Ok(text) = self.decoder.flush_with(decode);
         text
+    }
+}
+
+/// `codec`'s decoding, special tokens kept or skipped.
+fn decoding(
+    codec: &Arc<dyn TextCodec>,
+    keep_special: bool,
+) -> impl FnMut(&[u32]) -> Result<String, Infallible> + '_ {
+    move |ids| {
+        Ok(match keep_special {
+            true => codec.decode_keeping_special(ids),
+            false => codec.decode(ids),
+        })
     }
 }

@@ -146,6 +146,9 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// vLLM's `include_stop_str_in_output`: a stop string that ends a choice is part of its text.
     pub include_stop_str: bool,
+    /// vLLM's `skip_special_tokens: false`: the text keeps the special tokens the choice wrote
+    /// (except the stop token that ends it).
+    pub keep_special_tokens: bool,
     /// vLLM's `min_tokens`: no choice ends on a stop token (end-of-sequence or one of
     /// `stop_token_ids`) or a stop string before it has this many tokens (0: none held back). A
     /// grammar that allows nothing but its end still ends.
@@ -230,6 +233,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             include_stop_str: false,
+            keep_special_tokens: false,
             min_tokens: 0,
             priority: 0,
             cache_salt: None,
@@ -596,6 +600,11 @@ pub trait TextCodec: Send + Sync + 'static {
     }
     /// Text of `ids`, skipping special tokens. Incomplete UTF-8 at the end shows as U+FFFD.
     fn decode(&self, ids: &[u32]) -> String;
+    /// [`TextCodec::decode`] with the special tokens' text kept (vLLM's `skip_special_tokens:
+    /// false`). A codec without special tokens answers as `decode`.
+    fn decode_keeping_special(&self, ids: &[u32]) -> String {
+        self.decode(ids)
+    }
     /// The token's own bytes (possibly part of a UTF-8 character; a special token's text), as logprobs
     /// report them. Unlike `decode(&[id])`, distinct tokens never collapse into U+FFFD. Empty for an id
     /// outside the vocabulary.

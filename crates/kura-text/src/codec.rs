@@ -148,6 +148,13 @@ impl TextCodec for ModelCodec {
             .unwrap_or_else(|_| "\u{FFFD}".to_string())
     }
 
+    fn decode_keeping_special(&self, ids: &[u32]) -> String {
+        self.text
+            .tokenizer
+            .decode(ids, false)
+            .unwrap_or_else(|_| "\u{FFFD}".to_string())
+    }
+
     fn token_bytes(&self, id: u32) -> Vec<u8> {
         self.text.tokenizer.token_bytes(id).unwrap_or_default()
     }
