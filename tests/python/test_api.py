@@ -249,6 +249,13 @@ def test_include_stop_str_in_output_and_allowed_token_ids(server):
     assert kept.finish_reason == "stop" and kept.text == cut.text + ",", (cut.text, kept.text)
     streamed = c.completions.create(**kw, stream=True, extra_body={"include_stop_str_in_output": True})
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == kept.text
+    # A stop token's text too: the comma as a stop token.
+    (comma,) = server.tokenize(",")[-1:]
+    del kw["stop"]
+    by_token = c.completions.create(**kw, extra_body={"stop_token_ids": [comma]}).choices[0]
+    with_token = c.completions.create(
+        **kw, extra_body={"stop_token_ids": [comma], "include_stop_str_in_output": True}).choices[0]
+    assert by_token.text == cut.text and with_token.text == cut.text + ",", (by_token.text, with_token.text)
     # vLLM's `allowed_token_ids`: only those tokens are written (end-of-sequence among the others).
     ids = server.tokenize(" yes no")[-2:]
     r = c.completions.create(model=model, prompt="Is Paris in France? Answer:", max_tokens=6,
@@ -284,6 +291,12 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
         assert same.choices[0].text == r.choices[0].text
         r = c.completions.create(model=model, prompt=text, max_tokens=4, extra_body={"truncate_prompt_tokens": -1})
         assert r.usage.prompt_tokens == 512 - 4
+        # Without max_tokens, room for the endpoint's default (16); chat asks for a max_tokens.
+        r = c.completions.create(model=model, prompt=text, extra_body={"truncate_prompt_tokens": -1})
+        assert r.usage.prompt_tokens == 512 - 16 and r.usage.completion_tokens <= 16
+        with pytest.raises(openai.BadRequestError, match="needs max_completion_tokens"):
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                      extra_body={"truncate_prompt_tokens": -1})
         chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 50})
         assert chat.usage.prompt_tokens == 50
@@ -302,8 +315,11 @@ def test_skip_special_tokens_false_keeps_their_text(server):
     kw = dict(model=model, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(im_start): 100})
     skipped = c.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
     assert skipped.model_extra["token_ids"] == [im_start] * 3 and skipped.text == ""
-    kept = c.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0]
+    kept = c.completions.create(**kw, logprobs=1, extra_body={"skip_special_tokens": False}).choices[0]
     assert kept.text == "<|im_start|>" * 3
+    # The logprobs' texts are the text's, and their offsets add up.
+    assert kept.logprobs.tokens == ["<|im_start|>"] * 3
+    assert kept.logprobs.text_offset == [12 * i for i in range(3)]
     streamed = c.completions.create(**kw, stream=True, extra_body={"skip_special_tokens": False})
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == kept.text
     chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,

@@ -135,7 +135,7 @@ pub fn routing_prompt(
             };
             // A cut to a number of tokens, as the server cuts it (one to fit the context needs
             // the server's context length, which the router does not know: the whole prompt).
-            plan.checked.truncate_prompt(&mut tokens, usize::MAX);
+            plan.checked.truncate_prompt(&mut tokens, usize::MAX, 1);
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::ChatCompletions => {
@@ -154,7 +154,7 @@ pub fn routing_prompt(
                     crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?
                 }
             };
-            plan.checked.truncate_prompt(&mut tokens, usize::MAX);
+            plan.checked.truncate_prompt(&mut tokens, usize::MAX, 1);
             (tokens, plan.checked.cache_salt, plan.checked.stream)
         }
         Endpoint::Messages => {

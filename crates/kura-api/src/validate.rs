@@ -82,7 +82,8 @@ pub struct Ctx<'a> {
 pub enum Truncate {
     /// To at most this many tokens.
     Last(u32),
-    /// To as many as leave room in the context for `max_tokens` (one token when it is not given).
+    /// To as many as leave room in the context for `max_tokens` (the route's default where it has a
+    /// fixed one; chat refuses it without `max_tokens`).
     Fit,
 }
 
@@ -118,14 +119,17 @@ pub struct Checked {
 }
 
 impl Checked {
-    /// `tokens` cut to their last ones as `truncate_prompt_tokens` asks, for a context of
-    /// `max_model_len` tokens; as they are otherwise, or when already short enough.
-    pub fn truncate_prompt(&self, tokens: &mut Vec<u32>, max_model_len: usize) {
+    /// `tokens` cut to their last ones as `truncate_prompt_tokens` asks, for a context of `context`
+    /// tokens and, without `max_tokens`, the route's `default_max_tokens`; as they are otherwise, or
+    /// when already short enough. At least one token is kept (a context too small for the output is
+    /// the engine's to refuse, naming `max_tokens`).
+    pub fn truncate_prompt(&self, tokens: &mut Vec<u32>, context: usize, default_max_tokens: u32) {
         let keep = match self.truncate_prompt {
             None => return,
             Some(Truncate::Last(k)) => k as usize,
             Some(Truncate::Fit) => {
-                max_model_len.saturating_sub(self.max_tokens.map_or(1, |m| m.max(1)) as usize)
+                let room = self.max_tokens.unwrap_or(default_max_tokens).max(1);
+                context.saturating_sub(room as usize).max(1)
             }
         };
         if tokens.len() > keep {
@@ -308,7 +312,7 @@ pub fn check_common(
     let truncate_prompt = match c.truncate_prompt_tokens {
         None => None,
         Some(-1) => Some(Truncate::Fit),
-        Some(k) if (1..=i64::from(u32::MAX)).contains(&k) => Some(Truncate::Last(k as u32)),
+        Some(k) if k >= 1 => Some(Truncate::Last(u32::try_from(k).unwrap_or(u32::MAX))),
         Some(k) => {
             return Err(ApiError::invalid(
                 format!(
@@ -957,6 +961,13 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
     )?;
     let prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, &checked)?;
     let continue_final = check_continue_final(&req, &messages, &checked, tools.as_ref())?;
+    if checked.truncate_prompt == Some(Truncate::Fit) && checked.max_tokens.is_none() {
+        return Err(ApiError::invalid(
+            "truncate_prompt_tokens -1 needs max_completion_tokens (or max_tokens) on chat: the \
+             prompt is cut to leave room for it",
+            Some("truncate_prompt_tokens"),
+        ));
+    }
     if checked.keep_special_tokens && tools.is_some() {
         return Err(ApiError::invalid(
             "skip_special_tokens false cannot be combined with tools: calls are read from the text \
@@ -1315,19 +1326,36 @@ mod tests {
         let mut t: Vec<u32> = (0..10).collect();
         checked(r#"{"truncate_prompt_tokens": 4}"#, None)
             .unwrap()
-            .truncate_prompt(&mut t, 100);
+            .truncate_prompt(&mut t, 100, 16);
         assert_eq!(t, [6, 7, 8, 9]);
-        // Shorter already: as it is.
-        checked(r#"{"truncate_prompt_tokens": 40}"#, None)
-            .unwrap()
-            .truncate_prompt(&mut t, 100);
-        assert_eq!(t, [6, 7, 8, 9]);
-        // -1: room for max_tokens in a context of 8.
+        // Shorter already, or past u32: as it is.
+        for k in ["40", "99999999999"] {
+            checked(&format!(r#"{{"truncate_prompt_tokens": {k}}}"#), None)
+                .unwrap()
+                .truncate_prompt(&mut t, 100, 16);
+            assert_eq!(t, [6, 7, 8, 9]);
+        }
+        // -1: room for max_tokens in a context of 8, or for the route's default.
         let mut t: Vec<u32> = (0..10).collect();
         checked(r#"{"truncate_prompt_tokens": -1}"#, Some(3))
             .unwrap()
-            .truncate_prompt(&mut t, 8);
+            .truncate_prompt(&mut t, 8, 16);
         assert_eq!(t, [5, 6, 7, 8, 9]);
+        let mut t: Vec<u32> = (0..10).collect();
+        checked(r#"{"truncate_prompt_tokens": -1}"#, None)
+            .unwrap()
+            .truncate_prompt(&mut t, 8, 6);
+        assert_eq!(t, [8, 9]);
+        // No room at all: one token kept, for the engine to refuse the output's length.
+        let mut t: Vec<u32> = (0..10).collect();
+        checked(r#"{"truncate_prompt_tokens": -1}"#, Some(50))
+            .unwrap()
+            .truncate_prompt(&mut t, 8, 16);
+        assert_eq!(t, [9]);
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                      "truncate_prompt_tokens": -1});
+        let e = prepare_chat(&body, CTX).unwrap_err().to_string();
+        assert!(e.contains("needs max_completion_tokens"), "{e}");
         for (body, says) in [
             (r#"{"truncate_prompt_tokens": 0}"#, "at least 1"),
             (r#"{"truncate_prompt_tokens": -2}"#, "at least 1"),

@@ -275,7 +275,8 @@ fn handle(
             }
             c.tokens += 1;
             let checked = c.tokens > r.min_tokens;
-            let (mut text, finish) = text_of(c, codec, token, stop_token, last, checked);
+            let include = r.include_stop_str;
+            let (mut text, finish) = text_of(c, codec, token, stop_token, last, checked, include);
             if let (true, Some((_, Some(s)))) = (r.include_stop_str, &finish) {
                 text.push_str(s);
             }
@@ -287,7 +288,7 @@ fn handle(
                 }
             }
             let logprobs: Vec<TokenLogprob> = logprob
-                .map(|lp| with_texts(codec, &lp))
+                .map(|lp| with_texts(codec, &lp, keep_special))
                 .into_iter()
                 .collect();
             r.slot.send(EngineEvent::Delta {
@@ -326,8 +327,8 @@ fn handle(
         } => {
             if let Some(r) = requests.get(&id) {
                 let logprobs = PromptLogprobs {
-                    first: candidate(codec, first, 0.0),
-                    rest: rest.iter().map(|lp| with_texts(codec, lp)).collect(),
+                    first: candidate(codec, first, 0.0, false),
+                    rest: rest.iter().map(|lp| with_texts(codec, lp, false)).collect(),
                     ranks,
                 };
                 r.slot.send(EngineEvent::PromptLogprobs {
@@ -358,30 +359,45 @@ fn handle(
     }
 }
 
-/// A token with its text and bytes, as clients read it.
-fn candidate(codec: &Arc<dyn TextCodec>, token_id: u32, logprob: f32) -> TokenCandidate {
+/// A token with its text and bytes, as clients read it: a special token's text kept when the
+/// output keeps them (`skip_special_tokens: false`), as the choice's text does.
+fn candidate(
+    codec: &Arc<dyn TextCodec>,
+    token_id: u32,
+    logprob: f32,
+    keep_special: bool,
+) -> TokenCandidate {
     TokenCandidate {
         token_id,
-        text: codec.decode(&[token_id]),
+        text: match keep_special {
+            true => codec.decode_keeping_special(&[token_id]),
+            false => codec.decode(&[token_id]),
+        },
         bytes: codec.token_bytes(token_id),
         logprob,
     }
 }
 
 /// A token's scores with the texts and bytes of the token and its alternatives.
-fn with_texts(codec: &Arc<dyn TextCodec>, lp: &crate::sampling::TokenLogprob) -> TokenLogprob {
+fn with_texts(
+    codec: &Arc<dyn TextCodec>,
+    lp: &crate::sampling::TokenLogprob,
+    keep_special: bool,
+) -> TokenLogprob {
     TokenLogprob {
-        sampled: candidate(codec, lp.token, lp.logprob),
+        sampled: candidate(codec, lp.token, lp.logprob, keep_special),
         top: lp
             .top
             .iter()
-            .map(|&(t, l)| candidate(codec, t, l))
+            .map(|&(t, l)| candidate(codec, t, l, keep_special))
             .collect(),
     }
 }
 
 /// The text a token adds to its choice, and whether it ends it (with the stop string that ended it).
-/// `checked`: stop strings are looked for in its text (past the request's `min_tokens`).
+/// `checked`: stop strings are looked for in its text (past the request's `min_tokens`);
+/// `include_stop`: a stop token's own text is part of it (`include_stop_str_in_output`; a special
+/// one's only where the output keeps special tokens).
 fn text_of(
     c: &mut ChoiceState,
     codec: &Arc<dyn TextCodec>,
@@ -389,6 +405,7 @@ fn text_of(
     stop_token: bool,
     last: Option<FinishReason>,
     checked: bool,
+    include_stop: bool,
 ) -> (String, Option<(FinishReason, Option<String>)>) {
     let matched = |s: Option<StopReason>| match s {
         Some(StopReason::String(s)) => Some(s),
@@ -399,9 +416,17 @@ fn text_of(
         false => (text.to_string(), None),
     };
     if stop_token {
-        // The stop token's own text is not part of the output; release what was held back.
-        let rest = c.detok.flush(codec);
-        let (mut out, _) = push(&mut c.stop, &rest);
+        // The stop token's own text is not part of the output (unless asked); release what was
+        // held back.
+        let mut rest = match include_stop {
+            true => c.detok.push(codec, token),
+            false => String::new(),
+        };
+        rest.push_str(&c.detok.flush(codec));
+        let (mut out, stopped) = push(&mut c.stop, &rest);
+        if stopped.is_some() {
+            return (out, Some((FinishReason::Stop, matched(stopped))));
+        }
         out.push_str(&c.stop.flush());
         return (out, Some((FinishReason::Stop, None)));
     }

@@ -179,3 +179,33 @@ fn decoding(
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct AnyGrammar;
+
+    impl kura_request::ConstraintSpec for AnyGrammar {
+        fn start(&self) -> Result<Box<dyn kura_request::TokenConstraint>, String> {
+            Err("not walked here".into())
+        }
+    }
+
+    #[test]
+    fn min_tokens_holds_back_end_of_sequence_under_a_grammar_even_when_ignored() {
+        let eos = [2];
+        let mut r = GenerateRequest::greedy(vec![1, 2, 3], 8);
+        r.ignore_eos = true;
+        r.stop_token_ids = vec![7];
+        assert_eq!(held_back(&r.stop_token_ids, &r, &eos), [7]);
+        // A grammar's end ends the choice on end-of-sequence, ignored or not: held back too.
+        r.constraint = Some(Arc::new(AnyGrammar));
+        assert_eq!(held_back(&r.stop_token_ids, &r, &eos), [7, 2]);
+        // Not twice where it is a stop token already.
+        assert_eq!(held_back(&[7, 2], &r, &eos), [7, 2]);
+        let seq = Seq::new(1, 0, &r, &eos);
+        assert_eq!(seq.stop_tokens, [7]);
+    }
+}

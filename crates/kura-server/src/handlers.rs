@@ -130,14 +130,20 @@ pub(crate) async fn history_of(
 
 /// Default `max_tokens` when the client gives none: whatever fits in the context and in the pool.
 pub(crate) fn remaining_tokens(engine: &EngineHandle, prompt_len: usize) -> u32 {
-    let info = engine.info();
-    let pool_tokens = info.pool_tokens();
-    let room = info
-        .max_model_len
-        .min(pool_tokens)
-        .saturating_sub(prompt_len);
+    let room = context_tokens(engine).saturating_sub(prompt_len);
     room.clamp(1, u32::MAX as usize) as u32
 }
+
+/// The most tokens one sequence may hold, prompt and output: the context, or the pool where it is
+/// smaller.
+pub(crate) fn context_tokens(engine: &EngineHandle) -> usize {
+    let info = engine.info();
+    info.max_model_len.min(info.pool_tokens())
+}
+
+/// `/v1/completions`' `max_tokens` when the request gives none (OpenAI's default for the legacy
+/// endpoint).
+const COMPLETIONS_MAX_TOKENS: u32 = 16;
 
 /// Takes `count` of the server's log-probabilities for a response that holds them until it is sent
 /// (non-streamed, with log-probabilities, or with a scored prompt, streamed or not; 0 takes nothing):
@@ -281,7 +287,10 @@ fn request_for(
     logprobs: Option<u32>,
     context: Option<&SavedContext>,
 ) -> Result<GenerateRequest, ApiError> {
-    checked.check_min_tokens(max_tokens)?;
+    // A prompt too long for the context is the engine's to refuse, naming it.
+    if prompt_tokens.len() < context_tokens(&s.engine) {
+        checked.check_min_tokens(max_tokens)?;
+    }
     let now = s.engine.cache_now_ms();
     let retention = caching::retention_pin(
         checked.prompt_cache_retention.as_deref(),
@@ -379,7 +388,8 @@ pub async fn completions(
     };
     let mut prompts = prompts;
     for p in &mut prompts {
-        plan.checked.truncate_prompt(p, info.max_model_len);
+        plan.checked
+            .truncate_prompt(p, context_tokens(&s.engine), COMPLETIONS_MAX_TOKENS);
     }
     let echo = match echo_texts {
         Some(texts) => Some(echo_prompts(&s.engine, texts, &prompts).await?),
@@ -416,7 +426,7 @@ pub async fn completions(
             choices,
             plan.logprobs,
             "logprobs",
-            asked.unwrap_or(16),
+            asked.unwrap_or(COMPLETIONS_MAX_TOKENS),
             limit - prompt_held,
         )?,
     };
@@ -552,8 +562,9 @@ pub async fn chat_completions(
             }
         };
     let mut prompt_tokens = prompt_tokens;
+    // (Chat refuses -1 without a max_tokens: the default is what the cut leaves.)
     plan.checked
-        .truncate_prompt(&mut prompt_tokens, info.max_model_len);
+        .truncate_prompt(&mut prompt_tokens, context_tokens(&s.engine), 1);
     // vLLM's `prompt_logprobs`: the prompt scored, held once (the response carries it once).
     let limit = s.held_logprobs_limit();
     let prompt_held = prompt_scores_held(
@@ -586,7 +597,8 @@ pub async fn chat_completions(
     let mut request = request;
     request.constraint = constraint;
     request.prompt_logprobs = plan.prompt_logprobs.map(|k| k as usize);
-    if let Some(conversation) = conversation {
+    // (A prompt cut to its last tokens holds no history from its start.)
+    if let Some(conversation) = conversation.filter(|_| plan.checked.truncate_prompt.is_none()) {
         request.history_tokens =
             history_of(codec, conversation, plan.tools.clone(), &request).await?;
     }

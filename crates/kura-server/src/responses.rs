@@ -477,9 +477,11 @@ pub async fn create(
         .checked
         .max_tokens
         .unwrap_or_else(|| remaining_tokens(&s.engine, prompt_tokens.len()));
-    plan.checked
-        .check_min_tokens(max_tokens)
-        .map_err(for_responses)?;
+    if prompt_tokens.len() < crate::handlers::context_tokens(&s.engine) {
+        plan.checked
+            .check_min_tokens(max_tokens)
+            .map_err(for_responses)?;
+    }
     let now = s.engine.cache_now_ms();
     let retention = kura_api::cache_control::retention_pin(
         plan.checked.prompt_cache_retention.as_deref(),
