@@ -428,3 +428,36 @@ def test_a_salt_cannot_pose_as_another_tenants(op):
                    json={"prompt": "Hi", "max_tokens": 1, "cache_salt": "key-b\u001fx"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "cache_salt" and "U+001F" in r.json()["error"]["message"]
+
+
+def test_a_tenant_reuses_its_own_compiled_grammar_and_never_anothers(op):
+    # An agent sends the same strict tools every turn: the second turn reuses the grammar compiled for
+    # the first (the same output), but only within a tenant — another's identical request compiles
+    # its own, so that neither can time the other's grammars.
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 12}}}
+    tools = [{"type": "function", "function": {"name": "weather_tenant_test", "strict": True,
+                                               "parameters": schema}}]
+    body = {"model": op.model(), "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+            "tools": tools, "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+
+    def counts():
+        m = op.metrics()
+        return m["kura:grammar_compiles_total"], m["kura:grammar_reuses_total"]
+
+    def ask(key: str, extra: dict | None = None) -> dict:
+        r = httpx.post(op.url + "/v1/chat/completions", headers=bearer(key), json=body | (extra or {}),
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return [c["function"] for c in r.json()["choices"][0]["message"]["tool_calls"]]
+
+    c0, r0 = counts()
+    first = ask(KEY_A)
+    assert counts() == (c0 + 1, r0)
+    assert ask(KEY_A) == first
+    assert counts() == (c0 + 1, r0 + 1)
+    # Another tenant, and the same tenant under another cache salt: compiled again.
+    assert ask(KEY_B) == first
+    assert counts() == (c0 + 2, r0 + 1)
+    ask(KEY_A, {"cache_salt": "elsewhere"})
+    assert counts() == (c0 + 3, r0 + 1)

@@ -1,18 +1,130 @@
 //! Structured outputs and tool calls on the server side: the model's vocabulary for llguidance (built
 //! on the first request that needs it, then shared), a request's grammar compiled on the blocking pool
-//! (a grammar llguidance refuses is a 400 naming the problem), two at a time.
+//! (a grammar llguidance refuses is a 400 naming the problem), two at a time, and kept for the
+//! tenant's next request with the same grammar (an agent sends the same tools every turn).
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kura_api::tools::{Guide, ToolPlan, ToolStyle};
 use kura_engine::{ConstraintSpec, EngineHandle};
-use kura_guide::Guides;
+use kura_guide::{Compiled, Guides};
 
 use crate::error::ApiError;
 use crate::handlers::off_the_workers;
 
-/// The model's vocabulary as llguidance reads it, built once (or why it could not be).
-pub(crate) type GuidesCell = Arc<OnceLock<Result<Guides, String>>>;
+/// The model's vocabulary as llguidance reads it, built once (or why it could not be), and the
+/// grammars compiled lately.
+#[derive(Default)]
+pub(crate) struct Grammars {
+    vocab: OnceLock<Result<Guides, String>>,
+    kept: Mutex<Kept<Arc<Compiled>>>,
+    compiles: AtomicU64,
+    reused: AtomicU64,
+}
+
+pub(crate) type GuidesCell = Arc<Grammars>;
+
+/// Compiled grammars kept at most: each holds memory in proportion to its source (about twenty
+/// times it), so the sources kept are bounded too.
+const KEPT_GRAMMARS: usize = 64;
+/// Bytes of grammar source kept at most, all tenants together.
+const KEPT_SOURCE_BYTES: usize = 4 << 20;
+
+/// A kept grammar's key: the tenant's cache salt (a tenant never reuses, nor times, another's
+/// grammar) and the grammar's source ([`source_key`]).
+type KeptKey = (Option<String>, String);
+
+/// A grammar as one text: its kind and its source, whose bytes [`Guide::source_bytes`] counts.
+fn source_key(guide: &Guide) -> String {
+    match guide {
+        Guide::JsonObject => "object".into(),
+        Guide::JsonSchema(schema) => format!("schema {schema}"),
+        Guide::Regex(rx) => format!("regex {rx}"),
+        Guide::Lark(lark) => format!("lark {lark}"),
+        Guide::Choice(options) => format!("choice {}", serde_json::Value::from(options.clone())),
+    }
+}
+
+/// Values (compiled grammars) by [`KeptKey`], the least lately used dropped past the bounds.
+struct Kept<T> {
+    grammars: HashMap<KeptKey, (T, u64)>,
+    source_bytes: usize,
+    clock: u64,
+}
+
+impl<T> Default for Kept<T> {
+    fn default() -> Self {
+        Kept {
+            grammars: HashMap::new(),
+            source_bytes: 0,
+            clock: 0,
+        }
+    }
+}
+
+impl<T: Clone> Kept<T> {
+    fn get(&mut self, key: &KeptKey) -> Option<T> {
+        self.clock += 1;
+        let clock = self.clock;
+        self.grammars.get_mut(key).map(|(compiled, used)| {
+            *used = clock;
+            compiled.clone()
+        })
+    }
+
+    /// Keeps `compiled` under `key`, dropping the least lately used past the bounds. A grammar whose
+    /// source alone passes them is not kept.
+    fn put(&mut self, key: KeptKey, compiled: T) {
+        let bytes = key.1.len();
+        if bytes > KEPT_SOURCE_BYTES || self.grammars.contains_key(&key) {
+            return;
+        }
+        while self.grammars.len() >= KEPT_GRAMMARS
+            || self.source_bytes.saturating_add(bytes) > KEPT_SOURCE_BYTES
+        {
+            let Some(oldest) = self
+                .grammars
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            self.grammars.remove(&oldest);
+            self.source_bytes = self.source_bytes.saturating_sub(oldest.1.len());
+        }
+        self.clock += 1;
+        self.source_bytes += bytes;
+        self.grammars.insert(key, (compiled, self.clock));
+    }
+}
+
+impl Grammars {
+    /// The grammar kept for this tenant (`salt`), if any; counted.
+    fn kept(&self, key: &KeptKey) -> Option<Arc<Compiled>> {
+        let found = self.kept.lock().unwrap_or_else(|e| e.into_inner()).get(key);
+        if found.is_some() {
+            self.reused.fetch_add(1, Ordering::Relaxed);
+        }
+        found
+    }
+
+    /// Prometheus lines: grammars compiled, and requests that reused a kept one.
+    pub(crate) fn render_prometheus(&self) -> String {
+        format!(
+            "# HELP kura:grammar_compiles_total Grammars compiled for requests (structured outputs, tool calls).\n\
+             # TYPE kura:grammar_compiles_total counter\n\
+             kura:grammar_compiles_total {}\n\
+             # HELP kura:grammar_reuses_total Requests whose grammar was compiled before for the same tenant and kept.\n\
+             # TYPE kura:grammar_reuses_total counter\n\
+             kura:grammar_reuses_total {}\n",
+            self.compiles.load(Ordering::Relaxed),
+            self.reused.load(Ordering::Relaxed)
+        )
+    }
+}
 
 /// Grammars compiled at once, server-wide.
 static COMPILES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
@@ -26,10 +138,11 @@ pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
 /// for one (`required`, a named function); calls or an answer in its output format when it has both
 /// tools the model may call (`auto`) and a JSON format; else its output format; with no format and
 /// a strict tool the model may call, an answer or calls whose strict arguments are valid; compiled
-/// for the served model.
+/// for the served model, or kept from the tenant's (`salt`'s) last request with the same grammar.
 pub(crate) async fn constraint(
     engine: &EngineHandle,
     cell: &GuidesCell,
+    salt: Option<String>,
     guide: Option<(Guide, &'static str)>,
     tools: Option<&ToolPlan>,
     style: ToolStyle,
@@ -75,6 +188,12 @@ pub(crate) async fn constraint(
             (Some(g), _, _) => g,
         },
     };
+    let key = (salt, source_key(&guide));
+    if let Some(spec) = cell.kept(&key) {
+        return Ok(Some(
+            Arc::new(FromParam { spec, param }) as Arc<dyn ConstraintSpec>
+        ));
+    }
     // Compiles take turns, a few at a time: each holds memory in proportion to its grammar (up to
     // tens of MB), and many at once must not take the machine's memory. The turn goes with the
     // compile: a client that leaves while its grammar compiles drops the wait, not the compile, which
@@ -92,6 +211,7 @@ pub(crate) async fn constraint(
     let compile = off_the_workers(move || {
         let _turn = turn;
         let guides = cell
+            .vocab
             .get_or_init(|| Guides::new(codec))
             .as_ref()
             .map_err(|e| {
@@ -106,6 +226,11 @@ pub(crate) async fn constraint(
                 Some(param),
             )
         })?;
+        cell.compiles.fetch_add(1, Ordering::Relaxed);
+        cell.kept
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .put(key, compiled.clone());
         Ok(Some(Arc::new(FromParam {
             spec: compiled,
             param,
@@ -145,5 +270,64 @@ impl<S: ConstraintSpec> ConstraintSpec for FromParam<S> {
 
     fn param(&self) -> Option<&'static str> {
         Some(self.param)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(tenant: &str, source: &str) -> KeptKey {
+        (Some(tenant.into()), source.into())
+    }
+
+    #[test]
+    fn grammars_are_kept_per_tenant_and_the_least_lately_used_go_first() {
+        let mut kept = Kept::default();
+        kept.put(key("a", "g1"), 1);
+        assert_eq!(kept.get(&key("a", "g1")), Some(1));
+        // Another tenant's request with the same grammar compiles its own.
+        assert_eq!(kept.get(&key("b", "g1")), None);
+        assert_eq!(kept.get(&(None, "g1".into())), None);
+        // Past the count, the least lately used goes: g1 was used, g2 was not.
+        for i in 2..=KEPT_GRAMMARS {
+            kept.put(key("a", &format!("g{i}")), i);
+        }
+        assert_eq!(kept.get(&key("a", "g1")), Some(1));
+        kept.put(key("a", "new"), 0);
+        assert_eq!(kept.grammars.len(), KEPT_GRAMMARS);
+        assert_eq!(kept.get(&key("a", "g2")), None);
+        assert_eq!(kept.get(&key("a", "g1")), Some(1));
+        assert_eq!(kept.get(&key("a", "new")), Some(0));
+    }
+
+    #[test]
+    fn kept_sources_are_bounded_in_bytes() {
+        let mut kept = Kept::default();
+        let big = "x".repeat(KEPT_SOURCE_BYTES / 2);
+        kept.put(key("a", &format!("1{big}")), 1);
+        kept.put(key("a", &format!("2{big}")), 2);
+        // Two halves and a byte each: the first went.
+        assert_eq!(kept.grammars.len(), 1);
+        assert!(kept.source_bytes <= KEPT_SOURCE_BYTES);
+        assert_eq!(kept.get(&key("a", &format!("2{big}"))), Some(2));
+        // A source past the bound alone is not kept, and drops nothing.
+        kept.put(key("a", &"y".repeat(KEPT_SOURCE_BYTES + 1)), 3);
+        assert_eq!(kept.grammars.len(), 1);
+    }
+
+    #[test]
+    fn a_grammar_s_key_tells_kinds_and_sources_apart() {
+        let keys = [
+            source_key(&Guide::JsonObject),
+            source_key(&Guide::JsonSchema(serde_json::json!({"type": "object"}))),
+            source_key(&Guide::Regex("a".into())),
+            source_key(&Guide::Lark("a".into())),
+            source_key(&Guide::Choice(vec!["a".into()])),
+            source_key(&Guide::Choice(vec!["a".into(), "b".into()])),
+            source_key(&Guide::Choice(vec!["a\",\"b".into()])),
+        ];
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len(), "{keys:?}");
     }
 }

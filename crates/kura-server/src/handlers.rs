@@ -354,6 +354,7 @@ pub async fn completions(
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
+        effective_salt(&tenant, plan.checked.cache_salt.clone()),
         plan.checked.guide.clone(),
         None,
         style,
@@ -514,6 +515,7 @@ pub async fn chat_completions(
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
+        effective_salt(&tenant, plan.checked.cache_salt.clone()),
         plan.checked.guide.clone(),
         plan.tools.as_ref(),
         style,

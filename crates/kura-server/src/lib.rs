@@ -515,7 +515,7 @@ async fn metrics(State(s): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        s.engine.metrics().render_prometheus(),
+        s.engine.metrics().render_prometheus() + &s.guides.render_prometheus(),
     )
         .into_response()
 }

@@ -71,6 +71,7 @@ async fn messages_inner(
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
+        salt.clone(),
         guide,
         plan.tools.as_ref(),
         style,

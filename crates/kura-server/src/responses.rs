@@ -460,6 +460,7 @@ pub async fn create(
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
+        effective_salt(&tenant, plan.checked.cache_salt.clone()),
         plan.guide(),
         plan.tools.as_ref(),
         style,
