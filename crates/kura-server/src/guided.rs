@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use kura_api::keys::TENANT_SEPARATOR;
 use kura_api::tools::{Guide, ToolPlan, ToolStyle};
 use kura_engine::{ConstraintSpec, EngineHandle};
 use kura_guide::{Compiled, Guides};
@@ -26,15 +27,36 @@ pub(crate) struct Grammars {
 
 pub(crate) type GuidesCell = Arc<Grammars>;
 
-/// Compiled grammars kept at most: each holds memory in proportion to its source (about twenty
-/// times it), so the sources kept are bounded too.
+/// Compiled grammars kept at most. Each holds memory in proportion to its source (about 30 to 200
+/// times it, the small ones the most: 125 KiB for one tool's, 850 KiB for 32 tools' 22 KB, 28 MiB
+/// for 1 MiB), so the sources kept are bounded too: 150 MB or so when full.
 const KEPT_GRAMMARS: usize = 64;
 /// Bytes of grammar source kept at most, all tenants together.
 const KEPT_SOURCE_BYTES: usize = 4 << 20;
+/// What one tenant keeps at most, so that a tenant's grammars go for its own before another's: the
+/// capacity is shared, and only among more than four busy tenants does one's go for another's.
+const TENANT_GRAMMARS: usize = KEPT_GRAMMARS / 4;
+const TENANT_SOURCE_BYTES: usize = KEPT_SOURCE_BYTES / 4;
 
-/// A kept grammar's key: the tenant's cache salt (a tenant never reuses, nor times, another's
-/// grammar) and the grammar's source ([`source_key`]).
-type KeptKey = (Option<String>, String);
+/// A kept grammar's key: the request's cache salt (a tenant never reuses another's grammar) and the
+/// BLAKE3 digest of the grammar's source ([`source_key`]).
+type KeptKey = (Option<String>, [u8; 32]);
+
+/// The key of `guide` for the requests of cache salt `salt`, and its source's length.
+fn kept_key(salt: Option<String>, guide: &Guide) -> (KeptKey, usize) {
+    let text = source_key(guide);
+    (
+        (salt, *blake3::hash(text.as_bytes()).as_bytes()),
+        text.len(),
+    )
+}
+
+/// The tenant a cache salt belongs to: the part before [`TENANT_SEPARATOR`] (a server with API
+/// keys), else the salt itself.
+fn tenant_of(salt: &Option<String>) -> Option<&str> {
+    salt.as_deref()
+        .map(|s| s.split(TENANT_SEPARATOR).next().unwrap_or(s))
+}
 
 /// A grammar as one text: its kind and its source, whose bytes [`Guide::source_bytes`] counts.
 fn source_key(guide: &Guide) -> String {
@@ -47,9 +69,17 @@ fn source_key(guide: &Guide) -> String {
     }
 }
 
-/// Values (compiled grammars) by [`KeptKey`], the least lately used dropped past the bounds.
+/// One kept value: the compiled grammar, when it was last used, its source's bytes.
+struct Entry<T> {
+    value: T,
+    used: u64,
+    bytes: usize,
+}
+
+/// Values (compiled grammars) by [`KeptKey`], the least lately used dropped past the bounds: the
+/// tenant's own first, then anyone's.
 struct Kept<T> {
-    grammars: HashMap<KeptKey, (T, u64)>,
+    grammars: HashMap<KeptKey, Entry<T>>,
     source_bytes: usize,
     clock: u64,
 }
@@ -68,36 +98,65 @@ impl<T: Clone> Kept<T> {
     fn get(&mut self, key: &KeptKey) -> Option<T> {
         self.clock += 1;
         let clock = self.clock;
-        self.grammars.get_mut(key).map(|(compiled, used)| {
-            *used = clock;
-            compiled.clone()
+        self.grammars.get_mut(key).map(|e| {
+            e.used = clock;
+            e.value.clone()
         })
     }
 
-    /// Keeps `compiled` under `key`, dropping the least lately used past the bounds. A grammar whose
-    /// source alone passes them is not kept.
-    fn put(&mut self, key: KeptKey, compiled: T) {
-        let bytes = key.1.len();
-        if bytes > KEPT_SOURCE_BYTES || self.grammars.contains_key(&key) {
+    /// Drops the least lately used grammar of `tenant` (of anyone's: `None`); false when there is none.
+    fn drop_oldest(&mut self, tenant: Option<Option<&str>>) -> bool {
+        let oldest = self
+            .grammars
+            .iter()
+            .filter(|(k, _)| tenant.is_none_or(|t| tenant_of(&k.0) == t))
+            .min_by_key(|(_, e)| e.used)
+            .map(|(k, _)| k.clone());
+        let Some(key) = oldest else {
+            return false;
+        };
+        if let Some(e) = self.grammars.remove(&key) {
+            self.source_bytes = self.source_bytes.saturating_sub(e.bytes);
+        }
+        true
+    }
+
+    /// What `tenant` keeps: grammars and source bytes.
+    fn held_by(&self, tenant: Option<&str>) -> (usize, usize) {
+        self.grammars
+            .iter()
+            .filter(|(k, _)| tenant_of(&k.0) == tenant)
+            .fold((0, 0), |(n, b), (_, e)| (n + 1, b + e.bytes))
+    }
+
+    /// Keeps `value` under `key` (a source of `bytes`), dropping the least lately used past the
+    /// bounds: the tenant's own past its share, then anyone's past the whole. A grammar whose source
+    /// alone passes the tenant's share is not kept.
+    fn put(&mut self, key: KeptKey, value: T, bytes: usize) {
+        if bytes > TENANT_SOURCE_BYTES || self.grammars.contains_key(&key) {
             return;
+        }
+        let tenant = tenant_of(&key.0).map(str::to_string);
+        loop {
+            let (n, b) = self.held_by(tenant.as_deref());
+            if n < TENANT_GRAMMARS && b.saturating_add(bytes) <= TENANT_SOURCE_BYTES {
+                break;
+            }
+            if !self.drop_oldest(Some(tenant.as_deref())) {
+                break;
+            }
         }
         while self.grammars.len() >= KEPT_GRAMMARS
             || self.source_bytes.saturating_add(bytes) > KEPT_SOURCE_BYTES
         {
-            let Some(oldest) = self
-                .grammars
-                .iter()
-                .min_by_key(|(_, (_, used))| *used)
-                .map(|(k, _)| k.clone())
-            else {
+            if !self.drop_oldest(None) {
                 break;
-            };
-            self.grammars.remove(&oldest);
-            self.source_bytes = self.source_bytes.saturating_sub(oldest.1.len());
+            }
         }
         self.clock += 1;
         self.source_bytes += bytes;
-        self.grammars.insert(key, (compiled, self.clock));
+        let used = self.clock;
+        self.grammars.insert(key, Entry { value, used, bytes });
     }
 }
 
@@ -188,7 +247,7 @@ pub(crate) async fn constraint(
             (Some(g), _, _) => g,
         },
     };
-    let key = (salt, source_key(&guide));
+    let (key, source_bytes) = kept_key(salt, &guide);
     if let Some(spec) = cell.kept(&key) {
         return Ok(Some(
             Arc::new(FromParam { spec, param }) as Arc<dyn ConstraintSpec>
@@ -227,10 +286,11 @@ pub(crate) async fn constraint(
             )
         })?;
         cell.compiles.fetch_add(1, Ordering::Relaxed);
-        cell.kept
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .put(key, compiled.clone());
+        cell.kept.lock().unwrap_or_else(|e| e.into_inner()).put(
+            key,
+            compiled.clone(),
+            source_bytes,
+        );
         Ok(Some(Arc::new(FromParam {
             spec: compiled,
             param,
@@ -278,42 +338,72 @@ mod tests {
     use super::*;
 
     fn key(tenant: &str, source: &str) -> KeptKey {
-        (Some(tenant.into()), source.into())
+        kept_key(Some(tenant.into()), &Guide::Lark(source.into())).0
     }
 
     #[test]
-    fn grammars_are_kept_per_tenant_and_the_least_lately_used_go_first() {
+    fn grammars_are_kept_per_salt_and_the_least_lately_used_go_first() {
         let mut kept = Kept::default();
-        kept.put(key("a", "g1"), 1);
+        kept.put(key("a", "g1"), 1, 10);
         assert_eq!(kept.get(&key("a", "g1")), Some(1));
-        // Another tenant's request with the same grammar compiles its own.
+        // Another tenant's request with the same grammar compiles its own, as does another salt.
         assert_eq!(kept.get(&key("b", "g1")), None);
-        assert_eq!(kept.get(&(None, "g1".into())), None);
-        // Past the count, the least lately used goes: g1 was used, g2 was not.
-        for i in 2..=KEPT_GRAMMARS {
-            kept.put(key("a", &format!("g{i}")), i);
+        assert_eq!(kept.get(&key("a\u{1f}x", "g1")), None);
+        assert_eq!(kept.get(&(None, key("a", "g1").1)), None);
+        // Past a tenant's share, its own least lately used goes: g1 was used, g2 was not.
+        for i in 2..=TENANT_GRAMMARS {
+            kept.put(key("a", &format!("g{i}")), i, 10);
         }
         assert_eq!(kept.get(&key("a", "g1")), Some(1));
-        kept.put(key("a", "new"), 0);
-        assert_eq!(kept.grammars.len(), KEPT_GRAMMARS);
+        kept.put(key("a", "new"), 0, 10);
+        assert_eq!(kept.grammars.len(), TENANT_GRAMMARS);
         assert_eq!(kept.get(&key("a", "g2")), None);
         assert_eq!(kept.get(&key("a", "g1")), Some(1));
         assert_eq!(kept.get(&key("a", "new")), Some(0));
     }
 
     #[test]
+    fn a_tenant_s_grammars_go_for_its_own_before_anothers() {
+        let mut kept = Kept::default();
+        kept.put(key("a", "mine"), 1, 10);
+        // Another tenant keeps many more: its own go, a's stays.
+        for i in 0..KEPT_GRAMMARS {
+            kept.put(key("b", &format!("g{i}")), i, 10);
+        }
+        assert_eq!(kept.get(&key("a", "mine")), Some(1));
+        assert!(kept.held_by(Some("b")).0 <= TENANT_GRAMMARS);
+        // Its salts are its own: the tenant is the part before the separator.
+        for i in 0..KEPT_GRAMMARS {
+            kept.put(key(&format!("b\u{1f}{i}"), "g"), i, 10);
+        }
+        assert_eq!(kept.get(&key("a", "mine")), Some(1));
+        // Past the whole, among many tenants, anyone's least lately used goes.
+        for t in 0..KEPT_GRAMMARS {
+            kept.put(key(&format!("t{t}"), "g"), t, 10);
+        }
+        assert_eq!(kept.grammars.len(), KEPT_GRAMMARS);
+        assert_eq!(kept.get(&key("a", "mine")), None);
+    }
+
+    #[test]
     fn kept_sources_are_bounded_in_bytes() {
         let mut kept = Kept::default();
-        let big = "x".repeat(KEPT_SOURCE_BYTES / 2);
-        kept.put(key("a", &format!("1{big}")), 1);
-        kept.put(key("a", &format!("2{big}")), 2);
-        // Two halves and a byte each: the first went.
+        let half = TENANT_SOURCE_BYTES / 2;
+        kept.put(key("a", "1"), 1, half);
+        kept.put(key("a", "2"), 2, half + 1);
+        // Two halves and a byte: the first went.
         assert_eq!(kept.grammars.len(), 1);
+        assert_eq!(kept.source_bytes, half + 1);
+        assert_eq!(kept.get(&key("a", "2")), Some(2));
+        // A source past a tenant's share alone is not kept, and drops nothing.
+        kept.put(key("a", "3"), 3, TENANT_SOURCE_BYTES + 1);
+        assert_eq!(kept.grammars.len(), 1);
+        // Every tenant at its share: the whole holds four.
+        for t in 0..8 {
+            kept.put(key(&format!("t{t}"), "big"), t, TENANT_SOURCE_BYTES);
+        }
         assert!(kept.source_bytes <= KEPT_SOURCE_BYTES);
-        assert_eq!(kept.get(&key("a", &format!("2{big}"))), Some(2));
-        // A source past the bound alone is not kept, and drops nothing.
-        kept.put(key("a", &"y".repeat(KEPT_SOURCE_BYTES + 1)), 3);
-        assert_eq!(kept.grammars.len(), 1);
+        assert_eq!(kept.grammars.len(), 4);
     }
 
     #[test]
