@@ -430,30 +430,59 @@ def test_a_salt_cannot_pose_as_another_tenants(op):
     assert r.json()["error"]["param"] == "cache_salt" and "U+001F" in r.json()["error"]["message"]
 
 
-def test_a_tenant_reuses_its_own_compiled_grammar_and_never_anothers(op):
-    # An agent sends the same strict tools every turn: the second turn reuses the grammar compiled for
-    # the first (the same output), but only within a tenant — another's identical request compiles
-    # its own, so that neither can time the other's grammars.
-    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
-              "properties": {"city": {"type": "string", "maxLength": 12}}}
-    tools = [{"type": "function", "function": {"name": "weather_tenant_test", "strict": True,
-                                               "parameters": schema}}]
-    body = {"model": op.model(), "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-            "tools": tools, "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+GRAMMAR_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],
+                  "properties": {"city": {"type": "string", "maxLength": 12}}}
+
+
+def grammar_request(route: str, name: str) -> tuple[str, dict]:
+    """A request of `route` whose output follows a grammar of its own (`name` in it)."""
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    fn = {"name": name, "strict": True, "parameters": GRAMMAR_SCHEMA}
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": GRAMMAR_SCHEMA}}
+    return {
+        "chat": ("/v1/chat/completions", {"messages": ask, "tools": [{"type": "function", "function": fn}],
+                                          "tool_choice": "required"}),
+        "completions": ("/v1/completions", {"prompt": "Weather in Oslo as JSON:", "response_format": fmt}),
+        "messages": ("/v1/messages", {"messages": ask, "tool_choice": {"type": "any"},
+                                      "tools": [{"name": name, "input_schema": GRAMMAR_SCHEMA}]}),
+        "responses": ("/v1/responses", {"input": "Weather in Oslo?", "store": False, "tool_choice": "required",
+                                        "tools": [{"type": "function"} | fn]}),
+    }[route]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "messages", "responses"])
+def test_a_tenant_reuses_its_own_compiled_grammar_and_never_anothers(op, route):
+    # An agent sends the same strict tools (or format) every turn: the second turn reuses the grammar
+    # compiled for the first (the same output), but only within a tenant and its cache salt —
+    # another's identical request compiles its own, so that neither can time the other's grammars.
+    path, body = grammar_request(route, f"weather_{route}")
+    limit = "max_output_tokens" if route == "responses" else "max_tokens"
+    body = body | {"model": op.model(), limit: 40, "temperature": 0}
 
     def counts():
         m = op.metrics()
         return m["kura:grammar_compiles_total"], m["kura:grammar_reuses_total"]
 
-    def ask(key: str, extra: dict | None = None) -> dict:
-        r = httpx.post(op.url + "/v1/chat/completions", headers=bearer(key), json=body | (extra or {}),
-                       timeout=120)
+    def ask(key: str, extra: dict | None = None):
+        headers = bearer(key) | ({"x-api-key": key, "anthropic-version": "2023-06-01"}
+                                 if route == "messages" else {})
+        r = httpx.post(op.url + path, headers=headers, json=body | (extra or {}), timeout=120)
         assert r.status_code == 200, r.text
-        return [c["function"] for c in r.json()["choices"][0]["message"]["tool_calls"]]
+        out = r.json()
+        # What the grammar held: the call's arguments, or the text.
+        match route:
+            case "chat":
+                return [c["function"] for c in out["choices"][0]["message"]["tool_calls"]]
+            case "completions":
+                return out["choices"][0]["text"]
+            case "messages":
+                return [b["input"] for b in out["content"] if b["type"] == "tool_use"]
+            case _:
+                return [o["arguments"] for o in out["output"] if o["type"] == "function_call"]
 
     c0, r0 = counts()
     first = ask(KEY_A)
-    assert counts() == (c0 + 1, r0)
+    assert first and counts() == (c0 + 1, r0)
     assert ask(KEY_A) == first
     assert counts() == (c0 + 1, r0 + 1)
     # Another tenant, and the same tenant under another cache salt: compiled again.

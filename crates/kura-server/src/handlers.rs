@@ -281,7 +281,7 @@ fn held_body(bytes: Vec<u8>, held: tokio::sync::OwnedSemaphorePermit) -> Respons
 fn request_for(
     s: &AppState,
     checked: &Checked,
-    tenant: &Tenant,
+    salt: &Option<String>,
     prompt_tokens: Vec<u32>,
     max_tokens: u32,
     logprobs: Option<u32>,
@@ -300,7 +300,8 @@ fn request_for(
     let mut request = checked
         .clone()
         .into_request(prompt_tokens, max_tokens, logprobs);
-    request.cache_salt = effective_salt(tenant, request.cache_salt);
+    // The tenant's salt with the request's own, as its grammar was kept under.
+    request.cache_salt = salt.clone();
     request.pins.extend(context.map(SavedContext::pin_spec));
     request.pins.extend(retention);
     Ok(request)
@@ -349,12 +350,14 @@ pub async fn completions(
     let info = s.engine.info();
     let plan = validate::prepare_completion(&value, s.ctx())?;
     drop(value);
+    // The request's cache salt: its blocks' and its kept grammar's.
+    let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let context = saved_context(&s, &plan.checked, &tenant).await?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
-        effective_salt(&tenant, plan.checked.cache_salt.clone()),
+        salt.clone(),
         plan.checked.guide.clone(),
         None,
         style,
@@ -445,7 +448,7 @@ pub async fn completions(
             request_for(
                 &s,
                 &plan.checked,
-                &tenant,
+                &salt,
                 p,
                 max_tokens,
                 plan.logprobs,
@@ -491,6 +494,8 @@ pub async fn chat_completions(
     let info = s.engine.info();
     let plan = validate::prepare_chat(&value, s.ctx())?;
     drop(value);
+    // The request's cache salt: its blocks' and its kept grammar's.
+    let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let context = saved_context(&s, &plan.checked, &tenant).await?;
     // The codec writes the prompt with the request's template arguments (their values checked off
     // the async workers: a body may hold many).
@@ -515,7 +520,7 @@ pub async fn chat_completions(
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
-        effective_salt(&tenant, plan.checked.cache_salt.clone()),
+        salt.clone(),
         plan.checked.guide.clone(),
         plan.tools.as_ref(),
         style,
@@ -590,7 +595,7 @@ pub async fn chat_completions(
     let request = request_for(
         &s,
         &plan.checked,
-        &tenant,
+        &salt,
         prompt_tokens,
         max_tokens,
         plan.logprobs,

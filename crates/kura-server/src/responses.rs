@@ -455,12 +455,14 @@ pub async fn create(
     let plan = prepare(&value, s.ctx())?;
     drop(value);
     let owner = effective_salt(&tenant, None);
+    // The request's cache salt: its blocks' and its kept grammar's.
+    let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let (conversation, messages) = turns_of(&s, &owner, &plan)?;
     let style = guided::tool_style(&s.engine);
     let constraint = guided::constraint(
         &s.engine,
         &s.guides,
-        effective_salt(&tenant, plan.checked.cache_salt.clone()),
+        salt.clone(),
         plan.guide(),
         plan.tools.as_ref(),
         style,
@@ -494,7 +496,8 @@ pub async fn create(
         .checked
         .clone()
         .into_request(prompt_tokens, max_tokens, None);
-    request.cache_salt = effective_salt(&tenant, request.cache_salt);
+    // The tenant's salt with the request's own, as its grammar was kept under.
+    request.cache_salt = salt;
     request.pins.extend(retention);
     if plan.store {
         request.pins.push(PinSpec {
