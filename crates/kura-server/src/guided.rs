@@ -29,10 +29,14 @@ pub(crate) type GuidesCell = Arc<Grammars>;
 
 /// Compiled grammars kept at most. Each holds memory in proportion to its source (about 30 to 200
 /// times it, the small ones the most: 125 KiB for one tool's, 850 KiB for 32 tools' 22 KB, 28 MiB
-/// for 1 MiB), so the sources kept are bounded too: 150 MB or so when full.
+/// for 1 MiB), so the sources kept are bounded too: about 50 MB when full. Larger grammars (a
+/// schema's enum of thousands of values) are compiled for each request and freed after it.
 const KEPT_GRAMMARS: usize = 64;
 /// Bytes of grammar source kept at most, all tenants together.
-const KEPT_SOURCE_BYTES: usize = 4 << 20;
+const KEPT_SOURCE_BYTES: usize = 1 << 20;
+/// The largest source of a grammar kept: an agent's tools (22 KB for 32 tools of agent-sized
+/// schemas) and more.
+const KEPT_GRAMMAR_BYTES: usize = 128 << 10;
 /// What one tenant keeps at most, so that a tenant's grammars go for its own before another's: the
 /// capacity is shared, and only among more than four busy tenants does one's go for another's.
 const TENANT_GRAMMARS: usize = KEPT_GRAMMARS / 4;
@@ -131,9 +135,9 @@ impl<T: Clone> Kept<T> {
 
     /// Keeps `value` under `key` (a source of `bytes`), dropping the least lately used past the
     /// bounds: the tenant's own past its share, then anyone's past the whole. A grammar whose source
-    /// alone passes the tenant's share is not kept.
+    /// passes [`KEPT_GRAMMAR_BYTES`] is not kept.
     fn put(&mut self, key: KeptKey, value: T, bytes: usize) {
-        if bytes > TENANT_SOURCE_BYTES || self.grammars.contains_key(&key) {
+        if bytes > KEPT_GRAMMAR_BYTES || self.grammars.contains_key(&key) {
             return;
         }
         let tenant = tenant_of(&key.0).map(str::to_string);
@@ -388,22 +392,26 @@ mod tests {
     #[test]
     fn kept_sources_are_bounded_in_bytes() {
         let mut kept = Kept::default();
-        let half = TENANT_SOURCE_BYTES / 2;
-        kept.put(key("a", "1"), 1, half);
-        kept.put(key("a", "2"), 2, half + 1);
-        // Two halves and a byte: the first went.
-        assert_eq!(kept.grammars.len(), 1);
-        assert_eq!(kept.source_bytes, half + 1);
+        let big = KEPT_GRAMMAR_BYTES;
+        // A tenant's share holds two of the largest kept: a third drops its oldest.
+        for i in 0..3 {
+            kept.put(key("a", &i.to_string()), i, big);
+        }
+        assert_eq!(kept.grammars.len(), TENANT_SOURCE_BYTES / big);
+        assert_eq!(kept.get(&key("a", "0")), None);
         assert_eq!(kept.get(&key("a", "2")), Some(2));
-        // A source past a tenant's share alone is not kept, and drops nothing.
-        kept.put(key("a", "3"), 3, TENANT_SOURCE_BYTES + 1);
-        assert_eq!(kept.grammars.len(), 1);
-        // Every tenant at its share: the whole holds four.
+        // A source past the largest kept is not kept, and drops nothing.
+        kept.put(key("a", "huge"), 9, big + 1);
+        assert_eq!(kept.get(&key("a", "huge")), None);
+        assert_eq!(kept.grammars.len(), TENANT_SOURCE_BYTES / big);
+        // Every tenant at its share: the whole holds what its bytes allow.
         for t in 0..8 {
-            kept.put(key(&format!("t{t}"), "big"), t, TENANT_SOURCE_BYTES);
+            for i in 0..2 {
+                kept.put(key(&format!("t{t}"), &i.to_string()), t, big);
+            }
         }
         assert!(kept.source_bytes <= KEPT_SOURCE_BYTES);
-        assert_eq!(kept.grammars.len(), 4);
+        assert_eq!(kept.grammars.len(), KEPT_SOURCE_BYTES / big);
     }
 
     #[test]
