@@ -140,20 +140,12 @@ impl Checked {
     /// Refuses a `min_tokens` above the `max_tokens` the request runs with (the one asked, or the
     /// route's default once the prompt is known), as vLLM refuses it.
     pub fn check_min_tokens(&self, max_tokens: u32) -> Result<(), ApiError> {
-        if self.min_tokens <= max_tokens {
-            return Ok(());
-        }
-        let how = match self.max_tokens {
-            Some(_) => "",
-            None => ", its default for this request",
-        };
-        Err(ApiError::invalid(
-            format!(
-                "min_tokens must be at most {} ({max_tokens}{how}), got {}",
-                self.max_tokens_name, self.min_tokens
-            ),
-            Some("min_tokens"),
-        ))
+        min_tokens_within(
+            u64::from(self.min_tokens),
+            max_tokens,
+            self.max_tokens_name,
+            self.max_tokens.is_none(),
+        )
     }
 
     pub fn into_request(
@@ -184,6 +176,27 @@ impl Checked {
             prompt_logprobs: None,
         }
     }
+}
+
+/// Refuses a `min_tokens` above `max_tokens` (named `name`; `default`: the route's default, not
+/// asked).
+fn min_tokens_within(
+    min_tokens: u64,
+    max_tokens: u32,
+    name: &str,
+    default: bool,
+) -> Result<(), ApiError> {
+    if min_tokens <= u64::from(max_tokens) {
+        return Ok(());
+    }
+    let how = match default {
+        false => "",
+        true => ", its default for this request",
+    };
+    Err(ApiError::invalid(
+        format!("min_tokens must be at most {name} ({max_tokens}{how}), got {min_tokens}"),
+        Some("min_tokens"),
+    ))
 }
 
 /// OpenAI's `logit_bias`: token ids (the object's keys, in decimal) to biases from -100 to 100, as
@@ -285,24 +298,19 @@ pub fn check_common(
             ))
         }
     };
-    let min_tokens = match c.min_tokens {
-        None => 0,
-        Some(m) if m < 0 => {
+    let min_tokens = match (c.min_tokens, max_tokens) {
+        (None, _) => 0,
+        (Some(m), _) if m < 0 => {
             return Err(ApiError::invalid(
                 format!("min_tokens must be at least 0, got {m}"),
                 Some("min_tokens"),
             ))
         }
-        Some(m) if max_tokens.is_some_and(|max| m > i64::from(max)) => {
-            return Err(ApiError::invalid(
-                format!(
-                    "min_tokens must be at most {max_tokens_name} ({}), got {m}",
-                    max_tokens.unwrap_or_default()
-                ),
-                Some("min_tokens"),
-            ))
+        (Some(m), Some(max)) => {
+            min_tokens_within(m as u64, max, max_tokens_name, false)?;
+            m as u32
         }
-        Some(m) => u32::try_from(m).map_err(|_| {
+        (Some(m), None) => u32::try_from(m).map_err(|_| {
             ApiError::invalid(
                 format!("min_tokens must be at most {}, got {m}", u32::MAX),
                 Some("min_tokens"),

@@ -407,6 +407,11 @@ impl EngineHandle {
     }
 }
 
+/// The first of `ids` outside a vocabulary of `vocab_size` tokens.
+fn outside_vocab(mut ids: impl Iterator<Item = u32>, vocab_size: usize) -> Option<u32> {
+    ids.find(|&t| t as usize >= vocab_size)
+}
+
 /// Checks that hold for a request whatever else is running.
 fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitError> {
     if r.prompt_tokens.is_empty() {
@@ -417,36 +422,25 @@ fn check_request(info: &EngineInfo, r: &GenerateRequest) -> Result<(), SubmitErr
     }
     // The sampler's own domain (the HTTP API checks its narrower, OpenAI ranges first).
     r.sampling.validate().map_err(SubmitError::BadSampling)?;
-    if let Some(&token_id) = r
-        .prompt_tokens
-        .iter()
-        .find(|&&t| t as usize >= info.vocab_size)
-    {
+    // Token ids the request names, each list against the vocabulary.
+    let vocab_size = info.vocab_size;
+    if let Some(token_id) = outside_vocab(r.prompt_tokens.iter().copied(), vocab_size) {
         return Err(SubmitError::TokenOutOfVocab {
             token_id,
-            vocab_size: info.vocab_size,
+            vocab_size,
         });
     }
-    if let Some(&(token_id, _)) = r
-        .sampling
-        .logit_bias
-        .iter()
-        .find(|b| b.0 as usize >= info.vocab_size)
-    {
+    if let Some(token_id) = outside_vocab(r.sampling.logit_bias.iter().map(|b| b.0), vocab_size) {
         return Err(SubmitError::BiasOutOfVocab {
             token_id,
-            vocab_size: info.vocab_size,
+            vocab_size,
         });
     }
-    if let Some(&token_id) = r
-        .sampling
-        .allowed_token_ids
-        .iter()
-        .find(|&&t| t as usize >= info.vocab_size)
+    if let Some(token_id) = outside_vocab(r.sampling.allowed_token_ids.iter().copied(), vocab_size)
     {
         return Err(SubmitError::AllowedOutOfVocab {
             token_id,
-            vocab_size: info.vocab_size,
+            vocab_size,
         });
     }
     let prompt_tokens = r.prompt_tokens.len();

@@ -277,7 +277,7 @@ fn handle(
             let checked = c.tokens > r.min_tokens;
             let include = r.include_stop_str;
             let (mut text, finish) = text_of(c, codec, token, stop_token, last, checked, include);
-            if let (true, Some((_, Some(s)))) = (r.include_stop_str, &finish) {
+            if let (true, Some((_, Some(s)))) = (include, &finish) {
                 text.push_str(s);
             }
             if finish.is_some() {
@@ -369,10 +369,7 @@ fn candidate(
 ) -> TokenCandidate {
     TokenCandidate {
         token_id,
-        text: match keep_special {
-            true => codec.decode_keeping_special(&[token_id]),
-            false => codec.decode(&[token_id]),
-        },
+        text: crate::seq::decode(codec, &[token_id], keep_special),
         bytes: codec.token_bytes(token_id),
         logprob,
     }

@@ -172,11 +172,14 @@ fn decoding(
     codec: &Arc<dyn TextCodec>,
     keep_special: bool,
 ) -> impl FnMut(&[u32]) -> Result<String, Infallible> + '_ {
-    move |ids| {
-        Ok(match keep_special {
-            true => codec.decode_keeping_special(ids),
-            false => codec.decode(ids),
-        })
+    move |ids| Ok(decode(codec, ids, keep_special))
+}
+
+/// The text of `ids`, special tokens' text kept (`skip_special_tokens: false`) or skipped.
+pub(crate) fn decode(codec: &Arc<dyn TextCodec>, ids: &[u32], keep_special: bool) -> String {
+    match keep_special {
+        true => codec.decode_keeping_special(ids),
+        false => codec.decode(ids),
     }
 }
 

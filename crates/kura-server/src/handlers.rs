@@ -109,6 +109,16 @@ async fn encode_chat_tools(
     .await
 }
 
+/// [`validate::chat_codec`] of the served model's codec and a request's template arguments, off the
+/// async workers (their values are checked, and a body may hold many).
+async fn chat_codec(
+    engine: &EngineHandle,
+    kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+) -> Result<(Arc<dyn TextCodec>, bool), ApiError> {
+    let base = engine.codec().clone();
+    off_the_workers(move || validate::chat_codec(&base, kwargs.as_ref())).await
+}
+
 /// [`kura_api::tools::history_tokens`] of a request's prompt, off the async workers.
 pub(crate) async fn history_of(
     codec: Arc<dyn TextCodec>,
@@ -497,12 +507,8 @@ pub async fn chat_completions(
     // The request's cache salt: its blocks' and its kept grammar's.
     let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let context = saved_context(&s, &plan.checked, &tenant).await?;
-    // The codec writes the prompt with the request's template arguments (their values checked off
-    // the async workers: a body may hold many).
-    let (codec, read) = {
-        let (base, kwargs) = (s.engine.codec().clone(), plan.template_kwargs.clone());
-        off_the_workers(move || validate::chat_codec(&base, kwargs.as_ref())).await?
-    };
+    // The codec writes the prompt with the request's template arguments.
+    let (codec, read) = chat_codec(&s.engine, plan.template_kwargs.clone()).await?;
     let messages_context = context.as_ref().is_some_and(|c| {
         matches!(
             c.kind,
@@ -709,12 +715,8 @@ pub async fn tokenize(
         (None, Some(m)) => {
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
-            let (base, kwargs) = (
-                s.engine.codec().clone(),
-                req.chat_template_kwargs.filter(|k| !k.is_empty()),
-            );
-            let (codec, _) =
-                off_the_workers(move || validate::chat_codec(&base, kwargs.as_ref())).await?;
+            let kwargs = req.chat_template_kwargs.filter(|k| !k.is_empty());
+            let (codec, _) = chat_codec(&s.engine, kwargs).await?;
             let messages = validate::flatten_messages(&m)?;
             off_the_workers(move || match continued {
                 true => kura_api::tools::encode_chat_continuing(

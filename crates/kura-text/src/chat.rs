@@ -124,10 +124,20 @@ impl ChatTemplate {
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
-            vars: Value::from(std::collections::BTreeMap::<String, Value>::new()),
+            vars: no_vars(),
             masked: None,
             names: Arc::new(names),
         })
+    }
+
+    /// This template rendering with `vars` alone, nothing masked: the check of
+    /// [`ChatTemplate::check_arguments_text`] and the retry of a failed render use it.
+    fn rendering_with(&self, vars: Value) -> Self {
+        ChatTemplate {
+            vars,
+            masked: None,
+            ..self.clone()
+        }
     }
 
     /// This template with `vars` given to every render beside the messages (vLLM's
@@ -204,10 +214,8 @@ impl ChatTemplate {
                  arguments' text (joined or changed by a filter), which a request cannot write"
             ))
         };
-        let mut plain = self.clone();
-        plain.vars = masked.clone();
-        plain.masked = None;
-        let own = plain
+        let own = self
+            .rendering_with(masked.clone())
             .render_with_tools(messages, tools, add_generation_prompt)
             .map_err(|_| refuse())?;
         match tokenizer.special_ids(rendered) == tokenizer.special_ids(&own) {
@@ -272,18 +280,15 @@ impl ChatTemplate {
             Err(e) => e.to_string(),
         };
         // A render that fails only with the request's template arguments is theirs to answer for.
-        if self.masked.is_some() {
-            let mut without = self.clone();
-            without.vars = Value::from(std::collections::BTreeMap::<String, Value>::new());
-            without.masked = None;
-            if without
+        if self.masked.is_some()
+            && self
+                .rendering_with(no_vars())
                 .render_with_tools(messages, tools, add_generation_prompt)
                 .is_ok()
-            {
-                return Err(TextError::ChatTemplate(format!(
-                    "{TEMPLATE_ARGUMENTS}: the chat template fails with these arguments: {failed}"
-                )));
-            }
+        {
+            return Err(TextError::ChatTemplate(format!(
+                "{TEMPLATE_ARGUMENTS}: the chat template fails with these arguments: {failed}"
+            )));
         }
         Err(TextError::ChatTemplate(format!(
             "rendering failed: {failed}"
@@ -513,6 +518,11 @@ fn check_tool_text(
         return refuse("a tool's definition".into());
     }
     Ok(())
+}
+
+/// No template arguments: an empty map.
+fn no_vars() -> Value {
+    Value::from(std::collections::BTreeMap::<String, Value>::new())
 }
 
 /// `v` with every string value in it [`MASKED_ARGUMENT`] (keys stay, for the template's lookups;
