@@ -271,6 +271,61 @@ def test_include_stop_str_in_output_and_allowed_token_ids(server):
         assert e.value.body["param"] == "allowed_token_ids"
 
 
+def test_bad_words_are_never_written(server):
+    # vLLM's `bad_words`: a word's tokens, as a text starts and after a space, are never written in
+    # full; the model goes on with its next best token.
+    c, model = server.client(), server.model()
+
+    def has(tokens, seq):
+        return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+    def ids(r):
+        return r.choices[0].model_extra["token_ids"]
+
+    def variants(word):
+        return [server.tokenize(word), server.tokenize(" " + word)]
+
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=20, temperature=0)
+    plain = c.completions.create(**kw, extra_body={"return_token_ids": True})
+    assert has(ids(plain), server.tokenize(" Paris")), plain
+    no_paris = c.completions.create(**kw, extra_body={"return_token_ids": True, "bad_words": ["Paris"]})
+    assert ids(no_paris) != ids(plain)
+    assert not any(has(ids(no_paris), v) for v in variants("Paris")), no_paris
+    # A word of several tokens: only its last is held back, and only right after the others.
+    phrase = "the French"
+    assert len(server.tokenize(" " + phrase)) == 2
+    assert has(ids(no_paris), server.tokenize(" " + phrase)), no_paris.choices[0].text
+    neither = c.completions.create(**kw, extra_body={"return_token_ids": True, "bad_words": ["Paris", phrase]})
+    assert not any(has(ids(neither), v) for v in variants("Paris") + variants(phrase)), neither
+    first = server.tokenize(" " + phrase)[0]
+    assert first in ids(neither), "the phrase's first token is still written"
+    streamed = c.completions.create(**kw, stream=True, extra_body={"bad_words": ["Paris", phrase]})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == neither.choices[0].text
+    # On chat and Responses too: the answer's first word is not written again.
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    answer = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    word = answer.choices[0].message.content.split()[0].strip(".,!'\"")
+    banned = c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"return_token_ids": True, "bad_words": [word]})
+    assert not any(has(ids(banned), v) for v in variants(word)), (word, banned)
+    assert ids(banned) != ids(answer)
+    plain_r = c.responses.create(model=model, input="Name a fruit.", max_output_tokens=12, temperature=0,
+                                 store=False)
+    word = plain_r.output_text.split()[0].strip(".,!'\"")
+    banned_r = c.responses.create(model=model, input="Name a fruit.", max_output_tokens=12, temperature=0,
+                                  store=False, extra_body={"bad_words": [word]})
+    assert banned_r.output_text != plain_r.output_text
+    assert not re.search(r"(^|\s)" + re.escape(word) + r"\b", banned_r.output_text), (word, banned_r.output_text)
+    # Refused by name: an empty or blank word, too many, too long, not a list of strings.
+    for bad, says in [([""], "empty or blank"), (["  "], "empty or blank"),
+                      (["w"] * 257, "at most 256 bad_words"), (["x" * 257], "at most 256 bytes"),
+                      ("Paris", "bad_words"), ([1], "bad_words")]:
+        with pytest.raises(openai.BadRequestError, match=says) as e:
+            c.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"bad_words": bad})
+        assert e.value.body["param"] == "bad_words" or "bad_words" in e.value.body["message"], e.value.body
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
     # vLLM's `truncate_prompt_tokens`: a prompt longer than the context is cut to its last tokens
     # instead of refused, and `-1` cuts it to fit beside `max_tokens`. (A context of 512 keeps the

@@ -293,8 +293,9 @@ pub fn prepare_count(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiEr
 
 /// Every field a `/v1/responses` body may hold: OpenAI's (honoured, ignored or refused by name
 /// below), Kura's extensions, and chat's fields, which are refused by name (docs/api-fields.md).
-pub const FIELDS: [&str; 55] = [
+pub const FIELDS: [&str; 56] = [
     "background",
+    "bad_words",
     "cache_salt",
     "cached_content",
     "context_management",
@@ -505,6 +506,7 @@ pub fn prepare(value: &Value, ctx: Ctx<'_>) -> Result<ResponsesPlan, ApiError> {
         "min_tokens",
         "logit_bias",
         "priority",
+        "bad_words",
     ] {
         if let Some(v) = set(name) {
             common_json.insert(name.into(), v.clone());

@@ -73,6 +73,8 @@ pub struct CommonParams {
     pub include_stop_str_in_output: bool,
     /// vLLM's: only these tokens may be chosen.
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's: words (or phrases) the output never spells as the tokenizer writes them.
+    pub bad_words: Option<Vec<String>>,
     /// vLLM's: `false` keeps the special tokens' text in the output (default `true`).
     pub skip_special_tokens: Option<bool>,
     /// vLLM's: the prompt is cut to its last this many tokens (-1: as many as leave room for the

@@ -26,6 +26,11 @@ pub const MAX_STOP: usize = 16;
 pub const MAX_STOP_BYTES: usize = 4096;
 /// Most `stop_token_ids` per request: each choice checks every sampled token against them.
 pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+/// Most `bad_words` per request: each is tokenized twice, and each choice checks them before every
+/// token it draws.
+pub const MAX_BAD_WORDS: usize = 256;
+/// Longest of `bad_words`, in bytes.
+pub const MAX_BAD_WORD_BYTES: usize = 256;
 /// Longest `cache_salt`, `prompt_cache_key` and `user`, in bytes: the salt is kept with the cache's
 /// blocks (and a day with its pins) after the request ends.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -101,6 +106,8 @@ pub struct Checked {
     pub ignore_eos: bool,
     /// vLLM's `min_tokens` (0: none).
     pub min_tokens: u32,
+    /// vLLM's `bad_words`, as sent (the server tokenizes them, [`bad_word_tokens`]).
+    pub bad_words: Vec<String>,
     /// vLLM's `include_stop_str_in_output`.
     pub include_stop_str: bool,
     /// vLLM's `skip_special_tokens: false`.
@@ -317,6 +324,31 @@ pub fn check_common(
             )
         })?,
     };
+    let bad_words = c.bad_words.clone().unwrap_or_default();
+    if bad_words.len() > MAX_BAD_WORDS {
+        return Err(ApiError::invalid(
+            format!(
+                "at most {MAX_BAD_WORDS} bad_words are allowed, got {}",
+                bad_words.len()
+            ),
+            Some("bad_words"),
+        ));
+    }
+    if let Some(long) = bad_words.iter().find(|w| w.len() > MAX_BAD_WORD_BYTES) {
+        return Err(ApiError::invalid(
+            format!(
+                "a bad word may be at most {MAX_BAD_WORD_BYTES} bytes, got one of {}",
+                long.len()
+            ),
+            Some("bad_words"),
+        ));
+    }
+    if bad_words.iter().any(|w| w.trim().is_empty()) {
+        return Err(ApiError::invalid(
+            "bad_words must not hold an empty or blank string",
+            Some("bad_words"),
+        ));
+    }
     let truncate_prompt = match c.truncate_prompt_tokens {
         None => None,
         Some(-1) => Some(Truncate::Fit),
@@ -484,11 +516,14 @@ pub fn check_common(
             logprobs: None,
             logit_bias,
             allowed_token_ids,
+            // Tokenized by the server from `bad_words` ([`bad_word_tokens`]).
+            bad_words: Vec::new(),
         },
         stop,
         stop_token_ids,
         ignore_eos: c.ignore_eos,
         min_tokens,
+        bad_words,
         include_stop_str: c.include_stop_str_in_output,
         keep_special_tokens: c.skip_special_tokens == Some(false),
         truncate_prompt,
@@ -1074,6 +1109,28 @@ fn check_prompt_logprobs(v: Option<i64>, checked: &Checked) -> Result<Option<u32
 }
 
 /// A prompt the tokenizer refused, as the client's error.
+/// The token sequences `words` (vLLM's `bad_words`) are written as: each word, its leading white
+/// space left out, tokenized as a text's start and after a space (the second where it differs), with
+/// nothing added (no BOS).
+pub fn bad_word_tokens(codec: &dyn TextCodec, words: &[String]) -> Result<Vec<Vec<u32>>, ApiError> {
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for word in words {
+        let word = word.trim_start();
+        for text in [word.to_string(), format!(" {word}")] {
+            let tokens = codec.encode_without_added(&text).map_err(|e| {
+                ApiError::invalid(
+                    format!("could not tokenize bad word {word:?}: {e}"),
+                    Some("bad_words"),
+                )
+            })?;
+            if !tokens.is_empty() && !out.contains(&tokens) {
+                out.push(tokens);
+            }
+        }
+    }
+    Ok(out)
+}
+
 pub fn tokenize_error(e: String) -> ApiError {
     over_context(e, "prompt").unwrap_or_else(|e| {
         ApiError::invalid(
@@ -1265,7 +1322,7 @@ mod tests {
             "{e}"
         );
         // Another server's extension or a misspelt name: refused, named.
-        for name in ["guided_decoding_backend", "max_token", "bad_words"] {
+        for name in ["guided_decoding_backend", "max_token", "logits_processors"] {
             let body = serde_json::json!({"model": "m", "messages": [], name: 1});
             let e = check_chat_fields(&body).unwrap_err().to_string();
             assert!(
@@ -1324,6 +1381,31 @@ mod tests {
             "max_tokens",
         );
         assert!(e.unwrap_err().to_string().contains("at least one token"));
+    }
+
+    #[test]
+    fn bad_words_are_bounded_and_never_blank() {
+        let checked = |body: String| {
+            check_common(&common(&body), CTX, None, "max_tokens").map_err(|e| e.to_string())
+        };
+        let c = checked(r#"{"bad_words": [" Paris", "the French"]}"#.into()).unwrap();
+        assert_eq!(c.bad_words, [" Paris", "the French"]);
+        let many = serde_json::to_string(&vec!["w"; MAX_BAD_WORDS + 1]).unwrap();
+        let long = "x".repeat(MAX_BAD_WORD_BYTES + 1);
+        for (body, says) in [
+            (
+                format!(r#"{{"bad_words": {many}}}"#),
+                "at most 256 bad_words",
+            ),
+            (
+                format!(r#"{{"bad_words": ["{long}"]}}"#),
+                "at most 256 bytes",
+            ),
+            (r#"{"bad_words": ["ok", " \t"]}"#.into(), "empty or blank"),
+        ] {
+            let e = checked(body).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
     }
 
     #[test]

@@ -44,6 +44,8 @@ pub struct Sampler {
     /// Tokens not chosen while fewer than `held_until` are generated ([`Sampler::holding_back`]).
     held: Vec<u32>,
     held_until: u32,
+    /// The last tokens generated, as many as the longest of `bad_words` less one (none without them).
+    tail: std::collections::VecDeque<u32>,
 }
 
 impl Sampler {
@@ -60,6 +62,7 @@ impl Sampler {
             produced: 0,
             held: Vec::new(),
             held_until: 0,
+            tail: Default::default(),
         }
     }
 
@@ -105,7 +108,8 @@ impl Sampler {
             || !p.logit_bias.is_empty();
         let holds_back = self.holds_back();
         let only = &p.allowed_token_ids;
-        let narrowed = allowed.is_some() || holds_back || !only.is_empty();
+        let narrowed =
+            allowed.is_some() || holds_back || !only.is_empty() || !p.bad_words.is_empty();
         let mut owned = Vec::new();
         if penalized || narrowed {
             owned = logits.to_vec();
@@ -133,6 +137,21 @@ impl Sampler {
                 }
             }
             owned = kept;
+        }
+        // The tokens that would end a bad word, unless nothing else is left.
+        if !p.bad_words.is_empty() {
+            let ending = self.banned();
+            let others = owned
+                .iter()
+                .enumerate()
+                .any(|(i, v)| open(v) && ending.binary_search(&(i as u32)).is_err());
+            if others {
+                for &t in &ending {
+                    if let Some(v) = owned.get_mut(t as usize) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
         }
         // The stop tokens held back, unless nothing else is left (a grammar that may only end).
         let others = |owned: &[f32]| {
@@ -189,6 +208,7 @@ impl Sampler {
         let p = &self.params;
         !self.holds_back()
             && p.allowed_token_ids.is_empty()
+            && p.bad_words.is_empty()
             && p.temperature == 0.0
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
@@ -235,6 +255,38 @@ impl Sampler {
         self.produced = self.produced.saturating_add(1);
         *self.generated.entry(token).or_insert(0) += 1;
         self.seen.insert(token);
+        let keep = self
+            .params
+            .bad_words
+            .iter()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(1)
+            - 1;
+        if keep > 0 {
+            if self.tail.len() == keep {
+                self.tail.pop_front();
+            }
+            self.tail.push_back(token);
+        }
+    }
+
+    /// The tokens that would complete one of the request's bad words now, ascending: a one-token
+    /// word's always, a longer word's last where the tokens generated so far end with the rest of it.
+    fn banned(&self) -> Vec<u32> {
+        let mut banned: Vec<u32> = self
+            .params
+            .bad_words
+            .iter()
+            .filter_map(|word| {
+                let (&last, before) = word.split_last()?;
+                let from = self.tail.len().checked_sub(before.len())?;
+                self.tail.range(from..).eq(before).then_some(last)
+            })
+            .collect();
+        banned.sort_unstable();
+        banned.dedup();
+        banned
     }
 }
 
@@ -991,6 +1043,68 @@ mod tests {
         // With none held, min_tokens does nothing.
         let mut s = Sampler::new(params, &[]).holding_back(Vec::new(), 9);
         assert!(s.sample(&logits).token == 1);
+    }
+
+    #[test]
+    fn bad_words_are_never_completed_unless_a_grammar_allows_nothing_else() {
+        let logits = [1.0f32, 3.0, 2.0, 0.5, 2.5];
+        let with = |bad_words: Vec<Vec<u32>>, temperature: f32, seed: u64| SamplingParams {
+            temperature,
+            bad_words,
+            logprobs: Some(1),
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        // A one-token word is never chosen: greedy takes the next best.
+        let mut s = Sampler::new(with(vec![vec![1]], 0.0, 0), &[]);
+        assert!(!s.argmax_only(), "a sampler with bad words needs the row");
+        let got = s.sample(&logits);
+        assert_eq!(got.token, 4);
+        // Logprobs stay the model's own.
+        assert_eq!(got.logprob.unwrap().logprob, 2.5 - log_sum_exp(&logits));
+        // A two-token word [4, 1]: 1 is banned right after 4 only.
+        let mut s = Sampler::new(with(vec![vec![4, 1]], 0.0, 0), &[]);
+        assert_eq!(s.record(&logits, 4).token, 4);
+        assert_eq!(
+            s.sample(&logits).token,
+            4,
+            "1 would complete the word after 4"
+        );
+        assert_eq!(s.sample(&logits).token, 4);
+        assert_eq!(s.record(&logits, 2).token, 2);
+        assert_eq!(s.sample(&logits).token, 1, "after 2, 1 completes nothing");
+        // A three-token word needs its two first tokens last, in order; a one-token word beside it.
+        let mut s = Sampler::new(with(vec![vec![2, 4, 1], vec![3]], 0.0, 0), &[]);
+        for t in [4, 2] {
+            s.record(&logits, t);
+        }
+        assert_eq!(s.sample(&logits).token, 1, "the tail is 4 2, not 2 4");
+        for t in [2, 4] {
+            s.record(&logits, t);
+        }
+        assert_eq!(
+            s.sample(&logits).token,
+            4,
+            "the tail is 2 4: 1 would end the word"
+        );
+        // A grammar that allows only a word's end is followed (the output goes on).
+        let mut s = Sampler::new(with(vec![vec![1]], 0.0, 0), &[]);
+        assert_eq!(s.sample_allowed(&logits, Some(&[0b0001_0010])).token, 4);
+        assert_eq!(s.sample_allowed(&logits, Some(&[0b0000_0010])).token, 1);
+        // Drawn: the banned token never comes, whatever the draw.
+        for seed in 0..50 {
+            let mut s = Sampler::new(with(vec![vec![1], vec![4, 2]], 1.0, seed), &[]);
+            let mut last = None;
+            for _ in 0..8 {
+                let t = s.sample(&logits).token;
+                assert_ne!(t, 1);
+                assert!(!(last == Some(4) && t == 2), "4 then 2 was written");
+                last = Some(t);
+            }
+        }
+        // An empty sequence is refused by the sampler's domain check.
+        let e = with(vec![vec![]], 0.0, 0).validate().unwrap_err();
+        assert!(e.contains("bad_words"), "{e}");
     }
 
     #[test]

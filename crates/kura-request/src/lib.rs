@@ -60,6 +60,12 @@ pub struct SamplingParams {
     /// any. Where a grammar's mask allows none of them, the grammar's mask alone holds.
     #[serde(default)]
     pub allowed_token_ids: Vec<u32>,
+    /// Token sequences never written (vLLM's `bad_words`, each word tokenized as it starts a text
+    /// and after a space): a sequence's last token is not chosen where the tokens generated so far
+    /// end with the others (a one-token word's never), unless a grammar's mask allows nothing else.
+    /// Each sequence holds at least one token. Logprobs stay those of the model's own distribution.
+    #[serde(default)]
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -76,6 +82,7 @@ impl Default for SamplingParams {
             logprobs: None,
             logit_bias: Vec::new(),
             allowed_token_ids: Vec::new(),
+            bad_words: Vec::new(),
         }
     }
 }
@@ -118,6 +125,9 @@ impl SamplingParams {
                 "logit_bias must list each token once, in ascending order: {} then {}",
                 w[0].0, w[1].0
             ));
+        }
+        if self.bad_words.iter().any(Vec::is_empty) {
+            return Err("bad_words must not hold an empty token sequence".into());
         }
         if let Some(w) = self.allowed_token_ids.windows(2).find(|w| w[0] >= w[1]) {
             return Err(format!(

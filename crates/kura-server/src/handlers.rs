@@ -310,6 +310,8 @@ fn request_for(
     let mut request = checked
         .clone()
         .into_request(prompt_tokens, max_tokens, logprobs);
+    request.sampling.bad_words =
+        validate::bad_word_tokens(s.engine.codec().as_ref(), &checked.bad_words)?;
     // The tenant's salt with the request's own, as its grammar was kept under.
     request.cache_salt = salt.clone();
     request.pins.extend(context.map(SavedContext::pin_spec));

@@ -33,6 +33,7 @@ use kura_api::responses::{prepare, prepare_count, ResponsesPlan};
 use kura_api::tools::{
     check_tool_turns_named, encode_chat_prompt, template_call, CallReader, TurnNames,
 };
+use kura_api::validate::bad_word_tokens;
 use kura_api::{effective_salt, ApiError, Tenant};
 use kura_engine::{ChatMessage, EngineEvent, FinishReason, PinSpec, Usage};
 use serde_json::{json, Map, Value};
@@ -496,6 +497,8 @@ pub async fn create(
         .checked
         .clone()
         .into_request(prompt_tokens, max_tokens, None);
+    request.sampling.bad_words =
+        bad_word_tokens(s.engine.codec().as_ref(), &plan.checked.bad_words)?;
     // The tenant's salt with the request's own, as its grammar was kept under.
     request.cache_salt = salt;
     request.pins.extend(retention);
