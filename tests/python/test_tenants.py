@@ -6,6 +6,7 @@ from the fleet secret with BLAKE3 exactly as Kura computes them, so that a test 
 replica publishes are the keyed ones a router computes, and that nothing else is published.
 """
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -490,3 +491,24 @@ def test_a_tenant_reuses_its_own_compiled_grammar_and_never_anothers(op, route):
     assert counts() == (c0 + 2, r0 + 1)
     ask(KEY_A, {"cache_salt": "elsewhere"})
     assert counts() == (c0 + 3, r0 + 1)
+
+
+def test_a_tenant_s_requests_for_one_grammar_at_once_compile_it_once(op):
+    # An agent's parallel turns send the same tools at once: one compiles the grammar, the others
+    # wait for it (or find it kept). Another tenant's identical requests at the same time compile
+    # their own, once.
+    path, body = grammar_request("chat", "weather_at_once")
+    body = body | {"model": op.model(), "max_tokens": 40, "temperature": 0}
+    m = op.metrics()
+    c0, r0 = m["kura:grammar_compiles_total"], m["kura:grammar_reuses_total"]
+
+    def ask(key: str):
+        r = httpx.post(op.url + path, headers=bearer(key), json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        calls = list(pool.map(ask, [KEY_A, KEY_B] * 6))
+    assert all(c == calls[0] for c in calls), calls
+    m = op.metrics()
+    assert (m["kura:grammar_compiles_total"], m["kura:grammar_reuses_total"]) == (c0 + 2, r0 + 10)

@@ -1,10 +1,11 @@
 //! Structured outputs and tool calls on the server side: the model's vocabulary for llguidance (built
 //! on the first request that needs it, then shared), a request's grammar compiled on the blocking pool
-//! (a grammar llguidance refuses is a 400 naming the problem), two at a time, and kept for the
-//! tenant's next request with the same grammar (an agent sends the same tools every turn).
+//! (a grammar llguidance refuses is a 400 naming the problem), two at a time, once for a tenant's
+//! requests that ask for the same grammar at once, and kept for the tenant's next request with the
+//! same grammar (an agent sends the same tools every turn).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kura_api::keys::TENANT_SEPARATOR;
@@ -21,11 +22,79 @@ use crate::handlers::off_the_workers;
 pub(crate) struct Grammars {
     vocab: OnceLock<Result<Guides, String>>,
     kept: Mutex<Kept<Arc<Compiled>>>,
+    /// Grammars being compiled: a request for one of them waits for that compile (its tenant's
+    /// request asked first) rather than compiling it again.
+    compiling: Flights<Arc<Compiled>>,
     compiles: AtomicU64,
     reused: AtomicU64,
 }
 
 pub(crate) type GuidesCell = Arc<Grammars>;
+
+/// Work in progress by key, which the callers that ask for the same key while it runs share: one
+/// runs it, the others wait for its value. A caller whose work fails, or that leaves before it ends,
+/// hands it to the next waiting (which runs it again); once it ends, its key is free again.
+struct Flights<V> {
+    running: Mutex<HashMap<KeptKey, Arc<tokio::sync::OnceCell<V>>>>,
+}
+
+impl<V> Default for Flights<V> {
+    fn default() -> Self {
+        Flights {
+            running: Mutex::default(),
+        }
+    }
+}
+
+impl<V: Clone> Flights<V> {
+    /// The value of `work` for `key`, run here or by the caller that asked first while it runs; and
+    /// whether it ran here.
+    async fn share<F, E>(&self, key: &KeptKey, work: F) -> Result<(V, bool), E>
+    where
+        F: std::future::Future<Output = Result<V, E>>,
+    {
+        let flight = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.clone())
+            .or_default()
+            .clone();
+        let ran = AtomicBool::new(false);
+        let value = flight
+            .get_or_try_init(|| async {
+                ran.store(true, Ordering::Relaxed);
+                // Done, failed or dropped: a later caller starts afresh.
+                let _ends = Ends {
+                    running: &self.running,
+                    key,
+                    flight: &flight,
+                };
+                work.await
+            })
+            .await?;
+        Ok((value.clone(), ran.load(Ordering::Relaxed)))
+    }
+}
+
+/// Frees a flight's key when its work ends, however it ends.
+struct Ends<'a, V> {
+    running: &'a Mutex<HashMap<KeptKey, Arc<tokio::sync::OnceCell<V>>>>,
+    key: &'a KeptKey,
+    flight: &'a Arc<tokio::sync::OnceCell<V>>,
+}
+
+impl<V> Drop for Ends<'_, V> {
+    fn drop(&mut self) {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        if running
+            .get(self.key)
+            .is_some_and(|f| Arc::ptr_eq(f, self.flight))
+        {
+            running.remove(self.key);
+        }
+    }
+}
 
 /// Compiled grammars kept at most. Each holds memory in proportion to its source (about 30 to 200
 /// times it, the small ones the most: 125 KiB for one tool's, 850 KiB for 32 tools' 22 KB, 28 MiB
@@ -180,7 +249,7 @@ impl Grammars {
             "# HELP kura:grammar_compiles_total Grammars compiled for requests (structured outputs, tool calls).\n\
              # TYPE kura:grammar_compiles_total counter\n\
              kura:grammar_compiles_total {}\n\
-             # HELP kura:grammar_reuses_total Requests whose grammar was compiled before for the same tenant and kept.\n\
+             # HELP kura:grammar_reuses_total Requests whose grammar was compiled for another of the same tenant (kept, or compiling at once).\n\
              # TYPE kura:grammar_reuses_total counter\n\
              kura:grammar_reuses_total {}\n",
             self.compiles.load(Ordering::Relaxed),
@@ -257,6 +326,38 @@ pub(crate) async fn constraint(
             Arc::new(FromParam { spec, param }) as Arc<dyn ConstraintSpec>
         ));
     }
+    // One compile for the tenant's requests that ask for this grammar at once (an agent's parallel
+    // turns with the same tools): the others wait for it.
+    let work = compile(
+        engine,
+        cell,
+        guide,
+        param,
+        key.clone(),
+        source_bytes,
+        deadline,
+    );
+    let shared = cell.compiling.share(&key, work);
+    let (spec, compiled_here) = crate::output::finish_before(deadline, shared).await?;
+    if !compiled_here {
+        cell.reused.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(Some(
+        Arc::new(FromParam { spec, param }) as Arc<dyn ConstraintSpec>
+    ))
+}
+
+/// Compiles `guide` for the served model on the blocking pool, in its turn, and keeps it under `key`
+/// (when small enough, [`Kept::put`]).
+async fn compile(
+    engine: &EngineHandle,
+    cell: &GuidesCell,
+    guide: Guide,
+    param: &'static str,
+    key: KeptKey,
+    source_bytes: usize,
+    deadline: crate::output::Deadline,
+) -> Result<Arc<Compiled>, ApiError> {
     // Compiles take turns, a few at a time: each holds memory in proportion to its grammar (up to
     // tens of MB), and many at once must not take the machine's memory. The turn goes with the
     // compile: a client that leaves while its grammar compiles drops the wait, not the compile, which
@@ -295,10 +396,7 @@ pub(crate) async fn constraint(
             compiled.clone(),
             source_bytes,
         );
-        Ok(Some(Arc::new(FromParam {
-            spec: compiled,
-            param,
-        }) as Arc<dyn ConstraintSpec>))
+        Ok(compiled)
     });
     crate::output::finish_before(deadline, compile).await
 }
@@ -427,5 +525,89 @@ mod tests {
         ];
         let distinct: std::collections::HashSet<_> = keys.iter().collect();
         assert_eq!(distinct.len(), keys.len(), "{keys:?}");
+    }
+
+    /// Callers waiting on `key`'s flight, besides the map's own hold on it.
+    fn waiting(flights: &Flights<u32>, key: &KeptKey) -> usize {
+        let running = flights.running.lock().unwrap();
+        running.get(key).map_or(0, |f| Arc::strong_count(f) - 1)
+    }
+
+    async fn until_waiting(flights: &Flights<u32>, key: &KeptKey, n: usize) {
+        while waiting(flights, key) < n {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn callers_of_one_key_share_one_run_and_other_keys_run_their_own() {
+        let flights = Arc::new(Flights::<u32>::default());
+        let (a, b) = (key("t", "start: \"a\""), key("u", "start: \"a\""));
+        let runs = Arc::new(AtomicU64::new(0));
+        let (go, gate) = tokio::sync::watch::channel(false);
+        let caller = |key: KeptKey, value: u32| {
+            let (flights, runs, mut gate) = (flights.clone(), runs.clone(), gate.clone());
+            tokio::spawn(async move {
+                flights
+                    .share(&key, async move {
+                        runs.fetch_add(1, Ordering::Relaxed);
+                        gate.wait_for(|open| *open).await.unwrap();
+                        Ok::<_, String>(value)
+                    })
+                    .await
+            })
+        };
+        let first = caller(a.clone(), 1);
+        until_waiting(&flights, &a, 1).await;
+        let waiters: Vec<_> = (0..3).map(|i| caller(a.clone(), 10 + i)).collect();
+        until_waiting(&flights, &a, 4).await;
+        // Another tenant's key (the same source): its own run, its own value.
+        let other = caller(b.clone(), 2);
+        until_waiting(&flights, &b, 1).await;
+        go.send(true).unwrap();
+        assert_eq!(first.await.unwrap(), Ok((1, true)));
+        for w in waiters {
+            assert_eq!(w.await.unwrap(), Ok((1, false)), "the first caller's value");
+        }
+        assert_eq!(other.await.unwrap(), Ok((2, true)));
+        assert_eq!(runs.load(Ordering::Relaxed), 2);
+        // Ended: the keys are free, and a later caller runs afresh.
+        assert!(flights.running.lock().unwrap().is_empty());
+        let again = flights.share(&a, async { Ok::<_, String>(3) }).await;
+        assert_eq!(again, Ok((3, true)));
+    }
+
+    #[tokio::test]
+    async fn a_failed_or_dropped_run_goes_to_the_next_caller() {
+        let flights = Arc::new(Flights::<u32>::default());
+        let a = key("t", "start: \"a\"");
+        let (go, gate) = tokio::sync::watch::channel(false);
+        // The first caller fails once its gate opens; the waiter then runs the work itself.
+        let failing = {
+            let (flights, a, mut gate) = (flights.clone(), a.clone(), gate.clone());
+            tokio::spawn(async move {
+                flights
+                    .share(&a, async move {
+                        gate.wait_for(|open| *open).await.unwrap();
+                        Err::<u32, _>("refused".to_string())
+                    })
+                    .await
+            })
+        };
+        until_waiting(&flights, &a, 1).await;
+        let waiter = {
+            let (flights, a) = (flights.clone(), a.clone());
+            tokio::spawn(async move { flights.share(&a, async { Ok::<_, String>(7) }).await })
+        };
+        until_waiting(&flights, &a, 2).await;
+        go.send(true).unwrap();
+        assert_eq!(failing.await.unwrap(), Err("refused".to_string()));
+        assert_eq!(waiter.await.unwrap(), Ok((7, true)));
+        assert!(flights.running.lock().unwrap().is_empty());
+        // A caller dropped while it runs (its client left) frees the key.
+        let pending = flights.share(&a, std::future::pending::<Result<u32, String>>());
+        let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), pending).await;
+        assert!(timed_out.is_err());
+        assert!(flights.running.lock().unwrap().is_empty());
     }
 }
