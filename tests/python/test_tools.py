@@ -311,7 +311,7 @@ A_BAD = [
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}]},
      "input must be an object"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens must be an integer of at least 1024"),
     ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "must describe a JSON object"),
 ]
 
@@ -384,7 +384,7 @@ def test_anthropic_count_tokens_is_the_prompt_messages_computes(server):
     ({"stream": True}, 400, "stream is not a field of count_tokens"),
     ({"model": "no-such-model"}, 404, "no-such-model"),
     ({"messages": []}, 400, "at least one message"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking is not supported"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 10}}, 400, "thinking.budget_tokens must be"),
     ({"tools": [{"name": "f"}]}, 400, "input_schema is missing"),
 ])
 def test_bad_count_tokens_requests_name_the_problem(server, extra, status, words):

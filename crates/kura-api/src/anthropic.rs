@@ -76,6 +76,38 @@ fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::invalid(message, None)
 }
 
+/// Anthropic's `thinking`: `{"type": "disabled"}` (or none), or `{"type": "enabled", "budget_tokens"}`
+/// with a budget of at least 1,024 tokens and under `max_tokens`, as Anthropic's API checks it (the
+/// budget is not enforced here: the model reasons as long as it does, within `max_tokens`).
+fn thinking_of(v: Option<&Value>, max_tokens: u32) -> Result<bool, ApiError> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(false);
+    };
+    let Some(o) = v.as_object() else {
+        return Err(invalid("thinking must be an object"));
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("disabled") if o.len() == 1 => Ok(false),
+        Some("enabled") => {
+            if let Some(k) = o.keys().find(|k| *k != "type" && *k != "budget_tokens") {
+                return Err(invalid(format!("thinking.{k} is not a field of thinking")));
+            }
+            match o.get("budget_tokens").and_then(Value::as_i64) {
+                Some(b) if b >= 1024 && b < i64::from(max_tokens) => Ok(true),
+                _ => Err(invalid(format!(
+                    "thinking.budget_tokens must be an integer of at least 1024 and less than \
+                     max_tokens ({max_tokens}), got {}",
+                    o.get("budget_tokens").unwrap_or(&Value::Null)
+                ))),
+            }
+        }
+        _ => Err(invalid(
+            "thinking must be {\"type\": \"disabled\"} or {\"type\": \"enabled\", \
+             \"budget_tokens\": n}",
+        )),
+    }
+}
+
 /// A text block's text and breakpoint, checked. `at`: where the block is, for messages.
 fn text_block(v: &Value, at: &str) -> Result<(String, Option<CacheTtl>), ApiError> {
     let Some(o) = v.as_object() else {
@@ -158,6 +190,9 @@ pub struct MessagesPlan {
     /// The last message is the assistant's, and the model goes on writing it (a prefill): the
     /// response holds what follows that text.
     pub prefill: bool,
+    /// `thinking: {"type": "enabled"}`: a reasoning model's reasoning is answered as `thinking`
+    /// blocks (the server refuses it where the model does not reason); else it is left out.
+    pub thinking: bool,
 }
 
 impl MessagesPlan {
@@ -406,6 +441,9 @@ fn push_message(
                     breakpoints.push((at, END_OF_CONTENT, ttl));
                 }
             }
+            // A reasoning model's earlier thinking, sent back as Anthropic's clients do: not
+            // written into the prompt (reasoning models' templates leave out earlier turns').
+            (Some("thinking" | "redacted_thinking"), "assistant") => {}
             (Some("tool_use" | "tool_result"), _) => {
                 return Err(invalid(format!(
                     "{bat}: {} blocks belong in {} messages",
@@ -600,17 +638,8 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
     {
         return Err(invalid("context_management must be an object"));
     }
-    for unsupported in ["thinking", "mcp_servers", "container"] {
-        // `{"type": "disabled"}` asks for what this server does anyway.
-        let neutral = |v: &Value| {
-            unsupported == "thinking"
-                && v.as_object().is_some_and(|t| {
-                    t.len() == 1 && t.get("type").and_then(Value::as_str) == Some("disabled")
-                })
-        };
-        if o.get(unsupported)
-            .is_some_and(|v| !v.is_null() && !neutral(v))
-        {
+    for unsupported in ["mcp_servers", "container"] {
+        if o.get(unsupported).is_some_and(|v| !v.is_null()) {
             return Err(invalid(format!(
                 "{unsupported} is not supported by this server"
             )));
@@ -632,6 +661,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         },
         None => return Err(invalid("max_tokens is required")),
     };
+    let thinking = thinking_of(o.get("thinking"), max_tokens)?;
     let mut messages = Vec::new();
     let mut breakpoints = Vec::new();
     match o.get("system") {
@@ -858,6 +888,7 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
         tool_breakpoints,
         guide,
         prefill,
+        thinking,
     })
 }
 
@@ -998,9 +1029,39 @@ mod tests {
             json!({"model": "m", "max_tokens": 1, "thinking": thinking,
                    "messages": [{"role": "user", "content": "x"}]})
         };
-        assert!(plan(body(json!({"type": "disabled"}))).is_ok());
+        assert!(!plan(body(json!({"type": "disabled"}))).unwrap().thinking);
         assert!(plan(body(json!({"type": "disabled", "budget_tokens": 5}))).is_err());
-        assert!(plan(body(json!({"type": "enabled", "budget_tokens": 1024}))).is_err());
+        // Enabled: read (the server refuses it where the model does not reason), the budget
+        // checked as Anthropic checks it.
+        let big = |thinking: Value| {
+            json!({"model": "m", "max_tokens": 4096, "thinking": thinking,
+                   "messages": [{"role": "user", "content": "x"}]})
+        };
+        assert!(
+            plan(big(json!({"type": "enabled", "budget_tokens": 1024})))
+                .unwrap()
+                .thinking
+        );
+        for bad in [
+            json!({"type": "enabled", "budget_tokens": 1023}),
+            json!({"type": "enabled", "budget_tokens": 4096}),
+            json!({"type": "enabled"}),
+            json!({"type": "enabled", "budget_tokens": 2048, "effort": "high"}),
+            json!({"type": "sometimes"}),
+            json!("enabled"),
+        ] {
+            let e = plan(big(bad.clone())).unwrap_err().to_string();
+            assert!(e.contains("thinking"), "{bad}: {e}");
+        }
+        // Thinking blocks sent back in an assistant turn are taken and left out of the prompt.
+        let p = plan(json!({"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": ""},
+                {"type": "text", "text": "y"}]},
+            {"role": "user", "content": "z"}]}))
+        .unwrap();
+        assert_eq!(p.messages[1].content, "y");
     }
 
     #[test]
@@ -1050,7 +1111,7 @@ mod tests {
             ),
             (
                 json!({"model": "m", "max_tokens": 1, "thinking": {"type": "enabled"}, "messages": [{"role": "user", "content": "x"}]}),
-                "thinking is not supported",
+                "thinking.budget_tokens must be",
             ),
             (
                 json!({"model": "m", "max_tokens": 1, "tools": [{"name": "f"}], "messages": [{"role": "user", "content": "x"}]}),

@@ -4,6 +4,7 @@
 //!   engine's vocabulary (`kura-request`); [`anthropic`]: Anthropic's Messages API read the same way;
 //! - [`responses`]: OpenAI's Responses API read the same way;
 //! - [`structured`], [`tools`]: structured outputs and tool calling as requests spell them;
+//!   [`reasoning`]: reasoning models' `<think>` text read apart from their answers;
 //! - [`cache_control`]: context caching as requests spell it (TTLs, breakpoints, retention);
 //! - [`routing`]: a request's prompt tokens and cache salt exactly as a server will key its KV (for a
 //!   router);
@@ -20,6 +21,7 @@ pub mod cache_control;
 pub mod conn;
 pub mod error;
 pub mod keys;
+pub mod reasoning;
 pub mod responses;
 pub mod routing;
 pub mod signal;

@@ -193,16 +193,26 @@ pub fn input_messages(input: &Value) -> Result<(Vec<ChatMessage>, Vec<usize>), A
                     ..Default::default()
                 });
             }
+            // A reasoning model's reasoning sent back (as a client replays a response's output):
+            // not written into the prompt, as reasoning models' templates leave out earlier turns'.
+            Some("reasoning") => {}
             Some(other) => {
                 return Err(bad(
                     format!(
-                        "{at} has type {other:?}; this server takes message, function_call and \
-                         function_call_output items"
+                        "{at} has type {other:?}; this server takes message, function_call, \
+                         function_call_output and reasoning items"
                     ),
                     "input",
                 ))
             }
         }
+    }
+    if out.is_empty() {
+        return Err(bad(
+            "input holds no message, function_call or function_call_output item (reasoning items \
+             are not written into the prompt)",
+            "input",
+        ));
     }
     if starts.len() < out.len() {
         starts.push(items.len() - 1);

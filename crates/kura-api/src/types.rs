@@ -362,6 +362,12 @@ pub struct ResponseMessage {
     pub refusal: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallBody>>,
+    /// A reasoning model's reasoning ([`crate::reasoning`]), under vLLM's two names: `reasoning`,
+    /// and `reasoning_content` (DeepSeek's, which vLLM keeps beside it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// One piece of a streamed tool call: the first names it (`id`, `type`, `function.name`), later ones
@@ -418,6 +424,11 @@ pub struct ChatDelta {
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
+    /// A piece of a reasoning model's reasoning, under both names ([`ResponseMessage::reasoning`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

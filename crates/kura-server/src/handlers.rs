@@ -319,6 +319,20 @@ fn request_for(
     Ok(request)
 }
 
+/// Whether and how a chat answer's reasoning is read apart ([`output::ResponseMeta::reasoning`]):
+/// on a server that reads reasoning, whether `request`'s prompt ends inside it (`codec` wrote it).
+/// An answer a grammar holds from its first token (an output format, a forced call) starts outside.
+pub(crate) fn reasoning_of(
+    s: &AppState,
+    codec: &dyn kura_engine::TextCodec,
+    request: &GenerateRequest,
+) -> Option<bool> {
+    s.reasoning.then(|| {
+        request.constraint.is_none()
+            && kura_api::reasoning::prompt_ends_thinking(codec, &request.prompt_tokens)
+    })
+}
+
 /// Saved context `id` of the tenant whose salt is `salt`, checked on the blocking pool: its first
 /// use after a restart tokenizes its text (up to 64 MiB of it) against its tokens.
 pub(crate) async fn use_saved_context(
@@ -486,6 +500,7 @@ pub async fn completions(
         echo,
         top_logprobs: plan.logprobs.unwrap_or(0),
         prompt_logprobs: plan.prompt_logprobs,
+        reasoning: None,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(
@@ -615,7 +630,7 @@ pub async fn chat_completions(
     // (A prompt cut to its last tokens holds no history from its start.)
     if let Some(conversation) = conversation.filter(|_| plan.checked.truncate_prompt.is_none()) {
         request.history_tokens =
-            history_of(codec, conversation, plan.tools.clone(), &request).await?;
+            history_of(codec.clone(), conversation, plan.tools.clone(), &request).await?;
     }
     tracing::debug!(user = ?plan.user, prompt_tokens = request.prompt_tokens.len(), max_tokens, "chat request");
     let meta = ResponseMeta {
@@ -633,6 +648,7 @@ pub async fn chat_completions(
         echo: None,
         top_logprobs: plan.logprobs.unwrap_or(0),
         prompt_logprobs: plan.prompt_logprobs,
+        reasoning: reasoning_of(&s, codec.as_ref(), &request),
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(

@@ -43,12 +43,13 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 // The API's bodies, validation, errors, keys and connection layer are `kura-api`'s.
+/// The types of [`ServerConfig`]'s fields that are `kura-api`'s.
+pub use kura_api::reasoning::ReasoningParser;
 use kura_api::routing::Endpoint;
 use kura_api::{
     accept_loop, error, presented_keys, same_key, shutdown_signal, types, validate, ApiError,
     Phase, Tenant,
 };
-/// The types of [`ServerConfig`]'s fields that are `kura-api`'s.
 pub use kura_api::{ConnLimits, TenantNamer};
 use types::*;
 
@@ -91,6 +92,9 @@ pub struct ServerConfig {
     /// its own until its request ends); a request that would pass it gets 429, and one that needs more
     /// alone gets 400. At least 1.
     pub max_held_logprobs: u64,
+    /// Whether chat answers are read for a reasoning model's `<think>` text
+    /// (`--reasoning-parser`; by default when the chat template spells `<think>`).
+    pub reasoning_parser: ReasoningParser,
 }
 
 /// What each tenant may hold at once. (Pins need no quota: when the pin budget is full, the tenant
@@ -129,6 +133,7 @@ impl Default for ServerConfig {
             debug_clock: false,
             console: false,
             max_held_logprobs: validate::DEFAULT_SERVER_HELD_LOGPROBS,
+            reasoning_parser: ReasoningParser::Auto,
         }
     }
 }
@@ -158,6 +163,9 @@ struct AppState {
     /// permits; each such request holds its count until its response is built or it is dropped).
     held_logprobs: Arc<tokio::sync::Semaphore>,
     max_held_logprobs: u64,
+    /// Whether chat answers are read for reasoning ([`ServerConfig::reasoning_parser`] with this
+    /// model's chat template).
+    reasoning: bool,
 }
 
 impl AppState {
@@ -201,6 +209,15 @@ fn unix_now() -> u64 {
 /// The router of every route, with authentication and the body limit applied.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
     let held_permits = held_logprobs_permits(config.max_held_logprobs);
+    let reasoning = config
+        .reasoning_parser
+        .reads(engine.codec().chat_template_source());
+    if reasoning {
+        tracing::info!(
+            parser = ?config.reasoning_parser,
+            "chat answers' <think> text is read as reasoning (--reasoning-parser none turns it off)"
+        );
+    }
     let state = AppState {
         engine,
         api_keys: Arc::new(
@@ -227,6 +244,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         responses: Arc::default(),
         held_logprobs: Arc::new(tokio::sync::Semaphore::new(held_permits)),
         max_held_logprobs: held_permits as u64,
+        reasoning,
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))

@@ -33,6 +33,7 @@ use serde_json::{json, Value};
 use crate::output::{self, Events, ToolStream};
 use crate::AppState;
 use crate::{guided, handlers};
+use kura_api::reasoning::ThinkSplit;
 
 /// The Messages route: Anthropic-shaped errors around [`messages_inner`].
 pub async fn messages(
@@ -61,6 +62,13 @@ async fn messages_inner(
     let info = s.engine.info().clone();
     let plan = prepare(&value, &info.model_name)?;
     drop(value);
+    if plan.thinking && !s.reasoning {
+        return Err(ApiError::invalid(
+            "thinking is not supported by this server: its model writes no reasoning apart from \
+             its answer (a reasoning model's chat template spells <think>; see --reasoning-parser)",
+            Some("thinking"),
+        ));
+    }
     let salt = effective_salt(&tenant, plan.cache_salt.clone());
     let saved = match &plan.cached_content {
         Some(id) => Some(crate::handlers::use_saved_context(&s, id, salt.clone()).await?),
@@ -120,6 +128,12 @@ async fn messages_inner(
         .await?;
     }
     let tools = plan.tools.as_ref().and_then(|t| t.reader(style.format));
+    // A reasoning model's reasoning is read apart from its answer, and shown (as `thinking` blocks)
+    // where the request enables thinking.
+    let thinking = Thinking {
+        read: handlers::reasoning_of(&s, s.engine.codec().as_ref(), &request),
+        shown: plan.thinking,
+    };
     output::before_deadline(deadline)?;
     let (mut events, sender) = Events::new(1, 1);
     let guard = s.engine.submit(request, sender.sink(0))?;
@@ -134,6 +148,7 @@ async fn messages_inner(
             events,
             deadline,
             tools,
+            thinking,
         );
         let mut response = Sse::new(body)
             .keep_alive(KeepAlive::default())
@@ -145,7 +160,7 @@ async fn messages_inner(
     }
     let body = output::finish_before(
         deadline,
-        collect(id, info.model_name.clone(), events, tools),
+        collect(id, info.model_name.clone(), events, tools, thinking),
     )
     .await?;
     Ok((StatusCode::OK, Json(body)).into_response())
@@ -219,11 +234,25 @@ fn input_of(arguments: &str) -> Value {
     serde_json::from_str(arguments).unwrap_or_else(|_| json!({}))
 }
 
+/// How a reasoning model's reasoning is read: apart from the answer (`read`: whether the prompt
+/// ends inside it, [`crate::output::ResponseMeta::reasoning`]), and `shown` as `thinking` blocks.
+#[derive(Clone, Copy)]
+struct Thinking {
+    read: Option<bool>,
+    shown: bool,
+}
+
+/// A thinking block of `text` (no signature: nothing here checks one sent back).
+fn thinking_block(text: &str) -> Value {
+    json!({"type": "thinking", "thinking": text, "signature": ""})
+}
+
 async fn collect(
     id: String,
     model: String,
     mut events: Events,
     tools: Option<CallReader>,
+    thinking: Thinking,
 ) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut reason = None;
@@ -250,12 +279,20 @@ async fn collect(
             }
         }
     };
+    let (reasoning, text) = match thinking.read {
+        Some(inside) => ThinkSplit::whole(&text, inside),
+        None => (None, text),
+    };
     let (content, calls) = match tools {
         Some(reader) => reader.parse(&text),
         None => (text, Vec::new()),
     };
     let mut blocks = Vec::new();
-    if !content.is_empty() || calls.is_empty() {
+    if let Some(r) = reasoning.filter(|_| thinking.shown) {
+        blocks.push(thinking_block(&r));
+    }
+    // (An empty text block where there is nothing else, as a stream opens one.)
+    if !content.is_empty() || (calls.is_empty() && blocks.is_empty()) {
         blocks.push(json!({"type": "text", "text": content, "citations": null}));
     }
     let ids = tool_ids(&id);
@@ -287,6 +324,7 @@ fn event(name: &str, data: Value) -> Event {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Open {
     None,
+    Thinking,
     Text,
     Tool(usize),
 }
@@ -295,6 +333,9 @@ enum Open {
 struct Blocks {
     /// Calls are read out of the text so (the text block then opens only for text).
     tools: Option<(CallReader, ToolStream)>,
+    /// The reasoning read apart, and whether it is shown.
+    think: Option<ThinkSplit>,
+    show_thinking: bool,
     ids: String,
     open: Open,
     /// Index of the block open now (blocks are numbered from 0 as they open).
@@ -369,7 +410,34 @@ impl Blocks {
         }
     }
 
+    fn thinking(&mut self, text: String, queue: &mut std::collections::VecDeque<Event>) {
+        if text.is_empty() || !self.show_thinking {
+            return;
+        }
+        if self.open != Open::Thinking {
+            self.start(thinking_block(""), Open::Thinking, queue);
+        }
+        queue.push_back(event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.index,
+                   "delta": {"type": "thinking_delta", "thinking": text}}),
+        ));
+    }
+
     fn delta(&mut self, text: String, queue: &mut std::collections::VecDeque<Event>) {
+        let text = match &mut self.think {
+            Some(t) => {
+                let split = t.push(&text);
+                self.thinking(split.reasoning, queue);
+                split.content
+            }
+            None => text,
+        };
+        self.answer(text, queue);
+    }
+
+    /// The answer's new text, its calls read out of it where the request has tools.
+    fn answer(&mut self, text: String, queue: &mut std::collections::VecDeque<Event>) {
         match &mut self.tools {
             Some((reader, ts)) => {
                 let (content, deltas) = ts.advance(&self.ids, reader, &text);
@@ -381,6 +449,10 @@ impl Blocks {
     }
 
     fn finish(&mut self, queue: &mut std::collections::VecDeque<Event>) {
+        if let Some(split) = self.think.as_mut().map(ThinkSplit::finish) {
+            self.thinking(split.reasoning, queue);
+            self.answer(split.content, queue);
+        }
         if let Some((reader, ts)) = &mut self.tools {
             let (content, deltas, made_calls) = ts.finish(&self.ids, reader);
             self.text(content, queue);
@@ -413,6 +485,7 @@ fn stream(
     events: Events,
     deadline: output::Deadline,
     tools: Option<CallReader>,
+    thinking: Thinking,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     struct St {
         events: Events,
@@ -456,8 +529,8 @@ fn stream(
                     "stop_details": null, "container": null, "usage": usage,
                 }}),
             ));
-            if self.blocks.tools.is_none() {
-                // Without tools the one text block opens at once.
+            if self.blocks.tools.is_none() && self.blocks.think.is_none() {
+                // Without tools or reasoning the one text block opens at once.
                 self.blocks.start(
                     json!({"type": "text", "text": "", "citations": null}),
                     Open::Text,
@@ -469,6 +542,8 @@ fn stream(
     }
     let blocks = Blocks {
         tools: tools.map(|r| (r, ToolStream::default())),
+        think: thinking.read.map(ThinkSplit::new),
+        show_thinking: thinking.shown,
         ids: tool_ids(&id),
         open: Open::None,
         index: 0,

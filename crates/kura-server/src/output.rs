@@ -23,6 +23,7 @@ use kura_engine::{
 use serde_json::{Map, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
+use kura_api::reasoning::ThinkSplit;
 use kura_api::tools::CallReader;
 use kura_guide::tools::PartialStream;
 
@@ -61,6 +62,9 @@ pub struct ResponseMeta {
     /// vLLM's `prompt_logprobs`: each choice (completions) or the response (chat) carries its prompt's
     /// scores with this many alternatives a token.
     pub prompt_logprobs: Option<u32>,
+    /// A chat answer's reasoning is read apart ([`ThinkSplit`]): `Some(true)` when the prompt ends
+    /// inside it (the template opened `<think>`), `Some(false)` when the model may open it.
+    pub reasoning: Option<bool>,
 }
 
 impl ResponseMeta {
@@ -728,8 +732,16 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                 .into_iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    let (content, tool_calls, finish_reason) =
-                        read_calls(meta, i as u32, c.text, c.finish);
+                    let (reasoning, text) = match meta.reasoning {
+                        Some(inside) => ThinkSplit::whole(&c.text, inside),
+                        None => (None, c.text),
+                    };
+                    let (mut content, tool_calls, finish_reason) =
+                        read_calls(meta, i as u32, text, c.finish);
+                    // A turn that only reasoned has no answer (`null`, as a turn of calls alone).
+                    if reasoning.is_some() && content.as_deref() == Some("") {
+                        content = None;
+                    }
                     ChatChoice {
                         index: i as u32,
                         logprobs: meta.logprobs.then(|| chat_logprobs(&c.logprobs)),
@@ -738,6 +750,8 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                             content,
                             refusal: None,
                             tool_calls,
+                            reasoning_content: reasoning.clone(),
+                            reasoning,
                         },
                         finish_reason,
                         token_ids: meta.token_ids.then_some(c.token_ids),
@@ -762,6 +776,8 @@ struct SseState {
     offsets: Vec<usize>,
     /// Per chat choice, when calls are read out of the text.
     tool_streams: Vec<ToolStream>,
+    /// Per chat choice, when its reasoning is read apart (`meta.reasoning`).
+    thinks: Vec<ThinkSplit>,
     queue: VecDeque<Event>,
     /// Echo chunks to write before anything in `queue`: (prompt, choice, the prompt's scores when
     /// reported).
@@ -780,14 +796,16 @@ impl SseState {
         offset: &mut usize,
         finish_reason: Option<&'static str>,
     ) -> Event {
-        self.chat_chunk(choice, text, None, lps, offset, finish_reason)
+        self.chat_chunk(choice, text, None, None, lps, offset, finish_reason)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn chat_chunk(
         &self,
         choice: u32,
         text: Option<String>,
         tool_calls: Option<Vec<ToolCallDelta>>,
+        reasoning: Option<String>,
         lps: &[TokenLogprob],
         offset: &mut usize,
         finish_reason: Option<&'static str>,
@@ -815,6 +833,8 @@ impl SseState {
                         role: None,
                         content: text,
                         tool_calls,
+                        reasoning_content: reasoning.clone(),
+                        reasoning,
                     },
                     logprobs: (self.meta.logprobs && !lps.is_empty()).then(|| chat_logprobs(lps)),
                     finish_reason,
@@ -883,6 +903,42 @@ impl SseState {
         }))
     }
 
+    /// The chunk of a choice's new text (`text`, an answer's once its reasoning is read apart:
+    /// `split`), its calls read out of it where the request has tools, its reasoning's new piece and
+    /// its tokens' log-probabilities; `None` when it would carry nothing.
+    fn answer_chunk(
+        &mut self,
+        choice: u32,
+        text: String,
+        reasoning: Option<String>,
+        split: bool,
+        logprobs: &[TokenLogprob],
+        offset: &mut usize,
+    ) -> Option<Event> {
+        let tools = match self.meta.shape {
+            Shape::Chat => self.meta.tools.clone(),
+            Shape::Completion => None,
+        };
+        let (content, calls) = match (&tools, self.tool_streams.get_mut(choice as usize)) {
+            (Some(reader), Some(ts)) => {
+                let ids = self.meta.call_ids(choice);
+                let (content, calls) = ts.advance(&ids, reader, &text);
+                (
+                    (!content.is_empty()).then_some(content),
+                    (!calls.is_empty()).then_some(calls),
+                )
+            }
+            // Without tools or reasoning, every piece is sent as it is (an empty one too, beside
+            // its log-probabilities).
+            _ if !split => (Some(text), None),
+            _ => ((!text.is_empty()).then_some(text), None),
+        };
+        if content.is_none() && calls.is_none() && reasoning.is_none() && logprobs.is_empty() {
+            return None;
+        }
+        Some(self.chat_chunk(choice, content, calls, reasoning, logprobs, offset, None))
+    }
+
     fn usage_chunk(&self, usage: Usage) -> Event {
         let usage = Some(UsageBody::from(usage));
         let value = match self.meta.shape {
@@ -923,26 +979,39 @@ impl SseState {
                     return;
                 }
                 let mut offset = self.offsets.get(choice as usize).copied().unwrap_or(0);
-                let e = match (&tools, self.tool_streams.get_mut(choice as usize)) {
-                    (Some(reader), Some(ts)) => {
-                        let ids = self.meta.call_ids(choice);
-                        let (content, calls) = ts.advance(&ids, reader, &text);
-                        if content.is_empty() && calls.is_empty() && logprobs.is_empty() {
-                            return;
-                        }
-                        let content = (!content.is_empty()).then_some(content);
-                        let calls = (!calls.is_empty()).then_some(calls);
-                        self.chat_chunk(choice, content, calls, &logprobs, &mut offset, None)
+                // A reasoning model's reasoning goes apart; the rest is the answer (or calls).
+                let (reasoning, text, split) = match self.thinks.get_mut(choice as usize) {
+                    Some(t) => {
+                        let s = t.push(&text);
+                        (
+                            (!s.reasoning.is_empty()).then_some(s.reasoning),
+                            s.content,
+                            true,
+                        )
                     }
-                    _ => self.chunk(choice, Some(text), &logprobs, &mut offset, None),
+                    None => (None, text, false),
                 };
+                if let Some(e) =
+                    self.answer_chunk(choice, text, reasoning, split, &logprobs, &mut offset)
+                {
+                    self.queue.push_back(e);
+                }
                 if let Some(o) = self.offsets.get_mut(choice as usize) {
                     *o = offset;
                 }
-                self.queue.push_back(e);
             }
             EngineEvent::Finished { choice, reason, .. } => {
                 let mut finish = reason.as_str();
+                // What the reasoning's reader held back, now known.
+                if let Some(t) = self.thinks.get_mut(choice as usize) {
+                    let s = t.finish();
+                    let reasoning = (!s.reasoning.is_empty()).then_some(s.reasoning);
+                    if let Some(e) =
+                        self.answer_chunk(choice, s.content, reasoning, true, &[], &mut 0)
+                    {
+                        self.queue.push_back(e);
+                    }
+                }
                 if let (Some(reader), Some(ts)) =
                     (&tools, self.tool_streams.get_mut(choice as usize))
                 {
@@ -954,7 +1023,7 @@ impl SseState {
                     if !content.is_empty() || !calls.is_empty() {
                         let content = (!content.is_empty()).then_some(content);
                         let calls = (!calls.is_empty()).then_some(calls);
-                        let e = self.chat_chunk(choice, content, calls, &[], &mut 0, None);
+                        let e = self.chat_chunk(choice, content, calls, None, &[], &mut 0, None);
                         self.queue.push_back(e);
                     }
                 }
@@ -999,12 +1068,17 @@ pub fn sse_stream(
     deadline: Deadline,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let n = events.total_choices();
+    let thinks = match meta.reasoning {
+        Some(inside) => (0..n).map(|_| ThinkSplit::new(inside)).collect(),
+        None => Vec::new(),
+    };
     let mut state = SseState {
         meta,
         events,
         include_usage,
         offsets: vec![0; n as usize],
         tool_streams: (0..n).map(|_| ToolStream::default()).collect(),
+        thinks,
         queue: VecDeque::new(),
         echoes: VecDeque::new(),
         finished: false,
@@ -1030,6 +1104,8 @@ pub fn sse_stream(
                         role: Some("assistant"),
                         content: Some(String::new()),
                         tool_calls: None,
+                        reasoning: None,
+                        reasoning_content: None,
                     },
                     logprobs: None,
                     finish_reason: None,

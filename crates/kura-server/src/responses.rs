@@ -42,6 +42,7 @@ use crate::body::{JsonBody, PathId};
 use crate::handlers::{history_of, off_the_workers, remaining_tokens, response_id};
 use crate::output::{self, Events, ToolStream};
 use crate::{guided, AppState};
+use kura_api::reasoning::ThinkSplit;
 
 /// Most responses kept at once (over all tenants); past it the oldest is dropped.
 pub const MAX_STORED: usize = 10_000;
@@ -266,6 +267,8 @@ struct Meta {
     store: bool,
     echo: Map<String, Value>,
     tools: Option<CallReader>,
+    /// The reasoning is read apart ([`crate::output::ResponseMeta::reasoning`]).
+    reasoning: Option<bool>,
 }
 
 impl Meta {
@@ -301,6 +304,10 @@ impl Meta {
     fn call_ids(&self) -> String {
         format!("fc_{}", self.id)
     }
+
+    fn reasoning_id(&self) -> String {
+        format!("rs_{}", self.id)
+    }
 }
 
 fn usage_body(u: &Usage) -> Value {
@@ -322,6 +329,12 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
 }
 
+/// A reasoning model's reasoning as an output item: its text whole (`content`), no summary.
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "summary": [], "status": status,
+           "content": [{"type": "reasoning_text", "text": text}]})
+}
+
 fn call_item(id: &str, name: &str, arguments: &str, status: &str) -> Value {
     // One id serves as the item's and the call's (what `function_call_output` answers).
     json!({"type": "function_call", "id": id, "call_id": id, "name": name, "arguments": arguments,
@@ -331,6 +344,12 @@ fn call_item(id: &str, name: &str, arguments: &str, status: &str) -> Value {
 /// A finished response's output items and the assistant turn they make; `incomplete` (cut at
 /// `max_output_tokens`): its last item is `incomplete`, as OpenAI marks it.
 fn output_of(meta: &Meta, text: &str, incomplete: bool) -> (Vec<Value>, ChatMessage) {
+    // A reasoning model's reasoning first, as its own item; the turn kept is the answer.
+    let (reasoning, text) = match meta.reasoning {
+        Some(inside) => ThinkSplit::whole(text, inside),
+        None => (None, text.to_string()),
+    };
+    let text = text.as_str();
     let (content, calls) = match &meta.tools {
         Some(reader) => reader.parse(text),
         None => (text.to_string(), Vec::new()),
@@ -341,7 +360,10 @@ fn output_of(meta: &Meta, text: &str, incomplete: bool) -> (Vec<Value>, ChatMess
         content
     };
     let mut items = Vec::new();
-    if !content.is_empty() || calls.is_empty() {
+    if let Some(r) = &reasoning {
+        items.push(reasoning_item(&meta.reasoning_id(), r, "completed"));
+    }
+    if !content.is_empty() || (calls.is_empty() && reasoning.is_none()) {
         items.push(message_item(&meta.message_id(), &content, "completed"));
     }
     let ids = meta.call_ids();
@@ -523,6 +545,7 @@ pub async fn create(
         store: plan.store,
         echo: plan.echo.clone(),
         tools: plan.tools.as_ref().and_then(|t| t.reader(style.format)),
+        reasoning: crate::handlers::reasoning_of(&s, s.engine.codec().as_ref(), &request),
     };
     output::before_deadline(deadline).map_err(for_responses)?;
     let (mut events, sender) = Events::new(1, 1);
@@ -599,6 +622,7 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Open {
     None,
+    Reasoning,
     Text,
     Call(usize),
 }
@@ -612,6 +636,10 @@ struct St {
     done: bool,
     reason: Option<FinishReason>,
     tools: Option<ToolStream>,
+    /// The reasoning read apart from the answer, when it is.
+    think: Option<ThinkSplit>,
+    /// The reasoning item's text so far.
+    thinking: String,
     open: Open,
     /// Output index of the open item; items are numbered as they open.
     index: usize,
@@ -640,6 +668,26 @@ impl St {
     fn close(&mut self) {
         match self.open {
             Open::None => {}
+            Open::Reasoning => {
+                let id = self.meta.reasoning_id();
+                let text = std::mem::take(&mut self.thinking);
+                self.emit(
+                    "response.reasoning_text.done",
+                    json!({"item_id": id, "output_index": self.index, "content_index": 0,
+                           "text": text}),
+                );
+                self.emit(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": self.index, "content_index": 0,
+                           "part": {"type": "reasoning_text", "text": text}}),
+                );
+                let item = reasoning_item(&id, &text, self.closing);
+                self.emit(
+                    "response.output_item.done",
+                    json!({"output_index": self.index, "item": item}),
+                );
+                self.items.push(item);
+            }
             Open::Text => {
                 let id = self.meta.message_id();
                 let text = std::mem::take(&mut self.text);
@@ -707,6 +755,36 @@ impl St {
         );
     }
 
+    fn reasoning(&mut self, text: String) {
+        if text.is_empty() {
+            return;
+        }
+        if self.open != Open::Reasoning {
+            self.close();
+            self.index = self.items.len();
+            self.open = Open::Reasoning;
+            let id = self.meta.reasoning_id();
+            self.emit(
+                "response.output_item.added",
+                json!({"output_index": self.index,
+                       "item": {"type": "reasoning", "id": id, "summary": [], "content": [],
+                                "status": "in_progress"}}),
+            );
+            self.emit(
+                "response.content_part.added",
+                json!({"item_id": id, "output_index": self.index, "content_index": 0,
+                       "part": {"type": "reasoning_text", "text": ""}}),
+            );
+        }
+        self.thinking.push_str(&text);
+        let id = self.meta.reasoning_id();
+        self.emit(
+            "response.reasoning_text.delta",
+            json!({"item_id": id, "output_index": self.index, "content_index": 0,
+                   "delta": text}),
+        );
+    }
+
     fn calls(&mut self, deltas: Vec<kura_api::types::ToolCallDelta>) {
         for d in deltas {
             let call = d.index as usize;
@@ -735,6 +813,19 @@ impl St {
 
     fn delta(&mut self, text: String) {
         self.reply.push_str(&text);
+        let text = match &mut self.think {
+            Some(t) => {
+                let split = t.push(&text);
+                self.reasoning(split.reasoning);
+                split.content
+            }
+            None => text,
+        };
+        self.answer(text);
+    }
+
+    /// The answer's new text, its calls read out of it where the request has tools.
+    fn answer(&mut self, text: String) {
         match (&mut self.tools, &self.meta.tools) {
             (Some(ts), Some(reader)) => {
                 let (content, deltas) = ts.advance(&self.meta.call_ids(), reader, &text);
@@ -746,6 +837,10 @@ impl St {
     }
 
     fn finish(&mut self, usage: Usage) {
+        if let Some(split) = self.think.as_mut().map(ThinkSplit::finish) {
+            self.reasoning(split.reasoning);
+            self.answer(split.content);
+        }
         if let (Some(ts), Some(reader)) = (&mut self.tools, &self.meta.tools) {
             let (content, deltas, _) = ts.finish(&self.meta.call_ids(), reader);
             self.text(content);
@@ -806,6 +901,8 @@ fn stream(
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut st = St {
         tools: meta.tools.as_ref().map(|_| ToolStream::default()),
+        think: meta.reasoning.map(ThinkSplit::new),
+        thinking: String::new(),
         meta,
         events,
         keep,

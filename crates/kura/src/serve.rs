@@ -131,6 +131,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = kura_api::validate::DEFAULT_SERVER_HELD_LOGPROBS,
           value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     max_held_logprobs: u64,
+    /// How chat answers of a reasoning model are read: `auto` (when the chat template spells
+    /// `<think>`), `deepseek_r1` or `qwen3` (the text between `<think>` and `</think>` is the
+    /// reasoning: chat's `reasoning_content`, a Responses `reasoning` item, a Messages `thinking`
+    /// block), or `none` (the answer as written).
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(kura_server::ReasoningParser))]
+    reasoning_parser: kura_server::ReasoningParser,
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -803,6 +809,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         debug_clock: args.debug_clock,
         console,
         max_held_logprobs: args.max_held_logprobs,
+        reasoning_parser: args.reasoning_parser,
     };
     let addr = format!("{}:{}", args.host, args.port);
     // Tokenizing a large prompt takes a core for a while: as many at once as there are cores (and at

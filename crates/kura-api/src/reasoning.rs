@@ -1,0 +1,345 @@
+//! Reasoning models' output read apart (vLLM's `--reasoning-parser`): the text a model writes between
+//! `<think>` and `</think>` (DeepSeek R1 and its distillations, QwQ, Qwen3) is its reasoning, the text
+//! after it the answer. A chat answer carries the reasoning apart (`reasoning_content`), a Responses
+//! answer as a `reasoning` item, a Messages answer as a `thinking` block.
+//!
+//! Where the reasoning starts depends on the chat template: R1's and QwQ's write `<think>` at the end
+//! of the prompt, so the output starts inside the reasoning; Qwen3's leave it to the model (and write
+//! an empty `<think></think>` when thinking is turned off). [`prompt_ends_thinking`] reads which from
+//! the prompt itself, so one rule serves every template and every request (a prefilled assistant
+//! message that opened `<think>` too).
+
+use std::str::FromStr;
+
+use kura_request::TextCodec;
+
+/// What opens a model's reasoning.
+pub const THINK_OPEN: &str = "<think>";
+/// What closes it.
+pub const THINK_CLOSE: &str = "</think>";
+
+/// Whether a server reads reasoning out of its chat answers (`--reasoning-parser`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningParser {
+    /// When the chat template spells `<think>` (the default).
+    Auto,
+    /// Always: `<think>…</think>` (vLLM's `deepseek_r1` and `qwen3`).
+    Think,
+    /// Never: the answer is the text as written.
+    Off,
+}
+
+impl FromStr for ReasoningParser {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ReasoningParser::Auto),
+            "deepseek_r1" | "qwen3" | "think" => Ok(ReasoningParser::Think),
+            "none" => Ok(ReasoningParser::Off),
+            other => Err(format!(
+                "unknown reasoning parser {other:?}: give auto, deepseek_r1, qwen3 (both read \
+                 <think>…</think>) or none"
+            )),
+        }
+    }
+}
+
+impl ReasoningParser {
+    /// Whether answers are read for reasoning with this chat template (`source`).
+    pub fn reads(self, source: &str) -> bool {
+        match self {
+            ReasoningParser::Auto => source.contains(THINK_OPEN),
+            ReasoningParser::Think => true,
+            ReasoningParser::Off => false,
+        }
+    }
+}
+
+/// Tokens of a prompt's end looked at for an open `<think>`, at most (a prefilled reasoning longer
+/// than this is read as an answer).
+const TAIL_TOKENS: usize = 1024;
+
+/// Whether `prompt` ends inside a reasoning block: in the text after its last special token (the last
+/// turn's opening, where the template writes the generation prompt), a `<think>` not closed. User text
+/// that spells `<think>` sits before that token and does not count.
+pub fn prompt_ends_thinking(codec: &dyn TextCodec, prompt: &[u32]) -> bool {
+    let floor = prompt.len().saturating_sub(TAIL_TOKENS);
+    let is_tag = |id: u32| {
+        let bytes = codec.token_bytes(id);
+        bytes == THINK_OPEN.as_bytes() || bytes == THINK_CLOSE.as_bytes()
+    };
+    let from = (floor..prompt.len())
+        .rev()
+        .find(|&i| codec.is_special(prompt[i]) && !is_tag(prompt[i]))
+        .map_or(floor, |i| i + 1);
+    let tail = codec.decode_keeping_special(&prompt[from..]);
+    ends_thinking(&tail)
+}
+
+/// Whether `text` has a `<think>` after its last `</think>`.
+pub fn ends_thinking(text: &str) -> bool {
+    match (text.rfind(THINK_OPEN), text.rfind(THINK_CLOSE)) {
+        (Some(open), Some(close)) => open > close,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+/// Where a [`ThinkSplit`] stands in the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Nothing but white space yet: the output may open with `<think>`.
+    Start,
+    /// Inside the reasoning (`started`: past its leading white space).
+    Thinking { started: bool },
+    /// In the answer (`started`: past the white space after `</think>`, or with no reasoning).
+    Answer { started: bool },
+}
+
+/// Pieces of an output read apart: reasoning and answer.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Split {
+    pub reasoning: String,
+    pub content: String,
+}
+
+/// An output read apart as it comes ([`ThinkSplit::push`] each piece, [`ThinkSplit::finish`] at its
+/// end); the pieces joined are what [`ThinkSplit::whole`] gives for the whole text. The reasoning's
+/// white space at both ends and the answer's at its start are left out (the template's `<think>\n`
+/// and the `\n\n` after `</think>`); an output with no reasoning is its answer as written. Text that
+/// could still be the start of `</think>` (or of `<think>` at the output's start) is held back until
+/// it is known.
+#[derive(Debug, Clone)]
+pub struct ThinkSplit {
+    state: State,
+    held: String,
+    thought: bool,
+}
+
+impl ThinkSplit {
+    /// A split of an output that starts inside the reasoning (`inside`, [`prompt_ends_thinking`]) or
+    /// may open it.
+    pub fn new(inside: bool) -> Self {
+        ThinkSplit {
+            state: match inside {
+                true => State::Thinking { started: false },
+                false => State::Start,
+            },
+            held: String::new(),
+            thought: inside,
+        }
+    }
+
+    /// Whether the output reasoned (started inside, or opened `<think>`).
+    pub fn thought(&self) -> bool {
+        self.thought
+    }
+
+    /// The reasoning and answer `text` adds, as far as they are known.
+    pub fn push(&mut self, text: &str) -> Split {
+        self.held.push_str(text);
+        let mut out = Split::default();
+        loop {
+            match self.state {
+                State::Start => {
+                    let rest = self.held.trim_start();
+                    if let Some(after) = rest.strip_prefix(THINK_OPEN) {
+                        self.held = after.to_string();
+                        self.state = State::Thinking { started: false };
+                        self.thought = true;
+                        continue;
+                    }
+                    if rest.is_empty() || THINK_OPEN.starts_with(rest) {
+                        return out;
+                    }
+                    self.state = State::Answer { started: true };
+                }
+                State::Thinking { started } => {
+                    if !started {
+                        let rest = self.held.trim_start();
+                        if rest.is_empty() {
+                            self.held.clear();
+                            return out;
+                        }
+                        self.held = rest.to_string();
+                        self.state = State::Thinking { started: true };
+                    }
+                    if let Some(at) = self.held.find(THINK_CLOSE) {
+                        out.reasoning.push_str(self.held[..at].trim_end());
+                        self.held = self.held[at + THINK_CLOSE.len()..].to_string();
+                        self.state = State::Answer { started: false };
+                        continue;
+                    }
+                    // Held back: what may start `</think>`, and the white space before it.
+                    let partial = (1..THINK_CLOSE.len())
+                        .rev()
+                        .find(|&k| self.held.ends_with(&THINK_CLOSE[..k]))
+                        .unwrap_or(0);
+                    let cut = self.held[..self.held.len() - partial].trim_end().len();
+                    out.reasoning.push_str(&self.held[..cut]);
+                    self.held.drain(..cut);
+                    return out;
+                }
+                State::Answer { started: false } => {
+                    let rest = self.held.trim_start();
+                    if rest.is_empty() {
+                        self.held.clear();
+                        return out;
+                    }
+                    self.held = rest.to_string();
+                    self.state = State::Answer { started: true };
+                }
+                State::Answer { started: true } => {
+                    out.content.push_str(&self.held);
+                    self.held.clear();
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// What was held back, once the output has ended: an unclosed reasoning's last text, or an
+    /// output's start that turned out to be its answer.
+    pub fn finish(&mut self) -> Split {
+        let held = std::mem::take(&mut self.held);
+        let mut out = Split::default();
+        match self.state {
+            State::Start => out.content = held,
+            State::Thinking { .. } => out.reasoning = held.trim().to_string(),
+            State::Answer { .. } => out.content = held.trim_start().to_string(),
+        }
+        self.state = State::Answer { started: true };
+        out
+    }
+
+    /// A whole output read apart: its reasoning (`None` when it did not reason) and its answer.
+    pub fn whole(text: &str, inside: bool) -> (Option<String>, String) {
+        let mut split = ThinkSplit::new(inside);
+        let mut out = split.push(text);
+        let rest = split.finish();
+        out.reasoning.push_str(&rest.reasoning);
+        out.content.push_str(&rest.content);
+        (split.thought.then_some(out.reasoning), out.content)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streamed(text: &str, inside: bool, cuts: &[usize]) -> (String, String) {
+        let mut split = ThinkSplit::new(inside);
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        let mut at = 0;
+        for &cut in cuts.iter().chain([&text.len()]) {
+            let piece = split.push(&text[at..cut]);
+            reasoning.push_str(&piece.reasoning);
+            content.push_str(&piece.content);
+            at = cut;
+        }
+        let rest = split.finish();
+        reasoning.push_str(&rest.reasoning);
+        content.push_str(&rest.content);
+        (reasoning, content)
+    }
+
+    #[test]
+    fn an_output_is_read_into_its_reasoning_and_its_answer() {
+        let cases: [(&str, bool, Option<&str>, &str); 9] = [
+            // R1: the prompt opened the reasoning.
+            (
+                "Two and two.\n</think>\n\nIt is 4.",
+                true,
+                Some("Two and two."),
+                "It is 4.",
+            ),
+            // Qwen3: the model opens it.
+            (
+                "<think>\nTwo and two.\n</think>\n\nIt is 4.",
+                false,
+                Some("Two and two."),
+                "It is 4.",
+            ),
+            ("\n<think>a</think>b", false, Some("a"), "b"),
+            // Never closed: all reasoning (the budget ran out while it thought).
+            (
+                "Still thinking about",
+                true,
+                Some("Still thinking about"),
+                "",
+            ),
+            // No reasoning: the answer as written, its white space kept.
+            ("  It is 4.\n", false, None, "  It is 4.\n"),
+            ("<thin", false, None, "<thin"),
+            // `<think>` later in an answer is text.
+            (
+                "4, not <think>x</think>",
+                false,
+                None,
+                "4, not <think>x</think>",
+            ),
+            // An empty reasoning (Qwen3 with thinking off, written by the model).
+            ("<think>\n\n</think>\n\n4", false, Some(""), "4"),
+            // `</think>` in the answer is the answer's.
+            ("a</think>b</think>c", true, Some("a"), "b</think>c"),
+        ];
+        for (text, inside, reasoning, content) in cases {
+            let (r, c) = ThinkSplit::whole(text, inside);
+            assert_eq!((r.as_deref(), c.as_str()), (reasoning, content), "{text:?}");
+            // Every cut into two and three pieces (at characters) gives the same.
+            let bounds: Vec<usize> = (0..=text.len())
+                .filter(|&i| text.is_char_boundary(i))
+                .collect();
+            for &a in &bounds {
+                for &b in bounds.iter().filter(|&&b| b >= a) {
+                    let got = streamed(text, inside, &[a, b]);
+                    assert_eq!(
+                        (got.0.as_str(), got.1.as_str()),
+                        (reasoning.unwrap_or(""), content),
+                        "{text:?} cut at {a} and {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_piece_that_may_start_the_close_is_held_back_until_known() {
+        let mut split = ThinkSplit::new(true);
+        assert_eq!(split.push("Let me see </th").reasoning, "Let me see");
+        assert_eq!(split.push("ere").reasoning, " </there");
+        let piece = split.push("</think>é");
+        assert_eq!(
+            (piece.reasoning.as_str(), piece.content.as_str()),
+            ("", "é")
+        );
+        // Multi-byte text at every cut stays whole.
+        let text = "né </think> ü";
+        for (i, _) in text.char_indices() {
+            let (r, c) = streamed(text, true, &[i]);
+            assert_eq!((r.as_str(), c.as_str()), ("né", "ü"));
+        }
+    }
+
+    #[test]
+    fn a_prompt_ends_thinking_where_its_last_think_is_open() {
+        assert!(ends_thinking("<|im_start|>assistant\n<think>\n"));
+        assert!(!ends_thinking("assistant\n<think>\n\n</think>\n\n"));
+        assert!(!ends_thinking("assistant\n"));
+        assert!(ends_thinking("</think> then <think> again"));
+    }
+
+    #[test]
+    fn parser_names_are_vllm_s() {
+        for name in ["deepseek_r1", "qwen3", "think"] {
+            assert_eq!(name.parse(), Ok(ReasoningParser::Think));
+        }
+        assert_eq!("none".parse(), Ok(ReasoningParser::Off));
+        assert_eq!("auto".parse(), Ok(ReasoningParser::Auto));
+        let e = "granite".parse::<ReasoningParser>().unwrap_err();
+        assert!(e.contains("granite"), "{e}");
+        assert!(ReasoningParser::Auto.reads("{{ '<think>\\n' }}"));
+        assert!(!ReasoningParser::Auto.reads("{{ '<|im_start|>' }}"));
+    }
+}
