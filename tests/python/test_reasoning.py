@@ -9,6 +9,7 @@ false closes an empty think block after the generation prompt), which turns the 
 a second server with `--reasoning-parser none` writes the same text whole, to compare against.
 """
 
+import json
 import os
 import re
 
@@ -175,3 +176,49 @@ def test_messages_answer_thinking_blocks_when_thinking_is_enabled(servers):
         {"role": "assistant", "content": shown.content[1].text},
         {"role": "user", "content": "And of Spain?"}]}))
     assert again.content[-1].text == plain.content[-1].text
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+
+
+def test_a_format_or_a_forced_call_holds_the_answer_after_the_reasoning(servers):
+    # As vLLM's reasoning-aware structured outputs: the model reasons freely, then the format holds.
+    reading, raw = servers
+    c, model = reading.client(), reading.model()
+    messages = turns("What is the capital of France?")
+    kw = dict(model=model, messages=messages, temperature=0, response_format=CITY_FORMAT)
+    r = c.chat.completions.create(max_tokens=80, **kw)
+    msg = r.choices[0].message
+    assert msg.reasoning_content and json.loads(msg.content).keys() == {"city"}, msg
+    assert r.choices[0].finish_reason == "stop"
+    # Streamed: the same pieces.
+    reasoning = content = ""
+    for chunk in c.chat.completions.create(max_tokens=80, stream=True, **kw):
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+    assert (reasoning, content) == (msg.reasoning_content, msg.content)
+    # Cut short: the grammar closes the reasoning and the shortest answer in time, so it parses.
+    for budget in (12, 16, 20):
+        short = c.chat.completions.create(max_tokens=budget, **kw)
+        assert json.loads(short.choices[0].message.content).keys() == {"city"}, (budget, short)
+        assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens <= budget
+    # Without the reasoning read (the parser off), the format holds the output from its first token.
+    plain = raw.client().chat.completions.create(max_tokens=80, **(kw | {"model": raw.model()}))
+    assert json.loads(plain.choices[0].message.content).keys() == {"city"}
+    # A forced call: reasoning, then the call.
+    tools = [{"type": "function", "function": {"name": "capital", "parameters": CITY}}]
+    r = c.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=80, tools=tools,
+                                  tool_choice="required")
+    msg = r.choices[0].message
+    assert msg.reasoning_content and msg.content is None, msg
+    assert [t.function.name for t in msg.tool_calls] == ["capital"]
+    assert json.loads(msg.tool_calls[0].function.arguments).keys() == {"city"}
+    # Responses: the reasoning item, then the formatted message.
+    out = c.responses.create(model=model, input=messages, max_output_tokens=80, temperature=0, store=False,
+                             text={"format": {"type": "json_schema", "name": "city", "schema": CITY,
+                                              "strict": True}})
+    assert [o.type for o in out.output] == ["reasoning", "message"]
+    assert json.loads(out.output_text).keys() == {"city"}

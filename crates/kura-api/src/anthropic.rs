@@ -586,8 +586,9 @@ pub fn prepare_count(value: &Value, served_model: &str) -> Result<MessagesPlan, 
     let o = value.as_object().expect("parse_json_object gives objects");
     crate::body::only_fields(o, &COUNT_FIELDS, "count_tokens")?;
     let mut o = o.clone();
-    // The prompt does not depend on the output's length: any valid one.
-    o.insert("max_tokens".into(), json!(1));
+    // The prompt does not depend on the output's length: any valid one (the largest, so that a
+    // thinking budget, which must be under it, is checked alone).
+    o.insert("max_tokens".into(), json!(u32::MAX));
     prepare(&Value::Object(o), served_model)
 }
 
@@ -1042,6 +1043,16 @@ mod tests {
                 .unwrap()
                 .thinking
         );
+        // Counted as the request would be: the budget checked, with no max_tokens to be under.
+        let count = |thinking: Value| {
+            prepare_count(
+                &json!({"model": "m", "thinking": thinking,
+                        "messages": [{"role": "user", "content": "x"}]}),
+                "m",
+            )
+        };
+        assert!(count(json!({"type": "enabled", "budget_tokens": 2048})).is_ok());
+        assert!(count(json!({"type": "enabled", "budget_tokens": 10})).is_err());
         for bad in [
             json!({"type": "enabled", "budget_tokens": 1023}),
             json!({"type": "enabled", "budget_tokens": 4096}),

@@ -13,10 +13,7 @@ use std::str::FromStr;
 
 use kura_request::TextCodec;
 
-/// What opens a model's reasoning.
-pub const THINK_OPEN: &str = "<think>";
-/// What closes it.
-pub const THINK_CLOSE: &str = "</think>";
+pub use kura_guide::{THINK_CLOSE, THINK_OPEN};
 
 /// Whether a server reads reasoning out of its chat answers (`--reasoning-parser`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,9 +86,11 @@ pub fn ends_thinking(text: &str) -> bool {
 /// Where a [`ThinkSplit`] stands in the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Nothing but white space yet: the output may open with `<think>`.
+    /// Nothing but white space yet (`held`, then perhaps a start of `<think>`): the output may open
+    /// with `<think>`.
     Start,
-    /// Inside the reasoning (`started`: past its leading white space).
+    /// Inside the reasoning (`started`: past its leading white space). `held` is white space, then
+    /// perhaps a start of `</think>` (its last `partial` bytes).
     Thinking { started: bool },
     /// In the answer (`started`: past the white space after `</think>`, or with no reasoning).
     Answer { started: bool },
@@ -104,16 +103,27 @@ pub struct Split {
     pub content: String,
 }
 
+/// The length of the longest end of `text` that starts `tag` without being all of it.
+fn tag_start_at_end(text: &str, tag: &str) -> usize {
+    (1..tag.len())
+        .rev()
+        .find(|&k| text.ends_with(&tag[..k]))
+        .unwrap_or(0)
+}
+
 /// An output read apart as it comes ([`ThinkSplit::push`] each piece, [`ThinkSplit::finish`] at its
 /// end); the pieces joined are what [`ThinkSplit::whole`] gives for the whole text. The reasoning's
 /// white space at both ends and the answer's at its start are left out (the template's `<think>\n`
 /// and the `\n\n` after `</think>`); an output with no reasoning is its answer as written. Text that
 /// could still be the start of `</think>` (or of `<think>` at the output's start) is held back until
-/// it is known.
+/// it is known. Each piece costs about its own length: held white space is not looked at again.
 #[derive(Debug, Clone)]
 pub struct ThinkSplit {
     state: State,
     held: String,
+    /// In [`State::Start`]: the bytes of `held` known to be white space. In [`State::Thinking`]: the
+    /// bytes at `held`'s end that may start `</think>`.
+    mark: usize,
     thought: bool,
 }
 
@@ -127,76 +137,95 @@ impl ThinkSplit {
                 false => State::Start,
             },
             held: String::new(),
+            mark: 0,
             thought: inside,
         }
     }
 
-    /// Whether the output reasoned (started inside, or opened `<think>`).
-    pub fn thought(&self) -> bool {
-        self.thought
-    }
-
     /// The reasoning and answer `text` adds, as far as they are known.
     pub fn push(&mut self, text: &str) -> Split {
-        self.held.push_str(text);
         let mut out = Split::default();
+        let mut text = text;
         loop {
             match self.state {
                 State::Start => {
-                    let rest = self.held.trim_start();
+                    // Only the new text is looked at: `held` is white space (`mark` bytes), then
+                    // perhaps a start of `<think>`.
+                    if self.mark == self.held.len() {
+                        let blank = text.len() - text.trim_start().len();
+                        self.held.push_str(&text[..blank]);
+                        self.mark = self.held.len();
+                        text = &text[blank..];
+                    }
+                    self.held.push_str(text);
+                    let rest = &self.held[self.mark..];
                     if let Some(after) = rest.strip_prefix(THINK_OPEN) {
-                        self.held = after.to_string();
-                        self.state = State::Thinking { started: false };
+                        let after = after.to_string();
+                        self.held.clear();
+                        self.mark = 0;
                         self.thought = true;
-                        continue;
+                        self.state = State::Thinking { started: false };
+                        return self.push_thinking(&after, out);
                     }
                     if rest.is_empty() || THINK_OPEN.starts_with(rest) {
                         return out;
                     }
+                    // No reasoning: the answer as written.
+                    out.content = std::mem::take(&mut self.held);
                     self.state = State::Answer { started: true };
-                }
-                State::Thinking { started } => {
-                    if !started {
-                        let rest = self.held.trim_start();
-                        if rest.is_empty() {
-                            self.held.clear();
-                            return out;
-                        }
-                        self.held = rest.to_string();
-                        self.state = State::Thinking { started: true };
-                    }
-                    if let Some(at) = self.held.find(THINK_CLOSE) {
-                        out.reasoning.push_str(self.held[..at].trim_end());
-                        self.held = self.held[at + THINK_CLOSE.len()..].to_string();
-                        self.state = State::Answer { started: false };
-                        continue;
-                    }
-                    // Held back: what may start `</think>`, and the white space before it.
-                    let partial = (1..THINK_CLOSE.len())
-                        .rev()
-                        .find(|&k| self.held.ends_with(&THINK_CLOSE[..k]))
-                        .unwrap_or(0);
-                    let cut = self.held[..self.held.len() - partial].trim_end().len();
-                    out.reasoning.push_str(&self.held[..cut]);
-                    self.held.drain(..cut);
                     return out;
                 }
+                State::Thinking { .. } => return self.push_thinking(text, out),
                 State::Answer { started: false } => {
-                    let rest = self.held.trim_start();
+                    let rest = text.trim_start();
                     if rest.is_empty() {
-                        self.held.clear();
                         return out;
                     }
-                    self.held = rest.to_string();
                     self.state = State::Answer { started: true };
+                    text = rest;
                 }
                 State::Answer { started: true } => {
-                    out.content.push_str(&self.held);
-                    self.held.clear();
+                    out.content.push_str(text);
                     return out;
                 }
             }
         }
+    }
+
+    /// [`ThinkSplit::push`] inside the reasoning.
+    fn push_thinking(&mut self, text: &str, mut out: Split) -> Split {
+        let mut text = text;
+        if self.state == (State::Thinking { started: false }) {
+            text = text.trim_start();
+            if text.is_empty() {
+                return out;
+            }
+            self.state = State::Thinking { started: true };
+        }
+        // `</think>` can only start in the held start of it or in the new text.
+        let from = self.held.len() - self.mark;
+        self.held.push_str(text);
+        if let Some(at) = self.held[from..].find(THINK_CLOSE).map(|i| i + from) {
+            out.reasoning.push_str(self.held[..at].trim_end());
+            let after = self.held[at + THINK_CLOSE.len()..].to_string();
+            self.held.clear();
+            self.mark = 0;
+            self.state = State::Answer { started: false };
+            let more = self.push(&after);
+            out.content.push_str(&more.content);
+            return out;
+        }
+        // Held back: what may start `</think>`, and the white space before it. Only the new text and
+        // the old held start of `</think>` are looked at; what came before them is white space.
+        self.mark = tag_start_at_end(&self.held, THINK_CLOSE);
+        let end = self.held.len() - self.mark;
+        let text_end = self.held[from..end].trim_end().len() + from;
+        let cut = if text_end > from { text_end } else { 0 };
+        if cut > 0 {
+            out.reasoning.push_str(&self.held[..cut]);
+            self.held.drain(..cut);
+        }
+        out
     }
 
     /// What was held back, once the output has ended: an unclosed reasoning's last text, or an
@@ -206,21 +235,24 @@ impl ThinkSplit {
         let mut out = Split::default();
         match self.state {
             State::Start => out.content = held,
-            State::Thinking { .. } => out.reasoning = held.trim().to_string(),
-            State::Answer { .. } => out.content = held.trim_start().to_string(),
+            State::Thinking { .. } => out.reasoning = held.trim_end().to_string(),
+            State::Answer { .. } => {}
         }
+        self.mark = 0;
         self.state = State::Answer { started: true };
         out
     }
 
-    /// A whole output read apart: its reasoning (`None` when it did not reason) and its answer.
+    /// A whole output read apart: its reasoning (`None` when it did not reason, or its reasoning is
+    /// empty) and its answer.
     pub fn whole(text: &str, inside: bool) -> (Option<String>, String) {
         let mut split = ThinkSplit::new(inside);
         let mut out = split.push(text);
         let rest = split.finish();
         out.reasoning.push_str(&rest.reasoning);
         out.content.push_str(&rest.content);
-        (split.thought.then_some(out.reasoning), out.content)
+        let thought = split.thought && !out.reasoning.is_empty();
+        (thought.then_some(out.reasoning), out.content)
     }
 }
 
@@ -246,7 +278,7 @@ mod tests {
 
     #[test]
     fn an_output_is_read_into_its_reasoning_and_its_answer() {
-        let cases: [(&str, bool, Option<&str>, &str); 9] = [
+        let cases: [(&str, bool, Option<&str>, &str); 13] = [
             // R1: the prompt opened the reasoning.
             (
                 "Two and two.\n</think>\n\nIt is 4.",
@@ -279,8 +311,13 @@ mod tests {
                 None,
                 "4, not <think>x</think>",
             ),
-            // An empty reasoning (Qwen3 with thinking off, written by the model).
-            ("<think>\n\n</think>\n\n4", false, Some(""), "4"),
+            // An empty reasoning (Qwen3 with thinking off, written by the model): none.
+            ("<think>\n\n</think>\n\n4", false, None, "4"),
+            ("<think></think>", false, None, ""),
+            // Cut off inside the reasoning: its white space within kept.
+            ("x <", true, Some("x <"), ""),
+            ("a </thi", true, Some("a </thi"), ""),
+            ("a \n\n  ", true, Some("a"), ""),
             // `</think>` in the answer is the answer's.
             ("a</think>b</think>c", true, Some("a"), "b</think>c"),
         ];
@@ -302,6 +339,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn long_runs_of_white_space_come_out_as_whole_text_does() {
+        // Token by token: a reasoning with runs of blanks inside and at its end, an answer's start.
+        let text = format!(
+            "<think>{}a{}b </{}</think>{}ok{}",
+            " ".repeat(3000),
+            "\n".repeat(2000),
+            " \t".repeat(1000),
+            "\n".repeat(500),
+            " ".repeat(100)
+        );
+        let mut split = ThinkSplit::new(false);
+        let (mut r, mut c) = (String::new(), String::new());
+        for piece in text.as_bytes().chunks(3) {
+            let s = split.push(std::str::from_utf8(piece).unwrap());
+            r.push_str(&s.reasoning);
+            c.push_str(&s.content);
+        }
+        let s = split.finish();
+        r.push_str(&s.reasoning);
+        c.push_str(&s.content);
+        let whole = ThinkSplit::whole(&text, false);
+        assert_eq!((Some(r.clone()), c.clone()), whole);
+        assert!(
+            r.starts_with('a') && r.ends_with("b </"),
+            "{:?}",
+            &r[r.len() - 8..]
+        );
+        assert_eq!(c, format!("ok{}", " ".repeat(100)));
+        // An output of blanks only is its answer, as written.
+        let blanks = " \n".repeat(5000);
+        assert_eq!(ThinkSplit::whole(&blanks, false), (None, blanks.clone()));
     }
 
     #[test]

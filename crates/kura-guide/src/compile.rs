@@ -9,7 +9,7 @@ use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::json;
 
-use crate::{regex_literal, with_layout, Guide, MAX_SOURCE_BYTES};
+use crate::{regex_literal, with_layout, Guide, MAX_SOURCE_BYTES, THINK_CLOSE, THINK_OPEN};
 
 impl Guide {
     /// llguidance's grammar for this guide.
@@ -24,6 +24,28 @@ impl Guide {
             Guide::Choice(options) => {
                 let alternatives: Vec<String> = options.iter().map(|o| regex_literal(o)).collect();
                 TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
+            }
+            Guide::AfterThinking { open, answer } => {
+                // The answer's grammar (one, of the kinds above) by name, after the reasoning: a lazy
+                // lexeme that ends at the first `</think>`.
+                let mut grammars = answer.grammar().grammars;
+                let mut inner = grammars.swap_remove(0);
+                inner.name = Some("answer".into());
+                let close = crate::lark_literal(THINK_CLOSE);
+                let start = match open {
+                    true => "start: thinking blank? @answer",
+                    false => "start: (opening thinking blank?)? @answer",
+                };
+                let outer = format!(
+                    "{start}\n\
+                     opening: {}\n\
+                     thinking[lazy]: /(.|\\n)*/ {close}\n\
+                     blank: /[ \\t\\r\\n]+/\n",
+                    crate::lark_literal(THINK_OPEN)
+                );
+                let mut top = TopLevelGrammar::from_lark(outer);
+                top.grammars.push(inner);
+                top
             }
         }
     }
@@ -155,10 +177,22 @@ impl Guides {
                 e
             }
         })?;
+        let think = match guide {
+            Guide::AfterThinking { open, .. } => Some(Think {
+                open: *open,
+                close: self
+                    .closer
+                    .env
+                    .tokenize_bytes(THINK_CLOSE.as_bytes())
+                    .into(),
+            }),
+            _ => None,
+        };
         Ok(Arc::new(Compiled {
             start: matcher,
             eos: self.eos.clone(),
             closer: self.closer.clone(),
+            think,
         }))
     }
 }
@@ -188,6 +222,69 @@ pub struct Compiled {
     start: Matcher,
     eos: Arc<[u32]>,
     closer: Arc<Closer>,
+    /// A grammar after a reasoning model's reasoning ([`Guide::AfterThinking`]).
+    think: Option<Think>,
+}
+
+/// How a walk meets a grammar's reasoning: whether the output starts inside it, and the tokens of
+/// `</think>`, which close it.
+#[derive(Debug, Clone)]
+struct Think {
+    open: bool,
+    close: Arc<[u32]>,
+}
+
+/// Where a walk stands in a grammar's reasoning ([`Guide::AfterThinking`]): the answer's lexical
+/// state ([`Lex`]) counts only the answer's bytes, and a way to close the grammar from inside the
+/// reasoning starts with `</think>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// In the answer (or a grammar with no reasoning).
+    Answer,
+    /// At the output's start, where the model may open the reasoning: the bytes so far (a start of
+    /// `<think>`).
+    Before(Vec<u8>),
+    /// Inside the reasoning: its last bytes, up to `</think>`'s length.
+    Inside(Vec<u8>),
+}
+
+impl Phase {
+    /// The phase after `bytes`, and the bytes of them that are the answer's.
+    fn after(self, bytes: &[u8]) -> (Phase, Vec<u8>) {
+        let mut phase = self;
+        let mut answer = Vec::new();
+        for &b in bytes {
+            phase = match phase {
+                Phase::Answer => {
+                    answer.push(b);
+                    Phase::Answer
+                }
+                Phase::Before(mut seen) => {
+                    seen.push(b);
+                    if seen == THINK_OPEN.as_bytes() {
+                        Phase::Inside(Vec::new())
+                    } else if THINK_OPEN.as_bytes().starts_with(&seen) {
+                        Phase::Before(seen)
+                    } else {
+                        answer.extend_from_slice(&seen);
+                        Phase::Answer
+                    }
+                }
+                Phase::Inside(mut tail) => {
+                    tail.push(b);
+                    if tail.ends_with(THINK_CLOSE.as_bytes()) {
+                        Phase::Answer
+                    } else {
+                        if tail.len() >= THINK_CLOSE.len() {
+                            tail.remove(0);
+                        }
+                        Phase::Inside(tail)
+                    }
+                }
+            };
+        }
+        (phase, answer)
+    }
 }
 
 impl std::fmt::Debug for Compiled {
@@ -210,6 +307,15 @@ impl Compiled {
             wait: 0,
             estimate: None,
             lex: Lex::default(),
+            phase: match &self.think {
+                None => Phase::Answer,
+                Some(t) if t.open => Phase::Inside(Vec::new()),
+                Some(_) => Phase::Before(Vec::new()),
+            },
+            think_close: self
+                .think
+                .as_ref()
+                .map_or_else(|| Arc::from([]), |t| t.close.clone()),
         }
     }
 }
@@ -240,8 +346,12 @@ struct Walk {
     wait: usize,
     /// The length of the closing way when last found, and the budget then.
     estimate: Option<(usize, usize)>,
-    /// Where the output so far stands in JSON's lexical grammar.
+    /// Where the answer so far stands in JSON's lexical grammar.
     lex: Lex,
+    /// Where the output stands in a reasoning before the answer.
+    phase: Phase,
+    /// The tokens of `</think>` (a grammar after a reasoning; else none).
+    think_close: Arc<[u32]>,
 }
 
 impl Walk {
@@ -277,11 +387,23 @@ impl Walk {
         &self,
         mut matcher: Matcher,
         mut lex: Lex,
+        mut phase: Phase,
         limit: usize,
         branch: bool,
     ) -> Option<Vec<u32>> {
         let mut way = Vec::new();
         loop {
+            // Inside a reasoning: `</think>` first, then the answer's way.
+            if matches!(phase, Phase::Inside(_)) {
+                for &t in self.think_close.iter() {
+                    if way.len() == limit {
+                        return None;
+                    }
+                    way.push(t);
+                    matcher.consume_token(t).ok()?;
+                }
+                (phase, lex) = (Phase::Answer, Lex::default());
+            }
             if matcher.is_stopped() || matcher.is_accepting().ok()? {
                 return Some(way);
             }
@@ -297,14 +419,23 @@ impl Walk {
                         if after.consume_token(token).is_err() {
                             continue;
                         }
-                        let lex = lex.after(self.closer.bytes(token));
-                        if let Some(rest) = self.way(after, lex, room, false) {
+                        let (p, l) = advance(phase.clone(), lex, self.closer.bytes(token));
+                        if let Some(rest) = self.way(after, l, p, room, false) {
                             if best.is_none_or(|(len, _)| rest.len() < len) {
                                 best = Some((rest.len(), token));
                             }
                         }
                     }
                     vec![best?.1]
+                }
+                // Where the output may open a reasoning, the answer is the shorter way.
+                Next::Choice(options) if matches!(phase, Phase::Before(_)) => {
+                    let opens = |t: &u32| self.closer.bytes(*t).first() == Some(&b'<');
+                    vec![options
+                        .iter()
+                        .copied()
+                        .find(|t| !opens(t))
+                        .unwrap_or(options[0])]
                 }
                 Next::Choice(options) => vec![options[0]],
             };
@@ -313,7 +444,7 @@ impl Walk {
                     return None;
                 }
                 way.push(token);
-                lex = lex.after(self.closer.bytes(token));
+                (phase, lex) = advance(phase, lex, self.closer.bytes(token));
                 matcher.consume_token(token).ok()?;
             }
         }
@@ -323,9 +454,19 @@ impl Walk {
     fn way_after(&self, token: u32, limit: usize) -> Option<Vec<u32>> {
         let mut after = self.matcher.deep_clone();
         after.consume_token(token).ok()?;
-        let lex = self.lex.after(self.closer.bytes(token));
-        self.way(after, lex, limit, true)
+        let (phase, lex) = advance(self.phase.clone(), self.lex, self.closer.bytes(token));
+        self.way(after, lex, phase, limit, true)
     }
+}
+
+/// Where an output stands after `bytes`: in its reasoning (`phase`) and, in its answer, in JSON's
+/// lexical grammar (counting the answer's bytes only).
+fn advance(phase: Phase, lex: Lex, bytes: &[u8]) -> (Phase, Lex) {
+    if phase == Phase::Answer {
+        return (phase, lex.after(bytes));
+    }
+    let (phase, answer) = phase.after(bytes);
+    (phase, Lex::default().after(&answer))
 }
 
 /// Whether bit `token` of `mask` is set.
@@ -364,15 +505,23 @@ impl TokenConstraint for Walk {
         });
         let here = match here {
             Some(way) => way,
-            None if fresh => match self.way(self.matcher.deep_clone(), self.lex, budget, true) {
-                Some(way) if !way.is_empty() => way,
-                _ => {
-                    // Too long for the budget (the model may yet close some of it itself).
-                    self.estimate = None;
-                    self.wait = CLOSING_RETRY;
-                    return Ok(sample(&self.mask));
+            None if fresh => {
+                match self.way(
+                    self.matcher.deep_clone(),
+                    self.lex,
+                    self.phase.clone(),
+                    budget,
+                    true,
+                ) {
+                    Some(way) if !way.is_empty() => way,
+                    _ => {
+                        // Too long for the budget (the model may yet close some of it itself).
+                        self.estimate = None;
+                        self.wait = CLOSING_RETRY;
+                        return Ok(sample(&self.mask));
+                    }
                 }
-            },
+            }
             None => return Ok(sample(&self.mask)),
         };
         self.estimate = Some((here.len(), budget));
@@ -409,7 +558,9 @@ impl TokenConstraint for Walk {
         let token = if self.eos.contains(&token) {
             self.eos[0]
         } else {
-            self.lex = self.lex.after(self.closer.bytes(token));
+            // The answer's lexical state counts its own bytes only.
+            let phase = std::mem::replace(&mut self.phase, Phase::Answer);
+            (self.phase, self.lex) = advance(phase, self.lex, self.closer.bytes(token));
             token
         };
         self.matcher
@@ -559,9 +710,12 @@ impl Closer {
         if !forced.is_empty() {
             return Some(Next::Run(forced));
         }
-        // The longest allowed tokens that begin with different bytes, longest first.
+        // The longest allowed tokens that begin with different bytes, longest first; white space
+        // (which closes nothing: the blank after a reasoning's `</think>`) only where nothing else is
+        // allowed.
         let mask = matcher.compute_mask().ok()?;
         let mut best: [Option<(usize, u32)>; CHOICES] = [None; CHOICES];
+        let mut blank = None;
         for (w, &word) in mask.as_slice().iter().enumerate() {
             let mut bits = word;
             while bits != 0 {
@@ -571,6 +725,10 @@ impl Closer {
                 let Some(&first) = bytes.first() else {
                     continue;
                 };
+                if first.is_ascii_whitespace() {
+                    blank = blank.or(Some(t));
+                    continue;
+                }
                 let len = bytes.len();
                 let same = best
                     .iter()
@@ -587,7 +745,10 @@ impl Closer {
                 best.sort_by_key(|b| std::cmp::Reverse(b.map(|(l, _)| l)));
             }
         }
-        let options: Vec<u32> = best.iter().flatten().map(|&(_, t)| t).collect();
+        let mut options: Vec<u32> = best.iter().flatten().map(|&(_, t)| t).collect();
+        if options.is_empty() {
+            options.extend(blank);
+        }
         match options.len() {
             0 => None,
             1 => Some(Next::Run(options)),
@@ -781,7 +942,13 @@ mod tests {
         // What closing takes from the start: `{"name": "", "items": [], "note": ""}`.
         let least = {
             let walk = spec.walk();
-            let way = walk.way(walk.matcher.deep_clone(), Lex::default(), 100, true);
+            let way = walk.way(
+                walk.matcher.deep_clone(),
+                Lex::default(),
+                Phase::Answer,
+                100,
+                true,
+            );
             way.unwrap().len()
         };
         for budget in [least, least + 1, 40, 64, 65, 100, 200] {
@@ -1052,7 +1219,13 @@ mod tests {
         let spec = guides(&codec).compile(&Guide::JsonSchema(schema)).unwrap();
         let walk = spec.walk();
         let way = walk
-            .way(walk.matcher.deep_clone(), Lex::default(), 200, true)
+            .way(
+                walk.matcher.deep_clone(),
+                Lex::default(),
+                Phase::Answer,
+                200,
+                true,
+            )
             .unwrap();
         let text = codec.decode(&way);
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
@@ -1069,6 +1242,7 @@ mod tests {
         let short = walk.way(
             walk.matcher.deep_clone(),
             Lex::default(),
+            Phase::Answer,
             way.len() - 1,
             true,
         );
@@ -1091,5 +1265,83 @@ mod tests {
         assert!(after("[{\"a\": [1, 2], \"").key);
         assert!(!after("{\"a\": [\"x\", \"").key);
         assert!(after("{\"a\": {\"b\": \"}\"}, \"").key);
+    }
+
+    #[test]
+    fn a_grammar_after_thinking_holds_the_answer_only() {
+        let codec = Bytes::new();
+        let schema = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}},
+                                        "required": ["n"]});
+        let g = guides(&codec);
+        let walk_all = |spec: &Compiled, text: &str| -> Result<bool, String> {
+            let mut walk = spec.start()?;
+            for b in text.bytes() {
+                walk.choose(100, &mut |mask: &[u32]| {
+                    if allows(mask, u32::from(b)) {
+                        u32::from(b)
+                    } else {
+                        codec.eos()
+                    }
+                })
+                .ok()
+                .filter(|&t| t == u32::from(b))
+                .ok_or_else(|| format!("{:?} refused after {text:?}", b as char))?;
+                walk.accept(u32::from(b))?;
+            }
+            Ok(walk.is_done() || {
+                let mut done = false;
+                walk.choose(100, &mut |mask: &[u32]| {
+                    done = allows(mask, codec.eos());
+                    codec.eos()
+                })?;
+                done
+            })
+        };
+        // The prompt opened the reasoning: any text (a `<` and `{` too) up to `</think>`, then JSON.
+        let open = g
+            .compile(&Guide::JsonSchema(schema.clone()).after_thinking(true))
+            .unwrap();
+        assert_eq!(
+            walk_all(&open, "Let me see: {n} < 3.\n</think>\n\n{\"n\": 2}"),
+            Ok(true)
+        );
+        assert_eq!(walk_all(&open, "x</think>{\"n\": 2}"), Ok(true));
+        assert!(walk_all(&open, "x</think>\n\n{\"n\": \"two\"}").is_err());
+        assert!(walk_all(&open, "x</think> hello").is_err());
+        // The model may open it, or answer at once; nothing else.
+        let may = g
+            .compile(&Guide::JsonSchema(schema).after_thinking(false))
+            .unwrap();
+        assert_eq!(
+            walk_all(&may, "<think>\nhmm\n</think>\n\n{\"n\": 1}"),
+            Ok(true)
+        );
+        assert_eq!(walk_all(&may, "{\"n\": 1}"), Ok(true));
+        assert!(walk_all(&may, "hmm</think>{\"n\": 1}").is_err());
+        // Other answers: a choice.
+        let choice = g
+            .compile(&Guide::Choice(vec!["yes".into(), "no".into()]).after_thinking(true))
+            .unwrap();
+        assert_eq!(walk_all(&choice, "Hmm.</think>\nno"), Ok(true));
+        assert!(walk_all(&choice, "Hmm.</think>\nmaybe").is_err());
+        // Near its budget the walk closes the reasoning and the answer.
+        let (text, done, early) = run(&codec, &open, "", &[codec.id("birch")], 40);
+        assert!(done && early, "{text}");
+        let (_, answer) = text
+            .split_once("</think>")
+            .unwrap_or_else(|| panic!("{text}"));
+        let v: Value =
+            serde_json::from_str(answer.trim_start()).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(v["n"].is_i64(), "{text}");
+        // Where the model may open it: it opens it near its budget, reasons, and is closed in time.
+        let (text, done, early) = run(&codec, &may, "<think>", &[codec.id("birch")], 40);
+        assert!(done && early, "{text}");
+        let (thought, answer) = text
+            .split_once("</think>")
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(thought.starts_with("<think>birch"), "{text}");
+        let v: Value =
+            serde_json::from_str(answer.trim_start()).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(v["n"].is_i64(), "{text}");
     }
 }

@@ -31,7 +31,17 @@ pub enum Guide {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+    /// A reasoning model's reasoning, free text up to `</think>`, then `answer` (after white space):
+    /// from the output's start when the prompt ends inside the reasoning (`open`), else after the
+    /// `<think>` the output may start with (or `answer` at once), as vLLM starts an output's grammar
+    /// after the reasoning.
+    AfterThinking { open: bool, answer: Box<Guide> },
 }
+
+/// What opens a reasoning model's reasoning.
+pub const THINK_OPEN: &str = "<think>";
+/// What closes it.
+pub const THINK_CLOSE: &str = "</think>";
 
 /// The most bytes of grammar source one request may give (a schema's JSON, a regex, a Lark grammar,
 /// a choice's strings, the grammar of its tool calls): llguidance builds about twenty times a grammar's
@@ -48,6 +58,15 @@ impl Guide {
             Guide::Choice(options) => options
                 .iter()
                 .fold(0usize, |n, o| n.saturating_add(o.len()).saturating_add(1)),
+            Guide::AfterThinking { answer, .. } => answer.source_bytes(),
+        }
+    }
+
+    /// This guide after a reasoning model's reasoning ([`Guide::AfterThinking`]).
+    pub fn after_thinking(self, open: bool) -> Guide {
+        Guide::AfterThinking {
+            open,
+            answer: Box::new(self),
         }
     }
 }

@@ -24,7 +24,7 @@ pub(crate) struct Grammars {
     kept: Mutex<Kept<Arc<Compiled>>>,
     /// Grammars being compiled: a request for one of them waits for that compile (its tenant's
     /// request asked first) rather than compiling it again.
-    compiling: Flights<Arc<Compiled>>,
+    compiling: Flights<(Arc<Compiled>, bool)>,
     compiles: AtomicU64,
     reused: AtomicU64,
 }
@@ -139,6 +139,9 @@ fn source_key(guide: &Guide) -> String {
         Guide::Regex(rx) => format!("regex {rx}"),
         Guide::Lark(lark) => format!("lark {lark}"),
         Guide::Choice(options) => format!("choice {}", serde_json::Value::from(options.clone())),
+        Guide::AfterThinking { open, answer } => {
+            format!("after thinking {open} {}", source_key(answer))
+        }
     }
 }
 
@@ -234,13 +237,9 @@ impl<T: Clone> Kept<T> {
 }
 
 impl Grammars {
-    /// The grammar kept for this tenant (`salt`), if any; counted.
+    /// The grammar kept for this tenant (`salt`), if any.
     fn kept(&self, key: &KeptKey) -> Option<Arc<Compiled>> {
-        let found = self.kept.lock().unwrap_or_else(|e| e.into_inner()).get(key);
-        if found.is_some() {
-            self.reused.fetch_add(1, Ordering::Relaxed);
-        }
-        found
+        self.kept.lock().unwrap_or_else(|e| e.into_inner()).get(key)
     }
 
     /// Prometheus lines: grammars compiled, and requests that reused a kept one.
@@ -271,6 +270,9 @@ pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
 /// tools the model may call (`auto`) and a JSON format; else its output format; with no format and
 /// a strict tool the model may call, an answer or calls whose strict arguments are valid; compiled
 /// for the served model, or kept from the tenant's (`salt`'s) last request with the same grammar.
+/// With `thinking` (a reasoning model's answer, [`crate::output::ResponseMeta::reasoning`]), the
+/// grammar holds the output after its reasoning.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn constraint(
     engine: &EngineHandle,
     cell: &GuidesCell,
@@ -278,6 +280,7 @@ pub(crate) async fn constraint(
     guide: Option<(Guide, &'static str)>,
     tools: Option<&ToolPlan>,
     style: ToolStyle,
+    thinking: Option<bool>,
     deadline: crate::output::Deadline,
 ) -> Result<Option<Arc<dyn ConstraintSpec>>, ApiError> {
     let calls = tools.filter(|t| t.parses_calls());
@@ -320,26 +323,39 @@ pub(crate) async fn constraint(
             (Some(g), _, _) => g,
         },
     };
+    let guide = match thinking {
+        Some(open) => guide.after_thinking(open),
+        None => guide,
+    };
     let (key, source_bytes) = kept_key(salt, &guide);
     if let Some(spec) = cell.kept(&key) {
+        cell.reused.fetch_add(1, Ordering::Relaxed);
         return Ok(Some(
             Arc::new(FromParam { spec, param }) as Arc<dyn ConstraintSpec>
         ));
     }
     // One compile for the tenant's requests that ask for this grammar at once (an agent's parallel
-    // turns with the same tools): the others wait for it.
-    let work = compile(
-        engine,
-        cell,
-        guide,
-        param,
-        key.clone(),
-        source_bytes,
-        deadline,
-    );
+    // turns with the same tools): the others wait for it. A flight begun just after another ended
+    // finds that one's grammar kept.
+    let work = async {
+        match cell.kept(&key) {
+            Some(spec) => Ok((spec, false)),
+            None => compile(
+                engine,
+                cell,
+                guide,
+                param,
+                key.clone(),
+                source_bytes,
+                deadline,
+            )
+            .await
+            .map(|spec| (spec, true)),
+        }
+    };
     let shared = cell.compiling.share(&key, work);
-    let (spec, compiled_here) = crate::output::finish_before(deadline, shared).await?;
-    if !compiled_here {
+    let ((spec, compiled), ran) = crate::output::finish_before(deadline, shared).await?;
+    if !(ran && compiled) {
         cell.reused.fetch_add(1, Ordering::Relaxed);
     }
     Ok(Some(

@@ -319,18 +319,16 @@ fn request_for(
     Ok(request)
 }
 
-/// Whether and how a chat answer's reasoning is read apart ([`output::ResponseMeta::reasoning`]):
-/// on a server that reads reasoning, whether `request`'s prompt ends inside it (`codec` wrote it).
-/// An answer a grammar holds from its first token (an output format, a forced call) starts outside.
-pub(crate) fn reasoning_of(
+/// Whether and how a chat answer's reasoning is read apart ([`output::ResponseMeta::reasoning`]), and
+/// its grammar put after it ([`guided::constraint`]): on a server that reads reasoning, whether the
+/// prompt (`codec` wrote it) ends inside it.
+pub(crate) fn thinking_of(
     s: &AppState,
     codec: &dyn kura_engine::TextCodec,
-    request: &GenerateRequest,
+    prompt: &[u32],
 ) -> Option<bool> {
-    s.reasoning.then(|| {
-        request.constraint.is_none()
-            && kura_api::reasoning::prompt_ends_thinking(codec, &request.prompt_tokens)
-    })
+    s.reasoning
+        .then(|| kura_api::reasoning::prompt_ends_thinking(codec, prompt))
 }
 
 /// Saved context `id` of the tenant whose salt is `salt`, checked on the blocking pool: its first
@@ -387,6 +385,7 @@ pub async fn completions(
         plan.checked.guide.clone(),
         None,
         style,
+        None,
         deadline,
     )
     .await?;
@@ -540,16 +539,6 @@ pub async fn chat_completions(
         ));
     }
     let style = guided::tool_style(&s.engine);
-    let constraint = guided::constraint(
-        &s.engine,
-        &s.guides,
-        salt.clone(),
-        plan.checked.guide.clone(),
-        plan.tools.as_ref(),
-        style,
-        deadline,
-    )
-    .await?;
     // The conversation as sent, for telling a re-rendered history from a new turn on a miss.
     let conversation = plan
         .closed_messages()
@@ -595,6 +584,18 @@ pub async fn chat_completions(
     // (Chat refuses -1 without a max_tokens: the default is what the cut leaves.)
     plan.checked
         .truncate_prompt(&mut prompt_tokens, context_tokens(&s.engine), 1);
+    let thinking = thinking_of(&s, codec.as_ref(), &prompt_tokens);
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        salt.clone(),
+        plan.checked.guide.clone(),
+        plan.tools.as_ref(),
+        style,
+        thinking,
+        deadline,
+    )
+    .await?;
     // vLLM's `prompt_logprobs`: the prompt scored, held once (the response carries it once).
     let limit = s.held_logprobs_limit();
     let prompt_held = prompt_scores_held(
@@ -648,7 +649,7 @@ pub async fn chat_completions(
         echo: None,
         top_logprobs: plan.logprobs.unwrap_or(0),
         prompt_logprobs: plan.prompt_logprobs,
-        reasoning: reasoning_of(&s, codec.as_ref(), &request),
+        reasoning: thinking,
     };
     let (stream, include_usage) = (plan.checked.stream, plan.checked.include_usage);
     let held = hold_logprobs(

@@ -76,16 +76,6 @@ async fn messages_inner(
     };
     let style = guided::tool_style(&s.engine);
     let guide = plan.guide.clone().map(|g| (g, "output_config"));
-    let constraint = guided::constraint(
-        &s.engine,
-        &s.guides,
-        salt.clone(),
-        guide,
-        plan.tools.as_ref(),
-        style,
-        deadline,
-    )
-    .await?;
     let (engine, plan_for_encode) = (s.engine.clone(), plan.clone());
     let saved_for_encode = saved.clone();
     let (prompt_tokens, positions) = handlers::off_the_workers(move || {
@@ -97,6 +87,18 @@ async fn messages_inner(
                 .map(|c| (&c.kind, c.tokens.as_slice())),
         )
     })
+    .await?;
+    let thinking = handlers::thinking_of(&s, s.engine.codec().as_ref(), &prompt_tokens);
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        salt.clone(),
+        guide,
+        plan.tools.as_ref(),
+        style,
+        thinking,
+        deadline,
+    )
     .await?;
     let now = s.engine.cache_now_ms();
     let mut pins: Vec<PinSpec> = positions
@@ -131,7 +133,7 @@ async fn messages_inner(
     // A reasoning model's reasoning is read apart from its answer, and shown (as `thinking` blocks)
     // where the request enables thinking.
     let thinking = Thinking {
-        read: handlers::reasoning_of(&s, s.engine.codec().as_ref(), &request),
+        read: thinking,
         shown: plan.thinking,
     };
     output::before_deadline(deadline)?;

@@ -482,16 +482,6 @@ pub async fn create(
     let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let (conversation, messages) = turns_of(&s, &owner, &plan)?;
     let style = guided::tool_style(&s.engine);
-    let constraint = guided::constraint(
-        &s.engine,
-        &s.guides,
-        salt.clone(),
-        plan.guide(),
-        plan.tools.as_ref(),
-        style,
-        deadline,
-    )
-    .await?;
     let (codec, tools) = (s.engine.codec().clone(), plan.tools.clone());
     let with_history = messages.iter().any(|m| m.role == "assistant");
     let conversation_sent = with_history.then(|| messages.clone());
@@ -499,6 +489,18 @@ pub async fn create(
         off_the_workers(move || encode_chat_prompt(codec.as_ref(), messages, tools.as_ref()))
             .await
             .map_err(for_responses)?;
+    let thinking = crate::handlers::thinking_of(&s, s.engine.codec().as_ref(), &prompt_tokens);
+    let constraint = guided::constraint(
+        &s.engine,
+        &s.guides,
+        salt.clone(),
+        plan.guide(),
+        plan.tools.as_ref(),
+        style,
+        thinking,
+        deadline,
+    )
+    .await?;
     let max_tokens = plan
         .checked
         .max_tokens
@@ -545,7 +547,7 @@ pub async fn create(
         store: plan.store,
         echo: plan.echo.clone(),
         tools: plan.tools.as_ref().and_then(|t| t.reader(style.format)),
-        reasoning: crate::handlers::reasoning_of(&s, s.engine.codec().as_ref(), &request),
+        reasoning: thinking,
     };
     output::before_deadline(deadline).map_err(for_responses)?;
     let (mut events, sender) = Events::new(1, 1);
