@@ -9,6 +9,7 @@ once the template joins it, and one beside a saved context of messages are 400s 
 """
 
 import os
+import re
 
 import httpx
 import openai
@@ -118,6 +119,25 @@ def test_documents_joined_by_the_template_are_text(server):
     r = server.client().chat.completions.create(model=server.model(), messages=messages, max_tokens=2,
                                                 extra_body=docs)
     assert r.usage.prompt_tokens == len(with_docs)
+
+
+def test_vllm_s_documents_field_is_the_template_s_documents(server):
+    # vLLM's `documents` (objects of strings) reach the template as its `documents` argument.
+    messages = ask("Summarise.")
+    as_kwargs = tokenize(server, {"messages": messages, "chat_template_kwargs": {
+        "documents": ["Fjords are <deep> ", "and narrow."]}})
+    docs = [{"title": "Fjords", "text": "Fjords are <deep> "}, {"text": "and narrow."}]
+    c, model = server.client(), server.model()
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                  extra_body={"documents": docs, "return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == as_kwargs
+    # Given twice, or not an object of strings: refused, naming it.
+    for extra, says in [({"documents": docs, "chat_template_kwargs": {"documents": ["x"]}}, "given twice"),
+                        ({"documents": [{"text": 5}]}, "documents[0].text must be a string"),
+                        ({"documents": ["x"]}, "documents")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(says)) as e:
+            c.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == "documents" or "documents" in e.value.body["message"]
 
 
 def test_arguments_beside_a_saved_context_of_messages_are_refused(server):

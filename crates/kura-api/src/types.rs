@@ -170,6 +170,9 @@ pub struct ChatCompletionRequest {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's: variables handed to the chat template beside the messages (`enable_thinking`).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// vLLM's: documents for a template that writes them (a RAG template), handed to it as
+    /// `documents` (each an object of strings, such as `title` and `text`).
+    pub documents: Option<Vec<serde_json::Map<String, Value>>>,
 }
 
 /// `POST /tokenize`: a prompt, or chat messages (with the tools the chat request would carry) as the

@@ -1026,8 +1026,40 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         prompt_logprobs,
         user: common.user,
         continue_final,
-        template_kwargs: req.chat_template_kwargs.filter(|k| !k.is_empty()),
+        template_kwargs: template_arguments(req.chat_template_kwargs, req.documents)?,
     })
+}
+
+/// A chat request's template arguments: `chat_template_kwargs`, and vLLM's `documents` among them
+/// (each document an object of strings); none when there are none.
+fn template_arguments(
+    kwargs: Option<serde_json::Map<String, Value>>,
+    documents: Option<Vec<serde_json::Map<String, Value>>>,
+) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {
+    let mut kwargs = kwargs.unwrap_or_default();
+    if let Some(documents) = documents {
+        if kwargs.contains_key("documents") {
+            return Err(ApiError::invalid(
+                "documents is given twice: as a field and in chat_template_kwargs; give one",
+                Some("documents"),
+            ));
+        }
+        if let Some((i, key)) = documents.iter().enumerate().find_map(|(i, d)| {
+            d.iter()
+                .find(|(_, v)| !v.is_string())
+                .map(|(k, _)| (i, k.clone()))
+        }) {
+            return Err(ApiError::invalid(
+                format!(
+                    "documents[{i}].{key} must be a string (a document is an object of strings)"
+                ),
+                Some("documents"),
+            ));
+        }
+        let list = documents.into_iter().map(Value::Object).collect();
+        kwargs.insert("documents".into(), Value::Array(list));
+    }
+    Ok((!kwargs.is_empty()).then_some(kwargs))
 }
 
 /// vLLM's `continue_final_message` and `add_generation_prompt` as a chat request or `/tokenize`
