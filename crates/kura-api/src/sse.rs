@@ -146,9 +146,12 @@ impl SseDecoder {
 pub enum Chunk {
     /// `[DONE]`: the stream is complete.
     Done,
-    /// A JSON chunk. `text` is the new content (empty for role-only or usage-only chunks).
+    /// A JSON chunk. `text` is the new content (empty for role-only or usage-only chunks);
+    /// `reasoning` a reasoning model's new reasoning (`delta.reasoning_content`, or vLLM's newer
+    /// `delta.reasoning`).
     Delta {
         text: String,
+        reasoning: String,
         finish_reason: Option<String>,
         usage: Option<Usage>,
     },
@@ -193,8 +196,16 @@ pub fn parse_chunk(event: &SseEvent) -> Result<Chunk, String> {
         ));
     }
     let mut text = String::new();
+    let mut reasoning = String::new();
     let mut finish_reason = None;
     if let Some(first) = choices.and_then(|c| c.first()) {
+        let delta = first.get("delta");
+        if let Some(piece) = ["reasoning_content", "reasoning"]
+            .iter()
+            .find_map(|name| delta.and_then(|d| d.get(*name)).and_then(Value::as_str))
+        {
+            reasoning.push_str(piece);
+        }
         // Chat streams put the text in delta.content, completion streams in text.
         let piece = first
             .get("delta")
@@ -211,6 +222,7 @@ pub fn parse_chunk(event: &SseEvent) -> Result<Chunk, String> {
     }
     Ok(Chunk::Delta {
         text,
+        reasoning,
         finish_reason,
         usage,
     })
@@ -337,9 +349,23 @@ mod tests {
             c.unwrap(),
             Chunk::Delta {
                 text: "Hi".into(),
+                reasoning: String::new(),
                 finish_reason: None,
                 usage: None
             }
+        );
+        // A reasoning model's reasoning, under either name (one piece, not both).
+        for name in ["reasoning_content", "reasoning"] {
+            let data = format!(r#"{{"choices":[{{"index":0,"delta":{{"{name}":"Hmm"}}}}]}}"#);
+            let c = parse_chunk(&ev(&data)).unwrap();
+            assert!(
+                matches!(&c, Chunk::Delta { text, reasoning, .. } if text.is_empty() && reasoning == "Hmm"),
+                "{c:?}"
+            );
+        }
+        let both = r#"{"choices":[{"delta":{"reasoning":"Hmm","reasoning_content":"Hmm"}}]}"#;
+        assert!(
+            matches!(parse_chunk(&ev(both)).unwrap(), Chunk::Delta { reasoning, .. } if reasoning == "Hmm")
         );
         let c = parse_chunk(&ev(
             r#"{"choices":[],"usage":{"prompt_tokens":1050,"completion_tokens":64,"prompt_tokens_details":{"cached_tokens":1024}}}"#,

@@ -1,7 +1,8 @@
 //! The HTTP side: one streamed completion, timed; the server's tokenizer; the checks made before a run.
 //!
-//! A request is timed from just before it is sent: TTFT is the arrival of the first chunk carrying text,
-//! each inter-token latency (ITL) the gap between two consecutive text chunks, E2E the end of the stream.
+//! A request is timed from just before it is sent: TTFT is the arrival of the first chunk carrying text
+//! (a reasoning model's reasoning counts: it is generated text), each inter-token latency (ITL) the
+//! gap between two consecutive text chunks, E2E the end of the stream.
 //! Servers that stream one token per chunk (llama.cpp, vLLM, Kura) give one gap per token; the output
 //! token count comes from `usage.completion_tokens` when the server reports it (we ask for it with
 //! `stream_options.include_usage`), else from the number of text chunks.
@@ -246,8 +247,15 @@ async fn stream_into(
                     kind: ErrorKind::ServerError,
                     message: format!("error event in stream: {message}"),
                 }),
-                Chunk::Delta { text, usage, .. } => {
-                    if !text.is_empty() {
+                Chunk::Delta {
+                    text,
+                    reasoning,
+                    usage,
+                    ..
+                } => {
+                    // A reasoning model's reasoning is generated tokens too (as vLLM's benchmark
+                    // counts it); the answer alone is the turn sent back.
+                    if !text.is_empty() || !reasoning.is_empty() {
                         let now = Instant::now();
                         match last_token {
                             None => out.ttft_ms = Some((now - start).as_secs_f64() * 1e3),
