@@ -124,6 +124,9 @@ pub struct ThinkSplit {
     /// In [`State::Start`]: the bytes of `held` known to be white space. In [`State::Thinking`]: the
     /// bytes at `held`'s end that may start `</think>`.
     mark: usize,
+    /// The output starts inside the reasoning (a `<think>` it writes anyway is left out, as vLLM's
+    /// parser leaves it out).
+    inside: bool,
     thought: bool,
 }
 
@@ -132,12 +135,10 @@ impl ThinkSplit {
     /// may open it.
     pub fn new(inside: bool) -> Self {
         ThinkSplit {
-            state: match inside {
-                true => State::Thinking { started: false },
-                false => State::Start,
-            },
+            state: State::Start,
             held: String::new(),
             mark: 0,
+            inside,
             thought: inside,
         }
     }
@@ -169,6 +170,14 @@ impl ThinkSplit {
                     }
                     if rest.is_empty() || THINK_OPEN.starts_with(rest) {
                         return out;
+                    }
+                    if self.inside {
+                        // The reasoning, from its first text.
+                        let rest = rest.to_string();
+                        self.held.clear();
+                        self.mark = 0;
+                        self.state = State::Thinking { started: false };
+                        return self.push_thinking(&rest, out);
                     }
                     // No reasoning: the answer as written.
                     out.content = std::mem::take(&mut self.held);
@@ -234,6 +243,7 @@ impl ThinkSplit {
         let held = std::mem::take(&mut self.held);
         let mut out = Split::default();
         match self.state {
+            State::Start if self.inside => out.reasoning = held.trim().to_string(),
             State::Start => out.content = held,
             State::Thinking { .. } => out.reasoning = held.trim_end().to_string(),
             State::Answer { .. } => {}
@@ -278,7 +288,7 @@ mod tests {
 
     #[test]
     fn an_output_is_read_into_its_reasoning_and_its_answer() {
-        let cases: [(&str, bool, Option<&str>, &str); 13] = [
+        let cases: [(&str, bool, Option<&str>, &str); 16] = [
             // R1: the prompt opened the reasoning.
             (
                 "Two and two.\n</think>\n\nIt is 4.",
@@ -320,6 +330,15 @@ mod tests {
             ("a \n\n  ", true, Some("a"), ""),
             // `</think>` in the answer is the answer's.
             ("a</think>b</think>c", true, Some("a"), "b</think>c"),
+            // Inside, a `<think>` the model writes anyway is left out; one later is text.
+            ("\n<think>\nHmm.</think>4", true, Some("Hmm."), "4"),
+            (
+                "Is <think> a tag?</think>4",
+                true,
+                Some("Is <think> a tag?"),
+                "4",
+            ),
+            ("<thi", true, Some("<thi"), ""),
         ];
         for (text, inside, reasoning, content) in cases {
             let (r, c) = ThinkSplit::whole(text, inside);
