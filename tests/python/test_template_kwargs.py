@@ -168,3 +168,37 @@ def test_arguments_of_the_wrong_shape_or_place_are_refused(server):
     # Chat's field only: completions and Responses name it as a field they do not read.
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs is not a field of completions"):
         c.completions.create(model=server.model(), prompt="Hi", max_tokens=2, extra_body=THINK_OFF)
+
+
+def test_a_request_s_own_chat_template_runs_only_on_a_server_that_trusts_it(server):
+    # vLLM's `chat_template` field: the request's template writes its prompt, as `--chat-template`
+    # would, on a server started with `--trust-request-chat-template`; elsewhere it is refused by name.
+    source = open(TEMPLATE).read()
+    messages = ask("What is the capital of Norway?")
+    expected = tokenize(server, {"messages": messages} | THINK_OFF)
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template") as e:
+        server.client().chat.completions.create(model=server.model(), messages=messages, max_tokens=2,
+                                                extra_body={"chat_template": source})
+    assert e.value.body["param"] == "chat_template"
+    trusting = KuraServer("--kv-cache-memory", "128MiB", "--trust-request-chat-template")
+    try:
+        c, model = trusting.client(), trusting.model()
+        own = {"chat_template": source} | THINK_OFF
+        r = c.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                      extra_body=own | {"return_token_ids": True})
+        assert r.model_extra["prompt_token_ids"] == expected
+        assert tokenize(trusting, {"messages": messages} | own) == expected
+        assert tokenize(trusting, {"messages": messages}) != expected, "the model's own template differs"
+        # A template that does not compile, or runs past the renderer's limits: a 400 naming it.
+        for bad, says in [("{% for %}", "chat_template could not be compiled"),
+                          ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+                           "fuel"),
+                          ("", "must not be empty")]:
+            with pytest.raises(openai.BadRequestError, match=says) as e:
+                c.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                          extra_body={"chat_template": bad})
+            assert e.value.body["param"] in ("chat_template", "messages"), e.value.body
+        # And the server still answers.
+        assert c.chat.completions.create(model=model, messages=messages, max_tokens=2).choices
+    finally:
+        trusting.stop()

@@ -47,6 +47,7 @@ pub fn fuzz_validate(chat: bool, priority_scheduling: bool, body: &[u8]) -> Resu
     let ctx = validate::Ctx {
         served_model: "model",
         priority_scheduling,
+        request_chat_templates: false,
     };
     if chat {
         validate::prepare_chat(&value, ctx).map(drop)
@@ -62,6 +63,7 @@ pub fn fuzz_responses(body: &[u8]) -> Result<(), ApiError> {
     let ctx = validate::Ctx {
         served_model: "model",
         priority_scheduling: false,
+        request_chat_templates: false,
     };
     // The same body read as a token count (`/v1/responses/input_tokens`), which refuses other fields.
     let _ = responses::prepare_count(&value, ctx);

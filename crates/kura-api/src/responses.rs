@@ -656,6 +656,7 @@ mod tests {
     const CTX: Ctx<'static> = Ctx {
         served_model: "m",
         priority_scheduling: false,
+        request_chat_templates: false,
     };
 
     #[test]

@@ -107,9 +107,11 @@ pub fn routing_prompt(
 ) -> Result<RoutingPrompt, ApiError> {
     let tenant = Tenant(tenant);
     // The router does not know the servers' scheduling policy; they check `priority` themselves.
+    // Nor whether they take a request's own chat template: routed by it, and checked there.
     let ctx = Ctx {
         served_model,
         priority_scheduling: true,
+        request_chat_templates: true,
     };
     // OpenAI's field, on OpenAI's routes only, whose validation below caps its length (the router keeps
     // it); Anthropic's routes have no such field, and a server ignores it there.
@@ -141,10 +143,12 @@ pub fn routing_prompt(
         Endpoint::ChatCompletions => {
             let plan = validate::prepare_chat(value, ctx)?;
             scored = plan.prompt_logprobs.is_some();
-            let own = match &plan.template_kwargs {
-                Some(kwargs) => Some(validate::template_codec(codec, kwargs)?.0),
-                None => None,
-            };
+            let own = validate::request_codec(
+                codec,
+                plan.chat_template.as_deref(),
+                plan.template_kwargs.as_ref(),
+            )?
+            .map(|(own, _)| own);
             let codec = own.as_deref().unwrap_or(codec);
             let mut tokens = match plan.continue_final {
                 true => {

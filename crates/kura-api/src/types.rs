@@ -173,6 +173,9 @@ pub struct ChatCompletionRequest {
     /// vLLM's: documents for a template that writes them (a RAG template), handed to it as
     /// `documents` (each an object of strings, such as `title` and `text`).
     pub documents: Option<Vec<serde_json::Map<String, Value>>>,
+    /// vLLM's: a Jinja chat template for this request instead of the model's (only on a server
+    /// started with `--trust-request-chat-template`).
+    pub chat_template: Option<String>,
 }
 
 /// `POST /tokenize`: a prompt, or chat messages (with the tools the chat request would carry) as the
@@ -194,6 +197,8 @@ pub struct TokenizeRequest {
     pub continue_final_message: Option<bool>,
     /// vLLM's: variables handed to the chat template (as the chat route's field).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// vLLM's: the request's own chat template (as the chat route's field).
+    pub chat_template: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

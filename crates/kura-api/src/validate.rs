@@ -80,6 +80,45 @@ pub struct Ctx<'a> {
     pub served_model: &'a str,
     /// Whether `priority` is honoured (`--scheduling-policy priority`); otherwise a non-zero one is refused.
     pub priority_scheduling: bool,
+    /// Whether a request may bring its own `chat_template` (`--trust-request-chat-template`).
+    pub request_chat_templates: bool,
+}
+
+/// The most bytes of a request's own chat template (as of a `--chat-template` file).
+pub const MAX_CHAT_TEMPLATE_BYTES: usize = 1 << 20;
+
+/// A request's own chat template (vLLM's `chat_template`), checked: refused unless the server trusts
+/// requests' templates, or when larger than [`MAX_CHAT_TEMPLATE_BYTES`].
+pub fn request_chat_template(
+    template: Option<String>,
+    ctx: Ctx<'_>,
+) -> Result<Option<String>, ApiError> {
+    let Some(template) = template else {
+        return Ok(None);
+    };
+    if !ctx.request_chat_templates {
+        return Err(ApiError::invalid(
+            "chat_template is not accepted by this server: a request's template runs on the server, \
+             which takes one only when started with --trust-request-chat-template",
+            Some("chat_template"),
+        ));
+    }
+    if template.len() > MAX_CHAT_TEMPLATE_BYTES {
+        return Err(ApiError::invalid(
+            format!(
+                "chat_template may be at most {MAX_CHAT_TEMPLATE_BYTES} bytes, got {}",
+                template.len()
+            ),
+            Some("chat_template"),
+        ));
+    }
+    if template.trim().is_empty() {
+        return Err(ApiError::invalid(
+            "chat_template must not be empty (leave it out for the model's own)",
+            Some("chat_template"),
+        ));
+    }
+    Ok(Some(template))
 }
 
 /// How a prompt is cut to its last tokens (vLLM's `truncate_prompt_tokens`).
@@ -802,6 +841,8 @@ pub struct ChatPlan {
     pub continue_final: bool,
     /// vLLM's `chat_template_kwargs`: variables for the chat template (none when absent or empty).
     pub template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// vLLM's `chat_template`: the request's own template ([`request_chat_template`]).
+    pub chat_template: Option<String>,
 }
 
 impl ChatPlan {
@@ -1027,6 +1068,7 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         user: common.user,
         continue_final,
         template_kwargs: template_arguments(req.chat_template_kwargs, req.documents)?,
+        chat_template: request_chat_template(req.chat_template, ctx)?,
     })
 }
 
@@ -1172,16 +1214,46 @@ pub fn tokenize_error(e: String) -> ApiError {
     })
 }
 
-/// The codec that writes a chat request's prompt: `codec` itself, or `codec` with the request's
-/// `chat_template_kwargs` ([`template_codec`]); and whether its template reads any of them.
+/// The codec that writes a chat request's prompt: `codec` itself, or `codec` with the request's own
+/// `chat_template` and its `chat_template_kwargs` ([`template_codec`]); and whether its template is
+/// the request's own or reads any of the arguments.
 pub fn chat_codec(
     codec: &Arc<dyn TextCodec>,
+    template: Option<&str>,
     kwargs: Option<&serde_json::Map<String, Value>>,
 ) -> Result<(Arc<dyn TextCodec>, bool), ApiError> {
-    match kwargs {
-        Some(kwargs) => template_codec(codec.as_ref(), kwargs),
-        None => Ok((codec.clone(), false)),
-    }
+    Ok(match request_codec(codec.as_ref(), template, kwargs)? {
+        Some((own, read)) => (own, read),
+        None => (codec.clone(), false),
+    })
+}
+
+/// A request's own codec, and whether its template is its own or reads its arguments.
+pub type OwnCodec = (Arc<dyn TextCodec>, bool);
+
+/// [`chat_codec`]'s own codec, when the request has a template or arguments of its own.
+pub fn request_codec(
+    codec: &dyn TextCodec,
+    template: Option<&str>,
+    kwargs: Option<&serde_json::Map<String, Value>>,
+) -> Result<Option<OwnCodec>, ApiError> {
+    let own = match template {
+        Some(source) => Some(codec.with_chat_template(source).map_err(|e| {
+            ApiError::invalid(
+                format!("chat_template could not be compiled: {e}"),
+                Some("chat_template"),
+            )
+        })?),
+        None => None,
+    };
+    Ok(match (kwargs, own) {
+        (Some(kwargs), own) => {
+            let (c, read) = template_codec(own.as_deref().unwrap_or(codec), kwargs)?;
+            Some((c, read || own.is_some()))
+        }
+        (None, Some(own)) => Some((own, true)),
+        (None, None) => None,
+    })
 }
 
 /// `codec` with `chat_template_kwargs` handed to its template, and whether the template reads any of
@@ -1241,6 +1313,7 @@ mod tests {
     const CTX: Ctx<'static> = Ctx {
         served_model: "m",
         priority_scheduling: false,
+        request_chat_templates: false,
     };
 
     fn param_of(e: ApiError) -> &'static str {

@@ -705,6 +705,13 @@ pub trait TextCodec: Send + Sync + 'static {
             "{TEMPLATE_ARGUMENTS}: this model's chat template takes no arguments"
         ))
     }
+    /// This codec with chats written by the Jinja template `source` instead of its own (vLLM's
+    /// per-request `chat_template`), with the model's BOS and EOS texts. An error says why it does
+    /// not compile.
+    fn with_chat_template(&self, source: &str) -> Result<Arc<dyn TextCodec>, String> {
+        let _ = source;
+        Err("this model's codec takes no other chat template".into())
+    }
     /// [`TextCodec::chat_content_spans`] of a text [`TextCodec::render_chat_with_tools`] wrote.
     fn chat_content_spans_with_tools(
         &self,

@@ -113,10 +113,11 @@ async fn encode_chat_tools(
 /// async workers (their values are checked, and a body may hold many).
 async fn chat_codec(
     engine: &EngineHandle,
+    template: Option<String>,
     kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 ) -> Result<(Arc<dyn TextCodec>, bool), ApiError> {
     let base = engine.codec().clone();
-    off_the_workers(move || validate::chat_codec(&base, kwargs.as_ref())).await
+    off_the_workers(move || validate::chat_codec(&base, template.as_deref(), kwargs.as_ref())).await
 }
 
 /// [`kura_api::tools::history_tokens`] of a request's prompt, off the async workers.
@@ -524,7 +525,12 @@ pub async fn chat_completions(
     let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let context = saved_context(&s, &plan.checked, &tenant).await?;
     // The codec writes the prompt with the request's template arguments.
-    let (codec, read) = chat_codec(&s.engine, plan.template_kwargs.clone()).await?;
+    let (codec, read) = chat_codec(
+        &s.engine,
+        plan.chat_template.clone(),
+        plan.template_kwargs.clone(),
+    )
+    .await?;
     let messages_context = context.as_ref().is_some_and(|c| {
         matches!(
             c.kind,
@@ -532,10 +538,17 @@ pub async fn chat_completions(
         )
     });
     if read && messages_context {
+        let field = match plan.chat_template {
+            Some(_) => "chat_template",
+            None => "chat_template_kwargs",
+        };
         return Err(ApiError::invalid(
-            "chat_template_kwargs cannot be combined with a saved context of messages: its \
-             messages were written without them, and the template may write them there",
-            Some("chat_template_kwargs"),
+            format!(
+                "{field} cannot be combined with a saved context of messages: its messages were \
+                 written by the server's template without them, and the request's may write them \
+                 otherwise"
+            ),
+            Some(field),
         ));
     }
     let style = guided::tool_style(&s.engine);
@@ -703,6 +716,12 @@ pub async fn tokenize(
     }
     let continued =
         validate::continues_final_message(req.continue_final_message, req.add_generation_prompt)?;
+    if req.chat_template.is_some() && req.messages.is_none() {
+        return Err(ApiError::invalid(
+            "chat_template goes with messages",
+            Some("chat_template"),
+        ));
+    }
     if req.chat_template_kwargs.is_some() && req.messages.is_none() {
         return Err(ApiError::invalid(
             "chat_template_kwargs goes with messages (the chat template reads them)",
@@ -735,7 +754,8 @@ pub async fn tokenize(
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
             let kwargs = req.chat_template_kwargs.filter(|k| !k.is_empty());
-            let (codec, _) = chat_codec(&s.engine, kwargs).await?;
+            let template = validate::request_chat_template(req.chat_template, s.ctx())?;
+            let (codec, _) = chat_codec(&s.engine, template, kwargs).await?;
             let messages = validate::flatten_messages(&m)?;
             off_the_workers(move || match continued {
                 true => kura_api::tools::encode_chat_continuing(

@@ -95,6 +95,8 @@ pub struct ServerConfig {
     /// Whether chat answers are read for a reasoning model's `<think>` text
     /// (`--reasoning-parser`; by default when the chat template spells `<think>`).
     pub reasoning_parser: ReasoningParser,
+    /// Whether a chat request may bring its own `chat_template` (`--trust-request-chat-template`).
+    pub trust_request_chat_template: bool,
 }
 
 /// What each tenant may hold at once. (Pins need no quota: when the pin budget is full, the tenant
@@ -134,6 +136,7 @@ impl Default for ServerConfig {
             console: false,
             max_held_logprobs: validate::DEFAULT_SERVER_HELD_LOGPROBS,
             reasoning_parser: ReasoningParser::Auto,
+            trust_request_chat_template: false,
         }
     }
 }
@@ -166,6 +169,7 @@ struct AppState {
     /// Whether chat answers are read for reasoning ([`ServerConfig::reasoning_parser`] with this
     /// model's chat template).
     reasoning: bool,
+    request_chat_templates: bool,
 }
 
 impl AppState {
@@ -178,6 +182,7 @@ impl AppState {
         validate::Ctx {
             served_model: &self.engine.info().model_name,
             priority_scheduling: self.priority_scheduling,
+            request_chat_templates: self.request_chat_templates,
         }
     }
 }
@@ -245,6 +250,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         held_logprobs: Arc::new(tokio::sync::Semaphore::new(held_permits)),
         max_held_logprobs: held_permits as u64,
         reasoning,
+        request_chat_templates: config.trust_request_chat_template,
     };
     let api = Router::new()
         .route("/v1/completions", post(handlers::completions))

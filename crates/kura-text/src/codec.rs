@@ -241,6 +241,18 @@ impl TextCodec for ModelCodec {
     ) -> Result<Vec<u32>, String> {
         self.encode_chat_checked(messages, Some(tools), false)
     }
+    fn with_chat_template(&self, source: &str) -> Result<Arc<dyn TextCodec>, String> {
+        let template = self
+            .chat_template()
+            .with_source(source)
+            .map_err(|e| e.to_string())?;
+        Ok(Arc::new(ModelCodec {
+            text: self.text.clone(),
+            template: Some(template),
+            limit: self.limit,
+        }))
+    }
+
     fn with_template_kwargs(
         &self,
         kwargs: &serde_json::Map<String, serde_json::Value>,

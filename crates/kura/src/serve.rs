@@ -137,6 +137,11 @@ pub struct ServeArgs {
     /// block), or `none` (the answer as written).
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(kura_server::ReasoningParser))]
     reasoning_parser: kura_server::ReasoningParser,
+    /// Let a chat request bring its own Jinja chat template (vLLM's `chat_template` field and flag):
+    /// the template runs on the server, within the renderer's limits on work and output. Off by
+    /// default: such a request is refused, naming the field.
+    #[arg(long)]
+    trust_request_chat_template: bool,
     /// Disable prefix caching (every prompt is computed in full): for comparisons.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -810,6 +815,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         console,
         max_held_logprobs: args.max_held_logprobs,
         reasoning_parser: args.reasoning_parser,
+        trust_request_chat_template: args.trust_request_chat_template,
     };
     let addr = format!("{}:{}", args.host, args.port);
     // Tokenizing a large prompt takes a core for a while: as many at once as there are cores (and at
