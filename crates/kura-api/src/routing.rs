@@ -107,11 +107,12 @@ pub fn routing_prompt(
 ) -> Result<RoutingPrompt, ApiError> {
     let tenant = Tenant(tenant);
     // The router does not know the servers' scheduling policy; they check `priority` themselves.
-    // Nor whether they take a request's own chat template: routed by it, and checked there.
+    // A request's own chat template is not run here (a template is code, and the router trusts no
+    // client's): such a request has no routing prompt, and goes to a server, which takes or refuses it.
     let ctx = Ctx {
         served_model,
         priority_scheduling: true,
-        request_chat_templates: true,
+        request_chat_templates: false,
     };
     // OpenAI's field, on OpenAI's routes only, whose validation below caps its length (the router keeps
     // it); Anthropic's routes have no such field, and a server ignores it there.
@@ -143,12 +144,8 @@ pub fn routing_prompt(
         Endpoint::ChatCompletions => {
             let plan = validate::prepare_chat(value, ctx)?;
             scored = plan.prompt_logprobs.is_some();
-            let own = validate::request_codec(
-                codec,
-                plan.chat_template.as_deref(),
-                plan.template_kwargs.as_ref(),
-            )?
-            .map(|(own, _)| own);
+            let own = validate::request_codec(codec, None, plan.template_kwargs.as_ref())?
+                .map(|(own, _)| own);
             let codec = own.as_deref().unwrap_or(codec);
             let mut tokens = match plan.continue_final {
                 true => {
@@ -254,6 +251,18 @@ mod tests {
 
     fn key_of(endpoint: Endpoint, body: Value) -> Result<Option<String>, ApiError> {
         routing_prompt(endpoint, &body, "m", &Bytes, None).map(|p| p.prompt_cache_key)
+    }
+
+    #[test]
+    fn a_request_s_own_chat_template_is_not_run_here() {
+        // A template is code: the router has no routing prompt for such a request (it goes to a
+        // server, which takes or refuses it), whatever the template.
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "chat_template": "{{ messages[0].content }}"});
+        let e = routing_prompt(Endpoint::ChatCompletions, &body, "m", &Bytes, None).unwrap_err();
+        assert!(e.to_string().contains("chat_template"), "{e}");
+        let plain = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        assert!(routing_prompt(Endpoint::ChatCompletions, &plain, "m", &Bytes, None).is_ok());
     }
 
     #[test]

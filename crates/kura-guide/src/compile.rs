@@ -246,6 +246,8 @@ enum Phase {
     Before(Vec<u8>),
     /// Inside the reasoning: its last bytes, up to `</think>`'s length.
     Inside(Vec<u8>),
+    /// Just past `</think>`: white space, or the answer's first byte, comes next.
+    Closed,
 }
 
 impl Phase {
@@ -270,10 +272,15 @@ impl Phase {
                         Phase::Answer
                     }
                 }
+                Phase::Closed if b.is_ascii_whitespace() => Phase::Closed,
+                Phase::Closed => {
+                    answer.push(b);
+                    Phase::Answer
+                }
                 Phase::Inside(mut tail) => {
                     tail.push(b);
                     if tail.ends_with(THINK_CLOSE.as_bytes()) {
-                        Phase::Answer
+                        Phase::Closed
                     } else {
                         if tail.len() >= THINK_CLOSE.len() {
                             tail.remove(0);
@@ -402,12 +409,14 @@ impl Walk {
                     way.push(t);
                     matcher.consume_token(t).ok()?;
                 }
-                (phase, lex) = (Phase::Answer, Lex::default());
+                (phase, lex) = (Phase::Closed, Lex::default());
             }
             if matcher.is_stopped() || matcher.is_accepting().ok()? {
                 return Some(way);
             }
-            let tokens = match self.closer.next(&mut matcher, lex)? {
+            // Past `</think>`, the answer rather than the blank before it.
+            let blank_last = phase == Phase::Closed;
+            let tokens = match self.closer.next(&mut matcher, lex, blank_last)? {
                 Next::Run(tokens) => tokens,
                 // Which key comes next (an optional one, or the next required one) is worth a
                 // look ahead; other choices (digits of a pattern, `true` or `false`) are not.
@@ -693,7 +702,7 @@ impl Closer {
 
     /// The next tokens of the way that closes the grammar from `matcher`'s state, whose output so far
     /// stands at `lex`; `None` when the grammar allows nothing.
-    fn next(&self, matcher: &mut Matcher, lex: Lex) -> Option<Next> {
+    fn next(&self, matcher: &mut Matcher, lex: Lex, blank_last: bool) -> Option<Next> {
         if !lex.escaped {
             let tries = match (lex.in_string, lex.key) {
                 (false, _) => &self.tries[0],
@@ -710,9 +719,9 @@ impl Closer {
         if !forced.is_empty() {
             return Some(Next::Run(forced));
         }
-        // The longest allowed tokens that begin with different bytes, longest first; white space
-        // (which closes nothing: the blank after a reasoning's `</think>`) only where nothing else is
-        // allowed.
+        // The longest allowed tokens that begin with different bytes, longest first; with
+        // `blank_last` (the blank after a reasoning's `</think>`, which closes nothing), white space
+        // only where nothing else is allowed.
         let mask = matcher.compute_mask().ok()?;
         let mut best: [Option<(usize, u32)>; CHOICES] = [None; CHOICES];
         let mut blank = None;
@@ -725,7 +734,7 @@ impl Closer {
                 let Some(&first) = bytes.first() else {
                     continue;
                 };
-                if first.is_ascii_whitespace() {
+                if blank_last && first.is_ascii_whitespace() {
                     blank = blank.or(Some(t));
                     continue;
                 }

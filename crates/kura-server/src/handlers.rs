@@ -551,7 +551,9 @@ pub async fn chat_completions(
             Some(field),
         ));
     }
-    let style = guided::tool_style(&s.engine);
+    // The template that writes the prompt (the request's own, where it has one) says how tools and
+    // calls are written, as `/tokenize` reads it.
+    let style = kura_api::tools::ToolStyle::of(codec.as_ref());
     // The conversation as sent, for telling a re-rendered history from a new turn on a miss.
     let conversation = plan
         .closed_messages()
