@@ -222,3 +222,18 @@ def test_a_format_or_a_forced_call_holds_the_answer_after_the_reasoning(servers)
                                               "strict": True}})
     assert [o.type for o in out.output] == ["reasoning", "message"]
     assert json.loads(out.output_text).keys() == {"city"}
+
+
+def test_a_thinking_budget_closes_the_reasoning_and_the_model_answers(servers):
+    # Anthropic's `thinking.budget_tokens`: once the reasoning has that many tokens, `</think>` is
+    # written in its place and the model answers. A prefilled count would otherwise run to max_tokens.
+    reading, _ = servers
+    a = anthropic.Anthropic(base_url=reading.url, api_key=reading.api_key, max_retries=0)
+    messages = turns("Count from 1 to 2000.") + [
+        {"role": "assistant", "content": "<think>\nLet me count: 1, 2, 3,"}]
+    r = a.messages.create(model=reading.model(), max_tokens=1100, messages=messages,
+                          thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
+    assert [b.type for b in r.content] == ["thinking", "text"], r.content
+    spent = len(reading.tokenize(r.content[0].thinking))
+    assert 1000 <= spent <= 1030, spent
+    assert r.content[1].text and r.usage.output_tokens < 1100, r

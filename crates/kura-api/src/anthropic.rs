@@ -77,23 +77,23 @@ fn invalid(message: impl Into<String>) -> ApiError {
 }
 
 /// Anthropic's `thinking`: `{"type": "disabled"}` (or none), or `{"type": "enabled", "budget_tokens"}`
-/// with a budget of at least 1,024 tokens and under `max_tokens`, as Anthropic's API checks it (the
-/// budget is not enforced here: the model reasons as long as it does, within `max_tokens`).
-fn thinking_of(v: Option<&Value>, max_tokens: u32) -> Result<bool, ApiError> {
+/// with a budget of at least 1,024 tokens and under `max_tokens`, as Anthropic's API checks it; the
+/// budget when enabled.
+fn thinking_of(v: Option<&Value>, max_tokens: u32) -> Result<Option<u32>, ApiError> {
     let Some(v) = v.filter(|v| !v.is_null()) else {
-        return Ok(false);
+        return Ok(None);
     };
     let Some(o) = v.as_object() else {
         return Err(invalid("thinking must be an object"));
     };
     match o.get("type").and_then(Value::as_str) {
-        Some("disabled") if o.len() == 1 => Ok(false),
+        Some("disabled") if o.len() == 1 => Ok(None),
         Some("enabled") => {
             if let Some(k) = o.keys().find(|k| *k != "type" && *k != "budget_tokens") {
                 return Err(invalid(format!("thinking.{k} is not a field of thinking")));
             }
             match o.get("budget_tokens").and_then(Value::as_i64) {
-                Some(b) if b >= 1024 && b < i64::from(max_tokens) => Ok(true),
+                Some(b) if b >= 1024 && b < i64::from(max_tokens) => Ok(Some(b as u32)),
                 _ => Err(invalid(format!(
                     "thinking.budget_tokens must be an integer of at least 1024 and less than \
                      max_tokens ({max_tokens}), got {}",
@@ -190,9 +190,10 @@ pub struct MessagesPlan {
     /// The last message is the assistant's, and the model goes on writing it (a prefill): the
     /// response holds what follows that text.
     pub prefill: bool,
-    /// `thinking: {"type": "enabled"}`: a reasoning model's reasoning is answered as `thinking`
-    /// blocks (the server refuses it where the model does not reason); else it is left out.
-    pub thinking: bool,
+    /// `thinking: {"type": "enabled", "budget_tokens"}`: the budget; a reasoning model's reasoning
+    /// is answered as `thinking` blocks, closed once it has spent the budget (the server refuses it
+    /// where the model does not reason). `None`: the reasoning is left out of the answer.
+    pub thinking: Option<u32>,
 }
 
 impl MessagesPlan {
@@ -1030,7 +1031,10 @@ mod tests {
             json!({"model": "m", "max_tokens": 1, "thinking": thinking,
                    "messages": [{"role": "user", "content": "x"}]})
         };
-        assert!(!plan(body(json!({"type": "disabled"}))).unwrap().thinking);
+        assert_eq!(
+            plan(body(json!({"type": "disabled"}))).unwrap().thinking,
+            None
+        );
         assert!(plan(body(json!({"type": "disabled", "budget_tokens": 5}))).is_err());
         // Enabled: read (the server refuses it where the model does not reason), the budget
         // checked as Anthropic checks it.
@@ -1038,10 +1042,11 @@ mod tests {
             json!({"model": "m", "max_tokens": 4096, "thinking": thinking,
                    "messages": [{"role": "user", "content": "x"}]})
         };
-        assert!(
+        assert_eq!(
             plan(big(json!({"type": "enabled", "budget_tokens": 1024})))
                 .unwrap()
-                .thinking
+                .thinking,
+            Some(1024)
         );
         // Counted as the request would be: the budget checked, with no max_tokens to be under.
         let count = |thinking: Value| {

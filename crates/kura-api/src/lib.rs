@@ -27,6 +27,8 @@ pub mod routing;
 pub mod signal;
 pub mod sse;
 pub mod structured;
+#[cfg(test)]
+mod test_codec;
 pub mod tools;
 pub mod types;
 pub mod validate;

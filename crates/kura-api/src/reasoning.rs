@@ -9,9 +9,11 @@
 //! the prompt itself, so one rule serves every template and every request (a prefilled assistant
 //! message that opened `<think>` too).
 
+use std::collections::VecDeque;
 use std::str::FromStr;
+use std::sync::Arc;
 
-use kura_request::TextCodec;
+use kura_request::{ConstraintSpec, TextCodec, TokenConstraint};
 
 pub use kura_guide::{THINK_CLOSE, THINK_OPEN};
 
@@ -143,6 +145,16 @@ impl ThinkSplit {
         }
     }
 
+    /// Whether the output so far is inside its reasoning (or, where it starts inside, has written
+    /// nothing but white space yet).
+    pub fn reasoning(&self) -> bool {
+        match self.state {
+            State::Start => self.inside,
+            State::Thinking { .. } => true,
+            State::Answer { .. } => false,
+        }
+    }
+
     /// The reasoning and answer `text` adds, as far as they are known.
     pub fn push(&mut self, text: &str) -> Split {
         let mut out = Split::default();
@@ -263,6 +275,122 @@ impl ThinkSplit {
         out.content.push_str(&rest.content);
         let thought = split.thought && !out.reasoning.is_empty();
         (thought.then_some(out.reasoning), out.content)
+    }
+}
+
+/// A reasoning of at most `budget` tokens, where no grammar holds the answer (Anthropic's
+/// `thinking.budget_tokens`): once the reasoning has that many tokens, `</think>` is written in its
+/// place and the model answers. Any token may come otherwise.
+pub struct ThinkBudget {
+    codec: Arc<dyn TextCodec>,
+    inside: bool,
+    budget: usize,
+    close: Arc<[u32]>,
+    /// Every token of the vocabulary allowed.
+    any: Arc<[u32]>,
+    param: &'static str,
+}
+
+impl std::fmt::Debug for ThinkBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a reasoning of at most {} tokens", self.budget)
+    }
+}
+
+impl ThinkBudget {
+    /// The budget for outputs of `codec`'s model that start inside the reasoning (`inside`) or may
+    /// open it; `param` names the field it came from.
+    pub fn new(
+        codec: Arc<dyn TextCodec>,
+        inside: bool,
+        budget: u32,
+        param: &'static str,
+    ) -> Result<Self, String> {
+        let close: Arc<[u32]> = codec.encode_without_added(THINK_CLOSE)?.into();
+        if close.is_empty() {
+            return Err(format!("{THINK_CLOSE} has no tokens in this vocabulary"));
+        }
+        let vocab = codec.vocab_size();
+        let mut any = vec![u32::MAX; vocab.div_ceil(32)];
+        if vocab % 32 != 0 {
+            if let Some(last) = any.last_mut() {
+                *last = (1u32 << (vocab % 32)) - 1;
+            }
+        }
+        Ok(ThinkBudget {
+            codec,
+            inside,
+            budget: budget as usize,
+            close,
+            any: any.into(),
+            param,
+        })
+    }
+}
+
+impl ConstraintSpec for ThinkBudget {
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+        Ok(Box::new(BudgetWalk {
+            codec: self.codec.clone(),
+            split: ThinkSplit::new(self.inside),
+            budget: self.budget,
+            reasoned: 0,
+            close: self.close.clone(),
+            forced: VecDeque::new(),
+            any: self.any.clone(),
+        }))
+    }
+
+    fn param(&self) -> Option<&'static str> {
+        Some(self.param)
+    }
+}
+
+/// One choice's count of its reasoning against a [`ThinkBudget`].
+struct BudgetWalk {
+    codec: Arc<dyn TextCodec>,
+    split: ThinkSplit,
+    budget: usize,
+    reasoned: usize,
+    close: Arc<[u32]>,
+    /// `</think>`'s tokens still to come once the budget is spent.
+    forced: VecDeque<u32>,
+    any: Arc<[u32]>,
+}
+
+impl TokenConstraint for BudgetWalk {
+    fn choose(
+        &mut self,
+        _budget: usize,
+        sample: &mut dyn FnMut(&[u32]) -> u32,
+    ) -> Result<u32, String> {
+        if self.forced.is_empty() && self.split.reasoning() && self.reasoned >= self.budget {
+            self.forced = self.close.iter().copied().collect();
+        }
+        match self.forced.front() {
+            Some(&next) => Ok(next),
+            None => Ok(sample(&self.any)),
+        }
+    }
+
+    fn accept(&mut self, token: u32) -> Result<(), String> {
+        if self.forced.front() == Some(&token) {
+            self.forced.pop_front();
+        } else {
+            self.forced.clear();
+        }
+        if self.split.reasoning() {
+            self.reasoned += 1;
+        }
+        // Where the output stands: the token's text (a character cut between tokens reads as U+FFFD,
+        // which the tags, ASCII, never hold).
+        self.split
+            .push(&String::from_utf8_lossy(&self.codec.token_bytes(token)));
+        Ok(())
+    }
+
+    fn is_done(&self) -> bool {
+        false
     }
 }
 
@@ -418,6 +546,37 @@ mod tests {
         assert!(!ends_thinking("assistant\n<think>\n\n</think>\n\n"));
         assert!(!ends_thinking("assistant\n"));
         assert!(ends_thinking("</think> then <think> again"));
+    }
+
+    /// The text a [`ThinkBudget`] lets a model write that would write `script` then `a` for ever.
+    fn budgeted(inside: bool, budget: u32, script: &str, tokens: usize) -> String {
+        let codec: Arc<dyn TextCodec> = Arc::new(crate::test_codec::Bytes);
+        let spec = ThinkBudget::new(codec.clone(), inside, budget, "thinking").unwrap();
+        let mut walk = spec.start().unwrap();
+        let mut out = Vec::new();
+        for i in 0..tokens {
+            let wants = script.as_bytes().get(i).copied().unwrap_or(b'a');
+            let token = walk
+                .choose(usize::MAX, &mut |mask: &[u32]| {
+                    assert!(mask[wants as usize / 32] >> (wants % 32) & 1 == 1);
+                    u32::from(wants)
+                })
+                .unwrap();
+            walk.accept(token).unwrap();
+            out.push(token);
+        }
+        codec.decode(&out)
+    }
+
+    #[test]
+    fn a_reasoning_past_its_budget_is_closed_and_the_model_answers() {
+        assert_eq!(budgeted(true, 3, "", 14), "aaa</think>aaa");
+        // A model's own `<think>` opens it; the count starts after it.
+        assert_eq!(budgeted(false, 2, "<think>", 20), "<think>aa</think>aaa");
+        // A reasoning closed within its budget is not closed again.
+        assert_eq!(budgeted(true, 20, "ab</think>c", 14), "ab</think>caaa");
+        // No reasoning opened: nothing to close.
+        assert_eq!(budgeted(false, 1, "hi", 6), "hiaaaa");
     }
 
     #[test]

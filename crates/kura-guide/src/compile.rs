@@ -25,7 +25,7 @@ impl Guide {
                 let alternatives: Vec<String> = options.iter().map(|o| regex_literal(o)).collect();
                 TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
             }
-            Guide::AfterThinking { open, answer } => {
+            Guide::AfterThinking { open, answer, .. } => {
                 // The answer's grammar (one, of the kinds above) by name, after the reasoning: a lazy
                 // lexeme that ends at the first `</think>`.
                 let mut grammars = answer.grammar().grammars;
@@ -178,8 +178,9 @@ impl Guides {
             }
         })?;
         let think = match guide {
-            Guide::AfterThinking { open, .. } => Some(Think {
+            Guide::AfterThinking { open, budget, .. } => Some(Think {
                 open: *open,
+                budget: budget.map(|b| b as usize),
                 close: self
                     .closer
                     .env
@@ -231,6 +232,8 @@ pub struct Compiled {
 #[derive(Debug, Clone)]
 struct Think {
     open: bool,
+    /// The most tokens the reasoning may take before the walk closes it.
+    budget: Option<usize>,
     close: Arc<[u32]>,
 }
 
@@ -323,6 +326,9 @@ impl Compiled {
                 .think
                 .as_ref()
                 .map_or_else(|| Arc::from([]), |t| t.close.clone()),
+            think_budget: self.think.as_ref().and_then(|t| t.budget),
+            reasoned: 0,
+            forced: VecDeque::new(),
         }
     }
 }
@@ -359,6 +365,11 @@ struct Walk {
     phase: Phase,
     /// The tokens of `</think>` (a grammar after a reasoning; else none).
     think_close: Arc<[u32]>,
+    /// The most tokens the reasoning may take, and the tokens it has taken.
+    think_budget: Option<usize>,
+    reasoned: usize,
+    /// `</think>`'s tokens still to come once the reasoning has spent its budget.
+    forced: VecDeque<u32>,
 }
 
 impl Walk {
@@ -494,6 +505,16 @@ impl TokenConstraint for Walk {
         if let Some(&next) = self.closing.front() {
             return Ok(next);
         }
+        // A reasoning that has spent its budget is closed, a token at a time.
+        if self.forced.is_empty()
+            && matches!(self.phase, Phase::Inside(_))
+            && self.think_budget.is_some_and(|b| self.reasoned >= b)
+        {
+            self.forced = self.think_close.iter().copied().collect();
+        }
+        if let Some(&next) = self.forced.front() {
+            return Ok(next);
+        }
         let mut mask = std::mem::take(&mut self.mask);
         let got = Self::mask_of(&mut self.matcher, &self.eos, &mut mask);
         self.mask = mask;
@@ -558,6 +579,14 @@ impl TokenConstraint for Walk {
             self.closing.pop_front();
         } else {
             self.closing.clear();
+        }
+        if self.forced.front() == Some(&token) {
+            self.forced.pop_front();
+        } else {
+            self.forced.clear();
+        }
+        if matches!(self.phase, Phase::Inside(_)) {
+            self.reasoned += 1;
         }
         self.here = match self.ahead.take() {
             Some((t, way)) if t == token => Some(way),
@@ -1308,7 +1337,7 @@ mod tests {
         };
         // The prompt opened the reasoning: any text (a `<` and `{` too) up to `</think>`, then JSON.
         let open = g
-            .compile(&Guide::JsonSchema(schema.clone()).after_thinking(true))
+            .compile(&Guide::JsonSchema(schema.clone()).after_thinking(true, None))
             .unwrap();
         assert_eq!(
             walk_all(&open, "Let me see: {n} < 3.\n</think>\n\n{\"n\": 2}"),
@@ -1319,7 +1348,7 @@ mod tests {
         assert!(walk_all(&open, "x</think> hello").is_err());
         // The model may open it, or answer at once; nothing else.
         let may = g
-            .compile(&Guide::JsonSchema(schema).after_thinking(false))
+            .compile(&Guide::JsonSchema(schema).after_thinking(false, None))
             .unwrap();
         assert_eq!(
             walk_all(&may, "<think>\nhmm\n</think>\n\n{\"n\": 1}"),
@@ -1329,7 +1358,7 @@ mod tests {
         assert!(walk_all(&may, "hmm</think>{\"n\": 1}").is_err());
         // Other answers: a choice.
         let choice = g
-            .compile(&Guide::Choice(vec!["yes".into(), "no".into()]).after_thinking(true))
+            .compile(&Guide::Choice(vec!["yes".into(), "no".into()]).after_thinking(true, None))
             .unwrap();
         assert_eq!(walk_all(&choice, "Hmm.</think>\nno"), Ok(true));
         assert!(walk_all(&choice, "Hmm.</think>\nmaybe").is_err());
@@ -1342,6 +1371,22 @@ mod tests {
         let v: Value =
             serde_json::from_str(answer.trim_start()).unwrap_or_else(|e| panic!("{e}: {text}"));
         assert!(v["n"].is_i64(), "{text}");
+        // A reasoning budget: closed after its fifth token, then the answer (the model would go on).
+        let budgeted = g
+            .compile(
+                &Guide::JsonSchema(serde_json::json!({"type": "object",
+                    "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+                .after_thinking(true, Some(5)),
+            )
+            .unwrap();
+        let (text, done, _) = run(&codec, &budgeted, "", &[codec.id("birch")], 200);
+        let (thought, answer) = text
+            .split_once("</think>")
+            .unwrap_or_else(|| panic!("{text}"));
+        assert_eq!(thought, "birch".repeat(5), "{text}");
+        let v: Value =
+            serde_json::from_str(answer.trim_start()).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(done && v["n"].is_i64(), "{text}");
         // Where the model may open it: it opens it near its budget, reasons, and is closed in time.
         let (text, done, early) = run(&codec, &may, "<think>", &[codec.id("birch")], 40);
         assert!(done && early, "{text}");

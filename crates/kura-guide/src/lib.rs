@@ -34,8 +34,12 @@ pub enum Guide {
     /// A reasoning model's reasoning, free text up to `</think>`, then `answer` (after white space):
     /// from the output's start when the prompt ends inside the reasoning (`open`), else after the
     /// `<think>` the output may start with (or `answer` at once), as vLLM starts an output's grammar
-    /// after the reasoning.
-    AfterThinking { open: bool, answer: Box<Guide> },
+    /// after the reasoning. With a `budget`, the reasoning is closed once it has that many tokens.
+    AfterThinking {
+        open: bool,
+        budget: Option<u32>,
+        answer: Box<Guide>,
+    },
 }
 
 /// What opens a reasoning model's reasoning.
@@ -62,10 +66,12 @@ impl Guide {
         }
     }
 
-    /// This guide after a reasoning model's reasoning ([`Guide::AfterThinking`]).
-    pub fn after_thinking(self, open: bool) -> Guide {
+    /// This guide after a reasoning model's reasoning ([`Guide::AfterThinking`]) of at most `budget`
+    /// tokens, where given.
+    pub fn after_thinking(self, open: bool, budget: Option<u32>) -> Guide {
         Guide::AfterThinking {
             open,
+            budget,
             answer: Box::new(self),
         }
     }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kura_api::keys::TENANT_SEPARATOR;
+use kura_api::reasoning::ThinkBudget;
 use kura_api::tools::{Guide, ToolPlan, ToolStyle};
 use kura_engine::{ConstraintSpec, EngineHandle};
 use kura_guide::{Compiled, Guides};
@@ -139,9 +140,11 @@ fn source_key(guide: &Guide) -> String {
         Guide::Regex(rx) => format!("regex {rx}"),
         Guide::Lark(lark) => format!("lark {lark}"),
         Guide::Choice(options) => format!("choice {}", serde_json::Value::from(options.clone())),
-        Guide::AfterThinking { open, answer } => {
-            format!("after thinking {open} {}", source_key(answer))
-        }
+        Guide::AfterThinking {
+            open,
+            budget,
+            answer,
+        } => format!("after thinking {open} {budget:?} {}", source_key(answer)),
     }
 }
 
@@ -271,7 +274,8 @@ pub(crate) fn tool_style(engine: &EngineHandle) -> ToolStyle {
 /// a strict tool the model may call, an answer or calls whose strict arguments are valid; compiled
 /// for the served model, or kept from the tenant's (`salt`'s) last request with the same grammar.
 /// With `thinking` (a reasoning model's answer, [`crate::output::ResponseMeta::reasoning`]), the
-/// grammar holds the output after its reasoning.
+/// grammar holds the output after its reasoning, which `think_budget` (tokens, and the field that
+/// asked) bounds; a budget with no grammar is a walk of its own ([`ThinkBudget`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn constraint(
     engine: &EngineHandle,
@@ -281,6 +285,7 @@ pub(crate) async fn constraint(
     tools: Option<&ToolPlan>,
     style: ToolStyle,
     thinking: Option<bool>,
+    think_budget: Option<(u32, &'static str)>,
     deadline: crate::output::Deadline,
 ) -> Result<Option<Arc<dyn ConstraintSpec>>, ApiError> {
     let calls = tools.filter(|t| t.parses_calls());
@@ -309,7 +314,22 @@ pub(crate) async fn constraint(
                 )),
                 "tools",
             ),
-            (None, _, _) => return Ok(None),
+            // No grammar: a reasoning budget alone, where one is asked.
+            (None, _, _) => {
+                return match (thinking, think_budget) {
+                    (Some(inside), Some((budget, param))) => {
+                        ThinkBudget::new(engine.codec().clone(), inside, budget, param)
+                            .map(|b| Some(Arc::new(b) as Arc<dyn ConstraintSpec>))
+                            .map_err(|e| {
+                                ApiError::invalid(
+                                    format!("the reasoning budget cannot be kept: {e}"),
+                                    Some(param),
+                                )
+                            })
+                    }
+                    _ => Ok(None),
+                }
+            }
             // The model may call a tool or answer: the answer alone follows the format.
             (Some((_, param)), Some(plan), Some(schema)) => (
                 Guide::Lark(style.format.call_or_json_grammar(
@@ -324,7 +344,7 @@ pub(crate) async fn constraint(
         },
     };
     let guide = match thinking {
-        Some(open) => guide.after_thinking(open),
+        Some(open) => guide.after_thinking(open, think_budget.map(|(b, _)| b)),
         None => guide,
     };
     let (key, source_bytes) = kept_key(salt, &guide);

@@ -387,6 +387,7 @@ pub async fn completions(
         None,
         style,
         None,
+        None,
         deadline,
     )
     .await?;
@@ -608,6 +609,7 @@ pub async fn chat_completions(
         plan.tools.as_ref(),
         style,
         thinking,
+        None,
         deadline,
     )
     .await?;

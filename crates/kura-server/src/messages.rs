@@ -62,7 +62,7 @@ async fn messages_inner(
     let info = s.engine.info().clone();
     let plan = prepare(&value, &info.model_name)?;
     drop(value);
-    if plan.thinking && !s.reasoning {
+    if plan.thinking.is_some() && !s.reasoning {
         return Err(ApiError::invalid(
             "thinking is not supported by this server: its model writes no reasoning apart from \
              its answer (a reasoning model's chat template spells <think>; see --reasoning-parser)",
@@ -97,6 +97,7 @@ async fn messages_inner(
         plan.tools.as_ref(),
         style,
         thinking,
+        plan.thinking.map(|budget| (budget, "thinking")),
         deadline,
     )
     .await?;
@@ -134,7 +135,7 @@ async fn messages_inner(
     // where the request enables thinking.
     let thinking = Thinking {
         read: thinking,
-        shown: plan.thinking,
+        shown: plan.thinking.is_some(),
     };
     output::before_deadline(deadline)?;
     let (mut events, sender) = Events::new(1, 1);

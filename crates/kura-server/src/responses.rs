@@ -498,6 +498,7 @@ pub async fn create(
         plan.tools.as_ref(),
         style,
         thinking,
+        None,
         deadline,
     )
     .await?;
