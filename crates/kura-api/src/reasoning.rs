@@ -310,6 +310,12 @@ impl ThinkBudget {
         if close.is_empty() {
             return Err(format!("{THINK_CLOSE} has no tokens in this vocabulary"));
         }
+        // A control token's text is not in the output's text, where the reasoning is read.
+        if close.iter().any(|&t| codec.is_special(t)) {
+            return Err(format!(
+                "{THINK_CLOSE} is a control token of this vocabulary, which answers do not show"
+            ));
+        }
         let vocab = codec.vocab_size();
         let mut any = vec![u32::MAX; vocab.div_ceil(32)];
         if vocab % 32 != 0 {
@@ -338,6 +344,7 @@ impl ConstraintSpec for ThinkBudget {
             close: self.close.clone(),
             forced: VecDeque::new(),
             any: self.any.clone(),
+            cut: Vec::new(),
         }))
     }
 
@@ -356,6 +363,9 @@ struct BudgetWalk {
     /// `</think>`'s tokens still to come once the budget is spent.
     forced: VecDeque<u32>,
     any: Arc<[u32]>,
+    /// The bytes of a character the last token cut (the budget closes the reasoning only between
+    /// characters).
+    cut: Vec<u8>,
 }
 
 impl TokenConstraint for BudgetWalk {
@@ -364,7 +374,11 @@ impl TokenConstraint for BudgetWalk {
         _budget: usize,
         sample: &mut dyn FnMut(&[u32]) -> u32,
     ) -> Result<u32, String> {
-        if self.forced.is_empty() && self.split.reasoning() && self.reasoned >= self.budget {
+        if self.forced.is_empty()
+            && self.cut.is_empty()
+            && self.split.reasoning()
+            && self.reasoned >= self.budget
+        {
             self.forced = self.close.iter().copied().collect();
         }
         match self.forced.front() {
@@ -382,10 +396,16 @@ impl TokenConstraint for BudgetWalk {
         if self.split.reasoning() {
             self.reasoned += 1;
         }
-        // Where the output stands: the token's text (a character cut between tokens reads as U+FFFD,
-        // which the tags, ASCII, never hold).
-        self.split
-            .push(&String::from_utf8_lossy(&self.codec.token_bytes(token)));
+        // Where the output stands: its text, a character cut between tokens joined first.
+        self.cut.extend(self.codec.token_bytes(token));
+        let whole = match std::str::from_utf8(&self.cut) {
+            Ok(_) => self.cut.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(_) => self.cut.len(),
+        };
+        let rest = self.cut.split_off(whole);
+        self.split.push(&String::from_utf8_lossy(&self.cut));
+        self.cut = rest;
         Ok(())
     }
 
@@ -577,6 +597,9 @@ mod tests {
         assert_eq!(budgeted(true, 20, "ab</think>c", 14), "ab</think>caaa");
         // No reasoning opened: nothing to close.
         assert_eq!(budgeted(false, 1, "hi", 6), "hiaaaa");
+        // Not inside a character the last token cut: `é` is two byte tokens here.
+        let (c3, a9) = (char::from(0xC3u8), char::from(0xA9u8));
+        assert_eq!(budgeted(true, 2, "aé", 13), format!("a{c3}{a9}</think>aa"));
     }
 
     #[test]

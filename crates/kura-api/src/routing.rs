@@ -107,12 +107,12 @@ pub fn routing_prompt(
 ) -> Result<RoutingPrompt, ApiError> {
     let tenant = Tenant(tenant);
     // The router does not know the servers' scheduling policy; they check `priority` themselves.
-    // A request's own chat template is not run here (a template is code, and the router trusts no
-    // client's): such a request has no routing prompt, and goes to a server, which takes or refuses it.
+    // Nor whether they take a request's own chat template, which is not run here (a template is
+    // code, and the router trusts no client's): such a request is routed by its salt and key alone.
     let ctx = Ctx {
         served_model,
         priority_scheduling: true,
-        request_chat_templates: false,
+        request_chat_templates: true,
     };
     // OpenAI's field, on OpenAI's routes only, whose validation below caps its length (the router keeps
     // it); Anthropic's routes have no such field, and a server ignores it there.
@@ -147,11 +147,12 @@ pub fn routing_prompt(
             let own = validate::request_codec(codec, None, plan.template_kwargs.as_ref())?
                 .map(|(own, _)| own);
             let codec = own.as_deref().unwrap_or(codec);
-            let mut tokens = match plan.continue_final {
-                true => {
+            let mut tokens = match (plan.continue_final, &plan.chat_template) {
+                (_, Some(_)) => Vec::new(),
+                (true, None) => {
                     crate::tools::encode_chat_continuing(codec, plan.messages, plan.tools.as_ref())?
                 }
-                false => {
+                (false, None) => {
                     crate::tools::encode_chat_prompt(codec, plan.messages, plan.tools.as_ref())?
                 }
             };
@@ -212,14 +213,18 @@ mod tests {
 
     #[test]
     fn a_request_s_own_chat_template_is_not_run_here() {
-        // A template is code: the router has no routing prompt for such a request (it goes to a
-        // server, which takes or refuses it), whatever the template.
+        // A template is code: such a request is routed by its salt and key alone (no prompt
+        // tokens), whatever the template; the server takes or refuses it.
         let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                          "chat_template": "{{ messages[0].content }}"});
-        let e = routing_prompt(Endpoint::ChatCompletions, &body, "m", &Bytes, None).unwrap_err();
-        assert!(e.to_string().contains("chat_template"), "{e}");
+                          "chat_template": "{% for i in range(10) %}{{ i }}{% endfor %}",
+                          "prompt_cache_key": "k", "cache_salt": "s"});
+        let p = routing_prompt(Endpoint::ChatCompletions, &body, "m", &Bytes, None).unwrap();
+        assert!(p.tokens.is_empty());
+        assert_eq!(p.prompt_cache_key.as_deref(), Some("k"));
+        assert_eq!(p.cache_salt.as_deref(), Some("s"));
         let plain = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-        assert!(routing_prompt(Endpoint::ChatCompletions, &plain, "m", &Bytes, None).is_ok());
+        let p = routing_prompt(Endpoint::ChatCompletions, &plain, "m", &Bytes, None).unwrap();
+        assert_eq!(p.tokens, b"hi".map(u32::from));
     }
 
     #[test]

@@ -505,13 +505,6 @@ impl TokenConstraint for Walk {
         if let Some(&next) = self.closing.front() {
             return Ok(next);
         }
-        // A reasoning that has spent its budget is closed, a token at a time.
-        if self.forced.is_empty()
-            && matches!(self.phase, Phase::Inside(_))
-            && self.think_budget.is_some_and(|b| self.reasoned >= b)
-        {
-            self.forced = self.think_close.iter().copied().collect();
-        }
         if let Some(&next) = self.forced.front() {
             return Ok(next);
         }
@@ -519,6 +512,20 @@ impl TokenConstraint for Walk {
         let got = Self::mask_of(&mut self.matcher, &self.eos, &mut mask);
         self.mask = mask;
         got?;
+        // A reasoning that has spent its budget is closed, a token at a time, once the grammar
+        // takes `</think>` (not inside a character the last token cut).
+        if matches!(self.phase, Phase::Inside(_))
+            && self.think_budget.is_some_and(|b| self.reasoned >= b)
+            && self
+                .think_close
+                .first()
+                .is_some_and(|&t| allows(&self.mask, t))
+        {
+            self.forced = self.think_close.iter().copied().collect();
+            if let Some(&next) = self.forced.front() {
+                return Ok(next);
+            }
+        }
         let here = self.here.take();
         if budget > CLOSING_WINDOW || allows(&self.mask, self.eos[0]) {
             return Ok(sample(&self.mask));
@@ -1387,6 +1394,9 @@ mod tests {
         let v: Value =
             serde_json::from_str(answer.trim_start()).unwrap_or_else(|e| panic!("{e}: {text}"));
         assert!(done && v["n"].is_i64(), "{text}");
+        // Spent inside a character (`é` is two byte tokens here): closed once the character is whole.
+        let (text, _, _) = run(&codec, &budgeted, "aaaaé", &[codec.id("birch")], 200);
+        assert!(text.starts_with("aaaaé</think>"), "{text}");
         // Where the model may open it: it opens it near its budget, reasons, and is closed in time.
         let (text, done, early) = run(&codec, &may, "<think>", &[codec.id("birch")], 40);
         assert!(done && early, "{text}");
