@@ -131,6 +131,7 @@ def test_vllm_s_documents_field_is_the_template_s_documents(server):
     r = c.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
                                   extra_body={"documents": docs, "return_token_ids": True})
     assert r.model_extra["prompt_token_ids"] == as_kwargs
+    assert tokenize(server, {"messages": messages, "documents": docs}) == as_kwargs
     # Given twice, or not an object of strings: refused, naming it.
     for extra, says in [({"documents": docs, "chat_template_kwargs": {"documents": ["x"]}}, "given twice"),
                         ({"documents": [{"text": 5}]}, "documents[0].text must be a string"),

@@ -199,6 +199,8 @@ pub struct TokenizeRequest {
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// vLLM's: the request's own chat template (as the chat route's field).
     pub chat_template: Option<String>,
+    /// vLLM's: documents for the chat template (as the chat route's field).
+    pub documents: Option<Vec<serde_json::Map<String, Value>>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

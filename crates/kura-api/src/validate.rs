@@ -1074,7 +1074,7 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
 
 /// A chat request's template arguments: `chat_template_kwargs`, and vLLM's `documents` among them
 /// (each document an object of strings); none when there are none.
-fn template_arguments(
+pub fn template_arguments(
     kwargs: Option<serde_json::Map<String, Value>>,
     documents: Option<Vec<serde_json::Map<String, Value>>>,
 ) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {

@@ -726,7 +726,7 @@ pub async fn tokenize(
             Some("chat_template"),
         ));
     }
-    if req.chat_template_kwargs.is_some() && req.messages.is_none() {
+    if (req.chat_template_kwargs.is_some() || req.documents.is_some()) && req.messages.is_none() {
         return Err(ApiError::invalid(
             "chat_template_kwargs goes with messages (the chat template reads them)",
             Some("chat_template_kwargs"),
@@ -757,7 +757,7 @@ pub async fn tokenize(
         (None, Some(m)) => {
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
-            let kwargs = req.chat_template_kwargs.filter(|k| !k.is_empty());
+            let kwargs = validate::template_arguments(req.chat_template_kwargs, req.documents)?;
             let template = validate::request_chat_template(req.chat_template, s.ctx())?;
             let (codec, _) = chat_codec(&s.engine, template, kwargs).await?;
             let messages = validate::flatten_messages(&m)?;
