@@ -63,10 +63,15 @@ def test_chat_reads_the_reasoning_apart_whole_and_streamed(servers):
     assert (msg.reasoning_content, msg.content) == (reasoning, answer), msg
     assert msg.model_extra["reasoning"] == reasoning
     assert r.choices[0].finish_reason == "stop"
+    # The usage says how many of the completion's tokens reasoned (`<think>` to `</think>`).
+    spent = r.usage.completion_tokens_details.reasoning_tokens
+    assert len(reading.tokenize(reasoning)) < spent < r.usage.completion_tokens, r.usage
     # Streamed: the pieces of each add up to the same.
     pieces = {"reasoning_content": "", "reasoning": "", "content": ""}
     for chunk in c.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
-                                           stream=True):
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            assert chunk.usage.completion_tokens_details.reasoning_tokens == spent
         if chunk.choices:
             d = chunk.choices[0].delta
             pieces["content"] += d.content or ""
@@ -101,6 +106,7 @@ def test_an_answer_with_no_reasoning_is_the_text_as_written(servers):
     msg = r.choices[0].message
     assert msg.content == expected, msg
     assert not {"reasoning", "reasoning_content"} & set(msg.model_extra or {}), msg
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_the_default_template_reads_no_reasoning(server):
@@ -110,6 +116,7 @@ def test_the_default_template_reads_no_reasoning(server):
     msg = r.choices[0].message
     assert msg.content.startswith("<think>"), msg
     assert not {"reasoning", "reasoning_content"} & set(msg.model_extra or {}), msg
+    assert r.usage.completion_tokens_details is None
     # And Anthropic's thinking is refused there, naming it.
     a = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="thinking is not supported"):
@@ -127,6 +134,9 @@ def test_responses_put_the_reasoning_in_its_own_item(servers):
     assert [o.type for o in r.output] == ["reasoning", "message"], r.output
     assert [p.text for p in r.output[0].content] == [reasoning] and r.output[0].summary == []
     assert r.output_text == answer
+    chat = c.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0)
+    spent = r.usage.output_tokens_details.reasoning_tokens
+    assert spent == chat.usage.completion_tokens_details.reasoning_tokens > 0
     # Streamed: the reasoning's deltas, then the answer's; the final response is the same.
     events = list(c.responses.create(model=model, input=messages, max_output_tokens=60, temperature=0,
                                      stream=True, store=False))
@@ -138,6 +148,7 @@ def test_responses_put_the_reasoning_in_its_own_item(servers):
     assert [i.type for i in done] == ["reasoning", "message"]
     final = events[-1].response
     assert final.output_text == answer and final.output[0].content[0].text == reasoning
+    assert final.usage.output_tokens_details.reasoning_tokens == spent
     # The next turn sends the output back, reasoning item and all (as a client replays it): taken, and
     # left out of the prompt; so is the stored turn its previous_response_id continues from.
     follow = [{"role": "user", "content": "And of Spain?"}]

@@ -130,6 +130,8 @@ pub struct ThinkSplit {
     /// parser leaves it out).
     inside: bool,
     thought: bool,
+    /// Tokens of a start of `<think>` held back ([`ThinkSplit::push_token`]).
+    opening: u32,
 }
 
 impl ThinkSplit {
@@ -142,6 +144,7 @@ impl ThinkSplit {
             mark: 0,
             inside,
             thought: inside,
+            opening: 0,
         }
     }
 
@@ -153,6 +156,26 @@ impl ThinkSplit {
             State::Thinking { .. } => true,
             State::Answer { .. } => false,
         }
+    }
+
+    /// [`ThinkSplit::push`] of one token's `text`, and how many tokens are now known to be the
+    /// reasoning's, as `reasoning_tokens` counts them: this one where it opens, continues or closes
+    /// the reasoning, and those of an opening `<think>` that were not known to be one until now.
+    pub fn push_token(&mut self, text: &str) -> (Split, u32) {
+        let was = self.reasoning();
+        let split = self.push(text);
+        let now = self.reasoning();
+        let count = match (was, now, self.state) {
+            (false, true, _) => 1 + std::mem::take(&mut self.opening),
+            (true, _, _) => 1,
+            // At the output's start, a token of what may yet open the reasoning.
+            (false, false, State::Start) => {
+                self.opening += u32::from(self.held.len() > self.mark);
+                0
+            }
+            (false, false, _) => 0,
+        };
+        (split, count)
     }
 
     /// The reasoning and answer `text` adds, as far as they are known.
@@ -540,6 +563,24 @@ mod tests {
         // An output of blanks only is its answer, as written.
         let blanks = " \n".repeat(5000);
         assert_eq!(ThinkSplit::whole(&blanks, false), (None, blanks.clone()));
+    }
+
+    #[test]
+    fn reasoning_tokens_are_those_that_open_continue_or_close_it() {
+        let count = |inside: bool, tokens: &[&str]| {
+            let mut split = ThinkSplit::new(inside);
+            tokens.iter().map(|t| split.push_token(t).1).sum::<u32>()
+        };
+        assert_eq!(
+            count(
+                false,
+                &["<", "think", ">", "a", " b", "</", "think>", "\n", "4"]
+            ),
+            7
+        );
+        assert_eq!(count(true, &["a", "</think>", "4", "."]), 2);
+        assert_eq!(count(false, &["4", "."]), 0);
+        assert_eq!(count(false, &["<", "b", ">"]), 0);
     }
 
     #[test]

@@ -248,6 +248,15 @@ pub struct UsageBody {
     pub completion_tokens: u32,
     pub total_tokens: u32,
     pub prompt_tokens_details: PromptTokensDetails,
+    /// Where a reasoning model's reasoning is read: how many of the completion's tokens it took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+/// OpenAI's `completion_tokens_details`: the completion's reasoning tokens.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CompletionTokensDetails {
+    pub reasoning_tokens: u32,
 }
 
 impl From<kura_request::Usage> for UsageBody {
@@ -261,7 +270,17 @@ impl From<kura_request::Usage> for UsageBody {
                 cache_write_tokens: u.cache_write_tokens,
                 cache_miss: u.miss.map(CacheMissBody::from),
             },
+            completion_tokens_details: None,
         }
+    }
+}
+
+impl UsageBody {
+    /// This usage with the completion's reasoning tokens, where reasoning is read.
+    pub fn with_reasoning(mut self, reasoning_tokens: Option<u32>) -> Self {
+        self.completion_tokens_details =
+            reasoning_tokens.map(|reasoning_tokens| CompletionTokensDetails { reasoning_tokens });
+        self
     }
 }
 

@@ -644,6 +644,8 @@ struct ChoiceAcc {
     token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
+    /// Where reasoning is read: the choice's reasoning tokens, counted as they come.
+    thinking: Option<(ThinkSplit, u32)>,
 }
 
 /// Waits for the whole request and builds the non-streaming response body, serialized (straight from
@@ -651,7 +653,10 @@ struct ChoiceAcc {
 /// its bytes).
 pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>, ApiError> {
     let mut choices: Vec<ChoiceAcc> = (0..events.total_choices())
-        .map(|_| ChoiceAcc::default())
+        .map(|_| ChoiceAcc {
+            thinking: meta.reasoning.map(|inside| (ThinkSplit::new(inside), 0)),
+            ..ChoiceAcc::default()
+        })
         .collect();
     let mut prompt_scores: Vec<Option<Arc<PromptLogprobs>>> = vec![None; events.prompts as usize];
     // vLLM's `prompt_logprobs`, made once a prompt.
@@ -671,6 +676,9 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                 logprobs,
             } => {
                 if let Some(c) = choices.get_mut(choice as usize) {
+                    if let Some((split, tokens)) = &mut c.thinking {
+                        *tokens += split.push_token(&text).1;
+                    }
                     c.text.push_str(&text);
                     c.token_ids.extend(token_ids);
                     c.logprobs.extend(logprobs);
@@ -696,7 +704,13 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
             }
         }
     };
-    let usage = UsageBody::from(usage);
+    let reasoning_tokens = meta.reasoning.map(|_| {
+        choices
+            .iter()
+            .filter_map(|c| c.thinking.as_ref().map(|t| t.1))
+            .fold(0u32, u32::saturating_add)
+    });
+    let usage = UsageBody::from(usage).with_reasoning(reasoning_tokens);
     let body = match meta.shape {
         Shape::Completion => serde_json::to_vec(&CompletionResponse {
             id: meta.id.clone(),
@@ -778,6 +792,8 @@ struct SseState {
     tool_streams: Vec<ToolStream>,
     /// Per chat choice, when its reasoning is read apart (`meta.reasoning`).
     thinks: Vec<ThinkSplit>,
+    /// The reasoning tokens of all choices so far.
+    reasoning_tokens: u32,
     queue: VecDeque<Event>,
     /// Echo chunks to write before anything in `queue`: (prompt, choice, the prompt's scores when
     /// reported).
@@ -940,7 +956,8 @@ impl SseState {
     }
 
     fn usage_chunk(&self, usage: Usage) -> Event {
-        let usage = Some(UsageBody::from(usage));
+        let reasoning_tokens = self.meta.reasoning.map(|_| self.reasoning_tokens);
+        let usage = Some(UsageBody::from(usage).with_reasoning(reasoning_tokens));
         let value = match self.meta.shape {
             Shape::Completion => serde_json::to_string(&CompletionResponse {
                 id: self.meta.id.clone(),
@@ -982,7 +999,8 @@ impl SseState {
                 // A reasoning model's reasoning goes apart; the rest is the answer (or calls).
                 let (reasoning, text, split) = match self.thinks.get_mut(choice as usize) {
                     Some(t) => {
-                        let s = t.push(&text);
+                        let (s, tokens) = t.push_token(&text);
+                        self.reasoning_tokens = self.reasoning_tokens.saturating_add(tokens);
                         (
                             (!s.reasoning.is_empty()).then_some(s.reasoning),
                             s.content,
@@ -1079,6 +1097,7 @@ pub fn sse_stream(
         offsets: vec![0; n as usize],
         tool_streams: (0..n).map(|_| ToolStream::default()).collect(),
         thinks,
+        reasoning_tokens: 0,
         queue: VecDeque::new(),
         echoes: VecDeque::new(),
         finished: false,

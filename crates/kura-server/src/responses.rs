@@ -273,7 +273,8 @@ struct Meta {
 
 impl Meta {
     /// The response object with `output`, `status` and `usage`.
-    fn body(&self, status: &str, output: Vec<Value>, usage: Option<&Usage>) -> Value {
+    /// The response object with `output`, `status` and `usage` (with the output's reasoning tokens).
+    fn body(&self, status: &str, output: Vec<Value>, usage: Option<(&Usage, u32)>) -> Value {
         let mut b = json!({
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "error": null,
@@ -283,7 +284,7 @@ impl Meta {
             "parallel_tool_calls": true, "tool_choice": "auto", "tools": [],
             "temperature": 1.0, "top_p": 1.0, "max_output_tokens": null, "metadata": {},
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "usage": usage.map(usage_body),
+            "usage": usage.map(|(u, reasoning)| usage_body(u, reasoning)),
         });
         if let Some(o) = b.as_object_mut() {
             for (k, v) in &self.echo {
@@ -310,7 +311,8 @@ impl Meta {
     }
 }
 
-fn usage_body(u: &Usage) -> Value {
+/// Responses' usage object; `reasoning_tokens`: those of the output's reasoning.
+fn usage_body(u: &Usage, reasoning_tokens: u32) -> Value {
     let mut details = json!({"cached_tokens": u.cached_tokens});
     if let Some(m) = u.miss {
         details["cache_miss"] = json!(kura_api::types::CacheMissBody::from(m));
@@ -319,7 +321,7 @@ fn usage_body(u: &Usage) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": details,
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": u.prompt_tokens.saturating_add(u.completion_tokens),
     })
 }
@@ -594,9 +596,16 @@ fn keep_response(keep: Keep, turn: ChatMessage, body: &Value) {
 async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut reason = None;
+    // The reasoning's tokens, counted as they come.
+    let mut thinking = meta.reasoning.map(|inside| (ThinkSplit::new(inside), 0u32));
     let usage = loop {
         match events.next().await {
-            Some(EngineEvent::Delta { text: t, .. }) => text.push_str(&t),
+            Some(EngineEvent::Delta { text: t, .. }) => {
+                if let Some((split, tokens)) = &mut thinking {
+                    *tokens += split.push_token(&t).1;
+                }
+                text.push_str(&t);
+            }
             Some(EngineEvent::Finished { reason: r, .. }) => reason = Some(r),
             Some(EngineEvent::Done { usage }) => break usage,
             Some(EngineEvent::Failed(e)) => return Err(e.into()),
@@ -616,7 +625,8 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
     } else {
         "completed"
     };
-    let body = meta.body(status, items, Some(&usage));
+    let reasoning_tokens = thinking.map_or(0, |t| t.1);
+    let body = meta.body(status, items, Some((&usage, reasoning_tokens)));
     keep_response(keep, turn, &body);
     Ok(body)
 }
@@ -643,6 +653,8 @@ struct St {
     think: Option<ThinkSplit>,
     /// The reasoning item's text so far.
     thinking: String,
+    /// The reasoning's tokens so far.
+    reasoning_tokens: u32,
     open: Open,
     /// Output index of the open item; items are numbered as they open.
     index: usize,
@@ -818,7 +830,8 @@ impl St {
         self.reply.push_str(&text);
         let text = match &mut self.think {
             Some(t) => {
-                let split = t.push(&text);
+                let (split, tokens) = t.push_token(&text);
+                self.reasoning_tokens = self.reasoning_tokens.saturating_add(tokens);
                 self.reasoning(split.reasoning);
                 split.content
             }
@@ -874,7 +887,11 @@ impl St {
         } else {
             "completed"
         };
-        let body = self.meta.body(status, self.items.clone(), Some(&usage));
+        let body = self.meta.body(
+            status,
+            self.items.clone(),
+            Some((&usage, self.reasoning_tokens)),
+        );
         let kind = if incomplete {
             "response.incomplete"
         } else {
@@ -906,6 +923,7 @@ fn stream(
         tools: meta.tools.as_ref().map(|_| ToolStream::default()),
         think: meta.reasoning.map(ThinkSplit::new),
         thinking: String::new(),
+        reasoning_tokens: 0,
         meta,
         events,
         keep,
