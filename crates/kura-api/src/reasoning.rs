@@ -435,6 +435,11 @@ impl TokenConstraint for BudgetWalk {
     fn is_done(&self) -> bool {
         false
     }
+
+    fn free_next(&self) -> bool {
+        self.forced.is_empty()
+            && !(self.cut.is_empty() && self.split.reasoning() && self.reasoned >= self.budget)
+    }
 }
 
 #[cfg(test)]
@@ -617,12 +622,16 @@ mod tests {
         let mut out = Vec::new();
         for i in 0..tokens {
             let wants = script.as_bytes().get(i).copied().unwrap_or(b'a');
+            // Free steps take the model's token (the engine may choose it without the walk); the
+            // others are `</think>`'s.
+            let free = walk.free_next();
             let token = walk
                 .choose(usize::MAX, &mut |mask: &[u32]| {
                     assert!(mask[wants as usize / 32] >> (wants % 32) & 1 == 1);
                     u32::from(wants)
                 })
                 .unwrap();
+            assert_eq!(free, token == u32::from(wants), "step {i}");
             walk.accept(token).unwrap();
             out.push(token);
         }

@@ -539,6 +539,16 @@ const MAX_IDLE_WAIT: Duration = Duration::from_millis(50);
 const LOAD_POLL: Duration = Duration::from_millis(2);
 
 /// The text of a panic payload (`panic!` with a literal gives `&str`, with arguments `String`).
+/// Whether a sequence's next token is chosen as where no walk is: it has none, or its walk only
+/// counts ([`crate::TokenConstraint::free_next`]).
+fn free_next(constraint: &Result<Option<Box<dyn crate::TokenConstraint>>, String>) -> bool {
+    match constraint {
+        Ok(None) => true,
+        Ok(Some(c)) => c.free_next(),
+        Err(_) => false,
+    }
+}
+
 fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
@@ -1284,7 +1294,7 @@ impl Core {
             return Want::Nothing; // a prompt scored only: its choices end without a token
         }
         let alone = group.forked || group.request.n <= 1;
-        if alone && matches!(seq.constraint, Ok(None)) && seq.sampler.argmax_only() {
+        if alone && free_next(&seq.constraint) && seq.sampler.argmax_only() {
             Want::Argmax
         } else {
             Want::Logits
@@ -1311,7 +1321,7 @@ impl Core {
         let mut draws: Vec<(&mut Seq, &[f32])> = self
             .seqs
             .iter_mut()
-            .filter(|(_, seq)| matches!(seq.constraint, Ok(None)))
+            .filter(|(_, seq)| free_next(&seq.constraint))
             .filter_map(|(key, seq)| logits.get(key).map(|&row| (seq, row)))
             .collect();
         draws.par_iter_mut().for_each(|(seq, row)| {
@@ -1588,9 +1598,12 @@ impl Core {
             (Ok(None), Row::Logits(l)) => Ok(chosen
                 .as_ref()
                 .map_or_else(|| sampler.choose(l, None), |c| c.token)),
-            (Ok(Some(c)), Row::Logits(l)) => {
-                c.choose(budget, &mut |mask| sampler.choose(l, Some(mask)))
-            }
+            // A walk that only counts takes the token chosen as where no walk is.
+            (Ok(Some(c)), &Row::Token(t)) if c.free_next() => Ok(t),
+            (Ok(Some(c)), Row::Logits(l)) => match chosen.as_ref().filter(|_| c.free_next()) {
+                Some(drawn) => Ok(drawn.token),
+                None => c.choose(budget, &mut |mask| sampler.choose(l, Some(mask))),
+            },
             (Ok(_), _) => unreachable!("a sequence that samples was asked its row's logits"),
         };
         let token = match token {

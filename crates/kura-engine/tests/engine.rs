@@ -3,6 +3,8 @@
 //! scripts/fetch-model.sh); a missing model fails the tests. The same rules on a fake model, without a
 //! download, are in `fake_engine.rs`.
 
+mod common;
+
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -289,7 +291,7 @@ fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
     // way.
     let model = model();
     let e = engine(&model, 256, 512);
-    let requests: Vec<GenerateRequest> = (0..7)
+    let requests: Vec<GenerateRequest> = (0..8)
         .map(|i| {
             let mut r = GenerateRequest::greedy(prompt(&model, 30 + 7 * i, 10 + i), 24);
             r.ignore_eos = true;
@@ -314,7 +316,12 @@ fn sampled_requests_draw_the_same_tokens_batched_together_as_alone() {
                     r.sampling.logprobs = Some(5);
                 }
                 5 => r.sampling.logprobs = Some(20), // greedy, with logprobs
-                _ => {}                              // greedy
+                6 => {}                              // greedy
+                // Drawn under a walk that only counts: drawn beside the others all the same.
+                _ => {
+                    r.sampling.temperature = 1.0;
+                    r.constraint = Some(std::sync::Arc::new(common::Counting));
+                }
             }
             r
         })

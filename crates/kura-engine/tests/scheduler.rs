@@ -246,6 +246,15 @@ fn each_step_asks_the_executor_for_no_more_than_its_sequences_take() {
             vec![vec![Logits]; 4],
         ),
         (
+            "greedy under a walk that only counts",
+            {
+                let mut r = common::distinct_request(18, 40, 4);
+                r.constraint = Some(std::sync::Arc::new(common::Counting));
+                r
+            },
+            vec![vec![Argmax]; 4],
+        ),
+        (
             "greedy, n = 2",
             {
                 let mut r = common::distinct_request(17, 40, 4);

@@ -218,6 +218,13 @@ pub trait TokenConstraint: Send {
     fn closed_early(&self) -> bool {
         false
     }
+    /// Whether the next token is the model's own, nothing masked (a walk that only counts, such as a
+    /// reasoning budget's until it is spent): the engine may then choose it as it chooses where no
+    /// walk is (the most likely token on the device, or drawn beside the batch's other rows) and
+    /// hand it to [`TokenConstraint::accept`], without [`TokenConstraint::choose`].
+    fn free_next(&self) -> bool {
+        false
+    }
 }
 
 /// A prefix of a request's prompt to keep: the first `tokens` tokens (whole blocks of them), until
