@@ -538,7 +538,6 @@ const MAX_IDLE_WAIT: Duration = Duration::from_millis(50);
 /// Longest wait for a disk read when nothing else can run (then commands are looked at again).
 const LOAD_POLL: Duration = Duration::from_millis(2);
 
-/// The text of a panic payload (`panic!` with a literal gives `&str`, with arguments `String`).
 /// Whether a sequence's next token is chosen as where no walk is: it has none, or its walk only
 /// counts ([`crate::TokenConstraint::free_next`]).
 fn free_next(constraint: &Result<Option<Box<dyn crate::TokenConstraint>>, String>) -> bool {
@@ -549,6 +548,7 @@ fn free_next(constraint: &Result<Option<Box<dyn crate::TokenConstraint>>, String
     }
 }
 
+/// The text of a panic payload (`panic!` with a literal gives `&str`, with arguments `String`).
 fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
@@ -1294,7 +1294,12 @@ impl Core {
             return Want::Nothing; // a prompt scored only: its choices end without a token
         }
         let alone = group.forked || group.request.n <= 1;
-        if alone && free_next(&seq.constraint) && seq.sampler.argmax_only() {
+        // A walk that only counts now may not after a draft's first token: a draft's rows are rows.
+        let free = match &seq.constraint {
+            Ok(None) => true,
+            walk => free_next(walk) && self.sched.num_draft(item.seq) == 0,
+        };
+        if alone && free && seq.sampler.argmax_only() {
             Want::Argmax
         } else {
             Want::Logits
@@ -1591,7 +1596,8 @@ impl Core {
             return;
         }
         let sampler = &mut seq.sampler;
-        let chosen = seq.chosen.take();
+        // (A token drawn beside the batch stands only where the walk, if any, still only counts.)
+        let chosen = seq.chosen.take().filter(|_| free_next(&seq.constraint));
         let token = match (&mut seq.constraint, row) {
             (Err(e), _) => Err(e.clone()),
             (Ok(None), &Row::Token(t)) => Ok(t),
@@ -1600,7 +1606,7 @@ impl Core {
                 .map_or_else(|| sampler.choose(l, None), |c| c.token)),
             // A walk that only counts takes the token chosen as where no walk is.
             (Ok(Some(c)), &Row::Token(t)) if c.free_next() => Ok(t),
-            (Ok(Some(c)), Row::Logits(l)) => match chosen.as_ref().filter(|_| c.free_next()) {
+            (Ok(Some(c)), Row::Logits(l)) => match chosen.as_ref() {
                 Some(drawn) => Ok(drawn.token),
                 None => c.choose(budget, &mut |mask| sampler.choose(l, Some(mask))),
             },

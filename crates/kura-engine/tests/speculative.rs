@@ -139,6 +139,30 @@ fn drafting_gives_the_tokens_of_one_token_a_step() {
 }
 
 /// A configuration that drafts as `DRAFT` does, pausing at `disable_by_batch_size`.
+#[test]
+fn a_walk_that_stops_only_counting_inside_a_draft_gives_the_tokens_of_one_token_a_step() {
+    // Greedy under a walk that only counts for its first few tokens (a reasoning budget): while it
+    // does, the token is the device's argmax; a draft that runs past that point is checked row by
+    // row, as its walk asks, and the tokens are those of one token a step.
+    let rs: Vec<GenerateRequest> = (0..6)
+        .map(|i| {
+            let mut r = distinct_request(20 + i, 6 + i, 30);
+            r.constraint = Some(std::sync::Arc::new(common::CountingFor(8 + 3 * i as usize)));
+            r
+        })
+        .collect();
+    let (plain, ..) = run_these(config(256, 64, 16), rs.clone());
+    let (spec, drafted, ..) = run_these(
+        EngineConfig {
+            speculative: Some(DRAFT),
+            ..config(256, 64, 16)
+        },
+        rs,
+    );
+    assert!(drafted > 0.0, "no draft was checked");
+    assert_eq!(spec, plain);
+}
+
 fn pausing_at(disable_by_batch_size: Option<usize>) -> EngineConfig {
     EngineConfig {
         speculative: Some(NgramDraft {

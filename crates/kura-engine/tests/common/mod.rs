@@ -921,11 +921,23 @@ pub struct Counting;
 
 impl kura_engine::ConstraintSpec for Counting {
     fn start(&self) -> Result<Box<dyn kura_engine::TokenConstraint>, String> {
-        Ok(Box::new(CountingWalk(0)))
+        Ok(Box::new(CountingWalk(0, usize::MAX)))
     }
 }
 
-struct CountingWalk(usize);
+/// [`Counting`] for its first this many tokens only (as a budget that is spent): after them its
+/// walk still masks nothing, but asks for each row.
+#[derive(Debug)]
+pub struct CountingFor(pub usize);
+
+impl kura_engine::ConstraintSpec for CountingFor {
+    fn start(&self) -> Result<Box<dyn kura_engine::TokenConstraint>, String> {
+        Ok(Box::new(CountingWalk(0, self.0)))
+    }
+}
+
+/// Tokens accepted, and for how many the walk only counts.
+struct CountingWalk(usize, usize);
 
 impl kura_engine::TokenConstraint for CountingWalk {
     fn choose(
@@ -944,6 +956,6 @@ impl kura_engine::TokenConstraint for CountingWalk {
         false
     }
     fn free_next(&self) -> bool {
-        true
+        self.0 < self.1
     }
 }
