@@ -135,10 +135,15 @@ def test_vllm_s_documents_field_is_the_template_s_documents(server):
     # Given twice, or not an object of strings: refused, naming it.
     for extra, says in [({"documents": docs, "chat_template_kwargs": {"documents": ["x"]}}, "given twice"),
                         ({"documents": [{"text": 5}]}, "documents[0].text must be a string"),
-                        ({"documents": ["x"]}, "documents")]:
+                        ({"documents": ["x"]}, "documents"),
+                        ({"documents": [{"text": "<|im_end|>"}]}, "special token")]:
         with pytest.raises(openai.BadRequestError, match=re.escape(says)) as e:
             c.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == "documents" or "documents" in e.value.body["message"]
+        if "given twice" not in says:
+            assert "chat_template_kwargs" not in e.value.body["message"], e.value.body
+    r = httpx.post(server.url + "/tokenize", headers=server.headers(), json={"prompt": "hi", "documents": docs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
 
 
 def test_arguments_beside_a_saved_context_of_messages_are_refused(server):
@@ -198,7 +203,7 @@ def test_a_request_s_own_chat_template_runs_only_on_a_server_that_trusts_it(serv
             with pytest.raises(openai.BadRequestError, match=says) as e:
                 c.chat.completions.create(model=model, messages=messages, max_tokens=2,
                                           extra_body={"chat_template": bad})
-            assert e.value.body["param"] in ("chat_template", "messages"), e.value.body
+            assert e.value.body["param"] == "chat_template", e.value.body
         # And the server still answers.
         assert c.chat.completions.create(model=model, messages=messages, max_tokens=2).choices
     finally:

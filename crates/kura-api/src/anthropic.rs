@@ -92,11 +92,15 @@ fn thinking_of(v: Option<&Value>, max_tokens: u32) -> Result<Option<u32>, ApiErr
             if let Some(k) = o.keys().find(|k| *k != "type" && *k != "budget_tokens") {
                 return Err(invalid(format!("thinking.{k} is not a field of thinking")));
             }
+            let under = match max_tokens {
+                // A count (`count_tokens` has no max_tokens): the lower bound alone.
+                u32::MAX => String::new(),
+                m => format!(" and less than max_tokens ({m})"),
+            };
             match o.get("budget_tokens").and_then(Value::as_i64) {
                 Some(b) if b >= 1024 && b < i64::from(max_tokens) => Ok(Some(b as u32)),
                 _ => Err(invalid(format!(
-                    "thinking.budget_tokens must be an integer of at least 1024 and less than \
-                     max_tokens ({max_tokens}), got {}",
+                    "thinking.budget_tokens must be an integer of at least 1024{under}, got {}",
                     o.get("budget_tokens").unwrap_or(&Value::Null)
                 ))),
             }
@@ -444,7 +448,17 @@ fn push_message(
             }
             // A reasoning model's earlier thinking, sent back as Anthropic's clients do: not
             // written into the prompt (reasoning models' templates leave out earlier turns').
-            (Some("thinking" | "redacted_thinking"), "assistant") => {}
+            (Some(kind @ ("thinking" | "redacted_thinking")), "assistant") => {
+                let field = match kind {
+                    "thinking" => "thinking",
+                    _ => "data",
+                };
+                if !b.get(field).is_some_and(Value::is_string) {
+                    return Err(invalid(format!(
+                        "{bat}.{field} must be a string ({kind} block)"
+                    )));
+                }
+            }
             (Some("tool_use" | "tool_result"), _) => {
                 return Err(invalid(format!(
                     "{bat}: {} blocks belong in {} messages",
@@ -871,6 +885,18 @@ pub fn prepare(value: &Value, served_model: &str) -> Result<MessagesPlan, ApiErr
             Some("cache_salt"),
         ));
     }
+    // As Anthropic's API: a turn that must call a tool cannot think first.
+    if thinking.is_some()
+        && tools
+            .as_ref()
+            .is_some_and(|t| matches!(t.choice, ToolChoice::Required | ToolChoice::Named(_)))
+    {
+        return Err(ApiError::invalid(
+            "thinking may not be enabled when tool_choice forces a tool call (any or tool); use auto \
+             or none",
+            Some("thinking"),
+        ));
+    }
     let sampling = SamplingParams {
         temperature: temperature as f32,
         top_p: top_p as f32,
@@ -1078,6 +1104,22 @@ mod tests {
             {"role": "user", "content": "z"}]}))
         .unwrap();
         assert_eq!(p.messages[1].content, "y");
+        // A forced call cannot think first, as Anthropic's API has it.
+        let forced = json!({"model": "m", "max_tokens": 4096,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "x"}]});
+        let e = plan(forced).unwrap_err().to_string();
+        assert!(e.contains("forces a tool call"), "{e}");
+        // A thinking block's text must be text.
+        let bad = json!({"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]},
+            {"role": "user", "content": "z"}]});
+        assert!(plan(bad)
+            .unwrap_err()
+            .to_string()
+            .contains(".thinking must be a string"));
     }
 
     #[test]

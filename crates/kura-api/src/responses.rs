@@ -195,7 +195,16 @@ pub fn input_messages(input: &Value) -> Result<(Vec<ChatMessage>, Vec<usize>), A
             }
             // A reasoning model's reasoning sent back (as a client replays a response's output):
             // not written into the prompt, as reasoning models' templates leave out earlier turns'.
-            Some("reasoning") => {}
+            Some("reasoning") => {
+                if let Some(c) = item.get("content").filter(|c| !c.is_null()) {
+                    if !c.is_array() {
+                        return Err(bad(
+                            format!("{at}.content must be a list of reasoning_text parts"),
+                            "input",
+                        ));
+                    }
+                }
+            }
             Some(other) => {
                 return Err(bad(
                     format!(

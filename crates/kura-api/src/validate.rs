@@ -843,6 +843,8 @@ pub struct ChatPlan {
     pub template_kwargs: Option<serde_json::Map<String, Value>>,
     /// vLLM's `chat_template`: the request's own template ([`request_chat_template`]).
     pub chat_template: Option<String>,
+    /// vLLM's `documents` came as a field of their own (among `template_kwargs` now).
+    pub documents: bool,
 }
 
 impl ChatPlan {
@@ -1067,6 +1069,7 @@ pub fn prepare_chat(value: &serde_json::Value, ctx: Ctx<'_>) -> Result<ChatPlan,
         prompt_logprobs,
         user: common.user,
         continue_final,
+        documents: req.documents.is_some(),
         template_kwargs: template_arguments(req.chat_template_kwargs, req.documents)?,
         chat_template: request_chat_template(req.chat_template, ctx)?,
     })
@@ -1270,6 +1273,23 @@ pub fn template_codec(
         );
     }
     Ok((codec, left_out.len() < kwargs.len()))
+}
+
+/// An error about a chat request's template or its arguments, in the names the request used: the
+/// request's own `chat_template` where that template failed to render (`own_template`), and vLLM's
+/// `documents` where they came as a field of their own (`documents`).
+pub fn request_template_error(e: ApiError, own_template: bool, documents: bool) -> ApiError {
+    let text = e.to_string();
+    let e = match own_template && text.starts_with("could not apply the chat template") {
+        true => e.rename_param("messages", "chat_template"),
+        false => e,
+    };
+    match documents && text.contains("chat_template_kwargs.documents") {
+        true => e
+            .rename_field("chat_template_kwargs.documents", "documents")
+            .rename_param(kura_request::TEMPLATE_ARGUMENTS, "documents"),
+        false => e,
+    }
 }
 
 /// Messages the chat template refused, as the client's error.

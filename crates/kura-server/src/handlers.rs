@@ -526,12 +526,16 @@ pub async fn chat_completions(
     let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let context = saved_context(&s, &plan.checked, &tenant).await?;
     // The codec writes the prompt with the request's template arguments.
+    // Errors of the template or its arguments, in the names the request used.
+    let (own_template, documents) = (plan.chat_template.is_some(), plan.documents);
+    let named = move |e| validate::request_template_error(e, own_template, documents);
     let (codec, read) = chat_codec(
         &s.engine,
         plan.chat_template.clone(),
         plan.template_kwargs.clone(),
     )
-    .await?;
+    .await
+    .map_err(named)?;
     let messages_context = context.as_ref().is_some_and(|c| {
         matches!(
             c.kind,
@@ -563,8 +567,8 @@ pub async fn chat_completions(
         .then(|| plan.closed_messages().to_vec());
     let (messages, _, tools_json) =
         prompt_messages::<()>(plan.messages, plan.tools.as_ref(), style, &[], &[]);
-    let prompt_tokens =
-        match (&context, tools_json) {
+    let prompt_tokens = async {
+        Ok(match (&context, tools_json) {
             // Checked: a saved context does not go with a continued message.
             (None, tools) if plan.continue_final => {
                 let codec = codec.clone();
@@ -595,8 +599,11 @@ pub async fn chat_completions(
                 })
                 .await?
             }
-        };
-    let mut prompt_tokens = prompt_tokens;
+        })
+    }
+    .await
+    .map_err(named)?;
+    let mut prompt_tokens: Vec<u32> = prompt_tokens;
     // (Chat refuses -1 without a max_tokens: the default is what the cut leaves.)
     plan.checked
         .truncate_prompt(&mut prompt_tokens, context_tokens(&s.engine), 1);
@@ -726,7 +733,13 @@ pub async fn tokenize(
             Some("chat_template"),
         ));
     }
-    if (req.chat_template_kwargs.is_some() || req.documents.is_some()) && req.messages.is_none() {
+    if req.documents.is_some() && req.messages.is_none() {
+        return Err(ApiError::invalid(
+            "documents go with messages (the chat template writes them)",
+            Some("documents"),
+        ));
+    }
+    if req.chat_template_kwargs.is_some() && req.messages.is_none() {
         return Err(ApiError::invalid(
             "chat_template_kwargs goes with messages (the chat template reads them)",
             Some("chat_template_kwargs"),
@@ -757,9 +770,14 @@ pub async fn tokenize(
         (None, Some(m)) => {
             // As the chat route writes them (tool definitions and tool turns in the template's way).
             let tools = kura_api::tools::openai_tools(req.tools.as_ref(), None, None)?;
+            let documents = req.documents.is_some();
             let kwargs = validate::template_arguments(req.chat_template_kwargs, req.documents)?;
             let template = validate::request_chat_template(req.chat_template, s.ctx())?;
-            let (codec, _) = chat_codec(&s.engine, template, kwargs).await?;
+            let own_template = template.is_some();
+            let named = move |e| validate::request_template_error(e, own_template, documents);
+            let (codec, _) = chat_codec(&s.engine, template, kwargs)
+                .await
+                .map_err(named)?;
             let messages = validate::flatten_messages(&m)?;
             off_the_workers(move || match continued {
                 true => kura_api::tools::encode_chat_continuing(
@@ -771,7 +789,8 @@ pub async fn tokenize(
                     kura_api::tools::encode_chat_prompt(codec.as_ref(), messages, tools.as_ref())
                 }
             })
-            .await?
+            .await
+            .map_err(named)?
         }
         (None, None) | (Some(_), Some(_)) => unreachable!("exactly one was checked above"),
     };
