@@ -92,7 +92,7 @@ enum State {
     /// with `<think>`.
     Start,
     /// Inside the reasoning (`started`: past its leading white space). `held` is white space, then
-    /// perhaps a start of `</think>` (its last `partial` bytes).
+    /// perhaps a start of `</think>` (its last `mark` bytes).
     Thinking { started: bool },
     /// In the answer (`started`: past the white space after `</think>`, or with no reasoning).
     Answer { started: bool },
@@ -291,13 +291,70 @@ impl ThinkSplit {
     /// A whole output read apart: its reasoning (`None` when it did not reason, or its reasoning is
     /// empty) and its answer.
     pub fn whole(text: &str, inside: bool) -> (Option<String>, String) {
-        let mut split = ThinkSplit::new(inside);
-        let mut out = split.push(text);
-        let rest = split.finish();
-        out.reasoning.push_str(&rest.reasoning);
-        out.content.push_str(&rest.content);
-        let thought = split.thought && !out.reasoning.is_empty();
-        (thought.then_some(out.reasoning), out.content)
+        let mut whole = ThinkWhole::new(inside);
+        let piece = whole.split.push(text);
+        whole.keep(&piece);
+        whole.finish();
+        whole.into_parts()
+    }
+}
+
+/// An output read apart as it comes and kept whole: [`ThinkSplit`]'s pieces joined, and the tokens
+/// of its reasoning ([`ThinkSplit::push_token`]), for an answer sent whole or kept after it streams.
+#[derive(Debug, Clone)]
+pub struct ThinkWhole {
+    split: ThinkSplit,
+    reasoning: String,
+    content: String,
+    tokens: u32,
+}
+
+impl ThinkWhole {
+    /// As [`ThinkSplit::new`].
+    pub fn new(inside: bool) -> Self {
+        ThinkWhole {
+            split: ThinkSplit::new(inside),
+            reasoning: String::new(),
+            content: String::new(),
+            tokens: 0,
+        }
+    }
+
+    /// One token's text: the pieces it adds, as [`ThinkSplit::push_token`] gives them (kept too).
+    pub fn push_token(&mut self, text: &str) -> Split {
+        let (piece, tokens) = self.split.push_token(text);
+        self.tokens = self.tokens.saturating_add(tokens);
+        self.keep(&piece);
+        piece
+    }
+
+    /// What was held back, once the output has ended ([`ThinkSplit::finish`]; kept too).
+    pub fn finish(&mut self) -> Split {
+        let piece = self.split.finish();
+        self.keep(&piece);
+        piece
+    }
+
+    fn keep(&mut self, piece: &Split) {
+        self.reasoning.push_str(&piece.reasoning);
+        self.content.push_str(&piece.content);
+    }
+
+    /// The reasoning so far.
+    pub fn reasoning(&self) -> &str {
+        &self.reasoning
+    }
+
+    /// The reasoning's tokens so far.
+    pub fn tokens(&self) -> u32 {
+        self.tokens
+    }
+
+    /// The output read apart ([`ThinkWhole::finish`] first): its reasoning (`None` when it did not
+    /// reason, or its reasoning is empty) and its answer.
+    pub fn into_parts(self) -> (Option<String>, String) {
+        let thought = self.split.thought && !self.reasoning.is_empty();
+        (thought.then_some(self.reasoning), self.content)
     }
 }
 
@@ -397,11 +454,7 @@ impl TokenConstraint for BudgetWalk {
         _budget: usize,
         sample: &mut dyn FnMut(&[u32]) -> u32,
     ) -> Result<u32, String> {
-        if self.forced.is_empty()
-            && self.cut.is_empty()
-            && self.split.reasoning()
-            && self.reasoned >= self.budget
-        {
+        if self.forced.is_empty() && self.spent() {
             self.forced = self.close.iter().copied().collect();
         }
         match self.forced.front() {
@@ -437,8 +490,15 @@ impl TokenConstraint for BudgetWalk {
     }
 
     fn free_next(&self) -> bool {
-        self.forced.is_empty()
-            && !(self.cut.is_empty() && self.split.reasoning() && self.reasoned >= self.budget)
+        self.forced.is_empty() && !self.spent()
+    }
+}
+
+impl BudgetWalk {
+    /// Whether the reasoning has spent its budget and `</think>` may be written now (between
+    /// characters).
+    fn spent(&self) -> bool {
+        self.cut.is_empty() && self.split.reasoning() && self.reasoned >= self.budget
     }
 }
 

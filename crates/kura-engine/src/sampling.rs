@@ -44,8 +44,10 @@ pub struct Sampler {
     /// Tokens not chosen while fewer than `held_until` are generated ([`Sampler::holding_back`]).
     held: Vec<u32>,
     held_until: u32,
-    /// The last tokens generated, as many as the longest of `bad_words` less one (none without them).
+    /// The last tokens generated, at most `tail_len`: the longest of `bad_words` less one (none
+    /// without them).
     tail: std::collections::VecDeque<u32>,
+    tail_len: usize,
 }
 
 impl Sampler {
@@ -54,6 +56,12 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
+        let tail_len = params
+            .bad_words
+            .iter()
+            .map(|w| w.len().saturating_sub(1))
+            .max()
+            .unwrap_or(0);
         Sampler {
             params,
             rng,
@@ -63,6 +71,7 @@ impl Sampler {
             held: Vec::new(),
             held_until: 0,
             tail: Default::default(),
+            tail_len,
         }
     }
 
@@ -255,16 +264,8 @@ impl Sampler {
         self.produced = self.produced.saturating_add(1);
         *self.generated.entry(token).or_insert(0) += 1;
         self.seen.insert(token);
-        let keep = self
-            .params
-            .bad_words
-            .iter()
-            .map(Vec::len)
-            .max()
-            .unwrap_or(1)
-            - 1;
-        if keep > 0 {
-            if self.tail.len() == keep {
+        if self.tail_len > 0 {
+            if self.tail.len() == self.tail_len {
                 self.tail.pop_front();
             }
             self.tail.push_back(token);

@@ -322,11 +322,7 @@ impl Compiled {
                 Some(t) if t.open => Phase::Inside(Vec::new()),
                 Some(_) => Phase::Before(Vec::new()),
             },
-            think_close: self
-                .think
-                .as_ref()
-                .map_or_else(|| Arc::from([]), |t| t.close.clone()),
-            think_budget: self.think.as_ref().and_then(|t| t.budget),
+            think: self.think.clone(),
             reasoned: 0,
             forced: VecDeque::new(),
         }
@@ -363,10 +359,9 @@ struct Walk {
     lex: Lex,
     /// Where the output stands in a reasoning before the answer.
     phase: Phase,
-    /// The tokens of `</think>` (a grammar after a reasoning; else none).
-    think_close: Arc<[u32]>,
-    /// The most tokens the reasoning may take, and the tokens it has taken.
-    think_budget: Option<usize>,
+    /// A grammar after a reasoning: `</think>`'s tokens, and the most the reasoning may take.
+    think: Option<Think>,
+    /// The reasoning's tokens so far.
     reasoned: usize,
     /// `</think>`'s tokens still to come once the reasoning has spent its budget.
     forced: VecDeque<u32>,
@@ -413,7 +408,7 @@ impl Walk {
         loop {
             // Inside a reasoning: `</think>` first, then the answer's way.
             if matches!(phase, Phase::Inside(_)) {
-                for &t in self.think_close.iter() {
+                for &t in self.think_close() {
                     if way.len() == limit {
                         return None;
                     }
@@ -470,6 +465,11 @@ impl Walk {
         }
     }
 
+    /// The tokens of `</think>` (none for a grammar with no reasoning before it).
+    fn think_close(&self) -> &[u32] {
+        self.think.as_ref().map_or(&[], |t| &t.close)
+    }
+
     /// The way to close the grammar after `token`, within `limit` tokens.
     fn way_after(&self, token: u32, limit: usize) -> Option<Vec<u32>> {
         let mut after = self.matcher.deep_clone();
@@ -515,13 +515,17 @@ impl TokenConstraint for Walk {
         // A reasoning that has spent its budget is closed, a token at a time, once the grammar
         // takes `</think>` (not inside a character the last token cut).
         if matches!(self.phase, Phase::Inside(_))
-            && self.think_budget.is_some_and(|b| self.reasoned >= b)
             && self
-                .think_close
+                .think
+                .as_ref()
+                .and_then(|t| t.budget)
+                .is_some_and(|b| self.reasoned >= b)
+            && self
+                .think_close()
                 .first()
                 .is_some_and(|&t| allows(&self.mask, t))
         {
-            self.forced = self.think_close.iter().copied().collect();
+            self.forced = self.think_close().iter().copied().collect();
             if let Some(&next) = self.forced.front() {
                 return Ok(next);
             }

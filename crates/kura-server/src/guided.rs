@@ -348,15 +348,9 @@ pub(crate) async fn constraint(
         None => guide,
     };
     let (key, source_bytes) = kept_key(salt, &guide);
-    if let Some(spec) = cell.kept(&key) {
-        cell.reused.fetch_add(1, Ordering::Relaxed);
-        return Ok(Some(
-            Arc::new(FromParam { spec, param }) as Arc<dyn ConstraintSpec>
-        ));
-    }
-    // One compile for the tenant's requests that ask for this grammar at once (an agent's parallel
-    // turns with the same tools): the others wait for it. A flight begun just after another ended
-    // finds that one's grammar kept.
+    // The grammar kept, or one compile for the tenant's requests that ask for it at once (an
+    // agent's parallel turns with the same tools): the others wait for it, and a flight begun just
+    // after another ended finds that one's grammar kept.
     let work = async {
         match cell.kept(&key) {
             Some(spec) => Ok((spec, false)),

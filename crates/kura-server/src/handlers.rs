@@ -525,8 +525,8 @@ pub async fn chat_completions(
     // The request's cache salt: its blocks' and its kept grammar's.
     let salt = effective_salt(&tenant, plan.checked.cache_salt.clone());
     let context = saved_context(&s, &plan.checked, &tenant).await?;
-    // The codec writes the prompt with the request's template arguments.
-    // Errors of the template or its arguments, in the names the request used.
+    // The codec writes the prompt with the request's template and arguments; their errors are given
+    // in the names the request used.
     let (own_template, documents) = (plan.chat_template.is_some(), plan.documents);
     let named = move |e| validate::request_template_error(e, own_template, documents);
     let (codec, read) = chat_codec(
@@ -567,7 +567,7 @@ pub async fn chat_completions(
         .then(|| plan.closed_messages().to_vec());
     let (messages, _, tools_json) =
         prompt_messages::<()>(plan.messages, plan.tools.as_ref(), style, &[], &[]);
-    let prompt_tokens = async {
+    let mut prompt_tokens: Vec<u32> = async {
         Ok(match (&context, tools_json) {
             // Checked: a saved context does not go with a continued message.
             (None, tools) if plan.continue_final => {
@@ -603,7 +603,6 @@ pub async fn chat_completions(
     }
     .await
     .map_err(named)?;
-    let mut prompt_tokens: Vec<u32> = prompt_tokens;
     // (Chat refuses -1 without a max_tokens: the default is what the cut leaves.)
     plan.checked
         .truncate_prompt(&mut prompt_tokens, context_tokens(&s.engine), 1);

@@ -23,7 +23,7 @@ use kura_engine::{
 use serde_json::{Map, Value};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
-use kura_api::reasoning::ThinkSplit;
+use kura_api::reasoning::{ThinkSplit, ThinkWhole};
 use kura_api::tools::CallReader;
 use kura_guide::tools::PartialStream;
 
@@ -644,8 +644,8 @@ struct ChoiceAcc {
     token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
-    /// Where reasoning is read: the choice's reasoning tokens, counted as they come.
-    thinking: Option<(ThinkSplit, u32)>,
+    /// Where reasoning is read: the choice's text read apart as it comes (then `text` stays empty).
+    thinking: Option<ThinkWhole>,
 }
 
 /// Waits for the whole request and builds the non-streaming response body, serialized (straight from
@@ -654,7 +654,7 @@ struct ChoiceAcc {
 pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>, ApiError> {
     let mut choices: Vec<ChoiceAcc> = (0..events.total_choices())
         .map(|_| ChoiceAcc {
-            thinking: meta.reasoning.map(|inside| (ThinkSplit::new(inside), 0)),
+            thinking: meta.reasoning.map(ThinkWhole::new),
             ..ChoiceAcc::default()
         })
         .collect();
@@ -676,10 +676,12 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                 logprobs,
             } => {
                 if let Some(c) = choices.get_mut(choice as usize) {
-                    if let Some((split, tokens)) = &mut c.thinking {
-                        *tokens += split.push_token(&text).1;
+                    match &mut c.thinking {
+                        Some(whole) => {
+                            whole.push_token(&text);
+                        }
+                        None => c.text.push_str(&text),
                     }
-                    c.text.push_str(&text);
                     c.token_ids.extend(token_ids);
                     c.logprobs.extend(logprobs);
                 }
@@ -707,7 +709,7 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
     let reasoning_tokens = meta.reasoning.map(|_| {
         choices
             .iter()
-            .filter_map(|c| c.thinking.as_ref().map(|t| t.1))
+            .filter_map(|c| c.thinking.as_ref().map(ThinkWhole::tokens))
             .fold(0u32, u32::saturating_add)
     });
     let usage = UsageBody::from(usage).with_reasoning(reasoning_tokens);
@@ -746,8 +748,11 @@ pub async fn collect(meta: &ResponseMeta, mut events: Events) -> Result<Vec<u8>,
                 .into_iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    let (reasoning, text) = match meta.reasoning {
-                        Some(inside) => ThinkSplit::whole(&c.text, inside),
+                    let (reasoning, text) = match c.thinking {
+                        Some(mut whole) => {
+                            whole.finish();
+                            whole.into_parts()
+                        }
                         None => (None, c.text),
                     };
                     let (mut content, tool_calls, finish_reason) =

@@ -42,7 +42,7 @@ use crate::body::{JsonBody, PathId};
 use crate::handlers::{history_of, off_the_workers, remaining_tokens, response_id};
 use crate::output::{self, Events, ToolStream};
 use crate::{guided, AppState};
-use kura_api::reasoning::ThinkSplit;
+use kura_api::reasoning::ThinkWhole;
 
 /// Most responses kept at once (over all tenants); past it the oldest is dropped.
 pub const MAX_STORED: usize = 10_000;
@@ -272,7 +272,6 @@ struct Meta {
 }
 
 impl Meta {
-    /// The response object with `output`, `status` and `usage`.
     /// The response object with `output`, `status` and `usage` (with the output's reasoning tokens).
     fn body(&self, status: &str, output: Vec<Value>, usage: Option<(&Usage, u32)>) -> Value {
         let mut b = json!({
@@ -345,13 +344,13 @@ fn call_item(id: &str, name: &str, arguments: &str, status: &str) -> Value {
 
 /// A finished response's output items and the assistant turn they make; `incomplete` (cut at
 /// `max_output_tokens`): its last item is `incomplete`, as OpenAI marks it.
-fn output_of(meta: &Meta, text: &str, incomplete: bool) -> (Vec<Value>, ChatMessage) {
+fn output_of(
+    meta: &Meta,
+    reasoning: Option<String>,
+    text: &str,
+    incomplete: bool,
+) -> (Vec<Value>, ChatMessage) {
     // A reasoning model's reasoning first, as its own item; the turn kept is the answer.
-    let (reasoning, text) = match meta.reasoning {
-        Some(inside) => ThinkSplit::whole(text, inside),
-        None => (None, text.to_string()),
-    };
-    let text = text.as_str();
     let (content, calls) = match &meta.tools {
         Some(reader) => reader.parse(text),
         None => (text.to_string(), Vec::new()),
@@ -596,16 +595,16 @@ fn keep_response(keep: Keep, turn: ChatMessage, body: &Value) {
 async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut reason = None;
-    // The reasoning's tokens, counted as they come.
-    let mut thinking = meta.reasoning.map(|inside| (ThinkSplit::new(inside), 0u32));
+    // Where reasoning is read, the output read apart as it comes (then `text` stays empty).
+    let mut thinking = meta.reasoning.map(ThinkWhole::new);
     let usage = loop {
         match events.next().await {
-            Some(EngineEvent::Delta { text: t, .. }) => {
-                if let Some((split, tokens)) = &mut thinking {
-                    *tokens += split.push_token(&t).1;
+            Some(EngineEvent::Delta { text: t, .. }) => match &mut thinking {
+                Some(whole) => {
+                    whole.push_token(&t);
                 }
-                text.push_str(&t);
-            }
+                None => text.push_str(&t),
+            },
             Some(EngineEvent::Finished { reason: r, .. }) => reason = Some(r),
             Some(EngineEvent::Done { usage }) => break usage,
             Some(EngineEvent::Failed(e)) => return Err(e.into()),
@@ -619,13 +618,20 @@ async fn collect(meta: Meta, mut events: Events, keep: Keep) -> Result<Value, Ap
         }
     };
     let incomplete = reason == Some(FinishReason::Length);
-    let (items, turn) = output_of(&meta, &text, incomplete);
+    let reasoning_tokens = thinking.as_ref().map_or(0, ThinkWhole::tokens);
+    let (reasoning, text) = match thinking {
+        Some(mut whole) => {
+            whole.finish();
+            whole.into_parts()
+        }
+        None => (None, text),
+    };
+    let (items, turn) = output_of(&meta, reasoning, &text, incomplete);
     let status = if incomplete {
         "incomplete"
     } else {
         "completed"
     };
-    let reasoning_tokens = thinking.map_or(0, |t| t.1);
     let body = meta.body(status, items, Some((&usage, reasoning_tokens)));
     keep_response(keep, turn, &body);
     Ok(body)
@@ -649,18 +655,16 @@ struct St {
     done: bool,
     reason: Option<FinishReason>,
     tools: Option<ToolStream>,
-    /// The reasoning read apart from the answer, when it is.
-    think: Option<ThinkSplit>,
-    /// The reasoning item's text so far.
-    thinking: String,
-    /// The reasoning's tokens so far.
-    reasoning_tokens: u32,
+    /// The reply read apart into reasoning and answer as it comes, where reasoning is read (then
+    /// `reply` stays empty).
+    think: Option<ThinkWhole>,
     open: Open,
     /// Output index of the open item; items are numbered as they open.
     index: usize,
     items: Vec<Value>,
     text: String,
-    /// The whole reply so far (the turn kept is read from it as a whole response reads it).
+    /// The whole reply so far, where no reasoning is read (the turn kept is read from it as a whole
+    /// response reads it).
     reply: String,
     /// The status the item closed next is given (`incomplete` for the last of a response cut short).
     closing: &'static str,
@@ -685,7 +689,11 @@ impl St {
             Open::None => {}
             Open::Reasoning => {
                 let id = self.meta.reasoning_id();
-                let text = std::mem::take(&mut self.thinking);
+                // (One reasoning item, before the answer: the reasoning so far.)
+                let text = self
+                    .think
+                    .as_ref()
+                    .map_or_else(String::new, |t| t.reasoning().to_string());
                 self.emit(
                     "response.reasoning_text.done",
                     json!({"item_id": id, "output_index": self.index, "content_index": 0,
@@ -791,7 +799,6 @@ impl St {
                        "part": {"type": "reasoning_text", "text": ""}}),
             );
         }
-        self.thinking.push_str(&text);
         let id = self.meta.reasoning_id();
         self.emit(
             "response.reasoning_text.delta",
@@ -827,15 +834,15 @@ impl St {
     }
 
     fn delta(&mut self, text: String) {
-        self.reply.push_str(&text);
-        let text = match &mut self.think {
-            Some(t) => {
-                let (split, tokens) = t.push_token(&text);
-                self.reasoning_tokens = self.reasoning_tokens.saturating_add(tokens);
+        let text = match self.think.as_mut().map(|t| t.push_token(&text)) {
+            Some(split) => {
                 self.reasoning(split.reasoning);
                 split.content
             }
-            None => text,
+            None => {
+                self.reply.push_str(&text);
+                text
+            }
         };
         self.answer(text);
     }
@@ -853,7 +860,7 @@ impl St {
     }
 
     fn finish(&mut self, usage: Usage) {
-        if let Some(split) = self.think.as_mut().map(ThinkSplit::finish) {
+        if let Some(split) = self.think.as_mut().map(ThinkWhole::finish) {
             self.reasoning(split.reasoning);
             self.answer(split.content);
         }
@@ -887,11 +894,10 @@ impl St {
         } else {
             "completed"
         };
-        let body = self.meta.body(
-            status,
-            self.items.clone(),
-            Some((&usage, self.reasoning_tokens)),
-        );
+        let reasoning_tokens = self.think.as_ref().map_or(0, ThinkWhole::tokens);
+        let body = self
+            .meta
+            .body(status, self.items.clone(), Some((&usage, reasoning_tokens)));
         let kind = if incomplete {
             "response.incomplete"
         } else {
@@ -899,7 +905,11 @@ impl St {
         };
         self.emit(kind, json!({"response": body}));
         // The turn as the whole response reads it (a call cut off while streaming is no call of it).
-        let (_, turn) = output_of(&self.meta, &self.reply, incomplete);
+        let (reasoning, reply) = match self.think.take() {
+            Some(whole) => whole.into_parts(),
+            None => (None, std::mem::take(&mut self.reply)),
+        };
+        let (_, turn) = output_of(&self.meta, reasoning, &reply, incomplete);
         keep_response(self.keep.take(), turn, &body);
         self.done = true;
     }
@@ -921,9 +931,7 @@ fn stream(
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut st = St {
         tools: meta.tools.as_ref().map(|_| ToolStream::default()),
-        think: meta.reasoning.map(ThinkSplit::new),
-        thinking: String::new(),
-        reasoning_tokens: 0,
+        think: meta.reasoning.map(ThinkWhole::new),
         meta,
         events,
         keep,
